@@ -78,6 +78,13 @@ def probe(kind: str, gated: bool, tile) -> str:
         const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
                      num_warps=4)
         return _compile(p.consumers_fp8_kernel, args, const, 4, tile.max_registers)
+    if kind == "unpromoted":
+        args = dict(a_desc=a64, w_desc=w, c_desc=_descriptor([T, c], [64, 128], FP8 if gated else torch.bfloat16),
+                    cs_ptr=torch.empty(1), experts_ptr=INT32, used_ptr=INT32, reduce_dim=r, num_col_blocks=c // 128,
+                    w_rows=w_rows, gate_offset=gate_offset, stride_cs=c // 128)
+        const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
+                     num_warps=4)
+        return _compile(p.unpromoted_fp8_kernel, args, const, 4, tile.max_registers)
     args = dict(a_desc=_descriptor([T, r], [128, 128], FP8), w_desc=w,
                 c_desc=_descriptor([T, c], [128, 128], torch.bfloat16), used_ptr=INT32, reduce_dim=r,
                 num_col_blocks=c // 128, gate_offset=gate_offset)
@@ -91,7 +98,7 @@ def main() -> int:
     from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, DOWN_TILE_T64, UP_TILE
 
     jobs = [("down tail 64", lambda: tail(DOWN_TILE_T64))]
-    for kind in ("stream", "consumers", "mma"):
+    for kind in ("stream", "consumers", "mma", "unpromoted"):
         for gated, tile in ((True, UP_TILE), (False, DOWN_TILE)):
             jobs.append((f"{kind} {'gate-up' if gated else 'down'}", lambda k=kind, g=gated, t=tile: probe(k, g, t)))
     failed = 0

@@ -37,6 +37,7 @@ import f8mid8_variants as fv  # noqa: E402
 import prefill_device_check as pdc  # noqa: E402
 import prefill_variants as pv  # noqa: E402
 from f8pre_device_check import floor_us, replay_rounds, versus  # noqa: E402
+from mid_tile_clocks import sample_while  # noqa: E402
 
 RESULTS: dict = {"cells": []}
 PARTS_TABLE: list[str] = []
@@ -73,9 +74,11 @@ def graph_kernels(name: str, fn, weight_bytes: dict, flops: dict, copy: float, m
             extra = (f" ({100 * weight_bytes[label] / (us * 1e-6) / 1e12 / copy:.0f}% copy, "
                      f"{100 * flops[label] / (us * 1e-6) / 1e12 / mm:.0f}% mm)")
         parts.append(f"{label} {us:.1f}{extra}")
-    log(f"{name} kernels in the graph: " + ", ".join(parts) + f"; sum {sum(got.values()):.1f} us")
+    clock = sample_while(graph.replay, sum(got.values()) * 1e-6, 0.2)
+    log(f"{name} kernels in the graph: " + ", ".join(parts) + f"; sum {sum(got.values()):.1f} us; replayed: "
+        f"{clock.sm_mhz} MHz {clock.power_w} W")
     del graph
-    return dict(got)
+    return dict(got) | {"sm_mhz": clock.sm_mhz, "power_w": clock.power_w}
 
 
 def time_parts(name: str, routing: str, x, ids, q, cell: dict, stop_at: float, ran: set) -> dict:
@@ -94,15 +97,18 @@ def time_parts(name: str, routing: str, x, ids, q, cell: dict, stop_at: float, r
         try:
             graph = pdc.capture(fn)
             us = statistics.median(pdc.replay_us(graph) for _ in range(3))
+            clock = sample_while(graph.replay, us * 1e-6, 0.2) if routing == "uniform" else None
         except Exception as exc:  # noqa: BLE001 (one part failing leaves the others)
             log(f"FAIL {name} {routing} {label}: {type(exc).__name__}: {str(exc)[-400:]}")
             continue
         gemm = label.split(" ")[0]
         copy = 100 * cell["weight_bytes"][gemm] / (us * 1e-6) / 1e12 / cell["copy_TBps"]
         mm = 100 * cell["gemm_flops"][gemm] / (us * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-        out[label] = {"us": us, "pct_copy": copy, "pct_mm_real": mm, "pct_mm_multiplied": mm * multiplied}
-        line = (f"{name:24s} {routing:8s} {label:17s} {us:8.1f} us {copy:5.1f}% copy {mm:5.1f}% mm real, "
-                f"{mm * multiplied:5.1f}% mm multiplied ({multiplied:.3f} rows a real row)")
+        out[label] = {"us": us, "pct_copy": copy, "pct_mm_real": mm, "pct_mm_multiplied": mm * multiplied,
+                      "sm_mhz": clock and clock.sm_mhz, "power_w": clock and clock.power_w}
+        line = (f"{name:24s} {routing:8s} {label:18s} {us:8.1f} us {copy:5.1f}% copy {mm:5.1f}% mm real, "
+                f"{mm * multiplied:5.1f}% mm multiplied ({multiplied:.3f} rows a real row)"
+                + (f", {clock.sm_mhz} MHz {clock.power_w} W" if clock else ""))
         log(line)
         PARTS_TABLE.append(line)
         del graph
@@ -231,6 +237,15 @@ def wait_workers(procs: list, until: float) -> set:
     return done
 
 
+def mm_clock():
+    """The SM clock and board power while the fp8 mm of the ceiling (8192^3 e4m3) runs back to back."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    return sample_while(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                 use_fast_accum=True), 0.8e-3, 0.3)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -250,8 +265,11 @@ def main() -> int:
     opts.ran = wait_workers(procs, opts.worker_deadline)  # the ceilings measured on a GPU the workers have left
     ceil = measure_ceilings(dev)
     ceil = replace(ceil, fp8_mm_TFLOPs=measure_fp8_mm(dev).TFLOPs)
-    RESULTS["ceilings"] = {"copy_TBps": ceil.copy_TBps, "fp8_mm_TFLOPs": ceil.fp8_mm_TFLOPs}
-    log(f"copy {ceil.copy_TBps:.2f} TB/s, fp8 mm {ceil.fp8_mm_TFLOPs:.0f} TFLOP/s; torch {torch.__version__}")
+    clock = mm_clock()
+    RESULTS["ceilings"] = {"copy_TBps": ceil.copy_TBps, "fp8_mm_TFLOPs": ceil.fp8_mm_TFLOPs,
+                           "fp8_mm_MHz": clock.sm_mhz, "fp8_mm_W": clock.power_w}
+    log(f"copy {ceil.copy_TBps:.2f} TB/s, fp8 mm {ceil.fp8_mm_TFLOPs:.0f} TFLOP/s ({clock.sm_mhz} MHz, "
+        f"{clock.power_w} W, {clock.source}); torch {torch.__version__}")
     for spec in opts.cells:
         if time.perf_counter() - pdc.T0 > opts.deadline - 14:
             log(f"SKIP {spec}: deadline")

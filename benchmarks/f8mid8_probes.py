@@ -12,6 +12,9 @@ the fp8 kernel, so one run says what each part costs alone at the cell's tiles a
 - ``mma_fp8_kernel``: the same tiles' wgmmas alone: 8 warps, [128, 128] accumulators carried across K-steps (no
   fresh part, no fold, one group in flight), on the ring filled once; the tile stored as bf16 to a scratch buffer:
   the fp8 tensor rate of this tile set ("MMAs alone"). consumers / mma says what the promotion costs.
+- ``unpromoted_fp8_kernel``: the whole GEMM (its loader, ring, walk and epilogue) with consumers that accumulate each
+  K-step's wgmmas in place, no scale loads and no fold ("unpromoted"): the GEMM as the bf16 one is, on fp8 operands.
+  Against the GEMM it says what the promotion costs when the loads run beside it.
 
 If the GEMM took max(loads, consumers) the two would overlap fully. Gluon needs sm_90 and does not run in the
 interpreter (``f8mid8_compile_cpu.py`` compiles these offline).
@@ -27,7 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from moekit.experts._kernels.gluon_gemm import _tile_of
-from moekit.experts._kernels.gluon_gemm_fp8 import FIRST_HALF, SECOND_HALF, _consumer, _loader, _tma_load, _tma_store
+from moekit.experts._kernels.gluon_gemm_fp8 import (
+    FIRST_HALF, SECOND_HALF, _consumer, _epilogue, _loader, _tma_load, _tma_store,
+)
 
 ON, OFF = gl.constexpr(True), gl.constexpr(False)  # flags passed to partitions (values or constexprs only)
 
@@ -169,11 +174,73 @@ def mma_fp8_kernel(a_desc, w_desc, c_desc, used_ptr, reduce_dim, num_col_blocks,
     tma.store_wait(0)
 
 
+@gluon.jit
+def _plain_consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, cs_ptr, experts_ptr, used_ptr, reduce_dim,
+                    num_col_blocks, stride_cs, HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr):
+    """``gluon_gemm_fp8._consumer`` without the promotion: each K-step's wgmma(s) accumulate in place (no fresh
+    part, no scale loads, no fold), waited for before the stage is released as there; the same epilogue."""
+    HALF_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    WTILES: gl.constexpr = 2 if GATED else 1
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    it = 0
+    for t in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        row0 = rb * 2 * HALF_M + HALF * HALF_M
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
+        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+        up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+        for kk in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_bufs.index(2 * s + HALF)
+            acc = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), acc, is_async=True)
+            if GATED:
+                up = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), up, is_async=True)
+                acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s), count=1)
+            it += 1
+        _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def unpromoted_fp8_kernel(a_desc, w_desc, c_desc, cs_ptr, experts_ptr, used_ptr, reduce_dim, num_col_blocks, w_rows,
+                          gate_offset, stride_cs, GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """``grouped_gemm_fp8_kernel`` (its loader, ring and epilogue) with consumers that do not promote."""
+    WTILES: gl.constexpr = 2 if GATED else 1
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_plain_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, cs_ptr, experts_ptr, used_ptr, reduce_dim,
+                           num_col_blocks, stride_cs, FIRST_HALF, GATED, GROUP_M)),
+        (_plain_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, cs_ptr, experts_ptr, used_ptr, reduce_dim,
+                           num_col_blocks, stride_cs, SECOND_HALF, GATED, GROUP_M)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   w_rows, gate_offset, GATED, GROUP_M, OFF)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
 def launch_probe(kind: str, a, a_s, w, w_s, out, out_s, block_experts, rows_used, tile, gated: bool,
                  gate_offset: int = 0, scratch: torch.Tensor | None = None) -> None:
     """``launch_gemm_fp8``'s arguments (a plain ``Fp8GluonTile``); kind "stream" (loads only), "consumers" (the
-    consumers on a ring filled once; out / out_s get products of the ring's data) or "mma" (wgmmas only into
-    ``scratch``, bf16 [T, C])."""
+    consumers on a ring filled once; out / out_s get products of the ring's data), "unpromoted" (the whole GEMM, its
+    consumers without the promotion: out gets unscaled products) or "mma" (wgmmas only into ``scratch``, bf16
+    [T, C])."""
     from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GROUP, HALF_M
     from moekit.experts.triton_gluon_launch import gluon_descriptor, num_sms
 
@@ -192,6 +259,14 @@ def launch_probe(kind: str, a, a_s, w, w_s, out, out_s, block_experts, rows_used
                                    a_s.stride(0), w_s.stride(0), w_s.stride(1), out_s.stride(0), GATED=gated,
                                    STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
                                    num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
+    elif kind == "unpromoted":
+        out_s = a_s if out_s is None else out_s
+        c_desc = gluon_descriptor(out, [HALF_M, GROUP])
+        unpromoted_fp8_kernel[grid](gluon_descriptor(a, [HALF_M, GROUP]), w_desc, c_desc, out_s, block_experts,
+                                    rows_used, reduce_dim, num_col_blocks, w_rows, gate_offset, out_s.stride(0),
+                                    GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                                    CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS,
+                                    maxnreg=tile.max_registers)
     else:
         mma_fp8_kernel[grid](gluon_descriptor(a, [2 * HALF_M, GROUP]), w_desc,
                              gluon_descriptor(scratch, [2 * HALF_M, GROUP]), rows_used, reduce_dim, num_col_blocks,

@@ -3,15 +3,17 @@ times against the route, and each GEMM of the fp8 Gluon path alone with the prob
 
 Cells: Mixtral-8x7B M = 512 / 1024 (the route: the fp8 Gluon path, lean launch), Qwen3-30B-A3B M = 1024 / 512 (the
 route: the fused Triton fp8 kernels of the tuned entry).
-- Mixtral: "plain" (the route's kernels through the plain launch: the base of the bit checks), "tail" (the down GEMM with
-  the tail consumer, ``DOWN_TILE_T64``: an expert's mostly empty last block folded into the block before it, its
+- Mixtral: "plain" (the route's kernels through the plain launch: the base of the bit checks), "tail" (the down GEMM
+  with the tail consumer, ``DOWN_TILE_T64``: an expert's mostly empty last block folded into the block before it, its
   weights streamed once for up to 192 rows; bit-equal to "plain"), "up4" (the gate-up ring 4 deep, bit-equal),
   "wide" (the [128, 256] down tile, bit-equal), "triton" (the fused Triton fp8 kernels, the tuned entry).
 - Qwen3: "up64" (the gate-up tile 64 wide on 4 warps: about twice the programs an SM, h in float32 quantized by the
   down GEMM; one program a tile), "up64 pair" (that with gate and up in one dot), "bm32" (32-row tiles on 4 warps:
   less padding, mma.sync), "gluon" (the fp8 Gluon path's lean launch: the warp-specialized GEMMs, 128-row blocks).
-Parts (``gluon_parts``): the Gluon gate-up and down GEMMs on one layout, the down GEMM with the tail, and the three
-probes of ``f8mid8_probes`` (loads alone, consumers alone, wgmmas alone) for each GEMM.
+Parts (``gluon_parts``): the Gluon gate-up and down GEMMs on one layout, the down GEMM with the tail, each GEMM with
+every scale load on one cache line ("hot scales": the scales' strides 0, a wrong product at the same work: whether
+the scale loads in the K loop cost the overlap), and the probes of ``f8mid8_probes`` (loads alone, consumers alone,
+wgmmas alone, the GEMM without the promotion) for each GEMM.
 """
 
 from __future__ import annotations
@@ -104,7 +106,13 @@ def gluon_parts(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> tuple[dict, tor
         "down tail": lambda: launch_gemm_fp8(*down_args, y2, None, *common, DOWN_TILE_T64, False,
                                              sorted_ids=lay.sorted_ids, num_assignments=ids.numel()),
     }
-    for kind, label in (("stream", "loads"), ("consumers", "consumers"), ("mma", "wgmmas")):
+    hot = (lay.x_s[:1].expand_as(lay.x_s), w13_s[:1, :1].expand_as(w13_s),  # every scale load on one line
+           h_s[:1].expand_as(h_s), w2_s[:1, :1].expand_as(w2_s))
+    parts["gate-up hot scales"] = lambda: launch_gemm_fp8(lay.x_q, hot[0], w13_q, hot[1], h2_q, h2_s, *common, UP_TILE,
+                                                          True, inter)
+    parts["down hot scales"] = lambda: launch_gemm_fp8(h_q, hot[2], w2_q, hot[3], y2, None, *common, DOWN_TILE, False)
+    for kind, label in (("stream", "loads"), ("consumers", "consumers"), ("mma", "wgmmas"),
+                        ("unpromoted", "unpromoted")):
         parts[f"gate-up {label}"] = (lambda k=kind: launch_probe(k, *up_args, h2_q, h2_s, *common, UP_TILE, True,
                                                                  inter, scratch_up))
         parts[f"down {label}"] = (lambda k=kind: launch_probe(k, *down_args, y2, None, *common, DOWN_TILE, False, 0,
