@@ -148,22 +148,6 @@ def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bo
             and (tail == BLOCK or int(sorted_ptr[(b + 1) * BLOCK + tail]) >= num_assignments) for b in range(nrb)]
 
 
-def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, offsets_ptr,
-              num_assignments, num_col_blocks, W_ROWS, GROUP_M, EXPERT_ORDER, **_):
-    """The bf16 down GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's
-    own tiles write nothing."""
-    a, w, c = a_desc.base, w_desc.base, c_desc.base
-    cols, tail = c.shape[1], t_desc.block_shape[0]
-    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
-    folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
-    for block, fold in enumerate(folds):
-        if block and folds[block - 1]:
-            continue
-        e, first = int(experts_ptr[block]), block * BLOCK
-        rows = slice(first, first + BLOCK + (tail if fold else 0))
-        c[rows] = (a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T).to(c.dtype)
-
-
 def fp8_tail_down(a_desc, w_desc, c_desc, as_ptr, ws_ptr, experts_ptr, sorted_ptr, used_ptr, num_assignments,
                   num_col_blocks, w_rows, **_):
     """The fp8 down GEMM with the tail consumer: a folding block's tiles also write block b + 1's first 64 rows
@@ -181,6 +165,22 @@ def fp8_tail_down(a_desc, w_desc, c_desc, as_ptr, ws_ptr, experts_ptr, sorted_pt
             out = torch.full((half, c.shape[1]), float("nan"))
             out[:, :cols] = _dequant_rows(a[rows], as_ptr[rows]) @ w_e[:cols].T
             c[rows] = out.to(c.dtype)
+
+
+def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, offsets_ptr,
+              num_assignments, num_col_blocks, W_ROWS, GROUP_M, EXPERT_ORDER, **_):
+    """The bf16 down GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's
+    own tiles write nothing."""
+    a, w, c = a_desc.base, w_desc.base, c_desc.base
+    cols, tail = c.shape[1], t_desc.block_shape[0]
+    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
+    folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
+    for block, fold in enumerate(folds):
+        if block and folds[block - 1]:
+            continue
+        e, first = int(experts_ptr[block]), block * BLOCK
+        rows = slice(first, first + BLOCK + (tail if fold else 0))
+        c[rows] = (a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T).to(c.dtype)
 
 
 class FakeKernel:
@@ -209,9 +209,8 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail", "fp8 tail", "wo": FakeKernel} (the gather: the bf16 gate-up GEMM with
-    the gather in its loader; tail / fp8 tail: the bf16 / fp8 down GEMM folding an expert's mostly empty last block;
-    wo: the int8 weight-only GEMM)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in
+    its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8 weight-only GEMM)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -221,7 +220,6 @@ def install_fakes(setattr_=setattr) -> dict:
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
                                      ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
-                                     ("fp8 tail", "gluon_gemm_fp8_tail", "tail_down_fp8_kernel", fp8_tail_down),
                                      ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)

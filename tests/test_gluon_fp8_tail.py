@@ -10,8 +10,18 @@ import pytest
 import torch
 
 from _fp8_cases import quantize_weight
-from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
+from _gluon_fakes import FakeKernel, fake_gemms, fp8_tail_down  # noqa: F401  (fake_gemms: fixture)
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
+
+
+@pytest.fixture
+def fake_tail(fake_gemms, monkeypatch):  # noqa: F811
+    """The Gluon stand-ins and the tail kernel's (``_gluon_fakes.fp8_tail_down``) in its module."""
+    import moekit.experts._kernels.gluon_gemm_fp8_tail as mod
+
+    fake = FakeKernel(mod.tail_down_fp8_kernel, fp8_tail_down)
+    monkeypatch.setattr(mod, "tail_down_fp8_kernel", fake)
+    return fake
 
 
 def test_tail_tile_checks():
@@ -52,7 +62,7 @@ def _float64_loop(x, q13, q2, ids, weights):
     return out
 
 
-def test_tail_launch_equals_the_plain_pipeline_and_a_float64_loop(fake_gemms):  # noqa: F811
+def test_tail_launch_equals_the_plain_pipeline_and_a_float64_loop(fake_tail):
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
     from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE_T64
     from moekit.experts.triton_gluon_tail import merged_blocks
@@ -67,7 +77,7 @@ def test_tail_launch_equals_the_plain_pipeline_and_a_float64_loop(fake_gemms):  
     base = experts_gluon_fp8(x, *q13, *q2, ids, weights, lean=False)
     tail = experts_gluon_fp8(x, *q13, *q2, ids, weights, down=DOWN_TILE_T64, lean=False)
     assert torch.equal(tail, base)
-    calls = fake_gemms["fp8 tail"].log
+    calls = fake_tail.log
     assert len(calls) == 1
     _, bound, _ = calls[-1]
     used = int(bound["used_ptr"][0])
