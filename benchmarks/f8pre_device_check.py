@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import prefill_device_check as pdc  # noqa: E402
 import prefill_variants as pv  # noqa: E402
+from bench_rounds import versus  # noqa: E402
 
 # checkpoint 1 (654b456) ran the first three cells of this order with every variant; the rest first since then
 CELLS = ("fp8:qwen3-30b-a3b:16384", "fp8:deepseek-v3:4096", "fp8:mixtral-8x7b:16384", "fp8:deepseek-v3:16384",
@@ -190,11 +191,6 @@ def replay_rounds(name: str, wanted: list, x, ids, rw, rounds: int, stop_at: flo
     return per
 
 
-def versus(t: list, base: list) -> str:
-    wins = sum(b / v >= 1.03 for b, v in zip(base, t))
-    return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
-
-
 def summarize(name: str, cell: dict) -> None:
     rounds = cell["rounds_us"]
     for n, t in rounds.items():
@@ -284,17 +280,7 @@ def main() -> int:
     RESULTS["ceilings"] = {"copy_TBps": ceil.copy_TBps, "fp8_mm_TFLOPs": ceil.fp8_mm_TFLOPs}
     log(f"copy {ceil.copy_TBps:.2f} TB/s, fp8 mm {ceil.fp8_mm_TFLOPs:.0f} TFLOP/s (torch._scaled_mm 8192^3, fast "
         f"accumulation); torch {torch.__version__}")
-    for spec in opts.cells:
-        if time.perf_counter() - pdc.T0 > opts.deadline - 20:
-            log(f"SKIP {spec}: deadline")
-            pdc.SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, ceil, opts)
-        except Exception as exc:  # noqa: BLE001
-            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            pdc.FAILED.append(spec)
-        pdc.free_memory()
+    pdc.RUN.each_cell(opts.cells, lambda spec: run_cell(spec, ceil, opts), opts.deadline - 20, pdc.free_memory)
     pdc.print_table()
     return 1 if pdc.FAILED else 0
 

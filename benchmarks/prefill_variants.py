@@ -1,7 +1,7 @@
-"""The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 8192 / 16384, Qwen3-30B-A3B,
-DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the fused Triton kernels, the bf16 Gluon path with the plan's
-tiles (plain and lean launches: the lean one is what the route runs where ``GluonChoice`` takes Gluon), and each Gluon
-GEMM alone under uniform and balanced routing (what the 128-row padding costs).
+"""The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 8192 / 16384,
+Qwen3-30B-A3B, DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the fused Triton kernels, the bf16 Gluon path
+with the plan's tiles (plain and lean launches: the lean one is what the route runs where ``GluonChoice`` takes Gluon),
+and each Gluon GEMM alone under uniform and balanced routing (what the 128-row padding costs).
 
 Measured with it and removed (benchmarks/triton-notes.md, "prefill"): a ping-pong bf16 down GEMM (two 4-warp consumers
 taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING at prefill.
