@@ -2,7 +2,7 @@
 M <= 1024 at >= 90% of the fp8 floor): what limits each cell, and the candidates that breakdown points to.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/f8mid8_device_check.py --out $OUT/f8mid8 --deadline 70
-        [--cells fp8:mixtral-8x7b:512 ...] [--rounds 5] [--no-parts]
+        [--cells fp8:mixtral-8x7b:512 ...] [--rounds 5] [--no-parts] [--variants route,plain,...]
 
 1. Ceilings in this run: copy bandwidth and the fp8 mm rate (``torch._scaled_mm`` 8192^3).
    Compile workers (this script with --worker CELL GROUP) run every variant and part once on zero weights of the
@@ -137,8 +137,9 @@ def run_cell(spec: str, ceil, opts) -> None:
     name = f"fp8 {preset} M={m}"
     ref = experts_gluon_fp8_twin(x, *q, ids, rw)
     outs: dict = {}
-    ran = [v for v in fv.variants(preset, m, q) if (preset, v.name) in opts.ran]
-    for v in set(fv.NAMES[preset]) - {v.name for v in ran}:
+    wanted = [v for v in fv.variants(preset, m, q) if opts.variants is None or v.name in opts.variants]
+    ran = [v for v in wanted if (preset, v.name) in opts.ran]
+    for v in {v.name for v in wanted} - {v.name for v in ran}:
         log(f"FAIL {name} {v}: its compile worker did not finish it (not run)")
         pdc.FAILED.append(f"{name} {v}")
     passing = [v for v in ran if pdc.check(name, v, x, ids, rw, ref, "fp8", outs)]
@@ -205,13 +206,14 @@ def worker(spec: str, group: str) -> int:
     return 0
 
 
-def spawn_workers(cells: list) -> list:
-    """One process per variant and one for the parts at the first cell of each preset, one for the route at the
-    others (another M may take another tuned entry), each logging to /tmp."""
+def spawn_workers(cells: list, variants: list | None, parts: bool) -> list:
+    """One process per variant (those in ``variants``, None: all) and one for the parts (``parts``) at the first cell
+    of each preset, one for the route at the others (another M may take another tuned entry), logging to /tmp."""
     procs, seen = [], set()
     for spec in cells:
         preset = spec.split(":")[1]
-        groups = ["route"] if preset in seen else [*fv.NAMES[preset], "parts"]
+        mine = [n for n in fv.NAMES[preset] if variants is None or n in variants] + (["parts"] if parts else [])
+        groups = ["route"] if preset in seen else mine
         seen.add(preset)
         for group in groups:
             path = Path(f"/tmp/f8mid8_worker_{spec.replace(':', '_')}_{group.replace(' ', '_')}.log")
@@ -254,9 +256,11 @@ def main() -> int:
     parser.add_argument("--cells", nargs="*", default=list(fv.CELLS))
     parser.add_argument("--worker-deadline", type=float, default=30.0)
     parser.add_argument("--no-parts", dest="parts", action="store_false", help="no GEMMs alone, no probes")
+    parser.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     opts = parser.parse_args()
+    opts.variants = None if opts.variants is None else opts.variants.split(",")
     opts.out.mkdir(parents=True, exist_ok=True)
-    procs = spawn_workers(opts.cells)
+    procs = spawn_workers(opts.cells, opts.variants, opts.parts)
     pdc.STALL_S = 40.0
     threading.Thread(target=pdc.watchdog, daemon=True).start()
     from moekit.bench.ceilings import measure_ceilings, measure_fp8_mm

@@ -6,7 +6,9 @@ route: the fused Triton fp8 kernels of the tuned entry).
 - Mixtral: "plain" (the route's kernels through the plain launch: the base of the bit checks), "tail" (the down GEMM
   with the tail consumer, ``DOWN_TILE_T64``: an expert's mostly empty last block folded into the block before it, its
   weights streamed once for up to 192 rows; bit-equal to "plain"), "up4" (the gate-up ring 4 deep, bit-equal),
-  "wide" (the [128, 256] down tile, bit-equal), "triton" (the fused Triton fp8 kernels, the tuned entry).
+  "wide" (the [128, 256] down tile, bit-equal), "pp down" (the down GEMM's consumers issuing their MMAs in turn,
+  PINGPONG), "stagger" (consumer 1 one MMA behind consumer 0 in both GEMMs, STAGGER): the promotion's overlap
+  between the two consumers, bit-equal; "triton" (the fused Triton fp8 kernels, the tuned entry).
 - Qwen3: "up64" (the gate-up tile 64 wide on 4 warps: about twice the programs an SM, h in float32 quantized by the
   down GEMM; one program a tile), "up64 pair" (that with gate and up in one dot), "bm32" (32-row tiles on 4 warps:
   less padding, mma.sync), "gluon" (the fp8 Gluon path's lean launch: the warp-specialized GEMMs, 128-row blocks).
@@ -24,7 +26,7 @@ import torch
 from prefill_variants import Variant
 
 CELLS = ("fp8:mixtral-8x7b:512", "fp8:mixtral-8x7b:1024", "fp8:qwen3-30b-a3b:1024", "fp8:qwen3-30b-a3b:512")
-NAMES = {"mixtral-8x7b": ("route", "plain", "tail", "up4", "wide", "triton"),  # ``variants``' names, in its order
+NAMES = {"mixtral-8x7b": ("route", "plain", "tail", "up4", "wide", "pp down", "stagger", "triton"),  # in order
          "qwen3-30b-a3b": ("route", "up64", "up64 pair", "bm32", "gluon")}
 
 
@@ -70,6 +72,10 @@ def variants(preset: str, m: int, q: tuple) -> list[Variant]:
                 Variant("tail", "gluon", _gluon_call(q, UP_TILE, DOWN_TILE_T64, False), same_as="plain"),
                 Variant("up4", "gluon", _gluon_call(q, up4, DOWN_TILE, True), same_as="plain"),
                 Variant("wide", "gluon", _gluon_call(q, UP_TILE, WIDE_DOWN_TILE, True), same_as="plain"),
+                Variant("pp down", "gluon", _gluon_call(q, UP_TILE, replace(DOWN_TILE, pingpong=True), True),
+                        same_as="plain"),
+                Variant("stagger", "gluon", _gluon_call(q, replace(UP_TILE, stagger=True),
+                                                        replace(DOWN_TILE, stagger=True), True), same_as="plain"),
                 Variant("triton", "fused", _triton_call(q))]
     configs = qwen3_configs(m, q)
     return [route,
