@@ -79,12 +79,11 @@ class GluonLeanPlan:
     # down tile's tail's (None without one: ``GluonTile.tail``)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
-    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded, then (bf16) the
-    # segments' offsets (num_padded where the tile's walk does not read them); with the gather in its loader: x,
-    # sorted_ids, dst, W, C descriptors, expert_ids, num_padded, offsets
+    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded; with the gather in
+    # its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
     up: BoundLaunch
     # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same; with a tail (bf16):
-    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded, offsets
+    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
 
@@ -133,8 +132,6 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
     align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
                        rows, options, arrival_slot=0, one_pass=one_pass_programs(options, x.device))
-    if not fp8 and (up.expert_order or down.expert_order) and "offsets" not in (r[0] for r in align.regions):
-        raise ValueError(f"{num_assignments} assignments: this alignment writes no segment offsets (the expert order)")
     sms = num_sms(x.device)
 
     def grid(cols: int, block_n: int) -> tuple:
@@ -181,22 +178,21 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
         if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
             tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
-            return BoundLaunch(tail_down, grid(cols, tile.block_n), 9, (num_assignments, reduce_dim,
+            return BoundLaunch(tail_down, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
                                cols // tile.block_n), W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
-                               EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
-        return BoundLaunch(gemm, grid(cols, tile.block_n), 6, (reduce_dim, cols // tile.block_n),
+                               num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                           GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS,
-                           maxnreg=MAX_REGISTERS, **launch)
+                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
 
     down_gemm = bf16_gemm(down, inter, hidden, hidden, 0, False)
     if in_loader:
         gather_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
-        up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 8,
+        up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 7,
                               (num_assignments, x.stride(0), hidden, inter // up.block_n), TOP_K=top_k,
                               W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=up.stages, GROUP_M=up.group_m,
-                              EXPERT_ORDER=up.expert_order, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
-                              num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+                              LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
+                              maxnreg=MAX_REGISTERS, **launch)
         return _Part([("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))], None, up_gemm, down_gemm,
                      blocks, weight_blocks)
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
@@ -275,8 +271,7 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
         t_down, ct_down = acts[4:]
-        rows += (b.get("offsets", b["num_padded"]),)  # the segments' offsets: read by an expert-order tile only
-        down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"], rows[2])
+        down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"])
                 if t_down is not None else (a_down, pair.w2, c_down, *rows))
         if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
             launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
