@@ -88,25 +88,28 @@ class GluonLeanPlan:
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
 
 
-def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False) -> tuple:
+def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False,
+             gather_groups: int = 1) -> tuple:
     """The kind of a call: shapes, dtypes, device, x's row stride, every pointer's 16-byte alignment (Triton
-    specialises on it), the map's length, the tiles. ``ids``, ``weights``, ``expert_map``: contiguous."""
+    specialises on it), the map's length, the tiles, the fp8 gather's groups a program. ``ids``, ``weights``,
+    ``expert_map``: contiguous."""
     return (s13 is not None, x.shape[0], x.shape[1], x.dtype, x.device, x.stride(0), w13.shape, w13.dtype, ids.shape[1],
             ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
             None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
             None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down,
-            in_loader)
+            in_loader, gather_groups)
 
 
 def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
-             in_loader: bool = False) -> GluonLeanPlan:
-    """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given; ``in_loader``:
-    bf16 with the gather in the gate-up GEMM's loader)."""
-    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
+             in_loader: bool = False, gather_groups: int = 1) -> GluonLeanPlan:
+    """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given, its gather
+    taking ``gather_groups`` 128-column groups a program; ``in_loader``: bf16 with the gather in the gate-up
+    GEMM's loader)."""
+    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups)
     plan = _PLANS.get(key)
     if plan is None:
         plan = build_plan(x, w13, w2, ids, expert_map, up, down, fp8=s13 is not None, s13=s13, s2=s2,
-                          in_loader=in_loader)
+                          in_loader=in_loader, gather_groups=gather_groups)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)), None)
         _PLANS[key] = plan
@@ -114,7 +117,7 @@ def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
 
 
 def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=None,
-               in_loader: bool = False) -> GluonLeanPlan:
+               in_loader: bool = False, gather_groups: int = 1) -> GluonLeanPlan:
     """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``; ``in_loader``: bf16,
     no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows,
     ``triton_gluon_launch.loader_gather_fits``)."""
@@ -138,7 +141,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
         return (max(1, min(sms, cdiv(rows, BLOCK_M) * (cols // block_n))),)
 
     sizes = (rows, num_assignments, top_k, hidden, inter)
-    part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch) if fp8
+    part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch, gather_groups) if fp8
             else _bf16_part(x, sizes, up, down, grid, launch, in_loader))
     num_global = 0 if expert_map is None else expert_map.numel()
     combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
@@ -203,17 +206,16 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True), down_gemm, blocks, weight_blocks)
 
 
-def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
-    from moekit.experts import triton_gluon_fp8_launch as fl
+def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_groups: int) -> _Part:
     from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M, check_wide
 
     rows, num_assignments, top_k, hidden, inter = sizes
     groups = hidden // GROUP
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel,
-                         (cdiv(rows, QROWS), cdiv(groups, fl.GATHER_GROUPS)), 5,
+                         (cdiv(rows, QROWS), cdiv(groups, gather_groups)), 5,
                          (rows, num_assignments, hidden, x.stride(0), hidden, groups, groups),
-                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=fl.GATHER_GROUPS,
+                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=gather_groups,
                          num_warps=4, **launch)
 
     def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
@@ -297,18 +299,19 @@ def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch
 def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              expert_map: torch.Tensor | None, up, down, s13: torch.Tensor | None = None,
              s2: torch.Tensor | None = None, fast_key: tuple | None = None,
-             in_loader: bool | None = None) -> torch.Tensor:
+             in_loader: bool | None = None, gather_groups: int = 1) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
     ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
-    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it)."""
+    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it).
+    ``gather_groups`` (fp8): the gather's 128-column groups a program (``triton_gluon_fp8_launch.plan_gluon_fp8``)."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     if in_loader is None:
         in_loader = s13 is None and wants_loader_gather(x, w2.shape[-1])
-    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
+    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
     spec = plan.workspace
