@@ -1,7 +1,7 @@
-"""Compile what ``f8mid8_device_check.py`` runs on the fp8 Gluon path for sm_90 on a machine without a GPU: the down
-GEMM with the tail consumer (``_kernels/gluon_gemm_fp8_tail.py``, ``DOWN_TILE_T64``) and the three probes of
-``f8mid8_probes.py`` (loads alone, consumers alone, MMAs alone) at the plan's gate-up and down tiles; per kernel its
-SMEM, the partitions' setmaxnreg and ptxas's spill stores (``gluon_fp8_compile_cpu.ptxas_report``).
+"""Compile the probes of ``f8mid8_probes.py`` (loads alone, consumers alone, wgmmas alone, the GEMM without the
+promotion) for sm_90 on a machine without a GPU, at the fp8 Gluon plan's gate-up and down tiles; per kernel its
+SMEM, the partitions' setmaxnreg and ptxas's spill stores (``gluon_fp8_compile_cpu.ptxas_report``). (The down GEMM
+with the tail consumer it also compiled until 827fb54: removed.)
 
     PYTHONPATH=$PWD python3 benchmarks/f8mid8_compile_cpu.py                   # Triton 3.9 (this machine)
     PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/f8mid8_compile_cpu.py   # Triton 3.6 (the H200's)
@@ -46,19 +46,6 @@ def _gemm_shapes(gated: bool) -> tuple[int, int, int]:
     return (2 * N, K, N) if gated else (K, N, K)
 
 
-def tail(tile) -> str:
-    from moekit.experts._kernels.gluon_gemm_fp8_tail import tail_down_fp8_kernel as kernel
-
-    w_rows, r, c = _gemm_shapes(False)
-    args = dict(a_desc=_descriptor([T, r], [64, 128], FP8), w_desc=_descriptor([E * w_rows, r], [128, 128], FP8),
-                c_desc=_descriptor([T, c], [64, 128], torch.bfloat16), as_ptr=torch.empty(1), ws_ptr=torch.empty(1),
-                experts_ptr=INT32, sorted_ptr=INT32, used_ptr=INT32, num_assignments=T, reduce_dim=r,
-                num_col_blocks=c // 128, w_rows=w_rows, stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
-                stride_wsr=r // 128)
-    const = dict(STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs, num_warps=4)
-    return _compile(kernel, args, const, 4, tile.max_registers)
-
-
 def probe(kind: str, gated: bool, tile) -> str:
     import f8mid8_probes as p
 
@@ -95,9 +82,9 @@ def probe(kind: str, gated: bool, tile) -> str:
 def main() -> int:
     import triton
 
-    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, DOWN_TILE_T64, UP_TILE
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
 
-    jobs = [("down tail 64", lambda: tail(DOWN_TILE_T64))]
+    jobs = []
     for kind in ("stream", "consumers", "mma", "unpromoted"):
         for gated, tile in ((True, UP_TILE), (False, DOWN_TILE)):
             jobs.append((f"{kind} {'gate-up' if gated else 'down'}", lambda k=kind, g=gated, t=tile: probe(k, g, t)))

@@ -1,18 +1,19 @@
 """Issue 15, session 28 (branch `f8mid8`): fp8_block at the ridge, Mixtral M = 512 / 1024 and Qwen3 M = 1024 / 512 (8 <=
-M <= 1024 at >= 90% of the fp8 floor): what limits each cell, and the candidates that breakdown points to.
+M <= 1024 at >= 90% of the fp8 floor): what limits each cell (the candidates it timed: ``f8mid8_variants``' notes).
 
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/f8mid8_device_check.py --out $OUT/f8mid8 --deadline 70
-        [--cells fp8:mixtral-8x7b:512 ...] [--rounds 5] [--no-parts] [--variants route,plain,...]
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/f8mid8_device_check.py --out $OUT/f8mid8 --deadline 66
+        [--cells fp8:mixtral-8x7b:512 ...] [--rounds 5] [--no-parts] [--variants route,plain] [--worker-deadline 26]
 
-1. Ceilings in this run: copy bandwidth and the fp8 mm rate (``torch._scaled_mm`` 8192^3).
-   Compile workers (this script with --worker CELL GROUP) run every variant and part once on zero weights of the
-   real shapes while this process builds the weights: Triton's disk cache then holds the kernels.
+1. Compile workers (this script with --worker CELL GROUP) run every variant and part once on zero weights of the real
+   shapes (a call a worker did not finish is not run here); then the ceilings of this run: copy bandwidth, the fp8 mm
+   rate (``torch._scaled_mm`` 8192^3) and the SM clock and board power while that mm runs.
 2. Per cell (the bench's weights quantized, uniform routing seeded by M; ``f8mid8_variants``): every variant against
    the fp8 Gluon path's torch twin (rel L2 < 1e-2: PASS / FAIL), bit for bit against its ``same_as``; the route's
    kernels inside its CUDA graph (profiler, device µs; each GEMM's % of copy for its touched weights and % of the fp8
    mm rate on the real rows) under uniform and balanced routing (M*k/E rows an expert); whole calls in ``--rounds``
    CUDA-graph rounds interleaved replay by replay (``f8pre_device_check.replay_rounds``); then the fp8 Gluon GEMMs
-   alone and their probes (loads alone, consumers alone, wgmmas alone), uniform and balanced.
+   alone, with hot scales, and their probes (loads alone, consumers alone, wgmmas alone, unpromoted), uniform and
+   balanced, each with the SM clock and board power while it replays (uniform).
 The table is printed last: per variant median µs, % of the byte-model floor, x the route, rounds >= 3% faster; per
 part µs, % of copy, % of mm on the real rows and on the rows multiplied. JSON to --out/f8mid8.json after each cell.
 """
@@ -60,7 +61,7 @@ def graph_kernels(name: str, fn, weight_bytes: dict, flops: dict, copy: float, m
     gluon = 0
     for e in events:
         label = e.name[:28]
-        if label.startswith("grouped_gemm_fp8") or label.startswith("tail_down_fp8"):
+        if label.startswith("grouped_gemm_fp8"):
             label, gluon = ("gate-up", "down")[gluon % 2], gluon + 1
         elif "gate_up" in label:
             label = "gate-up"

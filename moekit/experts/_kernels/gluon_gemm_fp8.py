@@ -122,7 +122,6 @@ def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_step
     BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
     WTILES: gl.constexpr = 2 if GATED else 1
     STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
-    HALVES: gl.constexpr = a_bufs.type.shape[0] // STAGES  # A tiles a stage: 2 (3 in gluon_gemm_fp8_tail)
     acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
     up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
     part = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
@@ -133,7 +132,7 @@ def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_step
         if GATED:
             w_up = gl.load(ws_up + kk)
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        a = a_bufs.index(HALVES * s + HALF)
+        a = a_bufs.index(2 * s + HALF)
         _take_turn(turns, it * WTILES, HALF, PINGPONG)
         part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
         _pass_turn(turns, HALF, PINGPONG)
