@@ -180,7 +180,8 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
                         fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     w13_2d = w13.view(num_experts * 2 * inter, hidden)
-    in_loader = wants_loader_gather(x, inter)  # the gate-up GEMM reads x's rows itself and writes dst
+    # the gate-up GEMM reads x's rows itself and writes dst (not on 256-row tiles: they read x_perm by TMA)
+    in_loader = not plan.up.blk256 and wants_loader_gather(x, inter)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map, in_loader=in_loader)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read

@@ -39,8 +39,10 @@ class GluonTile:
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
     (``triton_gluon_tail``, the padding tax). ``expert_order``: a group of the walk is one expert's row blocks (at
-    most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones. (64-row tiles
-    and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
+    most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones. ``blk256``: a tile covers up
+    to 256 rows of one expert (two row blocks), its 64-row sub-tiles past the expert's real rows skipped; the weight
+    stage's ``block_n`` = 128 rows are 64 gate + 64 up rows on the gate-up GEMM (``triton_gluon_blk256``). (64-row
+    tiles and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
@@ -48,6 +50,7 @@ class GluonTile:
     group_m: int = 8
     tail: int = 0
     expert_order: bool = False
+    blk256: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -56,15 +59,24 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
+        if self.blk256 and (self.block_n != 128 or self.tail or self.expert_order):
+            raise ValueError(f"blk256 with block_n={self.block_n} (128), tail={self.tail}, "
+                             f"expert_order={self.expert_order} (neither)")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
-        tiles (the tail's too)."""
+        tiles (the tail's too); blk256: stages x (256 + 128 rows) + two [128, 64 or 128] output buffers."""
+        if self.blk256:
+            out = 2 * BLOCK_M * (self.block_n // 2 if gated else self.block_n)
+            return element_size * (self.stages * (2 * BLOCK_M + self.block_n) * self.block_k + out)
         stage = (BLOCK_M + self.tail + (2 if gated else 1) * self.block_n) * self.block_k
         return element_size * (self.stages * stage + (BLOCK_M + self.tail) * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles)."""
+        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles; blk256: one
+        [128, 128] a 4-warp consumer)."""
+        if self.blk256:
+            return BLOCK_M * self.block_n // (32 * 4)
         return (2 if gated else 1) * (BLOCK_M + self.tail) * self.block_n // (32 * NUM_WARPS)
 
 
@@ -100,6 +112,10 @@ DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6)  # 6 x 32 KB ring + 32 
 # with it (H200, benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run2.json's tile variants).
 NARROW_INTER = 1024
 NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
+# 256-row tiles (``GluonTile.blk256``, options: no default takes them): one row block's column blocks in turn (its
+# A sub-tiles shared in L2 by the programs running them, each expert's weight rows read in order)
+BLK256_UP_TILE = GluonTile(block_n=128, block_k=64, stages=4, group_m=1, blk256=True)  # 4 x 48 KB + 2 x 16 KB out
+BLK256_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=3, group_m=1, blk256=True)  # 3 x 48 KB + 2 x 32 KB
 
 
 # The padding tax (issue 19): the route's down GEMM folds an expert's mostly empty last 128-row block into the tiles
@@ -212,6 +228,14 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
     of BLOCK_M, <= T). A tile with a ``tail`` reads the layout's sorted_ids [T] (>= num_assignments: padding); one
     with ``expert_order`` the segments' offsets [E + 1] int32 (``triton_gluon_order.segment_offsets``)."""
+    if tile.blk256:
+        from moekit.experts.triton_gluon_blk256 import launch_blk256_gemm
+
+        if sorted_ids is None:
+            raise ValueError(f"tile={tile}: blk256 reads the layout's sorted_ids; none given")
+        launch_blk256_gemm(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, gated, w_rows,
+                           gate_offset)
+        return
     if tile.tail:
         from moekit.experts.triton_gluon_tail import launch_tail_down
 
