@@ -64,7 +64,10 @@ def main() -> int:
     from moekit.experts.triton_gluon_launch import BLK256_DOWN_TILE, BLK256_UP_TILE
 
     failed = 0
-    for name, gated, tile in (("gate-up", True, BLK256_UP_TILE), ("down", False, BLK256_DOWN_TILE)):
+    from blk256_variants import BLK256_DOWN_K32
+
+    for name, gated, tile in (("gate-up", True, BLK256_UP_TILE), ("down", False, BLK256_DOWN_TILE),
+                              ("down k32", False, BLK256_DOWN_K32)):
         try:
             report = compile_sm90(blk256_gemm_kernel, *gemm_args(tile, gated))
             print(f"OK triton {triton.__version__} blk256 {name} {tile} (model SMEM "

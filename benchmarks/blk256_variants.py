@@ -5,7 +5,8 @@ Whole calls (``whole_variants``): route (``run_experts(backend="triton")``), g12
 launches: the gather kernel + the TMA-fed GEMMs), b256 up (the gate-up GEMM on 256-row tiles, the route's down GEMM),
 b256 (both GEMMs on 256-row tiles), and their lean launches (lean b256 up, lean b256).
 Parts (``part_calls``): each GEMM alone at the route's tile and at blk256, under the cell's uniform routing and under
-balanced routing (M*k/E rows an expert: no padding at these cells), and cuBLAS ``bmm`` on each expert's M*k/E rows
+balanced routing (M*k/E rows an expert: no padding at these cells), the down GEMM's 256-row tile in 32-deep steps
+(``BLK256_DOWN_K32``: twice the stages), and cuBLAS ``bmm`` on each expert's M*k/E rows
 (``mid7_variants.bmm_calls``: the vendor's grouped GEMM at the same bytes and FLOPs, no padding).
 """
 
@@ -16,6 +17,12 @@ from typing import Callable
 import torch
 
 from mid7_variants import Variant, bmm_calls, gemm_calls, gluon_call, layout_buffers, route_tiles
+
+from moekit.experts.triton_gluon_launch import GluonTile
+
+
+# the down GEMM's 256-row tile in 32-deep steps: 6 stages (6 x 24 KB + 2 x 32 KB out) where 64-deep ones fit 3
+BLK256_DOWN_K32 = GluonTile(block_n=128, block_k=32, stages=6, group_m=1, blk256=True)
 
 
 def blk256_tiles() -> tuple:
@@ -60,6 +67,7 @@ def part_calls(x, ids, w13, w2, m: int, top_k: int, balanced_ids) -> dict:
     out["up b256"], out["down b256"] = gemm_calls(x, ids, w13, w2, b_up, b_down)
     out["up g128 balanced"], out["down g128 balanced"] = gemm_calls(x, balanced_ids, w13, w2, g_up, down_tile(inter))
     out["up b256 balanced"], out["down b256 balanced"] = gemm_calls(x, balanced_ids, w13, w2, b_up, b_down)
+    out["down b256 k32"] = gemm_calls(x, ids, w13, w2, b_up, BLK256_DOWN_K32)[1]
     out.update(bmm_calls(m, top_k, w13, w2))
     return out
 
