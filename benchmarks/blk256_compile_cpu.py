@@ -53,29 +53,27 @@ def gemm_args(tile, gated: bool) -> tuple[dict, dict]:
                 c_desc=_descriptor([t, c], [SUB_M, cols], bf16), experts_ptr=int32, used_ptr=int32,
                 sorted_ptr=int32, num_assignments=t, reduce_dim=r, num_col_blocks=c // cols)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 SEARCH_STEPS=4, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+                 SEARCH_STEPS=4, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, SPREAD=tile.spread)
     return args, const
 
 
 def main() -> int:
     import triton
 
+    from blk256_variants import UP_VARIANTS
+
     from moekit.experts._kernels.gluon_gemm_blk256 import blk256_gemm_kernel
-    from moekit.experts.triton_gluon_launch import BLK256_DOWN_TILE, BLK256_UP_TILE
+    from moekit.experts.triton_gluon_launch import BLK256_DOWN_TILE
 
     failed = 0
-    from blk256_variants import BLK256_DOWN_K32
-
-    for name, gated, tile in (("gate-up", True, BLK256_UP_TILE), ("down", False, BLK256_DOWN_TILE),
-                              ("down k32", False, BLK256_DOWN_K32)):
+    for name, gated, tile in ((*((n, True, t) for n, t in UP_VARIANTS.items()), ("down", False, BLK256_DOWN_TILE))):
         try:
             report = compile_sm90(blk256_gemm_kernel, *gemm_args(tile, gated))
-            print(f"OK triton {triton.__version__} blk256 {name} {tile} (model SMEM "
-                  f"{tile.shared_bytes(gated)} B): {report}", flush=True)
+            print(f"OK triton {triton.__version__} {name} {tile} (model SMEM {tile.shared_bytes(gated)} B): {report}",
+                  flush=True)
         except Exception as exc:  # noqa: BLE001 (report each)
             failed += 1
-            print(f"FAIL triton {triton.__version__} blk256 {name}: {type(exc).__name__}: {str(exc)[-3000:]}",
-                  flush=True)
+            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
     return 1 if failed else 0
 
 

@@ -1,19 +1,22 @@
-"""Issue 19 (branch `blk256`): bf16 Gluon GEMMs whose tile covers up to 256 rows of one expert in four 64-row
-sub-tiles, padding sub-tiles skipped (``GluonTile.blk256``), against the route at the ridge and small-prefill cells.
+"""Issue 19 (branch `blk256`): the bf16 Gluon gate-up GEMM whose tile covers up to 256 rows of one expert in four
+64-row sub-tiles, padding sub-tiles skipped (``GluonTile.blk256``), against the route at the ridge and small-prefill
+cells; since CK1 the route's gate-up tile at Mixtral M = 512 (``triton_gluon_launch.up_tile``).
 
-    PYTHONPATH=$PWD timeout 75 python3 benchmarks/blk256_device_check.py --out $OUT/blk256 --deadline 60   # H200
+    PYTHONPATH=$PWD timeout 75 python3 benchmarks/blk256_device_check.py --out $OUT/blk256 --deadline 58   # H200
+    (--cells mixtral-8x7b:512 --only "lean g128": the route against the route before it, no parts)
 
 ``mid7_device_check``'s machinery (log, watchdog, PASS/FAIL against the twin, interleaved graph rounds; its module
 state is this run's), no compile workers. First the ceilings (the bench's: copy, bf16 mm 8192^3). Per cell (the
 bench's weights, two uniform routing sets; ``blk256_variants`` names every call):
-  1. correctness: the gate-up GEMM's h at blk256 against g128's on every real row of set 0 (bit-equal? rel L2 <
-     2e-3; rows blk256 leaves unwritten are NaN), then every whole call against the Gluon twin
+  1. correctness: the gate-up GEMM's h at each 256-row tile against g128's on every real row of set 0 (bit-equal?
+     rel L2 < 2e-3; rows a tile leaves unwritten are NaN), then every whole call against the Gluon twin
      (``experts_gluon_twin``; rel L2 < 5e-3, the route < 1e-2), PASS / FAIL; a failing call is not timed;
   2. whole calls: CUDA-graph replay over both sets, ``--rounds`` interleaved rounds (each starting one further
      along), median; x = route / variant and the rounds it won by >= 3%; % of the floor (``cell_model``: max(bytes /
      copy, FLOPs / mm) on this run's ceilings) and % of mm (the call's FLOPs at this run's mm rate);
-  3. each GEMM alone (graph replay, 3 rounds, median): route tile and blk256, uniform and balanced routing, cuBLAS
-     bmm; % of copy (touched weights once) and % of mm (real rows; rows multiplied at 128-row blocks).
+  3. each GEMM alone (graph replay, 3 rounds, median; not with ``--only``): 128 / 256-row gate-up tiles under uniform
+     and balanced routing, the route's down GEMM, cuBLAS bmm; % of copy (touched weights once) and % of mm (real
+     rows; rows multiplied at 128-row blocks).
 Prints as it goes, JSON to ``--out``/blk256.json after each cell, the table LAST. Exit 1 when a check fails.
 """
 
@@ -38,7 +41,8 @@ H_TOLERANCE = 2e-3  # h at blk256 against g128 on the real rows: the same produc
 
 
 def check_h(name: str, c: dict) -> dict:
-    """PASS / FAIL of the gate-up GEMM's h at blk256 against g128's on the real rows (``blk256_variants.h_check``)."""
+    """PASS / FAIL of the gate-up GEMM's h at each 256-row tile against g128's on the real rows
+    (``blk256_variants.h_check``)."""
     import blk256_variants as bv
 
     s0, w = c["sets"][0], c["w"]
@@ -48,12 +52,13 @@ def check_h(name: str, c: dict) -> dict:
         md.log(f"FAIL {name} h b256: {type(exc).__name__}: {str(exc)[-600:]}")
         md.FAILED.append(f"{name} h b256")
         return {}
-    ok = got["rel_l2"] < H_TOLERANCE
-    md.log(f"{'PASS' if ok else 'FAIL'} {name} h b256 vs g128 on {got['rows']} real rows: rel L2 {got['rel_l2']:.2e} "
-           f"(< {H_TOLERANCE:g}), bit-equal {got['equal']}; rows multiplied b256 {got['b256_rows']} / g128 "
-           f"{got['g128_rows']}")
-    if not ok:
-        md.FAILED.append(f"{name} h b256")
+    md.log(f"{name} h: {got['rows']} real rows; rows multiplied b256 {got['b256_rows']} / g128 {got['g128_rows']}")
+    for variant in bv.UP_VARIANTS:
+        ok = got[variant]["rel_l2"] < H_TOLERANCE
+        md.log(f"{'PASS' if ok else 'FAIL'} {name} h {variant} vs g128 on the real rows: rel L2 "
+               f"{got[variant]['rel_l2']:.2e} (< {H_TOLERANCE:g}), bit-equal {got[variant]['equal']}")
+        if not ok:
+            md.FAILED.append(f"{name} h {variant}")
     return got
 
 
@@ -77,6 +82,8 @@ def run_cell(spec: str, dev, ceil: dict, args) -> None:
            f"{rows / (m * s.top_k):.3f} at 128-row blocks")
     cell["h"] = check_h(name, c)
     variants, parts = bv.calls_for(c)
+    variants = [v for v in variants if not args.only or v.name in args.only or v.name in ("route", "g128")]
+    parts = {} if args.only else parts
     ref = experts_gluon_twin(s0.x, w.w13, w.w2, s0.topk_ids, s0.topk_weights)
     outs: dict = {}
     passing = [v for v in variants if md.check(name, v, s0, ref, outs)]
@@ -121,6 +128,8 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=60.0, help="no new timing after this many seconds")
     parser.add_argument("--rounds", type=int, default=md.ROUNDS)
     parser.add_argument("--cells", nargs="+", default=list(CELLS))
+    parser.add_argument("--only", type=lambda t: set(t.split(",")), default=set(),
+                        help="comma-separated whole-call variants to time besides route and g128 (no parts alone)")
     args = parser.parse_args()
     args.deadline -= 4.0  # the table and JSON after the last timing
     args.out.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,7 @@ def launch_blk256_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bloc
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, sorted_ids, num_assignments, a.shape[1],
                  num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                  GROUP_M=tile.group_m, SEARCH_STEPS=search_steps(num_row_blocks), CONSUMER_REGS=CONSUMER_REGS,
-                 num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
+                 SPREAD=tile.spread, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
 
 
 def search_steps(num_row_blocks: int) -> int:

@@ -41,8 +41,10 @@ class GluonTile:
     (``triton_gluon_tail``, the padding tax). ``expert_order``: a group of the walk is one expert's row blocks (at
     most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones. ``blk256``: a tile covers up
     to 256 rows of one expert (two row blocks), its 64-row sub-tiles past the expert's real rows skipped; the weight
-    stage's ``block_n`` = 128 rows are 64 gate + 64 up rows on the gate-up GEMM (``triton_gluon_blk256``). (64-row
-    tiles and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
+    stage's ``block_n`` = 128 rows are 64 gate + 64 up rows on the gate-up GEMM (``triton_gluon_blk256``); with
+    ``spread`` a 256-row tile with at most two live sub-tiles runs one on each consumer warpgroup (m64 each), not
+    both on the first (m128). (64-row tiles and one consumer warpgroup: measured at the ridge in sessions 18 and 20,
+    no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
@@ -51,6 +53,7 @@ class GluonTile:
     tail: int = 0
     expert_order: bool = False
     blk256: bool = False
+    spread: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -59,9 +62,10 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
-        if self.blk256 and (self.block_n != 128 or self.tail or self.expert_order):
-            raise ValueError(f"blk256 with block_n={self.block_n} (128), tail={self.tail}, "
-                             f"expert_order={self.expert_order} (neither)")
+        misfit = self.blk256 and (self.block_n != 128 or bool(self.tail) or self.expert_order)
+        if misfit or (self.spread and not self.blk256):
+            raise ValueError(f"blk256={self.blk256} with block_n={self.block_n} (128), tail={self.tail}, "
+                             f"expert_order={self.expert_order} (neither); spread={self.spread} (blk256 only)")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output

@@ -194,7 +194,7 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
             return BoundLaunch(blk, grid(cols, step), 6, (num_assignments, reduce_dim, cols // step), W_ROWS=w_rows,
                                GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                                SEARCH_STEPS=search_steps(cdiv(rows, BLOCK_M)), CONSUMER_REGS=CONSUMER_REGS,
-                               num_warps=CONSUMER_WARPS, maxnreg=BLK256_REGISTERS, **launch)
+                               SPREAD=tile.spread, num_warps=CONSUMER_WARPS, maxnreg=BLK256_REGISTERS, **launch)
         if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
             tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
             return BoundLaunch(tail_down, grid(cols, tile.block_n), 9, (num_assignments, reduce_dim,

@@ -152,10 +152,43 @@ def _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, RO
 
 
 @gluon.jit
+def _share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, live, k_steps, it, SUB: gl.constexpr,
+           GATED: gl.constexpr):
+    """This consumer's share of a tile with ``live`` sub-tiles (1-4): its rows SUB * 128 .. as an m128 (two of them
+    live), an m64 (one) or no MMA; returns the ring position after the tile."""
+    SUB_M: gl.constexpr = c_desc.block_type.shape[0]
+    mine = gl.minimum(gl.maximum(live - 2 * SUB, 0), 2)  # this consumer's live sub-tiles
+    if mine == 2:
+        it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, SUB * 2 * SUB_M, 2 * SUB_M,
+                   GATED)
+    elif mine == 1:
+        it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, SUB * 2 * SUB_M, SUB_M, GATED)
+    else:
+        it = _release(ready, empty, k_steps, it)
+    return it
+
+
+@gluon.jit
+def _spread_share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, live, k_steps, it, SUB: gl.constexpr,
+                  GATED: gl.constexpr):
+    """``_share``, except that a tile with at most two live sub-tiles gives sub-tile SUB to consumer SUB (an m64
+    each) instead of both to consumer 0 (one m128)."""
+    SUB_M: gl.constexpr = c_desc.block_type.shape[0]
+    if live <= 2:
+        if live > SUB:
+            it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, SUB * SUB_M, SUB_M, GATED)
+        else:
+            it = _release(ready, empty, k_steps, it)
+    else:
+        it = _share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, live, k_steps, it, SUB, GATED)
+    return it
+
+
+@gluon.jit
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
               reduce_dim, num_col_blocks, SUB: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
-              SEARCH_STEPS: gl.constexpr):
-    """Rows SUB * 128 .. of every tile: an m128 or m64 MMA over its live sub-tiles, or none."""
+              SEARCH_STEPS: gl.constexpr, SPREAD: gl.constexpr):
+    """Rows SUB * 128 .. of every tile (``_share``; SPREAD: ``_spread_share``)."""
     SUB_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * SUB_M)
@@ -166,16 +199,13 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb, e, live = _tile_state(t, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr, num_assignments,
                                       GROUP_M, SEARCH_STEPS)
-        mine = gl.minimum(gl.maximum(live - 2 * SUB, 0), 2)  # this consumer's live sub-tiles
         if live > 0:
-            if mine == 2:
-                it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb * 2 * SUB_M, cb, k_steps, it,
-                           SUB * 2 * SUB_M, 2 * SUB_M, GATED)
-            elif mine == 1:
-                it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb * 2 * SUB_M, cb, k_steps, it,
-                           SUB * 2 * SUB_M, SUB_M, GATED)
+            if SPREAD:
+                it = _spread_share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb * 2 * SUB_M, cb, live, k_steps,
+                                   it, SUB, GATED)
             else:
-                it = _release(ready, empty, k_steps, it)
+                it = _share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb * 2 * SUB_M, cb, live, k_steps, it, SUB,
+                            GATED)
     tma.store_wait(0)
 
 
@@ -183,12 +213,13 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_
 def blk256_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr, num_assignments, reduce_dim,
                        num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, SPREAD: gl.constexpr = False):
     """a_desc [T, R] blocks [64, BK]; w_desc [E*W_ROWS, R] blocks [64, BK] (GATED) or [128, BK]; c_desc [T, C] blocks
     [64, 64] (GATED) or [64, 128]; experts_ptr [T / 128] int32 expert of each 128-row block (-1 past the rows in use);
     used_ptr -> rows in use (a multiple of 128); sorted_ptr [T] int32 assignment of each row (>= num_assignments:
     padding); the first five as ``gluon_gemm.grouped_gemm_kernel``'s (the lean launch binds them alike); reduce_dim =
-    R; num_col_blocks = C / (64 if GATED else 128); GATE_OFFSET = N when GATED. num_warps = 4."""
+    R; num_col_blocks = C / (64 if GATED else 128); GATE_OFFSET = N when GATED. num_warps = 4. SPREAD: a tile with
+    at most two live sub-tiles runs one on each consumer (``_spread_share``)."""
     W_N: gl.constexpr = w_desc.block_type.shape[0] * (2 if GATED else 1)
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     SUB_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -202,9 +233,9 @@ def blk256_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
-                     reduce_dim, num_col_blocks, FIRST_ROWS, GATED, GROUP_M, SEARCH_STEPS)),
+                     reduce_dim, num_col_blocks, FIRST_ROWS, GATED, GROUP_M, SEARCH_STEPS, SPREAD)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
-                     reduce_dim, num_col_blocks, SECOND_ROWS, GATED, GROUP_M, SEARCH_STEPS)),
+                     reduce_dim, num_col_blocks, SECOND_ROWS, GATED, GROUP_M, SEARCH_STEPS, SPREAD)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
                    reduce_dim, num_col_blocks, W_ROWS, GATE_OFFSET, GATED, GROUP_M, SEARCH_STEPS)),
     ], [4, 1], [CONSUMER_REGS, 24])
