@@ -132,3 +132,34 @@ def test_lean_launch_on_blk256_tiles(fake_gemms, m):
     assert not fake_gemms["gather"].log and not fake_gemms["bf16"].log
     with pytest.raises(ValueError, match="x_perm"):
         triton_gluon_lean.run_lean(x, w13, w2, ids, weights, None, BLK256_UP_TILE, BLK256_DOWN_TILE, in_loader=True)
+
+
+def test_the_route_takes_the_256_row_gate_up_tile_at_mixtral_512_only():
+    """M*k/E in [112, 160] for experts at least 8192 wide (Mixtral-8x7B: E = 8, k = 2, N = 14336): M = 512 only."""
+    from moekit.experts.triton_gluon_launch import plan_gluon, up_tile
+
+    assert up_tile(512, 2, 8, 14336) == BLK256_UP_TILE == plan_gluon(512, 2, 8, 14336).up
+    for m, k, e, n in ((1024, 2, 8, 14336), (256, 2, 8, 14336), (4096, 8, 256, 2048), (4096, 8, 128, 768)):
+        assert up_tile(m, k, e, n) == UP_TILE == plan_gluon(m, k, e, n).up
+    with pytest.raises(ValueError, match="spread"):
+        GluonTile(spread=True)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_experts_gluon_on_the_route_with_256_row_gate_up_tiles(fake_gemms, monkeypatch, lean):
+    """Where ``up_tile`` picks the 256-row tile (its width bound lowered to this problem's N = 128, 128 rows an
+    expert), both launches run the gate-up GEMM on it, the down GEMM on the route's tile, and match the float64 loop
+    (the spread form too: the same rows, the same values)."""
+    from moekit.experts import triton_gluon_launch
+    from moekit.experts.triton_gluon import experts_gluon
+
+    monkeypatch.setattr(triton_gluon_launch, "BLK256_UP_MIN_INTER", 128)
+    x, w13, w2, ids, weights = _bf16_problem(256, 2)
+    want = _f64(x, w13, w2, ids, weights)
+    for tile in (BLK256_UP_TILE, replace(BLK256_UP_TILE, spread=True)):
+        monkeypatch.setattr(triton_gluon_launch, "BLK256_UP_TILE", tile)
+        fake_gemms["blk256"].log.clear()
+        out = experts_gluon(x, w13, w2, ids, weights, lean=lean)
+        assert rel_l2(out, want) < 1e-2
+        (_, bound, _), = fake_gemms["blk256"].log
+        assert bound["GATED"] and bound["SPREAD"] == tile.spread

@@ -116,8 +116,9 @@ DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6)  # 6 x 32 KB ring + 32 
 # with it (H200, benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run2.json's tile variants).
 NARROW_INTER = 1024
 NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
-# 256-row tiles (``GluonTile.blk256``, options: no default takes them): one row block's column blocks in turn (its
-# A sub-tiles shared in L2 by the programs running them, each expert's weight rows read in order)
+# 256-row tiles (``GluonTile.blk256``): one row block's column blocks in turn (its A sub-tiles shared in L2 by the
+# programs running them, each expert's weight rows read in order). The down one is an option no default takes
+# (3 stages: 1.5-2x slower alone than DOWN_TILE at every cell of session 28's CK1)
 BLK256_UP_TILE = GluonTile(block_n=128, block_k=64, stages=4, group_m=1, blk256=True)  # 4 x 48 KB + 2 x 16 KB out
 BLK256_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=3, group_m=1, blk256=True)  # 3 x 48 KB + 2 x 32 KB
 
@@ -138,13 +139,33 @@ def wants_tail(num_tokens: int, top_k: int, num_experts: int, inter: int) -> boo
     return inter > NARROW_INTER and TAIL_PER_EXPERT[0] <= per_expert <= TAIL_PER_EXPERT[1]
 
 
+# The gate-up GEMM on 256-row tiles where M*k/E lies in BLK256_UP_PER_EXPERT for experts at least BLK256_UP_MIN_INTER
+# wide: an expert ending 1-40 rows past a 128-row block no longer streams its weight tiles twice. H200 CK1 of session
+# 28 (raw/NVIDIA_H200-2026-12-04-c12ba1e-blk256-ck1.log, graph replay, 5 interleaved rounds): Mixtral M = 512 (128
+# an expert) the lean launch with it 894.8 us against the route's 940.5 (1.051x, >= 3% in 5 of 5), its gate-up alone
+# 579 against 631 us; slower where experts hold ~256 rows or are narrow: Mixtral 1024 0.926x, Qwen3 4096 0.82x
+# (against the route's in-loader gather); DeepSeek-V3 4096 (N = 2048, 128 an expert) 0.956x, gate-up alone 5339
+# against 4670 us under uniform routing (4139 against 4442 balanced)
+BLK256_UP_PER_EXPERT = (112, 160)
+BLK256_UP_MIN_INTER = 8192
+
+
+def up_tile(num_tokens: int, top_k: int, num_experts: int, inter: int) -> GluonTile:
+    """The route's gate-up tile: ``BLK256_UP_TILE`` where M*k/E lies in ``BLK256_UP_PER_EXPERT`` and the experts
+    are at least ``BLK256_UP_MIN_INTER`` wide, else ``UP_TILE``."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    wide = inter >= BLK256_UP_MIN_INTER and BLK256_UP_PER_EXPERT[0] <= per_expert <= BLK256_UP_PER_EXPERT[1]
+    return BLK256_UP_TILE if wide else UP_TILE
+
+
 def plan_gluon(num_tokens: int, top_k: int, num_experts: int, inter: int) -> GluonPlan:
     """The plan of a call (``inter``: N); its rows hold any routing of the M*k assignments
-    (``max_padded_rows``); the down tile with the tail where ``wants_tail``."""
+    (``max_padded_rows``); the gate-up tile ``up_tile``'s, the down tile with the tail where ``wants_tail``."""
     from moekit.layouts.grouping import max_padded_rows
 
     rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
-    return GluonPlan(rows=rows, up=UP_TILE, down=down_tile(inter, wants_tail(num_tokens, top_k, num_experts, inter)))
+    return GluonPlan(rows=rows, up=up_tile(num_tokens, top_k, num_experts, inter),
+                     down=down_tile(inter, wants_tail(num_tokens, top_k, num_experts, inter)))
 
 
 def down_tile(inter: int, tail: bool = False) -> GluonTile:
