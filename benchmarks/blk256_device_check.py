@@ -5,8 +5,8 @@ cells; since CK1 the route's gate-up tile at Mixtral M = 512 (``triton_gluon_lau
     PYTHONPATH=$PWD timeout 75 python3 benchmarks/blk256_device_check.py --out $OUT/blk256 --deadline 58   # H200
     (--cells mixtral-8x7b:512 --only "lean g128": the route against the route before it, no parts)
 
-``mid7_device_check``'s machinery (log, watchdog, PASS/FAIL against the twin, interleaved graph rounds; its module
-state is this run's), no compile workers. First the ceilings (the bench's: copy, bf16 mm 8192^3). Per cell (the
+``mid7_device_check``'s machinery (its ``RunLog``: log, watchdog, table; PASS/FAIL against the twin, interleaved
+graph rounds; its module state is this run's), no compile workers. First the ceilings (the bench's: copy, bf16 mm 8192^3). Per cell (the
 bench's weights, two uniform routing sets; ``blk256_variants`` names every call):
   1. correctness: the gate-up GEMM's h at each 256-row tile against g128's on every real row of set 0 (bit-equal?
      rel L2 < 2e-3; rows a tile leaves unwritten are NaN), then every whole call against the Gluon twin
@@ -134,30 +134,25 @@ def main() -> int:
     args.deadline -= 4.0  # the table and JSON after the last timing
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    md.STALL_S = 30.0  # the watchdog's silence limit (a hung kernel), inside the 70 s budget
-    threading.Thread(target=md.watchdog, daemon=True).start()
+    md.RUN.stall_s = 30.0  # the watchdog's silence limit (a hung kernel), inside the 70 s budget
+    threading.Thread(target=md.RUN.watchdog, kwargs={"poll_s": 1.0}, daemon=True).start()
     import triton
 
-    from moekit.bench.ceilings import measure_ceilings
+    from bench_run import ceilings
+
     from moekit.experts.triton import clear_launch_caches
 
-    base = measure_ceilings(dev)
-    ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}
+    ceil = ceilings(dev)
     md.RESULTS.update(ceilings=ceil, device=torch.cuda.get_device_name(), torch=torch.__version__,
                       triton=triton.__version__)
     md.log(f"ceilings: {ceil}; torch {torch.__version__}, triton {triton.__version__}")
-    for spec in args.cells:
-        if time.perf_counter() - md.T0 > args.deadline:
-            md.SUMMARY.append(f"{spec}: not reached (deadline)")
-            continue
-        try:
-            run_cell(spec, dev, ceil, args)
-        except Exception as exc:  # noqa: BLE001 (one cell's failure is reported, the others still run)
-            md.log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            md.FAILED.append(spec)
+
+    def after() -> None:
         clear_launch_caches()
         torch.cuda.empty_cache()
-    md.print_table()
+
+    md.RUN.each_cell(args.cells, lambda spec: run_cell(spec, dev, ceil, args), args.deadline, after)
+    md.RUN.print_table()
     return 1 if md.FAILED else 0
 
 

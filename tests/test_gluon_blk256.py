@@ -82,7 +82,7 @@ def test_blk256_tiles_fit_sm90_and_refuse_what_they_cannot_run():
         assert tile.accumulator_registers(gated) == 128
         with pytest.raises(ValueError, match="SMEM"):
             check_tile(replace(tile, stages=tile.stages + 1), gated)
-    for bad in (dict(block_n=64), dict(tail=64), dict(expert_order=True)):
+    for bad in (dict(block_n=64), dict(tail=64)):
         with pytest.raises(ValueError, match="blk256"):
             GluonTile(blk256=True, **bad)
 
