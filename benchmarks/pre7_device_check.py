@@ -1,16 +1,17 @@
-"""Issue 19 at prefill (branch `pre7`): the expert-aligned tile order of the bf16 Gluon GEMMs at the M >= 4096 cells,
-against 70% of the matmul rate, timed as ``moekit bench`` times them (``prefill6_device_check``'s machinery).
+"""Issue 19 at prefill: the route's bf16 Gluon GEMMs at the M >= 4096 cells, against 70% of the matmul rate, timed as
+``moekit bench`` times them (``prefill6_device_check``'s machinery). Session 27 (branch `pre7`) built it to time the
+expert-aligned tile order against the route; the order was removed in session 28 (no default took it): what stays is
+the route's whole call and each of its GEMMs alone.
 
     PYTHONPATH=$PWD python3 benchmarks/pre7_device_check.py --out $OUT/pre7 [--deadline 55] [--rounds 7]
         [--cells deepseek-v3:16384 qwen3-30b-a3b:16384 ...] [--parts whole alone dense]
 
 First the ceilings (copy, bf16 mm 8192^3: % of mm is against this run's rate). Per cell (preset, M; the bench's
-weights, two rotated input sets, uniform routing): the route's plan and its layout's padding; every variant of
-``pre7_variants`` against the Gluon twin (rel L2 < 2e-3) and bit for bit against the route (PASS/FAIL); the route's
-kernels (profiler); whole calls in ``--rounds`` interleaved rounds (the bench's ``time_stats``: events over passes,
-median; each round starts with the next variant), x = route µs / variant µs and the rounds it won by >= 3%; each GEMM
-alone in both orders under uniform and balanced routing; cuBLAS on the cell's two GEMM shapes. JSON to
-``--out``/pre7.json after every cell, the table LAST. Exit 1 when a check fails.
+weights, two rotated input sets, uniform routing): the route's plan and its layout's padding; the route against the
+Gluon twin (rel L2 < 2e-3, PASS/FAIL); the route's kernels (profiler); whole calls in ``--rounds`` rounds (the bench's
+``time_stats``: events over passes, median); each GEMM alone under uniform and balanced routing (x = uniform µs /
+balanced µs: what the padding rows cost); cuBLAS on the cell's two GEMM shapes. JSON to ``--out``/pre7.json after
+every cell, the table LAST. Exit 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import prefill6_device_check as p6  # noqa: E402  (the log, checks, rounds and table: its module state is the run's)
 from bench_rounds import rotated_rounds, versus  # noqa: E402
 
-# DeepSeek-V3 M = 4096 last: its "both expert" runs the tail kernel in the expert order, first measured at checkpoint 2
 CELLS = ("deepseek-v3:16384", "qwen3-30b-a3b:16384", "qwen3-30b-a3b:4096", "mixtral-8x7b:4096", "deepseek-v3:4096")
 
 
@@ -61,7 +61,7 @@ def run_cell(spec: str, dev, ceil: dict, args) -> None:
 
 
 def summarize(name: str, cell: dict) -> None:
-    """The route and each variant (median, % of mm, route vs it), then each GEMM alone against its route order."""
+    """The route (median, % of mm), then each GEMM alone (balanced against uniform routing)."""
     rounds = cell.get("rounds_us", {})
     if rounds.get("route"):
         p6.SUMMARY.append(f"{name}: 70% of mm needs <= {cell['target_us_70pct']:.0f} us; layout {cell['layout']}")
@@ -72,11 +72,10 @@ def summarize(name: str, cell: dict) -> None:
                               f"variant vs route {versus(t, rounds['route'])}")
     al = cell.get("alone_us", {})
     for n, t in al.items():
-        base = n.replace(" expert", "").replace(" in-loader", "")
         share = 2 / 3 if n.startswith("up") else 1 / 3
         pct = 100 * share * cell["flops"] / (statistics.median(t) * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-        p6.SUMMARY.append(f"  alone {n:22s} {statistics.median(t):8.1f} us {pct:5.1f}% mm  vs {base} "
-                          f"{versus(t, al[base])}")
+        padding = f"  uniform / balanced {versus(t, al[n.replace(' balanced', '')])}" if "balanced" in n else ""
+        p6.SUMMARY.append(f"  alone {n:22s} {statistics.median(t):8.1f} us {pct:5.1f}% mm{padding}")
 
 
 def main() -> int:

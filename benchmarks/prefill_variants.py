@@ -85,13 +85,12 @@ def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False) -> GemmPa
     if in_loader:
         def up_call():
             launch_gather_gemm(x, lay.sorted_ids, lay.src_to_dst.view(-1), w13_2d, h, lay.block_experts, lay.rows_used,
-                               ids.shape[1], up, lay.offsets)
+                               ids.shape[1], up)
     else:
         def up_call():
-            launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter,
-                        offsets=lay.offsets)
-    return GemmPair(up_call, lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden,
-                                                 offsets=lay.offsets), lay.rows_used)
+            launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter)
+    return GemmPair(up_call, lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden),
+                    lay.rows_used)
 
 
 def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:

@@ -31,26 +31,9 @@ def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER, block_m=BLOCK):
-    """What the kernel's tile walk reads holds: with EXPERT_ORDER, offsets_ptr [E + 1] brackets every used block
-    of each expert, and the walk (``tile_order``, the kernel's arithmetic) visits every tile once."""
-    from moekit.experts.triton_gluon_order import tile_order
-
-    if not EXPERT_ORDER:
-        return
-    blocks = int(used_ptr[0]) // block_m
-    for b in range(blocks):
-        e = int(experts_ptr[b])
-        assert int(offsets_ptr[e]) <= b * block_m < int(offsets_ptr[e + 1]), (b, e, offsets_ptr.tolist())
-    walk = tile_order(experts_ptr, offsets_ptr, blocks * block_m, num_col_blocks, GROUP_M, True, block_m)
-    assert sorted(map(tuple, walk.tolist())) == [(rb, cb) for rb in range(blocks) for cb in range(num_col_blocks)]
-
-
-def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, num_col_blocks, W_ROWS, GATE_OFFSET, GATED,
-              GROUP_M, EXPERT_ORDER, **_):
+def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, block_m = c.shape[1], a_desc.block_shape[0]  # the tile's rows: the layout's alignment (64 or 128)
-    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER, block_m)
     for block in range(int(used_ptr[0]) // block_m):
         e, rows = int(experts_ptr[block]), slice(block * block_m, (block + 1) * block_m)
         first = e * W_ROWS
@@ -61,13 +44,12 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, num_co
         c[rows] = product.to(c.dtype)
 
 
-def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, num_assignments,
-                stride_x, num_col_blocks, TOP_K, W_ROWS, GATE_OFFSET, GROUP_M, EXPERT_ORDER, **_):
+def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, num_assignments, stride_x,
+                TOP_K, W_ROWS, GATE_OFFSET, **_):
     """The gate-up GEMM gathering its rows in its loader: row r reads x[sorted[r] // TOP_K] (zeros for padding),
     and dst[sorted[r]] = r for the real rows."""
     w, c = w_desc.base, c_desc.base
     cols = c.shape[1]
-    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
     assert x_ptr.stride(0) == stride_x
     for block in range(int(used_ptr[0]) // BLOCK):
         e, rows = int(experts_ptr[block]), torch.arange(block * BLOCK, (block + 1) * BLOCK)
@@ -148,13 +130,12 @@ def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bo
             and (tail == BLOCK or int(sorted_ptr[(b + 1) * BLOCK + tail]) >= num_assignments) for b in range(nrb)]
 
 
-def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, offsets_ptr,
-              num_assignments, num_col_blocks, W_ROWS, GROUP_M, EXPERT_ORDER, **_):
+def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS,
+              **_):
     """The bf16 down GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's
     own tiles write nothing."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, tail = c.shape[1], t_desc.block_shape[0]
-    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
     folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
     for block, fold in enumerate(folds):
         if block and folds[block - 1]:
@@ -162,6 +143,42 @@ def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, 
         e, first = int(experts_ptr[block]), block * BLOCK
         rows = slice(first, first + BLOCK + (tail if fold else 0))
         c[rows] = (a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T).to(c.dtype)
+
+
+def _blk256_live(ex: list[int], sorted_ptr, block: int, nrb: int, num_assignments: int) -> int:
+    """64-row sub-tiles from block's first row on, at most four, inside its expert's blocks and before its padding."""
+    live = 0
+    while live < 4:
+        row = block * BLOCK + live * 64
+        if row // BLOCK >= nrb or ex[row // BLOCK] != ex[block] or int(sorted_ptr[row]) >= num_assignments:
+            break
+        live += 1
+    return live
+
+
+def blk256_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr, num_assignments, num_col_blocks, W_ROWS,
+                GATE_OFFSET, GATED, **_):
+    """The 256-row GEMM: a tile starts at each even block counted from its expert's first and covers that expert's
+    64-row sub-tiles from there (at most four) up to its first padding row; column block by column block (cb * C
+    columns, C = the output block's; gated: gate rows cb * C.., up rows GATE_OFFSET + cb * C..)."""
+    a, w, c = a_desc.base, w_desc.base, c_desc.base
+    sub, cols = c_desc.block_shape
+    assert a_desc.block_shape[0] == sub == 64 and w_desc.block_shape[0] == cols
+    nrb, ex = int(used_ptr[0]) // BLOCK, [int(e) for e in experts_ptr]
+    for block in range(nrb):
+        first = block
+        while first > 0 and ex[first - 1] == ex[block]:
+            first -= 1
+        if (block - first) % 2:
+            continue
+        rows = slice(block * BLOCK, block * BLOCK + sub * _blk256_live(ex, sorted_ptr, block, nrb, num_assignments))
+        for cb in range(num_col_blocks):
+            w0 = ex[block] * W_ROWS + cb * cols
+            product = a[rows].float() @ w[w0:w0 + cols].float().T  # [live * 64, C]
+            if GATED:
+                up = w[w0 + GATE_OFFSET:w0 + GATE_OFFSET + cols].float()
+                product = torch.nn.functional.silu(product) * (a[rows].float() @ up.T)
+            c[rows, cb * cols:(cb + 1) * cols] = product.to(c.dtype)
 
 
 class FakeKernel:
@@ -190,8 +207,9 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail", "wo": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in
-    its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8 weight-only GEMM)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo", "blk256": FakeKernel} (the gather: the bf16 gate-up GEMM with the
+    gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8
+    weight-only GEMM; blk256: the bf16 GEMMs on 256-row tiles)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -201,7 +219,8 @@ def install_fakes(setattr_=setattr) -> dict:
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
                                      ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
-                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm)):
+                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm),
+                                     ("blk256", "gluon_gemm_blk256", "blk256_gemm_kernel", blk256_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

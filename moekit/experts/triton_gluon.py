@@ -20,11 +20,10 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_gemm, launch_gather_rows,
-    launch_gemm, plan_gluon, wants_loader_gather, wants_tail,
+    BLOCK_M, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_gemm, launch_gather_rows, launch_gemm,
+    plan_gluon, up_tile, wants_loader_gather, wants_tail,
 )
 from moekit.experts.triton_gluon_lean import run_fast_gluon  # a module import, not one per repeated call
-from moekit.experts.triton_gluon_order import segment_offsets
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -116,7 +115,6 @@ class GluonLayout:
     rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of BLOCK_M
     src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
     sorted_ids: torch.Tensor  # [R] int32; assignment of each row, >= M*k for padding
-    offsets: torch.Tensor | None = None  # [E + 1] int32; first row of each expert's segment (the expert tile order)
 
 
 def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -131,14 +129,11 @@ def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
     num_tokens, top_k = topk_ids.shape
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
-    offsets = segment_offsets(blocks.counts, BLOCK_M)
     if in_loader:
-        return GluonLayout(None, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids,
-                           offsets)
+        return GluonLayout(None, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
     x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
     launch_gather_rows(x, blocks.sorted_ids, top_k, x_perm, dst)
-    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids,
-                       offsets)
+    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
 
 
 def experts_gluon(
@@ -175,27 +170,27 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     if lean:
         from moekit.experts.triton_gluon_lean import run_lean
 
-        tail = wants_tail(x.shape[0], topk_ids.shape[1], num_experts, inter)  # the down GEMM folds tails
-        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter, tail),
-                        fast_key=fast_key)
+        m, top_k = topk_ids.shape
+        tail = wants_tail(m, top_k, num_experts, inter)  # the down GEMM folds tails
+        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, up_tile(m, top_k, num_experts, inter),
+                        down_tile(inter, tail), fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     w13_2d = w13.view(num_experts * 2 * inter, hidden)
-    in_loader = wants_loader_gather(x, inter)  # the gate-up GEMM reads x's rows itself and writes dst
+    # the gate-up GEMM reads x's rows itself and writes dst (not on 256-row tiles: they read x_perm by TMA)
+    in_loader = not plan.up.blk256 and wants_loader_gather(x, inter)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map, in_loader=in_loader)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
     assignments = topk_ids.numel()  # a tile's tail reads the layout's sorted_ids (>= A: padding)
     if in_loader:
         launch_gather_gemm(x, layout.sorted_ids, layout.src_to_dst.view(-1), w13_2d, h, layout.block_experts,
-                           layout.rows_used, topk_ids.shape[1], plan.up, layout.offsets)
+                           layout.rows_used, topk_ids.shape[1], plan.up)
     else:
         launch_gemm(layout.x_perm, w13_2d, h, layout.block_experts, layout.rows_used, plan.up, gated=True,
-                    w_rows=2 * inter, gate_offset=inter, sorted_ids=layout.sorted_ids, num_assignments=assignments,
-                    offsets=layout.offsets)
+                    w_rows=2 * inter, gate_offset=inter, sorted_ids=layout.sorted_ids, num_assignments=assignments)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
-                gated=False, w_rows=hidden, sorted_ids=layout.sorted_ids, num_assignments=assignments,
-                offsets=layout.offsets)
+                gated=False, w_rows=hidden, sorted_ids=layout.sorted_ids, num_assignments=assignments)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out
