@@ -11,8 +11,8 @@ path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Five decodes o
 chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
 "register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers), "mma"
-(``_kernels/gemm_wo_mma.py``, 4-bit schemes, selectable only: 32-bit words decoded where they land into one
-tensor-core operand in a permuted K order, one dot a step), "gemv"
+(``_kernels/gemm_wo_mma.py``, all three schemes: 32-bit words decoded where they land into one tensor-core
+operand in a permuted K order, one dot each 128 columns of a step of 128 or 256), "gemv"
 (``_kernels/gemm_wo_gemv.py``: 32-bit words bit-placed into float32 on the CUDA cores, blocks of 1-2
 rows; weights whose rows are whole words only, ``triton_wo_gemv.words_ok``), and at large batches
 "scratch" (``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs).
