@@ -106,7 +106,8 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
-                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None, lean: bool = True) -> torch.Tensor:
+                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
+                         lean: bool = True) -> torch.Tensor:
     """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
     ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail). ``lean``:
     through ``triton_gluon_wo_lean`` (plan, descriptors, workspace and launches kept); off: the plain launches, each
