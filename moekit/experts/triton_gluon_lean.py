@@ -1,4 +1,5 @@
-"""The lean eager launch of the Gluon paths (bf16 ``triton_gluon``, fp8 ``triton_gluon_fp8``): what their plain
+"""The lean eager launch of the Gluon paths (bf16 ``triton_gluon``, fp8 ``triton_gluon_fp8``; the weight-only one,
+``triton_gluon_wo_lean``, shares this module's plans, pool, descriptors and sequences): what their plain
 launch decides on every call (the alignment through its custom op and ``kernel[grid](...)``, fresh buffers, six
 TMA descriptors, every launch through Triton's binder) decided once and reused, with the Triton path's machinery.
 
