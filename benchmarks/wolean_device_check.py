@@ -264,10 +264,13 @@ def table(cells: list, ceil: dict) -> None:
     print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)", flush=True)
 
 
-def watchdog(cells: list, ceil: dict) -> None:
-    """Past the deadline + WATCHDOG_S (a hung kernel): the table and JSON so far, then exit."""
+def watchdog(cells: list, ceil: dict, procs: dict) -> None:
+    """Past the deadline + WATCHDOG_S (a hung kernel): the compile workers left killed (none outlives this run), the
+    table and JSON so far, then exit."""
     time.sleep(max(1.0, ARGS.deadline + WATCHDOG_S - elapsed()))
     print(f"watchdog: {elapsed():.0f} s, exiting", flush=True)
+    for p, _ in [w for workers in list(procs.values()) for w in workers]:
+        p.kill()
     FAILED.append("watchdog")
     table(list(cells), ceil)
     dump(list(cells), ceil)
@@ -295,7 +298,7 @@ def main() -> int:
           "TFLOP/s", flush=True)
     cells, held, status = [], {}, {}
     if not SMOKE:
-        threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
+        threading.Thread(target=watchdog, args=(cells, ceil, procs), daemon=True).start()
     for ci, (preset, m, _) in enumerate(CELLS[:1] if SMOKE else CELLS):
         budget = 4.0 if preset == "qwen3-30b-a3b" else 8.0  # a cell's weights, checks, graphs and rounds
         if elapsed() + budget > ARGS.deadline:
