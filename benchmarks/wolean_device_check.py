@@ -3,6 +3,7 @@
 calls from one fast-path entry) against its plain launches (~1 ms of host a call) and today's default decode.
 
     PYTHONPATH=$PWD timeout 70 python3 benchmarks/wolean_device_check.py --out $OUT/wolean --deadline 54   # H200
+    PYTHONPATH=$PWD timeout 45 python3 benchmarks/wolean_device_check.py --out $OUT/wolean --deadline 31 --taken
     PYTHONPATH=$PWD python3 benchmarks/wolean_device_check.py --smoke    # CPU: tiny shapes, the Gluon GEMMs faked
 
 Cells (``wolean_variants.CELLS``, in this order, skipped past the deadline): Qwen3-30B-A3B int8 / int4 / mxfp4 at M =
@@ -16,7 +17,9 @@ as ``moekit bench`` times them (``EAGER_CALLS`` back to back after a sync, ROUND
 issue them, host after the first call, wall µs a call to completion), % of the byte floor (touched experts' stored bytes
 over the copy rate measured here) and of the flop floor (2 M k 3NK over the bf16 mm rate measured here). A cell is taken
 (``GLUON_WO_CELLS``) where lean wins 5/5 graph rounds and its eager wall is not above the default's. The table is
-printed last; JSON <out>/wolean.json.
+printed last; JSON <out>/wolean.json. Where today's default is the Gluon path (``--taken``: the cells checkpoint 1
+took, ``wolean_variants.TAKEN_CELLS``), "lean" is the default and "prev" (the backend with the shape out of
+``GLUON_WO_CELLS``: the chooser's decode) is what it is held against.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import traceback
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
+if "--taken" in sys.argv:  # wolean_variants.TAKEN_CELLS, here and in the compile workers
+    os.environ["WOLEAN_CELLS"] = "taken"
 
 import torch  # noqa: E402
 
@@ -42,7 +47,7 @@ from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 from wol7_device_check import ceilings, graph_of  # noqa: E402
 
-from wolean_variants import CELLS, VARIANTS, Weights, default_decode, shape_of, variants  # noqa: E402
+from wolean_variants import CELLS, Weights, default_decode, shape_of, variant_names, variants  # noqa: E402
 
 from moekit.bench.cells import make_sets, measured_experts_touched  # noqa: E402
 from moekit.experts.triton_gluon_wo import experts_gluon_wo_twin  # noqa: E402
@@ -76,8 +81,8 @@ class Cell:
 
 def tasks_of() -> list:
     """Every (cell, scheme, variant) index triple."""
-    return [(ci, si, vi) for ci, (_, _, schemes) in enumerate(CELLS) for si in range(len(schemes))
-            for vi in range(len(VARIANTS))]
+    return [(ci, si, vi) for ci, (preset, m, schemes) in enumerate(CELLS) for si, scheme in enumerate(schemes)
+            for vi in range(len(variant_names(scheme, shape_of(preset), m)))]
 
 
 def worker_main(tasks: list) -> None:
@@ -91,7 +96,7 @@ def worker_main(tasks: list) -> None:
             held[preset] = Weights(s, dev, None)
         print(f"START {ci * 100 + si} {vi}", flush=True)
         try:
-            fn = variants(schemes[si], s, m, held[preset])[VARIANTS[vi]]
+            fn = list(variants(schemes[si], s, m, held[preset]).values())[vi]
             c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
             fn(c)
             fn(c)  # the lean variant's second call records its sequence
@@ -108,22 +113,25 @@ def start_workers() -> dict:
     another (12 workers in all, on the H200 host's 16 cores)."""
     parts = {}
     for ci, si, vi in tasks_of():
-        preset, _, schemes = CELLS[ci]
-        parts.setdefault(preset, {}).setdefault((schemes[si], VARIANTS[vi] == "default"), []).append((ci, si, vi))
+        preset, m, schemes = CELLS[ci]
+        name = variant_names(schemes[si], shape_of(preset), m)[vi]
+        parts.setdefault(preset, {}).setdefault((schemes[si], name in ("default", "prev")), []).append((ci, si, vi))
     return {preset: spawn_workers(__file__, list(part.values()), SMOKE, f"wolean_{preset}")
             for preset, part in parts.items()}
 
 
 def check(cell: Cell, name: str, fn, c0, refs: tuple, plain_out) -> object:
-    """PASS / FAIL of one variant on the first input set; returns its output (None on an error)."""
+    """PASS / FAIL of one variant on the first input set: rel-L2 to the reference, a Gluon variant's to the twin and
+    its equality to the plain launch's output ``plain_out`` (where given); returns its output (None on a failure)."""
     tag = f"{cell.preset} M={cell.m} {cell.scheme} {name}"
     out = None
+    gluon = name in ("plain", "lean") or (name == "default" and cell.default == "gluon")
     try:
         out = fn(c0)
         errs = {"ref": rel_err(out, refs[0])}
-        if name != "default":
+        if gluon:
             errs["twin"] = rel_err(out, refs[1])
-        if plain_out is not None:  # lean: bit for bit the plain launch's
+        if gluon and plain_out is not None:  # bit for bit the plain launch's
             errs["plain_equal"] = bool(torch.equal(out, plain_out))
     except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
         traceback.print_exc(limit=3)
@@ -205,7 +213,7 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> list:
                 print(f"FAIL  {preset} M={m} {scheme} {name}  (compile worker: {state[:160]})", flush=True)
                 FAILED.append(f"{preset} M={m} {scheme} {name}")
                 continue
-            out = check(cell, name, fn, c0, refs, plain_out if name == "lean" else None)
+            out = check(cell, name, fn, c0, refs, plain_out)
             plain_out = out if name == "plain" else plain_out
             if out is not None and dev.type == "cuda":
                 graphs[(si, name)] = graph_of([lambda c=c, fn=fn: fn(c) for c in inputs], dev)
@@ -221,14 +229,15 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> list:
 
 
 def verdict(c: Cell) -> str:
-    """Whether lean takes the cell: >= 3% faster than the default in every graph round, eager wall not above it."""
-    lean, default = c.rounds.get("lean"), c.rounds.get("default")
-    if not lean or not default or c.default == "gluon":
+    """Whether the Gluon path's lean launch takes the cell: >= 3% faster than the other decode in every graph round,
+    eager wall not above it (lean against the default; where the default is the Gluon path, it against "prev")."""
+    new, old = ("default", "prev") if c.default == "gluon" else ("lean", "default")
+    if not c.rounds.get(new) or not c.rounds.get(old):
         return "-"
-    wins = sum(x <= WIN * d for x, d in zip(lean, default))
-    wall_ok = c.eager["lean"]["wall_us"] <= c.eager["default"]["wall_us"]
-    return f"lean wins {wins}/{ROUNDS}, eager wall {'<=' if wall_ok else '>'} default: " + (
-        "TAKE" if wins == ROUNDS and wall_ok else "keep default")
+    wins = sum(x <= WIN * d for x, d in zip(c.rounds[new], c.rounds[old]))
+    wall_ok = c.eager[new]["wall_us"] <= c.eager[old]["wall_us"]
+    return f"{new} wins {wins}/{ROUNDS} vs {old}, eager wall {'<=' if wall_ok else '>'}: " + (
+        "TAKE" if wins == ROUNDS and wall_ok else f"keep {old}")
 
 
 def row(c: Cell) -> list[str]:
@@ -278,11 +287,16 @@ def watchdog(cells: list, ceil: dict, procs: dict) -> None:
 
 
 def install_smoke_fakes() -> None:
-    """CPU: the Gluon GEMMs replaced by the tests' torch stand-ins."""
+    """CPU: the Gluon GEMMs replaced by the tests' torch stand-ins; the first cell's first scheme taken by the Gluon
+    path (its "prev" variant runs, as at a taken cell on the H200)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from _gluon_fakes import install_fakes
 
+    from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS
+
     install_fakes()
+    (preset, m, schemes), s = CELLS[0], shape_of(CELLS[0][0])
+    GLUON_WO_CELLS[(schemes[0], s.num_experts, s.n, s.k)] = (m, 2 * m)
 
 
 def main() -> int:
@@ -328,5 +342,6 @@ if __name__ == "__main__":
         parser.add_argument("--smoke", action="store_true")
         parser.add_argument("--deadline", type=float, default=ARGS.deadline, help="no cell starts past it (s)")
         parser.add_argument("--out", default=ARGS.out, help="folder for wolean.json (default $OUT)")
+        parser.add_argument("--taken", action="store_true", help="only the cells checkpoint 1 took (TAKEN_CELLS)")
         ARGS = parser.parse_args()
         sys.exit(main())

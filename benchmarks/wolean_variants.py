@@ -5,6 +5,7 @@ and today's default decode, all three as the ``triton`` backend (or the path's o
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -23,14 +24,19 @@ from wo_device_check import quantized
 SMOKE = "--smoke" in sys.argv
 # (preset, M, schemes), in the order they run (a cell past the deadline is skipped): int4 groups of 128 with zero
 # points (moekit bench's)
-CELLS = (("qwen3-30b-a3b", 1024, ("int8_w8a16", "int4_w4a16", "mxfp4")),
-         ("qwen3-30b-a3b", 2048, ("int8_w8a16", "int4_w4a16", "mxfp4")),
-         ("qwen3-30b-a3b", 4096, ("int8_w8a16", "int4_w4a16", "mxfp4")),
-         ("mixtral-8x7b", 1024, ("int4_w4a16", "mxfp4")),
-         ("deepseek-v3", 1024, ("int8_w8a16",)),
-         ("deepseek-v3", 2048, ("int8_w8a16",)),
-         ("mixtral-8x7b", 4096, ("int4_w4a16", "mxfp4")))
-VARIANTS = ("default", "plain", "lean")
+ALL_CELLS = (("qwen3-30b-a3b", 1024, ("int8_w8a16", "int4_w4a16", "mxfp4")),
+             ("qwen3-30b-a3b", 2048, ("int8_w8a16", "int4_w4a16", "mxfp4")),
+             ("qwen3-30b-a3b", 4096, ("int8_w8a16", "int4_w4a16", "mxfp4")),
+             ("mixtral-8x7b", 1024, ("int4_w4a16", "mxfp4")),
+             ("deepseek-v3", 1024, ("int8_w8a16",)),
+             ("deepseek-v3", 2048, ("int8_w8a16",)),
+             ("mixtral-8x7b", 4096, ("int4_w4a16", "mxfp4")))
+# the cells checkpoint 1 took into GLUON_WO_CELLS (``--taken``: the merged run re-times them against "prev")
+TAKEN_CELLS = (("qwen3-30b-a3b", 1024, ("int8_w8a16", "mxfp4")),
+               ("qwen3-30b-a3b", 2048, ("int8_w8a16", "int4_w4a16", "mxfp4")),
+               ("qwen3-30b-a3b", 4096, ("int8_w8a16",)),
+               ("deepseek-v3", 2048, ("int8_w8a16",)))
+CELLS = TAKEN_CELLS if os.environ.get("WOLEAN_CELLS") == "taken" else ALL_CELLS  # (the compile workers inherit it)
 
 
 def shape_of(preset: str) -> Shape:
@@ -83,13 +89,25 @@ def _backend(cells: dict):
     return call
 
 
+def variant_names(scheme: str, s: Shape, m: int) -> tuple:
+    """The variants of a cell in the order they run: "plain" first (the Gluon variants' outputs must equal its);
+    "prev" where today's default is the Gluon path, else "lean"."""
+    return ("plain", "default", "prev") if default_decode(scheme, s, m) == "gluon" else ("plain", "default", "lean")
+
+
 def variants(scheme: str, s: Shape, m: int, w: Weights) -> dict:
-    """name -> fn(inputs) -> out: "default" (the backend with today's GLUON_WO_CELLS), "plain" (the Gluon path's
-    plain launches, ``run_experts_wo_gluon(lean=False)``), "lean" (the backend with this cell in GLUON_WO_CELLS:
-    the Gluon path's lean launch, repeated calls from the backend's fast-path entry)."""
-    _, args, q_default, q_lean = w.wo(scheme)
+    """name -> fn(inputs) -> out (``variant_names``): "plain" (the Gluon path's plain launches,
+    ``run_experts_wo_gluon(lean=False)``), "default" (the backend with today's GLUON_WO_CELLS), "lean" (the backend
+    with this cell in GLUON_WO_CELLS: the Gluon path's lean launch, repeated calls from the backend's fast-path entry)
+    or, where the default is already that, "prev" (the backend with this shape out of GLUON_WO_CELLS: the chooser's
+    decode it replaced)."""
+    key = (scheme, s.num_experts, s.n, s.k)
     today = _backend(dict(GLUON_WO_CELLS))
-    taken = _backend({**GLUON_WO_CELLS, (scheme, s.num_experts, s.n, s.k): (m, m + 1)})
-    return {"default": lambda c: today(c, *q_default),
-            "plain": lambda c: run_experts_wo_gluon(c.x, *args, c.topk_ids, c.topk_weights, None, scheme, lean=False),
-            "lean": lambda c: taken(c, *q_lean)}
+    taken = _backend({**GLUON_WO_CELLS, key: (m, m + 1)})
+    before = _backend({k: v for k, v in GLUON_WO_CELLS.items() if k != key})
+    fns = {"plain": lambda c: run_experts_wo_gluon(c.x, *w.wo(scheme)[1], c.topk_ids, c.topk_weights, None, scheme,
+                                                   lean=False),
+           "default": lambda c: today(c, *w.wo(scheme)[2]),
+           "lean": lambda c: taken(c, *w.wo(scheme)[3]),
+           "prev": lambda c: before(c, *w.wo(scheme)[3])}
+    return {name: fns[name] for name in variant_names(scheme, s, m)}
