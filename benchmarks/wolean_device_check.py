@@ -43,9 +43,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_rounds import WIN, graph_of, interleaved, wins  # noqa: E402
+from bench_run import ceilings  # noqa: E402
 from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
-from wol7_device_check import ceilings, graph_of  # noqa: E402
 
 from wolean_variants import CELLS, Weights, default_decode, shape_of, variant_names, variants  # noqa: E402
 
@@ -53,7 +54,7 @@ from moekit.bench.cells import make_sets, measured_experts_touched  # noqa: E402
 from moekit.experts.triton_gluon_wo import experts_gluon_wo_twin  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch  # noqa: E402
 
-SETS, ROUNDS, REPLAYS, WIN, TOL, EAGER_CALLS = 2, 5, 3, 0.97, 2e-2, 16
+SETS, ROUNDS, REPLAYS, TOL, EAGER_CALLS = 2, 5, 3, 2e-2, 16
 WATCHDOG_S = 8.0
 T0 = time.perf_counter()
 FAILED: list[str] = []
@@ -145,25 +146,11 @@ def check(cell: Cell, name: str, fn, c0, refs: tuple, plain_out) -> object:
     return out if ok else None
 
 
-def graph_rounds(graphs: dict, calls: int) -> dict:
-    """key -> [µs a call, each round]: every graph replayed REPLAYS times a round, the graphs in turn."""
-    samples = {key: [] for key in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for key, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[key].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return samples
-
-
 def eager_rounds(fns: dict, inputs) -> dict:
     """key -> {"host_us", "host_rest_us", "wall_us"}: ``moekit bench``'s eager loop (``bench.timing``: EAGER_CALLS
     calls back to back after a sync; host = their issue time a call, host_rest = the same after the first call,
-    wall = to the end of their GPU work a call), ROUNDS loops a variant, interleaved; medians."""
+    wall = to the end of their GPU work a call), ROUNDS loops a variant, interleaved; medians. (Not
+    ``bench_rounds.eager_us``, which enqueues behind ~1 ms of GPU work: the take rule reads the bench's eager wall.)"""
     samples = {key: ([], [], []) for key in fns}
     for _ in range(ROUNDS):
         for key, fn in fns.items():
@@ -188,8 +175,8 @@ def new_cell(preset: str, m: int, scheme: str, w: Weights, inputs, ceil: dict) -
     s = shape_of(preset)
     touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
     wo = w.wo(scheme)[0]
-    byte = (touched * (packed_bytes(wo[0]) + packed_bytes(wo[1])) + 2 * 2 * m * s.k) / (ceil["copy_tbps"] * 1e6)
-    flop = 2 * m * s.top_k * 3 * s.n * s.k / (ceil["mm_tflops"] * 1e6)
+    byte = (touched * (packed_bytes(wo[0]) + packed_bytes(wo[1])) + 2 * 2 * m * s.k) / (ceil["copy_TBps"] * 1e6)
+    flop = 2 * m * s.top_k * 3 * s.n * s.k / (ceil["bf16_mm_TFLOPs"] * 1e6)
     return Cell(preset, m, scheme, default_decode(scheme, s, m), flop, byte)
 
 
@@ -219,7 +206,7 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> list:
                 graphs[(si, name)] = graph_of([lambda c=c, fn=fn: fn(c) for c in inputs], dev)
                 fns[(si, name)] = fn
     if graphs:
-        rounds, eager = graph_rounds(graphs, len(inputs)), eager_rounds(fns, inputs)
+        rounds, eager = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS), eager_rounds(fns, inputs)
         for (si, name), v in rounds.items():
             cells[si].rounds[name], cells[si].times[name] = v, statistics.median(v)
             cells[si].eager[name] = eager[(si, name)]
@@ -234,10 +221,10 @@ def verdict(c: Cell) -> str:
     new, old = ("default", "prev") if c.default == "gluon" else ("lean", "default")
     if not c.rounds.get(new) or not c.rounds.get(old):
         return "-"
-    wins = sum(x <= WIN * d for x, d in zip(c.rounds[new], c.rounds[old]))
+    won = wins(c.rounds[new], c.rounds[old])
     wall_ok = c.eager[new]["wall_us"] <= c.eager[old]["wall_us"]
-    return f"{new} wins {wins}/{ROUNDS} vs {old}, eager wall {'<=' if wall_ok else '>'}: " + (
-        "TAKE" if wins == ROUNDS and wall_ok else f"keep {old}")
+    return f"{new} wins {won}/{ROUNDS} vs {old}, eager wall {'<=' if wall_ok else '>'}: " + (
+        "TAKE" if won == ROUNDS and wall_ok else f"keep {old}")
 
 
 def row(c: Cell) -> list[str]:
@@ -266,8 +253,8 @@ def dump(cells: list, ceil: dict) -> None:
 
 def table(cells: list, ceil: dict) -> None:
     print(f"\ngraph µs (median of {ROUNDS} rounds), eager µs a call ({EAGER_CALLS} calls a loop, median of "
-          f"{ROUNDS}); copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} TFLOP/s; take: lean <= {WIN} x "
-          "default in every round and eager wall <= default")
+          f"{ROUNDS}); copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s; take: lean <= "
+          f"{WIN} x default (default <= {WIN} x prev) in every round and eager wall <= it")
     for c in cells:
         print("\n".join(row(c)))
     print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)", flush=True)
@@ -308,7 +295,7 @@ def main() -> int:
         ARGS.deadline = float("inf")  # the interpreter takes minutes
     procs = {} if SMOKE else start_workers()
     ceil = ceilings(dev)
-    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
+    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
           "TFLOP/s", flush=True)
     cells, held, status = [], {}, {}
     if not SMOKE:
