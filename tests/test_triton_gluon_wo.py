@@ -160,6 +160,7 @@ def test_measured_cells_start_where_the_cheap_test_looks():
 def test_a_measured_cell_takes_the_path_without_a_decode(fake_gemms, monkeypatch, scheme):
     import moekit.experts.triton_gluon_wo as tgw
     import moekit.experts.triton_wo as two
+    from moekit.experts.triton_gluon_wo_lean import WoLeanPlan
 
     w13, w2 = _weights(scheme)
     x, ids, weights = _call(600)
@@ -167,7 +168,8 @@ def test_a_measured_cell_takes_the_path_without_a_decode(fake_gemms, monkeypatch
     monkeypatch.setattr(tgw, "GLUON_WO_CELLS", {(scheme, E, N, K): (600, 601)})
     out = run_experts_wo(x, a13, a2, ids, weights, None, scheme)
     assert len(fake_gemms["wo"].log) == 2 and _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
-    assert two.wo_lean_inputs(x, w13, w2, ids, weights, "silu", two.LaunchOptions()) is None  # calls stay plain
+    plan = two.wo_lean_inputs(x, w13, w2, ids, weights, "silu", two.LaunchOptions())[0]  # kept: its lean launch's
+    assert isinstance(plan, WoLeanPlan) and plan.up.tail[-3] == {"int8_w8a16": 0, "int4_w4a16": 1}[scheme]  # SCHEME
     run_experts_wo(x[:599], a13, a2, ids[:599], weights[:599], None, scheme)  # below the range: the chooser's decode
     assert len(fake_gemms["wo"].log) == 2
     x2, ids2, _ = _call(601)

@@ -1,4 +1,5 @@
-"""The lean eager launch of the Gluon paths (bf16 ``triton_gluon``, fp8 ``triton_gluon_fp8``): what their plain
+"""The lean eager launch of the Gluon paths (bf16 ``triton_gluon``, fp8 ``triton_gluon_fp8``; the weight-only one,
+``triton_gluon_wo_lean``, shares this module's plans, pool, descriptors and sequences): what their plain
 launch decides on every call (the alignment through its custom op and ``kernel[grid](...)``, fresh buffers, six
 TMA descriptors, every launch through Triton's binder) decided once and reused, with the Triton path's machinery.
 
@@ -147,17 +148,33 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     sizes = (rows, num_assignments, top_k, hidden, inter)
     part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch, gather_groups) if fp8
             else _bf16_part(x, sizes, up, down, grid, launch, in_loader))
-    num_global = 0 if expert_map is None else expert_map.numel()
-    combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
-                          (cdiv(num_tokens, SUM_TILE.block_t), cdiv(hidden, SUM_TILE.block_k)), 6,
-                          (num_tokens, hidden, hidden, hidden, num_experts, num_global), TOP_K=top_k,
-                          BLOCK_T=SUM_TILE.block_t, BLOCK_K=SUM_TILE.block_k, FROM_IDS=True,
-                          HAS_MAP=expert_map is not None, num_warps=SUM_TILE.num_warps, **launch)
+    combine = combine_launch(num_tokens, hidden, num_experts, top_k, expert_map, launch)
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=align.kept_counters), align,
                          weight_key, part.blocks, part.gather, part.up, part.down, combine,
                          (False, False) if fp8 else (up.blk256, down.blk256))
+
+
+def gather_launch(x, rows: int, num_assignments: int, top_k: int, launch: dict) -> BoundLaunch:
+    """The gather of x's rows into the permuted buffer [R, K] (``launch_gather_rows``'s kernel and tile); pointers: x,
+    sorted_ids, x_perm, dst (the bf16 route without the in-loader gather, the weight-only Gluon path)."""
+    hidden = x.shape[1]
+    return BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
+                       (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
+                       (rows, num_assignments, hidden, x.stride(0), hidden),
+                       TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
+
+
+def combine_launch(num_tokens: int, hidden: int, num_experts: int, top_k: int, expert_map, launch: dict) -> BoundLaunch:
+    """The weighted sum over the k slots (``SUM_TILE``), reading dst only for the slots routed here (``FROM_IDS``);
+    pointers: y, dst, weights, out, ids, map (ids without one)."""
+    num_global = 0 if expert_map is None else expert_map.numel()
+    return BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
+                       (cdiv(num_tokens, SUM_TILE.block_t), cdiv(hidden, SUM_TILE.block_k)), 6,
+                       (num_tokens, hidden, hidden, hidden, num_experts, num_global), TOP_K=top_k,
+                       BLOCK_T=SUM_TILE.block_t, BLOCK_K=SUM_TILE.block_k, FROM_IDS=True,
+                       HAS_MAP=expert_map is not None, num_warps=SUM_TILE.num_warps, **launch)
 
 
 @dataclass(frozen=True)
@@ -214,10 +231,7 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
                               maxnreg=MAX_REGISTERS, **launch)
         return _Part([("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))], None, up_gemm, down_gemm,
                      blocks, weight_blocks)
-    gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
-                         (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
-                         (rows, num_assignments, hidden, x.stride(0), hidden),
-                         TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
+    gather = gather_launch(x, rows, num_assignments, top_k, launch)
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True), down_gemm, blocks, weight_blocks)
 

@@ -7,7 +7,9 @@ ahead of the wgmma).
       int4 / mxfp4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over k slots]
 
 ``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
-``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS); ``gluon_wo_unfit`` says why a call cannot take it.
+``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS), through the lean launch (``triton_gluon_wo_lean``: plan,
+descriptors, workspace and launches kept; the backend's repeated calls from ``triton_quant_fast``'s entry) or, with
+``lean=False``, the plain launches built per call; ``gluon_wo_unfit`` says why a call cannot take it.
 ``experts_gluon_wo_twin`` is its arithmetic in torch (the oracle of the tests and the device check).
 
 Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of the permuted buffer.
@@ -30,17 +32,26 @@ from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
 PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored element the kernel reads (int4: int32 words)
 # (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
-# around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds, every output PASS
-# against the twin and the reference (benchmarks/wol7_device_check.py, session 27 checkpoint 1b at c67cbe0, graph µs
-# median of 5 interleaved rounds, this path / the pick / bf16): the measured M up to twice it, down to the measured
-# M below where that lost (DeepSeek-V3 M = 1024: int8 5947 / tile 4841; Mixtral int8 4096: 7167 / scratch 6354;
-# Qwen3 mxfp4 4096: 1214 / scratch 1123), and only where its eager calls were faster too (the merged run at 7ff5a47:
-# this path's plain launches cost ~1 ms of host a call, so at Qwen3 M = 1024 int8 / mxfp4, 368 / 493 µs of GPU, eager
-# calls took 1307 / 1318 µs against the tile decode's 458 / 564; at Qwen3 int8 M = 4096 the session's final bench,
-# which times M > 1024 by eager calls, read 1.69 ms against 1.13 the session before: no Qwen3 cell is taken).
+# around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds and its eager calls
+# (``moekit bench``'s loop: 16 back to back, wall a call) no slower, every output PASS against the twin and the
+# reference: the measured M up to twice it, down to the measured M below where that lost. Session 27 (wol7, checkpoint
+# 1b at c67cbe0, graph µs, this path / the pick / bf16): Mixtral int8 1024 and DeepSeek-V3 4096; its plain launches
+# cost ~1 ms of host a call, so no Qwen3 cell was taken (eager M = 1024 int8: 1307 µs against the tile decode's 458).
+# Session 28 (wolean_device_check.py at 35115f8, raw/NVIDIA_H200-2026-12-04-35115f8-wolean-ck1.*; graph µs median of 5
+# interleaved rounds, the lean launch / the pick; eager wall µs a call lean / pick): the lean launch
+# (``triton_gluon_wo_lean``, 38-68 µs of host a call) takes Qwen3 and DeepSeek-V3 int8 2048. Lost (not taken):
+# Qwen3 int4 1024 468.8 / tile 483.8 (2/5), int4 4096 1144 / scratch 1125, mxfp4 4096 1210 / scratch 1115, Mixtral
+# int4 / mxfp4 1024 2613 / 2592, 2677 / 2559, DeepSeek-V3 int8 1024 5859 / tile 5099.
 GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     ("int8_w8a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 1913 / tile 2414 / 1333
-    ("int8_w8a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 8972 / tile 12783 / 7353
+    # Qwen3 M=1024 / 2048 / 4096: 370.5 / 539.6 / 896.4 against tile 427.4 / 663.3 / 1100.2; eager 377 / 549 / 911
+    # against 433 / 671 / 1109
+    ("int8_w8a16", 128, 768, 2048): (1024, 8192),
+    ("int4_w4a16", 128, 768, 2048): (2048, 4096),  # Qwen3 M=2048: 685.9 / scratch 857.4; eager 698 / 868
+    # Qwen3 M=1024 / 2048: 494.9 / 725.4 against tile 525.3 / scratch 850.6; eager 500 / 734 against 531 / 863
+    ("mxfp4", 128, 768, 2048): (1024, 4096),
+    # DeepSeek-V3 M=2048: 6126 / tile 7916, eager 6366 / 7896; 4096 (session 27): 8972 / tile 12783 / 7353
+    ("int8_w8a16", 256, 2048, 7168): (2048, 8192),
     ("int4_w4a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565)
     ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
 }
@@ -76,7 +87,7 @@ def gluon_wo_unfit(x: torch.Tensor, w13, w2, scheme: str, activation: str,
     return None
 
 
-def _strides(w) -> tuple:
+def scale_strides(w) -> tuple:
     """(expert, row, group) strides of the scale and of the zero (int8: scale [E, R], no group; no zero: 0s)."""
     s = w.scale.stride() if w.scale.dim() == 3 else (*w.scale.stride(), 0)
     zero = w.zero is not None and w.zero is not w.scale and w.zero.dim() == 3  # WeightArgs: zero = scale without one
@@ -98,7 +109,7 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)
     zero = w.scale if w.zero is None else w.zero  # int8: never read
-    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *_strides(w), a.shape[1],
+    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *scale_strides(w), a.shape[1],
                  num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                  GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
                  num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
@@ -106,9 +117,12 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
-                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None) -> torch.Tensor:
+                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
+                         lean: bool = True) -> torch.Tensor:
     """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
-    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail)."""
+    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail). ``lean``:
+    through ``triton_gluon_wo_lean`` (plan, descriptors, workspace and launches kept); off: the plain launches, each
+    built per call (the same kernels and arguments: equal outputs)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
@@ -116,6 +130,11 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
         raise ValueError(f"decode='gluon' cannot take this call: {reason}")
     num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
     down = down_tile(inter) if down is None else down
+    if lean:
+        from moekit.experts.triton_gluon_wo_lean import run_wo_lean
+
+        return run_wo_lean(x, w13, w2, topk_ids.contiguous(), topk_weights.contiguous(),
+                           None if expert_map is None else expert_map.contiguous(), scheme, up_tile, down)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read

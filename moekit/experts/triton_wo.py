@@ -230,11 +230,14 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the custom op's
     call used: the same options), a workspace pool, and its launches as a function of (b, x, ids, weights,
     out), weights bound. For a call the scratch decode runs, its kept form (``triton_wo_scratch_plan.
-    scratch_lean_inputs``: the custom op's options; None where there is none)."""
+    scratch_lean_inputs``: the custom op's options; None where there is none); for one the Gluon path runs, its
+    lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
-    if _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):
-        return None  # the Gluon path's calls stay plain (its launches are not recorded)
+    if _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):  # its lean launch's plan and pool
+        from moekit.experts.triton_gluon_wo_lean import wo_gluon_lean_inputs
+
+        return wo_gluon_lean_inputs(x, a13, a2, ids, weights, w13.scheme)
     if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
         op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False)
         num_experts, two_n = a13.q.shape[:2]
