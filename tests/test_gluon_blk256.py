@@ -131,8 +131,9 @@ def test_lean_launch_on_blk256_gate_up_tiles(fake_gemms, m):
     for _ in range(2):
         out = triton_gluon_lean.run_lean(x, w13, w2, ids, weights, None, BLK256_UP_TILE, down)
         assert rel_l2(out, want) < 1e-2
-    (_, up_bound, _), (_, down_bound, _) = fake_gemms["blk256"].log[0], fake_gemms["bf16"].log[0]
+    (_, up_bound, up_options), (_, down_bound, _) = fake_gemms["blk256"].log[0], fake_gemms["bf16"].log[0]
     assert up_bound["c_desc"].block_shape == [64, 64] and up_bound["sorted_ptr"] is not None
+    assert up_options == {"num_warps": 4, "maxnreg": 160}  # every constexpr bound by name
     assert not down_bound["GATED"] and down_bound["c_desc"].block_shape == [128, down.block_n]
     assert not fake_gemms["gather"].log
     with pytest.raises(ValueError, match="x_perm"):
