@@ -109,22 +109,19 @@ def consumers_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=1)
     mbarrier.init(bar.index(0), count=1)
     _fill_ring(a_desc, w_desc, a_bufs, w_bufs, bar.index(0), gate_offset, GATED, 2)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                     used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, OFF, OFF, OFF)),
-        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                     used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, OFF, OFF, OFF)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     FIRST_HALF, GATED, GROUP_M, OFF)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     SECOND_HALF, GATED, GROUP_M, OFF)),
         (_hand_round, (ready, empty, used_ptr, reduce_dim, num_col_blocks, 2 * HALF_M, BLOCK_K, STAGES, OFF)),
     ], [4, 1], [CONSUMER_REGS, 24])
 

@@ -45,8 +45,9 @@ TRITON_CONFIGS = {  # name: (BLOCK_M, up (BN, warps, stages), down (BN, warps, s
     "triton_fp8 p128 8w/3+8w/4": (128, (128, 8, 3), (128, 8, 4)),
 }
 _SHARED_VARIANTS = (("stages-1", None), ("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}),
-                    ("regs 168/232", {"max_registers": 168, "consumer_regs": 232}), ("stagger", {"stagger": True}))
-GEMM_VARIANTS = {"gate-up": _SHARED_VARIANTS, "down": _SHARED_VARIANTS + (("pingpong", {"pingpong": True}),)}
+                    ("regs 168/232", {"max_registers": 168, "consumer_regs": 232}))
+# pingpong (down) and stagger were variants here too: removed after session 28 (history 35ce296)
+GEMM_VARIANTS = {"gate-up": _SHARED_VARIANTS, "down": _SHARED_VARIANTS}
 FAILED: list[str] = []
 NOTES: list[str] = []
 KERNEL_INFO: dict = {}  # GEMM -> kernel_info of its first compile (printed, in the JSON)

@@ -9,11 +9,13 @@ change that should leave the default kernels' machine code alone (an option remo
 
 Kernels: bf16 gate-up (TMA, and gathering in its loader), down (GROUP_M 8 and the narrow tile's plain order), down
 with the 64-row tail, the gate-up GEMM on 256-row tiles (``BLK256_UP_TILE``), the weight-only GEMM (int8 / int4 /
-mxfp4: it shares ``gluon_gemm._loader``); ``--only NAME ...`` picks some (``blk256_up``: two consumers). Each is
-compiled with the arguments its signature names (``_compile``: a removed parameter is not passed, one the case
-does not know gets a stand-in), DeepSeek-V3-like widths.
+mxfp4: it shares ``gluon_gemm._loader``), the fp8 GEMM (gate-up, the narrow and the wide down tile; Mixtral widths).
+``--only PREFIX ...`` dumps the kernels whose names start with one of them (``blk256_up``: two consumers; ``fp8``).
+Each is compiled with the arguments its signature names (``_compile``: a removed parameter is not passed, one the
+case does not know gets a stand-in), DeepSeek-V3-like widths.
 ``--compare`` prints per kernel: lines, lines that differ, and whether they differ only in the constant bank's
-parameter offsets (``c[0x0][...]``: a parameter removed before them shifts them) and by how much.
+parameter offsets (``c[0x0][...]``: a parameter removed before them shifts them) and by how much; where the code
+differs, the instructions only one side has, addresses and register numbers aside (e.g. two mbarrier inits).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 E, N, K, T = 8, 2048, 7168, 4096  # experts, N (inter), K (hidden), rows: the widths only size the descriptors
 PARAM = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
+ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")  # an instruction's address
+REGISTER = re.compile(r"\bU?R\d+\b|\bU?P\d\b")  # (uniform) registers and predicates
+BRANCH = re.compile(r"BRX R\d+ -0x[0-9a-f]+")  # an indirect branch's relative target
 
 
 def _compile(kernel, args: dict, const: dict, aligned: tuple, num_warps: int = 8, maxnreg: int = 168):
@@ -135,15 +140,46 @@ def wo_case(gated: bool, stages: int, scheme: int, block_n: int = 128, block_k: 
     return _compile(grouped_gemm_wo_kernel, args, const, ())
 
 
+def fp8_case(gated: bool, tile):
+    """The route's fp8 GEMM (``tile``: an ``Fp8GluonTile``) at Mixtral's widths (K = 4096, N = 14336), integer
+    arguments 16-divisible where their values are (as a launch specializes them)."""
+    from gluon_fp8_compile_cpu import _descriptor as desc
+
+    n, k, fp8 = 14336, 4096, torch.float8_e4m3fn
+    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    ints = dict(reduce_dim=r, num_col_blocks=c // tile.block_n, w_rows=w_rows,
+                gate_offset=n if gated else (128 if tile.wide else 0), stride_as=r // 128,
+                stride_wse=w_rows * r // 128 ** 2, stride_wsr=r // 128, stride_cs=c // 128)
+    ptrs = dict(as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
+                experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32))
+    args = ptrs | ints | dict(a_desc=desc([T, r], [64, 128], fp8), w_desc=desc([E * w_rows, r], [128, 128], fp8),
+                              c_desc=desc([T, c], [64, 128], fp8 if gated else torch.bfloat16))
+    const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
+                 WIDE=tile.wide, num_warps=4)
+    from moekit.experts._kernels.gluon_gemm_fp8 import grouped_gemm_fp8_kernel
+
+    aligned = (*ptrs, *(name for name, v in ints.items() if v % 16 == 0))
+    return _compile(grouped_gemm_fp8_kernel, args, const, aligned, num_warps=4, maxnreg=tile.max_registers)
+
+
+def fp8_cases() -> dict:
+    """{name: () -> compiled} of the route's fp8 GEMMs: gate-up, the narrow and the wide down tile."""
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE, WIDE_DOWN_TILE
+
+    return {"fp8_gateup": lambda: fp8_case(True, UP_TILE), "fp8_down": lambda: fp8_case(False, DOWN_TILE),
+            "fp8_down_wide": lambda: fp8_case(False, WIDE_DOWN_TILE)}
+
+
 def dump(out: Path, only: list[str] | None) -> int:
     import triton
     from wo_gemv_sass_cpu import _tool
 
     out.mkdir(parents=True, exist_ok=True)
     cases = bf16_cases() | {"wo_int8_up": lambda: wo_case(True, 4, 0), "wo_int4_down": lambda: wo_case(False, 6, 1),
-                            "wo_mxfp4_up": lambda: wo_case(True, 4, 2)}
+                            "wo_mxfp4_up": lambda: wo_case(True, 4, 2)} | fp8_cases()
+    cases = {name: build for name, build in cases.items() if not only or name.startswith(tuple(only))}
     print(f"triton {triton.__version__} -> {out}", flush=True)
-    for name, build in ((n, b) for n, b in cases.items() if not only or n in only):
+    for name, build in cases.items():
         compiled = build()
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -169,14 +205,35 @@ def compare(before: Path, after: Path) -> int:
             f"parameter offsets only (before - after: {shifts} bytes)" if same_code else "CODE DIFFERS")
         changed += verdict == "CODE DIFFERS"
         print(f"{path.stem:14s} {len(a)} / {len(b)} lines, {len(pairs)} differ: {verdict}")
+        if verdict == "CODE DIFFERS":
+            print(instructions_changed(a, b))
     return 1 if changed else 0
+
+
+def instructions_changed(a: list[str], b: list[str]) -> str:
+    """The instructions one dump has and the other lacks, addresses and register numbers aside (a removed
+    instruction shifts every address after it and can rename registers): what a removal really changed."""
+    import difflib
+    from collections import Counter
+
+    def normal(lines: list[str]) -> list[str]:
+        code = (ADDRESS.sub("", x).split(";")[0].strip() for x in lines if ADDRESS.search(x))
+        return [REGISTER.sub("r", BRANCH.sub("BRX", x)) for x in code]
+
+    na, nb = normal(a), normal(b)
+    blocks = [o for o in difflib.SequenceMatcher(None, na, nb, autojunk=False).get_opcodes() if o[0] != "equal"]
+    gone = Counter(x for _, i, j, _, _ in blocks for x in na[i:j])
+    new = Counter(x for _, _, _, i, j in blocks for x in nb[i:j])
+    show = lambda c: "; ".join(f"{n} x {x}" for x, n in sorted(c.items())) or "none"  # noqa: E731
+    return (f"    registers and addresses aside, {len(na)} / {len(nb)} instructions; only before: {show(gone - new)}"
+            f"\n    only after: {show(new - gone)}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dump", type=Path)
     parser.add_argument("--compare", type=Path, nargs=2)
-    parser.add_argument("--only", nargs="+", help="kernel names to dump (default: all)")
+    parser.add_argument("--only", nargs="+", help="name prefixes of the kernels to dump (default: all; e.g. fp8)")
     args = parser.parse_args()
     return dump(args.dump, args.only) if args.dump else compare(*args.compare)
 

@@ -12,7 +12,7 @@ Measured before and not repeated (``benchmarks/triton-notes.md``): BLOCK_K 128 (
 prefill, gate-up BLOCK_N 256 (two [*, 256] accumulators leave 2 stages). Every tile passes ``check_tile``.
 fp8 Gluon variants (``Fp8GluonTile``; the tile is fixed at [128, 128] x 128 by the scale blocks): the plan's
 pipelines (SKIP_PADDING: removed in session 20, benchmarks/triton-notes.md); one stage more in each GEMM,
-GROUP_M 1 and 32, the down GEMM's ping-pong, consumer 1 staggered.
+GROUP_M 1 and 32 (the down GEMM's ping-pong and consumer 1 staggered: removed after session 28, history 35ce296).
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ def fp8_gluon_tiles() -> dict:
         "gf8 +1 stage": (replace(UP_TILE, stages=UP_TILE.stages + 1), replace(DOWN_TILE, stages=DOWN_TILE.stages + 1)),
         "gf8 gm1": (replace(UP_TILE, group_m=1), replace(DOWN_TILE, group_m=1)),
         "gf8 gm32": (replace(UP_TILE, group_m=32), replace(DOWN_TILE, group_m=32)),
-        "gf8 down pingpong": (UP_TILE, replace(DOWN_TILE, pingpong=True)),
-        "gf8 stagger": (replace(UP_TILE, stagger=True), replace(DOWN_TILE, stagger=True)),
     }
 
 

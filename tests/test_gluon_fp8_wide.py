@@ -15,7 +15,7 @@ from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts.triton_gluon_fp8_launch import (
-    DOWN_TILE, UP_TILE, WIDE_DOWN_TILE, Fp8GluonTile, launch_gemm_fp8, plan_gluon_fp8, wants_wide_down,
+    DOWN_TILE, UP_TILE, WIDE_DOWN_TILE, launch_gemm_fp8, plan_gluon_fp8, wants_wide_down,
 )
 
 E, N, K = 4, 128, 512  # K = two 256-wide column blocks of the down GEMM
@@ -78,8 +78,6 @@ def _dummies(cols: int):
 @pytest.mark.parametrize("tile, gated, cols, what", [
     (WIDE_DOWN_TILE, True, 256, "gated=True"),
     (WIDE_DOWN_TILE, False, 384, "got 384"),
-    (Fp8GluonTile(wide=True, pingpong=True), False, 256, "got 256"),
-    (Fp8GluonTile(wide=True, stagger=True), False, 256, "got 256"),
 ])
 def test_wide_tiles_are_refused_where_they_do_not_fit(tile, gated, cols, what):
     with pytest.raises(ValueError, match=f"wide tiles are for the down GEMM alone.*{what}"):

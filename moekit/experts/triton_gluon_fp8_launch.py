@@ -37,8 +37,6 @@ class Fp8GluonTile:
     group_m: int = 8
     consumer_regs: int = 224
     max_registers: int = 160
-    pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
-    stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
     wide: bool = False  # down GEMM: [128, 256] tiles, two weight column blocks per A stage (the kernel's WIDE)
 
     @property
@@ -109,8 +107,6 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
     tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
     registers, spills and PTX for the device check)."""
-    if gated and tile.pingpong:  # ptxas spills ~1.1 KB of the gate-up consumers' registers with it
-        raise ValueError(f"tile={tile}: pingpong is for the down GEMM only")
     check_wide(tile, gated, out.shape[1])
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
@@ -125,16 +121,14 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                        CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, STAGGER=tile.stagger,
-                        WIDE=tile.wide, num_warps=CONSUMER_WARPS,
-                        maxnreg=tile.max_registers)
+                        CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide,
+                        num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
 
 
 def check_wide(tile: Fp8GluonTile, gated: bool, cols: int) -> None:
-    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256, and
-    pairs with neither PINGPONG nor STAGGER (their turns count one MMA a step)."""
+    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256."""
     if not tile.wide:
         return
-    if gated or cols % tile.block_n or tile.pingpong or tile.stagger:
+    if gated or cols % tile.block_n:
         raise ValueError(f"tile={tile}: wide tiles are for the down GEMM alone (gated={gated}), with an output "
-                         f"width that is a multiple of {tile.block_n} (got {cols}) and without pingpong / stagger")
+                         f"width that is a multiple of {tile.block_n} (got {cols})")

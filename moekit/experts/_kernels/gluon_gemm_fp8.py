@@ -75,10 +75,9 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 
 
 @gluon.jit
-def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
               reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
-              STAGGER: gl.constexpr, WIDE: gl.constexpr):
+              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr):
     """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -90,9 +89,6 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     up_block = gate_offset // BLOCK_N  # the up rows' first weight block (WIDE: the next column block, 1)
     col_blocks: gl.constexpr = 2 if WIDE else 1  # weight scale blocks per tile column block
-    if STAGGER and HALF == 1:
-        if gl.program_id(0) < num_tiles:  # consumer 0 arrives at its first MMA: start one MMA behind it
-            mbarrier.wait(turns.index(1), 0)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
@@ -100,9 +96,8 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
         ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
-        acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
-                              ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, PINGPONG, STAGGER,
-                              layout)
+        acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr,
+                              k_steps, it, HALF, GATED or WIDE, layout)
         if WIDE:
             _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
         else:
@@ -111,8 +106,8 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
 
 
 @gluon.jit
-def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr,
-            GATED: gl.constexpr, PINGPONG: gl.constexpr, STAGGER: gl.constexpr, layout: gl.constexpr):
+def _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr,
+            GATED: gl.constexpr, layout: gl.constexpr):
     """One tile's reduction, each MMA waited at once (the other consumer's MMAs fill the tensor cores meanwhile):
     (acc [64, 128] float32, up (GATED: two weight tiles a stage, gate/up or WIDE's two column blocks; else
     unused), the ring position after it). Keeping the next step's
@@ -133,19 +128,13 @@ def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_step
             w_up = gl.load(ws_up + kk)
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         a = a_bufs.index(2 * s + HALF)
-        _take_turn(turns, it * WTILES, HALF, PINGPONG)
         part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
-        _pass_turn(turns, HALF, PINGPONG)
-        if STAGGER and HALF == 0:
-            mbarrier.arrive(turns.index(1), count=1, pred=it == 0)  # consumer 1 starts now
         next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if GATED:
             acc += part * (a_scale * w_gate)[:, None]
-            _take_turn(turns, it * WTILES + 1, HALF, PINGPONG)
             part = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), part, use_acc=False,
                                  is_async=True)
-            _pass_turn(turns, HALF, PINGPONG)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
             up += part * (a_scale * w_up)[:, None]
@@ -155,21 +144,6 @@ def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_step
         a_scale = next_scale
         it += 1
     return acc, up, it
-
-
-@gluon.jit
-def _take_turn(turns, n, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: wait for this consumer's n-th turn to issue an MMA (the consumers alternate, consumer 0
-    first: a fresh barrier passes a wait on phase 1), so their MMAs and their FMAs interleave."""
-    if PINGPONG:
-        mbarrier.wait(turns.index(HALF), (n & 1) ^ (1 - HALF))
-
-
-@gluon.jit
-def _pass_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: this consumer's MMA is issued: the other one's turn."""
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - HALF), count=1)
 
 
 @gluon.jit
@@ -209,16 +183,13 @@ def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
 def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
                             num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
                             GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
-                            STAGGER: gl.constexpr = False, WIDE: gl.constexpr = False):
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, WIDE: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
     R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only; row stride
     stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
-    PINGPONG: the consumers issue their MMAs in turn (two more mbarriers), one's FMAs under the other's MMA.
-    STAGGER: consumer 1 starts once consumer 0 issued its first MMA (then both run freely, offset).
     WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128]."""
     WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
@@ -227,19 +198,16 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [OUT_BUFS] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                     used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER, WIDE)),
-        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                     used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER, WIDE)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     FIRST_HALF, GATED, GROUP_M, WIDE)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     SECOND_HALF, GATED, GROUP_M, WIDE)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    w_rows, gate_offset, GATED, GROUP_M, WIDE)),
     ], [4, 1], [CONSUMER_REGS, 24])
