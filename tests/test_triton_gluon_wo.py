@@ -184,3 +184,20 @@ def test_off_hopper_a_measured_cell_keeps_the_triton_kernels(monkeypatch):
     monkeypatch.setattr(tgw, "gluon_supported", lambda device: True)
     assert tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "silu")
     assert not tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "gelu")  # a call it does not fit
+
+
+@pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16", "mxfp4"])
+def test_options_reach_the_kernel(fake_gemms, scheme):
+    from moekit.experts.triton_gluon_wo import GluonWoOptions
+
+    w13, w2 = _weights(scheme)
+    x, ids, weights = _call(40)
+    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, scheme, options=GluonWoOptions(split=True, fast=True))
+    assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
+    for _, bound, options in fake_gemms["wo"].log:
+        fast = scheme != "int8_w8a16"  # int8's decode has no FAST form
+        assert bound["SPLIT"] and bound["FAST"] == fast and options["num_warps"] == 4  # one warpgroup a partition
+        assert bound["c_desc"].block_shape == [128, 64]  # each partition stores its half of the 128 columns
+        words = bound["q_desc"].base.dtype == torch.int32
+        assert words == fast or (words and scheme == "int4_w4a16")  # FAST mxfp4 reads int32 words as int4 does
+        assert bound["q_desc"].block_shape[1] == 64 // (8 if words else {"int8_w8a16": 1, "mxfp4": 2}[scheme])

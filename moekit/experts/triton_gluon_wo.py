@@ -16,6 +16,7 @@ Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,18 @@ from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
 PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored element the kernel reads (int4: int32 words)
+
+
+@dataclass(frozen=True)
+class GluonWoOptions:
+    """Session 28's variants of the weight-only Gluon GEMMs (both GEMMs of a call; off: the session-27 kernel).
+    ``split``: two MMA partitions of one warpgroup each, each owning half of the tile's columns, decoding only the
+    weight rows it multiplies, with barriers of its own (none across the two); ``fast``: the decode in inline PTX on
+    int32 words (int4: no mask materialised a code; mxfp4: byte tables and bf16x2, read as words), the same values
+    (``_kernels/gluon_wo_fast.py``; int8 unchanged)."""
+
+    split: bool = False
+    fast: bool = False
 # (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
 # around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds, every output PASS
 # against the twin and the reference (benchmarks/wol7_device_check.py, session 27 checkpoint 1b at c67cbe0, graph µs
@@ -84,31 +97,36 @@ def _strides(w) -> tuple:
 
 
 def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor,
-                   tile: GluonTile, gated: bool, scheme: str, gate_offset: int = 0) -> None:
+                   tile: GluonTile, gated: bool, scheme: str, gate_offset: int = 0,
+                   options: GluonWoOptions = GluonWoOptions()) -> None:
     """out [T, C] = act(a [T, R] @ W[e]^T) per row block, W the weight ``w`` (q contiguous [E, w_rows, R / PACK])
     stores: int8 q * scale, int4 (q - zero) * scale per group, mxfp4 e2m1 * 2^(e8m0 - 127)."""
     kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     num_experts, w_rows, stored = w.q.shape
     q = w.q.view(num_experts * w_rows, stored)
-    if scheme == "int4_w4a16":  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
+    fast = options.fast and scheme != "int8_w8a16"
+    if scheme == "int4_w4a16" or fast:  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
         q = q.view(torch.int32)
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
-    q_desc = gluon_descriptor(q, [tile.block_n, tile.block_k // PACK[scheme]])
-    c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
+    q_desc = gluon_descriptor(q, [tile.block_n, tile.block_k // (8 if fast else PACK[scheme])])
+    c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n // (2 if options.split else 1)])  # split: a half each
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)
     zero = w.scale if w.zero is None else w.zero  # int8: never read
     kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *_strides(w), a.shape[1],
                  num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                  GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+                 num_warps=NUM_WARPS // (2 if options.split else 1), SPLIT=options.split, FAST=fast,
+                 maxnreg=MAX_REGISTERS)
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
-                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None) -> torch.Tensor:
+                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
+                         options: GluonWoOptions = GluonWoOptions()) -> torch.Tensor:
     """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
-    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail)."""
+    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail);
+    ``options``: the GEMMs' variant (``GluonWoOptions``)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
@@ -119,9 +137,9 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
-    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter)
+    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter, options)
     y = x.new_empty(rows, hidden)  # [R, K]
-    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme)
+    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme, options=options)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out
