@@ -23,7 +23,8 @@ from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
 
 # (gated, stages, scheme, block_n): the route's tiles (gate-up 4 stages, down 6), each plain / SPLIT / FAST
 CASES = tuple((gated, stages, scheme, 128) for scheme in (0, 1, 2) for gated, stages in ((True, 4), (False, 6)))
-VARIANTS = {"base": {}, "split": {"SPLIT": True}, "fast": {"FAST": True}, "split+fast": {"SPLIT": True, "FAST": True}}
+VARIANTS = {"base": {}, "split": {"SPLIT": True}, "fast": {"FAST": True}, "split+fast": {"SPLIT": True, "FAST": True},
+            "fast+slots3": {"FAST": True, "SLOTS": 3}}
 
 
 def compile_case(gated: bool, stages: int, scheme: int, block_n: int, variant: dict, block_k: int = 64) -> str:
@@ -38,6 +39,8 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, variant: d
     split = variant.get("SPLIT", False)
     warps = 4 if split else 8
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    if variant.get("SLOTS", 2) == 3 and gated and scheme == 0:  # as ``launch_gemm_wo``: the third slot for a stage
+        stages = min(stages, 3)
     fast = variant.get("FAST", False) and scheme > 0  # FAST: mxfp4 read as int32 words too
     pack, q_dtype = ((1, torch.int8), (8, torch.int32), (8 if fast else 2, torch.int32 if fast else torch.uint8))[scheme]
     args = dict(a_desc=_descriptor([t, r], [128, block_k], torch.bfloat16),
@@ -47,7 +50,8 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, variant: d
                 s_ptr=torch.empty(1), z_ptr=torch.empty(1, dtype=torch.uint8), stride_se=w_rows * 4, stride_sr=4,
                 stride_sg=1, stride_ze=w_rows * 4, stride_zr=4, stride_zg=1, reduce_dim=r, num_col_blocks=c // block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
-                 GROUP=(1, 128, 32)[scheme], num_warps=warps, **{"SPLIT": False, "FAST": False, **variant})
+                 GROUP=(1, 128, 32)[scheme], num_warps=warps,
+                 **{"SPLIT": False, "FAST": False, "SLOTS": 2, **variant})
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """Issue #16 target 3 (weight-only cells at M >= 1024 no slower than bf16 / 0.9: <= 1.11x moekit's bf16 cell), session
 28: the weight-only Gluon GEMMs' variants (``GluonWoOptions``: "split", two MMA warpgroups each owning half of the
-tile's columns with barriers of their own; "fast", the decode in inline PTX on int32 words; "split+fast") against the
-session-27 kernel ("base") and the bf16 Gluon GEMMs on the same layout.
+tile's columns with barriers of their own; "fast", the decode in inline PTX on int32 words; "split+fast"; "slots3"
+(int8) / "fast+slots3", a third decoded slot: two steps of MMAs in flight during a decode) against the session-27
+kernel ("base") and the bf16 Gluon GEMMs on the same layout.
 
     PYTHONPATH=$PWD timeout 75 python3 benchmarks/wo8_device_check.py --out $OUT/wo8 --deadline 60   # H200
     PYTHONPATH=$PWD python3 benchmarks/wo8_device_check.py --smoke    # CPU: tiny shapes, the Gluon GEMMs faked

@@ -23,7 +23,8 @@ CELLS = (("mixtral-8x7b", 1024, ("int8_w8a16", "int4_w4a16", "mxfp4")),
          ("deepseek-v3", 4096, ("int8_w8a16", "int4_w4a16")),
          ("qwen3-30b-a3b", 4096, ("int8_w8a16", "int4_w4a16")))
 OPTIONS = {"base": GluonWoOptions(), "split": GluonWoOptions(split=True), "fast": GluonWoOptions(fast=True),
-           "split+fast": GluonWoOptions(split=True, fast=True)}
+           "split+fast": GluonWoOptions(split=True, fast=True), "slots3": GluonWoOptions(slots=3),
+           "fast+slots3": GluonWoOptions(fast=True, slots=3)}
 PARTS = ("up", "down", "call")  # each GEMM alone (the layout of the cell's first input set), the whole call
 
 
@@ -33,8 +34,10 @@ def shape_of(preset: str) -> Shape:
 
 def options_of(scheme: str) -> dict:
     """The variants a scheme runs: int8's decode has no FAST form (its conversion is already 2 instructions a weight:
-    ``benchmarks/wo8_compile_cpu.py``)."""
-    return {k: v for k, v in OPTIONS.items() if scheme != "int8_w8a16" or not v.fast}
+    ``benchmarks/wo8_compile_cpu.py``); the 4-bit schemes' third slot only with FAST."""
+    if scheme == "int8_w8a16":
+        return {k: v for k, v in OPTIONS.items() if not v.fast}
+    return {k: v for k, v in OPTIONS.items() if k != "slots3"}
 
 
 class Weights:

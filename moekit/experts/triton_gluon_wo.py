@@ -15,6 +15,7 @@ Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 
@@ -38,10 +39,16 @@ class GluonWoOptions:
     ``split``: two MMA partitions of one warpgroup each, each owning half of the tile's columns, decoding only the
     weight rows it multiplies, with barriers of its own (none across the two); ``fast``: the decode in inline PTX on
     int32 words (int4: no mask materialised a code; mxfp4: byte tables and bf16x2, read as words), the same values
-    (``_kernels/gluon_wo_fast.py``; int8 unchanged)."""
+    (``_kernels/gluon_wo_fast.py``; int8 unchanged); ``slots``: decoded slots, 3: the decode of step k + 1 overlaps
+    two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages)."""
 
     split: bool = False
     fast: bool = False
+    slots: int = 2
+
+    def __post_init__(self):
+        if self.slots not in (2, 3):
+            raise ValueError(f"slots={self.slots}: 2 or 3")
 # (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
 # around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds, every output PASS
 # against the twin and the reference (benchmarks/wol7_device_check.py, session 27 checkpoint 1b at c67cbe0, graph µs
@@ -107,6 +114,8 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
     fast = options.fast and scheme != "int8_w8a16"
     if scheme == "int4_w4a16" or fast:  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
         q = q.view(torch.int32)
+    if options.slots == 3 and gated and scheme == "int8_w8a16":  # the third slot's 32 KB: one stage fewer
+        tile = dataclasses.replace(tile, stages=min(tile.stages, 3))
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
     q_desc = gluon_descriptor(q, [tile.block_n, tile.block_k // (8 if fast else PACK[scheme])])
     c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n // (2 if options.split else 1)])  # split: a half each
@@ -117,7 +126,7 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
                  num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                  GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
                  num_warps=NUM_WARPS // (2 if options.split else 1), SPLIT=options.split, FAST=fast,
-                 maxnreg=MAX_REGISTERS)
+                 SLOTS=options.slots, maxnreg=MAX_REGISTERS)
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

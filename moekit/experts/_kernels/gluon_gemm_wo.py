@@ -179,14 +179,16 @@ def _scales(sg, zg, su, zu, k0, reduce_dim, stride_sg, stride_zg, GROUP: gl.cons
 
 @gluon.jit
 def _mma_step(a, w_bufs, slot, acc, up, GATED: gl.constexpr):
-    """The step's async wgmma on decoded ``slot`` (gate and up when GATED), then the step before's retired."""
+    """The step's async wgmma on decoded ``slot`` (gate and up when GATED), then all but the last SLOTS - 1 steps'
+    retired (w_bufs holds SLOTS slots)."""
     WTILES: gl.constexpr = 2 if GATED else 1
+    SLOTS: gl.constexpr = w_bufs.type.shape[0] // WTILES
     acc = warpgroup_mma(a, w_bufs.index(slot * WTILES).permute((1, 0)), acc, is_async=True)
     if GATED:
         up = warpgroup_mma(a, w_bufs.index(slot * WTILES + 1).permute((1, 0)), up, is_async=True)
-        acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
+        acc, up = warpgroup_mma_wait(num_outstanding=2 * (SLOTS - 1), deps=(acc, up))
     else:
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        acc = warpgroup_mma_wait(num_outstanding=SLOTS - 1, deps=(acc,))
     return acc, up
 
 
@@ -202,6 +204,7 @@ def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, expert
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]  # the columns this partition owns
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    SLOTS: gl.constexpr = w_bufs.type.shape[0] // (2 if GATED else 1)  # decoded slots: SLOTS - 1 steps' MMAs in flight
     FULL: gl.constexpr = 128 // q_bufs.dtype.primitive_bitwidth  # ``_decode_tile``'s elements a thread
     SPREAD: gl.constexpr = BLOCK_N * q_bufs.type.shape[2] // (32 * num_warps)
     VEC: gl.constexpr = FULL if FULL < SPREAD else SPREAD
@@ -228,19 +231,20 @@ def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, expert
         mul_g, add_g, mul_u, add_u = _scales(sg, zg, su, zu, BLOCK_K, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME,
                                              FAST)
         for kk in range(k_steps):
-            acc, up = _mma_step(a_bufs.index(it % STAGES), w_bufs, kk % 2, acc, up, GATED)
-            # the previous step's MMAs retired: its stage may be refilled, its decoded slot rewritten
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-            if kk + 1 < k_steps:  # the next step's tiles decoded while this step's MMAs run
+            acc, up = _mma_step(a_bufs.index(it % STAGES), w_bufs, kk % SLOTS, acc, up, GATED)
+            # step kk - (SLOTS - 1)'s MMAs retired: its stage may be refilled, its decoded slot rewritten
+            mbarrier.arrive(empty.index((it + STAGES - SLOTS + 1) % STAGES), count=1, pred=kk >= SLOTS - 1)
+            if kk + 1 < k_steps:  # the next step's tiles decoded while this step's MMAs (and the one's before) run
                 mbarrier.wait(ready.index((it + 1) % STAGES), ((it + 1) // STAGES) & 1)
-                _decode_step(q_bufs, w_bufs, (it + 1) % STAGES, 1 - kk % 2, mul_g, add_g, mul_u, add_u, magic, GATED,
-                             SCHEME, FAST, HALF, num_warps)
+                _decode_step(q_bufs, w_bufs, (it + 1) % STAGES, (kk + 1) % SLOTS, mul_g, add_g, mul_u, add_u, magic,
+                             GATED, SCHEME, FAST, HALF, num_warps)
                 # the step after: its group's scales load while this step runs
                 mul_g, add_g, mul_u, add_u = _scales(sg, zg, su, zu, (kk + 2) * BLOCK_K, reduce_dim, stride_sg,
                                                      stride_zg, GROUP, SCHEME, FAST)
             it += 1
         _epilogue(c_desc, c_buf, acc, up, s_ptr + expert * stride_se, rb, cb, GATE_OFFSET, GATED, SCHEME, layout)
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+        for j in gl.static_range(SLOTS - 1):  # the last steps' stages (all MMAs retired)
+            mbarrier.arrive(empty.index((it + STAGES - 1 - j) % STAGES), count=1, pred=k_steps > j)
     tma.store_wait(0)
 
 
@@ -270,14 +274,15 @@ def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr,
                            stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr,
                            GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                            SCHEME: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
-                           SPLIT: gl.constexpr = False, FAST: gl.constexpr = False):
+                           SPLIT: gl.constexpr = False, FAST: gl.constexpr = False, SLOTS: gl.constexpr = 2):
     """a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R / PACK] blocks [BN, BK / PACK] (int8: PACK 1; int4:
     int32 words, PACK 8; mxfp4: uint8, PACK 2); c_desc [T, C] blocks [BM, BN] (SPLIT: [BM, BN / 2]); experts_ptr
     [T / BM] int32; used_ptr -> rows in use (a multiple of BM); s_ptr / z_ptr the scales / zeros through their
     strides (int8: scale [E, W_ROWS], z unread; int4: [E, W_ROWS, R / GROUP], GROUP a multiple of BK; mxfp4: e8m0
     [E, W_ROWS, R / 32]); reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED.
     SPLIT (num_warps = 4): two MMA partitions of one warpgroup each, each owning half of the tile's columns.
-    FAST (int4, and mxfp4 read as int32 words of 8 codes, PACK 8): ``gluon_wo_fast``'s decode, the same values."""
+    FAST (int4, and mxfp4 read as int32 words of 8 codes, PACK 8): ``gluon_wo_fast``'s decode, the same values.
+    SLOTS: decoded slots (3: the decode of step k + 1 overlaps the MMAs of steps k - 1 and k, not k alone)."""
     WTILES: gl.constexpr = 2 if GATED else 1
     BLOCK_N: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -286,7 +291,7 @@ def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr,
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES * WTILES] + q_desc.block_type.shape, q_desc.layout)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // HALVES, BLOCK_K], gl.bfloat16)
-    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * WTILES, BLOCK_N // HALVES, BLOCK_K], w_layout)  # 2 slots
+    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * WTILES, BLOCK_N // HALVES, BLOCK_K], w_layout)
     c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -294,7 +299,7 @@ def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition releases the stage
     if SPLIT:  # the second warpgroup: its own decoded slots and output tile
-        w_bufs1 = gl.allocate_shared_memory(gl.bfloat16, [2 * WTILES, BLOCK_N // 2, BLOCK_K], w_layout)
+        w_bufs1 = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * WTILES, BLOCK_N // 2, BLOCK_K], w_layout)
         c_buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
         gl.warp_specialize([
             (_wo_mma_epilogue, (c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr,
