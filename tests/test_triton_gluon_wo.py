@@ -201,3 +201,16 @@ def test_options_reach_the_kernel(fake_gemms, scheme):
         words = bound["q_desc"].base.dtype == torch.int32
         assert words == fast or (words and scheme == "int4_w4a16")  # FAST mxfp4 reads int32 words as int4 does
         assert bound["q_desc"].block_shape[1] == 64 // (8 if words else {"int8_w8a16": 1, "mxfp4": 2}[scheme])
+
+
+def test_a_measured_shape_takes_its_variant(fake_gemms, monkeypatch):
+    import moekit.experts.triton_gluon_wo as tgw
+
+    w13, w2 = _weights("int4_w4a16")
+    x, ids, weights = _call(40)
+    monkeypatch.setattr(tgw, "GLUON_WO_OPTIONS", {("int4_w4a16", E, N, K): tgw.GluonWoOptions(fast=True, slots=3)})
+    run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16")
+    run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16", options=tgw.GluonWoOptions())  # named: taken
+    assert [(b["FAST"], b["SLOTS"]) for _, b, _ in fake_gemms["wo"].log] == [(True, 3)] * 2 + [(False, 2)] * 2
+    with pytest.raises(ValueError, match="slots=4"):
+        tgw.GluonWoOptions(slots=4)

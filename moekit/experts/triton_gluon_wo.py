@@ -66,6 +66,17 @@ GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
 }
 
 
+# (scheme, E, N, K) -> the GEMMs' variant a call of that shape takes when it names none (``wo_options``): where the
+# H200 measured it >= 3% faster than the session-27 kernel in 5 of 5 rounds, every output PASS against the twin
+# (benchmarks/wo8_device_check.py); other shapes take GluonWoOptions() (the session-27 kernel).
+GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], GluonWoOptions] = {}
+
+
+def wo_options(w13, w2, scheme: str) -> GluonWoOptions:
+    """The measured variant of this call's shape (GLUON_WO_OPTIONS), else the session-27 kernel's."""
+    return GLUON_WO_OPTIONS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, w2.q.shape[1]), GluonWoOptions())
+
+
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
     """Whether a call that names no decode, config or split takes the weight-only Gluon path: its shape in
     GLUON_WO_CELLS with M in its range, a Hopper with Gluon, and a call it fits (``gluon_wo_unfit``)."""
@@ -132,10 +143,10 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
                          up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
-                         options: GluonWoOptions = GluonWoOptions()) -> torch.Tensor:
+                         options: GluonWoOptions | None = None) -> torch.Tensor:
     """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
     ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail);
-    ``options``: the GEMMs' variant (``GluonWoOptions``)."""
+    ``options``: the GEMMs' variant (None: ``wo_options``, the one measured for this shape)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
@@ -143,6 +154,7 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
         raise ValueError(f"decode='gluon' cannot take this call: {reason}")
     num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
     down = down_tile(inter) if down is None else down
+    options = wo_options(w13, w2, scheme) if options is None else options
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
