@@ -116,10 +116,10 @@ def start_workers() -> dict:
     return procs
 
 
-def failed_compiles(preset: str, scheme: str, status: dict) -> list[str]:
-    """The compile workers' failures of ``preset``'s tasks for ``scheme`` (``collect_workers``' status)."""
-    return [v for j, (ci, what, _) in enumerate(tasks_of(preset)) if what == scheme
-            for v in [status.get((ci, j), "ok")] if v != "ok"]
+def failed_compiles(preset: str, scheme: str, status: dict) -> dict:
+    """variant -> its compile worker's failure, for ``preset``'s tasks of ``scheme`` (``collect_workers``' status)."""
+    return {name: v for j, (ci, what, names) in enumerate(tasks_of(preset)) if what == scheme
+            for v in [status.get((ci, j), "ok")] if v != "ok" for name in names}
 
 
 def new_cell(preset: str, m: int, schemes: tuple, w: Weights, inputs, ceil: dict) -> Cell:
@@ -135,13 +135,13 @@ def new_cell(preset: str, m: int, schemes: tuple, w: Weights, inputs, ceil: dict
     return Cell(preset, m, {k: v / (ceil["mm_tflops"] * 1e6) for k, v in flops.items()}, byte)
 
 
-def check(cell: Cell, scheme: str, calls: dict, weights: tuple, c0) -> set:
-    """PASS / FAIL of each variant's whole call against the twin; bit-equality with the base. Returns the variants
-    that passed."""
+def check(cell: Cell, scheme: str, calls: dict, weights: tuple, c0, names) -> set:
+    """PASS / FAIL of each variant of ``names`` (the base first): its whole call against the twin, and whether it
+    equals the base's bit for bit. Returns the variants that passed."""
     tag = scheme.split("_")[0]
     twin = experts_gluon_wo_twin(c0.x, *weights, c0.topk_ids, c0.topk_weights)
     base, passed = None, set()
-    for name in options_of(scheme):
+    for name in names:
         try:
             out = calls[f"{tag} {name} call"][2](c0)
             base = out if base is None else base
@@ -180,18 +180,19 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
     cell, c0 = new_cell(preset, m, schemes, w, inputs, ceil), inputs[0]
     gemms = Gemms(s, c0)
     timed = timed_calls(s, w, gemms)
+    bad = {sc: failed_compiles(preset, sc, status) for sc in schemes}  # variants whose compile worker failed or hung
+    for sc, names in bad.items():
+        for name, why in names.items():  # never run here
+            cell.skipped[f"{sc} {name}"] = why[:160]
+            print(f"FAIL  {preset} M={m} {sc} {name}  (compile worker: {why[:160]})", flush=True)
+            FAILED.append(f"{preset} M={m} {sc} {name}")
+    runs = {sc: {k: v for k, v in options_of(sc).items() if k not in bad[sc]} for sc in schemes}
     if ci == 0:
-        cell.exact = decode_mismatches(s, dev, {sc: options_of(sc) for sc in schemes})
+        cell.exact = decode_mismatches(s, dev, {sc: opts for sc, opts in runs.items() if "base" in opts})
         print(f"decode mismatches (vs base, vs dequantize): {cell.exact}", flush=True)
     for sc in schemes:
-        bad = failed_compiles(preset, sc, status)
-        if bad:  # its compile worker failed or hung: never run here
-            cell.skipped[sc] = bad[0][:160]
-            print(f"FAIL  {preset} M={m} {sc}  (compile worker: {bad[0][:160]})", flush=True)
-            FAILED.append(f"{preset} M={m} {sc}")
-            continue
         calls = wo_calls(s, w, gemms, sc)
-        passed = check(cell, sc, calls, w.wo(sc), c0)
+        passed = check(cell, sc, calls, w.wo(sc), c0, runs[sc])
         timed.update({k: v for k, v in calls.items() if k.split()[1] in passed})
     if dev.type == "cuda":
         graphs = {}

@@ -13,6 +13,13 @@ pass: a CTA barrier before the decode's store (after this step's wgmma wait: the
 readers, retired in both warpgroups) and before the wgmma that reads it; ``fence_async_shared`` after the
 store orders the generic-proxy writes before the async-proxy read.
 
+Session 28's variants (constexprs; off: the kernel above): SPLIT, two MMA partitions of one warpgroup each (the
+kernel's num_warps 4), each owning half of the tile's columns: it decodes only the weight rows it multiplies into
+decoded slots of its own, so the barriers Triton puts around them are its partition's (bar.sync id, 128 threads),
+never both warpgroups'; the stage's ``empty`` barrier counts both. FAST: ``gluon_wo_fast``'s decode (int4 and mxfp4
+read as int32 words). SLOTS 3: a third decoded slot, so the decode of step k + 1 runs with steps k - 1 and k's MMAs
+in flight (wgmma wait 2 steps deep; a stage is released two steps after its MMAs issued).
+
 Q is a 2-D view [E * W_ROWS, R] int8 of w13.q [E, 2N, K] (W_ROWS = 2N) or w2.q [E, K, N] (W_ROWS = K); scale
 [E, W_ROWS] fp32 (``stride_se`` elements an expert). GATED: gate rows c and up rows N + c, out = silu(gate) * up.
 Gluon does not run in the interpreter (CUDA sm_90 only). Torch twin: ``triton_gluon_wo.experts_gluon_wo_twin``.
