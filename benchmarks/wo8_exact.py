@@ -5,7 +5,9 @@ decode, which the twin models) and against ``dequantize_wo`` rounded to bf16.
 
 Weights: the shape's w2 [E, K, N] for its first (up to) 8 experts, random codes, random scales (int8, int4), random
 zero points (int4, group 128) and random e8m0 100 .. 150 (mxfp4: past 128 too, where 2^(e8m0 - 127) > 2). Row r of
-expert e's 128-row block is one-hot at column (r * N / 128): every step and group of the reduction is read.
+expert e's 128-row block is one-hot at column 67 r mod N: every position of a 64-wide step (67 r mod 64 = 3 r mod 64
+takes all 64 values) and steps across the reduction. (CK1's columns r * N / 128 read positions 0 mod 16 only, which a
+wrong pair order within a word leaves alone.)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def decode_mismatches(s: Shape, dev, variants: dict) -> dict:
     ``variants`` {scheme: {name: GluonWoOptions}} (the base first). Compared as values: a weight -0 comes out +0
     (the float32 sum starts at +0), and a NaN (none expected) counts as differing."""
     experts = min(8, s.num_experts)
-    columns = torch.arange(BLOCK_M, device=dev) * (s.n // BLOCK_M)
+    columns = torch.arange(BLOCK_M, device=dev) * 67 % s.n
     out = {}
     for scheme, options in variants.items():
         w2 = random_w2(scheme, s, experts, dev)

@@ -12,19 +12,26 @@ from moekit.bench.cells import Shape
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_gluon import gluon_layout
 from moekit.experts.triton_gluon_launch import UP_TILE, down_tile, launch_gemm
-from moekit.experts.triton_gluon_wo import GluonWoOptions, launch_gemm_wo, run_experts_wo_gluon
-from moekit.experts.triton_wo import WoWeight
+from moekit.experts.triton_gluon_wo import GluonWoGemms, GluonWoOptions, launch_gemm_wo, run_experts_wo_gluon
+from moekit.experts.triton_wo import WoWeight, run_experts_wo, weight_args
 from wo_device_check import quantized
 
 SMOKE = "--smoke" in sys.argv
 # (preset, M, schemes): issue #16 target 3's cells the brief names (int4: group 128 with zero points)
 CELLS = (("mixtral-8x7b", 1024, ("int8_w8a16", "int4_w4a16", "mxfp4")),
+         ("deepseek-v3", 4096, ("int8_w8a16", "int4_w4a16", "mxfp4")),
          ("mixtral-8x7b", 4096, ("int8_w8a16", "int4_w4a16", "mxfp4")),
-         ("deepseek-v3", 4096, ("int8_w8a16", "int4_w4a16")),
          ("qwen3-30b-a3b", 4096, ("int8_w8a16", "int4_w4a16")))
-OPTIONS = {"base": GluonWoOptions(), "split": GluonWoOptions(split=True), "fast": GluonWoOptions(fast=True),
-           "split+fast": GluonWoOptions(split=True, fast=True), "slots3": GluonWoOptions(slots=3),
-           "fast+slots3": GluonWoOptions(fast=True, slots=3)}
+_V = GluonWoOptions
+# name -> each GEMM's variant; "UP|DOWN": the gate-up GEMM's and the down GEMM's differ (whole calls only)
+OPTIONS = {name: GluonWoGemms(o, o) for name, o in (
+    ("base", _V()), ("split", _V(split=True)), ("slots3", _V(slots=3)), ("fast", _V(fast=True)),
+    ("split+fast", _V(split=True, fast=True)), ("fast+slots3", _V(fast=True, slots=3)))}
+OPTIONS.update({"base|slots3": GluonWoGemms(_V(), _V(slots=3)), "split|slots3": GluonWoGemms(_V(split=True), _V(slots=3)),
+                "split+fast|fast+slots3": GluonWoGemms(_V(split=True, fast=True), _V(fast=True, slots=3)),
+                "fast|fast+slots3": GluonWoGemms(_V(fast=True), _V(fast=True, slots=3))})
+INT8 = ("base", "split", "slots3", "base|slots3", "split|slots3")  # int8's decode has no FAST form
+PACKED = ("base", "split", "fast", "split+fast", "fast+slots3", "fast|fast+slots3", "split+fast|fast+slots3")
 PARTS = ("up", "down", "call")  # each GEMM alone (the layout of the cell's first input set), the whole call
 
 
@@ -35,9 +42,13 @@ def shape_of(preset: str) -> Shape:
 def options_of(scheme: str) -> dict:
     """The variants a scheme runs: int8's decode has no FAST form (its conversion is already 2 instructions a weight:
     ``benchmarks/wo8_compile_cpu.py``); the 4-bit schemes' third slot only with FAST."""
-    if scheme == "int8_w8a16":
-        return {k: v for k, v in OPTIONS.items() if not v.fast}
-    return {k: v for k, v in OPTIONS.items() if k != "slots3"}
+    return {k: OPTIONS[k] for k in (INT8 if scheme == "int8_w8a16" else PACKED)}
+
+
+def parts_of(name: str) -> tuple:
+    """A variant's timed parts: each GEMM alone and the call; a mixed one ("UP|DOWN") the call (its GEMMs are
+    timed as the plain variants')."""
+    return ("call",) if "|" in name else PARTS
 
 
 class Weights:
@@ -92,14 +103,14 @@ class Gemms:
                         gated=False, w_rows=s.k, sorted_ids=lay.sorted_ids, num_assignments=self.assignments,
                         offsets=lay.offsets)
 
-    def wo(self, part: str, w13: WoWeight, w2: WoWeight, scheme: str, options: GluonWoOptions) -> None:
+    def wo(self, part: str, w13: WoWeight, w2: WoWeight, scheme: str, options: GluonWoGemms) -> None:
         s, lay = self.s, self.layout
         if part == "up":
             launch_gemm_wo(lay.x_perm, w13, self.h, lay.block_experts, lay.rows_used, UP_TILE, True, scheme, s.n,
-                           options)
+                           options.up)
         else:
             launch_gemm_wo(self.h, w2, self.y, lay.block_experts, lay.rows_used, down_tile(s.n), False, scheme,
-                           options=options)
+                           options=options.down)
 
 
 def timed_calls(s: Shape, w: Weights, gemms: Gemms | None) -> dict:
@@ -114,12 +125,20 @@ def timed_calls(s: Shape, w: Weights, gemms: Gemms | None) -> dict:
     return out
 
 
+def pick_call(w: Weights, scheme: str) -> dict:
+    """"<scheme> pick call": the call that names no decode (the chooser's pick, or this path where GLUON_WO_CELLS
+    takes it), on the weights as ``run_experts_wo`` takes them."""
+    args = tuple(weight_args(x.q, x.scale, x.zero, x.group_size) for x in w.wo(scheme))
+    return {f"{scheme.split('_')[0]} pick call": (scheme, "call", lambda c: run_experts_wo(
+        c.x, *args, c.topk_ids, c.topk_weights, None, scheme))}
+
+
 def wo_calls(s: Shape, w: Weights, gemms: Gemms | None, scheme: str) -> dict:
     """``timed_calls``' entries of one scheme: "<scheme> <variant> <part>"."""
     out = {}
     tag = scheme.split("_")[0]
     for name, opt in options_of(scheme).items():
-        for part in PARTS:
+        for part in parts_of(name):
             key = f"{tag} {name} {part}"
             if part == "call":
                 out[key] = (scheme, part, lambda c, sc=scheme, o=opt: run_experts_wo_gluon(

@@ -208,9 +208,11 @@ def test_a_measured_shape_takes_its_variant(fake_gemms, monkeypatch):
 
     w13, w2 = _weights("int4_w4a16")
     x, ids, weights = _call(40)
-    monkeypatch.setattr(tgw, "GLUON_WO_OPTIONS", {("int4_w4a16", E, N, K): tgw.GluonWoOptions(fast=True, slots=3)})
+    measured = tgw.GluonWoGemms(tgw.GluonWoOptions(split=True), tgw.GluonWoOptions(fast=True, slots=3))
+    monkeypatch.setattr(tgw, "GLUON_WO_OPTIONS", {("int4_w4a16", E, N, K): measured})
     run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16")
     run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16", options=tgw.GluonWoOptions())  # named: taken
-    assert [(b["FAST"], b["SLOTS"]) for _, b, _ in fake_gemms["wo"].log] == [(True, 3)] * 2 + [(False, 2)] * 2
+    assert [(b["SPLIT"], b["FAST"], b["SLOTS"]) for _, b, _ in fake_gemms["wo"].log] == [
+        (True, False, 2), (False, True, 3), (False, False, 2), (False, False, 2)]  # gate-up, down; gate-up, down
     with pytest.raises(ValueError, match="slots=4"):
         tgw.GluonWoOptions(slots=4)

@@ -49,6 +49,17 @@ class GluonWoOptions:
     def __post_init__(self):
         if self.slots not in (2, 3):
             raise ValueError(f"slots={self.slots}: 2 or 3")
+
+
+@dataclass(frozen=True)
+class GluonWoGemms:
+    """Each GEMM's variant: the gate-up GEMM's and the down GEMM's (checkpoint 1 of session 28: a third slot won on
+    the down GEMM and lost on the gate-up one, splitting won on the 4-bit gate-up)."""
+
+    up: GluonWoOptions = GluonWoOptions()
+    down: GluonWoOptions = GluonWoOptions()
+
+
 # (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
 # around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds, every output PASS
 # against the twin and the reference (benchmarks/wol7_device_check.py, session 27 checkpoint 1b at c67cbe0, graph µs
@@ -69,12 +80,12 @@ GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
 # (scheme, E, N, K) -> the GEMMs' variant a call of that shape takes when it names none (``wo_options``): where the
 # H200 measured it >= 3% faster than the session-27 kernel in 5 of 5 rounds, every output PASS against the twin
 # (benchmarks/wo8_device_check.py); other shapes take GluonWoOptions() (the session-27 kernel).
-GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], GluonWoOptions] = {}
+GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], GluonWoGemms] = {}
 
 
-def wo_options(w13, w2, scheme: str) -> GluonWoOptions:
-    """The measured variant of this call's shape (GLUON_WO_OPTIONS), else the session-27 kernel's."""
-    return GLUON_WO_OPTIONS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, w2.q.shape[1]), GluonWoOptions())
+def wo_options(w13, w2, scheme: str) -> GluonWoGemms:
+    """The measured variants of this call's shape (GLUON_WO_OPTIONS), else the session-27 kernel's."""
+    return GLUON_WO_OPTIONS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, w2.q.shape[1]), GluonWoGemms())
 
 
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
@@ -143,10 +154,10 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
                          up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
-                         options: GluonWoOptions | None = None) -> torch.Tensor:
+                         options: GluonWoOptions | GluonWoGemms | None = None) -> torch.Tensor:
     """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
     ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail);
-    ``options``: the GEMMs' variant (None: ``wo_options``, the one measured for this shape)."""
+    ``options``: the GEMMs' variant, both GEMMs' or each one's (None: ``wo_options``, those measured for this shape)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
@@ -155,12 +166,15 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
     num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
     down = down_tile(inter) if down is None else down
     options = wo_options(w13, w2, scheme) if options is None else options
+    if isinstance(options, GluonWoOptions):
+        options = GluonWoGemms(options, options)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
-    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter, options)
+    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter,
+                   options.up)
     y = x.new_empty(rows, hidden)  # [R, K]
-    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme, options=options)
+    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme, options=options.down)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out
