@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -52,14 +50,15 @@ from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, wei
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import wo_plan_for  # noqa: E402
+from bench_rounds import graph_of, interleaved, medians, wins  # noqa: E402
+from bench_run import RunLog, cells_in_children, run_info, write_json  # noqa: E402
 from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
 from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
-from wo_mma_device_check import graph_of  # noqa: E402
 
 CELLS = (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 8),
          ("mixtral-8x7b", 8, "int4_w4a16", "mma"), ("deepseek-v3", 1, "mxfp4"))
 DECODE = "gemv"  # the cell's decode (its child sets it, with SCHEME)
-SCHEME, SETS, ROUNDS, REPLAYS, TOL, WIN = "int4_w4a16", 3, 5, 5, 1e-2, 0.97
+SCHEME, SETS, ROUNDS, REPLAYS, TOL = "int4_w4a16", 3, 5, 5, 1e-2
 # the wide steps' geometries (read by the ladder): name -> (rows, words a step, warps, x tile (None: the pick's), the
 # pick's gate-up split divided by this: about the pick's programs)
 # (CK1b also ran "g32n" (g32 with the pick's x tile setting) and "g16" (16 x 64 in 2 warps, split / 4): 1.04-1.09x and
@@ -70,8 +69,7 @@ READS = (("rd0", "pick", 0), ("rd0-g32", "g32", 0), ("rd0-g64", "g64", 0), ("rd1
 # 64-byte row segments a step), in the same with 32-word steps, and with 32-word steps as two 16-word loads issued
 # back to back (HALVES: two sub-steps a loop step), at the pick's splits: name -> (rows, words, warps, halves)
 MMA_READS = {"rd0-m16": (32, 16, 1, False), "rd0-m32": (32, 32, 1, False), "rd0-m32h": (32, 32, 1, True)}
-START = time.perf_counter()
-FAILED: list[str] = []
+RUN = RunLog()
 
 
 @dataclasses.dataclass
@@ -85,12 +83,6 @@ class Cell:
     times: dict = dataclasses.field(default_factory=dict)  # graph -> median µs a call
     rounds: dict = dataclasses.field(default_factory=dict)  # graph -> µs a call, each round
     configs: dict = dataclasses.field(default_factory=dict)  # variant -> config dict / read plans
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
 
 
 def pick(s: Shape, m: int, dev) -> WordConfig:
@@ -144,10 +136,10 @@ def check_read(tag: str, parts: list, want, level: int) -> None:
         got = 0
         for p in parts:
             got ^= int(np.bitwise_xor.reduce(p.cpu().numpy()))
-        check(tag, got == want, f"xor {got:#x} want {want:#x}")
+        RUN.check(tag, got == want, f"xor {got:#x} want {want:#x}")
     else:
         got = sum(p.double().sum().item() for p in parts)
-        check(tag, abs(got - want) <= 1e-5 * abs(want), f"sum {got:.6e} want {want:.6e}")
+        RUN.check(tag, abs(got - want) <= 1e-5 * abs(want), f"sum {got:.6e} want {want:.6e}")
 
 
 def ladder(geoms: dict, down_splits: dict, s: Shape) -> dict:
@@ -181,7 +173,7 @@ def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, reads: dict, s: Shape, 
             graphs[name] = graph_of([lambda i=i: run(i) for i in range(len(inputs))], dev)
         except Exception as e:  # noqa: BLE001  (one read's failure never loses the cell)
             traceback.print_exc(limit=3)
-            check(f"{s.name} {name}", False, f"raised {type(e).__name__}: {e}")
+            RUN.check(f"{s.name} {name}", False, f"raised {type(e).__name__}: {e}")
 
 
 def precompile_cell(s: Shape, m: int, found: dict, reads: dict, w13, w2, dev) -> None:
@@ -218,33 +210,12 @@ def add_calls(cell: Cell, graphs: dict, a13, a2, w13, w2, inputs, found: dict, s
 
         try:
             err = rel_err(call(c0), want)
-            check(f"{s.name} M={cell.m} {name}", err < TOL, f"rel_err={err:.2e} ({cfg.to_dict()})")
+            RUN.check(f"{s.name} M={cell.m} {name}", err < TOL, f"rel_err={err:.2e} ({cfg.to_dict()})")
             if err < TOL:
                 graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc(limit=3)
-            check(f"{s.name} M={cell.m} {name}", False, f"raised {type(e).__name__}: {e}")
-
-
-def interleaved(graphs: dict, calls: int, dev, until: float) -> dict:
-    """name -> [µs a call, each round]: every graph replayed REPLAYS times a round, the graphs in turn; no round
-    begins past ``until`` (time.time()) after the first."""
-    samples = {name: [] for name in graphs}
-    if dev.type != "cuda":
-        return {name: [float("nan")] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(ROUNDS):
-        if r and time.time() > until:
-            print(f"deadline: {r} rounds", flush=True)
-            break
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return samples
+            RUN.check(f"{s.name} M={cell.m} {name}", False, f"raised {type(e).__name__}: {e}")
 
 
 def run_cell(s: Shape, m: int, dev, until: float) -> Cell:
@@ -267,15 +238,11 @@ def run_cell(s: Shape, m: int, dev, until: float) -> Cell:
     graphs: dict = {}
     add_reads(cell, graphs, w13, w2, inputs, reads, s, dev)
     add_calls(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev)
-    cell.rounds = interleaved(graphs, len(inputs), dev, until)
-    cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
+    cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS, until)
+    cell.times = medians(cell.rounds)
     print(f"  {s.name} M={m} floor {cell.floor_us:.1f} (copy {bw:.2f} TB/s): "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
     return cell
-
-
-def wins(cell: Cell, name: str) -> int:
-    return sum(v <= WIN * p for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
 
 
 def table(cells: list[Cell]) -> str:
@@ -284,20 +251,15 @@ def table(cells: list[Cell]) -> str:
         lines.append(f"{c.preset} {c.scheme} M={c.m}: floor {c.floor_us:.1f} µs ({c.bytes / 1e6:.1f} MB at copy "
                      f"{c.copy_tbps:.2f} TB/s)")
         for k, v in c.times.items():
-            extra = "" if k.startswith("rd") or k == "pick" else f", wins {wins(c, k)}/{len(c.rounds[k])}"
+            won = wins(c.rounds[k], c.rounds.get("pick", ()))
+            extra = "" if k.startswith("rd") or k == "pick" else f", wins {won}/{len(c.rounds[k])}"
             lines.append(f"    {k:<9} {v:8.1f}  ({100 * c.floor_us / v:5.1f}%, {c.bytes / (v * 1e-6) / 1e12:.2f}"
                          f"{extra})")
     return "\n".join(lines)
 
 
 def dump(path: str, cells: list[Cell]) -> None:
-    import triton
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__,
-                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
+    write_json(path, {**run_info(), "cells": [dataclasses.asdict(c) for c in cells], "failed": RUN.failed})
 
 
 def child(index: int, args) -> int:
@@ -307,7 +269,7 @@ def child(index: int, args) -> int:
         (*CELLS[index], "gemv")[:4]
     s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
     dump(os.path.join(args.out, f"dec7-{index}.json"), [run_cell(s, m, dev, args.until)])
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 def main(argv=None) -> int:
@@ -323,27 +285,14 @@ def main(argv=None) -> int:
     import triton
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped = [], []
-    for i, (preset, m, *_) in enumerate(CELLS[:1] if args.smoke else CELLS):
-        left = args.deadline - (time.perf_counter() - START)
-        if left < 12:
-            skipped.append(f"{preset} M={m}")
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out,
-               "--until", str(time.time() + left - 4)] + ["--smoke"] * args.smoke
-        try:
-            rc = subprocess.run(cmd, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        path = os.path.join(args.out, f"dec7-{i}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-        cells += [Cell(**c) for c in got["cells"]]
-        FAILED.extend(got["failed"] + ([f"{preset} M={m}: child exit {rc}"] if rc not in (0, 1) else []))
-        print(f"-- cell {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
+    labels = [f"{preset} M={m}" for preset, m, *_ in (CELLS[:1] if args.smoke else CELLS)]
+    got, skipped = cells_in_children(__file__, labels, args.out, "dec7", RUN, args.deadline, 12,
+                                     lambda left: ["--until", str(time.time() + left - 4)] + ["--smoke"] * args.smoke)
+    cells = [Cell(**c) for c in got]
     dump(os.path.join(args.out, "dec7.json"), cells)
-    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
+    print(f"total {RUN.elapsed():.1f} s; FAILED:", RUN.failed or "none", "; SKIPPED:", skipped or "none")
     print(table(cells), flush=True)
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 if __name__ == "__main__":

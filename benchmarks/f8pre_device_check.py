@@ -1,7 +1,8 @@
 """Issue 15 at prefill, session 27 (branch `f8pre`): where an fp8_block call at M >= 4096 spends its time, and the
 block-scaled Gluon GEMM's [128, 256] down tile (``wide``) and the 4-group gather, against today's route. A read from
 registers (``a_regs``; "ar up", "ar both", "ar both gq4") lost at checkpoint 1 (0.93-0.98x, the gate-up alone
-1.04-1.07x the time) and in the merged run: removed.
+1.04-1.07x the time) and in the merged run: removed. Session 28 (branch `f8wide`): the route's plan takes "wide gq4"
+from 4096 rows per expert (Mixtral M = 16384), so there "route" reads "wide gq4" and "lean" stays the old base.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/f8pre_device_check.py --out $OUT/f8pre --deadline 70
         [--rounds 5] [--cells fp8:qwen3-30b-a3b:4096 ...] [--variants route,lean,wide,...] [--no-gemms]
@@ -38,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import prefill_device_check as pdc  # noqa: E402
 import prefill_variants as pv  # noqa: E402
+from bench_rounds import versus  # noqa: E402
 
 # checkpoint 1 (654b456) ran the first three cells of this order with every variant; the rest first since then
 CELLS = ("fp8:qwen3-30b-a3b:16384", "fp8:deepseek-v3:4096", "fp8:mixtral-8x7b:16384", "fp8:deepseek-v3:16384",
@@ -50,47 +52,26 @@ log = pdc.log
 
 
 def variants(q: tuple) -> list:
-    """route; lean (the plan's tiles, the base); the wide down tile; and that with the 4-group gather."""
+    """route; lean (the [128, 128] down tile and the 1-group gather, the base); the wide down tile; and that with
+    the 4-group gather (the route's plan from 4096 rows per expert: ``triton_gluon_fp8_launch.wants_wide_down``)."""
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
     from moekit.experts.triton_gluon_fp8_launch import (
-        DOWN_TILE, UP_TILE, WIDE_DOWN_TILE,
+        DOWN_TILE, GATHER_GROUPS, UP_TILE, WIDE_DOWN_TILE, WIDE_GATHER_GROUPS,
     )
     from moekit.quant.fp8_block import Fp8BlockWeight
 
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
 
-    def lean(up, down, groups: int = 1):
-        return with_gather_groups(groups, lambda x, i, r: experts_gluon_fp8(x, *q, i, r, up=up, down=down))
+    def lean(up, down, groups: int = GATHER_GROUPS):
+        return lambda x, i, r: experts_gluon_fp8(x, *q, i, r, up=up, down=down, gather_groups=groups)
 
     return [pv.Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
             pv.Variant("lean", "gluon", lean(UP_TILE, DOWN_TILE), (UP_TILE, DOWN_TILE)),
             pv.Variant("wide", "gluon", lean(UP_TILE, WIDE_DOWN_TILE), (UP_TILE, WIDE_DOWN_TILE), same_as="lean"),
-            pv.Variant("wide gq4", "gluon", lean(UP_TILE, WIDE_DOWN_TILE, 4), same_as="lean")]
-
-
-def with_gather_groups(groups: int, call):
-    """``call`` with the gather-quantize kernel taking ``groups`` 128-column groups per program (GATHER_GROUPS is not
-    in a lean plan's key: the plans are dropped before and after)."""
-    from moekit.experts import triton_gluon_fp8_launch as fl, triton_gluon_lean as lean
-
-    if groups == fl.GATHER_GROUPS:
-        return call
-
-    def run(*args):
-        old = fl.GATHER_GROUPS
-        fl.GATHER_GROUPS = groups
-        lean._PLANS.clear()
-        lean._SEQUENCES.clear()
-        try:
-            return call(*args)
-        finally:
-            fl.GATHER_GROUPS = old
-            lean._PLANS.clear()
-            lean._SEQUENCES.clear()
-
-    return run
+            pv.Variant("wide gq4", "gluon", lean(UP_TILE, WIDE_DOWN_TILE, WIDE_GATHER_GROUPS),
+                       same_as="lean")]
 
 
 def kernels(name: str, v, x, ids, rw, flops: dict, mm: float) -> dict:
@@ -190,11 +171,6 @@ def replay_rounds(name: str, wanted: list, x, ids, rw, rounds: int, stop_at: flo
     return per
 
 
-def versus(t: list, base: list) -> str:
-    wins = sum(b / v >= 1.03 for b, v in zip(base, t))
-    return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
-
-
 def summarize(name: str, cell: dict) -> None:
     rounds = cell["rounds_us"]
     for n, t in rounds.items():
@@ -284,17 +260,7 @@ def main() -> int:
     RESULTS["ceilings"] = {"copy_TBps": ceil.copy_TBps, "fp8_mm_TFLOPs": ceil.fp8_mm_TFLOPs}
     log(f"copy {ceil.copy_TBps:.2f} TB/s, fp8 mm {ceil.fp8_mm_TFLOPs:.0f} TFLOP/s (torch._scaled_mm 8192^3, fast "
         f"accumulation); torch {torch.__version__}")
-    for spec in opts.cells:
-        if time.perf_counter() - pdc.T0 > opts.deadline - 20:
-            log(f"SKIP {spec}: deadline")
-            pdc.SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, ceil, opts)
-        except Exception as exc:  # noqa: BLE001
-            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            pdc.FAILED.append(spec)
-        pdc.free_memory()
+    pdc.RUN.each_cell(opts.cells, lambda spec: run_cell(spec, ceil, opts), opts.deadline - 20, pdc.free_memory)
     pdc.print_table()
     return 1 if pdc.FAILED else 0
 

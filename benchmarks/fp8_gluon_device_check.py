@@ -136,7 +136,7 @@ def gemm_times(cell: Cell, x, q, ids, s, dev, with_variants: bool) -> None:
     from moekit.experts.triton_gluon_fp8_launch import launch_gemm_fp8, plan_gluon_fp8
 
     w13_q, w13_s, w2_q, w2_s = q
-    plan = plan_gluon_fp8(x.shape[0], s.top_k, s.num_experts)
+    plan = plan_gluon_fp8(x.shape[0], s.top_k, s.num_experts, s.k)
     lay = gluon_fp8_layout(x, ids, s.num_experts)
     rows = lay.x_q.shape[0]
     h_q = torch.empty(rows, s.n, device=dev, dtype=torch.float8_e4m3fn)

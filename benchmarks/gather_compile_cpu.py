@@ -35,10 +35,9 @@ def compile_gather_gemm(tile) -> tuple[str, str]:
     args = dict(x_ptr=torch.empty(1, dtype=bf16), sorted_ptr=int32, dst_ptr=int32,
                 w_desc=_descriptor([e * 2 * n, k], [tile.block_n, tile.block_k], bf16),
                 c_desc=_descriptor([t, n], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
-                offsets_ptr=int32, num_assignments=t, stride_x=k, reduce_dim=k, num_col_blocks=n // tile.block_n)
+                num_assignments=t, stride_x=k, reduce_dim=k, num_col_blocks=n // tile.block_n)
     const = dict(TOP_K=8, W_ROWS=2 * n, GATE_OFFSET=n, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 EXPERT_ORDER=tile.expert_order, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
-                 num_warps=NUM_WARPS)
+                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     # x's pointer and row stride 16-byte aligned (what the route checks and Triton specialises on)
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]

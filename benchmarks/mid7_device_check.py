@@ -16,7 +16,7 @@ two uniform routing sets; ``mid7_variants`` names every call):
      probes (loads only, MMAs only), layout, combine, cuBLAS bmm; per GEMM its touched weight bytes / µs against copy
      and its FLOPs / µs against mm on the real rows and on the rows it multiplies (padding included).
 Prints as it goes, JSON to ``--out``/mid7.json after each cell, the table LAST. Exit 1 when a check fails. A watchdog
-ends the run (the table so far printed) when nothing was logged for STALL_S (a kernel that hangs).
+ends the run (the table so far printed) when nothing was logged for 25 s (a kernel that hangs).
 """
 
 from __future__ import annotations
@@ -34,42 +34,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-T0 = time.perf_counter()
+from bench_rounds import faster_rounds, rotated_rounds  # noqa: E402
+from bench_run import RunLog, ceilings, rel_l2  # noqa: E402
+
 CELLS = ("mixtral-8x7b:512", "mixtral-8x7b:1024", "qwen3-30b-a3b:1024", "qwen3-30b-a3b:512")
 ROUNDS, PART_ROUNDS = 5, 3
 WORKERS_PER_CELL = 4
-STALL_S = 25.0
-LAST_LOG = [time.perf_counter(), "start"]
+RUN = RunLog("bf16, H200: whole calls (graph replay, median of rounds; x = route µs / variant µs, rounds >= 3% "
+             "faster than the route), then parts alone", stall_s=25.0)
 RESULTS: dict = {"cells": []}
-FAILED: list[str] = []
-SUMMARY: list[str] = []
-
-
-def log(msg: str) -> None:
-    LAST_LOG[:] = [time.perf_counter(), msg]
-    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def watchdog() -> None:
-    while True:
-        time.sleep(1.0)
-        if time.perf_counter() - LAST_LOG[0] > STALL_S:
-            print(f"\nSTALLED {STALL_S:.0f} s after: {LAST_LOG[1]}", flush=True)
-            print_table()
-            os._exit(3)
-
-
-def print_table() -> None:
-    print("\nbf16, H200: whole calls (graph replay, median of rounds; x = route µs / variant µs, rounds >= 3% faster "
-          "than the route), then parts alone", flush=True)
-    print("\n".join(SUMMARY))
-    print(f"FAILED: {', '.join(FAILED) or 'none'}; {time.perf_counter() - T0:.0f} s", flush=True)
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+T0, FAILED, SUMMARY, log = RUN.t0, RUN.failed, RUN.summary, RUN.log
 
 
 def cell_inputs(spec: str, dev, zeros: bool = False) -> dict:
@@ -187,23 +161,19 @@ def graph_us(fns: list, dev, budget_s: float) -> float:
 
 
 def rounds_of(name: str, calls: dict, dev, rounds: int, budget_s: float, stop_at: float) -> dict:
-    """{label: [µs per round]}: the calls interleaved, each round starting one further along."""
-    per: dict = {k: [] for k in calls}
-    order = list(calls)
-    for r in range(rounds):
-        if time.perf_counter() - T0 > stop_at and r >= 2:
-            log(f"{name}: deadline, {r} rounds")
-            break
-        for k in order[r % len(order):] + order[:r % len(order)]:
-            try:
-                per[k].append(graph_us(calls[k], dev, budget_s))
-            except Exception as exc:  # noqa: BLE001 (a part that fails is reported, the rest go on)
-                log(f"FAIL {name} {k}: {type(exc).__name__}: {str(exc)[-300:]}")
-                FAILED.append(f"{name} {k}")
-                calls.pop(k)
-                order.remove(k)
-        log(f"{name} round {r}: " + ", ".join(f"{k} {t[-1]:.1f}" for k, t in per.items() if t))
-    return {k: t for k, t in per.items() if t}
+    """{label: [µs per round]}: the calls interleaved, each round starting one further along; a call that fails is
+    reported and not run again."""
+
+    def measure(k: str):
+        try:
+            return graph_us(calls[k], dev, budget_s)
+        except Exception as exc:  # noqa: BLE001 (a part that fails is reported, the rest go on)
+            log(f"FAIL {name} {k}: {type(exc).__name__}: {str(exc)[-300:]}")
+            FAILED.append(f"{name} {k}")
+            return None
+
+    return rotated_rounds(name, list(calls), rounds, measure, lambda r: r >= 2 and time.perf_counter() - T0 > stop_at,
+                          log)
 
 
 def padded_rows(x, ids, num_experts: int) -> int:
@@ -268,7 +238,7 @@ def summarize(cell: dict, s, ceil: dict) -> None:
         med = statistics.median(t)
         vs = ""
         if base and n != "route":
-            wins = sum(b >= 1.03 * v for b, v in zip(base, t))
+            wins = faster_rounds(t, base)
             vs = f" x{statistics.median(base) / med:5.3f} ({wins}/{min(len(t), len(base))} rounds >= 3%)"
         SUMMARY.append(f"  {n:14s} {med:8.1f} us [{min(t):.0f}-{max(t):.0f}] {100 * cell['floor_us'] / med:5.1f}% "
                        f"floor{vs}")
@@ -296,12 +266,9 @@ def main() -> int:
     procs = start_workers(args.cells)
     import triton
 
-    from moekit.bench.ceilings import measure_ceilings
-
     args.hung = wait_workers(procs, args.worker_deadline)  # before the ceilings: the workers' kernels share the GPU
-    threading.Thread(target=watchdog, daemon=True).start()
-    base = measure_ceilings(dev)
-    ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}
+    threading.Thread(target=RUN.watchdog, kwargs={"poll_s": 1.0}, daemon=True).start()
+    ceil = ceilings(dev)
     RESULTS.update(ceilings=ceil, device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__)
     log(f"ceilings: {ceil}; torch {torch.__version__}, triton {triton.__version__}")
@@ -315,7 +282,7 @@ def main() -> int:
             log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
             FAILED.append(spec)
         torch.cuda.empty_cache()
-    print_table()
+    RUN.print_table()
     return 1 if FAILED else 0
 
 

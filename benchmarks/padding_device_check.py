@@ -30,13 +30,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import padding_variants as pv  # noqa: E402
 import prefill_device_check as pdc  # noqa: E402
+from bench_rounds import versus  # noqa: E402
+from bench_run import ceilings  # noqa: E402
 
 # DeepSeek-V3 4096 (the route changed: M*k/E = 128), its neighbours 3072 / 6144 (96 / 192 a expert: outside
 # TAIL_PER_EXPERT, the route unchanged), Qwen3 and Mixtral 4096 (unchanged)
 CELLS = ("bf16:deepseek-v3:4096", "bf16:deepseek-v3:6144", "bf16:deepseek-v3:3072", "bf16:qwen3-30b-a3b:4096",
          "bf16:mixtral-8x7b:4096")
 RESULTS: dict = {"cells": []}
-SUMMARY: list[str] = []
+SUMMARY = pdc.SUMMARY  # the table (``prefill_device_check``'s run log prints it, its watchdog too)
 log = pdc.log
 
 
@@ -141,11 +143,6 @@ def run_cell(spec: str, dev, ceil: dict, rounds: int, stop_at: float, out_dir: P
 
 def summarize(name: str, cell: dict) -> None:
     rounds = cell["rounds_us"]
-
-    def versus(t, base) -> str:
-        wins = sum(b / v >= 1.03 for b, v in zip(base, t))
-        return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
-
     for n, t in rounds.items():
         if not t:
             continue
@@ -168,27 +165,15 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    pdc.SUMMARY = SUMMARY  # the watchdog's table is this script's
     pdc.STALL_S = 60.0  # a new kernel's barrier protocol that hangs: the table so far, well inside the run's limit
     threading.Thread(target=pdc.watchdog, daemon=True).start()
-    from moekit.bench.ceilings import measure_ceilings
-
-    base = measure_ceilings(dev)
-    ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}
+    ceil = ceilings(dev)
     RESULTS["ceilings"] = ceil
     log(f"ceilings: {ceil}; torch {torch.__version__}")
     wanted = [n.strip() for n in args.variants.split(",") if n.strip()]
-    for spec in args.cells:
-        if time.perf_counter() - pdc.T0 > args.deadline_s:
-            log(f"SKIP {spec}: deadline")
-            SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, dev, ceil, args.rounds, args.deadline_s, args.out, wanted)
-        except Exception as exc:  # noqa: BLE001 (one cell's failure is reported, the others still run)
-            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            pdc.FAILED.append(spec)
-        pdc.free_memory()
+    pdc.RUN.each_cell(args.cells,
+                      lambda spec: run_cell(spec, dev, ceil, args.rounds, args.deadline_s, args.out, wanted),
+                      args.deadline_s, pdc.free_memory)
     pdc.print_table()
     return 1 if pdc.FAILED else 0
 

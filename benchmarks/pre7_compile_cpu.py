@@ -1,10 +1,10 @@
-"""Compile the bf16 Gluon GEMMs with the expert tile order (``GluonTile.expert_order``, issue 19 at prefill) for sm_90
-on a machine without a GPU, beside the same kernels in the GROUP_M order: catches errors before a device run, reads
-ptxas's spills and wgmma serialization, and the global loads the tile walk adds.
+"""Compile the route's bf16 Gluon GEMMs (issue 19 at prefill) for sm_90 on a machine without a GPU: catches errors
+before a device run, reads ptxas's spills and wgmma serialization, and the global loads of the tile walk. (Session 27
+compiled them beside the expert tile order, ``GluonTile.expert_order``, removed in session 28.)
 
     PYTHONPATH=$PWD python benchmarks/pre7_compile_cpu.py        (PYTHONPATH=/tmp/x-site:$PWD for another Triton)
 
-One line per kernel (TMA gate-up, down, in-loader-gather gate-up, down with the 64-row tail) and order: seconds,
+One line per kernel (TMA gate-up, down, in-loader-gather gate-up, down with the 64-row tail): seconds,
 SMEM bytes, setmaxnreg, spill bytes, wgmma serialized, ld.global count in the PTX. Exit 1 when one fails to compile.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,10 +54,10 @@ def plain(tile, gated: bool) -> str:
     args = dict(a_desc=_descriptor([T, reduce_dim], [BLOCK_M, tile.block_k], bf16),
                 w_desc=_descriptor([E * w_rows, reduce_dim], [tile.block_n, tile.block_k], bf16),
                 c_desc=_descriptor([T, cols], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
-                offsets_ptr=int32, reduce_dim=reduce_dim, num_col_blocks=cols // tile.block_n)
+                reduce_dim=reduce_dim, num_col_blocks=cols // tile.block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=N if gated else 0, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS)
-    return _compile(grouped_gemm_kernel, args, const, ("experts_ptr", "used_ptr", "offsets_ptr", "reduce_dim"))
+                 num_warps=NUM_WARPS)
+    return _compile(grouped_gemm_kernel, args, const, ("experts_ptr", "used_ptr", "reduce_dim"))
 
 
 def gather(tile) -> str:
@@ -71,11 +70,10 @@ def gather(tile) -> str:
     args = dict(x_ptr=torch.empty(1, dtype=bf16), sorted_ptr=int32, dst_ptr=int32,
                 w_desc=_descriptor([E * 2 * N, K], [tile.block_n, tile.block_k], bf16),
                 c_desc=_descriptor([T, N], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
-                offsets_ptr=int32, num_assignments=T, stride_x=K, reduce_dim=K, num_col_blocks=N // tile.block_n)
+                num_assignments=T, stride_x=K, reduce_dim=K, num_col_blocks=N // tile.block_n)
     const = dict(TOP_K=8, W_ROWS=2 * N, GATE_OFFSET=N, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 EXPERT_ORDER=tile.expert_order, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
-                 num_warps=NUM_WARPS)
-    aligned = ("x_ptr", "sorted_ptr", "dst_ptr", "experts_ptr", "used_ptr", "offsets_ptr", "stride_x", "reduce_dim")
+                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS)
+    aligned = ("x_ptr", "sorted_ptr", "dst_ptr", "experts_ptr", "used_ptr", "stride_x", "reduce_dim")
     return _compile(gather_gate_up_kernel, args, const, aligned)
 
 
@@ -91,10 +89,9 @@ def tail(tile) -> str:
                 w_desc=_descriptor([E * K, N], [tile.block_n, tile.block_k], bf16),
                 c_desc=_descriptor([T, K], [BLOCK_M, tile.block_n], bf16),
                 ct_desc=_descriptor([T, K], [tile.tail, tile.block_n], bf16), experts_ptr=int32, sorted_ptr=int32,
-                used_ptr=int32, offsets_ptr=int32, num_assignments=T, reduce_dim=N, num_col_blocks=K // tile.block_n)
-    const = dict(W_ROWS=K, STAGES=tile.stages, GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order,
-                 num_warps=NUM_WARPS)
-    return _compile(tail_down_kernel, args, const, ("experts_ptr", "sorted_ptr", "used_ptr", "offsets_ptr"))
+                used_ptr=int32, num_assignments=T, reduce_dim=N, num_col_blocks=K // tile.block_n)
+    const = dict(W_ROWS=K, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=NUM_WARPS)
+    return _compile(tail_down_kernel, args, const, ("experts_ptr", "sorted_ptr", "used_ptr"))
 
 
 def main() -> int:
@@ -104,15 +101,14 @@ def main() -> int:
 
     print(f"triton {triton.__version__}", flush=True)
     failed = 0
-    for order in (False, True):
-        up, down = replace(UP_TILE, expert_order=order), replace(DOWN_TILE, expert_order=order)
-        for label, build in (("gate-up TMA", lambda: plain(up, True)), ("down", lambda: plain(down, False)),
-                             ("gate-up gather", lambda: gather(up)), ("down tail", lambda: tail(with_tail(down)))):
-            try:
-                print(f"OK {label} expert_order={order}: {build()}", flush=True)
-            except Exception as exc:  # noqa: BLE001 (the error, not a traceback through the compiler)
-                print(f"FAIL {label} expert_order={order}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
-                failed += 1
+    for label, build in (("gate-up TMA", lambda: plain(UP_TILE, True)), ("down", lambda: plain(DOWN_TILE, False)),
+                         ("gate-up gather", lambda: gather(UP_TILE)),
+                         ("down tail", lambda: tail(with_tail(DOWN_TILE)))):
+        try:
+            print(f"OK {label}: {build()}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (the error, not a traceback through the compiler)
+            print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+            failed += 1
     return 1 if failed else 0
 
 

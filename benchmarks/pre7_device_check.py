@@ -1,16 +1,17 @@
-"""Issue 19 at prefill (branch `pre7`): the expert-aligned tile order of the bf16 Gluon GEMMs at the M >= 4096 cells,
-against 70% of the matmul rate, timed as ``moekit bench`` times them (``prefill6_device_check``'s machinery).
+"""Issue 19 at prefill: the route's bf16 Gluon GEMMs at the M >= 4096 cells, against 70% of the matmul rate, timed as
+``moekit bench`` times them (``prefill6_device_check``'s machinery). Session 27 (branch `pre7`) built it to time the
+expert-aligned tile order against the route; the order was removed in session 28 (no default took it): what stays is
+the route's whole call and each of its GEMMs alone.
 
     PYTHONPATH=$PWD python3 benchmarks/pre7_device_check.py --out $OUT/pre7 [--deadline 55] [--rounds 7]
         [--cells deepseek-v3:16384 qwen3-30b-a3b:16384 ...] [--parts whole alone dense]
 
 First the ceilings (copy, bf16 mm 8192^3: % of mm is against this run's rate). Per cell (preset, M; the bench's
-weights, two rotated input sets, uniform routing): the route's plan and its layout's padding; every variant of
-``pre7_variants`` against the Gluon twin (rel L2 < 2e-3) and bit for bit against the route (PASS/FAIL); the route's
-kernels (profiler); whole calls in ``--rounds`` interleaved rounds (the bench's ``time_stats``: events over passes,
-median; each round starts with the next variant), x = route µs / variant µs and the rounds it won by >= 3%; each GEMM
-alone in both orders under uniform and balanced routing; cuBLAS on the cell's two GEMM shapes. JSON to
-``--out``/pre7.json after every cell, the table LAST. Exit 1 when a check fails.
+weights, two rotated input sets, uniform routing): the route's plan and its layout's padding; the route against the
+Gluon twin (rel L2 < 2e-3, PASS/FAIL); the route's kernels (profiler); whole calls in ``--rounds`` rounds (the bench's
+``time_stats``: events over passes, median); each GEMM alone under uniform and balanced routing (x = uniform µs /
+balanced µs: what the padding rows cost); cuBLAS on the cell's two GEMM shapes. JSON to ``--out``/pre7.json after
+every cell, the table LAST. Exit 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -19,17 +20,14 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import prefill6_device_check as p6  # noqa: E402  (the log, checks, rounds and table: its module state is the run's)
+from bench_rounds import rotated_rounds, versus  # noqa: E402
 
-# DeepSeek-V3 M = 4096 last: its "both expert" runs the tail kernel in the expert order, first measured at checkpoint 2
 CELLS = ("deepseek-v3:16384", "qwen3-30b-a3b:16384", "qwen3-30b-a3b:4096", "mixtral-8x7b:4096", "deepseek-v3:4096")
 
 
@@ -41,61 +39,29 @@ def alone(name: str, s, sets, w, plan, dev, budget_s: float, stop_at: float) -> 
     x, ids = sets[0].x, sets[0].topk_ids
     bal_ids, _ = balanced_routing(x.shape[0], s.num_experts, s.top_k, dev)
     fns = v7.gemms_alone(x, ids, bal_ids, w.w13, w.w2, plan)
-    out: dict = {}
-    for r in range(3):
-        if time.perf_counter() - p6.T0 > stop_at and r >= 1:
-            break
-        for label, fn in (list(fns.items())[r % len(fns):] + list(fns.items())[:r % len(fns)]):
-            out.setdefault(label, []).append(p6.timed([fn], dev, budget_s / 2))
-        p6.log(f"{name} alone round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in out.items()))
-    return out
+    return rotated_rounds(f"{name} alone", list(fns), 3, lambda k: p6.timed([fns[k]], dev, budget_s / 2),
+                          lambda r: r >= 1 and time.perf_counter() - p6.T0 > stop_at, p6.log, say_stop=False)
 
 
 def run_cell(spec: str, dev, ceil: dict, args) -> None:
     import pre7_variants as v7
-    import prefill6_variants as pv
-    from fp8_kernel_breakdown import describe, kernel_breakdown
 
-    from moekit.bench.cells import Shape, make_sets, make_weights
-    from moekit.experts.triton_gluon import experts_gluon_twin
-
-    preset, m = spec.split(":")
-    m = int(m)
-    s = Shape.from_preset(preset)
-    w = make_weights(s, torch.bfloat16, dev)
-    sets = make_sets(s, m, 2, torch.bfloat16, dev)
-    s0 = sets[0]
-    name = f"{preset} M={m}"
-    plan = pv.route_plan(s0.x, w.w13, w.w2, s0.topk_ids, s0.topk_weights)
-    counts = pv.layout_counts(s0.x, s0.topk_ids, s.num_experts)
-    p6.log(f"{name} plan: {plan.words()}; layout {counts}")
-    flops = 6 * m * s.top_k * s.n * s.k
-    cell = {"cell": spec, "mm_TFLOPs": ceil["bf16_mm_TFLOPs"], "flops": flops, "plan": plan.words(), "layout": counts,
-            "target_us_70pct": flops / (0.7 * ceil["bf16_mm_TFLOPs"] * 1e12) * 1e6}
-    variants = v7.whole_call_variants(w.w13, w.w2, plan)
-    ref = experts_gluon_twin(s0.x, w.w13, w.w2, s0.topk_ids, s0.topk_weights)
-    outs: dict = {}
-    passing = [v for v in variants if p6.check(name, v, s0, ref, outs)]
-    del ref, outs
-    kernels = describe(kernel_breakdown(lambda: variants[0].call(s0.x, s0.topk_ids, s0.topk_weights), calls=3))
-    p6.log(f"{name} route kernels: {kernels}")
-    cell["route_kernels"] = kernels
+    c = p6.open_cell(spec, dev, ceil)
+    name, s, sets, cell = c.name, c.s, c.sets, c.record
+    passing = p6.checked(name, v7.whole_call_variants(c.w.w13, c.w.w2, c.plan), sets, c.w, cell, 3)
     if "whole" in args.parts:
         cell["rounds_us"] = p6.whole_calls(name, passing, sets, dev, args.rounds, args.budget_s, args.deadline)
-    if "alone" in args.parts and plan.gluon and time.perf_counter() - p6.T0 < args.deadline:
-        cell["alone_us"] = alone(name, s, sets, w, plan, dev, args.budget_s, args.deadline)
+    if "alone" in args.parts and c.plan.gluon and time.perf_counter() - p6.T0 < args.deadline:
+        cell["alone_us"] = alone(name, s, sets, c.w, c.plan, dev, args.budget_s, args.deadline)
     if "dense" in args.parts and time.perf_counter() - p6.T0 < args.deadline:
-        cell["dense"] = pv.dense_refs(m, s.top_k, s.n, s.k, dev)
-        mm = ceil["bf16_mm_TFLOPs"]
-        p6.log(f"{name} dense cuBLAS: " + ", ".join(f"{k} {v['us']:.1f} us ({100 * v['TFLOPs'] / mm:.1f}% mm)"
-                                                    for k, v in cell["dense"].items()))
+        cell["dense"] = p6.dense(name, s, c.m, dev, ceil["bf16_mm_TFLOPs"])
     p6.RESULTS["cells"].append(cell)
     (args.out / "pre7.json").write_text(json.dumps(p6.RESULTS, indent=1))
     summarize(name, cell)
 
 
 def summarize(name: str, cell: dict) -> None:
-    """The route and each variant (median, % of mm, route vs it), then each GEMM alone against its route order."""
+    """The route (median, % of mm), then each GEMM alone (balanced against uniform routing)."""
     rounds = cell.get("rounds_us", {})
     if rounds.get("route"):
         p6.SUMMARY.append(f"{name}: 70% of mm needs <= {cell['target_us_70pct']:.0f} us; layout {cell['layout']}")
@@ -103,14 +69,13 @@ def summarize(name: str, cell: dict) -> None:
             med = statistics.median(t)
             pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
             p6.SUMMARY.append(f"  {n:12s} median {med:9.1f} us {pct:5.1f}% mm, min {min(t):9.1f} us  "
-                              f"variant vs route {p6.versus(t, rounds['route'])}")
+                              f"variant vs route {versus(t, rounds['route'])}")
     al = cell.get("alone_us", {})
     for n, t in al.items():
-        base = n.replace(" expert", "").replace(" in-loader", "")
         share = 2 / 3 if n.startswith("up") else 1 / 3
         pct = 100 * share * cell["flops"] / (statistics.median(t) * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-        p6.SUMMARY.append(f"  alone {n:22s} {statistics.median(t):8.1f} us {pct:5.1f}% mm  vs {base} "
-                          f"{p6.versus(t, al[base])}")
+        padding = f"  uniform / balanced {versus(t, al[n.replace(' balanced', '')])}" if "balanced" in n else ""
+        p6.SUMMARY.append(f"  alone {n:22s} {statistics.median(t):8.1f} us {pct:5.1f}% mm{padding}")
 
 
 def main() -> int:
@@ -122,31 +87,8 @@ def main() -> int:
     parser.add_argument("--cells", nargs="+", default=list(CELLS))
     parser.add_argument("--parts", nargs="+", default=["whole", "alone", "dense"])
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
     p6.STALL_S = 30.0  # the watchdog's silence limit, well inside the 70 s budget
-    threading.Thread(target=p6.watchdog, daemon=True).start()
-    from moekit.bench.ceilings import measure_ceilings
-    from moekit.experts.triton import clear_launch_caches
-
-    base = measure_ceilings(dev)
-    ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}
-    p6.RESULTS["ceilings"] = ceil
-    p6.log(f"ceilings: {ceil}; torch {torch.__version__}")
-    for spec in args.cells:
-        if time.perf_counter() - p6.T0 > args.deadline:
-            p6.log(f"SKIP {spec}: deadline")
-            p6.SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, dev, ceil, args)
-        except Exception as exc:  # noqa: BLE001 (one cell's failure is reported, the others still run)
-            p6.log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            p6.FAILED.append(spec)
-        clear_launch_caches()
-        torch.cuda.empty_cache()
-    p6.print_table()
-    return 1 if p6.FAILED else 0
+    return p6.run_cells(args, run_cell, args.deadline)
 
 
 if __name__ == "__main__":

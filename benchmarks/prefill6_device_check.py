@@ -24,62 +24,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-T0 = time.perf_counter()
+from bench_rounds import rotated_rounds, versus  # noqa: E402  (versus: pre7's too)
+from bench_run import RunLog, ceilings, rel_l2  # noqa: E402
+
 CELLS = ("qwen3-30b-a3b:16384", "qwen3-30b-a3b:4096", "deepseek-v3:4096", "deepseek-v3:16384", "mixtral-8x7b:4096",
          "mixtral-8x7b:16384")
 STALL_S = 100.0  # the watchdog ends the run (table so far printed) when nothing was logged for this long
-LAST_LOG = [time.perf_counter(), "start"]
+RUN = RunLog("medians of the rounds (bench timing: events over rotated sets); x = base µs / variant µs")
 RESULTS: dict = {"cells": []}
-FAILED: list[str] = []
-SUMMARY: list[str] = []
-
-
-def log(msg: str) -> None:
-    LAST_LOG[:] = [time.perf_counter(), msg]
-    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+# the run's module state, as ``pre7_device_check`` (and the scripts made from it) use it
+T0, FAILED, SUMMARY, log, print_table = RUN.t0, RUN.failed, RUN.summary, RUN.log, RUN.print_table
 
 
 def watchdog() -> None:
-    while True:
-        time.sleep(2.0)
-        if time.perf_counter() - LAST_LOG[0] > STALL_S:
-            print(f"\nSTALLED {STALL_S:.0f} s after: {LAST_LOG[1]}", flush=True)
-            print_table()
-            os._exit(3)
-
-
-def print_table() -> None:
-    print("\nmedians of the rounds (bench timing: events over rotated sets); x = base µs / variant µs", flush=True)
-    print("\n".join(SUMMARY))
-    print(f"FAILED: {', '.join(FAILED) or 'none'}; {time.perf_counter() - T0:.0f} s", flush=True)
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    RUN.watchdog(lambda: STALL_S)
 
 
 def timed(fns: list, dev, budget_s: float) -> float:
     from moekit.bench.timing import time_stats
 
     return time_stats(fns, dev, graph=False, budget_s=budget_s).us
-
-
-def versus(t: list, base: list) -> str:
-    wins = sum(b / v >= 1.03 for b, v in zip(base, t))
-    return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
 
 
 def check(name: str, v, s0, ref, outs: dict) -> bool:
@@ -105,17 +80,9 @@ def check(name: str, v, s0, ref, outs: dict) -> bool:
 
 
 def whole_calls(name: str, variants, sets, dev, rounds: int, budget_s: float, stop_at: float) -> dict:
-    per_round: dict = {v.name: [] for v in variants}
     calls = {v.name: [lambda v=v, s=s: v.call(s.x, s.topk_ids, s.topk_weights) for s in sets] for v in variants}
-    order = list(calls)
-    for r in range(rounds):
-        if time.perf_counter() - T0 > stop_at and r >= 3:
-            log(f"{name}: deadline, {r} rounds")
-            break
-        for n in order[r % len(order):] + order[:r % len(order)]:
-            per_round[n].append(timed(calls[n], dev, budget_s))
-        log(f"{name} round {r}: " + ", ".join(f"{n} {t[-1]:.1f}" for n, t in per_round.items()))
-    return per_round
+    return rotated_rounds(name, list(calls), rounds, lambda n: timed(calls[n], dev, budget_s),
+                          lambda r: r >= 3 and time.perf_counter() - T0 > stop_at, log)
 
 
 def alone(name: str, s, sets, w, plan, dev, budget_s: float, stop_at: float) -> dict:
@@ -155,21 +122,27 @@ def alone(name: str, s, sets, w, plan, dev, budget_s: float, stop_at: float) -> 
         if not torch.equal(o, outs[first]):
             log(f"FAIL {name} {label}: not bit-equal to {first}")
             FAILED.append(f"{name} {label}")
-    out: dict = {}
-    for r in range(3):
-        if time.perf_counter() - T0 > stop_at and r >= 1:
-            break
-        for label, fn in fns.items():
-            out.setdefault(label, []).append(timed([fn], dev, budget_s / 2))
-        log(f"{name} alone round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in out.items()))
-    return out
+    return rotated_rounds(f"{name} alone", list(fns), 3, lambda k: timed([fns[k]], dev, budget_s / 2),
+                          lambda r: r >= 1 and time.perf_counter() - T0 > stop_at, log, rotate=False, say_stop=False)
 
 
-def run_cell(spec: str, dev, ceil: dict, args) -> None:
+@dataclass
+class OpenCell:
+    """A "preset:M" cell's inputs (``open_cell``)."""
+
+    name: str  # "preset M=m", the log's and the table's
+    s: object  # the preset's ``Shape``
+    m: int
+    w: object  # the bench's bf16 weights (``make_weights``)
+    sets: list  # two input sets (``make_sets``)
+    plan: object  # the route's plan (``prefill6_variants.route_plan``)
+    record: dict  # the cell's JSON record, filled as it runs
+
+
+def open_cell(spec: str, dev, ceil: dict) -> OpenCell:
+    """A "preset:M" cell (the bench's weights, two input sets, the route's plan), its plan and layout logged."""
     import prefill6_variants as pv
     from moekit.bench.cells import Shape, make_sets, make_weights
-    from moekit.experts.triton_gluon import experts_gluon_twin
-    from fp8_kernel_breakdown import describe, kernel_breakdown
 
     preset, m = spec.split(":")
     m = int(m)
@@ -184,22 +157,50 @@ def run_cell(spec: str, dev, ceil: dict, args) -> None:
     flops = 6 * m * s.top_k * s.n * s.k
     cell = {"cell": spec, "mm_TFLOPs": ceil["bf16_mm_TFLOPs"], "flops": flops, "plan": plan.words(), "layout": counts,
             "target_us_70pct": flops / (0.7 * ceil["bf16_mm_TFLOPs"] * 1e12) * 1e6}
-    variants = pv.whole_call_variants(w.w13, w.w2, plan, with_fused=(preset == "qwen3-30b-a3b" and m == 4096))
+    return OpenCell(name, s, m, w, sets, plan, cell)
+
+
+def checked(name: str, variants: list, sets, w, cell: dict, profiled_calls: int) -> list:
+    """The variants that PASS against the Gluon twin on sets[0]; the route's kernels (profiler) into the record."""
+    from fp8_kernel_breakdown import describe, kernel_breakdown
+
+    from moekit.experts.triton_gluon import experts_gluon_twin
+
+    s0 = sets[0]
     ref = experts_gluon_twin(s0.x, w.w13, w.w2, s0.topk_ids, s0.topk_weights)
     outs: dict = {}
     passing = [v for v in variants if check(name, v, s0, ref, outs)]
     del ref, outs
-    kernels = describe(kernel_breakdown(lambda: variants[0].call(s0.x, s0.topk_ids, s0.topk_weights), calls=5))
+    kernels = describe(kernel_breakdown(lambda: variants[0].call(s0.x, s0.topk_ids, s0.topk_weights),
+                                        calls=profiled_calls))
     log(f"{name} route kernels: {kernels}")
     cell["route_kernels"] = kernels
+    return passing
+
+
+def dense(name: str, s, m: int, dev, mm: float) -> dict:
+    """cuBLAS on the cell's two GEMM shapes (``prefill6_variants.dense_refs``), logged with % of ``mm``."""
+    import prefill6_variants as pv
+
+    got = pv.dense_refs(m, s.top_k, s.n, s.k, dev)
+    log(f"{name} dense cuBLAS: " + ", ".join(f"{k} {v['us']:.1f} us ({100 * v['TFLOPs'] / mm:.1f}% mm)"
+                                             for k, v in got.items()))
+    return got
+
+
+def run_cell(spec: str, dev, ceil: dict, args) -> None:
+    import prefill6_variants as pv
+
+    c = open_cell(spec, dev, ceil)
+    name, s, sets, cell = c.name, c.s, c.sets, c.record
+    variants = pv.whole_call_variants(c.w.w13, c.w.w2, c.plan, with_fused=(s.name == "qwen3-30b-a3b" and c.m == 4096))
+    passing = checked(name, variants, sets, c.w, cell, 5)
     if "whole" in args.parts:
         cell["rounds_us"] = whole_calls(name, passing, sets, dev, args.rounds, args.budget_s, args.deadline_s)
-    if "alone" in args.parts and plan.gluon and time.perf_counter() - T0 < args.deadline_s:
-        cell["alone_us"] = alone(name, s, sets, w, plan, dev, args.budget_s, args.deadline_s)
+    if "alone" in args.parts and c.plan.gluon and time.perf_counter() - T0 < args.deadline_s:
+        cell["alone_us"] = alone(name, s, sets, c.w, c.plan, dev, args.budget_s, args.deadline_s)
     if "dense" in args.parts and time.perf_counter() - T0 < args.deadline_s:
-        cell["dense"] = pv.dense_refs(m, s.top_k, s.n, s.k, dev)
-        log(f"{name} dense cuBLAS: " + ", ".join(f"{k} {v['us']:.1f} us ({100 * v['TFLOPs'] / ceil['bf16_mm_TFLOPs']:.1f}"
-                                                 f"% mm)" for k, v in cell["dense"].items()))
+        cell["dense"] = dense(name, s, c.m, dev, ceil["bf16_mm_TFLOPs"])
     RESULTS["cells"].append(cell)
     (args.out / "prefill6.json").write_text(json.dumps(RESULTS, indent=1))
     summarize(name, cell)
@@ -234,29 +235,26 @@ def main() -> int:
     parser.add_argument("--cells", nargs="+", default=list(CELLS))
     parser.add_argument("--parts", nargs="+", default=["whole", "alone", "dense"])
     args = parser.parse_args()
+    return run_cells(args, run_cell, args.deadline_s)
+
+
+def run_cells(args, cell_fn, deadline: float) -> int:
+    """The watchdog, this run's ceilings, then ``cell_fn(spec, dev, ceilings, args)`` for each of ``args.cells``
+    that starts before ``deadline`` (s), the launch caches cleared after each; the table last. Exit 1 on a FAIL."""
+    from moekit.experts.triton import clear_launch_caches
+
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     threading.Thread(target=watchdog, daemon=True).start()
-    from moekit.bench.ceilings import measure_ceilings
-
-    base = measure_ceilings(dev)
-    ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}
+    ceil = ceilings(dev)
     RESULTS["ceilings"] = ceil
     log(f"ceilings: {ceil}; torch {torch.__version__}")
-    for spec in args.cells:
-        if time.perf_counter() - T0 > args.deadline_s:
-            log(f"SKIP {spec}: deadline")
-            SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, dev, ceil, args)
-        except Exception as exc:  # noqa: BLE001 (one cell's failure is reported, the others still run)
-            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            FAILED.append(spec)
-        from moekit.experts.triton import clear_launch_caches
 
+    def after() -> None:
         clear_launch_caches()
         torch.cuda.empty_cache()
+
+    RUN.each_cell(args.cells, lambda spec: cell_fn(spec, dev, ceil, args), deadline, after)
     print_table()
     return 1 if FAILED else 0
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
@@ -31,57 +30,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-T0 = time.perf_counter()
+from bench_rounds import graph_of, rotated_rounds, versus  # noqa: E402
+from bench_run import RunLog, ceilings, rel_l2  # noqa: E402
+
 CELLS = ("bf16:qwen3-30b-a3b:4096", "bf16:deepseek-v3:4096", "fp8:deepseek-v3:4096", "bf16:qwen3-30b-a3b:8192",
          "bf16:deepseek-v3:8192", "bf16:qwen3-30b-a3b:16384", "bf16:deepseek-v3:16384", "fp8:deepseek-v3:16384",
          "fp8:qwen3-30b-a3b:16384", "bf16:mixtral-8x7b:4096")
 ROUND_S = 0.04  # timed replays per variant per round
 WARM_S = 0.015  # untimed replays before them
 STALL_S = 120.0  # the watchdog ends the run (table so far printed) when nothing was logged for this long
-LAST_LOG = [time.perf_counter(), "start"]
+RUN = RunLog("whole call, CUDA-graph replay, median of the rounds; x = the route's µs / the variant's")
 RESULTS: dict = {"cells": []}
-FAILED: list[str] = []
-SUMMARY: list[str] = []
-
-
-def log(msg: str) -> None:
-    LAST_LOG[:] = [time.perf_counter(), msg]
-    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+# the run's module state, as the scripts that import this one (``f8pre``, ``padding``) use it
+T0, FAILED, SUMMARY, log, print_table = RUN.t0, RUN.failed, RUN.summary, RUN.log, RUN.print_table
 
 
 def watchdog() -> None:
     """A hung kernel (a new barrier protocol) or a stuck compile must not take the results so far with it."""
-    while True:
-        time.sleep(2.0)
-        if time.perf_counter() - LAST_LOG[0] > STALL_S:
-            print(f"\nSTALLED {STALL_S:.0f} s after: {LAST_LOG[1]}", flush=True)
-            print_table()
-            os._exit(3)
-
-
-def print_table() -> None:
-    print("\nwhole call, CUDA-graph replay, median of the rounds; x = the route's µs / the variant's", flush=True)
-    print("\n".join(SUMMARY))
-    print(f"FAILED: {', '.join(FAILED) or 'none'}; {time.perf_counter() - T0:.0f} s", flush=True)
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    RUN.watchdog(lambda: STALL_S)
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
+    return graph_of([fn], torch.device("cuda"), warmups=1, replay=False)
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, budget_s: float = ROUND_S) -> float:
@@ -149,7 +119,8 @@ def check(name: str, v, x, ids, rw, ref, dtype: str, outs: dict) -> bool:
     if base is not None:  # the same products in the same order: equal bit for bit, or it fails
         same = torch.equal(out, base)
         ok = ok and same
-        log(f"{name} {v.name} vs {v.same_as}: bit-equal {same}, max |diff| {(out.float() - base.float()).abs().max():.3g}")
+        diff = (out.float() - base.float()).abs().max()
+        log(f"{name} {v.name} vs {v.same_as}: bit-equal {same}, max |diff| {diff:.3g}")
     outs[v.name] = out
     log(f"{'PASS' if ok else 'FAIL'} {name} {v.name}: rel L2 vs twin {err:.2e} (< {tol:g})")
     if not ok:
@@ -165,15 +136,8 @@ def whole_calls(name: str, variants, x, ids, rw, rounds: int, stop_at: float) ->
             graphs[v.name] = capture(lambda v=v: v.call(x, ids, rw))
         except Exception as exc:  # noqa: BLE001
             log(f"capture failed {name} {v.name}: {type(exc).__name__}: {str(exc)[-300:]}")
-    per_round: dict = {n: [] for n in graphs}
-    order = list(graphs)
-    for r in range(rounds):
-        if time.perf_counter() - T0 > stop_at and r >= 1:
-            log(f"{name}: deadline, {r} rounds")
-            break
-        for n in order[r % len(order):] + order[:r % len(order)]:  # each round starts with another variant
-            per_round[n].append(replay_us(graphs[n]))
-        log(f"{name} round {r}: " + ", ".join(f"{n} {t[-1]:.1f}" for n, t in per_round.items()))
+    per_round = rotated_rounds(name, list(graphs), rounds, lambda n: replay_us(graphs[n]),
+                               lambda r: r >= 1 and time.perf_counter() - T0 > stop_at, log)
     del graphs
     return per_round
 
@@ -262,11 +226,6 @@ def summarize(name: str, cell: dict) -> None:
     if "route" not in rounds or not rounds["route"]:
         SUMMARY.append(f"{name}: route not timed")
         return
-
-    def versus(t, base) -> str:
-        wins = sum(b / v >= 1.03 for b, v in zip(base, t))
-        return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
-
     for n, t in rounds.items():
         med = statistics.median(t)
         pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
@@ -286,24 +245,12 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     threading.Thread(target=watchdog, daemon=True).start()
-    from moekit.bench.ceilings import measure_ceilings, measure_fp8_mm
-
-    base = measure_ceilings(dev)
-    ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs, "fp8_mm_TFLOPs": measure_fp8_mm(dev).TFLOPs}
+    ceil = ceilings(dev, fp8=True)
     RESULTS["ceilings"] = ceil
     log(f"ceilings: {ceil}; torch {torch.__version__}")
-    for spec in args.cells:
-        if time.perf_counter() - T0 > args.deadline_s:
-            log(f"SKIP {spec}: deadline")
-            SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, dev, ceil, args.rounds, args.deadline_s, args.out,
-                     [n.strip() for n in args.variants.split(",") if n.strip()])
-        except Exception as exc:  # noqa: BLE001 (one cell's failure is reported, the others still run)
-            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            FAILED.append(spec)
-        free_memory()  # outside the handler: its traceback holds the cell's tensors
+    wanted = [n.strip() for n in args.variants.split(",") if n.strip()]
+    RUN.each_cell(args.cells, lambda spec: run_cell(spec, dev, ceil, args.rounds, args.deadline_s, args.out, wanted),
+                  args.deadline_s, free_memory)
     print_table()
     return 1 if FAILED else 0
 

@@ -1,7 +1,7 @@
-"""The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 8192 / 16384, Qwen3-30B-A3B,
-DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the fused Triton kernels, the bf16 Gluon path with the plan's
-tiles (plain and lean launches: the lean one is what the route runs where ``GluonChoice`` takes Gluon), and each Gluon
-GEMM alone under uniform and balanced routing (what the 128-row padding costs).
+"""The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 8192 / 16384,
+Qwen3-30B-A3B, DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the fused Triton kernels, the bf16 Gluon path
+with the plan's tiles (plain and lean launches: the lean one is what the route runs where ``GluonChoice`` takes Gluon),
+and each Gluon GEMM alone under uniform and balanced routing (what the 128-row padding costs).
 
 Measured with it and removed (benchmarks/triton-notes.md, "prefill"): a ping-pong bf16 down GEMM (two 4-warp consumers
 taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING at prefill.
@@ -85,13 +85,12 @@ def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False) -> GemmPa
     if in_loader:
         def up_call():
             launch_gather_gemm(x, lay.sorted_ids, lay.src_to_dst.view(-1), w13_2d, h, lay.block_experts, lay.rows_used,
-                               ids.shape[1], up, lay.offsets)
+                               ids.shape[1], up)
     else:
         def up_call():
-            launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter,
-                        offsets=lay.offsets)
-    return GemmPair(up_call, lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden,
-                                                 offsets=lay.offsets), lay.rows_used)
+            launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter)
+    return GemmPair(up_call, lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden),
+                    lay.rows_used)
 
 
 def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:

@@ -35,9 +35,9 @@ def compile_bf16_gemm(tile, gated: bool) -> str:
     args = dict(a_desc=_descriptor([t, r], [BLOCK_M, tile.block_k], bf16),
                 w_desc=_descriptor([e * w_rows, r], [tile.block_n, tile.block_k], bf16),
                 c_desc=_descriptor([t, c], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
-                offsets_ptr=int32, reduce_dim=r, num_col_blocks=c // tile.block_n)
+                reduce_dim=r, num_col_blocks=c // tile.block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages,
-                 GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS)
+                 GROUP_M=tile.group_m, num_warps=NUM_WARPS)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()

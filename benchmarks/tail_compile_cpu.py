@@ -34,9 +34,8 @@ def compile_tail_down(tile) -> str:
                 w_desc=_descriptor([e * w_rows, r], [tile.block_n, tile.block_k], bf16),
                 c_desc=_descriptor([t, c], [BLOCK_M, tile.block_n], bf16),
                 ct_desc=_descriptor([t, c], [tile.tail, tile.block_n], bf16), experts_ptr=int32, sorted_ptr=int32,
-                used_ptr=int32, offsets_ptr=int32, num_assignments=t, reduce_dim=r, num_col_blocks=c // tile.block_n)
-    const = dict(W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order,
-                 num_warps=NUM_WARPS)
+                used_ptr=int32, num_assignments=t, reduce_dim=r, num_col_blocks=c // tile.block_n)
+    const = dict(W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=NUM_WARPS)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()

@@ -49,6 +49,7 @@ from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_gemv import PER, WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for  # noqa: E402
 from moekit.experts.triton_wo_word_winners import word_config  # noqa: E402
+import bench_rounds  # noqa: E402
 from wo_device_check import bf16_times, copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
@@ -127,37 +128,7 @@ def graph_of(fns, tag: str):
     if DEV.type != "cuda":
         return None
     print(f"    graph {tag}", flush=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns * 2:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def interleaved(graphs: dict, calls: int) -> dict:
-    """name -> [µs per call, each round]: every graph replayed REPLAYS times a round, the graphs in turn."""
-    samples = {name: [] for name in graphs}
-    if DEV.type != "cuda":
-        return {name: [float("nan")] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return samples
+    return bench_rounds.graph_of(fns, DEV)
 
 
 def up_prefix(plan, c, a13, a2):
@@ -205,7 +176,7 @@ def run_cell(s: Shape, scheme: str, m: int, w13, w2, inputs, bf16_us: float, bw:
         except Exception as e:  # noqa: BLE001  (one variant's failure never loses the run)
             traceback.print_exc(limit=3)
             check(tag, False, f"raised {type(e).__name__}: {e}")
-    cell.rounds = interleaved(graphs, len(inputs))
+    cell.rounds = bench_rounds.interleaved(graphs, len(inputs), DEV, ROUNDS, REPLAYS)
     cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
     print(f"  {s.name} {scheme} M={m}: " + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
     return cell

@@ -44,6 +44,7 @@ from moekit.experts import triton_wo_plan  # noqa: E402
 from moekit.experts.triton_wo_plan import DECODE_MEASURED, choose_decode, wo_plan_for  # noqa: E402
 from moekit.experts import triton_wo_word_winners as winners  # noqa: E402
 from moekit.experts.triton_wo_word_winners import WordPick, with_pick  # noqa: E402
+from bench_rounds import graph_of, interleaved, medians  # noqa: E402
 from wo_device_check import bf16_times, copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
@@ -112,41 +113,6 @@ def variants(s: Shape, scheme: str, m: int, smoke: bool) -> dict:
     return out
 
 
-def graph_of(fns):
-    """The calls captured in one CUDA graph (warmed on a side stream first), or None off the GPU."""
-    if DEV.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns * 2:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    return g
-
-
-def interleaved_us(graphs: dict, calls: int) -> dict:
-    """name -> median µs per call: every graph replayed REPLAYS times a round, the graphs in turn, ROUNDS rounds."""
-    samples = {name: [] for name in graphs}
-    if DEV.type != "cuda":
-        return {name: float("nan") for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def launch_names(plan, c, a13, a2) -> list[str]:
     """The kernels one op-path call of ``plan`` launches, in order."""
     b, out = plan.workspace.allocate(c.x.device), torch.empty_like(c.x)
@@ -182,11 +148,11 @@ def run_cell(s: Shape, scheme: str, m: int, w13, w2, inputs, bf16_us: float, bw:
                                decode)
             cell.launches[name] = launch_names(plan, c0, a13, a2)
             if err < TOL:
-                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs])
+                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], DEV, replay=False)
         except Exception as e:  # noqa: BLE001  (one variant's failure never loses the run)
             traceback.print_exc(limit=3)
             check(tag, False, f"raised {type(e).__name__}: {e}")
-    cell.times = interleaved_us(graphs, len(inputs))
+    cell.times = medians(interleaved(graphs, len(inputs), DEV, ROUNDS, REPLAYS))
     if ("fold" in cell.errors or "unfold" in cell.errors) and left_s() > 10:
         try:
             cell.eager = eager_pick_fold(s, scheme, m, w13, w2, inputs)
@@ -230,7 +196,8 @@ def eager_pick_fold(s: Shape, scheme: str, m: int, w13, w2, inputs) -> dict:
                 with torch.no_grad():
                     t = time_eager(fns, DEV, **EAGER)
                 samples[name].append((t.eager_us, t.host_rest_us))
-                folded = any(plan.glu_fold for plan in triton_wo_plan._WO_PLANS.values())  # the lean calls' plan: folded or not
+                # the lean calls' plan: folded or not
+                folded = any(plan.glu_fold for plan in triton_wo_plan._WO_PLANS.values())
                 check(f"{s.name} {scheme} M={m} eager {name} runs {'folded' if fold else 'unfolded'}", folded == fold)
     finally:
         winners.WORD_WINNERS[key] = row
@@ -258,8 +225,9 @@ def shape_cells(s: Shape, bw: float, smoke: bool) -> list[Cell]:
 
 
 def table(cells: list[Cell]) -> str:
-    lines = [f"{'shape':<14} {'scheme':<10} {'M':>3} {'bf16':>7} {'unfolded':>8} {'folded':>8} {'best':>8} {'variant':<12} "
-             f"{'floor':>6} {'%fl best':>8} {'x bf16':>6} {'#l pick':>7} {'#l best':>7} {'eager u/f':>13} {'host u/f':>11}"]
+    lines = [f"{'shape':<14} {'scheme':<10} {'M':>3} {'bf16':>7} {'unfolded':>8} {'folded':>8} {'best':>8} "
+             f"{'variant':<12} {'floor':>6} {'%fl best':>8} {'x bf16':>6} {'#l pick':>7} {'#l best':>7} "
+             f"{'eager u/f':>13} {'host u/f':>11}"]
     for c in cells:
         if not c.times:
             continue

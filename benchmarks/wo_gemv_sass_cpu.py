@@ -105,7 +105,8 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
             + (f" h folded from {up_split} splits" if up_split > 1 else "") + (f" ahead {ahead}" if ahead > 1 else "")
             + (" x tile" if x_tile else ""))
     return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
-                     int(re.search(r"STACK:(\d+)", usage).group(1)), " ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
+                     int(re.search(r"STACK:(\d+)", usage).group(1)),
+                     " ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
 
 
 def main(argv=None) -> int:

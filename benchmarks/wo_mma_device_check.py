@@ -25,26 +25,21 @@ the table printed last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
+from moekit.bench.cells import Shape  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig, device_key  # noqa: E402
-from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
-from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
+from bench_rounds import graph_of, wins  # noqa: E402,F401  (graph_of: scripts copied from dec7 import it here)
+from bench_run import RunLog, cells_in_children  # noqa: E402
+from wo_cells import ROUNDS, Cell, child, dump, measure_cell  # noqa: E402
 
 CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), ("deepseek-v3", "int4_w4a16", 8),
          ("mixtral-8x7b", "int4_w4a16", 8), ("qwen3-30b-a3b", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1),
@@ -78,33 +73,9 @@ GUARD = {("deepseek-v3", "int4_w4a16", 1): "gemv", ("qwen3-30b-a3b", "int4_w4a16
          ("deepseek-v3", "int4_w4a16", 16): "register", ("mixtral-8x7b", "mxfp4", 1): "register",
          ("deepseek-v3", "mxfp4", 64): "register", ("qwen3-30b-a3b", "mxfp4", 64): "register"}
 MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs; name + "s2": split
-SETS, ROUNDS, REPLAYS = 3, 5, 5
 EAGER, EAGER_CALLS = False, 12  # --eager: each variant's eager host and wall µs a call too
 MERGED = False  # --merged or --confirm
-TOL = 1e-2
-WIN = 0.97
-START = time.perf_counter()
-FAILED: list[str] = []
-
-
-@dataclasses.dataclass
-class Cell:
-    preset: str
-    scheme: str
-    m: int
-    floor_us: float
-    times: dict = dataclasses.field(default_factory=dict)  # variant -> median µs a call
-    rounds: dict = dataclasses.field(default_factory=dict)  # variant -> µs a call, each round
-    errors: dict = dataclasses.field(default_factory=dict)  # variant -> rel-L2 against the twin
-    configs: dict = dataclasses.field(default_factory=dict)  # variant -> (decode, config dict)
-    bytes: float = 0.0  # the floor's bytes (touched experts' packed weights, scales, zeros; x and out)
-    eager: dict = dataclasses.field(default_factory=dict)  # variant -> {"host_us", "wall_us"} (EAGER)
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
+RUN = RunLog()
 
 
 def variants(s: Shape, scheme: str, m: int, dev) -> dict:
@@ -128,115 +99,11 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     return {k: v for k, v in out.items() if k == "pick" or k in (keep or ())}
 
 
-def graph_of(fns, dev):
-    """The calls captured in one CUDA graph (warmed on a side stream first), or None off the GPU."""
-    if dev.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns * 2:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def interleaved(graphs: dict, calls: int, dev) -> dict:
-    """name -> [µs per call, each round]: every graph replayed REPLAYS times a round, the graphs in turn."""
-    if dev.type != "cuda":
-        return {name: [float("nan")] for name in graphs}
-    samples = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return samples
-
-
-def eager_times(calls: dict) -> dict:
-    """name -> (host µs a call: enqueueing EAGER_CALLS calls behind a busy GPU, wall µs a call: the same calls to
-    completion), medians of ROUNDS interleaved rounds."""
-    host, wall = {k: [] for k in calls}, {k: [] for k in calls}
-    for _ in range(ROUNDS):
-        for name, fns in calls.items():
-            torch.cuda.synchronize()
-            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead, so the enqueue time is the host's alone
-            t0 = time.perf_counter()
-            for i in range(EAGER_CALLS):
-                fns[i % len(fns)]()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            host[name].append((t1 - t0) * 1e6 / EAGER_CALLS)
-            t0 = time.perf_counter()
-            for i in range(EAGER_CALLS):
-                fns[i % len(fns)]()
-            torch.cuda.synchronize()
-            wall[name].append((time.perf_counter() - t0) * 1e6 / EAGER_CALLS)
-    return {k: (statistics.median(host[k]), statistics.median(wall[k])) for k in calls}
-
-
 def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
-    w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
-    w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
-    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
-    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
-    floor_us = (touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2) / (bw * 1e12) * 1e6
-    cell = Cell(s.name, scheme, m, floor_us, bytes=floor_us * bw * 1e6)
+    """The cell with this mode's variants; eager times with --eager (--merged / --confirm: where "prev" runs)."""
     found = variants(s, scheme, m, dev)
-    if dev.type == "cuda":
-        t0 = time.perf_counter()
-        precompile([(s, scheme, m, d, cfg, None) for d, cfg in found.values()], dev)
-        print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    c0 = inputs[0]
-    want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
-    graphs, calls = {}, {}
-    for name, (decode, cfg) in found.items():
-        tag = f"{s.name} {scheme} M={m} {name}"
-        cell.configs[name] = (decode, cfg.to_dict())
-
-        def call(c, decode=decode, cfg=cfg):
-            return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, config=cfg, decode=decode)
-
-        try:
-            cell.errors[name] = err = rel_err(call(c0), want)
-            check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
-            if err < TOL:
-                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
-                calls[name] = [lambda c=c, f=call: f(c) for c in inputs]
-        except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
-            traceback.print_exc(limit=3)
-            check(tag, False, f"raised {type(e).__name__}: {e}")
-    cell.rounds = interleaved({k: g for k, g in graphs.items()}, len(inputs), dev)
-    if EAGER and dev.type == "cuda" and (not MERGED or "prev" in calls):  # host µs a call (enqueue only), wall µs
-        for name, (host, wall) in eager_times(calls).items():
-            cell.eager[name] = {"host_us": host, "wall_us": wall}
-    cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
-    print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: "
-          + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
-          flush=True)
-    return cell
-
-
-def wins(cell: Cell, name: str) -> int:
-    return sum(v <= WIN * p for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
-
-
-def beaten(cell: Cell, name: str) -> int:
-    """Rounds the pick took <= WIN x this variant."""
-    return sum(p <= WIN * v for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
+    eager = EAGER_CALLS if EAGER and (not MERGED or "prev" in found) else 0
+    return measure_cell(s, scheme, m, dev, bw, found, RUN, eager)
 
 
 def table(cells: list[Cell]) -> str:
@@ -245,8 +112,9 @@ def table(cells: list[Cell]) -> str:
     for c in cells:
         pick = c.times.get("pick", float("nan"))
         tbps = {k: c.bytes / (v * 1e-6) / 1e12 for k, v in c.times.items()}
-        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {tbps[k]:.2f}, {wins(c, k)}, "
-                         f"beaten {beaten(c, k)})" for k, v in c.times.items() if k != "pick")
+        base = c.rounds.get("pick", ())  # beaten: the rounds the pick took <= 0.97 x the variant
+        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {tbps[k]:.2f}, {wins(c.rounds[k], base)}, "
+                         f"beaten {wins(base, c.rounds[k])})" for k, v in c.times.items() if k != "pick")
         lines.append(f"{c.preset:<13} {c.scheme:<10} {c.m:>2} {c.floor_us:6.1f} {pick:7.1f} "
                      f"{tbps.get('pick', 0):.2f}TB/s  {rest}")
         if c.eager:
@@ -255,32 +123,11 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
-    import triton
-
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name), "w") as f:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
-                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
-
-
 def run_cells(args) -> tuple:
     """The (preset, scheme, M) cells of this run's mode."""
     if args.smoke:
         return CELLS[:2]
     return CONFIRM_CELLS if args.confirm else MERGED_CELLS + EXPLORE_CELLS if args.merged else CELLS
-
-
-def child(index: int, args) -> int:
-    """One cell in this process; its JSON to <out>/wo_mma-<index>.json."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bw = copy_tbps(dev)
-    preset, scheme, m = run_cells(args)[index]
-    s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
-    cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
-    dump(args.out, f"wo_mma-{index}.json", [cell], bw)
-    return 1 if FAILED else 0
 
 
 def main(argv=None) -> int:
@@ -297,37 +144,26 @@ def main(argv=None) -> int:
     global EAGER, MERGED
     EAGER, MERGED = args.eager or args.merged or args.confirm, args.merged or args.confirm
     if args.cell is not None:
-        return child(args.cell, args)
+        return child(run_cells(args)[args.cell], args, "wo_mma", args.cell, run_cell, RUN)
     if MERGED:
         for (preset, scheme, m), want in GUARD.items():
             s = Shape.from_preset(preset)
             got = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
-            check(f"guard {preset} {scheme} M={m} picks {want}", got == want, f"got {got}")
+            RUN.check(f"guard {preset} {scheme} M={m} picks {want}", got == want, f"got {got}")
     import triton
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped = [], []
-    for i, (preset, scheme, m) in enumerate(run_cells(args)):
-        left = args.deadline - (time.perf_counter() - START)
-        if left < (12 if args.confirm else 20):  # a cell takes ~10-14 s (the confirm's are all medium-sized)
-            skipped.append(f"{preset} {scheme} M={m}")
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
-        try:
-            flags = ["--smoke"] * args.smoke + ["--eager"] * args.eager + ["--merged"] * args.merged + \
-                ["--confirm"] * args.confirm
-            rc = subprocess.run(cmd + flags, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        path = os.path.join(args.out, f"wo_mma-{i}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-        cells += [Cell(**c) for c in got["cells"]]
-        FAILED.extend(got["failed"] + ([f"{preset} {scheme} M={m}: child exit {rc}"] if rc not in (0, 1) else []))
-        print(f"-- cell {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
-    dump(args.out, "wo_mma.json", cells, float("nan"))
-    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
+    flags = ["--smoke"] * args.smoke + ["--eager"] * args.eager + ["--merged"] * args.merged + \
+        ["--confirm"] * args.confirm
+    labels = [f"{preset} {scheme} M={m}" for preset, scheme, m in run_cells(args)]
+    min_left = 12 if args.confirm else 20  # a cell takes ~10-14 s (the confirm's are all medium-sized)
+    got, skipped = cells_in_children(__file__, labels, args.out, "wo_mma", RUN, args.deadline, min_left,
+                                     lambda left: flags)
+    cells = [Cell(**c) for c in got]
+    dump(os.path.join(args.out, "wo_mma.json"), cells, float("nan"), RUN)
+    print(f"total {RUN.elapsed():.1f} s; FAILED:", RUN.failed or "none", "; SKIPPED:", skipped or "none")
     print(table(cells), flush=True)
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 if __name__ == "__main__":

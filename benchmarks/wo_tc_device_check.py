@@ -11,9 +11,10 @@ Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) Mixtral-8x
 branch), DeepSeek-V3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8, int4 DeepSeek-V3 M = 1, Qwen3 M = 8, 1, each in a child
 process of its own (a fault loses only its cell). Run 1
 (0bdc803, the first four variants, DeepSeek-V3 int4 M=8, mxfp4 M=1/8, Mixtral int4 M=8): swap_ab won Mixtral int4
-M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell; 128-row and 256-wide swapped register tiles lost everywhere. Variants: "pick" (what a call runs now), "prev" (the decode picked before
-this branch, where PREVIOUS names one), "reg" (the register decode, its heuristic config unswapped), "sw" (that
-config with swap_ab: the int4 default at 16-row blocks since this branch). The merged run (e3434b4) also ran a word
+M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell; 128-row and 256-wide swapped register tiles lost everywhere.
+Variants: "pick" (what a call runs now), "prev" (the decode picked before this branch, where PREVIOUS names one),
+"reg" (the register decode, its heuristic config unswapped), "sw" (that config with swap_ab: the int4 default at
+16-row blocks since this branch). The merged run (e3434b4) also ran a word
 MMA decode ("mma", ``gemm_wo_mma``: 1.3-3.2x slower than the pick in every cell; removed, history at 1fa2c6c).
 Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
 CUDA-graph replay of the whole call over rotated input sets, every graph in turn in ROUNDS interleaved rounds
@@ -26,24 +27,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
+from moekit.bench.cells import Shape  # noqa: E402
 from moekit.experts.configs import device_key  # noqa: E402
-from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
-from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
+from bench_rounds import wins  # noqa: E402
+from bench_run import RunLog, cells_in_children  # noqa: E402
+from wo_cells import ROUNDS, Cell, child, dump, measure_cell  # noqa: E402
 
 CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), ("qwen3-30b-a3b", "int4_w4a16", 64),
          ("deepseek-v3", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1), ("deepseek-v3", "mxfp4", 8),
@@ -51,29 +48,7 @@ CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), (
 # (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev":
 # timed against the new pick; empty while no default changed)
 PREVIOUS: dict[tuple, str] = {}
-SETS, ROUNDS, REPLAYS = 3, 5, 5
-TOL = 1e-2
-WIN = 0.97
-START = time.perf_counter()
-FAILED: list[str] = []
-
-
-@dataclasses.dataclass
-class Cell:
-    preset: str
-    scheme: str
-    m: int
-    floor_us: float
-    times: dict = dataclasses.field(default_factory=dict)  # variant -> median µs a call
-    rounds: dict = dataclasses.field(default_factory=dict)  # variant -> µs a call, each round
-    errors: dict = dataclasses.field(default_factory=dict)  # variant -> rel-L2 against the twin
-    configs: dict = dataclasses.field(default_factory=dict)  # variant -> (decode, config dict)
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
+RUN = RunLog()
 
 
 def variants(s: Shape, scheme: str, m: int, dev) -> dict:
@@ -89,114 +64,14 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     return out
 
 
-def graph_of(fns, dev):
-    """The calls captured in one CUDA graph (warmed on a side stream first), or None off the GPU."""
-    if dev.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns * 2:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def interleaved(graphs: dict, calls: int, dev) -> dict:
-    """name -> [µs per call, each round]: every graph replayed REPLAYS times a round, the graphs in turn."""
-    if dev.type != "cuda":
-        return {name: [float("nan")] for name in graphs}
-    samples = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return samples
-
-
-def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
-    w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
-    w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
-    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
-    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
-    floor_us = (touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2) / (bw * 1e12) * 1e6
-    cell = Cell(s.name, scheme, m, floor_us)
-    found = variants(s, scheme, m, dev)
-    if dev.type == "cuda":
-        t0 = time.perf_counter()
-        precompile([(s, scheme, m, d, cfg, None) for d, cfg in found.values()], dev)
-        print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    c0 = inputs[0]
-    want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
-    graphs = {}
-    for name, (decode, cfg) in found.items():
-        tag = f"{s.name} {scheme} M={m} {name}"
-        cell.configs[name] = (decode, cfg.to_dict())
-
-        def call(c, decode=decode, cfg=cfg):
-            return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, config=cfg, decode=decode)
-
-        try:
-            cell.errors[name] = err = rel_err(call(c0), want)
-            check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
-            if err < TOL:
-                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
-        except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
-            traceback.print_exc(limit=3)
-            check(tag, False, f"raised {type(e).__name__}: {e}")
-    cell.rounds = interleaved({k: g for k, g in graphs.items()}, len(inputs), dev)
-    cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
-    print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: " + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
-          flush=True)
-    return cell
-
-
-def wins(cell: Cell, name: str) -> int:
-    return sum(v <= WIN * p for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
-
-
 def table(cells: list[Cell]) -> str:
     lines = [f"{'shape':<13} {'scheme':<10} {'M':>2} {'floor':>6} {'pick':>7}  variants µs (% floor, wins/{ROUNDS})"]
     for c in cells:
         pick = c.times.get("pick", float("nan"))
-        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {wins(c, k)})" for k, v in c.times.items()
-                         if k != "pick")
+        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {wins(c.rounds[k], c.rounds.get('pick', ()))})"
+                         for k, v in c.times.items() if k != "pick")
         lines.append(f"{c.preset:<13} {c.scheme:<10} {c.m:>2} {c.floor_us:6.1f} {pick:7.1f}  {rest}")
     return "\n".join(lines)
-
-
-def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
-    import triton
-
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name), "w") as f:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
-                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
-
-
-def child(index: int, args) -> int:
-    """One cell in this process; its JSON to <out>/wo_tc-<index>.json."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bw = copy_tbps(dev)
-    preset, scheme, m = CELLS[index]
-    s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
-    cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
-    dump(args.out, f"wo_tc-{index}.json", [cell], bw)
-    return 1 if FAILED else 0
 
 
 def main(argv=None) -> int:
@@ -207,30 +82,19 @@ def main(argv=None) -> int:
     p.add_argument("--cell", type=int, help="run one cell in this process (the parent starts one per cell)")
     args = p.parse_args(argv)
     if args.cell is not None:
-        return child(args.cell, args)
+        return child(CELLS[args.cell], args, "wo_tc", args.cell, lambda s, scheme, m, dev, bw: measure_cell(
+            s, scheme, m, dev, bw, variants(s, scheme, m, dev), RUN), RUN)
     import triton
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped = [], []
-    for i, (preset, scheme, m) in enumerate(CELLS[:2] if args.smoke else CELLS):
-        left = args.deadline - (time.perf_counter() - START)
-        if left < 20:
-            skipped.append(f"{preset} {scheme} M={m}")
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
-        try:
-            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        path = os.path.join(args.out, f"wo_tc-{i}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-        cells += [Cell(**c) for c in got["cells"]]
-        FAILED.extend(got["failed"] + ([f"{preset} {scheme} M={m}: child exit {rc}"] if rc not in (0, 1) else []))
-        print(f"-- cell {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
-    dump(args.out, "wo_tc.json", cells, float("nan"))
-    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
+    labels = [f"{preset} {scheme} M={m}" for preset, scheme, m in (CELLS[:2] if args.smoke else CELLS)]
+    got, skipped = cells_in_children(__file__, labels, args.out, "wo_tc", RUN, args.deadline, 20,
+                                     lambda left: ["--smoke"] * args.smoke)
+    cells = [Cell(**c) for c in got]
+    dump(os.path.join(args.out, "wo_tc.json"), cells, float("nan"), RUN)
+    print(f"total {RUN.elapsed():.1f} s; FAILED:", RUN.failed or "none", "; SKIPPED:", skipped or "none")
     print(table(cells), flush=True)
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 if __name__ == "__main__":

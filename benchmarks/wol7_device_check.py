@@ -40,6 +40,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
+from bench_run import RunLog, ceilings, run_info, write_json  # noqa: E402
 from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
@@ -50,18 +52,14 @@ from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, experts_gluon_wo_twin
 from moekit.experts.triton_wo import fused_experts_wo_torch  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 
-SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 2e-2
+SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 2e-2
 BREAKDOWN = ("bf16", "pick_int8", "pick_int4")  # kernels profiled where time is left
 PER_WORKER = 5  # compile workers a preset (DeepSeek-V3: 2)
 WATCHDOG_S = 10.0
 EAGER_CALLS = 8
-T0 = time.perf_counter()
-FAILED: list[str] = []
+RUN = RunLog()
 ARGS = argparse.Namespace(deadline=56.0, out=os.environ.get("OUT"))
-
-
-def elapsed() -> float:
-    return time.perf_counter() - T0
+elapsed = RUN.elapsed
 
 
 @dataclasses.dataclass
@@ -131,44 +129,7 @@ def check(cell: Cell, name: str, fn, c0, refs: dict) -> bool:
         errs = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     cell.errors[name] = errs
     ok = "error" not in errs and all(v < TOL for v in errs.values())
-    print(f"{'PASS' if ok else 'FAIL'}  {tag}  {errs}", flush=True)
-    if not ok:
-        FAILED.append(tag)
-    return ok
-
-
-def graph_of(fns, dev):
-    """The calls captured in one CUDA graph (warmed on a side stream first); None off the GPU."""
-    if dev.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns * 2:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    torch.cuda.synchronize()
-    return g
-
-
-def interleaved(graphs: dict, calls: int) -> dict:
-    """name -> [µs a call, each round]: every graph replayed REPLAYS times a round, the graphs in turn."""
-    samples = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return samples
+    return RUN.check(tag, ok, str(errs))
 
 
 def new_cell(preset: str, m: int, w: Weights, inputs, ceil: dict) -> Cell:
@@ -197,13 +158,13 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
         if status.get((ci, vi), "ok") != "ok":  # its compile worker failed or hung: never run here
             cell.skipped[name] = status[(ci, vi)]
             print(f"FAIL  {preset} M={m} {name}  (compile worker: {status[(ci, vi)][:160]})", flush=True)
-            FAILED.append(f"{preset} M={m} {name}")
+            RUN.failed.append(f"{preset} M={m} {name}")
             continue
         if check(cell, name, fn, c0, refs[scheme or SCHEMES[0]]) and dev.type == "cuda":
-            graphs[name] = graph_of([lambda c=c, fn=fn: fn(c) for c in inputs], dev)
+            graphs[name] = graph_of([lambda c=c, fn=fn: fn(c) for c in inputs], dev, replay=False)
     if graphs:
-        cell.rounds = interleaved(graphs, len(inputs))
-        cell.times = {k: statistics.median(v) for k, v in cell.rounds.items()}
+        cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
+        cell.times = medians(cell.rounds)
         timed = {k: fn for k, (_, fn) in variants(s, m, w).items() if k in graphs}
         eager(cell, timed, inputs)
         breakdown(cell, timed, c0)
@@ -220,20 +181,8 @@ def eager(cell: Cell, fns: dict, inputs) -> None:
     names = [n for k in pairs for n in (k.replace("prev_", "pick_"), k) if n in fns]
     if SMOKE or not names:
         return
-    host, wall = {n: [] for n in names}, {n: [] for n in names}
-    for _ in range(3):
-        for n in names:
-            for record, busy in ((host, True), (wall, False)):
-                torch.cuda.synchronize()
-                if busy:
-                    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead: the enqueue time is the host's alone
-                t0 = time.perf_counter()
-                for i in range(EAGER_CALLS):
-                    fns[n](inputs[i % len(inputs)])
-                if not busy:
-                    torch.cuda.synchronize()
-                record[n].append((time.perf_counter() - t0) * 1e6 / EAGER_CALLS)
-    cell.eager = {n: {"host_us": statistics.median(host[n]), "wall_us": statistics.median(wall[n])} for n in names}
+    calls = {n: [lambda c=c, fn=fns[n]: fn(c) for c in inputs] for n in names}
+    cell.eager = {n: {"host_us": host, "wall_us": wall} for n, (host, wall) in eager_us(calls, 3, EAGER_CALLS).items()}
     print(f"  eager host / wall µs a call {cell.preset} M={cell.m}: "
           + "  ".join(f"{k} {v['host_us']:.0f} / {v['wall_us']:.0f}" for k, v in cell.eager.items()), flush=True)
 
@@ -248,20 +197,12 @@ def breakdown(cell: Cell, fns: dict, c0) -> None:
             print(f"  kernels {cell.preset} M={cell.m} {name}: {cell.kernels[name]}", flush=True)
 
 
-def ceilings(dev) -> dict:
+def run_ceilings(dev) -> dict:
     """Copy rate (TB/s, read + write) and dense bf16 mm rate (TFLOP/s, 8192^3), measured in this run."""
     if dev.type != "cuda":
         return {"copy_tbps": 1.0, "mm_tflops": 1.0}
-    from moekit.bench.timing import time_calls
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() / (time_calls([lambda: dst.copy_(src)], dev, budget_s=0.1) * 1e-6) / 1e12
-    del src, dst
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    mm = 2 * 8192**3 / time_calls([lambda: a @ b], dev, budget_s=0.2) / 1e6
-    return {"copy_tbps": copy, "mm_tflops": mm}
+    got = ceilings(dev)
+    return {"copy_tbps": got["copy_TBps"], "mm_tflops": got["bf16_mm_TFLOPs"]}
 
 
 def row(c: Cell) -> list[str]:
@@ -276,9 +217,9 @@ def row(c: Cell) -> list[str]:
         scheme = next((sc for sc in SCHEMES if sc.startswith(tag)), None)
         pick = c.rounds.get(f"pick_{tag}", ())
         if k.startswith("prev"):  # the rounds the pick (the Gluon path) took <= WIN x the decode before it
-            won = f"pick {sum(p <= WIN * x for x, p in zip(c.rounds[k], pick))}" if pick else "-"
+            won = f"pick {wins(pick, c.rounds[k])}" if pick else "-"
         else:
-            won = sum(x <= WIN * p for x, p in zip(c.rounds[k], pick)) if pick and not k.startswith("pick") else "-"
+            won = wins(c.rounds[k], pick) if pick and not k.startswith("pick") else "-"
         byte = f", {100 * c.byte_floor_us[scheme] / v:.0f}% byte" if scheme else ""
         lines.append(f"    {k:<16}{v:9.1f} µs {v / bf16 if bf16 else float('nan'):6.3f}x bf16  "
                      f"{100 * c.flop_floor_us / v:3.0f}% flop{byte}  wins vs pick {won}/{ROUNDS}")
@@ -286,16 +227,10 @@ def row(c: Cell) -> list[str]:
 
 
 def dump(cells: list, ceil: dict) -> None:
-    if not ARGS.out:
-        return
-    import triton
-
-    os.makedirs(ARGS.out, exist_ok=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    with open(os.path.join(ARGS.out, "wol7.json"), "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, **ceil,
-                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED, "seconds": elapsed()}, f,
-                  indent=1)
+    if ARGS.out:
+        cells = [dataclasses.asdict(c) for c in cells]
+        write_json(os.path.join(ARGS.out, "wol7.json"), {**run_info(), **ceil, "cells": cells, "failed": RUN.failed,
+                                                         "seconds": elapsed()})
 
 
 def install_smoke_fakes() -> None:
@@ -319,14 +254,14 @@ def table(cells: list, ceil: dict) -> None:
         if c.eager:
             print("      eager host / wall µs a call: " + "  ".join(
                 f"{k} {v['host_us']:.0f} / {v['wall_us']:.0f}" for k, v in c.eager.items()))
-    print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)", flush=True)
+    print(f"FAILED: {RUN.failed or 'none'} ({elapsed():.1f} s)", flush=True)
 
 
 def watchdog(cells: list, ceil: dict) -> None:
     """Past the deadline + WATCHDOG_S (a hung kernel): the table and JSON so far, then exit."""
     time.sleep(max(1.0, ARGS.deadline + WATCHDOG_S - elapsed()))
     print(f"watchdog: {elapsed():.0f} s, exiting", flush=True)
-    FAILED.append("watchdog")
+    RUN.failed.append("watchdog")
     table(list(cells), ceil)
     dump(list(cells), ceil)
     os._exit(1)
@@ -340,7 +275,7 @@ def main() -> int:
         install_smoke_fakes()
         ARGS.deadline = float("inf")  # the interpreter takes minutes
     procs = {} if SMOKE else start_workers()
-    ceil = ceilings(dev)
+    ceil = run_ceilings(dev)
     print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
           "TFLOP/s", flush=True)
     cells, held, status = [], {}, {}
@@ -364,7 +299,7 @@ def main() -> int:
     for rest in procs.values():
         collect_workers(rest, lambda: 0.1)
     table(cells, ceil)
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 if __name__ == "__main__":

@@ -31,26 +31,9 @@ def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER, block_m=BLOCK):
-    """What the kernel's tile walk reads holds: with EXPERT_ORDER, offsets_ptr [E + 1] brackets every used block
-    of each expert, and the walk (``tile_order``, the kernel's arithmetic) visits every tile once."""
-    from moekit.experts.triton_gluon_order import tile_order
-
-    if not EXPERT_ORDER:
-        return
-    blocks = int(used_ptr[0]) // block_m
-    for b in range(blocks):
-        e = int(experts_ptr[b])
-        assert int(offsets_ptr[e]) <= b * block_m < int(offsets_ptr[e + 1]), (b, e, offsets_ptr.tolist())
-    walk = tile_order(experts_ptr, offsets_ptr, blocks * block_m, num_col_blocks, GROUP_M, True, block_m)
-    assert sorted(map(tuple, walk.tolist())) == [(rb, cb) for rb in range(blocks) for cb in range(num_col_blocks)]
-
-
-def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, num_col_blocks, W_ROWS, GATE_OFFSET, GATED,
-              GROUP_M, EXPERT_ORDER, **_):
+def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, block_m = c.shape[1], a_desc.block_shape[0]  # the tile's rows: the layout's alignment (64 or 128)
-    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER, block_m)
     for block in range(int(used_ptr[0]) // block_m):
         e, rows = int(experts_ptr[block]), slice(block * block_m, (block + 1) * block_m)
         first = e * W_ROWS
@@ -61,13 +44,12 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, num_co
         c[rows] = product.to(c.dtype)
 
 
-def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, num_assignments,
-                stride_x, num_col_blocks, TOP_K, W_ROWS, GATE_OFFSET, GROUP_M, EXPERT_ORDER, **_):
+def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, num_assignments, stride_x,
+                TOP_K, W_ROWS, GATE_OFFSET, **_):
     """The gate-up GEMM gathering its rows in its loader: row r reads x[sorted[r] // TOP_K] (zeros for padding),
     and dst[sorted[r]] = r for the real rows."""
     w, c = w_desc.base, c_desc.base
     cols = c.shape[1]
-    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
     assert x_ptr.stride(0) == stride_x
     for block in range(int(used_ptr[0]) // BLOCK):
         e, rows = int(experts_ptr[block]), torch.arange(block * BLOCK, (block + 1) * BLOCK)
@@ -148,13 +130,12 @@ def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bo
             and (tail == BLOCK or int(sorted_ptr[(b + 1) * BLOCK + tail]) >= num_assignments) for b in range(nrb)]
 
 
-def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, offsets_ptr,
-              num_assignments, num_col_blocks, W_ROWS, GROUP_M, EXPERT_ORDER, **_):
+def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS,
+              **_):
     """The bf16 down GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's
     own tiles write nothing."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, tail = c.shape[1], t_desc.block_shape[0]
-    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
     folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
     for block, fold in enumerate(folds):
         if block and folds[block - 1]:

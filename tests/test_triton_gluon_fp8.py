@@ -108,8 +108,8 @@ def test_gather_quantize_kernel_matches_torch(expert_map):
 
 
 def test_plan_rows_and_shared_memory_budget():
-    plan = plan_gluon_fp8(num_tokens=100, top_k=8, num_experts=128)
-    assert plan.rows == 800 + 128 * 127 and plan.up == UP_TILE and plan.down == DOWN_TILE
+    plan = plan_gluon_fp8(num_tokens=100, top_k=8, num_experts=128, hidden=512)
+    assert plan.rows == 800 + 128 * 127 and plan.up == UP_TILE and plan.down == DOWN_TILE and plan.gather_groups == 1
     for tile, w_tiles, out_bytes in ((UP_TILE, 2, 1), (DOWN_TILE, 1, 2)):  # e4m3 h out; bf16 y out
         smem = tile.stages * (2 * 64 * 128 + w_tiles * 128 * 128) + 2 * 64 * 128 * out_bytes
         assert smem <= 227 * 1024

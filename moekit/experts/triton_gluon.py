@@ -24,7 +24,6 @@ from moekit.experts.triton_gluon_launch import (
     launch_gemm, plan_gluon, wants_loader_gather, wants_tail,
 )
 from moekit.experts.triton_gluon_lean import run_fast_gluon  # a module import, not one per repeated call
-from moekit.experts.triton_gluon_order import segment_offsets
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -116,7 +115,6 @@ class GluonLayout:
     rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of BLOCK_M
     src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
     sorted_ids: torch.Tensor  # [R] int32; assignment of each row, >= M*k for padding
-    offsets: torch.Tensor | None = None  # [E + 1] int32; first row of each expert's segment (the expert tile order)
 
 
 def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -131,14 +129,11 @@ def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
     num_tokens, top_k = topk_ids.shape
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
-    offsets = segment_offsets(blocks.counts, BLOCK_M)
     if in_loader:
-        return GluonLayout(None, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids,
-                           offsets)
+        return GluonLayout(None, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
     x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
     launch_gather_rows(x, blocks.sorted_ids, top_k, x_perm, dst)
-    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids,
-                       offsets)
+    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
 
 
 def experts_gluon(
@@ -187,15 +182,13 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     assignments = topk_ids.numel()  # a tile's tail reads the layout's sorted_ids (>= A: padding)
     if in_loader:
         launch_gather_gemm(x, layout.sorted_ids, layout.src_to_dst.view(-1), w13_2d, h, layout.block_experts,
-                           layout.rows_used, topk_ids.shape[1], plan.up, layout.offsets)
+                           layout.rows_used, topk_ids.shape[1], plan.up)
     else:
         launch_gemm(layout.x_perm, w13_2d, h, layout.block_experts, layout.rows_used, plan.up, gated=True,
-                    w_rows=2 * inter, gate_offset=inter, sorted_ids=layout.sorted_ids, num_assignments=assignments,
-                    offsets=layout.offsets)
+                    w_rows=2 * inter, gate_offset=inter, sorted_ids=layout.sorted_ids, num_assignments=assignments)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
-                gated=False, w_rows=hidden, sorted_ids=layout.sorted_ids, num_assignments=assignments,
-                offsets=layout.offsets)
+                gated=False, w_rows=hidden, sorted_ids=layout.sorted_ids, num_assignments=assignments)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out

@@ -23,7 +23,7 @@ import torch
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_fp8 import dequantize_blocks, dequantize_groups, quantize_groups
 from moekit.experts.triton_gluon_fp8_launch import (
-    DOWN_TILE, GROUP, UP_TILE, Fp8GluonTile, launch_gather_quant, launch_gemm_fp8, plan_gluon_fp8,
+    GATHER_GROUPS, GROUP, Fp8GluonTile, launch_gather_quant, launch_gemm_fp8, plan_gluon_fp8,
 )
 from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_supported, launch_contiguous_sum
 from moekit.experts.triton_gluon_lean import run_fast_gluon  # a module import, not one per repeated call
@@ -141,9 +141,11 @@ class Fp8GluonLayout:
 
 
 def gluon_fp8_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                     expert_map: torch.Tensor | None = None, align=None) -> Fp8GluonLayout:
+                     expert_map: torch.Tensor | None = None, align=None,
+                     gather_groups: int = GATHER_GROUPS) -> Fp8GluonLayout:
     """``triton_gluon.gluon_layout`` with x quantized in the same pass (one Triton kernel, no host sync).
-    ``align``: ``align_block_triton`` by default (its torch twin ``align_block`` in the CPU tests)."""
+    ``align``: ``align_block_triton`` by default (its torch twin ``align_block`` in the CPU tests);
+    ``gather_groups``: 128-column groups per program of the gather (the plan's)."""
     if align is None:
         from moekit.experts.triton_align import align_block_triton as align
     blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
@@ -152,7 +154,7 @@ def gluon_fp8_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     x_q = torch.empty(rows, hidden, device=x.device, dtype=torch.float32 if interpreting() else torch.float8_e4m3fn)
     x_s = torch.empty(rows, cdiv(hidden, GROUP), device=x.device, dtype=torch.float32)
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
-    launch_gather_quant(x, blocks.sorted_ids, top_k, x_q, x_s, dst)
+    launch_gather_quant(x, blocks.sorted_ids, top_k, x_q, x_s, dst, gather_groups)
     return Fp8GluonLayout(x_q, x_s, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k))
 
 
@@ -168,32 +170,35 @@ def experts_gluon_fp8(
     expert_map: torch.Tensor | None = None,
     up: Fp8GluonTile | None = None,
     down: Fp8GluonTile | None = None,
+    gather_groups: int | None = None,
     lean: bool = True,
 ) -> torch.Tensor:
     """The fp8 experts contract on the Gluon path (arguments checked by the caller: ``check_fp8_args``).
-    ``up`` / ``down``: the GEMMs' pipelines (the plan's by default). Raises where the device or the call does
-    not fit. No host sync. ``lean`` off: the plain launches, built per call."""
+    ``up`` / ``down``: the GEMMs' pipelines, ``gather_groups``: the gather's 128-column groups per program (each
+    the plan's by default: ``plan_gluon_fp8``). Raises where the device or the call does not fit. No host sync.
+    ``lean`` off: the plain launches, built per call."""
     if not gluon_fp8_supported(x.device):
         raise RuntimeError(f"the fp8 Gluon path needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_fp8_unfit(x, w13_q, w13_scale, w2_q, w2_scale)
     if reason is not None:
         raise ValueError(f"the fp8 Gluon path cannot take this call: {reason}")
-    return launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, up, down, lean)
+    return launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, up, down, lean,
+                            gather_groups=gather_groups)
 
 
 def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
                      up: Fp8GluonTile | None = None, down: Fp8GluonTile | None = None, lean: bool = True,
-                     fast_key: tuple | None = None) -> torch.Tensor:
+                     fast_key: tuple | None = None, gather_groups: int | None = None) -> torch.Tensor:
     """``experts_gluon_fp8`` for a caller that has run its checks (the backend, through ``gluon_fp8_takes``);
     ``fast_key``: the backend's key for its fast path (``fp8_fast_key``)."""
     num_experts, hidden, inter = w2_q.shape
+    plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, hidden, up, down, gather_groups)
     if lean:  # triton_gluon_lean: plans, weight descriptors, workspaces and launches kept (equal outputs)
         from moekit.experts.triton_gluon_lean import run_lean
 
-        return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, up or UP_TILE, down or DOWN_TILE,
-                        w13_scale, w2_scale, fast_key=fast_key)
-    plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, up, down)
-    layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map)
+        return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, plan.up, plan.down, w13_scale, w2_scale,
+                        fast_key=fast_key, gather_groups=plan.gather_groups)
+    layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map, gather_groups=plan.gather_groups)
     rows = layout.x_q.shape[0]
     h_q = torch.empty(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]; rows past rows_used unwritten
     h_s = torch.empty(rows, inter // GROUP, device=x.device, dtype=torch.float32)

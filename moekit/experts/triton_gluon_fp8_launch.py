@@ -17,7 +17,9 @@ GROUP = 128  # the scale blocks (weights 128 x 128, activations 1 x 128) = the G
 HALF_M = BLOCK_M // 2  # rows per consumer warpgroup
 CONSUMER_WARPS = 4  # the default partition (consumer 0); consumer 1 (4 warps) and the loader (1 warp) added
 GATHER_ROWS = 16  # rows per program of the gather-quantize kernel
-GATHER_GROUPS = 1  # 128-column groups per program of the gather-quantize kernel
+GATHER_GROUPS = 1  # 128-column groups per program of the gather-quantize kernel (the plan's without the wide tile)
+WIDE_GATHER_GROUPS = 4  # with the wide down tile (a power of 2: the kernel's tl.arange)
+WIDE_MIN_ROWS = 4096  # assignments per local expert from which the plan takes the wide down tile
 _KERNELS = "moekit.experts._kernels"
 
 
@@ -51,36 +53,51 @@ class Fp8GluonTile:
 # DeepSeek-V3 1480 / 1644, Mixtral 968 / 973, Qwen3 150 / 149.
 UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
-WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB (a device variant)
+WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB
 
 
 @dataclass(frozen=True)
 class Fp8GluonPlan:
-    """Rows T of the permuted buffer (any routing fits: no host sync) and the two GEMMs' pipelines."""
+    """Rows T of the permuted buffer (any routing fits: no host sync), the two GEMMs' pipelines and the gather's
+    128-column groups per program."""
 
     rows: int
     up: Fp8GluonTile
     down: Fp8GluonTile
+    gather_groups: int
 
 
-def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, up: Fp8GluonTile | None = None,
-                   down: Fp8GluonTile | None = None) -> Fp8GluonPlan:
+def wants_wide_down(num_tokens: int, top_k: int, num_experts: int, hidden: int) -> bool:
+    """Whether the plan takes the wide down tile with the 4-group gather: M * k / E >= 4096 assignments per local
+    expert and K a multiple of 256 (``check_wide``). H200, graph replay, 9 interleaved rounds (3fffd14): Mixtral
+    M = 16384 (4096 rows per expert) 11595 against 12059 µs (1.040x, >= 3% faster in 9/9; 74.5% of the fp8 mm
+    rate against 71.6%); Qwen3 M = 16384 (1024) 1.032x in 7/9, DeepSeek-V3 M = 4096 (128) 1.018x in 0/5: not taken
+    there."""
+    return num_tokens * top_k >= WIDE_MIN_ROWS * num_experts and hidden % WIDE_DOWN_TILE.block_n == 0
+
+
+def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, hidden: int, up: Fp8GluonTile | None = None,
+                   down: Fp8GluonTile | None = None, gather_groups: int | None = None) -> Fp8GluonPlan:
+    """The plan of a call; ``up``, ``down``, ``gather_groups`` given replace the choice's each alone."""
     from moekit.layouts.grouping import max_padded_rows
 
-    return Fp8GluonPlan(max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M), up or UP_TILE, down or DOWN_TILE)
+    wide = wants_wide_down(num_tokens, top_k, num_experts, hidden)
+    return Fp8GluonPlan(max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M), up or UP_TILE,
+                        down or (WIDE_DOWN_TILE if wide else DOWN_TILE),
+                        gather_groups or (WIDE_GATHER_GROUPS if wide else GATHER_GROUPS))
 
 
 def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_q: torch.Tensor, x_s: torch.Tensor,
-                        dst: torch.Tensor) -> None:
+                        dst: torch.Tensor, gather_groups: int) -> None:
     """x_q[r], x_s[r] = the e4m3 groups of x[sorted_ids[r] // k] and dst[sorted_ids[r]] = r for the real rows.
     x [M, K] unit-stride rows; x_q [R, K] (float32 under the interpreter), x_s [R, ceil(K/128)] float32,
-    dst [A] int32 filled with -1 by the caller."""
+    dst [A] int32 filled with -1 by the caller; ``gather_groups`` 128-column groups per program."""
     kernel = importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel
     rows, hidden = x_q.shape
     groups = cdiv(hidden, GROUP)
-    kernel[(cdiv(rows, GATHER_ROWS), cdiv(groups, GATHER_GROUPS))](
+    kernel[(cdiv(rows, GATHER_ROWS), cdiv(groups, gather_groups))](
         x, sorted_ids, x_q, x_s, dst, rows, dst.numel(), hidden, x.stride(0), x_q.stride(0), x_s.stride(0), groups,
-        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=GATHER_GROUPS, num_warps=4)
+        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=gather_groups, num_warps=4)
 
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,

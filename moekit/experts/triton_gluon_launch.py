@@ -38,16 +38,14 @@ class GluonTile:
     SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64; 0: off, the
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
-    (``triton_gluon_tail``, the padding tax). ``expert_order``: a group of the walk is one expert's row blocks (at
-    most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones. (64-row tiles
-    and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
+    (``triton_gluon_tail``, the padding tax). (64-row tiles and one consumer warpgroup: measured at the ridge in
+    sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
     tail: int = 0
-    expert_order: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -206,18 +204,16 @@ def gluon_descriptor(t: torch.Tensor, block) -> object:
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
                 rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0,
-                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0,
-                offsets: torch.Tensor | None = None) -> None:
+                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of BLOCK_M, <= T). A tile with a ``tail`` reads the layout's sorted_ids [T] (>= num_assignments: padding); one
-    with ``expert_order`` the segments' offsets [E + 1] int32 (``triton_gluon_order.segment_offsets``)."""
+    of BLOCK_M, <= T). A tile with a ``tail`` reads the layout's sorted_ids [T] (>= num_assignments: padding)."""
     if tile.tail:
         from moekit.experts.triton_gluon_tail import launch_tail_down
 
         if sorted_ids is None or gated:
             raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids and the down GEMM (gated={gated})")
-        launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows, offsets)
+        launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows)
         return
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
@@ -226,19 +222,9 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     num_col_blocks = out.shape[1] // tile.block_n
     max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
-    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, order_offsets(tile, offsets, rows_used), a.shape[1],
-                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                 GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
-
-
-def order_offsets(tile: GluonTile, offsets: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
-    """The offsets pointer of a launch: ``offsets`` where the tile's walk reads them (``expert_order``, required
-    then), else ``stand_in`` (never read)."""
-    if not tile.expert_order:
-        return stand_in
-    if offsets is None:
-        raise ValueError(f"tile={tile}: the expert order reads the segments' offsets; none given")
-    return offsets
+    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
+                 W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 
 
 def loader_gather_fits(x: torch.Tensor) -> bool:
@@ -254,20 +240,19 @@ def wants_loader_gather(x: torch.Tensor, inter: int) -> bool:
 
 def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Tensor, w: torch.Tensor,
                        out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor, top_k: int,
-                       tile: GluonTile, offsets: torch.Tensor | None = None) -> None:
+                       tile: GluonTile) -> None:
     """out [T, N] = silu(x[tok] @ w[e, :N]^T) * (x[tok] @ w[e, N:]^T) per row r (tok = sorted_ids[r] // top_k),
     the rows gathered in the GEMM's loader; writes dst [A] (the row of each real assignment). w [E*2N, K]
-    (contiguous 2-D view of w13); x fits ``loader_gather_fits``; ``offsets`` as ``launch_gemm``'s."""
+    (contiguous 2-D view of w13); x fits ``loader_gather_fits``."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
     inter = out.shape[1]
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
     c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
     num_col_blocks = inter // tile.block_n
     grid = (max(1, min(num_sms(x.device), -(-out.shape[0] // BLOCK_M) * num_col_blocks)),)
-    kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, order_offsets(tile, offsets, rows_used),
-                 dst.numel(), x.stride(0), x.shape[1], num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter,
-                 GATE_OFFSET=inter, STAGES=tile.stages, GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order,
-                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
+    kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, dst.numel(), x.stride(0), x.shape[1],
+                 num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=tile.stages,
+                 GROUP_M=tile.group_m, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
                  maxnreg=MAX_REGISTERS)
 
 

@@ -79,35 +79,37 @@ class GluonLeanPlan:
     # down tile's tail's (None without one: ``GluonTile.tail``)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
-    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded, then (bf16) the
-    # segments' offsets (num_padded where the tile's walk does not read them); with the gather in its loader: x,
-    # sorted_ids, dst, W, C descriptors, expert_ids, num_padded, offsets
+    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded; with the gather in
+    # its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
     up: BoundLaunch
     # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same; with a tail (bf16):
-    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded, offsets
+    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
 
 
-def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False) -> tuple:
+def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False,
+             gather_groups: int = 1) -> tuple:
     """The kind of a call: shapes, dtypes, device, x's row stride, every pointer's 16-byte alignment (Triton
-    specialises on it), the map's length, the tiles. ``ids``, ``weights``, ``expert_map``: contiguous."""
+    specialises on it), the map's length, the tiles, the fp8 gather's groups a program. ``ids``, ``weights``,
+    ``expert_map``: contiguous."""
     return (s13 is not None, x.shape[0], x.shape[1], x.dtype, x.device, x.stride(0), w13.shape, w13.dtype, ids.shape[1],
             ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
             None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
             None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down,
-            in_loader)
+            in_loader, gather_groups)
 
 
 def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
-             in_loader: bool = False) -> GluonLeanPlan:
-    """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given; ``in_loader``:
-    bf16 with the gather in the gate-up GEMM's loader)."""
-    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
+             in_loader: bool = False, gather_groups: int = 1) -> GluonLeanPlan:
+    """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given, its gather
+    taking ``gather_groups`` 128-column groups a program; ``in_loader``: bf16 with the gather in the gate-up
+    GEMM's loader)."""
+    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups)
     plan = _PLANS.get(key)
     if plan is None:
         plan = build_plan(x, w13, w2, ids, expert_map, up, down, fp8=s13 is not None, s13=s13, s2=s2,
-                          in_loader=in_loader)
+                          in_loader=in_loader, gather_groups=gather_groups)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)), None)
         _PLANS[key] = plan
@@ -115,7 +117,7 @@ def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
 
 
 def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=None,
-               in_loader: bool = False) -> GluonLeanPlan:
+               in_loader: bool = False, gather_groups: int = 1) -> GluonLeanPlan:
     """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``; ``in_loader``: bf16,
     no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows,
     ``triton_gluon_launch.loader_gather_fits``)."""
@@ -133,15 +135,13 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
     align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
                        rows, options, arrival_slot=0, one_pass=one_pass_programs(options, x.device))
-    if not fp8 and (up.expert_order or down.expert_order) and "offsets" not in (r[0] for r in align.regions):
-        raise ValueError(f"{num_assignments} assignments: this alignment writes no segment offsets (the expert order)")
     sms = num_sms(x.device)
 
     def grid(cols: int, block_n: int) -> tuple:
         return (max(1, min(sms, cdiv(rows, BLOCK_M) * (cols // block_n))),)
 
     sizes = (rows, num_assignments, top_k, hidden, inter)
-    part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch) if fp8
+    part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch, gather_groups) if fp8
             else _bf16_part(x, sizes, up, down, grid, launch, in_loader))
     num_global = 0 if expert_map is None else expert_map.numel()
     combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
@@ -181,22 +181,21 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
         if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
             tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
-            return BoundLaunch(tail_down, grid(cols, tile.block_n), 9, (num_assignments, reduce_dim,
+            return BoundLaunch(tail_down, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
                                cols // tile.block_n), W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
-                               EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
-        return BoundLaunch(gemm, grid(cols, tile.block_n), 6, (reduce_dim, cols // tile.block_n),
+                               num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                           GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS,
-                           maxnreg=MAX_REGISTERS, **launch)
+                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
 
     down_gemm = bf16_gemm(down, inter, hidden, hidden, 0, False)
     if in_loader:
         gather_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
-        up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 8,
+        up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 7,
                               (num_assignments, x.stride(0), hidden, inter // up.block_n), TOP_K=top_k,
                               W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=up.stages, GROUP_M=up.group_m,
-                              EXPERT_ORDER=up.expert_order, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
-                              num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+                              LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
+                              maxnreg=MAX_REGISTERS, **launch)
         return _Part([("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))], None, up_gemm, down_gemm,
                      blocks, weight_blocks)
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
@@ -207,17 +206,16 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True), down_gemm, blocks, weight_blocks)
 
 
-def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
-    from moekit.experts import triton_gluon_fp8_launch as fl
+def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_groups: int) -> _Part:
     from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M, check_wide
 
     rows, num_assignments, top_k, hidden, inter = sizes
     groups = hidden // GROUP
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel,
-                         (cdiv(rows, QROWS), cdiv(groups, fl.GATHER_GROUPS)), 5,
+                         (cdiv(rows, QROWS), cdiv(groups, gather_groups)), 5,
                          (rows, num_assignments, hidden, x.stride(0), hidden, groups, groups),
-                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=fl.GATHER_GROUPS,
+                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=gather_groups,
                          num_warps=4, **launch)
 
     def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
@@ -275,8 +273,7 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
         t_down, ct_down = acts[4:]
-        rows += (b.get("offsets", b["num_padded"]),)  # the segments' offsets: read by an expert-order tile only
-        down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"], rows[2])
+        down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"])
                 if t_down is not None else (a_down, pair.w2, c_down, *rows))
         if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
             launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
@@ -302,18 +299,19 @@ def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch
 def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              expert_map: torch.Tensor | None, up, down, s13: torch.Tensor | None = None,
              s2: torch.Tensor | None = None, fast_key: tuple | None = None,
-             in_loader: bool | None = None) -> torch.Tensor:
+             in_loader: bool | None = None, gather_groups: int = 1) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
     ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
-    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it)."""
+    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it).
+    ``gather_groups`` (fp8): the gather's 128-column groups a program (``triton_gluon_fp8_launch.plan_gluon_fp8``)."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     if in_loader is None:
         in_loader = s13 is None and wants_loader_gather(x, w2.shape[-1])
-    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
+    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
     spec = plan.workspace

@@ -14,7 +14,7 @@ import importlib
 import torch
 
 from moekit.experts.triton_gluon_launch import (
-    _KERNELS, BLOCK_M, MAX_REGISTERS, NUM_WARPS, GluonTile, check_tile, gluon_descriptor, num_sms, order_offsets,
+    _KERNELS, BLOCK_M, MAX_REGISTERS, NUM_WARPS, GluonTile, check_tile, gluon_descriptor, num_sms,
 )
 
 TAIL = 64  # the rows of a last block the tile before it takes (m64 MMAs, the warpgroups splitting the columns)
@@ -40,10 +40,9 @@ def merged_blocks(block_experts: torch.Tensor, sorted_ids: torch.Tensor, rows_us
 
 def launch_tail_down(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
                      sorted_ids: torch.Tensor, rows_used: torch.Tensor, num_assignments: int, tile: GluonTile,
-                     w_rows: int, offsets: torch.Tensor | None = None) -> None:
+                     w_rows: int) -> None:
     """out [T, C] = h [T, R] @ w[e]^T per row block, merged blocks' tiles computing the next block's first TAIL rows
-    (``merged_blocks``); w [E*w_rows, R] (contiguous 2-D view of w2); rows of out past a merged tail unwritten;
-    ``offsets``: the segments' (read by an ``expert_order`` tile: ``triton_gluon_launch.launch_gemm``)."""
+    (``merged_blocks``); w [E*w_rows, R] (contiguous 2-D view of w2); rows of out past a merged tail unwritten."""
     if tile.tail != TAIL:
         raise ValueError(f"tile={tile}: tail {TAIL} expected")
     check_tile(tile, gated=False)
@@ -55,10 +54,9 @@ def launch_tail_down(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_
     ct_desc = gluon_descriptor(out, [TAIL, tile.block_n])
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(h.device), -(-h.shape[0] // BLOCK_M) * num_col_blocks)),)
-    kernel[grid](a_desc, t_desc, w_desc, c_desc, ct_desc, block_experts, sorted_ids, rows_used,
-                 order_offsets(tile, offsets, rows_used), num_assignments, h.shape[1], num_col_blocks, W_ROWS=w_rows,
-                 STAGES=tile.stages, GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS,
-                 maxnreg=MAX_REGISTERS)
+    kernel[grid](a_desc, t_desc, w_desc, c_desc, ct_desc, block_experts, sorted_ids, rows_used, num_assignments,
+                 h.shape[1], num_col_blocks, W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 
 
 def tail_down_twin(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,

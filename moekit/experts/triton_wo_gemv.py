@@ -133,8 +133,8 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     num_experts, two_n = w13.q.shape[:2]
     n, hidden, num_assignments, per = two_n // 2, x.shape[1], x.shape[0] * top_k, PER[scheme]
     module, up, down = kernels("gemm_wo_gemv"), config.up, config.down
-    shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, ASM=asm, cached=options.cached_launcher,
-                  **options.pdl_kwargs())
+    shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, ASM=asm,
+                  cached=options.cached_launcher, **options.pdl_kwargs())
 
     def strides(w) -> tuple:  # q (e, r) in words, scale (e, r, g), zero (e, r, g)
         qe, qr, _, *rest = w.strides

@@ -199,10 +199,11 @@ def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int
                   shortcut: bool | None = None, fused: bool = False, itemsize: int = 2) -> str:
     """The decode (one of DECODES) the H200 measured faster: the winners table's where it covers the call
     (``triton_wo_winners``; its "scratch" only where that fits and not ``fused``); "scratch" from
-    SCRATCH_MIN_TOKENS where an expert's bf16 w13 fits (``scratch_fits``; never if ``fused``); else for a shape in DECODE_MEASURED the
-    entry of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's, else "tile".
-    ``itemsize``: x's (the scratch's dtype). "gemv" only on the tiny-batch shortcut (``shortcut``; None: ``use_naive`` without an expert map), or
-    at or below the measured M when that M's own calls run aligned (the gemv measured faster there)."""
+    SCRATCH_MIN_TOKENS where an expert's bf16 w13 fits (``scratch_fits``; never if ``fused``); else for a shape in
+    DECODE_MEASURED the entry of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's, else
+    "tile". ``itemsize``: x's (the scratch's dtype). "gemv" only on the tiny-batch shortcut (``shortcut``; None:
+    ``use_naive`` without an expert map), or at or below the measured M when that M's own calls run aligned (the gemv
+    measured faster there)."""
     won = winner(scheme, num_experts, n, k, num_tokens)
     if won is not None and (won.decode != "scratch" or (not fused and scratch_fits(n, k, itemsize))):
         return won.decode

@@ -38,7 +38,8 @@ decode to finite values (0 where no scale group remains), so nothing leaks in.
 
 Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output tiles are too few to
 fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
-``combine.sum_slots_kernel`` (SPLIT > 1) sums them with the k slots (atomic-free, so the result does not depend on timing).
+``combine.sum_slots_kernel`` (SPLIT > 1) sums them with the k slots (atomic-free, so the result does not depend on
+timing).
 Program (.., s) reduces N in [s * split_len, (s + 1) * split_len) (split_len a multiple of BLOCK_K: no step
 straddles two splits) into its own partial rows y[s * A + a].
 
@@ -253,9 +254,13 @@ def gate_up_wo_kernel(
 
 
 @triton.jit
-def _store_y(acc, s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments, stride_ym,
-             SCHEME: tl.constexpr):
-    """A down program's [BM, BN] y tile: x the int8 row scales, x the routed weight, into this split's partial rows."""
+def _down_epilogue(acc, s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok,
+                   arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global, stride_ym,
+                   BLOCK_N: tl.constexpr, SCHEME: tl.constexpr, KSUM: tl.constexpr, TOPK_PAD: tl.constexpr,
+                   HAS_MAP: tl.constexpr, SUM_ROWS: tl.constexpr):
+    """The weight-only down kernels' end: the y tile acc [BM, BN] (float32) x the int8 row scales, x the routed
+    weight, into this split's partial rows; then, KSUM, this program's arrivals (``ksum_epilogue``; ``arrivals``
+    [BM]: each row's token's routed slots)."""
     if SCHEME == 0:
         acc *= tl.load(s_rows, mask=out_ok, other=0.0)[None, :]
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
@@ -263,6 +268,9 @@ def _store_y(acc, s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_o
     y_rows = tl.program_id(1) * num_assignments + safe_rows  # [BM] int64: this split's partial rows
     y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
+    if KSUM:
+        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
+                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
 
 
 @triton.jit
@@ -279,7 +287,7 @@ def down_wo_kernel(
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers (split-K, KSUM: module docstring)."""
+    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers (split-K, KSUM: module doc)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -293,8 +301,10 @@ def down_wo_kernel(
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
-    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
-        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
+    arrivals = 0  # KSUM: [BM] routed slots of each row's token, loaded before the main loop (the epilogue's)
+    if KSUM:
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
+                                     HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     out = offs_out.to(tl.int64)
@@ -321,7 +331,6 @@ def down_wo_kernel(
                        SCHEME, UPCAST, AHEAD)
         mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
-    _store_y(acc, s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments, stride_ym, SCHEME)
-    if KSUM:
-        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
-                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
+    _down_epilogue(acc, s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok,
+                   arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global, stride_ym,
+                   BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)

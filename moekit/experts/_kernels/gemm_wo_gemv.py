@@ -331,7 +331,8 @@ def down_wo_gemv_kernel(
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
     split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]. KSUM: ``gemm_wo``'s docstring.
-    UP_SPLIT > 1: h_ptr the split gate-up's partials p [UP_SPLIT * A, 2N] (stride_hm 2N), h folded as read (``load_h``)."""
+    UP_SPLIT > 1: h_ptr the split gate-up's partials p [UP_SPLIT * A, 2N] (stride_hm 2N), h folded as read
+    (``load_h``)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -346,7 +347,8 @@ def down_wo_gemv_kernel(
     if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
         row_ok = rows < num_assignments
         safe_rows = tl.where(row_ok, rows, 0)
-        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
+                                     HAS_MAP)
     a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
     a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
     a0, a1 = tl.where(ok0, a0, 0), tl.where(ok1, a1, 0)

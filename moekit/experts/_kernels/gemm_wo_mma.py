@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
+from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
-from moekit.experts._kernels.gemm_wo import _store_y
+from moekit.experts._kernels.gemm_wo import _down_epilogue
 from moekit.experts._kernels.wo_mma_values import X_SCALE, weight_operand, x_operand
 
 
@@ -192,7 +192,8 @@ def down_wo_mma_kernel(
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
-    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+    arrivals = 0  # KSUM: [BM] routed slots of each row's token, loaded before the main loop (the epilogue's)
+    if KSUM:
         arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
                                      HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,8 +218,6 @@ def down_wo_mma_kernel(
         acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, k0, N, out_ok, stride_sg, stride_zg, BLOCK_N,
                           BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
-    _store_y(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments,
-             stride_ym, SCHEME)
-    if KSUM:
-        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
-                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
+    _down_epilogue(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows,
+                   row_ok, arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global,
+                   stride_ym, BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)

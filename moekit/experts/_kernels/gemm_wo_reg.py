@@ -30,11 +30,13 @@ element rather than once per weight:
     mxfp4  decoded = the e2m1 value itself (exact in bf16 and fp16); acc += p * 2^(s - 127), the factor
            built as the float32 bits s << 23 (exact; e8m0 0, 2^-127, gives 0).
 Decoding (``_decode``): with ASM (set by the plan on NVIDIA sm_80+ GPUs only, never under the
-interpreter) and bf16 activations, inline PTX on 32-bit words, two weights per instruction: prmt spreads 4 bytes into 16-bit halves, then for int4 one lop3 ((t & 0x000F000F) |
-0x43004300: 128 + code in bf16) per pair and a shift for the high nibbles; for mxfp4 the magnitude
-bits to bf16 bits 6-8 and the sign to bit 15 (the value * 2^-126; the code 0.5 a bf16 subnormal, which
-bf16x2 arithmetic keeps) and one fma.rn.bf16x2 by 2^126 plus -0 (sm_80's form of a bf16x2 multiply).
-Elsewhere (the interpreter, fp16, other GPUs) the same bit placement in Triton (``_nibble_values``; mxfp4 via fp16 bits 9-11, value * 2^-14, then * 2^14).
+interpreter) and bf16 activations, inline PTX on 32-bit words, two weights per instruction: prmt spreads 4 bytes
+into 16-bit halves, then for int4 one lop3 ((t & 0x000F000F) | 0x43004300: 128 + code in bf16) per pair and a
+shift for the high nibbles; for mxfp4 the magnitude bits to bf16 bits 6-8 and the sign to bit 15 (the value *
+2^-126; the code 0.5 a bf16 subnormal, which bf16x2 arithmetic keeps) and one fma.rn.bf16x2 by 2^126 plus -0 (sm_80's
+form of a bf16x2 multiply).
+Elsewhere (the interpreter, fp16, other GPUs) the same bit placement in Triton (``_nibble_values``; mxfp4 via fp16
+bits 9-11, value * 2^-14, then * 2^14).
 sm_90 SASS of the decode loops (Triton 3.9, compiled on the CPU): int4 gate-up 64 x 128 steps 454
 instructions (960 with the previous whole-tile fp32 decode), down 128 x 128 440; mxfp4 (g = 32)
 gate-up 918, down 718.
@@ -53,7 +55,8 @@ bytes as 0, which decode to finite values; a chunk past the last group has scale
 
 Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output tiles are too few to
 fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
-``combine.sum_slots_kernel`` (SPLIT > 1) sums them with the k slots (atomic-free, so the result does not depend on timing).
+``combine.sum_slots_kernel`` (SPLIT > 1) sums them with the k slots (atomic-free, so the result does not depend on
+timing).
 
 Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows and activations these
 kernels share).
@@ -66,10 +69,10 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
+from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_fp8 import acc_zeros, unswap
-from moekit.experts._kernels.gemm_wo import _load_weights, _store_y
+from moekit.experts._kernels.gemm_wo import _down_epilogue, _load_weights
 
 @triton.jit
 def _base(DTYPE: tl.constexpr):
@@ -262,8 +265,10 @@ def gate_up_wo_reg_kernel(
     mul_u, add_u = _chunk_scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
     for k0 in range(0, K, BLOCK_K):
         for c in tl.static_range(0, BLOCK_K, SPAN):  # chunks of one scale group each
-            next_mul_g, next_add_g = _chunk_scales(sg, zg, k0 + c + SPAN, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
-            next_mul_u, next_add_u = _chunk_scales(su, zu, k0 + c + SPAN, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
+            next_mul_g, next_add_g = _chunk_scales(sg, zg, k0 + c + SPAN, K, n_ok, stride_sg, stride_zg, GROUP,
+                                                   SCHEME, dtype)
+            next_mul_u, next_add_u = _chunk_scales(su, zu, k0 + c + SPAN, K, n_ok, stride_sg, stride_zg, GROUP,
+                                                   SCHEME, dtype)
             k = k0 + c + offs_k
             a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(dtype)
             acc_gate = _dot_chunk(_load_weights(qg, k0 + c, K_STORED, n_ok, stride_qc, SPAN, SCHEME), a, mul_g, add_g,
@@ -296,7 +301,7 @@ def down_wo_reg_kernel(
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
     SWAP_AB: tl.constexpr = False,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers (split-K, KSUM: module docstring)."""
+    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers (split-K, KSUM: module doc)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -310,8 +315,10 @@ def down_wo_reg_kernel(
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
-    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
-        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
+    arrivals = 0  # KSUM: [BM] routed slots of each row's token, loaded before the main loop (the epilogue's)
+    if KSUM:
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
+                                     HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     out = offs_out.to(tl.int64)
@@ -336,8 +343,6 @@ def down_wo_reg_kernel(
                              acc, BLOCK_M, SPAN, SCHEME, ASM, SWAP_AB)
             mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
-    acc = unswap(acc, SWAP_AB)
-    _store_y(acc, s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments, stride_ym, SCHEME)
-    if KSUM:
-        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
-                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
+    _down_epilogue(unswap(acc, SWAP_AB), s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows,
+                   row_ok, arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global,
+                   stride_ym, BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)

@@ -11,10 +11,7 @@ out = silu(gate) * up. Otherwise (down GEMM) one tile and out = the product.
 
 One program per SM walks the tiles (row block, column block) of the rows in use (``rows_used``,
 read on the device: no host sync) in a GROUP_M-swizzled order, so CTAs running at once share weight
-tiles in L2; with EXPERT_ORDER a group is one expert's row blocks (at most GROUP_M of them, counted from its
-first block: ``offsets`` [E + 1], each expert's first row), so no group holds two experts' blocks and an expert's
-weight tiles are fetched once for all its blocks (torch twin of the order: ``triton_gluon_order.tile_order``).
-Two partitions per program:
+tiles in L2. Two partitions per program:
   - loader (1 warp, few registers): TMA loads of A and W tiles into a STAGES-deep SMEM ring; each
     stage has a `ready` barrier (TMA bytes landed) and an `empty` one (the MMAs that read it retired).
   - default (num_warps = 8, two warpgroups sharing each [BLOCK_M, BLOCK_N] tile): async wgmma with
@@ -50,33 +47,11 @@ def _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_M: gl.constexpr,
-             GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr):
-    """Tile id -> (row block, column block). EXPERT_ORDER: the group holding tile t starts at expert e's first block
-    (e = the expert of block t // num_col_blocks: groups cover their blocks' tiles in order) plus a multiple of
-    GROUP_M, and ends at the next such start or e's last block."""
-    if EXPERT_ORDER:
-        rb0 = t // num_col_blocks
-        expert = gl.maximum(gl.load(experts_ptr + rb0), 0)  # (-1 past the rows in use: a caller's clamped t)
-        first = gl.load(offsets_ptr + expert) // BLOCK_M
-        end = gl.load(offsets_ptr + expert + 1) // BLOCK_M
-        start = first + (rb0 - first) // GROUP_M * GROUP_M
-        rows_here = gl.minimum(end - start, GROUP_M)
-        local = t - start * num_col_blocks
-        rb = start + local % rows_here
-        cb = local // rows_here
-    else:
-        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-    return rb, cb
-
-
-@gluon.jit
 def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
             W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
-            PACK: gl.constexpr = 1, EXPERT_ORDER: gl.constexpr = False, offsets_ptr=None):
-    """The TMA loader; other kernels bind its leading parameters positionally, the walk's options come last
-    (``_walk_loader`` passes them by keyword). PACK: weights a stored element holds (2: the weight-only GEMM's
-    packed int4 bytes, ``gluon_gemm_wo``)."""
+            PACK: gl.constexpr = 1):
+    """The TMA loader. PACK: weights a stored element holds (2: the weight-only GEMM's packed int4 bytes,
+    ``gluon_gemm_wo``)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -88,7 +63,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_M, GROUP_M, EXPERT_ORDER)
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         expert = gl.load(experts_ptr + rb)
         w_row = expert * W_ROWS + cb * BLOCK_N
         for kk in range(k_steps):
@@ -104,17 +79,8 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 
 
 @gluon.jit
-def _walk_loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
-                 num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                 GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr):
-    _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks, W_ROWS,
-            GATE_OFFSET, GATED, GROUP_M, EXPERT_ORDER=EXPERT_ORDER, offsets_ptr=offsets_ptr)
-
-
-@gluon.jit
-def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
-                  num_col_blocks, GATED: gl.constexpr, GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr,
-                  GATHER: gl.constexpr, num_warps: gl.constexpr):
+def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, used_ptr, reduce_dim, num_col_blocks,
+                  GATED: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -127,7 +93,7 @@ def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, experts_
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_M, GROUP_M, EXPERT_ORDER)
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         for kk in range(k_steps):
@@ -160,13 +126,11 @@ def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, experts_
 
 
 @gluon.jit
-def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, reduce_dim, num_col_blocks,
+def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                         W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """a_desc [T, R] blocks [BM, BK]; w_desc [E*W_ROWS, R] blocks [BN, BK]; c_desc [T, C] blocks [BM, BN];
-    experts_ptr [T / BM] int32 expert of each row block; used_ptr -> rows in use (a multiple of BM); offsets_ptr
-    [E + 1] int32 first row of each expert's segment (read with EXPERT_ORDER only); reduce_dim = R;
+    experts_ptr [T / BM] int32 expert of each row block; used_ptr -> rows in use (a multiple of BM); reduce_dim = R;
     num_col_blocks = C / BN; GATE_OFFSET = N (the up rows follow the gate rows) when GATED."""
     WTILES: gl.constexpr = 2 if GATED else 1
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -178,8 +142,8 @@ def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_p
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, ready, empty, experts_ptr, offsets_ptr, used_ptr,
-                         reduce_dim, num_col_blocks, GATED, GROUP_M, EXPERT_ORDER, False, num_warps)),
-        (_walk_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
-                        num_col_blocks, W_ROWS, GATE_OFFSET, GATED, GROUP_M, EXPERT_ORDER)),
+        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, ready, empty, used_ptr, reduce_dim, num_col_blocks,
+                         GATED, GROUP_M, False, num_warps)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
     ], [1], [24])

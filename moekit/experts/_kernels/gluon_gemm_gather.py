@@ -28,16 +28,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from moekit.experts._kernels.gluon_gemm import _mma_epilogue, _tile_at, _tma_load
+from moekit.experts._kernels.gluon_gemm import _mma_epilogue, _tile_of, _tma_load
 
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 @gluon.jit
-def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_ready, empty, experts_ptr,
-                   offsets_ptr, used_ptr, num_assignments, stride_x, reduce_dim, num_col_blocks, TOP_K: gl.constexpr,
-                   W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GROUP_M: gl.constexpr,
-                   EXPERT_ORDER: gl.constexpr, LOADER_WARPS: gl.constexpr):
+def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_ready, empty, experts_ptr, used_ptr,
+                   num_assignments, stride_x, reduce_dim, num_col_blocks, TOP_K: gl.constexpr, W_ROWS: gl.constexpr,
+                   GATE_OFFSET: gl.constexpr, GROUP_M: gl.constexpr, LOADER_WARPS: gl.constexpr):
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -53,7 +52,7 @@ def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows_layout))  # [BK]
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_M, GROUP_M, EXPERT_ORDER)
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         expert = gl.load(experts_ptr + rb)
         w_row = expert * W_ROWS + cb * BLOCK_N
         rows = rb * BLOCK_M + in_block  # [BM]
@@ -75,16 +74,14 @@ def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_
 
 
 @gluon.jit
-def gather_gate_up_kernel(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr,
-                          num_assignments, stride_x, reduce_dim, num_col_blocks, TOP_K: gl.constexpr,
-                          W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                          EXPERT_ORDER: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                          num_warps: gl.constexpr):
+def gather_gate_up_kernel(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, num_assignments,
+                          stride_x, reduce_dim, num_col_blocks, TOP_K: gl.constexpr, W_ROWS: gl.constexpr,
+                          GATE_OFFSET: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """x [M, R] (rows 16-byte aligned, stride_x elements apart); sorted_ptr [T] int32 assignment of each row of
     the layout (>= num_assignments: padding); dst_ptr [A] int32 (written: the row of each real assignment);
     w_desc [E*W_ROWS, R] blocks [BN, BK]; c_desc [T, N] blocks [BM, BN]; experts_ptr [T / BM] int32;
-    used_ptr -> rows in use (a multiple of BM); offsets_ptr [E + 1] int32 first row of each expert's segment (read
-    with EXPERT_ORDER only: ``gluon_gemm._tile_at``); reduce_dim = R; num_col_blocks = N / BN; GATE_OFFSET = N."""
+    used_ptr -> rows in use (a multiple of BM); reduce_dim = R; num_col_blocks = N / BN; GATE_OFFSET = N."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
@@ -99,9 +96,9 @@ def gather_gate_up_kernel(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_pt
         mbarrier.init(a_ready.index(i), count=LOADER_WARPS * 32)  # one noinc arrival per loader thread
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, experts_ptr, offsets_ptr, used_ptr,
-                         reduce_dim, num_col_blocks, True, GROUP_M, EXPERT_ORDER, True, num_warps)),
+        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, used_ptr, reduce_dim, num_col_blocks,
+                         True, GROUP_M, True, num_warps)),
         (_gather_loader, (x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_ready, empty, experts_ptr,
-                          offsets_ptr, used_ptr, num_assignments, stride_x, reduce_dim, num_col_blocks, TOP_K, W_ROWS,
-                          GATE_OFFSET, GROUP_M, EXPERT_ORDER, LOADER_WARPS)),
+                          used_ptr, num_assignments, stride_x, reduce_dim, num_col_blocks, TOP_K, W_ROWS,
+                          GATE_OFFSET, GROUP_M, LOADER_WARPS)),
     ], [LOADER_WARPS], [LOADER_REGS])

@@ -16,8 +16,7 @@ GEMM: 6), so a tile that merges nothing runs slower than the plain kernel's: it 
 just past a 128-row block (measured: benchmarks/triton-notes.md, "the padding tax"). Measured and removed (H200 run
 1): the gate-up GEMM with the same tail (3 stages: slower everywhere), a 128-row tail, the fp8 down GEMM's third
 consumer for the tail (1.01x at DeepSeek-V3 4096).
-The loader, ring and epilogue are ``gluon_gemm``'s; the tile list and its orders too (GROUP_M swizzle, or with
-EXPERT_ORDER one expert's row blocks a group: ``gluon_gemm._tile_at``).
+The loader, ring and epilogue are ``gluon_gemm``'s; the tile list and its order too (GROUP_M swizzle).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from moekit.experts._kernels.gluon_gemm import _tile_at, _tma_load, _tma_store
+from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store
 
 
 @gluon.jit
@@ -48,21 +47,19 @@ def _merges(experts_ptr, sorted_ptr, b, num_row_blocks, num_assignments, BLOCK_M
 
 
 @gluon.jit
-def _tile_state(t, num_tiles, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, sorted_ptr, num_assignments,
-                GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr, BLOCK_M: gl.constexpr, TAIL: gl.constexpr):
+def _tile_state(t, num_tiles, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr, num_assignments,
+                GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, TAIL: gl.constexpr):
     """(row block, column block, merged, skipped) of tile min(t, num_tiles - 1): the MMA partitions read the next
     tile's while this one's MMAs run (its loads off the critical path between tiles)."""
-    rb, cb = _tile_at(gl.minimum(t, gl.maximum(num_tiles - 1, 0)), num_row_blocks, num_col_blocks, experts_ptr,
-                      offsets_ptr, BLOCK_M, GROUP_M, EXPERT_ORDER)
+    rb, cb = _tile_of(gl.minimum(t, gl.maximum(num_tiles - 1, 0)), num_row_blocks, num_col_blocks, GROUP_M)
     merged = _merges(experts_ptr, sorted_ptr, rb, num_row_blocks, num_assignments, BLOCK_M, TAIL)
     skipped = _merges(experts_ptr, sorted_ptr, rb - 1, num_row_blocks, num_assignments, BLOCK_M, TAIL)
     return rb, cb, merged, skipped
 
 
 @gluon.jit
-def _tail_loader(a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, sorted_ptr,
-                 used_ptr, num_assignments, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr, GROUP_M: gl.constexpr,
-                 EXPERT_ORDER: gl.constexpr):
+def _tail_loader(a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr,
+                 num_assignments, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr, GROUP_M: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     TAIL: gl.constexpr = t_desc.block_type.shape[0]
@@ -75,7 +72,7 @@ def _tail_loader(a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, e
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_M, GROUP_M, EXPERT_ORDER)
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         merged = _merges(experts_ptr, sorted_ptr, rb, num_row_blocks, num_assignments, BLOCK_M, TAIL)
         skipped = _merges(experts_ptr, sorted_ptr, rb - 1, num_row_blocks, num_assignments, BLOCK_M, TAIL)
         if skipped == 0:
@@ -148,9 +145,8 @@ def _merged_tile(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, 
 
 
 @gluon.jit
-def _tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr, offsets_ptr,
-              sorted_ptr, used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M: gl.constexpr,
-              EXPERT_ORDER: gl.constexpr, num_warps: gl.constexpr):
+def _tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr, sorted_ptr,
+              used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     TAIL: gl.constexpr = ct_desc.block_type.shape[0]
@@ -165,12 +161,11 @@ def _tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, emp
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     rb, cb, merged, skipped = _tile_state(gl.program_id(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr,
-                                          offsets_ptr, sorted_ptr, num_assignments, GROUP_M, EXPERT_ORDER, BLOCK_M,
-                                          TAIL)
+                                          sorted_ptr, num_assignments, GROUP_M, BLOCK_M, TAIL)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb_next, cb_next, merged_next, skipped_next = _tile_state(
-            t + gl.num_programs(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, sorted_ptr,
-            num_assignments, GROUP_M, EXPERT_ORDER, BLOCK_M, TAIL)
+            t + gl.num_programs(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr,
+            num_assignments, GROUP_M, BLOCK_M, TAIL)
         if skipped == 0:
             if merged != 0:
                 it = _merged_tile(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, rb, cb,
@@ -182,14 +177,13 @@ def _tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, emp
 
 
 @gluon.jit
-def tail_down_kernel(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, offsets_ptr,
-                     num_assignments, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr, STAGES: gl.constexpr,
-                     GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr, num_warps: gl.constexpr):
+def tail_down_kernel(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments,
+                     reduce_dim, num_col_blocks, W_ROWS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                     num_warps: gl.constexpr):
     """a_desc [T, R] blocks [BM, BK] and t_desc the same tensor in [TAIL, BK] blocks; w_desc [E*W_ROWS, R] blocks
     [BN, BK]; c_desc [T, C] blocks [BM, BN] and ct_desc the same tensor in [TAIL, BN] blocks; experts_ptr [T / BM]
     int32 expert of each row block; sorted_ptr [T] int32 assignment of each row (>= num_assignments: padding);
-    used_ptr -> rows in use (a multiple of BM); offsets_ptr [E + 1] int32 first row of each expert's segment (read
-    with EXPERT_ORDER only); reduce_dim = R; num_col_blocks = C / BN."""
+    used_ptr -> rows in use (a multiple of BM); reduce_dim = R; num_col_blocks = C / BN."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -201,10 +195,8 @@ def tail_down_kernel(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorte
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_tail_mma, (c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr, offsets_ptr,
-                     sorted_ptr, used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M, EXPERT_ORDER,
-                     num_warps)),
-        (_tail_loader, (a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr,
-                        sorted_ptr, used_ptr, num_assignments, reduce_dim, num_col_blocks, W_ROWS, GROUP_M,
-                        EXPERT_ORDER)),
+        (_tail_mma, (c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr, sorted_ptr,
+                     used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M, num_warps)),
+        (_tail_loader, (a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, experts_ptr, sorted_ptr,
+                        used_ptr, num_assignments, reduce_dim, num_col_blocks, W_ROWS, GROUP_M)),
     ], [1], [24])

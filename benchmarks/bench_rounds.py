@@ -1,0 +1,150 @@
+"""The timing the device checks share: a variant's calls captured in one CUDA graph, the variants' graphs timed in
+interleaved rounds (the GPU's clock and temperature drift between rounds, so each round times every variant and a
+win is counted round by round against the base of the same round), the medians, the wins, and eager host / wall
+µs a call. Each timer is a parameter, so the logic is tested on the CPU with a fake one (tests/test_bench_rounds.py).
+
+    graphs = {name: graph_of([lambda c=c: call(c) for c in sets], dev) for name, call in variants.items()}
+    rounds = interleaved(graphs, len(sets), dev, ROUNDS, REPLAYS)        # name -> [µs a call, each round]
+    wins(rounds["wide"], rounds["pick"])                               # rounds "wide" took <= 0.97 x "pick"
+
+Used by the device checks ``wo_tc``, ``wo_mma``, ``wo_ahead``, ``wo_fold``, ``dec7``, ``wol7``, ``mid7``,
+``prefill``, ``prefill6``, ``pre7``, ``f8pre`` and ``padding`` (their run bookkeeping: ``bench_run``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+WIN = 0.97  # a win: a round the variant took <= WIN x the base (>= 3% faster)
+
+
+def graph_of(fns: list, dev, warmups: int = 2, replay: bool = True):
+    """The calls ``fns`` captured in one CUDA graph (each run ``warmups`` times on a side stream first, then
+    replayed once where ``replay``), or None off the GPU."""
+    if dev.type != "cuda":
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns * warmups:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    if replay:
+        g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def event_timer() -> Callable[[Callable[[], None]], float]:
+    """A timer of GPU work: ``timer(run)`` enqueues ``run()`` between two CUDA events, waits, returns its ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timer(run: Callable[[], None]) -> float:
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    return timer
+
+
+def interleaved(graphs: dict, calls: int, dev, rounds: int, replays: int, until: float = math.inf,
+                timer=None) -> dict:
+    """name -> [µs a call, each round]: every graph replayed ``replays`` times a round (each replay runs ``calls``
+    calls), the graphs in turn; no round after the first begins past ``until`` (``time.time()``). Off the GPU (no
+    ``timer``): one NaN each."""
+    if timer is None:
+        if dev.type != "cuda":
+            return {name: [float("nan")] for name in graphs}
+        timer = event_timer()
+    samples = {name: [] for name in graphs}
+
+    def replayed(g) -> None:
+        for _ in range(replays):
+            g.replay()
+
+    for r in range(rounds):
+        if r and time.time() > until:
+            print(f"deadline: {r} rounds", flush=True)
+            break
+        for name, g in graphs.items():
+            samples[name].append(timer(lambda g=g: replayed(g)) * 1e3 / (replays * calls))
+    return samples
+
+
+def rotated_rounds(label: str, names: list, rounds: int, measure, stop, log, rotate: bool = True,
+                   say_stop: bool = True) -> dict:
+    """name -> [µs, each round] of ``measure(name)`` (µs, or None: a failure, that name dropped from later rounds),
+    every name once a round, each round starting one name further along where ``rotate`` (the first of a round runs
+    after the host's gap: it must not always be the same variant). ``stop(r)`` true ends the rounds before round r
+    ("deadline" logged where ``say_stop``); each round's values logged. Names never measured are left out."""
+    per: dict = {n: [] for n in names}
+    order = list(names)
+    for r in range(rounds):
+        if not order:
+            break
+        if stop(r):
+            if say_stop:
+                log(f"{label}: deadline, {r} rounds")
+            break
+        turn = order[r % len(order):] + order[:r % len(order)] if rotate else list(order)
+        for n in turn:
+            got = measure(n)
+            if got is None:
+                order.remove(n)
+            else:
+                per[n].append(got)
+        log(f"{label} round {r}: " + ", ".join(f"{n} {t[-1]:.1f}" for n, t in per.items() if t))
+    return {n: t for n, t in per.items() if t}
+
+
+def medians(rounds: dict) -> dict:
+    """name -> the median of its rounds."""
+    return {name: statistics.median(v) for name, v in rounds.items()}
+
+
+def wins(samples, base, win: float = WIN) -> int:
+    """Rounds in which ``samples`` took <= ``win`` x ``base``'s value of the same round."""
+    return sum(v <= win * b for v, b in zip(samples, base))
+
+
+def faster_rounds(samples, base, by: float = 1.03) -> int:
+    """Rounds in which ``base`` took >= ``by`` x ``samples``' value of the same round."""
+    return sum(b / v >= by for b, v in zip(base, samples))
+
+
+def versus(samples, base) -> str:
+    """``x<base median / samples median> (>=3% in <faster rounds>/<rounds>)``: how much faster ``samples`` ran."""
+    ratio = statistics.median(base) / statistics.median(samples)
+    return f"x{ratio:5.3f} (>=3% in {faster_rounds(samples, base)}/{len(samples)})"
+
+
+def eager_us(calls: dict, rounds: int, n_calls: int) -> dict:
+    """name -> (host µs a call: ``n_calls`` calls enqueued behind ~1 ms of GPU work, so the enqueue time is the
+    host's alone; wall µs a call: the same calls to completion), medians of ``rounds`` interleaved rounds. ``calls``:
+    name -> the calls to cycle through (rotated input sets)."""
+    host, wall = {k: [] for k in calls}, {k: [] for k in calls}
+    for _ in range(rounds):
+        for name, fns in calls.items():
+            for record, busy in ((host, True), (wall, False)):
+                torch.cuda.synchronize()
+                if busy:
+                    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead
+                t0 = time.perf_counter()
+                for i in range(n_calls):
+                    fns[i % len(fns)]()
+                if not busy:
+                    torch.cuda.synchronize()
+                record[name].append((time.perf_counter() - t0) * 1e6 / n_calls)
+    return {k: (statistics.median(host[k]), statistics.median(wall[k])) for k in calls}

@@ -1,0 +1,137 @@
+"""What a device check keeps besides its timings: the PASS / FAIL lines and the failed list, a log stamped with the
+run's seconds, the table printed last, a watchdog that prints the table so far and ends the run when nothing was
+logged for a while (a hung kernel), the JSON header (device, torch, triton), the ceilings in this run, and one
+child process a cell (a fault loses only its cell). Timing: ``bench_rounds``.
+
+    RUN = RunLog("whole calls, graph replay, median of the rounds", stall_s=30.0)
+    threading.Thread(target=RUN.watchdog, daemon=True).start()
+    RUN.log("ceilings: ...")        # [   1.2s] ceilings: ...
+    RUN.check("M=8 pick", err < TOL, f"rel_err={err:.2e}")
+    RUN.print_table()               # the title, RUN.summary, FAILED: ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+
+class RunLog:
+    """One run's start, its failed checks, its summary lines (the table) and its last log line (the watchdog's)."""
+
+    def __init__(self, title: str = "", stall_s: float = 100.0):
+        self.t0 = time.perf_counter()
+        self.title = title  # the table's first line
+        self.stall_s = stall_s  # the watchdog's silence limit (s)
+        self.failed: list[str] = []
+        self.summary: list[str] = []
+        self.last = [self.t0, "start"]  # [perf_counter, message] of the last ``log``
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        """``PASS  name  detail`` or ``FAIL ...`` (then ``name`` failed)."""
+        print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+        if not ok:
+            self.failed.append(name)
+        return ok
+
+    def log(self, msg: str) -> None:
+        self.last[:] = [time.perf_counter(), msg]
+        print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
+
+    def print_table(self) -> None:
+        print(f"\n{self.title}", flush=True)
+        print("\n".join(self.summary))
+        print(f"FAILED: {', '.join(self.failed) or 'none'}; {self.elapsed():.0f} s", flush=True)
+
+    def each_cell(self, specs, run_one: Callable, deadline: float, after: Callable = lambda: None) -> None:
+        """``run_one(spec)`` for each of ``specs`` that starts before ``deadline`` (s from the start; the others
+        logged SKIP, "not reached" in the table); a cell that raises is logged FAIL and the others still run;
+        ``after()`` after each (outside the handler: its traceback holds the cell's tensors)."""
+        for spec in specs:
+            if self.elapsed() > deadline:
+                self.log(f"SKIP {spec}: deadline")
+                self.summary.append(f"{spec}: not reached")
+                continue
+            try:
+                run_one(spec)
+            except Exception as exc:  # noqa: BLE001 (one cell's failure is reported, the others still run)
+                self.log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
+                self.failed.append(spec)
+            after()
+
+    def watchdog(self, stall_s: Callable[[], float] | None = None, poll_s: float = 2.0) -> None:
+        """Forever (a daemon thread's target): past ``stall_s()`` (default: ``self.stall_s``) seconds without a log
+        line, the table so far, then the process ends (exit 3)."""
+        limit = stall_s or (lambda: self.stall_s)
+        while True:
+            time.sleep(poll_s)
+            if time.perf_counter() - self.last[0] > limit():
+                print(f"\nSTALLED {limit():.0f} s after: {self.last[1]}", flush=True)
+                self.print_table()
+                os._exit(3)
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float32; inf where ``out`` is not finite."""
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def run_info() -> dict:
+    """The JSON header: the device's name, torch's and Triton's versions."""
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__}
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def ceilings(dev, fp8: bool = False) -> dict:
+    """This run's ceilings (``moekit.bench.ceilings``: copy, bf16 mm 8192^3; ``fp8``: the fp8 mm rate too)."""
+    from moekit.bench.ceilings import measure_ceilings, measure_fp8_mm
+
+    base = measure_ceilings(dev)
+    got = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}
+    if fp8:
+        got["fp8_mm_TFLOPs"] = measure_fp8_mm(dev).TFLOPs
+    return got
+
+
+def cells_in_children(script: str, labels: list, out: str, tag: str, run: RunLog, deadline: float, min_left: float,
+                      flags: Callable[[float], list]) -> tuple[list, list]:
+    """Cell i run as ``script --cell i --out out`` + ``flags(seconds left)``, one process a cell, each writing
+    <out>/<tag>-i.json ({"cells": [...], "failed": [...]}); a cell is skipped when less than ``min_left`` of
+    ``deadline`` (s from ``run``'s start) is left, a child killed when none is. Returns (the children's cell dicts,
+    the labels skipped); their failures, and a child's exit other than 0 / 1, go to ``run.failed``."""
+    cells, skipped = [], []
+    for i, label in enumerate(labels):
+        left = deadline - run.elapsed()
+        if left < min_left:
+            skipped.append(label)
+            continue
+        cmd = [sys.executable, os.path.abspath(script), "--cell", str(i), "--out", out] + flags(left)
+        try:
+            rc = subprocess.run(cmd, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        path = os.path.join(out, f"{tag}-{i}.json")
+        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
+        cells += got["cells"]
+        run.failed.extend(got["failed"] + ([f"{label}: child exit {rc}"] if rc not in (0, 1) else []))
+        print(f"-- cell {i} done at {run.elapsed():.1f} s (exit {rc})", flush=True)
+    return cells, skipped

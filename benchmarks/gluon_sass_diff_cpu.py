@@ -1,0 +1,170 @@
+"""The route's Gluon GEMMs in sm_90 SASS, compiled on a machine without a GPU, and a comparison of two such dumps: for a
+change that should leave the default kernels' machine code alone (an option removed, a signature trimmed), run
+``--dump`` on the tree before and after it, on each Triton, then ``--compare``.
+
+    PYTHONPATH=/tmp/before-tree python3 benchmarks/gluon_sass_diff_cpu.py --dump /tmp/sass-before   (Triton 3.9)
+    PYTHONPATH=$PWD python3 benchmarks/gluon_sass_diff_cpu.py --dump /tmp/sass-after
+    PYTHONPATH=/tmp/x-site:$PWD ...                                                     (another Triton, e.g. 3.6)
+    python3 benchmarks/gluon_sass_diff_cpu.py --compare /tmp/sass-before /tmp/sass-after
+
+Kernels: bf16 gate-up (TMA, and gathering in its loader), down (GROUP_M 8 and the narrow tile's plain order), down
+with the 64-row tail, the weight-only GEMM (int8 / int4 / mxfp4: it shares ``gluon_gemm._loader``). Each is
+compiled with the arguments its signature names (``_compile``: a removed parameter is not passed, one the case
+does not know gets a stand-in), DeepSeek-V3-like widths.
+``--compare`` prints per kernel: lines, lines that differ, and whether they differ only in the constant bank's
+parameter offsets (``c[0x0][...]``: a parameter removed before them shifts them) and by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+E, N, K, T = 8, 2048, 7168, 4096  # experts, N (inter), K (hidden), rows: the widths only size the descriptors
+PARAM = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
+
+
+def _compile(kernel, args: dict, const: dict, aligned: tuple, num_warps: int = 8, maxnreg: int = 168):
+    """triton.compile for sm_90 of the arguments and constexprs ``kernel`` names (16-divisible: ``aligned``); a
+    parameter this tree's kernel has and the case does not name (another tree's option): an int32 pointer (``*_ptr``,
+    16-aligned) or a False constexpr (upper case), as a launch that does not use it passes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = kernel.arg_names
+    args, const = {k: v for k, v in args.items() if k in names}, {k: v for k, v in const.items() if k in names}
+    for n in (n for n in names if n not in args and n not in const):
+        if n.endswith("_ptr"):
+            args[n], aligned = torch.empty(1, dtype=torch.int32), (*aligned, n)
+        elif n.isupper():
+            const[n] = False
+        else:
+            raise ValueError(f"{kernel}: no value for parameter {n}")
+    sig = {n: mangle_type(args[n]) if n in args else "constexpr" for n in names if n in args or n in const}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in args}
+    src = GluonASTSource(kernel, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+
+
+def bf16_cases() -> dict:
+    """{name: () -> compiled} of the route's bf16 kernels."""
+    from wol7_compile_cpu import _descriptor as desc
+
+    from moekit.experts._kernels import gluon_gemm, gluon_gemm_gather, gluon_gemm_tail
+    from moekit.experts.triton_gluon_launch import (
+        BLOCK_M, DOWN_TILE, LOADER_REGS, LOADER_WARPS, NARROW_DOWN_TILE, UP_TILE, with_tail,
+    )
+
+    i32, bf16 = torch.empty(1, dtype=torch.int32), torch.bfloat16
+    ptrs = dict(experts_ptr=i32, used_ptr=i32, sorted_ptr=i32, dst_ptr=i32)
+
+    def plain(tile, gated: bool, inter: int = N):
+        r, c, w_rows = (K, inter, 2 * inter) if gated else (inter, K, K)
+        args = ptrs | dict(a_desc=desc([T, r], [BLOCK_M, tile.block_k], bf16), reduce_dim=r,
+                           w_desc=desc([E * w_rows, r], [tile.block_n, tile.block_k], bf16),
+                           c_desc=desc([T, c], [BLOCK_M, tile.block_n], bf16), num_col_blocks=c // tile.block_n)
+        const = dict(W_ROWS=w_rows, GATE_OFFSET=inter if gated else 0, GATED=gated, STAGES=tile.stages,
+                     GROUP_M=tile.group_m, num_warps=8)
+        return _compile(gluon_gemm.grouped_gemm_kernel, args, const, (*ptrs, "reduce_dim"))
+
+    def gather(tile, inter: int = 768, k: int = 2048):
+        args = ptrs | dict(x_ptr=torch.empty(1, dtype=bf16), w_desc=desc([E * 2 * inter, k], [tile.block_n,
+                           tile.block_k], bf16), c_desc=desc([T, inter], [BLOCK_M, tile.block_n], bf16),
+                           num_assignments=T, stride_x=k, reduce_dim=k, num_col_blocks=inter // tile.block_n)
+        const = dict(TOP_K=8, W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=tile.stages, GROUP_M=tile.group_m,
+                     LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=8)
+        return _compile(gluon_gemm_gather.gather_gate_up_kernel, args, const, (*ptrs, "x_ptr", "stride_x",
+                                                                               "reduce_dim"))
+
+    def tail(tile):
+        args = ptrs | dict(a_desc=desc([T, N], [BLOCK_M, tile.block_k], bf16),
+                           t_desc=desc([T, N], [tile.tail, tile.block_k], bf16),
+                           w_desc=desc([E * K, N], [tile.block_n, tile.block_k], bf16),
+                           c_desc=desc([T, K], [BLOCK_M, tile.block_n], bf16),
+                           ct_desc=desc([T, K], [tile.tail, tile.block_n], bf16), num_assignments=T, reduce_dim=N,
+                           num_col_blocks=K // tile.block_n)
+        const = dict(W_ROWS=K, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=8)
+        return _compile(gluon_gemm_tail.tail_down_kernel, args, const, tuple(ptrs))
+
+    return {"gateup_tma": lambda: plain(UP_TILE, True), "down": lambda: plain(DOWN_TILE, False),
+            "down_narrow": lambda: plain(NARROW_DOWN_TILE, False, 768), "gateup_gather": lambda: gather(UP_TILE),
+            "down_tail": lambda: tail(with_tail(DOWN_TILE))}
+
+
+def wo_case(gated: bool, stages: int, scheme: int, block_n: int = 128, block_k: int = 64):
+    """The weight-only GEMM (``wol7_compile_cpu``'s small shape: E=2, N=256, K=512)."""
+    from wol7_compile_cpu import _descriptor as desc
+
+    from moekit.experts._kernels.gluon_gemm_wo import grouped_gemm_wo_kernel
+
+    e, n, k, t = 2, 256, 512, 1024
+    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    pack, q_dtype = ((1, torch.int8), (8, torch.int32), (2, torch.uint8))[scheme]
+    i32, bf16 = torch.empty(1, dtype=torch.int32), torch.bfloat16
+    args = dict(a_desc=desc([t, r], [128, block_k], bf16), c_desc=desc([t, c], [128, block_n], bf16),
+                q_desc=desc([e * w_rows, r // pack], [block_n, block_k // pack], q_dtype), experts_ptr=i32,
+                used_ptr=i32, s_ptr=torch.empty(1), z_ptr=torch.empty(1, dtype=torch.uint8), stride_se=w_rows * 4,
+                stride_sr=4, stride_sg=1, stride_ze=w_rows * 4, stride_zr=4, stride_zg=1, reduce_dim=r,
+                num_col_blocks=c // block_n)
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
+                 GROUP=(1, 128, 32)[scheme], num_warps=8)
+    return _compile(grouped_gemm_wo_kernel, args, const, ())
+
+
+def dump(out: Path) -> int:
+    import triton
+    from wo_gemv_sass_cpu import _tool
+
+    out.mkdir(parents=True, exist_ok=True)
+    cases = bf16_cases() | {"wo_int8_up": lambda: wo_case(True, 4, 0), "wo_int4_down": lambda: wo_case(False, 6, 1),
+                            "wo_mxfp4_up": lambda: wo_case(True, 4, 2)}
+    print(f"triton {triton.__version__} -> {out}", flush=True)
+    for name, build in cases.items():
+        compiled = build()
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        (out / f"{name}.sass").write_text(sass)
+        print(f"{name}: {sass.count(chr(10))} lines, shared {compiled.metadata.shared} B", flush=True)
+    return 0
+
+
+def compare(before: Path, after: Path) -> int:
+    """1 when a kernel's code differs beyond parameter offsets (or is missing on one side)."""
+    changed = 0
+    for path in sorted(before.glob("*.sass")):
+        other = after / path.name
+        a = path.read_text().splitlines()
+        b = other.read_text().splitlines() if other.exists() else []
+        pairs = [(x, y) for x, y in zip(a, b) if x != y]
+        same_code = len(a) == len(b) and all(PARAM.sub("c", x) == PARAM.sub("c", y) for x, y in pairs)
+        shifts = sorted({int(p, 16) - int(q, 16) for x, y in pairs for p, q in zip(PARAM.findall(x),
+                                                                                  PARAM.findall(y))})
+        verdict = "identical" if not pairs and len(a) == len(b) else (
+            f"parameter offsets only (before - after: {shifts} bytes)" if same_code else "CODE DIFFERS")
+        changed += verdict == "CODE DIFFERS"
+        print(f"{path.stem:14s} {len(a)} / {len(b)} lines, {len(pairs)} differ: {verdict}")
+    return 1 if changed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dump", type=Path)
+    parser.add_argument("--compare", type=Path, nargs=2)
+    args = parser.parse_args()
+    return dump(args.dump) if args.dump else compare(*args.compare)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

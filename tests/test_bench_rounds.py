@@ -1,0 +1,194 @@
+"""The device checks' shared timing and run logic (``benchmarks/bench_rounds.py``, ``benchmarks/bench_run.py``)
+on the CPU: interleaved rounds and rotated rounds driven by a fake timer / fake measurements, the win counts
+against hand-counted rounds, the run log's lines, its watchdog in a child process, and the child-process cell
+loop with a stand-in cell script. Nothing here times anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_rounds as br  # noqa: E402
+import bench_run  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+class FakeGraph:
+    """Counts its replays and writes each one to a shared trace."""
+
+    def __init__(self, name: str, trace: list):
+        self.name, self.trace, self.replays = name, trace, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.trace.append(self.name)
+
+
+def scripted_timer(ms: list):
+    """A timer that runs what it times and returns the next of ``ms``."""
+    values = iter(ms)
+
+    def timer(run):
+        run()
+        return next(values)
+
+    return timer
+
+
+def test_interleaved_replays_each_graph_in_turn_and_scales_to_us_a_call():
+    trace: list = []
+    graphs = {"pick": FakeGraph("pick", trace), "wide": FakeGraph("wide", trace)}
+    ms = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # round 0: pick, wide; round 1: pick, wide; ...
+    got = br.interleaved(graphs, calls=4, dev=CPU, rounds=3, replays=5, timer=scripted_timer(ms))
+    # µs a call = ms x 1e3 / (replays x calls), each round's value its own
+    assert got == {"pick": [1e3 / 20, 3e3 / 20, 5e3 / 20], "wide": [2e3 / 20, 4e3 / 20, 6e3 / 20]}
+    assert trace == (["pick"] * 5 + ["wide"] * 5) * 3
+    assert graphs["pick"].replays == graphs["wide"].replays == 15
+
+
+def test_interleaved_stops_past_until_after_one_round(capsys):
+    graphs = {"a": FakeGraph("a", []), "b": FakeGraph("b", [])}
+    got = br.interleaved(graphs, 1, CPU, rounds=5, replays=1, until=0.0, timer=scripted_timer([1.0] * 10))
+    assert {k: len(v) for k, v in got.items()} == {"a": 1, "b": 1}  # the first round always runs
+    assert "deadline: 1 rounds" in capsys.readouterr().out
+
+
+def test_interleaved_off_the_gpu_without_a_timer_is_one_nan_each():
+    got = br.interleaved({"a": None, "b": None}, 3, CPU, rounds=5, replays=5)
+    assert list(got) == ["a", "b"] and all(len(v) == 1 and v[0] != v[0] for v in got.values())
+
+
+def test_rotated_rounds_starts_each_round_one_further_along():
+    order: list = []
+    lines: list = []
+
+    def measure(n):
+        order.append(n)
+        return float(len(order))
+
+    got = br.rotated_rounds("cell", ["a", "b", "c"], 3, measure, lambda r: False, lines.append)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert got == {"a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
+    assert lines[0] == "cell round 0: a 1.0, b 2.0, c 3.0"
+    plain: list = []
+    br.rotated_rounds("x", ["a", "b"], 2, lambda n: plain.append(n) or 1.0, lambda r: False, lambda m: None,
+                      rotate=False)
+    assert plain == ["a", "b", "a", "b"]
+
+
+def test_rotated_rounds_drops_a_failed_name_and_stops_when_told():
+    lines: list = []
+    calls: list = []
+
+    def measure(n):
+        calls.append(n)
+        return None if n == "bad" else 2.0
+
+    got = br.rotated_rounds("c", ["bad", "ok", "never"], 4, measure, lambda r: r >= 2, lines.append)
+    assert calls == ["bad", "ok", "never", "never", "ok"]  # round 1: one along what is left ("bad" dropped)
+    assert got == {"ok": [2.0, 2.0], "never": [2.0, 2.0]}  # "bad" measured nothing: left out
+    assert lines[-1] == "c: deadline, 2 rounds"
+    quiet: list = []
+    br.rotated_rounds("c", ["a"], 3, lambda n: 1.0, lambda r: r >= 1, quiet.append, say_stop=False)
+    assert quiet == ["c round 0: a 1.0"]
+
+
+def test_wins_faster_rounds_and_versus_against_hand_counts():
+    base = [100.0, 100.0, 100.0, 100.0, 100.0]
+    samples = [97.05, 97.1, 90.0, 120.0, 96.0]
+    assert br.wins(samples, base) == 2  # v <= 0.97 x 100: rounds 2, 4
+    assert br.wins(base, samples) == 1  # the base <= 0.97 x samples: round 3 only
+    assert br.faster_rounds(samples, base) == 3  # 100 / v >= 1.03: rounds 0 (1.0304), 2, 4; not 1 (1.0299)
+    assert br.versus(samples, base) == "x1.030 (>=3% in 3/5)"  # median 100 / median 97.1
+    assert br.medians({"a": [3.0, 1.0, 2.0], "b": [5.0]}) == {"a": 2.0, "b": 5.0}
+
+
+def test_eager_us_times_host_then_wall_each_round(monkeypatch):
+    events: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: events.append("sleep"))
+    calls = {"a": [lambda: events.append("a0"), lambda: events.append("a1")], "b": [lambda: events.append("b0")]}
+    got = br.eager_us(calls, rounds=2, n_calls=3)
+    one_round = ["sync", "sleep", "a0", "a1", "a0", "sync", "a0", "a1", "a0", "sync",
+                 "sync", "sleep", "b0", "b0", "b0", "sync", "b0", "b0", "b0", "sync"]
+    assert events == one_round * 2
+    assert set(got) == {"a", "b"} and all(host >= 0 and wall >= 0 for host, wall in got.values())
+
+
+def test_run_log_checks_logs_and_prints_the_table(capsys):
+    run = bench_run.RunLog("the title", stall_s=5.0)
+    assert run.check("x M=1 pick", True, "rel 1e-3") and not run.check("x M=1 wide", False)
+    run.log("hello")
+    run.summary.append("row 1")
+    run.print_table()
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["PASS  x M=1 pick  rel 1e-3", "FAIL  x M=1 wide  "]
+    assert out[2].endswith("s] hello") and out[2].startswith("[")
+    assert out[3:6] == ["", "the title", "row 1"] and out[6].startswith("FAILED: x M=1 wide; ")
+    assert run.failed == ["x M=1 wide"] and run.last[1] == "hello"
+
+
+def test_watchdog_prints_the_table_and_exits_when_nothing_is_logged():
+    code = f"""
+        import sys, time
+        sys.path.insert(0, {str(BENCHMARKS)!r})
+        import threading, bench_run
+        run = bench_run.RunLog("stalled table", stall_s=0.2)
+        run.summary.append("so far")
+        run.log("last words")
+        threading.Thread(target=run.watchdog, kwargs={{"poll_s": 0.05}}, daemon=True).start()
+        time.sleep(30)
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3
+    assert "STALLED 0 s after: last words" in done.stdout and "stalled table\nso far\nFAILED: none" in done.stdout
+
+
+CELL_SCRIPT = """
+import json, os, sys
+i, out = int(sys.argv[sys.argv.index("--cell") + 1]), sys.argv[sys.argv.index("--out") + 1]
+if i == 1:
+    sys.exit(2)  # a crash: no JSON
+with open(os.path.join(out, f"t-{i}.json"), "w") as f:
+    json.dump({"cells": [{"i": i, "flags": sys.argv[5:]}], "failed": ["cell 2 slow"] if i == 2 else []}, f)
+"""
+
+
+def test_cells_in_children_collects_each_cell_and_its_failures(tmp_path, capsys):
+    script = tmp_path / "cells.py"
+    script.write_text(CELL_SCRIPT)
+    run = bench_run.RunLog()
+    cells, skipped = bench_run.cells_in_children(str(script), ["c0", "c1", "c2"], str(tmp_path), "t", run, 600.0, 1.0,
+                                                 lambda left: ["--smoke"])
+    assert cells == [{"i": 0, "flags": ["--smoke"]}, {"i": 2, "flags": ["--smoke"]}] and skipped == []
+    assert run.failed == ["c1: child exit 2", "cell 2 slow"]
+    assert capsys.readouterr().out.count("-- cell ") == 3
+    late = bench_run.RunLog()
+    cells, skipped = bench_run.cells_in_children(str(script), ["c0", "c1"], str(tmp_path), "t", late, 5.0, 10.0,
+                                                 lambda left: [])
+    assert cells == [] and skipped == ["c0", "c1"] and late.failed == []
+
+
+def test_write_json_and_its_header(tmp_path):
+    pytest.importorskip("triton")
+    path = tmp_path / "sub" / "x.json"
+    bench_run.write_json(str(path), {**bench_run.run_info(), "cells": [1]})
+    got = json.loads(path.read_text())
+    assert list(got) == ["device", "torch", "triton", "cells"] and got["torch"] == torch.__version__
+
+
+def test_rel_l2_against_a_float64_reference():
+    out, ref = torch.tensor([1.0, 2.0, 2.0]), torch.tensor([1.0, 2.0, 3.0])
+    want = (((out.double() - ref.double()) ** 2).sum() / (ref.double() ** 2).sum()).sqrt().item()
+    assert bench_run.rel_l2(out, ref) == pytest.approx(want, rel=1e-6)
+    assert bench_run.rel_l2(torch.tensor([float("nan")]), ref[:1]) == float("inf")
