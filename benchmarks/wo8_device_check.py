@@ -6,7 +6,8 @@ GEMM's variants apart) against the session-27 kernel ("base"), the call that nam
 Gluon GEMMs on the same layout.
 
     PYTHONPATH=$PWD timeout 58 python3 benchmarks/wo8_device_check.py --out $OUT/wo8 --deadline 46   # H200, <= 60 s
-    PYTHONPATH=$PWD python3 benchmarks/wo8_device_check.py --smoke    # CPU: tiny shapes, the Gluon GEMMs faked
+    PYTHONPATH=$PWD timeout 44 python3 benchmarks/wo8_device_check.py --winners --out $OUT/wo8 --deadline 32  # CK2
+    PYTHONPATH=$PWD python3 benchmarks/wo8_device_check.py --smoke [--winners]   # CPU: tiny shapes, GEMMs faked
 
 Cells (``wo8_variants.CELLS``): Mixtral int8 / int4 / mxfp4 M = 1024, DeepSeek-V3 4096 (the three), Mixtral 4096,
 Qwen3 int8 / int4 4096 (skipped past the deadline). Compile workers run every call once per preset while this process
@@ -43,16 +44,19 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
+from bench_run import ceilings  # noqa: E402
 from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from wo8_exact import decode_mismatches  # noqa: E402
-from wo8_variants import CELLS, Gemms, Weights, options_of, pick_call, shape_of, timed_calls, wo_calls  # noqa: E402
+from wo8_variants import (  # noqa: E402
+    CELLS, WINNERS, Gemms, Weights, options_of, pick_call, shape_of, timed_calls, wo_calls,
+)
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
-from wol7_device_check import ceilings, graph_of  # noqa: E402
 
 from moekit.bench.cells import make_sets, measured_experts_touched  # noqa: E402
 from moekit.experts.triton_gluon_wo import experts_gluon_wo_twin  # noqa: E402
 
-SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 1e-2
+SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
 WATCHDOG_S = 8.0
 T0 = time.perf_counter()
 FAILED: list[str] = []
@@ -74,6 +78,7 @@ class Cell:
     errors: dict = dataclasses.field(default_factory=dict)  # "<scheme> <variant>" -> {"twin": rel-L2, "bit_equal"}
     exact: dict = dataclasses.field(default_factory=dict)  # "<scheme> <variant>" -> decode mismatches
     skipped: dict = dataclasses.field(default_factory=dict)  # timed name -> why
+    eager: dict = dataclasses.field(default_factory=dict)  # --winners: "<scheme> pick|prev call" -> [host, wall] µs
 
 
 def tasks_of(preset: str) -> list:
@@ -99,9 +104,9 @@ def worker_main(preset: str, todo: list) -> None:
             c0 = make_sets(s, CELLS[ci][1], 1, torch.bfloat16, dev)[0]
             gemms = Gemms(s, c0)
             calls = timed_calls(s, w, gemms) if what == "bf16" else wo_calls(s, w, gemms, what)
-            if "base" in names:  # the call that names no decode: its kernels too
-                calls.update(pick_call(w, what))
-                names = names + ["pick"]
+            if "base" in names:  # the call that names no decode (and --winners' prev): its kernels too
+                calls.update(pick_call(w, what, CELLS[ci][1]))
+                names = names + ["pick", "prev"]
             for key, (_, _, fn) in calls.items():
                 if what == "bf16" or key.split()[1] in names:
                     fn(c0)
@@ -136,8 +141,8 @@ def new_cell(preset: str, m: int, schemes: tuple, w: Weights, inputs, ceil: dict
     for sc in schemes:
         w13, w2 = (touched * packed_bytes(x) for x in w.wo(sc))
         for part, n in (("up", w13), ("down", w2), ("call", w13 + w2 + 2 * 2 * m * s.k)):
-            byte[f"{sc.split('_')[0]} {part}"] = n / (ceil["copy_tbps"] * 1e6)
-    return Cell(preset, m, {k: v / (ceil["mm_tflops"] * 1e6) for k, v in flops.items()}, byte)
+            byte[f"{sc.split('_')[0]} {part}"] = n / (ceil["copy_TBps"] * 1e6)
+    return Cell(preset, m, {k: v / (ceil["bf16_mm_TFLOPs"] * 1e6) for k, v in flops.items()}, byte)
 
 
 def check(cell: Cell, scheme: str, calls: dict, weights: tuple, c0, names) -> set:
@@ -163,21 +168,6 @@ def check(cell: Cell, scheme: str, calls: dict, weights: tuple, c0, names) -> se
     return passed
 
 
-def interleaved(graphs: dict, counts: dict) -> dict:
-    """name -> [µs a call, each round]: each graph replayed REPLAYS times a round, the graphs in turn."""
-    samples = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * counts[name]))
-    return samples
-
-
 def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
     preset, m, schemes = CELLS[ci]
     s = shape_of(preset)
@@ -199,16 +189,23 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
     for sc in schemes:
         calls = wo_calls(s, w, gemms, sc)
         if "base" in runs[sc]:
-            calls.update(pick_call(w, sc))
-        passed = check(cell, sc, calls, w.wo(sc), c0, runs[sc] + (["pick"] if "base" in runs[sc] else []))
+            calls.update(pick_call(w, sc, m))
+        passed = check(cell, sc, calls, w.wo(sc), c0, runs[sc] + [k.split()[1] for k in calls if "base" in runs[sc]
+                                                                  and k.split()[1] in ("pick", "prev")])
         timed.update({k: v for k, v in calls.items() if k.split()[1] in passed})
     if dev.type == "cuda":
         graphs = {}
         for k, (_, part, fn) in timed.items():  # whole calls over the rotated sets, GEMMs alone on the first's layout
-            fns = [lambda c=c, fn=fn: fn(c) for c in inputs] if part == "call" else [lambda fn=fn: fn(c0)]
+            fns = [lambda c=(c if part == "call" else c0), fn=fn: fn(c) for c in inputs]
             graphs[k] = graph_of(fns, dev)
-        cell.rounds = interleaved(graphs, {k: len(inputs) if timed[k][1] == "call" else 1 for k in graphs})
-        cell.times = {k: statistics.median(v) for k, v in cell.rounds.items()}
+        cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
+        cell.times = medians(cell.rounds)
+        if WINNERS:  # the default's plain launches against the decode it replaced, eager (host cost included)
+            pairs = {k: [lambda c=c, fn=timed[k][2]: fn(c) for c in inputs] for k in timed
+                     if k.split()[1] in ("pick", "prev")}
+            cell.eager = {k: list(v) for k, v in eager_us(pairs, 3, 6).items()}
+            print(f"  eager host / wall µs a call: " + "  ".join(f"{k} {h:.0f} / {w:.0f}"
+                                                               for k, (h, w) in cell.eager.items()), flush=True)
     print(f"[{elapsed():5.1f}s] {preset} M={m}: " + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
           flush=True)
     return cell
@@ -228,10 +225,10 @@ def rows(c: Cell) -> list[str]:
             if t is None:
                 cells.append(f"{part} -")
                 continue
-            won = sum(x <= WIN * b for x, b in zip(c.rounds[f"{key} {part}"], base))
+            won = wins(c.rounds[f"{key} {part}"], base)
             cells.append(f"{part} {t:8.1f} {t / ref if ref else float('nan'):5.2f}x ({won}/{ROUNDS})")
         call, pick = c.times.get(f"{key} call"), c.rounds.get(f"{tag} pick call", ())
-        vs_pick = sum(x <= WIN * p for x, p in zip(c.rounds.get(f"{key} call", ()), pick))
+        vs_pick = wins(c.rounds.get(f"{key} call", ()), pick)
         pct = (f"  {100 * c.flop_us['call'] / call:3.0f}% mm {100 * c.byte_us[f'{tag} call'] / call:3.0f}% byte"
                f"  vs pick {vs_pick}/{ROUNDS}" if call else "")
         out.append(f"    {key:<18}" + "  ".join(cells) + pct)
@@ -252,7 +249,7 @@ def dump(cells: list, ceil: dict) -> None:
 
 
 def table(cells: list, ceil: dict) -> None:
-    print(f"\ngraph µs (median of {ROUNDS} rounds), copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
+    print(f"\ngraph µs (median of {ROUNDS} rounds), copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
           f"TFLOP/s; x = / bf16's same part; (n/{ROUNDS}): rounds <= {WIN} x the base (vs pick: x the call that names "
           "no decode); target: call <= 1.11x bf16")
     for c in cells:
@@ -280,7 +277,7 @@ def main() -> int:
         ARGS.deadline = float("inf")
     procs = {} if SMOKE else start_workers()
     ceil = ceilings(dev)
-    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
+    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
           "TFLOP/s", flush=True)
     cells, held, status = [], {}, {}
     if not SMOKE:
@@ -312,6 +309,7 @@ if __name__ == "__main__":
     else:
         parser = argparse.ArgumentParser()
         parser.add_argument("--smoke", action="store_true")
+        parser.add_argument("--winners", action="store_true", help="the taken variants' calls only (wo8_variants)")
         parser.add_argument("--deadline", type=float, default=ARGS.deadline, help="no cell starts past it (s)")
         parser.add_argument("--out", default=ARGS.out, help="folder for wo8.json (default $OUT)")
         ARGS = parser.parse_args()

@@ -4,6 +4,7 @@ the bf16 Gluon GEMMs at the same layout. ``SMOKE`` (set by the check before impo
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -14,20 +15,31 @@ from moekit.experts.triton_gluon import gluon_layout
 from moekit.experts.triton_gluon_launch import UP_TILE, down_tile, launch_gemm
 from moekit.experts.triton_gluon_wo import GluonWoGemms, GluonWoOptions, launch_gemm_wo, run_experts_wo_gluon
 from moekit.experts.triton_wo import WoWeight, run_experts_wo, weight_args
+from moekit.experts.triton_wo_plan import choose_decode
 from wo_device_check import quantized
 
 SMOKE = "--smoke" in sys.argv
+if "--winners" in sys.argv:  # (the compile workers, started without it, inherit the environment)
+    os.environ["WO8_WINNERS"] = "1"
+WINNERS = os.environ.get("WO8_WINNERS") == "1"
 # (preset, M, schemes): issue #16 target 3's cells the brief names (int4: group 128 with zero points)
 CELLS = (("mixtral-8x7b", 1024, ("int8_w8a16", "int4_w4a16", "mxfp4")),
          ("deepseek-v3", 4096, ("int8_w8a16", "int4_w4a16", "mxfp4")),
          ("mixtral-8x7b", 4096, ("int8_w8a16", "int4_w4a16", "mxfp4")),
          ("qwen3-30b-a3b", 4096, ("int8_w8a16", "int4_w4a16")))
+# --winners (CK2): the variants checkpoint 1c took as defaults, their whole calls only, against the base, the call
+# that names no decode (now the default) and the decode the chooser took before ("prev")
+WINNING = {("mixtral-8x7b", 1024): {"int4_w4a16": "split+fast", "mxfp4": "split+fast"},
+           ("deepseek-v3", 4096): {"int8_w8a16": "base|slots3", "int4_w4a16": "fast", "mxfp4": "fast"}}
+if WINNERS:
+    CELLS = tuple((p, m, tuple(WINNING[(p, m)])) for p, m, _ in CELLS if (p, m) in WINNING)
 _V = GluonWoOptions
 # name -> each GEMM's variant; "UP|DOWN": the gate-up GEMM's and the down GEMM's differ (whole calls only)
 OPTIONS = {name: GluonWoGemms(o, o) for name, o in (
     ("base", _V()), ("split", _V(split=True)), ("slots3", _V(slots=3)), ("fast", _V(fast=True)),
     ("split+fast", _V(split=True, fast=True)), ("fast+slots3", _V(fast=True, slots=3)))}
-OPTIONS.update({"base|slots3": GluonWoGemms(_V(), _V(slots=3)), "split|slots3": GluonWoGemms(_V(split=True), _V(slots=3)),
+OPTIONS.update({"base|slots3": GluonWoGemms(_V(), _V(slots=3)),
+                "split|slots3": GluonWoGemms(_V(split=True), _V(slots=3)),
                 "split+fast|fast+slots3": GluonWoGemms(_V(split=True, fast=True), _V(fast=True, slots=3)),
                 "fast|fast+slots3": GluonWoGemms(_V(fast=True), _V(fast=True, slots=3))})
 INT8 = ("base", "split", "slots3", "base|slots3", "split|slots3")  # int8's decode has no FAST form
@@ -41,14 +53,17 @@ def shape_of(preset: str) -> Shape:
 
 def options_of(scheme: str) -> dict:
     """The variants a scheme runs: int8's decode has no FAST form (its conversion is already 2 instructions a weight:
-    ``benchmarks/wo8_compile_cpu.py``); the 4-bit schemes' third slot only with FAST."""
+    ``benchmarks/wo8_compile_cpu.py``); the 4-bit schemes' third slot only with FAST. --winners: the base and the
+    variants WINNING names for the scheme."""
+    if WINNERS:
+        return {k: OPTIONS[k] for k in dict.fromkeys(["base"] + [w[scheme] for w in WINNING.values() if scheme in w])}
     return {k: OPTIONS[k] for k in (INT8 if scheme == "int8_w8a16" else PACKED)}
 
 
 def parts_of(name: str) -> tuple:
-    """A variant's timed parts: each GEMM alone and the call; a mixed one ("UP|DOWN") the call (its GEMMs are
-    timed as the plain variants')."""
-    return ("call",) if "|" in name else PARTS
+    """A variant's timed parts: each GEMM alone and the call; a mixed one ("UP|DOWN") and every one with --winners
+    the call (a mixed one's GEMMs are timed as the plain variants')."""
+    return ("call",) if "|" in name or WINNERS else PARTS
 
 
 class Weights:
@@ -117,7 +132,7 @@ def timed_calls(s: Shape, w: Weights, gemms: Gemms | None) -> dict:
     """name -> (scheme or None, part, fn(inputs)): bf16 (moekit's default bf16 call; its Gluon GEMMs alone), then
     per scheme each variant's GEMMs alone and whole call. ``gemms`` None: the whole calls only (compiling)."""
     out = {}
-    for part in PARTS:
+    for part in parts_of("bf16"):
         if part == "call":
             out["bf16 call"] = (None, part, lambda c: experts_triton(c.x, *w.bf16(), c.topk_ids, c.topk_weights))
         elif gemms is not None:
@@ -125,12 +140,19 @@ def timed_calls(s: Shape, w: Weights, gemms: Gemms | None) -> dict:
     return out
 
 
-def pick_call(w: Weights, scheme: str) -> dict:
+def pick_call(w: Weights, scheme: str, m: int) -> dict:
     """"<scheme> pick call": the call that names no decode (the chooser's pick, or this path where GLUON_WO_CELLS
-    takes it), on the weights as ``run_experts_wo`` takes them."""
+    takes it), on the weights as ``run_experts_wo`` takes them; --winners also "<scheme> prev call", the decode the
+    chooser names (``choose_decode``, without this path)."""
+    s, tag = w.s, scheme.split("_")[0]
     args = tuple(weight_args(x.q, x.scale, x.zero, x.group_size) for x in w.wo(scheme))
-    return {f"{scheme.split('_')[0]} pick call": (scheme, "call", lambda c: run_experts_wo(
-        c.x, *args, c.topk_ids, c.topk_weights, None, scheme))}
+    out = {f"{tag} pick call": (scheme, "call", lambda c: run_experts_wo(c.x, *args, c.topk_ids, c.topk_weights, None,
+                                                                        scheme))}
+    if WINNERS:
+        prev = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
+        out[f"{tag} prev call"] = (scheme, "call", lambda c: run_experts_wo(
+            c.x, *args, c.topk_ids, c.topk_weights, None, scheme, decode=prev))
+    return out
 
 
 def wo_calls(s: Shape, w: Weights, gemms: Gemms | None, scheme: str) -> dict:

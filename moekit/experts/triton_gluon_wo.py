@@ -7,7 +7,8 @@ ahead of the wgmma).
       int4 / mxfp4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over k slots]
 
 ``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
-``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS); ``gluon_wo_unfit`` says why a call cannot take it.
+``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS), each GEMM in the variant measured for its shape
+(GLUON_WO_OPTIONS: ``GluonWoOptions`` split / fast / slots); ``gluon_wo_unfit`` says why a call cannot take it.
 ``experts_gluon_wo_twin`` is its arithmetic in torch (the oracle of the tests and the device check).
 
 Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of the permuted buffer.
@@ -74,13 +75,32 @@ GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     ("int8_w8a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 8972 / tile 12783 / 7353
     ("int4_w4a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565)
     ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
+    # session 28 (wo8_device_check.py, checkpoint 1c at f83b663, graph µs: this path with GLUON_WO_OPTIONS' variant /
+    # the pick / bf16; 5 of 5 rounds >= 3% faster than the pick): the 4-bit Mixtral cells at M = 1024 (GPU time
+    # 2.3 ms a call, over the ~1 ms its plain launches cost the host)
+    ("int4_w4a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 2320 / scratch 2586 / 1349
+    ("mxfp4", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 2273 / scratch 2547 / 1349
 }
 
 
 # (scheme, E, N, K) -> the GEMMs' variant a call of that shape takes when it names none (``wo_options``): where the
 # H200 measured it >= 3% faster than the session-27 kernel in 5 of 5 rounds, every output PASS against the twin
-# (benchmarks/wo8_device_check.py); other shapes take GluonWoOptions() (the session-27 kernel).
-GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], GluonWoGemms] = {}
+# (benchmarks/wo8_device_check.py, session 28 checkpoint 1c at f83b663, graph µs of the whole call: the variant / the
+# session-27 kernel / bf16; the best median taken, the simplest where two were within 1%); other shapes take
+# GluonWoGemms() (the session-27 kernel).
+_FAST = GluonWoOptions(fast=True)
+GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], GluonWoGemms] = {
+    # DeepSeek-V3 M=4096: 9369 / 10408 / 8078 (its third slot: down GEMM alone 3035 / 3696; on the gate-up GEMM,
+    # whose ring then holds 3 stages, 9456 / 7829: lost)
+    ("int8_w8a16", 256, 2048, 7168): GluonWoGemms(GluonWoOptions(), GluonWoOptions(slots=3)),
+    ("int4_w4a16", 256, 2048, 7168): GluonWoGemms(_FAST, _FAST),  # DeepSeek-V3 M=4096: 11012 / 12078 / 8078
+    ("mxfp4", 256, 2048, 7168): GluonWoGemms(_FAST, _FAST),  # 10356 / 11974 (split+fast|fast+slots3 10263)
+    # Mixtral M=1024: 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314)
+    ("int4_w4a16", 8, 14336, 4096): GluonWoGemms(GluonWoOptions(split=True, fast=True),
+                                                 GluonWoOptions(split=True, fast=True)),
+    ("mxfp4", 8, 14336, 4096): GluonWoGemms(GluonWoOptions(split=True, fast=True),
+                                            GluonWoOptions(split=True, fast=True)),
+}
 
 
 def wo_options(w13, w2, scheme: str) -> GluonWoGemms:
