@@ -91,7 +91,8 @@ GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
 _FAST = GluonWoOptions(fast=True)
 GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], GluonWoGemms] = {
     # DeepSeek-V3 M=4096: 9369 / 10408 / 8078 (its third slot: down GEMM alone 3035 / 3696; on the gate-up GEMM,
-    # whose ring then holds 3 stages, 9456 / 7829: lost)
+    # whose ring then holds 3 stages, 9456 / 7829: lost); against the pick of the base's kernels, timed after a call
+    # as it was, 9369 / 9806 (4/5): the notes' order bias, CK2 re-times it
     ("int8_w8a16", 256, 2048, 7168): GluonWoGemms(GluonWoOptions(), GluonWoOptions(slots=3)),
     ("int4_w4a16", 256, 2048, 7168): GluonWoGemms(_FAST, _FAST),  # DeepSeek-V3 M=4096: 11012 / 12078 / 8078
     ("mxfp4", 256, 2048, 7168): GluonWoGemms(_FAST, _FAST),  # 10356 / 11974 (split+fast|fast+slots3 10263)
