@@ -34,9 +34,9 @@ class Variant:
 
 def route_tiles(m: int, top_k: int, num_experts: int, inter: int) -> tuple:
     """(gate-up, down) GluonTile of the route's Gluon plan at this call (the down GEMM's tail where it folds)."""
-    from moekit.experts.triton_gluon_launch import UP_TILE, down_tile, wants_tail
+    from moekit.experts.triton_gluon_launch import down_tile, up_tile, wants_tail
 
-    return UP_TILE, down_tile(inter, wants_tail(m, top_k, num_experts, inter))
+    return up_tile(m, top_k, num_experts, inter), down_tile(inter, wants_tail(m, top_k, num_experts, inter))
 
 
 def gluon_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:

@@ -2,14 +2,16 @@
 compiled on a machine without a GPU: SASS instructions a weight per thread (the loop body x 32 x warps over the
 weights a step), registers, spills, shared memory, the programs an SM can hold (occupancy from the registers, the
 shared memory and the warps; an H200 SM: 64K registers, 227 KB shared, 64 warps, 32 programs), and the opcodes that
-tell where the operands travel (HMMA: the dots; LDGSTS: cp.async stages; STS / LDS / LDSM / BAR: shared memory).
+tell where the operands travel (HMMA: the dots; LDGSTS: cp.async stages; STS / LDS / LDSM / BAR: shared memory;
+LDL / STL: spills).
 
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py            # the candidate tiles, both schemes
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --quick    # the heuristic's tiles (the test's compile check)
     PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/wo_mma_sass_cpu.py --pairs 1   # another Triton, order
+    PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --block-k 256 --tiles 32:1:3 64:2:2   # 32-word steps
 
 The compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the launch's
-``tt.divisibility`` hints). Weights a loop step: BN x 128 (x 2 for gate-up).
+``tt.divisibility`` hints). Weights a loop step: BN x BLOCK_K (x 2 for gate-up).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
-          pairs: int | None = None) -> MmaCount:
+          pairs: int | None = None, block_k: int = 128) -> MmaCount:
     from moekit.experts._kernels import gemm_wo_mma
     from moekit.experts.triton_wo_mma import operand_pairs
 
@@ -58,12 +60,12 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     pointers = {n: "*bf16" for n in ("x_ptr", "h_ptr", "y_ptr", "weights_ptr", "out_ptr")}
     pointers |= {n: "*i32" for n in ("ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr",
                                       "map_ptr")}
-    pointers |= {"q_ptr": "*u8", "s_ptr": "*fp32" if scheme == 1 else "*u8", "z_ptr": "*u8"}
-    group = 128 if scheme == 1 else 32
-    const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPAN=min(128, group), GROUP=group, GROUP_M=1,
+    pointers |= {"q_ptr": "*u8", "s_ptr": "*u8" if scheme == 2 else "*fp32", "z_ptr": "*u8"}
+    group = {0: block_k, 1: 128, 2: 32}[scheme]
+    const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
-                 PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2,
+                 PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2, PER=4 if scheme == 0 else 8,
                  stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: constants at launch
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,14 +75,14 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
     loop = _main_loop(sass)
-    weights = block_n * 128 * (1 if down else 2)
+    weights = block_n * block_k * (1 if down else 2)
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(out.metadata.shared)
-    name = (f"mma {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x128 "
+    name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {'down' if down else 'gate-up'} {block_n}x{block_k} "
             f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
-                                             "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
+                                             "LDL", "STL", "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
     return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
                     int(re.search(r"STACK:(\d+)", usage).group(1)), shared,
                     programs_per_sm(registers, shared, num_warps), top)
@@ -90,19 +92,26 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (4 kernels)")
+    p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (6 kernels: int8, int4, mxfp4)")
     p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
                    "``triton_wo_mma.operand_pairs``)")
+    p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256),
+                   help="the steps' columns (BLOCK_K: 64 or 128 bytes of a 4-bit row a step, 128 or 256 of int8)")
+    p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
+    p.add_argument("--schemes", type=int, nargs="+", default=[1, 2], choices=(0, 1, 2), help="0 int8, 1 int4, 2 mxfp4")
     args = p.parse_args(argv)
-    if args.quick:  # (scheme, BN, down, warps, stages)
-        jobs = [(s, 32, d, 1, 3) for s in (1, 2) for d in (False, True)]
+    if args.tiles:
+        tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
+        jobs = [(s, bn, d, w, st) for s in args.schemes for d in (False, True) for bn, w, st in tiles]
+    elif args.quick:  # (scheme, BN, down, warps, stages)
+        jobs = [(s, 32, d, 1, 3) for s in (0, 1, 2) for d in (False, True)]
     else:
         jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w in ((16, 1), (32, 1), (64, 2),
                                                                                       (128, 4)) for st in (3, 4)]
     failed = 0
-    for job in jobs:
+    for job, job_k in [(job, bk) for bk in args.block_k for job in jobs]:
         try:
-            c = count(*job, pairs=args.pairs)
+            c = count(*job, pairs=args.pairs, block_k=job_k)
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

@@ -145,6 +145,42 @@ def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, 
         c[rows] = (a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T).to(c.dtype)
 
 
+def _blk256_live(ex: list[int], sorted_ptr, block: int, nrb: int, num_assignments: int) -> int:
+    """64-row sub-tiles from block's first row on, at most four, inside its expert's blocks and before its padding."""
+    live = 0
+    while live < 4:
+        row = block * BLOCK + live * 64
+        if row // BLOCK >= nrb or ex[row // BLOCK] != ex[block] or int(sorted_ptr[row]) >= num_assignments:
+            break
+        live += 1
+    return live
+
+
+def blk256_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr, num_assignments, num_col_blocks, W_ROWS,
+                GATE_OFFSET, GATED, **_):
+    """The 256-row GEMM: a tile starts at each even block counted from its expert's first and covers that expert's
+    64-row sub-tiles from there (at most four) up to its first padding row; column block by column block (cb * C
+    columns, C = the output block's; gated: gate rows cb * C.., up rows GATE_OFFSET + cb * C..)."""
+    a, w, c = a_desc.base, w_desc.base, c_desc.base
+    sub, cols = c_desc.block_shape
+    assert a_desc.block_shape[0] == sub == 64 and w_desc.block_shape[0] == cols
+    nrb, ex = int(used_ptr[0]) // BLOCK, [int(e) for e in experts_ptr]
+    for block in range(nrb):
+        first = block
+        while first > 0 and ex[first - 1] == ex[block]:
+            first -= 1
+        if (block - first) % 2:
+            continue
+        rows = slice(block * BLOCK, block * BLOCK + sub * _blk256_live(ex, sorted_ptr, block, nrb, num_assignments))
+        for cb in range(num_col_blocks):
+            w0 = ex[block] * W_ROWS + cb * cols
+            product = a[rows].float() @ w[w0:w0 + cols].float().T  # [live * 64, C]
+            if GATED:
+                up = w[w0 + GATE_OFFSET:w0 + GATE_OFFSET + cols].float()
+                product = torch.nn.functional.silu(product) * (a[rows].float() @ up.T)
+            c[rows, cb * cols:(cb + 1) * cols] = product.to(c.dtype)
+
+
 class FakeKernel:
     """``kernel[grid](*args, **kwargs)`` -> ``body`` on the arguments bound to ``real``'s parameters."""
 
@@ -171,8 +207,9 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail", "wo": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in
-    its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8 weight-only GEMM)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo", "blk256": FakeKernel} (the gather: the bf16 gate-up GEMM with the
+    gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8
+    weight-only GEMM; blk256: the bf16 GEMMs on 256-row tiles)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -182,7 +219,8 @@ def install_fakes(setattr_=setattr) -> dict:
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
                                      ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
-                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm)):
+                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm),
+                                     ("blk256", "gluon_gemm_blk256", "blk256_gemm_kernel", blk256_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

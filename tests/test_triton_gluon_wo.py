@@ -160,6 +160,7 @@ def test_measured_cells_start_where_the_cheap_test_looks():
 def test_a_measured_cell_takes_the_path_without_a_decode(fake_gemms, monkeypatch, scheme):
     import moekit.experts.triton_gluon_wo as tgw
     import moekit.experts.triton_wo as two
+    from moekit.experts.triton_gluon_wo_lean import WoLeanPlan
 
     w13, w2 = _weights(scheme)
     x, ids, weights = _call(600)
@@ -167,7 +168,9 @@ def test_a_measured_cell_takes_the_path_without_a_decode(fake_gemms, monkeypatch
     monkeypatch.setattr(tgw, "GLUON_WO_CELLS", {(scheme, E, N, K): (600, 601)})
     out = run_experts_wo(x, a13, a2, ids, weights, None, scheme)
     assert len(fake_gemms["wo"].log) == 2 and _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
-    assert two.wo_lean_inputs(x, w13, w2, ids, weights, "silu", two.LaunchOptions()) is None  # calls stay plain
+    plan = two.wo_lean_inputs(x, w13, w2, ids, weights, "silu", two.LaunchOptions())[0]  # kept: its lean launch's
+    named = dict(zip(plan.up._named, plan.up.tail[len(plan.up.tail) - len(plan.up._named):]))  # the constexprs
+    assert isinstance(plan, WoLeanPlan) and named["SCHEME"] == {"int8_w8a16": 0, "int4_w4a16": 1}[scheme]
     run_experts_wo(x[:599], a13, a2, ids[:599], weights[:599], None, scheme)  # below the range: the chooser's decode
     assert len(fake_gemms["wo"].log) == 2
     x2, ids2, _ = _call(601)
@@ -209,10 +212,11 @@ def test_a_measured_shape_takes_its_variant(fake_gemms, monkeypatch):
     w13, w2 = _weights("int4_w4a16")
     x, ids, weights = _call(40)
     measured = tgw.GluonWoGemms(tgw.GluonWoOptions(split=True), tgw.GluonWoOptions(fast=True, slots=3))
-    monkeypatch.setattr(tgw, "GLUON_WO_OPTIONS", {("int4_w4a16", E, N, K): measured})
+    monkeypatch.setattr(tgw, "GLUON_WO_OPTIONS", {("int4_w4a16", E, N, K): tgw.MeasuredGemms(40, 80, measured)})
     run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16")
     run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16", options=tgw.GluonWoOptions())  # named: taken
+    run_experts_wo_gluon(x[:39], w13, w2, ids[:39], weights[:39], None, "int4_w4a16")  # below the measured M
     assert [(b["SPLIT"], b["FAST"], b["SLOTS"]) for _, b, _ in fake_gemms["wo"].log] == [
-        (True, False, 2), (False, True, 3), (False, False, 2), (False, False, 2)]  # gate-up, down; gate-up, down
+        (True, False, 2), (False, True, 3)] + [(False, False, 2)] * 4  # gate-up, down; then the session-27 kernel
     with pytest.raises(ValueError, match="slots=4"):
         tgw.GluonWoOptions(slots=4)

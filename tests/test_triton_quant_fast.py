@@ -289,7 +289,7 @@ def test_batched_hit_hands_the_call_addresses_to_its_one_c_call(interpreter, cou
     assert args[5] is out and out.shape == x.shape and out.dtype == x.dtype
 
 
-@pytest.mark.parametrize("scheme,options", [("int4_w4a16", dict(group_size=128)), ("mxfp4", {})])
+@pytest.mark.parametrize("scheme,options", [("int4_w4a16", dict(group_size=128)), ("mxfp4", {}), ("int8_w8a16", {})])
 def test_mma_decode_served_equal_to_plain_path(interpreter, counts, monkeypatch, scheme, options):
     # a measured entry for this tiny shape picking the word MMA decode (as Mixtral int4 M=8's): its kept calls (the
     # gate-up's split_words argument, SCALE_WORD / PAIRS constexprs) served bit-equal to the plain path

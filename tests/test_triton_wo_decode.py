@@ -124,8 +124,11 @@ def test_chooser_picks_what_the_h200_measured_faster():
             if winner(scheme, e, n, k, m) is not None:  # a later run's row decides there (test_triton_wo_mid.py)
                 continue
             assert choose_decode(scheme, m, e, n, k, top_k) == min(times, key=times.get), (e, n, k, scheme, m)
-    # int8: both decodes run the same whole-tile dot; the tile decode everywhere
-    assert {choose_decode("int8_w8a16", m, 256, 2048, 7168, 8) for m in (1, 8, 64, 1024)} == {"tile"}
+    # int8: the tile and register decodes run the same whole-tile dot: the tile decode, but DeepSeek-V3 and Mixtral at
+    # M <= 2 on the mma decode (session 28; ``test_triton_wo_mma``)
+    assert {choose_decode("int8_w8a16", m, 256, 2048, 7168, 8) for m in (8, 16, 64, 1024)} == {"tile"}
+    assert {choose_decode("int8_w8a16", m, 8, 14336, 4096, 2) for m in (8, 64)} == {"tile"}
+    assert {choose_decode("int8_w8a16", m, 128, 768, 2048, 8) for m in (1, 8, 64)} == {"tile"}
 
 
 def test_a_measured_shape_takes_its_nearest_m_in_the_same_tile_height(monkeypatch):

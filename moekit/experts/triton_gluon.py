@@ -20,8 +20,8 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_gemm, launch_gather_rows,
-    launch_gemm, plan_gluon, wants_loader_gather, wants_tail,
+    BLOCK_M, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_gemm, launch_gather_rows, launch_gemm,
+    plan_gluon, up_tile, wants_loader_gather, wants_tail,
 )
 from moekit.experts.triton_gluon_lean import run_fast_gluon  # a module import, not one per repeated call
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
@@ -170,12 +170,14 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     if lean:
         from moekit.experts.triton_gluon_lean import run_lean
 
-        tail = wants_tail(x.shape[0], topk_ids.shape[1], num_experts, inter)  # the down GEMM folds tails
-        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter, tail),
-                        fast_key=fast_key)
+        m, top_k = topk_ids.shape
+        tail = wants_tail(m, top_k, num_experts, inter)  # the down GEMM folds tails
+        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, up_tile(m, top_k, num_experts, inter),
+                        down_tile(inter, tail), fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     w13_2d = w13.view(num_experts * 2 * inter, hidden)
-    in_loader = wants_loader_gather(x, inter)  # the gate-up GEMM reads x's rows itself and writes dst
+    # the gate-up GEMM reads x's rows itself and writes dst (not on 256-row tiles: they read x_perm by TMA)
+    in_loader = not plan.up.blk256 and wants_loader_gather(x, inter)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map, in_loader=in_loader)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read

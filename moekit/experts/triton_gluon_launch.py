@@ -38,14 +38,19 @@ class GluonTile:
     SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64; 0: off, the
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
-    (``triton_gluon_tail``, the padding tax). (64-row tiles and one consumer warpgroup: measured at the ridge in
-    sessions 18 and 20, no win; removed.)"""
+    (``triton_gluon_tail``, the padding tax). ``blk256``: a tile covers up to 256 rows of one expert (two row
+    blocks), its 64-row sub-tiles past the expert's real rows skipped; the weight stage's ``block_n`` = 128 rows are
+    64 gate + 64 up rows on the gate-up GEMM (``triton_gluon_blk256``); with ``spread`` a 256-row tile with at most
+    two live sub-tiles runs one on each consumer warpgroup (m64 each), not both on the first (m128). (64-row tiles
+    and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
     tail: int = 0
+    blk256: bool = False
+    spread: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -54,15 +59,24 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
+        if (self.blk256 and (self.block_n != 128 or self.tail)) or (self.spread and not self.blk256):
+            raise ValueError(f"blk256={self.blk256} with block_n={self.block_n} (128), tail={self.tail} (none); "
+                             f"spread={self.spread} (blk256 only)")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
-        tiles (the tail's too)."""
+        tiles (the tail's too); blk256: stages x (256 + 128 rows) + two [128, 64 or 128] output buffers."""
+        if self.blk256:
+            out = 2 * BLOCK_M * (self.block_n // 2 if gated else self.block_n)
+            return element_size * (self.stages * (2 * BLOCK_M + self.block_n) * self.block_k + out)
         stage = (BLOCK_M + self.tail + (2 if gated else 1) * self.block_n) * self.block_k
         return element_size * (self.stages * stage + (BLOCK_M + self.tail) * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles)."""
+        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles; blk256: one
+        [128, 128] a 4-warp consumer)."""
+        if self.blk256:
+            return BLOCK_M * self.block_n // (32 * 4)
         return (2 if gated else 1) * (BLOCK_M + self.tail) * self.block_n // (32 * NUM_WARPS)
 
 
@@ -98,6 +112,11 @@ DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6)  # 6 x 32 KB ring + 32 
 # with it (H200, benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run2.json's tile variants).
 NARROW_INTER = 1024
 NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
+# 256-row tiles (``GluonTile.blk256``): one row block's column blocks in turn (its A sub-tiles shared in L2 by the
+# programs running them, each expert's weight rows read in order). The down one is an option no default takes
+# (3 stages: 1.5-2x slower alone than DOWN_TILE at every cell of session 28's CK1)
+BLK256_UP_TILE = GluonTile(block_n=128, block_k=64, stages=4, group_m=1, blk256=True)  # 4 x 48 KB + 2 x 16 KB out
+BLK256_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=3, group_m=1, blk256=True)  # 3 x 48 KB + 2 x 32 KB
 
 
 # The padding tax (issue 19): the route's down GEMM folds an expert's mostly empty last 128-row block into the tiles
@@ -116,13 +135,33 @@ def wants_tail(num_tokens: int, top_k: int, num_experts: int, inter: int) -> boo
     return inter > NARROW_INTER and TAIL_PER_EXPERT[0] <= per_expert <= TAIL_PER_EXPERT[1]
 
 
+# The gate-up GEMM on 256-row tiles where M*k/E lies in BLK256_UP_PER_EXPERT for experts at least BLK256_UP_MIN_INTER
+# wide: an expert ending 1-40 rows past a 128-row block no longer streams its weight tiles twice. H200 CK1 of session
+# 28 (raw/NVIDIA_H200-2026-12-04-c12ba1e-blk256-ck1.log, graph replay, 5 interleaved rounds): Mixtral M = 512 (128
+# an expert) the lean launch with it 894.8 us against the route's 940.5 (1.051x, >= 3% in 5 of 5), its gate-up alone
+# 579 against 631 us; slower where experts hold ~256 rows or are narrow: Mixtral 1024 0.926x, Qwen3 4096 0.82x
+# (against the route's in-loader gather); DeepSeek-V3 4096 (N = 2048, 128 an expert) 0.956x, gate-up alone 5339
+# against 4670 us under uniform routing (4139 against 4442 balanced)
+BLK256_UP_PER_EXPERT = (112, 160)
+BLK256_UP_MIN_INTER = 8192
+
+
+def up_tile(num_tokens: int, top_k: int, num_experts: int, inter: int) -> GluonTile:
+    """The route's gate-up tile: ``BLK256_UP_TILE`` where M*k/E lies in ``BLK256_UP_PER_EXPERT`` and the experts
+    are at least ``BLK256_UP_MIN_INTER`` wide, else ``UP_TILE``."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    wide = inter >= BLK256_UP_MIN_INTER and BLK256_UP_PER_EXPERT[0] <= per_expert <= BLK256_UP_PER_EXPERT[1]
+    return BLK256_UP_TILE if wide else UP_TILE
+
+
 def plan_gluon(num_tokens: int, top_k: int, num_experts: int, inter: int) -> GluonPlan:
     """The plan of a call (``inter``: N); its rows hold any routing of the M*k assignments
-    (``max_padded_rows``); the down tile with the tail where ``wants_tail``."""
+    (``max_padded_rows``); the gate-up tile ``up_tile``'s, the down tile with the tail where ``wants_tail``."""
     from moekit.layouts.grouping import max_padded_rows
 
     rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
-    return GluonPlan(rows=rows, up=UP_TILE, down=down_tile(inter, wants_tail(num_tokens, top_k, num_experts, inter)))
+    return GluonPlan(rows=rows, up=up_tile(num_tokens, top_k, num_experts, inter),
+                     down=down_tile(inter, wants_tail(num_tokens, top_k, num_experts, inter)))
 
 
 def down_tile(inter: int, tail: bool = False) -> GluonTile:
@@ -207,7 +246,16 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
                 sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of BLOCK_M, <= T). A tile with a ``tail`` reads the layout's sorted_ids [T] (>= num_assignments: padding)."""
+    of BLOCK_M, <= T). A tile with a ``tail`` or ``blk256`` reads the layout's sorted_ids [T] (>= num_assignments:
+    padding)."""
+    if tile.blk256:
+        from moekit.experts.triton_gluon_blk256 import launch_blk256_gemm
+
+        if sorted_ids is None:
+            raise ValueError(f"tile={tile}: blk256 reads the layout's sorted_ids; none given")
+        launch_blk256_gemm(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, gated, w_rows,
+                           gate_offset)
+        return
     if tile.tail:
         from moekit.experts.triton_gluon_tail import launch_tail_down
 

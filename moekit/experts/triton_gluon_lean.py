@@ -1,4 +1,5 @@
-"""The lean eager launch of the Gluon paths (bf16 ``triton_gluon``, fp8 ``triton_gluon_fp8``): what their plain
+"""The lean eager launch of the Gluon paths (bf16 ``triton_gluon``, fp8 ``triton_gluon_fp8``; the weight-only one,
+``triton_gluon_wo_lean``, shares this module's plans, pool, descriptors and sequences): what their plain
 launch decides on every call (the alignment through its custom op and ``kernel[grid](...)``, fresh buffers, six
 TMA descriptors, every launch through Triton's binder) decided once and reused, with the Triton path's machinery.
 
@@ -35,6 +36,8 @@ from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
+from moekit.experts.triton_gluon_blk256 import CONSUMER_REGS, CONSUMER_WARPS, SUB_M, out_cols, search_steps
+from moekit.experts.triton_gluon_blk256 import MAX_REGISTERS as BLK256_REGISTERS
 from moekit.experts.triton_gluon_launch import (
     BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, SUM_TILE, gluon_descriptor, loader_gather_fits,
     num_sms, wants_loader_gather,
@@ -79,13 +82,14 @@ class GluonLeanPlan:
     # down tile's tail's (None without one: ``GluonTile.tail``)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
-    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded; with the gather in
-    # its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
+    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded (bf16 on 256-row tiles:
+    # then sorted_ids); with the gather in its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
     up: BoundLaunch
     # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same; with a tail (bf16):
     # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
+    blk256: tuple = (False, False)  # (gate-up, down) on 256-row tiles: a sixth pointer, sorted_ids
 
 
 def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False,
@@ -124,8 +128,9 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     if in_loader and (fp8 or not loader_gather_fits(x)):
         raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
                          f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
-    if not fp8 and up.tail:
-        raise ValueError(f"up={up}: a tail is for the down GEMM only")
+    if not fp8 and (up.tail or (in_loader and up.blk256)):
+        raise ValueError(f"up={up}: a tail is for the down GEMM only; 256-row tiles read x_perm "
+                         f"(in_loader={in_loader})")
     from moekit.layouts.grouping import max_padded_rows
 
     options = resolve_launch_options(LaunchOptions(), x.device)
@@ -143,16 +148,33 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     sizes = (rows, num_assignments, top_k, hidden, inter)
     part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch, gather_groups) if fp8
             else _bf16_part(x, sizes, up, down, grid, launch, in_loader))
-    num_global = 0 if expert_map is None else expert_map.numel()
-    combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
-                          (cdiv(num_tokens, SUM_TILE.block_t), cdiv(hidden, SUM_TILE.block_k)), 6,
-                          (num_tokens, hidden, hidden, hidden, num_experts, num_global), TOP_K=top_k,
-                          BLOCK_T=SUM_TILE.block_t, BLOCK_K=SUM_TILE.block_k, FROM_IDS=True,
-                          HAS_MAP=expert_map is not None, num_warps=SUM_TILE.num_warps, **launch)
+    combine = combine_launch(num_tokens, hidden, num_experts, top_k, expert_map, launch)
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=align.kept_counters), align,
-                         weight_key, part.blocks, part.gather, part.up, part.down, combine)
+                         weight_key, part.blocks, part.gather, part.up, part.down, combine,
+                         (False, False) if fp8 else (up.blk256, down.blk256))
+
+
+def gather_launch(x, rows: int, num_assignments: int, top_k: int, launch: dict) -> BoundLaunch:
+    """The gather of x's rows into the permuted buffer [R, K] (``launch_gather_rows``'s kernel and tile); pointers: x,
+    sorted_ids, x_perm, dst (the bf16 route without the in-loader gather, the weight-only Gluon path)."""
+    hidden = x.shape[1]
+    return BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
+                       (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
+                       (rows, num_assignments, hidden, x.stride(0), hidden),
+                       TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
+
+
+def combine_launch(num_tokens: int, hidden: int, num_experts: int, top_k: int, expert_map, launch: dict) -> BoundLaunch:
+    """The weighted sum over the k slots (``SUM_TILE``), reading dst only for the slots routed here (``FROM_IDS``);
+    pointers: y, dst, weights, out, ids, map (ids without one)."""
+    num_global = 0 if expert_map is None else expert_map.numel()
+    return BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
+                       (cdiv(num_tokens, SUM_TILE.block_t), cdiv(hidden, SUM_TILE.block_k)), 6,
+                       (num_tokens, hidden, hidden, hidden, num_experts, num_global), TOP_K=top_k,
+                       BLOCK_T=SUM_TILE.block_t, BLOCK_K=SUM_TILE.block_k, FROM_IDS=True,
+                       HAS_MAP=expert_map is not None, num_warps=SUM_TILE.num_warps, **launch)
 
 
 @dataclass(frozen=True)
@@ -174,11 +196,22 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
     def tail_blocks(tile) -> tuple:
         return ((tile.tail, tile.block_k), (tile.tail, tile.block_n)) if tile.tail else (None, None)
 
-    blocks = ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n),
-              *tail_blocks(down))
-    weight_blocks = ((up.block_n, up.block_k), (down.block_n, down.block_k))
+    def rows_cols(tile, gated: bool) -> tuple:  # (rows of the A and C blocks, columns of C and of a weight block)
+        return (SUB_M, out_cols(tile, gated), out_cols(tile, True) if gated else tile.block_n) if tile.blk256 else (
+            BLOCK_M, tile.block_n, tile.block_n)
+
+    (up_m, up_c, up_w), (down_m, down_c, down_w) = rows_cols(up, True), rows_cols(down, False)
+    blocks = ((up_m, up.block_k), (up_m, up_c), (down_m, down.block_k), (down_m, down_c), *tail_blocks(down))
+    weight_blocks = ((up_w, up.block_k), (down_w, down.block_k))
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
+        if tile.blk256:  # 256-row tiles (``triton_gluon_blk256``): A, W, C, expert_ids, num_padded, sorted_ids
+            blk = importlib.import_module(f"{_KERNELS}.gluon_gemm_blk256").blk256_gemm_kernel
+            step = out_cols(tile, gated)
+            return BoundLaunch(blk, grid(cols, step), 6, (num_assignments, reduce_dim, cols // step), W_ROWS=w_rows,
+                               GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                               SEARCH_STEPS=search_steps(cdiv(rows, BLOCK_M)), CONSUMER_REGS=CONSUMER_REGS,
+                               SPREAD=tile.spread, num_warps=CONSUMER_WARPS, maxnreg=BLK256_REGISTERS, **launch)
         if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
             tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
             return BoundLaunch(tail_down, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
@@ -198,10 +231,7 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
                               maxnreg=MAX_REGISTERS, **launch)
         return _Part([("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))], None, up_gemm, down_gemm,
                      blocks, weight_blocks)
-    gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
-                         (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
-                         (rows, num_assignments, hidden, x.stride(0), hidden),
-                         TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
+    gather = gather_launch(x, rows, num_assignments, top_k, launch)
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True), down_gemm, blocks, weight_blocks)
 
@@ -273,13 +303,15 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
         t_down, ct_down = acts[4:]
+        # a GEMM on 256-row tiles reads the layout's sorted_ids too (its sixth pointer)
+        up_rows, down_rows = ((rows + (b["sorted_ids"],) if blk else rows) for blk in plan.blk256)
         down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"])
-                if t_down is not None else (a_down, pair.w2, c_down, *rows))
+                if t_down is not None else (a_down, pair.w2, c_down, *down_rows))
         if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
             launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
         else:
             launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
-                         (plan.up, (a_up, pair.w13, c_up, *rows))]
+                         (plan.up, (a_up, pair.w13, c_up, *up_rows))]
         launches.append((plan.down, down))
     # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather (or the
     # gate-up GEMM's loader): no fill
@@ -309,8 +341,8 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    if in_loader is None:
-        in_loader = s13 is None and wants_loader_gather(x, w2.shape[-1])
+    if in_loader is None:  # (256-row gate-up tiles read x_perm by TMA: the gather kernel)
+        in_loader = s13 is None and not up.blk256 and wants_loader_gather(x, w2.shape[-1])
     plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)

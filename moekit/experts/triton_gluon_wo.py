@@ -7,8 +7,10 @@ ahead of the wgmma).
       int4 / mxfp4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over k slots]
 
 ``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
-``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS), each GEMM in the variant measured for its shape
-(GLUON_WO_OPTIONS: ``GluonWoOptions`` split / fast / slots); ``gluon_wo_unfit`` says why a call cannot take it.
+``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS), each GEMM in the variant measured for its shape and M
+(GLUON_WO_OPTIONS: ``GluonWoOptions`` split / fast / slots), through the lean launch (``triton_gluon_wo_lean``: plan,
+descriptors, workspace and launches kept; the backend's repeated calls from ``triton_quant_fast``'s entry) or, with
+``lean=False``, the plain launches built per call; ``gluon_wo_unfit`` says why a call cannot take it.
 ``experts_gluon_wo_twin`` is its arithmetic in torch (the oracle of the tests and the device check).
 
 Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of the permuted buffer.
@@ -16,7 +18,6 @@ Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from dataclasses import dataclass
 
@@ -62,51 +63,92 @@ class GluonWoGemms:
 
 
 # (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
-# around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds, every output PASS
-# against the twin and the reference (benchmarks/wol7_device_check.py, session 27 checkpoint 1b at c67cbe0, graph µs
-# median of 5 interleaved rounds, this path / the pick / bf16): the measured M up to twice it, down to the measured
-# M below where that lost (DeepSeek-V3 M = 1024: int8 5947 / tile 4841; Mixtral int8 4096: 7167 / scratch 6354;
-# Qwen3 mxfp4 4096: 1214 / scratch 1123), and only where its eager calls were faster too (the merged run at 7ff5a47:
-# this path's plain launches cost ~1 ms of host a call, so at Qwen3 M = 1024 int8 / mxfp4, 368 / 493 µs of GPU, eager
-# calls took 1307 / 1318 µs against the tile decode's 458 / 564; at Qwen3 int8 M = 4096 the session's final bench,
-# which times M > 1024 by eager calls, read 1.69 ms against 1.13 the session before: no Qwen3 cell is taken).
+# around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds and its eager calls
+# (``moekit bench``'s loop: 16 back to back, wall a call) no slower, every output PASS against the twin and the
+# reference: the measured M up to twice it, down to the measured M below where that lost. Session 27 (wol7, checkpoint
+# 1b at c67cbe0, graph µs, this path / the pick / bf16): Mixtral int8 1024 and DeepSeek-V3 4096; its plain launches
+# cost ~1 ms of host a call, so no Qwen3 cell was taken (eager M = 1024 int8: 1307 µs against the tile decode's 458).
+# Session 28 (wolean_device_check.py at 35115f8, raw/NVIDIA_H200-2026-12-04-35115f8-wolean-ck1.*; graph µs median of 5
+# interleaved rounds, the lean launch / the pick; eager wall µs a call lean / pick): the lean launch
+# (``triton_gluon_wo_lean``, 38-68 µs of host a call) takes Qwen3 and DeepSeek-V3 int8 2048. Lost (not taken):
+# Qwen3 int4 1024 468.8 / tile 483.8 (2/5), int4 4096 1144 / scratch 1125, mxfp4 4096 1210 / scratch 1115, Mixtral
+# int4 / mxfp4 1024 2613 / 2592, 2677 / 2559, DeepSeek-V3 int8 1024 5859 / tile 5099.
 GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     ("int8_w8a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 1913 / tile 2414 / 1333
-    ("int8_w8a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 8972 / tile 12783 / 7353
+    # Qwen3 M=1024 / 2048 / 4096: 370.5 / 539.6 / 896.4 against tile 427.4 / 663.3 / 1100.2; eager 377 / 549 / 911
+    # against 433 / 671 / 1109
+    ("int8_w8a16", 128, 768, 2048): (1024, 8192),
+    ("int4_w4a16", 128, 768, 2048): (2048, 4096),  # Qwen3 M=2048: 685.9 / scratch 857.4; eager 698 / 868
+    # Qwen3 M=1024 / 2048: 494.9 / 725.4 against tile 525.3 / scratch 850.6; eager 500 / 734 against 531 / 863
+    ("mxfp4", 128, 768, 2048): (1024, 4096),
+    # DeepSeek-V3 M=2048: 6126 / tile 7916, eager 6366 / 7896; 4096 (session 27): 8972 / tile 12783 / 7353
+    ("int8_w8a16", 256, 2048, 7168): (2048, 8192),
     ("int4_w4a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565)
     ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
     # session 28 (wo8_device_check.py, checkpoint 1c at f83b663, graph µs: this path with GLUON_WO_OPTIONS' variant /
-    # the pick / bf16; 5 of 5 rounds >= 3% faster than the pick): the 4-bit Mixtral cells at M = 1024 (GPU time
-    # 2.3 ms a call, over the ~1 ms its plain launches cost the host)
+    # the pick / bf16; 5 of 5 rounds >= 3% faster than the pick; the session-27 kernel through the lean launch lost
+    # here, above): the 4-bit Mixtral cells at M = 1024
     ("int4_w4a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 2320 / scratch 2586 / 1349
     ("mxfp4", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 2273 / scratch 2547 / 1349
 }
 
 
-# (scheme, E, N, K) -> the GEMMs' variant a call of that shape takes when it names none (``wo_options``): where the
-# H200 measured it >= 3% faster than the session-27 kernel in 5 of 5 rounds, every output PASS against the twin
+@dataclass(frozen=True)
+class MeasuredGemms:
+    """The GEMMs' variants a shape takes for ``lo <= M < hi`` (the measured M up to twice it)."""
+
+    lo: int
+    hi: int
+    gemms: GluonWoGemms
+
+
+# (scheme, E, N, K) -> the GEMMs' variants a call of that shape and M takes when it names none (``wo_options``): where
+# the H200 measured them >= 3% faster than the session-27 kernel in 5 of 5 rounds, every output PASS against the twin
 # (benchmarks/wo8_device_check.py, session 28 checkpoint 1c at f83b663, graph µs of the whole call: the variant / the
-# session-27 kernel / bf16; the best median taken, the simplest where two were within 1%); other shapes take
-# GluonWoGemms() (the session-27 kernel).
+# session-27 kernel / bf16; the best median taken, the simplest where two were within 1%); else GluonWoGemms() (the
+# session-27 kernel).
 _FAST = GluonWoOptions(fast=True)
-GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], GluonWoGemms] = {
+_SPLIT_FAST = GluonWoOptions(split=True, fast=True)
+GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], MeasuredGemms] = {
     # DeepSeek-V3 M=4096: 9369 / 10408 / 8078 (its third slot: down GEMM alone 3035 / 3696; on the gate-up GEMM,
     # whose ring then holds 3 stages, 9456 / 7829: lost); against the pick of the base's kernels, timed after a call
     # as it was, 9369 / 9806 (4/5): the notes' order bias, CK2 re-times it
-    ("int8_w8a16", 256, 2048, 7168): GluonWoGemms(GluonWoOptions(), GluonWoOptions(slots=3)),
-    ("int4_w4a16", 256, 2048, 7168): GluonWoGemms(_FAST, _FAST),  # DeepSeek-V3 M=4096: 11012 / 12078 / 8078
-    ("mxfp4", 256, 2048, 7168): GluonWoGemms(_FAST, _FAST),  # 10356 / 11974 (split+fast|fast+slots3 10263)
-    # Mixtral M=1024: 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314)
-    ("int4_w4a16", 8, 14336, 4096): GluonWoGemms(GluonWoOptions(split=True, fast=True),
-                                                 GluonWoOptions(split=True, fast=True)),
-    ("mxfp4", 8, 14336, 4096): GluonWoGemms(GluonWoOptions(split=True, fast=True),
-                                            GluonWoOptions(split=True, fast=True)),
+    ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(GluonWoOptions(), GluonWoOptions(slots=3))),
+    # DeepSeek-V3 M=4096: int4 11012 / 12078 / 8078, mxfp4 10356 / 11974 (split+fast|fast+slots3 10263)
+    ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
+    ("mxfp4", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
+    # Mixtral M=1024: int4 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314)
+    ("int4_w4a16", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SPLIT_FAST, _SPLIT_FAST)),
+    ("mxfp4", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SPLIT_FAST, _SPLIT_FAST)),
 }
 
 
-def wo_options(w13, w2, scheme: str) -> GluonWoGemms:
-    """The measured variants of this call's shape (GLUON_WO_OPTIONS), else the session-27 kernel's."""
-    return GLUON_WO_OPTIONS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, w2.q.shape[1]), GluonWoGemms())
+def wo_options(w13, w2, scheme: str, num_tokens: int) -> GluonWoGemms:
+    """The measured variants of this call's shape and M (GLUON_WO_OPTIONS), else the session-27 kernel's."""
+    got = GLUON_WO_OPTIONS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, w2.q.shape[1]))
+    return got.gemms if got is not None and got.lo <= num_tokens < got.hi else GluonWoGemms()
+
+
+@dataclass(frozen=True)
+class WoGemmLaunch:
+    """How one GEMM of a variant launches: its stored tile's dtype and block, its output block, warps and stages."""
+
+    words: bool  # q read as int32 words of 8 codes (int4; mxfp4 with fast)
+    q_block: tuple  # (BN, BK / weights a stored element)
+    c_block_n: int  # the output block's columns (split: BN / 2, a partition's)
+    num_warps: int  # the kernel's (split: one warpgroup)
+    stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer)
+    fast: bool  # the FAST constexpr (never for int8)
+
+
+def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOptions) -> WoGemmLaunch:
+    """``launch_gemm_wo``'s and the lean plan's shared choices for ``options`` on this GEMM."""
+    fast = options.fast and scheme != "int8_w8a16"
+    words = scheme == "int4_w4a16" or fast
+    stages = min(tile.stages, 3) if options.slots == 3 and gated and scheme == "int8_w8a16" else tile.stages
+    return WoGemmLaunch(words, (tile.block_n, tile.block_k // (8 if words else PACK[scheme])),
+                        tile.block_n // (2 if options.split else 1), NUM_WARPS // (2 if options.split else 1), stages,
+                        fast)
 
 
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
@@ -139,7 +181,7 @@ def gluon_wo_unfit(x: torch.Tensor, w13, w2, scheme: str, activation: str,
     return None
 
 
-def _strides(w) -> tuple:
+def scale_strides(w) -> tuple:
     """(expert, row, group) strides of the scale and of the zero (int8: scale [E, R], no group; no zero: 0s)."""
     s = w.scale.stride() if w.scale.dim() == 3 else (*w.scale.stride(), 0)
     zero = w.zero is not None and w.zero is not w.scale and w.zero.dim() == 3  # WeightArgs: zero = scale without one
@@ -153,32 +195,32 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
     stores: int8 q * scale, int4 (q - zero) * scale per group, mxfp4 e2m1 * 2^(e8m0 - 127)."""
     kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     num_experts, w_rows, stored = w.q.shape
+    how = wo_gemm_launch(scheme, tile, gated, options)
     q = w.q.view(num_experts * w_rows, stored)
-    fast = options.fast and scheme != "int8_w8a16"
-    if scheme == "int4_w4a16" or fast:  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
+    if how.words:  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
         q = q.view(torch.int32)
-    if options.slots == 3 and gated and scheme == "int8_w8a16":  # the third slot's 32 KB: one stage fewer
-        tile = dataclasses.replace(tile, stages=min(tile.stages, 3))
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
-    q_desc = gluon_descriptor(q, [tile.block_n, tile.block_k // (8 if fast else PACK[scheme])])
-    c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n // (2 if options.split else 1)])  # split: a half each
+    q_desc = gluon_descriptor(q, list(how.q_block))
+    c_desc = gluon_descriptor(out, [BLOCK_M, how.c_block_n])
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)
     zero = w.scale if w.zero is None else w.zero  # int8: never read
-    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *_strides(w), a.shape[1],
-                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
+    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *scale_strides(w), a.shape[1],
+                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=how.stages,
                  GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
-                 num_warps=NUM_WARPS // (2 if options.split else 1), SPLIT=options.split, FAST=fast,
-                 SLOTS=options.slots, maxnreg=MAX_REGISTERS)
+                 num_warps=how.num_warps, SPLIT=options.split, FAST=how.fast, SLOTS=options.slots,
+                 maxnreg=MAX_REGISTERS)
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
-                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
+                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None, lean: bool = True,
                          options: GluonWoOptions | GluonWoGemms | None = None) -> torch.Tensor:
     """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
-    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail);
-    ``options``: the GEMMs' variant, both GEMMs' or each one's (None: ``wo_options``, those measured for this shape)."""
+    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail). ``lean``:
+    through ``triton_gluon_wo_lean`` (plan, descriptors, workspace and launches kept); off: the plain launches, each
+    built per call (the same kernels and arguments: equal outputs). ``options``: the GEMMs' variant, both GEMMs' or
+    each one's (None: ``wo_options``, those measured for this shape and M)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
@@ -186,9 +228,14 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
         raise ValueError(f"decode='gluon' cannot take this call: {reason}")
     num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
     down = down_tile(inter) if down is None else down
-    options = wo_options(w13, w2, scheme) if options is None else options
+    options = wo_options(w13, w2, scheme, x.shape[0]) if options is None else options
     if isinstance(options, GluonWoOptions):
         options = GluonWoGemms(options, options)
+    if lean:
+        from moekit.experts.triton_gluon_wo_lean import run_wo_lean
+
+        return run_wo_lean(x, w13, w2, topk_ids.contiguous(), topk_weights.contiguous(),
+                           None if expert_map is None else expert_map.contiguous(), scheme, up_tile, down, options)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read

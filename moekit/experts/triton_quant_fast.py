@@ -15,16 +15,17 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
            in the bf16 entries: the sequence holds addresses and descriptors, never values)
       -> out = empty_like(x), the sequence launched: the plain path's kernels, grids and arguments (bit-equal)
 
-An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no
-expert map, no biases, the default fp8 choice, M >= 1; the plain call compiled the launches, so the second
-call of a kind records and the third launches lean. The weight-only "scratch" decode (from
-SCRATCH_MIN_TOKENS, chunks of experts) is kept too, from its plan (``triton_wo_scratch_plan``: the dequant
-and k-sum launches, chunk maps) on a kept scratch buffer (``SCRATCH_WORKSPACES``; h and y with it up to 256
-MiB, else per call); its decode choice is cached per kind (``triton_wo_plan.chosen_decode``). Not kept:
-inference-mode weights (no version counter), calls whose plan has not compiled. The weight-only plain path
-allocates its workspace per call; its lean calls take theirs from a reused pool (``triton_wo.LEAN_WORKSPACES``),
-as the bf16 and fp8 eager paths do. ``clear_quant_fast`` (``triton.clear_launch_caches``, a retune) drops every
-entry; an entry goes when its w13 is freed.
+An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no expert map, no
+biases, the default fp8 choice, M >= 1; the plain call compiled the launches, so the second call of a kind records and
+the third launches lean. A weight-only call the Gluon path takes (``triton_gluon_wo.GLUON_WO_CELLS``) is kept the same
+way, from that path's lean plan on its pool (``triton_gluon_wo_lean.wo_gluon_lean_inputs``: the GEMMs' TMA descriptors
+over the pooled regions, recorded). The weight-only "scratch" decode (from SCRATCH_MIN_TOKENS, chunks of experts) is
+kept too, from its plan (``triton_wo_scratch_plan``: the dequant and k-sum launches, chunk maps) on a kept scratch
+buffer (``SCRATCH_WORKSPACES``; h and y with it up to 256 MiB, else per call); its decode choice is cached per kind
+(``triton_wo_plan.chosen_decode``). Not kept: inference-mode weights (no version counter), calls whose plan has not
+compiled. The weight-only plain path allocates its workspace per call; its lean calls take theirs from a reused pool
+(``triton_wo.LEAN_WORKSPACES``), as the bf16 and fp8 eager paths do. ``clear_quant_fast``
+(``triton.clear_launch_caches``, a retune) drops every entry; an entry goes when its w13 is freed.
 """
 
 from __future__ import annotations

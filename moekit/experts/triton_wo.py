@@ -11,8 +11,8 @@ path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Five decodes o
 chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
 "register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers), "mma"
-(``_kernels/gemm_wo_mma.py``, 4-bit schemes, selectable only: 32-bit words decoded where they land into one
-tensor-core operand in a permuted K order, one dot a step), "gemv"
+(``_kernels/gemm_wo_mma.py``, all three schemes: 32-bit words decoded where they land into one tensor-core
+operand in a permuted K order, one dot each 128 columns of a step of 128 or 256), "gemv"
 (``_kernels/gemm_wo_gemv.py``: 32-bit words bit-placed into float32 on the CUDA cores, blocks of 1-2
 rows; weights whose rows are whole words only, ``triton_wo_gemv.words_ok``), and at large batches
 "scratch" (``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs).
@@ -230,11 +230,14 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the custom op's
     call used: the same options), a workspace pool, and its launches as a function of (b, x, ids, weights,
     out), weights bound. For a call the scratch decode runs, its kept form (``triton_wo_scratch_plan.
-    scratch_lean_inputs``: the custom op's options; None where there is none)."""
+    scratch_lean_inputs``: the custom op's options; None where there is none); for one the Gluon path runs, its
+    lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
-    if _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):
-        return None  # the Gluon path's calls stay plain (its launches are not recorded)
+    if _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):  # its lean launch's plan and pool
+        from moekit.experts.triton_gluon_wo_lean import wo_gluon_lean_inputs
+
+        return wo_gluon_lean_inputs(x, a13, a2, ids, weights, w13.scheme)
     if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
         op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False)
         num_experts, two_n = a13.q.shape[:2]

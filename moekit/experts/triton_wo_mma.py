@@ -12,38 +12,41 @@ from __future__ import annotations
 import functools
 
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_wo_gemv import words_ok
+from moekit.experts.triton_wo_gemv import PER, words_ok
 
-MMA_WORDS = 16  # the mma decode's words a step (BLOCK_K 128: one dot of K 128 a step)
+MMA_WORDS = 16  # the mma decode's words a dot (4-bit, K 128); a step loads 1 or 2 dots' words of a row at once
+SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
+STEP_COLUMNS = (128, 256)  # BLOCK_K: 64 or 128 bytes of a 4-bit row a step, 128 or 256 of int8 (``gemm_wo_mma``)
 
 
 def mma_fits(w13, w2, scheme: str) -> bool:
     """Whether both weights meet ``check_mma``'s layout needs (the chooser's "mma" falls back where not)."""
     kind = "zero" if scheme == "int4_w4a16" else "scale"
-    return (scheme in ("int4_w4a16", "mxfp4") and words_ok(w13.q) and words_ok(w2.q)
-            and all(getattr(w, kind).data_ptr() % 4 == 0 for w in (w13, w2))
-            and (scheme == "mxfp4" or all(w.group_size % (8 * MMA_WORDS) == 0 for w in (w13, w2))))
+    return (scheme in SCHEMES and words_ok(w13.q) and words_ok(w2.q)
+            and (scheme == "int8_w8a16" or all(getattr(w, kind).data_ptr() % 4 == 0 for w in (w13, w2)))
+            and (scheme != "int4_w4a16" or all(w.group_size % (8 * MMA_WORDS) == 0 for w in (w13, w2))))
 
 
 def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
-    """The mma decode's requirements, each refused by name: a 4-bit scheme, rows read as words, the byte tensors (int4
+    """The mma decode's requirements, each refused by name: one of SCHEMES, rows read as words, the byte tensors (int4
     zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
-    MMA_WORDS words (BLOCK_K 128), int4 inside one group (g a multiple of 128), no folded split gate-up (a
-    ``triton_wo_gemv.WordConfig``'s up_split is taken: float32 partials summed by the split_glu launch)."""
-    if scheme not in ("int4_w4a16", "mxfp4"):
-        raise ValueError(f"decode='mma' runs int4_w4a16 and mxfp4, got {scheme}")
+    1 or 2 dots of 128 columns (BLOCK_K 128 or 256), int4 each dot inside one group (g a multiple of
+    128), no folded split gate-up (a ``triton_wo_gemv.WordConfig``'s up_split is taken: float32 partials summed by
+    the split_glu launch)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"decode='mma' runs {', '.join(SCHEMES)}, got {scheme}")
     if not (words_ok(w13.q) and words_ok(w2.q)):
         raise ValueError("decode='mma' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes with strides "
                          "and addresses of multiples of 4 bytes")
     kind = "zero" if scheme == "int4_w4a16" else "scale"
-    if any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
+    if scheme != "int8_w8a16" and any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
         raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
     if getattr(config, "glu_fold", False):
         raise ValueError("decode='mma' sums a split gate-up in its own launch: config.glu_fold must be False")
     for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
-        if tile.BLOCK_K != 8 * MMA_WORDS or (scheme == "int4_w4a16" and group % tile.BLOCK_K):
-            raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be {8 * MMA_WORDS} and divide the group "
-                             f"size, got BLOCK_K {tile.BLOCK_K}, group_size {group}")
+        if tile.BLOCK_K not in STEP_COLUMNS or (scheme == "int4_w4a16" and group % (8 * MMA_WORDS)):
+            raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be one of {STEP_COLUMNS} and int4's group "
+                             f"size a multiple of {8 * MMA_WORDS}, got BLOCK_K {tile.BLOCK_K}, group_size {group}")
 
 
 @functools.cache
@@ -63,8 +66,9 @@ def operand_pairs() -> int:
 def mma_launch_args(w, scheme: str) -> tuple[tuple[int, tuple], dict]:
     """((a row's words, the strides with q's in words), the launch's extra constexprs) of a weight that meets
     ``check_mma``. SCALE_WORD (mxfp4): a step's four e8m0 bytes of a row read as one aligned 32-bit word, where
-    the scale rows start at multiples of 4 bytes and their groups are contiguous. PAIRS: ``operand_pairs``."""
+    the scale rows start at multiples of 4 bytes and their groups are contiguous. PAIRS: ``operand_pairs``; PER: values
+    a word (int8 4)."""
     qe, qr, _, se, sr, sg, *_ = w.strides
     scale_word = scheme == "mxfp4" and sg == 1 and se % 4 == 0 and sr % 4 == 0 and w.scale.data_ptr() % 4 == 0
-    return (w.q.shape[2] // 4, (qe // 4, qr // 4, 1, *w.strides[3:])), {"SCALE_WORD": scale_word,
-                                                                          "PAIRS": operand_pairs()}
+    return (w.q.shape[2] // 4, (qe // 4, qr // 4, 1, *w.strides[3:])), {
+        "SCALE_WORD": scale_word, "PAIRS": operand_pairs(), "PER": PER[scheme]}

@@ -10,9 +10,9 @@ Six decodes of the packed weights (DECODES), each its own kernels and its own co
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
-    mma       ``_kernels/gemm_wo_mma`` (int4 and mxfp4, steps of BLOCK_K = 128 columns (int4: <= g), rows read
-              as words): each step's words decoded where they land into one MMA operand in a permuted K order,
-              the step's x tile read once in that order, one tensor-core dot a step (session 26).
+    mma       ``_kernels/gemm_wo_mma`` (int8, int4, mxfp4; steps of BLOCK_K = 128 or 256 columns, rows read as
+              words): each 128 columns' words decoded where they land into one MMA operand in a permuted K order,
+              their x tile read once in that order, one tensor-core dot each (session 26; int8, wide steps: 28).
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
               bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
@@ -111,6 +111,8 @@ DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
     ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "mma"},  # Mixtral-8x7B
+    ("int8_w8a16", 256, 2048, 7168): {1: "mma", 8: "tile", 64: "tile"},  # DeepSeek-V3 (session 28, dec8: the mma's
+    ("int8_w8a16", 8, 14336, 4096): {1: "mma", 8: "tile"},  # Mixtral-8x7B  256-byte steps; its tuned files: µs)
 }
 
 

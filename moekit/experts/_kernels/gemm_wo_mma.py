@@ -1,26 +1,32 @@
-"""Grouped GEMMs with weight-only 4-bit experts (int4, mxfp4), the word MMA decode (decode "mma", issue #16,
-reworked in session 26): the packed weights read as 32-bit words (pipelined into shared memory by Triton's
+"""Grouped GEMMs with weight-only experts (int4, mxfp4; int8 from session 28), the word MMA decode (decode "mma",
+issue #16, reworked in session 26): the packed weights read as 32-bit words (pipelined into shared memory by Triton's
 cp.async stages, then into registers), each step's words decoded where they land into one MMA operand
 [BN, 8 * BKW] in the "MMA order" of K (``wo_mma_values``: int4 one shift and one lop3 for two weights; mxfp4 the
 bits placed, then one bf16x2 fma by the word's scale), the step's activation tile read once (contiguous, then
-permuted in registers to the same order) and summed with them by ONE tensor-core dot a step. (Session 24's form
-ran eight dots a step, value position T of the words against x columns 8j + T, each x tile through shared memory
-and all on one accumulator chain, with one 4-warp program an SM at decode sizes: 1.3-3.2x the pick on the H200.)
+permuted in registers to the same order) and summed with them by ONE tensor-core dot of K 128 (16 words) a
+sub-step. A step loads BKW words of each row at once, BLOCK_K 128 or 256 (4-bit: 64 or 128 bytes a row, int8 128 or
+256: session 27's reads in this geometry stream 2.5 TB/s at 64 bytes, 3.9-4.1 at 128) and runs one dot, or two on
+its halves (``_part``; BLOCK_K 512 measured 1.7x slower in session 28: removed).
+(Session 24's form ran eight dots a step, value position T of the words against x columns 8j + T, each x tile
+through shared memory and all on one accumulator chain, with one 4-warp program an SM at decode sizes: 1.3-3.2x the
+pick on the H200.)
 
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch``. Layout: ``triton_wo``'s int4 (element 2i the low
 nibble of byte i), read as little-endian words (``triton_wo_gemv.words_ok``): element t of word j in bits 4t..4t+3.
 
-int4: decoded value = code - z (exact in bf16; ``wo_mma_values``); one step spans BLOCK_K = 8 * BKW <= g
-columns, so one group: each step's dot starts from zero (no chain across steps) and its partial product
-p [BM, BN] takes the group's scale: acc += p * s. No activation sums. mxfp4: decoded value = the weight times 2^-64
-(exact for e8m0 scales 2^-61 .. 2^65, ``wo_mma_values``): the dot accumulates into acc, times 2^64 at the end.
+int4: decoded value = code - z (exact in bf16; ``wo_mma_values``); one sub-step spans 128 <= g columns, so one
+group: each sub-step's dot starts from zero (no chain across sub-steps) and its partial product
+p [BM, BN] takes the group's scale: acc += p * s. No activation sums. int8 (PER 4 values a word, 32 words a dot):
+the codes themselves (exact in bf16), all dots into acc, the row's scale on acc at the end. mxfp4: decoded value =
+the weight times 2^-64 (exact for e8m0 scales 2^-61 .. 2^65, ``wo_mma_values``): the dot accumulates into acc, times
+2^64 at the end.
 ASM (NVIDIA sm_80+, compiled) with bf16 activations: ``wo_mma_values``' FAST placement; else its float twin (the
 interpreter decodes to float32 with UPCAST).
 
 Split-K (down; the gate-up's: float32 partials, SPLIT), KSUM, alignment, NAIVE, PDL and UPCAST as in
 ``gemm_wo_reg``. Past C the words load as 0, x as 0 and the scales as 0: nothing leaks in.
 
-Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step.
+Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step (BLOCK_K / 8).
 """
 
 import triton
@@ -32,12 +38,28 @@ from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_wo import _down_epilogue
 from moekit.experts._kernels.wo_mma_values import X_SCALE, weight_operand, x_operand
 
+DOT_K = tl.constexpr(128)  # columns a dot (16 words of 4-bit values, 32 of int8): a step runs BLOCK_K / DOT_K dots
+
 
 @triton.jit
 def _words(q_rows, w0, KW, n_ok, BKW: tl.constexpr):
     """Words w0 .. w0 + BKW of the rows q_rows [BN] (int32 pointers) -> [BN, BKW] int32, 0 past KW."""
     j = w0 + tl.arange(0, BKW)
     return tl.load(q_rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
+
+
+@triton.jit
+def _part(t, i: tl.constexpr, R: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr):
+    """Columns [i C / SUB, (i + 1) C / SUB) of t [R, C] (SUB 1 or 2): a step's words of sub-step i, split in halves
+    (each a [R, C / 2, 2] join's two sides: no data moves where a thread holds both)."""
+    part = t
+    if SUB > 1:
+        lo, hi = tl.split(tl.permute(tl.reshape(t, (R, 2, C // 2)), (0, 2, 1)))  # [R, C / 2] each
+        if i >= SUB // 2:
+            part = hi
+        else:
+            part = lo
+    return part
 
 
 @triton.jit
@@ -60,8 +82,8 @@ def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GR
         groups = tl.arange(0, BKW // 4)
         ok = n_ok[:, None] & ((w0 + 4 * groups) * 8 < C)[None, :]
         if SCALE_WORD:  # [BN] one load a row: a [BN, 4] byte load puts the weights through shared memory (sm_90)
-            word = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((s_offs + w0 // 4) >> 2), mask=n_ok,
-                           other=0)
+            word = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((s_offs + w0 // 4) >> 2),
+                           mask=tl.where(w0 * 8 < C, n_ok, False), other=0)
             w = tl.where(ok, (word[:, None] >> (8 * groups)[None, :]) & 0xFF, 0)
         else:
             w = _bytes(s_ptr, s_offs[:, None] + ((w0 + 4 * groups) * 8 // GROUP)[None, :] * stride_sg, ok)
@@ -70,21 +92,22 @@ def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GR
 
 @triton.jit
 def _x_step(x_rows, row_ok, k0, C, stride_xc, BM: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr,
-            PAIRS: tl.constexpr):
-    """The step's activation tile of the rows x_rows [BM, 1] (columns k0 .. k0 + 8 BKW, 0 past C), read once as
-    one contiguous tile -> the MMA-order operand [BM, 8 BKW] in DTYPE (no conversion where DTYPE is x's)."""
-    k = k0 + tl.arange(0, 8 * BKW)
+            PAIRS: tl.constexpr, SCHEME: tl.constexpr, PER: tl.constexpr):
+    """The dot's activation tile of the rows x_rows [BM, 1] (columns k0 .. k0 + PER BKW, 0 past C), read once as
+    one contiguous tile -> the MMA-order operand [BM, PER BKW] in DTYPE (no conversion where DTYPE is x's)."""
+    k = k0 + tl.arange(0, PER * BKW)
     x = tl.load(x_rows + k[None, :] * stride_xc, mask=row_ok[:, None] & (k < C)[None, :], other=0.0)
-    return x_operand(x.to(DTYPE), BM, BKW, PAIRS)
+    return x_operand(x.to(DTYPE), BM, BKW, PAIRS, SCHEME)
 
 
 @triton.jit
 def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, stride_zg, BN: tl.constexpr,
                 BKW: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
                 FAST: tl.constexpr, PAIRS: tl.constexpr):
-    """acc [BM, BN] + the step's x [BM, 8 BKW] (MMA order) times the words w [BN, BKW] decoded: int4 code - zero,
+    """acc [BM, BN] + the dot's x [BM, DOT_K] (MMA order) times the words w [BN, BKW] decoded: int4 code - zero,
     one dot from zero times the group's scale; mxfp4 (s: the words' e8m0 bytes) one dot into acc, each weight
-    scaled in the decode (times 2^-64: ``finish`` undoes it)."""
+    scaled in the decode (times 2^-64: ``finish`` undoes it); int8 the codes, one dot into acc (the row scale:
+    ``_row_scaled``, ``gemm_wo._store_y``)."""
     if SCHEME == 1:
         ok = tl.where(k0 < C, n_ok, False)
         scale = tl.load(s_rows + (k0 // GROUP) * stride_sg, mask=ok, other=0.0)  # [BN]
@@ -93,6 +116,14 @@ def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, str
         acc += part * scale[None, :]
     else:
         acc = tl.dot(x, tl.trans(weight_operand(w, s, BN, BKW, DTYPE, SCHEME, FAST, PAIRS)), acc)
+    return acc
+
+
+@triton.jit
+def _row_scaled(acc, s_rows, n_ok, SCHEME: tl.constexpr):
+    """acc [BM, BN] times int8's per-row scales at s_rows [BN] (the gate-up's; other schemes: acc)."""
+    if SCHEME == 0:
+        acc = acc * tl.load(s_rows, mask=n_ok, other=0.0)[None, :]
     return acc
 
 
@@ -114,9 +145,9 @@ def gate_up_wo_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
-    PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1,
+    PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 8,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's).
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 0 int8, 1 int4 or 2 mxfp4; SPAN: unused).
     SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of each row, h_ptr the float32
     partials p [SPLIT * A, 2N] (gate then up; ``wo_split.split_glu_kernel`` sums and activates them)."""
     wait_for_previous_kernel(PDL)
@@ -141,18 +172,22 @@ def gate_up_wo_mma_kernel(
         dtype = tl.float32
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // 8)  # split_words: whole steps (>= KW: 1)
-    for w0 in range(w_start, tl.minimum(w_start + split_words, KW), BLOCK_K // 8):
-        k0 = w0 * 8
-        wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
-        s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
-        s_u = _word_scales(s_ptr, bu, wu, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
-        x = _x_step(x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
-        acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                               BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
-        acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                             BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
+    w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // PER)  # split_words: whole steps (>= KW: 1)
+    for w0 in range(w_start, tl.minimum(w_start + split_words, KW), BLOCK_K // PER):
+        wg_step, wu_step = _words(qg, w0, KW, n_ok, BLOCK_K // PER), _words(qu, w0, KW, n_ok, BLOCK_K // PER)
+        for i in tl.static_range(BLOCK_K // DOT_K):  # a dot's words each (DOT_K // PER)
+            ws = w0 + i * (DOT_K // PER)
+            wg = _part(wg_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)  # [BN, DOT_K // PER]
+            wu = _part(wu_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)
+            s_g = _word_scales(s_ptr, bg, wg, ws, K, n_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
+            s_u = _word_scales(s_ptr, bu, wu, ws, K, n_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
+            x = _x_step(x_rows, row_ok, ws * PER, K, stride_xk, BLOCK_M, DOT_K // PER, dtype, PAIRS, SCHEME, PER)
+            acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, ws * PER, K, n_ok, stride_sg, stride_zg,
+                                   BLOCK_N, DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
+            acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, ws * PER, K, n_ok, stride_sg, stride_zg, BLOCK_N,
+                                 DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
+    acc_gate, acc_up = _row_scaled(acc_gate, sg, n_ok, SCHEME), _row_scaled(acc_up, su, n_ok, SCHEME)
     mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT > 1:
         p_rows = h_ptr + (tl.program_id(1) * num_assignments + rows.to(tl.int64))[:, None] * stride_hm
@@ -174,7 +209,7 @@ def down_wo_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
-    PAIRS: tl.constexpr = 1,
+    PAIRS: tl.constexpr = 1, PER: tl.constexpr = 8,  # PER: values a word (int8 4)
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
@@ -208,15 +243,16 @@ def down_wo_mma_kernel(
     if UPCAST:
         dtype = tl.float32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_start = tl.multiple_of(tl.program_id(1) * (split_len // 8), BLOCK_K // 8)  # split_len: whole steps
-    for w0 in range(w_start, tl.minimum(w_start + split_len // 8, NW), BLOCK_K // 8):
-        k0 = w0 * 8
-        w = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)
-        s_w = _word_scales(s_ptr, b_offs, w, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME,
-                           SCALE_WORD)
-        h = _x_step(h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
-        acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, k0, N, out_ok, stride_sg, stride_zg, BLOCK_N,
-                          BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
+    w_start = tl.multiple_of(tl.program_id(1) * (split_len // PER), BLOCK_K // PER)  # split_len: whole steps
+    for w0 in range(w_start, tl.minimum(w_start + split_len // PER, NW), BLOCK_K // PER):
+        w_step = _words(q_rows, w0, NW, out_ok, BLOCK_K // PER)  # [BN, BKW]: one load of a row's words a step
+        for i in tl.static_range(BLOCK_K // DOT_K):  # a dot's words each (DOT_K // PER)
+            ws = w0 + i * (DOT_K // PER)
+            w = _part(w_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)  # [BN, DOT_K // PER]
+            s_w = _word_scales(s_ptr, b_offs, w, ws, N, out_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
+            h = _x_step(h_rows, row_ok, ws * PER, N, 1, BLOCK_M, DOT_K // PER, dtype, PAIRS, SCHEME, PER)
+            acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, ws * PER, N, out_ok, stride_sg, stride_zg,
+                              BLOCK_N, DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     _down_epilogue(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows,
                    row_ok, arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global,

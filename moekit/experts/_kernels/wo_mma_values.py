@@ -1,5 +1,6 @@
-"""The word MMA decode's operands (``gemm_wo_mma``, issue #16 session 26): a step's packed 4-bit words [BN, BKW]
-(element T of word j in bits 4T .. 4T+3) -> one MMA operand [BN, 8 * BKW] in the "MMA order" of K, and the
+"""The word MMA decode's operands (``gemm_wo_mma``, issue #16 session 26; int8 session 28): a step's packed 4-bit
+words [BN, BKW] (element T of word j in bits 4T .. 4T+3) -> one MMA operand [BN, 8 * BKW] in the "MMA order" of K (int8:
+element T of word j in bits 8T .. 8T+7 -> [BN, 4 * BKW], below), and the
 step's activations [BM, 8 * BKW] (read as one contiguous tile) put in that same order, so one ``tl.dot`` a step
 sums them and no decoded weight moves between threads.
 
@@ -23,6 +24,12 @@ Values (exact):
            then one fma.rn.bf16x2 by 2^(s - 65). Exact for s in 66 .. 192 (scales 2^-61 .. 2^65); the kernel
            multiplies its float32 accumulator by X_SCALE = 2^64 at the end (products below 2^-126 in float32, i.e.
            |w x| < 2^-62, are lost: far below the bf16 rounding of any output they could change).
+int8 (SCHEME 0): a thread holds two words of a k32 block (j = 8b + 2q + e, e = h: 8 contiguous bytes), each operand
+register values t and t + 2 of one word (the bytes at bits 8t and 8t + 16):
+    PAIRS 1  logical k = 32 b + 16 e + 8 t + 2 q + p;  PAIRS 2  logical k = 32 b + 16 e + 4 q + 2 t + p
+hold value t + 2p of word 8b + 2q + e, activation column 32 b + 8 q + 4 e + 2 p + t. Value: the code itself (exact in
+bf16; the row's scale applies to the accumulator), made as (128 + low 7 bits) + (-128 or -256 by the sign bit): two
+lop3 and one bf16x2 fma for two weights, plus one shift a word.
 FAST (the launch's ASM: NVIDIA sm_80+, compiled) with bf16: the inline PTX, one instance a word and pair (pack 1:
 its meaning does not depend on the register layout); else the float twin (``_twin``: the interpreter, fp16, float32
 with UPCAST), the same values.
@@ -50,6 +57,15 @@ and.b32 g, g, 0x80008000;
 lop3.b32 a, a, 0x01C001C0, g, 0xEA;
 mov.b32 z, 0x80008000;
 fma.rn.bf16x2 $0, a, $2, z;
+}""")
+# int8: $1 the word shifted right by 8t -> the signed bytes at bits 0 and 16 as bf16x2: 128 + (b & 127) from one lop3,
+# -128 - 128 * (b >> 7) (bf16 0xC300, 0xC380) from another, summed exactly
+_INT8_PAIR_ASM = tl.constexpr("""{
+.reg .b32 a, b, one;
+lop3.b32 a, $1, 0x007F007F, 0x43004300, 0xEA;
+lop3.b32 b, $1, 0x00800080, 0xC300C300, 0xEA;
+mov.b32 one, 0x3F803F80;
+fma.rn.bf16x2 $0, a, one, b;
 }""")
 
 
@@ -92,9 +108,46 @@ def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST
 
 
 @triton.jit
+def _int8_pair(w, t: tl.constexpr, DTYPE: tl.constexpr, FAST: tl.constexpr):
+    """Values t and t + 2 of each int8 word of w [BN, b, q, e] -> [BN, b, q, e, 2] DTYPE (the signed bytes)."""
+    if FAST and DTYPE == tl.bfloat16:
+        o = tl.inline_asm_elementwise(_INT8_PAIR_ASM, "=r,r", [w >> (8 * t)], dtype=tl.int32, is_pure=True, pack=1)
+        pair = _halves(o, DTYPE)
+    else:
+        pair = tl.join(((w << (24 - 8 * t)) >> 24).to(tl.float32).to(DTYPE),
+                       ((w << (8 - 8 * t)) >> 24).to(tl.float32).to(DTYPE))
+    return pair
+
+
+@triton.jit
+def _int8_operand(w, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr, FAST: tl.constexpr,
+                  PAIRS: tl.constexpr):
+    """int8 words w [BN, BKW] (BKW a multiple of 8) -> [BN, 4 * BKW] DTYPE in the int8 MMA order (module doc)."""
+    w = tl.reshape(w, (BN, BKW // 8, 4, 2))  # [BN, b, q, e]
+    d = tl.join(_int8_pair(w, 0, DTYPE, FAST), _int8_pair(w, 1, DTYPE, FAST))  # [BN, b, q, e, p, t]
+    if PAIRS == 2:
+        d = tl.permute(d, (0, 1, 3, 2, 5, 4))  # [BN, b, e, q, t, p]
+    else:
+        d = tl.permute(d, (0, 1, 3, 5, 2, 4))  # [BN, b, e, t, q, p]
+    return tl.reshape(d, (BN, 4 * BKW))
+
+
+@triton.jit
 def weight_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
                    FAST: tl.constexpr, PAIRS: tl.constexpr = 1):
-    """The step's words w [BN, BKW] int32 (BKW a multiple of 4) -> [BN, 8 * BKW] DTYPE in the MMA order. s: int4 the
+    """The step's words w [BN, BKW] int32 -> the MMA operand in DTYPE: int4 / mxfp4 (BKW a multiple of 4) [BN, 8 * BKW]
+    (``_nibble_operand``), int8 (SCHEME 0, BKW a multiple of 8; s unused) [BN, 4 * BKW] (``_int8_operand``)."""
+    if SCHEME == 0:
+        d = _int8_operand(w, BN, BKW, DTYPE, FAST, PAIRS)
+    else:
+        d = _nibble_operand(w, s, BN, BKW, DTYPE, SCHEME, FAST, PAIRS)
+    return d
+
+
+@triton.jit
+def _nibble_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
+                    FAST: tl.constexpr, PAIRS: tl.constexpr = 1):
+    """4-bit words w [BN, BKW] int32 (BKW a multiple of 4) -> [BN, 8 * BKW] DTYPE in the MMA order. s: int4 the
     rows' zero points [BN, 1], mxfp4 the groups' e8m0 bytes [BN, BKW / 4] (int32); FAST only takes effect with
     DTYPE bf16 (the PTX's constants made once a row or group). The words are taken as [BN, b, q] (word j = 4b + q)
     and the constants as [BN, b or 1, 1], so a group's constant meets its words without a layout change."""
@@ -121,12 +174,22 @@ def weight_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexp
 
 
 @triton.jit
-def x_operand(x, BM: tl.constexpr, BKW: tl.constexpr, PAIRS: tl.constexpr = 1):
+def x_operand(x, BM: tl.constexpr, BKW: tl.constexpr, PAIRS: tl.constexpr = 1, SCHEME: tl.constexpr = 1):
     """The step's activations x [BM, 8 * BKW] (columns in order) -> the MMA order (column 32b + 8q + 4p + 2h + g
-    to logical k = 32b + 16h + 8g + 2q + p)."""
-    x = tl.reshape(x, (BM, BKW // 4, 4, 2, 2, 2))  # [BM, b, q, p, h, g]
-    if PAIRS == 2:
-        x = tl.permute(x, (0, 1, 4, 2, 5, 3))  # [BM, b, h, q, g, p]
+    to logical k = 32b + 16h + 8g + 2q + p); SCHEME 0 (int8 words: x [BM, 4 * BKW]) the int8 order (module doc:
+    column 32b + 8q + 4e + 2p + t to logical k = 32b + 16e + 8t + 2q + p, PAIRS 2 32b + 16e + 4q + 2t + p)."""
+    if SCHEME == 0:
+        x = tl.reshape(x, (BM, BKW // 8, 4, 2, 2, 2))  # [BM, b, q, e, p, t]
+        if PAIRS == 2:
+            x = tl.permute(x, (0, 1, 3, 2, 5, 4))  # [BM, b, e, q, t, p]
+        else:
+            x = tl.permute(x, (0, 1, 3, 5, 2, 4))  # [BM, b, e, t, q, p]
+        x = tl.reshape(x, (BM, 4 * BKW))
     else:
-        x = tl.permute(x, (0, 1, 4, 5, 2, 3))  # [BM, b, h, g, q, p]
-    return tl.reshape(x, (BM, 8 * BKW))
+        x = tl.reshape(x, (BM, BKW // 4, 4, 2, 2, 2))  # [BM, b, q, p, h, g]
+        if PAIRS == 2:
+            x = tl.permute(x, (0, 1, 4, 2, 5, 3))  # [BM, b, h, q, g, p]
+        else:
+            x = tl.permute(x, (0, 1, 4, 5, 2, 3))  # [BM, b, h, g, q, p]
+        x = tl.reshape(x, (BM, 8 * BKW))
+    return x
