@@ -1,4 +1,4 @@
-"""Compile the 256-row bf16 Gluon GEMMs (``_kernels/gluon_gemm_blk256.py``) for sm_90 on a machine without a GPU
+"""Compile the 256-row bf16 Gluon gate-up GEMM (``_kernels/gluon_gemm_blk256.py``) for sm_90 on a machine without a GPU
 (Gluon does not run in the interpreter): layout and SMEM errors before a device run, ptxas's spills and wgmma
 serialization, the SMEM the compiler allocated against ``GluonTile.shared_bytes``.
 
@@ -38,22 +38,21 @@ def compile_sm90(kernel, args: dict, const: dict) -> str:
             f"ptxas spill stores {spills} B, wgmma serialized {serialized}")
 
 
-def gemm_args(tile, gated: bool) -> tuple[dict, dict]:
+def gemm_args(tile) -> tuple[dict, dict]:
     """(args, constexprs) of the kernel at a small shape (E=2, N=512, K=512)."""
     from gluon_fp8_compile_cpu import _descriptor
 
     from moekit.experts.triton_gluon_blk256 import CONSUMER_REGS, SUB_M, out_cols
 
     e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
-    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
-    cols = out_cols(tile, gated)
+    cols = out_cols(tile)
     int32 = torch.empty(1, dtype=torch.int32)
-    args = dict(a_desc=_descriptor([t, r], [SUB_M, tile.block_k], bf16),
-                w_desc=_descriptor([e * w_rows, r], [cols if gated else tile.block_n, tile.block_k], bf16),
-                c_desc=_descriptor([t, c], [SUB_M, cols], bf16), experts_ptr=int32, used_ptr=int32,
-                sorted_ptr=int32, num_assignments=t, reduce_dim=r, num_col_blocks=c // cols)
-    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 SEARCH_STEPS=4, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, SPREAD=tile.spread)
+    args = dict(a_desc=_descriptor([t, k], [SUB_M, tile.block_k], bf16),
+                w_desc=_descriptor([e * 2 * n, k], [cols, tile.block_k], bf16),
+                c_desc=_descriptor([t, n], [SUB_M, cols], bf16), experts_ptr=int32, used_ptr=int32,
+                sorted_ptr=int32, num_assignments=t, reduce_dim=k, num_col_blocks=n // cols)
+    const = dict(W_ROWS=2 * n, GATE_OFFSET=n, STAGES=tile.stages, GROUP_M=tile.group_m, SEARCH_STEPS=4,
+                 CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return args, const
 
 
@@ -63,13 +62,12 @@ def main() -> int:
     from blk256_variants import UP_VARIANTS
 
     from moekit.experts._kernels.gluon_gemm_blk256 import blk256_gemm_kernel
-    from moekit.experts.triton_gluon_launch import BLK256_DOWN_TILE
 
     failed = 0
-    for name, gated, tile in ((*((n, True, t) for n, t in UP_VARIANTS.items()), ("down", False, BLK256_DOWN_TILE))):
+    for name, tile in UP_VARIANTS.items():
         try:
-            report = compile_sm90(blk256_gemm_kernel, *gemm_args(tile, gated))
-            print(f"OK triton {triton.__version__} {name} {tile} (model SMEM {tile.shared_bytes(gated)} B): {report}",
+            report = compile_sm90(blk256_gemm_kernel, *gemm_args(tile))
+            print(f"OK triton {triton.__version__} {name} {tile} (model SMEM {tile.shared_bytes(True)} B): {report}",
                   flush=True)
         except Exception as exc:  # noqa: BLE001 (report each)
             failed += 1

@@ -9,7 +9,8 @@ Parts (``part_calls``): the gate-up GEMM alone at 128-row tiles and each 256-row
 at 128 / 256-row tiles under balanced routing (M*k/E rows an expert: no padding at these cells), the route's down
 GEMM, and cuBLAS ``bmm`` on each expert's M*k/E rows (``mid7_variants.bmm_calls``: the vendor's grouped GEMM at the
 same bytes and FLOPs, no padding). CK1 also timed both GEMMs on 256-row tiles (``BLK256_DOWN_TILE``; in 32-deep
-steps too): the down one 1.15-2x slower alone at every cell (3 stages), no longer timed.
+steps too): the down one 1.15-2x slower alone at every cell (3 stages); it and the spread gate-up form (a tile of
+<= 128 rows on both consumers, lost in both runs) were removed after session 28 (history: 5d589df).
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ from mid7_variants import Variant, bmm_calls, gemm_calls, gluon_call, layout_buf
 from moekit.experts.triton_gluon_launch import BLK256_UP_TILE, UP_TILE
 
 # the gate-up tiles on 256 rows: as CK1 measured it; GROUP_M = 4 (two tiles of an expert over 256 rows share a
-# column block, so its weight tiles are read once for both while they run); spread (a tile of <= 128 rows on both
-# consumers)
-UP_VARIANTS = {"b256 up": BLK256_UP_TILE, "b256 up gm4": replace(BLK256_UP_TILE, group_m=4),
-               "b256 up spread": replace(BLK256_UP_TILE, spread=True)}
+# column block, so its weight tiles are read once for both while they run)
+UP_VARIANTS = {"b256 up": BLK256_UP_TILE, "b256 up gm4": replace(BLK256_UP_TILE, group_m=4)}
 
 
 def lean_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
@@ -57,7 +56,7 @@ def part_calls(x, ids, w13, w2, m: int, top_k: int, balanced_ids) -> dict:
     out["up g128"], out["down route"] = gemm_calls(x, ids, w13, w2, UP_TILE, route_down)
     for name, up in UP_VARIANTS.items():
         out[name.replace("b256 up", "up b256")] = gemm_calls(x, ids, w13, w2, up, route_down)[0]
-    for name, up in (("g128", UP_TILE), ("b256", BLK256_UP_TILE), ("b256 spread", UP_VARIANTS["b256 up spread"])):
+    for name, up in (("g128", UP_TILE), ("b256", BLK256_UP_TILE)):
         out[f"up {name} balanced"] = gemm_calls(x, balanced_ids, w13, w2, up, route_down)[0]
     out["up bmm"] = bmm_calls(m, top_k, w13, w2)["up bmm"]
     return out

@@ -8,7 +8,8 @@ change that should leave the default kernels' machine code alone (an option remo
     python3 benchmarks/gluon_sass_diff_cpu.py --compare /tmp/sass-before /tmp/sass-after
 
 Kernels: bf16 gate-up (TMA, and gathering in its loader), down (GROUP_M 8 and the narrow tile's plain order), down
-with the 64-row tail, the weight-only GEMM (int8 / int4 / mxfp4: it shares ``gluon_gemm._loader``). Each is
+with the 64-row tail, the gate-up GEMM on 256-row tiles (``BLK256_UP_TILE``), the weight-only GEMM (int8 / int4 /
+mxfp4: it shares ``gluon_gemm._loader``); ``--only NAME ...`` picks some (``blk256_up``: two consumers). Each is
 compiled with the arguments its signature names (``_compile``: a removed parameter is not passed, one the case
 does not know gets a stand-in), DeepSeek-V3-like widths.
 ``--compare`` prints per kernel: lines, lines that differ, and whether they differ only in the constant bank's
@@ -96,9 +97,22 @@ def bf16_cases() -> dict:
         const = dict(W_ROWS=K, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=8)
         return _compile(gluon_gemm_tail.tail_down_kernel, args, const, tuple(ptrs))
 
+    def blk256_up():
+        from moekit.experts._kernels.gluon_gemm_blk256 import blk256_gemm_kernel
+        from moekit.experts.triton_gluon_blk256 import CONSUMER_REGS, CONSUMER_WARPS, MAX_REGISTERS, SUB_M
+        from moekit.experts.triton_gluon_launch import BLK256_UP_TILE as tile
+
+        cols = tile.block_n // 2  # 64 gate + 64 up weight rows a stage, 64 output columns
+        args = ptrs | dict(a_desc=desc([T, K], [SUB_M, tile.block_k], bf16), num_assignments=T, reduce_dim=K,
+                           w_desc=desc([E * 2 * N, K], [cols, tile.block_k], bf16),
+                           c_desc=desc([T, N], [SUB_M, cols], bf16), num_col_blocks=N // cols)
+        const = dict(W_ROWS=2 * N, GATE_OFFSET=N, GATED=True, STAGES=tile.stages, GROUP_M=tile.group_m,
+                     SEARCH_STEPS=6, CONSUMER_REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS)
+        return _compile(blk256_gemm_kernel, args, const, (*ptrs, "reduce_dim"), CONSUMER_WARPS, MAX_REGISTERS)
+
     return {"gateup_tma": lambda: plain(UP_TILE, True), "down": lambda: plain(DOWN_TILE, False),
             "down_narrow": lambda: plain(NARROW_DOWN_TILE, False, 768), "gateup_gather": lambda: gather(UP_TILE),
-            "down_tail": lambda: tail(with_tail(DOWN_TILE))}
+            "down_tail": lambda: tail(with_tail(DOWN_TILE)), "blk256_up": blk256_up}
 
 
 def wo_case(gated: bool, stages: int, scheme: int, block_n: int = 128, block_k: int = 64):
@@ -121,7 +135,7 @@ def wo_case(gated: bool, stages: int, scheme: int, block_n: int = 128, block_k: 
     return _compile(grouped_gemm_wo_kernel, args, const, ())
 
 
-def dump(out: Path) -> int:
+def dump(out: Path, only: list[str] | None) -> int:
     import triton
     from wo_gemv_sass_cpu import _tool
 
@@ -129,7 +143,7 @@ def dump(out: Path) -> int:
     cases = bf16_cases() | {"wo_int8_up": lambda: wo_case(True, 4, 0), "wo_int4_down": lambda: wo_case(False, 6, 1),
                             "wo_mxfp4_up": lambda: wo_case(True, 4, 2)}
     print(f"triton {triton.__version__} -> {out}", flush=True)
-    for name, build in cases.items():
+    for name, build in ((n, b) for n, b in cases.items() if not only or n in only):
         compiled = build()
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -162,8 +176,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dump", type=Path)
     parser.add_argument("--compare", type=Path, nargs=2)
+    parser.add_argument("--only", nargs="+", help="kernel names to dump (default: all)")
     args = parser.parse_args()
-    return dump(args.dump) if args.dump else compare(*args.compare)
+    return dump(args.dump, args.only) if args.dump else compare(*args.compare)
 
 
 if __name__ == "__main__":

@@ -157,10 +157,10 @@ def _blk256_live(ex: list[int], sorted_ptr, block: int, nrb: int, num_assignment
 
 
 def blk256_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr, num_assignments, num_col_blocks, W_ROWS,
-                GATE_OFFSET, GATED, **_):
-    """The 256-row GEMM: a tile starts at each even block counted from its expert's first and covers that expert's
-    64-row sub-tiles from there (at most four) up to its first padding row; column block by column block (cb * C
-    columns, C = the output block's; gated: gate rows cb * C.., up rows GATE_OFFSET + cb * C..)."""
+                GATE_OFFSET, **_):
+    """The 256-row gate-up GEMM: a tile starts at each even block counted from its expert's first and covers that
+    expert's 64-row sub-tiles from there (at most four) up to its first padding row; column block by column block
+    (cb * C columns, C = the output block's; gate rows cb * C.., up rows GATE_OFFSET + cb * C..)."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     sub, cols = c_desc.block_shape
     assert a_desc.block_shape[0] == sub == 64 and w_desc.block_shape[0] == cols
@@ -174,11 +174,9 @@ def blk256_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr, num_a
         rows = slice(block * BLOCK, block * BLOCK + sub * _blk256_live(ex, sorted_ptr, block, nrb, num_assignments))
         for cb in range(num_col_blocks):
             w0 = ex[block] * W_ROWS + cb * cols
-            product = a[rows].float() @ w[w0:w0 + cols].float().T  # [live * 64, C]
-            if GATED:
-                up = w[w0 + GATE_OFFSET:w0 + GATE_OFFSET + cols].float()
-                product = torch.nn.functional.silu(product) * (a[rows].float() @ up.T)
-            c[rows, cb * cols:(cb + 1) * cols] = product.to(c.dtype)
+            gate = a[rows].float() @ w[w0:w0 + cols].float().T  # [live * 64, C]
+            up = a[rows].float() @ w[w0 + GATE_OFFSET:w0 + GATE_OFFSET + cols].float().T
+            c[rows, cb * cols:(cb + 1) * cols] = (torch.nn.functional.silu(gate) * up).to(c.dtype)
 
 
 class FakeKernel:
@@ -209,7 +207,7 @@ def install_fakes(setattr_=setattr) -> dict:
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
     returns {"bf16", "fp8", "gather", "tail", "wo", "blk256": FakeKernel} (the gather: the bf16 gate-up GEMM with the
     gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8
-    weight-only GEMM; blk256: the bf16 GEMMs on 256-row tiles)."""
+    weight-only GEMM; blk256: the bf16 gate-up GEMM on 256-row tiles)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches

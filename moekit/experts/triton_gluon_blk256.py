@@ -1,4 +1,4 @@
-"""The bf16 Gluon GEMMs whose tile covers up to 256 rows of one expert, skipping padding in 64-row steps
+"""The bf16 Gluon gate-up GEMM whose tile covers up to 256 rows of one expert, skipping padding in 64-row steps
 (``_kernels/gluon_gemm_blk256.py``, ``GluonTile.blk256``; issue 19 at the ridge and small prefill).
 
 ``live_subtiles`` is the kernel's tile list in torch (per 128-row block of the 128-aligned layout: 0 where the block
@@ -24,9 +24,10 @@ CONSUMER_WARPS = 4  # the default partition (consumer 0); consumer 1 (4 warps) a
 MAX_REGISTERS, CONSUMER_REGS = 160, 224
 
 
-def out_cols(tile: GluonTile, gated: bool) -> int:
-    """Output columns of one tile: the weight stage's 128 rows are 64 gate + 64 up rows (gate-up) or 128 columns."""
-    return tile.block_n // 2 if gated else tile.block_n
+def out_cols(tile: GluonTile) -> int:
+    """Output columns of one tile (and weight rows of one descriptor block): a stage's 128 weight rows are 64 gate
+    + 64 up rows."""
+    return tile.block_n // 2
 
 
 def live_subtiles(block_experts: torch.Tensor, sorted_ids: torch.Tensor, rows_used: int,
@@ -54,23 +55,24 @@ def live_subtiles(block_experts: torch.Tensor, sorted_ids: torch.Tensor, rows_us
 
 def launch_blk256_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
                        sorted_ids: torch.Tensor, rows_used: torch.Tensor, num_assignments: int, tile: GluonTile,
-                       gated: bool, w_rows: int, gate_offset: int = 0) -> None:
-    """out [T, C] = act(a [T, R] @ w[e]^T) on the live sub-tiles (``live_subtiles``), other rows unwritten; w [E*w_rows,
-    R] (contiguous 2-D view); gated: C = N, gate rows c.., up rows gate_offset + c..; block_experts [T // 128] int32;
-    sorted_ids [T] int32 (>= num_assignments: padding); rows_used: a 1-element integer tensor (a multiple of 128)."""
-    check_tile(tile, gated)
+                       w_rows: int, gate_offset: int) -> None:
+    """out [T, N] = silu(a [T, K] @ w[e, :N]^T) * (a @ w[e, N:]^T) on the live sub-tiles (``live_subtiles``), other
+    rows unwritten; w [E*w_rows, K] (contiguous 2-D view), gate rows c.., up rows gate_offset + c..; block_experts
+    [T // 128] int32; sorted_ids [T] int32 (>= num_assignments: padding); rows_used: a 1-element integer tensor (a
+    multiple of 128)."""
+    check_tile(tile, True)
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_blk256").blk256_gemm_kernel
-    cols = out_cols(tile, gated)
+    cols = out_cols(tile)
     a_desc = gluon_descriptor(a, [SUB_M, tile.block_k])
-    w_desc = gluon_descriptor(w, [cols if gated else tile.block_n, tile.block_k])
+    w_desc = gluon_descriptor(w, [cols, tile.block_k])
     c_desc = gluon_descriptor(out, [SUB_M, cols])
     num_col_blocks = out.shape[1] // cols
     num_row_blocks = -(-a.shape[0] // BLOCK_M)
     grid = (max(1, min(num_sms(a.device), num_row_blocks * num_col_blocks)),)
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, sorted_ids, num_assignments, a.shape[1],
-                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                 GROUP_M=tile.group_m, SEARCH_STEPS=search_steps(num_row_blocks), CONSUMER_REGS=CONSUMER_REGS,
-                 SPREAD=tile.spread, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
+                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, STAGES=tile.stages, GROUP_M=tile.group_m,
+                 SEARCH_STEPS=search_steps(num_row_blocks), CONSUMER_REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS,
+                 maxnreg=MAX_REGISTERS)
 
 
 def search_steps(num_row_blocks: int) -> int:
@@ -79,8 +81,8 @@ def search_steps(num_row_blocks: int) -> int:
 
 
 def blk256_gemm_twin(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
-                     sorted_ids: torch.Tensor, rows_used: torch.Tensor, num_assignments: int, gated: bool,
-                     w_rows: int, gate_offset: int = 0) -> None:
+                     sorted_ids: torch.Tensor, rows_used: torch.Tensor, num_assignments: int, w_rows: int,
+                     gate_offset: int) -> None:
     """``launch_blk256_gemm`` in torch (float32 products rounded to out's dtype): the rows the kernel writes, the
     others untouched. Syncs (reads rows_used)."""
     used = int(rows_used.reshape(-1)[0])
@@ -90,8 +92,6 @@ def blk256_gemm_twin(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_
         if n == 0:
             continue
         rows, first = slice(b * BLOCK_M, b * BLOCK_M + n * SUB_M), int(block_experts[b]) * w_rows
-        product = a[rows].float() @ w[first:first + cols].float().t()  # [n * 64, C]
-        if gated:
-            up = a[rows].float() @ w[first + gate_offset:first + gate_offset + cols].float().t()
-            product = torch.nn.functional.silu(product) * up
-        out[rows] = product.to(out.dtype)
+        gate = a[rows].float() @ w[first:first + cols].float().t()  # [n * 64, N]
+        up = a[rows].float() @ w[first + gate_offset:first + gate_offset + cols].float().t()
+        out[rows] = (torch.nn.functional.silu(gate) * up).to(out.dtype)

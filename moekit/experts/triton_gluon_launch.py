@@ -40,9 +40,9 @@ class GluonTile:
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
     (``triton_gluon_tail``, the padding tax). ``blk256``: a tile covers up to 256 rows of one expert (two row
     blocks), its 64-row sub-tiles past the expert's real rows skipped; the weight stage's ``block_n`` = 128 rows are
-    64 gate + 64 up rows on the gate-up GEMM (``triton_gluon_blk256``); with ``spread`` a 256-row tile with at most
-    two live sub-tiles runs one on each consumer warpgroup (m64 each), not both on the first (m128). (64-row tiles
-    and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
+    64 gate + 64 up rows (``triton_gluon_blk256``; the gate-up GEMM only: the down GEMM on such tiles and a
+    ``spread`` form lost in session 28, removed, history 5d589df). (64-row tiles and one consumer warpgroup: measured
+    at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
@@ -50,7 +50,6 @@ class GluonTile:
     group_m: int = 8
     tail: int = 0
     blk256: bool = False
-    spread: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -59,16 +58,14 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
-        if (self.blk256 and (self.block_n != 128 or self.tail)) or (self.spread and not self.blk256):
-            raise ValueError(f"blk256={self.blk256} with block_n={self.block_n} (128), tail={self.tail} (none); "
-                             f"spread={self.spread} (blk256 only)")
+        if self.blk256 and (self.block_n != 128 or self.tail):
+            raise ValueError(f"blk256={self.blk256} with block_n={self.block_n} (128), tail={self.tail} (none)")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
-        tiles (the tail's too); blk256: stages x (256 + 128 rows) + two [128, 64 or 128] output buffers."""
+        tiles (the tail's too); blk256 (gate-up): stages x (256 + 128 rows) + two [128, 64] output buffers."""
         if self.blk256:
-            out = 2 * BLOCK_M * (self.block_n // 2 if gated else self.block_n)
-            return element_size * (self.stages * (2 * BLOCK_M + self.block_n) * self.block_k + out)
+            return element_size * (self.stages * (2 * BLOCK_M + self.block_n) * self.block_k + BLOCK_M * self.block_n)
         stage = (BLOCK_M + self.tail + (2 if gated else 1) * self.block_n) * self.block_k
         return element_size * (self.stages * stage + (BLOCK_M + self.tail) * self.block_n)
 
@@ -83,9 +80,12 @@ class GluonTile:
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     """Raise (naming the tile) where it cannot run: SMEM over sm_90's, accumulators over 128 registers a
     thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands), a tail on
-    the gate-up GEMM (measured slower everywhere: its 3 stages; removed)."""
+    the gate-up GEMM (measured slower everywhere: its 3 stages; removed), 256-row tiles on the down GEMM (slower:
+    removed)."""
     if gated and tile.tail:
         raise ValueError(f"tile={tile}: a tail is for the down GEMM only")
+    if not gated and tile.blk256:
+        raise ValueError(f"tile={tile}: 256-row tiles are for the gate-up GEMM only")
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
@@ -113,10 +113,9 @@ DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6)  # 6 x 32 KB ring + 32 
 NARROW_INTER = 1024
 NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
 # 256-row tiles (``GluonTile.blk256``): one row block's column blocks in turn (its A sub-tiles shared in L2 by the
-# programs running them, each expert's weight rows read in order). The down one is an option no default takes
-# (3 stages: 1.5-2x slower alone than DOWN_TILE at every cell of session 28's CK1)
+# programs running them, each expert's weight rows read in order). The gate-up GEMM only (a down one, 3 stages, was
+# 1.5-2x slower alone than DOWN_TILE at every cell of session 28's CK1: removed, history 5d589df)
 BLK256_UP_TILE = GluonTile(block_n=128, block_k=64, stages=4, group_m=1, blk256=True)  # 4 x 48 KB + 2 x 16 KB out
-BLK256_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=3, group_m=1, blk256=True)  # 3 x 48 KB + 2 x 32 KB
 
 
 # The padding tax (issue 19): the route's down GEMM folds an expert's mostly empty last 128-row block into the tiles
@@ -251,9 +250,9 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     if tile.blk256:
         from moekit.experts.triton_gluon_blk256 import launch_blk256_gemm
 
-        if sorted_ids is None:
-            raise ValueError(f"tile={tile}: blk256 reads the layout's sorted_ids; none given")
-        launch_blk256_gemm(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, gated, w_rows,
+        if sorted_ids is None or not gated:
+            raise ValueError(f"tile={tile}: blk256 needs the layout's sorted_ids and the gate-up GEMM (gated={gated})")
+        launch_blk256_gemm(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows,
                            gate_offset)
         return
     if tile.tail:

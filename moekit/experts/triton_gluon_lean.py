@@ -89,7 +89,7 @@ class GluonLeanPlan:
     # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
-    blk256: tuple = (False, False)  # (gate-up, down) on 256-row tiles: a sixth pointer, sorted_ids
+    blk256: bool = False  # the gate-up GEMM on 256-row tiles: a sixth pointer, sorted_ids
 
 
 def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False,
@@ -128,9 +128,9 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     if in_loader and (fp8 or not loader_gather_fits(x)):
         raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
                          f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
-    if not fp8 and (up.tail or (in_loader and up.blk256)):
-        raise ValueError(f"up={up}: a tail is for the down GEMM only; 256-row tiles read x_perm "
-                         f"(in_loader={in_loader})")
+    if not fp8 and (up.tail or (in_loader and up.blk256) or down.blk256):
+        raise ValueError(f"up={up}, down={down}: a tail is for the down GEMM only; 256-row tiles for the gate-up GEMM, "
+                         f"reading x_perm (in_loader={in_loader})")
     from moekit.layouts.grouping import max_padded_rows
 
     options = resolve_launch_options(LaunchOptions(), x.device)
@@ -153,7 +153,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=align.kept_counters), align,
                          weight_key, part.blocks, part.gather, part.up, part.down, combine,
-                         (False, False) if fp8 else (up.blk256, down.blk256))
+                         not fp8 and up.blk256)
 
 
 def gather_launch(x, rows: int, num_assignments: int, top_k: int, launch: dict) -> BoundLaunch:
@@ -196,22 +196,19 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
     def tail_blocks(tile) -> tuple:
         return ((tile.tail, tile.block_k), (tile.tail, tile.block_n)) if tile.tail else (None, None)
 
-    def rows_cols(tile, gated: bool) -> tuple:  # (rows of the A and C blocks, columns of C and of a weight block)
-        return (SUB_M, out_cols(tile, gated), out_cols(tile, True) if gated else tile.block_n) if tile.blk256 else (
-            BLOCK_M, tile.block_n, tile.block_n)
-
-    (up_m, up_c, up_w), (down_m, down_c, down_w) = rows_cols(up, True), rows_cols(down, False)
-    blocks = ((up_m, up.block_k), (up_m, up_c), (down_m, down.block_k), (down_m, down_c), *tail_blocks(down))
-    weight_blocks = ((up_w, up.block_k), (down_w, down.block_k))
+    up_m, up_c = (SUB_M, out_cols(up)) if up.blk256 else (BLOCK_M, up.block_n)  # rows of A and C, C's columns
+    blocks = ((up_m, up.block_k), (up_m, up_c), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n), *tail_blocks(down))
+    weight_blocks = ((up_c, up.block_k), (down.block_n, down.block_k))  # (256-row tiles: 64 gate, 64 up rows)
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
-        if tile.blk256:  # 256-row tiles (``triton_gluon_blk256``): A, W, C, expert_ids, num_padded, sorted_ids
+        if tile.blk256:  # the gate-up GEMM on 256-row tiles (``triton_gluon_blk256``): A, W, C, expert_ids,
+            # num_padded, sorted_ids
             blk = importlib.import_module(f"{_KERNELS}.gluon_gemm_blk256").blk256_gemm_kernel
-            step = out_cols(tile, gated)
+            step = out_cols(tile)
             return BoundLaunch(blk, grid(cols, step), 6, (num_assignments, reduce_dim, cols // step), W_ROWS=w_rows,
-                               GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                               GATE_OFFSET=gate_offset, STAGES=tile.stages, GROUP_M=tile.group_m,
                                SEARCH_STEPS=search_steps(cdiv(rows, BLOCK_M)), CONSUMER_REGS=CONSUMER_REGS,
-                               SPREAD=tile.spread, num_warps=CONSUMER_WARPS, maxnreg=BLK256_REGISTERS, **launch)
+                               num_warps=CONSUMER_WARPS, maxnreg=BLK256_REGISTERS, **launch)
         if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
             tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
             return BoundLaunch(tail_down, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
@@ -303,10 +300,9 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
         t_down, ct_down = acts[4:]
-        # a GEMM on 256-row tiles reads the layout's sorted_ids too (its sixth pointer)
-        up_rows, down_rows = ((rows + (b["sorted_ids"],) if blk else rows) for blk in plan.blk256)
+        up_rows = rows + (b["sorted_ids"],) if plan.blk256 else rows  # 256-row tiles: sorted_ids, a sixth pointer
         down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"])
-                if t_down is not None else (a_down, pair.w2, c_down, *down_rows))
+                if t_down is not None else (a_down, pair.w2, c_down, *rows))
         if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
             launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
         else:

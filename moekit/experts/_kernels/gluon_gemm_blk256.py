@@ -1,6 +1,7 @@
-"""The bf16 Gluon grouped GEMMs with 256-row tiles that skip padding in 64-row steps (issue 19 at the ridge).
+"""The bf16 Gluon grouped gate-up GEMM with 256-row tiles that skip padding in 64-row steps (issue 19 at the ridge).
 
-    out[r, c] = act(A[r, :] @ W[e(r), c, :]^T)      r: a row of the 128-aligned contiguous layout, e(r) its expert
+    out[r, c] = silu(A[r, :] @ W[e(r), c, :]^T) * (A[r, :] @ W[e(r), N + c, :]^T)
+    r: a row of the 128-aligned contiguous layout, e(r) its expert
 
 ``gluon_gemm.grouped_gemm_kernel`` computes every 128-row block as one tile, so an expert whose rows end a few past a
 block boundary streams its weight tiles twice (Mixtral M = 512: gate-up 606-640 µs under uniform routing, 485-510
@@ -11,10 +12,11 @@ from the expert's first block (``_first_block``: a binary search in ``block_expe
 are neither loaded, multiplied nor stored, so padding costs tensor work only in 64-row steps and every weight tile
 serves up to 256 rows: an expert with <= 256 rows streams its weights once.
 
-Per K step a stage holds A [256, BK] (the live 64-row sub-tiles, by TMA) and W [128, BK]: GATED (gate-up), the tile's
-64 gate rows then its 64 up rows, one m64n128 wgmma covering both, so silu(gate) * up is a register split (the wgmma
-fragment repeats every 8 columns: columns c and 64 + c sit in one thread); out [256, 64]. Else (down) 128 weight rows,
-out [256, 128]. Three partitions a program:
+Per K step a stage holds A [256, BK] (the live 64-row sub-tiles, by TMA) and W [128, BK]: the tile's 64 gate rows then
+its 64 up rows, one m64n128 wgmma covering both, so silu(gate) * up is a register split (the wgmma fragment repeats
+every 8 columns: columns c and 64 + c sit in one thread); out [256, 64]. (A down GEMM on these tiles and a SPREAD
+form, one m64 on each consumer for a tile of <= 2 live sub-tiles, lost on the H200 in session 28: removed, history
+5d589df.) Three partitions a program:
   - consumer 0 (default partition, 4 warps) rows 0-127, consumer 1 (worker, 4 warps) rows 128-255: each runs an m128
     (two live sub-tiles), an m64 (one) or no MMA (none: it only releases the stages), [M, 128] float32 accumulators
     (at most 128 registers a thread), its own epilogue;
@@ -72,13 +74,13 @@ def _tile_state(t, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr, num_
 
 @gluon.jit
 def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
-            reduce_dim, num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-            GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+            reduce_dim, num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GROUP_M: gl.constexpr,
+            SEARCH_STEPS: gl.constexpr):
     SUB_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    W_N: gl.constexpr = w_desc.block_type.shape[0]  # GATED: 64 gate rows (then 64 up rows); else 128
+    W_N: gl.constexpr = w_desc.block_type.shape[0]  # 64 gate rows (then 64 up rows)
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    W_BYTES: gl.constexpr = (2 if GATED else 1) * w_desc.block_type.nbytes
+    W_BYTES: gl.constexpr = 2 * w_desc.block_type.nbytes
     SUB_BYTES: gl.constexpr = a_desc.block_type.nbytes
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * SUB_M)
     num_tiles = num_row_blocks * num_col_blocks
@@ -100,8 +102,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, sorted_pt
                               a.slice(j * SUB_M, SUB_M), pred=live > j)
                 w = w_bufs.index(s)
                 _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w.slice(0, W_N))
-                if GATED:
-                    _tma_load(w_desc, [w_row + GATE_OFFSET, kk * BLOCK_K], ready.index(s), w.slice(W_N, W_N))
+                _tma_load(w_desc, [w_row + GATE_OFFSET, kk * BLOCK_K], ready.index(s), w.slice(W_N, W_N))
                 it += 1
 
 
@@ -119,15 +120,14 @@ def _release(ready, empty, k_steps, it):
 
 
 @gluon.jit
-def _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, ROW: gl.constexpr, M: gl.constexpr,
-          GATED: gl.constexpr):
+def _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, ROW: gl.constexpr, M: gl.constexpr):
     """Rows ROW .. ROW + M of the tile (M = 128: two sub-tiles, 64: one) at row0 + ROW of out, column block cb."""
     W_N: gl.constexpr = w_bufs.type.shape[1]
     SUB_M: gl.constexpr = c_desc.block_type.shape[0]
     OUT_N: gl.constexpr = c_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W_N, 16])
-    acc = gl.zeros([M, W_N], gl.float32, layout)  # GATED: [gate | up]
+    acc = gl.zeros([M, W_N], gl.float32, layout)  # [gate | up]
     for kk in range(k_steps):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -138,11 +138,8 @@ def _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, RO
         it += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
-    if GATED:
-        gate, up = acc.reshape([M, 2, OUT_N]).permute((0, 2, 1)).split()  # [M, 64] each
-        out = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up
-    else:
-        out = acc
+    gate, up = acc.reshape([M, 2, OUT_N]).permute((0, 2, 1)).split()  # [M, 64] each
+    out = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up
     tma.store_wait(0)  # the last tile's stores have read c_buf
     c_buf.slice(0, M).store(out.to(c_desc.dtype))
     fence_async_shared()
@@ -152,43 +149,24 @@ def _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, RO
 
 
 @gluon.jit
-def _share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, live, k_steps, it, SUB: gl.constexpr,
-           GATED: gl.constexpr):
+def _share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, live, k_steps, it, SUB: gl.constexpr):
     """This consumer's share of a tile with ``live`` sub-tiles (1-4): its rows SUB * 128 .. as an m128 (two of them
     live), an m64 (one) or no MMA; returns the ring position after the tile."""
     SUB_M: gl.constexpr = c_desc.block_type.shape[0]
     mine = gl.minimum(gl.maximum(live - 2 * SUB, 0), 2)  # this consumer's live sub-tiles
     if mine == 2:
-        it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, SUB * 2 * SUB_M, 2 * SUB_M,
-                   GATED)
+        it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, SUB * 2 * SUB_M, 2 * SUB_M)
     elif mine == 1:
-        it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, SUB * 2 * SUB_M, SUB_M, GATED)
+        it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, SUB * 2 * SUB_M, SUB_M)
     else:
         it = _release(ready, empty, k_steps, it)
     return it
 
 
 @gluon.jit
-def _spread_share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, live, k_steps, it, SUB: gl.constexpr,
-                  GATED: gl.constexpr):
-    """``_share``, except that a tile with at most two live sub-tiles gives sub-tile SUB to consumer SUB (an m64
-    each) instead of both to consumer 0 (one m128)."""
-    SUB_M: gl.constexpr = c_desc.block_type.shape[0]
-    if live <= 2:
-        if live > SUB:
-            it = _rows(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, SUB * SUB_M, SUB_M, GATED)
-        else:
-            it = _release(ready, empty, k_steps, it)
-    else:
-        it = _share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, live, k_steps, it, SUB, GATED)
-    return it
-
-
-@gluon.jit
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
-              reduce_dim, num_col_blocks, SUB: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
-              SEARCH_STEPS: gl.constexpr, SPREAD: gl.constexpr):
-    """Rows SUB * 128 .. of every tile (``_share``; SPREAD: ``_spread_share``)."""
+              reduce_dim, num_col_blocks, SUB: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+    """Rows SUB * 128 .. of every tile (``_share``)."""
     SUB_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * SUB_M)
@@ -200,27 +178,21 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_
         rb, cb, e, live = _tile_state(t, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr, num_assignments,
                                       GROUP_M, SEARCH_STEPS)
         if live > 0:
-            if SPREAD:
-                it = _spread_share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb * 2 * SUB_M, cb, live, k_steps,
-                                   it, SUB, GATED)
-            else:
-                it = _share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb * 2 * SUB_M, cb, live, k_steps, it, SUB,
-                            GATED)
+            it = _share(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb * 2 * SUB_M, cb, live, k_steps, it, SUB)
     tma.store_wait(0)
 
 
 @gluon.jit
 def blk256_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr, num_assignments, reduce_dim,
-                       num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                       STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, SPREAD: gl.constexpr = False):
-    """a_desc [T, R] blocks [64, BK]; w_desc [E*W_ROWS, R] blocks [64, BK] (GATED) or [128, BK]; c_desc [T, C] blocks
-    [64, 64] (GATED) or [64, 128]; experts_ptr [T / 128] int32 expert of each 128-row block (-1 past the rows in use);
-    used_ptr -> rows in use (a multiple of 128); sorted_ptr [T] int32 assignment of each row (>= num_assignments:
-    padding); the first five as ``gluon_gemm.grouped_gemm_kernel``'s (the lean launch binds them alike); reduce_dim =
-    R; num_col_blocks = C / (64 if GATED else 128); GATE_OFFSET = N when GATED. num_warps = 4. SPREAD: a tile with
-    at most two live sub-tiles runs one on each consumer (``_spread_share``)."""
-    W_N: gl.constexpr = w_desc.block_type.shape[0] * (2 if GATED else 1)
+                       num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, STAGES: gl.constexpr,
+                       GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """a_desc [T, K] blocks [64, BK]; w_desc [E*W_ROWS, K] blocks [64, BK] (W_ROWS = 2N: gate rows, then up rows at
+    GATE_OFFSET = N); c_desc [T, N] blocks [64, 64]; experts_ptr [T / 128] int32 expert of each 128-row block (-1 past
+    the rows in use); used_ptr -> rows in use (a multiple of 128); sorted_ptr [T] int32 assignment of each row (>=
+    num_assignments: padding); the first five as ``gluon_gemm.grouped_gemm_kernel``'s (the lean launch binds them
+    alike); reduce_dim = K; num_col_blocks = N / 64. num_warps = 4."""
+    W_N: gl.constexpr = 2 * w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     SUB_M: gl.constexpr = a_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 4 * SUB_M, BLOCK_K], a_desc.layout)
@@ -233,9 +205,9 @@ def blk256_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
-                     reduce_dim, num_col_blocks, FIRST_ROWS, GATED, GROUP_M, SEARCH_STEPS, SPREAD)),
+                     reduce_dim, num_col_blocks, FIRST_ROWS, GROUP_M, SEARCH_STEPS)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
-                     reduce_dim, num_col_blocks, SECOND_ROWS, GATED, GROUP_M, SEARCH_STEPS, SPREAD)),
+                     reduce_dim, num_col_blocks, SECOND_ROWS, GROUP_M, SEARCH_STEPS)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
-                   reduce_dim, num_col_blocks, W_ROWS, GATE_OFFSET, GATED, GROUP_M, SEARCH_STEPS)),
+                   reduce_dim, num_col_blocks, W_ROWS, GATE_OFFSET, GROUP_M, SEARCH_STEPS)),
     ], [4, 1], [CONSUMER_REGS, 24])
