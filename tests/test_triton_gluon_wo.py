@@ -169,7 +169,8 @@ def test_a_measured_cell_takes_the_path_without_a_decode(fake_gemms, monkeypatch
     out = run_experts_wo(x, a13, a2, ids, weights, None, scheme)
     assert len(fake_gemms["wo"].log) == 2 and _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
     plan = two.wo_lean_inputs(x, w13, w2, ids, weights, "silu", two.LaunchOptions())[0]  # kept: its lean launch's
-    assert isinstance(plan, WoLeanPlan) and plan.up.tail[-3] == {"int8_w8a16": 0, "int4_w4a16": 1}[scheme]  # SCHEME
+    named = dict(zip(plan.up._named, plan.up.tail[len(plan.up.tail) - len(plan.up._named):]))  # the constexprs
+    assert isinstance(plan, WoLeanPlan) and named["SCHEME"] == {"int8_w8a16": 0, "int4_w4a16": 1}[scheme]
     run_experts_wo(x[:599], a13, a2, ids[:599], weights[:599], None, scheme)  # below the range: the chooser's decode
     assert len(fake_gemms["wo"].log) == 2
     x2, ids2, _ = _call(601)
@@ -186,3 +187,36 @@ def test_off_hopper_a_measured_cell_keeps_the_triton_kernels(monkeypatch):
     monkeypatch.setattr(tgw, "gluon_supported", lambda device: True)
     assert tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "silu")
     assert not tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "gelu")  # a call it does not fit
+
+
+@pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16", "mxfp4"])
+def test_options_reach_the_kernel(fake_gemms, scheme):
+    from moekit.experts.triton_gluon_wo import GluonWoOptions
+
+    w13, w2 = _weights(scheme)
+    x, ids, weights = _call(40)
+    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, scheme, options=GluonWoOptions(split=True, fast=True))
+    assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
+    for _, bound, options in fake_gemms["wo"].log:
+        fast = scheme != "int8_w8a16"  # int8's decode has no FAST form
+        assert bound["SPLIT"] and bound["FAST"] == fast and options["num_warps"] == 4  # one warpgroup a partition
+        assert bound["c_desc"].block_shape == [128, 64]  # each partition stores its half of the 128 columns
+        words = bound["q_desc"].base.dtype == torch.int32
+        assert words == fast or (words and scheme == "int4_w4a16")  # FAST mxfp4 reads int32 words as int4 does
+        assert bound["q_desc"].block_shape[1] == 64 // (8 if words else {"int8_w8a16": 1, "mxfp4": 2}[scheme])
+
+
+def test_a_measured_shape_takes_its_variant(fake_gemms, monkeypatch):
+    import moekit.experts.triton_gluon_wo as tgw
+
+    w13, w2 = _weights("int4_w4a16")
+    x, ids, weights = _call(40)
+    measured = tgw.GluonWoGemms(tgw.GluonWoOptions(split=True), tgw.GluonWoOptions(fast=True, slots=3))
+    monkeypatch.setattr(tgw, "GLUON_WO_OPTIONS", {("int4_w4a16", E, N, K): tgw.MeasuredGemms(40, 80, measured)})
+    run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16")
+    run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16", options=tgw.GluonWoOptions())  # named: taken
+    run_experts_wo_gluon(x[:39], w13, w2, ids[:39], weights[:39], None, "int4_w4a16")  # below the measured M
+    assert [(b["SPLIT"], b["FAST"], b["SLOTS"]) for _, b, _ in fake_gemms["wo"].log] == [
+        (True, False, 2), (False, True, 3)] + [(False, False, 2)] * 4  # gate-up, down; then the session-27 kernel
+    with pytest.raises(ValueError, match="slots=4"):
+        tgw.GluonWoOptions(slots=4)

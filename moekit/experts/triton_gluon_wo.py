@@ -7,7 +7,8 @@ ahead of the wgmma).
       int4 / mxfp4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over k slots]
 
 ``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
-``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS), through the lean launch (``triton_gluon_wo_lean``: plan,
+``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS), each GEMM in the variant measured for its shape and M
+(GLUON_WO_OPTIONS: ``GluonWoOptions`` split / fast / slots), through the lean launch (``triton_gluon_wo_lean``: plan,
 descriptors, workspace and launches kept; the backend's repeated calls from ``triton_quant_fast``'s entry) or, with
 ``lean=False``, the plain launches built per call; ``gluon_wo_unfit`` says why a call cannot take it.
 ``experts_gluon_wo_twin`` is its arithmetic in torch (the oracle of the tests and the device check).
@@ -18,6 +19,7 @@ Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +33,35 @@ from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
 PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored element the kernel reads (int4: int32 words)
+
+
+@dataclass(frozen=True)
+class GluonWoOptions:
+    """Session 28's variants of the weight-only Gluon GEMMs (both GEMMs of a call; off: the session-27 kernel).
+    ``split``: two MMA partitions of one warpgroup each, each owning half of the tile's columns, decoding only the
+    weight rows it multiplies, with barriers of its own (none across the two); ``fast``: the decode in inline PTX on
+    int32 words (int4: no mask materialised a code; mxfp4: byte tables and bf16x2, read as words), the same values
+    (``_kernels/gluon_wo_fast.py``; int8 unchanged); ``slots``: decoded slots, 3: the decode of step k + 1 overlaps
+    two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages)."""
+
+    split: bool = False
+    fast: bool = False
+    slots: int = 2
+
+    def __post_init__(self):
+        if self.slots not in (2, 3):
+            raise ValueError(f"slots={self.slots}: 2 or 3")
+
+
+@dataclass(frozen=True)
+class GluonWoGemms:
+    """Each GEMM's variant: the gate-up GEMM's and the down GEMM's (checkpoint 1 of session 28: a third slot won on
+    the down GEMM and lost on the gate-up one, splitting won on the 4-bit gate-up)."""
+
+    up: GluonWoOptions = GluonWoOptions()
+    down: GluonWoOptions = GluonWoOptions()
+
+
 # (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
 # around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds and its eager calls
 # (``moekit bench``'s loop: 16 back to back, wall a call) no slower, every output PASS against the twin and the
@@ -54,7 +85,70 @@ GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     ("int8_w8a16", 256, 2048, 7168): (2048, 8192),
     ("int4_w4a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565)
     ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
+    # session 28 (wo8_device_check.py, checkpoint 1c at f83b663, graph µs: this path with GLUON_WO_OPTIONS' variant /
+    # the pick / bf16; 5 of 5 rounds >= 3% faster than the pick; the session-27 kernel through the lean launch lost
+    # here, above): the 4-bit Mixtral cells at M = 1024
+    ("int4_w4a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 2320 / scratch 2586 / 1349
+    ("mxfp4", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 2273 / scratch 2547 / 1349
 }
+
+
+@dataclass(frozen=True)
+class MeasuredGemms:
+    """The GEMMs' variants a shape takes for ``lo <= M < hi`` (the measured M up to twice it)."""
+
+    lo: int
+    hi: int
+    gemms: GluonWoGemms
+
+
+# (scheme, E, N, K) -> the GEMMs' variants a call of that shape and M takes when it names none (``wo_options``): where
+# the H200 measured them >= 3% faster than the session-27 kernel in 5 of 5 rounds, every output PASS against the twin
+# (benchmarks/wo8_device_check.py, session 28 checkpoint 1c at f83b663, graph µs of the whole call: the variant / the
+# session-27 kernel / bf16; the best median taken, the simplest where two were within 1%); else GluonWoGemms() (the
+# session-27 kernel).
+_FAST = GluonWoOptions(fast=True)
+_SPLIT_FAST = GluonWoOptions(split=True, fast=True)
+GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], MeasuredGemms] = {
+    # DeepSeek-V3 M=4096: 9369 / 10408 / 8078 (its third slot: down GEMM alone 3035 / 3696; on the gate-up GEMM,
+    # whose ring then holds 3 stages, 9456 / 7829: lost); against the pick of the base's kernels, timed after a call
+    # as it was, 9369 / 9806 (4/5): the notes' order bias, CK2 re-times it
+    ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(GluonWoOptions(), GluonWoOptions(slots=3))),
+    # DeepSeek-V3 M=4096: int4 11012 / 12078 / 8078, mxfp4 10356 / 11974 (split+fast|fast+slots3 10263)
+    ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
+    ("mxfp4", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
+    # Mixtral M=1024: int4 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314)
+    ("int4_w4a16", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SPLIT_FAST, _SPLIT_FAST)),
+    ("mxfp4", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SPLIT_FAST, _SPLIT_FAST)),
+}
+
+
+def wo_options(w13, w2, scheme: str, num_tokens: int) -> GluonWoGemms:
+    """The measured variants of this call's shape and M (GLUON_WO_OPTIONS), else the session-27 kernel's."""
+    got = GLUON_WO_OPTIONS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, w2.q.shape[1]))
+    return got.gemms if got is not None and got.lo <= num_tokens < got.hi else GluonWoGemms()
+
+
+@dataclass(frozen=True)
+class WoGemmLaunch:
+    """How one GEMM of a variant launches: its stored tile's dtype and block, its output block, warps and stages."""
+
+    words: bool  # q read as int32 words of 8 codes (int4; mxfp4 with fast)
+    q_block: tuple  # (BN, BK / weights a stored element)
+    c_block_n: int  # the output block's columns (split: BN / 2, a partition's)
+    num_warps: int  # the kernel's (split: one warpgroup)
+    stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer)
+    fast: bool  # the FAST constexpr (never for int8)
+
+
+def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOptions) -> WoGemmLaunch:
+    """``launch_gemm_wo``'s and the lean plan's shared choices for ``options`` on this GEMM."""
+    fast = options.fast and scheme != "int8_w8a16"
+    words = scheme == "int4_w4a16" or fast
+    stages = min(tile.stages, 3) if options.slots == 3 and gated and scheme == "int8_w8a16" else tile.stages
+    return WoGemmLaunch(words, (tile.block_n, tile.block_k // (8 if words else PACK[scheme])),
+                        tile.block_n // (2 if options.split else 1), NUM_WARPS // (2 if options.split else 1), stages,
+                        fast)
 
 
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
@@ -95,34 +189,38 @@ def scale_strides(w) -> tuple:
 
 
 def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor,
-                   tile: GluonTile, gated: bool, scheme: str, gate_offset: int = 0) -> None:
+                   tile: GluonTile, gated: bool, scheme: str, gate_offset: int = 0,
+                   options: GluonWoOptions = GluonWoOptions()) -> None:
     """out [T, C] = act(a [T, R] @ W[e]^T) per row block, W the weight ``w`` (q contiguous [E, w_rows, R / PACK])
     stores: int8 q * scale, int4 (q - zero) * scale per group, mxfp4 e2m1 * 2^(e8m0 - 127)."""
     kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     num_experts, w_rows, stored = w.q.shape
+    how = wo_gemm_launch(scheme, tile, gated, options)
     q = w.q.view(num_experts * w_rows, stored)
-    if scheme == "int4_w4a16":  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
+    if how.words:  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
         q = q.view(torch.int32)
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
-    q_desc = gluon_descriptor(q, [tile.block_n, tile.block_k // PACK[scheme]])
-    c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
+    q_desc = gluon_descriptor(q, list(how.q_block))
+    c_desc = gluon_descriptor(out, [BLOCK_M, how.c_block_n])
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)
     zero = w.scale if w.zero is None else w.zero  # int8: never read
     kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *scale_strides(w), a.shape[1],
-                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
+                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=how.stages,
                  GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+                 num_warps=how.num_warps, SPLIT=options.split, FAST=how.fast, SLOTS=options.slots,
+                 maxnreg=MAX_REGISTERS)
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
-                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
-                         lean: bool = True) -> torch.Tensor:
+                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None, lean: bool = True,
+                         options: GluonWoOptions | GluonWoGemms | None = None) -> torch.Tensor:
     """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
     ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail). ``lean``:
     through ``triton_gluon_wo_lean`` (plan, descriptors, workspace and launches kept); off: the plain launches, each
-    built per call (the same kernels and arguments: equal outputs)."""
+    built per call (the same kernels and arguments: equal outputs). ``options``: the GEMMs' variant, both GEMMs' or
+    each one's (None: ``wo_options``, those measured for this shape and M)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
@@ -130,17 +228,21 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
         raise ValueError(f"decode='gluon' cannot take this call: {reason}")
     num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
     down = down_tile(inter) if down is None else down
+    options = wo_options(w13, w2, scheme, x.shape[0]) if options is None else options
+    if isinstance(options, GluonWoOptions):
+        options = GluonWoGemms(options, options)
     if lean:
         from moekit.experts.triton_gluon_wo_lean import run_wo_lean
 
         return run_wo_lean(x, w13, w2, topk_ids.contiguous(), topk_weights.contiguous(),
-                           None if expert_map is None else expert_map.contiguous(), scheme, up_tile, down)
+                           None if expert_map is None else expert_map.contiguous(), scheme, up_tile, down, options)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
-    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter)
+    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter,
+                   options.up)
     y = x.new_empty(rows, hidden)  # [R, K]
-    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme)
+    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme, options=options.down)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out

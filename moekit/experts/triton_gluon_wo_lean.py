@@ -37,7 +37,9 @@ from moekit.experts.triton_gluon_launch import (
 from moekit.experts.triton_gluon_lean import (
     _DESCRIPTORS, _PLANS, _SEQUENCES, _WORKSPACES, MAX_PLANS, _lock, combine_launch, gather_launch,
 )
-from moekit.experts.triton_gluon_wo import GLUON_WO_SCHEMES, PACK, scale_strides
+from moekit.experts.triton_gluon_wo import (
+    GLUON_WO_SCHEMES, GluonWoGemms, WoGemmLaunch, scale_strides, wo_gemm_launch, wo_options,
+)
 from moekit.experts.triton_launch import LaunchOptions, cdiv, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
 from moekit.triton_bind import BoundLaunch
@@ -51,7 +53,7 @@ class WoLeanPlan:
 
     workspace: WorkspaceSpec  # the alignment's regions, dst [A] int32, x_perm [R, K], h [R, N], y [R, K] (x's dtype)
     align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
-    weight_key: tuple  # (_WO, device, scheme, q13 block, q2 block): the stored weights' descriptors
+    weight_key: tuple  # (_WO, device, scheme, q13 block, q2 block, q13 words, q2 words): the weights' descriptors
     blocks: tuple  # the activation descriptors' blocks: up A (x_perm), up C (h), down A (h), down C (y)
     gather: BoundLaunch  # pointers: x, sorted_ids, x_perm, dst
     up: BoundLaunch  # pointers: A, Q, C descriptors, expert_ids, num_padded, w13's scale, its zero (else the scale)
@@ -70,24 +72,26 @@ def _scale_key(w) -> tuple:
     return (w.scale.dtype, zero.dtype, scale_strides(w), w.scale.data_ptr() & 15, zero.data_ptr() & 15, w.group_size)
 
 
-def wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme: str, up: GluonTile, down: GluonTile) -> WoLeanPlan:
+def wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme: str, up: GluonTile, down: GluonTile,
+                options: GluonWoGemms = GluonWoGemms()) -> WoLeanPlan:
     """The cached plan of this call's kind: shapes, dtypes, device, x's row stride, the scales' layouts, every pointer's
-    16-byte alignment (Triton specialises on it), the map's length, the tiles. ``w13`` / ``w2``: ``WeightArgs`` or
-    ``WoWeight``; ``ids``, ``weights``, ``expert_map``: contiguous."""
+    16-byte alignment (Triton specialises on it), the map's length, the tiles, the GEMMs' variants. ``w13`` / ``w2``:
+    ``WeightArgs`` or ``WoWeight``; ``ids``, ``weights``, ``expert_map``: contiguous."""
     key = (_WO, scheme, x.shape, x.dtype, x.device, x.stride(0), w13.q.shape, w2.q.shape, w13.q.dtype, ids.shape[1],
            ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           _scale_key(w13), _scale_key(w2), up, down)
+           _scale_key(w13), _scale_key(w2), up, down, options)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, up, down)
+        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, up, down, options)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)), None)
         _PLANS[key] = plan
     return plan
 
 
-def build_wo_plan(x, w13, w2, ids, expert_map, scheme: str, up: GluonTile, down: GluonTile) -> WoLeanPlan:
+def build_wo_plan(x, w13, w2, ids, expert_map, scheme: str, up: GluonTile, down: GluonTile,
+                  variants: GluonWoGemms = GluonWoGemms()) -> WoLeanPlan:
     """The launches of one kind of call: ``triton_gluon_wo.launch_gemm_wo``'s grids, scalars and constexprs."""
     from moekit.layouts.grouping import max_padded_rows
 
@@ -102,33 +106,36 @@ def build_wo_plan(x, w13, w2, ids, expert_map, scheme: str, up: GluonTile, down:
     kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     sms = num_sms(x.device)
 
-    def gemm(w, tile: GluonTile, reduce_dim: int, cols: int, gated: bool) -> BoundLaunch:
+    def gemm(w, tile: GluonTile, reduce_dim: int, cols: int, gated: bool, how: WoGemmLaunch, opt) -> BoundLaunch:
         col_blocks = cols // tile.block_n
         return BoundLaunch(kernel, (max(1, min(sms, cdiv(rows, BLOCK_M) * col_blocks)),), 7,
                            (*scale_strides(w), reduce_dim, col_blocks), W_ROWS=w.q.shape[1],
-                           GATE_OFFSET=inter if gated else 0, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                           SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1), num_warps=NUM_WARPS,
-                           maxnreg=MAX_REGISTERS, **launch)
+                           GATE_OFFSET=inter if gated else 0, GATED=gated, STAGES=how.stages, GROUP_M=tile.group_m,
+                           SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1), num_warps=how.num_warps,
+                           SPLIT=opt.split, FAST=how.fast, SLOTS=opt.slots, maxnreg=MAX_REGISTERS, **launch)
 
     regions = [*align.regions, ("dst", torch.int32, (num_assignments,)), ("x_perm", x.dtype, (rows, hidden)),
                ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))]
-    pack = PACK[scheme]
-    weight_key = (_WO, x.device, scheme, (up.block_n, up.block_k // pack), (down.block_n, down.block_k // pack))
-    blocks = ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n))
+    how_up, how_down = wo_gemm_launch(scheme, up, True, variants.up), wo_gemm_launch(scheme, down, False, variants.down)
+    weight_key = (_WO, x.device, scheme, how_up.q_block, how_down.q_block, how_up.words, how_down.words)
+    blocks = ((BLOCK_M, up.block_k), (BLOCK_M, how_up.c_block_n), (BLOCK_M, down.block_k),
+              (BLOCK_M, how_down.c_block_n))  # (a split GEMM's output blocks: a partition's half)
     return WoLeanPlan(WorkspaceSpec.of(regions, counters=align.kept_counters), align, weight_key, blocks,
                       gather_launch(x, rows, num_assignments, top_k, launch),
-                      gemm(w13, up, hidden, inter, True), gemm(w2, down, inter, hidden, False),
+                      gemm(w13, up, hidden, inter, True, how_up, variants.up),
+                      gemm(w2, down, inter, hidden, False, how_down, variants.down),
                       combine_launch(num_tokens, hidden, num_experts, top_k, expert_map, launch))
 
 
 def wo_weight_pair(q13: torch.Tensor, q2: torch.Tensor, key: tuple) -> DescriptorPair:
     """The stored weights' descriptors of a plan's ``weight_key``: q13 [E, 2N, K / PACK] as [E*2N, K / PACK], q2
-    [E, K, N / PACK] as [E*K, N / PACK]; int4's bytes as int32 words (``WeightDescriptors.get``'s builder)."""
-    def rows(q: torch.Tensor) -> torch.Tensor:
+    [E, K, N / PACK] as [E*K, N / PACK]; as int32 words where the key says (int4; mxfp4 with FAST)
+    (``WeightDescriptors.get``'s builder)."""
+    def rows(q: torch.Tensor, words: bool) -> torch.Tensor:
         view = q.detach().view(-1, q.shape[2])
-        return view.view(torch.int32) if key[2] == "int4_w4a16" else view
+        return view.view(torch.int32) if words else view
 
-    return DescriptorPair(gluon_descriptor(rows(q13), key[3]), None, gluon_descriptor(rows(q2), key[4]))
+    return DescriptorPair(gluon_descriptor(rows(q13, key[5]), key[3]), None, gluon_descriptor(rows(q2, key[6]), key[4]))
 
 
 def activation_descriptors(plan: WoLeanPlan, b: dict) -> tuple:
@@ -151,12 +158,13 @@ def wo_launches(plan: WoLeanPlan, b: dict, acts: tuple, pair: DescriptorPair, x,
 
 
 def run_wo_lean(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map: torch.Tensor | None,
-                scheme: str, up: GluonTile = UP_TILE, down: GluonTile | None = None) -> torch.Tensor:
+                scheme: str, up: GluonTile = UP_TILE, down: GluonTile | None = None,
+                options: GluonWoGemms = GluonWoGemms()) -> torch.Tensor:
     """out [M, K] of a call on the weight-only Gluon path, checked by the caller (``run_experts_wo_gluon``): w13 / w2
     ``WeightArgs`` or ``WoWeight``; ``ids``, ``weights``, ``expert_map`` contiguous; ``up`` / ``down``: the tiles
-    (None: ``down_tile`` for N)."""
+    (None: ``down_tile`` for N); ``options``: the GEMMs' variants."""
     down = down_tile(w13.q.shape[1] // 2) if down is None else down
-    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, up, down)
+    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, up, down, options)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13.q, w2.q, plan.weight_key, wo_weight_pair)
     spec = plan.workspace
@@ -198,7 +206,8 @@ def wo_gluon_lean_inputs(x, w13, w2, ids, weights, scheme: str):
     """What ``triton_quant_fast`` records a backend call (no map, the default tiles) from: (plan, the pool, its
     launches as a function of (b, x, ids, weights, out), the weights bound), or None above the pool's size (the
     regions are then per call, and descriptors cannot be recorded over them)."""
-    plan = wo_plan_for(x, w13, w2, ids, weights, None, scheme, UP_TILE, down_tile(w13.q.shape[1] // 2))
+    plan = wo_plan_for(x, w13, w2, ids, weights, None, scheme, UP_TILE, down_tile(w13.q.shape[1] // 2),
+                       wo_options(w13, w2, scheme, x.shape[0]))
     if plan.workspace.nbytes > _WORKSPACES.max_bytes:
         return None
     pair = _DESCRIPTORS.get(w13.q, w2.q, plan.weight_key, wo_weight_pair)
