@@ -6,8 +6,8 @@ cells; since CK1 the route's gate-up tile at Mixtral M = 512 (``triton_gluon_lau
     (--cells mixtral-8x7b:512 --only "lean g128": the route against the route before it, no parts)
 
 ``mid7_device_check``'s machinery (its ``RunLog``: log, watchdog, table; PASS/FAIL against the twin, interleaved
-graph rounds; its module state is this run's), no compile workers. First the ceilings (the bench's: copy, bf16 mm 8192^3). Per cell (the
-bench's weights, two uniform routing sets; ``blk256_variants`` names every call):
+graph rounds; its module state is this run's), no compile workers. First the ceilings (the bench's: copy, bf16 mm
+8192^3). Per cell (the bench's weights, two uniform routing sets; ``blk256_variants`` names every call):
   1. correctness: the gate-up GEMM's h at each 256-row tile against g128's on every real row of set 0 (bit-equal?
      rel L2 < 2e-3; rows a tile leaves unwritten are NaN), then every whole call against the Gluon twin
      (``experts_gluon_twin``; rel L2 < 5e-3, the route < 1e-2), PASS / FAIL; a failing call is not timed;

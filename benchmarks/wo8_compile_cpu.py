@@ -42,7 +42,8 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, variant: d
     if variant.get("SLOTS", 2) == 3 and gated and scheme == 0:  # as ``launch_gemm_wo``: the third slot for a stage
         stages = min(stages, 3)
     fast = variant.get("FAST", False) and scheme > 0  # FAST: mxfp4 read as int32 words too
-    pack, q_dtype = ((1, torch.int8), (8, torch.int32), (8 if fast else 2, torch.int32 if fast else torch.uint8))[scheme]
+    four_bit = (8, torch.int32) if fast else (2, torch.uint8)
+    pack, q_dtype = ((1, torch.int8), (8, torch.int32), four_bit)[scheme]
     args = dict(a_desc=_descriptor([t, r], [128, block_k], torch.bfloat16),
                 q_desc=_descriptor([e * w_rows, r // pack], [block_n, block_k // pack], q_dtype),
                 c_desc=_descriptor([t, c], [128, block_n // (2 if split else 1)], torch.bfloat16),

@@ -249,7 +249,8 @@ def dump(cells: list, ceil: dict) -> None:
 
 
 def table(cells: list, ceil: dict) -> None:
-    print(f"\ngraph µs (median of {ROUNDS} rounds), copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
+    print(f"\ngraph µs (median of {ROUNDS} rounds), copy {ceil['copy_TBps']:.2f} TB/s, "
+          f"mm {ceil['bf16_mm_TFLOPs']:.0f} "
           f"TFLOP/s; x = / bf16's same part; (n/{ROUNDS}): rounds <= {WIN} x the base (vs pick: x the call that names "
           "no decode); target: call <= 1.11x bf16")
     for c in cells:
