@@ -14,11 +14,11 @@ every variant once while this process measures the ceilings and builds the weigh
 (``fused_experts_wo_torch``), the Gluon ones against the twin (``experts_gluon_wo_twin``) and lean against plain (bit
 for bit); then CUDA-graph replay (ROUNDS interleaved rounds, median µs; rounds lean <= 0.97 x default) and eager calls
 as ``moekit bench`` times them (``EAGER_CALLS`` back to back after a sync, ROUNDS interleaved loops: host µs a call to
-issue them, host after the first call, wall µs a call to completion), % of the byte floor (touched experts' stored
-bytes over the copy rate measured here) and of the flop floor (2 M k 3NK over the bf16 mm rate measured here). A
-cell is taken (``GLUON_WO_CELLS``) where lean wins 5/5 graph rounds and its eager wall is not above the default's. The table is
-printed last; JSON <out>/wolean.json. Where today's default is the Gluon path (``--taken``: the cells checkpoint 1
-took, ``wolean_variants.TAKEN_CELLS``), "lean" is the default and "prev" (the backend with the shape out of
+issue them, host after the first call, wall µs a call to completion), % of the byte floor (touched experts' stored bytes
+over the copy rate measured here) and of the flop floor (2 M k 3NK over the bf16 mm rate measured here). A cell is taken
+(``GLUON_WO_CELLS``) where lean wins 5/5 graph rounds and its eager wall is not above the default's. The table is
+printed last; JSON <out>/wolean.json. Where today's default is the Gluon path (``--taken``: the cells checkpoint 1 took,
+``wolean_variants.TAKEN_CELLS``), "lean" is the default and "prev" (the backend with the shape out of
 ``GLUON_WO_CELLS``: the chooser's decode) is what it is held against.
 """
 
