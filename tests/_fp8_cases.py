@@ -16,6 +16,17 @@ FLIP_TOL = 1e-3
 SHAPES = [((4, 160, 96), (128, 128)), ((5, 150, 70), (64, 32))]  # (E, K, N), block shape: K and N tails
 
 
+def e4m3_groups_f64(v: torch.Tensor) -> torch.Tensor:
+    """v [R, C] through e4m3 per row per 128 columns (s = amax / 448, 1 for zeros), back in float64."""
+    out = torch.empty(v.shape, dtype=torch.float64)
+    for c in range(0, v.shape[1], 128):
+        block = v[:, c:c + 128].float()
+        amax = block.abs().amax(dim=1, keepdim=True)
+        s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+        out[:, c:c + 128] = (block / s).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s.double()
+    return out
+
+
 def quantize_weight(w: torch.Tensor, block_shape) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, R, C] -> (q e4m3, scale [E, ceil(R/GN), ceil(C/G)]): scale = block amax / 448."""
     (num_experts, rows, cols), (bn, bk) = w.shape, block_shape

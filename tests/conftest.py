@@ -31,3 +31,18 @@ def base_url():
     yield f"http://{host}:{port}"
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Counts the calls that went through a recorded launch sequence (``triton_lean.LaunchSequence``)."""
+    from moekit.experts.triton_lean import LaunchSequence
+
+    count, real = [0], LaunchSequence.launch
+
+    def launch(self, values, stream=None):
+        count[0] += 1
+        return real(self, values, stream)
+
+    monkeypatch.setattr(LaunchSequence, "launch", launch)
+    return count

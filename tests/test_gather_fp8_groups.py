@@ -7,23 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fp8_cases import quantize_weight
+from _fp8_cases import e4m3_groups_f64, quantize_weight
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
 from moekit.layouts.block_aligned import align_block
 
 E = 4
-
-
-def _e4m3_groups_f64(v: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(v.shape, dtype=torch.float64)
-    for c in range(0, v.shape[1], 128):
-        block = v[:, c:c + 128].float()
-        amax = block.abs().amax(dim=1, keepdim=True)
-        s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-        out[:, c:c + 128] = (block / s).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s.double()
-    return out
 
 
 @pytest.mark.parametrize("hidden", [384, 512])
@@ -39,7 +29,7 @@ def test_groups_per_program_give_the_same_layout(hidden, groups):
     assert torch.equal(many.src_to_dst, one.src_to_dst)
     assert torch.equal(many.x_q[dst], one.x_q[dst]) and torch.equal(many.x_s[dst], one.x_s[dst])
     got = many.x_q[dst].double() * many.x_s[dst].repeat_interleave(128, 1).double()
-    assert torch.equal(got, _e4m3_groups_f64(x[torch.arange(dst.numel()) // 2]))
+    assert torch.equal(got, e4m3_groups_f64(x[torch.arange(dst.numel()) // 2]))
 
 
 def test_lean_launch_binds_the_groups(fake_gemms):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _fp8_cases import quantize_weight
+from _fp8_cases import e4m3_groups_f64, quantize_weight
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts.triton_gluon_fp8 import (
     Fp8GluonChoice, experts_gluon_fp8, experts_gluon_fp8_twin, gluon_fp8_layout, gluon_fp8_unfit,
@@ -32,31 +32,20 @@ def _problem(m=24, k=2, seed=0):
     return x, (*quantize_weight(w13, (128, 128)), *quantize_weight(w2, (128, 128))), ids, weights
 
 
-def _e4m3_groups_f64(v: torch.Tensor) -> torch.Tensor:
-    """v [R, C] through e4m3 per row per 128 columns (s = amax / 448, 1 for zeros), back in float64."""
-    out = torch.empty(v.shape, dtype=torch.float64)
-    for c in range(0, v.shape[1], 128):
-        block = v[:, c:c + 128].float()
-        amax = block.abs().amax(dim=1, keepdim=True)
-        s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-        out[:, c:c + 128] = (block / s).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s.double()
-    return out
-
-
 def _reference_f64(x, q, ids, weights):
     """Slot by slot in float64: quantized x, dequantized weights, silu(gate) * up, quantized h, y rounded to
     bf16 (the down GEMM's output), weighted sum."""
     w13_q, w13_s, w2_q, w2_s = q
     w13 = w13_q.double() * w13_s.repeat_interleave(128, 1).repeat_interleave(128, 2).double()
     w2 = w2_q.double() * w2_s.repeat_interleave(128, 1).repeat_interleave(128, 2).double()
-    xq = _e4m3_groups_f64(x)
+    xq = e4m3_groups_f64(x)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             gate_up = w13[e] @ xq[t]
             h = torch.nn.functional.silu(gate_up[:N]) * gate_up[N:]
-            y = (w2[e] @ _e4m3_groups_f64(h[None].float())[0]).bfloat16().double()
+            y = (w2[e] @ e4m3_groups_f64(h[None].float())[0]).bfloat16().double()
             out[t] += float(weights[t, j]) * y
     return out
 
@@ -96,7 +85,7 @@ def test_gather_quantize_kernel_matches_torch(expert_map):
     tokens = torch.arange(dst.numel())[routed] // 2
     rows = dst[routed]
     assert len(set(rows.tolist())) == rows.numel()  # one row per assignment
-    expected = _e4m3_groups_f64(x[tokens])
+    expected = e4m3_groups_f64(x[tokens])
     got = lay.x_q[rows].double() * lay.x_s[rows].repeat_interleave(128, 1).double()
     assert torch.equal(got, expected)
     assert torch.equal(lay.x_s[rows[tokens == 3]], torch.ones(int((tokens == 3).sum()), K // 128))

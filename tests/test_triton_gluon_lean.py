@@ -80,21 +80,6 @@ def _fp8_f64(x, q, ids, weights):
     return out
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """Counts the calls that went through a recorded sequence."""
-    from moekit.experts.triton_lean import LaunchSequence
-
-    count, real = [0], LaunchSequence.launch
-
-    def launch(self, values, stream=None):
-        count[0] += 1
-        return real(self, values, stream)
-
-    monkeypatch.setattr(LaunchSequence, "launch", launch)
-    return count
-
-
 # M = 40, k = 2: A = 80, one alignment launch; M = 100, k = 4: A = 400 over four 128-id chunks, past the plan's
 # two-launch limit lowered to 256 (the default 4096 would need M = 1100: 11x the interpreted gather and combine
 # programs for the same launches), hist + scan on kept counters + scatter

@@ -25,21 +25,6 @@ def _lean():
     return triton_gluon_wo_lean
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """Counts the calls that went through a recorded sequence."""
-    from moekit.experts.triton_lean import LaunchSequence
-
-    count, real = [0], LaunchSequence.launch
-
-    def launch(self, values, stream=None):
-        count[0] += 1
-        return real(self, values, stream)
-
-    monkeypatch.setattr(LaunchSequence, "launch", launch)
-    return count
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("m", [40, 300])  # blocks part full; an expert over two 128-row blocks
 def test_lean_equals_plain_and_a_float64_loop(fake_gemms, launched, scheme, m):

@@ -35,20 +35,6 @@ def _lean():
     return triton_lean
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """Counts the calls that went through a recorded sequence."""
-    count = [0]
-    real = _lean().LaunchSequence.launch
-
-    def launch(self, values, stream=None):
-        count[0] += 1
-        return real(self, values, stream)
-
-    monkeypatch.setattr(_lean().LaunchSequence, "launch", launch)
-    return count
-
-
 def _both(tri, problem, extra: dict | None = None, bound=None, **kwargs):
     """(lean, BoundLaunch calls) outputs of one problem; ``bound``: the latter, computed before for these very
     inputs (the BoundLaunch calls keep nothing: a repeat would only cost an interpreted call)."""

@@ -204,18 +204,25 @@ def experts_gluon_twin(x, w13, w2, topk_ids, topk_weights, *, activation="silu",
     if reason is not None:
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
+    return segment_twin(x, topk_ids, topk_weights, expert_map, num_experts, inter,
+                        lambda e: w13[e].float().t(), lambda e: w2[e].float().t())
+
+
+def segment_twin(x, topk_ids, topk_weights, expert_map, num_experts: int, inter: int, up_t, down_t) -> torch.Tensor:
+    """The Gluon paths' arithmetic in torch on their layout (128-row expert segments): per segment float32
+    products with ``up_t(e)`` [K, 2N] and ``down_t(e)`` [N, K] float32, h and y rounded to x's dtype like the
+    kernels, float32 combine. Syncs."""
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
-    y = x.new_zeros(plan.rows, hidden)  # [T, K]
+    y = x.new_zeros(plan.rows, x.shape[1])  # [T, K]
     starts = layout.offsets.tolist()
     for e in range(num_experts):
         lo, hi = starts[e], starts[e + 1]
         if hi == lo:
             continue
-        gate_up = layout.x_perm[lo:hi].float() @ w13[e].float().t()  # [rows, 2N]
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        h = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-        y[lo:hi] = (h.float() @ w2[e].float().t()).to(x.dtype)
+        gate_up = layout.x_perm[lo:hi].float() @ up_t(e)  # [rows, 2N]
+        h = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        y[lo:hi] = (h.float() @ down_t(e)).to(x.dtype)
     return combine_contiguous(y, layout, topk_weights).to(x.dtype)
 
 

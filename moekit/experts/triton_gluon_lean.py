@@ -341,12 +341,8 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
-    spec = plan.workspace
-    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing or spec.nbytes > _WORKSPACES.max_bytes:
-        b = _WORKSPACES.buffers(spec, x.device)  # fresh regions (the alignment's pooled unless capturing)
-    else:
-        b = _WORKSPACES.pooled(spec, x.device)
+    b, pooled = workspace_regions(plan.workspace, x.device)
+    if pooled:
         sequence = _sequence(plan, b, pair, w13, expert_map is not None, s13, s2)
         if sequence is not None:
             if fast_key is not None and expert_map is None and ids is topk_ids and weights is topk_weights:
@@ -357,6 +353,16 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
                                           out, s13, s2, b.get("counters")):
         launch(*pointers)
     return out
+
+
+def workspace_regions(spec, device: torch.device) -> tuple[dict, bool]:
+    """A call's regions of workspace ``spec`` and whether they are the pool's (reused, so a recorded sequence may
+    launch on them): fresh while a CUDA graph captures or past the pool's size (the alignment's pooled unless
+    capturing)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing or spec.nbytes > _WORKSPACES.max_bytes:
+        return _WORKSPACES.buffers(spec, device), False
+    return _WORKSPACES.pooled(spec, device), True
 
 
 def _sequence(plan: GluonLeanPlan, b: dict, pair: DescriptorPair, w13: torch.Tensor, has_map: bool, s13=None, s2=None):

@@ -23,13 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.experts.triton_gluon import gluon_layout
+from moekit.experts.triton_gluon import gluon_layout, segment_twin
 from moekit.experts.triton_gluon_launch import (
     BLOCK_M, MAX_REGISTERS, NUM_WARPS, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
-    launch_contiguous_sum, num_sms, plan_gluon,
+    launch_contiguous_sum, num_sms,
 )
 from moekit.experts.triton_wo import WoWeight, dequantize_wo
-from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
 PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored element the kernel reads (int4: int32 words)
@@ -254,18 +253,8 @@ def experts_gluon_wo_twin(x: torch.Tensor, w13: WoWeight, w2: WoWeight, topk_ids
     the scales on the products' columns; int4 / mxfp4: with each weight dequantized and rounded to bf16 (the
     decode's one rounding); h and y rounded to x's dtype like the kernels, float32 combine. Syncs."""
     num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
-    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
-    layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
-    y = x.new_zeros(plan.rows, hidden)  # [R, K]
-    starts = layout.offsets.tolist()
-    for e in range(num_experts):
-        lo, hi = starts[e], starts[e + 1]
-        if hi == lo:
-            continue
-        gate_up = layout.x_perm[lo:hi].float() @ _weight_t(w13, e, hidden)  # [rows, 2N]
-        h = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
-        y[lo:hi] = (h.float() @ _weight_t(w2, e, inter)).to(x.dtype)
-    return combine_contiguous(y, layout, topk_weights).to(x.dtype)
+    return segment_twin(x, topk_ids, topk_weights, expert_map, num_experts, inter,
+                        lambda e: _weight_t(w13, e, hidden), lambda e: _weight_t(w2, e, inter))
 
 
 def _weight_t(w: WoWeight, e: int, cols: int) -> torch.Tensor:

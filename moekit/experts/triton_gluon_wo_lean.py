@@ -32,10 +32,10 @@ import torch
 from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WorkspaceSpec
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, MAX_REGISTERS, NUM_WARPS, UP_TILE, GluonTile, down_tile, gluon_descriptor, num_sms,
+    BLOCK_M, MAX_REGISTERS, UP_TILE, GluonTile, down_tile, gluon_descriptor, num_sms,
 )
 from moekit.experts.triton_gluon_lean import (
-    _DESCRIPTORS, _PLANS, _SEQUENCES, _WORKSPACES, MAX_PLANS, _lock, combine_launch, gather_launch,
+    _DESCRIPTORS, _PLANS, _SEQUENCES, _WORKSPACES, MAX_PLANS, _lock, combine_launch, gather_launch, workspace_regions,
 )
 from moekit.experts.triton_gluon_wo import (
     GLUON_WO_SCHEMES, GluonWoGemms, WoGemmLaunch, scale_strides, wo_gemm_launch, wo_options,
@@ -167,12 +167,8 @@ def run_wo_lean(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tens
     plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, up, down, options)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13.q, w2.q, plan.weight_key, wo_weight_pair)
-    spec = plan.workspace
-    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing or spec.nbytes > _WORKSPACES.max_bytes:
-        b = _WORKSPACES.buffers(spec, x.device)  # fresh regions (the alignment's pooled unless capturing)
-    else:
-        b = _WORKSPACES.pooled(spec, x.device)
+    b, pooled = workspace_regions(plan.workspace, x.device)
+    if pooled:
         sequence = _sequence(plan, b, pair, w13, w2, expert_map is not None)
         if sequence is not None:
             sequence.launch((x, ids, weights, out, expert_map))
