@@ -132,3 +132,12 @@ def test_backend_call_at_4096_rows_per_expert_takes_the_wide_plan(fake_gemms, mo
     assert [b["WIDE"] for _, b, _ in fake_gemms["fp8"].log if not b["GATED"]] == [True, False]
     assert torch.equal(routed, narrow)
     assert rel_l2(routed, _f64(x, q, ids, weights)) < 2e-2
+
+
+@pytest.mark.parametrize("groups", [0, 3, 6])
+def test_gather_groups_not_a_power_of_two_is_refused(groups):
+    from moekit.experts.triton_gluon_fp8_launch import plan_gluon_fp8
+
+    with pytest.raises(ValueError, match="gather_groups"):
+        plan_gluon_fp8(4096, 2, 8, 4096, gather_groups=groups)
+    assert plan_gluon_fp8(4096, 2, 8, 4096, gather_groups=2).gather_groups == 2

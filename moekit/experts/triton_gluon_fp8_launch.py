@@ -79,6 +79,8 @@ def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, hidden: int, u
     """The plan of a call; ``up``, ``down``, ``gather_groups`` given replace the choice's each alone."""
     from moekit.layouts.grouping import max_padded_rows
 
+    if gather_groups is not None and (gather_groups < 1 or gather_groups & (gather_groups - 1)):
+        raise ValueError(f"gather_groups={gather_groups}: expected a power of 2 (the gather kernel's tl.arange)")
     wide = wants_wide_down(num_tokens, top_k, num_experts, hidden)
     return Fp8GluonPlan(max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M), up or UP_TILE,
                         down or (WIDE_DOWN_TILE if wide else DOWN_TILE),
