@@ -105,3 +105,17 @@ def test_refusals(wo):
     with pytest.raises(ValueError, match="halves"):
         wo.run_experts_wo(x, *args, ids, weights, None, "int4_w4a16", options=POISON, decode="gemv",
                           config=WordConfig(1, GemmTile(64, 128, 1, 2, 1), GemmTile(64, 128, 1, 2, 1), halves=True))
+
+
+def test_halves_taken_where_measured():
+    # DeepSeek-V3 int4 on the mma decode (M = 23..511) takes the halves apart within a factor 2 of M = 64 (H200: 2214.7
+    # against 2300.3 µs, 5/5 rounds), the two-sided gate-up elsewhere; Mixtral (M = 8: 334.9 against 339.9) keeps it
+    from moekit.experts.triton_wo_configs import wo_config
+
+    def halves_at(m, e, n, k, top_k):
+        return getattr(wo_config(m, e, n, k, top_k, "int4_w4a16", "NVIDIA_H200", "mma"), "halves", False)
+
+    assert {m: halves_at(m, 256, 2048, 7168, 8) for m in (16, 31, 32, 64, 128, 129)} == {
+        16: False, 31: False, 32: True, 64: True, 128: True, 129: False}
+    assert not any(halves_at(m, 8, 14336, 4096, 2) for m in (8, 64))
+    assert wo_config(64, 256, 2048, 7168, 8, "int4_w4a16", "NVIDIA_H200", "mma").up == GemmTile(32, 128, 1, 1, 3)
