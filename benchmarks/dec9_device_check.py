@@ -11,7 +11,8 @@ Groups (one child process each, weights made once for its Ms; the deadline skips
 (``run_experts_wo``) against the torch twin (rel-L2 < TOL): "pick" (today's chooser and config) and the group's
 VARIANTS (the mma decode, 32-row 1-warp tiles): "hBsS" the halves at BLOCK_K B and S stages in both GEMMs with the
 split_glu launch, "...f" folded into the down GEMM, "...u2" the gate-up split in 2 along K too, "...d4" the down
-GEMM split in 4, "kBsS..." the two-sided gate-up (today's kernel); beside "rd128B", a pure read of the touched experts'
+GEMM split in 4, "h128w2" 64 rows in 2 warps, "hg256" / "hd256" 256 columns in the gate-up / the down GEMM only,
+"kB..." the two-sided gate-up (the kernel before); beside "rd128B", a pure read of the touched experts'
 words in 32-row 1-warp steps of 128 bytes a row (``dec8_device_check.add_reads``: the geometry's cap). Timing, the
 floor (touched packed bytes, scales, zeros, x and out over the copy rate measured in the same process), the table and
 the JSON (<out>/dec9.json) as ``dec8_device_check``'s; "wins": rounds a variant took <= 0.97 x the pick.
@@ -68,15 +69,20 @@ class Variant:
 K256, K128 = (32, 256, 1, 3), (32, 128, 1, 3)
 VARIANTS = {"h256s3": Variant(K256, K256), "h128s3": Variant(K128, K128), "h256s3f": Variant(K256, K256, fold=True),
             "h256s3u2": Variant(K256, K256, 2, ms=(1,)), "h256s3d4": Variant(K256, K256, down_split=4, ms=(1,)),
-            "k256s3u2": Variant(K256, K256, 2, halves=False, ms=(1,))}
-# (preset, scheme, Ms, variants): the int4 cells of target 1 (Mixtral M=8 and DeepSeek-V3 M=64 on today's mma at
-# BLOCK_K 128, 47% / 56% of the floor; M=1 / 8 on the gemv, 46-55%), then int8 Mixtral M=1 (69%, the gate-up split).
-# The fold ("f") once: its down GEMM makes h for all 16 rows of a block, 11.4 instructions a weight offline (Triton
-# 3.6, int4 k256s3; 74 KB of shared memory: the partials' [16, 256] float32 tiles go through the cp.async stages)
-GROUPS = (("mixtral-8x7b", "int4_w4a16", (8, 1), ("h256s3", "h128s3", "h256s3u2", "h256s3d4")),
-          ("deepseek-v3", "int4_w4a16", (64, 8, 1), ("h256s3", "h128s3", "h256s3u2")),
-          ("mixtral-8x7b", "int8_w8a16", (1,), ("k256s3u2", "h256s3", "h256s3d4", "h256s3f")),
-          ("mixtral-8x7b", "int4_w4a16", (64,), ("h256s3",)))
+            "k256s3u2": Variant(K256, K256, 2, halves=False, ms=(1,)), "k128": Variant(K128, K128, halves=False),
+            "h128s4": Variant((32, 128, 1, 4), K128), "h128w2": Variant((64, 128, 2, 3), K128),
+            "hg256": Variant(K256, K128), "hd256": Variant(K128, K256)}
+# (preset, scheme, Ms, variants). CK1 (99118a9) ran Mixtral int4 M=8 / 1 (h256s3, h128s3, h256s3u2, h256s3d4),
+# DeepSeek-V3 int4 M=64 / 8 / 1 (h256s3, h128s3, h256s3u2), Mixtral int8 M=1 (k256s3u2, h256s3, h256s3d4, h256s3f) and
+# Mixtral int4 M=64 (h256s3): only h128s3 at DeepSeek-V3 M=64 won (taken: ``triton_wo_configs.MMA_HALVES``); the fold
+# ("f": its down GEMM makes h for all 16 rows of a block, 11.4 instructions a weight offline, 74 KB of shared memory
+# at k256s3) 2.9x. CK1b: the taken pick against the two-sided "k128" at M = 32..128, the halves' tile ("h128s4" 4
+# stages, "h128w2" 64 rows in 2 warps), Mixtral / Qwen3 M=64 (Mixtral's pick: the tile decode, 22% of the floor), and
+# which GEMM the 256-column step slows ("hg256": the gate-up's, "hd256": the down GEMM's)
+GROUPS = (("deepseek-v3", "int4_w4a16", (64, 128, 32), ("k128", "h128s4", "h128w2")),
+          ("mixtral-8x7b", "int4_w4a16", (64, 16), ("k128", "h128s3")),
+          ("qwen3-30b-a3b", "int4_w4a16", (64,), ("h128s3",)),
+          ("mixtral-8x7b", "int4_w4a16", (8,), ("h128s4", "h128w2", "hg256", "hd256")))
 READS = {"rd128B": 32}  # name -> words a step (32 rows, 1 warp): the 128-byte geometry's cap
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 START = time.perf_counter()
