@@ -9,7 +9,7 @@ LDL / STL: spills).
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --quick    # the heuristic's tiles (the test's compile check)
     PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/wo_mma_sass_cpu.py --pairs 1   # another Triton, order
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --block-k 256 --tiles 32:1:3 64:2:2   # 32-word steps
-    PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --block-k 256 --tiles 32:1:3 --halves --fold 1   # session 29
+    PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --block-k 256 --tiles 32:1:3 --halves   # session 29
 
 The compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the launch's
 ``tt.divisibility`` hints). Weights a loop step: BN x BLOCK_K (x 2 for gate-up).
@@ -53,9 +53,8 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
-          pairs: int | None = None, block_k: int = 128, halves: bool = False, fold: int = 0) -> MmaCount:
-    """One kernel's counts; ``halves``: the gate-up as ``gate_up_halves_wo_mma_kernel`` (one side's rows a program),
-    ``fold``: the down GEMM's FOLD (h made from that many float32 partial sets as read, bf16)."""
+          pairs: int | None = None, block_k: int = 128, halves: bool = False) -> MmaCount:
+    """One kernel's counts; ``halves``: the gate-up as ``gate_up_halves_wo_mma_kernel`` (one side's rows a program)."""
     from moekit.experts._kernels import gemm_wo_mma
     from moekit.experts.triton_wo_mma import operand_pairs
 
@@ -65,12 +64,10 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     pointers |= {n: "*i32" for n in ("ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr",
                                       "map_ptr")}
     pointers |= {"q_ptr": "*u8", "s_ptr": "*u8" if scheme == 2 else "*fp32", "z_ptr": "*u8", "p_ptr": "*fp32"}
-    if fold:
-        pointers["h_ptr"] = "*fp32"
     group = {0: block_k, 1: 128, 2: 32}[scheme]
     const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
-                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, FOLD=fold, ROUND=1,
+                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
                  PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2, PER=4 if scheme == 0 else 8,
                  stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: constants at launch
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
@@ -85,7 +82,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(out.metadata.shared)
-    kind = f"down{f' fold {fold}' if fold else ''}" if down else f"gate-up{' halves' if halves else ''}"
+    kind = "down" if down else f"gate-up{' halves' if halves else ''}"
     name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {kind} {block_n}x{block_k} {num_warps}w {num_stages}s "
             f"PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
@@ -107,7 +104,6 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
     p.add_argument("--schemes", type=int, nargs="+", default=[1, 2], choices=(0, 1, 2), help="0 int8, 1 int4, 2 mxfp4")
     p.add_argument("--halves", action="store_true", help="the gate-up's gate and up rows in separate programs")
-    p.add_argument("--fold", type=int, default=0, help="the down GEMM makes h from this many float32 partial sets")
     args = p.parse_args(argv)
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
@@ -120,7 +116,7 @@ def main(argv=None) -> int:
     failed = 0
     for job, job_k in [(job, bk) for bk in args.block_k for job in jobs]:
         try:
-            c = count(*job, pairs=args.pairs, block_k=job_k, halves=args.halves, fold=args.fold)
+            c = count(*job, pairs=args.pairs, block_k=job_k, halves=args.halves)
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

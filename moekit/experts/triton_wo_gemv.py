@@ -39,7 +39,7 @@ class WordConfig(KernelConfig):
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
     (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads.
     ``halves`` (decode "mma" only, ``triton_wo_mma.mma_gate_up``): the gate rows and the up rows in separate
-    gate-up programs, which write float32 partials (activated as ``up_split``'s: the split_glu launch, or folded)."""
+    gate-up programs, which write float32 partials (activated as ``up_split``'s are, by the split_glu launch)."""
 
     up_split: int = 1
     down_split: int = 0

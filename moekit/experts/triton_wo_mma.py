@@ -12,11 +12,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
-
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_launch import cdiv, interpreting
-from moekit.experts.triton_wo_gemv import PER, ROUND, up_splits, words_ok
+from moekit.experts.triton_launch import cdiv
+from moekit.experts.triton_wo_gemv import PER, up_splits, words_ok
 
 MMA_WORDS = 16  # the mma decode's words a dot (4-bit, K 128); a step loads 1 or 2 dots' words of a row at once
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
@@ -35,8 +33,8 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     """The mma decode's requirements, each refused by name: one of SCHEMES, rows read as words, the byte tensors (int4
     zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
     1 or 2 dots of 128 columns (BLOCK_K 128 or 256), int4 each dot inside one group (g a multiple of
-    128), glu_fold only where the gate-up writes float32 partials (a ``triton_wo_gemv.WordConfig``'s up_split > 1
-    or halves: ``mma_gate_up``)."""
+    128), no folded activation (a ``triton_wo_gemv.WordConfig``'s up_split and halves are taken: float32 partials
+    activated by the split_glu launch, ``mma_gate_up``)."""
     if scheme not in SCHEMES:
         raise ValueError(f"decode='mma' runs {', '.join(SCHEMES)}, got {scheme}")
     if not (words_ok(w13.q) and words_ok(w2.q)):
@@ -45,10 +43,9 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     kind = "zero" if scheme == "int4_w4a16" else "scale"
     if scheme != "int8_w8a16" and any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
         raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
-    split = up_splits(config, w13.q.shape[2] // 4, scheme)[0]
-    if getattr(config, "glu_fold", False) and not (getattr(config, "halves", False) or split > 1):
-        raise ValueError("decode='mma' folds float32 partials only: config.glu_fold needs config.up_split > 1 or "
-                         "config.halves")
+    if getattr(config, "glu_fold", False):
+        raise ValueError("decode='mma' activates its float32 partials in their own launch: config.glu_fold must be "
+                         "False")
     for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
         if tile.BLOCK_K not in STEP_COLUMNS or (scheme == "int4_w4a16" and group % (8 * MMA_WORDS)):
             raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be one of {STEP_COLUMNS} and int4's group "
@@ -82,29 +79,22 @@ def mma_launch_args(w, scheme: str) -> tuple[tuple[int, tuple], dict]:
 
 @dataclass(frozen=True)
 class MmaGateUp:
-    """How decode "mma" launches its gate-up, and how the down GEMM reads h (``mma_gate_up``)."""
+    """How decode "mma" launches its gate-up (``mma_gate_up``)."""
 
     kernel: str  # the gate-up kernel's name in ``_kernels/gemm_wo_mma``
     grid: tuple[int, int]  # (programs, K splits)
     h_tail: tuple[int, int]  # the gate-up's last two scalars: the row stride of its output (h or p), a split's words
-    partials: int  # float32 partial sets p holds a row ([partials * A, 2N]); 0: the gate-up writes h itself
-    fold: bool  # the down GEMM makes h from p as it reads (``gemm_wo_mma._x_step``); else the split_glu launch
-    h_stride: int  # the row stride of what the down GEMM reads (h: N, p: 2N)
-    down: dict  # the down launch's extra constexprs (FOLD, ACT, ROUND where folded)
+    partials: int  # float32 partial sets p holds a row ([partials * A, 2N], the split_glu launch's); 0: h itself
 
 
-def mma_gate_up(config: KernelConfig, kw: int, scheme: str, n: int, num_pid_m: int, act: int,
-                dtype: torch.dtype) -> MmaGateUp:
+def mma_gate_up(config: KernelConfig, kw: int, scheme: str, n: int, num_pid_m: int) -> MmaGateUp:
     """The gate-up of a config (rows of ``kw`` words, N = ``n``): both halves a program, h written activated, unless
     split along K (``up_split``) or ``halves`` (``triton_wo_gemv.WordConfig``: each program BLOCK_N of the 2N gate
     and up rows, one accumulator; ``gate_up_halves_wo_mma_kernel``); those write float32 partials p, which the
-    split_glu launch activates into h, or the down GEMM as it reads them (``glu_fold``; ROUND: h's ``dtype``,
-    float32 under the interpreter)."""
+    split_glu launch activates into h."""
     split, words = up_splits(config, kw, scheme)
     halves = getattr(config, "halves", False)
     partials = split if split > 1 or halves else 0
-    fold = partials > 0 and getattr(config, "glu_fold", False)
-    down = dict(FOLD=partials, ACT=act, ROUND=0 if interpreting() else ROUND[dtype]) if fold else {}
     return MmaGateUp("gate_up_halves_wo_mma_kernel" if halves else "gate_up_wo_mma_kernel",
                      (num_pid_m * cdiv(2 * n if halves else n, config.up.BLOCK_N), split),
-                     (2 * n if partials else n, words), partials, fold, 2 * n if fold else n, down)
+                     (2 * n if partials else n, words), partials)

@@ -311,9 +311,9 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     else:
         gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
                                                  act, options, split_k, split_len, ksum)
-        mma = mma_gate_up(config, w13.q.shape[2] // 4, scheme, n, num_pid_m, act, x.dtype) if decode == "mma" else None
+        mma = mma_gate_up(config, w13.q.shape[2] // 4, scheme, n, num_pid_m) if decode == "mma" else None
         if mma is not None and mma.partials:  # float32 partials (split along K, or the halves apart), then h
-            glu, glu_fold = None if mma.fold else glu_launch(mma.partials, num_assignments, n, act, options), mma.fold
+            glu = glu_launch(mma.partials, num_assignments, n, act, options)
             regions.append(("p", torch.float32, (mma.partials * num_assignments, 2 * n)))
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
@@ -377,12 +377,11 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     else:
         shared["AHEAD"] = ahead_of(config)
     q13, q2 = (w13.q.shape[2], w13.strides), (w2.q.shape[2], w2.strides)
-    extra13, extra2, up_grid, h_tail, n_h = {}, {}, (num_pid_m * cdiv(n, up.BLOCK_N),), (n,), n  # n_h: h's row stride
+    extra13, extra2, up_grid, h_tail = {}, {}, (num_pid_m * cdiv(n, up.BLOCK_N),), (n,)
     if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
         (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
-        mma = mma_gate_up(config, q13[0], scheme, n, num_pid_m, act, x.dtype)  # and its partials, h folded or not
-        gate_up_name, up_grid, h_tail, n_h = mma.kernel, mma.grid, mma.h_tail, mma.h_stride
-        extra13["SPLIT"], extra2 = mma.grid[1], {**extra2, **mma.down}
+        mma = mma_gate_up(config, q13[0], scheme, n, num_pid_m)  # its kernel, grid and output (h or partials)
+        gate_up_name, up_grid, h_tail, extra13["SPLIT"] = mma.kernel, mma.grid, mma.h_tail, mma.grid[1]
     gate_up = BoundLaunch(
         getattr(gemm, gate_up_name), up_grid, 9,
         (n, hidden, q13[0], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *q13[1], *h_tail),
@@ -391,7 +390,7 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     )
     down_launch, down_sum = down_launches(
         getattr(gemm, down_name), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
-        (hidden, n, q2[0], num_assignments, num_experts, num_pid_m, split_len, n_h, *q2[1], hidden),
+        (hidden, n, q2[0], num_assignments, num_experts, num_pid_m, split_len, n, *q2[1], hidden),
         x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SPAN=span(down, scheme, w2.group_size), GROUP=w2.group_size,
         GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,

@@ -37,7 +37,6 @@ from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tok
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_wo import _down_epilogue
 from moekit.experts._kernels.wo_mma_values import X_SCALE, weight_operand, x_operand
-from moekit.experts._kernels.wo_split import fold_h
 
 DOT_K = tl.constexpr(128)  # columns a dot (16 words of 4-bit values, 32 of int8): a step runs BLOCK_K / DOT_K dots
 
@@ -93,18 +92,11 @@ def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GR
 
 @triton.jit
 def _x_step(x_rows, row_ok, k0, C, stride_xc, BM: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr,
-            PAIRS: tl.constexpr, SCHEME: tl.constexpr, PER: tl.constexpr, fs=0, FOLD: tl.constexpr = 0,
-            ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0):
+            PAIRS: tl.constexpr, SCHEME: tl.constexpr, PER: tl.constexpr):
     """The dot's activation tile of the rows x_rows [BM, 1] (columns k0 .. k0 + PER BKW, 0 past C), read once as
-    one contiguous tile -> the MMA-order operand [BM, PER BKW] in DTYPE (no conversion where DTYPE is x's). FOLD > 0
-    (the down GEMM's h): x_rows are rows of the gate-up's FOLD float32 partials (split s at + s * fs), h made from
-    them as read (``wo_split.fold_h``: summed, activated, rounded as h's dtype)."""
+    one contiguous tile -> the MMA-order operand [BM, PER BKW] in DTYPE (no conversion where DTYPE is x's)."""
     k = k0 + tl.arange(0, PER * BKW)
-    mask = row_ok[:, None] & (k < C)[None, :]
-    if FOLD > 0:
-        x = fold_h(x_rows, tl.broadcast_to(k[None, :] * stride_xc, (BM, PER * BKW)), mask, C, fs, FOLD, ACT, ROUND)
-    else:
-        x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
+    x = tl.load(x_rows + k[None, :] * stride_xc, mask=row_ok[:, None] & (k < C)[None, :], other=0.0)
     return x_operand(x.to(DTYPE), BM, BKW, PAIRS, SCHEME)
 
 
@@ -131,20 +123,18 @@ def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, str
 def _mma_loop(acc, q_rows, s_ptr, s_rows, z_ptr, z_offs, b_offs, x_rows, row_ok, n_ok, w_start, w_len, KW, C,
               stride_xc, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr,
-              PAIRS: tl.constexpr, PER: tl.constexpr, DTYPE: tl.constexpr, fs=0, FOLD: tl.constexpr = 0,
-              ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0):
+              PAIRS: tl.constexpr, PER: tl.constexpr, DTYPE: tl.constexpr):
     """acc [BM, BN] + the words [w_start, w_start + w_len) of the rows q_rows [BN] (0 past KW) decoded, times the
-    columns of x_rows [BM, 1] (C of them; fs .. ROUND: ``_x_step``'s fold): one load of BLOCK_K / PER words of each
-    row a step, then BLOCK_K / DOT_K dots on its parts (s_rows, z_offs, b_offs: the rows' scales, zero and scale
-    byte offsets, ``_accumulate`` / ``_word_scales``)."""
+    columns of x_rows [BM, 1] (C of them): one load of BLOCK_K / PER words of each row a step, then BLOCK_K / DOT_K
+    dots on its parts (s_rows, z_offs, b_offs: the rows' scales, zero and scale byte offsets, ``_accumulate`` /
+    ``_word_scales``)."""
     for w0 in range(w_start, tl.minimum(w_start + w_len, KW), BLOCK_K // PER):
         w_step = _words(q_rows, w0, KW, n_ok, BLOCK_K // PER)  # [BN, BKW]: one load of a row's words a step
         for i in tl.static_range(BLOCK_K // DOT_K):  # a dot's words each (DOT_K // PER)
             ws = w0 + i * (DOT_K // PER)
             w = _part(w_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)  # [BN, DOT_K // PER]
             s_w = _word_scales(s_ptr, b_offs, w, ws, C, n_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
-            x = _x_step(x_rows, row_ok, ws * PER, C, stride_xc, BLOCK_M, DOT_K // PER, DTYPE, PAIRS, SCHEME, PER, fs,
-                        FOLD, ACT, ROUND)
+            x = _x_step(x_rows, row_ok, ws * PER, C, stride_xc, BLOCK_M, DOT_K // PER, DTYPE, PAIRS, SCHEME, PER)
             acc = _accumulate(acc, x, w, s_w, s_rows, z_ptr, z_offs, ws * PER, C, n_ok, stride_sg, stride_zg,
                               BLOCK_N, DOT_K // PER, GROUP, DTYPE, SCHEME, ASM, PAIRS)
     return acc
@@ -241,10 +231,10 @@ def gate_up_halves_wo_mma_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
     PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 8,
 ):
-    """p = x w13^T per assignment row, float32, the activation left to the reader (``wo_split``: the split_glu
-    launch or the down GEMM's FOLD): a program owns BLOCK_N of the 2N w13 rows, so the gate rows and the up rows
-    are separate programs (a block across row N holds both; p's columns are w13's rows: gate, then up), each with
-    one accumulator and one [BN, BKW] word tile a step (``gate_up_wo_mma_kernel`` holds two of each). Grid
+    """p = x w13^T per assignment row, float32, the activation left to the split_glu launch (``wo_split``): a
+    program owns BLOCK_N of the 2N w13 rows, so the gate rows and the up rows are separate programs (a block across
+    row N holds both; p's columns are w13's rows: gate, then up), each with one accumulator and one [BN, BKW] word
+    tile a step (``gate_up_wo_mma_kernel`` holds two of each). Grid
     (num_pid_m * cdiv(2N, BLOCK_N), SPLIT): split s sums words [s * split_words, (s + 1) * split_words) into
     rows s * A + a of p (SPAN, ACT: unused)."""
     wait_for_previous_kernel(PDL)
@@ -288,11 +278,8 @@ def down_wo_mma_kernel(
     PAIRS: tl.constexpr = 1, PER: tl.constexpr = 8,  # PER: values a word (int8 4)
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    FOLD: tl.constexpr = 0, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0,  # FOLD > 0: h from the gate-up's partials
 ):
-    """y = routed weight * (h w2^T) per assignment row (split-K, KSUM: ``gemm_wo_reg``'s; split_len in columns).
-    FOLD > 0: h_ptr the gate-up's float32 partials p [FOLD * A, 2N] (stride_hm 2N), h made from them as read
-    (``_x_step``; ROUND: h's dtype, 1 bf16, 2 fp16, 0 float32, the dots' operand dtype)."""
+    """y = routed weight * (h w2^T) per assignment row (split-K, KSUM: ``gemm_wo_reg``'s; split_len in columns)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -319,17 +306,12 @@ def down_wo_mma_kernel(
     b_offs = expert * stride_se + out * stride_sr  # scale offsets (mxfp4 bytes)
     h_rows = h_ptr + safe_rows[:, None] * stride_hm  # [BM, 1]
     dtype = h_ptr.dtype.element_ty
-    if UPCAST or (FOLD > 0 and ROUND == 0):  # FOLD: h_ptr the float32 partials, the dots take h's dtype
+    if UPCAST:
         dtype = tl.float32
-    elif FOLD > 0 and ROUND == 1:
-        dtype = tl.bfloat16
-    elif FOLD > 0:
-        dtype = tl.float16
     w_start = tl.multiple_of(tl.program_id(1) * (split_len // PER), BLOCK_K // PER)  # split_len: whole steps
     acc = _mma_loop(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), q_rows, s_ptr, s_rows, z_ptr, z_offs, b_offs,
                     h_rows, row_ok, out_ok, w_start, split_len // PER, NW, N, 1, stride_sg, stride_zg, BLOCK_M, BLOCK_N,
-                    BLOCK_K, GROUP, SCHEME, ASM, SCALE_WORD, PAIRS, PER, dtype, num_assignments * stride_hm, FOLD, ACT,
-                    ROUND)
+                    BLOCK_K, GROUP, SCHEME, ASM, SCALE_WORD, PAIRS, PER, dtype)
     let_next_kernel_launch(PDL)
     _down_epilogue(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows,
                    row_ok, arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global,

@@ -58,31 +58,21 @@ def split_glu_kernel(
 def load_h(h_row, offs, mask, N, split_stride, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
     """Float32 h at ``offs`` (any shape, ``mask`` past the row: 0) of one assignment's row: UP_SPLIT 1 ``h_row``
     an h row, loaded; else ``h_row`` its row of split 0's partials (split s at + s * split_stride, up at + N),
-    summed in split order, the activation applied and rounded to h's dtype (``fold_h``): bit for bit what
-    ``split_glu_kernel`` stores and the down GEMM would load."""
+    summed in split order, the activation applied and rounded to h's dtype (ROUND 1 bf16, 2 fp16, 0 float32):
+    bit for bit what ``split_glu_kernel`` stores and the down GEMM would load."""
     if UP_SPLIT == 1:
         h = tl.load(h_row + offs, mask=mask, other=0.0).to(tl.float32)
     else:
-        h = fold_h(h_row, offs, mask, N, split_stride, UP_SPLIT, ACT, ROUND)
-    return h
-
-
-@triton.jit
-def fold_h(p_row, offs, mask, N, split_stride, SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
-    """Float32 h at ``offs`` (any shape, ``mask`` past the row: 0) of one assignment's row from its SPLIT >= 1
-    partials (``p_row`` its row of split 0's: split s at + s * split_stride, up at + N), summed in split order, the
-    activation applied and rounded to h's dtype (ROUND 1 bf16, 2 fp16, 0 float32): bit for bit what
-    ``split_glu_kernel`` stores."""
-    gate = tl.zeros_like(offs).to(tl.float32)
-    up = tl.zeros_like(gate)
-    for s in tl.static_range(SPLIT):
-        gate += tl.load(p_row + s * split_stride + offs, mask=mask, other=0.0)
-        up += tl.load(p_row + s * split_stride + N + offs, mask=mask, other=0.0)
-    h = _glu(gate, up, ACT, 1.0, None, 0.0)
-    if ROUND == 1:
-        h = h.to(tl.bfloat16).to(tl.float32)
-    elif ROUND == 2:
-        h = h.to(tl.float16).to(tl.float32)
+        gate = tl.zeros_like(offs).to(tl.float32)
+        up = tl.zeros_like(gate)
+        for s in tl.static_range(UP_SPLIT):
+            gate += tl.load(h_row + s * split_stride + offs, mask=mask, other=0.0)
+            up += tl.load(h_row + s * split_stride + N + offs, mask=mask, other=0.0)
+        h = _glu(gate, up, ACT, 1.0, None, 0.0)
+        if ROUND == 1:
+            h = h.to(tl.bfloat16).to(tl.float32)
+        elif ROUND == 2:
+            h = h.to(tl.float16).to(tl.float32)
     return h
 
 
