@@ -206,11 +206,13 @@ def test_chooser_mma_falls_back_where_the_groups_do_not_fit(wo, monkeypatch):
 
 def test_chooser_takes_mma_where_it_won():
     # Mixtral int4 M=8 (session 26: 343.0 against the register decode's 422.3 µs): M = 3 .. 31 take that entry
-    # (nearest in log2 to 8 of {1, 8} in the 16-row bucket; from 32 the winners table's tile); other shapes unchanged
+    # (nearest in log2 to 8 of {1, 8} in the 16-row bucket); M = 32 .. 127 the winners table's M=64 row (session 29:
+    # 474.0 against the tile decode's 819.5), from 128 the tile decode; other shapes unchanged
     from moekit.experts.triton_wo_plan import choose_decode
 
-    picks = {m: choose_decode("int4_w4a16", m, 8, 14336, 4096, 2) for m in (1, 2, 3, 8, 16, 31, 32)}
-    assert picks == {1: "gemv", 2: "register", 3: "mma", 8: "mma", 16: "mma", 31: "mma", 32: "tile"}
+    picks = {m: choose_decode("int4_w4a16", m, 8, 14336, 4096, 2) for m in (1, 2, 3, 8, 16, 31, 32, 127, 128)}
+    assert picks == {1: "gemv", 2: "register", 3: "mma", 8: "mma", 16: "mma", 31: "mma", 32: "mma", 127: "mma",
+                     128: "tile"}
     assert {choose_decode("int4_w4a16", m, e, n, k, 8) for m in (1, 8) for e, n, k in
             ((256, 2048, 7168), (128, 768, 2048))} == {"gemv"}
     # int4 M=64 (DeepSeek-V3 2309.5 against 2742.0, Qwen3 162.5 against 196.7 µs) and Mixtral mxfp4 M=8 (562.0
