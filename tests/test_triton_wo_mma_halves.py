@@ -106,14 +106,21 @@ def test_refusals(wo):
 
 
 def test_halves_taken_where_measured():
-    # DeepSeek-V3 int4 on the mma decode (M = 23..511) takes the halves apart within a factor 2 of M = 64 (H200: 2214.7
-    # against 2300.3 µs, 5/5 rounds), the two-sided gate-up elsewhere; Mixtral (M = 8: 334.9 against 339.9) keeps it
+    # the mma decode's gate-up with the halves apart within a factor 2 of a measured M (``MMA_HALVES``): DeepSeek-V3
+    # int4 M = 32 .. 128 in 32 x 128 one-warp tiles (H200: M=64 2172.2 against 2272.8 µs two-sided), Mixtral int4
+    # M = 4 .. 16 in 64 x 128 two-warp tiles (M=8 319.2 against 334.2); the two-sided gate-up elsewhere, the down GEMM
+    # as before
     from moekit.experts.triton_wo_configs import wo_config
 
-    def halves_at(m, e, n, k, top_k):
-        return getattr(wo_config(m, e, n, k, top_k, "int4_w4a16", "NVIDIA_H200", "mma"), "halves", False)
+    def config_at(m, e, n, k, top_k):
+        return wo_config(m, e, n, k, top_k, "int4_w4a16", "NVIDIA_H200", "mma")
 
-    assert {m: halves_at(m, 256, 2048, 7168, 8) for m in (16, 31, 32, 64, 128, 129)} == {
+    one, two = GemmTile(32, 128, 1, 1, 3), GemmTile(64, 128, 1, 2, 3)
+    deepseek = {m: config_at(m, 256, 2048, 7168, 8) for m in (16, 31, 32, 64, 128, 129)}
+    assert {m: getattr(c, "halves", False) for m, c in deepseek.items()} == {
         16: False, 31: False, 32: True, 64: True, 128: True, 129: False}
-    assert not any(halves_at(m, 8, 14336, 4096, 2) for m in (8, 64))
-    assert wo_config(64, 256, 2048, 7168, 8, "int4_w4a16", "NVIDIA_H200", "mma").up == GemmTile(32, 128, 1, 1, 3)
+    assert {c.up for c in deepseek.values()} == {one} and {c.down for c in deepseek.values()} == {one}
+    mixtral = {m: config_at(m, 8, 14336, 4096, 2) for m in (3, 4, 8, 16, 17, 64)}
+    assert {m: (getattr(c, "halves", False), c.up) for m, c in mixtral.items()} == {
+        3: (False, one), 4: (True, two), 8: (True, two), 16: (True, two), 17: (False, one), 64: (False, one)}
+    assert not getattr(config_at(64, 128, 768, 2048, 8), "halves", False)  # Qwen3: 165.1 against 160.4
