@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (6 kernels: int8, int4, mxfp4)")
+    p.add_argument("--quick", action="store_true", help="the heuristic's tiles (6 kernels: int8, int4, mxfp4) and the "
+                   "int4 halves' taken gate-up tiles (2)")
     p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
                    "``triton_wo_mma.operand_pairs``)")
     p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256),
@@ -107,16 +108,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
-        jobs = [(s, bn, d, w, st) for s in args.schemes for d in (False, True) for bn, w, st in tiles]
+        jobs = [(s, bn, d, w, st, args.halves) for s in args.schemes for d in (False, True) for bn, w, st in tiles]
     elif args.quick:  # (scheme, BN, down, warps, stages)
-        jobs = [(s, 32, d, 1, 3) for s in (0, 1, 2) for d in (False, True)]
+        jobs = [(s, 32, d, 1, 3, False) for s in (0, 1, 2) for d in (False, True)]
+        jobs += [(1, 32, False, 1, 3, True), (1, 64, False, 2, 3, True)]  # the halves' taken int4 tiles
     else:
-        jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w in ((16, 1), (32, 1), (64, 2),
-                                                                                      (128, 4)) for st in (3, 4)]
+        jobs = [(s, bn, d, w, st, args.halves) for s in (1, 2) for d in (False, True)
+                for bn, w in ((16, 1), (32, 1), (64, 2), (128, 4)) for st in (3, 4)]
     failed = 0
     for job, job_k in [(job, bk) for bk in args.block_k for job in jobs]:
         try:
-            c = count(*job, pairs=args.pairs, block_k=job_k, halves=args.halves)
+            c = count(*job[:5], pairs=args.pairs, block_k=job_k, halves=job[5])
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)
