@@ -25,6 +25,9 @@ interpreter decodes to float32 with UPCAST).
 
 Split-K (down; the gate-up's: float32 partials, SPLIT), KSUM, alignment, NAIVE, PDL and UPCAST as in
 ``gemm_wo_reg``. Past C the words load as 0, x as 0 and the scales as 0: nothing leaks in.
+The gate-up in two forms: both sides a program (``gate_up_wo_mma_kernel``: two word tiles and accumulators, h
+activated) or the gate rows and up rows in separate programs (``gate_up_halves_wo_mma_kernel``, session 29: one
+of each, float32 partials activated by ``wo_split.split_glu_kernel``; fewer registers, more programs an SM).
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step (BLOCK_K / 8).
 """
