@@ -123,11 +123,12 @@ def read_plans(s: Shape, plan, words: int) -> tuple[GeomPlan, GeomPlan]:
     return (GeomPlan(s.n, s.n, 32, words, 1, up_split, 1, 0), GeomPlan(s.k, 0, 32, words, 1, down_split, 1, 0))
 
 
-def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, plan, s: Shape, dev) -> None:
-    """The pure reads' graphs (READS; the experts each set touches, once each), checked on the first set."""
+def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, plan, s: Shape, dev, reads: dict = READS) -> None:
+    """The pure reads' graphs (``reads``: name -> words a step; the experts each set touches, once each), checked
+    on the first set."""
     words13, words2 = w13.q.view(torch.int32), w2.q.view(torch.int32)
     ids = [torch.unique(c.topk_ids.reshape(-1).to(torch.int32)) for c in inputs]
-    for name, words in READS.items():
+    for name, words in reads.items():
         plans = read_plans(s, plan, words)
         cell.configs[name] = [dataclasses.asdict(p) for p in plans]
         try:

@@ -9,6 +9,7 @@ LDL / STL: spills).
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --quick    # the heuristic's tiles (the test's compile check)
     PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/wo_mma_sass_cpu.py --pairs 1   # another Triton, order
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --block-k 256 --tiles 32:1:3 64:2:2   # 32-word steps
+    PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --block-k 256 --tiles 32:1:3 --halves   # session 29
 
 The compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the launch's
 ``tt.divisibility`` hints). Weights a loop step: BN x BLOCK_K (x 2 for gate-up).
@@ -52,15 +53,17 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
-          pairs: int | None = None, block_k: int = 128) -> MmaCount:
+          pairs: int | None = None, block_k: int = 128, halves: bool = False) -> MmaCount:
+    """One kernel's counts; ``halves``: the gate-up as ``gate_up_halves_wo_mma_kernel`` (one side's rows a program)."""
     from moekit.experts._kernels import gemm_wo_mma
     from moekit.experts.triton_wo_mma import operand_pairs
 
-    fn = getattr(gemm_wo_mma, f"{'down' if down else 'gate_up'}_wo_mma_kernel")
+    fn = getattr(gemm_wo_mma, "down_wo_mma_kernel" if down else
+                 f"gate_up{'_halves' if halves else ''}_wo_mma_kernel")
     pointers = {n: "*bf16" for n in ("x_ptr", "h_ptr", "y_ptr", "weights_ptr", "out_ptr")}
     pointers |= {n: "*i32" for n in ("ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr",
                                       "map_ptr")}
-    pointers |= {"q_ptr": "*u8", "s_ptr": "*u8" if scheme == 2 else "*fp32", "z_ptr": "*u8"}
+    pointers |= {"q_ptr": "*u8", "s_ptr": "*u8" if scheme == 2 else "*fp32", "z_ptr": "*u8", "p_ptr": "*fp32"}
     group = {0: block_k, 1: 128, 2: 32}[scheme]
     const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
@@ -75,12 +78,13 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
     loop = _main_loop(sass)
-    weights = block_n * block_k * (1 if down else 2)
+    weights = block_n * block_k * (1 if down or halves else 2)
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(out.metadata.shared)
-    name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {'down' if down else 'gate-up'} {block_n}x{block_k} "
-            f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}")
+    kind = "down" if down else f"gate-up{' halves' if halves else ''}"
+    name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {kind} {block_n}x{block_k} {num_warps}w {num_stages}s "
+            f"PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
                                              "LDL", "STL", "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
     return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
@@ -92,26 +96,29 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (6 kernels: int8, int4, mxfp4)")
+    p.add_argument("--quick", action="store_true", help="the heuristic's tiles (6 kernels: int8, int4, mxfp4) and the "
+                   "int4 halves' taken gate-up tiles (2)")
     p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
                    "``triton_wo_mma.operand_pairs``)")
     p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256),
                    help="the steps' columns (BLOCK_K: 64 or 128 bytes of a 4-bit row a step, 128 or 256 of int8)")
     p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
     p.add_argument("--schemes", type=int, nargs="+", default=[1, 2], choices=(0, 1, 2), help="0 int8, 1 int4, 2 mxfp4")
+    p.add_argument("--halves", action="store_true", help="the gate-up's gate and up rows in separate programs")
     args = p.parse_args(argv)
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
-        jobs = [(s, bn, d, w, st) for s in args.schemes for d in (False, True) for bn, w, st in tiles]
+        jobs = [(s, bn, d, w, st, args.halves) for s in args.schemes for d in (False, True) for bn, w, st in tiles]
     elif args.quick:  # (scheme, BN, down, warps, stages)
-        jobs = [(s, 32, d, 1, 3) for s in (0, 1, 2) for d in (False, True)]
+        jobs = [(s, 32, d, 1, 3, False) for s in (0, 1, 2) for d in (False, True)]
+        jobs += [(1, 32, False, 1, 3, True), (1, 64, False, 2, 3, True)]  # the halves' taken int4 tiles
     else:
-        jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w in ((16, 1), (32, 1), (64, 2),
-                                                                                      (128, 4)) for st in (3, 4)]
+        jobs = [(s, bn, d, w, st, args.halves) for s in (1, 2) for d in (False, True)
+                for bn, w in ((16, 1), (32, 1), (64, 2), (128, 4)) for st in (3, 4)]
     failed = 0
     for job, job_k in [(job, bk) for bk in args.block_k for job in jobs]:
         try:
-            c = count(*job, pairs=args.pairs, block_k=job_k)
+            c = count(*job[:5], pairs=args.pairs, block_k=job_k, halves=job[5])
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

@@ -84,13 +84,17 @@ def test_a_row_covers_calls_within_a_factor_of_two():
     assert winner("int8_w8a16", 8, 64, 100, 1024, table) is None  # another shape
 
 
-def test_shipped_row_mixtral_int4_takes_the_64_row_tile_at_64():
+def test_shipped_row_mixtral_int4_takes_the_mma_decode_at_64():
+    from moekit.experts.configs import GemmTile, KernelConfig
     from moekit.experts.triton_wo_configs import wo_config
     from moekit.experts.triton_wo_plan import choose_decode
 
     mixtral = (8, 14336, 4096)
-    assert choose_decode("int4_w4a16", 64, *mixtral, 2) == "tile"  # 3e6e2c6: 64-row tile 824 µs, 32-row 1032
-    assert wo_config(64, *mixtral, 2, "int4_w4a16", "nowhere").BLOCK_M == 64
+    # session 29: the mma decode 474.0 µs against the 64-row tile's 819.5 (3e6e2c6: that tile 824, the 32-row 1032);
+    # the row covers M = 32 .. 127, its config the mma decode's own (16-row blocks, 32 x 128 one-warp tiles)
+    assert {choose_decode("int4_w4a16", m, *mixtral, 2) for m in (32, 64, 127)} == {"mma"}
+    mma = GemmTile(32, 128, 1, 1, 3)
+    assert wo_config(64, *mixtral, 2, "int4_w4a16", "nowhere", "mma") == KernelConfig(16, mma, mma)
     assert wo_config(64, *mixtral, 2, "mxfp4", "nowhere").BLOCK_M == 32  # mxfp4: within the noise, not taken
     assert choose_decode("int4_w4a16", 8, *mixtral, 2) == "mma"  # below the row's factor 2 (session 26: mma at 8)
 

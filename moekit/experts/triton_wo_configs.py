@@ -15,12 +15,25 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moekit.experts.configs import GemmTile, KernelConfig, load_configs, nearest
-from moekit.experts.triton_wo_gemv import gemv_heuristic_config
+from moekit.experts.triton_wo_gemv import WordConfig, gemv_heuristic_config
 from moekit.experts.triton_wo_winners import WoTileConfig, winner
 from moekit.experts.triton_wo_word_winners import word_config
 
 MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
 MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
+# (scheme, E, N, K) -> {M: the gate-up's tile} where the mma decode's gate-up with its gate rows and up rows in
+# separate programs (``WordConfig.halves``: 122 registers, 16 one-warp programs an SM against the two-sided tile's 168
+# and 12, offline sm_90, Triton 3.6; the split_glu launch activates its float32 halves) measured faster than the
+# two-sided gate-up; a call on the mma decode takes the row of such an M within a factor 2 (nearest in log2). H200,
+# session 29 (benchmarks/dec9_device_check.py, graph µs, 5 interleaved rounds): DeepSeek-V3 int4 M=64 32 x 128 in 1
+# warp 2214.7 against 2300.3 (CK1 at 99118a9, 5/5 rounds <= 0.968x); CK1b (fdff4b0) against the two-sided "k128":
+# M=32 / 64 / 128 1615.7 / 2172.2 / 2504.5 against 1695.6 / 2272.8 / 2630.0 (every round >= 3.6%). Mixtral int4 M=8
+# 64 x 128 in 2 warps 319.2 against 334.2 (CK1b, 5/5 rounds <= 0.960x; 32 x 128 in 1 warp 334.9 against 339.9 at CK1,
+# not a win). Not taken: Qwen3 int4 M=64 165.1 against 160.4; 4 stages (1.03-1.10x); 256-column steps (1.5-2.0x).
+MMA_HALVES: dict[tuple[str, int, int, int], dict[int, GemmTile]] = {
+    ("int4_w4a16", 256, 2048, 7168): {64: GemmTile(32, 128, 1, 1, 3)},
+    ("int4_w4a16", 8, 14336, 4096): {8: GemmTile(64, 128, 1, 2, 3)},
+}
 
 
 def ahead_of(config: KernelConfig) -> bool:
@@ -99,8 +112,12 @@ def _mma_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k: int
     """The mma decode's default: 16-row blocks, steps of 128 columns, 32 weight rows a program in 1 warp (gate and up:
     64), 3 stages, both GEMMs: many small programs an SM to hide the loads' and the dots' latency (sm_90 SASS,
     ``benchmarks/wo_mma_sass_cpu.py``, int4: gate-up 2.50 instructions a weight, ~205 registers, 9 programs an SM;
-    down 2.97, 138 registers, 14 programs an SM; 64 x 128 in 2 warps 2.53 / 3.03 at 4 / 7 programs an SM)."""
+    down 2.97, 138 registers, 14 programs an SM; 64 x 128 in 2 warps 2.53 / 3.03 at 4 / 7 programs an SM). The gate
+    and up rows in separate programs (``WordConfig.halves``) where MMA_HALVES measured them faster."""
     tile = GemmTile(32, 128, 1, 1, 3)
+    rows = {m: up for m, up in MMA_HALVES.get((scheme, num_experts, n, k), {}).items() if m / 2 <= num_tokens <= 2 * m}
+    if rows:
+        return WordConfig(16, rows[nearest({m: m for m in rows}, num_tokens)], tile, halves=True)
     return KernelConfig(16, tile, tile)
 
 

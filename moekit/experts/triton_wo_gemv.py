@@ -37,16 +37,19 @@ class WordConfig(KernelConfig):
     GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
-    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads."""
+    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads.
+    ``halves`` (decode "mma" only, ``triton_wo_mma.mma_gate_up``): the gate rows and the up rows in separate
+    gate-up programs, which write float32 partials (activated as ``up_split``'s are, by the split_glu launch)."""
 
     up_split: int = 1
     down_split: int = 0
     glu_fold: bool = False
     x_tile: bool = False
+    halves: bool = False
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
-                "glu_fold": self.glu_fold, "x_tile": self.x_tile}
+                "glu_fold": self.glu_fold, "x_tile": self.x_tile, "halves": self.halves}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
@@ -109,6 +112,8 @@ def check_gemv_config(config: KernelConfig, scheme: str) -> None:
                          f"{config.up.num_stages} and {config.down.num_stages}")
     if getattr(config, "x_tile", False) and scheme == "int8_w8a16":
         raise ValueError("config.x_tile takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
+    if getattr(config, "halves", False):
+        raise ValueError("config.halves (gate and up rows in separate programs) is for decode 'mma', not the gemv")
     if not 1 <= config.BLOCK_M <= MAX_ROWS:
         raise ValueError(f"config.BLOCK_M must be 1 to {MAX_ROWS} for the gemv decode, got {config.BLOCK_M}")
     for name, tile in (("up", config.up), ("down", config.down)):
@@ -171,6 +176,12 @@ def split_glu_launch(config: KernelConfig, num_assignments: int, n: int, w13_wor
     split = up_splits(config, w13_words, scheme)[0]
     if split == 1 or folded_splits(config, w13_words, scheme) > 1:
         return None
+    return glu_launch(split, num_assignments, n, act, options)
+
+
+def glu_launch(split: int, num_assignments: int, n: int, act: int, options: LaunchOptions) -> BoundLaunch:
+    """h = act(gate) * up from ``split`` >= 1 sets of float32 partials (``wo_split.split_glu_kernel``; pointers: p
+    [split * A, 2N], h [A, N])."""
     block = min(1024, max(16, 1 << (n - 1).bit_length()))
     return BoundLaunch(kernels("wo_split").split_glu_kernel, (num_assignments, cdiv(n, block)), 2,
                        (n, num_assignments, 2 * n, n), SPLIT=split, BLOCK_N=block, ACT=act, num_warps=4,

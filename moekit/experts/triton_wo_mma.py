@@ -10,9 +10,11 @@ zero (e, r, g) in elements).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_wo_gemv import PER, words_ok
+from moekit.experts.triton_launch import cdiv
+from moekit.experts.triton_wo_gemv import PER, up_splits, words_ok
 
 MMA_WORDS = 16  # the mma decode's words a dot (4-bit, K 128); a step loads 1 or 2 dots' words of a row at once
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
@@ -31,8 +33,8 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     """The mma decode's requirements, each refused by name: one of SCHEMES, rows read as words, the byte tensors (int4
     zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
     1 or 2 dots of 128 columns (BLOCK_K 128 or 256), int4 each dot inside one group (g a multiple of
-    128), no folded split gate-up (a ``triton_wo_gemv.WordConfig``'s up_split is taken: float32 partials summed by
-    the split_glu launch)."""
+    128), no folded activation (a ``triton_wo_gemv.WordConfig``'s up_split and halves are taken: float32 partials
+    activated by the split_glu launch, ``mma_gate_up``)."""
     if scheme not in SCHEMES:
         raise ValueError(f"decode='mma' runs {', '.join(SCHEMES)}, got {scheme}")
     if not (words_ok(w13.q) and words_ok(w2.q)):
@@ -42,7 +44,8 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     if scheme != "int8_w8a16" and any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
         raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
     if getattr(config, "glu_fold", False):
-        raise ValueError("decode='mma' sums a split gate-up in its own launch: config.glu_fold must be False")
+        raise ValueError("decode='mma' activates its float32 partials in their own launch: config.glu_fold must be "
+                         "False")
     for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
         if tile.BLOCK_K not in STEP_COLUMNS or (scheme == "int4_w4a16" and group % (8 * MMA_WORDS)):
             raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be one of {STEP_COLUMNS} and int4's group "
@@ -72,3 +75,26 @@ def mma_launch_args(w, scheme: str) -> tuple[tuple[int, tuple], dict]:
     scale_word = scheme == "mxfp4" and sg == 1 and se % 4 == 0 and sr % 4 == 0 and w.scale.data_ptr() % 4 == 0
     return (w.q.shape[2] // 4, (qe // 4, qr // 4, 1, *w.strides[3:])), {
         "SCALE_WORD": scale_word, "PAIRS": operand_pairs(), "PER": PER[scheme]}
+
+
+@dataclass(frozen=True)
+class MmaGateUp:
+    """How decode "mma" launches its gate-up (``mma_gate_up``)."""
+
+    kernel: str  # the gate-up kernel's name in ``_kernels/gemm_wo_mma``
+    grid: tuple[int, int]  # (programs, K splits)
+    h_tail: tuple[int, int]  # the gate-up's last two scalars: the row stride of its output (h or p), a split's words
+    partials: int  # float32 partial sets p holds a row ([partials * A, 2N], the split_glu launch's); 0: h itself
+
+
+def mma_gate_up(config: KernelConfig, kw: int, scheme: str, n: int, num_pid_m: int) -> MmaGateUp:
+    """The gate-up of a config (rows of ``kw`` words, N = ``n``): both halves a program, h written activated, unless
+    split along K (``up_split``) or ``halves`` (``triton_wo_gemv.WordConfig``: each program BLOCK_N of the 2N gate
+    and up rows, one accumulator; ``gate_up_halves_wo_mma_kernel``); those write float32 partials p, which the
+    split_glu launch activates into h."""
+    split, words = up_splits(config, kw, scheme)
+    halves = getattr(config, "halves", False)
+    partials = split if split > 1 or halves else 0
+    return MmaGateUp("gate_up_halves_wo_mma_kernel" if halves else "gate_up_wo_mma_kernel",
+                     (num_pid_m * cdiv(2 * n if halves else n, config.up.BLOCK_N), split),
+                     (2 * n if partials else n, words), partials)

@@ -54,9 +54,9 @@ from moekit.experts.triton_wo_configs import (
     MIN_PACKED_K, MIN_PROGRAMS, ahead_of, fit_wo_shared_memory, height_bucket, wo_config,
 )
 from moekit.experts.triton_wo_gemv import (
-    WORD_DECODES, WordConfig, folded_splits, gemv_launches, split_glu_launch, up_splits, words_ok,
+    WORD_DECODES, WordConfig, folded_splits, gemv_launches, glu_launch, split_glu_launch, up_splits, words_ok,
 )
-from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_launch_args
+from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_gate_up, mma_launch_args
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -311,10 +311,10 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     else:
         gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
                                                  act, options, split_k, split_len, ksum)
-        if decode == "mma" and up_splits(config, w13.q.shape[2] // 4, scheme)[0] > 1:  # ``WordConfig.up_split``
-            glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, act, options)
-            regions.append(("p", torch.float32, (up_splits(config, w13.q.shape[2] // 4, scheme)[0] * num_assignments,
-                                                 2 * n)))
+        mma = mma_gate_up(config, w13.q.shape[2] // 4, scheme, n, num_pid_m) if decode == "mma" else None
+        if mma is not None and mma.partials:  # float32 partials (split along K, or the halves apart), then h
+            glu = glu_launch(mma.partials, num_assignments, n, act, options)
+            regions.append(("p", torch.float32, (mma.partials * num_assignments, 2 * n)))
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
@@ -324,7 +324,6 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
                              ordered=split_k == 1),
         down_sum=down_sum, glu=glu, glu_fold=glu_fold,
     )
-
 
 
 def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: str, num_tokens: int,
@@ -381,8 +380,8 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     extra13, extra2, up_grid, h_tail = {}, {}, (num_pid_m * cdiv(n, up.BLOCK_N),), (n,)
     if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
         (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
-        up_split, up_words = up_splits(config, q13[0], scheme)
-        up_grid, h_tail, extra13["SPLIT"] = (up_grid[0], up_split), (n if up_split == 1 else 2 * n, up_words), up_split
+        mma = mma_gate_up(config, q13[0], scheme, n, num_pid_m)  # its kernel, grid and output (h or partials)
+        gate_up_name, up_grid, h_tail, extra13["SPLIT"] = mma.kernel, mma.grid, mma.h_tail, mma.grid[1]
     gate_up = BoundLaunch(
         getattr(gemm, gate_up_name), up_grid, 9,
         (n, hidden, q13[0], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *q13[1], *h_tail),

@@ -50,10 +50,12 @@ MIN_M = 64  # the table's scope: rows of M >= MIN_M only (smaller ones are ignor
 # on main at 384c0da (results/raw/NVIDIA_H200-2026-12-02-384c0da-wo_mid.log): the comment of a row gives the
 # winner's, scratch's, the previous default's and bf16's time.
 WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
-    # mixtral-8x7b M=64 (~16 rows an expert: a 64-row tile dequantizes each weight once), branch wo-decode2 at
-    # 3e6e2c6, benchmarks/wo_tall_decode_device_check.py, µs: m64 824, default (32-row tile) 1032, register
-    # 16-row 847, bf16 646; 1.28x bf16. mxfp4 there: m64 843 against 862, within the noise: not taken
-    ("int4_w4a16", 8, 14336, 4096, 64): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
+    # mixtral-8x7b M=64 (~16 rows an expert), branch wo-decode2 at 3e6e2c6, benchmarks/wo_tall_decode_device_check.py,
+    # µs: the tile decode's m64 (64 x 64 tiles, 4 warps, 4 stages) 824, default (32-row tile) 1032, register 16-row
+    # 847, bf16 646; 1.28x bf16. mxfp4 there: m64 843 against 862, within the noise: not taken. Session 29 (branch
+    # dec9, benchmarks/dec9_device_check.py CK1b at fdff4b0, graph µs, 5 interleaved rounds): the mma decode (16-row
+    # blocks, 32 x 128 one-warp tiles) 474.0 against m64's 819.5, 0.578x in 5/5 rounds (0.73x bf16): taken
+    ("int4_w4a16", 8, 14336, 4096, 64): WoWinner("mma"),
     # qwen3-30b-a3b µs: m64 501, scratch 770, default 579, bf16 371; 1.35x bf16
     ("int4_w4a16", 128, 768, 2048, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # qwen3-30b-a3b µs: m128 1324, scratch 1130, default 1130, bf16 738; 1.53x bf16

@@ -25,6 +25,9 @@ interpreter decodes to float32 with UPCAST).
 
 Split-K (down; the gate-up's: float32 partials, SPLIT), KSUM, alignment, NAIVE, PDL and UPCAST as in
 ``gemm_wo_reg``. Past C the words load as 0, x as 0 and the scales as 0: nothing leaks in.
+The gate-up in two forms: both sides a program (``gate_up_wo_mma_kernel``: two word tiles and accumulators, h
+activated) or the gate rows and up rows in separate programs (``gate_up_halves_wo_mma_kernel``, session 29: one
+of each, float32 partials activated by ``wo_split.split_glu_kernel``; fewer registers, more programs an SM).
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step (BLOCK_K / 8).
 """
@@ -120,6 +123,27 @@ def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, str
 
 
 @triton.jit
+def _mma_loop(acc, q_rows, s_ptr, s_rows, z_ptr, z_offs, b_offs, x_rows, row_ok, n_ok, w_start, w_len, KW, C,
+              stride_xc, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr,
+              PAIRS: tl.constexpr, PER: tl.constexpr, DTYPE: tl.constexpr):
+    """acc [BM, BN] + the words [w_start, w_start + w_len) of the rows q_rows [BN] (0 past KW) decoded, times the
+    columns of x_rows [BM, 1] (C of them): one load of BLOCK_K / PER words of each row a step, then BLOCK_K / DOT_K
+    dots on its parts (s_rows, z_offs, b_offs: the rows' scales, zero and scale byte offsets, ``_accumulate`` /
+    ``_word_scales``)."""
+    for w0 in range(w_start, tl.minimum(w_start + w_len, KW), BLOCK_K // PER):
+        w_step = _words(q_rows, w0, KW, n_ok, BLOCK_K // PER)  # [BN, BKW]: one load of a row's words a step
+        for i in tl.static_range(BLOCK_K // DOT_K):  # a dot's words each (DOT_K // PER)
+            ws = w0 + i * (DOT_K // PER)
+            w = _part(w_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)  # [BN, DOT_K // PER]
+            s_w = _word_scales(s_ptr, b_offs, w, ws, C, n_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
+            x = _x_step(x_rows, row_ok, ws * PER, C, stride_xc, BLOCK_M, DOT_K // PER, DTYPE, PAIRS, SCHEME, PER)
+            acc = _accumulate(acc, x, w, s_w, s_rows, z_ptr, z_offs, ws * PER, C, n_ok, stride_sg, stride_zg,
+                              BLOCK_N, DOT_K // PER, GROUP, DTYPE, SCHEME, ASM, PAIRS)
+    return acc
+
+
+@triton.jit
 def _row_scaled(acc, s_rows, n_ok, SCHEME: tl.constexpr):
     """acc [BM, BN] times int8's per-row scales at s_rows [BN] (the gate-up's; other schemes: acc)."""
     if SCHEME == 0:
@@ -199,6 +223,51 @@ def gate_up_wo_mma_kernel(
 
 
 @triton.jit
+def gate_up_halves_wo_mma_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, p_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); p [SPLIT * A, 2N] float32 out
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
+    stride_xm, stride_xk, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,  # q strides in words
+    stride_ze, stride_zr, stride_zg, stride_pm, split_words,  # split_words: a split's words (>= KW: one split)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
+    PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 8,
+):
+    """p = x w13^T per assignment row, float32, the activation left to the split_glu launch (``wo_split``): a
+    program owns BLOCK_N of the 2N w13 rows, so the gate rows and the up rows are separate programs (a block across
+    row N holds both; p's columns are w13's rows: gate, then up), each with one accumulator and one [BN, BKW] word
+    tile a step (``gate_up_wo_mma_kernel`` holds two of each). Grid
+    (num_pid_m * cdiv(2N, BLOCK_N), SPLIT): split s sums words [s * split_words, (s + 1) * split_words) into
+    rows s * A + a of p (SPAN, ACT: unused)."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(2 * N, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return
+    row_ok = rows < num_assignments  # [BM]
+    token = tl.where(row_ok, rows // top_k, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] w13 rows, p columns
+    n_ok = offs_n < 2 * N
+    r = offs_n.to(tl.int64)
+    q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + r * stride_qr
+    s_rows = s_ptr + expert * stride_se + r * stride_sr
+    z_offs, b_offs = expert * stride_ze + r * stride_zr, expert * stride_se + r * stride_sr  # [BN] byte offsets
+    dtype = x_ptr.dtype.element_ty
+    if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
+        dtype = tl.float32
+    w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // PER)  # split_words: whole steps
+    acc = _mma_loop(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), q_rows, s_ptr, s_rows, z_ptr, z_offs, b_offs,
+                    x_ptr + token[:, None] * stride_xm, row_ok, n_ok, w_start, split_words, KW, K, stride_xk,
+                    stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SCHEME, ASM, SCALE_WORD, PAIRS, PER, dtype)
+    let_next_kernel_launch(PDL)
+    p_rows = p_ptr + (tl.program_id(1) * num_assignments + rows.to(tl.int64))[:, None] * stride_pm  # [BM, 1]
+    tl.store(p_rows + offs_n[None, :], _finish(_row_scaled(acc, s_rows, n_ok, SCHEME), SCHEME),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def down_wo_mma_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -242,17 +311,10 @@ def down_wo_mma_kernel(
     dtype = h_ptr.dtype.element_ty
     if UPCAST:
         dtype = tl.float32
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_start = tl.multiple_of(tl.program_id(1) * (split_len // PER), BLOCK_K // PER)  # split_len: whole steps
-    for w0 in range(w_start, tl.minimum(w_start + split_len // PER, NW), BLOCK_K // PER):
-        w_step = _words(q_rows, w0, NW, out_ok, BLOCK_K // PER)  # [BN, BKW]: one load of a row's words a step
-        for i in tl.static_range(BLOCK_K // DOT_K):  # a dot's words each (DOT_K // PER)
-            ws = w0 + i * (DOT_K // PER)
-            w = _part(w_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)  # [BN, DOT_K // PER]
-            s_w = _word_scales(s_ptr, b_offs, w, ws, N, out_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
-            h = _x_step(h_rows, row_ok, ws * PER, N, 1, BLOCK_M, DOT_K // PER, dtype, PAIRS, SCHEME, PER)
-            acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, ws * PER, N, out_ok, stride_sg, stride_zg,
-                              BLOCK_N, DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
+    acc = _mma_loop(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), q_rows, s_ptr, s_rows, z_ptr, z_offs, b_offs,
+                    h_rows, row_ok, out_ok, w_start, split_len // PER, NW, N, 1, stride_sg, stride_zg, BLOCK_M, BLOCK_N,
+                    BLOCK_K, GROUP, SCHEME, ASM, SCALE_WORD, PAIRS, PER, dtype)
     let_next_kernel_launch(PDL)
     _down_epilogue(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows,
                    row_ok, arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global,
