@@ -1,0 +1,77 @@
+"""Compile ``ovl_kernels.ovl_kernel`` for sm_90 on a machine without a GPU (Gluon does not run in the interpreter):
+each dtype / consumer count / chunking / mode the device check runs, with its SMEM, the partitions' setmaxnreg,
+ptxas's spills and whether it serialized the wgmmas.
+
+    PYTHONPATH=$PWD python3 benchmarks/ovl_compile_cpu.py      (Triton 3.9; 3.6: PYTHONPATH=/tmp/f8pre-site:$PWD)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+# (name, dtype, consumers, block_k, tn, nchunk, stages, mode, promote)
+JOBS = [("bf16 2c bk64 tn128", torch.bfloat16, 2, 64, 128, 1, 6, "both", False),
+        ("bf16 2c bk64 tn256 x4", torch.bfloat16, 2, 64, 256, 4, 4, "both", False),
+        ("bf16 1c bk64 tn32", torch.bfloat16, 1, 64, 32, 1, 8, "both", False),
+        ("bf16 2c loads", torch.bfloat16, 2, 64, 64, 1, 6, "loads", False),
+        ("bf16 2c mmas", torch.bfloat16, 2, 64, 256, 1, 6, "mmas", False),
+        ("fp8 2c promote tn128 x2", torch.float8_e4m3fn, 2, 128, 128, 2, 5, "both", True),
+        ("fp8 2c plain tn256", torch.float8_e4m3fn, 2, 128, 256, 1, 5, "both", False),
+        ("fp8 1c promote tn64", torch.float8_e4m3fn, 1, 128, 64, 1, 8, "both", True)]
+
+
+def compile_one(dtype, consumers: int, block_k: int, tn: int, nchunk: int, stages: int, mode: str,
+                promote: bool) -> str:
+    import triton
+    from gluon_fp8_compile_cpu import _descriptor, ptxas_report
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    import ovl_kernels as ok
+
+    e, n, k = 2, 512, 1024
+    box = [64, block_k]
+    args = dict(w13_desc=_descriptor([e * 2 * n, k], box, dtype), w2_desc=_descriptor([e * k, n], box, dtype),
+                a_desc=_descriptor([tn, block_k], [tn, block_k], dtype), out_ptr=torch.empty(1), boxes=100,
+                boxes13=60, steps13=k // block_k, steps2=n // block_k)
+    const = dict(STAGES=stages, CONSUMERS=consumers, NCHUNK=nchunk, INSTR_K=32 if dtype.itemsize == 1 else 16,
+                 MODE=ok.MODES[mode], PROMOTE=promote, CONSUMER_REGS=ok.CONSUMER_REGS, num_warps=4)
+    kernel = ok.ovl_kernel
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    t0 = time.perf_counter()
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, maxnreg=ok.MAX_REGISTERS[consumers]))
+    ptx = out.asm["ptx"]
+    regs = sorted({ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln})
+    spills, serialized = ptxas_report(ptx)
+    wgmma = sum(1 for ln in ptx.splitlines() if "wgmma.mma_async" in ln)
+    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, ptxas spill "
+            f"stores {spills} B, wgmma serialized {serialized}, wgmma.mma_async in PTX {wgmma}")
+
+
+def main() -> int:
+    import triton
+
+    failed = 0
+    only = sys.argv[1:]
+    for name, *job in JOBS:
+        if only and not any(o in name for o in only):
+            continue
+        try:
+            print(f"OK triton {triton.__version__} {name}: {compile_one(*job)}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (report each)
+            failed += 1
+            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

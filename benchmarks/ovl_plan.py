@@ -1,0 +1,144 @@
+"""The work of ``ovl_kernels``' bound kernel (issues 15, 19 at the ridge): a cell's weight bytes cut into [BW, BK]
+TMA boxes, the boxes split evenly over the programs, and the torch twin of what each program computes.
+
+Shapes: E experts (the touched ones: every expert at each cell measured), N intermediate, K hidden, T tokens an
+expert (M·k / E: the cell's real rows spread evenly), BW weight rows a box (64 a consumer warpgroup), BK reduction
+columns a box, TN tokens a wgmma (<= 256; T = NCHUNK·TN), G programs (one an SM).
+
+The weights are w13 viewed [E·2N, K] and w2 viewed [E·K, N]. A unit is one BW-row block of either, streamed along
+its reduction dim in steps of BK: w13 has E·2N/BW units of K/BK boxes, w2 E·K/BW units of N/BK boxes. Boxes are
+numbered w13 first, unit by unit, step by step; program p takes boxes [p·B/G, (p+1)·B/G) (B boxes in all: stream-K
+balance, no program more than one box above another). Each box feeds NCHUNK wgmmas of [BW rows, BK] x [BK, TN]
+(swap-AB: the weights are the MMA's M side, the tokens its N side, so a cell's rows round up to 8, not 64), all into
+one float32 accumulator per consumer warpgroup: the tensor work of the cell's real rows, its weights read once,
+with no second accumulator and no epilogue but one store at the end. Every real grouped GEMM reads at least these
+bytes and runs at least these MMAs, so the kernel's time bounds them on this GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HALF_ROWS = 64  # weight rows of one consumer warpgroup's wgmma (the MMA's M)
+
+
+@dataclass(frozen=True)
+class OvlPlan:
+    """One cell's boxes and their split."""
+
+    experts: int  # E
+    n: int  # N
+    k: int  # K
+    tokens: int  # T rows an expert (a multiple of 8)
+    block_w: int  # BW weight rows a box
+    block_k: int  # BK reduction columns a box
+    tn: int  # TN tokens a wgmma
+    programs: int  # G
+
+    def __post_init__(self):
+        if self.tokens % self.tn or self.tn % 8 or self.tn > 256:
+            raise ValueError(f"tokens {self.tokens} must be a multiple of tn {self.tn} (a multiple of 8, <= 256)")
+        for dim, blk in ((2 * self.n, self.block_w), (self.k, self.block_w), (self.k, self.block_k),
+                         (self.n, self.block_k)):
+            if dim % blk:
+                raise ValueError(f"{dim} is not a multiple of {blk}")
+
+    @property
+    def steps13(self) -> int:
+        return self.k // self.block_k
+
+    @property
+    def steps2(self) -> int:
+        return self.n // self.block_k
+
+    @property
+    def boxes13(self) -> int:
+        return self.experts * 2 * self.n // self.block_w * self.steps13
+
+    @property
+    def boxes(self) -> int:
+        return self.boxes13 + self.experts * self.k // self.block_w * self.steps2
+
+    @property
+    def nchunk(self) -> int:
+        return self.tokens // self.tn
+
+    @property
+    def consumers(self) -> int:
+        return self.block_w // HALF_ROWS
+
+    def span(self, p: int) -> tuple[int, int]:
+        """Boxes [lo, hi) of program p (the kernel's own arithmetic)."""
+        return p * self.boxes // self.programs, (p + 1) * self.boxes // self.programs
+
+    def box(self, b: int) -> tuple[int, int, int]:
+        """(0: w13 / 1: w2, first row of the 2-D view, first column) of box b."""
+        if b < self.boxes13:
+            return 0, b // self.steps13 * self.block_w, b % self.steps13 * self.block_k
+        b -= self.boxes13
+        return 1, b // self.steps2 * self.block_w, b % self.steps2 * self.block_k
+
+    def weight_bytes(self, element_size: int) -> int:
+        return self.boxes * self.block_w * self.block_k * element_size
+
+    def flops(self) -> int:
+        """The MMAs' multiply-adds x 2: each box's [BW, BK] x [BK, T]."""
+        return 2 * self.boxes * self.block_w * self.block_k * self.tokens
+
+
+def plan_for(experts: int, n: int, k: int, rows: int, block_w: int, block_k: int, tn: int, programs: int) -> OvlPlan:
+    """``rows`` real rows over E experts (M·k): T = rows / E rounded up to 8; tn = min(tn, T)."""
+    tokens = -(-rows // experts)
+    tokens = -(-tokens // 8) * 8
+    tn = min(tn, tokens)
+    while tokens % tn:
+        tn -= 8
+    return OvlPlan(experts, n, k, tokens, block_w, block_k, tn, programs)
+
+
+def box_scale(i: int) -> float:
+    """The weight block scale the fp8 promotion applies at a program's i-th box (the kernel computes it; real
+    kernels load it): 1 + (i mod 4) / 8."""
+    return 1.0 + (i % 4) * 0.125
+
+
+def token_scales(tn: int) -> torch.Tensor:
+    """The per-token activation scales [TN] of the fp8 promotion: 1 + (t mod 8) / 16."""
+    return 1.0 + (torch.arange(tn) % 8).double() / 16
+
+
+def boxes_of(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Boxes lo .. hi - 1 [hi - lo, BW, BK] float32 (w13 [E·2N, K], w2 [E·K, N]; bf16 or e4m3)."""
+    parts = []
+    for w, first, count, steps in ((w13, 0, plan.boxes13, plan.steps13),
+                                   (w2, plan.boxes13, plan.boxes - plan.boxes13, plan.steps2)):
+        a, b = max(lo, first), min(hi, first + count)
+        if a < b:
+            idx = torch.arange(a - first, b - first, device=w.device)
+            raw = w.view(torch.uint8 if w.element_size() == 1 else torch.int16)  # indexing takes any dtype so
+            four = raw.view(-1, plan.block_w, steps, plan.block_k)  # [units, BW, steps, BK]
+            parts.append(four[idx // steps, :, idx % steps, :].view(w.dtype).float())  # [b - a, BW, BK]
+    return torch.cat(parts)
+
+
+def ovl_twin(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, a: torch.Tensor, promote: bool,
+             programs: list[int] | None = None) -> torch.Tensor:
+    """out [P, C, 64, TN] float32 on a's device: what consumer c of each of ``programs`` (default: all G)
+    accumulates over its boxes; w13 [E·2N, K], w2 [E·K, N], a [TN, BK] (the resident tile; every chunk reuses it).
+    promote: each box's product is scaled by ``token_scales`` (per column) x ``box_scale`` (the i-th box of the
+    program) before it is added. Sums the boxes first (the products are linear in them): float32 sums in
+    another order than the kernel's."""
+    programs = list(range(plan.programs)) if programs is None else programs
+    at = a.float().t()  # [BK, TN]
+    cols = token_scales(plan.tn).float().to(a.device) if promote else torch.ones(plan.tn, device=a.device)
+    out = torch.zeros(len(programs), plan.consumers, HALF_ROWS, plan.tn, device=a.device)
+    for j, p in enumerate(programs):
+        lo, hi = plan.span(p)
+        if lo == hi:
+            continue
+        scale = torch.tensor([box_scale(i) if promote else 1.0 for i in range(hi - lo)], device=a.device)
+        summed = (boxes_of(plan, w13, w2, lo, hi) * scale[:, None, None]).sum(0)  # [BW, BK]
+        out[j] = (plan.nchunk * (summed @ at) * cols[None, :]).view(plan.consumers, HALF_ROWS, plan.tn)
+    return out
