@@ -142,3 +142,21 @@ def ovl_twin(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, a: torch.Tensor
         summed = (boxes_of(plan, w13, w2, lo, hi) * scale[:, None, None]).sum(0)  # [BW, BK]
         out[j] = (plan.nchunk * (summed @ at) * cols[None, :]).view(plan.consumers, HALF_ROWS, plan.tn)
     return out
+
+
+def ring_twin(plan: OvlPlan, w13: torch.Tensor, a: torch.Tensor, stages: int, promote: bool,
+              programs: list[int]) -> torch.Tensor:
+    """``ovl_twin`` of the MMAs-alone mode: a program's i-th box multiplies ring stage i mod STAGES, which holds
+    w13's rows [(s·C + c)·64, +64) x columns [0, BK) for consumer c (filled once)."""
+    at = a.float().t()  # [BK, TN]
+    cols = token_scales(plan.tn).float().to(a.device) if promote else torch.ones(plan.tn, device=a.device)
+    ring = w13[:stages * plan.block_w, :plan.block_k].float().view(stages, plan.consumers, HALF_ROWS, plan.block_k)
+    out = torch.zeros(len(programs), plan.consumers, HALF_ROWS, plan.tn, device=a.device)
+    for j, p in enumerate(programs):
+        lo, hi = plan.span(p)
+        weight = torch.zeros(stages, device=a.device, dtype=torch.float64)
+        for i in range(hi - lo):
+            weight[i % stages] += box_scale(i) if promote else 1.0
+        summed = (ring * weight.float()[:, None, None, None]).sum(0)  # [C, 64, BK]
+        out[j] = plan.nchunk * (summed @ at) * cols[None, None, :]
+    return out

@@ -85,3 +85,25 @@ def test_twin_against_float64_loop(dtype, promote, block_w, tn, rows):
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     some = op.ovl_twin(plan, w13, w2, a, promote, programs=[2, 0])
     assert torch.equal(some, op.ovl_twin(plan, w13, w2, a, promote)[[2, 0]])
+
+
+@pytest.mark.parametrize("promote", [False, True])
+def test_ring_twin_against_float64_loop(promote):
+    plan = op.plan_for(2, 128, 256, 32, 128, 128, 16, 3)
+    stages = 3
+    g = torch.Generator().manual_seed(2)
+    w13 = torch.randn(2 * 256, 256, generator=g)
+    a = torch.randn(plan.tn, 128, generator=g)
+    want = torch.zeros(3, 2, 64, plan.tn, dtype=torch.float64)
+    for p in range(3):
+        lo, hi = plan.span(p)
+        for i in range(hi - lo):
+            s = i % stages
+            for c in range(2):
+                w = w13[(s * 2 + c) * 64:(s * 2 + c + 1) * 64, :128].double()
+                prod = w @ a.double().t()  # [64, TN]
+                if promote:
+                    prod = prod * (1 + (torch.arange(plan.tn) % 8).double() / 16)[None, :] * (1 + (i % 4) / 8)
+                want[p, c] += plan.nchunk * prod
+    got = op.ring_twin(plan, w13, a, stages, promote, [0, 1, 2]).double()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
