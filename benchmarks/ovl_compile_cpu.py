@@ -15,15 +15,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# (name, dtype, consumers, block_k, tn, nchunk, stages, mode, promote)
-JOBS = [("bf16 2c bk64 tn128", torch.bfloat16, 2, 64, 128, 1, 6, "both", False),
-        ("bf16 2c bk64 tn256 x4", torch.bfloat16, 2, 64, 256, 4, 4, "both", False),
-        ("bf16 1c bk64 tn32", torch.bfloat16, 1, 64, 32, 1, 8, "both", False),
-        ("bf16 2c loads", torch.bfloat16, 2, 64, 64, 1, 6, "loads", False),
-        ("bf16 2c mmas", torch.bfloat16, 2, 64, 256, 1, 6, "mmas", False),
-        ("fp8 2c promote tn128 x2", torch.float8_e4m3fn, 2, 128, 128, 2, 5, "both", True),
-        ("fp8 2c plain tn256", torch.float8_e4m3fn, 2, 128, 256, 1, 5, "both", False),
-        ("fp8 1c promote tn64", torch.float8_e4m3fn, 1, 128, 64, 1, 8, "both", True)]
+TOKENS = {"bf16": (32, 128, 256, 1024), "fp8": (32, 256, 512)}  # T rows an expert: the cells' kinds of tile
+
+
+def jobs() -> list:
+    """(name, dtype, consumers, block_k, tn, nchunk, stages, mode, promote) of every tile the device check runs."""
+    import ovl_cells as oc
+
+    got, seen = [], set()
+    for dtype, tokens in TOKENS.items():
+        for t in tokens:
+            for cfg in oc.bound_cfgs(dtype):
+                p = oc.op.plan_for(2, 1024, 1024, 2 * t, 64 * cfg.consumers, cfg.block_k, cfg.tn, 1)
+                key = (dtype, cfg.consumers, cfg.block_k, p.tn, p.nchunk, cfg.stages, cfg.mode, cfg.promote)
+                if key in seen:
+                    continue
+                seen.add(key)
+                got.append((f"{dtype} T{t} {cfg.name}", torch.bfloat16 if dtype == "bf16" else torch.float8_e4m3fn,
+                            cfg.consumers, cfg.block_k, p.tn, p.nchunk, cfg.stages, cfg.mode, cfg.promote))
+    return got
 
 
 def compile_one(dtype, consumers: int, block_k: int, tn: int, nchunk: int, stages: int, mode: str,
@@ -62,7 +72,7 @@ def main() -> int:
 
     failed = 0
     only = sys.argv[1:]
-    for name, *job in JOBS:
+    for name, *job in jobs():
         if only and not any(o in name for o in only):
             continue
         try:
