@@ -37,7 +37,7 @@ def jobs() -> list:
 
 
 def compile_one(dtype, consumers: int, block_k: int, tn: int, nchunk: int, stages: int, mode: str,
-                promote: bool) -> str:
+                promote: int) -> str:
     import triton
     from gluon_fp8_compile_cpu import _descriptor, ptxas_report
     from triton.backends.compiler import GPUTarget

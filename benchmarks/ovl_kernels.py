@@ -76,36 +76,94 @@ def _consumer(a_smem, w_bufs, ready, empty, out_ptr, boxes, HALF: gl.constexpr, 
                                                      instr_shape=[16, TN, INSTR_K])
     cols = gl.arange(0, TN, layout=gl.SliceLayout(0, layout))  # [TN]
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))  # [64]
-    t_scale = 1.0 + (cols % 8).to(gl.float32) * 0.0625  # ``ovl_plan.token_scales``
     acc = gl.zeros([64, TN], gl.float32, layout)
-    part = gl.zeros([64, TN], gl.float32, layout)
-    b_op = a_smem.permute((1, 0))  # [BK, TN]
     lo, hi = _span(boxes)
-    for i in range(hi - lo):
-        s = i % STAGES
-        if MODE != MMAS:
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        w = w_bufs.index(s * CONSUMERS + HALF)
-        if MODE == LOADS:
-            mbarrier.arrive(empty.index(s), count=1)
-        elif PROMOTE:
-            scale = t_scale * (1.0 + (i % 4).to(gl.float32) * 0.125)  # x ``ovl_plan.box_scale(i)``
-            for c in range(NCHUNK):  # a loop, not unrolled: unrolled, ptxas spilled 160 B at 4 chunks
-                part = warpgroup_mma(w, b_op, part, use_acc=False, is_async=True)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                acc += part * scale[None, :]
-            if MODE == BOTH:
+    if PROMOTE == 2 and MODE != LOADS:
+        acc = _promote_pipelined(a_smem, w_bufs, ready, empty, acc, cols, hi - lo, HALF, STAGES, CONSUMERS, NCHUNK,
+                                 MODE)
+    else:
+        b_op = a_smem.permute((1, 0))  # [BK, TN]
+        t_scale = 1.0 + (cols % 8).to(gl.float32) * 0.0625  # ``ovl_plan.token_scales``
+        part = gl.zeros([64, TN], gl.float32, layout)
+        for i in range(hi - lo):
+            s = i % STAGES
+            if MODE != MMAS:
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            w = w_bufs.index(s * CONSUMERS + HALF)
+            if MODE == LOADS:
                 mbarrier.arrive(empty.index(s), count=1)
-        else:
-            for c in gl.static_range(NCHUNK):
-                acc = warpgroup_mma(w, b_op, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=NCHUNK, deps=(acc,))  # the stage before's wgmmas retired
-            if MODE == BOTH:
-                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-    if MODE != LOADS and not PROMOTE:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            elif PROMOTE == 1:
+                scale = t_scale * (1.0 + (i % 4).to(gl.float32) * 0.125)  # x ``ovl_plan.box_scale(i)``
+                for c in range(NCHUNK):  # a loop, not unrolled: unrolled, ptxas spilled 160 B at 4 chunks
+                    part = warpgroup_mma(w, b_op, part, use_acc=False, is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    acc += part * scale[None, :]
+                if MODE == BOTH:
+                    mbarrier.arrive(empty.index(s), count=1)
+            else:
+                for c in gl.static_range(NCHUNK):
+                    acc = warpgroup_mma(w, b_op, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=NCHUNK, deps=(acc,))  # the stage before's wgmmas retired
+                if MODE == BOTH:
+                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        if MODE != LOADS and PROMOTE == 0:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     tile = (gl.program_id(0) * CONSUMERS + HALF) * 64
     gl.store(out_ptr + (tile + rows[:, None]) * TN + cols[None, :], acc)
+
+
+@gluon.jit
+def _pair(wa, wb, b_op, acc, zero, scale_a, scale_b):
+    """Two wgmmas in flight, each into a fresh part; the first folded in (x its scales) while the second runs."""
+    pa = warpgroup_mma(wa, b_op, zero, use_acc=False, is_async=True)
+    pb = warpgroup_mma(wb, b_op, zero, use_acc=False, is_async=True)
+    done = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
+    acc += done * scale_a[None, :]
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+    return acc + done * scale_b[None, :]
+
+
+@gluon.jit
+def _promote_pipelined(a_smem, w_bufs, ready, empty, acc, cols, n, HALF: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMERS: gl.constexpr, NCHUNK: gl.constexpr, MODE: gl.constexpr):
+    """PROMOTE 2: the promotion with two wgmmas in flight (``_pair``): an even NCHUNK pairs a box's chunks, one
+    chunk pairs two boxes (an odd last box alone, waited). Nothing in flight crosses a loop's back edge (a part
+    kept in flight across iterations made ptxas serialize the wgmmas, C7514, and spill 840 B)."""
+    b_op = a_smem.permute((1, 0))  # [BK, TN]
+    t_scale = 1.0 + (cols % 8).to(gl.float32) * 0.0625  # ``ovl_plan.token_scales``
+    zero = gl.zeros_like(acc)
+    if NCHUNK % 2 == 0:
+        for i in range(n):
+            s = i % STAGES
+            if MODE != MMAS:
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            w = w_bufs.index(s * CONSUMERS + HALF)
+            scale = t_scale * (1.0 + (i % 4).to(gl.float32) * 0.125)  # x ``ovl_plan.box_scale(i)``
+            for c in range(NCHUNK // 2):
+                acc = _pair(w, w, b_op, acc, zero, scale, scale)
+            if MODE == BOTH:
+                mbarrier.arrive(empty.index(s), count=1)
+    else:
+        for j in range(n // 2):
+            sa = (2 * j) % STAGES
+            sb = (2 * j + 1) % STAGES
+            if MODE != MMAS:
+                mbarrier.wait(ready.index(sa), ((2 * j) // STAGES) & 1)
+                mbarrier.wait(ready.index(sb), ((2 * j + 1) // STAGES) & 1)
+            scale = t_scale * (1.0 + ((2 * j) % 4).to(gl.float32) * 0.125)  # box 2j's; box 2j + 1's: + 1/8
+            acc = _pair(w_bufs.index(sa * CONSUMERS + HALF), w_bufs.index(sb * CONSUMERS + HALF), b_op, acc, zero,
+                        scale, scale + t_scale * 0.125)
+            if MODE == BOTH:
+                mbarrier.arrive(empty.index(sa), count=1)
+                mbarrier.arrive(empty.index(sb), count=1)
+        if n % 2 == 1:
+            i = n - 1
+            s = i % STAGES
+            if MODE != MMAS:
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            part = warpgroup_mma(w_bufs.index(s * CONSUMERS + HALF), b_op, zero, use_acc=False)
+            acc += part * (t_scale * (1.0 + (i % 4).to(gl.float32) * 0.125))[None, :]
+    return acc
 
 
 @gluon.jit(do_not_specialize=["boxes", "boxes13", "steps13", "steps2"])  # one compile per tile, any cell
@@ -113,7 +171,8 @@ def ovl_kernel(w13_desc, w2_desc, a_desc, out_ptr, boxes, boxes13, steps13, step
                CONSUMERS: gl.constexpr, NCHUNK: gl.constexpr, INSTR_K: gl.constexpr, MODE: gl.constexpr,
                PROMOTE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """w13_desc [E·2N, K] and w2_desc [E·K, N] (one dtype) in [64, BK] boxes; a_desc [TN, BK] one box; out_ptr
-    [G, CONSUMERS, 64, TN] float32; boxes, boxes13, steps13, steps2: ``OvlPlan``'s; num_warps = 4 (consumer 0)."""
+    [G, CONSUMERS, 64, TN] float32; boxes, boxes13, steps13, steps2: ``OvlPlan``'s; num_warps = 4 (consumer 0);
+    PROMOTE: 0 none, 1 each wgmma waited then folded, 2 pipelined (``_promote_pipelined``)."""
     w_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES * CONSUMERS] + w13_desc.block_type.shape,
                                        w13_desc.layout)
     a_smem = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
@@ -155,9 +214,10 @@ CONSUMER_REGS = 224  # consumer 1's (2 consumers)
 
 
 def launch_ovl(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, a: torch.Tensor, out: torch.Tensor, mode: str,
-               promote: bool, stages: int) -> torch.Tensor:
+               promote: int, stages: int) -> torch.Tensor:
     """out [G, C, 64, TN] float32 <- the kernel on w13 [E·2N, K], w2 [E·K, N] (2-D views; bf16 or e4m3) and the
-    resident a [TN, BK] (w13's dtype); mode "both", "loads" or "mmas"; promote: fp8 only, BK = 128."""
+    resident a [TN, BK] (w13's dtype); mode "both", "loads" or "mmas"; promote (fp8 only, BK = 128): 1 waited,
+    2 pipelined."""
     from moekit.experts.triton_gluon_launch import gluon_descriptor
 
     want = (plan.programs, plan.consumers, HALF_ROWS, plan.tn)
@@ -165,6 +225,8 @@ def launch_ovl(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, a: torch.Tens
         raise ValueError(f"out must be {want} float32 and a [{plan.tn}, {plan.block_k}]")
     if promote and (w13.dtype != torch.float8_e4m3fn or plan.block_k != 128):
         raise ValueError("the promotion is fp8's, with 128-column boxes")
+    if plan.boxes < plan.programs:
+        raise ValueError(f"{plan.boxes} boxes for {plan.programs} programs: every program needs one")
     box = [HALF_ROWS, plan.block_k]
     ovl_kernel[(plan.programs,)](
         gluon_descriptor(w13, box), gluon_descriptor(w2, box), gluon_descriptor(a, [plan.tn, plan.block_k]), out,
