@@ -187,6 +187,7 @@ def checked_calls(c: oc.Cell, sms: int, skip: set) -> dict:
             continue
         if RUN.check(f"{c.spec} {call.name}", call.status.startswith("PASS"), call.status):
             calls[call.name] = call.fns
+        log(f"{c.spec}: {call.name} checked")  # (the watchdog's clock)
     return calls
 
 
