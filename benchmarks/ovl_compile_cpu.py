@@ -49,10 +49,10 @@ def compile_one(dtype, consumers: int, block_k: int, tn: int, nchunk: int, stage
     e, n, k = 2, 512, 1024
     box = [64, block_k]
     args = dict(w13_desc=_descriptor([e * 2 * n, k], box, dtype), w2_desc=_descriptor([e * k, n], box, dtype),
-                a_desc=_descriptor([tn, block_k], [tn, block_k], dtype), out_ptr=torch.empty(1), boxes=100,
+                a_desc=_descriptor([tn * min(nchunk, 2), block_k], [tn, block_k], dtype), out_ptr=torch.empty(1), boxes=100,
                 boxes13=60, steps13=k // block_k, steps2=n // block_k)
     const = dict(STAGES=stages, CONSUMERS=consumers, NCHUNK=nchunk, INSTR_K=32 if dtype.itemsize == 1 else 16,
-                 MODE=ok.MODES[mode], PROMOTE=promote, CONSUMER_REGS=ok.CONSUMER_REGS, num_warps=4)
+                 MODE=ok.MODES[mode], PROMOTE=promote, CONSUMER_REGS=ok.CONSUMER_REGS, TN=tn, num_warps=4)
     kernel = ok.ovl_kernel
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
@@ -63,8 +63,21 @@ def compile_one(dtype, consumers: int, block_k: int, tn: int, nchunk: int, stage
     regs = sorted({ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln})
     spills, serialized = ptxas_report(ptx)
     wgmma = sum(1 for ln in ptx.splitlines() if "wgmma.mma_async" in ln)
+    want = expected_wgmmas(consumers, nchunk, mode, promote)
+    if wgmma != want:  # a merged (CSE'd) or dropped wgmma: CK1b's first pipelined promotion ran half of them
+        raise AssertionError(f"{wgmma} wgmma.mma_async in the PTX, {want} expected")
     return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, ptxas spill "
-            f"stores {spills} B, wgmma serialized {serialized}, wgmma.mma_async in PTX {wgmma}")
+            f"stores {spills} B, wgmma serialized {serialized}, wgmma.mma_async in PTX {wgmma} (as expected)")
+
+
+def expected_wgmmas(consumers: int, nchunk: int, mode: str, promote: int) -> int:
+    """wgmma.mma_async instructions in the PTX: 4 a wgmma (BK / k: 64 / 16 bf16, 128 / 32 e4m3); wgmmas in a
+    consumer's code: NCHUNK unrolled (plain), 1 in the chunk loop (promotion), 2 in the pair loop (pipelined; with one
+    chunk a pair of boxes and a lone last box, 3); one copy a consumer partition."""
+    if mode == "loads":
+        return 0
+    per = {0: nchunk, 1: 1, 2: 3 if nchunk % 2 else 2}[promote]
+    return 4 * per * consumers
 
 
 def main() -> int:

@@ -71,7 +71,7 @@ def _loader(w13_desc, w2_desc, w_bufs, ready, empty, boxes, boxes13, steps13, st
 def _consumer(a_smem, w_bufs, ready, empty, out_ptr, boxes, HALF: gl.constexpr, STAGES: gl.constexpr,
               CONSUMERS: gl.constexpr, NCHUNK: gl.constexpr, INSTR_K: gl.constexpr, MODE: gl.constexpr,
               PROMOTE: gl.constexpr):
-    TN: gl.constexpr = a_smem.type.shape[0]
+    TN: gl.constexpr = a_smem.type.shape[1]
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, TN, INSTR_K])
     cols = gl.arange(0, TN, layout=gl.SliceLayout(0, layout))  # [TN]
@@ -82,7 +82,6 @@ def _consumer(a_smem, w_bufs, ready, empty, out_ptr, boxes, HALF: gl.constexpr, 
         acc = _promote_pipelined(a_smem, w_bufs, ready, empty, acc, cols, hi - lo, HALF, STAGES, CONSUMERS, NCHUNK,
                                  MODE)
     else:
-        b_op = a_smem.permute((1, 0))  # [BK, TN]
         t_scale = 1.0 + (cols % 8).to(gl.float32) * 0.0625  # ``ovl_plan.token_scales``
         part = gl.zeros([64, TN], gl.float32, layout)
         for i in range(hi - lo):
@@ -95,14 +94,14 @@ def _consumer(a_smem, w_bufs, ready, empty, out_ptr, boxes, HALF: gl.constexpr, 
             elif PROMOTE == 1:
                 scale = t_scale * (1.0 + (i % 4).to(gl.float32) * 0.125)  # x ``ovl_plan.box_scale(i)``
                 for c in range(NCHUNK):  # a loop, not unrolled: unrolled, ptxas spilled 160 B at 4 chunks
-                    part = warpgroup_mma(w, b_op, part, use_acc=False, is_async=True)
+                    part = warpgroup_mma(w, _chunk(a_smem, c), part, use_acc=False, is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     acc += part * scale[None, :]
                 if MODE == BOTH:
                     mbarrier.arrive(empty.index(s), count=1)
             else:
                 for c in gl.static_range(NCHUNK):
-                    acc = warpgroup_mma(w, b_op, acc, is_async=True)
+                    acc = warpgroup_mma(w, _chunk(a_smem, c), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=NCHUNK, deps=(acc,))  # the stage before's wgmmas retired
                 if MODE == BOTH:
                     mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
@@ -113,10 +112,18 @@ def _consumer(a_smem, w_bufs, ready, empty, out_ptr, boxes, HALF: gl.constexpr, 
 
 
 @gluon.jit
-def _pair(wa, wb, b_op, acc, zero, scale_a, scale_b):
+def _chunk(a_smem, c):
+    """Chunk c's B operand [BK, TN]: resident tile c mod 2, so two chunks in flight never have the same operands
+    (identical ones were merged: CK1b's first pipelined promotion ran half its wgmmas) and the twin tells a merged
+    or hoisted chunk from a run one."""
+    return a_smem.index(c % a_smem.type.shape[0]).permute((1, 0))
+
+
+@gluon.jit
+def _pair(wa, wb, ba, bb, acc, zero, scale_a, scale_b):
     """Two wgmmas in flight, each into a fresh part; the first folded in (x its scales) while the second runs."""
-    pa = warpgroup_mma(wa, b_op, zero, use_acc=False, is_async=True)
-    pb = warpgroup_mma(wb, b_op, zero, use_acc=False, is_async=True)
+    pa = warpgroup_mma(wa, ba, zero, use_acc=False, is_async=True)
+    pb = warpgroup_mma(wb, bb, zero, use_acc=False, is_async=True)
     done = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
     acc += done * scale_a[None, :]
     done = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
@@ -129,7 +136,6 @@ def _promote_pipelined(a_smem, w_bufs, ready, empty, acc, cols, n, HALF: gl.cons
     """PROMOTE 2: the promotion with two wgmmas in flight (``_pair``): an even NCHUNK pairs a box's chunks, one
     chunk pairs two boxes (an odd last box alone, waited). Nothing in flight crosses a loop's back edge (a part
     kept in flight across iterations made ptxas serialize the wgmmas, C7514, and spill 840 B)."""
-    b_op = a_smem.permute((1, 0))  # [BK, TN]
     t_scale = 1.0 + (cols % 8).to(gl.float32) * 0.0625  # ``ovl_plan.token_scales``
     zero = gl.zeros_like(acc)
     if NCHUNK % 2 == 0:
@@ -140,7 +146,7 @@ def _promote_pipelined(a_smem, w_bufs, ready, empty, acc, cols, n, HALF: gl.cons
             w = w_bufs.index(s * CONSUMERS + HALF)
             scale = t_scale * (1.0 + (i % 4).to(gl.float32) * 0.125)  # x ``ovl_plan.box_scale(i)``
             for c in range(NCHUNK // 2):
-                acc = _pair(w, w, b_op, acc, zero, scale, scale)
+                acc = _pair(w, w, _chunk(a_smem, 0), _chunk(a_smem, 1), acc, zero, scale, scale)
             if MODE == BOTH:
                 mbarrier.arrive(empty.index(s), count=1)
     else:
@@ -151,8 +157,9 @@ def _promote_pipelined(a_smem, w_bufs, ready, empty, acc, cols, n, HALF: gl.cons
                 mbarrier.wait(ready.index(sa), ((2 * j) // STAGES) & 1)
                 mbarrier.wait(ready.index(sb), ((2 * j + 1) // STAGES) & 1)
             scale = t_scale * (1.0 + ((2 * j) % 4).to(gl.float32) * 0.125)  # box 2j's; box 2j + 1's: + 1/8
-            acc = _pair(w_bufs.index(sa * CONSUMERS + HALF), w_bufs.index(sb * CONSUMERS + HALF), b_op, acc, zero,
-                        scale, scale + t_scale * 0.125)
+            b_op = _chunk(a_smem, 0)
+            acc = _pair(w_bufs.index(sa * CONSUMERS + HALF), w_bufs.index(sb * CONSUMERS + HALF), b_op, b_op, acc,
+                        zero, scale, scale + t_scale * 0.125)
             if MODE == BOTH:
                 mbarrier.arrive(empty.index(sa), count=1)
                 mbarrier.arrive(empty.index(sb), count=1)
@@ -161,7 +168,7 @@ def _promote_pipelined(a_smem, w_bufs, ready, empty, acc, cols, n, HALF: gl.cons
             s = i % STAGES
             if MODE != MMAS:
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            part = warpgroup_mma(w_bufs.index(s * CONSUMERS + HALF), b_op, zero, use_acc=False)
+            part = warpgroup_mma(w_bufs.index(s * CONSUMERS + HALF), _chunk(a_smem, 0), zero, use_acc=False)
             acc += part * (t_scale * (1.0 + (i % 4).to(gl.float32) * 0.125))[None, :]
     return acc
 
@@ -169,13 +176,15 @@ def _promote_pipelined(a_smem, w_bufs, ready, empty, acc, cols, n, HALF: gl.cons
 @gluon.jit(do_not_specialize=["boxes", "boxes13", "steps13", "steps2"])  # one compile per tile, any cell
 def ovl_kernel(w13_desc, w2_desc, a_desc, out_ptr, boxes, boxes13, steps13, steps2, STAGES: gl.constexpr,
                CONSUMERS: gl.constexpr, NCHUNK: gl.constexpr, INSTR_K: gl.constexpr, MODE: gl.constexpr,
-               PROMOTE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """w13_desc [E·2N, K] and w2_desc [E·K, N] (one dtype) in [64, BK] boxes; a_desc [TN, BK] one box; out_ptr
+               PROMOTE: gl.constexpr, CONSUMER_REGS: gl.constexpr, TN: gl.constexpr, num_warps: gl.constexpr):
+    """w13_desc [E·2N, K] and w2_desc [E·K, N] (one dtype) in [64, BK] boxes; a_desc [TILES·TN, BK] in [TN, BK]
+    boxes (TILES = 2 where NCHUNK > 1: chunk c multiplies tile c mod 2); out_ptr
     [G, CONSUMERS, 64, TN] float32; boxes, boxes13, steps13, steps2: ``OvlPlan``'s; num_warps = 4 (consumer 0);
     PROMOTE: 0 none, 1 each wgmma waited then folded, 2 pipelined (``_promote_pipelined``)."""
     w_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES * CONSUMERS] + w13_desc.block_type.shape,
                                        w13_desc.layout)
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
+    TILES: gl.constexpr = 2 if NCHUNK > 1 else 1
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [TILES] + a_desc.block_type.shape, a_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     start = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -184,12 +193,13 @@ def ovl_kernel(w13_desc, w2_desc, a_desc, out_ptr, boxes, boxes13, steps13, step
         mbarrier.init(empty.index(i), count=CONSUMERS)
     mbarrier.init(start, count=1)
     if MODE == MMAS:  # the ring filled once: w13's first rows
-        mbarrier.expect(start, a_desc.block_type.nbytes + STAGES * CONSUMERS * w13_desc.block_type.nbytes)
+        mbarrier.expect(start, TILES * a_desc.block_type.nbytes + STAGES * CONSUMERS * w13_desc.block_type.nbytes)
         for j in gl.static_range(STAGES * CONSUMERS):
             _tma_load(w13_desc, [j * 64, 0], start, w_bufs.index(j))
     else:
-        mbarrier.expect(start, a_desc.block_type.nbytes)
-    _tma_load(a_desc, [0, 0], start, a_smem)
+        mbarrier.expect(start, TILES * a_desc.block_type.nbytes)
+    for j in gl.static_range(TILES):
+        _tma_load(a_desc, [j * TN, 0], start, a_smem.index(j))
     mbarrier.wait(start, 0)
     if CONSUMERS == 2:
         gl.warp_specialize([
@@ -216,13 +226,13 @@ CONSUMER_REGS = 224  # consumer 1's (2 consumers)
 def launch_ovl(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, a: torch.Tensor, out: torch.Tensor, mode: str,
                promote: int, stages: int) -> torch.Tensor:
     """out [G, C, 64, TN] float32 <- the kernel on w13 [E·2N, K], w2 [E·K, N] (2-D views; bf16 or e4m3) and the
-    resident a [TN, BK] (w13's dtype); mode "both", "loads" or "mmas"; promote (fp8 only, BK = 128): 1 waited,
+    resident a [TILES·TN, BK] (w13's dtype; ``OvlPlan.resident_rows``); mode "both", "loads" or "mmas"; promote (fp8 only, BK = 128): 1 waited,
     2 pipelined."""
     from moekit.experts.triton_gluon_launch import gluon_descriptor
 
     want = (plan.programs, plan.consumers, HALF_ROWS, plan.tn)
-    if out.shape != want or out.dtype != torch.float32 or a.shape != (plan.tn, plan.block_k):
-        raise ValueError(f"out must be {want} float32 and a [{plan.tn}, {plan.block_k}]")
+    if out.shape != want or out.dtype != torch.float32 or a.shape != (plan.resident_rows, plan.block_k):
+        raise ValueError(f"out must be {want} float32 and a [{plan.resident_rows}, {plan.block_k}]")
     if promote and (w13.dtype != torch.float8_e4m3fn or plan.block_k != 128):
         raise ValueError("the promotion is fp8's, with 128-column boxes")
     if plan.boxes < plan.programs:
@@ -232,5 +242,5 @@ def launch_ovl(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, a: torch.Tens
         gluon_descriptor(w13, box), gluon_descriptor(w2, box), gluon_descriptor(a, [plan.tn, plan.block_k]), out,
         plan.boxes, plan.boxes13, plan.steps13, plan.steps2, STAGES=stages, CONSUMERS=plan.consumers,
         NCHUNK=plan.nchunk, INSTR_K=32 if w13.element_size() == 1 else 16, MODE=MODES[mode], PROMOTE=promote,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGISTERS[plan.consumers])
+        CONSUMER_REGS=CONSUMER_REGS, TN=plan.tn, num_warps=4, maxnreg=MAX_REGISTERS[plan.consumers])
     return out

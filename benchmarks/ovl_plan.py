@@ -66,6 +66,11 @@ class OvlPlan:
         return self.tokens // self.tn
 
     @property
+    def resident_rows(self) -> int:
+        """Rows of the resident token tiles: two tiles of TN where NCHUNK > 1, chunk c multiplies tile c mod 2."""
+        return self.tn * min(self.nchunk, 2)
+
+    @property
     def consumers(self) -> int:
         return self.block_w // HALF_ROWS
 
@@ -104,6 +109,18 @@ def box_scale(i: int) -> float:
     return 1.0 + (i % 4) * 0.125
 
 
+def chunks_summed(plan: OvlPlan, a: torch.Tensor) -> torch.Tensor:
+    """[BK, TN] float32: the sum over a box's chunks of the tile each multiplies (chunk c: tile c mod 2)."""
+    tile = lambda c: a[c % 2 * plan.tn:(c % 2 + 1) * plan.tn].float()  # noqa: E731
+    return sum(tile(c) for c in range(plan.nchunk)).t()
+
+
+def box_scales(n: int, promote: bool, device) -> torch.Tensor:
+    """``box_scale`` of a program's boxes 0 .. n - 1 [n] float32 (ones without the promotion)."""
+    i = torch.arange(n, device=device)
+    return 1.0 + (i % 4).float() * 0.125 if promote else torch.ones(n, device=device)
+
+
 def token_scales(tn: int) -> torch.Tensor:
     """The per-token activation scales [TN] of the fp8 promotion: 1 + (t mod 8) / 16."""
     return 1.0 + (torch.arange(tn) % 8).double() / 16
@@ -126,21 +143,22 @@ def boxes_of(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, lo: int, hi: in
 def ovl_twin(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, a: torch.Tensor, promote: bool,
              programs: list[int] | None = None) -> torch.Tensor:
     """out [P, C, 64, TN] float32 on a's device: what consumer c of each of ``programs`` (default: all G)
-    accumulates over its boxes; w13 [E·2N, K], w2 [E·K, N], a [TN, BK] (the resident tile; every chunk reuses it).
+    accumulates over its boxes; w13 [E·2N, K], w2 [E·K, N], a [``resident_rows``, BK] (the resident tiles: chunk c
+    multiplies rows [(c mod 2)·TN, +TN)).
     promote: each box's product is scaled by ``token_scales`` (per column) x ``box_scale`` (the i-th box of the
     program) before it is added. Sums the boxes first (the products are linear in them): float32 sums in
     another order than the kernel's."""
     programs = list(range(plan.programs)) if programs is None else programs
-    at = a.float().t()  # [BK, TN]
+    at = chunks_summed(plan, a)  # [BK, TN]
     cols = token_scales(plan.tn).float().to(a.device) if promote else torch.ones(plan.tn, device=a.device)
     out = torch.zeros(len(programs), plan.consumers, HALF_ROWS, plan.tn, device=a.device)
     for j, p in enumerate(programs):
         lo, hi = plan.span(p)
         if lo == hi:
             continue
-        scale = torch.tensor([box_scale(i) if promote else 1.0 for i in range(hi - lo)], device=a.device)
+        scale = box_scales(hi - lo, promote, a.device)  # [hi - lo]
         summed = (boxes_of(plan, w13, w2, lo, hi) * scale[:, None, None]).sum(0)  # [BW, BK]
-        out[j] = (plan.nchunk * (summed @ at) * cols[None, :]).view(plan.consumers, HALF_ROWS, plan.tn)
+        out[j] = ((summed @ at) * cols[None, :]).view(plan.consumers, HALF_ROWS, plan.tn)
     return out
 
 
@@ -148,15 +166,14 @@ def ring_twin(plan: OvlPlan, w13: torch.Tensor, a: torch.Tensor, stages: int, pr
               programs: list[int]) -> torch.Tensor:
     """``ovl_twin`` of the MMAs-alone mode: a program's i-th box multiplies ring stage i mod STAGES, which holds
     w13's rows [(s·C + c)·64, +64) x columns [0, BK) for consumer c (filled once)."""
-    at = a.float().t()  # [BK, TN]
+    at = chunks_summed(plan, a)  # [BK, TN]
     cols = token_scales(plan.tn).float().to(a.device) if promote else torch.ones(plan.tn, device=a.device)
     ring = w13[:stages * plan.block_w, :plan.block_k].float().view(stages, plan.consumers, HALF_ROWS, plan.block_k)
     out = torch.zeros(len(programs), plan.consumers, HALF_ROWS, plan.tn, device=a.device)
     for j, p in enumerate(programs):
         lo, hi = plan.span(p)
-        weight = torch.zeros(stages, device=a.device, dtype=torch.float64)
-        for i in range(hi - lo):
-            weight[i % stages] += box_scale(i) if promote else 1.0
-        summed = (ring * weight.float()[:, None, None, None]).sum(0)  # [C, 64, BK]
-        out[j] = plan.nchunk * (summed @ at) * cols[None, None, :]
+        i = torch.arange(hi - lo, device=a.device)
+        weight = torch.zeros(stages, device=a.device).index_add_(0, i % stages, box_scales(hi - lo, promote, a.device))
+        summed = (ring * weight[:, None, None, None]).sum(0)  # [C, 64, BK]
+        out[j] = (summed @ at) * cols[None, None, :]
     return out

@@ -63,23 +63,23 @@ def reference_loop(plan: op.OvlPlan, w13, w2, a, promote: bool) -> torch.Tensor:
         for i in range(hi - lo):
             which, row, col = plan.box(lo + i)
             w = views[which][row:row + plan.block_w, col:col + plan.block_k]
-            for _ in range(plan.nchunk):
+            for c in range(plan.nchunk):  # chunk c multiplies resident tile c mod 2
                 for t in range(plan.tn):
                     s = (1 + (t % 8) / 16) * (1 + (i % 4) / 8) if promote else 1.0
-                    out[p, :, t] += (w * ad[t][None, :]).sum(1) * s
+                    out[p, :, t] += (w * ad[c % 2 * plan.tn + t][None, :]).sum(1) * s
     return out.view(plan.programs, plan.consumers, 64, plan.tn)
 
 
 @pytest.mark.parametrize("dtype,promote", [(torch.bfloat16, False), (torch.float8_e4m3fn, False),
                                            (torch.float8_e4m3fn, True)])
-@pytest.mark.parametrize("block_w,tn,rows", [(128, 16, 96), (64, 8, 48)])
+@pytest.mark.parametrize("block_w,tn,rows", [(128, 16, 96), (64, 8, 48), (128, 16, 3 * 64), (64, 8, 3 * 32)])
 def test_twin_against_float64_loop(dtype, promote, block_w, tn, rows):
     block_k = 128 if promote else 64
     plan = op.plan_for(3, 128, 256, rows, block_w, block_k, tn, 3)
     g = torch.Generator().manual_seed(1)
     w13 = torch.randn(3 * 256, 256, generator=g).to(dtype)  # [E·2N, K]
     w2 = torch.randn(3 * 256, 128, generator=g).to(dtype)  # [E·K, N]
-    a = torch.randn(plan.tn, block_k, generator=g).to(dtype)  # [TN, BK]
+    a = torch.randn(plan.resident_rows, block_k, generator=g).to(dtype)  # [TN or 2·TN, BK]
     got = op.ovl_twin(plan, w13, w2, a, promote).double()
     want = reference_loop(plan, w13, w2, a, promote)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
@@ -89,11 +89,11 @@ def test_twin_against_float64_loop(dtype, promote, block_w, tn, rows):
 
 @pytest.mark.parametrize("promote", [False, True])
 def test_ring_twin_against_float64_loop(promote):
-    plan = op.plan_for(2, 128, 256, 32, 128, 128, 16, 3)
+    plan = op.plan_for(2, 128, 256, 64, 128, 128, 16, 3)  # T 32 = 2 chunks of 16
     stages = 3
     g = torch.Generator().manual_seed(2)
     w13 = torch.randn(2 * 256, 256, generator=g)
-    a = torch.randn(plan.tn, 128, generator=g)
+    a = torch.randn(plan.resident_rows, 128, generator=g)
     want = torch.zeros(3, 2, 64, plan.tn, dtype=torch.float64)
     for p in range(3):
         lo, hi = plan.span(p)
@@ -101,9 +101,10 @@ def test_ring_twin_against_float64_loop(promote):
             s = i % stages
             for c in range(2):
                 w = w13[(s * 2 + c) * 64:(s * 2 + c + 1) * 64, :128].double()
-                prod = w @ a.double().t()  # [64, TN]
-                if promote:
-                    prod = prod * (1 + (torch.arange(plan.tn) % 8).double() / 16)[None, :] * (1 + (i % 4) / 8)
-                want[p, c] += plan.nchunk * prod
+                for k in range(plan.nchunk):
+                    prod = w @ a[k % 2 * plan.tn:(k % 2 + 1) * plan.tn].double().t()  # [64, TN]
+                    if promote:
+                        prod = prod * (1 + (torch.arange(plan.tn) % 8).double() / 16)[None, :] * (1 + (i % 4) / 8)
+                    want[p, c] += prod
     got = op.ring_twin(plan, w13, a, stages, promote, [0, 1, 2]).double()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
