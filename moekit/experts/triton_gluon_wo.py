@@ -41,15 +41,21 @@ class GluonWoOptions:
     weight rows it multiplies, with barriers of its own (none across the two); ``fast``: the decode in inline PTX on
     int32 words (int4: no mask materialised a code; mxfp4: byte tables and bf16x2, read as words), the same values
     (``_kernels/gluon_wo_fast.py``; int8 unchanged); ``slots``: decoded slots, 3: the decode of step k + 1 overlaps
-    two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages)."""
+    two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages).
+    Session 29: ``swap``, the swapped GEMM (``_kernels/gluon_gemm_wo_swap.py``: the codes converted in wgmma's
+    register-operand layout, the activations its shared-memory operand; no decoded slots, so the ring takes their
+    SMEM: SWAP_STAGES), int8 only, with none of the others."""
 
     split: bool = False
     fast: bool = False
     slots: int = 2
+    swap: bool = False
 
     def __post_init__(self):
         if self.slots not in (2, 3):
             raise ValueError(f"slots={self.slots}: 2 or 3")
+        if self.swap and (self.split or self.fast or self.slots != 2):
+            raise ValueError(f"{self}: swap takes no split, fast or third slot")
 
 
 @dataclass(frozen=True)
@@ -128,26 +134,45 @@ def wo_options(w13, w2, scheme: str, num_tokens: int) -> GluonWoGemms:
     return got.gemms if got is not None and got.lo <= num_tokens < got.hi else GluonWoGemms()
 
 
+# The swapped GEMM's ring (BK 64, [128, 128] tiles): no decoded slots, so 6 stages of 16 KB activations + 2 x 8 KB
+# codes (gate-up) or 8 of 16 + 8 KB (down), each with the 32 KB output tile: 224 KB of sm_90's 227
+SWAP_STAGES = {True: 6, False: 8}
+
+
 @dataclass(frozen=True)
 class WoGemmLaunch:
-    """How one GEMM of a variant launches: its stored tile's dtype and block, its output block, warps and stages."""
+    """How one GEMM of a variant launches: its kernel, stored tile's dtype and block, output block, warps, stages and
+    the kernel's variant constexprs."""
 
     words: bool  # q read as int32 words of 8 codes (int4; mxfp4 with fast)
     q_block: tuple  # (BN, BK / weights a stored element)
     c_block_n: int  # the output block's columns (split: BN / 2, a partition's)
     num_warps: int  # the kernel's (split: one warpgroup)
-    stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer)
+    stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer; swap: SWAP_STAGES)
     fast: bool  # the FAST constexpr (never for int8)
+    swap: bool  # the swapped GEMM (``gluon_gemm_wo_swap``), which takes no SPLIT / FAST / SLOTS
+
+    def kernel(self):
+        """The Gluon kernel this GEMM launches (imported on use: Gluon may be missing)."""
+        if self.swap:
+            return importlib.import_module("moekit.experts._kernels.gluon_gemm_wo_swap").grouped_gemm_wo_swap_kernel
+        return importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
+
+    def variant(self, options: GluonWoOptions) -> dict:
+        """The kernel's variant constexprs for ``options`` (none for the swapped GEMM)."""
+        return {} if self.swap else dict(SPLIT=options.split, FAST=self.fast, SLOTS=options.slots)
 
 
 def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOptions) -> WoGemmLaunch:
     """``launch_gemm_wo``'s and the lean plan's shared choices for ``options`` on this GEMM."""
+    if options.swap and (scheme != "int8_w8a16" or (tile.block_n, tile.block_k) != (128, 64)):
+        raise ValueError(f"swap takes int8_w8a16 on [128, 64] tiles, not {scheme} on {tile}")
     fast = options.fast and scheme != "int8_w8a16"
     words = scheme == "int4_w4a16" or fast
     stages = min(tile.stages, 3) if options.slots == 3 and gated and scheme == "int8_w8a16" else tile.stages
     return WoGemmLaunch(words, (tile.block_n, tile.block_k // (8 if words else PACK[scheme])),
-                        tile.block_n // (2 if options.split else 1), NUM_WARPS // (2 if options.split else 1), stages,
-                        fast)
+                        tile.block_n // (2 if options.split else 1), NUM_WARPS // (2 if options.split else 1),
+                        SWAP_STAGES[gated] if options.swap else stages, fast, options.swap)
 
 
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
@@ -192,7 +217,6 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
                    options: GluonWoOptions = GluonWoOptions()) -> None:
     """out [T, C] = act(a [T, R] @ W[e]^T) per row block, W the weight ``w`` (q contiguous [E, w_rows, R / PACK])
     stores: int8 q * scale, int4 (q - zero) * scale per group, mxfp4 e2m1 * 2^(e8m0 - 127)."""
-    kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     num_experts, w_rows, stored = w.q.shape
     how = wo_gemm_launch(scheme, tile, gated, options)
     q = w.q.view(num_experts * w_rows, stored)
@@ -204,11 +228,10 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)
     zero = w.scale if w.zero is None else w.zero  # int8: never read
-    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *scale_strides(w), a.shape[1],
-                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=how.stages,
-                 GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
-                 num_warps=how.num_warps, SPLIT=options.split, FAST=how.fast, SLOTS=options.slots,
-                 maxnreg=MAX_REGISTERS)
+    how.kernel()[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *scale_strides(w), a.shape[1],
+                       num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=how.stages,
+                       GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
+                       num_warps=how.num_warps, maxnreg=MAX_REGISTERS, **how.variant(options))
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -1,0 +1,97 @@
+"""Compile the swapped weight-only Gluon GEMM (``_kernels/gluon_gemm_wo_swap.py``: the decoded codes as wgmma's
+register operand) for sm_90 on a machine without a GPU, next to the session-27 kernel (``gluon_gemm_wo``) on the
+same GEMM: SMEM, ptxas's spill stores, whether it serialized the wgmmas, the partitions' registers and the MMA
+loop's SASS a weight (``wol7_compile_cpu.loop_counts``).
+
+    PYTHONPATH=$PWD python3 benchmarks/wo4k_compile_cpu.py                          # this Triton (3.9 here)
+    PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/wo4k_compile_cpu.py          # Triton 3.6 (the H200's)
+    ... wo4k_compile_cpu.py --sass up                                               # and dump the gate-up SASS
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
+from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
+
+# (name, gated, stages): the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``)
+CASES = (("up", True, 6), ("down", False, 8))
+
+
+def compile_swap(gated: bool, stages: int, block_n: int = 128, block_k: int = 64):
+    """The compiled int8 swapped GEMM at a small shape (E=2, N=256, K=512: shapes reach it as i32 arguments)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from moekit.experts._kernels.gluon_gemm_wo_swap import grouped_gemm_wo_swap_kernel as kernel
+
+    e, n, k, t = 2, 256, 512, 1024
+    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    args = dict(a_desc=_descriptor([t, r], [128, block_k], torch.bfloat16),
+                q_desc=_descriptor([e * w_rows, r], [block_n, block_k], torch.int8),
+                c_desc=_descriptor([t, c], [128, block_n], torch.bfloat16),
+                experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
+                s_ptr=torch.empty(1), z_ptr=torch.empty(1), stride_se=w_rows, stride_sr=1, stride_sg=0,
+                stride_ze=0, stride_zr=0, stride_zg=0, reduce_dim=r, num_col_blocks=c // block_n)
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=0,
+                 GROUP=1, num_warps=8)
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
+
+
+def report(name: str, gated: bool, stages: int) -> str:
+    t0 = time.perf_counter()
+    out = compile_swap(gated, stages)
+    ptx = out.asm["ptx"]
+    spills, serialized = ptxas_report(ptx)
+    regs = sorted(set(ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln))
+    weights = (2 if gated else 1) * 128 * 64
+    return (f"int8 swap {name} s{stages}: {time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill "
+            f"stores {spills} B, wgmma serialized {serialized}, bar.sync {ptx.count('bar.sync')}, setmaxnreg {regs}; "
+            + loop_counts(out.asm["cubin"], weights))
+
+
+def main() -> int:
+    import triton
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sass", choices=[c[0] for c in CASES], help="write that GEMM's SASS to /tmp/wo4k")
+    args = parser.parse_args()
+    print("triton", triton.__version__, flush=True)
+    failed = 0
+    for name, gated, stages in CASES:
+        try:
+            print("OK", report(name, gated, stages), flush=True)
+        except Exception as exc:  # noqa: BLE001 (report each case)
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+    if args.sass:
+        from wo_gemv_sass_cpu import _tool  # noqa: E402
+
+        case = next(c for c in CASES if c[0] == args.sass)
+        out = compile_swap(case[1], case[2])
+        os.makedirs("/tmp/wo4k", exist_ok=True)
+        base = f"/tmp/wo4k/swap_{args.sass}_{triton.__version__}"
+        for kind in ("ptx", "ttgir", "llir"):
+            with open(f"{base}.{kind}", "w") as f:
+                f.write(out.asm[kind])
+        with open(f"{base}.cubin", "wb") as f:
+            f.write(out.asm["cubin"])
+        os.system(f"{_tool('nvdisasm')} -c {base}.cubin > {base}.sass")
+        print("wrote", base + ".*")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Warp-specialized weight-only grouped GEMM for Hopper (Gluon) with the operands swapped: the decoded weights are
+wgmma's register operand, the activations its shared-memory one (issue #16 target 3, session 29; int8_w8a16).
+
+    out[r, c] = act(A[r, :] @ (Q[e(r), c, :] * scale[e(r), c])^T)      r: a row of the permuted buffer
+    acc[c, r] = sum_k Q[e, c, k] * A[r, k]: the [BN weight rows, BM rows] tile of out^T, scaled, stored transposed
+
+``gluon_gemm_wo`` decodes each step's stored tiles into bf16 shared-memory slots that the wgmma reads as its B
+operand: a gate-up step (BK 64, [128, 128] x 2) moves 176 KB of shared memory (TMA 32, the codes' LDS 16, the decoded
+STS 32, the wgmmas' operand reads 96), 1.22x the bf16 GEMM's 144. Here the weight rows are the MMA's M: each
+warpgroup loads the codes of its 64 weight rows from the stage straight into wgmma's A-operand layout
+(``DotOperandLayout`` of the accumulator's, operand 0), converts them there (int8 -> bf16, exact) and issues the wgmma
+with A in registers and the stage's activation tile as B (its [BM, BK] tile read K-major through ``permute``): no
+decoded slots, no CTA barrier, no STS; a step moves TMA 32 + LDS 16 + the wgmmas' reads of B 64 = 112 KB.
+
+The loader partition is ``gluon_gemm._loader`` (TMA of the activation tile and the code tiles into a STAGES-deep
+ring). The MMA partition (8 warps: two warpgroups, each owning 64 of the tile's weight rows) decodes step k + 1 into
+registers while step k's wgmmas run, then waits for them (the A registers they read stay live through the wait's
+deps) and releases their stage. The per-output-channel scale multiplies the accumulator's rows in the epilogue; the
+[BN, BM] result is transposed in registers and stored through SMEM by TMA into out's [BM, BN] block.
+
+Q is a 2-D view [E * W_ROWS, R] int8 of w13.q [E, 2N, K] (W_ROWS = 2N) or w2.q [E, K, N] (W_ROWS = K); scale
+[E, W_ROWS] fp32. GATED: gate rows c and up rows N + c, out = silu(gate) * up. Gluon does not run in the interpreter
+(CUDA sm_90 only). Torch twin: ``triton_gluon_wo.experts_gluon_wo_twin`` (the same arithmetic: codes times the
+products' scales).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
+
+
+@gluon.jit
+def _codes(q_bufs, stage, GATED: gl.constexpr, operand: gl.constexpr):
+    """The stage's code tiles [BN, BK] int8 -> bf16 in wgmma's A-operand layout (each warpgroup's 64 rows): gate and
+    up when GATED (else the one tile twice, the second unused)."""
+    WTILES: gl.constexpr = 2 if GATED else 1
+    gate = q_bufs.index(stage * WTILES).load(operand).to(gl.float32).to(gl.bfloat16)
+    if GATED:
+        up = q_bufs.index(stage * WTILES + 1).load(operand).to(gl.float32).to(gl.bfloat16)
+    else:
+        up = gate
+    return gate, up
+
+
+@gluon.jit
+def _swap_epilogue(c_desc, c_buf, acc, up, scale_row, rb, cb, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+                   layout: gl.constexpr):
+    """acc (and up) [BN, BM]: the weight rows' scales, silu(gate) * up when GATED, transposed to out's [BM, BN]
+    block and stored by TMA."""
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))  # [BN] weight rows
+    acc = acc * gl.load(scale_row + rows)[:, None]
+    if GATED:
+        up = up * gl.load(scale_row + GATE_OFFSET + rows)[:, None]
+        acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
+    tma.store_wait(0)  # the last tile's store has read c_buf
+    c_buf.store(gl.permute(acc.to(c_desc.dtype), [1, 0]))  # [BM, BN]
+    fence_async_shared()
+    _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
+
+
+@gluon.jit
+def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se, reduce_dim,
+              num_col_blocks, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
+              num_warps: gl.constexpr):
+    """The MMA partition: per tile, acc [BN, BM] (and up) over the reduction, step k + 1's codes decoded into
+    registers under step k's wgmmas."""
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
+    num_tiles = num_row_blocks * num_col_blocks
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
+        up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        w_gate, w_up = _codes(q_bufs, it % STAGES, GATED, operand)
+        for kk in range(k_steps):
+            x_t = a_bufs.index(it % STAGES).permute((1, 0))  # [BK, BM]
+            acc = warpgroup_mma(w_gate, x_t, acc, is_async=True)
+            if GATED:
+                up = warpgroup_mma(w_up, x_t, up, is_async=True)
+            if kk + 1 < k_steps:  # the next step's codes into registers while this step's wgmmas run
+                mbarrier.wait(ready.index((it + 1) % STAGES), ((it + 1) // STAGES) & 1)
+                next_gate, next_up = _codes(q_bufs, (it + 1) % STAGES, GATED, operand)
+            else:
+                next_gate, next_up = w_gate, w_up
+            if GATED:
+                acc, up, w_gate, w_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up, w_gate, w_up))
+            else:
+                acc, w_gate = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_gate))
+            mbarrier.arrive(empty.index(it % STAGES), count=1)  # this step's wgmmas retired: refill its stage
+            w_gate, w_up = next_gate, next_up
+            it += 1
+        _swap_epilogue(c_desc, c_buf, acc, up, s_ptr + gl.load(experts_ptr + rb) * stride_se, rb, cb, GATE_OFFSET,
+                       GATED, layout)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, stride_se, stride_sr,
+                                stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
+                                W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+                                STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHEME: gl.constexpr,
+                                GROUP: gl.constexpr, num_warps: gl.constexpr):
+    """``gluon_gemm_wo.grouped_gemm_wo_kernel``'s arguments (one launch for both; int8, SCHEME 0, reads only
+    s_ptr's rows: scale [E, W_ROWS] with stride_sr 1; z_ptr, the group and zero strides and GROUP are the 4-bit
+    schemes'): a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R] int8 blocks [BN, BK]; c_desc [T, C] blocks
+    [BM, BN]; experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of BM); reduce_dim = R;
+    num_col_blocks = C / BN; GATE_OFFSET = N when GATED."""
+    gl.static_assert(SCHEME == 0, "the swapped weight-only GEMM decodes int8_w8a16 only")
+    WTILES: gl.constexpr = 2 if GATED else 1
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES * WTILES] + q_desc.block_type.shape, q_desc.layout)
+    c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se, reduce_dim,
+                     num_col_blocks, GATE_OFFSET, GATED, GROUP_M, num_warps)),
+        (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1)),
+    ], [1], [24])

@@ -1,0 +1,86 @@
+"""The swapped weight-only Gluon GEMM's host side (``GluonWoOptions(swap=True)``, ``_kernels/gluon_gemm_wo_swap.py``)
+on the CPU: the kernel as its torch stand-in (``_gluon_fakes.wo_gemm``: the same product), the layout and combine
+interpreted. Its launches (plain and lean) hand it every parameter, its ring, tiles and warps, and none of the
+session-27 kernel's variant constexprs; the call matches a float64 loop, on one GEMM or both; what it cannot take is
+refused by name. The kernel itself: ``benchmarks/wo4k_device_check.py`` (H200), ``wo4k_compile_cpu.py`` (sm_90
+offline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
+from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
+from test_triton_gluon_wo import K, N, _call, _f64, _rel, _weights
+from moekit.experts.triton_gluon_wo import GluonWoGemms, GluonWoOptions, run_experts_wo_gluon
+
+SWAP = GluonWoOptions(swap=True)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize("m", [1, 40, 300])  # one row; blocks part full; an expert over two 128-row blocks
+def test_swap_matches_a_float64_loop(fake_gemms, lean, m):
+    w13, w2 = _weights("int8_w8a16")
+    x, ids, weights = _call(m)
+    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", lean=lean, options=SWAP)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
+    assert fake_gemms["wo"].log == []  # the session-27 kernel never launched
+    launches = fake_gemms["wo_swap"].log
+    params = set(fake_gemms["wo_swap"]._params)
+    assert all(set(bound) == params for _, bound, _ in launches)  # every parameter passed, none left to a default
+    assert not params & {"SPLIT", "FAST", "SLOTS"}
+    assert [(b["GATED"], b["W_ROWS"], b["GATE_OFFSET"], b["STAGES"]) for _, b, _ in launches] == [
+        (True, 2 * N, N, 6), (False, K, 0, 8)]  # gate-up then down, on SWAP_STAGES
+    for grid, bound, options in launches:
+        assert options["num_warps"] == 8 and options["maxnreg"] == 168
+        assert bound["q_desc"].base.dtype == torch.int8 and bound["q_desc"].block_shape == [128, 64]
+        assert bound["a_desc"].block_shape == [128, 64] and bound["c_desc"].block_shape == [128, 128]
+        assert bound["num_col_blocks"] == bound["c_desc"].base.shape[1] // 128 and grid[1:] == (1, 1)
+
+
+def test_lean_swap_equals_plain(fake_gemms):
+    w13, w2 = _weights("int8_w8a16")
+    x, ids, weights = _call(300)
+    plain = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", lean=False, options=SWAP)
+    lean = [run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", options=SWAP) for _ in range(2)]
+    assert torch.equal(lean[0], plain) and torch.equal(lean[1], plain)
+    plain_log, lean_log = fake_gemms["wo_swap"].log[:2], fake_gemms["wo_swap"].log[2:4]
+    for (g0, b0, o0), (g1, b1, o1) in zip(plain_log, lean_log):
+        assert g0 == g1 and o0 == o1
+        assert b0.keys() == b1.keys()
+        assert all(b0[k] == b1[k] for k in b0 if isinstance(b0[k], (int, bool)))  # scalars and constexprs
+        assert all(b0[k].block_shape == b1[k].block_shape for k in ("a_desc", "q_desc", "c_desc"))
+
+
+@pytest.mark.parametrize("which", ["up", "down"])
+def test_swap_on_one_gemm(fake_gemms, which):
+    w13, w2 = _weights("int8_w8a16")
+    x, ids, weights = _call(40)
+    gemms = GluonWoGemms(SWAP, GluonWoOptions(slots=3)) if which == "up" else GluonWoGemms(GluonWoOptions(), SWAP)
+    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", options=gemms)
+    assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
+    swapped = [b["GATED"] for _, b, _ in fake_gemms["wo_swap"].log]
+    base = [(b["GATED"], b["SLOTS"]) for _, b, _ in fake_gemms["wo"].log]
+    assert (swapped, base) == (([True], [(False, 3)]) if which == "up" else ([False], [(True, 2)]))
+
+
+def test_swap_fits_the_shared_memory():
+    from moekit.experts.triton_gluon_launch import BLOCK_M, SHARED_BYTES
+    from moekit.experts.triton_gluon_wo import SWAP_STAGES
+
+    for gated, stages in SWAP_STAGES.items():  # bf16 activations [128, 64], int8 codes [128, 64] (two gated)
+        ring = stages * (2 * BLOCK_M * 64 + (2 if gated else 1) * 128 * 64)
+        assert ring + 2 * BLOCK_M * 128 + 2 * 8 * stages <= SHARED_BYTES  # + the bf16 output tile, the barriers
+
+
+@pytest.mark.parametrize("scheme", ["int4_w4a16", "mxfp4"])
+def test_swap_refuses_what_it_cannot_decode(scheme):
+    from moekit.experts.triton_gluon_launch import UP_TILE
+    from moekit.experts.triton_gluon_wo import wo_gemm_launch
+
+    with pytest.raises(ValueError, match="swap takes int8_w8a16"):
+        wo_gemm_launch(scheme, UP_TILE, True, SWAP)
+    with pytest.raises(ValueError, match="swap takes no split"):
+        GluonWoOptions(swap=True, split=True)
