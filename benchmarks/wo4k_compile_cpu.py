@@ -22,11 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
 from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
 
-# (name, gated, stages): the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``)
-CASES = (("up", True, 6), ("down", False, 8))
+# (name, gated, stages, fast): the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``), with Triton's
+# conversion and with FAST (the inline-PTX pair)
+CASES = (("up", True, 6, False), ("down", False, 8, False), ("up-fast", True, 6, True), ("down-fast", False, 8, True))
 
 
-def compile_swap(gated: bool, stages: int, block_n: int = 128, block_k: int = 64):
+def compile_swap(gated: bool, stages: int, fast: bool, block_n: int = 128, block_k: int = 64):
     """The compiled int8 swapped GEMM at a small shape (E=2, N=256, K=512: shapes reach it as i32 arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -44,15 +45,15 @@ def compile_swap(gated: bool, stages: int, block_n: int = 128, block_k: int = 64
                 s_ptr=torch.empty(1), z_ptr=torch.empty(1), stride_se=w_rows, stride_sr=1, stride_sg=0,
                 stride_ze=0, stride_zr=0, stride_zg=0, reduce_dim=r, num_col_blocks=c // block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=0,
-                 GROUP=1, num_warps=8)
+                 GROUP=1, num_warps=8, FAST=fast)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
 
 
-def report(name: str, gated: bool, stages: int) -> str:
+def report(name: str, gated: bool, stages: int, fast: bool) -> str:
     t0 = time.perf_counter()
-    out = compile_swap(gated, stages)
+    out = compile_swap(gated, stages, fast)
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
     regs = sorted(set(ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln))
@@ -70,17 +71,17 @@ def main() -> int:
     args = parser.parse_args()
     print("triton", triton.__version__, flush=True)
     failed = 0
-    for name, gated, stages in CASES:
+    for case in CASES:
         try:
-            print("OK", report(name, gated, stages), flush=True)
+            print("OK", report(*case), flush=True)
         except Exception as exc:  # noqa: BLE001 (report each case)
             failed += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+            print(f"FAIL {case[0]}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
     if args.sass:
         from wo_gemv_sass_cpu import _tool  # noqa: E402
 
         case = next(c for c in CASES if c[0] == args.sass)
-        out = compile_swap(case[1], case[2])
+        out = compile_swap(*case[1:])
         os.makedirs("/tmp/wo4k", exist_ok=True)
         base = f"/tmp/wo4k/swap_{args.sass}_{triton.__version__}"
         for kind in ("ptx", "ttgir", "llir"):

@@ -12,27 +12,30 @@ import torch
 
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
+from test_gluon_wo_fast import _bf16_bits, run_ptx
 from test_triton_gluon_wo import K, N, _call, _f64, _rel, _weights
 from moekit.experts.triton_gluon_wo import GluonWoGemms, GluonWoOptions, run_experts_wo_gluon
 
 SWAP = GluonWoOptions(swap=True)
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("lean", [False, True])
 @pytest.mark.parametrize("m", [1, 40, 300])  # one row; blocks part full; an expert over two 128-row blocks
-def test_swap_matches_a_float64_loop(fake_gemms, lean, m):
+def test_swap_matches_a_float64_loop(fake_gemms, lean, m, fast):
     w13, w2 = _weights("int8_w8a16")
     x, ids, weights = _call(m)
-    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", lean=lean, options=SWAP)
+    options = GluonWoOptions(swap=True, fast=fast)
+    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", lean=lean, options=options)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
     assert fake_gemms["wo"].log == []  # the session-27 kernel never launched
     launches = fake_gemms["wo_swap"].log
     params = set(fake_gemms["wo_swap"]._params)
     assert all(set(bound) == params for _, bound, _ in launches)  # every parameter passed, none left to a default
-    assert not params & {"SPLIT", "FAST", "SLOTS"}
-    assert [(b["GATED"], b["W_ROWS"], b["GATE_OFFSET"], b["STAGES"]) for _, b, _ in launches] == [
-        (True, 2 * N, N, 6), (False, K, 0, 8)]  # gate-up then down, on SWAP_STAGES
+    assert not params & {"SPLIT", "SLOTS"}
+    assert [(b["GATED"], b["W_ROWS"], b["GATE_OFFSET"], b["STAGES"], b["FAST"]) for _, b, _ in launches] == [
+        (True, 2 * N, N, 6, fast), (False, K, 0, 8, fast)]  # gate-up then down, on SWAP_STAGES
     for grid, bound, options in launches:
         assert options["num_warps"] == 8 and options["maxnreg"] == 168
         assert bound["q_desc"].base.dtype == torch.int8 and bound["q_desc"].block_shape == [128, 64]
@@ -84,3 +87,22 @@ def test_swap_refuses_what_it_cannot_decode(scheme):
         wo_gemm_launch(scheme, UP_TILE, True, SWAP)
     with pytest.raises(ValueError, match="swap takes no split"):
         GluonWoOptions(swap=True, split=True)
+    with pytest.raises(ValueError, match="swap takes no split or third slot"):
+        GluonWoOptions(swap=True, slots=3)
+
+
+def test_fast_int8_pairs_convert_exactly():
+    """FAST's inline PTX (``gluon_gemm_wo_swap._INT8_ASM``) in ``test_gluon_wo_fast``'s emulator: two codes of a K
+    pair (a 16-bit load, the low byte the first) -> their bf16x2, the first the low half; every byte in each place."""
+    from moekit.experts._kernels.gluon_gemm_wo_swap import _INT8_ASM
+
+    g = torch.Generator().manual_seed(0)
+    pairs = [b | o << 8 for b in range(256) for o in (0, 0x7F, 0x80, 0xFF)]
+    pairs += [o | b << 8 for b in range(256) for o in (0, 0x01, 0x80, 0xFE)]
+    pairs += torch.randint(0, 1 << 16, (256,), generator=g).tolist()
+    for pair in pairs:
+        codes = [(pair >> s & 0xFF) - (256 if pair >> s & 0x80 else 0) for s in (0, 8)]  # int8 values
+        want = _bf16_bits(float(codes[0])) | _bf16_bits(float(codes[1])) << 16
+        magic = 0x43004300  # the kernel's runtime magic, and magic ^ 0x80008000, each passed twice (pack 2)
+        assert run_ptx(_INT8_ASM.value, [None, pair, magic, magic, magic ^ 0x80008000, magic ^ 0x80008000], 1) == [
+            want], hex(pair)

@@ -44,7 +44,8 @@ class GluonWoOptions:
     two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages).
     Session 29: ``swap``, the swapped GEMM (``_kernels/gluon_gemm_wo_swap.py``: the codes converted in wgmma's
     register-operand layout, the activations its shared-memory operand; no decoded slots, so the ring takes their
-    SMEM: SWAP_STAGES), int8 only, with none of the others."""
+    SMEM: SWAP_STAGES), int8 only, with ``fast`` (its conversion in inline PTX, a K pair) and neither split nor a
+    third slot."""
 
     split: bool = False
     fast: bool = False
@@ -54,8 +55,8 @@ class GluonWoOptions:
     def __post_init__(self):
         if self.slots not in (2, 3):
             raise ValueError(f"slots={self.slots}: 2 or 3")
-        if self.swap and (self.split or self.fast or self.slots != 2):
-            raise ValueError(f"{self}: swap takes no split, fast or third slot")
+        if self.swap and (self.split or self.slots != 2):
+            raise ValueError(f"{self}: swap takes no split or third slot")
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,8 @@ class WoGemmLaunch:
     c_block_n: int  # the output block's columns (split: BN / 2, a partition's)
     num_warps: int  # the kernel's (split: one warpgroup)
     stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer; swap: SWAP_STAGES)
-    fast: bool  # the FAST constexpr (never for int8)
-    swap: bool  # the swapped GEMM (``gluon_gemm_wo_swap``), which takes no SPLIT / FAST / SLOTS
+    fast: bool  # the FAST constexpr (int8: the swapped GEMM's only)
+    swap: bool  # the swapped GEMM (``gluon_gemm_wo_swap``), which takes no SPLIT / SLOTS
 
     def kernel(self):
         """The Gluon kernel this GEMM launches (imported on use: Gluon may be missing)."""
@@ -159,16 +160,16 @@ class WoGemmLaunch:
         return importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
 
     def variant(self, options: GluonWoOptions) -> dict:
-        """The kernel's variant constexprs for ``options`` (none for the swapped GEMM)."""
-        return {} if self.swap else dict(SPLIT=options.split, FAST=self.fast, SLOTS=options.slots)
+        """The kernel's variant constexprs for ``options`` (the swapped GEMM: FAST alone)."""
+        return dict(FAST=self.fast) if self.swap else dict(SPLIT=options.split, FAST=self.fast, SLOTS=options.slots)
 
 
 def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOptions) -> WoGemmLaunch:
     """``launch_gemm_wo``'s and the lean plan's shared choices for ``options`` on this GEMM."""
     if options.swap and (scheme != "int8_w8a16" or (tile.block_n, tile.block_k) != (128, 64)):
         raise ValueError(f"swap takes int8_w8a16 on [128, 64] tiles, not {scheme} on {tile}")
-    fast = options.fast and scheme != "int8_w8a16"
-    words = scheme == "int4_w4a16" or fast
+    fast = options.fast and (scheme != "int8_w8a16" or options.swap)
+    words = scheme != "int8_w8a16" and (scheme == "int4_w4a16" or fast)
     stages = min(tile.stages, 3) if options.slots == 3 and gated and scheme == "int8_w8a16" else tile.stages
     return WoGemmLaunch(words, (tile.block_n, tile.block_k // (8 if words else PACK[scheme])),
                         tile.block_n // (2 if options.split else 1), NUM_WARPS // (2 if options.split else 1),

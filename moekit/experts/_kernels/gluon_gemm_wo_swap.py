@@ -35,14 +35,37 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
 
 
+# FAST: two int8 codes (one 16-bit load of the A fragment's K pair) -> their bf16x2, exact: each byte b = v - 128 s
+# (v its low 7 bits, s bit 7) placed in a 16-bit half, then (0x4300 | v) = 128 + v plus (0xC300 | s << 7) = -128 -
+# 128 s in one bf16x2 add (the sum, an integer of at most 8 bits, is exact). $0 the pair's bf16x2, $1 the two codes,
+# $2 / $3 0x43004300 / 0xC300C300 (runtime values: ptxas keeps them in registers)
+_INT8_ASM = gl.constexpr("""{
+.reg .b32 w, h, x, c;
+cvt.u32.u16 w, $1;
+prmt.b32 h, w, 0, 0x4140;
+lop3.b32 x, h, 0x007F007F, $2, 0xEA;
+lop3.b32 c, h, 0x00800080, $4, 0xEA;
+add.rn.bf16x2 $0, x, c;
+}""")
+
+
 @gluon.jit
-def _codes(q_bufs, stage, GATED: gl.constexpr, operand: gl.constexpr):
+def _convert(codes, magic, FAST: gl.constexpr):
+    """int8 codes -> bf16 in their (register) layout: Triton's conversion, or FAST ``_INT8_ASM`` a K pair."""
+    if FAST:
+        return gl.inline_asm_elementwise(_INT8_ASM, "=r,h,r,r,r,r", [codes, magic, magic ^ -0x7FFF8000],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
+    return codes.to(gl.float32).to(gl.bfloat16)
+
+
+@gluon.jit
+def _codes(q_bufs, stage, magic, GATED: gl.constexpr, FAST: gl.constexpr, operand: gl.constexpr):
     """The stage's code tiles [BN, BK] int8 -> bf16 in wgmma's A-operand layout (each warpgroup's 64 rows): gate and
     up when GATED (else the one tile twice, the second unused)."""
     WTILES: gl.constexpr = 2 if GATED else 1
-    gate = q_bufs.index(stage * WTILES).load(operand).to(gl.float32).to(gl.bfloat16)
+    gate = _convert(q_bufs.index(stage * WTILES).load(operand), magic, FAST)
     if GATED:
-        up = q_bufs.index(stage * WTILES + 1).load(operand).to(gl.float32).to(gl.bfloat16)
+        up = _convert(q_bufs.index(stage * WTILES + 1).load(operand), magic, FAST)
     else:
         up = gate
     return gate, up
@@ -69,7 +92,7 @@ def _swap_epilogue(c_desc, c_buf, acc, up, scale_row, rb, cb, GATE_OFFSET: gl.co
 @gluon.jit
 def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se, reduce_dim,
               num_col_blocks, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
-              num_warps: gl.constexpr):
+              FAST: gl.constexpr, num_warps: gl.constexpr):
     """The MMA partition: per tile, acc [BN, BM] (and up) over the reduction, step k + 1's codes decoded into
     registers under step k's wgmmas."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
@@ -82,13 +105,14 @@ def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    magic = 0x43004300 + (reduce_dim >> 31)  # (reduce_dim >= 0) FAST's bf16x2 128.0, a value ptxas keeps in a register
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
         up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
         mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-        w_gate, w_up = _codes(q_bufs, it % STAGES, GATED, operand)
+        w_gate, w_up = _codes(q_bufs, it % STAGES, magic, GATED, FAST, operand)
         for kk in range(k_steps):
             x_t = a_bufs.index(it % STAGES).permute((1, 0))  # [BK, BM]
             acc = warpgroup_mma(w_gate, x_t, acc, is_async=True)
@@ -96,7 +120,7 @@ def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr
                 up = warpgroup_mma(w_up, x_t, up, is_async=True)
             if kk + 1 < k_steps:  # the next step's codes into registers while this step's wgmmas run
                 mbarrier.wait(ready.index((it + 1) % STAGES), ((it + 1) // STAGES) & 1)
-                next_gate, next_up = _codes(q_bufs, (it + 1) % STAGES, GATED, operand)
+                next_gate, next_up = _codes(q_bufs, (it + 1) % STAGES, magic, GATED, FAST, operand)
             else:
                 next_gate, next_up = w_gate, w_up
             if GATED:
@@ -116,7 +140,7 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
                                 stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
                                 W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHEME: gl.constexpr,
-                                GROUP: gl.constexpr, num_warps: gl.constexpr):
+                                GROUP: gl.constexpr, num_warps: gl.constexpr, FAST: gl.constexpr = False):
     """``gluon_gemm_wo.grouped_gemm_wo_kernel``'s arguments (one launch for both; int8, SCHEME 0, reads only
     s_ptr's rows: scale [E, W_ROWS] with stride_sr 1; z_ptr, the group and zero strides and GROUP are the 4-bit
     schemes'): a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R] int8 blocks [BN, BK]; c_desc [T, C] blocks
@@ -134,7 +158,7 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se, reduce_dim,
-                     num_col_blocks, GATE_OFFSET, GATED, GROUP_M, num_warps)),
+                     num_col_blocks, GATE_OFFSET, GATED, GROUP_M, FAST, num_warps)),
         (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1)),
     ], [1], [24])
