@@ -22,12 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
 from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
 
-# (name, gated, stages, fast): the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``), with Triton's
-# conversion and with FAST (the inline-PTX pair)
-CASES = (("up", True, 6, False), ("down", False, 8, False), ("up-fast", True, 6, True), ("down-fast", False, 8, True))
+# (name, gated, stages, fast, split): the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``), with
+# Triton's conversion, with FAST (the inline-PTX pair), and split into a partition a warpgroup
+CASES = (("up", True, 6, False, False), ("down", False, 8, False, False), ("up-fast", True, 6, True, False),
+         ("down-fast", False, 8, True, False), ("up-fast-split", True, 6, True, True),
+         ("down-fast-split", False, 8, True, True))
 
 
-def compile_swap(gated: bool, stages: int, fast: bool, block_n: int = 128, block_k: int = 64):
+def compile_swap(gated: bool, stages: int, fast: bool, split: bool, block_n: int = 128, block_k: int = 64):
     """The compiled int8 swapped GEMM at a small shape (E=2, N=256, K=512: shapes reach it as i32 arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -40,20 +42,22 @@ def compile_swap(gated: bool, stages: int, fast: bool, block_n: int = 128, block
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
     args = dict(a_desc=_descriptor([t, r], [128, block_k], torch.bfloat16),
                 q_desc=_descriptor([e * w_rows, r], [block_n, block_k], torch.int8),
-                c_desc=_descriptor([t, c], [128, block_n], torch.bfloat16),
+                c_desc=_descriptor([t, c], [128, block_n // (2 if split else 1)], torch.bfloat16),
                 experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
                 s_ptr=torch.empty(1), z_ptr=torch.empty(1), stride_se=w_rows, stride_sr=1, stride_sg=0,
                 stride_ze=0, stride_zr=0, stride_zg=0, reduce_dim=r, num_col_blocks=c // block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=0,
-                 GROUP=1, num_warps=8, FAST=fast)
+                 GROUP=1, num_warps=4 if split else 8, FAST=fast, SPLIT=split)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"],
+                                                                            maxnreg=168))
 
 
-def report(name: str, gated: bool, stages: int, fast: bool) -> str:
+def report(name: str, gated: bool, stages: int, fast: bool, split: bool) -> str:
+    """One case's line; the loop a weight: SPLIT's loop is one warpgroup's (its 4 warps, half of a step's weights)."""
     t0 = time.perf_counter()
-    out = compile_swap(gated, stages, fast)
+    out = compile_swap(gated, stages, fast, split)
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
     regs = sorted(set(ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln))

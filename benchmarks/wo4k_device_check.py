@@ -2,7 +2,8 @@
 29: the swapped weight-only Gluon GEMM (``_kernels/gluon_gemm_wo_swap.py``, ``GluonWoOptions(swap=True)``: int8 codes
 converted in wgmma's register-operand layout, the activations its shared-memory operand) against the session-27
 kernel ("base"), the call that names no decode ("pick": today's variants, ``wo_options``) and the bf16 call; "swapf":
-the swap with FAST (its int8 conversion in inline PTX, 5 instructions a K pair against Triton's ~8).
+the swap with FAST (its int8 conversion in inline PTX, 5 instructions a K pair against Triton's ~8); "swapfs": that
+split into a partition a warpgroup (each half of the tile's weight rows, no barrier across the two).
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/wo4k_device_check.py --out $OUT/wo4k --deadline 70   # H200
     PYTHONPATH=$PWD python3 benchmarks/wo4k_device_check.py --smoke      # CPU: tiny shapes, the GEMMs faked
@@ -12,11 +13,11 @@ every call once per preset while this process measures the ceilings (copy rate, 
 weights. Per cell: PASS / FAIL of each variant's whole call against the torch twin (``experts_gluon_wo_twin``,
 rel-L2 < 1e-2) and whether it equals the base's bit for bit; then CUDA-graph replay, every graph of the cell
 interleaved in ROUNDS rounds: the bf16 Gluon GEMMs, the base's and the swap's gate-up and down GEMMs alone (the
-first input set's layout), and the whole calls (rotated input sets): bf16, pick, base, swap, swapf, and swapf on one
-GEMM with the pick's variant on the other ("swapf|pick", "pick|swapf"); eager host / wall µs a call of the pick and
-swapf. The table (printed last): median µs, x bf16's same part, rounds >= 3% faster than the pick (calls) or the base
-(GEMMs), % of the matmul rate (2 x M*k x 3NK over the mm rate) and of the byte floor (the touched experts' stored
-bytes, x and out over the copy rate). JSON <out>/wo4k.json.
+first input set's layout), and the whole calls (rotated input sets): bf16, pick, base, swap, swapf, swapfs, and
+swapfs on one GEMM with the pick's variant on the other ("swapfs|pick", "pick|swapfs"); eager host / wall µs a call
+of the pick and swapfs. The table (printed last): median µs, x bf16's same part, rounds >= 3% faster than the pick
+(calls) or the base (GEMMs), % of the matmul rate (2 x M*k x 3NK over the mm rate) and of the byte floor (the touched
+experts' stored bytes, x and out over the copy rate). JSON <out>/wo4k.json.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from moekit.experts.triton_gluon_wo import (  # noqa: E402
 SCHEME, TAG = "int8_w8a16", "int8"
 CELLS = (("deepseek-v3", 4096), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 1024))
 SWAP, SWAP_FAST = GluonWoOptions(swap=True), GluonWoOptions(swap=True, fast=True)
+SWAP_SPLIT = GluonWoOptions(swap=True, fast=True, split=True)
 SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
 WATCHDOG_S = 8.0
 T0 = time.perf_counter()
@@ -64,11 +66,12 @@ def elapsed() -> float:
 
 
 def variants(w: Weights, m: int) -> dict:
-    """name -> both GEMMs' options: the base, the swap (Triton's conversion, FAST's), and the FAST swap on one GEMM
-    with the pick's on the other."""
+    """name -> both GEMMs' options: the base, the swap (Triton's conversion; FAST's; FAST split a warpgroup a
+    partition), and the split FAST swap on one GEMM with the pick's on the other."""
     pick = wo_options(*w.wo(SCHEME), SCHEME, m)
     return {"base": GluonWoGemms(), "swap": GluonWoGemms(SWAP, SWAP), "swapf": GluonWoGemms(SWAP_FAST, SWAP_FAST),
-            "swapf|pick": GluonWoGemms(SWAP_FAST, pick.down), "pick|swapf": GluonWoGemms(pick.up, SWAP_FAST)}
+            "swapfs": GluonWoGemms(SWAP_SPLIT, SWAP_SPLIT), "swapfs|pick": GluonWoGemms(SWAP_SPLIT, pick.down),
+            "pick|swapfs": GluonWoGemms(pick.up, SWAP_SPLIT)}
 
 
 def wo_calls(w: Weights, gemms: Gemms | None, m: int, only: tuple = ()) -> dict:
@@ -80,13 +83,14 @@ def wo_calls(w: Weights, gemms: Gemms | None, m: int, only: tuple = ()) -> dict:
             continue
         out[f"{TAG} {name} call"] = (SCHEME, "call", lambda c, o=opt: run_experts_wo_gluon(
             c.x, *w.wo(SCHEME), c.topk_ids, c.topk_weights, None, SCHEME, options=o))
-        for part in ("up", "down") if gemms is not None and name in ("base", "swap", "swapf") else ():
+        for part in ("up", "down") if gemms is not None and name in ("base", "swap", "swapf", "swapfs") else ():
             out[f"{TAG} {name} {part}"] = (SCHEME, part, lambda c, p=part, o=opt: gemms.wo(p, *w.wo(SCHEME), SCHEME,
                                                                                             o))
     return out
 
 
-TASKS = (("bf16",), ("base", "pick", "swap"), ("swapf", "swapf|pick", "pick|swapf"))  # a preset's compile tasks
+# a preset's compile tasks (a worker each: a variant that hangs or fails loses its task's names only)
+TASKS = (("bf16",), ("base", "pick", "swap"), ("swapf",), ("swapfs", "swapfs|pick", "pick|swapfs"))
 
 
 def worker_main(ci: int, j: int) -> None:
@@ -178,7 +182,7 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
         cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
         cell.times = medians(cell.rounds)
         pairs = {k: [lambda c=c, fn=timed[k][2]: fn(c) for c in inputs] for k in (f"{TAG} pick call",
-                                                                                f"{TAG} swapf call") if k in timed}
+                                                                                f"{TAG} swapfs call") if k in timed}
         cell.eager = {k: list(v) for k, v in eager_us(pairs, 3, 6).items()}
         print("  eager host / wall µs a call: " + "  ".join(f"{k} {h:.0f} / {v:.0f}" for k, (h, v) in
                                                            cell.eager.items()), flush=True)
@@ -192,7 +196,7 @@ def rows(c: Cell) -> list[str]:
     base (GEMMs); the call's % of the matmul rate and of the byte floor."""
     out = [f"{c.preset:<14}{c.m:>5}  bf16 up / down / call: "
            + " / ".join(f"{c.times.get(f'bf16 {p}', float('nan')):.1f}" for p in ("up", "down", "call")) + " µs"]
-    for name in ("pick", "base", "swap", "swapf", "swapf|pick", "pick|swapf"):
+    for name in ("pick", "base", "swap", "swapf", "swapfs", "swapfs|pick", "pick|swapfs"):
         cells = []
         for part in ("up", "down", "call"):
             t, ref = c.times.get(f"{TAG} {name} {part}"), c.times.get(f"bf16 {part}")

@@ -19,13 +19,13 @@ from moekit.experts.triton_gluon_wo import GluonWoGemms, GluonWoOptions, run_exp
 SWAP = GluonWoOptions(swap=True)
 
 
-@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("fast, split", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("lean", [False, True])
 @pytest.mark.parametrize("m", [1, 40, 300])  # one row; blocks part full; an expert over two 128-row blocks
-def test_swap_matches_a_float64_loop(fake_gemms, lean, m, fast):
+def test_swap_matches_a_float64_loop(fake_gemms, lean, m, fast, split):
     w13, w2 = _weights("int8_w8a16")
     x, ids, weights = _call(m)
-    options = GluonWoOptions(swap=True, fast=fast)
+    options = GluonWoOptions(swap=True, fast=fast, split=split)
     out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", lean=lean, options=options)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
@@ -33,13 +33,14 @@ def test_swap_matches_a_float64_loop(fake_gemms, lean, m, fast):
     launches = fake_gemms["wo_swap"].log
     params = set(fake_gemms["wo_swap"]._params)
     assert all(set(bound) == params for _, bound, _ in launches)  # every parameter passed, none left to a default
-    assert not params & {"SPLIT", "SLOTS"}
-    assert [(b["GATED"], b["W_ROWS"], b["GATE_OFFSET"], b["STAGES"], b["FAST"]) for _, b, _ in launches] == [
-        (True, 2 * N, N, 6, fast), (False, K, 0, 8, fast)]  # gate-up then down, on SWAP_STAGES
-    for grid, bound, options in launches:
-        assert options["num_warps"] == 8 and options["maxnreg"] == 168
+    assert "SLOTS" not in params
+    got = [(b["GATED"], b["W_ROWS"], b["GATE_OFFSET"], b["STAGES"], b["FAST"], b["SPLIT"]) for _, b, _ in launches]
+    assert got == [(True, 2 * N, N, 6, fast, split), (False, K, 0, 8, fast, split)]  # gate-up, down; SWAP_STAGES
+    for grid, bound, compiled in launches:
+        assert compiled["num_warps"] == (4 if split else 8) and compiled["maxnreg"] == 168  # split: a warpgroup
         assert bound["q_desc"].base.dtype == torch.int8 and bound["q_desc"].block_shape == [128, 64]
-        assert bound["a_desc"].block_shape == [128, 64] and bound["c_desc"].block_shape == [128, 128]
+        assert bound["a_desc"].block_shape == [128, 64]
+        assert bound["c_desc"].block_shape == [128, 64 if split else 128]  # split: a partition's half
         assert bound["num_col_blocks"] == bound["c_desc"].base.shape[1] // 128 and grid[1:] == (1, 1)
 
 
@@ -85,9 +86,7 @@ def test_swap_refuses_what_it_cannot_decode(scheme):
 
     with pytest.raises(ValueError, match="swap takes int8_w8a16"):
         wo_gemm_launch(scheme, UP_TILE, True, SWAP)
-    with pytest.raises(ValueError, match="swap takes no split"):
-        GluonWoOptions(swap=True, split=True)
-    with pytest.raises(ValueError, match="swap takes no split or third slot"):
+    with pytest.raises(ValueError, match="swap takes no third slot"):
         GluonWoOptions(swap=True, slots=3)
 
 

@@ -44,8 +44,8 @@ class GluonWoOptions:
     two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages).
     Session 29: ``swap``, the swapped GEMM (``_kernels/gluon_gemm_wo_swap.py``: the codes converted in wgmma's
     register-operand layout, the activations its shared-memory operand; no decoded slots, so the ring takes their
-    SMEM: SWAP_STAGES), int8 only, with ``fast`` (its conversion in inline PTX, a K pair) and neither split nor a
-    third slot."""
+    SMEM: SWAP_STAGES), int8 only, with ``fast`` (its conversion in inline PTX, a K pair) and ``split`` (a partition
+    a warpgroup, each owning half of the tile's weight rows), no third slot."""
 
     split: bool = False
     fast: bool = False
@@ -55,8 +55,8 @@ class GluonWoOptions:
     def __post_init__(self):
         if self.slots not in (2, 3):
             raise ValueError(f"slots={self.slots}: 2 or 3")
-        if self.swap and (self.split or self.slots != 2):
-            raise ValueError(f"{self}: swap takes no split or third slot")
+        if self.swap and self.slots != 2:
+            raise ValueError(f"{self}: swap takes no third slot")
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class WoGemmLaunch:
     num_warps: int  # the kernel's (split: one warpgroup)
     stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer; swap: SWAP_STAGES)
     fast: bool  # the FAST constexpr (int8: the swapped GEMM's only)
-    swap: bool  # the swapped GEMM (``gluon_gemm_wo_swap``), which takes no SPLIT / SLOTS
+    swap: bool  # the swapped GEMM (``gluon_gemm_wo_swap``), which takes no SLOTS
 
     def kernel(self):
         """The Gluon kernel this GEMM launches (imported on use: Gluon may be missing)."""
@@ -160,8 +160,8 @@ class WoGemmLaunch:
         return importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
 
     def variant(self, options: GluonWoOptions) -> dict:
-        """The kernel's variant constexprs for ``options`` (the swapped GEMM: FAST alone)."""
-        return dict(FAST=self.fast) if self.swap else dict(SPLIT=options.split, FAST=self.fast, SLOTS=options.slots)
+        """The kernel's variant constexprs for ``options`` (the swapped GEMM: no SLOTS)."""
+        return dict(SPLIT=options.split, FAST=self.fast, **({} if self.swap else dict(SLOTS=options.slots)))
 
 
 def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOptions) -> WoGemmLaunch:

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
+from moekit.experts._kernels.gluon_gemm_wo import SPLIT_REGISTERS, _stored
 
 
 # FAST: two int8 codes (one 16-bit load of the A fragment's K pair) -> their bf16x2, exact: each byte b = v - 128 s
@@ -59,13 +60,15 @@ def _convert(codes, magic, FAST: gl.constexpr):
 
 
 @gluon.jit
-def _codes(q_bufs, stage, magic, GATED: gl.constexpr, FAST: gl.constexpr, operand: gl.constexpr):
-    """The stage's code tiles [BN, BK] int8 -> bf16 in wgmma's A-operand layout (each warpgroup's 64 rows): gate and
-    up when GATED (else the one tile twice, the second unused)."""
+def _codes(q_bufs, stage, magic, ROWS: gl.constexpr, HALF: gl.constexpr, GATED: gl.constexpr, FAST: gl.constexpr,
+           operand: gl.constexpr):
+    """The stage's code tiles [BN, BK] int8 (their rows [HALF * ROWS, (HALF + 1) * ROWS)) -> bf16 in wgmma's
+    A-operand layout (each warpgroup's 64 rows): gate and up when GATED (else the one tile twice, the second
+    unused)."""
     WTILES: gl.constexpr = 2 if GATED else 1
-    gate = _convert(q_bufs.index(stage * WTILES).load(operand), magic, FAST)
+    gate = _convert(_stored(q_bufs, stage * WTILES, ROWS, HALF).load(operand), magic, FAST)
     if GATED:
-        up = _convert(q_bufs.index(stage * WTILES + 1).load(operand), magic, FAST)
+        up = _convert(_stored(q_bufs, stage * WTILES + 1, ROWS, HALF).load(operand), magic, FAST)
     else:
         up = gate
     return gate, up
@@ -92,11 +95,12 @@ def _swap_epilogue(c_desc, c_buf, acc, up, scale_row, rb, cb, GATE_OFFSET: gl.co
 @gluon.jit
 def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se, reduce_dim,
               num_col_blocks, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
-              FAST: gl.constexpr, num_warps: gl.constexpr):
+              FAST: gl.constexpr, HALF: gl.constexpr, num_warps: gl.constexpr):
     """The MMA partition: per tile, acc [BN, BM] (and up) over the reduction, step k + 1's codes decoded into
-    registers under step k's wgmmas."""
+    registers under step k's wgmmas. With SPLIT (4 warps, c_desc blocks [BM, BN / 2]) the tile's weight rows
+    [HALF * BN / 2, (HALF + 1) * BN / 2) alone: its barriers are its warpgroup's, never both's."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]  # the weight rows this partition owns
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -109,10 +113,11 @@ def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        cb = cb * (q_bufs.type.shape[1] // BLOCK_N) + HALF  # in BLOCK_N-wide blocks
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
         up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
         mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-        w_gate, w_up = _codes(q_bufs, it % STAGES, magic, GATED, FAST, operand)
+        w_gate, w_up = _codes(q_bufs, it % STAGES, magic, BLOCK_N, HALF, GATED, FAST, operand)
         for kk in range(k_steps):
             x_t = a_bufs.index(it % STAGES).permute((1, 0))  # [BK, BM]
             acc = warpgroup_mma(w_gate, x_t, acc, is_async=True)
@@ -120,7 +125,7 @@ def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr
                 up = warpgroup_mma(w_up, x_t, up, is_async=True)
             if kk + 1 < k_steps:  # the next step's codes into registers while this step's wgmmas run
                 mbarrier.wait(ready.index((it + 1) % STAGES), ((it + 1) // STAGES) & 1)
-                next_gate, next_up = _codes(q_bufs, (it + 1) % STAGES, magic, GATED, FAST, operand)
+                next_gate, next_up = _codes(q_bufs, (it + 1) % STAGES, magic, BLOCK_N, HALF, GATED, FAST, operand)
             else:
                 next_gate, next_up = w_gate, w_up
             if GATED:
@@ -140,14 +145,18 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
                                 stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
                                 W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHEME: gl.constexpr,
-                                GROUP: gl.constexpr, num_warps: gl.constexpr, FAST: gl.constexpr = False):
+                                GROUP: gl.constexpr, num_warps: gl.constexpr, FAST: gl.constexpr = False,
+                                SPLIT: gl.constexpr = False):
     """``gluon_gemm_wo.grouped_gemm_wo_kernel``'s arguments (one launch for both; int8, SCHEME 0, reads only
     s_ptr's rows: scale [E, W_ROWS] with stride_sr 1; z_ptr, the group and zero strides and GROUP are the 4-bit
     schemes'): a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R] int8 blocks [BN, BK]; c_desc [T, C] blocks
     [BM, BN]; experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of BM); reduce_dim = R;
-    num_col_blocks = C / BN; GATE_OFFSET = N when GATED."""
+    num_col_blocks = C / BN; GATE_OFFSET = N when GATED. FAST: ``_INT8_ASM``'s conversion. SPLIT (num_warps 4,
+    c_desc blocks [BM, BN / 2]): two MMA partitions of one warpgroup each, each owning half of the tile's weight
+    rows (the wgmma's M), so neither waits at the other's barriers."""
     gl.static_assert(SCHEME == 0, "the swapped weight-only GEMM decodes int8_w8a16 only")
     WTILES: gl.constexpr = 2 if GATED else 1
+    HALVES: gl.constexpr = 2 if SPLIT else 1
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES * WTILES] + q_desc.block_type.shape, q_desc.layout)
     c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -155,10 +164,21 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se, reduce_dim,
-                     num_col_blocks, GATE_OFFSET, GATED, GROUP_M, FAST, num_warps)),
-        (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                   W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1)),
-    ], [1], [24])
+        mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition releases the stage
+    if SPLIT:  # the second warpgroup: the other half of the weight rows, its own output tile
+        c_buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        gl.warp_specialize([
+            (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se,
+                         reduce_dim, num_col_blocks, GATE_OFFSET, GATED, GROUP_M, FAST, 0, num_warps)),
+            (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf1, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se,
+                         reduce_dim, num_col_blocks, GATE_OFFSET, GATED, GROUP_M, FAST, 1, 4)),
+            (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                       W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1)),
+        ], [4, 1], [SPLIT_REGISTERS, 24])
+    else:
+        gl.warp_specialize([
+            (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, stride_se,
+                         reduce_dim, num_col_blocks, GATE_OFFSET, GATED, GROUP_M, FAST, 0, num_warps)),
+            (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                       W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1)),
+        ], [1], [24])
