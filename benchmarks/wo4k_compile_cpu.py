@@ -26,11 +26,14 @@ from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
 # Triton's conversion, with FAST (the inline-PTX pair), and split into a partition a warpgroup
 CASES = (("up", True, 6, False, False), ("down", False, 8, False, False), ("up-fast", True, 6, True, False),
          ("down-fast", False, 8, True, False), ("up-fast-split", True, 6, True, True),
-         ("down-fast-split", False, 8, True, True))
+         ("down-fast-split", False, 8, True, True), ("int4-up", True, 8, False, False, 1),
+         ("int4-down", False, 8, False, False, 1), ("int4-up-split", True, 8, False, True, 1))
 
 
-def compile_swap(gated: bool, stages: int, fast: bool, split: bool, block_n: int = 128, block_k: int = 64):
-    """The compiled int8 swapped GEMM at a small shape (E=2, N=256, K=512: shapes reach it as i32 arguments)."""
+def compile_swap(gated: bool, stages: int, fast: bool, split: bool, scheme: int = 0, block_n: int = 128,
+                 block_k: int = 64):
+    """The compiled swapped GEMM (``scheme`` 0 int8, 1 int4 with groups of 128 and zero points) at a small shape
+    (E=2, N=256, K=512: shapes reach it as i32 arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -41,28 +44,31 @@ def compile_swap(gated: bool, stages: int, fast: bool, split: bool, block_n: int
     e, n, k, t = 2, 256, 512, 1024
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
     args = dict(a_desc=_descriptor([t, r], [128, block_k], torch.bfloat16),
-                q_desc=_descriptor([e * w_rows, r], [block_n, block_k], torch.int8),
+                q_desc=_descriptor([e * w_rows, r // (1 + scheme)], [block_n, block_k // (1 + scheme)],
+                                   (torch.int8, torch.uint8)[scheme]),
                 c_desc=_descriptor([t, c], [128, block_n // (2 if split else 1)], torch.bfloat16),
                 experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
-                s_ptr=torch.empty(1), z_ptr=torch.empty(1), stride_se=w_rows, stride_sr=1, stride_sg=0,
-                stride_ze=0, stride_zr=0, stride_zg=0, reduce_dim=r, num_col_blocks=c // block_n)
-    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=0,
-                 GROUP=1, num_warps=4 if split else 8, FAST=fast, SPLIT=split)
+                s_ptr=torch.empty(1), z_ptr=torch.empty(1, dtype=(torch.float32, torch.uint8)[scheme]),
+                stride_se=w_rows * (1, r // 128)[scheme], stride_sr=(1, r // 128)[scheme], stride_sg=scheme,
+                stride_ze=w_rows * r // 128 * scheme, stride_zr=r // 128 * scheme, stride_zg=scheme, reduce_dim=r,
+                num_col_blocks=c // block_n)
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
+                 GROUP=(1, 128)[scheme], num_warps=4 if split else 8, FAST=fast, SPLIT=split)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"],
                                                                             maxnreg=168))
 
 
-def report(name: str, gated: bool, stages: int, fast: bool, split: bool) -> str:
+def report(name: str, gated: bool, stages: int, fast: bool, split: bool, scheme: int = 0) -> str:
     """One case's line; the loop a weight: SPLIT's loop is one warpgroup's (its 4 warps, half of a step's weights)."""
     t0 = time.perf_counter()
-    out = compile_swap(gated, stages, fast, split)
+    out = compile_swap(gated, stages, fast, split, scheme)
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
     regs = sorted(set(ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln))
     weights = (2 if gated else 1) * 128 * 64
-    return (f"int8 swap {name} s{stages}: {time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill "
+    return (f"swap {name} s{stages}: {time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill "
             f"stores {spills} B, wgmma serialized {serialized}, bar.sync {ptx.count('bar.sync')}, setmaxnreg {regs}; "
             + loop_counts(out.asm["cubin"], weights))
 

@@ -6,9 +6,11 @@ the swap with FAST (its int8 conversion in inline PTX, 5 instructions a K pair a
 split into a partition a warpgroup (each half of the tile's weight rows, no barrier across the two).
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/wo4k_device_check.py --out $OUT/wo4k --deadline 70   # H200
-    PYTHONPATH=$PWD python3 benchmarks/wo4k_device_check.py --smoke      # CPU: tiny shapes, the GEMMs faked
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/wo4k_device_check.py --int4 --out $OUT/wo4k --deadline 62   # int4
+    PYTHONPATH=$PWD python3 benchmarks/wo4k_device_check.py --smoke [--int4]     # CPU: tiny shapes, the GEMMs faked
 
-Cells (CELLS, int8): DeepSeek-V3 4096, Qwen3 4096, Mixtral 1024 (skipped past the deadline). Compile workers run
+Cells (CELLS): int8 DeepSeek-V3 4096, Qwen3 4096, Mixtral 1024; --int4 (groups 128, zero points: the swap's int4
+decode, "swap", and "swaps" split) DeepSeek-V3 4096, Mixtral 1024, Qwen3 4096 (each skipped past the deadline). Compile workers run
 every call once per preset while this process measures the ceilings (copy rate, dense bf16 mm) and builds the
 weights. Per cell: PASS / FAIL of each variant's whole call against the torch twin (``experts_gluon_wo_twin``,
 rel-L2 < 1e-2) and whether it equals the base's bit for bit; then CUDA-graph replay, every graph of the cell
@@ -50,10 +52,19 @@ from moekit.experts.triton_gluon_wo import (  # noqa: E402
     GluonWoGemms, GluonWoOptions, experts_gluon_wo_twin, run_experts_wo_gluon, wo_options,
 )
 
-SCHEME, TAG = "int8_w8a16", "int8"
-CELLS = (("deepseek-v3", 4096), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 1024))
-SWAP, SWAP_FAST = GluonWoOptions(swap=True), GluonWoOptions(swap=True, fast=True)
-SWAP_SPLIT = GluonWoOptions(swap=True, fast=True, split=True)
+if "--int4" in sys.argv:  # (the compile workers, started without it, inherit the environment)
+    os.environ["WO4K_SCHEME"] = "int4_w4a16"
+SCHEME = os.environ.get("WO4K_SCHEME", "int8_w8a16")
+TAG = SCHEME.split("_")[0]
+INT8 = SCHEME == "int8_w8a16"
+CELLS = ((("deepseek-v3", 4096), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 1024)) if INT8 else
+         (("deepseek-v3", 4096), ("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 4096)))
+_O = GluonWoOptions
+# name -> each GEMM's options (both the same); int8: "swap" Triton's conversion, "swapf" FAST's, "swapfs" FAST split;
+# int4: "swap", "swaps" split. BEST: the one also timed on one GEMM with the pick's variant on the other
+SWAPS = ({"swap": _O(swap=True), "swapf": _O(swap=True, fast=True), "swapfs": _O(swap=True, fast=True, split=True)}
+         if INT8 else {"swap": _O(swap=True), "swaps": _O(swap=True, split=True)})
+BEST = "swapfs" if INT8 else "swaps"
 SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
 WATCHDOG_S = 8.0
 T0 = time.perf_counter()
@@ -66,12 +77,10 @@ def elapsed() -> float:
 
 
 def variants(w: Weights, m: int) -> dict:
-    """name -> both GEMMs' options: the base, the swap (Triton's conversion; FAST's; FAST split a warpgroup a
-    partition), and the split FAST swap on one GEMM with the pick's on the other."""
+    """name -> both GEMMs' options: the base, each of SWAPS, and BEST on one GEMM with the pick's on the other."""
     pick = wo_options(*w.wo(SCHEME), SCHEME, m)
-    return {"base": GluonWoGemms(), "swap": GluonWoGemms(SWAP, SWAP), "swapf": GluonWoGemms(SWAP_FAST, SWAP_FAST),
-            "swapfs": GluonWoGemms(SWAP_SPLIT, SWAP_SPLIT), "swapfs|pick": GluonWoGemms(SWAP_SPLIT, pick.down),
-            "pick|swapfs": GluonWoGemms(pick.up, SWAP_SPLIT)}
+    return {"base": GluonWoGemms(), **{k: GluonWoGemms(o, o) for k, o in SWAPS.items()},
+            f"{BEST}|pick": GluonWoGemms(SWAPS[BEST], pick.down), f"pick|{BEST}": GluonWoGemms(pick.up, SWAPS[BEST])}
 
 
 def wo_calls(w: Weights, gemms: Gemms | None, m: int, only: tuple = ()) -> dict:
@@ -83,14 +92,15 @@ def wo_calls(w: Weights, gemms: Gemms | None, m: int, only: tuple = ()) -> dict:
             continue
         out[f"{TAG} {name} call"] = (SCHEME, "call", lambda c, o=opt: run_experts_wo_gluon(
             c.x, *w.wo(SCHEME), c.topk_ids, c.topk_weights, None, SCHEME, options=o))
-        for part in ("up", "down") if gemms is not None and name in ("base", "swap", "swapf", "swapfs") else ():
+        for part in ("up", "down") if gemms is not None and "|" not in name else ():
             out[f"{TAG} {name} {part}"] = (SCHEME, part, lambda c, p=part, o=opt: gemms.wo(p, *w.wo(SCHEME), SCHEME,
                                                                                             o))
     return out
 
 
 # a preset's compile tasks (a worker each: a variant that hangs or fails loses its task's names only)
-TASKS = (("bf16",), ("base", "pick", "swap"), ("swapf",), ("swapfs", "swapfs|pick", "pick|swapfs"))
+TASKS = ((("bf16",), ("base", "pick", "swap"), ("swapf",), ("swapfs", "swapfs|pick", "pick|swapfs")) if INT8 else
+         (("bf16",), ("base", "pick"), ("swap",), ("swaps", "swaps|pick", "pick|swaps")))
 
 
 def worker_main(ci: int, j: int) -> None:
@@ -182,7 +192,7 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
         cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
         cell.times = medians(cell.rounds)
         pairs = {k: [lambda c=c, fn=timed[k][2]: fn(c) for c in inputs] for k in (f"{TAG} pick call",
-                                                                                f"{TAG} swapfs call") if k in timed}
+                                                                                f"{TAG} {BEST} call") if k in timed}
         cell.eager = {k: list(v) for k, v in eager_us(pairs, 3, 6).items()}
         print("  eager host / wall µs a call: " + "  ".join(f"{k} {h:.0f} / {v:.0f}" for k, (h, v) in
                                                            cell.eager.items()), flush=True)
@@ -196,7 +206,7 @@ def rows(c: Cell) -> list[str]:
     base (GEMMs); the call's % of the matmul rate and of the byte floor."""
     out = [f"{c.preset:<14}{c.m:>5}  bf16 up / down / call: "
            + " / ".join(f"{c.times.get(f'bf16 {p}', float('nan')):.1f}" for p in ("up", "down", "call")) + " µs"]
-    for name in ("pick", "base", "swap", "swapf", "swapfs", "swapfs|pick", "pick|swapfs"):
+    for name in ("pick", "base", *SWAPS, f"{BEST}|pick", f"pick|{BEST}"):
         cells = []
         for part in ("up", "down", "call"):
             t, ref = c.times.get(f"{TAG} {name} {part}"), c.times.get(f"bf16 {part}")
@@ -285,6 +295,7 @@ if __name__ == "__main__":
     else:
         parser = argparse.ArgumentParser()
         parser.add_argument("--smoke", action="store_true")
+        parser.add_argument("--int4", action="store_true", help="int4_w4a16 cells (groups 128): base, swap, swaps")
         parser.add_argument("--deadline", type=float, default=ARGS.deadline, help="no cell starts past it (s)")
         parser.add_argument("--out", default=ARGS.out, help="folder for wo4k.json (default $OUT)")
         ARGS = parser.parse_args()

@@ -35,7 +35,7 @@ def test_swap_matches_a_float64_loop(fake_gemms, lean, m, fast, split):
     assert all(set(bound) == params for _, bound, _ in launches)  # every parameter passed, none left to a default
     assert "SLOTS" not in params
     got = [(b["GATED"], b["W_ROWS"], b["GATE_OFFSET"], b["STAGES"], b["FAST"], b["SPLIT"]) for _, b, _ in launches]
-    assert got == [(True, 2 * N, N, 6, fast, split), (False, K, 0, 8, fast, split)]  # gate-up, down; SWAP_STAGES
+    assert got == [(True, 2 * N, N, 6, fast, split), (False, K, 0, 8, fast, split)]  # gate-up, down; swap_stages
     for grid, bound, compiled in launches:
         assert compiled["num_warps"] == (4 if split else 8) and compiled["maxnreg"] == 168  # split: a warpgroup
         assert bound["q_desc"].base.dtype == torch.int8 and bound["q_desc"].block_shape == [128, 64]
@@ -70,22 +70,26 @@ def test_swap_on_one_gemm(fake_gemms, which):
     assert (swapped, base) == (([True], [(False, 3)]) if which == "up" else ([False], [(True, 2)]))
 
 
-def test_swap_fits_the_shared_memory():
-    from moekit.experts.triton_gluon_launch import BLOCK_M, SHARED_BYTES
-    from moekit.experts.triton_gluon_wo import SWAP_STAGES
+@pytest.mark.parametrize("scheme, gated, stages", [("int8_w8a16", True, 6), ("int8_w8a16", False, 8),
+                                                   ("int4_w4a16", True, 8), ("int4_w4a16", False, 8)])
+def test_swap_fills_the_shared_memory(scheme, gated, stages):
+    from moekit.experts.triton_gluon_launch import SHARED_BYTES
+    from moekit.experts.triton_gluon_wo import swap_stages
 
-    for gated, stages in SWAP_STAGES.items():  # bf16 activations [128, 64], int8 codes [128, 64] (two gated)
-        ring = stages * (2 * BLOCK_M * 64 + (2 if gated else 1) * 128 * 64)
-        assert ring + 2 * BLOCK_M * 128 + 2 * 8 * stages <= SHARED_BYTES  # + the bf16 output tile, the barriers
+    def smem(n: int) -> int:  # n stages of bf16 activations [128, 64] and codes [128, 64 / a byte's], the output
+        return n * (128 * 64 * 2 + (2 if gated else 1) * 128 * 64 // (1 if scheme == "int8_w8a16" else 2)) + 32768
+
+    assert swap_stages(scheme, gated) == stages
+    assert smem(stages) + 2 * 8 * stages <= SHARED_BYTES and (stages == 8 or smem(stages + 1) > SHARED_BYTES - 1024)
 
 
-@pytest.mark.parametrize("scheme", ["int4_w4a16", "mxfp4"])
-def test_swap_refuses_what_it_cannot_decode(scheme):
+@pytest.mark.parametrize("scheme, options", [("mxfp4", SWAP), ("int4_w4a16", GluonWoOptions(swap=True, fast=True))])
+def test_swap_refuses_what_it_cannot_decode(scheme, options):
     from moekit.experts.triton_gluon_launch import UP_TILE
     from moekit.experts.triton_gluon_wo import wo_gemm_launch
 
     with pytest.raises(ValueError, match="swap takes int8_w8a16"):
-        wo_gemm_launch(scheme, UP_TILE, True, SWAP)
+        wo_gemm_launch(scheme, UP_TILE, True, options)
     with pytest.raises(ValueError, match="swap takes no third slot"):
         GluonWoOptions(swap=True, slots=3)
 
@@ -105,3 +109,19 @@ def test_fast_int8_pairs_convert_exactly():
         magic = 0x43004300  # the kernel's runtime magic, and magic ^ 0x80008000, each passed twice (pack 2)
         assert run_ptx(_INT8_ASM.value, [None, pair, magic, magic, magic ^ 0x80008000, magic ^ 0x80008000], 1) == [
             want], hex(pair)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("m", [40, 300])
+def test_int4_swap_matches_a_float64_loop(fake_gemms, m, split):
+    w13, w2 = _weights("int4_w4a16")
+    x, ids, weights = _call(m)
+    options = GluonWoOptions(swap=True, split=split)
+    outs = [run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16", lean=lean, options=options)
+            for lean in (False, True)]
+    assert torch.equal(outs[0], outs[1]) and _rel(outs[1], _f64(x, w13, w2, ids, weights)) < 2e-2
+    assert fake_gemms["wo"].log == []
+    for _, bound, _ in fake_gemms["wo_swap"].log:  # the codes as bytes [.., K / 2], groups of 128, their zeros
+        assert bound["q_desc"].base.dtype == torch.uint8 and bound["q_desc"].block_shape == [128, 32]
+        assert (bound["SCHEME"], bound["GROUP"], bound["STAGES"], bound["SPLIT"]) == (1, 128, 8, split)
+        assert bound["z_ptr"].dtype == torch.uint8 and bound["stride_zg"] == 1

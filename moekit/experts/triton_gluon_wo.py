@@ -25,7 +25,7 @@ import torch
 
 from moekit.experts.triton_gluon import gluon_layout, segment_twin
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, MAX_REGISTERS, NUM_WARPS, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
+    BLOCK_M, MAX_REGISTERS, NUM_WARPS, SHARED_BYTES, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
     launch_contiguous_sum, num_sms,
 )
 from moekit.experts.triton_wo import WoWeight, dequantize_wo
@@ -44,8 +44,8 @@ class GluonWoOptions:
     two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages).
     Session 29: ``swap``, the swapped GEMM (``_kernels/gluon_gemm_wo_swap.py``: the codes converted in wgmma's
     register-operand layout, the activations its shared-memory operand; no decoded slots, so the ring takes their
-    SMEM: SWAP_STAGES), int8 only, with ``fast`` (its conversion in inline PTX, a K pair) and ``split`` (a partition
-    a warpgroup, each owning half of the tile's weight rows), no third slot."""
+    SMEM: ``swap_stages``), int8 and int4, with ``fast`` (int8: its conversion in inline PTX, a K pair) and ``split``
+    (a partition a warpgroup, each owning half of the tile's weight rows), no third slot."""
 
     split: bool = False
     fast: bool = False
@@ -135,9 +135,16 @@ def wo_options(w13, w2, scheme: str, num_tokens: int) -> GluonWoGemms:
     return got.gemms if got is not None and got.lo <= num_tokens < got.hi else GluonWoGemms()
 
 
-# The swapped GEMM's ring (BK 64, [128, 128] tiles): no decoded slots, so 6 stages of 16 KB activations + 2 x 8 KB
-# codes (gate-up) or 8 of 16 + 8 KB (down), each with the 32 KB output tile: 224 KB of sm_90's 227
-SWAP_STAGES = {True: 6, False: 8}
+# The swapped GEMM's ring (BK 64, [128, 128] tiles): no decoded slots, so as many stages as fit beside the 32 KB output
+# tile, at most 8: int8 6 gate-up (16 KB activations + 2 x 8 KB codes), 8 down; int4 8 and 8 (4 KB code tiles)
+SWAP_MAX_STAGES = 8
+
+
+def swap_stages(scheme: str, gated: bool) -> int:
+    """The swapped GEMM's stages: its ring's stages (activations [128, 64] bf16, one or two code tiles [128, 64 /
+    weights a byte]) beside the [128, 128] bf16 output tile and its barriers, within sm_90's SMEM."""
+    stage = 2 * BLOCK_M * 64 + (2 if gated else 1) * 128 * 64 // (1 if scheme == "int8_w8a16" else 2)
+    return min(SWAP_MAX_STAGES, (SHARED_BYTES - 2 * BLOCK_M * 128 - 1024) // stage)
 
 
 @dataclass(frozen=True)
@@ -149,7 +156,7 @@ class WoGemmLaunch:
     q_block: tuple  # (BN, BK / weights a stored element)
     c_block_n: int  # the output block's columns (split: BN / 2, a partition's)
     num_warps: int  # the kernel's (split: one warpgroup)
-    stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer; swap: SWAP_STAGES)
+    stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer; swap: ``swap_stages``)
     fast: bool  # the FAST constexpr (int8: the swapped GEMM's only)
     swap: bool  # the swapped GEMM (``gluon_gemm_wo_swap``), which takes no SLOTS
 
@@ -166,14 +173,18 @@ class WoGemmLaunch:
 
 def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOptions) -> WoGemmLaunch:
     """``launch_gemm_wo``'s and the lean plan's shared choices for ``options`` on this GEMM."""
-    if options.swap and (scheme != "int8_w8a16" or (tile.block_n, tile.block_k) != (128, 64)):
-        raise ValueError(f"swap takes int8_w8a16 on [128, 64] tiles, not {scheme} on {tile}")
-    fast = options.fast and (scheme != "int8_w8a16" or options.swap)
-    words = scheme != "int8_w8a16" and (scheme == "int4_w4a16" or fast)
+    halves = 2 if options.split else 1
+    if options.swap:  # codes as bytes (int4: two a byte), its own ring
+        if scheme == "mxfp4" or (tile.block_n, tile.block_k) != (128, 64) or (options.fast and scheme != "int8_w8a16"):
+            raise ValueError(f"swap takes int8_w8a16 (fast: its PTX conversion) or int4_w4a16 on [128, 64] tiles, "
+                             f"not {scheme} with {options} on {tile}")
+        return WoGemmLaunch(False, (128, 64 // (1 if scheme == "int8_w8a16" else 2)), 128 // halves,
+                            NUM_WARPS // halves, swap_stages(scheme, gated), options.fast, True)
+    fast = options.fast and scheme != "int8_w8a16"
+    words = scheme == "int4_w4a16" or fast
     stages = min(tile.stages, 3) if options.slots == 3 and gated and scheme == "int8_w8a16" else tile.stages
-    return WoGemmLaunch(words, (tile.block_n, tile.block_k // (8 if words else PACK[scheme])),
-                        tile.block_n // (2 if options.split else 1), NUM_WARPS // (2 if options.split else 1),
-                        SWAP_STAGES[gated] if options.swap else stages, fast, options.swap)
+    return WoGemmLaunch(words, (tile.block_n, tile.block_k // (8 if words else PACK[scheme])), tile.block_n // halves,
+                        NUM_WARPS // halves, stages, fast, False)
 
 
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
