@@ -1,25 +1,26 @@
 """Issue #16 target 3 (weight-only cells at M >= 1024 no slower than bf16 / 0.9: <= 1.11x moekit's bf16 cell), session
-29: the swapped weight-only Gluon GEMM (``_kernels/gluon_gemm_wo_swap.py``, ``GluonWoOptions(swap=True)``: int8 codes
+29: the swapped weight-only Gluon GEMM (``_kernels/gluon_gemm_wo_swap.py``, ``GluonWoOptions(swap=True)``: the codes
 converted in wgmma's register-operand layout, the activations its shared-memory operand) against the session-27
-kernel ("base"), the call that names no decode ("pick": today's variants, ``wo_options``) and the bf16 call; "swapf":
-the swap with FAST (its int8 conversion in inline PTX, 5 instructions a K pair against Triton's ~8); "swapfs": that
-split into a partition a warpgroup (each half of the tile's weight rows, no barrier across the two).
+kernel ("base"), the call that names no decode ("pick": today's variants, ``wo_options``) and the bf16 call. Swaps
+(SWAPS): int8 "swap" (Triton's conversion), "swapf" (FAST: inline PTX, 5 instructions a K pair against Triton's ~8),
+"swapfs" (swapf split into a partition a warpgroup, each half of the tile's weight rows, no barrier across the two);
+int4 "swap", "swaps" (split).
 
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/wo4k_device_check.py --out $OUT/wo4k --deadline 70   # H200
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/wo4k_device_check.py --out $OUT/wo4k --deadline 62   # H200
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/wo4k_device_check.py --int4 --out $OUT/wo4k --deadline 62   # int4
     PYTHONPATH=$PWD python3 benchmarks/wo4k_device_check.py --smoke [--int4]     # CPU: tiny shapes, the GEMMs faked
 
-Cells (CELLS): int8 DeepSeek-V3 4096, Qwen3 4096, Mixtral 1024; --int4 (groups 128, zero points: the swap's int4
-decode, "swap", and "swaps" split) DeepSeek-V3 4096, Mixtral 1024, Qwen3 4096 (each skipped past the deadline). Compile workers run
-every call once per preset while this process measures the ceilings (copy rate, dense bf16 mm) and builds the
-weights. Per cell: PASS / FAIL of each variant's whole call against the torch twin (``experts_gluon_wo_twin``,
-rel-L2 < 1e-2) and whether it equals the base's bit for bit; then CUDA-graph replay, every graph of the cell
-interleaved in ROUNDS rounds: the bf16 Gluon GEMMs, the base's and the swap's gate-up and down GEMMs alone (the
-first input set's layout), and the whole calls (rotated input sets): bf16, pick, base, swap, swapf, swapfs, and
-swapfs on one GEMM with the pick's variant on the other ("swapfs|pick", "pick|swapfs"); eager host / wall µs a call
-of the pick and swapfs. The table (printed last): median µs, x bf16's same part, rounds >= 3% faster than the pick
-(calls) or the base (GEMMs), % of the matmul rate (2 x M*k x 3NK over the mm rate) and of the byte floor (the touched
-experts' stored bytes, x and out over the copy rate). JSON <out>/wo4k.json.
+Cells (CELLS): int8 DeepSeek-V3 4096, Qwen3 4096, Mixtral 1024, then int4 (groups 128, zero points) DeepSeek-V3 4096,
+Mixtral 1024, each skipped past the deadline (--int4: int4's only). Compile workers run every call once per cell
+while this process measures the ceilings (copy rate, dense bf16 mm) and builds the weights. Per cell: PASS / FAIL of
+each variant's whole call against the torch twin (``experts_gluon_wo_twin``, rel-L2 < 1e-2) and whether it equals the
+base's bit for bit; then CUDA-graph replay, every graph of the cell interleaved in ROUNDS rounds: the bf16 Gluon
+GEMMs, the base's and each swap's gate-up and down GEMMs alone (the first input set's layout), and the whole calls
+(rotated input sets): bf16, pick, base, each swap, and the last swap on one GEMM with the pick's variant on the other
+("<swap>|pick", "pick|<swap>"); eager host / wall µs a call of the pick and the last swap. The table (printed last):
+median µs, x bf16's same part, rounds >= 3% faster than the pick (calls) or the base (GEMMs), % of the matmul rate
+(2 x M*k x 3NK over the mm rate) and of the byte floor (the touched experts' stored bytes, x and out over the copy
+rate). JSON <out>/wo4k.json.
 """
 
 from __future__ import annotations
@@ -52,19 +53,18 @@ from moekit.experts.triton_gluon_wo import (  # noqa: E402
     GluonWoGemms, GluonWoOptions, experts_gluon_wo_twin, run_experts_wo_gluon, wo_options,
 )
 
-if "--int4" in sys.argv:  # (the compile workers, started without it, inherit the environment)
-    os.environ["WO4K_SCHEME"] = "int4_w4a16"
-SCHEME = os.environ.get("WO4K_SCHEME", "int8_w8a16")
-TAG = SCHEME.split("_")[0]
-INT8 = SCHEME == "int8_w8a16"
-CELLS = ((("deepseek-v3", 4096), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 1024)) if INT8 else
-         (("deepseek-v3", 4096), ("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 4096)))
+I8, I4 = "int8_w8a16", "int4_w4a16"
 _O = GluonWoOptions
-# name -> each GEMM's options (both the same); int8: "swap" Triton's conversion, "swapf" FAST's, "swapfs" FAST split;
-# int4: "swap", "swaps" split. BEST: the one also timed on one GEMM with the pick's variant on the other
-SWAPS = ({"swap": _O(swap=True), "swapf": _O(swap=True, fast=True), "swapfs": _O(swap=True, fast=True, split=True)}
-         if INT8 else {"swap": _O(swap=True), "swaps": _O(swap=True, split=True)})
-BEST = "swapfs" if INT8 else "swaps"
+# per scheme, name -> each GEMM's options (both the same): int8 "swap" Triton's conversion, "swapf" FAST's, "swapfs"
+# FAST split; int4 "swap", "swaps" split. The last (``best``) is also timed on one GEMM with the pick's on the other
+SWAPS = {I8: {"swap": _O(swap=True), "swapf": _O(swap=True, fast=True), "swapfs": _O(swap=True, fast=True, split=True)},
+         I4: {"swap": _O(swap=True), "swaps": _O(swap=True, split=True)}}
+if "--int4" in sys.argv:  # (the compile workers, started without it, inherit the environment)
+    os.environ["WO4K_INT4"] = "1"
+# (preset, M, scheme): int8's cells, then int4's (groups 128, zero points) as the deadline allows; --int4: int4's
+CELLS = (("deepseek-v3", 4096, I8), ("qwen3-30b-a3b", 4096, I8), ("mixtral-8x7b", 1024, I8),
+         ("deepseek-v3", 4096, I4), ("mixtral-8x7b", 1024, I4))
+CELLS = CELLS[3:] if os.environ.get("WO4K_INT4") == "1" else CELLS
 SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
 WATCHDOG_S = 8.0
 T0 = time.perf_counter()
@@ -76,43 +76,54 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
-def variants(w: Weights, m: int) -> dict:
-    """name -> both GEMMs' options: the base, each of SWAPS, and BEST on one GEMM with the pick's on the other."""
-    pick = wo_options(*w.wo(SCHEME), SCHEME, m)
-    return {"base": GluonWoGemms(), **{k: GluonWoGemms(o, o) for k, o in SWAPS.items()},
-            f"{BEST}|pick": GluonWoGemms(SWAPS[BEST], pick.down), f"pick|{BEST}": GluonWoGemms(pick.up, SWAPS[BEST])}
+def best(scheme: str) -> str:
+    return list(SWAPS[scheme])[-1]
 
 
-def wo_calls(w: Weights, gemms: Gemms | None, m: int, only: tuple = ()) -> dict:
-    """"int8 <variant> <part>" -> (scheme, part, fn(inputs)): base and swap GEMMs alone (``gemms`` None: none), every
-    variant's whole call, and "int8 pick call" (``only``: those variants)."""
-    out = dict(pick_call(w, SCHEME, m)) if not only or "pick" in only else {}
-    for name, opt in variants(w, m).items():
+def variants(w: Weights, m: int, scheme: str) -> dict:
+    """name -> both GEMMs' options: the base, each swap, and the best on one GEMM with the pick's on the other."""
+    pick, top = wo_options(*w.wo(scheme), scheme, m), SWAPS[scheme][best(scheme)]
+    return {"base": GluonWoGemms(), **{k: GluonWoGemms(o, o) for k, o in SWAPS[scheme].items()},
+            f"{best(scheme)}|pick": GluonWoGemms(top, pick.down), f"pick|{best(scheme)}": GluonWoGemms(pick.up, top)}
+
+
+def wo_calls(w: Weights, gemms: Gemms | None, m: int, scheme: str, only: tuple = ()) -> dict:
+    """"<tag> <variant> <part>" -> (scheme, part, fn(inputs)): the base's and each swap's GEMMs alone (``gemms``
+    None: none), every variant's whole call, and "<tag> pick call" (``only``: those variants)."""
+    out = dict(pick_call(w, scheme, m)) if not only or "pick" in only else {}
+    tag = scheme.split("_")[0]
+    for name, opt in variants(w, m, scheme).items():
         if only and name not in only:
             continue
-        out[f"{TAG} {name} call"] = (SCHEME, "call", lambda c, o=opt: run_experts_wo_gluon(
-            c.x, *w.wo(SCHEME), c.topk_ids, c.topk_weights, None, SCHEME, options=o))
+        out[f"{tag} {name} call"] = (scheme, "call", lambda c, o=opt: run_experts_wo_gluon(
+            c.x, *w.wo(scheme), c.topk_ids, c.topk_weights, None, scheme, options=o))
         for part in ("up", "down") if gemms is not None and "|" not in name else ():
-            out[f"{TAG} {name} {part}"] = (SCHEME, part, lambda c, p=part, o=opt: gemms.wo(p, *w.wo(SCHEME), SCHEME,
+            out[f"{tag} {name} {part}"] = (scheme, part, lambda c, p=part, o=opt: gemms.wo(p, *w.wo(scheme), scheme,
                                                                                             o))
     return out
 
 
-# a preset's compile tasks (a worker each: a variant that hangs or fails loses its task's names only)
-TASKS = ((("bf16",), ("base", "pick", "swap"), ("swapf",), ("swapfs", "swapfs|pick", "pick|swapfs")) if INT8 else
-         (("bf16",), ("base", "pick"), ("swap",), ("swaps", "swaps|pick", "pick|swaps")))
+def tasks(ci: int) -> list:
+    """Cell ci's compile tasks, a worker each (a variant that hangs or fails loses its task's names only): the bf16
+    call (the preset's first cell only), the base, pick and first swap, each middle swap, the best with its mixes."""
+    preset, _, scheme = CELLS[ci]
+    names, top = list(SWAPS[scheme]), best(CELLS[ci][2])
+    first = next(i for i, c in enumerate(CELLS) if c[0] == preset) == ci
+    return ([("bf16",)] if first else []) + [("base", "pick", names[0])] + [(n,) for n in names[1:-1]] + [
+        (top, f"{top}|pick", f"pick|{top}")]
 
 
 def worker_main(ci: int, j: int) -> None:
     """Compile task j of cell ci: its calls once at the real shape on uninitialised weights (START / OK / ERR)."""
     dev = torch.device("cpu" if SMOKE else "cuda")
-    preset, m = CELLS[ci]
+    preset, m, scheme = CELLS[ci]
     s = shape_of(preset)
     w = Weights(s, dev, None)
     print(f"START {ci} {j}", flush=True)
     try:
         c0 = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-        calls = timed_calls(s, w, None) if TASKS[j] == ("bf16",) else wo_calls(w, None, m, TASKS[j])
+        task = tasks(ci)[j]
+        calls = timed_calls(s, w, None) if task == ("bf16",) else wo_calls(w, None, m, scheme, task)
         for _, _, fn in calls.values():
             fn(c0)
         if not SMOKE:
@@ -126,29 +137,34 @@ def worker_main(ci: int, j: int) -> None:
 class Cell:
     preset: str
     m: int
+    scheme: str
     flop_us: dict  # part -> its flops over the measured mm rate
     byte_us: dict  # part -> the touched experts' stored bytes (the call: and x, out) over the copy rate
     rounds: dict = dataclasses.field(default_factory=dict)  # timed name -> µs each round
     times: dict = dataclasses.field(default_factory=dict)  # timed name -> median µs
     errors: dict = dataclasses.field(default_factory=dict)  # variant -> {"twin": rel-L2, "bit_equal"}
     skipped: dict = dataclasses.field(default_factory=dict)  # variant -> why
-    eager: dict = dataclasses.field(default_factory=dict)  # "int8 pick|swap call" -> [host, wall] µs a call
+    eager: dict = dataclasses.field(default_factory=dict)  # "<tag> pick|<best> call" -> [host, wall] µs a call
+
+    @property
+    def tag(self) -> str:
+        return self.scheme.split("_")[0]
 
 
-def new_cell(preset: str, m: int, w: Weights, inputs, ceil: dict) -> Cell:
+def new_cell(preset: str, m: int, scheme: str, w: Weights, inputs, ceil: dict) -> Cell:
     s = shape_of(preset)
     touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
     flops = {"up": 2 * m * s.top_k * 2 * s.n * s.k, "down": 2 * m * s.top_k * s.n * s.k}
     flops["call"] = flops["up"] + flops["down"]
-    w13, w2 = (touched * packed_bytes(x) for x in w.wo(SCHEME))
+    w13, w2 = (touched * packed_bytes(x) for x in w.wo(scheme))
     byte = {"up": w13, "down": w2, "call": w13 + w2 + 2 * 2 * m * s.k}
-    return Cell(preset, m, {k: v / (ceil["bf16_mm_TFLOPs"] * 1e6) for k, v in flops.items()},
+    return Cell(preset, m, scheme, {k: v / (ceil["bf16_mm_TFLOPs"] * 1e6) for k, v in flops.items()},
                 {k: v / (ceil["copy_TBps"] * 1e6) for k, v in byte.items()})
 
 
 def check(cell: Cell, calls: dict, w: Weights, c0) -> set:
     """PASS / FAIL of each whole call against the twin (and bit-equal to the base's?); the names that passed."""
-    twin = experts_gluon_wo_twin(c0.x, *w.wo(SCHEME), c0.topk_ids, c0.topk_weights)
+    twin = experts_gluon_wo_twin(c0.x, *w.wo(cell.scheme), c0.topk_ids, c0.topk_weights)
     base, passed = None, set()
     for key in [k for k in calls if k.endswith(" call")]:
         name = key.split()[1]
@@ -160,43 +176,47 @@ def check(cell: Cell, calls: dict, w: Weights, c0) -> set:
             errs = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         cell.errors[name] = errs
         ok = "error" not in errs and errs["twin"] < TOL
-        print(f"{'PASS' if ok else 'FAIL'}  {cell.preset} M={cell.m} {TAG} {name}  {errs}", flush=True)
+        print(f"{'PASS' if ok else 'FAIL'}  {cell.preset} M={cell.m} {cell.tag} {name}  {errs}", flush=True)
         if ok:
             passed.add(name)
         else:
-            FAILED.append(f"{cell.preset} M={cell.m} {TAG} {name}")
+            FAILED.append(f"{cell.preset} M={cell.m} {cell.tag} {name}")
     return passed
 
 
 def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
-    preset, m = CELLS[ci]
+    preset, m, scheme = CELLS[ci]
     s = shape_of(preset)
     inputs = make_sets(s, m, 1 if SMOKE else SETS, torch.bfloat16, dev, seed=m)
-    cell, c0 = new_cell(preset, m, w, inputs, ceil), inputs[0]
+    cell, c0 = new_cell(preset, m, scheme, w, inputs, ceil), inputs[0]
     gemms = Gemms(s, c0)
     timed = timed_calls(s, w, gemms)
-    bad = {name: why for j, names in enumerate(TASKS) for name in names
+    bad = {name: why for j, names in enumerate(tasks(ci)) for name in names
            for why in [status.get((ci, j), "ok")] if why != "ok"}
     for name, why in bad.items():  # never run here
         cell.skipped[name] = why[:160]
-        print(f"FAIL  {preset} M={m} {TAG} {name}  (compile worker: {why[:160]})", flush=True)
-        FAILED.append(f"{preset} M={m} {TAG} {name}")
+        print(f"FAIL  {preset} M={m} {cell.tag} {name}  (compile worker: {why[:160]})", flush=True)
+        FAILED.append(f"{preset} M={m} {cell.tag} {name}")
     timed = {} if "bf16" in bad else timed
-    calls = {k: v for k, v in wo_calls(w, gemms, m).items() if k.split()[1] not in bad}
+    calls = {k: v for k, v in wo_calls(w, gemms, m, scheme).items() if k.split()[1] not in bad}
     passed = check(cell, calls, w, c0)
     timed.update({k: v for k, v in calls.items() if k.split()[1] in passed})
-    if dev.type == "cuda":
+    if dev.type != "cuda":  # --smoke: each timed call once, as the graphs would capture it
+        for _, _, fn in timed.values():
+            fn(c0)
+    else:
         graphs = {}
         for k, (_, part, fn) in timed.items():  # whole calls over the rotated sets, GEMMs alone on the first's layout
             graphs[k] = graph_of([lambda c=(c if part == "call" else c0), fn=fn: fn(c) for c in inputs], dev)
         cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
         cell.times = medians(cell.rounds)
-        pairs = {k: [lambda c=c, fn=timed[k][2]: fn(c) for c in inputs] for k in (f"{TAG} pick call",
-                                                                                f"{TAG} {BEST} call") if k in timed}
+        pairs = {k: [lambda c=c, fn=timed[k][2]: fn(c) for c in inputs] for k in (f"{cell.tag} pick call",
+                                                                                f"{cell.tag} {best(scheme)} call")
+                 if k in timed}
         cell.eager = {k: list(v) for k, v in eager_us(pairs, 3, 6).items()}
         print("  eager host / wall µs a call: " + "  ".join(f"{k} {h:.0f} / {v:.0f}" for k, (h, v) in
                                                            cell.eager.items()), flush=True)
-    print(f"[{elapsed():5.1f}s] {preset} M={m}: " + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
+    print(f"[{elapsed():5.1f}s] {preset} M={m} {cell.tag}: " + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
           flush=True)
     return cell
 
@@ -204,16 +224,17 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
 def rows(c: Cell) -> list[str]:
     """bf16's parts, then per variant each part's µs, x bf16 and rounds >= 3% faster than the pick (calls) or the
     base (GEMMs); the call's % of the matmul rate and of the byte floor."""
-    out = [f"{c.preset:<14}{c.m:>5}  bf16 up / down / call: "
+    out = [f"{c.preset:<14}{c.m:>5} {c.tag}  bf16 up / down / call: "
            + " / ".join(f"{c.times.get(f'bf16 {p}', float('nan')):.1f}" for p in ("up", "down", "call")) + " µs"]
-    for name in ("pick", "base", *SWAPS, f"{BEST}|pick", f"pick|{BEST}"):
+    top = best(c.scheme)
+    for name in ("pick", "base", *SWAPS[c.scheme], f"{top}|pick", f"pick|{top}"):
         cells = []
         for part in ("up", "down", "call"):
-            t, ref = c.times.get(f"{TAG} {name} {part}"), c.times.get(f"bf16 {part}")
+            t, ref = c.times.get(f"{c.tag} {name} {part}"), c.times.get(f"bf16 {part}")
             if t is None:
                 continue
-            versus = f"{TAG} pick call" if part == "call" else f"{TAG} base {part}"
-            won = wins(c.rounds[f"{TAG} {name} {part}"], c.rounds.get(versus, ()))
+            versus = f"{c.tag} pick call" if part == "call" else f"{c.tag} base {part}"
+            won = wins(c.rounds[f"{c.tag} {name} {part}"], c.rounds.get(versus, ()))
             pct = f" {100 * c.flop_us[part] / t:3.0f}% mm {100 * c.byte_us[part] / t:3.0f}% byte"
             cells.append(f"{part} {t:8.1f} {t / ref if ref else float('nan'):5.2f}x ({won}/{ROUNDS}){pct}")
         if cells:
@@ -262,26 +283,27 @@ def main() -> int:
 
         install_fakes()
         ARGS.deadline = float("inf")
-    procs = {} if SMOKE else {preset: spawn_workers(__file__, [[ci, j] for j in range(len(TASKS))], SMOKE, "wo4k")
-                              for ci, (preset, _) in enumerate(CELLS)}
+    procs = {} if SMOKE else {ci: spawn_workers(__file__, [[ci, j] for j in range(len(tasks(ci)))], SMOKE,
+                                                f"wo4k_{ci}") for ci in range(len(CELLS))}
     ceil = ceilings(dev)
     print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
           "TFLOP/s", flush=True)
-    cells, status = [], {}
+    cells, status, held = [], {}, {}
     if not SMOKE:
         threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
-    for ci, (preset, m) in enumerate(CELLS[:1] if SMOKE else CELLS):
+    for ci, (preset, m, scheme) in enumerate(CELLS[:1] if SMOKE else CELLS):
         if elapsed() + (16.0 if preset == "deepseek-v3" else 6.0) > ARGS.deadline:  # weights, checks, rounds
-            print(f"skipped (deadline): {preset} M={m}", flush=True)
+            print(f"skipped (deadline): {preset} M={m} {scheme}", flush=True)
             continue
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()  # the last preset's weights back
-        w = Weights(shape_of(preset), dev, seed=1)
-        if preset in procs:  # its compile workers, given until half the time left
-            status.update(collect_workers(procs.pop(preset), lambda: (ARGS.deadline + elapsed()) / 2 - elapsed()))
-            print(f"[{elapsed():5.1f}s] {preset} compiled: {sorted(set(status.values()))}"[:400], flush=True)
-        cells.append(run_cell(ci, w, dev, ceil, status))
-        del w
+        if preset not in held:  # a preset's weights (bf16 and each scheme's) kept while its cells run
+            held.clear()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()  # the last preset's weights back
+            held[preset] = Weights(shape_of(preset), dev, seed=1)
+        if ci in procs:  # its compile workers, given until half the time left
+            status.update(collect_workers(procs.pop(ci), lambda: (ARGS.deadline + elapsed()) / 2 - elapsed()))
+            print(f"[{elapsed():5.1f}s] {preset} {scheme} compiled: {sorted(set(status.values()))}"[:400], flush=True)
+        cells.append(run_cell(ci, held[preset], dev, ceil, status))
         dump(cells, ceil)
     for rest in procs.values():
         collect_workers(rest, lambda: 0.1)
