@@ -1,5 +1,6 @@
 """Warp-specialized weight-only grouped GEMM for Hopper (Gluon) with the operands swapped: the decoded weights are
-wgmma's register operand, the activations its shared-memory one (issue #16 target 3, session 29; int8_w8a16).
+wgmma's register operand, the activations its shared-memory one (issue #16 target 3, session 29; int8_w8a16 and
+int4_w4a16).
 
     out[r, c] = act(A[r, :] @ (Q[e(r), c, :] * scale[e(r), c])^T)      r: a row of the permuted buffer
     acc[c, r] = sum_k Q[e, c, k] * A[r, k]: the [BN weight rows, BM rows] tile of out^T, scaled, stored transposed
@@ -18,10 +19,12 @@ registers while step k's wgmmas run, then waits for them (the A registers they r
 deps) and releases their stage. The per-output-channel scale multiplies the accumulator's rows in the epilogue; the
 [BN, BM] result is transposed in registers and stored through SMEM by TMA into out's [BM, BN] block.
 
-Q is a 2-D view [E * W_ROWS, R] int8 of w13.q [E, 2N, K] (W_ROWS = 2N) or w2.q [E, K, N] (W_ROWS = K); scale
-[E, W_ROWS] fp32. GATED: gate rows c and up rows N + c, out = silu(gate) * up. Gluon does not run in the interpreter
-(CUDA sm_90 only). Torch twin: ``triton_gluon_wo.experts_gluon_wo_twin`` (the same arithmetic: codes times the
-products' scales).
+Q is a 2-D view [E * W_ROWS, R / PACK] of w13.q [E, 2N, K / PACK] (W_ROWS = 2N) or w2.q [E, K, N / PACK] (W_ROWS
+= K): int8 (PACK 1), scale [E, W_ROWS] fp32; int4 bytes (PACK 2, the low nibble first), scale / zero [E, W_ROWS,
+R / GROUP], GROUP a multiple of BK (each byte decoded into its K pair in the operand's layout, the group's scale and
+zero loaded a step ahead: ``_int4_tile``). GATED: gate rows c and up rows N + c, out = silu(gate) * up. Gluon does not
+run in the interpreter (CUDA sm_90 only). Torch twin: ``triton_gluon_wo.experts_gluon_wo_twin`` (the same arithmetic:
+int8 codes times the products' scales; int4 weights dequantized to bf16).
 """
 
 from __future__ import annotations
@@ -224,15 +227,16 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
                                 GROUP: gl.constexpr, num_warps: gl.constexpr, FAST: gl.constexpr = False,
                                 SPLIT: gl.constexpr = False):
     """``gluon_gemm_wo.grouped_gemm_wo_kernel``'s arguments (one launch for both; int8, SCHEME 0, reads only
-    s_ptr's rows: scale [E, W_ROWS] with stride_sr 1; z_ptr, the group and zero strides and GROUP are the 4-bit
-    schemes'): a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R] int8 blocks [BN, BK]; c_desc [T, C] blocks
-    [BM, BN]; experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of BM); reduce_dim = R;
-    num_col_blocks = C / BN; GATE_OFFSET = N when GATED. FAST: ``_INT8_ASM``'s conversion. SPLIT (num_warps 4,
-    c_desc blocks [BM, BN / 2]): two MMA partitions of one warpgroup each, each owning half of the tile's weight
-    rows (the wgmma's M), so neither waits at the other's barriers."""
+    s_ptr's rows: scale [E, W_ROWS] with stride_sr 1; z_ptr, the group and zero strides and GROUP are int4's, SCHEME
+    1): a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R / PACK] blocks [BN, BK / PACK] (int8; int4 bytes,
+    PACK 2); c_desc [T, C] blocks [BM, BN]; experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of
+    BM); reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED. FAST: ``_INT8_ASM``'s conversion. SPLIT
+    (num_warps 4, c_desc blocks [BM, BN / 2]): two MMA partitions of one warpgroup each, each owning half of the
+    tile's weight rows (the wgmma's M), so neither waits at the other's barriers."""
     gl.static_assert(SCHEME < 2, "the swapped weight-only GEMM decodes int8_w8a16 and int4_w4a16 only")
     WTILES: gl.constexpr = 2 if GATED else 1
     HALVES: gl.constexpr = 2 if SPLIT else 1
+    PACK: gl.constexpr = a_desc.block_type.shape[1] // q_desc.block_type.shape[1]  # weights a stored byte
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES * WTILES] + q_desc.block_type.shape, q_desc.layout)
     c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -251,7 +255,7 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
                          stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
                          GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, FAST, 1, 4)),
             (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                       W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1)),
+                       W_ROWS, GATE_OFFSET, GATED, GROUP_M, PACK)),
         ], [4, 1], [SPLIT_REGISTERS, 24])
     else:
         gl.warp_specialize([
@@ -259,5 +263,5 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
                          stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
                          GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, FAST, 0, num_warps)),
             (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                       W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1)),
+                       W_ROWS, GATE_OFFSET, GATED, GROUP_M, PACK)),
         ], [1], [24])
