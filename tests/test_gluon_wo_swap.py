@@ -13,7 +13,7 @@ import torch
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from test_gluon_wo_fast import _bf16_bits, run_ptx
-from test_triton_gluon_wo import K, N, _call, _f64, _rel, _weights
+from test_triton_gluon_wo import E, K, N, _call, _f64, _rel, _weights
 from moekit.experts.triton_gluon_wo import GluonWoGemms, GluonWoOptions, run_experts_wo_gluon
 
 SWAP = GluonWoOptions(swap=True)
@@ -125,3 +125,24 @@ def test_int4_swap_matches_a_float64_loop(fake_gemms, m, split):
         assert bound["q_desc"].base.dtype == torch.uint8 and bound["q_desc"].block_shape == [128, 32]
         assert (bound["SCHEME"], bound["GROUP"], bound["STAGES"], bound["SPLIT"]) == (1, 128, 8, split)
         assert bound["z_ptr"].dtype == torch.uint8 and bound["stride_zg"] == 1
+
+
+def test_measured_options_lie_in_their_cells():
+    from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, GLUON_WO_OPTIONS
+
+    for key, measured in GLUON_WO_OPTIONS.items():  # a variant only where a call takes the path at all
+        lo, hi = GLUON_WO_CELLS[key]
+        assert lo <= measured.lo < measured.hi <= hi, key
+
+
+def test_a_measured_int8_cell_takes_the_split_ptx_swap(fake_gemms, monkeypatch):
+    import moekit.experts.triton_gluon_wo as tgw
+
+    w13, w2 = _weights("int8_w8a16")
+    x, ids, weights = _call(40)
+    taken = tgw.GLUON_WO_OPTIONS[("int8_w8a16", 256, 2048, 7168)]  # DeepSeek-V3's, on this test's shape
+    monkeypatch.setattr(tgw, "GLUON_WO_OPTIONS", {("int8_w8a16", E, N, K): tgw.MeasuredGemms(40, 80, taken.gemms)})
+    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16")
+    assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2 and fake_gemms["wo"].log == []
+    assert [(b["GATED"], b["FAST"], b["SPLIT"]) for _, b, _ in fake_gemms["wo_swap"].log] == [
+        (True, True, True), (False, True, True)]

@@ -115,11 +115,16 @@ class MeasuredGemms:
 # session-27 kernel).
 _FAST = GluonWoOptions(fast=True)
 _SPLIT_FAST = GluonWoOptions(split=True, fast=True)
+_SWAP = GluonWoOptions(swap=True, fast=True, split=True)  # session 29's swapped GEMM, a partition a warpgroup
 GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], MeasuredGemms] = {
-    # DeepSeek-V3 M=4096: 9369 / 10408 / 8078 (its third slot: down GEMM alone 3035 / 3696; on the gate-up GEMM,
-    # whose ring then holds 3 stages, 9456 / 7829: lost); against the pick of the base's kernels, timed after a call
-    # as it was, 9369 / 9806 (4/5): the notes' order bias, CK2 re-times it
-    ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(GluonWoOptions(), GluonWoOptions(slots=3))),
+    # session 29 (wo4k_device_check.py, checkpoint 1b at 9314a02, graph µs of the whole call: the swapped GEMMs with
+    # the PTX conversion, split / the pick of then / bf16; 5 of 5 rounds >= 3% faster, every call PASS and bit-equal
+    # to the session-27 kernel's; eager wall µs a call 8927 / 9964, 847 / 1001, 1696 / 2083). DeepSeek-V3 M=4096:
+    # 8585 / 11162 (base|slots3, session 28's pick here) / 8439
+    ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP, _SWAP)),
+    # Qwen3 M=4096: 834.0 / 1016.6 / 689.7; Mixtral M=1024: 1652.5 / 2179.3 / 1381.8
+    ("int8_w8a16", 128, 768, 2048): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP, _SWAP)),
+    ("int8_w8a16", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SWAP, _SWAP)),
     # DeepSeek-V3 M=4096: int4 11012 / 12078 / 8078, mxfp4 10356 / 11974 (split+fast|fast+slots3 10263)
     ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
     ("mxfp4", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
