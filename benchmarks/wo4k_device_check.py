@@ -1,23 +1,24 @@
 """Issue #16 target 3 (weight-only cells at M >= 1024 no slower than bf16 / 0.9: <= 1.11x moekit's bf16 cell), session
 29: the swapped weight-only Gluon GEMM (``_kernels/gluon_gemm_wo_swap.py``, ``GluonWoOptions(swap=True)``: the codes
 converted in wgmma's register-operand layout, the activations its shared-memory operand) against the session-27
-kernel ("base"), the call that names no decode ("pick": today's variants, ``wo_options``) and the bf16 call. Swaps
-(SWAPS): int8 "swap" (Triton's conversion), "swapf" (FAST: inline PTX, 5 instructions a K pair against Triton's ~8),
-"swapfs" (swapf split into a partition a warpgroup, each half of the tile's weight rows, no barrier across the two);
-int4 "swap", "swaps" (split).
+kernel ("base"), the call that names no decode ("pick": today's variants, ``wo_options``; "prev": the pick before
+session 29 where it was not the base) and the bf16 call. Swaps (SWAPS): int8 "swapf" (FAST: its conversion in inline
+PTX, 5 instructions a K pair against Triton's ~8), "swapfs" (swapf split into a partition a warpgroup, each half of
+the tile's weight rows, no barrier across the two; the int8 pick since CK1b); int4 "swap", "swaps" (split).
 
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/wo4k_device_check.py --out $OUT/wo4k --deadline 62   # H200
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/wo4k_device_check.py --int4 --out $OUT/wo4k --deadline 62   # int4
     PYTHONPATH=$PWD python3 benchmarks/wo4k_device_check.py --smoke [--int4]     # CPU: tiny shapes, the GEMMs faked
 
-Cells (CELLS): int8 DeepSeek-V3 4096, Qwen3 4096, Mixtral 1024, then int4 (groups 128, zero points) DeepSeek-V3 4096,
-Mixtral 1024, each skipped past the deadline (--int4: int4's only). Compile workers run every call once per cell
-while this process measures the ceilings (copy rate, dense bf16 mm) and builds the weights. Per cell: PASS / FAIL of
-each variant's whole call against the torch twin (``experts_gluon_wo_twin``, rel-L2 < 1e-2) and whether it equals the
-base's bit for bit; then CUDA-graph replay, every graph of the cell interleaved in ROUNDS rounds: the bf16 Gluon
-GEMMs, the base's and each swap's gate-up and down GEMMs alone (the first input set's layout), and the whole calls
-(rotated input sets): bf16, pick, base, each swap, and the last swap on one GEMM with the pick's variant on the other
-("<swap>|pick", "pick|<swap>"); eager host / wall µs a call of the pick and the last swap. The table (printed last):
+Cells (CELLS, each skipped past the deadline; --int4: int4's only): full ones, DeepSeek-V3 4096 int4 / int8, Mixtral
+1024 int4 / int8, Qwen3 4096 int8, time the base, each swap, prev, int4's best swap on one GEMM with the pick's
+variant on the other ("swaps|pick", "pick|swaps"), the GEMMs alone; light ones (Mixtral 2048, Qwen3 2048 / 1024 int8:
+the M around the taken cells) the pick against the best swap, whole calls only. Compile workers run every call once
+per cell while this process measures the ceilings (copy rate, dense bf16 mm) and builds the weights. Per cell: PASS /
+FAIL of each variant's whole call against the torch twin (``experts_gluon_wo_twin``, rel-L2 < 1e-2) and whether it
+equals the base's bit for bit; then CUDA-graph replay, every graph of the cell interleaved in ROUNDS rounds: the bf16
+Gluon GEMMs and the base's and each swap's gate-up and down GEMMs alone (the first input set's layout), and the whole
+calls (rotated input sets); eager host / wall µs a call of the pick and the best swap. The table (printed last):
 median µs, x bf16's same part, rounds >= 3% faster than the pick (calls) or the base (GEMMs), % of the matmul rate
 (2 x M*k x 3NK over the mm rate) and of the byte floor (the touched experts' stored bytes, x and out over the copy
 rate). JSON <out>/wo4k.json.
@@ -55,16 +56,23 @@ from moekit.experts.triton_gluon_wo import (  # noqa: E402
 
 I8, I4 = "int8_w8a16", "int4_w4a16"
 _O = GluonWoOptions
-# per scheme, name -> each GEMM's options (both the same): int8 "swap" Triton's conversion, "swapf" FAST's, "swapfs"
-# FAST split; int4 "swap", "swaps" split. The last (``best``) is also timed on one GEMM with the pick's on the other
-SWAPS = {I8: {"swap": _O(swap=True), "swapf": _O(swap=True, fast=True), "swapfs": _O(swap=True, fast=True, split=True)},
+# per scheme, name -> each GEMM's options (both the same): int8 "swapf" the PTX conversion, "swapfs" that split (the
+# pick since CK1b; "swap", Triton's conversion, lost there everywhere: 1.39-1.86x bf16); int4 "swap", "swaps" split.
+# The last (``best``) is also timed, on full int4 cells, on one GEMM with the pick's variant on the other
+SWAPS = {I8: {"swapf": _O(swap=True, fast=True), "swapfs": _O(swap=True, fast=True, split=True)},
          I4: {"swap": _O(swap=True), "swaps": _O(swap=True, split=True)}}
+# "prev": the pick a cell took before session 29 where it is not the base (DeepSeek-V3 int8: the base with a third
+# decoded slot on the down GEMM)
+PREV = {("deepseek-v3", I8): GluonWoGemms(_O(), _O(slots=3))}
 if "--int4" in sys.argv:  # (the compile workers, started without it, inherit the environment)
     os.environ["WO4K_INT4"] = "1"
-# (preset, M, scheme): int8's cells, then int4's (groups 128, zero points) as the deadline allows; --int4: int4's
-CELLS = (("deepseek-v3", 4096, I8), ("qwen3-30b-a3b", 4096, I8), ("mixtral-8x7b", 1024, I8),
-         ("deepseek-v3", 4096, I4), ("mixtral-8x7b", 1024, I4))
-CELLS = CELLS[3:] if os.environ.get("WO4K_INT4") == "1" else CELLS
+# (preset, M, scheme, full): a full cell times the base, each swap (the GEMMs alone too), prev, int4's mixes; a light
+# one the pick against the best swap, whole calls only (the M around a taken cell). A preset's cells run together;
+# --int4: int4's only
+CELLS = (("deepseek-v3", 4096, I4, True), ("deepseek-v3", 4096, I8, True), ("mixtral-8x7b", 1024, I4, True),
+         ("mixtral-8x7b", 1024, I8, True), ("mixtral-8x7b", 2048, I8, False), ("qwen3-30b-a3b", 4096, I8, True),
+         ("qwen3-30b-a3b", 2048, I8, False), ("qwen3-30b-a3b", 1024, I8, False))
+CELLS = tuple(c for c in CELLS if c[2] == I4) if os.environ.get("WO4K_INT4") == "1" else CELLS
 SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
 WATCHDOG_S = 8.0
 T0 = time.perf_counter()
@@ -80,24 +88,39 @@ def best(scheme: str) -> str:
     return list(SWAPS[scheme])[-1]
 
 
-def variants(w: Weights, m: int, scheme: str) -> dict:
-    """name -> both GEMMs' options: the base, each swap, and the best on one GEMM with the pick's on the other."""
+def names_of(ci: int) -> list:
+    """Cell ci's variants but the pick (``variants``' keys)."""
+    preset, _, scheme, full = CELLS[ci]
+    top = best(scheme)
+    if not full:
+        return [top]
+    mixes = [f"{top}|pick", f"pick|{top}"] if scheme == I4 else []
+    return ["base", *SWAPS[scheme], *mixes] + (["prev"] if (preset, scheme) in PREV else [])
+
+
+def variants(w: Weights, ci: int) -> dict:
+    """name -> both GEMMs' options: the base, each swap, prev, and int4's best on one GEMM with the pick's on the
+    other (``names_of``)."""
+    preset, m, scheme, _ = CELLS[ci]
     pick, top = wo_options(*w.wo(scheme), scheme, m), SWAPS[scheme][best(scheme)]
-    return {"base": GluonWoGemms(), **{k: GluonWoGemms(o, o) for k, o in SWAPS[scheme].items()},
-            f"{best(scheme)}|pick": GluonWoGemms(top, pick.down), f"pick|{best(scheme)}": GluonWoGemms(pick.up, top)}
+    every = {"base": GluonWoGemms(), **{k: GluonWoGemms(o, o) for k, o in SWAPS[scheme].items()},
+             f"{best(scheme)}|pick": GluonWoGemms(top, pick.down), f"pick|{best(scheme)}": GluonWoGemms(pick.up, top),
+             "prev": PREV.get((preset, scheme))}
+    return {k: every[k] for k in names_of(ci)}
 
 
-def wo_calls(w: Weights, gemms: Gemms | None, m: int, scheme: str, only: tuple = ()) -> dict:
-    """"<tag> <variant> <part>" -> (scheme, part, fn(inputs)): the base's and each swap's GEMMs alone (``gemms``
-    None: none), every variant's whole call, and "<tag> pick call" (``only``: those variants)."""
+def wo_calls(w: Weights, gemms: Gemms | None, ci: int, only: tuple = ()) -> dict:
+    """"<tag> <variant> <part>" -> (scheme, part, fn(inputs)): the base's and each swap's GEMMs alone on full cells
+    (``gemms`` None: none), every variant's whole call, and "<tag> pick call" (``only``: those variants)."""
+    _, m, scheme, full = CELLS[ci]
     out = dict(pick_call(w, scheme, m)) if not only or "pick" in only else {}
     tag = scheme.split("_")[0]
-    for name, opt in variants(w, m, scheme).items():
+    for name, opt in variants(w, ci).items():
         if only and name not in only:
             continue
         out[f"{tag} {name} call"] = (scheme, "call", lambda c, o=opt: run_experts_wo_gluon(
             c.x, *w.wo(scheme), c.topk_ids, c.topk_weights, None, scheme, options=o))
-        for part in ("up", "down") if gemms is not None and "|" not in name else ():
+        for part in ("up", "down") if gemms is not None and full and name in ("base", *SWAPS[scheme]) else ():
             out[f"{tag} {name} {part}"] = (scheme, part, lambda c, p=part, o=opt: gemms.wo(p, *w.wo(scheme), scheme,
                                                                                             o))
     return out
@@ -105,25 +128,27 @@ def wo_calls(w: Weights, gemms: Gemms | None, m: int, scheme: str, only: tuple =
 
 def tasks(ci: int) -> list:
     """Cell ci's compile tasks, a worker each (a variant that hangs or fails loses its task's names only): the bf16
-    call (the preset's first cell only), the base, pick and first swap, each middle swap, the best with its mixes."""
-    preset, _, scheme = CELLS[ci]
-    names, top = list(SWAPS[scheme]), best(CELLS[ci][2])
-    first = next(i for i, c in enumerate(CELLS) if c[0] == preset) == ci
-    return ([("bf16",)] if first else []) + [("base", "pick", names[0])] + [(n,) for n in names[1:-1]] + [
-        (top, f"{top}|pick", f"pick|{top}")]
+    call (the preset's first cell only), the pick with the base, prev and the other swap, the best with its mixes;
+    a light cell's pick and best together."""
+    names, top = names_of(ci), best(CELLS[ci][2])
+    first = next(i for i, c in enumerate(CELLS) if c[0] == CELLS[ci][0]) == ci
+    if not CELLS[ci][3]:
+        return [("bf16",)] * first + [("pick", *names)]
+    return [("bf16",)] * first + [("pick", *[n for n in names if n != top and "|" not in n])] + [
+        (top, *[n for n in names if "|" in n])]
 
 
 def worker_main(ci: int, j: int) -> None:
     """Compile task j of cell ci: its calls once at the real shape on uninitialised weights (START / OK / ERR)."""
     dev = torch.device("cpu" if SMOKE else "cuda")
-    preset, m, scheme = CELLS[ci]
+    preset, m, scheme, _ = CELLS[ci]
     s = shape_of(preset)
     w = Weights(s, dev, None)
     print(f"START {ci} {j}", flush=True)
     try:
         c0 = make_sets(s, m, 1, torch.bfloat16, dev)[0]
         task = tasks(ci)[j]
-        calls = timed_calls(s, w, None) if task == ("bf16",) else wo_calls(w, None, m, scheme, task)
+        calls = timed_calls(s, w, None) if task == ("bf16",) else wo_calls(w, None, ci, task)
         for _, _, fn in calls.values():
             fn(c0)
         if not SMOKE:
@@ -185,12 +210,12 @@ def check(cell: Cell, calls: dict, w: Weights, c0) -> set:
 
 
 def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
-    preset, m, scheme = CELLS[ci]
+    preset, m, scheme, full = CELLS[ci]
     s = shape_of(preset)
     inputs = make_sets(s, m, 1 if SMOKE else SETS, torch.bfloat16, dev, seed=m)
     cell, c0 = new_cell(preset, m, scheme, w, inputs, ceil), inputs[0]
     gemms = Gemms(s, c0)
-    timed = timed_calls(s, w, gemms)
+    timed = timed_calls(s, w, gemms if full else None)
     bad = {name: why for j, names in enumerate(tasks(ci)) for name in names
            for why in [status.get((ci, j), "ok")] if why != "ok"}
     for name, why in bad.items():  # never run here
@@ -198,7 +223,7 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
         print(f"FAIL  {preset} M={m} {cell.tag} {name}  (compile worker: {why[:160]})", flush=True)
         FAILED.append(f"{preset} M={m} {cell.tag} {name}")
     timed = {} if "bf16" in bad else timed
-    calls = {k: v for k, v in wo_calls(w, gemms, m, scheme).items() if k.split()[1] not in bad}
+    calls = {k: v for k, v in wo_calls(w, gemms, ci).items() if k.split()[1] not in bad}
     passed = check(cell, calls, w, c0)
     timed.update({k: v for k, v in calls.items() if k.split()[1] in passed})
     if dev.type != "cuda":  # --smoke: each timed call once, as the graphs would capture it
@@ -227,7 +252,7 @@ def rows(c: Cell) -> list[str]:
     out = [f"{c.preset:<14}{c.m:>5} {c.tag}  bf16 up / down / call: "
            + " / ".join(f"{c.times.get(f'bf16 {p}', float('nan')):.1f}" for p in ("up", "down", "call")) + " µs"]
     top = best(c.scheme)
-    for name in ("pick", "base", *SWAPS[c.scheme], f"{top}|pick", f"pick|{top}"):
+    for name in ("pick", "prev", "base", *SWAPS[c.scheme], f"{top}|pick", f"pick|{top}"):
         cells = []
         for part in ("up", "down", "call"):
             t, ref = c.times.get(f"{c.tag} {name} {part}"), c.times.get(f"bf16 {part}")
@@ -291,7 +316,7 @@ def main() -> int:
     cells, status, held = [], {}, {}
     if not SMOKE:
         threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
-    for ci, (preset, m, scheme) in enumerate(CELLS[:1] if SMOKE else CELLS):
+    for ci, (preset, m, scheme, _) in enumerate(CELLS[:2] if SMOKE else CELLS):
         if elapsed() + (16.0 if preset == "deepseek-v3" else 6.0) > ARGS.deadline:  # weights, checks, rounds
             print(f"skipped (deadline): {preset} M={m} {scheme}", flush=True)
             continue
