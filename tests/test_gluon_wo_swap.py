@@ -12,7 +12,7 @@ import torch
 
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
-from test_gluon_wo_fast import _bf16_bits, run_ptx
+from test_gluon_wo_fast import _bf16_bits, _f32_bits, _f32_value, run_ptx
 from test_triton_gluon_wo import E, K, N, _call, _f64, _rel, _weights
 from moekit.experts.triton_gluon_wo import GluonWoGemms, GluonWoOptions, run_experts_wo_gluon
 
@@ -146,3 +146,18 @@ def test_a_measured_int8_cell_takes_the_split_ptx_swap(fake_gemms, monkeypatch):
     assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2 and fake_gemms["wo"].log == []
     assert [(b["GATED"], b["FAST"], b["SPLIT"]) for _, b, _ in fake_gemms["wo_swap"].log] == [
         (True, True, True), (False, True, True)]
+
+
+@pytest.mark.parametrize("zero", [0, 7, 15])
+def test_int4_bytes_decode_as_the_session_27_formula(zero):
+    """``_INT4_BYTE_ASM`` in the emulator, every byte: the low nibble (the even K) the low half, each weight the
+    float32 fma(128 + code, scale, -(128 + zero) * scale) rounded to bf16 (``gluon_wo_fast``'s int4, bit for bit)."""
+    from moekit.experts._kernels.gluon_gemm_wo_swap import _INT4_BYTE_ASM
+
+    for scale in (float(torch.tensor(0.0123, dtype=torch.float32)), float(torch.tensor(3.7e-4, dtype=torch.float32))):
+        add = _f32_value(_f32_bits(-(128.0 + zero) * scale))  # float32, as ``_group_scales`` makes it
+        for byte in range(256):
+            codes = (byte & 15, byte >> 4)
+            want = [_bf16_bits(_f32_value(_f32_bits((128.0 + c) * scale + add))) for c in codes]
+            got = run_ptx(_INT4_BYTE_ASM.value, [None, byte, _f32_bits(scale), _f32_bits(add), 0x43000000], 1)
+            assert got == [want[0] | want[1] << 16], (byte, scale, zero)
