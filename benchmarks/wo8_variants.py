@@ -112,11 +112,10 @@ class Gemms:
         if part == "up":
             launch_gemm(lay.x_perm, w13.view(-1, s.k), self.h, lay.block_experts, lay.rows_used, UP_TILE, gated=True,
                         w_rows=2 * s.n, gate_offset=s.n, sorted_ids=lay.sorted_ids,
-                        num_assignments=self.assignments, offsets=lay.offsets)
+                        num_assignments=self.assignments)
         else:
             launch_gemm(self.h, w2.view(-1, s.n), self.y, lay.block_experts, lay.rows_used, down_tile(s.n),
-                        gated=False, w_rows=s.k, sorted_ids=lay.sorted_ids, num_assignments=self.assignments,
-                        offsets=lay.offsets)
+                        gated=False, w_rows=s.k, sorted_ids=lay.sorted_ids, num_assignments=self.assignments)
 
     def wo(self, part: str, w13: WoWeight, w2: WoWeight, scheme: str, options: GluonWoGemms) -> None:
         s, lay = self.s, self.layout

@@ -205,9 +205,10 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail", "wo", "blk256": FakeKernel} (the gather: the bf16 gate-up GEMM with the
-    gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8
-    weight-only GEMM; blk256: the bf16 gate-up GEMM on 256-row tiles)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo", "wo_swap", "blk256": FakeKernel} (the gather: the bf16 gate-up
+    GEMM with the gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the
+    weight-only GEMM; wo_swap: the swapped int8 one, the same product; blk256: the bf16 gate-up GEMM on 256-row
+    tiles)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -218,6 +219,7 @@ def install_fakes(setattr_=setattr) -> dict:
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
                                      ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
                                      ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm),
+                                     ("wo_swap", "gluon_gemm_wo_swap", "grouped_gemm_wo_swap_kernel", wo_gemm),
                                      ("blk256", "gluon_gemm_blk256", "blk256_gemm_kernel", blk256_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)

@@ -1,9 +1,10 @@
 """The FAST decode's inline PTX (``moekit/experts/_kernels/gluon_wo_fast.py``) on the CPU: its two PTX listings run
 by a small emulator of the instructions they use (written here from the PTX ISA's definitions of mov, and, shl,
-shr, lop3, prmt, fma and cvt), word by word, against the values the decode must produce: mxfp4 e2m1 * 2^(e8m0 -
-127) rounded to bf16 for every byte and every e8m0 0 .. 254, int4 the session-27 decode's float32
-fma(128 + code, scale, -(128 + zero) * scale) rounded to bf16, pairs in K order (weight 2j the low half). The
-kernel itself needs a Hopper GPU (``benchmarks/wo8_device_check.py`` checks its decoded bits there)."""
+shr, lop3, prmt, fma, add and cvt; ``test_gluon_wo_swap`` runs the swapped GEMM's int8 pair in it too), word by
+word, against the values the decode must produce: mxfp4 e2m1 * 2^(e8m0 - 127) rounded to bf16 for every byte and
+every e8m0 0 .. 254, int4 the session-27 decode's float32 fma(128 + code, scale, -(128 + zero) * scale) rounded to
+bf16, pairs in K order (weight 2j the low half). The kernel itself needs a Hopper GPU
+(``benchmarks/wo8_device_check.py`` checks its decoded bits there)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,13 @@ def _bf16x2_fma(a: int, b: int, c: int) -> int:
     return lanes[0] | lanes[1] << 16
 
 
-def run_ptx(asm: str, args: list[int]) -> list[int]:
-    """Run ``asm`` (one ``{ ... }`` block) with $i bound to ``args`` (outputs first, None), 32-bit values."""
+def _bf16x2_add(a: int, b: int) -> int:
+    lanes = [_bf16_bits(_bf16_value(a >> s & 0xFFFF) + _bf16_value(b >> s & 0xFFFF)) for s in (0, 16)]
+    return lanes[0] | lanes[1] << 16
+
+
+def run_ptx(asm: str, args: list[int], outputs: int = 4) -> list[int]:
+    """Run ``asm`` (one ``{ ... }`` block) with $i bound to ``args`` (``outputs`` first, None), 32-bit values."""
     regs = {f"${i}": v for i, v in enumerate(args)}
 
     def val(x: str) -> int:
@@ -72,6 +78,8 @@ def run_ptx(asm: str, args: list[int]) -> list[int]:
         x = [val(o) for o in ops[1:]]
         if op.startswith("mov"):
             r = x[0]
+        elif op == "cvt.u32.u16":
+            r = x[0] & 0xFFFF
         elif op == "and.b32":
             r = x[0] & x[1]
         elif op == "shl.b32":
@@ -82,6 +90,8 @@ def run_ptx(asm: str, args: list[int]) -> list[int]:
             r = _lop3(*x)
         elif op == "prmt.b32":
             r = _prmt(*x)
+        elif op == "add.rn.bf16x2":
+            r = _bf16x2_add(*x)
         elif op == "fma.rn.bf16x2":
             r = _bf16x2_fma(*x)
         elif op == "fma.rn.f32":
@@ -91,7 +101,7 @@ def run_ptx(asm: str, args: list[int]) -> list[int]:
         else:
             raise AssertionError(f"no emulation of {op}")
         regs[ops[0]] = r
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(outputs)]
 
 
 def _word_pairs(words: int, expected) -> list[int]:

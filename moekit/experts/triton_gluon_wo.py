@@ -25,7 +25,7 @@ import torch
 
 from moekit.experts.triton_gluon import gluon_layout, segment_twin
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, MAX_REGISTERS, NUM_WARPS, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
+    BLOCK_M, MAX_REGISTERS, NUM_WARPS, SHARED_BYTES, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
     launch_contiguous_sum, num_sms,
 )
 from moekit.experts.triton_wo import WoWeight, dequantize_wo
@@ -41,15 +41,22 @@ class GluonWoOptions:
     weight rows it multiplies, with barriers of its own (none across the two); ``fast``: the decode in inline PTX on
     int32 words (int4: no mask materialised a code; mxfp4: byte tables and bf16x2, read as words), the same values
     (``_kernels/gluon_wo_fast.py``; int8 unchanged); ``slots``: decoded slots, 3: the decode of step k + 1 overlaps
-    two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages)."""
+    two steps of MMAs in flight, not one (32 KB more SMEM a gate-up program: int8's gate-up ring then 3 stages).
+    Session 29: ``swap``, the swapped GEMM (``_kernels/gluon_gemm_wo_swap.py``: the codes converted in wgmma's
+    register-operand layout, the activations its shared-memory operand; no decoded slots, so the ring takes their
+    SMEM: ``swap_stages``), int8 and int4, with ``fast`` (int8: its conversion in inline PTX, a K pair) and ``split``
+    (a partition a warpgroup, each owning half of the tile's weight rows), no third slot."""
 
     split: bool = False
     fast: bool = False
     slots: int = 2
+    swap: bool = False
 
     def __post_init__(self):
         if self.slots not in (2, 3):
             raise ValueError(f"slots={self.slots}: 2 or 3")
+        if self.swap and self.slots != 2:
+            raise ValueError(f"{self}: swap takes no third slot")
 
 
 @dataclass(frozen=True)
@@ -108,11 +115,16 @@ class MeasuredGemms:
 # session-27 kernel).
 _FAST = GluonWoOptions(fast=True)
 _SPLIT_FAST = GluonWoOptions(split=True, fast=True)
+_SWAP = GluonWoOptions(swap=True, fast=True, split=True)  # session 29's swapped GEMM, a partition a warpgroup
 GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], MeasuredGemms] = {
-    # DeepSeek-V3 M=4096: 9369 / 10408 / 8078 (its third slot: down GEMM alone 3035 / 3696; on the gate-up GEMM,
-    # whose ring then holds 3 stages, 9456 / 7829: lost); against the pick of the base's kernels, timed after a call
-    # as it was, 9369 / 9806 (4/5): the notes' order bias, CK2 re-times it
-    ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(GluonWoOptions(), GluonWoOptions(slots=3))),
+    # session 29 (wo4k_device_check.py, checkpoint 1b at 9314a02, graph µs of the whole call: the swapped GEMMs with
+    # the PTX conversion, split / the pick of then / bf16; 5 of 5 rounds >= 3% faster, every call PASS and bit-equal
+    # to the session-27 kernel's; eager wall µs a call 8927 / 9964, 847 / 1001, 1696 / 2083). DeepSeek-V3 M=4096:
+    # 8585 / 11162 (base|slots3, session 28's pick here) / 8439
+    ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP, _SWAP)),
+    # Qwen3 M=4096: 834.0 / 1016.6 / 689.7; Mixtral M=1024: 1652.5 / 2179.3 / 1381.8
+    ("int8_w8a16", 128, 768, 2048): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP, _SWAP)),
+    ("int8_w8a16", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SWAP, _SWAP)),
     # DeepSeek-V3 M=4096: int4 11012 / 12078 / 8078, mxfp4 10356 / 11974 (split+fast|fast+slots3 10263)
     ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
     ("mxfp4", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
@@ -128,26 +140,56 @@ def wo_options(w13, w2, scheme: str, num_tokens: int) -> GluonWoGemms:
     return got.gemms if got is not None and got.lo <= num_tokens < got.hi else GluonWoGemms()
 
 
+# The swapped GEMM's ring (BK 64, [128, 128] tiles): no decoded slots, so as many stages as fit beside the 32 KB output
+# tile, at most 8: int8 6 gate-up (16 KB activations + 2 x 8 KB codes), 8 down; int4 8 and 8 (4 KB code tiles)
+SWAP_MAX_STAGES = 8
+
+
+def swap_stages(scheme: str, gated: bool) -> int:
+    """The swapped GEMM's stages: its ring's stages (activations [128, 64] bf16, one or two code tiles [128, 64 /
+    weights a byte]) beside the [128, 128] bf16 output tile and its barriers, within sm_90's SMEM."""
+    stage = 2 * BLOCK_M * 64 + (2 if gated else 1) * 128 * 64 // (1 if scheme == "int8_w8a16" else 2)
+    return min(SWAP_MAX_STAGES, (SHARED_BYTES - 2 * BLOCK_M * 128 - 1024) // stage)
+
+
 @dataclass(frozen=True)
 class WoGemmLaunch:
-    """How one GEMM of a variant launches: its stored tile's dtype and block, its output block, warps and stages."""
+    """How one GEMM of a variant launches: its kernel, stored tile's dtype and block, output block, warps, stages and
+    the kernel's variant constexprs."""
 
     words: bool  # q read as int32 words of 8 codes (int4; mxfp4 with fast)
     q_block: tuple  # (BN, BK / weights a stored element)
     c_block_n: int  # the output block's columns (split: BN / 2, a partition's)
     num_warps: int  # the kernel's (split: one warpgroup)
-    stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer)
-    fast: bool  # the FAST constexpr (never for int8)
+    stages: int  # the ring's (int8's gate-up with a third slot: one stage fewer; swap: ``swap_stages``)
+    fast: bool  # the FAST constexpr (int8: the swapped GEMM's only)
+    swap: bool  # the swapped GEMM (``gluon_gemm_wo_swap``), which takes no SLOTS
+
+    def kernel(self):
+        """The Gluon kernel this GEMM launches (imported on use: Gluon may be missing)."""
+        if self.swap:
+            return importlib.import_module("moekit.experts._kernels.gluon_gemm_wo_swap").grouped_gemm_wo_swap_kernel
+        return importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
+
+    def variant(self, options: GluonWoOptions) -> dict:
+        """The kernel's variant constexprs for ``options`` (the swapped GEMM: no SLOTS)."""
+        return dict(SPLIT=options.split, FAST=self.fast, **({} if self.swap else dict(SLOTS=options.slots)))
 
 
 def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOptions) -> WoGemmLaunch:
     """``launch_gemm_wo``'s and the lean plan's shared choices for ``options`` on this GEMM."""
+    halves = 2 if options.split else 1
+    if options.swap:  # codes as bytes (int4: two a byte), its own ring
+        if scheme == "mxfp4" or (tile.block_n, tile.block_k) != (128, 64) or (options.fast and scheme != "int8_w8a16"):
+            raise ValueError(f"swap takes int8_w8a16 (fast: its PTX conversion) or int4_w4a16 on [128, 64] tiles, "
+                             f"not {scheme} with {options} on {tile}")
+        return WoGemmLaunch(False, (128, 64 // (1 if scheme == "int8_w8a16" else 2)), 128 // halves,
+                            NUM_WARPS // halves, swap_stages(scheme, gated), options.fast, True)
     fast = options.fast and scheme != "int8_w8a16"
     words = scheme == "int4_w4a16" or fast
     stages = min(tile.stages, 3) if options.slots == 3 and gated and scheme == "int8_w8a16" else tile.stages
-    return WoGemmLaunch(words, (tile.block_n, tile.block_k // (8 if words else PACK[scheme])),
-                        tile.block_n // (2 if options.split else 1), NUM_WARPS // (2 if options.split else 1), stages,
-                        fast)
+    return WoGemmLaunch(words, (tile.block_n, tile.block_k // (8 if words else PACK[scheme])), tile.block_n // halves,
+                        NUM_WARPS // halves, stages, fast, False)
 
 
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
@@ -192,7 +234,6 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
                    options: GluonWoOptions = GluonWoOptions()) -> None:
     """out [T, C] = act(a [T, R] @ W[e]^T) per row block, W the weight ``w`` (q contiguous [E, w_rows, R / PACK])
     stores: int8 q * scale, int4 (q - zero) * scale per group, mxfp4 e2m1 * 2^(e8m0 - 127)."""
-    kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     num_experts, w_rows, stored = w.q.shape
     how = wo_gemm_launch(scheme, tile, gated, options)
     q = w.q.view(num_experts * w_rows, stored)
@@ -204,11 +245,10 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)
     zero = w.scale if w.zero is None else w.zero  # int8: never read
-    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *scale_strides(w), a.shape[1],
-                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=how.stages,
-                 GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
-                 num_warps=how.num_warps, SPLIT=options.split, FAST=how.fast, SLOTS=options.slots,
-                 maxnreg=MAX_REGISTERS)
+    how.kernel()[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *scale_strides(w), a.shape[1],
+                       num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=how.stages,
+                       GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
+                       num_warps=how.num_warps, maxnreg=MAX_REGISTERS, **how.variant(options))
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

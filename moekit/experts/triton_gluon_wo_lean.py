@@ -23,7 +23,6 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, R
 
 from __future__ import annotations
 
-import importlib
 import threading
 from dataclasses import dataclass
 
@@ -103,16 +102,15 @@ def build_wo_plan(x, w13, w2, ids, expert_map, scheme: str, up: GluonTile, down:
     rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
     align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
                        rows, options, arrival_slot=0, one_pass=one_pass_programs(options, x.device))
-    kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     sms = num_sms(x.device)
 
     def gemm(w, tile: GluonTile, reduce_dim: int, cols: int, gated: bool, how: WoGemmLaunch, opt) -> BoundLaunch:
         col_blocks = cols // tile.block_n
-        return BoundLaunch(kernel, (max(1, min(sms, cdiv(rows, BLOCK_M) * col_blocks)),), 7,
+        return BoundLaunch(how.kernel(), (max(1, min(sms, cdiv(rows, BLOCK_M) * col_blocks)),), 7,
                            (*scale_strides(w), reduce_dim, col_blocks), W_ROWS=w.q.shape[1],
                            GATE_OFFSET=inter if gated else 0, GATED=gated, STAGES=how.stages, GROUP_M=tile.group_m,
                            SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1), num_warps=how.num_warps,
-                           SPLIT=opt.split, FAST=how.fast, SLOTS=opt.slots, maxnreg=MAX_REGISTERS, **launch)
+                           maxnreg=MAX_REGISTERS, **how.variant(opt), **launch)
 
     regions = [*align.regions, ("dst", torch.int32, (num_assignments,)), ("x_perm", x.dtype, (rows, hidden)),
                ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))]
