@@ -37,16 +37,18 @@ class WordConfig(KernelConfig):
     GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
-    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads."""
+    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads.
+    ``mxfp4_place`` ("mma", mxfp4): the operand's bit placement, ``triton_wo_mma.MXFP4_PLACES`` (None: its default)."""
 
     up_split: int = 1
     down_split: int = 0
     glu_fold: bool = False
     x_tile: bool = False
+    mxfp4_place: str | None = None
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
-                "glu_fold": self.glu_fold, "x_tile": self.x_tile}
+                "glu_fold": self.glu_fold, "x_tile": self.x_tile, "mxfp4_place": self.mxfp4_place}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:

@@ -58,6 +58,26 @@ lop3.b32 a, a, 0x01C001C0, g, 0xEA;
 mov.b32 z, 0x80008000;
 fma.rn.bf16x2 $0, a, $2, z;
 }""")
+# mxfp4 by a multiply (ASM 2): $1 the word (values t, t + 4 for t = 0, 1) or the word >> 8 (t = 2, 3), the pair's
+# two nibbles masked clean, one multiply by 2^6 + 2^12 (t even; odd: 2^2 + 2^8, the nibbles 4 bits higher) copying
+# each nibble to bits 6-9 and 12-15 of its half (no carries: the copies do not overlap), the magnitude of the first
+# copy and the sign of the second kept, then the fma as above
+_MXFP4_MUL_EVEN_ASM = tl.constexpr("""{
+.reg .b32 a, z;
+and.b32 a, $1, 0x000F000F;
+mul.lo.u32 a, a, 0x1040;
+and.b32 a, a, 0x81C081C0;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, a, $2, z;
+}""")
+_MXFP4_MUL_ODD_ASM = tl.constexpr("""{
+.reg .b32 a, z;
+and.b32 a, $1, 0x00F000F0;
+mul.lo.u32 a, a, 0x104;
+and.b32 a, a, 0x81C081C0;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, a, $2, z;
+}""")
 # int8: $1 the word shifted right by 8t -> the signed bytes at bits 0 and 16 as bf16x2: 128 + (b & 127) from one lop3,
 # -128 - 128 * (b >> 7) (bf16 0xC300, 0xC380) from another, summed exactly
 _INT8_PAIR_ASM = tl.constexpr("""{
@@ -98,6 +118,8 @@ def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST
         if SCHEME == 1:
             o = tl.inline_asm_elementwise(_INT4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
                                           pack=1)
+        elif FAST == 2:
+            o = _mxfp4_mul_pair(w, c, t)
         else:
             o = tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
                                           pack=1)
@@ -105,6 +127,20 @@ def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST
     else:
         pair = tl.join(_twin(w, c, t, DTYPE, SCHEME), _twin(w, c, t + 4, DTYPE, SCHEME))
     return pair
+
+
+@triton.jit
+def _mxfp4_mul_pair(w, c, t: tl.constexpr):
+    """mxfp4 values t and t + 4 of each word of w as bf16x2 bits (int32), by the multiply (ASM 2); c: 2^(s - 65) twice
+    as bf16x2 bits. The word >> 8 (t >= 2) is made once for both of its pairs (the same expression)."""
+    src = w
+    if t >= 2:
+        src = w >> 8
+    if t % 2 == 0:
+        o = tl.inline_asm_elementwise(_MXFP4_MUL_EVEN_ASM, "=r,r,r", [src, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        o = tl.inline_asm_elementwise(_MXFP4_MUL_ODD_ASM, "=r,r,r", [src, c], dtype=tl.int32, is_pure=True, pack=1)
+    return o
 
 
 @triton.jit
@@ -154,9 +190,12 @@ def _nibble_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constex
     if FAST and DTYPE == tl.bfloat16:
         if SCHEME == 1:
             c = (-128.0 - s.to(tl.float32)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            c = c | (c << 16)
+        elif FAST == 2:  # one multiply-add: (s + 62) << 7 in each half (s <= 193: no carry between the halves)
+            c = s * 0x00800080 + (MULT_BIAS * 0x00800080)
         else:
             c = (s + MULT_BIAS) << 7  # bf16 bits of 2^(s - 65)
-        c = c | (c << 16)
+            c = c | (c << 16)
     else:
         c = s
     w = tl.reshape(w, (BN, BKW // 4, 4))  # [BN, b, q]

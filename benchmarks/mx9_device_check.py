@@ -1,0 +1,138 @@
+"""GPU check of mxfp4's mma decode with the operand placed by one multiply (``wo_mma_values``, ASM 2, a config's
+``mxfp4_place="mul"``; issue #16 target 1, session 29, brief mx9) against session 28's placement ("shift") and
+today's pick, at Mixtral and DeepSeek-V3, beside pure reads of the same bytes in 128-byte row steps (the cap).
+
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/mx9_device_check.py --out $OUT/mx9 --deadline 70   # H200
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/mx9_device_check.py --smoke                  # CPU
+
+``dec8_device_check``'s machinery (one child process a group, the weights made once, variants compiled at once,
+every call checked against the torch twin, CUDA-graph replay in 5 interleaved rounds, % of the packed floor at the
+copy rate measured in the same process, "rd128B" the cap) with this script's GROUPS and VARIANTS; besides, each
+"...m" variant's output must equal its "shift" twin's bit for bit (the same decoded weights into the same dots),
+with the scales drawn per group over 2^-10 .. 2^10 of the bench's (every e2m1 code occurs: random bytes).
+Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py --place``), instructions a weight, gate-up / down: k128s3
+shift 4.64 / 5.16, mul 3.88 / 4.37; k256s3 shift 4.25 / 4.70, mul 3.39 / 3.71.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dec8_device_check as dec8  # noqa: E402
+from moekit.experts.configs import GemmTile  # noqa: E402
+from moekit.experts.triton_wo import run_experts_wo, weight_args  # noqa: E402
+from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
+
+# (preset, scheme, Ms, variants), the cells most likely to decide a pick first (~14 s a group before its timing)
+GROUPS = (("mixtral-8x7b", "mxfp4", (8,), ("k128", "k128m", "k256s3", "k256s3m")),
+          ("deepseek-v3", "mxfp4", (64,), ("k128", "k128m", "k256s3m")),
+          ("deepseek-v3", "mxfp4", (8,), ("k128m", "k256s3m")),
+          ("mixtral-8x7b", "mxfp4", (1, 64), ("k128m", "k256s3m")),
+          ("deepseek-v3", "mxfp4", (1,), ("k256s3m", "k256s3mu2")))
+# name -> (gate-up tile, down tile: (rows, BLOCK_K, warps, stages), gate-up split, mxfp4_place); "...m" the multiply
+VARIANTS = {"k128": ((32, 128, 1, 3), (32, 128, 1, 3), 1, "shift"),
+            "k128m": ((32, 128, 1, 3), (32, 128, 1, 3), 1, "mul"),
+            "k256s3": ((32, 256, 1, 3), (32, 256, 1, 3), 1, "shift"),
+            "k256s3m": ((32, 256, 1, 3), (32, 256, 1, 3), 1, "mul"),
+            "k256s3mu2": ((32, 256, 1, 3), (32, 256, 1, 3), 2, "mul")}
+SPREAD = 10  # the scales' exponents drawn in the bench's +- SPREAD, per group
+
+
+def variants(m: int, names: tuple) -> dict:
+    """name -> (decode, config): the pick (None, None: the chooser's) and the group's VARIANTS at this M."""
+    out = {"pick": (None, None)}
+    for name in names:
+        if name.endswith("u2") and m != 1:
+            continue
+        up, down, split, place = VARIANTS[name]
+        out[name] = ("mma", WordConfig(16, GemmTile(up[0], up[1], 1, *up[2:]), GemmTile(down[0], down[1], 1, *down[2:]),
+                                       up_split=split, mxfp4_place=place))
+    return out
+
+
+def spread_quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None, group: int | None = None):
+    """``wo_device_check.quantized`` with each group's e8m0 scale drawn in its exponent +- SPREAD."""
+    w = QUANTIZED(scheme, e, r, c, dev, seed, group)
+    if seed is not None and scheme == "mxfp4":
+        g = torch.Generator(device=dev).manual_seed(seed + 99)
+        shift = torch.randint(-SPREAD, SPREAD + 1, w.scale.shape, generator=g, device=dev, dtype=torch.int16)
+        w.scale.copy_((w.scale.to(torch.int16) + shift).to(torch.uint8))
+    return w
+
+
+def add_calls(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev) -> None:
+    """``dec8.add_calls`` (each variant against the twin, its graph), then each "...m" variant against its "shift"
+    twin of the same tiles, bit for bit."""
+    ADD_CALLS(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev)
+    c0 = inputs[0]
+    for name, (decode, cfg) in found.items():
+        if cfg is None or cfg.mxfp4_place != "mul":
+            continue
+        twin = WordConfig(cfg.BLOCK_M, cfg.up, cfg.down, up_split=cfg.up_split, mxfp4_place="shift")
+        outs = [run_experts_wo(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, cell.scheme, config=k, decode=decode)
+                for k in (cfg, twin)]
+        same = torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+        differ = int((outs[0].view(torch.int16) != outs[1].view(torch.int16)).sum())
+        dec8.check(f"{s.name} {cell.scheme} M={cell.m} {name} bits == shift", same, f"{differ} of {outs[0].numel()}"
+                   " outputs differ")
+
+
+QUANTIZED, ADD_CALLS = dec8.quantized, dec8.add_calls
+dec8.GROUPS, dec8.variants, dec8.quantized, dec8.add_calls = GROUPS, variants, spread_quantized, add_calls
+dec8.READS = {"rd128B": 32}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/mx9")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--deadline", type=float, default=70.0, help="wall-clock seconds; groups past it are skipped")
+    p.add_argument("--group", type=int, help="run one group in this process (the parent starts one per group)")
+    p.add_argument("--groups", type=int, nargs="+", help="the GROUPS to run, in this order (default: all; --smoke: 0)")
+    p.add_argument("--cells", help="(a group) where its JSON goes")
+    p.add_argument("--until", type=float, default=float("inf"), help="(a group) no timing round begins past this")
+    args = p.parse_args(argv)
+    if args.group is not None:
+        return dec8.child(args.group, args)
+    import json
+
+    import triton
+
+    print(torch.__version__, "triton", triton.__version__, flush=True)
+    cells, skipped, tmp = [], [], tempfile.mkdtemp(prefix="mx9-")
+    for i in args.groups or ([0] if args.smoke else range(len(GROUPS))):
+        preset, scheme, ms, _ = GROUPS[i]
+        left = args.deadline - (time.perf_counter() - dec8.START)
+        if left < 12:
+            skipped.append(f"{preset} {scheme} M={ms}")
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--group", str(i), "--cells", tmp,
+               "--until", str(time.time() + left - 4)] + ["--smoke"] * args.smoke
+        try:
+            rc = subprocess.run(cmd, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        path = os.path.join(tmp, f"dec8-{i}.json")
+        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
+        cells += [dec8.Cell(**c) for c in got["cells"]]
+        broken = rc not in (0, 1) or (rc == 1 and not got["failed"])  # 1 with no failed line: it raised
+        dec8.FAILED.extend(got["failed"] + ([f"{preset} {scheme}: child exit {rc}"] if broken else []))
+        print(f"-- group {i} done at {time.perf_counter() - dec8.START:.1f} s (exit {rc})", flush=True)
+    dec8.dump(os.path.join(args.out, "mx9.json"), cells)
+    print(f"total {time.perf_counter() - dec8.START:.1f} s; FAILED:", dec8.FAILED or "none", "; SKIPPED:",
+          skipped or "none")
+    print(dec8.table(cells), flush=True)
+    return 1 if dec8.FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
