@@ -11,7 +11,7 @@ copy rate measured in the same process, "rd128B" the cap) with this script's GRO
 "...m" variant's output must equal its "shift" twin's bit for bit (the same decoded weights into the same dots),
 with the scales drawn per group over 2^-10 .. 2^10 of the bench's (every e2m1 code occurs: random bytes).
 Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py --place``), instructions a weight, gate-up / down: k128s3
-shift 4.64 / 5.16, mul 3.88 / 4.37; k256s3 shift 4.25 / 4.70, mul 3.39 / 3.71.
+shift 4.67 / 5.17 (the operand through shared memory), mul 3.27 / 3.70; k256s3 shift 4.10 / 4.45, mul 3.22 / 3.61.
 """
 
 from __future__ import annotations
