@@ -1,6 +1,7 @@
-"""GPU check of mxfp4's mma decode with the operand placed by one multiply (``wo_mma_values``, ASM 2, a config's
-``mxfp4_place="mul"``; issue #16 target 1, session 29, brief mx9) against session 28's placement ("shift") and
-today's pick, at Mixtral and DeepSeek-V3, beside pure reads of the same bytes in 128-byte row steps (the cap).
+"""GPU check of mxfp4's word decodes with the weights placed by one multiply (a config's ``mxfp4_place="mul"``:
+the mma decode's ``wo_mma_values`` and the gemv's ``wo_words``, their launches' ASM 2; issue #16 target 1, session
+29, brief mx9) against session 28's placement ("shift") and today's pick, at Mixtral and DeepSeek-V3, beside pure
+reads of the same bytes in 128-byte row steps (the cap).
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/mx9_device_check.py --out $OUT/mx9 --deadline 70   # H200
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/mx9_device_check.py --smoke                  # CPU
@@ -10,13 +11,14 @@ every call checked against the torch twin, CUDA-graph replay in 5 interleaved ro
 copy rate measured in the same process, "rd128B" the cap) with this script's GROUPS and VARIANTS; besides, each
 "...m" variant's output must equal its "shift" twin's bit for bit (the same decoded weights into the same dots),
 with the scales drawn per group over 2^-10 .. 2^10 of the bench's (every e2m1 code occurs: random bytes).
-Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py --place``), instructions a weight, gate-up / down: k128s3
-shift 4.67 / 5.17 (the operand through shared memory), mul 3.27 / 3.70; k256s3 shift 4.10 / 4.45, mul 3.22 / 3.61.
-"""
+Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py --place``, ``wo_gemv_sass_cpu.py --place``), instructions a
+weight, gate-up / down: mma k128s3 shift 4.67 / 5.17 (the operand through shared memory), mul 3.27 / 3.70; k256s3
+shift 4.10 / 4.45, mul 3.22 / 3.61; the gemv gate-up (M = 1, 64 x 16 words) shift 8.07, mul 7.24."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -35,28 +37,34 @@ from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 # (preset, scheme, Ms, variants), the cells most likely to decide a pick first (~14 s a group before its timing)
 GROUPS = (("mixtral-8x7b", "mxfp4", (8,), ("k128", "k128m", "k256s3", "k256s3m")),
           ("deepseek-v3", "mxfp4", (64,), ("k128", "k128m", "k256s3m")),
-          ("deepseek-v3", "mxfp4", (8,), ("k128m", "k256s3m")),
-          ("mixtral-8x7b", "mxfp4", (1, 64), ("k128m", "k256s3m")),
-          ("deepseek-v3", "mxfp4", (1,), ("k256s3m", "k256s3mu2")))
-# name -> (gate-up tile, down tile: (rows, BLOCK_K, warps, stages), gate-up split, mxfp4_place); "...m" the multiply
-VARIANTS = {"k128": ((32, 128, 1, 3), (32, 128, 1, 3), 1, "shift"),
-            "k128m": ((32, 128, 1, 3), (32, 128, 1, 3), 1, "mul"),
-            "k256s3": ((32, 256, 1, 3), (32, 256, 1, 3), 1, "shift"),
-            "k256s3m": ((32, 256, 1, 3), (32, 256, 1, 3), 1, "mul"),
-            "k256s3mu2": ((32, 256, 1, 3), (32, 256, 1, 3), 2, "mul")}
+          ("deepseek-v3", "mxfp4", (8,), ("gemv8m", "k128m", "k256s3m")),
+          ("deepseek-v3", "mxfp4", (1,), ("gemv1m", "k256s3m", "k256s3mu2")),
+          ("mixtral-8x7b", "mxfp4", (1, 64), ("k128m", "k256s3m")))
+
+
+def _tile(rows: int, block_k: int, warps: int, stages: int) -> GemmTile:
+    return GemmTile(rows, block_k, 1, warps, stages)
+
+
+# name -> (decode, config); "...m" the multiply placement, the others session 28's; the mma tiles 32 rows in 1 warp
+# ("kB": BLOCK_K B, "sS" S stages, "u2" the gate-up split in 2, M = 1 only); "gemvNm" DeepSeek-V3's gemv pick at M = N
+# (``triton_wo_word_winners``) with the multiply
+VARIANTS = {"k128": ("mma", WordConfig(16, _tile(32, 128, 1, 3), _tile(32, 128, 1, 3), mxfp4_place="shift")),
+            "k128m": ("mma", WordConfig(16, _tile(32, 128, 1, 3), _tile(32, 128, 1, 3), mxfp4_place="mul")),
+            "k256s3": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), mxfp4_place="shift")),
+            "k256s3m": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), mxfp4_place="mul")),
+            "k256s3mu2": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), up_split=2,
+                                            mxfp4_place="mul")),
+            "gemv1m": ("gemv", WordConfig(1, _tile(32, 128, 2, 1), _tile(32, 128, 2, 1), up_split=4, x_tile=True,
+                                          mxfp4_place="mul")),
+            "gemv8m": ("gemv", WordConfig(1, _tile(32, 128, 2, 1), _tile(32, 128, 2, 1), x_tile=True,
+                                          mxfp4_place="mul"))}
 SPREAD = 10  # the scales' exponents drawn in the bench's +- SPREAD, per group
 
 
 def variants(m: int, names: tuple) -> dict:
     """name -> (decode, config): the pick (None, None: the chooser's) and the group's VARIANTS at this M."""
-    out = {"pick": (None, None)}
-    for name in names:
-        if name.endswith("u2") and m != 1:
-            continue
-        up, down, split, place = VARIANTS[name]
-        out[name] = ("mma", WordConfig(16, GemmTile(up[0], up[1], 1, *up[2:]), GemmTile(down[0], down[1], 1, *down[2:]),
-                                       up_split=split, mxfp4_place=place))
-    return out
+    return {"pick": (None, None), **{n: VARIANTS[n] for n in names if m == 1 or not n.endswith("u2")}}
 
 
 def spread_quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None, group: int | None = None):
@@ -77,7 +85,7 @@ def add_calls(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev) -> None:
     for name, (decode, cfg) in found.items():
         if cfg is None or cfg.mxfp4_place != "mul":
             continue
-        twin = WordConfig(cfg.BLOCK_M, cfg.up, cfg.down, up_split=cfg.up_split, mxfp4_place="shift")
+        twin = dataclasses.replace(cfg, mxfp4_place="shift")
         outs = [run_experts_wo(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, cell.scheme, config=k, decode=decode)
                 for k in (cfg, twin)]
         same = torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))

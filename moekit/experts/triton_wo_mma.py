@@ -16,10 +16,6 @@ from moekit.experts.triton_wo_gemv import PER, words_ok
 
 MMA_WORDS = 16  # the mma decode's words a dot (4-bit, K 128); a step loads 1 or 2 dots' words of a row at once
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
-# mxfp4's operand bit placement (``wo_mma_values``, the launch's ASM where the PTX runs): "shift" session 28's (two
-# shifts, two lop3 a pair of weights; ASM 1), "mul" one multiply between two masks (ASM 2)
-MXFP4_PLACES = {"shift": 1, "mul": 2}
-MXFP4_PLACE = "shift"  # a config's mxfp4_place None
 STEP_COLUMNS = (128, 256)  # BLOCK_K: 64 or 128 bytes of a 4-bit row a step, 128 or 256 of int8 (``gemm_wo_mma``)
 
 
@@ -45,9 +41,6 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     kind = "zero" if scheme == "int4_w4a16" else "scale"
     if scheme != "int8_w8a16" and any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
         raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
-    if getattr(config, "mxfp4_place", None) not in (None, *MXFP4_PLACES):
-        raise ValueError(f"decode='mma': config.mxfp4_place must be one of {tuple(MXFP4_PLACES)} or None, got "
-                         f"{config.mxfp4_place!r}")
     if getattr(config, "glu_fold", False):
         raise ValueError("decode='mma' sums a split gate-up in its own launch: config.glu_fold must be False")
     for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
@@ -68,12 +61,6 @@ def operand_pairs() -> int:
 
     major, minor = (int(p) for p in triton.__version__.split(".")[:2])
     return 2 if (major, minor) < (3, 8) else 1
-
-
-def mma_asm(config: KernelConfig) -> int:
-    """The mma launch's ASM where its inline PTX may run: ``MXFP4_PLACES`` of the config's mxfp4_place (a
-    ``WordConfig``'s; None and plain configs ``MXFP4_PLACE``). int4 and int8 read it as on / off."""
-    return MXFP4_PLACES[getattr(config, "mxfp4_place", None) or MXFP4_PLACE]
 
 
 def mma_launch_args(w, scheme: str) -> tuple[tuple[int, tuple], dict]:
