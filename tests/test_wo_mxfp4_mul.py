@@ -115,9 +115,12 @@ def test_mxfp4_place_reaches_asm_and_is_refused_by_name(wo):  # noqa: F811  (the
     from moekit.experts.triton_wo_gemv import MXFP4_PLACE, MXFP4_PLACES, place_asm
 
     tile = GemmTile(32, 128, 1, 1, 3)
-    assert place_asm(WordConfig(16, tile, tile, mxfp4_place="mul")) == 2
-    assert place_asm(WordConfig(16, tile, tile, mxfp4_place="shift")) == 1
-    assert place_asm(KernelConfig(16, tile, tile)) == place_asm(WordConfig(16, tile, tile)) == MXFP4_PLACES[MXFP4_PLACE]
+    for decode in ("mma", "gemv"):
+        assert place_asm(WordConfig(16, tile, tile, mxfp4_place="mul"), decode) == 2
+        assert place_asm(WordConfig(16, tile, tile, mxfp4_place="shift"), decode) == 1
+        default = MXFP4_PLACES[MXFP4_PLACE[decode]]  # the mma's "mul" (its device win), the gemv's "shift"
+        assert place_asm(KernelConfig(16, tile, tile), decode) == place_asm(WordConfig(16, tile, tile), decode) == default
+    assert MXFP4_PLACE == {"mma": "mul", "gemv": "shift"}
     x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=2, k=2, hidden=128, n=128)
     out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, mxfp4_place="mul"))  # the twin here
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
@@ -132,3 +135,17 @@ def test_mxfp4_place_reaches_asm_and_is_refused_by_name(wo):  # noqa: F811  (the
     assert rel(gemv("mul"), loop64(x, w13, w2, ids, weights)) < 2e-3
     with pytest.raises(ValueError, match="mxfp4_place must be one of"):
         gemv("lut")
+
+
+def test_mxfp4_mma_tuned_steps():
+    # the winners' config is a tuned file a shape (256-column steps, 3 stages, 32 rows in 1 warp), the multiply
+    # placement the mma decode's default; other devices: the heuristic's 128-column steps
+    from moekit.experts.configs import GemmTile, KernelConfig
+    from moekit.experts.triton_wo_configs import wo_config
+
+    tile = GemmTile(32, 256, 1, 1, 3)
+    for m in (1, 8, 64):
+        assert wo_config(m, 8, 14336, 4096, 2, "mxfp4", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
+    for m in (8, 64):
+        assert wo_config(m, 256, 2048, 7168, 8, "mxfp4", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
+    assert wo_config(8, 8, 14336, 4096, 2, "mxfp4", "other", "mma").up.BLOCK_K == 128
