@@ -34,37 +34,45 @@ from moekit.experts.configs import GemmTile  # noqa: E402
 from moekit.experts.triton_wo import run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 
-# (preset, scheme, Ms, variants), the cells most likely to decide a pick first (~14 s a group before its timing)
-GROUPS = (("mixtral-8x7b", "mxfp4", (8,), ("k128", "k128m", "k256s3", "k256s3m")),
-          ("deepseek-v3", "mxfp4", (64,), ("k128", "k128m", "k256s3m")),
-          ("deepseek-v3", "mxfp4", (8,), ("gemv8m", "k128m", "k256s3m")),
-          ("deepseek-v3", "mxfp4", (1,), ("gemv1m", "k256s3m", "k256s3mu2")),
-          ("mixtral-8x7b", "mxfp4", (1, 64), ("k128m", "k256s3m")))
+# (preset, scheme, Ms, variants), the cells most likely to decide a pick first (~13 s a group before its timing).
+# CK1 (1959e2c): k256s3m won 5/5 at every cell timed, taken (5a57359); DeepSeek-V3 M = 1 skipped by the deadline.
+# Since 5a57359 "pick" is k256s3m where it won; the session-28 picks it replaced run as "k128" (Mixtral M = 8),
+# "gemv8" (DeepSeek-V3 M = 8), "register" and "tile" (CK2: --groups 1 2 3 4)
+GROUPS = (("deepseek-v3", "mxfp4", (1,), ("gemv1m", "k256s3m", "k256s3mu2")),
+          ("mixtral-8x7b", "mxfp4", (8,), ("k128", "k128m", "k128r64m", "k256s3")),
+          ("deepseek-v3", "mxfp4", (8,), ("gemv8", "gemv8m", "k128r64m")),
+          ("deepseek-v3", "mxfp4", (64,), ("register", "k128r64m")),
+          ("mixtral-8x7b", "mxfp4", (1, 64), ("register", "tile", "k128r64m")))
 
 
 def _tile(rows: int, block_k: int, warps: int, stages: int) -> GemmTile:
     return GemmTile(rows, block_k, 1, warps, stages)
 
 
-# name -> (decode, config); "...m" the multiply placement, the others session 28's; the mma tiles 32 rows in 1 warp
-# ("kB": BLOCK_K B, "sS" S stages, "u2" the gate-up split in 2, M = 1 only); "gemvNm" DeepSeek-V3's gemv pick at M = N
-# (``triton_wo_word_winners``) with the multiply
-VARIANTS = {"k128": ("mma", WordConfig(16, _tile(32, 128, 1, 3), _tile(32, 128, 1, 3), mxfp4_place="shift")),
-            "k128m": ("mma", WordConfig(16, _tile(32, 128, 1, 3), _tile(32, 128, 1, 3), mxfp4_place="mul")),
-            "k256s3": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), mxfp4_place="shift")),
-            "k256s3m": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), mxfp4_place="mul")),
+def _gemv(up_split: int, place: str) -> WordConfig:  # DeepSeek-V3's gemv pick (``triton_wo_word_winners``)
+    return WordConfig(1, _tile(32, 128, 2, 1), _tile(32, 128, 2, 1), up_split=up_split, x_tile=True,
+                      mxfp4_place=place)
+
+
+# name -> (decode, config, the Ms it runs at or None: all); "...m" the multiply placement, the others session 28's;
+# the mma tiles 32 rows in 1 warp ("kB": BLOCK_K B, "sS" S stages, "r64" 64 rows, "u2" the gate-up split in 2);
+# "gemvN" DeepSeek-V3's gemv pick at M = N; "register" / "tile" those decodes at the chooser's config
+VARIANTS = {"k128": ("mma", WordConfig(16, _tile(32, 128, 1, 3), _tile(32, 128, 1, 3), mxfp4_place="shift"), None),
+            "k128m": ("mma", WordConfig(16, _tile(32, 128, 1, 3), _tile(32, 128, 1, 3), mxfp4_place="mul"), None),
+            "k128r64m": ("mma", WordConfig(16, _tile(64, 128, 1, 3), _tile(64, 128, 1, 3), mxfp4_place="mul"), None),
+            "k256s3": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), mxfp4_place="shift"), None),
+            "k256s3m": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), mxfp4_place="mul"), None),
             "k256s3mu2": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), up_split=2,
-                                            mxfp4_place="mul")),
-            "gemv1m": ("gemv", WordConfig(1, _tile(32, 128, 2, 1), _tile(32, 128, 2, 1), up_split=4, x_tile=True,
-                                          mxfp4_place="mul")),
-            "gemv8m": ("gemv", WordConfig(1, _tile(32, 128, 2, 1), _tile(32, 128, 2, 1), x_tile=True,
-                                          mxfp4_place="mul"))}
+                                            mxfp4_place="mul"), (1,)),
+            "gemv1m": ("gemv", _gemv(4, "mul"), (1,)), "gemv8": ("gemv", _gemv(1, "shift"), (8,)),
+            "gemv8m": ("gemv", _gemv(1, "mul"), (8,)), "register": ("register", None, (1, 64)),
+            "tile": ("tile", None, (64,))}
 SPREAD = 10  # the scales' exponents drawn in the bench's +- SPREAD, per group
 
 
 def variants(m: int, names: tuple) -> dict:
     """name -> (decode, config): the pick (None, None: the chooser's) and the group's VARIANTS at this M."""
-    return {"pick": (None, None), **{n: VARIANTS[n] for n in names if m == 1 or not n.endswith("u2")}}
+    return {"pick": (None, None), **{n: VARIANTS[n][:2] for n in names if m in (VARIANTS[n][2] or (m,))}}
 
 
 def spread_quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None, group: int | None = None):
@@ -83,7 +91,7 @@ def add_calls(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev) -> None:
     ADD_CALLS(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev)
     c0 = inputs[0]
     for name, (decode, cfg) in found.items():
-        if cfg is None or cfg.mxfp4_place != "mul":
+        if not isinstance(cfg, WordConfig) or cfg.mxfp4_place != "mul":
             continue
         twin = dataclasses.replace(cfg, mxfp4_place="shift")
         outs = [run_experts_wo(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, cell.scheme, config=k, decode=decode)
