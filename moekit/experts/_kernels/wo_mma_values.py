@@ -194,10 +194,9 @@ def _nibble_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constex
     if FAST and DTYPE == tl.bfloat16:
         if SCHEME == 1:
             c = (-128.0 - s.to(tl.float32)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            c = c | (c << 16)
         else:
             c = (s + MULT_BIAS) << 7  # bf16 bits of 2^(s - 65)
-            c = c | (c << 16)
+        c = c | (c << 16)
     else:
         c = s
     w = tl.reshape(w, (BN, BKW // 4, 4))  # [BN, b, q]
