@@ -219,13 +219,12 @@ def test_chooser_takes_mma_where_it_won():
         22: "register", 23: "mma", 64: "mma", 511: "mma", 512: "tile"}
     assert {m: choose_decode("int4_w4a16", m, 128, 768, 2048, 8) for m in (23, 64, 255, 256)} == {
         23: "mma", 64: "mma", 255: "mma", 256: "tile"}
-    # mxfp4 on the mma's multiply placement in 256-column steps (session 29, mx9 CK1: Mixtral M = 1 / 8 / 64 168.1 /
-    # 461.4 / 763.1 against 190.4 / 558.1 / 856.5 µs, DeepSeek-V3 M = 8 / 64 866.5 / 3156.3 against the gemv's 1010.4
-    # and the register decode's 3936.8), DeepSeek-V3 M <= 2 the gemv
+    # mxfp4 on the mma's multiply placement (session 29, mx9 CK1 / CK1b: Mixtral M = 1 / 8 / 64 168.1 / 336.4 / 763.1
+    # against 190.4 / 558.1 / 856.5 µs, DeepSeek-V3 M = 1 / 8 / 64 104.1 / 866.5 / 3156.3 against the gemv's 144.0 /
+    # 1010.4 and the register decode's 3936.8)
     assert {m: choose_decode("mxfp4", m, 8, 14336, 4096, 2) for m in (1, 2, 8, 64, 128)} == {
         1: "mma", 2: "mma", 8: "mma", 64: "mma", 128: "tile"}
-    assert {m: choose_decode("mxfp4", m, 256, 2048, 7168, 8) for m in (1, 2, 3, 8, 64)} == {
-        1: "gemv", 2: "gemv", 3: "mma", 8: "mma", 64: "mma"}
+    assert {choose_decode("mxfp4", m, 256, 2048, 7168, 8) for m in (1, 2, 3, 8, 64)} == {"mma"}
     # int8 M=1 (session 28: DeepSeek-V3 104.4 against the tile decode's 123.7 µs, Mixtral 122.2 against 135.8): M <= 2
     # (nearest in log2 to 1 of {1, 8, 64}), the tile decode from 3 (M=8: DeepSeek-V3 694.2 against 714.3)
     for e, n, k, top_k in ((256, 2048, 7168, 8), (8, 14336, 4096, 2)):

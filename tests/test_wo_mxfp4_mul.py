@@ -119,7 +119,8 @@ def test_mxfp4_place_reaches_asm_and_is_refused_by_name(wo):  # noqa: F811  (the
         assert place_asm(WordConfig(16, tile, tile, mxfp4_place="mul"), decode) == 2
         assert place_asm(WordConfig(16, tile, tile, mxfp4_place="shift"), decode) == 1
         default = MXFP4_PLACES[MXFP4_PLACE[decode]]  # the mma's "mul" (its device win), the gemv's "shift"
-        assert place_asm(KernelConfig(16, tile, tile), decode) == place_asm(WordConfig(16, tile, tile), decode) == default
+        assert place_asm(KernelConfig(16, tile, tile), decode) == default
+        assert place_asm(WordConfig(16, tile, tile), decode) == default
     assert MXFP4_PLACE == {"mma": "mul", "gemv": "shift"}
     x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=2, k=2, hidden=128, n=128)
     out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, mxfp4_place="mul"))  # the twin here
@@ -138,14 +139,19 @@ def test_mxfp4_place_reaches_asm_and_is_refused_by_name(wo):  # noqa: F811  (the
 
 
 def test_mxfp4_mma_tuned_steps():
-    # the winners' config is a tuned file a shape (256-column steps, 3 stages, 32 rows in 1 warp), the multiply
-    # placement the mma decode's default; other devices: the heuristic's 128-column steps
+    # the winners' configs: tuned files (32 rows in 1 warp, 3 stages; 256-column steps, Mixtral M = 8 128), DeepSeek-V3
+    # M <= 2 with the gate-up split in 2 (``triton_wo_mma.MMA_UP_SPLITS``); the multiply placement the mma decode's
+    # default; other devices: the heuristic's 128-column steps
     from moekit.experts.configs import GemmTile, KernelConfig
     from moekit.experts.triton_wo_configs import wo_config
+    from moekit.experts.triton_wo_gemv import WordConfig
 
-    tile = GemmTile(32, 256, 1, 1, 3)
-    for m in (1, 8, 64):
-        assert wo_config(m, 8, 14336, 4096, 2, "mxfp4", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
-    for m in (8, 64):
-        assert wo_config(m, 256, 2048, 7168, 8, "mxfp4", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
+    k256, k128 = GemmTile(32, 256, 1, 1, 3), GemmTile(32, 128, 1, 1, 3)
+    mixtral = {m: wo_config(m, 8, 14336, 4096, 2, "mxfp4", "NVIDIA_H200", "mma") for m in (1, 8, 64)}
+    assert mixtral == {1: KernelConfig(16, k256, k256), 8: KernelConfig(16, k128, k128),
+                       64: KernelConfig(16, k256, k256)}
+    deepseek = {m: wo_config(m, 256, 2048, 7168, 8, "mxfp4", "NVIDIA_H200", "mma") for m in (1, 2, 3, 8, 64)}
+    split = WordConfig(16, k256, k256, up_split=2)
+    assert deepseek == {1: split, 2: split, 3: KernelConfig(16, k256, k256), 8: KernelConfig(16, k256, k256),
+                        64: KernelConfig(16, k256, k256)}
     assert wo_config(8, 8, 14336, 4096, 2, "mxfp4", "other", "mma").up.BLOCK_K == 128

@@ -109,7 +109,7 @@ DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "mma"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "mma"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
-    ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "mma", 64: "mma"},  # DeepSeek-V3 (session 29, mx9: the mma's
+    ("mxfp4", 256, 2048, 7168): {1: "mma", 8: "mma", 64: "mma"},  # DeepSeek-V3 (session 29, mx9: the mma's
     ("mxfp4", 8, 14336, 4096): {1: "mma", 8: "mma", 64: "mma"},  # Mixtral-8x7B  multiply placement; tuned files: µs)
     ("int8_w8a16", 256, 2048, 7168): {1: "mma", 8: "tile", 64: "tile"},  # DeepSeek-V3 (session 28, dec8: the mma's
     ("int8_w8a16", 8, 14336, 4096): {1: "mma", 8: "tile"},  # Mixtral-8x7B  256-byte steps; its tuned files: µs)
