@@ -34,15 +34,18 @@ from moekit.experts.configs import GemmTile  # noqa: E402
 from moekit.experts.triton_wo import run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 
-# (preset, scheme, Ms, variants), the cells most likely to decide a pick first (~13 s a group before its timing).
-# CK1 (1959e2c): k256s3m won 5/5 at every cell timed, taken (5a57359); DeepSeek-V3 M = 1 skipped by the deadline.
-# Since 5a57359 "pick" is k256s3m where it won; the session-28 picks it replaced run as "k128" (Mixtral M = 8),
-# "gemv8" (DeepSeek-V3 M = 8), "register" and "tile" (CK2: --groups 1 2 3 4)
-GROUPS = (("deepseek-v3", "mxfp4", (1,), ("gemv1m", "k256s3m", "k256s3mu2")),
-          ("mixtral-8x7b", "mxfp4", (8,), ("k128", "k128m", "k128r64m", "k256s3")),
-          ("deepseek-v3", "mxfp4", (8,), ("gemv8", "gemv8m", "k128r64m")),
-          ("deepseek-v3", "mxfp4", (64,), ("register", "k128r64m")),
-          ("mixtral-8x7b", "mxfp4", (1, 64), ("register", "tile", "k128r64m")))
+# (preset, scheme, Ms, variants), the cells most likely to decide a pick first (~13-18 s a group before its timing).
+# CK1 (dd53396: the multiply with the operand through shared memory at BLOCK_K 128): k256s3m won 5/5 at every cell
+# timed, taken (5a57359). CK1b (8061049, each group decoded apart): DeepSeek-V3 M = 1 k256s3mu2 104.1 against the
+# gemv 144.0, Mixtral M = 8 k128m 336.4 against k256s3m 348.8, taken (bd9908e). "pick" is now those; the session-28
+# picks they replaced: "gemv1" / "gemv8" (DeepSeek-V3 M = 1 / 8), "k128" (Mixtral M = 8), "register", "tile".
+# CK1c: --groups 0 1 2 (the cells still open: k128m at DeepSeek-V3 M = 64 / 8, Mixtral M = 1 / 64, the split at
+# Mixtral M = 1); CK2: --groups 3 4 0 1 (the taken picks against what they replaced)
+GROUPS = (("deepseek-v3", "mxfp4", (64,), ("register", "k128m")),
+          ("mixtral-8x7b", "mxfp4", (1, 64), ("register", "tile", "k128m", "k256s3mu2")),
+          ("deepseek-v3", "mxfp4", (8,), ("gemv8", "k128m")),
+          ("deepseek-v3", "mxfp4", (1,), ("gemv1", "k256s3m")),
+          ("mixtral-8x7b", "mxfp4", (8,), ("k128", "k256s3m")))
 
 
 def _tile(rows: int, block_k: int, warps: int, stages: int) -> GemmTile:
@@ -55,18 +58,16 @@ def _gemv(up_split: int, place: str) -> WordConfig:  # DeepSeek-V3's gemv pick (
 
 
 # name -> (decode, config, the Ms it runs at or None: all); "...m" the multiply placement, the others session 28's;
-# the mma tiles 32 rows in 1 warp ("kB": BLOCK_K B, "sS" S stages, "r64" 64 rows, "u2" the gate-up split in 2);
-# "gemvN" DeepSeek-V3's gemv pick at M = N; "register" / "tile" those decodes at the chooser's config
+# the mma tiles 32 rows in 1 warp ("kB": BLOCK_K B, "s3" 3 stages, "u2" the gate-up split in 2); "gemvN" DeepSeek-V3's
+# gemv pick at M = N (session 28's placement); "register" / "tile" those decodes at the chooser's config. (CK1b's
+# "k128r64m" 64 rows in 1 warp, "k256s3" and "gemv1m" / "gemv8m", the gemv with the multiply, lost: dropped.)
 VARIANTS = {"k128": ("mma", WordConfig(16, _tile(32, 128, 1, 3), _tile(32, 128, 1, 3), mxfp4_place="shift"), None),
             "k128m": ("mma", WordConfig(16, _tile(32, 128, 1, 3), _tile(32, 128, 1, 3), mxfp4_place="mul"), None),
-            "k128r64m": ("mma", WordConfig(16, _tile(64, 128, 1, 3), _tile(64, 128, 1, 3), mxfp4_place="mul"), None),
-            "k256s3": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), mxfp4_place="shift"), None),
             "k256s3m": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), mxfp4_place="mul"), None),
             "k256s3mu2": ("mma", WordConfig(16, _tile(32, 256, 1, 3), _tile(32, 256, 1, 3), up_split=2,
                                             mxfp4_place="mul"), (1,)),
-            "gemv1m": ("gemv", _gemv(4, "mul"), (1,)), "gemv8": ("gemv", _gemv(1, "shift"), (8,)),
-            "gemv8m": ("gemv", _gemv(1, "mul"), (8,)), "register": ("register", None, (1, 64)),
-            "tile": ("tile", None, (64,))}
+            "gemv1": ("gemv", _gemv(4, "shift"), (1,)), "gemv8": ("gemv", _gemv(1, "shift"), (8,)),
+            "register": ("register", None, (1, 64)), "tile": ("tile", None, (64,))}
 SPREAD = 10  # the scales' exponents drawn in the bench's +- SPREAD, per group
 
 
