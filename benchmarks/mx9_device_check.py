@@ -1,9 +1,9 @@
-"""GPU check of mxfp4's word decodes with the weights placed by one multiply (a config's ``mxfp4_place="mul"``:
-the mma decode's ``wo_mma_values`` and the gemv's ``wo_words``, their launches' ASM 2; issue #16 target 1, session
-29, brief mx9) against session 28's placement ("shift") and today's pick, at Mixtral and DeepSeek-V3, beside pure
-reads of the same bytes in 128-byte row steps (the cap).
+"""GPU check of mxfp4's word MMA decode with the operand placed by one multiply (a config's ``mxfp4_place="mul"``,
+``wo_mma_values``, the launch's ASM 2; issue #16 target 1, session 29, brief mx9) against session 28's placement
+("shift") and the picks, at Mixtral and DeepSeek-V3, beside pure reads of the same bytes in 128-byte row steps (the
+cap).
 
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/mx9_device_check.py --out $OUT/mx9 --deadline 70   # H200
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/mx9_device_check.py --out $OUT/mx9 --deadline 70 --groups 3 4 0 1
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/mx9_device_check.py --smoke                  # CPU
 
 ``dec8_device_check``'s machinery (one child process a group, the weights made once, variants compiled at once,
@@ -11,9 +11,8 @@ every call checked against the torch twin, CUDA-graph replay in 5 interleaved ro
 copy rate measured in the same process, "rd128B" the cap) with this script's GROUPS and VARIANTS; besides, each
 "...m" variant's output must equal its "shift" twin's bit for bit (the same decoded weights into the same dots),
 with the scales drawn per group over 2^-10 .. 2^10 of the bench's (every e2m1 code occurs: random bytes).
-Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py --place``, ``wo_gemv_sass_cpu.py --place``), instructions a
-weight, gate-up / down: mma k128s3 shift 4.67 / 5.17 (the operand through shared memory), mul 3.27 / 3.70; k256s3
-shift 4.10 / 4.45, mul 3.22 / 3.61; the gemv gate-up (M = 1, 64 x 16 words) shift 8.07, mul 7.24."""
+Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py --place``), instructions a weight, gate-up / down: k128s3
+shift 4.67 / 5.17 (the operand through shared memory), mul 3.27 / 3.70; k256s3 shift 4.10 / 4.45, mul 3.22 / 3.61."""
 
 from __future__ import annotations
 

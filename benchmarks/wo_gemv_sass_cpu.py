@@ -77,9 +77,7 @@ def _main_loop(sass: str) -> list[str]:
 
 
 def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_warps: int, down: bool = False,
-          up_split: int = 1, ahead: int = 1, x_tile: bool = False, place: str = "shift") -> LoopCount:
-    from moekit.experts.triton_wo_gemv import MXFP4_PLACES
-
+          up_split: int = 1, ahead: int = 1, x_tile: bool = False) -> LoopCount:
     kernels = importlib.import_module(f"moekit.experts._kernels.{module}")
     kind = "gemv"
     fn = getattr(kernels, f"{'down' if down else 'gate_up'}_wo_gemv_kernel")
@@ -90,7 +88,7 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     if up_split > 1:  # the down GEMM reading the split gate-up's float32 partials (``wo_split.load_h``)
         pointers["h_ptr"] = "*fp32"
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BKW=bkw, PER=8, GROUP=128 if scheme == 1 else 32, GROUP_M=1,
-                 SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=MXFP4_PLACES[place], SPLIT=1, KSUM=False,
+                 SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1, AHEAD=ahead, XTILE=x_tile)
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,7 +103,7 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     name = (f"{kind} {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} BM={block_m} "
             f"{block_n}x{bkw}w {num_warps}w"
             + (f" h folded from {up_split} splits" if up_split > 1 else "") + (f" ahead {ahead}" if ahead > 1 else "")
-            + (" x tile" if x_tile else "") + (f" {place}" if scheme == 2 else ""))
+            + (" x tile" if x_tile else ""))
     return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
                      int(re.search(r"STACK:(\d+)", usage).group(1)),
                      " ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
@@ -115,24 +113,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the default 64 x 16-word gate-up, 1- and 2-row blocks")
     p.add_argument("--fold", action="store_true", help="the down GEMMs reading h plain or folded from 2 / 4 splits")
-    p.add_argument("--place", default="shift", choices=("shift", "mul"),
-                   help="mxfp4's bit placement (``triton_wo_gemv.MXFP4_PLACES``)")
     args = p.parse_args(argv)
     if args.quick:
         return _report([("gemm_wo_gemv", s, m, 64 if m == 1 else 16, 16, 2 if m == 1 else 1) for s in (1, 2)
-                        for m in (1, 2)], args.place)
+                        for m in (1, 2)])
     if args.fold:
-        return _report([("gemm_wo_gemv", s, 1, 64, 16, 2, True, u) for s in (1, 2) for u in (1, 2, 4)], args.place)
+        return _report([("gemm_wo_gemv", s, 1, 64, 16, 2, True, u) for s in (1, 2) for u in (1, 2, 4)])
     # session 21 (int4 gate-up 64 x 16 words, 2 warps: 4.65 -> 3.41 with the x tile, same registers)
     return _report([("gemm_wo_gemv", s, 1, bn, 16, 2, d, 1, a, x) for s in (1, 2) for bn in (64, 32)
-                    for d in (False, True) for a, x in ((1, False), (1, True), (2, True))], args.place)
+                    for d in (False, True) for a, x in ((1, False), (1, True), (2, True))])
 
 
-def _report(jobs: list[tuple], place: str = "shift") -> int:
+def _report(jobs: list[tuple]) -> int:
     failed = 0
     for job in jobs:
         try:
-            c = count(*job, place=place)
+            c = count(*job)
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack "
                   f"{c.stack} B; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

@@ -54,8 +54,7 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
           pairs: int | None = None, block_k: int = 128, place: str = "shift") -> MmaCount:
     from moekit.experts._kernels import gemm_wo_mma
-    from moekit.experts.triton_wo_gemv import MXFP4_PLACES
-    from moekit.experts.triton_wo_mma import operand_pairs
+    from moekit.experts.triton_wo_mma import MXFP4_PLACES, operand_pairs
 
     fn = getattr(gemm_wo_mma, f"{'down' if down else 'gate_up'}_wo_mma_kernel")
     pointers = {n: "*bf16" for n in ("x_ptr", "h_ptr", "y_ptr", "weights_ptr", "out_ptr")}
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
     p.add_argument("--schemes", type=int, nargs="+", default=[1, 2], choices=(0, 1, 2), help="0 int8, 1 int4, 2 mxfp4")
     p.add_argument("--place", nargs="+", default=["shift", "mul"], choices=("shift", "mul"),
-                   help="mxfp4's operand placement (``triton_wo_gemv.MXFP4_PLACES``; --quick: both)")
+                   help="mxfp4's operand placement (``triton_wo_mma.MXFP4_PLACES``; --quick: both)")
     args = p.parse_args(argv)
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]

@@ -1,6 +1,6 @@
 """The FAST decode's inline PTX (``moekit/experts/_kernels/gluon_wo_fast.py``) on the CPU: its two PTX listings run
 by a small emulator of the instructions they use (written here from the PTX ISA's definitions of mov, and, shl,
-shr, mul.lo, lop3, prmt, fma and cvt; ``test_wo_mxfp4_mul`` runs the word decodes' mxfp4 listings in it too), word
+shr, mul.lo, lop3, prmt, fma and cvt; ``test_wo_mxfp4_mul`` runs the mma decode's mxfp4 listings in it too), word
 by word, against the values the decode must produce: mxfp4 e2m1 * 2^(e8m0 - 127) rounded to bf16 for every byte
 and every e8m0 0 .. 254, int4 the session-27 decode's float32 fma(128 + code, scale, -(128 + zero) * scale) rounded
 to bf16, pairs in K order (weight 2j the low half). The kernel itself needs a Hopper GPU

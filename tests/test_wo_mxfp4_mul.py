@@ -1,10 +1,10 @@
-"""mxfp4's word decodes with the weights placed by one multiply (a config's ``mxfp4_place="mul"``, the launches' ASM 2:
-the mma decode's ``_kernels/wo_mma_values``, the gemv's ``_kernels/wo_words``) on the CPU: their PTX listings, and
-session 28's, run in ``test_gluon_wo_fast``'s emulator for every code in every nibble against a float64 loop: the
-mma's for every e8m0 scale its placement is exact for (66 .. 192: e2m1 * 2^(s - 127), times the decode's 2^-64,
-rounded to bf16), the gemv's float32 e2m1 * 2^-126; the bf16x2 scale's multiply-add; the mma per-group split's MMA
-order under the interpreter (its float twin) against a decoder written here; the option reaching the launches and
-refused by name. The kernels run on the GPU in ``benchmarks/mx9_device_check.py`` (bit-equal to session 28's)."""
+"""mxfp4's word MMA decode with the operand placed by one multiply (``_kernels/wo_mma_values``: the launch's ASM 2, a
+config's ``mxfp4_place="mul"``, the default) on the CPU: its two PTX listings, and session 28's, run in
+``test_gluon_wo_fast``'s emulator for every code in every nibble and every e8m0 scale the placement is exact for
+(66 .. 192), against a float64 loop (e2m1 * 2^(s - 127), times the decode's 2^-64) rounded to bf16; the bf16x2
+scale's multiply-add; the per-group split's MMA order under the interpreter (its float twin) against a decoder written
+here; the option reaching the launch and refused by name; the tuned configs. The kernels run on the GPU in
+``benchmarks/mx9_device_check.py`` (bit-equal to session 28's placement)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from test_gluon_wo_fast import MASK, _bf16_bits, _bf16_value, _f32_bits, run_ptx  # noqa: E402
+from test_gluon_wo_fast import MASK, _bf16_bits, _bf16_value, run_ptx  # noqa: E402
 from test_triton_wo import loop64, problem, rel  # noqa: E402
 from test_triton_wo_mma import run, wo  # noqa: E402, F401  (wo: the interpreted-kernels fixture)
 
-from moekit.experts._kernels import wo_words  # noqa: E402
 from moekit.experts._kernels.wo_mma_values import (  # noqa: E402
     _MXFP4_MUL_EVEN_ASM, _MXFP4_MUL_ODD_ASM, _MXFP4_PAIR_ASM)
 
@@ -66,15 +65,6 @@ def test_mxfp4_pairs_decode_exactly(placement):
                 assert got == want[0] | want[1] << 16, (placement, hex(word), t, e8m0)
 
 
-@pytest.mark.parametrize("listing", ["_MXFP4_MUL_ASM", "_MXFP4_ASM"])
-def test_gemv_words_decode_exactly(listing):
-    # the gemv's word -> 8 float32 (value T the output $T): e2m1(code) * 2^-126 (the kernel's x carries 2^64)
-    for word in WORDS:
-        got = run_ptx(getattr(wo_words, listing).value, [None] * 8 + [word], outputs=8)
-        want = [_f32_bits(value64(word >> 4 * t & 0xF, 65)) for t in range(8)]  # e8m0 65: 2^-126
-        assert got == want, (listing, hex(word))
-
-
 _KERNELS = {}  # the interpreted wo_mma_values module (a Triton kernel reads module globals only)
 
 
@@ -112,30 +102,18 @@ def test_mul_operand_keeps_the_mma_order(wo, pairs):  # noqa: F811  (the fixture
 def test_mxfp4_place_reaches_asm_and_is_refused_by_name(wo):  # noqa: F811  (the fixture)
     from moekit.experts.configs import GemmTile, KernelConfig
     from moekit.experts.triton_wo_gemv import WordConfig
-    from moekit.experts.triton_wo_gemv import MXFP4_PLACE, MXFP4_PLACES, place_asm
+    from moekit.experts.triton_wo_mma import MXFP4_PLACE, MXFP4_PLACES, mma_asm
 
     tile = GemmTile(32, 128, 1, 1, 3)
-    for decode in ("mma", "gemv"):
-        assert place_asm(WordConfig(16, tile, tile, mxfp4_place="mul"), decode) == 2
-        assert place_asm(WordConfig(16, tile, tile, mxfp4_place="shift"), decode) == 1
-        default = MXFP4_PLACES[MXFP4_PLACE[decode]]  # the mma's "mul" (its device win), the gemv's "shift"
-        assert place_asm(KernelConfig(16, tile, tile), decode) == default
-        assert place_asm(WordConfig(16, tile, tile), decode) == default
-    assert MXFP4_PLACE == {"mma": "mul", "gemv": "shift"}
+    assert mma_asm(WordConfig(16, tile, tile, mxfp4_place="mul")) == 2
+    assert mma_asm(WordConfig(16, tile, tile, mxfp4_place="shift")) == 1
+    assert MXFP4_PLACE == "mul"  # the default (its device win)
+    assert mma_asm(KernelConfig(16, tile, tile)) == mma_asm(WordConfig(16, tile, tile)) == MXFP4_PLACES["mul"]
     x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=2, k=2, hidden=128, n=128)
-    out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, mxfp4_place="mul"))  # the twin here
+    out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, mxfp4_place="shift"))  # the twin here
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
     with pytest.raises(ValueError, match="mxfp4_place must be one of"):
         run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, mxfp4_place="lut"))
-    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
-
-    def gemv(place: str):  # the gemv decode: the same option
-        cfg = WordConfig(1, GemmTile(16, 32, 1, 1, 1), GemmTile(16, 32, 1, 1, 1), mxfp4_place=place)
-        return wo.run_experts_wo(x, *args, ids, weights, None, "mxfp4", config=cfg, decode="gemv")
-
-    assert rel(gemv("mul"), loop64(x, w13, w2, ids, weights)) < 2e-3
-    with pytest.raises(ValueError, match="mxfp4_place must be one of"):
-        gemv("lut")
 
 
 def test_mxfp4_mma_tuned_steps():

@@ -28,12 +28,6 @@ PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word hol
 WORD_DECODES = {"gemv": "gemm_wo_gemv"}  # the word decodes: decode name -> kernel module
 ROUND = {torch.bfloat16: 1, torch.float16: 2}  # h's dtype -> ``wo_split.load_h``'s ROUND (the folded gate-up)
 MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight and row: CUDA cores)
-# mxfp4's bit placement in the word decodes (gemv ``_kernels/wo_words``, mma ``wo_mma_values``; the launch's ASM where
-# their PTX runs): "shift" two shifts, an and and a lop3 a value (the mma: a pair), "mul" one multiply between two
-# masks (session 29). The default a decode takes (a config's mxfp4_place None): the mma's "mul" (H200, mx9 CK1:
-# 256-column steps 461.4 against 534.5 µs at Mixtral M = 8, 5/5; 128-column 555.1 against 557.6), the gemv's "shift"
-MXFP4_PLACES = {"shift": 1, "mul": 2}
-MXFP4_PLACE = {"mma": "mul", "gemv": "shift"}
 
 
 @dataclass(frozen=True)
@@ -44,8 +38,9 @@ class WordConfig(KernelConfig):
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
     (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads.
-    ``mxfp4_place`` (mxfp4): the word decodes' bit placement, one of ``MXFP4_PLACES`` (None: the decode's
-    ``MXFP4_PLACE``)."""
+    ``mxfp4_place`` (the mma decode, mxfp4): its operand's bit placement, one of ``triton_wo_mma.MXFP4_PLACES``
+    (None: its ``MXFP4_PLACE``); the gemv decode ignores it (session 28's placement: the multiply measured no
+    faster there, mx9 CK1b)."""
 
     up_split: int = 1
     down_split: int = 0
@@ -56,16 +51,6 @@ class WordConfig(KernelConfig):
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
                 "glu_fold": self.glu_fold, "x_tile": self.x_tile, "mxfp4_place": self.mxfp4_place}
-
-
-def place_asm(config: KernelConfig, decode: str) -> int:
-    """A word-decode launch's ASM where its inline PTX may run: ``MXFP4_PLACES`` of the config's mxfp4_place (a
-    ``WordConfig``'s; None and plain configs ``decode``'s ``MXFP4_PLACE``), refused by name if not one; int4 and
-    int8 read it as on / off."""
-    place = getattr(config, "mxfp4_place", None) or MXFP4_PLACE[decode]
-    if place not in MXFP4_PLACES:
-        raise ValueError(f"config.mxfp4_place must be one of {tuple(MXFP4_PLACES)} or None, got {place!r}")
-    return MXFP4_PLACES[place]
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
@@ -152,7 +137,7 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     num_experts, two_n = w13.q.shape[:2]
     n, hidden, num_assignments, per = two_n // 2, x.shape[1], x.shape[0] * top_k, PER[scheme]
     module, up, down = kernels("gemm_wo_gemv"), config.up, config.down
-    shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, ASM=asm * place_asm(config, "gemv"),
+    shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, ASM=asm,
                   cached=options.cached_launcher, **options.pdl_kwargs())
 
     def strides(w) -> tuple:  # q (e, r) in words, scale (e, r, g), zero (e, r, g)

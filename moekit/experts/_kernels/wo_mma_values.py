@@ -24,7 +24,7 @@ Values (exact):
            then one fma.rn.bf16x2 by 2^(s - 65). Exact for s in 66 .. 192 (scales 2^-61 .. 2^65); the kernel
            multiplies its float32 accumulator by X_SCALE = 2^64 at the end (products below 2^-126 in float32, i.e.
            |w x| < 2^-62, are lost: far below the bf16 rounding of any output they could change). Two placements
-           (the launch's ASM, ``triton_wo_gemv.MXFP4_PLACES``): 1 "shift" (session 28: two shifts, an and and a lop3
+           (the launch's ASM, ``triton_wo_mma.MXFP4_PLACES``): 1 "shift" (session 28: two shifts, an and and a lop3
            a pair) and 2 "mul" (session 29: the pair's two nibbles masked, one multiply by 2^6 + 2^12 copying each
            to bits 6-9 and 12-15, one mask keeping bits 6-8 of the first copy and the sign of the second), each
            group decoded apart with its scale broadcast along its words (``mxfp4_mul_operand``): the same bits.

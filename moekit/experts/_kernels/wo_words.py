@@ -62,37 +62,6 @@ shr.u32 m, $8, 6;
 and.b32 g, $8, 0x80000000;
 lop3.b32 $7, m, 0x01C00000, g, 0xEA;
 }""")
-# mxfp4 by a multiply (ASM 2, a config's mxfp4_place "mul"): value T's nibble masked clean (T 6, 7: of the word
-# >> 8), one multiply by 2^(22 - 4T) + 2^(28 - 4T) copying it to bits 22..25 and 28..31, one mask keeping the
-# first copy's magnitude and the second's sign: the same bits as above, 25 instructions for 8 weights (31 above).
-_MXFP4_MUL_ASM = tl.constexpr("""{
-.reg .b32 v;
-shr.u32 v, $8, 8;
-and.b32 $0, $8, 0x0000000f;
-mul.lo.u32 $0, $0, 0x10400000;
-and.b32 $0, $0, 0x81C00000;
-and.b32 $1, $8, 0x000000f0;
-mul.lo.u32 $1, $1, 0x01040000;
-and.b32 $1, $1, 0x81C00000;
-and.b32 $2, $8, 0x00000f00;
-mul.lo.u32 $2, $2, 0x00104000;
-and.b32 $2, $2, 0x81C00000;
-and.b32 $3, $8, 0x0000f000;
-mul.lo.u32 $3, $3, 0x00010400;
-and.b32 $3, $3, 0x81C00000;
-and.b32 $4, $8, 0x000f0000;
-mul.lo.u32 $4, $4, 0x00001040;
-and.b32 $4, $4, 0x81C00000;
-and.b32 $5, $8, 0x00f00000;
-mul.lo.u32 $5, $5, 0x00000104;
-and.b32 $5, $5, 0x81C00000;
-and.b32 $6, v, 0x000f0000;
-mul.lo.u32 $6, $6, 0x00001040;
-and.b32 $6, $6, 0x81C00000;
-and.b32 $7, v, 0x00f00000;
-mul.lo.u32 $7, $7, 0x00000104;
-and.b32 $7, $7, 0x81C00000;
-}""")
 # int8: the sign bits flipped once (byte + 128), then one prmt a value: byte t between 0x00 and 0x3F80.
 _INT8_ASM = tl.constexpr("""{
 .reg .b32 u, k;
@@ -136,13 +105,12 @@ def _value(w, T: tl.constexpr, SCHEME: tl.constexpr):
 @triton.jit
 def word_values(w, SCHEME: tl.constexpr, ASM: tl.constexpr):
     """Every value of each word of w [BN, BKW] int32: eight float32 tensors (int8: four, then the same
-    four again, never read). ASM (NVIDIA): the inline PTX above (mxfp4: 1 the shifts, 2 the multiply); else
-    ``_value``."""
+    four again, never read). ASM (NVIDIA): the inline PTX above; else ``_value``."""
     f32 = tl.float32
     if ASM and SCHEME != 0:
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _INT4_ASM if SCHEME == 1 else (_MXFP4_MUL_ASM if ASM == 2 else _MXFP4_ASM), "=r,=r,=r,=r,=r,=r,=r,=r,r",
-            [w], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+            _INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 8,
+            is_pure=True, pack=1)
         v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
         v4, v5, v6, v7 = v4.to(f32, bitcast=True), v5.to(f32, bitcast=True), v6.to(f32, bitcast=True), v7.to(f32, bitcast=True)
     elif ASM and SCHEME == 0:
