@@ -1,9 +1,10 @@
 """The FAST decode's inline PTX (``moekit/experts/_kernels/gluon_wo_fast.py``) on the CPU: its two PTX listings run
 by a small emulator of the instructions they use (written here from the PTX ISA's definitions of mov, and, shl,
-shr, lop3, prmt, fma, add and cvt; ``test_gluon_wo_swap`` runs the swapped GEMM's int8 pair in it too), word by
-word, against the values the decode must produce: mxfp4 e2m1 * 2^(e8m0 - 127) rounded to bf16 for every byte and
-every e8m0 0 .. 254, int4 the session-27 decode's float32 fma(128 + code, scale, -(128 + zero) * scale) rounded to
-bf16, pairs in K order (weight 2j the low half). The kernel itself needs a Hopper GPU
+shr, mul.lo, lop3, prmt, fma, add and cvt; ``test_gluon_wo_swap`` runs the swapped GEMM's int8 pair in it too and
+``test_wo_mxfp4_mul`` the mma decode's mxfp4 listings), word by word, against the values the decode must produce:
+mxfp4 e2m1 * 2^(e8m0 - 127) rounded to bf16 for every byte and every e8m0 0 .. 254, int4 the session-27 decode's
+float32 fma(128 + code, scale, -(128 + zero) * scale) rounded to bf16, pairs in K order (weight 2j the low half).
+The kernel itself needs a Hopper GPU
 (``benchmarks/wo8_device_check.py`` checks its decoded bits there)."""
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def _bf16x2_add(a: int, b: int) -> int:
 
 
 def run_ptx(asm: str, args: list[int], outputs: int = 4) -> list[int]:
-    """Run ``asm`` (one ``{ ... }`` block) with $i bound to ``args`` (``outputs`` first, None), 32-bit values."""
+    """Run ``asm`` (one ``{ ... }`` block) with $i bound to ``args`` (``outputs`` outputs first, None), 32-bit
+    values."""
     regs = {f"${i}": v for i, v in enumerate(args)}
 
     def val(x: str) -> int:
@@ -86,6 +88,8 @@ def run_ptx(asm: str, args: list[int], outputs: int = 4) -> list[int]:
             r = (x[0] << x[1]) & MASK
         elif op == "shr.u32":
             r = x[0] >> x[1]
+        elif op == "mul.lo.u32":
+            r = (x[0] * x[1]) & MASK
         elif op == "lop3.b32":
             r = _lop3(*x)
         elif op == "prmt.b32":

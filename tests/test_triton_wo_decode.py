@@ -63,8 +63,14 @@ XTILE_MEASURED = {(128, 768, 2048, 8): {("mxfp4", 1): ("gemv", 25.9)}}
 # the word MMA decode (session 26, benchmarks/wo_mma_device_check.py at 8bac90b, graph µs; the same run's pick, the
 # swapped register decode, 422.3; it lost every other cell of that run: DeepSeek-V3 / Qwen3 int4 M=1, 8, mxfp4 M=1, 8;
 # on merged main b32c0fb: int4 M=64 against register 2742.0 / 196.7, mxfp4 Mixtral M=8 against tile 589.6)
-MMA_MEASURED = {(8, 14336, 4096, 2): {("int4_w4a16", 8): ("mma", 343.0), ("mxfp4", 8): ("mma", 562.0)},
-                (256, 2048, 7168, 8): {("int4_w4a16", 64): ("mma", 2309.5)},  # merged main b32c0fb
+# session 29 (benchmarks/mx9_device_check.py CK1 / CK1b, mxfp4 with the multiply placement; the same runs' picks:
+# Mixtral M=1 register 190.4, M=8 mma 558.1, M=64 tile 856.5, DeepSeek-V3 M=1 gemv 144.0, M=8 gemv 1010.4, M=64
+# register 3936.8)
+MMA_MEASURED = {(8, 14336, 4096, 2): {("int4_w4a16", 8): ("mma", 343.0), ("mxfp4", 8): ("mma", 336.4),
+                                      ("mxfp4", 1): ("mma", 168.1), ("mxfp4", 64): ("mma", 763.1)},
+                (256, 2048, 7168, 8): {("int4_w4a16", 64): ("mma", 2309.5),  # merged main b32c0fb
+                                       ("mxfp4", 1): ("mma", 104.1), ("mxfp4", 8): ("mma", 866.5),
+                                       ("mxfp4", 64): ("mma", 3156.3)},
                 (128, 768, 2048, 8): {("int4_w4a16", 64): ("mma", 162.5)}}
 
 
@@ -155,7 +161,7 @@ def test_gemv_only_on_the_tiny_batch_shortcut():
     assert choose_decode("int4_w4a16", 8, *deepseek) == "gemv"  # A = 64, 4A <= E: the shortcut
     assert choose_decode("int4_w4a16", 8, *deepseek, shortcut=False) == "register"  # an expert map: aligned
     assert choose_decode("int4_w4a16", 16, *deepseek) == "register"  # nearest measured M = 8, but 4A > E
-    assert choose_decode("mxfp4", 1, *deepseek) == "gemv"  # its gate-up split in 2 (e320f4b: 161 vs gemv_half 184)
+    assert choose_decode("mxfp4", 1, *deepseek) == "mma"  # session 29: the mma's multiply placement (104 vs gemv 144)
     assert choose_decode("mxfp4", 1, 128, 768, 2048, 8) == "gemv"  # Qwen3: x tile, split in 2 (25.9 vs gemv_half 28.8)
 
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from moekit.experts.configs import GemmTile, KernelConfig, load_configs, nearest
 from moekit.experts.triton_wo_gemv import WordConfig, gemv_heuristic_config
+from moekit.experts.triton_wo_mma import mma_split
 from moekit.experts.triton_wo_winners import WoTileConfig, winner
 from moekit.experts.triton_wo_word_winners import word_config
 
@@ -135,8 +136,9 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
     heuristic tiles with the measured splits (``triton_wo_word_winners.word_config``); else
     ``wo_heuristic_config``."""
     configs = load_configs(num_experts, n, k, config_name(scheme, decode), device)  # the name in the dtype's place
-    if configs:
-        return nearest(configs, num_tokens)
+    if configs:  # the mma decode: a measured gate-up split on top (``triton_wo_mma.MMA_UP_SPLITS``)
+        cfg = nearest(configs, num_tokens)
+        return mma_split(cfg, scheme, num_experts, n, k, num_tokens) if decode == "mma" else cfg
     won = winner(scheme, num_experts, n, k, num_tokens) if decode == "tile" else None
     if won is not None and won.tile is not None:
         return won.tile

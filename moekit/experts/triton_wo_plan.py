@@ -56,7 +56,7 @@ from moekit.experts.triton_wo_configs import (
 from moekit.experts.triton_wo_gemv import (
     WORD_DECODES, WordConfig, folded_splits, gemv_launches, glu_launch, split_glu_launch, up_splits, words_ok,
 )
-from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_gate_up, mma_launch_args
+from moekit.experts.triton_wo_mma import check_mma, mma_asm, mma_fits, mma_gate_up, mma_launch_args
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -109,8 +109,8 @@ DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "mma"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "mma"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
-    ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
-    ("mxfp4", 8, 14336, 4096): {1: "register", 8: "mma"},  # Mixtral-8x7B
+    ("mxfp4", 256, 2048, 7168): {1: "mma", 8: "mma", 64: "mma"},  # DeepSeek-V3 (session 29, mx9: the mma's
+    ("mxfp4", 8, 14336, 4096): {1: "mma", 8: "mma", 64: "mma"},  # Mixtral-8x7B  multiply placement; tuned files: µs)
     ("int8_w8a16", 256, 2048, 7168): {1: "mma", 8: "tile", 64: "tile"},  # DeepSeek-V3 (session 28, dec8: the mma's
     ("int8_w8a16", 8, 14336, 4096): {1: "mma", 8: "tile"},  # Mixtral-8x7B  256-byte steps; its tuned files: µs)
 }
@@ -373,7 +373,7 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     if decode == "register":
         shared["ASM"], shared["SWAP_AB"] = inline_asm_ok(x.device), config.swap_ab
     elif decode == "mma":
-        shared["ASM"] = inline_asm_ok(x.device)
+        shared["ASM"] = inline_asm_ok(x.device) * mma_asm(config)
     else:
         shared["AHEAD"] = ahead_of(config)
     q13, q2 = (w13.q.shape[2], w13.strides), (w2.q.shape[2], w2.strides)

@@ -83,12 +83,14 @@ def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GR
     themselves (unread)."""
     if SCHEME == 2:
         groups = tl.arange(0, BKW // 4)
-        ok = n_ok[:, None] & ((w0 + 4 * groups) * 8 < C)[None, :]
         if SCALE_WORD:  # [BN] one load a row: a [BN, 4] byte load puts the weights through shared memory (sm_90)
             word = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((s_offs + w0 // 4) >> 2),
                            mask=tl.where(w0 * 8 < C, n_ok, False), other=0)
-            w = tl.where(ok, (word[:, None] >> (8 * groups)[None, :]) & 0xFF, 0)
+            inside = tl.maximum(tl.minimum(tl.cdiv(C - w0 * 8, GROUP), BKW // 4), 1)  # the word's groups in the row
+            word = word & (((1 << (8 * inside - 1)) << 1) - 1)  # its bytes past C 0: one mask a row, not a group
+            w = (word[:, None] >> (8 * groups)[None, :]) & 0xFF
         else:
+            ok = n_ok[:, None] & ((w0 + 4 * groups) * 8 < C)[None, :]
             w = _bytes(s_ptr, s_offs[:, None] + ((w0 + 4 * groups) * 8 // GROUP)[None, :] * stride_sg, ok)
     return w
 
