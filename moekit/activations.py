@@ -82,7 +82,8 @@ class ActivationSpec:
             if self.limit <= 0:
                 raise ValueError(f"activation.limit must be > 0 or None, got {self.limit}")
         if not self.gated:
-            extras = {"interleaved": self.interleaved, "limit": self.limit is not None, "up_shift": self.up_shift != 0.0}
+            extras = {"interleaved": self.interleaved, "limit": self.limit is not None,
+                      "up_shift": self.up_shift != 0.0}
             used = [name for name, on in extras.items() if on]
             if used:
                 raise ValueError(f"activation.{used[0]} needs gated=True (an ungated activation has no gate/up pair)")

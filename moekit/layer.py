@@ -239,7 +239,8 @@ class MoE(nn.Module):
         else:
             logits = self._gate(gx, weight, gbias, None if ws is None else ws.logits)  # [M, E]
             if self._fused_router is not None:
-                routing = self._fused_router(logits, bias, gate_logits, in_kernel, None if ws is None else (ws.ids, ws.weights))
+                routing = self._fused_router(logits, bias, gate_logits, in_kernel,
+                                             None if ws is None else (ws.ids, ws.weights))
             else:
                 routing = route(logits, self.config, bias)
         ids = routing.topk_ids  # [M, k(+S)]: the fused kernel may append the shared slots
@@ -274,7 +275,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
         out = self._decode(self, x) if not return_stats and self.eager_graphs is None else None  # a repeated decode
-        if out is not None:  # call of a plain 2-D x, straight to its launches (moekit.layer_fast: implies the checks below)
+        # call of a plain 2-D x, straight to its launches (moekit.layer_fast: implies the checks below)
+        if out is not None:
             return out
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -289,7 +291,8 @@ class MoE(nn.Module):
             own = not return_stats and self._fused_router is not None and self._plain_routing
             out = self._decode(self, x2d) if own and not flat else None  # a flattened x's repeated decode call, or None
         if out is None:
-            routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # [Gate -> Route -> Capacity]
+            # [Gate -> Route -> Capacity]
+            routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)
             out = self._experts_and_shared(x2d, routed)  # [M, K]
             if own:
                 self._decode.keep(self, x2d)

@@ -238,7 +238,8 @@ def _profile(ep: EPMoE, phases: dict, device: torch.device, title: str, overlaps
 
 
 def _print_table(rows: list[dict]) -> None:
-    cols = ["dispatch", "M", "overlap", "route_us", "dispatch_us", "experts_us", "experts_half_us", "combine_us", "layer_us", "layer_graph_us",
+    cols = ["dispatch", "M", "overlap", "route_us", "dispatch_us", "experts_us", "experts_half_us", "combine_us",
+            "layer_us", "layer_graph_us",
             "raw_dispatch_us", "raw_combine_us", "single_gpu_us", "target_us", "target_met", "overlap_goal_us",
             "overlap_goal_met"]
     print(" ".join(f"{c.removesuffix('_us'):>11}" for c in cols))
@@ -249,7 +250,8 @@ def _print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moekit.bench.ep", description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", help="tokens per rank (default 128 1024 4096 16384; tiny: 8 64)")
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        help="tokens per rank (default 128 1024 4096 16384; tiny: 8 64)")
     parser.add_argument("--dispatch", choices=["exact", "padded", "both"], default="both",
                         help="exact: counts all-to-all + one host sync; padded: max_tokens_per_rank rows, no sync")
     parser.add_argument("--backend", default="auto", help="experts backend (auto, triton, grouped_mm, reference)")
@@ -305,10 +307,12 @@ def run(device: torch.device, rank: int, world_size: int, args) -> dict:
                        max_tokens_per_rank=max(tokens) if mode == "padded" else None)
             for m in tokens:
                 if mode == "padded":
-                    ep.max_tokens_per_rank = max(m, 1)  # every rank passes m tokens: pad to exactly that (same on all ranks)
+                    # every rank passes m tokens: pad to exactly that (same on all ranks)
+                    ep.max_tokens_per_rank = max(m, 1)
                 overlaps = sorted(set(args.overlap) - {1}) if args.profile else None
                 rows.append(_bench_m(ep, single, m, device, dtype, args.reps, overlaps))
-                _progress(f"{mode} M={m}: layer {rows[-1]['best_layer_us']:.1f} us, target {rows[-1]['target_us']:.1f} us")
+                _progress(f"{mode} M={m}: layer {rows[-1]['best_layer_us']:.1f} us, target {rows[-1]['target_us']:.1f} "
+                          f"us")
                 base = rows[-1]
                 for chunks in sorted(set(args.overlap) - {1}):
                     rows.append(_overlap_row(ep, base, chunks, device, dtype, args.reps))
@@ -322,7 +326,8 @@ def run(device: torch.device, rank: int, world_size: int, args) -> dict:
         print("layer / (experts + raw a2a both ways), no overlap:", ", ".join(f"{v:.2f}" for v in ratios),
               f"(median {statistics.median(ratios):.2f}; target <= 1.2)")
         halves = [2 * r["experts_half_us"] / r["experts_us"] for r in rows if r["overlap"] == 1 and r["experts_us"] > 0]
-        print("2 x experts(M/2) / experts(M), what token chunks cost the experts:", ", ".join(f"{v:.2f}" for v in halves))
+        print("2 x experts(M/2) / experts(M), what token chunks cost the experts:",
+              ", ".join(f"{v:.2f}" for v in halves))
         hidden = [r["best_layer_us"] / (r["overlap_goal_us"] / 1.05) for r in rows if r["overlap"] > 1]
         if hidden:
             print("layer / max(experts, raw a2a both ways), overlap:", ", ".join(f"{v:.2f}" for v in hidden),

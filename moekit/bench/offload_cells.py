@@ -88,7 +88,9 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     if j < len(runs):
                         _add_phases(phases[j], layers, costs, ratios[j])
                     if j in probes:  # the run's latest CPU branch: its last layer with one this step
-                        probes[j].run(step, next((l.last_stats.cpu_rows for l in layers[::-1] if l.last_stats.cpu_rows), None))
+                        probes[j].run(step,
+                                      next((l.last_stats.cpu_rows for l in layers[::-1] if l.last_stats.cpu_rows),
+                                           None))
                 prev = j
     finally:
         gc.enable()
@@ -98,7 +100,8 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     fixed, paired = _from_reference(fixed, times, dones, reference and len(dones) > len(runs), len(routings[0]),
                                     expert_bytes, costs)
     rates = {j: probe.floor_costs() for j, probe in probes.items()}
-    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None)), branches[j],
+    return [{**_row(run, times[j],
+                    _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None)), branches[j],
                                            branch_rate(ratios[j]), paired),
                     _total(dones[j]), trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
              **(probes[j].summary() if j in probes else {}), **_group_fields(fixed, quiet, costs, scale),
@@ -304,7 +307,8 @@ def _stack(shells, trace: RoutingTrace, run: Run, warm: int, costs: MissCosts, d
                                     costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options,
                                     cpu_rate=rate) for i in range(trace.num_layers)]
     with cache.bookkeeping_only():
-        drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
+        drive(cache, [layer.layer_id for layer in layers], trace, range(warm),
+              **_options(run, costs, cache.expert_bytes))
     return layers
 
 

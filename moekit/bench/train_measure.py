@@ -93,7 +93,8 @@ def _problem(shape: Shape, tokens: int, dtype: torch.dtype, device: torch.device
 
     cfg = MoEConfig(hidden_size=k, moe_intermediate_size=n, num_experts=e, top_k=shape.top_k)
     return _Problem(cfg, rand(tokens, k, scale=1.0), rand(tokens, k, scale=1.0).detach(), rand(e, k, scale=k**-0.5),
-                    torch.nn.Parameter(rand(e, 2 * n, k, scale=k**-0.5)), torch.nn.Parameter(rand(e, k, n, scale=n**-0.5)))
+                    torch.nn.Parameter(rand(e, 2 * n, k, scale=k**-0.5)),
+                    torch.nn.Parameter(rand(e, k, n, scale=n**-0.5)))
 
 
 def _moekit_step(p: _Problem, backend: str) -> Callable[[], None]:
@@ -223,7 +224,8 @@ def measure_train(device: torch.device | str, shapes=None, tokens=None, impls=No
 def speedups(rows: list[TrainRow]) -> list[dict]:
     """Per (shape, M) and moekit implementation: the transformers row's time over its time."""
     base = {(r.shape, r.tokens): r.ms for r in rows if r.impl == TRANSFORMERS_IMPL and r.ms}
-    return [{"shape": r.shape, "tokens": r.tokens, "impl": r.impl, "speedup_vs_transformers": base[(r.shape, r.tokens)] / r.ms}
+    return [{"shape": r.shape, "tokens": r.tokens, "impl": r.impl,
+             "speedup_vs_transformers": base[(r.shape, r.tokens)] / r.ms}
             for r in rows if r.impl != TRANSFORMERS_IMPL and r.ms and (r.shape, r.tokens) in base]
 
 

@@ -331,7 +331,8 @@ def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelT
         n, hidden, num_assignments, num_assignments // dout.shape[0], layout.num_pid_m,
         dout.stride(0), x.stride(0), *w13.stride(), *w2.stride(), two_n,
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8,
-        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13, OUT_SORTED=sorted_out,
+        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13,
+        OUT_SORTED=sorted_out,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x.dtype),
     )
     return dh, gw, parts

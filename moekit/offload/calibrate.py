@@ -25,7 +25,8 @@ None: half the logical CPUs (``thread_candidates``: the other half left to the h
 ``cpu_path.CPU_GEMMS``, each timed at k experts x 1 token (a decode step's shape: the weights' bytes, not
 FLOPs, set the time, and fewer threads may stream them as fast with less contention); the pair kept goes
 in ``MissCosts.cpu_threads`` / ``cpu_gemm`` (``pick_setting``: by the mean of 8+ timings taken in turns,
-the fewest threads within 5% of the best). ``cpu_margin`` is ``cost.margin_of`` the grid's timings; ``hysteresis`` is ``HYSTERESIS``.
+the fewest threads within 5% of the best). ``cpu_margin`` is ``cost.margin_of`` the grid's timings; ``hysteresis`` is
+``HYSTERESIS``.
 ``recalibrate_cpu`` rescales the fitted CPU model to the host's rate now (a drift factor).
 """
 

@@ -125,7 +125,8 @@ class EPMoE(MoE):
         self.max_tokens_per_rank, self.overlap = max_tokens_per_rank, overlap
         # expert_load[e]: routed assignments of this rank's tokens to logical expert e since the last rebalance.
         device = self.w13.device
-        self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.float64, device=device),
+                             persistent=False)
         # Tables of width W (the most replicas any placement can have): a rebalance overwrites them in place.
         self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, device, width=world_size)
         self.graph_captured = False  # a forward ran under CUDA-graph capture: see apply_placement
@@ -195,7 +196,8 @@ class EPMoE(MoE):
             "gate": self.gate.weight, "e_score_correction_bias": self.e_score_correction_bias,
             "shared_w13": self.shared_w13, "shared_w2": self.shared_w2,
             "shared_gate": None if self.shared_gate is None else self.shared_gate.weight,
-            "fused_shared_w13": self.w13[self.num_local_experts :], "fused_shared_w2": self.w2[self.num_local_experts :],
+            "fused_shared_w13": self.w13[self.num_local_experts :],
+            "fused_shared_w2": self.w2[self.num_local_experts :],
         }
         digests = {name: _digest(t) for name, t in replicated.items() if t is not None}
         check_same_on_all_ranks(digests, self.group, what="replicated weights (sha256)")
@@ -204,7 +206,8 @@ class EPMoE(MoE):
         """Fill this rank's slots from ``expert_weights(e) -> (w13 [2N, K], w2 [K, N])`` (e.g. read from a
         checkpoint), without materialising the other ranks' experts. ``e`` runs over the logical experts
         this rank holds, then E..E+S-1 for the fused shared slots (``MoE.w13``'s numbering)."""
-        experts = self.placement.slots[self.rank] + list(range(self.num_experts, self.num_experts + self.num_shared_slots))
+        experts = self.placement.slots[self.rank] + list(range(self.num_experts,
+                                                               self.num_experts + self.num_shared_slots))
         with torch.no_grad():
             for local, expert in enumerate(experts):
                 w13, w2 = expert_weights(expert)
@@ -257,7 +260,8 @@ class EPMoE(MoE):
         with self._errors.on(self.w13.device, self._counts_chunks) as errors:
             self._check_x(x2d)
             if x2d.dim() != 2 or x2d.shape[1] != self.config.hidden_size:
-                raise ValueError(f"x2d must have shape [M, hidden_size={self.config.hidden_size}], got {tuple(x2d.shape)}")
+                raise ValueError(f"x2d must have shape [M, hidden_size={self.config.hidden_size}], got "
+                                 f"{tuple(x2d.shape)}")
             if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x2d.shape[0]:
                 raise ValueError(
                     f"topk_ids and topk_weights must both have shape [M={x2d.shape[0]}, k], got "
@@ -265,7 +269,8 @@ class EPMoE(MoE):
                 )
             if self.max_tokens_per_rank is not None and x2d.shape[0] > self.max_tokens_per_rank:
                 raise ValueError(
-                    f"x must have at most max_tokens_per_rank={self.max_tokens_per_rank} tokens on each rank, got {x2d.shape[0]}"
+                    f"x must have at most max_tokens_per_rank={self.max_tokens_per_rank} tokens on each rank, got "
+                    f"{x2d.shape[0]}"
                 )
             # The payload row (K values of x's dtype, k ids, k weights) must be the same on every rank.
             row = (f"x {_dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token, "
@@ -278,7 +283,8 @@ class EPMoE(MoE):
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring."""
-        with self._errors.on(self.w13.device, self._counts_chunks) as errors:  # checks and routing may raise: agreed in forward_routed
+        # checks and routing may raise: agreed in forward_routed
+        with self._errors.on(self.w13.device, self._counts_chunks) as errors:
             self.graph_captured |= errors.capturing
             self._check_x(x)
             return super().forward(x, return_stats)
@@ -288,7 +294,8 @@ class EPMoE(MoE):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype != self.w13.dtype:
-            raise ValueError(f"x must be {_dtype_name(self.w13.dtype)} like the layer's weights, got {_dtype_name(x.dtype)}")
+            raise ValueError(f"x must be {_dtype_name(self.w13.dtype)} like the layer's weights, got "
+                             f"{_dtype_name(x.dtype)}")
         if x.device != self.w13.device:
             raise ValueError(f"x must be on {self.w13.device} like the layer's weights, got {x.device}")
 
@@ -320,7 +327,8 @@ class EPMoE(MoE):
             given = None if loads is None else torch.as_tensor(loads, dtype=torch.float64).tolist()
             if given is not None and len(given) != self.num_experts:
                 raise ValueError(f"loads must have num_experts={self.num_experts} entries, got {len(given)}")
-            errors.agree(f"loads {'passed' if loads is not None else 'tracked'}", what="where rebalance's loads come from")
+            errors.agree(f"loads {'passed' if loads is not None else 'tracked'}",
+                         what="where rebalance's loads come from")
         values = self.global_expert_load().tolist() if given is None else given
         with self._errors.on(self.w13.device) as errors:  # so does EPLB failing on rank 0 (e.g. a bad num_redundant)
             box = [None, None]
@@ -360,14 +368,16 @@ class EPMoE(MoE):
             num_local = placement.num_local_experts(self.rank)
             if num_local != self.num_local_experts and self.graph_captured:
                 raise ValueError(
-                    f"the placement changes this rank's expert slots from {self.num_local_experts} to {num_local}, which "
+                    f"the placement changes this rank's expert slots from {self.num_local_experts} to {num_local}, "
+                    f"which "
                     "reallocates w13/w2 under a captured CUDA graph; keep each rank's slot count (see apply_placement)"
                 )
             errors.agree(json.dumps(placement.to_dict()), what="the placement to apply")
         with torch.no_grad():
             w13 = move_experts(self.w13.data, self.placement, placement, self.rank, self.group)
             w2 = move_experts(self.w2.data, self.placement, placement, self.rank, self.group)
-        tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device, width=self.world_size)
+        tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device,
+                                     width=self.world_size)
         if num_local == self.num_local_experts:  # same shapes: copy into the same storage
             with torch.no_grad():
                 self.w13.copy_(w13.weight)
@@ -388,7 +398,8 @@ class EPMoE(MoE):
         c = self.config
         return (
             f"rank={self.rank}/{self.world_size}, E={c.num_experts}, local={self.num_local_experts}, k={c.top_k}, "
-            f"K={c.hidden_size}, N={c.moe_intermediate_size}, shared_slots={self.num_shared_slots}, backend={self.backend}"
+            f"K={c.hidden_size}, N={c.moe_intermediate_size}, shared_slots={self.num_shared_slots}, "
+            f"backend={self.backend}"
         )
 
 

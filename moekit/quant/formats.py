@@ -53,14 +53,16 @@ def from_deepseek_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor, *, b
                           block_shape=block_shape, dtype=dtype)
 
 
-def from_gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16) -> Mxfp4Weight:
+def from_gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *,
+                       dtype: torch.dtype = torch.bfloat16) -> Mxfp4Weight:
     """gpt-oss: blocks [E, R, C/32, 16] uint8 (32 e2m1 values per block, low nibble first), scales
     [E, R, C/32] uint8 e8m0 -> the same bytes as q [E, R, C/2]. gate_up_proj's rows stay interleaved
     (gate row 2i, up row 2i+1): run it with an interleaved ActivationSpec."""
     if blocks.dim() != 4 or blocks.shape[-1] != MX_BLOCK // 2 or blocks.dtype != torch.uint8:
         raise ValueError(f"blocks must be uint8 [E, R, C/32, 16], got {blocks.dtype} {list(blocks.shape)}")
     if tuple(scales.shape) != tuple(blocks.shape[:3]):
-        raise ValueError(f"scales must have shape {list(blocks.shape[:3])} (blocks' first 3 dims), got {list(scales.shape)}")
+        raise ValueError(f"scales must have shape {list(blocks.shape[:3])} (blocks' first 3 dims), got "
+                         f"{list(scales.shape)}")
     e, r, g = scales.shape
     return Mxfp4Weight(q=blocks.reshape(e, r, g * MX_BLOCK // 2), scale=scales, cols=g * MX_BLOCK, dtype=dtype)
 
@@ -132,7 +134,8 @@ def stack_experts(weights: list[QuantizedWeight]) -> QuantizedWeight:
     meta = _same_kind(list(weights))
     if any(w.shape[1:] != weights[0].shape[1:] for w in weights):
         raise ValueError(f"every expert weight must have the shape [*, R, C] of the first, {list(weights[0].shape)}")
-    return type(weights[0])(**meta, **{k: torch.cat([w.tensors()[k] for w in weights]) for k in weights[0].tensor_fields})
+    return type(weights[0])(**meta,
+                            **{k: torch.cat([w.tensors()[k] for w in weights]) for k in weights[0].tensor_fields})
 
 
 def cat_rows(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedWeight:

@@ -265,8 +265,10 @@ def permute_rows_kernel(
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     src = tl.where(row_ok, rows // div, 0)
-    vals = tl.load(src_ptr + src[:, None] * stride_sm + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
-    tl.store(out_ptr + offs_p[:, None].to(tl.int64) * stride_om + offs_c[None, :], vals, mask=p_ok[:, None] & c_ok[None, :])
+    vals = tl.load(src_ptr + src[:, None] * stride_sm + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :],
+                   other=0.0)
+    tl.store(out_ptr + offs_p[:, None].to(tl.int64) * stride_om + offs_c[None, :], vals,
+             mask=p_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit

@@ -95,7 +95,8 @@ def sorted_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, RED, BLOCK_K):
         a = _rows_tile(a_ptr, first, k0, RED, stride_am, BLOCK_M, BLOCK_K, DESC)
-        w = _w_red_rows(w_ptr, expert, k0, pid_n * BLOCK_N, RED, OUT, stride_we, stride_wr, stride_wo, BLOCK_K, BLOCK_N, DESC)
+        w = _w_red_rows(w_ptr, expert, k0, pid_n * BLOCK_N, RED, OUT, stride_we, stride_wr, stride_wo, BLOCK_K, BLOCK_N,
+                        DESC)
         acc = _dot(a, w, acc, UPCAST, PRECISION)
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows >= 0  # [BM] every layout row of the block
