@@ -14,7 +14,8 @@ from moekit.routing import Routing, apply_capacity
 
 def random_ids(m, k, e, seed, with_skips=False):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]) if m else torch.zeros(0, k, dtype=torch.int64)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k]
+                       for _ in range(m)]) if m else torch.zeros(0, k, dtype=torch.int64)
     if with_skips and m:
         ids[torch.rand(m, k, generator=g) < 0.2] = -1
     return ids.int()
@@ -177,7 +178,8 @@ def hand_count_drops(ids, weights, e, capacity, policy):
 def test_capacity_drops_equal_hand_count(policy, cf):
     m, k, e = 40, 2, 8
     g = torch.Generator().manual_seed(11)
-    ids = torch.stack([torch.multinomial(torch.tensor([8.0, 4, 2, 1, 1, 1, 1, 1]), k, generator=g) for _ in range(m)]).int()
+    ids = torch.stack([torch.multinomial(torch.tensor([8.0, 4, 2, 1, 1, 1, 1, 1]), k, generator=g)
+                       for _ in range(m)]).int()
     weights = torch.rand(m, k, generator=g)
     result = apply_capacity(Routing(ids, weights), e, cf, policy)
     capacity = math.ceil(cf * m * k / e)

@@ -47,7 +47,8 @@ def _brute_force_best(loads: list[float], world_size: int, num_redundant: int) -
     P % W GPUs) any multiset of experts, every expert in at least one slot."""
     num_experts = len(loads)
     base, extra = divmod(num_experts + num_redundant, world_size)
-    per_gpu = [itertools.combinations_with_replacement(range(num_experts), base + (g < extra)) for g in range(world_size)]
+    per_gpu = [itertools.combinations_with_replacement(range(num_experts), base + (g < extra))
+               for g in range(world_size)]
     best = float("inf")
     for gpus in itertools.product(*per_gpu):
         counts = [0] * num_experts

@@ -86,7 +86,8 @@ def test_bench_train_rows_on_cpu(tmp_path, capsys, one_thread):
     """``moekit bench --train`` at a tiny CPU size: both implementations run, their gradients agree, and
     TFLOP/s is 3 x the forward's expert FLOPs over the step time."""
     pytest.importorskip("transformers")
-    argv = ["bench", "--train", "--device", "cpu", "--shapes", "qwen3-30b-a3b", "--batches", "16", "--out", str(tmp_path)]
+    argv = ["bench", "--train", "--device", "cpu", "--shapes", "qwen3-30b-a3b", "--batches", "16", "--out",
+            str(tmp_path)]
     assert main(argv) == 0
     assert "x transformers:grouped_mm" in capsys.readouterr().out
     (path,) = tmp_path.glob("*-train-*.json")

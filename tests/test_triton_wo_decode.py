@@ -90,7 +90,8 @@ def decode_kernel(raw_ptr, low_ptr, high_ptr, SCHEME: triton.language.constexpr,
 def test_register_decode_every_byte(wo, scheme, dtype):
     # each of the 256 bytes -> the exact values of its low and high nibble in the activations' dtype
     # (int4: base + code, base 1024 in fp16 else 128; mxfp4: the e2m1 value, the sign kept on 0)
-    _KERNELS["gemm_wo_reg"] = importlib.import_module("moekit.experts._kernels.gemm_wo_reg")  # as the fixture decorated it
+    # as the fixture decorated it
+    _KERNELS["gemm_wo_reg"] = importlib.import_module("moekit.experts._kernels.gemm_wo_reg")
     raw = torch.arange(256, dtype=torch.uint8)
     low, high = torch.empty(256), torch.empty(256)
     decode_kernel[(1,)](raw, low, high, 1 if scheme == "int4_w4a16" else 2, getattr(triton.language, dtype))
