@@ -87,7 +87,8 @@ def correctness(dev, results: list) -> bool:
         x = torch.randn(CHECK_M, s.k, device=dev, dtype=torch.bfloat16)
         routing = uniform_routing(CHECK_M, s, dev, seed=1)
         dout = torch.randn(CHECK_M, s.k, device=dev)
-        ref = grads(experts_grouped_mm, leaves(w.w13, w.w2, x, routing.topk_weights, torch.float32), routing.topk_ids, dout)
+        ref = grads(experts_grouped_mm, leaves(w.w13, w.w2, x, routing.topk_weights, torch.float32), routing.topk_ids,
+                    dout)
         for backend, fn in BACKENDS.items():
             got = grads(fn, leaves(w.w13, w.w2, x, routing.topk_weights, torch.bfloat16), routing.topk_ids, dout)
             errors = {g: rel_l2(got[g], ref[g]) for g in GRADS}

@@ -350,8 +350,9 @@ def table(results: dict) -> None:
     for key, r in results.get("phases", {}).items():
         s = r.get("steps_idle")
         print(f"{key:28} {_med(r['idle']):6.1f} / {_med(r['busy']):6.1f}" + (
-            f"  noop {r['noop_idle']} / {r['noop_busy']}  empty_like {s['empty_like']} / {r['steps_busy']['empty_like']}"
-            f"  launches idle {s['launches']} busy {r['steps_busy']['launches']}" if s else ""))
+            f"  noop {r['noop_idle']} / {r['noop_busy']}  empty_like {s['empty_like']} / "
+            f"{r['steps_busy']['empty_like']}  launches idle {s['launches']} busy {r['steps_busy']['launches']}" if s
+            else ""))
     print("\n== align alone: GPU µs / host µs per alignment (medians of 3 rounds) ==")
     for key, r in results.get("align", {}).items():
         cols = "  ".join(f"{n} {_med(r.get(n + '_gpu', [])):7.2f}/{_med(r.get(n + '_host', [])):5.1f}"
@@ -359,7 +360,8 @@ def table(results: dict) -> None:
         print(f"{key:24} {cols}  equal {[k for k, v in r.items() if k.endswith('_equal') and v]}")
     print(f"\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass_from {FROM} ==")
     for key, r in results.get("calls", {}).items():
-        cols = "  ".join(f"f{v} {_med(r[f'f{v}_eager']):8.1f} {_med(r[f'f{v}_rest']):5.1f} {_med(r[f'f{v}_events']):8.1f}"
+        cols = "  ".join(f"f{v} {_med(r[f'f{v}_eager']):8.1f} {_med(r[f'f{v}_rest']):5.1f} "
+                         f"{_med(r[f'f{v}_events']):8.1f}"
                          for v in FROM if f"f{v}_eager" in r)
         print(f"{key:28} {cols}")
 
@@ -368,7 +370,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "host_big3_out"))
     parser.add_argument("--deadline-s", type=float, default=150.0)
-    parser.add_argument("--parts", nargs="+", default=["align", "calls", "phases"], choices=["phases", "align", "calls"])
+    parser.add_argument("--parts", nargs="+", default=["align", "calls", "phases"],
+                        choices=["phases", "align", "calls"])
     parser.add_argument("--from", dest="starts", type=int, nargs="+", default=FROM,
                         help="align_one_pass_from values of the calls part (the first: the reference output)")
     args = parser.parse_args()

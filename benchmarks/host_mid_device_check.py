@@ -52,7 +52,8 @@ from moekit.routing import gate, gate_route
 
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 BATCHES = (8, 1, 64, 256, 1024)
-# cells of a preset in priority order (the budget stops the rest): the layer's decode cells, the experts, the layer's others
+# cells of a preset in priority order (the budget stops the rest): the layer's decode cells, the experts, the layer's
+# others
 ORDER = (("layer", 8), ("layer", 1), ("experts", 8), ("experts", 64), ("experts", 256), ("experts", 1024),
          ("experts", 1), ("layer", 64), ("layer", 256), ("layer", 1024))
 DIAGNOSE_AT = (8, 256)  # experts cells with the other waits and the first call's steps
@@ -61,7 +62,8 @@ MAIN_OPTIONS = LaunchOptions(sum_fold_max=1)  # main's k-sum fold (M = 1 only); 
 # candidates for fewer launches past M = 8, measured for their GPU cost (not defaults): the alignment folded into
 # gate-up up to A = 512 (M = 64), the one-launch alignment up to A = 2048 (M = 256)
 MAIN_POOL_BYTES = 128 << 20  # main's REUSE_MAX_BYTES: above it h and y are allocated per call (DeepSeek-V3 M = 1024)
-CANDIDATES = {64: ("fold512", LaunchOptions(align_fold_max=512)), 256: ("one2048", LaunchOptions(align_one_launch_max=2048))}
+CANDIDATES = {64: ("fold512", LaunchOptions(align_fold_max=512)),
+              256: ("one2048", LaunchOptions(align_one_launch_max=2048))}
 WAITS = ("sync", "kick", "torch")
 LOOP_CALLS = 16  # as moekit.bench.timing.EAGER_CALLS
 

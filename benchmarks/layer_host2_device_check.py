@@ -22,8 +22,9 @@ Cells by priority (``measure``) until --budget-s (then the hard limit stops meas
    launch captured instead of the one launch (``graph_two``: main's capture).
 3. ``parts P M=m`` (M in PARTS_AT): the fast path's pieces, host µs each (``parts_cell``): where the layer's
    microseconds go on the device's host.
-Look for: ``layer_graph`` yes in every ``eq`` row (the other columns say where one and two launches differ); host rest <= 60 at M <= 8 for the
-three presets (and how far at 16, 64, 256); graph/floor <= 1.15 for M <= 256. JSON to $OUT/layer_host2.json.
+Look for: ``layer_graph`` yes in every ``eq`` row (the other columns say where one and two launches differ); host rest
+<= 60 at M <= 8 for the three presets (and how far at 16, 64, 256); graph/floor <= 1.15 for M <= 256. JSON to
+$OUT/layer_host2.json.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def layer_cell(layer: MoE, m: int) -> dict:
     if m <= gate_route.MAX_TOKENS:  # the capture with the gate kernel and the router's launch instead of the one
         with fresh_off():
             extra = {"graph_two_us": hm.gpu_us(fn), "graph_two_eq": hm.graph_equal(fn, out)}
-    return {**extra, "fast_path": m in layer._decode._entries, "host": round(t.host_us, 2), "host_rest": round(t.host_rest_us, 2),
+    return {**extra, "fast_path": m in layer._decode._entries, "host": round(t.host_us, 2),
+            "host_rest": round(t.host_rest_us, 2),
             "first": split["first"], "rest": split["rest"], "eager": round(t.eager_us, 2), "graph_us": graph,
             "floor": round(floor, 2), "graph_over_floor": round(graph / floor, 3), "graph_eq": hm.graph_equal(fn, out)}
 
@@ -236,7 +238,8 @@ def table(results: dict) -> str:
         elif key.startswith("parts"):
             lines.append(f"{key:34} " + " ".join(f"{k} {_f(v, 5)}" for k, v in r.items()))
         elif key.startswith("eq"):
-            cols = ("layer_graph", "layer_graph_two", "logits", "ids", "weights", "experts_eager_vs_layer", "experts_graph", "eager_twice",
+            cols = ("layer_graph", "layer_graph_two", "logits", "ids", "weights", "experts_eager_vs_layer",
+                    "experts_graph", "eager_twice",
                     *VARIANTS)
             lines.append(f"{key:34} " + " ".join(f"{c}={ha._yn(r[c]) if isinstance(r[c], bool) else r[c]}" for c in cols
                                                  if c in r)

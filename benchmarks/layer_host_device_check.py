@@ -21,8 +21,8 @@ ids vs ``moekit.route`` on the same logits (mismatching rows), the layer output 
 the layer's own routing (relative Frobenius error), and vs the previous implementation (max |diff|, rows
 whose experts differ). Once: raw C launches taken (``RawLaunch``) by the gate and route bound launches, and
 the host µs of ``torch.empty`` and ``torch._assert_async`` (what one fewer allocation or launch would save).
-Cells run M = 1 first across presets, after a throwaway cell (the first preset at M = 1: a first cell runs slow); a cell starting after BUDGET_S seconds is skipped (printed). JSON to
-$OUT/layer_host.json; a table printed last.
+Cells run M = 1 first across presets, after a throwaway cell (the first preset at M = 1: a first cell runs slow); a cell
+starting after BUDGET_S seconds is skipped (printed). JSON to $OUT/layer_host.json; a table printed last.
 """
 
 from __future__ import annotations
@@ -246,7 +246,8 @@ def cell_or_fallback(layer: MoE, preset: str, m: int) -> dict:
         try:
             row = cell(layer, preset, m)
             state = [] if layer._fused_router.assert_in_kernel else ["flag router"]
-            return {**row, "fallback": ", ".join(state + ([] if layer._gate_fn else ["F.linear gate"])), "errors": errors}
+            return {**row, "fallback": ", ".join(state + ([] if layer._gate_fn else ["F.linear gate"])),
+                    "errors": errors}
         except Exception:  # noqa: BLE001 - reported, and the next way is tried
             errors.append(traceback.format_exc())
             print(f"{preset} M={m} failed ({fallback or 'default'}):\n{errors[-1]}", flush=True)

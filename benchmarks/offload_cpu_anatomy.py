@@ -123,7 +123,8 @@ def print_passes(exact: list[dict], parts: list[dict]) -> None:
     for r in parts:
         print(f"  n{r['experts']}: total {r['total_ms']:.3f} = {r['stage_ms']:.3f} + {r['wait_ms']:.3f} + "
               f"{r['compute_ms']:.3f} + {r['back_ms']:.3f}; compute warm {r['compute_warm_ms']:.3f}, others "
-              + " / ".join(f"{r[f'compute_{g}_ms']:.3f}" for g in r["others"]) + f"; gemms {r['gemms_ms']:.3f} / {r['gemms_warm_ms']:.3f} / {r['gemms_1t_ms']:.3f}; "
+              + " / ".join(f"{r[f'compute_{g}_ms']:.3f}" for g in r["others"])
+              + f"; gemms {r['gemms_ms']:.3f} / {r['gemms_warm_ms']:.3f} / {r['gemms_1t_ms']:.3f}; "
               f"compute - gemms {r['compute_ms'] - r['gemms_ms']:.3f}")
 
 

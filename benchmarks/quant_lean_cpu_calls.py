@@ -7,7 +7,8 @@ Triton's launch is left out: it is the same in both), and the host µs per call 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/quant_lean_cpu_calls.py
 
 Under the interpreter a "launch" is an entry into Triton's code from moekit's; for the timing the
-interpreter's ``InterpretedFunction.run`` is a no-op (so the µs are moekit's and torch's host work, on this CPU, not the H200's).
+interpreter's ``InterpretedFunction.run`` is a no-op (so the µs are moekit's and torch's host work, on this CPU, not the
+H200's).
 """
 
 from __future__ import annotations
