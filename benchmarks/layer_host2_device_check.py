@@ -248,7 +248,8 @@ def table(results: dict) -> str:
                                                                       if k.endswith("rel_diff")))
         else:
             graph_eq = r["graph_eq"] if r["graph_eq"] == "cpu" else ha._yn(r["graph_eq"])
-            two = "" if "graph_two_us" not in r else f" | two launches: graph {_f(r['graph_two_us'])} eq {r['graph_two_eq']}"
+            two = ("" if "graph_two_us" not in r
+                   else f" | two launches: graph {_f(r['graph_two_us'])} eq {r['graph_two_eq']}")
             lines.append(f"{key:34} host {_f(r['host'])} rest {_f(r['rest'])} first {_f(r['first'])} eager "
                          f"{_f(r['eager'])} graph {_f(r['graph_us'])} floor {_f(r['floor'])} g/f "
                          f"{_f(r['graph_over_floor'], 5)} eq {graph_eq} fast {r['fast_path']}{two}")

@@ -16,7 +16,8 @@ def team_lines(rows: list[dict]) -> list[str]:
             got = [r for r in rows if r["kind"] == what and r["gap_ms"] == gap * 1e3]
             if not got:
                 continue
-            ivcsw = f"ivcsw {sum(r['ivcsw'] for r in got)}/main {sum(r['ivcsw_main'] for r in got)} minflt {sum(r['minflt'] for r in got)}"
+            ivcsw = (f"ivcsw {sum(r['ivcsw'] for r in got)}/main {sum(r['ivcsw_main'] for r in got)} minflt "
+                     f"{sum(r['minflt'] for r in got)}")
             if what == "probe":
                 out.append(f"  probe  gap {gap * 1e3:5.0f}: wall {_median([r['wall_ms'] for r in got]):6.3f} (max "
                            f"{max(r['wall_ms'] for r in got):6.3f}) wake max "

@@ -89,7 +89,8 @@ class ActivationSpec:
                 raise ValueError(f"activation.{used[0]} needs gated=True (an ungated activation has no gate/up pair)")
         # kept as a bool: under torch.compile(dynamic=True) dynamo traces a float field read from a global spec
         # as a symbolic float, and comparing it specialises it and restarts the whole trace (twice the compile)
-        plain = self.gated and not self.interleaved and self.alpha == 1.0 and self.limit is None and self.up_shift == 0.0
+        plain = (self.gated and not self.interleaved and self.alpha == 1.0 and self.limit is None
+                 and self.up_shift == 0.0)
         object.__setattr__(self, "_plain", plain)
 
     @property

@@ -384,7 +384,8 @@ class MoE(nn.Module):
         options = {k: v for k, v in self.backend_options.items() if k in ("memory_budget_bytes", "layout")}
         plan = plan_grouped_mm(*routing.topk_ids.shape, w13.shape[0], w13.shape[2], w2.shape[2],
                                w13.dtype, allow_sync=w13.device.type == "cpu", **options)
-        return plan.layout if plan.chunk_tokens >= routing.num_tokens else f"{plan.layout} in chunks of {plan.chunk_tokens}"
+        return (plan.layout if plan.chunk_tokens >= routing.num_tokens
+                else f"{plan.layout} in chunks of {plan.chunk_tokens}")
 
     def resolved_backend(self) -> str:
         """The backend that runs on the weights' device: ``backend`` with "auto" resolved."""

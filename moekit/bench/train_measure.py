@@ -232,7 +232,8 @@ def speedups(rows: list[TrainRow]) -> list[dict]:
 def _line(row: TrainRow) -> str:
     if row.error:
         return f"{row.shape} M={row.tokens} {row.impl}: failed: {row.error}"
-    memory = f", peak +{row.peak_gib:.2f} GiB (activations {row.activation_gib:.2f})" if row.peak_gib is not None else ""
+    memory = (f", peak +{row.peak_gib:.2f} GiB (activations {row.activation_gib:.2f})" if row.peak_gib is not None
+              else "")
     check = f", dx err {row.rel_err_dx:.1e}" if row.rel_err_dx is not None else ""
     return (f"{row.shape} M={row.tokens} {row.impl}: {row.ms:.3f} ms, {format_flops(row.tflops * 1e12)} "
             f"({row.pct_mm:.0f}% of matmul){memory}{check}")
