@@ -1,13 +1,17 @@
 """``MoE``: the whole layer as an ``nn.Module``.
 
-    [Gate] -> [Route] -> [Capacity, opt-in] -> [Group] -> [Experts: w13, act-and-mul, w2, weight] -> [Combine] (+ shared)
+    [Gate] -> [Route] -> [Capacity, opt-in] -> [Group] -> [Experts: w13, act-and-mul, w2, weight] -> [Combine]
+      (+ shared)
 
 Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
 | stage    | where                                                         | in -> out                              |
 | -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate``'s weights; at <= 256 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
-| Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
+| Gate     | ``MoE.gate``'s weights; at <= 256 tokens with the fused       | x2d [M, K] -> logits [M, E]            |
+|          |   router one Triton launch with Route                         |                                        |
+|          |   (``moekit.routing.gate_route``)                             |                                        |
+| Route    | ``moekit.routing.route``, or its one-kernel twin              | logits -> ids [M, k] int32, weights    |
+|          |   ``FusedRouter`` on CUDA (``router=``)                       |                                        |
 | Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
 | Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
 | Experts  | the ``moekit.experts`` backend, called by ``run_routed``        | rows -> w2 @ act_and_mul(w13 @ row)    |
@@ -152,7 +156,8 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(k_dim, 1, bias=False, **factory) if config.shared_expert_gate else None
         self.router = router  # resolves the router for the weights' device, like the backend
         if backend_options is not None and not isinstance(backend_options, dict):
-            raise TypeError(f"backend_options must be a dict of keyword arguments, got {type(backend_options).__name__}")
+            raise TypeError(f"backend_options must be a dict of keyword arguments, got "
+                            f"{type(backend_options).__name__}")
         self.backend_options = dict(backend_options or {})
         self.backend = backend  # resolves the backend function for the weights' device
         self.reset_parameters()

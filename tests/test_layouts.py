@@ -209,7 +209,8 @@ def test_chooser_respects_budget_and_explains():
     assert tight.name == "none" and "chunks" in tight.reason
     counts = [512 * 8] + [0] * 255  # everything on one expert: the measured cap is the cheap masked layout
     no_sync = choose_layout(memory_budget_bytes=2**34, counts=counts, allow_sync=False, block_size=128, **args)
-    assert no_sync.name in ("block_aligned", "contiguous") and not {x.name: x for x in no_sync.estimates}[no_sync.name].syncs
+    assert (no_sync.name in ("block_aligned", "contiguous")
+            and not {x.name: x for x in no_sync.estimates}[no_sync.name].syncs)
 
 
 def test_empty_batch_gives_empty_layouts():

@@ -120,7 +120,8 @@ def test_sequence_balance_loss_is_per_sequence():
     skewed = torch.zeros(8, 4)
     skewed[:4, :2] = 3.0
     skewed[4:, 2:] = 3.0
-    assert sequence_balance_loss(skewed, ids, 4, 4, scoring="softmax") > sequence_balance_loss(skewed, ids, 4, 8, scoring="softmax")
+    assert (sequence_balance_loss(skewed, ids, 4, 4, scoring="softmax")
+            > sequence_balance_loss(skewed, ids, 4, 8, scoring="softmax"))
 
 
 def test_z_loss_matches_the_formula():

@@ -15,7 +15,8 @@ from moekit import MoE, MoEConfig
 from moekit.bench.offload_floor import sum_floor_s, timeline_s
 from moekit.offload.gpu_terms import fixed_from, measure_fixed
 from moekit.bench.offload_cells import balanced_orders
-from moekit.offload import CpuPhases, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, gpu_only, split_misses
+from moekit.offload import (CpuPhases, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, gpu_only,
+                            split_misses)
 from moekit.offload import calibrate
 from moekit.routing import Routing
 

@@ -152,7 +152,8 @@ def test_never_worse_than_deepseek_sweep():
         reference = max(_deepseek_reference(loads, world_size, num_redundant))
         assert got <= reference * (1 + REL), (len(loads), world_size, num_redundant, got, reference)
         assert got >= load_lower_bound(loads, world_size, num_redundant) * (1 - REL)
-        assert [p.num_local_experts(r) for r in range(world_size)] == [p.num_physical_experts // world_size] * world_size
+        assert ([p.num_local_experts(r) for r in range(world_size)]
+                == [p.num_physical_experts // world_size] * world_size)
 
 
 def test_deterministic_and_spread_when_equal():

@@ -69,7 +69,8 @@ def _check_page_shows(page, api: dict) -> None:
     assert text("#active-params") == format_params(api["active_params"])
     assert _number(text("#sparsity")) == pytest.approx(api["sparsity"], abs=0.051)
     dropped, rate = text("#dropped").split(" ")  # "195 (76.2%)"; compared as numbers: JS and Python round ties apart
-    assert int(dropped) == api["dropped"] and _number(rate.strip("()")) == pytest.approx(100 * api["drop_rate"], abs=0.051)
+    assert (int(dropped) == api["dropped"]
+            and _number(rate.strip("()")) == pytest.approx(100 * api["drop_rate"], abs=0.051))
     assert _number(text("#imbalance")) == pytest.approx(api["imbalance"], abs=0.0051)
     assert text("#experts-touched") == f"{api['experts_touched']} of {api['params']['experts']}"
     assert text("#capacity") == str(api["capacity"])

@@ -99,7 +99,8 @@ def test_a_request_at_the_maxima_is_refused_at_once_naming_what_to_lower(base_ur
     answer = json.loads(body)
     assert status == 400 and content_type == "application/json"
     assert "over the work budget" in answer["error"]
-    assert f"lower {answer['parameter']} to at most {answer['max']} (got {MAXIMA[answer['parameter']]})" in answer["error"]
+    assert (f"lower {answer['parameter']} to at most {answer['max']} (got {MAXIMA[answer['parameter']]})"
+            in answer["error"])
 
 
 @pytest.mark.parametrize("balance, steps", [("aux-loss", "aux_steps"), ("bias", "bias_batches")])

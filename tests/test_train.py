@@ -41,7 +41,8 @@ def test_corpus_is_the_sorted_stdlib_sources(corpus):
 
 @pytest.fixture
 def one_thread():
-    """Tiny GEMMs: a second thread only contends on CI's shared cores (measured here: 11 s vs 157 s with two threads, load 15)."""
+    """Tiny GEMMs: a second thread only contends on CI's shared cores (measured here: 11 s vs 157 s with two
+    threads, load 15)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

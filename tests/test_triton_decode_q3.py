@@ -75,7 +75,8 @@ def test_fp8_swap_ab_matches_float64_recipe(fp8, m, options, up_n):
 
 def test_bf16_swap_ab_is_refused():
     g = torch.Generator().manual_seed(0)
-    x, w13, w2 = torch.randn(1, 160, generator=g), torch.randn(8, 192, 160, generator=g), torch.randn(8, 160, 96, generator=g)
+    x, w13, w2 = (torch.randn(1, 160, generator=g), torch.randn(8, 192, 160, generator=g),
+                  torch.randn(8, 160, 96, generator=g))
     config = KernelConfig(16, GemmTile(32, 64, 1, 4, 2), GemmTile(32, 64, 1, 4, 2), swap_ab=True)
     with interpreted("moekit.experts", "moekit.experts.triton") as tr, pytest.raises(ValueError, match="swap_ab"):
         tr.fused_experts(x, w13, w2, torch.tensor([[0, 1]], dtype=torch.int32), torch.rand(1, 2), config=config)

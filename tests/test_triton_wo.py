@@ -244,7 +244,8 @@ def test_tuned_file_is_found_and_heuristic_otherwise(wo, tmp_path, monkeypatch):
     clear_config_cache()
     try:
         assert plans.wo_config(5, 4, 64, 100, 2, "mxfp4", "cpu") == KernelConfig.from_dict(entry)
-        assert plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu") == plans.wo_heuristic_config(5, 4, 64, 100, 2, "int4_w4a16")
+        assert (plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu")
+                == plans.wo_heuristic_config(5, 4, 64, 100, 2, "int4_w4a16"))
         x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=5, k=2, seed=12)
         out = wo.fused_experts_wo(x, w13, w2, ids, weights)  # runs on the file's config
         assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3

@@ -210,4 +210,5 @@ def test_inline_ptx_compiles_for_sm90():
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "wo_gemv_sass_cpu.py"), "--quick"],
                           capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
-    assert done.returncode == 0 and len(lines) == 4 and all(line.startswith("OK") for line in lines), done.stdout + done.stderr
+    assert (done.returncode == 0 and len(lines) == 4
+            and all(line.startswith("OK") for line in lines)), done.stdout + done.stderr

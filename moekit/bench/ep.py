@@ -151,7 +151,8 @@ def _bench_m(ep: EPMoE, single: MoE, num_tokens: int, device: torch.device, dtyp
     payload = torch.empty(sum(sent.send_splits), row_bytes, dtype=torch.uint8, device=device)
     received = torch.empty(sum(sent.recv_splits), row_bytes, dtype=torch.uint8, device=device)
     back = torch.empty(sum(sent.send_splits), ep.config.hidden_size, dtype=dtype, device=device)
-    raw_dispatch = lambda: dist.all_to_all_single(received, payload, sent.recv_splits, sent.send_splits, group=group)  # noqa: E731
+    raw_dispatch = lambda: dist.all_to_all_single(received, payload, sent.recv_splits, sent.send_splits,  # noqa: E731
+                                                  group=group)
     raw_combine = lambda: dist.all_to_all_single(back, y, sent.send_splits, sent.recv_splits, group=group)  # noqa: E731
     x_single = torch.randn(num_tokens, single.config.hidden_size, device=device, dtype=dtype)
     half = num_tokens // 2  # the experts over half the tokens: what a 2-chunk overlap pays per chunk
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions of each phase (the same on every rank)")
     parser.add_argument("--out", type=Path, help="JSON results file (rank 0 writes it)")
     parser.add_argument("--pg-timeout", type=float, default=120.0,
-                        help="process group timeout in seconds: a collective that waits longer fails instead of hanging")
+                        help="process group timeout in seconds: a collective that waits longer fails instead of "
+                        "hanging")
     parser.add_argument("--profile", action="store_true",
                         help="profile every phase at every M first: launches, host syncs, host and device us per call")
     args = parser.parse_args(argv)

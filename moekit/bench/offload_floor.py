@@ -43,8 +43,9 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                layer over none): the cache's work to evict and issue the copies, the same copy path a
                fetch takes; after the layer's CPU branch where it has one (the branch runs on the host
                thread, and the prefetch is issued when ``run_routed`` returns: until session 20 the floor
-               let the branch hide it, and the cpu mode's prefetching cells read over their floor). Before it, the floor priced a prefetch as link time only, and the M = 1
-               skewed cells with prefetch ran 1.18-1.43x it (one H200 run): moving a fetch into a
+               let the branch hide it, and the cpu mode's prefetching cells read over their floor). Before it,
+               the floor priced a prefetch as link time only, and the M = 1 skewed cells with prefetch ran
+               1.18-1.43x it (one H200 run): moving a fetch into a
                prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing;
                ``prefetch_layer_s`` is timed with one expert a layer, and each further expert of a layer's
                prefetch costs ``MissCosts.issue_s`` more (its victim evicted, its copy issued): at skewed 50%

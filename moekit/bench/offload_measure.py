@@ -159,8 +159,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
                 if keep is not None and not keep(stream, m, group[0]):
                     continue
-                fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
-                                                                                         device, options, group[0].slots)
+                fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(
+                    shells, routings[:4], costs, device, options, group[0].slots)
                 group, group_costs, scale = _prepare(group, fixed_s.priced(costs), probe, 10 * len(rows),
                                                      online_cpu_rate, _rows(m, top_k, experts))
                 cpu = _cpu_probes(probe, group, group_costs, data.trace, warm,
@@ -204,7 +204,8 @@ def _costs_doc(costs: MissCosts) -> dict:
 
 
 def _stream(config: MoEConfig, layers: int, count: int, m: int, stream: str, warm: int, device):
-    """The simulator's decode stream of ``count`` steps (seed 3) and its routings from step ``warm`` on, on ``device``."""
+    """The simulator's decode stream of ``count`` steps (seed 3) and its routings from step ``warm`` on, on
+    ``device``."""
     data = decode_stream(config.num_experts, config.top_k, layers, count, m, STREAMS[stream], DRIFT, seed=3)
     return data, [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
 

@@ -141,7 +141,8 @@ def _ceilings_line(c: Ceilings) -> str:
             f"({c.mm_dtype})")
     if c.fp8_mm_TFLOPs:
         return line + f", fp8 matmul {format_flops(c.fp8_mm_TFLOPs * 1e12)}"
-    return line if (c.fp8_mm_error or "").startswith("not measured") else line + f", fp8 matmul failed: {c.fp8_mm_error}"
+    return (line if (c.fp8_mm_error or "").startswith("not measured")
+            else line + f", fp8 matmul failed: {c.fp8_mm_error}")
 
 
 def run_bench(device: torch.device, shapes=None, batches=None, backends=None, on_progress=None, dtypes=None,

@@ -1,6 +1,7 @@
 """``moekit bench --train``: forward + backward of the experts path, routing included, per implementation.
 
-    x [M, K] -> gate GEMM -> route (softmax top-k, renormalised) -> experts (w13, SiLU-and-mul, w2, weight) -> out [M, K]
+    x [M, K] -> gate GEMM -> route (softmax top-k, renormalised) -> experts (w13, SiLU-and-mul, w2, weight)
+      -> out [M, K]
     loss = sum(out * R) (R a fixed random [M, K]) -> backward: grads of x, the gate, w13, w2
 
 Shapes: M tokens, K hidden, N expert intermediate, E experts, k experts per token.

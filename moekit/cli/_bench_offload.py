@@ -22,10 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-streams", action=ListOption, item=_stream, default=["uniform", "skewed"],
                    help="simulated routing streams: uniform, skewed")
     g.add_argument("--offload-online-cpu-rate", action="store_true",
-                   help='"auto" layers price CPU experts by an online estimate of the CPU rate (moekit.offload.CpuRate)')
+                   help='"auto" layers price CPU experts by an online estimate of the CPU rate '
+                   '(moekit.offload.CpuRate)')
     g.add_argument("--offload-dtype", default="float", metavar="DTYPE",
                    help="the experts' format: float (bf16 on CUDA, float32 on the CPU) or a moekit.quant scheme "
-                   "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the link")
+                   "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the "
+                   "link")
 
 
 def run(args: argparse.Namespace) -> int:

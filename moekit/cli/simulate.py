@@ -105,7 +105,8 @@ def _answer1(ex) -> str:
 
 
 def _answer2(ex) -> str:
-    lines = [f"Exercise 2: MoE layer, {ex.tokens} tokens, E={ex.experts}, top-{ex.top_k}; capacity dropping vs dropless"]
+    lines = [f"Exercise 2: MoE layer, {ex.tokens} tokens, E={ex.experts}, top-{ex.top_k}; capacity dropping vs "
+             f"dropless"]
     for c in ex.curves:
         lines.append(f"  skew {c.skew}: drops at capacity factor <= {c.last_with_drops}; "
                      f"output error > {ex.tolerance:.0%} at capacity factor <= {c.last_over_tolerance}")

@@ -9,7 +9,8 @@ import contextlib
 import time
 from pathlib import Path
 
-from moekit.cli._args import DefaultsHelpFormatter, device_arg, missing_extra, output_dir, positive_float, positive_int, seed_arg
+from moekit.cli._args import (DefaultsHelpFormatter, device_arg, missing_extra, output_dir, positive_float,
+                              positive_int, seed_arg)
 
 
 def register(subparsers) -> None:

@@ -29,11 +29,13 @@ in ``LaunchOptions`` for an A/B):
       shapes, dtypes and devices, no map or biases -> out (fresh), its kept sequence launched; nothing below
     call_backend: check_experts_args (the one check) -> experts_triton_unchecked
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
-      -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
+      -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions,
+         bound launches]
       -> lean (``LaunchOptions.lean_launch``, ``triton_lean``): out (fresh), the plan's recorded LaunchSequence
          (rebuilt if the pooled workspace or the weights' descriptors changed), the call's tensors filled into
-         argument lists built once (as addresses: ``triton_bind.PASS_ADDRESSES``), each launched through the C entry; or, on
-         the first call of a plan and wherever lean does not apply (graph capture, poisoned workspaces, a
+         argument lists built once (as addresses: ``triton_bind.PASS_ADDRESSES``), each launched through the C
+         entry; or, on the first call of a plan and wherever lean does not apply (graph capture, poisoned
+         workspaces, a
          caller's counters, a launch hook):
       -> out (fresh), workspace (reused views; above the pool's max_bytes all but the alignment's regions
          fresh per call; all fresh while a graph captures), TMA descriptors (per weight)

@@ -198,7 +198,8 @@ class ExpertCache:
         """Fetch ``experts`` (misses of ``layer``) into slots, evicting unprotected ones; they stay
         protected until ``release``. Raises if more are asked than ``free_slots()``."""
         if len(experts) > self.free_slots():
-            raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be freed")
+            raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be "
+                               f"freed")
         keys = [(layer, e) for e in experts]
         self._fetch(keys, stats, "fetch")  # protects them
         for key in keys:
@@ -305,7 +306,8 @@ class ExpertCache:
             raise RuntimeError("every cache slot is in use by the forward in flight")
         for victim in victims:
             idle = self._tick - self.policy.last_use(victim)
-            self._horizon = idle if math.isinf(self._horizon) else self._horizon + HORIZON_WEIGHT * (idle - self._horizon)
+            self._horizon = (idle if math.isinf(self._horizon)
+                             else self._horizon + HORIZON_WEIGHT * (idle - self._horizon))
             self._drop(victim)
 
     def _drop(self, key: Key) -> None:

@@ -247,7 +247,8 @@ def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nby
     x = torch.randn(1, layer.config.hidden_size, dtype=layer.cache.host(layer.layer_id).w13_template.dtype, device=dev)
     ids = torch.tensor([group], dtype=torch.int32, device=dev)
     weights = torch.full((1, len(group)), 1.0 / len(group), dtype=torch.float32, device=dev)
-    stream, start, end = torch.cuda.Stream(dev), torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream, start, end = (torch.cuda.Stream(dev), torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
     torch.cuda.synchronize(dev)
     with torch.cuda.stream(stream):
         start.record(stream)

@@ -1,6 +1,7 @@
 """``EPMoE``: one rank's part of an expert-parallel MoE layer.
 
-    [Gate+Route, local tokens] -> [Dispatch: counts, payload all_to_all_single] -> [Local experts] -> [Combine: all_to_all_single, sum] (+ shared)
+    [Gate+Route, local tokens] -> [Dispatch: counts, payload all_to_all_single] -> [Local experts]
+      -> [Combine: all_to_all_single, sum] (+ shared)
 
 Shapes: M local tokens, K hidden, N expert intermediate, E logical routed experts (``num_experts``),
 L physical experts on this rank (``num_local_experts``), S fused shared slots, W ranks, U rows received.

@@ -2,13 +2,16 @@
 
 Accepted formats:
 
-| format                          | tensors (per Linear, or with a leading E)                       | becomes        |
-| ------------------------------- | --------------------------------------------------------------- | -------------- |
-| DeepSeek-V3 fine-grained fp8    | weight [R, C] e4m3, weight_scale_inv [ceil(R/128), ceil(C/128)]  | Fp8BlockWeight, as is |
-|                                 |   (float32, bfloat16 or float8_e8m0fnu scales, kept exactly)     |                |
-| gpt-oss MXFP4                   | *_blocks [E, R, C/32, 16] uint8, *_scales [E, R, C/32] uint8     | Mxfp4Weight, the same bytes |
-| GPTQ int4 (v1 and v2)           | qweight [C/8, R] int32, qzeros [C/g, R/8] int32, scales [C/g, R] | Int4Weight, repacked once |
-| AWQ int4 (GEMM packing)         | qweight [C, R/8] int32, qzeros [C/g, R/8] int32, scales [C/g, R] | Int4Weight, repacked once |
+| format                       | tensors (per Linear, or with a leading E)                        | becomes          |
+| ---------------------------- | ---------------------------------------------------------------- | ---------------- |
+| DeepSeek-V3 fine-grained fp8 | weight [R, C] e4m3, weight_scale_inv [ceil(R/128), ceil(C/128)]  | Fp8BlockWeight,  |
+|                              |   (float32, bfloat16 or float8_e8m0fnu scales, kept exactly)     |   as is          |
+| gpt-oss MXFP4                | *_blocks [E, R, C/32, 16] uint8, *_scales [E, R, C/32] uint8     | Mxfp4Weight, the |
+|                              |                                                                  |   same bytes     |
+| GPTQ int4 (v1 and v2)        | qweight [C/8, R] int32, qzeros [C/g, R/8] int32, scales [C/g, R] | Int4Weight,      |
+|                              |                                                                  |   repacked once  |
+| AWQ int4 (GEMM packing)      | qweight [C, R/8] int32, qzeros [C/g, R/8] int32, scales [C/g, R] | Int4Weight,      |
+|                              |                                                                  |   repacked once  |
 
 The int32 packings differ: GPTQ packs 8 codes along the input dim (C) of qweight, code i of a word
 at bits 4i; AWQ packs along the output dim (R) in the order AWQ_ORDER (the word's nibble i holds

@@ -1,6 +1,7 @@
 """The fused router: ``route`` (and optionally ``append_shared_slots``) as one Triton kernel.
 
-    Gate -> [Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts -> Combine
+    Gate -> [Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts
+      -> Combine
 
 Same contract and semantics as ``moekit.routing.route``, its torch twin: int32 ids [M, k] in descending
 score order, fp32 weights [M, k]; ids equal to route's bit for bit where no two candidates tie, weights

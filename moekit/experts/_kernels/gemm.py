@@ -289,7 +289,8 @@ def down_kernel(
     if W_DESC:  # w2_ptr is a tensor descriptor over w2 as [E*K, N], block [BN, BK]
         w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
     else:
-        w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
+        w_ptrs = (w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk
+                  + offs_red[:, None] * stride_wn)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0

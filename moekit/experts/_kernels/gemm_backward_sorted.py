@@ -72,7 +72,8 @@ def _w13_tile(w13_ptr, expert, k0, col0, row0, N, K, stride_ae, stride_an, strid
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         offs_n = col0 + tl.arange(0, BLOCK_N)
-        ptrs = w13_ptr + expert * stride_ae + (row0 + offs_n[None, :]).to(tl.int64) * stride_an + offs_k[:, None] * stride_ak
+        ptrs = (w13_ptr + expert * stride_ae + (row0 + offs_n[None, :]).to(tl.int64) * stride_an
+                + offs_k[:, None] * stride_ak)
         tile = tl.load(ptrs, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
     return tile
 
