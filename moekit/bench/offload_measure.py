@@ -125,19 +125,17 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
                     online_cpu_rate: bool = False, reference_fixed: bool = True, keep=None,
                     cpu_probe: bool = True) -> dict:
-    """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
-    --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
-    experts (packed on the host, in the slots, over the link; None: bf16 on CUDA, float32 on the CPU).
-    ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``).
-    ``cpu_options``: the layers' CPU branch (``CpuOptions``). ``observed_margin``: raise the costs' ``cpu_margin``
-    to the CPU branch's measured / predicted time over the warm-up (``MissCosts.observed``). ``shells`` / ``costs``: the
-    host layers (one per layer) and costs from an earlier call (``host_shells``; ``measure_costs``), not rebuilt.
-    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it. ``variants``: further runs in every group,
-    label -> (place, MissCosts fields replaced: {"refetch": "hit_rate"}), rows labelled so in
-    ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers share a ``CpuRate`` (the what-if
-    replays the calibrated costs). ``reference_fixed``: the floor's fixed cost from an all-hit stack among the cells.
-    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped);
-    ``cpu_probe``: a run's floor's CPU side by a probe after its steps (``offload_probe``)."""
+    """Every (stream, M, fraction, policy, prefetch, place): the document ``moekit bench --offload`` writes.
+    ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the experts (packed on the host, in the
+    slots, over the link; None: bf16 on CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None:
+    ``default_warm_steps(M)``). ``cpu_options``: the layers' CPU branch. ``observed_margin``: raise the costs'
+    ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up (``MissCosts.observed``). ``shells`` /
+    ``costs``: host layers (one per layer) and costs of an earlier call (``host_shells``, ``measure_costs``): reused.
+    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it. ``variants``: further runs in every group, label ->
+    (place, MissCosts fields replaced: {"refetch": "hit_rate"}), rows labelled so in ``compute_misses_on``.
+    ``online_cpu_rate``: each "auto" cell's layers share a ``CpuRate`` (the what-if replays the calibrated costs).
+    ``reference_fixed``: the floor's fixed cost from an all-hit stack among the cells. ``keep(stream, M, run)``: False
+    skips the group of that first ``offload_cells.Run`` (None: none). ``cpu_probe``: the floor's CPU side by a probe."""
     dtype, options = torch.bfloat16 if device.type == "cuda" else torch.float32, cpu_options or CpuOptions()
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     clock = [time.perf_counter()]

@@ -26,16 +26,8 @@ from torch import nn
 from moekit.config import MoEConfig
 from moekit.experts import call_backend
 from moekit.layer import MoE, MoEOutput, RoutedTokens
-from moekit.parallel.dispatch import (
-    Dispatched,
-    ReplicaTables,
-    choose_replicas,
-    combine,
-    dispatch,
-    dispatch_padded,
-    plan_sends,
-    weights_dtype,
-)
+from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
+                                      plan_sends, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.overlap import dispatch_starters, run_chunks
@@ -57,29 +49,26 @@ class EPMoE(MoE):
     outputs; ranks may pass different numbers of tokens, including none, but every rank of the group
     must call ``forward`` the same number of times (the collectives pair up).
 
-    Errors are collective: a rank that fails before the dispatch (x of another dtype, device or hidden
-    size than the weights, NaN logits on the CPU, more than C tokens, bad ``rebalance`` loads, ...)
-    raises its own error and every other rank raises ``PeerRankError`` naming it, at once, with the
-    group still in step. Cost: each forward checks, routes and (exact dispatch) plans and packs its sends
-    locally, then does one small ``all_to_all_single`` (error flag and a signature of the payload row's
-    dtype, K and k, which must match; the exact dispatch's row counts ride along) and reads it on the
-    host; messages are exchanged only after an error (``moekit.parallel.errors``).
+    Errors are collective: a rank that fails before the dispatch (x of another dtype, device or hidden size than the
+    weights, NaN logits on the CPU, more than C tokens, bad ``rebalance`` loads, ...) raises its own error and every
+    other rank raises ``PeerRankError`` naming it, at once, with the group still in step. Cost: each forward checks,
+    routes and (exact dispatch) plans and packs its sends locally, then does one small ``all_to_all_single`` (error flag
+    and a signature of the payload row's dtype, K and k, which must match; the exact dispatch's row counts ride along)
+    and reads it on the host; messages are exchanged only after an error (``moekit.parallel.errors``).
 
     Host synchronisation per forward: that one read (the agreement and, exact, the split sizes that
     ``all_to_all_single`` takes as Python ints) and the stats when ``return_stats=True``. With ``max_tokens_per_rank``
-    set (every rank the same C; each forward passes at most C tokens) the dispatch is padded instead:
-    C rows go to every rank whatever the routing and no counts are exchanged, so captured in a CUDA
-    graph the forward makes no host sync; it pays W*C rows on the wire against the exact T (about the
-    same when most tokens need most ranks, as DeepSeek-V3's top-8 of 256 does on 2 ranks; wasteful when
-    ranks are many and tokens need few of them). Under capture the agreement is skipped and errors
-    stay local; the contract: shapes, dtypes, devices and token counts are static in a graph and are
-    agreed by the eager warm-up forward of the same shapes that precedes capture; value checks (NaN
-    logits) are device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context
-    as in a single-device ``MoE`` (the others then wait out the group's timeout). Construction and
-    ``rebalance`` also sync; ``rebalance`` keeps the weights' storage when each rank keeps its slot
-    count (``apply_placement``). Trains (``moekit.parallel.rows``): every rank calls ``backward`` as often as
-    ``forward``; expert gradients sum every rank's tokens, the replicated weights' (gate, shared) hold this
-    rank's share, to be all-reduced as in data parallelism.
+    set (every rank the same C; each forward passes at most C tokens) the dispatch is padded instead: C rows go to every
+    rank whatever the routing and no counts are exchanged, so captured in a CUDA graph the forward makes no host sync;
+    it pays W*C rows on the wire against the exact T (about the same when most tokens need most ranks, as DeepSeek-V3's
+    top-8 of 256 does on 2 ranks; wasteful when ranks are many and tokens need few of them). Under capture the agreement
+    is skipped and errors stay local; the contract: shapes, dtypes, devices and token counts are static in a graph and
+    are agreed by the eager warm-up forward of the same shapes that precedes capture; value checks (NaN logits) are
+    device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context as in a single-device ``MoE``
+    (the others then wait out the group's timeout). Construction and ``rebalance`` also sync; ``rebalance`` keeps the
+    weights' storage when each rank keeps its slot count (``apply_placement``). Trains (``moekit.parallel.rows``): every
+    rank calls ``backward`` as often as ``forward``; expert gradients sum every rank's tokens, the replicated weights'
+    (gate, shared) hold this rank's share, to be all-reduced as in data parallelism.
 
     Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
     expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
@@ -216,17 +205,10 @@ class EPMoE(MoE):
                 self.w2[local].copy_(w2)
 
     def _fingerprint(self) -> dict:
-        return {
-            "config": dataclasses.asdict(self.config),
-            "placement": self.placement.to_dict(),
-            "fuse_shared": self.fuse_shared,
-            "capacity_factor": self.capacity_factor,
-            "drop_policy": self.drop_policy,
-            "dtype": str(self.w13.dtype),
-            "world_size": self.world_size,
-            "max_tokens_per_rank": self.max_tokens_per_rank,
-            "overlap": self.overlap,
-        }
+        return {"config": dataclasses.asdict(self.config), "placement": self.placement.to_dict(),
+                "fuse_shared": self.fuse_shared, "capacity_factor": self.capacity_factor,
+                "drop_policy": self.drop_policy, "dtype": str(self.w13.dtype), "world_size": self.world_size,
+                "max_tokens_per_rank": self.max_tokens_per_rank, "overlap": self.overlap}
 
     # ----- forward --------------------------------------------------------------------------------
 

@@ -196,8 +196,7 @@ def gate_up_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
-    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False,
-):
+    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
     wait_for_previous_kernel(PDL)
@@ -253,8 +252,7 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     # h [A, N], w2 [E, K, N], b2 [E, K], y [A, K] out: weight * (h w2^T + b2)
-    h_ptr, w2_ptr, b2_ptr, y_ptr, weights_ptr,
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    h_ptr, w2_ptr, b2_ptr, y_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_we, stride_wk, stride_wn, stride_b2e, stride_b2k, stride_ym,
@@ -262,8 +260,7 @@ def down_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1,
-):
+    SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1):
     """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM, SUM_AFTER: out too (docstring)."""
     wait_for_previous_kernel(PDL)
     if KSUM or SUM_AFTER:
