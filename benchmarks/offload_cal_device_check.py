@@ -1,5 +1,5 @@
-"""Device check for issue #18's targets: each cell's step within [0.85, 1.2]x its predicted floor, hit rate
-at the simulator's, and "auto" never slower than the better pure mode, beside the noise of the same run.
+"""Device check for issue #18's targets: each cell's step within [0.85, 1.2]x its predicted floor, hit rate at the
+simulator's, and "auto" never slower than the better pure mode, beside the noise of the same run.
 
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py            (H200, whole table, < 165 s)
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells 'skewed/75/router/1,*/*/*/8'
@@ -11,31 +11,30 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
 ``--cpu-tail-ms T``: auto prices T ms of stall a CPU branch (``MissCosts.cpu_tail_s``; default the calibration's
 ``calibrate.CPU_TAIL_S``, 1 ms since session 24; 0: as before). ``--cpu-threads N``: the CPU branch at N threads
 (``CpuOptions(threads=N)``; default: the calibration's, half the CPUs since session 23; 12 on the H200 host before it).
-``--out DIR``: the JSON's folder (else $OUT).
-``--fixed-threads``: after ``cpu_check``, torch's thread count is set to the calibration's for the table, so
-no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so. ``--limit S``:
-no group starts past S seconds (default 155: all 27 groups in 112 / 124 s on 0efdb0f / b89fbea, c1c5838 cut at
-92 s lost uniform/50 and 75 at M = 32; a group <= ~6 s; the M = 8 groups' 12 steps since session 24: ~10 s more). The
-header prints ``OMP_WAIT_POLICY`` (PASSIVE: the CPU branch's threads sleep at once after their work instead of spinning
-beside the host's next layer).
+``--out DIR``: the JSON's folder (else $OUT). ``--fixed-threads``: after ``cpu_check``, torch's thread count is set to
+the calibration's for the table, so no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the
+header says so. ``--limit S``: no group starts past S seconds (default 155: all 27 groups in 112 / 124 s on 0efdb0f /
+b89fbea, c1c5838 cut at 92 s lost uniform/50 and 75 at M = 32; a group <= ~6 s; the M = 8 groups' 12 steps since session
+24: ~10 s more). The header prints ``OMP_WAIT_POLICY`` (PASSIVE: the CPU branch's threads sleep at once after their work
+instead of spinning beside the host's next layer).
 
-``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
-sharing one cache, each its own host weights): cache 25 / 50 / 75% x M = 1 / 8 / 32 x gpu / cpu / auto, lfu,
-the skewed stream (prefetch none and router) then the uniform one (none); "auto" with the online CPU rate.
-``--cells`` keeps the groups whose name stream/cache%/prefetch/M matches one of its comma-separated fnmatch
-patterns. With the twin (default; ``--no-twin`` drops it) every group also times "gpu2", pure gpu again,
-interleaved: |gpu2 / gpu - 1| is the step-to-step noise that "auto / best" is read against.
+``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers sharing one
+cache, each its own host weights): cache 25 / 50 / 75% x M = 1 / 8 / 32 x gpu / cpu / auto, lfu, the skewed stream
+(prefetch none and router) then the uniform one (none); "auto" with the online CPU rate. ``--cells`` keeps the groups
+whose name stream/cache%/prefetch/M matches one of its comma-separated fnmatch patterns. With the twin (default;
+``--no-twin`` drops it) every group also times "gpu2", pure gpu again, interleaved: |gpu2 / gpu - 1| is the step-to-step
+noise that "auto / best" is read against.
 
-The stacks of a group (modes, twin, all-hit reference) take turns step by step in carry-over balanced
-orders (``offload_cells.balanced_orders``: each follows each other equally often over the timed steps);
-each row keeps its mean step by the stack before it (``after_ms``): the carry-over a CPU-heavy step leaves.
-Every ``OffloadedMoE._plan`` is timed (host ms, less the early fetches' issue, with the mode it planned by:
-"auto" at M = 1 plans by "gpu" where no forward can use the CPU, ``cost.cpu_never_wins``) and every CPU
-branch logged (measured / model ms by phase). ``--profile CELL`` (a group's name) runs that group once
-more after the table with cProfile over every "auto" plan (the early fetches' issue left out, as in the plan
-time; the profiler's overhead stays out of the table's steps), printed before the table, top 25 by cumulative
-time; the group's plan line is filed as "CELL (profiled)". The JSON ($OUT/offload_cal_device_check.json) is rewritten
-after every group, so a machine taken back mid-run leaves the groups done; the table prints last.
+The stacks of a group (modes, twin, all-hit reference) take turns step by step in carry-over balanced orders
+(``offload_cells.balanced_orders``: each follows each other equally often over the timed steps); each row keeps its mean
+step by the stack before it (``after_ms``): the carry-over a CPU-heavy step leaves. Every ``OffloadedMoE._plan`` is
+timed (host ms, less the early fetches' issue, with the mode it planned by: "auto" at M = 1 plans by "gpu" where no
+forward can use the CPU, ``cost.cpu_never_wins``) and every CPU branch logged (measured / model ms by phase).
+``--profile CELL`` (a group's name) runs that group once more after the table with cProfile over every "auto" plan (the
+early fetches' issue left out, as in the plan time; the profiler's overhead stays out of the table's steps), printed
+before the table, top 25 by cumulative time; the group's plan line is filed as "CELL (profiled)". The JSON
+($OUT/offload_cal_device_check.json) is rewritten after every group, so a machine taken back mid-run leaves the groups
+done; the table prints last.
 """
 
 from __future__ import annotations
@@ -55,14 +54,11 @@ from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import cpu_rows, measure_costs, measure_offload
 from moekit.bench.offload_report import auto_vs_best, modes_by_cell
 from moekit.config import MoEConfig
-from moekit.offload import CpuOptions, OffloadedMoE
-from moekit.offload.calibrate import branch, cold_groups
-from moekit.offload.cpu_path import CPU_GEMMS
+from moekit.offload import CpuOptions
 from offload_cal_log import MODES, BranchLog  # benchmarks/ on sys.path
-from offload_cpu_anatomy import passes, print_passes
+from offload_cpu_anatomy import cpu_check, passes, print_passes
 
 LIMIT_S = 155.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 175 s
-GAP_S = 0.005  # ``cpu_check``'s idle host time before a branch: about a decode layer's GPU-path host work
 PROFILE_LIMIT_S = 168.0  # the --profile pass (one group after the table, ~10 s) does not start past it
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
@@ -129,12 +125,12 @@ def main(argv: list[str]) -> int:
         QWEN3_30B if cuda else SMOKE)
     config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
                        top_k=shape["top_k"])
-    options = CpuOptions(threads=int(argv[argv.index("--cpu-threads") + 1])) if "--cpu-threads" in argv else CpuOptions()
+    options = (CpuOptions(threads=int(argv[argv.index("--cpu-threads") + 1])) if "--cpu-threads" in argv
+               else CpuOptions())
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "shape": shape,
               "cells_asked": patterns, "twin": twin, "rows": [], "state": "running",
-              "cpu_threads_asked": options.threads,
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+              "cpu_threads_asked": options.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     BRANCHES.install()
     shells = host_shells(config, dtype, device, layers=shape["layers"])
     batches = (1, 8, 32) if cuda else (1, 8)
@@ -161,8 +157,7 @@ def main(argv: list[str]) -> int:
     def table(streams, keep, on_progress, ms=batches) -> str:
         try:
             measure_offload(device, batches=ms, policies=("lfu",), places=MODES, shells=shells, costs=costs,
-                            cpu_options=options,
-                            on_progress=on_progress, online_cpu_rate=True, streams=streams,
+                            cpu_options=options, on_progress=on_progress, online_cpu_rate=True, streams=streams,
                             variants={TWIN: ("gpu", {})} if twin else None, keep=keep, **shape)
             return "complete"
         except OutOfTime:
@@ -172,9 +167,8 @@ def main(argv: list[str]) -> int:
             return f"error {type(e).__name__}: {e}"
 
     result["state"] = table(("skewed", "uniform"), keeper(patterns), progress)
-    if BRANCHES.profile_cell and time.perf_counter() - START < PROFILE_LIMIT_S:  # its own pass after the table:
-        # cProfile's overhead stays out of the table's steps
-        stream, _, _, m = BRANCHES.profile_cell.split("/")
+    if BRANCHES.profile_cell and time.perf_counter() - START < PROFILE_LIMIT_S:
+        stream, _, _, m = BRANCHES.profile_cell.split("/")  # a pass of its own: cProfile stays out of the table's steps
         result["profile_rows"], BRANCHES.profile_on = [], True
         state = table((stream,), keeper([BRANCHES.profile_cell]),
                       lambda r: progress(r, "profile_rows", " (profiled)"), (int(m),))
@@ -191,38 +185,6 @@ def _costs(argv: list[str], shell, device, options: CpuOptions, batches) -> "Mis
     if "--cpu-tail-ms" in argv:
         costs = dataclasses.replace(costs, cpu_tail_s=float(argv[argv.index("--cpu-tail-ms") + 1]) * 1e-3)
     return costs
-
-
-def cpu_check(shell, costs, device, repeats: int = 4, gap_s: float = GAP_S) -> list[dict]:
-    """The CPU branch against its calibrated model by link state, experts per call (1 row each), thread
-    count (torch's and the calibration's) and the host's idle time before it (none, or ``gap_s`` asleep:
-    a decode step's branch follows the host's GPU-path work, the probe and the calibration follow
-    branches), on cold experts, the settings interleaved in each repeat: is the model's shape right at a
-    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly? Where the
-    calibration's count is not torch's, it is also run with torch's count set to it throughout: does
-    switching the thread team's size at every branch (``cpu_path.torch_threads``) stall it?"""
-    layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
-    k, gemm = max(layer.config.top_k, 2), costs.cpu_gemm or CPU_GEMMS[0]
-    threads = sorted({torch.get_num_threads(), costs.cpu_threads or torch.get_num_threads()}, reverse=True)
-    groups, got, torch_count = cold_groups(layer.config.num_experts, k, 1000), {}, torch.get_num_threads()
-    settings = [(t, False) for t in threads] + [(t, True) for t in threads if t != torch_count]
-    for _ in range(repeats):
-        for t, fixed in settings:  # fixed: torch's count set to t throughout, so the branch switches no team size
-            torch.set_num_threads(t if fixed else torch_count)
-            for n in (1, 2, 4, 8):
-                for busy in (False, True):
-                    for gap in (0.0, gap_s):
-                        time.sleep(gap)
-                        total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
-                        p = layer.last_cpu
-                        got.setdefault((t, fixed, n, busy, gap), []).append(
-                            (total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
-            torch.set_num_threads(torch_count)
-    return [{"threads": t, "fixed": fixed, "experts": n, "busy": busy, "gap_ms": gap * 1e3,
-             "ms": statistics.median(x for x, _, _ in v) * 1e3,
-             "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
-             "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
-            for (t, fixed, n, busy, gap), v in sorted(got.items())]
 
 
 def _noise(rows: list[dict]) -> dict[int, float]:
@@ -258,21 +220,19 @@ def _mode_text(modes: dict[str, dict], mode: str) -> str:
     r = modes.get(mode)
     if r is None:
         return f"{mode} -"
-    return (f"{mode} {r['step_ms']:7.2f}±{r.get('step_sem_ms', 0.0):.2f} "
-            f"{r['x_floor']:4.2f}x(g{r.get('x_floor_given', 0):.2f}) {r['hit_rate']:.3f}/{r['sim_hit_rate']:.3f} ac "
-            f"{_after_cpu(r)}")
+    return (f"{mode} {r['step_ms']:7.2f}±{r.get('step_sem_ms', 0.0):.2f} {r['x_floor']:4.2f}x(g"
+            f"{r.get('x_floor_given', 0):.2f}) {r['hit_rate']:.3f}/{r['sim_hit_rate']:.3f} ac {_after_cpu(r)}")
 
 
 def _group_text(modes: dict[str, dict]) -> str:
     r = next(iter(modes.values()))
-    return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}"
-            f"/{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} cc "
-            f"{r.get('copy_call_ms', 0.0):.3f} bl {r.get('branch_layer_ms', 0.0):.3f} "
-            f"cpu x{r.get('cpu_scale', 1.0):.2f} br "
-            + "/".join(f"{v.get('branch_rate', 0.0):.2f}" for v in modes.values()
-                                                                   if v.get("branch_rate")) + " probe " + (", ".join(
-                f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
-                for mode, v in modes.items() if v.get("probes")) or "-"))
+    return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}/"
+            f"{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} cc "
+            f"{r.get('copy_call_ms', 0.0):.3f} bl {r.get('branch_layer_ms', 0.0):.3f} cpu x"
+            f"{r.get('cpu_scale', 1.0):.2f} br "
+            + "/".join(f"{v.get('branch_rate', 0.0):.2f}" for v in modes.values() if v.get("branch_rate")) + " probe "
+            + (", ".join(f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
+                         for mode, v in modes.items() if v.get("probes")) or "-"))
 
 
 def _paired_lines(rows: list[dict]) -> list[str]:
@@ -322,9 +282,8 @@ def summary(rows: list[dict]) -> list[str]:
     q = [(v, key) for key, modes in cells.items() if (v := auto_vs_best(modes)) is not None]
     if q:
         beyond = [key for v, key in q if v - 1.0 > 2 * noise.get(key[4], 0.0)]
-        out.append(f"auto / best pure: worst {max(v for v, _ in q):.3f}, mean {statistics.fmean(v for v, _ in q):.3f};"
-                   f" twin noise (rms gpu2/gpu - 1) by M: "
-                   + ", ".join(f"{m} {n:.3f}" for m, n in sorted(noise.items()))
+        out.append(f"auto / best pure: worst {max(v for v, _ in q):.3f}, mean {statistics.fmean(v for v, _ in q):.3f}; "
+                   f"twin noise (rms gpu2/gpu - 1) by M: " + ", ".join(f"{m} {n:.3f}" for m, n in sorted(noise.items()))
                    + f"; {len(beyond)} of {len(q)} cells slower by more than 2x the noise at their M"
                    + ("" if not beyond else ": " + ", ".join(cell_name(k[0], k[1], k[3], k[4]) for k in beyond)))
     for m in sorted({key[4] for _, key in q}):
@@ -381,10 +340,9 @@ def _print(result: dict) -> None:
     switch = [(a["ms"] / b["ms"], a["max_ms"] / b["max_ms"]) for a in checks for b in checks
               if not a.get("fixed") and b.get("fixed") and all(a[f] == b[f] for f in key)]
     if switch:
-        print(f"  switching the team size a branch over a fixed count: median "
-              f"x{statistics.median(m for m, _ in switch):.2f} (range "
-              f"{min(m for m, _ in switch):.2f}-{max(m for m, _ in switch):.2f}), max over max "
-              f"x{statistics.median(x for _, x in switch):.2f} (range "
+        print(f"  switching the team size a branch over a fixed count: median x"
+              f"{statistics.median(m for m, _ in switch):.2f} (range {min(m for m, _ in switch):.2f}-"
+              f"{max(m for m, _ in switch):.2f}), max over max x{statistics.median(x for _, x in switch):.2f} (range "
               f"{min(x for _, x in switch):.2f}-{max(x for _, x in switch):.2f})")
     profile = result.get("profile", {})
     if profile.get("text"):
@@ -403,8 +361,7 @@ def _print(result: dict) -> None:
         q_text = "-" if q is None else f"{q:.3f}" + ("" if pair is None else f"({pair[0]:+.3f}±{pair[1]:.3f})")
         tw = (f"{modes[TWIN]['step_ms'] / modes['gpu']['step_ms']:.3f}" if TWIN in modes and "gpu" in modes else "-")
         print(f"{cell_name(stream, fraction, prefetch, m):<18} | "
-              + " | ".join(_mode_text(modes, mode) for mode in MODES)
-              + f" | {q_text} | {tw} | " + _group_text(modes))
+              + " | ".join(_mode_text(modes, mode) for mode in MODES) + f" | {q_text} | {tw} | " + _group_text(modes))
     for line in summary(result["rows"]) if result["rows"] else ["no rows"]:
         print("  " + line)
 
