@@ -222,14 +222,21 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
             "fetched_per_step": statistics.fmean(sum(s.fetched for s in r["done"]) for r in plain),
             "admitted_per_step": statistics.fmean(sum(s.admitted for s in r["done"]) for r in plain),
         }
+    out["kinds"] = _kinds(steps_by)
+    return out
+
+
+def _kinds(steps_by: dict) -> dict:
+    """Per kind of forward (``kind``): each mark's median host and GPU ms over the traced steps, and its count."""
+    kinds: dict = {}
+    for mode, rows in steps_by.items():
         for r in rows:
             for times in r["marks"]:
-                by = out["kinds"].setdefault(kind(mode, times), {})
+                by = kinds.setdefault(kind(mode, times), {})
                 for name, v in times.items():
                     by.setdefault(name, []).append(v)
-    out["kinds"] = {k: {n: (_median([h for h, _ in v]) * 1e3, _median([g for _, g in v]) * 1e3, len(v))
-                        for n, v in by.items()} for k, by in sorted(out["kinds"].items())}
-    return out
+    return {k: {n: (_median([h for h, _ in v]) * 1e3, _median([g for _, g in v]) * 1e3, len(v))
+                for n, v in by.items()} for k, by in sorted(kinds.items())}
 
 
 def after_branch(shells, config, costs, device, repeats: int) -> dict:
