@@ -129,7 +129,8 @@ def print_row(r: dict) -> None:
     for name, v in zip(r["kernels"], us):
         parts.append(f"{name} +{v - before:.1f}" if v is not None else f"{name} -")
         before = v if v is not None else before
-    whole = f"{us[-1]:.1f} µs ({100 * r['floor_us'] / us[-1]:.0f}% of floor {r['floor_us']:.1f})" if us and us[-1] else "-"
+    whole = (f"{us[-1]:.1f} µs ({100 * r['floor_us'] / us[-1]:.0f}% of floor {r['floor_us']:.1f})" if us and us[-1]
+             else "-")
     print(f"{r['dtype']:<5}{r['preset']:<14} M={r['M']}  whole {whole}; prefixes "
           f"{[round(v, 1) if v else v for v in us]}; added per kernel: {', '.join(parts)}  {r['status']}", flush=True)
 

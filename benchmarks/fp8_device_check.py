@@ -284,11 +284,12 @@ def print_table(rows: list[Row], abs_: list[ConfigAB], c: Ceilings) -> None:
                   f"{r.x_inside_us:.1f} us")
     print(f"\ncopy {c.copy_TBps:.2f} TB/s, fp8 mm {mm} TFLOP/s (precise accumulation: {c.fp8_mm_precise_TFLOPs})")
     print("fp8 us: the default, which is the starred one of tma us / ptr us")
-    print(f"{'shape':<14}{'M':>6}{'touched':>8}{'fp8 us':>10}{'tma us':>10}{'ptr us':>10}{'bf16 us':>10}{'floor us':>10}"
-          f"{'%floor':>8}{'TFLOP/s':>9}{'%fp8mm':>8}{'fp8/bf16':>9}{'err twin':>10}{'err bf16':>9}")
+    print(f"{'shape':<14}{'M':>6}{'touched':>8}{'fp8 us':>10}{'tma us':>10}{'ptr us':>10}{'bf16 us':>10}"
+          f"{'floor us':>10}{'%floor':>8}{'TFLOP/s':>9}{'%fp8mm':>8}{'fp8/bf16':>9}{'err twin':>10}{'err bf16':>9}")
     for r in rows:
         pct_mm = f"{r.pct_fp8_mm:.0f}" if r.pct_fp8_mm is not None else "-"
-        tma, ptr = (f"{r.tma_us:.1f}*", f"{r.ptr_us:.1f} ") if r.default_tma else (f"{r.tma_us:.1f} ", f"{r.ptr_us:.1f}*")
+        tma, ptr = ((f"{r.tma_us:.1f}*", f"{r.ptr_us:.1f} ") if r.default_tma
+                    else (f"{r.tma_us:.1f} ", f"{r.ptr_us:.1f}*"))
         print(f"{r.shape:<14}{r.M:>6}{r.touched:>8.1f}{r.fp8_us:>10.1f}{tma:>10}{ptr:>10}{r.bf16_us:>10.1f}"
               f"{r.floor_us:>10.1f}{r.pct_floor:>8.0f}{r.fp8_TFLOPs:>9.0f}{pct_mm:>8}{r.speedup_vs_bf16:>8.2f}x"
               f"{r.err_vs_twin:>10.1e}{r.err_vs_bf16:>9.3f}")

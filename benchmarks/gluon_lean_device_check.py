@@ -112,8 +112,8 @@ def cell(dtype: str, shape: Shape, m: int, w13, w2, q) -> dict:
         call = lambda fn=fn: fn(*args)  # noqa: E731
         eager = time_eager([call], Run.device, calls=Run.calls, repeats=Run.repeats)
         graph = time_calls([call] * 16, Run.device, graph=True) if Run.device.type == "cuda" else float("nan")
-        same = torch.equal(outs[name], outs["old"]) if name in ("new", "old") or (name == "backend" and path == "gluon") \
-            else None
+        same = (torch.equal(outs[name], outs["old"])
+                if name in ("new", "old") or (name == "backend" and path == "gluon") else None)
         row["rows"][name] = {"host_us": eager.host_us, "eager_us": eager.eager_us, "eager_spread_pct": eager.spread_pct,
                              "graph_us": graph, "same": same,
                              "rel_vs_twin": rel_l2(outs[name], twin),

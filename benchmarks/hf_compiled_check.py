@@ -160,8 +160,8 @@ def measure(model_name: str, layers: int, impls: list, rounds: int, deadline: fl
 
     kept = {}  # impl -> [(guard manager, a copy of the frame's locals)] of its compiled frames
     current = [None]
-    dynamo_guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: kept.setdefault(current[0], []).append(
-        (manager, {k: dict(v) if isinstance(v, dict) else v for k, v in scope.items()}))
+    dynamo_guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: kept.setdefault(
+        current[0], []).append((manager, {k: dict(v) if isinstance(v, dict) else v for k, v in scope.items()}))
     register_no_experts()
     _register_ab()
     torch._dynamo.reset()

@@ -257,7 +257,8 @@ def table(results: dict) -> str:
         p = res.get("probe")
         if p:
             for pdl in [v for v in ("pdl", "no_pdl") if f"{v} gate_up" in p]:
-                parts = [f"{n} {p[f'{pdl} {n}']['x32_from_idle']['median']:.1f}/{p[f'{pdl} {n}']['one_at_a_time']['median']:.1f}"
+                parts = [f"{n} {p[f'{pdl} {n}']['x32_from_idle']['median']:.1f}/"
+                         f"{p[f'{pdl} {n}']['one_at_a_time']['median']:.1f}"
                          f"{'' if p[f'{pdl} {n}']['raw'] else ' NOT RAW'}" for n in ("gate_up", "down", "ksum")]
                 lines.append(f"{key:<22}{pdl:>7}  " + ", ".join(parts))
             lines.append(f"{key:<22}{'ctl':>7}  {p['control_empty_like']['median']:.2f} -> "

@@ -16,8 +16,8 @@ Parts, in order, each cut by the deadline (a line per cell as it goes, JSON rewr
    µs, the paths taken per call (``host_big_probe.PathCounts``), synchronisations, and (round 1) the Python
    functions (cProfile) and runtime events (torch.profiler) with the most own time per call.
 2. phases: one eager call's host time broken down (the same probes) at Qwen3 / DeepSeek-V3, bf16 and fp8_block,
-   M = 1, 64, 1024, 4096, 16384 (above 1024 ``graph_us`` is the bench's events number), then int8 / int4 / mxfp4 at M = 1, 64; correctness against the reference
-   (``experts_reference``) at M <= 1024.
+   M = 1, 64, 1024, 4096, 16384 (above 1024 ``graph_us`` is the bench's events number), then int8 / int4 / mxfp4
+   at M = 1, 64; correctness against the reference (``experts_reference``) at M <= 1024.
 3. mixtral: Mixtral-8x7B bf16 M = 4096 (against the reference): the bench's number there (events around 2-call
    passes: no graph above M = 1024) against its eager one (16 calls back to back), each call's GPU µs along a
    16-call burst (eager and replayed) with the SM clock before and after, the kernels (name, GPU µs) of one eager

@@ -280,7 +280,8 @@ def summary(cells: list, layers: list) -> str:
                              if v in ab)
         lines.append(f"{c['preset']:<15}{c['M']:>5}{c['host_us']:>8.1f}{c['host_n_us']:>8.1f}{c['eager_us']:>9.1f}"
                      f"{c.get('graph_us', float('nan')):>9.1f}  {_yes(c.get('ok')):<4} "
-                     f"{layer.get('host_us', float('nan')):>10.1f}{layer.get('router_host_us', float('nan')):>7.1f}{layer.get('eager_us', float('nan')):>12.1f}"
+                     f"{layer.get('host_us', float('nan')):>10.1f}{layer.get('router_host_us', float('nan')):>7.1f}"
+                     f"{layer.get('eager_us', float('nan')):>12.1f}"
                      f"{_graphed_text(layer.get('graphed')):>19}   {ab_text}")
     lines.append("host: idle start, 32 calls; host_n: around N back-to-back calls; ok: host <= 40 µs and "
                  "eager <= max(1.15 graph, graph + 15); '!' after an A/B number: output differs from default; "

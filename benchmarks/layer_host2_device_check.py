@@ -9,10 +9,10 @@ Cells by priority (``measure``) until --budget-s (then the hard limit stops meas
    sigmoid/grouped ones): the layer's eager output (the decode fast path) against the same forward captured in a
    CUDA graph, the capture's routing as shipped (the one launch into fresh buffers, ``gate_route.wants_fresh``:
    ``layer_graph``) or the gate kernel, then the router kernel (``layer_graph_two``); the routing of the one
-   launch (``route_tokens`` with the kept buffers) against the two launches: logits, ids, weights equal; the experts on the one launch's
-   routing: the decode fast path's experts call against ``MoE._experts_call`` and against its graph, and (the
-   shared expert fused) ``experts_triton`` eagerly in VARIANTS against the layer's call; the eager layer twice
-   (a nondeterministic reduction would show here).
+   launch (``route_tokens`` with the kept buffers) against the two launches: logits, ids, weights equal; the
+   experts on the one launch's routing: the decode fast path's experts call against ``MoE._experts_call`` and
+   against its graph, and (the shared expert fused) ``experts_triton`` eagerly in VARIANTS against the layer's call; the
+   eager layer twice (a nondeterministic reduction would show here).
 2. ``layer P M=m`` for Qwen3-30B-A3B, DeepSeek-V3 (shared expert fused), Mixtral-8x7B; bf16, no_grad, the
    preset's full layer (backend triton, router auto), M in BATCHES: host µs per forward as ``moekit bench``
    measures it (``time_eager``: 16 calls, one sync) split into the first call after the sync and the rest's

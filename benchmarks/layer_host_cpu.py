@@ -162,7 +162,8 @@ def profile(config: MoEConfig, m: int, calls: int, dtype: torch.dtype) -> None:
     weights, ids = torch.rand(m, config.num_experts).topk(config.top_k, dim=-1)
     ids, act = ids.to(torch.int32), config.activation
     with torch.no_grad():
-        fn = lambda: layer._experts_call(layer._experts_fn, x, layer.w13, layer.w2, ids, weights, activation=act)  # noqa: E731
+        fn = lambda: layer._experts_call(layer._experts_fn, x, layer.w13, layer.w2, ids, weights,  # noqa: E731
+                                         activation=act)
         for _ in range(50):
             fn()
         prof = cProfile.Profile()

@@ -133,7 +133,8 @@ def targets(rows: list[dict]) -> list[str]:
              if k[3] == "router" and k[:3] + ("none",) + k[4:] in cells for mode, on in modes.items()
              if mode in MODES and mode in cells[k[:3] + ("none",) + k[4:]]]
     if gains:
-        out.append(f"prefetch (router) hit gain on skewed: mean {statistics.fmean(gains):+.3f}, least {min(gains):+.3f}")
+        out.append(f"prefetch (router) hit gain on skewed: mean {statistics.fmean(gains):+.3f}, "
+                   f"least {min(gains):+.3f}")
     return out
 
 

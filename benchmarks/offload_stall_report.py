@@ -32,7 +32,8 @@ def micro_lines(rows: list[dict]) -> list[str]:
                    f"{mean('gc_ms'):.2f} wait {mean('wait_ms'):.2f}/{mean('wait_max_ms'):.2f} ivcsw "
                    f"{mean('ivcsw'):.1f} nvcsw {mean('nvcsw') if slow and 'nvcsw' in slow[0] else 0.0:.1f} run/ms "
                    f"{statistics.fmean(r['run_ms'] / r['ms'] for r in slow) if slow else 0.0:.1f} (others: wait "
-                   f"{mean('wait_ms', [r for r in got if r not in slow]):.2f}/{mean('wait_max_ms', [r for r in got if r not in slow]):.2f})")
+                   f"{mean('wait_ms', [r for r in got if r not in slow]):.2f}/"
+                   f"{mean('wait_max_ms', [r for r in got if r not in slow]):.2f})")
     for r in sorted((r for r in rows if r["ms"] > 3 * r["model_ms"] and r.get("threads")), key=lambda r: -r["ms"])[:6]:
         out.append(f"    slow {r['runner']} {r['how']} {r['gap_ms']:.0f} n{r['experts']} {r['ms']:.2f} ms: threads "
                    f"(run ms, wait ms, slices) {r['threads'][:10]}")

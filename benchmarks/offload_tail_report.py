@@ -24,7 +24,11 @@ def team_lines(rows: list[dict]) -> list[str]:
                            f"{_median([r['wake_max_ms'] for r in got]):.3f} (worst "
                            f"{max(r['wake_max_ms'] for r in got):.3f}, median thread "
                            f"{_median([r['wake_median_ms'] for r in got]):.3f}) work med/max "
-                           f"{_median([r['work_median_ms'] for r in got]):.3f}/{_median([r['work_max_ms'] for r in got]):.3f} late thread's wake/work {_median([r['late_wake_ms'] for r in got]):.3f}/{_median([r['late_work_ms'] for r in got]):.3f} cpus {min(r['distinct_cpus'] for r in got)}-"
+                           f"{_median([r['work_median_ms'] for r in got]):.3f}/"
+                           f"{_median([r['work_max_ms'] for r in got]):.3f} late thread's wake/work "
+                           f"{_median([r['late_wake_ms'] for r in got]):.3f}/"
+                           f"{_median([r['late_work_ms'] for r in got]):.3f} "
+                           f"cpus {min(r['distinct_cpus'] for r in got)}-"
                            f"{max(r['distinct_cpus'] for r in got)} of {got[0]['threads']}; {ivcsw}")
             else:
                 out.append(f"  {what:<11} gap {gap * 1e3:5.0f}: {_median([r['ms'] for r in got]):6.3f} (max "

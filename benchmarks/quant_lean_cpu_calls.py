@@ -82,7 +82,8 @@ def main() -> None:
     torch.manual_seed(0)
     w13 = (torch.randn(E, 2 * N, K) * K**-0.5).bfloat16()
     w2 = (torch.randn(E, K, N) * N**-0.5).bfloat16()
-    print(f"{'scheme':12}{'M':>5}{'variant':>8}{'py calls':>10}{'C calls':>9}{'launches':>9}{'allocs':>7}{'host µs':>9}")
+    print(f"{'scheme':12}{'M':>5}{'variant':>8}{'py calls':>10}{'C calls':>9}{'launches':>9}{'allocs':>7}"
+          f"{'host µs':>9}")
     with torch.no_grad():
         for scheme, options in SCHEMES.items():
             q13, q2 = quantize(w13, scheme, **options), quantize(w2, scheme, **options)
