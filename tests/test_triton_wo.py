@@ -31,10 +31,12 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 SCHEMES = [("int8_w8a16", 0), ("int4_w4a16", 32), ("int4_w4a16", 64), ("mxfp4", 32)]
 DECODES = ["tile", "register"]  # triton_wo_plan.DECODES but gemv (test_triton_wo_gemv.py): every kernel test runs both
 POISON = LaunchOptions(poison_workspace=True)
+PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word holds, by scheme
 
 
 @pytest.fixture(scope="module")
 def wo():
+    """``moekit.experts.triton_wo`` with its kernels under the interpreter (the weight-only test modules import it)."""
     with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
         yield module
 

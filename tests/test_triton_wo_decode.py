@@ -14,9 +14,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import KernelConfig, clear_config_cache  # noqa: E402
-from test_triton_wo import e2m1_value, problem, rel  # noqa: E402
+from test_triton_wo import e2m1_value, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
 # H200 (Triton 3.6, bf16 activations, CUDA graph) µs per call of (tile, register), both decodes in one run:
 # benchmarks/results/raw/NVIDIA_H200-2026-12-01-a13647b-wo_device_check-wo-choice.log (the earlier pair of
@@ -66,12 +65,6 @@ XTILE_MEASURED = {(128, 768, 2048, 8): {("mxfp4", 1): ("gemv", 25.9)}}
 MMA_MEASURED = {(8, 14336, 4096, 2): {("int4_w4a16", 8): ("mma", 343.0), ("mxfp4", 8): ("mma", 562.0)},
                 (256, 2048, 7168, 8): {("int4_w4a16", 64): ("mma", 2309.5)},  # merged main b32c0fb
                 (128, 768, 2048, 8): {("int4_w4a16", 64): ("mma", 162.5)}}
-
-
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
 
 
 _KERNELS = {}  # the interpreted gemm_wo_reg module, for decode_kernel (a Triton kernel reads module globals only)

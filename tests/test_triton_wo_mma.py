@@ -12,15 +12,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
-from test_triton_wo import POISON, loop64, problem, rel  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
+from test_triton_wo import POISON, loop64, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
 
 def config(rows: int = 32, block_k: int = 128) -> KernelConfig:
