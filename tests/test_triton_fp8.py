@@ -27,6 +27,7 @@ from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_fp8_plan import check_config, fp8_config, heuristic_fp8_config  # noqa: E402
 
+
 @pytest.fixture(scope="module")
 def fp8():
     """``moekit.experts.triton_fp8``, its kernels decorated under the interpreter."""
