@@ -6,7 +6,8 @@
 1. correctness, M = 4096, Qwen3-30B-A3B (E=128, K=2048, N=768, top-8) and Mixtral-8x7B (E=8, K=4096,
    N=14336, top-2): grads of x, w13, w2, topk_weights of sum(out * dout), bf16, against moekit's
    grouped_mm backend autograd in float32 (rel-L2 < 2e-2 per grad, for the default backward
-   (recompute) and the saved-h_pre one; the default run twice must agree bit for bit); grouped_mm's own bf16 error printed beside, for scale; and
+   (recompute) and the saved-h_pre one; the default run twice must agree bit for bit); grouped_mm's own bf16
+   error printed beside, for scale; and
    torch.compile(fullgraph=True) (inductor) of forward + backward at Qwen3 M=256 against eager.
 2. timing, M = 4096 and 16384, Qwen3, Mixtral, DeepSeek-V3 (E=256, K=7168, N=2048, top-8): forward +
    backward (out.backward(dout); grads for x, w13, w2, topk_weights), CUDA events around each step,
@@ -87,7 +88,8 @@ def correctness(dev, results: list) -> bool:
         x = torch.randn(CHECK_M, s.k, device=dev, dtype=torch.bfloat16)
         routing = uniform_routing(CHECK_M, s, dev, seed=1)
         dout = torch.randn(CHECK_M, s.k, device=dev)
-        ref = grads(experts_grouped_mm, leaves(w.w13, w.w2, x, routing.topk_weights, torch.float32), routing.topk_ids, dout)
+        ref = grads(experts_grouped_mm, leaves(w.w13, w.w2, x, routing.topk_weights, torch.float32), routing.topk_ids,
+                    dout)
         for backend, fn in BACKENDS.items():
             got = grads(fn, leaves(w.w13, w.w2, x, routing.topk_weights, torch.bfloat16), routing.topk_ids, dout)
             errors = {g: rel_l2(got[g], ref[g]) for g in GRADS}

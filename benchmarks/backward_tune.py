@@ -75,7 +75,8 @@ def candidates(kernel: str) -> list[KernelTiles]:
                 for w in ((4, 8) if r * c <= 128 * 128 else (8,)) for st in (3, 4) for sp in (0, 2)] + [
             KernelTiles(c, 64, 8, st, rows=r, split=1, desc=True, contiguous=True, group=8)
             for r, c in tiles for st in ((3, 4, 5) if r * c <= 128 * 128 else (3, 4))]
-    return [KernelTiles(c, red, w, st, desc=d) for c, red in pairs for w in (4, 8) for st in (3, 4) for d in (False, True)]
+    return [KernelTiles(c, red, w, st, desc=d) for c,
+            red in pairs for w in (4, 8) for st in (3, 4) for d in (False, True)]
 
 
 def shared_bytes(kernel: str, block_m: int, t: KernelTiles) -> int:
@@ -298,7 +299,8 @@ def agreement(cell: Cell, tiles: BackwardTiles) -> dict:
         grads.append(dict(x=g.x, w13=g.w13, w2=g.w2, topk_weights=g.topk_weights))
     errors = {name: rel_l2(got, grads[1][name]) for name, got in grads[0].items()}
     if max(errors.values()) > 1e-2:
-        print(f"FAIL  {cell.s.name} M={cell.m}: the tuned tiles' grads differ from the heuristic's: {errors}", flush=True)
+        print(f"FAIL  {cell.s.name} M={cell.m}: the tuned tiles' grads differ from the heuristic's: {errors}",
+              flush=True)
     return errors
 
 

@@ -48,8 +48,9 @@ def table(rows: list, matmul: float) -> None:
           f"{'tuned/base':>11}{'heur/base':>10}{'TFLOP/s':>8}{'vs heur':>9}")
     for r in rows:
         e = r["e2e"]
-        print(f"{r['shape']:<14}{r['m']:>6}  {'':<12}{e['tuned_ms']:>8.2f}{e['heuristic_ms']:>10.2f}{e['autograd_ms']:>9.2f}"
-              f"{e['baseline_ms']:>9.2f}{e['baseline_ms'] / e['tuned_ms']:>10.2f}x{e['baseline_ms'] / e['heuristic_ms']:>9.2f}x"
+        print(f"{r['shape']:<14}{r['m']:>6}  "
+              f"{'':<12}{e['tuned_ms']:>8.2f}{e['heuristic_ms']:>10.2f}{e['autograd_ms']:>9.2f}{e['baseline_ms']:>9.2f}"
+              f"{e['baseline_ms'] / e['tuned_ms']:>10.2f}x{e['baseline_ms'] / e['heuristic_ms']:>9.2f}x"
               f"{e['fwd_bwd_tflops_tuned']:>8.0f}{max(e['rel_l2_vs_heuristic'].values()):>9.1e}")
     print(f"baseline: {rows[0]['e2e']['baseline'] if rows else '-'}")
     print("\nTUNED entries for moekit/experts/triton_backward_launch.py (one per shape class):")

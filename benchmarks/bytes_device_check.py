@@ -101,7 +101,8 @@ def worker_main(tasks: list) -> None:
 def start_workers(workers: int) -> list:
     """DeepSeek-V3's tasks (11-23 GB of weights) on one worker per dtype, the rest round-robin."""
     tasks = [(ci, vi) for ci, c in enumerate(cells()) for vi in range(len(variants(*c)))]
-    big = {d: [t for t in tasks if cells()[t[0]][1] == "deepseek-v3" and cells()[t[0]][0] == d] for d in ("bf16", "fp8")}
+    big = {d: [t for t in tasks if cells()[t[0]][1] == "deepseek-v3" and cells()[t[0]][0] == d]
+           for d in ("bf16", "fp8")}
     big = [b for b in big.values() if b]
     light = [t for t in tasks if cells()[t[0]][1] != "deepseek-v3"]
     n = max(1, workers - len(big))

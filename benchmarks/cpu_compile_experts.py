@@ -87,7 +87,8 @@ def main() -> None:
             want = grouped_mm_experts_forward(module, x, ids, weights)
             result = measure(fns, (x, ids, weights), want, args.rounds)
             rows.append({"tokens": m, **result})
-            print(f"M={m:4d} " + "  ".join(f"{n} {r['ms']:.2f} ms ({r['vs_grouped_mm']:.2f}x, diff {r['max_abs_diff']:.1e})"
+            print(f"M={m:4d} " + "  ".join(f"{n} {r['ms']:.2f} ms ({r['vs_grouped_mm']:.2f}x, diff "
+                                           f"{r['max_abs_diff']:.1e})"
                                           for n, r in result.items()), flush=True)
     doc = {"shape": args.shape, "threads": torch.get_num_threads(), "rounds": args.rounds, "torch": torch.__version__,
            "transformers": transformers.__version__, "rows": rows}

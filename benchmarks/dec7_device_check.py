@@ -70,6 +70,7 @@ READS = (("rd0", "pick", 0), ("rd0-g32", "g32", 0), ("rd0-g64", "g64", 0), ("rd1
 # back to back (HALVES: two sub-steps a loop step), at the pick's splits: name -> (rows, words, warps, halves)
 MMA_READS = {"rd0-m16": (32, 16, 1, False), "rd0-m32": (32, 32, 1, False), "rd0-m32h": (32, 32, 1, True)}
 RUN = RunLog()
+KEPT: list = []  # what a captured read graph points at (its ids and parts), alive until the process ends
 
 
 @dataclasses.dataclass
@@ -168,6 +169,7 @@ def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, reads: dict, s: Shape, 
                 launch_geom(words13, ids[i], plans[0], bufs[i][0], dev.type == "cuda")
                 launch_geom(words2, ids[i], plans[1], bufs[i][1], dev.type == "cuda")
 
+            KEPT.append((ids, bufs))
             run(0)
             check_read(f"{s.name} {name}", bufs[0], expected(words13, words2, ids[0].tolist(), plans), plans[0].level)
             graphs[name] = graph_of([lambda i=i: run(i) for i in range(len(inputs))], dev)

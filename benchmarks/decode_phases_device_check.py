@@ -36,7 +36,8 @@ T0 = time.perf_counter()
 ROUNDS = 5
 ROTATION_BYTES = 256 << 20
 Q3 = "qwen3-30b-a3b"
-CELLS = (("fp8", Q3, 1), ("bf16", Q3, 1), ("fp8", Q3, 2), ("bf16", "deepseek-v3", 1))  # DeepSeek-V3: the same launches at 9x the bytes
+# DeepSeek-V3: the same launches at 9x the bytes
+CELLS = (("fp8", Q3, 1), ("bf16", Q3, 1), ("fp8", Q3, 2), ("bf16", "deepseek-v3", 1))
 
 
 def elapsed() -> float:
@@ -128,9 +129,10 @@ def print_row(r: dict) -> None:
     for name, v in zip(r["kernels"], us):
         parts.append(f"{name} +{v - before:.1f}" if v is not None else f"{name} -")
         before = v if v is not None else before
-    whole = f"{us[-1]:.1f} µs ({100 * r['floor_us'] / us[-1]:.0f}% of floor {r['floor_us']:.1f})" if us and us[-1] else "-"
-    print(f"{r['dtype']:<5}{r['preset']:<14} M={r['M']}  whole {whole}; prefixes {[round(v, 1) if v else v for v in us]}"
-          f"; added per kernel: {', '.join(parts)}  {r['status']}", flush=True)
+    whole = (f"{us[-1]:.1f} µs ({100 * r['floor_us'] / us[-1]:.0f}% of floor {r['floor_us']:.1f})" if us and us[-1]
+             else "-")
+    print(f"{r['dtype']:<5}{r['preset']:<14} M={r['M']}  whole {whole}; prefixes "
+          f"{[round(v, 1) if v else v for v in us]}; added per kernel: {', '.join(parts)}  {r['status']}", flush=True)
 
 
 def main(args) -> int:

@@ -1,7 +1,7 @@
 """Issues 19 / 15: Qwen3-30B-A3B decode (M = 1, 2, 8) toward the weight-stream floor, bf16 and fp8_block.
 
-    PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/decode_q3_device_check.py   # H200, < 150 s; JSON to $OUT/decode_q3.json
-    PYTHONPATH=$PWD python benchmarks/decode_q3_device_check.py --smoke      # CPU: interpreter, tiny shapes, no timing
+    PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/decode_q3_device_check.py  # H200, < 150 s; JSON: $OUT/decode_q3.json
+    PYTHONPATH=$PWD python benchmarks/decode_q3_device_check.py --smoke     # CPU: interpreter, tiny shapes, no timing
 
 Variants of the tuned default (``decode_q3_variants``): ``KernelConfig.swap_ab`` (each K-step computes the transposed
 product, so 16-row decode tiles run on wgmma) with the tuned tiles and neighbours, and "noswap" where the tuned

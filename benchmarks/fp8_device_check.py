@@ -19,8 +19,8 @@ Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1
   GEMMs it compiled.
 Also: a CUDA graph of the fp8 path replayed with new routing equals eager. ``--compile`` checks that
 inductor compiles a caller of the op whole (fullgraph) and agrees with eager. Tuned configs come
-from ``moekit tune --dtype fp8_block``. Prints one line per check, the tables last; JSON to $OUT/fp8.json if $OUT is set.
-Exit 1 on any failure.
+from ``moekit tune --dtype fp8_block``. Prints one line per check, the tables last; JSON to $OUT/fp8.json if $OUT is
+set. Exit 1 on any failure.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ def run_cell(s: Shape, m: int, w, q, c: Ceilings, dev) -> Row:
         return time_calls([lambda t=t: fn(t) for t in sets], dev, graph=True, budget_s=BUDGET_S)
 
     fp8_us = timed(lambda t: fused_experts_fp8(t.x, *q, t.topk_ids, t.topk_weights))
-    other_us = timed(lambda t: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights, weight_tma=not default_tma))
+    other_us = timed(lambda t: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights,
+                                                        weight_tma=not default_tma))
     bf16_us = timed(lambda t: experts_triton(t.x, w.w13, w.w2, t.topk_ids, t.topk_weights))
     x_inside_us = None
     if m == 1:
@@ -207,7 +208,8 @@ def ab_candidates(m: int, s: Shape) -> list[KernelConfig]:
         others = [KernelConfig(16, tile(64, 6), tile(64, 6)), KernelConfig(16, tile(128, 5), tile(128, 5))]
     else:
         tile = lambda n, warps, stages: GemmTile(n, 128, 8, warps, stages)  # noqa: E731
-        others = [KernelConfig(64, tile(128, 8, 4), tile(256, 8, 3)), KernelConfig(64, tile(128, 8, 4), tile(128, 4, 4))]
+        others = [KernelConfig(64, tile(128, 8, 4), tile(256, 8, 3)),
+                  KernelConfig(64, tile(128, 8, 4), tile(128, 4, 4))]
     return [heuristic, *others]
 
 
@@ -267,24 +269,27 @@ def guarded(name: str, fn, *args):
 
 def print_table(rows: list[Row], abs_: list[ConfigAB], c: Ceilings) -> None:
     mm = f"{c.fp8_mm_TFLOPs:.0f}" if c.fp8_mm_TFLOPs else "n/a"
-    print("\nconfig A/B (the first two lines of a cell: the heuristic, TMA and pointer weights; kernels: regs/spills/shared KiB)")
+    print("\nconfig A/B (the first two lines of a cell: the heuristic, TMA and pointer weights; kernels: "
+          "regs/spills/shared KiB)")
     for r in abs_:
         us = f"{r.us:10.1f}" if r.us is not None else f"{'failed':>10}"
         res = " ".join(f"{k['name'][:4]}:{k['n_regs']}/{k['n_spills']}/{(k['shared'] or 0) >> 10}" for k in r.kernels)
         up, down = r.config["up"], r.config["down"]
         print(f"{r.shape:<14}{r.M:>6}{us} {'tma' if r.tma else 'ptr'}  BM={r.config['BLOCK_M']} up {up['BLOCK_N']}/"
-              f"{up['num_warps']}w/{up['num_stages']}s down {down['BLOCK_N']}/{down['num_warps']}w/{down['num_stages']}s"
-              f"  {res}")
+              f"{up['num_warps']}w/{up['num_stages']}s down "
+              f"{down['BLOCK_N']}/{down['num_warps']}w/{down['num_stages']}s  {res}")
     for r in rows:
         if r.x_inside_us is not None:
-            print(f"{r.shape} M={r.M}: x quantized by its own kernel {r.fp8_us:.1f} us, inside gate-up {r.x_inside_us:.1f} us")
+            print(f"{r.shape} M={r.M}: x quantized by its own kernel {r.fp8_us:.1f} us, inside gate-up "
+                  f"{r.x_inside_us:.1f} us")
     print(f"\ncopy {c.copy_TBps:.2f} TB/s, fp8 mm {mm} TFLOP/s (precise accumulation: {c.fp8_mm_precise_TFLOPs})")
     print("fp8 us: the default, which is the starred one of tma us / ptr us")
-    print(f"{'shape':<14}{'M':>6}{'touched':>8}{'fp8 us':>10}{'tma us':>10}{'ptr us':>10}{'bf16 us':>10}{'floor us':>10}"
-          f"{'%floor':>8}{'TFLOP/s':>9}{'%fp8mm':>8}{'fp8/bf16':>9}{'err twin':>10}{'err bf16':>9}")
+    print(f"{'shape':<14}{'M':>6}{'touched':>8}{'fp8 us':>10}{'tma us':>10}{'ptr us':>10}{'bf16 us':>10}"
+          f"{'floor us':>10}{'%floor':>8}{'TFLOP/s':>9}{'%fp8mm':>8}{'fp8/bf16':>9}{'err twin':>10}{'err bf16':>9}")
     for r in rows:
         pct_mm = f"{r.pct_fp8_mm:.0f}" if r.pct_fp8_mm is not None else "-"
-        tma, ptr = (f"{r.tma_us:.1f}*", f"{r.ptr_us:.1f} ") if r.default_tma else (f"{r.tma_us:.1f} ", f"{r.ptr_us:.1f}*")
+        tma, ptr = ((f"{r.tma_us:.1f}*", f"{r.ptr_us:.1f} ") if r.default_tma
+                    else (f"{r.tma_us:.1f} ", f"{r.ptr_us:.1f}*"))
         print(f"{r.shape:<14}{r.M:>6}{r.touched:>8.1f}{r.fp8_us:>10.1f}{tma:>10}{ptr:>10}{r.bf16_us:>10.1f}"
               f"{r.floor_us:>10.1f}{r.pct_floor:>8.0f}{r.fp8_TFLOPs:>9.0f}{pct_mm:>8}{r.speedup_vs_bf16:>8.2f}x"
               f"{r.err_vs_twin:>10.1e}{r.err_vs_bf16:>9.3f}")

@@ -1,7 +1,8 @@
 """Canaries of ``fp8_gluon_device_check.py``: subprocesses that run, once, what could hang the GPU (a Gluon
 barrier that never arrives), and compile everything else the check will time, while the check builds its
-weights. The check runs the Gluon variants only if the gluon canary's line says ok; the kernels the canaries compiled are in Triton's disk cache, so the
-check's own first calls do not compile (that took most of the check's time otherwise).
+weights. The check runs the Gluon variants only if the gluon canary's line says ok; the kernels the canaries compiled
+are in Triton's disk cache, so the check's own first calls do not compile (that took most of the check's time
+otherwise).
 
     python benchmarks/fp8_gluon_canary.py gluon|triton|bf16 [--smoke]    # prints CANARY lines
 

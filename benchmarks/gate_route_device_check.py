@@ -3,8 +3,9 @@ the eager layer's host time step by step (issue 13 item 4: <= 60 µs per layer c
 
     PYTHONPATH=$PWD OUT=/tmp/gr python benchmarks/gate_route_device_check.py
 
-Per preset (bf16, ``backend="triton"``) and M in 1, 8, 64, 512 (M = 1 first across presets, after a throwaway cell: the first preset at M = 1; 2 and 4 for the
-checks), under ``torch.no_grad()``. Host µs per call: 32 calls from an idle GPU, 7 rounds, median and min:
+Per preset (bf16, ``backend="triton"``) and M in 1, 8, 64, 512 (M = 1 first across presets, after a throwaway cell: the
+first preset at M = 1; 2 and 4 for the checks), under ``torch.no_grad()``. Host µs per call: 32 calls from an idle GPU,
+7 rounds, median and min:
   layer        the forward as committed: gate + route in one launch at M <= 4, ``torch.mm(out=)`` gate above
   layer_two    the same with the gate and the router as two launches (``_gate_route = None``)
   layer_lin    the same with ``F.linear`` for the gate above 4 rows (``_gate_mm = None``; main's path)
@@ -19,8 +20,8 @@ checks), under ``torch.no_grad()``. Host µs per call: 32 calls from an idle GPU
                with out=, ``F.linear``, ``torch.matmul(out=)``
 GPU µs (CUDA graph of 20 calls): gr against gate + route (and, after the cells if time is left, gr bound
 at 1 and 2 warps instead of 4: gr_w1_gpu, gr_w2_gpu); mm against linear. eager: wall µs per call of 200
-(50 at M >= 64) default layer calls and one sync (layer and layer_two / layer_lin). Checks: the one launch's logits, ids and
-weights bit-equal to the two launches' and ids equal to ``moekit.route`` on its logits at M = 1, 2, 4;
+(50 at M >= 64) default layer calls and one sync (layer and layer_two / layer_lin). Checks: the one launch's logits, ids
+and weights bit-equal to the two launches' and ids equal to ``moekit.route`` on its logits at M = 1, 2, 4;
 the mm gate bit-equal to ``F.linear``; the layer output bit-equal across the three paths; the in-kernel
 assert on a NaN input (a subprocess: it kills its CUDA context). cProfile of one Qwen3 M = 1 call: the
 Python functions it runs. A cell starting after BUDGET_S is skipped. JSON to $OUT/gate_route.json; a short
@@ -152,7 +153,8 @@ def checks(layer: MoE, m: int, paths: Paths) -> dict:
         two = router(logits2, bias, None, in_kernel)
         ref = route(logits2, layer.config, bias)
         k = layer.config.top_k
-        res.update(gr_logits_equal=bool(torch.equal(logits1, logits2)), gr_ids_equal=bool(torch.equal(ids1, two.topk_ids)),
+        res.update(gr_logits_equal=bool(torch.equal(logits1, logits2)),
+                   gr_ids_equal=bool(torch.equal(ids1, two.topk_ids)),
                    gr_weights_equal=bool(torch.equal(w1, two.topk_weights)),
                    gr_rows_vs_route=int((ids1[:, :k] != ref.topk_ids).any(dim=1).sum()),
                    gr_count_zero=int(ws.count.item()) == 0)
@@ -182,7 +184,8 @@ def cell(layer: MoE, preset: str, m: int, paths: Paths) -> dict:
     row["fwd_checks"] = row["forward_min"] - row["body_min"]
     row["together"] = row["body_min"] - row["route_tokens_min"] - row["experts_min"]
     calls = 200 if m <= 8 else 50  # DeepSeek-V3 at M = 512: ~5.5 ms of GPU a call
-    row["eager"], row["eager_two"], row["eager_lin"] = (eager_us(fns[k], calls) for k in ("layer", "layer_two", "layer_lin"))
+    row["eager"], row["eager_two"], row["eager_lin"] = (eager_us(fns[k], calls)
+                                                        for k in ("layer", "layer_two", "layer_lin"))
     gpu = ("gr", "gate", "route") if "gr" in fns else ("mm", "linear")
     row.update({f"{k}_gpu": graph_gpu_us(fns[k]) for k in gpu})
     row.update(checks(layer, m, paths))

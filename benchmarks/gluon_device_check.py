@@ -10,8 +10,8 @@ E=256 N=2048 K=7168 k=8; ``--presets``) and M in 4096, 16384 (``--batches``), bf
   1. correctness: the Gluon path's output against its torch twin (``experts_gluon_twin``: same layout,
      float32 products, h and y rounded like the kernels), rel L2 < 2e-3; and against the float32
      reference of the default ``triton`` backend's output, for scale;
-  2. per GEMM (gate-up, down) µs (and tile variants beside the plan's, unless ``--no-variants``), TFLOP/s on the real rows (2*A*2N*K, 2*A*N*K) and % of a dense bf16
-     8192^3 torch.mm measured in this run; permute and combine µs;
+  2. per GEMM (gate-up, down) µs (and tile variants beside the plan's, unless ``--no-variants``), TFLOP/s on the real
+     rows (2*A*2N*K, 2*A*N*K) and % of a dense bf16 8192^3 torch.mm measured in this run; permute and combine µs;
   3. a CUDA graph of the Gluon call, replayed with new routing and x, equal to eager (Mixtral M=4096;
      ``--no-graph`` skips it);
   4. whole call: the Gluon path, the default ``triton`` backend (``moekit.experts.run_experts``) and the
@@ -96,7 +96,8 @@ def cell_shape(preset: str, smoke: bool):
     return Shape(f"{preset}/smoke", real.num_experts, 128, 128, real.top_k) if smoke else real
 
 
-def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, smoke: bool, variants: bool = True) -> Row:
+def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, smoke: bool,
+             variants: bool = True) -> Row:
     from moekit.bench.cells import uniform_routing
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon import (
@@ -203,8 +204,9 @@ def print_table(rows: list[Row], mm: float) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.shape} | {r.tokens} | {r.err_twin:.1e} | {r.up_us:.0f} ({r.up_tflops:.0f}, {r.up_pct_mm:.0f}%) "
-              f"| {r.down_us:.0f} ({r.down_tflops:.0f}, {r.down_pct_mm:.0f}%) | {r.permute_us:.0f} | {r.combine_us:.0f} "
-              f"| {r.gluon_us:.0f} | {r.triton_us:.0f} | {r.speedup:.2f}x | {r.auto_us:.0f} ({r.chooser_picks_gluon}) |")
+              f"| {r.down_us:.0f} ({r.down_tflops:.0f}, {r.down_pct_mm:.0f}%) | {r.permute_us:.0f} | "
+              f"{r.combine_us:.0f} | {r.gluon_us:.0f} | {r.triton_us:.0f} | {r.speedup:.2f}x | {r.auto_us:.0f} "
+              f"({r.chooser_picks_gluon}) |")
 
 
 def parse_args():

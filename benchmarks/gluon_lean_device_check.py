@@ -76,7 +76,8 @@ def variants(dtype: str, w13, w2, q) -> dict:
     from moekit.quant.fp8_block import Fp8BlockWeight
 
     q13, s13, q2, s2 = q
-    qw13, qw2 = (Fp8BlockWeight(q=q13, scale=s13, dtype=torch.bfloat16), Fp8BlockWeight(q=q2, scale=s2, dtype=torch.bfloat16))
+    qw13, qw2 = (Fp8BlockWeight(q=q13, scale=s13, dtype=torch.bfloat16),
+                 Fp8BlockWeight(q=q2, scale=s2, dtype=torch.bfloat16))
     return {
         "old": lambda x, i, w: experts_gluon_fp8(x, q13, s13, q2, s2, i, w, lean=False),
         "new": lambda x, i, w: experts_gluon_fp8(x, q13, s13, q2, s2, i, w),
@@ -111,11 +112,12 @@ def cell(dtype: str, shape: Shape, m: int, w13, w2, q) -> dict:
         call = lambda fn=fn: fn(*args)  # noqa: E731
         eager = time_eager([call], Run.device, calls=Run.calls, repeats=Run.repeats)
         graph = time_calls([call] * 16, Run.device, graph=True) if Run.device.type == "cuda" else float("nan")
-        same = torch.equal(outs[name], outs["old"]) if name in ("new", "old") or (name == "backend" and path == "gluon") \
-            else None
+        same = (torch.equal(outs[name], outs["old"])
+                if name in ("new", "old") or (name == "backend" and path == "gluon") else None)
         row["rows"][name] = {"host_us": eager.host_us, "eager_us": eager.eager_us, "eager_spread_pct": eager.spread_pct,
                              "graph_us": graph, "same": same,
-                             "rel_vs_twin": rel_l2(outs[name], twin), "graph_same": graph_equals_eager(call, outs[name])}
+                             "rel_vs_twin": rel_l2(outs[name], twin),
+                             "graph_same": graph_equals_eager(call, outs[name])}
     row["steps_us"] = probe_steps(dtype, args, w13, w2, q, backend=lambda: fns["backend"](*args))
     row["ok"] = all(r["same"] is not False and r["graph_same"] is not False and r["rel_vs_twin"] < BOUND[dtype]
                     for r in row["rows"].values())

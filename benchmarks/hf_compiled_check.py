@@ -160,8 +160,8 @@ def measure(model_name: str, layers: int, impls: list, rounds: int, deadline: fl
 
     kept = {}  # impl -> [(guard manager, a copy of the frame's locals)] of its compiled frames
     current = [None]
-    dynamo_guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: kept.setdefault(current[0], []).append(
-        (manager, {k: dict(v) if isinstance(v, dict) else v for k, v in scope.items()}))
+    dynamo_guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: kept.setdefault(
+        current[0], []).append((manager, {k: dict(v) if isinstance(v, dict) else v for k, v in scope.items()}))
     register_no_experts()
     _register_ab()
     torch._dynamo.reset()
@@ -193,7 +193,8 @@ def measure(model_name: str, layers: int, impls: list, rounds: int, deadline: fl
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["qwen3", "mixtral"])
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the bench's, Qwen3 8, Mixtral 2)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: the bench's, Qwen3 8, Mixtral 2)")
     parser.add_argument("--impls", nargs="+", default=["moekit", "ab_prev", "grouped_mm"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--deadline", type=float, default=100, help="seconds: compile nothing past it")
@@ -214,7 +215,8 @@ def main() -> None:
         layers = args.layers or MODELS[model_name].default_layers
         results += measure(model_name, layers, args.impls, args.rounds, start + args.deadline, log, save)
         save([])
-    print("\nmodel    impl         layers  step ms (rounds)                      GPU busy/span µs (kernels)  guard µs  logits")
+    print("\nmodel    impl         layers  step ms (rounds)                      GPU busy/span µs (kernels)  guard µs  "
+          "logits")
     for row in results:
         gpu = row.get("gpu")
         gpu = "-" if gpu is None else f"{gpu['busy_us']}/{gpu['span_us']} ({gpu['kernels']})"

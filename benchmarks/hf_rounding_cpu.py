@@ -94,7 +94,8 @@ def main() -> None:
         outs = {recipe: experts(x, w13, w2, ids, weights, *how) for recipe, how in RECIPES.items()}
         print(f"{name}, M = {args.tokens}: rel. error of one experts call")
         for recipe, out in outs.items():
-            print(f"  {recipe:20s} vs eager {rel(out, outs['eager']):.3e}   vs float64 {rel(out, truth):.3e}", flush=True)
+            print(f"  {recipe:20s} vs eager {rel(out, outs['eager']):.3e}   vs float64 {rel(out, truth):.3e}",
+                  flush=True)
 
 
 if __name__ == "__main__":

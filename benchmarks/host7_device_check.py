@@ -278,7 +278,8 @@ def part_cells(results: dict, deadline: Deadline, cells: list) -> None:
                 row[name].pop("touched")
                 row[name].pop("out")
             row["profile"] = _profile(calls)
-            ok = (row["equal"] and row["loops_equal"] and row["split_equal"] and row["nopdl_equal"] and row.get("ref_err", 0.0) < TOL
+            ok = (row["equal"] and row["loops_equal"] and row["split_equal"] and row["nopdl_equal"]
+                  and row.get("ref_err", 0.0) < TOL
                   and "_unchecked" not in row["route"])
         except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on)
             row, ok = dict(error=f"{type(e).__name__}: {str(e)[:300]}"), False

@@ -6,7 +6,8 @@ wall time per experts call, old path against new, and where the GEMM launches' h
         --presets mixtral-8x7b --batches 64   (CPU, tiny shapes: checks the script)
 
 For Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B experts in bf16 at M = 8, 16, 32, 64, 512, 1 (in that
-order, after a throwaway cell: the first preset at M = 1; under no_grad, uniform routing), each variant of ``LaunchOptions``:
+order, after a throwaway cell: the first preset at M = 1; under no_grad, uniform routing), each variant of
+``LaunchOptions``:
   old       align_fold_max=0: the alignment's own launch(es) (session 7's path)
   new       the defaults: folded into gate-up up to align_fold_max assignments
   fold_512  align_fold_max=512 (only where the default < A <= 512): the fold where the default stops it
@@ -145,7 +146,8 @@ def layout_equals_twin(plan, ids: torch.Tensor, num_experts: int, device: torch.
     b = _WORKSPACES.buffers(plan.workspace, device)
     want = align_block(ids, num_experts, plan.config.BLOCK_M, allow_naive=False)
     rows, blocks = want.sorted_ids.numel(), want.expert_ids.numel()
-    return (torch.equal(b["sorted_ids"][:rows], want.sorted_ids) and torch.equal(b["expert_ids"][:blocks], want.expert_ids)
+    return (torch.equal(b["sorted_ids"][:rows], want.sorted_ids)
+            and torch.equal(b["expert_ids"][:blocks], want.expert_ids)
             and torch.equal(b["num_padded"], want.num_padded) and bool((b["sorted_ids"][rows:] == ids.numel()).all())
             and bool((b["expert_ids"][blocks:] == -1).all()))
 
@@ -248,13 +250,15 @@ def table(results: dict) -> str:
                 continue
             lines.append(f"{key:<22}{name:>9}{res['A']:>6}{v['launches']:>3}{v['host_us']['median']:>8.1f}"
                          f"{v['host_us']['min']:>7.1f}{v['eager_us']['median']:>9.1f} {v['eager_us']['min']:>8.1f}"
-                         f"{v['gpu_us']:>9.1f}  {_yn(v['ok'])} {_yn(v['same_as_old'])} {_yn(v.get('layout_equals_twin'))}")
+                         f"{v['gpu_us']:>9.1f}  {_yn(v['ok'])} {_yn(v['same_as_old'])} "
+                         f"{_yn(v.get('layout_equals_twin'))}")
     lines.append("launch probe, host µs median (32 from idle / one at a time): gate_up, down, ksum; control empty_like")
     for key, res in results.items():
         p = res.get("probe")
         if p:
             for pdl in [v for v in ("pdl", "no_pdl") if f"{v} gate_up" in p]:
-                parts = [f"{n} {p[f'{pdl} {n}']['x32_from_idle']['median']:.1f}/{p[f'{pdl} {n}']['one_at_a_time']['median']:.1f}"
+                parts = [f"{n} {p[f'{pdl} {n}']['x32_from_idle']['median']:.1f}/"
+                         f"{p[f'{pdl} {n}']['one_at_a_time']['median']:.1f}"
                          f"{'' if p[f'{pdl} {n}']['raw'] else ' NOT RAW'}" for n in ("gate_up", "down", "ksum")]
                 lines.append(f"{key:<22}{pdl:>7}  " + ", ".join(parts))
             lines.append(f"{key:<22}{'ctl':>7}  {p['control_empty_like']['median']:.2f} -> "
@@ -308,7 +312,8 @@ def main() -> None:
         Run.device = torch.device("cuda", torch.cuda.current_device())
     out_dir = Path(os.environ.get("OUT", "host_align_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    run_with_hard_limit(a, start, out_dir / "host_align.json", lambda results: measure_cells(a, start, out_dir, results),
+    run_with_hard_limit(a, start, out_dir / "host_align.json",
+                        lambda results: measure_cells(a, start, out_dir, results),
                         table)
 
 

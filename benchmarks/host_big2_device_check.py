@@ -64,9 +64,10 @@ def part_rows(results: dict, counts: probe.PathCounts, deadline: hb.Deadline) ->
             paths = counts.delta(last[0], 1)
             last[0] = counts.snapshot()
             bench[f"{tag} {cell.dtype}"] = dict(us=round(cell.us, 1), eager_us=round(cell.eager_us, 1),
-                                                host_us=round(cell.host_us, 1), host_rest_us=round(cell.host_rest_us, 1))
-            print(f"bench {tag} {cell.dtype} M=1: graph {cell.us:.1f} eager {cell.eager_us:.1f} host {cell.host_us:.1f} "
-                  f"rest {cell.host_rest_us:.1f}  paths (cell total) {paths}", flush=True)
+                                                host_us=round(cell.host_us, 1),
+                                                host_rest_us=round(cell.host_rest_us, 1))
+            print(f"bench {tag} {cell.dtype} M=1: graph {cell.us:.1f} eager {cell.eager_us:.1f} host "
+                  f"{cell.host_us:.1f} rest {cell.host_rest_us:.1f}  paths (cell total) {paths}", flush=True)
 
         run_cells(shape, SweepPlan([1], ["triton"], ["triton"], ORDER, torch.bfloat16, 0.05), torch.device("cuda"),
                   hb.CEILINGS, on_cell)
@@ -175,7 +176,8 @@ def part_mixtral(results: dict, deadline: hb.Deadline) -> None:
     print(f"{'PASS' if ok else 'FAIL'} mixtral variants: err {err} equal to lean {row['equal_to_lean']}", flush=True)
     for name, v in (row["rounds"][0].items() if row["rounds"] else ()):
         ks = v.get("kernels", [])
-        print(f"   {name} kernels (sum {sum(t for _, t in ks):.1f}): " + "; ".join(f"{k} {t}" for k, t in ks), flush=True)
+        print(f"   {name} kernels (sum {sum(t for _, t in ks):.1f}): " + "; ".join(f"{k} {t}" for k, t in ks),
+              flush=True)
     results["mixtral_ab"] = row
     hb.yield_results(results)
 
@@ -217,7 +219,8 @@ def part_routes(results: dict, deadline: hb.Deadline) -> None:
         w13, w2 = _held_weights(held, shape, preset, dtype, device)
         sets = make_sets(shape, m, 2, torch.bfloat16, device)
         fns = {"old": old_unchecked, "new": tri.experts_triton_unchecked}
-        calls = {n: [lambda s=s, f=f: f(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets] for n, f in fns.items()}
+        calls = {n: [lambda s=s, f=f: f(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets] for n,
+                 f in fns.items()}
         for c in calls["new"] * 3:
             c()
         same = all(torch.equal(old_unchecked(s.x, w13, w2, s.topk_ids, s.topk_weights),
@@ -294,7 +297,8 @@ def part_phases(results: dict, counts: probe.PathCounts, deadline: hb.Deadline) 
 def table(results: dict) -> None:
     print("\n== host_big2 ==")
     for key, r in results.get("rows_bench", {}).items():
-        print(f"rows {key:28} graph {r['us']:7.1f} eager {r['eager_us']:7.1f} host {r['host_us']:6.1f} rest {r['host_rest_us']:6.1f}")
+        print(f"rows {key:28} graph {r['us']:7.1f} eager {r['eager_us']:7.1f} host {r['host_us']:6.1f} rest "
+              f"{r['host_rest_us']:6.1f}")
     for i, rnd in enumerate(results.get("mixtral_ab", {}).get("rounds", [])):
         print(f"mixtral r{i} " + "  ".join(f"{n} {v['us']}" for n, v in rnd.items()))
     for key, r in results.get("pdl", {}).items():

@@ -5,12 +5,11 @@
         deadline; --from: the calls part's align_one_pass_from values, the first one's output the reference)
 
 Parts (a line per cell as it goes, JSON rewritten after each, a table last):
-1. align: the alignment alone (Qwen3 E = 128 and DeepSeek-V3 E = 256, top-8, uniform routing) at ALIGN_CELLS:
-   ``two`` (without the one-pass launch: the fused hist + scan and the scatter) against
-   ``one`` (``align_one_pass_kernel`` as the plans build it, at any A: at most two programs per SM, cooperative).
-   Each layout equal to ``two``'s (counts, num_padded, sorted_ids, expert_ids, the padding; sync slots back at 0)
-   and ``two``'s to the torch twin at M = 1024; GPU µs (events around 20 alignments queued behind a sleep) and host
-   µs per alignment, variants interleaved over 3 rounds.
+1. align: the alignment alone (Qwen3 E = 128 and DeepSeek-V3 E = 256, top-8, uniform routing) at ALIGN_CELLS: ``two``
+   (without the one-pass launch: the fused hist + scan and the scatter) against ``one`` (``align_one_pass_kernel`` as
+   the plans build it, at any A: at most two programs per SM, cooperative). Each layout equal to ``two``'s (counts,
+   num_padded, sorted_ids, expert_ids, the padding; sync slots back at 0) and ``two``'s to the torch twin at M = 1024;
+   GPU µs (events around 20 alignments behind a sleep) and host µs per alignment, variants interleaved over 3 rounds.
 2. calls: whole eager calls under each ``align_one_pass_from`` of --from (default: 0, off, and this tree's
    default), interleaved over 3 rounds at CALL_CELLS (Qwen3 bf16 M = 16384 and fp8 4096: the Gluon routes; int8
    4096: the weight-only scratch path): output bit-equal to the first's, eager / host_rest µs (``time_eager``),
@@ -350,8 +349,9 @@ def table(results: dict) -> None:
     for key, r in results.get("phases", {}).items():
         s = r.get("steps_idle")
         print(f"{key:28} {_med(r['idle']):6.1f} / {_med(r['busy']):6.1f}" + (
-            f"  noop {r['noop_idle']} / {r['noop_busy']}  empty_like {s['empty_like']} / {r['steps_busy']['empty_like']}"
-            f"  launches idle {s['launches']} busy {r['steps_busy']['launches']}" if s else ""))
+            f"  noop {r['noop_idle']} / {r['noop_busy']}  empty_like {s['empty_like']} / "
+            f"{r['steps_busy']['empty_like']}  launches idle {s['launches']} busy {r['steps_busy']['launches']}" if s
+            else ""))
     print("\n== align alone: GPU µs / host µs per alignment (medians of 3 rounds) ==")
     for key, r in results.get("align", {}).items():
         cols = "  ".join(f"{n} {_med(r.get(n + '_gpu', [])):7.2f}/{_med(r.get(n + '_host', [])):5.1f}"
@@ -359,8 +359,8 @@ def table(results: dict) -> None:
         print(f"{key:24} {cols}  equal {[k for k, v in r.items() if k.endswith('_equal') and v]}")
     print(f"\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass_from {FROM} ==")
     for key, r in results.get("calls", {}).items():
-        cols = "  ".join(f"f{v} {_med(r[f'f{v}_eager']):8.1f} {_med(r[f'f{v}_rest']):5.1f} {_med(r[f'f{v}_events']):8.1f}"
-                         for v in FROM if f"f{v}_eager" in r)
+        cols = "  ".join(f"f{v} {_med(r[f'f{v}_eager']):8.1f} {_med(r[f'f{v}_rest']):5.1f} "
+                         f"{_med(r[f'f{v}_events']):8.1f}" for v in FROM if f"f{v}_eager" in r)
         print(f"{key:28} {cols}")
 
 
@@ -368,7 +368,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "host_big3_out"))
     parser.add_argument("--deadline-s", type=float, default=150.0)
-    parser.add_argument("--parts", nargs="+", default=["align", "calls", "phases"], choices=["phases", "align", "calls"])
+    parser.add_argument("--parts", nargs="+", default=["align", "calls", "phases"],
+                        choices=["phases", "align", "calls"])
     parser.add_argument("--from", dest="starts", type=int, nargs="+", default=FROM,
                         help="align_one_pass_from values of the calls part (the first: the reference output)")
     args = parser.parse_args()
@@ -380,7 +381,6 @@ def main() -> None:
     deadline.stops = dict(align=0.7 * args.deadline_s if len(args.parts) > 1 else 10.0,
                           calls=0.23 * args.deadline_s if "phases" in args.parts else 10.0)
     import triton
-
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(f"{results['device']} torch {results['torch']} triton {results['triton']}", flush=True)
     parts = dict(phases=part_phases, align=part_align, calls=part_calls)

@@ -16,8 +16,8 @@ Parts, in order, each cut by the deadline (a line per cell as it goes, JSON rewr
    µs, the paths taken per call (``host_big_probe.PathCounts``), synchronisations, and (round 1) the Python
    functions (cProfile) and runtime events (torch.profiler) with the most own time per call.
 2. phases: one eager call's host time broken down (the same probes) at Qwen3 / DeepSeek-V3, bf16 and fp8_block,
-   M = 1, 64, 1024, 4096, 16384 (above 1024 ``graph_us`` is the bench's events number), then int8 / int4 / mxfp4 at M = 1, 64; correctness against the reference
-   (``experts_reference``) at M <= 1024.
+   M = 1, 64, 1024, 4096, 16384 (above 1024 ``graph_us`` is the bench's events number), then int8 / int4 / mxfp4
+   at M = 1, 64; correctness against the reference (``experts_reference``) at M <= 1024.
 3. mixtral: Mixtral-8x7B bf16 M = 4096 (against the reference): the bench's number there (events around 2-call
    passes: no graph above M = 1024) against its eager one (16 calls back to back), each call's GPU µs along a
    16-call burst (eager and replayed) with the SM clock before and after, the kernels (name, GPU µs) of one eager
@@ -267,7 +267,8 @@ def part_mixtral(results: dict, deadline: Deadline) -> None:
     row["burst_us"] = _burst_us(calls, 16)
     row["sm_mhz_before_after"] = (clock0, _sm_clock())
     eager = time_eager(calls, device)
-    row.update(eager_us=round(eager.eager_us, 1), host_us=round(eager.host_us, 1), host_rest_us=round(eager.host_rest_us, 1))
+    row.update(eager_us=round(eager.eager_us, 1), host_us=round(eager.host_us, 1),
+               host_rest_us=round(eager.host_rest_us, 1))
     row["eager_kernels"] = probe.kernel_times(calls[0], 3)
     try:
         graph = torch.cuda.CUDAGraph()
@@ -286,13 +287,15 @@ def part_mixtral(results: dict, deadline: Deadline) -> None:
         row["graph_error"] = str(e)[:300]
     results["mixtral"] = row
     ok = err is not None and err < TOL
-    print(f"{'PASS' if ok else 'FAIL'} mixtral bf16 M=4096: err {err} events {row['events_us']} eager {row['eager_us']} "
-          f"host {row['host_us']} eager==graph {row.get('same_eager_graph')} clocks {row['sm_mhz_before_after']}", flush=True)
+    print(f"{'PASS' if ok else 'FAIL'} mixtral bf16 M=4096: err {err} events {row['events_us']} eager "
+          f"{row['eager_us']} host {row['host_us']} eager==graph {row.get('same_eager_graph')} clocks "
+          f"{row['sm_mhz_before_after']}", flush=True)
     print(f"   burst eager µs: {row['burst_us']}", flush=True)
     print(f"   burst graph µs: {row.get('graph_burst_us', row.get('graph_error'))}", flush=True)
     for tag in ("eager", "graph"):
         ks = row.get(tag + "_kernels", [])
-        print(f"   {tag} kernels (sum {sum(t for _, t in ks):.1f} µs): " + "; ".join(f"{n} {t}" for n, t in ks), flush=True)
+        print(f"   {tag} kernels (sum {sum(t for _, t in ks):.1f} µs): " + "; ".join(f"{n} {t}" for n, t in ks),
+              flush=True)
 
 
 _OUT = [None]
@@ -309,17 +312,17 @@ def table(results: dict) -> None:
     print("\n== host_big: µs a call (graph / eager / host / host_rest; paths a call) ==")
     for name, rows in results.get("rows_ab", {}).items():
         for i, r in enumerate(rows):
-            print(f"rows {name:5} r{i} {r['graph_us']:8.1f} {r['eager_us']:8.1f} {r['host_us']:7.1f} {r['host_rest_us']:7.1f}"
-                  f"  ok {r['ok']} eager_ok {r['eager_ok']} {r['paths']}")
+            print(f"rows {name:5} r{i} {r['graph_us']:8.1f} {r['eager_us']:8.1f} {r['host_us']:7.1f} "
+                  f"{r['host_rest_us']:7.1f}  ok {r['ok']} eager_ok {r['eager_ok']} {r['paths']}")
     for key, r in results.get("phases", {}).items():
         top = r.get("python", [{}])[0].get("fn", "")
-        print(f"{key:34} {r['graph_us']:9.1f} {r['eager_us']:9.1f} {r['host_us']:7.1f} {r['host_rest_us']:7.1f}  ok {r['ok']}"
-              f" eager_ok {r['eager_ok']} syncs {r['syncs']} {r['paths']}  top: {top}")
+        print(f"{key:34} {r['graph_us']:9.1f} {r['eager_us']:9.1f} {r['host_us']:7.1f} {r['host_rest_us']:7.1f}  ok "
+              f"{r['ok']} eager_ok {r['eager_ok']} syncs {r['syncs']} {r['paths']}  top: {top}")
     m = results.get("mixtral")
     if m:
         burst = m["burst_us"]
-        print(f"mixtral bf16 4096: events {m['events_us']} eager {m['eager_us']} host {m['host_us']}; burst first / last "
-              f"{burst[0]} / {burst[-1]} µs")
+        print(f"mixtral bf16 4096: events {m['events_us']} eager {m['eager_us']} host {m['host_us']}; burst first / "
+              f"last {burst[0]} / {burst[-1]} µs")
 
 
 def main() -> None:

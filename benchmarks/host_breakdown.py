@@ -130,7 +130,8 @@ def steps(shape: Shape, m: int, out_dir: Path) -> dict:
         launches += [getattr(plan.align, n) for n in ("small", "naive", "hist", "scan", "scatter", "place")]
     t["all raw"] = all(launch._raw is not None for launch in launches if launch is not None)
     t["align"] = align_variants(shape, ids, plan.config.BLOCK_M, dev)
-    profile(lambda: experts_triton(*args), min(200, Run.reps), out_dir / f"cprofile_{shape.name.replace('/', '_')}_M{m}.txt")
+    profile(lambda: experts_triton(*args), min(200, Run.reps),
+            out_dir / f"cprofile_{shape.name.replace('/', '_')}_M{m}.txt")
     return t
 
 
@@ -158,9 +159,11 @@ def equal_to_twin(b: dict, want) -> bool:
     """The plan's buffers hold the twin's layout: its R rows and R/B blocks first (a plan rounds R up to
     whole blocks), then only the sentinel and -1."""
     rows, blocks = want.sorted_ids.numel(), want.expert_ids.numel()
-    return (torch.equal(b["sorted_ids"][:rows], want.sorted_ids) and torch.equal(b["expert_ids"][:blocks], want.expert_ids)
+    return (torch.equal(b["sorted_ids"][:rows], want.sorted_ids)
+            and torch.equal(b["expert_ids"][:blocks], want.expert_ids)
             and torch.equal(b["num_padded"], want.num_padded) and torch.equal(b["counts"], want.counts)
-            and bool((b["sorted_ids"][rows:] == want.num_assignments).all()) and bool((b["expert_ids"][blocks:] == -1).all()))
+            and bool((b["sorted_ids"][rows:] == want.num_assignments).all())
+            and bool((b["expert_ids"][blocks:] == -1).all()))
 
 
 def gpu_us(fn) -> float:
@@ -228,7 +231,8 @@ def layer_profile(preset: str, m: int, out_dir: Path) -> dict:
     return t
 
 
-STEP_COLUMNS = ("whole call", "whole call busy", "sum of steps", "check_experts_args", "plan_for", "torch.empty_like out",
+STEP_COLUMNS = ("whole call", "whole call busy", "sum of steps", "check_experts_args", "plan_for",
+                "torch.empty_like out",
                 "workspace buffers", "align launches", "align launch count", "gate_up launch", "down launch",
                 "sum launch")
 

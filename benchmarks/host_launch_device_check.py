@@ -246,7 +246,8 @@ def table(results: dict) -> str:
              " graph, 6 interleaved replays, median), L launches per call, grid: the last launch's programs,"
              " dgraph% against the cell's first variant;"
              " checks: reference, bit-equal (24 eager calls), counters 0, direct and graph outputs equal",
-             f"{'cell':<30}{'var':>6} {'L':>2} {'grid':>6} {'host':>7} {'rest':>7} {'eager':>8} {'graph':>8} {'dgraph%':>8}  checks"]
+             f"{'cell':<30}{'var':>6} {'L':>2} {'grid':>6} {'host':>7} {'rest':>7} {'eager':>8} {'graph':>8} "
+             f"{'dgraph%':>8}  checks"]
     for key, r in results.items():
         if "variants" not in r:
             lines.append(f"{key:<30} {r.get('skipped') or r.get('error')}")
@@ -259,8 +260,9 @@ def table(results: dict) -> str:
             checks += [v.get(c, "-") for c in ("equal", "direct_equal", "graph_equal")]
             ok = "PASS" if all(c in ("PASS", "-") for c in checks) else "FAIL " + "/".join(checks)
             g = v.get("graph_us", float("nan"))
-            lines.append(f"{key:<30}{name:>6} {v['launches']:>2} {v.get('down_grid', 0):>6} {v['host_us']:>7.1f} {v['host_rest_us']:>7.1f} "
-                         f"{v['eager_us']:>8.1f} {g:>8.1f} {100 * (g - base) / base:>8.2f}  {ok}")
+            lines.append(f"{key:<30}{name:>6} {v['launches']:>2} {v.get('down_grid', 0):>6} {v['host_us']:>7.1f} "
+                         f"{v['host_rest_us']:>7.1f} {v['eager_us']:>8.1f} {g:>8.1f} {100 * (g - base) / base:>8.2f}  "
+                         f"{ok}")
     return "\n".join(lines)
 
 

@@ -15,13 +15,14 @@ cells in ORDER (the layer at 8 and 1, the experts, the layer's others) until --b
    and split into first / rest, variants ``old`` (main: the k-sum folded into the down GEMM at M = 1 only) and
    ``new`` (this branch: up to M = 8, one launch fewer; bit-equal by construction); at M = 1024 ``old`` = main's
    pool size (``REUSE_MAX_BYTES`` 128 MiB: DeepSeek-V3's h and y allocated per call) against the branch's 256 MiB
-   (pooled); elsewhere the same plan as main, so only ``new`` runs; GPU µs each; eager against a CUDA graph: equal. Candidates for fewer launches
-   (CANDIDATES, not defaults): ``fold512`` at M = 64, ``one2048`` at M = 256, their host and GPU µs. The first call's diagnosis (at
-   --diagnose-at M; the first run showed that neither a spinning wait nor 300 µs of Python work before it
-   removes its cost): the same 16-call loop after ``sync`` (torch.cuda.synchronize, as the bench), ``kick``
-   (sync, then one tiny kernel launch) and ``torch`` (sync, then an allocation and three tiny torch kernels, as
-   a model's next ops), each as first / rest; and the first call's steps (``host_trim2_probe.timed_call``: out,
-   stream and addresses, each launch) right after the sync of a 16-call loop, against the same steps back to back.
+   (pooled); elsewhere the same plan as main, so only ``new`` runs; GPU µs each; eager against a CUDA graph:
+   equal. Candidates for fewer launches (CANDIDATES, not defaults): ``fold512`` at M = 64, ``one2048`` at M = 256,
+   their host and GPU µs. The first call's diagnosis (at --diagnose-at M; the first run showed that neither a
+   spinning wait nor 300 µs of Python work before it removes its cost): the same 16-call loop after ``sync``
+   (torch.cuda.synchronize, as the bench), ``kick`` (sync, then one tiny kernel launch) and ``torch`` (sync, then an
+   allocation and three tiny torch kernels, as a model's next ops), each as first / rest; and the first call's steps
+   (``host_trim2_probe.timed_call``: out, stream and addresses, each launch) right after the sync of a 16-call loop,
+   against the same steps back to back.
 Look for: every ``same``/``graph`` yes (layer old/new at M = 8: same and ids yes); the first call's share of the
 bench's host µs (first >> rest) and whether ``torch`` moves it onto the torch ops (then it is the first CUDA work
 after a long GPU run, whoever issues it); experts new rest < old at M = 8 with GPU µs equal; layer new host < old
@@ -52,7 +53,8 @@ from moekit.routing import gate, gate_route
 
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 BATCHES = (8, 1, 64, 256, 1024)
-# cells of a preset in priority order (the budget stops the rest): the layer's decode cells, the experts, the layer's others
+# cells of a preset in priority order (the budget stops the rest): the layer's decode cells, the experts, the layer's
+# others
 ORDER = (("layer", 8), ("layer", 1), ("experts", 8), ("experts", 64), ("experts", 256), ("experts", 1024),
          ("experts", 1), ("layer", 64), ("layer", 256), ("layer", 1024))
 DIAGNOSE_AT = (8, 256)  # experts cells with the other waits and the first call's steps
@@ -61,7 +63,8 @@ MAIN_OPTIONS = LaunchOptions(sum_fold_max=1)  # main's k-sum fold (M = 1 only); 
 # candidates for fewer launches past M = 8, measured for their GPU cost (not defaults): the alignment folded into
 # gate-up up to A = 512 (M = 64), the one-launch alignment up to A = 2048 (M = 256)
 MAIN_POOL_BYTES = 128 << 20  # main's REUSE_MAX_BYTES: above it h and y are allocated per call (DeepSeek-V3 M = 1024)
-CANDIDATES = {64: ("fold512", LaunchOptions(align_fold_max=512)), 256: ("one2048", LaunchOptions(align_one_launch_max=2048))}
+CANDIDATES = {64: ("fold512", LaunchOptions(align_fold_max=512)),
+              256: ("one2048", LaunchOptions(align_one_launch_max=2048))}
 WAITS = ("sync", "kick", "torch")
 LOOP_CALLS = 16  # as moekit.bench.timing.EAGER_CALLS
 
@@ -290,7 +293,8 @@ def table(results: dict) -> str:
         for v in variants:
             s = r[f"{v}_sync"]
             cells.append(f"{v}: bench {_f(r[f'{v}_bench_host'])} first {_f(s['first'])} rest {_f(s['rest'])} "
-                         f"gpu {_f(r[f'{v}_gpu'])} graph {ha._yn(r[f'{v}_graph']) if r[f'{v}_graph'] != 'cpu' else '-'}")
+                         f"gpu {_f(r[f'{v}_gpu'])} "
+                         f"graph {ha._yn(r[f'{v}_graph']) if r[f'{v}_graph'] != 'cpu' else '-'}")
         lines.append(f"{key:30} " + " | ".join(cells))
         if "rel_diff" in r:
             lines.append(f"{'':32}old vs new: same {ha._yn(r['same'])} ids {ha._yn(r['ids_same'])} "

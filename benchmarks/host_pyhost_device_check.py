@@ -1,5 +1,5 @@
-"""Host check of issue 13 (<= 40 µs host per experts call), session 23 helper pyhost: the fast path's Python, old vs new,
-and the one-pass alignment's grid at one program per SM.
+"""Host check of issue 13 (<= 40 µs host per experts call), session 23 helper pyhost: the fast path's Python, old vs
+new, and the one-pass alignment's grid at one program per SM.
 
     PYTHONPATH=$PWD timeout 170 python3 benchmarks/host_pyhost_device_check.py --out $OUT/pyhost [--deadline-s 140]
         [--parts align calls]
@@ -93,7 +93,8 @@ def part_align(results: dict, deadline: Deadline) -> None:
                 b = bufs[name]
                 row[f"{name}_equal"] = bool(
                     torch.equal(b["counts"], b2["counts"]) and torch.equal(b["num_padded"], b2["num_padded"])
-                    and torch.equal(b["sorted_ids"], b2["sorted_ids"]) and torch.equal(b["expert_ids"], b2["expert_ids"])
+                    and torch.equal(b["sorted_ids"], b2["sorted_ids"])
+                    and torch.equal(b["expert_ids"], b2["expert_ids"])
                     and bool((b["sorted_ids"][used:] == ids.numel()).all()) and int(sync[name].abs().sum()) == 0)
             for rnd in range(3):
                 for name in plans:

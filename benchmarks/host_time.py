@@ -14,10 +14,10 @@ first preset at M = 1, since a process's first cell runs slow), under torch.no_g
   graph_us    per call of a CUDA graph of 16 calls, replayed (``moekit.bench.timing.time_calls``)
   ok          host_us <= 40 and eager_us <= max(1.15 * graph_us, graph_us + 15), the issue's targets
 then (e) the same eager / host numbers for the whole layer (``moekit.MoE`` from the preset, eager:
-gate, routing, experts, shared expert), with the gate's and the fused router's own host time; (f) an A/B of the host-path switches of ``LaunchOptions``,
-each one off and all off, with a check that every variant returns the default's output bit for bit;
-(d) ``torch.profiler`` tables of the top self-CPU ops for one cell, default and all off. First, three
-checks of what the CPU tests cannot run: a CUDA graph captured after eager calls (which reuse the
+gate, routing, experts, shared expert), with the gate's and the fused router's own host time; (f) an A/B of the
+host-path switches of ``LaunchOptions``, each one off and all off, with a check that every variant returns the default's
+output bit for bit; (d) ``torch.profiler`` tables of the top self-CPU ops for one cell, default and all off. First,
+three checks of what the CPU tests cannot run: a CUDA graph captured after eager calls (which reuse the
 workspace) replays right while eager calls run between replays; two streams at once each get their
 own workspace; eager equals the path with every switch off. JSON and the tables go to $OUT (default
 ./host_time_out); a short table is printed last. About 2-3 minutes on an H200.
@@ -177,7 +177,8 @@ def layer_cells(preset: str, batches: list[int], calls: int) -> list:
         with torch.no_grad():
             row = {"preset": preset, "M": m, **measure(lambda: layer(x), calls, graph=False), **router_host(layer, x)}
             if dev.type == "cuda":
-                row["graphed"] = {**measure(lambda: graphed(x), calls, graph=False), **graphed_agrees(layer, graphed, x)}
+                row["graphed"] = {**measure(lambda: graphed(x), calls, graph=False),
+                                  **graphed_agrees(layer, graphed, x)}
         rows.append(row)
         print(json.dumps({"layer": True, **row}), flush=True)
     del layer, graphed
@@ -269,15 +270,18 @@ def _graphed_text(g: dict | None) -> str:
 
 def summary(cells: list, layers: list) -> str:
     lines = [f"{'preset':<15}{'M':>5}{'host':>8}{'host_n':>8}{'eager':>9}{'graph':>9}  ok   "
-             f"{'layer host':>10}{'router':>7}{'layer eager':>12}{'graphed host/eager':>19}   A/B host µs (default / off: " + ", ".join(SWITCHES) + " / all)"]
+             f"{'layer host':>10}{'router':>7}{'layer eager':>12}{'graphed host/eager':>19}   A/B host µs (default / "
+             f"off: " + ", ".join(SWITCHES) + " / all)"]
     by_key = {(r["preset"], r["M"]): r for r in layers}
     for c in cells:
         layer = by_key.get((c["preset"], c["M"]), {})
         ab = c.get("ab", {})
-        ab_text = " / ".join(f"{ab[v]['host_us']:.0f}{'' if ab[v]['same_output'] else '!'}" for v in VARIANTS if v in ab)
+        ab_text = " / ".join(f"{ab[v]['host_us']:.0f}{'' if ab[v]['same_output'] else '!'}" for v in VARIANTS
+                             if v in ab)
         lines.append(f"{c['preset']:<15}{c['M']:>5}{c['host_us']:>8.1f}{c['host_n_us']:>8.1f}{c['eager_us']:>9.1f}"
-                     f"{c.get('graph_us', float('nan')):>9.1f}  {_yes(c.get('ok')):<4} {layer.get('host_us', float('nan')):>10.1f}"
-                     f"{layer.get('router_host_us', float('nan')):>7.1f}{layer.get('eager_us', float('nan')):>12.1f}"
+                     f"{c.get('graph_us', float('nan')):>9.1f}  {_yes(c.get('ok')):<4} "
+                     f"{layer.get('host_us', float('nan')):>10.1f}{layer.get('router_host_us', float('nan')):>7.1f}"
+                     f"{layer.get('eager_us', float('nan')):>12.1f}"
                      f"{_graphed_text(layer.get('graphed')):>19}   {ab_text}")
     lines.append("host: idle start, 32 calls; host_n: around N back-to-back calls; ok: host <= 40 µs and "
                  "eager <= max(1.15 graph, graph + 15); '!' after an A/B number: output differs from default; "

@@ -243,20 +243,22 @@ def table(results: dict) -> str:
             continue
         if key.startswith("experts"):
             h = r["host_us"]
-            lines.append(f"{key:34}same {ha._yn(r['same'])}  host {h['base']['median']:7.1f} -> {h['addr']['median']:7.1f}"
-                         f"  min {h['base']['min']:7.1f} -> {h['addr']['min']:7.1f}"
+            lines.append(f"{key:34}same {ha._yn(r['same'])}  host {h['base']['median']:7.1f} -> "
+                         f"{h['addr']['median']:7.1f}  min {h['base']['min']:7.1f} -> {h['addr']['min']:7.1f}"
                          f"  first {h['base']['first']:7.1f} -> {h['addr']['first']:7.1f}"
                          f"  rest {h['base']['rest']:6.1f} -> {h['addr']['rest']:6.1f}"
                          f"  segs {h['base']['segments']} / {h['addr']['segments']}")
             for name, ranges in r.get("backlog", {}).items():
-                lines.append(f"{'':6}backlog {name:5} µs by call index " + " ".join(f"{k}: {v}" for k, v in ranges.items()))
+                lines.append(f"{'':6}backlog {name:5} µs by call index "
+                             + " ".join(f"{k}: {v}" for k, v in ranges.items()))
             if "no_pdl" in h:
                 lines.append(f"{'':6}no_pdl (addr, dependent_launch off) same {ha._yn(r['no_pdl_same'])} host "
                              f"{h['no_pdl']['median']:.1f} min {h['no_pdl']['min']:.1f} rest {h['no_pdl']['rest']:.1f}")
             if "pool_all" in h:
                 lines.append(f"{'':6}pool_all (h, y pooled) same {ha._yn(r['pool_all_same'])} host "
-                             f"{h['pool_all']['median']:.1f} min {h['pool_all']['min']:.1f} first {h['pool_all']['first']:.1f}"
-                             f" rest {h['pool_all']['rest']:.1f} segs {h['pool_all']['segments']}")
+                             f"{h['pool_all']['median']:.1f} min {h['pool_all']['min']:.1f} first "
+                             f"{h['pool_all']['first']:.1f} rest {h['pool_all']['rest']:.1f} segs "
+                             f"{h['pool_all']['segments']}")
             p = r.get("probe")
             if p and "steps" in p:
                 for way in ("idle", "busy", "stream"):

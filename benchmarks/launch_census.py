@@ -55,7 +55,8 @@ def main() -> None:
         shape = Shape.from_preset(preset)
         base = make_weights(shape, torch.bfloat16, device)
         for dtype in args.dtypes:
-            w13, w2 = (base.w13, base.w2) if dtype == "bfloat16" else (quantize(base.w13, dtype), quantize(base.w2, dtype))
+            w13, w2 = (base.w13, base.w2) if dtype == "bfloat16" else (quantize(base.w13, dtype),
+                                                                       quantize(base.w2, dtype))
             for m in args.batches:
                 if time.perf_counter() - start > args.deadline_s:
                     break
@@ -79,7 +80,8 @@ def main() -> None:
     print(f"{'preset':14} {'dtype':11} {'M':>6} {'launch':>6} {'host':>6} {'µs/l':>5}  kernels")
     for r in rows:
         per = r["host_rest_us"] / max(r["launches"], 1)
-        names = ", ".join(f"{n.split('(')[0][:28]}x{c}" if c > 1 else n.split('(')[0][:28] for n, c in r["kernels"].items())
+        names = ", ".join(f"{n.split('(')[0][:28]}x{c}" if c > 1 else n.split('(')[0][:28] for n,
+                          c in r["kernels"].items())
         print(f"{r['preset'][:14]:14} {r['dtype'][:11]:11} {r['M']:6d} {r['launches']:6d} {r['host_rest_us']:6.1f} "
               f"{per:5.1f}  {names}")
 

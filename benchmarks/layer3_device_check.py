@@ -24,7 +24,8 @@ Cells by priority until --budget-s (then the hard limit stops measuring):
 5. ``stages qwen3-30b-a3b M=m`` (``--second``, M = 1, 2, 4): graph µs of the layer and of its stages alone (the one
    gate + router launch, the gate kernel + the router's launch, the experts) beside the floor.
 Look for: mma+route GPU µs <= cublas+route at every M (the graph must not regress) and which tiles win; ab: new
-rest < main rest, graph new <= main, graph_eq yes; where the host µs of the layer go at 16-256 (route, experts). JSON to $OUT/layer3.json; a table last.
+rest < main rest, graph new <= main, graph_eq yes; where the host µs of the layer go at 16-256 (route, experts). JSON to
+$OUT/layer3.json; a table last.
 """
 
 from __future__ import annotations
@@ -271,7 +272,8 @@ def measure(a, start: float, results: dict) -> None:
             a.presets = ["mixtral-8x7b"]
         layers = {p: lh.MoE(hm.layer_config(p), backend="triton", router=lh.Run.router, dtype=torch.bfloat16,
                             device=hm.Run.device).eval() for p in a.presets}
-        cells = [(f"ab {p} M={m}", lambda m=m, layer=layer: ab_cell(layer, m)) for m in big for p, layer in layers.items()]
+        cells = [(f"ab {p} M={m}", lambda m=m, layer=layer: ab_cell(layer, m)) for m in big for p,
+                 layer in layers.items()]
         if a.second:
             cells += [(f"ab {p} M={m}", lambda m=m, layer=layer: ab_cell(layer, m))
                       for m in a.layer_rows if m not in big for p, layer in layers.items()]
@@ -313,7 +315,8 @@ def table(results: dict) -> str:
                          + " ".join(f"{n} {r[n + '_graph_eq']}" for n in names) + " | path "
                          + " ".join(f"{n} {r[n + '_path']}" for n in names) + f" | new==step {r['new_eq_step']}"
                          + (f" | new vs main {r['new_vs_main_rel']:.1e}" if "new_vs_main_rel" in r else ""))
-    lines.append(lh.table({k: v for k, v in results.items() if not k.startswith(("gate", "ab", "measure", "stages", "elapsed"))}))
+    lines.append(lh.table({k: v for k,
+                           v in results.items() if not k.startswith(("gate", "ab", "measure", "stages", "elapsed"))}))
     return "\n".join(lines)
 
 

@@ -9,10 +9,10 @@ Cells by priority (``measure``) until --budget-s (then the hard limit stops meas
    sigmoid/grouped ones): the layer's eager output (the decode fast path) against the same forward captured in a
    CUDA graph, the capture's routing as shipped (the one launch into fresh buffers, ``gate_route.wants_fresh``:
    ``layer_graph``) or the gate kernel, then the router kernel (``layer_graph_two``); the routing of the one
-   launch (``route_tokens`` with the kept buffers) against the two launches: logits, ids, weights equal; the experts on the one launch's
-   routing: the decode fast path's experts call against ``MoE._experts_call`` and against its graph, and (the
-   shared expert fused) ``experts_triton`` eagerly in VARIANTS against the layer's call; the eager layer twice
-   (a nondeterministic reduction would show here).
+   launch (``route_tokens`` with the kept buffers) against the two launches: logits, ids, weights equal; the
+   experts on the one launch's routing: the decode fast path's experts call against ``MoE._experts_call`` and
+   against its graph, and (the shared expert fused) ``experts_triton`` eagerly in VARIANTS against the layer's call; the
+   eager layer twice (a nondeterministic reduction would show here).
 2. ``layer P M=m`` for Qwen3-30B-A3B, DeepSeek-V3 (shared expert fused), Mixtral-8x7B; bf16, no_grad, the
    preset's full layer (backend triton, router auto), M in BATCHES: host µs per forward as ``moekit bench``
    measures it (``time_eager``: 16 calls, one sync) split into the first call after the sync and the rest's
@@ -22,8 +22,9 @@ Cells by priority (``measure``) until --budget-s (then the hard limit stops meas
    launch captured instead of the one launch (``graph_two``: main's capture).
 3. ``parts P M=m`` (M in PARTS_AT): the fast path's pieces, host µs each (``parts_cell``): where the layer's
    microseconds go on the device's host.
-Look for: ``layer_graph`` yes in every ``eq`` row (the other columns say where one and two launches differ); host rest <= 60 at M <= 8 for the
-three presets (and how far at 16, 64, 256); graph/floor <= 1.15 for M <= 256. JSON to $OUT/layer_host2.json.
+Look for: ``layer_graph`` yes in every ``eq`` row (the other columns say where one and two launches differ); host rest
+<= 60 at M <= 8 for the three presets (and how far at 16, 64, 256); graph/floor <= 1.15 for M <= 256. JSON to
+$OUT/layer_host2.json.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def layer_cell(layer: MoE, m: int) -> dict:
     if m <= gate_route.MAX_TOKENS:  # the capture with the gate kernel and the router's launch instead of the one
         with fresh_off():
             extra = {"graph_two_us": hm.gpu_us(fn), "graph_two_eq": hm.graph_equal(fn, out)}
-    return {**extra, "fast_path": m in layer._decode._entries, "host": round(t.host_us, 2), "host_rest": round(t.host_rest_us, 2),
+    return {**extra, "fast_path": m in layer._decode._entries, "host": round(t.host_us, 2),
+            "host_rest": round(t.host_rest_us, 2),
             "first": split["first"], "rest": split["rest"], "eager": round(t.eager_us, 2), "graph_us": graph,
             "floor": round(floor, 2), "graph_over_floor": round(graph / floor, 3), "graph_eq": hm.graph_equal(fn, out)}
 
@@ -236,7 +238,8 @@ def table(results: dict) -> str:
         elif key.startswith("parts"):
             lines.append(f"{key:34} " + " ".join(f"{k} {_f(v, 5)}" for k, v in r.items()))
         elif key.startswith("eq"):
-            cols = ("layer_graph", "layer_graph_two", "logits", "ids", "weights", "experts_eager_vs_layer", "experts_graph", "eager_twice",
+            cols = ("layer_graph", "layer_graph_two", "logits", "ids", "weights", "experts_eager_vs_layer",
+                    "experts_graph", "eager_twice",
                     *VARIANTS)
             lines.append(f"{key:34} " + " ".join(f"{c}={ha._yn(r[c]) if isinstance(r[c], bool) else r[c]}" for c in cols
                                                  if c in r)
@@ -245,7 +248,8 @@ def table(results: dict) -> str:
                                                                       if k.endswith("rel_diff")))
         else:
             graph_eq = r["graph_eq"] if r["graph_eq"] == "cpu" else ha._yn(r["graph_eq"])
-            two = "" if "graph_two_us" not in r else f" | two launches: graph {_f(r['graph_two_us'])} eq {r['graph_two_eq']}"
+            two = ("" if "graph_two_us" not in r
+                   else f" | two launches: graph {_f(r['graph_two_us'])} eq {r['graph_two_eq']}")
             lines.append(f"{key:34} host {_f(r['host'])} rest {_f(r['rest'])} first {_f(r['first'])} eager "
                          f"{_f(r['eager'])} graph {_f(r['graph_us'])} floor {_f(r['floor'])} g/f "
                          f"{_f(r['graph_over_floor'], 5)} eq {graph_eq} fast {r['fast_path']}{two}")

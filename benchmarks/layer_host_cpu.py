@@ -9,10 +9,11 @@ E=128, k=8 with K=64, N=32; Mixtral's E=8, k=2), M=1, bf16, ``backend="triton"``
 Stages, each timed alone: ``gate`` (``MoE._router_logits``, what the layer runs: the Triton gate, stubbed),
 ``gate_torch`` (``F.linear``, the gate before: real work on the CPU, ~15 µs of Qwen3's bf16 [1, 64] x [64, 128]),
 ``router`` (the fused router on those logits), ``check`` (``check_experts_args``), ``experts``
-(``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue, into the kept buffers as forward runs it), the whole
+(``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue, into the kept buffers as forward
+runs it), the whole
 ``layer`` (a repeated call: its decode fast path, ``moekit.layer_fast``), ``layer_nofast`` (that path off: the
-forward as before), and ``glue`` = layer_nofast - route_tokens - experts. Then the experts call alone at M = 1, 8, 512, 4096
-(Qwen3's E and k; ids int32 and weights fp32 as the fused router makes them): ``experts_triton`` (the public
+forward as before), and ``glue`` = layer_nofast - route_tokens - experts. Then the experts call alone at M = 1, 8, 512,
+4096 (Qwen3's E and k; ids int32 and weights fp32 as the fused router makes them): ``experts_triton`` (the public
 call: the check, then the lean launch), ``layer_call`` (what forward runs: ``MoE._experts_call``, the check
 once per weight set), ``two_layers`` (``experts_triton`` on two weight sets of one shape in turn, per call:
 a model's layers) and ``plans`` (how many plans were built: 1 per M, nothing rebuilt per call); at M = 4096
@@ -161,7 +162,8 @@ def profile(config: MoEConfig, m: int, calls: int, dtype: torch.dtype) -> None:
     weights, ids = torch.rand(m, config.num_experts).topk(config.top_k, dim=-1)
     ids, act = ids.to(torch.int32), config.activation
     with torch.no_grad():
-        fn = lambda: layer._experts_call(layer._experts_fn, x, layer.w13, layer.w2, ids, weights, activation=act)  # noqa: E731
+        fn = lambda: layer._experts_call(layer._experts_fn, x, layer.w13, layer.w2, ids, weights,  # noqa: E731
+                                         activation=act)
         for _ in range(50):
             fn()
         prof = cProfile.Profile()

@@ -16,13 +16,14 @@ per call of 32 calls started on an idle GPU (median of 5 rounds) of:
 then ``eager`` (wall µs per call of 200 back-to-back default calls and one sync), the GPU µs of one gate call
 (Triton vs F.linear) and of one route call (in-kernel assert vs flag) from a CUDA graph of 20 calls, host
 syncs per call (``set_sync_debug_mode("warn")``) of the layer and of each stage, with the Python stack of
-the first sync of each kind (``"error"`` mode), and accuracy: gate logits vs a float64 matmul (max |err| / max |logit|, Triton and F.linear), the fused router's
-ids vs ``moekit.route`` on the same logits (mismatching rows), the layer output vs a float64 experts loop on
-the layer's own routing (relative Frobenius error), and vs the previous implementation (max |diff|, rows
-whose experts differ). Once: raw C launches taken (``RawLaunch``) by the gate and route bound launches, and
-the host µs of ``torch.empty`` and ``torch._assert_async`` (what one fewer allocation or launch would save).
-Cells run M = 1 first across presets, after a throwaway cell (the first preset at M = 1: a first cell runs slow); a cell starting after BUDGET_S seconds is skipped (printed). JSON to
-$OUT/layer_host.json; a table printed last.
+the first sync of each kind (``"error"`` mode), and accuracy: gate logits vs a float64 matmul (max |err| / max
+|logit|, Triton and F.linear), the fused router's ids vs ``moekit.route`` on the same logits (mismatching rows),
+the layer output vs a float64 experts loop on the layer's own routing (relative Frobenius error), and vs the previous
+implementation (max |diff|, rows whose experts differ). Once: raw C launches taken (``RawLaunch``) by the gate and route
+bound launches, and the host µs of ``torch.empty`` and ``torch._assert_async`` (what one fewer allocation or launch
+would save).
+Cells run M = 1 first across presets, after a throwaway cell (the first preset at M = 1: a first cell runs slow); a cell
+starting after BUDGET_S seconds is skipped (printed). JSON to $OUT/layer_host.json; a table printed last.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def accuracy(layer: MoE, x: torch.Tensor, prev) -> dict:
         "gate_err": ((logits.double() - want).abs().max().item() / scale),
         "gate_torch_err": ((torch_logits.double() - want).abs().max().item() / scale),
         "route_id_rows_differ": int((ids != twin.topk_ids).any(dim=1).sum()),
-        "route_w_maxdiff": (routed.routing.topk_weights[:, : layer.config.top_k] - twin.topk_weights).abs().max().item(),
+        "route_w_maxdiff": (routed.routing.topk_weights[:, : layer.config.top_k]
+                            - twin.topk_weights).abs().max().item(),
         "out_rel_err_f64": ((out.double() - ref).norm() / ref.norm()).item(),
         "out_maxdiff_prev": (out.float() - old.float()).abs().max().item(),
         "rows_experts_differ_prev": int((ids.sort(dim=1).values != old_ids.sort(dim=1).values).any(dim=1).sum()),
@@ -246,7 +248,8 @@ def cell_or_fallback(layer: MoE, preset: str, m: int) -> dict:
         try:
             row = cell(layer, preset, m)
             state = [] if layer._fused_router.assert_in_kernel else ["flag router"]
-            return {**row, "fallback": ", ".join(state + ([] if layer._gate_fn else ["F.linear gate"])), "errors": errors}
+            return {**row, "fallback": ", ".join(state + ([] if layer._gate_fn else ["F.linear gate"])),
+                    "errors": errors}
         except Exception:  # noqa: BLE001 - reported, and the next way is tried
             errors.append(traceback.format_exc())
             print(f"{preset} M={m} failed ({fallback or 'default'}):\n{errors[-1]}", flush=True)

@@ -1,4 +1,5 @@
-"""Issues 19 / 15 / 16 / 13: decode M = 1 toward 80% of the byte floor (Qwen3-30B-A3B first; DeepSeek-V3, Mixtral guards).
+"""Issues 19 / 15 / 16 / 13: decode M = 1 toward 80% of the byte floor (Qwen3-30B-A3B first; DeepSeek-V3, Mixtral
+guards).
 
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/m1_device_check.py --out $OUT/m1   # H200, < 180 s
     PYTHONPATH=$PWD python3 benchmarks/m1_device_check.py --smoke                     # CPU: interpreter, tiny shapes
@@ -93,7 +94,8 @@ def worker_main(tasks: list) -> None:
         print(f"START {ci} {vi}", flush=True)
         try:
             t = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-            run(variants(dtype, preset, m)[vi], dtype, t, held[(dtype, s)], tuned_config(dtype, shape_of(preset), m, dev))
+            run(variants(dtype, preset, m)[vi], dtype, t, held[(dtype, s)],
+                tuned_config(dtype, shape_of(preset), m, dev))
             if not SMOKE:
                 torch.cuda.synchronize()
             print(f"OK {ci} {vi}", flush=True)

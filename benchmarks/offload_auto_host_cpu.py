@@ -75,7 +75,8 @@ def main() -> None:
             forwards[place].append((time.perf_counter() - start) / len(layers))
     print(f"M = 1, E = 128, top-8, 4 layers, {REPEATS} steps; host us per layer forward (median): plan | run_routed")
     for place in stacks:
-        print(f"  {place:<8} {statistics.median(plans[place]) * 1e6:6.1f} | {statistics.median(forwards[place]) * 1e6:7.1f}")
+        print(f"  {place:<8} {statistics.median(plans[place]) * 1e6:6.1f} | "
+              f"{statistics.median(forwards[place]) * 1e6:7.1f}")
 
 
 H200 = MissCosts(link_bytes_per_s=52.95e9, cpu_expert_s=0.438e-3, cpu_token_s=10.3e-6, cpu_step_s=1.776e-3,

@@ -1,5 +1,5 @@
-"""Device check for issue #18's targets: each cell's step within [0.85, 1.2]x its predicted floor, hit rate
-at the simulator's, and "auto" never slower than the better pure mode, beside the noise of the same run.
+"""Device check for issue #18's targets: each cell's step within [0.85, 1.2]x its predicted floor, hit rate at the
+simulator's, and "auto" never slower than the better pure mode, beside the noise of the same run.
 
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py            (H200, whole table, < 165 s)
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells 'skewed/75/router/1,*/*/*/8'
@@ -9,31 +9,32 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
 ``--cpu-tail-ms T``: auto prices T ms of stall a CPU branch (``MissCosts.cpu_tail_s``; default the calibration's
-``calibrate.CPU_TAIL_S``, 1 ms since session 24; 0: as before). ``--cpu-threads N``: the CPU branch at N threads (``CpuOptions(threads=N)``; default: the calibration's, half
-the CPUs since session 23; 12 on the H200 host before it). ``--out DIR``: the JSON's folder (else $OUT).
-``--fixed-threads``: after ``cpu_check``, torch's thread count is set to the calibration's for the table, so
-no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so. ``--limit S``:
-no group starts past S seconds (default 155: all 27 groups in 112 / 124 s on 0efdb0f / b89fbea, c1c5838 cut at
-92 s lost uniform/50 and 75 at M = 32; a group <= ~6 s; the M = 8 groups' 12 steps since session 24: ~10 s more). The header prints ``OMP_WAIT_POLICY`` (PASSIVE: the CPU
-branch's threads sleep at once after their work instead of spinning beside the host's next layer).
+``calibrate.CPU_TAIL_S``, 1 ms since session 24; 0: as before). ``--cpu-threads N``: the CPU branch at N threads
+(``CpuOptions(threads=N)``; default: the calibration's, half the CPUs since session 23; 12 on the H200 host before it).
+``--out DIR``: the JSON's folder (else $OUT). ``--fixed-threads``: after ``cpu_check``, torch's thread count is set to
+the calibration's for the table, so no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the
+header says so. ``--limit S``: no group starts past S seconds (default 155: all 27 groups in 112 / 124 s on 0efdb0f /
+b89fbea, c1c5838 cut at 92 s lost uniform/50 and 75 at M = 32; a group <= ~6 s; the M = 8 groups' 12 steps since session
+24: ~10 s more). The header prints ``OMP_WAIT_POLICY`` (PASSIVE: the CPU branch's threads sleep at once after their work
+instead of spinning beside the host's next layer).
 
-``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
-sharing one cache, each its own host weights): cache 25 / 50 / 75% x M = 1 / 8 / 32 x gpu / cpu / auto, lfu,
-the skewed stream (prefetch none and router) then the uniform one (none); "auto" with the online CPU rate.
-``--cells`` keeps the groups whose name stream/cache%/prefetch/M matches one of its comma-separated fnmatch
-patterns. With the twin (default; ``--no-twin`` drops it) every group also times "gpu2", pure gpu again,
-interleaved: |gpu2 / gpu - 1| is the step-to-step noise that "auto / best" is read against.
+``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers sharing one
+cache, each its own host weights): cache 25 / 50 / 75% x M = 1 / 8 / 32 x gpu / cpu / auto, lfu, the skewed stream
+(prefetch none and router) then the uniform one (none); "auto" with the online CPU rate. ``--cells`` keeps the groups
+whose name stream/cache%/prefetch/M matches one of its comma-separated fnmatch patterns. With the twin (default;
+``--no-twin`` drops it) every group also times "gpu2", pure gpu again, interleaved: |gpu2 / gpu - 1| is the step-to-step
+noise that "auto / best" is read against.
 
-The stacks of a group (modes, twin, all-hit reference) take turns step by step in carry-over balanced
-orders (``offload_cells.balanced_orders``: each follows each other equally often over the timed steps);
-each row keeps its mean step by the stack before it (``after_ms``): the carry-over a CPU-heavy step leaves.
-Every ``OffloadedMoE._plan`` is timed (host ms, less the early fetches' issue, with the mode it planned by:
-"auto" at M = 1 plans by "gpu" where no forward can use the CPU, ``cost.cpu_never_wins``) and every CPU
-branch logged (measured / model ms by phase). ``--profile CELL`` (a group's name) runs that group once
-more after the table with cProfile over every "auto" plan (the early fetches' issue left out, as in the plan
-time; the profiler's overhead stays out of the table's steps), printed before the table, top 25 by cumulative
-time; the group's plan line is filed as "CELL (profiled)". The JSON ($OUT/offload_cal_device_check.json) is rewritten
-after every group, so a machine taken back mid-run leaves the groups done; the table prints last.
+The stacks of a group (modes, twin, all-hit reference) take turns step by step in carry-over balanced orders
+(``offload_cells.balanced_orders``: each follows each other equally often over the timed steps); each row keeps its mean
+step by the stack before it (``after_ms``): the carry-over a CPU-heavy step leaves. Every ``OffloadedMoE._plan`` is
+timed (host ms, less the early fetches' issue, with the mode it planned by: "auto" at M = 1 plans by "gpu" where no
+forward can use the CPU, ``cost.cpu_never_wins``) and every CPU branch logged (measured / model ms by phase).
+``--profile CELL`` (a group's name) runs that group once more after the table with cProfile over every "auto" plan (the
+early fetches' issue left out, as in the plan time; the profiler's overhead stays out of the table's steps), printed
+before the table, top 25 by cumulative time; the group's plan line is filed as "CELL (profiled)". The JSON
+($OUT/offload_cal_device_check.json) is rewritten after every group, so a machine taken back mid-run leaves the groups
+done; the table prints last.
 """
 
 from __future__ import annotations
@@ -53,14 +54,11 @@ from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import cpu_rows, measure_costs, measure_offload
 from moekit.bench.offload_report import auto_vs_best, modes_by_cell
 from moekit.config import MoEConfig
-from moekit.offload import CpuOptions, OffloadedMoE
-from moekit.offload.calibrate import branch, cold_groups
-from moekit.offload.cpu_path import CPU_GEMMS
+from moekit.offload import CpuOptions
 from offload_cal_log import MODES, BranchLog  # benchmarks/ on sys.path
-from offload_cpu_anatomy import passes, print_passes
+from offload_cpu_anatomy import cpu_check, passes, print_passes
 
 LIMIT_S = 155.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 175 s
-GAP_S = 0.005  # ``cpu_check``'s idle host time before a branch: about a decode layer's GPU-path host work
 PROFILE_LIMIT_S = 168.0  # the --profile pass (one group after the table, ~10 s) does not start past it
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
@@ -127,11 +125,12 @@ def main(argv: list[str]) -> int:
         QWEN3_30B if cuda else SMOKE)
     config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
                        top_k=shape["top_k"])
-    options = CpuOptions(threads=int(argv[argv.index("--cpu-threads") + 1])) if "--cpu-threads" in argv else CpuOptions()
+    options = (CpuOptions(threads=int(argv[argv.index("--cpu-threads") + 1])) if "--cpu-threads" in argv
+               else CpuOptions())
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "shape": shape,
-              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running", "cpu_threads_asked": options.threads,
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running",
+              "cpu_threads_asked": options.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     BRANCHES.install()
     shells = host_shells(config, dtype, device, layers=shape["layers"])
     batches = (1, 8, 32) if cuda else (1, 8)
@@ -157,8 +156,8 @@ def main(argv: list[str]) -> int:
 
     def table(streams, keep, on_progress, ms=batches) -> str:
         try:
-            measure_offload(device, batches=ms, policies=("lfu",), places=MODES, shells=shells, costs=costs, cpu_options=options,
-                            on_progress=on_progress, online_cpu_rate=True, streams=streams,
+            measure_offload(device, batches=ms, policies=("lfu",), places=MODES, shells=shells, costs=costs,
+                            cpu_options=options, on_progress=on_progress, online_cpu_rate=True, streams=streams,
                             variants={TWIN: ("gpu", {})} if twin else None, keep=keep, **shape)
             return "complete"
         except OutOfTime:
@@ -168,9 +167,8 @@ def main(argv: list[str]) -> int:
             return f"error {type(e).__name__}: {e}"
 
     result["state"] = table(("skewed", "uniform"), keeper(patterns), progress)
-    if BRANCHES.profile_cell and time.perf_counter() - START < PROFILE_LIMIT_S:  # its own pass after the table:
-        # cProfile's overhead stays out of the table's steps
-        stream, _, _, m = BRANCHES.profile_cell.split("/")
+    if BRANCHES.profile_cell and time.perf_counter() - START < PROFILE_LIMIT_S:
+        stream, _, _, m = BRANCHES.profile_cell.split("/")  # a pass of its own: cProfile stays out of the table's steps
         result["profile_rows"], BRANCHES.profile_on = [], True
         state = table((stream,), keeper([BRANCHES.profile_cell]),
                       lambda r: progress(r, "profile_rows", " (profiled)"), (int(m),))
@@ -187,38 +185,6 @@ def _costs(argv: list[str], shell, device, options: CpuOptions, batches) -> "Mis
     if "--cpu-tail-ms" in argv:
         costs = dataclasses.replace(costs, cpu_tail_s=float(argv[argv.index("--cpu-tail-ms") + 1]) * 1e-3)
     return costs
-
-
-def cpu_check(shell, costs, device, repeats: int = 4, gap_s: float = GAP_S) -> list[dict]:
-    """The CPU branch against its calibrated model by link state, experts per call (1 row each), thread
-    count (torch's and the calibration's) and the host's idle time before it (none, or ``gap_s`` asleep:
-    a decode step's branch follows the host's GPU-path work, the probe and the calibration follow
-    branches), on cold experts, the settings interleaved in each repeat: is the model's shape right at a
-    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly? Where the
-    calibration's count is not torch's, it is also run with torch's count set to it throughout: does
-    switching the thread team's size at every branch (``cpu_path.torch_threads``) stall it?"""
-    layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
-    k, gemm = max(layer.config.top_k, 2), costs.cpu_gemm or CPU_GEMMS[0]
-    threads = sorted({torch.get_num_threads(), costs.cpu_threads or torch.get_num_threads()}, reverse=True)
-    groups, got, torch_count = cold_groups(layer.config.num_experts, k, 1000), {}, torch.get_num_threads()
-    settings = [(t, False) for t in threads] + [(t, True) for t in threads if t != torch_count]
-    for _ in range(repeats):
-        for t, fixed in settings:  # fixed: torch's count set to t throughout, so the branch switches no team size
-            torch.set_num_threads(t if fixed else torch_count)
-            for n in (1, 2, 4, 8):
-                for busy in (False, True):
-                    for gap in (0.0, gap_s):
-                        time.sleep(gap)
-                        total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
-                        p = layer.last_cpu
-                        got.setdefault((t, fixed, n, busy, gap), []).append(
-                            (total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
-            torch.set_num_threads(torch_count)
-    return [{"threads": t, "fixed": fixed, "experts": n, "busy": busy, "gap_ms": gap * 1e3,
-             "ms": statistics.median(x for x, _, _ in v) * 1e3,
-             "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
-             "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
-            for (t, fixed, n, busy, gap), v in sorted(got.items())]
 
 
 def _noise(rows: list[dict]) -> dict[int, float]:
@@ -254,19 +220,19 @@ def _mode_text(modes: dict[str, dict], mode: str) -> str:
     r = modes.get(mode)
     if r is None:
         return f"{mode} -"
-    return (f"{mode} {r['step_ms']:7.2f}±{r.get('step_sem_ms', 0.0):.2f} {r['x_floor']:4.2f}x(g{r.get('x_floor_given', 0):.2f}) "
-            f"{r['hit_rate']:.3f}/{r['sim_hit_rate']:.3f} ac {_after_cpu(r)}")
+    return (f"{mode} {r['step_ms']:7.2f}±{r.get('step_sem_ms', 0.0):.2f} {r['x_floor']:4.2f}x(g"
+            f"{r.get('x_floor_given', 0):.2f}) {r['hit_rate']:.3f}/{r['sim_hit_rate']:.3f} ac {_after_cpu(r)}")
 
 
 def _group_text(modes: dict[str, dict]) -> str:
     r = next(iter(modes.values()))
-    return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}"
-            f"/{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} cc {r.get('copy_call_ms', 0.0):.3f} "
-            f"bl {r.get('branch_layer_ms', 0.0):.3f} "
-            f"cpu x{r.get('cpu_scale', 1.0):.2f} br " + "/".join(f"{v.get('branch_rate', 0.0):.2f}" for v in modes.values()
-                                                                   if v.get("branch_rate")) + " probe " + (", ".join(
-                f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
-                for mode, v in modes.items() if v.get("probes")) or "-"))
+    return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}/"
+            f"{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} cc "
+            f"{r.get('copy_call_ms', 0.0):.3f} bl {r.get('branch_layer_ms', 0.0):.3f} cpu x"
+            f"{r.get('cpu_scale', 1.0):.2f} br "
+            + "/".join(f"{v.get('branch_rate', 0.0):.2f}" for v in modes.values() if v.get("branch_rate")) + " probe "
+            + (", ".join(f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
+                         for mode, v in modes.items() if v.get("probes")) or "-"))
 
 
 def _paired_lines(rows: list[dict]) -> list[str]:
@@ -276,9 +242,9 @@ def _paired_lines(rows: list[dict]) -> list[str]:
     for mode in (*MODES, TWIN):
         paired = [r["x_floor_median"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_median")]
         if paired:
-            out.append(f"{mode:>4} x floor with the fixed cost the reference's median step throughout (before session 23): "
-                       f"{min(paired):.2f}-{max(paired):.2f}, {sum(x > 1.2 for x in paired)} of {len(paired)} > 1.2, "
-                       f"{sum(x < 0.85 for x in paired)} < 0.85")
+            out.append(f"{mode:>4} x floor with the fixed cost the reference's median step throughout (before session "
+                       f"23): {min(paired):.2f}-{max(paired):.2f}, {sum(x > 1.2 for x in paired)} of {len(paired)} > "
+                       f"1.2, {sum(x < 0.85 for x in paired)} < 0.85")
     return out
 
 
@@ -293,9 +259,9 @@ def summary(rows: list[dict]) -> list[str]:
         if xs:
             out.append(f"{mode:>4}: x floor {min(xs):.2f}-{max(xs):.2f}, {sum(x > 1.2 for x in xs)} of {len(xs)} "
                        f"> 1.2, {sum(x < 0.85 for x in xs)} < 0.85 (CPU by the pre-group recalibration, g: "
-                       f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < 0.85;"
-                       f" probe's busy rate throughout: {min(bs):.2f}-{max(bs):.2f}, {sum(x > 1.2 for x in bs)} > 1.2, "
-                       f"{sum(x < 0.85 for x in bs)} < 0.85)")
+                       f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < "
+                       f"0.85; probe's busy rate throughout: {min(bs):.2f}-{max(bs):.2f}, {sum(x > 1.2 for x in bs)} > "
+                       f"1.2, {sum(x < 0.85 for x in bs)} < 0.85)")
     out += _paired_lines(rows)
     for mode in ("cpu", "auto"):
         ran = [r["x_floor_cpu_ran"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_cpu_ran")
@@ -306,9 +272,9 @@ def summary(rows: list[dict]) -> list[str]:
         rated = [(r["x_floor_probe"], r["branch_rate"]) for r in rows if r["compute_misses_on"] == mode
                  and r.get("branch_rate") and r["cpu_tokens_per_step"]]
         if rated:
-            out.append(f"{mode:>4} x floor's CPU rate, its branches' time-weighted median: x{min(b for _, b in rated):.2f}-"
-                       f"{max(b for _, b in rated):.2f} the model; by the probe's rates instead: x "
-                       f"{min(x for x, _ in rated):.2f}-{max(x for x, _ in rated):.2f}, "
+            out.append(f"{mode:>4} x floor's CPU rate, its branches' time-weighted median: "
+                       f"x{min(b for _, b in rated):.2f}-{max(b for _, b in rated):.2f} the model; by the probe's "
+                       f"rates instead: x {min(x for x, _ in rated):.2f}-{max(x for x, _ in rated):.2f}, "
                        f"{sum(x > 1.2 for x, _ in rated)} of {len(rated)} > 1.2")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
@@ -316,8 +282,8 @@ def summary(rows: list[dict]) -> list[str]:
     q = [(v, key) for key, modes in cells.items() if (v := auto_vs_best(modes)) is not None]
     if q:
         beyond = [key for v, key in q if v - 1.0 > 2 * noise.get(key[4], 0.0)]
-        out.append(f"auto / best pure: worst {max(v for v, _ in q):.3f}, mean {statistics.fmean(v for v, _ in q):.3f};"
-                   f" twin noise (rms gpu2/gpu - 1) by M: " + ", ".join(f"{m} {n:.3f}" for m, n in sorted(noise.items()))
+        out.append(f"auto / best pure: worst {max(v for v, _ in q):.3f}, mean {statistics.fmean(v for v, _ in q):.3f}; "
+                   f"twin noise (rms gpu2/gpu - 1) by M: " + ", ".join(f"{m} {n:.3f}" for m, n in sorted(noise.items()))
                    + f"; {len(beyond)} of {len(q)} cells slower by more than 2x the noise at their M"
                    + ("" if not beyond else ": " + ", ".join(cell_name(k[0], k[1], k[3], k[4]) for k in beyond)))
     for m in sorted({key[4] for _, key in q}):
@@ -325,11 +291,12 @@ def summary(rows: list[dict]) -> list[str]:
         plans = {mode: [v[mode]["plan_ms"] for name, v in BRANCHES.cells.items() if name.endswith(f"/{m}")
                         and v[mode]["plans"]] for mode in ("gpu", "auto")}
         pairs = [p for key, modes in cells.items() if key[4] == m and (p := paired(modes)) is not None]
-        out.append(f"target auto <= best pure at M = {m}: worst {max(at):.3f}, {sum(v - 1.0 > 2 * noise.get(m, 0.0) for v in at)}"
-                   f" of {len(at)} beyond 2x noise {noise.get(m, 0.0):.3f}; paired by step: "
-                   f"{sum(d > 2 * se for d, se in pairs)} of {len(pairs)} slower by over 2 sem (worst "
-                   f"{max((d for d, _ in pairs), default=0.0):+.3f}); plan ms a forward gpu "
-                   f"{statistics.fmean(plans['gpu'] or [0.0]):.3f} auto {statistics.fmean(plans['auto'] or [0.0]):.3f}")
+        out.append(f"target auto <= best pure at M = {m}: worst {max(at):.3f}, "
+                   f"{sum(v - 1.0 > 2 * noise.get(m, 0.0) for v in at)} of {len(at)} beyond 2x noise "
+                   f"{noise.get(m, 0.0):.3f}; paired by step: {sum(d > 2 * se for d, se in pairs)} of {len(pairs)} "
+                   f"slower by over 2 sem (worst {max((d for d, _ in pairs), default=0.0):+.3f}); plan ms a forward "
+                   f"gpu {statistics.fmean(plans['gpu'] or [0.0]):.3f} auto "
+                   f"{statistics.fmean(plans['auto'] or [0.0]):.3f}")
     gains = [on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"] for k, modes in cells.items()
              if k[3] == "router" and k[:3] + ("none",) + k[4:] in cells for mode, on in modes.items()
              if mode in cells[k[:3] + ("none",) + k[4:]]]
@@ -349,22 +316,23 @@ def _print(result: dict) -> None:
           f"{time.perf_counter() - START:.0f} s; {result['state']}; cells asked {result['cells_asked'] or 'all'}; "
           f"OMP_WAIT_POLICY {result.get('omp_wait_policy', 'unset')}")
     if c:
-        print(f"costs: link {c['link_bytes_per_s'] / 1e9:.1f} GB/s, GPU read {c['gpu_bytes_per_s'] / 1e9:.0f} GB/s; CPU "
-              f"{c['cpu_step_s'] * 1e3:.3f} ms a call, per expert by rows " + ", ".join(
+        print(f"costs: link {c['link_bytes_per_s'] / 1e9:.1f} GB/s, GPU read {c['gpu_bytes_per_s'] / 1e9:.0f} GB/s; "
+              f"CPU {c['cpu_step_s'] * 1e3:.3f} ms a call, per expert by rows " + ", ".join(
                   f"{r} {t * 1e6:.0f}" for r, t in c.get("cpu_rows_s", ())) + f" us at {c['cpu_threads']} threads "
-              f"({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}; second call {c['gpu_call_s'] * 1e3:.3f} ms, fetch layer"
-              f" {c['fetch_layer_s'] * 1e3:.3f} ms, issue {c.get('issue_s', 0.0) * 1e6:.1f} us a fetched expert, auto's "
-              f"CPU tail {c.get('cpu_tail_s', 0.0) * 1e3:.2f} ms a branch")
+              f"({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}; second call {c['gpu_call_s'] * 1e3:.3f} ms, fetch "
+              f"layer {c['fetch_layer_s'] * 1e3:.3f} ms, issue {c.get('issue_s', 0.0) * 1e6:.1f} us a fetched expert, "
+              f"auto's CPU tail {c.get('cpu_tail_s', 0.0) * 1e3:.2f} ms a branch")
     print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads (=: torch's count "
           "set to it throughout, no switch a branch), experts, link, host idle before it (ms):")
     checks = result.get("cpu_check", [])
     print_passes(result.get("exact", []), result.get("anatomy", []))
     for r in checks:
-        print(f"  t{r['threads']:>2}{'=' if r.get('fixed') else ' '}n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/"
-              f"{r['max_ms']:6.2f} (compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model "
-              f"{r['model_ms']:6.2f} x{r['ms'] / r['model_ms']:.2f}")
+        print(f"  t{r['threads']:>2}{'=' if r.get('fixed') else ' '}n{r['experts']} {'busy' if r['busy'] else 'idle'} "
+              f"gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/{r['max_ms']:6.2f} (compute {r['compute_ms']:6.2f}, "
+              f"stage+wait+back {r['copies_ms']:5.2f}) model {r['model_ms']:6.2f} x{r['ms'] / r['model_ms']:.2f}")
     slow = [b["ms"] / a["ms"] for a in checks for b in checks if a["gap_ms"] == 0 < b["gap_ms"]
-            and (a["threads"], a.get("fixed"), a["experts"], a["busy"]) == (b["threads"], b.get("fixed"), b["experts"], b["busy"])]
+            and (a["threads"], a.get("fixed"), a["experts"], a["busy"]) == (b["threads"], b.get("fixed"), b["experts"],
+                                                                            b["busy"])]
     if slow:
         print(f"  after an idle gap the branch took x{statistics.median(slow):.2f} its back-to-back time (median over "
               f"settings; range {min(slow):.2f}-{max(slow):.2f})")
@@ -372,26 +340,28 @@ def _print(result: dict) -> None:
     switch = [(a["ms"] / b["ms"], a["max_ms"] / b["max_ms"]) for a in checks for b in checks
               if not a.get("fixed") and b.get("fixed") and all(a[f] == b[f] for f in key)]
     if switch:
-        print(f"  switching the team size a branch over a fixed count: median x{statistics.median(m for m, _ in switch):.2f}"
-              f" (range {min(m for m, _ in switch):.2f}-{max(m for m, _ in switch):.2f}), max over max "
-              f"x{statistics.median(x for _, x in switch):.2f} (range {min(x for _, x in switch):.2f}-"
-              f"{max(x for _, x in switch):.2f})")
+        print(f"  switching the team size a branch over a fixed count: median x"
+              f"{statistics.median(m for m, _ in switch):.2f} (range {min(m for m, _ in switch):.2f}-"
+              f"{max(m for m, _ in switch):.2f}), max over max x{statistics.median(x for _, x in switch):.2f} (range "
+              f"{min(x for _, x in switch):.2f}-{max(x for _, x in switch):.2f})")
     profile = result.get("profile", {})
     if profile.get("text"):
-        print(f"cProfile of auto's plans in {profile['cell']} (top 25 by cumulative time; early fetches' issue left out):")
+        print(f"cProfile of auto's plans in {profile['cell']} (top 25 by cumulative time; early fetches' issue left "
+              f"out):")
         print(profile["text"])
     print("plans and CPU branches by group: mode plan ms mean/max by the places planned | CPU branches measured/model")
     for name, entries in result.get("branches", {}).items():
         print(f"  {name:<22} {BranchLog.line(entries)}")
     print("cell | mode step ms±sem x floor (g: CPU by the pre-group recalibration) hit/sim, ac: step after the cpu "
-          "stack / after others | auto/best (paired by step: mean±sem over best) | twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: "
-          "prefetch layer, cc: a call after a copy, bl: a layer's host work beside its CPU branch, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
+          "stack / after others | auto/best (paired by step: mean±sem over best) | twin gpu2/gpu | group: fixed layer "
+          "ms (q: quiet)+call/fetch layer, pf: prefetch layer, cc: a call after a copy, bl: a layer's host work beside "
+          "its CPU branch, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
     for (stream, fraction, _, prefetch, m), modes in modes_by_cell(result["rows"]).items():
         q, pair = auto_vs_best(modes), paired(modes)
         q_text = "-" if q is None else f"{q:.3f}" + ("" if pair is None else f"({pair[0]:+.3f}±{pair[1]:.3f})")
         tw = (f"{modes[TWIN]['step_ms'] / modes['gpu']['step_ms']:.3f}" if TWIN in modes and "gpu" in modes else "-")
-        print(f"{cell_name(stream, fraction, prefetch, m):<18} | " + " | ".join(_mode_text(modes, mode) for mode in MODES)
-              + f" | {q_text} | {tw} | " + _group_text(modes))
+        print(f"{cell_name(stream, fraction, prefetch, m):<18} | "
+              + " | ".join(_mode_text(modes, mode) for mode in MODES) + f" | {q_text} | {tw} | " + _group_text(modes))
     for line in summary(result["rows"]) if result["rows"] else ["no rows"]:
         print("  " + line)
 

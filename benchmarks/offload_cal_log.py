@@ -93,13 +93,15 @@ class BranchLog:
             plans = [e for e in entries if e["mode"] == mode and "plan_ms" in e]
             got = [e for e in entries if e["mode"] == mode and "plan_ms" not in e]
             ratios = [e["ms"] / e["model_ms"] for e in got if e["model_ms"] > 0]
-            out[mode] = {"plans": len(plans), "plan_ms": statistics.fmean(e["plan_ms"] for e in plans) if plans else 0.0,
+            out[mode] = {"plans": len(plans),
+                         "plan_ms": statistics.fmean(e["plan_ms"] for e in plans) if plans else 0.0,
                          "plan_max_ms": max((e["plan_ms"] for e in plans), default=0.0),
                          "early_ms": statistics.fmean(e["early_ms"] for e in plans) if plans else 0.0,
                          "places": sorted({e["place"] for e in plans}), "branches": len(got),
                          "ms": sum(e["ms"] for e in got), "model_ms": sum(e["model_ms"] for e in got),
                          "back_ms": sum(e["back_ms"] for e in got),
-                         "ratio_median": statistics.median(ratios) if ratios else 0.0, "ratio_max": max(ratios, default=0.0),
+                         "ratio_median": statistics.median(ratios) if ratios else 0.0,
+                         "ratio_max": max(ratios, default=0.0),
                          **BranchLog.outliers(got)}
         return out
 
@@ -110,7 +112,8 @@ class BranchLog:
         lets the CPU's threads sleep and its clocks drop)."""
         out = [e for e in got if e["model_ms"] > 0 and e["ms"] > over * e["model_ms"]]
         rest = [e for e in got if e not in out]
-        return {"outliers": len(out), "outlier_compute": sum(e["compute_ms"] for e in out) / max(sum(e["ms"] for e in out), 1e-9),
+        return {"outliers": len(out),
+                "outlier_compute": sum(e["compute_ms"] for e in out) / max(sum(e["ms"] for e in out), 1e-9),
                 "gap_outliers_ms": statistics.median(e["gap_ms"] for e in out) if out else 0.0,
                 "gap_others_ms": statistics.median(e["gap_ms"] for e in rest) if rest else 0.0}
 

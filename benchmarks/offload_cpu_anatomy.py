@@ -1,5 +1,6 @@
-"""``offload_cal_device_check.py``'s two passes before its table: every mode's output against the float32
-oracle at the run's shapes (``exactness``), and the CPU branch taken apart (``anatomy``).
+"""``offload_cal_device_check.py``'s passes before its table: the CPU branch against its model (``cpu_check``),
+every mode's output against the float32 oracle at the run's shapes (``exactness``), and the CPU branch taken
+apart (``anatomy``).
 
 ``exactness``: one ``OffloadedMoE`` per mode (gpu / cpu / auto, a cache of half the experts, the run's costs)
 over a few random routings at each M, against ``experts_reference`` in float32 on the device from the
@@ -28,6 +29,39 @@ from moekit.offload.cpu_path import CPU_GEMMS, torch_threads
 from moekit.routing import Routing
 
 BF16_TOLERANCE = 1e-2
+GAP_S = 0.005  # ``cpu_check``'s idle host time before a branch: about a decode layer's GPU-path host work
+
+
+def cpu_check(shell, costs, device, repeats: int = 4, gap_s: float = GAP_S) -> list[dict]:
+    """The CPU branch against its calibrated model by link state, experts per call (1 row each), thread
+    count (torch's and the calibration's) and the host's idle time before it (none, or ``gap_s`` asleep:
+    a decode step's branch follows the host's GPU-path work, the probe and the calibration follow
+    branches), on cold experts, the settings interleaved in each repeat: is the model's shape right at a
+    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly? Where the
+    calibration's count is not torch's, it is also run with torch's count set to it throughout: does
+    switching the thread team's size at every branch (``cpu_path.torch_threads``) stall it?"""
+    layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
+    k, gemm = max(layer.config.top_k, 2), costs.cpu_gemm or CPU_GEMMS[0]
+    threads = sorted({torch.get_num_threads(), costs.cpu_threads or torch.get_num_threads()}, reverse=True)
+    groups, got, torch_count = cold_groups(layer.config.num_experts, k, 1000), {}, torch.get_num_threads()
+    settings = [(t, False) for t in threads] + [(t, True) for t in threads if t != torch_count]
+    for _ in range(repeats):
+        for t, fixed in settings:  # fixed: torch's count set to t throughout, so the branch switches no team size
+            torch.set_num_threads(t if fixed else torch_count)
+            for n in (1, 2, 4, 8):
+                for busy in (False, True):
+                    for gap in (0.0, gap_s):
+                        time.sleep(gap)
+                        total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
+                        p = layer.last_cpu
+                        got.setdefault((t, fixed, n, busy, gap), []).append(
+                            (total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
+            torch.set_num_threads(torch_count)
+    return [{"threads": t, "fixed": fixed, "experts": n, "busy": busy, "gap_ms": gap * 1e3,
+             "ms": statistics.median(x for x, _, _ in v) * 1e3,
+             "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
+             "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
+            for (t, fixed, n, busy, gap), v in sorted(got.items())]
 
 
 def exactness(shell, costs, device, batches: tuple[int, ...], modes: tuple[str, ...], seeds: int = 3) -> list[dict]:
@@ -123,7 +157,8 @@ def print_passes(exact: list[dict], parts: list[dict]) -> None:
     for r in parts:
         print(f"  n{r['experts']}: total {r['total_ms']:.3f} = {r['stage_ms']:.3f} + {r['wait_ms']:.3f} + "
               f"{r['compute_ms']:.3f} + {r['back_ms']:.3f}; compute warm {r['compute_warm_ms']:.3f}, others "
-              + " / ".join(f"{r[f'compute_{g}_ms']:.3f}" for g in r["others"]) + f"; gemms {r['gemms_ms']:.3f} / {r['gemms_warm_ms']:.3f} / {r['gemms_1t_ms']:.3f}; "
+              + " / ".join(f"{r[f'compute_{g}_ms']:.3f}" for g in r["others"])
+              + f"; gemms {r['gemms_ms']:.3f} / {r['gemms_warm_ms']:.3f} / {r['gemms_1t_ms']:.3f}; "
               f"compute - gemms {r['compute_ms'] - r['gemms_ms']:.3f}")
 
 

@@ -68,7 +68,8 @@ CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.75, True, 1), ("uniform", 0.75
 MODES = ("gpu", "auto", "cpu")
 FORCED = (0, 1, 2, 4)  # fetches forced into every layer (part 1)
 VARIANTS = ("gpu-everywait", "gpu-twocalls", "gpu-dry")  # A/Bs (``_stack``, ``_step``)
-PHASES = ("period_s", "host_busy_s", "wait_after_s", "d2h_wait_s", "host_before_copy_s", "copy_issue_s", "copy_lag_s", "copy_s", "land_to_call_s",
+PHASES = ("period_s", "host_busy_s", "wait_after_s", "d2h_wait_s", "host_before_copy_s", "copy_issue_s", "copy_lag_s",
+          "copy_s", "land_to_call_s",
           "hits_call_s", "fetched_call_s", "host_tail_s")
 
 
@@ -179,7 +180,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, mod
             if step:
                 rows.append(_record(mode, traced, seconds, done, costs, fixed, bytes_one))
                 if traced:
-                    times[mode] += layer_times(marks, {layers.layer_id: s.fetched for layers, s in zip(stacks[mode], done)})
+                    times[mode] += layer_times(marks,
+                                               {layers.layer_id: s.fetched for layers, s in zip(stacks[mode], done)})
     prof = _profile(stacks["gpu"], x, routings[warm + 1: warm + 1 + min(steps, 8)], trace.predicted[warm + 1:],
                     prefetch, device) if profile else {}
     del stacks
@@ -189,7 +191,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, mod
         if step:
             rows.append(_record("gpu-alone", False, seconds, done, costs, fixed, bytes_one))
     del alone
-    phases = {mode: {"fetch": mean_times([t for t in ts if t.fetched]), "none": mean_times([t for t in ts if not t.fetched])}
+    phases = {mode: {"fetch": mean_times([t for t in ts if t.fetched]),
+                     "none": mean_times([t for t in ts if not t.fetched])}
               for mode, ts in times.items()}
     return {"cell": f"{stream[:4]} {fraction:.0%} {'rout' if prefetch else 'none'} M={m}", "slots": slots,
             "fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "fetch_layer_ms": fixed.fetch_layer_s * 1e3,
@@ -200,7 +203,8 @@ def _profile(layers, x, routings, predicted, prefetch: bool, device) -> dict:
     """The top host calls over ``routings``' steps: torch.profiler's self CPU time by op / runtime call and
     cProfile's by Python function, microseconds per step."""
     n = len(routings)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         for i, per_layer in enumerate(routings):
             _step(layers, x, per_layer, predicted[i], prefetch, False, device)
@@ -244,7 +248,8 @@ def run_forced(shells, config, costs, device, steps: int) -> dict:
             marked += layer_times(marks, {layer.layer_id: s.fetched for layer, s in zip(layers, done)})
         phases[k] = mean_times(marked)
     return {"fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "expert_bytes": cache.expert_bytes,
-            "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+            "fetch_layer_ms": fixed.fetch_layer_s * 1e3,
+            "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
             "ms_twocalls": {k: statistics.median(v) * 1e3 for k, v in two.items()}, "layers": len(shells),
             "phases": phases}
 
@@ -301,14 +306,15 @@ def _print(result: dict) -> None:
         read = f["expert_bytes"] / c["gpu_bytes_per_s"] * 1e3
         print(f"forced fetches (skewed M=1, {f['layers']} layers; fixed {f['fixed_ms']:.3f} ms/layer, second call "
               f"{f['call_ms']:.3f}, fetch_layer {f['fetch_layer_ms']:.3f}, one fetch {link:.3f} ms at the link; "
-              f"step ms with two calls a layer: " + ", ".join(f"k={k} {v:.3f}" for k, v in f["ms_twocalls"].items()) + "):")
+              f"step ms with two calls a layer: " + ", ".join(f"k={k} {v:.3f}" for k, v in f["ms_twocalls"].items())
+              + "):")
         for k, ms in f["ms"].items():
             per = (ms - f["ms"][0]) / f["layers"]
             extra = per - (k * (link + read) + (f["call_ms"] if k else 0.0))
             print(f"  k={k}: step {ms:6.3f} ms, per layer over k=0 {per:6.3f} ms, unexplained {extra:6.3f} ms; phases "
                   + " ".join(f"{f['phases'][k][p] * 1e3:6.3f}" for p in PHASES))
-    print("cell | mode step ms (traced) x floor/x old floor (no fetch_layer_s, overlap_s), fetches/fetch layers a step | "
-          "fixed+call/fetch layer/overlap ms")
+    print("cell | mode step ms (traced) x floor/x old floor (no fetch_layer_s, overlap_s), fetches/fetch layers a step "
+          "| fixed+call/fetch layer/overlap ms")
     for cell in result["cells"]:
         print(f"{cell['cell']:<17}| " + " | ".join(_mode_line(cell["rows"], m) for m in (*MODES, "gpu-alone", *VARIANTS)
                                                    if any(r["mode"] == m for r in cell["rows"]))

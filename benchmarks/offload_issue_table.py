@@ -82,7 +82,8 @@ def _auto_text(modes: dict[str, dict]) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     """Markdown lines: one row per (stream, cache %, prefetch, M) in the JSON's order."""
-    head = ["stream", "cache", "prefetch", "M"] + [f"{m} {f}" for m in MODES for f in ("tok/s", "hit", "floor ms", "x floor")]
+    head = ["stream", "cache", "prefetch", "M"] + [f"{m} {f}" for m in MODES
+                                                   for f in ("tok/s", "hit", "floor ms", "x floor")]
     head += ["x floor med (gpu/cpu/auto)", "stalled (gpu/cpu/auto)"]
     out = ["| " + " | ".join(head + ["sim hit (gpu)", "auto / best: means (medians) paired ±sem"]) + " |",
            "|" + " --- |" * (len(head) + 2)]
@@ -125,13 +126,15 @@ def targets(rows: list[dict]) -> list[str]:
     cells = modes_by_cell(rows)
     q = [v for modes in cells.values() if (v := auto_vs_best(modes)) is not None]
     if q:
-        out.append(f"auto / best pure: worst {max(q):.3f}, mean {statistics.fmean(q):.3f}, {sum(v > 1.0 for v in q)} of {len(q)} > 1")
+        out.append(f"auto / best pure: worst {max(q):.3f}, mean {statistics.fmean(q):.3f}, {sum(v > 1.0 for v in q)} "
+                   f"of {len(q)} > 1")
     out += never_slower(cells)
     gains = [on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"] for k, modes in cells.items()
              if k[3] == "router" and k[:3] + ("none",) + k[4:] in cells for mode, on in modes.items()
              if mode in MODES and mode in cells[k[:3] + ("none",) + k[4:]]]
     if gains:
-        out.append(f"prefetch (router) hit gain on skewed: mean {statistics.fmean(gains):+.3f}, least {min(gains):+.3f}")
+        out.append(f"prefetch (router) hit gain on skewed: mean {statistics.fmean(gains):+.3f}, "
+                   f"least {min(gains):+.3f}")
     return out
 
 
@@ -150,7 +153,8 @@ def never_slower(cells: dict) -> list[str]:
     margin of the module docstring; beside it the same test on the twin (gpu2 against gpu, one stack twice),
     where every "slower" is a false alarm of the margin."""
     rms, out = twin_rms(cells), []
-    for label, test in (("auto vs best pure", paired_vs_best), ("twin gpu2 vs gpu (null)", lambda c: paired(c, "gpu2", "gpu"))):
+    for label, test in (("auto vs best pure", paired_vs_best),
+                        ("twin gpu2 vs gpu (null)", lambda c: paired(c, "gpu2", "gpu"))):
         pairs = {key: p for key, modes in cells.items() if (p := test(modes)) is not None}
         for m in sorted({key[4] for key in pairs}):
             at = {key: p for key, p in pairs.items() if key[4] == m}
@@ -160,9 +164,11 @@ def never_slower(cells: dict) -> list[str]:
             sem = sum(p[1] ** 2 for p in at.values()) ** 0.5 / len(at)
             margin = 2 * (sem ** 2 + noise ** 2 / len(at)) ** 0.5
             out.append(f"{label} at M = {m}: pooled {mean:+.3f} of the base's step over {len(at)} cells, margin "
-                       f"{margin:.3f} (sem {sem:.3f}, twin rms {noise:.3f}): {'SLOWER' if mean > margin else 'not slower'}"
-                       f"; cells slower beyond their margin: {len(slower)}" + (": " + ", ".join(
-                           f"{k[0]}/{k[1]:.0%}/{k[3]} {at[k][0]:+.3f}±{at[k][1]:.3f}" for k in slower) if slower else "")
+                       f"{margin:.3f} (sem {sem:.3f}, twin rms {noise:.3f}): "
+                       f"{'SLOWER' if mean > margin else 'not slower'}; cells slower beyond their margin: {len(slower)}"
+                       + (": " + ", ".join(
+                           f"{k[0]}/{k[1]:.0%}/{k[3]} {at[k][0]:+.3f}±{at[k][1]:.3f}" for k in slower) if slower
+                          else "")
                        + f"; worst cell {max(p[0] for p in at.values()):+.3f}")
     return out
 

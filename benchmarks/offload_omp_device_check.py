@@ -74,7 +74,8 @@ def compare(docs: dict[str, dict]) -> list[str]:
     names = [n for n in cells[POLICIES[0]] if all(n in c for c in cells.values())]
     lines = ["group              | " + " | ".join(f"{p:^44}" for p in POLICIES),
              "                   | " + " | ".join("cpu xfl (probe)  cpu/gpu  gpu xfl  auto/best" for _ in POLICIES)]
-    keep: dict[str, dict[str, list[float]]] = {p: {"xfl": [], "probe": [], "cg": [], "gxfl": [], "ab": []} for p in POLICIES}
+    keep: dict[str, dict[str, list[float]]] = {p: {"xfl": [], "probe": [], "cg": [], "gxfl": [], "ab": []}
+                                               for p in POLICIES}
     for name in names:
         parts = []
         for p in POLICIES:
@@ -91,17 +92,18 @@ def compare(docs: dict[str, dict]) -> list[str]:
     for p in POLICIES:
         k = keep[p]
         med = {key: statistics.median(v) if v else None for key, v in k.items()}
-        lines.append(f"{p:>7} over {len(names)} groups: median cpu x floor {_f(med['xfl'])} (probe {_f(med['probe'])}), "
-                     f"{sum(x > 1.2 for x in k['xfl'])} > 1.2 (probe {sum(x > 1.2 for x in k['probe'])}); median "
-                     f"cpu/gpu {_f(med['cg'])}; gpu x floor {_f(med['gxfl'])}; auto/best worst "
-                     f"{_f(max(k['ab'], default=None), '{:.3f}')}")
+        lines.append(f"{p:>7} over {len(names)} groups: median cpu x floor {_f(med['xfl'])} (probe "
+                     f"{_f(med['probe'])}), {sum(x > 1.2 for x in k['xfl'])} > 1.2 (probe "
+                     f"{sum(x > 1.2 for x in k['probe'])}); median cpu/gpu {_f(med['cg'])}; gpu x floor "
+                     f"{_f(med['gxfl'])}; auto/best worst {_f(max(k['ab'], default=None), '{:.3f}')}")
     if all(keep[p]["cg"] for p in POLICIES) and len(keep[POLICIES[0]]["cg"]) == len(keep[POLICIES[1]]["cg"]):
         q = [b / a for a, b in zip(keep[POLICIES[0]]["cg"], keep[POLICIES[1]]["cg"])]
         lines.append(f"PASSIVE / unset of cpu step / gpu step, by group: median {statistics.median(q):.3f}, "
                      f"range {min(q):.3f}-{max(q):.3f}, {sum(x < 1 for x in q)} of {len(q)} lower")
     for p in POLICIES:
         d = docs[p]
-        parts = [f"n{r['experts']} {r['total_ms']:.2f} ({r['gemm']} {r['compute_ms']:.2f}, warm {r['compute_warm_ms']:.2f}, "
+        parts = [f"n{r['experts']} {r['total_ms']:.2f} ({r['gemm']} {r['compute_ms']:.2f}, warm "
+                 f"{r['compute_warm_ms']:.2f}, "
                  + ", ".join(f"{g} {r[f'compute_{g}_ms']:.2f}" for g in r["others"]) + f"; gemms {r['gemms_ms']:.2f}, "
                  f"warm {r['gemms_warm_ms']:.2f}, 1t {r['gemms_1t_ms']:.2f})" for r in d.get("anatomy", [])]
         checks = d.get("cpu_check", [])
@@ -118,7 +120,9 @@ def main(argv: list[str]) -> int:
     out = argv[argv.index("--out") + 1] if "--out" in argv else os.environ.get("OUT", "/tmp/offload_omp")
     limit = float(argv[argv.index("--limit") + 1]) if "--limit" in argv else 50.0
     grace = float(argv[argv.index("--grace") + 1]) if "--grace" in argv else 40.0
-    passed = [a for i, a in enumerate(argv) if a not in ("--out", "--grace") and (i == 0 or argv[i - 1] not in ("--out", "--grace"))]
+    passed = [a for i,
+              a in enumerate(argv) if a not in ("--out", "--grace")
+              and (i == 0 or argv[i - 1] not in ("--out", "--grace"))]
     if "--limit" not in passed:
         passed += ["--limit", str(limit)]
     docs = {p: _child(p, out, passed, limit, grace) for p in POLICIES}

@@ -56,8 +56,10 @@ START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 CELLS = (("skewed", 0.5, False, 8), ("uniform", 0.75, False, 8), ("skewed", 0.25, True, 8))
-STACKS = ("auto", "auto-t4", "auto-t2", "auto-t1", "gpu", "cpu", "cpu-t4", "hit")  # ``--stacks``; ck1 (96560bf): auto, auto-worker, ...
-VARIANTS = ("cal", "t4", "t2", "t1")  # ``--variants``: parts 1 and 2 (the first the base; "cal": the calibration's count)
+# ``--stacks``; ck1 (96560bf): auto, auto-worker, ...
+STACKS = ("auto", "auto-t4", "auto-t2", "auto-t1", "gpu", "cpu", "cpu-t4", "hit")
+# ``--variants``: parts 1 and 2 (the first the base; "cal": the calibration's count)
+VARIANTS = ("cal", "t4", "t2", "t1")
 GAPS = (("sleep", 0.0), ("sleep", 0.06), ("gpu", 0.06))  # part 2: (how the host idles, seconds)
 BF16_TOLERANCE = 1e-2
 GC_EVENTS: list[tuple[float, float, int]] = []  # (start, end, generation) of every CPython collection
@@ -160,7 +162,8 @@ def exact(shell, costs, device) -> list[dict]:
             x = torch.randn(m, c.hidden_size, generator=g).to(device, w13.dtype)  # [M, K]
             routing = Routing(ids.to(device), weights.to(device))
             with torch.no_grad():
-                want = experts_reference(x.float(), w13, w2, routing.topk_ids, routing.topk_weights, activation=c.activation)
+                want = experts_reference(x.float(), w13, w2, routing.topk_ids, routing.topk_weights,
+                                         activation=c.activation)
                 got = {r: layer.run_routed(x, routing) for r, layer in layers.items()}
             for r, y in got.items():
                 err = ((y.float() - want).norm() / want.norm()).item()
@@ -196,7 +199,8 @@ def micro(shell, costs, device, repeats: int) -> list[dict]:
                     after, cs1, vs1 = sched(), _ivcsw(), _nvcsw()
                     collected, gen = gc_ms(t0, t1)
                     rows.append({"runner": r, "how": how, "gap_ms": gap * 1e3, "experts": n, "ms": ms,
-                                 "compute_ms": layers[r].last_cpu.compute_s * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3,
+                                 "compute_ms": layers[r].last_cpu.compute_s * 1e3,
+                                 "model_ms": costs.cpu_side_s([1] * n) * 1e3,
                                  "gc_ms": collected, "gc_gen": gen, "ivcsw": cs1 - cs, "nvcsw": vs1 - vs,
                                  **sched_delta(before, after)})
     return rows
@@ -246,7 +250,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, deadline: float) -
                                      prefetch and name != "hit", False, device)
             if step:  # the first round untimed
                 collected, gen = gc_ms(t0, time.perf_counter())
-                branches = [dict(b, model_ms=_rows_model(priced, b["experts"], b["tokens"]), gc_ms=gc_ms(b["t0"], b["t1"])[0])
+                branches = [dict(b, model_ms=_rows_model(priced, b["experts"], b["tokens"]),
+                                 gc_ms=gc_ms(b["t0"], b["t1"])[0])
                             for b in logs.get(name, [])[logged:]]
                 rows[name].append({"ms": seconds * 1e3, "gc_ms": collected, "gc_gen": gen, "branches": branches,
                                    "hits": sum(s.hits for s in done), "cpu_experts": sum(s.cpu_experts for s in done)})
@@ -270,8 +275,10 @@ def _summary(rows: list[dict]) -> dict:
             "branches": len(branches), "slow": len(slow), "slow_gc": sum(b["gc_ms"] > 0.2 * b["ms"] for b in slow),
             "slow_list": [{k: round(v, 3) if isinstance(v, float) else v for k, v in b.items() if k not in ("t0", "t1")}
                           for b in slow][:8],
-            "ratio_median": statistics.median(b["ms"] / b["model_ms"] for b in branches if b["model_ms"]) if branches else 0.0,
-            "cpu_experts": statistics.fmean(r["cpu_experts"] for r in rows), "hits": statistics.fmean(r["hits"] for r in rows),
+            "ratio_median": statistics.median(b["ms"] / b["model_ms"] for b in branches if b["model_ms"]) if branches
+            else 0.0,
+            "cpu_experts": statistics.fmean(r["cpu_experts"] for r in rows),
+            "hits": statistics.fmean(r["hits"] for r in rows),
             "ms_list": [round(v, 3) for v in ms]}
 
 

@@ -129,7 +129,8 @@ def timeline(marks) -> list[dict[str, tuple[float, float]]]:
         for m in ms:
             gpu = float("nan") if m.gpu_s is None else m.gpu_s + offset - t0.host_s
             times.setdefault(m.name, (m.host_s - t0.host_s, gpu))
-        nxt = end if i + 1 == len(order) else next(m.host_s for m in marks if m.layer == order[i + 1] and m.name == "start")
+        nxt = end if i + 1 == len(order) else next(m.host_s for m in marks if m.layer == order[i + 1]
+                                                   and m.name == "start")
         times["next"] = (nxt - t0.host_s, float("nan"))
         out.append(times)
     return out
@@ -191,7 +192,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
                                        "marks": timeline(marks) if traced else [], "after": prev})
             prev = mode
     eb = stacks["cpu"][0].cache.expert_bytes
-    text = _profile(stacks["cpu"], x, routings[warm + 1: warm + 9], trace.predicted[warm + 1:], prefetch, device) if profile else ""
+    text = _profile(stacks["cpu"], x, routings[warm + 1: warm + 9], trace.predicted[warm + 1:], prefetch,
+                    device) if profile else ""
     del stacks
     hit_plain = [r for r in steps_by["hit"] if not r["traced"]]
     ref_fixed = fixed_from([r["s"] for r in hit_plain], [sum(s.hits for s in r["done"]) for r in hit_plain],
@@ -212,21 +214,29 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
             "after_ms": {a: statistics.fmean(r["s"] for r in rows if r["after"] == a) * 1e3
                          for a in MODES if any(r["after"] == a for r in rows)},
             "traced_ms": statistics.fmean(r["s"] for r in rows if r["traced"]) * 1e3,
-            "floor_ran_ms": statistics.fmean(floors["fixed"]) * 1e3, "floor_ran_ref_ms": statistics.fmean(floors["ref"]) * 1e3,
+            "floor_ran_ms": statistics.fmean(floors["fixed"]) * 1e3,
+            "floor_ran_ref_ms": statistics.fmean(floors["ref"]) * 1e3,
             "branches_per_step": len(cpu_layers) / len(plain),
             "branch_ms": [_median([p[i] for p in cpu_layers]) * 1e3 for i in range(4)],
             "cpu_experts_per_step": statistics.fmean(sum(s.cpu_experts for s in r["done"]) for r in plain),
             "fetched_per_step": statistics.fmean(sum(s.fetched for s in r["done"]) for r in plain),
             "admitted_per_step": statistics.fmean(sum(s.admitted for s in r["done"]) for r in plain),
         }
+    out["kinds"] = _kinds(steps_by)
+    return out
+
+
+def _kinds(steps_by: dict) -> dict:
+    """Per kind of forward (``kind``): each mark's median host and GPU ms over the traced steps, and its count."""
+    kinds: dict = {}
+    for mode, rows in steps_by.items():
         for r in rows:
             for times in r["marks"]:
-                by = out["kinds"].setdefault(kind(mode, times), {})
+                by = kinds.setdefault(kind(mode, times), {})
                 for name, v in times.items():
                     by.setdefault(name, []).append(v)
-    out["kinds"] = {k: {n: (_median([h for h, _ in v]) * 1e3, _median([g for _, g in v]) * 1e3, len(v))
-                        for n, v in by.items()} for k, by in sorted(out["kinds"].items())}
-    return out
+    return {k: {n: (_median([h for h, _ in v]) * 1e3, _median([g for _, g in v]) * 1e3, len(v))
+                for n, v in by.items()} for k, by in sorted(kinds.items())}
 
 
 def after_branch(shells, config, costs, device, repeats: int) -> dict:
@@ -244,7 +254,8 @@ def after_branch(shells, config, costs, device, repeats: int) -> dict:
         for j in range(len(AFTER)):
             variant = AFTER[(rep + j) % len(AFTER)]
             if variant.startswith("branch"):
-                branch_s.append(branch(probe, next(groups), 1, 1, 1 if variant == "branch_t1" else threads, gemm, busy=False))
+                branch_s.append(branch(probe, next(groups), 1, 1, 1 if variant == "branch_t1" else threads, gemm,
+                                       busy=False))
                 pause = {"branch_sleep2": 0.002, "branch_sleep30": QUIET_S}.get(variant)
                 if pause:
                     time.sleep(pause)
@@ -287,29 +298,33 @@ def _print(result: dict) -> None:
         print(f"after: one all-hit layer forward, host ms to its sync (median/min), after the setting; branch "
               f"{a['branch_ms']:.2f} ms ({a['gemm']}, {a['threads']} threads); marks: host ms from start")
         for v, r in a["variants"].items():
-            print(f"  {v:<14} {r['ms']:6.3f}/{r['min_ms']:6.3f}  " + " ".join(f"{n} {t:.3f}" for n, t in r["marks"].items()))
+            print(f"  {v:<14} {r['ms']:6.3f}/{r['min_ms']:6.3f}  "
+                  + " ".join(f"{n} {t:.3f}" for n, t in r["marks"].items()))
     for cell in result["cells"]:
         if cell["profile"]:
             print(f"cProfile, cpu stack, {cell['cell']}, 8 steps:" + cell["profile"][-6000:])
     for cell in result["cells"]:
         print(f"cell {cell['cell']}: slots {cell['slots']}, fixed {cell['fixed_ms']:.3f} ms (all-hit stack among the "
               f"turns {cell['ref_fixed_ms']:.3f}), overlap {cell['overlap_ms']:.3f}, prefetch layer "
-              f"{cell['prefetch_layer_ms']:.3f}, issue {cell['issue_us']:.1f} us, call after a copy {cell['copy_call_ms']:.3f}")
+              f"{cell['prefetch_layer_ms']:.3f}, issue {cell['issue_us']:.1f} us, call after a copy "
+              f"{cell['copy_call_ms']:.3f}")
         kinds = cell["kinds"]
-        names = sorted({n for k in kinds.values() for n in k}, key=lambda n: min(k[n][0] for k in kinds.values() if n in k))
+        names = sorted({n for k in kinds.values() for n in k},
+                       key=lambda n: min(k[n][0] for k in kinds.values() if n in k))
         print("  mark: host/GPU ms from the layer's start (median, n) | " + " | ".join(f"{k:>20}" for k in kinds))
         for n in names:
             print(f"  {n:<20} | " + " | ".join("{:6.3f}/{:6.3f} n{:<4d}".format(*k[n]) if n in k else f"{'-':>20}"
                                                for k in kinds.values()))
         for mode, r in cell["modes"].items():
             b = r["branch_ms"]
-            print(f"  {mode:>3}: step {r['step_ms']:.3f} ms (traced {r['traced_ms']:.3f}); floor with branches as they ran "
-                  f"{r['floor_ran_ms']:.3f} (x{r['step_ms'] / r['floor_ran_ms']:.2f}), by the all-hit stack's fixed "
-                  f"{r['floor_ran_ref_ms']:.3f} (x{r['step_ms'] / r['floor_ran_ref_ms']:.2f}); excess a layer "
-                  f"{(r['step_ms'] - r['floor_ran_ref_ms']) / result['shape']['layers']:.3f} ms; branches {r['branches_per_step']:.2f} a step, "
-                  f"median stage/wait/compute/back {b[0]:.3f}/{b[1]:.3f}/{b[2]:.3f}/{b[3]:.3f}; cpu experts "
-                  f"{r['cpu_experts_per_step']:.2f}, fetched {r['fetched_per_step']:.2f}, admitted {r['admitted_per_step']:.2f} a step; "
-                  f"step by the stack before it (traced too): " + ", ".join(f"{a} {v:.3f}" for a, v in r["after_ms"].items()))
+            print(f"  {mode:>3}: step {r['step_ms']:.3f} ms (traced {r['traced_ms']:.3f}); floor with branches as they "
+                  f"ran {r['floor_ran_ms']:.3f} (x{r['step_ms'] / r['floor_ran_ms']:.2f}), by the all-hit stack's "
+                  f"fixed {r['floor_ran_ref_ms']:.3f} (x{r['step_ms'] / r['floor_ran_ref_ms']:.2f}); excess a layer "
+                  f"{(r['step_ms'] - r['floor_ran_ref_ms']) / result['shape']['layers']:.3f} ms; branches "
+                  f"{r['branches_per_step']:.2f} a step, median stage/wait/compute/back "
+                  f"{b[0]:.3f}/{b[1]:.3f}/{b[2]:.3f}/{b[3]:.3f}; cpu experts {r['cpu_experts_per_step']:.2f}, fetched "
+                  f"{r['fetched_per_step']:.2f}, admitted {r['admitted_per_step']:.2f} a step; step by the stack "
+                  f"before it (traced too): " + ", ".join(f"{a} {v:.3f}" for a, v in r["after_ms"].items()))
 
 
 def main() -> int:
@@ -340,7 +355,8 @@ def main() -> int:
         if time.perf_counter() - START > args.budget:
             print(f"budget: cell {cell} skipped", flush=True)
             continue
-        result["cells"].append(run_cell(shells, config, cell, costs, device, 40 if cuda else 2, profile=not result["cells"]))
+        result["cells"].append(run_cell(shells, config, cell, costs, device, 40 if cuda else 2,
+                                        profile=not result["cells"]))
         print(f"cell {result['cells'][-1]['cell']}: {time.perf_counter() - START:.1f} s", flush=True)
         _dump(result, args.out)
         if cuda:

@@ -250,14 +250,16 @@ def run_cell(shells, config, cell, costs, device, steps: int, modes, probe=None,
     out = {"cell": f"{stream}/{round(fraction * 100)}/{'router' if prefetch else 'none'}/{m}", "slots": slots,
            "fixed_ms": fixed.layer_s * 1e3, "ref_fixed_ms": ref * 1e3,
            "ref_fixed_mean_ms": (statistics.fmean(r["s"] for r in hit_plain) - statistics.fmean(
-               sum(s.hits for s in r["done"]) for r in hit_plain) * eb / priced.gpu_bytes_per_s) / len(shells) * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
+               sum(s.hits for s in r["done"]) for r in hit_plain) * eb / priced.gpu_bytes_per_s) / len(shells) * 1e3,
+           "overlap_ms": fixed.overlap_s * 1e3,
            "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "issue_us": fixed.issue_s * 1e6,
            "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "call_ms": fixed.call_s * 1e3,
            "copy_call_ms": fixed.copy_call_s * 1e3, "branch_layer_ms": fixed.branch_layer_s * 1e3, "modes": {},
            "kinds": {}}
     for mode, got in rows.items():
         out["modes"][mode] = _mode_summary(got, costs, priced, fixed, ref, eb, [
-            max(0.0, (r["s"] - sum(s.hits for s in r["done"]) * eb / priced.gpu_bytes_per_s) / len(shells)) for r in hit_plain])
+            max(0.0, (r["s"] - sum(s.hits for s in r["done"]) * eb / priced.gpu_bytes_per_s) / len(shells))
+            for r in hit_plain])
         for r in got:
             for times in r["marks"]:
                 by = out["kinds"].setdefault(kind(mode, times) + ("/pf" if "copy_start:prefetch" in times else ""), {})
@@ -299,7 +301,8 @@ def _mode_summary(got: list[dict], costs, priced, fixed, ref: float, eb: int, pa
             "branch_rate": rate or 0.0, "over_1_5": sum(r["s"] > 1.5 * f for r, f in zip(plain, floors)),
             "step_ms_list": [r["s"] * 1e3 for r in plain], "floor_ms_list": [f * 1e3 for f in floors],
             **{name: per_step(name) for name in ("hits", "fetched", "prefetched", "prefetch_used")},
-            "branches": len(branches), "outliers": [b for b in branches if b["model_ms"] and b["ms"] > 3 * b["model_ms"]],
+            "branches": len(branches),
+            "outliers": [b for b in branches if b["model_ms"] and b["ms"] > 3 * b["model_ms"]],
             "branch_summary": _branch_summary(branches)}
 
 
@@ -317,8 +320,10 @@ def _branch_summary(branches: list[dict]) -> dict:
 
     team = [b["team"] for b in branches if b.get("team")]
     return {"ratio_median": statistics.median(ratio), "ratio_max": max(ratio), "slow": len(slow),
-            "slow_ivcsw": mean(slow, "ivcsw"), "rest_ivcsw": mean(rest, "ivcsw"), "slow_ivcsw_main": mean(slow, "ivcsw_main"),
-            "rest_ivcsw_main": mean(rest, "ivcsw_main"), "slow_minflt": mean(slow, "minflt"), "rest_minflt": mean(rest, "minflt"),
+            "slow_ivcsw": mean(slow, "ivcsw"), "rest_ivcsw": mean(rest, "ivcsw"),
+            "slow_ivcsw_main": mean(slow, "ivcsw_main"),
+            "rest_ivcsw_main": mean(rest, "ivcsw_main"), "slow_minflt": mean(slow, "minflt"),
+            "rest_minflt": mean(rest, "minflt"),
             "slow_gap_ms": _median([b["gap_ms"] for b in slow]), "rest_gap_ms": _median([b["gap_ms"] for b in rest]),
             "team_wake_max_ms": _median([t["wake_max_ms"] for t in team]),
             "team_wake_worst_ms": max((t["wake_max_ms"] for t in team), default=float("nan")),

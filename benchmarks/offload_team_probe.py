@@ -80,7 +80,8 @@ class TeamRun:
 
     def summary(self) -> dict:
         w, e = self.work_s, self.enter_s[1:] or [0.0]
-        return {"wall_ms": self.wall_s * 1e3, "wake_max_ms": max(e) * 1e3, "wake_median_ms": sorted(e)[len(e) // 2] * 1e3,
+        return {"wall_ms": self.wall_s * 1e3, "wake_max_ms": max(e) * 1e3,
+                "wake_median_ms": sorted(e)[len(e) // 2] * 1e3,
                 "work_max_ms": max(w) * 1e3, "work_median_ms": sorted(w)[len(w) // 2] * 1e3, "late": self.late,
                 "late_wake_ms": self.enter_s[self.late] * 1e3, "late_work_ms": w[self.late] * 1e3,
                 "threads": len(w), "distinct_cpus": len(set(self.cpus)), "late_cpu": self.cpus[self.late]}

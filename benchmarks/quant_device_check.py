@@ -30,7 +30,8 @@ from moekit.layer import MoE
 SCHEMES = ("fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4")
 # (name, K, N, E, k): Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 (its 256 experts cut to 32: the
 # figures are per expert, so fewer experts change nothing but the run time)
-SHAPES = (("qwen3_30b_a3b", 2048, 768, 128, 8), ("mixtral_8x7b", 4096, 14336, 8, 2), ("deepseek_v3_32e", 7168, 2048, 32, 8))
+SHAPES = (("qwen3_30b_a3b", 2048, 768, 128, 8), ("mixtral_8x7b", 4096, 14336, 8, 2),
+          ("deepseek_v3_32e", 7168, 2048, 32, 8))
 SMALL_SHAPES = (("small", 256, 384, 8, 2),)
 
 
@@ -65,7 +66,8 @@ def figures(device: str, small: bool) -> list[dict]:
     rows = []
     for name, k_dim, n_dim, e, top_k in SMALL_SHAPES if small else SHAPES:
         config = MoEConfig(hidden_size=k_dim, moe_intermediate_size=n_dim, num_experts=e, top_k=top_k)
-        x = torch.randn(64 if small else 512, k_dim, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+        x = torch.randn(64 if small else 512, k_dim,
+                        generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
         for scheme in SCHEMES:
             torch.manual_seed(0)
             moe = MoE(config, backend="reference", dtype=torch.bfloat16, device=device)

@@ -7,7 +7,8 @@ Triton's launch is left out: it is the same in both), and the host µs per call 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/quant_lean_cpu_calls.py
 
 Under the interpreter a "launch" is an entry into Triton's code from moekit's; for the timing the
-interpreter's ``InterpretedFunction.run`` is a no-op (so the µs are moekit's and torch's host work, on this CPU, not the H200's).
+interpreter's ``InterpretedFunction.run`` is a no-op (so the µs are moekit's and torch's host work, on this CPU, not the
+H200's).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def main() -> None:
     torch.manual_seed(0)
     w13 = (torch.randn(E, 2 * N, K) * K**-0.5).bfloat16()
     w2 = (torch.randn(E, K, N) * N**-0.5).bfloat16()
-    print(f"{'scheme':12}{'M':>5}{'variant':>8}{'py calls':>10}{'C calls':>9}{'launches':>9}{'allocs':>7}{'host µs':>9}")
+    print(f"{'scheme':12}{'M':>5}{'variant':>8}{'py calls':>10}{'C calls':>9}{'launches':>9}{'allocs':>7}"
+          f"{'host µs':>9}")
     with torch.no_grad():
         for scheme, options in SCHEMES.items():
             q13, q2 = quantize(w13, scheme, **options), quantize(w2, scheme, **options)

@@ -17,9 +17,10 @@ fast path: its launch counted), ``err`` (relative L2 of lean against ``experts_r
 quantized weights, M <= 64), host µs per call (N calls started on an idle GPU, one sync; plain and lean
 samples interleaved ABBA; median), eager µs (back-to-back calls, one sync), graph µs (a CUDA graph of the
 calls replayed); of the kept entry: ``#l`` launches, ``raw`` (each through the C launch), ``launches`` (host µs
-of the recorded launches alone: the rest of ``host lean`` is the fast path's Python). Look for: same = yes and hit = yes everywhere (fp8 cells the Gluon choice takes and
-weight-only cells the scratch decode runs say hit = no: not on this path), lean host <= 40 µs, err < 2e-2.
-JSON to $OUT/quant_lean.json (./quant_lean_out/ without OUT), the table printed last.
+of the recorded launches alone: the rest of ``host lean`` is the fast path's Python). Look for: same = yes and hit = yes
+everywhere (fp8 cells the Gluon choice takes and weight-only cells the scratch decode runs say hit = no: not on this
+path), lean host <= 40 µs, err < 2e-2. JSON to $OUT/quant_lean.json (./quant_lean_out/ without OUT), the table printed
+last.
 """
 
 from __future__ import annotations

@@ -348,9 +348,11 @@ def table(rows: list[Row], floors: dict) -> str:
             pmm = f"{r.pct_mm:.1f}" if r.pct_mm else "-"
             vs = f"{route / r.us:.3f}x" if route and r.us else "-"
             err = f"{r.err:.1e}" if r.err is not None else "-"
-            lines.append(f"| {cell} | {dtype} | {r.variant} | {us} | {rounds} | {pct} | {pmm} | {vs} | {err} | {r.status} |")
-    floor_line = "; ".join(f"{c}: bf16 {f['bf16']['floor_us']:.0f} µs, fp8 {f['fp8']['floor_us']:.0f} µs, rows/assignment "
-                           f"at 64 / 128: {f['padding'][64]:.2f} / {f['padding'][128]:.2f}" for c, f in floors.items())
+            lines.append(f"| {cell} | {dtype} | {r.variant} | {us} | {rounds} | {pct} | {pmm} | {vs} | {err} | "
+                         f"{r.status} |")
+    floor_line = "; ".join(f"{c}: bf16 {f['bf16']['floor_us']:.0f} µs, fp8 {f['fp8']['floor_us']:.0f} µs, "
+                           f"rows/assignment at 64 / 128: {f['padding'][64]:.2f} / {f['padding'][128]:.2f}" for c,
+                           f in floors.items())
     return "\n".join(lines) + f"\nfloors: {floor_line}"
 
 

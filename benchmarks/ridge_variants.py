@@ -88,7 +88,8 @@ def bf16_variants(w13, w2, gluon: bool, smoke_config=None, names: tuple | None =
     if gluon:
         for name, (up, down) in bf16_gluon_tiles(w2.shape[2]).items():
             if names is None or name in names:
-                out.append(Variant(name, "gluon", lambda x, i, r, u=up, d=down: gluon_bf16_call(x, w13, w2, i, r, u, d)))
+                out.append(Variant(name, "gluon", lambda x, i, r, u=up,
+                                   d=down: gluon_bf16_call(x, w13, w2, i, r, u, d)))
     return out
 
 

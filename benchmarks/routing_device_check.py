@@ -133,7 +133,8 @@ def agree(dev):
             gate = torch.randn(64, 1, device=dev)
             got = router(logits, bias, gate, append_shared=True)
             ref = append_shared_slots(route(logits, cfg, bias), cfg, gate)
-            ok = torch.equal(got.topk_ids, ref.topk_ids) and torch.allclose(got.topk_weights, ref.topk_weights, atol=1e-5)
+            ok = torch.equal(got.topk_ids, ref.topk_ids) and torch.allclose(got.topk_weights, ref.topk_weights,
+                                                                            atol=1e-5)
             check(f"shared slots {name} (S={cfg.num_shared_slots})", ok)
 
 
@@ -260,8 +261,8 @@ def print_table():
     print(f"\n{'config':<18} {'dtype':<9} {'M':>6} {'route eager':>12} {'fused eager':>12} {'route graph':>12} "
           f"{'fused graph':>12}   (µs per call)")
     for r in RESULTS["timing"]:
-        print(f"{r['config']:<18} {r['dtype']:<9} {r['M']:>6} {r['route_eager_us']:>12.1f} {r['fused_eager_us']:>12.1f} "
-              f"{r['route_graph_us']:>12.1f} {r['fused_graph_us']:>12.1f}")
+        print(f"{r['config']:<18} {r['dtype']:<9} {r['M']:>6} {r['route_eager_us']:>12.1f} "
+              f"{r['fused_eager_us']:>12.1f} {r['route_graph_us']:>12.1f} {r['fused_graph_us']:>12.1f}")
 
 
 def main() -> int:

@@ -64,9 +64,11 @@ def heuristic_vs_tuned(batches):
         for m in batches:
             sets = make_sets(s, m, 2, torch.bfloat16, dev)
             res = {}
-            for name, cfg in (("tuned", get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))),
+            for name, cfg in (("tuned",
+                               get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))),
                               ("heuristic", heuristic_config(m, s.num_experts, s.n, s.k, s.top_k))):
-                calls = [lambda st=st, c=cfg: fused_experts(st.x, w13, w2, st.topk_ids, st.topk_weights, config=c) for st in sets]
+                calls = [lambda st=st,
+                         c=cfg: fused_experts(st.x, w13, w2, st.topk_ids, st.topk_weights, config=c) for st in sets]
                 res[name] = time_calls(calls, dev, graph=m <= 1024, budget_s=0.1)
             speed = res["tuned"] / res["heuristic"]
             worst = min(worst, speed)

@@ -50,7 +50,8 @@ def alignment(dev):
                                                torch.arange(s.num_experts, device=dev)).int()):
                     a = align_block(ids, s.num_experts, block, emap)
                     b = align_block_triton(ids, s.num_experts, block, emap)
-                    ok = all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("sorted_ids", "expert_ids", "num_padded", "counts"))
+                    ok = all(torch.equal(getattr(a, f), getattr(b, f))
+                             for f in ("sorted_ids", "expert_ids", "num_padded", "counts"))
                     if not ok:
                         check(f"align {preset} M={m} B={block} map={emap is not None}", False)
                         return
@@ -62,7 +63,8 @@ def experts(dev):
         s = Shape.from_preset(preset)
         expert_weights = make_weights(s, torch.bfloat16, dev)
         w13, w2 = expert_weights.w13, expert_weights.w2
-        for m in (1, 3, 33, 256, 2048, 4096):  # 4096: Mixtral's calls take the Gluon GEMMs (triton_gluon.DEFAULT_CHOICE)
+        # 4096: Mixtral's calls take the Gluon GEMMs (triton_gluon.DEFAULT_CHOICE)
+        for m in (1, 3, 33, 256, 2048, 4096):
             x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
             routing = uniform_routing(m, s, dev, seed=m)
             ids, w = routing.topk_ids, routing.topk_weights
@@ -78,7 +80,9 @@ def experts(dev):
     x = torch.randn(77, s.k, device=dev)
     routing = uniform_routing(77, s, dev, seed=1)
     ids, w = routing.topk_ids, routing.topk_weights
-    check("experts fp32 odd K,N", (e := rel_err(experts_triton(x, w13, w2, ids, w), _ref32(x, w13, w2, ids, w, torch.float64))) < 1e-5, f"rel_err={e:.2e}")
+    check("experts fp32 odd K,N",
+          (e := rel_err(experts_triton(x, w13, w2, ids, w), _ref32(x, w13, w2, ids, w, torch.float64))) < 1e-5,
+          f"rel_err={e:.2e}")
     emap = torch.full((80,), -1, dtype=torch.int32, device=dev)
     emap[torch.randperm(80, device=dev)[:64]] = torch.arange(64, dtype=torch.int32, device=dev)
     gids = torch.randint(-1, 90, (77, 6), device=dev, dtype=torch.int32)
@@ -153,7 +157,8 @@ def layer_graph(dev):
             x.normal_()
             g.replay()
             worst = max(worst, rel_err(out, layer(x)))
-    check("cuda graph of the whole MoE forward (grouped routing, shared slot), new tokens", worst < 1e-6, f"{worst:.1e}")
+    check("cuda graph of the whole MoE forward (grouped routing, shared slot), new tokens", worst < 1e-6,
+          f"{worst:.1e}")
 
 
 def races(dev):

@@ -161,7 +161,8 @@ def run_case(case: Case, device: torch.device) -> list[dict]:
         row["triton_over_grouped_mm"] = row["triton_us"] / row["grouped_mm_us"]
         row["ok"] = all(v < TOL for key, v in row.items() if key.startswith("err_"))
         if not row["ok"]:
-            print(f"FAIL  {case.name} M={m}: " + ", ".join(f"{k}={v:.2e}" for k, v in row.items() if k.startswith("err_")))
+            print(f"FAIL  {case.name} M={m}: "
+                  + ", ".join(f"{k}={v:.2e}" for k, v in row.items() if k.startswith("err_")))
         rows.append(row)
         print(f"done  {case.name} M={m}", flush=True)
     del w, w13_32, w2_32

@@ -83,7 +83,8 @@ def compiled_stats(cell: bt.Cell, kernel: str, t: KernelTiles) -> dict:
             target = getattr(self.module, name)
             if not name.startswith("weight_grad"):
                 return target
-            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: seen.append(target[grid](*a, **kw))})()
+            return type("K", (),
+                        {"__getitem__": lambda _, grid: lambda *a, **kw: seen.append(target[grid](*a, **kw))})()
 
     bl.kernels = lambda name: Spy(real(name))
     try:
@@ -236,7 +237,8 @@ def table(rows: list, matmul: float) -> None:
                       f"{r['pct_dense']:6.0f} {pct_mm:5.0f} {str(r.get('n_regs')):>5} {str(r.get('n_spills')):>5} "
                       f"{r['rel_current']:8.1e} {r['rel_twin']:8.1e}")
             p = row["permute"][kernel]
-            print(f"{row['shape']:14} {kernel:5} {'(permute both operands)':30} {p['ms']:8.3f} {p['gb_per_s']:8.0f} GB/s")
+            print(f"{row['shape']:14} {kernel:5} {'(permute both operands)':30} {p['ms']:8.3f} {p['gb_per_s']:8.0f} "
+                  f"GB/s")
     print(f"{'shape':14} {'winners dw13 / dw2':58} {'fwd+bwd ms':>10} {'current':>8} {'grouped_mm':>10} {'speedup':>7}")
     for row in filter(lambda r: r["e2e"], rows):
         e = row["e2e"]
@@ -257,7 +259,8 @@ def main() -> int:
     import triton
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not SMOKE else "cpu")
-    print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+    print(torch.__version__, "triton", triton.__version__,
+          torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
           flush=True)
     started = time.perf_counter()
     matmul = bt.matmul_rate(dev)
@@ -272,7 +275,8 @@ def main() -> int:
     ok = passed(rows)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "wgrad.json"), "w") as f:
-            json.dump(dict(matmul_tflops=matmul, cells=rows, passed=ok, wall_s=time.perf_counter() - started), f, indent=1)
+            json.dump(dict(matmul_tflops=matmul, cells=rows, passed=ok, wall_s=time.perf_counter() - started), f,
+                      indent=1)
     table(rows, matmul)
     print(f"{'PASS' if ok else 'FAIL'} ({time.perf_counter() - started:.0f} s)")
     return 0 if ok else 1

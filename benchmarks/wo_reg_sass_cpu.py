@@ -68,7 +68,8 @@ def count(scheme: int, block_n: int, block_k: int, swap: bool, down: bool = Fals
     name = (f"register {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x{block_k} "
             f"{num_warps}w {num_stages}s{' SWAP_AB' if swap else ''}")
     return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
-                     int(re.search(r"STACK:(\d+)", usage).group(1)), " ".join(f"{k}:{v}" for k, v in ops.most_common(10))
+                     int(re.search(r"STACK:(\d+)", usage).group(1)),
+                     " ".join(f"{k}:{v}" for k, v in ops.most_common(10))
                      + f" (HGMMA {ops['HGMMA']}, HMMA {ops['HMMA']})")
 
 

@@ -13,7 +13,8 @@ M in {1, 8, 64, 1024}. Variants (each guarded: an error is printed, the run goes
 All shapes' M <= 64 cells run before any M = 1024 cell; a hard time limit (LIMIT_S) skips the cells
 left, naming them. Prints a PASS/FAIL line per variant
 (rel-L2 against the twin < TOL), then the table last: per cell bf16 µs, tile, register, gemv and the best
-variant's µs and name, its % of the floor and x bf16, the chooser's decode, the issue's target. JSON to $OUT/wo_speed.json.
+variant's µs and name, its % of the floor and x bf16, the chooser's decode, the issue's target. JSON to
+$OUT/wo_speed.json.
 
 Floor = (touched experts x packed bytes per expert, scales and zeros included, + x and out) / copy
 bandwidth (measured here, read + write), as ``wo_device_check``.
@@ -129,7 +130,8 @@ def run_cell(s: Shape, scheme: str, m: int, w13, w2, inputs, bf16_us: float, bw:
             check(f"{s.name} {scheme} M={m} {name}", err < TOL, f"rel_err={err:.2e}")
             cell.errors[name] = err
             if err < TOL:
-                cell.times[name] = time_stats([lambda c=c: call(c) for c in inputs], s_dev(), graph=s_dev().type == "cuda",
+                cell.times[name] = time_stats([lambda c=c: call(c) for c in inputs], s_dev(),
+                                              graph=s_dev().type == "cuda",
                                               **TIMING).us
         except Exception as e:  # noqa: BLE001  (one variant's failure never loses the run)
             traceback.print_exc(limit=2)

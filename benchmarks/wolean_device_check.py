@@ -44,7 +44,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, graph_of, interleaved, wins  # noqa: E402
-from bench_run import ceilings  # noqa: E402
+from bench_run import ceilings, run_info, write_json  # noqa: E402
 from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
@@ -239,16 +239,10 @@ def row(c: Cell) -> list[str]:
 
 
 def dump(cells: list, ceil: dict) -> None:
-    if not ARGS.out:
-        return
-    import triton
-
-    os.makedirs(ARGS.out, exist_ok=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    with open(os.path.join(ARGS.out, "wolean.json"), "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, **ceil,
-                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED, "seconds": elapsed()}, f,
-                  indent=1)
+    if ARGS.out:
+        payload = {**run_info(), **ceil, "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED,
+                   "seconds": elapsed()}
+        write_json(os.path.join(ARGS.out, "wolean.json"), payload)
 
 
 def table(cells: list, ceil: dict) -> None:

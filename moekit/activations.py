@@ -82,13 +82,15 @@ class ActivationSpec:
             if self.limit <= 0:
                 raise ValueError(f"activation.limit must be > 0 or None, got {self.limit}")
         if not self.gated:
-            extras = {"interleaved": self.interleaved, "limit": self.limit is not None, "up_shift": self.up_shift != 0.0}
+            extras = {"interleaved": self.interleaved, "limit": self.limit is not None,
+                      "up_shift": self.up_shift != 0.0}
             used = [name for name, on in extras.items() if on]
             if used:
                 raise ValueError(f"activation.{used[0]} needs gated=True (an ungated activation has no gate/up pair)")
         # kept as a bool: under torch.compile(dynamic=True) dynamo traces a float field read from a global spec
         # as a symbolic float, and comparing it specialises it and restarts the whole trace (twice the compile)
-        plain = self.gated and not self.interleaved and self.alpha == 1.0 and self.limit is None and self.up_shift == 0.0
+        plain = (self.gated and not self.interleaved and self.alpha == 1.0 and self.limit is None
+                 and self.up_shift == 0.0)
         object.__setattr__(self, "_plain", plain)
 
     @property

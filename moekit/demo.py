@@ -110,7 +110,8 @@ def run_demo(seed: int = 0, device: str = "cpu", advance: Callable[[], None] = l
                 advance()
         for batch in TOUCH_BATCHES:
             touched = [_stats(layers[None], batch, g, device).experts_touched for _ in range(TRIALS)]
-            report.touch.append(TouchRow(batch, sum(touched) / TRIALS, predicted_touched(batch, cfg.num_experts, cfg.top_k)))
+            report.touch.append(TouchRow(batch, sum(touched) / TRIALS,
+                                         predicted_touched(batch, cfg.num_experts, cfg.top_k)))
             advance()
     report.seconds = time.perf_counter() - start
     return report

@@ -1,18 +1,19 @@
 """``MoE``: the whole layer as an ``nn.Module``.
 
-    [Gate] -> [Route] -> [Capacity, opt-in] -> [Group] -> [Experts: w13, act-and-mul, w2, weight] -> [Combine] (+ shared)
+  [Gate] -> [Route] -> [Capacity, opt-in] -> [Group] -> [Experts: w13, act-and-mul, w2, weight] -> [Combine] (+ shared)
 
 Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
-| stage    | where                                                         | in -> out                              |
-| -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate``'s weights; at <= 256 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
-| Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
-| Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
-| Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
-| Experts  | the ``moekit.experts`` backend, called by ``run_routed``        | rows -> w2 @ act_and_mul(w13 @ row)    |
-| Combine  | the layout's weighted inverse, in the same backend            | rows, weights -> out [M, K]            |
-| Shared   | S extra routed slots (fused), or ``MoE._shared_mlp``          | x2d -> [M, K], added                   |
+| stage    | where                                                            | in -> out                             |
+| -------- | ---------------------------------------------------------------- | ------------------------------------- |
+| Gate     | ``MoE.gate``'s weights; at <= 256 tokens with the fused router   | x2d [M, K] -> logits [M, E]           |
+|          |   one Triton launch with Route (``moekit.routing.gate_route``)   |                                       |
+| Route    | ``moekit.routing.route``, or ``FusedRouter`` (CUDA, ``router=``) | logits -> ids [M, k] int32, weights   |
+| Capacity | ``moekit.routing.apply_capacity`` (opt-in)                       | drops over capacity as id -1, counted |
+| Group    | the backend's layout, from ``moekit.layouts`` (below)            | x2d, ids -> rows grouped by expert    |
+| Experts  | the ``moekit.experts`` backend, called by ``run_routed``         | rows -> w2 @ act_and_mul(w13 @ row)   |
+| Combine  | the layout's weighted inverse, in the same backend               | rows, weights -> out [M, K]           |
+| Shared   | S extra routed slots (fused), or ``MoE._shared_mlp``             | x2d -> [M, K], added                  |
 
 Group and Combine per backend: ``grouped_mm`` (the CPU default) groups with ``permute_contiguous``
 (align 1) or ``masked_layout_measured_cap_syncs``, picked per call by ``choose_layout`` under a memory
@@ -77,11 +78,10 @@ class MoEOutput:
 class MoE(nn.Module):
     """A Mixture-of-Experts layer built from a ``MoEConfig``.
 
-    Weights follow transformers v5 and vLLM: ``w13 [E(+S), 2N, K]`` (gate rows, then up rows) and
-    ``w2 [E(+S), K, N]``. With ``fuse_shared=True`` (default, when the shared width is a multiple of N)
-    the shared MLP lives in the last S rows of ``w13``/``w2`` and runs as extra routed slots in the same
-    grouped GEMM; with ``fuse_shared=False`` it is a separate MLP (``shared_w13 [2SN, K]``,
-    ``shared_w2 [K, SN]``). Both compute the same function.
+    Weights follow transformers v5 and vLLM: ``w13 [E(+S), 2N, K]`` (gate rows, then up rows) and ``w2 [E(+S), K, N]``.
+    With ``fuse_shared=True`` (default, when the shared width is a multiple of N) the shared MLP lives in the last S
+    rows of ``w13``/``w2`` and runs as extra routed slots in the same grouped GEMM; with ``fuse_shared=False`` it is a
+    separate MLP (``shared_w13 [2SN, K]``, ``shared_w2 [K, SN]``). Both compute the same function.
 
     ``capacity_factor=None`` is dropless (default). A number enables training-style dropping with
     ``drop_policy`` ("position" or "weight"); the dropped count is in the stats.
@@ -90,13 +90,12 @@ class MoE(nn.Module):
     once (e.g. ``{"memory_budget_bytes": 2**28}`` for ``grouped_mm``'s layout choice and chunking);
     a name the backend does not take is refused here.
 
-    ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
-    (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
-    always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
-    With the fused router a gate GEMM of up to 256 tokens runs in the router's launch (``moekit.routing.gate_route``
-    on every path that can: row-loop gate to 8 tokens, tensor cores above; else the gate kernel); above, ``torch.mm``
-    into a kept buffer, else ``F.linear`` (autograd, ``torch.compile``). It reads ``MoE.gate``'s weights:
-    its hooks never run.
+    ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies (``moekit.routing.fused``) and
+    with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"`` always the kernel (on the CPU only under
+    ``TRITON_INTERPRET=1``). Both compute the same routing. With the fused router a gate GEMM of up to 256 tokens runs
+    in the router's launch (``moekit.routing.gate_route`` on every path that can: row-loop gate to 8 tokens, tensor
+    cores above; else the gate kernel); above, ``torch.mm`` into a kept buffer, else ``F.linear`` (autograd,
+    ``torch.compile``). It reads ``MoE.gate``'s weights: its hooks never run.
     """
 
     def __init__(
@@ -152,7 +151,8 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(k_dim, 1, bias=False, **factory) if config.shared_expert_gate else None
         self.router = router  # resolves the router for the weights' device, like the backend
         if backend_options is not None and not isinstance(backend_options, dict):
-            raise TypeError(f"backend_options must be a dict of keyword arguments, got {type(backend_options).__name__}")
+            raise TypeError(f"backend_options must be a dict of keyword arguments, got "
+                            f"{type(backend_options).__name__}")
         self.backend_options = dict(backend_options or {})
         self.backend = backend  # resolves the backend function for the weights' device
         self.reset_parameters()
@@ -239,7 +239,8 @@ class MoE(nn.Module):
         else:
             logits = self._gate(gx, weight, gbias, None if ws is None else ws.logits)  # [M, E]
             if self._fused_router is not None:
-                routing = self._fused_router(logits, bias, gate_logits, in_kernel, None if ws is None else (ws.ids, ws.weights))
+                routing = self._fused_router(logits, bias, gate_logits, in_kernel,
+                                             None if ws is None else (ws.ids, ws.weights))
             else:
                 routing = route(logits, self.config, bias)
         ids = routing.topk_ids  # [M, k(+S)]: the fused kernel may append the shared slots
@@ -274,7 +275,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
         out = self._decode(self, x) if not return_stats and self.eager_graphs is None else None  # a repeated decode
-        if out is not None:  # call of a plain 2-D x, straight to its launches (moekit.layer_fast: implies the checks below)
+        if out is not None:  # a plain 2-D x: straight to its launches (moekit.layer_fast: implies the checks below)
             return out
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -289,7 +290,7 @@ class MoE(nn.Module):
             own = not return_stats and self._fused_router is not None and self._plain_routing
             out = self._decode(self, x2d) if own and not flat else None  # a flattened x's repeated decode call, or None
         if out is None:
-            routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # [Gate -> Route -> Capacity]
+            routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # Gate, Route, Capacity
             out = self._experts_and_shared(x2d, routed)  # [M, K]
             if own:
                 self._decode.keep(self, x2d)
@@ -340,10 +341,8 @@ class MoE(nn.Module):
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The experts and combine stage: x2d [M, K] and its routing -> [M, K]. Subclasses that place
         experts elsewhere (expert parallelism) override this one step."""
-        return call_backend(
-            self._experts_fn, x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
-            activation=self.config.activation, b13=self.b13, b2=self.b2,
-        )
+        return call_backend(self._experts_fn, x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
+                            activation=self.config.activation, b13=self.b13, b2=self.b2)
 
     def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
         y = apply_glu(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
@@ -381,7 +380,8 @@ class MoE(nn.Module):
         options = {k: v for k, v in self.backend_options.items() if k in ("memory_budget_bytes", "layout")}
         plan = plan_grouped_mm(*routing.topk_ids.shape, w13.shape[0], w13.shape[2], w2.shape[2],
                                w13.dtype, allow_sync=w13.device.type == "cpu", **options)
-        return plan.layout if plan.chunk_tokens >= routing.num_tokens else f"{plan.layout} in chunks of {plan.chunk_tokens}"
+        return (plan.layout if plan.chunk_tokens >= routing.num_tokens
+                else f"{plan.layout} in chunks of {plan.chunk_tokens}")
 
     def resolved_backend(self) -> str:
         """The backend that runs on the weights' device: ``backend`` with "auto" resolved."""

@@ -25,9 +25,9 @@ the same objects. The correction bias is checked as ``gate_route`` checks it (ag
 w13 and w2 as the same tensors here, their addresses and layouts by the kept call (a move: it misses, and the
 experts run through ``MoE._experts_call`` on the routing just made; an in-place update hits: the kernels read the
 new values).
-Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert (its gate is a GEMM of its own per
-call), a separate shared MLP, expert biases, a router dtype other than x's and the gate weight's, capacity
-dropping. ``MoE._apply`` (a move or cast) drops the entries.
+Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert
+(its gate is a GEMM of its own per call), a separate shared MLP, expert biases, a router dtype other than x's and the
+gate weight's, capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
@@ -192,7 +192,8 @@ class DecodeFast:
             return
         c = layer.config
         if (layer.shared_w13 is not None or (layer.fuse_shared and layer.shared_gate is not None)
-                or layer._gate_route is None or (c.router_dtype is not None and getattr(torch, c.router_dtype) != x2d.dtype)):
+                or layer._gate_route is None
+            or (c.router_dtype is not None and getattr(torch, c.router_dtype) != x2d.dtype)):
             return
         tensors = _tensors(layer)
         weight, linear_bias, bias, w13, w2 = tensors

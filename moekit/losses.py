@@ -92,7 +92,8 @@ def sequence_balance_loss(
     logits = _check_logits(router_logits.reshape(-1, router_logits.shape[-1]), num_experts)  # [M, E]
     ids = topk_ids.reshape(-1, topk_ids.shape[-1])  # [M, k]
     if logits.shape[0] % seq_len:
-        raise ValueError(f"router_logits must hold whole sequences of seq_len={seq_len} tokens, got {logits.shape[0]} rows")
+        raise ValueError(f"router_logits must hold whole sequences of seq_len={seq_len} tokens, got {logits.shape[0]} "
+                         f"rows")
     num_seqs, top_k = logits.shape[0] // seq_len, ids.shape[1]
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
     normed = scores / scores.sum(-1, keepdim=True)  # [M, E]; s'
@@ -141,7 +142,8 @@ def _check_logits(router_logits: torch.Tensor, num_experts: int) -> torch.Tensor
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2 or not router_logits.is_floating_point():
         raise ValueError(f"router_logits must be a floating-point tensor [M, E], got {_describe(router_logits)}")
     if router_logits.shape[1] != num_experts:
-        raise ValueError(f"router_logits must have shape [M, num_experts={num_experts}], got {tuple(router_logits.shape)}")
+        raise ValueError(f"router_logits must have shape [M, num_experts={num_experts}], got "
+                         f"{tuple(router_logits.shape)}")
     return router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))  # [M, E]
 
 
@@ -149,7 +151,8 @@ def _check_mask(token_mask: torch.Tensor | None, logits: torch.Tensor) -> torch.
     if token_mask is None:
         return None
     if not isinstance(token_mask, torch.Tensor) or token_mask.numel() != logits.shape[0]:
-        raise ValueError(f"token_mask must have M={logits.shape[0]} entries (one per token), got {_describe(token_mask)}")
+        raise ValueError(f"token_mask must have M={logits.shape[0]} entries (one per token), got "
+                         f"{_describe(token_mask)}")
     return token_mask.reshape(-1).to(device=logits.device, dtype=logits.dtype)  # [M]
 
 

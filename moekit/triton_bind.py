@@ -126,7 +126,8 @@ class LaunchHooks:
 
     def idle(self) -> bool:
         enter, leave = self.runtime.launch_enter_hook, self.runtime.launch_exit_hook
-        return (enter is None or not getattr(enter, "calls", True)) and (leave is None or not getattr(leave, "calls", True))
+        return ((enter is None or not getattr(enter, "calls", True))
+                and (leave is None or not getattr(leave, "calls", True)))
 
 
 class RawLaunch:
@@ -167,7 +168,8 @@ class RawLaunch:
 
         raw = cls()
         raw.c_launch, raw.grid, raw.function = c_launch, grid, compiled.function
-        raw.cooperative, raw.pdl, raw.metadata = launcher.launch_cooperative_grid, launcher.launch_pdl, compiled.packed_metadata
+        raw.cooperative, raw.pdl, raw.metadata = (launcher.launch_cooperative_grid, launcher.launch_pdl,
+                                                  compiled.packed_metadata)
         raw.desc_positions, raw.desc_args = positions, desc_args
         # last position first: replacing a descriptor by its expansion leaves the earlier positions in place
         raw.desc_keys = tuple((i, _meta_key(meta), meta) for i, meta in reversed(list(zip(positions, metas))))

@@ -4,6 +4,7 @@ and the kernels-against-twin call (workspaces poisoned with NaN)."""
 from __future__ import annotations
 
 import torch
+from _helpers import routed_slots
 
 from moekit.experts.triton_launch import LaunchOptions
 
@@ -24,6 +25,33 @@ def e4m3_groups_f64(v: torch.Tensor) -> torch.Tensor:
         amax = block.abs().amax(dim=1, keepdim=True)
         s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
         out[:, c:c + 128] = (block / s).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s.double()
+    return out
+
+
+def fake_quant_f64(v: torch.Tensor, group: int) -> torch.Tensor:
+    """v [C] float64 quantized per group of G and dequantized: s = amax/448 (1 for zeros), e4m3(v / s) * s."""
+    out = torch.empty_like(v)
+    for c0 in range(0, v.numel(), group):
+        block = v[c0:c0 + group]
+        s = block.abs().max() / 448 if block.abs().max() > 0 else 1.0
+        out[c0:c0 + group] = (block / s).to(torch.float8_e4m3fn).double() * s
+    return out
+
+
+def emulation_f64(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape, expert_map=None):
+    """The recipe per token and slot in float64 (the definition the twin is held to): x quantized per G columns,
+    block-dequantized weights, silu-and-mul, h quantized per G columns, the routed weight, the slots summed."""
+    (bn, bk), num_experts, inter = block_shape, w13_q.shape[0], w2_q.shape[2]
+
+    def deq(q, s, e):  # q [R, C] * s[r // GN, c // G]
+        r, c = torch.arange(q.shape[1])[:, None] // bn, torch.arange(q.shape[2])[None, :] // bk
+        return q[e].double() * s[e].double()[r, c]
+
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t, j, e in routed_slots(ids, num_experts, expert_map):
+        gate_up = deq(w13_q, w13_s, e) @ fake_quant_f64(x[t].double(), bk)
+        h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+        out[t] += float(weights[t, j]) * (deq(w2_q, w2_s, e) @ fake_quant_f64(h, bk))
     return out
 
 

@@ -72,7 +72,8 @@ def _run_ranks_once(fn, world_size, args, timeout_s, pg_timeout_s) -> list:
         while len(got) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(got))} did not finish within {timeout_s} s")
+                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(got))} did not finish within "
+                                     f"{timeout_s} s")
             try:
                 rank, status, value = results.get(timeout=min(left, 1.0))
                 got[rank] = (status, value)
@@ -81,7 +82,8 @@ def _run_ranks_once(fn, world_size, args, timeout_s, pg_timeout_s) -> list:
                 if dead:
                     time.sleep(0.5)  # a result may still be in the pipe
                     if results.empty():
-                        raise AssertionError(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result")
+                        raise AssertionError(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without "
+                                             f"a result")
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))

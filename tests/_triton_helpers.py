@@ -95,7 +95,8 @@ def launch_log(interpreter, monkeypatch):
 
 def spy_desc(monkeypatch, module) -> list:
     """Record (kernel name, its DESC constexpr) for every launch through ``module.kernels`` (a module's
-    lazy kernel loader; None for a kernel without DESC); returns the list the launches append to. The kernels still run."""
+    lazy kernel loader; None for a kernel without DESC); returns the list the launches append to. The kernels still
+    run."""
     seen, real = [], module.kernels
 
     class Spy:

@@ -71,7 +71,8 @@ def test_bias_updates_balance_a_skewed_router():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: update_correction_bias_(MoE(CFG.replace(use_correction_bias=False)), torch.zeros(6)), "use_correction_bias"),
+    (lambda: update_correction_bias_(MoE(CFG.replace(use_correction_bias=False)), torch.zeros(6)),
+     "use_correction_bias"),
     (lambda: update_correction_bias_(MoE(CFG), torch.zeros(5)), "num_experts=6"),
     (lambda: update_correction_bias_(MoE(CFG), torch.zeros(6), rate=0), "rate"),
     (lambda: ExpertCounts(6).add(torch.zeros(2, 3)), "counts must be"),

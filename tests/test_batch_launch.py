@@ -81,7 +81,8 @@ def test_batch_passes_triton_launcher_bytes(mod):
     bl.register(0x1000, "a", ["*bf16", "i32", "constexpr", "fp32", "i1", "i64", "bf16", "fp16", "*i32"], None)
     bl.register(0x2000, "b", ["*fp32", "u8"], None)
     steps = [(None, _template(0x1000, (3, 2, 1), 4, 2048, False, True,
-                              [lean._Slot(0), 5, 64, 1.5, True, -7, 2.0, 0.5, lean._Slot(2)]), ((13, 0), (21, 2)), True),
+                              [lean._Slot(0), 5, 64, 1.5, True, -7, 2.0, 0.5, lean._Slot(2)]), ((13, 0), (21, 2)),
+              True),
              (None, _template(0x2000, (0, 1, 1), 8, 0, True, False, [lean._Slot(1), 200]), ((13, 1),), True),
              (None, _template(0x2000, (7, 1, 1), 8, 100, True, True, [lean._Slot(1), 3]), ((13, 1),), True)]
     batch = bl.Batch.of(steps, mod)
@@ -169,7 +170,8 @@ def test_sequence_batched_passes_what_each_c_launch_gets(mod, monkeypatch):
     stepwise.launch(values, stream=55)
     batched.launch(values, stream=55)
     (args,), (got,) = calls, driver.launches
-    assert (got["grid"], got["stream"], got["attrs"], got["block"]) == (tuple(args[:3]), args[3], [(PDL, 1)], (128, 1, 1))
+    assert (got["grid"], got["stream"], got["attrs"], got["block"]) == (tuple(args[:3]), args[3], [(PDL, 1)],
+                                                                        (128, 1, 1))
     assert got["params"][:4] == [struct.pack("<Q", args[13]), struct.pack("<Q", args[14]), struct.pack("<i", args[15]),
                                  struct.pack("<Q", args[16])]
     assert args[13] == x.data_ptr() and args[14] == out.data_ptr()

@@ -33,7 +33,8 @@ def test_bench_entry_runs_on_two_ranks(doc):
         for key in ("dispatch_us", "experts_us", "combine_us", "layer_us", "raw_dispatch_us", "single_gpu_us"):
             assert row[key] >= 0, key
         if row["overlap"] > 1:
-            assert row["overlap_goal_us"] == 1.05 * max(row["experts_us"], row["raw_dispatch_us"] + row["raw_combine_us"])
+            assert row["overlap_goal_us"] == 1.05 * max(row["experts_us"],
+                                                        row["raw_dispatch_us"] + row["raw_combine_us"])
 
 
 def test_profile_counts_the_exact_dispatchs_one_host_read_and_the_padded_none(doc):

@@ -48,14 +48,16 @@ def test_run_bench_document(tmp_path):
     doc = run_bench(torch.device("cpu"), shapes=[TINY], batches=[1, 5], backends=["grouped_mm", "reference"])
     assert {"device", "date", "commit", "ceilings", "cells"} <= doc.keys()
     assert doc["ceilings"]["copy_TBps"] > 0 and doc["ceilings"]["mm_TFLOPs"] > 0
-    assert {(c["M"], c["backend"]) for c in doc["cells"]} == {(1, "grouped_mm"), (1, "reference"), (5, "grouped_mm"), (5, "reference")}
+    assert {(c["M"], c["backend"]) for c in doc["cells"]} == {(1, "grouped_mm"), (1, "reference"), (5, "grouped_mm"),
+                                                              (5, "reference")}
     assert doc["noisy_spread_pct"] == NOISY_SPREAD_PCT and doc["cpu_threads"] >= 1
     for c in doc["cells"]:
         assert {"shape", "M", "backend", "us", "bytes", "flops", "floor_us"} <= c.keys()
         assert c["pct_floor"] == pytest.approx(100 * c["floor_us"] / c["us"])
         assert c["repeats"] >= 5 and c["spread_pct"] >= 0 and c["noisy"] == (c["spread_pct"] > NOISY_SPREAD_PCT)
         assert 0 < c["min_us"] <= c["us"] <= c["max_us"]
-        assert c["eager_us"] == c["host_rest_us"] == c["us"] and c["host_us"] == c["us"] > 0  # one wall clock on the CPU
+        # one wall clock on the CPU
+        assert c["eager_us"] == c["host_rest_us"] == c["us"] and c["host_us"] == c["us"] > 0
     path = write_json(doc, results_path(tmp_path, doc))
     assert path.name == f"cpu-{doc['date']}.json" and json.loads(path.read_text())["cells"]
     assert plot(doc, path.with_suffix(".png")).stat().st_size > 0

@@ -22,7 +22,8 @@ from moekit.bench.hf_run import (  # noqa: E402
 )
 from moekit.cli import main  # noqa: E402
 
-ROW_FIELDS = {"impl", "mode", "decode_tok_s", "step_tok_s", "prefill_ms", "logits_rel_err_vs_eager", "logits_rel_err_vs_fp64",
+ROW_FIELDS = {"impl", "mode", "decode_tok_s", "step_tok_s", "prefill_ms", "logits_rel_err_vs_eager",
+              "logits_rel_err_vs_fp64",
               "errors"}
 FP32_TOL = 1e-5  # design.md: an fp32 backend within 1e-5 relative L2 of a float64 reference
 
@@ -233,11 +234,13 @@ def test_error_text_is_type_and_first_line():
 
 def test_table_marks_errors_and_skips():
     doc = {"device": "cpu", "layers": 1, "model": {"name": "qwen3", "widths": "tiny", "dtype": "float32"}, "rows": [
-        {"impl": "batched_mm", "mode": "eager", "decode_tok_s": 5.0, "prefill_ms": None, "logits_rel_err_vs_eager": None,
+        {"impl": "batched_mm", "mode": "eager", "decode_tok_s": 5.0, "prefill_ms": None,
+         "logits_rel_err_vs_eager": None,
          "logits_rel_err_vs_fp64": None,
          "errors": {"prefill_ms": "Skipped: too big", "logits_rel_err_vs_eager": "Skipped: too big",
                     "logits_rel_err_vs_fp64": "Skipped: too big"}},
-        {"impl": "moekit", "mode": "compiled", "decode_tok_s": None, "prefill_ms": None, "logits_rel_err_vs_eager": None,
+        {"impl": "moekit", "mode": "compiled", "decode_tok_s": None, "prefill_ms": None,
+         "logits_rel_err_vs_eager": None,
          "logits_rel_err_vs_fp64": 0.0125, "errors": {"decode_tok_s": "TorchRuntimeError: x"}}]}
     cells = [list(col.cells) for col in hf_table(doc).columns]
     assert cells[4] == ["skipped", "-"] and cells[2][1] == "[red]error[/red]"

@@ -56,7 +56,8 @@ def layout_bytes(scheme: str, rows: int, cols: int) -> int:
 
 
 def test_quantized_cells_floor_is_the_packed_bytes(fixed_ceilings):
-    doc = run.run_bench(torch.device("cpu"), shapes=[ODD], batches=[1, 64], dtypes=["fp8", "int8_w8a16", "int4", "mxfp4"],
+    doc = run.run_bench(torch.device("cpu"), shapes=[ODD], batches=[1, 64],
+                        dtypes=["fp8", "int8_w8a16", "int4", "mxfp4"],
                         budget_s=0.01)
     n, k, top_k = ODD.n, ODD.k, ODD.top_k
     assert [c["dtype"] for c in doc["cells"] if c["M"] == 1] == ["float32", "float32", *SCHEMES]
@@ -127,7 +128,9 @@ def test_fp8_ceiling_measured_or_its_error_recorded(monkeypatch):
         raise RuntimeError("_scaled_mm: no fp8 kernel for this device\nsecond line")
 
     monkeypatch.setattr(torch, "_scaled_mm", no_fp8)
-    assert measure_fp8_mm(torch.device("cpu"), 64) == Fp8MmRate(None, "RuntimeError: _scaled_mm: no fp8 kernel for this device")
+    assert measure_fp8_mm(torch.device("cpu"), 64) == Fp8MmRate(None,
+                                                                "RuntimeError: _scaled_mm: no fp8 kernel for this "
+                                                                "device")
     failed = with_fp8_mm(FIXED, torch.device("cpu"), wanted=True)
     assert failed.fp8_mm_TFLOPs is None and failed.fp8_mm_error.startswith("RuntimeError")
     skipped = with_fp8_mm(FIXED, torch.device("cpu"), wanted=False)
@@ -152,7 +155,8 @@ def test_dtype_names_and_aliases():
         check_dtypes(["fp4"])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device types only: nothing runs
     assert quantized_backends(["triton", "grouped_mm", "reference"], cuda, explicit=False) == ["triton"]
-    assert quantized_backends(["grouped_mm", "triton"], cuda, explicit=True) == ["triton"]  # never a per-call dequantize
+    # never a per-call dequantize
+    assert quantized_backends(["grouped_mm", "triton"], cuda, explicit=True) == ["triton"]
     assert quantized_backends(["grouped_mm", "reference"], cuda, explicit=True) == []  # check_args refuses this
     assert quantized_backends(["grouped_mm", "reference"], cpu, explicit=False) == ["grouped_mm"]
     assert quantized_backends(["grouped_mm", "reference"], cpu, explicit=True) == ["grouped_mm", "reference"]
@@ -232,4 +236,5 @@ def test_analyze_takes_the_scheme_names_as_aliases(capsys):
     assert analyze_json("fp8_block") == analyze_json("fp8")
     mxfp4 = analyze_json("mxfp4")
     assert mxfp4["dtype"] == "mxfp4" and mxfp4["bytes_per_weight"] == 0.5 + 1 / 32
-    assert "--dtype: dtype must be one of" in cli_error(capsys, ["analyze", "--preset", "deepseek-v3", "--dtype", "fp4"])
+    assert "--dtype: dtype must be one of" in cli_error(capsys,
+                                                        ["analyze", "--preset", "deepseek-v3", "--dtype", "fp4"])

@@ -10,7 +10,8 @@ def test_presets_have_the_published_shapes():
     assert (v3.hidden_size, v3.moe_intermediate_size, v3.num_experts, v3.top_k) == (7168, 2048, 256, 8)
     assert (v3.n_group, v3.topk_group, v3.num_moe_layers, v3.routed_scaling_factor) == (8, 4, 58, 2.5)
     q3 = MoEConfig.preset("qwen3-30b-a3b")
-    assert (q3.hidden_size, q3.moe_intermediate_size, q3.num_experts, q3.top_k, q3.num_moe_layers) == (2048, 768, 128, 8, 48)
+    assert (q3.hidden_size, q3.moe_intermediate_size, q3.num_experts, q3.top_k,
+            q3.num_moe_layers) == (2048, 768, 128, 8, 48)
     mx = MoEConfig.preset("mixtral-8x7b")
     assert (mx.hidden_size, mx.moe_intermediate_size, mx.num_experts, mx.top_k) == (4096, 14336, 8, 2)
     assert {"deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"} <= set(preset_names())

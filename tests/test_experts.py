@@ -30,7 +30,8 @@ def per_token_loop(x, w13, w2, ids, weights, activation="silu", expert_map=None)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, k, e, hidden, inter", [(1, 1, 4, 16, 8), (33, 6, 8, 24, 20), (64, 2, 5, 32, 48), (7, 3, 3, 17, 13)])
+@pytest.mark.parametrize("m, k, e, hidden, inter",
+                         [(1, 1, 4, 16, 8), (33, 6, 8, 24, 20), (64, 2, 5, 32, 48), (7, 3, 3, 17, 13)])
 def test_backend_matches_float64_loop(backend, dtype, m, k, e, hidden, inter):
     x, w13, w2, ids, weights = make_problem(m, k, e, hidden, inter, seed=m * e, skips=True)
     ref = per_token_loop(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
@@ -63,7 +64,8 @@ def test_skip_markers_expert_map_and_sentinels(backend):
 def test_all_tokens_on_one_expert_and_empty_batch(backend):
     x, w13, w2, _, _ = make_problem(10, 1, 6, 16, 8, seed=2)
     ids, weights = torch.full((10, 1), 4, dtype=torch.int32), torch.ones(10, 1)
-    assert rel_l2(run_experts(x, w13, w2, ids, weights, backend=backend), per_token_loop(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_l2(run_experts(x, w13, w2, ids, weights, backend=backend),
+                  per_token_loop(x, w13, w2, ids, weights)) < 1e-5
     empty = run_experts(x[:0], w13, w2, ids[:0], weights[:0], backend=backend)
     assert empty.shape == (0, 16)
     direct = get_backend(backend)(x[:0], w13, w2, ids[:0], weights[:0])  # the backend itself, no shortcut

@@ -64,7 +64,8 @@ def test_tune_save_clears_the_cache(user_dir, disk_loads, monkeypatch):
     shape = Shape("tiny", 8, 17, 33, 2)
     assert get_config(1, 8, 17, 33, 2, torch.float32, "cpu") == heuristic_config(1, 8, 17, 33, 2)
     tuned = {1: SMALL, 64: KernelConfig(64, GemmTile(64, 64, 8), GemmTile(128, 64, 8, 8, 3))}
-    monkeypatch.setattr(tuning, "tune_one", lambda shape, m, scheme, device, weights: tuning.TuneResult(tuned[m], 1.0, 2.0))
+    monkeypatch.setattr(tuning, "tune_one", lambda shape, m, scheme, device,
+                        weights: tuning.TuneResult(tuned[m], 1.0, 2.0))
     path = tuning.tune(shape, [1, 64], dtype=torch.float32, device="cpu")
     assert path.parent == user_dir and path.is_file()
     assert get_config(1, 8, 17, 33, 2, torch.float32, "cpu") == SMALL

@@ -59,8 +59,8 @@ def test_call_peak_stays_within_the_budget(cpu_gemm, top_k, dtype, layout, tmp_p
     m = 96
     x, w13, w2, ids, weights = problem(m, top_k, dtype)
     budget = gemm_phase_bytes(m, top_k, dtype)
-    call = lambda: experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=budget, cpu_gemm=cpu_gemm,  # noqa: E731
-                                      layout=layout)
+    call = lambda: experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=budget,  # noqa: E731
+                                      cpu_gemm=cpu_gemm, layout=layout)
     with torch.no_grad():
         out = call()  # packs the weights (a cache, not the call's activations) before the measured call
         peak = peak_allocated(call, tmp_path / "trace.json")

@@ -37,7 +37,8 @@ def problem(m, k, seed, skips=True, duplicates=True):
     x = torch.randn(m, K, generator=g)
     w13 = torch.randn(E, 2 * N, K, generator=g) * K**-0.5
     w2 = torch.randn(E, K, N, generator=g) * N**-0.5
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(m)]) if m else torch.zeros(0, k, dtype=torch.long)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k]
+                       for _ in range(m)]) if m else torch.zeros(0, k, dtype=torch.long)
     if m and duplicates:
         ids[::3, -1] = ids[::3, 0]  # a token routed twice to one expert: both slots count
     if m and skips:
@@ -104,7 +105,8 @@ def test_expert_map_and_float64():
 
 def test_compiled_small_budget_chunks_trace_whole():
     x, w13, w2, ids, weights = problem(24, 2, seed=5)
-    fn = torch.compile(lambda *a: experts_grouped_mm(*a, memory_budget_bytes=5_000), fullgraph=True, backend="aot_eager")
+    fn = torch.compile(lambda *a: experts_grouped_mm(*a, memory_budget_bytes=5_000), fullgraph=True,
+                       backend="aot_eager")
     assert plan_grouped_mm(24, 2, E, K, N, torch.float32, memory_budget_bytes=5_000, allow_sync=False).chunk_tokens < 24
     assert rel_err(fn(x, w13, w2, ids, weights), token_loop(x, w13, w2, ids, weights)) < 1e-5
 

@@ -91,7 +91,8 @@ def compositions(total: int, parts: int):
 def test_max_padded_rows_holds_every_grouping(num_experts, align):
     for num_assignments in range(9):
         worst = max(
-            sum((c + align - 1) // align * align for c in counts) for counts in compositions(num_assignments, num_experts)
+            sum((c + align - 1) // align * align for c in counts)
+            for counts in compositions(num_assignments, num_experts)
         )
         bound = max_padded_rows(num_assignments, num_experts, align)
         assert worst <= bound

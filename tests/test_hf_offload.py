@@ -71,7 +71,8 @@ def _tiny_fp8_qwen3_moe():
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    originals = [{n: p.detach().clone() for n, p in layer.mlp.experts.named_parameters()} for layer in model.model.layers]
+    originals = [{n: p.detach().clone() for n, p in layer.mlp.experts.named_parameters()}
+                 for layer in model.model.layers]
     qc = transformers.FineGrainedFP8Config(weight_block_size=(128, 128))
     fp8.replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "q_proj", "k_proj", "v_proj", "o_proj"],
                                 quantization_config=qc)

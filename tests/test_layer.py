@@ -22,7 +22,8 @@ def moe_per_token(moe, x):
         w = probs[top] / probs[top].sum() if cfg.renormalize else probs[top]
         for e, we in zip(top, w):
             h = moe.w13[e].double() @ x[t]
-            out[t] += we * (moe.w2[e].double() @ (F.silu(h[: cfg.moe_intermediate_size]) * h[cfg.moe_intermediate_size:]))
+            out[t] += we * (moe.w2[e].double()
+                            @ (F.silu(h[: cfg.moe_intermediate_size]) * h[cfg.moe_intermediate_size:]))
     return out
 
 
@@ -105,7 +106,8 @@ def test_backend_is_resolved_outside_forward():
     moe.backend = "auto"
     assert moe.resolved_backend() == "grouped_mm" and moe._experts_fn.__name__ == "experts_grouped_mm"
     moe.to(torch.float64)  # a move re-resolves for the new device
-    assert moe._experts_fn.__name__ == "experts_grouped_mm" and moe(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64
+    assert (moe._experts_fn.__name__ == "experts_grouped_mm"
+            and moe(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64)
     with pytest.raises(ValueError, match="backend must be one of"):
         moe.backend = "cutlass"
 

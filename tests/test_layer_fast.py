@@ -1,9 +1,10 @@
 """The eager layer's decode fast path (``moekit.layer_fast``) under Triton's interpreter: a repeated forward of
-up to 256 tokens (one launch for the gate and router up to 8, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
-is the float64 reference's; and it steps aside, running the full forward, whenever something its entry was
-made for changed: a new gate weight tensor, its ``.data`` swapped, a new correction bias, new expert weights,
-the router or capacity factor set, autograd on, a strided x, another thread, a cast; an in-place update of a
-weight is served with the new values. Kinds it never keeps: more than 256 tokens, a gated shared expert."""
+up to 256 tokens (one launch for the gate and router up to 8, ``torch.mm`` and the router above) that it serves returns
+what the full forward returns, bit for bit (the fast path off), and that is the float64 reference's; and it steps aside,
+running the full forward, whenever something its entry was made for changed: a new gate weight tensor, its ``.data``
+swapped, a new correction bias, new expert weights, the router or capacity factor set, autograd on, a strided x, another
+thread, a cast; an in-place update of a weight is served with the new values. Kinds it never keeps: more than 256
+tokens, a gated shared expert."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from moekit.routing import Routing, apply_capacity
 
 def random_ids(m, k, e, seed, with_skips=False):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]) if m else torch.zeros(0, k, dtype=torch.int64)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k]
+                       for _ in range(m)]) if m else torch.zeros(0, k, dtype=torch.int64)
     if with_skips and m:
         ids[torch.rand(m, k, generator=g) < 0.2] = -1
     return ids.int()
@@ -177,7 +178,8 @@ def hand_count_drops(ids, weights, e, capacity, policy):
 def test_capacity_drops_equal_hand_count(policy, cf):
     m, k, e = 40, 2, 8
     g = torch.Generator().manual_seed(11)
-    ids = torch.stack([torch.multinomial(torch.tensor([8.0, 4, 2, 1, 1, 1, 1, 1]), k, generator=g) for _ in range(m)]).int()
+    ids = torch.stack([torch.multinomial(torch.tensor([8.0, 4, 2, 1, 1, 1, 1, 1]), k, generator=g)
+                       for _ in range(m)]).int()
     weights = torch.rand(m, k, generator=g)
     result = apply_capacity(Routing(ids, weights), e, cf, policy)
     capacity = math.ceil(cf * m * k / e)
@@ -207,7 +209,8 @@ def test_chooser_respects_budget_and_explains():
     assert tight.name == "none" and "chunks" in tight.reason
     counts = [512 * 8] + [0] * 255  # everything on one expert: the measured cap is the cheap masked layout
     no_sync = choose_layout(memory_budget_bytes=2**34, counts=counts, allow_sync=False, block_size=128, **args)
-    assert no_sync.name in ("block_aligned", "contiguous") and not {x.name: x for x in no_sync.estimates}[no_sync.name].syncs
+    assert (no_sync.name in ("block_aligned", "contiguous")
+            and not {x.name: x for x in no_sync.estimates}[no_sync.name].syncs)
 
 
 def test_empty_batch_gives_empty_layouts():

@@ -31,7 +31,8 @@ def _switch_loop(logits, ids, e, mask=None):
     total = 0.0
     for expert in range(e):
         f = sum(w[t] for t in range(m) for j in range(ids.shape[1]) if int(ids[t, j]) == expert) / tokens
-        p = sum(w[t] * math.exp(logits[t, expert]) / sum(math.exp(v) for v in logits[t].tolist()) for t in range(m)) / tokens
+        p = sum(w[t] * math.exp(logits[t, expert]) / sum(math.exp(v) for v in logits[t].tolist())
+                for t in range(m)) / tokens
         total += f * p
     return e * total
 
@@ -119,7 +120,8 @@ def test_sequence_balance_loss_is_per_sequence():
     skewed = torch.zeros(8, 4)
     skewed[:4, :2] = 3.0
     skewed[4:, 2:] = 3.0
-    assert sequence_balance_loss(skewed, ids, 4, 4, scoring="softmax") > sequence_balance_loss(skewed, ids, 4, 8, scoring="softmax")
+    assert (sequence_balance_loss(skewed, ids, 4, 4, scoring="softmax")
+            > sequence_balance_loss(skewed, ids, 4, 8, scoring="softmax"))
 
 
 def test_z_loss_matches_the_formula():
@@ -141,11 +143,14 @@ def test_losses_keep_float32_for_bf16_logits():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: load_balancing_loss(torch.zeros(4, 6), torch.zeros(4, 2, dtype=torch.long), E), "num_experts=8"),
-    (lambda: load_balancing_loss(torch.zeros(4, E), torch.zeros(3, 2, dtype=torch.long), E), "topk_ids must have shape"),
+    (lambda: load_balancing_loss(torch.zeros(4, E), torch.zeros(3, 2, dtype=torch.long), E),
+     "topk_ids must have shape"),
     (lambda: load_balancing_loss(torch.zeros(4, E), torch.zeros(4, 2), E), "topk_ids must be int32 or int64"),
-    (lambda: load_balancing_loss(torch.zeros(4, E), torch.zeros(4, 2, dtype=torch.long), E, torch.ones(3)), "token_mask"),
+    (lambda: load_balancing_loss(torch.zeros(4, E), torch.zeros(4, 2, dtype=torch.long), E, torch.ones(3)),
+     "token_mask"),
     (lambda: sequence_balance_loss(torch.zeros(6, E), torch.zeros(6, 2, dtype=torch.long), E, 4), "seq_len=4"),
-    (lambda: sequence_balance_loss(torch.zeros(6, E), torch.zeros(6, 2, dtype=torch.long), E, 3, scoring="relu"), "scoring"),
+    (lambda: sequence_balance_loss(torch.zeros(6, E), torch.zeros(6, 2, dtype=torch.long), E, 3, scoring="relu"),
+     "scoring"),
     (lambda: z_loss(torch.zeros(4)), "router_logits must be"),
 ])
 def test_bad_arguments_are_named(call, message):
@@ -180,7 +185,8 @@ def test_layer_aux_loss_is_the_configured_sum():
 
 
 def test_layer_aux_loss_is_none_without_coefficients():
-    res = _layer(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2))(torch.randn(4, 8), return_stats=True)
+    res = _layer(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E,
+                           top_k=2))(torch.randn(4, 8), return_stats=True)
     assert res.aux_loss is None and res.router_logits.shape == (4, E)
 
 

@@ -225,7 +225,8 @@ def test_hits_compute_while_the_misses_are_fetched():
 
 
 def _routing_ids(moe: MoE, x: torch.Tensor) -> list[int]:
-    return [e for e in route(moe.gate(x), moe.config, moe.e_score_correction_bias).topk_ids.reshape(-1).tolist() if e >= 0]
+    return [e for e in route(moe.gate(x), moe.config, moe.e_score_correction_bias).topk_ids.reshape(-1).tolist()
+            if e >= 0]
 
 
 def test_auto_takes_the_gpu_path_where_no_forward_of_that_size_can_use_the_cpu(monkeypatch):

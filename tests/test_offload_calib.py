@@ -15,7 +15,8 @@ from moekit import MoE, MoEConfig
 from moekit.bench.offload_floor import sum_floor_s, timeline_s
 from moekit.offload.gpu_terms import fixed_from, measure_fixed
 from moekit.bench.offload_cells import balanced_orders
-from moekit.offload import CpuPhases, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, gpu_only, split_misses
+from moekit.offload import (CpuPhases, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, gpu_only,
+                            split_misses)
 from moekit.offload import calibrate
 from moekit.routing import Routing
 
@@ -116,7 +117,8 @@ def test_measure_fixed_times_all_hit_steps_and_a_second_call_and_refuses_a_small
     from moekit.offload import gpu_terms as offload_floor
 
     moe = _moe()
-    steps = [[_routing([[0, 1], [2, 3]]), _routing([[1, 4], [4, 5]])], [_routing([[0, 2], [3, 1]]), _routing([[5, 1], [4, 1]])]]
+    steps = [[_routing([[0, 1], [2, 3]]), _routing([[1, 4], [4, 5]])],
+             [_routing([[0, 2], [3, 1]]), _routing([[5, 1], [4, 1]])]]
     x = torch.randn(2, 32)
     cache = ExpertCache(4 + 3, device="cpu")  # layer 0 touches {0, 1, 2, 3}, layer 1 {1, 4, 5}
     layers = [OffloadedMoE.from_moe(moe, cache=cache, prefetch=None) for _ in range(2)]
@@ -166,7 +168,8 @@ def test_recalibrate_cpu_scales_the_cpu_model_by_the_median_round_and_keeps_the_
     assert new.cpu_step_s == pytest.approx(0.0013) and [r for r, _ in new.cpu_rows_s] == [1, 4]
     assert [t for _, t in new.cpu_rows_s] == pytest.approx([0.0026, 0.0039])
     assert new.cpu_time(2) == pytest.approx(1.3 * (0.002 + 0.001 / 3))
-    assert (new.link_bytes_per_s, new.cpu_margin, new.cpu_threads, new.cpu_gemm, new.hysteresis) == (5e10, 1.7, 3, "mm_loop", 0.05)
+    assert (new.link_bytes_per_s, new.cpu_margin, new.cpu_threads, new.cpu_gemm,
+            new.hysteresis) == (5e10, 1.7, 3, "mm_loop", 0.05)
     assert all(c[3:] == (3, "mm_loop") for c in calls) and [c[1:3] for c in calls[1:3]] == [(2, 2), (8, 2)]
     groups = [c[0] for c in calls]
     assert groups[0] == (16, 17) and len({g[0] for g in groups}) == len(groups)  # cold: from group 2 (of 8) on

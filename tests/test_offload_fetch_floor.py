@@ -184,10 +184,12 @@ def test_the_branch_rate_floor_prices_the_cpu_side_at_the_runs_time_weighted_med
     assert floors[0][0] == pytest.approx(0.0115) and floors[0][8] == pytest.approx(0.009)  # the probe's: none here
     assert _floors(done, 1000, costs, FixedCosts(0.004), quiet=0.004)[0][0] == pytest.approx(0.009)
     assert branch_rate([(0.9, 1.0), (9.0, 1.0), (1.1, 1.0)]) == pytest.approx(1.1)  # a 9x stall moves it no further
-    assert branch_rate([(0.8, 1.0), (1.0, 1.0), (1.2, 1.0), (1.4, 1.0)]) == pytest.approx(1.0)  # half the time at <= 1.0
+    # half the time at <= 1.0
+    assert branch_rate([(0.8, 1.0), (1.0, 1.0), (1.2, 1.0), (1.4, 1.0)]) == pytest.approx(1.0)
     # by time: a 4 s branch at 0.5 outweighs a 1 s one at 1.0 and a 1 s one at 3.0 (half of 6 s is at 0.5)
     assert branch_rate([(1.0, 1.0), (2.0, 4.0), (3.0, 1.0)]) == pytest.approx(0.5)
-    assert branch_rate([(1.0, 1.0), (1.6, 2.0), (6.0, 3.0)]) == pytest.approx(1.0)  # 2 s at 0.8, then 3 of 6 s at <= 1.0
+    # 2 s at 0.8, then 3 of 6 s at <= 1.0
+    assert branch_rate([(1.0, 1.0), (1.6, 2.0), (6.0, 3.0)]) == pytest.approx(1.0)
     assert branch_rate([]) is None
 
 

@@ -1,7 +1,8 @@
 """The offload floor's corrected model: the CPU branch as a call cost plus a per-expert time by rows
 (``MissCosts.cpu_rows_s``, ``cost.fit_cpu_grid``, ``calibrate.measure_costs``'s grid), the second experts
-call (``offload_floor.timeline_s``'s ``call_s``), the call after a layer's admissions (``copy_call_s``), "auto"'s split on the same model against a brute-force
-search written here, and ``OffloadedMoE``'s layout report. Hand-worked numbers and float64 loops; CPU only."""
+call (``offload_floor.timeline_s``'s ``call_s``), the call after a layer's admissions (``copy_call_s``), "auto"'s split
+on the same model against a brute-force search written here, and ``OffloadedMoE``'s layout report. Hand-worked numbers
+and float64 loops; CPU only."""
 
 from __future__ import annotations
 
@@ -196,12 +197,14 @@ def test_auto_splits_by_the_rows_table_and_second_call_as_brute_force_does_with_
     chosen = 0
     for case in range(300):
         n = int(torch.randint(1, 7, (1,), generator=gen))
-        tokens = {e: int(torch.randint(1, 7, (1,), generator=gen)) for e in torch.randperm(30, generator=gen)[:n].tolist()}
+        tokens = {e: int(torch.randint(1, 7, (1,), generator=gen))
+                  for e in torch.randperm(30, generator=gen)[:n].tolist()}
         hits = int(torch.randint(0, 12, (1,), generator=gen))
         link = float(torch.empty(1).uniform_(0.002, 0.02, generator=gen))
         costs = MissCosts(link_bytes_per_s=1000 / link, cpu_expert_s=0.0, cpu_token_s=0.0,
                           cpu_step_s=float(torch.empty(1).uniform_(0.0, 0.02, generator=gen)), gpu_bytes_per_s=1e6,
-                          cpu_margin=1.0 + case % 3 * 0.25, refetch="hit_rate", cpu_rows_s=(TABLE, BUMPY)[case % 4 // 2],
+                          cpu_margin=1.0 + case % 3 * 0.25, refetch="hit_rate",
+                          cpu_rows_s=(TABLE, BUMPY)[case % 4 // 2],
                           hysteresis=0.0 if case % 2 else 0.1, gpu_call_s=(0.0, 0.004, 0.02)[case % 5 % 3],
                           fetch_layer_s=(0.0, 0.012, 0.05)[case % 7 % 3])
         split = split_misses(tokens, 1000, costs, hits)
@@ -230,7 +233,8 @@ def test_offloaded_layout_is_the_backends_rule_over_the_cache_slots_for_this_rou
     cpu = OffloadedMoE.from_moe(_moe(e=16), cache_experts=2, prefetch=None, compute_misses_on="cpu")
     with torch.no_grad():
         text = cpu(torch.randn(3, 32), return_stats=True).stats.layout
-    assert text.startswith(f"{plain(torch.randn(3, 32), return_stats=True).stats.layout} over the expert cache (2 slots)")
+    assert text.startswith(f"{plain(torch.randn(3, 32), return_stats=True).stats.layout} over the expert cache (2 "
+                           f"slots)")
     assert "; CPU misses: " in text and cpu.last_stats.cpu_experts > 0
 
 

@@ -74,7 +74,8 @@ def test_measure_costs_sets_every_term_and_decides_as_a_hand_built_cost_object(m
         for fetched in range(3):
             assert gpu_side_s(hits, fetched, nbytes, costs) == pytest.approx(gpu_side_s(hits, fetched, nbytes, hand))
             if fetched:  # a forward with a fetch takes at least its hits' reads and the measured term
-                assert gpu_side_s(hits, fetched, nbytes, costs) >= hits * nbytes / costs.gpu_bytes_per_s + FETCH_S - 1e-12
+                assert (gpu_side_s(hits, fetched, nbytes, costs)
+                        >= hits * nbytes / costs.gpu_bytes_per_s + FETCH_S - 1e-12)
         for tokens in ({1: 1}, {1: 3, 5: 1}, {0: 1, 2: 2, 6: 1}):
             got, want = split_misses(tokens, nbytes, costs, hits), split_misses(tokens, nbytes, hand, hits)
             assert (got.fetch, got.cpu) == (want.fetch, want.cpu) and got.cost_s == pytest.approx(want.cost_s)

@@ -17,7 +17,8 @@ from offload_issue_table import median_x, never_slower, paired, paired_vs_best, 
 
 def _row(mode: str, steps: list[float], floors: list[float], m: int = 8, fraction: float = 0.5) -> dict:
     return {"stream": "skewed", "cache_fraction": fraction, "policy": "lfu", "prefetch": "none", "M": m,
-            "compute_misses_on": mode, "step_ms": statistics.fmean(steps), "step_times_ms": steps, "floor_times_ms": floors}
+            "compute_misses_on": mode, "step_ms": statistics.fmean(steps), "step_times_ms": steps,
+            "floor_times_ms": floors}
 
 
 def test_median_and_stalled_read_each_step_against_its_own_floor():

@@ -53,7 +53,8 @@ def _exhaustive(tokens, hits, c: MissCosts, chance) -> tuple[float, set, float]:
     at least this prefix's (same GPU side and charge, no less CPU time). Returns (the least cost, its CPU
     experts, the next-least cost of another (a, b))."""
     classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot),
-                      key=lambda e: (c.cpu_expert_s + tokens[e] * c.cpu_token_s, tokens[e], e)) for hot in (False, True)]
+                      key=lambda e: (c.cpu_expert_s + tokens[e] * c.cpu_token_s, tokens[e], e))
+               for hot in (False, True)]
     fetch_one = BYTES / c.link_bytes_per_s
     charge = [fetch_one * sum(chance[e] for e in m) / len(m) if m else 0.0 for m in classes]
     n, fetch_all = len(tokens), _gpu_s(len(tokens), hits, c, False)
@@ -79,7 +80,8 @@ def test_the_memo_answers_what_the_calls_answer():
         assert memo_for(costs, BYTES) is memo and memo_for(costs, BYTES + 1) is not memo
         memo = PriceMemo(costs, BYTES)
         for _ in range(20):
-            hits, fetched, busy = (int(torch.randint(0, 50, (1,), generator=gen)), int(torch.randint(0, 50, (1,), generator=gen)),
+            hits, fetched, busy = (int(torch.randint(0, 50, (1,), generator=gen)),
+                                   int(torch.randint(0, 50, (1,), generator=gen)),
                                    bool(torch.randint(0, 2, (1,), generator=gen)))
             want = gpu_side_s(hits, fetched, BYTES, costs, busy)
             assert memo.gpu(hits, fetched, busy) == want and memo.gpu(hits, fetched, busy) == want  # stored, then read

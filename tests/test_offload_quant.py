@@ -109,7 +109,8 @@ def test_quantized_layers_share_one_budget_and_prefetch():
         assert rel_l2(x, y_ref) < TOLERANCE[torch.float32]
     stats = cache.stats
     assert stats.prefetched > 0 and stats.prefetch_used > 0
-    assert stats.bytes_transferred == (stats.fetched + stats.prefetched) * _packed_bytes("int4_w4a16", OPTIONS["int4_w4a16"])
+    assert (stats.bytes_transferred
+            == (stats.fetched + stats.prefetched) * _packed_bytes("int4_w4a16", OPTIONS["int4_w4a16"]))
 
 
 def test_layers_of_different_schemes_or_options_cannot_share_slots():

@@ -30,7 +30,8 @@ def _cost_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts, c
     read, link = BYTES / c.gpu_bytes_per_s, BYTES / c.link_bytes_per_s
     busy = BYTES / c.link_cpu_bytes_per_s if on_cpu and c.link_cpu_bytes_per_s else link  # fetches beside CPU work
     gpu = max(hits * read, fetched * busy) + fetched * read
-    cpu = c.cpu_margin * (c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu)) if on_cpu else 0.0
+    cpu = c.cpu_margin * (c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s
+                                             for e in on_cpu)) if on_cpu else 0.0
     cpu += fetched * c.issue_s if on_cpu else 0.0  # the CPU branch starts once the fetches are issued
     refetch = 0.0
     for e in on_cpu:
@@ -168,7 +169,8 @@ def test_auto_keeps_its_gain_where_the_cache_evicts():
     # uniform 50% at M = 1 and skewed 75% at M = 8: the cache evicts, cold misses go to the CPU
     for skew, m, slots, warm, timed in ((0.0, 1, 256, 48, 12), (0.3, 8, 384, 17, 3)):
         trace = decode_stream(256, 8, 2, warm + 1 + timed, m, skew, 0.3, seed=3).trace
-        gpu, cpu, auto = (_window_floor(place, H200, trace, slots, "lru", warm, timed) for place in ("gpu", "cpu", "auto"))
+        gpu, cpu, auto = (_window_floor(place, H200, trace, slots, "lru", warm, timed)
+                          for place in ("gpu", "cpu", "auto"))
         assert auto < 0.9 * min(gpu, cpu)
 
 

@@ -69,7 +69,8 @@ def _random_case(gen: torch.Generator):
                       cpu_margin=1.0 if u(0, 1) > 0.5 else u(1.0, 1.5),
                       link_cpu_bytes_per_s=BYTES / u(0.1, 0.4) if u(0, 1) > 0.5 else None,
                       issue_s=u(0.0, 0.4) if u(0, 1) > 0.3 else 0.0, hysteresis=(0.0, 0.05, 0.2)[n % 3],
-                      gpu_call_s=u(0.0, 0.2) if u(0, 1) > 0.5 else 0.0, fetch_layer_s=u(0.0, 1.0) if u(0, 1) > 0.5 else 0.0,
+                      gpu_call_s=u(0.0, 0.2) if u(0, 1) > 0.5 else 0.0,
+                      fetch_layer_s=u(0.0, 1.0) if u(0, 1) > 0.5 else 0.0,
                       cpu_rows_s=TABLE if u(0, 1) > 0.6 else ())
     return tokens, int(torch.randint(0, 20, (1,), generator=gen)), costs, chance
 

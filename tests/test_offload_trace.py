@@ -102,7 +102,8 @@ def test_layer_times_reads_phases_from_marks_on_aligned_clocks():
     assert first.copy_lag_s == 3.5 + 10.0 - 13.0  # the median offset of (10, 10)
     assert first.copy_s == 3.5 and first.land_to_call_s == 0.25
     assert first.hits_call_s == 0.5 and first.fetched_call_s == 0.75 and first.host_tail_s == 0.5
-    assert math.isnan(second.copy_s) and second.hits_call_s == pytest.approx(0.3) and second.host_tail_s == pytest.approx(0.3)
+    assert (math.isnan(second.copy_s) and second.hits_call_s == pytest.approx(0.3)
+            and second.host_tail_s == pytest.approx(0.3))
     means = mean_times([first, second])
     assert means["layers"] == 2 and means["period_s"] == 10.5 and means["copy_s"] == 3.5
 

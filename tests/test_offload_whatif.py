@@ -159,7 +159,8 @@ def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
         assert r["cpu_ms"] == pytest.approx(phases) and (r["cpu_ms"] > 0) == (r["cpu_tokens_per_step"] > 0)
     assert doc["cpu_margin"] >= 1.0 and doc["cpu_threads"] >= 1
     for cell in doc["cells"]:  # per cell: each mode's x floor and auto against the faster pure mode
-        same = [r for r in rows if all(r[f] == cell[f] for f in ("stream", "cache_fraction", "policy", "prefetch", "M"))]
+        same = [r for r in rows if all(r[f] == cell[f] for f in ("stream", "cache_fraction", "policy", "prefetch",
+                                                                 "M"))]
         assert cell["x_floor"] == {r["compute_misses_on"]: r["x_floor"] for r in same}
         step = {r["compute_misses_on"]: r["step_ms"] for r in same}
         assert cell["auto_vs_best"] == pytest.approx(step["auto"] / min(step["gpu"], step["cpu"]))
@@ -239,7 +240,8 @@ def test_bench_timeline_floor_queues_copies_in_issue_order():
     # reads ten per second, the CPU pays 0.5 s per forward and 2 s per expert
     costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=2.0, cpu_token_s=0.0, cpu_step_s=0.5, gpu_bytes_per_s=10.0,
                       link_cpu_bytes_per_s=0.5)
-    first = OffloadStats(hits=2, fetched=1, prefetched=2)  # fetch lands at 1.0, read by 1.1; prefetch queued at 0 -> 3.0
+    # fetch lands at 1.0, read by 1.1; prefetch queued at 0 -> 3.0
+    first = OffloadStats(hits=2, fetched=1, prefetched=2)
     second = OffloadStats(hits=1, cpu_experts=2, cpu_tokens=2, admitted=2)  # admissions behind the prefetch: 3.0 -> 5.0
     # the second layer starts at 1.1; its CPU side ends at 1.1 + 4.5 = 5.6, after its admissions: 5.6
     idle = dataclasses.replace(costs, link_cpu_bytes_per_s=None)  # the link at its idle rate throughout

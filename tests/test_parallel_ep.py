@@ -26,7 +26,8 @@ from moekit.parallel import EPMoE, Placement, contiguous_placement, eplb_placeme
 FP32_TOL = 2e-6  # max |ep - single| / max |single|: only the summation order of a token's partials differs
 FP64_TOL = 1e-13
 
-SOFTMAX_SHARED = MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=3, shared_expert_intermediate_size=32)
+SOFTMAX_SHARED = MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=3,
+                           shared_expert_intermediate_size=32)
 DEEPSEEK_LIKE = MoEConfig(
     hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2, scoring="sigmoid", routed_scaling_factor=2.5,
     n_group=4, topk_group=2, use_correction_bias=True, shared_expert_intermediate_size=16,
@@ -170,7 +171,8 @@ def _capacity(g: Group) -> dict:
     if not g.sizes[g.rank]:
         return {"capacity_per_rank": 0.0, "capacity_dropped": (0, 0)}
     ref = moe(g.x_local, return_stats=True)
-    return {"capacity_per_rank": rel_max_err(out.out, ref.out), "capacity_dropped": (out.stats.dropped, ref.stats.dropped)}
+    return {"capacity_per_rank": rel_max_err(out.out, ref.out),
+            "capacity_dropped": (out.stats.dropped, ref.stats.dropped)}
 
 
 def _empty_and_stats(g: Group) -> dict:

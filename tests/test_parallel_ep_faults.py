@@ -70,7 +70,8 @@ def _bad_inputs(rank: int, x: torch.Tensor) -> dict:
         "hidden_size": bad("hidden_size", lambda: ep(x), lambda: ep(x[:, :31])),
         "nan_logits": bad("nan_logits", lambda: ep(x), lambda: ep(torch.where(torch.arange(32) == 3, torch.nan, x))),
         "over_capacity": bad("over_capacity", lambda: padded(x[:3]), lambda: padded(torch.randn(5, 32))),
-        "rebalance_loads": bad("rebalance_loads", lambda: ep.rebalance(loads=[1.0] * 8), lambda: ep.rebalance(loads=[1.0] * 7)),
+        "rebalance_loads": bad("rebalance_loads", lambda: ep.rebalance(loads=[1.0] * 8),
+                               lambda: ep.rebalance(loads=[1.0] * 7)),
     }
     res = {}
     for case, call in calls.items():

@@ -47,7 +47,8 @@ def _brute_force_best(loads: list[float], world_size: int, num_redundant: int) -
     P % W GPUs) any multiset of experts, every expert in at least one slot."""
     num_experts = len(loads)
     base, extra = divmod(num_experts + num_redundant, world_size)
-    per_gpu = [itertools.combinations_with_replacement(range(num_experts), base + (g < extra)) for g in range(world_size)]
+    per_gpu = [itertools.combinations_with_replacement(range(num_experts), base + (g < extra))
+               for g in range(world_size)]
     best = float("inf")
     for gpus in itertools.product(*per_gpu):
         counts = [0] * num_experts
@@ -151,7 +152,8 @@ def test_never_worse_than_deepseek_sweep():
         reference = max(_deepseek_reference(loads, world_size, num_redundant))
         assert got <= reference * (1 + REL), (len(loads), world_size, num_redundant, got, reference)
         assert got >= load_lower_bound(loads, world_size, num_redundant) * (1 - REL)
-        assert [p.num_local_experts(r) for r in range(world_size)] == [p.num_physical_experts // world_size] * world_size
+        assert ([p.num_local_experts(r) for r in range(world_size)]
+                == [p.num_physical_experts // world_size] * world_size)
 
 
 def test_deterministic_and_spread_when_equal():

@@ -177,7 +177,8 @@ def test_object_helpers():
     (lambda w: Q.from_tensors("fp8_block", q=w.to(torch.float8_e4m3fn), scale=torch.ones(2, 1, 2)), ValueError,
      r"scale must have shape \[2, 1, 1\]"),
     (lambda w: Q.from_tensors("int8_w8a16", q=w, scale=torch.ones(2, 8)), TypeError, "q must be torch.int8"),
-    (lambda w: Q.from_tensors("mxfp4", q=torch.zeros(2, 8, 16, dtype=torch.uint8)), ValueError, r"needs the tensors \['scale'\]"),
+    (lambda w: Q.from_tensors("mxfp4", q=torch.zeros(2, 8, 16, dtype=torch.uint8)), ValueError,
+     r"needs the tensors \['scale'\]"),
     (lambda w: Q.from_tensors("mxfp4", q=w, scales=w), ValueError, r"\['scales'\] are not fields"),
 ])
 def test_bad_input_is_named(call, error, match):

@@ -39,7 +39,8 @@ def reference_route(logits, cfg, bias=None):
             w = [v / sum(w) for v in w]
         ids.append(chosen)
         weights.append([v * cfg.routed_scaling_factor for v in w])
-    return torch.tensor(ids, dtype=torch.int32).view(-1, cfg.top_k), torch.tensor(weights, dtype=torch.float64).view(-1, cfg.top_k)
+    return (torch.tensor(ids, dtype=torch.int32).view(-1, cfg.top_k),
+            torch.tensor(weights, dtype=torch.float64).view(-1, cfg.top_k))
 
 
 def assert_matches(logits, cfg, bias=None):

@@ -32,7 +32,8 @@ def fused():
         yield module
 
 
-WIDE = 8192  # elements per program for many rows per program: the interpreter runs programs one after another (~0.1 s each at E=128)
+# elements per program for many rows per program: the interpreter runs programs one after another (~0.1 s each at E=128)
+WIDE = 8192
 
 
 def _cfg(**kw) -> MoEConfig:
@@ -81,7 +82,8 @@ def loop_route(logits, cfg, bias=None, shared_gate=None, num_shared=0):
         chosen = (best + [e for e in allowed if not finite[e]])[: cfg.top_k]
         taken = [e for e in chosen if finite[e]]
         if cfg.renormalize:
-            logs = {e: row[e] if cfg.scoring == "softmax" else -math.log1p(math.exp(-row[e])) if row[e] > -30 else row[e]
+            logs = {e: row[e] if cfg.scoring == "softmax" else -math.log1p(math.exp(-row[e])) if row[e] > -30
+                    else row[e]
                     for e in taken}
             top = max(logs.values(), default=0.0)
             total = sum(math.exp(v - top) for v in logs.values())
@@ -114,7 +116,8 @@ def _check(fused, logits, cfg, bias=None, against_route=True, elements_per_progr
     if against_route:
         ref = route(logits, cfg, bias)
         assert torch.equal(got.topk_ids, ref.topk_ids)
-        torch.testing.assert_close(got.topk_weights, ref.topk_weights.float(), rtol=2e-6, atol=1e-7)  # route: float64 from float64
+        # route: float64 from float64
+        torch.testing.assert_close(got.topk_weights, ref.topk_weights.float(), rtol=2e-6, atol=1e-7)
     return got
 
 

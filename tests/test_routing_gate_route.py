@@ -154,7 +154,8 @@ def test_shared_slots_and_linear_bias(mods):
     logits, twin = two_launches(mods, cfg, x, w, bias, linear_bias, append_shared=True)
     assert torch.equal(buffers.logits, logits) and torch.equal(got.topk_ids, twin.topk_ids)
     assert torch.equal(got.topk_weights, twin.topk_weights)
-    torch.testing.assert_close(logits.double(), x.double() @ w.double().t() + linear_bias.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits.double(), x.double() @ w.double().t() + linear_bias.double(), rtol=1e-5,
+                               atol=1e-5)
     ref = route(logits, cfg, bias)
     shared = torch.tensor([[16, 17]] * 3, dtype=torch.int32)
     assert torch.equal(got.topk_ids, torch.cat([ref.topk_ids, shared], dim=1))
@@ -187,7 +188,8 @@ def test_hands_back(mods):
     ws = workspace()
     assert gate_route.gate_route(router, x, w, None, None, None, False, ws.get(x, 12, 3, x.dtype)) is None
     x4 = x[:4]
-    assert gate_route.gate_route(router, x4, w.requires_grad_(), None, None, None, False, ws.get(x4, 12, 3, x.dtype)) is None
+    assert gate_route.gate_route(router, x4, w.requires_grad_(), None, None, None, False,
+                                 ws.get(x4, 12, 3, x.dtype)) is None
     w = w.detach()
     assert gate_route.gate_route(router, x4, w.double(), None, None, None, False, ws.get(x4, 12, 3, x.dtype)) is None
     assert gate_route.gate_route(router, x4, w, None, None, None, False, ws.get(x4, 12, 3, torch.bfloat16)) is None
@@ -219,8 +221,8 @@ def test_layer_at_eight_rows(mods, name, monkeypatch):
     """MoE.forward at MAX_TOKENS = 8 rows takes the one launch from its kept buffers, softmax and sigmoid/grouped plans
     alike; ``route_tokens`` without buffers (stats, a CUDA graph capture) takes it too, into fresh buffers, for a
     sigmoid/grouped plan (on the H200 its two launches' weights differ in the last bits at 5-8 rows) and the two
-    launches for a renormalised softmax plan (measured bit-equal). Either way the output equals the layer with two launches (the gate kernel,
-    then the router) bit for bit here (interpreted)."""
+    launches for a renormalised softmax plan (measured bit-equal). Either way the output equals the layer with two
+    launches (the gate kernel, then the router) bit for bit here (interpreted)."""
     _, _, gate_route, _ = mods
     cfg = CONFIGS[name].replace(shared_expert_intermediate_size=16)
     with torch.no_grad():

@@ -29,7 +29,8 @@ def masked_reference(logits, cfg, bias=None):
         ids.append(chosen)
         weights.append([v * cfg.routed_scaling_factor for v in w])
     k = cfg.top_k
-    return torch.tensor(ids, dtype=torch.int32).view(-1, k), torch.tensor(weights, dtype=torch.float64).view(-1, k), lost
+    return (torch.tensor(ids, dtype=torch.int32).view(-1, k), torch.tensor(weights, dtype=torch.float64).view(-1, k),
+            lost)
 
 
 def _scores(row, finite, scoring):

@@ -22,7 +22,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None,
+                                reason="Debian's chromium is not installed (apt-get install chromium)")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,8 @@ def _check_page_shows(page, api: dict) -> None:
     assert text("#active-params") == format_params(api["active_params"])
     assert _number(text("#sparsity")) == pytest.approx(api["sparsity"], abs=0.051)
     dropped, rate = text("#dropped").split(" ")  # "195 (76.2%)"; compared as numbers: JS and Python round ties apart
-    assert int(dropped) == api["dropped"] and _number(rate.strip("()")) == pytest.approx(100 * api["drop_rate"], abs=0.051)
+    assert (int(dropped) == api["dropped"]
+            and _number(rate.strip("()")) == pytest.approx(100 * api["drop_rate"], abs=0.051))
     assert _number(text("#imbalance")) == pytest.approx(api["imbalance"], abs=0.0051)
     assert text("#experts-touched") == f"{api['experts_touched']} of {api['params']['experts']}"
     assert text("#capacity") == str(api["capacity"])
@@ -160,7 +162,8 @@ def test_histogram_has_a_y_axis_and_tooltips(fresh_page, base_url):
     query, _ = _wait_rendered(pg, experts=16, tokens=256)
     api = _api(base_url, query)
     ticks = pg.eval_on_selector_all("#hist .y-axis text.tick",
-                                    "els => els.map(e => [Number(e.dataset.value), e.textContent, Number(e.getAttribute('y'))])")
+                                    "els => els.map(e => [Number(e.dataset.value), e.textContent, "
+                                    "Number(e.getAttribute('y'))])")
     values = [v for v, _, _ in ticks]
     assert len(values) >= 3 and values[0] == 0 and [label for _, label, _ in ticks] == [f"{v:g}" for v in values]
     steps = {b - a for a, b in zip(values, values[1:])}

@@ -43,7 +43,8 @@ def test_every_alternative_offered_fits_on_its_own():
 
 
 def test_when_one_change_is_not_enough_all_the_named_changes_fit_together():
-    params = SimParams(experts=512, top_k=16, tokens=4096, gpus=512, spare_slots=512, balance="aux-loss", aux_steps=1000)
+    params = SimParams(experts=512, top_k=16, tokens=4096, gpus=512, spare_slots=512, balance="aux-loss",
+                       aux_steps=1000)
     error = _refusal(params)
     changes = {n: int(v) for n, v in re.findall(r"(\w+) to at most (\d+) \(got", str(error))}
     assert len(changes) > 1 and next(iter(changes)) == error.parameter == "aux_steps"

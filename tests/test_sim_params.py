@@ -7,7 +7,8 @@ from moekit.sim import SimParams
 
 def test_defaults_are_the_lessons():
     p = SimParams()
-    assert (p.experts, p.top_k, p.tokens, p.capacity_factor, p.skew, p.seed, p.balance) == (64, 2, 128, 1.25, 0.55, 5, "none")
+    assert (p.experts, p.top_k, p.tokens, p.capacity_factor, p.skew, p.seed,
+            p.balance) == (64, 2, 128, 1.25, 0.55, 5, "none")
 
 
 @pytest.mark.parametrize("values, message", [

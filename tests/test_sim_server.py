@@ -99,7 +99,8 @@ def test_a_request_at_the_maxima_is_refused_at_once_naming_what_to_lower(base_ur
     answer = json.loads(body)
     assert status == 400 and content_type == "application/json"
     assert "over the work budget" in answer["error"]
-    assert f"lower {answer['parameter']} to at most {answer['max']} (got {MAXIMA[answer['parameter']]})" in answer["error"]
+    assert (f"lower {answer['parameter']} to at most {answer['max']} (got {MAXIMA[answer['parameter']]})"
+            in answer["error"])
 
 
 @pytest.mark.parametrize("balance, steps", [("aux-loss", "aux_steps"), ("bias", "bias_batches")])
@@ -109,7 +110,8 @@ def test_the_largest_run_the_error_allows_answers_within_3_s(base_url, balance, 
     refusal = json.loads(body)
     assert status == 400 and refusal["parameter"] == steps and 0 < refusal["max"] < MAXIMA[steps]
     start = time.perf_counter()
-    status, _, body = _get(base_url + "/api/simulate?" + query.replace(f"{steps}={MAXIMA[steps]}", f"{steps}={refusal['max']}"))
+    status, _, body = _get(base_url + "/api/simulate?"
+                           + query.replace(f"{steps}={MAXIMA[steps]}", f"{steps}={refusal['max']}"))
     assert time.perf_counter() - start < 3.0
     assert status == 200 and json.loads(body)["balance"]["steps"] == refusal["max"]
 

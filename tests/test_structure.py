@@ -48,6 +48,7 @@ CLI_ENTRY_POINTS = {"moekit.__main__"}  # the one module outside cli that runs i
 
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
+MAX_LINE_CHARS = 120  # style.md's columns, counted in characters (a "µ" is one), not bytes
 SIZED_DIRS = ("moekit", "tests", "benchmarks")
 SIZED_SUFFIXES = (".py", ".js", ".html", ".css")  # source; JSON configs and results are data
 
@@ -196,6 +197,12 @@ def test_functions_fit_on_a_screen():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_lines_fit():
+    long = [f"{p.relative_to(ROOT)}:{i}: {len(line)} characters" for p in sized_files() if p.suffix == ".py"
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > MAX_LINE_CHARS]
+    assert not long, f"lines over {MAX_LINE_CHARS} characters:\n" + "\n".join(long)
 
 
 @pytest.mark.parametrize("module, owner", [

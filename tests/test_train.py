@@ -41,7 +41,8 @@ def test_corpus_is_the_sorted_stdlib_sources(corpus):
 
 @pytest.fixture
 def one_thread():
-    """Tiny GEMMs: a second thread only contends on CI's shared cores (measured here: 11 s vs 157 s with two threads, load 15)."""
+    """Tiny GEMMs: a second thread only contends on CI's shared cores (measured here: 11 s vs 157 s with two
+    threads, load 15)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -86,7 +87,8 @@ def test_bench_train_rows_on_cpu(tmp_path, capsys, one_thread):
     """``moekit bench --train`` at a tiny CPU size: both implementations run, their gradients agree, and
     TFLOP/s is 3 x the forward's expert FLOPs over the step time."""
     pytest.importorskip("transformers")
-    argv = ["bench", "--train", "--device", "cpu", "--shapes", "qwen3-30b-a3b", "--batches", "16", "--out", str(tmp_path)]
+    argv = ["bench", "--train", "--device", "cpu", "--shapes", "qwen3-30b-a3b", "--batches", "16", "--out",
+            str(tmp_path)]
     assert main(argv) == 0
     assert "x transformers:grouped_mm" in capsys.readouterr().out
     (path,) = tmp_path.glob("*-train-*.json")

@@ -19,11 +19,12 @@ E, K, N = 8, 40, 24
 
 
 def _reference(local: list[int], num_experts: int, e_pad: int, block: int) -> dict:
-    """hist [chunks, EP] (bin E: not routed here, and the last chunk's lanes past A), chunk_base (exclusive per expert over chunks), counts,
-    offsets (padded to block, exclusive; [E] = rows used) and num_padded, by plain loops."""
+    """hist [chunks, EP] (bin E: not routed here, and the last chunk's lanes past A), chunk_base (exclusive per expert
+    over chunks), counts, offsets (padded to block, exclusive; [E] = rows used) and num_padded, by plain loops."""
     chunks = cdiv(len(local), ALIGN_CHUNK)
     hist = [[0] * e_pad for _ in range(chunks)]
-    for a, e in enumerate(local + [num_experts] * (chunks * ALIGN_CHUNK - len(local))):  # the last chunk's padding lanes: bin E
+    # the last chunk's padding lanes: bin E
+    for a, e in enumerate(local + [num_experts] * (chunks * ALIGN_CHUNK - len(local))):
         hist[a // ALIGN_CHUNK][e] += 1
     base, running = [[0] * e_pad for _ in range(chunks)], [0] * e_pad
     for c in range(chunks):

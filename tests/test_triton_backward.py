@@ -245,7 +245,8 @@ def test_explicit_tiles_with_tails(interpreter, saved):
     from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles
 
     tiles = BackwardTiles(32, grad=KernelTiles(32, 16, 1, 1), dx=KernelTiles(16, 32, 1, 1),
-                          dw13=KernelTiles(16, 64, 1, 1, rows=64, split=1), dw2=KernelTiles(64, 16, 1, 1, rows=16, split=3))
+                          dw13=KernelTiles(16, 64, 1, 1, rows=64, split=1),
+                          dw2=KernelTiles(64, 16, 1, 1, rows=16, split=3))
     problem = make_problem(45, 3, 8, 33, 17, seed=21, skips=True)
     _check_against_loop(problem, tiles, torch.float32, saved=saved)
 

@@ -13,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _fp8_cases import SHAPES, problem  # noqa: E402
+from _fp8_cases import SHAPES, emulation_f64, problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
@@ -30,42 +30,13 @@ def fp8():
         yield module
 
 
-def _f64_quant(v: torch.Tensor, group: int) -> torch.Tensor:
-    """v [C] float64 through e4m3 per group of G columns: s = amax / 448 (1 for zeros), e4m3(v / s) * s."""
-    out = torch.empty_like(v)
-    for c0 in range(0, v.numel(), group):
-        block = v[c0:c0 + group]
-        s = block.abs().max() / 448 if block.abs().max() > 0 else 1.0
-        out[c0:c0 + group] = (block / s).to(torch.float8_e4m3fn).double() * s
-    return out
-
-
-def _f64_recipe(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block):
-    """Per token and slot in float64: x quantized per 128 columns, block-dequantized weights, silu-and-mul, h
-    quantized per 128 columns, the routed weight, the slots summed."""
-    (bn, bk), inter = block, w2_q.shape[2]
-
-    def deq(q, s, e):
-        r, c = torch.arange(q.shape[1])[:, None] // bn, torch.arange(q.shape[2])[None, :] // bk
-        return q[e].double() * s[e].double()[r, c]
-
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate_up = deq(w13_q, w13_s, e) @ _f64_quant(x[t].double(), bk)
-            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-            out[t] += float(weights[t, j]) * (deq(w2_q, w2_s, e) @ _f64_quant(h, bk))
-    return out
-
-
 @pytest.mark.parametrize("m,options", [(1, POISON_TMA), (7, POISON_PTR)])
 @pytest.mark.parametrize("up_n", [32, 128])  # h in float32 (quantized by down) / re-quantized in gate-up
 def test_fp8_swap_ab_matches_float64_recipe(fp8, m, options, up_n):
     x, _, quantized, ids, weights = problem(m, 2, SHAPE, BLOCK, seed=m + up_n)
     config = KernelConfig(16, GemmTile(up_n, 128, 1, 4, 2), GemmTile(64, 128, 1, 4, 2), swap_ab=True)
     out = fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, BLOCK, config, options)
-    want = _f64_recipe(x, *quantized, ids, weights, BLOCK)
+    want = emulation_f64(x, *quantized, ids, weights, BLOCK)
     # float32 sums against float64: equal up to a rare e4m3 rounding flip (~1e-4 here, see _fp8_cases.FLIP_TOL)
     assert rel_l2(out, want) < 1e-3
     plain = fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, BLOCK,
@@ -75,7 +46,8 @@ def test_fp8_swap_ab_matches_float64_recipe(fp8, m, options, up_n):
 
 def test_bf16_swap_ab_is_refused():
     g = torch.Generator().manual_seed(0)
-    x, w13, w2 = torch.randn(1, 160, generator=g), torch.randn(8, 192, 160, generator=g), torch.randn(8, 160, 96, generator=g)
+    x, w13, w2 = (torch.randn(1, 160, generator=g), torch.randn(8, 192, 160, generator=g),
+                  torch.randn(8, 160, 96, generator=g))
     config = KernelConfig(16, GemmTile(32, 64, 1, 4, 2), GemmTile(32, 64, 1, 4, 2), swap_ab=True)
     with interpreted("moekit.experts", "moekit.experts.triton") as tr, pytest.raises(ValueError, match="swap_ab"):
         tr.fused_experts(x, w13, w2, torch.tensor([[0, 1]], dtype=torch.int32), torch.rand(1, 2), config=config)

@@ -38,7 +38,8 @@ POISON = LaunchOptions(poison_workspace=True)  # every test run fills the worksp
 def _check(tri, x, w13, w2, ids, weights, expert_map=None, activation="silu"):
     out = tri.experts_triton(x, w13, w2, ids, weights, expert_map=expert_map, activation=activation, options=POISON)
     assert out.shape == x.shape and out.dtype == x.dtype
-    ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights, expert_map=expert_map, activation=activation)
+    ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights, expert_map=expert_map,
+                            activation=activation)
     if x.shape[0]:
         assert _rel_err(out, ref) < TOL[x.dtype]
     return out
@@ -278,7 +279,8 @@ def test_opcheck(interpreter):
     x, w13, w2, ids, weights = _problem(5, 2, 8, 33, 17, torch.float32)
     options = LaunchOptions(poison_workspace=True).as_op_args()
     plain = ("silu", True, False, 1.0, None, 0.0)  # (activation, gated, interleaved, alpha, limit, up_shift)
-    torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, None, None, *plain, *options))
+    torch.library.opcheck(torch.ops.moekit.triton_experts,
+                          (x, w13, w2, ids, weights, None, None, None, *plain, *options))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 128, 64))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 0, 64))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids[:1, :1], 8, 16, None, True, True, 128, 64))

@@ -38,7 +38,8 @@ def counts(interpreter, monkeypatch):
     """Counts the calls the fast path served ("hits"), the plans looked up and the checks run."""
     fast = _fast()
     seen = count_calls(monkeypatch, {"hits": 0, "plans": 0, "checks": 0}, [
-        (fast, "launch_lean", "hits"), (interpreter, "plan_for", "plans"), (interpreter, "check_experts_args", "checks")])
+        (fast, "launch_lean", "hits"), (interpreter, "plan_for", "plans"),
+        (interpreter, "check_experts_args", "checks")])
     interpreter.clear_launch_caches()
     return seen
 

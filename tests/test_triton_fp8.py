@@ -19,45 +19,20 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _fp8_cases import FLIP_TOL, SHAPES, kernel_vs_twin as _kernel_vs_twin, problem as _problem  # noqa: E402
-from _helpers import rel_l2, routed_slots  # noqa: E402
+from _fp8_cases import FLIP_TOL, SHAPES, emulation_f64, fake_quant_f64  # noqa: E402
+from _fp8_cases import kernel_vs_twin as _kernel_vs_twin, problem as _problem  # noqa: E402
+from _helpers import rel_l2  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_fp8_plan import check_config, fp8_config, heuristic_fp8_config  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def fp8():
     """``moekit.experts.triton_fp8``, its kernels decorated under the interpreter."""
     with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
         yield module
-
-
-def _f64_fake_quant(v: torch.Tensor, group: int) -> torch.Tensor:
-    """v [C] float64 quantized per group of G and dequantized: s = amax/448 (1 for zeros), e4m3(v / s) * s."""
-    out = torch.empty_like(v)
-    for c0 in range(0, v.numel(), group):
-        block = v[c0:c0 + group]
-        s = block.abs().max() / 448 if block.abs().max() > 0 else 1.0
-        out[c0:c0 + group] = (block / s).to(torch.float8_e4m3fn).double() * s
-    return out
-
-
-def _f64_emulation(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape, expert_map=None):
-    """The recipe per token and slot in float64: the definition the twin is held to."""
-    (bn, bk), num_experts, inter = block_shape, w13_q.shape[0], w2_q.shape[2]
-
-    def deq(q, s, e):  # q [R, C] * s[r // GN, c // G]
-        r, c = torch.arange(q.shape[1])[:, None] // bn, torch.arange(q.shape[2])[None, :] // bk
-        return q[e].double() * s[e].double()[r, c]
-
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t, j, e in routed_slots(ids, num_experts, expert_map):
-        xq = _f64_fake_quant(x[t].double(), bk)
-        gate_up = deq(w13_q, w13_s, e) @ xq
-        h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-        out[t] += float(weights[t, j]) * (deq(w2_q, w2_s, e) @ _f64_fake_quant(h, bk))
-    return out
 
 
 # --- quantization ------------------------------------------------------------------------------------
@@ -77,7 +52,7 @@ def test_quantize_kernel_equals_twin_exactly(fp8):
     assert s[5, 0] == 1.0 and (q[5, :128].float() == 0).all()
     assert s[7, 0] == 1.0 and q[7, :6].float().tolist() == [448.0, 16.0, 20.0, -16.0, 2**-8, 0.0]
     deq = fp8.dequantize_groups(q, s, 128)
-    want = torch.stack([_f64_fake_quant(row.double(), 128) for row in v])
+    want = torch.stack([fake_quant_f64(row.double(), 128) for row in v])
     assert rel_l2(deq, want) < 1e-6  # float32 v / s against float64: the same grid points
     assert (q.float().abs().amax(dim=1) == 448).all()  # each row's largest value maps to 448
 
@@ -107,7 +82,7 @@ def test_x_quantized_inside_gate_up_or_apart(fp8, m, x_in_gate_up):
 def test_twin_matches_float64_emulation(fp8, shape, block_shape):
     x, (w13, w2), quantized, ids, weights = _problem(9, 2, shape, block_shape, seed=4)
     twin = fp8.fused_experts_fp8_torch(x, *quantized, ids, weights, block_shape=block_shape)
-    emulated = _f64_emulation(x, *quantized, ids, weights, block_shape)
+    emulated = emulation_f64(x, *quantized, ids, weights, block_shape)
     assert rel_l2(twin, emulated) < FLIP_TOL
     # The quantization is there: against the unquantized experts the recipe is off by a few percent.
     exact = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
@@ -119,7 +94,7 @@ def test_bf16_input(fp8):
     x, _, quantized, ids, weights = _problem(17, 2, *SHAPES[0], dtype=torch.bfloat16, seed=2)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, SHAPES[0][1])
     assert rel_l2(out, twin) < 1e-2
-    emulated = _f64_emulation(x, *quantized, ids, weights, SHAPES[0][1])
+    emulated = emulation_f64(x, *quantized, ids, weights, SHAPES[0][1])
     assert rel_l2(twin, emulated) < 1e-2
 
 
@@ -131,7 +106,7 @@ def test_empty_batch_and_tiny_batch_shortcut(fp8):
     x, _, quantized, ids, weights = _problem(1, 1, *SHAPES[0], seed=7)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, SHAPES[0][1])
     assert rel_l2(out, twin) < FLIP_TOL
-    assert rel_l2(twin, _f64_emulation(x, *quantized, ids, weights, SHAPES[0][1])) < FLIP_TOL
+    assert rel_l2(twin, emulation_f64(x, *quantized, ids, weights, SHAPES[0][1])) < FLIP_TOL
 
 
 @pytest.mark.parametrize("shape,block_shape", SHAPES)
@@ -144,7 +119,7 @@ def test_expert_map_with_minus_one(fp8, shape, block_shape):
     x, _, quantized, ids, weights = _problem(11, 2, shape, block_shape, seed=5, num_global=7)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, block_shape, expert_map)
     assert rel_l2(out, twin) < FLIP_TOL
-    emulated = _f64_emulation(x, *quantized, ids, weights, block_shape, expert_map)
+    emulated = emulation_f64(x, *quantized, ids, weights, block_shape, expert_map)
     assert rel_l2(twin, emulated) < FLIP_TOL
     not_local = (expert_map[ids.clamp(0).long()] < 0) | (ids < 0)
     assert not_local.any()

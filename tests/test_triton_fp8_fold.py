@@ -39,7 +39,8 @@ def test_plan_folds_up_to_the_limit():
 
 @pytest.mark.parametrize("options", [FOLDED, UNFOLDED], ids=["folded", "launch"])
 @pytest.mark.parametrize("config", [None, CONFIG, KernelConfig(64, GemmTile(128, 128, 2, 4, 2),
-                                                                GemmTile(128, 128, 2, 4, 2))], ids=["default", "n32", "bm64"])
+                                                                GemmTile(128, 128, 2, 4, 2))],
+                         ids=["default", "n32", "bm64"])
 def test_fold_matches_twin(fp8, options, config):
     x, _, quantized, ids, weights = problem(9, 2, SHAPE, BLOCK, seed=60)
     out = fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, BLOCK, config, options)

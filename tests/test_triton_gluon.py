@@ -126,7 +126,8 @@ def test_expert_map_reaches_the_layout():
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("fp32", "dtype"), ("gelu", "activation"), ("bias", "biases"), ("strided", "strided"), ("narrow", "multiples of 128"),
+    ("fp32", "dtype"), ("gelu", "activation"), ("bias", "biases"), ("strided", "strided"),
+    ("narrow", "multiples of 128"),
 ])
 def test_unfit_calls_name_their_reason(case, reason):
     w13, w2 = _weights(torch.float32 if case == "fp32" else torch.bfloat16)

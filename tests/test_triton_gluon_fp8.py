@@ -156,9 +156,11 @@ def test_backend_takes_the_fp8_path_only_where_chosen_and_plain(monkeypatch):
     flops = 6.0 * 24 * 2 * N * K  # this call: M=24, k=2
     experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=flops, min_rows_per_expert=0))
     assert taken == [24]
-    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=flops * 1.01, min_rows_per_expert=0))
+    experts_triton_gluon(x, w13, w2, ids, weights,
+                         fp8_choice=Fp8GluonChoice(min_flops=flops * 1.01, min_rows_per_expert=0))
     experts_triton_gluon(x, w13, w2, ids, weights)  # the default choice
-    experts_triton_gluon(x.clone().requires_grad_(True), w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=1, min_rows_per_expert=0))
+    experts_triton_gluon(x.clone().requires_grad_(True), w13, w2, ids, weights,
+                         fp8_choice=Fp8GluonChoice(min_flops=1, min_rows_per_expert=0))
     assert taken == [24]
 
 

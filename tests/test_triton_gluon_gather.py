@@ -91,8 +91,8 @@ def test_strided_x_rows_unaligned_fall_back_or_raise(fake_gemms, monkeypatch):
 
 
 def test_switched_on_the_plain_and_lean_launches_both_gather_in_the_loader(fake_gemms, monkeypatch):
-    """With ``LOADER_GATHER_MAX_INTER`` >= N, ``experts_gluon`` plain and lean run the gather GEMM with the same arguments
-    (the plain launch fills dst with -1 first; the lean one needs no fill) and give the same output."""
+    """With ``LOADER_GATHER_MAX_INTER`` >= N, ``experts_gluon`` plain and lean run the gather GEMM with the same
+    arguments (the plain launch fills dst with -1 first; the lean one needs no fill) and give the same output."""
     from moekit.experts import triton_gluon_launch
     from moekit.experts.triton_gluon import experts_gluon
 

@@ -3,7 +3,8 @@ under Triton's interpreter, the Gluon GEMMs as torch stand-ins (``_gluon_fakes``
 interpreter). The lean launch hands every kernel what the plain launch hands it (outputs equal bit for bit, the
 GEMMs' arguments equal), at each alignment plan, with an expert map, above the pool's size (the branch a CUDA
 graph capture takes); and what it keeps is rebuilt when it must: a new weight tensor, another device in the
-descriptor key, a retune (an in-place update keeps it: addresses, never values, and the output follows the update). The kernels themselves: ``benchmarks/gluon_lean_device_check.py``.
+descriptor key, a retune (an in-place update keeps it: addresses, never values, and the output follows the update). The
+kernels themselves: ``benchmarks/gluon_lean_device_check.py``.
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def test_the_op_never_keeps_a_workspace(interpreter):
     is kept: a buffer held from a graph's private pool would break the tree."""
     x, w13, w2, ids, weights = make_problem(5, 2, E, K, N, torch.float32)
     interpreter.clear_launch_caches()
-    args = (x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None, 0.0, *LaunchOptions().as_op_args())
+    args = (x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None, 0.0,
+            *LaunchOptions().as_op_args())
     torch.ops.moekit.triton_experts(*args)
     assert not interpreter.held_workspaces()
     interpreter.experts_triton(x, w13, w2, ids, weights)  # the direct eager path does keep one
@@ -242,7 +243,8 @@ def test_fused_router_bound_launch_equals_kernel_grid_and_route(monkeypatch, sha
     log = LaunchLog(fused.kernels)
     monkeypatch.setattr(fused, "kernels", log)
     fused.clear_launch_caches()
-    router, plan = fused.FusedRouter(cfg), fused._plan_of(cfg, cfg.num_shared_slots if shared else 0, fused.ELEMENTS_PER_PROGRAM)
+    router, plan = fused.FusedRouter(cfg), fused._plan_of(cfg, cfg.num_shared_slots if shared else 0,
+                                                          fused.ELEMENTS_PER_PROGRAM)
     bias = torch.randn(16) * 0.1
     for seed, m in ((0, 3), (1, 3), (2, 5)):
         g = torch.Generator().manual_seed(seed)

@@ -230,7 +230,8 @@ def test_split_gate_up_served_equal_to_plain_path(interpreter, counts, monkeypat
     plans = importlib.import_module("moekit.experts.triton_wo_plan")
     winners = importlib.import_module("moekit.experts.triton_wo_word_winners")
     monkeypatch.setitem(plans.DECODE_MEASURED, ("int4_w4a16", E, N, K), {1: "gemv"})
-    monkeypatch.setitem(winners.WORD_WINNERS, ("int4_w4a16", E, N, K, 1), winners.WordPick("gemv", 2, down_split, (64, 4, 2, 0), (64, 2, 2, 0), fold))
+    monkeypatch.setitem(winners.WORD_WINNERS, ("int4_w4a16", E, N, K, 1),
+                        winners.WordPick("gemv", 2, down_split, (64, 4, 2, 0), (64, 2, 2, 0), fold))
     clear_config_cache()
     q13, q2 = _weights("int4_w4a16")
     for seed in (0, 1, 2):  # the first compiles and records; the next two are served

@@ -147,7 +147,8 @@ def test_lean_sequence_has_one_launch_fewer(interpreter, scheme):
     assert folded == separate - 1
     assert torch.equal(out, out_sep)
     x, ids, weights, _ = _routing(1, 2, False)
-    assert torch.equal(out, interpreter.experts_triton(x, q13, q2, ids, weights, options=LaunchOptions(lean_launch=False)))
+    assert torch.equal(out,
+                       interpreter.experts_triton(x, q13, q2, ids, weights, options=LaunchOptions(lean_launch=False)))
     assert rel_l2(out, quantized_experts_loop(x, q13, q2, ids, weights, None)) < TOL[scheme]
 
 

@@ -239,7 +239,8 @@ def test_opcheck_with_a_variant(interpreter):
     x, w13, w2, ids, weights, b13, b2 = _problem(5, 2, GPT_OSS, seed=11)
     options = LaunchOptions(poison_workspace=True).as_op_args()
     variant = ("silu", True, True, 1.702, 0.5, 1.0)
-    torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, b13, b2, *variant, *options))
+    torch.library.opcheck(torch.ops.moekit.triton_experts,
+                          (x, w13, w2, ids, weights, None, b13, b2, *variant, *options))
     spec = VARIANTS["relu2_ungated"]
     x, w13, w2, ids, weights, b13, _ = _problem(5, 2, spec, seed=11)
     torch.library.opcheck(torch.ops.moekit.triton_experts,

@@ -31,10 +31,12 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 SCHEMES = [("int8_w8a16", 0), ("int4_w4a16", 32), ("int4_w4a16", 64), ("mxfp4", 32)]
 DECODES = ["tile", "register"]  # triton_wo_plan.DECODES but gemv (test_triton_wo_gemv.py): every kernel test runs both
 POISON = LaunchOptions(poison_workspace=True)
+PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word holds, by scheme
 
 
 @pytest.fixture(scope="module")
 def wo():
+    """``moekit.experts.triton_wo`` with its kernels under the interpreter (the weight-only test modules import it)."""
     with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
         yield module
 
@@ -49,7 +51,8 @@ def make_weight(wo, scheme: str, group: int, e: int, r: int, c: int, seed: int):
     q = torch.randint(0, 256, (e, r, -(-c // 2)), generator=g, dtype=torch.uint8)
     if scheme == "int4_w4a16":
         scale = (torch.rand(e, r, groups, generator=g) + 0.5) / (4 * c**0.5)
-        return wo.WoWeight(scheme, q, scale, torch.randint(0, 16, (e, r, groups), generator=g, dtype=torch.uint8), group)
+        return wo.WoWeight(scheme, q, scale, torch.randint(0, 16, (e, r, groups), generator=g, dtype=torch.uint8),
+                           group)
     exponents = torch.randint(122, 127, (e, r, groups), generator=g, dtype=torch.uint8)  # 2^-5 .. 2^-1
     return wo.WoWeight(scheme, q, exponents, None, group)
 
@@ -181,7 +184,8 @@ def test_mxfp4_scales_far_from_one(wo, dtype, decode):
     # both sides of 2^0; every byte value (all 16 codes in both nibbles) occurs in the weights
     x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=4, k=2, hidden=128, n=64, dtype=dtype, seed=31)
     g = torch.Generator().manual_seed(32)
-    w13 = wo.WoWeight("mxfp4", w13.q, torch.randint(120, 131, w13.scale.shape, generator=g, dtype=torch.uint8), None, 32)
+    w13 = wo.WoWeight("mxfp4", w13.q, torch.randint(120, 131, w13.scale.shape, generator=g, dtype=torch.uint8), None,
+                      32)
     w2 = wo.WoWeight("mxfp4", w2.q, torch.randint(116, 129, w2.scale.shape, generator=g, dtype=torch.uint8), None, 32)
     x = x * 2.0**-6  # keep the gate-up outputs near unit size
     assert torch.unique(w13.q).numel() == 256
@@ -242,7 +246,8 @@ def test_tuned_file_is_found_and_heuristic_otherwise(wo, tmp_path, monkeypatch):
     clear_config_cache()
     try:
         assert plans.wo_config(5, 4, 64, 100, 2, "mxfp4", "cpu") == KernelConfig.from_dict(entry)
-        assert plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu") == plans.wo_heuristic_config(5, 4, 64, 100, 2, "int4_w4a16")
+        assert (plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu")
+                == plans.wo_heuristic_config(5, 4, 64, 100, 2, "int4_w4a16"))
         x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=5, k=2, seed=12)
         out = wo.fused_experts_wo(x, w13, w2, ids, weights)  # runs on the file's config
         assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3
@@ -264,7 +269,8 @@ def test_packed_block_k_below_32_is_refused(wo):
     (lambda wo, w13, w2: (wo.WoWeight("int4_w4a16", w13.q, w13.scale, w13.zero, 16), w2), "w13.group_size"),
     (lambda wo, w13, w2: (wo.WoWeight("int4_w4a16", w13.q, w13.scale, None, 32), w2), r"w13.zero must be a tensor"),
     (lambda wo, w13, w2: (w13, wo.WoWeight("int4_w4a16", w2.q, w2.scale[:, :, :1], w2.zero, 32)), r"w2.scale must be"),
-    (lambda wo, w13, w2: (w13, wo.WoWeight("int4_w4a16", w2.q.view(torch.int8), w2.scale, w2.zero, 32)), r"w2.q must be"),
+    (lambda wo, w13, w2: (w13, wo.WoWeight("int4_w4a16", w2.q.view(torch.int8), w2.scale, w2.zero, 32)),
+     r"w2.q must be"),
     (lambda wo, w13, w2: (w13, wo.WoWeight("mxfp4", w2.q, w2.zero, None, 32)), "share a scheme"),
 ])
 def test_bad_weights_are_refused_by_name(wo, change, match):

@@ -14,9 +14,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import KernelConfig, clear_config_cache  # noqa: E402
-from test_triton_wo import e2m1_value, problem, rel  # noqa: E402
+from test_triton_wo import e2m1_value, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
 # H200 (Triton 3.6, bf16 activations, CUDA graph) µs per call of (tile, register), both decodes in one run:
 # benchmarks/results/raw/NVIDIA_H200-2026-12-01-a13647b-wo_device_check-wo-choice.log (the earlier pair of
@@ -74,12 +73,6 @@ MMA_MEASURED = {(8, 14336, 4096, 2): {("int4_w4a16", 8): ("mma", 343.0), ("mxfp4
                 (128, 768, 2048, 8): {("int4_w4a16", 64): ("mma", 162.5)}}
 
 
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
-
-
 _KERNELS = {}  # the interpreted gemm_wo_reg module, for decode_kernel (a Triton kernel reads module globals only)
 
 
@@ -96,7 +89,8 @@ def decode_kernel(raw_ptr, low_ptr, high_ptr, SCHEME: triton.language.constexpr,
 def test_register_decode_every_byte(wo, scheme, dtype):
     # each of the 256 bytes -> the exact values of its low and high nibble in the activations' dtype
     # (int4: base + code, base 1024 in fp16 else 128; mxfp4: the e2m1 value, the sign kept on 0)
-    _KERNELS["gemm_wo_reg"] = importlib.import_module("moekit.experts._kernels.gemm_wo_reg")  # as the fixture decorated it
+    # as the fixture decorated it
+    _KERNELS["gemm_wo_reg"] = importlib.import_module("moekit.experts._kernels.gemm_wo_reg")
     raw = torch.arange(256, dtype=torch.uint8)
     low, high = torch.empty(256), torch.empty(256)
     decode_kernel[(1,)](raw, low, high, 1 if scheme == "int4_w4a16" else 2, getattr(triton.language, dtype))

@@ -13,17 +13,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
-from test_triton_wo import POISON, e2m1_value, loop64, problem, rel  # noqa: E402
-
-PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}
-
-
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
+from test_triton_wo import PER, POISON, e2m1_value, loop64, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
 
 def config(scheme: str, block_m: int, words: int, rows: int = 16, group_m: int = 1) -> KernelConfig:
@@ -210,4 +201,5 @@ def test_inline_ptx_compiles_for_sm90():
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "wo_gemv_sass_cpu.py"), "--quick"],
                           capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
-    assert done.returncode == 0 and len(lines) == 4 and all(line.startswith("OK") for line in lines), done.stdout + done.stderr
+    assert (done.returncode == 0 and len(lines) == 4
+            and all(line.startswith("OK") for line in lines)), done.stdout + done.stderr

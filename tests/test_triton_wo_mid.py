@@ -13,9 +13,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.triton_wo_winners import WoWinner, tile  # noqa: E402
-from test_triton_wo import loop64, problem, rel, run_kernels  # noqa: E402
+from test_triton_wo import loop64, problem, rel, run_kernels, wo  # noqa: E402, F401  (wo: fixture)
 
 SCHEMES = [("int8_w8a16", 0), ("int4_w4a16", 32), ("int4_w4a16", 64), ("mxfp4", 32)]
 CONFIGS = {  # tile(BLOCK_M, gate-up (BLOCK_N, BLOCK_K, GROUP_M, warps, stages), down (..), AHEAD)
@@ -25,12 +24,6 @@ CONFIGS = {  # tile(BLOCK_M, gate-up (BLOCK_N, BLOCK_K, GROUP_M, warps, stages),
     "long_steps": tile(32, (32, 128, 1, 4, 3), (64, 128, 1, 4, 3), True),  # one step past K = 99, N = 64
 }
 QWEN3 = (128, 768, 2048)  # E, N, K
-
-
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
 
 
 @pytest.mark.parametrize("scheme,group", SCHEMES)

@@ -12,15 +12,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
-from test_triton_wo import POISON, loop64, problem, rel  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
+from test_triton_wo import POISON, loop64, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
 
 def config(rows: int = 32, block_k: int = 128) -> KernelConfig:
@@ -112,6 +105,17 @@ def test_mma_heuristic_config_runs(wo):
 _KERNELS = {}  # the interpreted wo_mma_values module (a Triton kernel reads module globals only)
 
 
+@pytest.fixture
+def mma_values(wo):
+    """``_kernels/wo_mma_values`` as ``wo`` decorated it, put where the order kernels read it; imported here, not
+    taken from ``sys.modules``, so a test run alone does not depend on an earlier test's launch having loaded it."""
+    import importlib
+
+    _KERNELS["mma"] = importlib.import_module("moekit.experts._kernels.wo_mma_values")
+    yield _KERNELS["mma"]
+    _KERNELS.clear()
+
+
 @triton.jit
 def order_kernel(w_ptr, x_ptr, v_out, x_out, PAIRS: triton.language.constexpr):
     tl = triton.language
@@ -125,12 +129,9 @@ def order_kernel(w_ptr, x_ptr, v_out, x_out, PAIRS: triton.language.constexpr):
 
 
 @pytest.mark.parametrize("pairs", [1, 2])
-def test_mma_order_pairs_weights_and_activations_alike(wo, pairs):
+def test_mma_order_pairs_weights_and_activations_alike(mma_values, pairs):
     # logical k = 32b + 16h + 8g + 2q + p (PAIRS 1) or 32b + 16h + 4q + 2g + p (PAIRS 2) holds value T = 2h + g + 4p
     # of word 4b + q: activation column 8j + T; int4 values code - zero (row r's zero point r here)
-    import sys
-
-    _KERNELS["mma"] = sys.modules["moekit.experts._kernels.wo_mma_values"]
     words = torch.randint(-2**31, 2**31 - 1, (8, 16), dtype=torch.int32)
     words[0, :4] = torch.tensor([0, -1, 0x12345678, -0x789ABCDF], dtype=torch.int32)
     x = torch.randn(16, 128)
@@ -160,12 +161,9 @@ def int8_order_kernel(w_ptr, x_ptr, v_out, x_out, PAIRS: triton.language.constex
 
 
 @pytest.mark.parametrize("pairs", [1, 2])
-def test_mma_int8_order_weights_and_activations_alike(wo, pairs):
+def test_mma_int8_order_weights_and_activations_alike(mma_values, pairs):
     # int8: logical k = 32b + 16e + 8t + 2q + p (PAIRS 1) or 32b + 16e + 4q + 2t + p (PAIRS 2) holds value t + 2p of
     # word 8b + 2q + e (the signed byte at bits 8(t + 2p)): activation column 4j + t + 2p
-    import sys
-
-    _KERNELS["mma"] = sys.modules["moekit.experts._kernels.wo_mma_values"]
     words = torch.randint(-2**31, 2**31 - 1, (8, 32), dtype=torch.int32)
     words[0, :4] = torch.tensor([0, -1, 0x7F80017F, -0x7F7F8081], dtype=torch.int32)
     x = torch.randn(16, 128)

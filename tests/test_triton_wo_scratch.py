@@ -17,20 +17,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
-from test_triton_wo import dequant64  # noqa: E402
+from test_triton_wo import dequant64, wo  # noqa: E402, F401  (wo: fixture)
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.quant import quantize  # noqa: E402
 
 SCHEMES = [("int8_w8a16", 0), ("int4_w4a16", 32), ("int4_w4a16", 64), ("int4_w4a16", 128), ("mxfp4", 32)]
 POISON = LaunchOptions(poison_workspace=True)
-
-
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
 
 
 def random_weight(wo, scheme: str, group: int, e: int, r: int, c: int, seed: int):

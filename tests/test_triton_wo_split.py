@@ -14,17 +14,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile  # noqa: E402
-from test_triton_wo import POISON, loop64, problem, rel  # noqa: E402
-
-PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}
-
-
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
+from test_triton_wo import PER, POISON, loop64, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
 
 def word_config(scheme: str, block_m: int, words: int, up_split: int, down_split: int = 0, fold: bool = False):

@@ -5,7 +5,8 @@ import torch
 
 from moekit import MoEConfig, route
 from moekit.layer import MoE
-from moekit.layouts import align_block, masked_layout, masked_layout_measured_cap_syncs, permute_contiguous, rank_within_groups
+from moekit.layouts import (align_block, masked_layout, masked_layout_measured_cap_syncs, permute_contiguous,
+                            rank_within_groups)
 from moekit.routing import Routing, apply_capacity, expert_capacity
 
 BASE = dict(hidden_size=8, moe_intermediate_size=4, num_experts=8, top_k=2)

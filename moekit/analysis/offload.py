@@ -56,7 +56,8 @@ def offload_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, *,
         raise ValueError(f"hit rate must be in [0, 1], got {h}")
     cost = batch_cost(cfg, batch, fmt, gpu)
     touched, misses = cost.experts_touched, cost.experts_touched * (1 - h)
-    link_s = expert_weight_bytes(misses, cfg.hidden_size, cfg.moe_intermediate_size, fmt.bytes_per_weight) / link_bytes_s
+    link_s = expert_weight_bytes(misses, cfg.hidden_size, cfg.moe_intermediate_size,
+                                 fmt.bytes_per_weight) / link_bytes_s
     cpu_s = step_cpu = None
     if cpu_flops is not None or cpu_read_bytes_s is not None:
         tokens_per_expert = batch * cfg.top_k / touched

@@ -39,7 +39,8 @@ class Fp8MmRate:
 
 def measure_ceilings(device: torch.device) -> Ceilings:
     cuda = device.type == "cuda"
-    numel = (1 << 30) if cuda else (1 << 25)  # 2 GiB of bf16 on the GPU (far past the 60 MB L2), 128 MiB fp32 on the CPU
+    # 2 GiB of bf16 on the GPU (far past the 60 MB L2), 128 MiB fp32 on the CPU
+    numel = (1 << 30) if cuda else (1 << 25)
     dtype = torch.bfloat16 if cuda else torch.float32
     src = torch.randn(numel, device=device, dtype=dtype)
     dst = torch.empty_like(src)

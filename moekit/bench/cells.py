@@ -129,7 +129,9 @@ class Cell:
     shape: str
     M: int
     backend: str
-    dtype: str  # the expert weights: the activation dtype when unquantized (bfloat16; float32 on the CPU), else the moekit.quant scheme
+    # the expert weights: the activation dtype when unquantized (bfloat16; float32 on the CPU), else the moekit.quant
+    # scheme
+    dtype: str
     us: float  # median µs per call (graph replay where ``graph``, else events / wall clock)
     min_us: float  # fastest of the timed passes, µs per call
     max_us: float  # slowest of the timed passes, µs per call
@@ -148,7 +150,8 @@ class Cell:
     pct_mm: float  # achieved FLOP/s over the measured matmul rate of mm_dtype * 100
     graph: bool  # timed as CUDA-graph replay
     mm_dtype: str  # the measured matmul rate the floor and pct_mm use: fp8 for fp8_block, else the dense one
-    host_rest_us: float = 0.0  # host_us over the calls after each loop's first (the steady issue cost; on the CPU: = us)
+    # host_us over the calls after each loop's first (the steady issue cost; on the CPU: = us)
+    host_rest_us: float = 0.0
     rel_err_vs_grouped_mm: float | None = None  # sanity check on the first input set (triton only)
     vs_bf16: float | None = None  # quantized cells: us / the unquantized cell's us (same shape, M, backend)
     rel_err_vs_bf16: float | None = None  # quantized cells: relative L2 of the output vs the unquantized one, first set

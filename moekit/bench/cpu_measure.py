@@ -222,12 +222,14 @@ def measure_batch(p: ExpertsProblem, rows: set[str], rounds: int) -> dict:
     for name, t in timings.items():
         rate = (dense_flops if name.startswith("dense") else flops) / (t.us * 1e-6)
         out[name] = {"us": t.us, "min_us": t.min_us, "max_us": t.max_us, "spread_pct": t.spread_pct,
-                     "noisy": t.noisy, "repeats": t.repeats, "gflops": rate / 1e9, "rel_err_vs_hf_eager": errs.get(name)}
+                     "noisy": t.noisy, "repeats": t.repeats, "gflops": rate / 1e9,
+                     "rel_err_vs_hf_eager": errs.get(name)}
     ceiling = max(r["gflops"] for n, r in out.items() if n.startswith("dense"))
     for r in out.values():
         r["pct_of_dense"] = 100 * r["gflops"] / ceiling
     plan = plan_grouped_mm(num_tokens, top_k, p.w13.shape[0], hidden, n_dim, p.w13.dtype)
-    return {"M": num_tokens, "dense_gflops": ceiling, "moekit_plan": plan.layout, "moekit_chunk_tokens": plan.chunk_tokens,
+    return {"M": num_tokens, "dense_gflops": ceiling, "moekit_plan": plan.layout,
+            "moekit_chunk_tokens": plan.chunk_tokens,
             "packed_bytes": packed_weight_cache().used_bytes(), "rows": out}
 
 
@@ -245,7 +247,8 @@ def measure_cpu_experts(shape: ExpertsShape, batches: list[int], repeats: int, r
     doc = {"cpu": cpu_name(), "date": datetime.date.today().isoformat(), "commit": commit_id(),
            "torch": torch.__version__, "transformers": hf, "threads": torch.get_num_threads(),
            "shape": {"E": shape.experts, "N": shape.intermediate, "K": shape.hidden, "k": shape.top_k},
-           "dtype": "float32", "repeats": repeats, "seed": seed, "pack_budget_bytes": packed_weight_cache().budget_bytes,
+           "dtype": "float32", "repeats": repeats, "seed": seed,
+           "pack_budget_bytes": packed_weight_cache().budget_bytes,
            "notes": [] if hf else [NO_TRANSFORMERS], "loadavg_before": _loadavg(), "batches": []}
     start = time.perf_counter()
     for i, m in enumerate(batches):

@@ -45,7 +45,8 @@ def _num(value: float | None, fmt: str) -> str:
 
 def summary_lines(doc: dict) -> list[str]:
     """Per M: moekit ms, transformers' best (which) ms, best/moekit, moekit % of dense."""
-    lines = [f"{'M':>5} {'moekit ms':>10} {'transformers best':>17} {'ms':>10} {'best/moekit':>11} {'moekit % dense':>14}"]
+    lines = [f"{'M':>5} {'moekit ms':>10} {'transformers best':>17} {'ms':>10} {'best/moekit':>11} "
+             f"{'moekit % dense':>14}"]
     for h in headlines(doc):
         best = "-" if h.best_hf is None else h.best_hf.removeprefix("hf_")
         lines.append(f"{h.tokens:>5} {_num(h.moekit_ms, '10.2f')} {best:>17} {_num(h.best_hf_ms, '10.2f')} "

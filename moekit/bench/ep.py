@@ -151,7 +151,8 @@ def _bench_m(ep: EPMoE, single: MoE, num_tokens: int, device: torch.device, dtyp
     payload = torch.empty(sum(sent.send_splits), row_bytes, dtype=torch.uint8, device=device)
     received = torch.empty(sum(sent.recv_splits), row_bytes, dtype=torch.uint8, device=device)
     back = torch.empty(sum(sent.send_splits), ep.config.hidden_size, dtype=dtype, device=device)
-    raw_dispatch = lambda: dist.all_to_all_single(received, payload, sent.recv_splits, sent.send_splits, group=group)  # noqa: E731
+    raw_dispatch = lambda: dist.all_to_all_single(received, payload, sent.recv_splits, sent.send_splits,  # noqa: E731
+                                                  group=group)
     raw_combine = lambda: dist.all_to_all_single(back, y, sent.send_splits, sent.recv_splits, group=group)  # noqa: E731
     x_single = torch.randn(num_tokens, single.config.hidden_size, device=device, dtype=dtype)
     half = num_tokens // 2  # the experts over half the tokens: what a 2-chunk overlap pays per chunk
@@ -238,7 +239,8 @@ def _profile(ep: EPMoE, phases: dict, device: torch.device, title: str, overlaps
 
 
 def _print_table(rows: list[dict]) -> None:
-    cols = ["dispatch", "M", "overlap", "route_us", "dispatch_us", "experts_us", "experts_half_us", "combine_us", "layer_us", "layer_graph_us",
+    cols = ["dispatch", "M", "overlap", "route_us", "dispatch_us", "experts_us", "experts_half_us", "combine_us",
+            "layer_us", "layer_graph_us",
             "raw_dispatch_us", "raw_combine_us", "single_gpu_us", "target_us", "target_met", "overlap_goal_us",
             "overlap_goal_met"]
     print(" ".join(f"{c.removesuffix('_us'):>11}" for c in cols))
@@ -249,7 +251,8 @@ def _print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moekit.bench.ep", description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", help="tokens per rank (default 128 1024 4096 16384; tiny: 8 64)")
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        help="tokens per rank (default 128 1024 4096 16384; tiny: 8 64)")
     parser.add_argument("--dispatch", choices=["exact", "padded", "both"], default="both",
                         help="exact: counts all-to-all + one host sync; padded: max_tokens_per_rank rows, no sync")
     parser.add_argument("--backend", default="auto", help="experts backend (auto, triton, grouped_mm, reference)")
@@ -260,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions of each phase (the same on every rank)")
     parser.add_argument("--out", type=Path, help="JSON results file (rank 0 writes it)")
     parser.add_argument("--pg-timeout", type=float, default=120.0,
-                        help="process group timeout in seconds: a collective that waits longer fails instead of hanging")
+                        help="process group timeout in seconds: a collective that waits longer fails instead of "
+                        "hanging")
     parser.add_argument("--profile", action="store_true",
                         help="profile every phase at every M first: launches, host syncs, host and device us per call")
     args = parser.parse_args(argv)
@@ -305,10 +309,12 @@ def run(device: torch.device, rank: int, world_size: int, args) -> dict:
                        max_tokens_per_rank=max(tokens) if mode == "padded" else None)
             for m in tokens:
                 if mode == "padded":
-                    ep.max_tokens_per_rank = max(m, 1)  # every rank passes m tokens: pad to exactly that (same on all ranks)
+                    # every rank passes m tokens: pad to exactly that (same on all ranks)
+                    ep.max_tokens_per_rank = max(m, 1)
                 overlaps = sorted(set(args.overlap) - {1}) if args.profile else None
                 rows.append(_bench_m(ep, single, m, device, dtype, args.reps, overlaps))
-                _progress(f"{mode} M={m}: layer {rows[-1]['best_layer_us']:.1f} us, target {rows[-1]['target_us']:.1f} us")
+                _progress(f"{mode} M={m}: layer {rows[-1]['best_layer_us']:.1f} us, target {rows[-1]['target_us']:.1f} "
+                          f"us")
                 base = rows[-1]
                 for chunks in sorted(set(args.overlap) - {1}):
                     rows.append(_overlap_row(ep, base, chunks, device, dtype, args.reps))
@@ -322,7 +328,8 @@ def run(device: torch.device, rank: int, world_size: int, args) -> dict:
         print("layer / (experts + raw a2a both ways), no overlap:", ", ".join(f"{v:.2f}" for v in ratios),
               f"(median {statistics.median(ratios):.2f}; target <= 1.2)")
         halves = [2 * r["experts_half_us"] / r["experts_us"] for r in rows if r["overlap"] == 1 and r["experts_us"] > 0]
-        print("2 x experts(M/2) / experts(M), what token chunks cost the experts:", ", ".join(f"{v:.2f}" for v in halves))
+        print("2 x experts(M/2) / experts(M), what token chunks cost the experts:",
+              ", ".join(f"{v:.2f}" for v in halves))
         hidden = [r["best_layer_us"] / (r["overlap_goal_us"] / 1.05) for r in rows if r["overlap"] > 1]
         if hidden:
             print("layer / max(experts, raw a2a both ways), overlap:", ", ".join(f"{v:.2f}" for v in hidden),

@@ -48,7 +48,8 @@ def print_hf_report(doc: dict, console: Console | None = None) -> None:
                   f"1-token generate, per extra token); prefill "
                   f"{s['prefill_batch']} x {s['prefill_len']}; median of {s['repeats']}")
     if any(r["impl"] == "no_experts" for r in doc["rows"]):
-        console.print("no_experts: the experts return zeros (the ceiling of any implementation; its errors mean nothing)")
+        console.print("no_experts: the experts return zeros (the ceiling of any implementation; its errors mean "
+                      "nothing)")
     for r in doc["rows"]:
         for text in dict.fromkeys(r["errors"].values()):  # one line per distinct error of a row
             console.print(f"  {r['impl']} ({r['mode']}): {text}", markup=False, highlight=False)

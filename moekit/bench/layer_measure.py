@@ -155,7 +155,8 @@ def time_layer(layer: MoE, x: torch.Tensor, budget_s: float = 0.3) -> LayerTimin
             return LayerTiming(None, t.us * 1e-6, t.us * 1e-6, t.spread_pct)
         eager = time_eager([lambda: layer(x)], device)
         graph_s = _graph_seconds(layer, x, budget_s)
-    return LayerTiming(graph_s, eager.eager_us * 1e-6, eager.host_us * 1e-6, eager.spread_pct, eager.host_rest_us * 1e-6)
+    return LayerTiming(graph_s, eager.eager_us * 1e-6, eager.host_us * 1e-6, eager.spread_pct,
+                       eager.host_rest_us * 1e-6)
 
 
 def _graph_seconds(layer: MoE, x: torch.Tensor, budget_s: float) -> float | str:

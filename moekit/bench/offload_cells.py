@@ -50,12 +50,11 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
               costs: MissCosts, device, options: CpuOptions, fixed: FixedCosts = FixedCosts(0.0),
               scale: float = 1.0, reference: bool = False, probes: dict[int, CpuProbe] | None = None) -> list[dict]:
     """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
-    ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
-    device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
-    fall on every mode alike, in carry-over balanced orders (``balanced_orders``: each run follows every
-    other once per n - 1 steps; a CPU-heavy step leaves the host's threads busy for the next; each row's
-    ``after_ms``: its mean step by the run before it); with ``reference``,
-    the all-hit stack (module docstring) among them where it fits (``_reference``). Each step's floor
+    ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the device; the first
+    untimed). The runs take turns step by step (garbage collector off), so slow drifts fall on every mode alike, in
+    carry-over balanced orders (``balanced_orders``: each run follows every other once per n - 1 steps; a CPU-heavy step
+    leaves the host's threads busy for the next; each row's ``after_ms``: its mean step by the run before it); with
+    ``reference``, the all-hit stack (module docstring) among them where it fits (``_reference``). Each step's floor
     (``offload_floor``) with ``fixed``'s costs, its per-layer cost the reference's where there is one. The
     rows' measured fields. ``probes`` (run index -> ``offload_probe.CpuProbe``) run after each timed step of
     their run; its floor's CPU side is its probe's rates (``x_floor_given``: by ``costs`` as given)."""
@@ -88,7 +87,9 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     if j < len(runs):
                         _add_phases(phases[j], layers, costs, ratios[j])
                     if j in probes:  # the run's latest CPU branch: its last layer with one this step
-                        probes[j].run(step, next((l.last_stats.cpu_rows for l in layers[::-1] if l.last_stats.cpu_rows), None))
+                        probes[j].run(step,
+                                      next((l.last_stats.cpu_rows for l in layers[::-1] if l.last_stats.cpu_rows),
+                                           None))
                 prev = j
     finally:
         gc.enable()
@@ -98,13 +99,12 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     fixed, paired = _from_reference(fixed, times, dones, reference and len(dones) > len(runs), len(routings[0]),
                                     expert_bytes, costs)
     rates = {j: probe.floor_costs() for j, probe in probes.items()}
-    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None)), branches[j],
-                                           branch_rate(ratios[j]), paired),
-                    _total(dones[j]), trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
-             **(probes[j].summary() if j in probes else {}), **_group_fields(fixed, quiet, costs, scale),
-             "branch_rate": branch_rate(ratios[j]) or 0.0,
-             "after_ms": _after(times[j], after[j], [_name(r) for r in runs] + ["ref"])}
-            for j, run in enumerate(runs)]
+    return [{**_row(run, times[j],
+                    _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None)), branches[j],
+                            branch_rate(ratios[j]), paired), _total(dones[j]), trace, warm, costs, expert_bytes,
+                    x.shape[0], phases[j]), **(probes[j].summary() if j in probes else {}),
+             **_group_fields(fixed, quiet, costs, scale), "branch_rate": branch_rate(ratios[j]) or 0.0,
+             "after_ms": _after(times[j], after[j], [_name(r) for r in runs] + ["ref"])} for j, run in enumerate(runs)]
 
 
 def _from_reference(fixed: FixedCosts, times: list[list[float]], dones: list, fitted: bool, layers: int,
@@ -304,7 +304,8 @@ def _stack(shells, trace: RoutingTrace, run: Run, warm: int, costs: MissCosts, d
                                     costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options,
                                     cpu_rate=rate) for i in range(trace.num_layers)]
     with cache.bookkeeping_only():
-        drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
+        drive(cache, [layer.layer_id for layer in layers], trace, range(warm),
+              **_options(run, costs, cache.expert_bytes))
     return layers
 
 

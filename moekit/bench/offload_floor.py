@@ -43,8 +43,9 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                layer over none): the cache's work to evict and issue the copies, the same copy path a
                fetch takes; after the layer's CPU branch where it has one (the branch runs on the host
                thread, and the prefetch is issued when ``run_routed`` returns: until session 20 the floor
-               let the branch hide it, and the cpu mode's prefetching cells read over their floor). Before it, the floor priced a prefetch as link time only, and the M = 1
-               skewed cells with prefetch ran 1.18-1.43x it (one H200 run): moving a fetch into a
+               let the branch hide it, and the cpu mode's prefetching cells read over their floor). Before it,
+               the floor priced a prefetch as link time only, and the M = 1 skewed cells with prefetch ran
+               1.18-1.43x it (one H200 run): moving a fetch into a
                prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing;
                ``prefetch_layer_s`` is timed with one expert a layer, and each further expert of a layer's
                prefetch costs ``MissCosts.issue_s`` more (its victim evicted, its copy issued): at skewed 50%
@@ -101,9 +102,9 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
     second call "auto" prices too, ``cost.gpu_side_s``), a layer with fetches at least its hits' reads
     and ``costs.fetch_layer_s`` past its start (likewise), and one that prefetches (``prefetched``:
     the next layer's experts, issued after it) ``prefetch_s`` more on the host's path (after the fetch's
-    work and the CPU branch: one host does all three; ``FixedCosts.prefetch_layer_s``); a layer's copies start ``overlap_s``
-    (at most ``fixed_s``) before its fixed work ends (``FixedCosts.overlap_s``). With ``idle`` (the CPU model
-    with the link idle; ``costs``' is with it busy) a layer's CPU branch runs at the busy rate while the
+    work and the CPU branch: one host does all three; ``FixedCosts.prefetch_layer_s``); a layer's copies start
+    ``overlap_s`` (at most ``fixed_s``) before its fixed work ends (``FixedCosts.overlap_s``). With ``idle`` (the CPU
+    model with the link idle; ``costs``' is with it busy) a layer's CPU branch runs at the busy rate while the
     link still moves the copies queued before it (``cpu_branch_s``), at the idle rate after. ``measured``
     (seconds per layer): each layer's CPU branch as it ran, in place of the model: not a floor, a check of
     its other terms against the step. ``copy_call_s``: after a layer that admitted and prefetched nothing
@@ -121,7 +122,8 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         free = fetched_at + s.admitted * rate
         cpu = issue + branch_layer_s + (measured[i] if measured is not None else cpu_branch_s(
             s, costs, idle, free - start - issue - branch_layer_s)) if s.cpu_experts else 0.0
-        end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
+        end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched
+                                                                           else 0.0)
         end = min(end, max(start, fetched_at) + (s.hits + s.fetched) * read)  # or one call once the fetches land
         if s.fetched:
             end = max(end, start + s.hits * read + costs.fetch_layer_s)
@@ -171,7 +173,8 @@ def fixed_costs(shells, steps: list[list[Routing]], costs: MissCosts, device, op
                                     cpu_options=options) for i in range(len(touched))]
     x = torch.randn(steps[0][0].topk_ids.shape[0], shells[0].config.hidden_size, device=device,
                     dtype=shells[0].w13.dtype)
-    fixed = measure_terms(layers, x, steps, costs)  # repeats 5: one H200 run's single pass of 3 read 0.24-0.51 ms at one M
+    # repeats 5: one H200 run's single pass of 3 read 0.24-0.51 ms at one M
+    fixed = measure_terms(layers, x, steps, costs)
     fixed = dataclasses.replace(fixed, branch_layer_s=measure_branch_layer(layers, x, steps, fixed.issue_s))
     del layers, cache
     if device.type == "cuda":  # up to every expert of every layer: hand the slots back before the cells' caches

@@ -28,8 +28,8 @@ of rows (``calibrate.recalibrate_cpu``: the host's rate drifts over a run).
 branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
 prediction for the same work; the document's ``cells`` give per cell each mode's x floor and "auto"
 over the faster pure mode. Before the table, the warm-up's CPU branches set ``cpu_margin`` to their
-measured / modelled time when larger (``MissCosts.observed``). The simulated hit rate replays the same stream, policy, cache size, prefetch
-and ``compute_misses_on`` (with the same measured costs) through ``moekit.offload.whatif.replay``.
+measured / modelled time when larger (``MissCosts.observed``). The simulated hit rate replays the same stream, policy,
+cache size, prefetch and ``compute_misses_on`` (with the same measured costs) through ``moekit.offload.whatif.replay``.
 
 Shapes: E experts, K hidden, N intermediate, k top-k, M tokens per step, L layers, C cache slots.
 """
@@ -106,7 +106,8 @@ class OffloadRow:
     x_floor_probe: float = 0.0  # step_ms over the floor with the CPU side at the probe's rates (``offload_probe``)
     # over the floor whose fixed cost is the reference's median step throughout (the headline before session 23)
     x_floor_median: float = 0.0
-    branch_rate: float = 0.0  # the floor's CPU rate where the run has CPU branches: their time-weighted median measured / model
+    # the floor's CPU rate where the run has CPU branches: their time-weighted median measured / model
+    branch_rate: float = 0.0
     step_times_ms: list = dataclasses.field(default_factory=list)  # each timed step (the turns pair them by index)
     floor_times_ms: list = dataclasses.field(default_factory=list)  # each timed step's floor (``floor_ms``'s terms)
     probe_busy: float = 0.0  # the run's CPU probe, link busy: measured / the group's model (``offload_probe``)
@@ -124,19 +125,17 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
                     online_cpu_rate: bool = False, reference_fixed: bool = True, keep=None,
                     cpu_probe: bool = True) -> dict:
-    """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
-    --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
-    experts (packed on the host, in the slots, over the link; None: bf16 on CUDA, float32 on the CPU).
-    ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``).
-    ``cpu_options``: the layers' CPU branch (``CpuOptions``). ``observed_margin``: raise the costs' ``cpu_margin``
-    to the CPU branch's measured / predicted time over the warm-up (``MissCosts.observed``). ``shells`` / ``costs``: the host
-    layers (one per layer) and costs from an earlier call (``host_shells``; ``measure_costs``), not rebuilt.
-    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it. ``variants``: further runs in every group,
-    label -> (place, MissCosts fields replaced: {"refetch": "hit_rate"}), rows labelled so in
-    ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers share a ``CpuRate`` (the what-if
-    replays the calibrated costs). ``reference_fixed``: the floor's fixed cost from an all-hit stack among the cells.
-    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped);
-    ``cpu_probe``: a run's floor's CPU side by a probe after its steps (``offload_probe``)."""
+    """Every (stream, M, fraction, policy, prefetch, place): the document ``moekit bench --offload`` writes.
+    ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the experts (packed on the host, in the
+    slots, over the link; None: bf16 on CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None:
+    ``default_warm_steps(M)``). ``cpu_options``: the layers' CPU branch. ``observed_margin``: raise the costs'
+    ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up (``MissCosts.observed``). ``shells`` /
+    ``costs``: host layers (one per layer) and costs of an earlier call (``host_shells``, ``measure_costs``): reused.
+    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it. ``variants``: further runs in every group, label ->
+    (place, MissCosts fields replaced: {"refetch": "hit_rate"}), rows labelled so in ``compute_misses_on``.
+    ``online_cpu_rate``: each "auto" cell's layers share a ``CpuRate`` (the what-if replays the calibrated costs).
+    ``reference_fixed``: the floor's fixed cost from an all-hit stack among the cells. ``keep(stream, M, run)``: False
+    skips the group of that first ``offload_cells.Run`` (None: none). ``cpu_probe``: the floor's CPU side by a probe."""
     dtype, options = torch.bfloat16 if device.type == "cuda" else torch.float32, cpu_options or CpuOptions()
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     clock = [time.perf_counter()]
@@ -158,11 +157,12 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
                 if keep is not None and not keep(stream, m, group[0]):
                     continue
-                fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
-                                                                                         device, options, group[0].slots)
+                fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(
+                    shells, routings[:4], costs, device, options, group[0].slots)
                 group, group_costs, scale = _prepare(group, fixed_s.priced(costs), probe, 10 * len(rows),
                                                      online_cpu_rate, _rows(m, top_k, experts))
-                cpu = _cpu_probes(probe, group, group_costs, data.trace, warm, 10 * len(rows) + 5) if cpu_probe else None
+                cpu = _cpu_probes(probe, group, group_costs, data.trace, warm,
+                                  10 * len(rows) + 5) if cpu_probe else None
                 for run, row in zip(group, run_cells(shells, config, routings, data.trace, group, warm, group_costs,
                                                      device, options, fixed_s, scale, reference_fixed, cpu)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
@@ -174,7 +174,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             "timed_steps": {m: balanced_count(timed_steps(steps, m), stacks) for m in batches},
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shells[0]),
-            "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
+            "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1],
+                        "warm_up": clock[3] - clock[2]},
             "table_s": time.perf_counter() - clock[3], **_fixed_doc(fixed), **_tables([asdict(r) for r in rows])}
 
 
@@ -201,7 +202,8 @@ def _costs_doc(costs: MissCosts) -> dict:
 
 
 def _stream(config: MoEConfig, layers: int, count: int, m: int, stream: str, warm: int, device):
-    """The simulator's decode stream of ``count`` steps (seed 3) and its routings from step ``warm`` on, on ``device``."""
+    """The simulator's decode stream of ``count`` steps (seed 3) and its routings from step ``warm`` on, on
+    ``device``."""
     data = decode_stream(config.num_experts, config.top_k, layers, count, m, STREAMS[stream], DRIFT, seed=3)
     return data, [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
 

@@ -27,7 +27,8 @@ def modes_by_cell(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     """(stream, cache %, policy, prefetch, M) -> {mode: row}, in the rows' order."""
     cells: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
+        cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]),
+                         {})[r["compute_misses_on"]] = r
     return cells
 
 

@@ -93,7 +93,8 @@ def draw_predictions(ax, doc: dict, shape_name: str, colors: dict[str, str], leg
         fmt = format_of(dtype)
         floor = predicted_floor_us(shape, fmt, doc["ceilings"], grid) if fmt else None
         if floor is not None:
-            ax.plot(grid, floor, ls="--", color=colors[dtype], label=f"{dtype} predicted floor (analyze --dtype {fmt.name})")
+            ax.plot(grid, floor, ls="--", color=colors[dtype],
+                    label=f"{dtype} predicted floor (analyze --dtype {fmt.name})")
     ax.set(xscale="log", yscale="log", xlabel="M (tokens)", ylabel="µs per call", title=f"{shape_name}: quantized")
     if legend:
         ax.legend(fontsize=6)

@@ -102,7 +102,8 @@ def figure(doc: dict):
             pts = sorted((c["M"], c["us"] / c["floor_us"]) for c in cells
                          if c["backend"] == backend and c.get("dtype", doc["dtype"]) == dtype)
             # quantized runs: a colour per dtype (as in the second row), a line style per backend
-            style = dict(color=colors[dtype], ls=styles.setdefault(backend, LINE_STYLES[len(styles) % 4])) if quantized else {}
+            style = dict(color=colors[dtype],
+                         ls=styles.setdefault(backend, LINE_STYLES[len(styles) % 4])) if quantized else {}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{backend} {dtype}" if quantized
                     else backend, **style)
         ax.axhline(1.0, color="k", lw=0.8)

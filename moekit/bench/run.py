@@ -27,7 +27,8 @@ from moekit.bench.timing import EAGER_CALLS, MIN_REPEATS, NOISY_SPREAD_PCT
 from moekit.experts import available_backends, backend_available, backend_names
 from moekit.quant import SCHEMES
 
-__all__ = ["BUDGET_S", "GRAPH_MAX_M", "REFERENCE_MAX_M", "BenchProgress", "BenchSetup", "Cell", "check_args", "commit_id",
+__all__ = ["BUDGET_S", "GRAPH_MAX_M", "REFERENCE_MAX_M", "BenchProgress", "BenchSetup", "Cell", "check_args",
+           "commit_id",
            "default_setup", "device_name", "geomean_speedup", "run_bench", "runnable_backends"]
 
 
@@ -52,7 +53,8 @@ def commit_id() -> str:
         return os.environ["MOEKIT_COMMIT"]
     try:
         here = os.path.dirname(__file__)
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=os.path.join(here, ".."),
                                capture_output=True, text=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
@@ -139,7 +141,8 @@ def _ceilings_line(c: Ceilings) -> str:
             f"({c.mm_dtype})")
     if c.fp8_mm_TFLOPs:
         return line + f", fp8 matmul {format_flops(c.fp8_mm_TFLOPs * 1e12)}"
-    return line if (c.fp8_mm_error or "").startswith("not measured") else line + f", fp8 matmul failed: {c.fp8_mm_error}"
+    return (line if (c.fp8_mm_error or "").startswith("not measured")
+            else line + f", fp8 matmul failed: {c.fp8_mm_error}")
 
 
 def run_bench(device: torch.device, shapes=None, batches=None, backends=None, on_progress=None, dtypes=None,

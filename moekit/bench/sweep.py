@@ -86,7 +86,8 @@ class Outputs:
     def of(self, name: str) -> torch.Tensor:
         if name not in self.out:
             s = self.first
-            self.out[name] = get_backend(name)(s.x, self.weights.w13, self.weights.w2, s.topk_ids, s.topk_weights).float()
+            self.out[name] = get_backend(name)(s.x, self.weights.w13, self.weights.w2, s.topk_ids,
+                                               s.topk_weights).float()
         return self.out[name]
 
 
@@ -132,7 +133,8 @@ def _variant_cells(at: AtM, v: WeightVariant, plan: SweepPlan, device, base: dic
     for name in backends:
         if name == "grouped_mm" or (not v.quantized and name in plan.quant_backends and len(plan.dtypes) > 1):
             outputs.of(name)  # kept for the errors of triton and of the quantized cells
-        err = _rel(outputs.of(name), outputs.of("grouped_mm")) if name == "triton" and "grouped_mm" in backends else None
+        err = _rel(outputs.of(name),
+                   outputs.of("grouped_mm")) if name == "triton" and "grouped_mm" in backends else None
         use_graph = device.type == "cuda" and at.m <= GRAPH_MAX_M and name != "reference"
         timed = _time_backend(get_backend(name), v.weights, at.sets, device, use_graph, plan.budget_s)
         cell = _make_cell(at, v, name, timed, model)

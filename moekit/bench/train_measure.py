@@ -1,6 +1,7 @@
 """``moekit bench --train``: forward + backward of the experts path, routing included, per implementation.
 
-    x [M, K] -> gate GEMM -> route (softmax top-k, renormalised) -> experts (w13, SiLU-and-mul, w2, weight) -> out [M, K]
+    x [M, K] -> gate GEMM -> route (softmax top-k, renormalised) -> experts (w13, SiLU-and-mul, w2, weight)
+      -> out [M, K]
     loss = sum(out * R) (R a fixed random [M, K]) -> backward: grads of x, the gate, w13, w2
 
 Shapes: M tokens, K hidden, N expert intermediate, E experts, k experts per token.
@@ -93,7 +94,8 @@ def _problem(shape: Shape, tokens: int, dtype: torch.dtype, device: torch.device
 
     cfg = MoEConfig(hidden_size=k, moe_intermediate_size=n, num_experts=e, top_k=shape.top_k)
     return _Problem(cfg, rand(tokens, k, scale=1.0), rand(tokens, k, scale=1.0).detach(), rand(e, k, scale=k**-0.5),
-                    torch.nn.Parameter(rand(e, 2 * n, k, scale=k**-0.5)), torch.nn.Parameter(rand(e, k, n, scale=n**-0.5)))
+                    torch.nn.Parameter(rand(e, 2 * n, k, scale=k**-0.5)),
+                    torch.nn.Parameter(rand(e, k, n, scale=n**-0.5)))
 
 
 def _moekit_step(p: _Problem, backend: str) -> Callable[[], None]:
@@ -223,14 +225,16 @@ def measure_train(device: torch.device | str, shapes=None, tokens=None, impls=No
 def speedups(rows: list[TrainRow]) -> list[dict]:
     """Per (shape, M) and moekit implementation: the transformers row's time over its time."""
     base = {(r.shape, r.tokens): r.ms for r in rows if r.impl == TRANSFORMERS_IMPL and r.ms}
-    return [{"shape": r.shape, "tokens": r.tokens, "impl": r.impl, "speedup_vs_transformers": base[(r.shape, r.tokens)] / r.ms}
+    return [{"shape": r.shape, "tokens": r.tokens, "impl": r.impl,
+             "speedup_vs_transformers": base[(r.shape, r.tokens)] / r.ms}
             for r in rows if r.impl != TRANSFORMERS_IMPL and r.ms and (r.shape, r.tokens) in base]
 
 
 def _line(row: TrainRow) -> str:
     if row.error:
         return f"{row.shape} M={row.tokens} {row.impl}: failed: {row.error}"
-    memory = f", peak +{row.peak_gib:.2f} GiB (activations {row.activation_gib:.2f})" if row.peak_gib is not None else ""
+    memory = (f", peak +{row.peak_gib:.2f} GiB (activations {row.activation_gib:.2f})" if row.peak_gib is not None
+              else "")
     check = f", dx err {row.rel_err_dx:.1e}" if row.rel_err_dx is not None else ""
     return (f"{row.shape} M={row.tokens} {row.impl}: {row.ms:.3f} ms, {format_flops(row.tflops * 1e12)} "
             f"({row.pct_mm:.0f}% of matmul){memory}{check}")

@@ -17,12 +17,14 @@ def add_arguments(p) -> None:
     g.add_argument("--cache-experts", type=int,
                    help="GPU expert slots for the whole model (default: half of all routed experts)")
     g.add_argument("--hit-rate", type=float,
-                   help="measured cache hit rate in [0, 1] (e.g. from `moekit simulate cache`); default C / (E x layers)")
+                   help="measured cache hit rate in [0, 1] (e.g. from `moekit simulate cache`); default C / (E x "
+                        "layers)")
     g.add_argument("--cpu-tflops", type=float, help="the CPU's expert rate, TFLOP/s: adds the misses-on-CPU column")
     g.add_argument("--cpu-gbps", type=float, help="the CPU path's weight streaming rate, GB/s (bench --offload: expert "
                    "bytes / cpu_expert_us): adds the misses-on-CPU column")
     g.add_argument("--cpu-step-us", type=float, default=0.0,
-                   help="the CPU path's fixed price per layer forward with CPU misses, µs (bench --offload's cpu_step_us)")
+                   help="the CPU path's fixed price per layer forward with CPU misses, µs (bench --offload's "
+                        "cpu_step_us)")
 
 
 def offload_rows(args, cfg, fmt, gpu) -> list[OffloadCost]:

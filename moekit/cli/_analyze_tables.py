@@ -125,8 +125,9 @@ def _measured_times_table(m: Measurement) -> Table:
                   caption=f"graph: CUDA-graph replay (-: none on the CPU; failed: see below); eager: back-to-back "
                           f"forwards, one sync; host: issue time per forward (rest: the calls after each loop's "
                           f"first); ±: eager passes' interquartile range / median; floor: byte model on this "
-                          f"device's ceilings, measured in this run; ok: the targets, judged for B <= {MEMORY_BOUND_MAX_BATCH}: "
-                          f"host rest <= {HOST_TARGET_S * 1e6:.0f} µs, graph <= {GRAPH_FLOOR_TARGET} x floor",
+                          f"device's ceilings, measured in this run; ok: the targets, judged for B <= "
+                          f"{MEMORY_BOUND_MAX_BATCH}: host rest <= {HOST_TARGET_S * 1e6:.0f} µs, graph <= "
+                          f"{GRAPH_FLOOR_TARGET} x floor",
                   caption_justify="left")
     for col in ("batch", "graph", "eager", "host", "rest", "±", "floor", "graph/floor", "eager/floor", "host ok",
                 "graph ok"):

@@ -116,7 +116,8 @@ def device_arg(text: str) -> str:
     if kind != "cuda" or (index and not index.isdigit()):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
     if not torch.cuda.is_available():
-        why = f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
+        why = (f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda is None
+               else "no CUDA GPU is visible")
         raise argparse.ArgumentTypeError(f"{text} is not available: {why}; use --device cpu")
     if index and int(index) >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")

@@ -12,9 +12,9 @@ from moekit.cli._args import UsageError, positive_int
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("CPU experts (--cpu-experts)")
     g.add_argument("--cpu-experts", action="store_true",
-                   help="time moekit's CPU experts path (backend auto) and its variants against transformers' grouped_mm, "
-                   "batched_mm and eager experts, fp32, rounds interleaved, beside the dense matmul rate of the same run; "
-                   "--backends picks rows (moekit, onednn_packed, ..., hf_eager); "
+                   help="time moekit's CPU experts path (backend auto) and its variants against transformers' "
+                   "grouped_mm, batched_mm and eager experts, fp32, rounds interleaved, beside the dense matmul rate "
+                   "of the same run; --backends picks rows (moekit, onednn_packed, ..., hf_eager); "
                    "M = 1,8,64,512 unless --batches; --repeats rounds (default 7); JSON <cpu>-cpu-experts-<date>.json "
                    "under --out")
     g.add_argument("--shape", default=None,
@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--{err}") from None
     rows = set(args.backends or cm.ROWS)
     if rows - set(cm.ROWS):
-        raise UsageError(f"--backends: unknown with --cpu-experts: {sorted(rows - set(cm.ROWS))}; rows: {', '.join(cm.ROWS)}")
+        raise UsageError(f"--backends: unknown with --cpu-experts: {sorted(rows - set(cm.ROWS))}; rows: "
+                         f"{', '.join(cm.ROWS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = args.batches or list(cm.DEFAULT_BATCHES)
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench --cpu-experts {message}", file=sys.stderr, flush=True)
 
     log(f"E,N,K,k={shape.experts},{shape.intermediate},{shape.hidden},{shape.top_k} M={batches} "
-        f"threads={torch.get_num_threads()} repeats={repeats} transformers={cm.transformers_version() or 'not installed'}")
+        f"threads={torch.get_num_threads()} repeats={repeats} "
+        f"transformers={cm.transformers_version() or 'not installed'}")
     if cm.transformers_version() is None:
         log(f"note: {cm.NO_TRANSFORMERS}")
     doc = cm.measure_cpu_experts(shape, batches, repeats, rows, log)

@@ -21,13 +21,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tokens", type=int, default=None, help="new tokens per generate (default 64 GPU, 8 CPU)")
     g.add_argument("--prompt-len", type=int, default=None, help="decode prompt tokens (default 16 GPU, 8 CPU)")
     g.add_argument("--prefill-batch", type=int, default=None, help="prefill sequences (default 4 GPU, 1 CPU)")
-    g.add_argument("--prefill-len", type=int, default=None, help="prefill tokens per sequence (default 1024 GPU, 64 CPU)")
-    g.add_argument("--repeats", type=int, default=None, help="timed round-robin repeats; medians (default 3; 7 with --cpu-experts)")
+    g.add_argument("--prefill-len", type=int, default=None,
+                   help="prefill tokens per sequence (default 1024 GPU, 64 CPU)")
+    g.add_argument("--repeats", type=int, default=None,
+                   help="timed round-robin repeats; medians (default 3; 7 with --cpu-experts)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also time transformers' compiled decode (default: on for CUDA, off on CPU)")
     g.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
-    g.add_argument("--tiny", action="store_true", help="tiny widths, with --hf or --offload (a smoke run; the tests use it)")
+    g.add_argument("--tiny", action="store_true",
+                   help="tiny widths, with --hf or --offload (a smoke run; the tests use it)")
 
 
 def run(args: argparse.Namespace) -> int:

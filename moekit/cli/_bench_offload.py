@@ -22,10 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-streams", action=ListOption, item=_stream, default=["uniform", "skewed"],
                    help="simulated routing streams: uniform, skewed")
     g.add_argument("--offload-online-cpu-rate", action="store_true",
-                   help='"auto" layers price CPU experts by an online estimate of the CPU rate (moekit.offload.CpuRate)')
+                   help='"auto" layers price CPU experts by an online estimate of the CPU rate '
+                   '(moekit.offload.CpuRate)')
     g.add_argument("--offload-dtype", default="float", metavar="DTYPE",
                    help="the experts' format: float (bf16 on CUDA, float32 on the CPU) or a moekit.quant scheme "
-                   "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the link")
+                   "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the "
+                   "link")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,10 +63,11 @@ def run(args: argparse.Namespace) -> int:
     for line in compact_table(doc["rows"]) + doc["summary"]:
         console.print(line, markup=False, highlight=False)
     console.print("floor's fixed per-layer ms (all-hit steps) / least per forward with a fetch (one forced in each "
-                  "layer): " + ", ".join(f"{k} {v:.3f}/{doc['fetch_layer_ms'][k]:.3f}" for k, v in doc["fixed_ms"].items()),
+                  "layer): "
+                  + ", ".join(f"{k} {v:.3f}/{doc['fetch_layer_ms'][k]:.3f}" for k, v in doc["fixed_ms"].items()),
                   markup=False, highlight=False)
-    console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, "
-                  f"GPU read {doc['gpu_read_GBps']:.0f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
+    console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} "
+                  f"GB/s, GPU read {doc['gpu_read_GBps']:.0f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
                   f"{doc['cpu_token_us']:.0f} µs/token + {doc['cpu_step_us']:.0f} µs/forward at {doc['cpu_threads']} "
                   f"threads ({doc['cpu_gemm']}), margin {doc['cpu_margin']:.2f}; setup "
                   f"{sum(doc['setup_s'].values()):.0f} s, table {doc['table_s']:.0f} s; wrote {path}")

@@ -11,7 +11,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training step (--train)")
     g.add_argument("--train", action="store_true",
                    help="time forward + backward (routing included) of moekit's experts backends against transformers' "
-                   "grouped_mm experts at M = 4096 and 16384 (--batches to change; tiny sizes on the CPU); JSON under --out")
+                   "grouped_mm experts at M = 4096 and 16384 (--batches to change; tiny sizes on the CPU); JSON under "
+                   "--out")
 
 
 def run(args: argparse.Namespace, device) -> int:
@@ -29,7 +30,8 @@ def run(args: argparse.Namespace, device) -> int:
 
     doc = measure_train(device, args.shapes, args.batches, impls, log)
     for s in doc["speedups"]:
-        console.print(f"{s['shape']} M={s['tokens']} {s['impl']}: {s['speedup_vs_transformers']:.2f}x transformers:grouped_mm")
+        console.print(f"{s['shape']} M={s['tokens']} {s['impl']}: {s['speedup_vs_transformers']:.2f}x "
+                      f"transformers:grouped_mm")
     path = write_json(doc, results_path(args.out, {"device": f"{doc['device']}-train", "date": doc["date"]}))
     console.print(f"wrote {path}")
     return 0

@@ -44,14 +44,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--skew must be in [0, 1], got {args.skew}")
     if not args.drift >= 0.0:
         raise UsageError(f"--drift must be >= 0, got {args.drift}")
-    trace = decode_trace(args.experts, args.top_k, args.layers, args.steps, args.tokens, args.skew, args.drift, args.seed)
+    trace = decode_trace(args.experts, args.top_k, args.layers, args.steps, args.tokens, args.skew, args.drift,
+                         args.seed)
     rows = cache_what_if(trace, args.fractions, args.policies)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
         return 0
     print(f"Expert cache what-if: E={args.experts}, top-{args.top_k}, {args.layers} layers, {args.tokens} token(s) "
           f"per step, {args.steps} steps, skew {args.skew}, drift {args.drift}")
-    print(f"{'policy':>6} {'slots':>6} {'of all':>7} {'prefetch':>9} {'hit rate':>9} {'fetches/step':>13} {'prefetch acc':>13}")
+    print(f"{'policy':>6} {'slots':>6} {'of all':>7} {'prefetch':>9} {'hit rate':>9} {'fetches/step':>13} "
+          f"{'prefetch acc':>13}")
     for r in rows:
         print(f"{r.policy:>6} {r.cache_experts:>6} {r.cache_fraction:>7.0%} {r.prefetch:>9} {r.hit_rate:>9.3f} "
               f"{r.fetched_per_step:>13.2f} {r.prefetch_accuracy:>13.2f}")

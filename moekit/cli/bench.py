@@ -21,9 +21,12 @@ def register(subparsers) -> None:
         "the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B expert shapes (scaled down on the CPU); write JSON + PNG.",
     )
     p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--shapes", action=ListOption, default=None, help="presets, space- or comma-separated (default: all three)")
-    p.add_argument("--batches", action=ListOption, item=positive_int, default=None, help="M values, space- or comma-separated")
-    p.add_argument("--backends", action=ListOption, default=None, help="backends, space- or comma-separated (default: all available)")
+    p.add_argument("--shapes", action=ListOption, default=None,
+                   help="presets, space- or comma-separated (default: all three)")
+    p.add_argument("--batches", action=ListOption, item=positive_int, default=None,
+                   help="M values, space- or comma-separated")
+    p.add_argument("--backends", action=ListOption, default=None,
+                   help="backends, space- or comma-separated (default: all available)")
     p.add_argument("--dtype", action=ListOption, default=None,
                    help="expert weight dtypes, space- or comma-separated: bfloat16 (unquantized; float32 on the CPU), "
                    "fp8_block, int8_w8a16, int4_w4a16, mxfp4 (default: bfloat16). Quantized cells run moekit's "
@@ -31,7 +34,8 @@ def register(subparsers) -> None:
                    "cells, which always run with them")
     p.add_argument("--budget-s", type=positive_float, default=None,
                    help="seconds of timed passes per cell (default 0.3; at least 5 passes whatever the budget)")
-    p.add_argument("--out", type=output_dir, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png; "
+    p.add_argument("--out", type=output_dir, default=Path("benchmarks/results"),
+                   help="directory for <device>-<date>.json/.png; "
                    "an existing result is never overwritten: the run takes <device>-<date>-2, -3, ...")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     _bench_hf.add_arguments(p)
@@ -46,7 +50,8 @@ def _run(args: argparse.Namespace) -> int:
     if modes and (args.dtype or args.budget_s):
         raise UsageError(f"--dtype and --budget-s apply to the kernel cells, not to {modes[0]}")
     if not args.cpu_experts and (args.shape or args.threads):
-        raise UsageError(f"--{'shape' if args.shape else 'threads'} applies to --cpu-experts (the kernel cells take --shapes)")
+        raise UsageError(f"--{'shape' if args.shape else 'threads'} applies to --cpu-experts (the kernel cells take "
+                         f"--shapes)")
     if args.cpu_experts:
         if len(modes) > 1:
             raise UsageError(f"{modes[0]} and --cpu-experts are separate runs; give one")

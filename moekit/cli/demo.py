@@ -52,12 +52,14 @@ def print_report(report: DemoReport, console: Console) -> None:
         sweep.add_column(col, justify="right")
     for row in report.sweep:
         cf = "dropless" if row.capacity_factor is None else f"{row.capacity_factor:g}"
-        sweep.add_row(str(row.batch), cf, f"{row.imbalance:.2f}x", f"{row.drop_rate:.1%}", f"{row.effective_sparsity:.2f}x")
+        sweep.add_row(str(row.batch), cf, f"{row.imbalance:.2f}x", f"{row.drop_rate:.1%}",
+                      f"{row.effective_sparsity:.2f}x")
     console.print(sweep)
     touch = Table(title="experts touched", caption="predicted: uniform routing, E*(1-(1-k/E)^B)")
     for col in ("batch", "measured", "predicted", "ratio"):
         touch.add_column(col, justify="right")
     for row in report.touch:
-        touch.add_row(str(row.batch), f"{row.measured:.2f}", f"{row.predicted:.2f}", f"{row.measured / row.predicted:.2f}")
+        touch.add_row(str(row.batch), f"{row.measured:.2f}", f"{row.predicted:.2f}",
+                      f"{row.measured / row.predicted:.2f}")
     console.print(touch)
     console.print(f"done in {report.seconds:.1f} s")

@@ -94,8 +94,10 @@ def _run_exercise(args: argparse.Namespace) -> int:
 
 
 def _answer1(ex) -> str:
-    lines = [f"Exercise 1: E={ex.experts}, top-{ex.top_k}; first batch whose step touches > {ex.threshold:.0%} of experts",
-             f"  uniform prediction: B = {ex.predicted_first_over} (B_0.9 = ln 0.1 / ln(1 - k/E) = {ex.predicted_b:.1f})"]
+    lines = [f"Exercise 1: E={ex.experts}, top-{ex.top_k}; first batch whose step touches > {ex.threshold:.0%} of "
+             f"experts",
+             f"  uniform prediction: B = {ex.predicted_first_over} (B_0.9 = ln 0.1 / ln(1 - k/E) = "
+             f"{ex.predicted_b:.1f})"]
     for c in ex.curves:
         at = f"B = {c.first_over}" if c.first_over else f"never up to B = {c.batches[-1]}"
         lines.append(f"  simulated, skew {c.skew}: {at} (fraction at B={c.batches[-1]}: {c.simulated[-1]:.2f})")
@@ -103,7 +105,8 @@ def _answer1(ex) -> str:
 
 
 def _answer2(ex) -> str:
-    lines = [f"Exercise 2: MoE layer, {ex.tokens} tokens, E={ex.experts}, top-{ex.top_k}; capacity dropping vs dropless"]
+    lines = [f"Exercise 2: MoE layer, {ex.tokens} tokens, E={ex.experts}, top-{ex.top_k}; capacity dropping vs "
+             f"dropless"]
     for c in ex.curves:
         lines.append(f"  skew {c.skew}: drops at capacity factor <= {c.last_with_drops}; "
                      f"output error > {ex.tolerance:.0%} at capacity factor <= {c.last_over_tolerance}")
@@ -123,7 +126,8 @@ def _answer3(ex) -> str:
     for r in ex.at_target.ep.placements:
         lines.append(f"    {r.name:11s} step (max) {r.step_time_us:8.1f} us  mean {r.balanced_time_us:8.1f} us  "
                      f"imbalance {r.imbalance:4.2f}x  throughput lost {100 * r.throughput_lost:5.1f}%")
-    lines.append(f"  EPLB with {ex.spare_slots} replicas: {ex.at_target.ep.replication_gain:.2f}x the contiguous throughput")
+    lines.append(f"  EPLB with {ex.spare_slots} replicas: {ex.at_target.ep.replication_gain:.2f}x the contiguous "
+                 f"throughput")
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ import contextlib
 import time
 from pathlib import Path
 
-from moekit.cli._args import DefaultsHelpFormatter, device_arg, missing_extra, output_dir, positive_float, positive_int, seed_arg
+from moekit.cli._args import (DefaultsHelpFormatter, device_arg, missing_extra, output_dir, positive_float,
+                              positive_int, seed_arg)
 
 
 def register(subparsers) -> None:
@@ -28,7 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--device", type=device_arg, default=d.device, help="cpu, or cuda (the Triton experts path)")
     p.add_argument("--out", type=output_dir, default=Path("moekit-train"), help="directory for the JSON and PNG")
     p.add_argument("--seed", type=seed_arg, default=d.seed, help="weights and batches")
-    p.add_argument("--capacity-factor", type=positive_float, default=None, help="drop over capacity (default: dropless)")
+    p.add_argument("--capacity-factor", type=positive_float, default=None,
+                   help="drop over capacity (default: dropless)")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="sequences per step")
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len, help="bytes per sequence")
     p.add_argument("--layers", type=positive_int, default=d.num_layers, help="MoE layers")
@@ -71,7 +73,8 @@ def _run(args: argparse.Namespace) -> int:
     doc = curves_document(result, corpus)
     for method, s in summary(result).items():
         drops = f", dropped {100 * s['dropped']:.1f}%" if settings.capacity_factor is not None else ""
-        console.print(f"{method:>5}: loss {s['loss']:.3f}, max/mean load {s['imbalance']:.2f}{drops} (mean of the last 20% of steps)")
+        console.print(f"{method:>5}: loss {s['loss']:.3f}, max/mean load {s['imbalance']:.2f}{drops} (mean of the last "
+                      f"20% of steps)")
     console.print(f"wrote {write_curves(doc, args.out / 'train-curves.json')}")
     if not args.no_plot:
         png = plot_curves(doc, args.out / "train-curves.png")
@@ -95,8 +98,10 @@ def _progress(console, log_every: int, with_drops: bool):
                 return
             parts = []
             for method, (loss, imbalance, dropped) in report.latest.items():
-                parts.append(f"{method} loss {loss:.3f} load {imbalance:.2f}" + (f" drop {100 * dropped:.1f}%" if with_drops else ""))
-            console.print(f"step {report.step:>4}/{report.steps} [{time.perf_counter() - start:6.1f} s]  " + " | ".join(parts),
+                parts.append(f"{method} loss {loss:.3f} load {imbalance:.2f}"
+                             + (f" drop {100 * dropped:.1f}%" if with_drops else ""))
+            console.print(f"step {report.step:>4}/{report.steps} [{time.perf_counter() - start:6.1f} s]  "
+                          + " | ".join(parts),
                           soft_wrap=True)  # one line per report, also when piped
 
         yield on_step

@@ -89,7 +89,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {backend!r}")
     if not backend_available(backend, device):
-        raise RuntimeError(f"backend {backend!r} is not available on {device}; auto would use: {available_backends(device)}")
+        raise RuntimeError(f"backend {backend!r} is not available on {device}; auto would use: "
+                           f"{available_backends(device)}")
     return backend
 
 
@@ -302,7 +303,8 @@ def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None, *, a
     if topk_ids.dtype not in _ID_DTYPES:
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_weights.shape != ids_shape:
-        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(ids_shape)}, got {tuple(topk_weights.shape)}")
+        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(ids_shape)}, got "
+                         f"{tuple(topk_weights.shape)}")
     dtype, device = x.dtype, x.device
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):  # moekit.quant weights, any x dtype
         from moekit.quant import check_quantized_pair  # imported on this path only (keeps the top import-free)

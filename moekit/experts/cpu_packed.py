@@ -191,7 +191,8 @@ def fused_loop_peak_bytes(num_tokens: int, top_k: int, hidden_size: int, interme
 
 
 def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      expert_map: torch.Tensor | None, cache: PackedWeightCache | None, workers: int = 1) -> torch.Tensor:
+                      expert_map: torch.Tensor | None, cache: PackedWeightCache | None,
+                      workers: int = 1) -> torch.Tensor:
     """x [M, K] -> [M, K] in float32, the experts contract by the per-expert loop; ``cache`` None reads the
     plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``.
 
@@ -252,7 +253,8 @@ class _ExpertLoop:
     def run(self, expert: int) -> None:
         rows = slice(self.starts[expert], self.starts[expert] + self.counts[expert])
         xs = self.x.index_select(0, self.tokens[rows])  # [m, K]
-        self.ys[expert] = _expert(xs, self.ex, self.weights[expert], self.linear, self.slot_weights[rows, None], self.acc)
+        self.ys[expert] = _expert(xs, self.ex, self.weights[expert], self.linear, self.slot_weights[rows, None],
+                                  self.acc)
 
     def combine(self, experts: list[int]) -> torch.Tensor:
         """out [M, K] (acc): every expert's rows added in ``experts`` order (ascending), one serial

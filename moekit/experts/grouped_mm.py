@@ -1,11 +1,12 @@
 """Experts on torch's GEMMs, the pipeline's stages in plain sight (the CPU default; CUDA without Triton):
 
-    [Group: a moekit.layouts layout] -> [Experts: w13 GEMM + b13, glu, w2 GEMM + b2] -> [Combine: the layout's weighted inverse]
+    [Group: a moekit.layouts layout] -> [Experts: w13 GEMM + b13, glu, w2 GEMM + b2]
+      -> [Combine: the layout's weighted inverse]
 
-| layout (``layout=``)    | group                                | experts                          | combine              |
-| ----------------------- | ------------------------------------ | -------------------------------- | -------------------- |
-| ``contiguous``          | ``permute_contiguous`` (align 1)     | grouped GEMM over the A rows     | ``combine_contiguous`` |
-| ``masked_measured_cap`` | ``masked_layout_measured_cap_syncs`` | ``torch.bmm`` over [E, cap] rows | ``combine_masked``   |
+| layout (``layout=``)    | group                                | experts                   | combine                |
+| ----------------------- | ------------------------------------ | ------------------------- | ---------------------- |
+| ``contiguous``          | ``permute_contiguous`` (align 1)     | grouped GEMM on A rows    | ``combine_contiguous`` |
+| ``masked_measured_cap`` | ``masked_layout_measured_cap_syncs`` | ``torch.bmm`` on [E, cap] | ``combine_masked``     |
 
 ``layout="auto"`` lets ``moekit.layouts.choose_layout`` pick per call from the shapes alone (no host
 sync): the layout with the fewest GEMM rows whose whole run (combine included) fits

@@ -68,5 +68,6 @@ def _dense_masked(x, w13, w2, local, topk_weights, activation, b13, b2, acc: tor
         if b2 is not None:
             y = y + b2[expert].to(acc)
         weight = torch.where(hit, weights, 0).sum(1, keepdim=True)  # [M, 1]
-        out = out + torch.where(hit.any(1, keepdim=True), y * weight, 0)  # an unrouted row adds 0, even if y is not finite
+        # an unrouted row adds 0, even if y is not finite
+        out = out + torch.where(hit.any(1, keepdim=True), y * weight, 0)
     return out

@@ -4,22 +4,20 @@
     (eager, M <= LaunchOptions.sum_fold_max: the sum over k in the down GEMM's epilogue, one launch fewer; up to
     sum_tail_max: in programs after the down GEMM's, in its grid)
 
-Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and
-gathers its rows through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the
-activation is fused into that GEMM's epilogue); the routed weight is applied in the down GEMM's
-epilogue; the k-sum reads the [A, K] per-slot rows once. At A*4 <= E with no expert map (vLLM's
-tiny-batch shortcut) no alignment runs: block a is assignment a. Every experts variant runs fused: the
-``ActivationSpec`` (gated or not, interleaved gate/up, alpha/limit/up_shift) becomes constexprs of the
-gate-up kernel, resolved once per plan; the biases are pointers (``_kernels/gemm.py``); weights are
-read through their strides (transposed storage: pointer loads, no copy; TMA where contiguous).
+Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and gathers its rows
+through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the activation is fused into that GEMM's
+epilogue); the routed weight is applied in the down GEMM's epilogue; the k-sum reads the [A, K] per-slot rows once. At
+A*4 <= E with no expert map (vLLM's tiny-batch shortcut) no alignment runs: block a is assignment a. Every experts
+variant runs fused: the ``ActivationSpec`` (gated or not, interleaved gate/up, alpha/limit/up_shift) becomes constexprs
+of the gate-up kernel, resolved once per plan; the biases are pointers (``_kernels/gemm.py``); weights are read through
+their strides (transposed storage: pointer loads, no copy; TMA where contiguous).
 
-No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph
-capturable and replays correctly with new routing. How it launches is chosen by a ``LaunchOptions``
-passed down to every launch (``triton_launch``; e.g. programmatic dependent launch on compute
-capability 9.0 and later, the waits in ``_kernels._common``, so each grid launches while the one
-before it drains). ``torch.ops.moekit.triton_experts`` and ``torch.ops.moekit.align_block_triton``
-(``triton_align``) are ``torch.library`` custom ops with fakes, so ``torch.compile(fullgraph=True)``
-traces through them.
+No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph capturable and replays
+correctly with new routing. How it launches is chosen by a ``LaunchOptions`` passed down to every launch
+(``triton_launch``; e.g. programmatic dependent launch on compute capability 9.0 and later, the waits in
+``_kernels._common``, so each grid launches while the one before it drains). ``torch.ops.moekit.triton_experts`` and
+``torch.ops.moekit.align_block_triton`` (``triton_align``) are ``torch.library`` custom ops with fakes, so
+``torch.compile(fullgraph=True)`` traces through them.
 
 The host path of a call (eager; budgeted like GPU time, see ``benchmarks/host_time.py``). Everything
 that does not depend on the call's data is decided once per kind of call and cached (each switchable
@@ -29,11 +27,13 @@ in ``LaunchOptions`` for an A/B):
       shapes, dtypes and devices, no map or biases -> out (fresh), its kept sequence launched; nothing below
     call_backend: check_experts_args (the one check) -> experts_triton_unchecked
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
-      -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
+      -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions,
+         bound launches]
       -> lean (``LaunchOptions.lean_launch``, ``triton_lean``): out (fresh), the plan's recorded LaunchSequence
          (rebuilt if the pooled workspace or the weights' descriptors changed), the call's tensors filled into
-         argument lists built once (as addresses: ``triton_bind.PASS_ADDRESSES``), each launched through the C entry; or, on
-         the first call of a plan and wherever lean does not apply (graph capture, poisoned workspaces, a
+         argument lists built once (as addresses: ``triton_bind.PASS_ADDRESSES``), each launched through the C
+         entry; or, on the first call of a plan and wherever lean does not apply (graph capture, poisoned
+         workspaces, a
          caller's counters, a launch hook):
       -> out (fresh), workspace (reused views; above the pool's max_bytes all but the alignment's regions
          fresh per call; all fresh while a graph captures), TMA descriptors (per weight)

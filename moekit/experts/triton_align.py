@@ -31,7 +31,9 @@ class AlignPlan:
     write sorted_ids, expert_ids and num_padded). ``regions`` are the buffers they fill, for a
     workspace. ``launches`` is how many run per call."""
 
-    regions: tuple  # (name, dtype, shape): sorted_ids [R], expert_ids [R/B], num_padded [1], counts [E], + hist, chunk_base or chunk_start [chunks, EP], offsets [EP]
+    # (name, dtype, shape): sorted_ids [R], expert_ids [R/B], num_padded [1], counts [E], + hist, chunk_base or
+    # chunk_start [chunks, EP], offsets [EP]
+    regions: tuple
     small: BoundLaunch | None = None
     naive: BoundLaunch | None = None
     hist: BoundLaunch | None = None
@@ -291,7 +293,8 @@ def _align_op(
     num_global = None if expert_map is None else expert_map.numel()
     plan = plan_align(num_assignments, num_experts, block_size, num_global, num_rows, options, naive)
     buffers = {name: torch.empty(shape, dtype=dtype, device=topk_ids.device) for name, dtype, shape in plan.regions}
-    run_align(plan, topk_ids, None if expert_map is None else expert_map.contiguous(), buffers)  # A = 0 too: counts, num_padded
+    # A = 0 too: counts, num_padded
+    run_align(plan, topk_ids, None if expert_map is None else expert_map.contiguous(), buffers)
     return buffers["sorted_ids"], buffers["expert_ids"], buffers["num_padded"], buffers["counts"]
 
 

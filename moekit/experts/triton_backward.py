@@ -6,8 +6,8 @@
 Per assignment a = (t, j) routed to e with weight w_a: h_a = w13[e] x_t [2N], g_a = act(gate_a) up_a
 [N], y_a = w2[e] g_a [K], out_t = sum_j w_a y_a. With dout_t = dL/dout_t:
 
-    dg_a = w_a w2[e]^T dout_t          dh_a = act-and-mul backward of dg_a      d w_a = <dout_t, y_a> = <w2[e]^T dout_t, g_a>
-    dx_t = sum_j w13[e]^T dh_a         dW2[e] = sum_a dout_t (w_a g_a)^T        dW13[e] = sum_a dh_a x_t^T
+    dg_a = w_a w2[e]^T dout_t      dh_a = act-and-mul backward of dg_a   d w_a = <dout_t, y_a> = <w2[e]^T dout_t, g_a>
+    dx_t = sum_j w13[e]^T dh_a     dW2[e] = sum_a dout_t (w_a g_a)^T     dW13[e] = sum_a dh_a x_t^T
 
 d w_a comes out of the dY @ W2 GEMM's epilogue as a dot with g, so y is neither saved nor recomputed.
 

@@ -107,19 +107,18 @@ def _rows_tile(cols: int, num_stages: int, num_warps: int = 8) -> KernelTiles:
     return KernelTiles(cols, 64, num_warps, num_stages, rows=128, desc=True, contiguous=True, group=8)
 
 
-# Measured winners on the H200 (sm_90, bf16), by ``shape_class``: ``benchmarks/backward_tune.py``, one
-# cell per class (the preset and M in each comment), 2026-12-01, for grad_gate_up and dX; the weight
-# grads from ``benchmarks/wgrad_device_check.py`` (2026-12-01, commit 1caf1a8: the contiguous TMA kernel
-# won every cell, 17-85% of the bf16 mm against the gathering kernel's 17-36%; every variant's grads
-# equal the gathering kernel's). Forward + backward at M=16384: Qwen3 11.6 -> 9.2 ms, DeepSeek-V3
-# 119.5 -> 97.7, Mixtral 98.5 -> 74.6. grad_gate_up on the permuted operands (``_sorted``) from
-# ``benchmarks/train_ggu_device_check.py`` (2026-12-01, commit d075047), where it beat the gathering kernel:
-# DeepSeek-V3 29.2 -> 22.9 ms at 16384 and 9.15 -> 8.68 at 4096, Mixtral 24.4 -> 22.1 and 6.26 -> 5.54,
-# Qwen3 2.87 -> 2.72 at 16384 (at 4096 the gathering kernel stays: 0.93 against 0.94). From
-# ``benchmarks/train_ds_device_check.py`` (2026-12-01, commit 5a3df12) at 16384: the persistent weight grad
-# (DeepSeek-V3 dW13 15.57 -> 14.74 ms, dW2 7.62 -> 7.18, Mixtral dW13 10.60 -> 10.34), dX from dh in the
-# layout's rows (13.20 -> 12.48, 11.75 -> 10.56), Mixtral's forward on permuted rows (forward + backward
-# 73.87 -> 72.99 ms; DeepSeek-V3's: no faster, 4.4 GiB more at peak). Classes not here take the heuristic below.
+# Measured winners on the H200 (sm_90, bf16), by ``shape_class``: ``benchmarks/backward_tune.py``, one cell per class
+# (the preset and M in each comment), 2026-12-01, for grad_gate_up and dX; the weight grads from
+# ``benchmarks/wgrad_device_check.py`` (2026-12-01, commit 1caf1a8: the contiguous TMA kernel won every cell, 17-85% of
+# the bf16 mm against the gathering kernel's 17-36%; every variant's grads equal the gathering kernel's). Forward +
+# backward at M=16384: Qwen3 11.6 -> 9.2 ms, DeepSeek-V3 119.5 -> 97.7, Mixtral 98.5 -> 74.6. grad_gate_up on the
+# permuted operands (``_sorted``) from ``benchmarks/train_ggu_device_check.py`` (2026-12-01, commit d075047), where it
+# beat the gathering kernel: DeepSeek-V3 29.2 -> 22.9 ms at 16384 and 9.15 -> 8.68 at 4096, Mixtral 24.4 -> 22.1 and
+# 6.26 -> 5.54, Qwen3 2.87 -> 2.72 at 16384 (at 4096 the gathering kernel stays: 0.93 against 0.94). From
+# ``benchmarks/train_ds_device_check.py`` (2026-12-01, commit 5a3df12) at 16384: the persistent weight grad (DeepSeek-V3
+# dW13 15.57 -> 14.74 ms, dW2 7.62 -> 7.18, Mixtral dW13 10.60 -> 10.34), dX from dh in the layout's rows (13.20 ->
+# 12.48, 11.75 -> 10.56), Mixtral's forward on permuted rows (forward + backward 73.87 -> 72.99 ms; DeepSeek-V3's: no
+# faster, 4.4 GiB more at peak). Classes not here take the heuristic below.
 TUNED: dict[str, BackwardTiles] = {
     "narrow/few": BackwardTiles(  # qwen3-30b-a3b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
@@ -331,7 +330,8 @@ def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelT
         n, hidden, num_assignments, num_assignments // dout.shape[0], layout.num_pid_m,
         dout.stride(0), x.stride(0), *w13.stride(), *w2.stride(), two_n,
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8,
-        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13, OUT_SORTED=sorted_out,
+        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13,
+        OUT_SORTED=sorted_out,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x.dtype),
     )
     return dh, gw, parts

@@ -75,4 +75,5 @@ def dx_sorted(dh: torch.Tensor, w13: torch.Tensor, per_slot: torch.Tensor, layou
         *ops, per_slot, layout.expert_ids, layout.num_padded, layout.sorted_ids,
         hidden, two_n, num_pid_m, layout.block_m, layout.num_assignments, dh.stride(0), *w13.stride(),
         per_slot.stride(0), BLOCK_M=block, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=tile.group,
-        DESC=ops[0] is not dh, SCATTER=True, num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(dh.dtype))
+        DESC=ops[0] is not dh, SCATTER=True, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **_precision(dh.dtype))

@@ -228,7 +228,8 @@ class _WeightEntry:
 class DescriptorPair:
     """The TMA descriptors of one plan's weight tiles."""
 
-    w13: object  # over w13 [E, 2N or N, K] as [E*2N or E*N, K] (interleaved: its gate rows [E*N, K]), [BLOCK_N, BLOCK_K] blocks
+    # over w13 [E, 2N or N, K] as [E*2N or E*N, K] (interleaved: its gate rows [E*N, K]), [BLOCK_N, BLOCK_K] blocks
+    w13: object
     w13_up: object | None  # interleaved only: over w13's up rows as [E*N, K]; else None
     w2: object  # over w2 [E, K, N] as [E*K, N], blocks of the down tile [BLOCK_N, BLOCK_K]
 

@@ -93,7 +93,8 @@ def fused_experts_fp8_torch(
         tokens, slots = assignments // top_k, assignments % top_k
         gate_up = x_deq[tokens] @ dequantize_blocks(w13_q[e], w13_scale[e], block_shape).T  # [n_e, 2N]
         h = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]  # [n_e, N]
-        y = dequantize_groups(*quantize_groups(h, group), group) @ dequantize_blocks(w2_q[e], w2_scale[e], block_shape).T
+        y = (dequantize_groups(*quantize_groups(h, group), group)
+             @ dequantize_blocks(w2_q[e], w2_scale[e], block_shape).T)
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].float()[:, None])  # [n_e, K]
     return out.to(x.dtype)
 
@@ -185,7 +186,8 @@ def fused_experts_fp8_launch(
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
     if not is_available(x.device):
-        raise RuntimeError(f"the fp8 triton path needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
+        raise RuntimeError(f"the fp8 triton path needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got "
+                           f"{x.device}")
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,

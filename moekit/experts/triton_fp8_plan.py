@@ -98,7 +98,8 @@ def clear_plans() -> None:
     _PLANS.clear()
 
 
-def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int = 128) -> KernelConfig:
+def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int,
+                         group: int = 128) -> KernelConfig:
     """The default with no tuned file, from the H200 config A/B of ``benchmarks/fp8_device_check.py``
     (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B; TMA weights). Below 16 rows per expert (M*k/E) the
     tiny-batch tiles are 16 rows by one scale group (h re-quantized in the gate-up epilogue): at M = 1,

@@ -5,8 +5,8 @@
 
 ``experts_gluon`` runs that path (and raises where it cannot: see ``gluon_unfit``);
 ``experts_gluon_twin`` computes the same layout and products in torch (the oracle of the tests and of
-``benchmarks/gluon_device_check.py``). The ``triton`` backend hands a call to the Gluon path where that measured faster on the H200
-(``DEFAULT_CHOICE``, ``run_default_gluon``) and the call fits it, and to the fused Triton kernels everywhere
+``benchmarks/gluon_device_check.py``). The ``triton`` backend hands a call to the Gluon path where that measured faster
+on the H200 (``DEFAULT_CHOICE``, ``run_default_gluon``) and the call fits it, and to the fused Triton kernels everywhere
 else: other GPUs, a Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided
 weights, ``torch.compile``, and calls that need a backward (the Gluon launches have none). The backend
 ``triton_gluon`` (``experts_triton_gluon``) is the same with the caller's ``GluonChoice``.

@@ -19,9 +19,10 @@ TMA descriptors, every launch through Triton's binder) decided once and reused, 
 
 The workspace is one reused buffer per (device, stream, thread; at most two kept) up to ``GLUON_REUSE_MAX_BYTES``
 (a prefill call's x_perm, h and y: 1.4 GB for Qwen3-30B-A3B at M = 16384, 5.4 GB for DeepSeek-V3), grown to the
-largest plan seen, not to a power of two; ``clear_gluon_caches`` frees it. Above it, while a CUDA graph captures, and on a plan's first call (its launches compile) the same
-plan's bound launches run with the regions of one fresh buffer and activation descriptors built for them.
-Either way the kernels, grids and arguments are the plain path's: the outputs are equal bit for bit.
+largest plan seen, not to a power of two; ``clear_gluon_caches`` frees it. Above it, while a CUDA graph captures, and on
+a plan's first call (its launches compile) the same plan's bound launches run with the regions of one fresh buffer and
+activation descriptors built for them. Either way the kernels, grids and arguments are the plain path's: the outputs are
+equal bit for bit.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class GluonLeanPlan:
     """Everything the launches of one kind of call share. Holds no tensor."""
 
     fp8: bool
-    workspace: WorkspaceSpec  # the alignment's regions, dst [A], then (bf16) x_perm, h, y or (fp8) x_q, x_s, h_q, h_s, y
+    # the alignment's regions, dst [A], then (bf16) x_perm, h, y or (fp8) x_q, x_s, h_q, h_s, y
+    workspace: WorkspaceSpec
     align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
     weight_key: tuple  # (path, device, weight dtype, E, 2N, K, up block, down block): the weights' descriptors
     blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C); bf16 then (down T, down CT), the

@@ -187,7 +187,8 @@ def _fold_constexprs(align: AlignPlan | None, num_assignments: int, num_experts:
         return dict(num_global=0, FOLD=False)
     a_pad = next_pow2(num_assignments)
     return dict(num_global=0 if expert_map is None else expert_map.numel(), FOLD=True, A_PAD=a_pad,
-                E_PAD=next_pow2(num_experts + 1), FOLD_CHUNK=min(a_pad, 4096 // block_m), HAS_MAP=expert_map is not None)
+                E_PAD=next_pow2(num_experts + 1), FOLD_CHUNK=min(a_pad, 4096 // block_m),
+                HAS_MAP=expert_map is not None)
 
 
 def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_m: int, num_pid_m: int, naive: bool,
@@ -260,7 +261,8 @@ SUM_TAIL_TOKENS = 4  # tokens per sum program after the down GEMM's (its SUM_T; 
 @dataclass(frozen=True)
 class SumTail:
     """The sum programs a down GEMM's grid gets after its own (``_kernels/gemm.py``, SUM_AFTER): each a
-    [SUM_T = SUM_TAIL_TOKENS tokens, SUM_K columns] tile of out (SUM_K: the separate ordered k-sum's, ``sum_launch``)."""
+    [SUM_T = SUM_TAIL_TOKENS tokens, SUM_K columns] tile of out (SUM_K: the separate ordered k-sum's,
+    ``sum_launch``)."""
 
     programs: int
     constexprs: dict

@@ -5,8 +5,8 @@
                          -> int8_w8a16 / int4_w4a16 / mxfp4: triton_wo.fused_experts_wo (dequantized in registers)
 
 What the quantized kernels do not run yet (expert biases, an activation spec other than a plain name,
-fp8 with an activation other than SiLU, weight-only with float32 activations) goes to ``grouped_mm``'s quantized path (dequantized per call,
-the same definition) with a warning once per kind, so the answer is never a different function.
+fp8 with an activation other than SiLU, weight-only with float32 activations) goes to ``grouped_mm``'s quantized path
+(dequantized per call, the same definition) with a warning once per kind, so the answer is never a different function.
 """
 
 from __future__ import annotations

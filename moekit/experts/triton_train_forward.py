@@ -67,7 +67,8 @@ def _gate_up(x_p, w13, g_p, layout: Layout, tile: KernelTiles, activation: str) 
     kernels("gemm_train_forward").gate_up_train_kernel[(num_pid_m * cdiv(n, tile.cols),)](
         *(pair if use_desc else (x_p, w13)), g_p, layout.expert_ids, layout.num_padded,
         n, hidden, num_pid_m, layout.block_m, x_p.stride(0), *w13.stride(), g_p.stride(0),
-        BLOCK_M=block, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=tile.group, ACT=get_activation(activation).kernel_id,
+        BLOCK_M=block, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=tile.group,
+        ACT=get_activation(activation).kernel_id,
         DESC=use_desc, num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x_p.dtype))
 
 

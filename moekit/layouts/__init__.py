@@ -4,7 +4,8 @@ Each layout is a dataclass built by one function, with its exact inverse beside 
 ``align_block``/``scatter_rows``, ``permute_contiguous``/``unpermute_contiguous``,
 ``masked_layout``/``unmask``; ``combine_contiguous``/``combine_masked`` are those inverses fused with
 the weighted sum over the k slots (the combine stage); ``choose_layout`` picks a layout by memory
-budget. ``grouping`` is the core they share (and routing's capacity and expert parallelism's replica choice): ``rank_within_groups``.
+budget. ``grouping`` is the core they share (and routing's capacity and expert parallelism's replica choice):
+``rank_within_groups``.
 """
 
 from moekit.layouts.block_aligned import BlockAlignedLayout, align_block, gather_rows, scatter_rows

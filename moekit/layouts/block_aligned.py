@@ -124,7 +124,8 @@ def scatter_rows(rows: torch.Tensor, layout: BlockAlignedLayout) -> torch.Tensor
     return out[: layout.num_assignments]  # [A, D]
 
 
-def check_align_args(topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: torch.Tensor | None) -> None:
+def check_align_args(topk_ids: torch.Tensor, num_experts: int, block_size: int,
+                     expert_map: torch.Tensor | None) -> None:
     """Raise a clear error naming the argument that does not fit."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape [M, k], got {tuple(topk_ids.shape)}")

@@ -67,7 +67,8 @@ def choose_layout(
     estimates = sorted((e for e in estimates if e.name in candidates), key=lambda e: (e.rows, e.peak_bytes))
     for est in estimates:
         if est.peak_bytes <= memory_budget_bytes and (allow_sync or not est.syncs):
-            others = ", ".join(f"{e.name} {e.rows} rows/{e.peak_bytes / 2**20:.1f} MiB" for e in estimates if e is not est)
+            others = ", ".join(f"{e.name} {e.rows} rows/{e.peak_bytes / 2**20:.1f} MiB" for e in estimates
+                               if e is not est)
             return LayoutChoice(
                 est.name,
                 f"{est.name}: fewest GEMM rows ({est.rows}) among layouts whose peak {est.peak_bytes / 2**20:.1f} MiB "

@@ -57,7 +57,8 @@ def permute_contiguous(
     rather than risk losing a token.
     """
     if x.dim() != 2 or topk_ids.dim() != 2 or x.shape[0] != topk_ids.shape[0]:
-        raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
+        raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and "
+                         f"{tuple(topk_ids.shape)}")
     num_tokens, top_k = topk_ids.shape
     pos = aligned_positions(topk_ids, num_experts, align, expert_map)  # checks num_experts and align
     if static_rows is not None:
@@ -67,7 +68,8 @@ def permute_contiguous(
     else:
         bound = max_padded_rows(num_tokens * top_k, num_experts, align)
         if static_rows < bound:
-            raise ValueError(f"static_rows must be >= {bound} (A + min(E, A)*(align-1)) to hold any routing, got {static_rows}")
+            raise ValueError(f"static_rows must be >= {bound} (A + min(E, A)*(align-1)) to hold any routing, got "
+                             f"{static_rows}")
         total = static_rows
     # A gather, not gather + scatter: only the A row indices are scattered, then x's rows are read once.
     # Measured at Qwen3-30B-A3B shapes (K=2048, k=8), see `moekit bench --cpu-experts`.

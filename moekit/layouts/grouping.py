@@ -22,9 +22,11 @@ class GroupRanks:
     """A stable counting sort of N keys in [0, G]; key G is "in no group" (not routed, not here)."""
 
     counts: torch.Tensor  # [G] int64; counts[g] = elements with key g; sums to N minus the elements with key G
-    starts: torch.Tensor  # [G+1] int64; exclusive cumsum of the counts: key g's run is order[starts[g]:starts[g] + count]
+    # [G+1] int64; exclusive cumsum of the counts: key g's run is order[starts[g]:starts[g] + count]
+    starts: torch.Tensor
     order: torch.Tensor  # [N] int64; element indices sorted by key, stably: within a run, in input order
-    rank: torch.Tensor  # [N] int64; rank[i] = elements before i with the same key (0..count-1); rank[order[p]] = p - starts[key]
+    # [N] int64; rank[i] = elements before i with the same key (0..count-1); rank[order[p]] = p - starts[key]
+    rank: torch.Tensor
 
 
 def rank_within_groups(keys: torch.Tensor, num_groups: int) -> GroupRanks:

@@ -78,7 +78,8 @@ def masked_layout_measured_cap_syncs(
 
 def _build(x, topk_ids, num_experts, m_max, expert_map, fill, check: bool) -> MaskedLayout:
     if x.dim() != 2 or x.shape[0] != topk_ids.shape[0]:
-        raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
+        raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and "
+                         f"{tuple(topk_ids.shape)}")
     num_tokens, top_k = topk_ids.shape
     pos = aligned_positions(topk_ids, num_experts, 1, expert_map)  # align 1: offsets are the unpadded starts
     if check and pos.counts.numel():

@@ -26,7 +26,8 @@ from moekit.offload.stats import OffloadStats
 from moekit.offload.trace import Mark, StepTrace
 
 __all__ = [
-    "CpuOptions", "CpuPhases", "CpuRate", "ExpertCache", "EvictionPolicy", "Mark", "MissCosts", "MissPlan", "MissSplit", "OffloadStats",
+    "CpuOptions", "CpuPhases", "CpuRate", "ExpertCache", "EvictionPolicy", "Mark", "MissCosts", "MissPlan", "MissSplit",
+    "OffloadStats",
     "OffloadedMoE", "POLICIES", "StepTrace",
     "expert_nbytes", "gpu_only", "link_layers", "measure_link_bandwidth", "measure_read_bandwidth", "plan_misses",
     "split_misses",

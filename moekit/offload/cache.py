@@ -9,11 +9,10 @@ of C experts (``slot_weights``). Expert biases (gpt-oss) are parts too. The part
 (``blocks.BlockLayout``: w13 and w2 one block each, every small part together in a third), so a fetch
 is one ``copy_`` per block, and consecutive experts fetched into consecutive slots share one copy.
 
-A layer registers its host weights and gets a layer id; ``(layer, expert)`` keys name cached experts,
-so every layer of a model draws on one GPU budget (a model owns one cache, not one per layer). A
-layer's forward asks ``ensure`` for the experts its batch touches (fetching misses into free or
-evicted slots), computes with ``expert_map`` (global expert -> slot, -1 elsewhere), then ``release``s
-them. ``prefetch`` fetches a later layer's predicted experts ahead of time.
+A layer registers its host weights and gets a layer id; ``(layer, expert)`` keys name cached experts, so every layer of
+a model draws on one GPU budget (a model owns one cache, not one per layer). A layer's forward asks ``ensure`` for the
+experts its batch touches (fetching misses into free or evicted slots), computes with ``expert_map`` (global expert ->
+slot, -1 elsewhere), then ``release``s them. ``prefetch`` fetches a later layer's predicted experts ahead of time.
 
 Ordering on CUDA: copies run on a side stream. A copy into a slot waits for the event recorded after
 the last compute that read the slot; the compute stream waits for the copies it needs. The experts a
@@ -198,7 +197,8 @@ class ExpertCache:
         """Fetch ``experts`` (misses of ``layer``) into slots, evicting unprotected ones; they stay
         protected until ``release``. Raises if more are asked than ``free_slots()``."""
         if len(experts) > self.free_slots():
-            raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be freed")
+            raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be "
+                               f"freed")
         keys = [(layer, e) for e in experts]
         self._fetch(keys, stats, "fetch")  # protects them
         for key in keys:
@@ -305,7 +305,8 @@ class ExpertCache:
             raise RuntimeError("every cache slot is in use by the forward in flight")
         for victim in victims:
             idle = self._tick - self.policy.last_use(victim)
-            self._horizon = idle if math.isinf(self._horizon) else self._horizon + HORIZON_WEIGHT * (idle - self._horizon)
+            self._horizon = (idle if math.isinf(self._horizon)
+                             else self._horizon + HORIZON_WEIGHT * (idle - self._horizon))
             self._drop(victim)
 
     def _drop(self, key: Key) -> None:
@@ -389,9 +390,8 @@ def _runs(placed: list[tuple[Key, int]]) -> list[tuple[int, int, int, int]]:
 
 
 def _to_host(w: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``w`` detached on the CPU, pinned when the cache's device is CUDA (so copies are async). A CPU
-    tensor already in that form is used as it is (shared, not copied: a model's expert weights may be
-    most of host memory)."""
+    """``w`` detached on the CPU, pinned when the cache's device is CUDA (so copies are async). A CPU tensor already in
+    that form is used as it is (shared, not copied: a model's expert weights may be most of host memory)."""
     host = w.detach()
     if host.device.type != "cpu" or not host.is_contiguous():
         host = host.to("cpu").contiguous()

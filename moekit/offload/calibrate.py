@@ -25,7 +25,8 @@ None: half the logical CPUs (``thread_candidates``: the other half left to the h
 ``cpu_path.CPU_GEMMS``, each timed at k experts x 1 token (a decode step's shape: the weights' bytes, not
 FLOPs, set the time, and fewer threads may stream them as fast with less contention); the pair kept goes
 in ``MissCosts.cpu_threads`` / ``cpu_gemm`` (``pick_setting``: by the mean of 8+ timings taken in turns,
-the fewest threads within 5% of the best). ``cpu_margin`` is ``cost.margin_of`` the grid's timings; ``hysteresis`` is ``HYSTERESIS``.
+the fewest threads within 5% of the best). ``cpu_margin`` is ``cost.margin_of`` the grid's timings; ``hysteresis`` is
+``HYSTERESIS``.
 ``recalibrate_cpu`` rescales the fitted CPU model to the host's rate now (a drift factor).
 """
 
@@ -246,7 +247,8 @@ def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nby
     x = torch.randn(1, layer.config.hidden_size, dtype=layer.cache.host(layer.layer_id).w13_template.dtype, device=dev)
     ids = torch.tensor([group], dtype=torch.int32, device=dev)
     weights = torch.full((1, len(group)), 1.0 / len(group), dtype=torch.float32, device=dev)
-    stream, start, end = torch.cuda.Stream(dev), torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream, start, end = (torch.cuda.Stream(dev), torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
     torch.cuda.synchronize(dev)
     with torch.cuda.stream(stream):
         start.record(stream)

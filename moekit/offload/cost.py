@@ -65,9 +65,12 @@ class MissCosts:
     cpu_gemm: str | None = None  # the CPU GEMM they were measured with (``cpu_path.CPU_GEMMS``; likewise)
     refetch: str = "reuse"  # how a CPU expert's later refetch is priced (``REFETCH``; ``split_misses``)
     link_cpu_bytes_per_s: float | None = None  # the link's rate while the CPU branch computes (None: unknown)
-    hysteresis: float = 0.0  # a split with CPU experts must cost this fraction less than fetching all (``split_misses``)
-    cpu_rows_s: tuple[tuple[int, float], ...] = ()  # (rows, CPU seconds per expert at that many rows), rows ascending (``cpu_time``)
-    gpu_call_s: float = 0.0  # a second GPU experts call: a forward with hits and fetched misses makes two (``gpu_side_s``)
+    # a split with CPU experts must cost this fraction less than fetching all (``split_misses``)
+    hysteresis: float = 0.0
+    # (rows, CPU seconds per expert at that many rows), rows ascending (``cpu_time``)
+    cpu_rows_s: tuple[tuple[int, float], ...] = ()
+    # a second GPU experts call: a forward with hits and fetched misses makes two (``gpu_side_s``)
+    gpu_call_s: float = 0.0
     fetch_layer_s: float = 0.0  # the least a forward with any fetch takes over an all-hit one (``gpu_side_s``)
     issue_s: float = 0.0  # host seconds to issue one fetched expert's copies, before the CPU branch can start
     # what a CPU branch adds on average over its model (``cpu_side_s``): its rare stalls, priced by "auto" on every

@@ -33,7 +33,8 @@ CPU_GEMMS = ("onednn_fused", "mm_loop", "direct")
 
 @dataclass(frozen=True)
 class CpuOptions:
-    """How the CPU branch runs. The defaults are the tuned path; ``CpuOptions.baseline()`` the simple one it is measured against."""
+    """How the CPU branch runs. The defaults are the tuned path; ``CpuOptions.baseline()`` the simple one it is
+    measured against."""
 
     threads: int | None = None  # torch intra-op threads for the CPU experts; None: MissCosts.cpu_threads, else torch's
     gemm: str | None = None  # the misses' CPU GEMM (CPU_GEMMS); None: MissCosts.cpu_gemm, else ``unmeasured_gemm``

@@ -59,15 +59,18 @@ class FixedCosts:
     call_s: float = 0.0  # one more experts call in a layer (its hits and its fetched misses are two calls)
     fetch_layer_s: float = 0.0  # a forward with one fetch over an all-hit one, per layer (``fetch_layer_from``)
     overlap_s: float = 0.0  # how long before a layer's fixed work ends its copies start (``overlap_from``)
-    prefetch_layer_s: float = 0.0  # a layer's prefetch of one expert of the next layer, per layer (``prefetch_layer_from``)
+    # a layer's prefetch of one expert of the next layer, per layer (``prefetch_layer_from``)
+    prefetch_layer_s: float = 0.0
     issue_s: float = 0.0  # host seconds to issue one fetched expert's copies (``measure_issue``)
-    copy_call_s: float = 0.0  # an experts call's extra host seconds right after a copy into the slots (``measure_copy_call``)
+    # an experts call's extra host seconds right after a copy into the slots (``measure_copy_call``)
+    copy_call_s: float = 0.0
     # a forward with a CPU branch over an all-hit one, the branch itself out (``measure_branch_layer``)
     branch_layer_s: float = 0.0
 
     def priced(self, costs: MissCosts) -> MissCosts:
         """``costs`` with the terms "auto" prices by (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``) set to these."""
-        return dataclasses.replace(costs, gpu_call_s=self.call_s, fetch_layer_s=self.fetch_layer_s, issue_s=self.issue_s)
+        return dataclasses.replace(costs, gpu_call_s=self.call_s, fetch_layer_s=self.fetch_layer_s,
+                                   issue_s=self.issue_s)
 
 
 def measure_terms(layers, x: torch.Tensor, steps: list[list[Routing]], costs: MissCosts,

@@ -305,7 +305,8 @@ class OffloadedMoE(MoE):
         slots (the weights its GPU calls read, through ``expert_map``), and, when that forward computed
         misses on the CPU, the CPU call's grouping over the host weights."""
         w13, w2, _, _ = self.cache.slot_weights
-        text = f"{self._layout_for(routing, w13, w2)} over the expert cache ({self.cache.cache_experts} slots) via expert_map"
+        text = (f"{self._layout_for(routing, w13, w2)} over the expert cache ({self.cache.cache_experts} slots) via "
+                f"expert_map")
         if not self.last_stats.cpu_experts:
             return text
         host = self.cache.host(self.layer_id)

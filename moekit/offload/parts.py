@@ -1,7 +1,8 @@
 """An expert's weights as named per-expert tensors ("parts"), so the cache moves float and quantized experts alike.
 
     float:      w13 [E, 2N, K], w2 [E, K, N]                      -> parts "w13", "w2"
-    quantized:  w13 = QuantizedWeight(q, scale[, zero]), w2 = ... -> parts "w13.q", "w13.scale"(, "w13.zero"), "w2.q", ...
+    quantized:  w13 = QuantizedWeight(q, scale[, zero]), w2 = ... -> parts "w13.q", "w13.scale"(, "w13.zero"),
+                                                                     "w2.q", ...
     biases:     b13 [E, 2N], b2 [E, K] (gpt-oss)                  -> parts "b13", "b2"
 
 Every part has E leading, so expert e of a part is ``part[e]`` and a slot is ``slot_part[s]``; the
@@ -63,7 +64,8 @@ class ExpertWeights:
         options = {k: v for k, v in _options(self.w13_template).items() if k != "dtype"}
         return f"{self.scheme or 'float'} experts{f' {options}' if options else ''} ({parts})"
 
-    def rebuild(self, parts: dict[str, torch.Tensor]) -> tuple[Weight, Weight, torch.Tensor | None, torch.Tensor | None]:
+    def rebuild(self, parts: dict[str, torch.Tensor]) -> tuple[Weight, Weight, torch.Tensor | None,
+                                                               torch.Tensor | None]:
         """(w13, w2, b13, b2) over ``parts`` (same names, any number of experts), as the signature takes them."""
         return (_join(self.w13_template, "w13", parts), _join(self.w2_template, "w2", parts),
                 parts.get("b13"), parts.get("b2"))

@@ -12,8 +12,9 @@ the background, so by default only as many as fit in the link's idle time during
 (predicted CPU side, without ``cpu_margin``, minus the link time of this forward's fetches, in whole
 fetches at the link's rate while the CPU computes, ``MissCosts.link_cpu_bytes_per_s``, when measured:
 the result's copy back queues behind them on the host-to-device copy engine; ``OffloadedMoE`` queues
-them before its CPU compute, so they travel during it), and at least one when nothing was fetched (so an all-CPU forward still teaches the cache). A later forward's
-fetches queue behind admissions, which is why "auto" does not admit into a busy link.
+them before its CPU compute, so they travel during it), and at least one when nothing was fetched (so an all-CPU forward
+still teaches the cache). A later forward's fetches queue behind admissions, which is why "auto" does not admit into a
+busy link.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, ad
     if costs is None:
         return 1
     fetch_one = expert_bytes / fetch_rate(costs, cpu_busy=True)  # admissions travel while the CPU computes
-    model_s = (split.cpu_s - len(split.fetch) * costs.issue_s) / costs.cpu_margin  # the model's CPU time, not the priced one
+    # the model's CPU time, not the priced one
+    model_s = (split.cpu_s - len(split.fetch) * costs.issue_s) / costs.cpu_margin
     idle = max(model_s - split.link_s, 0.0)
     count = int(idle / fetch_one) if fetch_one > 0 else len(split.cpu)
     return count if split.fetch else max(count, 1)

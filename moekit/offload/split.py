@@ -60,11 +60,11 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     with a of one class and b of the other on the CPU takes the a and b with the least CPU time
     (``cpu_time``: by rows, not always the fewest rows when a measured table is not monotone); for a
     fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
-    CPU side adds ever dearer experts, less one fetch's ``issue_s`` each), so its leftmost minimum is found by galloping from the previous b's then bisection, for every b. The
-    one exception, a second GPU call (``gpu_call_s``) saved when no miss is fetched at all, is the
-    last point of the last run: it is priced on its own; so is it where ``fetch_layer_s`` (the least a
-    forward with any fetch takes) falls away with the last fetch. Ties go to fewer CPU experts, then fewer
-    likely-reused ones.
+    CPU side adds ever dearer experts, less one fetch's ``issue_s`` each), so its leftmost minimum is found by galloping
+    from the previous b's then bisection, for every b. The one exception, a second GPU call (``gpu_call_s``) saved when
+    no miss is fetched at all, is the last point of the last run: it is priced on its own; so is it where
+    ``fetch_layer_s`` (the least a forward with any fetch takes) falls away with the last fetch. Ties go to fewer CPU
+    experts, then fewer likely-reused ones.
 
     Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
     ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
@@ -78,10 +78,12 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     fetch_one = expert_bytes / costs.link_bytes_per_s
     _, times, members, classes, sums = p.classes
     charge = [fetch_one * total / len(c) if c else 0.0 for c, total in zip(members, sums)]
-    prices = _Prices(len(tokens), len(members[0]), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
+    prices = _Prices(len(tokens), len(members[0]), costs,
+                     *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
                      *charge, hits, memo_for(costs, expert_bytes).gpu)
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
-    found = _cheapest(prices.cost_fn(), len(members[0]), len(members[1]), drop, fetch_all.cost_s, prices.bound_or_none(),
+    found = _cheapest(prices.cost_fn(), len(members[0]), len(members[1]), drop, fetch_all.cost_s,
+                      prices.bound_or_none(),
                       room)
     if found is None:
         return fetch_all

@@ -19,7 +19,8 @@ class OffloadStats:
     prefetch_used: int = 0  # prefetched experts that their layer's next forward did touch
     admitted: int = 0  # misses computed on the CPU and then copied into the cache for later forwards
     cpu_forwards: int = 0  # forwards that computed any miss on the CPU (one CPU branch each)
-    cpu_rows: tuple[int, ...] = ()  # one forward's CPU experts' routed assignments each (a cost model's input; ``add`` keeps its own)
+    # one forward's CPU experts' routed assignments each (a cost model's input; ``add`` keeps its own)
+    cpu_rows: tuple[int, ...] = ()
 
     @property
     def misses(self) -> int:

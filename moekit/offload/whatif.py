@@ -71,11 +71,13 @@ def drive(cache: ExpertCache, layers: list[int], trace: RoutingTrace, steps: ran
             hits, misses = cache.lookup(layer, touched, stats)
             issued = []  # "auto"'s early fetches, issued as the layer issues them (before its search)
             plan = plan_forward(cache, layer, place, {m: counts[m] for m in misses}, len(hits), expert_bytes, costs,
-                                admit_per_forward, lambda experts: issued.extend(cache.ensure_early(layer, experts, stats)))
+                                admit_per_forward,
+                                lambda experts: issued.extend(cache.ensure_early(layer, experts, stats)))
             for _ in cache.rounds(layer, hits, [f for f in plan.fetch if f not in issued], stats, issued=issued):
                 pass  # no compute: the rounds only move the cache's bookkeeping
             if plan.cpu:
-                stats.cpu_experts, stats.cpu_tokens, stats.cpu_forwards = len(plan.cpu), sum(counts[m] for m in plan.cpu), 1
+                stats.cpu_experts, stats.cpu_tokens, stats.cpu_forwards = (len(plan.cpu),
+                                                                           sum(counts[m] for m in plan.cpu), 1)
                 stats.cpu_rows = tuple(counts[m] for m in plan.cpu)
                 cache.admit(layer, plan.admit, stats)
             last[i] = touched

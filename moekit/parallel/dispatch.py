@@ -7,8 +7,8 @@ W ranks, Rmax = most replicas of one expert, T = rows this rank sends (a token o
 rank), U = rows it receives, K hidden, B = bytes of one payload row.
 
 A payload row is one token's hidden vector followed by its k local expert ids (int32, -1 where the
-slot is served elsewhere) and k weights (float32, float64 for float64 routing; 0 there), packed as bytes so that one collective
-carries all three. The receiving rank runs its local experts over the U rows; the combine sends the
+slot is served elsewhere) and k weights (float32, float64 for float64 routing; 0 there), packed as bytes so that one
+collective carries all three. The receiving rank runs its local experts over the U rows; the combine sends the
 U weighted partial sums back and the source rank adds them into its tokens.
 
 Two dispatches:
@@ -50,12 +50,14 @@ class ReplicaTables:
     # [E + S + 1, 2] int64: (rank, local index) of replica 0 of each routed expert, then of each fused
     # shared slot (this rank, num_local_routed + s), then (-1, -1): where a skipped slot goes.
     lookup: torch.Tensor
-    num_local_routed: int  # physical routed experts on this rank; fused shared slot s is local index num_local_routed + s
+    # physical routed experts on this rank; fused shared slot s is local index num_local_routed + s
+    num_local_routed: int
     num_shared_slots: int  # S: fused shared slots, run on the token's own rank
     replicated: bool = True  # some expert has more than one replica (host flag: without, no replica choice runs)
 
     @classmethod
-    def build(cls, placement: Placement, rank: int, num_shared_slots: int, device, width: int | None = None) -> "ReplicaTables":
+    def build(cls, placement: Placement, rank: int, num_shared_slots: int, device,
+              width: int | None = None) -> "ReplicaTables":
         """``width``: Rmax, raised to the most replicas of one expert if smaller; a fixed width (W, the
         most any placement can have) keeps the tables' shapes when the placement changes."""
         num_experts = placement.num_experts
@@ -104,7 +106,8 @@ def choose_replicas(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int) ->
     num_experts = tables.num_replicas.numel()
     routed = index < num_experts  # [M, k]
     key = torch.where(routed, index, num_experts).reshape(-1)  # [M*k]; E = not a routed slot
-    position = rank_within_groups(key, num_experts).rank.view(num_tokens, top_k)  # j: earlier slots here on the same expert
+    # j: earlier slots here on the same expert
+    position = rank_within_groups(key, num_experts).rank.view(num_tokens, top_k)
     safe = torch.where(routed, index, 0)  # [M, k]
     replica = (position + rank) % tables.num_replicas[safe]  # [M, k]
     dest = torch.where(routed, tables.rank_of[safe, replica], pair[..., 0])
@@ -267,7 +270,8 @@ def start_dispatch_padded(
             hidden, top_k, x2d.dtype, wdtype):
         payload, sent_x, sent_weights = _pack_padded_copies(x2d, topk_weights.to(wdtype), chosen, capacity, world_size)
     else:  # written in place: one pass over the W*C rows instead of three (zero, copy, pack)
-        payload, sent_x, sent_weights = _pack_padded_in_place(x2d, topk_weights.to(wdtype), chosen, capacity, world_size)
+        payload, sent_x, sent_weights = _pack_padded_in_place(x2d, topk_weights.to(wdtype), chosen, capacity,
+                                                              world_size)
     received = torch.empty_like(payload)  # [W*C, B]
     work = dist.all_to_all_single(received, payload, group=group, async_op=True)  # equal splits: C rows per rank pair
     splits = [capacity] * world_size
@@ -366,7 +370,8 @@ def start_combine(y: torch.Tensor, sent: Dispatched, group) -> PendingCombine:
 
 def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[T, K] x, [T, k] int32 ids, [T, k] float32 weights -> [T, B] uint8 rows, B = K*x.itemsize + 8k."""
-    parts = [t.detach().contiguous().view(torch.uint8) for t in (x, ids, weights)]  # bytes: no graph (rows.py)  # [T, bytes of one row each]
+    # bytes: no graph (rows.py) # [T, bytes of one row each]
+    parts = [t.detach().contiguous().view(torch.uint8) for t in (x, ids, weights)]
     return torch.cat(parts, dim=1)
 
 

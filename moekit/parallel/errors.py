@@ -101,7 +101,8 @@ class CollectiveErrors:
             return None
         self.agreed = True
         if counts is not None and tuple(counts.shape) != (self.counts_chunks, dist.get_world_size(self.group)):
-            raise ValueError(f"counts must have shape [counts_chunks={self.counts_chunks}, W], got {tuple(counts.shape)}")
+            raise ValueError(f"counts must have shape [counts_chunks={self.counts_chunks}, W], got "
+                             f"{tuple(counts.shape)}")
         return _agree(self, None, signature, what, counts)
 
     def __enter__(self) -> "CollectiveErrors":

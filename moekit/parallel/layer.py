@@ -1,6 +1,7 @@
 """``EPMoE``: one rank's part of an expert-parallel MoE layer.
 
-    [Gate+Route, local tokens] -> [Dispatch: counts, payload all_to_all_single] -> [Local experts] -> [Combine: all_to_all_single, sum] (+ shared)
+    [Gate+Route, local tokens] -> [Dispatch: counts, payload all_to_all_single] -> [Local experts]
+      -> [Combine: all_to_all_single, sum] (+ shared)
 
 Shapes: M local tokens, K hidden, N expert intermediate, E logical routed experts (``num_experts``),
 L physical experts on this rank (``num_local_experts``), S fused shared slots, W ranks, U rows received.
@@ -25,16 +26,8 @@ from torch import nn
 from moekit.config import MoEConfig
 from moekit.experts import call_backend
 from moekit.layer import MoE, MoEOutput, RoutedTokens
-from moekit.parallel.dispatch import (
-    Dispatched,
-    ReplicaTables,
-    choose_replicas,
-    combine,
-    dispatch,
-    dispatch_padded,
-    plan_sends,
-    weights_dtype,
-)
+from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
+                                      plan_sends, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.overlap import dispatch_starters, run_chunks
@@ -56,29 +49,26 @@ class EPMoE(MoE):
     outputs; ranks may pass different numbers of tokens, including none, but every rank of the group
     must call ``forward`` the same number of times (the collectives pair up).
 
-    Errors are collective: a rank that fails before the dispatch (x of another dtype, device or hidden
-    size than the weights, NaN logits on the CPU, more than C tokens, bad ``rebalance`` loads, ...)
-    raises its own error and every other rank raises ``PeerRankError`` naming it, at once, with the
-    group still in step. Cost: each forward checks, routes and (exact dispatch) plans and packs its sends
-    locally, then does one small ``all_to_all_single`` (error flag and a signature of the payload row's
-    dtype, K and k, which must match; the exact dispatch's row counts ride along) and reads it on the
-    host; messages are exchanged only after an error (``moekit.parallel.errors``).
+    Errors are collective: a rank that fails before the dispatch (x of another dtype, device or hidden size than the
+    weights, NaN logits on the CPU, more than C tokens, bad ``rebalance`` loads, ...) raises its own error and every
+    other rank raises ``PeerRankError`` naming it, at once, with the group still in step. Cost: each forward checks,
+    routes and (exact dispatch) plans and packs its sends locally, then does one small ``all_to_all_single`` (error flag
+    and a signature of the payload row's dtype, K and k, which must match; the exact dispatch's row counts ride along)
+    and reads it on the host; messages are exchanged only after an error (``moekit.parallel.errors``).
 
     Host synchronisation per forward: that one read (the agreement and, exact, the split sizes that
     ``all_to_all_single`` takes as Python ints) and the stats when ``return_stats=True``. With ``max_tokens_per_rank``
-    set (every rank the same C; each forward passes at most C tokens) the dispatch is padded instead:
-    C rows go to every rank whatever the routing and no counts are exchanged, so captured in a CUDA
-    graph the forward makes no host sync; it pays W*C rows on the wire against the exact T (about the
-    same when most tokens need most ranks, as DeepSeek-V3's top-8 of 256 does on 2 ranks; wasteful when
-    ranks are many and tokens need few of them). Under capture the agreement is skipped and errors
-    stay local; the contract: shapes, dtypes, devices and token counts are static in a graph and are
-    agreed by the eager warm-up forward of the same shapes that precedes capture; value checks (NaN
-    logits) are device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context
-    as in a single-device ``MoE`` (the others then wait out the group's timeout). Construction and
-    ``rebalance`` also sync; ``rebalance`` keeps the weights' storage when each rank keeps its slot
-    count (``apply_placement``). Trains (``moekit.parallel.rows``): every rank calls ``backward`` as often as
-    ``forward``; expert gradients sum every rank's tokens, the replicated weights' (gate, shared) hold this
-    rank's share, to be all-reduced as in data parallelism.
+    set (every rank the same C; each forward passes at most C tokens) the dispatch is padded instead: C rows go to every
+    rank whatever the routing and no counts are exchanged, so captured in a CUDA graph the forward makes no host sync;
+    it pays W*C rows on the wire against the exact T (about the same when most tokens need most ranks, as DeepSeek-V3's
+    top-8 of 256 does on 2 ranks; wasteful when ranks are many and tokens need few of them). Under capture the agreement
+    is skipped and errors stay local; the contract: shapes, dtypes, devices and token counts are static in a graph and
+    are agreed by the eager warm-up forward of the same shapes that precedes capture; value checks (NaN logits) are
+    device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context as in a single-device ``MoE``
+    (the others then wait out the group's timeout). Construction and ``rebalance`` also sync; ``rebalance`` keeps the
+    weights' storage when each rank keeps its slot count (``apply_placement``). Trains (``moekit.parallel.rows``): every
+    rank calls ``backward`` as often as ``forward``; expert gradients sum every rank's tokens, the replicated weights'
+    (gate, shared) hold this rank's share, to be all-reduced as in data parallelism.
 
     Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
     expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
@@ -125,7 +115,8 @@ class EPMoE(MoE):
         self.max_tokens_per_rank, self.overlap = max_tokens_per_rank, overlap
         # expert_load[e]: routed assignments of this rank's tokens to logical expert e since the last rebalance.
         device = self.w13.device
-        self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.float64, device=device),
+                             persistent=False)
         # Tables of width W (the most replicas any placement can have): a rebalance overwrites them in place.
         self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, device, width=world_size)
         self.graph_captured = False  # a forward ran under CUDA-graph capture: see apply_placement
@@ -195,7 +186,8 @@ class EPMoE(MoE):
             "gate": self.gate.weight, "e_score_correction_bias": self.e_score_correction_bias,
             "shared_w13": self.shared_w13, "shared_w2": self.shared_w2,
             "shared_gate": None if self.shared_gate is None else self.shared_gate.weight,
-            "fused_shared_w13": self.w13[self.num_local_experts :], "fused_shared_w2": self.w2[self.num_local_experts :],
+            "fused_shared_w13": self.w13[self.num_local_experts :],
+            "fused_shared_w2": self.w2[self.num_local_experts :],
         }
         digests = {name: _digest(t) for name, t in replicated.items() if t is not None}
         check_same_on_all_ranks(digests, self.group, what="replicated weights (sha256)")
@@ -204,7 +196,8 @@ class EPMoE(MoE):
         """Fill this rank's slots from ``expert_weights(e) -> (w13 [2N, K], w2 [K, N])`` (e.g. read from a
         checkpoint), without materialising the other ranks' experts. ``e`` runs over the logical experts
         this rank holds, then E..E+S-1 for the fused shared slots (``MoE.w13``'s numbering)."""
-        experts = self.placement.slots[self.rank] + list(range(self.num_experts, self.num_experts + self.num_shared_slots))
+        experts = self.placement.slots[self.rank] + list(range(self.num_experts,
+                                                               self.num_experts + self.num_shared_slots))
         with torch.no_grad():
             for local, expert in enumerate(experts):
                 w13, w2 = expert_weights(expert)
@@ -212,17 +205,10 @@ class EPMoE(MoE):
                 self.w2[local].copy_(w2)
 
     def _fingerprint(self) -> dict:
-        return {
-            "config": dataclasses.asdict(self.config),
-            "placement": self.placement.to_dict(),
-            "fuse_shared": self.fuse_shared,
-            "capacity_factor": self.capacity_factor,
-            "drop_policy": self.drop_policy,
-            "dtype": str(self.w13.dtype),
-            "world_size": self.world_size,
-            "max_tokens_per_rank": self.max_tokens_per_rank,
-            "overlap": self.overlap,
-        }
+        return {"config": dataclasses.asdict(self.config), "placement": self.placement.to_dict(),
+                "fuse_shared": self.fuse_shared, "capacity_factor": self.capacity_factor,
+                "drop_policy": self.drop_policy, "dtype": str(self.w13.dtype), "world_size": self.world_size,
+                "max_tokens_per_rank": self.max_tokens_per_rank, "overlap": self.overlap}
 
     # ----- forward --------------------------------------------------------------------------------
 
@@ -257,7 +243,8 @@ class EPMoE(MoE):
         with self._errors.on(self.w13.device, self._counts_chunks) as errors:
             self._check_x(x2d)
             if x2d.dim() != 2 or x2d.shape[1] != self.config.hidden_size:
-                raise ValueError(f"x2d must have shape [M, hidden_size={self.config.hidden_size}], got {tuple(x2d.shape)}")
+                raise ValueError(f"x2d must have shape [M, hidden_size={self.config.hidden_size}], got "
+                                 f"{tuple(x2d.shape)}")
             if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x2d.shape[0]:
                 raise ValueError(
                     f"topk_ids and topk_weights must both have shape [M={x2d.shape[0]}, k], got "
@@ -265,7 +252,8 @@ class EPMoE(MoE):
                 )
             if self.max_tokens_per_rank is not None and x2d.shape[0] > self.max_tokens_per_rank:
                 raise ValueError(
-                    f"x must have at most max_tokens_per_rank={self.max_tokens_per_rank} tokens on each rank, got {x2d.shape[0]}"
+                    f"x must have at most max_tokens_per_rank={self.max_tokens_per_rank} tokens on each rank, got "
+                    f"{x2d.shape[0]}"
                 )
             # The payload row (K values of x's dtype, k ids, k weights) must be the same on every rank.
             row = (f"x {_dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token, "
@@ -278,7 +266,8 @@ class EPMoE(MoE):
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring."""
-        with self._errors.on(self.w13.device, self._counts_chunks) as errors:  # checks and routing may raise: agreed in forward_routed
+        # checks and routing may raise: agreed in forward_routed
+        with self._errors.on(self.w13.device, self._counts_chunks) as errors:
             self.graph_captured |= errors.capturing
             self._check_x(x)
             return super().forward(x, return_stats)
@@ -288,7 +277,8 @@ class EPMoE(MoE):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype != self.w13.dtype:
-            raise ValueError(f"x must be {_dtype_name(self.w13.dtype)} like the layer's weights, got {_dtype_name(x.dtype)}")
+            raise ValueError(f"x must be {_dtype_name(self.w13.dtype)} like the layer's weights, got "
+                             f"{_dtype_name(x.dtype)}")
         if x.device != self.w13.device:
             raise ValueError(f"x must be on {self.w13.device} like the layer's weights, got {x.device}")
 
@@ -320,7 +310,8 @@ class EPMoE(MoE):
             given = None if loads is None else torch.as_tensor(loads, dtype=torch.float64).tolist()
             if given is not None and len(given) != self.num_experts:
                 raise ValueError(f"loads must have num_experts={self.num_experts} entries, got {len(given)}")
-            errors.agree(f"loads {'passed' if loads is not None else 'tracked'}", what="where rebalance's loads come from")
+            errors.agree(f"loads {'passed' if loads is not None else 'tracked'}",
+                         what="where rebalance's loads come from")
         values = self.global_expert_load().tolist() if given is None else given
         with self._errors.on(self.w13.device) as errors:  # so does EPLB failing on rank 0 (e.g. a bad num_redundant)
             box = [None, None]
@@ -360,14 +351,16 @@ class EPMoE(MoE):
             num_local = placement.num_local_experts(self.rank)
             if num_local != self.num_local_experts and self.graph_captured:
                 raise ValueError(
-                    f"the placement changes this rank's expert slots from {self.num_local_experts} to {num_local}, which "
+                    f"the placement changes this rank's expert slots from {self.num_local_experts} to {num_local}, "
+                    f"which "
                     "reallocates w13/w2 under a captured CUDA graph; keep each rank's slot count (see apply_placement)"
                 )
             errors.agree(json.dumps(placement.to_dict()), what="the placement to apply")
         with torch.no_grad():
             w13 = move_experts(self.w13.data, self.placement, placement, self.rank, self.group)
             w2 = move_experts(self.w2.data, self.placement, placement, self.rank, self.group)
-        tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device, width=self.world_size)
+        tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device,
+                                     width=self.world_size)
         if num_local == self.num_local_experts:  # same shapes: copy into the same storage
             with torch.no_grad():
                 self.w13.copy_(w13.weight)
@@ -388,7 +381,8 @@ class EPMoE(MoE):
         c = self.config
         return (
             f"rank={self.rank}/{self.world_size}, E={c.num_experts}, local={self.num_local_experts}, k={c.top_k}, "
-            f"K={c.hidden_size}, N={c.moe_intermediate_size}, shared_slots={self.num_shared_slots}, backend={self.backend}"
+            f"K={c.hidden_size}, N={c.moe_intermediate_size}, shared_slots={self.num_shared_slots}, "
+            f"backend={self.backend}"
         )
 
 

@@ -121,7 +121,8 @@ def _exact_starters(ep, x2d, topk_ids, topk_weights, agree):
     """Every chunk's payload is packed first (queued behind the previous work while the host waits),
     then ``agree`` exchanges the counts of all chunks (the forward's one host sync)."""
     bounds = chunk_bounds(x2d.shape[0], ep.overlap)
-    packs = [pack_sends(x2d[a:b], topk_weights[a:b], plan_sends(topk_ids[a:b], ep.replica_tables, ep.rank, ep.world_size))
+    packs = [pack_sends(x2d[a:b], topk_weights[a:b],
+                        plan_sends(topk_ids[a:b], ep.replica_tables, ep.rank, ep.world_size))
              for a, b in bounds]
     counts = packs[0].plan.send_counts[None] if len(packs) == 1 else torch.stack([p.plan.send_counts for p in packs])
     splits = agree(counts)

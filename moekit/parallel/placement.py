@@ -53,7 +53,8 @@ class Placement:
         for rank, rank_slots in enumerate(self.slots):
             for e in rank_slots:
                 if not 0 <= e < self.num_experts:
-                    raise ValueError(f"slots[{rank}] has expert id {e}, expected 0 <= id < num_experts={self.num_experts}")
+                    raise ValueError(f"slots[{rank}] has expert id {e}, expected 0 <= id < "
+                                     f"num_experts={self.num_experts}")
                 replicas[e].append(rank)
         missing = [e for e, ranks in enumerate(replicas) if not ranks]
         if missing:

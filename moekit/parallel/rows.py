@@ -2,8 +2,8 @@
 transpose is the all-to-all with the send and receive splits swapped. The backward of the dispatch is a
 combine of the gradients, and the combine's is a dispatch.
 
-    forward  (unchanged, possibly async):  sent [T, *]  --all_to_all(recv_splits <- send_splits)-->  received [U, *]
-    backward (here, synchronous):     grad sent [T, *]  <--all_to_all(send_splits <- recv_splits)--  grad received [U, *]
+    forward  (unchanged, possibly async): sent [T, *]  --all_to_all(recv_splits <- send_splits)-->  received [U, *]
+    backward (here, synchronous):    grad sent [T, *]  <--all_to_all(send_splits <- recv_splits)--  grad received [U, *]
 
 ``attach_gradients`` ties received tensors to the tensors they were sent from, after the forward's own
 collective has filled them; only floating-point tensors take part (ids travel forward only). Autograd

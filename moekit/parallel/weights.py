@@ -21,7 +21,8 @@ def shard_experts(weight: torch.Tensor, placement: Placement, rank: int) -> torc
     num_experts = placement.num_experts
     if weight.shape[0] < num_experts:
         raise ValueError(f"weight must have at least num_experts={num_experts} rows, got shape {tuple(weight.shape)}")
-    index = torch.tensor(placement.slots[rank] + list(range(num_experts, weight.shape[0])), dtype=torch.long, device=weight.device)
+    index = torch.tensor(placement.slots[rank] + list(range(num_experts, weight.shape[0])), dtype=torch.long,
+                         device=weight.device)
     return weight.index_select(0, index)
 
 

@@ -2,13 +2,16 @@
 
 Accepted formats:
 
-| format                          | tensors (per Linear, or with a leading E)                       | becomes        |
-| ------------------------------- | --------------------------------------------------------------- | -------------- |
-| DeepSeek-V3 fine-grained fp8    | weight [R, C] e4m3, weight_scale_inv [ceil(R/128), ceil(C/128)]  | Fp8BlockWeight, as is |
-|                                 |   (float32, bfloat16 or float8_e8m0fnu scales, kept exactly)     |                |
-| gpt-oss MXFP4                   | *_blocks [E, R, C/32, 16] uint8, *_scales [E, R, C/32] uint8     | Mxfp4Weight, the same bytes |
-| GPTQ int4 (v1 and v2)           | qweight [C/8, R] int32, qzeros [C/g, R/8] int32, scales [C/g, R] | Int4Weight, repacked once |
-| AWQ int4 (GEMM packing)         | qweight [C, R/8] int32, qzeros [C/g, R/8] int32, scales [C/g, R] | Int4Weight, repacked once |
+| format                       | tensors (per Linear, or with a leading E)                        | becomes          |
+| ---------------------------- | ---------------------------------------------------------------- | ---------------- |
+| DeepSeek-V3 fine-grained fp8 | weight [R, C] e4m3, weight_scale_inv [ceil(R/128), ceil(C/128)]  | Fp8BlockWeight,  |
+|                              |   (float32, bfloat16 or float8_e8m0fnu scales, kept exactly)     |   as is          |
+| gpt-oss MXFP4                | *_blocks [E, R, C/32, 16] uint8, *_scales [E, R, C/32] uint8     | Mxfp4Weight, the |
+|                              |                                                                  |   same bytes     |
+| GPTQ int4 (v1 and v2)        | qweight [C/8, R] int32, qzeros [C/g, R/8] int32, scales [C/g, R] | Int4Weight,      |
+|                              |                                                                  |   repacked once  |
+| AWQ int4 (GEMM packing)      | qweight [C, R/8] int32, qzeros [C/g, R/8] int32, scales [C/g, R] | Int4Weight,      |
+|                              |                                                                  |   repacked once  |
 
 The int32 packings differ: GPTQ packs 8 codes along the input dim (C) of qweight, code i of a word
 at bits 4i; AWQ packs along the output dim (R) in the order AWQ_ORDER (the word's nibble i holds
@@ -53,14 +56,16 @@ def from_deepseek_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor, *, b
                           block_shape=block_shape, dtype=dtype)
 
 
-def from_gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16) -> Mxfp4Weight:
+def from_gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *,
+                       dtype: torch.dtype = torch.bfloat16) -> Mxfp4Weight:
     """gpt-oss: blocks [E, R, C/32, 16] uint8 (32 e2m1 values per block, low nibble first), scales
     [E, R, C/32] uint8 e8m0 -> the same bytes as q [E, R, C/2]. gate_up_proj's rows stay interleaved
     (gate row 2i, up row 2i+1): run it with an interleaved ActivationSpec."""
     if blocks.dim() != 4 or blocks.shape[-1] != MX_BLOCK // 2 or blocks.dtype != torch.uint8:
         raise ValueError(f"blocks must be uint8 [E, R, C/32, 16], got {blocks.dtype} {list(blocks.shape)}")
     if tuple(scales.shape) != tuple(blocks.shape[:3]):
-        raise ValueError(f"scales must have shape {list(blocks.shape[:3])} (blocks' first 3 dims), got {list(scales.shape)}")
+        raise ValueError(f"scales must have shape {list(blocks.shape[:3])} (blocks' first 3 dims), got "
+                         f"{list(scales.shape)}")
     e, r, g = scales.shape
     return Mxfp4Weight(q=blocks.reshape(e, r, g * MX_BLOCK // 2), scale=scales, cols=g * MX_BLOCK, dtype=dtype)
 
@@ -132,7 +137,8 @@ def stack_experts(weights: list[QuantizedWeight]) -> QuantizedWeight:
     meta = _same_kind(list(weights))
     if any(w.shape[1:] != weights[0].shape[1:] for w in weights):
         raise ValueError(f"every expert weight must have the shape [*, R, C] of the first, {list(weights[0].shape)}")
-    return type(weights[0])(**meta, **{k: torch.cat([w.tensors()[k] for w in weights]) for k in weights[0].tensor_fields})
+    return type(weights[0])(**meta,
+                            **{k: torch.cat([w.tensors()[k] for w in weights]) for k in weights[0].tensor_fields})
 
 
 def cat_rows(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedWeight:

@@ -75,7 +75,8 @@ def gpt_oss_experts_weights(state_dict: dict[str, torch.Tensor], prefix: str,
                             dtype: torch.dtype = torch.bfloat16) -> GptOssExpertsWeights:
     """The experts of the layer whose keys start with ``prefix`` (e.g. "model.layers.0.mlp.experts."):
     ``gate_up_proj_blocks``/``_scales``/``_bias`` and ``down_proj_blocks``/``_scales``/``_bias``."""
-    needed = [prefix + k for k in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")]
+    needed = [prefix + k for k in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                                   "down_proj_scales")]
     missing = [k for k in needed if k not in state_dict]
     if missing:
         raise KeyError(f"state_dict lacks the gpt-oss MXFP4 tensors {missing}")

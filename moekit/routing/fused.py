@@ -1,6 +1,7 @@
 """The fused router: ``route`` (and optionally ``append_shared_slots``) as one Triton kernel.
 
-    Gate -> [Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts -> Combine
+    Gate -> [Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts
+      -> Combine
 
 Same contract and semantics as ``moekit.routing.route``, its torch twin: int32 ids [M, k] in descending
 score order, fp32 weights [M, k]; ids equal to route's bit for bit where no two candidates tie, weights
@@ -96,7 +97,8 @@ def _plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: 
         TOPK_GROUP=topk_group, NUM_SHARED=num_shared, SLOTS_PAD=next_pow2(top_k + num_shared),
         GROUPED=grouped, SIGMOID=sigmoid, RENORMALIZE=renormalize, CHECK_FINITE=check_finite, ASSERT_FINITE=False,
     )
-    return _Plan(constexprs=constexprs, top2=grouped and per_group >= 2, num_slots=top_k + num_shared, cols=g_pad * p_pad,
+    return _Plan(constexprs=constexprs, top2=grouped and per_group >= 2, num_slots=top_k + num_shared,
+                 cols=g_pad * p_pad,
                  check_finite=check_finite, scaling=float(scaling),
                  block_m=max(1, elements_per_program // (g_pad * p_pad)))
 
@@ -247,7 +249,8 @@ def _route_op(
 def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling,
                 check_finite, num_shared, elements_per_program):
     num_tokens, slots = logits.shape[0], top_k + num_shared
-    return (logits.new_empty(num_tokens, slots, dtype=torch.int32), logits.new_empty(num_tokens, slots, dtype=torch.float32),
+    return (logits.new_empty(num_tokens, slots, dtype=torch.int32),
+            logits.new_empty(num_tokens, slots, dtype=torch.float32),
             logits.new_empty(1 if check_finite else 0, dtype=torch.int32))
 
 
@@ -327,7 +330,8 @@ class FusedRouter:
         if not logits.is_floating_point():
             raise TypeError(f"router_logits must be a floating-point tensor, got {logits.dtype}")
         if not logits.is_cuda and not is_available(logits.device):
-            raise RuntimeError(f"the fused router needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {logits.device}")
+            raise RuntimeError(f"the fused router needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got "
+                               f"{logits.device}")
         if bias is not None:
             self._check_bias(bias, logits.device)
         return logits if logits.dtype in _LOGIT_DTYPES else logits.float()
@@ -346,7 +350,8 @@ class FusedRouter:
         num_tokens = logits.shape[0]
         if gate_logits is None or gate_logits.shape != (num_tokens, 1):
             got = None if gate_logits is None else tuple(gate_logits.shape)
-            raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got {got}")
+            raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got "
+                             f"{got}")
         return gate_logits
 
 

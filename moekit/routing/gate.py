@@ -111,7 +111,8 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
            weight.dtype, weight.get_device(), weight.data_ptr() % 16 == 0,
-           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() % 16 == 0))
+           None if bias is None
+           else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() % 16 == 0))
     bound = _BOUND.get(key)
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
@@ -145,7 +146,8 @@ def gate_available(device: torch.device | str) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
-def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor) -> torch.Tensor | None:
     """``F.linear(x [M, K], weight [E, K], bias)`` written into ``out`` [M, E] (a kept buffer in x's dtype) through
     ``torch.mm`` / ``torch.addmm`` with ``out=``: the ops aten::linear calls for a 2-D input, so the same cuBLAS
     call and the same result, without aten::linear's dispatch or a fresh output. None where it does not apply

@@ -38,11 +38,11 @@ MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the one launch is the row-loop 
 ROWS = gate_mma.MAX_ROWS
 # Where the one launch and the two launches (the gate kernel, then the router's) were measured bit-equal on the H200:
 # ungrouped softmax plans with renormalisation (Qwen3-30B-A3B, Mixtral-8x7B, every M <= 8). A sigmoid or grouped plan
-# differs in the weights' last bits (DeepSeek-V3 at 5-8 rows; logits and ids equal): benchmarks/layer_host2_device_check.py.
-# A call without kept buffers (a CUDA graph capture, a call with stats) takes the one launch too, into fresh buffers
-# (``wants_fresh``), for every plan but those, so eager, captured and stats calls compute the same bits; those keep the
-# two launches, which replay 0-7 µs faster in a graph (Qwen3 at M = 1 / 2 / 4 / 8: one launch 32.7 / 58.1 / 89.6 /
-# 129.1 µs against 30.7 / 50.7 / 85.9 / 123.7; DeepSeek-V3 +0 to +7 µs of 205-1177).
+# differs in the weights' last bits (DeepSeek-V3 at 5-8 rows; logits and ids equal):
+# benchmarks/layer_host2_device_check.py. A call without kept buffers (a CUDA graph capture, a call with stats) takes
+# the one launch too, into fresh buffers (``wants_fresh``), for every plan but those, so eager, captured and stats calls
+# compute the same bits; those keep the two launches, which replay 0-7 µs faster in a graph (Qwen3 at M = 1 / 2 / 4 / 8:
+# one launch 32.7 / 58.1 / 89.6 / 129.1 µs against 30.7 / 50.7 / 85.9 / 123.7; DeepSeek-V3 +0 to +7 µs of 205-1177).
 MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
 NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
 

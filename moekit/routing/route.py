@@ -21,8 +21,10 @@ from moekit.config import MoEConfig
 class Routing:
     """Which experts each token is sent to, and the weight its output is scaled by."""
 
-    topk_ids: torch.Tensor  # [M, k(+S)] int32; expert of each slot, in descending score order; shared slots last; -1 = skipped
-    topk_weights: torch.Tensor  # [M, k(+S)] float32 (float64 from float64 logits); weight of each slot; 0 where the id is -1
+    # [M, k(+S)] int32; expert of each slot, in descending score order; shared slots last; -1 = skipped
+    topk_ids: torch.Tensor
+    # [M, k(+S)] float32 (float64 from float64 logits); weight of each slot; 0 where the id is -1
+    topk_weights: torch.Tensor
     # [] int64; tokens route() found with no finite logit (nonfinite="mask"): all their weights are 0.
     # route() always sets it (0 with nonfinite="raise"); None where none can be masked (the fused router
     # with nonfinite="raise") and on a Routing built by hand.

@@ -35,10 +35,12 @@ def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits:
     if config.shared_expert_gate:
         if shared_gate_logits is None or shared_gate_logits.shape != (num_tokens, 1):
             got = None if shared_gate_logits is None else tuple(shared_gate_logits.shape)
-            raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got {got}")
+            raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got "
+                             f"{got}")
         shared_w = torch.sigmoid(shared_gate_logits.to(weights.dtype)).expand(num_tokens, slots)  # [M, S]
     else:
-        shared_w = torch.ones(num_tokens, slots, device=device, dtype=weights.dtype)  # [M, S]; the routed weights' dtype
+        # [M, S]; the routed weights' dtype
+        shared_w = torch.ones(num_tokens, slots, device=device, dtype=weights.dtype)
     return Routing(
         topk_ids=torch.cat([topk_ids, shared_ids], dim=1),
         topk_weights=torch.cat([weights, shared_w], dim=1),

@@ -14,8 +14,9 @@ do, bounded by ``steps``.
 (b) Auxiliary-loss-free balancing (Wang et al. 2024, DeepSeek-V3): a per-expert bias added to the scores
 for *selection only* (``moekit.route``'s ``correction_bias``); after each batch it moves by γ towards
 balance. The simulated router scores with a softmax (DeepSeek-V3 uses sigmoids), so the bias lives on
-the probability scale; γ = 1e-3 over 200 batches moves it up to 0.2, enough for skews up to ~0.9. It cannot split identical tokens: at skew 1 every token has the same scores, so every token
-still picks the same k experts, just different ones.
+the probability scale; γ = 1e-3 over 200 batches moves it up to 0.2, enough for skews up to ~0.9. It cannot split
+identical tokens: at skew 1 every token has the same scores, so every token still picks the same k experts, just
+different ones.
 """
 
 from __future__ import annotations

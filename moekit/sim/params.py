@@ -71,7 +71,8 @@ class SimParams:
             try:
                 parsed[name] = int(text) if kind == "int" else float(text) if kind == "float" else text
             except ValueError:
-                raise ValueError(f"{name} must be {'an integer' if kind == 'int' else 'a number'}; got {text!r}") from None
+                raise ValueError(f"{name} must be {'an integer' if kind == 'int' else 'a number'}; "
+                                 f"got {text!r}") from None
         return cls(**parsed)
 
     def to_dict(self) -> dict[str, Any]:

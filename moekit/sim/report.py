@@ -54,7 +54,8 @@ def summary(result: SimResult) -> str:
     if result.balance is not None:
         b = result.balance
         lines.append(f"balancing         {b.method}, {b.steps} steps: imbalance {b.imbalance_before:.2f}x -> "
-                     f"{b.imbalance_after:.2f}x, drops {100 * b.drop_rate_before:.1f}% -> {100 * b.drop_rate_after:.1f}%")
+                     f"{b.imbalance_after:.2f}x, drops {100 * b.drop_rate_before:.1f}% -> "
+                     f"{100 * b.drop_rate_after:.1f}%")
     lines += ["", "experts touched per batch (simulated / uniform prediction):"]
     lines += [f"  batch {t.batch:4d}: {t.simulated:6.1f} / {t.predicted:6.1f}" for t in result.touched_by_batch]
     ep = result.ep

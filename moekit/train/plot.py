@@ -35,7 +35,8 @@ def plot_curves(doc: dict, path: Path) -> Path | None:
     axes[0].legend()
     s = doc["settings"]
     fig.suptitle(f"moekit train: byte LM on the Python stdlib, {s['num_layers']} MoE layers, E={s['num_experts']}, "
-                 f"k={s['top_k']}, d={s['d_model']}" + (f", capacity factor {s['capacity_factor']}" if with_drops else ""))
+                 f"k={s['top_k']}, d={s['d_model']}"
+                 + (f", capacity factor {s['capacity_factor']}" if with_drops else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

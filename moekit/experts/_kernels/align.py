@@ -79,9 +79,10 @@ def align_hist_scan_kernel(
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """hist and scan in one launch: each chunk program writes its histogram row, then counts its arrival
-    (arrivals[arrival_slot] int32, 0 on entry: a slot of the pool's kept counters); the last to arrive (every row written: acq_rel atomics at GPU scope,
-    the release publishes the row, the last's acquire sees them all) runs the scan and sets arrivals back
-    to 0 for the next call. The same rows and the same scan as the two launches, so the same layout."""
+    (arrivals[arrival_slot] int32, 0 on entry: a slot of the pool's kept counters); the last to arrive (every row
+    written: acq_rel atomics at GPU scope, the release publishes the row, the last's acquire sees them all) runs the
+    scan and sets arrivals back to 0 for the next call. The same rows and the same scan as the two launches, so the same
+    layout."""
     wait_for_previous_kernel(PDL)
     let_next_kernel_launch(PDL)
     chunk_hist_row(ids_ptr, map_ptr, hist_ptr, tl.program_id(0), num_assignments, num_experts, num_global,

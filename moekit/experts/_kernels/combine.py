@@ -149,7 +149,8 @@ def zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, first_pid, K, num_assignment
         cols = tl.arange(0, BLOCK_N)
         zeros = tl.zeros([ZERO_T, BLOCK_N], dtype=out_ptr.dtype.element_ty)
         for c0 in range(0, K, BLOCK_N):
-            tl.store(out_ptr + safe[:, None] * K + (c0 + cols)[None, :], zeros, mask=none[:, None] & (c0 + cols < K)[None, :])
+            tl.store(out_ptr + safe[:, None] * K + (c0 + cols)[None, :], zeros,
+                     mask=none[:, None] & (c0 + cols < K)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -196,13 +196,13 @@ def gate_up_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
-    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False,
-):
+    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
+    rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                 num_assignments,
                                  num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD, FOLD_CHUNK, HAS_MAP)
     if expert < 0:
         return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
@@ -251,8 +251,8 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    h_ptr, w2_ptr, b2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], b2 [E, K], y [A, K] out: weight * (h w2^T + b2)
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    # h [A, N], w2 [E, K, N], b2 [E, K], y [A, K] out: weight * (h w2^T + b2)
+    h_ptr, w2_ptr, b2_ptr, y_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_we, stride_wk, stride_wn, stride_b2e, stride_b2k, stride_ym,
@@ -260,8 +260,7 @@ def down_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1,
-):
+    SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1):
     """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM, SUM_AFTER: out too (docstring)."""
     wait_for_previous_kernel(PDL)
     if KSUM or SUM_AFTER:
@@ -278,7 +277,8 @@ def down_kernel(
         return
     row_ok, safe_rows = rows < num_assignments, tl.where(rows < num_assignments, rows, 0)
     if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
-        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
+                                     HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
@@ -286,7 +286,8 @@ def down_kernel(
     if W_DESC:  # w2_ptr is a tensor descriptor over w2 as [E*K, N], block [BN, BK]
         w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
     else:
-        w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
+        w_ptrs = (w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk
+                  + offs_red[:, None] * stride_wn)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0

@@ -243,7 +243,8 @@ def weight_grad_kernel(
         if UPCAST:
             lt, rt = lt.to(tl.float32), rt.to(tl.float32)
         acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
-    out_ptrs = out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or + offs_c[None, :]
+    out_ptrs = (out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or
+                + offs_c[None, :])
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
 
 
@@ -265,8 +266,10 @@ def permute_rows_kernel(
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     src = tl.where(row_ok, rows // div, 0)
-    vals = tl.load(src_ptr + src[:, None] * stride_sm + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
-    tl.store(out_ptr + offs_p[:, None].to(tl.int64) * stride_om + offs_c[None, :], vals, mask=p_ok[:, None] & c_ok[None, :])
+    vals = tl.load(src_ptr + src[:, None] * stride_sm + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :],
+                   other=0.0)
+    tl.store(out_ptr + offs_p[:, None].to(tl.int64) * stride_om + offs_c[None, :], vals,
+             mask=p_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -313,5 +316,6 @@ def weight_grad_contiguous_kernel(
         if UPCAST:
             lt, rt = lt.to(tl.float32), rt.to(tl.float32)
         acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
-    out_ptrs = out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or + offs_c[None, :]
+    out_ptrs = (out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or
+                + offs_c[None, :])
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])

@@ -72,7 +72,8 @@ def _w13_tile(w13_ptr, expert, k0, col0, row0, N, K, stride_ae, stride_an, strid
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         offs_n = col0 + tl.arange(0, BLOCK_N)
-        ptrs = w13_ptr + expert * stride_ae + (row0 + offs_n[None, :]).to(tl.int64) * stride_an + offs_k[:, None] * stride_ak
+        ptrs = (w13_ptr + expert * stride_ae + (row0 + offs_n[None, :]).to(tl.int64) * stride_an
+                + offs_k[:, None] * stride_ak)
         tile = tl.load(ptrs, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
     return tile
 
@@ -95,7 +96,8 @@ def sorted_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, RED, BLOCK_K):
         a = _rows_tile(a_ptr, first, k0, RED, stride_am, BLOCK_M, BLOCK_K, DESC)
-        w = _w_red_rows(w_ptr, expert, k0, pid_n * BLOCK_N, RED, OUT, stride_we, stride_wr, stride_wo, BLOCK_K, BLOCK_N, DESC)
+        w = _w_red_rows(w_ptr, expert, k0, pid_n * BLOCK_N, RED, OUT, stride_we, stride_wr, stride_wo, BLOCK_K, BLOCK_N,
+                        DESC)
         acc = _dot(a, w, acc, UPCAST, PRECISION)
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows >= 0  # [BM] every layout row of the block

@@ -12,9 +12,9 @@ block-aligned rows, the tiny-batch NAIVE shortcut) is the bf16 kernels' (``gemm`
 
 gate-up: x_q rows gathered by token (X_RAW: x itself, each [BM, BK] step quantized as it is loaded,
 the twin of ``quant_fp8``'s kernel: a launch fewer, but slower on the GPU, every program quantizing each
-tile it reads; the plan takes it in eager calls where a tuned entry asks), gate columns c and up columns N + c of one expert in one program (each with its own weight
-scale, gathered per column: a block may straddle the gate/up boundary when N is not a multiple of
-GROUP_N), SiLU-and-mul in the epilogue. Where BN is a multiple of BK every group
+tile it reads; the plan takes it in eager calls where a tuned entry asks), gate columns c and up columns N + c of one
+expert in one program (each with its own weight scale, gathered per column: a block may straddle the gate/up boundary
+when N is not a multiple of GROUP_N), SiLU-and-mul in the epilogue. Where BN is a multiple of BK every group
 of h's columns lies in one program, and the epilogue re-quantizes h per BK columns (h_q e4m3 + h_s).
 Narrower tiles (H_FP32: BN < BK, for more programs at decode sizes) write h in float32 instead, and
 the down GEMM quantizes each [BM, BK] step of it as it loads it (the same groups, the same rounding;
@@ -214,17 +214,17 @@ def _act_tile(ptrs, ahead, row_ok, offs, left, step, BLOCK_K: tl.constexpr, QUAN
 
 @triton.jit
 def gate_up_fp8_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
+    # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
     N, K, num_assignments, top_k, num_experts, num_pid_m,
-    stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
-    num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm,
+    stride_hsm, num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     SWAP_AB: tl.constexpr = False,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
-    HAS_MAP: tl.constexpr = False, PAIR_DOT: tl.constexpr = False, PAIR_CHUNK: tl.constexpr = 64,
-):
+    HAS_MAP: tl.constexpr = False, PAIR_DOT: tl.constexpr = False, PAIR_CHUNK: tl.constexpr = 64):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -296,18 +296,17 @@ def _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, B
 
 @triton.jit
 def down_fp8_kernel(
-    hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] (W_DESC: its descriptor) + scale, y [A, K]
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] (W_DESC: its descriptor) + scale, y [A, K]
+    hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
-    GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True, SWAP_AB: tl.constexpr = False,
+    GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr, W_DESC: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True, SWAP_AB: tl.constexpr = False,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1,  # ``gemm.down_kernel``'s
-):
+    SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1):  # ``gemm.down_kernel``'s
     wait_for_previous_kernel(PDL)
     if KSUM or SUM_AFTER:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's (module docstring)
@@ -323,7 +322,8 @@ def down_fp8_kernel(
         return
     row_ok, safe_rows = rows < num_assignments, tl.where(rows < num_assignments, rows, 0)
     if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
-        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
+                                     HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)

@@ -94,5 +94,6 @@ def down_train_kernel(
     safe = tl.where(row_ok, rows, 0)
     weight = tl.load(weights_ptr + safe, mask=row_ok, other=0.0).to(tl.float32)
     offs_k = col0 + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + safe[:, None] * stride_om + offs_k[None, :], (acc * weight[:, None]).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + safe[:, None] * stride_om + offs_k[None, :],
+             (acc * weight[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_k[None, :] < K))

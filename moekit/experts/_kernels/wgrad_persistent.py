@@ -66,7 +66,8 @@ def weight_grad_persistent_kernel(
                 ki = it % steps
                 tile_r, tile_c = _tile_of(first - e * per_expert + (it // steps) * num_programs, tiles_r, tiles_c,
                                           GROUP_R)
-                acc = _step(l_desc, r_desc, acc, start + ki * BLOCK_K, tile_r, tile_c, BLOCK_R, BLOCK_C, UPCAST, PRECISION)
+                acc = _step(l_desc, r_desc, acc, start + ki * BLOCK_K, tile_r, tile_c, BLOCK_R, BLOCK_C, UPCAST,
+                            PRECISION)
                 if ki == steps - 1:  # the tile is done: store it, start the next
                     _store_tile(out_ptr, acc, e, tile_r, tile_c, R, C, stride_oe, stride_or, BLOCK_R, BLOCK_C, OUT_DESC)
                     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)

@@ -111,12 +111,15 @@ def word_values(w, SCHEME: tl.constexpr, ASM: tl.constexpr):
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
             _INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 8,
             is_pure=True, pack=1)
-        v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
-        v4, v5, v6, v7 = v4.to(f32, bitcast=True), v5.to(f32, bitcast=True), v6.to(f32, bitcast=True), v7.to(f32, bitcast=True)
+        v0, v1, v2, v3 = (v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True),
+                          v3.to(f32, bitcast=True))
+        v4, v5, v6, v7 = (v4.to(f32, bitcast=True), v5.to(f32, bitcast=True), v6.to(f32, bitcast=True),
+                          v7.to(f32, bitcast=True))
     elif ASM and SCHEME == 0:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(_INT8_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
                                                    is_pure=True, pack=1)
-        v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
+        v0, v1, v2, v3 = (v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True),
+                          v3.to(f32, bitcast=True))
         v4, v5, v6, v7 = v0, v1, v2, v3
     else:
         v0, v1, v2, v3 = _value(w, 0, SCHEME), _value(w, 1, SCHEME), _value(w, 2, SCHEME), _value(w, 3, SCHEME)

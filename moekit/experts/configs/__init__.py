@@ -181,7 +181,8 @@ def heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: i
     return KernelConfig(128, GemmTile(128, 64, 8, 8, 4), GemmTile(128, 64, 8, 8, 3))
 
 
-def shared_memory_bytes(block_m: int, tile: GemmTile, itemsize: int, weight_tiles: int, descriptors: bool = False) -> int:
+def shared_memory_bytes(block_m: int, tile: GemmTile, itemsize: int, weight_tiles: int,
+                        descriptors: bool = False) -> int:
     """Shared memory of one GEMM's software pipeline: its buffered steps, each holding the [BLOCK_M,
     BLOCK_K] activation tile and ``weight_tiles`` [BLOCK_K, BLOCK_N] weight tiles (2 in the gate-up GEMM:
     gate and up). Pointer loads buffer ``num_stages - 1`` steps, TMA descriptor loads ``num_stages``

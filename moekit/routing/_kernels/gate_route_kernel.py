@@ -1,7 +1,9 @@
-"""The gate GEMM and the router in one launch, for decode-sized batches (M <= 8 rows, ``moekit.routing.gate.MAX_TOKENS``): x [M, K] ->
-router logits [M, E] -> topk_ids [M, k(+S)] int32, topk_weights [M, k(+S)] fp32.
+"""The gate GEMM and the router in one launch, for decode-sized batches (M <= 8 rows,
+``moekit.routing.gate.MAX_TOKENS``): x [M, K] -> router logits [M, E] -> topk_ids [M, k(+S)] int32, topk_weights [M,
+k(+S)] fp32.
 
-    [Gate -> Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts -> Combine
+    [Gate -> Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts
+      -> Combine
 
 Torch twin: ``F.linear`` then ``moekit.routing.route`` (and ``append_shared_slots``); the two halves are
 ``gate_tile`` (``gate_kernel.py``) and ``route_rows`` (``route_kernel.py``), the same code the separate

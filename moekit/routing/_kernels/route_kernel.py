@@ -14,9 +14,9 @@ G_PAD = 1, P_PAD = next_pow2(E)); tile column c = g * P_PAD + p holds expert g *
 
 Selection is k rounds of a max over (key, then the lower column), packed in one int64 (``_packed``).
 The key is an int32 in the float order of the biased score (``_order_key``); columns ascend with
-expert ids and groups with group ids, so this is route's rule: equal scores, lower id wins. Two reserved keys sit below every float: a non-finite expert
-(``_MASKED``: chosen only when the allowed groups hold fewer than k finite experts) and a column that is
-never chosen (``_EXCLUDED``: padding, an expert of a group not kept, an expert already taken).
+expert ids and groups with group ids, so this is route's rule: equal scores, lower id wins. Two reserved keys sit below
+every float: a non-finite expert (``_MASKED``: chosen only when the allowed groups hold fewer than k finite experts) and
+a column that is never chosen (``_EXCLUDED``: padding, an expert of a group not kept, an expert already taken).
 
 Scores are computed as torch computes them on the GPU (``exp`` is libdevice's expf, divisions are
 correctly rounded ``div_rn``; Triton's default ``exp`` and ``/`` are approximations), so the ids match
