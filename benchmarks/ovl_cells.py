@@ -42,8 +42,8 @@ class BoundCfg:
         return BoundCfg(self.consumers, self.block_k, self.tn, self.stages, self.promote, mode)
 
 
-# SMEM: stages x consumers x 64 x BK x bytes + (1 or 2) x TN x BK x bytes <= 208 KB at every entry (TN <= 256). bf16 keeps
-# BK = 64 (128 bytes, the TMA box's widest row under the 128-byte swizzle).
+# SMEM: stages x consumers x 64 x BK x bytes + (1 or 2) x TN x BK x bytes <= 208 KB at every entry (TN <= 256). bf16
+# keeps BK = 64 (128 bytes, the TMA box's widest row under the 128-byte swizzle).
 # One consumer keeps TN <= 128 (at 256 ptxas fails: "Internal Triton PTX codegen error", Triton 3.6 and 3.9).
 # A second resident tile where a box takes several chunks (T > TN): 2 x 32 KB at TN 256, so those entries keep 9 stages.
 SWEEP = {"bf16": [BoundCfg(2, 64, 256, 9), BoundCfg(1, 64, 128, 16), BoundCfg(2, 64, 128, 10),

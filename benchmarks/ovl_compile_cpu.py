@@ -49,8 +49,8 @@ def compile_one(dtype, consumers: int, block_k: int, tn: int, nchunk: int, stage
     e, n, k = 2, 512, 1024
     box = [64, block_k]
     args = dict(w13_desc=_descriptor([e * 2 * n, k], box, dtype), w2_desc=_descriptor([e * k, n], box, dtype),
-                a_desc=_descriptor([tn * min(nchunk, 2), block_k], [tn, block_k], dtype), out_ptr=torch.empty(1), boxes=100,
-                boxes13=60, steps13=k // block_k, steps2=n // block_k)
+                a_desc=_descriptor([tn * min(nchunk, 2), block_k], [tn, block_k], dtype), out_ptr=torch.empty(1),
+                boxes=100, boxes13=60, steps13=k // block_k, steps2=n // block_k)
     const = dict(STAGES=stages, CONSUMERS=consumers, NCHUNK=nchunk, INSTR_K=32 if dtype.itemsize == 1 else 16,
                  MODE=ok.MODES[mode], PROMOTE=promote, CONSUMER_REGS=ok.CONSUMER_REGS, TN=tn, num_warps=4)
     kernel = ok.ovl_kernel

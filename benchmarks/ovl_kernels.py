@@ -226,8 +226,8 @@ CONSUMER_REGS = 224  # consumer 1's (2 consumers)
 def launch_ovl(plan: OvlPlan, w13: torch.Tensor, w2: torch.Tensor, a: torch.Tensor, out: torch.Tensor, mode: str,
                promote: int, stages: int) -> torch.Tensor:
     """out [G, C, 64, TN] float32 <- the kernel on w13 [E·2N, K], w2 [E·K, N] (2-D views; bf16 or e4m3) and the
-    resident a [TILES·TN, BK] (w13's dtype; ``OvlPlan.resident_rows``); mode "both", "loads" or "mmas"; promote (fp8 only, BK = 128): 1 waited,
-    2 pipelined."""
+    resident a [TILES·TN, BK] (w13's dtype; ``OvlPlan.resident_rows``); mode "both", "loads" or "mmas"; promote (fp8
+    only, BK = 128): 1 waited, 2 pipelined."""
     from moekit.experts.triton_gluon_launch import gluon_descriptor
 
     want = (plan.programs, plan.consumers, HALF_ROWS, plan.tn)
