@@ -3,8 +3,8 @@
 table of the cells so far, and a watchdog past the deadline (a hung kernel).
 
     specs = [HeldCell(ci, preset, 6.0, f"{preset} M={m}", preset, preset) for ci, (preset, m) in enumerate(CELLS)]
-    return held_cells(specs, procs, HeldRun(ARGS.deadline, elapsed, FAILED, dev, weights, run, path, ceil, title,
-                                            rows, None if SMOKE else WATCHDOG_S))
+    return held_cells(specs, procs, HeldRun(ARGS.deadline, elapsed, FAILED, dev, weights, run, ARGS.out, "x.json",
+                                            ceil, title(ceil), rows, None if SMOKE else WATCHDOG_S))
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable
 
-from bench_run import run_info, write_json
+from bench_run import ceilings, run_info, write_json
 from compile_workers import collect_workers
 
 
@@ -39,9 +39,9 @@ class HeldCell:
 @dataclasses.dataclass(frozen=True)
 class HeldRun:
     """What ``held_cells`` takes of its script: the deadline (s), the clock, the failed list, the device, a preset's
-    weights, a cell's run (``run(ci, weights, compile status)``: its cells), the JSON's path (None: none), the
-    ceilings (in the JSON), the table's title and a cell's lines in it, and the watchdog's margin past the deadline
-    (None: no watchdog)."""
+    weights, a cell's run (``run(ci, weights, compile status)``: its cells), the JSON's folder (None: no JSON) and
+    name, the ceilings (in the JSON), the table's title and a cell's lines in it, and the watchdog's margin past the
+    deadline (None: no watchdog)."""
 
     deadline: float
     elapsed: Callable[[], float]
@@ -49,16 +49,18 @@ class HeldRun:
     dev: object
     weights: Callable[[str], object]
     run: Callable[[int, object, dict], list]
-    path: str | None
+    out: str | None
+    name: str
     ceil: dict
     title: str
     rows: Callable[[object], list]
     watchdog_s: float | None
 
     def dump(self, cells: list) -> None:
-        if self.path:
-            write_json(self.path, {**run_info(), **self.ceil, "cells": [dataclasses.asdict(c) for c in cells],
-                                   "failed": self.failed, "seconds": self.elapsed()})
+        if self.out:
+            cells = [dataclasses.asdict(c) for c in cells]
+            write_json(os.path.join(self.out, self.name), {**run_info(), **self.ceil, "cells": cells,
+                                                           "failed": self.failed, "seconds": self.elapsed()})
 
     def table(self, cells: list) -> None:
         print(f"\n{self.title}")
@@ -124,6 +126,16 @@ def held_device(smoke: bool, args: argparse.Namespace, fakes: Callable[[], None]
         (fakes or install_test_fakes)()
         args.deadline = float("inf")
     return torch.device("cpu" if smoke else "cuda")
+
+
+def held_ceilings(dev, elapsed: Callable[[], float]) -> dict:
+    """This run's ceilings (``bench_run.ceilings``), printed with torch's version."""
+    import torch
+
+    ceil = ceilings(dev)
+    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
+          "TFLOP/s", flush=True)
+    return ceil
 
 
 def install_test_fakes() -> None:

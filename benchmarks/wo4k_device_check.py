@@ -42,9 +42,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
-from bench_run import ceilings  # noqa: E402
 from compile_workers import spawn_workers  # noqa: E402
-from held_run import HeldCell, HeldRun, held_cells, held_device, held_entry  # noqa: E402
+from held_run import HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry  # noqa: E402
 from wo8_variants import Gemms, Weights, pick_call, shape_of, timed_calls  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
@@ -267,22 +266,23 @@ def rows(c: Cell) -> list[str]:
     return out
 
 
+def title(ceil: dict) -> str:
+    """The table's first line."""
+    return (f"graph µs (median of {ROUNDS} rounds), copy {ceil['copy_TBps']:.2f} TB/s, mm "
+            f"{ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s; x = / bf16's same part; (n/{ROUNDS}): rounds <= {WIN} x the pick "
+            "(calls) or the base (GEMMs); target: call <= 1.11x bf16")
+
+
 def main() -> int:
     dev = held_device(SMOKE, ARGS)
     procs = {} if SMOKE else {ci: spawn_workers(__file__, [[ci, j] for j in range(len(tasks(ci)))], SMOKE,
                                                 f"wo4k_{ci}") for ci in range(len(CELLS))}
-    ceil = ceilings(dev)
-    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
-          "TFLOP/s", flush=True)
+    ceil = held_ceilings(dev, elapsed)
     specs = [HeldCell(ci, preset, 16.0 if preset == "deepseek-v3" else 6.0, f"{preset} M={m} {scheme}", ci,
                       f"{preset} {scheme}") for ci, (preset, m, scheme, _) in enumerate(CELLS[:2] if SMOKE else CELLS)]
-    title = (f"graph µs (median of {ROUNDS} rounds), copy {ceil['copy_TBps']:.2f} TB/s, mm "
-             f"{ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s; x = / bf16's same part; (n/{ROUNDS}): rounds <= {WIN} x the pick "
-             "(calls) or the base (GEMMs); target: call <= 1.11x bf16")
-    path = ARGS.out and os.path.join(ARGS.out, "wo4k.json")
     return held_cells(specs, procs, HeldRun(ARGS.deadline, elapsed, FAILED, dev, lambda p: Weights(shape_of(p), dev, 1),
-                                            lambda ci, w, status: [run_cell(ci, w, dev, ceil, status)], path, ceil,
-                                            title, rows, None if SMOKE else WATCHDOG_S))
+                                            lambda ci, w, status: [run_cell(ci, w, dev, ceil, status)], ARGS.out,
+                                            "wo4k.json", ceil, title(ceil), rows, None if SMOKE else WATCHDOG_S))
 
 
 if __name__ == "__main__":

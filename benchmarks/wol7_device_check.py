@@ -242,6 +242,12 @@ def lines(c: Cell) -> list[str]:
     return out
 
 
+def title(ceil: dict) -> str:
+    """The table's first line."""
+    return (f"graph µs (median of {ROUNDS} rounds), copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
+            f"TFLOP/s; wins: rounds <= {WIN} x the scheme's pick; target <= 1.11x bf16")
+
+
 def main() -> int:
     dev = held_device(SMOKE, ARGS, install_smoke_fakes)
     procs = {} if SMOKE else start_workers()
@@ -250,13 +256,10 @@ def main() -> int:
           "TFLOP/s", flush=True)
     specs = [HeldCell(ci, preset, 10.0 if preset == "deepseek-v3" else 5.0, f"{preset} M={m}", preset, preset)
              for ci, (preset, m) in enumerate(CELLS[:1] if SMOKE else CELLS)]
-    title = (f"graph µs (median of {ROUNDS} rounds), copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
-             f"TFLOP/s; wins: rounds <= {WIN} x the scheme's pick; target <= 1.11x bf16")
-    path = ARGS.out and os.path.join(ARGS.out, "wol7.json")
     return held_cells(specs, procs, HeldRun(ARGS.deadline, elapsed, RUN.failed, dev,
                                             lambda p: Weights(shape_of(p), dev, 1),
-                                            lambda ci, w, status: [run_cell(ci, w, dev, ceil, status)], path, ceil,
-                                            title, lines, None if SMOKE else WATCHDOG_S))
+                                            lambda ci, w, status: [run_cell(ci, w, dev, ceil, status)], ARGS.out,
+                                            "wol7.json", ceil, title(ceil), lines, None if SMOKE else WATCHDOG_S))
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, graph_of, interleaved, wins  # noqa: E402
-from bench_run import ceilings  # noqa: E402
 from compile_workers import spawn_workers  # noqa: E402
-from held_run import HeldCell, HeldRun, held_cells, held_device, held_entry, install_test_fakes  # noqa: E402
+from held_run import (  # noqa: E402
+    HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry, install_test_fakes)
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
 from wolean_variants import CELLS, Weights, default_decode, shape_of, variant_names, variants  # noqa: E402
@@ -248,21 +248,22 @@ def install_smoke_fakes() -> None:
     GLUON_WO_CELLS[(schemes[0], s.num_experts, s.n, s.k)] = (m, 2 * m)
 
 
+def title(ceil: dict) -> str:
+    """The table's first line."""
+    return (f"graph µs (median of {ROUNDS} rounds), eager µs a call ({EAGER_CALLS} calls a loop, median of {ROUNDS}); "
+            f"copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s; take: lean <= {WIN} x "
+            f"default (default <= {WIN} x prev) in every round and eager wall <= it")
+
+
 def main() -> int:
     dev = held_device(SMOKE, ARGS, install_smoke_fakes)
     procs = {} if SMOKE else start_workers()
-    ceil = ceilings(dev)
-    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
-          "TFLOP/s", flush=True)
+    ceil = held_ceilings(dev, elapsed)
     specs = [HeldCell(ci, preset, 4.0 if preset == "qwen3-30b-a3b" else 8.0, f"{preset} M={m}", preset, preset)
              for ci, (preset, m, _) in enumerate(CELLS[:1] if SMOKE else CELLS)]
-    title = (f"graph µs (median of {ROUNDS} rounds), eager µs a call ({EAGER_CALLS} calls a loop, median of {ROUNDS}); "
-             f"copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s; take: lean <= {WIN} x "
-             f"default (default <= {WIN} x prev) in every round and eager wall <= it")
-    path = ARGS.out and os.path.join(ARGS.out, "wolean.json")
     return held_cells(specs, procs, HeldRun(ARGS.deadline, elapsed, FAILED, dev, lambda p: Weights(shape_of(p), dev, 1),
-                                            lambda ci, w, status: run_cell(ci, w, dev, ceil, status), path, ceil,
-                                            title, row, None if SMOKE else WATCHDOG_S))
+                                            lambda ci, w, status: run_cell(ci, w, dev, ceil, status), ARGS.out,
+                                            "wolean.json", ceil, title(ceil), row, None if SMOKE else WATCHDOG_S))
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ def test_held_cells_holds_a_presets_weights_skips_past_the_deadline_and_writes_j
 
     failed: list = []
     r = held_run.HeldRun(45.0, lambda: clock[0], failed, torch.device("cpu"), lambda p: built.append(p) or p.upper(),
-                         run, str(tmp_path / "x.json"), {"copy": 1.0}, "title", lambda c: [f"row {c.ci}"], None)
+                         run, str(tmp_path), "x.json", {"copy": 1.0}, "title", lambda c: [f"row {c.ci}"], None)
     assert held_run.held_cells(specs, {}, r) == 0
     assert built == ["a", "b", "a"]  # a preset's weights held while its cells run, built again after "b"'s
     got = json.loads((tmp_path / "x.json").read_text())
