@@ -27,14 +27,11 @@ process) and TB/s (those bytes over the time); "wins": rounds a variant took <= 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +48,7 @@ from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, wei
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for  # noqa: E402
 from bench_rounds import graph_of, interleaved  # noqa: E402
+from bench_run import group_args, run_groups  # noqa: E402
 from dec7_device_check import expected  # noqa: E402
 from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
 from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
@@ -123,7 +121,7 @@ def read_plans(s: Shape, plan, words: int) -> tuple[GeomPlan, GeomPlan]:
     return (GeomPlan(s.n, s.n, 32, words, 1, up_split, 1, 0), GeomPlan(s.k, 0, 32, words, 1, down_split, 1, 0))
 
 
-def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, plan, s: Shape, dev, reads: dict = READS) -> None:
+def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, plan, s: Shape, dev, reads: dict) -> None:
     """The pure reads' graphs (``reads``: name -> words a step; the experts each set touches, once each), checked
     on the first set."""
     words13, words2 = w13.q.view(torch.int32), w2.q.view(torch.int32)
@@ -171,8 +169,9 @@ def add_calls(cell: Cell, graphs: dict, a13, a2, w13, w2, inputs, found: dict, s
             check(f"{s.name} {cell.scheme} M={cell.m} {name}", False, f"raised {type(e).__name__}: {e}")
 
 
-def precompile(s: Shape, scheme: str, ms: tuple, names: tuple, w13, w2, dev) -> None:
-    """Every call's kernels of the group compiled at once in a thread pool (Triton's AsyncCompileMode)."""
+def precompile(s: Shape, scheme: str, ms: tuple, names: tuple, w13, w2, dev, variants_of=None, reads=None) -> None:
+    """Every call's kernels of the group, and the reads', compiled at once in a thread pool (Triton's
+    AsyncCompileMode); ``variants_of`` / ``reads``: the script's ``variants`` / READS (default this one's)."""
     from triton import AsyncCompileMode
 
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
@@ -182,12 +181,12 @@ def precompile(s: Shape, scheme: str, ms: tuple, names: tuple, w13, w2, dev) -> 
             for m in ms:
                 c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
                 ids = torch.unique(c.topk_ids.reshape(-1).to(torch.int32))
-                for name, (decode, cfg) in variants(m, names).items():
+                for name, (decode, cfg) in (variants_of or variants)(m, names).items():
                     plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", cfg,
                                        LaunchOptions(reuse_workspace=False), None, decode)
                     _warm(plan, c, a13, a2, dev)
                     if name == "pick":
-                        for words in READS.values():
+                        for words in (reads or READS).values():
                             read = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu",
                                                READ_CONFIG, LaunchOptions(reuse_workspace=False), None, "mma")
                             for q, p in zip((w13.q, w2.q), read_plans(s, read, words)):
@@ -197,18 +196,21 @@ def precompile(s: Shape, scheme: str, ms: tuple, names: tuple, w13, w2, dev) -> 
     print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def run_cell(s: Shape, scheme: str, m: int, names: tuple, w13, w2, bw: float, dev, until: float) -> Cell:
+def run_cell(s: Shape, scheme: str, m: int, names: tuple, w13, w2, bw: float, dev, until: float, variants_of=None,
+             reads=None) -> Cell:
+    """One M of a group: the reads, the pick and the variants (``variants_of`` / ``reads``: as ``precompile``'s)
+    checked and timed."""
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
     inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
     touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
     nbytes = touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2
     cell = Cell(s.name, scheme, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw,
                 choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k))
-    found, c0 = variants(m, names), inputs[0]
+    found, c0 = (variants_of or variants)(m, names), inputs[0]
     plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", READ_CONFIG,
                        LaunchOptions(), None, "mma")
     graphs: dict = {}
-    add_reads(cell, graphs, w13, w2, inputs, plan, s, dev)
+    add_reads(cell, graphs, w13, w2, inputs, plan, s, dev, reads or READS)
     add_calls(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev)
     cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS, until)
     cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
@@ -245,65 +247,43 @@ def dump(path: str, cells: list[Cell]) -> None:
                    "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
 
 
-def child(index: int, args) -> int:
-    """One group in this process: its weights once, its Ms in turn (no M begins past --until)."""
+def child(args, groups: tuple, tag: str = "dec8", smoke: Shape = Shape("tiny", 8, 128, 256, 2), variants_of=None,
+          reads=None) -> int:
+    """Group ``args.group`` of ``groups`` in this process: its weights once, its Ms in turn (no M begins past
+    --until), the cells so far in <args.cells>/<tag>-<group>.json after each; ``smoke`` the --smoke shape,
+    ``variants_of`` / ``reads``: the script's ``variants`` / READS (default this one's)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preset, scheme, ms, names = GROUPS[index]
-    s = Shape("tiny", 8, 128, 256, 2) if args.smoke else Shape.from_preset(preset)
+    preset, scheme, ms, names = groups[args.group]
+    s = smoke if args.smoke else Shape.from_preset(preset)
     ms = ms[:1] if args.smoke else ms
     bw = copy_tbps(dev)
     w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
     w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
     if dev.type == "cuda":
-        precompile(s, scheme, ms, names, w13, w2, dev)
+        precompile(s, scheme, ms, names, w13, w2, dev, variants_of, reads)
     cells = []
     for m in ms:
         if cells and time.time() > args.until - 6:
             print(f"deadline: {s.name} {scheme} M={m} skipped", flush=True)
             break
-        cells.append(run_cell(s, scheme, m, names, w13, w2, bw, dev, args.until))
-        dump(os.path.join(args.cells, f"dec8-{index}.json"), cells)
+        cells.append(run_cell(s, scheme, m, names, w13, w2, bw, dev, args.until, variants_of, reads))
+        dump(os.path.join(args.cells, f"{tag}-{args.group}.json"), cells)
+    return 1 if FAILED else 0
+
+
+def finish(path: str, cells: list[dict]) -> int:
+    """The parent's end: the cells' JSON at ``path``, the table; 1 if any check failed."""
+    cells = [Cell(**c) for c in cells]
+    dump(path, cells)
+    print(table(cells), flush=True)
     return 1 if FAILED else 0
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/dec8")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--deadline", type=float, default=70.0, help="wall-clock seconds; groups past it are skipped")
-    p.add_argument("--group", type=int, help="run one group in this process (the parent starts one per group)")
-    p.add_argument("--groups", type=int, nargs="+", help="the GROUPS to run, in this order (default: all; --smoke: 0)")
-    p.add_argument("--cells", help="(a group) where its JSON goes")
-    p.add_argument("--until", type=float, default=float("inf"), help="(a group) no timing round begins past this")
-    args = p.parse_args(argv)
+    args = group_args("dec8", argv)
     if args.group is not None:
-        return child(args.group, args)
-    import triton
-
-    print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped, tmp = [], [], tempfile.mkdtemp(prefix="dec8-")
-    order = args.groups or ([0] if args.smoke else range(len(GROUPS)))
-    for i, (preset, scheme, ms, _) in ((i, GROUPS[i]) for i in order):
-        left = args.deadline - (time.perf_counter() - START)
-        if left < 12:
-            skipped.append(f"{preset} {scheme} M={ms}")
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--group", str(i), "--cells", tmp,
-               "--until", str(time.time() + left - 4)] + ["--smoke"] * args.smoke
-        try:
-            rc = subprocess.run(cmd, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        path = os.path.join(tmp, f"dec8-{i}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-        cells += [Cell(**c) for c in got["cells"]]
-        broken = rc not in (0, 1) or (rc == 1 and not got["failed"])  # 1 with no failed line: it raised
-        FAILED.extend(got["failed"] + ([f"{preset} {scheme}: child exit {rc}"] if broken else []))
-        print(f"-- group {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
-    dump(os.path.join(args.out, "dec8.json"), cells)
-    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
-    print(table(cells), flush=True)
-    return 1 if FAILED else 0
+        return child(args, GROUPS)
+    return finish(os.path.join(args.out, "dec8.json"), run_groups(__file__, "dec8", GROUPS, args, START, FAILED))
 
 
 if __name__ == "__main__":

@@ -14,39 +14,27 @@ split_glu launch, "...u2" the gate-up split in 2 along K too, "...d4" the down G
 in 2 warps, "hg256" / "hd256" 256 columns in the gate-up / the down GEMM only, "kB..." the two-sided gate-up (the
 kernel before), "tile64" the tile decode in the 64-row tiles of Mixtral's old M=64 row; beside "rd128B", a pure
 read of the touched experts'
-words in 32-row 1-warp steps of 128 bytes a row (``dec8_device_check.add_reads``: the geometry's cap). Timing, the
-floor (touched packed bytes, scales, zeros, x and out over the copy rate measured in the same process), the table and
-the JSON (<out>/dec9.json) as ``dec8_device_check``'s; "wins": rounds a variant took <= 0.97 x the pick.
+words in 32-row 1-warp steps of 128 bytes a row (``dec8_device_check.add_reads``: the geometry's cap). A group runs
+in ``dec8_device_check.child`` with this script's GROUPS, ``variants`` and READS: timing, the floor (touched packed
+bytes, scales, zeros, x and out over the copy rate measured in the same process), the table and the JSON
+(<out>/dec9.json) as ``dec8_device_check``'s; "wins": rounds a variant took <= 0.97 x the pick.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
+from moekit.bench.cells import Shape  # noqa: E402
 from moekit.experts.configs import GemmTile  # noqa: E402
-from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
-from moekit.experts.triton_wo import weight_args  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
-from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for  # noqa: E402
 from moekit.experts.triton_wo_winners import tile  # noqa: E402
-from bench_rounds import interleaved  # noqa: E402
-from dec7_kernels import launch_geom  # noqa: E402
-from dec8_device_check import FAILED, READ_CONFIG, Cell, add_calls, add_reads, dump, read_plans, table  # noqa: E402
-from wo_device_check import _warm, copy_tbps, packed_bytes, quantized  # noqa: E402
+from bench_run import group_args, run_groups  # noqa: E402
+from dec8_device_check import FAILED, child, finish  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,110 +84,11 @@ def variants(m: int, names: tuple) -> dict:
     return out
 
 
-def precompile(s: Shape, scheme: str, ms: tuple, names: tuple, w13, w2, dev) -> None:
-    """Every call's kernels of the group (and the reads') compiled at once in a thread pool (AsyncCompileMode)."""
-    from triton import AsyncCompileMode
-
-    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    t0 = time.perf_counter()
-    try:
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool, ignore_errors=True):
-            for m in ms:
-                c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-                for decode, cfg in variants(m, names).values():
-                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", cfg,
-                                       LaunchOptions(reuse_workspace=False), None, decode)
-                    _warm(plan, c, a13, a2, dev)
-            ids = torch.unique(c.topk_ids.reshape(-1).to(torch.int32))
-            read = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", READ_CONFIG,
-                               LaunchOptions(reuse_workspace=False), None, "mma")
-            for words in READS.values():
-                for q, p in zip((w13.q, w2.q), read_plans(s, read, words)):
-                    launch_geom(q.view(torch.int32), ids, p, p.parts(ids.numel(), dev), True, warmup=True)
-    except Exception as e:  # noqa: BLE001  (the kernels compile, and report, on first use)
-        print(f"precompile: {type(e).__name__}: {e}", flush=True)
-    print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
-
-
-def run_cell(s: Shape, scheme: str, m: int, names: tuple, w13, w2, bw: float, dev, until: float) -> Cell:
-    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
-    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
-    nbytes = touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2
-    cell = Cell(s.name, scheme, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw,
-                choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k))
-    c0 = inputs[0]
-    plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", READ_CONFIG,
-                       LaunchOptions(), None, "mma")
-    graphs: dict = {}
-    add_reads(cell, graphs, w13, w2, inputs, plan, s, dev, READS)
-    add_calls(cell, graphs, a13, a2, w13, w2, inputs, variants(m, names), s, dev)
-    cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS, until)
-    cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
-    print(f"  {s.name} {scheme} M={m} floor {cell.floor_us:.1f} (copy {bw:.2f} TB/s), pick {cell.pick}: "
-          + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
-    return cell
-
-
-def child(index: int, args) -> int:
-    """One group in this process: its weights once, its Ms in turn (no M begins past --until)."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preset, scheme, ms, names = GROUPS[index]
-    s = Shape("tiny", 8, 128, 512, 2) if args.smoke else Shape.from_preset(preset)  # K 512: two 256-column steps
-    ms = ms[:1] if args.smoke else ms
-    bw = copy_tbps(dev)
-    w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
-    w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
-    if dev.type == "cuda":
-        precompile(s, scheme, ms, names, w13, w2, dev)
-    cells = []
-    for m in ms:
-        if cells and time.time() > args.until - 6:
-            print(f"deadline: {s.name} {scheme} M={m} skipped", flush=True)
-            break
-        cells.append(run_cell(s, scheme, m, names, w13, w2, bw, dev, args.until))
-        dump(os.path.join(args.cells, f"dec9-{index}.json"), cells)
-    return 1 if FAILED else 0
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/dec9")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--deadline", type=float, default=70.0, help="wall-clock seconds; groups past it are skipped")
-    p.add_argument("--group", type=int, help="run one group in this process (the parent starts one per group)")
-    p.add_argument("--groups", type=int, nargs="+", help="the GROUPS to run, in this order (default: all; --smoke: 0)")
-    p.add_argument("--cells", help="(a group) where its JSON goes")
-    p.add_argument("--until", type=float, default=float("inf"), help="(a group) no timing round begins past this")
-    args = p.parse_args(argv)
-    if args.group is not None:
-        return child(args.group, args)
-    import triton
-
-    print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped, tmp = [], [], tempfile.mkdtemp(prefix="dec9-")
-    order = args.groups or ([0] if args.smoke else range(len(GROUPS)))
-    for i, (preset, scheme, ms, _) in ((i, GROUPS[i]) for i in order):
-        left = args.deadline - (time.perf_counter() - START)
-        if left < 12:
-            skipped.append(f"{preset} {scheme} M={ms}")
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--group", str(i), "--cells", tmp,
-               "--until", str(time.time() + left - 4)] + ["--smoke"] * args.smoke
-        try:
-            rc = subprocess.run(cmd, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        path = os.path.join(tmp, f"dec9-{i}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-        cells += [Cell(**c) for c in got["cells"]]
-        broken = rc not in (0, 1) or (rc == 1 and not got["failed"])  # 1 with no failed line: it raised
-        FAILED.extend(got["failed"] + ([f"{preset} {scheme}: child exit {rc}"] if broken else []))
-        print(f"-- group {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
-    dump(os.path.join(args.out, "dec9.json"), cells)
-    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
-    print(table(cells), flush=True)
-    return 1 if FAILED else 0
+    args = group_args("dec9", argv)
+    if args.group is not None:  # smoke: K 512, two 256-column steps
+        return child(args, GROUPS, "dec9", Shape("tiny", 8, 128, 512, 2), variants, READS)
+    return finish(os.path.join(args.out, "dec9.json"), run_groups(__file__, "dec9", GROUPS, args, START, FAILED))
 
 
 if __name__ == "__main__":

@@ -16,21 +16,18 @@ shift 4.67 / 5.17 (the operand through shared memory), mul 3.27 / 3.70; k256s3 s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import subprocess
 import sys
-import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dec8_device_check as dec8  # noqa: E402
+from bench_run import group_args, run_groups  # noqa: E402
 from moekit.experts.configs import GemmTile  # noqa: E402
-from moekit.experts.triton_wo import run_experts_wo, weight_args  # noqa: E402
+from moekit.experts.triton_wo import run_experts_wo  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 
 # (preset, scheme, Ms, variants), the cells most likely to decide a pick first (~13-18 s a group before its timing).
@@ -103,51 +100,15 @@ def add_calls(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev) -> None:
 
 
 QUANTIZED, ADD_CALLS = dec8.quantized, dec8.add_calls
-dec8.GROUPS, dec8.variants, dec8.quantized, dec8.add_calls = GROUPS, variants, spread_quantized, add_calls
-dec8.READS = {"rd128B": 32}
+dec8.variants, dec8.quantized, dec8.add_calls = variants, spread_quantized, add_calls
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/mx9")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--deadline", type=float, default=70.0, help="wall-clock seconds; groups past it are skipped")
-    p.add_argument("--group", type=int, help="run one group in this process (the parent starts one per group)")
-    p.add_argument("--groups", type=int, nargs="+", help="the GROUPS to run, in this order (default: all; --smoke: 0)")
-    p.add_argument("--cells", help="(a group) where its JSON goes")
-    p.add_argument("--until", type=float, default=float("inf"), help="(a group) no timing round begins past this")
-    args = p.parse_args(argv)
+    args = group_args("mx9", argv)
     if args.group is not None:
-        return dec8.child(args.group, args)
-    import json
-
-    import triton
-
-    print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped, tmp = [], [], tempfile.mkdtemp(prefix="mx9-")
-    for i in args.groups or ([0] if args.smoke else range(len(GROUPS))):
-        preset, scheme, ms, _ = GROUPS[i]
-        left = args.deadline - (time.perf_counter() - dec8.START)
-        if left < 12:
-            skipped.append(f"{preset} {scheme} M={ms}")
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--group", str(i), "--cells", tmp,
-               "--until", str(time.time() + left - 4)] + ["--smoke"] * args.smoke
-        try:
-            rc = subprocess.run(cmd, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        path = os.path.join(tmp, f"dec8-{i}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-        cells += [dec8.Cell(**c) for c in got["cells"]]
-        broken = rc not in (0, 1) or (rc == 1 and not got["failed"])  # 1 with no failed line: it raised
-        dec8.FAILED.extend(got["failed"] + ([f"{preset} {scheme}: child exit {rc}"] if broken else []))
-        print(f"-- group {i} done at {time.perf_counter() - dec8.START:.1f} s (exit {rc})", flush=True)
-    dec8.dump(os.path.join(args.out, "mx9.json"), cells)
-    print(f"total {time.perf_counter() - dec8.START:.1f} s; FAILED:", dec8.FAILED or "none", "; SKIPPED:",
-          skipped or "none")
-    print(dec8.table(cells), flush=True)
-    return 1 if dec8.FAILED else 0
+        return dec8.child(args, GROUPS, "mx9")
+    cells = run_groups(__file__, "mx9", GROUPS, args, dec8.START, dec8.FAILED)
+    return dec8.finish(os.path.join(args.out, "mx9.json"), cells)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 SMOKE = "--smoke" in sys.argv
@@ -44,8 +42,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
-from bench_run import ceilings  # noqa: E402
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from compile_workers import spawn_workers  # noqa: E402
+from held_run import HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry  # noqa: E402
 from wo8_variants import Gemms, Weights, pick_call, shape_of, timed_calls  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
@@ -268,82 +266,25 @@ def rows(c: Cell) -> list[str]:
     return out
 
 
-def dump(cells: list, ceil: dict) -> None:
-    if not ARGS.out:
-        return
-    import triton
-
-    os.makedirs(ARGS.out, exist_ok=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    with open(os.path.join(ARGS.out, "wo4k.json"), "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, **ceil,
-                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED, "seconds": elapsed()}, f,
-                  indent=1)
-
-
-def table(cells: list, ceil: dict) -> None:
-    print(f"\ngraph µs (median of {ROUNDS} rounds), copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
-          f"TFLOP/s; x = / bf16's same part; (n/{ROUNDS}): rounds <= {WIN} x the pick (calls) or the base (GEMMs); "
-          "target: call <= 1.11x bf16")
-    for c in cells:
-        print("\n".join(rows(c)))
-    print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)", flush=True)
-
-
-def watchdog(cells: list, ceil: dict) -> None:
-    """Past the deadline + WATCHDOG_S (a hung kernel): the table and JSON so far, then exit."""
-    time.sleep(max(1.0, ARGS.deadline + WATCHDOG_S - elapsed()))
-    print(f"watchdog: {elapsed():.0f} s, exiting", flush=True)
-    FAILED.append("watchdog")
-    table(list(cells), ceil)
-    dump(list(cells), ceil)
-    os._exit(1)
+def title(ceil: dict) -> str:
+    """The table's first line."""
+    return (f"graph µs (median of {ROUNDS} rounds), copy {ceil['copy_TBps']:.2f} TB/s, mm "
+            f"{ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s; x = / bf16's same part; (n/{ROUNDS}): rounds <= {WIN} x the pick "
+            "(calls) or the base (GEMMs); target: call <= 1.11x bf16")
 
 
 def main() -> int:
-    dev = torch.device("cpu" if SMOKE else "cuda")
-    if SMOKE:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-        from _gluon_fakes import install_fakes
-
-        install_fakes()
-        ARGS.deadline = float("inf")
+    dev = held_device(SMOKE, ARGS)
     procs = {} if SMOKE else {ci: spawn_workers(__file__, [[ci, j] for j in range(len(tasks(ci)))], SMOKE,
                                                 f"wo4k_{ci}") for ci in range(len(CELLS))}
-    ceil = ceilings(dev)
-    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
-          "TFLOP/s", flush=True)
-    cells, status, held = [], {}, {}
-    if not SMOKE:
-        threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
-    for ci, (preset, m, scheme, _) in enumerate(CELLS[:2] if SMOKE else CELLS):
-        if elapsed() + (16.0 if preset == "deepseek-v3" else 6.0) > ARGS.deadline:  # weights, checks, rounds
-            print(f"skipped (deadline): {preset} M={m} {scheme}", flush=True)
-            continue
-        if preset not in held:  # a preset's weights (bf16 and each scheme's) kept while its cells run
-            held.clear()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()  # the last preset's weights back
-            held[preset] = Weights(shape_of(preset), dev, seed=1)
-        if ci in procs:  # its compile workers, given until half the time left
-            status.update(collect_workers(procs.pop(ci), lambda: (ARGS.deadline + elapsed()) / 2 - elapsed()))
-            print(f"[{elapsed():5.1f}s] {preset} {scheme} compiled: {sorted(set(status.values()))}"[:400], flush=True)
-        cells.append(run_cell(ci, held[preset], dev, ceil, status))
-        dump(cells, ceil)
-    for rest in procs.values():
-        collect_workers(rest, lambda: 0.1)
-    table(cells, ceil)
-    return 1 if FAILED else 0
+    ceil = held_ceilings(dev, elapsed)
+    specs = [HeldCell(ci, preset, 16.0 if preset == "deepseek-v3" else 6.0, f"{preset} M={m} {scheme}", ci,
+                      f"{preset} {scheme}") for ci, (preset, m, scheme, _) in enumerate(CELLS[:2] if SMOKE else CELLS)]
+    return held_cells(specs, procs, HeldRun(ARGS.deadline, elapsed, FAILED, dev, lambda p: Weights(shape_of(p), dev, 1),
+                                            lambda ci, w, status: [run_cell(ci, w, dev, ceil, status)], ARGS.out,
+                                            "wo4k.json", ceil, title(ceil), rows, None if SMOKE else WATCHDOG_S))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker_main(*json.loads(sys.argv[2]))
-    else:
-        parser = argparse.ArgumentParser()
-        parser.add_argument("--smoke", action="store_true")
-        parser.add_argument("--int4", action="store_true", help="int4_w4a16 cells (groups 128): base, swap, swaps")
-        parser.add_argument("--deadline", type=float, default=ARGS.deadline, help="no cell starts past it (s)")
-        parser.add_argument("--out", default=ARGS.out, help="folder for wo4k.json (default $OUT)")
-        ARGS = parser.parse_args()
-        sys.exit(main())
+    held_entry(main, lambda tasks: worker_main(*tasks), ARGS, "wo4k.json",
+               ("--int4", "int4_w4a16 cells (groups 128): base, swap, swaps"))

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
-import time
 import traceback
 
 SMOKE = "--smoke" in sys.argv
@@ -41,8 +39,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
-from bench_run import RunLog, ceilings, run_info, write_json  # noqa: E402
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from bench_run import RunLog, ceilings  # noqa: E402
+from compile_workers import spawn_workers  # noqa: E402
+from held_run import HeldCell, HeldRun, held_cells, held_device, held_entry, install_test_fakes  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
 from wol7_variants import CELLS, SCHEMES, Weights, gluon_cell, shape_of, variants  # noqa: E402
@@ -226,89 +225,42 @@ def row(c: Cell) -> list[str]:
     return lines
 
 
-def dump(cells: list, ceil: dict) -> None:
-    if ARGS.out:
-        cells = [dataclasses.asdict(c) for c in cells]
-        write_json(os.path.join(ARGS.out, "wol7.json"), {**run_info(), **ceil, "cells": cells, "failed": RUN.failed,
-                                                         "seconds": elapsed()})
-
-
 def install_smoke_fakes() -> None:
     """CPU: the Gluon GEMMs (bf16 and weight-only) replaced by the tests' torch stand-ins; the first cell's int8 a
     cell of the Gluon path's."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from _gluon_fakes import install_fakes
-
-    install_fakes()
+    install_test_fakes()
     s = shape_of(CELLS[0][0])  # its int8 cell the default's (as on the H200 for the real shape): "prev" runs too
     GLUON_WO_CELLS[("int8_w8a16", s.num_experts, s.n, s.k)] = (CELLS[0][1], 2 * CELLS[0][1])
 
 
-def table(cells: list, ceil: dict) -> None:
-    print(f"\ngraph µs (median of {ROUNDS} rounds), copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
-          f"TFLOP/s; wins: rounds <= {WIN} x the scheme's pick; target <= 1.11x bf16")
-    for c in cells:
-        print("\n".join(row(c)))
-        for name, kernels in c.kernels.items():
-            print(f"      {name} kernels: {kernels}"[:400])
-        if c.eager:
-            print("      eager host / wall µs a call: " + "  ".join(
-                f"{k} {v['host_us']:.0f} / {v['wall_us']:.0f}" for k, v in c.eager.items()))
-    print(f"FAILED: {RUN.failed or 'none'} ({elapsed():.1f} s)", flush=True)
+def lines(c: Cell) -> list[str]:
+    """The cell's rows in the table, its kernels and its eager host / wall times."""
+    out = row(c) + [f"      {name} kernels: {kernels}"[:400] for name, kernels in c.kernels.items()]
+    if c.eager:
+        out.append("      eager host / wall µs a call: " + "  ".join(
+            f"{k} {v['host_us']:.0f} / {v['wall_us']:.0f}" for k, v in c.eager.items()))
+    return out
 
 
-def watchdog(cells: list, ceil: dict) -> None:
-    """Past the deadline + WATCHDOG_S (a hung kernel): the table and JSON so far, then exit."""
-    time.sleep(max(1.0, ARGS.deadline + WATCHDOG_S - elapsed()))
-    print(f"watchdog: {elapsed():.0f} s, exiting", flush=True)
-    RUN.failed.append("watchdog")
-    table(list(cells), ceil)
-    dump(list(cells), ceil)
-    os._exit(1)
+def title(ceil: dict) -> str:
+    """The table's first line."""
+    return (f"graph µs (median of {ROUNDS} rounds), copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
+            f"TFLOP/s; wins: rounds <= {WIN} x the scheme's pick; target <= 1.11x bf16")
 
 
 def main() -> int:
-    import threading
-
-    dev = torch.device("cpu" if SMOKE else "cuda")
-    if SMOKE:
-        install_smoke_fakes()
-        ARGS.deadline = float("inf")  # the interpreter takes minutes
+    dev = held_device(SMOKE, ARGS, install_smoke_fakes)
     procs = {} if SMOKE else start_workers()
     ceil = run_ceilings(dev)
     print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
           "TFLOP/s", flush=True)
-    cells, held, status = [], {}, {}
-    if not SMOKE:  # (the interpreter takes minutes)
-        threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
-    for ci, (preset, m) in enumerate(CELLS[:1] if SMOKE else CELLS):
-        budget = 10.0 if preset == "deepseek-v3" else 5.0  # a cell's weights, checks, graphs and rounds
-        if elapsed() + budget > ARGS.deadline:
-            print(f"skipped (deadline): {preset} M={m}", flush=True)
-            continue
-        if preset not in held:
-            held.clear()  # (a preset's cells need not be adjacent: its weights are then built again)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()  # the last preset's weights back before DeepSeek-V3's 40 GB
-            held[preset] = Weights(shape_of(preset), dev, seed=1)
-        if preset in procs:  # its compile workers, given until half the time left
-            status.update(collect_workers(procs.pop(preset), lambda: (ARGS.deadline + elapsed()) / 2 - elapsed()))
-            print(f"[{elapsed():5.1f}s] {preset} compiled: {sorted(set(status.values()))}"[:400], flush=True)
-        cells.append(run_cell(ci, held[preset], dev, ceil, status))
-        dump(cells, ceil)
-    for rest in procs.values():
-        collect_workers(rest, lambda: 0.1)
-    table(cells, ceil)
-    return 1 if RUN.failed else 0
+    specs = [HeldCell(ci, preset, 10.0 if preset == "deepseek-v3" else 5.0, f"{preset} M={m}", preset, preset)
+             for ci, (preset, m) in enumerate(CELLS[:1] if SMOKE else CELLS)]
+    return held_cells(specs, procs, HeldRun(ARGS.deadline, elapsed, RUN.failed, dev,
+                                            lambda p: Weights(shape_of(p), dev, 1),
+                                            lambda ci, w, status: [run_cell(ci, w, dev, ceil, status)], ARGS.out,
+                                            "wol7.json", ceil, title(ceil), lines, None if SMOKE else WATCHDOG_S))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker_main([tuple(t) for t in json.loads(sys.argv[2])])
-    else:
-        parser = argparse.ArgumentParser()
-        parser.add_argument("--smoke", action="store_true")
-        parser.add_argument("--deadline", type=float, default=ARGS.deadline, help="no cell starts past it (s)")
-        parser.add_argument("--out", default=ARGS.out, help="folder for wol7.json (default $OUT)")
-        ARGS = parser.parse_args()
-        sys.exit(main())
+    held_entry(main, lambda tasks: worker_main([tuple(t) for t in tasks]), ARGS, "wol7.json")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -44,8 +43,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, graph_of, interleaved, wins  # noqa: E402
-from bench_run import ceilings, run_info, write_json  # noqa: E402
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from compile_workers import spawn_workers  # noqa: E402
+from held_run import (  # noqa: E402
+    HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry, install_test_fakes)
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
 from wolean_variants import CELLS, Weights, default_decode, shape_of, variant_names, variants  # noqa: E402
@@ -238,91 +238,34 @@ def row(c: Cell) -> list[str]:
     return lines
 
 
-def dump(cells: list, ceil: dict) -> None:
-    if ARGS.out:
-        payload = {**run_info(), **ceil, "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED,
-                   "seconds": elapsed()}
-        write_json(os.path.join(ARGS.out, "wolean.json"), payload)
-
-
-def table(cells: list, ceil: dict) -> None:
-    print(f"\ngraph µs (median of {ROUNDS} rounds), eager µs a call ({EAGER_CALLS} calls a loop, median of "
-          f"{ROUNDS}); copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s; take: lean <= "
-          f"{WIN} x default (default <= {WIN} x prev) in every round and eager wall <= it")
-    for c in cells:
-        print("\n".join(row(c)))
-    print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)", flush=True)
-
-
-def watchdog(cells: list, ceil: dict, procs: dict) -> None:
-    """Past the deadline + WATCHDOG_S (a hung kernel): the compile workers left killed (none outlives this run), the
-    table and JSON so far, then exit."""
-    time.sleep(max(1.0, ARGS.deadline + WATCHDOG_S - elapsed()))
-    print(f"watchdog: {elapsed():.0f} s, exiting", flush=True)
-    for p, _ in [w for workers in list(procs.values()) for w in workers]:
-        p.kill()
-    FAILED.append("watchdog")
-    table(list(cells), ceil)
-    dump(list(cells), ceil)
-    os._exit(1)
-
-
 def install_smoke_fakes() -> None:
     """CPU: the Gluon GEMMs replaced by the tests' torch stand-ins; the first cell's first scheme taken by the Gluon
     path (its "prev" variant runs, as at a taken cell on the H200)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from _gluon_fakes import install_fakes
-
     from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS
 
-    install_fakes()
+    install_test_fakes()
     (preset, m, schemes), s = CELLS[0], shape_of(CELLS[0][0])
     GLUON_WO_CELLS[(schemes[0], s.num_experts, s.n, s.k)] = (m, 2 * m)
 
 
-def main() -> int:
-    import threading
+def title(ceil: dict) -> str:
+    """The table's first line."""
+    return (f"graph µs (median of {ROUNDS} rounds), eager µs a call ({EAGER_CALLS} calls a loop, median of {ROUNDS}); "
+            f"copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s; take: lean <= {WIN} x "
+            f"default (default <= {WIN} x prev) in every round and eager wall <= it")
 
-    dev = torch.device("cpu" if SMOKE else "cuda")
-    if SMOKE:
-        install_smoke_fakes()
-        ARGS.deadline = float("inf")  # the interpreter takes minutes
+
+def main() -> int:
+    dev = held_device(SMOKE, ARGS, install_smoke_fakes)
     procs = {} if SMOKE else start_workers()
-    ceil = ceilings(dev)
-    print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_TBps']:.2f} TB/s, mm {ceil['bf16_mm_TFLOPs']:.0f} "
-          "TFLOP/s", flush=True)
-    cells, held, status = [], {}, {}
-    if not SMOKE:
-        threading.Thread(target=watchdog, args=(cells, ceil, procs), daemon=True).start()
-    for ci, (preset, m, _) in enumerate(CELLS[:1] if SMOKE else CELLS):
-        budget = 4.0 if preset == "qwen3-30b-a3b" else 8.0  # a cell's weights, checks, graphs and rounds
-        if elapsed() + budget > ARGS.deadline:
-            print(f"skipped (deadline): {preset} M={m}", flush=True)
-            continue
-        if preset not in held:
-            held.clear()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            held[preset] = Weights(shape_of(preset), dev, seed=1)
-        if preset in procs:  # its compile workers, given until half the time left
-            status.update(collect_workers(procs.pop(preset), lambda: (ARGS.deadline + elapsed()) / 2 - elapsed()))
-            print(f"[{elapsed():5.1f}s] {preset} compiled: {sorted(set(status.values()))}"[:400], flush=True)
-        cells.extend(run_cell(ci, held[preset], dev, ceil, status))
-        dump(cells, ceil)
-    for rest in procs.values():
-        collect_workers(rest, lambda: 0.1)
-    table(cells, ceil)
-    return 1 if FAILED else 0
+    ceil = held_ceilings(dev, elapsed)
+    specs = [HeldCell(ci, preset, 4.0 if preset == "qwen3-30b-a3b" else 8.0, f"{preset} M={m}", preset, preset)
+             for ci, (preset, m, _) in enumerate(CELLS[:1] if SMOKE else CELLS)]
+    return held_cells(specs, procs, HeldRun(ARGS.deadline, elapsed, FAILED, dev, lambda p: Weights(shape_of(p), dev, 1),
+                                            lambda ci, w, status: run_cell(ci, w, dev, ceil, status), ARGS.out,
+                                            "wolean.json", ceil, title(ceil), row, None if SMOKE else WATCHDOG_S))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker_main([tuple(t) for t in json.loads(sys.argv[2])])
-    else:
-        parser = argparse.ArgumentParser()
-        parser.add_argument("--smoke", action="store_true")
-        parser.add_argument("--deadline", type=float, default=ARGS.deadline, help="no cell starts past it (s)")
-        parser.add_argument("--out", default=ARGS.out, help="folder for wolean.json (default $OUT)")
-        parser.add_argument("--taken", action="store_true", help="only the cells checkpoint 1 took (TAKEN_CELLS)")
-        ARGS = parser.parse_args()
-        sys.exit(main())
+    held_entry(main, lambda tasks: worker_main([tuple(t) for t in tasks]), ARGS, "wolean.json",
+               ("--taken", "only the cells checkpoint 1 took (TAKEN_CELLS)"))

@@ -5,10 +5,12 @@ loop with a stand-in cell script. Nothing here times anything."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -177,6 +179,64 @@ def test_cells_in_children_collects_each_cell_and_its_failures(tmp_path, capsys)
     cells, skipped = bench_run.cells_in_children(str(script), ["c0", "c1"], str(tmp_path), "t", late, 5.0, 10.0,
                                                  lambda left: [])
     assert cells == [] and skipped == ["c0", "c1"] and late.failed == []
+
+
+GROUP_SCRIPT = """
+import json, os, sys
+i, tmp = int(sys.argv[sys.argv.index("--group") + 1]), sys.argv[sys.argv.index("--cells") + 1]
+failed = {0: [], 1: ["g1 check"], 2: []}[i]
+with open(os.path.join(tmp, f"g-{i}.json"), "w") as f:
+    json.dump({"cells": [{"i": i, "smoke": "--smoke" in sys.argv}], "failed": failed}, f)
+sys.exit({0: 0, 1: 1, 2: 1}[i])  # group 2 exits 1 with no failed line: it raised
+"""
+
+
+def test_run_groups_runs_the_order_given_and_counts_a_bare_exit_1_as_failed(tmp_path, capsys):
+    pytest.importorskip("triton")
+    script = tmp_path / "groups.py"
+    script.write_text(GROUP_SCRIPT)
+    groups = tuple(("p", f"s{i}", (1,), ()) for i in range(3))
+    args = bench_run.group_args("g", ["--groups", "2", "0", "1", "--smoke"])
+    failed: list = []
+    cells = bench_run.run_groups(str(script), "g", groups, args, time.perf_counter(), failed)
+    assert cells == [{"i": 2, "smoke": True}, {"i": 0, "smoke": True}, {"i": 1, "smoke": True}]
+    assert failed == ["p s2: child exit 1", "g1 check"]
+    out = capsys.readouterr().out
+    assert [line.split(" done")[0] for line in out.splitlines() if line.startswith("-- group")] == [
+        "-- group 2", "-- group 0", "-- group 1"]
+    late = bench_run.group_args("g", ["--deadline", "5"])
+    assert bench_run.run_groups(str(script), "g", groups, late, time.perf_counter(), []) == []
+    assert "SKIPPED: ['p s0 M=(1,)', 'p s1 M=(1,)', 'p s2 M=(1,)']" in capsys.readouterr().out
+
+
+@dataclasses.dataclass
+class HeldGot:
+    ci: int
+    weights: str
+
+
+def test_held_cells_holds_a_presets_weights_skips_past_the_deadline_and_writes_json(tmp_path, capsys):
+    pytest.importorskip("triton")
+    import held_run
+
+    built, clock = [], [0.0]
+    specs = [held_run.HeldCell(0, "a", 1.0, "a M=1", "a", "a"), held_run.HeldCell(1, "b", 1.0, "b M=1", "b", "b"),
+             held_run.HeldCell(2, "a", 1.0, "a M=2", "a", "a"), held_run.HeldCell(3, "c", 50.0, "c M=1", "c", "c")]
+
+    def run(ci, weights, status):
+        clock[0] += 10.0
+        return [HeldGot(ci, weights)]
+
+    failed: list = []
+    r = held_run.HeldRun(45.0, lambda: clock[0], failed, torch.device("cpu"), lambda p: built.append(p) or p.upper(),
+                         run, str(tmp_path), "x.json", {"copy": 1.0}, "title", lambda c: [f"row {c.ci}"], None)
+    assert held_run.held_cells(specs, {}, r) == 0
+    assert built == ["a", "b", "a"]  # a preset's weights held while its cells run, built again after "b"'s
+    got = json.loads((tmp_path / "x.json").read_text())
+    assert got["cells"] == [{"ci": 0, "weights": "A"}, {"ci": 1, "weights": "B"}, {"ci": 2, "weights": "A"}]
+    assert got["copy"] == 1.0 and got["failed"] == [] and got["seconds"] == 30.0
+    out = capsys.readouterr().out  # "c" skipped: 30 s + its 50 past the 45 s deadline
+    assert "skipped (deadline): c M=1" in out and "\ntitle\nrow 0\nrow 1\nrow 2\nFAILED: none (30.0 s)" in out
 
 
 def test_write_json_and_its_header(tmp_path):
