@@ -18,24 +18,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def compile_sm90(kernel, args: dict, const: dict) -> str:
     """Compile ``kernel`` (a Gluon jit function) for sm_90 with these runtime ``args`` and ``const`` constexprs."""
-    import triton
-    from gluon_fp8_compile_cpu import ptxas_report
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from gluon_fp8_compile_cpu import compile_gluon_sm90, sm90_summary
 
     from moekit.experts.triton_gluon_blk256 import CONSUMER_WARPS, MAX_REGISTERS
 
-    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
-    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=CONSUMER_WARPS,
-                                                                               maxnreg=MAX_REGISTERS))
-    ptx = out.asm["ptx"]
-    regs = sorted({ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln})
-    spills, serialized = ptxas_report(ptx)
-    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, "
-            f"ptxas spill stores {spills} B, wgmma serialized {serialized}")
+    out = compile_gluon_sm90(kernel, args, const, CONSUMER_WARPS, MAX_REGISTERS)
+    return sm90_summary(out, time.perf_counter() - t0)
 
 
 def gemm_args(tile) -> tuple[dict, dict]:
@@ -57,22 +46,14 @@ def gemm_args(tile) -> tuple[dict, dict]:
 
 
 def main() -> int:
-    import triton
-
     from blk256_variants import UP_VARIANTS
+    from gluon_fp8_compile_cpu import report_each
 
     from moekit.experts._kernels.gluon_gemm_blk256 import blk256_gemm_kernel
 
-    failed = 0
-    for name, tile in UP_VARIANTS.items():
-        try:
-            report = compile_sm90(blk256_gemm_kernel, *gemm_args(tile))
-            print(f"OK triton {triton.__version__} {name} {tile} (model SMEM {tile.shared_bytes(True)} B): {report}",
-                  flush=True)
-        except Exception as exc:  # noqa: BLE001 (report each)
-            failed += 1
-            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
-    return 1 if failed else 0
+    return report_each([(f"{name} {tile} (model SMEM {tile.shared_bytes(True)} B)",
+                         lambda t=tile: compile_sm90(blk256_gemm_kernel, *gemm_args(t)))
+                        for name, tile in UP_VARIANTS.items()], tail=3000)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gluon_fp8_compile_cpu import _descriptor, ptxas_report  # noqa: E402
+from gluon_fp8_compile_cpu import _descriptor, compile_gluon_sm90, report_each, sm90_summary  # noqa: E402
 
 E, N, K, T = 2, 256, 512, 1024  # shapes reach the kernels only as i32 arguments
 FP8 = torch.float8_e4m3fn
@@ -24,21 +24,8 @@ INT32 = torch.empty(1, dtype=torch.int32)
 
 
 def _compile(kernel, args: dict, const: dict, num_warps: int, maxnreg: int | None) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
-    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    options = dict(num_warps=num_warps) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = out.asm["ptx"]
-    regs = sorted({line.split()[-1].rstrip(";") for line in ptx.splitlines() if "setmaxnreg" in line})
-    spills, serialized = ptxas_report(ptx)
-    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, ptxas spill "
-            f"stores {spills} B, wgmma serialized {serialized}")
+    return sm90_summary(compile_gluon_sm90(kernel, args, const, num_warps, maxnreg), time.perf_counter() - t0)
 
 
 def _gemm_shapes(gated: bool) -> tuple[int, int, int]:
@@ -80,22 +67,13 @@ def probe(kind: str, gated: bool, tile) -> str:
 
 
 def main() -> int:
-    import triton
-
     from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
 
     jobs = []
     for kind in ("stream", "consumers", "mma", "unpromoted"):
         for gated, tile in ((True, UP_TILE), (False, DOWN_TILE)):
             jobs.append((f"{kind} {'gate-up' if gated else 'down'}", lambda k=kind, g=gated, t=tile: probe(k, g, t)))
-    failed = 0
-    for name, job in jobs:
-        try:
-            print(f"OK triton {triton.__version__} {name}: {job()}", flush=True)
-        except Exception as exc:  # noqa: BLE001 (report each)
-            failed += 1
-            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
-    return 1 if failed else 0
+    return report_each(jobs)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,46 @@ def ptxas_report(ptx: str) -> tuple[int | None, bool]:
     return None, False
 
 
+def compile_gluon_sm90(kernel, args: dict, const: dict, num_warps: int, maxnreg: int | None = None,
+                       attrs: dict | None = None):
+    """``kernel`` (a Gluon jit function) compiled for sm_90 with these runtime ``args`` (values whose types give the
+    signature), ``const`` constexprs and optional argument ``attrs``; the whole pipeline to a cubin, no driver."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    consts = {(kernel.arg_names.index(name),): v for name, v in const.items()}
+    src = GluonASTSource(kernel, sig, consts) if attrs is None else GluonASTSource(kernel, sig, consts, attrs)
+    options = dict(num_warps=num_warps) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sm90_summary(out, seconds: float) -> str:
+    """A compiled kernel's line: seconds, SMEM, the partitions' setmaxnreg, ptxas's spill stores and serialization."""
+    ptx = out.asm["ptx"]
+    regs = sorted({line.split()[-1].rstrip(";") for line in ptx.splitlines() if "setmaxnreg" in line})
+    spills, serialized = ptxas_report(ptx)
+    return (f"{seconds:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, ptxas spill stores {spills} B, "
+            f"wgmma serialized {serialized}")
+
+
+def report_each(jobs, tail: int = 2500) -> int:
+    """Run each (name, job) of ``jobs``, printing "OK triton V name: <job()>" or the FAIL line with the error's last
+    ``tail`` characters; the exit status: 1 if any failed."""
+    import triton
+
+    failed = 0
+    for name, job in jobs:
+        try:
+            print(f"OK triton {triton.__version__} {name}: {job()}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (report each)
+            failed += 1
+            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-tail:]}", flush=True)
+    return 1 if failed else 0
+
+
 def compile_fp8_gemm(gated: bool, tile) -> Compiled:
     """One GEMM (``tile``: an ``Fp8GluonTile``) at a small shape (E=2, N=256, K=512: shapes only reach the kernel
     as i32 arguments)."""

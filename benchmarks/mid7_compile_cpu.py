@@ -18,24 +18,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def compile_sm90(kernel, args: dict, const: dict) -> str:
     """Compile ``kernel`` (a Gluon jit function) for sm_90 with these runtime ``args`` and ``const`` constexprs."""
-    import triton
-    from gluon_fp8_compile_cpu import ptxas_report
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from gluon_fp8_compile_cpu import compile_gluon_sm90, sm90_summary
 
     from moekit.experts.triton_gluon_launch import MAX_REGISTERS, NUM_WARPS
 
-    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
-    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS,
-                                                                               maxnreg=MAX_REGISTERS))
-    ptx = out.asm["ptx"]
-    regs = sorted({ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln})
-    spills, serialized = ptxas_report(ptx)
-    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, "
-            f"ptxas spill stores {spills} B, wgmma serialized {serialized}")
+    out = compile_gluon_sm90(kernel, args, const, NUM_WARPS, MAX_REGISTERS)
+    return sm90_summary(out, time.perf_counter() - t0)
 
 
 def gemm_args(tile, gated: bool, kind: str) -> tuple[dict, dict]:
@@ -60,25 +49,17 @@ def gemm_args(tile, gated: bool, kind: str) -> tuple[dict, dict]:
 
 
 def main() -> int:
-    import triton
-
     import mid7_probes
+    from gluon_fp8_compile_cpu import report_each
 
     from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
 
     jobs = []
     for gated, tile in ((True, UP_TILE), (False, down_tile(14336))):
         for kind, kernel in (("stream", mid7_probes.stream_kernel), ("mma", mid7_probes.mma_kernel)):
-            jobs.append((f"probe {kind} {'gate-up' if gated else 'down'}", kernel, tile, gated, kind))
-    failed = 0
-    for name, kernel, tile, gated, kind in jobs:
-        try:
-            print(f"OK triton {triton.__version__} {name}: {compile_sm90(kernel, *gemm_args(tile, gated, kind))}",
-                  flush=True)
-        except Exception as exc:  # noqa: BLE001 (report each)
-            failed += 1
-            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
-    return 1 if failed else 0
+            jobs.append((f"probe {kind} {'gate-up' if gated else 'down'}",
+                         lambda kn=kernel, t=tile, g=gated, kd=kind: compile_sm90(kn, *gemm_args(t, g, kd))))
+    return report_each(jobs)
 
 
 if __name__ == "__main__":

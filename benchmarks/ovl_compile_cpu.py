@@ -38,11 +38,7 @@ def jobs() -> list:
 
 def compile_one(dtype, consumers: int, block_k: int, tn: int, nchunk: int, stages: int, mode: str,
                 promote: int) -> str:
-    import triton
-    from gluon_fp8_compile_cpu import _descriptor, ptxas_report
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from gluon_fp8_compile_cpu import _descriptor, compile_gluon_sm90, sm90_summary
 
     import ovl_kernels as ok
 
@@ -53,21 +49,13 @@ def compile_one(dtype, consumers: int, block_k: int, tn: int, nchunk: int, stage
                 boxes=100, boxes13=60, steps13=k // block_k, steps2=n // block_k)
     const = dict(STAGES=stages, CONSUMERS=consumers, NCHUNK=nchunk, INSTR_K=32 if dtype.itemsize == 1 else 16,
                  MODE=ok.MODES[mode], PROMOTE=promote, CONSUMER_REGS=ok.CONSUMER_REGS, TN=tn, num_warps=4)
-    kernel = ok.ovl_kernel
-    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
-    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4, maxnreg=ok.MAX_REGISTERS[consumers]))
-    ptx = out.asm["ptx"]
-    regs = sorted({ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln})
-    spills, serialized = ptxas_report(ptx)
-    wgmma = sum(1 for ln in ptx.splitlines() if "wgmma.mma_async" in ln)
+    out = compile_gluon_sm90(ok.ovl_kernel, args, const, 4, ok.MAX_REGISTERS[consumers])
+    wgmma = sum(1 for ln in out.asm["ptx"].splitlines() if "wgmma.mma_async" in ln)
     want = expected_wgmmas(consumers, nchunk, mode, promote)
     if wgmma != want:  # a merged (CSE'd) or dropped wgmma: CK1b's first pipelined promotion ran half of them
         raise AssertionError(f"{wgmma} wgmma.mma_async in the PTX, {want} expected")
-    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, ptxas spill "
-            f"stores {spills} B, wgmma serialized {serialized}, wgmma.mma_async in PTX {wgmma} (as expected)")
+    return f"{sm90_summary(out, time.perf_counter() - t0)}, wgmma.mma_async in PTX {wgmma} (as expected)"
 
 
 def expected_wgmmas(consumers: int, nchunk: int, mode: str, promote: int) -> int:
@@ -81,19 +69,11 @@ def expected_wgmmas(consumers: int, nchunk: int, mode: str, promote: int) -> int
 
 
 def main() -> int:
-    import triton
+    from gluon_fp8_compile_cpu import report_each
 
-    failed = 0
     only = sys.argv[1:]
-    for name, *job in jobs():
-        if only and not any(o in name for o in only):
-            continue
-        try:
-            print(f"OK triton {triton.__version__} {name}: {compile_one(*job)}", flush=True)
-        except Exception as exc:  # noqa: BLE001 (report each)
-            failed += 1
-            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
-    return 1 if failed else 0
+    return report_each([(name, lambda j=job: compile_one(*j)) for name, *job in jobs()
+                        if not only or any(o in name for o in only)])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
+from gluon_fp8_compile_cpu import compile_gluon_sm90, ptxas_report  # noqa: E402
 from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
 
 # (name, gated, stages, fast, split): the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``), with
@@ -34,11 +34,6 @@ def compile_swap(gated: bool, stages: int, fast: bool, split: bool, scheme: int 
                  block_k: int = 64):
     """The compiled swapped GEMM (``scheme`` 0 int8, 1 int4 with groups of 128 and zero points) at a small shape
     (E=2, N=256, K=512: shapes reach it as i32 arguments)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     from moekit.experts._kernels.gluon_gemm_wo_swap import grouped_gemm_wo_swap_kernel as kernel
 
     e, n, k, t = 2, 256, 512, 1024
@@ -54,10 +49,7 @@ def compile_swap(gated: bool, stages: int, fast: bool, split: bool, scheme: int 
                 num_col_blocks=c // block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
                  GROUP=(1, 128)[scheme], num_warps=4 if split else 8, FAST=fast, SPLIT=split)
-    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
-    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"],
-                                                                            maxnreg=168))
+    return compile_gluon_sm90(kernel, args, const, const["num_warps"], 168)
 
 
 def report(name: str, gated: bool, stages: int, fast: bool, split: bool, scheme: int = 0) -> str:
