@@ -111,12 +111,12 @@ def test_fast_int8_pairs_convert_exactly():
             want], hex(pair)
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split, inflight", [(False, 1), (True, 1), (False, 2)])
 @pytest.mark.parametrize("m", [40, 300])
-def test_int4_swap_matches_a_float64_loop(fake_gemms, m, split):
+def test_int4_swap_matches_a_float64_loop(fake_gemms, m, split, inflight):
     w13, w2 = _weights("int4_w4a16")
     x, ids, weights = _call(m)
-    options = GluonWoOptions(swap=True, split=split)
+    options = GluonWoOptions(swap=True, split=split, inflight=inflight)
     outs = [run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16", lean=lean, options=options)
             for lean in (False, True)]
     assert torch.equal(outs[0], outs[1]) and _rel(outs[1], _f64(x, w13, w2, ids, weights)) < 2e-2
@@ -124,6 +124,7 @@ def test_int4_swap_matches_a_float64_loop(fake_gemms, m, split):
     for _, bound, _ in fake_gemms["wo_swap"].log:  # the codes as bytes [.., K / 2], groups of 128, their zeros
         assert bound["q_desc"].base.dtype == torch.uint8 and bound["q_desc"].block_shape == [128, 32]
         assert (bound["SCHEME"], bound["GROUP"], bound["STAGES"], bound["SPLIT"]) == (1, 128, 8, split)
+        assert bound["INFLIGHT"] == inflight
         assert bound["z_ptr"].dtype == torch.uint8 and bound["stride_zg"] == 1
 
 
