@@ -27,7 +27,8 @@ class Compiled:
     n_spills: int | None
     setmaxnreg: list  # the per-partition register counts in the PTX
     spill_bytes: int | None  # ptxas -v "bytes spill stores"; None where no bundled ptxas took the PTX
-    serialized: bool  # ptxas serialized the wgmmas (C7514: accumulators read inside a wgmma pipeline stage)
+    serialized: bool  # ptxas serialized the wgmmas (C7514: accumulators read inside a wgmma pipeline stage; C7512:
+    # too few registers for the pipeline, e.g. a worker partition's in flight beside a 24-register one)
 
 
 def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
@@ -62,7 +63,7 @@ def ptxas_report(ptx: str) -> tuple[int | None, bool]:
                                   capture_output=True, text=True)
             found = re.findall(r"(\d+) bytes spill stores", done.stderr)
             if done.returncode == 0 and found:
-                return int(found[0]), "C7514" in done.stderr
+                return int(found[0]), re.search(r"\(C751\d\)[^\n]*serialized", done.stderr) is not None  # any cause
     return None, False
 
 

@@ -1,16 +1,19 @@
 """Compile the swapped weight-only Gluon GEMM (``_kernels/gluon_gemm_wo_swap.py``: the decoded codes as wgmma's
 register operand) for sm_90 on a machine without a GPU, next to the session-27 kernel (``gluon_gemm_wo``) on the
-same GEMM: SMEM, ptxas's spill stores, whether it serialized the wgmmas, the partitions' registers and the MMA
-loop's SASS a weight (``wol7_compile_cpu.loop_counts``).
+same GEMM: SMEM, ptxas's spill stores, whether it serialized the wgmmas, the partitions' registers, the wgmma waits'
+depths in the SASS (session 30: INFLIGHT 2, two steps of wgmmas in flight) and the MMA loop's SASS a weight
+(``wol7_compile_cpu.loop_counts``).
 
     PYTHONPATH=$PWD python3 benchmarks/wo4k_compile_cpu.py                          # this Triton (3.9 here)
     PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/wo4k_compile_cpu.py          # Triton 3.6 (the H200's)
     ... wo4k_compile_cpu.py --sass up                                               # and dump the gate-up SASS
+    ... wo4k_compile_cpu.py --cases down-fast-split down-fast-split-if2             # these cases only
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -20,23 +23,41 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gluon_fp8_compile_cpu import compile_gluon_sm90, ptxas_report  # noqa: E402
+from wgmma_hazards import pipeline_report  # noqa: E402
 from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
 
-# (name, gated, stages, fast, split): the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``), with
-# Triton's conversion, with FAST (the inline-PTX pair), and split into a partition a warpgroup
-CASES = (("up", True, 6, False, False), ("down", False, 8, False, False), ("up-fast", True, 6, True, False),
-         ("down-fast", False, 8, True, False), ("up-fast-split", True, 6, True, True),
-         ("down-fast-split", False, 8, True, True), ("int4-up", True, 8, False, False, 1),
-         ("int4-down", False, 8, False, False, 1), ("int4-up-split", True, 8, False, True, 1))
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One compiled GEMM: the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``), Triton's conversion
+    or FAST (the inline-PTX pair), SPLIT into a partition a warpgroup, INFLIGHT steps of wgmmas in flight."""
+
+    name: str
+    gated: bool
+    stages: int
+    fast: bool = False
+    split: bool = False
+    scheme: int = 0  # 0 int8, 1 int4 (groups of 128, zero points)
+    inflight: int = 1
 
 
-def compile_swap(gated: bool, stages: int, fast: bool, split: bool, scheme: int = 0, block_n: int = 128,
-                 block_k: int = 64):
-    """The compiled swapped GEMM (``scheme`` 0 int8, 1 int4 with groups of 128 and zero points) at a small shape
-    (E=2, N=256, K=512: shapes reach it as i32 arguments)."""
+CASES = (Case("up", True, 6), Case("down", False, 8), Case("up-fast", True, 6, True),
+         Case("down-fast", False, 8, True), Case("up-fast-split", True, 6, True, True),
+         Case("down-fast-split", False, 8, True, True), Case("int4-up", True, 8, scheme=1),
+         Case("int4-down", False, 8, scheme=1), Case("int4-up-split", True, 8, split=True, scheme=1),
+         # session 30 (dn2): two steps of wgmmas in flight (wait 1 a down step, 2 a gate-up step: a group a wgmma); the
+         # split gate-up refuses it (ptxas serialized its wgmmas, C7512, and spilled 100-132 B)
+         Case("down-fast-split-if2", False, 8, True, True, inflight=2),
+         Case("down-fast-if2", False, 8, True, inflight=2), Case("up-fast-if2", True, 6, True, inflight=2),
+         Case("int4-down-if2", False, 8, scheme=1, inflight=2))
+
+
+def compile_swap(case: Case, block_n: int = 128, block_k: int = 64):
+    """The compiled swapped GEMM of ``case`` at a small shape (E=2, N=256, K=512: shapes reach it as i32
+    arguments)."""
     from moekit.experts._kernels.gluon_gemm_wo_swap import grouped_gemm_wo_swap_kernel as kernel
 
     e, n, k, t = 2, 256, 512, 1024
+    gated, split, scheme = case.gated, case.split, case.scheme
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
     args = dict(a_desc=_descriptor([t, r], [128, block_k], torch.bfloat16),
                 q_desc=_descriptor([e * w_rows, r // (1 + scheme)], [block_n, block_k // (1 + scheme)],
@@ -47,43 +68,59 @@ def compile_swap(gated: bool, stages: int, fast: bool, split: bool, scheme: int 
                 stride_se=w_rows * (1, r // 128)[scheme], stride_sr=(1, r // 128)[scheme], stride_sg=scheme,
                 stride_ze=w_rows * r // 128 * scheme, stride_zr=r // 128 * scheme, stride_zg=scheme, reduce_dim=r,
                 num_col_blocks=c // block_n)
-    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
-                 GROUP=(1, 128)[scheme], num_warps=4 if split else 8, FAST=fast, SPLIT=split)
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=case.stages, GROUP_M=8,
+                 SCHEME=scheme, GROUP=(1, 128)[scheme], num_warps=4 if split else 8, FAST=case.fast, SPLIT=split,
+                 INFLIGHT=case.inflight)
     return compile_gluon_sm90(kernel, args, const, const["num_warps"], 168)
 
 
-def report(name: str, gated: bool, stages: int, fast: bool, split: bool, scheme: int = 0) -> str:
-    """One case's line; the loop a weight: SPLIT's loop is one warpgroup's (its 4 warps, half of a step's weights)."""
+def sass_of(cubin: bytes) -> str:
+    """``nvdisasm -c`` of a cubin."""
+    import subprocess
+    import tempfile
+
+    from wo_gemv_sass_cpu import _tool
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+
+
+def report(case: Case) -> str:
+    """One case's line; the loop a weight: SPLIT's loop is one warpgroup's (its 4 warps, half of a step's weights),
+    INFLIGHT 2's two steps (its 2-step unroll)."""
     t0 = time.perf_counter()
-    out = compile_swap(gated, stages, fast, split, scheme)
+    out = compile_swap(case)
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
     regs = sorted(set(ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln))
-    weights = (2 if gated else 1) * 128 * 64
-    return (f"swap {name} s{stages}: {time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill "
-            f"stores {spills} B, wgmma serialized {serialized}, bar.sync {ptx.count('bar.sync')}, setmaxnreg {regs}; "
-            + loop_counts(out.asm["cubin"], weights))
+    weights = (2 if case.gated else 1) * 128 * 64 * case.inflight
+    return (f"swap {case.name} s{case.stages}: {time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, "
+            f"spill stores {spills} B, wgmma serialized {serialized}, bar.sync {ptx.count('bar.sync')}, setmaxnreg "
+            f"{regs}, {pipeline_report(sass_of(out.asm['cubin'])).line()}; "
+            + loop_counts(out.asm["cubin"], weights) + (f", {case.inflight} steps a loop" if case.inflight > 1 else ""))
 
 
 def main() -> int:
     import triton
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sass", choices=[c[0] for c in CASES], help="write that GEMM's SASS to /tmp/wo4k")
+    parser.add_argument("--sass", choices=[c.name for c in CASES], help="write that GEMM's SASS to /tmp/wo4k")
+    parser.add_argument("--cases", nargs="+", choices=[c.name for c in CASES], help="compile these only")
     args = parser.parse_args()
     print("triton", triton.__version__, flush=True)
     failed = 0
-    for case in CASES:
+    for case in [c for c in CASES if not args.cases or c.name in args.cases]:
         try:
-            print("OK", report(*case), flush=True)
+            print("OK", report(case), flush=True)
         except Exception as exc:  # noqa: BLE001 (report each case)
             failed += 1
-            print(f"FAIL {case[0]}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+            print(f"FAIL {case.name}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
     if args.sass:
         from wo_gemv_sass_cpu import _tool  # noqa: E402
 
-        case = next(c for c in CASES if c[0] == args.sass)
-        out = compile_swap(*case[1:])
+        out = compile_swap(next(c for c in CASES if c.name == args.sass))
         os.makedirs("/tmp/wo4k", exist_ok=True)
         base = f"/tmp/wo4k/swap_{args.sass}_{triton.__version__}"
         for kind in ("ptx", "ttgir", "llir"):
