@@ -8,14 +8,14 @@ store moved into ``_kernels/down_store``): ``--dump`` the tree before and after 
     PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/wo_sass_diff_cpu.py --dump ...                (Triton 3.6)
     python3 benchmarks/gluon_sass_diff_cpu.py --compare /tmp/wo-sass-before /tmp/wo-sass-after
 
-Cases (``CASES``): each kernel at the tiles its tuned files and heuristics launch (mma 32 x 256 on one warp, register
-128 x 128, gemv 64-column 16-word rows, bf16 32 x 256, fp8 64 x 128), each scheme, and the constexprs that reach
-the moved code: KSUM with an expert map, SPLIT > 1, the sorted (not NAIVE) rows, SUM_AFTER, a bias, PDL on. The
-compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, its ``tt.divisibility``
-hints); a constexpr a case does not name takes the kernel's default. Line info stays on, as in a launch: ptxas
-schedules around the labels that mark the inlined functions' debug scopes, so moving code into a helper can change
-the SASS although the PTX instructions are the same (session 30: a helper for the down kernels' row masks and KSUM
-arrivals changed tile / register int4 on Triton 3.9, bf16 / fp8 / tile int4 KSUM on 3.6; with
+Cases: each kernel at the tiles its tuned files and heuristics launch (mma 32 x 256 on one warp, register 128 x 128,
+gemv 64-column 16-word rows, bf16 32 x 256, fp8 64 x 128; prefill: 64- to 256-row tiles), each scheme, and the
+constexprs that reach the moved code: KSUM with an expert map, SPLIT > 1, the sorted (not NAIVE) rows, SUM_AFTER, a
+bias, PDL on. The compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, its
+``tt.divisibility`` hints); a constexpr a case does not name takes the kernel's default. Line info stays on, as in a
+launch: ptxas schedules around the labels that mark the inlined functions' debug scopes, so moving code into a helper
+can change the SASS although the PTX instructions are the same (session 30: a helper for the down kernels' row masks
+and KSUM arrivals changed tile / register int4 on Triton 3.9, bf16 / fp8 / tile int4 KSUM on 3.6; with
 ``TRITON_DISABLE_LINE_INFO=1`` all came out identical, so it was not taken).
 """
 
@@ -112,6 +112,31 @@ def dense_cases() -> dict[str, Case]:
     }
 
 
+def prefill_cases() -> dict[str, Case]:
+    """Taller tiles: the tile decode's winners / heuristic at Mixtral M = 64, 1024, 4096 (``wo_config``), the bf16
+    and fp8 tuned files' M >= 128 down tiles (sorted rows, GROUP_M 8, TMA descriptors)."""
+    tile = BASE | dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPAN=64, GROUP=4096, GROUP_M=8, SCHEME=0, NAIVE=False)
+    bf16 = dict(tile, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32", W_DESC=True, b2_ptr=None)
+    fp8 = dict(tile, GROUP_N=128, BLOCK_M=64, BLOCK_K=128, EMULATE=False, H_FP32=False, W_DESC=True, ONE_BLOCK=True,
+               AHEAD=True, SWAP_AB=False)
+    return {
+        "tile_int8_m1024": Case("gemm_wo", "down_wo_kernel", tile, 8, 3, _scheme(0)),
+        "tile_int4_m4096": Case("gemm_wo", "down_wo_kernel", tile | dict(BLOCK_M=256, BLOCK_N=64, GROUP=128, SCHEME=1),
+                                8, 4, _scheme(1)),
+        "tile_mxfp4_m1024": Case("gemm_wo", "down_wo_kernel", tile | dict(BLOCK_N=256, SPAN=32, GROUP=32,
+                                                                          SCHEME=2), 8, 3, _scheme(2)),
+        "tile_int4_m64": Case("gemm_wo", "down_wo_kernel", tile | dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
+                                                                       GROUP=128, SPAN=128, SCHEME=1, GROUP_M=1), 4, 3,
+                              _scheme(1)),
+        "bf16_m4096": Case("gemm", "down_kernel", bf16, 8, 5,
+                           {"w2_ptr": _descriptor([8 * 4096, 14336], [128, 64], "bf16")}),
+        "bf16_m1024": Case("gemm", "down_kernel", bf16 | dict(BLOCK_M=64, BLOCK_N=256), 8, 4,
+                           {"w2_ptr": _descriptor([8 * 4096, 14336], [256, 64], "bf16")}),
+        "fp8_m512": Case("gemm_fp8", "down_fp8_kernel", fp8, 8, 4,
+                         {"w_ptr": _descriptor([256 * 7168, 2048], [128, 128], "fp8e4nv")}),
+    }
+
+
 def _descriptor(shape: list[int], block: list[int], dtype: str) -> str:
     """A host tensor descriptor's signature type (what a launch with one passes)."""
     import torch
@@ -138,7 +163,8 @@ def dump(out: Path, only: list[str] | None) -> int:
     import moekit
     from gluon_sass_diff_cpu import write_sass
 
-    cases = {n: c for n, c in (wo_cases() | dense_cases()).items() if not only or n.startswith(tuple(only))}
+    cases = wo_cases() | dense_cases() | prefill_cases()
+    cases = {n: c for n, c in cases.items() if not only or n.startswith(tuple(only))}
     print(f"moekit at {Path(moekit.__file__).parent}: {len(cases)} kernels", flush=True)
     return write_sass(out, {n: partial(compile_case, c) for n, c in cases.items()})
 

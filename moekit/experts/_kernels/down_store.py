@@ -6,7 +6,7 @@ Torch twin: the down step of ``moekit.experts.reference`` (y[a] = routed weight[
 kernel's own twin holds it whole.
 
 Straight-line code in the order the kernels wrote it inline: each kernel compiles to the same sm_90 SASS as
-before (session 30, ``benchmarks/wo_sass_diff_cpu.py``, Triton 3.6 and 3.9, 27 kernels identical).
+before (session 30, ``benchmarks/wo_sass_diff_cpu.py``, Triton 3.6 and 3.9, 34 kernels identical).
 
 Shapes: A = M*k assignments, BM the block's rows, BN its output columns (of K, the hidden size).
 """
