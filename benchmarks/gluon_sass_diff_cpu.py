@@ -171,13 +171,17 @@ def fp8_cases() -> dict:
 
 
 def dump(out: Path, only: list[str] | None) -> int:
+    cases = bf16_cases() | {"wo_int8_up": lambda: wo_case(True, 4, 0), "wo_int4_down": lambda: wo_case(False, 6, 1),
+                            "wo_mxfp4_up": lambda: wo_case(True, 4, 2)} | fp8_cases()
+    return write_sass(out, {name: build for name, build in cases.items() if not only or name.startswith(tuple(only))})
+
+
+def write_sass(out: Path, cases: dict) -> int:
+    """out/NAME.sass: the sm_90 SASS of each case ({name: () -> compiled}), one line a kernel printed."""
     import triton
     from wo_gemv_sass_cpu import _tool
 
     out.mkdir(parents=True, exist_ok=True)
-    cases = bf16_cases() | {"wo_int8_up": lambda: wo_case(True, 4, 0), "wo_int4_down": lambda: wo_case(False, 6, 1),
-                            "wo_mxfp4_up": lambda: wo_case(True, 4, 2)} | fp8_cases()
-    cases = {name: build for name, build in cases.items() if not only or name.startswith(tuple(only))}
     print(f"triton {triton.__version__} -> {out}", flush=True)
     for name, build in cases.items():
         compiled = build()

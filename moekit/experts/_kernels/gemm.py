@@ -57,9 +57,8 @@ import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.align import fold_block_rows
-from moekit.experts._kernels.combine import (
-    gemm_done, ksum_epilogue, programs_after_gemm, routed_slot_count,
-)
+from moekit.experts._kernels.combine import gemm_done, programs_after_gemm, routed_slot_count
+from moekit.experts._kernels.down_store import store_routed
 
 
 @triton.jit
@@ -276,6 +275,7 @@ def down_kernel(
         gemm_done(counters_ptr, SUM_AFTER)
         return
     row_ok, safe_rows = rows < num_assignments, tl.where(rows < num_assignments, rows, 0)
+    arrivals = 0  # without KSUM: never read (``store_routed``)
     if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
         arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
                                      HAS_MAP)
@@ -303,11 +303,8 @@ def down_kernel(
     if b2_ptr is not None:  # added before the routed weight: the bias is part of the expert's output
         b2 = tl.load(b2_ptr + expert * stride_b2e + offs_out.to(tl.int64) * stride_b2k, mask=out_ok, other=0.0)
         acc += b2.to(tl.float32)[None, :]
-    acc = acc * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]  # routed weight
-    y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
-    if KSUM:
-        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
-                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
+    store_routed(acc, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, 0,
+                 row_ok, arrivals, pid_n, offs_out, out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, KSUM,
+                 TOPK_PAD, HAS_MAP, SUM_ROWS)
     gemm_done(counters_ptr, SUM_AFTER)
 

@@ -65,7 +65,8 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
+from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tokens
+from moekit.experts._kernels.down_store import store_routed
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 
 @triton.jit
@@ -258,19 +259,14 @@ def _down_epilogue(acc, s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_p
                    arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global, stride_ym,
                    BLOCK_N: tl.constexpr, SCHEME: tl.constexpr, KSUM: tl.constexpr, TOPK_PAD: tl.constexpr,
                    HAS_MAP: tl.constexpr, SUM_ROWS: tl.constexpr):
-    """The weight-only down kernels' end: the y tile acc [BM, BN] (float32) x the int8 row scales, x the routed
-    weight, into this split's partial rows; then, KSUM, this program's arrivals (``ksum_epilogue``; ``arrivals``
-    [BM]: each row's token's routed slots)."""
+    """The weight-only down kernels' end: the y tile acc [BM, BN] (float32) x the int8 row scales, then
+    ``down_store.store_routed`` (x the routed weight, into this split's partial rows; KSUM: this program's
+    arrivals, ``arrivals`` [BM] each row's token's routed slots)."""
     if SCHEME == 0:
         acc *= tl.load(s_rows, mask=out_ok, other=0.0)[None, :]
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    acc = acc * weight[:, None]
-    y_rows = tl.program_id(1) * num_assignments + safe_rows  # [BM] int64: this split's partial rows
-    y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_out[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
-    if KSUM:
-        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
-                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
+    store_routed(acc, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, num_assignments, row_ok,
+                 arrivals, pid_n, offs_out, out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, KSUM,
+                 TOPK_PAD, HAS_MAP, SUM_ROWS)  # y [SPLIT * A, K]: this split's partial rows
 
 
 @triton.jit

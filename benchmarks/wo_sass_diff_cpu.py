@@ -1,0 +1,181 @@
+"""The Triton down GEMMs (weight-only tile / register / mma / gemv decodes, bf16 and fp8) in sm_90 SASS, compiled
+on a machine without a GPU, for a change that must leave their machine code alone (session 30: their routed-weight
+store moved into ``_kernels/down_store``): ``--dump`` the tree before and after it, on each Triton, then
+``gluon_sass_diff_cpu.py --compare`` (identical, parameter offsets only, or the instructions that changed).
+
+    PYTHONPATH=/tmp/before-tree python3 benchmarks/wo_sass_diff_cpu.py --dump /tmp/wo-sass-before   (Triton 3.9)
+    PYTHONPATH=$PWD python3 benchmarks/wo_sass_diff_cpu.py --dump /tmp/wo-sass-after
+    PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/wo_sass_diff_cpu.py --dump ...                (Triton 3.6)
+    python3 benchmarks/gluon_sass_diff_cpu.py --compare /tmp/wo-sass-before /tmp/wo-sass-after
+
+Cases: each kernel at the tiles its tuned files and heuristics launch (mma 32 x 256 on one warp, register 128 x 128,
+gemv 64-column 16-word rows, bf16 32 x 256, fp8 64 x 128; prefill: 64- to 256-row tiles), each scheme, and the
+constexprs that reach the moved code: KSUM with an expert map, SPLIT > 1, the sorted (not NAIVE) rows, SUM_AFTER, a
+bias, PDL on. The compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, its
+``tt.divisibility`` hints); a constexpr a case does not name takes the kernel's default. Line info stays on, as in a
+launch: ptxas schedules around the labels that mark the inlined functions' debug scopes, so moving code into a helper
+can change the SASS although the PTX instructions are the same (session 30: a helper for the down kernels' row masks
+and KSUM arrivals changed tile / register int4 on Triton 3.9, bf16 / fp8 / tile int4 KSUM on 3.6; with
+``TRITON_DISABLE_LINE_INFO=1`` all came out identical, so it was not taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+BASE = dict(BLOCK_M=16, GROUP_M=1, NAIVE=True, UPCAST=False, PDL=True, SPLIT=1)
+KSUM = dict(KSUM=True, TOPK_PAD=8, HAS_MAP=True, SUM_ROWS=4, ZERO_T=16)  # ``triton_plan.ksum_constexprs``, k = 8
+POINTERS = {"h_ptr": "*bf16", "y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*u8",
+            "z_ptr": "*u8", "b2_ptr": "*bf16", "w2_ptr": "*bf16", "hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32",
+            "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"} | {n: "*i32" for n in (
+                "ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr", "map_ptr")}
+
+
+@dataclass
+class Case:
+    module: str  # under moekit.experts._kernels
+    kernel: str
+    const: dict
+    num_warps: int
+    num_stages: int
+    pointers: dict = field(default_factory=dict)  # beyond POINTERS (a scheme's q / scale types, fp32 partials)
+
+
+def _scheme(scheme: int) -> dict:
+    """The pointer types of a scheme's q / scale (int8 q int8, scale fp32; int4 scale fp32; mxfp4 scale e8m0)."""
+    return {"q_ptr": "*i8" if scheme == 0 else "*u8", "s_ptr": "*u8" if scheme == 2 else "*fp32"}
+
+
+def wo_cases() -> dict[str, Case]:
+    """The weight-only down kernels: tile, register and mma decodes (int8 / int4 / mxfp4), the gemv (int4 / mxfp4)."""
+    from moekit.experts.triton_wo_mma import MXFP4_PLACES, operand_pairs
+
+    group = {0: 4096, 1: 128, 2: 32}  # int8: the whole row (N), a constexpr of its launch
+    cases = {}
+    for s, name in enumerate(("int8", "int4", "mxfp4")):
+        tile = BASE | dict(BLOCK_N=64, BLOCK_K=128, SPAN=min(128, group[s]), GROUP=group[s], SCHEME=s)
+        cases[f"tile_{name}"] = Case("gemm_wo", "down_wo_kernel", tile, 4, 3, _scheme(s))
+        reg = BASE | dict(BLOCK_N=128, BLOCK_K=128, SPAN=min(128, group[s]), GROUP=group[s], SCHEME=s, ASM=True)
+        cases[f"reg_{name}"] = Case("gemm_wo_reg", "down_wo_reg_kernel", reg, 4, 4, _scheme(s))
+        mma = BASE | dict(BLOCK_N=32, BLOCK_K=256, SPAN=min(256, group[s]), GROUP=group[s], SCHEME=s,
+                          ASM=MXFP4_PLACES["shift"] if s == 2 else True, SCALE_WORD=s == 2, PAIRS=operand_pairs(),
+                          PER=4 if s == 0 else 8)
+        cases[f"mma_{name}"] = Case("gemm_wo_mma", "down_wo_mma_kernel", mma, 1, 3, _scheme(s))
+    cases["tile_int4_ahead_sorted"] = Case("gemm_wo", "down_wo_kernel", cases["tile_int4"].const | dict(
+        AHEAD=True, NAIVE=False), 4, 3, _scheme(1))
+    cases["tile_int4_ksum"] = Case("gemm_wo", "down_wo_kernel", cases["tile_int4"].const | KSUM, 4, 3, _scheme(1))
+    cases["tile_mxfp4_split"] = Case("gemm_wo", "down_wo_kernel", cases["tile_mxfp4"].const | dict(SPLIT=4), 4, 3,
+                                     _scheme(2) | {"y_ptr": "*fp32"})
+    cases["reg_int4_swap_ksum"] = Case("gemm_wo_reg", "down_wo_reg_kernel", cases["reg_int4"].const | KSUM | dict(
+        SWAP_AB=True), 4, 4, _scheme(1))
+    cases["reg_mxfp4_split_sorted"] = Case("gemm_wo_reg", "down_wo_reg_kernel", cases["reg_mxfp4"].const | dict(
+        SPLIT=2, NAIVE=False), 4, 4, _scheme(2) | {"y_ptr": "*fp32"})
+    cases["mma_int8_ksum"] = Case("gemm_wo_mma", "down_wo_mma_kernel", cases["mma_int8"].const | KSUM, 1, 3, _scheme(0))
+    cases["mma_mxfp4_128_split"] = Case("gemm_wo_mma", "down_wo_mma_kernel", cases["mma_mxfp4"].const | dict(
+        BLOCK_K=128, SPAN=32, SPLIT=2, NAIVE=False), 1, 3, _scheme(2) | {"y_ptr": "*fp32"})
+    for s, name in ((1, "int4"), (2, "mxfp4")):
+        gemv = BASE | dict(BLOCK_M=1, BLOCK_N=64, BKW=16, PER=8, GROUP=group[s], SCHEME=s, ASM=True)
+        cases[f"gemv_{name}"] = Case("gemm_wo_gemv", "down_wo_gemv_kernel", gemv, 2, 1, _scheme(s))
+    cases["gemv_int4_rows2_ksum"] = Case("gemm_wo_gemv", "down_wo_gemv_kernel", cases["gemv_int4"].const | KSUM | dict(
+        BLOCK_M=2, NAIVE=False), 2, 1, _scheme(1))
+    cases["gemv_mxfp4_fold_xtile"] = Case("gemm_wo_gemv", "down_wo_gemv_kernel", cases["gemv_mxfp4"].const | dict(
+        UP_SPLIT=2, ACT=0, ROUND=1, AHEAD=2, XTILE=True, SPLIT=2), 2, 1,
+        _scheme(2) | {"h_ptr": "*fp32", "y_ptr": "*fp32"})
+    return cases
+
+
+def dense_cases() -> dict[str, Case]:
+    """The bf16 (``gemm.down_kernel``: pointers and a TMA descriptor, a bias, KSUM, SUM_AFTER) and fp8 down GEMMs."""
+    bf16 = BASE | dict(BLOCK_N=32, BLOCK_K=256, PRECISION="tf32", W_DESC=False, b2_ptr=None)
+    fp8 = BASE | dict(GROUP_N=128, BLOCK_N=64, BLOCK_K=128, EMULATE=False, H_FP32=False, W_DESC=False,
+                      ONE_BLOCK=True, AHEAD=True, SWAP_AB=False)
+    after = dict(SUM_AFTER=True, SUM_T=4, SUM_K=256, TOPK_PAD=8, HAS_MAP=True)
+    return {
+        "bf16": Case("gemm", "down_kernel", bf16, 4, 3),
+        "bf16_desc_ksum": Case("gemm", "down_kernel", bf16 | KSUM | dict(W_DESC=True), 4, 3,
+                               {"w2_ptr": _descriptor([8 * 4096, 14336], [32, 256], "bf16")}),
+        "bf16_bias_after_sorted": Case("gemm", "down_kernel", {k: v for k, v in bf16.items() if k != "b2_ptr"}
+                                       | after | dict(NAIVE=False), 4, 3),
+        "fp32_ieee": Case("gemm", "down_kernel", bf16 | dict(PRECISION="ieee", BLOCK_K=64), 4, 3,
+                          {"h_ptr": "*fp32", "w2_ptr": "*fp32", "y_ptr": "*fp32"}),
+        "fp8": Case("gemm_fp8", "down_fp8_kernel", fp8, 4, 5),
+        "fp8_desc_swap_ksum": Case("gemm_fp8", "down_fp8_kernel", fp8 | KSUM | dict(W_DESC=True, SWAP_AB=True), 4, 5,
+                                   {"w_ptr": _descriptor([8 * 4096, 14336], [64, 128], "fp8e4nv")}),
+        "fp8_after_sorted": Case("gemm_fp8", "down_fp8_kernel", fp8 | after | dict(NAIVE=False, BLOCK_N=128,
+                                                                                  GROUP_M=8), 4, 4),
+    }
+
+
+def prefill_cases() -> dict[str, Case]:
+    """Taller tiles: the tile decode's winners / heuristic at Mixtral M = 64, 1024, 4096 (``wo_config``), the bf16
+    and fp8 tuned files' M >= 128 down tiles (sorted rows, GROUP_M 8, TMA descriptors)."""
+    tile = BASE | dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPAN=64, GROUP=4096, GROUP_M=8, SCHEME=0, NAIVE=False)
+    bf16 = dict(tile, BLOCK_N=128, BLOCK_K=64, PRECISION="tf32", W_DESC=True, b2_ptr=None)
+    fp8 = dict(tile, GROUP_N=128, BLOCK_M=64, BLOCK_K=128, EMULATE=False, H_FP32=False, W_DESC=True, ONE_BLOCK=True,
+               AHEAD=True, SWAP_AB=False)
+    return {
+        "tile_int8_m1024": Case("gemm_wo", "down_wo_kernel", tile, 8, 3, _scheme(0)),
+        "tile_int4_m4096": Case("gemm_wo", "down_wo_kernel", tile | dict(BLOCK_M=256, BLOCK_N=64, GROUP=128, SCHEME=1),
+                                8, 4, _scheme(1)),
+        "tile_mxfp4_m1024": Case("gemm_wo", "down_wo_kernel", tile | dict(BLOCK_N=256, SPAN=32, GROUP=32,
+                                                                          SCHEME=2), 8, 3, _scheme(2)),
+        "tile_int4_m64": Case("gemm_wo", "down_wo_kernel", tile | dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
+                                                                       GROUP=128, SPAN=128, SCHEME=1, GROUP_M=1), 4, 3,
+                              _scheme(1)),
+        "bf16_m4096": Case("gemm", "down_kernel", bf16, 8, 5,
+                           {"w2_ptr": _descriptor([8 * 4096, 14336], [128, 64], "bf16")}),
+        "bf16_m1024": Case("gemm", "down_kernel", bf16 | dict(BLOCK_M=64, BLOCK_N=256), 8, 4,
+                           {"w2_ptr": _descriptor([8 * 4096, 14336], [256, 64], "bf16")}),
+        "fp8_m512": Case("gemm_fp8", "down_fp8_kernel", fp8, 8, 4,
+                         {"w_ptr": _descriptor([256 * 7168, 2048], [128, 128], "fp8e4nv")}),
+    }
+
+
+def _descriptor(shape: list[int], block: list[int], dtype: str) -> str:
+    """A host tensor descriptor's signature type (what a launch with one passes)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.empty(shape, dtype={"bf16": torch.bfloat16, "fp8e4nv": torch.float8_e4m3fn}[dtype])
+    return mangle_type(TensorDescriptor(t, shape, list(t.stride()), block))
+
+
+def compile_case(case: Case):
+    """triton.compile of ``case`` for sm_90 (a constexpr the case does not name: the kernel's default)."""
+    import importlib
+
+    from wo_reg_sass_cpu import _compile
+
+    fn = getattr(importlib.import_module(f"moekit.experts._kernels.{case.module}"), case.kernel)
+    const = {p.name: p.default for p in fn.params if p.is_constexpr} | case.const
+    const = {k: v for k, v in const.items() if k in fn.arg_names}
+    return _compile(fn, POINTERS | case.pointers, const, case.num_warps, case.num_stages)
+
+
+def dump(out: Path, only: list[str] | None) -> int:
+    import moekit
+    from gluon_sass_diff_cpu import write_sass
+
+    cases = wo_cases() | dense_cases() | prefill_cases()
+    cases = {n: c for n, c in cases.items() if not only or n.startswith(tuple(only))}
+    print(f"moekit at {Path(moekit.__file__).parent}: {len(cases)} kernels", flush=True)
+    return write_sass(out, {n: partial(compile_case, c) for n, c in cases.items()})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dump", type=Path, required=True)
+    parser.add_argument("--only", nargs="+", help="name prefixes of the kernels to dump (default: all; e.g. mma gemv)")
+    args = parser.parse_args()
+    return dump(args.dump, args.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
