@@ -24,7 +24,9 @@ at a time in place of the contiguous layout's [A, K] copies, with whole experts 
 the same loop serially with multi-threaded GEMMs). Under ``torch.compile`` such a call (CPU, no gradient,
 plain weights) runs as the custom op ``moekit::cpu_experts`` (``moekit.experts.cpu_op``): the compiled
 graph calls this eager loop, which no trace could follow; a call that needs a gradient, or has quantized
-weights, traces the grouped GEMM path (``moekit::group_gemm``).
+weights, traces the grouped GEMM path (``moekit::group_gemm``). Weight-only quantized weights (int8_w8a16,
+int4_w4a16, mxfp4) in an eager CPU call without autograd run the same loop, each touched expert dequantized on its
+worker or run by torch's weight-only kernel (``moekit.experts.cpu_quant``); elsewhere all E are dequantized per call.
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
