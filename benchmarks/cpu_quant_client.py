@@ -8,7 +8,7 @@ experts. One model; each variant's block is swapped into the layer before its de
 head are the same tensors for every variant.
 
 Per round, every variant (order rotated per round) prefills the same --prompt tokens and decodes --steps tokens one
-at a time with the KV cache (``torch.inference_mode``); each step is timed. A variant's figure is the median step
+at a time with the KV cache (``torch.no_grad``, as ``generate`` runs); each step is timed. A variant's figure is the median step
 over all rounds -> tok/s, beside the step's ratio to the ``moekit`` (unquantized) variant of the same run. The
 pre-session-30 numbers: the same script with an older tree first on PYTHONPATH (its quantized variants dequantize
 all 32 experts per step), the two runs' ratios to their own ``moekit`` compared.
@@ -75,7 +75,7 @@ def decode(model, variant: Variant, prompt: torch.Tensor, steps: int) -> tuple[l
     """Prefill ``prompt`` [1, T], then ``steps`` greedy tokens: (each step's ms, the tokens)."""
     model.model.layers[0].mlp = variant.block
     times, tokens = [], []
-    with torch.inference_mode():
+    with torch.no_grad():
         out = model(input_ids=prompt, use_cache=True)
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)  # [1, 1]
         for _ in range(steps):
@@ -89,7 +89,7 @@ def decode(model, variant: Variant, prompt: torch.Tensor, steps: int) -> tuple[l
 
 def logits_error(model, variant: Variant, reference: Variant, prompt: torch.Tensor) -> float:
     """Relative L2 of the variant's prefill logits against the reference variant's."""
-    with torch.inference_mode():
+    with torch.no_grad():
         model.model.layers[0].mlp = reference.block
         want = model(input_ids=prompt).logits.double()
         model.model.layers[0].mlp = variant.block
