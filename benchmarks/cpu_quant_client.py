@@ -8,8 +8,8 @@ experts. One model; each variant's block is swapped into the layer before its de
 head are the same tensors for every variant.
 
 Per round, every variant (order rotated per round) prefills the same --prompt tokens and decodes --steps tokens one
-at a time with the KV cache (``torch.no_grad``, as ``generate`` runs); each step is timed. A variant's figure is the median step
-over all rounds -> tok/s, beside the step's ratio to the ``moekit`` (unquantized) variant of the same run. The
+at a time with the KV cache (``torch.no_grad``, as ``generate`` runs); each step is timed. A variant's figure is the
+median step over all rounds -> tok/s, beside the step's ratio to the ``moekit`` (unquantized) variant of the run. The
 pre-session-30 numbers: the same script with an older tree first on PYTHONPATH (its quantized variants dequantize
 all 32 experts per step), the two runs' ratios to their own ``moekit`` compared.
 
@@ -119,8 +119,8 @@ def run(args) -> dict:
     unq = rows["moekit"]["step_ms"]
     for r in rows.values():
         r["step_vs_moekit"] = r["step_ms"] / unq
-    return {"cpu": cpu_name(), "commit": commit_id(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "dtype": args.dtype, "config": {**GPT_OSS_20B, "vocab": args.vocab},
+    return {"cpu": cpu_name(), "commit": commit_id(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype, "config": {**GPT_OSS_20B, "vocab": args.vocab},
             "prompt": args.prompt, "steps": args.steps, "rounds": args.rounds, "loadavg_before": list(load_before),
             "loadavg_after": list(os.getloadavg()), "rows": rows}
 
