@@ -120,7 +120,8 @@ def run(args) -> dict:
     for r in rows.values():
         r["step_vs_moekit"] = r["step_ms"] / unq
     return {"cpu": cpu_name(), "commit": commit_id(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype, "config": {**GPT_OSS_20B, "vocab": args.vocab},
+            "transformers": transformers.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype,
+            "config": {**GPT_OSS_20B, "vocab": args.vocab},
             "prompt": args.prompt, "steps": args.steps, "rounds": args.rounds, "loadavg_before": list(load_before),
             "loadavg_after": list(os.getloadavg()), "rows": rows}
 
