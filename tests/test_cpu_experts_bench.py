@@ -171,3 +171,15 @@ def test_earlier_results_still_read(path):
     for batch, line in zip(doc["batches"], summary):
         hf = min(r["us"] for n, r in batch["rows"].items() if n.startswith("hf_"))
         assert line.split()[4] == f"{hf / batch['rows']['moekit']['us']:.2f}x"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*-cpu-quant-*.json")), ids=lambda p: p.name)
+def test_quantized_results_still_read(path):
+    doc = json.loads(path.read_text())
+    lines = report_lines(doc)
+    quant = [line for line in lines if line.split()[:1] and line.split()[0] in doc["schemes"]]
+    assert len(quant) == len(doc["schemes"]) * len(doc["batches"])
+    for line in quant:  # before / after as recorded
+        scheme, m = line.split()[:2]
+        rows = next(b["rows"] for b in doc["batches"] if b["M"] == int(m))
+        assert line.split()[-1] == f"{rows[f'dequant_all[{scheme}]']['us'] / rows[f'moekit[{scheme}]']['us']:.1f}"
