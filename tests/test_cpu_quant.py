@@ -1,7 +1,7 @@
 """moekit.experts.cpu_quant: weight-only quantized experts in the CPU inference loop, each touched expert dequantized
 (or run by torch's weight-only kernel) on its worker. Held against the reference backend on the same quantized
 weights and a float64 loop written here; per-expert dequantization bit-identical to the whole one; workers 1 / 2
-bit-identical; the int4 repack cache; calls that keep their old path (gradients, fp8_block)."""
+bit-identical; the repack cache (int4, mxfp4 as int8); calls that keep their old path (gradients, fp8_block)."""
 
 import pytest
 import torch
@@ -12,7 +12,8 @@ from moekit.activations import ActivationSpec, apply_glu
 from moekit.experts import backend_fn, cpu_packed
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
 from moekit.experts.cpu_quant import (
-    DequantLinear, Int4PackCache, Int4PackLinear, QuantKernels, expert_linear, int4pack_supported, int8pack_supported,
+    MX_INT8_SPAN, DequantLinear, Int4PackLinear, Int8PackLinear, QuantKernels, RepackCache, expert_linear,
+    int4pack_supported, int8pack_supported, mxfp4_as_int8,
 )
 from moekit.experts.grouped_mm import experts_grouped_mm
 from moekit.quant import quantize
@@ -21,7 +22,7 @@ from moekit.quant.emulate import experts_fp8_block_reference
 E, N = 6, 32
 SCHEMES = [("int8_w8a16", {}), ("int4_w4a16", {"group_size": 32}), ("mxfp4", {})]
 DEQUANT = QuantKernels("dequant", "dequant", "dequant")
-PACKS = QuantKernels("int8pack", "int4pack", "dequant")
+PACKS = QuantKernels("int8pack", "int4pack", "int8pack")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
@@ -156,7 +157,7 @@ def test_gradients_and_fp8_block_keep_their_paths():
                     reason="this torch has no CPU int8pack / int4pack kernels for bfloat16")
 def test_pack_kernels_are_taken_where_the_shapes_fit_else_dequant():
     _, q13, q2, _, _ = problem("int4_w4a16", {"group_size": 32}, hidden=77)  # w2 has 77 rows: not a multiple of 16
-    cache = Int4PackCache(budget_bytes=1 << 30)
+    cache = RepackCache(budget_bytes=1 << 30)
     assert isinstance(expert_linear(q13, 0, torch.bfloat16, PACKS, cache), Int4PackLinear)
     assert isinstance(expert_linear(q2, 0, torch.bfloat16, PACKS, cache), DequantLinear)
     assert isinstance(expert_linear(q13, 0, torch.float32, QuantKernels(), cache), DequantLinear)  # auto: fp32
@@ -168,21 +169,36 @@ def test_pack_kernels_are_taken_where_the_shapes_fit_else_dequant():
 @pytest.mark.skipif(not int4pack_supported(torch.float32), reason="this torch has no CPU int4pack kernel")
 def test_int4_repack_cache_reuses_rebuilds_and_respects_its_budget():
     _, q13, _, _, _ = problem("int4_w4a16", {"group_size": 32})
-    cache = Int4PackCache(budget_bytes=1 << 30)
+    cache = RepackCache(budget_bytes=1 << 30)
     first = cache.get(q13, 1, torch.float32)
-    assert cache.get(q13, 1, torch.float32) is first and cache.used_bytes() == q13.nbytes_per_expert
+    assert cache.get(q13, 1, torch.float32) is first  # its bytes counted: codes [R, C/2] + (scale, zero) [G, R, 2]
+    assert cache.used_bytes() == first.packed.numel() + 4 * first.scale_zeros.numel() == 64 * 48 + 4 * 3 * 64 * 2
     q13.q[1, 0, 0] ^= 0x11  # an in-place change: the version counter moves, the entry is rebuilt
     assert cache.get(q13, 1, torch.float32) is not first
-    assert Int4PackCache(budget_bytes=0).get(q13, 1, torch.float32) is None
+    assert RepackCache(budget_bytes=0).get(q13, 1, torch.float32) is None
     with torch.inference_mode():
         _, i13, _, _, _ = problem("int4_w4a16", {"group_size": 32})
     assert cache.get(i13, 0, torch.float32) is None  # no version counter to watch
     cache.clear()
     assert cache.used_bytes() == 0
     cpu_packed.clear_packed_weights()
-    assert cpu_packed.int4_pack_cache().used_bytes() == 0
+    assert cpu_packed.repack_cache().used_bytes() == 0
 
 
 def test_quant_kernels_reject_a_kernel_of_another_scheme():
     with pytest.raises(ValueError, match="mxfp4 kernel"):
-        QuantKernels(mxfp4="int8pack")
+        QuantKernels(mxfp4="int4pack")
+
+
+def test_mxfp4_as_int8_holds_the_same_values_or_declines():
+    w = quantize(torch.randn(2, 48, 96, generator=torch.Generator().manual_seed(8)), "mxfp4")
+    as_int8 = mxfp4_as_int8(w, 1, torch.bfloat16)
+    assert isinstance(as_int8, Int8PackLinear) and as_int8.q.dtype == torch.int8 and as_int8.q.abs().max() <= 96
+    assert torch.equal(as_int8.q.double() * as_int8.scale.double()[:, None], w.dequantize(torch.float64)[1])
+    spread = w.scale.clone()
+    spread[1, 0, 0] = spread[1, 0, 1] + MX_INT8_SPAN + 1  # one row's blocks 4 binades apart: no exact int8 form
+    wide = type(w)(q=w.q, scale=spread, cols=w.cols, dtype=w.dtype)
+    assert mxfp4_as_int8(wide, 1, torch.bfloat16) is None and mxfp4_as_int8(wide, 0, torch.bfloat16) is not None
+    if int8pack_supported(torch.bfloat16):
+        assert isinstance(expert_linear(wide, 1, torch.bfloat16, QuantKernels(), RepackCache(1 << 30)), DequantLinear)
+        assert isinstance(expert_linear(w, 1, torch.bfloat16, QuantKernels(), RepackCache(1 << 30)), Int8PackLinear)

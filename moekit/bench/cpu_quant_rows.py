@@ -30,7 +30,8 @@ from moekit.experts.cpu_quant import QuantKernels, WEIGHT_ONLY_SCHEMES
 from moekit.experts.grouped_mm import experts_grouped_mm
 from moekit.quant import QuantizedWeight, quantize
 
-SCHEME_KERNELS = {"int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"), "mxfp4": ()}
+SCHEME_KERNELS = {"int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"),
+                  "mxfp4": ("dequant", "int8pack")}
 _ROW = re.compile(r"^(?P<kind>[a-z0-9_]+)\[(?P<scheme>[a-z0-9_]+)\]$")
 
 

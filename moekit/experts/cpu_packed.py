@@ -39,7 +39,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moekit.activations import ActivationSpec, apply_glu, get_activation
-from moekit.experts.cpu_quant import Int4PackCache, QuantKernels, expert_linear, weight_only
+from moekit.experts.cpu_quant import QuantKernels, RepackCache, expert_linear, weight_only
 from moekit.experts.cpu_workers import largest_first, run_dynamic
 from moekit.layouts.grouping import aligned_positions, assignments_of_rows
 from moekit.quant import QuantizedWeight
@@ -140,7 +140,7 @@ class PackedWeightCache:
 
 
 _CACHE = PackedWeightCache()
-_INT4_CACHE = Int4PackCache(default_budget_bytes())
+_REPACK_CACHE = RepackCache(default_budget_bytes())
 
 
 def packed_weight_cache() -> PackedWeightCache:
@@ -149,16 +149,16 @@ def packed_weight_cache() -> PackedWeightCache:
     return _CACHE
 
 
-def int4_pack_cache() -> Int4PackCache:
-    """The process-wide cache of int4 experts repacked for torch's CPU kernel (``moekit.experts.cpu_quant``);
+def repack_cache() -> RepackCache:
+    """The process-wide cache of experts repacked for torch's CPU kernels (``moekit.experts.cpu_quant``);
     its ``budget_bytes`` bounds it as ``packed_weight_cache``'s does."""
-    return _INT4_CACHE
+    return _REPACK_CACHE
 
 
 def clear_packed_weights() -> None:
     """Drop every packed copy (needed only after writes that bypass ``_version``, such as ``w.data.copy_``)."""
     _CACHE.clear()
-    _INT4_CACHE.clear()
+    _REPACK_CACHE.clear()
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ def _weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None, qua
              dtype: torch.dtype) -> _ExpertWeights:
     def one(w):
         if weight_only(w):
-            return expert_linear(w, expert, dtype, quant, _INT4_CACHE)
+            return expert_linear(w, expert, dtype, quant, _REPACK_CACHE)
         return w[expert] if cache is None else cache.weight(w, expert)
 
     return _ExpertWeights(one(ex.w13), one(ex.w2), None if ex.b13 is None else ex.b13[expert],

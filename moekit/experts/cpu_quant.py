@@ -17,9 +17,10 @@ Kernels (``QuantKernels``, "auto" = the measured best for x's dtype; ``benchmark
 - "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
   rounded, 2**-9 relative) and applied after the dot product, so not the dequantized path's bits (C a multiple
   of 16: ``PACK_MULTIPLE``);
+- "int8pack" (mxfp4, bf16 x): the same kernel on the expert's exact int8 form (``mxfp4_as_int8``, made once, cached);
 - "int4pack" (int4_w4a16): ``torch._weight_int4pack_mm_for_cpu``, whose weight is (code - 8) * s + z: moekit's
   (code - zero) * scale with s = scale, z = (8 - zero) * scale (one float32 rounding; then x's dtype), on codes
-  repacked by ``torch._convert_weight_to_int4pack_for_cpu``, once per expert and cached (``Int4PackCache``).
+  repacked by ``torch._convert_weight_to_int4pack_for_cpu``, once per expert and cached (``RepackCache``).
   An odd K is padded to whole groups (codes 0 against x's zeros: each pad term is 0 * a finite weight); R a
   multiple of 16.
 
@@ -36,13 +37,19 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moekit.quant import QuantizedWeight
-from moekit.quant.base import pad_cols, unpack_nibbles
+from moekit.quant.base import decode_nibbles, pad_cols, unpack_nibbles
+from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
 
 TILE_BYTES = 512 << 10  # fp32 rows of one dequantized tile: 64 rows at C = 2048, in L2 with its GEMM
 WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 KERNELS = ("auto", "dequant", "int8pack", "int4pack")
 _SCHEME_KERNELS = {"int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"),
-                   "mxfp4": ("dequant",)}
+                   "mxfp4": ("dequant", "int8pack")}
+# mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
+# (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
+# (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
+MX_INT8_SPAN = 3
+TWICE_E2M1 = tuple(2 * v for v in E2M1_CODE_VALUES)
 # torch 2.13's CPU kernels: int8pack with a 16-bit x segfaults or returns garbage (rel-L2 0.23) unless the input
 # features C are a multiple of 16; the int4 repack refuses output features R not a multiple of 16. Else "dequant".
 PACK_MULTIPLE = 16
@@ -67,8 +74,9 @@ class QuantKernels:
         x where this torch runs it (measured faster at every M), "dequant" for float32 (torch's float32 kernels
         measured 10-40x slower at 32 rows) and wherever the kernel is missing."""
         kernel = getattr(self, scheme)
-        if kernel == "auto":
-            kernel = _SCHEME_KERNELS[scheme][-1] if dtype in (torch.bfloat16, torch.float16) else "dequant"
+        if kernel == "auto":  # mxfp4's row scales 2**(lo - 128) may underflow float16: bfloat16 only
+            sixteen = (torch.bfloat16,) if scheme == "mxfp4" else (torch.bfloat16, torch.float16)
+            kernel = _SCHEME_KERNELS[scheme][-1] if dtype in sixteen else "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
             return "dequant"
         if kernel == "int4pack" and not int4pack_supported(dtype):
@@ -166,6 +174,27 @@ def int4_repacked(w, expert: int, dtype: torch.dtype) -> Int4PackLinear:
     return Int4PackLinear(packed, scale_zeros.to(dtype).contiguous(), w.group_size)
 
 
+def mxfp4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8PackLinear | None:
+    """w (an Mxfp4Weight) [E, R, C]'s expert as int8 codes [R, C] and a power-of-two scale per row, the same values
+    exactly (``MX_INT8_SPAN``); None where a row's scale bytes span more, or C is not a multiple of 16."""
+    scale = w.scale[expert].to(torch.int32)  # [R, G]
+    lo = scale.amin(dim=1, keepdim=True) if scale.numel() else scale[:, :1]  # [R, 1]
+    shift = scale - lo  # [R, G]
+    if w.cols % PACK_MULTIPLE or (shift.numel() and int(shift.max()) > MX_INT8_SPAN):
+        return None
+    r, groups = scale.shape
+    codes = pad_cols(decode_nibbles(w.q[expert], TWICE_E2M1, torch.int32), MX_BLOCK).view(r, groups, MX_BLOCK)
+    q = (codes * (2 ** shift)[:, :, None]).view(r, groups * MX_BLOCK)[:, :w.cols].to(torch.int8).contiguous()
+    return Int8PackLinear(q, torch.pow(2.0, (lo[:, 0] - E8M0_BIAS - 1).float()))  # [R, C], [R]
+
+
+_REPACKERS = {"int4_w4a16": int4_repacked, "mxfp4": mxfp4_as_int8}
+
+
+def _tensor_bytes(linear) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(linear).values() if isinstance(t, torch.Tensor))
+
+
 def _signature(w: QuantizedWeight) -> tuple:
     return tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride()) for t in w.tensors().values())
 
@@ -173,14 +202,15 @@ def _signature(w: QuantizedWeight) -> tuple:
 @dataclass
 class _Entry:
     signature: tuple
-    experts: dict[tuple[int, torch.dtype], Int4PackLinear] = field(default_factory=dict)
+    experts: dict[tuple[int, torch.dtype], object] = field(default_factory=dict)  # None: the expert does not fit
     nbytes: int = 0
 
 
-class Int4PackCache:
-    """Repacked int4 experts (``int4_repacked``), per weight (keyed by its q tensor, dying with it) and (expert,
-    x dtype), within ``budget_bytes``; an entry is rebuilt when any tensor's version, pointer or strides change.
-    Past the budget, or for inference tensors (no version counter to watch), ``get`` returns None."""
+class RepackCache:
+    """Experts repacked for torch's kernels (int4: ``int4_repacked``; mxfp4 as int8: ``mxfp4_as_int8``), per weight
+    (keyed by its q tensor, dying with it) and (expert, x dtype), within ``budget_bytes``; an entry is rebuilt when
+    any tensor's version, pointer or strides change. Past the budget, for inference tensors (no version counter to
+    watch), or for an expert that does not fit the kernel, ``get`` returns None."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
@@ -192,32 +222,30 @@ class Int4PackCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def get(self, w, expert: int, dtype: torch.dtype) -> Int4PackLinear | None:
+    def get(self, w, expert: int, dtype: torch.dtype):
         if any(t.is_inference() for t in w.tensors().values()):
             return None
         signature = _signature(w)
         entry = self._entries.get(w.q)
         if entry is None or entry.signature != signature:
             entry = self._entries[w.q] = _Entry(signature)
-        found = entry.experts.get((expert, dtype))
-        if found is not None:
-            return found
-        nbytes = w.nbytes_per_expert
-        if self.used_bytes() + nbytes > self.budget_bytes:
+        if (expert, dtype) in entry.experts:
+            return entry.experts[(expert, dtype)]
+        if self.used_bytes() + 2 * w.nbytes_per_expert > self.budget_bytes:  # 2x: mxfp4's int8 codes, the most
             return None
-        found = entry.experts[(expert, dtype)] = int4_repacked(w, expert, dtype)
-        entry.nbytes += nbytes
+        found = entry.experts[(expert, dtype)] = _REPACKERS[w.scheme](w, expert, dtype)
+        entry.nbytes += 0 if found is None else _tensor_bytes(found)
         return found
 
 
 def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: QuantKernels,
-                  cache: Int4PackCache):
+                  cache: RepackCache):
     """What computes a @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is not
     thread-safe), called on the worker."""
     kernel = kernels.resolve(w.scheme, dtype)
-    if kernel == "int8pack" and w.shape[2] % PACK_MULTIPLE == 0:
+    if kernel == "int8pack" and w.scheme == "int8_w8a16" and w.shape[2] % PACK_MULTIPLE == 0:
         return Int8PackLinear(w.q[expert], w.scale[expert])
-    if kernel == "int4pack" and w.shape[1] % PACK_MULTIPLE == 0:
+    if (kernel == "int4pack" and w.shape[1] % PACK_MULTIPLE == 0) or (kernel == "int8pack" and w.scheme == "mxfp4"):
         repacked = cache.get(w, expert, dtype)
         if repacked is not None:
             return repacked
