@@ -11,13 +11,15 @@ at Qwen3-30B-A3B decode (E = 128, k = 8, M = 1 touches 8 experts) 16x the bytes 
 of K = 2048 fp32, 512 KB) stays in L2 between its dequantize and its GEMM, and is small enough that the
 allocator reuses its pages (a whole [1536, 2048] fp32 expert allocated per call page-faults: ~10 ms).
 
-Kernels (``QuantKernels``, "auto" = the measured best for x's dtype; ``benchmarks/results/*-cpu-quant-*.md``):
+Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "dequant" for float32, torch's kernel for
+bf16 (6-23x faster than "dequant" at Qwen3-30B-A3B, M = 1..512), ``benchmarks/results/*-cpu-quant-*.md``):
 - "dequant" (every scheme): ``QuantizedWeight.dequantize_expert`` (bit-identical to the whole ``dequantize``),
   then the same oneDNN linear as the dense loop;
 - "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
   rounded, 2**-9 relative) and applied after the dot product, so not the dequantized path's bits (C a multiple
   of 16: ``PACK_MULTIPLE``);
-- "int8pack" (mxfp4, bf16 x): the same kernel on the expert's exact int8 form (``mxfp4_as_int8``, made once, cached);
+- "int8pack" (mxfp4, bf16 x): the same kernel on the expert's exact int8 form (``mxfp4_as_int8``, made once and
+  cached: 1 byte a weight beside mxfp4's 0.53);
 - "int4pack" (int4_w4a16): ``torch._weight_int4pack_mm_for_cpu``, whose weight is (code - 8) * s + z: moekit's
   (code - zero) * scale with s = scale, z = (8 - zero) * scale (one float32 rounding; then x's dtype), on codes
   repacked by ``torch._convert_weight_to_int4pack_for_cpu``, once per expert and cached (``RepackCache``).
