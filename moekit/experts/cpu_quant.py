@@ -12,7 +12,7 @@ of K = 2048 fp32, 512 KB) stays in L2 between its dequantize and its GEMM, and i
 allocator reuses its pages (a whole [1536, 2048] fp32 expert allocated per call page-faults: ~10 ms).
 
 Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "dequant" for float32, torch's kernel for
-bf16 (6-23x faster than "dequant" at Qwen3-30B-A3B, M = 1..512), ``benchmarks/results/*-cpu-quant-*.md``):
+bf16 (2.3-23x faster than "dequant" at Qwen3-30B-A3B, M = 1..512), ``benchmarks/results/*-cpu-quant-*.md``):
 - "dequant" (every scheme): ``QuantizedWeight.dequantize_expert`` (bit-identical to the whole ``dequantize``),
   then the same oneDNN linear as the dense loop;
 - "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
