@@ -72,13 +72,13 @@ class QuantKernels:
                 raise ValueError(f"{scheme} kernel must be one of {('auto', *allowed)}, got {getattr(self, scheme)!r}")
 
     def resolve(self, scheme: str, dtype: torch.dtype) -> str:
-        """The kernel that runs ``scheme`` for x of ``dtype``: "auto" takes torch's weight-only kernel for a 16-bit
-        x where this torch runs it (measured faster at every M), "dequant" for float32 (torch's float32 kernels
-        measured 10-40x slower at 32 rows) and wherever the kernel is missing."""
+        """The kernel that runs ``scheme`` for x of ``dtype``: "auto" takes torch's weight-only kernel for a bf16 x
+        where this torch runs it (measured faster at every M), "dequant" for float32 (torch's float32 kernels tie at
+        M = 1 and measured 1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales 2**(lo - 128)
+        may underflow it) and wherever the kernel is missing."""
         kernel = getattr(self, scheme)
-        if kernel == "auto":  # mxfp4's row scales 2**(lo - 128) may underflow float16: bfloat16 only
-            sixteen = (torch.bfloat16,) if scheme == "mxfp4" else (torch.bfloat16, torch.float16)
-            kernel = _SCHEME_KERNELS[scheme][-1] if dtype in sixteen else "dequant"
+        if kernel == "auto":
+            kernel = _SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
             return "dequant"
         if kernel == "int4pack" and not int4pack_supported(dtype):
