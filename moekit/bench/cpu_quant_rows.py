@@ -26,17 +26,11 @@ import torch
 from moekit.activations import as_spec
 from moekit.experts import backend_fn
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
-from moekit.experts.cpu_quant import QuantKernels, WEIGHT_ONLY_SCHEMES
+from moekit.experts.cpu_quant import SCHEME_KERNELS, WEIGHT_ONLY_SCHEMES, QuantKernels
 from moekit.experts.grouped_mm import experts_grouped_mm
 from moekit.quant import QuantizedWeight, quantize
 
-SCHEME_KERNELS = {"int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"),
-                  "mxfp4": ("dequant", "int8pack")}
 _ROW = re.compile(r"^(?P<kind>[a-z0-9_]+)\[(?P<scheme>[a-z0-9_]+)\]$")
-
-
-def quant_row_names(scheme: str) -> list[str]:
-    return [f"moekit[{scheme}]", f"dequant_all[{scheme}]", *(f"{k}[{scheme}]" for k in SCHEME_KERNELS[scheme])]
 
 
 def row_scheme(name: str) -> str | None:

@@ -44,9 +44,8 @@ from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
 
 TILE_BYTES = 512 << 10  # fp32 rows of one dequantized tile: 64 rows at C = 2048, in L2 with its GEMM
 WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
-KERNELS = ("auto", "dequant", "int8pack", "int4pack")
-_SCHEME_KERNELS = {"int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"),
-                   "mxfp4": ("dequant", "int8pack")}
+SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's (what "auto" takes for a bf16 x)
+    "int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"), "mxfp4": ("dequant", "int8pack")}
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -67,7 +66,7 @@ class QuantKernels:
     mxfp4: str = "auto"
 
     def __post_init__(self) -> None:
-        for scheme, allowed in _SCHEME_KERNELS.items():
+        for scheme, allowed in SCHEME_KERNELS.items():
             if getattr(self, scheme) not in ("auto", *allowed):
                 raise ValueError(f"{scheme} kernel must be one of {('auto', *allowed)}, got {getattr(self, scheme)!r}")
 
@@ -78,7 +77,7 @@ class QuantKernels:
         may underflow it) and wherever the kernel is missing."""
         kernel = getattr(self, scheme)
         if kernel == "auto":
-            kernel = _SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
+            kernel = SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
             return "dequant"
         if kernel == "int4pack" and not int4pack_supported(dtype):
