@@ -222,7 +222,9 @@ def test_bench_cli_dtype_on_cpu(tmp_path, capsys, fixed_ceilings):
 @pytest.mark.parametrize("argv,message", [
     (["--dtype", "fp4"], "--dtype: unknown 'fp4'; must be among ['bfloat16', 'fp8_block', 'int8_w8a16'"),
     (["--dtype", "bfloat16", "--budget-s", "0"], "--budget-s: expected a positive number"),
-    (["--hf", "--dtype", "fp8_block"], "--dtype and --budget-s apply to the kernel cells, not to --hf"),
+    (["--hf", "--dtype", "fp8_block"], "--dtype and --budget-s apply to the kernel cells (--dtype also to "
+                                       "--cpu-experts), not to --hf"),
+    (["--cpu-experts", "--budget-s", "1"], "not to --cpu-experts"),
 ])
 def test_bad_dtype_or_budget_is_refused_naming_the_flag(argv, message, capsys):
     assert message in cli_error(capsys, ["bench", "--device", "cpu", *argv])

@@ -75,6 +75,8 @@ def test_tiny_cli_run_writes_json_prints_the_tables_and_never_overwrites(tmp_pat
     (["--backends", "nope"], "--backends"),
     (["--device", "cuda"], "--device"),
     (["--hf"], "--cpu-experts"),
+    (["--dtype", "fp8_block"], "--dtype"),
+    (["--act-dtype", "float16"], "--act-dtype"),
 ])
 def test_bad_option_names_the_flag(argv, flag, capsys, tmp_path):
     line = cli_error(capsys, ["bench", "--cpu-experts", "--out", str(tmp_path), *argv])
@@ -82,7 +84,8 @@ def test_bad_option_names_the_flag(argv, flag, capsys, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("argv", [["--shape", "4,8,16,2"], ["--threads", "1"]], ids=["shape", "threads"])
+@pytest.mark.parametrize("argv", [["--shape", "4,8,16,2"], ["--threads", "1"], ["--act-dtype", "bfloat16"]],
+                         ids=["shape", "threads", "act_dtype"])
 def test_cpu_options_without_cpu_experts_are_refused(argv, capsys, tmp_path):
     line = cli_error(capsys, ["bench", "--device", "cpu", "--out", str(tmp_path), *argv])
     assert argv[0] in line and "--cpu-experts" in line
@@ -99,6 +102,25 @@ def test_without_transformers_the_hf_rows_are_skipped_with_a_note(tmp_path, caps
         assert all(r["rel_err_vs_hf_eager"] is None for r in batch["rows"].values())
     assert "transformers is not installed" in out and "transformers is not installed" in err
     assert [s.split()[2] for s in summary_lines(doc)[1:]] == ["-", "-"]  # no best transformers row
+
+
+@pytest.mark.parametrize("act_dtype, tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_quantized_rows_beside_the_unquantized_ones(tmp_path, capsys, act_dtype, tol):
+    path, out, _ = _run([*TINY, "--out", str(tmp_path), "--backends", "moekit", "--act-dtype", act_dtype,
+                         "--dtype", "bfloat16,int8_w8a16,int4_w4a16,mxfp4"], capsys)
+    doc = json.loads(path.read_text())
+    assert doc["schemes"] == ["int8_w8a16", "int4_w4a16", "mxfp4"] and doc["dtype"] == act_dtype
+    for batch in doc["batches"]:
+        rows = batch["rows"]
+        for scheme, kernels in (("int8_w8a16", ["dequant", "int8pack"]), ("int4_w4a16", ["dequant", "int4pack"]),
+                                ("mxfp4", ["dequant", "int8pack"])):
+            names = [f"{k}[{scheme}]" for k in ("moekit", "dequant_all", *kernels)]
+            assert set(names) <= set(rows)
+            assert all(rows[n]["rel_err_vs_reference"] < tol for n in names)
+            # the packed bytes of the touched experts: less than dequant_all (every expert read, written dense)
+            assert rows[names[0]]["weight_bytes"] < rows[names[1]]["weight_bytes"]
+        assert rows["moekit"]["rel_err_vs_reference"] is None and rows["moekit"]["weight_bytes"] > 0
+    assert "before ms" in out and "after/unq" in out and "dequant_all[mxfp4]" in out
 
 
 def _float64_loop(p: cpu_measure.ExpertsProblem) -> torch.Tensor:
@@ -149,3 +171,15 @@ def test_earlier_results_still_read(path):
     for batch, line in zip(doc["batches"], summary):
         hf = min(r["us"] for n, r in batch["rows"].items() if n.startswith("hf_"))
         assert line.split()[4] == f"{hf / batch['rows']['moekit']['us']:.2f}x"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*-cpu-quant-*.json")), ids=lambda p: p.name)
+def test_quantized_results_still_read(path):
+    doc = json.loads(path.read_text())
+    lines = report_lines(doc)
+    quant = [line for line in lines if line.split()[:1] and line.split()[0] in doc["schemes"]]
+    assert len(quant) == len(doc["schemes"]) * len(doc["batches"])
+    for line in quant:  # before / after as recorded
+        scheme, m = line.split()[:2]
+        rows = next(b["rows"] for b in doc["batches"] if b["M"] == int(m))
+        assert line.split()[-1] == f"{rows[f'dequant_all[{scheme}]']['us'] / rows[f'moekit[{scheme}]']['us']:.1f}"

@@ -143,6 +143,20 @@ def test_split_with_biases_expert_map_and_idle_experts():
 
 
 @needs_onednn
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_split_runs_the_workers_under_the_callers_grad_mode(mode):
+    """Biases that require grad (a module's parameters, gpt-oss's) under the caller's inference_mode / no_grad: the
+    pool threads run under it too (they once recorded autograd there and raised on the caller's inference tensors)."""
+    g = torch.Generator().manual_seed(5)
+    b13, b2 = torch.randn(E, 2 * N, generator=g).requires_grad_(), torch.randn(E, K, generator=g).requires_grad_()
+    with getattr(torch, mode)():
+        x, w13, w2, ids, weights = problem(seed=5)
+        got = split(x, w13, w2, ids, weights, 2, b13=b13, b2=b2)
+    assert not got.requires_grad and torch.is_grad_enabled()
+    assert rel_err(got, loop64(x, w13, w2, ids, weights, b13.detach(), b2.detach())) < 1e-5
+
+
+@needs_onednn
 def test_split_handles_no_tokens_and_one_busy_expert():
     x, w13, w2, ids, weights = problem(m=0)
     got = split(x, w13, w2, ids, weights, 2)

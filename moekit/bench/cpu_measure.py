@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from moekit.bench import cpu_quant_rows
 from moekit.bench.run import commit_id
 from moekit.bench.timing import Timing
 from moekit.experts.cpu_packed import packed_weight_cache
@@ -86,9 +87,9 @@ QWEN3_30B_A3B = ExpertsShape(experts=128, intermediate=768, hidden=2048, top_k=8
 class ExpertsProblem:
     """One batch: the weights every implementation shares, the tokens and their routing."""
 
-    w13: torch.Tensor  # [E, 2N, K] fp32
-    w2: torch.Tensor  # [E, K, N] fp32
-    x: torch.Tensor  # [M, K] fp32
+    w13: torch.Tensor  # [E, 2N, K] fp32 (bf16 with --act-dtype bfloat16)
+    w2: torch.Tensor  # [E, K, N] in w13's dtype
+    x: torch.Tensor  # [M, K] in w13's dtype
     ids: torch.Tensor  # [M, k] int32: distinct experts per token
     weights: torch.Tensor  # [M, k] fp32: softmax over the k
 
@@ -103,7 +104,7 @@ def expert_weights(shape: ExpertsShape, gen: torch.Generator) -> tuple[torch.Ten
 
 def problem(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: torch.Generator) -> ExpertsProblem:
     """M tokens with uniform random routing: k distinct experts per token, softmax weights over the k."""
-    x = torch.randn(num_tokens, w13.shape[2], generator=gen)  # [M, K]
+    x = torch.randn(num_tokens, w13.shape[2], generator=gen).to(w13.dtype)  # [M, K] in the weights' dtype
     scores = torch.rand(num_tokens, w13.shape[0], generator=gen)
     ids = scores.topk(top_k, dim=1).indices.to(torch.int32)  # [M, k], uniform over the k-subsets
     weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=1)  # [M, k]
@@ -176,7 +177,7 @@ def variants(p: ExpertsProblem, rows: set[str]) -> dict[str, Callable[[], torch.
     calls = {name: (lambda o=opts: experts_grouped_mm(p.x, p.w13, p.w2, p.ids, p.weights, **o))
              for name, opts in MOEKIT_VARIANTS.items()}
     calls.update(_hf_calls(p))
-    a_rows = torch.randn(p.ids.numel(), p.x.shape[1])  # [A, K]
+    a_rows = torch.randn(p.ids.numel(), p.x.shape[1]).to(p.x.dtype)  # [A, K]
     dense_w = p.w13[0].clone()  # [2N, K]: the same GEMM shape as the gate-up projection over all A rows
     calls["dense_mm"] = lambda: torch.mm(a_rows, dense_w.t())
     linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
@@ -208,13 +209,17 @@ def errors_vs_eager(calls: dict[str, Callable[[], torch.Tensor]]) -> dict[str, f
             for name, fn in calls.items() if not name.startswith("dense")}
 
 
-def measure_batch(p: ExpertsProblem, rows: set[str], rounds: int) -> dict:
-    """Every asked-for row on one batch: timings, rates, % of the dense ceiling, error vs eager."""
+def measure_batch(p: ExpertsProblem, rows: set[str], rounds: int, quantized: dict | None = None) -> dict:
+    """Every asked-for row on one batch (and every quantized row of ``quantized``'s schemes,
+    ``moekit.bench.cpu_quant_rows``): timings, rates, % of the dense ceiling, errors, weight bytes read."""
     num_tokens, top_k = p.ids.shape
+    quantized = quantized or {}
     with torch.inference_mode():
         calls = variants(p, rows)
         errs = errors_vs_eager(calls)
-        timings = interleaved(calls, rounds)
+        qcalls = cpu_quant_rows.quant_calls(p.x, p.ids, p.weights, quantized)
+        ref_errs = cpu_quant_rows.errors_vs_reference(qcalls, p.x, p.ids, p.weights, quantized)
+        timings = interleaved({**calls, **qcalls}, rounds)
     n_dim, hidden = p.w2.shape[2], p.w2.shape[1]
     flops = 6 * n_dim * hidden * num_tokens * top_k
     dense_flops = 2 * num_tokens * top_k * hidden * 2 * n_dim
@@ -223,7 +228,9 @@ def measure_batch(p: ExpertsProblem, rows: set[str], rounds: int) -> dict:
         rate = (dense_flops if name.startswith("dense") else flops) / (t.us * 1e-6)
         out[name] = {"us": t.us, "min_us": t.min_us, "max_us": t.max_us, "spread_pct": t.spread_pct,
                      "noisy": t.noisy, "repeats": t.repeats, "gflops": rate / 1e9,
-                     "rel_err_vs_hf_eager": errs.get(name)}
+                     "rel_err_vs_hf_eager": errs.get(name), "rel_err_vs_reference": ref_errs.get(name),
+                     "weight_bytes": None if name.startswith("dense") else cpu_quant_rows.bytes_read(
+                         name, p.ids, p.w13, p.w2, quantized)}
     ceiling = max(r["gflops"] for n, r in out.items() if n.startswith("dense"))
     for r in out.values():
         r["pct_of_dense"] = 100 * r["gflops"] / ceiling
@@ -238,21 +245,26 @@ def _loadavg() -> list[float]:
 
 
 def measure_cpu_experts(shape: ExpertsShape, batches: list[int], repeats: int, rows: set[str],
-                        log: Callable[[str], None], seed: int = 0) -> dict:
+                        log: Callable[[str], None], seed: int = 0, schemes: list[str] = (),
+                        dtype: torch.dtype = torch.float32) -> dict:
     """The whole run: one document (the JSON schema of ``benchmarks/results/*-cpu-experts-*.json``).
-    Runs at the current ``torch.get_num_threads()``; ``log`` gets one line per batch done."""
+    Runs at the current ``torch.get_num_threads()``; ``log`` gets one line per batch done. ``schemes``: weight-only
+    schemes whose rows join every batch (quantized from the float32 weights); ``dtype``: x's and the
+    unquantized weights'."""
     gen = torch.Generator().manual_seed(seed)
     w13, w2 = expert_weights(shape, gen)
+    quantized = cpu_quant_rows.quantized_weights(w13, w2, list(schemes))
+    w13, w2 = w13.to(dtype), w2.to(dtype)
     hf = transformers_version()
     doc = {"cpu": cpu_name(), "date": datetime.date.today().isoformat(), "commit": commit_id(),
            "torch": torch.__version__, "transformers": hf, "threads": torch.get_num_threads(),
            "shape": {"E": shape.experts, "N": shape.intermediate, "K": shape.hidden, "k": shape.top_k},
-           "dtype": "float32", "repeats": repeats, "seed": seed,
+           "dtype": str(dtype).removeprefix("torch."), "schemes": list(schemes), "repeats": repeats, "seed": seed,
            "pack_budget_bytes": packed_weight_cache().budget_bytes,
            "notes": [] if hf else [NO_TRANSFORMERS], "loadavg_before": _loadavg(), "batches": []}
     start = time.perf_counter()
     for i, m in enumerate(batches):
-        batch = measure_batch(problem(m, w13, w2, shape.top_k, gen), rows, repeats)
+        batch = measure_batch(problem(m, w13, w2, shape.top_k, gen), rows, repeats, quantized)
         doc["batches"].append(batch)
         moekit = batch["rows"].get("moekit")
         took = f", moekit {moekit['us'] / 1e3:.2f} ms" if moekit else ""

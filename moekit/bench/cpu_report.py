@@ -54,14 +54,39 @@ def summary_lines(doc: dict) -> list[str]:
     return lines
 
 
+def _err(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
 def row_lines(doc: dict) -> list[str]:
-    """Every row of every batch: median ms, spread, GFLOP/s, % of dense, error vs transformers' eager."""
-    lines = [f"{'M':>5} {'implementation':26} {'ms':>10} {'spread%':>8} {'GFLOP/s':>8} {'% dense':>8} {'err':>9}"]
+    """Every row of every batch: median ms, spread, GFLOP/s, % of dense, error vs transformers' eager, and
+    (documents since session 30) error vs the reference backend on the quantized weights, weight MB read."""
+    lines = [f"{'M':>5} {'implementation':26} {'ms':>10} {'spread%':>8} {'GFLOP/s':>8} {'% dense':>8} {'err':>9} "
+             f"{'err ref':>9} {'weight MB':>10}"]
     for batch in doc["batches"]:
         for name, r in batch["rows"].items():
-            err = "-" if r["rel_err_vs_hf_eager"] is None else f"{r['rel_err_vs_hf_eager']:.1e}"
+            mb = "-" if r.get("weight_bytes") is None else f"{r['weight_bytes'] / 1e6:.1f}"
             lines.append(f"{batch['M']:>5} {name:26} {r['us'] / 1e3:10.2f} {r['spread_pct']:8.0f} {r['gflops']:8.1f} "
-                         f"{r['pct_of_dense']:8.0f} {err:>9}")
+                         f"{r['pct_of_dense']:8.0f} {_err(r['rel_err_vs_hf_eager']):>9} "
+                         f"{_err(r.get('rel_err_vs_reference')):>9} {mb:>10}")
+    return lines
+
+
+def quant_summary_lines(doc: dict) -> list[str]:
+    """Per scheme and M: moekit[s] ms (after), dequant_all[s] ms (before), the unquantized moekit ms, and the
+    ratios after / unquantized and before / after."""
+    schemes = doc.get("schemes") or []
+    if not schemes:
+        return []
+    lines = [f"{'scheme':11} {'M':>5} {'before ms':>10} {'after ms':>10} {'unquant ms':>10} {'after/unq':>9} "
+             f"{'before/after':>12}"]
+    for scheme in schemes:
+        for batch in doc["batches"]:
+            rows = batch["rows"]
+            after, before = rows[f"moekit[{scheme}]"]["us"] / 1e3, rows[f"dequant_all[{scheme}]"]["us"] / 1e3
+            unq = rows["moekit"]["us"] / 1e3 if "moekit" in rows else None
+            lines.append(f"{scheme:11} {batch['M']:>5} {before:10.2f} {after:10.2f} {_num(unq, '10.2f')} "
+                         f"{_num(None if unq is None else after / unq, '9.2f')} {before / after:12.1f}")
     return lines
 
 
@@ -69,9 +94,11 @@ def report_lines(doc: dict) -> list[str]:
     """The header (CPU, threads, load), every row, then the summary per M."""
     shape = doc["shape"]
     head = [f"{doc['cpu']}  threads={doc['threads']}  E,N,K,k={shape['E']},{shape['N']},{shape['K']},{shape['k']}  "
-            f"fp32  load avg before/after={doc['loadavg_before']}/{doc['loadavg_after']}  commit {doc['commit'][:12]}"]
+            f"{doc['dtype']}  load avg before/after={doc['loadavg_before']}/{doc['loadavg_after']}  "
+            f"commit {doc['commit'][:12]}"]
     head += [f"note: {note}" for note in doc.get("notes", [])]
-    return [*head, "", *row_lines(doc), "", *summary_lines(doc)]
+    quant = quant_summary_lines(doc)
+    return [*head, "", *row_lines(doc), "", *summary_lines(doc), *([""] + quant if quant else [])]
 
 
 def results_path(out_dir: Path, doc: dict) -> Path:

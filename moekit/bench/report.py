@@ -167,7 +167,9 @@ def footnotes(doc: dict) -> list[str]:
 QUANT_BACKENDS = {
     "triton": "moekit's fused kernels (fp8_block: activations quantized in the path; weight-only: dequantized "
               "in registers)",
-    "grouped_mm": "grouped_mm's dequantizing path (every expert dequantized on every call: correct, not fast)",
+    "grouped_mm": "grouped_mm's quantized path (on the CPU without autograd each touched expert dequantized, or "
+                  "run by torch's weight-only kernel: moekit.experts.cpu_quant; elsewhere every expert dequantized "
+                  "on every call: correct, not fast)",
     "reference": "the reference (the exact definition, a per-expert loop)",
 }
 

@@ -47,11 +47,12 @@ def register(subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     modes = [f"--{m.replace('_', '-')}" for m in ("hf", "offload", "train", "cpu_experts") if getattr(args, m)]
-    if modes and (args.dtype or args.budget_s):
-        raise UsageError(f"--dtype and --budget-s apply to the kernel cells, not to {modes[0]}")
-    if not args.cpu_experts and (args.shape or args.threads):
-        raise UsageError(f"--{'shape' if args.shape else 'threads'} applies to --cpu-experts (the kernel cells take "
-                         f"--shapes)")
+    if modes and (args.budget_s or (args.dtype and modes != ["--cpu-experts"])):
+        raise UsageError(f"--dtype and --budget-s apply to the kernel cells (--dtype also to --cpu-experts), "
+                         f"not to {modes[0]}")
+    if not args.cpu_experts and (args.shape or args.threads or args.act_dtype):
+        flag = "shape" if args.shape else "threads" if args.threads else "act-dtype"
+        raise UsageError(f"--{flag} applies to --cpu-experts (the kernel cells take --shapes)")
     if args.cpu_experts:
         if len(modes) > 1:
             raise UsageError(f"{modes[0]} and --cpu-experts are separate runs; give one")

@@ -39,8 +39,10 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moekit.activations import ActivationSpec, apply_glu, get_activation
+from moekit.experts.cpu_quant import QuantKernels, RepackCache, expert_linear, weight_only
 from moekit.experts.cpu_workers import largest_first, run_dynamic
 from moekit.layouts.grouping import aligned_positions, assignments_of_rows
+from moekit.quant import QuantizedWeight
 
 PACK_BATCH_HINT = 32  # the blocked format oneDNN picks for this many rows (4 to 64 measured alike)
 # Below this many rows an expert reads its plain weight: packed copies measured 25% slower at 1 row,
@@ -138,6 +140,7 @@ class PackedWeightCache:
 
 
 _CACHE = PackedWeightCache()
+_REPACK_CACHE = RepackCache(default_budget_bytes())
 
 
 def packed_weight_cache() -> PackedWeightCache:
@@ -146,17 +149,24 @@ def packed_weight_cache() -> PackedWeightCache:
     return _CACHE
 
 
+def repack_cache() -> RepackCache:
+    """The process-wide cache of experts repacked for torch's CPU kernels (``moekit.experts.cpu_quant``);
+    its ``budget_bytes`` bounds it as ``packed_weight_cache``'s does."""
+    return _REPACK_CACHE
+
+
 def clear_packed_weights() -> None:
     """Drop every packed copy (needed only after writes that bypass ``_version``, such as ``w.data.copy_``)."""
     _CACHE.clear()
+    _REPACK_CACHE.clear()
 
 
 @dataclass(frozen=True)
 class ExpertParams:
     """One call's expert parameters as the contract passes them (weights may be strided views)."""
 
-    w13: torch.Tensor  # [E, R, K]
-    w2: torch.Tensor  # [E, K, N]
+    w13: torch.Tensor | QuantizedWeight  # [E, R, K]; quantized: weight-only, in the inference loop only
+    w2: torch.Tensor | QuantizedWeight  # [E, K, N]
     b13: torch.Tensor | None  # [E, R]
     b2: torch.Tensor | None  # [E, K]
     spec: ActivationSpec
@@ -192,9 +202,10 @@ def fused_loop_peak_bytes(num_tokens: int, top_k: int, hidden_size: int, interme
 
 def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       expert_map: torch.Tensor | None, cache: PackedWeightCache | None,
-                      workers: int = 1) -> torch.Tensor:
+                      workers: int = 1, quant: QuantKernels = QuantKernels()) -> torch.Tensor:
     """x [M, K] -> [M, K] in float32, the experts contract by the per-expert loop; ``cache`` None reads the
     plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``.
+    Weight-only quantized w13 / w2: each touched expert through ``quant``'s kernel (``moekit.experts.cpu_quant``).
 
     ``workers`` > 1 hands the experts to that many threads of one intra-op thread each as they free up
     (``moekit.experts.cpu_workers``); each expert's weighted rows are kept apart and added per token in
@@ -211,7 +222,8 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
         starts[expert] = starts[expert - 1] + counts[expert - 1]
     # the weights each expert reads, resolved here in expert order: the cache is not thread-safe, and its
     # budget fills in the same order whatever the worker count
-    weights = {e: _weights(ex, e, cache if c >= PACKED_MIN_ROWS else None) for e, c in enumerate(counts) if c}
+    weights = {e: _weights(ex, e, cache if c >= PACKED_MIN_ROWS else None, quant, x.dtype)
+               for e, c in enumerate(counts) if c}
     loop = _ExpertLoop(x, ex, weights, counts, starts, src // top_k, slot_weights, onednn_linear(x.dtype), acc,
                        [None] * len(counts))
     order = largest_first(counts)
@@ -221,17 +233,21 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
 
 @dataclass(frozen=True)
 class _ExpertWeights:
-    w13: torch.Tensor  # [R, K], plain view or packed
-    w2: torch.Tensor  # [K, N], plain view or packed
+    w13: object  # [R, K], plain view or packed; or a quantized expert's linear (``cpu_quant.expert_linear``)
+    w2: object  # [K, N], the same
     b13: torch.Tensor | None  # [R]
     b2: torch.Tensor | None  # [K]
 
 
-def _weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None) -> _ExpertWeights:
-    return _ExpertWeights(
-        ex.w13[expert] if cache is None else cache.weight(ex.w13, expert),
-        ex.w2[expert] if cache is None else cache.weight(ex.w2, expert),
-        None if ex.b13 is None else ex.b13[expert], None if ex.b2 is None else ex.b2[expert])
+def _weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None, quant: QuantKernels,
+             dtype: torch.dtype) -> _ExpertWeights:
+    def one(w):
+        if weight_only(w):
+            return expert_linear(w, expert, dtype, quant, _REPACK_CACHE)
+        return w[expert] if cache is None else cache.weight(w, expert)
+
+    return _ExpertWeights(one(ex.w13), one(ex.w2), None if ex.b13 is None else ex.b13[expert],
+                          None if ex.b2 is None else ex.b2[expert])
 
 
 @dataclass(frozen=True)
@@ -277,7 +293,7 @@ def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, linear, scale
     """xs [m, K] -> scale * (w2 @ glu(w13 @ xs^T + b13) + b2) as [m, K] (acc) for one expert's weights ``w``,
     ``scale`` [m, 1] (acc); a plain gated activation's product in place (one [m, N] buffer). With no b2 and
     xs already in acc, ``scale`` multiplies the [m, N] activation instead of the [m, K] output."""
-    h = linear(xs, w.w13, w.b13, "none", [], "")  # [m, R]
+    h = _linear(linear, xs, w.w13, w.b13)  # [m, R]
     if ex.spec.plain:
         n_dim = ex.w2.shape[2]
         a = get_activation(ex.spec.name).fn(h[:, :n_dim])  # [m, N], contiguous for oneDNN
@@ -285,5 +301,13 @@ def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, linear, scale
     else:
         a = apply_glu(h, ex.spec)  # [m, N]
     if w.b2 is None and a.dtype == acc:
-        return linear(a.mul_(scale), w.w2, None, "none", [], "")
-    return linear(a, w.w2, w.b2, "none", [], "").to(acc).mul_(scale)
+        return _linear(linear, a.mul_(scale), w.w2, None)
+    return _linear(linear, a, w.w2, w.b2).to(acc).mul_(scale)
+
+
+def _linear(linear, a: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """a [m, in] @ w [out, in]^T (+ bias) -> [m, out]: oneDNN's ``linear`` on a weight tensor, or a quantized
+    expert's own (dequantized on this worker, or torch's weight-only kernel)."""
+    if isinstance(w, torch.Tensor):
+        return linear(a, w, bias, "none", [], "")
+    return w(a, bias, linear)

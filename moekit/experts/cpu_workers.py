@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
@@ -69,7 +70,8 @@ def run_shares(shares: list[list[int]], fn: Callable[[list[int]], R]) -> list[R]
     if len(shares) == 1:
         return [fn(shares[0])]
     pool = _pool(len(shares) - 1)
-    futures = [pool.submit(_single_threaded, fn, share, threads) for share in shares[1:]]
+    modes = _GradModes(torch.is_grad_enabled(), torch.is_inference_mode_enabled())  # the caller's, for the pool
+    futures = [pool.submit(_single_threaded, fn, share, threads, modes) for share in shares[1:]]
     try:
         first = _single_threaded(fn, shares[0], threads)
     finally:
@@ -77,10 +79,24 @@ def run_shares(shares: list[list[int]], fn: Callable[[list[int]], R]) -> list[R]
     return [first, *(f.result() for f in futures)]
 
 
-def _single_threaded(fn: Callable[[list[int]], R], share: list[int], restore: int) -> R:
+@dataclass(frozen=True)
+class _GradModes:
+    """The caller's autograd modes, thread-local in torch: a pool thread runs its share under them (else a share
+    under the caller's ``torch.inference_mode`` recorded autograd on the pool thread: gpt-oss's biases require grad,
+    and saving the caller's inference tensors for backward raised)."""
+
+    grad: bool
+    inference: bool
+
+
+def _single_threaded(fn: Callable[[list[int]], R], share: list[int], restore: int,
+                     modes: _GradModes | None = None) -> R:
     torch.set_num_threads(1)
     try:
-        return fn(share)
+        if modes is None:  # the calling thread: its own modes
+            return fn(share)
+        with torch.inference_mode(modes.inference), torch.set_grad_enabled(modes.grad):
+            return fn(share)
     finally:
         torch.set_num_threads(restore)
 

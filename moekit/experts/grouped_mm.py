@@ -24,7 +24,9 @@ at a time in place of the contiguous layout's [A, K] copies, with whole experts 
 the same loop serially with multi-threaded GEMMs). Under ``torch.compile`` such a call (CPU, no gradient,
 plain weights) runs as the custom op ``moekit::cpu_experts`` (``moekit.experts.cpu_op``): the compiled
 graph calls this eager loop, which no trace could follow; a call that needs a gradient, or has quantized
-weights, traces the grouped GEMM path (``moekit::group_gemm``).
+weights, traces the grouped GEMM path (``moekit::group_gemm``). Weight-only quantized weights (int8_w8a16,
+int4_w4a16, mxfp4) in an eager CPU call without autograd run the same loop, each touched expert dequantized on its
+worker or run by torch's weight-only kernel (``moekit.experts.cpu_quant``); elsewhere all E are dequantized per call.
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
@@ -50,6 +52,7 @@ from moekit.experts.cpu_op import cpu_experts_op
 from moekit.experts.cpu_packed import (
     ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
+from moekit.experts.cpu_quant import weight_only
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
     DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan, plan_grouped_mm,
 )
@@ -246,8 +249,12 @@ def experts_grouped_mm(
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
     options = dict(memory_budget_bytes=memory_budget_bytes, layout=layout, cpu_gemm=cpu_gemm)
-    # QuantizedWeights: dequantized to x.dtype per call (correct, not fast); fp8_block: moekit.quant's recipe
+    # weight-only QuantizedWeights in the CPU inference loop: per touched expert (``cpu_quant``); elsewhere
+    # dequantized to x.dtype per call (correct, not fast); fp8_block: moekit.quant's recipe
     if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+        if _runs_quantized_loop(x, w13, w2, topk_weights, b13, b2, layout, cpu_gemm):
+            return _experts_quantized_loop(x, ExpertParams(w13, w2, b13, b2, as_spec(activation)), topk_ids,
+                                           topk_weights, expert_map, memory_budget_bytes, cpu_gemm)
         return run_quantized(_experts_dense, x, w13, w2, topk_ids, topk_weights, activation=activation,
                              expert_map=expert_map, b13=b13, b2=b2, weight_dtype=x.dtype, dense_options=options)
     if _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm):  # compiled: the eager CPU loop, opaque
@@ -270,6 +277,32 @@ def _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm) -> bool:
         if t is not None and t.requires_grad:
             return False
     return True
+
+
+def _runs_quantized_loop(x, w13, w2, topk_weights, b13, b2, layout, cpu_gemm) -> bool:
+    """Whether a quantized call runs ``cpu_packed``'s loop, dequantizing per touched expert: eager, CPU, both
+    weights of one weight-only scheme, no gradient needed, the contiguous layout's fused GEMMs, x's dtype there."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or w13.device.type != "cpu":
+        return False
+    if not (weight_only(w13) and weight_only(w2) and w13.scheme == w2.scheme):
+        return False
+    if cpu_gemm not in _FUSED_GEMMS or layout not in ("auto", "contiguous") or not fused_loop_supported(x.dtype):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_weights, b13, b2)))
+
+
+def _experts_quantized_loop(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, memory_budget_bytes,
+                            cpu_gemm) -> torch.Tensor:
+    """x [M, K] -> [M, K] (x.dtype) by ``experts_cpu_fused`` on quantized weights, in the plan's chunks."""
+    num_tokens, top_k = topk_ids.shape
+    plan = plan_grouped_mm(num_tokens, top_k, ex.w13.shape[0], ex.w13.shape[2], ex.w2.shape[2], x.dtype,
+                           memory_budget_bytes=memory_budget_bytes, layout="contiguous", allow_sync=True)
+    workers = torch.get_num_threads() if cpu_gemm in _SPLIT_GEMMS else 1
+    out = x.new_empty(x.shape)  # [M, K]
+    for s in range(0, num_tokens, max(plan.chunk_tokens, 1)):
+        e = s + plan.chunk_tokens
+        out[s:e] = experts_cpu_fused(x[s:e], ex, topk_ids[s:e], topk_weights[s:e], expert_map, None, workers=workers)
+    return out
 
 
 def _transposed_storage(w: torch.Tensor) -> bool:

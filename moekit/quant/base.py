@@ -11,6 +11,7 @@ Shapes: E experts, R rows (output features), C columns (input features, the redu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,6 +59,13 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The logical weight [E, R, C] in ``dtype`` (computed in float32, or float64 when asked)."""
         raise NotImplementedError
+
+    def dequantize_expert(self, expert: int, dtype: torch.dtype = torch.float32,
+                          rows: slice = slice(None)) -> torch.Tensor:
+        """w[expert, rows] [r, C] in ``dtype``: bit-identical to ``dequantize(dtype)[expert, rows]`` at the cost
+        of those rows (the CPU inference loop dequantizes only the experts a call touches, a tile of rows at a
+        time). The weight-only schemes override it with a faster expression of the same per-element arithmetic."""
+        return self.select_experts(slice(expert, expert + 1)).dequantize(dtype)[0, rows]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.tensor_fields}
@@ -130,6 +138,28 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     high nibble; an odd C's last high nibble is 0."""
     codes = pad_cols(codes.to(torch.uint8), 2)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+_PAIR_WORDS = {2: torch.int32, 4: torch.int64}  # an element size -> the integer type holding two such elements
+
+
+@functools.cache
+def nibble_pair_table(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Row b = (values[b & 15], values[b >> 4]) in ``dtype``, the two codes of byte b in element order
+    (``pack_nibbles``): [256] of one integer word per pair where ``dtype`` has 2 or 4 bytes, else [256, 2]."""
+    table = torch.tensor(values, dtype=torch.float64)
+    byte = torch.arange(256)
+    pairs = torch.stack([table[byte & 15], table[byte >> 4]], dim=1).to(dtype=dtype, device=device)  # [256, 2]
+    word = _PAIR_WORDS.get(dtype.itemsize)
+    return pairs if word is None else pairs.view(word).view(256)
+
+
+def decode_nibbles(packed: torch.Tensor, values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
+    """packed [R, B] uint8 -> [R, 2B] in ``dtype``, each code replaced by values[code]: one gather of a byte's two
+    values (``nibble_pair_table``) per byte, as one integer word where it fits (~6x faster than unpacking)."""
+    table = nibble_pair_table(values, dtype, packed.device)
+    pairs = table.index_select(0, packed.reshape(-1).int())  # [R*B] words or [R*B, 2]
+    return pairs.view(dtype).view(packed.shape[0], 2 * packed.shape[1])
 
 
 def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:

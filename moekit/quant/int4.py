@@ -22,6 +22,7 @@ from moekit.quant.base import (
     check_3d,
     check_float_weight,
     check_tensor,
+    decode_nibbles,
     pack_nibbles,
     pad_cols,
     unpack_nibbles,
@@ -30,6 +31,7 @@ from moekit.quant.base import (
 GROUP_SIZES = (32, 64, 128)
 SYMMETRIC_ZERO = 8
 INT4_MAX = 15
+CODE_VALUES = tuple(float(c) for c in range(INT4_MAX + 1))  # code -> its value before zero and scale
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -72,6 +74,17 @@ class Int4Weight(QuantizedWeight):
         zero = self.zero.to(acc).repeat_interleave(g, 2)[:, :, :c]  # [E, R, C]
         scale = self.scale.to(acc).repeat_interleave(g, 2)[:, :, :c]  # [E, R, C]
         return ((self.codes().to(acc) - zero) * scale).to(dtype)
+
+    def dequantize_expert(self, expert: int, dtype: torch.dtype = torch.float32,
+                          rows: slice = slice(None)) -> torch.Tensor:
+        """The same (code - zero) * scale per element in the same precision, on [r, G, g] with the group's
+        zero and scale broadcast (no [r, C] copies of them) and the codes decoded by one byte gather."""
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        scale, zero = self.scale[expert, rows], self.zero[expert, rows]  # [r, G]
+        r, groups, g = scale.shape[0], scale.shape[1], self.group_size
+        w = pad_cols(decode_nibbles(self.q[expert, rows], CODE_VALUES, acc), g).view(r, groups, g)
+        w.sub_(zero.to(acc)[:, :, None]).mul_(scale.to(acc)[:, :, None])
+        return w.view(r, groups * g)[:, :self.cols].to(dtype).contiguous()  # [r, C]
 
 
 def check_group_size(group_size) -> None:

@@ -40,6 +40,11 @@ class Int8Weight(QuantizedWeight):
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         return (self.q.to(acc) * self.scale.to(acc)[:, :, None]).to(dtype)
 
+    def dequantize_expert(self, expert: int, dtype: torch.dtype = torch.float32,
+                          rows: slice = slice(None)) -> torch.Tensor:
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        return (self.q[expert, rows].to(acc) * self.scale[expert, rows].to(acc)[:, None]).to(dtype)  # [r, C]
+
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     """Round-to-nearest (half to even) per-row symmetric quantization of w [E, R, C]: scale = amax/127

@@ -21,6 +21,7 @@ from moekit.quant.base import (
     check_3d,
     check_float_weight,
     check_tensor,
+    decode_nibbles,
     pack_nibbles,
     pad_cols,
     unpack_nibbles,
@@ -28,6 +29,8 @@ from moekit.quant.base import (
 
 MX_BLOCK = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7
+# code -> value: bit 3 the sign (code 8 is -0.0, as e2m1_decode gives)
+E2M1_CODE_VALUES = (*E2M1_VALUES, *(-v for v in E2M1_VALUES))
 E2M1_MAX = 6.0
 E2M1_EMAX = 2  # exponent of the largest e2m1 value: 6 = 1.5 * 2**2
 E8M0_BIAS = 127
@@ -62,6 +65,17 @@ class Mxfp4Weight(QuantizedWeight):
         values = e2m1_decode(unpack_nibbles(self.q, self.cols), acc)  # [E, R, C]
         exponent = self.scale.to(torch.int32).repeat_interleave(MX_BLOCK, 2)[:, :, : self.cols] - E8M0_BIAS
         return torch.ldexp(values, exponent.to(acc)).to(dtype)
+
+    def dequantize_expert(self, expert: int, dtype: torch.dtype = torch.float32,
+                          rows: slice = slice(None)) -> torch.Tensor:
+        """The same product per element: ``torch.ldexp(v, e)`` is v * 2.0**e, here with 2.0**e taken once
+        per block [r, G] (exact for every e8m0 byte but 255) and the codes decoded by one byte gather."""
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        scale = self.scale[expert, rows]  # [r, G]
+        r, groups = scale.shape
+        w = pad_cols(decode_nibbles(self.q[expert, rows], E2M1_CODE_VALUES, acc), MX_BLOCK).view(r, groups, MX_BLOCK)
+        factor = torch.pow(2.0, (scale.to(torch.int32) - E8M0_BIAS).to(acc))  # [r, G]
+        return w.mul_(factor[:, :, None]).view(r, groups * MX_BLOCK)[:, :self.cols].to(dtype).contiguous()  # [r, C]
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,0 +1,253 @@
+"""Weight-only quantized experts in the CPU inference loop (``cpu_packed.experts_cpu_fused``), at the cost of the
+experts a call touches.
+
+    for each expert e with rows (on the worker that runs it):
+        h = x_e @ w13[e]^T: w13[e] dequantized a tile of TILE_BYTES at a time, each tile through oneDNN's linear
+            ("dequant"), or torch's weight-only CPU kernel on the packed codes ("int8pack" / "int4pack")
+        y = glu(h) @ w2[e]^T: the same
+
+Until session 30 such a call dequantized all E experts of both matrices to x's dtype, then ran the dense loop:
+at Qwen3-30B-A3B decode (E = 128, k = 8, M = 1 touches 8 experts) 16x the bytes the step needs. A tile (64 rows
+of K = 2048 fp32, 512 KB) stays in L2 between its dequantize and its GEMM, and is small enough that the
+allocator reuses its pages (a whole [1536, 2048] fp32 expert allocated per call page-faults: ~10 ms).
+
+Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "dequant" for float32, torch's kernel for
+bf16 (2.3-23x faster than "dequant" at Qwen3-30B-A3B, M = 1..512), ``benchmarks/results/*-cpu-quant-*.md``):
+- "dequant" (every scheme): ``QuantizedWeight.dequantize_expert`` (bit-identical to the whole ``dequantize``),
+  then the same oneDNN linear as the dense loop;
+- "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
+  rounded, 2**-9 relative) and applied after the dot product, so not the dequantized path's bits (C a multiple
+  of 16: ``PACK_MULTIPLE``);
+- "int8pack" (mxfp4, bf16 x): the same kernel on the expert's exact int8 form (``mxfp4_as_int8``, made once and
+  cached: 1 byte a weight beside mxfp4's 0.53);
+- "int4pack" (int4_w4a16): ``torch._weight_int4pack_mm_for_cpu``, whose weight is (code - 8) * s + z: moekit's
+  (code - zero) * scale with s = scale, z = (8 - zero) * scale (one float32 rounding; then x's dtype), on codes
+  repacked by ``torch._convert_weight_to_int4pack_for_cpu``, once per expert and cached (``RepackCache``).
+  An odd K is padded to whole groups (codes 0 against x's zeros: each pad term is 0 * a finite weight); R a
+  multiple of 16.
+
+Shapes: m rows of one expert, R output features (2N for w13, K for w2), C input features, G groups of g columns.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from moekit.quant import QuantizedWeight
+from moekit.quant.base import decode_nibbles, pad_cols, unpack_nibbles
+from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
+
+TILE_BYTES = 512 << 10  # fp32 rows of one dequantized tile: 64 rows at C = 2048, in L2 with its GEMM
+WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
+SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's (what "auto" takes for a bf16 x)
+    "int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"), "mxfp4": ("dequant", "int8pack")}
+# mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
+# (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
+# (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
+MX_INT8_SPAN = 3
+TWICE_E2M1 = tuple(2 * v for v in E2M1_CODE_VALUES)
+# torch 2.13's CPU kernels: int8pack with a 16-bit x segfaults or returns garbage (rel-L2 0.23) unless the input
+# features C are a multiple of 16; the int4 repack refuses output features R not a multiple of 16. Else "dequant".
+PACK_MULTIPLE = 16
+INT4_PACK_INNER_K_TILES = 1  # the CPU repack ignores it (one layout), but takes it
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """Which kernel runs each weight-only scheme's expert GEMMs in the CPU loop (module docstring)."""
+
+    int8_w8a16: str = "auto"
+    int4_w4a16: str = "auto"
+    mxfp4: str = "auto"
+
+    def __post_init__(self) -> None:
+        for scheme, allowed in SCHEME_KERNELS.items():
+            if getattr(self, scheme) not in ("auto", *allowed):
+                raise ValueError(f"{scheme} kernel must be one of {('auto', *allowed)}, got {getattr(self, scheme)!r}")
+
+    def resolve(self, scheme: str, dtype: torch.dtype) -> str:
+        """The kernel that runs ``scheme`` for x of ``dtype``: "auto" takes torch's weight-only kernel for a bf16 x
+        where this torch runs it (measured faster at every M), "dequant" for float32 (torch's float32 kernels tie at
+        M = 1 and measured 1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales 2**(lo - 128)
+        may underflow it) and wherever the kernel is missing."""
+        kernel = getattr(self, scheme)
+        if kernel == "auto":
+            kernel = SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
+        if kernel == "int8pack" and not int8pack_supported(dtype):
+            return "dequant"
+        if kernel == "int4pack" and not int4pack_supported(dtype):
+            return "dequant"
+        return kernel
+
+
+def weight_only(w) -> bool:
+    """Whether ``w`` is a weight-only QuantizedWeight (the schemes this loop dequantizes per expert)."""
+    return isinstance(w, QuantizedWeight) and w.scheme in WEIGHT_ONLY_SCHEMES
+
+
+@functools.cache
+def int8pack_supported(dtype: torch.dtype) -> bool:
+    """Whether this torch has ``_weight_int8pack_mm`` for x and scales of ``dtype`` on the CPU (probed once)."""
+    op = getattr(torch, "_weight_int8pack_mm", None)
+    if op is None:
+        return False
+    try:
+        a, q = torch.ones(2, 64, dtype=dtype), torch.ones(8, 64, dtype=torch.int8)
+        return bool((op(a, q, torch.full((8,), 0.5, dtype=dtype)) == 32).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@functools.cache
+def int4pack_supported(dtype: torch.dtype) -> bool:
+    """Whether this torch has the CPU int4 repack and GEMM for x of ``dtype``, with (code - 8) * s + z (probed)."""
+    repack = getattr(torch, "_convert_weight_to_int4pack_for_cpu", None)
+    op = getattr(torch, "_weight_int4pack_mm_for_cpu", None)
+    if repack is None or op is None:
+        return False
+    try:
+        packed = repack(torch.full((16, 64), 9, dtype=torch.int32), INT4_PACK_INNER_K_TILES)
+        scale_zeros = torch.tensor([0.5, 1.0], dtype=dtype).expand(2, 16, 2).contiguous()  # w = 1 * 0.5 + 1
+        return bool((op(torch.ones(2, 64, dtype=dtype), packed, 32, scale_zeros) == 96).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@dataclass(frozen=True)
+class DequantLinear:
+    """One expert's a [m, C] @ w[e]^T (+ bias) -> [m, R]: w's rows dequantized a tile at a time on this thread."""
+
+    w: QuantizedWeight  # [E, R, C]
+    expert: int
+
+    def __call__(self, a: torch.Tensor, bias: torch.Tensor | None, linear) -> torch.Tensor:
+        rows_total, cols = self.w.shape[1], self.w.shape[2]
+        tile = max(1, TILE_BYTES // max(4 * cols, 1))
+        if tile >= rows_total:
+            return linear(a, self.w.dequantize_expert(self.expert, a.dtype), bias, "none", [], "")
+        out = None
+        for start in range(0, rows_total, tile):
+            rows = slice(start, min(start + tile, rows_total))
+            part = linear(a, self.w.dequantize_expert(self.expert, a.dtype, rows), None if bias is None else bias[rows],
+                          "none", [], "")  # [m, tile]
+            out = a.new_empty(a.shape[0], rows_total, dtype=part.dtype) if out is None else out
+            out[:, rows] = part
+        return out
+
+
+@dataclass(frozen=True)
+class Int8PackLinear:
+    """a [m, C] @ (q[e] * scale[e])^T (+ bias) by ``torch._weight_int8pack_mm``."""
+
+    q: torch.Tensor  # [R, C] int8
+    scale: torch.Tensor  # [R] float32
+
+    def __call__(self, a: torch.Tensor, bias: torch.Tensor | None, linear) -> torch.Tensor:
+        out = torch._weight_int8pack_mm(a, self.q, self.scale.to(a.dtype))  # [m, R] in a.dtype
+        return out if bias is None else out.add_(bias)
+
+
+@dataclass(frozen=True)
+class Int4PackLinear:
+    """a [m, C] @ w[e]^T (+ bias) by ``torch._weight_int4pack_mm_for_cpu`` on codes repacked once."""
+
+    packed: torch.Tensor  # [R, G*g/2] uint8, torch's CPU layout
+    scale_zeros: torch.Tensor  # [G, R, 2] in a's dtype: (scale, (8 - zero) * scale)
+    group_size: int
+
+    def __call__(self, a: torch.Tensor, bias: torch.Tensor | None, linear) -> torch.Tensor:
+        a = pad_cols(a, self.group_size)  # [m, G*g]: an odd K's last group, zeros against zero-point codes
+        out = torch._weight_int4pack_mm_for_cpu(a.contiguous(), self.packed, self.group_size, self.scale_zeros)
+        return out if bias is None else out.add_(bias)
+
+
+def int4_repacked(w, expert: int, dtype: torch.dtype) -> Int4PackLinear:
+    """w (an Int4Weight) [E, R, C]'s expert in torch's CPU int4 layout, scale and zero folded for x of ``dtype``."""
+    codes = pad_cols(unpack_nibbles(w.q[expert], w.cols).to(torch.int32), w.group_size)  # [R, G*g], pad codes 0
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, INT4_PACK_INNER_K_TILES)
+    scale = w.scale[expert]  # [R, G] float32
+    scale_zeros = torch.stack([scale, (8 - w.zero[expert].float()) * scale], dim=2).transpose(0, 1)  # [G, R, 2]
+    return Int4PackLinear(packed, scale_zeros.to(dtype).contiguous(), w.group_size)
+
+
+def mxfp4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8PackLinear | None:
+    """w (an Mxfp4Weight) [E, R, C]'s expert as int8 codes [R, C] and a power-of-two scale per row, the same values
+    exactly (``MX_INT8_SPAN``); None where a row's scale bytes span more, or C is not a multiple of 16."""
+    scale = w.scale[expert].to(torch.int32)  # [R, G]
+    lo = scale.amin(dim=1, keepdim=True) if scale.numel() else scale[:, :1]  # [R, 1]
+    shift = scale - lo  # [R, G]
+    if w.cols % PACK_MULTIPLE or (shift.numel() and int(shift.max()) > MX_INT8_SPAN):
+        return None
+    r, groups = scale.shape
+    codes = pad_cols(decode_nibbles(w.q[expert], TWICE_E2M1, torch.int32), MX_BLOCK).view(r, groups, MX_BLOCK)
+    q = (codes * (2 ** shift)[:, :, None]).view(r, groups * MX_BLOCK)[:, :w.cols].to(torch.int8).contiguous()
+    return Int8PackLinear(q, torch.pow(2.0, (lo[:, 0] - E8M0_BIAS - 1).float()))  # [R, C], [R]
+
+
+_REPACKERS = {"int4_w4a16": int4_repacked, "mxfp4": mxfp4_as_int8}
+
+
+def _tensor_bytes(linear) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(linear).values() if isinstance(t, torch.Tensor))
+
+
+def _signature(w: QuantizedWeight) -> tuple:
+    return tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride()) for t in w.tensors().values())
+
+
+@dataclass
+class _Entry:
+    signature: tuple
+    experts: dict[tuple[int, torch.dtype], object] = field(default_factory=dict)  # None: the expert does not fit
+    nbytes: int = 0
+
+
+class RepackCache:
+    """Experts repacked for torch's kernels (int4: ``int4_repacked``; mxfp4 as int8: ``mxfp4_as_int8``), per weight
+    (keyed by its q tensor, dying with it) and (expert, x dtype), within ``budget_bytes``; an entry is rebuilt when
+    any tensor's version, pointer or strides change. Past the budget, for inference tensors (no version counter to
+    watch), or for an expert that does not fit the kernel, ``get`` returns None."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._entries = WeakIdKeyDictionary()  # q tensor -> _Entry
+
+    def used_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(self, w, expert: int, dtype: torch.dtype):
+        if any(t.is_inference() for t in w.tensors().values()):
+            return None
+        signature = _signature(w)
+        entry = self._entries.get(w.q)
+        if entry is None or entry.signature != signature:
+            entry = self._entries[w.q] = _Entry(signature)
+        if (expert, dtype) in entry.experts:
+            return entry.experts[(expert, dtype)]
+        if self.used_bytes() + 2 * w.nbytes_per_expert > self.budget_bytes:  # 2x: mxfp4's int8 codes, the most
+            return None
+        found = entry.experts[(expert, dtype)] = _REPACKERS[w.scheme](w, expert, dtype)
+        entry.nbytes += 0 if found is None else _tensor_bytes(found)
+        return found
+
+
+def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: QuantKernels,
+                  cache: RepackCache):
+    """What computes a @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is not
+    thread-safe), called on the worker."""
+    kernel = kernels.resolve(w.scheme, dtype)
+    if kernel == "int8pack" and w.scheme == "int8_w8a16" and w.shape[2] % PACK_MULTIPLE == 0:
+        return Int8PackLinear(w.q[expert], w.scale[expert])
+    if (kernel == "int4pack" and w.shape[1] % PACK_MULTIPLE == 0) or (kernel == "int8pack" and w.scheme == "mxfp4"):
+        repacked = cache.get(w, expert, dtype)
+        if repacked is not None:
+            return repacked
+    return DequantLinear(w, expert)
