@@ -5,12 +5,12 @@
 
 Every buffer is [m_e, .] (a few hundred KB), so no [A, K] permuted copy of x is written; the
 combine weight multiplies the [m_e, N] activation (the [m_e, K] output where there is a b2), and the
-weighted sum over the k slots is one ``index_add_`` per expert after all of them ran, in expert order and
-serial over the rows, hence deterministic. With ``workers`` > 1 (``cpu_gemm="onednn_packed_split"``,
-what ``auto`` runs, save that ``auto`` sends experts of fewer than ``PACKED_MIN_ROWS`` rows through torch's BLAS
-where ``blas_plain_rows`` says: float32, MKL, an Intel CPU) the experts, largest first, go to whichever of that many threads of one intra-op
-thread each is free (``moekit.experts.cpu_workers``); the combine order stays the expert order, so the
-bits are those of ``workers=1``. ~32 rows per expert (M = 512 at k=8, E=128) are too few for oneDNN to
+weighted sum over the k slots is one ``index_add_`` per expert after all of them ran, in expert order and serial
+over the rows, hence deterministic. With ``workers`` > 1 (``cpu_gemm="onednn_packed_split"``, what ``auto`` runs,
+save that ``auto`` sends experts of fewer than ``PACKED_MIN_ROWS`` rows through torch's BLAS where
+``blas_plain_rows`` says: float32, MKL, an Intel CPU) the experts, largest first, go to whichever of that many
+threads of one intra-op thread each is free (``moekit.experts.cpu_workers``); the combine order stays the expert
+order, so the bits are those of ``workers=1``. ~32 rows per expert (M = 512 at k=8, E=128) are too few for oneDNN to
 split one GEMM over 2 cores well; whole experts per core are not.
 
 oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At

@@ -15,17 +15,16 @@ chunks of the largest size that does (``plan_grouped_mm`` says which, and why). 
 the plan never reads M (with ``dynamic=True`` a SymInt): contiguous, in chunks of a size fixed by the
 static shapes (``moekit.experts.grouped_mm_plan``), so one graph serves every M of one chunk count.
 
-The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a
-loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
-oneDNN GEMMs (``cpu_gemm``; measured faster, see ``moekit bench --cpu-experts``): by default
-``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
-at a time in place of the contiguous layout's [A, K] copies, with whole experts split across
-``torch.get_num_threads()`` single-threaded workers (``"onednn_packed_split"``, whose oneDNN GEMMs ``auto``
-swaps for torch's BLAS on experts of fewer than 4 rows where ``cpu_packed.blas_plain_rows`` says;
-``"onednn_packed"`` runs the same loop serially with multi-threaded GEMMs). Under ``torch.compile`` such a call (CPU, no gradient,
-plain weights) runs as the custom op ``moekit::cpu_experts`` (``moekit.experts.cpu_op``): the compiled
-graph calls this eager loop, which no trace could follow; a call that needs a gradient, or has quantized
-weights, traces the grouped GEMM path (``moekit::group_gemm``).
+The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a loop over the
+non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of oneDNN GEMMs
+(``cpu_gemm``; measured faster, see ``moekit bench --cpu-experts``): by default ``moekit.experts.cpu_packed``'s,
+which gathers, multiplies on prepacked weights and combines one expert at a time in place of the contiguous layout's
+[A, K] copies, with whole experts split across ``torch.get_num_threads()`` single-threaded workers
+(``"onednn_packed_split"``, whose oneDNN GEMMs ``auto`` swaps for torch's BLAS on experts of fewer than 4 rows where
+``cpu_packed.blas_plain_rows`` says; ``"onednn_packed"`` runs the same loop serially with multi-threaded GEMMs).
+Under ``torch.compile`` such a call (CPU, no gradient, plain weights) runs as the custom op ``moekit::cpu_experts``
+(``moekit.experts.cpu_op``): the compiled graph calls this eager loop, which no trace could follow; a call that
+needs a gradient, or has quantized weights, traces the grouped GEMM path (``moekit::group_gemm``).
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
