@@ -71,6 +71,16 @@ def _tiny_prefill_only(**overrides):
     return default_options("qwen3", cpu, tiny=True, **(base | overrides))
 
 
+def test_hf_dtype_builds_the_model_in_that_dtype():
+    doc = run_hf_bench(torch.device("cpu"), _tiny_prefill_only(dtype="bfloat16"))
+    assert doc["model"]["dtype"] == "bfloat16"
+    rows = {(r["impl"], r["mode"]): r for r in doc["rows"]}
+    # bf16 against float64: far above float32's rounding, yet the same model (a wrong one would be off by ~1)
+    for impl in ("eager", "moekit"):
+        assert FP32_TOL < rows[(impl, "eager")]["logits_rel_err_vs_fp64"] < 5e-2
+    assert rows[("moekit", "eager")]["logits_rel_err_vs_eager"] < 5e-2
+
+
 def _rel_err_f64(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm()).item()
@@ -253,6 +263,7 @@ def test_table_marks_errors_and_skips():
     (["--hf-impls", "grouped-mm"], "--hf-impls"),
     (["--layers", "0"], "--layers"),
     (["--prefill-len", "0"], "--prefill-len"),
+    (["--hf-dtype", "float8"], "--hf-dtype"),
 ])
 def test_bench_hf_bad_arguments_name_the_flag(argv, flag):
     with pytest.raises(SystemExit, match=flag):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from _helpers import routed_slots
 from moekit.activations import ActivationSpec
-from moekit.experts import cpu_packed
+from moekit.experts import cpu_packed, grouped_mm
 from moekit.experts.cpu_packed import PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, experts_cpu_fused
 from moekit.experts.grouped_mm import experts_grouped_mm
 
@@ -176,3 +176,60 @@ def test_auto_uses_the_shared_cache_and_falls_back_without_packing(monkeypatch):
     monkeypatch.setattr(cpu_packed, "packing_supported", lambda dtype: False)
     got = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_packed")
     assert shared.used_bytes() == 0 and rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+
+
+def _onednn_refusing_plain_weights(monkeypatch):
+    """oneDNN's linear, but failing on a plain (unpacked) weight: a call that passes took BLAS for those."""
+    real = cpu_packed.onednn_linear(torch.float32)
+
+    def linear(a, w, bias, *args):
+        if not w.is_mkldnn:
+            raise AssertionError("oneDNN's linear on a plain weight")
+        return real(a, w, bias, *args)
+
+    monkeypatch.setattr(cpu_packed, "onednn_linear", lambda dtype: linear)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_blas_for_experts_below_the_packing_threshold(monkeypatch, workers):
+    # 6 tokens x 2 slots on 4 experts: experts 0 and 1 get >= PACKED_MIN_ROWS rows (packed, oneDNN), others fewer
+    x, w13, w2, ids, weights = problem(m=6, seed=12)
+    g = torch.Generator().manual_seed(13)
+    b13, b2 = torch.randn(E, 2 * N, generator=g), torch.randn(E, K, generator=g)
+    ids[:4] = torch.tensor([[0, 1]] * 4, dtype=ids.dtype)  # experts 0 and 1: >= 4 rows each
+    store13 = w13.transpose(1, 2).contiguous()  # transformers' storage: a strided view per expert
+    counts = torch.bincount(ids[(ids >= 0) & (ids < E)].long(), minlength=E)
+    assert counts.max() >= PACKED_MIN_ROWS and 0 < counts[counts > 0].min() < PACKED_MIN_ROWS
+    want = loop64(x, w13, w2, ids, weights, b13, b2)
+    ex = ExpertParams(store13.transpose(1, 2), w2, b13, b2, SILU)
+    plain = experts_cpu_fused(x, ex, ids, weights, None, PackedWeightCache(budget_bytes=1 << 30), workers=workers)
+    _onednn_refusing_plain_weights(monkeypatch)
+    got = experts_cpu_fused(x, ex, ids, weights, None, PackedWeightCache(budget_bytes=1 << 30), workers=workers,
+                            blas_plain=True)
+    assert rel_err(got, want) < 1e-5 and rel_err(plain, want) < 1e-5
+    one = experts_cpu_fused(x, ex, ids, weights, None, PackedWeightCache(budget_bytes=1 << 30), workers=1,
+                            blas_plain=True)
+    assert torch.equal(got, one)  # the same bits for any worker count
+
+
+def test_blas_plain_rows_rule(monkeypatch):
+    for vendor, mkl, dtype, want in [("GenuineIntel", True, torch.float32, True),
+                                     ("AuthenticAMD", True, torch.float32, False),
+                                     ("GenuineIntel", False, torch.float32, False),
+                                     ("GenuineIntel", True, torch.bfloat16, False)]:
+        monkeypatch.setattr(cpu_packed, "cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(torch.backends.mkl, "is_available", lambda mkl=mkl: mkl)
+        cpu_packed.blas_plain_rows.cache_clear()
+        assert cpu_packed.blas_plain_rows(dtype) is want, (vendor, mkl, dtype)
+    monkeypatch.undo()
+    cpu_packed.blas_plain_rows.cache_clear()
+
+
+def test_auto_takes_blas_where_the_rule_says_and_explicit_onednn_never(monkeypatch):
+    x, w13, w2, ids, weights = problem(m=3, seed=14)  # at most 3 rows an expert: none packed
+    want = loop64(x, w13, w2, ids, weights)
+    monkeypatch.setattr(grouped_mm, "blas_plain_rows", lambda dtype: True)
+    _onednn_refusing_plain_weights(monkeypatch)
+    assert rel_err(experts_grouped_mm(x, w13, w2, ids, weights), want) < 1e-5
+    with pytest.raises(AssertionError, match="plain weight"):
+        experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_packed_split")

@@ -5,10 +5,11 @@ Same weights and the same uniform random routing for every implementation (k dis
 token, softmax weights). Rows:
 - ``moekit`` (what ``backend="auto"`` runs on the CPU: ``moekit.experts.cpu_packed``'s per-expert loop on
   prepacked weights, within the cache's budget, recorded as ``pack_budget_bytes`` / ``packed_bytes``, with
-  whole experts split across one single-threaded worker per torch thread: ``cpu_gemm="onednn_packed_split"``),
-  the same loop unsplit on multi-threaded GEMMs (``onednn_packed``) and on plain weights (``onednn_fused``),
-  and each explicit layout / GEMM strategy of ``moekit.experts.grouped_mm`` (``contiguous+onednn_loop``:
-  the CPU default until session 6 ...);
+  whole experts split across one single-threaded worker per torch thread, experts of fewer than 4 rows through
+  torch's BLAS where ``cpu_packed.blas_plain_rows`` says), the same loop with oneDNN for every expert
+  (``onednn_packed_split``: what ``auto`` runs off Intel CPUs with MKL), the same loop unsplit on multi-threaded
+  GEMMs (``onednn_packed``) and on plain weights (``onednn_fused``), and each explicit layout / GEMM strategy of
+  ``moekit.experts.grouped_mm`` (``contiguous+onednn_loop``: the CPU default until session 6 ...);
 - transformers' ``grouped_mm``, ``batched_mm`` and ``eager`` (the model class's own per-expert loop),
   called as a transformers experts module calls them; ``batched_mm`` gathers a [2N, K] + [K, N] weight
   copy per assignment and is skipped above BATCHED_MM_MAX_BYTES of copies (or half the free memory).
@@ -47,6 +48,7 @@ DEFAULT_REPEATS = 7  # interleaved rounds: >= 5 for a median that ignores 2 outl
 BATCHED_MM_MAX_BYTES = 2 << 30
 MOEKIT_VARIANTS = {  # row name -> experts_grouped_mm options; "moekit" is the default the layer runs
     "moekit": {},
+    "onednn_packed_split": {"cpu_gemm": "onednn_packed_split"},  # moekit's loop with oneDNN for every expert
     "onednn_packed": {"cpu_gemm": "onednn_packed"},  # the packed loop with multi-threaded GEMMs, not split by experts
     "onednn_fused": {"cpu_gemm": "onednn_fused"},  # moekit's per-expert loop on the plain (unpacked) weights
     "contiguous+onednn_loop": {"layout": "contiguous", "cpu_gemm": "onednn_loop"},

@@ -43,6 +43,19 @@ class HFBenchOptions:
     compile_backend: str = "inductor"  # "eager" traces without code generation (the CPU tests)
     impls: tuple[str, ...] | None = None  # None: every registered one; eager always runs in eager mode
     tiny: bool = False  # tiny widths instead of the published ones
+    dtype: str | None = None  # the model's dtype, one of HF_DTYPES; None: bfloat16 on CUDA, float32 on the CPU
+
+
+HF_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_dtype(opts: HFBenchOptions, device: torch.device) -> torch.dtype:
+    """The dtype the model is built in (``opts.dtype``, or the device's default); ValueError naming ``hf-dtype``."""
+    if opts.dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if opts.dtype not in HF_DTYPES:
+        raise ValueError(f"hf-dtype must be one of {HF_DTYPES}, got {opts.dtype!r}")
+    return getattr(torch, opts.dtype)
 
 
 def default_options(model: str, device: torch.device, tiny: bool = False, **overrides) -> HFBenchOptions:
@@ -279,7 +292,7 @@ def _recompile_limit(limit: int):
 def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str], None] = lambda msg: None) -> dict:
     """Build the model, measure every implementation, return the results document."""
     impls = select_impls(list(opts.impls) if opts.impls else None)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = model_dtype(opts, device)
     config = hf_config(opts.model, opts.layers, opts.tiny)
     log(f"building {opts.model} ({'tiny' if opts.tiny else 'real'} widths, {opts.layers} layers, "
         f"{str(dtype).removeprefix('torch.')}) on {device}; implementations: {', '.join(impls)}")

@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time transformers' compiled decode (default: on for CUDA, off on CPU)")
     g.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
+    g.add_argument("--hf-dtype", default=None,
+                   help="the model's dtype: float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--tiny", action="store_true",
                    help="tiny widths, with --hf or --offload (a smoke run; the tests use it)")
 
@@ -70,10 +72,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _options(args, name, device, impls, default_options):
+    from moekit.bench.hf_run import model_dtype
+
     opts = default_options(name, device, args.tiny, layers=args.layers, decode_tokens=args.decode_tokens,
                            prompt_len=args.prompt_len, prefill_batch=args.prefill_batch,
                            prefill_len=args.prefill_len, repeats=args.repeats, compile=args.compile,
-                           compile_backend=args.compile_backend, impls=impls)
+                           compile_backend=args.compile_backend, impls=impls, dtype=args.hf_dtype)
+    model_dtype(opts, device)  # a bad --hf-dtype fails here, before any model is built
     for flag in ("layers", "decode_tokens", "prompt_len", "prefill_batch", "prefill_len", "repeats"):
         if getattr(opts, flag) < 1:
             raise ValueError(f"{flag.replace('_', '-')} must be >= 1, got {getattr(opts, flag)}")

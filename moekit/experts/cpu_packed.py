@@ -5,11 +5,12 @@
 
 Every buffer is [m_e, .] (a few hundred KB), so no [A, K] permuted copy of x is written; the
 combine weight multiplies the [m_e, N] activation (the [m_e, K] output where there is a b2), and the
-weighted sum over the k slots is one ``index_add_`` per expert after all of them ran, in expert order and
-serial over the rows, hence deterministic. With ``workers`` > 1 (``cpu_gemm="onednn_packed_split"``,
-what ``auto`` runs) the experts, largest first, go to whichever of that many threads of one intra-op
-thread each is free (``moekit.experts.cpu_workers``); the combine order stays the expert order, so the
-bits are those of ``workers=1``. ~32 rows per expert (M = 512 at k=8, E=128) are too few for oneDNN to
+weighted sum over the k slots is one ``index_add_`` per expert after all of them ran, in expert order and serial
+over the rows, hence deterministic. With ``workers`` > 1 (``cpu_gemm="onednn_packed_split"``, what ``auto`` runs,
+save that ``auto`` sends experts of fewer than ``PACKED_MIN_ROWS`` rows through torch's BLAS where
+``blas_plain_rows`` says: float32, MKL, an Intel CPU) the experts, largest first, go to whichever of that many
+threads of one intra-op thread each is free (``moekit.experts.cpu_workers``); the combine order stays the expert
+order, so the bits are those of ``workers=1``. ~32 rows per expert (M = 512 at k=8, E=128) are too few for oneDNN to
 split one GEMM over 2 cores well; whole experts per core are not.
 
 oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At
@@ -71,6 +72,30 @@ def onednn_linear(dtype: torch.dtype):
         return op if torch.equal(op(a, w, None, "none", [], ""), a @ w.t()) else None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+@functools.cache
+def blas_plain_rows(dtype: torch.dtype) -> bool:
+    """Whether ``cpu_gemm="auto"`` runs an expert of fewer than ``PACKED_MIN_ROWS`` rows (read from its plain weight:
+    decode) through torch's BLAS instead of oneDNN's linear: float32 where that BLAS is MKL on an
+    Intel CPU. MKL picks its fast code paths by CPU vendor: on the 2-core Sapphire Rapids Xeon its 1-2 row GEMMs
+    beat oneDNN's linear, which also re-lays the plain weight inside every call, while on the AMD EPYC oneDNN's ran
+    1.4-2x faster than MKL's (``benchmarks/results/Intel_Xeon-cpu-experts-2026-12-05.md``). bf16 / fp16 GEMMs
+    go to oneDNN either way."""
+    return dtype == torch.float32 and torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``/proc/cpuinfo``'s vendor_id, e.g. GenuineIntel, AuthenticAMD); "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 @functools.cache
@@ -202,10 +227,13 @@ def fused_loop_peak_bytes(num_tokens: int, top_k: int, hidden_size: int, interme
 
 def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       expert_map: torch.Tensor | None, cache: PackedWeightCache | None,
-                      workers: int = 1, quant: QuantKernels = QuantKernels()) -> torch.Tensor:
+                      workers: int = 1, quant: QuantKernels = QuantKernels(),
+                      blas_plain: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, K] in float32, the experts contract by the per-expert loop; ``cache`` None reads the
     plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``.
     Weight-only quantized w13 / w2: each touched expert through ``quant``'s kernel (``moekit.experts.cpu_quant``).
+    ``blas_plain``: experts of fewer than ``PACKED_MIN_ROWS`` rows on plain weight tensors (never packed) run through
+    torch's BLAS, not oneDNN (``blas_plain_rows``).
 
     ``workers`` > 1 hands the experts to that many threads of one intra-op thread each as they free up
     (``moekit.experts.cpu_workers``); each expert's weighted rows are kept apart and added per token in
@@ -222,10 +250,11 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
         starts[expert] = starts[expert - 1] + counts[expert - 1]
     # the weights each expert reads, resolved here in expert order: the cache is not thread-safe, and its
     # budget fills in the same order whatever the worker count
-    weights = {e: _weights(ex, e, cache if c >= PACKED_MIN_ROWS else None, quant, x.dtype)
-               for e, c in enumerate(counts) if c}
-    loop = _ExpertLoop(x, ex, weights, counts, starts, src // top_k, slot_weights, onednn_linear(x.dtype), acc,
-                       [None] * len(counts))
+    linear = onednn_linear(x.dtype)
+    blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
+    weights = {e: _weights(ex, e, cache if c >= PACKED_MIN_ROWS else None, quant, x.dtype,
+                           None if blas and c < PACKED_MIN_ROWS else linear) for e, c in enumerate(counts) if c}
+    loop = _ExpertLoop(x, ex, weights, counts, starts, src // top_k, slot_weights, acc, [None] * len(counts))
     order = largest_first(counts)
     run_dynamic(order, workers, loop.run)
     return loop.combine(sorted(order))
@@ -237,17 +266,18 @@ class _ExpertWeights:
     w2: object  # [K, N], the same
     b13: torch.Tensor | None  # [R]
     b2: torch.Tensor | None  # [K]
+    linear: object  # oneDNN's linear; None: torch's BLAS (plain weights only)
 
 
 def _weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None, quant: QuantKernels,
-             dtype: torch.dtype) -> _ExpertWeights:
+             dtype: torch.dtype, linear) -> _ExpertWeights:
     def one(w):
         if weight_only(w):
             return expert_linear(w, expert, dtype, quant, _REPACK_CACHE)
         return w[expert] if cache is None else cache.weight(w, expert)
 
     return _ExpertWeights(one(ex.w13), one(ex.w2), None if ex.b13 is None else ex.b13[expert],
-                          None if ex.b2 is None else ex.b2[expert])
+                          None if ex.b2 is None else ex.b2[expert], linear)
 
 
 @dataclass(frozen=True)
@@ -262,15 +292,13 @@ class _ExpertLoop:
     starts: list[int]  # [E] its first sorted row
     tokens: torch.Tensor  # [A] token of each sorted row
     slot_weights: torch.Tensor  # [A] combine weight of each sorted row (acc)
-    linear: object  # oneDNN's linear
     acc: torch.dtype
     ys: list[torch.Tensor | None]  # [E] each expert's weighted output [m_e, K] (acc), once ``run`` made it
 
     def run(self, expert: int) -> None:
         rows = slice(self.starts[expert], self.starts[expert] + self.counts[expert])
         xs = self.x.index_select(0, self.tokens[rows])  # [m, K]
-        self.ys[expert] = _expert(xs, self.ex, self.weights[expert], self.linear, self.slot_weights[rows, None],
-                                  self.acc)
+        self.ys[expert] = _expert(xs, self.ex, self.weights[expert], self.slot_weights[rows, None], self.acc)
 
     def combine(self, experts: list[int]) -> torch.Tensor:
         """out [M, K] (acc): every expert's rows added in ``experts`` order (ascending), one serial
@@ -288,12 +316,12 @@ class _ExpertLoop:
         return out
 
 
-def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, linear, scale: torch.Tensor,
+def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, scale: torch.Tensor,
             acc: torch.dtype) -> torch.Tensor:
     """xs [m, K] -> scale * (w2 @ glu(w13 @ xs^T + b13) + b2) as [m, K] (acc) for one expert's weights ``w``,
     ``scale`` [m, 1] (acc); a plain gated activation's product in place (one [m, N] buffer). With no b2 and
     xs already in acc, ``scale`` multiplies the [m, N] activation instead of the [m, K] output."""
-    h = _linear(linear, xs, w.w13, w.b13)  # [m, R]
+    h = _linear(w.linear, xs, w.w13, w.b13)  # [m, R]
     if ex.spec.plain:
         n_dim = ex.w2.shape[2]
         a = get_activation(ex.spec.name).fn(h[:, :n_dim])  # [m, N], contiguous for oneDNN
@@ -301,13 +329,16 @@ def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, linear, scale
     else:
         a = apply_glu(h, ex.spec)  # [m, N]
     if w.b2 is None and a.dtype == acc:
-        return _linear(linear, a.mul_(scale), w.w2, None)
-    return _linear(linear, a, w.w2, w.b2).to(acc).mul_(scale)
+        return _linear(w.linear, a.mul_(scale), w.w2, None)
+    return _linear(w.linear, a, w.w2, w.b2).to(acc).mul_(scale)
 
 
 def _linear(linear, a: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    """a [m, in] @ w [out, in]^T (+ bias) -> [m, out]: oneDNN's ``linear`` on a weight tensor, or a quantized
-    expert's own (dequantized on this worker, or torch's weight-only kernel)."""
-    if isinstance(w, torch.Tensor):
-        return linear(a, w, bias, "none", [], "")
-    return w(a, bias, linear)
+    """a [m, in] @ w [out, in]^T (+ bias [out]) -> [m, out]: oneDNN's ``linear`` on a weight tensor (plain or packed),
+    torch's BLAS where ``linear`` is None (a plain weight, any strides), or a quantized expert's own (dequantized on
+    this worker into oneDNN's ``linear``, or torch's weight-only kernel)."""
+    if not isinstance(w, torch.Tensor):
+        return w(a, bias, linear)
+    if linear is None:
+        return torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
+    return linear(a, w, bias, "none", [], "")

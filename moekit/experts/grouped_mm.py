@@ -15,18 +15,19 @@ chunks of the largest size that does (``plan_grouped_mm`` says which, and why). 
 the plan never reads M (with ``dynamic=True`` a SymInt): contiguous, in chunks of a size fixed by the
 static shapes (``moekit.experts.grouped_mm_plan``), so one graph serves every M of one chunk count.
 
-The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a
-loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
-oneDNN GEMMs (``cpu_gemm``; measured faster, see ``moekit bench --cpu-experts``): by default
-``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
-at a time in place of the contiguous layout's [A, K] copies, with whole experts split across
-``torch.get_num_threads()`` single-threaded workers (``"onednn_packed_split"``; ``"onednn_packed"`` runs
-the same loop serially with multi-threaded GEMMs). Under ``torch.compile`` such a call (CPU, no gradient,
-plain weights) runs as the custom op ``moekit::cpu_experts`` (``moekit.experts.cpu_op``): the compiled
-graph calls this eager loop, which no trace could follow; a call that needs a gradient, or has quantized
-weights, traces the grouped GEMM path (``moekit::group_gemm``). Weight-only quantized weights (int8_w8a16,
-int4_w4a16, mxfp4) in an eager CPU call without autograd run the same loop, each touched expert dequantized on its
-worker or run by torch's weight-only kernel (``moekit.experts.cpu_quant``); elsewhere all E are dequantized per call.
+The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a loop over the
+non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of oneDNN GEMMs
+(``cpu_gemm``; measured faster, see ``moekit bench --cpu-experts``): by default ``moekit.experts.cpu_packed``'s,
+which gathers, multiplies on prepacked weights and combines one expert at a time in place of the contiguous layout's
+[A, K] copies, with whole experts split across ``torch.get_num_threads()`` single-threaded workers
+(``"onednn_packed_split"``, whose oneDNN GEMMs ``auto`` swaps for torch's BLAS on experts of fewer than 4 rows where
+``cpu_packed.blas_plain_rows`` says; ``"onednn_packed"`` runs the same loop serially with multi-threaded GEMMs).
+Under ``torch.compile`` such a call (CPU, no gradient, plain weights) runs as the custom op ``moekit::cpu_experts``
+(``moekit.experts.cpu_op``): the compiled graph calls this eager loop, which no trace could follow; a call that
+needs a gradient, or has quantized weights, traces the grouped GEMM path (``moekit::group_gemm``). Weight-only
+quantized weights (int8_w8a16, int4_w4a16, mxfp4) in an eager CPU call without autograd run the same loop, each
+touched expert dequantized on its worker or run by torch's weight-only kernel (``moekit.experts.cpu_quant``);
+elsewhere all E are dequantized per call.
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation, spec_fields
 from moekit.experts.cpu_op import cpu_experts_op
 from moekit.experts.cpu_packed import (
-    ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
+    ExpertParams, blas_plain_rows, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
 from moekit.experts.cpu_quant import weight_only
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
@@ -81,7 +82,9 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 # "onednn_packed": moekit.experts.cpu_packed's per-expert loop on cached packed weights, each GEMM on
 # torch's intra-op threads; "onednn_packed_split": the same loop with whole experts split across
 # torch.get_num_threads() workers of one thread each (moekit.experts.cpu_workers); "onednn_fused": the
-# loop on the plain weights; "auto" = "onednn_packed_split"; the others run inside the contiguous layout.
+# loop on the plain weights; "auto" = "onednn_packed_split", but for experts of fewer than PACKED_MIN_ROWS rows
+# through torch's BLAS where ``cpu_packed.blas_plain_rows`` says (float32, MKL, Intel); the others run inside the
+# contiguous layout.
 CPU_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
 _FUSED_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused")
 # "auto" splits at every M: at M = 1 (8 experts of 1 row) the unsplit loop's 2-thread GEMMs measured ~20%
@@ -358,7 +361,8 @@ def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu
             and fused_loop_supported(x.dtype)):
         cache = None if cpu_gemm == "onednn_fused" else packed_weight_cache()
         workers = torch.get_num_threads() if cpu_gemm in _SPLIT_GEMMS else 1
-        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=workers)
+        blas = cpu_gemm == "auto" and blas_plain_rows(x.dtype)
+        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=workers, blas_plain=blas)
     # [Group] static_rows = A: the exact size for align 1, so no host sync; unrouted rows trail, src A.
     layout = permute_contiguous(x, topk_ids, ex.w13.shape[0], align=1, expert_map=expert_map,
                                 static_rows=topk_ids.numel())
