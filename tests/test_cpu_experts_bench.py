@@ -183,3 +183,16 @@ def test_quantized_results_still_read(path):
         scheme, m = line.split()[:2]
         rows = next(b["rows"] for b in doc["batches"] if b["M"] == int(m))
         assert line.split()[-1] == f"{rows[f'dequant_all[{scheme}]']['us'] / rows[f'moekit[{scheme}]']['us']:.1f}"
+
+
+def test_interleaved_rounds_vary_each_calls_predecessor():
+    # each call timed once a round, after a warm-up round; across rounds a call follows different calls (a rotation
+    # would keep one predecessor for ever, and on the CPU the call before shapes the one after)
+    log = []
+    calls = {name: (lambda name=name: log.append(name)) for name in "abcde"}
+    timings = cpu_measure.interleaved(calls, rounds=8)
+    assert set(timings) == set("abcde")
+    rounds = [log[i:i + 5] for i in range(5, len(log), 5)]  # the warm-up round first
+    assert len(rounds) == 8 and all(sorted(r) == list("abcde") for r in rounds)
+    before = {name: {r[r.index(name) - 1] for r in rounds if r.index(name) > 0} for name in "abcde"}
+    assert all(len(previous) >= 2 for previous in before.values()), before

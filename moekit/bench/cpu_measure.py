@@ -17,7 +17,7 @@ token, softmax weights). Rows:
 - ``dense``: the fp32 rate ceiling, [A, K] x [K, 2N] by ``torch.mm`` and by oneDNN's linear; the
   faster one is the ceiling. Every rate counts 6*N*K FLOPs per routed token (2*A*K*2N for dense).
 
-The variants run interleaved (one call of each per round, the order rotated every round), so a burst of
+The variants run interleaved (one call of each per round, the order shuffled every round), so a burst of
 load on a shared machine hits them all; each gets the median over the rounds and the spread (IQR /
 median, ``moekit.bench.timing``). Each experts row records its relative L2 error against transformers'
 eager loop. The document records the thread count, the load average before and after, and the commit.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -189,13 +190,18 @@ def variants(p: ExpertsProblem, rows: set[str]) -> dict[str, Callable[[], torch.
 
 
 def interleaved(calls: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, Timing]:
-    """One call of each per round, the order rotated each round; a warm-up round first."""
+    """One call of each per round, in an order shuffled each round (seeded by the round); a warm-up round first.
+    Shuffled, not rotated: a rotation keeps each call after the same predecessor in every round, and on the CPU
+    what runs before a call matters (OpenMP threads still spinning after a multi-threaded call take a core from
+    the next call's single-threaded workers: ~1.5 ms at M = 1 on the 2-core Xeon)."""
     names = list(calls)
     for name in names:
         calls[name]()
     samples = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        order = list(names)
+        random.Random(r).shuffle(order)
+        for name in order:
             t0 = time.perf_counter()
             calls[name]()
             samples[name].append((time.perf_counter() - t0) * 1e6)
