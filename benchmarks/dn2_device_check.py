@@ -37,10 +37,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
+from bench_rounds import WIN, eager_us, graph_of, interleaved, medians  # noqa: E402
 from compile_workers import spawn_workers  # noqa: E402
 from held_run import HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry  # noqa: E402
-from wo4k_device_check import Cell, new_cell  # noqa: E402
+from wo4k_device_check import Cell, compile_task, new_cell, variant_rows  # noqa: E402
 from wo8_variants import Gemms, Weights, pick_call, shape_of, timed_calls  # noqa: E402
 from wo_device_check import rel_err  # noqa: E402
 
@@ -95,23 +95,9 @@ def dn2_calls(w: Weights, gemms: Gemms | None, ci: int, only: tuple = ()) -> dic
 
 
 def worker_main(ci: int, j: int) -> None:
-    """Compile task j of cell ci: its calls once at the real shape on uninitialised weights (START / OK / ERR)."""
-    dev = torch.device("cpu" if SMOKE else "cuda")
+    """Compile task j of cell ci (wo4k's ``compile_task``)."""
     preset, m = CELLS[ci]
-    s = shape_of(preset)
-    w = Weights(s, dev, None)
-    print(f"START {ci} {j}", flush=True)
-    try:
-        c0 = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-        task = tasks(ci)[j]
-        calls = timed_calls(s, w, None) if task == ("bf16",) else dn2_calls(w, None, ci, task)
-        for _, _, fn in calls.values():
-            fn(c0)
-        if not SMOKE:
-            torch.cuda.synchronize()
-        print(f"OK {ci} {j}", flush=True)
-    except Exception as err:  # noqa: BLE001  (reported; the main process skips the task's variants)
-        print(f"ERR {ci} {j} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+    compile_task(ci, j, preset, m, tasks(ci)[j], lambda w, task: dn2_calls(w, None, ci, task), SMOKE)
 
 
 def check(cell: Cell, calls: dict, w: Weights, c0) -> set:
@@ -180,24 +166,8 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
 
 
 def rows(c: Cell) -> list[str]:
-    """bf16's parts, then per variant each part's µs, x bf16 and rounds >= 3% faster than the pick (calls) or
-    swapfs' same GEMM alone; the call's % of the matmul rate and of the byte floor."""
-    out = [f"{c.preset:<14}{c.m:>5} int8  bf16 up / down / call: "
-           + " / ".join(f"{c.times.get(f'bf16 {p}', float('nan')):.1f}" for p in ("up", "down", "call")) + " µs"]
-    for name in ("pick", "swapfs", *VARIANTS):
-        cells = []
-        for part in ("up", "down", "call"):
-            t, ref = c.times.get(f"int8 {name} {part}"), c.times.get(f"bf16 {part}")
-            if t is None:
-                continue
-            versus = "int8 pick call" if part == "call" else f"int8 swapfs {part}"
-            won = wins(c.rounds[f"int8 {name} {part}"], c.rounds.get(versus, ()))
-            pct = f" {100 * c.flop_us[part] / t:3.0f}% mm {100 * c.byte_us[part] / t:3.0f}% byte"
-            cells.append(f"{part} {t:8.1f} {t / ref if ref else float('nan'):5.2f}x ({won}/{ROUNDS}){pct}")
-        if cells:
-            out.append(f"    {name:<8}" + "  ".join(cells))
-    out += [f"    eager {k}: host {h:.0f} / wall {v:.0f} µs" for k, (h, v) in c.eager.items()]
-    return out
+    """wo4k's table (``variant_rows``) for the pick, swapfs and the variants; GEMMs against swapfs' same GEMM."""
+    return variant_rows(c, ("pick", "swapfs", *VARIANTS), "swapfs")
 
 
 def title(ceil: dict) -> str:

@@ -137,19 +137,24 @@ def tasks(ci: int) -> list:
 
 
 def worker_main(ci: int, j: int) -> None:
-    """Compile task j of cell ci: its calls once at the real shape on uninitialised weights (START / OK / ERR)."""
-    dev = torch.device("cpu" if SMOKE else "cuda")
-    preset, m, scheme, _ = CELLS[ci]
+    """Compile task j of cell ci (``compile_task``)."""
+    preset, m, _, _ = CELLS[ci]
+    compile_task(ci, j, preset, m, tasks(ci)[j], lambda w, task: wo_calls(w, None, ci, task), SMOKE)
+
+
+def compile_task(ci: int, j: int, preset: str, m: int, task: tuple, variant_calls, smoke: bool) -> None:
+    """Task j of cell ci (preset, M): its calls (bf16's for ``("bf16",)``, else ``variant_calls(w, task)``) run once
+    at the real shape on uninitialised weights, printing START / OK / ERR for the main process."""
+    dev = torch.device("cpu" if smoke else "cuda")
     s = shape_of(preset)
     w = Weights(s, dev, None)
     print(f"START {ci} {j}", flush=True)
     try:
         c0 = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-        task = tasks(ci)[j]
-        calls = timed_calls(s, w, None) if task == ("bf16",) else wo_calls(w, None, ci, task)
+        calls = timed_calls(s, w, None) if task == ("bf16",) else variant_calls(w, task)
         for _, _, fn in calls.values():
             fn(c0)
-        if not SMOKE:
+        if not smoke:
             torch.cuda.synchronize()
         print(f"OK {ci} {j}", flush=True)
     except Exception as err:  # noqa: BLE001  (reported; the main process skips the task's variants)
@@ -247,16 +252,22 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
 def rows(c: Cell) -> list[str]:
     """bf16's parts, then per variant each part's µs, x bf16 and rounds >= 3% faster than the pick (calls) or the
     base (GEMMs); the call's % of the matmul rate and of the byte floor."""
+    top = best(c.scheme)
+    return variant_rows(c, ("pick", "prev", "base", *SWAPS[c.scheme], f"{top}|pick", f"pick|{top}"), "base")
+
+
+def variant_rows(c: Cell, names: tuple[str, ...], gemm_versus: str) -> list[str]:
+    """The table of ``rows``: bf16's parts, then per variant in ``names`` each part's µs, x bf16 and rounds >= 3%
+    faster than the pick (calls) or variant ``gemm_versus``'s same GEMM alone; % of the matmul rate and byte floor."""
     out = [f"{c.preset:<14}{c.m:>5} {c.tag}  bf16 up / down / call: "
            + " / ".join(f"{c.times.get(f'bf16 {p}', float('nan')):.1f}" for p in ("up", "down", "call")) + " µs"]
-    top = best(c.scheme)
-    for name in ("pick", "prev", "base", *SWAPS[c.scheme], f"{top}|pick", f"pick|{top}"):
+    for name in names:
         cells = []
         for part in ("up", "down", "call"):
             t, ref = c.times.get(f"{c.tag} {name} {part}"), c.times.get(f"bf16 {part}")
             if t is None:
                 continue
-            versus = f"{c.tag} pick call" if part == "call" else f"{c.tag} base {part}"
+            versus = f"{c.tag} pick call" if part == "call" else f"{c.tag} {gemm_versus} {part}"
             won = wins(c.rounds[f"{c.tag} {name} {part}"], c.rounds.get(versus, ()))
             pct = f" {100 * c.flop_us[part] / t:3.0f}% mm {100 * c.byte_us[part] / t:3.0f}% byte"
             cells.append(f"{part} {t:8.1f} {t / ref if ref else float('nan'):5.2f}x ({won}/{ROUNDS}){pct}")

@@ -38,7 +38,7 @@ import torch
 from moekit.bench import cpu_quant_rows
 from moekit.bench.run import commit_id
 from moekit.bench.timing import Timing
-from moekit.experts.cpu_packed import packed_weight_cache
+from moekit.experts.cpu_packed import cpuinfo_field, packed_weight_cache
 from moekit.experts.grouped_mm import experts_grouped_mm, plan_grouped_mm
 
 DEFAULT_BATCHES = (1, 8, 64, 512)
@@ -123,14 +123,7 @@ def transformers_version() -> str | None:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    return cpuinfo_field("model name") or platform.processor() or "cpu"
 
 
 def available_bytes() -> int:

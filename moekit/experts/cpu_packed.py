@@ -87,11 +87,16 @@ def blas_plain_rows(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def cpu_vendor() -> str:
-    """The CPU's vendor string (``/proc/cpuinfo``'s vendor_id, e.g. GenuineIntel, AuthenticAMD); "" where unknown."""
+    """The CPU's vendor string (e.g. GenuineIntel, AuthenticAMD); "" where unknown."""
+    return cpuinfo_field("vendor_id")
+
+
+def cpuinfo_field(key: str) -> str:
+    """The first ``key : value`` line's value in ``/proc/cpuinfo`` (e.g. "model name"); "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
