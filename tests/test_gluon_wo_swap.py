@@ -149,6 +149,19 @@ def test_a_measured_int8_cell_takes_the_split_ptx_swap(fake_gemms, monkeypatch):
         (True, True, True), (False, True, True)]
 
 
+
+def test_a_measured_int4_cell_takes_the_split_swap(fake_gemms, monkeypatch):
+    import moekit.experts.triton_gluon_wo as tgw
+
+    w13, w2 = _weights("int4_w4a16")
+    x, ids, weights = _call(40)
+    taken = tgw.GLUON_WO_OPTIONS[("int4_w4a16", 8, 14336, 4096)]  # Mixtral's, on this test's shape
+    monkeypatch.setattr(tgw, "GLUON_WO_OPTIONS", {("int4_w4a16", E, N, K): tgw.MeasuredGemms(40, 80, taken.gemms)})
+    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16")
+    assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2 and fake_gemms["wo"].log == []
+    assert [(b["GATED"], b["FAST"], b["SPLIT"]) for _, b, _ in fake_gemms["wo_swap"].log] == [
+        (True, False, True), (False, False, True)]
+
 @pytest.mark.parametrize("zero", [0, 7, 15])
 def test_int4_bytes_decode_as_the_session_27_formula(zero):
     """``_INT4_BYTE_ASM`` in the emulator, every byte: the low nibble (the even K) the low half, each weight the

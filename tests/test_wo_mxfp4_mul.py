@@ -117,19 +117,18 @@ def test_mxfp4_place_reaches_asm_and_is_refused_by_name(wo):  # noqa: F811  (the
 
 
 def test_mxfp4_mma_tuned_steps():
-    # the winners' configs: tuned files (32 rows in 1 warp, 3 stages; 256-column steps, Mixtral M = 8 128), DeepSeek-V3
-    # M <= 2 with the gate-up split in 2 (``triton_wo_mma.MMA_UP_SPLITS``); the multiply placement the mma decode's
-    # default; other devices: the heuristic's 128-column steps
+    # the winners' configs: tuned files (32 rows in 1 warp, 3 stages; 256-column steps, Mixtral M = 8 and DeepSeek-V3
+    # M = 64 128), M <= 2 with the gate-up split in 2 (``triton_wo_mma.MMA_UP_SPLITS``); the multiply placement the mma
+    # decode's default; other devices: the heuristic's 128-column steps
     from moekit.experts.configs import GemmTile, KernelConfig
     from moekit.experts.triton_wo_configs import wo_config
     from moekit.experts.triton_wo_gemv import WordConfig
 
     k256, k128 = GemmTile(32, 256, 1, 1, 3), GemmTile(32, 128, 1, 1, 3)
     mixtral = {m: wo_config(m, 8, 14336, 4096, 2, "mxfp4", "NVIDIA_H200", "mma") for m in (1, 8, 64)}
-    assert mixtral == {1: KernelConfig(16, k256, k256), 8: KernelConfig(16, k128, k128),
-                       64: KernelConfig(16, k256, k256)}
-    deepseek = {m: wo_config(m, 256, 2048, 7168, 8, "mxfp4", "NVIDIA_H200", "mma") for m in (1, 2, 3, 8, 64)}
     split = WordConfig(16, k256, k256, up_split=2)
+    assert mixtral == {1: split, 8: KernelConfig(16, k128, k128), 64: KernelConfig(16, k256, k256)}
+    deepseek = {m: wo_config(m, 256, 2048, 7168, 8, "mxfp4", "NVIDIA_H200", "mma") for m in (1, 2, 3, 8, 32, 64)}
     assert deepseek == {1: split, 2: split, 3: KernelConfig(16, k256, k256), 8: KernelConfig(16, k256, k256),
-                        64: KernelConfig(16, k256, k256)}
+                        32: KernelConfig(16, k128, k128), 64: KernelConfig(16, k128, k128)}
     assert wo_config(8, 8, 14336, 4096, 2, "mxfp4", "other", "mma").up.BLOCK_K == 128

@@ -85,7 +85,8 @@ class GluonWoGemms:
 # Qwen3 int4 1024 468.8 / tile 483.8 (2/5), int4 4096 1144 / scratch 1125, mxfp4 4096 1210 / scratch 1115, Mixtral
 # int4 / mxfp4 1024 2613 / 2592, 2677 / 2559, DeepSeek-V3 int8 1024 5859 / tile 5099.
 GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
-    ("int8_w8a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 1913 / tile 2414 / 1333
+    # Mixtral M=1024: 1913 / tile 2414 / 1333; M=2048 (session 31, the swapped GEMMs below): 3172.8 / tile 3833.1
+    ("int8_w8a16", 8, 14336, 4096): (1024, 4096),
     # Qwen3 M=1024 / 2048 / 4096: 370.5 / 539.6 / 896.4 against tile 427.4 / 663.3 / 1100.2; eager 377 / 549 / 911
     # against 433 / 671 / 1109
     ("int8_w8a16", 128, 768, 2048): (1024, 8192),
@@ -121,20 +122,26 @@ class MeasuredGemms:
 _FAST = GluonWoOptions(fast=True)
 _SPLIT_FAST = GluonWoOptions(split=True, fast=True)
 _SWAP = GluonWoOptions(swap=True, fast=True, split=True)  # session 29's swapped GEMM, a partition a warpgroup
+_SWAP_INT4 = GluonWoOptions(swap=True, split=True)  # the same for int4 (its decode is PTX already: no ``fast``)
 GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], MeasuredGemms] = {
     # session 29 (wo4k_device_check.py, checkpoint 1b at 9314a02, graph µs of the whole call: the swapped GEMMs with
     # the PTX conversion, split / the pick of then / bf16; 5 of 5 rounds >= 3% faster, every call PASS and bit-equal
     # to the session-27 kernel's; eager wall µs a call 8927 / 9964, 847 / 1001, 1696 / 2083). DeepSeek-V3 M=4096:
     # 8585 / 11162 (base|slots3, session 28's pick here) / 8439
     ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP, _SWAP)),
-    # Qwen3 M=4096: 834.0 / 1016.6 / 689.7; Mixtral M=1024: 1652.5 / 2179.3 / 1381.8
-    ("int8_w8a16", 128, 768, 2048): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP, _SWAP)),
-    ("int8_w8a16", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SWAP, _SWAP)),
-    # DeepSeek-V3 M=4096: int4 11012 / 12078 / 8078, mxfp4 10356 / 11974 (split+fast|fast+slots3 10263)
-    ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
+    # Qwen3 M=4096: 834.0 / 1016.6 / 689.7; Mixtral M=1024: 1652.5 / 2179.3 / 1381.8. Session 31 (wo4k_device_check.py
+    # on merged main 814ebdc, H200, Triton 3.6; the swapped GEMMs / the pick of then / bf16, 5/5, PASS; eager wall µs
+    # a call 344 / 383, 506 / 590, 3090 / 3819): Qwen3 M=1024 320.3 / 367.8 / 363.7, M=2048 471.3 / 547.5 / 439.8,
+    # Mixtral M=2048 3172.8 / 3833.1 / 2320.4
+    ("int8_w8a16", 128, 768, 2048): MeasuredGemms(1024, 8192, GluonWoGemms(_SWAP, _SWAP)),
+    ("int8_w8a16", 8, 14336, 4096): MeasuredGemms(1024, 4096, GluonWoGemms(_SWAP, _SWAP)),
+    # DeepSeek-V3 M=4096: int4 11012 / 12078 / 8078, mxfp4 10356 / 11974 (split+fast|fast+slots3 10263). Session 31
+    # (as above): int4 swapped, split 9795.4 / 12873.1 (the fast GEMMs) / 8249.1; eager 10202 / 10989
+    ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP_INT4, _SWAP_INT4)),
     ("mxfp4", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
-    # Mixtral M=1024: int4 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314)
-    ("int4_w4a16", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SPLIT_FAST, _SPLIT_FAST)),
+    # Mixtral M=1024: int4 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314). Session 31 (as
+    # above): int4 swapped, split 2002.6 / 2590.2 (split + fast) / 1330.5; eager 2095 / 2483
+    ("int4_w4a16", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SWAP_INT4, _SWAP_INT4)),
     ("mxfp4", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SPLIT_FAST, _SPLIT_FAST)),
 }
 

@@ -27,8 +27,9 @@ MXFP4_PLACES = {"shift": 1, "mul": 2}
 MXFP4_PLACE = "mul"
 # the mma decode's gate-up splits measured faster (a tuned file holds none): (scheme, E, N, K, M) -> splits, for calls
 # of M / 2 .. 2M. DeepSeek-V3 mxfp4 M = 1 (its tuned 256-column steps, the multiply placement): split 2 104.1 µs
-# against unsplit 131.5 and the gemv's 144.0 (session 29, mx9 CK1b, 5/5)
-MMA_UP_SPLITS = {("mxfp4", 256, 2048, 7168, 1): 2}
+# against unsplit 131.5 and the gemv's 144.0 (session 29, mx9 CK1b, 5/5); Mixtral mxfp4 M = 1: split 2 134.4 µs
+# against unsplit 140.4 / 140.3 (session 31, merged main 814ebdc, two runs, 5/5 each)
+MMA_UP_SPLITS = {("mxfp4", 256, 2048, 7168, 1): 2, ("mxfp4", 8, 14336, 4096, 1): 2}
 
 
 def mma_fits(w13, w2, scheme: str) -> bool:
