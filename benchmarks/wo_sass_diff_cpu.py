@@ -54,7 +54,7 @@ def _scheme(scheme: int) -> dict:
 
 def wo_cases() -> dict[str, Case]:
     """The weight-only down kernels: tile, register and mma decodes (int8 / int4 / mxfp4), the gemv (int4 / mxfp4)."""
-    from moekit.experts.triton_wo_mma import MXFP4_PLACES, operand_pairs
+    from moekit.experts.triton_wo_mma import operand_pairs
 
     group = {0: 4096, 1: 128, 2: 32}  # int8: the whole row (N), a constexpr of its launch
     cases = {}
@@ -63,9 +63,8 @@ def wo_cases() -> dict[str, Case]:
         cases[f"tile_{name}"] = Case("gemm_wo", "down_wo_kernel", tile, 4, 3, _scheme(s))
         reg = BASE | dict(BLOCK_N=128, BLOCK_K=128, SPAN=min(128, group[s]), GROUP=group[s], SCHEME=s, ASM=True)
         cases[f"reg_{name}"] = Case("gemm_wo_reg", "down_wo_reg_kernel", reg, 4, 4, _scheme(s))
-        mma = BASE | dict(BLOCK_N=32, BLOCK_K=256, SPAN=min(256, group[s]), GROUP=group[s], SCHEME=s,
-                          ASM=MXFP4_PLACES["shift"] if s == 2 else True, SCALE_WORD=s == 2, PAIRS=operand_pairs(),
-                          PER=4 if s == 0 else 8)
+        mma = BASE | dict(BLOCK_N=32, BLOCK_K=256, SPAN=min(256, group[s]), GROUP=group[s], SCHEME=s, ASM=True,
+                          SCALE_WORD=s == 2, PAIRS=operand_pairs(), PER=4 if s == 0 else 8)
         cases[f"mma_{name}"] = Case("gemm_wo_mma", "down_wo_mma_kernel", mma, 1, 3, _scheme(s))
     cases["tile_int4_ahead_sorted"] = Case("gemm_wo", "down_wo_kernel", cases["tile_int4"].const | dict(
         AHEAD=True, NAIVE=False), 4, 3, _scheme(1))
