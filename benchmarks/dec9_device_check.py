@@ -70,8 +70,8 @@ TILE64 = tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4))  # "tile64": Mixtral int
 # main): the taken picks against what they replaced, and Mixtral M=96 / 16 (covered, not measured before). Run in
 # session 31 on merged main 814ebdc: the halves picks held (the two-sided "k128" 1.043 / 1.046 / 1.060x the pick at
 # DeepSeek-V3 M=64, Mixtral M=8 / 16, the pick >= 3% faster in 5/5 rounds; "h128s3", the halves on one warp, 1.04x
-# Mixtral's 64-row pick, 5/5), and
-# Mixtral M=64 / 96 on the mma decode 473.0 / 647.1 µs against the tile decode's 818.4 / 818.5
+# Mixtral's 64-row pick, 5/5), and Mixtral M=64 / 96 on the mma decode 473.0 / 647.1 µs against the tile decode's
+# 818.4 / 818.5
 GROUPS = (("deepseek-v3", "int4_w4a16", (64,), ("k128",)),
           ("mixtral-8x7b", "int4_w4a16", (8, 16), ("k128", "h128s3")),
           ("mixtral-8x7b", "int4_w4a16", (64, 96), ("tile64",)))
