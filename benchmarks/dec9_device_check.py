@@ -67,7 +67,11 @@ TILE64 = tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4))  # "tile64": Mixtral int
 # pick against the two-sided "k128" at M = 32 / 64 / 128, "h128s4", "h128w2"; Mixtral M=64 / 16 (k128, h128s3), Qwen3
 # M=64 (h128s3), Mixtral M=8 (h128s4, h128w2, hg256, hd256): taken DeepSeek-V3 M=32..128 h128s3, Mixtral M=4..16
 # h128w2 (``triton_wo_configs.MMA_HALVES``), Mixtral M=32..127 the mma decode (``triton_wo_winners``). CK2 (merged
-# main): the taken picks against what they replaced, and Mixtral M=96 / 16 (covered, not measured before)
+# main): the taken picks against what they replaced, and Mixtral M=96 / 16 (covered, not measured before). Run in
+# session 31 on merged main 814ebdc: the halves picks held (the two-sided "k128" 1.043 / 1.046 / 1.060x the pick at
+# DeepSeek-V3 M=64, Mixtral M=8 / 16, the pick >= 3% faster in 5/5 rounds; "h128s3", the halves on one warp, 1.04x
+# Mixtral's 64-row pick, 5/5), and Mixtral M=64 / 96 on the mma decode 473.0 / 647.1 µs against the tile decode's
+# 818.4 / 818.5
 GROUPS = (("deepseek-v3", "int4_w4a16", (64,), ("k128",)),
           ("mixtral-8x7b", "int4_w4a16", (8, 16), ("k128", "h128s3")),
           ("mixtral-8x7b", "int4_w4a16", (64, 96), ("tile64",)))

@@ -53,11 +53,10 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
-          pairs: int | None = None, block_k: int = 128, halves: bool = False, place: str = "shift") -> MmaCount:
-    """One kernel's counts; ``halves``: the gate-up as ``gate_up_halves_wo_mma_kernel`` (one side's rows a program);
-    ``place``: mxfp4's operand placement."""
+          pairs: int | None = None, block_k: int = 128, halves: bool = False) -> MmaCount:
+    """One kernel's counts; ``halves``: the gate-up as ``gate_up_halves_wo_mma_kernel`` (one side's rows a program)."""
     from moekit.experts._kernels import gemm_wo_mma
-    from moekit.experts.triton_wo_mma import MXFP4_PLACES, operand_pairs
+    from moekit.experts.triton_wo_mma import operand_pairs
 
     fn = getattr(gemm_wo_mma, "down_wo_mma_kernel" if down else
                  f"gate_up{'_halves' if halves else ''}_wo_mma_kernel")
@@ -67,7 +66,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     pointers |= {"q_ptr": "*u8", "s_ptr": "*u8" if scheme == 2 else "*fp32", "z_ptr": "*u8", "p_ptr": "*fp32"}
     group = {0: block_k, 1: 128, 2: 32}[scheme]
     const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
-                 SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=MXFP4_PLACES[place], SPLIT=1,
+                 SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1,
                  KSUM=False, TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
                  PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2, PER=4 if scheme == 0 else 8,
                  stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: constants at launch
@@ -85,7 +84,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     shared = int(out.metadata.shared)
     kind = "down" if down else f"gate-up{' halves' if halves else ''}"
     name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {kind} {block_n}x{block_k} {num_warps}w {num_stages}s "
-            f"PAIRS {const['PAIRS']}" + (f" {place}" if scheme == 2 else ""))
+            f"PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
                                              "LDL", "STL", "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
     return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
@@ -97,8 +96,8 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the heuristic's tiles (8 kernels: int8, int4, mxfp4 in both "
-                   "placements) and the int4 halves' taken gate-up tiles (2)")
+    p.add_argument("--quick", action="store_true", help="the heuristic's tiles (6 kernels: int8, int4, mxfp4) and the "
+                   "int4 halves' taken gate-up tiles (2)")
     p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
                    "``triton_wo_mma.operand_pairs``)")
     p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256),
@@ -106,24 +105,20 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
     p.add_argument("--schemes", type=int, nargs="+", default=[1, 2], choices=(0, 1, 2), help="0 int8, 1 int4, 2 mxfp4")
     p.add_argument("--halves", action="store_true", help="the gate-up's gate and up rows in separate programs")
-    p.add_argument("--place", nargs="+", default=["shift", "mul"], choices=("shift", "mul"),
-                   help="mxfp4's operand placement (``triton_wo_mma.MXFP4_PLACES``; --quick: both)")
     args = p.parse_args(argv)
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
         jobs = [(s, bn, d, w, st, args.halves) for s in args.schemes for d in (False, True) for bn, w, st in tiles]
     elif args.quick:  # (scheme, BN, down, warps, stages)
-        jobs = [(s, 32, d, 1, 3, False) for s in (0, 1, 2) for d in (False, True)]  # + mxfp4's other placements
+        jobs = [(s, 32, d, 1, 3, False) for s in (0, 1, 2) for d in (False, True)]
         jobs += [(1, 32, False, 1, 3, True), (1, 64, False, 2, 3, True)]  # the halves' taken int4 tiles
     else:
         jobs = [(s, bn, d, w, st, args.halves) for s in (1, 2) for d in (False, True)
                 for bn, w in ((16, 1), (32, 1), (64, 2), (128, 4)) for st in (3, 4)]
     failed = 0
-    runs = [(job, bk, place) for bk in args.block_k for job in jobs
-            for place in (args.place if job[0] == 2 else ["shift"])]
-    for job, job_k, place in runs:
+    for job, job_k in [(job, bk) for bk in args.block_k for job in jobs]:
         try:
-            c = count(*job[:5], pairs=args.pairs, block_k=job_k, halves=job[5], place=place)
+            c = count(*job[:5], pairs=args.pairs, block_k=job_k, halves=job[5])
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

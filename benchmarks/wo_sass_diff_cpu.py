@@ -1,6 +1,7 @@
-"""The Triton down GEMMs (weight-only tile / register / mma / gemv decodes, bf16 and fp8) in sm_90 SASS, compiled
-on a machine without a GPU, for a change that must leave their machine code alone (session 30: their routed-weight
-store moved into ``_kernels/down_store``): ``--dump`` the tree before and after it, on each Triton, then
+"""The Triton down GEMMs (weight-only tile / register / mma / gemv decodes, bf16 and fp8) and the word decodes'
+gate-ups (mma, gemv) in sm_90 SASS, compiled on a machine without a GPU, for a change that must leave their machine
+code alone (session 30: the down GEMMs' routed-weight store moved into ``_kernels/down_store``; session 31: mxfp4's
+"shift" placement removed from the mma decode): ``--dump`` the tree before and after it, on each Triton, then
 ``gluon_sass_diff_cpu.py --compare`` (identical, parameter offsets only, or the instructions that changed).
 
     PYTHONPATH=/tmp/before-tree python3 benchmarks/wo_sass_diff_cpu.py --dump /tmp/wo-sass-before   (Triton 3.9)
@@ -31,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 BASE = dict(BLOCK_M=16, GROUP_M=1, NAIVE=True, UPCAST=False, PDL=True, SPLIT=1)
 KSUM = dict(KSUM=True, TOPK_PAD=8, HAS_MAP=True, SUM_ROWS=4, ZERO_T=16)  # ``triton_plan.ksum_constexprs``, k = 8
-POINTERS = {"h_ptr": "*bf16", "y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*u8",
-            "z_ptr": "*u8", "b2_ptr": "*bf16", "w2_ptr": "*bf16", "hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32",
-            "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"} | {n: "*i32" for n in (
+POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16",
+            "q_ptr": "*u8", "z_ptr": "*u8", "b2_ptr": "*bf16", "w2_ptr": "*bf16", "hq_ptr": "*fp8e4nv",
+            "hs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"} | {n: "*i32" for n in (
                 "ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr", "map_ptr")}
 
 
@@ -54,7 +55,7 @@ def _scheme(scheme: int) -> dict:
 
 def wo_cases() -> dict[str, Case]:
     """The weight-only down kernels: tile, register and mma decodes (int8 / int4 / mxfp4), the gemv (int4 / mxfp4)."""
-    from moekit.experts.triton_wo_mma import MXFP4_PLACES, operand_pairs
+    from moekit.experts.triton_wo_mma import operand_pairs
 
     group = {0: 4096, 1: 128, 2: 32}  # int8: the whole row (N), a constexpr of its launch
     cases = {}
@@ -63,9 +64,8 @@ def wo_cases() -> dict[str, Case]:
         cases[f"tile_{name}"] = Case("gemm_wo", "down_wo_kernel", tile, 4, 3, _scheme(s))
         reg = BASE | dict(BLOCK_N=128, BLOCK_K=128, SPAN=min(128, group[s]), GROUP=group[s], SCHEME=s, ASM=True)
         cases[f"reg_{name}"] = Case("gemm_wo_reg", "down_wo_reg_kernel", reg, 4, 4, _scheme(s))
-        mma = BASE | dict(BLOCK_N=32, BLOCK_K=256, SPAN=min(256, group[s]), GROUP=group[s], SCHEME=s,
-                          ASM=MXFP4_PLACES["shift"] if s == 2 else True, SCALE_WORD=s == 2, PAIRS=operand_pairs(),
-                          PER=4 if s == 0 else 8)
+        mma = BASE | dict(BLOCK_N=32, BLOCK_K=256, SPAN=min(256, group[s]), GROUP=group[s], SCHEME=s, ASM=True,
+                          SCALE_WORD=s == 2, PAIRS=operand_pairs(), PER=4 if s == 0 else 8)
         cases[f"mma_{name}"] = Case("gemm_wo_mma", "down_wo_mma_kernel", mma, 1, 3, _scheme(s))
     cases["tile_int4_ahead_sorted"] = Case("gemm_wo", "down_wo_kernel", cases["tile_int4"].const | dict(
         AHEAD=True, NAIVE=False), 4, 3, _scheme(1))
@@ -87,6 +87,35 @@ def wo_cases() -> dict[str, Case]:
     cases["gemv_mxfp4_fold_xtile"] = Case("gemm_wo_gemv", "down_wo_gemv_kernel", cases["gemv_mxfp4"].const | dict(
         UP_SPLIT=2, ACT=0, ROUND=1, AHEAD=2, XTILE=True, SPLIT=2), 2, 1,
         _scheme(2) | {"h_ptr": "*fp32", "y_ptr": "*fp32"})
+    return cases
+
+
+def gate_up_cases() -> dict[str, Case]:
+    """The word decodes' gate-ups at the tiles their defaults launch: the mma's both sides a program (int8 / mxfp4
+    tuned 32 x 256, mxfp4 Mixtral M = 8 32 x 128, int4's heuristic 32 x 128; mxfp4 split in 2 along K, the float32
+    partials: ``MMA_UP_SPLITS``), its gate and up rows apart (int4 ``MMA_HALVES``: 32 x 128 on one warp, 64 x 128 on
+    two), the gemv's (2-row blocks, 16 weight rows of 16 words; DeepSeek-V3's 32-row x_tile split in 4,
+    ``triton_wo_word_winners``)."""
+    from moekit.experts.triton_wo_mma import operand_pairs
+
+    group, cases = {0: 7168, 1: 128, 2: 32}, {}
+    fp32 = {"h_ptr": "*fp32", "p_ptr": "*fp32"}
+    for s, name, block_k in ((0, "int8", 256), (1, "int4", 128), (2, "mxfp4", 256), (2, "mxfp4", 128)):
+        mma = BASE | dict(BLOCK_N=32, BLOCK_K=block_k, SPAN=min(block_k, group[s]), GROUP=group[s], SCHEME=s, ACT=0,
+                          ASM=True, SCALE_WORD=s == 2, PAIRS=operand_pairs(), PER=4 if s == 0 else 8)
+        cases[f"up_mma_{name}_{block_k}"] = Case("gemm_wo_mma", "gate_up_wo_mma_kernel", mma, 1, 3, _scheme(s))
+    cases["up_mma_mxfp4_256_split"] = Case("gemm_wo_mma", "gate_up_wo_mma_kernel", cases["up_mma_mxfp4_256"].const
+                                           | dict(SPLIT=2), 1, 3, _scheme(2) | fp32)
+    halves = cases["up_mma_int4_128"].const
+    cases["up_mma_int4_halves"] = Case("gemm_wo_mma", "gate_up_halves_wo_mma_kernel", halves, 1, 3, _scheme(1) | fp32)
+    cases["up_mma_int4_halves_64w2"] = Case("gemm_wo_mma", "gate_up_halves_wo_mma_kernel", halves | dict(
+        BLOCK_N=64), 2, 3, _scheme(1) | fp32)
+    for s, name in ((1, "int4"), (2, "mxfp4")):
+        gemv = BASE | dict(BLOCK_M=2, BLOCK_N=16, BKW=16, PER=8, GROUP=group[s], SCHEME=s, ACT=0, ASM=True)
+        cases[f"up_gemv_{name}"] = Case("gemm_wo_gemv", "gate_up_wo_gemv_kernel", gemv, 1, 1, _scheme(s))
+    cases["up_gemv_mxfp4_xtile_split"] = Case("gemm_wo_gemv", "gate_up_wo_gemv_kernel", cases["up_gemv_mxfp4"].const
+                                              | dict(BLOCK_M=1, BLOCK_N=32, SPLIT=4, XTILE=True), 2, 1,
+                                              _scheme(2) | fp32)
     return cases
 
 
@@ -163,7 +192,7 @@ def dump(out: Path, only: list[str] | None) -> int:
     import moekit
     from gluon_sass_diff_cpu import write_sass
 
-    cases = wo_cases() | dense_cases() | prefill_cases()
+    cases = wo_cases() | gate_up_cases() | dense_cases() | prefill_cases()
     cases = {n: c for n, c in cases.items() if not only or n.startswith(tuple(only))}
     print(f"moekit at {Path(moekit.__file__).parent}: {len(cases)} kernels", flush=True)
     return write_sass(out, {n: partial(compile_case, c) for n, c in cases.items()})

@@ -1,10 +1,9 @@
-"""mxfp4's word MMA decode with the operand placed by one multiply (``_kernels/wo_mma_values``: the launch's ASM 2, a
-config's ``mxfp4_place="mul"``, the default) on the CPU: its two PTX listings, and session 28's, run in
-``test_gluon_wo_fast``'s emulator for every code in every nibble and every e8m0 scale the placement is exact for
-(66 .. 192), against a float64 loop (e2m1 * 2^(s - 127), times the decode's 2^-64) rounded to bf16; the bf16x2
-scale's multiply-add; the per-group split's MMA order under the interpreter (its float twin) against a decoder written
-here; the option reaching the launch and refused by name; the tuned configs. The kernels run on the GPU in
-``benchmarks/mx9_device_check.py`` (bit-equal to session 28's placement)."""
+"""mxfp4's word MMA decode with the operand placed by one multiply (``_kernels/wo_mma_values``, the launch's ASM) on
+the CPU: its two PTX listings run in ``test_gluon_wo_fast``'s emulator for every code in every nibble and every e8m0
+scale the placement is exact for (66 .. 192), against a float64 loop (e2m1 * 2^(s - 127), times the decode's 2^-64)
+rounded to bf16; the bf16x2 scale's multiply-add; the per-group split's MMA order under the interpreter (its float
+twin) against a decoder written here; the tuned configs. The kernels run on the GPU in
+``benchmarks/mx9_device_check.py`` (against the torch twin)."""
 
 from __future__ import annotations
 
@@ -14,11 +13,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from test_gluon_wo_fast import MASK, _bf16_bits, _bf16_value, run_ptx  # noqa: E402
-from test_triton_wo import loop64, problem, rel  # noqa: E402
-from test_triton_wo_mma import run, wo  # noqa: E402, F401  (wo: the interpreted-kernels fixture)
+from test_triton_wo_mma import wo  # noqa: E402, F401  (the interpreted-kernels fixture)
 
-from moekit.experts._kernels.wo_mma_values import (  # noqa: E402
-    _MXFP4_MUL_EVEN_ASM, _MXFP4_MUL_ODD_ASM, _MXFP4_PAIR_ASM)
+from moekit.experts._kernels.wo_mma_values import _MXFP4_MUL_EVEN_ASM, _MXFP4_MUL_ODD_ASM  # noqa: E402
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 SCALES = range(66, 193)  # the e8m0 bytes the placement is exact for (module doc of ``wo_mma_values``)
@@ -48,21 +45,17 @@ def test_scale_pair_is_the_power_twice():
         assert _bf16_value(scale_pair(e8m0) & 0xFFFF) == 2.0 ** (e8m0 - 65)
 
 
-@pytest.mark.parametrize("placement", ["mul", "shift"])
-def test_mxfp4_pairs_decode_exactly(placement):
-    # pair t: values t and t + 4 of the word (low and high half); "mul" reads the word (t < 2) or the word >> 8, the
-    # even or odd listing; "shift" (session 28) the word >> 4t; both the same multiplier bits
+def test_mxfp4_pairs_decode_exactly():
+    # pair t: values t and t + 4 of the word (low and high half), read from the word (t < 2) or the word >> 8 (the
+    # kernel's int32 shift), by the even or odd listing
     for e8m0 in SCALES:
         for word in WORDS:
             for t in range(4):
-                if placement == "mul":
-                    asm = (_MXFP4_MUL_EVEN_ASM if t % 2 == 0 else _MXFP4_MUL_ODD_ASM).value
-                    src = word if t < 2 else int32_shift(word, 8)
-                else:
-                    asm, src = _MXFP4_PAIR_ASM.value, int32_shift(word, 4 * t)
+                asm = (_MXFP4_MUL_EVEN_ASM if t % 2 == 0 else _MXFP4_MUL_ODD_ASM).value
+                src = word if t < 2 else int32_shift(word, 8)
                 got = run_ptx(asm, [None, src, scale_pair(e8m0)], outputs=1)[0]
                 want = [_bf16_bits(value64(word >> 4 * v & 0xF, e8m0)) for v in (t, t + 4)]
-                assert got == want[0] | want[1] << 16, (placement, hex(word), t, e8m0)
+                assert got == want[0] | want[1] << 16, (hex(word), t, e8m0)
 
 
 _KERNELS = {}  # the interpreted wo_mma_values module (a Triton kernel reads module globals only)
@@ -97,23 +90,6 @@ def test_mul_operand_keeps_the_mma_order(wo, pairs):  # noqa: F811  (the fixture
         j, t = 4 * b + q, 2 * h + gg + 4 * p
         want = [value64((int(w) >> 4 * t) & 0xF, int(s)) for w, s in zip(words[:, j].tolist(), scales[:, b].tolist())]
         assert v_out[:, k].double().tolist() == want, (k, pairs)
-
-
-def test_mxfp4_place_reaches_asm_and_is_refused_by_name(wo):  # noqa: F811  (the fixture)
-    from moekit.experts.configs import GemmTile, KernelConfig
-    from moekit.experts.triton_wo_gemv import WordConfig
-    from moekit.experts.triton_wo_mma import MXFP4_PLACE, MXFP4_PLACES, mma_asm
-
-    tile = GemmTile(32, 128, 1, 1, 3)
-    assert mma_asm(WordConfig(16, tile, tile, mxfp4_place="mul")) == 2
-    assert mma_asm(WordConfig(16, tile, tile, mxfp4_place="shift")) == 1
-    assert MXFP4_PLACE == "mul"  # the default (its device win)
-    assert mma_asm(KernelConfig(16, tile, tile)) == mma_asm(WordConfig(16, tile, tile)) == MXFP4_PLACES["mul"]
-    x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=2, k=2, hidden=128, n=128)
-    out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, mxfp4_place="shift"))  # the twin here
-    assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
-    with pytest.raises(ValueError, match="mxfp4_place must be one of"):
-        run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, mxfp4_place="lut"))
 
 
 def test_mxfp4_mma_tuned_steps():

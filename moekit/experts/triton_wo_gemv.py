@@ -39,22 +39,17 @@ class WordConfig(KernelConfig):
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
     (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads.
     ``halves`` (decode "mma" only, ``triton_wo_mma.mma_gate_up``): the gate rows and the up rows in separate
-    gate-up programs, which write float32 partials (activated as ``up_split``'s are, by the split_glu launch).
-    ``mxfp4_place`` (the mma decode, mxfp4): its operand's bit placement, one of ``triton_wo_mma.MXFP4_PLACES``
-    (None: its ``MXFP4_PLACE``); the gemv decode ignores it (session 28's placement: the multiply measured no
-    faster there, mx9 CK1b)."""
+    gate-up programs, which write float32 partials (activated as ``up_split``'s are, by the split_glu launch)."""
 
     up_split: int = 1
     down_split: int = 0
     glu_fold: bool = False
     x_tile: bool = False
     halves: bool = False
-    mxfp4_place: str | None = None
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
-                "glu_fold": self.glu_fold, "x_tile": self.x_tile, "halves": self.halves,
-                "mxfp4_place": self.mxfp4_place}
+                "glu_fold": self.glu_fold, "x_tile": self.x_tile, "halves": self.halves}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:

@@ -19,12 +19,6 @@ from moekit.experts.triton_wo_gemv import PER, WordConfig, up_splits, words_ok
 MMA_WORDS = 16  # the mma decode's words a dot (4-bit, K 128); a step loads 1 or 2 dots' words of a row at once
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 STEP_COLUMNS = (128, 256)  # BLOCK_K: 64 or 128 bytes of a 4-bit row a step, 128 or 256 of int8 (``gemm_wo_mma``)
-# mxfp4's operand bit placement (``wo_mma_values``; the launch's ASM where its PTX runs): "shift" session 28's (two
-# shifts, an and and a lop3 a pair of weights), "mul" one multiply between two masks, each group decoded apart
-# (session 29). The default (a config's mxfp4_place None) "mul": H200, mx9 CK1b, Mixtral M = 8 336.4 against "shift"'s
-# 568.6 µs at 128-column steps, 348.8 against 540.1 at 256 (5/5)
-MXFP4_PLACES = {"shift": 1, "mul": 2}
-MXFP4_PLACE = "mul"
 # the mma decode's gate-up splits measured faster (a tuned file holds none): (scheme, E, N, K, M) -> splits, for calls
 # of M / 2 .. 2M. DeepSeek-V3 mxfp4 M = 1 (its tuned 256-column steps, the multiply placement): split 2 104.1 µs
 # against unsplit 131.5 and the gemv's 144.0 (session 29, mx9 CK1b, 5/5); Mixtral mxfp4 M = 1: split 2 134.4 µs
@@ -75,16 +69,6 @@ def operand_pairs() -> int:
 
     major, minor = (int(p) for p in triton.__version__.split(".")[:2])
     return 2 if (major, minor) < (3, 8) else 1
-
-
-def mma_asm(config: KernelConfig) -> int:
-    """The mma launch's ASM where its inline PTX may run: ``MXFP4_PLACES`` of the config's mxfp4_place (a
-    ``WordConfig``'s; None and plain configs ``MXFP4_PLACE``), refused by name if not one; int4 and int8 read it
-    as on / off."""
-    place = getattr(config, "mxfp4_place", None) or MXFP4_PLACE
-    if place not in MXFP4_PLACES:
-        raise ValueError(f"config.mxfp4_place must be one of {tuple(MXFP4_PLACES)} or None, got {place!r}")
-    return MXFP4_PLACES[place]
 
 
 def mma_split(config: KernelConfig, scheme: str, num_experts: int, n: int, k: int, num_tokens: int) -> KernelConfig:

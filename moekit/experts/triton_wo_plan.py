@@ -56,7 +56,7 @@ from moekit.experts.triton_wo_configs import (
 from moekit.experts.triton_wo_gemv import (
     WORD_DECODES, WordConfig, folded_splits, gemv_launches, glu_launch, split_glu_launch, up_splits, words_ok,
 )
-from moekit.experts.triton_wo_mma import check_mma, mma_asm, mma_fits, mma_gate_up, mma_launch_args
+from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_gate_up, mma_launch_args
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -373,7 +373,7 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     if decode == "register":
         shared["ASM"], shared["SWAP_AB"] = inline_asm_ok(x.device), config.swap_ab
     elif decode == "mma":
-        shared["ASM"] = inline_asm_ok(x.device) * mma_asm(config)
+        shared["ASM"] = inline_asm_ok(x.device)
     else:
         shared["AHEAD"] = ahead_of(config)
     q13, q2 = (w13.q.shape[2], w13.strides), (w2.q.shape[2], w2.strides)

@@ -13,7 +13,8 @@ holds value T = t + 4 p (t = 2 h + g) of word j = 4 b + q, i.e. activation colum
 g. Which layout Triton picks depends on its version (``triton_wo_mma.operand_pairs``); the other order costs a
 shared-memory hop of the decoded operand, never a wrong sum. Each operand register (a bf16 pair p = 0, 1) is values
 t and t + 4 of one word, the nibbles at bits 4t and 4t + 16: one shift, one lop3 and one bf16x2 fma for two int4
-weights (sm_90 SASS: ``benchmarks/wo_mma_sass_cpu.py``).
+weights, one and, one multiply, one and and one bf16x2 fma for two mxfp4 weights (sm_90 SASS:
+``benchmarks/wo_mma_sass_cpu.py``).
 
 Values (exact):
     int4   code - z (z the row's zero point in the step's group): the code placed in the low mantissa bits of
@@ -23,11 +24,11 @@ Values (exact):
            and the sign to bit 15 (e2m1 * 2^-126; the code 0.5 a bf16 subnormal, which bf16x2 arithmetic keeps),
            then one fma.rn.bf16x2 by 2^(s - 65). Exact for s in 66 .. 192 (scales 2^-61 .. 2^65); the kernel
            multiplies its float32 accumulator by X_SCALE = 2^64 at the end (products below 2^-126 in float32, i.e.
-           |w x| < 2^-62, are lost: far below the bf16 rounding of any output they could change). Two placements
-           (the launch's ASM, ``triton_wo_mma.MXFP4_PLACES``): 1 "shift" (session 28: two shifts, an and and a lop3
-           a pair) and 2 "mul" (session 29: the pair's two nibbles masked, one multiply by 2^6 + 2^12 copying each
-           to bits 6-9 and 12-15, one mask keeping bits 6-8 of the first copy and the sign of the second), each
-           group decoded apart with its scale broadcast along its words (``mxfp4_mul_operand``): the same bits.
+           |w x| < 2^-62, are lost: far below the bf16 rounding of any output they could change). The bits placed
+           by a multiply (session 29): the pair's two nibbles masked, one multiply by 2^6 + 2^12 copying each to
+           bits 6-9 and 12-15, one mask keeping bits 6-8 of the first copy and the sign of the second; each group
+           decoded apart with its scale broadcast along its words (``mxfp4_mul_operand``). (Session 28's placement,
+           two shifts, an and and a lop3 a pair, read 1.5-1.7x slower on the H200 in sessions 29 and 31: removed.)
 int8 (SCHEME 0): a thread holds two words of a k32 block (j = 8b + 2q + e, e = h: 8 contiguous bytes), each operand
 register values t and t + 2 of one word (the bytes at bits 8t and 8t + 16):
     PAIRS 1  logical k = 32 b + 16 e + 8 t + 2 q + p;  PAIRS 2  logical k = 32 b + 16 e + 4 q + 2 t + p
@@ -52,17 +53,7 @@ lop3.b32 a, $1, 0x000F000F, 0x43004300, 0xEA;
 mov.b32 one, 0x3F803F80;
 fma.rn.bf16x2 $0, a, one, $2;
 }""")
-# mxfp4: $1 the word shifted right by 4t, $2 the bf16x2 bits of 2^(s - 65) twice -> values t, t + 4 as bf16x2
-_MXFP4_PAIR_ASM = tl.constexpr("""{
-.reg .b32 a, g, z;
-shl.b32 a, $1, 6;
-shl.b32 g, $1, 12;
-and.b32 g, g, 0x80008000;
-lop3.b32 a, a, 0x01C001C0, g, 0xEA;
-mov.b32 z, 0x80008000;
-fma.rn.bf16x2 $0, a, $2, z;
-}""")
-# mxfp4 by a multiply (ASM 2): $1 the word (values t, t + 4 for t = 0, 1) or the word >> 8 (t = 2, 3), the pair's
+# mxfp4 by a multiply: $1 the word (values t, t + 4 for t = 0, 1) or the word >> 8 (t = 2, 3), the pair's
 # two nibbles masked clean, one multiply by 2^6 + 2^12 (t even; odd: 2^2 + 2^8, the nibbles 4 bits higher) copying
 # each nibble to bits 6-9 and 12-15 of its half (no carries: the copies do not overlap), the magnitude of the first
 # copy and the sign of the second kept, then the fma as above
@@ -116,15 +107,12 @@ def _twin(w, s, T: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr):
 
 @triton.jit
 def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST: tl.constexpr):
-    """Values t and t + 4 of each word of w [BN, b, q] -> [BN, b, q, 2] DTYPE. c (w's shape): with FAST and bf16 the
-    PTX's constant (bf16x2 bits: int4 -(128 + z), mxfp4 2^(s - 65)), else ``_twin``'s s."""
+    """Values t and t + 4 of each word of w [BN, b, q] -> [BN, b, q, 2] DTYPE. c (w's shape): with FAST and bf16 (int4
+    only: mxfp4's PTX is ``mxfp4_mul_operand``'s) the PTX's constant, the bf16x2 bits of -(128 + z), else ``_twin``'s
+    s."""
     if FAST and DTYPE == tl.bfloat16:
-        if SCHEME == 1:
-            o = tl.inline_asm_elementwise(_INT4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
-                                          pack=1)
-        else:
-            o = tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
-                                          pack=1)
+        o = tl.inline_asm_elementwise(_INT4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
+                                      pack=1)
         pair = _halves(o, DTYPE)
     else:
         pair = tl.join(_twin(w, c, t, DTYPE, SCHEME), _twin(w, c, t + 4, DTYPE, SCHEME))
@@ -133,7 +121,7 @@ def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST
 
 @triton.jit
 def _mxfp4_mul_pair(w, c, t: tl.constexpr):
-    """mxfp4 values t and t + 4 of each word of w as bf16x2 bits (int32), by the multiply (ASM 2); c: 2^(s - 65) twice
+    """mxfp4 values t and t + 4 of each word of w as bf16x2 bits (int32), by the multiply; c: 2^(s - 65) twice
     as bf16x2 bits. The word >> 8 (t >= 2) is made once for both of its pairs (the same expression)."""
     src = w
     if t >= 2:
@@ -187,15 +175,13 @@ def _nibble_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constex
                     FAST: tl.constexpr, PAIRS: tl.constexpr = 1):
     """4-bit words w [BN, BKW] int32 (BKW a multiple of 4) -> [BN, 8 * BKW] DTYPE in the MMA order. s: int4 the
     rows' zero points [BN, 1], mxfp4 the groups' e8m0 bytes [BN, BKW / 4] (int32); FAST only takes effect with
-    DTYPE bf16 (the PTX's constants made once a row or group). The words are taken as [BN, b, q] (word j = 4b + q)
-    and the constants as [BN, b or 1, 1], so a group's constant meets its words without a layout change."""
-    if SCHEME == 2 and FAST == 2 and DTYPE == tl.bfloat16:
+    DTYPE bf16 (mxfp4: ``mxfp4_mul_operand``; int4: the PTX's constant made once a row). The words are taken as
+    [BN, b, q] (word j = 4b + q) and the constants as [BN, b or 1, 1], so a group's constant meets its words without
+    a layout change."""
+    if SCHEME == 2 and FAST and DTYPE == tl.bfloat16:
         return mxfp4_mul_operand(w, s, BN, PAIRS, DTYPE, True)
-    if FAST and DTYPE == tl.bfloat16:
-        if SCHEME == 1:
-            c = (-128.0 - s.to(tl.float32)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        else:
-            c = (s + MULT_BIAS) << 7  # bf16 bits of 2^(s - 65)
+    if FAST and DTYPE == tl.bfloat16:  # int4
+        c = (-128.0 - s.to(tl.float32)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         c = c | (c << 16)
     else:
         c = s
@@ -234,7 +220,7 @@ def _mxfp4_group(w, s, DTYPE: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def mxfp4_mul_operand(w, s, BN: tl.constexpr, PAIRS: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """mxfp4 by the multiply (the launch's ASM 2): a dot's words w [BN, 16] int32 and their groups' e8m0 bytes s
+    """mxfp4 by the multiply (the launch's ASM): a dot's words w [BN, 16] int32 and their groups' e8m0 bytes s
     [BN, 4] -> [BN, 128] DTYPE in the MMA order, each group b = 2 b1 + b0 decoded apart (split out of the words and
     bytes along b): its scale a [BN] vector broadcast along the words, as int4's zero point, so Triton lays the decode
     out as the MMA reads it (a [BN, 4, 1] scale put the operand through shared memory at BLOCK_K 128, sm_90 SASS:
