@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from moekit.experts.cpu_int8mm import MAX_COLS, Int8MMLinear, int8mm_supported
 from moekit.quant import QuantizedWeight
 from moekit.quant.base import decode_nibbles, pad_cols, unpack_nibbles
 from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
@@ -45,7 +46,8 @@ from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
 TILE_BYTES = 512 << 10  # fp32 rows of one dequantized tile: 64 rows at C = 2048, in L2 with its GEMM
 WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's (what "auto" takes for a bf16 x)
-    "int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"), "mxfp4": ("dequant", "int8pack")}
+    "int8_w8a16": ("dequant", "int8mm", "int8pack"), "int4_w4a16": ("dequant", "int4pack"),
+    "mxfp4": ("dequant", "int8mm", "int8pack")}
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -81,6 +83,8 @@ class QuantKernels:
         if kernel == "int8pack" and not int8pack_supported(dtype):
             return "dequant"
         if kernel == "int4pack" and not int4pack_supported(dtype):
+            return "dequant"
+        if kernel == "int8mm" and not (dtype == torch.float32 and int8mm_supported()):
             return "dequant"
         return kernel
 
@@ -189,7 +193,7 @@ def mxfp4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8PackLinear | None:
     return Int8PackLinear(q, torch.pow(2.0, (lo[:, 0] - E8M0_BIAS - 1).float()))  # [R, C], [R]
 
 
-_REPACKERS = {"int4_w4a16": int4_repacked, "mxfp4": mxfp4_as_int8}
+_REPACKERS = {"int4_w4a16": int4_repacked, "mxfp4": mxfp4_as_int8}  # mxfp4's serves "int8mm" and "int8pack"
 
 
 def _tensor_bytes(linear) -> int:
@@ -244,6 +248,12 @@ def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: 
     """What computes a @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is not
     thread-safe), called on the worker."""
     kernel = kernels.resolve(w.scheme, dtype)
+    if kernel == "int8mm" and w.shape[2] <= MAX_COLS:
+        if w.scheme == "int8_w8a16":
+            return Int8MMLinear(w.q[expert], w.scale[expert])
+        as_int8 = cache.get(w, expert, dtype)  # mxfp4's exact int8 form
+        if as_int8 is not None:
+            return Int8MMLinear(as_int8.q, as_int8.scale)
     if kernel == "int8pack" and w.scheme == "int8_w8a16" and w.shape[2] % PACK_MULTIPLE == 0:
         return Int8PackLinear(w.q[expert], w.scale[expert])
     if (kernel == "int4pack" and w.shape[1] % PACK_MULTIPLE == 0) or (kernel == "int8pack" and w.scheme == "mxfp4"):
