@@ -1,15 +1,16 @@
 """float32 activations times int8 weights on torch's integer GEMM (``torch._int_mm``: oneDNN, AMX / VNNI where the CPU
 has them), reading the int8 codes as they are stored: one pass over the weight bytes, no dequantized copy.
 
-    a [m, C] float32 -> per row a power of two u (its largest |a| below 2**31 u), n = round(a / u) int64
-      -> n's low LIMBS bytes as signed digits d[i] (n = sum_i d[i] 256**i exactly, |d| <= 128)     [LIMBS, m, C]
+    a [m, C] float32 -> per row a power of two u (its largest |a| below 2**30 u), n = round(a / u) int64
+      -> n's LIMBS bytes as signed digits d[i] (n = sum_i d[i] 256**i exactly, d in [-128, 127])    [LIMBS, m, C]
       -> P[i] = d[i] @ q^T, int32 and exact (|P| <= C * 128 * 127 < 2**31)                        [LIMBS, m, R]
       -> a @ (q * scale)^T ~= (sum_i P[i] 256**i) * u * scale, summed in float64, rounded once     [m, R]
 
-Accuracy: the only rounding before the last is a's to 32-bit fixed point per row: an element of a row whose
-largest element is at most 2**7 times its own keeps all its float32 bits; a smaller one is off by at most 2**-32 of
-its row's largest. The dequantized path instead rounds each weight q * scale to float32 and accumulates in float32
-(``moekit.experts.cpu_quant``'s "dequant"); the test holds both against a float64 loop.
+Accuracy: the only rounding before the last is a's to 31-bit fixed point per row (30 bits and a sign): an element
+of a row whose largest element is at most 2**6 times its own keeps all its float32 bits; a smaller one is off by at
+most half a unit, 2**-30 of its row's largest. The dequantized path instead rounds each weight q * scale to
+float32 and accumulates in float32 (``moekit.experts.cpu_quant``'s "dequant"); the test holds both against a float64
+loop.
 
 Why it pays: an expert [1536, 2048] at 1 row on 1 core of the 2-core Xeon, ``torch._int_mm`` 0.20 ms, the float32
 GEMV on the plain float32 weight 0.44 ms, the dequantized int8 one 1.96 ms; 4 to 16 rows cost the integer GEMM no
@@ -26,10 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-LIMBS = 4  # bytes of a's fixed point: 31 bits and a sign
-FIXED_BITS = 8 * LIMBS - 1
+LIMBS = 4  # bytes of a's fixed point
+# |n| < 2**30: n + _BYTE_OFFSET (2**31 + 2**23 + 2**15 + 2**7) stays in [0, 2**32), whose 4 bytes are the digits
+FIXED_BITS = 8 * LIMBS - 2
 # |P| <= C * 128 * 127 must stay below 2**31
 MAX_COLS = (2**31 - 1) // (128 * 127)
+MIN_COLS = 2  # torch 2.13's CPU _int_mm returns wrong sums at C = 1 (R > 1; C = 2..19 and 768, 2048 checked exact)
 _BYTE_OFFSET = sum(128 << (8 * i) for i in range(LIMBS))  # + 128 per byte: each byte XOR 0x80 is its signed digit
 
 
@@ -62,8 +65,8 @@ def int8_limbs(a: torch.Tensor) -> Int8Limbs | None:
     amax = a64.abs().amax(dim=1, keepdim=True)  # [m, 1]; inf or NaN where the row has one
     if not bool(torch.isfinite(amax).all()):
         return None
-    unit = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent - FIXED_BITS)  # amax < 2**31 unit
-    n = torch.round(a64.div_(unit)).to(torch.int64).add_(_BYTE_OFFSET)  # [m, C], in [0, 2**32)
+    unit = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent - FIXED_BITS)  # amax < 2**30 unit
+    n = (a64 / unit).round_().to(torch.int64).add_(_BYTE_OFFSET)  # [m, C], in [0, 2**32)
     digits = n.view(torch.int8).view(a.shape[0], a.shape[1], 8)[:, :, :LIMBS].permute(2, 0, 1)  # [LIMBS, m, C]
     digits = digits.contiguous().bitwise_xor_(-128)  # byte b -> b - 128 as int8
     return Int8Limbs(digits.view(LIMBS * a.shape[0], a.shape[1]), unit)
@@ -75,10 +78,10 @@ _PLACES = torch.tensor([[256.0**i for i in range(LIMBS)]], dtype=torch.float64) 
 def int8mm_linear(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """a [m, C] float32 @ (q [R, C] int8 * scale [R] float32)^T (+ bias [R]) -> [m, R] float32 by ``torch._int_mm``
-    on a's digits (module docstring). Where a row holds an inf or a NaN (no fixed point), or m or C is 0, on the
-    float32 weight instead (the float32 path's infinities and NaNs)."""
+    on a's digits (module docstring). Where a row holds an inf or a NaN (no fixed point), m is 0 or C below
+    ``MIN_COLS``, on the float32 weight instead (the float32 path's infinities and NaNs)."""
     m, rows = a.shape[0], q.shape[0]
-    limbs = int8_limbs(a) if m and a.shape[1] else None
+    limbs = int8_limbs(a) if m and a.shape[1] >= MIN_COLS else None
     if limbs is None:
         out = a @ (q.to(torch.float32) * scale[:, None]).t()  # [m, R]
         return out if bias is None else out.add_(bias)
