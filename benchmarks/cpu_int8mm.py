@@ -4,9 +4,10 @@ Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, k=8), uniform random routing,
 the same fp32 weights. Per round, in an order shuffled each round (seeded; a warm-up round first), one call each of:
 - ``unquantized``: ``experts_grouped_mm`` on the fp32 weights (what ``auto`` runs: the split loop, packed weights
   from 4 rows an expert, BLAS below);
-- ``dequant[s]`` / ``int8mm[s]``: the quantized CPU loop (``cpu_packed.experts_cpu_fused``, split over the threads)
-  with that ``QuantKernels`` kernel forced (``moekit.experts.cpu_quant``, ``moekit.experts.cpu_int8mm``);
-- ``auto[s]``: ``experts_grouped_mm`` on the QuantizedWeights (what the library runs by default).
+- ``dequant[s]`` / ``int8mm[s]``: the quantized CPU loop (``cpu_packed.experts_cpu_fused``, experts split over
+  single-threaded workers, one a thread) with that ``QuantKernels`` kernel forced (``moekit.experts.cpu_quant``,
+  ``moekit.experts.cpu_int8mm``); ``int8mm_w1[s]``: the same loop unsplit, each ``torch._int_mm`` on every thread;
+- ``auto[s]`` (``--auto``): ``experts_grouped_mm`` on the QuantizedWeights (what the library runs by default).
 Prints per M the medians (ms), each row's rel-L2 error against a float64 reference (the float64 weights exactly
 dequantized, float64 throughout: the ``reference`` backend on float64 x), and per-round ratios: ``int8mm[s]``'s
 rounds >= 3% faster than ``dequant[s]`` and than ``unquantized`` (each ratio within one round). JSON with every
@@ -38,17 +39,19 @@ from moekit.bench.run import commit_id
 QWEN3 = "128,768,2048,8"
 
 
-def calls_of(p, quantized: dict) -> dict:
+def calls_of(p, quantized: dict, auto: bool) -> dict:
     """Row name -> a zero-argument call (module docstring)."""
     threads = torch.get_num_threads()
     calls = {"unquantized": lambda: experts_grouped_mm(p.x, p.w13, p.w2, p.ids, p.weights)}
     for scheme, (q13, q2) in quantized.items():
         ex = ExpertParams(q13, q2, None, None, as_spec("silu"))
-        for kernel in ("dequant", "int8mm"):
+        for name, kernel, workers in (("dequant", "dequant", threads), ("int8mm", "int8mm", threads),
+                                      ("int8mm_w1", "int8mm", 1)):
             kernels = QuantKernels(**{scheme: kernel})
-            calls[f"{kernel}[{scheme}]"] = lambda e=ex, k=kernels: experts_cpu_fused(
-                p.x, e, p.ids, p.weights, None, None, workers=threads, quant=k).to(p.x.dtype)
-        calls[f"auto[{scheme}]"] = lambda a=q13, b=q2: experts_grouped_mm(p.x, a, b, p.ids, p.weights)
+            calls[f"{name}[{scheme}]"] = lambda e=ex, k=kernels, w=workers: experts_cpu_fused(
+                p.x, e, p.ids, p.weights, None, None, workers=w, quant=k).to(p.x.dtype)
+        if auto:
+            calls[f"auto[{scheme}]"] = lambda a=q13, b=q2: experts_grouped_mm(p.x, a, b, p.ids, p.weights)
     return calls
 
 
@@ -90,6 +93,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--schemes", default="int8_w8a16,mxfp4", help="weight-only schemes, comma-separated")
     ap.add_argument("--shape", default=QWEN3, help="E,N,K,k")
+    ap.add_argument("--auto", action="store_true", help="also time auto[s], the library's default")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     shape = ExpertsShape.parse(args.shape)
@@ -102,15 +106,15 @@ def main() -> None:
     for m in (int(v) for v in args.batches.split(",")):
         p = problem(m, w13, w2, shape.top_k, gen)
         with torch.no_grad():
-            calls = calls_of(p, quantized)
+            calls = calls_of(p, quantized, args.auto)
             errs = errors(calls, p, quantized)
             samples = rounds_of(calls, args.rounds)
         doc["batches"].append({"M": m, "samples_s": samples, "rel_err_vs_float64": errs})
         print(f"M={m} load {os.getloadavg()[0]:.2f}")
         for name, s in samples.items():
             line = f"  {name:22s} {statistics.median(s) * 1e3:9.2f} ms  err {errs[name]:.1e}"
-            if name.startswith("int8mm["):
-                scheme = name[len("int8mm"):]
+            if name.startswith("int8mm"):
+                scheme = name[name.index("["):]
                 line += (f"  x dequant {statistics.median(samples['dequant' + scheme]) / statistics.median(s):.2f}"
                          f" ({wins(samples, name, 'dequant' + scheme)}/{args.rounds} rounds >= 3%),"
                          f" / unquantized {statistics.median(s) / statistics.median(samples['unquantized']):.2f}"

@@ -22,7 +22,7 @@ def digits_value(a):
     limbs = int8_limbs(a)
     m = a.shape[0]
     digits = limbs.digits.view(LIMBS, m, a.shape[1]).double()
-    return sum(digits[i] * 256.0**i for i in range(LIMBS)) * limbs.unit
+    return sum(digits[i] * 256.0**i for i in range(LIMBS)) / limbs.inverse_unit
 
 
 def test_digits_rebuild_a_row_exactly_or_within_2_to_the_minus_30_of_its_largest():

@@ -1,7 +1,7 @@
 """float32 activations times int8 weights on torch's integer GEMM (``torch._int_mm``: oneDNN, AMX / VNNI where the CPU
 has them), reading the int8 codes as they are stored: one pass over the weight bytes, no dequantized copy.
 
-    a [m, C] float32 -> per row a power of two u (its largest |a| below 2**30 u), n = round(a / u) int64
+    a [m, C] float32 -> per row a power of two u (its largest |a| below 2**30 u), n = floor(a / u + 1/2) int64
       -> n's LIMBS bytes as signed digits d[i] (n = sum_i d[i] 256**i exactly, d in [-128, 127])    [LIMBS, m, C]
       -> P[i] = d[i] @ q^T, int32 and exact (|P| <= C * 128 * 127 < 2**31)                        [LIMBS, m, R]
       -> a @ (q * scale)^T ~= (sum_i P[i] 256**i) * u * scale, summed in float64, rounded once     [m, R]
@@ -22,6 +22,7 @@ Shapes: m rows of one expert, R output features, C input features.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from dataclasses import dataclass
 
@@ -34,14 +35,15 @@ FIXED_BITS = 8 * LIMBS - 2
 MAX_COLS = (2**31 - 1) // (128 * 127)
 MIN_COLS = 2  # torch 2.13's CPU _int_mm returns wrong sums at C = 1 (R > 1; C = 2..19 and 768, 2048 checked exact)
 _BYTE_OFFSET = sum(128 << (8 * i) for i in range(LIMBS))  # + 128 per byte: each byte XOR 0x80 is its signed digit
+_ZERO_ROW = 2.0**-149  # an all-zero row's stand-in largest |a| (float32's least): any unit serves it
 
 
 @dataclass(frozen=True)
 class Int8Limbs:
-    """a [m, C] as ``LIMBS`` signed int8 digits a row: a ~= unit * sum_i digits[i] * 256**i."""
+    """a [m, C] as ``LIMBS`` signed int8 digits a row: a ~= sum_i digits[i] * 256**i / inverse_unit."""
 
     digits: torch.Tensor  # [LIMBS * m, C] int8, limb-major: rows i*m .. i*m+m-1 hold digit i of every row
-    unit: torch.Tensor  # [m, 1] float64, a power of two per row
+    inverse_unit: torch.Tensor  # [m, 1] float64, 2**(30 - e) for a row whose largest |a| is in [2**(e-1), 2**e)
 
 
 @functools.cache
@@ -60,16 +62,19 @@ def int8mm_supported() -> bool:
 
 
 def int8_limbs(a: torch.Tensor) -> Int8Limbs | None:
-    """a [m, C] (C >= 1) -> its digits and units (module docstring); None where a row holds an inf or a NaN."""
-    a64 = a.to(torch.float64)
-    amax = a64.abs().amax(dim=1, keepdim=True)  # [m, 1]; inf or NaN where the row has one
-    if not bool(torch.isfinite(amax).all()):
+    """a [m, C] float32 (C >= 1) -> its digits (module docstring); None where a row holds an inf or a NaN. About 25
+    torch ops a call, each a few us: at decode (1 row an expert) their count is what the call costs beyond the GEMM."""
+    amax = torch.linalg.vector_norm(a, ord=math.inf, dim=1, keepdim=True).to(torch.float64)  # [m, 1] max |a|
+    if not math.isfinite(float(amax.sum())):
         return None
-    unit = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent - FIXED_BITS)  # amax < 2**30 unit
-    n = (a64 / unit).round_().to(torch.int64).add_(_BYTE_OFFSET)  # [m, C], in [0, 2**32)
-    digits = n.view(torch.int8).view(a.shape[0], a.shape[1], 8)[:, :, :LIMBS].permute(2, 0, 1)  # [LIMBS, m, C]
+    mantissa = torch.frexp(amax.clamp_min_(_ZERO_ROW)).mantissa  # amax = mantissa * 2**e
+    inverse_unit = mantissa.div_(amax).mul_(2.0**FIXED_BITS)  # 2**(30 - e), exact
+    # floor(a / unit + 1/2) + offset: float64 holds a / unit (|.| < 2**30) exactly, the sum to within 2**-20
+    n = torch.mul(a, inverse_unit).add_(_BYTE_OFFSET + 0.5).to(torch.int64)  # [m, C] in [0, 2**32): to() floors
+    m, cols = a.shape
+    digits = torch.as_strided(n.view(torch.int8), (LIMBS, m, cols), (1, 8 * cols, 8))  # n's low bytes, little-endian
     digits = digits.contiguous().bitwise_xor_(-128)  # byte b -> b - 128 as int8
-    return Int8Limbs(digits.view(LIMBS * a.shape[0], a.shape[1]), unit)
+    return Int8Limbs(digits.view(LIMBS * m, cols), inverse_unit)
 
 
 _PLACES = torch.tensor([[256.0**i for i in range(LIMBS)]], dtype=torch.float64)  # [1, LIMBS] each digit's place
@@ -87,7 +92,7 @@ def int8mm_linear(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
         return out if bias is None else out.add_(bias)
     parts = torch._int_mm(limbs.digits, q.t())  # [LIMBS * m, R] int32, exact
     exact = torch.mm(_PLACES, parts.view(LIMBS, m * rows).to(torch.float64)).view(m, rows)  # [m, R], exact
-    out = exact.mul_(limbs.unit).mul_(scale.to(torch.float64)).to(torch.float32)  # one rounding
+    out = exact.mul_(scale.to(torch.float64) / limbs.inverse_unit).to(torch.float32)  # [m, R]: one rounding
     return out if bias is None else out.add_(bias)
 
 
