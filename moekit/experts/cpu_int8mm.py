@@ -2,8 +2,8 @@
 has them), reading the int8 codes as they are stored: one pass over the weight bytes, no dequantized copy.
 
     a [m, C] float32 -> per row a power of two u (its largest |a| below 2**30 u), n = floor(a / u + 1/2) int64
-      -> n's LIMBS bytes as signed digits d[i] (n = sum_i d[i] 256**i exactly, d in [-128, 127])    [LIMBS, m, C]
-      -> P[i] = d[i] @ q^T, int32 and exact (|P| <= C * 128 * 127 < 2**31)                        [LIMBS, m, R]
+      -> n + _BYTE_OFFSET's LIMBS bytes less 128: signed digits d[i], n = sum_i d[i] 256**i exactly   [LIMBS, m, C]
+      -> P[i] = d[i] @ q^T, int32 and exact (|P| <= C * 128 * 127 < 2**31), as q @ d^T            [R, LIMBS * m]
       -> a @ (q * scale)^T ~= (sum_i P[i] 256**i) * u * scale, summed in float64, rounded once     [m, R]
 
 Accuracy: the only rounding before the last is a's to 31-bit fixed point per row (30 bits and a sign): an element
@@ -14,7 +14,13 @@ loop.
 
 Why it pays: an expert [1536, 2048] at 1 row on 1 core of the 2-core Xeon, ``torch._int_mm`` 0.20 ms, the float32
 GEMV on the plain float32 weight 0.44 ms, the dequantized int8 one 1.96 ms; 4 to 16 rows cost the integer GEMM no
-more (0.20 ms), 128 rows (32 rows of a) 0.50 ms against float32's 1.93 ms at 32 rows.
+more (0.20 ms), 128 rows (32 rows of a) 0.50 ms against float32's 1.93 ms at 32 rows. With q as the GEMM's first
+operand (out^T = q @ digits^T) oneDNN reorders only the small digits, not the weight: 0.18 ms (w13) and 0.07 ms
+(w2 [2048, 768], against 0.13) at 1 row of a.
+
+The ~25 torch ops of a call run as one TorchScript function (``torch.jit.script``; the plain function where this
+torch cannot script it): as Python they took the GIL back after every op, and two loop workers calling them ran no
+faster than one (w13 + w2 of one expert at 1 row: 0.55 ms on 1 thread, 1.02 ms each on 2; scripted 0.45 / 0.49).
 
 Shapes: m rows of one expert, R output features, C input features.
 """
@@ -22,9 +28,10 @@ Shapes: m rows of one expert, R output features, C input features.
 from __future__ import annotations
 
 import functools
-import math
 import sys
+import warnings
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -34,8 +41,10 @@ FIXED_BITS = 8 * LIMBS - 2
 # |P| <= C * 128 * 127 must stay below 2**31
 MAX_COLS = (2**31 - 1) // (128 * 127)
 MIN_COLS = 2  # torch 2.13's CPU _int_mm returns wrong sums at C = 1 (R > 1; C = 2..19 and 768, 2048 checked exact)
-_BYTE_OFFSET = sum(128 << (8 * i) for i in range(LIMBS))  # + 128 per byte: each byte XOR 0x80 is its signed digit
+_BYTE_OFFSET = sum(128 << (8 * i) for i in range(LIMBS))  # + 128 per byte
+_HALF_OFFSET = _BYTE_OFFSET + 0.5  # floor(x + 1/2) rounds
 _ZERO_ROW = 2.0**-149  # an all-zero row's stand-in largest |a| (float32's least): any unit serves it
+_UNIT_BITS = 2.0**FIXED_BITS
 
 
 @dataclass(frozen=True)
@@ -46,38 +55,77 @@ class Int8Limbs:
     inverse_unit: torch.Tensor  # [m, 1] float64, 2**(30 - e) for a row whose largest |a| is in [2**(e-1), 2**e)
 
 
+# TorchScript reads no module globals: the scripted functions take the constants as argument defaults
+def _digits(a: torch.Tensor, amax: torch.Tensor, limbs: int = LIMBS, zero_row: float = _ZERO_ROW,
+            unit_bits: float = _UNIT_BITS, half_offset: float = _HALF_OFFSET) -> Tuple[torch.Tensor, torch.Tensor]:
+    """a [m, C] float32 and its rows' largest |a| [m, 1] (finite) -> digits [LIMBS * m, C] int8, 1 / unit [m, 1]."""
+    m, cols = a.shape[0], a.shape[1]
+    amax64 = amax.to(torch.float64).clamp_min_(zero_row)
+    mantissa, _ = torch.frexp(amax64)  # amax = mantissa * 2**e
+    inverse_unit = mantissa.div_(amax64).mul_(unit_bits)  # 2**(30 - e), exact
+    # float64 holds a / unit (|.| < 2**30) exactly and the sum to within 2**-20; to(int64) floors it (it is > 0)
+    n = torch.mul(a, inverse_unit).add_(half_offset).to(torch.int64)  # [m, C] in [0, 2**32)
+    shifts = torch.arange(0, 8 * limbs, 8, dtype=torch.int64).view(limbs, 1, 1)
+    digits = (n.unsqueeze(0) >> shifts).bitwise_and_(255).sub_(128).to(torch.int8)  # [LIMBS, m, C]
+    return digits.view(limbs * m, cols), inverse_unit
+
+
+def int8_limbs(a: torch.Tensor) -> Int8Limbs | None:
+    """a [m, C] float32 (C >= 1) -> its digits (module docstring); None where a row holds an inf or a NaN."""
+    amax = a.abs().amax(dim=1, keepdim=True)  # [m, 1]; inf or NaN where the row has one
+    if not bool(torch.isfinite(amax).all()):
+        return None
+    return Int8Limbs(*_digits(a, amax))
+
+
+def _int8mm(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+            limbs: int = LIMBS, min_cols: int = MIN_COLS) -> torch.Tensor:
+    """``int8mm_linear``'s body, written for TorchScript."""
+    m = a.shape[0]
+    amax = torch.zeros(m, 1, dtype=a.dtype)
+    usable = m > 0 and a.shape[1] >= min_cols
+    if usable:
+        amax = a.abs().amax(dim=1, keepdim=True)  # [m, 1]; inf or NaN where the row has one
+        usable = bool(torch.isfinite(amax).all())
+    if usable:
+        digits, inverse_unit = _digits(a, amax)
+        parts = torch._int_mm(q, digits.t())  # [R, LIMBS * m] int32, exact; q as the GEMM's A, read in place
+        places = torch.tensor([256.0**i for i in range(limbs)], dtype=torch.float64).view(1, limbs)
+        places = torch.kron(places, torch.eye(m, dtype=torch.float64))  # [m, LIMBS * m]: 256**i at i*m + j
+        exact = torch.mm(places, parts.t().to(torch.float64))  # [m, R], exact
+        out = exact.mul_(scale.to(torch.float64) / inverse_unit).to(torch.float32)  # one rounding
+    else:
+        out = torch.mm(a, (q.to(torch.float32) * scale[:, None]).t())  # [m, R]
+    if bias is not None:
+        out = out.add_(bias)
+    return out
+
+
+@functools.cache
+def _compiled():
+    """``_int8mm`` scripted once (module docstring), else as it is (a torch without TorchScript, or one that
+    cannot script it: any error here only costs the speed)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch 2.13 marks torch.jit.script deprecated
+            return torch.jit.script(_int8mm)
+    except Exception:  # noqa: BLE001
+        return _int8mm
+
+
 @functools.cache
 def int8mm_supported() -> bool:
-    """Whether this torch runs ``torch._int_mm`` on the CPU, exactly, on a transposed weight view (probed once);
-    the digits come from a little-endian byte view."""
-    op = getattr(torch, "_int_mm", None)
-    if op is None or sys.byteorder != "little":
+    """Whether this torch runs ``torch._int_mm`` on the CPU, exactly, on a transposed operand (probed once, on the
+    calling thread, with the scripted body ready)."""
+    if getattr(torch, "_int_mm", None) is None or sys.byteorder != "little":
         return False
     try:
         a = torch.tensor([[127, -128, 3]], dtype=torch.int8).repeat(4, 1)
         q = torch.tensor([[-127, -127, 5], [1, 2, 3]], dtype=torch.int8)  # [R = 2, C = 3]
-        return bool(torch.equal(op(a, q.t()), (a.int() @ q.int().t()).int()))
+        exact = bool(torch.equal(torch._int_mm(q, a.t()), (q.int() @ a.int().t()).int()))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-
-
-def int8_limbs(a: torch.Tensor) -> Int8Limbs | None:
-    """a [m, C] float32 (C >= 1) -> its digits (module docstring); None where a row holds an inf or a NaN. About 25
-    torch ops a call, each a few us: at decode (1 row an expert) their count is what the call costs beyond the GEMM."""
-    amax = torch.linalg.vector_norm(a, ord=math.inf, dim=1, keepdim=True).to(torch.float64)  # [m, 1] max |a|
-    if not math.isfinite(float(amax.sum())):
-        return None
-    mantissa = torch.frexp(amax.clamp_min_(_ZERO_ROW)).mantissa  # amax = mantissa * 2**e
-    inverse_unit = mantissa.div_(amax).mul_(2.0**FIXED_BITS)  # 2**(30 - e), exact
-    # floor(a / unit + 1/2) + offset: float64 holds a / unit (|.| < 2**30) exactly, the sum to within 2**-20
-    n = torch.mul(a, inverse_unit).add_(_BYTE_OFFSET + 0.5).to(torch.int64)  # [m, C] in [0, 2**32): to() floors
-    m, cols = a.shape
-    digits = torch.as_strided(n.view(torch.int8), (LIMBS, m, cols), (1, 8 * cols, 8))  # n's low bytes, little-endian
-    digits = digits.contiguous().bitwise_xor_(-128)  # byte b -> b - 128 as int8
-    return Int8Limbs(digits.view(LIMBS * m, cols), inverse_unit)
-
-
-_PLACES = torch.tensor([[256.0**i for i in range(LIMBS)]], dtype=torch.float64)  # [1, LIMBS] each digit's place
+    return exact and _compiled() is not None
 
 
 def int8mm_linear(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -85,15 +133,7 @@ def int8mm_linear(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """a [m, C] float32 @ (q [R, C] int8 * scale [R] float32)^T (+ bias [R]) -> [m, R] float32 by ``torch._int_mm``
     on a's digits (module docstring). Where a row holds an inf or a NaN (no fixed point), m is 0 or C below
     ``MIN_COLS``, on the float32 weight instead (the float32 path's infinities and NaNs)."""
-    m, rows = a.shape[0], q.shape[0]
-    limbs = int8_limbs(a) if m and a.shape[1] >= MIN_COLS else None
-    if limbs is None:
-        out = a @ (q.to(torch.float32) * scale[:, None]).t()  # [m, R]
-        return out if bias is None else out.add_(bias)
-    parts = torch._int_mm(limbs.digits, q.t())  # [LIMBS * m, R] int32, exact
-    exact = torch.mm(_PLACES, parts.view(LIMBS, m * rows).to(torch.float64)).view(m, rows)  # [m, R], exact
-    out = exact.mul_(scale.to(torch.float64) / limbs.inverse_unit).to(torch.float32)  # [m, R]: one rounding
-    return out if bias is None else out.add_(bias)
+    return _compiled()(a, q, scale, bias)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ experts a call touches.
 
     for each expert e with rows (on the worker that runs it):
         h = x_e @ w13[e]^T: w13[e] dequantized a tile of TILE_BYTES at a time, each tile through oneDNN's linear
-            ("dequant"), or torch's weight-only CPU kernel on the packed codes ("int8pack" / "int4pack")
+            ("dequant"), torch's integer GEMM on the int8 codes and x's digits ("int8mm"), or torch's weight-only
+            CPU kernel on the packed codes ("int8pack" / "int4pack")
         y = glu(h) @ w2[e]^T: the same
 
 Until session 30 such a call dequantized all E experts of both matrices to x's dtype, then ran the dense loop:
@@ -11,10 +12,14 @@ at Qwen3-30B-A3B decode (E = 128, k = 8, M = 1 touches 8 experts) 16x the bytes 
 of K = 2048 fp32, 512 KB) stays in L2 between its dequantize and its GEMM, and is small enough that the
 allocator reuses its pages (a whole [1536, 2048] fp32 expert allocated per call page-faults: ~10 ms).
 
-Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "dequant" for float32, torch's kernel for
-bf16 (2.3-23x faster than "dequant" at Qwen3-30B-A3B, M = 1..512), ``benchmarks/results/*-cpu-quant-*.md``):
+Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "int8mm" for float32 int8 / mxfp4 (3-11x
+faster than "dequant" at Qwen3-30B-A3B, M = 1..512, ``benchmarks/results/Intel_Xeon-cpu-int8mm-*``), "dequant" for
+float32 int4, torch's kernel for bf16 (2.3-23x faster than "dequant", ``benchmarks/results/*-cpu-quant-*.md``):
 - "dequant" (every scheme): ``QuantizedWeight.dequantize_expert`` (bit-identical to the whole ``dequantize``),
   then the same oneDNN linear as the dense loop;
+- "int8mm" (int8_w8a16, mxfp4; float32 x): x's rows as 31-bit fixed point in four int8 digits, times the int8
+  codes by ``torch._int_mm`` (exact int32), combined in float64 and rounded once (``moekit.experts.cpu_int8mm``):
+  1 byte a weight read as stored (int8) or from mxfp4's cached int8 form, closer to float64 than "dequant";
 - "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
   rounded, 2**-9 relative) and applied after the dot product, so not the dequantized path's bits (C a multiple
   of 16: ``PACK_MULTIPLE``);
@@ -74,11 +79,14 @@ class QuantKernels:
 
     def resolve(self, scheme: str, dtype: torch.dtype) -> str:
         """The kernel that runs ``scheme`` for x of ``dtype``: "auto" takes torch's weight-only kernel for a bf16 x
-        where this torch runs it (measured faster at every M), "dequant" for float32 (torch's float32 kernels tie at
-        M = 1 and measured 1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales 2**(lo - 128)
-        may underflow it) and wherever the kernel is missing."""
+        where this torch runs it (measured faster at every M), "int8mm" for a float32 x on int8 / mxfp4 (3-11x
+        faster than "dequant" at M = 1..512, and 10x closer to float64), "dequant" for float32 int4 (torch's float32
+        kernels tie at M = 1 and measured 1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales
+        2**(lo - 128) may underflow it) and wherever the kernel is missing."""
         kernel = getattr(self, scheme)
-        if kernel == "auto":
+        if kernel == "auto" and dtype == torch.float32:
+            kernel = "int8mm" if "int8mm" in SCHEME_KERNELS[scheme] else "dequant"
+        elif kernel == "auto":
             kernel = SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
             return "dequant"

@@ -50,9 +50,9 @@ def cpu_quant_experts_op(
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
     memory_budget_bytes: Optional[int], cpu_gemm: str,
 ) -> torch.Tensor:
-    """x [M, K], w13 / w2 a ``scheme`` QuantizedWeight's tensors (logical [E, R, K] / [E, K, N]) and
-    ``_META_FIELDS`` and logical dtype, topk_ids / topk_weights [M, k], expert_map [E_global] or None, b13 [E, R] / b2 [E, K] or None,
-    the activation's ``spec_fields``, grouped_mm's options -> [M, K] in x.dtype."""
+    """x [M, K], w13 / w2 a ``scheme`` QuantizedWeight's tensors (logical [E, R, K] / [E, K, N]), ``_META_FIELDS``
+    and logical dtype, topk_ids / topk_weights [M, k], expert_map [E_global] or None, b13 [E, R] / b2 [E, K] or
+    None, the activation's ``spec_fields``, grouped_mm's options -> [M, K] in x.dtype."""
     from moekit.experts.grouped_mm import experts_grouped_mm  # it imports this module
 
     w13 = _rebuilt(scheme, w13_tensors, w13_meta, w13_dtype)

@@ -24,10 +24,10 @@ which gathers, multiplies on prepacked weights and combines one expert at a time
 ``cpu_packed.blas_plain_rows`` says; ``"onednn_packed"`` runs the same loop serially with multi-threaded GEMMs).
 Under ``torch.compile`` such a call (CPU, no gradient, plain weights) runs as the custom op ``moekit::cpu_experts``
 (``moekit.experts.cpu_op``): the compiled graph calls this eager loop, which no trace could follow; a call that
-needs a gradient, or has quantized weights, traces the grouped GEMM path (``moekit::group_gemm``). Weight-only
-quantized weights (int8_w8a16, int4_w4a16, mxfp4) in an eager CPU call without autograd run the same loop, each
-touched expert dequantized on its worker or run by torch's weight-only kernel (``moekit.experts.cpu_quant``);
-elsewhere all E are dequantized per call.
+needs a gradient traces the grouped GEMM path (``moekit::group_gemm``). Weight-only quantized weights (int8_w8a16,
+int4_w4a16, mxfp4) in a CPU call without autograd run the same loop, each touched expert dequantized on its worker
+or run by an integer or weight-only kernel (``moekit.experts.cpu_quant``), compiled as the op
+``moekit::cpu_quant_experts`` (``moekit.experts.cpu_quant_op``); elsewhere all E are dequantized per call.
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
