@@ -6,14 +6,16 @@ the same fp32 weights. Per round, in an order shuffled each round (seeded; a war
   from 4 rows an expert, BLAS below);
 - ``dequant[s]`` / ``int8mm[s]``: the quantized CPU loop (``cpu_packed.experts_cpu_fused``, experts split over
   single-threaded workers, one a thread) with that ``QuantKernels`` kernel forced (``moekit.experts.cpu_quant``,
-  ``moekit.experts.cpu_int8mm``); ``int8mm_w1[s]``: the same loop unsplit, each ``torch._int_mm`` on every thread;
+  ``moekit.experts.cpu_int8mm``); ``int8mm_w1[s]`` (``--unsplit``): the same loop unsplit, each ``torch._int_mm`` on
+  every thread;
 - ``auto[s]`` (``--auto``): ``experts_grouped_mm`` on the QuantizedWeights (what the library runs by default).
 Prints per M the medians (ms), each row's rel-L2 error against a float64 reference (the float64 weights exactly
 dequantized, float64 throughout: the ``reference`` backend on float64 x), and per-round ratios: ``int8mm[s]``'s
 rounds >= 3% faster than ``dequant[s]`` and than ``unquantized`` (each ratio within one round). JSON with every
 sample under ``--out``.
 
-    flock /work/wt/cpubench.lock python3 benchmarks/cpu_int8mm.py --batches 1,8,64,512 --rounds 5 --out FILE.json
+    flock /work/wt/cpubench.lock python3 benchmarks/cpu_int8mm.py --batches 1,8,64,512 --rounds 5 [--auto] [--unsplit] \
+        --out FILE.json
 """
 
 from __future__ import annotations
@@ -39,14 +41,14 @@ from moekit.bench.run import commit_id
 QWEN3 = "128,768,2048,8"
 
 
-def calls_of(p, quantized: dict, auto: bool) -> dict:
+def calls_of(p, quantized: dict, auto: bool, unsplit: bool) -> dict:
     """Row name -> a zero-argument call (module docstring)."""
     threads = torch.get_num_threads()
     calls = {"unquantized": lambda: experts_grouped_mm(p.x, p.w13, p.w2, p.ids, p.weights)}
     for scheme, (q13, q2) in quantized.items():
         ex = ExpertParams(q13, q2, None, None, as_spec("silu"))
-        for name, kernel, workers in (("dequant", "dequant", threads), ("int8mm", "int8mm", threads),
-                                      ("int8mm_w1", "int8mm", 1)):
+        rows = [("dequant", "dequant", threads), ("int8mm", "int8mm", threads)] + [("int8mm_w1", "int8mm", 1)] * unsplit
+        for name, kernel, workers in rows:
             kernels = QuantKernels(**{scheme: kernel})
             calls[f"{name}[{scheme}]"] = lambda e=ex, k=kernels, w=workers: experts_cpu_fused(
                 p.x, e, p.ids, p.weights, None, None, workers=w, quant=k).to(p.x.dtype)
@@ -94,6 +96,7 @@ def main() -> None:
     ap.add_argument("--schemes", default="int8_w8a16,mxfp4", help="weight-only schemes, comma-separated")
     ap.add_argument("--shape", default=QWEN3, help="E,N,K,k")
     ap.add_argument("--auto", action="store_true", help="also time auto[s], the library's default")
+    ap.add_argument("--unsplit", action="store_true", help="also time int8mm_w1[s], the loop unsplit")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     shape = ExpertsShape.parse(args.shape)
@@ -106,7 +109,7 @@ def main() -> None:
     for m in (int(v) for v in args.batches.split(",")):
         p = problem(m, w13, w2, shape.top_k, gen)
         with torch.no_grad():
-            calls = calls_of(p, quantized, args.auto)
+            calls = calls_of(p, quantized, args.auto, args.unsplit)
             errs = errors(calls, p, quantized)
             samples = rounds_of(calls, args.rounds)
         doc["batches"].append({"M": m, "samples_s": samples, "rel_err_vs_float64": errs})
