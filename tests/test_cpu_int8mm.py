@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from moekit.activations import ActivationSpec
-from moekit.experts.cpu_int8mm import LIMBS, MAX_COLS, Int8MMLinear, int8_limbs, int8mm_linear, int8mm_supported
+from moekit.experts.cpu_int8mm import (
+    LIMBS, MAX_COLS, Int8MMLinear, _compiled, _int8mm, int8_limbs, int8mm_linear, int8mm_supported,
+)
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
 from moekit.experts.cpu_quant import DequantLinear, QuantKernels, RepackCache, expert_linear
 from moekit.quant import quantize
@@ -106,3 +108,13 @@ def test_expert_linear_takes_int8mm_for_float32_only_and_where_the_codes_fit():
     assert expert_linear(m13, 1, torch.float32, INT8MM, cache).q is as_int8.q
     wide = quantize(torch.randn(1, 4, MAX_COLS + 1), "int8_w8a16")  # int32 partial sums could overflow
     assert isinstance(expert_linear(wide, 0, torch.float32, INT8MM, cache), DequantLinear)
+
+
+def test_the_scripted_body_and_the_python_one_give_the_same_bits():
+    """Where this torch cannot script it, the plain function runs: the two must agree bit for bit."""
+    g = torch.Generator().manual_seed(13)
+    q = torch.randint(-127, 128, (24, 80), dtype=torch.int8, generator=g)
+    scale, bias = torch.rand(24, generator=g), torch.randn(24, generator=g)
+    a = torch.randn(5, 80, generator=g)
+    assert torch.equal(_compiled()(a, q, scale, bias), _int8mm(a, q, scale, bias))
+    assert torch.equal(int8mm_linear(a, q, scale), _int8mm(a, q, scale, None))
