@@ -101,16 +101,49 @@ def _int8mm(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optiona
     return out
 
 
+def _int8mm_groups(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                   group_size: int, limbs: int = LIMBS, min_cols: int = MIN_COLS) -> torch.Tensor:
+    """a [m, C] float32 @ w^T (+ bias [R]) -> [m, R] float32 for w[r, c] = codes[r, c] * scale[r, c // g]: codes
+    [R, G*g] int8 (an int4 code less its group's zero; columns past C any value), scale [R, G] float32. Per group,
+    ``torch._int_mm`` on that group's columns (exact int32), its four digit sums combined in float64 (exact), times
+    the group's scale, summed in float64; one rounding to float32. Written for TorchScript."""
+    m, rows, groups = a.shape[0], codes.shape[0], scale.shape[1]
+    amax = torch.zeros(m, 1, dtype=a.dtype)
+    usable = m > 0 and a.shape[1] >= min_cols
+    if usable:
+        amax = a.abs().amax(dim=1, keepdim=True)  # [m, 1]; inf or NaN where the row has one
+        usable = bool(torch.isfinite(amax).all())
+    if usable:
+        padded = torch.nn.functional.pad(a, [0, groups * group_size - a.shape[1]])  # [m, G*g], zeros
+        digits, inverse_unit = _digits(padded, amax)
+        digits_t = digits.t()  # [G*g, LIMBS * m]
+        places = torch.tensor([256.0**i for i in range(limbs)], dtype=torch.float64).view(1, limbs)
+        places = torch.kron(places, torch.eye(m, dtype=torch.float64))  # [m, LIMBS * m]
+        scale64 = scale.to(torch.float64)
+        exact = torch.zeros(m, rows, dtype=torch.float64)
+        for group in range(groups):
+            start = group * group_size
+            parts = torch._int_mm(codes.narrow(1, start, group_size), digits_t.narrow(0, start, group_size))
+            exact.addcmul_(torch.mm(places, parts.t().to(torch.float64)), scale64[:, group])  # [m, R]
+        out = exact.div_(inverse_unit).to(torch.float32)
+    else:
+        w = codes.to(torch.float32) * scale.repeat_interleave(group_size, dim=1)  # [R, G*g]
+        out = torch.mm(a, w[:, :a.shape[1]].t())  # [m, R]
+    if bias is not None:
+        out = out.add_(bias)
+    return out
+
+
 @functools.cache
 def _compiled():
-    """``_int8mm`` scripted once (module docstring), else as it is (a torch without TorchScript, or one that
-    cannot script it: any error here only costs the speed)."""
+    """(``_int8mm``, ``_int8mm_groups``) scripted once (module docstring), else as they are (a torch without
+    TorchScript, or one that cannot script them: any error here only costs the speed)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch 2.13 marks torch.jit.script deprecated
-            return torch.jit.script(_int8mm)
+            return torch.jit.script(_int8mm), torch.jit.script(_int8mm_groups)
     except Exception:  # noqa: BLE001
-        return _int8mm
+        return _int8mm, _int8mm_groups
 
 
 @functools.cache
@@ -133,7 +166,7 @@ def int8mm_linear(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """a [m, C] float32 @ (q [R, C] int8 * scale [R] float32)^T (+ bias [R]) -> [m, R] float32 by ``torch._int_mm``
     on a's digits (module docstring). Where a row holds an inf or a NaN (no fixed point), m is 0 or C below
     ``MIN_COLS``, on the float32 weight instead (the float32 path's infinities and NaNs)."""
-    return _compiled()(a, q, scale, bias)
+    return _compiled()[0](a, q, scale, bias)
 
 
 @dataclass(frozen=True)
@@ -146,3 +179,16 @@ class Int8MMLinear:
 
     def __call__(self, a: torch.Tensor, bias: torch.Tensor | None, linear) -> torch.Tensor:
         return int8mm_linear(a, self.q, self.scale, bias)
+
+
+@dataclass(frozen=True)
+class Int8GroupsLinear:
+    """One int4_w4a16 expert's a [m, C] float32 @ w^T (+ bias) by ``_int8mm_groups`` on its int8 form
+    (``cpu_quant.int4_as_int8``, made once per expert and cached)."""
+
+    codes: torch.Tensor  # [R, G*g] int8: code - zero
+    scale: torch.Tensor  # [R, G] float32
+    group_size: int
+
+    def __call__(self, a: torch.Tensor, bias: torch.Tensor | None, linear) -> torch.Tensor:
+        return _compiled()[1](a, self.codes, self.scale, bias, self.group_size)

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moekit.experts.cpu_int8mm import MAX_COLS, Int8MMLinear, int8mm_supported
+from moekit.experts.cpu_int8mm import MAX_COLS, Int8GroupsLinear, Int8MMLinear, int8mm_supported
 from moekit.quant import QuantizedWeight
 from moekit.quant.base import decode_nibbles, pad_cols, unpack_nibbles
 from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
@@ -51,8 +51,9 @@ from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
 TILE_BYTES = 512 << 10  # fp32 rows of one dequantized tile: 64 rows at C = 2048, in L2 with its GEMM
 WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's (what "auto" takes for a bf16 x)
-    "int8_w8a16": ("dequant", "int8mm", "int8pack"), "int4_w4a16": ("dequant", "int4pack"),
+    "int8_w8a16": ("dequant", "int8mm", "int8pack"), "int4_w4a16": ("dequant", "int8mm", "int4pack"),
     "mxfp4": ("dequant", "int8mm", "int8pack")}
+FLOAT32_AUTO = {"int8_w8a16": "int8mm", "int4_w4a16": "dequant", "mxfp4": "int8mm"}  # "auto" for a float32 x
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -85,7 +86,7 @@ class QuantKernels:
         2**(lo - 128) may underflow it) and wherever the kernel is missing."""
         kernel = getattr(self, scheme)
         if kernel == "auto" and dtype == torch.float32:
-            kernel = "int8mm" if "int8mm" in SCHEME_KERNELS[scheme] else "dequant"
+            kernel = FLOAT32_AUTO[scheme]
         elif kernel == "auto":
             kernel = SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
@@ -201,7 +202,20 @@ def mxfp4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8PackLinear | None:
     return Int8PackLinear(q, torch.pow(2.0, (lo[:, 0] - E8M0_BIAS - 1).float()))  # [R, C], [R]
 
 
-_REPACKERS = {"int4_w4a16": int4_repacked, "mxfp4": mxfp4_as_int8}  # mxfp4's serves "int8mm" and "int8pack"
+def int4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8GroupsLinear:
+    """w (an Int4Weight) [E, R, C]'s expert as int8 codes less their group's zero [R, G*g] (pad columns: -zero,
+    against x's zero padding) and its scales, for ``_int8mm_groups`` (1 byte a weight beside int4's 0.5)."""
+    scale, zero = w.scale[expert], w.zero[expert]  # [R, G]
+    r, groups = scale.shape
+    codes = pad_cols(unpack_nibbles(w.q[expert], w.cols), w.group_size).view(r, groups, w.group_size)
+    shifted = codes.to(torch.int16) - zero.to(torch.int16)[:, :, None]  # [R, G, g] in [-15, 15]
+    return Int8GroupsLinear(shifted.to(torch.int8).view(r, groups * w.group_size).contiguous(), scale.contiguous(),
+                            w.group_size)
+
+
+_REPACKERS = {  # (scheme, kernel) -> the repacker whose results the cache keeps
+    ("int4_w4a16", "int4pack"): int4_repacked, ("int4_w4a16", "int8mm"): int4_as_int8,
+    ("mxfp4", "int8pack"): mxfp4_as_int8, ("mxfp4", "int8mm"): mxfp4_as_int8}
 
 
 def _tensor_bytes(linear) -> int:
@@ -215,13 +229,13 @@ def _signature(w: QuantizedWeight) -> tuple:
 @dataclass
 class _Entry:
     signature: tuple
-    experts: dict[tuple[int, torch.dtype], object] = field(default_factory=dict)  # None: the expert does not fit
+    experts: dict[tuple[int, torch.dtype, str], object] = field(default_factory=dict)  # None: it does not fit
     nbytes: int = 0
 
 
 class RepackCache:
-    """Experts repacked for torch's kernels (int4: ``int4_repacked``; mxfp4 as int8: ``mxfp4_as_int8``), per weight
-    (keyed by its q tensor, dying with it) and (expert, x dtype), within ``budget_bytes``; an entry is rebuilt when
+    """Experts repacked for a kernel (``_REPACKERS``: int4 for int4pack or as int8 for int8mm; mxfp4 as int8), per
+    weight (keyed by its q tensor, dying with it) and (expert, x dtype, kernel), within ``budget_bytes``; rebuilt when
     any tensor's version, pointer or strides change. Past the budget, for inference tensors (no version counter to
     watch), or for an expert that does not fit the kernel, ``get`` returns None."""
 
@@ -235,18 +249,19 @@ class RepackCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def get(self, w, expert: int, dtype: torch.dtype):
+    def get(self, w, expert: int, dtype: torch.dtype, kernel: str):
         if any(t.is_inference() for t in w.tensors().values()):
             return None
         signature = _signature(w)
         entry = self._entries.get(w.q)
         if entry is None or entry.signature != signature:
             entry = self._entries[w.q] = _Entry(signature)
-        if (expert, dtype) in entry.experts:
-            return entry.experts[(expert, dtype)]
-        if self.used_bytes() + 2 * w.nbytes_per_expert > self.budget_bytes:  # 2x: mxfp4's int8 codes, the most
+        key = (expert, dtype, kernel)
+        if key in entry.experts:
+            return entry.experts[key]
+        if self.used_bytes() + 2 * w.nbytes_per_expert > self.budget_bytes:  # 2x: the int8 forms, the most
             return None
-        found = entry.experts[(expert, dtype)] = _REPACKERS[w.scheme](w, expert, dtype)
+        found = entry.experts[key] = _REPACKERS[(w.scheme, kernel)](w, expert, dtype)
         entry.nbytes += 0 if found is None else _tensor_bytes(found)
         return found
 
@@ -256,16 +271,20 @@ def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: 
     """What computes a @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is not
     thread-safe), called on the worker."""
     kernel = kernels.resolve(w.scheme, dtype)
-    if kernel == "int8mm" and w.shape[2] <= MAX_COLS:
-        if w.scheme == "int8_w8a16":
-            return Int8MMLinear(w.q[expert], w.scale[expert])
-        as_int8 = cache.get(w, expert, dtype)  # mxfp4's exact int8 form
+    if kernel == "int8mm" and w.scheme == "int8_w8a16" and w.shape[2] <= MAX_COLS:
+        return Int8MMLinear(w.q[expert], w.scale[expert])
+    if kernel == "int8mm" and w.scheme == "int4_w4a16":
+        found = cache.get(w, expert, dtype, kernel)
+        if found is not None:
+            return found
+    if kernel == "int8mm" and w.scheme == "mxfp4" and w.shape[2] <= MAX_COLS:
+        as_int8 = cache.get(w, expert, dtype, kernel)  # mxfp4's exact int8 form
         if as_int8 is not None:
             return Int8MMLinear(as_int8.q, as_int8.scale)
     if kernel == "int8pack" and w.scheme == "int8_w8a16" and w.shape[2] % PACK_MULTIPLE == 0:
         return Int8PackLinear(w.q[expert], w.scale[expert])
     if (kernel == "int4pack" and w.shape[1] % PACK_MULTIPLE == 0) or (kernel == "int8pack" and w.scheme == "mxfp4"):
-        repacked = cache.get(w, expert, dtype)
+        repacked = cache.get(w, expert, dtype, kernel)
         if repacked is not None:
             return repacked
     return DequantLinear(w, expert)
