@@ -7,15 +7,18 @@ import torch
 
 from moekit.activations import ActivationSpec
 from moekit.experts.cpu_int8mm import (
-    LIMBS, MAX_COLS, Int8MMLinear, _compiled, _int8mm, int8_limbs, int8mm_linear, int8mm_supported,
+    LIMBS, MAX_COLS, Int8GroupsLinear, Int8MMLinear, _compiled, _int8mm, _int8mm_groups, int8_limbs, int8mm_linear,
+    int8mm_supported,
 )
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
-from moekit.experts.cpu_quant import DequantLinear, QuantKernels, RepackCache, expert_linear
+from moekit.experts.cpu_quant import (
+    INT4_INT8MM_MAX_ROWS, DequantLinear, QuantKernels, RepackCache, expert_linear, int4_as_int8,
+)
 from moekit.quant import quantize
 from test_cpu_quant import E, loop64, problem, rel_err
 
 pytestmark = pytest.mark.skipif(not int8mm_supported(), reason="this torch has no CPU torch._int_mm")
-INT8MM = QuantKernels(int8_w8a16="int8mm", mxfp4="int8mm")
+INT8MM = QuantKernels(int8_w8a16="int8mm", int4_w4a16="int8mm", mxfp4="int8mm")
 DEQUANT = QuantKernels("dequant", "dequant", "dequant")
 
 
@@ -77,10 +80,10 @@ def test_linear_propagates_inf_and_nan_as_float32_does_and_takes_empty_shapes():
     assert torch.equal(int8mm_linear(torch.ones(3, 0), torch.empty(2, 0, dtype=torch.int8), scale), torch.zeros(3, 2))
 
 
-@pytest.mark.parametrize("scheme", ["int8_w8a16", "mxfp4"])
+@pytest.mark.parametrize("scheme, options", [("int8_w8a16", {}), ("mxfp4", {}), ("int4_w4a16", {"group_size": 32})])
 @pytest.mark.parametrize("hidden", [96, 77])
-def test_loop_matches_the_float64_loop_with_biases_and_expert_map(scheme, hidden):
-    x, q13, q2, _, weights = problem(scheme, {}, hidden, seed=11)
+def test_loop_matches_the_float64_loop_with_biases_and_expert_map(scheme, options, hidden):
+    x, q13, q2, _, weights = problem(scheme, options, hidden, seed=11)
     g = torch.Generator().manual_seed(12)
     b13, b2 = torch.randn(E, 64, generator=g), torch.randn(E, hidden, generator=g)
     expert_map = torch.tensor([2, -1, 0, 3, 1, -1, 5, 4])
@@ -106,6 +109,12 @@ def test_expert_linear_takes_int8mm_for_float32_only_and_where_the_codes_fit():
     assert isinstance(as_int8, Int8MMLinear) and cache.used_bytes() > 0  # mxfp4's int8 form, cached
     assert expert_linear(m13, 1, torch.float32, INT8MM, cache) is not as_int8
     assert expert_linear(m13, 1, torch.float32, INT8MM, cache).q is as_int8.q
+    _, i13, _, _, _ = problem("int4_w4a16", {"group_size": 32}, 96)
+    assert isinstance(expert_linear(i13, 0, torch.float32, INT8MM, cache), Int8GroupsLinear)  # its int8 form, cached
+    assert expert_linear(i13, 0, torch.float32, INT8MM, cache) is expert_linear(i13, 0, torch.float32, INT8MM, cache)
+    auto, few = QuantKernels(), INT4_INT8MM_MAX_ROWS  # float32 int4: int8mm below that many rows, then dequant
+    assert isinstance(expert_linear(i13, 0, torch.float32, auto, cache, rows=few - 1), Int8GroupsLinear)
+    assert isinstance(expert_linear(i13, 0, torch.float32, auto, cache, rows=few), DequantLinear)
     wide = quantize(torch.randn(1, 4, MAX_COLS + 1), "int8_w8a16")  # int32 partial sums could overflow
     assert isinstance(expert_linear(wide, 0, torch.float32, INT8MM, cache), DequantLinear)
 
@@ -118,3 +127,21 @@ def test_the_scripted_body_and_the_python_one_give_the_same_bits():
     a = torch.randn(5, 80, generator=g)
     assert torch.equal(_compiled()[0](a, q, scale, bias), _int8mm(a, q, scale, bias))
     assert torch.equal(int8mm_linear(a, q, scale), _int8mm(a, q, scale, None))
+
+
+@pytest.mark.parametrize("cols, group_size, m", [(96, 32, 3), (77, 32, 1), (2048, 128, 5), (130, 64, 33), (1, 32, 2)])
+def test_int4_groups_are_closer_to_float64_than_dequant(cols, group_size, m):
+    g = torch.Generator().manual_seed(cols)
+    w = quantize(torch.randn(2, 40, cols, generator=g), "int4_w4a16", group_size=group_size)
+    linear = int4_as_int8(w, 1, torch.float32)
+    assert isinstance(linear, Int8GroupsLinear) and linear.codes.dtype == torch.int8
+    assert linear.codes.abs().max() <= 15 and linear.codes.shape == (40, -(-cols // group_size) * group_size)
+    a = torch.randn(m, cols, generator=g)
+    a[0, 0] *= 300
+    bias = torch.randn(40, generator=g)
+    want = a.double() @ w.dequantize(torch.float64)[1].t() + bias.double()
+    got = linear(a, bias, None)
+    dequant = a @ w.dequantize(torch.float32)[1].t() + bias
+    assert got.shape == (m, 40) and rel_err(got, want) < 1e-7 and rel_err(got, want) <= rel_err(dequant, want) * 1.5
+    python = _int8mm_groups(a, linear.codes, linear.scale, bias, group_size)
+    assert torch.equal(got, python)  # scripted and plain: the same bits

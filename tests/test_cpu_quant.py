@@ -162,7 +162,7 @@ def test_pack_kernels_are_taken_where_the_shapes_fit_else_dequant():
     cache = RepackCache(budget_bytes=1 << 30)
     assert isinstance(expert_linear(q13, 0, torch.bfloat16, PACKS, cache), Int4PackLinear)
     assert isinstance(expert_linear(q2, 0, torch.bfloat16, PACKS, cache), DequantLinear)
-    assert isinstance(expert_linear(q13, 0, torch.float32, QuantKernels(), cache), DequantLinear)  # auto: fp32
+    assert isinstance(expert_linear(q13, 0, torch.float32, QuantKernels(), cache, rows=16), DequantLinear)  # auto
     _, p13, p2, _, _ = problem("int8_w8a16", {}, hidden=77)  # w13 reads 77 columns: not a multiple of 16
     assert isinstance(expert_linear(p13, 0, torch.bfloat16, PACKS, cache), DequantLinear)
     assert not isinstance(expert_linear(p2, 0, torch.bfloat16, PACKS, cache), DequantLinear)

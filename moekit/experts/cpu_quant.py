@@ -53,7 +53,9 @@ WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's (what "auto" takes for a bf16 x)
     "int8_w8a16": ("dequant", "int8mm", "int8pack"), "int4_w4a16": ("dequant", "int8mm", "int4pack"),
     "mxfp4": ("dequant", "int8mm", "int8pack")}
-FLOAT32_AUTO = {"int8_w8a16": "int8mm", "int4_w4a16": "dequant", "mxfp4": "int8mm"}  # "auto" for a float32 x
+# "auto" runs float32 int4 experts of fewer rows on "int8mm": one _int_mm a group costs more per row than the
+# dequantized GEMM (measured at ~4 rows an expert 2.3x faster, at ~32 rows 1.5x slower: results/*-cpu-int8mm-*)
+INT4_INT8MM_MAX_ROWS = 16
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -78,15 +80,18 @@ class QuantKernels:
             if getattr(self, scheme) not in ("auto", *allowed):
                 raise ValueError(f"{scheme} kernel must be one of {('auto', *allowed)}, got {getattr(self, scheme)!r}")
 
-    def resolve(self, scheme: str, dtype: torch.dtype) -> str:
-        """The kernel that runs ``scheme`` for x of ``dtype``: "auto" takes torch's weight-only kernel for a bf16 x
-        where this torch runs it (measured faster at every M), "int8mm" for a float32 x on int8 / mxfp4 (3-11x
-        faster than "dequant" at M = 1..512, and 10x closer to float64), "dequant" for float32 int4 (torch's float32
-        kernels tie at M = 1 and measured 1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales
-        2**(lo - 128) may underflow it) and wherever the kernel is missing."""
+    def resolve(self, scheme: str, dtype: torch.dtype, rows: int = 1) -> str:
+        """The kernel that runs ``scheme`` for x of ``dtype`` on an expert of ``rows`` rows: "auto" takes torch's
+        weight-only kernel for a bf16 x where this torch runs it (measured faster at every M), "int8mm" for a
+        float32 x on int8 / mxfp4 (3.7-14x faster than "dequant" at M = 1..512, and 10x closer to float64) and on
+        int4 experts of fewer than ``INT4_INT8MM_MAX_ROWS`` rows (2.3-2.6x faster at M = 1..64, 1.5x slower at 32
+        rows an expert), "dequant" for larger float32 int4 experts (torch's float32 kernels tie at M = 1 and measured
+        1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales 2**(lo - 128) may underflow it)
+        and wherever the kernel is missing."""
         kernel = getattr(self, scheme)
         if kernel == "auto" and dtype == torch.float32:
-            kernel = FLOAT32_AUTO[scheme]
+            small = scheme != "int4_w4a16" or rows < INT4_INT8MM_MAX_ROWS
+            kernel = "int8mm" if small else "dequant"
         elif kernel == "auto":
             kernel = SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
@@ -267,10 +272,10 @@ class RepackCache:
 
 
 def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: QuantKernels,
-                  cache: RepackCache):
-    """What computes a @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is not
-    thread-safe), called on the worker."""
-    kernel = kernels.resolve(w.scheme, dtype)
+                  cache: RepackCache, rows: int = 1):
+    """What computes a [rows, C] @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is
+    not thread-safe), called on the worker."""
+    kernel = kernels.resolve(w.scheme, dtype, rows)
     if kernel == "int8mm" and w.scheme == "int8_w8a16" and w.shape[2] <= MAX_COLS:
         return Int8MMLinear(w.q[expert], w.scale[expert])
     if kernel == "int8mm" and w.scheme == "int4_w4a16":
