@@ -12,14 +12,18 @@ at Qwen3-30B-A3B decode (E = 128, k = 8, M = 1 touches 8 experts) 16x the bytes 
 of K = 2048 fp32, 512 KB) stays in L2 between its dequantize and its GEMM, and is small enough that the
 allocator reuses its pages (a whole [1536, 2048] fp32 expert allocated per call page-faults: ~10 ms).
 
-Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "int8mm" for float32 int8 / mxfp4 (3-11x
-faster than "dequant" at Qwen3-30B-A3B, M = 1..512, ``benchmarks/results/Intel_Xeon-cpu-int8mm-*``), "dequant" for
-float32 int4, torch's kernel for bf16 (2.3-23x faster than "dequant", ``benchmarks/results/*-cpu-quant-*.md``):
+Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "int8mm" for float32 int8 / mxfp4 (3.7-14x
+faster than "dequant" at Qwen3-30B-A3B, M = 1..512, ``benchmarks/results/Intel_Xeon-cpu-int8mm-*``) and for float32
+int4 experts of few rows (``INT4_INT8MM_MAX_ROWS``), "dequant" for larger float32 int4 experts, torch's kernel for
+bf16 (2.3-23x faster than "dequant", ``benchmarks/results/*-cpu-quant-*.md``):
 - "dequant" (every scheme): ``QuantizedWeight.dequantize_expert`` (bit-identical to the whole ``dequantize``),
   then the same oneDNN linear as the dense loop;
 - "int8mm" (int8_w8a16, mxfp4; float32 x): x's rows as 31-bit fixed point in four int8 digits, times the int8
   codes by ``torch._int_mm`` (exact int32), combined in float64 and rounded once (``moekit.experts.cpu_int8mm``):
   1 byte a weight read as stored (int8) or from mxfp4's cached int8 form, closer to float64 than "dequant";
+- "int8mm" (int4_w4a16; float32 x): the same digits, one ``torch._int_mm`` a group of g columns on the expert's
+  int8 form (code - zero, ``int4_as_int8``, made once and cached: 1 byte a weight beside int4's 0.5), each group's
+  exact sums times its scale summed in float64;
 - "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
   rounded, 2**-9 relative) and applied after the dot product, so not the dequantized path's bits (C a multiple
   of 16: ``PACK_MULTIPLE``);
