@@ -70,29 +70,36 @@ def _digits(a: torch.Tensor, amax: torch.Tensor, limbs: int = LIMBS, zero_row: f
     return digits.view(limbs * m, cols), inverse_unit
 
 
-def int8_limbs(a: torch.Tensor) -> Int8Limbs | None:
-    """a [m, C] float32 (C >= 1) -> its digits (module docstring); None where a row holds an inf or a NaN."""
-    amax = a.abs().amax(dim=1, keepdim=True)  # [m, 1]; inf or NaN where the row has one
-    if not bool(torch.isfinite(amax).all()):
+def _row_amax(a: torch.Tensor, min_cols: int) -> Optional[torch.Tensor]:
+    """a [m, C]'s largest |a| a row [m, 1]; None where the digits cannot serve a: no rows, C below ``min_cols``, or a
+    row holding an inf or a NaN (no fixed point)."""
+    if a.shape[0] == 0 or a.shape[1] < min_cols:
         return None
-    return Int8Limbs(*_digits(a, amax))
+    amax = a.abs().amax(dim=1, keepdim=True)  # inf or NaN where the row has one
+    return amax if bool(torch.isfinite(amax).all()) else None
+
+
+def _places(m: int, limbs: int) -> torch.Tensor:
+    """[m, LIMBS * m] float64: row j holds 256**i at column i*m + j (digit i of row j's place): the combine."""
+    places = torch.tensor([256.0**i for i in range(limbs)], dtype=torch.float64).view(1, limbs)
+    return torch.kron(places, torch.eye(m, dtype=torch.float64))
+
+
+def int8_limbs(a: torch.Tensor) -> Int8Limbs | None:
+    """a [m, C] float32 -> its digits (module docstring); None where a has no rows or columns, or a row holds an
+    inf or a NaN."""
+    amax = _row_amax(a, 1)
+    return None if amax is None else Int8Limbs(*_digits(a, amax))
 
 
 def _int8mm(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
             limbs: int = LIMBS, min_cols: int = MIN_COLS) -> torch.Tensor:
     """``int8mm_linear``'s body, written for TorchScript."""
-    m = a.shape[0]
-    amax = torch.zeros(m, 1, dtype=a.dtype)
-    usable = m > 0 and a.shape[1] >= min_cols
-    if usable:
-        amax = a.abs().amax(dim=1, keepdim=True)  # [m, 1]; inf or NaN where the row has one
-        usable = bool(torch.isfinite(amax).all())
-    if usable:
-        digits, inverse_unit = _digits(a, amax)
+    amax = _row_amax(a, min_cols)
+    if amax is not None:
+        digits, inverse_unit = _digits(a, amax, limbs)
         parts = torch._int_mm(q, digits.t())  # [R, LIMBS * m] int32, exact; q as the GEMM's A, read in place
-        places = torch.tensor([256.0**i for i in range(limbs)], dtype=torch.float64).view(1, limbs)
-        places = torch.kron(places, torch.eye(m, dtype=torch.float64))  # [m, LIMBS * m]: 256**i at i*m + j
-        exact = torch.mm(places, parts.t().to(torch.float64))  # [m, R], exact
+        exact = torch.mm(_places(a.shape[0], limbs), parts.t().to(torch.float64))  # [m, R], exact
         out = exact.mul_(scale.to(torch.float64) / inverse_unit).to(torch.float32)  # one rounding
     else:
         out = torch.mm(a, (q.to(torch.float32) * scale[:, None]).t())  # [m, R]
@@ -108,17 +115,12 @@ def _int8mm_groups(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
     ``torch._int_mm`` on that group's columns (exact int32), its four digit sums combined in float64 (exact), times
     the group's scale, summed in float64; one rounding to float32. Written for TorchScript."""
     m, rows, groups = a.shape[0], codes.shape[0], scale.shape[1]
-    amax = torch.zeros(m, 1, dtype=a.dtype)
-    usable = m > 0 and a.shape[1] >= min_cols
-    if usable:
-        amax = a.abs().amax(dim=1, keepdim=True)  # [m, 1]; inf or NaN where the row has one
-        usable = bool(torch.isfinite(amax).all())
-    if usable:
+    amax = _row_amax(a, min_cols)
+    if amax is not None:
         padded = torch.nn.functional.pad(a, [0, groups * group_size - a.shape[1]])  # [m, G*g], zeros
-        digits, inverse_unit = _digits(padded, amax)
+        digits, inverse_unit = _digits(padded, amax, limbs)
         digits_t = digits.t()  # [G*g, LIMBS * m]
-        places = torch.tensor([256.0**i for i in range(limbs)], dtype=torch.float64).view(1, limbs)
-        places = torch.kron(places, torch.eye(m, dtype=torch.float64))  # [m, LIMBS * m]
+        places = _places(m, limbs)
         scale64 = scale.to(torch.float64)
         exact = torch.zeros(m, rows, dtype=torch.float64)
         for group in range(groups):
