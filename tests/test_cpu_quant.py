@@ -162,7 +162,7 @@ def test_pack_kernels_are_taken_where_the_shapes_fit_else_dequant():
     cache = RepackCache(budget_bytes=1 << 30)
     assert isinstance(expert_linear(q13, 0, torch.bfloat16, PACKS, cache), Int4PackLinear)
     assert isinstance(expert_linear(q2, 0, torch.bfloat16, PACKS, cache), DequantLinear)
-    assert isinstance(expert_linear(q13, 0, torch.float32, QuantKernels(), cache), DequantLinear)  # auto: fp32
+    assert isinstance(expert_linear(q13, 0, torch.float32, QuantKernels(), cache, rows=16), DequantLinear)  # auto
     _, p13, p2, _, _ = problem("int8_w8a16", {}, hidden=77)  # w13 reads 77 columns: not a multiple of 16
     assert isinstance(expert_linear(p13, 0, torch.bfloat16, PACKS, cache), DequantLinear)
     assert not isinstance(expert_linear(p2, 0, torch.bfloat16, PACKS, cache), DequantLinear)
@@ -172,15 +172,15 @@ def test_pack_kernels_are_taken_where_the_shapes_fit_else_dequant():
 def test_int4_repack_cache_reuses_rebuilds_and_respects_its_budget():
     _, q13, _, _, _ = problem("int4_w4a16", {"group_size": 32})
     cache = RepackCache(budget_bytes=1 << 30)
-    first = cache.get(q13, 1, torch.float32)
-    assert cache.get(q13, 1, torch.float32) is first  # its bytes counted: codes [R, C/2] + (scale, zero) [G, R, 2]
+    first = cache.get(q13, 1, torch.float32, "int4pack")
+    assert cache.get(q13, 1, torch.float32, "int4pack") is first  # bytes: codes [R, C/2] + (scale, zero) [G, R, 2]
     assert cache.used_bytes() == first.packed.numel() + 4 * first.scale_zeros.numel() == 64 * 48 + 4 * 3 * 64 * 2
     q13.q[1, 0, 0] ^= 0x11  # an in-place change: the version counter moves, the entry is rebuilt
-    assert cache.get(q13, 1, torch.float32) is not first
-    assert RepackCache(budget_bytes=0).get(q13, 1, torch.float32) is None
+    assert cache.get(q13, 1, torch.float32, "int4pack") is not first
+    assert RepackCache(budget_bytes=0).get(q13, 1, torch.float32, "int4pack") is None
     with torch.inference_mode():
         _, i13, _, _, _ = problem("int4_w4a16", {"group_size": 32})
-    assert cache.get(i13, 0, torch.float32) is None  # no version counter to watch
+    assert cache.get(i13, 0, torch.float32, "int4pack") is None  # no version counter to watch
     cache.clear()
     assert cache.used_bytes() == 0
     cpu_packed.clear_packed_weights()

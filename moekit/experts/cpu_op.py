@@ -20,8 +20,8 @@ version counter of its own (measured, torch 2.13), whose packed copies would die
 weight crosses in its stored layout (``w13_transposed`` / ``w2_transposed``) and is transposed inside.
 
 Not through the op (``experts_grouped_mm`` decides): calls that need a gradient (the op has no
-backward; the traced grouped GEMM path has one) and quantized weights (dequantized inside the graph
-on every call, so packed copies would be remade per call), which trace as before.
+backward; the traced grouped GEMM path has one), which trace as before, and weight-only quantized
+weights, which take ``moekit::cpu_quant_experts`` (``moekit.experts.cpu_quant_op``).
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate, R = 2N (gated) or N (ungated) w13 rows.
 """

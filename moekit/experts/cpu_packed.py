@@ -258,7 +258,7 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
     linear = onednn_linear(x.dtype)
     blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
     weights = {e: _weights(ex, e, cache if c >= PACKED_MIN_ROWS else None, quant, x.dtype,
-                           None if blas and c < PACKED_MIN_ROWS else linear) for e, c in enumerate(counts) if c}
+                           None if blas and c < PACKED_MIN_ROWS else linear, c) for e, c in enumerate(counts) if c}
     loop = _ExpertLoop(x, ex, weights, counts, starts, src // top_k, slot_weights, acc, [None] * len(counts))
     order = largest_first(counts)
     run_dynamic(order, workers, loop.run)
@@ -275,10 +275,10 @@ class _ExpertWeights:
 
 
 def _weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None, quant: QuantKernels,
-             dtype: torch.dtype, linear) -> _ExpertWeights:
+             dtype: torch.dtype, linear, rows: int) -> _ExpertWeights:
     def one(w):
         if weight_only(w):
-            return expert_linear(w, expert, dtype, quant, _REPACK_CACHE)
+            return expert_linear(w, expert, dtype, quant, _REPACK_CACHE, rows)
         return w[expert] if cache is None else cache.weight(w, expert)
 
     return _ExpertWeights(one(ex.w13), one(ex.w2), None if ex.b13 is None else ex.b13[expert],

@@ -3,7 +3,8 @@ experts a call touches.
 
     for each expert e with rows (on the worker that runs it):
         h = x_e @ w13[e]^T: w13[e] dequantized a tile of TILE_BYTES at a time, each tile through oneDNN's linear
-            ("dequant"), or torch's weight-only CPU kernel on the packed codes ("int8pack" / "int4pack")
+            ("dequant"), torch's integer GEMM on the int8 codes and x's digits ("int8mm"), or torch's weight-only
+            CPU kernel on the packed codes ("int8pack" / "int4pack")
         y = glu(h) @ w2[e]^T: the same
 
 Until session 30 such a call dequantized all E experts of both matrices to x's dtype, then ran the dense loop:
@@ -11,10 +12,18 @@ at Qwen3-30B-A3B decode (E = 128, k = 8, M = 1 touches 8 experts) 16x the bytes 
 of K = 2048 fp32, 512 KB) stays in L2 between its dequantize and its GEMM, and is small enough that the
 allocator reuses its pages (a whole [1536, 2048] fp32 expert allocated per call page-faults: ~10 ms).
 
-Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "dequant" for float32, torch's kernel for
-bf16 (2.3-23x faster than "dequant" at Qwen3-30B-A3B, M = 1..512), ``benchmarks/results/*-cpu-quant-*.md``):
+Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "int8mm" for float32 int8 / mxfp4 (3.7-14x
+faster than "dequant" at Qwen3-30B-A3B, M = 1..512, ``benchmarks/results/Intel_Xeon-cpu-int8mm-*``) and for float32
+int4 experts of few rows (``INT4_INT8MM_MAX_ROWS``), "dequant" for larger float32 int4 experts, torch's kernel for
+bf16 (2.3-23x faster than "dequant", ``benchmarks/results/*-cpu-quant-*.md``):
 - "dequant" (every scheme): ``QuantizedWeight.dequantize_expert`` (bit-identical to the whole ``dequantize``),
   then the same oneDNN linear as the dense loop;
+- "int8mm" (int8_w8a16, mxfp4; float32 x): x's rows as 31-bit fixed point in four int8 digits, times the int8
+  codes by ``torch._int_mm`` (exact int32), combined in float64 and rounded once (``moekit.experts.cpu_int8mm``):
+  1 byte a weight read as stored (int8) or from mxfp4's cached int8 form, closer to float64 than "dequant";
+- "int8mm" (int4_w4a16; float32 x): the same digits, one ``torch._int_mm`` a group of g columns on the expert's
+  int8 form (code - zero, ``int4_as_int8``, made once and cached: 1 byte a weight beside int4's 0.5), each group's
+  exact sums times its scale summed in float64;
 - "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
   rounded, 2**-9 relative) and applied after the dot product, so not the dequantized path's bits (C a multiple
   of 16: ``PACK_MULTIPLE``);
@@ -38,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from moekit.experts.cpu_int8mm import MAX_COLS, Int8GroupsLinear, Int8MMLinear, int8mm_supported
 from moekit.quant import QuantizedWeight
 from moekit.quant.base import decode_nibbles, pad_cols, unpack_nibbles
 from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
@@ -45,7 +55,11 @@ from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
 TILE_BYTES = 512 << 10  # fp32 rows of one dequantized tile: 64 rows at C = 2048, in L2 with its GEMM
 WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's (what "auto" takes for a bf16 x)
-    "int8_w8a16": ("dequant", "int8pack"), "int4_w4a16": ("dequant", "int4pack"), "mxfp4": ("dequant", "int8pack")}
+    "int8_w8a16": ("dequant", "int8mm", "int8pack"), "int4_w4a16": ("dequant", "int8mm", "int4pack"),
+    "mxfp4": ("dequant", "int8mm", "int8pack")}
+# "auto" runs float32 int4 experts of fewer rows on "int8mm": one _int_mm a group costs more per row than the
+# dequantized GEMM (measured at ~4 rows an expert 2.3x faster, at ~32 rows 1.5x slower: results/*-cpu-int8mm-*)
+INT4_INT8MM_MAX_ROWS = 16
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -70,17 +84,25 @@ class QuantKernels:
             if getattr(self, scheme) not in ("auto", *allowed):
                 raise ValueError(f"{scheme} kernel must be one of {('auto', *allowed)}, got {getattr(self, scheme)!r}")
 
-    def resolve(self, scheme: str, dtype: torch.dtype) -> str:
-        """The kernel that runs ``scheme`` for x of ``dtype``: "auto" takes torch's weight-only kernel for a bf16 x
-        where this torch runs it (measured faster at every M), "dequant" for float32 (torch's float32 kernels tie at
-        M = 1 and measured 1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales 2**(lo - 128)
-        may underflow it) and wherever the kernel is missing."""
+    def resolve(self, scheme: str, dtype: torch.dtype, rows: int = 1) -> str:
+        """The kernel that runs ``scheme`` for x of ``dtype`` on an expert of ``rows`` rows: "auto" takes torch's
+        weight-only kernel for a bf16 x where this torch runs it (measured faster at every M), "int8mm" for a
+        float32 x on int8 / mxfp4 (3.7-14x faster than "dequant" at M = 1..512, and 10x closer to float64) and on
+        int4 experts of fewer than ``INT4_INT8MM_MAX_ROWS`` rows (2.3-2.6x faster at M = 1..64, 1.5x slower at 32
+        rows an expert), "dequant" for larger float32 int4 experts (torch's float32 kernels tie at M = 1 and measured
+        1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales 2**(lo - 128) may underflow it)
+        and wherever the kernel is missing."""
         kernel = getattr(self, scheme)
-        if kernel == "auto":
+        if kernel == "auto" and dtype == torch.float32:
+            small = scheme != "int4_w4a16" or rows < INT4_INT8MM_MAX_ROWS
+            kernel = "int8mm" if small else "dequant"
+        elif kernel == "auto":
             kernel = SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
             return "dequant"
         if kernel == "int4pack" and not int4pack_supported(dtype):
+            return "dequant"
+        if kernel == "int8mm" and not (dtype == torch.float32 and int8mm_supported()):
             return "dequant"
         return kernel
 
@@ -189,7 +211,20 @@ def mxfp4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8PackLinear | None:
     return Int8PackLinear(q, torch.pow(2.0, (lo[:, 0] - E8M0_BIAS - 1).float()))  # [R, C], [R]
 
 
-_REPACKERS = {"int4_w4a16": int4_repacked, "mxfp4": mxfp4_as_int8}
+def int4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8GroupsLinear:
+    """w (an Int4Weight) [E, R, C]'s expert as int8 codes less their group's zero [R, G*g] (pad columns: -zero,
+    against x's zero padding) and its scales, for ``_int8mm_groups`` (1 byte a weight beside int4's 0.5)."""
+    scale, zero = w.scale[expert], w.zero[expert]  # [R, G]
+    r, groups = scale.shape
+    codes = pad_cols(unpack_nibbles(w.q[expert], w.cols), w.group_size).view(r, groups, w.group_size)
+    shifted = codes.to(torch.int16) - zero.to(torch.int16)[:, :, None]  # [R, G, g] in [-15, 15]
+    return Int8GroupsLinear(shifted.to(torch.int8).view(r, groups * w.group_size).contiguous(), scale.contiguous(),
+                            w.group_size)
+
+
+_REPACKERS = {  # (scheme, kernel) -> the repacker whose results the cache keeps
+    ("int4_w4a16", "int4pack"): int4_repacked, ("int4_w4a16", "int8mm"): int4_as_int8,
+    ("mxfp4", "int8pack"): mxfp4_as_int8, ("mxfp4", "int8mm"): mxfp4_as_int8}
 
 
 def _tensor_bytes(linear) -> int:
@@ -203,13 +238,13 @@ def _signature(w: QuantizedWeight) -> tuple:
 @dataclass
 class _Entry:
     signature: tuple
-    experts: dict[tuple[int, torch.dtype], object] = field(default_factory=dict)  # None: the expert does not fit
+    experts: dict[tuple[int, torch.dtype, str], object] = field(default_factory=dict)  # None: it does not fit
     nbytes: int = 0
 
 
 class RepackCache:
-    """Experts repacked for torch's kernels (int4: ``int4_repacked``; mxfp4 as int8: ``mxfp4_as_int8``), per weight
-    (keyed by its q tensor, dying with it) and (expert, x dtype), within ``budget_bytes``; an entry is rebuilt when
+    """Experts repacked for a kernel (``_REPACKERS``: int4 for int4pack or as int8 for int8mm; mxfp4 as int8), per
+    weight (keyed by its q tensor, dying with it) and (expert, x dtype, kernel), within ``budget_bytes``; rebuilt when
     any tensor's version, pointer or strides change. Past the budget, for inference tensors (no version counter to
     watch), or for an expert that does not fit the kernel, ``get`` returns None."""
 
@@ -223,31 +258,42 @@ class RepackCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def get(self, w, expert: int, dtype: torch.dtype):
+    def get(self, w, expert: int, dtype: torch.dtype, kernel: str):
         if any(t.is_inference() for t in w.tensors().values()):
             return None
         signature = _signature(w)
         entry = self._entries.get(w.q)
         if entry is None or entry.signature != signature:
             entry = self._entries[w.q] = _Entry(signature)
-        if (expert, dtype) in entry.experts:
-            return entry.experts[(expert, dtype)]
-        if self.used_bytes() + 2 * w.nbytes_per_expert > self.budget_bytes:  # 2x: mxfp4's int8 codes, the most
+        key = (expert, dtype, kernel)
+        if key in entry.experts:
+            return entry.experts[key]
+        if self.used_bytes() + 2 * w.nbytes_per_expert > self.budget_bytes:  # 2x: the int8 forms, the most
             return None
-        found = entry.experts[(expert, dtype)] = _REPACKERS[w.scheme](w, expert, dtype)
+        found = entry.experts[key] = _REPACKERS[(w.scheme, kernel)](w, expert, dtype)
         entry.nbytes += 0 if found is None else _tensor_bytes(found)
         return found
 
 
 def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: QuantKernels,
-                  cache: RepackCache):
-    """What computes a @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is not
-    thread-safe), called on the worker."""
-    kernel = kernels.resolve(w.scheme, dtype)
+                  cache: RepackCache, rows: int = 1):
+    """What computes a [rows, C] @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is
+    not thread-safe), called on the worker."""
+    kernel = kernels.resolve(w.scheme, dtype, rows)
+    if kernel == "int8mm" and w.scheme == "int8_w8a16" and w.shape[2] <= MAX_COLS:
+        return Int8MMLinear(w.q[expert], w.scale[expert])
+    if kernel == "int8mm" and w.scheme == "int4_w4a16":
+        found = cache.get(w, expert, dtype, kernel)
+        if found is not None:
+            return found
+    if kernel == "int8mm" and w.scheme == "mxfp4" and w.shape[2] <= MAX_COLS:
+        as_int8 = cache.get(w, expert, dtype, kernel)  # mxfp4's exact int8 form
+        if as_int8 is not None:
+            return Int8MMLinear(as_int8.q, as_int8.scale)
     if kernel == "int8pack" and w.scheme == "int8_w8a16" and w.shape[2] % PACK_MULTIPLE == 0:
         return Int8PackLinear(w.q[expert], w.scale[expert])
     if (kernel == "int4pack" and w.shape[1] % PACK_MULTIPLE == 0) or (kernel == "int8pack" and w.scheme == "mxfp4"):
-        repacked = cache.get(w, expert, dtype)
+        repacked = cache.get(w, expert, dtype, kernel)
         if repacked is not None:
             return repacked
     return DequantLinear(w, expert)

@@ -24,10 +24,10 @@ which gathers, multiplies on prepacked weights and combines one expert at a time
 ``cpu_packed.blas_plain_rows`` says; ``"onednn_packed"`` runs the same loop serially with multi-threaded GEMMs).
 Under ``torch.compile`` such a call (CPU, no gradient, plain weights) runs as the custom op ``moekit::cpu_experts``
 (``moekit.experts.cpu_op``): the compiled graph calls this eager loop, which no trace could follow; a call that
-needs a gradient, or has quantized weights, traces the grouped GEMM path (``moekit::group_gemm``). Weight-only
-quantized weights (int8_w8a16, int4_w4a16, mxfp4) in an eager CPU call without autograd run the same loop, each
-touched expert dequantized on its worker or run by torch's weight-only kernel (``moekit.experts.cpu_quant``);
-elsewhere all E are dequantized per call.
+needs a gradient traces the grouped GEMM path (``moekit::group_gemm``). Weight-only quantized weights (int8_w8a16,
+int4_w4a16, mxfp4) in a CPU call without autograd run the same loop, each touched expert dequantized on its worker
+or run by an integer or weight-only kernel (``moekit.experts.cpu_quant``), compiled as the op
+``moekit::cpu_quant_experts`` (``moekit.experts.cpu_quant_op``); elsewhere all E are dequantized per call.
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
@@ -54,6 +54,7 @@ from moekit.experts.cpu_packed import (
     ExpertParams, blas_plain_rows, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
 from moekit.experts.cpu_quant import weight_only
+from moekit.experts.cpu_quant_op import cpu_quant_experts
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
     DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan, plan_grouped_mm,
 )
@@ -256,6 +257,10 @@ def experts_grouped_mm(
     # dequantized to x.dtype per call (correct, not fast); fp8_block: moekit.quant's recipe
     if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
         if _runs_quantized_loop(x, w13, w2, topk_weights, b13, b2, layout, cpu_gemm):
+            if torch.compiler.is_compiling():  # the eager loop inside one opaque op (``cpu_quant_op``)
+                return cpu_quant_experts(x, w13, w2, topk_ids, topk_weights, activation=activation,
+                                         expert_map=expert_map, b13=b13, b2=b2,
+                                         memory_budget_bytes=memory_budget_bytes, cpu_gemm=cpu_gemm)
             return _experts_quantized_loop(x, ExpertParams(w13, w2, b13, b2, as_spec(activation)), topk_ids,
                                            topk_weights, expert_map, memory_budget_bytes, cpu_gemm)
         return run_quantized(_experts_dense, x, w13, w2, topk_ids, topk_weights, activation=activation,
@@ -283,13 +288,16 @@ def _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm) -> bool:
 
 
 def _runs_quantized_loop(x, w13, w2, topk_weights, b13, b2, layout, cpu_gemm) -> bool:
-    """Whether a quantized call runs ``cpu_packed``'s loop, dequantizing per touched expert: eager, CPU, both
-    weights of one weight-only scheme, no gradient needed, the contiguous layout's fused GEMMs, x's dtype there."""
-    if torch.compiler.is_compiling() or x.device.type != "cpu" or w13.device.type != "cpu":
+    """Whether a quantized call runs ``cpu_packed``'s loop, dequantizing per touched expert: CPU, both weights of
+    one weight-only scheme, no gradient needed, the contiguous layout's fused GEMMs, x's dtype there (traced: as
+    ``moekit::cpu_quant_experts``, whose eager call checks the dtype)."""
+    if x.device.type != "cpu" or w13.device.type != "cpu":
         return False
     if not (weight_only(w13) and weight_only(w2) and w13.scheme == w2.scheme):
         return False
-    if cpu_gemm not in _FUSED_GEMMS or layout not in ("auto", "contiguous") or not fused_loop_supported(x.dtype):
+    if cpu_gemm not in _FUSED_GEMMS or layout not in ("auto", "contiguous"):
+        return False
+    if not torch.compiler.is_compiling() and not fused_loop_supported(x.dtype):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_weights, b13, b2)))
 
