@@ -98,9 +98,10 @@ class _Fixed(SplitChooser):
 def test_auto_at_decode_runs_the_chosen_mode_with_the_same_bits(monkeypatch, dtype):
     x, w13, w2, ids, weights = problem(m=3, k=4, seed=11)
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-    workers = []
-    real = cpu_packed.run_dynamic
-    monkeypatch.setattr(cpu_packed, "run_dynamic", lambda items, n, fn: workers.append(n) or real(items, n, fn))
+    ran = []
+    split, phased = cpu_packed.run_dynamic, grouped_mm.experts_cpu_phased
+    monkeypatch.setattr(cpu_packed, "run_dynamic", lambda items, n, fn: ran.append(n) or split(items, n, fn))
+    monkeypatch.setattr(grouped_mm, "experts_cpu_phased", lambda *a, **kw: ran.append("phased") or phased(*a, **kw))
     outs = {}
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -115,7 +116,7 @@ def test_auto_at_decode_runs_the_chosen_mode_with_the_same_bits(monkeypatch, dty
         assert chooser.keys == [(3, dtype, tuple(w13.shape), 2)]
     finally:
         torch.set_num_threads(before)
-    assert workers == [2, 1, 2]
+    assert ran == [2, "phased", 2]  # split: one worker a thread; unsplit: in phases
     assert torch.equal(outs[SPLIT], outs[UNSPLIT])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(outs[SPLIT].float(), loop64(x.float(), w13.float(), w2.float(), ids, weights)) < tol

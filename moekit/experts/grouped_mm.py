@@ -55,7 +55,8 @@ from moekit.experts.cpu_packed import (
     ExpertParams, blas_plain_rows, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
 from moekit.experts.cpu_quant import weight_only
-from moekit.experts.cpu_split_choice import CHOSEN_BELOW, SPLIT, UNSPLIT, split_chooser
+from moekit.experts.cpu_phased import experts_cpu_phased
+from moekit.experts.cpu_split_choice import CHOSEN_BELOW, UNSPLIT, split_chooser
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
     DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan, plan_grouped_mm,
 )
@@ -89,11 +90,10 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 # contiguous layout.
 CPU_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
 _FUSED_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused")
-# "auto" splits from M = CHOSEN_BELOW rows on; below (decode), split or unsplit is chosen per call by timing both
-# online (``moekit.experts.cpu_split_choice``): at M = 1 (8 experts of 1 row) the unsplit loop's 2-thread GEMMs
-# measured ~20% faster on a quiet 2-core EPYC (9.1 against 11.2 ms at Qwen3-30B-A3B shapes), ~25% on the Xeon right
-# after a 2-thread op, but 8-16x slower when other processes share the cores (704 / 352 against 43 ms)
-# (``benchmarks/results/AMD_EPYC-cpu-experts-2026-12-01-split*.json``, runs 1-3).
+# "auto" splits from M = CHOSEN_BELOW rows on; below (decode) it times the split against the unsplit loop in phases
+# (``cpu_phased``) and runs the faster (``cpu_split_choice``): unsplit, 2-thread GEMMs measured ~20% faster at M = 1
+# on a quiet 2-core EPYC but 8-16x slower when other processes share the cores (``benchmarks/results/AMD_EPYC-cpu-
+# experts-2026-12-01-split*.json``); on the Xeon right after a 2-thread op, the phased loop 20-40% faster.
 _SPLIT_GEMMS = ("auto", "onednn_packed_split")
 
 
@@ -366,13 +366,15 @@ def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu
         threads = torch.get_num_threads()
         blas = cpu_gemm == "auto" and blas_plain_rows(x.dtype)
 
-        def run(mode: str) -> torch.Tensor:
-            return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache,
-                                     workers=threads if mode == SPLIT else 1, blas_plain=blas)
+        def run(mode: str) -> torch.Tensor:  # auto's unsplit mode: the same loop in phases (same bits)
+            if mode == UNSPLIT:
+                return experts_cpu_phased(x, ex, topk_ids, topk_weights, expert_map, cache, blas_plain=blas)
+            return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=threads, blas_plain=blas)
 
         if cpu_gemm == "auto" and x.shape[0] < CHOSEN_BELOW and threads > 1:  # decode: timed online
             return split_chooser().call((x.shape[0], x.dtype, tuple(ex.w13.shape), threads), run)
-        return run(SPLIT if cpu_gemm in _SPLIT_GEMMS else UNSPLIT)
+        workers = threads if cpu_gemm in _SPLIT_GEMMS else 1
+        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=workers, blas_plain=blas)
     # [Group] static_rows = A: the exact size for align 1, so no host sync; unrouted rows trail, src A.
     layout = permute_contiguous(x, topk_ids, ex.w13.shape[0], align=1, expert_map=expert_map,
                                 static_rows=topk_ids.numel())

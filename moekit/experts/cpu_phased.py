@@ -1,0 +1,106 @@
+"""The unsplit CPU loop at decode sizes, in phases: every GEMM of a kind back to back, the rest once over all rows.
+
+    rows: the routed (token, slot) assignments sorted by expert (stably) -> xs [A', K] (one gather)
+    -> h [A', R]: each expert's gate-up GEMM into its rows -> glu over all rows (and the combine weight)
+    -> y [A', K]: each expert's down GEMM into its rows -> out [M, K] = one index_add_ over the rows
+
+Why: ``cpu_packed``'s loop runs ~10 small ops an expert between its two GEMMs (a gather, slices, the activation,
+the combine weight, an index_add_), each a few µs of host time during which the 2 OpenMP threads of the
+GEMMs idle. At M = 1 (8 experts of one row, Qwen3-30B-A3B widths) on the 2-core Xeon, right after a 2-thread op,
+this ran 4.0 / 5.0 ms (bf16 / fp32) where that loop unsplit ran 5.1 / 5.6 and transformers' ``grouped_mm`` 4.4 /
+5.4; at M = 4 and 8 it was level with ``grouped_mm`` and 7-12% ahead of the split.
+``moekit.experts.cpu_split_choice`` times it against the split loop (it is the "unsplit" mode).
+
+The same bits as ``cpu_packed.experts_cpu_fused``: each expert's GEMMs read the same weights (packed from
+``PACKED_MIN_ROWS`` rows, BLAS below where ``blas_plain``, else oneDNN) on the same rows (views of one buffer),
+the activation and the combine weight are elementwise per row, and one ``index_add_`` over the rows in expert
+order on one thread makes the same additions in the same order as its one ``index_add_`` an expert.
+The rows are grouped on the host (A = M*k ids through ``tolist``): no device here, and at decode sizes the
+sort of a few dozen ids in Python costs less than the grouping's tensor ops.
+
+Shapes: M tokens, k slots, A' routed assignments (ids in [0, E) after the expert map), E experts, K hidden,
+N intermediate, R = 2N (gated) or N rows of w13.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.activations import apply_glu, get_activation
+from moekit.experts.cpu_packed import (
+    PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, expert_weights, linear_rows, onednn_linear,
+)
+from moekit.experts.cpu_quant import QuantKernels, weight_only
+from moekit.layouts.grouping import to_local_ids
+
+
+@dataclass(frozen=True)
+class ExpertRun:
+    """One expert's rows in the sorted order: rows [start, end) of xs / h / y."""
+
+    expert: int
+    start: int
+    end: int
+
+
+def expert_runs(local_ids: list[int], num_experts: int) -> tuple[list[int], list[ExpertRun]]:
+    """local_ids [A] (E: not routed here) -> the routed assignments sorted by expert, stably (a-order within an
+    expert), and each expert's run of them, in expert order."""
+    order = sorted((a for a, e in enumerate(local_ids) if e < num_experts), key=local_ids.__getitem__)
+    runs: list[ExpertRun] = []
+    for row, a in enumerate(order):
+        if runs and runs[-1].expert == local_ids[a]:
+            runs[-1] = ExpertRun(runs[-1].expert, runs[-1].start, row + 1)
+        else:
+            runs.append(ExpertRun(local_ids[a], row, row + 1))
+    return order, runs
+
+
+def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       expert_map: torch.Tensor | None, cache: PackedWeightCache | None,
+                       quant: QuantKernels = QuantKernels(), blas_plain: bool = False) -> torch.Tensor:
+    """x [M, K] -> [M, K] in float32 (bf16 / fp16 accumulate there too): ``experts_cpu_fused`` with ``workers=1``,
+    the same bits, its GEMMs on the caller's intra-op threads, in phases (the module's docstring)."""
+    top_k = topk_ids.shape[1]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = x.new_zeros(x.shape[0], x.shape[1], dtype=acc)  # [M, K]
+    order, runs = expert_runs(to_local_ids(topk_ids, ex.w13.shape[0], expert_map).tolist(), ex.w13.shape[0])
+    if not order:
+        return out
+    src = torch.tensor(order, dtype=torch.long)  # [A'] assignment of each sorted row
+    tokens = src // top_k  # [A']
+    scale = topk_weights.reshape(-1).to(acc)[src].unsqueeze(1)  # [A', 1] combine weight of each row
+    linear = onednn_linear(x.dtype)
+    blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
+    weights = {r.expert: expert_weights(ex, r.expert, cache if r.end - r.start >= PACKED_MIN_ROWS else None, quant,
+                                        x.dtype, None if blas and r.end - r.start < PACKED_MIN_ROWS else linear)
+               for r in runs}
+    xs = x.index_select(0, tokens)  # [A', K]
+    h = x.new_empty(len(order), ex.w13.shape[1])  # [A', R]
+    for r in runs:
+        w = weights[r.expert]
+        linear_rows(w.linear, xs[r.start:r.end], w.w13, w.b13, out=h[r.start:r.end])
+    if ex.spec.plain:
+        n_dim = ex.w2.shape[2]
+        a = get_activation(ex.spec.name).fn(h[:, :n_dim])  # [A', N], contiguous
+        a.mul_(h[:, n_dim:])
+    else:
+        a = apply_glu(h, ex.spec)  # [A', N]
+    scale_first = ex.b2 is None and a.dtype == acc  # as ``cpu_packed._expert``: weight the [A', N] activation
+    if scale_first:
+        a.mul_(scale)
+    y = x.new_empty(len(order), ex.w2.shape[1])  # [A', K]
+    for r in runs:
+        w = weights[r.expert]
+        linear_rows(w.linear, a[r.start:r.end], w.w2, w.b2, out=y[r.start:r.end])
+    if not scale_first:
+        y = y.to(acc).mul_(scale)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a serial index_add_: the rows' additions in order (``_ExpertLoop.combine``)
+    try:
+        out.index_add_(0, tokens, y)
+    finally:
+        torch.set_num_threads(threads)
+    return out
