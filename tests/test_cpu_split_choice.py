@@ -110,10 +110,10 @@ def test_auto_at_decode_runs_the_chosen_mode_with_the_same_bits(monkeypatch, dty
             chooser = _Fixed(mode)
             monkeypatch.setattr(grouped_mm, "split_chooser", lambda: chooser)
             outs[mode] = experts_grouped_mm(x, w13, w2, ids, weights)
-            assert chooser.keys == [(3, dtype, tuple(w13.shape), 2)]
+            assert chooser.keys == [(2, dtype, tuple(w13.shape), 2)]  # M = 3: M's bit length
         big = problem(m=CHOSEN_BELOW, k=2, seed=12)  # not a decode size: always split, never asked
         experts_grouped_mm(*big)
-        assert chooser.keys == [(3, dtype, tuple(w13.shape), 2)]
+        assert chooser.keys == [(2, dtype, tuple(w13.shape), 2)]
     finally:
         torch.set_num_threads(before)
     assert ran == [2, "phased", 2]  # split: one worker a thread; unsplit: in phases

@@ -1,31 +1,32 @@
 """Split or unsplit: ``cpu_gemm="auto"``'s CPU loop at decode sizes, chosen per call by timing both online.
 
-The split loop (``moekit.experts.cpu_workers``: whole experts dealt to single-threaded workers) keeps both
-cores busy when a neighbour holds one of them. But in a model, the op before the experts (the router's GEMM,
-attention) ran on torch's 2 OpenMP threads, and libgomp's idle thread keeps spinning after it, taking a core
-from one of the split's workers. The unsplit loop (one expert after the other, each GEMM on the caller's
-intra-op threads) hands that spinning thread the work instead. Measured on the 2-core Sapphire Rapids Xeon at
-Qwen3-30B-A3B widths, M = 1, right after a 2-thread GEMM: 5.0 against 6.6 ms (bf16), 5.8 against 7.8 ms
-(fp32), the same bits. But on a loaded machine the unsplit loop's 2-thread GEMMs wait at OpenMP's barriers for
-a descheduled thread: 4-16x slower than the split (the EPYC, session 27; 10x on this Xeon under the helpers'
-load). No fixed rule wins both, and no cheap signal (the load average counts our own threads) says which
-case a call is in, so both are timed where they run:
+The split loop (``moekit.experts.cpu_workers``: whole experts dealt to single-threaded workers) keeps both cores busy
+when a neighbour holds one of them. But in a model, the op before the experts (the router's GEMM, attention) ran on
+torch's 2 OpenMP threads, and libgomp's idle thread keeps spinning after it, taking a core from one of the split's
+workers. The unsplit loop (each GEMM on the caller's intra-op threads, in phases: ``moekit.experts.cpu_phased``)
+hands that spinning thread the work instead. Measured on the 2-core Sapphire Rapids Xeon at Qwen3-30B-A3B widths,
+M = 1, right after a 2-thread GEMM: 4.1 against 6.3 ms (bf16), 4.7 against 7.6 ms (fp32), the same bits. But on a
+loaded machine 2-thread GEMMs wait at OpenMP's barriers for a descheduled thread: the unsplit loop ran 4-16x slower
+than the split (the EPYC, session 27; ~10x on this Xeon under the helpers' load). No fixed rule wins both, and no
+cheap signal says which case a call is in (the load average counts our own threads), so both are timed where they
+run:
 
-    per key (rows M, dtype, weight shape, threads): the first 2 * WINDOW calls alternate the modes; then the
-    mode with the lower median over its last WINDOW calls runs, and the other runs once every ``interval``
-    calls (a probe). A probe that loses doubles the interval (PROBE_MIN .. PROBE_MAX calls); one faster than
-    the running mode's median runs again on the next call, so a mode that became faster takes over in two
-    calls; a probe that takes over resets the interval to PROBE_MIN.
+    per key (M's bit length: 1, 2-3, 4-7, ...; the dtype, weight shape and threads): the first 2 * WINDOW calls
+    alternate the modes; then the mode with the lower median over its last WINDOW calls runs, and the other runs
+    once every ``interval`` calls (a probe). A probe that loses doubles the interval (PROBE_MIN .. PROBE_MAX
+    calls); one faster than the running mode's median runs again on the next call, so a mode that became faster
+    takes over in two calls; a probe that takes over resets the interval to PROBE_MIN.
 
-Both modes give the same bits where the GEMMs of 1 and 2 threads do (each expert's rows are combined in expert
-order either way): measured at M = 1, 3, 4, 7 on the Xeon, fp32 and bf16, at real and at test widths.
+A neighbour that arrives slows the running unsplit mode at once: its median rises within two calls and the split,
+timed before, takes over. One that leaves is found by the next probe. A probe of the loaded unsplit mode costs ~10
+split calls, so at PROBE_MAX calls apart it costs < 1% of the time.
 
-A neighbour that arrives slows the running unsplit mode at once: its median rises within two calls and
-the split, timed before, takes over. One that leaves is found by the next probe. A probe of the loaded
-unsplit mode costs ~10 split calls, so at PROBE_MAX calls apart it costs < 1% of the time.
+Both modes give the same bits where 1- and 2-thread GEMMs do (each expert's rows are combined in expert order
+either way): measured at M = 1 to 64 on the Xeon, fp32 and bf16, at real and at test widths.
 
-Only decode sizes are chosen (M < ``CHOSEN_BELOW``): at M = 8 the split was as fast or faster (bf16 30.7
-against 33.0 ms, fp32 39.3 against 39.6 ms) and prefill's larger experts split better still.
+Only M < ``CHOSEN_BELOW`` is chosen: at Qwen3-30B-A3B widths after a 2-thread op, the phased loop led the split by
+20-40% at M = 1, ~7% at 4 and 8, 0-5% at 16, and trailed it by 6-13% at M = 64, where experts of more rows split
+well over single-threaded workers.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ SPLIT, UNSPLIT = "split", "unsplit"
 MODES = (SPLIT, UNSPLIT)
 WINDOW = 3  # samples per mode a median is taken over: one outlier (a neighbour's burst) never decides
 PROBE_MIN, PROBE_MAX = 8, 1024  # calls between probes of the losing mode, doubled after each loss
-CHOSEN_BELOW = 8  # rows M of the calls whose mode is timed online; the rest split
+CHOSEN_BELOW = 32  # rows M of the calls whose mode is timed online; the rest split
 
 
 @dataclass

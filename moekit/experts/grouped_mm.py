@@ -372,7 +372,7 @@ def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu
             return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=threads, blas_plain=blas)
 
         if cpu_gemm == "auto" and x.shape[0] < CHOSEN_BELOW and threads > 1:  # decode: timed online
-            return split_chooser().call((x.shape[0], x.dtype, tuple(ex.w13.shape), threads), run)
+            return split_chooser().call((x.shape[0].bit_length(), x.dtype, tuple(ex.w13.shape), threads), run)
         workers = threads if cpu_gemm in _SPLIT_GEMMS else 1
         return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=workers, blas_plain=blas)
     # [Group] static_rows = A: the exact size for align 1, so no host sync; unrouted rows trail, src A.
