@@ -11,7 +11,9 @@ save that ``auto`` sends experts of fewer than ``PACKED_MIN_ROWS`` rows through 
 ``blas_plain_rows`` says: float32, MKL, an Intel CPU) the experts, largest first, go to whichever of that many
 threads of one intra-op thread each is free (``moekit.experts.cpu_workers``); the combine order stays the expert
 order, so the bits are those of ``workers=1``. ~32 rows per expert (M = 512 at k=8, E=128) are too few for oneDNN to
-split one GEMM over 2 cores well; whole experts per core are not.
+split one GEMM over 2 cores well; whole experts per core are not. Below 32 tokens ``auto`` times this split loop
+against the same loop unsplit in phases (``moekit.experts.cpu_phased``, the same bits) and runs the faster
+(``moekit.experts.cpu_split_choice``: OpenMP's spinning threads after a 2-thread op cost the split at decode).
 
 oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At
 Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, fp32) and ~32 rows per expert that is ~20% of
