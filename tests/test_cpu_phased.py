@@ -7,7 +7,8 @@ import torch
 
 from moekit.activations import ActivationSpec
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
-from moekit.experts.cpu_phased import ExpertRun, expert_runs, experts_cpu_phased
+from moekit.experts import cpu_packed
+from moekit.experts.cpu_phased import ExpertRun, expert_runs, experts_cpu_phased, phased_blas_rows
 from test_cpu_packed import loop64, rel_err
 from test_cpu_workers import E, K, N, SILU, needs_onednn, problem
 
@@ -73,3 +74,10 @@ def test_phased_handles_no_tokens_and_every_slot_skipped():
     x, w13, w2, ids, weights = problem(m=3, k=2, seed=5)
     ids.fill_(-1)
     assert torch.equal(both(x, w13, w2, ids, weights)[0], torch.zeros(3, K))
+
+
+def test_phased_blas_rows_follow_the_split_rule_and_native_bf16():
+    phased_blas_rows.cache_clear()
+    assert phased_blas_rows(torch.float32) == cpu_packed.blas_plain_rows(torch.float32)
+    assert phased_blas_rows(torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert not phased_blas_rows(torch.float16) or cpu_packed.blas_plain_rows(torch.float16)

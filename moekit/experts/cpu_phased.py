@@ -24,16 +24,30 @@ N intermediate, R = 2N (gated) or N rows of w13.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from moekit.activations import apply_glu, get_activation
 from moekit.experts.cpu_packed import (
-    PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, expert_weights, linear_rows, onednn_linear,
+    PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, blas_plain_rows, expert_weights, linear_rows, onednn_linear,
 )
 from moekit.experts.cpu_quant import QuantKernels, weight_only
 from moekit.layouts.grouping import to_local_ids
+
+
+@functools.cache
+def phased_blas_rows(dtype: torch.dtype) -> bool:
+    """Whether ``auto``'s phased loop runs experts of fewer than ``PACKED_MIN_ROWS`` rows through torch's BLAS: where
+    ``cpu_packed.blas_plain_rows`` says (float32, MKL, an Intel CPU), and bf16 where oneDNN runs bf16 natively
+    (``torch.mm``'s bf16 is oneDNN's matmul there, its primitives cached: ~4 us a call before any work against
+    ``_linear_pointwise``'s ~16, 16 calls at M = 1 on Qwen3-30B-A3B). In the split loop BLAS measured slower in bf16
+    (session 30), so only the phased loop takes it."""
+    if blas_plain_rows(dtype):
+        return True
+    supported = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+    return dtype == torch.bfloat16 and supported is not None and bool(supported())
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from moekit.experts.cpu_packed import (
     ExpertParams, blas_plain_rows, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
 from moekit.experts.cpu_quant import weight_only
-from moekit.experts.cpu_phased import experts_cpu_phased
+from moekit.experts.cpu_phased import experts_cpu_phased, phased_blas_rows
 from moekit.experts.cpu_split_choice import CHOSEN_BELOW, UNSPLIT, split_chooser
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
     DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan, plan_grouped_mm,
@@ -90,10 +90,9 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 # contiguous layout.
 CPU_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
 _FUSED_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused")
-# "auto" splits from M = CHOSEN_BELOW rows on; below (decode) it times the split against the unsplit loop in phases
-# (``cpu_phased``) and runs the faster (``cpu_split_choice``): unsplit, 2-thread GEMMs measured ~20% faster at M = 1
-# on a quiet 2-core EPYC but 8-16x slower when other processes share the cores (``benchmarks/results/AMD_EPYC-cpu-
-# experts-2026-12-01-split*.json``); on the Xeon right after a 2-thread op, the phased loop 20-40% faster.
+# "auto" splits from M = CHOSEN_BELOW on; below, it times the split against the unsplit loop in phases (``cpu_phased``)
+# and runs the faster (``cpu_split_choice``): unsplit, 2-thread GEMMs win when the cores are free (the phased loop by
+# 20-40% at M = 1 on the Xeon after a 2-thread op) but lost 8-16x when other processes shared them (the EPYC).
 _SPLIT_GEMMS = ("auto", "onednn_packed_split")
 
 
@@ -368,7 +367,8 @@ def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu
 
         def run(mode: str) -> torch.Tensor:  # auto's unsplit mode: the same loop in phases (same bits)
             if mode == UNSPLIT:
-                return experts_cpu_phased(x, ex, topk_ids, topk_weights, expert_map, cache, blas_plain=blas)
+                return experts_cpu_phased(x, ex, topk_ids, topk_weights, expert_map, cache,
+                                          blas_plain=phased_blas_rows(x.dtype))
             return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=threads, blas_plain=blas)
 
         if cpu_gemm == "auto" and x.shape[0] < CHOSEN_BELOW and threads > 1:  # decode: timed online
