@@ -13,6 +13,7 @@ from test_cpu_packed import loop64, rel_err
 from test_cpu_workers import E, K, N, SILU, needs_onednn, problem
 
 GPT_OSS = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=0.5, up_shift=1.0)
+GPT_OSS_7 = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)  # gpt-oss's own limit
 
 
 def both(x, w13, w2, ids, weights, spec=SILU, cache=None, blas=False, **kw):
@@ -81,3 +82,20 @@ def test_phased_blas_rows_follow_the_split_rule_and_native_bf16():
     assert phased_blas_rows(torch.float32) == cpu_packed.blas_plain_rows(torch.float32)
     assert phased_blas_rows(torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert not phased_blas_rows(torch.float16) or cpu_packed.blas_plain_rows(torch.float16)
+
+
+@needs_onednn
+@pytest.mark.parametrize("spec", [SILU, GPT_OSS_7])
+def test_phased_keeps_the_bits_where_a_whole_row_range_would_vectorise_differently(spec):
+    """N = 8, ~6 rows an expert (packed): one expert's activation temporaries are [6, 8], 48 elements (a vector body
+    and a scalar tail); all 36 rows at once as one flat range would put the tail elsewhere (exp 1 ulp apart), so
+    gpt-oss's activation goes one expert at a time."""
+    g = torch.Generator().manual_seed(2)
+    n, k_dim, m = 8, 16, 12
+    x = torch.randn(m, k_dim, generator=g)
+    w13, w2 = torch.randn(E, 2 * n, k_dim, generator=g) * 0.5, torch.randn(E, k_dim, n, generator=g) * 0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(m)])
+    b13, b2 = torch.randn(E, 2 * n, generator=g), torch.randn(E, k_dim, generator=g)
+    outs = both(x, w13, w2, ids, torch.rand(m, 3, generator=g), spec=spec, b13=b13, b2=b2,
+                cache=PackedWeightCache(budget_bytes=1 << 30))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

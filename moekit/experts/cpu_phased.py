@@ -1,7 +1,7 @@
 """The unsplit CPU loop at decode sizes, in phases: every GEMM of a kind back to back, the rest once over all rows.
 
     rows: the routed (token, slot) assignments sorted by expert (stably) -> xs [A', K] (one gather)
-    -> h [A', R]: each expert's gate-up GEMM into its rows -> glu over all rows (and the combine weight)
+    -> h [A', R]: each expert's gate-up GEMM into its rows -> glu (``glu_rows``) and the combine weight
     -> y [A', K]: each expert's down GEMM into its rows -> out [M, K] = one index_add_ over the rows
 
 Why: ``cpu_packed``'s loop runs ~10 small ops an expert between its two GEMMs (a gather, slices, the activation,
@@ -12,9 +12,10 @@ this ran 4.0 / 5.0 ms (bf16 / fp32) where that loop unsplit ran 5.1 / 5.6 and tr
 ``moekit.experts.cpu_split_choice`` times it against the split loop (it is the "unsplit" mode).
 
 The same bits as ``cpu_packed.experts_cpu_fused``: each expert's GEMMs read the same weights (packed from
-``PACKED_MIN_ROWS`` rows, BLAS below where ``blas_plain``, else oneDNN) on the same rows (views of one buffer),
-the activation and the combine weight are elementwise per row, and one ``index_add_`` over the rows in expert
-order on one thread makes the same additions in the same order as its one ``index_add_`` an expert.
+``PACKED_MIN_ROWS`` rows, BLAS below where ``blas_plain``, else oneDNN) on the same rows (views of one buffer; the
+GEMMs of 1 and 2 threads measured equal here, see ``cpu_split_choice``), the activation runs on one thread as the
+split loop's workers run it (``glu_rows``), the combine weight is a product (exact), and one ``index_add_`` over the
+rows in expert order on one thread makes the same additions in the same order as its one ``index_add_`` an expert.
 The rows are grouped on the host (A = M*k ids through ``tolist``): no device here, and at decode sizes the
 sort of a few dozen ids in Python costs less than the grouping's tensor ops.
 
@@ -24,12 +25,13 @@ N intermediate, R = 2N (gated) or N rows of w13.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from moekit.activations import apply_glu, get_activation
+from moekit.activations import ActivationSpec, apply_glu, get_activation
 from moekit.experts.cpu_packed import (
     PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, blas_plain_rows, expert_weights, linear_rows, onednn_linear,
 )
@@ -96,12 +98,7 @@ def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor
     for r in runs:
         w = weights[r.expert]
         linear_rows(w.linear, xs[r.start:r.end], w.w13, w.b13, out=h[r.start:r.end])
-    if ex.spec.plain:
-        n_dim = ex.w2.shape[2]
-        a = get_activation(ex.spec.name).fn(h[:, :n_dim])  # [A', N], contiguous
-        a.mul_(h[:, n_dim:])
-    else:
-        a = apply_glu(h, ex.spec)  # [A', N]
+    a = glu_rows(h, runs, ex.spec, ex.w2.shape[2])  # [A', N]
     scale_first = ex.b2 is None and a.dtype == acc  # as ``cpu_packed._expert``: weight the [A', N] activation
     if scale_first:
         a.mul_(scale)
@@ -111,10 +108,33 @@ def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor
         linear_rows(w.linear, a[r.start:r.end], w.w2, w.b2, out=y[r.start:r.end])
     if not scale_first:
         y = y.to(acc).mul_(scale)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a serial index_add_: the rows' additions in order (``_ExpertLoop.combine``)
-    try:
+    with one_thread():  # a serial index_add_: the rows' additions in order (``_ExpertLoop.combine``)
         out.index_add_(0, tokens, y)
+    return out
+
+
+def glu_rows(h: torch.Tensor, runs: list[ExpertRun], spec: ActivationSpec, n_dim: int) -> torch.Tensor:
+    """h [A', R] -> glu(h) [A', N], every element with the bits the split loop gives it (``cpu_packed._expert`` on a
+    worker of one intra-op thread, one expert's [m, R] at a time). On one thread here too: two would split a large
+    iteration at a point that moves the boundary between the vector body and the scalar tail of exp (1 ulp apart). A
+    plain activation over all rows at once (h[:, :N] is a strided view: one loop a row, as for one expert's rows);
+    any other (gpt-oss's, over contiguous temporaries that iterate as one flat range) one expert's rows at a time."""
+    with one_thread():
+        if spec.plain:
+            a = get_activation(spec.name).fn(h[:, :n_dim])  # [A', N], contiguous
+            return a.mul_(h[:, n_dim:])
+        a = h.new_empty(h.shape[0], n_dim)  # [A', N]
+        for r in runs:
+            a[r.start:r.end] = apply_glu(h[r.start:r.end], spec)
+        return a
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The calling thread's intra-op threads set to 1 inside, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
-    return out
