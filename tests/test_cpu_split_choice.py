@@ -124,3 +124,15 @@ def test_auto_at_decode_runs_the_chosen_mode_with_the_same_bits(monkeypatch, dty
 
 def test_the_process_wide_chooser_is_one_object():
     assert split_chooser() is split_chooser() and isinstance(split_chooser(), SplitChooser)
+
+
+def test_the_mode_left_behind_by_a_slowdown_is_timed_again_soon():
+    chooser = SplitChooser()
+    run_calls(chooser, {SPLIT: 7.0, UNSPLIT: 5.0}, 2 * WINDOW + 3 * PROBE_MIN)  # quiet long enough to back off
+    for _ in range(4):  # a burst, until the split takes over (two unsplit calls, a probe may come between)
+        run_calls(chooser, {SPLIT: 7.0, UNSPLIT: 60.0}, 1)
+        if chooser.modes() == {KEY: SPLIT}:
+            break
+    assert chooser.modes() == {KEY: SPLIT}
+    ran = run_calls(chooser, {SPLIT: 7.0, UNSPLIT: 5.0}, PROBE_MIN + 3)  # the burst passed
+    assert ran[:PROBE_MIN] == [SPLIT] * PROBE_MIN and ran[PROBE_MIN:] == [UNSPLIT] * 3

@@ -15,7 +15,7 @@ run:
     alternate the modes; then the mode with the lower median over its last WINDOW calls runs, and the other runs
     once every ``interval`` calls (a probe). A probe that loses doubles the interval (PROBE_MIN .. PROBE_MAX
     calls); one faster than the running mode's median runs again on the next call, so a mode that became faster
-    takes over in two calls; a probe that takes over resets the interval to PROBE_MIN.
+    takes over in two calls; a change of mode resets the interval to PROBE_MIN.
 
 A neighbour that arrives slows the running unsplit mode at once: its median rises within two calls and the split,
 timed before, takes over. One that leaves is found by the next probe. A probe of the loaded unsplit mode costs ~10
@@ -104,11 +104,11 @@ class SplitChooser:
                 return
             running = state.best()
             state.samples[mode].append(seconds)
-            if mode == running:  # its median follows the machine: a slowed mode loses to the other's at once
-                return
-            if state.best() != running:  # the probed mode took over
-                state.interval = PROBE_MIN
+            if state.best() != running:  # the probe took over, or the running mode slowed past the other's median
+                state.interval = PROBE_MIN  # the mode left behind is timed again soon (a neighbour's burst passes)
                 state.next_probe = state.calls + PROBE_MIN
+            elif mode == running:  # its median follows the machine
+                return
             elif seconds < state.median(running):  # faster than the running mode: confirm it on the next call
                 state.next_probe = state.calls
             else:  # lost: probe less often, ``interval`` calls after this one
