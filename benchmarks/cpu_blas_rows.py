@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from moekit.experts import grouped_mm as gm
+from moekit.experts import cpu_loop as gm
 from moekit.experts.grouped_mm import experts_grouped_mm
 
 E, N, K, TOP_K = 128, 768, 2048, 8

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from _helpers import routed_slots
 from moekit.activations import ActivationSpec
-from moekit.experts import cpu_packed, grouped_mm
+from moekit.experts import cpu_loop, cpu_packed
 from moekit.experts.cpu_packed import PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, experts_cpu_fused
 from moekit.experts.grouped_mm import experts_grouped_mm
 
@@ -228,7 +228,7 @@ def test_blas_plain_rows_rule(monkeypatch):
 def test_auto_takes_blas_where_the_rule_says_and_explicit_onednn_never(monkeypatch):
     x, w13, w2, ids, weights = problem(m=3, seed=14)  # at most 3 rows an expert: none packed
     want = loop64(x, w13, w2, ids, weights)
-    monkeypatch.setattr(grouped_mm, "blas_plain_rows", lambda dtype: True)
+    monkeypatch.setattr(cpu_loop, "blas_plain_rows", lambda dtype: True)
     _onednn_refusing_plain_weights(monkeypatch)
     assert rel_err(experts_grouped_mm(x, w13, w2, ids, weights), want) < 1e-5
     with pytest.raises(AssertionError, match="plain weight"):

@@ -12,6 +12,7 @@ import torch
 from moekit.activations import ActivationSpec
 from moekit.experts import cpu_packed
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
+from moekit.experts.cpu_split_choice import split_chooser
 from moekit.experts.cpu_workers import largest_first, run_dynamic, run_shares
 from moekit.experts.grouped_mm import experts_grouped_mm
 from test_cpu_packed import loop64, rel_err  # the float64 per-(token, slot) loop both files check against
@@ -210,12 +211,13 @@ def test_grouped_mm_split_runs_one_worker_per_torch_thread(monkeypatch):
         assert rel_err(out, want) < 1e-5
     x, w13, w2, ids, weights = problem(m=1, k=2, seed=8)  # decode: 2 experts of 1 row
     calls.clear()
+    split_chooser().clear()
     torch.set_num_threads(3)
     try:
-        decode = experts_grouped_mm(x, w13, w2, ids, weights)
+        decode = experts_grouped_mm(x, w13, w2, ids, weights)  # a decode size's first call: the split
         forced = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_packed_split")
     finally:
         torch.set_num_threads(before)
-    assert calls == [2, 2]  # auto splits at decode too: one worker per busy expert
+    assert calls == [2, 2]  # one worker per busy expert (test_cpu_split_choice: auto's choice at decode)
     want = loop64(x, w13, w2, ids, weights)
     assert rel_err(decode, want) < 1e-5 and rel_err(forced, want) < 1e-5

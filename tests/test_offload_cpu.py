@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.experts import grouped_mm
+from moekit.experts import cpu_loop
 from moekit.offload import CpuOptions, CpuPhases, MissCosts, OffloadedMoE
 from moekit.offload import staging
 from moekit.offload.calibrate import most_threads, thread_candidates
@@ -35,8 +35,10 @@ def _x(m: int, seed: int) -> torch.Tensor:
 def test_all_misses_on_the_cpu_equal_the_plain_layer_exactly(options, monkeypatch):
     # a cold cache: every expert runs in the CPU branch, one partial, the plain layer's own CPU loop
     # (grouped_mm's per-expert oneDNN loop; <= 3 rows per expert, so neither packs its weights). The plain
-    # layer's auto would take BLAS for those experts on an Intel CPU (blas_plain_rows): held to oneDNN here
-    monkeypatch.setattr(grouped_mm, "blas_plain_rows", lambda dtype: False)
+    # layer's auto would take BLAS for those experts on an Intel CPU (blas_plain_rows; phased_blas_rows where it times
+    # its decode loops, cpu_split_choice): held to oneDNN here
+    monkeypatch.setattr(cpu_loop, "blas_plain_rows", lambda dtype: False)
+    monkeypatch.setattr(cpu_loop, "phased_blas_rows", lambda dtype: False)
     moe = _moe()
     off = OffloadedMoE.from_moe(moe, cache_experts=2, compute_misses_on="cpu", cpu_options=options)
     x = _x(3, 0)

@@ -6,10 +6,11 @@ token, softmax weights). Rows:
 - ``moekit`` (what ``backend="auto"`` runs on the CPU: ``moekit.experts.cpu_packed``'s per-expert loop on
   prepacked weights, within the cache's budget, recorded as ``pack_budget_bytes`` / ``packed_bytes``, with
   whole experts split across one single-threaded worker per torch thread, experts of fewer than 4 rows through
-  torch's BLAS where ``cpu_packed.blas_plain_rows`` says), the same loop with oneDNN for every expert
-  (``onednn_packed_split``: what ``auto`` runs off Intel CPUs with MKL), the same loop unsplit on multi-threaded
-  GEMMs (``onednn_packed``) and on plain weights (``onednn_fused``), and each explicit layout / GEMM strategy of
-  ``moekit.experts.grouped_mm`` (``contiguous+onednn_loop``: the CPU default until session 6 ...);
+  torch's BLAS where ``cpu_packed.blas_plain_rows`` says; below 32 tokens timed online against the same loop unsplit
+  in phases, ``moekit.experts.cpu_split_choice``), the same loop with oneDNN for every expert
+  (``onednn_packed_split``: what ``auto`` runs off Intel CPUs with MKL from 32 tokens), the same loop unsplit on
+  multi-threaded GEMMs (``onednn_packed``) and on plain weights (``onednn_fused``), and each explicit layout / GEMM
+  strategy of ``moekit.experts.grouped_mm`` (``contiguous+onednn_loop``: the CPU default until session 6 ...);
 - transformers' ``grouped_mm``, ``batched_mm`` and ``eager`` (the model class's own per-expert loop),
   called as a transformers experts module calls them; ``batched_mm`` gathers a [2N, K] + [K, N] weight
   copy per assignment and is skipped above BATCHED_MM_MAX_BYTES of copies (or half the free memory).

@@ -11,7 +11,9 @@ save that ``auto`` sends experts of fewer than ``PACKED_MIN_ROWS`` rows through 
 ``blas_plain_rows`` says: float32, MKL, an Intel CPU) the experts, largest first, go to whichever of that many
 threads of one intra-op thread each is free (``moekit.experts.cpu_workers``); the combine order stays the expert
 order, so the bits are those of ``workers=1``. ~32 rows per expert (M = 512 at k=8, E=128) are too few for oneDNN to
-split one GEMM over 2 cores well; whole experts per core are not.
+split one GEMM over 2 cores well; whole experts per core are not. Below 32 tokens ``auto`` times this split loop
+against the same loop unsplit in phases (``moekit.experts.cpu_phased``, the same bits) and runs the faster
+(``moekit.experts.cpu_split_choice``: OpenMP's spinning threads after a 2-thread op cost the split at decode).
 
 oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At
 Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, fp32) and ~32 rows per expert that is ~20% of
@@ -257,8 +259,9 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
     # budget fills in the same order whatever the worker count
     linear = onednn_linear(x.dtype)
     blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
-    weights = {e: _weights(ex, e, cache if c >= PACKED_MIN_ROWS else None, quant, x.dtype,
-                           None if blas and c < PACKED_MIN_ROWS else linear, c) for e, c in enumerate(counts) if c}
+    weights = {e: expert_weights(ex, e, cache if c >= PACKED_MIN_ROWS else None, quant, x.dtype,
+                                 None if blas and c < PACKED_MIN_ROWS else linear, c)
+               for e, c in enumerate(counts) if c}
     loop = _ExpertLoop(x, ex, weights, counts, starts, src // top_k, slot_weights, acc, [None] * len(counts))
     order = largest_first(counts)
     run_dynamic(order, workers, loop.run)
@@ -266,7 +269,7 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
 
 
 @dataclass(frozen=True)
-class _ExpertWeights:
+class ExpertWeights:
     w13: object  # [R, K], plain view or packed; or a quantized expert's linear (``cpu_quant.expert_linear``)
     w2: object  # [K, N], the same
     b13: torch.Tensor | None  # [R]
@@ -274,15 +277,17 @@ class _ExpertWeights:
     linear: object  # oneDNN's linear; None: torch's BLAS (plain weights only)
 
 
-def _weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None, quant: QuantKernels,
-             dtype: torch.dtype, linear, rows: int) -> _ExpertWeights:
+def expert_weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None, quant: QuantKernels,
+                   dtype: torch.dtype, linear, rows: int) -> ExpertWeights:
+    """What ``expert`` reads: its weights packed through ``cache`` (None: plain views) or its quantized linears
+    (``rows``: the expert's rows this call, which picks a quantized kernel)."""
     def one(w):
         if weight_only(w):
             return expert_linear(w, expert, dtype, quant, _REPACK_CACHE, rows)
         return w[expert] if cache is None else cache.weight(w, expert)
 
-    return _ExpertWeights(one(ex.w13), one(ex.w2), None if ex.b13 is None else ex.b13[expert],
-                          None if ex.b2 is None else ex.b2[expert], linear)
+    return ExpertWeights(one(ex.w13), one(ex.w2), None if ex.b13 is None else ex.b13[expert],
+                         None if ex.b2 is None else ex.b2[expert], linear)
 
 
 @dataclass(frozen=True)
@@ -292,7 +297,7 @@ class _ExpertLoop:
 
     x: torch.Tensor  # [M, K]
     ex: ExpertParams
-    weights: dict[int, _ExpertWeights]  # expert -> what it reads, for every expert with rows
+    weights: dict[int, ExpertWeights]  # expert -> what it reads, for every expert with rows
     counts: list[int]  # [E] rows per expert
     starts: list[int]  # [E] its first sorted row
     tokens: torch.Tensor  # [A] token of each sorted row
@@ -321,12 +326,12 @@ class _ExpertLoop:
         return out
 
 
-def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, scale: torch.Tensor,
+def _expert(xs: torch.Tensor, ex: ExpertParams, w: ExpertWeights, scale: torch.Tensor,
             acc: torch.dtype) -> torch.Tensor:
     """xs [m, K] -> scale * (w2 @ glu(w13 @ xs^T + b13) + b2) as [m, K] (acc) for one expert's weights ``w``,
     ``scale`` [m, 1] (acc); a plain gated activation's product in place (one [m, N] buffer). With no b2 and
     xs already in acc, ``scale`` multiplies the [m, N] activation instead of the [m, K] output."""
-    h = _linear(w.linear, xs, w.w13, w.b13)  # [m, R]
+    h = linear_rows(w.linear, xs, w.w13, w.b13)  # [m, R]
     if ex.spec.plain:
         n_dim = ex.w2.shape[2]
         a = get_activation(ex.spec.name).fn(h[:, :n_dim])  # [m, N], contiguous for oneDNN
@@ -334,16 +339,19 @@ def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, scale: torch.
     else:
         a = apply_glu(h, ex.spec)  # [m, N]
     if w.b2 is None and a.dtype == acc:
-        return _linear(w.linear, a.mul_(scale), w.w2, None)
-    return _linear(w.linear, a, w.w2, w.b2).to(acc).mul_(scale)
+        return linear_rows(w.linear, a.mul_(scale), w.w2, None)
+    return linear_rows(w.linear, a, w.w2, w.b2).to(acc).mul_(scale)
 
 
-def _linear(linear, a: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_rows(linear, a: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [m, in] @ w [out, in]^T (+ bias [out]) -> [m, out]: oneDNN's ``linear`` on a weight tensor (plain or packed),
     torch's BLAS where ``linear`` is None (a plain weight, any strides), or a quantized expert's own (dequantized on
-    this worker into oneDNN's ``linear``, or torch's weight-only kernel)."""
+    this worker into oneDNN's ``linear``, or torch's weight-only kernel). Into ``out`` [m, out] when given (BLAS writes
+    there, the others' result is copied)."""
     if not isinstance(w, torch.Tensor):
-        return w(a, bias, linear)
-    if linear is None:
-        return torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
-    return linear(a, w, bias, "none", [], "")
+        result = w(a, bias, linear)
+    elif linear is None:
+        return torch.mm(a, w.t(), out=out) if bias is None else torch.addmm(bias, a, w.t(), out=out)
+    else:
+        result = linear(a, w, bias, "none", [], "")
+    return result if out is None else out.copy_(result)

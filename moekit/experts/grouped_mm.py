@@ -21,7 +21,8 @@ non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-exper
 which gathers, multiplies on prepacked weights and combines one expert at a time in place of the contiguous layout's
 [A, K] copies, with whole experts split across ``torch.get_num_threads()`` single-threaded workers
 (``"onednn_packed_split"``, whose oneDNN GEMMs ``auto`` swaps for torch's BLAS on experts of fewer than 4 rows where
-``cpu_packed.blas_plain_rows`` says; ``"onednn_packed"`` runs the same loop serially with multi-threaded GEMMs).
+``cpu_packed.blas_plain_rows`` says; ``"onednn_packed"`` runs the same loop serially with multi-threaded GEMMs; at
+decode sizes ``auto`` times both and runs the faster, ``moekit.experts.cpu_split_choice``).
 Under ``torch.compile`` such a call (CPU, no gradient, plain weights) runs as the custom op ``moekit::cpu_experts``
 (``moekit.experts.cpu_op``): the compiled graph calls this eager loop, which no trace could follow; a call that
 needs a gradient traces the grouped GEMM path (``moekit::group_gemm``). Weight-only quantized weights (int8_w8a16,
@@ -51,8 +52,9 @@ import torch.nn.functional as F
 from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation, spec_fields
 from moekit.experts.cpu_op import cpu_experts_op
 from moekit.experts.cpu_packed import (
-    ExpertParams, blas_plain_rows, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
+    ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
+from moekit.experts.cpu_loop import run_cpu_loop
 from moekit.experts.cpu_quant import weight_only
 from moekit.experts.cpu_quant_op import cpu_quant_experts
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
@@ -88,10 +90,9 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 # contiguous layout.
 CPU_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
 _FUSED_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused")
-# "auto" splits at every M: at M = 1 (8 experts of 1 row) the unsplit loop's 2-thread GEMMs measured ~20%
-# faster on a quiet 2-core EPYC (9.1 against 11.2 ms at Qwen3-30B-A3B shapes) but 8-16x slower when other
-# processes share the cores (704 / 352 against 43 ms), where the split stayed ahead of transformers' best
-# (``benchmarks/results/AMD_EPYC-cpu-experts-2026-12-01-split*.json``, runs 1-3).
+# "auto" splits from M = cpu_split_choice.CHOSEN_BELOW on; below, ``cpu_loop`` times the split against the phased
+# loop and runs the faster: unsplit, 2-thread GEMMs win when the cores are free (the phased loop by 20-40% at M = 1
+# on the Xeon after a 2-thread op) but lost 8-16x when other processes shared them (the EPYC).
 _SPLIT_GEMMS = ("auto", "onednn_packed_split")
 
 
@@ -368,9 +369,8 @@ def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu
     if (not torch.compiler.is_compiling() and cpu_gemm in _FUSED_GEMMS and x.device.type == "cpu" and inference
             and fused_loop_supported(x.dtype)):
         cache = None if cpu_gemm == "onednn_fused" else packed_weight_cache()
-        workers = torch.get_num_threads() if cpu_gemm in _SPLIT_GEMMS else 1
-        blas = cpu_gemm == "auto" and blas_plain_rows(x.dtype)
-        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=workers, blas_plain=blas)
+        return run_cpu_loop(x, ex, topk_ids, topk_weights, expert_map, cache, auto=cpu_gemm == "auto",
+                            split=cpu_gemm in _SPLIT_GEMMS)
     # [Group] static_rows = A: the exact size for align 1, so no host sync; unrouted rows trail, src A.
     layout = permute_contiguous(x, topk_ids, ex.w13.shape[0], align=1, expert_map=expert_map,
                                 static_rows=topk_ids.numel())
