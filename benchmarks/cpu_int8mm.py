@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
-import time
 
 import torch
 
 from moekit.activations import as_spec
-from moekit.bench.cpu_measure import ExpertsShape, cpu_name, expert_weights, problem
+from moekit.bench.cpu_measure import ExpertsShape, cpu_name, expert_weights, problem, shuffled_seconds
 from moekit.experts import backend_fn
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
 from moekit.experts.cpu_quant import QuantKernels
@@ -70,21 +68,6 @@ def errors(calls: dict, p, quantized: dict) -> dict:
     return out
 
 
-def rounds_of(calls: dict, rounds: int) -> dict:
-    """Row -> its seconds in each round (shuffled order per round, seeded; one warm-up call each first)."""
-    for fn in calls.values():
-        fn()
-    samples = {name: [] for name in calls}
-    for r in range(rounds):
-        order = list(calls)
-        random.Random(r).shuffle(order)
-        for name in order:
-            t0 = time.perf_counter()
-            calls[name]()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
-
-
 def wins(samples: dict, row: str, base: str) -> int:
     return sum(a < 0.97 * b for a, b in zip(samples[row], samples[base]))
 
@@ -111,7 +94,7 @@ def main() -> None:
         with torch.no_grad():
             calls = calls_of(p, quantized, args.auto, args.unsplit)
             errs = errors(calls, p, quantized)
-            samples = rounds_of(calls, args.rounds)
+            samples = shuffled_seconds(calls, args.rounds)
         doc["batches"].append({"M": m, "samples_s": samples, "rel_err_vs_float64": errs})
         print(f"M={m} load {os.getloadavg()[0]:.2f}")
         for name, s in samples.items():

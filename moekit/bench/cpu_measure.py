@@ -188,6 +188,12 @@ def interleaved(calls: dict[str, Callable[[], torch.Tensor]], rounds: int) -> di
     Shuffled, not rotated: a rotation keeps each call after the same predecessor in every round, and on the CPU
     what runs before a call matters (OpenMP threads still spinning after a multi-threaded call take a core from
     the next call's single-threaded workers: ~1.5 ms at M = 1 on the 2-core Xeon)."""
+    samples = shuffled_seconds(calls, rounds)
+    return {name: Timing.from_samples([t * 1e6 for t in s]) for name, s in samples.items()}
+
+
+def shuffled_seconds(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """``interleaved``'s rounds: name -> its wall seconds in each round (a warm-up call each first)."""
     names = list(calls)
     for name in names:
         calls[name]()
@@ -198,8 +204,8 @@ def interleaved(calls: dict[str, Callable[[], torch.Tensor]], rounds: int) -> di
         for name in order:
             t0 = time.perf_counter()
             calls[name]()
-            samples[name].append((time.perf_counter() - t0) * 1e6)
-    return {name: Timing.from_samples(s) for name, s in samples.items()}
+            samples[name].append(time.perf_counter() - t0)
+    return samples
 
 
 def errors_vs_eager(calls: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
