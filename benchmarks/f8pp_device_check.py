@@ -47,24 +47,29 @@ log = pdc.log
 
 
 def calls(q: tuple) -> list[Variant]:
-    """The route (the ``triton`` backend), the lean Gluon call with the plan's tiles, and with the pipelined down."""
+    """The route (the ``triton`` backend), the lean Gluon call with the plan's tiles, with the pipelined down
+    ("pipe") and with both GEMMs pipelined ("pipe2")."""
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
-    from moekit.experts.triton_gluon_fp8_launch import PIPELINED_DOWN_TILE
+    from moekit.experts.triton_gluon_fp8_launch import PIPELINED_DOWN_TILE, PIPELINED_UP_TILE
     from moekit.quant.fp8_block import Fp8BlockWeight
 
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
     return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
             Variant("gluon", "gluon", lambda x, i, r: experts_gluon_fp8(x, *q, i, r)),
-            Variant("pipe", "gluon", lambda x, i, r: experts_gluon_fp8(x, *q, i, r, down=PIPELINED_DOWN_TILE))]
+            Variant("pipe", "gluon", lambda x, i, r: experts_gluon_fp8(x, *q, i, r, down=PIPELINED_DOWN_TILE)),
+            Variant("pipe2", "gluon", lambda x, i, r: experts_gluon_fp8(x, *q, i, r, up=PIPELINED_UP_TILE,
+                                                                        down=PIPELINED_DOWN_TILE))]
 
 
 def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> list[Variant]:
     """The cell's GEMMs alone on its layout: the plan's gate-up (run once here: it writes the h the down GEMMs
-    read), the plan's down and the pipelined down (each its own output)."""
+    read) and the pipelined one, the plan's down and the pipelined one (each its own output)."""
     from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
-    from moekit.experts.triton_gluon_fp8_launch import PIPELINED_DOWN_TILE, launch_gemm_fp8, plan_gluon_fp8
+    from moekit.experts.triton_gluon_fp8_launch import (
+        PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, launch_gemm_fp8, plan_gluon_fp8,
+    )
 
     w13_q, w13_s, w2_q, w2_s = q
     num_experts, hidden, inter = w2_q.shape
@@ -73,14 +78,16 @@ def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> list[Variant]:
     rows = lay.x_q.shape[0]
     h_q = torch.zeros(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]
     h_s = torch.ones(rows, inter // 128, device=x.device, dtype=torch.float32)  # [R, N/128]
+    h2_q, h2_s = torch.empty_like(h_q), torch.empty_like(h_s)
     y, y_pipe = x.new_empty(rows, hidden), x.new_empty(rows, hidden)  # [R, K]
     common = (lay.block_experts, lay.rows_used)
 
-    def up():
-        launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, *common, plan.up, True, inter)
+    def up(tile, out, out_s):
+        launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, out, out_s, *common, tile, True, inter)
 
-    up()
-    return [Variant("gate-up", "gemm", lambda *_: up()),
+    up(plan.up, h_q, h_s)
+    return [Variant("gate-up", "gemm", lambda *_: up(plan.up, h_q, h_s)),
+            Variant("gate-up pipe", "gemm", lambda *_: up(PIPELINED_UP_TILE, h2_q, h2_s)),
             Variant("down", "gemm", lambda *_: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, *common, plan.down,
                                                                False)),
             Variant("down pipe", "gemm", lambda *_: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y_pipe, None, *common,
@@ -107,9 +114,14 @@ def check_odd(dev) -> None:
         outs: dict = {}
         name = f"odd K E={e} K={k} N={n}"
         ok = [pdc.check(name, v, x, ids, rw, ref, "fp8", outs) for v in calls(q)[1:]]
-        same = len(outs) == 2 and torch.equal(outs["gluon"], outs["pipe"])
-        log(f"{name} pipe vs gluon: bit-equal {same}")
-        RESULTS["odd"][name] = {"pass": all(ok), "bit_equal": same}
+        RESULTS["odd"][name] = {"pass": all(ok), "bit_equal": bit_equal(name, outs)}
+
+
+def bit_equal(name: str, outs: dict) -> dict:
+    """Each pipelined call's output against gluon's, bit for bit (the same parts folded in the same order), logged."""
+    same = {n: torch.equal(outs[n], outs["gluon"]) for n in ("pipe", "pipe2") if n in outs and "gluon" in outs}
+    log(f"{name} vs gluon, bit-equal: {same}")
+    return same
 
 
 def run_cell(spec: str, ceil, opts) -> None:
@@ -121,8 +133,7 @@ def run_cell(spec: str, ceil, opts) -> None:
     outs: dict = {}
     ran = [v for v in calls(q) if f"{preset} {v.name}" in opts.ran]
     passing = [v for v in ran if pdc.check(name, v, x, ids, rw, ref, "fp8", outs)]
-    same = "gluon" in outs and "pipe" in outs and torch.equal(outs["gluon"], outs["pipe"])
-    log(f"{name} pipe vs gluon: bit-equal {same}")
+    same = bit_equal(name, outs)
     del ref, outs
     a = m * s.top_k
     cell = {"cell": spec, "floor_us": floor_us(s, m, ids, ceil), "mm_TFLOPs": ceil.fp8_mm_TFLOPs,
@@ -143,15 +154,16 @@ def summarize(name: str, cell: dict) -> None:
             if not t:
                 continue
             med = statistics.median(t)
-            line = f"{name:24s} {n:10s} {med:8.1f} us"
+            line = f"{name:24s} {n:12s} {med:8.1f} us"
             if base == "route":
                 line += f" {100 * cell['floor_us'] / med:5.1f}% floor"
             else:
                 flops = cell["gemm_flops"][n.split(" ")[0]]
                 line += f" {100 * flops / (med * 1e-6) / 1e12 / cell['mm_TFLOPs']:5.1f}% mm"
-            if n != base and rounds.get(base) and (base == "route" or n.startswith("down")):
-                line += f"  vs {base} {versus(t, rounds[base])}"
-            if n == "pipe" and rounds.get("gluon"):
+            peer = base if base == "route" else n.split(" ")[0]  # a GEMM alone against the plan's
+            if n != peer and rounds.get(peer):
+                line += f"  vs {peer} {versus(t, rounds[peer])}"
+            if n.startswith("pipe") and rounds.get("gluon"):
                 line += f"  vs gluon {versus(t, rounds['gluon'])}"
             pdc.SUMMARY.append(line)
     pdc.SUMMARY.append(f"{name:24s} floor {cell['floor_us']:.1f} us (target, 90%: {cell['floor_us'] / 0.9:.1f} us)")
@@ -174,7 +186,7 @@ def worker(group: str, cells: list) -> int:
         run = {v.name: (lambda v=v, x=x, r=routing: v.call(x, r.topk_ids, r.topk_weights)) for v in calls(q)}
         run |= {v.name: (lambda v=v: v.call()) for v in gemms_alone(x, routing.topk_ids, q)}
         plans += [(f"{preset} {n}", run[n]) for n in ("route", "gluon", "down")]
-        pipes += [(f"{preset} {n}", run[n]) for n in ("pipe", "down pipe")]
+        pipes += [(f"{preset} {n}", run[n]) for n in ("pipe", "down pipe", "pipe2", "gate-up pipe")]
 
     def odd():
         for shape in ODD:
@@ -245,7 +257,8 @@ def main() -> int:
             log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
             pdc.FAILED.append(spec)
         pdc.free_memory()
-    missing = [k for s in opts.cells for k in ("pipe", "down pipe") if f"{s.split(':')[1]} {k}" not in opts.ran]
+    missing = [k for s in opts.cells for k in ("pipe", "down pipe", "pipe2", "gate-up pipe")
+               if f"{s.split(':')[1]} {k}" not in opts.ran]
     if missing:
         log(f"FAIL the worker did not finish {len(missing)} pipelined runs (not run)")
         pdc.FAILED.append("pipe worker")

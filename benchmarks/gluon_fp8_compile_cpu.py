@@ -146,13 +146,14 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
 
 
 def main() -> int:
-    from dataclasses import replace
-
-    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE, WIDE_DOWN_TILE
+    from moekit.experts.triton_gluon_fp8_launch import (
+        DOWN_TILE, PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, UP_TILE, WIDE_DOWN_TILE,
+    )
 
     failed = 0
-    pipelined = replace(DOWN_TILE, pipelined=True)  # the option (wgmmas: 2 a consumer more than the waited loop's)
-    for gated, tile in ((True, UP_TILE), (False, DOWN_TILE), (False, WIDE_DOWN_TILE), (False, pipelined)):
+    jobs = ((True, UP_TILE), (False, DOWN_TILE), (False, WIDE_DOWN_TILE),  # the plan's pipelines
+            (False, PIPELINED_DOWN_TILE), (True, PIPELINED_UP_TILE))  # the options (wgmmas: 24 and 32 expected)
+    for gated, tile in jobs:
         try:
             c = compile_fp8_gemm(gated, tile)
             print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "

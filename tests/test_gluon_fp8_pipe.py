@@ -1,7 +1,7 @@
-"""The fp8 Gluon down GEMM with the pipelined promotion (``Fp8GluonTile.pipelined``, the kernel's PIPE) on the CPU:
-the option reaches the plain and the lean launches (the down GEMM's alone), with the GEMMs as torch stand-ins
-(``_gluon_fakes.fp8_gemm``) equal to the default tiles bit for bit and to the recipe in float64; the refusals; no
-plan takes it. The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` on the H200, compiled
+"""The fp8 Gluon GEMMs with the pipelined promotion (``Fp8GluonTile.pipelined``, the kernel's PIPE) on the CPU: the
+option reaches the plain and the lean launches (each GEMM's own), with the GEMMs as torch stand-ins
+(``_gluon_fakes.fp8_gemm``) equal to the default tiles bit for bit and to the recipe in float64; the wide tile's
+refusal; no plan takes it. The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` on the H200, compiled
 offline by ``benchmarks/gluon_fp8_compile_cpu.py``."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts.triton_gluon_fp8_launch import (
-    DOWN_TILE, PIPELINED_DOWN_TILE, UP_TILE, Fp8GluonTile, launch_gemm_fp8, plan_gluon_fp8,
+    DOWN_TILE, PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, UP_TILE, Fp8GluonTile, launch_gemm_fp8, plan_gluon_fp8,
 )
 
 E, N, K = 4, 384, 256  # the down GEMM: 3 K-steps of 128 (a pair and an odd last step in the kernel)
@@ -29,19 +29,24 @@ def _problem(m, k=2, seed=0):
     return x, (*q13, *q2), ids, torch.rand(m, k, generator=g)
 
 
-def test_pipelined_down_reaches_both_launches_and_equals_the_recipe(fake_gemms):
+@pytest.mark.parametrize("up, down, gate_up_pipe, down_pipe", [
+    (UP_TILE, PIPELINED_DOWN_TILE, False, True),
+    (PIPELINED_UP_TILE, DOWN_TILE, True, False),
+    (PIPELINED_UP_TILE, PIPELINED_DOWN_TILE, True, True),
+])
+def test_pipelined_tiles_reach_both_launches_and_equal_the_recipe(fake_gemms, up, down, gate_up_pipe, down_pipe):
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
 
     x, q, ids, weights = _problem(40)
     default = experts_gluon_fp8(x, *q, ids, weights, up=UP_TILE, down=DOWN_TILE, lean=False)
-    plain = experts_gluon_fp8(x, *q, ids, weights, up=UP_TILE, down=PIPELINED_DOWN_TILE, lean=False)
-    lean = experts_gluon_fp8(x, *q, ids, weights, up=UP_TILE, down=PIPELINED_DOWN_TILE)
+    plain = experts_gluon_fp8(x, *q, ids, weights, up=up, down=down, lean=False)
+    lean = experts_gluon_fp8(x, *q, ids, weights, up=up, down=down)
     assert torch.isfinite(plain).all()
     assert torch.equal(plain, default) and torch.equal(lean, default)
     assert rel_l2(plain, emulation_f64(x, *q, ids, weights, (128, 128))) < 2e-2
     launches = [bound for _, bound, _ in fake_gemms["fp8"].log]
-    assert [b["PIPE"] for b in launches if b["GATED"]] == [False] * 3  # the gate-up never
-    assert [b["PIPE"] for b in launches if not b["GATED"]] == [False, True, True]  # default, plain, lean
+    assert [b["PIPE"] for b in launches if b["GATED"]] == [False, gate_up_pipe, gate_up_pipe]  # default, plain, lean
+    assert [b["PIPE"] for b in launches if not b["GATED"]] == [False, down_pipe, down_pipe]
 
 
 def _dummies(cols: int):
@@ -49,13 +54,9 @@ def _dummies(cols: int):
     return t, t, t, t, torch.zeros(256, cols), None, t, t
 
 
-@pytest.mark.parametrize("tile, gated", [
-    (PIPELINED_DOWN_TILE, True),  # the gate-up: its two accumulators and two parts do not fit the registers
-    (Fp8GluonTile(stages=3, wide=True, pipelined=True), False),
-])
-def test_pipelined_tiles_are_refused_off_the_narrow_down_gemm(tile, gated):
-    with pytest.raises(ValueError, match="pipelined promotion is the narrow down GEMM's alone"):
-        launch_gemm_fp8(*_dummies(256), tile=tile, gated=gated, gate_offset=128)
+def test_pipelined_wide_tile_is_refused():
+    with pytest.raises(ValueError, match="pipelined promotion is for the \\[128, 128\\] tiles alone"):
+        launch_gemm_fp8(*_dummies(256), tile=Fp8GluonTile(stages=3, wide=True, pipelined=True), gated=False)
 
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, hidden", [
@@ -64,4 +65,5 @@ def test_pipelined_tiles_are_refused_off_the_narrow_down_gemm(tile, gated):
 def test_no_plan_takes_the_pipelined_tile(num_tokens, top_k, num_experts, hidden):
     plan = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden)
     assert not plan.up.pipelined and not plan.down.pipelined
-    assert plan_gluon_fp8(num_tokens, top_k, num_experts, hidden, down=PIPELINED_DOWN_TILE).down.pipelined
+    given = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden, up=PIPELINED_UP_TILE, down=PIPELINED_DOWN_TILE)
+    assert given.up.pipelined and given.down.pipelined
