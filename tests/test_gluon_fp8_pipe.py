@@ -1,8 +1,8 @@
 """The fp8 Gluon GEMMs with the pipelined promotion (``Fp8GluonTile.pipelined``, the kernel's PIPE) on the CPU: the
 option reaches the plain and the lean launches (each GEMM's own), with the GEMMs as torch stand-ins
 (``_gluon_fakes.fp8_gemm``) equal to the default tiles bit for bit and to the recipe in float64; the wide tile's
-refusal; no plan takes it. The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` on the H200, compiled
-offline by ``benchmarks/gluon_fp8_compile_cpu.py``."""
+refusal; no plan takes it. The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` on the H200,
+compiled offline by ``benchmarks/gluon_fp8_compile_cpu.py``."""
 
 from __future__ import annotations
 
