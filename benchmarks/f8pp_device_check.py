@@ -63,9 +63,10 @@ def calls(q: tuple) -> list[Variant]:
                                                                         down=PIPELINED_DOWN_TILE))]
 
 
-def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> list[Variant]:
+def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> tuple[list[Variant], dict]:
     """The cell's GEMMs alone on its layout: the plan's gate-up (run once here: it writes the h the down GEMMs
-    read) and the pipelined one, the plan's down and the pipelined one (each its own output)."""
+    read) and the pipelined one, the plan's down and the pipelined one (each its own output); and {GEMM: (the
+    plan's output, the pipelined one's)}."""
     from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
     from moekit.experts.triton_gluon_fp8_launch import (
         PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, launch_gemm_fp8, plan_gluon_fp8,
@@ -86,12 +87,31 @@ def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> list[Variant]:
         launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, out, out_s, *common, tile, True, inter)
 
     up(plan.up, h_q, h_s)
+    outs = {"gate-up": (h_q, h2_q), "gate-up scales": (h_s, h2_s), "down": (y, y_pipe), "rows_used": lay.rows_used}
     return [Variant("gate-up", "gemm", lambda *_: up(plan.up, h_q, h_s)),
             Variant("gate-up pipe", "gemm", lambda *_: up(PIPELINED_UP_TILE, h2_q, h2_s)),
             Variant("down", "gemm", lambda *_: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, *common, plan.down,
                                                                False)),
             Variant("down pipe", "gemm", lambda *_: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y_pipe, None, *common,
-                                                                    PIPELINED_DOWN_TILE, False))]
+                                                                    PIPELINED_DOWN_TILE, False))], outs
+
+
+def compare_gemms(name: str, outs: dict) -> dict:
+    """Each GEMM alone, pipelined against the plan's (after the rounds: both ran on the same inputs) on the rows in
+    use (the padding rows of a used block too): bit-equal, rel L2 (PASS / FAIL at 1e-2; h as its e4m3 values)."""
+    got, used = {}, int(outs["rows_used"].item())
+    for gemm, (plan, pipe) in ((k, v) for k, v in outs.items() if k != "rows_used"):
+        a, b = plan[:used].float(), pipe[:used].float()
+        finite = torch.isfinite(a) & torch.isfinite(b)  # padding rows may hold what the buffers held (NaN codes)
+        same_finite = torch.equal(finite, torch.isfinite(a))
+        a, b = a[finite], b[finite]
+        err = float((a - b).norm() / a.norm().clamp_min(1e-30)) if same_finite else float("inf")
+        got[gemm] = {"bit_equal": same_finite and torch.equal(a, b), "rel_l2": err}
+        log(f"{'PASS' if err < 1e-2 else 'FAIL'} {name} {gemm} alone, pipelined vs the plan's: bit-equal "
+            f"{got[gemm]['bit_equal']}, rel L2 {err:.2e}")
+        if err >= 1e-2:
+            pdc.FAILED.append(f"{name} {gemm} alone")
+    return got
 
 
 def odd_problem(e: int, k: int, n: int, dev) -> tuple:
@@ -141,8 +161,12 @@ def run_cell(spec: str, ceil, opts) -> None:
             "gemm_flops": {"gate-up": 4 * a * s.n * s.k, "down": 2 * a * s.n * s.k}}
     cell["rounds_us"] = replay_rounds(name, passing, x, ids, rw, opts.rounds, opts.deadline - 8)
     if time.perf_counter() - pdc.T0 < opts.deadline - 6:
-        gemms = [v for v in gemms_alone(x, ids, q) if v.name == "gate-up" or f"{preset} {v.name}" in opts.ran]
+        gemms, gemm_outs = gemms_alone(x, ids, q)
+        gemms = [v for v in gemms if v.name == "gate-up" or f"{preset} {v.name}" in opts.ran]
         cell["gemm_rounds_us"] = replay_rounds(f"{name} GEMMs", gemms, x, ids, rw, opts.rounds, opts.deadline - 4)
+        torch.cuda.synchronize()
+        if {"gate-up pipe", "down pipe"} <= {v.name for v in gemms}:
+            cell["gemms_alone_vs_plan"] = compare_gemms(name, gemm_outs)
     summarize(name, cell)
     RESULTS["cells"].append(cell)
     (opts.out / "f8pp.json").write_text(json.dumps(RESULTS, indent=1))
@@ -184,7 +208,7 @@ def worker(group: str, cells: list) -> int:
         routing = uniform_routing(int(m), s, dev, seed=int(m))
         x = torch.randn(int(m), s.k, device=dev, dtype=torch.bfloat16)
         run = {v.name: (lambda v=v, x=x, r=routing: v.call(x, r.topk_ids, r.topk_weights)) for v in calls(q)}
-        run |= {v.name: (lambda v=v: v.call()) for v in gemms_alone(x, routing.topk_ids, q)}
+        run |= {v.name: (lambda v=v: v.call()) for v in gemms_alone(x, routing.topk_ids, q)[0]}
         plans += [(f"{preset} {n}", run[n]) for n in ("route", "gluon", "down")]
         pipes += [(f"{preset} {n}", run[n]) for n in ("pipe", "down pipe", "pipe2", "gate-up pipe")]
 
