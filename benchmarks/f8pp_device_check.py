@@ -1,22 +1,23 @@
-"""Issue 15, session 31 (branch `f8pp31`): the fp8 Gluon down GEMM with the pipelined per-128 promotion
-(``Fp8GluonTile.pipelined``: K-steps in pairs, both wgmmas in flight) against the route, at fp8 Mixtral-8x7B
-M = 1024 / 512 and DeepSeek-V3 M = 4096.
+"""Issue 15, session 31 (branch `f8pp31`): the fp8 Gluon GEMMs with the pipelined per-128 promotion
+(``Fp8GluonTile.pipelined``: two wgmmas in flight, one's part folded in while the other runs) against the route, at
+fp8 Mixtral-8x7B M = 1024 / 512 and DeepSeek-V3 M = 4096.
 
     PYTHONPATH=$PWD timeout 78 python3 benchmarks/f8pp_device_check.py --out $OUT/f8pp31 --deadline 64
-        [--cells fp8:mixtral-8x7b:1024 ...] [--rounds 5] [--worker-deadline 30]
+        [--cells fp8:mixtral-8x7b:1024 ...] [--rounds 5] [--worker-deadline 34]
 
-1. A compile worker (this script with --worker) runs once each, on zero weights of the real shapes: per preset the
-   route, the lean Gluon call with the plan's tiles ("gluon") and the down GEMM alone; the odd-K shapes; then the
-   pipelined down ("pipe", its GEMM alone). What it did not finish is not run here (a hang in the new barrier walk
-   must not take the run with it). Then the ceilings of this run: copy bandwidth, the fp8 mm rate.
-2. Odd K (E = 4, K = 256, N = 384 and 128: a pair and an odd step, an odd step alone): pipe against gluon and the
-   fp8 Gluon path's torch twin.
-3. Per cell (the bench's weights quantized, uniform routing seeded by M): route, gluon, pipe against the twin (rel L2
-   < 1e-2: PASS / FAIL; pipe against gluon bit for bit, reported: the parts are folded in the same order); whole
-   calls in --rounds CUDA-graph rounds interleaved replay by replay (``f8pre_device_check.replay_rounds``); then the
-   GEMMs alone on the cell's layout (gate-up, down, down pipelined) in the same kind of rounds.
-The table is printed last: median µs, % of the byte-model floor (and its 90% target), x the route / x the plan's
-down GEMM, rounds >= 3% faster. JSON to --out/f8pp.json after each cell.
+1. Two compile workers (this script with --worker plans / pipes, in parallel) run once each, on zero weights of the
+   real shapes: per preset the route, the lean Gluon call with the plan's tiles ("gluon") and the GEMMs alone; and
+   the pipelined calls ("pipe": the down GEMM pipelined, "pipe2": both) and GEMMs, then the odd-K shapes. What a
+   worker did not finish is not run here (a hang in the new barrier walk must not take the run with it). Then the
+   ceilings of this run: copy bandwidth, the fp8 mm rate.
+2. Odd K (E = 4, K = 256, N = 384 and 128: a pair and an odd down step, an odd step alone): gluon, pipe, pipe2
+   against the fp8 Gluon path's torch twin (PASS / FAIL), the pipelined ones against gluon bit for bit (reported).
+3. Per cell (the bench's weights quantized, uniform routing seeded by M): route, gluon, pipe, pipe2 the same way;
+   whole calls in --rounds CUDA-graph rounds interleaved replay by replay (``f8pre_device_check.replay_rounds``);
+   then the GEMMs alone on the cell's layout (gate-up, gate-up pipe, down, down pipe) in the same kind of rounds, and
+   their outputs pipelined against the plan's (PASS / FAIL).
+The table is printed last: median µs, % of the byte-model floor (and its 90% target) or % of the fp8 mm rate, x the
+route (x gluon) / x the plan's GEMM, rounds >= 3% faster. JSON to --out/f8pp.json after each cell.
 """
 
 from __future__ import annotations
@@ -195,14 +196,14 @@ def summarize(name: str, cell: dict) -> None:
 
 def worker(group: str, cells: list) -> int:
     """Each call and GEMM of ``group`` once on zero weights (the odd-K shapes on random ones), printing "OK <key>"
-    after each: the keys ``main`` runs. "plans": the route, the plan's tiles; "pipes": the odd-K shapes, then the
-    pipelined down GEMM (its own compiles: a hang there leaves the plans' worker done)."""
+    after each: the keys ``main`` runs. "plans": the route, the plan's tiles; "pipes": the pipelined GEMMs at the
+    real shapes, then the odd-K shapes (their own compiles: a hang there leaves the plans' worker done)."""
     from f8mid8_variants import zero_weights
 
     from moekit.bench.cells import Shape, uniform_routing
 
     dev = torch.device("cuda")
-    plans, pipes = [], []
+    plans, pipes, halves = [], [], []
     for preset, m in {c.split(":")[1]: c.split(":")[2] for c in reversed(cells)}.items():  # each preset's first
         s, q = Shape.from_preset(preset), zero_weights(preset, dev)
         routing = uniform_routing(int(m), s, dev, seed=int(m))
@@ -210,7 +211,8 @@ def worker(group: str, cells: list) -> int:
         run = {v.name: (lambda v=v, x=x, r=routing: v.call(x, r.topk_ids, r.topk_weights)) for v in calls(q)}
         run |= {v.name: (lambda v=v: v.call()) for v in gemms_alone(x, routing.topk_ids, q)[0]}
         plans += [(f"{preset} {n}", run[n]) for n in ("route", "gluon", "down")]
-        pipes += [(f"{preset} {n}", run[n]) for n in ("pipe", "down pipe", "pipe2", "gate-up pipe")]
+        pipes += [(f"{preset} {n}", run[n]) for n in ("pipe", "down pipe")]
+        halves += [(f"{preset} {n}", run[n]) for n in ("pipe2", "gate-up pipe")]  # the gate-up's halves: last
 
     def odd():
         for shape in ODD:
@@ -218,9 +220,13 @@ def worker(group: str, cells: list) -> int:
             for v in calls(q)[1:]:
                 v.call(x, ids, rw)
 
-    for key, fn in plans if group == "plans" else [("odd", odd)] + pipes:
-        fn()
-        torch.cuda.synchronize()  # a fault shows here, before the OK
+    for key, fn in plans if group == "plans" else pipes + halves + [("odd", odd)]:
+        try:
+            fn()
+            torch.cuda.synchronize()  # a fault shows here, before the OK
+        except Exception as exc:  # noqa: BLE001 (a compile error leaves the rest; a fault fails them too)
+            print(f"FAIL {key}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
+            continue
         print(f"OK {key}", flush=True)
     return 0
 
@@ -241,6 +247,8 @@ def run_workers(cells: list, until: float) -> set:
             proc.kill()
             proc.wait()
         lines = path.read_text(errors="replace").strip().splitlines()
+        for line in (ln for ln in lines if ln.startswith("FAIL ")):
+            log(f"worker {path.name}: {line[:700]}")
         log(f"worker {path.name}: rc {proc.returncode}, {(lines or ['(no output)'])[-1][-300:]}")
         done |= {ln[3:] for ln in lines if ln.startswith("OK ")}
     return done
@@ -252,7 +260,7 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=64.0, help="seconds: no new cell or timing after ~this")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", nargs="*", default=list(CELLS))
-    parser.add_argument("--worker-deadline", type=float, default=30.0)
+    parser.add_argument("--worker-deadline", type=float, default=34.0)
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
     pdc.STALL_S = 40.0
