@@ -29,6 +29,7 @@ class Compiled:
     spill_bytes: int | None  # ptxas -v "bytes spill stores"; None where no bundled ptxas took the PTX
     serialized: bool  # ptxas serialized the wgmmas (C7514: accumulators read inside a wgmma pipeline stage; C7512:
     # too few registers for the pipeline, e.g. a worker partition's in flight beside a 24-register one)
+    wgmmas: int = 0  # wgmma.mma_async instructions in the PTX (a merged or dropped MMA shows as fewer)
 
 
 def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
@@ -129,7 +130,7 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
                 stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
                 stride_wsr=r // 128, stride_cs=c // 128)
     const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                 num_warps=4, WIDE=tile.wide)
+                 num_warps=4, WIDE=tile.wide, PIPE=tile.pipelined)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
@@ -138,20 +139,25 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
     regs = sorted({int(line.split("setmaxnreg")[1].split(",")[0].split(".")[-1].strip().rstrip(";").split()[-1])
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
     name = (f"{'gate-up' if gated else 'down'} stages={tile.stages} group_m={tile.group_m} "
-            f"regs={tile.max_registers}/{tile.consumer_regs}" + (" wide" if tile.wide else ""))
+            f"regs={tile.max_registers}/{tile.consumer_regs}" + (" wide" if tile.wide else "")
+            + (" pipelined" if tile.pipelined else ""))
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
-                    getattr(out, "n_spills", None), regs, *ptxas_report(ptx))
+                    getattr(out, "n_spills", None), regs, *ptxas_report(ptx), ptx.count("wgmma.mma_async"))
 
 
 def main() -> int:
-    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE, WIDE_DOWN_TILE
+    from moekit.experts.triton_gluon_fp8_launch import (
+        DOWN_TILE, PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, UP_TILE, WIDE_DOWN_TILE,
+    )
 
     failed = 0
-    for gated, tile in ((True, UP_TILE), (False, DOWN_TILE), (False, WIDE_DOWN_TILE)):  # the plan's pipelines
+    jobs = ((True, UP_TILE), (False, DOWN_TILE), (False, WIDE_DOWN_TILE),  # the plan's pipelines
+            (False, PIPELINED_DOWN_TILE), (True, PIPELINED_UP_TILE))  # the options (wgmmas: 24 and 32 expected)
+    for gated, tile in jobs:
         try:
             c = compile_fp8_gemm(gated, tile)
             print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "
-                  f"ptxas spill stores {c.spill_bytes} B, wgmma serialized {c.serialized}")
+                  f"ptxas spill stores {c.spill_bytes} B, wgmma serialized {c.serialized}, wgmma.mma_async {c.wgmmas}")
         except Exception as exc:  # noqa: BLE001 (report each GEMM)
             failed += 1
             print(f"FAIL {'gate-up' if gated else 'down'} {tile}: {type(exc).__name__}: {str(exc)[-2000:]}")

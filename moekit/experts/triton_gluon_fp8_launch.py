@@ -38,6 +38,7 @@ class Fp8GluonTile:
     consumer_regs: int = 224
     max_registers: int = 160
     wide: bool = False  # down GEMM: [128, 256] tiles, two weight column blocks per A stage (the kernel's WIDE)
+    pipelined: bool = False  # two wgmmas in flight, one's part folded in under the other (the kernel's PIPE)
 
     @property
     def block_n(self) -> int:
@@ -52,6 +53,11 @@ class Fp8GluonTile:
 UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
 WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB
+# The pipelined promotion (issue 15, session 31): options, no plan's default until the H200 measures them faster
+# (``benchmarks/f8pp_device_check.py``). sm_90a, ptxas -v (Triton 3.6 / 3.9): the down GEMM (K-steps in pairs) no
+# spills; the gate-up (64-column halves chained) 224 / 264 B of spill stores in the K loop; neither serialized.
+PIPELINED_DOWN_TILE = Fp8GluonTile(stages=5, pipelined=True)
+PIPELINED_UP_TILE = Fp8GluonTile(stages=3, pipelined=True)
 
 
 @dataclass(frozen=True)
@@ -123,12 +129,15 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                        CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide,
+                        CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined,
                         num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
 
 
 def check_wide(tile: Fp8GluonTile, gated: bool, cols: int) -> None:
-    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256."""
+    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256, and is not
+    pipelined (its two accumulators and two parts would not fit the registers)."""
+    if tile.pipelined and tile.wide:
+        raise ValueError(f"tile={tile}: the pipelined promotion is for the [128, 128] tiles alone")
     if not tile.wide:
         return
     if gated or cols % tile.block_n:

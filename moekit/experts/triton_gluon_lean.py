@@ -255,7 +255,8 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_gro
                            (reduce_dim, cols // tile.block_n, w_rows, gate_offset, a_groups, *scale.stride()[:2],
                             out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           WIDE=tile.wide, num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers, **launch)
+                           WIDE=tile.wide, PIPE=tile.pipelined, num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers,
+                           **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),

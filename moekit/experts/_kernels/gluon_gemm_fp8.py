@@ -77,7 +77,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 @gluon.jit
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
               reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr):
+              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr, PIPE: gl.constexpr):
     """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -96,12 +96,22 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
         ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
-        acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr,
-                              k_steps, it, HALF, GATED or WIDE, layout)
-        if WIDE:
-            _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
+        if PIPE and GATED:
+            gate_lo, gate_hi, up_lo, up_hi, it = _k_loop_gated_paired(
+                a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr, k_steps, it, HALF)
+            _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_bufs.index(HALF),
+                             cs_ptr + rows * stride_cs + cb, row0, cb, layout)
         else:
-            _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+            if PIPE:
+                acc, it = _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, k_steps, it, HALF, layout)
+                up = acc  # unused: the down GEMM's
+            else:
+                acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate,
+                                      ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, layout)
+            if WIDE:
+                _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
+            else:
+                _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
 
 
@@ -110,9 +120,9 @@ def _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_up, k_steps, it, 
             GATED: gl.constexpr, layout: gl.constexpr):
     """One tile's reduction, each MMA waited at once (the other consumer's MMAs fill the tensor cores meanwhile):
     (acc [64, 128] float32, up (GATED: two weight tiles a stage, gate/up or WIDE's two column blocks; else
-    unused), the ring position after it). Keeping the next step's
-    wgmma in flight while folding in the last one (two parts, the down GEMM has the registers) makes ptxas
-    serialize the wgmmas (C7514: accumulator registers read inside the pipeline stage), so it is not done."""
+    unused), the ring position after it). Keeping a part in flight across the loop's back edge makes ptxas
+    serialize the wgmmas (C7514: accumulator registers read inside the pipeline stage); ``_k_loop_paired``
+    keeps two in flight inside one iteration instead."""
     HALF_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
     WTILES: gl.constexpr = 2 if GATED else 1
@@ -144,6 +154,116 @@ def _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_up, k_steps, it, 
         a_scale = next_scale
         it += 1
     return acc, up, it
+
+
+@gluon.jit
+def _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_ptrs, k_steps, it, HALF: gl.constexpr,
+                   layout: gl.constexpr):
+    """PIPE (the down GEMM, one weight tile a stage): the K-steps in pairs, both wgmmas in flight, the first one's
+    part folded in while the second runs (``benchmarks/ovl_kernels.py``'s ``_pair``); an odd last step alone,
+    waited. Nothing is in flight across the back edge. (acc [64, 128] float32, the ring position after it)."""
+    HALF_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    scale_a = gl.load(as_ptrs) * gl.load(ws_ptrs)  # [64] step 0's; each pair loads the next pair's under its MMAs
+    scale_b = gl.load(as_ptrs + gl.minimum(1, k_steps - 1)) * gl.load(ws_ptrs + gl.minimum(1, k_steps - 1))
+    for j in range(k_steps // 2):
+        sa = it % STAGES
+        sb = (it + 1) % STAGES
+        mbarrier.wait(ready.index(sa), (it // STAGES) & 1)
+        pa = warpgroup_mma(a_bufs.index(2 * sa + HALF), w_bufs.index(sa).permute((1, 0)), zero, use_acc=False,
+                           is_async=True)
+        mbarrier.wait(ready.index(sb), ((it + 1) // STAGES) & 1)
+        pb = warpgroup_mma(a_bufs.index(2 * sb + HALF), w_bufs.index(sb).permute((1, 0)), zero, use_acc=False,
+                           is_async=True)
+        ka = gl.minimum(2 * j + 2, k_steps - 1)  # the next pair's steps (the last pair reloads in range)
+        kb = gl.minimum(2 * j + 3, k_steps - 1)
+        next_a = gl.load(as_ptrs + ka) * gl.load(ws_ptrs + ka)
+        next_b = gl.load(as_ptrs + kb) * gl.load(ws_ptrs + kb)
+        pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
+        mbarrier.arrive(empty.index(sa), count=1)
+        acc += pa * scale_a[:, None]
+        pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+        mbarrier.arrive(empty.index(sb), count=1)
+        acc += pb * scale_b[:, None]
+        scale_a = next_a
+        scale_b = next_b
+        it += 2
+    if k_steps % 2 == 1:  # scale_a is the last step's
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        part = warpgroup_mma(a_bufs.index(2 * s + HALF), w_bufs.index(s).permute((1, 0)), zero, use_acc=False)
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += part * scale_a[:, None]
+        it += 1
+    return acc, it
+
+
+@gluon.jit
+def _k_loop_gated_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr):
+    """PIPE on the gate-up GEMM: each weight tile's wgmma split in two 64-column halves (two [64, 128] accumulators
+    and two [64, 128] parts are 256 registers a thread; in halves, four [64, 64] accumulators and two parts in
+    flight, 192), chained two in flight (each part folded in while the next one runs), all retired inside the step.
+    (gate's and up's column halves [64, 64] float32, the ring position after it)."""
+    HALF_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
+    SUB: gl.constexpr = BLOCK_N // 2
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // 2
+    sub: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB, 32])
+    gate_lo = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    gate_hi = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    up_lo = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    up_hi = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    zero = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    as_ptrs = gl.convert_layout(as_ptrs, gl.SliceLayout(1, sub))
+    a_scale = gl.load(as_ptrs)  # [64] K-step 0's; each step loads the next one's while its MMAs run
+    for kk in range(k_steps):
+        s = it % STAGES
+        s_gate = a_scale * gl.load(ws_gate + kk)
+        s_up = a_scale * gl.load(ws_up + kk)
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_bufs.index(2 * s + HALF)
+        w_gate = w_bufs.index(2 * s)
+        w_up = w_bufs.index(2 * s + 1)
+        p0 = warpgroup_mma(a, w_gate.slice(0, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = warpgroup_mma(a, w_gate.slice(SUB, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
+        next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
+        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+        gate_lo += p0 * s_gate[:, None]
+        p2 = warpgroup_mma(a, w_up.slice(0, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+        gate_hi += p1 * s_gate[:, None]
+        p3 = warpgroup_mma(a, w_up.slice(SUB, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = warpgroup_mma_wait(num_outstanding=1, deps=(p2,))
+        up_lo += p2 * s_up[:, None]
+        p3 = warpgroup_mma_wait(num_outstanding=0, deps=(p3,))
+        mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
+        up_hi += p3 * s_up[:, None]
+        a_scale = next_scale
+        it += 1
+    return gate_lo, gate_hi, up_lo, up_hi, it
+
+
+@gluon.jit
+def _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_buf, cs_ptrs, row0, cb, layout: gl.constexpr):
+    """``_epilogue``'s GATED store from the tile's column halves [64, 64]: h = silu(gate) * up per half, one scale
+    per row over both (the h group), the e4m3 halves joined side by side in ``layout`` (the 128-wide wgmma layout:
+    a register permutation) on their way to SMEM."""
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    tma.store_wait(0)  # the last tile's store has read c_buf
+    h_lo = gate_lo / (1.0 + gl.exp(-gate_lo)) * up_lo  # [64, 64] fp32
+    h_hi = gate_hi / (1.0 + gl.exp(-gate_hi)) * up_hi
+    amax = gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1))
+    h_scale = gl.where(amax > 0, amax / 448.0, 1.0)
+    q_lo = gl.minimum(gl.maximum(h_lo / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype)
+    q_hi = gl.minimum(gl.maximum(h_hi / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype)
+    both = gl.permute(gl.join(q_lo, q_hi), (0, 2, 1))  # [64, 2, 64]
+    c_buf.store(gl.convert_layout(gl.reshape(both, [q_lo.shape[0], BLOCK_N]), layout))
+    gl.store(cs_ptrs, gl.convert_layout(h_scale, gl.SliceLayout(1, layout)))
+    fence_async_shared()
+    _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
 
 
 @gluon.jit
@@ -183,14 +303,17 @@ def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
 def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
                             num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
                             GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, WIDE: gl.constexpr = False):
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, WIDE: gl.constexpr = False,
+                            PIPE: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
     R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only; row stride
     stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
-    WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128]."""
+    WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128].
+    PIPE (not WIDE): two wgmmas in flight, one's part folded in while the other runs (``_k_loop_paired``,
+    ``_k_loop_gated_paired``)."""
     WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -204,10 +327,10 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
                      reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, WIDE)),
+                     FIRST_HALF, GATED, GROUP_M, WIDE, PIPE)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
                      reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, WIDE)),
+                     SECOND_HALF, GATED, GROUP_M, WIDE, PIPE)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    w_rows, gate_offset, GATED, GROUP_M, WIDE)),
     ], [4, 1], [CONSUMER_REGS, 24])
