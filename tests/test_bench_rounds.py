@@ -70,6 +70,33 @@ def test_interleaved_off_the_gpu_without_a_timer_is_one_nan_each():
     assert list(got) == ["a", "b"] and all(len(v) == 1 and v[0] != v[0] for v in got.values())
 
 
+def test_settled_replays_each_predecessor_once_unmeasured_and_turns_the_order():
+    trace: list = []
+    pick, bf16 = FakeGraph("pick", trace), FakeGraph("bf16", trace)
+    entries = {"pick": (pick, None), "pick@bf16": (pick, bf16), "bf16": (bf16, None)}
+    marks: list = []
+
+    def timer(run):  # the timed part of the trace, marked
+        marks.append(len(trace))
+        run()
+        marks.append(len(trace))
+        return 6.0
+
+    got = br.settled(entries, calls=2, dev=CPU, rounds=3, replays=3, timer=timer)
+    assert got == {k: [6e3 / 6] * 3 for k in entries}  # ms x 1e3 / (replays x calls)
+    warm = {"pick": "pick", "pick@bf16": "bf16", "bf16": "bf16"}
+    order = ["pick", "pick@bf16", "bf16", "pick@bf16", "bf16", "pick", "bf16", "pick", "pick@bf16"]
+    expected = [g for name in order for g in [warm[name]] + [name.split("@")[0]] * 3]
+    assert trace == expected
+    timed = [trace[a:b] for a, b in zip(marks[::2], marks[1::2])]  # the warm replay is outside each timed span
+    assert timed == [[name.split("@")[0]] * 3 for name in order]
+
+
+def test_settled_off_the_gpu_without_a_timer_is_one_nan_each():
+    got = br.settled({"a": (None, None)}, 1, CPU, rounds=5, replays=5)
+    assert list(got) == ["a"] and got["a"][0] != got["a"][0]
+
+
 def test_rotated_rounds_starts_each_round_one_further_along():
     order: list = []
     lines: list = []
