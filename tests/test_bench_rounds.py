@@ -92,6 +92,17 @@ def test_settled_replays_each_predecessor_once_unmeasured_and_turns_the_order():
     assert timed == [[name.split("@")[0]] * 3 for name in order]
 
 
+def test_settled_in_a_given_order_without_warm_replays():
+    trace: list = []
+    a, b, c = (FakeGraph(n, trace) for n in "abc")
+    entries = {"a": (a, br.NOTHING), "b": (b, br.NOTHING), "c": (c, br.NOTHING)}
+    br.settled(entries, 1, CPU, rounds=2, replays=1, timer=lambda run: run() or 1.0,
+               order=lambda r, names: ["c", *names[:2]] if r else names)
+    assert trace == ["a", "b", "c", "c", "a", "b"]  # nothing replayed but the timed graphs
+    assert br.swapped(1, ["x", "y"]) == ["y", "x"] and br.swapped(2, ["x", "y"]) == ["x", "y"]
+    assert br.turned(4, ["x", "y", "z"]) == ["y", "z", "x"]
+
+
 def test_settled_off_the_gpu_without_a_timer_is_one_nan_each():
     got = br.settled({"a": (None, None)}, 1, CPU, rounds=5, replays=5)
     assert list(got) == ["a"] and got["a"][0] != got["a"][0]
