@@ -101,6 +101,11 @@ def test_settled_in_a_given_order_without_warm_replays():
     assert trace == ["a", "b", "c", "c", "a", "b"]  # nothing replayed but the timed graphs
     assert br.swapped(1, ["x", "y"]) == ["y", "x"] and br.swapped(2, ["x", "y"]) == ["x", "y"]
     assert br.turned(4, ["x", "y", "z"]) == ["y", "z", "x"]
+    names = list("abcdef")
+    orders = [br.shuffled(r, names) for r in range(5)]
+    assert all(sorted(o) == names for o in orders) and orders == [br.shuffled(r, names) for r in range(5)]
+    after = {tuple(o[o.index("b") - 1:o.index("b")]) for o in orders}  # what came right before b, round by round
+    assert len(after) > 1
 
 
 def test_settled_off_the_gpu_without_a_timer_is_one_nan_each():
