@@ -3,9 +3,9 @@ run the same kernels, grids and shared memory; timed after a replay of themselve
 where the pick, cyclically after the bf16 call, read 2-7% above lean, and right after the bf16 call's graph both read
 5-7% above themselves). Per cell, three timings of CUDA graphs (whole calls over the rotated input sets):
 
-    order   wo4k's way (no warm replay, each graph timed straight after the one before it): the bf16 call, then the
-            pick and lean, their order reversed every other round (ORDER_ROUNDS): whether the pick's gap follows the
-            place after the bf16 call or the call
+    order   wo4k's way (no warm replay, each graph timed straight after the one before it): the bf16 GEMMs alone
+            and the bf16 call (wo4k's entries before the pick), then the pick and lean, their order reversed every
+            other round (ORDER_ROUNDS): whether the pick's gap follows the place after the bf16 graphs or the call
     pair    pick against lean, each after a replay of its own graph, their order reversed every other round
     dn2s    (int8) dn2s (the down GEMM swapfs with INFLIGHT 2) against lean (swapfs), the same way: the rule's
             rounds (>= 3% faster in every one of ROUNDS, PASS, eager wall not slower)
@@ -40,7 +40,7 @@ from bench_rounds import NOTHING, eager_us, graph_of, medians, settled, swapped,
 from compile_workers import spawn_workers  # noqa: E402
 from held_run import HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry  # noqa: E402
 from wo4k_device_check import compile_task  # noqa: E402
-from wo8_variants import Weights, shape_of, timed_calls  # noqa: E402
+from wo8_variants import Gemms, Weights, shape_of, timed_calls  # noqa: E402
 from wo_device_check import rel_err  # noqa: E402
 from wopk31_device_check import DN2S, NAMED, route_of  # noqa: E402
 
@@ -51,6 +51,7 @@ from moekit.experts.triton_wo import run_experts_wo, weight_args  # noqa: E402
 I8, I4 = "int8_w8a16", "int4_w4a16"
 CELLS = (("deepseek-v3", 4096, I8), ("deepseek-v3", 4096, I4), ("mixtral-8x7b", 1024, I8), ("mixtral-8x7b", 2048, I8),
          ("mixtral-8x7b", 1024, I4), ("qwen3-30b-a3b", 4096, I8))
+BF16 = {"bf16 up": "bf16 up", "bf16 down": "bf16 down", "bf16 call": "bf16"}  # timed_calls' names -> here
 SETS, ROUNDS, ORDER_ROUNDS, REPLAYS, TOL = 2, 5, 8, 3, 1e-2
 WATCHDOG_S = 8.0
 T0 = time.perf_counter()
@@ -138,11 +139,13 @@ def check(cell: OrderCell, calls: dict, w: Weights, c0, bad: set) -> set:
 def timings(cell: OrderCell, graphs: dict, dev) -> None:
     """The order rounds (bf16, then pick / lean reversed every other round, no warm replays), the pick / lean pair
     and the dn2s / lean pair (each after a replay of itself, reversed every other round)."""
+    first = [n for n in BF16.values() if n in graphs]  # wo4k's order: the bf16 GEMMs alone, the bf16 call
+
     def order(r: int, names: list) -> list:
-        return ["bf16"] + swapped(r, [n for n in names if n != "bf16"])
+        return first + swapped(r, ["pick", "lean"])
 
     if {"bf16", "pick", "lean"} <= set(graphs):
-        got = settled({n: (graphs[n], NOTHING) for n in ("bf16", "pick", "lean")}, SETS, dev, ORDER_ROUNDS,
+        got = settled({n: (graphs[n], NOTHING) for n in (*first, "pick", "lean")}, SETS, dev, ORDER_ROUNDS,
                       REPLAYS, order=order)
         cell.rounds.update({f"order {k}": v for k, v in got.items()})
     for name in ("pick", "dn2s"):
@@ -164,7 +167,8 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> OrderCell:
     passed = check(cell, calls, w, c0, bad)
     timed = {k.split()[1]: v[2] for k, v in calls.items() if k.split()[1] in passed}
     if "bf16" not in bad:
-        timed["bf16"] = timed_calls(s, w, None)["bf16 call"][2]
+        bf16 = timed_calls(s, w, Gemms(s, c0) if dev.type == "cuda" else None)  # the GEMMs alone on c0's layout
+        timed.update({BF16[k]: fn for k, (_, _, fn) in bf16.items()})
     if dev.type != "cuda":  # --smoke: each timed call once, as the graphs would capture it
         for fn in timed.values():
             fn(c0)
