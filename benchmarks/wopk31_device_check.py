@@ -1,15 +1,13 @@
-"""Issue #16 target 3, session 31: the route's pick against the same GEMM options named, and dn2s against its peer
-through the same launch kind, each call timed after a replay of its own graph (``bench_rounds.settled``: no call
-inherits the clock and power state another variant left). Session 31's wo4k / dn2 runs timed the pick right after
-the bf16 call's graph in every round and every other call after a weight-only one; the pick read 5-14% above
-"swapfs" at DeepSeek-V3 4096 and Mixtral 1024 int8 though both run the lean launch (``run_experts_wo_gluon``'s
-default) with the same options, plans and kernels. Calls (per cell):
+"""Issue #16 target 3, session 31: the route's pick against the same GEMM options named (checkpoint 1 also timed session
+30's dn2s, ``GluonWoOptions(inflight=2)``, removed after checkpoint 2), each call timed after a replay of its own graph
+(``bench_rounds.settled``: no call inherits the clock and power state another variant left). Session 31's wo4k / dn2
+runs timed the pick right after the bf16 call's graph in every round and every other call after a weight-only one; the
+pick read 5-14% above "swapfs" at DeepSeek-V3 4096 and Mixtral 1024 int8 though both run the lean launch
+(``run_experts_wo_gluon``'s default) with the same options, plans and kernels. Calls (per cell):
 
     pick        ``run_experts_wo`` naming nothing (the route: ``gluon_wo_takes``, ``wo_options``; WeightArgs)
     lean        ``run_experts_wo_gluon`` with NAMED's options (int8 swapfs, int4 swaps), the lean launch
     plain       the same through the plain launches (``lean=False``)
-    dn2s        lean, the gate-up swapfs and the down swapfs with INFLIGHT 2 (full cells)
-    dn2s_plain  dn2s through the plain launches (full cells)
     pick@bf16, lean@bf16   the pick's / lean's graph timed right after the bf16 call's (full cells): the wo4k order
 
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/wopk31_device_check.py --out $OUT/wopk31 --deadline 62   # H200
@@ -57,17 +55,15 @@ I8, I4 = "int8_w8a16", "int4_w4a16"
 _O = GluonWoOptions
 SWAPFS = _O(swap=True, fast=True, split=True)
 NAMED = {I8: GluonWoGemms(SWAPFS, SWAPFS), I4: GluonWoGemms(_O(swap=True, split=True), _O(swap=True, split=True))}
-DN2S = GluonWoGemms(SWAPFS, _O(swap=True, fast=True, split=True, inflight=2))
-# (preset, M, scheme, full): full cells also time dn2s (lean and plain) and the wo4k order (pick@bf16, lean@bf16);
+# (preset, M, scheme, full): full cells also time the wo4k order (pick@bf16, lean@bf16);
 # int4 DeepSeek-V3 4096 / Mixtral 1024 and int8 Qwen3 1024 / 2048, Mixtral 2048: the cells def31 took
 CELLS = (("deepseek-v3", 4096, I8, True), ("deepseek-v3", 4096, I4, False), ("mixtral-8x7b", 1024, I8, True),
          ("mixtral-8x7b", 2048, I8, True), ("mixtral-8x7b", 1024, I4, False), ("qwen3-30b-a3b", 4096, I8, True),
          ("qwen3-30b-a3b", 2048, I8, False), ("qwen3-30b-a3b", 1024, I8, False))
 PROFILED = (0, 2)  # the cells whose pick / lean / plain graphs are listed kernel by kernel
 # name -> the peer its rounds are counted against
-PEERS = {"pick": "lean", "plain": "lean", "dn2s": "lean", "dn2s_plain": "plain", "pick@bf16": "pick",
-         "lean@bf16": "lean"}
-EAGER = ("pick", "lean", "plain", "dn2s", "dn2s_plain")
+PEERS = {"pick": "lean", "plain": "lean", "pick@bf16": "pick", "lean@bf16": "lean"}
+EAGER = ("pick", "lean", "plain")
 SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
 WATCHDOG_S = 8.0
 T0 = time.perf_counter()
@@ -86,15 +82,14 @@ def elapsed() -> float:
 
 
 def names_of(ci: int) -> list:
-    return ["pick", "lean", "plain"] + (["dn2s", "dn2s_plain"] if CELLS[ci][3] else [])
+    return ["pick", "lean", "plain"]
 
 
 def tasks(ci: int) -> list:
     """Cell ci's compile tasks, a worker each: the bf16 call (the preset's first cell only), the pick with lean and
-    plain, dn2s with dn2s_plain (full cells)."""
+    plain."""
     first = next(i for i, c in enumerate(CELLS) if c[0] == CELLS[ci][0]) == ci
-    names = names_of(ci)
-    return [("bf16",)] * first + [tuple(names[:3])] + ([tuple(names[3:])] if names[3:] else [])
+    return [("bf16",)] * first + [tuple(names_of(ci))]
 
 
 def cell_calls(w: Weights, ci: int, only: tuple = ()) -> dict:
@@ -103,10 +98,9 @@ def cell_calls(w: Weights, ci: int, only: tuple = ()) -> dict:
     tag = scheme.split("_")[0]
     args = tuple(weight_args(x.q, x.scale, x.zero, x.group_size) for x in w.wo(scheme))
     every = {"pick": lambda c: run_experts_wo(c.x, *args, c.topk_ids, c.topk_weights, None, scheme)}
-    for name, (options, lean) in {"lean": (NAMED[scheme], True), "plain": (NAMED[scheme], False),
-                                  "dn2s": (DN2S, True), "dn2s_plain": (DN2S, False)}.items():
-        every[name] = lambda c, o=options, lean=lean: run_experts_wo_gluon(
-            c.x, *w.wo(scheme), c.topk_ids, c.topk_weights, None, scheme, options=o, lean=lean)
+    for name, lean in (("lean", True), ("plain", False)):
+        every[name] = lambda c, lean=lean: run_experts_wo_gluon(
+            c.x, *w.wo(scheme), c.topk_ids, c.topk_weights, None, scheme, options=NAMED[scheme], lean=lean)
     return {f"{tag} {n} call": (scheme, "call", every[n]) for n in names_of(ci) if not only or n in only}
 
 
@@ -253,7 +247,7 @@ def rows(c: PkCell) -> list[str]:
     call took <= 0.97 x / >= 1.03 x the peer's; eager wall µs a call."""
     bf16 = c.times.get("bf16 call")
     out = [f"{c.preset:<14}{c.m:>5} {c.tag}  bf16 call {bf16 or float('nan'):.1f} µs  route: {c.options}"]
-    for name in ("pick", "lean", "plain", "dn2s", "dn2s_plain", "pick@bf16", "lean@bf16"):
+    for name in ("pick", "lean", "plain", "pick@bf16", "lean@bf16"):
         key = f"{c.tag} {name} call"
         if key not in c.times:
             continue

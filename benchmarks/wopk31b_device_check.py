@@ -7,16 +7,15 @@ where the pick, cyclically after the bf16 call, read 2-7% above lean, and right 
             and the bf16 call (wo4k's entries before the pick), then the pick and lean, their order reversed every
             other round (ORDER_ROUNDS): whether the pick's gap follows the place after the bf16 graphs or the call
     pair    pick against lean, each after a replay of its own graph, their order reversed every other round
-    dn2s    (int8) dn2s (the down GEMM swapfs with INFLIGHT 2) against lean (swapfs), the same way: the rule's
-            rounds (>= 3% faster in every one of ROUNDS, PASS, eager wall not slower)
 
-then eager host / wall µs a call (6 back to back) of the pick, lean and dn2s.
+then eager host / wall µs a call (6 back to back) of the pick and lean. (Checkpoint 2 also timed session 30's dn2s,
+``GluonWoOptions(inflight=2)``, against lean the same way; removed after it.)
 
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/wopk31b_device_check.py --out $OUT/wopk31b --deadline 62   # H200
     PYTHONPATH=$PWD python3 benchmarks/wopk31b_device_check.py --smoke    # CPU: tiny shapes, the GEMMs faked
 
 The table printed last: per cell the order rounds' medians with the pick after the bf16 call and with lean there,
-and the pair / dn2s rounds' medians, ratio (peer / call) and rounds >= 3% faster / slower. JSON <out>/wopk31b.json.
+and the pair rounds' medians, ratio (peer / call) and rounds >= 3% faster / slower. JSON <out>/wopk31b.json.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from held_run import HeldCell, HeldRun, held_ceilings, held_cells, held_device, 
 from wo4k_device_check import compile_task  # noqa: E402
 from wo8_variants import Gemms, Weights, shape_of, timed_calls  # noqa: E402
 from wo_device_check import rel_err  # noqa: E402
-from wopk31_device_check import DN2S, NAMED, route_of  # noqa: E402
+from wopk31_device_check import NAMED, route_of  # noqa: E402
 
 from moekit.bench.cells import make_sets  # noqa: E402
 from moekit.experts.triton_gluon_wo import experts_gluon_wo_twin, run_experts_wo_gluon  # noqa: E402
@@ -80,26 +79,23 @@ def elapsed() -> float:
 
 
 def names_of(ci: int) -> list:
-    return ["pick", "lean"] + (["dn2s"] if CELLS[ci][2] == I8 else [])
+    return ["pick", "lean"]
 
 
 def tasks(ci: int) -> list:
-    """Cell ci's compile tasks, a worker each: the bf16 call (the preset's first cell only), the pick with lean,
-    dn2s."""
+    """Cell ci's compile tasks, a worker each: the bf16 call (the preset's first cell only), the pick with lean."""
     first = next(i for i, c in enumerate(CELLS) if c[0] == CELLS[ci][0]) == ci
-    return [("bf16",)] * first + [("pick", "lean")] + ([("dn2s",)] if CELLS[ci][2] == I8 else [])
+    return [("bf16",)] * first + [("pick", "lean")]
 
 
 def calls_of(w: Weights, ci: int, only: tuple = ()) -> dict:
     """"<tag> <name> call" -> (scheme, "call", fn(inputs)): the pick (the route, on WeightArgs), lean (NAMED's
-    options), dn2s (int8)."""
+    options)."""
     _, _, scheme = CELLS[ci]
     args = tuple(weight_args(x.q, x.scale, x.zero, x.group_size) for x in w.wo(scheme))
     every = {"pick": lambda c: run_experts_wo(c.x, *args, c.topk_ids, c.topk_weights, None, scheme),
              "lean": lambda c: run_experts_wo_gluon(c.x, *w.wo(scheme), c.topk_ids, c.topk_weights, None, scheme,
-                                                    options=NAMED[scheme]),
-             "dn2s": lambda c: run_experts_wo_gluon(c.x, *w.wo(scheme), c.topk_ids, c.topk_weights, None, scheme,
-                                                    options=DN2S)}
+                                                    options=NAMED[scheme])}
     tag = scheme.split("_")[0]
     return {f"{tag} {n} call": (scheme, "call", every[n]) for n in names_of(ci) if not only or n in only}
 
@@ -137,8 +133,8 @@ def check(cell: OrderCell, calls: dict, w: Weights, c0, bad: set) -> set:
 
 
 def timings(cell: OrderCell, graphs: dict, dev) -> None:
-    """The order rounds (bf16, then pick / lean reversed every other round, no warm replays), the pick / lean pair
-    and the dn2s / lean pair (each after a replay of itself, reversed every other round)."""
+    """The order rounds (bf16, then pick / lean reversed every other round, no warm replays) and the pick / lean
+    pair (each after a replay of itself, reversed every other round)."""
     first = [n for n in BF16.values() if n in graphs]  # wo4k's order: the bf16 GEMMs alone, the bf16 call
 
     def order(r: int, names: list) -> list:
@@ -148,11 +144,10 @@ def timings(cell: OrderCell, graphs: dict, dev) -> None:
         got = settled({n: (graphs[n], NOTHING) for n in (*first, "pick", "lean")}, SETS, dev, ORDER_ROUNDS,
                       REPLAYS, order=order)
         cell.rounds.update({f"order {k}": v for k, v in got.items()})
-    for name in ("pick", "dn2s"):
-        if {name, "lean"} <= set(graphs):
-            got = settled({"lean": (graphs["lean"], None), name: (graphs[name], None)}, SETS, dev, ROUNDS, REPLAYS,
-                          order=swapped)
-            cell.rounds.update({f"{name}-pair {k}": v for k, v in got.items()})
+    if {"pick", "lean"} <= set(graphs):
+        got = settled({"lean": (graphs["lean"], None), "pick": (graphs["pick"], None)}, SETS, dev, ROUNDS, REPLAYS,
+                      order=swapped)
+        cell.rounds.update({f"pick-pair {k}": v for k, v in got.items()})
 
 
 def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> OrderCell:
@@ -176,7 +171,7 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> OrderCell:
         graphs = {k: graph_of([lambda c=c, fn=fn: fn(c) for c in inputs], dev) for k, fn in timed.items()}
         timings(cell, graphs, dev)
         del graphs
-        pairs = {k: [lambda c=c, fn=timed[k]: fn(c) for c in inputs] for k in ("pick", "lean", "dn2s") if k in timed}
+        pairs = {k: [lambda c=c, fn=timed[k]: fn(c) for c in inputs] for k in ("pick", "lean") if k in timed}
         cell.eager = {k: list(v) for k, v in eager_us(pairs, 3, 6).items()}
     print(f"[{elapsed():5.1f}s] {preset} M={m} {cell.tag}: " + "  ".join(
         f"{k} {v:.1f}" for k, v in medians(cell.rounds).items()), flush=True)
@@ -209,8 +204,6 @@ def order_line(c: OrderCell) -> str:
 def rows(c: OrderCell) -> list[str]:
     out = [f"{c.preset:<14}{c.m:>5} {c.tag}  route: {c.route}", order_line(c),
            pair_line(c, "pick-pair", "pick", "lean")]
-    if c.scheme == I8:
-        out.append(pair_line(c, "dn2s-pair", "dn2s", "lean"))
     out += [f"    eager {k}: host {h:.0f} / wall {v:.0f} µs" for k, (h, v) in c.eager.items()]
     return out
 
