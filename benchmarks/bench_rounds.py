@@ -14,6 +14,7 @@ Used by the device checks ``wo_tc``, ``wo_mma``, ``wo_ahead``, ``wo_fold``, ``de
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from typing import Callable
@@ -148,3 +149,59 @@ def eager_us(calls: dict, rounds: int, n_calls: int) -> dict:
                     torch.cuda.synchronize()
                 record[name].append((time.perf_counter() - t0) * 1e6 / n_calls)
     return {k: (statistics.median(host[k]), statistics.median(wall[k])) for k in calls}
+
+
+class _Nothing:
+    """A graph that replays nothing: ``settled``'s warm-up of a name timed straight after the one before it."""
+
+    def replay(self) -> None:
+        pass
+
+
+NOTHING = _Nothing()
+
+
+def turned(r: int, names: list) -> list:
+    """``settled``'s default order of round r: ``names`` turned r places (cyclic: each keeps its predecessor)."""
+    return names[r % len(names):] + names[:r % len(names)]
+
+
+def swapped(r: int, names: list) -> list:
+    """An order of round r that reverses ``names`` every other round (two names: each before the other as often)."""
+    return list(names) if r % 2 == 0 else list(names)[::-1]
+
+
+def shuffled(r: int, names: list) -> list:
+    """An order of round r: ``names`` in a permutation seeded by r (no name keeps one predecessor round after
+    round)."""
+    return random.Random(r).sample(list(names), len(names))
+
+
+def settled(entries: dict, calls: int, dev, rounds: int, replays: int, until: float = math.inf,
+            timer=None, order=turned) -> dict:
+    """name -> [µs a call, each round], like ``interleaved``, with each name's predecessor fixed: ``entries`` name ->
+    (the graph timed, the graph replayed once just before it, unmeasured: None for the timed graph itself), so no
+    name inherits the clock and power state the graph before it in the round left (session 31: the pick, timed right
+    after the bf16 call's graph every round, read 5-14% above the same launches timed elsewhere at DeepSeek-V3 4096
+    and Mixtral 1024). ``order(r, names)``: round r's order (``turned``, ``swapped``, ``shuffled``; NOTHING as the
+    warm graph and a fixed order give ``interleaved``'s rounds); no round after the first begins past ``until``
+    (``time.time()``). Off the GPU (no ``timer``): one NaN each."""
+    if timer is None:
+        if dev.type != "cuda":
+            return {name: [float("nan")] for name in entries}
+        timer = event_timer()
+    samples = {name: [] for name in entries}
+    for r in range(rounds):
+        if r and time.time() > until:
+            print(f"deadline: {r} rounds", flush=True)
+            break
+        for name in order(r, list(entries)):
+            graph, warm = entries[name]
+            (graph if warm is None else warm).replay()
+
+            def replayed(g=graph) -> None:
+                for _ in range(replays):
+                    g.replay()
+
+            samples[name].append(timer(replayed) * 1e3 / (replays * calls))
+    return samples

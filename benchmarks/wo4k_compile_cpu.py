@@ -1,13 +1,13 @@
 """Compile the swapped weight-only Gluon GEMM (``_kernels/gluon_gemm_wo_swap.py``: the decoded codes as wgmma's
 register operand) for sm_90 on a machine without a GPU, next to the session-27 kernel (``gluon_gemm_wo``) on the
 same GEMM: SMEM, ptxas's spill stores, whether it serialized the wgmmas, the partitions' registers, the wgmma waits'
-depths in the SASS (session 30: INFLIGHT 2, two steps of wgmmas in flight) and the MMA loop's SASS a weight
+depths in the SASS (``wgmma_hazards``) and the MMA loop's SASS a weight
 (``wol7_compile_cpu.loop_counts``).
 
     PYTHONPATH=$PWD python3 benchmarks/wo4k_compile_cpu.py                          # this Triton (3.9 here)
     PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/wo4k_compile_cpu.py          # Triton 3.6 (the H200's)
     ... wo4k_compile_cpu.py --sass up                                               # and dump the gate-up SASS
-    ... wo4k_compile_cpu.py --cases down-fast-split down-fast-split-if2             # these cases only
+    ... wo4k_compile_cpu.py --cases down-fast-split int4-down                       # these cases only
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One compiled GEMM: the swapped GEMM's launch stages (``triton_gluon_wo.wo_gemm_launch``), Triton's conversion
-    or FAST (the inline-PTX pair), SPLIT into a partition a warpgroup, INFLIGHT steps of wgmmas in flight."""
+    or FAST (the inline-PTX pair), SPLIT into a partition a warpgroup."""
 
     name: str
     gated: bool
@@ -37,18 +37,12 @@ class Case:
     fast: bool = False
     split: bool = False
     scheme: int = 0  # 0 int8, 1 int4 (groups of 128, zero points)
-    inflight: int = 1
 
 
 CASES = (Case("up", True, 6), Case("down", False, 8), Case("up-fast", True, 6, True),
          Case("down-fast", False, 8, True), Case("up-fast-split", True, 6, True, True),
          Case("down-fast-split", False, 8, True, True), Case("int4-up", True, 8, scheme=1),
-         Case("int4-down", False, 8, scheme=1), Case("int4-up-split", True, 8, split=True, scheme=1),
-         # session 30 (dn2): two steps of wgmmas in flight (wait 1 a down step, 2 a gate-up step: a group a wgmma); the
-         # split gate-up refuses it (ptxas serialized its wgmmas, C7512, and spilled 100-132 B)
-         Case("down-fast-split-if2", False, 8, True, True, inflight=2),
-         Case("down-fast-if2", False, 8, True, inflight=2), Case("up-fast-if2", True, 6, True, inflight=2),
-         Case("int4-down-if2", False, 8, scheme=1, inflight=2))
+         Case("int4-down", False, 8, scheme=1), Case("int4-up-split", True, 8, split=True, scheme=1))
 
 
 def compile_swap(case: Case, block_n: int = 128, block_k: int = 64):
@@ -69,8 +63,7 @@ def compile_swap(case: Case, block_n: int = 128, block_k: int = 64):
                 stride_ze=w_rows * r // 128 * scheme, stride_zr=r // 128 * scheme, stride_zg=scheme, reduce_dim=r,
                 num_col_blocks=c // block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=case.stages, GROUP_M=8,
-                 SCHEME=scheme, GROUP=(1, 128)[scheme], num_warps=4 if split else 8, FAST=case.fast, SPLIT=split,
-                 INFLIGHT=case.inflight)
+                 SCHEME=scheme, GROUP=(1, 128)[scheme], num_warps=4 if split else 8, FAST=case.fast, SPLIT=split)
     return compile_gluon_sm90(kernel, args, const, const["num_warps"], 168)
 
 
@@ -88,18 +81,17 @@ def sass_of(cubin: bytes) -> str:
 
 
 def report(case: Case) -> str:
-    """One case's line; the loop a weight: SPLIT's loop is one warpgroup's (its 4 warps, half of a step's weights),
-    INFLIGHT 2's two steps (its 2-step unroll)."""
+    """One case's line; the loop a weight: SPLIT's loop is one warpgroup's (its 4 warps, half of a step's weights)."""
     t0 = time.perf_counter()
     out = compile_swap(case)
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
     regs = sorted(set(ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln))
-    weights = (2 if case.gated else 1) * 128 * 64 * case.inflight
+    weights = (2 if case.gated else 1) * 128 * 64
     return (f"swap {case.name} s{case.stages}: {time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, "
             f"spill stores {spills} B, wgmma serialized {serialized}, bar.sync {ptx.count('bar.sync')}, setmaxnreg "
             f"{regs}, {pipeline_report(sass_of(out.asm['cubin'])).line()}; "
-            + loop_counts(out.asm["cubin"], weights) + (f", {case.inflight} steps a loop" if case.inflight > 1 else ""))
+            + loop_counts(out.asm["cubin"], weights))
 
 
 def main() -> int:

@@ -16,9 +16,10 @@ variant on the other ("swaps|pick", "pick|swaps"), the GEMMs alone; light ones (
 the M around the taken cells) the pick against the best swap, whole calls only. Compile workers run every call once
 per cell while this process measures the ceilings (copy rate, dense bf16 mm) and builds the weights. Per cell: PASS /
 FAIL of each variant's whole call against the torch twin (``experts_gluon_wo_twin``, rel-L2 < 1e-2) and whether it
-equals the base's bit for bit; then CUDA-graph replay, every graph of the cell interleaved in ROUNDS rounds: the bf16
-Gluon GEMMs and the base's and each swap's gate-up and down GEMMs alone (the first input set's layout), and the whole
-calls (rotated input sets); eager host / wall µs a call of the pick and the best swap. The table (printed last):
+equals the base's bit for bit; then CUDA-graph replay, every graph of the cell in ROUNDS rounds (each after a replay of
+itself, in a shuffled order: ``bench_rounds.settled``): the bf16 Gluon GEMMs and the base's and each swap's gate-up
+and down GEMMs alone (the first input set's layout), and the whole calls (rotated input sets); eager host / wall µs a
+call of the pick and the best swap. The table (printed last):
 median µs, x bf16's same part, rounds >= 3% faster than the pick (calls) or the base (GEMMs), % of the matmul rate
 (2 x M*k x 3NK over the mm rate) and of the byte floor (the touched experts' stored bytes, x and out over the copy
 rate). JSON <out>/wo4k.json.
@@ -41,7 +42,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
+from bench_rounds import WIN, eager_us, graph_of, medians, settled, shuffled, wins  # noqa: E402
 from compile_workers import spawn_workers  # noqa: E402
 from held_run import HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry  # noqa: E402
 from wo8_variants import Gemms, Weights, pick_call, shape_of, timed_calls  # noqa: E402
@@ -236,7 +237,10 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
         graphs = {}
         for k, (_, part, fn) in timed.items():  # whole calls over the rotated sets, GEMMs alone on the first's layout
             graphs[k] = graph_of([lambda c=(c if part == "call" else c0), fn=fn: fn(c) for c in inputs], dev)
-        cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
+        # each graph after a replay of itself, in a shuffled order (session 31: timed straight after the bf16 call's
+        # graph every round, as the dict's order put it, the pick read 7-16% above the same launches)
+        cell.rounds = settled({k: (g, None) for k, g in graphs.items()}, len(inputs), dev, ROUNDS, REPLAYS,
+                              order=shuffled)
         cell.times = medians(cell.rounds)
         pairs = {k: [lambda c=c, fn=timed[k][2]: fn(c) for c in inputs] for k in (f"{cell.tag} pick call",
                                                                                 f"{cell.tag} {best(scheme)} call")

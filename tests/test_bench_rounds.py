@@ -70,6 +70,49 @@ def test_interleaved_off_the_gpu_without_a_timer_is_one_nan_each():
     assert list(got) == ["a", "b"] and all(len(v) == 1 and v[0] != v[0] for v in got.values())
 
 
+def test_settled_replays_each_predecessor_once_unmeasured_and_turns_the_order():
+    trace: list = []
+    pick, bf16 = FakeGraph("pick", trace), FakeGraph("bf16", trace)
+    entries = {"pick": (pick, None), "pick@bf16": (pick, bf16), "bf16": (bf16, None)}
+    marks: list = []
+
+    def timer(run):  # the timed part of the trace, marked
+        marks.append(len(trace))
+        run()
+        marks.append(len(trace))
+        return 6.0
+
+    got = br.settled(entries, calls=2, dev=CPU, rounds=3, replays=3, timer=timer)
+    assert got == {k: [6e3 / 6] * 3 for k in entries}  # ms x 1e3 / (replays x calls)
+    warm = {"pick": "pick", "pick@bf16": "bf16", "bf16": "bf16"}
+    order = ["pick", "pick@bf16", "bf16", "pick@bf16", "bf16", "pick", "bf16", "pick", "pick@bf16"]
+    expected = [g for name in order for g in [warm[name]] + [name.split("@")[0]] * 3]
+    assert trace == expected
+    timed = [trace[a:b] for a, b in zip(marks[::2], marks[1::2])]  # the warm replay is outside each timed span
+    assert timed == [[name.split("@")[0]] * 3 for name in order]
+
+
+def test_settled_in_a_given_order_without_warm_replays():
+    trace: list = []
+    a, b, c = (FakeGraph(n, trace) for n in "abc")
+    entries = {"a": (a, br.NOTHING), "b": (b, br.NOTHING), "c": (c, br.NOTHING)}
+    br.settled(entries, 1, CPU, rounds=2, replays=1, timer=lambda run: run() or 1.0,
+               order=lambda r, names: ["c", *names[:2]] if r else names)
+    assert trace == ["a", "b", "c", "c", "a", "b"]  # nothing replayed but the timed graphs
+    assert br.swapped(1, ["x", "y"]) == ["y", "x"] and br.swapped(2, ["x", "y"]) == ["x", "y"]
+    assert br.turned(4, ["x", "y", "z"]) == ["y", "z", "x"]
+    names = list("abcdef")
+    orders = [br.shuffled(r, names) for r in range(5)]
+    assert all(sorted(o) == names for o in orders) and orders == [br.shuffled(r, names) for r in range(5)]
+    after = {tuple(o[o.index("b") - 1:o.index("b")]) for o in orders}  # what came right before b, round by round
+    assert len(after) > 1
+
+
+def test_settled_off_the_gpu_without_a_timer_is_one_nan_each():
+    got = br.settled({"a": (None, None)}, 1, CPU, rounds=5, replays=5)
+    assert list(got) == ["a"] and got["a"][0] != got["a"][0]
+
+
 def test_rotated_rounds_starts_each_round_one_further_along():
     order: list = []
     lines: list = []

@@ -111,12 +111,12 @@ def test_fast_int8_pairs_convert_exactly():
             want], hex(pair)
 
 
-@pytest.mark.parametrize("split, inflight", [(False, 1), (True, 1), (False, 2)])
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("m", [40, 300])
-def test_int4_swap_matches_a_float64_loop(fake_gemms, m, split, inflight):
+def test_int4_swap_matches_a_float64_loop(fake_gemms, m, split):
     w13, w2 = _weights("int4_w4a16")
     x, ids, weights = _call(m)
-    options = GluonWoOptions(swap=True, split=split, inflight=inflight)
+    options = GluonWoOptions(swap=True, split=split)
     outs = [run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int4_w4a16", lean=lean, options=options)
             for lean in (False, True)]
     assert torch.equal(outs[0], outs[1]) and _rel(outs[1], _f64(x, w13, w2, ids, weights)) < 2e-2
@@ -124,7 +124,6 @@ def test_int4_swap_matches_a_float64_loop(fake_gemms, m, split, inflight):
     for _, bound, _ in fake_gemms["wo_swap"].log:  # the codes as bytes [.., K / 2], groups of 128, their zeros
         assert bound["q_desc"].base.dtype == torch.uint8 and bound["q_desc"].block_shape == [128, 32]
         assert (bound["SCHEME"], bound["GROUP"], bound["STAGES"], bound["SPLIT"]) == (1, 128, 8, split)
-        assert bound["INFLIGHT"] == inflight
         assert bound["z_ptr"].dtype == torch.uint8 and bound["stride_zg"] == 1
 
 
@@ -176,51 +175,3 @@ def test_int4_bytes_decode_as_the_session_27_formula(zero):
             got = run_ptx(_INT4_BYTE_ASM.value, [None, byte, _f32_bits(scale), _f32_bits(add), 0x43000000], 1)
             assert got == [want[0] | want[1] << 16], (byte, scale, zero)
 
-
-DEEP_DOWN = GluonWoOptions(swap=True, fast=True, split=True, inflight=2)  # session 30: two steps in flight
-
-
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("m", [40, 300])
-def test_two_steps_in_flight_on_the_down_gemm(fake_gemms, m, split):
-    """INFLIGHT 2 on the down GEMM (the gate-up swapped and split, as taken): the plain and the lean launch hand it
-    every parameter and INFLIGHT 2 on the down GEMM only, match the float64 loop and each other bit for bit."""
-    w13, w2 = _weights("int8_w8a16")
-    x, ids, weights = _call(m)
-    gemms = GluonWoGemms(GluonWoOptions(swap=True, fast=True, split=True), GluonWoOptions(
-        swap=True, fast=True, split=split, inflight=2))
-    outs = [run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", lean=lean, options=gemms)
-            for lean in (False, True)]
-    assert torch.equal(outs[0], outs[1]) and _rel(outs[1], _f64(x, w13, w2, ids, weights)) < 2e-2
-    launches = fake_gemms["wo_swap"].log
-    params = set(fake_gemms["wo_swap"]._params)
-    assert "INFLIGHT" in params and all(set(bound) == params for _, bound, _ in launches)
-    got = [(b["GATED"], b["INFLIGHT"], b["SPLIT"], b["STAGES"]) for _, b, _ in launches]
-    assert got == [(True, 1, True, 6), (False, 2, split, 8)] * 2  # plain, then lean
-    assert fake_gemms["wo"].log == []
-
-
-def test_two_steps_in_flight_on_the_unsplit_gate_up(fake_gemms):
-    w13, w2 = _weights("int8_w8a16")
-    x, ids, weights = _call(300)
-    both = GluonWoOptions(swap=True, fast=True, inflight=2)
-    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, "int8_w8a16", options=both)
-    assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
-    assert [(b["GATED"], b["INFLIGHT"], b["SPLIT"]) for _, b, _ in fake_gemms["wo_swap"].log] == [
-        (True, 2, False), (False, 2, False)]
-
-
-def test_two_steps_in_flight_refusals():
-    from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
-    from moekit.experts.triton_gluon_wo import wo_gemm_launch
-
-    for bad in (dict(inflight=2), dict(inflight=2, split=True), dict(swap=True, inflight=3)):
-        with pytest.raises(ValueError, match="inflight="):
-            GluonWoOptions(**bad)  # the session-27 kernel's loop has no such depth; 1 or 2 only
-    with pytest.raises(ValueError, match="with split on the gate-up GEMM"):
-        wo_gemm_launch("int8_w8a16", UP_TILE, True, DEEP_DOWN)
-    down = wo_gemm_launch("int8_w8a16", down_tile(2048), False, DEEP_DOWN)
-    assert down.variant(DEEP_DOWN) == dict(SPLIT=True, FAST=True, INFLIGHT=2) and down.num_warps == 4
-    assert wo_gemm_launch("int8_w8a16", UP_TILE, True, GluonWoOptions(swap=True)).variant(
-        GluonWoOptions(swap=True)) == dict(SPLIT=False, FAST=False, INFLIGHT=1)
-    assert "INFLIGHT" not in wo_gemm_launch("int8_w8a16", UP_TILE, True, GluonWoOptions()).variant(GluonWoOptions())

@@ -45,23 +45,18 @@ class GluonWoOptions:
     Session 29: ``swap``, the swapped GEMM (``_kernels/gluon_gemm_wo_swap.py``: the codes converted in wgmma's
     register-operand layout, the activations its shared-memory operand; no decoded slots, so the ring takes their
     SMEM: ``swap_stages``), int8 and int4, with ``fast`` (int8: its conversion in inline PTX, a K pair) and ``split``
-    (a partition a warpgroup, each owning half of the tile's weight rows), no third slot. Session 30: ``inflight``, the
-    swapped GEMM's steps of wgmmas in flight (2: a step retires after the next step's decode and issue; not on a split
-    gate-up GEMM, where ptxas serializes them: ``wo_gemm_launch``)."""
+    (a partition a warpgroup, each owning half of the tile's weight rows), no third slot."""
 
     split: bool = False
     fast: bool = False
     slots: int = 2
     swap: bool = False
-    inflight: int = 1
 
     def __post_init__(self):
         if self.slots not in (2, 3):
             raise ValueError(f"slots={self.slots}: 2 or 3")
         if self.swap and self.slots != 2:
             raise ValueError(f"{self}: swap takes no third slot")
-        if self.inflight not in (1, 2) or (self.inflight == 2 and not self.swap):
-            raise ValueError(f"inflight={self.inflight}: 1, or 2 with swap (the swapped GEMM's loop only)")
 
 
 @dataclass(frozen=True)
@@ -184,9 +179,8 @@ class WoGemmLaunch:
         return importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
 
     def variant(self, options: GluonWoOptions) -> dict:
-        """The kernel's variant constexprs for ``options`` (the swapped GEMM: INFLIGHT, no SLOTS)."""
-        return dict(SPLIT=options.split, FAST=self.fast,
-                    **(dict(INFLIGHT=options.inflight) if self.swap else dict(SLOTS=options.slots)))
+        """The kernel's variant constexprs for ``options`` (the swapped GEMM takes no SLOTS)."""
+        return dict(SPLIT=options.split, FAST=self.fast, **({} if self.swap else dict(SLOTS=options.slots)))
 
 
 def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOptions) -> WoGemmLaunch:
@@ -196,8 +190,6 @@ def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOp
         if scheme == "mxfp4" or (tile.block_n, tile.block_k) != (128, 64) or (options.fast and scheme != "int8_w8a16"):
             raise ValueError(f"swap takes int8_w8a16 (fast: its PTX conversion) or int4_w4a16 on [128, 64] tiles, "
                              f"not {scheme} with {options} on {tile}")
-        if options.inflight == 2 and options.split and gated:  # C7512 and 100-132 B of spills (wo4k_compile_cpu)
-            raise ValueError(f"{options}: inflight=2 with split on the gate-up GEMM (ptxas serializes its wgmmas)")
         return WoGemmLaunch(False, (128, 64 // (1 if scheme == "int8_w8a16" else 2)), 128 // halves,
                             NUM_WARPS // halves, swap_stages(scheme, gated), options.fast, True)
     fast = options.fast and scheme != "int8_w8a16"

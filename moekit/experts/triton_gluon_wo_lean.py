@@ -66,9 +66,12 @@ def _zero(w) -> torch.Tensor:
 
 
 def _scale_key(w) -> tuple:
-    """What the kernel specialises on in a weight's scale and zero pointers and strides."""
+    """What the kernel specialises on in a weight's scale and zero pointers and strides, and its GROUP (int8: 1
+    whether the weight says 0, a ``WoWeight``, or 1, ``WeightArgs``: the route's call and the named one share a
+    plan)."""
     zero = _zero(w)
-    return (w.scale.dtype, zero.dtype, scale_strides(w), w.scale.data_ptr() & 15, zero.data_ptr() & 15, w.group_size)
+    return (w.scale.dtype, zero.dtype, scale_strides(w), w.scale.data_ptr() & 15, zero.data_ptr() & 15,
+            max(w.group_size, 1))
 
 
 def wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme: str, up: GluonTile, down: GluonTile,

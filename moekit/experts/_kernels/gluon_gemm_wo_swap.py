@@ -19,13 +19,6 @@ registers while step k's wgmmas run, then waits for them (the A registers they r
 deps) and releases their stage. The per-output-channel scale multiplies the accumulator's rows in the epilogue; the
 [BN, BM] result is transposed in registers and stored through SMEM by TMA into out's [BM, BN] block.
 
-INFLIGHT 2 (session 30): two steps of wgmmas in flight. Step k's wgmmas are issued, step k + 1's codes decoded, then
-``wait(1)`` (a gate-up step: 2, a group a ``warpgroup_mma``) retires step k - 1's and releases its stage, so the
-tensor pipe still holds step k while step k + 1 issues. Three steps' codes are live: the loop is unrolled by two (a
-step's A registers are written again only after its wgmmas retired; one op for every step rewrote them in flight)
-and each wait keeps the retired step's codes in its deps (without them Triton 3.6 gave both ops the same registers).
-``benchmarks/wgmma_hazards.py`` checks the SASS for writes to an in-flight wgmma's registers.
-
 Q is a 2-D view [E * W_ROWS, R / PACK] of w13.q [E, 2N, K / PACK] (W_ROWS = 2N) or w2.q [E, K, N / PACK] (W_ROWS
 = K): int8 (PACK 1), scale [E, W_ROWS] fp32; int4 bytes (PACK 2, the low nibble first), scale / zero [E, W_ROWS,
 R / GROUP], GROUP a multiple of BK (each byte decoded into its K pair in the operand's layout, the group's scale and
@@ -44,12 +37,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
 from moekit.experts._kernels.gluon_gemm_wo import SPLIT_REGISTERS, _scales, _stored
-
-# SPLIT with INFLIGHT 2: each MMA warpgroup's registers a thread (the loader's warpgroup 120, the first MMA partition
-# 504 - 192 - 120). With the loader at 24 ptxas serializes a worker partition's wgmmas (C7512: its pipeline, the
-# accumulator and two steps' codes, 112 registers, must fit the fewest any partition of the switch loop holds; a
-# loader of 112 passes, 104 does not, on Triton 3.6's and 3.9's ptxas)
-DEEP_SPLIT_REGISTERS = gl.constexpr(192)
 
 
 # FAST: two int8 codes (one 16-bit load of the A fragment's K pair) -> their bf16x2, exact: each byte b = v - 128 s
@@ -161,25 +148,13 @@ def _swap_epilogue(c_desc, c_buf, acc, up, scale_row, rb, cb, GATE_OFFSET: gl.co
 
 
 @gluon.jit
-def _retire(acc, up, w_gate, w_up, PENDING: gl.constexpr, GATED: gl.constexpr):
-    """Wait until at most PENDING wgmma groups (one a ``warpgroup_mma``) are in flight; the codes (w_gate, w_up) the
-    retired ones read are the wait's deps, so their registers stay live (unwritten) until then."""
-    if GATED:
-        acc, up, w_gate, w_up = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc, up, w_gate, w_up))
-    else:
-        acc, w_gate = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc, w_gate))
-    return acc, up
-
-
-@gluon.jit
-def _step(a_bufs, q_bufs, ready, empty, acc, up, w_gate, w_up, p_gate, p_up, it, more, kk, magic, mul_g, add_g,
-          mul_u, add_u, ROWS: gl.constexpr, HALF: gl.constexpr, GATED: gl.constexpr, SCHEME: gl.constexpr,
-          FAST: gl.constexpr, INFLIGHT: gl.constexpr, layout: gl.constexpr):
-    """Reduction step ``it`` (the tile's kk): its wgmmas on the codes (w_gate, w_up) and the stage's activations;
-    the next step's codes (``more``: there is one; int4: its scales mul / add) decoded into registers while they run;
-    then the wgmmas of step it + 1 - INFLIGHT retire and their stage is released: INFLIGHT 1 this step's, INFLIGHT 2
-    the previous step's, whose codes p_gate / p_up stay live until then (this step's stay in flight under the next
-    step's decode and issue). Returns (acc, up, this step's codes, the next step's codes)."""
+def _step(a_bufs, q_bufs, ready, empty, acc, up, w_gate, w_up, it, more, magic, mul_g, add_g, mul_u, add_u,
+          ROWS: gl.constexpr, HALF: gl.constexpr, GATED: gl.constexpr, SCHEME: gl.constexpr, FAST: gl.constexpr,
+          layout: gl.constexpr):
+    """Reduction step ``it``: its wgmmas on the codes (w_gate, w_up) and the stage's activations; the next step's
+    codes (``more``: there is one; int4: its scales mul / add) decoded into registers while they run; then they
+    retire (the codes they read kept live until then through the wait's deps) and the stage is released. Returns
+    (acc, up, the next step's codes)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     x_t = a_bufs.index(it % STAGES).permute((1, 0))  # [BK, BM]
     acc = warpgroup_mma(w_gate, x_t, acc, is_async=True)
@@ -191,41 +166,19 @@ def _step(a_bufs, q_bufs, ready, empty, acc, up, w_gate, w_up, p_gate, p_up, it,
                                     SCHEME, FAST, layout)
     else:
         next_gate, next_up = w_gate, w_up
-    if INFLIGHT == 1:
-        acc, up = _retire(acc, up, w_gate, w_up, 0, GATED)
-        mbarrier.arrive(empty.index(it % STAGES), count=1)  # this step's wgmmas retired: refill its stage
+    if GATED:
+        acc, up, w_gate, w_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up, w_gate, w_up))
     else:
-        acc, up = _retire(acc, up, p_gate, p_up, 2 if GATED else 1, GATED)
-        if kk > 0:
-            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)  # the previous step's retired
-    return acc, up, w_gate, w_up, next_gate, next_up
-
-
-@gluon.jit
-def _steps(a_bufs, q_bufs, ready, empty, acc, up, w_gate, w_up, p_gate, p_up, it, kk, k_steps, magic, sg, zg, su, zu,
-           reduce_dim, stride_sg, stride_zg, ROWS: gl.constexpr, HALF: gl.constexpr, GATED: gl.constexpr,
-           SCHEME: gl.constexpr, GROUP: gl.constexpr, FAST: gl.constexpr, INFLIGHT: gl.constexpr,
-           layout: gl.constexpr):
-    """Steps kk .. kk + INFLIGHT - 1 (k_steps a multiple of INFLIGHT), unrolled: each step its own wgmma ops. With
-    two in flight, one op for every step would have its A registers (Triton 3.9 copies them at each issue, the same
-    PTX registers every time) written at the next step's issue while the previous step's wgmmas still read them; two
-    ops write each one's every other step, after its wgmmas retired. Returns (acc, up, the codes of the step in
-    flight, the next step's codes)."""
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    for u in gl.static_range(INFLIGHT):
-        mul_g, add_g, mul_u, add_u = _scales(sg, zg, su, zu, (kk + u + 1) * BLOCK_K, reduce_dim, stride_sg,
-                                             stride_zg, GROUP, SCHEME, False)  # the next step's (0 past the end)
-        acc, up, p_gate, p_up, w_gate, w_up = _step(a_bufs, q_bufs, ready, empty, acc, up, w_gate, w_up, p_gate, p_up,
-                                                    it + u, kk + u + 1 < k_steps, kk + u, magic, mul_g, add_g, mul_u,
-                                                    add_u, ROWS, HALF, GATED, SCHEME, FAST, INFLIGHT, layout)
-    return acc, up, p_gate, p_up, w_gate, w_up
+        acc, w_gate = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_gate))
+    mbarrier.arrive(empty.index(it % STAGES), count=1)  # this step's wgmmas retired: refill its stage
+    return acc, up, next_gate, next_up
 
 
 @gluon.jit
 def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, z_ptr, stride_se, stride_sr,
               stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks, GATE_OFFSET: gl.constexpr,
               GATED: gl.constexpr, GROUP_M: gl.constexpr, SCHEME: gl.constexpr, GROUP: gl.constexpr,
-              FAST: gl.constexpr, INFLIGHT: gl.constexpr, HALF: gl.constexpr, num_warps: gl.constexpr):
+              FAST: gl.constexpr, HALF: gl.constexpr, num_warps: gl.constexpr):
     """The MMA partition: per tile, acc [BN, BM] (and up) over the reduction, step k + 1's codes decoded into
     registers under step k's wgmmas (int4: its group scales loaded a step before). With SPLIT (4 warps, c_desc blocks
     [BM, BN / 2]) the tile's weight rows [HALF * BN / 2, (HALF + 1) * BN / 2) alone: its barriers are its
@@ -255,16 +208,13 @@ def _swap_mma(c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr
         mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
         w_gate, w_up = _codes(q_bufs, it % STAGES, magic, mul_g, add_g, mul_u, add_u, BLOCK_N, HALF, GATED, SCHEME,
                               FAST, layout)
-        p_gate, p_up = w_gate, w_up  # the codes of the step in flight (none yet)
-        for kk in range(0, k_steps, INFLIGHT):
-            acc, up, p_gate, p_up, w_gate, w_up = _steps(a_bufs, q_bufs, ready, empty, acc, up, w_gate, w_up, p_gate,
-                                                         p_up, it, kk, k_steps, magic, sg, zg, su, zu, reduce_dim,
-                                                         stride_sg, stride_zg, BLOCK_N, HALF, GATED, SCHEME, GROUP,
-                                                         FAST, INFLIGHT, layout)
-            it += INFLIGHT
-        if INFLIGHT == 2:  # the last step's wgmmas
-            acc, up = _retire(acc, up, p_gate, p_up, 0, GATED)
-            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        for kk in range(k_steps):
+            mul_g, add_g, mul_u, add_u = _scales(sg, zg, su, zu, (kk + 1) * BLOCK_K, reduce_dim, stride_sg,
+                                                 stride_zg, GROUP, SCHEME, False)  # the next step's (0 past the end)
+            acc, up, w_gate, w_up = _step(a_bufs, q_bufs, ready, empty, acc, up, w_gate, w_up, it, kk + 1 < k_steps,
+                                          magic, mul_g, add_g, mul_u, add_u, BLOCK_N, HALF, GATED, SCHEME, FAST,
+                                          layout)
+            it += 1
         _swap_epilogue(c_desc, c_buf, acc, up, s_ptr + expert * stride_se, rb, cb, GATE_OFFSET, GATED, SCHEME, layout)
     tma.store_wait(0)
 
@@ -275,19 +225,15 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
                                 W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHEME: gl.constexpr,
                                 GROUP: gl.constexpr, num_warps: gl.constexpr, FAST: gl.constexpr = False,
-                                SPLIT: gl.constexpr = False, INFLIGHT: gl.constexpr = 1):
+                                SPLIT: gl.constexpr = False):
     """``gluon_gemm_wo.grouped_gemm_wo_kernel``'s arguments (one launch for both; int8, SCHEME 0, reads only
     s_ptr's rows: scale [E, W_ROWS] with stride_sr 1; z_ptr, the group and zero strides and GROUP are int4's, SCHEME
     1): a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R / PACK] blocks [BN, BK / PACK] (int8; int4 bytes,
     PACK 2); c_desc [T, C] blocks [BM, BN]; experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of
     BM); reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED. FAST: ``_INT8_ASM``'s conversion. SPLIT
     (num_warps 4, c_desc blocks [BM, BN / 2]): two MMA partitions of one warpgroup each, each owning half of the
-    tile's weight rows (the wgmma's M), so neither waits at the other's barriers. INFLIGHT: the steps of wgmmas in
-    flight (1: each step's retire before the next step's issue; 2: after it, R a multiple of 2 BK; not SPLIT with
-    GATED: there ptxas serializes them)."""
+    tile's weight rows (the wgmma's M), so neither waits at the other's barriers."""
     gl.static_assert(SCHEME < 2, "the swapped weight-only GEMM decodes int8_w8a16 and int4_w4a16 only")
-    gl.static_assert(INFLIGHT == 1 or INFLIGHT == 2, "one or two steps of wgmmas in flight")
-    gl.static_assert(INFLIGHT == 1 or not (SPLIT and GATED), "ptxas serializes the split gate-up's two steps")
     WTILES: gl.constexpr = 2 if GATED else 1
     HALVES: gl.constexpr = 2 if SPLIT else 1
     PACK: gl.constexpr = a_desc.block_type.shape[1] // q_desc.block_type.shape[1]  # weights a stored byte
@@ -304,18 +250,18 @@ def grouped_gemm_wo_swap_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s
         gl.warp_specialize([
             (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, z_ptr, stride_se,
                          stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
-                         GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, FAST, INFLIGHT, 0, num_warps)),
+                         GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, FAST, 0, num_warps)),
             (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf1, ready, empty, experts_ptr, used_ptr, s_ptr, z_ptr, stride_se,
                          stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
-                         GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, FAST, INFLIGHT, 1, 4)),
+                         GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, FAST, 1, 4)),
             (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                        W_ROWS, GATE_OFFSET, GATED, GROUP_M, PACK)),
-        ], [4, 1], [SPLIT_REGISTERS if INFLIGHT == 1 else DEEP_SPLIT_REGISTERS, 24 if INFLIGHT == 1 else 120])
+        ], [4, 1], [SPLIT_REGISTERS, 24])
     else:
         gl.warp_specialize([
             (_swap_mma, (c_desc, a_bufs, q_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, z_ptr, stride_se,
                          stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
-                         GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, FAST, INFLIGHT, 0, num_warps)),
+                         GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, FAST, 0, num_warps)),
             (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                        W_ROWS, GATE_OFFSET, GATED, GROUP_M, PACK)),
         ], [1], [24])
