@@ -5,6 +5,8 @@ has them), reading the int8 codes as they are stored: one pass over the weight b
       -> n + _BYTE_OFFSET's LIMBS bytes less 128: signed digits d[i], n = sum_i d[i] 256**i exactly   [LIMBS, m, C]
       -> P[i] = d[i] @ q^T, int32 and exact (|P| <= C * 128 * 127 < 2**31), as q @ d^T            [R, LIMBS * m]
       -> a @ (q * scale)^T ~= (sum_i P[i] 256**i) * u * scale, summed in float64, rounded once     [m, R]
+         (the top digit's products reach 2**55, past float64's 53 bits: the sum is exact to 2**-52 relative, far
+         below the float32 rounding that follows)
 
 Accuracy: the only rounding before the last is a's to 31-bit fixed point per row (30 bits and a sign): an element
 of a row whose largest element is at most 2**6 times its own keeps all its float32 bits; a smaller one is off by at
@@ -99,8 +101,8 @@ def _int8mm(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optiona
     if amax is not None:
         digits, inverse_unit = _digits(a, amax, limbs)
         parts = torch._int_mm(q, digits.t())  # [R, LIMBS * m] int32, exact; q as the GEMM's A, read in place
-        exact = torch.mm(_places(a.shape[0], limbs), parts.t().to(torch.float64))  # [m, R], exact
-        out = exact.mul_(scale.to(torch.float64) / inverse_unit).to(torch.float32)  # one rounding
+        sums = torch.mm(_places(a.shape[0], limbs), parts.t().to(torch.float64))  # [m, R], to 2**-52 relative
+        out = sums.mul_(scale.to(torch.float64) / inverse_unit).to(torch.float32)  # the one float32 rounding
     else:
         out = torch.mm(a, (q.to(torch.float32) * scale[:, None]).t())  # [m, R]
     if bias is not None:
@@ -112,8 +114,8 @@ def _int8mm_groups(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
                    group_size: int, limbs: int = LIMBS, min_cols: int = MIN_COLS) -> torch.Tensor:
     """a [m, C] float32 @ w^T (+ bias [R]) -> [m, R] float32 for w[r, c] = codes[r, c] * scale[r, c // g]: codes
     [R, G*g] int8 (an int4 code less its group's zero; columns past C any value), scale [R, G] float32. Per group,
-    ``torch._int_mm`` on that group's columns (exact int32), its four digit sums combined in float64 (exact), times
-    the group's scale, summed in float64; one rounding to float32. Written for TorchScript."""
+    ``torch._int_mm`` on that group's columns (exact int32), its four digit sums combined in float64 (to 2**-52
+    relative), times the group's scale, summed in float64; one rounding to float32. Written for TorchScript."""
     m, rows, groups = a.shape[0], codes.shape[0], scale.shape[1]
     amax = _row_amax(a, min_cols)
     if amax is not None:
@@ -122,12 +124,12 @@ def _int8mm_groups(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
         digits_t = digits.t()  # [G*g, LIMBS * m]
         places = _places(m, limbs)
         scale64 = scale.to(torch.float64)
-        exact = torch.zeros(m, rows, dtype=torch.float64)
+        sums = torch.zeros(m, rows, dtype=torch.float64)
         for group in range(groups):
             start = group * group_size
             parts = torch._int_mm(codes.narrow(1, start, group_size), digits_t.narrow(0, start, group_size))
-            exact.addcmul_(torch.mm(places, parts.t().to(torch.float64)), scale64[:, group])  # [m, R]
-        out = exact.div_(inverse_unit).to(torch.float32)
+            sums.addcmul_(torch.mm(places, parts.t().to(torch.float64)), scale64[:, group])  # [m, R]
+        out = sums.div_(inverse_unit).to(torch.float32)
     else:
         w = codes.to(torch.float32) * scale.repeat_interleave(group_size, dim=1)  # [R, G*g]
         out = torch.mm(a, w[:, :a.shape[1]].t())  # [m, R]
