@@ -7,8 +7,10 @@ import torch
 
 from moekit.activations import ActivationSpec
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
-from moekit.experts import cpu_packed
-from moekit.experts.cpu_phased import ExpertRun, expert_runs, experts_cpu_phased, phased_blas_rows
+from moekit.experts import cpu_packed, cpu_phased
+from moekit.experts.cpu_phased import ExpertRun, expert_runs, experts_cpu_phased, grouped_offsets, phased_blas_rows
+from moekit.experts.torch_grouped import grouped_mm_supported
+from moekit.layouts.grouping import to_local_ids
 from test_cpu_packed import loop64, rel_err
 from test_cpu_workers import E, K, N, SILU, needs_onednn, problem
 
@@ -66,6 +68,31 @@ def test_phased_bf16_and_the_gpt_oss_activation_keep_the_loops_bits():
     b2 = torch.randn(E, K, generator=torch.Generator().manual_seed(9))
     outs = both(x, w13, w2, ids, weights, spec=GPT_OSS, b2=b2)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_phased_grouped_gemm_keeps_the_loops_bits(dtype, transposed, monkeypatch):
+    """Experts of 1-3 rows on BLAS, no biases: each phase is one torch grouped GEMM, with the per-expert loop's bits."""
+    if not grouped_mm_supported("cpu", dtype):
+        pytest.skip("this torch has no CPU grouped GEMM for " + str(dtype))
+    monkeypatch.setattr(cpu_phased, "GROUPED_MIN_EXPERTS", 2)  # E = 6 here
+    x, w13, w2, ids, weights = problem(m=3, k=4, seed=11)
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    if transposed:  # transformers' storage [E, K, 2N], read as a view
+        w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    ex = ExpertParams(w13, w2, None, None, SILU)
+    order, runs = expert_runs(to_local_ids(ids, E, None).tolist(), E)
+    offs = grouped_offsets(x.new_empty(len(order), K), ex, runs)
+    assert offs is not None and offs.tolist()[-1] == len(order) and len(offs) == E
+    outs = both(x, w13, w2, ids, weights, blas=True)
+    assert rel_err(outs[0], loop64(x.float(), w13.float(), w2.float(), ids, weights)) < 2e-2
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    b2 = torch.zeros(E, K, dtype=dtype)
+    assert grouped_offsets(x, ExpertParams(w13, w2, None, b2, SILU), runs) is None  # biases: the loop
+    monkeypatch.setattr(cpu_phased, "GROUPED_MIN_EXPERTS", len(runs) + 1)
+    assert grouped_offsets(x, ex, runs) is None  # too few experts: the loop
 
 
 @needs_onednn
