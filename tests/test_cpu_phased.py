@@ -84,15 +84,31 @@ def test_phased_grouped_gemm_keeps_the_loops_bits(dtype, transposed, monkeypatch
         w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
     ex = ExpertParams(w13, w2, None, None, SILU)
     order, runs = expert_runs(to_local_ids(ids, E, None).tolist(), E)
-    offs = grouped_offsets(x.new_empty(len(order), K), ex, runs)
+    offs = grouped_offsets(x.new_empty(len(order), K), ex, runs, 3)
     assert offs is not None and offs.tolist()[-1] == len(order) and len(offs) == E
     outs = both(x, w13, w2, ids, weights, blas=True)
     assert rel_err(outs[0], loop64(x.float(), w13.float(), w2.float(), ids, weights)) < 2e-2
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     b2 = torch.zeros(E, K, dtype=dtype)
-    assert grouped_offsets(x, ExpertParams(w13, w2, None, b2, SILU), runs) is None  # biases: the loop
+    assert grouped_offsets(x, ExpertParams(w13, w2, None, b2, SILU), runs, 3) is None  # biases: the loop
+    assert grouped_offsets(x, ex, runs, max(r.end - r.start for r in runs) - 1) is None  # a larger expert: the loop
     monkeypatch.setattr(cpu_phased, "GROUPED_MIN_EXPERTS", len(runs) + 1)
-    assert grouped_offsets(x, ex, runs) is None  # too few experts: the loop
+    assert grouped_offsets(x, ex, runs, 3) is None  # too few experts: the loop
+
+
+@needs_onednn
+def test_phased_bf16_grouped_gemm_takes_packed_experts_with_their_bits(monkeypatch):
+    """bf16 on oneDNN: experts of 4-32 rows (packed in the split loop) join the grouped GEMM, with the same bits."""
+    if not (grouped_mm_supported("cpu", torch.bfloat16) and phased_blas_rows(torch.bfloat16)):
+        pytest.skip("no CPU grouped GEMM or no native bf16 here")
+    monkeypatch.setattr(cpu_phased, "GROUPED_MIN_EXPERTS", 2)
+    x, w13, w2, ids, weights = problem(m=30, k=3, seed=12)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    order, runs = expert_runs(to_local_ids(ids, E, None).tolist(), E)
+    assert 4 <= max(r.end - r.start for r in runs) <= cpu_phased.grouped_max_rows(torch.bfloat16)
+    assert grouped_offsets(x.new_empty(len(order), K), ExpertParams(w13, w2, None, None, SILU), runs, 32) is not None
+    outs = both(x, w13, w2, ids, weights, cache=PackedWeightCache(budget_bytes=1 << 30), blas=True)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @needs_onednn

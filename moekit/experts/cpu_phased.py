@@ -4,9 +4,10 @@
     -> h [A', R]: each expert's gate-up GEMM into its rows -> glu (``glu_rows``) and the combine weight
     -> y [A', K]: each expert's down GEMM into its rows -> out [M, K] = one index_add_ over the rows
 
-Where every expert's GEMMs would be BLAS on plain weights (decode: fewer than ``PACKED_MIN_ROWS`` rows each) and
-there are no biases, each phase is one call of torch's grouped GEMM over all experts (the same per-expert GEMMs and
-bits, without ~11 us of Python an expert: at M = 8, ~50 experts, 3-4% of the call; session 32).
+Where every expert's GEMMs would be BLAS on plain weights (fewer than ``PACKED_MIN_ROWS`` rows each; bf16 on
+oneDNN: up to ``BF16_GROUPED_MAX_ROWS``, whose packed GEMMs have the same bits) and there are no biases, each phase is
+one call of torch's grouped GEMM over all experts (the same per-expert GEMMs and bits, without ~11 us of Python an
+expert: at M = 8, 32-50 experts, 3-5% of the call; session 32).
 
 Why: ``cpu_packed``'s loop runs ~10 small ops an expert between its two GEMMs (a gather, slices, the activation,
 the combine weight, an index_add_), each a few µs of host time during which the 2 OpenMP threads of the
@@ -49,6 +50,9 @@ from moekit.layouts.grouping import to_local_ids
 # (8 experts of Qwen3-30B-A3B) it ran 1.5% slower than the loop; from 15 experts (M = 2) 1.5% faster, 30 (M = 4) 3.4%,
 # ~50 (M = 8) 5.3% (bf16; fp32 at M = 8 3.4%) on the Xeon, after a 2-thread GEMM (session 32)
 GROUPED_MIN_EXPERTS = 12
+# bf16 on oneDNN: torch.mm, the grouped GEMM and the linear on the packed weight gave the same bits for 1-32 rows, on
+# 1 and 2 threads, at four expert shapes (Qwen3-30B-A3B's, gpt-oss-20b's); from 33 rows on 2 threads they differ
+BF16_GROUPED_MAX_ROWS = 32
 
 
 @functools.cache
@@ -102,7 +106,7 @@ def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor
     scale = topk_weights.reshape(-1).to(acc)[src].unsqueeze(1)  # [A', 1] combine weight of each row
     blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
     xs = x.index_select(0, tokens)  # [A', K]
-    grouped = grouped_offsets(xs, ex, runs) if blas else None
+    grouped = grouped_offsets(xs, ex, runs, grouped_max_rows(x.dtype)) if blas else None
     weights = {} if grouped is not None else phase_weights(ex, runs, cache, quant, x.dtype, blas)
     h = phase_gemm(xs, ex.w13, "w13", runs, weights, grouped)  # [A', R]
     a = glu_rows(h, runs, ex.spec, ex.w2.shape[2])  # [A', N]
@@ -128,14 +132,20 @@ def phase_weights(ex: ExpertParams, runs: list[ExpertRun], cache: PackedWeightCa
             for r in runs}
 
 
-def grouped_offsets(xs: torch.Tensor, ex: ExpertParams, runs: list[ExpertRun]) -> torch.Tensor | None:
+def grouped_max_rows(dtype: torch.dtype) -> int:
+    """The most rows an expert may have for ``grouped_offsets``: the split loop's BLAS rows (below
+    ``PACKED_MIN_ROWS``), or ``BF16_GROUPED_MAX_ROWS`` for bf16 on oneDNN, where its packed GEMMs have the same bits."""
+    return BF16_GROUPED_MAX_ROWS if dtype == torch.bfloat16 and not blas_plain_rows(dtype) else PACKED_MIN_ROWS - 1
+
+
+def grouped_offsets(xs: torch.Tensor, ex: ExpertParams, runs: list[ExpertRun], max_rows: int) -> torch.Tensor | None:
     """offs [E] int32 (rows offs[e-1]:offs[e] are expert e's) where the call has ``GROUPED_MIN_EXPERTS`` experts or
-    more, every run's GEMMs would be BLAS on the plain weights, without biases, and torch's grouped GEMM takes both
-    matrices: it runs the same per-expert GEMMs in one call (the same bits, in fp32 and bf16;
-    ``tests/test_cpu_phased.py``), without ~11 us of Python an expert. None otherwise."""
+    more, each of at most ``max_rows`` rows, without biases, and torch's grouped GEMM takes both matrices: it runs
+    the per-expert GEMMs in one call (the loop's bits, in fp32 and bf16; ``tests/test_cpu_phased.py``), without
+    ~11 us of Python an expert. None otherwise."""
     if len(runs) < GROUPED_MIN_EXPERTS or ex.b13 is not None or ex.b2 is not None:
         return None
-    if any(r.end - r.start >= PACKED_MIN_ROWS for r in runs):
+    if any(r.end - r.start > max_rows for r in runs):
         return None
     if not (grouped_mm_takes(xs, ex.w13) and grouped_mm_takes(xs.new_empty(0, ex.w2.shape[2]), ex.w2)):
         return None
