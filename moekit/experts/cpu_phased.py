@@ -92,9 +92,11 @@ def expert_runs(local_ids: list[int], num_experts: int) -> tuple[list[int], list
 
 def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        expert_map: torch.Tensor | None, cache: PackedWeightCache | None,
-                       quant: QuantKernels = QuantKernels(), blas_plain: bool = False) -> torch.Tensor:
+                       quant: QuantKernels = QuantKernels(), blas_plain: bool = False,
+                       grouped_gemm: bool = True) -> torch.Tensor:
     """x [M, K] -> [M, K] in float32 (bf16 / fp16 accumulate there too): ``experts_cpu_fused`` with ``workers=1``,
-    the same bits, its GEMMs on the caller's intra-op threads, in phases (the module's docstring)."""
+    the same bits, its GEMMs on the caller's intra-op threads, in phases (the module's docstring). ``grouped_gemm``
+    False keeps the per-expert GEMMs where the grouped GEMM could run (an A/B: ``benchmarks/cpu_phased_grouped.py``)."""
     top_k = topk_ids.shape[1]
     acc = torch.promote_types(x.dtype, torch.float32)
     out = x.new_zeros(x.shape[0], x.shape[1], dtype=acc)  # [M, K]
@@ -106,7 +108,7 @@ def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor
     scale = topk_weights.reshape(-1).to(acc)[src].unsqueeze(1)  # [A', 1] combine weight of each row
     blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
     xs = x.index_select(0, tokens)  # [A', K]
-    grouped = grouped_offsets(xs, ex, runs, grouped_max_rows(x.dtype)) if blas else None
+    grouped = grouped_offsets(xs, ex, runs, grouped_max_rows(x.dtype)) if blas and grouped_gemm else None
     weights = {} if grouped is not None else phase_weights(ex, runs, cache, quant, x.dtype, blas)
     h = phase_gemm(xs, ex.w13, "w13", runs, weights, grouped)  # [A', R]
     a = glu_rows(h, runs, ex.spec, ex.w2.shape[2])  # [A', N]
