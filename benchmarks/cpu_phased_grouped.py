@@ -7,10 +7,10 @@ rows). Every call follows a 2-thread GEMM ([M, K] @ [K, 4096], as the router / a
 round, in a shuffled order: ``grouped`` (``experts_cpu_phased`` as ``auto`` runs it), ``loop`` (the same with
 ``grouped_gemm=False``), ``hf_grouped_mm`` (``transformers.integrations.moe.grouped_mm_experts_forward`` on a stand-in
 module). Prints the medians (ms), each row's rounds >= 3% faster than ``loop``, and whether ``grouped`` has ``loop``'s
-bits; JSON with every sample under ``--out``.
+bits; JSON with every round's sample (the median of ``--per-round`` calls) under ``--out``.
 
     flock /work/wt/cpubench.lock python3 benchmarks/cpu_phased_grouped.py --dtype bfloat16 --batches 1,2,4,8,16 \
-        --spread 128 --rounds 30 [--out FILE.json]
+        --spread 128 --rounds 7 --per-round 5 [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def calls_of(m: int, spread: int, dtype: torch.dtype, gen: torch.Generator) -> d
     }, len(set(ids.flatten().tolist()))
 
 
-def rounds(calls: dict, m: int, dtype: torch.dtype, count: int) -> dict[str, list[float]]:
-    """``count`` shuffled rounds (a warm-up call each first), every call after a 2-thread GEMM: seconds."""
+def rounds(calls: dict, m: int, dtype: torch.dtype, count: int, per_round: int) -> dict[str, list[float]]:
+    """``count`` shuffled rounds (a warm-up call each first), every call after a 2-thread GEMM: seconds, each round's
+    the median of ``per_round`` calls of a row in a row."""
     before_x, before_w = torch.randn(m, K).to(dtype), torch.randn(K, 4096).to(dtype)
     for fn in calls.values():
         fn()
@@ -72,10 +73,13 @@ def rounds(calls: dict, m: int, dtype: torch.dtype, count: int) -> dict[str, lis
         order = list(calls)
         random.shuffle(order)
         for name in order:
-            torch.mm(before_x, before_w)
-            start = time.perf_counter()
-            calls[name]()
-            samples[name].append(time.perf_counter() - start)
+            seconds = []
+            for _ in range(per_round):
+                torch.mm(before_x, before_w)
+                start = time.perf_counter()
+                calls[name]()
+                seconds.append(time.perf_counter() - start)
+            samples[name].append(statistics.median(seconds))
     return samples
 
 
@@ -84,19 +88,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--batches", default="1,2,4,8,16", help="token counts M, comma-separated")
     ap.add_argument("--spread", type=int, default=E, help="experts the tokens are routed among (<= 128)")
-    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--per-round", type=int, default=5, help="calls of a row in a round (its sample: their median)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     dtype, gen = getattr(torch, args.dtype), torch.Generator().manual_seed(0)
     random.seed(0)
     doc = {"cpu": cpu_name(), "commit": commit_id(), "torch": torch.__version__, "dtype": args.dtype,
-           "spread": args.spread, "rounds": args.rounds, "loadavg_before": os.getloadavg(), "batches": []}
+           "spread": args.spread, "rounds": args.rounds, "per_round": args.per_round,
+           "loadavg_before": os.getloadavg(), "batches": []}
     print(f"{doc['cpu']}, {args.dtype}, spread {args.spread}, commit {doc['commit']}, load {os.getloadavg()[0]:.2f}")
     for m in (int(v) for v in args.batches.split(",")):
         calls, experts = calls_of(m, args.spread, dtype, gen)
         with torch.no_grad():
             same_bits = torch.equal(calls["grouped"](), calls["loop"]())
-            samples = rounds(calls, m, dtype, args.rounds)
+            samples = rounds(calls, m, dtype, args.rounds, args.per_round)
         doc["batches"].append({"M": m, "experts": experts, "same_bits": same_bits, "samples_s": samples})
         print(f"M={m} ({experts} experts) grouped has loop's bits: {same_bits}; load {os.getloadavg()[0]:.2f}")
         for name, s in samples.items():
