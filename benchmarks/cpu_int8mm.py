@@ -1,21 +1,24 @@
-"""float32 activations on weight-only int8 / mxfp4 experts through ``torch._int_mm`` (session 31, branch ``cpuq31``).
+"""float32 / bf16 activations on weight-only int8 / mxfp4 experts through ``torch._int_mm`` (session 31, branch
+``cpuq31``; bf16: session 32, ``cpu32``).
 
-Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, k=8), uniform random routing, fp32 x, weights quantized once from
-the same fp32 weights. Per round, in an order shuffled each round (seeded; a warm-up round first), one call each of:
-- ``unquantized``: ``experts_grouped_mm`` on the fp32 weights (what ``auto`` runs: the split loop, packed weights
-  from 4 rows an expert, BLAS below);
-- ``dequant[s]`` / ``int8mm[s]``: the quantized CPU loop (``cpu_packed.experts_cpu_fused``, experts split over
+Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, k=8), uniform random routing, x in ``--dtype``, weights quantized
+once from the same fp32 weights. Per round, in an order shuffled each round (seeded; a warm-up round first), one call
+each of:
+- ``unquantized``: ``experts_grouped_mm`` on the fp32 weights (bf16: the same rounded to bf16; what ``auto`` runs:
+  the split loop, packed weights from 4 rows an expert, BLAS below);
+- ``B[s]`` / ``int8mm[s]``: the quantized CPU loop (``cpu_packed.experts_cpu_fused``, experts split over
   single-threaded workers, one a thread) with that ``QuantKernels`` kernel forced (``moekit.experts.cpu_quant``,
-  ``moekit.experts.cpu_int8mm``); ``int8mm_w1[s]`` (``--unsplit``): the same loop unsplit, each ``torch._int_mm`` on
-  every thread;
+  ``moekit.experts.cpu_int8mm``; B, the base: "dequant" for float32 x, torch's weight-only kernel for bf16, what
+  ``auto`` ran there before session 32); ``int8mm_w1[s]`` (``--unsplit``): the same loop unsplit, each
+  ``torch._int_mm`` on every thread;
 - ``auto[s]`` (``--auto``): ``experts_grouped_mm`` on the QuantizedWeights (what the library runs by default).
 Prints per M the medians (ms), each row's rel-L2 error against a float64 reference (the float64 weights exactly
 dequantized, float64 throughout: the ``reference`` backend on float64 x), and per-round ratios: ``int8mm[s]``'s
-rounds >= 3% faster than ``dequant[s]`` and than ``unquantized`` (each ratio within one round). JSON with every
+rounds >= 3% faster than ``B[s]`` and than ``unquantized`` (each ratio within one round). JSON with every
 sample under ``--out``.
 
     flock /work/wt/cpubench.lock python3 benchmarks/cpu_int8mm.py --batches 1,8,64,512 --rounds 5 [--auto] [--unsplit] \
-        --out FILE.json
+        [--dtype bfloat16] --out FILE.json
 """
 
 from __future__ import annotations
@@ -31,12 +34,17 @@ from moekit.activations import as_spec
 from moekit.bench.cpu_measure import ExpertsShape, cpu_name, expert_weights, problem, shuffled_seconds
 from moekit.experts import backend_fn
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
-from moekit.experts.cpu_quant import QuantKernels
+from moekit.experts.cpu_quant import SCHEME_KERNELS, QuantKernels
 from moekit.experts.grouped_mm import experts_grouped_mm
 from moekit.quant import quantize
 from moekit.bench.run import commit_id
 
 QWEN3 = "128,768,2048,8"
+
+
+def base_kernel(scheme: str, dtype: torch.dtype) -> str:
+    """The kernel int8mm is held against: "dequant" for float32 x, torch's weight-only kernel for bf16."""
+    return "dequant" if dtype == torch.float32 else SCHEME_KERNELS[scheme][-1]
 
 
 def calls_of(p, quantized: dict, auto: bool, unsplit: bool) -> dict:
@@ -45,7 +53,8 @@ def calls_of(p, quantized: dict, auto: bool, unsplit: bool) -> dict:
     calls = {"unquantized": lambda: experts_grouped_mm(p.x, p.w13, p.w2, p.ids, p.weights)}
     for scheme, (q13, q2) in quantized.items():
         ex = ExpertParams(q13, q2, None, None, as_spec("silu"))
-        rows = [("dequant", "dequant", threads), ("int8mm", "int8mm", threads)] + [("int8mm_w1", "int8mm", 1)] * unsplit
+        base = base_kernel(scheme, p.x.dtype)
+        rows = [(base, base, threads), ("int8mm", "int8mm", threads)] + [("int8mm_w1", "int8mm", 1)] * unsplit
         for name, kernel, workers in rows:
             kernels = QuantKernels(**{scheme: kernel})
             calls[f"{name}[{scheme}]"] = lambda e=ex, k=kernels, w=workers: experts_cpu_fused(
@@ -80,14 +89,18 @@ def main() -> None:
     ap.add_argument("--shape", default=QWEN3, help="E,N,K,k")
     ap.add_argument("--auto", action="store_true", help="also time auto[s], the library's default")
     ap.add_argument("--unsplit", action="store_true", help="also time int8mm_w1[s], the loop unsplit")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="x's dtype")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     shape = ExpertsShape.parse(args.shape)
     gen = torch.Generator().manual_seed(0)
     w13, w2 = expert_weights(shape, gen)
     quantized = {s: (quantize(w13, s), quantize(w2, s)) for s in args.schemes.split(",")}
+    dtype = getattr(torch, args.dtype)
+    w13, w2 = w13.to(dtype), w2.to(dtype)  # the unquantized row's weights, and x's dtype
     doc = {"cpu": cpu_name(), "commit": commit_id(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "shape": args.shape, "rounds": args.rounds, "loadavg_before": os.getloadavg(), "batches": []}
+           "shape": args.shape, "rounds": args.rounds, "dtype": args.dtype, "loadavg_before": os.getloadavg(),
+           "batches": []}
     print(f"{doc['cpu']}, threads {doc['threads']}, commit {doc['commit']}, load {os.getloadavg()[0]:.2f}")
     for m in (int(v) for v in args.batches.split(",")):
         p = problem(m, w13, w2, shape.top_k, gen)
@@ -101,8 +114,9 @@ def main() -> None:
             line = f"  {name:22s} {statistics.median(s) * 1e3:9.2f} ms  err {errs[name]:.1e}"
             if name.startswith("int8mm"):
                 scheme = name[name.index("["):]
-                line += (f"  x dequant {statistics.median(samples['dequant' + scheme]) / statistics.median(s):.2f}"
-                         f" ({wins(samples, name, 'dequant' + scheme)}/{args.rounds} rounds >= 3%),"
+                base = base_kernel(scheme[1:-1], dtype) + scheme
+                line += (f"  x {base} {statistics.median(samples[base]) / statistics.median(s):.2f}"
+                         f" ({wins(samples, name, base)}/{args.rounds} rounds >= 3%),"
                          f" / unquantized {statistics.median(s) / statistics.median(samples['unquantized']):.2f}"
                          f" ({wins(samples, name, 'unquantized')}/{args.rounds} rounds >= 3% faster)")
             print(line, flush=True)

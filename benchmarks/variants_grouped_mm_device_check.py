@@ -32,7 +32,7 @@ import torch
 from moekit.activations import ActivationSpec
 from moekit.bench.timing import time_calls
 from moekit.experts import run_experts
-from moekit.experts.grouped_mm import grouped_mm_supported
+from moekit.experts.torch_grouped import grouped_mm_supported
 
 E, TOP_K, K, N = 32, 4, 2880, 2880
 M_VALUES = (1, 64, 2048)

@@ -1,18 +1,19 @@
-"""moekit.experts.cpu_int8mm: float32 activations as int8 digits through ``torch._int_mm`` on int8 / mxfp4 expert
-codes. The digits rebuild a exactly (or within 2**-30 of its row's largest element); the linear and the CPU loop are
-held against float64 loops written here, and against the dequantized float32 path's own error."""
+"""moekit.experts.cpu_int8mm: float32 / bf16 activations as int8 digits through ``torch._int_mm`` on int8 / mxfp4
+expert codes. The digits rebuild a exactly (or within 2**-30 / 2**-22 of its row's largest element); the linear and the
+CPU loop are held against float64 loops written here, and against the dequantized path's own error."""
 
 import pytest
 import torch
 
 from moekit.activations import ActivationSpec
 from moekit.experts.cpu_int8mm import (
-    LIMBS, MAX_COLS, Int8GroupsLinear, Int8MMLinear, _compiled, _int8mm, _int8mm_groups, int8_limbs, int8mm_linear,
-    int8mm_supported,
+    BF16_LIMBS, LIMBS, MAX_COLS, Int8GroupsLinear, Int8MMLinear, _compiled, _int8mm, _int8mm_groups, int8_limbs,
+    int8mm_linear, int8mm_supported,
 )
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
 from moekit.experts.cpu_quant import (
-    INT4_INT8MM_MAX_ROWS, DequantLinear, QuantKernels, RepackCache, expert_linear, int4_as_int8,
+    BF16_INT8MM_MIN_ROWS, INT4_INT8MM_MAX_ROWS, DequantLinear, Int4PackLinear, Int8PackLinear, QuantKernels,
+    RepackCache, expert_linear, int4_as_int8,
 )
 from moekit.quant import quantize
 from test_cpu_quant import E, loop64, problem, rel_err
@@ -22,12 +23,12 @@ INT8MM = QuantKernels(int8_w8a16="int8mm", int4_w4a16="int8mm", mxfp4="int8mm")
 DEQUANT = QuantKernels("dequant", "dequant", "dequant")
 
 
-def digits_value(a):
-    """float64 [m, C]: what ``int8_limbs(a)`` stands for, summed here digit by digit."""
+def digits_value(a, count=LIMBS):
+    """float64 [m, C]: what ``int8_limbs(a)`` (``count`` digits a row) stands for, summed here digit by digit."""
     limbs = int8_limbs(a)
     m = a.shape[0]
-    digits = limbs.digits.view(LIMBS, m, a.shape[1]).double()
-    return sum(digits[i] * 256.0**i for i in range(LIMBS)) / limbs.inverse_unit
+    digits = limbs.digits.view(count, m, a.shape[1]).double()
+    return sum(digits[i] * 256.0**i for i in range(count)) / limbs.inverse_unit
 
 
 def test_digits_rebuild_a_row_exactly_or_within_2_to_the_minus_30_of_its_largest():
@@ -45,6 +46,22 @@ def test_digits_rebuild_a_row_exactly_or_within_2_to_the_minus_30_of_its_largest
     assert 0 < (got[3] - a[3].double()).abs().max() <= 2.0**-30 * 1e6
     digits = int8_limbs(a).digits
     assert digits.dtype == torch.int8 and digits.shape == (LIMBS * 6, 300)
+
+
+def test_bf16_digits_rebuild_a_row_exactly_within_2_to_the_14_of_its_largest():
+    g = torch.Generator().manual_seed(1)
+    a = (torch.rand(5, 200, generator=g) + 1) * 2.0 ** torch.randint(-13, 1, (5, 200), generator=g)  # 2**-13 .. 2
+    a[:, 1::3] *= -1
+    a[1] *= 2.0**-120  # tiny and huge rows: the unit follows each row
+    a[2] *= 2.0**100
+    a[3, 5] = 2.0**15  # an outlier: elements below 2**1 are off by at most half a unit, 2**-22 of it
+    a[4, 3], a[4, 4] = 2 - 2**-7, -(2 - 2**-7)  # the largest bf16 magnitudes below a power of two: the top digit
+    a = a.to(torch.bfloat16)
+    got = digits_value(a, BF16_LIMBS)
+    exact = torch.tensor([0, 1, 2, 4])
+    assert torch.equal(got[exact], a[exact].double())
+    assert 0 < (got[3] - a[3].double()).abs().max() <= 2.0**-22 * 2.0**16
+    assert int8_limbs(a).digits.shape == (BF16_LIMBS * 5, 200)
 
 
 def test_non_finite_rows_have_no_digits():
@@ -98,12 +115,12 @@ def test_loop_matches_the_float64_loop_with_biases_and_expert_map(scheme, option
     assert rel_err(got, want) < 1e-6 and rel_err(got, want) <= rel_err(dequant, want) * 1.5
 
 
-def test_expert_linear_takes_int8mm_for_float32_only_and_where_the_codes_fit():
+def test_expert_linear_takes_int8mm_for_float32_and_bf16_only_and_where_the_codes_fit():
     _, q13, _, _, _ = problem("int8_w8a16", {}, 96)
     cache = RepackCache(1 << 30)
     linear = expert_linear(q13, 2, torch.float32, INT8MM, cache)
     assert isinstance(linear, Int8MMLinear) and linear.q.data_ptr() == q13.q[2].data_ptr()  # the codes as stored
-    assert isinstance(expert_linear(q13, 2, torch.bfloat16, INT8MM, cache), DequantLinear)
+    assert isinstance(expert_linear(q13, 2, torch.float16, INT8MM, cache), DequantLinear)
     _, m13, _, _, _ = problem("mxfp4", {}, 96)
     as_int8 = expert_linear(m13, 1, torch.float32, INT8MM, cache)
     assert isinstance(as_int8, Int8MMLinear) and cache.used_bytes() > 0  # mxfp4's int8 form, cached
@@ -145,3 +162,47 @@ def test_int4_groups_are_closer_to_float64_than_dequant(cols, group_size, m):
     assert got.shape == (m, 40) and rel_err(got, want) < 1e-7 and rel_err(got, want) <= rel_err(dequant, want) * 1.5
     python = _int8mm_groups(a, linear.codes, linear.scale, bias, group_size)
     assert torch.equal(got, python)  # scripted and plain: the same bits
+
+
+@pytest.mark.parametrize("m, cols, rows", [(1, 2048, 48), (9, 77, 32), (33, 96, 40), (2, 1, 3)])
+def test_bf16_linear_is_the_float64_product_rounded_once_to_float32_then_bf16(m, cols, rows):
+    g = torch.Generator().manual_seed(cols)
+    q = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g)
+    scale, bias = torch.rand(rows, generator=g) * 1e-2, torch.randn(rows, generator=g).to(torch.bfloat16)
+    # bf16 elements within 2**14 of their row's largest: every digit exact, so the sums are
+    a = ((torch.rand(m, cols, generator=g) + 1) * 2.0 ** torch.randint(-12, 2, (m, cols), generator=g))
+    a = (a * torch.randint(0, 2, (m, cols), generator=g).mul(2).sub(1)).to(torch.bfloat16)
+    exact = a.double() @ (q.double() * scale.double()[:, None]).t()
+    want = (exact.float() + bias.float()).to(torch.bfloat16)
+    got = int8mm_linear(a, q, scale, bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert torch.equal(_compiled()[0](a, q, scale, bias, BF16_LIMBS), _int8mm(a, q, scale, bias, BF16_LIMBS))
+
+
+@pytest.mark.parametrize("scheme, options", [("int8_w8a16", {}), ("mxfp4", {}), ("int4_w4a16", {"group_size": 32})])
+def test_bf16_loop_on_int8mm_is_closer_to_float64_than_torch_kernels(scheme, options):
+    x, q13, q2, ids, weights = problem(scheme, options, 96, tokens=40, dtype=torch.bfloat16, seed=21)
+    want = loop64(x, q13, q2, ids, weights)
+    ex = ExpertParams(q13, q2, None, None, ActivationSpec("silu"))
+    packs = QuantKernels("int8pack", "int4pack", "int8pack")
+    with torch.no_grad():
+        got = experts_cpu_fused(x, ex, ids, weights, None, None, workers=2, quant=INT8MM)
+        one = experts_cpu_fused(x, ex, ids, weights, None, None, workers=1, quant=INT8MM)
+        torch_kernels = experts_cpu_fused(x, ex, ids, weights, None, None, workers=2, quant=packs)
+    assert torch.equal(got, one)
+    assert rel_err(got, want) < 1e-2 and rel_err(got, want) <= rel_err(torch_kernels, want) * 1.1
+
+
+def test_bf16_auto_takes_int8mm_for_experts_of_many_rows():
+    cache, auto, many = RepackCache(1 << 30), QuantKernels(), BF16_INT8MM_MIN_ROWS
+    _, q13, _, _, _ = problem("int8_w8a16", {}, 96)
+    assert isinstance(expert_linear(q13, 2, torch.bfloat16, auto, cache, rows=many), Int8MMLinear)
+    assert isinstance(expert_linear(q13, 2, torch.bfloat16, auto, cache, rows=many - 1), Int8PackLinear)
+    _, m13, _, _, _ = problem("mxfp4", {}, 96)
+    assert isinstance(expert_linear(m13, 1, torch.bfloat16, auto, cache, rows=many), Int8MMLinear)
+    assert isinstance(expert_linear(m13, 1, torch.bfloat16, auto, cache, rows=1), Int8PackLinear)
+    assert expert_linear(m13, 1, torch.bfloat16, auto, cache, rows=many).q is expert_linear(
+        m13, 1, torch.bfloat16, auto, cache, rows=1).q  # one cached int8 form for both kernels
+    _, i13, _, _, _ = problem("int4_w4a16", {"group_size": 32}, 96)  # int4: torch's kernel at any rows
+    assert isinstance(expert_linear(i13, 0, torch.bfloat16, auto, cache, rows=4 * many), Int4PackLinear)
+    assert isinstance(expert_linear(i13, 0, torch.float16, auto, cache, rows=many), DequantLinear)

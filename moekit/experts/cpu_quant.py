@@ -15,12 +15,14 @@ allocator reuses its pages (a whole [1536, 2048] fp32 expert allocated per call 
 Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "int8mm" for float32 int8 / mxfp4 (3.7-14x
 faster than "dequant" at Qwen3-30B-A3B, M = 1..512, ``benchmarks/results/Intel_Xeon-cpu-int8mm-*``) and for float32
 int4 experts of few rows (``INT4_INT8MM_MAX_ROWS``), "dequant" for larger float32 int4 experts, torch's kernel for
-bf16 (2.3-23x faster than "dequant", ``benchmarks/results/*-cpu-quant-*.md``):
+bf16 (2.3-23x faster than "dequant", ``benchmarks/results/*-cpu-quant-*.md``) but "int8mm" for bf16 int8 / mxfp4
+experts of many rows (``BF16_INT8MM_MIN_ROWS``; ``benchmarks/results/Intel_Xeon-cpu-quant-bf16-*``):
 - "dequant" (every scheme): ``QuantizedWeight.dequantize_expert`` (bit-identical to the whole ``dequantize``),
   then the same oneDNN linear as the dense loop;
-- "int8mm" (int8_w8a16, mxfp4; float32 x): x's rows as 31-bit fixed point in four int8 digits, times the int8
-  codes by ``torch._int_mm`` (exact int32), combined in float64 and rounded once (``moekit.experts.cpu_int8mm``):
-  1 byte a weight read as stored (int8) or from mxfp4's cached int8 form, closer to float64 than "dequant";
+- "int8mm" (int8_w8a16, mxfp4; float32 or bf16 x): x's rows as 30-bit (bf16: 22-bit) fixed point in four (three)
+  int8 digits, times the int8 codes by ``torch._int_mm`` (exact int32), combined in float64 and rounded once to
+  float32 (``moekit.experts.cpu_int8mm``; bf16: then to bf16): 1 byte a weight read as stored (int8) or from mxfp4's
+  cached int8 form, closer to float64 than "dequant" and torch's int8pack;
 - "int8mm" (int4_w4a16; float32 x): the same digits, one ``torch._int_mm`` a group of g columns on the expert's
   int8 form (code - zero, ``int4_as_int8``, made once and cached: 1 byte a weight beside int4's 0.5), each group's
   exact sums times its scale summed in float64;
@@ -60,6 +62,11 @@ SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's
 # "auto" runs float32 int4 experts of fewer rows on "int8mm": one _int_mm a group costs more per row than the
 # dequantized GEMM (measured at ~4 rows an expert 2.3x faster, at ~32 rows 1.5x slower: results/*-cpu-int8mm-*)
 INT4_INT8MM_MAX_ROWS = 16
+# "auto" runs bf16 int8 / mxfp4 experts of this many rows on "int8mm" (3 digits a row): torch's int8pack costs ~linear
+# in the rows (one expert [1536, 2048], 1 thread: 0.16 / 0.29 / 0.55 / 2.26 ms at 1 / 4 / 8 / 32 rows), int8mm 0.31
+# / 0.36 / 0.42 / 1.0. Whole calls at Qwen3-30B-A3B (session 32), this threshold against int8pack everywhere: M = 64
+# 0.83-0.85x at 4 (8: 0.98x), M = 8 / 16 level; at 3 or fewer M = 8 lost 1-5%.
+BF16_INT8MM_MIN_ROWS = 4
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -86,23 +93,27 @@ class QuantKernels:
 
     def resolve(self, scheme: str, dtype: torch.dtype, rows: int = 1) -> str:
         """The kernel that runs ``scheme`` for x of ``dtype`` on an expert of ``rows`` rows: "auto" takes torch's
-        weight-only kernel for a bf16 x where this torch runs it (measured faster at every M), "int8mm" for a
-        float32 x on int8 / mxfp4 (3.7-14x faster than "dequant" at M = 1..512, and 10x closer to float64) and on
-        int4 experts of fewer than ``INT4_INT8MM_MAX_ROWS`` rows (2.3-2.6x faster at M = 1..64, 1.5x slower at 32
-        rows an expert), "dequant" for larger float32 int4 experts (torch's float32 kernels tie at M = 1 and measured
-        1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales 2**(lo - 128) may underflow it)
-        and wherever the kernel is missing."""
+        weight-only kernel for a bf16 x where this torch runs it (faster than "dequant" at every M), but "int8mm" for
+        bf16 int8 / mxfp4 experts of ``BF16_INT8MM_MIN_ROWS`` rows or more (int8pack's time grows with the rows);
+        "int8mm" for a float32 x on int8 / mxfp4 (3.7-14x faster than "dequant" at M = 1..512, and 10x closer to
+        float64) and on int4 experts of fewer than ``INT4_INT8MM_MAX_ROWS`` rows (2.3-2.6x faster at M = 1..64, 1.5x
+        slower at 32 rows an expert), "dequant" for larger float32 int4 experts (torch's float32 kernels tie at M = 1
+        and measured 1.4-15x slower from M = 64), for float16 (not measured; mxfp4's row scales 2**(lo - 128) may
+        underflow it) and wherever the kernel is missing."""
         kernel = getattr(self, scheme)
         if kernel == "auto" and dtype == torch.float32:
             small = scheme != "int4_w4a16" or rows < INT4_INT8MM_MAX_ROWS
             kernel = "int8mm" if small else "dequant"
+        elif kernel == "auto" and dtype == torch.bfloat16:
+            many = scheme != "int4_w4a16" and rows >= BF16_INT8MM_MIN_ROWS
+            kernel = "int8mm" if many else SCHEME_KERNELS[scheme][-1]
         elif kernel == "auto":
-            kernel = SCHEME_KERNELS[scheme][-1] if dtype == torch.bfloat16 else "dequant"
+            kernel = "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
             return "dequant"
         if kernel == "int4pack" and not int4pack_supported(dtype):
             return "dequant"
-        if kernel == "int8mm" and not (dtype == torch.float32 and int8mm_supported()):
+        if kernel == "int8mm" and not (dtype in (torch.float32, torch.bfloat16) and int8mm_supported()):
             return "dequant"
         return kernel
 
@@ -225,6 +236,7 @@ def int4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8GroupsLinear:
 _REPACKERS = {  # (scheme, kernel) -> the repacker whose results the cache keeps
     ("int4_w4a16", "int4pack"): int4_repacked, ("int4_w4a16", "int8mm"): int4_as_int8,
     ("mxfp4", "int8pack"): mxfp4_as_int8, ("mxfp4", "int8mm"): mxfp4_as_int8}
+_DTYPE_FREE = (int4_as_int8, mxfp4_as_int8)  # the same form for every x dtype: kept once (mxfp4's for both kernels)
 
 
 def _tensor_bytes(linear) -> int:
@@ -238,13 +250,15 @@ def _signature(w: QuantizedWeight) -> tuple:
 @dataclass
 class _Entry:
     signature: tuple
-    experts: dict[tuple[int, torch.dtype, str], object] = field(default_factory=dict)  # None: it does not fit
+    experts: dict[tuple[int, torch.dtype | None, str], object] = field(default_factory=dict)  # (expert, x dtype
+    # where the form depends on it, repacker) -> the form; None: it does not fit
     nbytes: int = 0
 
 
 class RepackCache:
     """Experts repacked for a kernel (``_REPACKERS``: int4 for int4pack or as int8 for int8mm; mxfp4 as int8), per
-    weight (keyed by its q tensor, dying with it) and (expert, x dtype, kernel), within ``budget_bytes``; rebuilt when
+    weight (keyed by its q tensor, dying with it) and (expert, form; x dtype where the form depends on it), within
+    ``budget_bytes`` (mxfp4's int8 form serves int8pack and int8mm, for any x dtype, once); rebuilt when
     any tensor's version, pointer or strides change. Past the budget, for inference tensors (no version counter to
     watch), or for an expert that does not fit the kernel, ``get`` returns None."""
 
@@ -265,12 +279,13 @@ class RepackCache:
         entry = self._entries.get(w.q)
         if entry is None or entry.signature != signature:
             entry = self._entries[w.q] = _Entry(signature)
-        key = (expert, dtype, kernel)
+        repacker = _REPACKERS[(w.scheme, kernel)]
+        key = (expert, None if repacker in _DTYPE_FREE else dtype, repacker.__name__)
         if key in entry.experts:
             return entry.experts[key]
         if self.used_bytes() + 2 * w.nbytes_per_expert > self.budget_bytes:  # 2x: the int8 forms, the most
             return None
-        found = entry.experts[key] = _REPACKERS[(w.scheme, kernel)](w, expert, dtype)
+        found = entry.experts[key] = repacker(w, expert, dtype)
         entry.nbytes += 0 if found is None else _tensor_bytes(found)
         return found
 

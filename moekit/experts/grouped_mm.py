@@ -44,10 +44,7 @@ w13 rows, T layout rows.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 
 from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation, spec_fields
 from moekit.experts.cpu_op import cpu_experts_op
@@ -60,27 +57,9 @@ from moekit.experts.cpu_quant_op import cpu_quant_experts
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
     DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan, plan_grouped_mm,
 )
+from moekit.experts.torch_grouped import grouped_mm_fn, grouped_mm_takes
 from moekit.layouts import combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous
 from moekit.quant import QuantizedWeight, run_quantized
-
-def _grouped_mm_fn():
-    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-@functools.cache
-def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this torch runs a grouped GEMM of ``dtype`` on ``device_type`` (probed once)."""
-    fn = _grouped_mm_fn()
-    if fn is None:
-        return False
-    try:
-        a = torch.ones(4, 16, dtype=dtype, device=device_type)
-        b = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
-        fn(a, b, offs=torch.tensor([2, 4], dtype=torch.int32, device=device_type))
-        return True
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
 
 # "onednn_packed": moekit.experts.cpu_packed's per-expert loop on cached packed weights, each GEMM on
 # torch's intra-op threads; "onednn_packed_split": the same loop with whole experts split across
@@ -168,12 +147,8 @@ def _group_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 def _group_gemm_eager(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    # torch's grouped GEMM needs 16-byte aligned row strides on both operands, and a B that is row- or
-    # column-major: w's storage [E, out, in] or transformers' transposed [E, in, out], both read as is.
-    aligned = (a.shape[1] * a.element_size()) % 16 == 0 and (w.shape[1] * w.element_size()) % 16 == 0
-    aligned = aligned and (w.stride(2) == 1 or w.stride(1) == 1)
-    if aligned and grouped_mm_supported(a.device.type, a.dtype):
-        return _grouped_mm_fn()(a.contiguous(), w.transpose(1, 2), offs=offs)
+    if grouped_mm_takes(a, w):
+        return grouped_mm_fn()(a.contiguous(), w.transpose(1, 2), offs=offs)
     out = a.new_zeros(a.shape[0], w.shape[1])
     start = 0
     for expert, end in enumerate(offs.tolist()):  # host sync: the fallback loops over experts
