@@ -7,10 +7,8 @@ import torch
 
 from moekit.activations import ActivationSpec
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
-from moekit.experts import cpu_packed, cpu_phased
-from moekit.experts.cpu_phased import ExpertRun, expert_runs, experts_cpu_phased, grouped_offsets, phased_blas_rows
-from moekit.experts.torch_grouped import grouped_mm_supported
-from moekit.layouts.grouping import to_local_ids
+from moekit.experts import cpu_packed
+from moekit.experts.cpu_phased import ExpertRun, expert_runs, experts_cpu_phased, phased_blas_rows
 from test_cpu_packed import loop64, rel_err
 from test_cpu_workers import E, K, N, SILU, needs_onednn, problem
 
@@ -67,47 +65,6 @@ def test_phased_bf16_and_the_gpt_oss_activation_keep_the_loops_bits():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     b2 = torch.randn(E, K, generator=torch.Generator().manual_seed(9))
     outs = both(x, w13, w2, ids, weights, spec=GPT_OSS, b2=b2)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-@needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_phased_grouped_gemm_keeps_the_loops_bits(dtype, transposed, monkeypatch):
-    """Experts of 1-3 rows on BLAS, no biases: each phase is one torch grouped GEMM, with the per-expert loop's bits."""
-    if not grouped_mm_supported("cpu", dtype):
-        pytest.skip("this torch has no CPU grouped GEMM for " + str(dtype))
-    monkeypatch.setattr(cpu_phased, "GROUPED_MIN_EXPERTS", 2)  # E = 6 here
-    x, w13, w2, ids, weights = problem(m=3, k=4, seed=11)
-    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-    if transposed:  # transformers' storage [E, K, 2N], read as a view
-        w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
-    ex = ExpertParams(w13, w2, None, None, SILU)
-    order, runs = expert_runs(to_local_ids(ids, E, None).tolist(), E)
-    offs = grouped_offsets(x.new_empty(len(order), K), ex, runs, 3)
-    assert offs is not None and offs.tolist()[-1] == len(order) and len(offs) == E
-    outs = both(x, w13, w2, ids, weights, blas=True)
-    assert rel_err(outs[0], loop64(x.float(), w13.float(), w2.float(), ids, weights)) < 2e-2
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    b2 = torch.zeros(E, K, dtype=dtype)
-    assert grouped_offsets(x, ExpertParams(w13, w2, None, b2, SILU), runs, 3) is None  # biases: the loop
-    assert grouped_offsets(x, ex, runs, max(r.end - r.start for r in runs) - 1) is None  # a larger expert: the loop
-    monkeypatch.setattr(cpu_phased, "GROUPED_MIN_EXPERTS", len(runs) + 1)
-    assert grouped_offsets(x, ex, runs, 3) is None  # too few experts: the loop
-
-
-@needs_onednn
-def test_phased_bf16_grouped_gemm_takes_packed_experts_with_their_bits(monkeypatch):
-    """bf16 on oneDNN: experts of 4-32 rows (packed in the split loop) join the grouped GEMM, with the same bits."""
-    if not (grouped_mm_supported("cpu", torch.bfloat16) and phased_blas_rows(torch.bfloat16)):
-        pytest.skip("no CPU grouped GEMM or no native bf16 here")
-    monkeypatch.setattr(cpu_phased, "GROUPED_MIN_EXPERTS", 2)
-    x, w13, w2, ids, weights = problem(m=30, k=3, seed=12)
-    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
-    order, runs = expert_runs(to_local_ids(ids, E, None).tolist(), E)
-    assert 4 <= max(r.end - r.start for r in runs) <= cpu_phased.grouped_max_rows(torch.bfloat16)
-    assert grouped_offsets(x.new_empty(len(order), K), ExpertParams(w13, w2, None, None, SILU), runs, 32) is not None
-    outs = both(x, w13, w2, ids, weights, cache=PackedWeightCache(budget_bytes=1 << 30), blas=True)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 

@@ -4,11 +4,6 @@
     -> h [A', R]: each expert's gate-up GEMM into its rows -> glu (``glu_rows``) and the combine weight
     -> y [A', K]: each expert's down GEMM into its rows -> out [M, K] = one index_add_ over the rows
 
-Where every expert's GEMMs would be BLAS on plain weights (fewer than ``PACKED_MIN_ROWS`` rows each; bf16 on
-oneDNN: up to ``BF16_GROUPED_MAX_ROWS``, whose packed GEMMs have the same bits) and there are no biases, each phase is
-one call of torch's grouped GEMM over all experts (the same per-expert GEMMs and bits, without ~11 us of Python an
-expert: at M = 8, 32-50 experts, 3-5% of the call; session 32).
-
 Why: ``cpu_packed``'s loop runs ~10 small ops an expert between its two GEMMs (a gather, slices, the activation,
 the combine weight, an index_add_), each a few µs of host time during which the 2 OpenMP threads of the
 GEMMs idle. At M = 1 (8 experts of one row, Qwen3-30B-A3B widths) on the 2-core Xeon, right after a 2-thread op,
@@ -32,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -42,17 +36,7 @@ from moekit.experts.cpu_packed import (
     PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, blas_plain_rows, expert_weights, linear_rows, onednn_linear,
 )
 from moekit.experts.cpu_quant import QuantKernels, weight_only
-from moekit.experts.torch_grouped import grouped_mm_fn, grouped_mm_takes
 from moekit.layouts.grouping import to_local_ids
-
-
-# experts in a call from which each phase is one grouped GEMM: it visits all E experts (empty ones too), so at M = 1
-# (8 experts of Qwen3-30B-A3B) it ran 1.5% slower than the loop; from 15 experts (M = 2) 1.5% faster, 30 (M = 4) 3.4%,
-# ~50 (M = 8) 5.3% (bf16; fp32 at M = 8 3.4%) on the Xeon, after a 2-thread GEMM (session 32)
-GROUPED_MIN_EXPERTS = 12
-# bf16 on oneDNN: torch.mm, the grouped GEMM and the linear on the packed weight gave the same bits for 1-32 rows, on
-# 1 and 2 threads, at four expert shapes (Qwen3-30B-A3B's, gpt-oss-20b's); from 33 rows on 2 threads they differ
-BF16_GROUPED_MAX_ROWS = 32
 
 
 @functools.cache
@@ -92,11 +76,9 @@ def expert_runs(local_ids: list[int], num_experts: int) -> tuple[list[int], list
 
 def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        expert_map: torch.Tensor | None, cache: PackedWeightCache | None,
-                       quant: QuantKernels = QuantKernels(), blas_plain: bool = False,
-                       grouped_gemm: bool = True) -> torch.Tensor:
+                       quant: QuantKernels = QuantKernels(), blas_plain: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, K] in float32 (bf16 / fp16 accumulate there too): ``experts_cpu_fused`` with ``workers=1``,
-    the same bits, its GEMMs on the caller's intra-op threads, in phases (the module's docstring). ``grouped_gemm``
-    False keeps the per-expert GEMMs where the grouped GEMM could run (an A/B: ``benchmarks/cpu_phased_grouped.py``)."""
+    the same bits, its GEMMs on the caller's intra-op threads, in phases (the module's docstring)."""
     top_k = topk_ids.shape[1]
     acc = torch.promote_types(x.dtype, torch.float32)
     out = x.new_zeros(x.shape[0], x.shape[1], dtype=acc)  # [M, K]
@@ -106,69 +88,29 @@ def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor
     src = torch.tensor(order, dtype=torch.long)  # [A'] assignment of each sorted row
     tokens = src // top_k  # [A']
     scale = topk_weights.reshape(-1).to(acc)[src].unsqueeze(1)  # [A', 1] combine weight of each row
+    linear = onednn_linear(x.dtype)
     blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
+    weights = {r.expert: expert_weights(ex, r.expert, cache if r.end - r.start >= PACKED_MIN_ROWS else None, quant,
+                                        x.dtype, None if blas and r.end - r.start < PACKED_MIN_ROWS else linear,
+                                        r.end - r.start)
+               for r in runs}
     xs = x.index_select(0, tokens)  # [A', K]
-    grouped = grouped_offsets(xs, ex, runs, grouped_max_rows(x.dtype)) if blas and grouped_gemm else None
-    weights = {} if grouped is not None else phase_weights(ex, runs, cache, quant, x.dtype, blas)
-    h = phase_gemm(xs, ex.w13, "w13", runs, weights, grouped)  # [A', R]
+    h = x.new_empty(len(order), ex.w13.shape[1])  # [A', R]
+    for r in runs:
+        w = weights[r.expert]
+        linear_rows(w.linear, xs[r.start:r.end], w.w13, w.b13, out=h[r.start:r.end])
     a = glu_rows(h, runs, ex.spec, ex.w2.shape[2])  # [A', N]
     scale_first = ex.b2 is None and a.dtype == acc  # as ``cpu_packed._expert``: weight the [A', N] activation
     if scale_first:
         a.mul_(scale)
-    y = phase_gemm(a, ex.w2, "w2", runs, weights, grouped)  # [A', K]
+    y = x.new_empty(len(order), ex.w2.shape[1])  # [A', K]
+    for r in runs:
+        w = weights[r.expert]
+        linear_rows(w.linear, a[r.start:r.end], w.w2, w.b2, out=y[r.start:r.end])
     if not scale_first:
         y = y.to(acc).mul_(scale)
     with one_thread():  # a serial index_add_: the rows' additions in order (``_ExpertLoop.combine``)
         out.index_add_(0, tokens, y)
-    return out
-
-
-def phase_weights(ex: ExpertParams, runs: list[ExpertRun], cache: PackedWeightCache | None, quant: QuantKernels,
-                  dtype: torch.dtype, blas: bool) -> dict:
-    """Each run's expert -> what its GEMMs read (``cpu_packed.expert_weights``): packed from ``PACKED_MIN_ROWS`` rows,
-    BLAS on the plain weight below where ``blas``, else oneDNN's linear."""
-    linear = onednn_linear(dtype)
-    return {r.expert: expert_weights(ex, r.expert, cache if r.end - r.start >= PACKED_MIN_ROWS else None, quant,
-                                     dtype, None if blas and r.end - r.start < PACKED_MIN_ROWS else linear,
-                                     r.end - r.start)
-            for r in runs}
-
-
-def grouped_max_rows(dtype: torch.dtype) -> int:
-    """The most rows an expert may have for ``grouped_offsets``: the split loop's BLAS rows (below
-    ``PACKED_MIN_ROWS``), or ``BF16_GROUPED_MAX_ROWS`` for bf16 on oneDNN, where its packed GEMMs have the same bits."""
-    return BF16_GROUPED_MAX_ROWS if dtype == torch.bfloat16 and not blas_plain_rows(dtype) else PACKED_MIN_ROWS - 1
-
-
-def grouped_offsets(xs: torch.Tensor, ex: ExpertParams, runs: list[ExpertRun], max_rows: int) -> torch.Tensor | None:
-    """offs [E] int32 (rows offs[e-1]:offs[e] are expert e's) where the call has ``GROUPED_MIN_EXPERTS`` experts or
-    more, each of at most ``max_rows`` rows, without biases, and torch's grouped GEMM takes both matrices: it runs
-    the per-expert GEMMs in one call (the loop's bits, in fp32 and bf16; ``tests/test_cpu_phased.py``), without
-    ~11 us of Python an expert. None otherwise."""
-    if len(runs) < GROUPED_MIN_EXPERTS or ex.b13 is not None or ex.b2 is not None:
-        return None
-    if any(r.end - r.start > max_rows for r in runs):
-        return None
-    if not (grouped_mm_takes(xs, ex.w13) and grouped_mm_takes(xs.new_empty(0, ex.w2.shape[2]), ex.w2)):
-        return None
-    counts = [0] * ex.w13.shape[0]
-    for r in runs:
-        counts[r.expert] = r.end - r.start
-    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
-
-
-def phase_gemm(a: torch.Tensor, w: torch.Tensor, name: str, runs: list[ExpertRun], weights: dict,
-               grouped: torch.Tensor | None) -> torch.Tensor:
-    """a [A', in] (rows grouped by expert) @ w[e] [out, in]^T (+ its bias) -> [A', out] in a's dtype: one grouped
-    GEMM over offs ``grouped`` (no biases), else each run's expert's GEMM into its rows (``weights[e]``'s ``name``,
-    "w13" or "w2", and its bias "b13" / "b2")."""
-    if grouped is not None:
-        return grouped_mm_fn()(a.contiguous(), w.transpose(1, 2), offs=grouped)
-    out = a.new_empty(a.shape[0], w.shape[1])
-    for r in runs:
-        ew = weights[r.expert]
-        linear_rows(ew.linear, a[r.start:r.end], getattr(ew, name), getattr(ew, "b" + name[1:]),
-                    out=out[r.start:r.end])
     return out
 
 

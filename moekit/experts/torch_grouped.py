@@ -1,7 +1,7 @@
 """torch's grouped GEMM (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``) where this torch runs it.
 
-Shared by the grouped-GEMM layouts (``moekit.experts.grouped_mm``) and the CPU phased loop
-(``moekit.experts.cpu_phased``), which call it for every expert's rows at once.
+The grouped-GEMM layouts (``moekit.experts.grouped_mm``) call it for every expert's rows at once; the device check
+``benchmarks/variants_grouped_mm_device_check.py`` probes it.
 
 Shapes: A rows grouped by expert (rows offs[e-1]:offs[e]), E experts, w [E, out, in].
 """
