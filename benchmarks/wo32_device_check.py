@@ -45,11 +45,12 @@ from wo_device_check import copy_tbps, packed_bytes, quantized, rel_err  # noqa:
 
 
 def mma(up: tuple, down: tuple, up_split: int = 1, down_split: int = 0, halves: bool = False,
-        group_m: int = 1) -> tuple:
+        group_m: int = 1, block_m: int = 16) -> tuple:
     """("mma", config): tiles (rows, BLOCK_K, warps, stages), the gate-up's K splits, the down GEMM's (0: the plan's),
-    the gate-up's gate and up rows in separate programs, GROUP_M (the M-blocks that sweep the N tiles together)."""
+    the gate-up's gate and up rows in separate programs, GROUP_M (the M-blocks that sweep the N tiles together), the
+    rows (tokens) of a block."""
     t_up, t_down = (GemmTile(t[0], t[1], group_m, *t[2:]) for t in (up, down))
-    return "mma", WordConfig(16, t_up, t_down, up_split=up_split, down_split=down_split, halves=halves)
+    return "mma", WordConfig(block_m, t_up, t_down, up_split=up_split, down_split=down_split, halves=halves)
 
 
 def tile(block_m: int, up: tuple, down: tuple, group_m: int = 1) -> tuple:
@@ -62,7 +63,12 @@ K256, K128, W2, W2K128 = (32, 256, 1, 3), (32, 128, 1, 3), (64, 256, 2, 3), (64,
 T16 = ((64, 128, 4, 4), (128, 128, 4, 4))  # the tile decode's 16-row heuristic tiles (M = 8)
 # At M = 64 on Mixtral (~16 rows an expert, 8 experts) 16-row blocks give ~1.45 blocks an expert: with GROUP_M 1 the
 # second block of an expert runs num_pid_n programs after the first and reads its weights from HBM again; "g8":
-# GROUP_M 8, eight consecutive M-blocks sweep each N tile together (a repeated expert's tile from L2)
+# GROUP_M 8, eight consecutive M-blocks sweep each N tile together (a repeated expert's tile from L2); "m32": 32-row
+# blocks, one an expert, each weight decoded once for 32 rows (offline sm_90, Triton 3.6, instructions a weight /
+# registers / programs an SM, 32-row 1-warp tiles: int4 halves k128 3.80 / 196 / 10, down 3.85 / 214 / 9, two-sided
+# k128 3.46 / 255 + 112 B spilled / 8; int8 k256 2.98 / 208 / 3, down 3.46 / 138 / 4; int8 k128 3.06 / 160 / 7, down
+# 3.61 / 117 / 9; mxfp4 k256 3.67 / 250 / 4, down 4.23 / 168 / 5; mxfp4 halves k128 4.32 / 135 / 11, down 4.33 / 132
+# / 11; against 16-row blocks x ~1.45 blocks an expert: int4 k128 2.70 and 3.15 a block)
 VARIANTS = {
     # the down GEMM's reduction split at M = 1 (Mixtral: 2 experts x 128 one-warp programs unsplit)
     "d2": mma(K256, K256, down_split=2), "d4": mma(K256, K256, down_split=4), "d8": mma(K256, K256, down_split=8),
@@ -71,15 +77,16 @@ VARIANTS = {
     # M = 64: the mma decode's and the tile decode's 16-row blocks, GROUP_M 1 or 8
     "k256": mma(K256, K256), "k256g8": mma(K256, K256, group_m=8), "k128g8": mma(K128, K128, group_m=8),
     "h128g8": mma(K128, K128, halves=True, group_m=8), "h128w2g8": mma(W2K128, K128, halves=True, group_m=8),
-    "k128d2": mma(K128, K128, down_split=2),
+    "m32k128": mma(K128, K128, block_m=32), "m32k256": mma(K256, K256, block_m=32),
+    "m32h128": mma(K128, K128, halves=True, block_m=32),
     "tile16": tile(16, *T16), "tile16g8": tile(16, *T16, group_m=8), "tile32s4": tile(32, *T16),
 }
 AT_M1 = ("d2", "d4", "d8", "k128d4", "u2d4", "w2", "h256")  # the variants for M = 1 (the others: M > 1)
 # (preset, scheme, Ms, variants), the cells nearest the line first; Mixtral int8 M = 1 and 64 share one process
 GROUPS = (("mixtral-8x7b", "int8_w8a16", (1, 64), ("d2", "d4", "d8", "k128d4", "u2d4", "tile16", "tile16g8",
-                                                   "tile32s4", "k256", "k256g8", "k128g8")),
-          ("mixtral-8x7b", "int4_w4a16", (64,), ("k128g8", "h128g8", "h128w2g8", "k128d2")),
-          ("mixtral-8x7b", "mxfp4", (64,), ("k256g8", "k128g8", "h128g8")),
+                                                   "tile32s4", "k256", "k256g8", "m32k128", "m32k256")),
+          ("mixtral-8x7b", "int4_w4a16", (64,), ("k128g8", "h128g8", "h128w2g8", "m32h128", "m32k128")),
+          ("mixtral-8x7b", "mxfp4", (64,), ("k256g8", "h128g8", "m32k256", "m32h128")),
           ("deepseek-v3", "int8_w8a16", (1,), ("d2", "w2", "h256")))
 READ_SPLITS = "d4"  # "rd128B+": the reads at this variant's splits, where the group runs it
 SETS, ROUNDS, REPLAYS, TOL = 3, 5, 5, 1e-2
