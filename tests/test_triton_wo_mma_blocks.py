@@ -68,3 +68,22 @@ def test_plan_rows_follow_block_m(wo):
                              LaunchOptions(), None, "mma")
         assert plan.align is not None  # M = 40: the aligned layout
         assert plan.config.BLOCK_M == block_m and plan.config.up.GROUP_M == plan.config.down.GROUP_M == 8
+
+
+def test_measured_configs_cover_their_bucket(monkeypatch):
+    # an MMA_CONFIGS row covers M / 2 .. 2M in its M's tile-height bucket (E = 8, top 2: 16 rows an expert from
+    # M = 64), ahead of the heuristic (and of a tuned file); other calls, other decodes: as before
+    from moekit.experts import triton_wo_configs as configs
+
+    shape = ("int4_w4a16", 8, 512, 256)
+    short, tall = config(16, 128), config(32, 128, halves=True)
+    monkeypatch.setitem(configs.MMA_CONFIGS, (*shape, 1), short)
+    monkeypatch.setitem(configs.MMA_CONFIGS, (*shape, 64), tall)
+
+    def cfg(m: int, decode: str = "mma"):
+        return configs.wo_config(m, 8, 512, 256, 2, "int4_w4a16", "no-such-device", decode)
+
+    assert [cfg(m) for m in (1, 2, 64, 127)] == [short, short, tall, tall]
+    for m in (3, 32, 63, 128):
+        assert cfg(m) == configs.wo_heuristic_config(m, 8, 512, 256, 2, "int4_w4a16", "mma")
+    assert cfg(64, "tile") == configs.wo_heuristic_config(64, 8, 512, 256, 2, "int4_w4a16", "tile")
