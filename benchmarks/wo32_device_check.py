@@ -34,10 +34,12 @@ import torch  # noqa: E402
 from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
-from moekit.experts.triton_wo import fused_experts_wo_torch, weight_args, wo_launches  # noqa: E402
+from moekit.experts.triton_wo import (  # noqa: E402
+    fused_experts_wo, fused_experts_wo_torch, run_experts_wo, weight_args, wo_launches,
+)
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for  # noqa: E402
-from bench_rounds import graph_of, settled, shuffled  # noqa: E402
+from bench_rounds import eager_us, graph_of, settled, shuffled  # noqa: E402
 from bench_run import group_args, run_groups  # noqa: E402
 from dec8_device_check import FAILED, READ_CONFIG, Cell, add_calls, add_reads, check, dump, precompile  # noqa: E402
 from dec8_device_check import table as call_table  # noqa: E402
@@ -82,23 +84,41 @@ VARIANTS = {
     "m32k128": mma(K128, K128, block_m=32), "m32k256": mma(K256, K256, block_m=32),
     "m32h128": mma(K128, K128, halves=True, block_m=32),
     "tile16": tile(16, *T16), "tile16g8": tile(16, *T16, group_m=8), "tile32s4": tile(32, *T16),
+    # CK2: the routes CK1's picks replaced ("old1": Mixtral int8 M <= 2, "old64": Mixtral mxfp4 M = 64..127), and more
+    # of each winner's neighbourhood
+    "old1": ("mma", KernelConfig(16, GemmTile(*K256[:2], 1, 1, 3), GemmTile(*K256[:2], 1, 1, 3))),
+    "old64": ("mma", KernelConfig(16, GemmTile(*K256[:2], 1, 1, 3), GemmTile(*K256[:2], 1, 1, 3))),
+    "k128d2": mma(K128, K128, down_split=2), "k128d8": mma(K128, K128, down_split=8),
+    "mixd4": mma(K128, K256, down_split=4), "tile16g2": tile(16, *T16, group_m=2),
+    "m32h128d256": mma(K128, K256, halves=True, block_m=32), "dk128": mma(K256, K128),
 }
-AT_M1 = ("d2", "d4", "d8", "k128d4", "u2d4", "h256", "n16", "n16d4")  # the variants for M = 1 (the others: M > 1)
+ONLY_AT = {**{name: (1,) for name in ("d2", "d4", "d8", "k128d4", "u2d4", "h256", "n16", "n16d4", "k128d2", "k128d8",
+                                      "mixd4", "dk128")},
+           "old1": (1, 2), **{name: (64,) for name in ("tile16", "tile16g8", "tile16g2", "tile32s4", "m32h128d256")}}
+EAGER = ("old1", "old64")  # where a group runs one of these: eager wall of the pick and it (run_experts_wo) and the
+# route's own call (fused_experts_wo)
 # (preset, scheme, Ms, variants), the cells nearest the line first; Mixtral int8 M = 1 and 64 share one process
 GROUPS = (("mixtral-8x7b", "int8_w8a16", (1, 64), ("d2", "d4", "d8", "k128d4", "u2d4", "n16d4", "tile16",
                                                    "tile16g8", "tile32s4", "k256", "k256g8", "m32k128", "m32k256")),
           ("mixtral-8x7b", "int4_w4a16", (64,), ("k128g8", "h128g8", "h128w2g8", "m32h128", "m32k128")),
           ("mixtral-8x7b", "mxfp4", (64,), ("k256g8", "h128g8", "m32k256", "m32h128")),
-          ("deepseek-v3", "int8_w8a16", (1,), ("d2", "n16", "h256")))
+          ("deepseek-v3", "int8_w8a16", (1,), ("d2", "n16", "h256")),
+          # CK2 (after CK1 took Mixtral int8 M <= 2 and mxfp4 M = 64..127, ``MMA_CONFIGS``): the new route against the
+          # one it replaced, M = 2 / 96 covered but not measured, the neighbours; int8 M = 64 again (tile16g8: 4/5)
+          ("mixtral-8x7b", "int8_w8a16", (1, 2, 64), ("old1", "k128d2", "k128d8", "mixd4", "tile16g8", "tile16g2",
+                                                      "tile32s4")),
+          ("mixtral-8x7b", "mxfp4", (64, 96), ("old64", "m32h128d256")),
+          ("deepseek-v3", "int8_w8a16", (1,), ("dk128",)))
 READ_SPLITS = "d4"  # "rd128B+": the reads at this variant's splits, where the group runs it
 SETS, ROUNDS, REPLAYS, TOL = 3, 5, 5, 1e-2
 START = time.perf_counter()
 
 
 def variants(m: int, names: tuple) -> dict:
-    """name -> (decode, config): the pick (None, None: the chooser's) and the group's VARIANTS that run at M (AT_M1:
-    at M = 1 only; the others at M > 1 only)."""
-    return {"pick": (None, None), **{name: VARIANTS[name] for name in names if (name in AT_M1) == (m == 1)}}
+    """name -> (decode, config): the pick (None, None: the chooser's) and the group's VARIANTS that run at M (ONLY_AT:
+    those Ms only; the others at every M but 1)."""
+    at = {name: ONLY_AT.get(name, range(2, 1 << 20)) for name in names}
+    return {"pick": (None, None), **{name: VARIANTS[name] for name in names if m in at[name]}}
 
 
 def pick_launches(cell: Cell, a13, a2, c, dev) -> tuple[list, torch.Tensor]:
@@ -138,6 +158,29 @@ def read_plan(a13, a2, c, scheme: str, found: dict):
                        "mma")
 
 
+def add_eager(cell: Cell, a13, a2, w13, w2, inputs, found: dict, dev) -> None:
+    """Where the cell runs a name of EAGER: eager (host µs, wall µs) a call of the pick and it through
+    ``run_experts_wo`` (the same launch path) and of the route's own call ``fused_experts_wo`` ("route": the lean
+    path), ROUNDS interleaved rounds of 6 calls over the input sets; in cell.configs["eager"]."""
+    old = [name for name in EAGER if name in found]
+    if not old or dev.type != "cuda":
+        return
+
+    def plain(decode, cfg):
+        return [lambda c=c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, cell.scheme, config=cfg,
+                                           decode=decode) for c in inputs]
+
+    calls = {name: plain(*found[name]) for name in ["pick", *old]}
+    calls["route"] = [lambda c=c: fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights) for c in inputs]
+    try:
+        for fns in calls.values():
+            fns[0]()
+        cell.configs["eager"] = eager_us(calls, ROUNDS, 6)
+    except Exception as e:  # noqa: BLE001  (the eager figures never lose the cell's graph timings)
+        traceback.print_exc(limit=3)
+        print(f"  eager: raised {type(e).__name__}: {e}", flush=True)
+
+
 def run_cell(s: Shape, scheme: str, m: int, names: tuple, w13, w2, bw: float, dev, until: float) -> Cell:
     """One M of a group: the reads, the prefixes, the pick and the variants, checked and timed."""
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
@@ -159,6 +202,7 @@ def run_cell(s: Shape, scheme: str, m: int, names: tuple, w13, w2, bw: float, de
     entries = {name: (g, None) for name, g in graphs.items()}
     cell.rounds = settled(entries, len(inputs), dev, ROUNDS, REPLAYS, until, order=shuffled)
     cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
+    add_eager(cell, a13, a2, w13, w2, inputs, found, dev)
     print(f"  {s.name} {scheme} M={m} floor {cell.floor_us:.1f} (copy {bw:.2f} TB/s), pick {cell.pick}: "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
     return cell
@@ -195,7 +239,10 @@ def prefix_lines(cell: Cell) -> list[str]:
         now = times.get(f"pick:{i}", float("nan"))
         parts.append(f"{name} {now - before:.1f} ({100 * (now - before) / whole:.0f}%)")
         before = now
-    return [f"  {cell.preset} {cell.scheme} M={cell.m} pick by launch (µs added): " + ", ".join(parts)]
+    eager = cell.configs.get("eager", {})
+    return [f"  {cell.preset} {cell.scheme} M={cell.m} pick by launch (µs added): " + ", ".join(parts)] + (
+        [f"  {cell.preset} {cell.scheme} M={cell.m} eager (host, wall) µs a call: "
+         + ", ".join(f"{k} {h:.1f} / {w:.1f}" for k, (h, w) in eager.items())] if eager else [])
 
 
 def main(argv=None) -> int:
