@@ -13,6 +13,10 @@ Groups (one child process each, weights made once; the deadline skips the last),
 - "rd128B" / "rd128B+": pure reads of the touched experts' words in 32-row 1-warp steps of 128 bytes a row
   (``dec8_device_check.add_reads``) at the pick's splits / at the splits of the variant named in READ_SPLITS: the
   geometry's cap.
+- eager (groups running a name of EAGER, the configs the route replaced): host / wall µs a call of the pick and that
+  config through ``run_experts_wo`` and of the route's own ``fused_experts_wo`` (``bench_rounds.eager_us``).
+Groups 0-3 ran as CK1 (6f48529), 4-6 as CK2 (e28dabb, group 6 not reached): what they took is in
+``triton_wo_configs.MMA_CONFIGS`` and ``triton_wo_winners`` (Mixtral int8 M = 64); the tables in triton-notes.md.
 Timing: CUDA-graph replay over SETS rotated input sets, ``bench_rounds.settled`` (each graph after one replay of
 itself, shuffled order), ROUNDS rounds, median; the floor: the touched experts' packed bytes, scales, zeros, x and out
 over the copy rate measured in the same process; "wins": rounds a variant took <= 0.97 x the pick. JSON
