@@ -53,8 +53,9 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
-          pairs: int | None = None, block_k: int = 128, halves: bool = False) -> MmaCount:
-    """One kernel's counts; ``halves``: the gate-up as ``gate_up_halves_wo_mma_kernel`` (one side's rows a program)."""
+          pairs: int | None = None, block_k: int = 128, halves: bool = False, block_m: int = 16) -> MmaCount:
+    """One kernel's counts; ``halves``: the gate-up as ``gate_up_halves_wo_mma_kernel`` (one side's rows a program);
+    ``block_m``: the rows (tokens) of a block."""
     from moekit.experts._kernels import gemm_wo_mma
     from moekit.experts.triton_wo_mma import operand_pairs
 
@@ -65,7 +66,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
                                       "map_ptr")}
     pointers |= {"q_ptr": "*u8", "s_ptr": "*u8" if scheme == 2 else "*fp32", "z_ptr": "*u8", "p_ptr": "*fp32"}
     group = {0: block_k, 1: 128, 2: 32}[scheme]
-    const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
+    const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1,
                  KSUM=False, TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
                  PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2, PER=4 if scheme == 0 else 8,
@@ -84,7 +85,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     shared = int(out.metadata.shared)
     kind = "down" if down else f"gate-up{' halves' if halves else ''}"
     name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {kind} {block_n}x{block_k} {num_warps}w {num_stages}s "
-            f"PAIRS {const['PAIRS']}")
+            f"BM {block_m} PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
                                              "LDL", "STL", "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
     return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
     p.add_argument("--schemes", type=int, nargs="+", default=[1, 2], choices=(0, 1, 2), help="0 int8, 1 int4, 2 mxfp4")
     p.add_argument("--halves", action="store_true", help="the gate-up's gate and up rows in separate programs")
+    p.add_argument("--block-m", type=int, default=16, choices=(16, 32, 64), help="the rows (tokens) of a block")
     args = p.parse_args(argv)
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     failed = 0
     for job, job_k in [(job, bk) for bk in args.block_k for job in jobs]:
         try:
-            c = count(*job[:5], pairs=args.pairs, block_k=job_k, halves=job[5])
+            c = count(*job[:5], pairs=args.pairs, block_k=job_k, halves=job[5], block_m=args.block_m)
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

@@ -170,3 +170,19 @@ def test_a_scratch_row_below_the_threshold_diverts_the_public_entry(wo, monkeypa
     x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=6, k=2, dtype=torch.bfloat16, seed=6)
     out = wo.fused_experts_wo(x, w13, w2, ids, weights)
     assert calls == [1] and rel(out, loop64(x, w13, w2, ids, weights)) < 1e-2
+
+
+def test_mixtral_int8_m64_row_groups_16_row_blocks():
+    # session 32: Mixtral int8 M = 32..127 on the tile decode in M = 8's 16-row tiles with GROUP_M 8 (an expert's second
+    # block reads its weights from L2); M = 128 and M < 32 as before
+    from moekit.experts.triton_wo_configs import wo_config, wo_heuristic_config
+    from moekit.experts.triton_wo_plan import choose_decode
+
+    mixtral = (8, 14336, 4096)
+    for m in (32, 64, 127):
+        cfg = wo_config(m, *mixtral, 2, "int8_w8a16", "NVIDIA_H200")
+        assert choose_decode("int8_w8a16", m, *mixtral, 2) == "tile"
+        assert (cfg.BLOCK_M, cfg.up.GROUP_M, cfg.down.GROUP_M, cfg.up.BLOCK_N, cfg.down.BLOCK_N) == (16, 8, 8, 64, 128)
+    for m in (8, 128):
+        assert wo_config(m, *mixtral, 2, "int8_w8a16", "NVIDIA_H200") == wo_heuristic_config(m, *mixtral, 2,
+                                                                                            "int8_w8a16")

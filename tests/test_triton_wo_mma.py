@@ -233,12 +233,16 @@ def test_chooser_takes_mma_where_it_won():
 
 
 def test_int8_mma_tuned_steps():
-    # the winner's config is a tuned file (256-column steps, 3 stages, 32 rows in 1 warp); other devices, the heuristic
+    # the winner's config is a tuned file (256-column steps, 3 stages, 32 rows in 1 warp); other devices, the heuristic;
+    # Mixtral M <= 2: MMA_CONFIGS' 128-column steps with the down GEMM split in 4 (session 32)
     from moekit.experts.triton_wo_configs import wo_config
+    from moekit.experts.triton_wo_gemv import WordConfig
 
-    tile = GemmTile(32, 256, 1, 1, 3)
+    tile, k128 = GemmTile(32, 256, 1, 1, 3), GemmTile(32, 128, 1, 1, 3)
     assert wo_config(1, 256, 2048, 7168, 8, "int8_w8a16", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
-    assert wo_config(2, 8, 14336, 4096, 2, "int8_w8a16", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
+    for m in (1, 2):
+        assert wo_config(m, 8, 14336, 4096, 2, "int8_w8a16", "NVIDIA_H200", "mma") == WordConfig(16, k128, k128,
+                                                                                                 down_split=4)
     assert wo_config(1, 256, 2048, 7168, 8, "int8_w8a16", "other", "mma").up.BLOCK_K == 128
 
 

@@ -95,15 +95,17 @@ def test_mul_operand_keeps_the_mma_order(wo, pairs):  # noqa: F811  (the fixture
 def test_mxfp4_mma_tuned_steps():
     # the winners' configs: tuned files (32 rows in 1 warp, 3 stages; 256-column steps, Mixtral M = 8 and DeepSeek-V3
     # M = 64 128), M <= 2 with the gate-up split in 2 (``triton_wo_mma.MMA_UP_SPLITS``); the multiply placement the mma
-    # decode's default; other devices: the heuristic's 128-column steps
+    # decode's default; other devices: the heuristic's 128-column steps; Mixtral M = 64..127: MMA_CONFIGS' 32-row
+    # blocks with the halves at 128 columns (session 32), M = 32 the file's
     from moekit.experts.configs import GemmTile, KernelConfig
     from moekit.experts.triton_wo_configs import wo_config
     from moekit.experts.triton_wo_gemv import WordConfig
 
     k256, k128 = GemmTile(32, 256, 1, 1, 3), GemmTile(32, 128, 1, 1, 3)
-    mixtral = {m: wo_config(m, 8, 14336, 4096, 2, "mxfp4", "NVIDIA_H200", "mma") for m in (1, 8, 64)}
-    split = WordConfig(16, k256, k256, up_split=2)
-    assert mixtral == {1: split, 8: KernelConfig(16, k128, k128), 64: KernelConfig(16, k256, k256)}
+    mixtral = {m: wo_config(m, 8, 14336, 4096, 2, "mxfp4", "NVIDIA_H200", "mma") for m in (1, 8, 32, 64, 127)}
+    split, tall = WordConfig(16, k256, k256, up_split=2), WordConfig(32, k128, k128, halves=True)
+    assert mixtral == {1: split, 8: KernelConfig(16, k128, k128), 32: KernelConfig(16, k256, k256), 64: tall,
+                       127: tall}
     deepseek = {m: wo_config(m, 256, 2048, 7168, 8, "mxfp4", "NVIDIA_H200", "mma") for m in (1, 2, 3, 8, 32, 64)}
     assert deepseek == {1: split, 2: split, 3: KernelConfig(16, k256, k256), 8: KernelConfig(16, k256, k256),
                         32: KernelConfig(16, k128, k128), 64: KernelConfig(16, k128, k128)}

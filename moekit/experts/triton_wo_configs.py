@@ -1,7 +1,8 @@
 """Launch configurations of the weight-only fused decodes (``triton_wo_plan``): the heuristic defaults,
 the tuned-file lookup, the measured winners (``triton_wo_winners``) and the shared-memory fit.
 
-    wo_config(call) -> the device's tuned file's entry of the nearest M, else the winners table's tile
+    wo_config(call) -> the mma decode's measured config (``MMA_CONFIGS``), else the device's tuned file's entry of
+    the nearest M, else the winners table's tile
     config (tile decode, measured M >= 1024 cells), else for the word decodes their heuristic tiles with
     the measured splits (``triton_wo_word_winners``), else ``wo_heuristic_config``
 
@@ -34,6 +35,19 @@ MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as
 MMA_HALVES: dict[tuple[str, int, int, int], dict[int, GemmTile]] = {
     ("int4_w4a16", 256, 2048, 7168): {64: GemmTile(32, 128, 1, 1, 3)},
     ("int4_w4a16", 8, 14336, 4096): {8: GemmTile(64, 128, 1, 2, 3)},
+}
+
+_T128, _T256 = GemmTile(32, 128, 1, 1, 3), GemmTile(32, 256, 1, 1, 3)  # 32 weight rows a program, 1 warp, 3 stages
+# (scheme, E, N, K, M) -> the mma decode's config measured fastest there, ahead of the tuned files and the heuristic,
+# for calls of M / 2 .. 2M in M's tile-height bucket (``height_bucket``). H200, Triton 3.6, session 32
+# (benchmarks/wo32_device_check.py CK1 at 6f48529, graph µs, 5 rounds, each >= 3% faster than the route in 5/5,
+# PASS): Mixtral int8 M = 1 the 128-column steps with the down GEMM split in 4 (2 experts x 128 one-warp programs
+# unsplit: 2 an SM) 98.8 against the 256-column unsplit route's 122.1 (85% of the packed floor against 68%; the split
+# alone 109.9, the 128-byte read at those splits 94.8); Mixtral mxfp4 M = 64 32-row blocks (one an expert against
+# ~1.45 of 16 rows) with the halves at 128 columns 498.2 against the 16-row 256-column route's 528.0
+MMA_CONFIGS: dict[tuple[str, int, int, int, int], KernelConfig] = {
+    ("int8_w8a16", 8, 14336, 4096, 1): WordConfig(16, _T128, _T128, down_split=4),
+    ("mxfp4", 8, 14336, 4096, 64): WordConfig(32, _T128, _T128, halves=True),
 }
 
 
@@ -130,11 +144,15 @@ def _decode_width(blocks: int, cols: int, widest: int) -> int:
 
 def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str,
               decode: str = "tile") -> KernelConfig:
-    """The tuned entry of the nearest M for (E, N, K, ``config_name(scheme, decode)``, device) where this
-    device has a file (``moekit tune`` measured it there); else, for the tile decode, the winners table's
+    """For the mma decode the ``MMA_CONFIGS`` row covering the call (``mma_config``); else the tuned entry of the
+    nearest M for (E, N, K, ``config_name(scheme, decode)``, device) where this device has a file (``moekit tune``
+    measured it there); else, for the tile decode, the winners table's
     config where it covers the call (``triton_wo_winners``: one H200 run's); for the word decodes their
     heuristic tiles with the measured splits (``triton_wo_word_winners.word_config``); else
     ``wo_heuristic_config``."""
+    measured = mma_config(num_tokens, num_experts, n, k, top_k, scheme) if decode == "mma" else None
+    if measured is not None:
+        return measured
     configs = load_configs(num_experts, n, k, config_name(scheme, decode), device)  # the name in the dtype's place
     if configs:  # the mma decode: a measured gate-up split on top (``triton_wo_mma.MMA_UP_SPLITS``)
         cfg = nearest(configs, num_tokens)
@@ -145,6 +163,14 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
     if decode == "gemv":  # the heuristic tiles with the measured splits (``triton_wo_word_winners``)
         return word_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
     return wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
+
+
+def mma_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig | None:
+    """The ``MMA_CONFIGS`` row covering the call (M / 2 <= num_tokens <= 2M, the same ``height_bucket``), or None."""
+    bucket = height_bucket(num_tokens, num_experts, top_k)
+    rows = [m for (s, e, nn, kk, m) in MMA_CONFIGS if (s, e, nn, kk) == (scheme, num_experts, n, k)
+            and m / 2 <= num_tokens <= 2 * m and height_bucket(m, num_experts, top_k) == bucket]
+    return MMA_CONFIGS[(scheme, num_experts, n, k, rows[0])] if rows else None
 
 
 def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:

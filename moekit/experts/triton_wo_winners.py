@@ -56,6 +56,11 @@ WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
     # dec9, benchmarks/dec9_device_check.py CK1b at fdff4b0, graph µs, 5 interleaved rounds): the mma decode (16-row
     # blocks, 32 x 128 one-warp tiles) 474.0 against m64's 819.5, 0.578x in 5/5 rounds (0.73x bf16): taken
     ("int4_w4a16", 8, 14336, 4096, 64): WoWinner("mma"),
+    # mixtral-8x7b int8 M=64 (~1.45 16-row blocks an expert): session 32 (branch wo32, benchmarks/wo32_device_check.py,
+    # graph µs, 5 rounds timed by bench_rounds.settled): the tile decode's 16-row tiles of M=8 with GROUP_M 8 (an
+    # expert's second block reads its weights from L2) 491.3 against the 32-row route's 530.0 (CK2 at e28dabb, every
+    # round <= 0.957x; CK1 at 6f48529 471.7 against 532.9, 4/5: round 3 0.988x); GROUP_M 1 498.8, 2 503.4
+    ("int8_w8a16", 8, 14336, 4096, 64): WoWinner("tile", tile(16, (64, 128, 8, 4, 4), (128, 128, 8, 4, 4))),
     # qwen3-30b-a3b µs: m64 501, scratch 770, default 579, bf16 371; 1.35x bf16
     ("int4_w4a16", 128, 768, 2048, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # qwen3-30b-a3b µs: m128 1324, scratch 1130, default 1130, bf16 738; 1.53x bf16
