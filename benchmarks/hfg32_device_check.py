@@ -238,7 +238,8 @@ def table(per: dict) -> None:
         RUN.summary.append(f"profile {n:<11} per call: host {c.get('host_us', 0):.1f} µs, "
                            f"launches {c.get('launches')}, syncs {c.get('syncs')}, allocs {c.get('allocs')}, "
                            f"aten ops {c.get('aten_ops')}, GPU {v['experts_gpu_us']}; "
-                           f"step GPU {v['gpu_us_per_step']:.0f} µs, {v['kernels_per_step']:.0f} kernels")
+                           f"step GPU {v['gpu_us_per_step']:.0f} µs, {v['kernels_per_step']:.0f} kernels, "
+                           f"{v['launches_per_step']:.0f} launches, host in syncs {v['sync_wait_us_per_step']:.0f} µs")
 
 
 def main() -> int:

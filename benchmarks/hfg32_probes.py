@@ -168,7 +168,8 @@ def _interval_counts(events: list, start: float, end: float) -> dict:
 
 def profile_summary(prof, steps: int) -> dict:
     """One profiled generate: per M = 1 experts range (the host µs, launches, syncs, allocations, aten ops:
-    medians over the ranges) and per decode step (GPU kernel µs, kernels)."""
+    medians over the ranges) and per step of the generate (GPU kernel µs, kernels, launches, the host's µs in syncs
+    and copies: its wait on the GPU)."""
     events = list(prof.events())
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     ranges = [e for e in cpu if e.name == RANGE]
@@ -176,6 +177,9 @@ def profile_summary(prof, steps: int) -> dict:
                 host_us=r.time_range.end - r.time_range.start) for r in ranges]
     keys = sorted({k for p in per for k in p})
     ranges_out = {k: statistics.median(p.get(k, 0) for p in per) for k in keys} if per else {}
+    waits = [e for e in cpu if any(k in e.name for k in _SYNC)]  # the host waiting on the GPU (or a copy)
+    wait_us = sum(e.time_range.end - e.time_range.start for e in waits)
+    launches = sum(any(k in e.name for k in _LAUNCH) for e in cpu)
     gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.time_range.end - e.time_range.start for e in gpu)
     avg = next((a for a in prof.key_averages() if a.key == RANGE), None)
@@ -184,4 +188,5 @@ def profile_summary(prof, steps: int) -> dict:
         total = getattr(avg, "device_time_total", None)
         range_gpu = (total if total is not None else getattr(avg, "cuda_time_total", 0)) / avg.count
     return {"experts_ranges": len(ranges), "per_experts_call": ranges_out, "experts_gpu_us": range_gpu,
-            "gpu_us_per_step": gpu_us / max(steps, 1), "kernels_per_step": len(gpu) / max(steps, 1)}
+            "gpu_us_per_step": gpu_us / max(steps, 1), "kernels_per_step": len(gpu) / max(steps, 1),
+            "launches_per_step": launches / max(steps, 1), "sync_wait_us_per_step": wait_us / max(steps, 1)}
