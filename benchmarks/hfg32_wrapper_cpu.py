@@ -4,7 +4,8 @@
 timed is every per-call Python step from transformers' experts ``forward`` down to the launch, layer by layer:
 
     module(x, ids, w)          transformers' wrapper: ``get_interface`` by the config's name, then ours
-    moekit_experts_forward     the plan, the weights' attributes, ``backend_fn``, the compile test, ``call_backend``
+    moekit_experts_forward     the plan, the weights' attributes, ``backend_fn``, the compile test, the module's
+                               ``ExpertsCallCache`` (session 32; "before": ``call_backend``, the check every call)
     call_backend               ``check_experts_args``, ``call_checked_backend``, the backend function
     experts_triton_unchecked   ``_run_kept``: the Gluon choice's size test, ``run_fast``
     run_fast                   the kept entry's lookup, ``empty_like``, the (stubbed) launch
@@ -54,6 +55,16 @@ def captured_call(model):
     return (module, *seen[-1])
 
 
+def before_forward(module, x, ids, w):
+    """``moekit_experts_forward`` before session 32 (an untransposed, bias-free fused plan): ``call_backend``, the
+    check on every call."""
+    plan = getattr(module, mh.PLAN_ATTR, None)
+    w13, w2 = getattr(module, plan.up_name), module.down_proj
+    fn = experts.backend_fn(mh.HF_BACKEND, x.device)
+    torch.compiler.is_compiling()
+    return experts.call_backend(fn, x, w13, w2, ids, w, activation=plan.activation)
+
+
 def variants(module, x, ids, w) -> dict:
     import moekit.experts.triton as tri
 
@@ -64,6 +75,7 @@ def variants(module, x, ids, w) -> dict:
     return {
         "module(x, ids, w)": lambda: module(x, ids, w),
         "moekit_experts_forward": lambda: mh.moekit_experts_forward(module, x, ids, w),
+        "  before (call_backend)": lambda: before_forward(module, x, ids, w),
         "call_backend": lambda: experts.call_backend(fn, x, w13, w2, ids, w, activation=act),
         "experts_triton_unchecked": lambda: tri.experts_triton_unchecked(x, w13, w2, ids, w, activation=act),
         "run_fast (the fast path)": lambda: fast(x, w13, w2, ids, w, act),
