@@ -2,19 +2,22 @@
 model (8 Qwen3-MoE layers at Qwen3-30B-A3B widths, random weights, bf16) through moekit, and where the experts call's
 time goes (mission "measure in the real client"; ``hfg32_probes`` holds what is installed in the client).
 
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/hfg32_device_check.py --out $OUT/hfg32 --deadline 70   # H200
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/hfg32_device_check.py --out $OUT/hfg32 --deadline 66   # H200
     PYTHONPATH=$PWD python3 benchmarks/hfg32_device_check.py --smoke     # CPU: 1 tiny layer, Triton interpreted
 
 Phases (each skipped past the deadline; the JSON <out>/hfg32.json rewritten after each):
   correctness  the experts call transformers makes at decode (layer 0, M = 1, captured with its dtypes and strides):
-               moekit's forward, the candidate ``moekit_cc`` and ``grouped_mm`` against a float64 loop (rel-L2 PASS
-               < 1e-2), the candidate bit-equal to moekit's; the prompt's logits of each against transformers' eager.
+               moekit's forward, the one before session 32 (``moekit_prev``: the check on every call) and
+               ``grouped_mm`` against a float64 loop (rel-L2 PASS < 1e-2), moekit_prev bit-equal to moekit; the
+               prompt's logits of each and of ``moekit_block`` (each layer's block replaced by ``moe_from_hf``'s MoE:
+               moekit's router and layer decode fast path) against transformers' eager (< 3e-2).
   decode       ms per decode step (a logits processor stamps each step; median over a 33-token generate), the
                implementations interleaved, ROUNDS rounds, the order turned each round; moekit's gap to the ceiling
-               (``no_experts``: experts returning zeros) and the candidate's wins (>= 3% faster than moekit's step).
+               (``no_experts``: experts returning zeros), moekit's wins over moekit_prev and moekit_block's over moekit
+               (rounds >= 3% faster).
   host         host µs of each M = 1 experts call inside the decode (the call timed in place), moekit's forward by
-               step (plan, backend_fn, check, backend call, run_fast) and the triton backend's routes (fast path
-               hits / misses, full path).
+               step (plan, backend_fn, the module's cache, its call, the fast path in it) and the triton backend's
+               routes (fast path hits / misses, full path).
   alone        the captured call alone, eager: host µs (16 calls queued behind 1 ms of GPU work) and wall µs, through
                each layer of the path (the hf forward, ``call_backend``, the backend function as ``moekit bench``
                calls it) and with the bench's own inputs (int32 ids, float32 weights); GPU µs in CUDA-graph replay.
@@ -43,7 +46,8 @@ import hfg32_probes as probes  # noqa: E402
 from bench_rounds import eager_us, graph_of, interleaved, wins  # noqa: E402
 from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
 
-DECODE_IMPLS = ("moekit", "moekit_cc", "grouped_mm", "no_experts")
+DECODE_IMPLS = ("moekit", "moekit_prev", "moekit_block", "grouped_mm", "no_experts")
+HOST_IMPLS = ("moekit", "moekit_prev", "grouped_mm", "no_experts", "moekit_staged")  # experts implementations
 ROUNDS, TOKENS, HOST_TOKENS, TOL = (2, 3, 3, 1e-2) if SMOKE else (5, 33, 17, 1e-2)
 RUN = RunLog("hfg32: transformers Qwen3-MoE eager decode through moekit (medians; µs unless said)", stall_s=40.0)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
@@ -75,12 +79,41 @@ def build():
 def generate(model, impl: str, prompt, tokens: int, clock=None):
     from transformers import LogitsProcessorList
 
-    model.set_experts_implementation(impl)
+    BLOCKS.use(impl)
+    model.set_experts_implementation(_experts_impl(impl))
     kwargs = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, disable_compile=True)
     if clock is not None:
         kwargs["logits_processor"] = LogitsProcessorList([clock])
     with torch.no_grad():
         return model.generate(prompt, **kwargs)
+
+
+class Blocks:
+    """Each decoder layer's transformers MoE block and, made on first use, moekit's ``MoE`` of it (``moe_from_hf``: the
+    same Parameters, the layer's decode fast path): ``use("moekit_block")`` puts the MoEs in, any other name the
+    blocks back."""
+
+    def __init__(self):
+        self.layers, self.hf, self.moe = [], [], None
+
+    def bind(self, model) -> None:
+        self.layers = list(model.model.layers)
+        self.hf = [layer.mlp for layer in self.layers]
+
+    def use(self, impl: str) -> None:
+        from moekit.hf import moe_from_hf
+
+        if impl == "moekit_block" and self.moe is None:
+            self.moe = [moe_from_hf(block) for block in self.hf]
+        for layer, mlp in zip(self.layers, self.moe if impl == "moekit_block" else self.hf):
+            layer.mlp = mlp
+
+
+BLOCKS = Blocks()
+
+
+def _experts_impl(impl: str) -> str:
+    return "moekit" if impl == "moekit_block" else impl
 
 
 def capture(model, prompt) -> tuple:
@@ -107,27 +140,31 @@ def correctness(model, prompt, call) -> None:
         ref = experts_reference(x.double(), module.gate_up_proj[uniq].double(), module.down_proj[uniq].double(),
                                 local, w.double())
         outs = {"moekit": mh.moekit_experts_forward(module, x, ids, w),
-                "moekit_cc": probes.cc_forward(module, x, ids, w),
+                "moekit_prev": probes.prev_forward(module, x, ids, w),
                 "grouped_mm": grouped_mm_experts_forward(module, x, ids, w)}
         logits = {}
-        for impl in ("eager", "moekit", "moekit_cc", "grouped_mm"):
-            model.set_experts_implementation(impl)
+        for impl in ("eager", "moekit", "moekit_prev", "grouped_mm", "moekit_block"):
+            BLOCKS.use(impl)
+            model.set_experts_implementation(_experts_impl(impl))
             logits[impl] = model(prompt).logits.float()
+        BLOCKS.use("moekit")
     res = RESULT["correctness"] = {}
     for name, out in outs.items():
         err = rel_l2(out, ref)
         res[name] = {"rel_l2_vs_fp64": err, "logits_rel_l2_vs_eager": rel_l2(logits[name], logits["eager"])}
         RUN.check(f"decode call {name} vs float64", err < TOL, f"rel_l2={err:.2e}, prompt logits vs eager "
                   f"{res[name]['logits_rel_l2_vs_eager']:.2e}")
-    RUN.check("moekit_cc bit-equal to moekit", torch.equal(outs["moekit_cc"], outs["moekit"])
-              and torch.equal(logits["moekit_cc"], logits["moekit"]))
+    RUN.check("moekit_prev bit-equal to moekit", torch.equal(outs["moekit_prev"], outs["moekit"])
+              and torch.equal(logits["moekit_prev"], logits["moekit"]))
+    err = res["moekit_block_logits_rel_l2_vs_eager"] = rel_l2(logits["moekit_block"], logits["eager"])
+    RUN.check("moekit_block prompt logits vs eager", err < 3e-2, f"rel_l2={err:.2e}")
 
 
 def decode_rounds(model, prompt) -> dict:
     """impl -> [ms a decode step, each round]."""
     per = {n: [] for n in DECODE_IMPLS}
     for r in range(ROUNDS):
-        if r and RUN.elapsed() > ARGS.deadline - 30:
+        if r and RUN.elapsed() > ARGS.deadline - 16:  # the later phases' ~12 s
             RUN.log(f"decode: deadline, {r} rounds")
             break
         for n in DECODE_IMPLS[r % len(DECODE_IMPLS):] + DECODE_IMPLS[:r % len(DECODE_IMPLS)]:
@@ -145,7 +182,7 @@ def host_split(model, prompt) -> None:
     probes.clear()
     routes = {}
     for _ in range(2):
-        for n in DECODE_IMPLS + ("moekit_staged",):
+        for n in HOST_IMPLS:
             before = dict(probes.ROUTES)
             generate(model, f"t_{n}", prompt, HOST_TOKENS)
             routes[n] = {k: v - before.get(k, 0) for k, v in probes.ROUTES.items()}
@@ -174,7 +211,7 @@ def alone(call, dev) -> None:
     sets = [] if SMOKE else make_sets(Shape.from_preset("qwen3-30b-a3b"), 1, 3, x.dtype, dev)  # the bench's M = 1
     calls = {
         "hf forward moekit": [lambda: mh.moekit_experts_forward(module, x, ids, w)],
-        "hf forward moekit_cc": [lambda: probes.cc_forward(module, x, ids, w)],
+        "hf forward moekit_prev": [lambda: probes.prev_forward(module, x, ids, w)],
         "call_backend": [lambda: call_backend(fn, x, w13, w2, ids, w, activation=act)],
         "backend fn (bench's call)": [lambda: fn(x, w13, w2, ids, w, activation=act)],
         "bench inputs (int32, fp32)": [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets],
@@ -203,7 +240,7 @@ def profiled(model, prompt) -> None:
     acts = [torch.profiler.ProfilerActivity.CPU] + ([] if SMOKE else [torch.profiler.ProfilerActivity.CUDA])
     out = RESULT["profile"] = {}
     for n in ("moekit", "grouped_mm", "no_experts"):
-        if RUN.elapsed() > ARGS.deadline - 6:
+        if RUN.elapsed() > ARGS.deadline - 4:
             RUN.log(f"profile: deadline before {n}")
             break
         probes.PROFILE[0] = True
@@ -222,9 +259,10 @@ def table(per: dict) -> None:
         gap = "" if ceiling is None else f", over the ceiling {(ms - ceiling) * 1e3 / layers:6.1f} µs a layer"
         RUN.summary.append(f"decode {n:<11} {ms:7.3f} ms a step ({1e3 / ms:6.1f} tok/s){gap}; rounds "
                            + " ".join(f"{v:.3f}" for v in per[n]))
-    if per.get("moekit_cc") and per.get("moekit"):
-        RUN.summary.append(f"moekit_cc vs moekit: x{med['moekit'] / med['moekit_cc']:.3f}, >=3% faster in "
-                           f"{wins(per['moekit_cc'], per['moekit'])}/{len(per['moekit_cc'])} rounds")
+    for new, old in (("moekit", "moekit_prev"), ("moekit_block", "moekit")):
+        if per.get(new) and per.get(old):
+            RUN.summary.append(f"{new} vs {old}: x{med[old] / med[new]:.3f}, >=3% faster in "
+                               f"{wins(per[new], per[old])}/{len(per[new])} rounds")
     for n, s in RESULT.get("host_us_in_client", {}).items():
         RUN.summary.append(f"host in client {n:<14} median {s.get('median')} p10 {s.get('p10')} p90 {s.get('p90')}")
     for n, s in RESULT.get("moekit_stages_us", {}).items():
@@ -252,6 +290,7 @@ def main() -> int:
     RESULT["run"].update(run_info())
     names = probes.install()
     model, prompt, dev = build()
+    BLOCKS.bind(model)
     RUN.log(f"model built ({RESULT['run']}); registered {names}")
     for n in DECODE_IMPLS:
         generate(model, n, prompt, 4)
@@ -262,7 +301,7 @@ def main() -> int:
     per = decode_rounds(model, prompt)
     dump()
     for phase in (lambda: host_split(model, prompt), lambda: alone(call, dev), lambda: profiled(model, prompt)):
-        if RUN.elapsed() > ARGS.deadline - 8:
+        if RUN.elapsed() > ARGS.deadline - 5:
             RUN.log("deadline: later phases skipped")
             break
         try:
