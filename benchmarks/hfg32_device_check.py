@@ -12,7 +12,8 @@ Phases (each skipped past the deadline; the JSON <out>/hfg32.json rewritten afte
                prompt's logits of each and of ``moekit_block`` (each layer's block replaced by ``moe_from_hf``'s MoE:
                moekit's router and layer decode fast path) against transformers' eager (< 3e-2).
   decode       ms per decode step (a logits processor stamps each step; median over a 33-token generate), the
-               implementations interleaved, ROUNDS rounds, the order turned each round; moekit's gap to the ceiling
+               implementations (--impls) interleaved, --rounds rounds, the order turned each round; moekit's gap to
+               the ceiling
                (``no_experts``: experts returning zeros), moekit's wins over moekit_prev and moekit_block's over moekit
                (rounds >= 3% faster).
   host         host µs of each M = 1 experts call inside the decode (the call timed in place), moekit's forward by
@@ -23,7 +24,7 @@ Phases (each skipped past the deadline; the JSON <out>/hfg32.json rewritten afte
                calls it) and with the bench's own inputs (int32 ids, float32 weights); GPU µs in CUDA-graph replay.
   profile      ``torch.profiler`` of a 5-token generate per implementation: per M = 1 experts call the host µs,
                launches, syncs, allocator events and aten ops (medians), its GPU µs; per step GPU µs and kernels.
-The table is printed last.
+--phases picks the phases after decode (default host,alone,profile). The table is printed last.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ HOST_IMPLS = ("moekit", "moekit_prev", "grouped_mm", "no_experts", "moekit_stage
 ROUNDS, TOKENS, HOST_TOKENS, TOL = (2, 3, 3, 1e-2) if SMOKE else (5, 33, 17, 1e-2)
 RUN = RunLog("hfg32: transformers Qwen3-MoE eager decode through moekit (medians; µs unless said)", stall_s=40.0)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
-ARGS = argparse.Namespace(deadline=70.0, out=None)
+ARGS = argparse.Namespace()  # main's options
 
 
 def dump() -> None:
@@ -162,12 +163,13 @@ def correctness(model, prompt, call) -> None:
 
 def decode_rounds(model, prompt) -> dict:
     """impl -> [ms a decode step, each round]."""
-    per = {n: [] for n in DECODE_IMPLS}
-    for r in range(ROUNDS):
-        if r and RUN.elapsed() > ARGS.deadline - 16:  # the later phases' ~12 s
+    names = ARGS.impls
+    per = {n: [] for n in names}
+    for r in range(ARGS.rounds):
+        if r and RUN.elapsed() > ARGS.deadline - 4 - 4 * len(ARGS.phases):  # ~4 s a later phase
             RUN.log(f"decode: deadline, {r} rounds")
             break
-        for n in DECODE_IMPLS[r % len(DECODE_IMPLS):] + DECODE_IMPLS[:r % len(DECODE_IMPLS)]:
+        for n in names[r % len(names):] + names[:r % len(names)]:
             clock = probes.StepClock()
             generate(model, n, prompt, TOKENS, clock)
             per[n].append(statistics.median(clock.steps_ms()))
@@ -182,7 +184,7 @@ def host_split(model, prompt) -> None:
     probes.clear()
     routes = {}
     for _ in range(2):
-        for n in HOST_IMPLS:
+        for n in [n for n in HOST_IMPLS if n in ARGS.impls or n == "moekit_staged"]:
             before = dict(probes.ROUTES)
             generate(model, f"t_{n}", prompt, HOST_TOKENS)
             routes[n] = {k: v - before.get(k, 0) for k, v in probes.ROUTES.items()}
@@ -285,6 +287,11 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--deadline", type=float, default=70.0)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--impls", type=lambda v: tuple(v.split(",")), default=DECODE_IMPLS,
+                   help=f"decode's implementations, among {','.join(DECODE_IMPLS)}")
+    p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--phases", type=lambda v: tuple(x for x in v.split(",") if x), default=("host", "alone", "profile"),
+                   help="the phases after decode, among host,alone,profile")
     p.parse_args(namespace=ARGS)
     threading.Thread(target=RUN.watchdog, daemon=True).start()  # a hung kernel: the table so far, then exit 3
     RESULT["run"].update(run_info())
@@ -292,7 +299,7 @@ def main() -> int:
     model, prompt, dev = build()
     BLOCKS.bind(model)
     RUN.log(f"model built ({RESULT['run']}); registered {names}")
-    for n in DECODE_IMPLS:
+    for n in ARGS.impls:
         generate(model, n, prompt, 4)
         RUN.log(f"warm {n}")
     call = capture(model, prompt)
@@ -300,7 +307,9 @@ def main() -> int:
     dump()
     per = decode_rounds(model, prompt)
     dump()
-    for phase in (lambda: host_split(model, prompt), lambda: alone(call, dev), lambda: profiled(model, prompt)):
+    phases = {"host": lambda: host_split(model, prompt), "alone": lambda: alone(call, dev),
+              "profile": lambda: profiled(model, prompt)}
+    for phase in [phases[n] for n in ARGS.phases]:
         if RUN.elapsed() > ARGS.deadline - 5:
             RUN.log("deadline: later phases skipped")
             break
