@@ -7,17 +7,17 @@ time goes (mission "measure in the real client"; ``hfg32_probes`` holds what is 
 
 Phases (each skipped past the deadline; the JSON <out>/hfg32.json rewritten after each):
   correctness  the experts call transformers makes at decode (layer 0, M = 1, captured with its dtypes and strides):
-               moekit's forward, the one before session 32 (``moekit_prev``: the check on every call) and
-               ``grouped_mm`` against a float64 loop (rel-L2 PASS < 1e-2), moekit_prev bit-equal to moekit; the
-               prompt's logits of each and of ``moekit_block`` (each layer's block replaced by ``moe_from_hf``'s MoE:
-               moekit's router and layer decode fast path) against transformers' eager (< 3e-2).
+               moekit's forward, the candidate ``moekit_cc`` (the module's own ``ExpertsCallCache``: the check once
+               per weight set) and ``grouped_mm`` against a float64 loop (rel-L2 PASS < 1e-2), moekit_cc
+               bit-equal to moekit; the prompt's logits of each and of ``moekit_block`` (each layer's block
+               replaced by ``moe_from_hf``'s MoE: moekit's router and layer decode fast path) against transformers'
+               eager (< 3e-2).
   decode       ms per decode step (a logits processor stamps each step; median over a 33-token generate), the
                implementations (--impls) interleaved, --rounds rounds, the order turned each round; moekit's gap to
-               the ceiling
-               (``no_experts``: experts returning zeros), moekit's wins over moekit_prev and moekit_block's over moekit
-               (rounds >= 3% faster).
+               the ceiling (``no_experts``: experts returning zeros), moekit_cc's wins over moekit and moekit_block's
+               over moekit (rounds >= 3% faster).
   host         host µs of each M = 1 experts call inside the decode (the call timed in place), moekit's forward by
-               step (plan, backend_fn, the module's cache, its call, the fast path in it) and the triton backend's
+               step (plan, backend_fn, check, backend call, run_fast in it) and the triton backend's
                routes (fast path hits / misses, full path).
   alone        the captured call alone, eager: host µs (16 calls queued behind 1 ms of GPU work) and wall µs, through
                each layer of the path (the hf forward, ``call_backend``, the backend function as ``moekit bench``
@@ -47,8 +47,8 @@ import hfg32_probes as probes  # noqa: E402
 from bench_rounds import eager_us, graph_of, interleaved, wins  # noqa: E402
 from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
 
-DECODE_IMPLS = ("moekit", "moekit_prev", "moekit_block", "grouped_mm", "no_experts")
-HOST_IMPLS = ("moekit", "moekit_prev", "grouped_mm", "no_experts", "moekit_staged")  # experts implementations
+DECODE_IMPLS = ("moekit", "moekit_cc", "moekit_block", "grouped_mm", "no_experts")
+HOST_IMPLS = ("moekit", "moekit_cc", "grouped_mm", "no_experts", "moekit_staged")  # experts implementations
 ROUNDS, TOKENS, HOST_TOKENS, TOL = (2, 3, 3, 1e-2) if SMOKE else (5, 33, 17, 1e-2)
 RUN = RunLog("hfg32: transformers Qwen3-MoE eager decode through moekit (medians; µs unless said)", stall_s=40.0)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
@@ -141,10 +141,10 @@ def correctness(model, prompt, call) -> None:
         ref = experts_reference(x.double(), module.gate_up_proj[uniq].double(), module.down_proj[uniq].double(),
                                 local, w.double())
         outs = {"moekit": mh.moekit_experts_forward(module, x, ids, w),
-                "moekit_prev": probes.prev_forward(module, x, ids, w),
+                "moekit_cc": probes.cc_forward(module, x, ids, w),
                 "grouped_mm": grouped_mm_experts_forward(module, x, ids, w)}
         logits = {}
-        for impl in ("eager", "moekit", "moekit_prev", "grouped_mm", "moekit_block"):
+        for impl in ("eager", "moekit", "moekit_cc", "grouped_mm", "moekit_block"):
             BLOCKS.use(impl)
             model.set_experts_implementation(_experts_impl(impl))
             logits[impl] = model(prompt).logits.float()
@@ -155,8 +155,8 @@ def correctness(model, prompt, call) -> None:
         res[name] = {"rel_l2_vs_fp64": err, "logits_rel_l2_vs_eager": rel_l2(logits[name], logits["eager"])}
         RUN.check(f"decode call {name} vs float64", err < TOL, f"rel_l2={err:.2e}, prompt logits vs eager "
                   f"{res[name]['logits_rel_l2_vs_eager']:.2e}")
-    RUN.check("moekit_prev bit-equal to moekit", torch.equal(outs["moekit_prev"], outs["moekit"])
-              and torch.equal(logits["moekit_prev"], logits["moekit"]))
+    RUN.check("moekit_cc bit-equal to moekit", torch.equal(outs["moekit_cc"], outs["moekit"])
+              and torch.equal(logits["moekit_cc"], logits["moekit"]))
     err = res["moekit_block_logits_rel_l2_vs_eager"] = rel_l2(logits["moekit_block"], logits["eager"])
     RUN.check("moekit_block prompt logits vs eager", err < 3e-2, f"rel_l2={err:.2e}")
 
@@ -213,7 +213,7 @@ def alone(call, dev) -> None:
     sets = [] if SMOKE else make_sets(Shape.from_preset("qwen3-30b-a3b"), 1, 3, x.dtype, dev)  # the bench's M = 1
     calls = {
         "hf forward moekit": [lambda: mh.moekit_experts_forward(module, x, ids, w)],
-        "hf forward moekit_prev": [lambda: probes.prev_forward(module, x, ids, w)],
+        "hf forward moekit_cc": [lambda: probes.cc_forward(module, x, ids, w)],
         "call_backend": [lambda: call_backend(fn, x, w13, w2, ids, w, activation=act)],
         "backend fn (bench's call)": [lambda: fn(x, w13, w2, ids, w, activation=act)],
         "bench inputs (int32, fp32)": [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets],
@@ -261,7 +261,7 @@ def table(per: dict) -> None:
         gap = "" if ceiling is None else f", over the ceiling {(ms - ceiling) * 1e3 / layers:6.1f} µs a layer"
         RUN.summary.append(f"decode {n:<11} {ms:7.3f} ms a step ({1e3 / ms:6.1f} tok/s){gap}; rounds "
                            + " ".join(f"{v:.3f}" for v in per[n]))
-    for new, old in (("moekit", "moekit_prev"), ("moekit_block", "moekit")):
+    for new, old in (("moekit_cc", "moekit"), ("moekit_block", "moekit")):
         if per.get(new) and per.get(old):
             RUN.summary.append(f"{new} vs {old}: x{med[old] / med[new]:.3f}, >=3% faster in "
                                f"{wins(per[new], per[old])}/{len(per[new])} rounds")

@@ -1,12 +1,12 @@
 """What ``hfg32_device_check.py`` installs in the real client (a transformers Qwen3-MoE model decoding through
 ``generate``) to see where the experts call's time goes: experts implementations registered under their own names
 that time each call on the host, moekit's forward staged (a copy of ``moekit_experts_forward`` with a clock between
-its steps), the triton backend's routes counted (the fast path's hits and misses, the full path), the forward before
-session 32 ("moekit_prev": ``call_backend``, the check on every call), a per-step clock for ``generate`` and the
-summary of a ``torch.profiler`` trace per experts call (launches, syncs, allocations, GPU µs).
+its steps), the triton backend's routes counted (the fast path's hits and misses, the full path), a candidate forward
+("moekit_cc": the module's own ``ExpertsCallCache``, the check once per weight set), a per-step clock for ``generate``
+and the summary of a ``torch.profiler`` trace per experts call (launches, syncs, allocations, GPU µs).
 
     t_<impl>       the implementation <impl>, its host ns per call recorded (``HOST[<impl>]``, M = 1 calls only)
-    moekit_staged  moekit's forward with its steps timed (``STAGES``: plan, backend, cache, call; the fast path inside)
+    moekit_staged  moekit's forward with its steps timed (``STAGES``: plan, backend, check, call; run_fast inside)
 """
 
 from __future__ import annotations
@@ -42,23 +42,25 @@ def _timed(name: str, forward):
     return timed
 
 
-def prev_forward(self, hidden_states, top_k_index, top_k_weights):
-    """``moekit_experts_forward`` before session 32 (for a fused, untransposed, bias-free plan): ``call_backend``,
-    ``check_experts_args`` on every call."""
+def cc_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The candidate: ``moekit_experts_forward`` with the module's own ``ExpertsCallCache`` in place of
+    ``call_backend`` (the backend's fast path first, then the check skipped while the weights are the same)."""
     import moekit.hf as mh
-    from moekit.experts import backend_fn, call_backend
+    from moekit.experts import ExpertsCallCache, backend_fn
 
-    plan = getattr(self, mh.PLAN_ATTR)
-    w13, w2 = getattr(self, plan.up_name), self.down_proj
+    plan = self.__dict__[mh.PLAN_ATTR]
+    calls = self.__dict__.get("_hfg32_calls")
+    if calls is None:
+        calls = self.__dict__["_hfg32_calls"] = ExpertsCallCache()
     fn = backend_fn(mh.HF_BACKEND, hidden_states.device)
-    torch.compiler.is_compiling()
-    return call_backend(fn, hidden_states, w13, w2, top_k_index, top_k_weights, activation=plan.activation)
+    return calls(fn, hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
+                 activation=plan.activation)
 
 
 def staged_forward(self, hidden_states, top_k_index, top_k_weights):
     """``moekit_experts_forward`` for a fused, untransposed, bias-free plan, its steps timed (M = 1 calls)."""
     import moekit.hf as mh
-    from moekit.experts import ExpertsCallCache, backend_fn
+    from moekit.experts import backend_fn, call_checked_backend, check_experts_args
     from moekit.hf.variants import experts_plan
 
     t0 = time.perf_counter_ns()
@@ -68,60 +70,49 @@ def staged_forward(self, hidden_states, top_k_index, top_k_weights):
     fn = backend_fn(mh.HF_BACKEND, hidden_states.device)
     torch.compiler.is_compiling()
     t2 = time.perf_counter_ns()
-    calls = self.__dict__.get(mh._CALLS_ATTR)
-    if calls is None:
-        calls = self.__dict__[mh._CALLS_ATTR] = ExpertsCallCache(vouched=False)
+    check_experts_args(hidden_states, w13, w2, top_k_index, top_k_weights, None, activation=plan.activation)
     t3 = time.perf_counter_ns()
     STAGING[0] = True
-    out = calls(fn, hidden_states, w13, w2, top_k_index, top_k_weights, activation=plan.activation)
+    out = call_checked_backend(fn, hidden_states, w13, w2, top_k_index, top_k_weights, activation=plan.activation)
     t4 = time.perf_counter_ns()
     STAGING[0] = False
     if hidden_states.shape[0] == 1:
         for name, ns in (("plan + weights", t1 - t0), ("backend_fn + compile test", t2 - t1),
-                         ("the module's cache", t3 - t2), ("ExpertsCallCache call", t4 - t3)):
+                         ("check_experts_args", t3 - t2), ("backend call", t4 - t3)):
             STAGES[name].append(ns)
     return out
 
 
 def install() -> list[str]:
-    """Register the timed implementations and ``moekit_prev`` with transformers; wrap the triton backend's fast path
-    (as ``ExpertsCallCache`` and ``_run_kept`` reach it) and full path to count them (and time the fast path)."""
-    import moekit.experts as experts
+    """Register the timed implementations and the candidates with transformers; wrap the triton backend's route
+    functions to count (and time ``run_fast``). Returns the names registered."""
     import moekit.experts.triton as tri
     import moekit.hf as mh
     from moekit.bench.hf_models import _no_experts_forward, register_no_experts
     from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
     register_no_experts()
-    base = {"moekit": mh.moekit_experts_forward, "moekit_prev": prev_forward, "grouped_mm": grouped_mm_experts_forward,
+    base = {"moekit": mh.moekit_experts_forward, "moekit_cc": cc_forward, "grouped_mm": grouped_mm_experts_forward,
             "no_experts": _no_experts_forward, "moekit_staged": staged_forward}
-    ExpertsInterface.register("moekit_prev", prev_forward)
+    ExpertsInterface.register("moekit_cc", cc_forward)
     for name, forward in base.items():
         ExpertsInterface.register(f"t_{name}", _timed(name, forward))
-    fn = tri.experts_triton_unchecked
-    tri.run_fast = _counted_fast(tri.run_fast, 1)
-    experts._FAST_PATHS[fn] = _counted_fast(experts._FAST_PATHS[fn], 0)
-    full = tri._unchecked
+    fast, full = tri.run_fast, tri._unchecked
+
+    def run_fast(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        out = fast(*args, **kwargs)
+        ROUTES["fast_hit" if out is not None else "fast_miss"] += 1
+        if STAGING[0] and args[1].shape[0] == 1:
+            STAGES["  of which run_fast"].append(time.perf_counter_ns() - t0)
+        return out
 
     def unchecked(*args, **kwargs):
         ROUTES["full_path"] += 1
         return full(*args, **kwargs)
 
-    tri._unchecked = unchecked
-    return ["moekit_prev"] + [f"t_{n}" for n in base]
-
-
-def _counted_fast(fast, x_at: int):
-    """``fast`` (the fast path, x its argument ``x_at``) counting its hits and misses, timed inside staged calls."""
-    def counted(*args, **kwargs):
-        t0 = time.perf_counter_ns()
-        out = fast(*args, **kwargs)
-        ROUTES["fast_hit" if out is not None else "fast_miss"] += 1
-        if STAGING[0] and args[x_at].shape[0] == 1:
-            STAGES["  of which the fast path"].append(time.perf_counter_ns() - t0)
-        return out
-
-    return counted
+    tri.run_fast, tri._unchecked = run_fast, unchecked
+    return ["moekit_cc"] + [f"t_{n}" for n in base]
 
 
 def clear() -> None:

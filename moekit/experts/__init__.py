@@ -237,22 +237,16 @@ class ExpertsCallCache:
     [M, k] of this x, on its device, ids int32/int64). Quantized weights are checked on every call. Before
     all that, a call without biases goes to the backend's fast path where it registered one
     (``register_fast_path``; triton's ``triton_fast``), which serves only calls it has kept, with these
-    weight tensors unchanged.
+    weight tensors unchanged. A copy or a pickle of the cache is a new, empty one (weak references do not pickle:
+    ``torch.save`` of a ``MoE`` after a forward raised on them)."""
 
-    ``vouched=False``: for a caller that vouches for neither the routing nor its weights staying put (``moekit.hf``:
-    transformers calls a module's forward with its router's routing, and a model's ``.to`` moves the Parameters
-    without telling anyone): a call that skips the check still shows, by a few comparisons, the routing's shapes,
-    dtypes and devices as the check asks them and the weights (and biases) at the addresses of the call that passed.
-    A copy or a pickle of the cache is a new, empty one (weak references do not pickle)."""
+    __slots__ = ("_refs", "_shapes", "_dtype", "_device", "_hidden")
 
-    __slots__ = ("_refs", "_shapes", "_dtype", "_device", "_hidden", "_vouched", "_addresses")
-
-    def __init__(self, vouched: bool = True) -> None:
-        self._vouched = vouched
+    def __init__(self) -> None:
         self.clear()
 
     def __reduce__(self):
-        return ExpertsCallCache, (self._vouched,)
+        return ExpertsCallCache, ()
 
     def clear(self) -> None:
         """Forget the last call that passed (``MoE._apply``: a move or cast keeps the Parameter objects)."""
@@ -265,8 +259,7 @@ class ExpertsCallCache:
                 out = fast(x, w13, w2, topk_ids, topk_weights, activation)
                 if out is not None:
                     return out
-            if self._passed(x, (w13, w2, b13, b2)) and (self._vouched or self._fits(x, topk_ids, topk_weights,
-                                                                                     (w13, w2, b13, b2))):
+            if self._passed(x, (w13, w2, b13, b2)):
                 return call_checked_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13,
                                             b2=b2)
         out = call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
@@ -275,15 +268,7 @@ class ExpertsCallCache:
             self._refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
             self._shapes = tuple(None if t is None else t.shape for t in tensors)
             self._dtype, self._device, self._hidden = x.dtype, x.device, x.shape[-1]
-            self._addresses = None if self._vouched else _addresses(tensors)
         return out
-
-    def _fits(self, x, ids, weights, tensors: tuple) -> bool:
-        """What an unvouched caller's call shows besides ``_passed``: ids [M, k] of x, int32 or int64, and weights of
-        their shape, both on x's device; the weights and biases where they were when the check passed."""
-        shape, device = ids.shape, x.device
-        return (len(shape) == 2 and shape[0] == x.shape[0] and weights.shape == shape and ids.dtype in _ID_DTYPES
-                and ids.device == device and weights.device == device and _addresses(tensors) == self._addresses)
 
     def _passed(self, x, tensors: tuple) -> bool:
         refs, dtype = self._refs, x.dtype
@@ -299,10 +284,6 @@ class ExpertsCallCache:
 
 
 _ID_DTYPES = (torch.int32, torch.int64)
-
-
-def _addresses(tensors: tuple) -> tuple:
-    return tuple(None if t is None else t.data_ptr() for t in tensors)
 
 
 def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None, *, activation="silu", b13=None,

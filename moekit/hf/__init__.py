@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.experts import ExpertsCallCache, backend_fn, call_backend, traced_path_of
+from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
@@ -26,7 +26,6 @@ from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, expe
 from moekit.quant.hf import fp8_experts_weights
 
 _FP8_ATTR = "_moekit_fp8_weights"  # on an FP8Experts module: (its tensors' addresses, (w13, w2))
-_CALLS_ATTR = "_moekit_calls"  # on an experts module: its ExpertsCallCache (the check once per weight set)
 
 __all__ = ["HF_BACKEND", "ComposedPathWarning", "ExpertsPlan", "MissingExtraError", "moe_from_hf",
            "moekit_experts_forward", "moekit_fp8_experts_forward", "OffloadedBlock", "offload_experts", "prepare"]
@@ -43,10 +42,7 @@ def moekit_experts_forward(
     Every variant of the interface runs: the module's ``ExpertsPlan`` (built on its first call, then
     cached on it; ``moekit.hf.variants``) says which weights to read and either the ``ActivationSpec``
     the backend fuses or that the composed path runs. transformers' expert-parallel sentinel (an id
-    >= num_experts with weight 0) is skipped like moekit's -1. Eager calls on weights stored untransposed go
-    through the module's own ``ExpertsCallCache`` (unvouched: the routing and the weights' addresses compared on
-    every call): the backend's fast path first, the full argument check once per weight set; a transposed
-    module's weights are new views on every call, checked every time.
+    >= num_experts with weight 0) is skipped like moekit's -1.
     """
     plan = getattr(self, PLAN_ATTR, None) or experts_plan(self)
     w13, w2 = getattr(self, plan.up_name), self.down_proj
@@ -61,12 +57,6 @@ def moekit_experts_forward(
         traced = traced_path_of(fn)
         if traced is not None:
             return traced(hidden_states, w13, w2, top_k_index, top_k_weights, plan.activation, b13, b2)
-    elif not plan.transposed:
-        calls = self.__dict__.get(_CALLS_ATTR)
-        if calls is None:
-            calls = self.__dict__[_CALLS_ATTR] = ExpertsCallCache(vouched=False)
-        return calls(fn, hidden_states, w13, w2, top_k_index, top_k_weights, activation=plan.activation, b13=b13,
-                     b2=b2)
     return call_backend(fn, hidden_states, w13, w2, top_k_index, top_k_weights, activation=plan.activation, b13=b13,
                         b2=b2)
 
