@@ -4,8 +4,8 @@
 timed is every per-call Python step from transformers' experts ``forward`` down to the launch, layer by layer:
 
     module(x, ids, w)          transformers' wrapper: ``get_interface`` by the config's name, then ours
-    moekit_experts_forward     the plan, the weights' attributes, ``backend_fn``, the compile test, the module's
-                               ``ExpertsCallCache`` (session 32; "before": ``call_backend``, the check every call)
+    moekit_experts_forward     the plan, the weights' attributes, ``backend_fn``, the compile test, ``call_backend``
+                               ("with a cache": the module's own ``ExpertsCallCache``, the check once per weight set)
     call_backend               ``check_experts_args``, ``call_checked_backend``, the backend function
     experts_triton_unchecked   ``_run_kept``: the Gluon choice's size test, ``run_fast``
     run_fast                   the kept entry's lookup, ``empty_like``, the (stubbed) launch
@@ -55,14 +55,16 @@ def captured_call(model):
     return (module, *seen[-1])
 
 
-def before_forward(module, x, ids, w):
-    """``moekit_experts_forward`` before session 32 (an untransposed, bias-free fused plan): ``call_backend``, the
-    check on every call."""
+def cached_forward(module, x, ids, w):
+    """``moekit_experts_forward`` (an untransposed, bias-free fused plan) with the module's own ``ExpertsCallCache``
+    in place of ``call_backend``: the fast path first, the check once per weight set."""
     plan = getattr(module, mh.PLAN_ATTR, None)
-    w13, w2 = getattr(module, plan.up_name), module.down_proj
+    calls = module.__dict__.get("_hfg32_calls")
+    if calls is None:
+        calls = module.__dict__["_hfg32_calls"] = experts.ExpertsCallCache()
     fn = experts.backend_fn(mh.HF_BACKEND, x.device)
     torch.compiler.is_compiling()
-    return experts.call_backend(fn, x, w13, w2, ids, w, activation=plan.activation)
+    return calls(fn, x, getattr(module, plan.up_name), module.down_proj, ids, w, activation=plan.activation)
 
 
 def variants(module, x, ids, w) -> dict:
@@ -75,7 +77,7 @@ def variants(module, x, ids, w) -> dict:
     return {
         "module(x, ids, w)": lambda: module(x, ids, w),
         "moekit_experts_forward": lambda: mh.moekit_experts_forward(module, x, ids, w),
-        "  before (call_backend)": lambda: before_forward(module, x, ids, w),
+        "  with a cache": lambda: cached_forward(module, x, ids, w),
         "call_backend": lambda: experts.call_backend(fn, x, w13, w2, ids, w, activation=act),
         "experts_triton_unchecked": lambda: tri.experts_triton_unchecked(x, w13, w2, ids, w, activation=act),
         "run_fast (the fast path)": lambda: fast(x, w13, w2, ids, w, act),
