@@ -237,12 +237,16 @@ class ExpertsCallCache:
     [M, k] of this x, on its device, ids int32/int64). Quantized weights are checked on every call. Before
     all that, a call without biases goes to the backend's fast path where it registered one
     (``register_fast_path``; triton's ``triton_fast``), which serves only calls it has kept, with these
-    weight tensors unchanged."""
+    weight tensors unchanged. A copy or a pickle of the cache is a new, empty one (weak references do not pickle:
+    ``torch.save`` of a ``MoE`` after a forward raised on them)."""
 
     __slots__ = ("_refs", "_shapes", "_dtype", "_device", "_hidden")
 
     def __init__(self) -> None:
         self.clear()
+
+    def __reduce__(self):
+        return ExpertsCallCache, ()
 
     def clear(self) -> None:
         """Forget the last call that passed (``MoE._apply``: a move or cast keeps the Parameter objects)."""
