@@ -231,14 +231,14 @@ def worker(group: str, cells: list) -> int:
     return 0
 
 
-def run_workers(cells: list, until: float) -> set:
-    """The keys the two workers (plans, pipes: in parallel, logging to /tmp) finished, each waited for until
-    ``until`` s into the run (then killed)."""
+def run_workers(cells: list, until: float, script: str = __file__, groups: tuple = ("plans", "pipes")) -> set:
+    """The keys the compile workers (``script --worker GROUP CELLS...``, one a group, in parallel, logging to /tmp)
+    finished, each waited for until ``until`` s into the run (then killed)."""
     procs, done = [], set()
-    for group in ("plans", "pipes"):
-        path = Path(f"/tmp/f8pp_worker_{group}.log")
+    for group in groups:
+        path = Path(f"/tmp/{Path(script).stem}_worker_{group}.log")
         with open(path, "w") as f:
-            procs.append((subprocess.Popen([sys.executable, __file__, "--worker", group, *cells], stdout=f,
+            procs.append((subprocess.Popen([sys.executable, script, "--worker", group, *cells], stdout=f,
                                            stderr=subprocess.STDOUT), path))
     for proc, path in procs:
         try:

@@ -39,6 +39,7 @@ class Fp8GluonTile:
     max_registers: int = 160
     wide: bool = False  # down GEMM: [128, 256] tiles, two weight column blocks per A stage (the kernel's WIDE)
     pipelined: bool = False  # two wgmmas in flight, one's part folded in under the other (the kernel's PIPE)
+    skip: bool = False  # a tile's second 64-row half with no real row neither loaded nor multiplied (SKIP)
 
     @property
     def block_n(self) -> int:
@@ -58,6 +59,9 @@ WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16
 # spills; the gate-up (64-column halves chained) 224 / 264 B of spill stores in the K loop; neither serialized.
 PIPELINED_DOWN_TILE = Fp8GluonTile(stages=5, pipelined=True)
 PIPELINED_UP_TILE = Fp8GluonTile(stages=3, pipelined=True)
+# Padding skipped by halves (issue 15, session 32): an option until the H200 measures it (``f8r32_device_check.py``).
+SKIP_UP_TILE = Fp8GluonTile(stages=3, skip=True)
+SKIP_DOWN_TILE = Fp8GluonTile(stages=5, skip=True)
 
 
 @dataclass(frozen=True)
@@ -108,14 +112,18 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                     out_s: torch.Tensor | None, block_experts: torch.Tensor, rows_used: torch.Tensor,
-                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0):
+                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0, sorted_ids: torch.Tensor | None = None,
+                    num_assignments: int = 0):
     """out [T, C] = act(block-scaled a [T, R] @ w[e]^T) per row block. a e4m3, a_s [T, R/128] float32
     (unit column stride); w e4m3 [E, W_ROWS, R] contiguous, w_s [E, W_ROWS/128, R/128] float32 contiguous;
     gated: out e4m3 h [T, N] and out_s [T, N/128] its scales, gate rows c.. and up rows gate_offset + c..
     (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
-    tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
+    tensor (a multiple of 128, <= T). ``sorted_ids`` [T] int32 (the layout's assignment per row, >= ``num_assignments``
+    on padding): read by a ``skip`` tile alone. Returns what the launch returns (Triton's compiled kernel: its
     registers, spills and PTX for the device check)."""
     check_wide(tile, gated, out.shape[1])
+    if tile.skip and sorted_ids is None:
+        raise ValueError(f"tile={tile}: a skip tile reads the layout's sorted_ids")
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = gluon_descriptor(a, [HALF_M, GROUP])
@@ -126,10 +134,11 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     max_tiles = cdiv(a.shape[0], BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     out_s = a_s if out_s is None else out_s  # never written by the down GEMM
-    return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
+    sorted_ids = rows_used if sorted_ids is None else sorted_ids  # never read without SKIP
+    return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, sorted_ids, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
-                        out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                        CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined,
+                        out_s.stride(0), num_assignments, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                        CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined, SKIP=tile.skip,
                         num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
 
 

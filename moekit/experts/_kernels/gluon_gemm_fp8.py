@@ -23,6 +23,8 @@ Otherwise (down): out = the product in out's dtype (bf16); the routed weight is 
 WIDE (down only): a tile is [128, 256], two adjacent weight column blocks read like gate and up (gate_offset = 128,
 two accumulators per consumer), so each A stage feeds twice the MMA work; both halves stored as they are.
 
+SKIP (an option): a tile's second 64-row half that holds no real row (an expert's last block, <= 64 real rows) is
+neither loaded nor multiplied nor stored; the first consumer runs alone there.
 Persistent: one program per SM walks the tiles of the rows in use (``rows_used``, read on the device) in
 GROUP_M-swizzled order (``gluon_gemm._tile_of``). Gluon does not run in the interpreter (CUDA sm_90 only).
 Torch twin: ``moekit.experts.triton_gluon_fp8.experts_gluon_fp8_twin``.
@@ -46,8 +48,9 @@ SECOND_HALF = gl.constexpr(1)
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-            w_rows, gate_offset, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr):
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, sorted_ptr, reduce_dim,
+            num_col_blocks, w_rows, gate_offset, num_assignments, GATED: gl.constexpr, GROUP_M: gl.constexpr,
+            WIDE: gl.constexpr, SKIP: gl.constexpr):
     HALF_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -62,12 +65,18 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         w_row = gl.load(experts_ptr + rb) * w_rows + cb * COL_STEP
+        live = _second_half_live(sorted_ptr, rb * 2 * HALF_M + HALF_M, num_assignments, SKIP)
         for kk in range(k_steps):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
-            mbarrier.expect(ready.index(s), nbytes)
+            if SKIP:  # one expect: the second A half's bytes only where it is loaded
+                mbarrier.expect(ready.index(s), nbytes, pred=live)
+                mbarrier.expect(ready.index(s), nbytes - a_desc.block_type.nbytes, pred=live == 0)
+            else:
+                mbarrier.expect(ready.index(s), nbytes)
             _tma_load(a_desc, [rb * 2 * HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s))
-            _tma_load(a_desc, [rb * 2 * HALF_M + HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s + 1))
+            _tma_load(a_desc, [rb * 2 * HALF_M + HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s + 1),
+                      pred=live)
             _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES))
             if GATED or WIDE:
                 _tma_load(w_desc, [w_row + gate_offset, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
@@ -76,9 +85,11 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 
 @gluon.jit
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-              reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr, PIPE: gl.constexpr):
-    """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
+              sorted_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+              num_assignments, HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr,
+              PIPE: gl.constexpr, SKIP: gl.constexpr):
+    """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA (SKIP: the second
+    half of a tile whose rows are all padding only releases the stages)."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -87,32 +98,78 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
-    up_block = gate_offset // BLOCK_N  # the up rows' first weight block (WIDE: the next column block, 1)
-    col_blocks: gl.constexpr = 2 if WIDE else 1  # weight scale blocks per tile column block
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         row0 = rb * 2 * HALF_M + HALF * HALF_M
-        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
-        as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
-        ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
-        if PIPE and GATED:
-            gate_lo, gate_hi, up_lo, up_hi, it = _k_loop_gated_paired(
-                a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr, k_steps, it, HALF)
-            _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_bufs.index(HALF),
-                             cs_ptr + rows * stride_cs + cb, row0, cb, layout)
+        if HALF == 1 and SKIP:
+            if _second_half_live(sorted_ptr, row0, num_assignments, SKIP):
+                it = _tile(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr,
+                           reduce_dim, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs, rb, cb, row0, it,
+                           HALF, GATED, WIDE, PIPE, layout)
+            else:
+                it = _release(ready, empty, k_steps, it, w_bufs.type.shape[0] // (2 if GATED or WIDE else 1))
         else:
-            if PIPE:
-                acc, it = _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, k_steps, it, HALF, layout)
-                up = acc  # unused: the down GEMM's
-            else:
-                acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate,
-                                      ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, layout)
-            if WIDE:
-                _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
-            else:
-                _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+            it = _tile(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, reduce_dim,
+                       gate_offset, stride_as, stride_wse, stride_wsr, stride_cs, rb, cb, row0, it, HALF, GATED, WIDE,
+                       PIPE, layout)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _second_half_live(sorted_ptr, row, num_assignments, SKIP: gl.constexpr):
+    """Whether a tile's second 64-row half holds a real row (its first row, ``row``, is one: an expert's real rows
+    come first in its segment); always without SKIP."""
+    if SKIP:
+        live = gl.load(sorted_ptr + row) < num_assignments
+    else:
+        live = True
+    return live
+
+
+@gluon.jit
+def _release(ready, empty, k_steps, it, STAGES: gl.constexpr):
+    """A consumer with no real rows in a tile: each stage released once its loads landed (so it never arrives twice
+    in one phase of ``empty``); the ring position after the tile."""
+    for kk in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+        it += 1
+    return it
+
+
+@gluon.jit
+def _tile(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, reduce_dim, gate_offset,
+          stride_as, stride_wse, stride_wsr, stride_cs, rb, cb, row0, it, HALF: gl.constexpr, GATED: gl.constexpr,
+          WIDE: gl.constexpr, PIPE: gl.constexpr, layout: gl.constexpr):
+    """This consumer's 64 rows of tile (rb, cb) from ``row0``: the K loop and the epilogue; the ring position after."""
+    HALF_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    up_block = gate_offset // BLOCK_N  # the up rows' first weight block (WIDE: the next column block, 1)
+    col_blocks: gl.constexpr = 2 if WIDE else 1  # weight scale blocks per tile column block
+    rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
+    as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
+    ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
+    if PIPE and GATED:
+        gate_lo, gate_hi, up_lo, up_hi, it = _k_loop_gated_paired(
+            a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr, k_steps, it, HALF)
+        _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_bufs.index(HALF),
+                         cs_ptr + rows * stride_cs + cb, row0, cb, layout)
+    else:
+        if PIPE:
+            acc, it = _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, k_steps, it, HALF, layout)
+            up = acc  # unused: the down GEMM's
+        else:
+            acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate,
+                                  ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, layout)
+        if WIDE:
+            _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
+        else:
+            _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+    return it
 
 
 @gluon.jit
@@ -300,11 +357,11 @@ def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
 
 
 @gluon.jit
-def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
-                            num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                            GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, WIDE: gl.constexpr = False,
-                            PIPE: gl.constexpr = False):
+def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, sorted_ptr,
+                            reduce_dim, num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr,
+                            stride_cs, num_assignments, GATED: gl.constexpr, STAGES: gl.constexpr,
+                            GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                            WIDE: gl.constexpr = False, PIPE: gl.constexpr = False, SKIP: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
@@ -313,7 +370,9 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
     WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128].
     PIPE (not WIDE): two wgmmas in flight, one's part folded in while the other runs (``_k_loop_paired``,
-    ``_k_loop_gated_paired``)."""
+    ``_k_loop_gated_paired``). SKIP: a tile's second 64-row half whose first row is padding (sorted_ptr [T] int32,
+    the layout's assignment per row: >= num_assignments on padding) is neither loaded, multiplied nor stored (read
+    only with SKIP)."""
     WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -326,11 +385,11 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, WIDE, PIPE)),
+                     sorted_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     num_assignments, FIRST_HALF, GATED, GROUP_M, WIDE, PIPE, SKIP)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, WIDE, PIPE)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                   w_rows, gate_offset, GATED, GROUP_M, WIDE)),
+                     sorted_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     num_assignments, SECOND_HALF, GATED, GROUP_M, WIDE, PIPE, SKIP)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, sorted_ptr, reduce_dim,
+                   num_col_blocks, w_rows, gate_offset, num_assignments, GATED, GROUP_M, WIDE, SKIP)),
     ], [4, 1], [CONSUMER_REGS, 24])
