@@ -1,10 +1,10 @@
 """Issue 15, session 32 (branch `f8r32`): fp8_block at the ridge. The fp8 Gluon GEMMs skipping the padding by halves
-(``Fp8GluonTile.skip``: a 128-row block's second 64-row half with no real row neither loaded nor multiplied) and
-with the pipelined promotion (``pipelined``), against the route, at fp8 Mixtral-8x7B M = 512 / 1024 and Qwen3-30B-A3B
-M = 1024 / 512 (where the route takes the fused Triton fp8 kernels).
+(``Fp8GluonTile.skip``: a 128-row block's second 64-row half with no real row neither loaded nor multiplied), with
+the pipelined promotion (``pipelined``) and the gate-up in two pipelined passes (``pairs``), against the route, at
+fp8 Mixtral-8x7B M = 512 / 1024 and Qwen3-30B-A3B M = 1024 / 512 (where the route takes the fused Triton kernels).
 
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/f8r32_device_check.py --out $OUT/f8r32 --deadline 70
-        [--cells fp8:mixtral-8x7b:512 ...] [--variants route,gluon,...] [--rounds 5] [--worker-deadline 30]
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/f8r32_device_check.py --out $OUT/f8r32 --deadline 66
+        [--cells fp8:mixtral-8x7b:512 ...] [--variants route,gluon,...] [--rounds 5] [--worker-deadline 28]
 
 1. Compile workers (this script with --worker, in parallel: one a group of calls and preset, ``GROUPS``) run each
    call once on zero weights of the real shapes. A call a worker did not finish is not run here. Then this run's
@@ -74,8 +74,9 @@ def run_cell(spec: str, ceil, opts) -> None:
     outs: dict = {}
     ran = [v for v in calls(q) if f"{preset} {v.name}" in opts.ran and (not opts.variants or v.name in opts.variants)]
     passing = [v for v in ran if pdc.check(name, v, x, ids, rw, ref, "fp8", outs)]
-    if "pipe" in outs and "gluon" in outs:
-        log(f"{name} pipe vs gluon: bit-equal {torch.equal(outs['pipe'], outs['gluon'])}")
+    for a, b in (("pipe", "gluon"), ("pairs+pipe", "pipe")):
+        if a in outs and b in outs:
+            log(f"{name} {a} vs {b}: bit-equal {torch.equal(outs[a], outs[b])}")
     del ref, outs
     cell = {"cell": spec, "floor_us": floor_us(s, m, ids, ceil), "passing": [v.name for v in passing],
             "rows_a_real_row": rows_ratio(ids, s.num_experts)}
@@ -123,6 +124,7 @@ def summarize(name: str, cell: dict) -> None:
 
 GROUPS = {"plans": ("route", "gluon", "gate-up", "down"),
           "skip": ("skip", "skip+pipe", "gate-up skip", "down skip", "down skip pipe"),
+          "pairs": ("pairs+pipe", "skip+pairs+pipe", "gate-up pairs"),
           "pipe": ("pipe", "down pipe", "pipe2")}  # each a worker per preset, the gate-up's halves (pipe2) last
 
 

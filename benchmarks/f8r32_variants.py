@@ -16,11 +16,12 @@ from prefill_variants import Variant  # noqa: E402
 def calls(q: tuple) -> list[Variant]:
     """route (the ``triton`` backend), gluon (the lean fp8 Gluon call, the plan's tiles), pipe (the down GEMM
     pipelined), pipe2 (both), skip (both GEMMs skipping padding halves: bit-equal to gluon), skip+pipe (skip, the
-    down GEMM pipelined: bit-equal to pipe)."""
+    down GEMM pipelined: bit-equal to pipe), pairs+pipe (the gate-up in two pipelined passes, the down pipelined),
+    skip+pairs+pipe (the same skipping padding halves: bit-equal to pairs+pipe)."""
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
     from moekit.experts.triton_gluon_fp8_launch import (
-        PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, SKIP_DOWN_TILE, SKIP_UP_TILE,
+        PAIRS_UP_TILE, PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, SKIP_DOWN_TILE, SKIP_UP_TILE,
     )
     from moekit.quant.fp8_block import Fp8BlockWeight
 
@@ -36,15 +37,19 @@ def calls(q: tuple) -> list[Variant]:
             Variant("skip", "gluon", gluon(SKIP_UP_TILE, SKIP_DOWN_TILE), same_as="gluon"),
             Variant("skip+pipe", "gluon", gluon(SKIP_UP_TILE, replace(SKIP_DOWN_TILE, pipelined=True)),
                     same_as="pipe"),
+            Variant("pairs+pipe", "gluon", gluon(PAIRS_UP_TILE, PIPELINED_DOWN_TILE)),
+            Variant("skip+pairs+pipe", "gluon", gluon(replace(PAIRS_UP_TILE, skip=True),
+                                                      replace(SKIP_DOWN_TILE, pipelined=True)), same_as="pairs+pipe"),
             Variant("pipe2", "gluon", gluon(PIPELINED_UP_TILE, PIPELINED_DOWN_TILE))]
 
 
 def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> list[Variant]:
     """The cell's GEMMs alone on its layout, each a Variant whose call takes no arguments: gate-up (the plan's: the h
-    the down GEMMs read, zeros until it runs), gate-up skip, down, down skip, down pipe, down skip pipe."""
+    the down GEMMs read, zeros until it runs), gate-up skip, gate-up pairs, down, down skip, down pipe, down skip
+    pipe."""
     from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
     from moekit.experts.triton_gluon_fp8_launch import (
-        PIPELINED_DOWN_TILE, SKIP_DOWN_TILE, SKIP_UP_TILE, launch_gemm_fp8, plan_gluon_fp8,
+        PAIRS_UP_TILE, PIPELINED_DOWN_TILE, SKIP_DOWN_TILE, SKIP_UP_TILE, launch_gemm_fp8, plan_gluon_fp8,
     )
 
     w13_q, w13_s, w2_q, w2_s = q
@@ -68,6 +73,7 @@ def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> list[Variant]:
 
     return [Variant("gate-up", "gemm", up(plan.up, h_q, h_s)),
             Variant("gate-up skip", "gemm", up(SKIP_UP_TILE, h2_q, h2_s)),
+            Variant("gate-up pairs", "gemm", up(PAIRS_UP_TILE, h2_q, h2_s)),
             Variant("down", "gemm", down(plan.down)), Variant("down skip", "gemm", down(SKIP_DOWN_TILE)),
             Variant("down pipe", "gemm", down(PIPELINED_DOWN_TILE)),
             Variant("down skip pipe", "gemm", down(replace(SKIP_DOWN_TILE, pipelined=True)))]

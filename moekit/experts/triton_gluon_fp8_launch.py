@@ -40,6 +40,12 @@ class Fp8GluonTile:
     wide: bool = False  # down GEMM: [128, 256] tiles, two weight column blocks per A stage (the kernel's WIDE)
     pipelined: bool = False  # two wgmmas in flight, one's part folded in under the other (the kernel's PIPE)
     skip: bool = False  # a tile's second 64-row half with no real row neither loaded nor multiplied (SKIP)
+    pairs: bool = False  # gate-up: two pipelined passes over K, a stage 64 gate and 64 up rows (PAIRS)
+
+    @property
+    def w_block(self) -> tuple[int, int]:
+        """The weight descriptor's TMA box."""
+        return (GROUP // 2 if self.pairs else GROUP, GROUP)
 
     @property
     def block_n(self) -> int:
@@ -62,6 +68,8 @@ PIPELINED_UP_TILE = Fp8GluonTile(stages=3, pipelined=True)
 # Padding skipped by halves (issue 15, session 32): an option until the H200 measures it (``f8r32_device_check.py``).
 SKIP_UP_TILE = Fp8GluonTile(stages=3, skip=True)
 SKIP_DOWN_TILE = Fp8GluonTile(stages=5, skip=True)
+# The gate-up in two pipelined passes (issue 15, session 32): 5 x 32 KB + 2 x 8 KB e4m3 h + 2 x 16 KB float32 h.
+PAIRS_UP_TILE = Fp8GluonTile(stages=5, pairs=True)
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,7 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = gluon_descriptor(a, [HALF_M, GROUP])
-    w_desc = gluon_descriptor(w.view(num_experts * w_rows, reduce_dim), [GROUP, GROUP])
+    w_desc = gluon_descriptor(w.view(num_experts * w_rows, reduce_dim), list(tile.w_block))
     c_desc = gluon_descriptor(out, [HALF_M, GROUP])
     num_col_blocks = out.shape[1] // tile.block_n
     gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
@@ -139,6 +147,7 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), num_assignments, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                         CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined, SKIP=tile.skip,
+                        PAIRS=tile.pairs,
                         num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
 
 
@@ -147,6 +156,8 @@ def check_wide(tile: Fp8GluonTile, gated: bool, cols: int) -> None:
     pipelined (its two accumulators and two parts would not fit the registers)."""
     if tile.pipelined and tile.wide:
         raise ValueError(f"tile={tile}: the pipelined promotion is for the [128, 128] tiles alone")
+    if tile.pairs and (not gated or tile.wide or tile.pipelined):
+        raise ValueError(f"tile={tile}: pairs is the gate-up GEMM's own pipeline (gated={gated})")
     if not tile.wide:
         return
     if gated or cols % tile.block_n:

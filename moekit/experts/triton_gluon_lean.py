@@ -256,15 +256,15 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_gro
                            (reduce_dim, cols // tile.block_n, w_rows, gate_offset, a_groups, *scale.stride()[:2],
                             out_groups, num_assignments),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           WIDE=tile.wide, PIPE=tile.pipelined, SKIP=tile.skip, num_warps=CONSUMER_WARPS,
-                           maxnreg=tile.max_registers, **launch)
+                           WIDE=tile.wide, PIPE=tile.pipelined, SKIP=tile.skip, PAIRS=tile.pairs,
+                           num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers, **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
                ("h_s", torch.float32, (rows, inter // GROUP)), ("y", x.dtype, (rows, hidden))]
     return _Part(regions, gather, fp8_gemm(up, hidden, inter, 2 * inter, inter, groups, s13, inter // GROUP, True),
                  fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False),
-                 ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
+                 ((HALF_M, GROUP),) * 4, (up.w_block, down.w_block))
 
 
 def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
