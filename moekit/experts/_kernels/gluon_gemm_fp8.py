@@ -22,9 +22,10 @@ row over the tile's 128 columns (one h group): out e4m3 [T, N] by TMA, its scale
 Otherwise (down): out = the product in out's dtype (bf16); the routed weight is applied by the combine.
 WIDE (down only): a tile is [128, 256], two adjacent weight column blocks read like gate and up (gate_offset = 128,
 two accumulators per consumer), so each A stage feeds twice the MMA work; both halves stored as they are.
-
+PIPE / PAIRS (options): the promotion pipelined, two wgmmas in flight (``gluon_gemm_fp8_gateup`` for the gate-up's).
 SKIP (an option): a tile's second 64-row half that holds no real row (an expert's last block, <= 64 real rows) is
 neither loaded nor multiplied nor stored; the first consumer runs alone there.
+
 Persistent: one program per SM walks the tiles of the rows in use (``rows_used``, read on the device) in
 GROUP_M-swizzled order (``gluon_gemm._tile_of``). Gluon does not run in the interpreter (CUDA sm_90 only).
 Torch twin: ``moekit.experts.triton_gluon_fp8.experts_gluon_fp8_twin``.
