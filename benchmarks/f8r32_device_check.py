@@ -125,13 +125,34 @@ def summarize(name: str, cell: dict) -> None:
 GROUPS = {"plans": ("route", "gluon", "gate-up", "down"),
           "skip": ("skip", "skip+pipe", "gate-up skip", "down skip", "down skip pipe"),
           "pairs": ("pairs+pipe", "skip+pairs+pipe", "gate-up pairs"),
-          "pipe": ("pipe", "down pipe", "pipe2")}  # each a worker per preset, the gate-up's halves (pipe2) last
+          "pipe": ("pipe", "down pipe")}  # each a worker per preset (f8pp's halves gate-up, pipe2, lost 0.67-0.70x)
+ODD = ((4, 384, 384), (4, 128, 128))  # (E, K, N): 3 K-steps in both GEMMs (a pair and an odd step), 1 (odd alone)
+ODD_CALLS = ("gluon", "pipe", "skip+pipe", "pairs+pipe", "skip+pairs+pipe")
 
 
 def worker_groups(cells: list) -> tuple:
-    """The compile workers: GROUP@PRESET for each group and preset of ``cells``."""
+    """The compile workers: "odd" (the odd-K shapes, first: small) and GROUP@PRESET for each group and preset."""
     presets = dict.fromkeys(c.split(":")[1] for c in cells)
-    return tuple(f"{g}@{p}" for p in presets for g in GROUPS)
+    return ("odd",) + tuple(f"{g}@{p}" for p in presets for g in GROUPS)
+
+
+def check_odd() -> None:
+    """The pipelined loops' odd last K-step on the device (3 K-steps: a pair and an odd one; 1: the odd one alone), in
+    both GEMMs: each call against the twin (PASS / FAIL) and bit for bit against gluon (reported)."""
+    from f8pp_device_check import odd_problem
+
+    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8_twin
+
+    RESULTS["odd"] = {}
+    for e, k, n in ODD:
+        x, q, ids, rw = odd_problem(e, k, n, torch.device("cuda"))
+        ref = experts_gluon_fp8_twin(x, *q, ids, rw)
+        outs: dict = {}
+        name = f"odd K E={e} K={k} N={n}"
+        ok = [pdc.check(name, v, x, ids, rw, ref, "fp8", outs) for v in calls(q) if v.name in ODD_CALLS]
+        same = {v: torch.equal(outs[v], outs["gluon"]) for v in ODD_CALLS[1:] if v in outs and "gluon" in outs}
+        log(f"{name} vs gluon, bit-equal: {same}")
+        RESULTS["odd"][name] = {"pass": all(ok) and len(ok) == len(ODD_CALLS), "bit_equal": same}
 
 
 def worker(group: str, cells: list) -> int:
@@ -141,8 +162,10 @@ def worker(group: str, cells: list) -> int:
 
     from moekit.bench.cells import Shape, uniform_routing
 
-    name, preset = group.split("@")
     dev = torch.device("cuda")
+    if group == "odd":
+        return odd_worker(dev)
+    name, preset = group.split("@")
     s, q = Shape.from_preset(preset), zero_weights(preset, dev)
     jobs = []
     for i, m in enumerate(int(c.split(":")[2]) for c in cells if c.split(":")[1] == preset):
@@ -160,6 +183,23 @@ def worker(group: str, cells: list) -> int:
             print(f"FAIL {key}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
             continue
         print(f"OK {key}", flush=True)
+    return 0
+
+
+def odd_worker(dev) -> int:
+    """The odd-K shapes' calls once each, "OK odd" when all ran."""
+    from f8pp_device_check import odd_problem
+
+    try:
+        for shape in ODD:
+            x, q, ids, rw = odd_problem(*shape, dev)
+            for v in (v for v in calls(q) if v.name in ODD_CALLS):
+                v.call(x, ids, rw)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        print(f"FAIL odd: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
+        return 0
+    print("OK odd", flush=True)
     return 0
 
 
@@ -183,6 +223,11 @@ def main() -> int:
     ceil = replace(ceil, fp8_mm_TFLOPs=measure_fp8_mm(dev).TFLOPs)
     RESULTS["ceilings"] = {"copy_TBps": ceil.copy_TBps, "fp8_mm_TFLOPs": ceil.fp8_mm_TFLOPs}
     log(f"copy {ceil.copy_TBps:.2f} TB/s, fp8 mm {ceil.fp8_mm_TFLOPs:.0f} TFLOP/s; torch {torch.__version__}")
+    if "odd" in opts.ran:
+        check_odd()
+    else:
+        log("FAIL odd K: its worker did not finish (not run)")
+        pdc.FAILED.append("odd K")
     for spec in opts.cells:
         if time.perf_counter() - pdc.T0 > opts.deadline - 12:
             log(f"SKIP {spec}: deadline")

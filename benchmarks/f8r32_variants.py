@@ -1,5 +1,5 @@
 """The calls and GEMMs ``f8r32_device_check.py`` times: the route, the fp8 Gluon path with the plan's tiles and with
-the options (padding halves skipped, the pipelined promotion, both), and the GEMMs alone on a cell's layout."""
+the options (padding halves skipped, the pipelined promotion, the gate-up in pipelined passes), and the GEMMs alone on a cell's layout."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from prefill_variants import Variant  # noqa: E402
 
 def calls(q: tuple) -> list[Variant]:
     """route (the ``triton`` backend), gluon (the lean fp8 Gluon call, the plan's tiles), pipe (the down GEMM
-    pipelined), pipe2 (both), skip (both GEMMs skipping padding halves: bit-equal to gluon), skip+pipe (skip, the
+    pipelined), skip (both GEMMs skipping padding halves: bit-equal to gluon), skip+pipe (skip, the
     down GEMM pipelined: bit-equal to pipe), pairs+pipe (the gate-up in two pipelined passes, the down pipelined),
     skip+pairs+pipe (the same skipping padding halves: bit-equal to pairs+pipe)."""
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
     from moekit.experts.triton_gluon_fp8_launch import (
-        PAIRS_UP_TILE, PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, SKIP_DOWN_TILE, SKIP_UP_TILE,
+        PAIRS_UP_TILE, PIPELINED_DOWN_TILE, SKIP_DOWN_TILE, SKIP_UP_TILE,
     )
     from moekit.quant.fp8_block import Fp8BlockWeight
 
@@ -39,8 +39,8 @@ def calls(q: tuple) -> list[Variant]:
                     same_as="pipe"),
             Variant("pairs+pipe", "gluon", gluon(PAIRS_UP_TILE, PIPELINED_DOWN_TILE)),
             Variant("skip+pairs+pipe", "gluon", gluon(replace(PAIRS_UP_TILE, skip=True),
-                                                      replace(SKIP_DOWN_TILE, pipelined=True)), same_as="pairs+pipe"),
-            Variant("pipe2", "gluon", gluon(PIPELINED_UP_TILE, PIPELINED_DOWN_TILE))]
+                                                      replace(SKIP_DOWN_TILE, pipelined=True)), same_as="pairs+pipe")]
+
 
 
 def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> list[Variant]:
