@@ -125,7 +125,7 @@ def summarize(name: str, cell: dict) -> None:
 GROUPS = {"plans": ("route", "gluon", "gate-up", "down"),
           "skip": ("skip", "skip+pipe", "gate-up skip", "down skip", "down skip pipe"),
           "pairs": ("pairs+pipe", "skip+pairs+pipe", "gate-up pairs"),
-          "pipe": ("pipe", "down pipe")}  # each a worker per preset (f8pp's halves gate-up, pipe2, lost 0.67-0.70x)
+          "pipe": ("pipe", "down pipe")}  # a worker each and preset (f8pp's pipe2 lost 0.77-0.81x)
 ODD = ((4, 384, 384), (4, 128, 128))  # (E, K, N): 3 K-steps in both GEMMs (a pair and an odd step), 1 (odd alone)
 ODD_CALLS = ("gluon", "pipe", "skip+pipe", "pairs+pipe", "skip+pairs+pipe")
 

@@ -1,5 +1,6 @@
 """The calls and GEMMs ``f8r32_device_check.py`` times: the route, the fp8 Gluon path with the plan's tiles and with
-the options (padding halves skipped, the pipelined promotion, the gate-up in pipelined passes), and the GEMMs alone on a cell's layout."""
+the options (padding halves skipped, the pipelined promotion, the gate-up in pipelined passes), and the GEMMs alone
+on a cell's layout."""
 
 from __future__ import annotations
 
