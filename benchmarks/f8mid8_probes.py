@@ -73,8 +73,8 @@ def stream_fp8_kernel(a_desc, w_desc, experts_ptr, used_ptr, reduce_dim, num_col
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_hand_round, (ready, empty, used_ptr, reduce_dim, num_col_blocks, 2 * HALF_M, BLOCK_K, STAGES, ON)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, used_ptr, reduce_dim,
-                   num_col_blocks, w_rows, gate_offset, 0, GATED, GROUP_M, OFF, OFF, OFF)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   w_rows, gate_offset, GATED, GROUP_M, OFF)),
     ], [1], [24])
 
 
@@ -116,12 +116,12 @@ def consumers_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts
     mbarrier.init(bar.index(0), count=1)
     _fill_ring(a_desc, w_desc, a_bufs, w_bufs, bar.index(0), gate_offset, GATED, 2)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, a_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                     used_ptr, used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr,
-                     stride_cs, 0, FIRST_HALF, GATED, GROUP_M, OFF, OFF, OFF, OFF)),
-        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, a_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                     used_ptr, used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr,
-                     stride_cs, 0, SECOND_HALF, GATED, GROUP_M, OFF, OFF, OFF, OFF)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     FIRST_HALF, GATED, GROUP_M, OFF)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     SECOND_HALF, GATED, GROUP_M, OFF)),
         (_hand_round, (ready, empty, used_ptr, reduce_dim, num_col_blocks, 2 * HALF_M, BLOCK_K, STAGES, OFF)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -227,8 +227,8 @@ def unpromoted_fp8_kernel(a_desc, w_desc, c_desc, cs_ptr, experts_ptr, used_ptr,
                            num_col_blocks, stride_cs, FIRST_HALF, GATED, GROUP_M)),
         (_plain_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, cs_ptr, experts_ptr, used_ptr, reduce_dim,
                            num_col_blocks, stride_cs, SECOND_HALF, GATED, GROUP_M)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, used_ptr, reduce_dim,
-                   num_col_blocks, w_rows, gate_offset, 0, GATED, GROUP_M, OFF, OFF, OFF)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   w_rows, gate_offset, GATED, GROUP_M, OFF)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 

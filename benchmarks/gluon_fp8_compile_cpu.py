@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -121,19 +121,16 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
     e, n, k, t = 2, 256, 512, 1024
     fp8 = torch.float8_e4m3fn
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
-    args = dict(a_desc=_descriptor([t, r], [64, 128], fp8),
-                w_desc=_descriptor([e * w_rows, r], list(tile.w_block), fp8),
+    args = dict(a_desc=_descriptor([t, r], [64, 128], fp8), w_desc=_descriptor([e * w_rows, r], [128, 128], fp8),
                 c_desc=_descriptor([t, c], [64, 128], fp8 if gated else torch.bfloat16),
                 as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
                 experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
-                sorted_ptr=torch.empty(1, dtype=torch.int32),
                 reduce_dim=r, num_col_blocks=c // tile.block_n, w_rows=w_rows,
                 gate_offset=n if gated else (128 if tile.wide else 0),
                 stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
-                stride_wsr=r // 128, stride_cs=c // 128, num_assignments=t - 100)
+                stride_wsr=r // 128, stride_cs=c // 128)
     const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                 num_warps=4, WIDE=tile.wide, PIPE=tile.pipelined, SKIP=tile.skip,
-                 PAIRS=tile.pairs)
+                 num_warps=4, WIDE=tile.wide, PIPE=tile.pipelined)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
@@ -143,23 +140,19 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
     name = (f"{'gate-up' if gated else 'down'} stages={tile.stages} group_m={tile.group_m} "
             f"regs={tile.max_registers}/{tile.consumer_regs}" + (" wide" if tile.wide else "")
-            + "".join(f" {flag}" for flag in ("pipelined", "skip", "pairs") if getattr(tile, flag)))
+            + (" pipelined" if tile.pipelined else ""))
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
                     getattr(out, "n_spills", None), regs, *ptxas_report(ptx), ptx.count("wgmma.mma_async"))
 
 
 def main() -> int:
     from moekit.experts.triton_gluon_fp8_launch import (
-        DOWN_TILE, PAIRS_UP_TILE, PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, SKIP_DOWN_TILE, SKIP_UP_TILE, UP_TILE,
-        WIDE_DOWN_TILE,
+        DOWN_TILE, PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, UP_TILE, WIDE_DOWN_TILE,
     )
 
     failed = 0
     jobs = ((True, UP_TILE), (False, DOWN_TILE), (False, WIDE_DOWN_TILE),  # the plan's pipelines
-            (False, PIPELINED_DOWN_TILE), (True, PIPELINED_UP_TILE),  # the options (wgmmas: 24 and 32 expected)
-            (True, SKIP_UP_TILE), (False, SKIP_DOWN_TILE),  # padding halves skipped (16 and 8, as the plan's)
-            (True, replace(SKIP_UP_TILE, pipelined=True)), (False, replace(SKIP_DOWN_TILE, pipelined=True)),
-            (True, PAIRS_UP_TILE), (True, replace(PAIRS_UP_TILE, skip=True)))  # two passes: 2 x 8 wgmmas
+            (False, PIPELINED_DOWN_TILE), (True, PIPELINED_UP_TILE))  # the options (wgmmas: 24 and 32 expected)
     for gated, tile in jobs:
         try:
             c = compile_fp8_gemm(gated, tile)

@@ -149,10 +149,9 @@ def fp8_case(gated: bool, tile):
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
     ints = dict(reduce_dim=r, num_col_blocks=c // tile.block_n, w_rows=w_rows,
                 gate_offset=n if gated else (128 if tile.wide else 0), stride_as=r // 128,
-                stride_wse=w_rows * r // 128 ** 2, stride_wsr=r // 128, stride_cs=c // 128, num_assignments=T - 100)
+                stride_wse=w_rows * r // 128 ** 2, stride_wsr=r // 128, stride_cs=c // 128)
     ptrs = dict(as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
-                experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
-                sorted_ptr=torch.empty(1, dtype=torch.int32))
+                experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32))
     args = ptrs | ints | dict(a_desc=desc([T, r], [64, 128], fp8), w_desc=desc([E * w_rows, r], [128, 128], fp8),
                               c_desc=desc([T, c], [64, 128], fp8 if gated else torch.bfloat16))
     const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,

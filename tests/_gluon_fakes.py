@@ -96,11 +96,10 @@ def wo_gemm(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, W_ROWS,
         c[rows] = product.to(c.dtype)
 
 
-def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, sorted_ptr, num_col_blocks,
-             w_rows, gate_offset, num_assignments, GATED, WIDE=False, SKIP=False, **_):
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, num_col_blocks, w_rows,
+             gate_offset, GATED, WIDE=False, **_):
     """Down GEMM: tile by tile as the kernel addresses them (WIDE: column block cb's weight rows cb*256.. and
-    cb*256 + gate_offset..), so a wrong num_col_blocks or gate_offset leaves NaN columns or wrong ones. SKIP: a
-    block's second 64-row half whose first row is padding (sorted_ptr >= num_assignments) is not written."""
+    cb*256 + gate_offset..), so a wrong num_col_blocks or gate_offset leaves NaN columns or wrong ones."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
     step = 2 * BLOCK if WIDE else BLOCK  # output columns per tile
@@ -108,8 +107,6 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
         e = int(experts_ptr[block])
         w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         for first in (block * BLOCK, block * BLOCK + half):  # the two consumers' 64-row halves
-            if SKIP and first % BLOCK and int(sorted_ptr[first]) >= num_assignments:
-                continue
             rows = slice(first, first + half)
             a_deq = _dequant_rows(a[rows], as_ptr[rows])  # [64, R]
             product = a_deq @ w_e[:cols].T

@@ -1,7 +1,8 @@
 """The fp8 Gluon GEMMs with the pipelined promotion (``Fp8GluonTile.pipelined``, the kernel's PIPE) on the CPU: the
 option reaches the plain and the lean launches (each GEMM's own), with the GEMMs as torch stand-ins
 (``_gluon_fakes.fp8_gemm``) equal to the default tiles bit for bit and to the recipe in float64; the wide tile's
-refusal; no plan takes it. The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` on the H200,
+refusal; the plan takes the pipelined down tile from 256 rows an expert (below the wide tile), never the gate-up's.
+The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` / ``f8r32_device_check.py`` on the H200,
 compiled offline by ``benchmarks/gluon_fp8_compile_cpu.py``."""
 
 from __future__ import annotations
@@ -59,11 +60,14 @@ def test_pipelined_wide_tile_is_refused():
         launch_gemm_fp8(*_dummies(256), tile=Fp8GluonTile(stages=3, wide=True, pipelined=True), gated=False)
 
 
-@pytest.mark.parametrize("num_tokens, top_k, num_experts, hidden", [
-    (512, 2, 8, 4096), (1024, 2, 8, 4096), (4096, 8, 256, 7168), (16384, 2, 8, 4096),
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, hidden, down_pipelined", [
+    (512, 2, 8, 4096, False), (1024, 2, 8, 4096, True), (4096, 8, 256, 7168, False), (8192, 2, 8, 4096, True),
+    (16384, 2, 8, 4096, False),  # 128 rows an expert: no; 256 and 2048: yes; 4096: the wide down tile
 ])
-def test_no_plan_takes_the_pipelined_tile(num_tokens, top_k, num_experts, hidden):
+def test_the_plan_pipelines_the_down_gemm_from_256_rows_an_expert(num_tokens, top_k, num_experts, hidden,
+                                                                    down_pipelined):
     plan = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden)
-    assert not plan.up.pipelined and not plan.down.pipelined
+    assert plan.down.pipelined == down_pipelined and not plan.up.pipelined
+    assert plan.down.wide == (num_tokens * top_k >= 4096 * num_experts)
     given = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden, up=PIPELINED_UP_TILE, down=PIPELINED_DOWN_TILE)
     assert given.up.pipelined and given.down.pipelined

@@ -138,7 +138,6 @@ class Fp8GluonLayout:
     block_experts: torch.Tensor  # [R // 128] int32; -1 past rows_used
     rows_used: torch.Tensor  # [1] int32; a multiple of 128
     src_to_dst: torch.Tensor  # [M, k] int32; row of assignment (t, j), -1 when not routed here
-    sorted_ids: torch.Tensor  # [R] int32; the assignment of each row, M * k on padding
 
 
 def gluon_fp8_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -156,8 +155,7 @@ def gluon_fp8_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     x_s = torch.empty(rows, cdiv(hidden, GROUP), device=x.device, dtype=torch.float32)
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
     launch_gather_quant(x, blocks.sorted_ids, top_k, x_q, x_s, dst, gather_groups)
-    return Fp8GluonLayout(x_q, x_s, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k),
-                          blocks.sorted_ids)
+    return Fp8GluonLayout(x_q, x_s, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k))
 
 
 def experts_gluon_fp8(
@@ -204,12 +202,11 @@ def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights
     rows = layout.x_q.shape[0]
     h_q = torch.empty(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]; rows past rows_used unwritten
     h_s = torch.empty(rows, inter // GROUP, device=x.device, dtype=torch.float32)
-    common = dict(sorted_ids=layout.sorted_ids, num_assignments=topk_ids.numel())
     launch_gemm_fp8(layout.x_q, layout.x_s, w13_q, w13_scale, h_q, h_s, layout.block_experts, layout.rows_used,
-                    plan.up, gated=True, gate_offset=inter, **common)
+                    plan.up, gated=True, gate_offset=inter)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm_fp8(h_q, h_s, w2_q, w2_scale, y, None, layout.block_experts, layout.rows_used, plan.down,
-                    gated=False, **common)
+                    gated=False)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out

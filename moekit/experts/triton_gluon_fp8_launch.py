@@ -20,6 +20,7 @@ GATHER_ROWS = 16  # rows per program of the gather-quantize kernel
 GATHER_GROUPS = 1  # 128-column groups per program of the gather-quantize kernel (the plan's without the wide tile)
 WIDE_GATHER_GROUPS = 4  # with the wide down tile (a power of 2: the kernel's tl.arange)
 WIDE_MIN_ROWS = 4096  # assignments per local expert from which the plan takes the wide down tile
+PIPE_DOWN_MIN_ROWS = 256  # from which (below WIDE_MIN_ROWS) it takes the pipelined down tile (``wants_pipelined_down``)
 _KERNELS = "moekit.experts._kernels"
 
 
@@ -39,13 +40,6 @@ class Fp8GluonTile:
     max_registers: int = 160
     wide: bool = False  # down GEMM: [128, 256] tiles, two weight column blocks per A stage (the kernel's WIDE)
     pipelined: bool = False  # two wgmmas in flight, one's part folded in under the other (the kernel's PIPE)
-    skip: bool = False  # a tile's second 64-row half with no real row neither loaded nor multiplied (SKIP)
-    pairs: bool = False  # gate-up: two pipelined passes over K, a stage 64 gate and 64 up rows (PAIRS)
-
-    @property
-    def w_block(self) -> tuple[int, int]:
-        """The weight descriptor's TMA box."""
-        return (GROUP // 2 if self.pairs else GROUP, GROUP)
 
     @property
     def block_n(self) -> int:
@@ -60,16 +54,11 @@ class Fp8GluonTile:
 UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
 WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB
-# The pipelined promotion (issue 15, session 31): options, no plan's default until the H200 measures them faster
-# (``benchmarks/f8pp_device_check.py``). sm_90a, ptxas -v (Triton 3.6 / 3.9): the down GEMM (K-steps in pairs) no
-# spills; the gate-up (64-column halves chained) 224 / 264 B of spill stores in the K loop; neither serialized.
+# The pipelined promotion (issue 15, sessions 31-32): the down GEMM's K-steps in pairs (sm_90a, ptxas -v, Triton 3.6 /
+# 3.9: no spills, not serialized), the plan's from PIPE_DOWN_MIN_ROWS; the gate-up's option (64-column halves chained:
+# 224 / 264 B of spill stores in the K loop) lost 0.67-0.70x alone on the H200 and no plan takes it.
 PIPELINED_DOWN_TILE = Fp8GluonTile(stages=5, pipelined=True)
 PIPELINED_UP_TILE = Fp8GluonTile(stages=3, pipelined=True)
-# Padding skipped by halves (issue 15, session 32): an option until the H200 measures it (``f8r32_device_check.py``).
-SKIP_UP_TILE = Fp8GluonTile(stages=3, skip=True)
-SKIP_DOWN_TILE = Fp8GluonTile(stages=5, skip=True)
-# The gate-up in two pipelined passes (issue 15, session 32): 5 x 32 KB + 2 x 8 KB e4m3 h + 2 x 16 KB float32 h.
-PAIRS_UP_TILE = Fp8GluonTile(stages=5, pairs=True)
 
 
 @dataclass(frozen=True)
@@ -92,6 +81,16 @@ def wants_wide_down(num_tokens: int, top_k: int, num_experts: int, hidden: int) 
     return num_tokens * top_k >= WIDE_MIN_ROWS * num_experts and hidden % WIDE_DOWN_TILE.block_n == 0
 
 
+def wants_pipelined_down(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether the plan takes the pipelined down tile: PIPE_DOWN_MIN_ROWS <= M * k / E (below the wide tile's
+    WIDE_MIN_ROWS: ``wants_wide_down`` comes first). H200, Triton 3.6, CUDA-graph replay, 5 rounds, every call PASS
+    and bit-equal to the plan's tiles: Mixtral M = 1024 (256 rows an expert) 930.8 against the route's 967.2 µs
+    (x1.039, >= 3% faster in 5/5; raw ...-1d841ab-f8pp) and 923.1 against 970.0 with the plan's tiles (x1.051,
+    5/5; settled rounds, ...-76a8820-f8r32-ck1), eager wall 1022 against 1053 µs; the down GEMM alone x1.136 /
+    x1.147. Not at 128 rows an expert: Mixtral M = 512 x1.018-1.028 (1-2/5), DeepSeek-V3 M = 4096 x1.003 (0/5)."""
+    return num_tokens * top_k >= PIPE_DOWN_MIN_ROWS * num_experts
+
+
 def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, hidden: int, up: Fp8GluonTile | None = None,
                    down: Fp8GluonTile | None = None, gather_groups: int | None = None) -> Fp8GluonPlan:
     """The plan of a call; ``up``, ``down``, ``gather_groups`` given replace the choice's each alone."""
@@ -100,8 +99,9 @@ def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, hidden: int, u
     if gather_groups is not None and (gather_groups < 1 or gather_groups & (gather_groups - 1)):
         raise ValueError(f"gather_groups={gather_groups}: expected a power of 2 (the gather kernel's tl.arange)")
     wide = wants_wide_down(num_tokens, top_k, num_experts, hidden)
+    pipelined = wants_pipelined_down(num_tokens, top_k, num_experts)
     return Fp8GluonPlan(max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M), up or UP_TILE,
-                        down or (WIDE_DOWN_TILE if wide else DOWN_TILE),
+                        down or (WIDE_DOWN_TILE if wide else PIPELINED_DOWN_TILE if pipelined else DOWN_TILE),
                         gather_groups or (WIDE_GATHER_GROUPS if wide else GATHER_GROUPS))
 
 
@@ -120,34 +120,28 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                     out_s: torch.Tensor | None, block_experts: torch.Tensor, rows_used: torch.Tensor,
-                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0, sorted_ids: torch.Tensor | None = None,
-                    num_assignments: int = 0):
+                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0):
     """out [T, C] = act(block-scaled a [T, R] @ w[e]^T) per row block. a e4m3, a_s [T, R/128] float32
     (unit column stride); w e4m3 [E, W_ROWS, R] contiguous, w_s [E, W_ROWS/128, R/128] float32 contiguous;
     gated: out e4m3 h [T, N] and out_s [T, N/128] its scales, gate rows c.. and up rows gate_offset + c..
     (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
-    tensor (a multiple of 128, <= T). ``sorted_ids`` [T] int32 (the layout's assignment per row, >= ``num_assignments``
-    on padding): read by a ``skip`` tile alone. Returns what the launch returns (Triton's compiled kernel: its
+    tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
     registers, spills and PTX for the device check)."""
     check_wide(tile, gated, out.shape[1])
-    if tile.skip and sorted_ids is None:
-        raise ValueError(f"tile={tile}: a skip tile reads the layout's sorted_ids")
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = gluon_descriptor(a, [HALF_M, GROUP])
-    w_desc = gluon_descriptor(w.view(num_experts * w_rows, reduce_dim), list(tile.w_block))
+    w_desc = gluon_descriptor(w.view(num_experts * w_rows, reduce_dim), [GROUP, GROUP])
     c_desc = gluon_descriptor(out, [HALF_M, GROUP])
     num_col_blocks = out.shape[1] // tile.block_n
     gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
     max_tiles = cdiv(a.shape[0], BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     out_s = a_s if out_s is None else out_s  # never written by the down GEMM
-    sorted_ids = rows_used if sorted_ids is None else sorted_ids  # never read without SKIP
-    return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, sorted_ids, reduce_dim,
+    return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
-                        out_s.stride(0), num_assignments, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                        CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined, SKIP=tile.skip,
-                        PAIRS=tile.pairs,
+                        out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                        CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined,
                         num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
 
 
@@ -156,8 +150,6 @@ def check_wide(tile: Fp8GluonTile, gated: bool, cols: int) -> None:
     pipelined (its two accumulators and two parts would not fit the registers)."""
     if tile.pipelined and tile.wide:
         raise ValueError(f"tile={tile}: the pipelined promotion is for the [128, 128] tiles alone")
-    if tile.pairs and (not gated or tile.wide or tile.pipelined):
-        raise ValueError(f"tile={tile}: pairs is the gate-up GEMM's own pipeline (gated={gated})")
     if not tile.wide:
         return
     if gated or cols % tile.block_n:

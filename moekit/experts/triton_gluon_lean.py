@@ -84,12 +84,11 @@ class GluonLeanPlan:
     # down tile's tail's (None without one: ``GluonTile.tail``)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
-    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded (fp8, bf16 on
-    # 256-row tiles: then sorted_ids); with the gather in its loader: x, sorted_ids, dst, W, C descriptors,
-    # expert_ids, num_padded
+    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded (bf16 on 256-row tiles:
+    # then sorted_ids); with the gather in its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
     up: BoundLaunch
-    # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same (fp8: and
-    # sorted_ids); with a tail (bf16): A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
+    # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same; with a tail (bf16):
+    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
     blk256: bool = False  # the gate-up GEMM on 256-row tiles: a sixth pointer, sorted_ids
@@ -252,19 +251,19 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_gro
                  out_groups: int, gated: bool):
         check_wide(tile, gated, cols)
         gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
-        return BoundLaunch(gemm, grid(cols, tile.block_n), 9,
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 8,
                            (reduce_dim, cols // tile.block_n, w_rows, gate_offset, a_groups, *scale.stride()[:2],
-                            out_groups, num_assignments),
+                            out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           WIDE=tile.wide, PIPE=tile.pipelined, SKIP=tile.skip, PAIRS=tile.pairs,
-                           num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers, **launch)
+                           WIDE=tile.wide, PIPE=tile.pipelined, num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers,
+                           **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
                ("h_s", torch.float32, (rows, inter // GROUP)), ("y", x.dtype, (rows, hidden))]
     return _Part(regions, gather, fp8_gemm(up, hidden, inter, 2 * inter, inter, groups, s13, inter // GROUP, True),
                  fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False),
-                 ((HALF_M, GROUP),) * 4, (up.w_block, down.w_block))
+                 ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
 
 
 def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
@@ -299,8 +298,8 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
     rows = (b["expert_ids"], b["num_padded"])
     if plan.fp8:
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_q"], b["x_s"], b["dst"])),
-                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows, b["sorted_ids"])),
-                     (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows, b["sorted_ids"]))]
+                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
+                     (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
         t_down, ct_down = acts[4:]
         up_rows = rows + (b["sorted_ids"],) if plan.blk256 else rows  # 256-row tiles: sorted_ids, a sixth pointer

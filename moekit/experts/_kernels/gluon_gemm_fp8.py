@@ -22,9 +22,6 @@ row over the tile's 128 columns (one h group): out e4m3 [T, N] by TMA, its scale
 Otherwise (down): out = the product in out's dtype (bf16); the routed weight is applied by the combine.
 WIDE (down only): a tile is [128, 256], two adjacent weight column blocks read like gate and up (gate_offset = 128,
 two accumulators per consumer), so each A stage feeds twice the MMA work; both halves stored as they are.
-PIPE / PAIRS (options): the promotion pipelined, two wgmmas in flight (``gluon_gemm_fp8_gateup`` for the gate-up's).
-SKIP (an option): a tile's second 64-row half that holds no real row (an expert's last block, <= 64 real rows) is
-neither loaded nor multiplied nor stored; the first consumer runs alone there.
 
 Persistent: one program per SM walks the tiles of the rows in use (``rows_used``, read on the device) in
 GROUP_M-swizzled order (``gluon_gemm._tile_of``). Gluon does not run in the interpreter (CUDA sm_90 only).
@@ -40,7 +37,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from moekit.experts._kernels.gluon_gemm import _tile_of
-from moekit.experts._kernels.gluon_gemm_fp8_gateup import _halves_epilogue, _k_loop_gated_paired, _pairs_tile
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -50,17 +46,15 @@ SECOND_HALF = gl.constexpr(1)
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, sorted_ptr, reduce_dim,
-            num_col_blocks, w_rows, gate_offset, num_assignments, GATED: gl.constexpr, GROUP_M: gl.constexpr,
-            WIDE: gl.constexpr, SKIP: gl.constexpr, PAIRS: gl.constexpr):
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+            w_rows, gate_offset, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr):
     HALF_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]  # PAIRS: 64 (a stage: 64 gate rows, then 64 up rows)
-    WTILES: gl.constexpr = 2 if (GATED or WIDE) and not PAIRS else 1
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
-    COL_STEP: gl.constexpr = BLOCK_N * (2 if WIDE or PAIRS else 1)  # weight rows per column block of the tile walk
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes if PAIRS else (
-        2 * a_desc.block_type.nbytes + WTILES * w_desc.block_type.nbytes)
+    COL_STEP: gl.constexpr = BLOCK_N * (2 if WIDE else 1)  # weight rows per column block of the tile walk
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + WTILES * w_desc.block_type.nbytes
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
@@ -68,41 +62,23 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         w_row = gl.load(experts_ptr + rb) * w_rows + cb * COL_STEP
-        live = _second_half_live(sorted_ptr, rb * 2 * HALF_M + HALF_M, num_assignments, SKIP)
-        for kk in range(k_steps * (2 if PAIRS else 1)):  # PAIRS: two passes over K, 64 of the tile's columns each
+        for kk in range(k_steps):
             s = it % STAGES
-            if PAIRS:
-                k_col = (kk % k_steps) * BLOCK_K
-                w_off = (kk // k_steps) * BLOCK_N
-            else:
-                k_col = kk * BLOCK_K
-                w_off = 0
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
-            if SKIP:  # one expect: the second A half's bytes only where it is loaded
-                mbarrier.expect(ready.index(s), nbytes, pred=live)
-                mbarrier.expect(ready.index(s), nbytes - a_desc.block_type.nbytes, pred=live == 0)
-            else:
-                mbarrier.expect(ready.index(s), nbytes)
-            _tma_load(a_desc, [rb * 2 * HALF_M, k_col], ready.index(s), a_bufs.index(2 * s))
-            _tma_load(a_desc, [rb * 2 * HALF_M + HALF_M, k_col], ready.index(s), a_bufs.index(2 * s + 1), pred=live)
-            if PAIRS:
-                _tma_load(w_desc, [w_row + w_off, k_col], ready.index(s), w_bufs.index(s).slice(0, BLOCK_N))
-                _tma_load(w_desc, [w_row + gate_offset + w_off, k_col], ready.index(s),
-                          w_bufs.index(s).slice(BLOCK_N, BLOCK_N))
-            else:
-                _tma_load(w_desc, [w_row, k_col], ready.index(s), w_bufs.index(s * WTILES))
-                if GATED or WIDE:
-                    _tma_load(w_desc, [w_row + gate_offset, k_col], ready.index(s), w_bufs.index(s * WTILES + 1))
+            mbarrier.expect(ready.index(s), nbytes)
+            _tma_load(a_desc, [rb * 2 * HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s))
+            _tma_load(a_desc, [rb * 2 * HALF_M + HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s + 1))
+            _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES))
+            if GATED or WIDE:
+                _tma_load(w_desc, [w_row + gate_offset, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
             it += 1
 
 
 @gluon.jit
-def _consumer(c_desc, a_bufs, w_bufs, c_bufs, h_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-              sorted_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-              num_assignments, HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr,
-              PIPE: gl.constexpr, SKIP: gl.constexpr, PAIRS: gl.constexpr):
-    """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA (SKIP: the second
-    half of a tile whose rows are all padding only releases the stages)."""
+def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+              reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr, PIPE: gl.constexpr):
+    """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -111,83 +87,32 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, h_bufs, ready, empty, as_ptr, ws_p
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    up_block = gate_offset // BLOCK_N  # the up rows' first weight block (WIDE: the next column block, 1)
+    col_blocks: gl.constexpr = 2 if WIDE else 1  # weight scale blocks per tile column block
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         row0 = rb * 2 * HALF_M + HALF * HALF_M
-        if HALF == 1 and SKIP:
-            if _second_half_live(sorted_ptr, row0, num_assignments, SKIP):
-                it = _tile(c_desc, a_bufs, w_bufs, c_bufs, h_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                           reduce_dim, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs, rb, cb, row0, it,
-                           HALF, GATED, WIDE, PIPE, PAIRS, layout)
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
+        as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
+        ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
+        if PIPE and GATED:
+            gate_lo, gate_hi, up_lo, up_hi, it = _k_loop_gated_paired(
+                a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr, k_steps, it, HALF)
+            _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_bufs.index(HALF),
+                             cs_ptr + rows * stride_cs + cb, row0, cb, layout)
+        else:
+            if PIPE:
+                acc, it = _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, k_steps, it, HALF, layout)
+                up = acc  # unused: the down GEMM's
             else:
-                it = _release(ready, empty, k_steps * (2 if PAIRS else 1), it,
-                              w_bufs.type.shape[0] // (2 if (GATED or WIDE) and not PAIRS else 1))
-        else:
-            it = _tile(c_desc, a_bufs, w_bufs, c_bufs, h_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                       reduce_dim, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs, rb, cb, row0, it, HALF,
-                       GATED, WIDE, PIPE, PAIRS, layout)
+                acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate,
+                                      ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, layout)
+            if WIDE:
+                _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
+            else:
+                _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _second_half_live(sorted_ptr, row, num_assignments, SKIP: gl.constexpr):
-    """Whether a tile's second 64-row half holds a real row (its first row, ``row``, is one: an expert's real rows
-    come first in its segment); always without SKIP."""
-    if SKIP:
-        live = gl.load(sorted_ptr + row) < num_assignments
-    else:
-        live = True
-    return live
-
-
-@gluon.jit
-def _release(ready, empty, k_steps, it, STAGES: gl.constexpr):
-    """A consumer with no real rows in a tile: each stage released once its loads landed (so it never arrives twice
-    in one phase of ``empty``); the ring position after the tile."""
-    for kk in range(k_steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
-        it += 1
-    return it
-
-
-@gluon.jit
-def _tile(c_desc, a_bufs, w_bufs, c_bufs, h_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, reduce_dim,
-          gate_offset, stride_as, stride_wse, stride_wsr, stride_cs, rb, cb, row0, it, HALF: gl.constexpr,
-          GATED: gl.constexpr, WIDE: gl.constexpr, PIPE: gl.constexpr, PAIRS: gl.constexpr, layout: gl.constexpr):
-    """This consumer's 64 rows of tile (rb, cb) from ``row0``: the K loop and the epilogue; the ring position after."""
-    HALF_M: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
-    up_block = gate_offset // BLOCK_N  # the up rows' first weight block (WIDE: the next column block, 1)
-    col_blocks: gl.constexpr = 2 if WIDE else 1  # weight scale blocks per tile column block
-    rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
-    as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
-    ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
-    if PAIRS:
-        it = _pairs_tile(a_bufs, w_bufs, ready, empty, h_bufs.index(HALF), c_desc, c_bufs.index(HALF), as_ptrs,
-                         ws_gate, ws_gate + up_block * stride_wsr, cs_ptr + rows * stride_cs + cb, row0, cb, k_steps,
-                         it, HALF, layout)
-    elif PIPE and GATED:
-        gate_lo, gate_hi, up_lo, up_hi, it = _k_loop_gated_paired(
-            a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr, k_steps, it, HALF)
-        _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_bufs.index(HALF),
-                         cs_ptr + rows * stride_cs + cb, row0, cb, layout)
-    else:
-        if PIPE:
-            acc, it = _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, k_steps, it, HALF, layout)
-            up = acc  # unused: the down GEMM's
-        else:
-            acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate,
-                                  ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, layout)
-        if WIDE:
-            _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
-        else:
-            _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
-    return it
 
 
 @gluon.jit
@@ -277,6 +202,71 @@ def _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_ptrs, k_steps, it, 
 
 
 @gluon.jit
+def _k_loop_gated_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr):
+    """PIPE on the gate-up GEMM: each weight tile's wgmma split in two 64-column halves (two [64, 128] accumulators
+    and two [64, 128] parts are 256 registers a thread; in halves, four [64, 64] accumulators and two parts in
+    flight, 192), chained two in flight (each part folded in while the next one runs), all retired inside the step.
+    (gate's and up's column halves [64, 64] float32, the ring position after it)."""
+    HALF_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
+    SUB: gl.constexpr = BLOCK_N // 2
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // 2
+    sub: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB, 32])
+    gate_lo = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    gate_hi = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    up_lo = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    up_hi = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    zero = gl.zeros([HALF_M, SUB], gl.float32, sub)
+    as_ptrs = gl.convert_layout(as_ptrs, gl.SliceLayout(1, sub))
+    a_scale = gl.load(as_ptrs)  # [64] K-step 0's; each step loads the next one's while its MMAs run
+    for kk in range(k_steps):
+        s = it % STAGES
+        s_gate = a_scale * gl.load(ws_gate + kk)
+        s_up = a_scale * gl.load(ws_up + kk)
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_bufs.index(2 * s + HALF)
+        w_gate = w_bufs.index(2 * s)
+        w_up = w_bufs.index(2 * s + 1)
+        p0 = warpgroup_mma(a, w_gate.slice(0, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = warpgroup_mma(a, w_gate.slice(SUB, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
+        next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
+        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+        gate_lo += p0 * s_gate[:, None]
+        p2 = warpgroup_mma(a, w_up.slice(0, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+        gate_hi += p1 * s_gate[:, None]
+        p3 = warpgroup_mma(a, w_up.slice(SUB, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = warpgroup_mma_wait(num_outstanding=1, deps=(p2,))
+        up_lo += p2 * s_up[:, None]
+        p3 = warpgroup_mma_wait(num_outstanding=0, deps=(p3,))
+        mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
+        up_hi += p3 * s_up[:, None]
+        a_scale = next_scale
+        it += 1
+    return gate_lo, gate_hi, up_lo, up_hi, it
+
+
+@gluon.jit
+def _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_buf, cs_ptrs, row0, cb, layout: gl.constexpr):
+    """``_epilogue``'s GATED store from the tile's column halves [64, 64]: h = silu(gate) * up per half, one scale
+    per row over both (the h group), the e4m3 halves joined side by side in ``layout`` (the 128-wide wgmma layout:
+    a register permutation) on their way to SMEM."""
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    tma.store_wait(0)  # the last tile's store has read c_buf
+    h_lo = gate_lo / (1.0 + gl.exp(-gate_lo)) * up_lo  # [64, 64] fp32
+    h_hi = gate_hi / (1.0 + gl.exp(-gate_hi)) * up_hi
+    amax = gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1))
+    h_scale = gl.where(amax > 0, amax / 448.0, 1.0)
+    q_lo = gl.minimum(gl.maximum(h_lo / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype)
+    q_hi = gl.minimum(gl.maximum(h_hi / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype)
+    both = gl.permute(gl.join(q_lo, q_hi), (0, 2, 1))  # [64, 2, 64]
+    c_buf.store(gl.convert_layout(gl.reshape(both, [q_lo.shape[0], BLOCK_N]), layout))
+    gl.store(cs_ptrs, gl.convert_layout(h_scale, gl.SliceLayout(1, layout)))
+    fence_async_shared()
+    _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
+
+
+@gluon.jit
 def _wide_epilogue(acc, right, c_desc, c_left, c_right, row0, cb):
     """WIDE: one half tile's two [64, 128] column blocks 2cb, 2cb + 1 out by TMA in c_desc's dtype. Each goes
     through a blocked layout on its way to SMEM: stored from the wgmma layout (stmatrix), ptxas kept the loop's
@@ -310,35 +300,24 @@ def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
 
 
 @gluon.jit
-def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, sorted_ptr,
-                            reduce_dim, num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr,
-                            stride_cs, num_assignments, GATED: gl.constexpr, STAGES: gl.constexpr,
-                            GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                            WIDE: gl.constexpr = False, PIPE: gl.constexpr = False, SKIP: gl.constexpr = False,
-                            PAIRS: gl.constexpr = False):
+def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
+                            num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                            GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, WIDE: gl.constexpr = False,
+                            PIPE: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
-    a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128] (PAIRS: [64, 128]); c_desc
-    [T, C] blocks [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr
-    [E, W_ROWS/128, R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only;
-    row stride stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks =
-    C/128. num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
+    a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
+    [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
+    R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only; row stride
+    stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
+    num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
     WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128].
     PIPE (not WIDE): two wgmmas in flight, one's part folded in while the other runs (``_k_loop_paired``,
-    ``gluon_gemm_fp8_gateup._k_loop_gated_paired``). PAIRS (gate-up only, not PIPE): the tile's columns in two
-    passes over K, a stage their 64 gate rows and 64 up rows, pipelined (``gluon_gemm_fp8_gateup._pairs_tile``).
-    SKIP: a tile's second 64-row half whose first row is padding (sorted_ptr [T] int32, the layout's assignment per
-    row: >= num_assignments on padding) is neither loaded, multiplied nor stored (read only with SKIP)."""
-    WTILES: gl.constexpr = 2 if GATED or WIDE else 1  # PAIRS: one [128, 128] tile of two [64, 128] boxes
+    ``_k_loop_gated_paired``)."""
+    WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    if PAIRS:
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2 * w_desc.block_type.shape[0],
-                                                          w_desc.block_type.shape[1]], w_desc.layout)
-        h_bufs = gl.allocate_shared_memory(gl.float32, [2, a_desc.block_type.shape[0], w_desc.block_type.shape[0]],
-                                           gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))  # a pass's h a consumer
-    else:
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
-        h_bufs = a_bufs  # unused
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [OUT_BUFS] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -346,12 +325,12 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, h_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                     used_ptr, sorted_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr,
-                     stride_cs, num_assignments, FIRST_HALF, GATED, GROUP_M, WIDE, PIPE, SKIP, PAIRS)),
-        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, h_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr,
-                     used_ptr, sorted_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr,
-                     stride_cs, num_assignments, SECOND_HALF, GATED, GROUP_M, WIDE, PIPE, SKIP, PAIRS)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, sorted_ptr, reduce_dim,
-                   num_col_blocks, w_rows, gate_offset, num_assignments, GATED, GROUP_M, WIDE, SKIP, PAIRS)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     FIRST_HALF, GATED, GROUP_M, WIDE, PIPE)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     SECOND_HALF, GATED, GROUP_M, WIDE, PIPE)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   w_rows, gate_offset, GATED, GROUP_M, WIDE)),
     ], [4, 1], [CONSUMER_REGS, 24])
