@@ -1,7 +1,7 @@
-"""The fp8 Gluon GEMMs with the pipelined promotion (``Fp8GluonTile.pipelined``, the kernel's PIPE) on the CPU: the
-option reaches the plain and the lean launches (each GEMM's own), with the GEMMs as torch stand-ins
+"""The fp8 Gluon down GEMM with the pipelined promotion (``Fp8GluonTile.pipelined``, the kernel's PIPE) on the CPU: the
+tile reaches the plain and the lean launches, with the GEMMs as torch stand-ins
 (``_gluon_fakes.fp8_gemm``) equal to the default tiles bit for bit and to the recipe in float64; the wide tile's
-refusal; the plan takes the pipelined down tile from 256 rows an expert (below the wide tile), never the gate-up's.
+and the gate-up's refusals; the plan takes the pipelined down tile from 256 rows an expert (below the wide tile).
 The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` / ``f8r32_device_check.py`` on the H200,
 compiled offline by ``benchmarks/gluon_fp8_compile_cpu.py``."""
 
@@ -15,7 +15,7 @@ from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts.triton_gluon_fp8_launch import (
-    DOWN_TILE, PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, UP_TILE, Fp8GluonTile, launch_gemm_fp8, plan_gluon_fp8,
+    DOWN_TILE, PIPELINED_DOWN_TILE, UP_TILE, Fp8GluonTile, launch_gemm_fp8, plan_gluon_fp8,
 )
 
 E, N, K = 4, 384, 256  # the down GEMM: 3 K-steps of 128 (a pair and an odd last step in the kernel)
@@ -30,24 +30,19 @@ def _problem(m, k=2, seed=0):
     return x, (*q13, *q2), ids, torch.rand(m, k, generator=g)
 
 
-@pytest.mark.parametrize("up, down, gate_up_pipe, down_pipe", [
-    (UP_TILE, PIPELINED_DOWN_TILE, False, True),
-    (PIPELINED_UP_TILE, DOWN_TILE, True, False),
-    (PIPELINED_UP_TILE, PIPELINED_DOWN_TILE, True, True),
-])
-def test_pipelined_tiles_reach_both_launches_and_equal_the_recipe(fake_gemms, up, down, gate_up_pipe, down_pipe):
+def test_pipelined_down_tile_reaches_both_launches_and_equals_the_recipe(fake_gemms):
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
 
     x, q, ids, weights = _problem(40)
     default = experts_gluon_fp8(x, *q, ids, weights, up=UP_TILE, down=DOWN_TILE, lean=False)
-    plain = experts_gluon_fp8(x, *q, ids, weights, up=up, down=down, lean=False)
-    lean = experts_gluon_fp8(x, *q, ids, weights, up=up, down=down)
+    plain = experts_gluon_fp8(x, *q, ids, weights, down=PIPELINED_DOWN_TILE, lean=False)
+    lean = experts_gluon_fp8(x, *q, ids, weights, down=PIPELINED_DOWN_TILE)
     assert torch.isfinite(plain).all()
     assert torch.equal(plain, default) and torch.equal(lean, default)
     assert rel_l2(plain, emulation_f64(x, *q, ids, weights, (128, 128))) < 2e-2
     launches = [bound for _, bound, _ in fake_gemms["fp8"].log]
-    assert [b["PIPE"] for b in launches if b["GATED"]] == [False, gate_up_pipe, gate_up_pipe]  # default, plain, lean
-    assert [b["PIPE"] for b in launches if not b["GATED"]] == [False, down_pipe, down_pipe]
+    assert [b["PIPE"] for b in launches if b["GATED"]] == [False, False, False]  # default, plain, lean
+    assert [b["PIPE"] for b in launches if not b["GATED"]] == [False, True, True]
 
 
 def _dummies(cols: int):
@@ -55,9 +50,11 @@ def _dummies(cols: int):
     return t, t, t, t, torch.zeros(256, cols), None, t, t
 
 
-def test_pipelined_wide_tile_is_refused():
-    with pytest.raises(ValueError, match="pipelined promotion is for the \\[128, 128\\] tiles alone"):
-        launch_gemm_fp8(*_dummies(256), tile=Fp8GluonTile(stages=3, wide=True, pipelined=True), gated=False)
+@pytest.mark.parametrize("tile, gated", [(Fp8GluonTile(stages=3, wide=True, pipelined=True), False),
+                                         (Fp8GluonTile(stages=3, pipelined=True), True)])
+def test_pipelined_wide_or_gate_up_tile_is_refused(tile, gated):
+    with pytest.raises(ValueError, match="pipelined promotion is for the narrow down GEMM alone"):
+        launch_gemm_fp8(*_dummies(256), tile=tile, gated=gated)
 
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, hidden, down_pipelined", [
@@ -69,5 +66,5 @@ def test_the_plan_pipelines_the_down_gemm_from_256_rows_an_expert(num_tokens, to
     plan = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden)
     assert plan.down.pipelined == down_pipelined and not plan.up.pipelined
     assert plan.down.wide == (num_tokens * top_k >= 4096 * num_experts)
-    given = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden, up=PIPELINED_UP_TILE, down=PIPELINED_DOWN_TILE)
-    assert given.up.pipelined and given.down.pipelined
+    given = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden, down=DOWN_TILE)  # a given tile replaces alone
+    assert given.down == DOWN_TILE and given.up == plan.up

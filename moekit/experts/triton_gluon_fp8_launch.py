@@ -55,10 +55,9 @@ UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
 WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB
 # The pipelined promotion (issue 15, sessions 31-32): the down GEMM's K-steps in pairs (sm_90a, ptxas -v, Triton 3.6 /
-# 3.9: no spills, not serialized), the plan's from PIPE_DOWN_MIN_ROWS; the gate-up's option (64-column halves chained:
-# 224 / 264 B of spill stores in the K loop) lost 0.67-0.70x alone on the H200 and no plan takes it.
+# 3.9: no spills, not serialized), the plan's from PIPE_DOWN_MIN_ROWS. The gate-up's (64-column halves chained, 224 /
+# 264 B of spill stores) lost 0.67-0.70x alone on the H200 (session 32) and was removed (history: c7e4995).
 PIPELINED_DOWN_TILE = Fp8GluonTile(stages=5, pipelined=True)
-PIPELINED_UP_TILE = Fp8GluonTile(stages=3, pipelined=True)
 
 
 @dataclass(frozen=True)
@@ -146,10 +145,10 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
 
 
 def check_wide(tile: Fp8GluonTile, gated: bool, cols: int) -> None:
-    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256, and is not
-    pipelined (its two accumulators and two parts would not fit the registers)."""
-    if tile.pipelined and tile.wide:
-        raise ValueError(f"tile={tile}: the pipelined promotion is for the [128, 128] tiles alone")
+    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256; a pipelined one is
+    the narrow down GEMM's (the wide tile's two accumulators and two parts would not fit the registers)."""
+    if tile.pipelined and (tile.wide or gated):
+        raise ValueError(f"tile={tile}: the pipelined promotion is for the narrow down GEMM alone (gated={gated})")
     if not tile.wide:
         return
     if gated or cols % tile.block_n:
