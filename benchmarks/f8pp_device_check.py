@@ -74,7 +74,7 @@ def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> tuple[list[Vari
 
     w13_q, w13_s, w2_q, w2_s = q
     num_experts, hidden, inter = w2_q.shape
-    plan = plan_gluon_fp8(x.shape[0], ids.shape[1], num_experts, hidden)
+    plan = plan_gluon_fp8(x.shape[0], ids.shape[1], num_experts, hidden, inter=inter)
     lay = gluon_fp8_layout(x, ids, num_experts, gather_groups=plan.gather_groups)
     rows = lay.x_q.shape[0]
     h_q = torch.zeros(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]

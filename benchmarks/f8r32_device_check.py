@@ -96,7 +96,7 @@ def run_cell(spec: str, ceil, opts) -> None:
 
     preset, m, s, q, ids, rw, x = build_cell(spec, torch.device("cuda"))
     name = f"fp8 {preset} M={m}"
-    log(f"{name}: the route's down tile {plan_gluon_fp8(m, s.top_k, s.num_experts, s.k).down}")
+    log(f"{name}: the route's down tile {plan_gluon_fp8(m, s.top_k, s.num_experts, s.k, inter=s.n).down}")
     ref = experts_gluon_fp8_twin(x, *q, ids, rw)
     outs: dict = {}
     ran = [v for v in calls(q) if f"{preset} {v.name}" in opts.ran]

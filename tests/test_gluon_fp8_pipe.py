@@ -1,7 +1,8 @@
 """The fp8 Gluon down GEMM with the pipelined promotion (``Fp8GluonTile.pipelined``, the kernel's PIPE) on the CPU: the
 tile reaches the plain and the lean launches, with the GEMMs as torch stand-ins
 (``_gluon_fakes.fp8_gemm``) equal to the default tiles bit for bit and to the recipe in float64; the wide tile's
-and the gate-up's refusals; the plan takes the pipelined down tile from 256 rows an expert (below the wide tile).
+and the gate-up's refusals; the plan takes the pipelined down tile at the measured shape and rows, never for an
+odd count of down K-steps (the route falls back to the waited loop).
 The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` / ``f8r32_device_check.py`` on the H200,
 compiled offline by ``benchmarks/gluon_fp8_compile_cpu.py``."""
 
@@ -57,14 +58,33 @@ def test_pipelined_wide_or_gate_up_tile_is_refused(tile, gated):
         launch_gemm_fp8(*_dummies(256), tile=tile, gated=gated)
 
 
-@pytest.mark.parametrize("num_tokens, top_k, num_experts, hidden, down_pipelined", [
-    (512, 2, 8, 4096, False), (1024, 2, 8, 4096, True), (4096, 8, 256, 7168, False), (8192, 2, 8, 4096, True),
-    (16384, 2, 8, 4096, False),  # 128 rows an expert: no; 256 and 2048: yes; 4096: the wide down tile
+@pytest.mark.parametrize("num_tokens, inter, down_pipelined", [
+    (1024, 14336, True), (2047, 14336, True),  # Mixtral-8x7B: 256-511 rows an expert, 112 down K-steps
+    (512, 14336, False), (2048, 14336, False), (16384, 14336, False),  # 128, 512, 4096 (the wide down tile)
+    (1024, 14464, False), (1024, None, False),  # another N; N not known
 ])
-def test_the_plan_pipelines_the_down_gemm_from_256_rows_an_expert(num_tokens, top_k, num_experts, hidden,
-                                                                    down_pipelined):
-    plan = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden)
+def test_the_plan_pipelines_the_down_gemm_at_the_measured_shape_and_rows(num_tokens, inter, down_pipelined):
+    plan = plan_gluon_fp8(num_tokens, 2, 8, 4096, inter=inter)
     assert plan.down.pipelined == down_pipelined and not plan.up.pipelined
-    assert plan.down.wide == (num_tokens * top_k >= 4096 * num_experts)
-    given = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden, down=DOWN_TILE)  # a given tile replaces alone
+    assert plan.down.wide == (num_tokens >= 16384)
+    given = plan_gluon_fp8(num_tokens, 2, 8, 4096, down=DOWN_TILE, inter=inter)  # a given tile replaces alone
     assert given.down == DOWN_TILE and given.up == plan.up
+
+
+@pytest.mark.parametrize("inter, down_pipelined", [(256, True), (384, False)])  # 2 down K-steps; 3: an odd last one
+def test_the_route_falls_back_to_the_waited_down_gemm_for_an_odd_k_step_count(fake_gemms, monkeypatch, inter,
+                                                                              down_pipelined):
+    import moekit.experts.triton_gluon_fp8_launch as launch
+    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
+
+    monkeypatch.setattr(launch, "PIPE_DOWN_SHAPES", ((E, K, inter),))
+    monkeypatch.setattr(launch, "PIPE_DOWN_ROWS", (1, 10**6))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, K, generator=g).bfloat16()
+    q = (*quantize_weight(torch.randn(E, 2 * inter, K, generator=g) / K**0.5, (128, 128)),
+         *quantize_weight(torch.randn(E, K, inter, generator=g) / inter**0.5, (128, 128)))
+    ids = torch.rand(40, E, generator=g).topk(2, dim=1).indices.int()
+    weights = torch.rand(40, 2, generator=g)
+    out = experts_gluon_fp8(x, *q, ids, weights)  # the plan's tiles, lean launch
+    assert rel_l2(out, emulation_f64(x, *q, ids, weights, (128, 128))) < 2e-2
+    assert [b["PIPE"] for _, b, _ in fake_gemms["fp8"].log if not b["GATED"]] == [down_pipelined]

@@ -15,7 +15,7 @@ from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts.triton_gluon_fp8_launch import (
-    DOWN_TILE, PIPELINED_DOWN_TILE, UP_TILE, WIDE_DOWN_TILE, launch_gemm_fp8, plan_gluon_fp8, wants_wide_down,
+    DOWN_TILE, UP_TILE, WIDE_DOWN_TILE, launch_gemm_fp8, plan_gluon_fp8, wants_wide_down,
 )
 
 E, N, K = 4, 128, 512  # K = two 256-wide column blocks of the down GEMM
@@ -104,8 +104,7 @@ def test_plan_takes_the_wide_tile_and_four_groups_from_4096_rows_per_expert(num_
                                                                             wide):
     assert wants_wide_down(num_tokens, top_k, num_experts, hidden) == wide
     plan = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden)
-    narrow = PIPELINED_DOWN_TILE if num_tokens * top_k >= 256 * num_experts else DOWN_TILE  # test_gluon_fp8_pipe
-    expected = (UP_TILE, WIDE_DOWN_TILE, 4) if wide else (UP_TILE, narrow, 1)
+    expected = (UP_TILE, WIDE_DOWN_TILE, 4) if wide else (UP_TILE, DOWN_TILE, 1)  # no N given: no pipelined down
     assert (plan.up, plan.down, plan.gather_groups) == expected
     given = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden, down=DOWN_TILE)  # each given one replaces alone
     assert (given.down, given.gather_groups) == (DOWN_TILE, 4 if wide else 1)
