@@ -1,7 +1,7 @@
-"""Issue 15, session 32 (branch `f8r32`): the fp8 Gluon plan's pipelined down GEMM (``PIPELINED_DOWN_TILE``, taken from
-256 rows an expert: ``triton_gluon_fp8_launch.wants_pipelined_down``) against the tiles the plan took before it, at the
-cells the rule covers; the odd-K check of the pipelined loop first. (Check 1 timed the options skip, pairs and their
-mixes, removed since: this script at 76a8820.)
+"""Issue 15, session 32 (branch `f8r32`): the pipelined down GEMM (``PIPELINED_DOWN_TILE``; the plan's at Mixtral-8x7B
+M*k/E in [256, 512): ``triton_gluon_fp8_launch.wants_pipelined_down``) against the plan's waited tiles at Mixtral 1024
+and the cells a wider rule would reach (256-1024 rows an expert); the odd-K check of the pipelined loop first.
+(Check 1 timed the options skip, pairs and their mixes, removed since: this script at 76a8820.)
 
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/f8r32_device_check.py --out $OUT/f8r32 --deadline 66
         [--cells fp8:mixtral-8x7b:1024 ...] [--rounds 5] [--worker-deadline 34]

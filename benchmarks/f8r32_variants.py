@@ -1,5 +1,5 @@
-"""The calls ``f8r32_device_check.py`` times: the route (the plan's tiles: the pipelined down GEMM from 256 rows an
-expert), the fp8 Gluon path with the tiles the plan took before it ("plan": ``UP_TILE``, ``DOWN_TILE``) and with the
+"""The calls ``f8r32_device_check.py`` times: the route (the plan's tiles: the pipelined down GEMM where
+``wants_pipelined_down``), the fp8 Gluon path with the waited tiles ("plan": ``UP_TILE``, ``DOWN_TILE``) and with the
 pipelined down tile named ("pipe")."""
 
 from __future__ import annotations
