@@ -7,14 +7,14 @@ fp8 Mixtral-8x7B M = 1024 / 512 and DeepSeek-V3 M = 4096.
 
 1. Two compile workers (this script with --worker plans / pipes, in parallel) run once each, on zero weights of the
    real shapes: per preset the route, the lean Gluon call with the plan's tiles ("gluon") and the GEMMs alone; and
-   the pipelined calls ("pipe": the down GEMM pipelined, "pipe2": both) and GEMMs, then the odd-K shapes. What a
+   the pipelined calls ("pipe": the down GEMM pipelined) and GEMMs, then the odd-K shapes. What a
    worker did not finish is not run here (a hang in the new barrier walk must not take the run with it). Then the
    ceilings of this run: copy bandwidth, the fp8 mm rate.
-2. Odd K (E = 4, K = 256, N = 384 and 128: a pair and an odd down step, an odd step alone): gluon, pipe, pipe2
+2. Odd K (E = 4, K = 256, N = 384 and 128: a pair and an odd down step, an odd step alone): gluon, pipe
    against the fp8 Gluon path's torch twin (PASS / FAIL), the pipelined ones against gluon bit for bit (reported).
-3. Per cell (the bench's weights quantized, uniform routing seeded by M): route, gluon, pipe, pipe2 the same way;
+3. Per cell (the bench's weights quantized, uniform routing seeded by M): route, gluon, pipe the same way;
    whole calls in --rounds CUDA-graph rounds interleaved replay by replay (``f8pre_device_check.replay_rounds``);
-   then the GEMMs alone on the cell's layout (gate-up, gate-up pipe, down, down pipe) in the same kind of rounds, and
+   then the GEMMs alone on the cell's layout (gate-up, down, down pipe) in the same kind of rounds, and
    their outputs pipelined against the plan's (PASS / FAIL).
 The table is printed last: median µs, % of the byte-model floor (and its 90% target) or % of the fp8 mm rate, x the
 route (x gluon) / x the plan's GEMM, rounds >= 3% faster. JSON to --out/f8pp.json after each cell.
@@ -48,39 +48,37 @@ log = pdc.log
 
 
 def calls(q: tuple) -> list[Variant]:
-    """The route (the ``triton`` backend), the lean Gluon call with the plan's tiles, with the pipelined down
-    ("pipe") and with both GEMMs pipelined ("pipe2")."""
+    """The route (the ``triton`` backend), the lean Gluon call with the plan's tiles (since session 32 the pipelined
+    down from 256 rows an expert) and with the pipelined down ("pipe"). (Session 31's "pipe2", the gate-up in
+    pipelined halves too, lost 0.77-0.81x on the H200 and was removed with its tile: history c7e4995.)"""
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
-    from moekit.experts.triton_gluon_fp8_launch import PIPELINED_DOWN_TILE, PIPELINED_UP_TILE
+    from moekit.experts.triton_gluon_fp8_launch import PIPELINED_DOWN_TILE
     from moekit.quant.fp8_block import Fp8BlockWeight
 
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
     return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
             Variant("gluon", "gluon", lambda x, i, r: experts_gluon_fp8(x, *q, i, r)),
-            Variant("pipe", "gluon", lambda x, i, r: experts_gluon_fp8(x, *q, i, r, down=PIPELINED_DOWN_TILE)),
-            Variant("pipe2", "gluon", lambda x, i, r: experts_gluon_fp8(x, *q, i, r, up=PIPELINED_UP_TILE,
-                                                                        down=PIPELINED_DOWN_TILE))]
+            Variant("pipe", "gluon", lambda x, i, r: experts_gluon_fp8(x, *q, i, r, down=PIPELINED_DOWN_TILE))]
 
 
 def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> tuple[list[Variant], dict]:
     """The cell's GEMMs alone on its layout: the plan's gate-up (run once here: it writes the h the down GEMMs
-    read) and the pipelined one, the plan's down and the pipelined one (each its own output); and {GEMM: (the
-    plan's output, the pipelined one's)}."""
+    read), the plan's down and the pipelined one (each its own output); and {GEMM: (the plan's output, the
+    pipelined one's)}."""
     from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
     from moekit.experts.triton_gluon_fp8_launch import (
-        PIPELINED_DOWN_TILE, PIPELINED_UP_TILE, launch_gemm_fp8, plan_gluon_fp8,
+        PIPELINED_DOWN_TILE, launch_gemm_fp8, plan_gluon_fp8,
     )
 
     w13_q, w13_s, w2_q, w2_s = q
     num_experts, hidden, inter = w2_q.shape
-    plan = plan_gluon_fp8(x.shape[0], ids.shape[1], num_experts, hidden)
+    plan = plan_gluon_fp8(x.shape[0], ids.shape[1], num_experts, hidden, inter=inter)
     lay = gluon_fp8_layout(x, ids, num_experts, gather_groups=plan.gather_groups)
     rows = lay.x_q.shape[0]
     h_q = torch.zeros(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]
     h_s = torch.ones(rows, inter // 128, device=x.device, dtype=torch.float32)  # [R, N/128]
-    h2_q, h2_s = torch.empty_like(h_q), torch.empty_like(h_s)
     y, y_pipe = x.new_empty(rows, hidden), x.new_empty(rows, hidden)  # [R, K]
     common = (lay.block_experts, lay.rows_used)
 
@@ -88,9 +86,8 @@ def gemms_alone(x: torch.Tensor, ids: torch.Tensor, q: tuple) -> tuple[list[Vari
         launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, out, out_s, *common, tile, True, inter)
 
     up(plan.up, h_q, h_s)
-    outs = {"gate-up": (h_q, h2_q), "gate-up scales": (h_s, h2_s), "down": (y, y_pipe), "rows_used": lay.rows_used}
+    outs = {"down": (y, y_pipe), "rows_used": lay.rows_used}
     return [Variant("gate-up", "gemm", lambda *_: up(plan.up, h_q, h_s)),
-            Variant("gate-up pipe", "gemm", lambda *_: up(PIPELINED_UP_TILE, h2_q, h2_s)),
             Variant("down", "gemm", lambda *_: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, *common, plan.down,
                                                                False)),
             Variant("down pipe", "gemm", lambda *_: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y_pipe, None, *common,
@@ -140,7 +137,7 @@ def check_odd(dev) -> None:
 
 def bit_equal(name: str, outs: dict) -> dict:
     """Each pipelined call's output against gluon's, bit for bit (the same parts folded in the same order), logged."""
-    same = {n: torch.equal(outs[n], outs["gluon"]) for n in ("pipe", "pipe2") if n in outs and "gluon" in outs}
+    same = {n: torch.equal(outs[n], outs["gluon"]) for n in ("pipe",) if n in outs and "gluon" in outs}
     log(f"{name} vs gluon, bit-equal: {same}")
     return same
 
@@ -166,7 +163,7 @@ def run_cell(spec: str, ceil, opts) -> None:
         gemms = [v for v in gemms if v.name == "gate-up" or f"{preset} {v.name}" in opts.ran]
         cell["gemm_rounds_us"] = replay_rounds(f"{name} GEMMs", gemms, x, ids, rw, opts.rounds, opts.deadline - 4)
         torch.cuda.synchronize()
-        if {"gate-up pipe", "down pipe"} <= {v.name for v in gemms}:
+        if "down pipe" in {v.name for v in gemms}:
             cell["gemms_alone_vs_plan"] = compare_gemms(name, gemm_outs)
     summarize(name, cell)
     RESULTS["cells"].append(cell)
@@ -203,7 +200,7 @@ def worker(group: str, cells: list) -> int:
     from moekit.bench.cells import Shape, uniform_routing
 
     dev = torch.device("cuda")
-    plans, pipes, halves = [], [], []
+    plans, pipes = [], []
     for preset, m in {c.split(":")[1]: c.split(":")[2] for c in reversed(cells)}.items():  # each preset's first
         s, q = Shape.from_preset(preset), zero_weights(preset, dev)
         routing = uniform_routing(int(m), s, dev, seed=int(m))
@@ -212,7 +209,6 @@ def worker(group: str, cells: list) -> int:
         run |= {v.name: (lambda v=v: v.call()) for v in gemms_alone(x, routing.topk_ids, q)[0]}
         plans += [(f"{preset} {n}", run[n]) for n in ("route", "gluon", "down")]
         pipes += [(f"{preset} {n}", run[n]) for n in ("pipe", "down pipe")]
-        halves += [(f"{preset} {n}", run[n]) for n in ("pipe2", "gate-up pipe")]  # the gate-up's halves: last
 
     def odd():
         for shape in ODD:
@@ -220,7 +216,7 @@ def worker(group: str, cells: list) -> int:
             for v in calls(q)[1:]:
                 v.call(x, ids, rw)
 
-    for key, fn in plans if group == "plans" else pipes + halves + [("odd", odd)]:
+    for key, fn in plans if group == "plans" else pipes + [("odd", odd)]:
         try:
             fn()
             torch.cuda.synchronize()  # a fault shows here, before the OK
@@ -231,14 +227,14 @@ def worker(group: str, cells: list) -> int:
     return 0
 
 
-def run_workers(cells: list, until: float) -> set:
-    """The keys the two workers (plans, pipes: in parallel, logging to /tmp) finished, each waited for until
-    ``until`` s into the run (then killed)."""
+def run_workers(cells: list, until: float, script: str = __file__, groups: tuple = ("plans", "pipes")) -> set:
+    """The keys the compile workers (``script --worker GROUP CELLS...``, one a group, in parallel, logging to /tmp)
+    finished, each waited for until ``until`` s into the run (then killed)."""
     procs, done = [], set()
-    for group in ("plans", "pipes"):
-        path = Path(f"/tmp/f8pp_worker_{group}.log")
+    for group in groups:
+        path = Path(f"/tmp/{Path(script).stem}_worker_{group}.log")
         with open(path, "w") as f:
-            procs.append((subprocess.Popen([sys.executable, __file__, "--worker", group, *cells], stdout=f,
+            procs.append((subprocess.Popen([sys.executable, script, "--worker", group, *cells], stdout=f,
                                            stderr=subprocess.STDOUT), path))
     for proc, path in procs:
         try:
@@ -289,7 +285,7 @@ def main() -> int:
             log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
             pdc.FAILED.append(spec)
         pdc.free_memory()
-    missing = [k for s in opts.cells for k in ("pipe", "down pipe", "pipe2", "gate-up pipe")
+    missing = [k for s in opts.cells for k in ("pipe", "down pipe")
                if f"{s.split(':')[1]} {k}" not in opts.ran]
     if missing:
         log(f"FAIL the worker did not finish {len(missing)} pipelined runs (not run)")

@@ -104,7 +104,7 @@ def test_plan_takes_the_wide_tile_and_four_groups_from_4096_rows_per_expert(num_
                                                                             wide):
     assert wants_wide_down(num_tokens, top_k, num_experts, hidden) == wide
     plan = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden)
-    expected = (UP_TILE, WIDE_DOWN_TILE, 4) if wide else (UP_TILE, DOWN_TILE, 1)
+    expected = (UP_TILE, WIDE_DOWN_TILE, 4) if wide else (UP_TILE, DOWN_TILE, 1)  # no N given: no pipelined down
     assert (plan.up, plan.down, plan.gather_groups) == expected
     given = plan_gluon_fp8(num_tokens, top_k, num_experts, hidden, down=DOWN_TILE)  # each given one replaces alone
     assert (given.down, given.gather_groups) == (DOWN_TILE, 4 if wide else 1)

@@ -192,7 +192,7 @@ def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights
     """``experts_gluon_fp8`` for a caller that has run its checks (the backend, through ``gluon_fp8_takes``);
     ``fast_key``: the backend's key for its fast path (``fp8_fast_key``)."""
     num_experts, hidden, inter = w2_q.shape
-    plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, hidden, up, down, gather_groups)
+    plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, hidden, up, down, gather_groups, inter)
     if lean:  # triton_gluon_lean: plans, weight descriptors, workspaces and launches kept (equal outputs)
         from moekit.experts.triton_gluon_lean import run_lean
 

@@ -20,6 +20,10 @@ GATHER_ROWS = 16  # rows per program of the gather-quantize kernel
 GATHER_GROUPS = 1  # 128-column groups per program of the gather-quantize kernel (the plan's without the wide tile)
 WIDE_GATHER_GROUPS = 4  # with the wide down tile (a power of 2: the kernel's tl.arange)
 WIDE_MIN_ROWS = 4096  # assignments per local expert from which the plan takes the wide down tile
+# Where the plan takes the pipelined down tile (``wants_pipelined_down``): the shape and the bucket of assignments per
+# local expert the H200 measured it faster at (Mixtral-8x7B, M = 1024 at top-2: 256), with an even count of down K-steps
+PIPE_DOWN_SHAPES = ((8, 4096, 14336),)  # (local experts E, hidden K, inter N)
+PIPE_DOWN_ROWS = (256, 512)  # M * k / E in [256, 512): Mixtral-8x7B M = 1024-2047
 _KERNELS = "moekit.experts._kernels"
 
 
@@ -53,11 +57,10 @@ class Fp8GluonTile:
 UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
 WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB
-# The pipelined promotion (issue 15, session 31): options, no plan's default until the H200 measures them faster
-# (``benchmarks/f8pp_device_check.py``). sm_90a, ptxas -v (Triton 3.6 / 3.9): the down GEMM (K-steps in pairs) no
-# spills; the gate-up (64-column halves chained) 224 / 264 B of spill stores in the K loop; neither serialized.
+# The pipelined promotion (issue 15, sessions 31-32): the down GEMM's K-steps in pairs (sm_90a, ptxas -v, Triton 3.6 /
+# 3.9: no spills, not serialized), the plan's at PIPE_DOWN_SHAPES / ROWS. The gate-up's (64-column halves chained, 224 /
+# 264 B of spill stores) lost 0.67-0.70x alone on the H200 (session 32) and was removed (history: c7e4995).
 PIPELINED_DOWN_TILE = Fp8GluonTile(stages=5, pipelined=True)
-PIPELINED_UP_TILE = Fp8GluonTile(stages=3, pipelined=True)
 
 
 @dataclass(frozen=True)
@@ -80,16 +83,33 @@ def wants_wide_down(num_tokens: int, top_k: int, num_experts: int, hidden: int) 
     return num_tokens * top_k >= WIDE_MIN_ROWS * num_experts and hidden % WIDE_DOWN_TILE.block_n == 0
 
 
+def wants_pipelined_down(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int | None) -> bool:
+    """Whether the plan takes the pipelined down tile: (E, K, N) in PIPE_DOWN_SHAPES, M * k / E in PIPE_DOWN_ROWS,
+    and an even count of down K-steps (N / 128: the pipelined loop's odd last step is not measured on the device).
+    H200, Triton 3.6, CUDA-graph replay, 5 rounds, every call PASS and bit-equal to the plan's tiles: Mixtral M = 1024
+    (256 rows an expert; 112 down K-steps) 930.8 against the route's 967.2 µs (x1.039, >= 3% faster in 5/5; raw
+    ...-1d841ab-f8pp) and 923.1 against 970.0 with the plan's tiles (x1.051, 5/5; settled rounds, ...-76a8820-
+    f8r32-ck1), eager wall 1022 against 1053 µs a call; the down GEMM alone x1.136 / x1.147. Not taken at 128 rows
+    an expert: Mixtral M = 512 x1.018-1.028 (1-2/5), DeepSeek-V3 M = 4096 x1.003 (0/5); other shapes and M not
+    measured."""
+    rows = num_tokens * top_k
+    return (inter is not None and (num_experts, hidden, inter) in PIPE_DOWN_SHAPES and inter // GROUP % 2 == 0
+            and PIPE_DOWN_ROWS[0] * num_experts <= rows < PIPE_DOWN_ROWS[1] * num_experts)
+
+
 def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, hidden: int, up: Fp8GluonTile | None = None,
-                   down: Fp8GluonTile | None = None, gather_groups: int | None = None) -> Fp8GluonPlan:
-    """The plan of a call; ``up``, ``down``, ``gather_groups`` given replace the choice's each alone."""
+                   down: Fp8GluonTile | None = None, gather_groups: int | None = None,
+                   inter: int | None = None) -> Fp8GluonPlan:
+    """The plan of a call; ``up``, ``down``, ``gather_groups`` given replace the choice's each alone; ``inter`` (N,
+    the down GEMM's reduce width; None: not known, no pipelined down) for ``wants_pipelined_down``."""
     from moekit.layouts.grouping import max_padded_rows
 
     if gather_groups is not None and (gather_groups < 1 or gather_groups & (gather_groups - 1)):
         raise ValueError(f"gather_groups={gather_groups}: expected a power of 2 (the gather kernel's tl.arange)")
     wide = wants_wide_down(num_tokens, top_k, num_experts, hidden)
+    pipelined = wants_pipelined_down(num_tokens, top_k, num_experts, hidden, inter)
     return Fp8GluonPlan(max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M), up or UP_TILE,
-                        down or (WIDE_DOWN_TILE if wide else DOWN_TILE),
+                        down or (WIDE_DOWN_TILE if wide else PIPELINED_DOWN_TILE if pipelined else DOWN_TILE),
                         gather_groups or (WIDE_GATHER_GROUPS if wide else GATHER_GROUPS))
 
 
@@ -134,10 +154,10 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
 
 
 def check_wide(tile: Fp8GluonTile, gated: bool, cols: int) -> None:
-    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256, and is not
-    pipelined (its two accumulators and two parts would not fit the registers)."""
-    if tile.pipelined and tile.wide:
-        raise ValueError(f"tile={tile}: the pipelined promotion is for the [128, 128] tiles alone")
+    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256; a pipelined one is
+    the narrow down GEMM's (the wide tile's two accumulators and two parts would not fit the registers)."""
+    if tile.pipelined and (tile.wide or gated):
+        raise ValueError(f"tile={tile}: the pipelined promotion is for the narrow down GEMM alone (gated={gated})")
     if not tile.wide:
         return
     if gated or cols % tile.block_n:

@@ -96,22 +96,16 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
         ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
-        if PIPE and GATED:
-            gate_lo, gate_hi, up_lo, up_hi, it = _k_loop_gated_paired(
-                a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr, k_steps, it, HALF)
-            _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_bufs.index(HALF),
-                             cs_ptr + rows * stride_cs + cb, row0, cb, layout)
+        if PIPE:  # the narrow down GEMM alone (``triton_gluon_fp8_launch.check_wide``)
+            acc, it = _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, k_steps, it, HALF, layout)
+            up = acc  # unused: the down GEMM's
         else:
-            if PIPE:
-                acc, it = _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, k_steps, it, HALF, layout)
-                up = acc  # unused: the down GEMM's
-            else:
-                acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate,
-                                      ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, layout)
-            if WIDE:
-                _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
-            else:
-                _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+            acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate,
+                                  ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, layout)
+        if WIDE:
+            _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
+        else:
+            _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
 
 
@@ -202,71 +196,6 @@ def _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_ptrs, k_steps, it, 
 
 
 @gluon.jit
-def _k_loop_gated_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr):
-    """PIPE on the gate-up GEMM: each weight tile's wgmma split in two 64-column halves (two [64, 128] accumulators
-    and two [64, 128] parts are 256 registers a thread; in halves, four [64, 64] accumulators and two parts in
-    flight, 192), chained two in flight (each part folded in while the next one runs), all retired inside the step.
-    (gate's and up's column halves [64, 64] float32, the ring position after it)."""
-    HALF_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
-    SUB: gl.constexpr = BLOCK_N // 2
-    STAGES: gl.constexpr = w_bufs.type.shape[0] // 2
-    sub: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB, 32])
-    gate_lo = gl.zeros([HALF_M, SUB], gl.float32, sub)
-    gate_hi = gl.zeros([HALF_M, SUB], gl.float32, sub)
-    up_lo = gl.zeros([HALF_M, SUB], gl.float32, sub)
-    up_hi = gl.zeros([HALF_M, SUB], gl.float32, sub)
-    zero = gl.zeros([HALF_M, SUB], gl.float32, sub)
-    as_ptrs = gl.convert_layout(as_ptrs, gl.SliceLayout(1, sub))
-    a_scale = gl.load(as_ptrs)  # [64] K-step 0's; each step loads the next one's while its MMAs run
-    for kk in range(k_steps):
-        s = it % STAGES
-        s_gate = a_scale * gl.load(ws_gate + kk)
-        s_up = a_scale * gl.load(ws_up + kk)
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        a = a_bufs.index(2 * s + HALF)
-        w_gate = w_bufs.index(2 * s)
-        w_up = w_bufs.index(2 * s + 1)
-        p0 = warpgroup_mma(a, w_gate.slice(0, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p1 = warpgroup_mma(a, w_gate.slice(SUB, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
-        next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
-        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-        gate_lo += p0 * s_gate[:, None]
-        p2 = warpgroup_mma(a, w_up.slice(0, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
-        gate_hi += p1 * s_gate[:, None]
-        p3 = warpgroup_mma(a, w_up.slice(SUB, SUB).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p2 = warpgroup_mma_wait(num_outstanding=1, deps=(p2,))
-        up_lo += p2 * s_up[:, None]
-        p3 = warpgroup_mma_wait(num_outstanding=0, deps=(p3,))
-        mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
-        up_hi += p3 * s_up[:, None]
-        a_scale = next_scale
-        it += 1
-    return gate_lo, gate_hi, up_lo, up_hi, it
-
-
-@gluon.jit
-def _halves_epilogue(gate_lo, gate_hi, up_lo, up_hi, c_desc, c_buf, cs_ptrs, row0, cb, layout: gl.constexpr):
-    """``_epilogue``'s GATED store from the tile's column halves [64, 64]: h = silu(gate) * up per half, one scale
-    per row over both (the h group), the e4m3 halves joined side by side in ``layout`` (the 128-wide wgmma layout:
-    a register permutation) on their way to SMEM."""
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    tma.store_wait(0)  # the last tile's store has read c_buf
-    h_lo = gate_lo / (1.0 + gl.exp(-gate_lo)) * up_lo  # [64, 64] fp32
-    h_hi = gate_hi / (1.0 + gl.exp(-gate_hi)) * up_hi
-    amax = gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1))
-    h_scale = gl.where(amax > 0, amax / 448.0, 1.0)
-    q_lo = gl.minimum(gl.maximum(h_lo / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype)
-    q_hi = gl.minimum(gl.maximum(h_hi / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype)
-    both = gl.permute(gl.join(q_lo, q_hi), (0, 2, 1))  # [64, 2, 64]
-    c_buf.store(gl.convert_layout(gl.reshape(both, [q_lo.shape[0], BLOCK_N]), layout))
-    gl.store(cs_ptrs, gl.convert_layout(h_scale, gl.SliceLayout(1, layout)))
-    fence_async_shared()
-    _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
-
-
-@gluon.jit
 def _wide_epilogue(acc, right, c_desc, c_left, c_right, row0, cb):
     """WIDE: one half tile's two [64, 128] column blocks 2cb, 2cb + 1 out by TMA in c_desc's dtype. Each goes
     through a blocked layout on its way to SMEM: stored from the wgmma layout (stmatrix), ptxas kept the loop's
@@ -312,8 +241,8 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
     WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128].
-    PIPE (not WIDE): two wgmmas in flight, one's part folded in while the other runs (``_k_loop_paired``,
-    ``_k_loop_gated_paired``)."""
+    PIPE (the narrow down GEMM alone): two wgmmas in flight, one's part folded in while the other runs
+    (``_k_loop_paired``)."""
     WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
