@@ -118,10 +118,10 @@ def consumers_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
                      reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, OFF)),
+                     FIRST_HALF, GATED, GROUP_M, OFF, OFF)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
                      reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, OFF)),
+                     SECOND_HALF, GATED, GROUP_M, OFF, OFF)),
         (_hand_round, (ready, empty, used_ptr, reduce_dim, num_col_blocks, 2 * HALF_M, BLOCK_K, STAGES, OFF)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
