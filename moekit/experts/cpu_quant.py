@@ -16,7 +16,7 @@ Kernels (``QuantKernels``; "auto" = the measured best for x's dtype: "int8mm" fo
 faster than "dequant" at Qwen3-30B-A3B, M = 1..512, ``benchmarks/results/Intel_Xeon-cpu-int8mm-*``) and for float32
 int4 experts of few rows (``INT4_INT8MM_MAX_ROWS``), "dequant" for larger float32 int4 experts, torch's kernel for
 bf16 (2.3-23x faster than "dequant", ``benchmarks/results/*-cpu-quant-*.md``) but "int8mm" for bf16 int8 / mxfp4
-experts of many rows (``BF16_INT8MM_MIN_ROWS``; ``benchmarks/results/Intel_Xeon-cpu-quant-bf16-*``):
+experts of many rows (``BF16_INT8MM_MIN_ROWS``; ``benchmarks/results/Intel_Xeon-cpu-s32-2026-12-05.md``):
 - "dequant" (every scheme): ``QuantizedWeight.dequantize_expert`` (bit-identical to the whole ``dequantize``),
   then the same oneDNN linear as the dense loop;
 - "int8mm" (int8_w8a16, mxfp4; float32 or bf16 x): x's rows as 30-bit (bf16: 22-bit) fixed point in four (three)
