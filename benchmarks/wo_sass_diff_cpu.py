@@ -1,7 +1,8 @@
-"""The Triton down GEMMs (weight-only tile / register / mma / gemv decodes, bf16 and fp8) and the word decodes'
-gate-ups (mma, gemv) in sm_90 SASS, compiled on a machine without a GPU, for a change that must leave their machine
-code alone (session 30: the down GEMMs' routed-weight store moved into ``_kernels/down_store``; session 31: mxfp4's
-"shift" placement removed from the mma decode): ``--dump`` the tree before and after it, on each Triton, then
+"""The Triton down GEMMs (weight-only tile / register / mma / gemv decodes, bf16 and fp8) and the weight-only
+gate-ups (tile, register, mma, gemv) in sm_90 SASS, compiled on a machine without a GPU, for a change that must leave
+their machine code alone (session 30: the down GEMMs' routed-weight store moved into ``_kernels/down_store``; session
+31: mxfp4's "shift" placement removed from the mma decode; session 33: ``gemm.program_tile``, the PTX text of
+``_kernels/e2m1_ptx``): ``--dump`` the tree before and after it, on each Triton, then
 ``gluon_sass_diff_cpu.py --compare`` (identical, parameter offsets only, or the instructions that changed).
 
     PYTHONPATH=/tmp/before-tree python3 benchmarks/wo_sass_diff_cpu.py --dump /tmp/wo-sass-before   (Triton 3.9)
