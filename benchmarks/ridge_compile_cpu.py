@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,11 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def compile_bf16_gemm(tile, gated: bool) -> str:
     """One GEMM of the bf16 Gluon kernel at a small shape (E=2, N=512, K=512; W_ROWS, GATE_OFFSET constexprs)."""
-    import triton
-    from gluon_fp8_compile_cpu import _descriptor, ptxas_report
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from gluon_fp8_compile_cpu import _descriptor, compile_gluon_sm90, sm90_summary
 
     from moekit.experts._kernels.gluon_gemm import grouped_gemm_kernel as kernel
     from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS
@@ -38,31 +35,19 @@ def compile_bf16_gemm(tile, gated: bool) -> str:
                 reduce_dim=r, num_col_blocks=c // tile.block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages,
                  GROUP_M=tile.group_m, num_warps=NUM_WARPS)
-    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
-    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS))
-    ptx = out.asm["ptx"]
-    regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
-    spills, serialized = ptxas_report(ptx)
-    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, "
-            f"ptxas spill stores {spills} B, wgmma serialized {serialized}")
+    out = compile_gluon_sm90(kernel, args, const, NUM_WARPS, MAX_REGISTERS)
+    return sm90_summary(out, time.perf_counter() - t0)
 
 
 def main() -> int:
+    from gluon_fp8_compile_cpu import report_each
     from ridge_variants import bf16_gluon_tiles
 
-    failed = 0
-    for inter in (14336, 768):
-        for name, (up, down) in bf16_gluon_tiles(inter).items():
-            for gemm, tile, gated in (("gate-up", up, True), ("down", down, False)):
-                try:
-                    print(f"OK N={inter} {name} {gemm}: {compile_bf16_gemm(tile, gated)}", flush=True)
-                except Exception as exc:  # noqa: BLE001 (report each GEMM)
-                    failed += 1
-                    print(f"FAIL N={inter} {name} {gemm} {tile}: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
-    return 1 if failed else 0
+    jobs = [(f"N={inter} {name} {gemm} {tile}", partial(compile_bf16_gemm, tile, gated)) for inter in (14336, 768)
+            for name, (up, down) in bf16_gluon_tiles(inter).items()
+            for gemm, tile, gated in (("gate-up", up, True), ("down", down, False))]
+    return report_each(jobs, tail=1500)
 
 
 if __name__ == "__main__":

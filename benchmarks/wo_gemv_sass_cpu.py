@@ -124,11 +124,13 @@ def main(argv=None) -> int:
                     for d in (False, True) for a, x in ((1, False), (1, True), (2, True))])
 
 
-def _report(jobs: list[tuple]) -> int:
+def _report(jobs: list[tuple], counter=None) -> int:
+    """Print each job's OK line (``counter(*job)``, default this file's ``count``) or its FAIL line; 1 if any
+    failed (``wo_reg_sass_cpu`` passes its own counter)."""
     failed = 0
     for job in jobs:
         try:
-            c = count(*job)
+            c = (counter or count)(*job)
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack "
                   f"{c.stack} B; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

@@ -23,7 +23,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from wo_gemv_sass_cpu import LoopCount, _main_loop, _tool  # noqa: E402
+from wo_gemv_sass_cpu import LoopCount, _main_loop, _report, _tool  # noqa: E402
 
 DIVISIBLE = ("x_ptr", "h_ptr", "q_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "K_STORED", "N_STORED", "stride_xm",
              "stride_qe", "stride_qr", "stride_se", "stride_sr", "stride_ze", "stride_zr", "stride_hm", "stride_ym",
@@ -80,16 +80,7 @@ def main(argv=None) -> int:
     p.parse_args(argv)
     jobs = [(s, bn, 128, sw, d) for s in (1, 2) for d in (False, True) for bn in ((128,) if d else (64, 128))
             for sw in (False, True)]  # (scheme, BN, BK, swap, down)
-    failed = 0
-    for job in jobs:
-        try:
-            c = count(*job)
-            print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack "
-                  f"{c.stack} B; {c.top}", flush=True)
-        except Exception as e:  # noqa: BLE001 (report each kernel)
-            failed += 1
-            print(f"FAIL {job}: {type(e).__name__}: {str(e)[-1500:]}", flush=True)
-    return 1 if failed else 0
+    return _report(jobs, count)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The Triton down GEMMs (weight-only tile / register / mma / gemv decodes, bf16 and fp8) and the word decodes'
-gate-ups (mma, gemv) in sm_90 SASS, compiled on a machine without a GPU, for a change that must leave their machine
-code alone (session 30: the down GEMMs' routed-weight store moved into ``_kernels/down_store``; session 31: mxfp4's
-"shift" placement removed from the mma decode): ``--dump`` the tree before and after it, on each Triton, then
+"""The Triton down GEMMs (weight-only tile / register / mma / gemv decodes, bf16 and fp8) and the weight-only
+gate-ups (tile, register, mma, gemv) in sm_90 SASS, compiled on a machine without a GPU, for a change that must leave
+their machine code alone (session 30: the down GEMMs' routed-weight store moved into ``_kernels/down_store``; session
+31: mxfp4's "shift" placement removed from the mma decode; session 33: ``gemm.program_tile``, the PTX text of
+``_kernels/e2m1_ptx``): ``--dump`` the tree before and after it, on each Triton, then
 ``gluon_sass_diff_cpu.py --compare`` (identical, parameter offsets only, or the instructions that changed).
 
     PYTHONPATH=/tmp/before-tree python3 benchmarks/wo_sass_diff_cpu.py --dump /tmp/wo-sass-before   (Triton 3.9)
@@ -119,6 +120,24 @@ def gate_up_cases() -> dict[str, Case]:
     return cases
 
 
+def tile_reg_up_cases() -> dict[str, Case]:
+    """The tile and register decodes' gate-ups (session 33: their prologue's ``gemm.program_tile``): decode tiles
+    (``wo_heuristic_config``'s 16-row 64 x 128, 4 warps, 4 stages; the register int4 swap-AB), the winners' prefill
+    tiles (``triton_wo_winners``: 64-row 64 x 64; 128-row 128 x 64 on 8 warps with AHEAD, sorted rows, GROUP_M 8)."""
+    group, cases = {0: 4096, 1: 128, 2: 32}, {}
+    for s, name in enumerate(("int8", "int4", "mxfp4")):
+        tile = BASE | dict(BLOCK_N=64, BLOCK_K=128, SPAN=min(128, group[s]), GROUP=group[s], SCHEME=s, ACT=0)
+        cases[f"up_tile_{name}"] = Case("gemm_wo", "gate_up_wo_kernel", tile, 4, 4, _scheme(s))
+        cases[f"up_reg_{name}"] = Case("gemm_wo_reg", "gate_up_wo_reg_kernel", tile | dict(ASM=True), 4, 4, _scheme(s))
+    cases["up_reg_int4_swap"] = Case("gemm_wo_reg", "gate_up_wo_reg_kernel", cases["up_reg_int4"].const | dict(
+        SWAP_AB=True), 4, 4, _scheme(1))
+    cases["up_tile_int8_m1024"] = Case("gemm_wo", "gate_up_wo_kernel", cases["up_tile_int8"].const | dict(
+        BLOCK_M=64, BLOCK_K=64, SPAN=64), 4, 4, _scheme(0))
+    cases["up_tile_mxfp4_m1024_ahead"] = Case("gemm_wo", "gate_up_wo_kernel", cases["up_tile_mxfp4"].const | dict(
+        BLOCK_M=128, BLOCK_K=64, SPAN=32, GROUP_M=8, NAIVE=False, AHEAD=True), 8, 3, _scheme(2))
+    return cases
+
+
 def dense_cases() -> dict[str, Case]:
     """The bf16 (``gemm.down_kernel``: pointers and a TMA descriptor, a bias, KSUM, SUM_AFTER) and fp8 down GEMMs."""
     bf16 = BASE | dict(BLOCK_N=32, BLOCK_K=256, PRECISION="tf32", W_DESC=False, b2_ptr=None)
@@ -192,7 +211,7 @@ def dump(out: Path, only: list[str] | None) -> int:
     import moekit
     from gluon_sass_diff_cpu import write_sass
 
-    cases = wo_cases() | gate_up_cases() | dense_cases() | prefill_cases()
+    cases = wo_cases() | gate_up_cases() | tile_reg_up_cases() | dense_cases() | prefill_cases()
     cases = {n: c for n, c in cases.items() if not only or n.startswith(tuple(only))}
     print(f"moekit at {Path(moekit.__file__).parent}: {len(cases)} kernels", flush=True)
     return write_sass(out, {n: partial(compile_case, c) for n, c in cases.items()})

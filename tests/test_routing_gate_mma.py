@@ -12,7 +12,7 @@ import torch
 
 from _triton_helpers import interpreted
 from moekit import MoE, route
-from test_routing_gate_route import CONFIGS, loop, problem
+from test_routing_gate_route import CONFIGS, check_nonfinite, loop, problem, run
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the branches tl.where discards
@@ -31,14 +31,6 @@ def mods():
 def tiles_of(gate_mma, block_m, block_e, block_k, split_k):
     """mma_tiles replaced for one test: the launch and the workspace's scratch both read it."""
     return lambda *args: gate_mma.MmaTiles(block_m, block_e, block_k, split_k)
-
-
-def run(mods, cfg, x, w, bias=None, linear_bias=None, append_shared=False, gate_logits=None):
-    fused, _, gate_route, workspace = mods
-    router = fused.FusedRouter(cfg)
-    slots = cfg.top_k + (cfg.num_shared_slots if append_shared else 0)
-    buffers = workspace().get(x, cfg.num_experts, slots, x.dtype)
-    return gate_route.gate_route(router, x, w, linear_bias, bias, gate_logits, append_shared, buffers), buffers
 
 
 # (M, tiles): the default tiles; 16-row blocks of 16 experts with K split in 3 (K = 40: steps of 16) over 2 row
@@ -107,16 +99,7 @@ def test_shared_slots_and_linear_bias(mods, monkeypatch):
 
 
 def test_nonfinite_raise_and_mask(mods):
-    cfg = CONFIGS["softmax"]
-    x, w, _ = problem(cfg, 12, seed=6)
-    x[10, 4] = float("nan")
-    with pytest.raises(ValueError, match="NaN or infinite.*\\[10\\]"):
-        run(mods, cfg, x, w)
-    masked = cfg.replace(nonfinite="mask")
-    got, buffers = run(mods, masked, x, w)
-    ref = route(buffers.logits, masked)
-    assert torch.equal(got.topk_ids, ref.topk_ids) and float(got.topk_weights[10].abs().max()) == 0.0
-    assert int(got.masked_tokens) == 1 == int(ref.masked_tokens)
+    check_nonfinite(mods, 12, 10)
 
 
 @pytest.mark.parametrize("name", ["softmax", "grouped_sigmoid"])

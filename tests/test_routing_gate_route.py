@@ -162,20 +162,28 @@ def test_shared_slots_and_linear_bias(mods):
     torch.testing.assert_close(got.topk_weights[:, 4:], torch.ones(3, 2))
 
 
-def test_nonfinite_raise_and_mask(mods):
+def check_nonfinite(mods, m: int, bad: int):
+    """Row ``bad`` of an m-row x NaN (softmax plan): the default policy raises naming the row; "mask" routes it with
+    zero weights and counts it, as ``route`` does on the same logits. Returns (routing, route's, the masked cfg, x, w)
+    of the masked call (also ``test_routing_gate_mma``'s, at the MMA gate's row counts)."""
     cfg = CONFIGS["softmax"]
-    x, w, _ = problem(cfg, 3, seed=6)
-    x[1, 4] = float("nan")
-    with pytest.raises(ValueError, match="NaN or infinite.*\\[1\\]"):
+    x, w, _ = problem(cfg, m, seed=6)
+    x[bad, 4] = float("nan")
+    with pytest.raises(ValueError, match=f"NaN or infinite.*\\[{bad}\\]"):
         run(mods, cfg, x, w)
     masked = cfg.replace(nonfinite="mask")
     got, buffers = run(mods, masked, x, w)
     ref = route(buffers.logits, masked)
-    assert torch.equal(got.topk_ids, ref.topk_ids) and float(got.topk_weights[1].abs().max()) == 0.0
+    assert torch.equal(got.topk_ids, ref.topk_ids) and float(got.topk_weights[bad].abs().max()) == 0.0
+    assert int(got.masked_tokens) == 1 == int(ref.masked_tokens)
+    return got, ref, masked, x, w
+
+
+def test_nonfinite_raise_and_mask(mods):
+    got, ref, masked, x, w = check_nonfinite(mods, 3, 1)
     torch.testing.assert_close(got.topk_weights, ref.topk_weights, rtol=2e-6, atol=1e-7)
     _, twin = two_launches(mods, masked, x, w)
     assert torch.equal(got.topk_ids, twin.topk_ids) and torch.equal(got.topk_weights, twin.topk_weights)
-    assert int(got.masked_tokens) == 1 == int(ref.masked_tokens)
 
 
 def test_hands_back(mods):

@@ -91,6 +91,17 @@ def _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
 
 
 @triton.jit
+def program_tile(num_pid_m, num_pid_n, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
+                 num_experts, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, NAIVE: tl.constexpr):
+    """(pid_n, rows, expert) of this program: its N tile (``_grid_position``), the assignment of each row of its M
+    block [BM] and their expert, -1 = none (``_block_rows``)."""
+    pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
+                               num_experts, BLOCK_M, NAIVE)
+    return pid_n, rows, expert
+
+
+@triton.jit
 def _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                   num_assignments, num_experts, num_global, BLOCK_M: tl.constexpr, NAIVE: tl.constexpr,
                   FOLD: tl.constexpr, A_PAD: tl.constexpr, E_PAD: tl.constexpr, FOLD_CHUNK: tl.constexpr,
@@ -268,9 +279,9 @@ def down_kernel(
                                 num_assignments, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD,
                                 HAS_MAP, ZERO_T, SUM_AFTER, SUM_T, SUM_K, PDL)
             return
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)  # columns: K (BLOCK_N tiles); reduce N
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    # columns: K (BLOCK_N tiles); reduce N
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(K, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         gemm_done(counters_ptr, SUM_AFTER)
         return

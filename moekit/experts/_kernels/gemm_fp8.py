@@ -80,7 +80,7 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import gemm_done, programs_after_gemm, routed_slot_count
 from moekit.experts._kernels.down_store import store_routed
-from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position
+from moekit.experts._kernels.gemm import _gate_up_rows, _grid_position, program_tile
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
 
@@ -315,9 +315,8 @@ def down_fp8_kernel(
                                 num_assignments, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD,
                                 HAS_MAP, ZERO_T, SUM_AFTER, SUM_T, SUM_K, PDL)
             return
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(K, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         gemm_done(counters_ptr, SUM_AFTER)
         return

@@ -67,7 +67,7 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.down_store import store_routed
-from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
+from moekit.experts._kernels.gemm import _glu, program_tile
 
 @triton.jit
 def _interleave(low, high, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -207,9 +207,8 @@ def gate_up_wo_kernel(
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         return
     row_ok = rows < num_assignments  # [BM]
@@ -290,9 +289,8 @@ def down_wo_kernel(
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
                                  top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
             return
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(K, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         return
     row_ok = rows < num_assignments

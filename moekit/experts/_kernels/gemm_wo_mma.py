@@ -37,7 +37,7 @@ import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tokens
-from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
+from moekit.experts._kernels.gemm import _glu, program_tile
 from moekit.experts._kernels.gemm_wo import _down_epilogue
 from moekit.experts._kernels.wo_mma_values import X_SCALE, weight_operand, x_operand
 
@@ -177,9 +177,8 @@ def gate_up_wo_mma_kernel(
     SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of each row, h_ptr the float32
     partials p [SPLIT * A, 2N] (gate then up; ``wo_split.split_glu_kernel`` sums and activates them)."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         return
     row_ok = rows < num_assignments  # [BM]
@@ -243,9 +242,8 @@ def gate_up_halves_wo_mma_kernel(
     (num_pid_m * cdiv(2N, BLOCK_N), SPLIT): split s sums words [s * split_words, (s + 1) * split_words) into
     rows s * A + a of p (SPAN, ACT: unused)."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(2 * N, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(2 * N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         return
     row_ok = rows < num_assignments  # [BM]
@@ -291,9 +289,8 @@ def down_wo_mma_kernel(
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
                                  top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
             return
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(K, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         return
     row_ok = rows < num_assignments

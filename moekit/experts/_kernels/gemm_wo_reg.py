@@ -70,7 +70,8 @@ import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tokens
-from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
+from moekit.experts._kernels.e2m1_ptx import e2m1_place
+from moekit.experts._kernels.gemm import _glu, program_tile
 from moekit.experts._kernels.gemm_fp8 import acc_zeros, unswap
 from moekit.experts._kernels.gemm_wo import _down_epilogue, _load_weights
 
@@ -135,27 +136,8 @@ _MXFP4_ASM = tl.constexpr("{" + _SPREAD + """
 .reg .b32 m, g, k, nz;
 mov.b32 k, 0x7E807E80;
 mov.b32 nz, 0x80008000;
-shl.b32 m, t0, 6;
-shl.b32 g, t0, 12;
-and.b32 g, g, 0x80008000;
-lop3.b32 m, m, 0x01C001C0, g, 0xEA;
-fma.rn.bf16x2 $0, m, k, nz;
-shl.b32 m, t1, 6;
-shl.b32 g, t1, 12;
-and.b32 g, g, 0x80008000;
-lop3.b32 m, m, 0x01C001C0, g, 0xEA;
-fma.rn.bf16x2 $1, m, k, nz;
-shl.b32 m, t0, 2;
-shl.b32 g, t0, 8;
-and.b32 g, g, 0x80008000;
-lop3.b32 m, m, 0x01C001C0, g, 0xEA;
-fma.rn.bf16x2 $2, m, k, nz;
-shl.b32 m, t1, 2;
-shl.b32 g, t1, 8;
-and.b32 g, g, 0x80008000;
-lop3.b32 m, m, 0x01C001C0, g, 0xEA;
-fma.rn.bf16x2 $3, m, k, nz;
-}""")
+""" + "".join(e2m1_place("m", t, shift, shift + 6, "0x01C001C0", "0x80008000") + f"fma.rn.bf16x2 ${i}, m, k, nz;\n"
+              for i, (t, shift) in enumerate((("t0", 6), ("t1", 6), ("t0", 2), ("t1", 2)))) + "}")
 
 
 @triton.jit
@@ -241,9 +223,8 @@ def gate_up_wo_reg_kernel(
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         return
     row_ok = rows < num_assignments  # [BM]
@@ -308,9 +289,8 @@ def down_wo_reg_kernel(
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
                                  top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
             return
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(K, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                       num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         return
     row_ok = rows < num_assignments

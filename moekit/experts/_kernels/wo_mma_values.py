@@ -57,22 +57,22 @@ fma.rn.bf16x2 $0, a, one, $2;
 # two nibbles masked clean, one multiply by 2^6 + 2^12 (t even; odd: 2^2 + 2^8, the nibbles 4 bits higher) copying
 # each nibble to bits 6-9 and 12-15 of its half (no carries: the copies do not overlap), the magnitude of the first
 # copy and the sign of the second kept, then the fma as above
-_MXFP4_MUL_EVEN_ASM = tl.constexpr("""{
+
+
+def _mxfp4_mul_asm(nibbles: str, multiplier: str) -> str:
+    """The PTX above for the nibbles under the mask ``nibbles``, copied by the multiply ``multiplier``."""
+    return f"""{{
 .reg .b32 a, z;
-and.b32 a, $1, 0x000F000F;
-mul.lo.u32 a, a, 0x1040;
+and.b32 a, $1, {nibbles};
+mul.lo.u32 a, a, {multiplier};
 and.b32 a, a, 0x81C081C0;
 mov.b32 z, 0x80008000;
 fma.rn.bf16x2 $0, a, $2, z;
-}""")
-_MXFP4_MUL_ODD_ASM = tl.constexpr("""{
-.reg .b32 a, z;
-and.b32 a, $1, 0x00F000F0;
-mul.lo.u32 a, a, 0x104;
-and.b32 a, a, 0x81C081C0;
-mov.b32 z, 0x80008000;
-fma.rn.bf16x2 $0, a, $2, z;
-}""")
+}}"""
+
+
+_MXFP4_MUL_EVEN_ASM = tl.constexpr(_mxfp4_mul_asm("0x000F000F", "0x1040"))
+_MXFP4_MUL_ODD_ASM = tl.constexpr(_mxfp4_mul_asm("0x00F000F0", "0x104"))
 # int8: $1 the word shifted right by 8t -> the signed bytes at bits 0 and 16 as bf16x2: 128 + (b & 127) from one lop3,
 # -128 - 128 * (b >> 7) (bf16 0xC300, 0xC380) from another, summed exactly
 _INT8_PAIR_ASM = tl.constexpr("""{

@@ -10,6 +10,8 @@ A 4-bit word holds elements 8j .. 8j+7 of a row, element t in bits 4t .. 4t+3; a
 import triton
 import triton.language as tl
 
+from moekit.experts._kernels.e2m1_ptx import e2m1_place
+
 # Inline PTX (NVIDIA, ASM): one word -> its values' float32 bits ($0 .. $7), the placements of ``_value``.
 # int4: four shifts and one lop3 ((a & mask) | 1.0f) a value: 12 instructions for 8 weights.
 _INT4_ASM = tl.constexpr("""{
@@ -27,41 +29,9 @@ lop3.b32 $5, b, 0x0000F000, 0x3F800000, 0xEA;
 lop3.b32 $6, b, 0x000F0000, 0x3F800000, 0xEA;
 lop3.b32 $7, d, 0x0000F000, 0x3F800000, 0xEA;
 }""")
-# mxfp4: per value a shift of the magnitude to bits 22..24, of the sign to bit 31, a mask, one lop3.
-_MXFP4_ASM = tl.constexpr("""{
-.reg .b32 m, g;
-shl.b32 m, $8, 22;
-shl.b32 g, $8, 28;
-and.b32 g, g, 0x80000000;
-lop3.b32 $0, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 18;
-shl.b32 g, $8, 24;
-and.b32 g, g, 0x80000000;
-lop3.b32 $1, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 14;
-shl.b32 g, $8, 20;
-and.b32 g, g, 0x80000000;
-lop3.b32 $2, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 10;
-shl.b32 g, $8, 16;
-and.b32 g, g, 0x80000000;
-lop3.b32 $3, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 6;
-shl.b32 g, $8, 12;
-and.b32 g, g, 0x80000000;
-lop3.b32 $4, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 2;
-shl.b32 g, $8, 8;
-and.b32 g, g, 0x80000000;
-lop3.b32 $5, m, 0x01C00000, g, 0xEA;
-shr.u32 m, $8, 2;
-shl.b32 g, $8, 4;
-and.b32 g, g, 0x80000000;
-lop3.b32 $6, m, 0x01C00000, g, 0xEA;
-shr.u32 m, $8, 6;
-and.b32 g, $8, 0x80000000;
-lop3.b32 $7, m, 0x01C00000, g, 0xEA;
-}""")
+# mxfp4: per value T a shift of the magnitude to bits 22..24, of the sign to bit 31, a mask, one lop3 (``_value``'s).
+_MXFP4_ASM = tl.constexpr("{\n.reg .b32 m, g;\n" + "".join(
+    e2m1_place(f"${t}", "$8", 22 - 4 * t, 28 - 4 * t, "0x01C00000", "0x80000000") for t in range(8)) + "}")
 # int8: the sign bits flipped once (byte + 128), then one prmt a value: byte t between 0x00 and 0x3F80.
 _INT8_ASM = tl.constexpr("""{
 .reg .b32 u, k;
