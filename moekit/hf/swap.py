@@ -165,7 +165,9 @@ class _MoekitBlock(nn.Module):
         swap = self.__dict__[SWAP_ATTR]
         if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
             return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
-        out = swap.moe(hidden_states)
+        x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = swap.moe.forward(x2d)  # [M, K]; a 2-D x meets the layer's decode fast path first (no hooks on it)
+        out = out if out.shape == hidden_states.shape else out.view(hidden_states.shape)
         if swap.shared is not None:
             shared = swap.shared(hidden_states)
             if swap.shared_gate is not None:
