@@ -73,14 +73,17 @@ def test_more_routers_and_shared_experts(family):
     assert rel_l2(first(got), first(want)) < 1e-5
 
 
-def test_tuple_block_and_copied_weights():
+def test_tuple_block_and_transposed_views():
     """gpt-oss's block returns (out, router scores): kept a 2-tuple (out, None); its transposed experts are
-    copied (w13 + w2 of every expert: the bytes the report says) and follow an in-place update."""
+    read as strided views of the block's storage (nothing copied), so an in-place update is seen."""
     model, _ = tiny.build("gpt_oss")
     report = moekit_hf.use_moekit_blocks(model)
     experts = model.model.layers[0].mlp.experts
-    assert report.swapped[0].tuple_len == 2
-    assert report.swapped[0].copied_bytes == 4 * (experts.gate_up_proj.numel() + experts.down_proj.numel())
+    moe = _swaps(model)[0].moe
+    assert report.swapped[0].tuple_len == 2 and report.copied_bytes == 0
+    assert moe.w13.data_ptr() == experts.gate_up_proj.data_ptr() and moe.w13.shape == (6, 32, 32)
+    with pytest.raises(ValueError, match="transposed must be 'copy' or 'view'"):
+        moekit_hf.moe_from_hf(model.model.layers[0].mlp, transposed="views")
     x = torch.randn(1, 3, 32)
     with torch.no_grad():
         out, scores = model.model.layers[0].mlp(x)
@@ -89,6 +92,25 @@ def test_tuple_block_and_copied_weights():
         twin = copy.deepcopy(model)
         moekit_hf.restore_blocks(twin)
         assert rel_l2(model(IDS).logits, twin(IDS).logits) < 1e-5
+
+
+def test_fused_shared_expert_is_a_copy_that_follows_updates():
+    """fuse_shared=True copies Qwen3-Next's shared expert into routed slots (the report's bytes): equal logits,
+    re-copied after an in-place update of the block's weights; under autograd the block's own forward."""
+    model, _ = tiny.build("qwen3_next")
+    report = moekit_hf.use_moekit_blocks(model, fuse_shared=True)
+    moe = _swaps(model)[0].moe
+    assert moe.fuse_shared and report.swapped[0].copied_bytes == 4 * (moe.w13.numel() + moe.w2.numel())
+    twin = copy.deepcopy(model)
+    moekit_hf.restore_blocks(twin)
+    with torch.no_grad():
+        assert rel_l2(model(IDS).logits, twin(IDS).logits) < 1e-5
+        for m in (model, twin):
+            m.model.layers[0].mlp.shared_expert.down_proj.weight.mul_(3)
+        assert rel_l2(model(IDS).logits, twin(IDS).logits) < 1e-5 and _swaps(model)[0].moe is not moe
+    calls = _count_moe_calls(model)
+    model(IDS).logits.sum().backward()
+    assert not calls and model.model.layers[0].mlp.shared_expert.down_proj.weight.grad is not None
 
 
 @pytest.mark.parametrize("name", ["olmoe", "gpt_oss"])
@@ -109,16 +131,16 @@ def test_router_logits_and_aux_loss(name):
 
 @pytest.mark.parametrize("name", ["olmoe", "qwen3_next", "glm4_moe", "gpt_oss"])
 def test_gradients_reach_the_blocks_parameters(name):
-    """Training: a swapped model's gradients (through moekit's layer, or gpt-oss's own forward where the
-    experts are copies) equal the twin's on every Parameter, within fp32 rounding."""
+    """Training: a swapped model's gradients (through moekit's layer, or gpt-oss's own forward: its experts are
+    views the gradients would not reach) equal the twin's on every Parameter, within fp32 rounding."""
     model, _ = tiny.build(name)
     twin = copy.deepcopy(model)
-    report = moekit_hf.use_moekit_blocks(model)
+    moekit_hf.use_moekit_blocks(model)
     calls = _count_moe_calls(model)
     for m in (model, twin):
         m.train()
         m(IDS, labels=IDS).loss.backward()
-    assert bool(calls) == (report.copied_bytes == 0)  # copies: the block's own forward under autograd
+    assert bool(calls) == (name != "gpt_oss")
     for (pname, p), q in zip(model.named_parameters(), twin.parameters()):
         if q.grad is None:
             assert p.grad is None, pname

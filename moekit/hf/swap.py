@@ -6,12 +6,14 @@ the layer's decode fast path) instead of transformers' router and an experts cal
 
 The block stays where it is with its Parameters, so ``state_dict`` keys, ``save_pretrained`` /
 ``from_pretrained``, optimizers and hooks see the model as before; the ``MoE`` is an attribute, not a
-submodule (nothing registered twice). The block's own forward runs instead (the same function, its own
-code) while transformers records router logits (``output_router_logits``: its hooks sit on the router
-module), when called with arguments beyond the hidden states, and while autograd records on a block
-whose weights the ``MoE`` had to copy (gpt-oss's transposed experts, ``fuse_shared``' slots: copies
-follow the block's weights through their version counters). A move or cast of the block (``model.to``)
-rebuilds its ``MoE``. Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report.
+submodule (nothing registered twice). It reads the block's own Parameters (gpt-oss's transposed experts as
+strided views: no copy); only ``fuse_shared=True`` copies (the shared expert into routed slots; copies follow
+the block's weights through their version counters). The block's own forward (the same function, its own
+code) runs instead while transformers records router logits (``output_router_logits``: its hooks sit on
+the router module), when called with arguments beyond the hidden states, while its Parameters are
+substituted (``torch.func.functional_call``), and while autograd records on a block whose gradients the
+``MoE`` would not reach (views, copies). A move or cast of the block (``model.to``) rebuilds its ``MoE``.
+Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 class SwappedBlock:
     path: str  # the block's dotted name in the model
     block: str  # its own class name
-    copied_bytes: int  # bytes of weights the MoE holds as copies (gpt-oss's transposed experts); 0: all shared
+    copied_bytes: int  # bytes of weights the MoE holds as copies (fuse_shared's slots); 0: the block's own
     tuple_len: int  # 0: the block returns a tensor; n: an n-tuple, kept as (out, None, ...)
 
 

@@ -36,16 +36,20 @@ class BlockSwap:
     shared: nn.Module | None  # the block's shared expert, run as the block runs it; None: none, or fused
     shared_gate: nn.Module | None  # out += sigmoid(shared_gate(x)) * shared(x) where set (Qwen2-MoE, Qwen3-Next)
     tuple_len: int  # 0: the block returns a tensor; n: an n-tuple, given as (out, None, ...)
-    sources: tuple = ()  # every block tensor, where the MoE holds copies of some; () where it shares them all
+    sources: tuple = ()  # every block tensor, where the MoE holds copies of some (fuse_shared's slots); else ()
     versions: tuple = ()  # the sources' version counters when the copies were made
+    detached: tuple = ()  # the block's Parameters, where some MoE Parameter is none of them (a copy, a view)
     bound: tuple = ()  # (module, name, tensor) of the router's and experts' Parameters the MoE was built on
     active: bool = True  # False: the block's own forward (``set_blocks_active``)
 
     def track(self, block: nn.Module) -> None:
-        """Note the tensors the MoE's copies follow (none where it shares every tensor it reads)."""
-        copies = copied_bytes(self.moe, block) > 0
-        self.sources = tuple(itertools.chain(block.parameters(), block.buffers())) if copies else ()
+        """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
+        Parameters, the router's and experts' Parameters as they are now."""
+        everything = tuple(itertools.chain(block.parameters(), block.buffers()))
+        self.sources = everything if copied_bytes(self.moe, block) > 0 else ()
         self.versions = tuple(t._version for t in self.sources)
+        own = {id(p) for p in block.parameters()}
+        self.detached = tuple(block.parameters()) if any(id(p) not in own for p in self.moe.parameters()) else ()
         router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
         self.bound = tuple((m, name, t) for owner in (router, block.experts) for m in owner.modules()
                            for name, t in m._parameters.items() if t is not None)
@@ -56,26 +60,26 @@ class BlockSwap:
         return all(m._parameters.get(name) is t for m, name, t in self.bound)
 
     def own_forward_needed(self, block: nn.Module) -> bool:
-        """True where this call must run the block's own forward: its Parameters substituted (``is_bound``),
-        or autograd recording on a block whose weights the MoE copied (its gradients belong to the block's
-        Parameters). Copies whose sources were updated in place since (an optimizer step,
-        ``load_state_dict``) are made again first, in eager calls."""
+        """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), or
+        autograd recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
+        Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
+        first, in eager calls."""
         if not self.is_bound():
             return True
-        if not self.sources:
-            return False
-        if torch.is_grad_enabled() and any(t.requires_grad for t in self.sources):
+        if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
             return True
-        if not torch.compiler.is_compiling() and tuple(t._version for t in self.sources) != self.versions:
-            self.moe = build_moe(block, self.options)
-            self.track(block)
+        if self.sources and not torch.compiler.is_compiling():
+            if tuple(t._version for t in self.sources) != self.versions:
+                self.moe = build_moe(block, self.options)
+                self.track(block)
         return False
 
 
 def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
-    """The block's MoE: its router and routed experts; the shared expert only where fused (else the block's)."""
+    """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
+    expert only where fused (else the block's)."""
     return moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
-                       shared_expert=options.fuse_shared)
+                       shared_expert=options.fuse_shared, transposed="view")
 
 
 def copied_bytes(moe: nn.Module, block: nn.Module) -> int:
