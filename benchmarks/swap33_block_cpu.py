@@ -2,6 +2,9 @@
 the "moekit" experts implementation against the same block swapped by ``moekit.hf.use_moekit_blocks`` (moekit's
 router + experts; ``set_blocks_active`` switches between the two on the same module), at M = 1 (decode) and
 M = 64 (the bench's CPU prefill) tokens: ms a call, interleaved rounds, the ratio each round, the outputs' rel. L2.
+``--wrapper``: the same at tiny widths (``--tiny`` of the bench), µs a decode call (M = 1), with a third
+contender, the ``MoE`` called directly (session 32's ``moekit_block``): swapped - direct is what the swap's
+forward adds (the recording, substitution and state checks, the reshapes, the block's module call).
 
     flock /work/wt/cpubench.lock env PYTHONPATH=$PWD python3 benchmarks/swap33_block_cpu.py [--dtype bfloat16]
 """
@@ -30,11 +33,47 @@ def ms_per_call(model, block, x: torch.Tensor, active: bool, calls: int) -> floa
         return (time.perf_counter() - start) / calls * 1e3
 
 
+def us_per_call(fn, x: torch.Tensor, calls: int) -> float:
+    with torch.no_grad():
+        fn(x)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        return (time.perf_counter() - start) / calls * 1e6
+
+
+def wrapper(rounds: int) -> None:
+    model = build_model(hf_config("qwen3", 1, tiny=True), torch.float32, torch.device("cpu"))
+    model.set_experts_implementation("moekit")
+    block = model.model.layers[0].mlp
+    mh.use_moekit_blocks(model)
+    moe = block._moekit_swap.moe
+    x = torch.randn(1, 1, model.config.hidden_size)
+    # name -> (whether the block runs moekit's forward, the call timed)
+    runs = {"own forward": (False, block), "swapped": (True, block), "MoE direct": (True, lambda t: moe.forward(
+        t.view(1, -1)))}
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (active, fn) in runs.items():
+            set_blocks_active(model, active)  # outside the timed calls: it walks the model
+            times[name].append(us_per_call(fn, x, 2000))
+    for name, values in times.items():
+        print(f"tiny, M = 1, {name}: µs a call {[f'{v:.1f}' for v in values]} (median {statistics.median(values):.1f})")
+    extra = [a - b for a, b in zip(times["swapped"], times["MoE direct"])]
+    print(f"swapped - direct, µs a round: {[f'{v:.1f}' for v in extra]} (median {statistics.median(extra):.1f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--wrapper", action="store_true", help="µs a decode call at tiny widths, the swap's own cost")
     args = p.parse_args()
+    if args.wrapper:
+        print(f"torch {torch.__version__}, load {os.getloadavg()[0]:.2f}")
+        wrapper(args.rounds)
+        print(f"load {os.getloadavg()[0]:.2f}")
+        return
     dtype = getattr(torch, args.dtype)
     model = build_model(hf_config("qwen3", 1), dtype, torch.device("cpu"))
     model.set_experts_implementation("moekit")

@@ -169,7 +169,7 @@ class _MoekitBlock(nn.Module):
             return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
         x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
         out = swap.moe.forward(x2d)  # [M, K]; a 2-D x meets the layer's decode fast path first (no hooks on it)
-        out = out if out.shape == hidden_states.shape else out.view(hidden_states.shape)
+        out = out if x2d is hidden_states else out.view_as(hidden_states)  # view_as: 0.7 µs, view(shape) 2.2
         if swap.shared is not None:
             shared = swap.shared(hidden_states)
             if swap.shared_gate is not None:
