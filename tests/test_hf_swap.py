@@ -17,9 +17,11 @@ import moekit.hf as moekit_hf  # noqa: E402
 from moekit.hf.swap import SWAP_ATTR, set_blocks_active  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
+from _hf_families import walk  # noqa: E402
 import _hf_tiny_models as tiny  # noqa: E402
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+_FAMILIES = {f"{f.family}:{f.cls.__name__}": f for f in walk()}
 
 
 def _swaps(model):
@@ -226,3 +228,56 @@ def test_functional_call_substitutes_the_weights():
         got = torch.func.functional_call(model, scaled, (IDS,)).logits
         want = torch.func.functional_call(twin, scaled, (IDS,)).logits
         assert torch.equal(got, want) and rel_l2(model(IDS).logits, twin(IDS).logits) < 1e-5
+
+
+_NONE = (lambda: None).__code__  # co_names () for an __init__ inherited from C
+
+
+def _family_block(fam):
+    """A small MoE block of ``fam`` (the class of its modeling file that builds its experts class), random weights,
+    and a hidden-states input; skips where the block needs more than a config (a layer index, a width) can give."""
+    import importlib
+    import inspect
+
+    from _hf_families import small_config
+
+    module = importlib.import_module(fam.cls.__module__)
+    owners = [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__
+              and issubclass(c, torch.nn.Module) and fam.cls.__name__ in getattr(c.__init__, "__code__", _NONE).co_names]
+    if not owners:
+        pytest.skip(f"no class of {module.__name__} builds {fam.cls.__name__}")
+    cfg = small_config(fam)
+    for name, value in {"n_group": 2, "topk_group": 1, "num_expert_group": 2}.items():
+        if isinstance(getattr(cfg, name, None), int):
+            setattr(cfg, name, value)
+    params = inspect.signature(owners[0].__init__).parameters
+    kwargs = {k: v for k, v in {"layer_idx": 0, "intermediate_size": 16}.items() if k in params}
+    g = torch.Generator().manual_seed(0)
+    try:
+        torch.manual_seed(0)
+        block = owners[0](cfg, **kwargs).float().eval()
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+        x = torch.randn(2, 5, cfg.hidden_size, generator=g)
+        with torch.no_grad():
+            want = block(x)
+    except Exception as err:  # noqa: BLE001  (a block this generic build cannot make or call alone)
+        pytest.skip(f"{owners[0].__name__} alone: {type(err).__name__}: {str(err)[:80]}")
+    return block, x, want
+
+
+@pytest.mark.parametrize("key", sorted(_FAMILIES))
+def test_every_family_is_swapped_or_left_with_its_reason(key):
+    """Every experts class the walk finds (tests/_hf_families.py), as its MoE block: swapped and equal to its own
+    forward (< 1e-5), or left untouched with moe_from_hf's reason; the swap never raises."""
+    block, x, want = _family_block(_FAMILIES[key])
+    holder = torch.nn.ModuleDict({"mlp": block})
+    report = moekit_hf.use_moekit_blocks(holder)
+    with torch.no_grad():
+        got = block(x)
+    first = (lambda o: o[0] if isinstance(o, tuple) else o)
+    if report.swapped:
+        assert rel_l2(first(got), first(want)) < 1e-5
+    else:
+        assert report.left and report.left[0].reason and torch.equal(first(got), first(want))

@@ -74,7 +74,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
         own = _own_class(block)
         try:
             swap = _swap_of(block, own, options)
-        except (ValueError, TypeError, NotImplementedError) as err:
+        except (ValueError, TypeError, NotImplementedError, AttributeError, KeyError) as err:  # a config it can't read
             left.append(LeftBlock(site.path, own.__name__, str(err).split("\n")[0]))
             continue
         swapped.append(SwappedBlock(site.path, own.__name__, copied_bytes(swap.moe, block), swap.tuple_len))
