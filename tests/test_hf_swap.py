@@ -243,7 +243,8 @@ def _family_block(fam):
 
     module = importlib.import_module(fam.cls.__module__)
     owners = [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__
-              and issubclass(c, torch.nn.Module) and fam.cls.__name__ in getattr(c.__init__, "__code__", _NONE).co_names]
+              and issubclass(c, torch.nn.Module)
+              and fam.cls.__name__ in getattr(c.__init__, "__code__", _NONE).co_names]  # its __init__ names the class
     if not owners:
         pytest.skip(f"no class of {module.__name__} builds {fam.cls.__name__}")
     cfg = small_config(fam)
