@@ -21,12 +21,12 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from moekit.hf.blocks import moe_blocks, moe_from_hf
+from moekit.hf.blocks import moe_blocks
 from moekit.hf.swap_state import BlockSwap, SwapOptions, build_moe, copied_bytes, router_recorded
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
@@ -51,7 +51,7 @@ class LeftBlock:
 @dataclass(frozen=True)
 class BlockSwapReport:
     swapped: tuple[SwappedBlock, ...] = ()  # in module order
-    left: tuple[LeftBlock, ...] = field(default=())  # blocks left as they were, each with its reason
+    left: tuple[LeftBlock, ...] = ()  # blocks left as they were, each with its reason
 
     @property
     def copied_bytes(self) -> int:
@@ -107,13 +107,15 @@ def _own_class(block: nn.Module) -> type:
     return type(block) if swap is None else swap.block_cls
 
 
-def _swap_of(block: nn.Module, own: type, options: SwapOptions) -> BlockSwap:
-    """The block's BlockSwap: kept where its options match, else built (and the block's class swapped)."""
+def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int | None = None) -> BlockSwap:
+    """The block's BlockSwap: kept where its options match, else built (and the block's class swapped);
+    ``tuple_len`` where it is known (an unpickled block), else the block's earlier swap's, else probed."""
     swap = block.__dict__.get(SWAP_ATTR)
     if swap is not None and swap.options == options and swap.is_bound():
         return swap
     moe = build_moe(block, options)
-    tuple_len = swap.tuple_len if swap is not None else _probe_tuple_len(block, moe)
+    if tuple_len is None:
+        tuple_len = swap.tuple_len if swap is not None else _probe_tuple_len(block, moe)
     swap = BlockSwap(moe, own, options, *_shared_parts(block, options), tuple_len)
     swap.track(block)
     block.__dict__[SWAP_ATTR] = swap
@@ -195,11 +197,7 @@ class _MoekitBlock(nn.Module):
 def _unpickle_swapped(block_cls: type, state: dict, options: SwapOptions, tuple_len: int) -> nn.Module:
     block = block_cls.__new__(block_cls)
     block.__dict__.update(state)
-    moe = build_moe(block, options)
-    swap = BlockSwap(moe, block_cls, options, *_shared_parts(block, options), tuple_len)
-    swap.track(block)
-    block.__dict__[SWAP_ATTR] = swap
-    block.__class__ = _swapped_class(block_cls)
+    _swap_of(block, block_cls, options, tuple_len)
     return block
 
 
