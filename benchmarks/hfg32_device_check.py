@@ -11,11 +11,12 @@ Phases (each skipped past the deadline; the JSON <out>/hfg32.json rewritten afte
                per weight set) and ``grouped_mm`` against a float64 loop (rel-L2 PASS < 1e-2), moekit_cc
                bit-equal to moekit; the prompt's logits of each and of ``moekit_block`` (each layer's block
                replaced by ``moe_from_hf``'s MoE: moekit's router and layer decode fast path) against transformers'
-               eager (< 3e-2).
+               eager (< 3e-2); ``moekit_blocks`` (session 33: ``moekit.hf.use_moekit_blocks``, the same MoEs
+               behind the blocks' own modules) bit-equal to moekit_block.
   decode       ms per decode step (a logits processor stamps each step; median over a 33-token generate), the
                implementations (--impls) interleaved, --rounds rounds, the order turned each round; moekit's gap to
-               the ceiling (``no_experts``: experts returning zeros), moekit_cc's wins over moekit and moekit_block's
-               over moekit (rounds >= 3% faster).
+               the ceiling (``no_experts``: experts returning zeros), moekit_cc's wins over moekit, moekit_block's
+               and moekit_blocks' over moekit, moekit_blocks' against moekit_block (rounds >= 3% faster).
   host         host µs of each M = 1 experts call inside the decode (the call timed in place), moekit's forward by
                step (plan, backend_fn, check, backend call, run_fast in it) and the triton backend's
                routes (fast path hits / misses, full path).
@@ -47,7 +48,7 @@ import hfg32_probes as probes  # noqa: E402
 from bench_rounds import eager_us, graph_of, interleaved, wins  # noqa: E402
 from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
 
-DECODE_IMPLS = ("moekit", "moekit_cc", "moekit_block", "grouped_mm", "no_experts")
+DECODE_IMPLS = ("moekit", "moekit_cc", "moekit_block", "moekit_blocks", "grouped_mm", "no_experts")
 HOST_IMPLS = ("moekit", "moekit_cc", "grouped_mm", "no_experts", "moekit_staged")  # experts implementations
 ROUNDS, TOKENS, HOST_TOKENS, TOL = (2, 3, 3, 1e-2) if SMOKE else (5, 33, 17, 1e-2)
 RUN = RunLog("hfg32: transformers Qwen3-MoE eager decode through moekit (medians; µs unless said)", stall_s=40.0)
@@ -92,7 +93,7 @@ def generate(model, impl: str, prompt, tokens: int, clock=None):
 class Blocks:
     """Each decoder layer's transformers MoE block and, made on first use, moekit's ``MoE`` of it (``moe_from_hf``: the
     same Parameters, the layer's decode fast path): ``use("moekit_block")`` puts the MoEs in, any other name the
-    blocks back."""
+    blocks back; ``use("moekit_blocks")`` switches the blocks to moekit's forward (``use_moekit_blocks``, once)."""
 
     def __init__(self):
         self.layers, self.hf, self.moe = [], [], None
@@ -102,19 +103,23 @@ class Blocks:
         self.hf = [layer.mlp for layer in self.layers]
 
     def use(self, impl: str) -> None:
-        from moekit.hf import moe_from_hf
+        from moekit.hf import moe_from_hf, use_moekit_blocks
+        from moekit.hf.swap import set_blocks_active
 
         if impl == "moekit_block" and self.moe is None:
             self.moe = [moe_from_hf(block) for block in self.hf]
         for layer, mlp in zip(self.layers, self.moe if impl == "moekit_block" else self.hf):
             layer.mlp = mlp
+        for layer in self.layers:  # after the blocks are back in place
+            if not set_blocks_active(layer, impl == "moekit_blocks") and impl == "moekit_blocks":
+                use_moekit_blocks(layer)
 
 
 BLOCKS = Blocks()
 
 
 def _experts_impl(impl: str) -> str:
-    return "moekit" if impl == "moekit_block" else impl
+    return "moekit" if impl in ("moekit_block", "moekit_blocks") else impl
 
 
 def capture(model, prompt) -> tuple:
@@ -144,7 +149,7 @@ def correctness(model, prompt, call) -> None:
                 "moekit_cc": probes.cc_forward(module, x, ids, w),
                 "grouped_mm": grouped_mm_experts_forward(module, x, ids, w)}
         logits = {}
-        for impl in ("eager", "moekit", "moekit_cc", "grouped_mm", "moekit_block"):
+        for impl in ("eager", "moekit", "moekit_cc", "grouped_mm", "moekit_block", "moekit_blocks"):
             BLOCKS.use(impl)
             model.set_experts_implementation(_experts_impl(impl))
             logits[impl] = model(prompt).logits.float()
@@ -159,6 +164,7 @@ def correctness(model, prompt, call) -> None:
               and torch.equal(logits["moekit_cc"], logits["moekit"]))
     err = res["moekit_block_logits_rel_l2_vs_eager"] = rel_l2(logits["moekit_block"], logits["eager"])
     RUN.check("moekit_block prompt logits vs eager", err < 3e-2, f"rel_l2={err:.2e}")
+    RUN.check("moekit_blocks bit-equal to moekit_block", torch.equal(logits["moekit_blocks"], logits["moekit_block"]))
 
 
 def decode_rounds(model, prompt) -> dict:
@@ -261,7 +267,8 @@ def table(per: dict) -> None:
         gap = "" if ceiling is None else f", over the ceiling {(ms - ceiling) * 1e3 / layers:6.1f} µs a layer"
         RUN.summary.append(f"decode {n:<11} {ms:7.3f} ms a step ({1e3 / ms:6.1f} tok/s){gap}; rounds "
                            + " ".join(f"{v:.3f}" for v in per[n]))
-    for new, old in (("moekit_cc", "moekit"), ("moekit_block", "moekit")):
+    for new, old in (("moekit_cc", "moekit"), ("moekit_block", "moekit"), ("moekit_blocks", "moekit"),
+                     ("moekit_blocks", "moekit_block")):
         if per.get(new) and per.get(old):
             RUN.summary.append(f"{new} vs {old}: x{med[old] / med[new]:.3f}, >=3% faster in "
                                f"{wins(per[new], per[old])}/{len(per[new])} rounds")

@@ -3,6 +3,8 @@ the index of each one's first MoE layer; for the logits and ``moe_from_hf`` pari
 
 from __future__ import annotations
 
+import types
+
 import torch
 import transformers
 
@@ -104,3 +106,28 @@ def build_block(family: str, seed: int = 0) -> torch.nn.Module:
             scale = 0.1 if "correction_bias" in name else t.shape[-1] ** -0.5
             t.copy_(torch.randn(t.shape, generator=g) * scale)
     return block
+
+
+def fp8_qwen3_moe():
+    """A 2-layer Qwen3-MoE whose experts transformers swapped for its FP8Experts, filled by transformers'
+    own fp8 quantizer (it quantizes block-divisible shapes only: K, N multiples of 128); attention stays
+    float (transformers' fp8 linear needs its GPU kernels)."""
+    from transformers.integrations import finegrained_fp8 as fp8
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    originals = [{n: p.detach().clone() for n, p in layer.mlp.experts.named_parameters()}
+                 for layer in model.model.layers]
+    qc = transformers.FineGrainedFP8Config(weight_block_size=(128, 128))
+    fp8.replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "q_proj", "k_proj", "v_proj", "o_proj"],
+                                quantization_config=qc)
+    quantizer = fp8.Fp8Quantize(types.SimpleNamespace(quantization_config=qc))
+    for layer, original in zip(model.model.layers, originals):
+        experts = layer.mlp.experts.to_empty(device="cpu")
+        for name in ("gate_up_proj", "down_proj"):
+            for key, value in quantizer.convert({name: original[name]}).items():
+                getattr(experts, key).data.copy_(value)
+    return model

@@ -155,7 +155,7 @@ def test_a_failed_one_token_generate_keeps_the_decode_rate(monkeypatch):
         return hf_measure.Decode(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, 4), 2.0)
 
     monkeypatch.setattr(hf_measure, "decode", decode)
-    model = SimpleNamespace(set_experts_implementation=lambda impl: None)
+    model = SimpleNamespace(set_experts_implementation=lambda impl: None, modules=lambda: ())
     opts = default_options("qwen3", torch.device("cpu"), tiny=True, decode_tokens=4, compile=False)
     row = Row("moekit", "compiled")
     for _ in range(2):
@@ -268,3 +268,17 @@ def test_table_marks_errors_and_skips():
 def test_bench_hf_bad_arguments_name_the_flag(argv, flag):
     with pytest.raises(SystemExit, match=flag):
         main(["bench", "--hf", "--tiny", "--device", "cpu"] + argv)
+
+
+def test_moekit_blocks_runs_when_named_beside_the_experts_implementations():
+    """``moekit_blocks`` (every block swapped by use_moekit_blocks) is never a default, follows "moekit" when
+    named, and its rows (eager and compiled) match eager like the experts implementation's."""
+    assert "moekit_blocks" not in select_impls(None)
+    assert select_impls(["grouped_mm", "moekit_blocks", "moekit"]) == ["eager", "moekit", "moekit_blocks", "grouped_mm"]
+    opts = default_options("qwen3", torch.device("cpu"), tiny=True, layers=1, impls=("moekit", "moekit_blocks"),
+                           repeats=1, decode_tokens=2, prefill_len=8)
+    doc = run_hf_bench(torch.device("cpu"), opts)
+    rows = {(r["impl"], r["mode"]): r for r in doc["rows"]}
+    for mode in ("eager", "compiled"):
+        row = rows[("moekit_blocks", mode)]
+        assert not row["errors"] and row["decode_tok_s"] > 0 and row["logits_rel_err_vs_eager"] < 1e-5

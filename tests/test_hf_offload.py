@@ -5,7 +5,6 @@ blocks share it; an fp8 model (transformers' FP8Experts) offloads its packed exp
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from moekit.hf import OffloadedBlock, moe_from_hf, offload_experts  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
+import _hf_tiny_models as tiny  # noqa: E402
 
 
 def _tiny_qwen3_moe():
@@ -61,32 +61,9 @@ def test_a_budget_below_one_expert_is_refused():
         offload_experts(_tiny_qwen3_moe(), gpu_budget_bytes=100, device="cpu")
 
 
-def _tiny_fp8_qwen3_moe():
-    """A 2-layer Qwen3-MoE whose experts transformers swapped for its FP8Experts, filled by transformers'
-    own fp8 quantizer (it quantizes block-divisible shapes only: K, N multiples of 128); attention stays
-    float (transformers' fp8 linear needs its GPU kernels)."""
-    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    originals = [{n: p.detach().clone() for n, p in layer.mlp.experts.named_parameters()}
-                 for layer in model.model.layers]
-    qc = transformers.FineGrainedFP8Config(weight_block_size=(128, 128))
-    fp8.replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "q_proj", "k_proj", "v_proj", "o_proj"],
-                                quantization_config=qc)
-    quantizer = fp8.Fp8Quantize(types.SimpleNamespace(quantization_config=qc))
-    for layer, original in zip(model.model.layers, originals):
-        experts = layer.mlp.experts.to_empty(device="cpu")
-        for name in ("gate_up_proj", "down_proj"):
-            for key, value in quantizer.convert({name: original[name]}).items():
-                getattr(experts, key).data.copy_(value)
-    return model
-
-
 def test_fp8_model_offloads_packed_and_gives_the_plain_fp8_logits():
-    model = _tiny_fp8_qwen3_moe()
+    pytest.importorskip("transformers.integrations.finegrained_fp8")
+    model = tiny.fp8_qwen3_moe()
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
     reference = copy.deepcopy(model)
     for layer in reference.model.layers:  # the plain (resident) fp8 MoE of each block

@@ -32,6 +32,9 @@ REFERENCE_IMPL = "eager"  # transformers' per-expert loop: every other implement
 # a speed-up target over another implementation can be checked against it. Never in the default set;
 # registered when asked for by name.
 NO_EXPERTS_IMPL = "no_experts"
+# Not an experts implementation: every MoE block runs moekit's whole layer (``moekit.hf.use_moekit_blocks``:
+# moekit's router and the layer's decode fast path); blocks it leaves run the "moekit" experts. Runs when named.
+BLOCKS_IMPL = "moekit_blocks"
 _IMPL_ORDER = ("eager", "moekit", "grouped_mm", "batched_mm")  # the rest follow in name order
 
 
@@ -121,16 +124,32 @@ def register_no_experts() -> None:
 
 
 def select_impls(requested: list[str] | None) -> list[str]:
-    """``requested`` (default: every registered one but ``NO_EXPERTS_IMPL``, which runs only when named) in
-    the registry's order, the reference always included first."""
+    """``requested`` (default: every registered one but ``NO_EXPERTS_IMPL`` and ``BLOCKS_IMPL``, which run only
+    when named) in the registry's order (``BLOCKS_IMPL`` after "moekit"), the reference always included first."""
     if requested and NO_EXPERTS_IMPL in requested:
         register_no_experts()
     known = experts_implementations()
-    unknown = sorted(set(requested or ()) - set(known) - {NO_EXPERTS_IMPL})
+    named_only = [NO_EXPERTS_IMPL, BLOCKS_IMPL]
+    unknown = sorted(set(requested or ()) - set(known) - set(named_only))
     if unknown:
-        raise ValueError(f"hf-impls must be among {known + [NO_EXPERTS_IMPL]}, got unknown {unknown}")
+        raise ValueError(f"hf-impls must be among {known + named_only}, got unknown {unknown}")
     wanted = set(requested or set(known) - {NO_EXPERTS_IMPL}) | {REFERENCE_IMPL}
-    return [n for n in known if n in wanted]
+    order = known[:known.index("moekit") + 1] + [BLOCKS_IMPL] + known[known.index("moekit") + 1:]
+    return [n for n in order if n in wanted]
+
+
+def use_impl(model, impl: str) -> None:
+    """Run ``model`` with ``impl``: an experts implementation, or ``BLOCKS_IMPL`` (the blocks swapped once, then
+    switched on and off with ``set_blocks_active``, so a compiled graph meets the same modules every pass)."""
+    from moekit.hf.swap import set_blocks_active, use_moekit_blocks
+
+    if impl == BLOCKS_IMPL:
+        model.set_experts_implementation("moekit")
+        if not set_blocks_active(model, True):
+            use_moekit_blocks(model)
+    else:
+        set_blocks_active(model, False)
+        model.set_experts_implementation(impl)
 
 
 def gathered_weight_bytes(impl: str, config, num_tokens: int, element_size: int) -> int:

@@ -22,6 +22,7 @@ from moekit.bench import hf_measure as hm
 from moekit.bench.hf_fp64 import Float64Model, Float64Prefill, float64_prefill
 from moekit.bench.hf_models import (
     MODELS, REFERENCE_IMPL, build_model, free_memory_bytes, gathered_weight_bytes, hf_config, select_impls,
+    use_impl,
 )
 from moekit.bench.run import commit_id, device_name
 
@@ -146,7 +147,7 @@ def _compare(row: Row, metric: str, logits: torch.Tensor, ref: torch.Tensor | No
 
 def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logits, fp64: Float64Prefill):
     """One prefill with all logits (the error checks) and one decode: (logits or None, Decode or None)."""
-    model.set_experts_implementation(row.impl)
+    use_impl(model, row.impl)
     logits = row.attempt("prefill_ms", lambda: _prefill_all_logits(model, row.impl, inputs.batch))
     if logits is None:
         row.errors[ERR_EAGER] = row.errors[ERR_FP64] = row.errors["prefill_ms"]
@@ -198,7 +199,7 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
     with _recompile_limit(RECOMPILE_LIMIT):
         for impl in impls:
             row = rows[impl]
-            model.set_experts_implementation(impl)
+            use_impl(model, impl)
             dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens,
                                                                compiled=config, keep_logits=True))
             if dec is None:
@@ -246,7 +247,7 @@ def _step_logits_error(fp64: Float64Model, row: Row, dec: hm.Decode | None, prom
 
 def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled) -> str:
     """One timed decode (and, in eager mode, prefill) of ``row``'s implementation; a line for the log."""
-    model.set_experts_implementation(row.impl)
+    use_impl(model, row.impl)
     done = []
     if "decode_tok_s" not in row.errors:
         dec = row.attempt("decode_tok_s",

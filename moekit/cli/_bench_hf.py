@@ -15,7 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-impls", default=None,
                    help="comma-separated experts implementations (default: every registered one; eager, the reference, "
                    "always runs in eager mode); no_experts adds the ceiling: experts that return zeros, i.e. the best "
-                   "decode any implementation could reach in that model")
+                   "decode any implementation could reach in that model; moekit_blocks runs each MoE block as moekit's "
+                   "whole layer (moekit.hf.use_moekit_blocks: its router too)")
     g.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: 8 qwen3 / 2 mixtral on GPU, 1 on CPU)")
     g.add_argument("--decode-tokens", type=int, default=None, help="new tokens per generate (default 64 GPU, 8 CPU)")

@@ -7,7 +7,8 @@ so ``model.set_experts_implementation("moekit")`` sends every experts call throu
 of transformers' experts interface: ``variants`` turns a module's flags and code into an ``ExpertsPlan``
 (an ``ActivationSpec``, biases, transposed views) once per module, and what moekit does not fuse runs
 through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``).
-``blocks.moe_from_hf`` turns a MoE block into a ``MoE``. The backend
+``blocks.moe_from_hf`` turns a MoE block into a ``MoE``; ``swap.use_moekit_blocks`` gives every block of a
+model moekit's whole layer forward in place (``restore_blocks`` undoes it). The backend
 comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
 for the CPU and CUDA: resolving imports modules, which ``torch.compile(fullgraph=True)`` cannot trace,
 so a compiled model only ever meets the cache.
@@ -22,13 +23,15 @@ from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
+from moekit.hf.swap import BlockSwapReport, restore_blocks, use_moekit_blocks
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
 from moekit.quant.hf import fp8_experts_weights
 
 _FP8_ATTR = "_moekit_fp8_weights"  # on an FP8Experts module: (its tensors' addresses, (w13, w2))
 
-__all__ = ["HF_BACKEND", "ComposedPathWarning", "ExpertsPlan", "MissingExtraError", "moe_from_hf",
-           "moekit_experts_forward", "moekit_fp8_experts_forward", "OffloadedBlock", "offload_experts", "prepare"]
+__all__ = ["HF_BACKEND", "BlockSwapReport", "ComposedPathWarning", "ExpertsPlan", "MissingExtraError", "moe_from_hf",
+           "moekit_experts_forward", "moekit_fp8_experts_forward", "OffloadedBlock", "offload_experts", "prepare",
+           "restore_blocks", "use_moekit_blocks"]
 
 # The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.
 HF_BACKEND = "auto"

@@ -10,6 +10,8 @@ Shapes: E experts, K hidden, N intermediate, S shared slots, SN shared width.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -23,19 +25,49 @@ _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 
 
-def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto") -> MoE:
+@dataclass(frozen=True)
+class BlockSite:
+    """Where a MoE block sits in a model: ``getattr(parent, name) is block``, ``path`` its dotted name."""
+
+    path: str
+    parent: nn.Module
+    name: str
+    block: nn.Module
+
+
+def moe_blocks(model: nn.Module) -> list[BlockSite]:
+    """Every MoE block of ``model`` in module order: a module with ``.experts`` of transformers' experts
+    interface (a ``down_proj``) and a ``.gate``/``.router`` module (``offload_experts``, ``use_moekit_blocks``)."""
+    return [BlockSite(f"{path}.{name}" if path else name, parent, name, child)
+            for path, parent in model.named_modules() for name, child in parent.named_children() if _is_block(child)]
+
+
+def _is_block(module: nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    router = next((getattr(module, n) for n in _ROUTER_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
+    return isinstance(experts, nn.Module) and hasattr(experts, "down_proj") and router is not None
+
+
+def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto",
+                shared_expert: bool = True, transposed: str = "copy") -> MoE:
     """A ``MoE`` computing the same function as ``block`` (its first output where it returns a tuple).
 
     With ``fuse_shared=False`` (default) the routed experts' weights and the router are *shared* with the
     block (the same ``Parameter`` objects) where the layouts agree; transposed storage (gpt-oss) is
-    copied into moekit's ``[E, 2N, K]``. The shared expert's weights are copied into a separate MLP, or,
-    with ``fuse_shared=True``, into extra routed slots. Experts moekit cannot fuse (the plan's reason) or
-    ungated ones are refused: the layer has no place for the module's own code. fp8 experts
-    (``FineGrainedFP8Config``'s ``FP8Experts``) keep their quantization (``moe.quant_scheme`` "fp8_block",
-    the block's tensors as they are; ``fuse_shared`` must be False). The shared expert is
-    the block's own (``shared_expert(s)``/``shared_mlp``): where a family keeps it on the decoder layer
-    (Granite-MoE-Shared) the ``MoE`` has none, as the block.
+    copied into moekit's ``[E, 2N, K]``, or with ``transposed="view"`` read in place as strided views
+    (no copy; Parameters with ``requires_grad=False``: gradients would not reach the block's). The shared
+    expert's weights are copied into a separate MLP, or, with ``fuse_shared=True``, into extra routed
+    slots. Experts moekit cannot fuse (the plan's reason) or ungated ones are refused: the layer has no
+    place for the module's own code. fp8 experts (``FineGrainedFP8Config``'s ``FP8Experts``) keep their
+    quantization (``moe.quant_scheme`` "fp8_block", the block's tensors as they are; ``fuse_shared``
+    must be False). The shared expert is the block's own (``shared_expert(s)``/``shared_mlp``): where a
+    family keeps it on the decoder layer (Granite-MoE-Shared) the ``MoE`` has none, as the block.
+    ``shared_expert=False``: the routed experts only (no shared expert, no copy of its weights;
+    ``use_moekit_blocks`` runs the block's own). Weights the ``MoE`` shares are never allocated for it
+    first (no init pass over a copy of the experts).
     """
+    if transposed not in ("copy", "view"):
+        raise ValueError(f"transposed must be 'copy' or 'view', got {transposed!r}")
     experts = getattr(block, "experts", None)
     router = next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
     if experts is None or router is None or not hasattr(experts, "down_proj"):
@@ -48,16 +80,22 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
                          "set_experts_implementation('moekit') instead")
     config = MoEConfig.from_hf_config(experts.config).replace(activation=plan.activation, expert_bias=plan.has_bias)
     shared_mlp = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
-    if shared_mlp is None and config.has_shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer
-        config = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
     if shared_mlp is not None and not config.has_shared_expert:
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
+    if shared_mlp is None or not shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer
+        config = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
+        shared_mlp = None
     quantized = quantized_experts_weights(experts)  # fp8 experts: kept fp8, never materialised in bf16
     dtype = experts.down_proj.dtype if quantized is None else quantized[0].dtype
+    views = plan.transposed and transposed == "view" and not (fuse_shared and shared_mlp is not None)
+    shares = quantized is not None or views or not (plan.transposed or (fuse_shared and shared_mlp is not None))
     moe = MoE(config, backend=backend, fuse_shared=fuse_shared, dtype=dtype, device=experts.down_proj.device,
-              num_local_experts=None if quantized is None else 0)
+              num_local_experts=0 if shares else None)  # no rows to allocate where the block's are taken
     _copy_router(moe, block, router)
-    _copy_experts(moe, experts, plan.transposed, shared_mlp, quantized)
+    _copy_experts(moe, experts, plan.transposed and not views, shared_mlp, quantized)
+    if views:  # [E, 2N, K] / [E, K, N] strided over the block's [E, K, 2N] / [E, N, K]
+        moe.w13 = nn.Parameter(experts.gate_up_proj.detach().transpose(1, 2), requires_grad=False)
+        moe.w2 = nn.Parameter(experts.down_proj.detach().transpose(1, 2), requires_grad=False)
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
     return moe

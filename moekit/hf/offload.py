@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.hf.blocks import moe_from_hf
+from moekit.hf.blocks import moe_blocks, moe_from_hf
 from moekit.offload import ExpertCache, OffloadedMoE, expert_nbytes, link_layers
 
 
@@ -39,8 +39,7 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
     ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert.
     With ``compute_misses_on="auto"`` the miss costs are measured once (on the first block's experts)
     and shared by every block."""
-    blocks = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-              if _is_moe_block(child)]
+    blocks = [(site.parent, site.name, site.block) for site in moe_blocks(model)]
     if not blocks:
         raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}")
     first = moe_from_hf(blocks[0][2], backend=backend)
@@ -62,8 +61,3 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
     link_layers(layers)
     return cache
 
-
-def _is_moe_block(module: nn.Module) -> bool:
-    experts = getattr(module, "experts", None)
-    router = getattr(module, "gate", None) or getattr(module, "router", None)
-    return isinstance(experts, nn.Module) and hasattr(experts, "down_proj") and isinstance(router, nn.Module)

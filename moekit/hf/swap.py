@@ -1,0 +1,210 @@
+"""``use_moekit_blocks``: every MoE block of a transformers model runs moekit's whole layer (router + experts,
+the layer's decode fast path) instead of transformers' router and an experts call, in place.
+
+    model ──moe_blocks──▶ each block ──moe_from_hf(shared_expert=False)──▶ MoE over the block's own Parameters
+    block.__class__ ──▶ a subclass whose forward is  MoE(x) [+ the block's shared expert] ; state_dict unchanged
+
+The block stays where it is with its Parameters, so ``state_dict`` keys, ``save_pretrained`` /
+``from_pretrained``, optimizers and hooks see the model as before; the ``MoE`` is an attribute, not a
+submodule (nothing registered twice). It reads the block's own Parameters (gpt-oss's transposed experts as
+strided views: no copy); only ``fuse_shared=True`` copies (the shared expert into routed slots; copies follow
+the block's weights through their version counters). The block's own forward (the same function, its own
+code) runs instead while transformers records router logits (``output_router_logits``: its hooks sit on
+the router module), when called with arguments beyond the hidden states, while its Parameters are
+substituted (``torch.func.functional_call``), and while autograd records on a block whose gradients the
+``MoE`` would not reach (views, copies). A move or cast of the block (``model.to``) rebuilds its ``MoE``.
+Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moekit.hf.blocks import moe_blocks
+from moekit.hf.swap_state import BlockSwap, SwapOptions, build_moe, copied_bytes, router_recorded
+
+SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
+_SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+
+
+@dataclass(frozen=True)
+class SwappedBlock:
+    path: str  # the block's dotted name in the model
+    block: str  # its own class name
+    copied_bytes: int  # bytes of weights the MoE holds as copies (fuse_shared's slots); 0: the block's own
+    tuple_len: int  # 0: the block returns a tensor; n: an n-tuple, kept as (out, None, ...)
+
+
+@dataclass(frozen=True)
+class LeftBlock:
+    path: str  # the block's dotted name in the model
+    block: str  # its class name
+    reason: str  # why it runs its own forward (and the experts implementation set on the model)
+
+
+@dataclass(frozen=True)
+class BlockSwapReport:
+    swapped: tuple[SwappedBlock, ...] = ()  # in module order
+    left: tuple[LeftBlock, ...] = ()  # blocks left as they were, each with its reason
+
+    @property
+    def copied_bytes(self) -> int:
+        return sum(b.copied_bytes for b in self.swapped)
+
+
+def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: bool = False) -> BlockSwapReport:
+    """Give every MoE block of ``model`` moekit's layer forward over its own Parameters; returns which blocks
+    were swapped and which were left (with ``moe_from_hf``'s reason: they keep their forward, so the experts
+    implementation set on the model, e.g. ``set_experts_implementation("moekit")``, still serves them).
+
+    ``backend``: the ``MoE``'s experts backend; ``fuse_shared=True`` copies a shared expert into routed
+    slots (a copy: see the module doc) instead of running the block's own shared expert. Idempotent: a
+    block already swapped with the same options is kept; other options rebuild its ``MoE``.
+    ``restore_blocks`` undoes it."""
+    options = SwapOptions(backend, bool(fuse_shared))
+    swapped, left = [], []
+    for site in moe_blocks(model):
+        block = site.block
+        own = _own_class(block)
+        try:
+            swap = _swap_of(block, own, options)
+        except (ValueError, TypeError, NotImplementedError, AttributeError, KeyError) as err:  # a config it can't read
+            left.append(LeftBlock(site.path, own.__name__, str(err).split("\n")[0]))
+            continue
+        swapped.append(SwappedBlock(site.path, own.__name__, copied_bytes(swap.moe, block), swap.tuple_len))
+    return BlockSwapReport(tuple(swapped), tuple(left))
+
+
+def restore_blocks(model: nn.Module) -> int:
+    """Undo ``use_moekit_blocks``: every swapped block gets its own class back and drops its ``MoE``; returns
+    how many were restored."""
+    count = 0
+    for module in model.modules():
+        swap = module.__dict__.pop(SWAP_ATTR, None)
+        if swap is not None:
+            module.__class__ = swap.block_cls
+            count += 1
+    return count
+
+
+def set_blocks_active(model: nn.Module, active: bool) -> int:
+    """Switch swapped blocks between moekit's forward (True) and their own (False) without rebuilding
+    anything (``moekit bench --hf`` interleaves the two); returns how many blocks were switched."""
+    swaps = [m.__dict__[SWAP_ATTR] for m in model.modules() if SWAP_ATTR in m.__dict__]
+    for swap in swaps:
+        swap.active = bool(active)
+    return len(swaps)
+
+
+def _own_class(block: nn.Module) -> type:
+    swap = block.__dict__.get(SWAP_ATTR)
+    return type(block) if swap is None else swap.block_cls
+
+
+def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int | None = None) -> BlockSwap:
+    """The block's BlockSwap: kept where its options match, else built (and the block's class swapped);
+    ``tuple_len`` where it is known (an unpickled block), else the block's earlier swap's, else probed."""
+    swap = block.__dict__.get(SWAP_ATTR)
+    if swap is not None and swap.options == options and swap.is_bound():
+        return swap
+    moe = build_moe(block, options)
+    if tuple_len is None:
+        tuple_len = swap.tuple_len if swap is not None else _probe_tuple_len(block, moe)
+    swap = BlockSwap(moe, own, options, *_shared_parts(block, options), tuple_len)
+    swap.track(block)
+    block.__dict__[SWAP_ATTR] = swap
+    block.__class__ = _swapped_class(own)
+    return swap
+
+
+def _shared_parts(block: nn.Module, options: SwapOptions) -> tuple[nn.Module | None, nn.Module | None]:
+    """(the block's shared expert, its sigmoid gate: Qwen2-MoE, Qwen3-Next) where the MoE leaves them to the
+    block (fuse_shared off), else (None, None)."""
+    shared = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
+    if shared is None or options.fuse_shared:
+        return None, None
+    return shared, getattr(block, "shared_expert_gate", None)
+
+
+def _probe_tuple_len(block: nn.Module, moe) -> int:
+    """0 where the block's own forward returns a tensor, n for an n-tuple: read from its source's return
+    statements, else one token through it (no grad)."""
+    read = _returned_tuple_len(type(block).forward)
+    if read is not None:
+        return read
+    weight = moe.gate.weight  # [E, K] in the model's dtype, on its device
+    x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        try:
+            out = block(x)
+        except Exception as err:  # noqa: BLE001  (the block is left, with this reason)
+            raise ValueError(f"its own forward failed on a one-token probe: {type(err).__name__}: {err}") from err
+    return len(out) if isinstance(out, tuple) else 0
+
+
+def _returned_tuple_len(forward) -> int | None:
+    """The length of the tuple every return statement of ``forward`` builds (0: none builds one), or None
+    where the source is not there or its returns disagree."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    lens = {len(node.value.elts) if isinstance(node.value, ast.Tuple) else 0
+            for node in ast.walk(tree) if isinstance(node, ast.Return) and node.value is not None}
+    return lens.pop() if len(lens) == 1 else None
+
+
+class _MoekitBlock(nn.Module):
+    """The behaviour a swapped block's class gets ahead of its own (``_swapped_class``)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        """hidden_states [B, S, K] (or [M, K]) -> the block's output: MoE(x) [+ its shared expert]; its own
+        forward where the module doc says."""
+        swap = self.__dict__[SWAP_ATTR]
+        if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
+            return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
+        x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = swap.moe.forward(x2d)  # [M, K]; a 2-D x meets the layer's decode fast path first (no hooks on it)
+        out = out if x2d is hidden_states else out.view_as(hidden_states)  # view_as: 0.7 µs, view(shape) 2.2
+        if swap.shared is not None:
+            shared = swap.shared(hidden_states)
+            if swap.shared_gate is not None:
+                shared = torch.sigmoid(swap.shared_gate(hidden_states)) * shared
+            out = out + shared
+        return out if swap.tuple_len == 0 else (out,) + (None,) * (swap.tuple_len - 1)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        swap = self.__dict__.get(SWAP_ATTR)
+        if swap is not None:  # the MoE read the old tensors (and resolved its backend for their device)
+            swap.moe = build_moe(self, swap.options)
+            swap.track(self)
+        return module
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save``, ``copy.deepcopy``) as the block of its own class, swapped again on load."""
+        swap = self.__dict__[SWAP_ATTR]
+        state = {k: v for k, v in self.__dict__.items() if k != SWAP_ATTR}
+        return _unpickle_swapped, (swap.block_cls, state, swap.options, swap.tuple_len)
+
+
+def _unpickle_swapped(block_cls: type, state: dict, options: SwapOptions, tuple_len: int) -> nn.Module:
+    block = block_cls.__new__(block_cls)
+    block.__dict__.update(state)
+    _swap_of(block, block_cls, options, tuple_len)
+    return block
+
+
+_CLASSES: dict[type, type] = {}  # a block class -> its swapped subclass, made once
+
+
+def _swapped_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"{cls.__name__}OnMoekit", (_MoekitBlock, cls), {"__module__": __name__})
+    return _CLASSES[cls]

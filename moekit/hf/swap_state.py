@@ -1,0 +1,100 @@
+"""A swapped block's state (``BlockSwap``) and the reads its forward makes each call: whether transformers is
+recording router logits, whether a copied weight moved on. ``moekit.hf.swap`` puts them on the blocks."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moekit.hf.blocks import moe_from_hf
+
+try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
+    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
+except ImportError:
+    try:
+        from transformers.utils.generic import _active_collector as _COLLECTOR
+    except ImportError:
+        _COLLECTOR = None
+
+
+@dataclass(frozen=True)
+class SwapOptions:
+    backend: str  # the MoE's experts backend ("auto" or a name)
+    fuse_shared: bool  # the shared expert copied into routed slots (else the block's own runs)
+
+
+@dataclass(eq=False)
+class BlockSwap:
+    """What a swapped block runs (``block._moekit_swap``; not a submodule: nothing registered twice)."""
+
+    moe: nn.Module  # a moekit MoE over the block's router and routed experts (the same Parameters where it can)
+    block_cls: type  # the block's own class: its forward runs where moekit's does not (moekit.hf.swap)
+    options: SwapOptions
+    shared: nn.Module | None  # the block's shared expert, run as the block runs it; None: none, or fused
+    shared_gate: nn.Module | None  # out += sigmoid(shared_gate(x)) * shared(x) where set (Qwen2-MoE, Qwen3-Next)
+    tuple_len: int  # 0: the block returns a tensor; n: an n-tuple, given as (out, None, ...)
+    sources: tuple = ()  # every block tensor, where the MoE holds copies of some (fuse_shared's slots); else ()
+    versions: tuple = ()  # the sources' version counters when the copies were made
+    detached: tuple = ()  # the block's Parameters, where some MoE Parameter is none of them (a copy, a view)
+    bound: tuple = ()  # (module, name, tensor) of the router's and experts' Parameters the MoE was built on
+    active: bool = True  # False: the block's own forward (``set_blocks_active``)
+
+    def track(self, block: nn.Module) -> None:
+        """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
+        Parameters, the router's and experts' Parameters as they are now."""
+        everything = tuple(itertools.chain(block.parameters(), block.buffers()))
+        self.sources = everything if copied_bytes(self.moe, block) > 0 else ()
+        self.versions = tuple(t._version for t in self.sources)
+        own = {id(p) for p in block.parameters()}
+        self.detached = tuple(block.parameters()) if any(id(p) not in own for p in self.moe.parameters()) else ()
+        router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
+        self.bound = tuple((m, name, t) for owner in (router, block.experts) for m in owner.modules()
+                           for name, t in m._parameters.items() if t is not None)
+
+    def is_bound(self) -> bool:
+        """Whether the router's and experts' Parameters are still those the MoE was built on (not while
+        ``torch.func.functional_call`` substitutes them, nor after ``load_state_dict(assign=True)``)."""
+        return all(m._parameters.get(name) is t for m, name, t in self.bound)
+
+    def own_forward_needed(self, block: nn.Module) -> bool:
+        """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), or
+        autograd recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
+        Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
+        first, in eager calls."""
+        if not self.is_bound():
+            return True
+        if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
+            return True
+        if self.sources and not torch.compiler.is_compiling():
+            if tuple(t._version for t in self.sources) != self.versions:
+                self.moe = build_moe(block, self.options)
+                self.track(block)
+        return False
+
+
+def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
+    """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
+    expert only where fused (else the block's)."""
+    return moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
+                       shared_expert=options.fuse_shared, transposed="view")
+
+
+def copied_bytes(moe: nn.Module, block: nn.Module) -> int:
+    """Bytes of the MoE's parameters and buffers that are not the block's own storage (copies)."""
+    own = {t.data_ptr() for t in itertools.chain(block.parameters(), block.buffers()) if t.numel()}
+    return sum(t.numel() * t.element_size() for t in itertools.chain(moe.parameters(), moe.buffers())
+               if t.numel() and t.data_ptr() not in own)
+
+
+def router_recorded(block: nn.Module) -> bool:
+    """Whether transformers is recording router outputs now (``output_router_logits``: hooks on the router
+    module, which only the block's own forward calls). Without transformers' collector: any forward hook on
+    the block's router counts."""
+    if _COLLECTOR is None:
+        router = getattr(block, "gate", None) or getattr(block, "router", None)
+        return bool(getattr(router, "_forward_hooks", None))
+    collected = _COLLECTOR.get()
+    return bool(collected) and any("router" in key for key in collected)
