@@ -233,9 +233,10 @@ def test_functional_call_substitutes_the_weights():
 _NONE = (lambda: None).__code__  # co_names () for an __init__ inherited from C
 
 
-def _family_block(fam):
+def _family_block(fam, groups: int = 2):
     """A small MoE block of ``fam`` (the class of its modeling file that builds its experts class), random weights,
-    and a hidden-states input; skips where the block needs more than a config (a layer index, a width) can give."""
+    and a hidden-states input, with ``groups`` expert groups where the config has them; skips where the block needs
+    more than a config (a layer index, a width) can give."""
     import importlib
     import inspect
 
@@ -248,7 +249,7 @@ def _family_block(fam):
     if not owners:
         pytest.skip(f"no class of {module.__name__} builds {fam.cls.__name__}")
     cfg = small_config(fam)
-    for name, value in {"n_group": 2, "topk_group": 1, "num_expert_group": 2}.items():
+    for name, value in {"n_group": groups, "topk_group": 1, "num_expert_group": groups}.items():
         if isinstance(getattr(cfg, name, None), int):
             setattr(cfg, name, value)
     params = inspect.signature(owners[0].__init__).parameters
@@ -260,6 +261,9 @@ def _family_block(fam):
         with torch.no_grad():
             for p in block.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+            for name, b in block.named_buffers():  # correction biases (a buffer in most families): not zero
+                if name.endswith(("e_score_correction_bias", "expert_bias")):
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.1)
         x = torch.randn(2, 5, cfg.hidden_size, generator=g)
         with torch.no_grad():
             want = block(x)
@@ -268,13 +272,32 @@ def _family_block(fam):
     return block, x, want
 
 
+# The families whose block the swap takes (MoEConfig.from_hf_config reads their text config): 17 before session 33,
+# 38 more since (moekit/config_hf.py)
+_SWAPPED = {
+    "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe", "gpt_oss", "granitemoe", "granitemoeshared",
+    "hunyuan_v1_moe", "jamba", "kimi_linear", "minimax", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe",
+    "qwen3_next",
+    "afmoe", "aria", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2", "deepseek_v32", "dots3_note",
+    "exaone_moe", "flex_olmo", "flint", "glm4_moe_lite", "glm4v_moe", "glm5_next", "glm_moe_dsa", "granitemoe_swa",
+    "granitemoehybrid", "hy_v3", "hy_v4", "hy_v4_vl", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash",
+    "minicpm5_moe", "minimax_m3_vl", "mistral4", "mistral_large4", "openai_privacy_filter", "qwen3_5_moe",
+    "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
+}
+# Read without expert groups only (their group score is a top-2 softmax sum): the walk's 2 groups leave them
+_UNGROUPED_ONLY = {"mistral4", "mistral_large4"}
+
+
 @pytest.mark.parametrize("key", sorted(_FAMILIES))
 def test_every_family_is_swapped_or_left_with_its_reason(key):
     """Every experts class the walk finds (tests/_hf_families.py), as its MoE block: swapped and equal to its own
-    forward (< 1e-5), or left untouched with moe_from_hf's reason; the swap never raises."""
+    forward (< 1e-5), or left untouched with moe_from_hf's reason; the swap never raises. The families of
+    _SWAPPED are swapped (their correction biases random, not zero)."""
     block, x, want = _family_block(_FAMILIES[key])
     holder = torch.nn.ModuleDict({"mlp": block})
     report = moekit_hf.use_moekit_blocks(holder)
+    family = _FAMILIES[key].family
+    assert bool(report.swapped) == (family in _SWAPPED and family not in _UNGROUPED_ONLY), report.left
     with torch.no_grad():
         got = block(x)
     first = (lambda o: o[0] if isinstance(o, tuple) else o)
@@ -282,3 +305,14 @@ def test_every_family_is_swapped_or_left_with_its_reason(key):
         assert rel_l2(first(got), first(want)) < 1e-5
     else:
         assert report.left and report.left[0].reason and torch.equal(first(got), first(want))
+
+
+@pytest.mark.parametrize("key", sorted(k for k, f in _FAMILIES.items() if f.family in _UNGROUPED_ONLY))
+def test_ungrouped_mistral4_is_swapped(key):
+    """Mistral-4 / Mistral-Large-4 as their configs ship them (one expert group): swapped and equal to their own
+    forward."""
+    block, x, want = _family_block(_FAMILIES[key], groups=1)
+    holder = torch.nn.ModuleDict({"mlp": block})
+    assert moekit_hf.use_moekit_blocks(holder).swapped
+    with torch.no_grad():
+        assert rel_l2(block(x), want) < 1e-5
