@@ -316,3 +316,15 @@ def test_ungrouped_mistral4_is_swapped(key):
     assert moekit_hf.use_moekit_blocks(holder).swapped
     with torch.no_grad():
         assert rel_l2(block(x), want) < 1e-5
+
+
+@pytest.mark.parametrize("key", sorted(k for k, f in _FAMILIES.items() if f.family in _SWAPPED))
+def test_moe_from_hf_with_the_shared_expert_equals_the_block(key):
+    """moe_from_hf itself (the shared expert copied into the MoE's own MLP, not the block's run): equal to the
+    block's forward (< 1e-5) for every family the swap takes."""
+    fam = _FAMILIES[key]
+    block, x, want = _family_block(fam, groups=1 if fam.family in _UNGROUPED_ONLY else 2)
+    with torch.no_grad():
+        got = moekit_hf.moe_from_hf(block)(x)
+    first = (lambda o: o[0] if isinstance(o, tuple) else o)
+    assert rel_l2(first(got), first(want)) < 1e-5
