@@ -118,7 +118,8 @@ class MoEConfig:
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
         """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (56 model
-        types; a VL / omni model's MoE layer is read from its text config, the one its experts carry):
+        types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
+        given the top-level config):
         Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,
         Granite-MoE, Jamba, MiniMax(-M2), ERNIE-4.5-MoE, Hunyuan-MoE, and (session 33) afmoe, aria_text, axk2,
         bailing_hybrid, beam, cohere2_moe, deepseek_ocr2_text, deepseek_v32, dots3_note_text, exaone_moe,
@@ -141,6 +142,9 @@ class MoEConfig:
         if model_type in REFUSED:
             raise ValueError(f"cfg.model_type {model_type!r}: {REFUSED[model_type]}")
         reader = HF_READERS.get(model_type)
+        text = d.get("text_config")  # a VL / omni model's top-level config: its MoE layer is the text model's
+        if reader is None and isinstance(text, dict) and text.get("model_type") in set(HF_READERS) | set(REFUSED):
+            return cls.from_hf_config(text)
         if reader is None:
             raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
         fields = reader(d)

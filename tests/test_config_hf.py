@@ -99,3 +99,9 @@ def test_options_moekit_does_not_compute_are_refused(model_type, changes, option
 def test_refused_families_say_why(model_type):
     with pytest.raises(ValueError, match=f"cfg.model_type '{model_type}': .{{40}}"):
         MoEConfig.from_hf_config({"model_type": model_type, "hidden_size": 32})
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe"])
+def test_a_vl_models_top_level_config_reads_its_text_config(model_type):
+    cfg = transformers.AutoConfig.for_model(model_type)
+    assert MoEConfig.from_hf_config(cfg) == MoEConfig.from_hf_config(cfg.get_text_config())
