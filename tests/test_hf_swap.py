@@ -233,10 +233,10 @@ def test_functional_call_substitutes_the_weights():
 _NONE = (lambda: None).__code__  # co_names () for an __init__ inherited from C
 
 
-def _family_block(fam, groups: int = 2):
+def _family_block(fam, groups: int = 2, **fields):
     """A small MoE block of ``fam`` (the class of its modeling file that builds its experts class), random weights,
-    and a hidden-states input, with ``groups`` expert groups where the config has them; skips where the block needs
-    more than a config (a layer index, a width) can give."""
+    and a hidden-states input, with ``groups`` expert groups where the config has them and the config ``fields``
+    given; skips where the block needs more than a config (a layer index, a width) can give."""
     import importlib
     import inspect
 
@@ -252,6 +252,8 @@ def _family_block(fam, groups: int = 2):
     for name, value in {"n_group": groups, "topk_group": 1, "num_expert_group": groups}.items():
         if isinstance(getattr(cfg, name, None), int):
             setattr(cfg, name, value)
+    for name, value in fields.items():
+        setattr(cfg, name, value)
     params = inspect.signature(owners[0].__init__).parameters
     kwargs = {k: v for k, v in {"layer_idx": 0, "intermediate_size": 16}.items() if k in params}
     g = torch.Generator().manual_seed(0)
@@ -307,11 +309,19 @@ def test_every_family_is_swapped_or_left_with_its_reason(key):
         assert report.left and report.left[0].reason and torch.equal(first(got), first(want))
 
 
-@pytest.mark.parametrize("key", sorted(k for k, f in _FAMILIES.items() if f.family in _UNGROUPED_ONLY))
-def test_ungrouped_mistral4_is_swapped(key):
-    """Mistral-4 / Mistral-Large-4 as their configs ship them (one expert group): swapped and equal to their own
-    forward."""
-    block, x, want = _family_block(_FAMILIES[key], groups=1)
+_OPTIONS = [("mistral4", {}), ("mistral_large4", {}), ("lfm2_moe", {"use_expert_bias": False}),
+            ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False}),
+            ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True, "num_shared_experts": 1,
+                             "shared_expert_combination_strategy": "sum"})]
+
+
+@pytest.mark.parametrize("family, fields", _OPTIONS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(_OPTIONS)])
+def test_config_options_the_walk_does_not_set(family, fields):
+    """Mistral-4 / Mistral-Large-4 as their configs ship them (one expert group), LFM2-MoE without its bias,
+    Cohere2-MoE's sigmoid selection (renormalised or not) with a summed shared expert: swapped and equal to their
+    own forward."""
+    key = next(k for k, f in _FAMILIES.items() if f.family == family)
+    block, x, want = _family_block(_FAMILIES[key], groups=1, **fields)
     holder = torch.nn.ModuleDict({"mlp": block})
     assert moekit_hf.use_moekit_blocks(holder).swapped
     with torch.no_grad():
