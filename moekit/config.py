@@ -15,6 +15,7 @@ import torch
 
 from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
+from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
 from moekit.presets import hf_config_of_preset
 
 Scoring = Literal["softmax", "sigmoid"]
@@ -116,209 +117,39 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
-        """Read a config (transformers object or dict) of a family in ``_HF_READERS``: Mixtral, Qwen2/3-MoE,
-        Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE, Granite-MoE, Jamba, MiniMax(-M2),
-        ERNIE-4.5-MoE, Hunyuan-MoE. Families whose router moekit does not compute (Phi-MoE's sparsemixer,
-        Llama-4's input-scaled top-1) are refused, naming why (their experts still run on "moekit").
+        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (56 model
+        types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
+        given the top-level config):
+        Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,
+        Granite-MoE, Jamba, MiniMax(-M2), ERNIE-4.5-MoE, Hunyuan-MoE, and (session 33) afmoe, aria_text, axk2,
+        bailing_hybrid, beam, cohere2_moe, deepseek_ocr2_text, deepseek_v32, dots3_note_text, exaone_moe,
+        flex_olmo, flint, glm4_moe_lite, glm4v_moe_text, glm5_next_text, glm_moe_dsa, granitemoe_swa,
+        granitemoehybrid, hy_v3, hy_v4, hy_v4_vl_text, laguna, lara_mini, lfm2_moe, mellum, mimo_v2_flash,
+        minicpm5_moe, minimax_m3_vl_text, mistral4, mistral_large4_text, openai_privacy_filter, qwen3_5_moe_text,
+        qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text.
+        Families whose router or block moekit does not compute (``REFUSED``: Phi-MoE's sparsemixer, Llama-4's
+        input-scaled top-1, Kolibri's logit-biased choice, LongCat-Flash's zero experts, ZAYA's MLP router,
+        Inkling's weighted shared experts, A.X-K1's output norm, ERNIE-4.5-VL's per-modality blocks) are
+        refused, naming why (their experts still run on "moekit"); so is a config whose options switch such a
+        computation on (the reader's ``ValueError`` names the option).
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
         if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
             raise TypeError(f"cfg must be a transformers config or a dict of its fields, got {type(cfg).__name__}")
-        d = _Fields(cfg if isinstance(cfg, dict) else cfg.to_dict())
+        d = Fields(cfg if isinstance(cfg, dict) else cfg.to_dict())
         model_type = d.get("model_type")
-        if model_type in _REFUSED:
-            raise ValueError(f"cfg.model_type {model_type!r}: {_REFUSED[model_type]}")
-        reader = _HF_READERS.get(model_type)
+        if model_type in REFUSED:
+            raise ValueError(f"cfg.model_type {model_type!r}: {REFUSED[model_type]}")
+        reader = HF_READERS.get(model_type)
+        text = d.get("text_config")  # a VL / omni model's top-level config: its MoE layer is the text model's
+        if reader is None and isinstance(text, dict) and text.get("model_type") in set(HF_READERS) | set(REFUSED):
+            return cls.from_hf_config(text)
         if reader is None:
-            raise ValueError(f"cfg.model_type must be one of {sorted(_HF_READERS)}, got {model_type!r}")
+            raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
         fields = reader(d)
         fields.setdefault("activation", activation_from_hf(d.get("hidden_act", "silu")))
         return cls(**fields)
-
-
-class MissingConfigField(KeyError):
-    """A config lacks a field the layer's reader needs. ``fields`` are the accepted spellings."""
-
-    def __init__(self, fields: tuple[str, ...], model_type: Any):
-        super().__init__(fields[0])
-        self.fields, self.model_type = fields, model_type
-
-    def __str__(self) -> str:
-        return self.message()
-
-    def message(self, source: str = "config") -> str:
-        """The sentence, with ``source`` saying which config (``config.json at PATH``)."""
-        others = "".join(f" (or {name!r})" for name in self.fields[1:])
-        return f"{source} has no {self.fields[0]!r}{others}: a {self.model_type} MoE layer needs it"
-
-
-class _Fields(dict):
-    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError."""
-
-    def __missing__(self, name: str) -> Any:
-        raise MissingConfigField((name,), self.get("model_type"))
-
-
-def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
-    """The first of ``names`` present (and not None) in d: config.json and transformers' own
-    ``to_dict()`` spell some fields differently (Qwen3's num_experts vs num_local_experts)."""
-    for name in names:
-        if d.get(name) is not None:
-            return d[name]
-    if default is KeyError:
-        raise MissingConfigField(names, d.get("model_type"))
-    return default
-
-
-def _count_layers(d: dict, is_moe) -> int | None:
-    """The MoE layers among the model's ``num_hidden_layers``; None when the config does not say."""
-    layers = d.get("num_hidden_layers")
-    return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
-
-
-def _read_mixtral(d: dict) -> dict:
-    return dict(
-        hidden_size=d["hidden_size"],
-        moe_intermediate_size=d["intermediate_size"],
-        num_experts=_get(d, "num_local_experts", "num_experts"),
-        top_k=_get(d, "num_experts_per_tok", "moe_topk"),
-        scoring="softmax",
-        renormalize=True,
-        num_moe_layers=d.get("num_hidden_layers"),
-    )
-
-
-def _qwen_moe_layers(d: dict) -> int:
-    step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
-    return _count_layers(d, lambda i: i not in dense and (i + 1) % step == 0)
-
-
-def _read_qwen3_moe(d: dict) -> dict:
-    return dict(
-        hidden_size=d["hidden_size"],
-        moe_intermediate_size=d["moe_intermediate_size"],
-        num_experts=_get(d, "num_experts", "num_local_experts"),
-        top_k=d["num_experts_per_tok"],
-        scoring="softmax",
-        renormalize=bool(_get(d, "norm_topk_prob", default=False)),
-        num_moe_layers=_qwen_moe_layers(d),
-    )
-
-
-def _read_qwen2_moe(d: dict) -> dict:
-    shared = _get(d, "shared_expert_intermediate_size", default=0)
-    return dict(_read_qwen3_moe(d), shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
-
-
-def _read_deepseek(d: dict) -> dict:
-    """DeepSeek-V2/V3 and the families that share V3's router (Kimi-K2, GLM-4.5: grouped sigmoid with
-    a correction bias)."""
-    v3 = d["model_type"] in ("deepseek_v3", "kimi_k2", "glm4_moe")
-    method = _get(d, "topk_method", default="noaux_tc" if v3 else "greedy")
-    grouped = method in ("group_limited_greedy", "noaux_tc")
-    first_dense, freq = _get(d, "first_k_dense_replace", default=0), _get(d, "moe_layer_freq", default=1)
-    scoring = _get(d, "scoring_func", default="sigmoid" if v3 else "softmax")
-    return dict(
-        hidden_size=d["hidden_size"],
-        moe_intermediate_size=d["moe_intermediate_size"],
-        num_experts=_get(d, "n_routed_experts", "num_local_experts"),
-        top_k=d["num_experts_per_tok"],
-        scoring=scoring,
-        renormalize=bool(_get(d, "norm_topk_prob", default=False)),
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
-        n_group=_get(d, "n_group", default=1) if grouped else 1,
-        topk_group=_get(d, "topk_group", default=1) if grouped else 1,
-        use_correction_bias=method == "noaux_tc",
-        shared_expert_intermediate_size=_get(d, "n_shared_experts", default=0) * d["moe_intermediate_size"],
-        num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0),
-    )
-
-
-def _read_gpt_oss(d: dict) -> dict:
-    """gpt-oss: top-k of the biased logits, then a softmax over the k. That is moekit's softmax over all E
-    then renormalised over the k: exp(l_i) / sum_{j in top-k} exp(l_j) either way, and the top-k of the
-    logits is the top-k of their softmax (a monotone map)."""
-    spec = ActivationSpec("silu", interleaved=True, alpha=float(_get(d, "swiglu_alpha", default=1.702)),
-                          limit=float(_get(d, "swiglu_limit", default=7.0)), up_shift=1.0)
-    return dict(_read_mixtral(d), router_bias=True, expert_bias=True, activation=spec)
-
-
-def _read_softmax_topk(d: dict) -> dict:
-    """OLMoE, Jamba (softmax, top-k, renormalised when norm_topk_prob), Granite-MoE (top-k of the logits
-    then softmax over the k: renormalised, as gpt-oss), MiniMax and Hunyuan (renormalised)."""
-    renorm = d["model_type"] in ("granitemoe", "granitemoeshared", "granitemoehybrid", "minimax", "hunyuan_v1_moe")
-    shared = _get(d, "shared_intermediate_size", default=0) if d["model_type"] == "granitemoeshared" else 0
-    if d["model_type"] == "hunyuan_v1_moe" and _get(d, "use_mixed_mlp_moe", default=True):
-        shared = d["intermediate_size"] * _get(d, "num_shared_expert", default=1)
-    return dict(_read_mixtral(d), renormalize=renorm or bool(_get(d, "norm_topk_prob", default=False)),
-                shared_expert_intermediate_size=shared)
-
-
-def _read_minimax_m2(d: dict) -> dict:
-    """MiniMax-M2: sigmoid scores, a correction bias for the choice, renormalised, no groups."""
-    return dict(_read_mixtral(d), scoring="sigmoid", use_correction_bias=True)
-
-
-def _read_ernie(d: dict) -> dict:
-    """ERNIE-4.5-MoE: softmax, a correction bias (``moe_statics``) for the choice, renormalised (the
-    clamp at moe_norm_min only guards 0/0)."""
-    shared = _get(d, "moe_num_shared_experts", default=0) * d["moe_intermediate_size"]
-    return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
-                num_experts=_get(d, "moe_num_experts", "num_experts"), top_k=_get(d, "moe_k", "num_experts_per_tok"),
-                renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared)
-
-
-def _read_kimi_linear(d: dict) -> dict:
-    """Kimi-Linear: DeepSeek-V3's router (grouped sigmoid, correction bias, routed scaling) under its own
-    field names, and shared experts."""
-    n_dim = d["moe_intermediate_size"]
-    return dict(
-        hidden_size=d["hidden_size"], moe_intermediate_size=n_dim,
-        num_experts=_get(d, "num_experts", "num_local_experts"),
-        top_k=_get(d, "num_experts_per_token", "num_experts_per_tok"),
-        scoring="sigmoid", renormalize=bool(_get(d, "moe_renormalize", "norm_topk_prob", default=True)),
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
-        n_group=_get(d, "num_expert_group", "n_group", default=1), topk_group=_get(d, "topk_group", default=1),
-        use_correction_bias=True, shared_expert_intermediate_size=_get(d, "num_shared_experts", "n_shared_experts",
-                                                                        default=0) * n_dim,
-    )
-
-
-def _read_qwen3_next(d: dict) -> dict:
-    """Qwen3-Next: softmax top-k as Qwen3-MoE, and a shared expert scaled by sigmoid(x @ g)."""
-    return _read_qwen2_moe(d)
-
-
-_HF_READERS = {
-    "mixtral": _read_mixtral,
-    "qwen2_moe": _read_qwen2_moe,
-    "qwen3_moe": _read_qwen3_moe,
-    "qwen3_next": _read_qwen3_next,
-    "deepseek_v2": _read_deepseek,
-    "deepseek_v3": _read_deepseek,
-    "kimi_k2": _read_deepseek,
-    "glm4_moe": _read_deepseek,
-    "kimi_linear": _read_kimi_linear,
-    "gpt_oss": _read_gpt_oss,
-    "olmoe": _read_softmax_topk,
-    "jamba": _read_softmax_topk,
-    "granitemoe": _read_softmax_topk,
-    "granitemoeshared": _read_softmax_topk,
-    "minimax": _read_softmax_topk,
-    "hunyuan_v1_moe": _read_softmax_topk,
-    "minimax_m2": _read_minimax_m2,
-    "ernie4_5_moe": _read_ernie,
-}
-# Routers moekit does not compute: read them and the layer would route differently, so refuse.
-_REFUSED = {
-    "phimoe": "Phi-MoE routes with sparsemixer (top-1 by argmax, a softmax over the logits within "
-              "2*router_jitter_noise of the max, then the same for the second expert), not a softmax top-k; "
-              "moekit's router does not implement it. Its experts run on moekit through "
-              "model.set_experts_implementation('moekit'), which keeps transformers' router",
-    "llama4_text": "Llama-4 scales the expert's input by sigmoid(top-1 logit), not its output; moekit's layer "
-                   "weights outputs",
-}
 
 
 def check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts,

@@ -233,9 +233,10 @@ def test_functional_call_substitutes_the_weights():
 _NONE = (lambda: None).__code__  # co_names () for an __init__ inherited from C
 
 
-def _family_block(fam):
+def _family_block(fam, groups: int = 2, **fields):
     """A small MoE block of ``fam`` (the class of its modeling file that builds its experts class), random weights,
-    and a hidden-states input; skips where the block needs more than a config (a layer index, a width) can give."""
+    and a hidden-states input, with ``groups`` expert groups where the config has them and the config ``fields``
+    given; skips where the block needs more than a config (a layer index, a width) can give."""
     import importlib
     import inspect
 
@@ -248,9 +249,11 @@ def _family_block(fam):
     if not owners:
         pytest.skip(f"no class of {module.__name__} builds {fam.cls.__name__}")
     cfg = small_config(fam)
-    for name, value in {"n_group": 2, "topk_group": 1, "num_expert_group": 2}.items():
+    for name, value in {"n_group": groups, "topk_group": 1, "num_expert_group": groups}.items():
         if isinstance(getattr(cfg, name, None), int):
             setattr(cfg, name, value)
+    for name, value in fields.items():
+        setattr(cfg, name, value)
     params = inspect.signature(owners[0].__init__).parameters
     kwargs = {k: v for k, v in {"layer_idx": 0, "intermediate_size": 16}.items() if k in params}
     g = torch.Generator().manual_seed(0)
@@ -260,6 +263,9 @@ def _family_block(fam):
         with torch.no_grad():
             for p in block.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+            for name, b in block.named_buffers():  # correction biases (a buffer in most families): not zero
+                if name.endswith(("e_score_correction_bias", "expert_bias")):
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.1)
         x = torch.randn(2, 5, cfg.hidden_size, generator=g)
         with torch.no_grad():
             want = block(x)
@@ -268,13 +274,32 @@ def _family_block(fam):
     return block, x, want
 
 
+# The families whose block the swap takes (MoEConfig.from_hf_config reads their text config): 17 before session 33,
+# 38 more since (moekit/config_hf.py)
+_SWAPPED = {
+    "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe", "gpt_oss", "granitemoe", "granitemoeshared",
+    "hunyuan_v1_moe", "jamba", "kimi_linear", "minimax", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe",
+    "qwen3_next",
+    "afmoe", "aria", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2", "deepseek_v32", "dots3_note",
+    "exaone_moe", "flex_olmo", "flint", "glm4_moe_lite", "glm4v_moe", "glm5_next", "glm_moe_dsa", "granitemoe_swa",
+    "granitemoehybrid", "hy_v3", "hy_v4", "hy_v4_vl", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash",
+    "minicpm5_moe", "minimax_m3_vl", "mistral4", "mistral_large4", "openai_privacy_filter", "qwen3_5_moe",
+    "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
+}
+# Read without expert groups only (their group score is a top-2 softmax sum): the walk's 2 groups leave them
+_UNGROUPED_ONLY = {"mistral4", "mistral_large4"}
+
+
 @pytest.mark.parametrize("key", sorted(_FAMILIES))
 def test_every_family_is_swapped_or_left_with_its_reason(key):
     """Every experts class the walk finds (tests/_hf_families.py), as its MoE block: swapped and equal to its own
-    forward (< 1e-5), or left untouched with moe_from_hf's reason; the swap never raises."""
+    forward (< 1e-5), or left untouched with moe_from_hf's reason; the swap never raises. The families of
+    _SWAPPED are swapped (their correction biases random, not zero)."""
     block, x, want = _family_block(_FAMILIES[key])
     holder = torch.nn.ModuleDict({"mlp": block})
     report = moekit_hf.use_moekit_blocks(holder)
+    family = _FAMILIES[key].family
+    assert bool(report.swapped) == (family in _SWAPPED and family not in _UNGROUPED_ONLY), report.left
     with torch.no_grad():
         got = block(x)
     first = (lambda o: o[0] if isinstance(o, tuple) else o)
@@ -282,3 +307,34 @@ def test_every_family_is_swapped_or_left_with_its_reason(key):
         assert rel_l2(first(got), first(want)) < 1e-5
     else:
         assert report.left and report.left[0].reason and torch.equal(first(got), first(want))
+
+
+_OPTIONS = [("mistral4", {}), ("mistral_large4", {}), ("lfm2_moe", {"use_expert_bias": False}),
+            ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False}),
+            ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True, "num_shared_experts": 1,
+                             "shared_expert_combination_strategy": "sum"})]
+
+
+@pytest.mark.parametrize("family, fields", _OPTIONS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(_OPTIONS)])
+def test_config_options_the_walk_does_not_set(family, fields):
+    """Mistral-4 / Mistral-Large-4 as their configs ship them (one expert group), LFM2-MoE without its bias,
+    Cohere2-MoE's sigmoid selection (renormalised or not) with a summed shared expert: swapped and equal to their
+    own forward."""
+    key = next(k for k, f in _FAMILIES.items() if f.family == family)
+    block, x, want = _family_block(_FAMILIES[key], groups=1, **fields)
+    holder = torch.nn.ModuleDict({"mlp": block})
+    assert moekit_hf.use_moekit_blocks(holder).swapped
+    with torch.no_grad():
+        assert rel_l2(block(x), want) < 1e-5
+
+
+@pytest.mark.parametrize("key", sorted(k for k, f in _FAMILIES.items() if f.family in _SWAPPED))
+def test_moe_from_hf_with_the_shared_expert_equals_the_block(key):
+    """moe_from_hf itself (the shared expert copied into the MoE's own MLP, not the block's run): equal to the
+    block's forward (< 1e-5) for every family the swap takes."""
+    fam = _FAMILIES[key]
+    block, x, want = _family_block(fam, groups=1 if fam.family in _UNGROUPED_ONLY else 2)
+    with torch.no_grad():
+        got = moekit_hf.moe_from_hf(block)(x)
+    first = (lambda o: o[0] if isinstance(o, tuple) else o)
+    assert rel_l2(first(got), first(want)) < 1e-5

@@ -102,13 +102,17 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
 
 
 def _copy_router(moe: MoE, block: nn.Module, router: nn.Module) -> None:
-    linear = getattr(router, "wg", router)  # Hunyuan's gate holds its Linear as .wg
+    # Hunyuan's gate holds its Linear as .wg, AFMoE's router as .gate
+    linear = next((m for m in (getattr(router, "wg", None), getattr(router, "gate", None))
+                   if isinstance(m, nn.Linear)), router)
     moe.gate.weight = linear.weight
     if moe.gate.bias is not None:
         moe.gate.bias = router.bias
     if moe.e_score_correction_bias is not None:
-        holders = (router, getattr(router, "moe_statics", None), block)  # DeepSeek/GLM, ERNIE, MiniMax-M2
-        bias = next(h.e_score_correction_bias for h in holders if hasattr(h, "e_score_correction_bias"))
+        # DeepSeek/GLM, ERNIE, MiniMax-M2, HY-V3 (the block's), AFMoE and LFM2-MoE (the block's expert_bias)
+        holders = (router, getattr(router, "moe_statics", None), block)
+        bias = next(getattr(h, n) for h in holders for n in ("e_score_correction_bias", "expert_bias")
+                    if isinstance(getattr(h, n, None), torch.Tensor))
         moe.e_score_correction_bias = bias.detach().reshape(-1).float()
 
 
@@ -156,7 +160,13 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
 
 
 def _shared_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A transformers gated MLP -> (w13 [2SN, K] gate rows then up rows, w2 [K, SN])."""
+    """A transformers gated MLP -> (w13 [2SN, K] gate rows then up rows, w2 [K, SN]); a fused ``gate_up_proj``
+    (MiniMax-M3-VL: gate rows then up rows, its activation the experts')."""
+    if getattr(mlp, "limit", None) is not None:  # Step-3.7 / Bailing-Hybrid's per-layer clamp
+        raise TypeError(f"the shared expert {type(mlp).__name__} clamps its SwiGLU (limit {mlp.limit}): moekit's "
+                        "shared MLP does not")
+    if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear) and getattr(mlp.gate_up_proj, "bias", None) is None:
+        return mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
     if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         raise TypeError(f"the shared expert must be a gated MLP with gate_proj/up_proj/down_proj, "
                         f"got {type(mlp).__name__}")

@@ -1,0 +1,320 @@
+"""``MoEConfig.from_hf_config``'s readers: one transformers ``model_type`` -> the ``MoEConfig`` fields of its MoE
+layer, each written from the family's router in transformers' modeling file (what it scores, selects, weights).
+
+A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the config's ``hidden_act``). A
+family whose router moekit does not compute is in ``REFUSED`` with the reason; a config whose options switch
+on such a computation (a group rule moekit lacks, logit soft-capping, an averaged shared expert) raises
+``ValueError`` from its reader, naming the option.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moekit.activations import ActivationSpec
+
+
+class MissingConfigField(KeyError):
+    """A config lacks a field the layer's reader needs. ``fields`` are the accepted spellings."""
+
+    def __init__(self, fields: tuple[str, ...], model_type: Any):
+        super().__init__(fields[0])
+        self.fields, self.model_type = fields, model_type
+
+    def __str__(self) -> str:
+        return self.message()
+
+    def message(self, source: str = "config") -> str:
+        """The sentence, with ``source`` saying which config (``config.json at PATH``)."""
+        others = "".join(f" (or {name!r})" for name in self.fields[1:])
+        return f"{source} has no {self.fields[0]!r}{others}: a {self.model_type} MoE layer needs it"
+
+
+class Fields(dict):
+    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError."""
+
+    def __missing__(self, name: str) -> Any:
+        raise MissingConfigField((name,), self.get("model_type"))
+
+
+def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
+    """The first of ``names`` present (and not None) in d: config.json and transformers' own
+    ``to_dict()`` spell some fields differently (Qwen3's num_experts vs num_local_experts)."""
+    for name in names:
+        if d.get(name) is not None:
+            return d[name]
+    if default is KeyError:
+        raise MissingConfigField(names, d.get("model_type"))
+    return default
+
+
+def _count_layers(d: dict, is_moe) -> int | None:
+    """The MoE layers among the model's ``num_hidden_layers``; None when the config does not say. A config with
+    ``mlp_layer_types`` (one "dense" / "sparse" a layer) says it directly."""
+    types = d.get("mlp_layer_types")
+    if isinstance(types, (list, tuple)):
+        return sum(1 for t in types if t == "sparse")
+    layers = d.get("num_hidden_layers")
+    return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
+
+
+def _oss_spec(d: dict, interleaved: bool) -> ActivationSpec:
+    """gpt-oss's clamped SwiGLU, ``(clamp(up) + 1) * glu``: interleaved (gpt-oss) or halves (the privacy filter,
+    MiniMax-M3-VL)."""
+    return ActivationSpec("silu", interleaved=interleaved, alpha=float(_get(d, "swiglu_alpha", default=1.702)),
+                          limit=float(_get(d, "swiglu_limit", default=7.0)), up_shift=1.0)
+
+
+def _read_mixtral(d: dict) -> dict:
+    return dict(
+        hidden_size=d["hidden_size"],
+        moe_intermediate_size=d["intermediate_size"],
+        num_experts=_get(d, "num_local_experts", "num_experts"),
+        top_k=_get(d, "num_experts_per_tok", "moe_topk"),
+        scoring="softmax",
+        renormalize=True,
+        num_moe_layers=d.get("num_hidden_layers"),
+    )
+
+
+def _qwen_moe_layers(d: dict) -> int:
+    step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
+    return _count_layers(d, lambda i: i not in dense and (i + 1) % step == 0)
+
+
+def _read_qwen3_moe(d: dict) -> dict:
+    """Qwen3-MoE, Qwen3-Omni's thinker, Mellum: softmax top-k, renormalised when norm_topk_prob; Qwen3-VL-MoE
+    always renormalises (its router has no switch)."""
+    always = d["model_type"] == "qwen3_vl_moe_text"
+    return dict(
+        hidden_size=d["hidden_size"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        num_experts=_get(d, "num_experts", "num_local_experts"),
+        top_k=d["num_experts_per_tok"],
+        scoring="softmax",
+        renormalize=always or bool(_get(d, "norm_topk_prob", default=False)),
+        num_moe_layers=_qwen_moe_layers(d),
+    )
+
+
+def _read_qwen2_moe(d: dict) -> dict:
+    """Qwen2-MoE, Qwen3-Next, Qwen4-Exp, Qwen3.5-MoE (always renormalised): a shared expert scaled by
+    sigmoid(x @ g)."""
+    shared = _get(d, "shared_expert_intermediate_size", default=0)
+    always = d["model_type"] == "qwen3_5_moe_text"
+    fields = dict(_read_qwen3_moe(d), shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+    return dict(fields, renormalize=always or fields["renormalize"])
+
+
+# DeepSeek-V3's router (sigmoid, a correction bias for the choice, groups scored by their top-2 biased scores,
+# routed scaling), the same computation in each of these families' modeling files
+_V3_ROUTER = {"deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
+              "deepseek_v32", "hy_v4", "hy_v4_vl_text", "solar_open", "minicpm5_moe", "exaone_moe", "dots3_note_text",
+              "mimo_v2_flash", "beam", "axk2"}
+
+
+def _read_deepseek(d: dict) -> dict:
+    """DeepSeek-V2/V3 (and DeepSeek-OCR-2's and Unlimited-OCR's V2 router), and the families of ``_V3_ROUTER``.
+    Beam scales the routed output after the combine, which is the same; Dots-3's shared experts have their own
+    width."""
+    v3 = d["model_type"] in _V3_ROUTER
+    method = _get(d, "topk_method", default="noaux_tc" if v3 else "greedy")
+    grouped = method in ("group_limited_greedy", "noaux_tc")
+    first_dense, freq = _get(d, "first_k_dense_replace", default=0), _get(d, "moe_layer_freq", default=1)
+    scoring = _get(d, "scoring_func", default="sigmoid" if v3 else "softmax")
+    shared_width = _get(d, "shared_experts_intermediate_size", default=d["moe_intermediate_size"])
+    return dict(
+        hidden_size=d["hidden_size"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        num_experts=_get(d, "n_routed_experts", "num_local_experts", "num_experts"),
+        top_k=d["num_experts_per_tok"],
+        scoring=scoring,
+        renormalize=bool(_get(d, "norm_topk_prob", default=False)),
+        routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
+        n_group=_get(d, "n_group", default=1) if grouped else 1,
+        topk_group=_get(d, "topk_group", default=1) if grouped else 1,
+        use_correction_bias=method == "noaux_tc",
+        shared_expert_intermediate_size=_get(d, "n_shared_experts", "num_shared_experts", default=0) * shared_width,
+        num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0),
+    )
+
+
+def _read_axk2(d: dict) -> dict:
+    """A.X-K2: DeepSeek-V3's router without groups (its light checkpoints); with groups it fills the other
+    groups' scores with 0, not -inf (a biased score below 0 then loses to them), which moekit does not do."""
+    fields = _read_deepseek(d)
+    if fields["n_group"] > 1:
+        raise ValueError(f"cfg.model_type 'axk2' with n_group={fields['n_group']}: its router fills the dropped "
+                         "groups' scores with 0, not -inf; moekit's grouped top-k does not")
+    return fields
+
+
+def _read_mistral4(d: dict) -> dict:
+    """Mistral-4 / Mistral-Large-4 (always renormalised): softmax, no bias, routed scaling; read without groups
+    (the defaults): with groups it scores a group by its top-2 softmax sum, where moekit takes the max."""
+    fields = _read_deepseek(d)
+    n_group = _get(d, "n_group", default=1)
+    if n_group > 1:
+        raise ValueError(f"cfg.model_type {d['model_type']!r} with n_group={n_group}: its groups score the sum of "
+                         "their top-2 softmax scores; moekit scores an unbiased group by its max")
+    always = d["model_type"] == "mistral_large4_text"
+    return dict(fields, scoring="softmax", use_correction_bias=False, renormalize=always or fields["renormalize"])
+
+
+def _read_gpt_oss(d: dict) -> dict:
+    """gpt-oss: top-k of the biased logits, then a softmax over the k. That is moekit's softmax over all E
+    then renormalised over the k: exp(l_i) / sum_{j in top-k} exp(l_j) either way, and the top-k of the
+    logits is the top-k of their softmax (a monotone map). The privacy filter: the same, its weights divided
+    by k in the router and its output multiplied by k in the block, and the clamped SwiGLU on halves."""
+    interleaved = d["model_type"] == "gpt_oss"
+    return dict(_read_mixtral(d), router_bias=True, expert_bias=True, activation=_oss_spec(d, interleaved))
+
+
+_RENORMALISED = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "minimax", "hunyuan_v1_moe")
+
+
+def _read_softmax_topk(d: dict) -> dict:
+    """OLMoE, FlexOlmo, Jamba (softmax, top-k, renormalised when norm_topk_prob), Granite-MoE (top-k of the
+    logits then softmax over the k: renormalised, as gpt-oss), MiniMax and Hunyuan (renormalised)."""
+    renorm = d["model_type"] in _RENORMALISED
+    shared = 0
+    if d["model_type"] in ("granitemoeshared", "granitemoehybrid"):  # on the decoder layer, not the block
+        shared = _get(d, "shared_intermediate_size", default=0)
+    if d["model_type"] == "hunyuan_v1_moe" and _get(d, "use_mixed_mlp_moe", default=True):
+        shared = d["intermediate_size"] * _get(d, "num_shared_expert", default=1)
+    return dict(_read_mixtral(d), renormalize=renorm or bool(_get(d, "norm_topk_prob", default=False)),
+                shared_expert_intermediate_size=shared)
+
+
+def _read_minimax_m2(d: dict) -> dict:
+    """MiniMax-M2: sigmoid scores, a correction bias for the choice, renormalised, no groups. MiniMax-M3-VL: the
+    same router, the routed output scaled by routed_scaling_factor, a shared expert, the clamped SwiGLU."""
+    fields = dict(_read_mixtral(d), scoring="sigmoid", use_correction_bias=True)
+    if d["model_type"] != "minimax_m3_vl_text":
+        return fields
+    return dict(fields, routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
+                shared_expert_intermediate_size=_get(d, "shared_intermediate_size", default=0),
+                activation=_oss_spec(d, interleaved=False), num_moe_layers=_count_layers(d, lambda i: True))
+
+
+def _read_sigmoid_topk(d: dict) -> dict:
+    """Sigmoid scores, top-k (of the scores plus a correction bias where the family has one), the k renormalised,
+    routed scaling, and an ungated shared expert, under each family's own field names: Step-3.5/3.7, Hunyuan-V3,
+    Laguna, AFMoE (bias, always renormalised); LFM2-MoE (bias when use_expert_bias, renormalised when
+    norm_topk_prob: its 1e-6 in the denominator is a relative 1e-6 / sum(w), not computed); Flint (no bias)."""
+    kind = d["model_type"]
+    if kind == "laguna" and _get(d, "moe_router_logit_softcapping", default=0.0) > 0:
+        raise ValueError("cfg.model_type 'laguna' with moe_router_logit_softcapping > 0: its router soft-caps the "
+                         "logits (tanh) before the sigmoid; moekit's router does not")
+    width = d["moe_intermediate_size"]
+    shared = {"step3p5": _get(d, "share_expert_dim", default=0),
+              "hy_v3": width * _get(d, "num_shared_experts", default=0),
+              "afmoe": width * _get(d, "num_shared_experts", default=0)}.get(kind)
+    first_dense = _get(d, "num_dense_layers", default=0)
+    renorm = kind not in ("lfm2_moe", "flint") or bool(_get(d, "norm_topk_prob", default=False))
+    return dict(
+        hidden_size=d["hidden_size"], moe_intermediate_size=width,
+        num_experts=_get(d, "num_experts", "n_routed_experts", "num_local_experts"), top_k=d["num_experts_per_tok"],
+        scoring="sigmoid", renormalize=renorm,
+        routed_scaling_factor=float(_get(d, "moe_router_scaling_factor", "router_scaling_factor",
+                                         "moe_routed_scaling_factor", "route_scale", "routed_scaling_factor",
+                                         default=1.0)),
+        use_correction_bias=kind != "flint" and (kind != "lfm2_moe" or bool(_get(d, "use_expert_bias", default=True))),
+        shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", default=0) if shared is None
+        else shared,
+        num_moe_layers=_qwen_moe_layers(d) if kind == "flint" else _count_layers(d, lambda i: i >= first_dense),
+    )
+
+
+def _read_softmax_shared(d: dict) -> dict:
+    """Softmax top-k with an ungated shared expert: Lara-Mini (fp32 logits, renormalised when norm_topk_prob),
+    Aria (top-k of the logits, softmax over the k: renormalised), Cohere2-MoE (softmax over the top-k logits,
+    or their sigmoids renormalised when norm_topk_prob; its shared expert summed, or averaged with the routed
+    output, which moekit does not do)."""
+    kind = d["model_type"]
+    if kind == "lara_mini":
+        return dict(_read_qwen3_moe(d), shared_expert_intermediate_size=d["shared_expert_intermediate_size"])
+    width, shared = d["intermediate_size"], _get(d, "moe_num_shared_experts", "num_shared_experts", default=0)
+    fields = dict(hidden_size=d["hidden_size"], moe_intermediate_size=width,
+                  num_experts=_get(d, "moe_num_experts", "num_experts"),
+                  top_k=_get(d, "moe_topk", "num_experts_per_tok"), scoring="softmax", renormalize=True,
+                  shared_expert_intermediate_size=width * shared, num_moe_layers=_count_layers(d, lambda i: True))
+    if kind != "cohere2_moe":
+        return fields
+    if shared and _get(d, "shared_expert_combination_strategy", default="sum") != "sum":
+        raise ValueError("cfg.model_type 'cohere2_moe' with shared_expert_combination_strategy='average': the block "
+                         "averages the shared and routed outputs; moekit's layer adds them")
+    if _get(d, "expert_selection_fn", default="softmax") == "sigmoid":
+        fields.update(scoring="sigmoid", renormalize=bool(_get(d, "norm_topk_prob", default=False)))
+    return fields
+
+
+def _read_ernie(d: dict) -> dict:
+    """ERNIE-4.5-MoE: softmax, a correction bias (``moe_statics``) for the choice, renormalised (the
+    clamp at moe_norm_min only guards 0/0)."""
+    shared = _get(d, "moe_num_shared_experts", default=0) * d["moe_intermediate_size"]
+    return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
+                num_experts=_get(d, "moe_num_experts", "num_experts"), top_k=_get(d, "moe_k", "num_experts_per_tok"),
+                renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared)
+
+
+def _read_kimi_linear(d: dict) -> dict:
+    """Kimi-Linear and Bailing-Hybrid (Ling): DeepSeek-V3's router (grouped sigmoid, correction bias, routed
+    scaling) under their own field names, and shared experts."""
+    n_dim = d["moe_intermediate_size"]
+    fields = dict(
+        hidden_size=d["hidden_size"], moe_intermediate_size=n_dim,
+        num_experts=_get(d, "num_experts", "num_local_experts"),
+        top_k=_get(d, "num_experts_per_token", "num_experts_per_tok"),
+        scoring="sigmoid", renormalize=bool(_get(d, "moe_renormalize", "norm_topk_prob", default=True)),
+        routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
+        n_group=_get(d, "num_expert_group", "n_group", default=1), topk_group=_get(d, "topk_group", default=1),
+        use_correction_bias=True, shared_expert_intermediate_size=_get(d, "num_shared_experts", "n_shared_experts",
+                                                                        default=0) * n_dim,
+    )
+    return fields if d.get("mlp_layer_types") is None else dict(fields, num_moe_layers=_count_layers(d, None))
+
+
+HF_READERS = {
+    "mixtral": _read_mixtral,
+    "qwen2_moe": _read_qwen2_moe, "qwen3_next": _read_qwen2_moe, "qwen4_exp_text": _read_qwen2_moe,
+    "qwen3_5_moe_text": _read_qwen2_moe,
+    "qwen3_moe": _read_qwen3_moe, "qwen3_omni_moe_text": _read_qwen3_moe, "qwen3_vl_moe_text": _read_qwen3_moe,
+    "mellum": _read_qwen3_moe,
+    "deepseek_v2": _read_deepseek, "deepseek_ocr2_text": _read_deepseek, "unlimited_ocr_text": _read_deepseek,
+    **{name: _read_deepseek for name in sorted(_V3_ROUTER - {"axk2"})},
+    "axk2": _read_axk2,
+    "mistral4": _read_mistral4, "mistral_large4_text": _read_mistral4,
+    "kimi_linear": _read_kimi_linear, "bailing_hybrid": _read_kimi_linear,
+    "gpt_oss": _read_gpt_oss, "openai_privacy_filter": _read_gpt_oss,
+    **{name: _read_softmax_topk for name in ("olmoe", "flex_olmo", "jamba") + _RENORMALISED},
+    "minimax_m2": _read_minimax_m2, "minimax_m3_vl_text": _read_minimax_m2,
+    **{name: _read_sigmoid_topk for name in ("step3p5", "hy_v3", "laguna", "afmoe", "lfm2_moe", "flint")},
+    **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
+    "ernie4_5_moe": _read_ernie,
+}
+# Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
+REFUSED = {
+    "phimoe": "Phi-MoE routes with sparsemixer (top-1 by argmax, a softmax over the logits within "
+              "2*router_jitter_noise of the max, then the same for the second expert), not a softmax top-k; "
+              "moekit's router does not implement it. Its experts run on moekit through "
+              "model.set_experts_implementation('moekit'), which keeps transformers' router",
+    "llama4_text": "Llama-4 scales the expert's input by sigmoid(top-1 logit), not its output; moekit's layer "
+                   "weights outputs",
+    "kolibri1": "Kolibri adds its correction bias to the raw logits for the choice (moekit adds it to the sigmoid "
+                "scores)",
+    "kolibri1_1": "Kolibri-1.1 adds its correction bias to the raw logits for the choice (moekit adds it to the "
+                  "sigmoid scores)",
+    "longcat_flash": "LongCat-Flash routes to zero-computation experts (ids >= n_routed_experts return the input "
+                     "scaled by their weight); moekit's layer has no identity experts",
+    "zaya": "ZAYA routes through an MLP router carrying state across layers, with a skip expert; moekit's router "
+            "is one linear layer",
+    "inkling_text": "Inkling's router also weights its shared experts (a softmax over the log-sigmoids of the k "
+                    "routed and the shared logits, times a learned scale); moekit's shared expert is unweighted "
+                    "or sigmoid-gated",
+    "axk1": "A.X-K1's block applies an RMSNorm (post_mlp_layernorm) to its output; moekit's layer ends at the "
+            "combine",
+    "ernie4_5_vl_moe_text": "ERNIE-4.5-VL's config holds one expert width per modality (text and vision blocks) "
+                            "and its block returns its output flattened with the router logits; moekit reads "
+                            "one layer",
+}

@@ -1,0 +1,107 @@
+"""MoEConfig.from_hf_config on the model types session 33 taught it: transformers' own config classes (their
+defaults) read into the fields their routers use, the options that switch on a computation moekit lacks refused
+naming the option, and the refused families naming their reason. The block-level check (each family's block
+swapped and equal to its own forward) is tests/test_hf_swap.py's family walk."""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from moekit.config import MoEConfig  # noqa: E402
+from moekit.config_hf import HF_READERS, REFUSED  # noqa: E402
+
+
+def _read(model_type: str, **changes) -> tuple[MoEConfig, object]:
+    cfg = transformers.AutoConfig.for_model(model_type, **changes)
+    return MoEConfig.from_hf_config(cfg), cfg
+
+
+def _sparse(cfg) -> int:
+    return sum(1 for t in cfg.mlp_layer_types if t == "sparse")
+
+
+def test_every_reader_reads_its_own_config_class():
+    """Each model type transformers registers reads from its default config: a layer of the config's own hidden
+    size, with at least one expert per token (DeepSeek-V2's and DeepSeek-OCR-2's default leaves num_experts_per_tok
+    None: given 6, as their checkpoints do)."""
+    known = set(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
+    for model_type in sorted(set(HF_READERS) & known):
+        unset = getattr(transformers.AutoConfig.for_model(model_type), "num_experts_per_tok", 1) is None
+        config, cfg = _read(model_type, **({"num_experts_per_tok": 6} if unset else {}))
+        assert config.hidden_size == cfg.hidden_size and 1 <= config.top_k <= config.num_experts, model_type
+
+
+def test_deepseek_v3_router_families():
+    """Dots-3's shared experts have their own width; Bailing-Hybrid spells Kimi-Linear's fields; EXAONE-MoE counts
+    its shared experts as num_shared_experts; MiMo-V2-Flash has none; layers from mlp_layer_types."""
+    dots, cfg = _read("dots3_note_text")
+    assert (dots.scoring, dots.use_correction_bias, dots.renormalize) == ("sigmoid", True, cfg.norm_topk_prob)
+    assert dots.shared_expert_intermediate_size == cfg.shared_experts_intermediate_size * cfg.n_shared_experts
+    assert dots.num_moe_layers == _sparse(cfg) and dots.num_experts == cfg.n_routed_experts
+    ling, cfg = _read("bailing_hybrid")
+    assert (ling.num_experts, ling.top_k, ling.n_group, ling.topk_group) == (
+        cfg.num_experts, cfg.num_experts_per_token, cfg.num_expert_group, cfg.topk_group)
+    assert ling.routed_scaling_factor == cfg.routed_scaling_factor and ling.num_moe_layers == _sparse(cfg)
+    exaone, cfg = _read("exaone_moe")
+    assert exaone.shared_expert_intermediate_size == cfg.moe_intermediate_size * cfg.num_shared_experts
+    assert _read("mimo_v2_flash")[0].shared_expert_intermediate_size == 0
+
+
+def test_sigmoid_topk_families_scale_and_share():
+    """Step-3.5/3.7, Laguna, HY-V3, AFMoE: sigmoid with a correction bias, renormalised, each family's own
+    scaling field; LFM2-MoE without use_expert_bias has no bias; Flint none at all."""
+    step, cfg = _read("step3p5", moe_router_scaling_factor=2.5)
+    assert (step.scoring, step.use_correction_bias, step.renormalize, step.routed_scaling_factor) == (
+        "sigmoid", True, True, 2.5)
+    assert step.shared_expert_intermediate_size == cfg.share_expert_dim and step.num_moe_layers == _sparse(cfg)
+    assert _read("laguna", moe_routed_scaling_factor=1.5)[0].routed_scaling_factor == 1.5
+    assert _read("hy_v3")[0].routed_scaling_factor == pytest.approx(2.826)
+    afmoe, cfg = _read("afmoe", route_scale=2.0)
+    assert afmoe.routed_scaling_factor == 2.0 and afmoe.num_moe_layers == cfg.num_hidden_layers - cfg.num_dense_layers
+    lfm, _ = _read("lfm2_moe", use_expert_bias=False, norm_topk_prob=False)
+    assert not lfm.use_correction_bias and not lfm.renormalize
+    flint, cfg = _read("flint")
+    assert not flint.use_correction_bias and flint.num_moe_layers == cfg.num_hidden_layers - len(cfg.mlp_only_layers)
+
+
+def test_softmax_families():
+    """Qwen3-VL-MoE and Qwen3.5-MoE always renormalise (no switch in their routers); Aria's experts and shared
+    experts are intermediate_size wide; Cohere2-MoE's sigmoid selection renormalises only with norm_topk_prob;
+    Mistral-Large-4 always renormalises; the privacy filter has gpt-oss's router bias and clamped SwiGLU (halves)."""
+    assert _read("qwen3_vl_moe_text", norm_topk_prob=False)[0].renormalize
+    qwen35 = _read("qwen3_5_moe_text", norm_topk_prob=False)[0]
+    assert qwen35.renormalize and qwen35.shared_expert_gate
+    aria, cfg = _read("aria_text")
+    assert aria.moe_intermediate_size == cfg.intermediate_size and aria.top_k == cfg.moe_topk
+    assert aria.shared_expert_intermediate_size == cfg.intermediate_size * cfg.moe_num_shared_experts
+    cohere = _read("cohere2_moe", expert_selection_fn="sigmoid", norm_topk_prob=False)[0]
+    assert (cohere.scoring, cohere.renormalize) == ("sigmoid", False)
+    assert _read("mistral_large4_text")[0].renormalize
+    privacy = _read("openai_privacy_filter")[0]
+    assert privacy.router_bias and privacy.expert_bias and not privacy.activation.interleaved
+    assert privacy.activation.up_shift == 1.0
+
+
+@pytest.mark.parametrize("model_type, changes, option", [
+    ("cohere2_moe", {"num_shared_experts": 1, "shared_expert_combination_strategy": "average"}, "average"),
+    ("laguna", {"moe_router_logit_softcapping": 30.0}, "softcapping"),
+    ("axk2", {"n_group": 4, "topk_group": 2}, "n_group=4"),
+    ("mistral4", {"n_group": 4, "topk_group": 2}, "top-2 softmax"),
+])
+def test_options_moekit_does_not_compute_are_refused(model_type, changes, option):
+    with pytest.raises(ValueError, match=option):
+        _read(model_type, **changes)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_families_say_why(model_type):
+    with pytest.raises(ValueError, match=f"cfg.model_type '{model_type}': .{{40}}"):
+        MoEConfig.from_hf_config({"model_type": model_type, "hidden_size": 32})
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe"])
+def test_a_vl_models_top_level_config_reads_its_text_config(model_type):
+    cfg = transformers.AutoConfig.for_model(model_type)
+    assert MoEConfig.from_hf_config(cfg) == MoEConfig.from_hf_config(cfg.get_text_config())
