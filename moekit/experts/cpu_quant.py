@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from moekit.experts.cpu_bf16mm import Bf16CodesLinear, Bf16GroupsLinear
 from moekit.experts.cpu_int8mm import MAX_COLS, Int8GroupsLinear, Int8MMLinear, int8mm_supported
 from moekit.quant import QuantizedWeight
 from moekit.quant.base import decode_nibbles, pad_cols, unpack_nibbles
@@ -57,8 +58,9 @@ from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
 TILE_BYTES = 512 << 10  # fp32 rows of one dequantized tile: 64 rows at C = 2048, in L2 with its GEMM
 WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's (what "auto" takes for a bf16 x)
-    "int8_w8a16": ("dequant", "int8mm", "int8pack"), "int4_w4a16": ("dequant", "int8mm", "int4pack"),
-    "mxfp4": ("dequant", "int8mm", "int8pack")}
+    "int8_w8a16": ("dequant", "int8mm", "bf16mm", "int8pack"),
+    "int4_w4a16": ("dequant", "int8mm", "bf16mm", "int4pack"),
+    "mxfp4": ("dequant", "int8mm", "bf16mm", "int8pack")}
 # "auto" runs float32 int4 experts of fewer rows on "int8mm": one _int_mm a group costs more per row than the
 # dequantized GEMM (measured at ~4 rows an expert 2.3x faster, at ~32 rows 1.5x slower: results/*-cpu-int8mm-*)
 INT4_INT8MM_MAX_ROWS = 16
@@ -67,6 +69,12 @@ INT4_INT8MM_MAX_ROWS = 16
 # / 0.36 / 0.42 / 1.0. Whole calls at Qwen3-30B-A3B (session 32), this threshold against int8pack everywhere: M = 64
 # 0.83-0.85x at 4 (8: 0.98x), M = 8 / 16 level; at 3 or fewer M = 8 lost 1-5%.
 BF16_INT8MM_MIN_ROWS = 4
+# "auto" runs bf16 experts of this many rows on "bf16mm" (``moekit.experts.cpu_bf16mm``: the int8 form converted to
+# bf16, the bf16 GEMM), mxfp4 and int4 only: its conversion is a fixed cost an expert where int8mm's / int4pack's
+# grow with the rows (session 33, ``benchmarks/results/Intel_Xeon-cpu-s33-2026-12-05.md``); int8_w8a16's arbitrary
+# row scales would round its result twice, so int8 stays on int8mm
+MXFP4_BF16MM_MIN_ROWS = 16
+INT4_BF16MM_MIN_ROWS = 48
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -105,8 +113,7 @@ class QuantKernels:
             small = scheme != "int4_w4a16" or rows < INT4_INT8MM_MAX_ROWS
             kernel = "int8mm" if small else "dequant"
         elif kernel == "auto" and dtype == torch.bfloat16:
-            many = scheme != "int4_w4a16" and rows >= BF16_INT8MM_MIN_ROWS
-            kernel = "int8mm" if many else SCHEME_KERNELS[scheme][-1]
+            kernel = _bf16_auto(scheme, rows)
         elif kernel == "auto":
             kernel = "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
@@ -115,7 +122,16 @@ class QuantKernels:
             return "dequant"
         if kernel == "int8mm" and not (dtype in (torch.float32, torch.bfloat16) and int8mm_supported()):
             return "dequant"
+        if kernel == "bf16mm" and dtype != torch.bfloat16:
+            return "dequant"
         return kernel
+
+
+def _bf16_auto(scheme: str, rows: int) -> str:
+    """"auto"'s kernel for a bf16 x on an expert of ``rows`` rows (``QuantKernels.resolve``)."""
+    if rows >= {"mxfp4": MXFP4_BF16MM_MIN_ROWS, "int4_w4a16": INT4_BF16MM_MIN_ROWS}.get(scheme, rows + 1):
+        return "bf16mm"
+    return "int8mm" if scheme != "int4_w4a16" and rows >= BF16_INT8MM_MIN_ROWS else SCHEME_KERNELS[scheme][-1]
 
 
 def weight_only(w) -> bool:
@@ -235,7 +251,8 @@ def int4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8GroupsLinear:
 
 _REPACKERS = {  # (scheme, kernel) -> the repacker whose results the cache keeps
     ("int4_w4a16", "int4pack"): int4_repacked, ("int4_w4a16", "int8mm"): int4_as_int8,
-    ("mxfp4", "int8pack"): mxfp4_as_int8, ("mxfp4", "int8mm"): mxfp4_as_int8}
+    ("mxfp4", "int8pack"): mxfp4_as_int8, ("mxfp4", "int8mm"): mxfp4_as_int8,
+    ("int4_w4a16", "bf16mm"): int4_as_int8, ("mxfp4", "bf16mm"): mxfp4_as_int8}
 _DTYPE_FREE = (int4_as_int8, mxfp4_as_int8)  # the same form for every x dtype: kept once (mxfp4's for both kernels)
 
 
@@ -295,6 +312,8 @@ def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: 
     """What computes a [rows, C] @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is
     not thread-safe), called on the worker."""
     kernel = kernels.resolve(w.scheme, dtype, rows)
+    if kernel == "bf16mm":
+        return bf16mm_linear(w, expert, dtype, cache)
     if kernel == "int8mm" and w.scheme == "int8_w8a16" and w.shape[2] <= MAX_COLS:
         return Int8MMLinear(w.q[expert], w.scale[expert])
     if kernel == "int8mm" and w.scheme == "int4_w4a16":
@@ -312,3 +331,17 @@ def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: 
         if repacked is not None:
             return repacked
     return DequantLinear(w, expert)
+
+
+def bf16mm_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, cache: RepackCache):
+    """The "bf16mm" linear (``moekit.experts.cpu_bf16mm``) of ``w``'s expert: its codes as stored (int8) or its cached
+    int8 form (mxfp4, int4); "dequant" where the form is missing (past the cache's budget, an mxfp4 row's scales
+    spanning more than ``MX_INT8_SPAN``)."""
+    if w.scheme == "int8_w8a16":
+        return Bf16CodesLinear(w.q[expert], w.scale[expert], pow2=False)
+    found = cache.get(w, expert, dtype, "bf16mm")
+    if found is None:
+        return DequantLinear(w, expert)
+    if w.scheme == "mxfp4":
+        return Bf16CodesLinear(found.q, found.scale, pow2=True)
+    return Bf16GroupsLinear(found.codes, found.scale, found.group_size)
