@@ -12,8 +12,6 @@ each of:
   ``auto`` ran there before session 32); ``int8mm_w1[s]`` (``--unsplit``): the same loop unsplit, each
   ``torch._int_mm`` on every thread;
 - ``bf16mm[s]`` (``--kernels int8mm,bf16mm``): any other kernel forced the same way (``--kernels``, default int8mm);
-- ``int8mm_f64[s]`` (``--float64-combine``, bf16 x): int8mm forced with the float64 digits and combine that bf16 ran
-  before session 33 (``cpu_int8mm._int8mm``, swapped in for that row's calls only): the A/B of its float32 bookkeeping;
 - ``auto[s]`` (``--auto``): ``experts_grouped_mm`` on the QuantizedWeights (what the library runs by default).
 Prints per M the medians (ms), each row's rel-L2 error against a float64 reference (the float64 weights exactly
 dequantized, float64 throughout: the ``reference`` backend on float64 x), and per-round ratios: ``int8mm[s]``'s
@@ -21,7 +19,7 @@ rounds >= 3% faster than ``B[s]`` and than ``unquantized`` (each ratio within on
 sample under ``--out``.
 
     flock /work/wt/cpubench.lock python3 benchmarks/cpu_int8mm.py --batches 1,8,64,512 --rounds 5 [--auto] [--unsplit] \
-        [--dtype bfloat16] [--kernels int8mm,bf16mm] [--float64-combine] [--no-errors] --out FILE.json
+        [--dtype bfloat16] [--kernels int8mm,bf16mm] [--vs int8mm] [--no-errors] --out FILE.json
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import torch
 
 from moekit.activations import as_spec
 from moekit.bench.cpu_measure import ExpertsShape, cpu_name, expert_weights, problem, shuffled_seconds
-from moekit.experts import backend_fn, cpu_int8mm
+from moekit.experts import backend_fn
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
 from moekit.experts.cpu_quant import SCHEME_KERNELS, QuantKernels
 from moekit.experts.grouped_mm import experts_grouped_mm
@@ -48,19 +46,6 @@ QWEN3 = "128,768,2048,8"
 def base_kernel(scheme: str, dtype: torch.dtype) -> str:
     """The kernel int8mm is held against: "dequant" for float32 x, torch's weight-only kernel for bf16."""
     return "dequant" if dtype == torch.float32 else SCHEME_KERNELS[scheme][-1]
-
-
-def float64_combine(call):
-    """``call`` with bf16 int8mm on its float64 digits and combine (``cpu_int8mm._int8mm``, BF16_LIMBS) meanwhile."""
-    def run():
-        kept = cpu_int8mm.int8mm_linear
-        cpu_int8mm.int8mm_linear = lambda a, q, scale, bias=None: cpu_int8mm._compiled()[0](
-            a, q, scale, bias, cpu_int8mm.BF16_LIMBS)
-        try:
-            return call()
-        finally:
-            cpu_int8mm.int8mm_linear = kept
-    return run
 
 
 def calls_of(p, quantized: dict, args) -> dict:
@@ -76,10 +61,6 @@ def calls_of(p, quantized: dict, args) -> dict:
             kernels = QuantKernels(**{scheme: kernel})
             calls[f"{name}[{scheme}]"] = lambda e=ex, k=kernels, w=workers: experts_cpu_fused(
                 p.x, e, p.ids, p.weights, None, None, workers=w, quant=k).to(p.x.dtype)
-        if args.float64_combine:
-            calls[f"int8mm_f64[{scheme}]"] = float64_combine(lambda e=ex, k=QuantKernels(**{scheme: "int8mm"}):
-                                                             experts_cpu_fused(p.x, e, p.ids, p.weights, None, None,
-                                                                               workers=threads, quant=k).to(p.x.dtype))
         if args.auto:
             calls[f"auto[{scheme}]"] = lambda a=q13, b=q2: experts_grouped_mm(p.x, a, b, p.ids, p.weights)
     return calls
@@ -112,9 +93,8 @@ def main() -> None:
     ap.add_argument("--unsplit", action="store_true", help="also time int8mm_w1[s], the loop unsplit")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="x's dtype")
     ap.add_argument("--kernels", default="int8mm", help="kernels forced beside the base, comma-separated")
-    ap.add_argument("--float64-combine", action="store_true", help="also time int8mm_f64[s] (bf16: int8mm before)")
     ap.add_argument("--no-errors", action="store_true", help="skip the float64 reference (large M: minutes)")
-    ap.add_argument("--vs", default=None, help="also print every row's per-round ratio to this row (e.g. int8mm_f64)")
+    ap.add_argument("--vs", default=None, help="also print every row's per-round ratio to this row (e.g. int8mm)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     shape = ExpertsShape.parse(args.shape)

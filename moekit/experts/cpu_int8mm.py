@@ -40,8 +40,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from moekit.experts.cpu_int8mm_bf16 import MIN_AMAX, int8mm_bf16
-
 LIMBS = 4  # bytes of a float32 a's fixed point
 # a bf16 a's: 3 bytes, B = 22 bits, hold every element within 2**14 of its row's largest exactly (8-bit mantissas)
 BF16_LIMBS = 3
@@ -153,26 +151,16 @@ def _int8mm_groups(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
     return out.to(a.dtype)
 
 
-def _int8mm_bf16(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                 min_cols: int = MIN_COLS, min_amax: float = MIN_AMAX) -> torch.Tensor:
-    """``int8mm_linear``'s body for a bf16 a: the float32 bookkeeping (``cpu_int8mm_bf16``) where every row's largest
-    |a| is 0 or at least ``MIN_AMAX``, else (or where the digits cannot serve a) ``_int8mm``. For TorchScript."""
-    amax = _row_amax(a, min_cols)
-    if amax is not None and not bool(((amax > 0) & (amax < min_amax)).any()):
-        return int8mm_bf16(a, q, scale, bias, amax)
-    return _int8mm(a, q, scale, bias, BF16_LIMBS, min_cols)
-
-
 @functools.cache
 def _compiled():
-    """(``_int8mm``, ``_int8mm_groups``, ``_int8mm_bf16``) scripted once (module docstring), else as they are (a
-    torch without TorchScript, or one that cannot script them: any error here only costs the speed)."""
+    """(``_int8mm``, ``_int8mm_groups``) scripted once (module docstring), else as they are (a torch without
+    TorchScript, or one that cannot script them: any error here only costs the speed)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch 2.13 marks torch.jit.script deprecated
-            return torch.jit.script(_int8mm), torch.jit.script(_int8mm_groups), torch.jit.script(_int8mm_bf16)
+            return torch.jit.script(_int8mm), torch.jit.script(_int8mm_groups)
     except Exception:  # noqa: BLE001
-        return _int8mm, _int8mm_groups, _int8mm_bf16
+        return _int8mm, _int8mm_groups
 
 
 @functools.cache
@@ -194,11 +182,8 @@ def int8mm_linear(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """a [m, C] float32 / bf16 @ (q [R, C] int8 * scale [R] float32)^T (+ bias [R]) -> [m, R] in a's dtype by
     ``torch._int_mm`` on a's digits (module docstring). Where a row holds an inf or a NaN (no fixed point), m is 0 or
-    C below ``MIN_COLS``, on the weight dequantized to a's dtype instead (its infinities and NaNs). A bf16 a takes
-    the float32 bookkeeping of ``moekit.experts.cpu_int8mm_bf16`` (session 33)."""
-    if a.dtype == torch.bfloat16:
-        return _compiled()[2](a, q, scale, bias)
-    return _compiled()[0](a, q, scale, bias, LIMBS)
+    C below ``MIN_COLS``, on the weight dequantized to a's dtype instead (its infinities and NaNs)."""
+    return _compiled()[0](a, q, scale, bias, limbs_of(a.dtype))
 
 
 @dataclass(frozen=True)

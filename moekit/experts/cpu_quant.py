@@ -74,7 +74,7 @@ BF16_INT8MM_MIN_ROWS = 4
 # grow with the rows (session 33, ``benchmarks/results/Intel_Xeon-cpu-s33-2026-12-05.md``); int8_w8a16's arbitrary
 # row scales would round its result twice, so int8 stays on int8mm
 MXFP4_BF16MM_MIN_ROWS = 16
-INT4_BF16MM_MIN_ROWS = 48
+INT4_BF16MM_MIN_ROWS = 96
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
