@@ -16,7 +16,7 @@ roundings), so "auto" never takes it there; int4 as close as int4pack.
 Why: "int8mm" runs 3 digit rows of integer GEMM for every row of a, so its cost grows 3x as fast in the rows as the
 bf16 GEMM's; the conversion is a fixed cost an expert. One expert [1536, 2048] at 1 thread of the 2-core Xeon
 (session 33): the int8 -> bf16 copy 0.47 ms, the GEMM on the plain bf16 weight 0.52 / 0.98 ms at 32 / 128 rows,
-int8mm 1.0 / 5.3 ms.
+int8mm 1.0 / 5.3 ms. Whole calls (``cpu_quant.MXFP4_BF16MM_MIN_ROWS``): from ~48 rows an expert on.
 
 Shapes: m rows of one expert, R output features, C input features, G groups of g columns.
 """
