@@ -11,7 +11,7 @@ from moekit.experts.cpu_bf16mm import Bf16CodesLinear, Bf16GroupsLinear
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused, onednn_linear
 from moekit.experts.cpu_int8mm import Int8MMLinear
 from moekit.experts.cpu_quant import (
-    INT4_BF16MM_MIN_ROWS, MXFP4_BF16MM_MIN_ROWS, DequantLinear, QuantKernels, RepackCache, expert_linear,
+    MXFP4_BF16MM_MIN_ROWS, DequantLinear, QuantKernels, RepackCache, expert_linear,
     int4pack_supported,
 )
 from moekit.quant import quantize
@@ -92,15 +92,13 @@ def test_bf16mm_is_for_bf16_only_and_declines_without_the_int8_form():
     assert isinstance(expert_linear(w, 0, torch.bfloat16, BF16MM, RepackCache(0)), DequantLinear)  # past the budget
 
 
-def test_auto_takes_bf16mm_for_mxfp4_and_int4_experts_of_many_rows_never_for_int8():
+def test_auto_takes_bf16mm_for_mxfp4_experts_of_many_rows_never_for_int8_or_int4():
     auto, cache = QuantKernels(), RepackCache(1 << 30)
     mx, _, _ = one_expert("mxfp4")
     assert isinstance(expert_linear(mx, 0, torch.bfloat16, auto, cache, rows=MXFP4_BF16MM_MIN_ROWS), Bf16CodesLinear)
     assert isinstance(expert_linear(mx, 0, torch.bfloat16, auto, cache, rows=MXFP4_BF16MM_MIN_ROWS - 1), Int8MMLinear)
     i4, _, _ = one_expert("int4_w4a16", group_size=32)
-    assert isinstance(expert_linear(i4, 0, torch.bfloat16, auto, cache, rows=INT4_BF16MM_MIN_ROWS), Bf16GroupsLinear)
-    assert not isinstance(expert_linear(i4, 0, torch.bfloat16, auto, cache, rows=INT4_BF16MM_MIN_ROWS - 1),
-                          Bf16GroupsLinear)
+    assert not isinstance(expert_linear(i4, 0, torch.bfloat16, auto, cache, rows=4096), Bf16GroupsLinear)
     i8, _, _ = one_expert("int8_w8a16")
     assert isinstance(expert_linear(i8, 0, torch.bfloat16, auto, cache, rows=4096), Int8MMLinear)
     assert isinstance(expert_linear(mx, 0, torch.float32, auto, cache, rows=4096), Int8MMLinear)  # float32: int8mm

@@ -28,7 +28,7 @@ experts of many rows (``BF16_INT8MM_MIN_ROWS``; ``benchmarks/results/Intel_Xeon-
   exact sums times its scale summed in float64;
 - "bf16mm" (every scheme; bf16 x, session 33): the int8 form (int8's codes, mxfp4's or int4's cached form) converted
   to bf16 in the call, then oneDNN's bf16 GEMM (``moekit.experts.cpu_bf16mm``): mxfp4 exact to one rounding, int8
-  two roundings, int4 a weight rounded to bf16; "auto" takes it for mxfp4 / int4 experts of many rows;
+  two roundings, int4 a weight rounded to bf16; "auto" takes it for mxfp4 experts of many rows;
 - "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
   rounded, 2**-9 relative) and applied after the dot product, so not the dequantized path's bits (C a multiple
   of 16: ``PACK_MULTIPLE``);
@@ -72,14 +72,13 @@ INT4_INT8MM_MAX_ROWS = 16
 # / 0.36 / 0.42 / 1.0. Whole calls at Qwen3-30B-A3B (session 32), this threshold against int8pack everywhere: M = 64
 # 0.83-0.85x at 4 (8: 0.98x), M = 8 / 16 level; at 3 or fewer M = 8 lost 1-5%.
 BF16_INT8MM_MIN_ROWS = 4
-# "auto" runs bf16 experts of this many rows on "bf16mm" (``moekit.experts.cpu_bf16mm``: the int8 form converted to
-# bf16, the bf16 GEMM), mxfp4 and int4 only: its conversion is a fixed cost an expert where int8mm's / int4pack's
-# grow with the rows. Whole calls at Qwen3-30B-A3B (session 33, ``results/Intel_Xeon-cpu-s33-2026-12-05.md``):
-# mxfp4 from 48 rows 0.59-0.65x int8mm at M = 1024 and ~0.3x at 2048; from 20 or 24 rows 4-11% slower at M = 384;
-# int4 from 96 rows 0.45-0.56x int4pack at M = 2048 (from 48: 1.00-1.04x at M = 512). int8_w8a16's arbitrary row
-# scales round its result twice there (rel-L2 5.3e-3 against int8mm's 4.3e-3), so int8 stays on int8mm
+# "auto" runs bf16 mxfp4 experts of this many rows on "bf16mm" (``moekit.experts.cpu_bf16mm``: the exact int8 form
+# converted to bf16, the bf16 GEMM): its conversion is a fixed cost an expert where int8mm's grows with the rows.
+# Whole calls at Qwen3-30B-A3B (session 33, ``results/Intel_Xeon-cpu-s33-2026-12-05.md``): from 48 rows 0.59-0.65x
+# int8mm at M = 1024 and 0.30-0.49x at 2048; from 20 or 24 rows 4-11% slower at M = 384. Not taken for int8_w8a16
+# (its arbitrary row scales round the result twice: rel-L2 5.3e-3 against int8mm's 4.3e-3) nor int4 (0.45-0.56x
+# int4pack at M = 2048, but a weight rounded to bf16: 5.17e-3 against int4pack's 5.13e-3)
 MXFP4_BF16MM_MIN_ROWS = 48
-INT4_BF16MM_MIN_ROWS = 96
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -108,7 +107,7 @@ class QuantKernels:
         """The kernel that runs ``scheme`` for x of ``dtype`` on an expert of ``rows`` rows: "auto" takes torch's
         weight-only kernel for a bf16 x where this torch runs it (faster than "dequant" at every M), but "int8mm" for
         bf16 int8 / mxfp4 experts of ``BF16_INT8MM_MIN_ROWS`` rows or more (int8pack's time grows with the rows),
-        "bf16mm" for bf16 mxfp4 / int4 experts of ``MXFP4_BF16MM_MIN_ROWS`` / ``INT4_BF16MM_MIN_ROWS`` rows or more;
+        "bf16mm" for bf16 mxfp4 experts of ``MXFP4_BF16MM_MIN_ROWS`` rows or more;
         "int8mm" for a float32 x on int8 / mxfp4 (3.7-14x faster than "dequant" at M = 1..512, and 10x closer to
         float64) and on int4 experts of fewer than ``INT4_INT8MM_MAX_ROWS`` rows (2.3-2.6x faster at M = 1..64, 1.5x
         slower at 32 rows an expert), "dequant" for larger float32 int4 experts (torch's float32 kernels tie at M = 1
@@ -135,7 +134,7 @@ class QuantKernels:
 
 def _bf16_auto(scheme: str, rows: int) -> str:
     """"auto"'s kernel for a bf16 x on an expert of ``rows`` rows (``QuantKernels.resolve``)."""
-    if rows >= {"mxfp4": MXFP4_BF16MM_MIN_ROWS, "int4_w4a16": INT4_BF16MM_MIN_ROWS}.get(scheme, rows + 1):
+    if scheme == "mxfp4" and rows >= MXFP4_BF16MM_MIN_ROWS:
         return "bf16mm"
     return "int8mm" if scheme != "int4_w4a16" and rows >= BF16_INT8MM_MIN_ROWS else SCHEME_KERNELS[scheme][-1]
 
