@@ -26,6 +26,9 @@ experts of many rows (``BF16_INT8MM_MIN_ROWS``; ``benchmarks/results/Intel_Xeon-
 - "int8mm" (int4_w4a16; float32 x): the same digits, one ``torch._int_mm`` a group of g columns on the expert's
   int8 form (code - zero, ``int4_as_int8``, made once and cached: 1 byte a weight beside int4's 0.5), each group's
   exact sums times its scale summed in float64;
+- "bf16mm" (every scheme; bf16 x, session 33): the int8 form (int8's codes, mxfp4's or int4's cached form) converted
+  to bf16 in the call, then oneDNN's bf16 GEMM (``moekit.experts.cpu_bf16mm``): mxfp4 exact to one rounding, int8
+  two roundings, int4 a weight rounded to bf16; "auto" takes it for mxfp4 experts of many rows;
 - "int8pack" (int8_w8a16): ``torch._weight_int8pack_mm(x, q[e], scale[e])``, the scale in x's dtype (bf16:
   rounded, 2**-9 relative) and applied after the dot product, so not the dequantized path's bits (C a multiple
   of 16: ``PACK_MULTIPLE``);
@@ -49,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from moekit.experts.cpu_bf16mm import Bf16CodesLinear, Bf16GroupsLinear
 from moekit.experts.cpu_int8mm import MAX_COLS, Int8GroupsLinear, Int8MMLinear, int8mm_supported
 from moekit.quant import QuantizedWeight
 from moekit.quant.base import decode_nibbles, pad_cols, unpack_nibbles
@@ -57,8 +61,9 @@ from moekit.quant.mxfp4 import E2M1_CODE_VALUES, E8M0_BIAS, MX_BLOCK
 TILE_BYTES = 512 << 10  # fp32 rows of one dequantized tile: 64 rows at C = 2048, in L2 with its GEMM
 WEIGHT_ONLY_SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 SCHEME_KERNELS = {  # scheme -> its kernels besides "auto", the last one torch's (what "auto" takes for a bf16 x)
-    "int8_w8a16": ("dequant", "int8mm", "int8pack"), "int4_w4a16": ("dequant", "int8mm", "int4pack"),
-    "mxfp4": ("dequant", "int8mm", "int8pack")}
+    "int8_w8a16": ("dequant", "int8mm", "bf16mm", "int8pack"),
+    "int4_w4a16": ("dequant", "int8mm", "bf16mm", "int4pack"),
+    "mxfp4": ("dequant", "int8mm", "bf16mm", "int8pack")}
 # "auto" runs float32 int4 experts of fewer rows on "int8mm": one _int_mm a group costs more per row than the
 # dequantized GEMM (measured at ~4 rows an expert 2.3x faster, at ~32 rows 1.5x slower: results/*-cpu-int8mm-*)
 INT4_INT8MM_MAX_ROWS = 16
@@ -67,6 +72,13 @@ INT4_INT8MM_MAX_ROWS = 16
 # / 0.36 / 0.42 / 1.0. Whole calls at Qwen3-30B-A3B (session 32), this threshold against int8pack everywhere: M = 64
 # 0.83-0.85x at 4 (8: 0.98x), M = 8 / 16 level; at 3 or fewer M = 8 lost 1-5%.
 BF16_INT8MM_MIN_ROWS = 4
+# "auto" runs bf16 mxfp4 experts of this many rows on "bf16mm" (``moekit.experts.cpu_bf16mm``: the exact int8 form
+# converted to bf16, the bf16 GEMM): its conversion is a fixed cost an expert where int8mm's grows with the rows.
+# Whole calls at Qwen3-30B-A3B (session 33, ``results/Intel_Xeon-cpu-s33-2026-12-05.md``): from 48 rows 0.59-0.65x
+# int8mm at M = 1024 and 0.30-0.49x at 2048; from 20 or 24 rows 4-11% slower at M = 384. Not taken for int8_w8a16
+# (its arbitrary row scales round the result twice: rel-L2 5.3e-3 against int8mm's 4.3e-3) nor int4 (0.45-0.56x
+# int4pack at M = 2048, but a weight rounded to bf16: 5.17e-3 against int4pack's 5.13e-3)
+MXFP4_BF16MM_MIN_ROWS = 48
 # mxfp4 as int8pack's per-row form: 2 * e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12), so e2m1 * 2**(s - 127) =
 # (2 e2m1 * 2**(s - lo)) * 2**(lo - 128), exact in int8 where a row's scale bytes s stay within 3 of their least lo
 # (12 * 2**3 = 96 <= 127); a row spanning more keeps its expert on "dequant".
@@ -94,7 +106,8 @@ class QuantKernels:
     def resolve(self, scheme: str, dtype: torch.dtype, rows: int = 1) -> str:
         """The kernel that runs ``scheme`` for x of ``dtype`` on an expert of ``rows`` rows: "auto" takes torch's
         weight-only kernel for a bf16 x where this torch runs it (faster than "dequant" at every M), but "int8mm" for
-        bf16 int8 / mxfp4 experts of ``BF16_INT8MM_MIN_ROWS`` rows or more (int8pack's time grows with the rows);
+        bf16 int8 / mxfp4 experts of ``BF16_INT8MM_MIN_ROWS`` rows or more (int8pack's time grows with the rows),
+        "bf16mm" for bf16 mxfp4 experts of ``MXFP4_BF16MM_MIN_ROWS`` rows or more;
         "int8mm" for a float32 x on int8 / mxfp4 (3.7-14x faster than "dequant" at M = 1..512, and 10x closer to
         float64) and on int4 experts of fewer than ``INT4_INT8MM_MAX_ROWS`` rows (2.3-2.6x faster at M = 1..64, 1.5x
         slower at 32 rows an expert), "dequant" for larger float32 int4 experts (torch's float32 kernels tie at M = 1
@@ -105,8 +118,7 @@ class QuantKernels:
             small = scheme != "int4_w4a16" or rows < INT4_INT8MM_MAX_ROWS
             kernel = "int8mm" if small else "dequant"
         elif kernel == "auto" and dtype == torch.bfloat16:
-            many = scheme != "int4_w4a16" and rows >= BF16_INT8MM_MIN_ROWS
-            kernel = "int8mm" if many else SCHEME_KERNELS[scheme][-1]
+            kernel = _bf16_auto(scheme, rows)
         elif kernel == "auto":
             kernel = "dequant"
         if kernel == "int8pack" and not int8pack_supported(dtype):
@@ -115,7 +127,16 @@ class QuantKernels:
             return "dequant"
         if kernel == "int8mm" and not (dtype in (torch.float32, torch.bfloat16) and int8mm_supported()):
             return "dequant"
+        if kernel == "bf16mm" and dtype != torch.bfloat16:
+            return "dequant"
         return kernel
+
+
+def _bf16_auto(scheme: str, rows: int) -> str:
+    """"auto"'s kernel for a bf16 x on an expert of ``rows`` rows (``QuantKernels.resolve``)."""
+    if scheme == "mxfp4" and rows >= MXFP4_BF16MM_MIN_ROWS:
+        return "bf16mm"
+    return "int8mm" if scheme != "int4_w4a16" and rows >= BF16_INT8MM_MIN_ROWS else SCHEME_KERNELS[scheme][-1]
 
 
 def weight_only(w) -> bool:
@@ -235,7 +256,8 @@ def int4_as_int8(w, expert: int, dtype: torch.dtype) -> Int8GroupsLinear:
 
 _REPACKERS = {  # (scheme, kernel) -> the repacker whose results the cache keeps
     ("int4_w4a16", "int4pack"): int4_repacked, ("int4_w4a16", "int8mm"): int4_as_int8,
-    ("mxfp4", "int8pack"): mxfp4_as_int8, ("mxfp4", "int8mm"): mxfp4_as_int8}
+    ("mxfp4", "int8pack"): mxfp4_as_int8, ("mxfp4", "int8mm"): mxfp4_as_int8,
+    ("int4_w4a16", "bf16mm"): int4_as_int8, ("mxfp4", "bf16mm"): mxfp4_as_int8}
 _DTYPE_FREE = (int4_as_int8, mxfp4_as_int8)  # the same form for every x dtype: kept once (mxfp4's for both kernels)
 
 
@@ -295,6 +317,8 @@ def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: 
     """What computes a [rows, C] @ w[expert]^T for x of ``dtype``: resolved on the calling thread (the cache is
     not thread-safe), called on the worker."""
     kernel = kernels.resolve(w.scheme, dtype, rows)
+    if kernel == "bf16mm":
+        return bf16mm_linear(w, expert, dtype, cache)
     if kernel == "int8mm" and w.scheme == "int8_w8a16" and w.shape[2] <= MAX_COLS:
         return Int8MMLinear(w.q[expert], w.scale[expert])
     if kernel == "int8mm" and w.scheme == "int4_w4a16":
@@ -312,3 +336,17 @@ def expert_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, kernels: 
         if repacked is not None:
             return repacked
     return DequantLinear(w, expert)
+
+
+def bf16mm_linear(w: QuantizedWeight, expert: int, dtype: torch.dtype, cache: RepackCache):
+    """The "bf16mm" linear (``moekit.experts.cpu_bf16mm``) of ``w``'s expert: its codes as stored (int8) or its cached
+    int8 form (mxfp4, int4); "dequant" where the form is missing (past the cache's budget, an mxfp4 row's scales
+    spanning more than ``MX_INT8_SPAN``)."""
+    if w.scheme == "int8_w8a16":
+        return Bf16CodesLinear(w.q[expert], w.scale[expert], pow2=False)
+    found = cache.get(w, expert, dtype, "bf16mm")
+    if found is None:
+        return DequantLinear(w, expert)
+    if w.scheme == "mxfp4":
+        return Bf16CodesLinear(found.q, found.scale, pow2=True)
+    return Bf16GroupsLinear(found.codes, found.scale, found.group_size)
