@@ -67,7 +67,8 @@ class Bf16GroupsLinear:
             part = self.codes[start:start + step].float().view(-1, groups, self.group_size)  # exact
             part.mul_(self.scale[start:start + step, :, None])  # one float32 rounding
             w[start:start + step].copy_(part.view(-1, cols))  # bf16: the weight's one rounding
-        w = w[:, :a.shape[1]] if cols == a.shape[1] else w[:, :a.shape[1]].contiguous()  # [R, C]
+        if cols != a.shape[1]:  # the last group's padding columns dropped
+            w = w[:, :a.shape[1]].contiguous()  # [R, C]
         inner = bias is None or bias.dtype == torch.bfloat16
         out = linear(a, w, bias if inner else None, "none", [], "")  # [m, R]
         return out if inner else out.add_(bias)
