@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
-from moekit._checks import check_bool, check_int, check_positive_finite
+from moekit._checks import check_bool, check_choice, check_int, check_positive_finite
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
 from moekit.presets import hf_config_of_preset
@@ -22,6 +22,13 @@ Scoring = Literal["softmax", "sigmoid"]
 NonFinitePolicy = Literal["raise", "mask"]
 RouterDtype = Literal["float32", "float64", "bfloat16", "float16"]
 ROUTER_DTYPES = ("float32", "float64", "bfloat16", "float16")
+# The router's and the block's options (session 34), each a value of a real family; the first is the default.
+BiasOn = Literal["scores", "logits"]  # where the correction bias is added for the choice (Kolibri: logits)
+GroupScore = Literal["auto", "max", "top2_sum"]  # a group's score ("auto": top2_sum with a bias, max without)
+GroupFill = Literal["-inf", "zero"]  # what a dropped group's experts score for the choice (A.X-K2, Mistral-4: zero)
+SharedCombine = Literal["sum", "average"]  # routed + shared, or their average (Cohere2-MoE)
+ROUTER_OPTIONS = ("correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
+                  "shared_expert_combine")
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,13 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     use_correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
+    correction_bias_on: BiasOn = "scores"  # the bias shifts the scores (DeepSeek-V3), or the logits (Kolibri)
+    group_score: GroupScore = "auto"  # a group scores its max or its top-2 sum (Mistral-4: top2_sum, no bias)
+    dropped_group_fill: GroupFill = "-inf"  # "zero": a dropped group's experts can still win at score 0
+    router_logit_softcap: float = 0.0  # c > 0: logits -> c * tanh(logits / c) before scoring (Laguna); 0: none
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ g)
+    shared_expert_combine: SharedCombine = "sum"  # "average": (routed + shared) / 2 (Cohere2-MoE)
     activation: str | ActivationSpec = "silu"  # a name, or a spec (gpt-oss: clamped SwiGLU, interleaved)
     router_bias: bool = False  # gpt-oss: the router Linear has a bias [E]
     expert_bias: bool = False  # gpt-oss: b13 [E, 2N] after the gate-up GEMM, b2 [E, K] after the down GEMM
@@ -84,6 +96,7 @@ class MoEConfig:
             )
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size > 0")
+        self._check_options()
         spec = as_spec(self.activation)  # raises, naming the argument, for an unknown one
         if not spec.gated:
             raise ValueError("activation must be gated: the MoE layer holds w13 [E, 2N, K] (an ungated spec "
@@ -96,6 +109,38 @@ class MoEConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.router_dtype is not None and self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"router_dtype must be None or one of {ROUTER_DTYPES}, got {self.router_dtype!r}")
+
+    def _check_options(self) -> None:
+        """The session-34 options: each one of its values, and the combinations a family can have."""
+        for name, allowed in (("correction_bias_on", BiasOn), ("group_score", GroupScore),
+                              ("dropped_group_fill", GroupFill), ("shared_expert_combine", SharedCombine)):
+            check_choice(name, getattr(self, name), get_args(allowed))
+        cap = self.router_logit_softcap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap < float("inf"):
+            raise ValueError(f"router_logit_softcap must be a finite number >= 0 (0: none), got {cap!r}")
+        if self.group_score == "top2_sum" and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError(f"group_score='top2_sum' needs >= 2 experts a group, got num_experts="
+                             f"{self.num_experts} over n_group={self.n_group}")
+        if self.shared_expert_combine == "average" and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_combine='average' needs shared_expert_intermediate_size > 0")
+
+    def changed_router_options(self) -> dict:
+        """The session-34 options (``ROUTER_OPTIONS``) not at their defaults, name -> value. Empty: the routers of
+        session 33 (the fused Triton router, the one gate + router launch, the decode fast path) compute this
+        config; else only ``route`` does (``moekit.routing.fused.supports``)."""
+        return {name: getattr(self, name) for name in ROUTER_OPTIONS
+                if getattr(self, name) != MoEConfig.__dataclass_fields__[name].default}
+
+    @property
+    def routed_weight_scale(self) -> float:
+        """What the routed weights are multiplied by: ``routed_scaling_factor``, halved where the shared expert
+        is averaged in (a power of 2: (a + b) / 2 == a / 2 + b / 2 exactly, barring subnormals)."""
+        return self.routed_scaling_factor * self.shared_weight
+
+    @property
+    def shared_weight(self) -> float:
+        """The shared expert's weight in the output: 1, or 0.5 with ``shared_expert_combine="average"``."""
+        return 0.5 if self.shared_expert_combine == "average" else 1.0
 
     @property
     def has_shared_expert(self) -> bool:

@@ -38,7 +38,6 @@ from moekit._checks import check_int
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
-from moekit.activations import apply_glu
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
@@ -47,6 +46,7 @@ from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_available, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.routed import RoutedTokens
+from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 
@@ -345,10 +345,7 @@ class MoE(nn.Module):
                             activation=self.config.activation, b13=self.b13, b2=self.b2)
 
     def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = apply_glu(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
-        if self.shared_gate is not None:
-            y = torch.sigmoid(self.shared_gate(x2d)) * y
-        return y
+        return shared_mlp(x2d, self.shared_w13, self.shared_w2, self.shared_gate, self.config)  # [M, K]
 
     def _stats(self, routed: RoutedTokens) -> MoEStats:
         e, block = self.config.num_experts, self.stats_block_size
