@@ -162,7 +162,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
-        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (56 model
+        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (58 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
         Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,
@@ -171,12 +171,16 @@ class MoEConfig:
         flex_olmo, flint, glm4_moe_lite, glm4v_moe_text, glm5_next_text, glm_moe_dsa, granitemoe_swa,
         granitemoehybrid, hy_v3, hy_v4, hy_v4_vl_text, laguna, lara_mini, lfm2_moe, mellum, mimo_v2_flash,
         minicpm5_moe, minimax_m3_vl_text, mistral4, mistral_large4_text, openai_privacy_filter, qwen3_5_moe_text,
-        qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text.
+        qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text, and
+        (session 34) kolibri1, kolibri1_1. The router options of session 34 are read where a family's config
+        switches them on: Laguna's ``moe_router_logit_softcapping`` (``router_logit_softcap``), Kolibri's bias on
+        the logits (``correction_bias_on="logits"``), grouped Mistral-4 and A.X-K2 (``group_score="top2_sum"``,
+        ``dropped_group_fill="zero"``), Cohere2-MoE's ``shared_expert_combination_strategy="average"``
+        (``shared_expert_combine``).
         Families whose router or block moekit does not compute (``REFUSED``: Phi-MoE's sparsemixer, Llama-4's
-        input-scaled top-1, Kolibri's logit-biased choice, LongCat-Flash's zero experts, ZAYA's MLP router,
-        Inkling's weighted shared experts, A.X-K1's output norm, ERNIE-4.5-VL's per-modality blocks) are
-        refused, naming why (their experts still run on "moekit"); so is a config whose options switch such a
-        computation on (the reader's ``ValueError`` names the option).
+        input-scaled top-1, LongCat-Flash's zero experts, ZAYA's MLP router, Inkling's weighted shared experts,
+        A.X-K1's output norm, ERNIE-4.5-VL's per-modality blocks) are refused, naming why (their experts still
+        run on "moekit").
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""

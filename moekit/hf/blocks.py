@@ -63,8 +63,9 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     must be False). The shared expert is the block's own (``shared_expert(s)``/``shared_mlp``): where a
     family keeps it on the decoder layer (Granite-MoE-Shared) the ``MoE`` has none, as the block.
     ``shared_expert=False``: the routed experts only (no shared expert, no copy of its weights;
-    ``use_moekit_blocks`` runs the block's own). Weights the ``MoE`` shares are never allocated for it
-    first (no init pass over a copy of the experts).
+    ``use_moekit_blocks`` runs the block's own; an averaged one's half moves into the routed weights:
+    ``routed_only``). Weights the ``MoE`` shares are never allocated for it first (no init pass over a copy of
+    the experts).
     """
     if transposed not in ("copy", "view"):
         raise ValueError(f"transposed must be 'copy' or 'view', got {transposed!r}")
@@ -83,8 +84,7 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     if shared_mlp is not None and not config.has_shared_expert:
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
     if shared_mlp is None or not shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer
-        config = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
-        shared_mlp = None
+        config, shared_mlp = routed_only(config), None
     quantized = quantized_experts_weights(experts)  # fp8 experts: kept fp8, never materialised in bf16
     dtype = experts.down_proj.dtype if quantized is None else quantized[0].dtype
     views = plan.transposed and transposed == "view" and not (fuse_shared and shared_mlp is not None)
@@ -99,6 +99,14 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
     return moe
+
+
+def routed_only(config: MoEConfig) -> MoEConfig:
+    """The layer of the routed experts alone, the shared expert run outside it (or none): an averaged shared
+    expert's half (Cohere2-MoE) moves into the routed scaling, exactly (a power of 2); whoever runs the shared
+    expert weights it ``config.shared_weight`` (``use_moekit_blocks``' swapped block)."""
+    return config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False, shared_expert_combine="sum",
+                          routed_scaling_factor=config.routed_weight_scale)
 
 
 def _copy_router(moe: MoE, block: nn.Module, router: nn.Module) -> None:
