@@ -28,7 +28,7 @@ GroupScore = Literal["auto", "max", "top2_sum"]  # a group's score ("auto": top2
 GroupFill = Literal["-inf", "zero"]  # what a dropped group's experts score for the choice (A.X-K2, Mistral-4: zero)
 SharedCombine = Literal["sum", "average"]  # routed + shared, or their average (Cohere2-MoE)
 ROUTER_OPTIONS = ("correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
-                  "shared_expert_combine")
+                  "shared_expert_combine", "num_identity_experts")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ g)
     shared_expert_combine: SharedCombine = "sum"  # "average": (routed + shared) / 2 (Cohere2-MoE)
+    # Z zero-computation experts (LongCat-Flash): router ids E..E+Z-1 return their input times their weight
+    num_identity_experts: int = 0
     activation: str | ActivationSpec = "silu"  # a name, or a spec (gpt-oss: clamped SwiGLU, interleaved)
     router_bias: bool = False  # gpt-oss: the router Linear has a bias [E]
     expert_bias: bool = False  # gpt-oss: b13 [E, 2N] after the gate-up GEMM, b2 [E, K] after the down GEMM
@@ -76,20 +78,24 @@ class MoEConfig:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
             check_int(name, getattr(self, name))
         check_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, minimum=0)
+        check_int("num_identity_experts", self.num_identity_experts, minimum=0)
+        if self.num_identity_experts and self.n_group > 1:
+            raise ValueError(f"num_identity_experts > 0 routes without expert groups, got n_group={self.n_group}")
         if self.num_moe_layers is not None:
             check_int("num_moe_layers", self.num_moe_layers)
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "router_bias", "expert_bias"):
             check_bool(name, getattr(self, name))
         check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
+        if self.top_k > self.router_width:
+            what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
+            raise ValueError(f"top_k must be <= {what} ({self.router_width}), got {self.top_k}")
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
         if self.num_experts % self.n_group != 0:
             raise ValueError(f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group must be <= n_group ({self.n_group}), got {self.topk_group}")
-        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise ValueError(
                 f"top_k ({self.top_k}) exceeds the experts in the topk_group={self.topk_group} kept groups "
                 f"({self.topk_group * (self.num_experts // self.n_group)})"
@@ -130,6 +136,11 @@ class MoEConfig:
         config; else only ``route`` does (``moekit.routing.fused.supports``)."""
         return {name: getattr(self, name) for name in ROUTER_OPTIONS
                 if getattr(self, name) != MoEConfig.__dataclass_fields__[name].default}
+
+    @property
+    def router_width(self) -> int:
+        """Columns of the router's logits: E routed experts, then Z identity experts (ids E..E+Z-1)."""
+        return self.num_experts + self.num_identity_experts
 
     @property
     def routed_weight_scale(self) -> float:

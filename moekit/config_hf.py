@@ -4,7 +4,8 @@ layer, each written from the family's router in transformers' modeling file (wha
 A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the config's ``hidden_act``). A
 family whose router moekit does not compute is in ``REFUSED`` with the reason. The router options of session 34
 (``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap, Kolibri's bias
-on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert.
+on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert, LongCat-Flash's
+identity experts.
 """
 
 from __future__ import annotations
@@ -285,6 +286,19 @@ def _read_kimi_linear(d: dict) -> dict:
     return fields if d.get("mlp_layer_types") is None else dict(fields, num_moe_layers=_count_layers(d, None))
 
 
+def _read_longcat(d: dict) -> dict:
+    """LongCat-Flash: softmax over the E routed and Z zero-computation experts, a correction bias for the choice
+    (its router always has one), no renormalisation, routed scaling (identity slots too); its router reads the
+    classifier's weight alone (a router_bias=True config's bias is never added); its num_layers decoder layers
+    hold one MoE block each."""
+    return dict(hidden_size=d["hidden_size"], moe_intermediate_size=_get(d, "expert_ffn_hidden_size",
+                                                                         "moe_intermediate_size"),
+                num_experts=_get(d, "n_routed_experts", "num_local_experts"),
+                top_k=_get(d, "moe_topk", "num_experts_per_tok"), scoring="softmax", renormalize=False,
+                routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)), use_correction_bias=True,
+                num_identity_experts=_get(d, "zero_expert_num", default=0), num_moe_layers=d.get("num_layers"))
+
+
 HF_READERS = {
     "mixtral": _read_mixtral,
     "qwen2_moe": _read_qwen2_moe, "qwen3_next": _read_qwen2_moe, "qwen4_exp_text": _read_qwen2_moe,
@@ -302,7 +316,7 @@ HF_READERS = {
     **{name: _read_sigmoid_topk for name in ("step3p5", "hy_v3", "laguna", "afmoe", "lfm2_moe", "flint")},
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
     "ernie4_5_moe": _read_ernie,
-    "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri,
+    "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
 }
 # Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
 REFUSED = {
@@ -312,8 +326,6 @@ REFUSED = {
               "model.set_experts_implementation('moekit'), which keeps transformers' router",
     "llama4_text": "Llama-4 scales the expert's input by sigmoid(top-1 logit), not its output; moekit's layer "
                    "weights outputs",
-    "longcat_flash": "LongCat-Flash routes to zero-computation experts (ids >= n_routed_experts return the input "
-                     "scaled by their weight); moekit's layer has no identity experts",
     "zaya": "ZAYA routes through an MLP router carrying state across layers, with a skip expert; moekit's router "
             "is one linear layer",
     "inkling_text": "Inkling's router also weights its shared experts (a softmax over the log-sigmoids of the k "

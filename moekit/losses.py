@@ -31,9 +31,9 @@ def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len
     if logits.shape[0] == 0:
         return total
     if c.aux_loss_coef:
-        total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.num_experts)
+        total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.router_width)  # identity experts too
     if c.seq_aux_loss_coef:
-        total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len,
+        total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.router_width, seq_len,
                                                                     scoring=c.scoring)
     if c.z_loss_coef:
         total = total + c.z_loss_coef * z_loss(logits)

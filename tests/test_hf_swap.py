@@ -288,7 +288,7 @@ def _family_block(fam, groups: int = 2, **fields):
 
 
 # The families whose block the swap takes (MoEConfig.from_hf_config reads their text config): 17 before session 33,
-# 38 more in it (moekit/config_hf.py), Kolibri-1 / 1.1 in session 34 (and Mistral-4's groups: no longer left)
+# 38 more in it (moekit/config_hf.py), Kolibri-1 / 1.1 and LongCat-Flash in session 34 (and Mistral-4's groups)
 _SWAPPED = {
     "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe", "gpt_oss", "granitemoe", "granitemoeshared",
     "hunyuan_v1_moe", "jamba", "kimi_linear", "minimax", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe",
@@ -298,7 +298,7 @@ _SWAPPED = {
     "granitemoehybrid", "hy_v3", "hy_v4", "hy_v4_vl", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash",
     "minicpm5_moe", "minimax_m3_vl", "mistral4", "mistral_large4", "openai_privacy_filter", "qwen3_5_moe",
     "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
-    "kolibri1", "kolibri1_1",
+    "kolibri1", "kolibri1_1", "longcat_flash",
 }
 
 
@@ -338,7 +338,8 @@ _OPTIONS = [("mistral4", {}), ("mistral_large4", {}), ("lfm2_moe", {"use_expert_
             ("cohere2_moe", {"num_shared_experts": 1, "shared_expert_combination_strategy": "average"}),
             ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True, "num_shared_experts": 2,
                              "shared_expert_combination_strategy": "average"}),
-            ("axk2", {"n_group": 2, "topk_group": 1}), ("axk2", {"n_group": 3, "topk_group": 2})]
+            ("axk2", {"n_group": 2, "topk_group": 1}), ("axk2", {"n_group": 3, "topk_group": 2}),
+            ("longcat_flash", {"zero_expert_num": 3, "router_bias": True}), ("longcat_flash", {"zero_expert_num": 0})]
 
 
 def _first(out):
@@ -349,7 +350,8 @@ def _first(out):
 def test_config_options_the_walk_does_not_set(family, fields):
     """Mistral-4 / Mistral-Large-4 as their configs ship them (one expert group), LFM2-MoE without its bias,
     Cohere2-MoE's sigmoid selection (renormalised or not) with a summed shared expert; Laguna's soft-cap,
-    Cohere2-MoE's averaged shared expert, A.X-K2's groups: swapped and equal to their own forward, and so is
+    Cohere2-MoE's averaged shared expert, A.X-K2's groups, LongCat-Flash's identity experts (3 of them, with the
+    router bias its router never adds; and none): swapped and equal to their own forward, and so is
     moe_from_hf's layer with the shared expert in it (separate and fused)."""
     key = next(k for k, f in _FAMILIES.items() if f.family == family)
     block, x, want = _family_block(_FAMILIES[key], groups=1, **fields)

@@ -35,6 +35,7 @@ DEEPSEEK_LIKE = MoEConfig(
 # Every router option of session 34 on at once (the single-process MoE routes it with moekit.route)
 OPTIONS_ON = DEEPSEEK_LIKE.replace(router_logit_softcap=2.0, correction_bias_on="logits", group_score="top2_sum",
                                    dropped_group_fill="zero", shared_expert_combine="average")
+IDENTITY = SOFTMAX_SHARED.replace(num_identity_experts=3, use_correction_bias=True)  # LongCat-Flash's zero experts
 # Token counts per rank: uneven, and with ranks that hold no tokens.
 SPLITS = {2: [[5, 12], [17, 0]], 4: [[6, 0, 9, 2], [0, 0, 11, 0]]}
 
@@ -174,6 +175,8 @@ def _router_options(g: Group) -> dict:
     for fuse_shared in (True, False):
         moe = _skew(_moe(OPTIONS_ON, fuse_shared=fuse_shared), list(range(8)), -0.6)
         res[f"router_options_fused_{fuse_shared}"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
+    moe = _skew(_moe(IDENTITY), [8, 9, 10], 0.05)  # identity slots on every rank, added where the token lives
+    res["router_options_identity"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
     return res
 
 
@@ -265,8 +268,8 @@ def _mismatches(g: Group) -> dict:
     }
 
 
-SCENARIOS = (_splits, _eplb, _all_on_rank0, _layouts_of_experts, _router_options, _capacity, _empty_and_stats, _skipped_ids, _bf16,
-             _rebalance, _mismatches)
+SCENARIOS = (_splits, _eplb, _all_on_rank0, _layouts_of_experts, _router_options, _capacity, _empty_and_stats,
+             _skipped_ids, _bf16, _rebalance, _mismatches)
 
 
 @torch.no_grad()
@@ -311,6 +314,7 @@ FP32_KEYS = [
     "round_robin_separate_shared_1", "padded_0_cap3", "padded_0_cap0", "padded_1_cap3", "padded_1_cap0",
     "eplb_replicas", "eplb_replicas_padded", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts",
     "capacity_per_rank", "load_experts", "router_options_fused_True", "router_options_fused_False",
+    "router_options_identity",
 ]
 CHECKS = [
     *(_close(key) for key in FP32_KEYS),

@@ -1,7 +1,8 @@
 """The router options of session 34 (``MoEConfig.changed_router_options``), each against a float64 per-token loop
 written here: Laguna's logit soft-cap, Kolibri's correction bias on the logits, the group score rule (max / top-2
 sum, whatever the bias) and the dropped groups' fill (A.X-K2, Mistral-4), Cohere2-MoE's averaged shared expert
-(the router and the whole layer); their checks; and the fallback every fused path takes for them.
+and LongCat-Flash's identity experts (the router and the whole layer); their checks; and the fallback every fused
+path takes for them.
 
 Shapes: M tokens, E experts, k = top_k, G groups, K hidden, N expert width.
 """
@@ -9,6 +10,7 @@ Shapes: M tokens, E experts, k = top_k, G groups, K hidden, N expert width.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -50,7 +52,7 @@ def reference_route(logits, cfg, bias=None):
             scores = [1.0 / (1.0 + math.exp(-v)) if f else 0.0 for v, f in zip(row, finite)]
         base = scores if cfg.correction_bias_on == "scores" else row
         choice = [base[e] + (0.0 if bias is None else float(bias[e])) if finite[e] else -math.inf
-                  for e in range(cfg.num_experts)]
+                  for e in range(cfg.router_width)]
         if cfg.n_group > 1:
             size = cfg.num_experts // cfg.n_group
             group_score = _group_scores(choice, finite, cfg, bias is not None)
@@ -58,7 +60,7 @@ def reference_route(logits, cfg, bias=None):
             for e in range(cfg.num_experts):
                 if e // size not in kept and finite[e]:
                     choice[e] = 0.0 if cfg.dropped_group_fill == "zero" else -math.inf
-        chosen = sorted(range(cfg.num_experts), key=lambda e: (not finite[e], -choice[e], e))[: cfg.top_k]
+        chosen = sorted(range(cfg.router_width), key=lambda e: (not finite[e], -choice[e], e))[: cfg.top_k]
         w = [scores[e] for e in chosen]
         if cfg.renormalize:
             w = [v / sum(w) for v in w]
@@ -174,6 +176,29 @@ def test_layer_averages_routed_and_shared(fuse_shared):
         torch.testing.assert_close(got[t], routed + 0.5 * shared.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_layer_with_identity_experts(scoring):
+    """LongCat-Flash: the router spans E + Z experts (its gate and bias too); an identity slot adds its weight
+    times the token and runs no expert (not counted in the stats), against a float64 loop over the token's slots."""
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=3, scoring=scoring,
+                    renormalize=False, routed_scaling_factor=2.0, use_correction_bias=True, num_identity_experts=4,
+                    aux_loss_coef=0.01)
+    torch.manual_seed(9)
+    moe = MoE(cfg)
+    assert moe.gate.weight.shape == (10, 16) and moe.e_score_correction_bias.shape == (10,)
+    moe.e_score_correction_bias.normal_(std=0.2)
+    x = torch.randn(12, 16)
+    with torch.no_grad():
+        result = moe(x, return_stats=True)
+        ids, weights = reference_route(moe.gate(x), cfg, moe.e_score_correction_bias)
+    assert (ids >= 6).any() and (ids < 6).any()  # both kinds of slot are exercised
+    for t in range(x.shape[0]):
+        want = sum(w * (_mlp(x[t].double(), moe.w13[i], moe.w2[i]) if i < 6 else x[t].double())
+                   for i, w in zip(ids[t].tolist(), weights[t]))
+        torch.testing.assert_close(result.out[t].double(), want.detach(), rtol=1e-5, atol=1e-6)
+    assert int(result.stats.counts.sum()) == int((ids < 6).sum()) and result.aux_loss is not None
+
+
 def test_losses_read_the_capped_logits():
     cfg = BASE.replace(router_logit_softcap=3.0, z_loss_coef=1.0)
     logits = _inputs(8, scale=6.0)[0]
@@ -191,15 +216,19 @@ def test_losses_read_the_capped_logits():
     ({"router_logit_softcap": True}, "router_logit_softcap must be a finite number >= 0"),
     ({"group_score": "top2_sum", "n_group": 16, "topk_group": 4}, "group_score='top2_sum' needs >= 2 experts a group"),
     ({"shared_expert_combine": "average"}, "shared_expert_combine='average' needs shared_expert_intermediate_size"),
+    ({"num_identity_experts": -1}, "num_identity_experts must be an int >= 0"),
+    ({"num_identity_experts": 2}, "num_identity_experts > 0 routes without expert groups"),
+    ({"num_identity_experts": 2, "n_group": 1, "top_k": 19}, "top_k must be <= num_experts + num_identity_experts"),
 ])
 def test_bad_options_are_named(changes, says):
-    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(says)):
         BASE.replace(**changes)
 
 
 OPTIONS = [{"router_logit_softcap": 30.0}, {"correction_bias_on": "logits"}, {"group_score": "top2_sum"},
            {"group_score": "max"}, {"dropped_group_fill": "zero"},
-           {"shared_expert_combine": "average", "shared_expert_intermediate_size": 8}]
+           {"shared_expert_combine": "average", "shared_expert_intermediate_size": 8},
+           {"num_identity_experts": 2, "n_group": 1, "topk_group": 1}]
 
 
 @pytest.mark.parametrize("changes", OPTIONS, ids=lambda c: next(iter(c)) + "=" + str(next(iter(c.values()))))

@@ -110,12 +110,12 @@ def routed_only(config: MoEConfig) -> MoEConfig:
 
 
 def _copy_router(moe: MoE, block: nn.Module, router: nn.Module) -> None:
-    # Hunyuan's gate holds its Linear as .wg, AFMoE's router as .gate
-    linear = next((m for m in (getattr(router, "wg", None), getattr(router, "gate", None))
+    # Hunyuan's gate holds its Linear as .wg, AFMoE's router as .gate, LongCat-Flash's as .classifier
+    linear = next((m for m in (getattr(router, n, None) for n in ("wg", "gate", "classifier"))
                    if isinstance(m, nn.Linear)), router)
     moe.gate.weight = linear.weight
     if moe.gate.bias is not None:
-        moe.gate.bias = router.bias
+        moe.gate.bias = linear.bias
     if moe.e_score_correction_bias is not None:
         # DeepSeek/GLM, ERNIE, MiniMax-M2, HY-V3 (the block's), AFMoE and LFM2-MoE (the block's expert_bias)
         holders = (router, getattr(router, "moe_statics", None), block)

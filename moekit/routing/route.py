@@ -61,7 +61,9 @@ def route(
     - ``routed_scaling_factor`` multiplies the routed weights (``MoEConfig.routed_weight_scale``: halved too
       where the shared expert is averaged in, ``shared_expert_combine="average"``).
 
-    The result holds the k routed slots only; ``append_shared_slots`` adds a fused shared expert's.
+    The result holds the k routed slots only; ``append_shared_slots`` adds a fused shared expert's. With
+    ``num_identity_experts`` Z > 0 (LongCat-Flash) the logits are [M, E + Z] and ids E..E+Z-1 are identity
+    experts (``moekit.routing.identity`` takes them out before the experts run).
 
     NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"``; a NaN or infinite
     ``correction_bias`` always raises. On the CPU the error is a ``ValueError`` naming the bad rows
@@ -91,10 +93,8 @@ def route(
         logits = logits.masked_fill(~finite, torch.finfo(torch.float32).min)
 
     scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
-    if bias is None:
-        choice = scores  # [M, E]
-    else:
-        choice = (scores if config.correction_bias_on == "scores" else logits) + bias  # [M, E]
+    shifted = scores if config.correction_bias_on == "scores" else logits  # what the bias shifts (Kolibri: logits)
+    choice = shifted if bias is None else shifted + bias  # [M, E]
     if finite is None:
         return _select(logits, scores, choice, config, biased=bias is not None)
     return _select_masked(logits, scores, choice, finite, config, biased=bias is not None)
@@ -131,10 +131,8 @@ def _select_masked(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Ten
 def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     if not isinstance(router_logits, torch.Tensor):
         raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
-    if router_logits.dim() != 2 or router_logits.shape[1] != config.num_experts:
-        raise ValueError(
-            f"router_logits must have shape [M, num_experts={config.num_experts}], got {tuple(router_logits.shape)}"
-        )
+    if router_logits.dim() != 2 or router_logits.shape[1] != config.router_width:
+        raise ValueError(f"router_logits must have shape [M, {_width(config)}], got {tuple(router_logits.shape)}")
     if not router_logits.is_floating_point():
         raise TypeError(f"router_logits must be a floating-point tensor, got {router_logits.dtype}")
     # [M, E] float32, or float64 when given: the weights follow, so float64 gradients check (gradcheck)
@@ -166,8 +164,8 @@ def check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.devic
         return None
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"correction_bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if bias.shape != (config.num_experts,):
-        raise ValueError(f"correction_bias must have shape [num_experts={config.num_experts}], got {tuple(bias.shape)}")
+    if bias.shape != (config.router_width,):
+        raise ValueError(f"correction_bias must have shape [{_width(config)}], got {tuple(bias.shape)}")
     if bias.device != device:
         raise ValueError(f"correction_bias must be on {device} like router_logits, got {bias.device}")
     if not bias.is_floating_point():
@@ -180,6 +178,12 @@ def check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.devic
         bad = (~torch.isfinite(bias)).nonzero()[:5, 0].tolist()
         raise ValueError(f"correction_bias contains NaN or infinite values (first bad experts: {bad})")
     return bias
+
+
+def _width(config: MoEConfig) -> str:
+    """The router's width in words: ``num_experts=E``, or with identity experts ``num_experts + ...=E+Z``."""
+    name = "num_experts" if not config.num_identity_experts else "num_experts + num_identity_experts"
+    return f"{name}={config.router_width}"
 
 
 def soft_capped(logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
