@@ -143,6 +143,12 @@ class MoEConfig:
         return self.num_experts + self.num_identity_experts
 
     @property
+    def routed_slots_per_token(self) -> float:
+        """The routed experts a token runs on average under uniform routing: k, or k·E / (E + Z) with Z identity
+        experts (their slots run none: LongCat-Flash's "dynamic computation"). The byte model's k."""
+        return self.top_k if not self.num_identity_experts else self.top_k * self.num_experts / self.router_width
+
+    @property
     def routed_weight_scale(self) -> float:
         """What the routed weights are multiplied by: ``routed_scaling_factor``, halved where the shared expert
         is averaged in (a power of 2: (a + b) / 2 == a / 2 + b / 2 exactly, barring subnormals)."""
