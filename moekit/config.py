@@ -27,8 +27,9 @@ BiasOn = Literal["scores", "logits"]  # where the correction bias is added for t
 GroupScore = Literal["auto", "max", "top2_sum"]  # a group's score ("auto": top2_sum with a bias, max without)
 GroupFill = Literal["-inf", "zero"]  # what a dropped group's experts score for the choice (A.X-K2, Mistral-4: zero)
 SharedCombine = Literal["sum", "average"]  # routed + shared, or their average (Cohere2-MoE)
+WeightOn = Literal["output", "input"]  # a slot's weight scales its expert's output, or its input (Llama-4)
 ROUTER_OPTIONS = ("correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
-                  "shared_expert_combine", "num_identity_experts")
+                  "shared_expert_combine", "num_identity_experts", "expert_weight_on")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class MoEConfig:
     shared_expert_combine: SharedCombine = "sum"  # "average": (routed + shared) / 2 (Cohere2-MoE)
     # Z zero-computation experts (LongCat-Flash): router ids E..E+Z-1 return their input times their weight
     num_identity_experts: int = 0
+    expert_weight_on: WeightOn = "output"  # "input": each slot's expert runs on weight x token (Llama-4)
     activation: str | ActivationSpec = "silu"  # a name, or a spec (gpt-oss: clamped SwiGLU, interleaved)
     router_bias: bool = False  # gpt-oss: the router Linear has a bias [E]
     expert_bias: bool = False  # gpt-oss: b13 [E, 2N] after the gate-up GEMM, b2 [E, K] after the down GEMM
@@ -119,7 +121,8 @@ class MoEConfig:
     def _check_options(self) -> None:
         """The session-34 options: each one of its values, and the combinations a family can have."""
         for name, allowed in (("correction_bias_on", BiasOn), ("group_score", GroupScore),
-                              ("dropped_group_fill", GroupFill), ("shared_expert_combine", SharedCombine)):
+                              ("dropped_group_fill", GroupFill), ("shared_expert_combine", SharedCombine),
+                              ("expert_weight_on", WeightOn)):
             check_choice(name, getattr(self, name), get_args(allowed))
         cap = self.router_logit_softcap
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap < float("inf"):
@@ -179,7 +182,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
-        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (58 model
+        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (60 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
         Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,
@@ -189,15 +192,16 @@ class MoEConfig:
         granitemoehybrid, hy_v3, hy_v4, hy_v4_vl_text, laguna, lara_mini, lfm2_moe, mellum, mimo_v2_flash,
         minicpm5_moe, minimax_m3_vl_text, mistral4, mistral_large4_text, openai_privacy_filter, qwen3_5_moe_text,
         qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text, and
-        (session 34) kolibri1, kolibri1_1. The router options of session 34 are read where a family's config
-        switches them on: Laguna's ``moe_router_logit_softcapping`` (``router_logit_softcap``), Kolibri's bias on
-        the logits (``correction_bias_on="logits"``), grouped Mistral-4 and A.X-K2 (``group_score="top2_sum"``,
+        (session 34) kolibri1, kolibri1_1, longcat_flash, llama4_text. The router options of session 34
+        (``changed_router_options``) are read where a family's config switches them on: Laguna's
+        ``moe_router_logit_softcapping`` (``router_logit_softcap``), Kolibri's bias on the logits
+        (``correction_bias_on="logits"``), grouped Mistral-4 and A.X-K2 (``group_score="top2_sum"``,
         ``dropped_group_fill="zero"``), Cohere2-MoE's ``shared_expert_combination_strategy="average"``
-        (``shared_expert_combine``).
-        Families whose router or block moekit does not compute (``REFUSED``: Phi-MoE's sparsemixer, Llama-4's
-        input-scaled top-1, LongCat-Flash's zero experts, ZAYA's MLP router, Inkling's weighted shared experts,
-        A.X-K1's output norm, ERNIE-4.5-VL's per-modality blocks) are refused, naming why (their experts still
-        run on "moekit").
+        (``shared_expert_combine``), LongCat-Flash's zero-computation experts (``num_identity_experts``),
+        Llama-4's input-scaled experts (``expert_weight_on="input"``).
+        Families whose router or block moekit does not compute (``REFUSED``: Phi-MoE's sparsemixer, ZAYA's MLP
+        router, Inkling's weighted shared experts, A.X-K1's output norm, ERNIE-4.5-VL's per-modality blocks)
+        are refused, naming why (their experts still run on "moekit").
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""

@@ -5,7 +5,7 @@ A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the 
 family whose router moekit does not compute is in ``REFUSED`` with the reason. The router options of session 34
 (``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap, Kolibri's bias
 on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert, LongCat-Flash's
-identity experts.
+identity experts, Llama-4's input-weighted experts.
 """
 
 from __future__ import annotations
@@ -286,6 +286,16 @@ def _read_kimi_linear(d: dict) -> dict:
     return fields if d.get("mlp_layer_types") is None else dict(fields, num_moe_layers=_count_layers(d, None))
 
 
+def _read_llama4(d: dict) -> dict:
+    """Llama-4 (text): top-k of the logits, each chosen expert run on sigmoid(its logit) x token (its input, not
+    its output: ``expert_weight_on="input"``), no renormalisation, a shared expert of the experts' width always
+    added; the MoE layers are the config's moe_layers."""
+    layers = d.get("moe_layers")
+    return dict(_read_mixtral(d), scoring="sigmoid", renormalize=False, expert_weight_on="input",
+                shared_expert_intermediate_size=d["intermediate_size"],
+                num_moe_layers=len(layers) if isinstance(layers, (list, tuple)) else d.get("num_hidden_layers"))
+
+
 def _read_longcat(d: dict) -> dict:
     """LongCat-Flash: softmax over the E routed and Z zero-computation experts, a correction bias for the choice
     (its router always has one), no renormalisation, routed scaling (identity slots too); its router reads the
@@ -317,6 +327,7 @@ HF_READERS = {
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
     "ernie4_5_moe": _read_ernie,
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
+    "llama4_text": _read_llama4,
 }
 # Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
 REFUSED = {
@@ -324,8 +335,6 @@ REFUSED = {
               "2*router_jitter_noise of the max, then the same for the second expert), not a softmax top-k; "
               "moekit's router does not implement it. Its experts run on moekit through "
               "model.set_experts_implementation('moekit'), which keeps transformers' router",
-    "llama4_text": "Llama-4 scales the expert's input by sigmoid(top-1 logit), not its output; moekit's layer "
-                   "weights outputs",
     "zaya": "ZAYA routes through an MLP router carrying state across layers, with a skip expert; moekit's router "
             "is one linear layer",
     "inkling_text": "Inkling's router also weights its shared experts (a softmax over the log-sigmoids of the k "

@@ -14,7 +14,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 | Experts  | the ``moekit.experts`` backend, called by ``run_routed``         | rows -> w2 @ act_and_mul(w13 @ row)   |
 | Combine  | the layout's weighted inverse, in the same backend               | rows, weights -> out [M, K]           |
 | Shared   | S extra routed slots (fused), or ``MoE._shared_mlp``             | x2d -> [M, K], added                  |
-| Identity | Z > 0 (LongCat-Flash): ``moekit.routing.identity`` after Route   | weight x token [M, K], added          |
+| Identity | Z > 0 (LongCat-Flash): ``moekit.routing.weighting`` after Route  | weight x token [M, K], added          |
 
 Group and Combine per backend: ``grouped_mm`` (the CPU default) groups with ``permute_contiguous``
 (align 1) or ``masked_layout_measured_cap_syncs``, picked per call by ``choose_layout`` under a memory
@@ -46,7 +46,7 @@ from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capac
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_available, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import gate_route, wants_fresh
-from moekit.routing.identity import identity_weights, without_identity
+from moekit.routing.weighting import identity_weights, input_weighted, without_identity
 from moekit.routing.routed import MoEStats, RoutedTokens, stats_of
 from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
@@ -121,19 +121,19 @@ class MoE(nn.Module):
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.stats_block_size = stats_block_size
-        self.fuse_shared = bool(fuse_shared and config.num_shared_slots)
+        # input-weighted experts (Llama-4) keep the shared MLP apart: its slots would run on w x too
+        self.fuse_shared = bool(fuse_shared and config.num_shared_slots and config.expert_weight_on == "output")
         k_dim, n_dim, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
         factory = {"dtype": dtype, "device": device}
         slots = config.num_shared_slots if self.fuse_shared else 0
         rows = (e if num_local_experts is None else num_local_experts) + slots
-        # weight [E(+Z), K] (+ bias, gpt-oss); Z identity experts' rows last (LongCat-Flash)
-        self.gate = nn.Linear(k_dim, config.router_width, bias=config.router_bias, **factory)
+        width = config.router_width  # E, + Z identity experts (LongCat-Flash), whose gate rows come last
+        self.gate = nn.Linear(k_dim, width, bias=config.router_bias, **factory)  # weight [E(+Z), K] (+ bias, gpt-oss)
         self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]; L(+S) on an EP rank
         self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]; L(+S) on an EP rank
         # config.expert_bias (gpt-oss): b13 [E(+S), 2N] in w13's row order, b2 [E(+S), K]; zero on shared slots
         self.b13 = nn.Parameter(torch.zeros(rows, 2 * n_dim, **factory)) if config.expert_bias else None
         self.b2 = nn.Parameter(torch.zeros(rows, k_dim, **factory)) if config.expert_bias else None
-        width = config.router_width  # E, + Z identity experts
         bias = torch.zeros(width, dtype=torch.float32, device=device) if config.use_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0
@@ -298,7 +298,9 @@ class MoE(nn.Module):
     def _experts_and_shared(self, x2d: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """[Group -> Experts -> Combine] with the moekit.experts backend, then [Shared] when not fused."""
         routing = routed.routing
-        if self._plain_run:  # run_routed with the argument check once per weight set
+        if self.config.expert_weight_on == "input":  # Llama-4: expert(w x), one experts call per slot
+            out = input_weighted(self.run_routed, x2d, routing)  # [M, K]
+        elif self._plain_run:  # run_routed with the argument check once per weight set
             out = self._experts_call(self._experts_fn, x2d, _param(self, "w13"), _param(self, "w2"), routing.topk_ids,
                                      routing.topk_weights, activation=self.config.activation, b13=_param(self, "b13"),
                                      b2=_param(self, "b2"))  # [M, K]

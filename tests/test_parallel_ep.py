@@ -177,6 +177,9 @@ def _router_options(g: Group) -> dict:
         res[f"router_options_fused_{fuse_shared}"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
     moe = _skew(_moe(IDENTITY), [8, 9, 10], 0.05)  # identity slots on every rank, added where the token lives
     res["router_options_identity"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
+    moe = _moe(SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=1, scoring="sigmoid"))  # Llama-4's router
+    res["router_options_input_weighted"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
+    res["input_weighted_top2"] = _error_of(lambda: EPMoE(SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=2)))
     return res
 
 
@@ -314,7 +317,7 @@ FP32_KEYS = [
     "round_robin_separate_shared_1", "padded_0_cap3", "padded_0_cap0", "padded_1_cap3", "padded_1_cap0",
     "eplb_replicas", "eplb_replicas_padded", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts",
     "capacity_per_rank", "load_experts", "router_options_fused_True", "router_options_fused_False",
-    "router_options_identity",
+    "router_options_identity", "router_options_input_weighted",
 ]
 CHECKS = [
     *(_close(key) for key in FP32_KEYS),
@@ -344,6 +347,7 @@ CHECKS = [
     _error_says("placement_mismatch", "placement"),
     _error_says("capacity_mismatch", "max_tokens_per_rank"),
     _error_says("weights_mismatch", "replicated weights", "gate"),
+    _error_says("input_weighted_top2", "expert_weight_on='input' with top_k=2", "dispatches once a forward"),
 ]
 
 

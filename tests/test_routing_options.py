@@ -1,8 +1,8 @@
 """The router options of session 34 (``MoEConfig.changed_router_options``), each against a float64 per-token loop
 written here: Laguna's logit soft-cap, Kolibri's correction bias on the logits, the group score rule (max / top-2
-sum, whatever the bias) and the dropped groups' fill (A.X-K2, Mistral-4), Cohere2-MoE's averaged shared expert
-and LongCat-Flash's identity experts (the router and the whole layer); their checks; and the fallback every fused
-path takes for them.
+sum, whatever the bias) and the dropped groups' fill (A.X-K2, Mistral-4), Cohere2-MoE's averaged shared expert,
+LongCat-Flash's identity experts and Llama-4's input-weighted experts (the router and the whole layer); their
+checks; and the fallback every fused path takes for them.
 
 Shapes: M tokens, E experts, k = top_k, G groups, K hidden, N expert width.
 """
@@ -199,6 +199,25 @@ def test_layer_with_identity_experts(scoring):
     assert int(result.stats.counts.sum()) == int((ids < 6).sum()) and result.aux_loss is not None
 
 
+def test_layer_with_input_weighted_experts():
+    """Llama-4: each chosen expert runs on its weight times the token (not weighted after), the shared MLP on the
+    token itself (never fused: its slots would be input-weighted too), against a float64 loop."""
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=2, scoring="sigmoid",
+                    renormalize=False, shared_expert_intermediate_size=8, expert_weight_on="input")
+    torch.manual_seed(10)
+    moe = MoE(cfg, fuse_shared=True)
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        got = moe(x)
+        ids, weights = reference_route(moe.gate(x), cfg)
+    assert not moe.fuse_shared
+    for t in range(x.shape[0]):
+        xt = x[t].double()
+        want = _mlp(xt, moe.shared_w13, moe.shared_w2) + sum(
+            _mlp(w * xt, moe.w13[i], moe.w2[i]) for i, w in zip(ids[t].tolist(), weights[t]))
+        torch.testing.assert_close(got[t].double(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_losses_read_the_capped_logits():
     cfg = BASE.replace(router_logit_softcap=3.0, z_loss_coef=1.0)
     logits = _inputs(8, scale=6.0)[0]
@@ -217,6 +236,7 @@ def test_losses_read_the_capped_logits():
     ({"group_score": "top2_sum", "n_group": 16, "topk_group": 4}, "group_score='top2_sum' needs >= 2 experts a group"),
     ({"shared_expert_combine": "average"}, "shared_expert_combine='average' needs shared_expert_intermediate_size"),
     ({"num_identity_experts": -1}, "num_identity_experts must be an int >= 0"),
+    ({"expert_weight_on": "both"}, "expert_weight_on must be one of ('output', 'input')"),
     ({"num_identity_experts": 2}, "num_identity_experts > 0 routes without expert groups"),
     ({"num_identity_experts": 2, "n_group": 1, "top_k": 19}, "top_k must be <= num_experts + num_identity_experts"),
 ])
@@ -228,7 +248,7 @@ def test_bad_options_are_named(changes, says):
 OPTIONS = [{"router_logit_softcap": 30.0}, {"correction_bias_on": "logits"}, {"group_score": "top2_sum"},
            {"group_score": "max"}, {"dropped_group_fill": "zero"},
            {"shared_expert_combine": "average", "shared_expert_intermediate_size": 8},
-           {"num_identity_experts": 2, "n_group": 1, "topk_group": 1}]
+           {"num_identity_experts": 2, "n_group": 1, "topk_group": 1}, {"expert_weight_on": "input"}]
 
 
 @pytest.mark.parametrize("changes", OPTIONS, ids=lambda c: next(iter(c)) + "=" + str(next(iter(c.values()))))

@@ -79,7 +79,7 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
         why = plan.reason or "its experts are ungated (up_proj only)"
         raise ValueError(f"{type(experts).__name__} cannot become a moekit MoE layer: {why}; run the model with "
                          "set_experts_implementation('moekit') instead")
-    config = MoEConfig.from_hf_config(experts.config).replace(activation=plan.activation, expert_bias=plan.has_bias)
+    config = block_config(block).replace(activation=plan.activation, expert_bias=plan.has_bias)
     shared_mlp = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
     if shared_mlp is not None and not config.has_shared_expert:
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
@@ -99,6 +99,16 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
     return moe
+
+
+def block_config(block: nn.Module) -> MoEConfig:
+    """The ``MoEConfig`` of a block's transformers config: its experts' (the experts interface keeps it), else the
+    block's or a child's (Llama-4's experts and block keep none; its shared MLP does)."""
+    for module in (block.experts, block, *block.children()):
+        cfg = getattr(module, "config", None)
+        if hasattr(cfg, "to_dict"):
+            return MoEConfig.from_hf_config(cfg)
+    raise TypeError(f"{type(block).__name__} holds no transformers config (on its experts, itself or a child)")
 
 
 def routed_only(config: MoEConfig) -> MoEConfig:

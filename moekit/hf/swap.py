@@ -27,8 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.config import MoEConfig
-from moekit.hf.blocks import moe_blocks
+from moekit.hf.blocks import block_config, moe_blocks
 from moekit.hf.swap_state import BlockSwap, SwapOptions, build_moe, copied_bytes, router_recorded
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
@@ -119,7 +118,7 @@ def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int |
     if tuple_len is None:
         tuple_len = swap.tuple_len if swap is not None else _probe_tuple_len(block, moe)
     shared, shared_gate = _shared_parts(block, options)
-    weight = 1.0 if shared is None else MoEConfig.from_hf_config(block.experts.config).shared_weight
+    weight = 1.0 if shared is None else block_config(block).shared_weight
     swap = BlockSwap(moe, own, options, shared, shared_gate, tuple_len, shared_weight=weight)
     swap.track(block)
     block.__dict__[SWAP_ATTR] = swap

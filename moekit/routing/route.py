@@ -63,7 +63,7 @@ def route(
 
     The result holds the k routed slots only; ``append_shared_slots`` adds a fused shared expert's. With
     ``num_identity_experts`` Z > 0 (LongCat-Flash) the logits are [M, E + Z] and ids E..E+Z-1 are identity
-    experts (``moekit.routing.identity`` takes them out before the experts run).
+    experts (``moekit.routing.weighting`` takes them out before the experts run).
 
     NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"``; a NaN or infinite
     ``correction_bias`` always raises. On the CPU the error is a ``ValueError`` naming the bad rows
