@@ -40,13 +40,19 @@ RUN = RunLog("fam34: session 34's router options on the GPU (eager forward µs a
 RESULT: dict = {"run": {}, "cases": {}, "failed": RUN.failed}
 SIGMOID_BIAS = dict(scoring="sigmoid", use_correction_bias=True)
 # name -> (MoEConfig fields with the option on, the option's fields off): each family's layer as its reader reads it
-CASES = {
-    "laguna_softcap": (dict(hidden_size=2048, moe_intermediate_size=512, num_experts=256, top_k=8, **SIGMOID_BIAS,
-                            shared_expert_intermediate_size=512, router_logit_softcap=30.0),
-                       dict(router_logit_softcap=0.0)),
+CASES = {  # the order they run in: the least tested paths first (identity ids -1, one experts call a slot)
+    "longcat_identity": (dict(hidden_size=6144, moe_intermediate_size=2048, num_experts=512, top_k=12,
+                              renormalize=False, routed_scaling_factor=6.0, use_correction_bias=True,
+                              num_identity_experts=256), dict(num_identity_experts=0)),
+    "llama4_input_weighted": (dict(hidden_size=5120, moe_intermediate_size=8192, num_experts=16, top_k=1,
+                                   scoring="sigmoid", renormalize=False, shared_expert_intermediate_size=8192,
+                                   expert_weight_on="input"), dict(expert_weight_on="output")),
     "kolibri_bias_on_logits": (dict(hidden_size=2560, moe_intermediate_size=512, num_experts=384, top_k=6,
                                     **SIGMOID_BIAS, renormalize=False, shared_expert_intermediate_size=512,
                                     correction_bias_on="logits"), dict(correction_bias_on="scores")),
+    "laguna_softcap": (dict(hidden_size=2048, moe_intermediate_size=512, num_experts=256, top_k=8, **SIGMOID_BIAS,
+                            shared_expert_intermediate_size=512, router_logit_softcap=30.0),
+                       dict(router_logit_softcap=0.0)),
     "axk2_groups_zero_fill": (dict(hidden_size=2048, moe_intermediate_size=512, num_experts=128, top_k=8,
                                    **SIGMOID_BIAS, routed_scaling_factor=2.5, n_group=8, topk_group=4,
                                    shared_expert_intermediate_size=512, group_score="top2_sum",
@@ -57,12 +63,6 @@ CASES = {
     "cohere2_average": (dict(hidden_size=8192, moe_intermediate_size=22528, num_experts=8, top_k=2,
                              shared_expert_intermediate_size=22528, shared_expert_combine="average"),
                         dict(shared_expert_combine="sum")),
-    "llama4_input_weighted": (dict(hidden_size=5120, moe_intermediate_size=8192, num_experts=16, top_k=1,
-                                   scoring="sigmoid", renormalize=False, shared_expert_intermediate_size=8192,
-                                   expert_weight_on="input"), dict(expert_weight_on="output")),
-    "longcat_identity": (dict(hidden_size=6144, moe_intermediate_size=2048, num_experts=512, top_k=12,
-                              renormalize=False, routed_scaling_factor=6.0, use_correction_bias=True,
-                              num_identity_experts=256), dict(num_identity_experts=0)),
 }
 TINY = dict(hidden_size=32, moe_intermediate_size=16)
 ARGS = argparse.Namespace()
