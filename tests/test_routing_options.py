@@ -218,6 +218,22 @@ def test_layer_with_input_weighted_experts():
         torch.testing.assert_close(got[t].double(), want.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("changes", [
+    {"expert_weight_on": "input", "shared_expert_intermediate_size": 8},
+    {"num_identity_experts": 3, "use_correction_bias": True},
+    {"shared_expert_intermediate_size": 8, "shared_expert_combine": "average"},
+    {"router_logit_softcap": 1.0, "scoring": "sigmoid", "correction_bias_on": "logits", "use_correction_bias": True},
+], ids=["input_weighted", "identity", "average", "softcap_logit_bias"])
+def test_gradients_through_the_options(changes):
+    """float64 gradcheck of the layer's output in x and in the gate weight (the router's weights carry the
+    gradient: through the soft-cap, the identity slots' w x, the input-weighted experts' w x)."""
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=2, **changes)
+    torch.manual_seed(11)
+    moe = MoE(cfg).double()
+    x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, gate: moe(x), (x, moe.gate.weight), eps=1e-6, atol=1e-5)
+
+
 def test_losses_read_the_capped_logits():
     cfg = BASE.replace(router_logit_softcap=3.0, z_loss_coef=1.0)
     logits = _inputs(8, scale=6.0)[0]
