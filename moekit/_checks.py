@@ -23,3 +23,9 @@ def check_positive_finite(name: str, value: Any) -> None:
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
+    """``value`` must be one of ``allowed`` (an option's values, e.g. ``("sum", "average")``)."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
-from moekit._checks import check_bool, check_int, check_positive_finite
+from moekit._checks import check_bool, check_choice, check_int, check_positive_finite
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
 from moekit.presets import hf_config_of_preset
@@ -22,6 +22,14 @@ Scoring = Literal["softmax", "sigmoid"]
 NonFinitePolicy = Literal["raise", "mask"]
 RouterDtype = Literal["float32", "float64", "bfloat16", "float16"]
 ROUTER_DTYPES = ("float32", "float64", "bfloat16", "float16")
+# The router's and the block's options (session 34), each a value of a real family; the first is the default.
+BiasOn = Literal["scores", "logits"]  # where the correction bias is added for the choice (Kolibri: logits)
+GroupScore = Literal["auto", "max", "top2_sum"]  # a group's score ("auto": top2_sum with a bias, max without)
+GroupFill = Literal["-inf", "zero"]  # what a dropped group's experts score for the choice (A.X-K2, Mistral-4: zero)
+SharedCombine = Literal["sum", "average"]  # routed + shared, or their average (Cohere2-MoE)
+WeightOn = Literal["output", "input"]  # a slot's weight scales its expert's output, or its input (Llama-4)
+ROUTER_OPTIONS = ("correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
+                  "shared_expert_combine", "num_identity_experts", "expert_weight_on")
 
 
 @dataclass(frozen=True)
@@ -43,8 +51,16 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     use_correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
+    correction_bias_on: BiasOn = "scores"  # the bias shifts the scores (DeepSeek-V3), or the logits (Kolibri)
+    group_score: GroupScore = "auto"  # a group scores its max or its top-2 sum (Mistral-4: top2_sum, no bias)
+    dropped_group_fill: GroupFill = "-inf"  # "zero": a dropped group's experts can still win at score 0
+    router_logit_softcap: float = 0.0  # c > 0: logits -> c * tanh(logits / c) before scoring (Laguna); 0: none
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ g)
+    shared_expert_combine: SharedCombine = "sum"  # "average": (routed + shared) / 2 (Cohere2-MoE)
+    # Z zero-computation experts (LongCat-Flash): router ids E..E+Z-1 return their input times their weight
+    num_identity_experts: int = 0
+    expert_weight_on: WeightOn = "output"  # "input": each slot's expert runs on weight x token (Llama-4)
     activation: str | ActivationSpec = "silu"  # a name, or a spec (gpt-oss: clamped SwiGLU, interleaved)
     router_bias: bool = False  # gpt-oss: the router Linear has a bias [E]
     expert_bias: bool = False  # gpt-oss: b13 [E, 2N] after the gate-up GEMM, b2 [E, K] after the down GEMM
@@ -64,26 +80,31 @@ class MoEConfig:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
             check_int(name, getattr(self, name))
         check_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, minimum=0)
+        check_int("num_identity_experts", self.num_identity_experts, minimum=0)
+        if self.num_identity_experts and self.n_group > 1:
+            raise ValueError(f"num_identity_experts > 0 routes without expert groups, got n_group={self.n_group}")
         if self.num_moe_layers is not None:
             check_int("num_moe_layers", self.num_moe_layers)
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "router_bias", "expert_bias"):
             check_bool(name, getattr(self, name))
         check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
+        if self.top_k > self.router_width:
+            what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
+            raise ValueError(f"top_k must be <= {what} ({self.router_width}), got {self.top_k}")
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
         if self.num_experts % self.n_group != 0:
             raise ValueError(f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group must be <= n_group ({self.n_group}), got {self.topk_group}")
-        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise ValueError(
                 f"top_k ({self.top_k}) exceeds the experts in the topk_group={self.topk_group} kept groups "
                 f"({self.topk_group * (self.num_experts // self.n_group)})"
             )
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size > 0")
+        self._check_options()
         spec = as_spec(self.activation)  # raises, naming the argument, for an unknown one
         if not spec.gated:
             raise ValueError("activation must be gated: the MoE layer holds w13 [E, 2N, K] (an ungated spec "
@@ -96,6 +117,50 @@ class MoEConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.router_dtype is not None and self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"router_dtype must be None or one of {ROUTER_DTYPES}, got {self.router_dtype!r}")
+
+    def _check_options(self) -> None:
+        """The session-34 options: each one of its values, and the combinations a family can have."""
+        for name, allowed in (("correction_bias_on", BiasOn), ("group_score", GroupScore),
+                              ("dropped_group_fill", GroupFill), ("shared_expert_combine", SharedCombine),
+                              ("expert_weight_on", WeightOn)):
+            check_choice(name, getattr(self, name), get_args(allowed))
+        cap = self.router_logit_softcap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap < float("inf"):
+            raise ValueError(f"router_logit_softcap must be a finite number >= 0 (0: none), got {cap!r}")
+        if self.group_score == "top2_sum" and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError(f"group_score='top2_sum' needs >= 2 experts a group, got num_experts="
+                             f"{self.num_experts} over n_group={self.n_group}")
+        if self.shared_expert_combine == "average" and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_combine='average' needs shared_expert_intermediate_size > 0")
+
+    def changed_router_options(self) -> dict:
+        """The session-34 options (``ROUTER_OPTIONS``) not at their defaults, name -> value. Empty: the routers of
+        session 33 (the fused Triton router, the one gate + router launch, the decode fast path) compute this
+        config; else only ``route`` does (``moekit.routing.fused.supports``)."""
+        return {name: getattr(self, name) for name in ROUTER_OPTIONS
+                if getattr(self, name) != MoEConfig.__dataclass_fields__[name].default}
+
+    @property
+    def router_width(self) -> int:
+        """Columns of the router's logits: E routed experts, then Z identity experts (ids E..E+Z-1)."""
+        return self.num_experts + self.num_identity_experts
+
+    @property
+    def routed_slots_per_token(self) -> float:
+        """The routed experts a token runs on average under uniform routing: k, or k·E / (E + Z) with Z identity
+        experts (their slots run none: LongCat-Flash's "dynamic computation"). The byte model's k."""
+        return self.top_k if not self.num_identity_experts else self.top_k * self.num_experts / self.router_width
+
+    @property
+    def routed_weight_scale(self) -> float:
+        """What the routed weights are multiplied by: ``routed_scaling_factor``, halved where the shared expert
+        is averaged in (a power of 2: (a + b) / 2 == a / 2 + b / 2 exactly, barring subnormals)."""
+        return self.routed_scaling_factor * self.shared_weight
+
+    @property
+    def shared_weight(self) -> float:
+        """The shared expert's weight in the output: 1, or 0.5 with ``shared_expert_combine="average"``."""
+        return 0.5 if self.shared_expert_combine == "average" else 1.0
 
     @property
     def has_shared_expert(self) -> bool:
@@ -117,7 +182,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
-        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (56 model
+        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (60 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
         Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,
@@ -126,12 +191,17 @@ class MoEConfig:
         flex_olmo, flint, glm4_moe_lite, glm4v_moe_text, glm5_next_text, glm_moe_dsa, granitemoe_swa,
         granitemoehybrid, hy_v3, hy_v4, hy_v4_vl_text, laguna, lara_mini, lfm2_moe, mellum, mimo_v2_flash,
         minicpm5_moe, minimax_m3_vl_text, mistral4, mistral_large4_text, openai_privacy_filter, qwen3_5_moe_text,
-        qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text.
-        Families whose router or block moekit does not compute (``REFUSED``: Phi-MoE's sparsemixer, Llama-4's
-        input-scaled top-1, Kolibri's logit-biased choice, LongCat-Flash's zero experts, ZAYA's MLP router,
-        Inkling's weighted shared experts, A.X-K1's output norm, ERNIE-4.5-VL's per-modality blocks) are
-        refused, naming why (their experts still run on "moekit"); so is a config whose options switch such a
-        computation on (the reader's ``ValueError`` names the option).
+        qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text, and
+        (session 34) kolibri1, kolibri1_1, longcat_flash, llama4_text. The router options of session 34
+        (``changed_router_options``) are read where a family's config switches them on: Laguna's
+        ``moe_router_logit_softcapping`` (``router_logit_softcap``), Kolibri's bias on the logits
+        (``correction_bias_on="logits"``), grouped Mistral-4 and A.X-K2 (``group_score="top2_sum"``,
+        ``dropped_group_fill="zero"``), Cohere2-MoE's ``shared_expert_combination_strategy="average"``
+        (``shared_expert_combine``), LongCat-Flash's zero-computation experts (``num_identity_experts``),
+        Llama-4's input-scaled experts (``expert_weight_on="input"``).
+        Families whose router or block moekit does not compute (``REFUSED``: Phi-MoE's sparsemixer, ZAYA's MLP
+        router, Inkling's weighted shared experts, A.X-K1's output norm, ERNIE-4.5-VL's per-modality blocks)
+        are refused, naming why (their experts still run on "moekit").
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""

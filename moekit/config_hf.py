@@ -2,9 +2,10 @@
 layer, each written from the family's router in transformers' modeling file (what it scores, selects, weights).
 
 A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the config's ``hidden_act``). A
-family whose router moekit does not compute is in ``REFUSED`` with the reason; a config whose options switch
-on such a computation (a group rule moekit lacks, logit soft-capping, an averaged shared expert) raises
-``ValueError`` from its reader, naming the option.
+family whose router moekit does not compute is in ``REFUSED`` with the reason. The router options of session 34
+(``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap, Kolibri's bias
+on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert, LongCat-Flash's
+identity experts, Llama-4's input-weighted experts.
 """
 
 from __future__ import annotations
@@ -140,25 +141,33 @@ def _read_deepseek(d: dict) -> dict:
 
 
 def _read_axk2(d: dict) -> dict:
-    """A.X-K2: DeepSeek-V3's router without groups (its light checkpoints); with groups it fills the other
-    groups' scores with 0, not -inf (a biased score below 0 then loses to them), which moekit does not do."""
+    """A.X-K2: DeepSeek-V3's router; without groups in its light checkpoints, with groups it fills the dropped
+    groups' choice scores with 0, not -inf (a biased score below 0 then loses to them)."""
     fields = _read_deepseek(d)
-    if fields["n_group"] > 1:
-        raise ValueError(f"cfg.model_type 'axk2' with n_group={fields['n_group']}: its router fills the dropped "
-                         "groups' scores with 0, not -inf; moekit's grouped top-k does not")
-    return fields
+    if fields["n_group"] == 1:
+        return fields
+    return dict(fields, group_score="top2_sum", dropped_group_fill="zero")
 
 
 def _read_mistral4(d: dict) -> dict:
-    """Mistral-4 / Mistral-Large-4 (always renormalised): softmax, no bias, routed scaling; read without groups
-    (the defaults): with groups it scores a group by its top-2 softmax sum, where moekit takes the max."""
+    """Mistral-4 / Mistral-Large-4 (always renormalised): softmax, no bias, routed scaling; with groups (its
+    router always runs them: one group by default) a group scores the sum of its top-2 softmax scores and the
+    dropped groups' experts score 0 for the choice."""
     fields = _read_deepseek(d)
-    n_group = _get(d, "n_group", default=1)
-    if n_group > 1:
-        raise ValueError(f"cfg.model_type {d['model_type']!r} with n_group={n_group}: its groups score the sum of "
-                         "their top-2 softmax scores; moekit scores an unbiased group by its max")
-    always = d["model_type"] == "mistral_large4_text"
-    return dict(fields, scoring="softmax", use_correction_bias=False, renormalize=always or fields["renormalize"])
+    n_group, always = _get(d, "n_group", default=1), d["model_type"] == "mistral_large4_text"
+    fields = dict(fields, scoring="softmax", use_correction_bias=False, renormalize=always or fields["renormalize"])
+    if n_group == 1:
+        return fields
+    return dict(fields, n_group=n_group, topk_group=_get(d, "topk_group", default=1), group_score="top2_sum",
+                dropped_group_fill="zero")
+
+
+def _read_kolibri(d: dict) -> dict:
+    """Kolibri-1 / 1.1: sigmoid, the correction bias added to the raw logits for the choice, the chosen logits'
+    sigmoids renormalised when norm_topk_prob, an ungated shared expert (Kolibri-1.1's mlp_only_layers dense;
+    its post-MLP norm sits on the decoder layer, after the block)."""
+    return dict(_read_qwen3_moe(d), scoring="sigmoid", use_correction_bias=True, correction_bias_on="logits",
+                shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", default=0))
 
 
 def _read_gpt_oss(d: dict) -> dict:
@@ -200,12 +209,10 @@ def _read_minimax_m2(d: dict) -> dict:
 def _read_sigmoid_topk(d: dict) -> dict:
     """Sigmoid scores, top-k (of the scores plus a correction bias where the family has one), the k renormalised,
     routed scaling, and an ungated shared expert, under each family's own field names: Step-3.5/3.7, Hunyuan-V3,
-    Laguna, AFMoE (bias, always renormalised); LFM2-MoE (bias when use_expert_bias, renormalised when
-    norm_topk_prob: its 1e-6 in the denominator is a relative 1e-6 / sum(w), not computed); Flint (no bias)."""
+    Laguna (its logits soft-capped when moe_router_logit_softcapping > 0), AFMoE (bias, always renormalised);
+    LFM2-MoE (bias when use_expert_bias, renormalised when norm_topk_prob: its 1e-6 in the denominator is a
+    relative 1e-6 / sum(w), not computed); Flint (no bias)."""
     kind = d["model_type"]
-    if kind == "laguna" and _get(d, "moe_router_logit_softcapping", default=0.0) > 0:
-        raise ValueError("cfg.model_type 'laguna' with moe_router_logit_softcapping > 0: its router soft-caps the "
-                         "logits (tanh) before the sigmoid; moekit's router does not")
     width = d["moe_intermediate_size"]
     shared = {"step3p5": _get(d, "share_expert_dim", default=0),
               "hy_v3": width * _get(d, "num_shared_experts", default=0),
@@ -222,6 +229,7 @@ def _read_sigmoid_topk(d: dict) -> dict:
         use_correction_bias=kind != "flint" and (kind != "lfm2_moe" or bool(_get(d, "use_expert_bias", default=True))),
         shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", default=0) if shared is None
         else shared,
+        router_logit_softcap=float(_get(d, "moe_router_logit_softcapping", default=0.0)),
         num_moe_layers=_qwen_moe_layers(d) if kind == "flint" else _count_layers(d, lambda i: i >= first_dense),
     )
 
@@ -230,7 +238,7 @@ def _read_softmax_shared(d: dict) -> dict:
     """Softmax top-k with an ungated shared expert: Lara-Mini (fp32 logits, renormalised when norm_topk_prob),
     Aria (top-k of the logits, softmax over the k: renormalised), Cohere2-MoE (softmax over the top-k logits,
     or their sigmoids renormalised when norm_topk_prob; its shared expert summed, or averaged with the routed
-    output, which moekit does not do)."""
+    output: shared_expert_combination_strategy)."""
     kind = d["model_type"]
     if kind == "lara_mini":
         return dict(_read_qwen3_moe(d), shared_expert_intermediate_size=d["shared_expert_intermediate_size"])
@@ -241,9 +249,12 @@ def _read_softmax_shared(d: dict) -> dict:
                   shared_expert_intermediate_size=width * shared, num_moe_layers=_count_layers(d, lambda i: True))
     if kind != "cohere2_moe":
         return fields
-    if shared and _get(d, "shared_expert_combination_strategy", default="sum") != "sum":
-        raise ValueError("cfg.model_type 'cohere2_moe' with shared_expert_combination_strategy='average': the block "
-                         "averages the shared and routed outputs; moekit's layer adds them")
+    strategy = _get(d, "shared_expert_combination_strategy", default="sum")
+    if strategy not in ("sum", "average"):
+        raise ValueError(f"cfg.model_type 'cohere2_moe' with shared_expert_combination_strategy={strategy!r}: "
+                         "its block takes 'sum' or 'average'")
+    if shared:  # without a shared expert the block has nothing to average
+        fields.update(shared_expert_combine=strategy)
     if _get(d, "expert_selection_fn", default="softmax") == "sigmoid":
         fields.update(scoring="sigmoid", renormalize=bool(_get(d, "norm_topk_prob", default=False)))
     return fields
@@ -275,6 +286,29 @@ def _read_kimi_linear(d: dict) -> dict:
     return fields if d.get("mlp_layer_types") is None else dict(fields, num_moe_layers=_count_layers(d, None))
 
 
+def _read_llama4(d: dict) -> dict:
+    """Llama-4 (text): top-k of the logits, each chosen expert run on sigmoid(its logit) x token (its input, not
+    its output: ``expert_weight_on="input"``), no renormalisation, a shared expert of the experts' width always
+    added; the MoE layers are the config's moe_layers."""
+    layers = d.get("moe_layers")
+    return dict(_read_mixtral(d), scoring="sigmoid", renormalize=False, expert_weight_on="input",
+                shared_expert_intermediate_size=d["intermediate_size"],
+                num_moe_layers=len(layers) if isinstance(layers, (list, tuple)) else d.get("num_hidden_layers"))
+
+
+def _read_longcat(d: dict) -> dict:
+    """LongCat-Flash: softmax over the E routed and Z zero-computation experts, a correction bias for the choice
+    (its router always has one), no renormalisation, routed scaling (identity slots too); its router reads the
+    classifier's weight alone (a router_bias=True config's bias is never added); its num_layers decoder layers
+    hold one MoE block each."""
+    return dict(hidden_size=d["hidden_size"], moe_intermediate_size=_get(d, "expert_ffn_hidden_size",
+                                                                         "moe_intermediate_size"),
+                num_experts=_get(d, "n_routed_experts", "num_local_experts"),
+                top_k=_get(d, "moe_topk", "num_experts_per_tok"), scoring="softmax", renormalize=False,
+                routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)), use_correction_bias=True,
+                num_identity_experts=_get(d, "zero_expert_num", default=0), num_moe_layers=d.get("num_layers"))
+
+
 HF_READERS = {
     "mixtral": _read_mixtral,
     "qwen2_moe": _read_qwen2_moe, "qwen3_next": _read_qwen2_moe, "qwen4_exp_text": _read_qwen2_moe,
@@ -292,6 +326,8 @@ HF_READERS = {
     **{name: _read_sigmoid_topk for name in ("step3p5", "hy_v3", "laguna", "afmoe", "lfm2_moe", "flint")},
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
     "ernie4_5_moe": _read_ernie,
+    "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
+    "llama4_text": _read_llama4,
 }
 # Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
 REFUSED = {
@@ -299,14 +335,6 @@ REFUSED = {
               "2*router_jitter_noise of the max, then the same for the second expert), not a softmax top-k; "
               "moekit's router does not implement it. Its experts run on moekit through "
               "model.set_experts_implementation('moekit'), which keeps transformers' router",
-    "llama4_text": "Llama-4 scales the expert's input by sigmoid(top-1 logit), not its output; moekit's layer "
-                   "weights outputs",
-    "kolibri1": "Kolibri adds its correction bias to the raw logits for the choice (moekit adds it to the sigmoid "
-                "scores)",
-    "kolibri1_1": "Kolibri-1.1 adds its correction bias to the raw logits for the choice (moekit adds it to the "
-                  "sigmoid scores)",
-    "longcat_flash": "LongCat-Flash routes to zero-computation experts (ids >= n_routed_experts return the input "
-                     "scaled by their weight); moekit's layer has no identity experts",
     "zaya": "ZAYA routes through an MLP router carrying state across layers, with a skip expert; moekit's router "
             "is one linear layer",
     "inkling_text": "Inkling's router also weights its shared experts (a softmax over the log-sigmoids of the k "

@@ -14,6 +14,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 | Experts  | the ``moekit.experts`` backend, called by ``run_routed``         | rows -> w2 @ act_and_mul(w13 @ row)   |
 | Combine  | the layout's weighted inverse, in the same backend               | rows, weights -> out [M, K]           |
 | Shared   | S extra routed slots (fused), or ``MoE._shared_mlp``             | x2d -> [M, K], added                  |
+| Identity | Z > 0 (LongCat-Flash): ``moekit.routing.weighting`` after Route  | weight x token [M, K], added          |
 
 Group and Combine per backend: ``grouped_mm`` (the CPU default) groups with ``permute_contiguous``
 (align 1) or ``masked_layout_measured_cap_syncs``, picked per call by ``choose_layout`` under a memory
@@ -24,7 +25,7 @@ calls without autograd replay the whole pipeline from a CUDA graph per kind of c
 without, a repeated one of up to 256 tokens goes straight to its launches (``moekit.layer_fast``).
 
 Shapes: M tokens (leading dims flattened), K hidden, N expert intermediate, E routed experts,
-k = top_k, S shared slots (the shared MLP split into routed-width experts), SN = shared width.
+k = top_k, S shared slots (the shared MLP split into routed-width experts), SN = shared width, Z identity experts.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from moekit._checks import check_int
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
-from moekit.activations import apply_glu
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
@@ -46,22 +46,11 @@ from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capac
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_available, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import gate_route, wants_fresh
-from moekit.routing.routed import RoutedTokens
+from moekit.routing.weighting import identity_weights, input_weighted, without_identity
+from moekit.routing.routed import MoEStats, RoutedTokens, stats_of
+from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
-
-
-@dataclass
-class MoEStats:
-    """What one forward did, per routed expert (shared slots excluded)."""
-
-    counts: torch.Tensor  # [E] int64; assignments each routed expert processed (after drops); sums to M*k - dropped
-    experts_touched: int  # experts with counts > 0
-    padded_rows: int  # rows of the block-aligned layout (block_size) the GEMMs would run, padding included
-    dropped: int  # assignments dropped by the capacity factor (0 when dropless)
-    num_tokens: int  # M
-    masked_tokens: int  # tokens with no finite router logit (nonfinite="mask"): all their weights 0, output 0
-    layout: str = ""  # the grouping the experts backend used: grouped_mm's plan ("contiguous", ...), else its fixed one
 
 
 @dataclass
@@ -132,18 +121,20 @@ class MoE(nn.Module):
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.stats_block_size = stats_block_size
-        self.fuse_shared = bool(fuse_shared and config.num_shared_slots)
+        # input-weighted experts (Llama-4) keep the shared MLP apart: its slots would run on w x too
+        self.fuse_shared = bool(fuse_shared and config.num_shared_slots and config.expert_weight_on == "output")
         k_dim, n_dim, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
         factory = {"dtype": dtype, "device": device}
         slots = config.num_shared_slots if self.fuse_shared else 0
         rows = (e if num_local_experts is None else num_local_experts) + slots
-        self.gate = nn.Linear(k_dim, e, bias=config.router_bias, **factory)  # weight [E, K] (+ bias [E], gpt-oss)
+        width = config.router_width  # E, + Z identity experts (LongCat-Flash), whose gate rows come last
+        self.gate = nn.Linear(k_dim, width, bias=config.router_bias, **factory)  # weight [E(+Z), K] (+ bias, gpt-oss)
         self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]; L(+S) on an EP rank
         self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]; L(+S) on an EP rank
         # config.expert_bias (gpt-oss): b13 [E(+S), 2N] in w13's row order, b2 [E(+S), K]; zero on shared slots
         self.b13 = nn.Parameter(torch.zeros(rows, 2 * n_dim, **factory)) if config.expert_bias else None
         self.b2 = nn.Parameter(torch.zeros(rows, k_dim, **factory)) if config.expert_bias else None
-        bias = torch.zeros(e, dtype=torch.float32, device=device) if config.use_correction_bias else None
+        bias = torch.zeros(width, dtype=torch.float32, device=device) if config.use_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0
         self.shared_w13 = nn.Parameter(torch.empty(2 * shared, k_dim, **factory)) if shared else None
@@ -244,6 +235,9 @@ class MoE(nn.Module):
             else:
                 routing = route(logits, self.config, bias)
         ids = routing.topk_ids  # [M, k(+S)]: the fused kernel may append the shared slots
+        identity = identity_weights(routing, c) if c.num_identity_experts else None  # [M, 1]; LongCat-Flash
+        if identity is not None:
+            routing = without_identity(routing, c)  # ids E..E+Z-1 -> -1: they run no expert
         dropped = None  # dropless: RoutedTokens.dropped makes its zero only when asked (stats)
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
@@ -251,7 +245,7 @@ class MoE(nn.Module):
         if self.fuse_shared and not in_kernel:
             routing = append_shared_slots(routing, self.config, gate_logits)
         return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, router_ids=ids,
-                            top_k=self.config.top_k)
+                            top_k=self.config.top_k, identity_weights=identity)
 
     def _gate_inputs(self, x2d: torch.Tensor):
         """(x2d, gate weight, gate bias) in the router dtype (``moekit.routing.gate.router_inputs``)."""
@@ -304,7 +298,9 @@ class MoE(nn.Module):
     def _experts_and_shared(self, x2d: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """[Group -> Experts -> Combine] with the moekit.experts backend, then [Shared] when not fused."""
         routing = routed.routing
-        if self._plain_run:  # run_routed with the argument check once per weight set
+        if self.config.expert_weight_on == "input":  # Llama-4: expert(w x), one experts call per slot
+            out = input_weighted(self.run_routed, x2d, routing)  # [M, K]
+        elif self._plain_run:  # run_routed with the argument check once per weight set
             out = self._experts_call(self._experts_fn, x2d, _param(self, "w13"), _param(self, "w2"), routing.topk_ids,
                                      routing.topk_weights, activation=self.config.activation, b13=_param(self, "b13"),
                                      b2=_param(self, "b2"))  # [M, K]
@@ -312,6 +308,8 @@ class MoE(nn.Module):
             out = self.run_routed(x2d, routing)  # [M, K]; a subclass places the experts
         if self.shared_w13 is not None:
             out = out + self._shared_mlp(x2d)
+        if routed.identity_weights is not None:  # LongCat-Flash's zero-computation experts: weight x token
+            out = out + (x2d * routed.identity_weights).to(out.dtype)
         return out
 
     def _graphed(self, x2d: torch.Tensor) -> torch.Tensor | None:
@@ -345,25 +343,10 @@ class MoE(nn.Module):
                             activation=self.config.activation, b13=self.b13, b2=self.b2)
 
     def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = apply_glu(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
-        if self.shared_gate is not None:
-            y = torch.sigmoid(self.shared_gate(x2d)) * y
-        return y
+        return shared_mlp(x2d, self.shared_w13, self.shared_w2, self.shared_gate, self.config)  # [M, K]
 
     def _stats(self, routed: RoutedTokens) -> MoEStats:
-        e, block = self.config.num_experts, self.stats_block_size
-        ids = routed.routing.topk_ids.reshape(-1).long()
-        ids = ids[(ids >= 0) & (ids < e)]
-        counts = torch.bincount(ids, minlength=e)  # [E]
-        return MoEStats(
-            counts=counts,
-            experts_touched=int((counts > 0).sum()),
-            padded_rows=int(((counts + block - 1) // block * block).sum()),
-            dropped=0 if routed.dropped_count is None else int(routed.dropped_count),
-            num_tokens=routed.routing.num_tokens,
-            masked_tokens=int(routed.routing.masked_tokens if routed.routing.masked_tokens is not None else 0),
-            layout=self._layout_used(routed.routing),
-        )
+        return stats_of(routed, self.config.num_experts, self.stats_block_size, self._layout_used(routed.routing))
 
     def _layout_used(self, routing: Routing) -> str:
         """The layout ``run_routed`` grouped this routing with (the backend's own rule, from shapes alone)."""

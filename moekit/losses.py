@@ -15,21 +15,25 @@ from __future__ import annotations
 
 import torch
 
+from moekit.routing.route import soft_capped
+
 
 def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len: int) -> torch.Tensor | None:
     """A ``MoEConfig``'s sum of coefficient x loss over one forward's logits [M, E] and chosen ids [M, k]
     (``MoEOutput.aux_loss``), None when its three coefficients are 0; the sequence-wise loss takes ``seq_len``
-    tokens as a sequence."""
+    tokens as a sequence. The losses read the logits as the router scores them (soft-capped: Laguna's, which
+    transformers' balance loss reads too)."""
     c = config
     if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
         return None
+    logits = soft_capped(logits, c)  # [M, E]
     total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
     if logits.shape[0] == 0:
         return total
     if c.aux_loss_coef:
-        total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.num_experts)
+        total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.router_width)  # identity experts too
     if c.seq_aux_loss_coef:
-        total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len,
+        total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.router_width, seq_len,
                                                                     scoring=c.scoring)
     if c.z_loss_coef:
         total = total + c.z_loss_coef * z_loss(logits)

@@ -93,3 +93,20 @@ def test_skewed_inclusion():
     assert ridge_batch(V3, fp8, H100, skewed) == pytest.approx(591 * 16 / 16, rel=1e-3)  # b_w·I*·16/(2k)
     with pytest.raises(ValueError, match="sum to top_k"):
         batch_cost(V3, 8, fp8, H100, np.full(256, 1 / 256))
+
+
+def test_identity_experts_run_no_weights():
+    """LongCat-Flash's shape (E = 512 experts, Z = 256 identity experts, k = 12): a token runs k·E/(E+Z) = 8 real
+    experts on average, so the byte model counts 8 slots' FLOPs and touches each expert with probability
+    k/(E+Z) a token: the closed forms written here."""
+    cfg = MoEConfig(hidden_size=6144, moe_intermediate_size=2048, num_experts=512, top_k=12, scoring="softmax",
+                    renormalize=False, use_correction_bias=True, num_identity_experts=256)
+    fmt = get_format("bf16")
+    assert cfg.routed_slots_per_token == 8.0
+    for batch in (1, 16, 256):
+        cost = batch_cost(cfg, batch, fmt, H100)
+        assert cost.flops == pytest.approx(batch * 8 * 2 * 3 * 6144 * 2048)
+        assert cost.experts_touched == pytest.approx(512 * (1 - (1 - 12 / 768) ** batch))
+    assert asymptotic_slope(cfg, fmt) == pytest.approx(2 * 8 / (2 * 512))
+    plain = cfg.replace(num_identity_experts=0)
+    assert plain.routed_slots_per_token == 12 and batch_cost(plain, 16, fmt, H100).flops == 16 * 12 * 6 * 6144 * 2048

@@ -1,6 +1,6 @@
 """MoEConfig.from_hf_config on the model types session 33 taught it: transformers' own config classes (their
-defaults) read into the fields their routers use, the options that switch on a computation moekit lacks refused
-naming the option, and the refused families naming their reason. The block-level check (each family's block
+defaults) read into the fields their routers use, the router options of session 34 read where a config switches
+them on, and the refused families naming their reason. The block-level check (each family's block
 swapped and equal to its own forward) is tests/test_hf_swap.py's family walk."""
 
 from __future__ import annotations
@@ -84,15 +84,45 @@ def test_softmax_families():
     assert privacy.activation.up_shift == 1.0
 
 
-@pytest.mark.parametrize("model_type, changes, option", [
-    ("cohere2_moe", {"num_shared_experts": 1, "shared_expert_combination_strategy": "average"}, "average"),
-    ("laguna", {"moe_router_logit_softcapping": 30.0}, "softcapping"),
-    ("axk2", {"n_group": 4, "topk_group": 2}, "n_group=4"),
-    ("mistral4", {"n_group": 4, "topk_group": 2}, "top-2 softmax"),
+@pytest.mark.parametrize("model_type, changes, options", [
+    ("cohere2_moe", {"num_shared_experts": 1, "shared_expert_combination_strategy": "average"},
+     {"shared_expert_combine": "average"}),
+    ("cohere2_moe", {"num_shared_experts": 0, "shared_expert_combination_strategy": "average"}, {}),
+    ("laguna", {"moe_router_logit_softcapping": 30.0}, {"router_logit_softcap": 30.0}),
+    ("laguna", {"moe_router_logit_softcapping": 0.0}, {}),
+    ("axk2", {"n_group": 4, "topk_group": 2}, {"group_score": "top2_sum", "dropped_group_fill": "zero"}),
+    ("axk2", {}, {}),
+    ("mistral4", {"n_group": 4, "topk_group": 2}, {"group_score": "top2_sum", "dropped_group_fill": "zero"}),
+    ("mistral4", {}, {}),
+    ("kolibri1", {}, {"correction_bias_on": "logits"}),
+    ("kolibri1_1", {}, {"correction_bias_on": "logits"}),
 ])
-def test_options_moekit_does_not_compute_are_refused(model_type, changes, option):
-    with pytest.raises(ValueError, match=option):
-        _read(model_type, **changes)
+def test_the_router_options_of_session_34_are_read(model_type, changes, options):
+    """The options that were refused until session 34 are read into MoEConfig's fields (only where the family's
+    config switches them on: every other config keeps the defaults, and with them the fused routers)."""
+    config, cfg = _read(model_type, **changes)
+    assert config.changed_router_options() == options
+    if model_type == "mistral4" and changes:
+        assert (config.n_group, config.topk_group, config.scoring) == (4, 2, "softmax")
+
+
+def test_kolibri_reads_its_router_and_shared_expert():
+    """Kolibri-1 / 1.1: sigmoid, the correction bias on the logits, renormalised with norm_topk_prob, an ungated
+    shared expert; Kolibri-1.1's mlp_only_layers are dense."""
+    one, cfg = _read("kolibri1", norm_topk_prob=True)
+    assert (one.scoring, one.use_correction_bias, one.renormalize, one.shared_expert_gate) == (
+        "sigmoid", True, True, False)
+    assert one.shared_expert_intermediate_size == cfg.shared_expert_intermediate_size
+    assert one.num_moe_layers == cfg.num_hidden_layers and one.num_experts == cfg.num_experts
+    later, cfg = _read("kolibri1_1")
+    assert not later.renormalize and later.num_moe_layers == cfg.num_hidden_layers - len(cfg.mlp_only_layers)
+
+
+def test_an_unknown_cohere2_strategy_is_refused_naming_it():
+    with pytest.raises(ValueError, match="shared_expert_combination_strategy='median'"):
+        MoEConfig.from_hf_config({"model_type": "cohere2_moe", "hidden_size": 32, "intermediate_size": 16,
+                                  "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+                                  "shared_expert_combination_strategy": "median"})
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))

@@ -288,7 +288,7 @@ def _family_block(fam, groups: int = 2, **fields):
 
 
 # The families whose block the swap takes (MoEConfig.from_hf_config reads their text config): 17 before session 33,
-# 38 more since (moekit/config_hf.py)
+# 38 more in it (moekit/config_hf.py), Kolibri-1 / 1.1 and LongCat-Flash in session 34 (and Mistral-4's groups)
 _SWAPPED = {
     "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe", "gpt_oss", "granitemoe", "granitemoeshared",
     "hunyuan_v1_moe", "jamba", "kimi_linear", "minimax", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe",
@@ -298,9 +298,8 @@ _SWAPPED = {
     "granitemoehybrid", "hy_v3", "hy_v4", "hy_v4_vl", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash",
     "minicpm5_moe", "minimax_m3_vl", "mistral4", "mistral_large4", "openai_privacy_filter", "qwen3_5_moe",
     "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
+    "kolibri1", "kolibri1_1", "longcat_flash",
 }
-# Read without expert groups only (their group score is a top-2 softmax sum): the walk's 2 groups leave them
-_UNGROUPED_ONLY = {"mistral4", "mistral_large4"}
 
 
 @pytest.mark.parametrize("key", sorted(_NOT_BUILT_ALONE))
@@ -320,7 +319,7 @@ def test_every_family_is_swapped_or_left_with_its_reason(key):
     holder = torch.nn.ModuleDict({"mlp": block})
     report = moekit_hf.use_moekit_blocks(holder)
     family = _FAMILIES[key].family
-    assert bool(report.swapped) == (family in _SWAPPED and family not in _UNGROUPED_ONLY), report.left
+    assert bool(report.swapped) == (family in _SWAPPED), report.left
     with torch.no_grad():
         got = block(x)
     first = (lambda o: o[0] if isinstance(o, tuple) else o)
@@ -333,20 +332,52 @@ def test_every_family_is_swapped_or_left_with_its_reason(key):
 _OPTIONS = [("mistral4", {}), ("mistral_large4", {}), ("lfm2_moe", {"use_expert_bias": False}),
             ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False}),
             ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True, "num_shared_experts": 1,
-                             "shared_expert_combination_strategy": "sum"})]
+                             "shared_expert_combination_strategy": "sum"}),
+            # session 34's router options switched on (the walk's default configs leave them off)
+            ("laguna", {"moe_router_logit_softcapping": 1.0}),
+            ("cohere2_moe", {"num_shared_experts": 1, "shared_expert_combination_strategy": "average"}),
+            ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True, "num_shared_experts": 2,
+                             "shared_expert_combination_strategy": "average"}),
+            ("axk2", {"n_group": 2, "topk_group": 1}), ("axk2", {"n_group": 3, "topk_group": 2}),
+            ("longcat_flash", {"zero_expert_num": 3, "router_bias": True}), ("longcat_flash", {"zero_expert_num": 0})]
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
 @pytest.mark.parametrize("family, fields", _OPTIONS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(_OPTIONS)])
 def test_config_options_the_walk_does_not_set(family, fields):
     """Mistral-4 / Mistral-Large-4 as their configs ship them (one expert group), LFM2-MoE without its bias,
-    Cohere2-MoE's sigmoid selection (renormalised or not) with a summed shared expert: swapped and equal to their
-    own forward."""
+    Cohere2-MoE's sigmoid selection (renormalised or not) with a summed shared expert; Laguna's soft-cap,
+    Cohere2-MoE's averaged shared expert, A.X-K2's groups, LongCat-Flash's identity experts (3 of them, with the
+    router bias its router never adds; and none): swapped and equal to their own forward, and so is
+    moe_from_hf's layer with the shared expert in it (separate and fused)."""
     key = next(k for k, f in _FAMILIES.items() if f.family == family)
     block, x, want = _family_block(_FAMILIES[key], groups=1, **fields)
+    with torch.no_grad():
+        for fuse_shared in (False, True):
+            assert rel_l2(_first(moekit_hf.moe_from_hf(block, fuse_shared=fuse_shared)(x)), _first(want)) < 1e-5
     holder = torch.nn.ModuleDict({"mlp": block})
     assert moekit_hf.use_moekit_blocks(holder).swapped
     with torch.no_grad():
-        assert rel_l2(block(x), want) < 1e-5
+        assert rel_l2(_first(block(x)), _first(want)) < 1e-5
+
+
+def test_dropped_groups_filled_with_zero_win_over_negative_scores():
+    """A.X-K2 with groups and a correction bias mostly below -0.5: its dropped groups' experts score 0 for the
+    choice and take slots from the kept group (the block's own router shows it); moekit's swap chooses the same."""
+    key = next(k for k, f in _FAMILIES.items() if f.family == "axk2")
+    block, x, _ = _family_block(_FAMILIES[key], groups=3, topk_group=1)
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.sub_(0.8)
+        _, _, ids = block.gate(x.view(-1, x.shape[-1]))
+        want = block(x)
+    assert ((ids // 2).amin(dim=1) != (ids // 2).amax(dim=1)).any()  # a token's k experts span groups
+    holder = torch.nn.ModuleDict({"mlp": block})
+    assert moekit_hf.use_moekit_blocks(holder).swapped
+    with torch.no_grad():
+        assert rel_l2(_first(block(x)), _first(want)) < 1e-5
 
 
 @pytest.mark.parametrize("key", [k for k in _BUILT if _FAMILIES[k].family in _SWAPPED])
@@ -354,7 +385,7 @@ def test_moe_from_hf_with_the_shared_expert_equals_the_block(key):
     """moe_from_hf itself (the shared expert copied into the MoE's own MLP, not the block's run): equal to the
     block's forward (< 1e-5) for every family the swap takes."""
     fam = _FAMILIES[key]
-    block, x, want = _family_block(fam, groups=1 if fam.family in _UNGROUPED_ONLY else 2)
+    block, x, want = _family_block(fam)
     with torch.no_grad():
         got = moekit_hf.moe_from_hf(block)(x)
     first = (lambda o: o[0] if isinstance(o, tuple) else o)

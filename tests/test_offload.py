@@ -50,11 +50,17 @@ def test_offloaded_layer_equals_the_plain_layer(place, slots):
     {"shared_expert_intermediate_size": 2 * N, "shared_expert_gate": True},
     {"scoring": "sigmoid", "use_correction_bias": True, "n_group": 4, "topk_group": 2},
     {"router_bias": True},  # gpt-oss: the gate's bias (nn.Linear's random init) must carry over
+    # session 34's router options: LongCat-Flash's identity experts (gate and bias over E + Z), Cohere2-MoE's averaged
+    # shared expert, Llama-4's input-weighted experts (one cached experts call a slot), Laguna's cap with Kolibri's bias
+    {"use_correction_bias": True, "num_identity_experts": 3},
+    {"shared_expert_intermediate_size": N, "shared_expert_combine": "average"},
+    {"shared_expert_intermediate_size": N, "expert_weight_on": "input"},
+    {"scoring": "sigmoid", "use_correction_bias": True, "router_logit_softcap": 1.0, "correction_bias_on": "logits"},
 ])
 def test_shared_expert_and_correction_bias_carry_over(config):
     moe = _moe(**config)
     if moe.e_score_correction_bias is not None:
-        moe.e_score_correction_bias.copy_(torch.randn(E))
+        moe.e_score_correction_bias.copy_(torch.randn(moe.e_score_correction_bias.shape))
     off = OffloadedMoE.from_moe(moe, cache_experts=4)
     x = _x(9)
     assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]

@@ -32,6 +32,10 @@ DEEPSEEK_LIKE = MoEConfig(
     hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2, scoring="sigmoid", routed_scaling_factor=2.5,
     n_group=4, topk_group=2, use_correction_bias=True, shared_expert_intermediate_size=16,
 )
+# Every router option of session 34 on at once (the single-process MoE routes it with moekit.route)
+OPTIONS_ON = DEEPSEEK_LIKE.replace(router_logit_softcap=2.0, correction_bias_on="logits", group_score="top2_sum",
+                                   dropped_group_fill="zero", shared_expert_combine="average")
+IDENTITY = SOFTMAX_SHARED.replace(num_identity_experts=3, use_correction_bias=True)  # LongCat-Flash's zero experts
 # Token counts per rank: uneven, and with ranks that hold no tokens.
 SPLITS = {2: [[5, 12], [17, 0]], 4: [[6, 0, 9, 2], [0, 0, 11, 0]]}
 
@@ -164,6 +168,21 @@ def _layouts_of_experts(g: Group) -> dict:
     return res
 
 
+def _router_options(g: Group) -> dict:
+    """OPTIONS_ON with a negative-leaning bias (the zero fill picks dropped groups' experts): fused shared slots
+    (their weight 0.5) and the separate shared MLP (halved), against the single-process layer."""
+    res = {}
+    for fuse_shared in (True, False):
+        moe = _skew(_moe(OPTIONS_ON, fuse_shared=fuse_shared), list(range(8)), -0.6)
+        res[f"router_options_fused_{fuse_shared}"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
+    moe = _skew(_moe(IDENTITY), [8, 9, 10], 0.05)  # identity slots on every rank, added where the token lives
+    res["router_options_identity"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
+    moe = _moe(SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=1, scoring="sigmoid"))  # Llama-4's router
+    res["router_options_input_weighted"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
+    res["input_weighted_top2"] = _error_of(lambda: EPMoE(SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=2)))
+    return res
+
+
 def _capacity(g: Group) -> dict:
     """Capacity dropping applies per rank (GShard's local group): MoE on this rank's tokens alone."""
     moe = _moe(SOFTMAX_SHARED, capacity_factor=0.5)
@@ -252,8 +271,8 @@ def _mismatches(g: Group) -> dict:
     }
 
 
-SCENARIOS = (_splits, _eplb, _all_on_rank0, _layouts_of_experts, _capacity, _empty_and_stats, _skipped_ids, _bf16,
-             _rebalance, _mismatches)
+SCENARIOS = (_splits, _eplb, _all_on_rank0, _layouts_of_experts, _router_options, _capacity, _empty_and_stats,
+             _skipped_ids, _bf16, _rebalance, _mismatches)
 
 
 @torch.no_grad()
@@ -297,7 +316,8 @@ FP32_KEYS = [
     "contiguous_fused_shared_0", "contiguous_fused_shared_1", "round_robin_separate_shared_0",
     "round_robin_separate_shared_1", "padded_0_cap3", "padded_0_cap0", "padded_1_cap3", "padded_1_cap0",
     "eplb_replicas", "eplb_replicas_padded", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts",
-    "capacity_per_rank", "load_experts",
+    "capacity_per_rank", "load_experts", "router_options_fused_True", "router_options_fused_False",
+    "router_options_identity", "router_options_input_weighted",
 ]
 CHECKS = [
     *(_close(key) for key in FP32_KEYS),
@@ -327,6 +347,7 @@ CHECKS = [
     _error_says("placement_mismatch", "placement"),
     _error_says("capacity_mismatch", "max_tokens_per_rank"),
     _error_says("weights_mismatch", "replicated weights", "gate"),
+    _error_says("input_weighted_top2", "expert_weight_on='input' with top_k=2", "dispatches once a forward"),
 ]
 
 

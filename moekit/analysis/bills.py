@@ -71,9 +71,9 @@ def param_bill(hf_config: dict) -> ParamBill:
         attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
         dense_mlp=(layers - moe_layers) * 3 * d * hf_config["intermediate_size"],
         routed_experts=moe_layers * cfg.num_experts * expert,
-        active_routed_experts=moe_layers * cfg.top_k * expert,
+        active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * expert),  # LongCat: k·E/(E+Z)
         shared_experts=moe_layers * shared,
-        router=moe_layers * (d + cfg.router_bias) * cfg.num_experts,
+        router=moe_layers * (d + cfg.router_bias) * cfg.router_width,
         norms=layers * 2 * d + d,
         num_moe_layers=moe_layers,
         num_dense_layers=layers - moe_layers,

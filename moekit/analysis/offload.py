@@ -60,7 +60,7 @@ def offload_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, *,
                                  fmt.bytes_per_weight) / link_bytes_s
     cpu_s = step_cpu = None
     if cpu_flops is not None or cpu_read_bytes_s is not None:
-        tokens_per_expert = batch * cfg.top_k / touched
+        tokens_per_expert = batch * cfg.routed_slots_per_token / touched
         flops = misses * tokens_per_expert * 6 * cfg.hidden_size * cfg.moe_intermediate_size
         cpu_s = (flops / cpu_flops if cpu_flops else 0.0) + (cpu_step_s if misses > 0 else 0.0)
         if cpu_read_bytes_s:

@@ -43,8 +43,8 @@ def expected_gap(batch: int, inclusion: np.ndarray, block: int) -> np.ndarray:
 
 def expected_padded_rows(batch: int, num_experts: int, top_k: int, block: int) -> float:
     """E[Σ_e ceil(m_e/b)·b] under uniform, independent routing; empty experts cost no rows."""
-    if block < 1 or not 1 <= top_k <= num_experts or batch < 0:
-        raise ValueError(f"need block >= 1, 1 <= top_k <= num_experts, batch >= 0; got {block}, {top_k}, "
+    if block < 1 or not 0 < top_k <= num_experts or batch < 0:
+        raise ValueError(f"need block >= 1, 0 < top_k <= num_experts, batch >= 0; got {block}, {top_k}, "
                          f"{num_experts}, {batch}")
     p = top_k / num_experts
     return num_experts * (batch * p + float(expected_gap(batch, np.array([p]), block)[0]))

@@ -89,7 +89,7 @@ def analyze(
     """Sweep ``batches`` for one MoE layer of ``config``; with ``hf_config`` add the whole-model bills.
     ``inclusion`` [E] replaces uniform routing with a measured per-expert load."""
     bills = _bills(hf_config, gpu, fmt, num_gpus, utilization, reserve_gib) if hf_config is not None else None
-    e, k = config.num_experts, config.top_k
+    e, k = config.num_experts, config.routed_slots_per_token
     if inclusion is not None:
         check_inclusion(config, inclusion)
         half, b95 = (batch_for_fraction_from_inclusion(p, inclusion) for p in (0.5, 0.95))
@@ -125,7 +125,7 @@ def _bills(hf_config: dict, gpu: GpuSpec, fmt: WeightFormat, num_gpus: int, util
 def _row(config: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, params: ParamBill | None,
          inclusion: np.ndarray | None) -> SweepRow:
     cost = batch_cost(config, batch, fmt, gpu, inclusion)
-    padding = {b: expected_padding_factor(batch, config.num_experts, config.top_k, b, inclusion)
+    padding = {b: expected_padding_factor(batch, config.num_experts, config.routed_slots_per_token, b, inclusion)
                for b in PADDING_BLOCKS}
     if params is None:
         return SweepRow(cost, padding, None, None, None)

@@ -65,16 +65,18 @@ def activation_bytes(num_tokens: float, hidden_size: int, bytes_per_element: flo
 
 
 def touched(cfg: MoEConfig, batch: float, inclusion: np.ndarray | None = None) -> float:
-    """Expected experts touched: uniform routing, or skewed with per-expert ``inclusion`` [E] (sums to k)."""
+    """Expected experts touched: uniform routing, or skewed with per-expert ``inclusion`` [E] (sums to k; k·E/(E+Z)
+    with Z identity experts, ``MoEConfig.routed_slots_per_token``, as everywhere in this byte model)."""
     if inclusion is None:
-        return experts_touched(batch, cfg.num_experts, cfg.top_k)
+        return experts_touched(batch, cfg.num_experts, cfg.routed_slots_per_token)
     return experts_touched_from_inclusion(batch, inclusion)
 
 
 def check_inclusion(cfg: MoEConfig, inclusion: np.ndarray) -> None:
     """Raise unless ``inclusion`` has one probability per routed expert and they sum to k."""
-    if inclusion.shape != (cfg.num_experts,) or not np.isclose(inclusion.sum(), cfg.top_k):
-        raise ValueError(f"inclusion must have shape [{cfg.num_experts}] and sum to top_k={cfg.top_k}, got shape "
+    k = cfg.routed_slots_per_token
+    if inclusion.shape != (cfg.num_experts,) or not np.isclose(inclusion.sum(), k):
+        raise ValueError(f"inclusion must have shape [{cfg.num_experts}] and sum to top_k={k:g}, got shape "
                          f"{inclusion.shape} summing to {inclusion.sum():.4g}")
 
 
@@ -87,7 +89,7 @@ def batch_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec,
     if inclusion is not None:
         check_inclusion(cfg, inclusion)
     touched_experts = touched(cfg, batch, inclusion)
-    flops = expert_flops(batch, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
+    flops = expert_flops(batch, cfg.routed_slots_per_token, cfg.hidden_size, cfg.moe_intermediate_size)
     weight_bytes = expert_weight_bytes(touched_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                        fmt.bytes_per_weight)
     memory_s = weight_bytes / gpu.bandwidth_bytes_s
@@ -117,7 +119,7 @@ def intensity_at_batch_one(fmt: WeightFormat) -> float:
 
 def asymptotic_slope(cfg: MoEConfig, fmt: WeightFormat) -> float:
     """dI/dB once every expert is touched: 2k/(b_w·E), the dense slope 2/b_w divided by E/k."""
-    return 2.0 * cfg.top_k / (fmt.bytes_per_weight * cfg.num_experts)
+    return 2.0 * cfg.routed_slots_per_token / (fmt.bytes_per_weight * cfg.num_experts)
 
 
 def ridge_batch(cfg: MoEConfig, fmt: WeightFormat, gpu: GpuSpec, inclusion: np.ndarray | None = None) -> float:
@@ -130,7 +132,7 @@ def ridge_batch(cfg: MoEConfig, fmt: WeightFormat, gpu: GpuSpec, inclusion: np.n
     target = gpu.ridge_intensity(fmt.compute_dtype)
 
     def intensity(b: float) -> float:
-        return 2.0 * b * cfg.top_k / (fmt.bytes_per_weight * touched(cfg, b, inclusion))
+        return 2.0 * b * cfg.routed_slots_per_token / (fmt.bytes_per_weight * touched(cfg, b, inclusion))
 
     if intensity(1.0) >= target:
         return 1.0

@@ -26,8 +26,8 @@ def solve_increasing(f: Callable[[float], float], target: float, lo: float, hi: 
 
 
 def _check(num_experts: int, top_k: int) -> None:
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
+    if not 0 < top_k <= num_experts:  # a fraction with identity experts (MoEConfig.routed_slots_per_token)
+        raise ValueError(f"need 0 < top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
 
 
 def experts_touched(batch: float, num_experts: int, top_k: int) -> float:

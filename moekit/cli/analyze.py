@@ -231,11 +231,12 @@ def _plot(report, path: str, measurement=None) -> None:
 
 
 def _inclusion(path: str | None, cfg: MoEConfig) -> tuple[np.ndarray | None, str]:
-    """Per-expert inclusion probabilities from a counts file (dropless: tokens = sum / k), and a label."""
+    """Per-expert inclusion probabilities from a counts file (dropless: tokens = sum / k, k·E/(E+Z) with identity
+    experts), and a label."""
     if path is None:
         return None, "uniform"
     counts = _read_counts(path, cfg.num_experts)  # [E]
-    num_tokens = counts.sum() / cfg.top_k
+    num_tokens = counts.sum() / cfg.routed_slots_per_token
     if counts.max() > num_tokens:
         raise UsageError(f"--expert-load has an expert with more than sum/k = {num_tokens:g} tokens; "
                          f"a token routes to an expert at most once")

@@ -63,8 +63,9 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     must be False). The shared expert is the block's own (``shared_expert(s)``/``shared_mlp``): where a
     family keeps it on the decoder layer (Granite-MoE-Shared) the ``MoE`` has none, as the block.
     ``shared_expert=False``: the routed experts only (no shared expert, no copy of its weights;
-    ``use_moekit_blocks`` runs the block's own). Weights the ``MoE`` shares are never allocated for it
-    first (no init pass over a copy of the experts).
+    ``use_moekit_blocks`` runs the block's own; an averaged one's half moves into the routed weights:
+    ``routed_only``). Weights the ``MoE`` shares are never allocated for it first (no init pass over a copy of
+    the experts).
     """
     if transposed not in ("copy", "view"):
         raise ValueError(f"transposed must be 'copy' or 'view', got {transposed!r}")
@@ -78,13 +79,12 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
         why = plan.reason or "its experts are ungated (up_proj only)"
         raise ValueError(f"{type(experts).__name__} cannot become a moekit MoE layer: {why}; run the model with "
                          "set_experts_implementation('moekit') instead")
-    config = MoEConfig.from_hf_config(experts.config).replace(activation=plan.activation, expert_bias=plan.has_bias)
+    config = block_config(block).replace(activation=plan.activation, expert_bias=plan.has_bias)
     shared_mlp = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
     if shared_mlp is not None and not config.has_shared_expert:
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
     if shared_mlp is None or not shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer
-        config = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
-        shared_mlp = None
+        config, shared_mlp = routed_only(config), None
     quantized = quantized_experts_weights(experts)  # fp8 experts: kept fp8, never materialised in bf16
     dtype = experts.down_proj.dtype if quantized is None else quantized[0].dtype
     views = plan.transposed and transposed == "view" and not (fuse_shared and shared_mlp is not None)
@@ -101,13 +101,31 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     return moe
 
 
+def block_config(block: nn.Module) -> MoEConfig:
+    """The ``MoEConfig`` of a block's transformers config: its experts' (the experts interface keeps it), else the
+    block's or a child's (Llama-4's experts and block keep none; its shared MLP does)."""
+    for module in (block.experts, block, *block.children()):
+        cfg = getattr(module, "config", None)
+        if hasattr(cfg, "to_dict"):
+            return MoEConfig.from_hf_config(cfg)
+    raise TypeError(f"{type(block).__name__} holds no transformers config (on its experts, itself or a child)")
+
+
+def routed_only(config: MoEConfig) -> MoEConfig:
+    """The layer of the routed experts alone, the shared expert run outside it (or none): an averaged shared
+    expert's half (Cohere2-MoE) moves into the routed scaling, exactly (a power of 2); whoever runs the shared
+    expert weights it ``config.shared_weight`` (``use_moekit_blocks``' swapped block)."""
+    return config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False, shared_expert_combine="sum",
+                          routed_scaling_factor=config.routed_weight_scale)
+
+
 def _copy_router(moe: MoE, block: nn.Module, router: nn.Module) -> None:
-    # Hunyuan's gate holds its Linear as .wg, AFMoE's router as .gate
-    linear = next((m for m in (getattr(router, "wg", None), getattr(router, "gate", None))
+    # Hunyuan's gate holds its Linear as .wg, AFMoE's router as .gate, LongCat-Flash's as .classifier
+    linear = next((m for m in (getattr(router, n, None) for n in ("wg", "gate", "classifier"))
                    if isinstance(m, nn.Linear)), router)
     moe.gate.weight = linear.weight
     if moe.gate.bias is not None:
-        moe.gate.bias = router.bias
+        moe.gate.bias = linear.bias
     if moe.e_score_correction_bias is not None:
         # DeepSeek/GLM, ERNIE, MiniMax-M2, HY-V3 (the block's), AFMoE and LFM2-MoE (the block's expert_bias)
         holders = (router, getattr(router, "moe_statics", None), block)

@@ -2,7 +2,8 @@
 the layer's decode fast path) instead of transformers' router and an experts call, in place.
 
     model ──moe_blocks──▶ each block ──moe_from_hf(shared_expert=False)──▶ MoE over the block's own Parameters
-    block.__class__ ──▶ a subclass whose forward is  MoE(x) [+ the block's shared expert] ; state_dict unchanged
+    block.__class__ ──▶ a subclass whose forward is  MoE(x) [+ the block's shared expert (x 0.5 where averaged)] ;
+                        state_dict unchanged
 
 The block stays where it is with its Parameters, so ``state_dict`` keys, ``save_pretrained`` /
 ``from_pretrained``, optimizers and hooks see the model as before; the ``MoE`` is an attribute, not a
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.hf.blocks import moe_blocks
+from moekit.hf.blocks import block_config, moe_blocks
 from moekit.hf.swap_state import BlockSwap, SwapOptions, build_moe, copied_bytes, router_recorded
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
@@ -116,7 +117,9 @@ def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int |
     moe = build_moe(block, options)
     if tuple_len is None:
         tuple_len = swap.tuple_len if swap is not None else _probe_tuple_len(block, moe)
-    swap = BlockSwap(moe, own, options, *_shared_parts(block, options), tuple_len)
+    shared, shared_gate = _shared_parts(block, options)
+    weight = 1.0 if shared is None else block_config(block).shared_weight
+    swap = BlockSwap(moe, own, options, shared, shared_gate, tuple_len, shared_weight=weight)
     swap.track(block)
     block.__dict__[SWAP_ATTR] = swap
     block.__class__ = _swapped_class(own)
@@ -176,7 +179,7 @@ class _MoekitBlock(nn.Module):
             shared = swap.shared(hidden_states)
             if swap.shared_gate is not None:
                 shared = torch.sigmoid(swap.shared_gate(hidden_states)) * shared
-            out = out + shared
+            out = out + (shared if swap.shared_weight == 1.0 else swap.shared_weight * shared)  # the MoE halved its own
         return out if swap.tuple_len == 0 else (out,) + (None,) * (swap.tuple_len - 1)
 
     def _apply(self, fn, recurse=True):

@@ -41,6 +41,7 @@ class BlockSwap:
     detached: tuple = ()  # the block's Parameters, where some MoE Parameter is none of them (a copy, a view)
     bound: tuple = ()  # (module, name, tensor) of the router's and experts' Parameters the MoE was built on
     active: bool = True  # False: the block's own forward (``set_blocks_active``)
+    shared_weight: float = 1.0  # the shared expert's weight in the output: 0.5 where averaged in (Cohere2-MoE)
 
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's

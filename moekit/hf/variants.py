@@ -76,10 +76,16 @@ def experts_plan(module: nn.Module) -> ExpertsPlan:
     return plan
 
 
+# Experts classes outside transformers' experts interface (no flags) whose weights are stored transposed: Llama-4's
+# bmm layout, gate_up_proj [E, K, 2N] (gate columns, then up) and down_proj [E, N, K]
+_TRANSPOSED_WITHOUT_FLAG = {"Llama4TextExperts"}
+
+
 def _flag_fields(module: nn.Module) -> dict:
     """The plan's fields that transformers' flags decide (``has_gate``, ``is_transposed``, ``has_bias``)."""
     gated = bool(getattr(module, "has_gate", True))
-    transposed, has_bias = bool(getattr(module, "is_transposed", False)), bool(getattr(module, "has_bias", False))
+    transposed = bool(getattr(module, "is_transposed", type(module).__name__ in _TRANSPOSED_WITHOUT_FLAG))
+    has_bias = bool(getattr(module, "has_bias", False))
     return dict(up_name="gate_up_proj" if gated else "up_proj", gated=gated, transposed=transposed, has_bias=has_bias)
 
 

@@ -370,8 +370,11 @@ def start_combine(y: torch.Tensor, sent: Dispatched, group) -> PendingCombine:
 
 def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[T, K] x, [T, k] int32 ids, [T, k] float32 weights -> [T, B] uint8 rows, B = K*x.itemsize + 8k."""
-    # bytes: no graph (rows.py) # [T, bytes of one row each]
-    parts = [t.detach().contiguous().view(torch.uint8) for t in (x, ids, weights)]
+    # bytes: no graph (rows.py) # [T, bytes of one row each]; a [T, 1] column (k = 1, Llama-4) can pass as
+    # contiguous with a last stride 0 (a size-1 dim's stride is not compared), which view(uint8) refuses: cloned
+    parts = [t.detach().contiguous() for t in (x, ids, weights)]
+    parts = [(t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)).view(torch.uint8)
+             for t in parts]
     return torch.cat(parts, dim=1)
 
 

@@ -100,6 +100,9 @@ class EPMoE(MoE):
             raise ValueError(f"max_tokens_per_rank must be a positive int or None, got {max_tokens_per_rank!r}")
         if isinstance(config, MoEConfig) and config.expert_bias:  # its shards and moves carry w13/w2 only
             raise ValueError("config.expert_bias: EPMoE does not shard or move expert biases yet (gpt-oss); use MoE")
+        if isinstance(config, MoEConfig) and config.expert_weight_on == "input" and config.top_k > 1:
+            raise ValueError(f"config.expert_weight_on='input' with top_k={config.top_k}: the input-weighted experts "
+                             "run one dispatch a slot and EPMoE dispatches once a forward; top_k=1 (Llama-4's) or MoE")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("EPMoE needs torch.distributed initialised (init_process_group) before construction")
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)

@@ -66,9 +66,11 @@ def is_available(device: torch.device | str) -> bool:
 
 
 def supports(config: MoEConfig) -> bool:
-    """Whether the kernel handles ``config`` (see MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS)."""
+    """Whether the kernel handles ``config`` (see MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS), and only the routers of
+    session 33 (``MoEConfig.changed_router_options`` empty): a soft-cap, a bias on the logits, another group rule
+    or fill, an averaged shared expert route through ``route`` on every device (no GPU measurement for them)."""
     return (config.num_experts <= MAX_EXPERTS and config.top_k + config.num_shared_slots <= MAX_TOP_K
-            and config.n_group <= MAX_GROUPS)
+            and config.n_group <= MAX_GROUPS and not config.changed_router_options())
 
 
 @dataclass(frozen=True, eq=False)
@@ -280,8 +282,9 @@ class FusedRouter:
         with the flag and ``torch._assert_async`` (two)."""
         if not supports(config):
             raise ValueError(f"the fused router supports num_experts <= {MAX_EXPERTS}, top_k + shared slots <= "
-                             f"{MAX_TOP_K}, n_group <= {MAX_GROUPS}; got {config.num_experts}, "
-                             f"{config.top_k} + {config.num_shared_slots}, {config.n_group}")
+                             f"{MAX_TOP_K}, n_group <= {MAX_GROUPS} and no router option changed; got "
+                             f"{config.num_experts}, {config.top_k} + {config.num_shared_slots}, {config.n_group}, "
+                             f"{config.changed_router_options()} (router='torch' routes it)")
         self.config, self.assert_in_kernel = config, bool(assert_in_kernel)
         slots = config.num_shared_slots
         self._plans = (_plan_of(config, 0, elements_per_program),

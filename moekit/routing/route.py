@@ -48,16 +48,22 @@ def route(
 
     - softmax scoring (Mixtral, Qwen): probabilities over all E experts; with ``renormalize`` the chosen
       weights are re-scaled to sum to 1, otherwise they are the chosen experts' probabilities.
+    - ``router_logit_softcap`` c > 0 (Laguna): the logits become c * tanh(logits / c) before anything else.
     - sigmoid scoring (DeepSeek-V3): independent gates. ``correction_bias`` [E] shifts the scores used
-      for *selection* only; weights come from the unbiased scores.
-    - grouped top-k (``n_group`` > 1): a group scores the sum of its top-2 biased scores when a bias is
-      given (and a group has >= 2 experts), its max otherwise; only the best ``topk_group`` groups can
-      be chosen from.
+      for *selection* only (or the logits, ``correction_bias_on="logits"``: Kolibri); weights come from the
+      unbiased scores.
+    - grouped top-k (``n_group`` > 1): a group scores the sum of its top-2 choice scores (``group_score=
+      "top2_sum"``, or "auto" when a bias is given and a group has >= 2 experts), else its max; only the
+      best ``topk_group`` groups can be chosen from (``dropped_group_fill="zero"``, A.X-K2 and Mistral-4: the
+      other groups' experts score 0 for the choice, so they still win over a kept expert's negative score).
     - renormalisation is computed as a softmax over the chosen experts' log-scores, which equals
       w / sum(w) and stays finite when every score underflows (no 0/0).
-    - ``routed_scaling_factor`` multiplies the routed weights.
+    - ``routed_scaling_factor`` multiplies the routed weights (``MoEConfig.routed_weight_scale``: halved too
+      where the shared expert is averaged in, ``shared_expert_combine="average"``).
 
-    The result holds the k routed slots only; ``append_shared_slots`` adds a fused shared expert's.
+    The result holds the k routed slots only; ``append_shared_slots`` adds a fused shared expert's. With
+    ``num_identity_experts`` Z > 0 (LongCat-Flash) the logits are [M, E + Z] and ids E..E+Z-1 are identity
+    experts (``moekit.routing.weighting`` takes them out before the experts run).
 
     NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"``; a NaN or infinite
     ``correction_bias`` always raises. On the CPU the error is a ``ValueError`` naming the bad rows
@@ -79,14 +85,16 @@ def route(
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     logits = _check_logits(router_logits, config)
     bias = check_bias(correction_bias, config, logits.device)
-    finite = torch.isfinite(logits) if config.nonfinite == "mask" else None  # [M, E] bool
+    finite = torch.isfinite(logits) if config.nonfinite == "mask" else None  # [M, E] bool, of the raw logits
+    logits = soft_capped(logits, config)  # [M, E]
     if finite is not None:
         # The most negative float scores ~0 under softmax and sigmoid, so a masked expert takes no
         # probability mass from the others; selection and renormalisation exclude it explicitly.
         logits = logits.masked_fill(~finite, torch.finfo(torch.float32).min)
 
     scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
-    choice = scores if bias is None else scores + bias  # [M, E]
+    shifted = scores if config.correction_bias_on == "scores" else logits  # what the bias shifts (Kolibri: logits)
+    choice = shifted if bias is None else shifted + bias  # [M, E]
     if finite is None:
         return _select(logits, scores, choice, config, biased=bias is not None)
     return _select_masked(logits, scores, choice, finite, config, biased=bias is not None)
@@ -96,7 +104,8 @@ def _select(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Tensor, co
             biased: bool) -> Routing:
     """Top-k of ``choice`` [M, E] within the allowed groups, weighted from the unbiased scores."""
     if config.n_group > 1:
-        choice = choice.masked_fill(~_allowed_experts(choice, None, config, biased), float("-inf"))
+        fill = 0.0 if config.dropped_group_fill == "zero" else float("-inf")
+        choice = choice.masked_fill(~_allowed_experts(choice, None, config, biased), fill)
     topk_ids = _topk_lower_id_wins(choice, config.top_k)  # [M, k] int64
     weights = _weights(logits, scores, topk_ids, None, config)  # [M, k] float32
     masked_tokens = torch.zeros((), dtype=torch.int64, device=logits.device)
@@ -108,6 +117,9 @@ def _select_masked(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Ten
     """``_select`` with ``nonfinite="mask"``: finite [M, E] decides the tiers of the docstring of ``route``."""
     choice = choice.masked_fill(~finite, float("-inf"))
     allowed = _allowed_experts(choice, finite, config, biased)  # [M, E] bool
+    if config.dropped_group_fill == "zero":  # a dropped group's finite experts stay choosable, at score 0
+        choice = torch.where(allowed | ~finite, choice, 0.0)
+        allowed = torch.ones_like(allowed)
     # [M, E] tier: 0 finite and allowed, 1 masked and allowed, 2 or 3 in a group not chosen
     tier = (~finite).to(torch.int8) + 2 * (~allowed).to(torch.int8)
     topk_ids = _topk_tiered(choice, tier, config.top_k)  # [M, k] int64
@@ -119,10 +131,8 @@ def _select_masked(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Ten
 def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     if not isinstance(router_logits, torch.Tensor):
         raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
-    if router_logits.dim() != 2 or router_logits.shape[1] != config.num_experts:
-        raise ValueError(
-            f"router_logits must have shape [M, num_experts={config.num_experts}], got {tuple(router_logits.shape)}"
-        )
+    if router_logits.dim() != 2 or router_logits.shape[1] != config.router_width:
+        raise ValueError(f"router_logits must have shape [M, {_width(config)}], got {tuple(router_logits.shape)}")
     if not router_logits.is_floating_point():
         raise TypeError(f"router_logits must be a floating-point tensor, got {router_logits.dtype}")
     # [M, E] float32, or float64 when given: the weights follow, so float64 gradients check (gradcheck)
@@ -154,8 +164,8 @@ def check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.devic
         return None
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"correction_bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if bias.shape != (config.num_experts,):
-        raise ValueError(f"correction_bias must have shape [num_experts={config.num_experts}], got {tuple(bias.shape)}")
+    if bias.shape != (config.router_width,):
+        raise ValueError(f"correction_bias must have shape [{_width(config)}], got {tuple(bias.shape)}")
     if bias.device != device:
         raise ValueError(f"correction_bias must be on {device} like router_logits, got {bias.device}")
     if not bias.is_floating_point():
@@ -168,6 +178,19 @@ def check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.devic
         bad = (~torch.isfinite(bias)).nonzero()[:5, 0].tolist()
         raise ValueError(f"correction_bias contains NaN or infinite values (first bad experts: {bad})")
     return bias
+
+
+def _width(config: MoEConfig) -> str:
+    """The router's width in words: ``num_experts=E``, or with identity experts ``num_experts + ...=E+Z``."""
+    name = "num_experts" if not config.num_identity_experts else "num_experts + num_identity_experts"
+    return f"{name}={config.router_width}"
+
+
+def soft_capped(logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """logits [M, E] as the router scores them: c * tanh(logits / c) with ``router_logit_softcap`` c > 0
+    (Laguna's order of operations), else the logits themselves."""
+    cap = config.router_logit_softcap
+    return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 def _topk_lower_id_wins(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -194,7 +217,8 @@ def _allowed_experts(
         return torch.ones_like(choice, dtype=torch.bool)
     per_group = config.num_experts // num_groups
     grouped = choice.view(num_tokens, num_groups, per_group)  # [M, G, E/G]
-    if biased and per_group >= 2:
+    top2_sum = config.group_score == "top2_sum" or (config.group_score == "auto" and biased)
+    if top2_sum and per_group >= 2:
         top2 = grouped.topk(2, dim=-1).values  # [M, G, 2]; masked experts are -inf, so they come last
         group_scores = top2.sum(dim=-1)  # [M, G]
         if finite is not None:  # one finite expert: its score alone; none: -inf (top2[..., 0] is -inf)
@@ -228,6 +252,7 @@ def _weights(
         weights = scores.gather(1, topk_ids)  # [M, k]
     if chosen_finite is not None:
         weights = torch.where(chosen_finite, weights, 0.0)
-    if config.routed_scaling_factor != 1.0:
-        weights = weights * config.routed_scaling_factor
+    scale = config.routed_weight_scale
+    if scale != 1.0:
+        weights = weights * scale
     return weights.to(logits.dtype)

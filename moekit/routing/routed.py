@@ -1,6 +1,6 @@
 """What ``MoE.route_tokens`` hands the rest of the layer: the routing of a batch, what capacity dropped,
-and what the losses read. A routing result, so it lives with the routing stage; ``moekit.layer`` (and
-``moekit``) re-export it."""
+and what the losses read; and ``MoEStats``, what a forward did, read from it. Routing results, so they live with
+the routing stage; ``moekit.layer`` (and ``moekit``) re-export them."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ class RoutedTokens:
     # [M, k(+S)] int32; the router's output before capacity drops: its first top_k columns are the routed choice
     router_ids: torch.Tensor | None = None
     top_k: int = 0  # routed slots of router_ids
+    # [M, 1] the routing's dtype; each token's summed identity-expert weight (LongCat-Flash: out += it x token), the
+    # identity slots then skipped in ``routing`` (id -1); None without identity experts
+    identity_weights: torch.Tensor | None = None
 
     @property
     def selected_ids(self) -> torch.Tensor | None:
@@ -36,3 +39,34 @@ class RoutedTokens:
         if self.dropped_count is None:
             return torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device)
         return self.dropped_count
+
+
+@dataclass
+class MoEStats:
+    """What one forward did, per routed expert (shared slots excluded)."""
+
+    counts: torch.Tensor  # [E] int64; assignments each routed expert processed (after drops); sums to M*k - dropped
+    experts_touched: int  # experts with counts > 0
+    padded_rows: int  # rows of the block-aligned layout (block_size) the GEMMs would run, padding included
+    dropped: int  # assignments dropped by the capacity factor (0 when dropless)
+    num_tokens: int  # M
+    masked_tokens: int  # tokens with no finite router logit (nonfinite="mask"): all their weights 0, output 0
+    layout: str = ""  # the grouping the experts backend used: grouped_mm's plan ("contiguous", ...), else its fixed one
+
+
+def stats_of(routed: RoutedTokens, num_experts: int, block: int, layout: str) -> MoEStats:
+    """The stats of a forward's routing: counts over the E routed experts (ids -1, shared slots E.. and the
+    identity slots taken out before the experts are not counted), padded to ``block`` rows an expert."""
+    ids = routed.routing.topk_ids.reshape(-1).long()
+    ids = ids[(ids >= 0) & (ids < num_experts)]
+    counts = torch.bincount(ids, minlength=num_experts)  # [E]
+    masked = routed.routing.masked_tokens
+    return MoEStats(
+        counts=counts,
+        experts_touched=int((counts > 0).sum()),
+        padded_rows=int(((counts + block - 1) // block * block).sum()),
+        dropped=0 if routed.dropped_count is None else int(routed.dropped_count),
+        num_tokens=routed.routing.num_tokens,
+        masked_tokens=int(masked if masked is not None else 0),
+        layout=layout,
+    )

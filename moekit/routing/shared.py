@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from moekit.activations import apply_glu
 from moekit.config import MoEConfig
 from moekit.routing.route import Routing
 
@@ -17,7 +18,8 @@ from moekit.routing.route import Routing
 def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits: torch.Tensor | None = None) -> Routing:
     """Append the S shared-expert slots (ids E..E+S-1) to every token.
 
-    The weight is 1, or ``sigmoid(shared_gate_logits)`` [M, 1] for a gated (Qwen2-MoE) shared expert.
+    The weight is 1, or ``sigmoid(shared_gate_logits)`` [M, 1] for a gated (Qwen2-MoE) shared expert, times
+    ``config.shared_weight`` (0.5 where the shared expert is averaged in: Cohere2-MoE).
     SGLang writes the shared weight as sum(routed weights) / routed_scaling_factor because it scales the
     whole output afterwards; moekit scales the routed weights themselves, so the same shared output
     needs weight exactly 1.
@@ -38,11 +40,23 @@ def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits:
             raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got "
                              f"{got}")
         shared_w = torch.sigmoid(shared_gate_logits.to(weights.dtype)).expand(num_tokens, slots)  # [M, S]
+        if config.shared_weight != 1.0:
+            shared_w = shared_w * config.shared_weight
     else:
         # [M, S]; the routed weights' dtype
-        shared_w = torch.ones(num_tokens, slots, device=device, dtype=weights.dtype)
+        shared_w = torch.full((num_tokens, slots), config.shared_weight, device=device, dtype=weights.dtype)
     return Routing(
         topk_ids=torch.cat([topk_ids, shared_ids], dim=1),
         topk_weights=torch.cat([weights, shared_w], dim=1),
         masked_tokens=routing.masked_tokens,
     )
+
+
+def shared_mlp(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: torch.nn.Module | None,
+               config: MoEConfig) -> torch.Tensor:
+    """The separate (unfused) shared MLP: x2d [M, K], w13 [2SN, K], w2 [K, SN] -> [M, K], scaled by
+    sigmoid(gate(x2d)) for a gated (Qwen2-MoE) one and by ``config.shared_weight`` (Cohere2-MoE's average)."""
+    y = apply_glu(x2d @ w13.t(), config.activation) @ w2.t()  # [M, K]
+    if gate is not None:
+        y = torch.sigmoid(gate(x2d)) * y
+    return y if config.shared_weight == 1.0 else y * config.shared_weight
