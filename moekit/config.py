@@ -29,7 +29,7 @@ GroupFill = Literal["-inf", "zero"]  # what a dropped group's experts score for 
 SharedCombine = Literal["sum", "average"]  # routed + shared, or their average (Cohere2-MoE)
 WeightOn = Literal["output", "input"]  # a slot's weight scales its expert's output, or its input (Llama-4)
 ROUTER_OPTIONS = ("correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
-                  "shared_expert_combine", "num_identity_experts", "expert_weight_on")
+                  "shared_expert_combine", "num_identity_experts", "expert_weight_on", "sparsemixer_jitter_eps")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ class MoEConfig:
     group_score: GroupScore = "auto"  # a group scores its max or its top-2 sum (Mistral-4: top2_sum, no bias)
     dropped_group_fill: GroupFill = "-inf"  # "zero": a dropped group's experts can still win at score 0
     router_logit_softcap: float = 0.0  # c > 0: logits -> c * tanh(logits / c) before scoring (Laguna); 0: none
+    # eps >= 0: Phi-MoE's sparsemixer at inference (k argmax rounds, each weighted by a softmax over the logits
+    # within 2 eps of its max, relatively); None: top-k of the scores. Sampled in training: the layer refuses that
+    sparsemixer_jitter_eps: float | None = None
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ g)
     shared_expert_combine: SharedCombine = "sum"  # "average": (routed + shared) / 2 (Cohere2-MoE)
@@ -132,6 +135,21 @@ class MoEConfig:
                              f"{self.num_experts} over n_group={self.n_group}")
         if self.shared_expert_combine == "average" and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_combine='average' needs shared_expert_intermediate_size > 0")
+        if self.sparsemixer_jitter_eps is not None:
+            self._check_sparsemixer()
+
+    def _check_sparsemixer(self) -> None:
+        """Phi-MoE's sparsemixer weights each round by its own softmax: no scoring rule, bias, groups or
+        renormalisation of the usual top-k composes with it."""
+        eps = self.sparsemixer_jitter_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+            raise ValueError(f"sparsemixer_jitter_eps must be None or a finite number >= 0, got {eps!r}")
+        clashing = {name: getattr(self, name) for name, plain in (("scoring", "softmax"), ("renormalize", False),
+                    ("use_correction_bias", False), ("n_group", 1), ("num_identity_experts", 0))
+                    if getattr(self, name) != plain}
+        if clashing:
+            raise ValueError(f"sparsemixer_jitter_eps routes with scoring='softmax', renormalize=False, no correction "
+                             f"bias, n_group=1 and no identity experts (as Phi-MoE), got {clashing}")
 
     def changed_router_options(self) -> dict:
         """The session-34 options (``ROUTER_OPTIONS``) not at their defaults, name -> value. Empty: the routers of

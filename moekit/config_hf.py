@@ -309,6 +309,15 @@ def _read_longcat(d: dict) -> dict:
                 num_identity_experts=_get(d, "zero_expert_num", default=0), num_moe_layers=d.get("num_layers"))
 
 
+def _read_phimoe(d: dict) -> dict:
+    """Phi-MoE (Phi-3.5-MoE): sparsemixer over the logits, two experts a token whatever num_experts_per_tok (its
+    router always runs two rounds), each weighted by a softmax over the logits within 2 * router_jitter_noise of
+    its round's max (``sparsemixer_jitter_eps``), not renormalised. At inference only: in training its router samples
+    (Gumbel noise, a random 1/3 weight) and its block jitters its input, which moekit refuses."""
+    return dict(_read_mixtral(d), top_k=2, renormalize=False,
+                sparsemixer_jitter_eps=float(_get(d, "router_jitter_noise", default=0.01)))
+
+
 HF_READERS = {
     "mixtral": _read_mixtral,
     "qwen2_moe": _read_qwen2_moe, "qwen3_next": _read_qwen2_moe, "qwen4_exp_text": _read_qwen2_moe,
@@ -327,14 +336,10 @@ HF_READERS = {
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
     "ernie4_5_moe": _read_ernie,
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
-    "llama4_text": _read_llama4,
+    "llama4_text": _read_llama4, "phimoe": _read_phimoe,
 }
 # Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
 REFUSED = {
-    "phimoe": "Phi-MoE routes with sparsemixer (top-1 by argmax, a softmax over the logits within "
-              "2*router_jitter_noise of the max, then the same for the second expert), not a softmax top-k; "
-              "moekit's router does not implement it. Its experts run on moekit through "
-              "model.set_experts_implementation('moekit'), which keeps transformers' router",
     "zaya": "ZAYA routes through an MLP router carrying state across layers, with a skip expert; moekit's router "
             "is one linear layer",
     "inkling_text": "Inkling's router also weights its shared experts (a softmax over the log-sigmoids of the k "

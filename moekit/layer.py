@@ -233,6 +233,10 @@ class MoE(nn.Module):
                 routing = self._fused_router(logits, bias, gate_logits, in_kernel,
                                              None if ws is None else (ws.ids, ws.weights))
             else:
+                if self.training and c.sparsemixer_jitter_eps is not None:
+                    raise NotImplementedError("sparsemixer_jitter_eps: Phi-MoE's router samples its experts in "
+                                              "training (Gumbel noise, a random 1/3 weight); moekit routes only as "
+                                              "at inference: call .eval()")
                 routing = route(logits, self.config, bias)
         ids = routing.topk_ids  # [M, k(+S)]: the fused kernel may append the shared slots
         identity = identity_weights(routing, c) if c.num_identity_experts else None  # [M, 1]; LongCat-Flash

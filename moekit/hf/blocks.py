@@ -98,7 +98,7 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
         moe.w2 = nn.Parameter(experts.down_proj.detach().transpose(1, 2), requires_grad=False)
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
-    return moe
+    return moe.train(block.training)  # Phi-MoE's router samples in training, which the MoE refuses
 
 
 def block_config(block: nn.Module) -> MoEConfig:

@@ -61,12 +61,13 @@ class BlockSwap:
         return all(m._parameters.get(name) is t for m, name, t in self.bound)
 
     def own_forward_needed(self, block: nn.Module) -> bool:
-        """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), or
+        """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
+        block in training mode whose router samples (Phi-MoE's sparsemixer: moekit routes as at inference), or
         autograd recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
         Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
         first, in eager calls."""
-        if not self.is_bound():
-            return True
+        if not self.is_bound() or (block.training and self.moe.config.sparsemixer_jitter_eps is not None):
+            return True  # substituted Parameters; Phi-MoE's router sampling in training
         if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
             return True
         if self.sources and not torch.compiler.is_compiling():
@@ -78,9 +79,9 @@ class BlockSwap:
 
 def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
     """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
-    expert only where fused (else the block's)."""
+    expert only where fused (else the block's). In eval mode: the block's own mode decides (``own_forward_needed``)."""
     return moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
-                       shared_expert=options.fuse_shared, transposed="view")
+                       shared_expert=options.fuse_shared, transposed="view").eval()
 
 
 def copied_bytes(moe: nn.Module, block: nn.Module) -> int:

@@ -46,8 +46,8 @@ def route(
 ) -> Routing:
     """Score, select and weight experts as the model's reference implementation does.
 
-    - softmax scoring (Mixtral, Qwen): probabilities over all E experts; with ``renormalize`` the chosen
-      weights are re-scaled to sum to 1, otherwise they are the chosen experts' probabilities.
+    - softmax scoring (Mixtral, Qwen): probabilities over all E experts; with ``renormalize`` the chosen weights are
+      re-scaled to sum to 1, else the chosen experts' probabilities. Phi-MoE's sparsemixer: ``_sparsemixer``.
     - ``router_logit_softcap`` c > 0 (Laguna): the logits become c * tanh(logits / c) before anything else.
     - sigmoid scoring (DeepSeek-V3): independent gates. ``correction_bias`` [E] shifts the scores used
       for *selection* only (or the logits, ``correction_bias_on="logits"``: Kolibri); weights come from the
@@ -56,8 +56,7 @@ def route(
       "top2_sum"``, or "auto" when a bias is given and a group has >= 2 experts), else its max; only the
       best ``topk_group`` groups can be chosen from (``dropped_group_fill="zero"``, A.X-K2 and Mistral-4: the
       other groups' experts score 0 for the choice, so they still win over a kept expert's negative score).
-    - renormalisation is computed as a softmax over the chosen experts' log-scores, which equals
-      w / sum(w) and stays finite when every score underflows (no 0/0).
+    - renormalisation: a softmax over the chosen experts' log-scores (= w / sum(w); finite when all underflow).
     - ``routed_scaling_factor`` multiplies the routed weights (``MoEConfig.routed_weight_scale``: halved too
       where the shared expert is averaged in, ``shared_expert_combine="average"``).
 
@@ -92,6 +91,8 @@ def route(
         # probability mass from the others; selection and renormalisation exclude it explicitly.
         logits = logits.masked_fill(~finite, torch.finfo(torch.float32).min)
 
+    if config.sparsemixer_jitter_eps is not None:
+        return _sparsemixer(logits, finite, config)  # Phi-MoE
     scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
     shifted = scores if config.correction_bias_on == "scores" else logits  # what the bias shifts (Kolibri: logits)
     choice = shifted if bias is None else shifted + bias  # [M, E]
@@ -126,6 +127,33 @@ def _select_masked(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Ten
     weights = _weights(logits, scores, topk_ids, finite.gather(1, topk_ids), config)  # [M, k] float32
     masked_tokens = (~finite.any(dim=1)).sum()
     return Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=weights, masked_tokens=masked_tokens)
+
+
+def _sparsemixer(logits: torch.Tensor, finite: torch.Tensor | None, config: MoEConfig) -> Routing:
+    """Phi-MoE's sparsemixer as its router runs at inference (transformers' ``sparsemixer``, training=False): k
+    rounds (Phi-MoE's block: 2); each chooses the best expert not chosen yet (argmax, lower id on a tie) and weights
+    it by its softmax over the experts left whose logit l is near that max m: (m - l) / max(|l|, m) <= 2 eps. No
+    renormalisation across rounds. Masked experts (``finite`` False) weigh 0 where a round has to take one."""
+    near = 2 * config.sparsemixer_jitter_eps  # a Python float, compared in the logits' dtype as Phi-MoE does
+    magnitude = logits.abs()  # [M, E]
+    left = logits  # [M, E]; the experts chosen so far at -inf
+    ids, weights = [], []
+    for _ in range(config.top_k):
+        top, chosen = left.max(dim=-1, keepdim=True)  # [M, 1] each; max returns the first maximal index
+        far = (top - logits) / magnitude.clamp(min=top) > near  # [M, E]; 0 / 0 is NaN, not far (as Phi-MoE)
+        gates = torch.softmax(left.masked_fill(far, float("-inf")), dim=-1)  # [M, E]
+        ids.append(chosen)
+        weights.append(gates.gather(1, chosen))
+        left = left.scatter(1, chosen, float("-inf"))
+    topk_ids, topk_weights = torch.cat(ids, dim=1), torch.cat(weights, dim=1)  # [M, k] int64, [M, k]
+    masked_tokens = torch.zeros((), dtype=torch.int64, device=logits.device)
+    if finite is not None:
+        topk_weights = torch.where(finite.gather(1, topk_ids), topk_weights, 0.0)
+        masked_tokens = (~finite.any(dim=1)).sum()
+    if config.routed_weight_scale != 1.0:
+        topk_weights = topk_weights * config.routed_weight_scale
+    return Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=topk_weights.to(logits.dtype),
+                   masked_tokens=masked_tokens)
 
 
 def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
