@@ -111,13 +111,13 @@ def _read_qwen2_moe(d: dict) -> dict:
 # routed scaling), the same computation in each of these families' modeling files
 _V3_ROUTER = {"deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
               "deepseek_v32", "hy_v4", "hy_v4_vl_text", "solar_open", "minicpm5_moe", "exaone_moe", "dots3_note_text",
-              "mimo_v2_flash", "beam", "axk2"}
+              "mimo_v2_flash", "beam", "axk2", "axk1"}
 
 
 def _read_deepseek(d: dict) -> dict:
     """DeepSeek-V2/V3 (and DeepSeek-OCR-2's and Unlimited-OCR's V2 router), and the families of ``_V3_ROUTER``.
     Beam scales the routed output after the combine, which is the same; Dots-3's shared experts have their own
-    width."""
+    width; A.X-K1's block norms its output after the layer (``post_mlp_layernorm``: the block's, not the layer's)."""
     v3 = d["model_type"] in _V3_ROUTER
     method = _get(d, "topk_method", default="noaux_tc" if v3 else "greedy")
     grouped = method in ("group_limited_greedy", "noaux_tc")
@@ -345,8 +345,6 @@ REFUSED = {
     "inkling_text": "Inkling's router also weights its shared experts (a softmax over the log-sigmoids of the k "
                     "routed and the shared logits, times a learned scale); moekit's shared expert is unweighted "
                     "or sigmoid-gated",
-    "axk1": "A.X-K1's block applies an RMSNorm (post_mlp_layernorm) to its output; moekit's layer ends at the "
-            "combine",
     "ernie4_5_vl_moe_text": "ERNIE-4.5-VL's config holds one expert width per modality (text and vision blocks) "
                             "and its block returns its output flattened with the router logits; moekit reads "
                             "one layer",

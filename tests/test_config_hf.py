@@ -1,7 +1,7 @@
 """MoEConfig.from_hf_config on the model types session 33 taught it: transformers' own config classes (their
 defaults) read into the fields their routers use, the router options of session 34 read where a config switches
 them on, and the refused families naming their reason. The block-level check (each family's block
-swapped and equal to its own forward) is tests/test_hf_swap.py's family walk."""
+swapped and equal to its own forward) is tests/test_hf_swap_walk.py."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from moekit.quant.hf import quantized_experts_weights
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+OUTPUT_NORM_NAMES = ("post_mlp_layernorm",)  # a norm the block applies to its output (A.X-K1)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _is_block(module: nn.Module) -> bool:
 
 
 def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto",
-                shared_expert: bool = True, transposed: str = "copy") -> MoE:
+                shared_expert: bool = True, transposed: str = "copy", output_norm: str = "refuse") -> MoE:
     """A ``MoE`` computing the same function as ``block`` (its first output where it returns a tuple).
 
     With ``fuse_shared=False`` (default) the routed experts' weights and the router are *shared* with the
@@ -65,10 +66,19 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     ``shared_expert=False``: the routed experts only (no shared expert, no copy of its weights;
     ``use_moekit_blocks`` runs the block's own; an averaged one's half moves into the routed weights:
     ``routed_only``). Weights the ``MoE`` shares are never allocated for it first (no init pass over a copy of
-    the experts).
+    the experts). A block that norms its output (A.X-K1's ``post_mlp_layernorm``) is refused unless
+    ``output_norm="caller"``: the ``MoE`` ends at the combine and the caller applies the block's norm (as
+    ``use_moekit_blocks``' swapped block does).
     """
     if transposed not in ("copy", "view"):
         raise ValueError(f"transposed must be 'copy' or 'view', got {transposed!r}")
+    if output_norm not in ("refuse", "caller"):
+        raise ValueError(f"output_norm must be 'refuse' or 'caller', got {output_norm!r}")
+    norm = block_output_norm(block)
+    if norm is not None and output_norm == "refuse":
+        raise ValueError(f"{type(block).__name__} applies {type(norm).__name__} to its output, after the experts and "
+                         "the shared expert: moekit's layer ends at the combine (use_moekit_blocks keeps the block's "
+                         "norm; moe_from_hf(output_norm='caller') leaves it to you)")
     experts = getattr(block, "experts", None)
     router = next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
     if experts is None or router is None or not hasattr(experts, "down_proj"):
@@ -99,6 +109,11 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
     return moe.train(block.training)  # Phi-MoE's router samples in training, which the MoE refuses
+
+
+def block_output_norm(block: nn.Module) -> nn.Module | None:
+    """The norm a block applies to its output after the MoE (``OUTPUT_NORM_NAMES``), or None."""
+    return next((m for m in (getattr(block, n, None) for n in OUTPUT_NORM_NAMES) if isinstance(m, nn.Module)), None)
 
 
 def block_config(block: nn.Module) -> MoEConfig:

@@ -2,8 +2,8 @@
 the layer's decode fast path) instead of transformers' router and an experts call, in place.
 
     model ──moe_blocks──▶ each block ──moe_from_hf(shared_expert=False)──▶ MoE over the block's own Parameters
-    block.__class__ ──▶ a subclass whose forward is  MoE(x) [+ the block's shared expert (x 0.5 where averaged)] ;
-                        state_dict unchanged
+    block.__class__ ──▶ a subclass whose forward is  MoE(x) [+ the block's shared expert (x 0.5 where averaged)]
+                        [-> the block's output norm (A.X-K1)] ; state_dict unchanged
 
 The block stays where it is with its Parameters, so ``state_dict`` keys, ``save_pretrained`` /
 ``from_pretrained``, optimizers and hooks see the model as before; the ``MoE`` is an attribute, not a
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.hf.blocks import block_config, moe_blocks
+from moekit.hf.blocks import block_config, block_output_norm, moe_blocks
 from moekit.hf.swap_state import BlockSwap, SwapOptions, build_moe, copied_bytes, router_recorded
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
@@ -119,7 +119,8 @@ def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int |
         tuple_len = swap.tuple_len if swap is not None else _probe_tuple_len(block, moe)
     shared, shared_gate = _shared_parts(block, options)
     weight = 1.0 if shared is None else block_config(block).shared_weight
-    swap = BlockSwap(moe, own, options, shared, shared_gate, tuple_len, shared_weight=weight)
+    swap = BlockSwap(moe, own, options, shared, shared_gate, tuple_len, shared_weight=weight,
+                     output_norm=block_output_norm(block))
     swap.track(block)
     block.__dict__[SWAP_ATTR] = swap
     block.__class__ = _swapped_class(own)
@@ -167,8 +168,8 @@ class _MoekitBlock(nn.Module):
     """The behaviour a swapped block's class gets ahead of its own (``_swapped_class``)."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        """hidden_states [B, S, K] (or [M, K]) -> the block's output: MoE(x) [+ its shared expert]; its own
-        forward where the module doc says."""
+        """hidden_states [B, S, K] (or [M, K]) -> the block's output: MoE(x) [+ its shared expert] [-> its output
+        norm]; its own forward where the module doc says."""
         swap = self.__dict__[SWAP_ATTR]
         if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
             return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
@@ -180,6 +181,8 @@ class _MoekitBlock(nn.Module):
             if swap.shared_gate is not None:
                 shared = torch.sigmoid(swap.shared_gate(hidden_states)) * shared
             out = out + (shared if swap.shared_weight == 1.0 else swap.shared_weight * shared)  # the MoE halved its own
+        if swap.output_norm is not None:  # A.X-K1: the block's norm of routed + shared
+            out = swap.output_norm(out)
         return out if swap.tuple_len == 0 else (out,) + (None,) * (swap.tuple_len - 1)
 
     def _apply(self, fn, recurse=True):

@@ -42,6 +42,7 @@ class BlockSwap:
     bound: tuple = ()  # (module, name, tensor) of the router's and experts' Parameters the MoE was built on
     active: bool = True  # False: the block's own forward (``set_blocks_active``)
     shared_weight: float = 1.0  # the shared expert's weight in the output: 0.5 where averaged in (Cohere2-MoE)
+    output_norm: nn.Module | None = None  # the block's norm of its whole output (A.X-K1), applied last; None: none
 
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
@@ -81,7 +82,7 @@ def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
     """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
     expert only where fused (else the block's). In eval mode: the block's own mode decides (``own_forward_needed``)."""
     return moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
-                       shared_expert=options.fuse_shared, transposed="view").eval()
+                       shared_expert=options.fuse_shared, transposed="view", output_norm="caller").eval()
 
 
 def copied_bytes(moe: nn.Module, block: nn.Module) -> int:
