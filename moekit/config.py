@@ -26,7 +26,8 @@ ROUTER_DTYPES = ("float32", "float64", "bfloat16", "float16")
 BiasOn = Literal["scores", "logits"]  # where the correction bias is added for the choice (Kolibri: logits)
 GroupScore = Literal["auto", "max", "top2_sum"]  # a group's score ("auto": top2_sum with a bias, max without)
 GroupFill = Literal["-inf", "zero"]  # what a dropped group's experts score for the choice (A.X-K2, Mistral-4: zero)
-SharedCombine = Literal["sum", "average"]  # routed + shared, or their average (Cohere2-MoE)
+# routed + shared, their average (Cohere2-MoE), or each shared slot weighted by the router (Inkling)
+SharedCombine = Literal["sum", "average", "router"]
 WeightOn = Literal["output", "input"]  # a slot's weight scales its expert's output, or its input (Llama-4)
 ROUTER_OPTIONS = ("correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
                   "shared_expert_combine", "num_identity_experts", "expert_weight_on", "sparsemixer_jitter_eps")
@@ -60,7 +61,9 @@ class MoEConfig:
     sparsemixer_jitter_eps: float | None = None
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ g)
-    shared_expert_combine: SharedCombine = "sum"  # "average": (routed + shared) / 2 (Cohere2-MoE)
+    # "average": (routed + shared) / 2 (Cohere2-MoE); "router": the router's logits [M, E + S] end with one per
+    # shared slot, whose sigmoids join the k chosen ones' renormalisation and weight the slots (Inkling)
+    shared_expert_combine: SharedCombine = "sum"
     # Z zero-computation experts (LongCat-Flash): router ids E..E+Z-1 return their input times their weight
     num_identity_experts: int = 0
     expert_weight_on: WeightOn = "output"  # "input": each slot's expert runs on weight x token (Llama-4)
@@ -91,9 +94,9 @@ class MoEConfig:
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "router_bias", "expert_bias"):
             check_bool(name, getattr(self, name))
         check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
-        if self.top_k > self.router_width:
+        if self.top_k > self.choice_width:
             what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
-            raise ValueError(f"top_k must be <= {what} ({self.router_width}), got {self.top_k}")
+            raise ValueError(f"top_k must be <= {what} ({self.choice_width}), got {self.top_k}")
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
         if self.num_experts % self.n_group != 0:
@@ -137,6 +140,23 @@ class MoEConfig:
             raise ValueError("shared_expert_combine='average' needs shared_expert_intermediate_size > 0")
         if self.sparsemixer_jitter_eps is not None:
             self._check_sparsemixer()
+        if self.shared_expert_combine == "router":
+            self._check_router_weighted_shared()
+
+    def _check_router_weighted_shared(self) -> None:
+        """Inkling's router-weighted shared slots: S = num_shared_slots logits after the E routed ones, renormalised
+        with the k chosen sigmoids; no groups, identity experts, shared gate, input weighting or masking with it."""
+        if not self.num_shared_slots:
+            raise ValueError("shared_expert_combine='router' needs shared_expert_intermediate_size, a multiple of "
+                             "moe_intermediate_size (one router logit a shared slot)")
+        clashing = {name: getattr(self, name) for name, plain in (
+            ("scoring", "sigmoid"), ("renormalize", True), ("n_group", 1), ("num_identity_experts", 0),
+            ("shared_expert_gate", False), ("expert_weight_on", "output"), ("nonfinite", "raise"))
+            if getattr(self, name) != plain}
+        if clashing:
+            raise ValueError(f"shared_expert_combine='router' routes with scoring='sigmoid', renormalize=True, "
+                             f"n_group=1, no identity experts, no shared gate, expert_weight_on='output' and "
+                             f"nonfinite='raise' (as Inkling), got {clashing}")
 
     def _check_sparsemixer(self) -> None:
         """Phi-MoE's sparsemixer weights each round by its own softmax: no scoring rule, bias, groups or
@@ -160,7 +180,14 @@ class MoEConfig:
 
     @property
     def router_width(self) -> int:
-        """Columns of the router's logits: E routed experts, then Z identity experts (ids E..E+Z-1)."""
+        """Columns of the router's logits: E routed experts, then Z identity experts (ids E..E+Z-1), or the S shared
+        slots' logits (``shared_expert_combine="router"``: Inkling)."""
+        shared = self.num_shared_slots if self.shared_expert_combine == "router" else 0
+        return self.num_experts + self.num_identity_experts + shared
+
+    @property
+    def choice_width(self) -> int:
+        """The experts the router chooses from (the correction bias's width): E, + Z identity experts."""
         return self.num_experts + self.num_identity_experts
 
     @property
@@ -177,7 +204,8 @@ class MoEConfig:
 
     @property
     def shared_weight(self) -> float:
-        """The shared expert's weight in the output: 1, or 0.5 with ``shared_expert_combine="average"``."""
+        """The shared expert's weight in the output: 1, or 0.5 with ``shared_expert_combine="average"`` (with
+        "router" each token's own, ``Routing.shared_weights``)."""
         return 0.5 if self.shared_expert_combine == "average" else 1.0
 
     @property

@@ -318,6 +318,23 @@ def _read_phimoe(d: dict) -> dict:
                 sparsemixer_jitter_eps=float(_get(d, "router_jitter_noise", default=0.01)))
 
 
+def _read_inkling(d: dict) -> dict:
+    """Inkling: sigmoid scores, top-k of them plus the correction bias; the router's last n_shared_experts logits
+    weight the shared experts (``shared_expert_combine="router"``): the k chosen and the S shared sigmoids
+    renormalised together, times route_scale (the router's learned global_scale: moe_from_hf multiplies it in); the
+    routing in float32, as its router."""
+    shared = _get(d, "n_shared_experts", default=0)
+    if not shared:
+        raise ValueError("cfg.model_type 'inkling_text' with n_shared_experts=0: its router reads its shared logits as "
+                         "the last n_shared_experts columns, which it needs >= 1 of")
+    return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
+                num_experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"], scoring="sigmoid",
+                renormalize=True, use_correction_bias=True,
+                routed_scaling_factor=float(_get(d, "route_scale", default=1.0)),
+                shared_expert_intermediate_size=shared * d["moe_intermediate_size"], shared_expert_combine="router",
+                router_dtype="float32", num_moe_layers=_count_layers(d, lambda i: True))
+
+
 HF_READERS = {
     "mixtral": _read_mixtral,
     "qwen2_moe": _read_qwen2_moe, "qwen3_next": _read_qwen2_moe, "qwen4_exp_text": _read_qwen2_moe,
@@ -336,15 +353,12 @@ HF_READERS = {
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
     "ernie4_5_moe": _read_ernie,
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
-    "llama4_text": _read_llama4, "phimoe": _read_phimoe,
+    "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
 }
 # Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
 REFUSED = {
     "zaya": "ZAYA routes through an MLP router carrying state across layers, with a skip expert; moekit's router "
             "is one linear layer",
-    "inkling_text": "Inkling's router also weights its shared experts (a softmax over the log-sigmoids of the k "
-                    "routed and the shared logits, times a learned scale); moekit's shared expert is unweighted "
-                    "or sigmoid-gated",
     "ernie4_5_vl_moe_text": "ERNIE-4.5-VL's config holds one expert width per modality (text and vision blocks) "
                             "and its block returns its output flattened with the router logits; moekit reads "
                             "one layer",

@@ -65,6 +65,9 @@ def _family_block(fam, groups: int = 2, **fields):
         with torch.no_grad():
             for p in block.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+            for name, p in block.named_parameters():  # a router's learned scale (Inkling's): > 0 as trained
+                if name.endswith("gate.global_scale"):
+                    p.abs_().add_(0.5)
             for name, b in block.named_buffers():  # correction biases (a buffer in most families): not zero
                 if name.endswith(("e_score_correction_bias", "expert_bias")):
                     b.copy_(torch.randn(b.shape, generator=g) * 0.1)
@@ -89,7 +92,7 @@ _SWAPPED = {
     "minicpm5_moe", "minimax_m3_vl", "mistral4", "mistral_large4", "openai_privacy_filter", "qwen3_5_moe",
     "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "step3p7", "unlimited_ocr",
     "kolibri1", "kolibri1_1", "longcat_flash",
-    "phimoe", "axk1",
+    "phimoe", "axk1", "inkling",
 }
 
 
@@ -133,7 +136,8 @@ _OPTIONS = [("mistral4", {}), ("mistral_large4", {}), ("lfm2_moe", {"use_expert_
             ("longcat_flash", {"zero_expert_num": 3, "router_bias": True}),
             ("longcat_flash", {"zero_expert_num": 0}),
             # Phi-MoE's sparsemixer with several experts near each round's max (its 0.01 keeps mostly one)
-            ("phimoe", {"router_jitter_noise": 0.5}), ("phimoe", {"router_jitter_noise": 0.0})]
+            ("phimoe", {"router_jitter_noise": 0.5}), ("phimoe", {"router_jitter_noise": 0.0}),
+            ("inkling", {"n_shared_experts": 1}), ("inkling", {"n_shared_experts": 3, "route_scale": 2.5})]
 
 
 def _first(out):
@@ -145,7 +149,8 @@ def test_config_options_the_walk_does_not_set(family, fields):
     """Mistral-4 / Mistral-Large-4 as their configs ship them (one expert group), LFM2-MoE without its bias,
     Cohere2-MoE's sigmoid selection (renormalised or not) with a summed shared expert; Laguna's soft-cap,
     Cohere2-MoE's averaged shared expert, A.X-K2's groups, LongCat-Flash's identity experts (3 of them, with the
-    router bias its router never adds; and none), Phi-MoE's sparsemixer at jitter 0.5 and 0: swapped and equal to
+    router bias its router never adds; and none), Phi-MoE's sparsemixer at jitter 0.5 and 0, Inkling's router-weighted
+    shared experts (1 and 3, route_scale): swapped and equal to
     their own forward, and so is moe_from_hf's layer with the shared expert in it (separate and fused)."""
     key = next(k for k, f in _FAMILIES.items() if f.family == family)
     block, x, want = _family_block(_FAMILIES[key], groups=1, **fields)

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from moekit.hf.blocks import block_config, block_output_norm, moe_blocks
-from moekit.hf.swap_state import BlockSwap, SwapOptions, build_moe, copied_bytes, router_recorded
+from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, router_recorded,
+                                  router_weights_shared)
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
@@ -129,9 +130,9 @@ def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int |
 
 def _shared_parts(block: nn.Module, options: SwapOptions) -> tuple[nn.Module | None, nn.Module | None]:
     """(the block's shared expert, its sigmoid gate: Qwen2-MoE, Qwen3-Next) where the MoE leaves them to the
-    block (fuse_shared off), else (None, None)."""
+    block (fuse_shared off, not weighted by the router), else (None, None)."""
     shared = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
-    if shared is None or options.fuse_shared:
+    if shared is None or options.fuse_shared or router_weights_shared(block):
         return None, None
     return shared, getattr(block, "shared_expert_gate", None)
 

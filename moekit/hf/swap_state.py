@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.hf.blocks import moe_from_hf
+from moekit.hf.blocks import block_config, moe_from_hf
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
     from transformers.utils.output_capturing import _active_collector as _COLLECTOR
@@ -80,9 +80,16 @@ class BlockSwap:
 
 def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
     """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
-    expert only where fused (else the block's). In eval mode: the block's own mode decides (``own_forward_needed``)."""
+    expert only where fused or weighted by the router (else the block's). In eval mode: the block's own mode
+    decides (``own_forward_needed``)."""
     return moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
-                       shared_expert=options.fuse_shared, transposed="view", output_norm="caller").eval()
+                       shared_expert=options.fuse_shared or router_weights_shared(block), transposed="view",
+                       output_norm="caller").eval()
+
+
+def router_weights_shared(block: nn.Module) -> bool:
+    """Whether the block's router weights its shared experts (Inkling): the MoE runs them (a copy), not the block."""
+    return block_config(block).shared_expert_combine == "router"
 
 
 def copied_bytes(moe: nn.Module, block: nn.Module) -> int:
