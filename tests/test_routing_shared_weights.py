@@ -83,6 +83,7 @@ def test_layer_against_the_loop(fuse_shared):
         moe.e_score_correction_bias.normal_(0.0, 0.3)
         x = torch.randn(11, 16)
         torch.testing.assert_close(moe(x).double(), reference_layer(moe, x), rtol=1e-4, atol=1e-5)
+        assert moe(x[:0]).shape == (0, 16)  # no tokens
 
 
 @pytest.mark.parametrize("fuse_shared", [False, True])

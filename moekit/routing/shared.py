@@ -63,7 +63,8 @@ def shared_mlp(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: tor
     h = apply_glu(x2d @ w13.t(), config.activation)  # [M, SN]
     if slot_weights is not None:
         num_tokens, slots = slot_weights.shape
-        h = (h.view(num_tokens, slots, -1) * slot_weights.unsqueeze(-1).to(h.dtype)).view(num_tokens, -1)
+        per_slot = h.view(num_tokens, slots, h.shape[1] // slots)  # [M, S, N]; M may be 0
+        h = (per_slot * slot_weights.unsqueeze(-1).to(h.dtype)).view(num_tokens, h.shape[1])
     y = h @ w2.t()  # [M, K]
     if gate is not None:
         y = torch.sigmoid(gate(x2d)) * y
