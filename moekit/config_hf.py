@@ -5,7 +5,7 @@ A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the 
 family whose router moekit does not compute is in ``REFUSED`` with the reason. The router options of session 34
 (``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap, Kolibri's bias
 on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert, LongCat-Flash's
-identity experts, Llama-4's input-weighted experts.
+identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkling's router-weighted shared experts.
 """
 
 from __future__ import annotations
@@ -357,9 +357,13 @@ HF_READERS = {
 }
 # Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
 REFUSED = {
-    "zaya": "ZAYA routes through an MLP router carrying state across layers, with a skip expert; moekit's router "
-            "is one linear layer",
-    "ernie4_5_vl_moe_text": "ERNIE-4.5-VL's config holds one expert width per modality (text and vision blocks) "
-                            "and its block returns its output flattened with the router logits; moekit reads "
-                            "one layer",
+    "zaya": "ZAYA's router is an MLP (down_proj to router_hidden_size plus the previous layer's router state times a "
+            "learned scale, an RMSNorm, two GELU layers, out_proj over the E experts and a skip expert of weight 0), "
+            "and its block takes and returns that state across layers; moekit's gate is one linear layer of x. Its "
+            "experts run on moekit through model.set_experts_implementation('moekit'), which keeps its router",
+    "ernie4_5_vl_moe_text": "ERNIE-4.5-VL routes as ERNIE-4.5-MoE, but each of its sparse blocks (text and vision, "
+                            "one expert width each: moe_intermediate_size [text, vision]) returns its output and its "
+                            "router logits flattened to 1-D, which the modality block scatters by token type; "
+                            "moekit's layer returns [M, K] and no logits. Its experts run on moekit through "
+                            "model.set_experts_implementation('moekit')",
 }
