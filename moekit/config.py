@@ -228,7 +228,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
-        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (63 model
+        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (64 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
         Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,
@@ -239,7 +239,8 @@ class MoEConfig:
         minicpm5_moe, minimax_m3_vl_text, mistral4, mistral_large4_text, openai_privacy_filter, qwen3_5_moe_text,
         qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text, and
         (session 34) kolibri1, kolibri1_1, longcat_flash, llama4_text, phimoe, inkling_text, axk1 (its block's
-        output norm is the block's: ``moe_from_hf``). The router options of session 34
+        output norm is the block's: ``moe_from_hf``), ernie4_5_vl_moe_text (the text experts' width). The router
+        options of session 34
         (``changed_router_options``) are read where a family's config switches them on: Laguna's
         ``moe_router_logit_softcapping`` (``router_logit_softcap``), Kolibri's bias on the logits
         (``correction_bias_on="logits"``), grouped Mistral-4 and A.X-K2 (``group_score="top2_sum"``,
@@ -247,9 +248,8 @@ class MoEConfig:
         (``shared_expert_combine``), LongCat-Flash's zero-computation experts (``num_identity_experts``),
         Llama-4's input-scaled experts (``expert_weight_on="input"``), Phi-MoE's sparsemixer at inference
         (``sparsemixer_jitter_eps``: router_jitter_noise), Inkling's router-weighted shared experts
-        (``shared_expert_combine="router"``). Families whose router or block moekit does not compute (``REFUSED``:
-        ZAYA's MLP router with cross-layer state, ERNIE-4.5-VL's blocks returning flattened output and logits)
-        are refused, naming why (their experts still run on "moekit").
+        (``shared_expert_combine="router"``). A family whose router moekit does not compute (``REFUSED``: ZAYA's
+        MLP router with cross-layer state) is refused, naming why (its experts still run on "moekit").
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""

@@ -269,6 +269,15 @@ def _read_ernie(d: dict) -> dict:
                 renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared)
 
 
+def _read_ernie_vl(d: dict) -> dict:
+    """ERNIE-4.5-VL (its text config): ERNIE-4.5-MoE's router, in float32 as its router, in each sparse block; the
+    text experts' width, the first of moe_intermediate_size [text, vision] (moe_from_hf takes a vision block's from
+    its experts); its shared experts (text width) sit on the modality block, outside the sparse blocks."""
+    widths = d["moe_intermediate_size"]
+    text = Fields(d, moe_intermediate_size=widths[0] if isinstance(widths, (list, tuple)) else widths)
+    return dict(_read_ernie(text), router_dtype="float32", num_moe_layers=_count_layers(d, lambda i: True))
+
+
 def _read_kimi_linear(d: dict) -> dict:
     """Kimi-Linear and Bailing-Hybrid (Ling): DeepSeek-V3's router (grouped sigmoid, correction bias, routed
     scaling) under their own field names, and shared experts."""
@@ -351,7 +360,7 @@ HF_READERS = {
     "minimax_m2": _read_minimax_m2, "minimax_m3_vl_text": _read_minimax_m2,
     **{name: _read_sigmoid_topk for name in ("step3p5", "hy_v3", "laguna", "afmoe", "lfm2_moe", "flint")},
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
-    "ernie4_5_moe": _read_ernie,
+    "ernie4_5_moe": _read_ernie, "ernie4_5_vl_moe_text": _read_ernie_vl,
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
     "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
 }
@@ -361,9 +370,4 @@ REFUSED = {
             "learned scale, an RMSNorm, two GELU layers, out_proj over the E experts and a skip expert of weight 0), "
             "and its block takes and returns that state across layers; moekit's gate is one linear layer of x. Its "
             "experts run on moekit through model.set_experts_implementation('moekit'), which keeps its router",
-    "ernie4_5_vl_moe_text": "ERNIE-4.5-VL routes as ERNIE-4.5-MoE, but each of its sparse blocks (text and vision, "
-                            "one expert width each: moe_intermediate_size [text, vision]) returns its output and its "
-                            "router logits flattened to 1-D, which the modality block scatters by token type; "
-                            "moekit's layer returns [M, K] and no logits. Its experts run on moekit through "
-                            "model.set_experts_implementation('moekit')",
 }

@@ -108,14 +108,18 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
 
 
 def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, output_norm: str) -> MoEConfig:
-    """The block's config for moe_from_hf, Inkling's learned router scale multiplied in; a block whose output
-    norm or router-weighted shared experts the MoE would leave out is refused, naming why."""
+    """The block's config for moe_from_hf, its experts' own width (ERNIE-4.5-VL's vision block), Inkling's learned
+    router scale multiplied in; a block whose output norm or router-weighted shared experts the MoE would leave out
+    is refused, naming why."""
     norm = block_output_norm(block)
     if norm is not None and output_norm == "refuse":
         raise ValueError(f"{type(block).__name__} applies {type(norm).__name__} to its output, after the experts and "
                          "the shared expert: moekit's layer ends at the combine (use_moekit_blocks keeps the block's "
                          "norm; moe_from_hf(output_norm='caller') leaves it to you)")
     config = block_config(block)
+    width = getattr(block.experts, "intermediate_dim", None)  # ERNIE-4.5-VL's vision experts: their own width
+    if isinstance(width, int) and width != config.moe_intermediate_size:
+        config = config.replace(moe_intermediate_size=width)
     if config.shared_expert_combine == "router" and not shared_expert:
         raise ValueError(f"{type(block).__name__}'s router weights its shared experts: the MoE runs them "
                          "(shared_expert=True)")

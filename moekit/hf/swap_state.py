@@ -43,6 +43,9 @@ class BlockSwap:
     active: bool = True  # False: the block's own forward (``set_blocks_active``)
     shared_weight: float = 1.0  # the shared expert's weight in the output: 0.5 where averaged in (Cohere2-MoE)
     output_norm: nn.Module | None = None  # the block's norm of its whole output (A.X-K1), applied last; None: none
+    # True: the block returns (output, router logits), each flattened to 1-D, for a caller that scatters them by token
+    # type (ERNIE-4.5-VL's text and vision blocks); tuple_len is then 2
+    flat_with_logits: bool = False
 
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
@@ -76,6 +79,12 @@ class BlockSwap:
                 self.moe = build_moe(block, self.options)
                 self.track(block)
         return False
+
+
+def flat_output_and_logits(moe: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2d [M, K] -> (the MoE's output [M*K], its router logits [M*E]), as ERNIE-4.5-VL's sparse blocks return them."""
+    routed = moe.route_tokens(x2d)
+    return moe._experts_and_shared(x2d, routed).reshape(-1), routed.router_logits.reshape(-1)
 
 
 def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
