@@ -68,7 +68,8 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     ``routed_only``). Weights the ``MoE`` shares are never allocated for it first (no init pass over a copy of
     the experts). A block that norms its output (A.X-K1's ``post_mlp_layernorm``) is refused unless
     ``output_norm="caller"``: the ``MoE`` ends at the combine and the caller applies the block's norm (as
-    ``use_moekit_blocks``' swapped block does).
+    ``use_moekit_blocks``' swapped block does). The ``MoE`` takes the block's training mode (Phi-MoE's router
+    samples in training, which it refuses) and its experts' width (ERNIE-4.5-VL's vision block).
     """
     if transposed not in ("copy", "view"):
         raise ValueError(f"transposed must be 'copy' or 'view', got {transposed!r}")
