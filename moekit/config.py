@@ -26,10 +26,11 @@ ROUTER_DTYPES = ("float32", "float64", "bfloat16", "float16")
 BiasOn = Literal["scores", "logits"]  # where the correction bias is added for the choice (Kolibri: logits)
 GroupScore = Literal["auto", "max", "top2_sum"]  # a group's score ("auto": top2_sum with a bias, max without)
 GroupFill = Literal["-inf", "zero"]  # what a dropped group's experts score for the choice (A.X-K2, Mistral-4: zero)
-SharedCombine = Literal["sum", "average"]  # routed + shared, or their average (Cohere2-MoE)
+# routed + shared, their average (Cohere2-MoE), or each shared slot weighted by the router (Inkling)
+SharedCombine = Literal["sum", "average", "router"]
 WeightOn = Literal["output", "input"]  # a slot's weight scales its expert's output, or its input (Llama-4)
 ROUTER_OPTIONS = ("correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
-                  "shared_expert_combine", "num_identity_experts", "expert_weight_on")
+                  "shared_expert_combine", "num_identity_experts", "expert_weight_on", "sparsemixer_jitter_eps")
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,14 @@ class MoEConfig:
     group_score: GroupScore = "auto"  # a group scores its max or its top-2 sum (Mistral-4: top2_sum, no bias)
     dropped_group_fill: GroupFill = "-inf"  # "zero": a dropped group's experts can still win at score 0
     router_logit_softcap: float = 0.0  # c > 0: logits -> c * tanh(logits / c) before scoring (Laguna); 0: none
+    # eps >= 0: Phi-MoE's sparsemixer at inference (k argmax rounds, each weighted by a softmax over the logits
+    # within 2 eps of its max, relatively); None: top-k of the scores. Sampled in training: the layer refuses that
+    sparsemixer_jitter_eps: float | None = None
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ g)
-    shared_expert_combine: SharedCombine = "sum"  # "average": (routed + shared) / 2 (Cohere2-MoE)
+    # "average": (routed + shared) / 2 (Cohere2-MoE); "router": the router's logits [M, E + S] end with one per
+    # shared slot, whose sigmoids join the k chosen ones' renormalisation and weight the slots (Inkling)
+    shared_expert_combine: SharedCombine = "sum"
     # Z zero-computation experts (LongCat-Flash): router ids E..E+Z-1 return their input times their weight
     num_identity_experts: int = 0
     expert_weight_on: WeightOn = "output"  # "input": each slot's expert runs on weight x token (Llama-4)
@@ -88,9 +94,9 @@ class MoEConfig:
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "router_bias", "expert_bias"):
             check_bool(name, getattr(self, name))
         check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
-        if self.top_k > self.router_width:
+        if self.top_k > self.choice_width:
             what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
-            raise ValueError(f"top_k must be <= {what} ({self.router_width}), got {self.top_k}")
+            raise ValueError(f"top_k must be <= {what} ({self.choice_width}), got {self.top_k}")
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
         if self.num_experts % self.n_group != 0:
@@ -132,6 +138,38 @@ class MoEConfig:
                              f"{self.num_experts} over n_group={self.n_group}")
         if self.shared_expert_combine == "average" and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_combine='average' needs shared_expert_intermediate_size > 0")
+        if self.sparsemixer_jitter_eps is not None:
+            self._check_sparsemixer()
+        if self.shared_expert_combine == "router":
+            self._check_router_weighted_shared()
+
+    def _check_router_weighted_shared(self) -> None:
+        """Inkling's router-weighted shared slots: S = num_shared_slots logits after the E routed ones, renormalised
+        with the k chosen sigmoids; no groups, identity experts, shared gate, input weighting or masking with it."""
+        if not self.num_shared_slots:
+            raise ValueError("shared_expert_combine='router' needs shared_expert_intermediate_size, a multiple of "
+                             "moe_intermediate_size (one router logit a shared slot)")
+        clashing = {name: getattr(self, name) for name, plain in (
+            ("scoring", "sigmoid"), ("renormalize", True), ("n_group", 1), ("num_identity_experts", 0),
+            ("shared_expert_gate", False), ("expert_weight_on", "output"), ("nonfinite", "raise"))
+            if getattr(self, name) != plain}
+        if clashing:
+            raise ValueError(f"shared_expert_combine='router' routes with scoring='sigmoid', renormalize=True, "
+                             f"n_group=1, no identity experts, no shared gate, expert_weight_on='output' and "
+                             f"nonfinite='raise' (as Inkling), got {clashing}")
+
+    def _check_sparsemixer(self) -> None:
+        """Phi-MoE's sparsemixer weights each round by its own softmax: no scoring rule, bias, groups or
+        renormalisation of the usual top-k composes with it."""
+        eps = self.sparsemixer_jitter_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+            raise ValueError(f"sparsemixer_jitter_eps must be None or a finite number >= 0, got {eps!r}")
+        clashing = {name: getattr(self, name) for name, plain in (("scoring", "softmax"), ("renormalize", False),
+                    ("use_correction_bias", False), ("n_group", 1), ("num_identity_experts", 0))
+                    if getattr(self, name) != plain}
+        if clashing:
+            raise ValueError(f"sparsemixer_jitter_eps routes with scoring='softmax', renormalize=False, no correction "
+                             f"bias, n_group=1 and no identity experts (as Phi-MoE), got {clashing}")
 
     def changed_router_options(self) -> dict:
         """The session-34 options (``ROUTER_OPTIONS``) not at their defaults, name -> value. Empty: the routers of
@@ -142,7 +180,14 @@ class MoEConfig:
 
     @property
     def router_width(self) -> int:
-        """Columns of the router's logits: E routed experts, then Z identity experts (ids E..E+Z-1)."""
+        """Columns of the router's logits: E routed experts, then Z identity experts (ids E..E+Z-1), or the S shared
+        slots' logits (``shared_expert_combine="router"``: Inkling)."""
+        shared = self.num_shared_slots if self.shared_expert_combine == "router" else 0
+        return self.num_experts + self.num_identity_experts + shared
+
+    @property
+    def choice_width(self) -> int:
+        """The experts the router chooses from (the correction bias's width): E, + Z identity experts."""
         return self.num_experts + self.num_identity_experts
 
     @property
@@ -159,7 +204,8 @@ class MoEConfig:
 
     @property
     def shared_weight(self) -> float:
-        """The shared expert's weight in the output: 1, or 0.5 with ``shared_expert_combine="average"``."""
+        """The shared expert's weight in the output: 1, or 0.5 with ``shared_expert_combine="average"`` (with
+        "router" each token's own, ``Routing.shared_weights``)."""
         return 0.5 if self.shared_expert_combine == "average" else 1.0
 
     @property
@@ -182,7 +228,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
-        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (60 model
+        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (64 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
         Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,
@@ -192,16 +238,18 @@ class MoEConfig:
         granitemoehybrid, hy_v3, hy_v4, hy_v4_vl_text, laguna, lara_mini, lfm2_moe, mellum, mimo_v2_flash,
         minicpm5_moe, minimax_m3_vl_text, mistral4, mistral_large4_text, openai_privacy_filter, qwen3_5_moe_text,
         qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text, and
-        (session 34) kolibri1, kolibri1_1, longcat_flash, llama4_text. The router options of session 34
+        (session 34) kolibri1, kolibri1_1, longcat_flash, llama4_text, phimoe, inkling_text, axk1 (its block's
+        output norm is the block's: ``moe_from_hf``), ernie4_5_vl_moe_text (the text experts' width). The router
+        options of session 34
         (``changed_router_options``) are read where a family's config switches them on: Laguna's
         ``moe_router_logit_softcapping`` (``router_logit_softcap``), Kolibri's bias on the logits
         (``correction_bias_on="logits"``), grouped Mistral-4 and A.X-K2 (``group_score="top2_sum"``,
         ``dropped_group_fill="zero"``), Cohere2-MoE's ``shared_expert_combination_strategy="average"``
         (``shared_expert_combine``), LongCat-Flash's zero-computation experts (``num_identity_experts``),
-        Llama-4's input-scaled experts (``expert_weight_on="input"``).
-        Families whose router or block moekit does not compute (``REFUSED``: Phi-MoE's sparsemixer, ZAYA's MLP
-        router, Inkling's weighted shared experts, A.X-K1's output norm, ERNIE-4.5-VL's per-modality blocks)
-        are refused, naming why (their experts still run on "moekit").
+        Llama-4's input-scaled experts (``expert_weight_on="input"``), Phi-MoE's sparsemixer at inference
+        (``sparsemixer_jitter_eps``: router_jitter_noise), Inkling's router-weighted shared experts
+        (``shared_expert_combine="router"``). A family whose router moekit does not compute (``REFUSED``: ZAYA's
+        MLP router with cross-layer state) is refused, naming why (its experts still run on "moekit").
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""

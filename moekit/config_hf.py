@@ -5,7 +5,7 @@ A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the 
 family whose router moekit does not compute is in ``REFUSED`` with the reason. The router options of session 34
 (``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap, Kolibri's bias
 on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert, LongCat-Flash's
-identity experts, Llama-4's input-weighted experts.
+identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkling's router-weighted shared experts.
 """
 
 from __future__ import annotations
@@ -111,13 +111,13 @@ def _read_qwen2_moe(d: dict) -> dict:
 # routed scaling), the same computation in each of these families' modeling files
 _V3_ROUTER = {"deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
               "deepseek_v32", "hy_v4", "hy_v4_vl_text", "solar_open", "minicpm5_moe", "exaone_moe", "dots3_note_text",
-              "mimo_v2_flash", "beam", "axk2"}
+              "mimo_v2_flash", "beam", "axk2", "axk1"}
 
 
 def _read_deepseek(d: dict) -> dict:
     """DeepSeek-V2/V3 (and DeepSeek-OCR-2's and Unlimited-OCR's V2 router), and the families of ``_V3_ROUTER``.
     Beam scales the routed output after the combine, which is the same; Dots-3's shared experts have their own
-    width."""
+    width; A.X-K1's block norms its output after the layer (``post_mlp_layernorm``: the block's, not the layer's)."""
     v3 = d["model_type"] in _V3_ROUTER
     method = _get(d, "topk_method", default="noaux_tc" if v3 else "greedy")
     grouped = method in ("group_limited_greedy", "noaux_tc")
@@ -269,6 +269,15 @@ def _read_ernie(d: dict) -> dict:
                 renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared)
 
 
+def _read_ernie_vl(d: dict) -> dict:
+    """ERNIE-4.5-VL (its text config): ERNIE-4.5-MoE's router, in float32 as its router, in each sparse block; the
+    text experts' width, the first of moe_intermediate_size [text, vision] (moe_from_hf takes a vision block's from
+    its experts); its shared experts (text width) sit on the modality block, outside the sparse blocks."""
+    widths = d["moe_intermediate_size"]
+    text = Fields(d, moe_intermediate_size=widths[0] if isinstance(widths, (list, tuple)) else widths)
+    return dict(_read_ernie(text), router_dtype="float32", num_moe_layers=_count_layers(d, lambda i: True))
+
+
 def _read_kimi_linear(d: dict) -> dict:
     """Kimi-Linear and Bailing-Hybrid (Ling): DeepSeek-V3's router (grouped sigmoid, correction bias, routed
     scaling) under their own field names, and shared experts."""
@@ -309,6 +318,32 @@ def _read_longcat(d: dict) -> dict:
                 num_identity_experts=_get(d, "zero_expert_num", default=0), num_moe_layers=d.get("num_layers"))
 
 
+def _read_phimoe(d: dict) -> dict:
+    """Phi-MoE (Phi-3.5-MoE): sparsemixer over the logits, two experts a token whatever num_experts_per_tok (its
+    router always runs two rounds), each weighted by a softmax over the logits within 2 * router_jitter_noise of
+    its round's max (``sparsemixer_jitter_eps``), not renormalised. At inference only: in training its router samples
+    (Gumbel noise, a random 1/3 weight) and its block jitters its input, which moekit refuses."""
+    return dict(_read_mixtral(d), top_k=2, renormalize=False,
+                sparsemixer_jitter_eps=float(_get(d, "router_jitter_noise", default=0.01)))
+
+
+def _read_inkling(d: dict) -> dict:
+    """Inkling: sigmoid scores, top-k of them plus the correction bias; the router's last n_shared_experts logits
+    weight the shared experts (``shared_expert_combine="router"``): the k chosen and the S shared sigmoids
+    renormalised together, times route_scale (the router's learned global_scale: moe_from_hf multiplies it in); the
+    routing in float32, as its router."""
+    shared = _get(d, "n_shared_experts", default=0)
+    if not shared:
+        raise ValueError("cfg.model_type 'inkling_text' with n_shared_experts=0: its router reads its shared logits as "
+                         "the last n_shared_experts columns, which it needs >= 1 of")
+    return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
+                num_experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"], scoring="sigmoid",
+                renormalize=True, use_correction_bias=True,
+                routed_scaling_factor=float(_get(d, "route_scale", default=1.0)),
+                shared_expert_intermediate_size=shared * d["moe_intermediate_size"], shared_expert_combine="router",
+                router_dtype="float32", num_moe_layers=_count_layers(d, lambda i: True))
+
+
 HF_READERS = {
     "mixtral": _read_mixtral,
     "qwen2_moe": _read_qwen2_moe, "qwen3_next": _read_qwen2_moe, "qwen4_exp_text": _read_qwen2_moe,
@@ -325,24 +360,14 @@ HF_READERS = {
     "minimax_m2": _read_minimax_m2, "minimax_m3_vl_text": _read_minimax_m2,
     **{name: _read_sigmoid_topk for name in ("step3p5", "hy_v3", "laguna", "afmoe", "lfm2_moe", "flint")},
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
-    "ernie4_5_moe": _read_ernie,
+    "ernie4_5_moe": _read_ernie, "ernie4_5_vl_moe_text": _read_ernie_vl,
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
-    "llama4_text": _read_llama4,
+    "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
 }
 # Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
 REFUSED = {
-    "phimoe": "Phi-MoE routes with sparsemixer (top-1 by argmax, a softmax over the logits within "
-              "2*router_jitter_noise of the max, then the same for the second expert), not a softmax top-k; "
-              "moekit's router does not implement it. Its experts run on moekit through "
-              "model.set_experts_implementation('moekit'), which keeps transformers' router",
-    "zaya": "ZAYA routes through an MLP router carrying state across layers, with a skip expert; moekit's router "
-            "is one linear layer",
-    "inkling_text": "Inkling's router also weights its shared experts (a softmax over the log-sigmoids of the k "
-                    "routed and the shared logits, times a learned scale); moekit's shared expert is unweighted "
-                    "or sigmoid-gated",
-    "axk1": "A.X-K1's block applies an RMSNorm (post_mlp_layernorm) to its output; moekit's layer ends at the "
-            "combine",
-    "ernie4_5_vl_moe_text": "ERNIE-4.5-VL's config holds one expert width per modality (text and vision blocks) "
-                            "and its block returns its output flattened with the router logits; moekit reads "
-                            "one layer",
+    "zaya": "ZAYA's router is an MLP (down_proj to router_hidden_size plus the previous layer's router state times a "
+            "learned scale, an RMSNorm, two GELU layers, out_proj over the E experts and a skip expert of weight 0), "
+            "and its block takes and returns that state across layers; moekit's gate is one linear layer of x. Its "
+            "experts run on moekit through model.set_experts_implementation('moekit'), which keeps its router",
 }

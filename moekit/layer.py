@@ -103,9 +103,8 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         eager_graph_rows: int | None = None,
     ) -> None:
-        """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel
-        rank (``moekit.parallel.EPMoE``) holds only its own. ``eager_graph_rows``: eager CUDA calls without
-        autograd of at most this many tokens replay a CUDA graph captured per kind of call
+        """``num_local_experts``: routed expert rows held, all E by default (EP: a rank's own). ``eager_graph_rows``:
+        eager CUDA calls without autograd of at most this many tokens replay a CUDA graph captured per kind of call
         (``moekit.eager_graphs``; off by default: each token count seen costs a capture and its memory)."""
         super().__init__()
         check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
@@ -127,14 +126,15 @@ class MoE(nn.Module):
         factory = {"dtype": dtype, "device": device}
         slots = config.num_shared_slots if self.fuse_shared else 0
         rows = (e if num_local_experts is None else num_local_experts) + slots
-        width = config.router_width  # E, + Z identity experts (LongCat-Flash), whose gate rows come last
-        self.gate = nn.Linear(k_dim, width, bias=config.router_bias, **factory)  # weight [E(+Z), K] (+ bias, gpt-oss)
+        width = config.router_width  # E, + Z identity experts (LongCat-Flash) or S shared slots (Inkling), rows last
+        self.gate = nn.Linear(k_dim, width, bias=config.router_bias, **factory)  # weight [E(+Z|S), K] (+ bias)
         self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]; L(+S) on an EP rank
         self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]; L(+S) on an EP rank
         # config.expert_bias (gpt-oss): b13 [E(+S), 2N] in w13's row order, b2 [E(+S), K]; zero on shared slots
         self.b13 = nn.Parameter(torch.zeros(rows, 2 * n_dim, **factory)) if config.expert_bias else None
         self.b2 = nn.Parameter(torch.zeros(rows, k_dim, **factory)) if config.expert_bias else None
-        bias = torch.zeros(width, dtype=torch.float32, device=device) if config.use_correction_bias else None
+        fp32 = {"dtype": torch.float32, "device": device}  # the correction bias [E(+Z)], in float32 whatever dtype
+        bias = torch.zeros(config.choice_width, **fp32) if config.use_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0
         self.shared_w13 = nn.Parameter(torch.empty(2 * shared, k_dim, **factory)) if shared else None
@@ -233,6 +233,10 @@ class MoE(nn.Module):
                 routing = self._fused_router(logits, bias, gate_logits, in_kernel,
                                              None if ws is None else (ws.ids, ws.weights))
             else:
+                if self.training and c.sparsemixer_jitter_eps is not None:
+                    raise NotImplementedError("sparsemixer_jitter_eps: Phi-MoE's router samples its experts in "
+                                              "training (Gumbel noise, a random 1/3 weight); moekit routes only as "
+                                              "at inference: call .eval()")
                 routing = route(logits, self.config, bias)
         ids = routing.topk_ids  # [M, k(+S)]: the fused kernel may append the shared slots
         identity = identity_weights(routing, c) if c.num_identity_experts else None  # [M, 1]; LongCat-Flash
@@ -307,7 +311,7 @@ class MoE(nn.Module):
         else:
             out = self.run_routed(x2d, routing)  # [M, K]; a subclass places the experts
         if self.shared_w13 is not None:
-            out = out + self._shared_mlp(x2d)
+            out = out + self._shared_mlp(x2d, routing.shared_weights)
         if routed.identity_weights is not None:  # LongCat-Flash's zero-computation experts: weight x token
             out = out + (x2d * routed.identity_weights).to(out.dtype)
         return out
@@ -342,8 +346,8 @@ class MoE(nn.Module):
         return call_backend(self._experts_fn, x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
                             activation=self.config.activation, b13=self.b13, b2=self.b2)
 
-    def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
-        return shared_mlp(x2d, self.shared_w13, self.shared_w2, self.shared_gate, self.config)  # [M, K]
+    def _shared_mlp(self, x2d: torch.Tensor, slot_weights: torch.Tensor | None = None) -> torch.Tensor:
+        return shared_mlp(x2d, self.shared_w13, self.shared_w2, self.shared_gate, self.config, slot_weights)  # [M, K]
 
     def _stats(self, routed: RoutedTokens) -> MoEStats:
         return stats_of(routed, self.config.num_experts, self.stats_block_size, self._layout_used(routed.routing))

@@ -1,7 +1,7 @@
 """MoEConfig.from_hf_config on the model types session 33 taught it: transformers' own config classes (their
 defaults) read into the fields their routers use, the router options of session 34 read where a config switches
 them on, and the refused families naming their reason. The block-level check (each family's block
-swapped and equal to its own forward) is tests/test_hf_swap.py's family walk."""
+swapped and equal to its own forward) is tests/test_hf_swap_walk.py."""
 
 from __future__ import annotations
 
@@ -135,3 +135,25 @@ def test_refused_families_say_why(model_type):
 def test_a_vl_models_top_level_config_reads_its_text_config(model_type):
     cfg = transformers.AutoConfig.for_model(model_type)
     assert MoEConfig.from_hf_config(cfg) == MoEConfig.from_hf_config(cfg.get_text_config())
+
+
+def test_the_families_of_fam34b():
+    """Phi-MoE: two experts whatever num_experts_per_tok (its router's two rounds), its jitter as the sparsemixer's
+    eps, not renormalised; Inkling: sigmoid + bias, the router-weighted shared experts and route_scale, float32
+    routing, refused without a shared expert (its router reads the last n_shared_experts logits); A.X-K1: DeepSeek-V3's
+    router (its output norm is the block's); ERNIE-4.5-VL's top-level config reads its text experts' width."""
+    phi, _ = _read("phimoe", num_experts_per_tok=3, router_jitter_noise=0.05)
+    assert (phi.top_k, phi.sparsemixer_jitter_eps, phi.renormalize, phi.scoring) == (2, 0.05, False, "softmax")
+    ink, cfg = _read("inkling_text")
+    assert (ink.scoring, ink.use_correction_bias, ink.renormalize, ink.shared_expert_combine) == (
+        "sigmoid", True, True, "router")
+    assert ink.num_shared_slots == cfg.n_shared_experts and ink.router_width == cfg.n_routed_experts + 2
+    assert ink.routed_scaling_factor == cfg.route_scale and ink.router_dtype == "float32"
+    with pytest.raises(ValueError, match="n_shared_experts=0"):
+        _read("inkling_text", n_shared_experts=0)
+    axk1, cfg = _read("axk1")
+    assert (axk1.n_group, axk1.topk_group, axk1.use_correction_bias, axk1.group_score) == (
+        cfg.n_group, cfg.topk_group, True, "auto")
+    assert axk1.shared_expert_intermediate_size == cfg.n_shared_experts * cfg.moe_intermediate_size
+    vl, cfg = _read("ernie4_5_vl_moe")
+    assert vl.moe_intermediate_size == cfg.text_config.moe_intermediate_size[0] and vl.router_dtype == "float32"

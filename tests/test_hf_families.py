@@ -149,7 +149,7 @@ def _moe_block(layer: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("fuse_shared", [False, True])
-@pytest.mark.parametrize("name", [n for n in tiny.MODELS if n != "phimoe"])
+@pytest.mark.parametrize("name", list(tiny.MODELS))
 def test_moe_from_hf_equals_block(name, fuse_shared):
     """Router (+ bias, + correction bias) + experts (+ biases, their activation) + shared expert (+ gate)."""
     model, layer = tiny.build(name)
@@ -160,12 +160,6 @@ def test_moe_from_hf_equals_block(name, fuse_shared):
         want = block(x)
         want = want[0] if isinstance(want, tuple) else want
         assert rel_l2(moe(x), want) < 1e-5
-
-
-def test_moe_from_hf_refuses_sparsemixer():
-    model, layer = tiny.build("phimoe")
-    with pytest.raises(ValueError, match="sparsemixer"):
-        moekit_hf.moe_from_hf(_moe_block(model.model.layers[layer]))
 
 
 @pytest.mark.parametrize("family", list(tiny.BLOCKS))

@@ -56,12 +56,16 @@ def test_offloaded_layer_equals_the_plain_layer(place, slots):
     {"shared_expert_intermediate_size": N, "shared_expert_combine": "average"},
     {"shared_expert_intermediate_size": N, "expert_weight_on": "input"},
     {"scoring": "sigmoid", "use_correction_bias": True, "router_logit_softcap": 1.0, "correction_bias_on": "logits"},
+    # fam34b: Phi-MoE's sparsemixer (eval mode: its training samples), Inkling's router-weighted shared experts
+    {"renormalize": False, "sparsemixer_jitter_eps": 0.3},
+    {"scoring": "sigmoid", "use_correction_bias": True, "shared_expert_intermediate_size": 2 * N,
+     "shared_expert_combine": "router"},
 ])
 def test_shared_expert_and_correction_bias_carry_over(config):
-    moe = _moe(**config)
+    moe = _moe(**config).eval()
     if moe.e_score_correction_bias is not None:
         moe.e_score_correction_bias.copy_(torch.randn(moe.e_score_correction_bias.shape))
-    off = OffloadedMoE.from_moe(moe, cache_experts=4)
+    off = OffloadedMoE.from_moe(moe, cache_experts=4).eval()
     x = _x(9)
     assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
 

@@ -36,6 +36,8 @@ DEEPSEEK_LIKE = MoEConfig(
 OPTIONS_ON = DEEPSEEK_LIKE.replace(router_logit_softcap=2.0, correction_bias_on="logits", group_score="top2_sum",
                                    dropped_group_fill="zero", shared_expert_combine="average")
 IDENTITY = SOFTMAX_SHARED.replace(num_identity_experts=3, use_correction_bias=True)  # LongCat-Flash's zero experts
+PHI = SOFTMAX_SHARED.replace(renormalize=False, top_k=2, sparsemixer_jitter_eps=0.3)  # Phi-MoE's sparsemixer (eval)
+INK = SOFTMAX_SHARED.replace(scoring="sigmoid", use_correction_bias=True, shared_expert_combine="router")  # Inkling
 # Token counts per rank: uneven, and with ranks that hold no tokens.
 SPLITS = {2: [[5, 12], [17, 0]], 4: [[6, 0, 9, 2], [0, 0, 11, 0]]}
 
@@ -180,6 +182,9 @@ def _router_options(g: Group) -> dict:
     moe = _moe(SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=1, scoring="sigmoid"))  # Llama-4's router
     res["router_options_input_weighted"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
     res["input_weighted_top2"] = _error_of(lambda: EPMoE(SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=2)))
+    for name, cfg, fuse in (("sparsemixer", PHI, True), ("shared_router", INK, True), ("shared_router", INK, False)):
+        moe = _skew(_moe(cfg, fuse_shared=fuse), [1, 6], 0.2) if cfg is INK else _moe(cfg).eval()
+        res[f"router_options_{name}_{fuse}"] = _compare(EPMoE.from_moe(moe).eval(), moe, g.x, g.sizes, g.rank)
     return res
 
 
@@ -317,7 +322,8 @@ FP32_KEYS = [
     "round_robin_separate_shared_1", "padded_0_cap3", "padded_0_cap0", "padded_1_cap3", "padded_1_cap0",
     "eplb_replicas", "eplb_replicas_padded", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts",
     "capacity_per_rank", "load_experts", "router_options_fused_True", "router_options_fused_False",
-    "router_options_identity", "router_options_input_weighted",
+    "router_options_identity", "router_options_input_weighted", "router_options_sparsemixer_True",
+    "router_options_shared_router_True", "router_options_shared_router_False",
 ]
 CHECKS = [
     *(_close(key) for key in FP32_KEYS),

@@ -23,6 +23,7 @@ from moekit.quant.hf import quantized_experts_weights
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+OUTPUT_NORM_NAMES = ("post_mlp_layernorm",)  # a norm the block applies to its output (A.X-K1)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _is_block(module: nn.Module) -> bool:
 
 
 def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto",
-                shared_expert: bool = True, transposed: str = "copy") -> MoE:
+                shared_expert: bool = True, transposed: str = "copy", output_norm: str = "refuse") -> MoE:
     """A ``MoE`` computing the same function as ``block`` (its first output where it returns a tuple).
 
     With ``fuse_shared=False`` (default) the routed experts' weights and the router are *shared* with the
@@ -65,10 +66,15 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     ``shared_expert=False``: the routed experts only (no shared expert, no copy of its weights;
     ``use_moekit_blocks`` runs the block's own; an averaged one's half moves into the routed weights:
     ``routed_only``). Weights the ``MoE`` shares are never allocated for it first (no init pass over a copy of
-    the experts).
+    the experts). A block that norms its output (A.X-K1's ``post_mlp_layernorm``) is refused unless
+    ``output_norm="caller"``: the ``MoE`` ends at the combine and the caller applies the block's norm (as
+    ``use_moekit_blocks``' swapped block does). The ``MoE`` takes the block's training mode (Phi-MoE's router
+    samples in training, which it refuses) and its experts' width (ERNIE-4.5-VL's vision block).
     """
     if transposed not in ("copy", "view"):
         raise ValueError(f"transposed must be 'copy' or 'view', got {transposed!r}")
+    if output_norm not in ("refuse", "caller"):
+        raise ValueError(f"output_norm must be 'refuse' or 'caller', got {output_norm!r}")
     experts = getattr(block, "experts", None)
     router = next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
     if experts is None or router is None or not hasattr(experts, "down_proj"):
@@ -79,7 +85,8 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
         why = plan.reason or "its experts are ungated (up_proj only)"
         raise ValueError(f"{type(experts).__name__} cannot become a moekit MoE layer: {why}; run the model with "
                          "set_experts_implementation('moekit') instead")
-    config = block_config(block).replace(activation=plan.activation, expert_bias=plan.has_bias)
+    config = _layer_config(block, router, shared_expert, output_norm).replace(activation=plan.activation,
+                                                                              expert_bias=plan.has_bias)
     shared_mlp = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
     if shared_mlp is not None and not config.has_shared_expert:
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
@@ -98,7 +105,37 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
         moe.w2 = nn.Parameter(experts.down_proj.detach().transpose(1, 2), requires_grad=False)
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
-    return moe
+    return moe.train(block.training)  # Phi-MoE's router samples in training, which the MoE refuses
+
+
+def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, output_norm: str) -> MoEConfig:
+    """The block's config for moe_from_hf, its experts' own width (ERNIE-4.5-VL's vision block), Inkling's learned
+    router scale multiplied in; a block whose output norm or router-weighted shared experts the MoE would leave out
+    is refused, naming why."""
+    norm = block_output_norm(block)
+    if norm is not None and output_norm == "refuse":
+        raise ValueError(f"{type(block).__name__} applies {type(norm).__name__} to its output, after the experts and "
+                         "the shared expert: moekit's layer ends at the combine (use_moekit_blocks keeps the block's "
+                         "norm; moe_from_hf(output_norm='caller') leaves it to you)")
+    config = block_config(block)
+    width = getattr(block.experts, "intermediate_dim", None)  # ERNIE-4.5-VL's vision experts: their own width
+    if isinstance(width, int) and width != config.moe_intermediate_size:
+        config = config.replace(moe_intermediate_size=width)
+    if config.shared_expert_combine == "router" and not shared_expert:
+        raise ValueError(f"{type(block).__name__}'s router weights its shared experts: the MoE runs them "
+                         "(shared_expert=True)")
+    scale = getattr(router, "global_scale", None)  # Inkling's learned [1] scale of every router weight
+    if not isinstance(scale, torch.Tensor):
+        return config
+    if not float(scale.detach()) > 0:
+        raise ValueError(f"{type(router).__name__}.global_scale is {float(scale.detach())}: moekit's "
+                         "routed_scaling_factor, which it multiplies, is > 0")
+    return config.replace(routed_scaling_factor=config.routed_scaling_factor * float(scale.detach()))
+
+
+def block_output_norm(block: nn.Module) -> nn.Module | None:
+    """The norm a block applies to its output after the MoE (``OUTPUT_NORM_NAMES``), or None."""
+    return next((m for m in (getattr(block, n, None) for n in OUTPUT_NORM_NAMES) if isinstance(m, nn.Module)), None)
 
 
 def block_config(block: nn.Module) -> MoEConfig:
@@ -179,12 +216,16 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
 
 def _shared_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A transformers gated MLP -> (w13 [2SN, K] gate rows then up rows, w2 [K, SN]); a fused ``gate_up_proj``
-    (MiniMax-M3-VL: gate rows then up rows, its activation the experts')."""
+    (MiniMax-M3-VL: gate rows then up rows, its activation the experts'); S experts in bmm layout (Inkling)."""
     if getattr(mlp, "limit", None) is not None:  # Step-3.7 / Bailing-Hybrid's per-layer clamp
         raise TypeError(f"the shared expert {type(mlp).__name__} clamps its SwiGLU (limit {mlp.limit}): moekit's "
                         "shared MLP does not")
     if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear) and getattr(mlp.gate_up_proj, "bias", None) is None:
         return mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
+    if all(isinstance(getattr(mlp, n, None), nn.Parameter) and getattr(mlp, n).dim() == 3
+           for n in ("gate_proj", "up_proj", "down_proj")):  # Inkling's S experts: [S, N, K] twice, [S, K, N]
+        gate, up, down = mlp.gate_proj.detach(), mlp.up_proj.detach(), mlp.down_proj.detach()
+        return torch.cat([gate.flatten(0, 1), up.flatten(0, 1)]), down.permute(1, 0, 2).flatten(1)
     if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         raise TypeError(f"the shared expert must be a gated MLP with gate_proj/up_proj/down_proj, "
                         f"got {type(mlp).__name__}")

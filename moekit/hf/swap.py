@@ -2,8 +2,8 @@
 the layer's decode fast path) instead of transformers' router and an experts call, in place.
 
     model ──moe_blocks──▶ each block ──moe_from_hf(shared_expert=False)──▶ MoE over the block's own Parameters
-    block.__class__ ──▶ a subclass whose forward is  MoE(x) [+ the block's shared expert (x 0.5 where averaged)] ;
-                        state_dict unchanged
+    block.__class__ ──▶ a subclass whose forward is  MoE(x) [+ the block's shared expert (x 0.5 where averaged)]
+                        [-> the block's output norm (A.X-K1)] ; state_dict unchanged
 
 The block stays where it is with its Parameters, so ``state_dict`` keys, ``save_pretrained`` /
 ``from_pretrained``, optimizers and hooks see the model as before; the ``MoE`` is an attribute, not a
@@ -27,10 +27,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.hf.blocks import block_config, moe_blocks
-from moekit.hf.swap_state import BlockSwap, SwapOptions, build_moe, copied_bytes, router_recorded
+from moekit.hf.blocks import block_config, block_output_norm, moe_blocks
+from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
+                                  router_recorded, router_weights_shared)
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
+# Blocks whose forward returns (output.flatten(), router_logits.flatten()): ERNIE-4.5-VL's text and vision blocks,
+# whose modality block scatters both by token type
+_FLAT_WITH_LOGITS = ("Ernie4_5_VLMoeSparseMoeBlock",)
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 
 
@@ -119,7 +123,8 @@ def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int |
         tuple_len = swap.tuple_len if swap is not None else _probe_tuple_len(block, moe)
     shared, shared_gate = _shared_parts(block, options)
     weight = 1.0 if shared is None else block_config(block).shared_weight
-    swap = BlockSwap(moe, own, options, shared, shared_gate, tuple_len, shared_weight=weight)
+    swap = BlockSwap(moe, own, options, shared, shared_gate, tuple_len, shared_weight=weight,
+                     output_norm=block_output_norm(block), flat_with_logits=own.__name__ in _FLAT_WITH_LOGITS)
     swap.track(block)
     block.__dict__[SWAP_ATTR] = swap
     block.__class__ = _swapped_class(own)
@@ -128,9 +133,9 @@ def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int |
 
 def _shared_parts(block: nn.Module, options: SwapOptions) -> tuple[nn.Module | None, nn.Module | None]:
     """(the block's shared expert, its sigmoid gate: Qwen2-MoE, Qwen3-Next) where the MoE leaves them to the
-    block (fuse_shared off), else (None, None)."""
+    block (fuse_shared off, not weighted by the router), else (None, None)."""
     shared = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
-    if shared is None or options.fuse_shared:
+    if shared is None or options.fuse_shared or router_weights_shared(block):
         return None, None
     return shared, getattr(block, "shared_expert_gate", None)
 
@@ -167,12 +172,16 @@ class _MoekitBlock(nn.Module):
     """The behaviour a swapped block's class gets ahead of its own (``_swapped_class``)."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        """hidden_states [B, S, K] (or [M, K]) -> the block's output: MoE(x) [+ its shared expert]; its own
-        forward where the module doc says."""
+        """hidden_states [B, S, K] (or [M, K], or flat: ERNIE-4.5-VL's) -> the block's output: MoE(x) [+ its shared
+        expert] [-> its output norm], or (output, router logits) flattened; its own forward where the module doc
+        says."""
         swap = self.__dict__[SWAP_ATTR]
         if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
             return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
-        x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
+        hidden = swap.moe.config.hidden_size  # K: a flat x (ERNIE-4.5-VL's modality scatter) is [M*K]
+        x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden)
+        if swap.flat_with_logits:  # ERNIE-4.5-VL's blocks (no shared expert, no norm of their own)
+            return flat_output_and_logits(swap.moe, x2d)
         out = swap.moe.forward(x2d)  # [M, K]; a 2-D x meets the layer's decode fast path first (no hooks on it)
         out = out if x2d is hidden_states else out.view_as(hidden_states)  # view_as: 0.7 µs, view(shape) 2.2
         if swap.shared is not None:
@@ -180,6 +189,8 @@ class _MoekitBlock(nn.Module):
             if swap.shared_gate is not None:
                 shared = torch.sigmoid(swap.shared_gate(hidden_states)) * shared
             out = out + (shared if swap.shared_weight == 1.0 else swap.shared_weight * shared)  # the MoE halved its own
+        if swap.output_norm is not None:  # A.X-K1: the block's norm of routed + shared
+            out = swap.output_norm(out)
         return out if swap.tuple_len == 0 else (out,) + (None,) * (swap.tuple_len - 1)
 
     def _apply(self, fn, recurse=True):

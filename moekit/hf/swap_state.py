@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.hf.blocks import moe_from_hf
+from moekit.hf.blocks import block_config, moe_from_hf
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
     from transformers.utils.output_capturing import _active_collector as _COLLECTOR
@@ -42,6 +42,10 @@ class BlockSwap:
     bound: tuple = ()  # (module, name, tensor) of the router's and experts' Parameters the MoE was built on
     active: bool = True  # False: the block's own forward (``set_blocks_active``)
     shared_weight: float = 1.0  # the shared expert's weight in the output: 0.5 where averaged in (Cohere2-MoE)
+    output_norm: nn.Module | None = None  # the block's norm of its whole output (A.X-K1), applied last; None: none
+    # True: the block returns (output, router logits), each flattened to 1-D, for a caller that scatters them by token
+    # type (ERNIE-4.5-VL's text and vision blocks); tuple_len is then 2
+    flat_with_logits: bool = False
 
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
@@ -61,12 +65,13 @@ class BlockSwap:
         return all(m._parameters.get(name) is t for m, name, t in self.bound)
 
     def own_forward_needed(self, block: nn.Module) -> bool:
-        """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), or
+        """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
+        block in training mode whose router samples (Phi-MoE's sparsemixer: moekit routes as at inference), or
         autograd recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
         Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
         first, in eager calls."""
-        if not self.is_bound():
-            return True
+        if not self.is_bound() or (block.training and self.moe.config.sparsemixer_jitter_eps is not None):
+            return True  # substituted Parameters; Phi-MoE's router sampling in training
         if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
             return True
         if self.sources and not torch.compiler.is_compiling():
@@ -76,11 +81,24 @@ class BlockSwap:
         return False
 
 
+def flat_output_and_logits(moe: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2d [M, K] -> (the MoE's output [M*K], its router logits [M*E]), as ERNIE-4.5-VL's sparse blocks return them."""
+    routed = moe.route_tokens(x2d)
+    return moe._experts_and_shared(x2d, routed).reshape(-1), routed.router_logits.reshape(-1)
+
+
 def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
     """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
-    expert only where fused (else the block's)."""
+    expert only where fused or weighted by the router (else the block's). In eval mode: the block's own mode
+    decides (``own_forward_needed``)."""
     return moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
-                       shared_expert=options.fuse_shared, transposed="view")
+                       shared_expert=options.fuse_shared or router_weights_shared(block), transposed="view",
+                       output_norm="caller").eval()
+
+
+def router_weights_shared(block: nn.Module) -> bool:
+    """Whether the block's router weights its shared experts (Inkling): the MoE runs them (a copy), not the block."""
+    return block_config(block).shared_expert_combine == "router"
 
 
 def copied_bytes(moe: nn.Module, block: nn.Module) -> int:

@@ -74,7 +74,8 @@ def apply_capacity(
     kept_weights = torch.where(dropped_mask, torch.zeros_like(weights), weights)
     kept_counts = torch.clamp(groups.counts, max=capacity).to(torch.int32)
     return CapacityResult(
-        routing=Routing(topk_ids=kept_ids, topk_weights=kept_weights, masked_tokens=routing.masked_tokens),
+        routing=Routing(topk_ids=kept_ids, topk_weights=kept_weights, masked_tokens=routing.masked_tokens,
+                        shared_weights=routing.shared_weights),
         capacity=capacity,
         dropped_mask=dropped_mask,
         dropped=dropped_mask.sum(),

@@ -10,6 +10,7 @@ stable descending sort, so the rule holds on every device and in every torch ver
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,9 @@ class Routing:
     # route() always sets it (0 with nonfinite="raise"); None where none can be masked (the fused router
     # with nonfinite="raise") and on a Routing built by hand.
     masked_tokens: torch.Tensor | None = None
+    # [M, S] topk_weights' dtype; each shared slot's weight where the router gives it (shared_expert_combine=
+    # "router": Inkling); None: config.shared_weight. The shared slots take it when appended or run apart.
+    shared_weights: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -39,59 +43,58 @@ class Routing:
         return self.topk_ids.shape[1]
 
 
-def route(
-    router_logits: torch.Tensor,
-    config: MoEConfig,
-    correction_bias: torch.Tensor | None = None,
-) -> Routing:
+def route(router_logits: torch.Tensor, config: MoEConfig, correction_bias: torch.Tensor | None = None) -> Routing:
     """Score, select and weight experts as the model's reference implementation does.
 
-    - softmax scoring (Mixtral, Qwen): probabilities over all E experts; with ``renormalize`` the chosen
-      weights are re-scaled to sum to 1, otherwise they are the chosen experts' probabilities.
+    - softmax scoring (Mixtral, Qwen): probabilities over all E experts; with ``renormalize`` the chosen weights are
+      re-scaled to sum to 1, else the chosen experts' probabilities. Phi-MoE's sparsemixer: ``_sparsemixer``.
     - ``router_logit_softcap`` c > 0 (Laguna): the logits become c * tanh(logits / c) before anything else.
-    - sigmoid scoring (DeepSeek-V3): independent gates. ``correction_bias`` [E] shifts the scores used
-      for *selection* only (or the logits, ``correction_bias_on="logits"``: Kolibri); weights come from the
-      unbiased scores.
-    - grouped top-k (``n_group`` > 1): a group scores the sum of its top-2 choice scores (``group_score=
-      "top2_sum"``, or "auto" when a bias is given and a group has >= 2 experts), else its max; only the
-      best ``topk_group`` groups can be chosen from (``dropped_group_fill="zero"``, A.X-K2 and Mistral-4: the
-      other groups' experts score 0 for the choice, so they still win over a kept expert's negative score).
-    - renormalisation is computed as a softmax over the chosen experts' log-scores, which equals
-      w / sum(w) and stays finite when every score underflows (no 0/0).
+    - sigmoid scoring (DeepSeek-V3): independent gates. ``correction_bias`` [E] shifts the scores used for *selection*
+      only (or the logits, ``correction_bias_on="logits"``: Kolibri); weights come from the unbiased scores.
+    - grouped top-k (``n_group`` > 1): a group scores the sum of its top-2 choice scores (``group_score="top2_sum"``,
+      or "auto" when a bias is given and a group has >= 2 experts), else its max; only the best ``topk_group``
+      groups can be chosen from (``dropped_group_fill="zero"``, A.X-K2 and Mistral-4: the other groups' experts
+      score 0 for the choice, so they still win over a kept expert's negative score).
+    - renormalisation: a softmax over the chosen experts' log-scores (= w / sum(w); finite when all underflow).
     - ``routed_scaling_factor`` multiplies the routed weights (``MoEConfig.routed_weight_scale``: halved too
       where the shared expert is averaged in, ``shared_expert_combine="average"``).
 
     The result holds the k routed slots only; ``append_shared_slots`` adds a fused shared expert's. With
-    ``num_identity_experts`` Z > 0 (LongCat-Flash) the logits are [M, E + Z] and ids E..E+Z-1 are identity
-    experts (``moekit.routing.weighting`` takes them out before the experts run).
+    ``num_identity_experts`` Z > 0 (LongCat-Flash) the logits are [M, E + Z] and ids E..E+Z-1 are identity experts
+    (``moekit.routing.weighting`` takes them out before the experts run); with ``shared_expert_combine="router"``
+    (Inkling) [M, E + S], the last S weighting the shared slots (``Routing.shared_weights``).
 
-    NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"``; a NaN or infinite
-    ``correction_bias`` always raises. On the CPU the error is a ``ValueError`` naming the bad rows
-    (or the bias); on a GPU it is a device-side assert, so the path never syncs with the host.
+    NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"``; a NaN or infinite ``correction_bias``
+    always raises. On the CPU the error is a ``ValueError`` naming the bad rows (or the bias); on a GPU it is a
+    device-side assert, so the path never syncs with the host.
 
     With ``nonfinite="mask"`` an expert whose logit is not finite is *masked*:
     - it takes no probability mass from the others (softmax over the finite experts only);
-    - group score: computed over the group's finite experts only (with a bias and >= 2 experts per
-      group, the sum of the top-2 biased scores among them, or the one finite expert's biased score
-      when it has exactly one; otherwise their max biased score). A group with no finite expert scores
-      -inf and is chosen only when fewer than ``topk_group`` groups have a finite expert (lower id first);
-    - selection: a masked expert is never chosen over a finite one of the allowed groups; it fills a
-      slot only when fewer than k finite experts are allowed (lower id first), and gets weight 0;
+    - group score: computed over the group's finite experts only (with a bias and >= 2 experts per group, the sum
+      of the top-2 biased scores among them, or the one finite expert's biased score when it has exactly one;
+      otherwise their max biased score). A group with no finite expert scores -inf and is chosen only when fewer
+      than ``topk_group`` groups have a finite expert (lower id first);
+    - selection: a masked expert is never chosen over a finite one of the allowed groups; it fills a slot only
+      when fewer than k finite experts are allowed (lower id first), and gets weight 0;
     - renormalisation runs over the chosen finite experts only;
-    - a token with no finite expert at all gets all-zero weights and is counted in
-      ``Routing.masked_tokens`` (surfaced as ``MoEStats.masked_tokens``), never silently.
+    - a token with no finite expert at all gets all-zero weights and is counted in ``Routing.masked_tokens``
+      (surfaced as ``MoEStats.masked_tokens``), never silently.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     logits = _check_logits(router_logits, config)
     bias = check_bias(correction_bias, config, logits.device)
+    if config.shared_expert_combine == "router":  # Inkling: the last S columns weight the shared slots
+        return _with_shared_weights(route(logits[:, :config.choice_width], _routed_part(config), bias),
+                                    logits, config)
     finite = torch.isfinite(logits) if config.nonfinite == "mask" else None  # [M, E] bool, of the raw logits
     logits = soft_capped(logits, config)  # [M, E]
     if finite is not None:
-        # The most negative float scores ~0 under softmax and sigmoid, so a masked expert takes no
-        # probability mass from the others; selection and renormalisation exclude it explicitly.
+        # The most negative float scores ~0 under softmax and sigmoid, so a masked expert takes no probability
+        # mass from the others; selection and renormalisation exclude it explicitly.
         logits = logits.masked_fill(~finite, torch.finfo(torch.float32).min)
-
+    if config.sparsemixer_jitter_eps is not None:
+        return _sparsemixer(logits, finite, config)  # Phi-MoE
     scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
     shifted = scores if config.correction_bias_on == "scores" else logits  # what the bias shifts (Kolibri: logits)
     choice = shifted if bias is None else shifted + bias  # [M, E]
@@ -126,6 +129,54 @@ def _select_masked(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Ten
     weights = _weights(logits, scores, topk_ids, finite.gather(1, topk_ids), config)  # [M, k] float32
     masked_tokens = (~finite.any(dim=1)).sum()
     return Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=weights, masked_tokens=masked_tokens)
+
+
+def _sparsemixer(logits: torch.Tensor, finite: torch.Tensor | None, config: MoEConfig) -> Routing:
+    """Phi-MoE's sparsemixer as its router runs at inference (transformers' ``sparsemixer``, training=False): k
+    rounds (Phi-MoE's block: 2); each chooses the best expert not chosen yet (argmax, lower id on a tie) and weights
+    it by its softmax over the experts left whose logit l is near that max m: (m - l) / max(|l|, m) <= 2 eps. No
+    renormalisation across rounds. Masked experts (``finite`` False) weigh 0 where a round has to take one."""
+    near = 2 * config.sparsemixer_jitter_eps  # a Python float, compared in the logits' dtype as Phi-MoE does
+    magnitude = logits.abs()  # [M, E]
+    left = logits  # [M, E]; the experts chosen so far at -inf
+    ids, weights = [], []
+    for _ in range(config.top_k):
+        top, chosen = left.max(dim=-1, keepdim=True)  # [M, 1] each; max returns the first maximal index
+        far = (top - logits) / magnitude.clamp(min=top) > near  # [M, E]; 0 / 0 is NaN, not far (as Phi-MoE)
+        gates = torch.softmax(left.masked_fill(far, float("-inf")), dim=-1)  # [M, E]
+        ids.append(chosen)
+        weights.append(gates.gather(1, chosen))
+        left = left.scatter(1, chosen, float("-inf"))
+    topk_ids, topk_weights = torch.cat(ids, dim=1), torch.cat(weights, dim=1)  # [M, k] int64, [M, k]
+    masked_tokens = torch.zeros((), dtype=torch.int64, device=logits.device)
+    if finite is not None:
+        topk_weights = torch.where(finite.gather(1, topk_ids), topk_weights, 0.0)
+        masked_tokens = (~finite.any(dim=1)).sum()
+    if config.routed_weight_scale != 1.0:
+        topk_weights = topk_weights * config.routed_weight_scale
+    return Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=topk_weights.to(logits.dtype),
+                   masked_tokens=masked_tokens)
+
+
+@functools.lru_cache(maxsize=64)  # a config is frozen: made once, not on every call
+def _routed_part(config: MoEConfig) -> MoEConfig:
+    """The config that chooses Inkling's k experts: sigmoid, the bias, not renormalised, not scaled (the weights
+    are made again over the k + S in ``_with_shared_weights``)."""
+    return config.replace(shared_expert_combine="sum", renormalize=False, routed_scaling_factor=1.0)
+
+
+def _with_shared_weights(routing: Routing, logits: torch.Tensor, config: MoEConfig) -> Routing:
+    """Inkling's weights: a softmax over the log-sigmoids of the k chosen logits and the S shared ones (= each
+    sigmoid over their sum), times ``routed_scaling_factor``; logits [M, E + S]."""
+    e, k = config.num_experts, config.top_k
+    chosen = logits[:, :e].gather(1, routing.topk_ids.long())  # [M, k]
+    both = torch.nn.functional.logsigmoid(torch.cat([chosen, logits[:, e:]], dim=1))  # [M, k + S]
+    weights = torch.softmax(both, dim=-1)
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * config.routed_scaling_factor
+    weights = weights.to(logits.dtype)
+    return Routing(topk_ids=routing.topk_ids, topk_weights=weights[:, :k], masked_tokens=routing.masked_tokens,
+                   shared_weights=weights[:, k:])
 
 
 def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -164,8 +215,9 @@ def check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.devic
         return None
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"correction_bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if bias.shape != (config.router_width,):
-        raise ValueError(f"correction_bias must have shape [{_width(config)}], got {tuple(bias.shape)}")
+    if bias.shape != (config.choice_width,):
+        raise ValueError(f"correction_bias must have shape [{_width(config, config.choice_width)}], got "
+                         f"{tuple(bias.shape)}")
     if bias.device != device:
         raise ValueError(f"correction_bias must be on {device} like router_logits, got {bias.device}")
     if not bias.is_floating_point():
@@ -180,10 +232,13 @@ def check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.devic
     return bias
 
 
-def _width(config: MoEConfig) -> str:
-    """The router's width in words: ``num_experts=E``, or with identity experts ``num_experts + ...=E+Z``."""
-    name = "num_experts" if not config.num_identity_experts else "num_experts + num_identity_experts"
-    return f"{name}={config.router_width}"
+def _width(config: MoEConfig, width: int | None = None) -> str:
+    """A width in words (the router's by default): ``num_experts=E``, with identity experts ``num_experts +
+    num_identity_experts=E+Z``, with router-weighted shared slots ``num_experts + num_shared_slots=E+S``."""
+    width = config.router_width if width is None else width
+    names = ["num_experts"] + ["num_identity_experts"] * bool(config.num_identity_experts)
+    names += ["num_shared_slots"] * (width > config.choice_width)
+    return f"{' + '.join(names)}={width}"
 
 
 def soft_capped(logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:

@@ -19,7 +19,8 @@ def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits:
     """Append the S shared-expert slots (ids E..E+S-1) to every token.
 
     The weight is 1, or ``sigmoid(shared_gate_logits)`` [M, 1] for a gated (Qwen2-MoE) shared expert, times
-    ``config.shared_weight`` (0.5 where the shared expert is averaged in: Cohere2-MoE).
+    ``config.shared_weight`` (0.5 where the shared expert is averaged in: Cohere2-MoE); the router's own
+    ``routing.shared_weights`` [M, S] where it gives them (Inkling).
     SGLang writes the shared weight as sum(routed weights) / routed_scaling_factor because it scales the
     whole output afterwards; moekit scales the routed weights themselves, so the same shared output
     needs weight exactly 1.
@@ -34,7 +35,9 @@ def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits:
     device = topk_ids.device
     shared_ids = torch.arange(config.num_experts, config.num_experts + slots, device=device, dtype=torch.int32)
     shared_ids = shared_ids.expand(num_tokens, slots)  # [M, S]
-    if config.shared_expert_gate:
+    if routing.shared_weights is not None:
+        shared_w = routing.shared_weights  # [M, S]
+    elif config.shared_expert_gate:
         if shared_gate_logits is None or shared_gate_logits.shape != (num_tokens, 1):
             got = None if shared_gate_logits is None else tuple(shared_gate_logits.shape)
             raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got "
@@ -53,10 +56,16 @@ def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits:
 
 
 def shared_mlp(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: torch.nn.Module | None,
-               config: MoEConfig) -> torch.Tensor:
+               config: MoEConfig, slot_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The separate (unfused) shared MLP: x2d [M, K], w13 [2SN, K], w2 [K, SN] -> [M, K], scaled by
-    sigmoid(gate(x2d)) for a gated (Qwen2-MoE) one and by ``config.shared_weight`` (Cohere2-MoE's average)."""
-    y = apply_glu(x2d @ w13.t(), config.activation) @ w2.t()  # [M, K]
+    sigmoid(gate(x2d)) for a gated (Qwen2-MoE) one and by ``config.shared_weight`` (Cohere2-MoE's average);
+    ``slot_weights`` [M, S] (Inkling's router) scale each slot's N activations before the down projection."""
+    h = apply_glu(x2d @ w13.t(), config.activation)  # [M, SN]
+    if slot_weights is not None:
+        num_tokens, slots = slot_weights.shape
+        per_slot = h.view(num_tokens, slots, h.shape[1] // slots)  # [M, S, N]; M may be 0
+        h = (per_slot * slot_weights.unsqueeze(-1).to(h.dtype)).view(num_tokens, h.shape[1])
+    y = h @ w2.t()  # [M, K]
     if gate is not None:
         y = torch.sigmoid(gate(x2d)) * y
     return y if config.shared_weight == 1.0 else y * config.shared_weight
