@@ -351,7 +351,19 @@ def linear_rows(linear, a: torch.Tensor, w, bias: torch.Tensor | None, out: torc
     if not isinstance(w, torch.Tensor):
         result = w(a, bias, linear)
     elif linear is None:
-        return torch.mm(a, w.t(), out=out) if bias is None else torch.addmm(bias, a, w.t(), out=out)
+        return _blas_rows(a, w, bias, out)
     else:
         result = linear(a, w, bias, "none", [], "")
     return result if out is None else out.copy_(result)
+
+
+def _blas_rows(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """``linear_rows`` on torch's BLAS: a [m, in] @ w [out, in]^T (+ bias [out]) -> [m, out]. One bf16 row on a weight
+    of row-major rows runs as a matrix-vector product (``torch.mv``): at Qwen3-30B-A3B's expert shapes on the Xeon,
+    2 threads, 8 experts in cache, 1.45 against mm's 1.97 ms (gate-up [1536, 2048]) and 0.89 against 1.29 (down
+    [2048, 768]), the same bits as mm (fp32 sums rounded once; tested)."""
+    if a.shape[0] == 1 and a.dtype == torch.bfloat16 and w.stride(1) == 1:
+        row = None if out is None else out[0]  # [out]
+        y = torch.mv(w, a[0], out=row) if bias is None else torch.addmv(bias, w, a[0], out=row)
+        return y.unsqueeze(0) if out is None else out
+    return torch.mm(a, w.t(), out=out) if bias is None else torch.addmm(bias, a, w.t(), out=out)
