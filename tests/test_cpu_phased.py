@@ -104,13 +104,18 @@ def test_phased_keeps_the_bits_where_a_whole_row_range_would_vectorise_different
 @needs_onednn
 @pytest.mark.parametrize("m", [1, 2])  # 1: every expert one row, its GEMMs as torch.mv; 2: rows of 1 and 2
 def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m):
-    """bf16 experts of one row on BLAS (auto's phased mode) run as matrix-vector products: the bits of the split
-    loop's oneDNN linear, and within bf16's rounding of the float64 loop."""
+    """bf16 experts of one row on BLAS (auto's phased mode, and the split loop's ``one_row_blas``) run as
+    matrix-vector products: the bits of the split loop's oneDNN linear, and within bf16's rounding of the float64
+    loop."""
     x, w13, w2, ids, weights = problem(m=m, k=4, seed=11 + m)
     x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
     outs = both(x, w13, w2, ids, weights, blas=True)
     assert rel_err(outs[0], loop64(x.float(), w13.float(), w2.float(), ids, weights)) < 2e-2
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ex = ExpertParams(w13, w2, None, None, SILU)
+    for workers in (1, 2):
+        one_row = experts_cpu_fused(x, ex, ids, weights, None, None, workers=workers, one_row_blas=True)
+        assert torch.equal(one_row, outs[0])
 
 
 @pytest.mark.parametrize("bias", [False, True])
