@@ -3,10 +3,10 @@
 Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, k=8). ``--loop phased``: ``experts_cpu_phased`` (auto's unsplit
 decode mode) with BLAS rows, its ``cpu_packed._blas_rows`` as shipped ("mv": ``torch.mv`` / ``addmv`` for one bf16
 row) and with mm for every row count ("mm", before). ``--loop split``: ``experts_cpu_fused`` on 2 workers with
-``one_row_blas`` ("mv") and without (oneDNN's linear, before; reported in the "mm" column). Each call follows a 2-thread GEMM of the LM head's size (as in a decode
-step) and cycles over 3 fixed routings (a model's decode steps reuse experts, which stay in the L3). Per round each
-variant runs ``--calls`` calls, the order alternating between rounds; prints the medians (ms), mv / mm per round, and
-whether the two gave the same bits on every call.
+``one_row_blas`` ("mv") and without (oneDNN's linear, before; reported in the "mm" column). Each call follows a
+2-thread GEMM of the LM head's size (as in a decode step) and cycles over 3 fixed routings (a model's decode steps
+reuse experts, which stay in the L3). Per round each variant runs ``--calls`` calls, the order alternating between
+rounds; prints the medians (ms), mv / mm per round, and whether the two gave the same bits on every call.
 
     flock /work/wt/cpubench.lock python3 benchmarks/cpu_gemv_rows.py --batches 1,8 --rounds 7 [--loop split]
 """
