@@ -178,3 +178,19 @@ def test_transposed_weights_keep_their_packed_copies_and_follow_updates():
     assert rel_err(first, token_loop(x, w13, w2, ids, weights)) < 1e-5
     assert rel_err(updated, token_loop(x, w13, 2 * w2, ids, weights)) < 1e-5
     clear_packed_weights()
+
+
+def test_compiled_bf16_decode_calls_equal_eager_and_float64():
+    """M = 1 in bf16 (auto's decode: the split loop or the phased one, whose one-row experts run as matrix-vector
+    products; the chooser alternates them over the first calls): every compiled call has the eager call's bits and
+    bf16's error against the float64 loop."""
+    x, w13, w2, ids, weights = problem(1, 4, seed=12)
+    x, w13, w2, weights = x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights.bfloat16()
+    ids[0, 0] = 2  # no skipped slot: four experts of one row
+    want = token_loop(x, w13, w2, ids, weights)
+    fn = compiled(experts_grouped_mm, "inductor")
+    with torch.no_grad():
+        for _ in range(8):
+            got = fn(x, w13, w2, ids, weights)
+            assert got.dtype == torch.bfloat16 and rel_err(got, want) < 1e-2
+            torch.testing.assert_close(got, experts_grouped_mm(x, w13, w2, ids, weights), rtol=0, atol=0)

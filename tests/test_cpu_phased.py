@@ -99,3 +99,38 @@ def test_phased_keeps_the_bits_where_a_whole_row_range_would_vectorise_different
     outs = both(x, w13, w2, ids, torch.rand(m, 3, generator=g), spec=spec, b13=b13, b2=b2,
                 cache=PackedWeightCache(budget_bytes=1 << 30))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_onednn
+@pytest.mark.parametrize("m", [1, 2])  # 1: every expert one row, its GEMMs as torch.mv; 2: rows of 1 and 2
+def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m):
+    """bf16 experts of one row on BLAS (auto's phased mode, and the split loop's ``one_row_blas``) run as
+    matrix-vector products: the bits of the split loop's oneDNN linear, and within bf16's rounding of the float64
+    loop."""
+    x, w13, w2, ids, weights = problem(m=m, k=4, seed=11 + m)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    outs = both(x, w13, w2, ids, weights, blas=True)
+    assert rel_err(outs[0], loop64(x.float(), w13.float(), w2.float(), ids, weights)) < 2e-2
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ex = ExpertParams(w13, w2, None, None, SILU)
+    for workers in (1, 2):
+        one_row = experts_cpu_fused(x, ex, ids, weights, None, None, workers=workers, one_row_blas=True)
+        assert torch.equal(one_row, outs[0])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_blas_rows_one_bf16_row_as_a_matrix_vector_product(bias, rows):
+    """``linear_rows`` on BLAS: one bf16 row (``torch.mv`` / ``addmv``) and several (mm), into ``out`` or not, on a
+    row-major weight and a transposed view: within one bf16 rounding of the float64 product (+ bias)."""
+    g = torch.Generator().manual_seed(rows)
+    a = torch.randn(rows, 64, generator=g).bfloat16()  # [m, in]
+    w = (torch.randn(96, 64, generator=g) / 8).bfloat16()  # [out, in]
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    want = (a.double() @ w.double().t() + (0 if b is None else b.double())).to(torch.bfloat16)  # [m, out]
+    for weight in (w, w.t().contiguous().t()):
+        got = cpu_packed.linear_rows(None, a, weight, b)
+        out = torch.full((rows, 96), float("nan"), dtype=torch.bfloat16)
+        assert cpu_packed.linear_rows(None, a, weight, b, out=out) is out
+        assert got.shape == (rows, 96) and torch.equal(got, out)
+        assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -8
