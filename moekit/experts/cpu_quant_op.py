@@ -62,8 +62,9 @@ def _cpu_quant_experts(
                               memory_budget_bytes=memory_budget_bytes, layout="contiguous", cpu_gemm=cpu_gemm)
 
 
-def _cpu_quant_experts_fake(x, w13_tensors, w2_tensors, topk_ids, topk_weights, expert_map, b13, b2, scheme, w13_meta, w2_meta,
-      w13_dtype, w2_dtype, activation, gated, interleaved, alpha, limit, up_shift, memory_budget_bytes, cpu_gemm):
+def _cpu_quant_experts_fake(x, w13_tensors, w2_tensors, topk_ids, topk_weights, expert_map, b13, b2, scheme, w13_meta,
+                            w2_meta, w13_dtype, w2_dtype, activation, gated, interleaved, alpha, limit, up_shift,
+                            memory_budget_bytes, cpu_gemm):
     return x.new_empty(x.shape)  # [M, K], x.dtype, row-major: what the eager loop returns
 
 
