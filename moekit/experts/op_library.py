@@ -6,8 +6,8 @@ Python function that checks grad mode and ``requires_grad``, then redispatches) 
 ``torch._disable_dynamo`` frame and an output aliasing check). For an op that never carries a gradient that is
 pure host overhead on every call of every layer of a compiled model, where inductor calls the op as a fallback
 kernel. Measured on the 2-core Xeon (torch 2.13, ``benchmarks/op_dispatch.py``): ``moekit::cpu_experts``'s
-19-argument schema with an empty body dispatched in ~16 us under ``no_grad`` as a ``custom_op``, ~6 us
-registered here; the body alone ~2 us.
+19-argument schema with an empty body dispatched in ~17 us a call under ``no_grad`` as a ``custom_op``, ~7 us
+registered here (this module's grad check included); the body alone ~2 us.
 
 ``define_inference_op`` keeps what ``custom_op`` gave these ops: the schema inferred from the function's
 annotations (``torch.library.infer_schema``), the ``pt2_compliant_tag``, the fake. The kernel is registered for
