@@ -7,7 +7,8 @@ in a cache keyed by the weight tensors and runs worker threads, none of which a 
 Traced, the call used to take the grouped GEMM path instead (``moekit::group_gemm``). Now a compiled
 CPU call that needs no gradient runs this op: dynamo sees only its fake (out [M, K] in x.dtype, as
 every backend returns), and the compiled graph calls the eager ``experts_grouped_mm`` with the same
-arguments, so compiled runs what eager runs, layout and chunking included.
+arguments, so compiled runs what eager runs, layout and chunking included. The op is registered through
+``op_library.define_inference_op`` (no Python autograd layer: ~7 us a call against ``custom_op``'s ~17).
 
 The options cross the schema as plain values (a schema takes no dataclasses; bools, ints and strs
 are constants to the compiler): the activation as its spec's fields (``spec_fields``),
@@ -35,10 +36,10 @@ import torch
 
 from moekit.activations import ActivationSpec
 from moekit.experts import backend_fn
+from moekit.experts.op_library import define_inference_op
 
 
-@torch.library.custom_op("moekit::cpu_experts", mutates_args=())
-def cpu_experts_op(
+def _cpu_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: Optional[torch.Tensor], b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
@@ -55,10 +56,12 @@ def cpu_experts_op(
         cpu_gemm=cpu_gemm)
 
 
-@cpu_experts_op.register_fake
-def _(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activation, gated, interleaved, alpha, limit,
-      up_shift, memory_budget_bytes, layout, cpu_gemm, w13_transposed, w2_transposed):
+def _cpu_experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activation, gated, interleaved, alpha,
+                      limit, up_shift, memory_budget_bytes, layout, cpu_gemm, w13_transposed, w2_transposed):
     return x.new_empty(x.shape)  # [M, K], x.dtype, row-major: what the eager path returns
+
+
+cpu_experts_op = define_inference_op("cpu_experts", _cpu_experts, _cpu_experts_fake)
 
 
 @functools.lru_cache(maxsize=256)

@@ -24,6 +24,7 @@ import torch
 
 from moekit.activations import spec_fields
 from moekit.experts.cpu_op import _spec
+from moekit.experts.op_library import define_inference_op
 from moekit.quant import QuantizedWeight
 from moekit.quant.schemes import SCHEME_CLASSES
 
@@ -41,8 +42,7 @@ def _rebuilt(scheme: str, tensors: list[torch.Tensor], meta: list[int], dtype: t
     return cls(**dict(zip(cls.tensor_fields, tensors)), **fields, dtype=dtype)
 
 
-@torch.library.custom_op("moekit::cpu_quant_experts", mutates_args=())
-def cpu_quant_experts_op(
+def _cpu_quant_experts(
     x: torch.Tensor, w13_tensors: list[torch.Tensor], w2_tensors: list[torch.Tensor], topk_ids: torch.Tensor,
     topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], b13: Optional[torch.Tensor],
     b2: Optional[torch.Tensor], scheme: str, w13_meta: list[int], w2_meta: list[int], w13_dtype: torch.dtype,
@@ -62,10 +62,13 @@ def cpu_quant_experts_op(
                               memory_budget_bytes=memory_budget_bytes, layout="contiguous", cpu_gemm=cpu_gemm)
 
 
-@cpu_quant_experts_op.register_fake
-def _(x, w13_tensors, w2_tensors, topk_ids, topk_weights, expert_map, b13, b2, scheme, w13_meta, w2_meta,
-      w13_dtype, w2_dtype, activation, gated, interleaved, alpha, limit, up_shift, memory_budget_bytes, cpu_gemm):
+def _cpu_quant_experts_fake(x, w13_tensors, w2_tensors, topk_ids, topk_weights, expert_map, b13, b2, scheme, w13_meta,
+                            w2_meta, w13_dtype, w2_dtype, activation, gated, interleaved, alpha, limit, up_shift,
+                            memory_budget_bytes, cpu_gemm):
     return x.new_empty(x.shape)  # [M, K], x.dtype, row-major: what the eager loop returns
+
+
+cpu_quant_experts_op = define_inference_op("cpu_quant_experts", _cpu_quant_experts, _cpu_quant_experts_fake)
 
 
 def cpu_quant_experts(x, w13: QuantizedWeight, w2: QuantizedWeight, topk_ids, topk_weights, *, activation,
