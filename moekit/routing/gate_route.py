@@ -67,7 +67,7 @@ class _BoundGateRoute:
         scalars = (num_tokens, hidden, x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
                    0 if gate_logits is None else gate_logits.stride(0), plan.scaling)
         constexprs = dict(**plan.constexprs, BLOCK_M=tiles.block_m, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k,
-                          HAS_LINEAR_BIAS=linear_bias is not None, TOP2=plan.top2 and bias is not None,
+                          HAS_LINEAR_BIAS=linear_bias is not None, TOP2=plan.top2[bias is not None],
                           HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, PRECISE=options["PRECISE"],
                           PDL=options["PDL"], enable_reflect_ftz=False, num_warps=num_warps)  # not launched with PDL
         if in_kernel and plan.check_finite:
