@@ -142,7 +142,9 @@ def wants_fresh(router: fused.FusedRouter, append_shared: bool, x: torch.Tensor,
     if plan is None:
         return False
     c = plan.constexprs
-    two_equal = not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"] and x.shape[0] <= MAX_TOKENS
+    # the measured plans only: a soft-capped one (Laguna's option) was not measured, so it takes the one launch too
+    two_equal = (not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"] and not c["SOFTCAP"]
+                 and x.shape[0] <= MAX_TOKENS)
     return not two_equal and runs(x, weight, linear_bias)
 
 
