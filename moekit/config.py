@@ -174,7 +174,8 @@ class MoEConfig:
     def changed_router_options(self) -> dict:
         """The session-34 options (``ROUTER_OPTIONS``) not at their defaults, name -> value. Empty: the routers of
         session 33 (the fused Triton router, the one gate + router launch, the decode fast path) compute this
-        config; else only ``route`` does (``moekit.routing.fused.supports``)."""
+        config; else ``route`` does, and the fused router where it computes them (``moekit.routing.fused.computes``,
+        ``supports``)."""
         return {name: getattr(self, name) for name in ROUTER_OPTIONS
                 if getattr(self, name) != MoEConfig.__dataclass_fields__[name].default}
 

@@ -355,7 +355,8 @@ def test_router_choice(fused, monkeypatch):
 def test_opcheck(fused):
     logits, bias = _problem(SMALL_GROUPED, 3)
     op = torch.ops.moekit.route_fused
-    torch.library.opcheck(op, (logits[:, :8], None, torch.randn(3, 1), 2, 1, 1, False, False, 1.0, True, 1, 128))
+    torch.library.opcheck(op, (logits[:, :8], None, torch.randn(3, 1), 2, 1, 1, False, False, 1.0, True, 1, 128, 0.0,
+                               False, "auto", False, 1.0))
 
 
 def test_compiles_fullgraph(fused):

@@ -261,24 +261,38 @@ def test_bad_options_are_named(changes, says):
         BASE.replace(**changes)
 
 
-OPTIONS = [{"router_logit_softcap": 30.0}, {"correction_bias_on": "logits"}, {"group_score": "top2_sum"},
-           {"group_score": "max"}, {"dropped_group_fill": "zero"},
-           {"shared_expert_combine": "average", "shared_expert_intermediate_size": 8},
-           {"num_identity_experts": 2, "n_group": 1, "topk_group": 1}, {"expert_weight_on": "input"}]
+COMPUTED = [{"router_logit_softcap": 30.0}, {"correction_bias_on": "logits"}, {"group_score": "top2_sum"},
+            {"group_score": "max"}, {"dropped_group_fill": "zero"},
+            {"shared_expert_combine": "average", "shared_expert_intermediate_size": 8}]
+ROUTE_ONLY = [{"num_identity_experts": 2, "n_group": 1, "topk_group": 1}, {"expert_weight_on": "input"}]
 
 
-@pytest.mark.parametrize("changes", OPTIONS, ids=lambda c: next(iter(c)) + "=" + str(next(iter(c.values()))))
+def _option_id(changes: dict) -> str:
+    return next(iter(changes)) + "=" + str(next(iter(changes.values())))
+
+
+@pytest.mark.parametrize("changes", ROUTE_ONLY, ids=_option_id)
 def test_every_fused_path_falls_back_to_route(changes, monkeypatch):
-    """A config with an option changed: the fused kernel does not support it, so the layer's "auto" router on CUDA
-    is ``route`` (no fused router, hence no one gate + router launch and no decode fast path entry); "fused"
-    raises naming the option. The default config keeps the fused router."""
+    """A config with an option the fused kernel does not compute: the layer's "auto" router on CUDA is ``route`` (no
+    fused router, hence no one gate + router launch and no decode fast path entry); "fused" raises naming the
+    option. The default config keeps the fused router."""
     cfg = BASE.replace(**changes)
     name = next(iter(changes))
-    assert cfg.changed_router_options() == {name: changes[name]} and not fused.supports(cfg)
+    assert cfg.changed_router_options() == {name: changes[name]} and not fused.computes(cfg)
+    assert not fused.supports(cfg) and fused.fused_router(cfg, torch.device("cuda")) is None
     assert fused.supports(BASE) and fused.fused_router(BASE, torch.device("cuda")) is not None
-    assert fused.fused_router(cfg, torch.device("cuda")) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match=f"no router option changed; got .*{name}"):
+    with pytest.raises(ValueError, match=f"the router options it computes; got .*{name}"):
         MoE(cfg, router="fused")
     moe = MoE(cfg, router="auto")
     assert moe._fused_router is None and moe._gate_route is None
+
+
+@pytest.mark.parametrize("changes", COMPUTED, ids=_option_id)
+def test_options_the_fused_router_computes(changes, monkeypatch):
+    """An option the fused kernel computes (``tests/test_routing_fused_options.py``): "fused" takes it; "auto" on CUDA
+    keeps ``route`` until the device measures the fused path (``fused.supports``)."""
+    cfg = BASE.replace(**changes)
+    assert fused.computes(cfg) and not fused.supports(cfg) and fused.fused_router(cfg, torch.device("cuda")) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused.fused_router(cfg, "cpu", "fused") is not None

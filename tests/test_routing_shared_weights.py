@@ -121,10 +121,10 @@ def test_shapes_are_named():
 
 
 def test_every_fused_path_falls_back_to_route(monkeypatch):
-    assert INK.changed_router_options() == {"shared_expert_combine": "router"} and not fused.supports(INK)
+    assert INK.changed_router_options() == {"shared_expert_combine": "router"} and not fused.computes(INK)
     assert fused.fused_router(INK, torch.device("cuda")) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="no router option changed; got .*shared_expert_combine"):
+    with pytest.raises(ValueError, match="the router options it computes; got .*shared_expert_combine"):
         MoE(INK, router="fused")
     moe = MoE(INK, router="auto")
     assert moe._fused_router is None and moe._gate_route is None

@@ -125,10 +125,10 @@ def test_bad_combinations_are_named(changes, says):
 
 
 def test_every_fused_path_falls_back_to_route(monkeypatch):
-    assert PHI.changed_router_options() == {"sparsemixer_jitter_eps": 0.2} and not fused.supports(PHI)
+    assert PHI.changed_router_options() == {"sparsemixer_jitter_eps": 0.2} and not fused.computes(PHI)
     assert fused.fused_router(PHI, torch.device("cuda")) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="no router option changed; got .*sparsemixer_jitter_eps"):
+    with pytest.raises(ValueError, match="the router options it computes; got .*sparsemixer_jitter_eps"):
         MoE(PHI, router="fused")
     moe = MoE(PHI, router="auto")
     assert moe._fused_router is None and moe._gate_route is None

@@ -7,8 +7,8 @@ what exceeds each expert's capacity and counts it (``capacity.py``); ``append_sh
 fused shared expert's S slots (``shared.py``). ``MoE.route_tokens`` composes the three in this order.
 ``weighting.py`` holds the slot weights that do more than scale an expert's output (LongCat-Flash's identity
 experts, Llama-4's input-weighted experts). ``route_fused`` / ``FusedRouter`` (``fused.py``) compute ``route`` (and
-the shared slots) in one Triton kernel for the default router options (``MoEConfig.changed_router_options``
-empty); ``MoE`` uses it on CUDA, ``route`` stays the torch twin the kernel is tested against. For up to 256
+the shared slots) in one Triton kernel, the router options of ``router_math.py`` too (``fused.computes``; "auto"
+takes it on CUDA where ``fused.supports``); ``route`` stays the torch twin the kernel is tested against. For up to 256
 tokens ``gate_route.py`` runs the gate GEMM (``gate.py``; tensor cores above 8, ``gate_mma.py``) and that kernel
 in one launch.
 """

@@ -24,6 +24,7 @@ Shapes: M tokens, E experts, k = top_k, S shared slots, BM rows per program.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import weakref
@@ -36,6 +37,7 @@ from moekit.config import MoEConfig
 from moekit.routing import gate
 from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
+from moekit.routing.router_math import RouterMath, computed_options
 from moekit.routing.shared import append_shared_slots
 
 RouterChoice = Literal["auto", "torch", "fused"]
@@ -65,12 +67,17 @@ def is_available(device: torch.device | str) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
-def supports(config: MoEConfig) -> bool:
-    """Whether the kernel handles ``config`` (see MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS), and only the routers of
-    session 33 (``MoEConfig.changed_router_options`` empty): a soft-cap, a bias on the logits, another group rule
-    or fill, an averaged shared expert route through ``route`` on every device (no GPU measurement for them)."""
+def computes(config: MoEConfig) -> bool:
+    """Whether the kernel computes ``config`` (MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS; the router options of
+    ``router_math.COMPUTED``, the others route with ``route``): what ``router="fused"`` takes."""
     return (config.num_experts <= MAX_EXPERTS and config.top_k + config.num_shared_slots <= MAX_TOP_K
-            and config.n_group <= MAX_GROUPS and not config.changed_router_options())
+            and config.n_group <= MAX_GROUPS and computed_options(config))
+
+
+def supports(config: MoEConfig) -> bool:
+    """Whether ``router="auto"`` takes the fused router on CUDA: ``computes``, and only the routers of session 33
+    (``MoEConfig.changed_router_options`` empty) until the device measures the options' fused path."""
+    return computes(config) and not config.changed_router_options()
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,17 +85,18 @@ class _Plan:
     """What a launch needs that depends only on the config (and whether shared slots are appended)."""
 
     constexprs: dict  # the kernel's constexprs that depend on the config only
-    top2: bool  # with a bias, a group scores its two best experts (groups of >= 2 experts)
+    top2: tuple[bool, bool]  # TOP2 without / with a bias: a group scores its best two (group_score; >= 2 a group)
     num_slots: int  # k + S: columns of the outputs
     cols: int  # C = G_PAD * P_PAD: tile columns per row
     check_finite: bool  # nonfinite="raise"
-    scaling: float  # routed_scaling_factor
+    scaling: float  # routed_weight_scale: routed_scaling_factor, halved where the shared expert is averaged in
     block_m: int  # BM: rows per program, max(1, elements_per_program // C)
 
 
 @functools.lru_cache(maxsize=None)
 def _plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: bool, renormalize: bool,
-          scaling: float, check_finite: bool, num_shared: int, elements_per_program: int) -> _Plan:
+          scaling: float, check_finite: bool, num_shared: int, elements_per_program: int,
+          math: RouterMath = RouterMath()) -> _Plan:
     # topk_group == n_group keeps every group: plain top-k over one flat row of next_pow2(E) columns.
     grouped = n_group > 1 and topk_group < n_group
     groups = n_group if grouped else 1
@@ -98,17 +106,18 @@ def _plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: 
         NUM_EXPERTS=num_experts, PER_GROUP=per_group, G_PAD=g_pad, P_PAD=p_pad, TOP_K=top_k,
         TOPK_GROUP=topk_group, NUM_SHARED=num_shared, SLOTS_PAD=next_pow2(top_k + num_shared),
         GROUPED=grouped, SIGMOID=sigmoid, RENORMALIZE=renormalize, CHECK_FINITE=check_finite, ASSERT_FINITE=False,
-    )
-    return _Plan(constexprs=constexprs, top2=grouped and per_group >= 2, num_slots=top_k + num_shared,
-                 cols=g_pad * p_pad,
+        **math.constexprs())
+    two = grouped and per_group >= 2
+    top2 = (two and math.group_score == "top2_sum", two and math.group_score != "max")
+    return _Plan(constexprs=constexprs, top2=top2, num_slots=top_k + num_shared, cols=g_pad * p_pad,
                  check_finite=check_finite, scaling=float(scaling),
                  block_m=max(1, elements_per_program // (g_pad * p_pad)))
 
 
 def _plan_of(config: MoEConfig, num_shared: int, elements_per_program: int) -> _Plan:
     return _plan(config.num_experts, config.top_k, config.n_group, config.topk_group, config.scoring == "sigmoid",
-                 config.renormalize, config.routed_scaling_factor, config.nonfinite == "raise", num_shared,
-                 elements_per_program)
+                 config.renormalize, config.routed_weight_scale, config.nonfinite == "raise", num_shared,
+                 elements_per_program, RouterMath.of(config))
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +149,7 @@ def _scalars_and_constexprs(plan: _Plan, logits, bias, gate_logits, assert_in_ke
     block_m, programs = plan.block_m, -(-logits.shape[0] // plan.block_m)
     scalars = (logits.shape[0], logits.stride(0), logits.stride(1), 0 if bias is None else bias.stride(0),
                0 if gate_logits is None else gate_logits.stride(0), plan.scaling)
-    constexprs = dict(**plan.constexprs, TOP2=plan.top2 and bias is not None, HAS_BIAS=bias is not None,
+    constexprs = dict(**plan.constexprs, TOP2=plan.top2[bias is not None], HAS_BIAS=bias is not None,
                       HAS_GATE=gate_logits is not None, BLOCK_M=block_m, **_launch_options(logits.device))
     if assert_in_kernel and plan.check_finite:
         constexprs.update(CHECK_FINITE=False, ASSERT_FINITE=True, debug=True, sanitize_overflow=False)
@@ -240,16 +249,19 @@ def bound_route(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, ga
 def _route_op(
     logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logits: Optional[torch.Tensor], top_k: int,
     n_group: int, topk_group: int, sigmoid: bool, renormalize: bool, scaling: float, check_finite: bool,
-    num_shared: int, elements_per_program: int,
+    num_shared: int, elements_per_program: int, softcap: float, bias_on_logits: bool, group_score: str,
+    fill_zero: bool, shared_weight: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    math = RouterMath(softcap, bias_on_logits, group_score, fill_zero, shared_weight)
     plan = _plan(logits.shape[1], top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
-                 elements_per_program)
+                 elements_per_program, math)
     return _launch(plan, logits, bias, gate_logits)
 
 
 @_route_op.register_fake
 def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling,
-                check_finite, num_shared, elements_per_program):
+                check_finite, num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero,
+                shared_weight):
     num_tokens, slots = logits.shape[0], top_k + num_shared
     return (logits.new_empty(num_tokens, slots, dtype=torch.int32),
             logits.new_empty(num_tokens, slots, dtype=torch.float32),
@@ -280,9 +292,9 @@ class FusedRouter:
         default is what the sm_90 instruction counts above chose, tests raise it to run fewer programs.
         ``assert_in_kernel``: eager GPU calls assert nonfinite="raise" in the kernel (one launch), else
         with the flag and ``torch._assert_async`` (two)."""
-        if not supports(config):
+        if not computes(config):
             raise ValueError(f"the fused router supports num_experts <= {MAX_EXPERTS}, top_k + shared slots <= "
-                             f"{MAX_TOP_K}, n_group <= {MAX_GROUPS} and no router option changed; got "
+                             f"{MAX_TOP_K}, n_group <= {MAX_GROUPS} and the router options it computes; got "
                              f"{config.num_experts}, {config.top_k} + {config.num_shared_slots}, {config.n_group}, "
                              f"{config.changed_router_options()} (router='torch' routes it)")
         self.config, self.assert_in_kernel = config, bool(assert_in_kernel)
@@ -291,7 +303,8 @@ class FusedRouter:
                        _plan_of(config, slots, elements_per_program) if slots else None)
         self._elements_per_program = elements_per_program
         self._op_args = (config.top_k, config.n_group, config.topk_group, config.scoring == "sigmoid",
-                         config.renormalize, float(config.routed_scaling_factor), config.nonfinite == "raise")
+                         config.renormalize, float(config.routed_weight_scale), config.nonfinite == "raise")
+        self._math_args = dataclasses.astuple(RouterMath.of(config))  # the custom op's last arguments
         # (a weak reference to the last bias that passed, its _version then): a weak reference, not id(),
         # since a freed tensor's id is reused by the next one (a test caught an unchecked bias that way)
         self._bias_checked: tuple[weakref.ref, int] | None = None
@@ -310,7 +323,7 @@ class FusedRouter:
         if torch.compiler.is_compiling():
             ids, weights, ok = torch.ops.moekit.route_fused(
                 logits, correction_bias, gate, *self._op_args, plan.num_slots - self.config.top_k,
-                self._elements_per_program)
+                self._elements_per_program, *self._math_args)
         else:  # eager: the bound launch, without the custom op's dispatch (host time is the point here)
             ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate, self.assert_in_kernel, out)
         if plan.check_finite and ok is not None and logits.shape[0]:

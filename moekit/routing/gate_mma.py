@@ -106,7 +106,7 @@ class BoundGateMma:
         if plan is not None:
             in_kernel = assert_in_kernel and precise  # the interpreter: the flag
             constexprs.update(**plan.constexprs, ROUTE_M=_route_rows(plan, tiles.block_m),
-                              TOP2=plan.top2 and bias is not None, HAS_BIAS=bias is not None,
+                              TOP2=plan.top2[bias is not None], HAS_BIAS=bias is not None,
                               HAS_GATE=gate_logits is not None, PRECISE=precise, enable_reflect_ftz=False)
             if in_kernel and plan.check_finite:
                 constexprs.update(CHECK_FINITE=False, ASSERT_FINITE=True, debug=True, sanitize_overflow=False)

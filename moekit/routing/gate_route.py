@@ -67,7 +67,7 @@ class _BoundGateRoute:
         scalars = (num_tokens, hidden, x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
                    0 if gate_logits is None else gate_logits.stride(0), plan.scaling)
         constexprs = dict(**plan.constexprs, BLOCK_M=tiles.block_m, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k,
-                          HAS_LINEAR_BIAS=linear_bias is not None, TOP2=plan.top2 and bias is not None,
+                          HAS_LINEAR_BIAS=linear_bias is not None, TOP2=plan.top2[bias is not None],
                           HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, PRECISE=options["PRECISE"],
                           PDL=options["PDL"], enable_reflect_ftz=False, num_warps=num_warps)  # not launched with PDL
         if in_kernel and plan.check_finite:
@@ -142,7 +142,9 @@ def wants_fresh(router: fused.FusedRouter, append_shared: bool, x: torch.Tensor,
     if plan is None:
         return False
     c = plan.constexprs
-    two_equal = not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"] and x.shape[0] <= MAX_TOKENS
+    # the measured plans only: a soft-capped one (Laguna's option) was not measured, so it takes the one launch too
+    two_equal = (not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"] and not c["SOFTCAP"]
+                 and x.shape[0] <= MAX_TOKENS)
     return not two_equal and runs(x, weight, linear_bias)
 
 

@@ -156,6 +156,32 @@ def _check_finite(valid, finite, ok_ptr, CHECK_FINITE: tl.constexpr, ASSERT_FINI
 
 
 @triton.jit
+def _soft_capped(x, CAP: tl.constexpr, INV: tl.constexpr, PRECISE: tl.constexpr):
+    """route's ``soft_capped``: CAP * tanh(x / CAP) (CAP 0: x itself, no code). On the GPU as torch computes it
+    there: x times INV, the fp32 reciprocal of CAP (its CUDA division by a Python scalar), and libdevice's tanhf;
+    interpreted (no libdevice), x / CAP as torch's CPU kernel and ``_tanh_interpreted``."""
+    if CAP != 0.0:
+        if PRECISE:
+            x = libdevice.tanh(x * INV) * CAP
+        else:
+            x = _tanh_interpreted(x / CAP) * CAP
+    return x
+
+
+@triton.jit
+def _tanh_interpreted(y):
+    """tanh from exp for the interpreter, within a few fp32 ulps: its odd series to y^7 below |y| = 1/8 (where
+    1 - exp(-2|y|) would cancel), else (1 - e) / (1 + e) with e = exp(-2|y|)."""
+    a = tl.abs(y)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    y2 = y * y
+    small = a * (1.0 - y2 * (1.0 / 3.0 - y2 * (2.0 / 15.0 - y2 * (17.0 / 315.0))))
+    t = tl.where(a < 0.125, small, big)
+    return tl.where(y < 0.0, -t, t)
+
+
+@triton.jit
 def route_kernel(
     logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr,  # [M, E], [E], [M, 1], [M, k+S] x2, [1]
     num_tokens, stride_lm, stride_le, stride_b, stride_gm, scaling,
@@ -164,6 +190,9 @@ def route_kernel(
     GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr,
     PRECISE: tl.constexpr, PDL: tl.constexpr, ASSERT_FINITE: tl.constexpr,
+    # the router options (``MoEConfig.changed_router_options``; these defaults: none)
+    SOFTCAP: tl.constexpr = 0.0, SOFTCAP_INV: tl.constexpr = 0.0, BIAS_ON_LOGITS: tl.constexpr = False,
+    FILL_ZERO: tl.constexpr = False, SHARED_SCALE: tl.constexpr = 1.0,
 ):
     if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
         gdc_wait()
@@ -171,18 +200,18 @@ def route_kernel(
     route_rows(logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr, tl.program_id(0) * BLOCK_M, num_tokens,
                stride_lm, stride_le, stride_b, stride_gm, scaling, NUM_EXPERTS, PER_GROUP, G_PAD, P_PAD, TOP_K,
                TOPK_GROUP, NUM_SHARED, SLOTS_PAD, GROUPED, TOP2, SIGMOID, RENORMALIZE, HAS_BIAS, HAS_GATE, CHECK_FINITE,
-               BLOCK_M, PRECISE, ASSERT_FINITE, False)
+               BLOCK_M, PRECISE, ASSERT_FINITE, False, SOFTCAP, SOFTCAP_INV, BIAS_ON_LOGITS, FILL_ZERO, SHARED_SCALE)
 
 
 @triton.jit
 def route_rows(
-    logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr, row0,
-    num_tokens, stride_lm, stride_le, stride_b, stride_gm, scaling,
-    NUM_EXPERTS: tl.constexpr, PER_GROUP: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr,
+    logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr, row0, num_tokens, stride_lm, stride_le, stride_b,
+    stride_gm, scaling, NUM_EXPERTS: tl.constexpr, PER_GROUP: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr,
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr,
-    GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISE: tl.constexpr, ASSERT_FINITE: tl.constexpr, VOLATILE: tl.constexpr,
+    GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr,
+    ASSERT_FINITE: tl.constexpr, VOLATILE: tl.constexpr, SOFTCAP: tl.constexpr, SOFTCAP_INV: tl.constexpr,
+    BIAS_ON_LOGITS: tl.constexpr, FILL_ZERO: tl.constexpr, SHARED_SCALE: tl.constexpr,
 ):
     """Rows row0 .. row0 + BM - 1 (those below num_tokens) routed; also the route part of ``gate_route_kernel``,
     where the logits were written by other programs of the same launch (``VOLATILE``: loaded past the L1)."""
@@ -196,35 +225,37 @@ def route_rows(
     row_ptr = logits_ptr + rows.to(tl.int64) * stride_lm  # [BM]
     x = tl.load(row_ptr[:, None, None] + expert * stride_le, mask=valid, other=0.0,
                 volatile=VOLATILE).to(tl.float32)  # [BM, G, P]
-    finite = valid & (tl.abs(x) < float("inf"))
+    finite = valid & (tl.abs(x) < float("inf"))  # of the logits themselves, before any soft-cap
     _check_finite(valid, finite, ok_ptr, CHECK_FINITE, ASSERT_FINITE)
-
     # Scores over the finite experts only: a masked expert takes no probability mass from the others.
-    x_fin = tl.where(finite, x, float("-inf"))
+    x_fin = tl.where(finite, _soft_capped(x, SOFTCAP, SOFTCAP_INV, PRECISE), float("-inf"))
     row_max = tl.max(tl.max(x_fin, axis=2), axis=1)  # [BM]
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
     e = tl.where(finite, _exp(x_fin - row_max[:, None, None], PRECISE), 0.0)
     row_sum = tl.sum(tl.sum(e, axis=2), axis=1)  # [BM]
-    choice = _score(x_fin, row_max[:, None, None], row_sum[:, None, None], SIGMOID, PRECISE)  # [BM, G, P]
+    choice = x_fin if BIAS_ON_LOGITS else _score(x_fin, row_max[:, None, None], row_sum[:, None, None], SIGMOID,
+                                                 PRECISE)  # [BM, G, P]; Kolibri's logits (+ bias) choose, or scores
     if HAS_BIAS:
         choice += tl.load(bias_ptr + expert * stride_b, mask=col_ok, other=0.0).to(tl.float32)
     choice = tl.where(finite, choice, float("-inf"))
     allowed = valid
     if GROUPED:
         allowed = valid & _allowed_groups(choice, G_PAD, NUM_EXPERTS // PER_GROUP, TOPK_GROUP, TOP2)
+    if FILL_ZERO:  # a dropped group's experts score 0 for the choice, all allowed again (masked: still below)
+        choice, allowed = tl.where(allowed, choice, 0.0), valid
     key = tl.where(finite & allowed, _order_key(choice), tl.where(allowed, _MASKED, _EXCLUDED))
     col = tl.broadcast_to(g * P_PAD + p, key.shape)  # [BM, G, P] tile column
     ids = _select(key, col, BLOCK_M, SLOTS_PAD, TOP_K, G_PAD * P_PAD, P_PAD, PER_GROUP)  # [BM, SLOTS_PAD]
-
     slot = tl.arange(0, SLOTS_PAD)[None, :]
     is_routed = slot < TOP_K
     chosen = tl.load(row_ptr[:, None] + ids * stride_le, mask=row_ok[:, None] & is_routed, other=0.0,
                      volatile=VOLATILE).to(tl.float32)
     taken = is_routed & (tl.abs(chosen) < float("inf"))
+    chosen = _soft_capped(chosen, SOFTCAP, SOFTCAP_INV, PRECISE)  # the weights read the capped logits too
     w = _weights(chosen, taken, row_max[:, None], row_sum[:, None], scaling, SIGMOID, RENORMALIZE, PRECISE)
-    if NUM_SHARED > 0:  # shared slots last: ids E..E+S-1, weight 1 or sigmoid(gate logit)
+    if NUM_SHARED > 0:  # shared slots last: ids E..E+S-1, weight 1 or sigmoid(gate logit), times SHARED_SCALE
         ids = tl.where(is_routed, ids, NUM_EXPERTS + slot - TOP_K)
-        shared_w = tl.full([BLOCK_M, SLOTS_PAD], 1.0, tl.float32)
+        shared_w = tl.full([BLOCK_M, SLOTS_PAD], SHARED_SCALE, tl.float32)  # 0.5: Cohere2's average
         if HAS_GATE:  # Qwen2-MoE's gated shared expert: sigmoid(x @ g), as append_shared_slots
             gate = tl.load(gate_ptr + rows.to(tl.int64) * stride_gm, mask=row_ok, other=0.0).to(tl.float32)
             shared_w = shared_w * _sigmoid(gate, PRECISE)[:, None]

@@ -1,0 +1,51 @@
+"""The router options the fused kernels compute (``MoEConfig.changed_router_options``), as their plans take them.
+
+    Route: [soft-cap -> score -> (bias on scores or logits) -> (grouped: max / top-2 sum, dropped groups -inf or 0)
+      -> top-k -> weights x scaling (+ shared slots x their weight)]
+
+Torch twin: ``moekit.routing.route`` (and ``append_shared_slots``). The defaults are the router of session 33, whose
+kernels' machine code the options leave alone (``benchmarks/route_sass_diff_cpu.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.config import MoEConfig
+
+# option -> the values the kernels compute (an option off its default with another value: ``route`` only)
+COMPUTED = {"router_logit_softcap": None, "correction_bias_on": ("scores", "logits"),
+            "group_score": ("auto", "max", "top2_sum"), "dropped_group_fill": ("-inf", "zero"),
+            "shared_expert_combine": ("sum", "average")}  # None: every value
+
+
+def computed_options(config: MoEConfig) -> bool:
+    """True when every changed router option of ``config`` is one the kernels compute."""
+    return all(name in COMPUTED and (COMPUTED[name] is None or value in COMPUTED[name])
+               for name, value in config.changed_router_options().items())
+
+
+@dataclass(frozen=True)
+class RouterMath:
+    """The router options the kernel computes (``MoEConfig.changed_router_options``), as a plan takes them; the
+    defaults: none (the kernels of session 33, the same machine code: ``benchmarks/route_sass_diff_cpu.py``)."""
+
+    softcap: float = 0.0  # router_logit_softcap c: logits -> c * tanh(logits / c)
+    bias_on_logits: bool = False  # correction_bias_on="logits": the choice is logits (+ bias), not scores
+    group_score: str = "auto"  # "auto" (top-2 sum with a bias, else max), "max", "top2_sum"
+    fill_zero: bool = False  # dropped_group_fill="zero"
+    shared_weight: float = 1.0  # the appended shared slots' weight factor (0.5: shared_expert_combine="average")
+
+    @staticmethod
+    def of(config: MoEConfig) -> "RouterMath":
+        return RouterMath(float(config.router_logit_softcap), config.correction_bias_on == "logits",
+                          config.group_score, config.dropped_group_fill == "zero", config.shared_weight)
+
+    def constexprs(self) -> dict:
+        """The kernels' option constexprs; SOFTCAP_INV is the fp32 reciprocal torch's CUDA division by a Python
+        scalar multiplies with (1.0f / float(c))."""
+        inv = (1.0 / torch.tensor(self.softcap, dtype=torch.float32)).item() if self.softcap else 0.0
+        return dict(SOFTCAP=self.softcap, SOFTCAP_INV=inv, BIAS_ON_LOGITS=self.bias_on_logits,
+                    FILL_ZERO=self.fill_zero, SHARED_SCALE=self.shared_weight)
