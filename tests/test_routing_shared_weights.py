@@ -1,7 +1,8 @@
 """Inkling's router-weighted shared experts (``MoEConfig.shared_expert_combine="router"``) against float64 loops
 written here: the router (k chosen of E by sigmoid + bias, then the k and S shared sigmoids renormalised together,
-scaled) and the whole layer (shared slots fused or run apart); gradients; its checks; the fallback of every fused
-path; moe_from_hf's refusal to leave the shared experts out and the swap following the router's learned scale.
+scaled) and the whole layer (shared slots fused or run apart); gradients; its checks (the fused routers' fallback:
+``test_routing_options``); moe_from_hf's refusal to leave the shared experts out and the swap following the
+router's learned scale.
 
 Shapes: M tokens, E experts, k = top_k, S shared slots, K hidden, N expert width.
 """
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig, route
-from moekit.routing import append_shared_slots, fused
+from moekit.routing import append_shared_slots
 
 INK = MoEConfig(hidden_size=16, moe_intermediate_size=4, num_experts=8, top_k=3, scoring="sigmoid",
                 use_correction_bias=True, routed_scaling_factor=2.5, shared_expert_intermediate_size=8,
@@ -119,15 +120,6 @@ def test_shapes_are_named():
     with pytest.raises(ValueError, match=re.escape("correction_bias must have shape [num_experts=8], got (10,)")):
         route(torch.zeros(3, 10), INK, torch.zeros(10))
 
-
-def test_every_fused_path_falls_back_to_route(monkeypatch):
-    assert INK.changed_router_options() == {"shared_expert_combine": "router"} and not fused.computes(INK)
-    assert fused.fused_router(INK, torch.device("cuda")) is None
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="the router options it computes; got .*shared_expert_combine"):
-        MoE(INK, router="fused")
-    moe = MoE(INK, router="auto")
-    assert moe._fused_router is None and moe._gate_route is None
 
 
 def _inkling_block():

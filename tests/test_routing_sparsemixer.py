@@ -1,6 +1,7 @@
 """Phi-MoE's sparsemixer at inference (``MoEConfig.sparsemixer_jitter_eps``) against a float64 per-token loop written
-here; the layer against a float64 loop of the whole layer; its checks; the fallback of every fused path; training
-mode refused (its router samples), and the swapped transformers block running its own forward in training.
+here; the layer against a float64 loop of the whole layer; its checks (the fused routers' fallback:
+``test_routing_options``); training mode refused (its router samples), and the swapped transformers block running
+its own forward in training.
 
 Shapes: M tokens, E experts, k = top_k, K hidden, N expert width.
 """
@@ -14,7 +15,6 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig, route
-from moekit.routing import fused
 
 PHI = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=8, top_k=2, renormalize=False,
                 sparsemixer_jitter_eps=0.2)
@@ -123,15 +123,6 @@ def test_bad_combinations_are_named(changes, says):
     with pytest.raises(ValueError, match=re.escape(says)):
         PHI.replace(**changes)
 
-
-def test_every_fused_path_falls_back_to_route(monkeypatch):
-    assert PHI.changed_router_options() == {"sparsemixer_jitter_eps": 0.2} and not fused.computes(PHI)
-    assert fused.fused_router(PHI, torch.device("cuda")) is None
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="the router options it computes; got .*sparsemixer_jitter_eps"):
-        MoE(PHI, router="fused")
-    moe = MoE(PHI, router="auto")
-    assert moe._fused_router is None and moe._gate_route is None
 
 
 def test_swapped_phimoe_block_runs_its_own_forward_in_training():
