@@ -293,9 +293,9 @@ def test_every_fused_path_falls_back_to_route(changes, monkeypatch):
 
 @pytest.mark.parametrize("changes", COMPUTED, ids=_option_id)
 def test_options_the_fused_router_computes(changes, monkeypatch):
-    """An option the fused kernel computes (``tests/test_routing_fused_options.py``): "fused" takes it; "auto" on CUDA
-    keeps ``route`` until the device measures the fused path (``fused.supports``)."""
+    """An option the fused kernel computes (``tests/test_routing_fused_options.py``): "fused" takes it, and so does
+    "auto" on CUDA (``fused.supports``): the one gate + router launch and the decode fast path with it."""
     cfg = BASE.replace(**changes)
-    assert fused.computes(cfg) and not fused.supports(cfg) and fused.fused_router(cfg, torch.device("cuda")) is None
+    assert fused.computes(cfg) and fused.supports(cfg) and fused.fused_router(cfg, torch.device("cuda")) is not None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert fused.fused_router(cfg, "cpu", "fused") is not None

@@ -75,9 +75,9 @@ def computes(config: MoEConfig) -> bool:
 
 
 def supports(config: MoEConfig) -> bool:
-    """Whether ``router="auto"`` takes the fused router on CUDA: ``computes``, and only the routers of session 33
-    (``MoEConfig.changed_router_options`` empty) until the device measures the options' fused path."""
-    return computes(config) and not config.changed_router_options()
+    """Whether ``router="auto"`` takes the fused router on CUDA: wherever it ``computes`` the config, the router
+    options of session 34 included (their fused path against ``route``: ``benchmarks/rfast34_device_check.py``)."""
+    return computes(config)
 
 
 @dataclass(frozen=True, eq=False)
