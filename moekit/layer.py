@@ -350,7 +350,8 @@ class MoE(nn.Module):
         return shared_mlp(x2d, self.shared_w13, self.shared_w2, self.shared_gate, self.config, slot_weights)  # [M, K]
 
     def _stats(self, routed: RoutedTokens) -> MoEStats:
-        return stats_of(routed, self.config.num_experts, self.stats_block_size, self._layout_used(routed.routing))
+        return stats_of(routed, self.config.num_experts, self.stats_block_size, self._layout_used(routed.routing),
+                        self.config.num_identity_experts)
 
     def _layout_used(self, routing: Routing) -> str:
         """The layout ``run_routed`` grouped this routing with (the backend's own rule, from shapes alone)."""
