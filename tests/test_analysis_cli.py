@@ -200,3 +200,17 @@ def test_measured_times_table_shows_graph_eager_host_and_the_verdict():
     assert "MISSED" not in by_batch["4,096"] and "met" not in by_batch["4,096"] and "5 " in by_batch["4,096"]
     assert "failed" in by_batch["128"]
     assert "graph capture failed at B=128: RuntimeError: operation not permitted" in text
+
+
+def test_longcat_config_prints_the_whole_model_bills(capsys, tmp_path):
+    """LongCat-Flash's config.json names num_layers, not num_hidden_layers: the bills are read all the same."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.longcat_flash")
+    from tests.test_analysis_bills import LONGCAT_TINY, _longcat_by_hand
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(transformers.LongcatFlashConfig(**LONGCAT_TINY).to_dict()))
+    data = run_json(capsys, "--config", str(path), "--batches", "1")
+    assert "note:" not in capsys.readouterr().err
+    assert data["bills"]["params"]["total"] == _longcat_by_hand(LONGCAT_TINY)
+    assert data["bills"]["params"]["num_moe_layers"] == 2
