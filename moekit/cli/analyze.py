@@ -24,16 +24,16 @@ from moekit.analysis.touch import inclusion_from_counts
 from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
 from moekit.cli._analyze_offload import offload_rows, offload_table, offload_to_json
 from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
-from moekit.config import MissingConfigField, MoEConfig
-from moekit.presets import hf_config_of_preset, preset_names
+from moekit.cli._model_source import add_source_arguments, layer_config, read_config_json
+from moekit.config import MoEConfig
+from moekit.presets import hf_config_of_preset
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="the byte model: experts touched, intensity, step-time floors, bills",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model (one of)")
-    src.add_argument("--preset", choices=preset_names())
-    src.add_argument("--config", metavar="CONFIG_JSON", help="a transformers config.json")
+    add_source_arguments(src)
     src.add_argument("--experts", type=int, help="E, routed experts (with --top-k --hidden --moe-intermediate)")
     src.add_argument("--top-k", type=int)
     src.add_argument("--hidden", type=int, help="d, hidden size")
@@ -94,7 +94,7 @@ def _model(args) -> tuple[MoEConfig, dict | None, str]:
         hf = hf_config_of_preset(args.preset)
         return MoEConfig.from_hf_config(hf), hf, args.preset
     if args.config:
-        hf = _read_config(args.config)
+        hf = read_config_json(args.config)
         return _config_of(hf, args.config, args.layers), _bills_config(hf, args.config), args.config
     if any(f is None for f in shape_flags):
         raise UsageError("--experts, --top-k, --hidden and --moe-intermediate go together")
@@ -106,28 +106,9 @@ def _model(args) -> tuple[MoEConfig, dict | None, str]:
     return cfg, None, "custom"
 
 
-def _read_config(path: str) -> dict:
-    """The ``--config`` file as a dict of config fields."""
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except OSError as err:
-        raise UsageError(f"--config: cannot read {path}: {err.strerror}") from err
-    except ValueError as err:  # json.JSONDecodeError, or bytes that are not UTF-8
-        raise UsageError(f"--config: {path} is not JSON: {err}") from err
-    if not isinstance(hf, dict):
-        raise UsageError(f"--config: {path} holds a JSON {type(hf).__name__}, not a config.json object of fields")
-    return hf
-
-
 def _config_of(hf: dict, path: str, layers: int | None) -> MoEConfig:
     """The layer a config.json describes; ``--layers`` stands in for a missing ``num_hidden_layers``."""
-    try:
-        cfg = MoEConfig.from_hf_config(hf)
-    except MissingConfigField as err:
-        raise UsageError(err.message(f"config.json at {path}")) from err
-    except ValueError as err:
-        raise UsageError(f"config.json at {path}: {err}") from err
+    cfg = layer_config(hf, path)
     if cfg.num_moe_layers is None and layers is None:
         raise UsageError(f"config.json at {path} has no 'num_hidden_layers': give --layers N, the model's MoE layers")
     return cfg
