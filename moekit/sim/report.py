@@ -46,7 +46,8 @@ def summary(result: SimResult) -> str:
         histogram(result.loads, result.capacity),
         "",
         f"capacity          {result.capacity} assignments per expert",
-        f"dropped           {result.dropped} of {result.routed_assignments} assignments ({100 * result.drop_rate:.1f}%)",
+        f"dropped           {result.dropped} of {result.routed_assignments} assignments "
+        f"({100 * result.drop_rate:.1f}%)",
         f"imbalance         {result.imbalance:.2f}x (max/mean expert load)",
         f"experts touched   {result.experts_touched} of {p['experts']}",
         f"params in memory  {format_params(result.total_params)}   read per token {format_params(result.active_params)}"
