@@ -12,7 +12,7 @@ from moekit.presets import hf_config_of_preset, preset_names
 
 def add_source_arguments(group, config_help: str = "a transformers config.json") -> None:
     """``--preset NAME`` and ``--config CONFIG_JSON`` on ``group`` (a parser or an argument group)."""
-    group.add_argument("--preset", choices=preset_names())
+    group.add_argument("--preset", choices=preset_names(), help="a published model's shapes and router")
     group.add_argument("--config", metavar="CONFIG_JSON", help=config_help)
 
 

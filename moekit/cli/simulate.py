@@ -23,8 +23,10 @@ def register(subparsers) -> None:
                               description="One simulator run: a batch routed by the synthetic router, capacity "
                               "drops, balancing, and the expert-parallel what-if.",
                               formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--experts", type=int, help=f"E, routed experts (default: {_DEFAULTS.experts}, or the model's)")
-    p.add_argument("--top-k", type=int, help=f"k, experts per token (default: {_DEFAULTS.top_k}, or the model's)")
+    p.add_argument("--experts", type=int, help=f"E, routed experts; a model's with --preset / --config "
+                   f"(default: {_DEFAULTS.experts})")
+    p.add_argument("--top-k", type=int, help=f"k, experts per token; a model's with --preset / --config "
+                   f"(default: {_DEFAULTS.top_k})")
     add_source_arguments(p, "a transformers config.json: route with its layer's router (E, k, scoring, groups, "
                             "router options), not the default softmax top-k")
     p.add_argument("--tokens", type=int, default=_DEFAULTS.tokens, help="M, tokens in the batch")
