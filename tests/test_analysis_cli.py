@@ -214,3 +214,22 @@ def test_longcat_config_prints_the_whole_model_bills(capsys, tmp_path):
     assert "note:" not in capsys.readouterr().err
     assert data["bills"]["params"]["total"] == _longcat_by_hand(LONGCAT_TINY)
     assert data["bills"]["params"]["num_moe_layers"] == 2
+
+
+def test_expert_load_with_identity_slots(capsys, tmp_path):
+    """A LongCat-Flash load file may hold the E + Z counts of MoEStats.choice_counts: the E routed ones are read
+    (the byte model keeps k·E/(E+Z) experts a token) and the measured identity share is named beside the modelled."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "longcat_flash", "hidden_size": 64, "num_layers": 2,
+                                  "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 3,
+                                  "expert_ffn_hidden_size": 16, "ffn_hidden_size": 64, "vocab_size": 100}))
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps([30, 10, 10, 10, 30, 10]))  # 100 slots: 40% on the identity experts
+    both = run_json(capsys, "--config", str(config), "--batches", "2", "--expert-load", str(load))
+    assert "identity slots 40.0% measured, 33.3% modelled" in both["routing"]
+    load.write_text(json.dumps([30, 10, 10, 10]))
+    routed = run_json(capsys, "--config", str(config), "--batches", "2", "--expert-load", str(load))
+    assert both["rows"] == routed["rows"]  # the same routed counts: the same model
+    load.write_text(json.dumps([30, 10, 10, 10, 30]))
+    assert main(["analyze", "--config", str(config), "--expert-load", str(load)]) == 2
+    assert "list of 4 (or 6: + identity) token counts" in capsys.readouterr().err
