@@ -233,3 +233,20 @@ def test_expert_load_with_identity_slots(capsys, tmp_path):
     load.write_text(json.dumps([30, 10, 10, 10, 30]))
     assert main(["analyze", "--config", str(config), "--expert-load", str(load)]) == 2
     assert "list of 4 (or 6: + identity) token counts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [dict(num_identity_experts=4, renormalize=False, use_correction_bias=True),
+                                     dict(scoring="sigmoid", shared_expert_intermediate_size=32,
+                                          shared_expert_combine="router"),
+                                     dict(shared_expert_intermediate_size=32, shared_expert_combine="average")],
+                         ids=["identity", "inkling", "average"])
+def test_measure_runs_the_router_options(options):
+    """--measure's routed-only layer: identity slots (id -1) are not calibrated as experts and the predicted
+    padding takes k·E/(E+Z); a router-weighted or averaged shared expert's combine goes back to "sum" with it."""
+    from moekit.analysis.padding import padding_factor
+    from moekit.bench.layer_measure import measure
+
+    cfg = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2, **options)
+    row = measure(cfg, (4,), budget_s=0.02).rows[0]
+    assert row.predicted_padding[16] == pytest.approx(padding_factor(4, 8, cfg.routed_slots_per_token, 16))
+    assert 1 <= row.experts_touched <= 8
