@@ -250,3 +250,13 @@ def test_measure_runs_the_router_options(options):
     row = measure(cfg, (4,), budget_s=0.02).rows[0]
     assert row.predicted_padding[16] == pytest.approx(padding_factor(4, 8, cfg.routed_slots_per_token, 16))
     assert 1 <= row.experts_touched <= 8
+
+
+def test_tables_name_the_identity_experts(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "longcat_flash", "hidden_size": 64, "num_layers": 2,
+                                  "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 3,
+                                  "expert_ffn_hidden_size": 16, "ffn_hidden_size": 64, "vocab_size": 100}))
+    assert main(["analyze", "--config", str(config), "--batches", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps at 120 columns
+    assert "k=3 (and Z=2 identity experts: 2 experts run a token)" in out
