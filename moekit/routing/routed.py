@@ -17,7 +17,7 @@ class RoutedTokens:
 
     routing: Routing  # [M, k(+S)]; capacity drops are id -1 / weight 0; fused shared slots (ids E..E+S-1) last
     dropped_count: torch.Tensor | None = None  # [] int64; assignments the capacity factor dropped; None when dropless
-    router_logits: torch.Tensor | None = None  # [M, E] the gate's output (router dtype), what the losses read
+    router_logits: torch.Tensor | None = None  # [M, E(+Z|S)] the gate's output (router dtype); losses read [M, E(+Z)]
     # [M, k(+S)] int32; the router's output before capacity drops: its first top_k columns are the routed choice
     router_ids: torch.Tensor | None = None
     top_k: int = 0  # routed slots of router_ids
