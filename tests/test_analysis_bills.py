@@ -171,3 +171,12 @@ def test_longcat_bill_reads_its_layer_count():
     assert bill.total == _longcat_by_hand(LONGCAT_TINY) == sum(p.numel() for p in model.parameters())
     assert (bill.num_moe_layers, bill.dense_mlp) == (2, 4 * 3 * 32 * 48)  # 2 MoE blocks, 2 dense MLPs each
     assert bill.active_routed_experts == 2 * 2 * 3 * 32 * 12  # k·E/(E+Z) = 2 experts a token run, a layer
+
+
+def test_longcat_flash_reconciles_with_published():
+    """transformers' LongcatFlashConfig defaults are LongCat-Flash-Chat's shapes: 560B total (the card), ~27B
+    active on average (the report; k·E/(E+Z) = 12·512/768 = 8 experts a token under uniform routing)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.longcat_flash")
+    bill = param_bill(transformers.LongcatFlashConfig().to_dict())
+    assert bill.total / 1e9 == pytest.approx(560, rel=0.01) and bill.active_matmul / 1e9 == pytest.approx(27, rel=0.01)
