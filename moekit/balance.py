@@ -3,14 +3,14 @@ expert's selection bias towards balance.
 
     [Route: top-k of scores + e_score_correction_bias] -> counts per expert -> this update -> the next step
 
-Shapes: E routed experts.
+Shapes: E routed experts, Z identity experts (LongCat-Flash; its bias spans E + Z).
 
 The pattern in a training loop (one ``ExpertCounts`` per MoE layer; update every step or every few)::
 
-    counts = ExpertCounts(moe.config.num_experts)
+    counts = ExpertCounts(moe.config.choice_width)   # E, or E + Z with identity experts
     for step, batch in enumerate(data):
-        res = moe(x, return_stats=True)              # MoEStats.counts [E]: this forward's assignments
-        counts.add(res.stats.counts)
+        res = moe(x, return_stats=True)              # MoEStats.choice_counts [E(+Z)]: this forward's assignments
+        counts.add(res.stats.choice_counts)
         ...loss.backward(); optimizer.step()
         update_correction_bias_(moe, counts.take(), rate=1e-3, group=ep_group)  # group: sum over ranks
 
@@ -27,7 +27,8 @@ from torch import nn
 
 
 class ExpertCounts:
-    """Assignments per routed expert summed over forwards since the last ``take`` (no host sync)."""
+    """Assignments per routed expert (and identity expert: ``MoEStats.choice_counts``) summed over forwards since
+    the last ``take`` (no host sync)."""
 
     def __init__(self, num_experts: int) -> None:
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
@@ -36,7 +37,7 @@ class ExpertCounts:
         self.total: torch.Tensor | None = None  # [E] float64 once something was added; None = nothing yet
 
     def add(self, counts: torch.Tensor) -> None:
-        """Add one forward's counts [E] (``MoEStats.counts``)."""
+        """Add one forward's counts [E(+Z)] (``MoEStats.choice_counts``)."""
         counts = _check_counts(counts, self.num_experts).to(torch.float64)
         self.total = counts.clone() if self.total is None else self.total + counts.to(self.total.device)
 
@@ -52,36 +53,83 @@ def update_correction_bias_(
     moe: nn.Module,
     counts: torch.Tensor,
     rate: float = 1e-3,
-    center: bool = True,
+    center: bool | None = None,
     group: dist.ProcessGroup | None = None,
+    routed_per_token: float | None = None,
 ) -> torch.Tensor:
-    """``moe.e_score_correction_bias += delta``, delta = rate * sign(mean(counts) - counts): overloaded
-    experts go down, underloaded ones up, by ``rate`` each (DeepSeek-V3's gamma, 1e-3).
+    """``moe.e_score_correction_bias += delta``, delta = ``correction_delta`` of ``counts`` [E(+Z)] (the bias's
+    width: ``MoEStats.choice_counts``): overloaded experts go down, underloaded ones up, by ``rate`` each
+    (DeepSeek-V3's gamma, 1e-3).
 
-    ``center``: subtract delta's mean first (torchtitan's variant; the paper does not centre), so a
-    centred bias stays centred and does not drift as a whole (a common shift changes no selection).
+    ``center`` (None: True without identity experts): subtract delta's mean first (torchtitan's variant; the paper
+    does not centre), so a centred bias stays centred and does not drift as a whole (a common shift changes no
+    selection). With identity experts a common shift of the routed experts' biases is the budget control, so
+    centring is refused. ``routed_per_token``: LongCat-Flash's K_e (``correction_delta``).
     ``group``: a process group to sum ``counts`` over first (``all_reduce``, collective: every rank of it
     calls this with its own counts); None = these counts alone. For the world, pass
-    ``torch.distributed.group.WORLD``. Returns the delta [E] (the bias dtype) that was added."""
+    ``torch.distributed.group.WORLD``. Returns the delta [E(+Z)] (the bias dtype) that was added."""
     bias = getattr(moe, "e_score_correction_bias", None)
     if not isinstance(bias, torch.Tensor):
         raise ValueError("moe has no e_score_correction_bias: build it with MoEConfig(use_correction_bias=True)")
-    counts = _check_counts(counts, bias.numel()).to(device=bias.device, dtype=torch.float64)
-    if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < float("inf")):
-        raise ValueError(f"rate must be a positive finite number, got {rate!r}")
+    config = getattr(moe, "config", None)
+    identity = getattr(config, "num_identity_experts", 0)
+    width = bias.numel()
+    what = "num_experts" if not identity else "num_experts + num_identity_experts (MoEStats.choice_counts)"
+    counts = _check_counts(counts, width, what).to(device=bias.device, dtype=torch.float64)
+    top_k = config.top_k if identity else 1  # read only with identity experts
+    _rule(rate, center, width - identity, identity, top_k, routed_per_token)  # before the collective
     if group is not None:
         counts = counts.clone()
         dist.all_reduce(counts, group=group)
-    delta = rate * torch.sign(counts.mean() - counts)  # [E]
-    if center:
-        delta = delta - delta.mean()
-    delta = delta.to(bias.dtype)
+    delta = correction_delta(counts, width - identity, top_k, rate, center, routed_per_token).to(bias.dtype)
     bias.add_(delta)
     return delta
 
 
-def _check_counts(counts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def correction_delta(counts: torch.Tensor, num_experts: int, top_k: int, rate: float, center: bool | None = None,
+                     routed_per_token: float | None = None) -> torch.Tensor:
+    """The bias update of assignment ``counts`` [E + Z] (float; Z >= 0 identity experts after the E routed ones)
+    -> delta [E + Z], the counts' dtype.
+
+    Z = 0 (DeepSeek-V3): delta_i = rate * sign(mean(counts) - counts_i), its mean taken off when ``center`` (None:
+    True). Z > 0 (LongCat-Flash's zero-computation experts): its report's budget rule moves the E routed experts'
+    biases by mu * (K_e / (k * E) - c_i / (k * T)) (T tokens, k * T = sum(counts), K_e = ``routed_per_token``, the
+    routed experts a token should run; default k * E / (E + Z), ``MoEConfig.routed_slots_per_token``) and never the
+    identity experts' (transformers' LongCat router keeps their bias entries, over E + Z, for the choice only);
+    moekit moves them by the sign of that gap times ``rate`` (DeepSeek's step, whatever the counts' scale: a
+    routed expert above its share goes down by rate), identity entries by 0, uncentred (a common shift of the
+    routed biases is what moves tokens between routed and identity experts). With Z = 0 the target is the mean:
+    the two rules are one."""
+    identity = counts.numel() - num_experts
+    center, budget = _rule(rate, center, num_experts, identity, top_k, routed_per_token)
+    if not identity:
+        delta = rate * torch.sign(counts.mean() - counts)  # [E]
+        return delta - delta.mean() if center else delta
+    total = counts.sum()  # [] k * T
+    share = counts[:num_experts] / total.clamp(min=1)  # [E]; c_i / (k * T)
+    step = torch.where(total > 0, rate * torch.sign(budget / (top_k * num_experts) - share), 0.0)  # no host sync
+    return torch.cat([step, torch.zeros_like(counts[num_experts:])])  # [E + Z]; identity entries stay 0
+
+
+def _rule(rate, center, num_experts: int, identity: int, top_k: int, routed_per_token) -> tuple[bool, float]:
+    """The checked arguments of ``correction_delta``: (center, K_e), or an error naming the bad one."""
+    if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < float("inf")):
+        raise ValueError(f"rate must be a positive finite number, got {rate!r}")
+    if center is None:
+        center = identity == 0
+    if identity and center:
+        raise ValueError("center=True would undo the budget control of identity experts (num_identity_experts > 0): "
+                         "pass center=None or False")
+    if routed_per_token is not None and not identity:
+        raise ValueError("routed_per_token is the budget of identity experts: give it with num_identity_experts > 0")
+    budget = top_k * num_experts / (num_experts + identity) if routed_per_token is None else routed_per_token
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= top_k:
+        raise ValueError(f"routed_per_token must be in (0, top_k={top_k}], got {routed_per_token!r}")
+    return bool(center), float(budget)
+
+
+def _check_counts(counts: torch.Tensor, num_experts: int, what: str = "num_experts") -> torch.Tensor:
     if not isinstance(counts, torch.Tensor) or counts.shape != (num_experts,):
         got = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
-        raise ValueError(f"counts must be a tensor of shape [num_experts={num_experts}], got {got}")
+        raise ValueError(f"counts must be a tensor of shape [{what}={num_experts}], got {got}")
     return counts

@@ -57,7 +57,7 @@ from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 class MoEOutput:
     out: torch.Tensor  # [..., K]
     stats: MoEStats
-    router_logits: torch.Tensor | None = None  # [M, E] the gate's logits in the router dtype (differentiable)
+    router_logits: torch.Tensor | None = None  # [M, E(+Z|S)] the gate's logits, router dtype (differentiable)
     # [] float32: config.aux_loss_coef * load_balancing_loss + seq_aux_loss_coef * sequence_balance_loss +
     # z_loss_coef * z_loss over this forward's M tokens (add it to the task loss); None when all three
     # coefficients are 0. The balance losses count the router's choice before capacity drops.
@@ -228,7 +228,7 @@ class MoE(nn.Module):
         if routing is not None:  # the gate and the router in one launch
             logits = ws.logits  # [M, E]
         else:
-            logits = self._gate(gx, weight, gbias, None if ws is None else ws.logits)  # [M, E]
+            logits = self._gate(gx, weight, gbias, None if ws is None else ws.logits)  # [M, E(+Z|S)]
             if self._fused_router is not None:
                 routing = self._fused_router(logits, bias, gate_logits, in_kernel,
                                              None if ws is None else (ws.ids, ws.weights))
@@ -257,7 +257,7 @@ class MoE(nn.Module):
         return router_inputs(x2d, _param(gate, "weight"), _param(gate, "bias"), self.config.router_dtype)
 
     def _router_logits(self, x2d: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x2d [M, K] -> logits [M, E] in the router dtype (``_gate_inputs``), into ``out`` where it is given."""
+        """x2d [M, K] -> logits [M, E(+Z|S)] in the router dtype (``_gate_inputs``), into ``out`` where it is given."""
         return self._gate(*self._gate_inputs(x2d), out)
 
     def _gate(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None):
@@ -350,7 +350,8 @@ class MoE(nn.Module):
         return shared_mlp(x2d, self.shared_w13, self.shared_w2, self.shared_gate, self.config, slot_weights)  # [M, K]
 
     def _stats(self, routed: RoutedTokens) -> MoEStats:
-        return stats_of(routed, self.config.num_experts, self.stats_block_size, self._layout_used(routed.routing))
+        return stats_of(routed, self.config.num_experts, self.stats_block_size, self._layout_used(routed.routing),
+                        self.config.num_identity_experts)
 
     def _layout_used(self, routing: Routing) -> str:
         """The layout ``run_routed`` grouped this routing with (the backend's own rule, from shapes alone)."""

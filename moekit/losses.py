@@ -3,7 +3,8 @@ the router z-loss (ST-MoE).
 
     [Gate: logits [M, E]] -> [Route: topk_ids [M, k]] -> these losses -> added to the task loss
 
-Shapes: M tokens, E routed experts, k = top_k, B sequences, T tokens per sequence (M = B*T).
+Shapes: M tokens, E routed experts, Z identity experts, S router-weighted shared slots, k = top_k, B sequences,
+T tokens per sequence (M = B*T).
 
 Every loss is a 0-dim float32 tensor (float64 for float64 logits), differentiable through the logits
 only: which experts were selected (``topk_ids``) carries no gradient, as in every reference
@@ -19,25 +20,35 @@ from moekit.routing.route import soft_capped
 
 
 def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len: int) -> torch.Tensor | None:
-    """A ``MoEConfig``'s sum of coefficient x loss over one forward's logits [M, E] and chosen ids [M, k]
+    """A ``MoEConfig``'s sum of coefficient x loss over one forward's logits [M, E(+Z|S)] and chosen ids [M, k]
     (``MoEOutput.aux_loss``), None when its three coefficients are 0; the sequence-wise loss takes ``seq_len``
     tokens as a sequence. The losses read the logits as the router scores them (soft-capped: Laguna's, which
-    transformers' balance loss reads too)."""
+    transformers' balance loss reads too), over the columns it chooses from (``choice_columns``)."""
     c = config
     if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
         return None
-    logits = soft_capped(logits, c)  # [M, E]
+    logits = choice_columns(soft_capped(logits, c), c)  # [M, E(+Z)]
+    width = c.choice_width
     total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
     if logits.shape[0] == 0:
         return total
     if c.aux_loss_coef:
-        total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.router_width)  # identity experts too
+        total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, width)
     if c.seq_aux_loss_coef:
-        total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.router_width, seq_len,
-                                                                    scoring=c.scoring)
+        total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, width, seq_len, scoring=c.scoring)
     if c.z_loss_coef:
         total = total + c.z_loss_coef * z_loss(logits)
     return total
+
+
+def choice_columns(logits: torch.Tensor, config) -> torch.Tensor:
+    """The router logits [M, E(+Z|S)] the balance and z losses read: the E + Z columns the router chooses k of
+    (LongCat-Flash's identity experts are chosen as experts, so they count); never Inkling's S shared-slot columns
+    (``shared_expert_combine="router"``), which only weight the always-on shared experts: the router Inkling's
+    model records as its router logits is the routed part alone (transformers' ``InklingTopkRouter`` returns
+    ``router_logits[..., :-n_shared_experts]``). A view, no copy."""
+    width = config.choice_width
+    return logits if logits.shape[-1] == width else logits[..., :width]
 
 
 def load_balancing_loss(

@@ -135,3 +135,48 @@ def test_analysis_imports_no_kernels():
             "if m.startswith(('moekit.experts', 'moekit.layouts', 'moekit.layer', 'triton'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+LONGCAT_TINY = dict(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=48,
+                    q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                    head_dim=4, moe_topk=3, n_routed_experts=6, zero_expert_num=3, expert_ffn_hidden_size=12)
+
+
+def _longcat_by_hand(c: dict) -> int:
+    """LongCat-Flash's parameters summed from its modules' shapes: per decoder layer two MLA sublayers (q_a, its
+    norm, q_b; kv_a with the rope key, its norm, kv_b; o), two dense MLPs, four RMSNorms, one MoE (E experts of
+    gate_up [2N, d] and down [d, N], a classifier [E + Z, d]); embedding, final norm, LM head."""
+    d, heads, qk = c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    mla = (d * c["q_lora_rank"] + c["q_lora_rank"] + c["q_lora_rank"] * heads * qk
+           + d * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) + c["kv_lora_rank"]
+           + c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"]) + heads * c["v_head_dim"] * d)
+    mlp = 3 * d * c["ffn_hidden_size"]
+    experts, router = c["n_routed_experts"], c["n_routed_experts"] + c["zero_expert_num"]
+    moe = experts * 3 * d * c["expert_ffn_hidden_size"] + router * d
+    layer = 2 * mla + 2 * mlp + 4 * d + moe
+    return c["num_layers"] * layer + 2 * c["vocab_size"] * d + d
+
+
+def test_longcat_bill_reads_its_layer_count():
+    """LongCat's config.json has num_layers (its config derives num_hidden_layers = 2 * num_layers, unserialised):
+    the bill equals a count by hand and the transformers model built offline (random weights)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.longcat_flash")
+    hf_cfg = transformers.LongcatFlashConfig(**LONGCAT_TINY)
+    d = hf_cfg.to_dict()
+    assert "num_hidden_layers" not in d and d["num_layers"] == 2
+    torch.manual_seed(0)
+    model = transformers.LongcatFlashForCausalLM(hf_cfg)
+    bill = param_bill(d)
+    assert bill.total == _longcat_by_hand(LONGCAT_TINY) == sum(p.numel() for p in model.parameters())
+    assert (bill.num_moe_layers, bill.dense_mlp) == (2, 4 * 3 * 32 * 48)  # 2 MoE blocks, 2 dense MLPs each
+    assert bill.active_routed_experts == 2 * 2 * 3 * 32 * 12  # k·E/(E+Z) = 2 experts a token run, a layer
+
+
+def test_longcat_flash_reconciles_with_published():
+    """transformers' LongcatFlashConfig defaults are LongCat-Flash-Chat's shapes: 560B total (the card), ~27B
+    active on average (the report; k·E/(E+Z) = 12·512/768 = 8 experts a token under uniform routing)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.longcat_flash")
+    bill = param_bill(transformers.LongcatFlashConfig().to_dict())
+    assert bill.total / 1e9 == pytest.approx(560, rel=0.01) and bill.active_matmul / 1e9 == pytest.approx(27, rel=0.01)

@@ -200,3 +200,63 @@ def test_measured_times_table_shows_graph_eager_host_and_the_verdict():
     assert "MISSED" not in by_batch["4,096"] and "met" not in by_batch["4,096"] and "5 " in by_batch["4,096"]
     assert "failed" in by_batch["128"]
     assert "graph capture failed at B=128: RuntimeError: operation not permitted" in text
+
+
+def test_longcat_config_prints_the_whole_model_bills(capsys, tmp_path):
+    """LongCat-Flash's config.json names num_layers, not num_hidden_layers: the bills are read all the same."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.longcat_flash")
+    from tests.test_analysis_bills import LONGCAT_TINY, _longcat_by_hand
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(transformers.LongcatFlashConfig(**LONGCAT_TINY).to_dict()))
+    data = run_json(capsys, "--config", str(path), "--batches", "1")
+    assert "note:" not in capsys.readouterr().err
+    assert data["bills"]["params"]["total"] == _longcat_by_hand(LONGCAT_TINY)
+    assert data["bills"]["params"]["num_moe_layers"] == 2
+
+
+def test_expert_load_with_identity_slots(capsys, tmp_path):
+    """A LongCat-Flash load file may hold the E + Z counts of MoEStats.choice_counts: the E routed ones are read
+    (the byte model keeps k·E/(E+Z) experts a token) and the measured identity share is named beside the modelled."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "longcat_flash", "hidden_size": 64, "num_layers": 2,
+                                  "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 3,
+                                  "expert_ffn_hidden_size": 16, "ffn_hidden_size": 64, "vocab_size": 100}))
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps([30, 10, 10, 10, 30, 10]))  # 100 slots: 40% on the identity experts
+    both = run_json(capsys, "--config", str(config), "--batches", "2", "--expert-load", str(load))
+    assert "identity slots 40.0% measured, 33.3% modelled" in both["routing"]
+    load.write_text(json.dumps([30, 10, 10, 10]))
+    routed = run_json(capsys, "--config", str(config), "--batches", "2", "--expert-load", str(load))
+    assert both["rows"] == routed["rows"]  # the same routed counts: the same model
+    load.write_text(json.dumps([30, 10, 10, 10, 30]))
+    assert main(["analyze", "--config", str(config), "--expert-load", str(load)]) == 2
+    assert "list of 4 (or 6: + identity) token counts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [dict(num_identity_experts=4, renormalize=False, use_correction_bias=True),
+                                     dict(scoring="sigmoid", shared_expert_intermediate_size=32,
+                                          shared_expert_combine="router"),
+                                     dict(shared_expert_intermediate_size=32, shared_expert_combine="average")],
+                         ids=["identity", "inkling", "average"])
+def test_measure_runs_the_router_options(options):
+    """--measure's routed-only layer: identity slots (id -1) are not calibrated as experts and the predicted
+    padding takes k·E/(E+Z); a router-weighted or averaged shared expert's combine goes back to "sum" with it."""
+    from moekit.analysis.padding import padding_factor
+    from moekit.bench.layer_measure import measure
+
+    cfg = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2, **options)
+    row = measure(cfg, (4,), budget_s=0.02).rows[0]
+    assert row.predicted_padding[16] == pytest.approx(padding_factor(4, 8, cfg.routed_slots_per_token, 16))
+    assert 1 <= row.experts_touched <= 8
+
+
+def test_tables_name_the_identity_experts(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "longcat_flash", "hidden_size": 64, "num_layers": 2,
+                                  "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 3,
+                                  "expert_ffn_hidden_size": 16, "ffn_hidden_size": 64, "vocab_size": 100}))
+    assert main(["analyze", "--config", str(config), "--batches", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps at 120 columns
+    assert "k=3 (and Z=2 identity experts: 2 experts run a token)" in out

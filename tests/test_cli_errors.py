@@ -167,7 +167,7 @@ def test_import_hf_without_transformers():
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
-    def broken(params):
+    def broken(params, config=None):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(simulate_cli, "simulate", broken)

@@ -221,3 +221,36 @@ def test_router_dtype_keeps_the_gate_bias():
 def test_config_refuses_bad_training_fields(field, value):
     with pytest.raises(ValueError, match=field):
         MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, **{field: value})
+
+
+def test_inkling_losses_read_the_routed_columns_only():
+    """Inkling's router logits are [M, E + S]; its model records the E routed columns as its router logits, so the
+    balance and z losses read those (the S shared columns are never chosen): a float64 loop over the E columns."""
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, scoring="sigmoid",
+                    shared_expert_intermediate_size=8, shared_expert_combine="router", aux_loss_coef=0.01,
+                    seq_aux_loss_coef=0.003, z_loss_coef=0.002)
+    moe = _layer(cfg)
+    x = torch.randn(2, 6, 8)  # 2 sequences of 6 tokens
+    res = moe(x, return_stats=True)
+    full = x.reshape(-1, 8).double() @ moe.gate.weight.detach().double().t()  # [12, E + S]
+    assert full.shape == (12, E + 2) and res.router_logits.shape == (12, E + 2)
+    routed = full[:, :E]  # [12, E]
+    ids = torch.topk(torch.sigmoid(routed), 2, dim=-1).indices  # no bias: the top-k of the sigmoids
+    z = sum(math.log(sum(math.exp(v) for v in row.tolist())) ** 2 for row in routed) / 12
+    want = (0.01 * _switch_loop(routed, ids, E) + 0.003 * _sequence_loop(routed, ids, E, 6, "sigmoid", 1.0)
+            + 0.002 * z)
+    assert res.aux_loss.item() == pytest.approx(want, rel=1e-5)
+    res.aux_loss.backward()
+    assert moe.gate.weight.grad[:E].abs().sum() > 0 and moe.gate.weight.grad[E:].abs().sum() == 0
+
+
+def test_identity_experts_count_in_the_balance_loss():
+    """LongCat-Flash's identity experts are chosen like experts: the balance loss runs over the E + Z columns."""
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=3, num_identity_experts=4,
+                    renormalize=False, aux_loss_coef=1.0)
+    moe = _layer(cfg)
+    x = torch.randn(10, 8)
+    res = moe(x, return_stats=True)
+    logits = x.double() @ moe.gate.weight.detach().double().t()  # [10, E + Z]
+    ids = _topk_of_softmax(logits, 3)
+    assert res.aux_loss.item() == pytest.approx(_switch_loop(logits, ids, E + 4), rel=1e-5)

@@ -266,3 +266,21 @@ def test_auto_takes_the_gpu_path_where_no_forward_of_that_size_can_use_the_cpu(m
     places.clear()
     auto(_x(4, 9))
     assert places == ["auto"] and seen["never"] == 2 and auto.last_stats.cpu_experts > 0
+
+
+@pytest.mark.parametrize("options", [dict(num_identity_experts=4, renormalize=False, use_correction_bias=True),
+                                     dict(scoring="sigmoid", shared_expert_intermediate_size=N,
+                                          shared_expert_combine="router")], ids=["identity", "inkling"])
+def test_router_prefetch_predicts_the_next_layers_routed_experts_only(options):
+    """The next layer's router over E + Z (LongCat-Flash) or E + S (Inkling): the prefetch takes its routed choice,
+    never an identity id (no expert) nor a shared slot."""
+    moes = [_moe(seed, **options) for seed in range(2)]
+    cache = ExpertCache(16, device="cpu")
+    layers = [OffloadedMoE.from_moe(m, cache=cache, prefetch="router") for m in moes]
+    link_layers(layers)
+    x = _x(6)
+    h = layers[0](x)
+    ids = moes[1].route_tokens(x).selected_ids.flatten().tolist()  # the router's choice, identity ids included
+    predicted = {i for i in ids if i < E}
+    assert set(cache.cached(layers[1].layer_id)) >= predicted and layers[0].last_stats.prefetched == len(predicted)
+    assert rel_l2(layers[1](h), moes[1](moes[0](x))) < TOLERANCE[torch.float32]

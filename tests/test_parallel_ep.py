@@ -201,17 +201,17 @@ def _capacity(g: Group) -> dict:
 
 def _empty_and_stats(g: Group) -> dict:
     """M = 0 on every rank (flat and with leading dims), more tokens than the padded capacity, and the
-    per-rank stats summed over ranks."""
-    moe = _moe(SOFTMAX_SHARED)
+    per-rank stats summed over ranks (LongCat's identity slots counted apart, summed as the bias update sums)."""
+    moe = _moe(IDENTITY)
     ep = EPMoE.from_moe(moe)
     res = {"empty_shapes": [tuple(ep(torch.empty(0, 32)).shape), tuple(ep(torch.empty(2, 0, 32)).shape)]}
     padded = EPMoE.from_moe(moe, max_tokens_per_rank=4)
     res["empty_shapes_padded"] = [tuple(padded(torch.empty(0, 32)).shape), tuple(padded(torch.empty(2, 0, 32)).shape)]
     # Every rank passes 5 > 4 tokens: each raises its own error before any payload collective.
     res["over_capacity"] = _error_of(lambda: padded(torch.randn(5, 32)))
-    total = ep(g.x_local, return_stats=True).stats.counts.clone()
+    total = ep(g.x_local, return_stats=True).stats.choice_counts.clone()  # [E + Z]
     dist.all_reduce(total)
-    res["stats_counts_match"] = bool(torch.equal(total, moe(g.x, return_stats=True).stats.counts))
+    res["stats_counts_match"] = bool(torch.equal(total, moe(g.x, return_stats=True).stats.choice_counts))
     return res
 
 
@@ -338,7 +338,7 @@ CHECKS = [
     _case("empty_shapes", lambda v, *_: v == [(0, 32), (2, 0, 32)], "empty batches keep their shape"),
     _case("empty_shapes_padded", lambda v, *_: v == [(0, 32), (2, 0, 32)], "empty batches keep their shape"),
     _error_says("over_capacity", "max_tokens_per_rank=4", "got 5"),
-    _case("stats_counts_match", lambda v, *_: v, "per-rank counts sum to the single-process counts"),
+    _case("stats_counts_match", lambda v, *_: v, "per-rank counts (over E + Z) sum to the single-process counts"),
     _close("bf16_rel_l2", TOLERANCE[torch.bfloat16], "||ep - single|| / ||single|| in bf16"),
     _case("rebalance_loads_match", lambda v, *_: v, "the tracked loads are three steps' counts"),
     _case("rebalance_max_not_raised", lambda v, *_: v, "rebalancing does not raise the busiest rank's load"),

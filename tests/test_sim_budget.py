@@ -49,3 +49,14 @@ def test_when_one_change_is_not_enough_all_the_named_changes_fit_together():
     changes = {n: int(v) for n, v in re.findall(r"(\w+) to at most (\d+) \(got", str(error))}
     assert len(changes) > 1 and next(iter(changes)) == error.parameter == "aux_steps"
     assert predicted_seconds(replace(params, **changes)) <= BUDGET_S
+
+
+def test_a_served_models_router_width_is_priced_and_its_experts_never_named():
+    """LongCat-Flash routes over E + Z = 768 columns: dearer than 512, and E (the model's) is not a setting."""
+    params = SimParams(experts=512, top_k=12, balance="bias")
+    assert predicted_seconds(params, width=768) > predicted_seconds(params) == predicted_seconds(params, width=None)
+    with pytest.raises(OverBudgetError) as info:
+        check_budget(params, width=768)
+    assert info.value.parameter == "bias_batches" and "experts" not in str(info.value)
+    changes = {n: int(v) for n, v in re.findall(r"(\w+) to at most (\d+) \(got", str(info.value))}
+    assert predicted_seconds(replace(params, **changes), width=768) <= BUDGET_S

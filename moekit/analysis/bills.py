@@ -57,9 +57,9 @@ class ParamBill:
 
 def param_bill(hf_config: dict) -> ParamBill:
     """The bill of a config dict of a preset's family: Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3,
-    Kimi-K2, GLM-4.5, gpt-oss, OLMoE."""
+    Kimi-K2, GLM-4.5, gpt-oss, OLMoE; and LongCat-Flash (``num_hidden_layers``: its attention sublayers)."""
     cfg = MoEConfig.from_hf_config(hf_config)
-    d, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
+    d, layers = hf_config["hidden_size"], num_hidden_layers(hf_config)
     moe_layers = cfg.num_moe_layers or layers
     vocab = hf_config["vocab_size"]
     n_dim = cfg.moe_intermediate_size
@@ -69,7 +69,7 @@ def param_bill(hf_config: dict) -> ParamBill:
         embedding=vocab * d,
         output=0 if hf_config.get("tie_word_embeddings", False) else vocab * d,
         attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
-        dense_mlp=(layers - moe_layers) * 3 * d * hf_config["intermediate_size"],
+        dense_mlp=_dense_mlps(hf_config, layers, moe_layers) * 3 * d * _get(hf_config, "intermediate_size"),
         routed_experts=moe_layers * cfg.num_experts * expert,
         active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * expert),  # LongCat: k·E/(E+Z)
         shared_experts=moe_layers * shared,
@@ -78,6 +78,27 @@ def param_bill(hf_config: dict) -> ParamBill:
         num_moe_layers=moe_layers,
         num_dense_layers=layers - moe_layers,
     )
+
+
+def num_hidden_layers(c: dict) -> int:
+    """The attention layers: ``num_hidden_layers``; LongCat-Flash's config.json holds ``num_layers`` decoder layers
+    of two attention sublayers each, and its transformers config derives ``num_hidden_layers = 2 * num_layers`` (a
+    property, so ``to_dict()`` leaves it out)."""
+    if c.get("num_hidden_layers") is None and c.get("model_type") == "longcat_flash":
+        return 2 * c["num_layers"]
+    return c["num_hidden_layers"]
+
+
+def _dense_mlps(c: dict, layers: int, moe_layers: int) -> int:
+    """Dense MLPs in the model: one a layer without an MoE block; LongCat-Flash: one an attention sublayer (each
+    decoder layer holds two MLPs besides its shortcut-connected MoE block)."""
+    return layers if c.get("model_type") == "longcat_flash" else layers - moe_layers
+
+
+def _get(c: dict, name: str) -> int:
+    """A field, under its transformers attribute-map alias where the config.json uses another name (LongCat-Flash:
+    ``ffn_hidden_size`` for ``intermediate_size``)."""
+    return c[name] if name in c or c.get("model_type") != "longcat_flash" else c["ffn_hidden_size"]
 
 
 def _layer_attention_params(c: dict, layer: int) -> int:

@@ -93,7 +93,7 @@ def _padding_panel(ax, report: Report, grid: np.ndarray) -> None:
     cfg = report.config
     pad_grid = grid[grid <= 16384]  # the exact binomial sums cost at least O(B) per point
     for block in PADDING_BLOCKS:
-        factors = [expected_padding_factor(int(b), cfg.num_experts, cfg.top_k, block, report.inclusion)
+        factors = [expected_padding_factor(int(b), cfg.num_experts, cfg.routed_slots_per_token, block, report.inclusion)
                    for b in pad_grid]
         ax.plot(pad_grid, factors, label=f"block {block}")
     ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="padded rows / real rows", title="padding tax")

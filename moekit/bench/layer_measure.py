@@ -106,8 +106,9 @@ def _budget(device: torch.device) -> float:
 
 
 def _fit_shapes(config: MoEConfig, fmt: WeightFormat, device: torch.device) -> tuple[MoEConfig, int]:
-    """The routed-only config to run, with K and N divided by the smallest power of two that fits."""
-    cfg = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
+    """The routed-only config to run, with K and N divided by the smallest power of two that fits (the shared
+    expert's combine back to "sum": an averaged or router-weighted one needs the shared expert it weights)."""
+    cfg = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False, shared_expert_combine="sum")
     scale = 1
     while (3 * cfg.num_experts * (cfg.hidden_size // scale) * (cfg.moe_intermediate_size // scale)
            * fmt.bytes_per_weight > _budget(device)
@@ -131,7 +132,8 @@ def _calibrate(layer: MoE, cfg: MoEConfig) -> np.ndarray:
     x = torch.randn(CALIBRATION_TOKENS, cfg.hidden_size, dtype=layer.w13.dtype, device=layer.w13.device)
     with torch.no_grad():
         routing = layer.route_tokens(x).routing
-    counts = torch.bincount(routing.topk_ids.reshape(-1).long(), minlength=cfg.num_experts)  # [E]
+    ids = routing.topk_ids.reshape(-1).long()
+    counts = torch.bincount(ids[ids >= 0], minlength=cfg.num_experts)  # [E]; identity slots (id -1) run no expert
     return inclusion_from_counts(counts.cpu().numpy(), CALIBRATION_TOKENS)
 
 
@@ -224,7 +226,9 @@ def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ce
         predicted_experts_touched=predicted.experts_touched,
         skew_experts_touched=experts_touched_from_inclusion(batch, inclusion),
         padding={b: padding_factor_from_counts(counts, b) for b in PADDING_BLOCKS},
-        predicted_padding={b: padding_factor(batch, cfg.num_experts, cfg.top_k, b) for b in PADDING_BLOCKS},
+        # k·E/(E + Z) with identity experts: their slots run no expert, so the counts hold none of them
+        predicted_padding={b: padding_factor(batch, cfg.num_experts, cfg.routed_slots_per_token, b)
+                           for b in PADDING_BLOCKS},
         host_rest_s=timing.host_rest_s,
         host_within_target=host_within_target(batch, timing.host_rest_s),
     )

@@ -13,8 +13,10 @@ from moekit.bench.layer_measure import GRAPH_FLOOR_TARGET, HOST_TARGET_S, MEMORY
 def print_report(report: Report, console: Console) -> None:
     cfg, gpu, fmt = report.config, report.gpu, report.fmt
     layers = cfg.num_moe_layers or 1
+    identity = (f" (and Z={cfg.num_identity_experts} identity experts: {cfg.routed_slots_per_token:g} experts run a "
+                f"token)" if cfg.num_identity_experts else "")
     console.print(
-        f"[bold]{report.model}[/]: one MoE layer has E={cfg.num_experts} routed experts, k={cfg.top_k}, "
+        f"[bold]{report.model}[/]: one MoE layer has E={cfg.num_experts} routed experts, k={cfg.top_k}{identity}, "
         f"d={cfg.hidden_size}, d_ff={cfg.moe_intermediate_size}; {layers} MoE layer(s)"
     )
     console.print(

@@ -24,16 +24,16 @@ from moekit.analysis.touch import inclusion_from_counts
 from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
 from moekit.cli._analyze_offload import offload_rows, offload_table, offload_to_json
 from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
-from moekit.config import MissingConfigField, MoEConfig
-from moekit.presets import hf_config_of_preset, preset_names
+from moekit.cli._model_source import add_source_arguments, layer_config, read_config_json
+from moekit.config import MoEConfig
+from moekit.presets import hf_config_of_preset
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="the byte model: experts touched, intensity, step-time floors, bills",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model (one of)")
-    src.add_argument("--preset", choices=preset_names())
-    src.add_argument("--config", metavar="CONFIG_JSON", help="a transformers config.json")
+    add_source_arguments(src)
     src.add_argument("--experts", type=int, help="E, routed experts (with --top-k --hidden --moe-intermediate)")
     src.add_argument("--top-k", type=int)
     src.add_argument("--hidden", type=int, help="d, hidden size")
@@ -94,7 +94,7 @@ def _model(args) -> tuple[MoEConfig, dict | None, str]:
         hf = hf_config_of_preset(args.preset)
         return MoEConfig.from_hf_config(hf), hf, args.preset
     if args.config:
-        hf = _read_config(args.config)
+        hf = read_config_json(args.config)
         return _config_of(hf, args.config, args.layers), _bills_config(hf, args.config), args.config
     if any(f is None for f in shape_flags):
         raise UsageError("--experts, --top-k, --hidden and --moe-intermediate go together")
@@ -106,28 +106,9 @@ def _model(args) -> tuple[MoEConfig, dict | None, str]:
     return cfg, None, "custom"
 
 
-def _read_config(path: str) -> dict:
-    """The ``--config`` file as a dict of config fields."""
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except OSError as err:
-        raise UsageError(f"--config: cannot read {path}: {err.strerror}") from err
-    except ValueError as err:  # json.JSONDecodeError, or bytes that are not UTF-8
-        raise UsageError(f"--config: {path} is not JSON: {err}") from err
-    if not isinstance(hf, dict):
-        raise UsageError(f"--config: {path} holds a JSON {type(hf).__name__}, not a config.json object of fields")
-    return hf
-
-
 def _config_of(hf: dict, path: str, layers: int | None) -> MoEConfig:
     """The layer a config.json describes; ``--layers`` stands in for a missing ``num_hidden_layers``."""
-    try:
-        cfg = MoEConfig.from_hf_config(hf)
-    except MissingConfigField as err:
-        raise UsageError(err.message(f"config.json at {path}")) from err
-    except ValueError as err:
-        raise UsageError(f"config.json at {path}: {err}") from err
+    cfg = layer_config(hf, path)
     if cfg.num_moe_layers is None and layers is None:
         raise UsageError(f"config.json at {path} has no 'num_hidden_layers': give --layers N, the model's MoE layers")
     return cfg
@@ -232,20 +213,28 @@ def _plot(report, path: str, measurement=None) -> None:
 
 def _inclusion(path: str | None, cfg: MoEConfig) -> tuple[np.ndarray | None, str]:
     """Per-expert inclusion probabilities from a counts file (dropless: tokens = sum / k, k·E/(E+Z) with identity
-    experts), and a label."""
+    experts), and a label. With identity experts the file may hold E + Z counts (``MoEStats.choice_counts``): the
+    byte model keeps k·E/(E+Z) experts a token (its touch and intensity model), so the E routed ones are read and
+    the measured identity share is named beside the modelled one."""
     if path is None:
         return None, "uniform"
-    counts = _read_counts(path, cfg.num_experts)  # [E]
+    counts = _read_counts(path, cfg.num_experts, cfg.choice_width)  # [E] or [E + Z]
+    note = ""
+    if counts.size != cfg.num_experts:
+        measured, modelled = counts[cfg.num_experts:].sum() / counts.sum(), 1 - cfg.routed_slots_per_token / cfg.top_k
+        note = f"; identity slots {100 * measured:.1f}% measured, {100 * modelled:.1f}% modelled"
+        counts = counts[:cfg.num_experts]  # [E]
     num_tokens = counts.sum() / cfg.routed_slots_per_token
     if counts.max() > num_tokens:
         raise UsageError(f"--expert-load has an expert with more than sum/k = {num_tokens:g} tokens; "
                          f"a token routes to an expert at most once")
     imbalance = counts.max() / counts.mean()
-    return inclusion_from_counts(counts, num_tokens), f"measured load from {path} (max/mean {imbalance:.2f})"
+    return inclusion_from_counts(counts, num_tokens), f"measured load from {path} (max/mean {imbalance:.2f}{note})"
 
 
-def _read_counts(path: str, num_experts: int) -> np.ndarray:
-    """The ``--expert-load`` file: E finite, non-negative token counts, not all zero."""
+def _read_counts(path: str, num_experts: int, choice_width: int) -> np.ndarray:
+    """The ``--expert-load`` file: E (or E + Z, identity experts last) finite, non-negative token counts, the
+    routed ones not all zero."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -253,16 +242,17 @@ def _read_counts(path: str, num_experts: int) -> np.ndarray:
         raise UsageError(f"--expert-load: cannot read {path}: {err.strerror}") from err
     except ValueError as err:
         raise UsageError(f"--expert-load: {path} is not JSON: {err}") from err
-    expected = f"--expert-load: {path} must hold a JSON list of {num_experts} token counts, one per expert"
+    widths = f"{num_experts}" if choice_width == num_experts else f"{num_experts} (or {choice_width}: + identity)"
+    expected = f"--expert-load: {path} must hold a JSON list of {widths} token counts, one per expert"
     try:
-        counts = np.asarray(data, dtype=np.float64)  # [E]
+        counts = np.asarray(data, dtype=np.float64)  # [E] or [E + Z]
     except (TypeError, ValueError):
         raise UsageError(f"{expected}; got {type(data).__name__} {json.dumps(data)[:60]}") from None
-    if counts.shape != (num_experts,):
+    if counts.shape not in ((num_experts,), (choice_width,)):
         raise UsageError(f"{expected}; got shape {list(counts.shape)}")
     bad = np.flatnonzero(~np.isfinite(counts) | (counts < 0))
     if bad.size:
         raise UsageError(f"{expected}, each finite and >= 0; expert {bad[0]} has {data[bad[0]]}")
-    if counts.sum() == 0:
+    if counts[:num_experts].sum() == 0:
         raise UsageError(f"{expected}; every count is zero")
     return counts

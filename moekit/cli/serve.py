@@ -7,6 +7,7 @@ import errno
 import socket
 
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, port_arg
+from moekit.cli._model_source import add_source_arguments, source_of
 
 
 def register(subparsers) -> None:
@@ -15,18 +16,22 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
     p.add_argument("--port", type=port_arg, default=8765, help="port (0 picks a free one)")
     p.add_argument("--verbose", action="store_true", help="log every request")
+    add_source_arguments(p, "a transformers config.json: every run routes with its layer's router (its E and k)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from moekit.sim.server import make_server
 
+    source = source_of(args)
+    model, name = (None, "") if source is None else (source[0], source[2])
     try:
-        server = make_server(args.host, args.port, args.verbose)
+        server = make_server(args.host, args.port, args.verbose, model, name)
     except OSError as err:
         raise UsageError(_bind_error(args.host, args.port, err)) from err
     host, port = server.server_address[:2]
-    print(f"moekit simulator on http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
+    routing = f", routing as {name}" if name else ""
+    print(f"moekit simulator on http://{host}:{port}/{routing}  (Ctrl-C to stop)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -9,6 +9,8 @@ from dataclasses import asdict
 
 from moekit.cli import _simulate_cache
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, plot_path, save_figure
+from moekit.cli._model_source import add_source_arguments, source_of
+from moekit.config import MoEConfig
 from moekit.sim import BALANCE_METHODS, SimParams, simulate
 from moekit.sim.exercises import exercise1, exercise2, exercise3
 from moekit.sim.report import summary
@@ -21,8 +23,12 @@ def register(subparsers) -> None:
                               description="One simulator run: a batch routed by the synthetic router, capacity "
                               "drops, balancing, and the expert-parallel what-if.",
                               formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--experts", type=int, default=_DEFAULTS.experts, help="E, routed experts")
-    p.add_argument("--top-k", type=int, default=_DEFAULTS.top_k, help="k, experts per token")
+    p.add_argument("--experts", type=int, help=f"E, routed experts; a model's with --preset / --config "
+                   f"(default: {_DEFAULTS.experts})")
+    p.add_argument("--top-k", type=int, help=f"k, experts per token; a model's with --preset / --config "
+                   f"(default: {_DEFAULTS.top_k})")
+    add_source_arguments(p, "a transformers config.json: route with its layer's router (E, k, scoring, groups, "
+                            "router options), not the default softmax top-k")
     p.add_argument("--tokens", type=int, default=_DEFAULTS.tokens, help="M, tokens in the batch")
     p.add_argument("--capacity-factor", type=float, default=_DEFAULTS.capacity_factor,
                    help="per-expert capacity = ceil(factor * M * k / E); assignments over it are dropped")
@@ -55,22 +61,38 @@ def register(subparsers) -> None:
     _simulate_cache.register(sub)
 
 
+_SETTINGS = ("tokens", "capacity_factor", "skew", "balance", "seed", "gpus", "spare_slots", "aux_steps",
+             "bias_batches")  # SimParams' fields besides E and k, each its flag's value
+
+
 def _run(args: argparse.Namespace) -> int:
+    config = _model(args)  # None: the default router (softmax top-k, renormalised)
+    shape = {"experts": args.experts, "top_k": args.top_k}
+    if config is not None:
+        shape = {"experts": config.num_experts, "top_k": config.top_k}
     try:
-        params = SimParams(
-            experts=args.experts, top_k=args.top_k, tokens=args.tokens, capacity_factor=args.capacity_factor,
-            skew=args.skew, balance=args.balance, seed=args.seed, gpus=args.gpus, spare_slots=args.spare_slots,
-            aux_steps=args.aux_steps, bias_batches=args.bias_batches,
-        )
+        params = SimParams(**{n: v for n, v in shape.items() if v is not None},
+                           **{n: getattr(args, n) for n in _SETTINGS})
     except ValueError as err:
         raise UsageError(_as_flag(str(err))) from err
-    result = simulate(params)
+    result = simulate(params, config)
     print(json.dumps(result.to_dict(), indent=1) if args.json else summary(result))
     if args.plot:
         from moekit.sim.plots import plot_run
 
         save_figure(functools.partial(plot_run, result), args.plot, to_stderr=args.json)
     return 0
+
+
+def _model(args: argparse.Namespace) -> MoEConfig | None:
+    """The layer of ``--preset`` / ``--config`` (its E and k: --experts / --top-k then refused), or None."""
+    source = source_of(args)
+    if source is None:
+        return None
+    if args.experts is not None or args.top_k is not None:
+        raise UsageError(f"--experts / --top-k come from --preset / --config ({source[2]}: E={source[0].num_experts}, "
+                         f"k={source[0].top_k}); give one or the other")
+    return source[0]
 
 
 def _as_flag(message: str) -> str:

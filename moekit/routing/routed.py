@@ -17,7 +17,7 @@ class RoutedTokens:
 
     routing: Routing  # [M, k(+S)]; capacity drops are id -1 / weight 0; fused shared slots (ids E..E+S-1) last
     dropped_count: torch.Tensor | None = None  # [] int64; assignments the capacity factor dropped; None when dropless
-    router_logits: torch.Tensor | None = None  # [M, E] the gate's output (router dtype), what the losses read
+    router_logits: torch.Tensor | None = None  # [M, E(+Z|S)] the gate's output (router dtype); losses read [M, E(+Z)]
     # [M, k(+S)] int32; the router's output before capacity drops: its first top_k columns are the routed choice
     router_ids: torch.Tensor | None = None
     top_k: int = 0  # routed slots of router_ids
@@ -52,14 +52,40 @@ class MoEStats:
     num_tokens: int  # M
     masked_tokens: int  # tokens with no finite router logit (nonfinite="mask"): all their weights 0, output 0
     layout: str = ""  # the grouping the experts backend used: grouped_mm's plan ("contiguous", ...), else its fixed one
+    # [Z] int64; slots the router gave identity expert E + j (LongCat-Flash's zero-computation experts: no expert runs,
+    # no capacity drops them); None without identity experts. counts + identity_counts sum to M*k - dropped
+    identity_counts: torch.Tensor | None = None
+
+    @property
+    def choice_counts(self) -> torch.Tensor:
+        """[E + Z] int64: ``counts`` then ``identity_counts``, over the experts the router chooses from (the
+        correction bias's width, what ``moekit.balance.update_correction_bias_`` reads); ``counts`` without
+        identity experts."""
+        return self.counts if self.identity_counts is None else torch.cat([self.counts, self.identity_counts])
+
+    @property
+    def zero_compute_share(self) -> float:
+        """The fraction of the M*k routed slots that went to identity experts (LongCat-Flash's zero-computation
+        share: k·(1 - share) experts run a token on average); 0.0 without identity experts or tokens."""
+        if self.identity_counts is None:
+            return 0.0
+        hits = int(self.identity_counts.sum())
+        slots = hits + int(self.counts.sum()) + self.dropped  # M*k
+        return hits / slots if slots else 0.0
 
 
-def stats_of(routed: RoutedTokens, num_experts: int, block: int, layout: str) -> MoEStats:
+def stats_of(routed: RoutedTokens, num_experts: int, block: int, layout: str,
+             num_identity_experts: int = 0) -> MoEStats:
     """The stats of a forward's routing: counts over the E routed experts (ids -1, shared slots E.. and the
-    identity slots taken out before the experts are not counted), padded to ``block`` rows an expert."""
+    identity slots taken out before the experts are not counted), padded to ``block`` rows an expert; with
+    ``num_identity_experts`` Z > 0, the router's identity slots counted apart (``identity_counts``)."""
     ids = routed.routing.topk_ids.reshape(-1).long()
     ids = ids[(ids >= 0) & (ids < num_experts)]
     counts = torch.bincount(ids, minlength=num_experts)  # [E]
+    identity = None
+    if num_identity_experts:
+        chosen = routed.selected_ids.reshape(-1).long()  # [M*k]; ids E..E+Z-1 are identity slots
+        identity = torch.bincount(chosen[chosen >= num_experts] - num_experts, minlength=num_identity_experts)  # [Z]
     masked = routed.routing.masked_tokens
     return MoEStats(
         counts=counts,
@@ -69,4 +95,5 @@ def stats_of(routed: RoutedTokens, num_experts: int, block: int, layout: str) ->
         num_tokens=routed.routing.num_tokens,
         masked_tokens=int(masked if masked is not None else 0),
         layout=layout,
+        identity_counts=identity,
     )

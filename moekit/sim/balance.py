@@ -3,7 +3,7 @@
     [synthetic router] -> (a) aux-loss: W <- Adam(W, grad of E·Σ_i f_i·P_i), fresh batches
                        -> (b) bias:     b_i += γ·sign(mean load - load_i), one update per batch
 
-Shapes: M tokens per batch, E experts, F router inputs.
+Shapes: M tokens per batch, E experts, W router columns, C = E (+ Z identity experts) chosen from, F router inputs.
 
 (a) Switch Transformer / GShard load-balancing loss: f_i is the fraction of the batch's assignments that
 went to expert i (from the discrete top-k, no gradient) and P_i the mean softmax probability of expert i
@@ -17,6 +17,10 @@ balance. The simulated router scores with a softmax (DeepSeek-V3 uses sigmoids),
 the probability scale; γ = 1e-3 over 200 batches moves it up to 0.2, enough for skews up to ~0.9. It cannot split
 identical tokens: at skew 1 every token has the same scores, so every token still picks the same k experts, just
 different ones.
+
+With a config's router options both read the C columns the router chooses from (``moekit.losses.choice_columns``:
+never Inkling's shared-slot columns) and count the identity experts apart from the routed ones: the bias moves by
+``moekit.balance.correction_delta`` (LongCat-Flash's budget rule by its sign; DeepSeek's without identity experts).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.balance import correction_delta
+from moekit.losses import choice_columns
 from moekit.routing import route
 from moekit.sim import streams
 from moekit.sim.router import SyntheticRouter, draw_tokens
@@ -39,7 +45,7 @@ class BalanceOutcome:
     """What balancing produced: a (possibly retrained) router and a selection bias, and the steps taken."""
 
     router: SyntheticRouter  # the trained router for aux-loss, the input router otherwise
-    correction_bias: torch.Tensor | None  # [E] float32 for the bias method, None otherwise
+    correction_bias: torch.Tensor | None  # [C] float32 for the bias method, None otherwise
     steps: int  # optimizer steps (aux-loss) or bias updates (bias) actually taken
 
 
@@ -59,17 +65,18 @@ def warm_up() -> None:
 def train_aux_loss(router: SyntheticRouter, steps: int, seed: int) -> BalanceOutcome:
     """Train the router weight for ``steps`` Adam steps on the load-balancing loss, each on a fresh
     batch of ``BATCH_TOKENS`` tokens from the same distribution as the evaluation batch."""
-    num_experts = router.config.num_experts
-    weight = router.weight.clone().requires_grad_(True)  # [F, E]
+    config = router.config
+    width = config.choice_width  # C
+    weight = router.weight.clone().requires_grad_(True)  # [F, W]
     optimizer = torch.optim.Adam([weight], lr=AUX_LEARNING_RATE)
     gen = streams.generator(seed, streams.AUX_TRAIN)
     for _ in range(steps):
-        x = draw_tokens(BATCH_TOKENS, num_experts, gen)  # [M, F]
-        logits = x @ weight  # [M, E]
-        topk_ids = route(logits.detach(), router.config).topk_ids  # [M, k]; selection has no gradient
-        f = expert_loads(topk_ids, num_experts).float() / topk_ids.numel()  # [E], sums to 1
-        p = torch.softmax(logits, dim=-1).mean(dim=0)  # [E], sums to 1
-        loss = num_experts * (f * p).sum()
+        x = draw_tokens(BATCH_TOKENS, router.width, gen)  # [M, F]
+        logits = x @ weight  # [M, W]
+        topk_ids = route(logits.detach(), config).topk_ids  # [M, k]; selection has no gradient
+        f = expert_loads(topk_ids, width).float() / topk_ids.numel()  # [C], sums to 1
+        p = torch.softmax(choice_columns(logits, config), dim=-1).mean(dim=0)  # [C], sums to 1
+        loss = width * (f * p).sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -78,12 +85,12 @@ def train_aux_loss(router: SyntheticRouter, steps: int, seed: int) -> BalanceOut
 
 def update_bias(router: SyntheticRouter, batches: int, seed: int) -> BalanceOutcome:
     """Route ``batches`` fresh batches of ``BATCH_TOKENS`` tokens, after each moving the selection bias
-    by γ·sign(mean load - load_i)."""
-    num_experts = router.config.num_experts
-    bias = torch.zeros(num_experts)  # [E]
+    by γ·sign(mean load - load_i), uncentred (with identity experts: ``correction_delta``'s budget rule)."""
+    config = router.config
+    bias = torch.zeros(config.choice_width)  # [C]
     gen = streams.generator(seed, streams.BIAS_BATCHES)
     for _ in range(batches):
-        x = draw_tokens(BATCH_TOKENS, num_experts, gen)  # [M, F]
-        loads = expert_loads(router.route(x, bias).topk_ids, num_experts).float()  # [E]
-        bias += BIAS_GAMMA * torch.sign(loads.mean() - loads)
+        x = draw_tokens(BATCH_TOKENS, router.width, gen)  # [M, F]
+        loads = expert_loads(router.route(x, bias).topk_ids, config.choice_width).float()  # [C]
+        bias += correction_delta(loads, config.num_experts, config.top_k, BIAS_GAMMA, center=False)
     return BalanceOutcome(router, bias, batches)

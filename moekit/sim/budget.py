@@ -6,7 +6,8 @@ a run that would take more than about ``BUDGET_S`` seconds of one CPU core.
             + steps · (STEP_S + BATCH_TOKENS · E · SCORE_S)  balancing: one routed batch per step
             + EPLB_S · (E + spare_slots)^2.5 · (M·k)^0.4     the EP what-if's EPLB placement
 
-Shapes: E = experts, M = tokens, k = top_k. Constants measured on one core (``torch.set_num_threads(1)``)
+Shapes: E = experts (W, the router's columns, for a served config's router: ``check_budget(width=W)``), M = tokens,
+k = top_k. Constants measured on one core (``torch.set_num_threads(1)``)
 of the development machine (2-core x86 VM, torch 2.13 CPU) in its slower hours (its speed varies by
 a third) and rounded up. The EPLB term is the largest
 cost seen over skews 0-0.9, k in 1-16, 2-128 GPUs (skew 0 with 3-12 GPUs is the slowest: its greedy
@@ -43,32 +44,35 @@ class OverBudgetError(ValueError):
         return self.message
 
 
-def predicted_seconds(params: SimParams) -> float:
-    """Predicted seconds of one core for ``simulate(params)`` (an upper estimate, see the module doc)."""
-    return _seconds(params.to_dict())
+def predicted_seconds(params: SimParams, width: int | None = None) -> float:
+    """Predicted seconds of one core for ``simulate(params)`` (an upper estimate, see the module doc); ``width``: the
+    router's columns W of a config's router (E + Z, E + S), None: E."""
+    return _seconds(params.to_dict() | {"width": width})
 
 
 def _seconds(p: dict) -> float:
     balancing = p["balance"] != "none"
+    width = p.get("width") or p["experts"]  # the columns each routed token scores
     routed_tokens = p["tokens"] * (2 if balancing else 1) + TOUCH_TRIALS * sum(TOUCH_BATCHES)  # eval (+ before)
-    seconds = BASE_S + ROUTE_S * p["experts"] * routed_tokens
+    seconds = BASE_S * max(width / 512, 1) ** 3 + ROUTE_S * width * routed_tokens  # the QR grows as W^3
     if balancing:
         per_step, per_score = STEP_S[p["balance"]]
-        seconds += p[STEPS_PARAM[p["balance"]]] * (per_step + BATCH_TOKENS * p["experts"] * per_score)
+        seconds += p[STEPS_PARAM[p["balance"]]] * (per_step + BATCH_TOKENS * width * per_score)
     slots, assignments = p["experts"] + p["spare_slots"], p["tokens"] * p["top_k"]
     return seconds + EPLB_S * slots**2.5 * assignments**0.4
 
 
-def check_budget(params: SimParams) -> None:
+def check_budget(params: SimParams, width: int | None = None) -> None:
     """Raise ``OverBudgetError`` when ``params`` is predicted to cost more than ``BUDGET_S``; its message
-    says which settings to lower and to what (the first candidate that can fit alone, else several)."""
-    seconds = predicted_seconds(params)
+    says which settings to lower and to what (the first candidate that can fit alone, else several). ``width``:
+    a served config's router columns W (its E and k are fixed then: never a candidate)."""
+    seconds = predicted_seconds(params, width)
     if seconds <= BUDGET_S:
         return
-    p = params.to_dict()
+    p = params.to_dict() | {"width": width}
     lowered = dict(p)
     changes: dict[str, int] = {}  # name -> largest value that fits, given the changes before it
-    for name in _candidates(params):
+    for name in _candidates(params, width):
         largest = _largest_fitting(lowered, name)
         if largest is not None:
             changes[name] = largest
@@ -76,7 +80,7 @@ def check_budget(params: SimParams) -> None:
         if _lowest(lowered, name) < lowered[name]:  # not enough alone: lower it all the way
             lowered[name] = changes[name] = _lowest(lowered, name)
     steps = " and ".join(f"{n} to at most {v} (got {p[n]})" for n, v in changes.items())
-    alone = [f"{n} to at most {v}" for n in _candidates(params) if len(changes) == 1 and n not in changes
+    alone = [f"{n} to at most {v}" for n in _candidates(params, width) if len(changes) == 1 and n not in changes
              if (v := _largest_fitting(p, n)) is not None]
     name, largest = next(iter(changes.items()))
     raise OverBudgetError(f"this run is over the work budget: about {seconds:.1f} s of CPU predicted, "
@@ -84,9 +88,9 @@ def check_budget(params: SimParams) -> None:
                           name, largest)
 
 
-def _candidates(params: SimParams) -> list[str]:
+def _candidates(params: SimParams, width: int | None = None) -> list[str]:
     steps = [STEPS_PARAM[params.balance]] if params.balance != "none" else []
-    return [*steps, "spare_slots", "tokens", "experts"]
+    return [*steps, "spare_slots", "tokens", *(["experts"] if width is None else [])]
 
 
 def _lowest(p: dict, name: str) -> int:

@@ -41,16 +41,22 @@ def summary(result: SimResult) -> str:
     lines = [
         f"E={p['experts']} top-{p['top_k']} tokens={p['tokens']} capacity factor={p['capacity_factor']} "
         f"skew={p['skew']} balance={p['balance']} seed={p['seed']}",
+        "router            " + ", ".join(f"{k}={v}" for k, v in result.router.items()),
         "",
         histogram(result.loads, result.capacity),
         "",
         f"capacity          {result.capacity} assignments per expert",
-        f"dropped           {result.dropped} of {p['tokens'] * p['top_k']} assignments ({100 * result.drop_rate:.1f}%)",
+        f"dropped           {result.dropped} of {result.routed_assignments} assignments "
+        f"({100 * result.drop_rate:.1f}%)",
         f"imbalance         {result.imbalance:.2f}x (max/mean expert load)",
         f"experts touched   {result.experts_touched} of {p['experts']}",
         f"params in memory  {format_params(result.total_params)}   read per token {format_params(result.active_params)}"
         f"   sparsity {result.sparsity:.1f}x   [{result.param_shape}]",
     ]
+    if result.identity_hits:
+        lines.append(f"zero-compute      {sum(result.identity_hits)} of {p['tokens'] * p['top_k']} slots on the "
+                     f"{len(result.identity_hits)} identity experts ({100 * result.zero_compute_share:.1f}%): "
+                     f"{p['top_k'] * (1 - result.zero_compute_share):.2f} experts run a token")
     if result.balance is not None:
         b = result.balance
         lines.append(f"balancing         {b.method}, {b.steps} steps: imbalance {b.imbalance_before:.2f}x -> "

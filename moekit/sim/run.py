@@ -4,7 +4,10 @@
       -> per-expert loads -> capacity (moekit.routing.capacity) -> drops, imbalance
       -> experts touched per batch size -> parameters -> expert-parallel what-if
 
-Shapes: M = ``tokens``, E = ``experts``, k = ``top_k``, B = a batch size of the touched sweep.
+Shapes: M = ``tokens``, E = ``experts``, k = ``top_k``, Z = identity experts, B = a batch size of the touched sweep.
+
+``simulate(params, config)`` routes with a ``MoEConfig``'s own rule (``moekit.sim.router``): LongCat-Flash's identity
+slots are counted apart (``identity_hits``, ``zero_compute_share``), never as expert loads, capacity or EP work.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moekit.analysis import experts_touched
+from moekit.config import MoEConfig
 from moekit.routing import apply_capacity
+from moekit.routing.weighting import without_identity
 from moekit.sim import streams
 from moekit.sim.balance import BalanceOutcome, expert_loads, train_aux_loss, update_bias
 from moekit.sim.ep import EPReport, ep_what_if
@@ -44,7 +49,7 @@ class TouchPoint:
 
     batch: int  # B
     simulated: float  # mean over TOUCH_TRIALS batches drawn from the (balanced) router
-    predicted: float  # E·(1 - (1 - k/E)^B), uniform independent routing
+    predicted: float  # E·(1 - (1 - k/E)^B), uniform independent routing (k/(E + Z) with identity experts)
 
 
 @dataclass
@@ -52,54 +57,51 @@ class SimResult:
     """Everything one run reports; ``to_dict()`` is the JSON the CLI and the API emit."""
 
     params: dict  # the SimParams, as a dict
-    loads: list[int]  # loads[e] = assignments routed to expert e (before capacity); sums to M·k
+    loads: list[int]  # loads[e] = assignments routed to expert e (before capacity); sums to routed_assignments
     kept: list[int]  # kept[e] = min(loads[e], capacity)
     capacity: int  # C = ceil(cf·M·k/E)
     dropped: int  # assignments over capacity = sum(loads) - sum(kept)
-    drop_rate: float  # dropped / (M·k)
+    drop_rate: float  # dropped / routed_assignments
     imbalance: float  # max(loads) / mean(loads)
     experts_touched: int  # experts with loads > 0
     total_params: int  # stated shape (moekit.sim.shape), all E experts
-    active_params: int  # read per token: k of the E experts
+    active_params: int  # read per token: k of the E experts (k·E/(E + Z) with identity experts)
     sparsity: float  # total / active
     param_shape: str
     touched_by_batch: list[TouchPoint]  # B in (1, 8, 64, 512)
     balance: BalanceReport | None  # None when balancing is off
     ep: EPReport
+    router: dict  # the routing rule: scoring, renormalize, groups, bias, the changed router options
+    routed_assignments: int  # the M·k slots less the identity ones: what the experts run (before capacity)
+    identity_hits: list[int]  # [Z] slots routed to identity expert E + j (LongCat-Flash); [] without
+    zero_compute_share: float  # sum(identity_hits) / (M·k): slots that ran no expert
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def simulate(params: SimParams) -> SimResult:
-    """Run the simulator for ``params`` (deterministic: the same params give the same result)."""
-    router = make_router(params.experts, params.top_k, params.skew, params.seed)
-    x = draw_tokens(params.tokens, params.experts, streams.generator(params.seed, streams.EVAL))  # [M, F]
+def simulate(params: SimParams, config: MoEConfig | None = None) -> SimResult:
+    """Run the simulator for ``params`` (deterministic: the same params give the same result), routing with
+    ``config``'s rule when given (its num_experts and top_k are ``params``' experts and top_k)."""
+    router = make_router(params.experts, params.top_k, params.skew, params.seed, config)
+    x = draw_tokens(params.tokens, router.width, streams.generator(params.seed, streams.EVAL))  # [M, F]
     outcome = _balance(router, params)
     routing = outcome.router.route(x, outcome.correction_bias)  # routed once: loads and capacity read the same ids
+    identity = _identity_hits(routing.topk_ids, router.config)  # [Z]
+    if identity.numel():
+        routing = without_identity(routing, router.config)  # identity slots run no expert: capacity never sees them
     loads = expert_loads(routing.topk_ids, params.experts)  # [E]
     capped = apply_capacity(routing, params.experts, params.capacity_factor)
-    assignments = params.tokens * params.top_k
+    assignments = int(loads.sum())  # M·k less the identity slots
     dropped = int(capped.dropped)
-    counts = param_counts(params.experts, params.top_k)
-    balance = None
-    if params.balance != "none":
-        before = _loads(router, x, None)
-        balance = BalanceReport(
-            method=params.balance,
-            steps=outcome.steps,
-            imbalance_before=_imbalance(before),
-            imbalance_after=_imbalance(loads),
-            drop_rate_before=_drop_rate(before, capped.capacity),
-            drop_rate_after=dropped / assignments,
-        )
+    counts = param_counts(params.experts, params.top_k, router.config.routed_slots_per_token)
     return SimResult(
         params=params.to_dict(),
         loads=loads.tolist(),
         kept=capped.kept_counts.tolist(),
         capacity=capped.capacity,
         dropped=dropped,
-        drop_rate=dropped / assignments,
+        drop_rate=dropped / max(assignments, 1),
         imbalance=_imbalance(loads),
         experts_touched=int((loads > 0).sum()),
         total_params=counts.total,
@@ -107,9 +109,43 @@ def simulate(params: SimParams) -> SimResult:
         sparsity=counts.sparsity,
         param_shape=counts.shape,
         touched_by_batch=touched_by_batch(outcome, params.seed),
-        balance=balance,
+        balance=_balance_report(router, outcome, x, params, loads, capped),
         ep=ep_what_if(loads.tolist(), params.gpus, params.spare_slots),
+        router=router_summary(router.config),
+        routed_assignments=assignments,
+        identity_hits=identity.tolist(),
+        zero_compute_share=float(identity.sum()) / (params.tokens * params.top_k),
     )
+
+
+def router_summary(config: MoEConfig) -> dict:
+    """The routing rule of ``config`` in a few JSON fields: what the page and the summary print."""
+    return {"scoring": config.scoring, "renormalize": config.renormalize, "n_group": config.n_group,
+            "topk_group": config.topk_group, "use_correction_bias": config.use_correction_bias,
+            **config.changed_router_options()}
+
+
+def _balance_report(router: SyntheticRouter, outcome: BalanceOutcome, x: torch.Tensor, params: SimParams,
+                    loads: torch.Tensor, capped) -> BalanceReport | None:
+    """Balancing's effect on the evaluation batch x [M, F]; None when it is off."""
+    if params.balance == "none":
+        return None
+    before = _loads(router, x, None)
+    return BalanceReport(
+        method=params.balance,
+        steps=outcome.steps,
+        imbalance_before=_imbalance(before),
+        imbalance_after=_imbalance(loads),
+        drop_rate_before=_drop_rate(before, capped.capacity),
+        drop_rate_after=int(capped.dropped) / max(int(loads.sum()), 1),
+    )
+
+
+def _identity_hits(topk_ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """[Z] int64: the slots of topk_ids [M, k] on identity expert E + j (ids E..E+Z-1); [0] without them."""
+    ids = topk_ids.reshape(-1).long() - config.num_experts
+    return torch.bincount(ids[(ids >= 0) & (ids < config.num_identity_experts)],
+                          minlength=config.num_identity_experts)[:config.num_identity_experts]
 
 
 def _balance(router: SyntheticRouter, params: SimParams) -> BalanceOutcome:
@@ -136,11 +172,11 @@ def _drop_rate(loads: torch.Tensor, capacity: int) -> float:
 def touched_by_batch(outcome: BalanceOutcome, seed: int, batches=TOUCH_BATCHES) -> list[TouchPoint]:
     """Distinct experts touched by batches of each size, simulated with the run's router and predicted."""
     router, bias = outcome.router, outcome.correction_bias
-    num_experts, top_k = router.config.num_experts, router.config.top_k
+    num_experts, top_k = router.config.num_experts, router.config.routed_slots_per_token  # k·E/(E + Z): k/(E + Z) each
     gen = streams.generator(seed, streams.TOUCH)
     points = []
     for batch in batches:
-        trials = [int((_loads(router, draw_tokens(batch, num_experts, gen), bias) > 0).sum())
+        trials = [int((_loads(router, draw_tokens(batch, router.width, gen), bias) > 0).sum())
                   for _ in range(TOUCH_TRIALS)]
         points.append(TouchPoint(batch, sum(trials) / len(trials), experts_touched(batch, num_experts, top_k)))
     return points

@@ -14,6 +14,10 @@ A client that disconnects early costs one line on stderr, not a traceback.
 
 Binds to 127.0.0.1 by default: the page is a local tool, not a service. No simulation logic lives here
 or in the page; both ask ``moekit.sim.simulate``.
+
+Served with a model (``make_server(model=...)``, ``moekit serve --preset / --config``), every run routes with its
+layer's router: experts and top_k are the model's (the defaults say so, with "model" and "router"; a request naming
+other values gets 400 naming the parameter), the rest as above.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from moekit.sim.balance import warm_up
 from moekit.sim.budget import BUDGET_S, OverBudgetError, check_budget
+from moekit.config import MoEConfig
 from moekit.sim.params import BALANCE_METHODS, LIMITS, SimParams
-from moekit.sim.run import simulate
+from moekit.sim.run import router_summary, simulate
 
 WEB_DIR = Path(__file__).with_name("web")
 SVG = "image/svg+xml"
@@ -52,8 +57,7 @@ class SimRequestHandler(BaseHTTPRequestHandler):
             name, content_type = STATIC[url.path]
             self._send(200, (WEB_DIR / name).read_bytes(), content_type)
         elif url.path == "/api/defaults":
-            self._json(200, {"params": SimParams().to_dict(), "limits": LIMITS,
-                             "balance_methods": list(BALANCE_METHODS), "budget_s": BUDGET_S})
+            self._json(200, self.server.defaults())
         elif url.path == "/api/simulate":
             self._simulate(url.query)
         else:
@@ -67,16 +71,19 @@ class SimRequestHandler(BaseHTTPRequestHandler):
         try:
             if repeated:
                 raise ValueError(f"parameter(s) given more than once: {', '.join(repeated)}")
-            params = SimParams.from_strings({k: v[0] for k, v in values.items()})
-            check_budget(params)
+            params = SimParams.from_strings(self.server.with_model({k: v[0] for k, v in values.items()}))
+            check_budget(params, None if self.server.model is None else self.server.model.router_width)
         except OverBudgetError as e:
             self._json(400, {"error": str(e), "parameter": e.parameter, "max": e.largest})
+            return
+        except ModelFixedError as e:
+            self._json(400, {"error": str(e), "parameter": e.parameter})
             return
         except ValueError as e:
             self._json(400, {"error": str(e)})
             return
         try:
-            self._json(200, simulate(params).to_dict())
+            self._json(200, simulate(params, self.server.model).to_dict())
         except Exception as e:  # a bug must answer, not drop the connection; the message says what broke
             self._json(500, {"error": f"internal error: {type(e).__name__}: {e}"})
 
@@ -113,14 +120,49 @@ class SimRequestHandler(BaseHTTPRequestHandler):
             super().log_message(format, *args)
 
 
+class ModelFixedError(ValueError):
+    """A request naming experts or top_k other than the served model's."""
+
+    def __init__(self, parameter: str, value: str, model: str, fixed: int) -> None:
+        super().__init__(f"{parameter} is {fixed}, fixed by the served model {model}; got {value!r}")
+        self.parameter = parameter
+
+
 class SimServer(ThreadingHTTPServer):
     """One thread per request; a client that hangs up early is one line on stderr, not a traceback."""
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], verbose: bool = False) -> None:
+    def __init__(self, address: tuple[str, int], verbose: bool = False, model: MoEConfig | None = None,
+                 model_name: str = "") -> None:
         super().__init__(address, SimRequestHandler)
         self.verbose = verbose  # log every request
+        self.model = model  # every run routes with this layer's router; None: the default softmax top-k
+        self.model_name = model_name
+
+    def fixed(self) -> dict[str, int]:
+        """The parameters the served model fixes (experts, top_k); none without a model."""
+        return {} if self.model is None else {"experts": self.model.num_experts, "top_k": self.model.top_k}
+
+    def with_model(self, values: dict[str, str]) -> dict[str, str]:
+        """The query's values with the model's experts and top_k filled in; another value of either is refused."""
+        for name, fixed in self.fixed().items():
+            if name in values and values[name] != str(fixed):
+                raise ModelFixedError(name, values[name], self.model_name, fixed)
+        return values | {name: str(fixed) for name, fixed in self.fixed().items()}
+
+    def defaults(self) -> dict:
+        """/api/defaults: the page's settings (the model's E and k, as many GPUs and spare slots as fit), the
+        limits (E and k pinned with a model), the balancing methods, the work budget, and the model's router."""
+        params, limits = SimParams().to_dict(), dict(LIMITS)
+        if self.model is not None:
+            e = self.model.num_experts
+            gpus = min(params["gpus"], e)
+            params |= self.fixed() | {"gpus": gpus, "spare_slots": min(params["spare_slots"], e * (gpus - 1))}
+            limits |= {name: (fixed, fixed) for name, fixed in self.fixed().items()}
+        router = None if self.model is None else router_summary(self.model)
+        return {"params": params, "limits": limits, "balance_methods": list(BALANCE_METHODS), "budget_s": BUDGET_S,
+                "model": self.model_name or None, "router": router}
 
     def handle_error(self, request, client_address) -> None:
         error = sys.exc_info()[1]
@@ -132,8 +174,9 @@ class SimServer(ThreadingHTTPServer):
               file=sys.stderr, flush=True)
 
 
-def make_server(host: str = "127.0.0.1", port: int = 0, verbose: bool = False) -> SimServer:
+def make_server(host: str = "127.0.0.1", port: int = 0, verbose: bool = False, model: MoEConfig | None = None,
+                model_name: str = "") -> SimServer:
     """A server bound to ``host:port`` (port 0 picks a free one: read ``server.server_address``), warmed
-    up so that no request pays a one-time import."""
+    up so that no request pays a one-time import; every run routes with ``model``'s router when given."""
     warm_up()
-    return SimServer((host, port), verbose)
+    return SimServer((host, port), verbose, model, model_name or ("" if model is None else "(a MoEConfig)"))

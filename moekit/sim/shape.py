@@ -37,12 +37,19 @@ def model_config(num_experts: int, top_k: int) -> dict:
     return cfg
 
 
-def param_counts(num_experts: int, top_k: int) -> ParamCounts:
+def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = None) -> ParamCounts:
+    """The bill with E and k; ``routed_per_token`` (k·E/(E + Z) with identity experts, whose slots read no
+    expert) prices the active experts instead of k."""
     cfg = model_config(num_experts, top_k)
     bill = param_bill(cfg)
+    active = bill.active
+    if routed_per_token is not None and routed_per_token != top_k:
+        active -= round(bill.active_routed_experts * (1 - routed_per_token / top_k))
     shape = (f"{PRESET} shapes (d={cfg['hidden_size']}, d_ff={cfg['intermediate_size']}, "
              f"{cfg['num_hidden_layers']} layers) with E={num_experts}, k={top_k}")
-    return ParamCounts(total=bill.total, active=bill.active, sparsity=bill.total / bill.active, shape=shape)
+    if routed_per_token is not None and routed_per_token != top_k:
+        shape += f" ({routed_per_token:g} of them experts on average)"
+    return ParamCounts(total=bill.total, active=active, sparsity=bill.total / active, shape=shape)
 
 
 def seconds_per_assignment() -> float:

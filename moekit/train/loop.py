@@ -124,7 +124,7 @@ def _step(run: _Run, method: str, settings: TrainSettings, inputs: torch.Tensor,
     run.optimizer.step()
     if method == "bias":
         for moe, stats in zip(run.model.moe_layers, out.stats):
-            update_correction_bias_(moe, stats.counts, rate=settings.bias_rate)
+            update_correction_bias_(moe, stats.choice_counts, rate=settings.bias_rate)
     counts = [s.counts.double() for s in out.stats]  # [E] per layer
     assignments = inputs.numel() * settings.top_k * len(counts)
     run.curve.loss.append(float(out.loss.detach()))

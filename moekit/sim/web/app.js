@@ -78,6 +78,9 @@ function render(r) {
   $("imbalance").textContent = r.imbalance.toFixed(2) + "×";
   $("experts-touched").textContent = `${r.experts_touched} of ${p.experts}`;
   $("capacity").textContent = String(r.capacity);
+  $("zero-compute-row").hidden = r.identity_hits.length === 0; // LongCat-Flash's identity experts: no expert runs
+  $("zero-compute").textContent = `${r.identity_hits.reduce((a, b) => a + b, 0)} ` +
+    `(${(100 * r.zero_compute_share).toFixed(1)}%)`;
   const b = r.balance;
   $("balance-report").textContent = b === null ? "Balancing off." :
     `${b.method}: ${b.steps} steps; imbalance ${b.imbalance_before.toFixed(2)}× → ${b.imbalance_after.toFixed(2)}×, ` +
@@ -127,7 +130,7 @@ function drawHistogram(r) {
     }
     svg.append(g);
   });
-  const mean = (r.params.tokens * r.params.top_k) / n;
+  const mean = r.routed_assignments / n; // M·k less the identity slots
   svg.append(svgEl("line", { class: "cap-line", x1: left, x2: width - right, y1: y(r.capacity), y2: y(r.capacity) }));
   svg.append(svgEl("line", { class: "mean-line", x1: left, x2: width - right, y1: y(mean), y2: y(mean) }));
 }
@@ -196,8 +199,14 @@ function applySettings(settings) {
 async function init() {
   const defaults = await (await fetch("/api/defaults")).json();
   for (const name of RANGE_FROM_LIMITS) { // a slider keeps its own min: its steps count from there
-    if ($(name).type === "number") $(name).min = defaults.limits[name][0];
-    $(name).max = defaults.limits[name][1];
+    const [lo, hi] = defaults.limits[name];
+    if ($(name).type === "number" || lo === hi) $(name).min = lo;
+    $(name).max = hi;
+    $(name).disabled = lo === hi; // a served model fixes its experts and top-k
+  }
+  if (defaults.model) {
+    const rule = Object.entries(defaults.router).map(([k, v]) => `${k}=${v}`).join(", ");
+    $("model").textContent = `Routing as ${defaults.model}: ${rule}.`;
   }
   applySettings({ ...defaults.params, ...Object.fromEntries(new URLSearchParams(location.search)) });
   for (const name of NUMERIC) $(name).addEventListener("input", scheduleRefresh);

@@ -1,0 +1,53 @@
+"""``--preset`` / ``--config``: the MoE layer a subcommand reads from a preset or a transformers config.json, with
+errors that name the flag and the file (``moekit analyze``, ``moekit simulate``, ``moekit serve``)."""
+
+from __future__ import annotations
+
+import json
+
+from moekit.cli._args import UsageError
+from moekit.config import MissingConfigField, MoEConfig
+from moekit.presets import hf_config_of_preset, preset_names
+
+
+def add_source_arguments(group, config_help: str = "a transformers config.json") -> None:
+    """``--preset NAME`` and ``--config CONFIG_JSON`` on ``group`` (a parser or an argument group)."""
+    group.add_argument("--preset", choices=preset_names(), help="a published model's shapes and router")
+    group.add_argument("--config", metavar="CONFIG_JSON", help=config_help)
+
+
+def source_of(args) -> tuple[MoEConfig, dict, str] | None:
+    """(the layer, its config dict, a display name) from ``--preset`` or ``--config``; None when neither is given."""
+    if args.preset and args.config:
+        raise UsageError("give one of --preset and --config, not both")
+    if args.preset:
+        hf = hf_config_of_preset(args.preset)
+        return MoEConfig.from_hf_config(hf), hf, args.preset
+    if args.config:
+        hf = read_config_json(args.config)
+        return layer_config(hf, args.config), hf, args.config
+    return None
+
+
+def read_config_json(path: str) -> dict:
+    """The ``--config`` file as a dict of config fields."""
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except OSError as err:
+        raise UsageError(f"--config: cannot read {path}: {err.strerror}") from err
+    except ValueError as err:  # json.JSONDecodeError, or bytes that are not UTF-8
+        raise UsageError(f"--config: {path} is not JSON: {err}") from err
+    if not isinstance(hf, dict):
+        raise UsageError(f"--config: {path} holds a JSON {type(hf).__name__}, not a config.json object of fields")
+    return hf
+
+
+def layer_config(hf: dict, path: str) -> MoEConfig:
+    """The MoE layer the config.json at ``path`` describes, or a ``UsageError`` naming the file and the field."""
+    try:
+        return MoEConfig.from_hf_config(hf)
+    except MissingConfigField as err:
+        raise UsageError(err.message(f"config.json at {path}")) from err
+    except ValueError as err:
+        raise UsageError(f"config.json at {path}: {err}") from err

@@ -1,0 +1,92 @@
+"""The simulator for a model (``--preset`` / ``--config``): ``moekit simulate`` and the page's JSON API route with
+its layer's router, LongCat-Flash's identity slots reported apart; the page's files carry the new fields."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from moekit import MoEConfig
+from moekit.cli import main
+from moekit.sim import SimParams, simulate
+
+LONGCAT = {"model_type": "longcat_flash", "hidden_size": 64, "num_layers": 2, "n_routed_experts": 32,
+           "zero_expert_num": 16, "moe_topk": 4, "expert_ffn_hidden_size": 16, "ffn_hidden_size": 64,
+           "routed_scaling_factor": 6.0, "vocab_size": 100}
+
+
+@pytest.fixture
+def longcat_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LONGCAT))
+    return str(path)
+
+
+def test_simulate_a_longcat_config(capsys, longcat_json):
+    assert main(["simulate", "--config", longcat_json, "--gpus", "4", "--spare-slots", "4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = simulate(SimParams(experts=32, top_k=4, gpus=4, spare_slots=4), MoEConfig.from_hf_config(LONGCAT))
+    assert got == json.loads(json.dumps(want.to_dict()))
+    assert len(got["identity_hits"]) == 16 and sum(got["identity_hits"]) > 0
+    assert sum(got["loads"]) + sum(got["identity_hits"]) == 128 * 4 and got["router"]["num_identity_experts"] == 16
+    assert main(["simulate", "--config", longcat_json, "--gpus", "4", "--spare-slots", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "zero-compute      " in out and "on the 16 identity experts" in out and "num_identity_experts=16" in out
+
+
+def test_simulate_a_preset_routes_with_its_router(capsys):
+    assert main(["simulate", "--preset", "deepseek-v3", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["params"]["experts"] == 256 and got["params"]["top_k"] == 8 and got["identity_hits"] == []
+    assert got["router"] == {"scoring": "sigmoid", "renormalize": True, "n_group": 8, "topk_group": 4,
+                             "use_correction_bias": True}
+
+
+def test_simulate_refuses_experts_with_a_model(capsys, longcat_json):
+    assert main(["simulate", "--config", longcat_json, "--experts", "8"]) == 2
+    assert "--experts / --top-k come from --preset / --config" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def served():
+    from moekit.sim.server import make_server
+
+    server = make_server(model=MoEConfig.from_hf_config(LONGCAT), model_name="longcat-tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}"
+    server.shutdown()
+    server.server_close()
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_served_model_fixes_experts_and_top_k(served):
+    status, d = _get(served + "/api/defaults")
+    assert status == 200 and d["model"] == "longcat-tiny" and d["router"]["num_identity_experts"] == 16
+    assert (d["params"]["experts"], d["params"]["top_k"]) == (32, 4) and d["limits"]["experts"] == [32, 32]
+    status, got = _get(served + "/api/simulate?skew=0.3&gpus=4&spare_slots=4")
+    want = simulate(SimParams(experts=32, top_k=4, skew=0.3, gpus=4, spare_slots=4), MoEConfig.from_hf_config(LONGCAT))
+    assert status == 200 and got == json.loads(json.dumps(want.to_dict()))
+    assert _get(served + "/api/simulate?experts=32&top_k=4&gpus=4&spare_slots=4")[0] == 200
+    status, err = _get(served + "/api/simulate?experts=64")
+    assert status == 400 and err["parameter"] == "experts" and "fixed by the served model longcat-tiny" in err["error"]
+
+
+def test_the_page_shows_the_zero_compute_share(served):
+    with urllib.request.urlopen(served + "/", timeout=60) as r:
+        html = r.read().decode()
+    with urllib.request.urlopen(served + "/app.js", timeout=60) as r:
+        js = r.read().decode()
+    assert 'id="zero-compute-row" hidden' in html and 'id="model"' in html
+    assert "r.identity_hits" in js and "r.zero_compute_share" in js and "r.routed_assignments" in js
