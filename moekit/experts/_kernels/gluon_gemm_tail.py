@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store
+from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store, stage_barriers
 
 
 @gluon.jit
@@ -189,11 +189,7 @@ def tail_down_kernel(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorte
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ct_buf = gl.allocate_shared_memory(ct_desc.dtype, ct_desc.block_type.shape, ct_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = stage_barriers(STAGES, 1)
     gl.warp_specialize([
         (_tail_mma, (c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr, sorted_ptr,
                      used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M, num_warps)),

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
+from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store, stage_barriers
 from moekit.experts._kernels.gluon_wo_fast import decode_words, e8m0_pair
 
 # SPLIT: the second MMA warpgroup's registers a thread (the first gets as many: 12 warps x 32 x 168 at launch, the
@@ -300,11 +300,7 @@ def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr,
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // HALVES, BLOCK_K], gl.bfloat16)
     w_bufs = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * WTILES, BLOCK_N // HALVES, BLOCK_K], w_layout)
     c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition releases the stage
+    ready, empty = stage_barriers(STAGES, HALVES)  # each MMA partition releases the stage
     if SPLIT:  # the second warpgroup: its own decoded slots and output tile
         w_bufs1 = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * WTILES, BLOCK_N // 2, BLOCK_K], w_layout)
         c_buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
