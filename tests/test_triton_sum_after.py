@@ -1,8 +1,9 @@
 """The k-sum in the down GEMM's grid after its programs (``LaunchOptions.sum_tail_max``, ``_kernels/gemm.py``
 SUM_AFTER), under Triton's interpreter: it runs only where the counters are kept (eager, reused workspace) or passed
 in, the fold winning below sum_fold_max; its programs cover ``out``; the defaults take it past 8 tokens. Against the
-loop and the separate k-sum (tails: K not a multiple of the sum tile, M not a multiple of its tokens; skipped slots,
-an expert map with -1, tokens no slot routes here), the counters, M = 0, beside the fold: ``test_triton_down_sum.py``."""
+loop and the separate k-sum (tails: K not a multiple of the sum tile, M not a multiple of its tokens; skipped
+slots, an expert map with -1, tokens no slot routes here), the counters, M = 0, beside the fold:
+``test_triton_down_sum.py``."""
 
 from __future__ import annotations
 
