@@ -33,7 +33,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 from bytes_variants import CELLS, SMOKE_CELLS, variants  # noqa: E402
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from compile_workers import collect_workers, compile_one, held_weights, spawn_workers  # noqa: E402
 from decode_q3_device_check import (Cell, check_cell, floor_us, make_weights, measure_copy, print_cell,  # noqa: E402
                                     run_variant, tuned)
 from moekit.quant.fp8_block import Fp8BlockWeight  # noqa: E402
@@ -83,19 +83,9 @@ def worker_main(tasks: list) -> None:
     for ci, vi in tasks:
         dtype, preset, m = cells()[ci]
         s = shape_of(preset)
-        if (dtype, preset) not in held:
-            held.clear()
-            held[(dtype, preset)] = compile_weights(dtype, s, dev)
-        print(f"START {ci} {vi}", flush=True)
-        try:
-            t = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-            base = tuned(dtype, s, m, dev)
-            run_variant(variants(dtype, preset, m)[vi], dtype, base, t, held[(dtype, preset)])
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
-            print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        w = held_weights(held, (dtype, preset), lambda: compile_weights(dtype, s, dev))
+        compile_one(ci, vi, lambda: run_variant(variants(dtype, preset, m)[vi], dtype, tuned(dtype, s, m, dev),
+                                                make_sets(s, m, 1, torch.bfloat16, dev)[0], w), SMOKE)
 
 
 def start_workers(workers: int) -> list:

@@ -13,6 +13,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 
 def spawn_workers(script: str, parts: list, smoke: bool, tag: str) -> list:
@@ -44,3 +47,27 @@ def collect_workers(procs, seconds_left) -> dict:
                 status[(int(parts[1]), int(parts[2]))] = {"START": "crashed", "OK": "ok"}.get(
                     parts[0], "error: " + (parts[3] if len(parts) > 3 else ""))
     return status
+
+
+def held_weights(held: dict, key, build: Callable, free_cache: bool = False):
+    """``held[key]``, built by ``build()`` after the previous key's weights are dropped (one key's weights at a
+    time; ``free_cache``: CUDA's cached blocks released before the build)."""
+    if key not in held:
+        held.clear()
+        if free_cache:
+            torch.cuda.empty_cache()
+        held[key] = build()
+    return held[key]
+
+
+def compile_one(ci: int, vi: int, run: Callable[[], None], smoke: bool) -> None:
+    """A worker's task (cell ci, variant vi): ``START``, ``run()`` and (on the GPU) a sync, ``OK``; ``ERR`` with the
+    error where it raises, which the main process reads (``collect_workers``) to skip the variant."""
+    print(f"START {ci} {vi}", flush=True)
+    try:
+        run()
+        if not smoke:
+            torch.cuda.synchronize()
+        print(f"OK {ci} {vi}", flush=True)
+    except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
+        print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)

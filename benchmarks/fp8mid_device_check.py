@@ -35,7 +35,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from compile_workers import collect_workers, compile_one, held_weights, spawn_workers  # noqa: E402
 from decode_q3_device_check import (  # noqa: E402
     Cell, Row, floor_us, make_weights, measure_copy, print_cell, reference, rel_l2,
 )
@@ -98,18 +98,9 @@ def worker_main(tasks: list) -> None:
     for ci, vi in tasks:
         _, preset, m = cells()[ci]
         s = shape_of(preset)
-        if preset not in held:
-            held.clear()
-            held[preset] = compile_weights(s, dev)
-        print(f"START {ci} {vi}", flush=True)
-        try:
-            run_variant(variants(*cells()[ci])[vi], tuned(s, m, dev), make_sets(s, m, 1, torch.bfloat16, dev)[0],
-                        held[preset])
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
-            print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        w = held_weights(held, preset, lambda: compile_weights(s, dev))
+        compile_one(ci, vi, lambda: run_variant(variants(*cells()[ci])[vi], tuned(s, m, dev),
+                                                make_sets(s, m, 1, torch.bfloat16, dev)[0], w), SMOKE)
 
 
 def start_workers(workers: int) -> list:
