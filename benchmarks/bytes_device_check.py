@@ -33,10 +33,11 @@ if SMOKE:
 import torch  # noqa: E402
 
 from bytes_variants import CELLS, SMOKE_CELLS, variants  # noqa: E402
-from compile_workers import collect_workers, compile_one, held_weights, spawn_workers  # noqa: E402
+from compile_workers import (  # noqa: E402
+    collect_workers, compile_one, held_weights, smoke_shape, spawn_workers, zero_fp8_weights,
+)
 from decode_q3_device_check import (Cell, check_cell, floor_us, make_weights, measure_copy, print_cell,  # noqa: E402
                                     run_variant, tuned)
-from moekit.quant.fp8_block import Fp8BlockWeight  # noqa: E402
 
 T0 = time.perf_counter()
 WORKERS = 12
@@ -55,12 +56,7 @@ def cells() -> list[tuple]:
 
 
 def shape_of(preset: str):
-    from moekit.bench.cells import Shape
-
-    real = Shape.from_preset(preset)
-    if SMOKE:
-        return Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, min(real.top_k, 2))
-    return real
+    return smoke_shape(preset, SMOKE)
 
 
 def compile_weights(dtype: str, s, dev):
@@ -68,12 +64,7 @@ def compile_weights(dtype: str, s, dev):
     if dtype == "bf16":
         return (torch.zeros(s.num_experts, 2 * s.n, s.k, dtype=torch.bfloat16, device=dev),
                 torch.zeros(s.num_experts, s.k, s.n, dtype=torch.bfloat16, device=dev))
-    pair = []
-    for rows, cols in ((2 * s.n, s.k), (s.k, s.n)):
-        q = torch.zeros(s.num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=dev)
-        scale = torch.ones(s.num_experts, math.ceil(rows / 128), math.ceil(cols / 128), device=dev)
-        pair.append(Fp8BlockWeight(q=q, scale=scale, dtype=torch.bfloat16))
-    return tuple(pair)
+    return zero_fp8_weights(s, dev)
 
 
 def worker_main(tasks: list) -> None:

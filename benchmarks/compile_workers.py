@@ -71,3 +71,25 @@ def compile_one(ci: int, vi: int, run: Callable[[], None], smoke: bool) -> None:
         print(f"OK {ci} {vi}", flush=True)
     except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
         print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+
+
+def smoke_shape(preset: str, smoke: bool):
+    """``preset``'s ``Shape``; under --smoke a tiny one (at most 8 experts, N 128, K 256, top-k at most 2)."""
+    from moekit.bench.cells import Shape
+
+    real = Shape.from_preset(preset)
+    if smoke:
+        return Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, min(real.top_k, 2))
+    return real
+
+
+def zero_fp8_weights(s, dev) -> tuple:
+    """(w13, w2) ``Fp8BlockWeight``s of shape ``s`` for compiling only (values do not matter): zeros, scales one."""
+    from moekit.quant.fp8_block import Fp8BlockWeight
+
+    pair = []
+    for rows, cols in ((2 * s.n, s.k), (s.k, s.n)):
+        q = torch.zeros(s.num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.ones(s.num_experts, -(-rows // 128), -(-cols // 128), device=dev)
+        pair.append(Fp8BlockWeight(q=q, scale=scale, dtype=torch.bfloat16))
+    return tuple(pair)
