@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -101,6 +102,37 @@ def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
+
+
+def case_args(doc: str, deadline: float, cases, namespace=None) -> argparse.Namespace:
+    """The command line of a check run case by case (``run_cases``): --out (the JSON's folder; none: not written),
+    --deadline (s: no case starts past it), --rounds (2 under --smoke), --cases (default: all, in order), --smoke."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--out", default="")
+    p.add_argument("--deadline", type=float, default=deadline)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cases", nargs="*", default=list(cases))
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(namespace=namespace)
+    if args.smoke:
+        args.rounds = 2
+    return args
+
+
+def run_cases(run: RunLog, result: dict, args: argparse.Namespace, name: str, run_case: Callable) -> None:
+    """``case_args``' run: the watchdog started, the header (``run_info``, smoke, rounds) logged and kept as
+    ``result["run"]``, ``run_case(case)`` for each of ``args.cases`` that starts before ``args.deadline``,
+    <out>/<name>.json rewritten after each; the table last."""
+    threading.Thread(target=run.watchdog, daemon=True).start()
+    result["run"] = run_info() | {"smoke": args.smoke, "rounds": args.rounds}
+    run.log(f"{result['run']}")
+
+    def after() -> None:
+        if args.out:
+            write_json(os.path.join(args.out, f"{name}.json"), result)
+
+    run.each_cell(args.cases, run_case, args.deadline, after)
+    run.print_table()
 
 
 def ceilings(dev, fp8: bool = False) -> dict:

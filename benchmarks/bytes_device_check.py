@@ -33,10 +33,11 @@ if SMOKE:
 import torch  # noqa: E402
 
 from bytes_variants import CELLS, SMOKE_CELLS, variants  # noqa: E402
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from compile_workers import (  # noqa: E402
+    collect_workers, compile_one, held_weights, smoke_shape, spawn_workers, zero_fp8_weights,
+)
 from decode_q3_device_check import (Cell, check_cell, floor_us, make_weights, measure_copy, print_cell,  # noqa: E402
                                     run_variant, tuned)
-from moekit.quant.fp8_block import Fp8BlockWeight  # noqa: E402
 
 T0 = time.perf_counter()
 WORKERS = 12
@@ -55,12 +56,7 @@ def cells() -> list[tuple]:
 
 
 def shape_of(preset: str):
-    from moekit.bench.cells import Shape
-
-    real = Shape.from_preset(preset)
-    if SMOKE:
-        return Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, min(real.top_k, 2))
-    return real
+    return smoke_shape(preset, SMOKE)
 
 
 def compile_weights(dtype: str, s, dev):
@@ -68,12 +64,7 @@ def compile_weights(dtype: str, s, dev):
     if dtype == "bf16":
         return (torch.zeros(s.num_experts, 2 * s.n, s.k, dtype=torch.bfloat16, device=dev),
                 torch.zeros(s.num_experts, s.k, s.n, dtype=torch.bfloat16, device=dev))
-    pair = []
-    for rows, cols in ((2 * s.n, s.k), (s.k, s.n)):
-        q = torch.zeros(s.num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=dev)
-        scale = torch.ones(s.num_experts, math.ceil(rows / 128), math.ceil(cols / 128), device=dev)
-        pair.append(Fp8BlockWeight(q=q, scale=scale, dtype=torch.bfloat16))
-    return tuple(pair)
+    return zero_fp8_weights(s, dev)
 
 
 def worker_main(tasks: list) -> None:
@@ -83,19 +74,9 @@ def worker_main(tasks: list) -> None:
     for ci, vi in tasks:
         dtype, preset, m = cells()[ci]
         s = shape_of(preset)
-        if (dtype, preset) not in held:
-            held.clear()
-            held[(dtype, preset)] = compile_weights(dtype, s, dev)
-        print(f"START {ci} {vi}", flush=True)
-        try:
-            t = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-            base = tuned(dtype, s, m, dev)
-            run_variant(variants(dtype, preset, m)[vi], dtype, base, t, held[(dtype, preset)])
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
-            print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        w = held_weights(held, (dtype, preset), lambda: compile_weights(dtype, s, dev))
+        compile_one(ci, vi, lambda: run_variant(variants(dtype, preset, m)[vi], dtype, tuned(dtype, s, m, dev),
+                                                make_sets(s, m, 1, torch.bfloat16, dev)[0], w), SMOKE)
 
 
 def start_workers(workers: int) -> list:

@@ -13,6 +13,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 
 def spawn_workers(script: str, parts: list, smoke: bool, tag: str) -> list:
@@ -44,3 +47,49 @@ def collect_workers(procs, seconds_left) -> dict:
                 status[(int(parts[1]), int(parts[2]))] = {"START": "crashed", "OK": "ok"}.get(
                     parts[0], "error: " + (parts[3] if len(parts) > 3 else ""))
     return status
+
+
+def held_weights(held: dict, key, build: Callable, free_cache: bool = False):
+    """``held[key]``, built by ``build()`` after the previous key's weights are dropped (one key's weights at a
+    time; ``free_cache``: CUDA's cached blocks released before the build)."""
+    if key not in held:
+        held.clear()
+        if free_cache:
+            torch.cuda.empty_cache()
+        held[key] = build()
+    return held[key]
+
+
+def compile_one(ci: int, vi: int, run: Callable[[], None], smoke: bool) -> None:
+    """A worker's task (cell ci, variant vi): ``START``, ``run()`` and (on the GPU) a sync, ``OK``; ``ERR`` with the
+    error where it raises, which the main process reads (``collect_workers``) to skip the variant."""
+    print(f"START {ci} {vi}", flush=True)
+    try:
+        run()
+        if not smoke:
+            torch.cuda.synchronize()
+        print(f"OK {ci} {vi}", flush=True)
+    except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
+        print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+
+
+def smoke_shape(preset: str, smoke: bool):
+    """``preset``'s ``Shape``; under --smoke a tiny one (at most 8 experts, N 128, K 256, top-k at most 2)."""
+    from moekit.bench.cells import Shape
+
+    real = Shape.from_preset(preset)
+    if smoke:
+        return Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, min(real.top_k, 2))
+    return real
+
+
+def zero_fp8_weights(s, dev) -> tuple:
+    """(w13, w2) ``Fp8BlockWeight``s of shape ``s`` for compiling only (values do not matter): zeros, scales one."""
+    from moekit.quant.fp8_block import Fp8BlockWeight
+
+    pair = []
+    for rows, cols in ((2 * s.n, s.k), (s.k, s.n)):
+        q = torch.zeros(s.num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.ones(s.num_experts, -(-rows // 128), -(-cols // 128), device=dev)
+        pair.append(Fp8BlockWeight(q=q, scale=scale, dtype=torch.bfloat16))
+    return tuple(pair)

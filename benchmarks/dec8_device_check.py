@@ -48,7 +48,7 @@ from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, wei
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for  # noqa: E402
 from bench_rounds import graph_of, interleaved  # noqa: E402
-from bench_run import group_args, run_groups  # noqa: E402
+from bench_run import RunLog, group_args, run_groups  # noqa: E402
 from dec7_device_check import expected  # noqa: E402
 from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
 from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
@@ -73,7 +73,8 @@ VARIANTS = {"tile": None, "k128": ((32, 128, 1, 3), (32, 128, 1, 3), 1),
 READS = {"rd64B": 16, "rd128B": 32}  # name -> words a step (32 rows, 1 warp, the k256 variant's splits)
 SETS, ROUNDS, REPLAYS, TOL, WIN = 3, 5, 5, 1e-2, 0.97
 START = time.perf_counter()
-FAILED: list[str] = []
+RUN = RunLog()  # its ``check``: the PASS / FAIL lines, the failed names in FAILED
+FAILED, check = RUN.failed, RUN.check
 KEPT: list = []  # what a captured read graph points at (its ids and parts), alive until the process ends
 
 
@@ -89,12 +90,6 @@ class Cell:
     times: dict = dataclasses.field(default_factory=dict)  # graph -> median µs a call
     rounds: dict = dataclasses.field(default_factory=dict)  # graph -> µs a call, each round
     configs: dict = dataclasses.field(default_factory=dict)  # variant -> config dict / read plans
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
 
 
 def variants(m: int, names: tuple) -> dict:

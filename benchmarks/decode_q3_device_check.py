@@ -35,7 +35,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from compile_workers import collect_workers, compile_one, held_weights, spawn_workers  # noqa: E402
 from decode_q3_variants import CELLS, SMOKE_CELLS, Variant, variants  # noqa: E402
 from moekit.quant.fp8_block import Fp8BlockWeight  # noqa: E402
 
@@ -132,21 +132,10 @@ def worker_main(tasks: list) -> None:
     for ci, vi in tasks:
         dtype, preset, m = cells()[ci]
         s = shape_of(preset, small_for_m=m)
-        if (dtype, s) not in held:
-            held.clear()
-            if not SMOKE:
-                torch.cuda.empty_cache()
-            held[(dtype, s)] = make_weights(dtype, s, dev)
-        print(f"START {ci} {vi}", flush=True)
-        try:
-            t = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-            base = tuned(dtype, shape_of(preset), m, dev)  # the real shape's entry
-            run_variant(variants(dtype, preset, m)[vi], dtype, base, t, held[(dtype, s)], explicit=True)
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
-            print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        w = held_weights(held, (dtype, s), lambda: make_weights(dtype, s, dev), free_cache=not SMOKE)
+        base = lambda: tuned(dtype, shape_of(preset), m, dev)  # noqa: E731  (the real shape's entry)
+        compile_one(ci, vi, lambda: run_variant(variants(dtype, preset, m)[vi], dtype, base(),
+                                                make_sets(s, m, 1, torch.bfloat16, dev)[0], w, explicit=True), SMOKE)
 
 
 def start_workers(workers: int) -> list:

@@ -275,17 +275,7 @@ def main() -> int:
                            "fp8_mm_MHz": clock.sm_mhz, "fp8_mm_W": clock.power_w}
     log(f"copy {ceil.copy_TBps:.2f} TB/s, fp8 mm {ceil.fp8_mm_TFLOPs:.0f} TFLOP/s ({clock.sm_mhz} MHz, "
         f"{clock.power_w} W, {clock.source}); torch {torch.__version__}")
-    for spec in opts.cells:
-        if time.perf_counter() - pdc.T0 > opts.deadline - 14:
-            log(f"SKIP {spec}: deadline")
-            pdc.SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, ceil, opts)
-        except Exception as exc:  # noqa: BLE001
-            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            pdc.FAILED.append(spec)
-        pdc.free_memory()
+    pdc.RUN.each_cell(opts.cells, lambda spec: run_cell(spec, ceil, opts), opts.deadline - 14, pdc.free_memory)
     print("\nGEMMs alone and probes (graph replay, median of 3):\n" + "\n".join(PARTS_TABLE), flush=True)
     pdc.print_table()
     return 1 if pdc.FAILED else 0

@@ -274,17 +274,7 @@ def main() -> int:
     else:
         log("FAIL odd K: the worker did not finish it (not run)")
         pdc.FAILED.append("odd K")
-    for spec in opts.cells:
-        if time.perf_counter() - pdc.T0 > opts.deadline - 12:
-            log(f"SKIP {spec}: deadline")
-            pdc.SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, ceil, opts)
-        except Exception as exc:  # noqa: BLE001
-            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            pdc.FAILED.append(spec)
-        pdc.free_memory()
+    pdc.RUN.each_cell(opts.cells, lambda spec: run_cell(spec, ceil, opts), opts.deadline - 12, pdc.free_memory)
     missing = [k for s in opts.cells for k in ("pipe", "down pipe")
                if f"{s.split(':')[1]} {k}" not in opts.ran]
     if missing:

@@ -194,17 +194,7 @@ def main() -> int:
     RESULTS["ceilings"] = {"copy_TBps": ceil.copy_TBps, "fp8_mm_TFLOPs": ceil.fp8_mm_TFLOPs}
     log(f"copy {ceil.copy_TBps:.2f} TB/s, fp8 mm {ceil.fp8_mm_TFLOPs:.0f} TFLOP/s; torch {torch.__version__}")
     check_odd(opts.ran)
-    for spec in opts.cells:
-        if time.perf_counter() - pdc.T0 > opts.deadline - 12:
-            log(f"SKIP {spec}: deadline")
-            pdc.SUMMARY.append(f"{spec}: not reached")
-            continue
-        try:
-            run_cell(spec, ceil, opts)
-        except Exception as exc:  # noqa: BLE001
-            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-            pdc.FAILED.append(spec)
-        pdc.free_memory()
+    pdc.RUN.each_cell(opts.cells, lambda spec: run_cell(spec, ceil, opts), opts.deadline - 12, pdc.free_memory)
     (opts.out / "f8r32.json").write_text(json.dumps(RESULTS, indent=1))
     pdc.print_table()
     return 1 if pdc.FAILED else 0

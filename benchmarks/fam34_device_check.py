@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 
 SMOKE = "--smoke" in sys.argv
@@ -34,7 +33,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import versus  # noqa: E402
-from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, case_args, rel_l2, run_cases  # noqa: E402
 
 RUN = RunLog("fam34: session 34's router options on the GPU (eager forward µs a call, median of rounds)", stall_s=60.0)
 RESULT: dict = {"run": {}, "cases": {}, "failed": RUN.failed}
@@ -181,26 +180,9 @@ def run_case(name: str, dev) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=66.0)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--cases", nargs="*", default=list(CASES))
-    p.add_argument("--smoke", action="store_true")
-    p.parse_args(namespace=ARGS)
-    if SMOKE:
-        ARGS.rounds = 2
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
+    case_args(__doc__, 66.0, CASES, ARGS)
     dev = torch.device("cpu" if SMOKE else "cuda")
-    RESULT["run"] = run_info() | {"smoke": SMOKE, "rounds": ARGS.rounds}
-    RUN.log(f"{RESULT['run']}")
-
-    def after() -> None:
-        if ARGS.out:
-            write_json(os.path.join(ARGS.out, "fam34.json"), RESULT)
-
-    RUN.each_cell(ARGS.cases, lambda name: run_case(name, dev), ARGS.deadline, after)
-    RUN.print_table()
+    run_cases(RUN, RESULT, ARGS, "fam34", lambda name: run_case(name, dev))
 
 
 if __name__ == "__main__":

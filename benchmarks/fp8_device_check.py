@@ -43,19 +43,15 @@ from moekit.experts.triton import experts_triton
 from moekit.experts.triton_fp8 import fused_experts_fp8, fused_experts_fp8_launch, fused_experts_fp8_torch
 from moekit.experts.triton_fp8_plan import TMA_MAX_BLOCK_M, fp8_entry, heuristic_fp8_config
 from moekit.experts.triton_launch import kernels
+from bench_run import RunLog
 
 BATCHES = (1, 8, 64, 512, 4096)
 BLOCK = (128, 128)
 CONFIG_AB_BATCHES = (1, 64, 4096)
 BUDGET_S = 0.15  # seconds of timing per backend and cell (the script stays under ~3 min)
 ROTATION_BYTES = 256 << 20  # rotate inputs until one pass touches ~4x the H200's L2 (the bench's rule)
-FAILED: list[str] = []
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
+RUN = RunLog()  # its ``check``: the PASS / FAIL lines, the failed names in FAILED
+FAILED, check = RUN.failed, RUN.check
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -35,7 +35,9 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from compile_workers import (  # noqa: E402
+    collect_workers, compile_one, held_weights, smoke_shape, spawn_workers, zero_fp8_weights,
+)
 from decode_q3_device_check import (  # noqa: E402
     Cell, Row, floor_us, make_weights, measure_copy, print_cell, reference, rel_l2,
 )
@@ -64,12 +66,7 @@ def cells() -> list[tuple]:
 
 
 def shape_of(preset: str):
-    from moekit.bench.cells import Shape
-
-    real = Shape.from_preset(preset)
-    if SMOKE:
-        return Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, min(real.top_k, 2))
-    return real
+    return smoke_shape(preset, SMOKE)
 
 
 def tuned(s, m: int, dev):
@@ -79,18 +76,6 @@ def tuned(s, m: int, dev):
     return fp8_entry(m, s.num_experts, s.n, s.k, s.top_k, 128, device_key(dev))
 
 
-def compile_weights(s, dev):
-    """Weights of the real shape for compiling only: zeros, scales one."""
-    from moekit.quant.fp8_block import Fp8BlockWeight
-
-    pair = []
-    for rows, cols in ((2 * s.n, s.k), (s.k, s.n)):
-        q = torch.zeros(s.num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=dev)
-        scale = torch.ones(s.num_experts, math.ceil(rows / 128), math.ceil(cols / 128), device=dev)
-        pair.append(Fp8BlockWeight(q=q, scale=scale, dtype=torch.bfloat16))
-    return tuple(pair)
-
-
 def worker_main(tasks: list) -> None:
     from moekit.bench.cells import make_sets
 
@@ -98,18 +83,9 @@ def worker_main(tasks: list) -> None:
     for ci, vi in tasks:
         _, preset, m = cells()[ci]
         s = shape_of(preset)
-        if preset not in held:
-            held.clear()
-            held[preset] = compile_weights(s, dev)
-        print(f"START {ci} {vi}", flush=True)
-        try:
-            run_variant(variants(*cells()[ci])[vi], tuned(s, m, dev), make_sets(s, m, 1, torch.bfloat16, dev)[0],
-                        held[preset])
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
-            print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        w = held_weights(held, preset, lambda: zero_fp8_weights(s, dev))
+        compile_one(ci, vi, lambda: run_variant(variants(*cells()[ci])[vi], tuned(s, m, dev),
+                                                make_sets(s, m, 1, torch.bfloat16, dev)[0], w), SMOKE)
 
 
 def start_workers(workers: int) -> list:

@@ -7,9 +7,10 @@ change that should leave the default kernels' machine code alone (an option remo
     PYTHONPATH=/tmp/x-site:$PWD ...                                                     (another Triton, e.g. 3.6)
     python3 benchmarks/gluon_sass_diff_cpu.py --compare /tmp/sass-before /tmp/sass-after
 
-Kernels: bf16 gate-up (TMA, and gathering in its loader), down (GROUP_M 8 and the narrow tile's plain order), down
-with the 64-row tail, the gate-up GEMM on 256-row tiles (``BLK256_UP_TILE``), the weight-only GEMM (int8 / int4 /
-mxfp4: it shares ``gluon_gemm._loader``), the fp8 GEMM (gate-up, the narrow and the wide down tile; Mixtral widths).
+Kernels: bf16 gate-up (TMA, and gathering in its loader), down (GROUP_M 8 and the narrow tile's plain order), down with
+the 64-row tail, the gate-up GEMM on 256-row tiles (``BLK256_UP_TILE``), the weight-only GEMMs at the variants
+``GLUON_WO_OPTIONS`` launches (``wo_cases``; they share ``gluon_gemm._loader``), the fp8 GEMM (gate-up, the narrow and
+the wide down tile; Mixtral widths).
 ``--only PREFIX ...`` dumps the kernels whose names start with one of them (``blk256_up``: two consumers; ``fp8``).
 Each is compiled with the arguments its signature names (``_compile``: a removed parameter is not passed, one the
 case does not know gets a stand-in), DeepSeek-V3-like widths.
@@ -25,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -120,24 +122,25 @@ def bf16_cases() -> dict:
             "down_tail": lambda: tail(with_tail(DOWN_TILE)), "blk256_up": blk256_up}
 
 
-def wo_case(gated: bool, stages: int, scheme: int, block_n: int = 128, block_k: int = 64):
-    """The weight-only GEMM (``wol7_compile_cpu``'s small shape: E=2, N=256, K=512)."""
-    from wol7_compile_cpu import _descriptor as desc
+def wo_cases() -> dict:
+    """{name: () -> compiled} of the weight-only Gluon GEMMs at the variants ``GLUON_WO_OPTIONS`` launches, on the
+    route's tiles (``wo8_compile_cpu`` / ``wo4k_compile_cpu``'s small shape: E=2, N=256, K=512): the session-27
+    kernel (gate-up 4 stages, down 6) for each scheme, mxfp4 FAST and SPLIT + FAST; the swapped GEMM for int8 (FAST,
+    SPLIT: gate-up 6 stages, down 8) and int4 (SPLIT, 8 and 8)."""
+    from wo4k_compile_cpu import Case, compile_swap
+    from wo8_compile_cpu import compile_wo
 
-    from moekit.experts._kernels.gluon_gemm_wo import grouped_gemm_wo_kernel
-
-    e, n, k, t = 2, 256, 512, 1024
-    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
-    pack, q_dtype = ((1, torch.int8), (8, torch.int32), (2, torch.uint8))[scheme]
-    i32, bf16 = torch.empty(1, dtype=torch.int32), torch.bfloat16
-    args = dict(a_desc=desc([t, r], [128, block_k], bf16), c_desc=desc([t, c], [128, block_n], bf16),
-                q_desc=desc([e * w_rows, r // pack], [block_n, block_k // pack], q_dtype), experts_ptr=i32,
-                used_ptr=i32, s_ptr=torch.empty(1), z_ptr=torch.empty(1, dtype=torch.uint8), stride_se=w_rows * 4,
-                stride_sr=4, stride_sg=1, stride_ze=w_rows * 4, stride_zr=4, stride_zg=1, reduce_dim=r,
-                num_col_blocks=c // block_n)
-    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
-                 GROUP=(1, 128, 32)[scheme], num_warps=8)
-    return _compile(grouped_gemm_wo_kernel, args, const, ())
+    cases = {}
+    for scheme, name in enumerate(("int8", "int4", "mxfp4")):
+        variants = {"": {}} | ({"_fast": {"FAST": True}, "_split_fast": {"SPLIT": True, "FAST": True}}
+                               if scheme == 2 else {})
+        for suffix, variant in variants.items():
+            cases[f"wo_{name}_up{suffix}"] = partial(compile_wo, True, 4, scheme, 128, variant)
+            cases[f"wo_{name}_down{suffix}"] = partial(compile_wo, False, 6, scheme, 128, variant)
+    for case in (Case("int8_up", True, 6, True, True), Case("int8_down", False, 8, True, True),
+                 Case("int4_up", True, 8, split=True, scheme=1), Case("int4_down", False, 8, split=True, scheme=1)):
+        cases[f"wo_swap_{case.name}"] = partial(compile_swap, case)
+    return cases
 
 
 def fp8_case(gated: bool, tile):
@@ -171,8 +174,7 @@ def fp8_cases() -> dict:
 
 
 def dump(out: Path, only: list[str] | None) -> int:
-    cases = bf16_cases() | {"wo_int8_up": lambda: wo_case(True, 4, 0), "wo_int4_down": lambda: wo_case(False, 6, 1),
-                            "wo_mxfp4_up": lambda: wo_case(True, 4, 2)} | fp8_cases()
+    cases = bf16_cases() | wo_cases() | fp8_cases()
     return write_sass(out, {name: build for name, build in cases.items() if not only or name.startswith(tuple(only))})
 
 

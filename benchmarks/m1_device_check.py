@@ -32,7 +32,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from compile_workers import collect_workers, spawn_workers  # noqa: E402
+from compile_workers import collect_workers, compile_one, held_weights, spawn_workers  # noqa: E402
 from decode_q3_device_check import (  # noqa: E402
     Cell, Row, measure_copy, rel_l2, shape_of,
 )
@@ -88,19 +88,10 @@ def worker_main(tasks: list) -> None:
     for ci, vi in tasks:
         dtype, preset, m = cells()[ci]
         s = shape_of(preset, small_for_m=m)
-        if (dtype, s) not in held:
-            held.clear()
-            held[(dtype, s)] = make_weights(dtype, s, dev)[0]
-        print(f"START {ci} {vi}", flush=True)
-        try:
-            t = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-            run(variants(dtype, preset, m)[vi], dtype, t, held[(dtype, s)],
-                tuned_config(dtype, shape_of(preset), m, dev))
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process compiles or skips it)
-            print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        w = held_weights(held, (dtype, s), lambda: make_weights(dtype, s, dev)[0])
+        compile_one(ci, vi, lambda: run(variants(dtype, preset, m)[vi], dtype,
+                                        make_sets(s, m, 1, torch.bfloat16, dev)[0], w,
+                                        tuned_config(dtype, shape_of(preset), m, dev)), SMOKE)
 
 
 def start_workers(workers: int) -> list:

@@ -53,16 +53,14 @@ import torch
 from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import cpu_rows, measure_costs, measure_offload
 from moekit.bench.offload_report import auto_vs_best, modes_by_cell
-from moekit.config import MoEConfig
 from moekit.offload import CpuOptions
 from offload_cal_log import MODES, BranchLog  # benchmarks/ on sys.path
 from offload_cpu_anatomy import cpu_check, passes, print_passes
+from offload_setting import offload_setting
 
 LIMIT_S = 155.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 175 s
 PROFILE_LIMIT_S = 168.0  # the --profile pass (one group after the table, ~10 s) does not start past it
 START = time.perf_counter()
-QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
-SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 TWIN = "gpu2"
 CLOSE = ("*/*/*/8,skewed/25/router/1,skewed/50/router/1,skewed/75/none/1,uniform/75/none/1,"
          "skewed/75/router/32")  # ``--cells close``: 14 groups, ~70 s on the H200
@@ -120,11 +118,8 @@ def _options(argv: list[str]) -> list[str]:
 def main(argv: list[str]) -> int:
     smoke, twin = "--smoke" in argv, "--no-twin" not in argv
     patterns = _options(argv)
-    cuda = torch.cuda.is_available() and not smoke
-    device, dtype, shape = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, dict(
-        QWEN3_30B if cuda else SMOKE)
-    config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
-                       top_k=shape["top_k"])
+    s = offload_setting(smoke)
+    cuda, device, dtype, shape, config = s.cuda, s.device, s.dtype, s.shape, s.config
     options = (CpuOptions(threads=int(argv[argv.index("--cpu-threads") + 1])) if "--cpu-threads" in argv
                else CpuOptions())
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,

@@ -53,14 +53,13 @@ from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import DRIFT, STREAMS, cpu_rows, default_warm_steps, measure_costs
 from moekit.bench.offload_timeline import fit_steps, host_op_costs, layer_times, mean_times
 from moekit.config import MoEConfig
+from offload_setting import offload_setting
 from moekit.offload import CpuOptions, ExpertCache, OffloadedMoE, OffloadStats, StepTrace
 from moekit.offload.whatif import drive
 from moekit.routing import Routing
 from moekit.sim.cache import decode_stream
 
 START = time.perf_counter()
-QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
-SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 # (stream, cache fraction, prefetch router, M): the cal run's worst few-fetch cells first
 CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.75, True, 1), ("uniform", 0.75, False, 1),
          ("skewed", 0.5, False, 1), ("uniform", 0.25, False, 1), ("skewed", 0.25, False, 1),
@@ -349,11 +348,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--budget", type=float, default=130.0, help="seconds: no new cell starts past it")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    shape = dict(QWEN3_30B if cuda else SMOKE)
-    config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
-                       top_k=shape["top_k"])
+    s = offload_setting(args.smoke)
+    cuda, device, shape, config = s.cuda, s.device, s.shape, s.config
     shells = host_shells(config, torch.bfloat16 if cuda else torch.float32, device, layers=shape["layers"])
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows((1, 8)))
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "shape": shape,

@@ -36,12 +36,12 @@ import torch
 from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import cpu_rows, measure_costs, measure_offload
 from moekit.bench.offload_report import auto_vs_best, modes_by_cell
-from moekit.config import MoEConfig
 from moekit.experts.triton_cache import WeightDescriptors
 from moekit.offload import CpuOptions, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
 from moekit.offload.cpu_path import CPU_GEMMS
-from offload_cal_device_check import QWEN3_30B, SMOKE, cell_name, keeper  # benchmarks/ on sys.path
+from offload_cal_device_check import cell_name, keeper  # benchmarks/ on sys.path
+from offload_setting import offload_setting
 from offload_cal_log import MODES
 from offload_cpu_anatomy import exactness
 
@@ -155,11 +155,8 @@ def main(argv: list[str]) -> int:
     gaps_s = tuple(float(g) * 1e-3 for g in gaps.split(","))
     cells = argv[argv.index("--cells") + 1] if "--cells" in argv else CELLS
     patterns = [] if cells == "none" else cells.split(",")  # none: the exactness and the probe only
-    cuda = torch.cuda.is_available() and not smoke
-    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
-    shape = dict(QWEN3_30B if cuda else SMOKE)
-    config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
-                       top_k=shape["top_k"])
+    s = offload_setting(smoke)
+    cuda, device, dtype, shape, config = s.cuda, s.device, s.dtype, s.shape, s.config
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "shape": shape, "cells": patterns, "rows": [], "state": "running",
               "out": argv[argv.index("--out") + 1] if "--out" in argv else os.environ.get("OUT")}

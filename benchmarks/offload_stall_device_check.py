@@ -43,7 +43,7 @@ import torch
 from moekit.bench.offload_floor import fixed_costs
 from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import cpu_rows, default_warm_steps, measure_costs
-from moekit.config import MoEConfig
+from offload_setting import offload_setting
 from moekit.experts.reference import experts_reference
 from moekit.offload import CpuOptions, ExpertCache, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
@@ -53,8 +53,6 @@ from offload_fetch_device_check import _stack, _step, _stream  # benchmarks/ on 
 from offload_stall_report import print_result
 
 START = time.perf_counter()
-QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
-SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 CELLS = (("skewed", 0.5, False, 8), ("uniform", 0.75, False, 8), ("skewed", 0.25, True, 8))
 # ``--stacks``; ck1 (96560bf): auto, auto-worker, ...
 STACKS = ("auto", "auto-t4", "auto-t2", "auto-t1", "gpu", "cpu", "cpu-t4", "hit")
@@ -309,11 +307,8 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="parts 1-2: tN or cal, the first the base")
     args = parser.parse_args()
     STACKS, VARIANTS = tuple(args.stacks.split(",")), tuple(args.variants.split(","))
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    shape = dict(QWEN3_30B if cuda else SMOKE)
-    config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
-                       top_k=shape["top_k"])
+    s = offload_setting(args.smoke)
+    cuda, device, shape, config = s.cuda, s.device, s.shape, s.config
     gc.callbacks.append(_gc_callback)
     shells = host_shells(config, torch.bfloat16 if cuda else torch.float32, device, layers=shape["layers"])
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows((1, 8)))

@@ -45,7 +45,7 @@ import torch
 from moekit.bench.offload_floor import fixed_costs, timeline_s
 from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import cpu_rows, default_warm_steps, measure_costs
-from moekit.config import MoEConfig
+from offload_setting import offload_setting
 from moekit.offload import CpuOptions, ExpertCache, OffloadedMoE, StepTrace
 from moekit.offload.calibrate import branch, cold_groups
 from moekit.offload.cpu_path import CpuPath, CpuPhases, Staged, torch_threads
@@ -56,8 +56,6 @@ from offload_staging_micro import staging_line, staging_parts
 import offload_staging_cat as cat
 
 START = time.perf_counter()
-QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
-SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.5, True, 1))  # (stream, cache fraction, prefetch router, M)
 MODES = ("cpu", "cpu-old", "gpu", "hit")  # module docstring
 AFTER = ("quiet", "branch_t1", "branch_sleep30", "plain", "branch", "sleep", "branch_sleep2")  # a fixed cyclic order:
@@ -333,11 +331,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--budget", type=float, default=75.0, help="seconds: no part or cell starts past it")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    shape = dict(QWEN3_30B if cuda else SMOKE)
-    config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
-                       top_k=shape["top_k"])
+    s = offload_setting(args.smoke)
+    cuda, device, shape, config = s.cuda, s.device, s.shape, s.config
     shells = host_shells(config, torch.bfloat16 if cuda else torch.float32, device, layers=shape["layers"])
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows((1,)))
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "shape": shape,

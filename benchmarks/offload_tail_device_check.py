@@ -47,7 +47,7 @@ from moekit.bench.offload_cells import branch_rate
 from moekit.bench.offload_floor import fixed_costs, timeline_s
 from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import cpu_rows, default_warm_steps, measure_costs
-from moekit.config import MoEConfig
+from offload_setting import offload_setting
 from moekit.experts.reference import experts_reference
 from moekit.offload import CpuOptions, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
@@ -60,8 +60,6 @@ from offload_tail_report import cell_lines, print_result, team_lines
 from offload_team_probe import TeamProbe
 
 START = time.perf_counter()
-QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
-SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 WAKE_AFTER_S = 0.001  # cpu-wake: wake the team before a branch when the previous one ended over 1 ms before
 from offload_tail_report import GAPS_S  # part 2's idle gaps
 CPU_CELLS = (("skewed", 0.25, True, 1), ("skewed", 0.75, False, 1))  # (stream, cache fraction, router prefetch, M)
@@ -345,11 +343,8 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=150.0, help="seconds: no part or cell starts past it")
     parser.add_argument("--steps", type=int, default=0, help="steps a cell (0: 120 CPU cells, 40 gpu; smoke 3)")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    shape = dict(QWEN3_30B if cuda else SMOKE)
-    config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
-                       top_k=shape["top_k"])
+    s = offload_setting(args.smoke)
+    cuda, device, shape, config = s.cuda, s.device, s.shape, s.config
     shells = host_shells(config, torch.bfloat16 if cuda else torch.float32, device, layers=shape["layers"])
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows((1,)))
     probe = TeamProbe()

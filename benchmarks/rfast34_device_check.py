@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -34,7 +33,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import versus  # noqa: E402
-from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, case_args, rel_l2, run_cases  # noqa: E402
 from fam34_device_check import CASES as FAMILIES, TINY, reference, timed  # noqa: E402
 import fam34_device_check  # noqa: E402
 
@@ -112,27 +111,10 @@ def run_case(name: str, dev) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=45.0)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--cases", nargs="*", default=list(CASES))
-    p.add_argument("--smoke", action="store_true")
-    p.parse_args(namespace=ARGS)
-    if SMOKE:
-        ARGS.rounds = 2
+    case_args(__doc__, 45.0, CASES, ARGS)
     fam34_device_check.ARGS.rounds = ARGS.rounds  # its ``timed`` reads them
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
     dev = torch.device("cpu" if SMOKE else "cuda")
-    RESULT["run"] = run_info() | {"smoke": SMOKE, "rounds": ARGS.rounds}
-    RUN.log(f"{RESULT['run']}")
-
-    def after() -> None:
-        if ARGS.out:
-            write_json(os.path.join(ARGS.out, "rfast34.json"), RESULT)
-
-    RUN.each_cell(ARGS.cases, lambda name: run_case(name, dev), ARGS.deadline, after)
-    RUN.print_table()
+    run_cases(RUN, RESULT, ARGS, "rfast34", lambda name: run_case(name, dev))
 
 
 if __name__ == "__main__":

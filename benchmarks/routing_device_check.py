@@ -35,6 +35,7 @@ from moekit import MoEConfig, route
 from moekit.bench.timing import time_calls
 from moekit.routing import append_shared_slots
 from moekit.routing.fused import FusedRouter
+from bench_run import RunLog
 
 M_VALUES = (1, 8, 64, 512, 4096, 16384)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -43,14 +44,9 @@ QWEN3_NEXT = MoEConfig(hidden_size=2048, moe_intermediate_size=512, num_experts=
 CONFIGS = {name: MoEConfig.preset(name) for name in
            ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen1.5-moe-a2.7b", "deepseek-v2-lite")}
 CONFIGS["qwen3-next"] = QWEN3_NEXT
-FAILED: list[str] = []
+RUN = RunLog()  # its ``check``: the PASS / FAIL lines, the failed names in FAILED
+FAILED, check = RUN.failed, RUN.check
 RESULTS: dict = {"agree": [], "timing": []}
-
-
-def check(name, ok, detail=""):
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
 
 
 def problem(cfg, m, dtype, dev, seed=0):

@@ -24,14 +24,10 @@ from moekit.experts.triton_align import align_block_triton
 from moekit.experts.triton_gluon import DEFAULT_CHOICE, gluon_takes
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.layouts.block_aligned import align_block
+from bench_run import RunLog
 
-FAILED = []
-
-
-def check(name, ok, detail=""):
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
+RUN = RunLog()  # its ``check``: the PASS / FAIL lines, the failed names in FAILED
+FAILED, check = RUN.failed, RUN.check
 
 
 def rel_err(out, ref):

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, eager_us, graph_of, medians, settled, shuffled, wins  # noqa: E402
-from compile_workers import spawn_workers  # noqa: E402
+from compile_workers import compile_one, spawn_workers  # noqa: E402
 from held_run import HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry  # noqa: E402
 from wo8_variants import Gemms, Weights, pick_call, shape_of, timed_calls  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
@@ -149,17 +149,14 @@ def compile_task(ci: int, j: int, preset: str, m: int, task: tuple, variant_call
     dev = torch.device("cpu" if smoke else "cuda")
     s = shape_of(preset)
     w = Weights(s, dev, None)
-    print(f"START {ci} {j}", flush=True)
-    try:
+
+    def run() -> None:
         c0 = make_sets(s, m, 1, torch.bfloat16, dev)[0]
         calls = timed_calls(s, w, None) if task == ("bf16",) else variant_calls(w, task)
         for _, _, fn in calls.values():
             fn(c0)
-        if not smoke:
-            torch.cuda.synchronize()
-        print(f"OK {ci} {j}", flush=True)
-    except Exception as err:  # noqa: BLE001  (reported; the main process skips the task's variants)
-        print(f"ERR {ci} {j} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+
+    compile_one(ci, j, run, smoke)
 
 
 @dataclasses.dataclass

@@ -27,7 +27,9 @@ VARIANTS = {"base": {}, "split": {"SPLIT": True}, "fast": {"FAST": True}, "split
             "fast+slots3": {"FAST": True, "SLOTS": 3}}
 
 
-def compile_case(gated: bool, stages: int, scheme: int, block_n: int, variant: dict, block_k: int = 64) -> str:
+def compile_wo(gated: bool, stages: int, scheme: int, block_n: int, variant: dict, block_k: int = 64):
+    """The compiled weight-only Gluon GEMM of one case (``variant``: its SPLIT / FAST / SLOTS constexprs) at a small
+    shape (E=2, N=256, K=512: shapes reach it as i32 arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -55,8 +57,14 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, variant: d
                  **{"SPLIT": False, "FAST": False, "SLOTS": 2, **variant})
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=168))
+
+
+def compile_case(gated: bool, stages: int, scheme: int, block_n: int, variant: dict, block_k: int = 64) -> str:
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=168))
+    out = compile_wo(gated, stages, scheme, block_n, variant, block_k)
+    if variant.get("SLOTS", 2) == 3 and gated and scheme == 0:  # the stages ``compile_wo`` compiled
+        stages = min(stages, 3)
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
     weights = (2 if gated else 1) * block_n * block_k  # (SPLIT: one warpgroup's loop, half of them on half the warps)

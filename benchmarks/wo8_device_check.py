@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -43,7 +44,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
-from compile_workers import spawn_workers  # noqa: E402
+from compile_workers import compile_one, spawn_workers  # noqa: E402
 from held_run import HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry  # noqa: E402
 from wo8_exact import decode_mismatches  # noqa: E402
 from wo8_variants import (  # noqa: E402
@@ -96,23 +97,20 @@ def worker_main(preset: str, todo: list) -> None:
     for j in todo:
         ci, what, names = tasks[j]
         s = shape_of(preset)
-        w = Weights(s, dev, None)
-        print(f"START {ci} {j}", flush=True)
-        try:
-            c0 = make_sets(s, CELLS[ci][1], 1, torch.bfloat16, dev)[0]
-            gemms = Gemms(s, c0)
-            calls = timed_calls(s, w, gemms) if what == "bf16" else wo_calls(s, w, gemms, what)
-            if "base" in names:  # the call that names no decode (and --winners' prev): its kernels too
-                calls.update(pick_call(w, what, CELLS[ci][1]))
-                names = names + ["pick", "prev"]
-            for key, (_, _, fn) in calls.items():
-                if what == "bf16" or key.split()[1] in names:
-                    fn(c0)
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci} {j}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process skips the preset's part)
-            print(f"ERR {ci} {j} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        compile_one(ci, j, partial(_compile_task, s, Weights(s, dev, None), dev, ci, what, names), SMOKE)
+
+
+def _compile_task(s, w: Weights, dev, ci: int, what: str, names: list) -> None:
+    """One task's calls, once: ``what``'s (bf16's, or a scheme's ``names``, the pick and prev with ``base``)."""
+    c0 = make_sets(s, CELLS[ci][1], 1, torch.bfloat16, dev)[0]
+    gemms = Gemms(s, c0)
+    calls = timed_calls(s, w, gemms) if what == "bf16" else wo_calls(s, w, gemms, what)
+    if "base" in names:  # the call that names no decode (and --winners' prev): its kernels too
+        calls.update(pick_call(w, what, CELLS[ci][1]))
+        names = names + ["pick", "prev"]
+    for key, (_, _, fn) in calls.items():
+        if what == "bf16" or key.split()[1] in names:
+            fn(c0)
 
 
 def start_workers() -> dict:

@@ -51,6 +51,7 @@ from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for  # noqa: E4
 from moekit.experts.triton_wo_word_winners import word_config  # noqa: E402
 import bench_rounds  # noqa: E402
 from wo_device_check import bf16_times, copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
+from bench_run import RunLog  # noqa: E402
 
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
@@ -64,7 +65,8 @@ START = time.perf_counter()
 # name -> (rows, words a step, warps, AHEAD, x_tile); rows None: the gemv config's own tiles
 TILES = {"x": (None, None, None, 1, True), "xa2": (None, None, None, 2, True), "r32x": (32, 16, 2, 1, True),
          "r32xa2": (32, 16, 2, 2, True), "w4x": (64, 16, 4, 1, True)}
-FAILED: list[str] = []
+RUN = RunLog()  # its ``check``: the PASS / FAIL lines, the failed names in FAILED
+FAILED, check = RUN.failed, RUN.check
 SKIPPED: list[str] = []
 
 
@@ -83,12 +85,6 @@ class Cell:
 
 def left_s() -> float:
     return LIMIT_S - (time.perf_counter() - START)
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
 
 
 def with_tiles(cfg, rows, words, warps, ahead, x_tile, scheme):

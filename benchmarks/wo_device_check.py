@@ -55,6 +55,7 @@ from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_w
 from moekit.experts.configs import GemmTile
 from moekit.experts.triton_wo_configs import wo_heuristic_config
 from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for
+from bench_run import RunLog
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 GROUP = {"int8_w8a16": 0, "int4_w4a16": 128, "mxfp4": 32}
@@ -67,7 +68,8 @@ SPLIT_BATCHES = (1, 4)
 SWEEP = (("qwen3-30b-a3b", "int4_w4a16", 1), ("qwen3-30b-a3b", "mxfp4", 1))  # (preset, scheme, M), register decode
 SWEEP_UP = ((16, 128, 4), (32, 256, 3), (64, 128, 4), (16, 256, 3))  # gate-up (BLOCK_N, BLOCK_K, stages)
 SWEEP_DOWN = ((64, 128, 4, None), (128, 128, 4, 1), (128, 128, 4, 4), (128, 256, 3, None))  # down (.., split-K)
-FAILED: list[str] = []
+RUN = RunLog()  # its ``check``: the PASS / FAIL lines, the failed names in FAILED
+FAILED, check = RUN.failed, RUN.check
 
 
 def decodes(scheme: str, m: int) -> tuple:
@@ -90,12 +92,6 @@ class Cell:
     touched: float  # mean distinct experts per call
     floor_us: float  # packed bytes / copy bandwidth
     target: str  # the target for this cell and whether it is met ("-" where none applies)
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
 
 
 def guarded(name: str, step, *args):

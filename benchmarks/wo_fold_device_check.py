@@ -46,6 +46,7 @@ from moekit.experts import triton_wo_word_winners as winners  # noqa: E402
 from moekit.experts.triton_wo_word_winners import WordPick, with_pick  # noqa: E402
 from bench_rounds import graph_of, interleaved, medians  # noqa: E402
 from wo_device_check import bf16_times, copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
+from bench_run import RunLog  # noqa: E402
 
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
@@ -71,7 +72,8 @@ EXTRA = {
 }
 T4 = (16, 4, 1, 0)  # the smoke's tiles: 4-word steps, so the tiny K = 128 (16 words) splits
 SMOKE_EXTRA = {"g_s2f": WordPick("gemv", 2, 0, T4, T4, fold=True), "g_s3d2f": WordPick("gemv", 3, 2, T4, T4, fold=True)}
-FAILED: list[str] = []
+RUN = RunLog()  # its ``check``: the PASS / FAIL lines, the failed names in FAILED
+FAILED, check = RUN.failed, RUN.check
 SKIPPED: list[str] = []
 
 
@@ -91,12 +93,6 @@ class Cell:
 
 def left_s() -> float:
     return LIMIT_S - (time.perf_counter() - START)
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
 
 
 def variants(s: Shape, scheme: str, m: int, smoke: bool) -> dict:

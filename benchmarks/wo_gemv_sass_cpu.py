@@ -76,6 +76,30 @@ def _main_loop(sass: str) -> list[str]:
     return best
 
 
+@dataclass
+class MainLoop:
+    """A compiled kernel's main loop (``_main_loop`` of its SASS) and resource use (``cuobjdump -res-usage``)."""
+
+    loop: list[str]  # the loop's instructions
+    ops: Counter  # opcode (predicate and modifiers dropped) -> count in the loop
+    registers: int
+    stack: int  # bytes a thread (spills)
+
+
+def main_loop_of(compiled) -> MainLoop:
+    """``compiled``'s cubin disassembled (``nvdisasm -c``), its main loop counted, its registers and stack read."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
+    loop = _main_loop(sass)
+    ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
+    return MainLoop(loop, ops, int(re.search(r"REG:(\d+)", usage).group(1)),
+                    int(re.search(r"STACK:(\d+)", usage).group(1)))
+
+
 def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_warps: int, down: bool = False,
           up_split: int = 1, ahead: int = 1, x_tile: bool = False) -> LoopCount:
     kernels = importlib.import_module(f"moekit.experts._kernels.{module}")
@@ -90,23 +114,14 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BKW=bkw, PER=8, GROUP=128 if scheme == 1 else 32, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1, AHEAD=ahead, XTILE=x_tile)
-    out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(out.asm["cubin"])
-        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
-    loop = _main_loop(sass)
+    m = main_loop_of(_compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps))
     weights = block_n * bkw * 8 * (1 if down else 2)
-    ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     name = (f"{kind} {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} BM={block_m} "
             f"{block_n}x{bkw}w {num_warps}w"
             + (f" h folded from {up_split} splits" if up_split > 1 else "") + (f" ahead {ahead}" if ahead > 1 else "")
             + (" x tile" if x_tile else ""))
-    return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
-                     int(re.search(r"STACK:(\d+)", usage).group(1)),
-                     " ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
+    return LoopCount(name, len(m.loop) * 32 * num_warps / weights, m.registers, m.stack,
+                     " ".join(f"{k}:{v}" for k, v in m.ops.most_common(8)))
 
 
 def main(argv=None) -> int:

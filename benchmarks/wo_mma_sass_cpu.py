@@ -18,16 +18,12 @@ The compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda",
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
-from collections import Counter
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from wo_gemv_sass_cpu import _main_loop, _tool  # noqa: E402
+from wo_gemv_sass_cpu import main_loop_of  # noqa: E402
 from wo_reg_sass_cpu import _compile  # noqa: E402
 
 REGISTERS, SHARED, WARPS, PROGRAMS = 65536, 227 * 1024, 64, 32  # an H200 (sm_90) SM's limits
@@ -72,24 +68,15 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
                  PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2, PER=4 if scheme == 0 else 8,
                  stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: constants at launch
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(out.asm["cubin"])
-        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
-    loop = _main_loop(sass)
+    m = main_loop_of(out)
     weights = block_n * block_k * (1 if down or halves else 2)
-    ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
-    registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    shared = int(out.metadata.shared)
+    ops, registers, shared = m.ops, m.registers, int(out.metadata.shared)
     kind = "down" if down else f"gate-up{' halves' if halves else ''}"
     name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {kind} {block_n}x{block_k} {num_warps}w {num_stages}s "
             f"BM {block_m} PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
                                              "LDL", "STL", "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
-    return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
-                    int(re.search(r"STACK:(\d+)", usage).group(1)), shared,
+    return MmaCount(name, len(m.loop) * 32 * num_warps / weights, registers, m.stack, shared,
                     programs_per_sm(registers, shared, num_warps), top)
 
 

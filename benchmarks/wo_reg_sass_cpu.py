@@ -15,15 +15,11 @@ tiles (16-row blocks; gate-up 64 x 128, down 128 x 128, 4 warps, 4 stages) and 1
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
-from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from wo_gemv_sass_cpu import LoopCount, _main_loop, _report, _tool  # noqa: E402
+from wo_gemv_sass_cpu import LoopCount, _report, main_loop_of  # noqa: E402
 
 DIVISIBLE = ("x_ptr", "h_ptr", "q_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "K_STORED", "N_STORED", "stride_xm",
              "stride_qe", "stride_qr", "stride_se", "stride_sr", "stride_ze", "stride_zr", "stride_hm", "stride_ym",
@@ -55,22 +51,14 @@ def count(scheme: int, block_n: int, block_k: int, swap: bool, down: bool = Fals
     const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, SWAP_AB=swap)
-    out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(out.asm["cubin"])
-        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
-    loop = _main_loop(sass)
+    m = main_loop_of(_compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps,
+                              num_stages))
     weights = block_n * block_k * (1 if down else 2)
-    ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     name = (f"register {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x{block_k} "
             f"{num_warps}w {num_stages}s{' SWAP_AB' if swap else ''}")
-    return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
-                     int(re.search(r"STACK:(\d+)", usage).group(1)),
-                     " ".join(f"{k}:{v}" for k, v in ops.most_common(10))
-                     + f" (HGMMA {ops['HGMMA']}, HMMA {ops['HMMA']})")
+    return LoopCount(name, len(m.loop) * 32 * num_warps / weights, m.registers, m.stack,
+                     " ".join(f"{k}:{v}" for k, v in m.ops.most_common(10))
+                     + f" (HGMMA {m.ops['HGMMA']}, HMMA {m.ops['HMMA']})")
 
 
 def main(argv=None) -> int:

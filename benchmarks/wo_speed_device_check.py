@@ -42,6 +42,7 @@ from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, wei
 from moekit.experts.triton_wo_gemv import PER, gemv_heuristic_config  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 from wo_device_check import bf16_times, copy_tbps, packed_bytes, precompile, quantized, rel_err, target  # noqa: E402
+from bench_run import RunLog  # noqa: E402
 
 SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")  # cheapest first (LIMIT_S cut Qwen3 at 19af4d7)
@@ -58,7 +59,8 @@ TALL_VARIANTS = {
     "t128k": KernelConfig(128, GemmTile(64, 128, 8, 8, 3), GemmTile(128, 128, 8, 8, 3)),
     "t256": KernelConfig(256, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3)),
 }
-FAILED: list[str] = []
+RUN = RunLog()  # its ``check``: the PASS / FAIL lines, the failed names in FAILED
+FAILED, check = RUN.failed, RUN.check
 SKIPPED: list[str] = []
 START = time.perf_counter()
 
@@ -100,12 +102,6 @@ def variants(s: Shape, scheme: str, m: int) -> dict:
         out["gemv"] = ("gemv", None)
         out.update({k: ("gemv", gemv_config(v, s, scheme, m)) for k, v in GEMV_VARIANTS.items()})
     return out
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
 
 
 def run_cell(s: Shape, scheme: str, m: int, w13, w2, inputs, bf16_us: float, bw: float) -> Cell:

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, eager_us, graph_of, interleaved, medians, wins  # noqa: E402
 from bench_run import RunLog, ceilings  # noqa: E402
-from compile_workers import spawn_workers  # noqa: E402
+from compile_workers import compile_one, held_weights, spawn_workers  # noqa: E402
 from held_run import HeldCell, HeldRun, held_cells, held_device, held_entry, install_test_fakes  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
@@ -82,18 +82,10 @@ def worker_main(tasks: list) -> None:
     for ci, vi in tasks:
         preset, m = CELLS[ci]
         s = shape_of(preset)
-        if preset not in held:
-            held.clear()  # (a preset's cells need not be adjacent: its weights are then built again)
-            held[preset] = Weights(s, dev, None)
-        print(f"START {ci} {vi}", flush=True)
-        try:
-            _, fn = list(variants(s, m, held[preset]).values())[vi]
-            fn(make_sets(s, m, 1, torch.bfloat16, dev)[0])
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process skips it)
-            print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        # (a preset's cells need not be adjacent: its weights are then built again)
+        w = held_weights(held, preset, lambda: Weights(s, dev, None))
+        compile_one(ci, vi, lambda: list(variants(s, m, w).values())[vi][1](make_sets(s, m, 1, torch.bfloat16, dev)[0]),
+                    SMOKE)
 
 
 def start_workers() -> dict:

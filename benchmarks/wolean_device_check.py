@@ -43,7 +43,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import WIN, graph_of, interleaved, wins  # noqa: E402
-from compile_workers import spawn_workers  # noqa: E402
+from compile_workers import compile_one, held_weights, spawn_workers  # noqa: E402
 from held_run import (  # noqa: E402
     HeldCell, HeldRun, held_ceilings, held_cells, held_device, held_entry, install_test_fakes)
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
@@ -92,20 +92,16 @@ def worker_main(tasks: list) -> None:
     for ci, si, vi in tasks:
         preset, m, schemes = CELLS[ci]
         s = shape_of(preset)
-        if preset not in held:
-            held.clear()
-            held[preset] = Weights(s, dev, None)
-        print(f"START {ci * 100 + si} {vi}", flush=True)
-        try:
-            fn = list(variants(schemes[si], s, m, held[preset]).values())[vi]
-            c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-            fn(c)
-            fn(c)  # the lean variant's second call records its sequence
-            if not SMOKE:
-                torch.cuda.synchronize()
-            print(f"OK {ci * 100 + si} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process skips it)
-            print(f"ERR {ci * 100 + si} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
+        w = held_weights(held, preset, lambda: Weights(s, dev, None))
+        compile_one(ci * 100 + si, vi, lambda: _twice(list(variants(schemes[si], s, m, w).values())[vi], s, m, dev),
+                    SMOKE)
+
+
+def _twice(fn, s, m: int, dev) -> None:
+    """``fn`` called twice on one call's inputs (the lean variant's second call records its sequence)."""
+    c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
+    fn(c)
+    fn(c)
 
 
 def start_workers() -> dict:

@@ -44,13 +44,14 @@ from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_available, gate_logits, linear_into, router_inputs
+from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.weighting import identity_weights, input_weighted, without_identity
 from moekit.routing.routed import MoEStats, RoutedTokens, stats_of
 from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
+from moekit.triton_bind import triton_runs_on
 
 
 @dataclass
@@ -170,7 +171,7 @@ class MoE(nn.Module):
         # Resolved here and on every device move, never inside forward (as the backend).
         self._router = choice
         self._fused_router: FusedRouter | None = fused_router(self.config, self.w13.device, choice)
-        self._gate_fn = gate_logits if self._fused_router is not None and gate_available(self.w13.device) else None
+        self._gate_fn = gate_logits if self._fused_router is not None and triton_runs_on(self.w13.device) else None
         self._gate_route = gate_route if self._gate_fn is not None else None  # gate and router in one launch
         self._gate_mm = linear_into if self._fused_router is not None else None  # above the kernel's rows
 

@@ -34,6 +34,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Whether Triton kernels can run on ``device``: CUDA with Triton importable, the CPU only interpreted."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
 class BoundLaunch:
     """One kernel launch of a plan: its grid, scalar arguments and constexprs fixed when the plan is
     built; a call passes only the leading pointer (tensor, descriptor or None) arguments.

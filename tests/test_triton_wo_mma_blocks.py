@@ -11,18 +11,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
-from test_triton_wo import POISON, loop64, problem, rel  # noqa: E402
+from test_triton_wo import POISON, loop64, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
 SCHEMES = [("int4_w4a16", 128), ("mxfp4", 32), ("int8_w8a16", 0)]
-
-
-@pytest.fixture(scope="module")
-def wo():
-    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
-        yield module
 
 
 def config(block_m: int, block_k: int = 128, group_m: int = 1, halves: bool = False) -> WordConfig:

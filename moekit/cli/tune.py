@@ -108,12 +108,11 @@ def _explicit_shape(text: str):
     """``--shape E,N,K,top_k`` as a bench ``Shape``; exits naming the flag when it is not four positive
     integers with top_k <= E."""
     from moekit.bench.cells import Shape
+    from moekit.bench.cpu_measure import ExpertsShape
 
     try:
-        values = [int(v) for v in text.split(",")]
+        s = ExpertsShape.parse(text)
     except ValueError:
-        values = []
-    if len(values) != 4 or min(values) < 1 or values[3] > values[0]:
-        raise UsageError(f"--shape must be four positive integers E,N,K,top_k with top_k <= E, got {text!r}")
-    e, n, k, top_k = values
-    return Shape(f"E{e}_N{n}_K{k}_k{top_k}", e, n, k, top_k)
+        raise UsageError(f"--shape must be four positive integers E,N,K,top_k with top_k <= E, got {text!r}") from None
+    return Shape(f"E{s.experts}_N{s.intermediate}_K{s.hidden}_k{s.top_k}", s.experts, s.intermediate, s.hidden,
+                 s.top_k)

@@ -35,7 +35,7 @@ import torch
 
 from moekit.config import MoEConfig
 from moekit.routing import gate
-from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
+from moekit.triton_bind import BoundLaunch, interpreting, next_pow2, triton_runs_on
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
 from moekit.routing.router_math import RouterMath, computed_options
 from moekit.routing.shared import append_shared_slots
@@ -55,16 +55,6 @@ MAX_GROUPS = 64
 ELEMENTS_PER_PROGRAM = 128  # the default of FusedRouter(elements_per_program=)
 _LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound (~1 KB each); the oldest goes first
-
-
-def is_available(device: torch.device | str) -> bool:
-    """True on CUDA with Triton importable; on the CPU only under ``TRITON_INTERPRET=1``."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 def computes(config: MoEConfig) -> bool:
@@ -345,7 +335,7 @@ class FusedRouter:
             raise ValueError(f"router_logits must have shape [M, num_experts={num_experts}], got {tuple(logits.shape)}")
         if not logits.is_floating_point():
             raise TypeError(f"router_logits must be a floating-point tensor, got {logits.dtype}")
-        if not logits.is_cuda and not is_available(logits.device):
+        if not logits.is_cuda and not triton_runs_on(logits.device):
             raise RuntimeError(f"the fused router needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got "
                                f"{logits.device}")
         if bias is not None:
@@ -392,8 +382,8 @@ def fused_router(config: MoEConfig, device: torch.device | str, choice: RouterCh
     if choice == "torch":
         return None
     if choice == "fused":
-        if not is_available(device):
+        if not triton_runs_on(device):
             raise RuntimeError(f"the fused router needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {device}")
         return _router_of(config)
-    usable = torch.device(device).type == "cuda" and is_available(device) and supports(config)
+    usable = torch.device(device).type == "cuda" and triton_runs_on(device) and supports(config)
     return _router_of(config) if usable else None

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
+from moekit.triton_bind import BoundLaunch, next_pow2
 
 # Rows up to which the kernel runs (module docstring: measured against cuBLAS). 8, not 4: at 5-8 rows the kernel costs
 # up to 10 µs more GPU time than cuBLAS (DeepSeek-V3 16.7 against 6.5 at M = 8; Qwen3 +0.4, Mixtral +3.2) but saves
@@ -134,16 +134,6 @@ def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m
         return False
     return bias is None or (bias.dtype == dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1
                             and bias.device == x.device)
-
-
-def gate_available(device: torch.device | str) -> bool:
-    """Whether the kernel can run on ``device``: CUDA with Triton importable, the CPU only interpreted."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -30,7 +30,7 @@ import torch
 from moekit.routing import fused, gate, gate_mma
 from moekit.routing.route import Routing
 from moekit.routing.workspace import RouteBuffers
-from moekit.triton_bind import BoundLaunch
+from moekit.triton_bind import BoundLaunch, triton_runs_on
 
 MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the one launch is the row-loop gate's (``gate_route_kernel``)
 # Rows up to which gate and router are one launch: above MAX_TOKENS the tensor-core gate's (``gate_mma``). Read at
@@ -167,7 +167,7 @@ def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tenso
             _BOUND.pop(next(iter(_BOUND)))
         m = x.shape[0]
         applies = (plan is not None and 0 < m <= ROWS and gate._applies(x, weight, linear_bias, ROWS)
-                   and buffers.logits.dtype == x.dtype and fused.is_available(x.device))
+                   and buffers.logits.dtype == x.dtype and triton_runs_on(x.device))
         gate_in = router._check_gate(x, shared_gate_logits) if applies and append_shared else None
         kind = _BoundGateRoute if m <= MAX_TOKENS else gate_mma.BoundGateMma
         bound = _BOUND[key] = _SEPARATE if not applies else kind(

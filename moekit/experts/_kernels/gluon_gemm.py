@@ -47,6 +47,25 @@ def _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def tile_walk(used_ptr, reduce_dim, num_col_blocks, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The persistent walk's sizes: row blocks (the rows in use / BM), tiles (x the column blocks), K steps."""
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
+    return num_row_blocks, num_row_blocks * num_col_blocks, gl.cdiv(reduce_dim, BLOCK_K)
+
+
+@gluon.jit
+def stage_barriers(STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr):
+    """ready [STAGES] (one arrival: the loader's expect, then the TMA bytes) and empty [STAGES] (EMPTY_COUNT
+    arrivals: the consumers that release a stage), initialised; the kernels' shared stage barriers."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=EMPTY_COUNT)
+    return ready, empty
+
+
+@gluon.jit
 def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
             W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
             PACK: gl.constexpr = 1):
@@ -58,9 +77,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     WTILES: gl.constexpr = 2 if GATED else 1
     nbytes: gl.constexpr = a_desc.block_type.nbytes + WTILES * w_desc.block_type.nbytes
-    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
-    num_tiles = num_row_blocks * num_col_blocks
-    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    num_row_blocks, num_tiles, k_steps = tile_walk(used_ptr, reduce_dim, num_col_blocks, BLOCK_M, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
@@ -88,9 +105,7 @@ def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, used_ptr
     WTILES: gl.constexpr = 2 if GATED else 1
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
-    num_tiles = num_row_blocks * num_col_blocks
-    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    num_row_blocks, num_tiles, k_steps = tile_walk(used_ptr, reduce_dim, num_col_blocks, BLOCK_M, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
@@ -136,11 +151,7 @@ def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_di
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
     c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = stage_barriers(STAGES, 1)
     gl.warp_specialize([
         (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, ready, empty, used_ptr, reduce_dim, num_col_blocks,
                          GATED, GROUP_M, False, num_warps)),

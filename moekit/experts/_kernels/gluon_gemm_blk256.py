@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store
+from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store, stage_barriers
 
 FIRST_ROWS = gl.constexpr(0)  # the consumers' SUB: rows 0-127 / 128-255 of a tile
 SECOND_ROWS = gl.constexpr(1)
@@ -198,11 +198,7 @@ def blk256_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 4 * SUB_M, BLOCK_K], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, W_N, BLOCK_K], w_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, 2 * SUB_M, c_desc.block_type.shape[1]], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    ready, empty = stage_barriers(STAGES, 2)
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr, num_assignments,
                      reduce_dim, num_col_blocks, FIRST_ROWS, GROUP_M, SEARCH_STEPS)),

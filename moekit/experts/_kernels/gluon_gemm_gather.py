@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from moekit.experts._kernels.gluon_gemm import _mma_epilogue, _tile_of, _tma_load
+from moekit.experts._kernels.gluon_gemm import _mma_epilogue, _tile_of, _tma_load, tile_walk
 
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
@@ -45,9 +45,7 @@ def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_
     # [BLOCK_M, BLOCK_K]: 8 contiguous bf16 a thread, a row's pieces across PIECES threads
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // PIECES, PIECES], [LOADER_WARPS, 1], [1, 0])
     nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
-    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
-    num_tiles = num_row_blocks * num_col_blocks
-    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    num_row_blocks, num_tiles, k_steps = tile_walk(used_ptr, reduce_dim, num_col_blocks, BLOCK_M, BLOCK_K)
     in_block = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))  # [BM]
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows_layout))  # [BK]
     it = 0

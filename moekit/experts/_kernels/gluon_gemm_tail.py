@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store
+from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store, stage_barriers, tile_walk
 
 
 @gluon.jit
@@ -67,9 +67,7 @@ def _tail_loader(a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, e
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     tbytes: gl.constexpr = nbytes + t_desc.block_type.nbytes
-    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
-    num_tiles = num_row_blocks * num_col_blocks
-    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    num_row_blocks, num_tiles, k_steps = tile_walk(used_ptr, reduce_dim, num_col_blocks, BLOCK_M, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
@@ -156,9 +154,7 @@ def _tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, emp
     # the TAIL = 64 rows: each warpgroup all of them and half the columns (m64 MMAs, BLOCK_N / 2 wide)
     tail_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps // 2, 2], instr_shape=[16, BLOCK_N // 2, 16])
-    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
-    num_tiles = num_row_blocks * num_col_blocks
-    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    num_row_blocks, num_tiles, k_steps = tile_walk(used_ptr, reduce_dim, num_col_blocks, BLOCK_M, BLOCK_K)
     it = 0
     rb, cb, merged, skipped = _tile_state(gl.program_id(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr,
                                           sorted_ptr, num_assignments, GROUP_M, BLOCK_M, TAIL)
@@ -189,11 +185,7 @@ def tail_down_kernel(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorte
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ct_buf = gl.allocate_shared_memory(ct_desc.dtype, ct_desc.block_type.shape, ct_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = stage_barriers(STAGES, 1)
     gl.warp_specialize([
         (_tail_mma, (c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr, sorted_ptr,
                      used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M, num_warps)),
