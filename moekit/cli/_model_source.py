@@ -4,6 +4,7 @@ errors that name the flag and the file (``moekit analyze``, ``moekit simulate``,
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from moekit.cli._args import UsageError
 from moekit.config import MissingConfigField, MoEConfig
@@ -16,16 +17,30 @@ def add_source_arguments(group, config_help: str = "a transformers config.json")
     group.add_argument("--config", metavar="CONFIG_JSON", help=config_help)
 
 
-def source_of(args) -> tuple[MoEConfig, dict, str] | None:
-    """(the layer, its config dict, a display name) from ``--preset`` or ``--config``; None when neither is given."""
+@dataclass(frozen=True)
+class ModelSource:
+    """The model a ``--preset`` / ``--config`` names."""
+
+    layer: MoEConfig  # its MoE layer
+    hf: dict  # its config.json fields (a preset's as the model ships them)
+    name: str  # the preset's name or the config file's path, for messages
+
+
+def preset_source(name: str) -> ModelSource:
+    """The model of preset ``name`` (one of ``preset_names()``)."""
+    hf = hf_config_of_preset(name)
+    return ModelSource(MoEConfig.from_hf_config(hf), hf, name)
+
+
+def source_of(args) -> ModelSource | None:
+    """The model of ``--preset`` or ``--config``; None when neither is given."""
     if args.preset and args.config:
         raise UsageError("give one of --preset and --config, not both")
     if args.preset:
-        hf = hf_config_of_preset(args.preset)
-        return MoEConfig.from_hf_config(hf), hf, args.preset
+        return preset_source(args.preset)
     if args.config:
         hf = read_config_json(args.config)
-        return layer_config(hf, args.config), hf, args.config
+        return ModelSource(layer_config(hf, args.config), hf, args.config)
     return None
 
 

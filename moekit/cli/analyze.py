@@ -24,9 +24,8 @@ from moekit.analysis.touch import inclusion_from_counts
 from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
 from moekit.cli._analyze_offload import offload_rows, offload_table, offload_to_json
 from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
-from moekit.cli._model_source import add_source_arguments, layer_config, read_config_json
+from moekit.cli._model_source import add_source_arguments, layer_config, preset_source, read_config_json
 from moekit.config import MoEConfig
-from moekit.presets import hf_config_of_preset
 
 
 def register(subparsers) -> None:
@@ -91,8 +90,8 @@ def _model(args) -> tuple[MoEConfig, dict | None, str]:
     if chosen != 1:
         raise UsageError("give exactly one of --preset, --config, or --experts/--top-k/--hidden/--moe-intermediate")
     if args.preset:
-        hf = hf_config_of_preset(args.preset)
-        return MoEConfig.from_hf_config(hf), hf, args.preset
+        source = preset_source(args.preset)
+        return source.layer, source.hf, source.name
     if args.config:
         hf = read_config_json(args.config)
         return _config_of(hf, args.config, args.layers), _bills_config(hf, args.config), args.config

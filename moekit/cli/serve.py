@@ -24,7 +24,7 @@ def _run(args: argparse.Namespace) -> int:
     from moekit.sim.server import make_server
 
     source = source_of(args)
-    model, name = (None, "") if source is None else (source[0], source[2])
+    model, name = (None, "") if source is None else (source.layer, source.name)
     try:
         server = make_server(args.host, args.port, args.verbose, model, name)
     except OSError as err:

@@ -90,9 +90,10 @@ def _model(args: argparse.Namespace) -> MoEConfig | None:
     if source is None:
         return None
     if args.experts is not None or args.top_k is not None:
-        raise UsageError(f"--experts / --top-k come from --preset / --config ({source[2]}: E={source[0].num_experts}, "
-                         f"k={source[0].top_k}); give one or the other")
-    return source[0]
+        layer = source.layer
+        raise UsageError(f"--experts / --top-k come from --preset / --config ({source.name}: E={layer.num_experts}, "
+                         f"k={layer.top_k}); give one or the other")
+    return source.layer
 
 
 def _as_flag(message: str) -> str:
