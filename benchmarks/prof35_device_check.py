@@ -1,0 +1,234 @@
+"""Where transformers' compiled decode through moekit spends its GPU time (session 35): the ``moekit bench --hf``
+Qwen3 model (8 Qwen3-MoE layers at Qwen3-30B-A3B widths, random weights, bf16, batch 1) decoding with ``generate``
+compiled as the bench compiles it (transformers' ``CompileConfig``, inductor, mode "reduce-overhead": CUDA graphs),
+each step's GPU kernels under ``torch.profiler`` (``prof35_trace``: steps marked by a logits processor).
+
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/prof35_device_check.py --out $OUT/prof35 --deadline 66   # H200
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/prof35_device_check.py --out $OUT/prof35d --deadline 66 \
+        --modes default --impls moekit,no_experts                        # no CUDA graphs (inductor's calls each step)
+    PYTHONPATH=$PWD python3 benchmarks/prof35_device_check.py --smoke     # CPU: 1 tiny layer, Triton interpreted
+
+Per mode (--modes) and implementation (--impls; an implementation is not started past --deadline - 15 s, about one
+compile): a compiled warm-up generate (its step logits kept), a 17-token generate's median step wall (unprofiled,
+``StepClock``), then a 7-token generate profiled: steps 2..6 (5 decode steps). Per step: the wall (profiled marks),
+the kernels' busy time (interval union), the gap (wall - busy), kernels by name (count and µs a step) and by part;
+the table moekit (and moekit_blocks, grouped_mm) minus no_experts by kernel name, µs a step and a layer.
+Correctness: moekit's compiled step logits vs grouped_mm's (rel-L2 < 2e-2 over the steps whose tokens agree).
+JSON: <out>/prof35.json after each implementation. The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import prof35_trace as trace  # noqa: E402
+from bench_run import RunLog, run_info, write_json  # noqa: E402
+
+IMPLS = ("moekit", "no_experts", "grouped_mm", "moekit_blocks")  # the diff's pair first: the rest may miss the deadline
+BASE = "no_experts"
+LAYERS, WALL_TOKENS, PROF_TOKENS, FIRST_STEP, TOL = (1, 5, 5, 2, 2e-2) if SMOKE else (8, 17, 7, 2, 2e-2)
+COMPILE_S = 15.0  # about one implementation's compile and capture on the H100 (the 8678ccc log: 11-19 s)
+RUN = RunLog("prof35: transformers' compiled decode through moekit, GPU time a step (µs; medians of the steps)",
+             stall_s=45.0)
+RESULT: dict = {"run": {}, "failed": RUN.failed, "modes": {}}
+ARGS = argparse.Namespace()
+
+
+def dump() -> None:
+    if ARGS.out:
+        write_json(os.path.join(ARGS.out, "prof35.json"), RESULT)
+
+
+def build():
+    """(model, prompt [1, 16], device): the bench's Qwen3 (1 tiny layer, the triton backend interpreted, in the
+    smoke); every experts plan built."""
+    import moekit.experts as experts
+    import moekit.hf as mh
+    from moekit.bench.hf_models import build_model, hf_config, register_no_experts
+
+    dev = torch.device("cpu" if SMOKE else "cuda")
+    if SMOKE:  # the CUDA default's backend, interpreted
+        mh.HF_BACKEND = "triton"
+        experts._RESOLVED.clear()
+    config = hf_config("qwen3", LAYERS, tiny=SMOKE)
+    model = build_model(config, torch.bfloat16, dev)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (1, 16), generator=g).to(dev)
+    register_no_experts()
+    mh.prepare(model)
+    return model, prompt, dev
+
+
+def _smoke_backend(gm, example_inputs, **kwargs):
+    """The smoke's torch.compile backend: the traced graph run as it is (no inductor on this CPU)."""
+    return gm.forward
+
+
+def compile_config(dev: torch.device, mode: str):
+    """transformers' ``CompileConfig`` as ``moekit bench --hf`` builds it (inductor) in ``mode``; the smoke traces
+    with ``_smoke_backend``."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend=_smoke_backend, mode=mode) if SMOKE else CompileConfig(mode=mode)
+    if dev.type != "cuda":
+        config._compile_all_devices = True
+    return config
+
+
+class StepMarks:
+    """A ``generate`` logits processor: each step, the host clock and a ``trace.MARK`` range in the profile (the host
+    has just queued the step's forward; generate waits for its token before the next)."""
+
+    def __init__(self):
+        self.stamps: list[int] = []
+
+    def __call__(self, input_ids, scores):
+        import time
+
+        self.stamps.append(time.perf_counter_ns())
+        with torch.profiler.record_function(trace.MARK):
+            pass
+        return scores
+
+    def steps_ms(self) -> list[float]:
+        return [(b - a) / 1e6 for a, b in zip(self.stamps[1:], self.stamps[2:])]  # after the first decode step
+
+
+def generate(model, impl: str, prompt, tokens: int, config, marks=None, logits: bool = False):
+    from transformers import LogitsProcessorList
+
+    from moekit.bench.hf_models import use_impl
+
+    use_impl(model, impl)
+    kwargs = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=logits, cache_implementation="static", compile_config=config)
+    if marks is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([marks])
+    with torch.no_grad():
+        return model.generate(prompt, **kwargs)
+
+
+def profile_steps(model, impl: str, prompt, config) -> trace.StepTable:
+    """The profiled generate's decode steps ``FIRST_STEP``.. (``trace.step_table``)."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([] if SMOKE else [torch.profiler.ProfilerActivity.CUDA])
+    marks = StepMarks()
+    with torch.profiler.profile(activities=acts) as prof:
+        generate(model, impl, prompt, PROF_TOKENS, config, marks)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        kernels, mark_ts, counts = trace.read_trace(path, cpu_ops=SMOKE)
+    RUN.log(f"{impl}: {counts['kernels']} kernels in the trace, {counts['launch_matched']} matched to their launch, "
+            f"{len(mark_ts)} step marks")
+    return trace.step_table(kernels, mark_ts, FIRST_STEP)
+
+
+def one_impl(model, impl: str, prompt, config, out: dict, logits: dict) -> trace.StepTable:
+    """Warm (compile, capture), the unprofiled step wall, the profiled steps; ``out[impl]`` filled."""
+    from moekit.bench.hf_measure import Decode
+
+    got = generate(model, impl, prompt, 8, config, logits=True)
+    logits[impl] = Decode(got.sequences[0, prompt.shape[1]:], torch.stack([s[0].float() for s in got.logits]), 0.0)
+    generate(model, impl, prompt, PROF_TOKENS, config)  # a second pass: the graphs recorded, replayed
+    RUN.log(f"warm {impl}")
+    marks = StepMarks()
+    generate(model, impl, prompt, WALL_TOKENS, config, marks)
+    wall_ms = statistics.median(marks.steps_ms())
+    table = profile_steps(model, impl, prompt, config)
+    out[impl] = {"wall_ms_unprofiled": round(wall_ms, 4), "summary": table.summary(), "by_name": table.by_name,
+                 "wall_us_steps": table.wall_us, "busy_us_steps": table.busy_us}
+    RUN.log(f"{impl}: unprofiled step {wall_ms * 1e3:.1f} µs; profiled {table.summary()}")
+    return table
+
+
+def one_mode(model, prompt, dev, mode: str) -> None:
+    """Every implementation in ``mode`` (those starting before the deadline), the correctness check, the diffs."""
+    from moekit.bench.hf_measure import decode_rel_err
+    from moekit.bench.hf_run import RECOMPILE_LIMIT, _recompile_limit
+
+    out = RESULT["modes"][mode] = {"impls": {}, "diff_vs_" + BASE: {}}
+    tables, logits = {}, {}
+    config = compile_config(dev, mode)
+    with _recompile_limit(RECOMPILE_LIMIT):
+        for impl in ARGS.impls:
+            if RUN.elapsed() > ARGS.deadline - COMPILE_S:
+                RUN.log(f"{mode}: deadline before {impl}")
+                RUN.summary.append(f"{mode} {impl}: not reached")
+                continue
+            try:
+                tables[impl] = one_impl(model, impl, prompt, config, out["impls"], logits)
+            except Exception as exc:  # noqa: BLE001 (one implementation's failure is reported, the others run)
+                RUN.log(f"FAIL {mode} {impl}: {type(exc).__name__}: {str(exc)[-800:]}")
+                RUN.failed.append(f"{mode} {impl}")
+            dump()
+    torch._dynamo.reset()
+    if "moekit" in logits and "grouped_mm" in logits:
+        err = out["moekit_vs_grouped_mm_rel_l2"] = decode_rel_err(logits["moekit"], logits["grouped_mm"])
+        RUN.check(f"{mode}: moekit step logits vs grouped_mm", err < TOL, f"rel_l2={err:.2e}")
+    else:
+        RUN.summary.append(f"{mode}: moekit vs grouped_mm not checked (not both reached)")
+    for impl, table in tables.items():
+        if impl != BASE and BASE in tables:
+            out["diff_vs_" + BASE][impl] = trace.diff_rows(table, tables[BASE], LAYERS)
+    summarise(mode, out)
+
+
+def summarise(mode: str, out: dict) -> None:
+    base = out["impls"].get(BASE)
+    for impl, v in out["impls"].items():
+        s = v["summary"]
+        extra = ""
+        if base is not None and impl != BASE:
+            d = s["busy_us"] - base["summary"]["busy_us"]
+            extra = f"; busy over {BASE} {d:.1f} µs a step, {d / LAYERS:.1f} a layer"
+        wall = v["wall_ms_unprofiled"] * 1e3
+        RUN.summary.append(f"{mode} {impl:<13} step {wall:7.1f} µs unprofiled ({s['wall_us']:.1f} profiled): busy "
+                           f"{s['busy_us']:.1f}, kernels {s['kernel_us']:.1f} ({s['kernels']:.0f}), gap "
+                           f"{wall - s['busy_us']:.1f} ({s['gap_us']:.1f} profiled){extra}")
+        RUN.summary.append(f"    by part: {s['by_part_us']}")
+    for impl, rows in out["diff_vs_" + BASE].items():
+        RUN.summary.append(f"{mode} {impl} minus {BASE} (count a step, µs a step, µs a layer):")
+        for r in rows[:12]:
+            RUN.summary.append(f"    {r['part']:<9} {r['count_step']:+6.2f} {r['us_step']:+8.2f} {r['us_layer']:+7.2f}"
+                               f"  {r['name'][:90]}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--deadline", type=float, default=66.0)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--impls", type=lambda v: tuple(v.split(",")), default=IMPLS, help=f"among {','.join(IMPLS)}")
+    p.add_argument("--modes", type=lambda v: tuple(v.split(",")), default=("reduce-overhead",),
+                   help="CompileConfig modes: reduce-overhead (CUDA graphs), default")
+    p.parse_args(namespace=ARGS)
+    threading.Thread(target=RUN.watchdog, daemon=True).start()  # a hang: the table so far, then exit 3
+    RESULT["run"].update(run_info() | {"smoke": SMOKE, "layers": LAYERS, "impls": ARGS.impls, "modes": ARGS.modes})
+    model, prompt, dev = build()
+    RUN.log(f"model built ({RESULT['run']})")
+    for mode in ARGS.modes:
+        try:
+            one_mode(model, prompt, dev, mode)
+        except Exception as exc:  # noqa: BLE001 (a mode's failure is reported; the table still prints)
+            RUN.log(f"FAIL {mode}: {type(exc).__name__}: {str(exc)[-800:]}")
+            RUN.failed.append(mode)
+        dump()
+    RUN.print_table()
+    return 1 if RUN.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
