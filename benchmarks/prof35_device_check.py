@@ -133,10 +133,10 @@ def profile_steps(model, impl: str, prompt, config) -> trace.StepTable:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        kernels, mark_ts, counts = trace.read_trace(path, cpu_ops=SMOKE)
-    RUN.log(f"{impl}: {counts['kernels']} kernels in the trace, {counts['launch_matched']} matched to their launch, "
-            f"{len(mark_ts)} step marks")
-    return trace.step_table(kernels, mark_ts, FIRST_STEP)
+        got = trace.read_trace(path, cpu_ops=SMOKE)
+    RUN.log(f"{impl}: {got.counts['kernels']} kernels in the trace, {got.counts['launch_matched']} matched to their "
+            f"launch, {len(got.marks)} step marks, {len(got.host)} host ranges")
+    return trace.step_table(got, FIRST_STEP)
 
 
 def one_impl(model, impl: str, prompt, config, out: dict, logits: dict) -> trace.StepTable:
@@ -152,7 +152,7 @@ def one_impl(model, impl: str, prompt, config, out: dict, logits: dict) -> trace
     wall_ms = statistics.median(marks.steps_ms())
     table = profile_steps(model, impl, prompt, config)
     out[impl] = {"wall_ms_unprofiled": round(wall_ms, 4), "summary": table.summary(), "by_name": table.by_name,
-                 "wall_us_steps": table.wall_us, "busy_us_steps": table.busy_us}
+                 "host": table.host, "wall_us_steps": table.wall_us, "busy_us_steps": table.busy_us}
     RUN.log(f"{impl}: unprofiled step {wall_ms * 1e3:.1f} µs; profiled {table.summary()}")
     return table
 
@@ -202,6 +202,7 @@ def summarise(mode: str, out: dict) -> None:
                            f"{s['busy_us']:.1f}, kernels {s['kernel_us']:.1f} ({s['kernels']:.0f}), gap "
                            f"{wall - s['busy_us']:.1f} ({s['gap_us']:.1f} profiled){extra}")
         RUN.summary.append(f"    by part: {s['by_part_us']}")
+        RUN.summary.append(f"    host: {s['host_us']}")
     for impl, rows in out["diff_vs_" + BASE].items():
         RUN.summary.append(f"{mode} {impl} minus {BASE} (count a step, µs a step, µs a layer):")
         for r in rows[:12]:

@@ -8,6 +8,10 @@ the step of its launch (the runtime call with its correlation id: one ``cudaGrap
 CUDA graphs); a kernel whose launch is not in the trace falls back to its own start time. Wall: mark k - mark k-1 on
 the host clock (profiled). Busy: the union of the step's kernel intervals. Gap: wall - busy.
 
+Host: the step's time in the host ranges of ``HOST`` (dynamo's guard check, the compiled region, the graph launch,
+the syncs), by their start; under CUDA graphs a step is serial (generate waits for each token), so host time before
+the graph launch adds to the step as GPU time does.
+
 In the smoke (CPU activity only) the "kernels" are the leaf CPU ops (those holding no other op).
 """
 
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 MARK = "prof35_step"
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+HOST = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "cudaGraphLaunch", "cudaStreamSynchronize",
+        "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::_local_scalar_dense", "cudaLaunchKernel", "cuLaunchKernel")
 # Part of the model by kernel name; the first pattern that matches wins (case-insensitive).
 PARTS = (
     ("router", r"gate_kernel|gate_route_kernel|topk|sort|softmax"),  # moekit's router kernels, torch's top-k / softmax
@@ -61,9 +67,25 @@ def _leaf_cpu_ops(events: list) -> list:
     return leaves
 
 
-def read_trace(path: str, cpu_ops: bool) -> tuple[list[Kernel], list[float], dict]:
-    """(kernels, the marks' start µs in order, counts: kernels, launches matched) of the chrome trace at ``path``;
-    ``cpu_ops``: the leaf CPU ops stand for kernels (the smoke)."""
+@dataclass
+class Trace:
+    kernels: list[Kernel]
+    marks: list[float]  # the step marks' start µs, in order
+    host: list[Kernel]  # the ``HOST`` ranges, named by their ``HOST`` prefix (launch: their start)
+    counts: dict  # kernels, launch_matched (kernels whose launch is in the trace)
+
+
+def _host_ranges(events: list) -> list[Kernel]:
+    got = []
+    for e in events:
+        name = next((h for h in HOST if e.get("name", "").startswith(h)), None)
+        if name is not None and "dur" in e and e.get("cat") not in GPU_CATS:
+            got.append(Kernel(name, float(e["ts"]), float(e["dur"]), float(e["ts"])))
+    return got
+
+
+def read_trace(path: str, cpu_ops: bool) -> Trace:
+    """The chrome trace at ``path``; ``cpu_ops``: the leaf CPU ops stand for kernels (the smoke)."""
     with open(path) as f:
         doc = json.load(f)
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
@@ -79,7 +101,8 @@ def read_trace(path: str, cpu_ops: bool) -> tuple[list[Kernel], list[float], dic
         launch = launches.get((e.get("args") or {}).get("correlation"))
         matched += launch is not None
         kernels.append(Kernel(e["name"], float(e["ts"]), float(e["dur"]), float(e["ts"] if launch is None else launch)))
-    return kernels, [float(m) for m in marks], {"kernels": len(kernels), "launch_matched": matched}
+    return Trace(kernels, [float(m) for m in marks], _host_ranges(events),
+                 {"kernels": len(kernels), "launch_matched": matched})
 
 
 def busy_us(kernels: list[Kernel]) -> float:
@@ -103,6 +126,7 @@ class StepTable:
     kernel_us: list[float]  # each step's kernel time summed
     by_name: dict = field(default_factory=dict)  # name -> {"part", "count" a step, "us" a step}
     by_part: dict = field(default_factory=dict)  # part -> µs a step
+    host: dict = field(default_factory=dict)  # ``HOST`` name -> {"count", "us"} a step
 
     def summary(self) -> dict:
         med = statistics.median
@@ -110,28 +134,36 @@ class StepTable:
         return {"steps": self.steps, "wall_us": round(wall, 1), "busy_us": round(busy, 1),
                 "kernel_us": round(med(self.kernel_us), 1), "gap_us": round(wall - busy, 1),
                 "kernels": round(sum(v["count"] for v in self.by_name.values()), 2),
-                "by_part_us": {k: round(v, 1) for k, v in sorted(self.by_part.items())}}
+                "by_part_us": {k: round(v, 1) for k, v in sorted(self.by_part.items())},
+                "host_us": {k: round(v["us"], 1) for k, v in self.host.items()}}
 
 
-def step_table(kernels: list[Kernel], marks: list[float], first: int) -> StepTable:
-    """Steps ``first``..len(marks)-1 (step k: launched after mark k-1, up to mark k)."""
-    windows = [(marks[k - 1], marks[k]) for k in range(first, len(marks))]
-    if not windows:
-        raise ValueError(f"{len(marks)} step marks: no decode step from step {first}")
-    per_step = [[k for k in kernels if lo < k.launch <= hi] for lo, hi in windows]
+def _per_name(per_step: list[list[Kernel]]) -> dict:
+    """name -> {"count", "us"} a step (largest µs first)."""
     names: dict = defaultdict(lambda: [0, 0.0])
     for step in per_step:
         for k in step:
             names[k.name][0] += 1
             names[k.name][1] += k.dur
-    n = len(windows)
-    by_name = {name: {"part": part_of(name), "count": c / n, "us": us / n}
-               for name, (c, us) in sorted(names.items(), key=lambda kv: -kv[1][1])}
+    n = len(per_step)
+    return {name: {"count": c / n, "us": us / n} for name, (c, us) in sorted(names.items(), key=lambda kv: -kv[1][1])}
+
+
+def step_table(trace: Trace, first: int) -> StepTable:
+    """Steps ``first``..len(marks)-1 (step k: launched after mark k-1, up to mark k)."""
+    marks = trace.marks
+    windows = [(marks[k - 1], marks[k]) for k in range(first, len(marks))]
+    if not windows:
+        raise ValueError(f"{len(marks)} step marks: no decode step from step {first}")
+    per_step = [[k for k in trace.kernels if lo < k.launch <= hi] for lo, hi in windows]
+    by_name = {name: {"part": part_of(name), **v} for name, v in _per_name(per_step).items()}
     by_part: dict = defaultdict(float)
     for v in by_name.values():
         by_part[v["part"]] += v["us"]
-    return StepTable(steps=n, wall_us=[hi - lo for lo, hi in windows], busy_us=[busy_us(s) for s in per_step],
-                     kernel_us=[sum(k.dur for k in s) for s in per_step], by_name=by_name, by_part=dict(by_part))
+    host = _per_name([[h for h in trace.host if lo < h.launch <= hi] for lo, hi in windows])
+    return StepTable(steps=len(windows), wall_us=[hi - lo for lo, hi in windows],
+                     busy_us=[busy_us(s) for s in per_step], kernel_us=[sum(k.dur for k in s) for s in per_step],
+                     by_name=by_name, by_part=dict(by_part), host=host)
 
 
 def diff_rows(table: StepTable, base: StepTable, layers: int) -> list[dict]:

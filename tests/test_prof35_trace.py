@@ -1,6 +1,7 @@
 """``benchmarks/prof35_trace.py`` on hand-written chrome traces: kernels given to the step of their launch (a graph
 launch's kernels by correlation id, an unmatched kernel by its start), the busy union of overlapping kernels, the
-per-name counts and µs a step, the part of each name, the diff against a baseline, the smoke's leaf CPU ops."""
+per-name counts and µs a step, the host ranges by their start, the part of each name, the diff against a baseline,
+the smoke's leaf CPU ops."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def _launch(ts, corr):
     return {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 2, "args": {"correlation": corr}}
 
 
+def _lookup(ts, dur):
+    return {"cat": "cpu_op", "name": "TorchDynamo Cache Lookup", "ts": ts, "dur": dur}
+
+
 def _kernel(name, ts, dur, corr=None):
     return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {} if corr is None else {"correlation": corr}}
 
@@ -35,7 +40,7 @@ def _write(tmp_path, events, name="t.json"):
 
 def _two_step_trace(tmp_path, down_us):
     """Marks at 0, 100, 200; step 1's graph launched at 10 (its kernels run past mark 1), step 2's at 110."""
-    events = [_mark(0), _mark(100), _mark(200), _launch(10, 7), _launch(110, 8),
+    events = [_mark(0), _mark(100), _mark(200), _launch(10, 7), _launch(110, 8), _lookup(5, 4), _lookup(104, 6),
               _kernel("flash_fwd_kernel", 20, 30, 7), _kernel("down_kernel", 40, down_us, 7),  # overlaps flash
               _kernel("gate_up_kernel", 120, 10, 8), _kernel("down_kernel", 130, down_us, 8),
               _kernel("triton_poi_fused_copy_0", 150, 5)]  # no launch in the trace: its start (150) counts
@@ -43,10 +48,10 @@ def _two_step_trace(tmp_path, down_us):
 
 
 def test_steps_follow_their_launch(tmp_path):
-    kernels, marks, counts = pt.read_trace(_two_step_trace(tmp_path, 70), cpu_ops=False)
-    assert marks == [0.0, 100.0, 200.0]
-    assert counts == {"kernels": 5, "launch_matched": 4}
-    table = pt.step_table(kernels, marks, first=1)
+    trace = pt.read_trace(_two_step_trace(tmp_path, 70), cpu_ops=False)
+    assert trace.marks == [0.0, 100.0, 200.0]
+    assert trace.counts == {"kernels": 5, "launch_matched": 4}
+    table = pt.step_table(trace, first=1)
     assert table.steps == 2
     assert table.wall_us == [100.0, 100.0]
     # step 1: flash [20, 50) and down [40, 110) -> union [20, 110) = 90; step 2: [120, 130) + [130, 200) + [150, 155)
@@ -58,12 +63,15 @@ def test_steps_follow_their_launch(tmp_path):
     summary = table.summary()
     assert summary["gap_us"] == 15.0  # median wall 100 - median busy 85
     assert summary["kernels"] == 2.5
+    # the host ranges by their start: the graph launches (2 µs each) and the guard checks (4, then 6 µs)
+    assert table.host == {"TorchDynamo Cache Lookup": {"count": 1.0, "us": 5.0},
+                          "cudaGraphLaunch": {"count": 1.0, "us": 2.0}}
 
 
 def test_diff_against_the_baseline(tmp_path):
-    kernels, marks, _ = pt.read_trace(_two_step_trace(tmp_path, 70), cpu_ops=False)
-    base_k, base_m, _ = pt.read_trace(_two_step_trace(tmp_path, 10), cpu_ops=False)
-    rows = pt.diff_rows(pt.step_table(kernels, marks, 1), pt.step_table(base_k, base_m, 1), layers=4)
+    table = pt.step_table(pt.read_trace(_two_step_trace(tmp_path, 70), cpu_ops=False), 1)
+    base = pt.step_table(pt.read_trace(_two_step_trace(tmp_path, 10), cpu_ops=False), 1)
+    rows = pt.diff_rows(table, base, layers=4)
     assert rows == [{"name": "down_kernel", "part": "experts", "count_step": 0.0, "us_step": 60.0, "us_layer": 15.0}]
 
 
@@ -82,11 +90,11 @@ def test_leaf_cpu_ops_stand_for_kernels(tmp_path):
               {"cat": "cpu_op", "name": "aten::linear", "ts": 10, "dur": 50, "tid": 1},
               {"cat": "cpu_op", "name": "aten::mm", "ts": 15, "dur": 20, "tid": 1},  # inside linear: the leaf
               {"cat": "cpu_op", "name": "aten::add", "ts": 70, "dur": 5, "tid": 1}]
-    kernels, marks, _ = pt.read_trace(_write(tmp_path, events), cpu_ops=True)
-    assert [(k.name, k.launch) for k in kernels] == [("aten::mm", 15.0), ("aten::add", 70.0)]
-    assert pt.step_table(kernels, marks, 1).busy_us == [25.0]
+    trace = pt.read_trace(_write(tmp_path, events), cpu_ops=True)
+    assert [(k.name, k.launch) for k in trace.kernels] == [("aten::mm", 15.0), ("aten::add", 70.0)]
+    assert pt.step_table(trace, 1).busy_us == [25.0]
 
 
 def test_no_step_is_an_error():
     with pytest.raises(ValueError):
-        pt.step_table([], [5.0], first=1)
+        pt.step_table(pt.Trace([], [5.0], [], {}), first=1)
