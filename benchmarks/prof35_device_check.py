@@ -12,8 +12,11 @@ Per mode (--modes) and implementation (--impls; an implementation is not started
 compile): a compiled warm-up generate (its step logits kept), a 17-token generate's median step wall (unprofiled,
 ``StepClock``), then a 7-token generate profiled: steps 2..6 (5 decode steps). Per step: the wall (profiled marks),
 the kernels' busy time (interval union), the gap (wall - busy), kernels by name (count and µs a step) and by part;
-the table moekit (and moekit_blocks, grouped_mm) minus no_experts by kernel name, µs a step and a layer.
-Correctness: moekit's compiled step logits vs grouped_mm's (rel-L2 < 2e-2 over the steps whose tokens agree).
+the tables each implementation minus no_experts by kernel name, µs a step and a layer, and no_experts minus
+``no_router``: the ceiling as it was before this session (routing weights times the int 0, which inductor's constant
+folder turns into zeros, dropping the whole router from the graph: the router's cost in the step).
+Correctness: each compiled implementation's step logits (moekit, moekit_blocks, grouped_mm) vs grouped_mm's in eager
+generate (no compile; rel-L2 < 2e-2 over the steps whose tokens agree).
 JSON: <out>/prof35.json after each implementation. The table is printed last.
 """
 
@@ -37,8 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prof35_trace as trace  # noqa: E402
 from bench_run import RunLog, run_info, write_json  # noqa: E402
 
-IMPLS = ("moekit", "no_experts", "grouped_mm", "moekit_blocks")  # the diff's pair first: the rest may miss the deadline
-BASE = "no_experts"
+# the diffs' implementations first: the rest may miss the deadline (~13 s of compile each)
+IMPLS = ("moekit", "no_experts", "no_router", "grouped_mm", "moekit_blocks")
+BASE, NO_ROUTER, CHECKED = "no_experts", "no_router", ("moekit", "moekit_blocks", "grouped_mm")
 LAYERS, WALL_TOKENS, PROF_TOKENS, FIRST_STEP, TOL = (1, 5, 5, 2, 2e-2) if SMOKE else (8, 17, 7, 2, 2e-2)
 COMPILE_S = 15.0  # about one implementation's compile and capture on the H100 (the 8678ccc log: 11-19 s)
 RUN = RunLog("prof35: transformers' compiled decode through moekit, GPU time a step (µs; medians of the steps)",
@@ -71,8 +75,20 @@ def build():
     g = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (1, 16), generator=g).to(dev)
     register_no_experts()
+    register_no_router()
     mh.prepare(model)
     return model, prompt, dev
+
+
+def _no_router_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The no_experts ceiling before session 35: times the int 0, folded to zeros by inductor with the router."""
+    return (top_k_weights.sum(-1, keepdim=True) * 0).to(hidden_states.dtype).expand(hidden_states.shape)
+
+
+def register_no_router() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NO_ROUTER, _no_router_forward)
 
 
 def _smoke_backend(gm, example_inputs, **kwargs):
@@ -117,7 +133,11 @@ def generate(model, impl: str, prompt, tokens: int, config, marks=None, logits: 
 
     use_impl(model, impl)
     kwargs = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_logits=logits, cache_implementation="static", compile_config=config)
+                  output_logits=logits)
+    if config is None:
+        kwargs["disable_compile"] = True
+    else:
+        kwargs.update(cache_implementation="static", compile_config=config)
     if marks is not None:
         kwargs["logits_processor"] = LogitsProcessorList([marks])
     with torch.no_grad():
@@ -139,12 +159,17 @@ def profile_steps(model, impl: str, prompt, config) -> trace.StepTable:
     return trace.step_table(got, FIRST_STEP)
 
 
-def one_impl(model, impl: str, prompt, config, out: dict, logits: dict) -> trace.StepTable:
-    """Warm (compile, capture), the unprofiled step wall, the profiled steps; ``out[impl]`` filled."""
+def decoded(model, impl: str, prompt, config):
+    """An 8-token generate's ``hf_measure.Decode`` (tokens, step logits) through ``impl`` (eager: ``config`` None)."""
     from moekit.bench.hf_measure import Decode
 
     got = generate(model, impl, prompt, 8, config, logits=True)
-    logits[impl] = Decode(got.sequences[0, prompt.shape[1]:], torch.stack([s[0].float() for s in got.logits]), 0.0)
+    return Decode(got.sequences[0, prompt.shape[1]:], torch.stack([s[0].float() for s in got.logits]), 0.0)
+
+
+def one_impl(model, impl: str, prompt, config, out: dict, logits: dict) -> trace.StepTable:
+    """Warm (compile, capture), the unprofiled step wall, the profiled steps; ``out[impl]`` filled."""
+    logits[impl] = decoded(model, impl, prompt, config)
     generate(model, impl, prompt, PROF_TOKENS, config)  # a second pass: the graphs recorded, replayed
     RUN.log(f"warm {impl}")
     marks = StepMarks()
@@ -157,12 +182,12 @@ def one_impl(model, impl: str, prompt, config, out: dict, logits: dict) -> trace
     return table
 
 
-def one_mode(model, prompt, dev, mode: str) -> None:
+def one_mode(model, prompt, dev, mode: str, ref) -> None:
     """Every implementation in ``mode`` (those starting before the deadline), the correctness check, the diffs."""
     from moekit.bench.hf_measure import decode_rel_err
     from moekit.bench.hf_run import RECOMPILE_LIMIT, _recompile_limit
 
-    out = RESULT["modes"][mode] = {"impls": {}, "diff_vs_" + BASE: {}}
+    out = RESULT["modes"][mode] = {"impls": {}, "diffs": {}, "rel_l2_vs_eager_grouped_mm": {}}
     tables, logits = {}, {}
     config = compile_config(dev, mode)
     with _recompile_limit(RECOMPILE_LIMIT):
@@ -178,14 +203,12 @@ def one_mode(model, prompt, dev, mode: str) -> None:
                 RUN.failed.append(f"{mode} {impl}")
             dump()
     torch._dynamo.reset()
-    if "moekit" in logits and "grouped_mm" in logits:
-        err = out["moekit_vs_grouped_mm_rel_l2"] = decode_rel_err(logits["moekit"], logits["grouped_mm"])
-        RUN.check(f"{mode}: moekit step logits vs grouped_mm", err < TOL, f"rel_l2={err:.2e}")
-    else:
-        RUN.summary.append(f"{mode}: moekit vs grouped_mm not checked (not both reached)")
-    for impl, table in tables.items():
-        if impl != BASE and BASE in tables:
-            out["diff_vs_" + BASE][impl] = trace.diff_rows(table, tables[BASE], LAYERS)
+    for impl in [n for n in CHECKED if n in logits]:
+        err = out["rel_l2_vs_eager_grouped_mm"][impl] = decode_rel_err(logits[impl], ref)
+        RUN.check(f"{mode}: {impl} step logits vs eager grouped_mm", err < TOL, f"rel_l2={err:.2e}")
+    pairs = [(n, BASE) for n in tables if n not in (BASE, NO_ROUTER)] + [(BASE, NO_ROUTER)]
+    for new, old in [(a, b) for a, b in pairs if a in tables and b in tables]:
+        out["diffs"][f"{new} - {old}"] = trace.diff_rows(tables[new], tables[old], LAYERS)
     summarise(mode, out)
 
 
@@ -194,17 +217,18 @@ def summarise(mode: str, out: dict) -> None:
     for impl, v in out["impls"].items():
         s = v["summary"]
         extra = ""
-        if base is not None and impl != BASE:
+        if base is not None and impl not in (BASE, NO_ROUTER):
             d = s["busy_us"] - base["summary"]["busy_us"]
-            extra = f"; busy over {BASE} {d:.1f} µs a step, {d / LAYERS:.1f} a layer"
+            dw = (v["wall_ms_unprofiled"] - base["wall_ms_unprofiled"]) * 1e3
+            extra = f"; over {BASE}: step {dw:.1f} µs ({dw / LAYERS:.1f} a layer), busy {d:.1f} ({d / LAYERS:.1f})"
         wall = v["wall_ms_unprofiled"] * 1e3
         RUN.summary.append(f"{mode} {impl:<13} step {wall:7.1f} µs unprofiled ({s['wall_us']:.1f} profiled): busy "
                            f"{s['busy_us']:.1f}, kernels {s['kernel_us']:.1f} ({s['kernels']:.0f}), gap "
                            f"{wall - s['busy_us']:.1f} ({s['gap_us']:.1f} profiled){extra}")
         RUN.summary.append(f"    by part: {s['by_part_us']}")
         RUN.summary.append(f"    host: {s['host_us']}")
-    for impl, rows in out["diff_vs_" + BASE].items():
-        RUN.summary.append(f"{mode} {impl} minus {BASE} (count a step, µs a step, µs a layer):")
+    for pair, rows in out["diffs"].items():
+        RUN.summary.append(f"{mode} {pair} (count a step, µs a step, µs a layer):")
         for r in rows[:12]:
             RUN.summary.append(f"    {r['part']:<9} {r['count_step']:+6.2f} {r['us_step']:+8.2f} {r['us_layer']:+7.2f}"
                                f"  {r['name'][:90]}")
@@ -223,9 +247,11 @@ def main() -> int:
     RESULT["run"].update(run_info() | {"smoke": SMOKE, "layers": LAYERS, "impls": ARGS.impls, "modes": ARGS.modes})
     model, prompt, dev = build()
     RUN.log(f"model built ({RESULT['run']})")
+    ref = decoded(model, "grouped_mm", prompt, None)  # the correctness reference: transformers' own, eager
+    RUN.log("reference: eager grouped_mm decoded")
     for mode in ARGS.modes:
         try:
-            one_mode(model, prompt, dev, mode)
+            one_mode(model, prompt, dev, mode, ref)
         except Exception as exc:  # noqa: BLE001 (a mode's failure is reported; the table still prints)
             RUN.log(f"FAIL {mode}: {type(exc).__name__}: {str(exc)[-800:]}")
             RUN.failed.append(mode)
