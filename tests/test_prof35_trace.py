@@ -80,7 +80,13 @@ def test_diff_against_the_baseline(tmp_path):
     ("triton_per_fused__softmax_1", "router"), ("align_small_kernel", "experts"), ("route_kernel", "experts"),
     ("pytorch_flash::flash_fwd_kernel", "attention"), ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemm"), ("gemv2T_kernel_val", "gemm"),
-    ("triton_poi_fused_add_mul_rsqrt_0", "other")])
+    ("triton_poi_fused_add_mul_rsqrt_0", "other"),
+    # names from an H200 profile of this decode (results/raw/NVIDIA_H200-2026-12-02-477bbf7-hf_compiled.log)
+    ("void at::native::bitonicSortKVInPlace<-2, -1, 16, 16, float, long>", "router"), ("sum_slots_kernel", "experts"),
+    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_2_64x32x128", "attention"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
+    ("triton_per_fused__softmax__to_copy_exp_prepare_softmax_online_sub_8", "router"),
+    ("Memcpy DtoD (Device -> Device)", "other")])
 def test_parts(name, part):
     assert pt.part_of(name) == part
 
