@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -115,8 +116,6 @@ class StepMarks:
         self.stamps: list[int] = []
 
     def __call__(self, input_ids, scores):
-        import time
-
         self.stamps.append(time.perf_counter_ns())
         with torch.profiler.record_function(trace.MARK):
             pass
