@@ -226,6 +226,10 @@ def summarise(mode: str, out: dict) -> None:
                            f"{wall - s['busy_us']:.1f} ({s['gap_us']:.1f} profiled){extra}")
         RUN.summary.append(f"    by part: {s['by_part_us']}")
         RUN.summary.append(f"    host: {s['host_us']}")
+    if "moekit" in out["impls"]:
+        RUN.summary.append(f"{mode} moekit's kernels a step (count, µs; the first 15 by µs):")
+        for name, v in list(out["impls"]["moekit"]["by_name"].items())[:15]:
+            RUN.summary.append(f"    {v['part']:<9} {v['count']:6.2f} {v['us']:8.2f}  {name[:90]}")
     for pair, rows in out["diffs"].items():
         RUN.summary.append(f"{mode} {pair} (count a step, µs a step, µs a layer):")
         for r in rows[:12]:
