@@ -214,6 +214,26 @@ def test_no_experts_ceiling_keeps_the_router_in_its_graph():
     assert torch.equal(grad, torch.zeros_like(weights))
 
 
+def test_no_experts_ceiling_keeps_the_router_under_inductor():
+    """Inductor's constant folder replaces a multiply by the int 0 with zeros, and then drops every op feeding it:
+    a router block (gate, softmax, top-k, the ceiling) compiled by inductor still runs its top-k."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moekit.bench.hf_models import _no_experts_forward
+
+    def block(hidden, gate):
+        weights, ids = torch.topk(torch.softmax(hidden @ gate, dim=-1, dtype=torch.float), 2, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(hidden.dtype)
+        return hidden + _no_experts_forward(None, hidden, ids, weights)
+
+    hidden, gate = torch.randn(3, 8), torch.randn(8, 6)
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(block, backend="inductor"), hidden, gate)
+    torch._dynamo.reset()
+    assert torch.equal(out, hidden)
+    assert "topk" in "\n".join(codes)
+
+
 def test_real_widths_and_batched_mm_gather():
     qwen3, mixtral = hf_config("qwen3", 8), hf_config("mixtral", 2)
     q, m = qwen3, mixtral

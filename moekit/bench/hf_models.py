@@ -111,9 +111,11 @@ def experts_implementations() -> list[str]:
 
 def _no_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
-    # [T, H]: the experts' sum, skipped. It reads the routing weights (times 0): a result that ignored
-    # them let torch.compile drop the router itself (gate GEMM, softmax, top-k) from the ceiling.
-    return (top_k_weights.sum(-1, keepdim=True) * 0).to(hidden_states.dtype).expand(hidden_states.shape)
+    # [T, H]: the experts' sum, skipped. It reads the routing weights (times 0.0): a result that ignored
+    # them let torch.compile drop the router itself (gate GEMM, softmax, top-k) from the ceiling. A float
+    # zero: inductor's constant folder replaces a multiply by the int 0 with zeros (a joint-graph peephole),
+    # which dropped the router all the same (torch 2.13, benchmarks/triton-notes.md "session 35 ... prof35").
+    return (top_k_weights.sum(-1, keepdim=True) * 0.0).to(hidden_states.dtype).expand(hidden_states.shape)
 
 
 def register_no_experts() -> None:
