@@ -1,0 +1,136 @@
+"""``opg35_device_check``'s real client: transformers' Qwen3-MoE (the ``moekit bench --hf`` model: 8 layers at
+Qwen3-30B-A3B widths, random weights, bf16) decoding through moekit, before and after the inference twin, in one
+process so the rounds interleave.
+
+"after" is the shipped ``"moekit"`` experts implementation: traced by torch.compile under ``generate``'s no_grad, it
+calls ``moekit::triton_experts_infer`` (``triton_op.traced_triton_experts`` -> ``experts_op``). "before"
+(``BEFORE``, registered here) is the same forward whose traced entry calls ``moekit::triton_experts`` (the custom
+op with autograd) with the same arguments: what main's ``traced_triton_experts`` called. Eager, both run moekit's
+eager path, which launches the kernels directly and never meets either op (the eager rows check that nothing
+moved). A compiled graph holds one op or the other; dynamo guards on the module's implementation, so each keeps
+its own graph.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+BEFORE = "moekit_custom_op"  # main's compiled path: the custom op with autograd
+IMPLS = ("moekit", BEFORE)  # after, before
+
+
+def register_before() -> None:
+    """``BEFORE`` as a transformers experts implementation (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    import moekit.hf as mh
+    from moekit.activations import spec_fields
+    from moekit.experts.triton_op import _DEFAULT_OP_ARGS
+    from moekit.hf.variants import PLAN_ATTR
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if not torch.compiler.is_compiling():
+            return mh.moekit_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        plan = self.__dict__[PLAN_ATTR]  # built by moekit.hf.prepare before compiling
+        return torch.ops.moekit.triton_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
+                                               top_k_weights, None, None, None, *spec_fields(plan.activation),
+                                               *_DEFAULT_OP_ARGS)
+
+    ExpertsInterface.register(BEFORE, forward)
+
+
+def build(smoke: bool, dev: torch.device):
+    """(model, prompt [1, 16]): the bench's Qwen3 (1 tiny layer, the triton backend interpreted, in the smoke)."""
+    import moekit.experts as experts
+    import moekit.hf as mh
+    from moekit.bench.hf_models import build_model, hf_config
+
+    if smoke:
+        mh.HF_BACKEND = "triton"
+        experts._RESOLVED.clear()
+    config = hf_config("qwen3", 1 if smoke else 8, tiny=smoke)
+    model = build_model(config, torch.bfloat16, dev)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (1, 16), generator=g).to(dev)
+    register_before()
+    return model, prompt
+
+
+class StepClock:
+    """A ``generate`` logits processor stamping the host clock each step (generate waits for each step's token)."""
+
+    def __init__(self):
+        self.stamps: list[int] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter_ns())
+        return scores
+
+    def median_ms(self) -> float:
+        """The median step after the first (the prefill and the first decode step left out), ms."""
+        steps = [(b - a) / 1e6 for a, b in zip(self.stamps[1:], self.stamps[2:])]
+        return statistics.median(steps)
+
+
+def generate(model, impl: str, prompt, tokens: int, config=None, clock=None, logits: bool = False):
+    """A greedy generate through ``impl``: eager (``config`` None) or compiled (the static cache, ``config``)."""
+    import moekit.hf as mh
+    from transformers import LogitsProcessorList
+
+    model.set_experts_implementation(impl)
+    mh.prepare(model)
+    kwargs = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=logits)
+    if config is None:
+        kwargs["disable_compile"] = True
+    else:
+        kwargs.update(cache_implementation="static", compile_config=config)
+    if clock is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([clock])
+    with torch.no_grad():
+        return model.generate(prompt, **kwargs)
+
+
+SEEN: list = []  # the smoke's compiled graphs: each one's moekit ops
+
+
+def _recorder(gm, example_inputs, **kwargs):
+    """The smoke's backend: records the graph's moekit ops, runs it as traced."""
+    SEEN.append(sorted({str(n.target) for n in gm.graph.nodes if "moekit" in str(n.target)}))
+    return gm.forward
+
+
+def compile_config(dev: torch.device, mode: str, smoke: bool):
+    """transformers' ``CompileConfig``: inductor in ``mode`` ("reduce-overhead": its default, CUDA graphs;
+    "default": none, inductor's call runs the ops every step); the smoke traces with ``_recorder``."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend=_recorder) if smoke else CompileConfig(mode=mode)
+    if dev.type != "cuda":
+        config._compile_all_devices = True
+    return config
+
+
+def decode_rounds(model, prompt, tokens: int, config, rounds: int, stop, log, label: str) -> dict:
+    """impl -> [ms a decode step, each round], ``IMPLS`` alternating (the order swapped every other round);
+    ``stop()`` true ends the rounds after the first."""
+    per = {n: [] for n in IMPLS}
+    for r in range(rounds):
+        if r and stop():
+            log(f"{label}: deadline, {r} rounds")
+            break
+        for n in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+            clock = StepClock()
+            generate(model, n, prompt, tokens, config, clock)
+            per[n].append(clock.median_ms())
+        log(f"{label} round {r}: " + ", ".join(f"{n} {v[-1]:.3f} ms" for n, v in per.items()))
+    return per
+
+
+def step_logits(model, prompt, config, tokens: int) -> dict:
+    """impl -> [T, V] float logits of each step of a ``tokens``-token generate (compiled when ``config``)."""
+    return {n: torch.stack([s[0].float() for s in generate(model, n, prompt, tokens, config, logits=True).logits])
+            for n in IMPLS}
