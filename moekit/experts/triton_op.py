@@ -75,7 +75,7 @@ from moekit.experts.triton_backward import backward_experts_op, setup_experts_op
 _experts_op.register_autograd(backward_experts_op, setup_context=setup_experts_op)
 
 # the twin: the same kernel and fake, no autograd (it refuses a call that needs a gradient; experts_op never sends one)
-infer_op = define_inference_op("triton_experts_infer", _experts_kernel, _experts_fake)
+define_inference_op("triton_experts_infer", _experts_kernel, _experts_fake)
 
 
 @functools.lru_cache(maxsize=256)
