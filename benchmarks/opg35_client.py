@@ -130,7 +130,6 @@ def decode_rounds(model, prompt, tokens: int, config, rounds: int, stop, log, la
     return per
 
 
-def step_logits(model, prompt, config, tokens: int) -> dict:
-    """impl -> [T, V] float logits of each step of a ``tokens``-token generate (compiled when ``config``)."""
-    return {n: torch.stack([s[0].float() for s in generate(model, n, prompt, tokens, config, logits=True).logits])
-            for n in IMPLS}
+def step_logits(model, impl: str, prompt, config, tokens: int) -> torch.Tensor:
+    """[T, V] float logits of each step of a ``tokens``-token generate through ``impl`` (compiled when ``config``)."""
+    return torch.stack([s[0].float() for s in generate(model, impl, prompt, tokens, config, logits=True).logits])
