@@ -49,7 +49,7 @@ RUN = RunLog("opg35: triton_experts' inference twin (µs a call / ms a decode st
              stall_s=60)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
 ARGS = argparse.Namespace()
-NEEDS_S = {"compiled": 30, "nograph": 24, "eager": 8}  # a phase starts only this long before the deadline (s)
+NEEDS_S = {"compiled": 30, "nograph": 20, "eager": 8}  # a phase starts only this long before the deadline (s)
 
 
 def op_args(m: int, dev) -> tuple:
