@@ -9,8 +9,10 @@ backend wrapper: the dispatcher calls the kernel). ``experts_op`` picks the op a
 grad mode is on and an input (x, w13, w2, topk_weights, a bias) needs a gradient, else the twin. Both tests are
 constants while dynamo traces (``requires_grad`` is part of a tensor's guard, grad mode a global one), so a
 compiled graph holds one op or the other and a call never breaks the graph to choose: ``generate`` (no_grad)
-compiles to the twin, a training step to the custom op and its backward. Measured on the 2-core Xeon (op34,
-an empty body at this 33-argument schema, ``no_grad``): 20.9 µs a call as the custom op, 8.5 through op_library.
+compiles to the twin, a training step to the custom op and its backward. An empty body at this 33-argument
+schema under ``no_grad``, µs a call as the custom op / through op_library: 35.7 / 18.1 on an H100's host (op34),
+28.7 / 12.1 on the 2-core Xeon (``benchmarks/opg35_dispatch_cpu.py``). A CUDA-graph replay runs neither: the cut
+counts where inductor's call runs the op each step (no CUDA graphs) and where eager calls go through an op.
 
 The launch options cross the op boundary as their fields, primitive arguments: an op's schema has no
 dataclasses, and plain bools and ints are constants to torch.compile (baked into the graph, no guard on any
