@@ -112,8 +112,28 @@ def host_us(fns: dict, dev, calls: int) -> dict:
     return out
 
 
+def profiled(fn, calls: int, top: int = 14) -> list:
+    """cProfile of ``calls`` calls of ``fn``: the ``top`` functions by own time, [name, own µs a call, cumulative µs
+    a call, calls a call] (where the op's time goes beyond its body: the lead's question from op34)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    out = [[f"{os.path.basename(f)}:{line}:{name}", round(own * 1e6 / calls, 2), round(cum * 1e6 / calls, 2),
+            round(n / calls, 2)] for (f, line, name), (n, _, own, cum, _) in rows]
+    RUN.log("profile: " + "; ".join(f"{r[0]} {r[1]}" for r in out[:8]))
+    return out
+
+
 def op_phase(dev) -> None:
     import op34_registrations as regs
+    from moekit.experts.triton_op import _experts_kernel
 
     ops = regs.registered()
     empty = {"empty custom_op": ops["triton schema: custom_op + autograd"],
@@ -126,14 +146,16 @@ def op_phase(dev) -> None:
     compiled_custom = torch.compile(lambda *a: custom(*a), fullgraph=True, backend=backend)
     compiled_twin = torch.compile(lambda *a: twin(*a), fullgraph=True, backend=backend)
     fns = {**{name: (lambda op=op: op(*empty_args)) for name, op in empty.items()},
-           "custom_op": lambda: custom(*args), "twin": lambda: twin(*args),
+           "body": lambda: _experts_kernel(*args), "custom_op": lambda: custom(*args), "twin": lambda: twin(*args),
            "compiled custom_op": lambda: compiled_custom(*args), "compiled twin": lambda: compiled_twin(*args)}
     with torch.no_grad():
         for fn in fns.values():
             fn()
         RUN.log("op: compiled and warm")
         got = RESULT["op_us"] = host_us(fns, dev, 3 if SMOKE else 300)
-    for new, old in (("empty twin", "empty custom_op"), ("twin", "custom_op"), ("compiled twin", "compiled custom_op")):
+        RESULT["op_profile"] = {n: profiled(fns[n], 3 if SMOKE else 300) for n in ("body", "custom_op", "twin")}
+    for new, old in (("empty twin", "empty custom_op"), ("twin", "custom_op"), ("compiled twin", "compiled custom_op"),
+                     ("body", "custom_op"), ("body", "twin")):
         host_new, host_old = got[new][0], got[old][0]
         med = statistics.median
         RUN.summary.append(f"| op | {new} vs {old} | {med(host_new):.1f} / {med(host_old):.1f}"
