@@ -12,7 +12,9 @@ Phases (each skipped past the deadline; <out>/opg35.json rewritten after each):
   op        host µs a call (queued behind ~1 ms of GPU work) and wall µs, 5 interleaved rounds, under no_grad: the
             33-argument schema with an empty body as a custom_op + autograd and through op_library
             (``op34_registrations``); the M = 1 call through the custom op and the twin, eagerly and from a
-            ``torch.compile``d function (inductor, no CUDA graphs: its call runs the op each time).
+            ``torch.compile``d function (inductor, no CUDA graphs: its call runs the op each time), and the op's
+            body alone (``_experts_kernel``, its options cached) and as main has it (``body_before``: the options
+            built per call); a cProfile of 300 calls of each body and op (where the op's time goes).
   compiled  transformers' compiled decode (``opg35_client``: 8 Qwen3-MoE layers, random weights; static cache,
             CompileConfig "reduce-overhead": CUDA graphs, as ``moekit bench --hf --compile`` runs it), before /
             after: step logits bit-equal, ms a step (median of a 33-token generate's steps), 5 rounds.
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opg35_client as client  # noqa: E402
+from opg35_body_cpu import body_before  # noqa: E402
 from bench_rounds import wins  # noqa: E402
 from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
 
@@ -146,16 +149,20 @@ def op_phase(dev) -> None:
     compiled_custom = torch.compile(lambda *a: custom(*a), fullgraph=True, backend=backend)
     compiled_twin = torch.compile(lambda *a: twin(*a), fullgraph=True, backend=backend)
     fns = {**{name: (lambda op=op: op(*empty_args)) for name, op in empty.items()},
-           "body": lambda: _experts_kernel(*args), "custom_op": lambda: custom(*args), "twin": lambda: twin(*args),
+           "body": lambda: _experts_kernel(*args), "body before": lambda: body_before(*args),
+           "custom_op": lambda: custom(*args), "twin": lambda: twin(*args),
            "compiled custom_op": lambda: compiled_custom(*args), "compiled twin": lambda: compiled_twin(*args)}
     with torch.no_grad():
         for fn in fns.values():
             fn()
         RUN.log("op: compiled and warm")
         got = RESULT["op_us"] = host_us(fns, dev, 3 if SMOKE else 300)
-        RESULT["op_profile"] = {n: profiled(fns[n], 3 if SMOKE else 300) for n in ("body", "custom_op", "twin")}
+        RESULT["op_profile"] = {n: profiled(fns[n], 3 if SMOKE else 300)
+                                for n in ("body", "body before", "custom_op", "twin")}
+        same = torch.equal(body_before(*args), _experts_kernel(*args))
+    RUN.check("the body before bit-equal to the body", same)
     for new, old in (("empty twin", "empty custom_op"), ("twin", "custom_op"), ("compiled twin", "compiled custom_op"),
-                     ("body", "custom_op"), ("body", "twin")):
+                     ("body", "custom_op"), ("body", "twin"), ("body", "body before")):
         host_new, host_old = got[new][0], got[old][0]
         med = statistics.median
         RUN.summary.append(f"| op | {new} vs {old} | {med(host_new):.1f} / {med(host_old):.1f}"

@@ -82,6 +82,24 @@ def test_twin_equals_the_custom_op_and_the_float64_loop(interpreter, dtype, m):
     assert rel_l2(twin, loop64(*problem)) < TOL[dtype]
 
 
+def test_the_body_builds_its_options_once_per_set(interpreter):
+    """Calls with the same option fields share one ``LaunchOptions`` (built and validated once), never reusing
+    workspaces; other fields build another."""
+    from moekit.experts.triton_op import _options_of
+
+    problem = make_problem(3, 2, E, K, N, torch.float32, seed=8)
+    _options_of.cache_clear()
+    with torch.no_grad():
+        for _ in range(3):
+            torch.ops.moekit.triton_experts_infer(*op_args(problem))
+    assert _options_of.cache_info().misses == 1 and _options_of.cache_info().hits == 2
+    fields = LaunchOptions(poison_workspace=True).as_op_args()
+    options = _options_of(*fields[:8], *fields[9:])  # without reuse_workspace (the op's 9th option field)
+    assert options.reuse_workspace is False and options.poison_workspace is True
+    assert options.as_op_args()[:8] == fields[:8] and options.as_op_args()[9:] == fields[9:]
+    assert _options_of(*LaunchOptions().as_op_args()[:8], *LaunchOptions().as_op_args()[9:]) is not options
+
+
 def test_twin_passes_opcheck(interpreter):
     torch.library.opcheck(torch.ops.moekit.triton_experts_infer.default,
                           op_args(make_problem(5, 2, E, K, N, torch.float32, seed=3)))
