@@ -4,8 +4,9 @@ process so the rounds interleave.
 
 "after" is the shipped ``"moekit"`` experts implementation: traced by torch.compile under ``generate``'s no_grad, it
 calls ``moekit::triton_experts_infer`` (``triton_op.traced_triton_experts`` -> ``experts_op``). "before"
-(``BEFORE``, registered here) is the same forward whose traced entry calls ``moekit::triton_experts`` (the custom
-op with autograd) with the same arguments: what main's ``traced_triton_experts`` called. Eager, both run moekit's
+(``BEFORE``, registered here) is the same forward whose traced entry calls main's op with the same arguments:
+``main_op``, a ``custom_op`` with autograd around main's body (``LaunchOptions`` built per call), what main's
+``traced_triton_experts`` called. Eager, both run moekit's
 eager path, which launches the kernels directly and never meets either op (the eager rows check that nothing
 moved). A compiled graph holds one op or the other; dynamo guards on the module's implementation, so each keeps
 its own graph.
@@ -22,6 +23,22 @@ BEFORE = "moekit_custom_op"  # main's compiled path: the custom op with autograd
 IMPLS = ("moekit", BEFORE)  # after, before
 
 
+def main_op():
+    """``opg35::triton_experts_main``: main's ``moekit::triton_experts`` as it was, a ``custom_op`` (its schema, fake
+    and ``register_autograd``) around main's body (``opg35_body_cpu.body_before``: the options built per call)."""
+    if not hasattr(torch.ops.opg35, "triton_experts_main"):
+        from opg35_body_cpu import body_before
+
+        from moekit.experts.triton_backward import backward_experts_op, setup_experts_op
+        from moekit.experts.triton_op import _experts_fake
+
+        schema = str(torch.ops.moekit.triton_experts.default._schema).split("(", 1)[1]
+        op = torch.library.custom_op("opg35::triton_experts_main", body_before, mutates_args=(), schema="(" + schema)
+        op.register_fake(_experts_fake)
+        op.register_autograd(backward_experts_op, setup_context=setup_experts_op)
+    return torch.ops.opg35.triton_experts_main.default
+
+
 def register_before() -> None:
     """``BEFORE`` as a transformers experts implementation (idempotent)."""
     from transformers.integrations.moe import ExpertsInterface
@@ -31,13 +48,14 @@ def register_before() -> None:
     from moekit.experts.triton_op import _DEFAULT_OP_ARGS
     from moekit.hf.variants import PLAN_ATTR
 
+    op = main_op()
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if not torch.compiler.is_compiling():
             return mh.moekit_experts_forward(self, hidden_states, top_k_index, top_k_weights)
         plan = self.__dict__[PLAN_ATTR]  # built by moekit.hf.prepare before compiling
-        return torch.ops.moekit.triton_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
-                                               top_k_weights, None, None, None, *spec_fields(plan.activation),
-                                               *_DEFAULT_OP_ARGS)
+        return op(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, None, None, None,
+                  *spec_fields(plan.activation), *_DEFAULT_OP_ARGS)
 
     ExpertsInterface.register(BEFORE, forward)
 
@@ -99,7 +117,8 @@ SEEN: list = []  # the smoke's compiled graphs: each one's moekit ops
 
 def _recorder(gm, example_inputs, **kwargs):
     """The smoke's backend: records the graph's moekit ops, runs it as traced."""
-    SEEN.append(sorted({str(n.target) for n in gm.graph.nodes if "moekit" in str(n.target)}))
+    targets = (str(n.target) for n in gm.graph.nodes)
+    SEEN.append(sorted({t for t in targets if t.startswith(("moekit.", "opg35."))}))
     return gm.forward
 
 

@@ -14,7 +14,8 @@ Phases (each skipped past the deadline; <out>/opg35.json rewritten after each):
             (``op34_registrations``); the M = 1 call through the custom op and the twin, eagerly and from a
             ``torch.compile``d function (inductor, no CUDA graphs: its call runs the op each time), and the op's
             body alone (``_experts_kernel``, its options cached) and as main has it (``body_before``: the options
-            built per call); a cProfile of 300 calls of each body and op (where the op's time goes).
+            built per call), main's op (``opg35_client.main_op``: the custom op around main's body); a cProfile of
+            300 calls of each body and op (where the op's time goes).
   compiled  transformers' compiled decode (``opg35_client``: 8 Qwen3-MoE layers, random weights; static cache,
             CompileConfig "reduce-overhead": CUDA graphs, as ``moekit bench --hf --compile`` runs it), before /
             after: step logits bit-equal, ms a step (median of a 33-token generate's steps), 5 rounds.
@@ -145,12 +146,13 @@ def op_phase(dev) -> None:
     empty_args = regs.args_for("triton", x)
     args = op_args(1, dev)
     custom, twin = torch.ops.moekit.triton_experts.default, torch.ops.moekit.triton_experts_infer.default
+    main = client.main_op()  # main's op: custom_op around main's body
     backend = "eager" if SMOKE else "inductor"  # the smoke: the logic, not inductor's CPU build
     compiled_custom = torch.compile(lambda *a: custom(*a), fullgraph=True, backend=backend)
     compiled_twin = torch.compile(lambda *a: twin(*a), fullgraph=True, backend=backend)
     fns = {**{name: (lambda op=op: op(*empty_args)) for name, op in empty.items()},
            "body": lambda: _experts_kernel(*args), "body before": lambda: body_before(*args),
-           "custom_op": lambda: custom(*args), "twin": lambda: twin(*args),
+           "custom_op": lambda: custom(*args), "twin": lambda: twin(*args), "main op": lambda: main(*args),
            "compiled custom_op": lambda: compiled_custom(*args), "compiled twin": lambda: compiled_twin(*args)}
     with torch.no_grad():
         for fn in fns.values():
@@ -161,7 +163,8 @@ def op_phase(dev) -> None:
                                 for n in ("body", "body before", "custom_op", "twin")}
         same = torch.equal(body_before(*args), _experts_kernel(*args))
     RUN.check("the body before bit-equal to the body", same)
-    for new, old in (("empty twin", "empty custom_op"), ("twin", "custom_op"), ("compiled twin", "compiled custom_op"),
+    for new, old in (("empty twin", "empty custom_op"), ("twin", "custom_op"), ("twin", "main op"),
+                     ("compiled twin", "compiled custom_op"),
                      ("body", "custom_op"), ("body", "twin"), ("body", "body before")):
         host_new, host_old = got[new][0], got[old][0]
         med = statistics.median
@@ -186,7 +189,7 @@ def client_phase(name: str, model, prompt, dev) -> None:
         RUN.check(f"{name}: step logits after bit-equal to before", same, f"rel_l2={err:.2e}")
         if SMOKE:  # after's graph holds the twin, before's the custom op
             RUN.check(f"{name}: the graphs' ops", sorted({tuple(s) for s in client.SEEN if s}) == [
-                ("moekit.triton_experts",), ("moekit.triton_experts_infer",)], str(client.SEEN))
+                ("moekit.triton_experts_infer",), ("opg35.triton_experts_main.default",)], str(client.SEEN))
     else:
         for impl in client.IMPLS:
             client.generate(model, impl, prompt, 4)
