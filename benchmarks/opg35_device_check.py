@@ -160,7 +160,7 @@ def op_phase(dev) -> None:
         RUN.log("op: compiled and warm")
         got = RESULT["op_us"] = host_us(fns, dev, 3 if SMOKE else 300)
         RESULT["op_profile"] = {n: profiled(fns[n], 3 if SMOKE else 300)
-                                for n in ("body", "body before", "custom_op", "twin")}
+                                for n in ("body", "body before", "custom_op", "twin", "main op")}
         same = torch.equal(body_before(*args), _experts_kernel(*args))
     RUN.check("the body before bit-equal to the body", same)
     for new, old in (("empty twin", "empty custom_op"), ("twin", "custom_op"), ("twin", "main op"),
