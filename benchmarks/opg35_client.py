@@ -58,8 +58,8 @@ def main_traced(x, w13, w2, topk_ids, topk_weights, activation, b13=None, b2=Non
 
 def before_forward(self, hidden_states, top_k_index, top_k_weights):
     """main's ``moekit_experts_forward``, statement for statement, its traced entry ``main_traced``: the same Python
-    as main's compiled graph traced, so the same guards (a leaner forward traced ~60 fewer guards on a tiny Qwen3,
-    which dynamo checks every step outside the CUDA graph: H100 run 2-3 read it 1.6-3.1% faster)."""
+    as main's compiled graph traced, so the same guards (the lean forward of H100 runs 1-3 traced ~60 fewer guards on
+    a tiny Qwen3, checked every step outside the CUDA graph: the likely cause of the twin reading 1.6-3.1% slower)."""
     import moekit.hf as mh
     from moekit.experts import backend_fn, call_backend, traced_path_of
     from moekit.hf.composed import run_composed
