@@ -87,7 +87,7 @@ def dispatch_phase(dev) -> None:
 def op_phase(dev) -> None:
     from moekit.activations import ActivationSpec, spec_fields
     from moekit.experts.grouped_mm import experts_grouped_mm
-    from moekit.experts.triton import _DEFAULT_OP_ARGS, _experts_op
+    from moekit.experts.triton_op import _DEFAULT_OP_ARGS, _experts_op
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, K, generator=g).to(dev, torch.bfloat16)  # [M, K]

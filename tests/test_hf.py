@@ -116,7 +116,8 @@ def test_moekit_experts_compile_fullgraph(monkeypatch):
 def test_compiled_triton_experts_trace_only_the_op(monkeypatch):
     """Under torch.compile the "moekit" experts on the triton backend trace its custom op and nothing of the
     backend's eager path (a traced branch is Python dynamo guards on every compiled call): with that path
-    made to fail, a whole model still compiles fullgraph, calls ``moekit::triton_experts`` once per layer and
+    made to fail, a whole model still compiles fullgraph, calls ``moekit::triton_experts_infer`` (no_grad: the
+    inference twin of ``moekit::triton_experts``) once per layer and
     equals its eager self bit for bit (the same kernels; eager folds the k-sum into the down GEMM in the same
     order). A misfit shape or dtype still raises the argument check's error while tracing."""
     pytest.importorskip("triton")
@@ -144,7 +145,8 @@ def test_compiled_triton_experts_trace_only_the_op(monkeypatch):
             monkeypatch.setattr(triton_experts, name, eager_only)
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend=recorder)(ids).logits
-        assert sum("moekit.triton_experts" in op for op in ops) == model.config.num_hidden_layers
+        assert ops.count("moekit.triton_experts_infer") == model.config.num_hidden_layers
+        assert not any("moekit.triton_experts." in op or op == "moekit.triton_experts" for op in ops)
         assert torch.equal(compiled, eager)
         experts = model.model.layers[0].mlp.experts
         x = torch.randn(3, model.config.hidden_size)

@@ -59,23 +59,27 @@ def test_bound_launch_names_missing_arguments(interpreter):
 
 
 def test_direct_eager_equals_the_op_and_skips_it(interpreter, monkeypatch):
-    """An eager call runs the implementation directly, one with ``direct_eager=False`` or a weight that
-    needs a gradient goes through the custom op; all three agree."""
+    """An eager call runs the implementation directly; one with ``direct_eager=False`` or under a dispatch mode goes
+    through the inference twin, one with a weight that needs a gradient through the custom op; all four agree."""
     calls = []
-    monkeypatch.setattr(torch.ops.moekit, "triton_experts", _Counted(torch.ops.moekit.triton_experts, calls))
+    for name in ("triton_experts", "triton_experts_infer"):
+        monkeypatch.setattr(torch.ops.moekit, name, _Counted(getattr(torch.ops.moekit, name), calls, name))
     x, w13, w2, ids, weights = make_problem(5, 2, E, K, N, torch.bfloat16)
     with torch.no_grad():
         direct = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
         assert calls == []
         via_op = interpreter.experts_triton(x, w13, w2, ids, weights,
                                             options=LaunchOptions(poison_workspace=True, direct_eager=False))
-        assert calls == [1]
+        assert calls == ["triton_experts_infer"]
     with torch.no_grad(), _PassThrough():  # a dispatch mode (FakeTensor, make_fx) must see the op
         under_mode = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
-    assert calls == [1, 1]
+    assert calls == ["triton_experts_infer"] * 2
     w13.requires_grad_()
+    with torch.no_grad():  # no gradient needed: the twin
+        interpreter.experts_triton(x, w13, w2, ids, weights, options=LaunchOptions(direct_eager=False))
     with_grad = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
-    assert calls == [1, 1, 1] and with_grad.requires_grad  # through the op, which carries the autograd
+    assert calls == ["triton_experts_infer"] * 3 + ["triton_experts"]
+    assert with_grad.requires_grad  # through the custom op, which carries the autograd
     for out in (via_op, under_mode, with_grad.detach()):
         assert torch.equal(direct, out)
 
@@ -83,11 +87,11 @@ def test_direct_eager_equals_the_op_and_skips_it(interpreter, monkeypatch):
 class _Counted:
     """An op that counts its calls; anything else (``.default``, which torch looks up) is the op's."""
 
-    def __init__(self, op, calls: list):
-        self.op, self.calls = op, calls
+    def __init__(self, op, calls: list, name: str):
+        self.op, self.calls, self.name = op, calls, name
 
     def __call__(self, *args):
-        self.calls.append(1)
+        self.calls.append(self.name)
         return self.op(*args)
 
     def __getattr__(self, name: str):
@@ -99,9 +103,9 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_compiled_graph_holds_the_custom_op(interpreter):
-    """torch.compile(fullgraph=True) still sees the op (the direct path is for eager calls only), and
-    its result equals the eager one."""
+def test_compiled_graph_holds_the_op(interpreter):
+    """torch.compile(fullgraph=True) still sees an op (the direct path is for eager calls only), under no_grad the
+    inference twin, and its result equals the eager one."""
     seen = []
 
     def backend(gm, example_inputs):
@@ -112,18 +116,19 @@ def test_compiled_graph_holds_the_custom_op(interpreter):
     fn = torch.compile(lambda *t: interpreter.experts_triton(*t, options=POISON), fullgraph=True, backend=backend)
     with torch.no_grad():
         compiled, eager = fn(x, w13, w2, ids, weights), interpreter.experts_triton(x, w13, w2, ids, weights)
-    assert any("moekit.triton_experts" in target for target in seen), seen
+    assert [t for t in seen if "moekit" in t] == ["moekit.triton_experts_infer"], seen
     assert torch.equal(compiled, eager)
 
 
 def test_the_op_never_keeps_a_workspace(interpreter):
-    """Through the custom op (what compiled code runs, inside CUDA-graph trees on the GPU) no workspace
+    """Through either op (what compiled code runs, inside CUDA-graph trees on the GPU) no workspace
     is kept: a buffer held from a graph's private pool would break the tree."""
     x, w13, w2, ids, weights = make_problem(5, 2, E, K, N, torch.float32)
     interpreter.clear_launch_caches()
     args = (x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None, 0.0,
             *LaunchOptions().as_op_args())
     torch.ops.moekit.triton_experts(*args)
+    torch.ops.moekit.triton_experts_infer(*args)
     assert not interpreter.held_workspaces()
     interpreter.experts_triton(x, w13, w2, ids, weights)  # the direct eager path does keep one
     assert interpreter.held_workspaces()

@@ -201,11 +201,11 @@ def test_plans_are_kept_per_variant(interpreter, launch_log):
 
 
 def test_the_op_path_equals_the_direct_path(interpreter, monkeypatch):
-    """Through the custom op (the variant as primitive arguments, rebuilt inside) and directly: equal
-    outputs; a plain spec crosses the op as its name, sharing the "silu" plan."""
+    """Through the op (no gradient needed: the inference twin; the variant as primitive arguments, rebuilt inside)
+    and directly: equal outputs; a plain spec crosses the op as its name, sharing the "silu" plan."""
     calls = []
-    real = torch.ops.moekit.triton_experts
-    monkeypatch.setattr(torch.ops.moekit, "triton_experts", lambda *a: calls.append(a[8:14]) or real(*a))
+    real = torch.ops.moekit.triton_experts_infer
+    monkeypatch.setattr(torch.ops.moekit, "triton_experts_infer", lambda *a: calls.append(a[8:14]) or real(*a))
     for spec in (GPT_OSS, VARIANTS["relu2_ungated"]):
         x, w13, w2, ids, weights, b13, b2 = _problem(5, 2, spec, seed=9)
         direct = _check(interpreter, x, w13, w2, ids, weights, b13, b2, spec)
@@ -213,7 +213,9 @@ def test_the_op_path_equals_the_direct_path(interpreter, monkeypatch):
                       options=LaunchOptions(poison_workspace=True, direct_eager=False))
         assert torch.equal(direct, via_op)
     assert calls == [("silu", True, True, 1.702, 0.5, 1.0), ("relu2", False, False, 1.0, None, 0.0)]
-    assert interpreter._spec_of("silu", True, False, 1.0, None, 0.0) == "silu"
+    from moekit.experts import triton_op
+
+    assert triton_op._spec_of("silu", True, False, 1.0, None, 0.0) == "silu"
 
 
 def test_a_bias_that_needs_a_gradient_goes_through_the_op(interpreter, monkeypatch):
@@ -249,7 +251,7 @@ def test_opcheck_with_a_variant(interpreter):
 
 def test_compiled_fullgraph_with_a_variant(interpreter):
     """torch.compile(fullgraph=True) traces a call with a spec and biases (the spec a constant of the
-    graph, the biases graph inputs) into the custom op; its result equals the eager one."""
+    graph, the biases graph inputs) into the op (no gradient needed: the twin); its result equals the eager one."""
     seen = []
 
     def backend(gm, example_inputs):
@@ -260,7 +262,7 @@ def test_compiled_fullgraph_with_a_variant(interpreter):
     fn = torch.compile(lambda *t: _run(interpreter, *t, GPT_OSS), fullgraph=True, backend=backend)
     with torch.no_grad():
         compiled = fn(x, w13, w2, ids, weights, b13, b2)
-    assert any("moekit.triton_experts" in target for target in seen), seen
+    assert [t for t in seen if "moekit" in t] == ["moekit.triton_experts_infer"], seen
     assert torch.equal(compiled, _run(interpreter, x, w13, w2, ids, weights, b13, b2, GPT_OSS))
 
 

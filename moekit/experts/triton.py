@@ -15,9 +15,9 @@ their strides (transposed storage: pointer loads, no copy; TMA where contiguous)
 No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph capturable and replays
 correctly with new routing. How it launches is chosen by a ``LaunchOptions`` passed down to every launch
 (``triton_launch``; e.g. programmatic dependent launch on compute capability 9.0 and later, the waits in
-``_kernels._common``, so each grid launches while the one before it drains). ``torch.ops.moekit.triton_experts`` and
-``torch.ops.moekit.align_block_triton`` (``triton_align``) are ``torch.library`` custom ops with fakes, so
-``torch.compile(fullgraph=True)`` traces through them.
+``_kernels._common``, so each grid launches while the one before it drains). ``torch.ops.moekit.triton_experts``
+(autograd) and its inference twin ``triton_experts_infer`` (``triton_op``), and ``torch.ops.moekit.align_block_triton``
+(``triton_align``) are ``torch.library`` ops with fakes, so ``torch.compile(fullgraph=True)`` traces through them.
 
 The host path of a call (eager; budgeted like GPU time, see ``benchmarks/host_time.py``). Everything
 that does not depend on the call's data is decided once per kind of call and cached (each switchable
@@ -26,7 +26,7 @@ in ``LaunchOptions`` for an A/B):
     a repeated call (``LaunchOptions.fast_path``, ``triton_fast``): the same weight tensors unchanged, the same
       shapes, dtypes and devices, no map or biases -> out (fresh), its kept sequence launched; nothing below
     call_backend: check_experts_args (the one check) -> experts_triton_unchecked
-      -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
+      -> eager and nothing tracing? fused_experts directly : the op (``triton_op.experts_op``) -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions,
          bound launches]
       -> lean (``LaunchOptions.lean_launch``, ``triton_lean``): out (fresh), the plan's recorded LaunchSequence
@@ -59,11 +59,10 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
-from moekit.experts import check_experts_args, register_fast_path, register_keeper, register_traced_path
+from moekit.experts import check_experts_args, register_fast_path, register_keeper
 from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
@@ -187,59 +186,6 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters=Non
                                           out, counters):
         launch(*pointers)
     return out
-
-
-# The launch options cross the op boundary as their fields, primitive arguments: a custom op's schema
-# has no dataclasses, and plain bools and ints are constants to torch.compile (baked into the graph,
-# no guard on any global) and to a CUDA graph (fixed at capture). They are resolved for the device
-# inside the op, where tracing never looks (resolving asks the CUDA driver for the device's capability).
-# The activation crosses the same way: its spec's fields (``activations.spec_fields``), the biases as optional
-# tensors.
-@torch.library.custom_op("moekit::triton_experts", mutates_args=())
-def _experts_op(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    expert_map: Optional[torch.Tensor], b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
-    activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
-    weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
-    align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
-    raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
-    sum_tail_max: int, lean_launch: bool, align_scan_fold: bool, fast_path: bool, align_one_pass_from: int,
-) -> torch.Tensor:
-    # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
-    # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
-    # from there breaks the tree (measured on the H200: generate with a static cache and
-    # "reduce-overhead" failed, "tensor(s) in the cudagraph pool not tracked as outputs").
-    options = LaunchOptions(weight_descriptors, dependent_launch, poison_workspace, align_small_max,
-                            align_small_max_bins, direct_eager, cache_plans, cached_launcher, reuse_workspace=False,
-                            raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
-                            align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max,
-                            sum_fold_max=sum_fold_max, sum_tail_max=sum_tail_max, lean_launch=lean_launch,
-                            align_scan_fold=align_scan_fold, fast_path=fast_path,
-                            align_one_pass_from=align_one_pass_from)
-    spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
-    return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
-
-
-@_experts_op.register_fake
-def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activation, gated, interleaved, alpha,
-                  limit, up_shift, *options):
-    return x.new_empty(x.shape)
-
-
-# The op's gradients (x, w13, w2, topk_weights) come from triton_backward, which imports this module
-# lazily: imported here, at the end of the op's definition, there is no cycle.
-from moekit.experts.triton_backward import backward_experts_op, setup_experts_op  # noqa: E402
-
-torch.library.register_autograd("moekit::triton_experts", backward_experts_op, setup_context=setup_experts_op)
-
-
-@functools.lru_cache(maxsize=256)
-def _spec_of(name: str, gated: bool, interleaved: bool, alpha: float, limit: float | None,
-             up_shift: float) -> str | ActivationSpec:
-    """The op's activation arguments as what the plans are keyed by: the name for a plain spec (so
-    the op and the direct eager path of a "silu" call share one plan), else the spec. Built once."""
-    spec = ActivationSpec(name, gated, interleaved, alpha, limit, up_shift)
-    return name if spec.plain else spec
 
 
 def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -366,8 +312,8 @@ def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, 
     if options.direct_eager and _runs_directly(x, w13, w2, topk_weights, b13, b2):
         return _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, None, options, b13, b2,
                       checked=checked)
-    return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2,
-                                           *spec_fields(activation), *options.as_op_args())
+    op = _triton_op.experts_op(x, w13, w2, topk_weights, b13, b2)  # the twin unless a gradient is needed
+    return op(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, *spec_fields(activation), *options.as_op_args())
 
 
 # experts_triton_unchecked's fast path with its default options (``ExpertsCallCache`` tries it first): a partial,
@@ -378,23 +324,5 @@ register_fast_path(experts_triton_unchecked,
 register_keeper(experts_triton_unchecked, functools.partial(keep_call, _WORKSPACES, options=_DEFAULT_OPTIONS))
 
 
-_DEFAULT_OP_ARGS = _DEFAULT_OPTIONS.as_op_args()
-
-
-def traced_triton_experts(x, w13, w2, topk_ids, topk_weights, activation, b13=None, b2=None) -> torch.Tensor:
-    """What ``experts_triton_unchecked`` with its default options comes to while torch.compile traces a call with
-    plain weights and no expert map: the custom op. Its eager-only branches (the fast path, the Gluon route, the
-    direct-eager tests) are not traced, so dynamo installs no guards for them on every compiled call. Shapes and
-    dtypes are compared here (constants under tracing; ``check_experts_args`` runs only to name a misfit), the
-    dtype itself and the activation when the op builds its plan."""
-    x_shape, ids_shape = x.shape, topk_ids.shape
-    if (len(x_shape) != 2 or len(ids_shape) != 2 or ids_shape[0] != x_shape[0] or topk_weights.shape != ids_shape
-            or w13.dim() != 3 or w13.shape[2] != x_shape[1] or w2.dim() != 3 or w2.shape[0] != w13.shape[0]
-            or w2.shape[1] != x_shape[1] or w13.dtype != x.dtype or w2.dtype != x.dtype
-            or topk_ids.is_floating_point()):
-        check_experts_args(x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
-    return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, None, b13, b2, *spec_fields(activation),
-                                           *_DEFAULT_OP_ARGS)
-
-
-register_traced_path(experts_triton_unchecked, traced_triton_experts)
+# the ops (``triton_op``: the custom op, its inference twin, the traced entry), defined on this module's functions
+import moekit.experts.triton_op as _triton_op  # noqa: E402  (imports this module: here at the end, no cycle)

@@ -1,6 +1,6 @@
 """Autograd for the Triton experts path: gradients for x, w13, w2 and topk_weights (so the router trains).
 
-    forward: torch.ops.moekit.triton_experts (triton.py)     or  torch.ops.moekit.triton_experts_train
+    forward: torch.ops.moekit.triton_experts (triton_op.py)  or  torch.ops.moekit.triton_experts_train
     backward: torch.ops.moekit.triton_experts_backward  ->  triton_backward_launch.experts_backward
 
 Per assignment a = (t, j) routed to e with weight w_a: h_a = w13[e] x_t [2N], g_a = act(gate_a) up_a
@@ -130,7 +130,7 @@ def _setup(ctx, names: list[str], inputs: tuple) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Autograd of torch.ops.moekit.triton_experts (triton.py registers these two)
+# Autograd of torch.ops.moekit.triton_experts (triton_op.py registers these two)
 # ---------------------------------------------------------------------------------------------------
 
 
