@@ -104,6 +104,27 @@ def write_json(path: str, payload: dict) -> None:
         json.dump(payload, f, indent=1)
 
 
+
+def host_and_wall_us(fns: dict, dev, calls: int, rounds: int) -> dict:
+    """name -> ([host µs a call, each round], [wall µs a call, each round]): host is ``calls`` calls queued behind
+    ~1 ms of GPU work on CUDA (the host's time alone), wall the same to completion; the order reversed every other
+    round."""
+    out = {name: ([], []) for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            for i, busy in enumerate((True, False)):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                    if busy:
+                        torch.cuda._sleep(2_000_000)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fns[name]()
+                if dev.type == "cuda" and not busy:
+                    torch.cuda.synchronize()
+                out[name][i].append((time.perf_counter() - start) * 1e6 / calls)
+    return out
+
 def case_args(doc: str, deadline: float, cases, namespace=None) -> argparse.Namespace:
     """The command line of a check run case by case (``run_cases``): --out (the JSON's folder; none: not written),
     --deadline (s: no case starts past it), --rounds (2 under --smoke), --cases (default: all, in order), --smoke."""

@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, host_and_wall_us, rel_l2, run_info, write_json  # noqa: E402
 
 ROUNDS = 2 if SMOKE else 5
 E, N, K, TOP_K = (8, 32, 64, 2) if SMOKE else (128, 768, 2048, 8)
@@ -43,23 +42,10 @@ RUN = RunLog("op34: custom op dispatch on the device's host (µs a call, medians
 RESULT: dict = {"run": {}, "failed": RUN.failed}
 
 
+
 def host_us(fns: dict, dev, calls: int) -> dict:
-    """name -> (host µs a call, queued behind ~1 ms of GPU work on CUDA; wall µs a call), per round."""
-    out = {name: ([], []) for name in fns}
-    for r in range(ROUNDS):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            for i, busy in enumerate((True, False)):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                    if busy:
-                        torch.cuda._sleep(2_000_000)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fns[name]()
-                if dev.type == "cuda" and not busy:
-                    torch.cuda.synchronize()
-                out[name][i].append((time.perf_counter() - start) * 1e6 / calls)
-    return out
+    """``bench_run.host_and_wall_us`` over this check's rounds."""
+    return host_and_wall_us(fns, dev, calls, ROUNDS)
 
 
 def report(label: str, samples: dict) -> None:

@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import threading
-import time
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -44,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import opg35_client as client  # noqa: E402
 from opg35_body_cpu import body_before  # noqa: E402
 from bench_rounds import wins  # noqa: E402
-from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, host_and_wall_us, rel_l2, run_info, write_json  # noqa: E402
 
 ROUNDS, TOKENS = (2, 4) if SMOKE else (5, 33)
 E, N, K, TOP_K = (8, 32, 64, 2) if SMOKE else (128, 768, 2048, 8)
@@ -96,24 +95,10 @@ def correct_phase(dev) -> None:
     RUN.check("compiled under no_grad holds the twin only", seen == ["moekit.triton_experts_infer"], str(seen))
 
 
+
 def host_us(fns: dict, dev, calls: int) -> dict:
-    """name -> ([host µs a call, each round], [wall µs a call, each round]); host: ``calls`` calls queued behind
-    ~1 ms of GPU work (the host's time alone), wall: the same to completion; the order reversed every other round."""
-    out = {name: ([], []) for name in fns}
-    for r in range(ROUNDS):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            for i, busy in enumerate((True, False)):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                    if busy:
-                        torch.cuda._sleep(2_000_000)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fns[name]()
-                if dev.type == "cuda" and not busy:
-                    torch.cuda.synchronize()
-                out[name][i].append((time.perf_counter() - start) * 1e6 / calls)
-    return out
+    """``bench_run.host_and_wall_us`` over this check's rounds."""
+    return host_and_wall_us(fns, dev, calls, ROUNDS)
 
 
 def profiled(fn, calls: int, top: int = 14) -> list:
