@@ -338,6 +338,14 @@ def test_logits_that_need_a_gradient_go_through_route(fused):
     assert got.topk_weights.grad_fn is not None  # route's differentiable weights
     with torch.no_grad():
         assert fused.route_fused(logits, MIXTRAL).topk_weights.grad_fn is None
+    # a gated shared slot's gate logits (or the bias) needing one: route too, never the op (which would refuse it)
+    cfg = SMALL_GROUPED.replace(shared_expert_intermediate_size=16, shared_expert_gate=True)
+    logits, _ = _problem(cfg, 3, seed=4)
+    bias, gate = (torch.randn(16) * 0.1).requires_grad_(), torch.randn(3, 1, requires_grad=True)
+    got = fused.FusedRouter(cfg)(logits, bias, gate, append_shared=True)
+    ref = append_shared_slots(route(logits, cfg, bias), cfg, gate)
+    assert torch.equal(got.topk_ids, ref.topk_ids) and torch.equal(got.topk_weights, ref.topk_weights)
+    assert got.topk_weights.grad_fn is not None
 
 
 def test_router_choice(fused, monkeypatch):

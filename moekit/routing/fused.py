@@ -17,7 +17,8 @@ the whole MoE layer against an 18 µs floor). Here the host path is the argument
 allocations and one launch; everything that depends only on the config is decided once, in a
 ``FusedRouter`` (``_Plan``). Eager calls launch directly; under ``torch.compile`` the same launch runs
 behind ``torch.ops.moekit.route_fused`` (a custom op with a fake), so ``fullgraph=True`` and CUDA
-graphs work. The weights carry no gradient: a call whose logits need one is routed by ``route``.
+graphs work. The weights carry no gradient: a call whose logits, bias or shared gate logits need one is routed
+by ``route``.
 
 Shapes: M tokens, E experts, k = top_k, S shared slots, BM rows per program.
 """
@@ -303,8 +304,10 @@ class FusedRouter:
                  shared_gate_logits: torch.Tensor | None = None, append_shared: bool = False, out=None) -> Routing:
         """``out``: (ids, weights) [M, k(+S)] int32 / float32 contiguous on the logits' device, written by
         eager calls instead of fresh tensors (``moekit.routing.workspace``; the caller vouches for them)."""
-        if isinstance(logits, torch.Tensor) and logits.requires_grad and torch.is_grad_enabled():
-            return self._twin(logits, correction_bias, shared_gate_logits, append_shared)  # weights need a gradient
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (logits, correction_bias, shared_gate_logits)):
+            # weights that need a gradient: the fused launch and its op compute none
+            return self._twin(logits, correction_bias, shared_gate_logits, append_shared)
         plan = self._plans[1 if append_shared else 0]
         if plan is None:
             return self._twin(logits, correction_bias, shared_gate_logits, append_shared)  # raises append's error
