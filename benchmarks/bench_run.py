@@ -125,6 +125,23 @@ def host_and_wall_us(fns: dict, dev, calls: int, rounds: int) -> dict:
                 out[name][i].append((time.perf_counter() - start) * 1e6 / calls)
     return out
 
+def run_generate(model, prompt, tokens: int, config=None, processor=None, logits: bool = False):
+    """Greedy ``model.generate`` of ``tokens`` tokens under no_grad: compiled with a static cache under
+    ``config`` (a CompileConfig), eager when None; ``processor`` a logits processor (a step clock), or None."""
+    from transformers import LogitsProcessorList
+
+    kwargs = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=logits)
+    if config is None:
+        kwargs["disable_compile"] = True
+    else:
+        kwargs.update(cache_implementation="static", compile_config=config)
+    if processor is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([processor])
+    with torch.no_grad():
+        return model.generate(prompt, **kwargs)
+
+
 def case_args(doc: str, deadline: float, cases, namespace=None) -> argparse.Namespace:
     """The command line of a check run case by case (``run_cases``): --out (the JSON's folder; none: not written),
     --deadline (s: no case starts past it), --rounds (2 under --smoke), --cases (default: all, in order), --smoke."""

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from bench_run import run_generate
+
 BEFORE = "moekit_custom_op"  # main's compiled path: the custom op with autograd
 IMPLS = ("moekit", BEFORE)  # after, before
 
@@ -124,22 +126,12 @@ class StepClock:
 
 
 def generate(model, impl: str, prompt, tokens: int, config=None, clock=None, logits: bool = False):
-    """A greedy generate through ``impl``: eager (``config`` None) or compiled (the static cache, ``config``)."""
+    """``model.generate`` with the registered experts implementation ``impl`` (``run_generate``)."""
     import moekit.hf as mh
-    from transformers import LogitsProcessorList
 
     model.set_experts_implementation(impl)
     mh.prepare(model)
-    kwargs = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_logits=logits)
-    if config is None:
-        kwargs["disable_compile"] = True
-    else:
-        kwargs.update(cache_implementation="static", compile_config=config)
-    if clock is not None:
-        kwargs["logits_processor"] = LogitsProcessorList([clock])
-    with torch.no_grad():
-        return model.generate(prompt, **kwargs)
+    return run_generate(model, prompt, tokens, config, clock, logits)
 
 
 SEEN: list = []  # the smoke's compiled graphs: each one's moekit ops

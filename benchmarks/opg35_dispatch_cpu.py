@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from typing import Callable, Optional
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from moekit.activations import ActivationSpec, spec_fields
 from moekit.experts.op_library import define_inference_op
 from moekit.experts.triton_op import _DEFAULT_OP_ARGS, _experts_fake, experts_op
+from op_dispatch import per_call_us
 
 
 def empty_kernel(
@@ -66,15 +66,6 @@ def op_args() -> tuple:
     w13, w2 = torch.randn(8, 64, 64).bfloat16(), torch.randn(8, 64, 32).bfloat16()
     ids, weights = torch.tensor([[1, 5]]), torch.tensor([[0.6, 0.4]])
     return (x, w13, w2, ids, weights, None, None, None, *spec_fields(ActivationSpec()), *_DEFAULT_OP_ARGS)
-
-
-def per_call_us(fn: Callable, args: tuple, calls: int) -> float:
-    for _ in range(200):
-        fn(*args)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(*args)
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> None:

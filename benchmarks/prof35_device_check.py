@@ -39,7 +39,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import prof35_trace as trace  # noqa: E402
-from bench_run import RunLog, run_info, write_json  # noqa: E402
+from bench_run import RunLog, run_generate, run_info, write_json  # noqa: E402
 
 # the diffs' implementations first: the rest may miss the deadline (~13 s of compile each)
 IMPLS = ("moekit", "no_experts", "no_router", "grouped_mm", "moekit_blocks")
@@ -126,21 +126,11 @@ class StepMarks:
 
 
 def generate(model, impl: str, prompt, tokens: int, config, marks=None, logits: bool = False):
-    from transformers import LogitsProcessorList
-
+    """``bench_run.run_generate`` through ``impl`` (``moekit bench --hf``'s implementations and ceilings)."""
     from moekit.bench.hf_models import use_impl
 
     use_impl(model, impl)
-    kwargs = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_logits=logits)
-    if config is None:
-        kwargs["disable_compile"] = True
-    else:
-        kwargs.update(cache_implementation="static", compile_config=config)
-    if marks is not None:
-        kwargs["logits_processor"] = LogitsProcessorList([marks])
-    with torch.no_grad():
-        return model.generate(prompt, **kwargs)
+    return run_generate(model, prompt, tokens, config, marks, logits)
 
 
 def profile_steps(model, impl: str, prompt, config) -> trace.StepTable:
