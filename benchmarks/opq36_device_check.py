@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opq36_before as before  # noqa: E402
 from bench_rounds import wins  # noqa: E402
-from bench_run import RunLog, host_and_wall_us, run_info, write_json  # noqa: E402
+from bench_run import RunLog, host_and_wall_us, raise_recompile_limit, run_info, run_phases  # noqa: E402
 from moekit import MoE, MoEConfig  # noqa: E402
 from moekit.experts import triton_align, triton_fp8, triton_wo  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -274,23 +274,14 @@ def main() -> int:
                      "layers": ARGS.layers}
     RUN.summary.append("| phase | case | host after / before | wall after / before | after / before per round "
                        "(host; stack: wall) | rounds >= 3% faster / slower |\n|---|---|---|---|---|---|")
-    import torch._dynamo.config as cfg
-
-    limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, limit, max(getattr(cfg, limit), 64))
+    raise_recompile_limit()  # two implementations (and modes): never fall back to eager
     found = cases(dev) if {"correct", "op"} & set(ARGS.phases) else {}
     RUN.log("cases built")
-    for name in ARGS.phases:
-        if name == "stack":
-            found.clear()  # DeepSeek-V3's fp8 experts (11 GB) go before the stack's layers come
-        phase = {"correct": lambda: correct_phase(found), "op": lambda: op_phase(found, dev),
-                 "stack": lambda: stack_phase(dev)}[name]
-        RUN.each_cell([name], lambda _, phase=phase: phase(), ARGS.deadline - NEEDS_S.get(name, 4))
-        RUN.log(f"{name} done")
-        if ARGS.out:
-            write_json(os.path.join(ARGS.out, "opq36.json"), RESULT)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+    phases = {"correct": lambda: correct_phase(found), "op": lambda: op_phase(found, dev),
+              # DeepSeek-V3's fp8 experts (11 GB) go before the stack's layers come
+              "stack": lambda: (found.clear(), stack_phase(dev))}
+    return run_phases(RUN, phases, ARGS.phases, ARGS.deadline, NEEDS_S,
+                      ARGS.out and os.path.join(ARGS.out, "opq36.json"), RESULT)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ round; prints µs a call (medians, each round), now / before per round, and the 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import os
@@ -28,7 +27,7 @@ from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
 from moekit.layouts.grouping import max_padded_rows
 from moekit.routing import fused
 from moekit.routing.router_math import RouterMath
-from op_dispatch import per_call_us
+from op_dispatch import per_call_us, timing_args
 
 # op name -> (its body, its fake)
 OPS = {"fp8": (triton_fp8._fp8_kernel, triton_fp8._fp8_fake), "wo": (triton_wo._wo_kernel, triton_wo._wo_fake),
@@ -114,11 +113,7 @@ def report(title: str, us: dict[str, list[float]]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=2000)
-    a = p.parse_args()
-    torch.set_num_threads(2)
+    a = timing_args(__doc__)
     args = op_args()
     dispatch, host = {}, {}
     for name in OPS:

@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 from _fp8_cases import FLIP_TOL, emulation_f64, problem as fp8_problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
 from _triton_helpers import interpreted, interpreter  # noqa: E402, F401  (fixture)
+from test_triton_op import _compiled_ops  # noqa: E402  (fn compiled fullgraph, aot_eager: its output, its ops)
 from test_triton_wo import loop64, problem as wo_problem, wo  # noqa: E402, F401  (fixture)
 from moekit import MoEConfig, route  # noqa: E402
 from moekit.experts.op_library import needs_grad  # noqa: E402
@@ -155,20 +156,6 @@ def test_align_op_gives_its_bodys_bits_and_align_blocks(ops, m):
     torch.library.opcheck(torch.ops.moekit.align_block_triton.default, args)
 
 
-def _graph_ops(fn, *args):
-    """fn compiled fullgraph (aot_eager), its moekit ops as dynamo's graph holds them, and its output."""
-    from torch._dynamo.backends.debugging import aot_eager
-
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.extend(str(node.target) for node in gm.graph.nodes if "moekit" in str(node.target))
-        return aot_eager(gm, example_inputs)
-
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend=backend)(*args), seen
-
-
 def test_compiled_calls_without_a_gradient_hold_the_inference_ops(ops):
     """Grad mode on, no input needing a gradient (a model's forward without no_grad): the inference op in the graph,
     equal to the eager call."""
@@ -185,7 +172,7 @@ def test_compiled_calls_without_a_gradient_hold_the_inference_ops(ops):
     }
     with torch.enable_grad():
         for name, (fn, args) in cases.items():
-            out, seen = _graph_ops(fn, *args)
+            out, seen = _compiled_ops(fn, *args)
             assert seen == [f"moekit.{name}"], name
             assert torch.equal(out, fn(*args)), name
 
@@ -213,7 +200,7 @@ def test_a_call_needing_a_gradient_runs_mains_form(ops, kind):
     with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         out.float().sum().backward()
     with pytest.raises(Exception, match="no autograd formula was registered"):
-        _graph_ops(run, x)
+        _compiled_ops(run, x)
     with pytest.raises(RuntimeError, match=f"moekit::{name} has no backward"):
         getattr(torch.ops.moekit, name)(x, *args[1:])
 
