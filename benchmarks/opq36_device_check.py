@@ -173,6 +173,7 @@ def correct_phase(found: dict) -> None:
     res = RESULT["correct"] = {}
     with torch.no_grad():
         for label, (name, args, body, entry, entry_args) in found.items():
+            RUN.log(f"correct: {label}")  # the first calls compile the case's kernels
             after, main = getattr(torch.ops.moekit, name).default(*args), before.OPS[name](*args)
             res[label] = {"vs_main": same(after, main), "vs_body": same(after, body(*args)),
                           "traced": traced_ops(entry, entry_args)}
