@@ -105,6 +105,28 @@ def write_json(path: str, payload: dict) -> None:
 
 
 
+def raise_recompile_limit(at_least: int = 64) -> None:
+    """dynamo's recompile limit (``cache_size_limit`` on older torch) at least ``at_least``: a check that compiles
+    several implementations or modes never falls back to eager."""
+    import torch._dynamo.config as cfg
+
+    limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, limit, max(getattr(cfg, limit), at_least))
+
+
+def run_phases(run: RunLog, phases: dict, names, deadline: float, needs_s: dict, path: str, result: dict) -> int:
+    """``phases[name]()`` for each of ``names`` that starts before ``deadline - needs_s.get(name, 4)`` s (a device
+    check's phases, ``RunLog.each_cell``'s rules), "<name> done" logged and ``result`` written to ``path`` (JSON; none
+    where ``path`` is "") after each; then the table. Returns the exit status: 1 where a check failed, else 0."""
+    for name in names:
+        run.each_cell([name], lambda _, phase=phases[name]: phase(), deadline - needs_s.get(name, 4))
+        run.log(f"{name} done")
+        if path:
+            write_json(path, result)
+    run.print_table()
+    return 1 if run.failed else 0
+
+
 def host_and_wall_us(fns: dict, dev, calls: int, rounds: int) -> dict:
     """name -> ([host µs a call, each round], [wall µs a call, each round]): host is ``calls`` calls queued behind
     ~1 ms of GPU work on CUDA (the host's time alone), wall the same to completion; the order reversed every other

@@ -79,6 +79,17 @@ def per_call_us(fn: Callable, args: tuple, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def timing_args(doc: str) -> argparse.Namespace:
+    """``--rounds`` and ``--calls`` of the CPU dispatch scripts (``doc``'s first line describes them); torch on two
+    threads."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=2000)
+    a = p.parse_args()
+    torch.set_num_threads(2)
+    return a
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7)

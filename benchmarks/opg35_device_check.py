@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import opg35_client as client  # noqa: E402
 from opg35_body_cpu import body_before  # noqa: E402
 from bench_rounds import wins  # noqa: E402
-from bench_run import RunLog, host_and_wall_us, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, host_and_wall_us, raise_recompile_limit, rel_l2, run_info, run_phases  # noqa: E402
 
 ROUNDS, TOKENS = (2, 4) if SMOKE else (5, 33)
 E, N, K, TOP_K = (8, 32, 64, 2) if SMOKE else (128, 768, 2048, 8)
@@ -205,22 +205,18 @@ def main() -> int:
     RESULT["run"] = {**run_info(), "smoke": SMOKE, "shape": [E, N, K, TOP_K], "phases": ARGS.phases}
     RUN.summary.append("| phase | variant | host µs (or ms) new / old | wall µs new / old | new / old per round | "
                        "rounds >= 3% faster / slower |\n|---|---|---|---|---|---|")
-    import torch._dynamo.config as cfg
+    raise_recompile_limit()  # two implementations (and modes): never fall back to eager
+    built = []  # [(model, prompt)] once a client phase needs it
 
-    limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, limit, max(getattr(cfg, limit), 64))  # two implementations, two modes: never fall back to eager
-    model = prompt = None
-    for name in ARGS.phases:
-        if name in ("eager", "compiled", "nograph") and model is None:
-            model, prompt = client.build(SMOKE, dev)
-        phase = {"correct": lambda: correct_phase(dev), "op": lambda: op_phase(dev)}.get(
-            name, lambda name=name: client_phase(name, model, prompt, dev))
-        RUN.each_cell([name], lambda _, phase=phase: phase(), ARGS.deadline - NEEDS_S.get(name, 4))
-        RUN.log(f"{name} done")
-        if ARGS.out:
-            write_json(os.path.join(ARGS.out, "opg35.json"), RESULT)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+    def client_run(name: str) -> None:
+        if not built:
+            built.append(client.build(SMOKE, dev))
+        client_phase(name, *built[0], dev)
+
+    phases = {"correct": lambda: correct_phase(dev), "op": lambda: op_phase(dev),
+              **{name: (lambda name=name: client_run(name)) for name in ("compiled", "nograph", "eager")}}
+    return run_phases(RUN, phases, ARGS.phases, ARGS.deadline, NEEDS_S,
+                      ARGS.out and os.path.join(ARGS.out, "opg35.json"), RESULT)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ a call (medians, each round), twin / custom_op per round and the load average.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from typing import Callable, Optional
@@ -23,7 +22,7 @@ import torch
 from moekit.activations import ActivationSpec, spec_fields
 from moekit.experts.op_library import define_inference_op
 from moekit.experts.triton_op import _DEFAULT_OP_ARGS, _experts_fake, experts_op
-from op_dispatch import per_call_us
+from op_dispatch import per_call_us, timing_args
 
 
 def empty_kernel(
@@ -69,11 +68,7 @@ def op_args() -> tuple:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=2000)
-    a = p.parse_args()
-    torch.set_num_threads(2)
+    a = timing_args(__doc__)
     args = op_args()
     with torch.no_grad():
         found = variants()

@@ -14,7 +14,8 @@ annotations (``torch.library.infer_schema``), the ``pt2_compliant_tag``, the fak
 ``CompositeExplicitAutograd`` (every backend); the Autograd key falls through to torch's C++ fallback, which runs
 the kernel with autograd still recording, so the kernel refuses a call that needs a gradient (one check, < 1 us;
 under ``no_grad`` only the grad-mode test) where ``custom_op`` ran it and failed at backward: callers send such
-calls elsewhere (``grouped_mm._runs_cpu_op``). ``torch.library.opcheck`` holds each op to its fake (tests).
+calls elsewhere (``grouped_mm._runs_cpu_op``, ``needs_grad``). ``torch.library.opcheck`` holds each op to its fake
+(tests).
 """
 
 from __future__ import annotations
@@ -40,3 +41,15 @@ def define_inference_op(name: str, kernel: Callable, fake: Callable) -> torch._o
     _LIB.impl(name, no_grad_kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"moekit::{name}", fake, lib=_LIB)
     return getattr(torch.ops.moekit, name).default
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether grad mode is on and one of ``tensors`` (None skipped) needs a gradient: a call an inference op
+    refuses. Attribute reads only, so torch.compile decides it at trace time (grad mode and ``requires_grad`` are
+    guarded) and a compiled graph holds one op or the other, never a graph break."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False

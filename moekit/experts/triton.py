@@ -65,6 +65,7 @@ import torch
 from moekit.experts import check_experts_args, register_fast_path, register_keeper
 from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
+from moekit.experts.triton_align import clear_op_plans
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, keep_call, remember, run_fast
 from moekit.experts.triton_quant_fast import clear_quant_fast
@@ -94,6 +95,7 @@ def clear_launch_caches() -> None:
     clear_scratch_plans()
     clear_plans()
     clear_sequences()
+    clear_op_plans()  # the alignment op's (``triton_align``)
     clear_fast()
     clear_quant_fast()
     _DESCRIPTORS.clear()

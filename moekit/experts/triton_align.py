@@ -1,5 +1,6 @@
-"""Block alignment on the device: the launchers of ``_kernels/align.py`` and the custom op
-``torch.ops.moekit.align_block_triton``. No host sync: every size comes from shapes.
+"""Block alignment on the device: the launchers of ``_kernels/align.py`` and the op
+``torch.ops.moekit.align_block_triton`` (no autograd layer: ``op_library``). No host sync: every size comes from
+shapes.
 
 Torch twin: ``moekit.layouts.block_aligned.align_block``; the layouts are equal element for element.
 
@@ -9,11 +10,13 @@ R = rows of sorted_ids, R/B blocks.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from moekit.experts.op_library import define_inference_op
 from moekit.experts.triton_launch import (
     ALIGN_CHUNK, LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options,
 )
@@ -272,33 +275,48 @@ def align_launches(plan: AlignPlan, ids, map_arg, b: dict, counters=None) -> lis
     return launches
 
 
-# The op takes the alignment's launch options as three primitive arguments (a custom op's schema has no
-# dataclasses): a compiled caller picks them like an eager one, and they are resolved inside the op.
-@torch.library.custom_op("moekit::align_block_triton", mutates_args=())
-def _align_op(
+# The op takes the alignment's launch options as primitive arguments (an op's schema has no dataclasses): a compiled
+# caller picks them like an eager one, and they are resolved inside the op.
+def _align_kernel(
     topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: Optional[torch.Tensor], allow_naive: bool,
     dependent_launch: bool, align_small_max: int, align_small_max_bins: int,
     align_one_launch_max: int = LaunchOptions.align_one_launch_max,
     align_two_launch_max: int = LaunchOptions.align_two_launch_max,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = resolve_launch_options(
-        LaunchOptions(dependent_launch=dependent_launch, align_small_max=align_small_max,
-                      align_small_max_bins=align_small_max_bins, cached_launcher=False,
-                      align_one_launch_max=align_one_launch_max, align_two_launch_max=align_two_launch_max),
-        topk_ids.device)
+    """The op's body: topk_ids [M, k] (int), the layout's sizes, expert_map [E_global] or None, the options'
+    fields -> (sorted_ids [R], expert_ids [R/B], num_padded [1], counts [E]), int32."""
     topk_ids = topk_ids.contiguous()
     num_assignments = topk_ids.numel()
     naive = allow_naive and use_naive(num_assignments, num_experts, expert_map)
-    num_rows = num_assignments * block_size if naive else max_padded_rows(num_assignments, num_experts, block_size)
-    num_global = None if expert_map is None else expert_map.numel()
-    plan = plan_align(num_assignments, num_experts, block_size, num_global, num_rows, options, naive)
+    plan = _op_plan(num_assignments, num_experts, block_size, None if expert_map is None else expert_map.numel(),
+                    naive, dependent_launch, align_small_max, align_small_max_bins, align_one_launch_max,
+                    align_two_launch_max, topk_ids.device)
     buffers = {name: torch.empty(shape, dtype=dtype, device=topk_ids.device) for name, dtype, shape in plan.regions}
     # A = 0 too: counts, num_padded
     run_align(plan, topk_ids, None if expert_map is None else expert_map.contiguous(), buffers)
     return buffers["sorted_ids"], buffers["expert_ids"], buffers["num_padded"], buffers["counts"]
 
 
-@_align_op.register_fake
+@functools.lru_cache(maxsize=256)
+def _op_plan(num_assignments: int, num_experts: int, block_size: int, num_global: int | None, naive: bool,
+             dependent_launch: bool, small_max: int, small_max_bins: int, one_launch_max: int, two_launch_max: int,
+             device: torch.device) -> AlignPlan:
+    """The op's plan, its options resolved for ``device``, built once per kind of call: a compiled graph passes the
+    same sizes and constants every call. Its launches go through ``kernel[grid]`` (no cached launcher): they keep
+    no state, so one plan serves every call of its kind, the same launches as one built per call."""
+    options = resolve_launch_options(
+        LaunchOptions(dependent_launch=dependent_launch, align_small_max=small_max, align_small_max_bins=small_max_bins,
+                      cached_launcher=False, align_one_launch_max=one_launch_max, align_two_launch_max=two_launch_max),
+        device)
+    num_rows = num_assignments * block_size if naive else max_padded_rows(num_assignments, num_experts, block_size)
+    return plan_align(num_assignments, num_experts, block_size, num_global, num_rows, options, naive)
+
+
+def clear_op_plans() -> None:
+    """Drop the op's kept plans (they hold the kernels they were built with: a test's interpreted ones, say)."""
+    _op_plan.cache_clear()
+
+
 def _align_fake(topk_ids, num_experts, block_size, expert_map, allow_naive, *options):
     num_assignments = topk_ids.numel()
     if allow_naive and use_naive(num_assignments, num_experts, expert_map):
@@ -309,6 +327,10 @@ def _align_fake(topk_ids, num_experts, block_size, expert_map, allow_naive, *opt
     new = dict(dtype=torch.int32, device=topk_ids.device)
     return (torch.empty(rows, **new), torch.empty(blocks, **new), torch.empty(1, **new),
             torch.empty(num_experts, **new))
+
+
+# No autograd layer (``op_library``): its inputs are integer tensors, which never need a gradient.
+define_inference_op("align_block_triton", _align_kernel, _align_fake)
 
 
 def align_block_triton(

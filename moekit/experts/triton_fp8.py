@@ -17,10 +17,11 @@ e4m3 weights go to the tiny-batch GEMMs as TMA descriptors where they are contig
 (built once per weight tensor and plan blocks, ``triton_cache.WeightDescriptors``, as the bf16 path's),
 else as pointers read through their strides (``triton_fp8_plan.TMA_MAX_BLOCK_M`` has the measurements);
 ``LaunchOptions.weight_descriptors=False`` forces the pointers.
-``torch.ops.moekit.triton_experts_fp8`` is a custom op with a fake: no host sync, every size from
-shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Eager calls take their
-buffers from a reused pool (``triton_cache.WorkspacePool``), a call under capture fresh ones from the
-graph's pool.
+``torch.ops.moekit.triton_experts_fp8`` is an op with a fake and no autograd layer (``op_library``; its twin
+``triton_experts_fp8_autograd``, a custom op without a backward, takes calls whose inputs need a gradient): no host
+sync, every size from shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Eager
+calls take their buffers from a reused pool (``triton_cache.WorkspacePool``), a call under capture fresh ones from
+the graph's pool.
 
 Torch twin: ``fused_experts_fp8_torch`` (the same quantization steps, float32 GEMMs on dequantized
 operands: equal to the block-scaled sum up to float32 rounding, except that now and then a value within
@@ -32,13 +33,15 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from moekit.experts.configs import KernelConfig
+from moekit.experts.op_library import define_inference_op, needs_grad
 from moekit.experts.triton import _runs_directly
-from moekit.experts.triton_align import align_launches
+from moekit.experts.triton_align import align_launches, clear_op_plans
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool
 from moekit.experts.triton_fp8_persistent import Persistent
 from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
@@ -153,6 +156,7 @@ def clear_launch_caches() -> None:
     """Drop every cached plan, weight descriptor and reused workspace (the next call builds them again)."""
     clear_plans()
     _DESCRIPTORS.clear()
+    clear_op_plans()  # the alignment op's (``triton_align``)
     _WORKSPACES.clear()
 
 
@@ -257,22 +261,36 @@ def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale
     return launches
 
 
-@torch.library.custom_op("moekit::triton_experts_fp8", mutates_args=())
-def _fp8_op(
+def _fp8_kernel(
     x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], block_n: int,
     block_k: int, weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool,
 ) -> torch.Tensor:
-    options = LaunchOptions(weight_descriptors=weight_descriptors, dependent_launch=dependent_launch,
-                            poison_workspace=poison_workspace)
+    """The ops' body: x [M, K], the fp8 weights and scales, topk_ids / topk_weights [M, k], expert_map [E_global]
+    or None, the block shape (block_n, block_k), three ``LaunchOptions`` fields -> out [M, K] (x.dtype)."""
+    options = _fp8_options(weight_descriptors, dependent_launch, poison_workspace)
     return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
                                     (block_n, block_k), options=options)
 
 
-@_fp8_op.register_fake
+@functools.lru_cache(maxsize=8)
+def _fp8_options(weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool) -> LaunchOptions:
+    """The op's option fields as ``LaunchOptions``, built and validated once per set of values (as
+    ``triton_op._options_of``: a compiled graph passes the same constants on every call)."""
+    return LaunchOptions(weight_descriptors=weight_descriptors, dependent_launch=dependent_launch,
+                         poison_workspace=poison_workspace)
+
+
 def _fp8_fake(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_n, block_k,
               weight_descriptors, dependent_launch, poison_workspace):
-    return x.new_empty(x.shape)
+    return x.new_empty(x.shape)  # [M, K], x.dtype: what fused_experts_fp8_launch returns
+
+
+# Two registrations of one body: the op calls run without a gradient (no Python autograd layer), and for a call
+# with an input that needs one, a custom op without a backward (what main ran every call through: the forward
+# runs, a backward through it raises torch's "no autograd formula" error).
+define_inference_op("triton_experts_fp8", _fp8_kernel, _fp8_fake)
+torch.library.custom_op("moekit::triton_experts_fp8_autograd", _fp8_kernel, mutates_args=()).register_fake(_fp8_fake)
 
 
 def fused_experts_fp8(
@@ -293,11 +311,12 @@ def fused_experts_fp8(
     x.dtype. In eager mode where nothing traces or needs the op (``triton``'s direct-eager rule,
     ``options.direct_eager``), the kernels are launched directly; else through
     ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, weight_descriptors, dependent_launch and
-    poison_workspace cross the op)."""
+    poison_workspace cross the op), or ``triton_experts_fp8_autograd`` where an input needs a gradient."""
     check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape)
     if options.direct_eager and _runs_directly(x, w13_q, w2_q, topk_weights, None, None):
         return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
                                         tuple(block_shape), options=options)
-    return torch.ops.moekit.triton_experts_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
-                                               block_shape[0], block_shape[1], options.weight_descriptors,
-                                               options.dependent_launch, options.poison_workspace)
+    grad = needs_grad(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights)
+    op = torch.ops.moekit.triton_experts_fp8_autograd if grad else torch.ops.moekit.triton_experts_fp8
+    return op(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_shape[0], block_shape[1],
+              options.weight_descriptors, options.dependent_launch, options.poison_workspace)

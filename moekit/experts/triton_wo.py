@@ -16,8 +16,9 @@ operand in a permuted K order, one dot each 128 columns of a step of 128 or 256)
 (``_kernels/gemm_wo_gemv.py``: 32-bit words bit-placed into float32 on the CUDA cores, blocks of 1-2
 rows; weights whose rows are whole words only, ``triton_wo_gemv.words_ok``), and at large batches
 "scratch" (``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs).
-No host synchronisation: CUDA-graph capturable; ``torch.ops.moekit.triton_experts_wo`` is a custom op
-with a fake, so ``torch.compile(fullgraph=True)`` traces through it.
+No host synchronisation: CUDA-graph capturable; ``torch.ops.moekit.triton_experts_wo`` is an op with a fake and
+no autograd layer (``op_library``; ``triton_experts_wo_autograd``, a custom op without a backward, takes calls whose
+inputs need a gradient), so ``torch.compile(fullgraph=True)`` traces through it.
 
 Weights (``WoWeight``; the session's quantized layouts, a logical weight [E, R, C] quantized along C,
 the reduction dim; w13: R = 2N gate rows then up rows, C = K; w2: R = K, C = N):
@@ -36,6 +37,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,7 +45,8 @@ import torch
 
 from moekit.activations import act_and_mul, get_activation
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_align import align_launches
+from moekit.experts.op_library import define_inference_op, needs_grad
+from moekit.experts.triton_align import align_launches, clear_op_plans
 from moekit.experts.triton_cache import WorkspacePool
 from moekit.experts.triton_launch import LaunchOptions, is_available
 from moekit.experts.triton_wo_plan import (
@@ -197,7 +200,7 @@ def run_experts_wo(
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
     "register", "mma", "gemv", "scratch" (``triton_wo_scratch``) or "gluon" (``triton_gluon_wo``); None:
-    ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). Not a custom op: for tools that
+    ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). Not an op: for tools that
     pick configs per call; models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
@@ -227,10 +230,10 @@ LEAN_WORKSPACES = WorkspacePool()  # the reused buffers of lean eager calls (``t
 
 
 def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str, options: LaunchOptions):
-    """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the custom op's
+    """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the op's
     call used: the same options), a workspace pool, and its launches as a function of (b, x, ids, weights,
     out), weights bound. For a call the scratch decode runs, its kept form (``triton_wo_scratch_plan.
-    scratch_lean_inputs``: the custom op's options; None where there is none); for one the Gluon path runs, its
+    scratch_lean_inputs``: the op's options; None where there is none); for one the Gluon path runs, its
     lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
@@ -239,12 +242,12 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
 
         return wo_gluon_lean_inputs(x, a13, a2, ids, weights, w13.scheme)
     if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
-        op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False)
+        op_options = _wo_options(options.dependent_launch)
         num_experts, two_n = a13.q.shape[:2]
         per, overlap = scratch_chunking(x, num_experts, two_n // 2, x.shape[1])
         return scratch_lean_inputs(x, a13, a2, ids, weights, SCHEME_IDS[w13.scheme], activation, op_options, per,
                                    overlap)
-    # the custom op's options (its plan is the one the plain call compiled), with the caller's k-sum fold limit
+    # the op's options (its plan is the one the plain call compiled), with the caller's k-sum fold limit
     op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False,
                                sum_fold_max=options.sum_fold_max)
     plan = wo_plan_for(x, a13, a2, ids, weights, None, w13.scheme, activation, None, op_options)
@@ -315,22 +318,35 @@ def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode:
                          x.element_size()) == "scratch"
 
 
-@torch.library.custom_op("moekit::triton_experts_wo", mutates_args=())
-def _experts_wo_op(
+def _wo_kernel(
     x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, z13: Optional[torch.Tensor], g13: int,
     q2: torch.Tensor, s2: torch.Tensor, z2: Optional[torch.Tensor], g2: int,
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor],
     scheme: str, activation: str, dependent_launch: bool, decode: str = "",
 ) -> torch.Tensor:
-    options = LaunchOptions(dependent_launch=dependent_launch, reuse_workspace=False)
+    """The ops' body: x [M, K], each weight's (q, scale, zero or None, group size), topk_ids / topk_weights [M, k],
+    expert_map [E_global] or None, the scheme, the activation, one ``LaunchOptions`` field, the decode ("" for
+    the chooser's) -> out [M, K] (x.dtype)."""
     return run_experts_wo(x, weight_args(q13, s13, z13, g13), weight_args(q2, s2, z2, g2), topk_ids, topk_weights,
-                          expert_map, scheme, activation, options=options, decode=decode or None)
+                          expert_map, scheme, activation, options=_wo_options(dependent_launch), decode=decode or None)
 
 
-@_experts_wo_op.register_fake
-def _experts_wo_fake(x, q13, s13, z13, g13, q2, s2, z2, g2, topk_ids, topk_weights, expert_map, scheme, activation,
-                     dependent_launch, decode=""):
-    return x.new_empty(x.shape)
+@functools.lru_cache(maxsize=2)
+def _wo_options(dependent_launch: bool) -> LaunchOptions:
+    """The op's ``LaunchOptions`` (workspaces never reused), built and validated once per value (as
+    ``triton_op._options_of``)."""
+    return LaunchOptions(dependent_launch=dependent_launch, reuse_workspace=False)
+
+
+def _wo_fake(x, q13, s13, z13, g13, q2, s2, z2, g2, topk_ids, topk_weights, expert_map, scheme, activation,
+             dependent_launch, decode=""):
+    return x.new_empty(x.shape)  # [M, K], x.dtype: what run_experts_wo returns
+
+
+# Two registrations of one body (as ``triton_fp8``'s): no autograd layer for calls without a gradient, and a custom
+# op without a backward (main's form for every call) for a call with an input that needs one.
+define_inference_op("triton_experts_wo", _wo_kernel, _wo_fake)
+torch.library.custom_op("moekit::triton_experts_wo_autograd", _wo_kernel, mutates_args=()).register_fake(_wo_fake)
 
 
 def fused_experts_wo(
@@ -346,14 +362,16 @@ def fused_experts_wo(
     decode: str | None = None,
 ) -> torch.Tensor:
     """The experts contract on quantized weights: out [M, K] (x.dtype) = sum over the routed slots of
-    weight * w2 @ act_and_mul(w13 @ x), the weights dequantized in the kernels. Through the custom op.
+    weight * w2 @ act_and_mul(w13 @ x), the weights dequantized in the kernels. Through the op
+    ``triton_experts_wo``, or ``triton_experts_wo_autograd`` where an input needs a gradient.
     ``options``: its ``dependent_launch`` applies. ``decode``: one of ``triton_wo_plan.DECODES``, or
     None for the decode the H200 measured faster at this scheme, shape and batch size."""
     check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
     check_decode(decode)
-    return torch.ops.moekit.triton_experts_wo(
-        x, w13.q, w13.scale, w13.zero, w13.group_size, w2.q, w2.scale, w2.zero, w2.group_size,
-        topk_ids, topk_weights, expert_map, w13.scheme, activation, options.dependent_launch, decode or "")
+    grad = needs_grad(x, w13.q, w13.scale, w2.q, w2.scale, topk_weights)
+    op = torch.ops.moekit.triton_experts_wo_autograd if grad else torch.ops.moekit.triton_experts_wo
+    return op(x, w13.q, w13.scale, w13.zero, w13.group_size, w2.q, w2.scale, w2.zero, w2.group_size,
+              topk_ids, topk_weights, expert_map, w13.scheme, activation, options.dependent_launch, decode or "")
 
 
 def clear_launch_caches() -> None:
@@ -361,4 +379,5 @@ def clear_launch_caches() -> None:
     scratch too (the next call builds them again)."""
     clear_wo_plans()
     clear_scratch_plans()
+    clear_op_plans()  # the alignment op's (``triton_align``)
     LEAN_WORKSPACES.clear()

@@ -16,9 +16,9 @@ Why: eagerly, route is ~15 small torch ops, each a few µs of host time (Qwen3 M
 the whole MoE layer against an 18 µs floor). Here the host path is the argument checks, two or three
 allocations and one launch; everything that depends only on the config is decided once, in a
 ``FusedRouter`` (``_Plan``). Eager calls launch directly; under ``torch.compile`` the same launch runs
-behind ``torch.ops.moekit.route_fused`` (a custom op with a fake), so ``fullgraph=True`` and CUDA
-graphs work. The weights carry no gradient: a call whose logits, bias or shared gate logits need one is routed
-by ``route``.
+behind ``torch.ops.moekit.route_fused`` (an op with a fake and no autograd layer, ``op_library``), so
+``fullgraph=True`` and CUDA graphs work. The weights carry no gradient: a call whose logits, bias or shared gate
+logits need one is routed by ``route`` (the op refuses it).
 
 Shapes: M tokens, E experts, k = top_k, S shared slots, BM rows per program.
 """
@@ -35,6 +35,7 @@ from typing import Literal, Optional
 import torch
 
 from moekit.config import MoEConfig
+from moekit.experts.op_library import define_inference_op
 from moekit.routing import gate
 from moekit.triton_bind import BoundLaunch, interpreting, next_pow2, triton_runs_on
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
@@ -148,7 +149,7 @@ def _scalars_and_constexprs(plan: _Plan, logits, bias, gate_logits, assert_in_ke
 
 
 def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None):
-    """The kernel through ``kernel[grid]`` (the custom op's path; arguments already checked) -> (ids [M, k+S],
+    """The kernel through ``kernel[grid]`` (the op's path; arguments already checked) -> (ids [M, k+S],
     weights [M, k+S], ok). ok: [1] int32, 1 unless a logit is NaN or infinite, when check_finite; else [0]."""
     num_tokens = logits.shape[0]
     device = logits.device
@@ -236,27 +237,33 @@ def bound_route(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, ga
     return bound
 
 
-@torch.library.custom_op("moekit::route_fused", mutates_args=())
-def _route_op(
-    logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logits: Optional[torch.Tensor], top_k: int,
-    n_group: int, topk_group: int, sigmoid: bool, renormalize: bool, scaling: float, check_finite: bool,
-    num_shared: int, elements_per_program: int, softcap: float, bias_on_logits: bool, group_score: str,
-    fill_zero: bool, shared_weight: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    math = RouterMath(softcap, bias_on_logits, group_score, fill_zero, shared_weight)
-    plan = _plan(logits.shape[1], top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
-                 elements_per_program, math)
+def _route_kernel(logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logits: Optional[torch.Tensor], top_k: int,
+                  n_group: int, topk_group: int, sigmoid: bool, renormalize: bool, scaling: float, check_finite: bool,
+                  num_shared: int, elements_per_program: int, softcap: float, bias_on_logits: bool, group_score: str,
+                  fill_zero: bool, shared_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's body: logits [M, E], bias [E] / gate_logits [M, 1] or None, config fields -> ``_launch``'s."""
+    plan = _op_plan(logits.shape[1], top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
+                    num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight)
     return _launch(plan, logits, bias, gate_logits)
 
 
-@_route_op.register_fake
-def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling,
-                check_finite, num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero,
-                shared_weight):
+@functools.lru_cache(maxsize=256)
+def _op_plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: bool, renormalize: bool,
+             scaling: float, check_finite: bool, num_shared: int, elements_per_program: int, *math) -> _Plan:
+    """``_plan`` of the op's primitives (``math``: RouterMath's fields), kept: no RouterMath built every call."""
+    return _plan(num_experts, top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
+                 elements_per_program, RouterMath(*math))
+
+
+def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
+                num_shared, *rest):
     num_tokens, slots = logits.shape[0], top_k + num_shared
     return (logits.new_empty(num_tokens, slots, dtype=torch.int32),
             logits.new_empty(num_tokens, slots, dtype=torch.float32),
             logits.new_empty(1 if check_finite else 0, dtype=torch.int32))
+
+
+define_inference_op("route_fused", _route_kernel, _route_fake)
 
 
 def _assert_finite(ok: torch.Tensor, logits: torch.Tensor) -> None:
@@ -295,7 +302,7 @@ class FusedRouter:
         self._elements_per_program = elements_per_program
         self._op_args = (config.top_k, config.n_group, config.topk_group, config.scoring == "sigmoid",
                          config.renormalize, float(config.routed_weight_scale), config.nonfinite == "raise")
-        self._math_args = dataclasses.astuple(RouterMath.of(config))  # the custom op's last arguments
+        self._math_args = dataclasses.astuple(RouterMath.of(config))  # the op's last arguments
         # (a weak reference to the last bias that passed, its _version then): a weak reference, not id(),
         # since a freed tensor's id is reused by the next one (a test caught an unchecked bias that way)
         self._bias_checked: tuple[weakref.ref, int] | None = None
@@ -317,7 +324,7 @@ class FusedRouter:
             ids, weights, ok = torch.ops.moekit.route_fused(
                 logits, correction_bias, gate, *self._op_args, plan.num_slots - self.config.top_k,
                 self._elements_per_program, *self._math_args)
-        else:  # eager: the bound launch, without the custom op's dispatch (host time is the point here)
+        else:  # eager: the bound launch, without the op's dispatch (host time is the point here)
             ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate, self.assert_in_kernel, out)
         if plan.check_finite and ok is not None and logits.shape[0]:
             _assert_finite(ok, logits)
