@@ -1,0 +1,190 @@
+"""The README and docs/*.md hold to the code: every Python example runs (and what it computes or prints is
+checked), every ``moekit``/``torchrun``/``python -m`` command line parses with the real parser, every
+``--flag`` the prose names exists, every repository path and ``moekit.x.y`` name it names is there, and
+the quick start's test command is CI's. How the docs mark what a CPU test cannot run: ``_doc_text.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import io
+import re
+
+import pytest
+import torch
+import torch.distributed.run as torchrun
+from rich.console import Console
+
+from moekit.bench.ep import build_parser as ep_parser
+from moekit.cli import build_parser
+from moekit.cli.demo import print_report
+from moekit.demo import run_demo
+
+import _doc_checks
+from _doc_setups import SETUPS
+from _doc_text import DOCS, ROOT, all_commands, blocks, spans
+
+SECTIONS = sorted({(b.doc, b.section) for doc in DOCS for b in blocks(doc) if b.lang == "python"})
+
+# Words of the docs' commands that stand for the reader's own values (prose like "--link-gbps B").
+PLACEHOLDERS = {"$NODE_RANK": "0", "B": "25", "C": "64", "G": "20", "S": "300"}
+# Files a command's parser requires to exist (``moekit tune --install FILE``): made empty in the test's cwd.
+FILES_READ = ("E256_N2048_K7168_fp8_block_NVIDIA_H200.json",)
+
+
+@pytest.mark.parametrize("doc, section", SECTIONS, ids=[f"{d}:{s[:40]}" for d, s in SECTIONS])
+def test_python_examples_run_and_compute_what_they_say(doc, section, monkeypatch, tmp_path):
+    """A section's blocks run in order in one namespace (after their setups, with their substitutions);
+    ``no-run`` blocks only compile. Then the section's check holds the results against a reference."""
+    monkeypatch.chdir(tmp_path)
+    namespace, printed = {"__name__": "__doc_example__"}, io.StringIO()
+    with contextlib.ExitStack() as stack:
+        for block in (b for b in blocks(doc) if b.lang == "python" and b.section == section):
+            for directive in block.directives:
+                if directive.kind == "setup":
+                    assert directive.value in SETUPS, f"{doc}:{block.line}: no setup {directive.value!r}"
+                    namespace.update(stack.enter_context(SETUPS[directive.value]()))
+            code = compile(block.source(), f"{doc}:{block.line}", "exec")
+            if "no-run" not in block.tags:
+                with contextlib.redirect_stdout(printed):
+                    exec(code, namespace)  # noqa: S102 - the docs' own examples
+        assert section in _doc_checks.CHECKS, f"{doc}: section {section!r} has examples but no check in _doc_checks"
+        _doc_checks.CHECKS[section](namespace, printed.getvalue())
+
+
+def _words(words: tuple[str, ...]) -> list[str]:
+    for word in words:
+        assert not re.search(r"<[^>]*>", word) or word in PLACEHOLDERS, f"placeholder {word!r} not in PLACEHOLDERS"
+    return [PLACEHOLDERS.get(w, w) for w in words]
+
+
+def _parses(parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """'' when ``argv`` parses, else argparse's message."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parser.parse_args(argv)
+    except SystemExit:
+        return err.getvalue().strip().splitlines()[-1]
+    return ""
+
+
+def _module_parser(module: str) -> argparse.ArgumentParser | None:
+    assert importlib.util.find_spec(module) is not None, f"no module {module}"
+    if module == "moekit" or module.startswith("moekit.cli"):
+        return build_parser()
+    return getattr(importlib.import_module(module), "build_parser", lambda: None)()
+
+
+def _problem(words: list[str]) -> str:
+    """What is wrong with one command line, '' if nothing: moekit's, torchrun's or a module's parser."""
+    if words[0] == "moekit":
+        return _parses(build_parser(), words[1:])
+    if words[0] == "torchrun":
+        if problem := _parses(torchrun.get_args_parser(), words[1:]):
+            return problem
+        args = torchrun.get_args_parser().parse_args(words[1:])
+        parser = _module_parser(args.training_script) if args.module else None
+        return _parses(parser, args.training_script_args) if parser else ""
+    if words[0].startswith("python") and words[1] == "-m" and words[2].startswith("moekit"):
+        parser = _module_parser(words[2])
+        return _parses(parser, words[3:]) if parser else ""
+    return ""  # pip, pytest, the reader's own script
+
+
+COMMANDS = [c for c in all_commands() if c.words[0] in ("moekit", "torchrun") or "moekit" in " ".join(c.words[:3])]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[f"{c.doc}:{c.line}" for c in COMMANDS])
+def test_command_lines_parse(command, monkeypatch, tmp_path):
+    """Parsed, never run; as on a GPU machine (``--device cuda``), in a directory holding the files they read."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in FILES_READ:
+        (tmp_path / name).write_text("{}")
+    problem = _problem(_words(command.words))
+    assert not problem, f"{command}\n  {problem}"
+
+
+def test_the_docs_have_commands_and_examples():
+    """The collection above is not empty by accident (a changed fence or heading format)."""
+    assert len(COMMANDS) >= 40 and len(SECTIONS) >= 5
+    assert any(c.words[:2] == ("torchrun", "--standalone") and "moekit.bench.ep" in c.words for c in COMMANDS)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    found = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _option_strings(sub)
+    return found
+
+
+def known_flags() -> set[str]:
+    """Every option of moekit's command, the EP benchmark, torchrun and the benchmark scripts."""
+    scripts = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
+    return (_option_strings(build_parser()) | _option_strings(ep_parser())
+            | _option_strings(torchrun.get_args_parser()) | set(re.findall(r"[\"'](--[a-z0-9][\w-]*)[\"']", scripts)))
+
+
+def test_every_flag_the_prose_names_exists():
+    known = known_flags()
+    unknown = [f"{s.doc}:{s.line}: {flag} in `{s.text}`" for doc in DOCS for s in spans(doc)
+               for flag in re.findall(r"(?<![\w-])(--[a-z0-9][\w-]*)", s.text) if flag not in known]
+    assert not unknown, "flags no parser has:\n" + "\n".join(unknown)
+
+
+PATH = re.compile(r"(?:moekit|benchmarks|docs|tests)/[\w./*<>-]+")
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A path with ``<placeholders>`` or ``*`` must match at least one file."""
+    missing = []
+    for doc in DOCS:
+        for span in spans(doc):
+            if PATH.fullmatch(span.text):
+                pattern = re.sub(r"<[^>]*>", "*", span.text)
+                if not (any(ROOT.glob(pattern)) if "*" in pattern else (ROOT / pattern).exists()):
+                    missing.append(f"{span.doc}:{span.line}: {span.text}")
+    assert not missing, "paths that are not in the repository:\n" + "\n".join(missing)
+
+
+def test_every_relative_link_resolves():
+    bad = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / doc).read_text()):
+            if not re.match(r"[a-z]+:", target) and not (ROOT / doc).parent.joinpath(target).exists():
+                bad.append(f"{doc}: {target}")
+    assert not bad, "links to files that do not exist:\n" + "\n".join(bad)
+
+
+def test_quick_start_is_what_ci_runs():
+    """The README's two quick-start commands: the first installs and runs the demo, the second is the
+    test command ``.ci/run`` runs, word for word."""
+    quick = next(b for b in blocks("README.md") if b.section == "Quick start" and b.lang == "bash")
+    install, tests = quick.text.splitlines()
+    assert install.endswith("&& moekit demo") and "pip install" in install
+    assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_a_command_with_a_wrong_flag_fails(monkeypatch, tmp_path):
+    """The parse check can fail: an unknown flag and a bad value are caught, named."""
+    assert "unrecognized arguments: --no-such-flag" in _problem(["moekit", "bench", "--no-such-flag"])
+    assert "--batches" in _problem(["moekit", "bench", "--batches", "x"])
+    assert "invalid choice" in _problem(["torchrun", "--standalone", "-m", "moekit.bench.ep", "--dispatch", "x"])
+
+
+def test_the_demo_output_shown_is_what_moekit_demo_prints():
+    """The quick start's "Real output (CPU)": the same header and table rows (``done in`` and the wrapping of the
+    long line depend on the machine and the terminal)."""
+    shown = next(b for b in blocks("README.md") if b.section == "Quick start" and b.lang == "").text
+    printed = io.StringIO()
+    print_report(run_demo(0, "cpu"), Console(file=printed, width=100))
+    rows = [line for line in printed.getvalue().splitlines() if "│" in line or line.startswith("moekit demo")]
+    assert rows == [line for line in shown.splitlines() if "│" in line or line.startswith("moekit demo")]
