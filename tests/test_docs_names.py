@@ -1,0 +1,109 @@
+"""Every name of the code the README and docs/*.md mention in backticks is there: ``moekit.x.y`` imports and
+resolves, ``module.name`` (a moekit module's basename, ``triton_lean.BATCHED``) and ``Class.name``
+(``LaunchOptions.align_fold_max``, a class defined in moekit) resolve too. The docs' variables that share a
+module's name (``ep.rebalance``, ``report.left``) and file names (``cost.py``) are not names of the code."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+from functools import cache
+
+import pytest
+
+from _doc_text import DOCS, ROOT, spans
+
+DOC_VARIABLES = frozenset({"ep", "stats", "report", "model", "config", "ceilings", "layer", "cache", "moe"})
+FILE_SUFFIXES = frozenset({"py", "json", "md", "log", "png", "html", "csv"})
+
+
+def resolves(name: str) -> bool:
+    """``name`` imports as a module, or as a module followed by a chain of attributes."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+@cache
+def modules_by_basename() -> dict[str, tuple[str, ...]]:
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "moekit").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts[-1] != "__main__":
+            found.setdefault(parts[-1], []).append(".".join(parts))
+    return {name: tuple(modules) for name, modules in found.items()}
+
+
+@cache
+def classes_by_name() -> dict[str, tuple[str, ...]]:
+    """Each class defined at the top of a moekit module: the modules that define one of that name."""
+    found: dict[str, list[str]] = {}
+    for modules in modules_by_basename().values():
+        for module in modules:
+            path = ROOT.joinpath(*module.split("."))
+            path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(module)
+    return {name: tuple(modules) for name, modules in found.items()}
+
+
+def class_has(module: str, name: str, attr: str) -> bool:
+    """A class attribute, or an instance attribute its source assigns or annotates (``self.last_cpu = ...``)."""
+    cls = getattr(importlib.import_module(module), name)
+    if hasattr(cls, attr):
+        return True
+    source = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("moekit"))
+    return re.search(rf"(self\.{attr}\s*(:[^=\n]+)?=|^\s+{attr}\s*:)", source, re.M) is not None
+
+
+def qualified_name_ok(head: str, attr: str) -> bool | None:
+    """None when ``head.attr`` is not a name of the code (a variable, a file), else whether it resolves."""
+    if head in DOC_VARIABLES or attr in FILE_SUFFIXES:
+        return None
+    if head in modules_by_basename():
+        return any(resolves(f"{module}.{attr}") for module in modules_by_basename()[head]) or resolves(f"{head}.{attr}")
+    if head in classes_by_name():
+        return any(class_has(module, head, attr) for module in classes_by_name()[head])
+    return None
+
+
+def names(pattern: str) -> list[tuple[str, int, tuple[str, ...]]]:
+    return [(s.doc, s.line, m) for doc in DOCS for s in spans(doc) for m in re.findall(pattern, s.text)]
+
+
+def test_every_moekit_name_resolves():
+    found = names(r"(?<![\w.])(moekit(?:\.\w+)+)")
+    assert len(found) > 50
+    bad = sorted({f"{doc}:{line}: {name}" for doc, line, name in found if not resolves(name)})
+    assert not bad, "names that do not import or resolve:\n" + "\n".join(bad)
+
+
+def test_every_module_or_class_qualified_name_resolves():
+    found = names(r"(?<![\w.])([A-Za-z_]\w*)\.([A-Za-z_]\w*)")
+    checked = [(doc, line, pair) for doc, line, pair in found if pair[0] != "moekit"]
+    verdicts = [(doc, line, pair, qualified_name_ok(*pair)) for doc, line, pair in checked]
+    assert sum(v is not None for *_, v in verdicts) > 50
+    bad = sorted({f"{doc}:{line}: {'.'.join(pair)}" for doc, line, pair, ok in verdicts if ok is False})
+    assert not bad, "names of moekit modules or classes that do not resolve:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("head, attr, ok", [
+    ("triton_lean", "BATCHED", True), ("triton_lean", "NO_SUCH", False), ("LaunchOptions", "align_fold_max", True),
+    ("OffloadedMoE", "last_cpu", True), ("OffloadedMoE", "no_such", False), ("ep", "rebalance", None),
+    ("cost", "py", None), ("moekit", "hf", True),
+])
+def test_qualified_names_are_judged(head, attr, ok):
+    assert (resolves(f"{head}.{attr}") if head == "moekit" else qualified_name_ok(head, attr)) is ok
