@@ -61,8 +61,19 @@ def _words(words: tuple[str, ...]) -> list[str]:
     return [PLACEHOLDERS.get(w, w) for w in words]
 
 
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
 def _parses(parser: argparse.ArgumentParser, argv: list[str]) -> str:
-    """'' when ``argv`` parses, else argparse's message."""
+    """'' when ``argv`` parses, else argparse's message. Flags are taken whole: a doc's ``--hf-impl`` is not
+    argparse's abbreviation of ``--hf-impls``, it is a flag that does not exist."""
+    for each in _parsers(parser):
+        each.allow_abbrev = False
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -117,13 +128,7 @@ def test_the_docs_have_commands_and_examples():
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    found = set()
-    for action in parser._actions:
-        found.update(action.option_strings)
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                found |= _option_strings(sub)
-    return found
+    return {flag for each in _parsers(parser) for action in each._actions for flag in action.option_strings}
 
 
 def known_flags() -> set[str]:
@@ -173,9 +178,10 @@ def test_quick_start_is_what_ci_runs():
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def test_a_command_with_a_wrong_flag_fails(monkeypatch, tmp_path):
+def test_a_command_with_a_wrong_flag_fails():
     """The parse check can fail: an unknown flag and a bad value are caught, named."""
     assert "unrecognized arguments: --no-such-flag" in _problem(["moekit", "bench", "--no-such-flag"])
+    assert "unrecognized arguments: --hf-impl" in _problem(["moekit", "bench", "--hf", "--hf-impl", "moekit"])
     assert "--batches" in _problem(["moekit", "bench", "--batches", "x"])
     assert "invalid choice" in _problem(["torchrun", "--standalone", "-m", "moekit.bench.ep", "--dispatch", "x"])
 
@@ -188,3 +194,24 @@ def test_the_demo_output_shown_is_what_moekit_demo_prints():
     print_report(run_demo(0, "cpu"), Console(file=printed, width=100))
     rows = [line for line in printed.getvalue().splitlines() if "│" in line or line.startswith("moekit demo")]
     assert rows == [line for line in shown.splitlines() if "│" in line or line.startswith("moekit demo")]
+
+
+def _pyproject_list(key: str) -> list[str]:
+    """The package names of one list of pyproject.toml (``dependencies``, or an extra's), versions dropped."""
+    text = (ROOT / "pyproject.toml").read_text()
+    body = re.search(rf"^{re.escape(key)} = \[(.*?)\]", text, re.M | re.S).group(1)
+    return [re.match(r"[\w-]+", item).group(0) for item in re.findall(r'"([^"]+)"', body)]
+
+
+def test_the_extras_table_is_pyproject():
+    """"Optional extras": the base install's packages, and per extra a row naming every package it installs."""
+    readme = (ROOT / "README.md").read_text()
+    base = re.search(r"`pip install -e \.` needs only ([\w ,]+)\.", readme).group(1)
+    assert sorted(re.split(r", | and ", base)) == sorted(_pyproject_list("dependencies"))
+    extras = re.findall(r"^(\w+) = \[", (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+                        .split("\n[")[0], re.M)
+    section = readme.split("## Optional extras")[1].split("\n## ")[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, re.M))
+    assert sorted(rows) == sorted(extras)
+    for extra in extras:
+        assert all(package in rows[extra] for package in _pyproject_list(extra)), (extra, rows[extra])
