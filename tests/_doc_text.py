@@ -5,6 +5,7 @@ A directive is an HTML comment (invisible when rendered) on the lines right befo
 
     <!-- test: setup NAME -->          run _doc_setups.SETUPS[NAME] first: the names the prose says the reader has
     <!-- test: substitute OLD => NEW --> replace the text OLD by NEW before running (real sizes or a GPU -> tiny, CPU)
+    <!-- test: ranks N -->             run the section on N gloo ranks (CPU processes), as torchrun would
 
 and a fence tagged ```python no-run is only compiled (it needs what a test cannot have: several GPUs).
 """
@@ -21,14 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 
 FENCE = re.compile(r"^```(.*)$")
-DIRECTIVE = re.compile(r"^<!-- test: (setup|substitute) (.+?) -->$")
+DIRECTIVE = re.compile(r"^<!-- test: (setup|substitute|ranks) (.+?) -->$")
 HEADING = re.compile(r"^## (.+)$")
 
 
 @dataclass(frozen=True)
 class Directive:
-    kind: str  # "setup" or "substitute"
-    value: str  # the setup's name, or "OLD => NEW"
+    kind: str  # "setup", "substitute" or "ranks"
+    value: str  # the setup's name, "OLD => NEW", or the rank count
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from moekit.cli import build_parser
 from moekit.cli.demo import print_report
 from moekit.demo import run_demo
 
-import _doc_checks
-from _doc_setups import SETUPS
+from _doc_run import one_torch_thread, ranks_of, run_section, run_section_on_rank
 from _doc_text import DOCS, ROOT, all_commands, blocks, spans
+from _parallel_harness import run_ranks
 
 SECTIONS = sorted({(b.doc, b.section) for doc in DOCS for b in blocks(doc) if b.lang == "python"})
 
@@ -37,22 +37,12 @@ FILES_READ = ("E256_N2048_K7168_fp8_block_NVIDIA_H200.json",)
 
 @pytest.mark.parametrize("doc, section", SECTIONS, ids=[f"{d}:{s[:40]}" for d, s in SECTIONS])
 def test_python_examples_run_and_compute_what_they_say(doc, section, monkeypatch, tmp_path):
-    """A section's blocks run in order in one namespace (after their setups, with their substitutions);
-    ``no-run`` blocks only compile. Then the section's check holds the results against a reference."""
+    """A section's blocks run in order in one namespace, in this process or on the ranks it asks for, and
+    its check (``_doc_checks``) holds the results against a reference."""
     monkeypatch.chdir(tmp_path)
-    namespace, printed = {"__name__": "__doc_example__"}, io.StringIO()
-    with contextlib.ExitStack() as stack:
-        for block in (b for b in blocks(doc) if b.lang == "python" and b.section == section):
-            for directive in block.directives:
-                if directive.kind == "setup":
-                    assert directive.value in SETUPS, f"{doc}:{block.line}: no setup {directive.value!r}"
-                    namespace.update(stack.enter_context(SETUPS[directive.value]()))
-            code = compile(block.source(), f"{doc}:{block.line}", "exec")
-            if "no-run" not in block.tags:
-                with contextlib.redirect_stdout(printed):
-                    exec(code, namespace)  # noqa: S102 - the docs' own examples
-        assert section in _doc_checks.CHECKS, f"{doc}: section {section!r} has examples but no check in _doc_checks"
-        _doc_checks.CHECKS[section](namespace, printed.getvalue())
+    ranks = ranks_of(doc, section)
+    printed = run_ranks(run_section_on_rank, ranks, doc, section) if ranks > 1 else [run_section(doc, section)]
+    assert len(printed) == ranks
 
 
 def _words(words: tuple[str, ...]) -> list[str]:
@@ -191,7 +181,8 @@ def test_the_demo_output_shown_is_what_moekit_demo_prints():
     long line depend on the machine and the terminal)."""
     shown = next(b for b in blocks("README.md") if b.section == "Quick start" and b.lang == "").text
     printed = io.StringIO()
-    print_report(run_demo(0, "cpu"), Console(file=printed, width=100))
+    with one_torch_thread():  # the demo's small ops: 1.3 s of CPU on one thread, 8.8 s on two of a loaded machine
+        print_report(run_demo(0, "cpu"), Console(file=printed, width=100))
     rows = [line for line in printed.getvalue().splitlines() if "│" in line or line.startswith("moekit demo")]
     assert rows == [line for line in shown.splitlines() if "│" in line or line.startswith("moekit demo")]
 
@@ -208,8 +199,8 @@ def test_the_extras_table_is_pyproject():
     readme = (ROOT / "README.md").read_text()
     base = re.search(r"`pip install -e \.` needs only ([\w ,]+)\.", readme).group(1)
     assert sorted(re.split(r", | and ", base)) == sorted(_pyproject_list("dependencies"))
-    extras = re.findall(r"^(\w+) = \[", (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
-                        .split("\n[")[0], re.M)
+    optional = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = re.findall(r"^(\w+) = \[", optional, re.M)
     section = readme.split("## Optional extras")[1].split("\n## ")[0]
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, re.M))
     assert sorted(rows) == sorted(extras)
