@@ -18,6 +18,8 @@ import torch
 import torch.distributed.run as torchrun
 from rich.console import Console
 
+from moekit import preset_names
+from moekit.analysis.gpus import gpu_names
 from moekit.bench.ep import build_parser as ep_parser
 from moekit.cli import build_parser
 from moekit.cli.demo import print_report
@@ -206,3 +208,13 @@ def test_the_extras_table_is_pyproject():
     assert sorted(rows) == sorted(extras)
     for extra in extras:
         assert all(package in rows[extra] for package in _pyproject_list(extra)), (extra, rows[extra])
+
+
+def test_the_lists_the_readme_spells_out_are_the_code_s():
+    """The presets the API table lists are ``moekit.preset_names()``; the GPUs ``moekit analyze`` names are
+    its spec table's."""
+    readme = (ROOT / "README.md").read_text()
+    presets = re.search(r"^\| `moekit\.preset_names\(\)`[^|]*\| ([^|]+) \|", readme, re.M).group(1)
+    assert sorted(presets.strip().split(", ")) == sorted(preset_names())
+    gpus = re.search(r"on a GPU from the spec table \(([^)]+)\)", readme).group(1)
+    assert sorted(re.findall(r"`(\w+)`", gpus)) == sorted(gpu_names())
