@@ -107,3 +107,17 @@ def test_every_module_or_class_qualified_name_resolves():
 ])
 def test_qualified_names_are_judged(head, attr, ok):
     assert (resolves(f"{head}.{attr}") if head == "moekit" else qualified_name_ok(head, attr)) is ok
+
+
+OTHER_TOOLS_ENV = ("NCCL_", "GLOO_", "OMP_", "TORCH_", "CUDA_")  # environment variables torch, NCCL and OpenMP read
+
+
+def test_every_constant_and_environment_variable_is_in_the_code():
+    """A bare ALL_CAPS span (``REUSE_MAX_BYTES``, ``AHEAD``, ``$MOEKIT_CONFIG_DIR``, ``MOEKIT_DEBUG=1``) is a word of
+    moekit's source: a constant, a kernel parameter or an environment variable it reads."""
+    source = "\n".join(p.read_text() for p in (ROOT / "moekit").rglob("*.py"))
+    found = names(r"^\$?([A-Z][A-Z0-9]*_?[A-Z0-9_]*)(?:=\S*)?$")
+    assert len(found) >= 5
+    bad = sorted({f"{doc}:{line}: {name}" for doc, line, name in found
+                  if len(name) > 1 and not name.startswith(OTHER_TOOLS_ENV) and not re.search(rf"\b{name}\b", source)})
+    assert not bad, "constants or environment variables moekit does not have:\n" + "\n".join(bad)
