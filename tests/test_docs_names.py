@@ -10,10 +10,11 @@ import importlib
 import inspect
 import re
 from functools import cache
+from pathlib import Path
 
 import pytest
 
-from _doc_text import DOCS, ROOT, spans
+from _doc_text import DOCS, ROOT, blocks, spans
 
 DOC_VARIABLES = frozenset({"ep", "stats", "report", "model", "config", "ceilings", "layer", "cache", "moe"})
 FILE_SUFFIXES = frozenset({"py", "json", "md", "log", "png", "html", "csv"})
@@ -121,3 +122,37 @@ def test_every_constant_and_environment_variable_is_in_the_code():
     bad = sorted({f"{doc}:{line}: {name}" for doc, line, name in found
                   if len(name) > 1 and not name.startswith(OTHER_TOOLS_ENV) and not re.search(rf"\b{name}\b", source)})
     assert not bad, "constants or environment variables moekit does not have:\n" + "\n".join(bad)
+
+
+def test_the_import_direction_is_test_structure_s():
+    """The README's "Imports point down only": its chain, level by level, analysis's imports and the sideways
+    edges are the ones tests/test_structure.py holds the code to (private modules and the entry point aside)."""
+    from test_structure import ANALYSIS_MAY_IMPORT, LEVELS, SIDEWAYS_ALLOWED
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    chain = re.search(r"Imports point down only: `([^`]+)`", readme).group(1)
+    levels: dict[int, set[str]] = {}
+    for name, level in LEVELS.items():
+        if not name.startswith(("_", "<")) and name != "analysis":
+            levels.setdefault(level, set()).add(name)
+    assert [set(level.split(", ")) for level in chain.split(" → ")] == [levels[n] for n in sorted(levels)[::-1]]
+    analysis = re.search(r"`analysis → ([^`]+)`", readme).group(1)
+    assert set(analysis.split(", ")) == ANALYSIS_MAY_IMPORT - {"analysis"}
+    sideways = re.search(r"sideways edges: ([^)]+)\)", readme).group(1)
+    assert set(re.findall(r"(\w+) → (\w+)", sideways)) == SIDEWAYS_ALLOWED
+
+
+def test_the_code_layout_names_every_top_level_module():
+    """The README's "Layout of the code" map: each entry's paths exist, and every module and package at the top
+    of moekit/ has an entry (a new one goes on the map)."""
+    layout = next(b for b in blocks("README.md") if b.section == "Layout of the code").text
+    heads = [re.split(r"\s{2,}", line)[0] for line in layout.splitlines() if line.startswith(("moekit/", "benchmarks/"))]
+    named = set()
+    for head in heads:
+        first, *rest = head.split(", ")
+        base = ROOT / first if first.endswith("/") else (ROOT / first).parent
+        assert (ROOT / first).exists() and all((base / r).exists() for r in rest), head
+        named |= {Path(p).stem for p in (first, *rest)} | {Path(first).name}
+    top = {p.stem for p in (ROOT / "moekit").iterdir()
+           if (p.suffix == ".py" or p.is_dir()) and not p.name.startswith("__")}
+    assert not top - named, f"top-level moekit modules the layout does not name: {sorted(top - named)}"
