@@ -1,5 +1,6 @@
-"""The user-facing docs (README.md, docs/*.md) read as data for ``test_docs.py``: fenced blocks with their
-section and test directives, inline code spans, and the commands of the shell blocks.
+"""The user-facing docs (README.md, benchmarks/README.md, docs/*.md) read as data for ``test_docs.py`` and
+``test_docs_names.py``: fenced blocks with their section and test directives, inline code spans, and the
+commands of the shell blocks.
 
 A directive is an HTML comment (invisible when rendered) on the lines right before a fence:
 
@@ -19,7 +20,8 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
+DOCS = ("README.md", "benchmarks/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
+BENCHMARK_TABLE = "benchmarks/README.md"  # one row per script of benchmarks/
 
 FENCE = re.compile(r"^```(.*)$")
 DIRECTIVE = re.compile(r"^<!-- test: (setup|substitute|ranks) (.+?) -->$")

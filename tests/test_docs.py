@@ -26,7 +26,7 @@ from moekit.cli.demo import print_report
 from moekit.demo import run_demo
 
 from _doc_run import one_torch_thread, ranks_of, run_section, run_section_on_rank
-from _doc_text import DOCS, ROOT, all_commands, blocks, spans
+from _doc_text import BENCHMARK_TABLE, DOCS, ROOT, all_commands, blocks, spans
 from _parallel_harness import run_ranks
 
 SECTIONS = sorted({(b.doc, b.section) for doc in DOCS for b in blocks(doc) if b.lang == "python"})
@@ -218,3 +218,13 @@ def test_the_lists_the_readme_spells_out_are_the_code_s():
     assert sorted(presets.strip().split(", ")) == sorted(preset_names())
     gpus = re.search(r"on a GPU from the spec table \(([^)]+)\)", readme).group(1)
     assert sorted(re.findall(r"`(\w+)`", gpus)) == sorted(gpu_names())
+
+
+def test_every_benchmark_script_has_a_row_and_every_row_a_script():
+    """benchmarks/README.md's tables: a row's first cell names its scripts; each is a file of benchmarks/, and
+    each script there has a row (a helper a row names in its ``(+ ...)`` too)."""
+    table = (ROOT / BENCHMARK_TABLE).read_text()
+    named = {name for cell in re.findall(r"^\| (.+?) \|", table, re.M) for name in re.findall(r"`([\w-]+\.py)`", cell)}
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    assert not named - scripts, f"rows naming scripts benchmarks/ does not have: {sorted(named - scripts)}"
+    assert not scripts - named, f"scripts without a row in {BENCHMARK_TABLE}: {sorted(scripts - named)}"

@@ -110,13 +110,13 @@ def test_qualified_names_are_judged(head, attr, ok):
     assert (resolves(f"{head}.{attr}") if head == "moekit" else qualified_name_ok(head, attr)) is ok
 
 
-OTHER_TOOLS_ENV = ("NCCL_", "GLOO_", "OMP_", "TORCH_", "CUDA_")  # environment variables torch, NCCL and OpenMP read
+OTHER_TOOLS_ENV = ("NCCL_", "GLOO_", "OMP_", "TORCH_", "CUDA_", "PYTHON")  # what torch, NCCL, OpenMP, Python read
 
 
 def test_every_constant_and_environment_variable_is_in_the_code():
     """A bare ALL_CAPS span (``REUSE_MAX_BYTES``, ``AHEAD``, ``$MOEKIT_CONFIG_DIR``, ``MOEKIT_DEBUG=1``) is a word of
-    moekit's source: a constant, a kernel parameter or an environment variable it reads."""
-    source = "\n".join(p.read_text() for p in (ROOT / "moekit").rglob("*.py"))
+    moekit's or the benchmarks' source: a constant, a kernel parameter or an environment variable they read."""
+    source = "\n".join(p.read_text() for d in ("moekit", "benchmarks") for p in (ROOT / d).rglob("*.py"))
     found = names(r"^\$?([A-Z][A-Z0-9]*_?[A-Z0-9_]*)(?:=\S*)?$")
     assert len(found) >= 5
     bad = sorted({f"{doc}:{line}: {name}" for doc, line, name in found
@@ -146,7 +146,8 @@ def test_the_code_layout_names_every_top_level_module():
     """The README's "Layout of the code" map: each entry's paths exist, and every module and package at the top
     of moekit/ has an entry (a new one goes on the map)."""
     layout = next(b for b in blocks("README.md") if b.section == "Layout of the code").text
-    heads = [re.split(r"\s{2,}", line)[0] for line in layout.splitlines() if line.startswith(("moekit/", "benchmarks/"))]
+    entries = [line for line in layout.splitlines() if line.startswith(("moekit/", "benchmarks/"))]
+    heads = [re.split(r"\s{2,}", line)[0] for line in entries]
     named = set()
     for head in heads:
         first, *rest = head.split(", ")
