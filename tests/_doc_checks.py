@@ -33,7 +33,7 @@ def quant(ns: dict, printed: str) -> None:
     groups = weight.reshape(8, 512, 2, 128)
     step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15  # 4 bits: 15 steps a group
     assert ((back.reshape(groups.shape) - groups).abs() <= step / 2 + 1e-6).all()
-    assert printed == f"{rel_l2(back, weight):.3f}\n" and 0 < float(printed) < 0.15
+    assert printed == f"{rel_l2(back, weight):.3f}\n" and 0.09 <= float(printed) <= 0.11  # the comment's 0.100
 
 
 def offload(ns: dict, printed: str) -> None:
