@@ -8,7 +8,7 @@ import contextlib
 import io
 import os
 
-import torch
+from moekit.experts.cpu_phased import one_thread
 
 import _doc_checks
 from _doc_setups import SETUPS
@@ -25,23 +25,12 @@ def ranks_of(doc: str, section: str) -> int:
     return max(asked, default=1)
 
 
-@contextlib.contextmanager
-def one_torch_thread():
-    """The examples' small ops on one thread: on a loaded 2-core machine two threads took 2-7x the CPU time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def run_section(doc: str, section: str) -> str:
     """Run the section's blocks in order in one namespace, after their setups and with their substitutions
     (``no-run`` blocks only compile), then its check; returns what the blocks printed."""
     namespace, printed = {"__name__": "__doc_example__"}, io.StringIO()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(one_torch_thread())
+        stack.enter_context(one_thread())  # small ops: on a loaded 2-core host 2 threads took 2-7x the CPU
         for block in section_blocks(doc, section):
             for directive in block.directives:
                 if directive.kind == "setup":

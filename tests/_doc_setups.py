@@ -15,27 +15,18 @@ from moekit import MoEConfig
 from moekit.layer import MoE
 
 
-def _tiny_qwen3_moe():
-    import transformers  # here, not at the top: the spawned EP ranks need none of it
-
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    return transformers.Qwen3MoeForCausalLM(cfg).eval()
-
-
 @contextlib.contextmanager
 def hf_model():
     """``model``: a transformers MoE model (Qwen3-MoE, 3 layers of 8 experts, random weights), and ``moe``:
     its first block as a moekit layer; ``ref_ids`` a prompt and ``ref_logits`` the untouched model's logits."""
+    import _hf_tiny_models  # here, not at the top: the spawned EP ranks need no transformers
     from moekit.hf import moe_from_hf
 
-    model = _tiny_qwen3_moe()
+    model = _hf_tiny_models.qwen3_moe_small()
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids).logits
-    moe = moe_from_hf(_tiny_qwen3_moe().model.layers[0].mlp)
+    moe = moe_from_hf(_hf_tiny_models.qwen3_moe_small().model.layers[0].mlp)
     yield {"model": model, "moe": moe, "ref_ids": ids, "ref_logits": logits, "ref_blocks": 3}
 
 

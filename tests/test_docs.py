@@ -24,8 +24,9 @@ from moekit.bench.ep import build_parser as ep_parser
 from moekit.cli import build_parser
 from moekit.cli.demo import print_report
 from moekit.demo import run_demo
+from moekit.experts.cpu_phased import one_thread
 
-from _doc_run import one_torch_thread, ranks_of, run_section, run_section_on_rank
+from _doc_run import ranks_of, run_section, run_section_on_rank
 from _doc_text import BENCHMARK_TABLE, DOCS, ROOT, all_commands, blocks, spans
 from _parallel_harness import run_ranks
 
@@ -183,7 +184,7 @@ def test_the_demo_output_shown_is_what_moekit_demo_prints():
     long line depend on the machine and the terminal)."""
     shown = next(b for b in blocks("README.md") if b.section == "Quick start" and b.lang == "").text
     printed = io.StringIO()
-    with one_torch_thread():  # the demo's small ops: 1.3 s of CPU on one thread, 8.8 s on two of a loaded machine
+    with one_thread():  # the demo's small ops: 1.3 s of CPU on one thread, 8.8 s on two of a loaded machine
         print_report(run_demo(0, "cpu"), Console(file=printed, width=100))
     rows = [line for line in printed.getvalue().splitlines() if "│" in line or line.startswith("moekit demo")]
     assert rows == [line for line in shown.splitlines() if "│" in line or line.startswith("moekit demo")]
