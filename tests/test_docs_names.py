@@ -1,7 +1,9 @@
-"""Every name of the code the README and docs/*.md mention in backticks is there: ``moekit.x.y`` imports and
+"""Every name of the code the docs (``_doc_text.DOCS``) mention in backticks is there: ``moekit.x.y`` imports and
 resolves, ``module.name`` (a moekit module's basename, ``triton_lean.BATCHED``) and ``Class.name``
-(``LaunchOptions.align_fold_max``, a class defined in moekit) resolve too. The docs' variables that share a
-module's name (``ep.rebalance``, ``report.left``) and file names (``cost.py``) are not names of the code."""
+(``LaunchOptions.align_fold_max``, a class defined in moekit) resolve too, a call's keywords are parameters of
+what it calls, ALL_CAPS names are words of the source, and the README's code layout and import direction are
+the tree's. The docs' variables that share a module's name (``ep.rebalance``, ``report.left``) and file names
+(``cost.py``) are not names of the code."""
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ DOC_VARIABLES = frozenset({"ep", "stats", "report", "model", "config", "ceilings
 FILE_SUFFIXES = frozenset({"py", "json", "md", "log", "png", "html", "csv"})
 
 
-def resolves(name: str) -> bool:
-    """``name`` imports as a module, or as a module followed by a chain of attributes."""
+MISSING = object()
+
+
+def lookup(name: str):
+    """What ``name`` imports as: a module, or a module followed by a chain of attributes; MISSING if nothing."""
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -29,11 +34,15 @@ def resolves(name: str) -> bool:
         except ModuleNotFoundError:
             continue
         for attr in parts[cut:]:
-            if not hasattr(obj, attr):
-                return False
-            obj = getattr(obj, attr)
-        return True
-    return False
+            obj = getattr(obj, attr, MISSING)
+            if obj is MISSING:
+                break
+        return obj
+    return MISSING
+
+
+def resolves(name: str) -> bool:
+    return lookup(name) is not MISSING
 
 
 @cache
@@ -157,3 +166,53 @@ def test_the_code_layout_names_every_top_level_module():
     top = {p.stem for p in (ROOT / "moekit").iterdir()
            if (p.suffix == ".py" or p.is_dir()) and not p.name.startswith("__")}
     assert not top - named, f"top-level moekit modules the layout does not name: {sorted(top - named)}"
+
+
+def callee(func: ast.expr):
+    """The moekit object a call in the docs names: ``moekit.x.f``, a class defined in moekit or its method,
+    ``module.f`` of a moekit module's basename, or a name ``moekit`` exports; MISSING for anything else."""
+    rest = []
+    while isinstance(func, ast.Attribute):
+        rest.insert(0, func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name) or func.id in DOC_VARIABLES:
+        return MISSING
+    head = func.id
+    if head == "moekit":
+        names = [".".join([head, *rest])]
+    elif head in classes_by_name():
+        names = [".".join([module, head, *rest]) for module in classes_by_name()[head]]
+    elif head in modules_by_basename() and rest:
+        names = [".".join([module, *rest]) for module in modules_by_basename()[head]]
+    else:
+        names = [".".join(["moekit", head, *rest])]
+    return next((obj for obj in map(lookup, names) if obj is not MISSING), MISSING)
+
+
+def keyword_parameters(obj) -> set[str] | None:
+    """The keywords ``obj`` accepts; None when it is not a callable with a signature or takes ``**kwargs``."""
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return None
+    return None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set(params)
+
+
+def test_every_keyword_the_docs_pass_is_a_parameter():
+    """A call in a span (``MoE(cfg, eager_graph_rows=64)``, ``moekit.balance.update_correction_bias_(moe, counts,
+    rate=1e-3)``) to a moekit callable passes only keywords its signature has."""
+    checked, bad = 0, []
+    for doc in DOCS:
+        for span in spans(doc):
+            try:
+                tree = ast.parse(span.text, mode="eval")
+            except SyntaxError:
+                continue
+            for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
+                obj = callee(call.func)
+                params = keyword_parameters(obj) if obj is not MISSING else None
+                checked += params is not None
+                bad += [f"{doc}:{span.line}: {kw.arg}= in `{span.text}`" for kw in call.keywords
+                        if params is not None and kw.arg and kw.arg not in params]
+    assert checked >= 25
+    assert not bad, "keywords the called function does not take:\n" + "\n".join(bad)
