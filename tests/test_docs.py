@@ -1,7 +1,9 @@
-"""The README and docs/*.md hold to the code: every Python example runs (and what it computes or prints is
-checked), every ``moekit``/``torchrun``/``python -m`` command line parses with the real parser, every
-``--flag`` the prose names exists, every repository path and ``moekit.x.y`` name it names is there, and
-the quick start's test command is CI's. How the docs mark what a CPU test cannot run: ``_doc_text.py``.
+"""The docs (README.md, benchmarks/README.md, docs/*.md) hold to the code: every Python example runs and what it
+computes or prints is checked; every ``moekit``/``torchrun``/``python -m moekit`` command line parses with the
+real parser; every ``--flag`` the prose names exists; every repository path and relative link is there; the
+quick start's test command is CI's and its demo output the demo's; the lists the README spells out (extras,
+presets, GPUs, benchmark scripts) are the code's. How the docs mark what a CPU test cannot run:
+``_doc_text.py``. Names of the code: ``test_docs_names.py``.
 """
 
 from __future__ import annotations
