@@ -231,3 +231,33 @@ def test_every_benchmark_script_has_a_row_and_every_row_a_script():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
     assert not named - scripts, f"rows naming scripts benchmarks/ does not have: {sorted(named - scripts)}"
     assert not scripts - named, f"scripts without a row in {BENCHMARK_TABLE}: {sorted(scripts - named)}"
+
+
+def _script_source(name: str, seen: set[str]) -> str:
+    """A benchmark script's source with that of the benchmark modules it imports and the scripts it runs
+    (``runpy`` / ``subprocess`` name them as ``NAME.py``): where its flags may be defined."""
+    path = ROOT / "benchmarks" / name
+    if name in seen or not path.is_file():
+        return ""
+    seen.add(name)
+    text = path.read_text()
+    used = set(re.findall(r"^\s*(?:from|import) (\w+)", text, re.M)) | set(re.findall(r"\b(\w+)\.py\b", text))
+    return text + "".join(_script_source(f"{module}.py", seen) for module in sorted(used))
+
+
+def test_every_benchmark_command_s_flags_are_its_script_s():
+    """A span that runs a script of benchmarks/ (``python benchmarks/X.py --out ... [--smoke]``, ``X.py --cells
+    close``) passes only flags that script (or what it imports or runs) defines."""
+    checked, bad = 0, []
+    for doc in DOCS:
+        for span in spans(doc):
+            run = re.search(r"(?:^|benchmarks/)(\w+\.py) ([^|]*)", span.text)
+            flags = re.findall(r"(?<![\w-])(--[a-z0-9][\w-]*)", run.group(2)) if run else []
+            if not flags or not (ROOT / "benchmarks" / run.group(1)).is_file():
+                continue
+            checked += 1
+            source = _script_source(run.group(1), set())
+            bad += [f"{doc}:{span.line}: {run.group(1)} {flag}" for flag in flags
+                    if not re.search(rf"[\"']{re.escape(flag)}[\"']", source)]
+    assert checked >= 50
+    assert not bad, "flags the script does not define:\n" + "\n".join(bad)
