@@ -108,6 +108,16 @@ def build_block(family: str, seed: int = 0) -> torch.nn.Module:
     return block
 
 
+def qwen3_moe_small():
+    """Qwen3-MoE, 3 layers of 8 experts (top-2) at hidden 32, seeded, in eval mode: the offload tests' model and
+    the docs' examples' ``model``."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(cfg).eval()
+
+
 def fp8_qwen3_moe():
     """A 2-layer Qwen3-MoE whose experts transformers swapped for its FP8Experts, filled by transformers'
     own fp8 quantizer (it quantizes block-divisible shapes only: K, N multiples of 128); attention stays

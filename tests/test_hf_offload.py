@@ -17,16 +17,8 @@ from _helpers import rel_l2  # noqa: E402
 import _hf_tiny_models as tiny  # noqa: E402
 
 
-def _tiny_qwen3_moe():
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    return transformers.Qwen3MoeForCausalLM(cfg).eval()
-
-
 def test_offloaded_model_gives_the_same_logits():
-    model = _tiny_qwen3_moe()
+    model = tiny.qwen3_moe_small()
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
@@ -42,7 +34,7 @@ def test_offloaded_model_gives_the_same_logits():
 
 
 def test_auto_blocks_share_one_measurement_and_keep_the_logits():
-    model = _tiny_qwen3_moe()
+    model = tiny.qwen3_moe_small()
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
@@ -58,7 +50,7 @@ def test_auto_blocks_share_one_measurement_and_keep_the_logits():
 
 def test_a_budget_below_one_expert_is_refused():
     with pytest.raises(ValueError, match="gpu_budget_bytes must be an int of at least one expert"):
-        offload_experts(_tiny_qwen3_moe(), gpu_budget_bytes=100, device="cpu")
+        offload_experts(tiny.qwen3_moe_small(), gpu_budget_bytes=100, device="cpu")
 
 
 def test_fp8_model_offloads_packed_and_gives_the_plain_fp8_logits():

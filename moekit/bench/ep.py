@@ -249,7 +249,8 @@ def _print_table(rows: list[dict]) -> None:
         print(" ".join(f"{v:>11.1f}" if isinstance(v, float) else f"{v!s:>11}" for v in cells))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (apart from ``main``, so the docs' test parses its lines without running)."""
     parser = argparse.ArgumentParser(prog="python -m moekit.bench.ep", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+",
                         help="tokens per rank (default 128 1024 4096 16384; tiny: 8 64)")
@@ -267,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                         "hanging")
     parser.add_argument("--profile", action="store_true",
                         help="profile every phase at every M first: launches, host syncs, host and device us per call")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     device, rank, world_size = _setup(args.pg_timeout)
     try:
         doc = run(device, rank, world_size, args)

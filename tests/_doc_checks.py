@@ -1,0 +1,81 @@
+"""What ``test_docs.py`` holds each docs section's examples to, keyed by the section's heading: the results the
+example leaves in its namespace and what it printed, against a reference computed here (a float64 loop, the
+untouched model's logits, a closed-form bound)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from _helpers import experts_loop, rel_l2
+
+
+def api(ns: dict, printed: str) -> None:
+    """README "The API in a few lines": the layer's shapes and stats, the router's dtypes, and ``run_experts``
+    against a float64 per-token loop."""
+    x, cfg = ns["x"], ns["cfg"]
+    assert ns["y"].shape == (4, 32, 256) and torch.equal(ns["result"].out, ns["y"])
+    assert int(ns["result"].stats.counts.sum()) == 4 * 32 * cfg.top_k
+    ids, weights = ns["routing"].topk_ids, ns["routing"].topk_weights
+    assert ids.dtype == torch.int32 and ids.shape == (8, cfg.top_k) and weights.dtype == torch.float32
+    want = experts_loop(x.reshape(-1, 256), ns["moe"].w13.detach(), ns["moe"].w2.detach(), ids.repeat(16, 1),
+                        weights.repeat(16, 1))
+    assert rel_l2(ns["out"], want) < 1e-5
+
+
+def quant(ns: dict, printed: str) -> None:
+    """README "Quantized experts": the fp8 layer's output, and int4 within half a step of each group's grid."""
+    y = ns["y"]
+    assert y.shape == (8, 256) and y.dtype == torch.bfloat16 and y.isfinite().all()
+    assert ns["moe"].quant_scheme == "fp8_block"
+    weight, back = ns["weight"], ns["w"].dequantize()
+    groups = weight.reshape(8, 512, 2, 128)
+    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15  # 4 bits: 15 steps a group
+    assert ((back.reshape(groups.shape) - groups).abs() <= step / 2 + 1e-6).all()
+    assert printed == f"{rel_l2(back, weight):.3f}\n" and 0.09 <= float(printed) <= 0.11  # the comment's 0.100
+
+
+def offload(ns: dict, printed: str) -> None:
+    """README "Experts that do not fit": the offloaded model's logits are the model's; the layer is the MoE's."""
+    with torch.no_grad():
+        assert rel_l2(ns["model"](ns["ref_ids"]).logits, ns["ref_logits"]) < 1e-5
+        x = torch.randn(5, ns["moe"].w13.shape[-1], generator=torch.Generator().manual_seed(3))
+        assert rel_l2(ns["layer"](x), ns["moe"](x)) < 1e-5
+    assert ns["cache"].cache_experts == 5 and ns["cache"].stats.fetched > 0
+
+
+def blocks(ns: dict, printed: str) -> None:
+    """README "Every transformers MoE family": every block swapped, none left (the printed list), and after
+    ``restore_blocks`` the model's own classes and logits."""
+    assert len(ns["report"].swapped) == ns["ref_blocks"] and ns["report"].left == () and printed == "()\n"
+    model = ns["model"]
+    assert all(type(layer.mlp).__module__.startswith("transformers.") for layer in model.model.layers)
+    with torch.no_grad():
+        assert rel_l2(model(ns["ref_ids"]).logits, ns["ref_logits"]) < 1e-5
+
+
+def parallel(ns: dict, printed: str) -> None:
+    """docs/parallel.md on each of the test's ranks: the layer equals the single-process MoE it was read from on
+    this rank's tokens after the rebalance moved its weights; rank 0 prints the rebalance's line, the others
+    nothing."""
+    ref, ep, x = ns["ref_moe"], ns["ep"], ns["x_local"]
+    with torch.no_grad():
+        assert rel_l2(ns["out"], ref(ns["batch"])) < 1e-5  # the loop's last step, after the rebalance
+        assert rel_l2(ep(x), ref(x)) < 1e-5
+    report = ns["report"]  # the placement in use is the report's, never worse than the one before
+    assert ep.placement.slots == report.placement.slots and report.max_load_after <= report.max_load_before
+    assert report.placement.num_redundant in (0, 32)  # 32 replicas where EPLB found them better
+    if ns["dist"].get_rank() == 0:
+        assert re.fullmatch(r"balancedness \d\.\d\d -> \d\.\d\d\n", printed), printed
+    else:
+        assert printed == ""
+
+
+CHECKS = {
+    "The API in a few lines": api,
+    "Quantized experts: `moekit.quant`": quant,
+    "Experts that do not fit: `moekit.offload`": offload,
+    'Every transformers MoE family: the `"moekit"` experts implementation': blocks,
+    "Expert parallelism across GPUs and nodes (`moekit.parallel`)": parallel,
+}
