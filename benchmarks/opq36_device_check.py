@@ -30,6 +30,8 @@ import os
 import statistics
 import sys
 import threading
+from dataclasses import dataclass
+from typing import Callable
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -121,8 +123,20 @@ def align_args(m: int, dev) -> tuple:
             opts.align_small_max, opts.align_small_max_bins, opts.align_one_launch_max, opts.align_two_launch_max)
 
 
-def cases(dev) -> dict:
-    """label -> (op name, its arguments, its body, its public entry traced under compile, that entry's inputs)."""
+@dataclass(frozen=True)
+class Case:
+    """One op at one shape."""
+
+    name: str  # the op: torch.ops.moekit.<name>, opq36_before.OPS[name]
+    args: tuple  # the op's arguments, positional
+    body: Callable  # the op's body, called directly
+    entry: Callable  # the op's public entry (what a compiled caller traces), on ``entry_args``
+    entry_args: tuple
+
+
+def cases(dev) -> dict[str, Case]:
+    """label -> Case: the fp8 op at DeepSeek-V3's widths (M = 1 and 64), wo at Qwen3's (M = 1), the router at
+    DeepSeek-V3's config (M = 1), the alignment at Qwen3's (M = 64)."""
     num_experts, hidden, inter, _ = FP8
     w13, w2 = fp8_weight(num_experts, 2 * inter, hidden, dev, 1), fp8_weight(num_experts, hidden, inter, dev, 2)
     weights = (*w13, *w2)
@@ -130,16 +144,17 @@ def cases(dev) -> dict:
     found = {}
     for m in (1, 5 if SMOKE else 64):
         a = fp8_args(m, dev, weights)
-        found[f"fp8 DeepSeek-V3 M={m}"] = ("triton_experts_fp8", a, triton_fp8._fp8_kernel, fp8_entry, (a[0], *a[5:7]))
+        found[f"fp8 DeepSeek-V3 M={m}"] = Case("triton_experts_fp8", a, triton_fp8._fp8_kernel, fp8_entry,
+                                              (a[0], *a[5:7]))
     a = wo_args(1, dev)
     w13_wo, w2_wo = (triton_wo.WoWeight("int4_w4a16", *a[i:i + 4]) for i in (1, 5))
     wo_entry = lambda x, i, w: triton_wo.fused_experts_wo(x, w13_wo, w2_wo, i, w)  # noqa: E731
-    found["wo int4 Qwen3 M=1"] = ("triton_experts_wo", a, triton_wo._wo_kernel, wo_entry, (a[0], a[9], a[10]))
+    found["wo int4 Qwen3 M=1"] = Case("triton_experts_wo", a, triton_wo._wo_kernel, wo_entry, (a[0], a[9], a[10]))
     a, router = route_args(1, dev), FusedRouter(ROUTER)
-    found["route_fused DeepSeek-V3 M=1"] = ("route_fused", a, before.fused._route_kernel,
-                                            lambda logits, bias: router(logits, bias).topk_weights, a[:2])
+    found["route_fused DeepSeek-V3 M=1"] = Case("route_fused", a, before.fused._route_kernel,
+                                                lambda logits, bias: router(logits, bias).topk_weights, a[:2])
     a = align_args(5 if SMOKE else 64, dev)
-    found[f"align Qwen3 M={5 if SMOKE else 64}"] = (
+    found[f"align Qwen3 M={5 if SMOKE else 64}"] = Case(
         "align_block_triton", a, triton_align._align_kernel,
         lambda ids: triton_align.align_block_triton(ids, QWEN3[0], 16).sorted_ids, a[:1])
     return found
@@ -169,26 +184,27 @@ def traced_ops(fn, args: tuple) -> list:
     return seen
 
 
-def correct_phase(found: dict) -> None:
+def correct_phase(found: dict[str, Case]) -> None:
     res = RESULT["correct"] = {}
     with torch.no_grad():
-        for label, (name, args, body, entry, entry_args) in found.items():
+        for label, case in found.items():
             RUN.log(f"correct: {label}")  # the first calls compile the case's kernels
+            name, args = case.name, case.args
             after, main = getattr(torch.ops.moekit, name).default(*args), before.OPS[name](*args)
-            res[label] = {"vs_main": same(after, main), "vs_body": same(after, body(*args)),
-                          "traced": traced_ops(entry, entry_args)}
+            res[label] = {"vs_main": same(after, main), "vs_body": same(after, case.body(*args)),
+                          "traced": traced_ops(case.entry, case.entry_args)}
             RUN.check(f"{label}: the op bit-equal to main's form", res[label]["vs_main"])
             RUN.check(f"{label}: the op bit-equal to its body", res[label]["vs_body"])
             RUN.check(f"{label}: compiled no_grad holds the op only", res[label]["traced"] == [f"moekit.{name}"],
                       str(res[label]["traced"]))
 
 
-def op_phase(found: dict, dev) -> None:
+def op_phase(found: dict[str, Case], dev) -> None:
     fns = {}
-    for label, (name, args, *_) in found.items():
-        after, main = getattr(torch.ops.moekit, name).default, before.OPS[name]
-        fns[f"{label} after"] = lambda op=after, a=args: op(*a)
-        fns[f"{label} before"] = lambda op=main, a=args: op(*a)
+    for label, case in found.items():
+        after, main = getattr(torch.ops.moekit, case.name).default, before.OPS[case.name]
+        fns[f"{label} after"] = lambda op=after, a=case.args: op(*a)
+        fns[f"{label} before"] = lambda op=main, a=case.args: op(*a)
     with torch.no_grad():
         for fn in fns.values():
             fn()

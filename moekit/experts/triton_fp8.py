@@ -286,8 +286,8 @@ def _fp8_fake(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, exper
     return x.new_empty(x.shape)  # [M, K], x.dtype: what fused_experts_fp8_launch returns
 
 
-# Two registrations of one body: the op calls run without a gradient (no Python autograd layer), and for a call
-# with an input that needs one, a custom op without a backward (what main ran every call through: the forward
+# Two registrations of one body: the op (no Python autograd layer) for calls without a gradient, and for a call with
+# an input that needs one a custom op without a backward (main's form, which every call went through: the forward
 # runs, a backward through it raises torch's "no autograd formula" error).
 define_inference_op("triton_experts_fp8", _fp8_kernel, _fp8_fake)
 torch.library.custom_op("moekit::triton_experts_fp8_autograd", _fp8_kernel, mutates_args=()).register_fake(_fp8_fake)
