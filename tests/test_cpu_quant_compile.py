@@ -62,7 +62,9 @@ def test_compiled_quantized_layer_equals_eager_and_keeps_its_repacked_experts(sc
         second = fn(x)
     assert recorder.saw("moekit.cpu_quant_experts")
     torch.testing.assert_close(traced, eager, rtol=0, atol=0)
-    torch.testing.assert_close(first, eager, rtol=0, atol=0)
+    # inductor's own code for the gate and router is vectorized for the host: on some hosts it rounds differently
+    # from eager (an AMD EPYC: up to 1.2e-7 absolute; the Xeon of earlier sessions: bit-equal), float32 rounding
+    torch.testing.assert_close(first, eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     assert repack_cache().used_bytes() == used and (used > 0) == (scheme != "int8_w8a16")  # int8: codes as stored
     clear_packed_weights()
