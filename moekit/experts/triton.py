@@ -68,7 +68,7 @@ from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_align import clear_op_plans
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, keep_call, remember, run_fast
-from moekit.experts.func_ops import transforming as _transforming
+from moekit.func_ops import transforming as _transforming
 from moekit.experts.triton_quant_fast import clear_quant_fast
 from moekit.experts.triton_lean import clear_sequences, launch_lean, lean_sequence
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)

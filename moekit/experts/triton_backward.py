@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from moekit.experts import check_experts_args
-from moekit.experts.func_ops import transform_function, transforming
+from moekit.func_ops import transform_function, transforming
 from moekit.experts.triton_backward_launch import BACKWARD_ACTIVATIONS, BackwardTiles, backward_tiles, experts_backward
 from moekit.experts.triton_launch import interpreting
 from moekit.experts.triton_train_forward import layout_rows, saving_forward, sorted_forward

@@ -32,7 +32,7 @@ import torch
 
 from moekit.activations import ActivationSpec, spec_fields
 from moekit.experts import check_experts_args, register_traced_path
-from moekit.experts.func_ops import transform_function
+from moekit.func_ops import transform_function
 from moekit.experts.op_library import define_inference_op
 from moekit.experts.triton import _DEFAULT_OPTIONS, experts_triton_unchecked, fused_experts
 from moekit.experts.triton_launch import LaunchOptions
