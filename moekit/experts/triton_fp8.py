@@ -328,4 +328,4 @@ def fused_experts_fp8(
 _TRANSFORM_FUNCTION = transform_function(
     "TritonExpertsFp8", torch.ops.moekit.triton_experts_fp8, None, None,
     "the triton backend's fp8_block kernels have no derivative (torch.func grad, vjp, jvp): take it on "
-    "backend='grouped_mm', which differentiates through the dequantized weights")
+    "backend='grouped_mm', which runs the scheme in differentiable torch ops")

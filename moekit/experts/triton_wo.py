@@ -380,7 +380,7 @@ def fused_experts_wo(
 _TRANSFORM_FUNCTION = transform_function(
     "TritonExpertsWo", torch.ops.moekit.triton_experts_wo, None, None,
     "the triton backend's weight-only kernels have no derivative (torch.func grad, vjp, jvp): take it on "
-    "backend='grouped_mm', which differentiates through the dequantized weights")
+    "backend='grouped_mm', which runs the scheme in differentiable torch ops")
 
 
 def clear_launch_caches() -> None:
