@@ -109,3 +109,25 @@ def test_jvp_through_the_layer_matches_the_loop_or_refuses(backend, router):
     p64 = {name: p.detach() for name, p in _params64(moe).items()}
     _, want = torch.autograd.functional.jvp(lambda x: _loop_forward(x, p64, moe), x.double(), tangent.double())
     _close(got, want, TOL, "jvp")
+
+
+def _ep_under_grad(rank: int, world_size: int) -> str:
+    from moekit.parallel import EPMoE
+
+    torch.manual_seed(0)
+    ep = EPMoE.from_moe(MoE(DEEPSEEK_LIKE, backend="grouped_mm"))
+    params = {name: p.detach() for name, p in ep.named_parameters()}
+    try:
+        torch.func.grad(lambda p: torch.func.functional_call(ep, p, (torch.randn(3, 16),)).sum())(params)
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ep_layer_refuses_a_transform_before_any_collective():
+    """EPMoE's load counts add in place and its collectives need tensors with storage: a clear error on each rank
+    (before: functorch's in-place refusal, masked by the error agreement's 'Cannot access data pointer')."""
+    from _parallel_harness import run_ranks
+
+    for message in run_ranks(_ep_under_grad, 2, timeout_s=120):
+        assert message == "EPMoE does not run under torch.func transforms (grad, vjp, jvp, vmap)"
