@@ -5,7 +5,7 @@ one-launch route and CPU loops give way to their torch twins), and what the guar
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/fgrad36_device_check.py --out $OUT/fgrad36 --deadline 72   # H100/H200
     PYTHONPATH=$PWD python3 benchmarks/fgrad36_device_check.py --smoke     # CPU: tiny shapes, Triton interpreted
 
-Phases (each skipped past the deadline; <out>/fgrad36.json rewritten after each):
+Cases (``--cases``, each skipped past the deadline; <out>/fgrad36.json rewritten after each):
   experts  ``experts_triton`` bf16 (E = 16, K = 512, N = 256, k = 4, M = 64): torch.func.grad and vjp for x, w13, w2,
            topk_weights against torch.autograd.grad on the same call (rel-L2 < 1e-3) and the reference backend in
            fp32 (< 2e-2); jvp raises the backend's NotImplementedError; jacrev of the routed weights against vjp rows.
@@ -15,18 +15,16 @@ Phases (each skipped past the deadline; <out>/fgrad36.json rewritten after each)
            torch router in fp32 (< 1e-4: before, the fused launches met storage-less tensors); fp8_block weights
            refuse grad naming the kernels.
   host     the eager no_grad forward (M = 1 past the decode fast path with return_stats, and M = 64), µs host / wall,
-           5 interleaved rounds: the guards as written ("after") vs each guard rebound to ``bool`` (a C call that
+           5 interleaved rounds (``--rounds``): the guards as written ("after") vs each guard rebound to ``bool`` (a C call that
            returns False: main has no call there at all); then the guards a forward calls and ns a guard call.
 The table is printed last: medians, after / before per round, rounds >= 3% faster / slower.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 
 SMOKE = "--smoke" in sys.argv
@@ -38,9 +36,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import wins  # noqa: E402
-from bench_run import RunLog, host_and_wall_us, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, case_args, host_and_wall_us, rel_l2, run_cases  # noqa: E402
 
-ROUNDS = 2 if SMOKE else 5
 E, N, K, TOP_K = (4, 128, 128, 2) if SMOKE else (16, 256, 512, 4)
 MS = (3, 5) if SMOKE else (8, 300)
 DTYPE = torch.float32 if SMOKE else torch.bfloat16
@@ -48,7 +45,6 @@ TOL = 1e-4 if SMOKE else 2e-2  # against fp32 reference: bf16 rounding
 RUN = RunLog("fgrad36: torch.func through the experts and the layer (µs a forward, medians of interleaved rounds)",
              stall_s=60)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
-NEEDS_S = {"experts": 4, "layer": 10, "host": 12}  # a phase starts only this long before the deadline (s)
 # every module that guards with moekit.func_ops.transforming, and the name it holds it under
 GUARDS = [("moekit.routing.fused", "transforming"), ("moekit.routing.gate", "transforming"),
           ("moekit.routing.gate_route", "transforming"), ("moekit.layer", "transforming"),
@@ -177,7 +173,7 @@ def rebind(modules: list, value) -> None:
         setattr(module, name, value)
 
 
-def host_phase(dev) -> None:
+def host_phase(dev, rounds: int) -> None:
     import moekit.layer_fast as layer_fast
 
     moe, _ = layer_pair(dev, "triton" if SMOKE else "auto", "fused" if SMOKE else "auto", DTYPE)
@@ -193,7 +189,7 @@ def host_phase(dev) -> None:
         with torch.no_grad():
             for fn in fns.values():
                 fn()
-            got = RESULT["host_us"] = host_and_wall_us(fns, dev, 2 if SMOKE else 200, ROUNDS)
+            got = RESULT["host_us"] = host_and_wall_us(fns, dev, 2 if SMOKE else 200, rounds)
             counts = {"n": 0}
             rebind(modules, lambda: (counts.__setitem__("n", counts["n"] + 1), real_fn())[1])
             for m, x in xs.items():
@@ -219,24 +215,13 @@ def host_phase(dev) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=72.0)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--phases", type=lambda v: tuple(x for x in v.split(",") if x), default=("experts", "layer", "host"))
-    args = p.parse_args()
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
-    dev = torch.device("cpu" if SMOKE else "cuda")
-    RESULT["run"] = {**run_info(), "smoke": SMOKE, "shape": [E, N, K, TOP_K], "phases": args.phases}
+    args = case_args(__doc__, 72.0, ("experts", "layer", "host"))
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    RESULT["shape"] = [E, N, K, TOP_K]
     RUN.summary.append("| phase | variant | host µs new / old | wall µs new / old | new / old per round | "
                        "rounds >= 3% faster / slower |\n|---|---|---|---|---|---|")
-    phases = {"experts": experts_phase, "layer": layer_phase, "host": host_phase}
-    for name in args.phases:
-        RUN.each_cell([name], lambda _, name=name: phases[name](dev), args.deadline - NEEDS_S.get(name, 4))
-        RUN.log(f"{name} done")
-        if args.out:
-            write_json(os.path.join(args.out, "fgrad36.json"), RESULT)
-    RUN.print_table()
+    phases = {"experts": experts_phase, "layer": layer_phase, "host": lambda dev: host_phase(dev, args.rounds)}
+    run_cases(RUN, RESULT, args, "fgrad36", lambda name: phases[name](dev))
     return 1 if RUN.failed else 0
 
 
