@@ -111,6 +111,27 @@ def test_jvp_through_the_layer_matches_the_loop_or_refuses(backend, router):
     _close(got, want, TOL, "jvp")
 
 
+@pytest.mark.parametrize("backend, router", [("grouped_mm", "torch"), ("triton", "fused")])
+def test_grad_of_the_task_and_aux_losses_matches_backward(backend, router):
+    """A training step's loss under torch.func: the output's and the balance / z losses' (return_stats=True)."""
+    config = DEEPSEEK_LIKE.replace(aux_loss_coef=0.01, z_loss_coef=0.001)
+    moe = _layer(config, backend, router)
+    x, r = _inputs(moe, num_tokens=6, seed=8)
+    params = {name: p.detach() for name, p in moe.named_parameters()}
+
+    def loss(params):
+        res = torch.func.functional_call(moe, params, (x,), {"return_stats": True})
+        return (res.out * r).sum() + res.aux_loss
+
+    got = torch.func.grad(loss)(params)
+    res = moe(x, return_stats=True)
+    ((res.out * r).sum() + res.aux_loss).backward()
+    for name, p in moe.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, msg=name)
+    (aux_only,) = torch.autograd.grad(moe(x, return_stats=True).aux_loss, moe.gate.weight)
+    assert aux_only.abs().max() > 0  # the aux losses reach the gate: the comparison above covers them
+
+
 def _ep_under_grad(rank: int, world_size: int) -> str:
     from moekit.parallel import EPMoE
 
