@@ -1,9 +1,10 @@
 """torch.func transforms (grad, vjp, jacrev, ``functional_call`` + grad, vmap) through moekit's custom ops.
 
 ``torch.library.custom_op(...).register_autograd`` builds its ``autograd.Function`` without a
-``setup_context`` (torch 2.11 to 2.13 at least: pytorch/pytorch#170834, #179652), and ``Function.apply``
-refuses such a class while any functorch transform is active ("it must override the setup_context
-staticmethod"); an op with no autograd at all runs under ``torch.func.jvp`` with a tangent of zero.
+``setup_context`` (torch 2.8 to 2.13 at least, pytorch/pytorch#170834 and #179652; seen here on 2.13),
+and ``Function.apply`` refuses such a class while any functorch transform is active ("it must override
+the setup_context staticmethod"); an op with no autograd at all runs under ``torch.func.jvp`` with a
+tangent of zero.
 A call made while a transform is active therefore goes through the ``autograd.Function`` that
 ``transform_function`` builds instead: its forward is the op, its ``setup_context`` and ``backward``
 are the op's registered ones, so functorch lifts it like any function written for it. Plain autograd
