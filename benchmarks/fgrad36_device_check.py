@@ -14,9 +14,10 @@ Cases (``--cases``, each skipped past the deadline; <out>/fgrad36.json rewritten
            backend / torch router in fp32 (< 2e-2); jvp through grouped_mm + the fused router against reference +
            torch router in fp32 (< 1e-4: before, the fused launches met storage-less tensors); fp8_block weights
            refuse grad naming the kernels.
-  host     the eager no_grad forward (M = 1 past the decode fast path with return_stats, and M = 64), µs host / wall,
-           5 interleaved rounds (``--rounds``): the guards as written ("after") vs each guard rebound to ``bool`` (a C call that
-           returns False: main has no call there at all); then the guards a forward calls and ns a guard call.
+  host     the eager no_grad forward (M = 1 and 64, the decode fast path off: ``layer_fast.ENABLED``), µs host /
+           wall, 5 interleaved rounds (``--rounds``): the guards as written ("after") vs each guard rebound to
+           ``bool`` (a C call that returns False: main has no call there at all); then the guards a forward calls
+           and ns a guard call.
 The table is printed last: medians, after / before per round, rounds >= 3% faster / slower.
 """
 
