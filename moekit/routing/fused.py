@@ -314,8 +314,7 @@ class FusedRouter:
         eager calls instead of fresh tensors (``moekit.routing.workspace``; the caller vouches for them)."""
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                            for t in (logits, correction_bias, shared_gate_logits)) or transforming():
-            # weights that need a gradient, or a torch.func transform (a tangent, a batch): the fused launch and
-            # its op compute none, and a transform's tensors have no storage to launch on
+            # weights that need a gradient, or a torch.func transform: the launch computes none (nor takes wrappers)
             return self._twin(logits, correction_bias, shared_gate_logits, append_shared)
         plan = self._plans[1 if append_shared else 0]
         if plan is None:
