@@ -40,6 +40,7 @@ from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.experts.grouped_mm import plan_grouped_mm
+from moekit.func_ops import transforming
 from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
@@ -322,8 +323,10 @@ class MoE(nn.Module):
         autograd, capacity dropping (its count is read back), a subclass that places experts elsewhere."""
         tensors = tuple(self._graph_tensors())
         if (self.capacity_factor is not None or type(self).run_routed is not MoE.run_routed
-                or (torch.is_grad_enabled() and (x2d.requires_grad or any(t.requires_grad for t in tensors)))):
-            return None  # a replay has no autograd: any tensor that needs a gradient (w2, a bias, the shared expert)
+                or (torch.is_grad_enabled() and (x2d.requires_grad or any(t.requires_grad for t in tensors)))
+                or transforming()):
+            return None  # a replay has no autograd (any tensor that needs a gradient: w2, a bias, the shared
+            # expert), and a torch.func transform's tensors (a tangent, a batch) have no storage to replay from
         key = (self._experts_fn, self._fused_router, *(t.data_ptr() for t in tensors))
         return self.eager_graphs.run(lambda x: self._experts_and_shared(x, self.route_tokens(x)), x2d, key, tensors)
 

@@ -188,7 +188,8 @@ class DecodeFast:
     def keep(self, layer, x2d: torch.Tensor) -> None:
         """Keep this call's kind, where the fast path can serve it (the full forward has just run it)."""
         m = x2d.shape[0]
-        if m > MAX_ROWS or not ENABLED or _grad() or _compiling() or layer.capacity_factor is not None:
+        if (m > MAX_ROWS or not ENABLED or _grad() or _compiling() or layer.capacity_factor is not None
+                or _transforming()):
             return
         c = layer.config
         if (layer.shared_w13 is not None or (layer.fuse_shared and layer.shared_gate is not None)

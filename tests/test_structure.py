@@ -33,7 +33,7 @@ LEVELS = {
     "layer_fast": 2,  # the layer's decode fast path: reads the layer's state, imported by it only
     "experts": 1, "quant": 1, "layouts": 1, "routing": 1, "losses": 1, "balance": 1,
     "config": 0, "presets": 0, "activations": 0, "_checks": 0, "triton_bind": 0,
-    "eager_graphs": 0, "batch_launch": 0,
+    "eager_graphs": 0, "batch_launch": 0, "func_ops": 0,
     "config_hf": 0,  # from_hf_config's readers (design.md's config.py row), imported by config only
     "analysis": 3,  # imported by bench and sim; itself imports only ANALYSIS_MAY_IMPORT
 }

@@ -48,6 +48,7 @@ import torch
 
 from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation, spec_fields
 from moekit.experts.cpu_op import cpu_experts_op
+from moekit.func_ops import transforming
 from moekit.experts.cpu_packed import (
     ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
@@ -78,7 +79,7 @@ _SPLIT_GEMMS = ("auto", "onednn_packed_split")
 def _expert_mlp(xs, ex: ExpertParams, offs, segment_ids, cpu_gemm) -> torch.Tensor:
     """xs [T, K] grouped by expert (rows offs[e-1]:offs[e], ``segment_ids`` [T] the expert of each row, -1
     past offs[-1]) -> w2[e] @ glu(w13[e] @ xs[r] + b13[e]) + b2[e] [T, K]."""
-    inference = not (torch.is_grad_enabled() and (xs.requires_grad or ex.need_grad()))
+    inference = not (torch.is_grad_enabled() and (xs.requires_grad or ex.need_grad())) and not transforming()
     if xs.device.type == "cpu" and inference and cpu_gemm != "grouped_mm" and not torch.compiler.is_compiling():
         return _expert_mlp_cpu_loop(xs, ex, offs.tolist(), cpu_gemm)  # no sync on the CPU
     rows_expert = None  # [T]; E on rows of no expert
@@ -147,7 +148,8 @@ def _group_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 def _group_gemm_eager(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if grouped_mm_takes(a, w):
+    # under a torch.func transform the loop: torch._grouped_mm has no forward-mode derivative (torch 2.13)
+    if grouped_mm_takes(a, w) and not transforming():
         return grouped_mm_fn()(a.contiguous(), w.transpose(1, 2), offs=offs)
     out = a.new_zeros(a.shape[0], w.shape[1])
     start = 0
@@ -275,7 +277,8 @@ def _runs_quantized_loop(x, w13, w2, topk_weights, b13, b2, layout, cpu_gemm) ->
         return False
     if not torch.compiler.is_compiling() and not fused_loop_supported(x.dtype):
         return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_weights, b13, b2)))
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_weights, b13, b2))
+                or transforming())  # no autograd, no forward-mode derivative (as _run_contiguous's loop)
 
 
 def _experts_quantized_loop(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, memory_budget_bytes,
@@ -339,8 +342,10 @@ def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu
     """x [M, K] -> [M, K] (accumulation dtype) through the contiguous layout (on the CPU without
     autograd, the fused per-expert loop of ``moekit.experts.cpu_packed`` for its GEMM strategies)."""
     # the loop has no autograd: it serves only calls where nothing needs a gradient, the routed weights
-    # included (a frozen-experts call still owes the router dL/dtopk_weights)
-    inference = not (torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or ex.need_grad()))
+    # included (a frozen-experts call still owes the router dL/dtopk_weights), and no torch.func transform
+    # is active (its oneDNN GEMMs have no forward-mode derivative: under jvp the tangent came out zero)
+    inference = (not (torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or ex.need_grad()))
+                 and not transforming())
     if (not torch.compiler.is_compiling() and cpu_gemm in _FUSED_GEMMS and x.device.type == "cpu" and inference
             and fused_loop_supported(x.dtype)):
         cache = None if cpu_gemm == "onednn_fused" else packed_weight_cache()

@@ -68,6 +68,7 @@ from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_align import clear_op_plans
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, keep_call, remember, run_fast
+from moekit.func_ops import transforming as _transforming
 from moekit.experts.triton_quant_fast import clear_quant_fast
 from moekit.experts.triton_lean import clear_sequences, launch_lean, lean_sequence
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
@@ -314,7 +315,10 @@ def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, 
     if options.direct_eager and _runs_directly(x, w13, w2, topk_weights, b13, b2):
         return _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, None, options, b13, b2,
                       checked=checked)
-    op = _triton_op.experts_op(x, w13, w2, topk_weights, b13, b2)  # the twin unless a gradient is needed
+    if torch.compiler.is_compiling() or not _transforming():
+        op = _triton_op.experts_op(x, w13, w2, topk_weights, b13, b2)  # the twin unless a gradient is needed
+    else:  # torch.func: the op as an autograd.Function functorch can lift (func_ops)
+        op = _triton_op.TRANSFORM_FUNCTION.apply
     return op(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, *spec_fields(activation), *options.as_op_args())
 
 

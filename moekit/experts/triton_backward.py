@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from moekit.experts import check_experts_args
+from moekit.func_ops import transform_function, transforming
 from moekit.experts.triton_backward_launch import BACKWARD_ACTIVATIONS, BackwardTiles, backward_tiles, experts_backward
 from moekit.experts.triton_launch import interpreting
 from moekit.experts.triton_train_forward import layout_rows, saving_forward, sorted_forward
@@ -105,6 +106,13 @@ def _backward_fake(dout, x, w13, w2, topk_ids, topk_weights, expert_map, h_pre, 
                  for t, need in ((x, need_x), (w13, need_w13), (w2, need_w2), (topk_weights, need_weights)))
 
 
+# the backward op as a torch.func transform reaches it (func_ops): it has no derivative of its own
+_BACKWARD_FUNCTION = transform_function(
+    "TritonExpertsBackward", torch.ops.moekit.triton_experts_backward, None, None,
+    "the triton experts backward has no derivative of its own (grad of grad, hessian, a jvp of a vjp): "
+    "take second derivatives on backend='reference' or 'grouped_mm'")
+
+
 def _grads(ctx, dout: torch.Tensor, h_pre: torch.Tensor | None, split_m: int, x_p: torch.Tensor | None = None) -> tuple:
     """The backward op on the saved inputs; the grads by the forward's input position (None elsewhere)."""
     if ctx.unsupported is not None:
@@ -112,8 +120,8 @@ def _grads(ctx, dout: torch.Tensor, h_pre: torch.Tensor | None, split_m: int, x_
     x, w13, w2, ids, weights, expert_map = ctx.saved_tensors[:6]
     positions = ctx.positions  # input positions of x, w13, w2, topk_weights
     needs = tuple(ctx.needs_input_grad[i] for i in positions)
-    grads = torch.ops.moekit.triton_experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre,
-                                                     ctx.activation, *needs, split_m, x_p)
+    backward = _BACKWARD_FUNCTION.apply if transforming() else torch.ops.moekit.triton_experts_backward
+    grads = backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, ctx.activation, *needs, split_m, x_p)
     result = [None] * ctx.num_inputs
     for position, need, grad in zip(positions, needs, grads):
         result[position] = grad if need else None
@@ -213,6 +221,11 @@ def _backward_train(ctx, dout: torch.Tensor, _kept) -> tuple:
 
 
 _train_op.register_autograd(_backward_train, setup_context=_setup_train)
+# the train op as a torch.func transform reaches it (func_ops)
+_TRAIN_FUNCTION = transform_function(
+    "TritonExpertsTrain", torch.ops.moekit.triton_experts_train, _setup_train, _backward_train,
+    "experts_triton_train has no forward-mode derivative (torch.func.jvp, jacfwd, hessian): take those on "
+    "backend='reference' or 'grouped_mm'; grad, vjp and jacrev work here")
 
 
 def experts_triton_train(
@@ -235,6 +248,6 @@ def experts_triton_train(
     check_triton_args(x, activation)
     if not isinstance(backward, BackwardOptions):
         raise TypeError(f"backward must be a BackwardOptions, got {type(backward).__name__}")
-    out, _ = torch.ops.moekit.triton_experts_train(x, w13, w2, topk_ids, topk_weights, expert_map, activation,
-                                                   not backward.recompute, backward.split_m)
+    train = _TRAIN_FUNCTION.apply if transforming() else torch.ops.moekit.triton_experts_train
+    out, _ = train(x, w13, w2, topk_ids, topk_weights, expert_map, activation, not backward.recompute, backward.split_m)
     return out

@@ -46,6 +46,7 @@ from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool
 from moekit.experts.triton_fp8_persistent import Persistent
 from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
+from moekit.func_ops import transform_function, transforming
 from moekit.layouts.grouping import to_local_ids
 
 E4M3_MAX = 448.0
@@ -317,6 +318,14 @@ def fused_experts_fp8(
         return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
                                         tuple(block_shape), options=options)
     grad = needs_grad(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights)
-    op = torch.ops.moekit.triton_experts_fp8_autograd if grad else torch.ops.moekit.triton_experts_fp8
+    op = (_TRANSFORM_FUNCTION.apply if transforming()  # torch.func: ``moekit.func_ops``
+          else torch.ops.moekit.triton_experts_fp8_autograd if grad else torch.ops.moekit.triton_experts_fp8)
     return op(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_shape[0], block_shape[1],
               options.weight_descriptors, options.dependent_launch, options.poison_workspace)
+
+
+# the op as a torch.func transform reaches it (``moekit.func_ops``): vmap runs, a derivative refuses
+_TRANSFORM_FUNCTION = transform_function(
+    "TritonExpertsFp8", torch.ops.moekit.triton_experts_fp8, None, None,
+    "the triton backend's fp8_block kernels have no derivative (torch.func grad, vjp, jvp): take it on "
+    "backend='grouped_mm', which runs the scheme in differentiable torch ops")

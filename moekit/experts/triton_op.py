@@ -32,6 +32,7 @@ import torch
 
 from moekit.activations import ActivationSpec, spec_fields
 from moekit.experts import check_experts_args, register_traced_path
+from moekit.func_ops import transform_function
 from moekit.experts.op_library import define_inference_op
 from moekit.experts.triton import _DEFAULT_OPTIONS, experts_triton_unchecked, fused_experts
 from moekit.experts.triton_launch import LaunchOptions
@@ -92,6 +93,13 @@ _experts_op.register_autograd(backward_experts_op, setup_context=setup_experts_o
 
 # the twin: the same kernel and fake, no autograd (it refuses a call that needs a gradient; experts_op never sends one)
 define_inference_op("triton_experts_infer", _experts_kernel, _experts_fake)
+
+# what a call runs while a torch.func transform is active (``func_ops``): the twin as the forward of an
+# autograd.Function with the custom op's setup_context and backward
+TRANSFORM_FUNCTION = transform_function(
+    "TritonExperts", torch.ops.moekit.triton_experts_infer, setup_experts_op, backward_experts_op,
+    "the triton experts backend has no forward-mode derivative (torch.func.jvp, jacfwd, hessian): take those on "
+    "backend='reference' or 'grouped_mm'; grad, vjp and jacrev work here")
 
 
 @functools.lru_cache(maxsize=256)

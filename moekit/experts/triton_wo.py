@@ -55,6 +55,7 @@ from moekit.experts.triton_wo_plan import (
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch, scratch_chunking
 from moekit.experts.triton_wo_scratch_plan import clear_scratch_plans, scratch_lean_inputs
 from moekit.experts.triton_wo_winners import MIN_M
+from moekit.func_ops import transform_function, transforming
 from moekit.layouts.grouping import to_local_ids
 from moekit.quant import e2m1_decode
 from moekit.quant.base import unpack_nibbles
@@ -369,9 +370,17 @@ def fused_experts_wo(
     check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
     check_decode(decode)
     grad = needs_grad(x, w13.q, w13.scale, w2.q, w2.scale, topk_weights)
-    op = torch.ops.moekit.triton_experts_wo_autograd if grad else torch.ops.moekit.triton_experts_wo
+    op = (_TRANSFORM_FUNCTION.apply if transforming()  # torch.func: ``moekit.func_ops``
+          else torch.ops.moekit.triton_experts_wo_autograd if grad else torch.ops.moekit.triton_experts_wo)
     return op(x, w13.q, w13.scale, w13.zero, w13.group_size, w2.q, w2.scale, w2.zero, w2.group_size,
               topk_ids, topk_weights, expert_map, w13.scheme, activation, options.dependent_launch, decode or "")
+
+
+# the op as a torch.func transform reaches it (``moekit.func_ops``): vmap runs, a derivative refuses
+_TRANSFORM_FUNCTION = transform_function(
+    "TritonExpertsWo", torch.ops.moekit.triton_experts_wo, None, None,
+    "the triton backend's weight-only kernels have no derivative (torch.func grad, vjp, jvp): take it on "
+    "backend='grouped_mm', which runs the scheme in differentiable torch ops")
 
 
 def clear_launch_caches() -> None:

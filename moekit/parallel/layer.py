@@ -25,6 +25,7 @@ from torch import nn
 
 from moekit.config import MoEConfig
 from moekit.experts import call_backend
+from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
                                       plan_sends, weights_dtype)
@@ -269,6 +270,8 @@ class EPMoE(MoE):
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring."""
+        if transforming():  # before any collective: the load counts add in place, the collectives need storage
+            raise NotImplementedError("EPMoE does not run under torch.func transforms (grad, vjp, jvp, vmap)")
         # checks and routing may raise: agreed in forward_routed
         with self._errors.on(self.w13.device, self._counts_chunks) as errors:
             self.graph_captured |= errors.capturing

@@ -29,11 +29,17 @@ def attach_gradients(sent: tuple[torch.Tensor, ...], received: tuple[torch.Tenso
 
 
 class _Attach(torch.autograd.Function):
+    """forward / setup_context apart (no ctx in forward): what torch.func transforms require of a Function."""
+
     @staticmethod
-    def forward(ctx, send_splits, recv_splits, group, count, *tensors):
+    def forward(send_splits, recv_splits, group, count, *tensors):
+        return tuple(t.view_as(t) for t in tensors[count:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        send_splits, recv_splits, group, count, *tensors = inputs
         ctx.splits, ctx.group, ctx.count = (send_splits, recv_splits), group, count
         ctx.specs = [(t.dtype, t.shape[1:], t.device) for t in tensors[:count]]
-        return tuple(t.view_as(t) for t in tensors[count:])
 
     @staticmethod
     def backward(ctx, *grads):

@@ -36,6 +36,7 @@ import torch
 
 from moekit.config import MoEConfig
 from moekit.experts.op_library import define_inference_op
+from moekit.func_ops import transforming
 from moekit.routing import gate
 from moekit.triton_bind import BoundLaunch, interpreting, next_pow2, triton_runs_on
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
@@ -312,8 +313,8 @@ class FusedRouter:
         """``out``: (ids, weights) [M, k(+S)] int32 / float32 contiguous on the logits' device, written by
         eager calls instead of fresh tensors (``moekit.routing.workspace``; the caller vouches for them)."""
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for t in (logits, correction_bias, shared_gate_logits)):
-            # weights that need a gradient: the fused launch and its op compute none
+                                           for t in (logits, correction_bias, shared_gate_logits)) or transforming():
+            # weights that need a gradient, or a torch.func transform: the launch computes none (nor takes wrappers)
             return self._twin(logits, correction_bias, shared_gate_logits, append_shared)
         plan = self._plans[1 if append_shared else 0]
         if plan is None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.func_ops import transforming
 from moekit.triton_bind import BoundLaunch, next_pow2
 
 # Rows up to which the kernel runs (module docstring: measured against cuBLAS). 8, not 4: at 5-8 rows the kernel costs
@@ -107,8 +108,8 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ``out``: written instead of a fresh tensor; the caller vouches that it is [M, E] contiguous in x's
     dtype on x's device (``moekit.routing.workspace``)."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
-        return None
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))) or transforming():
+        return None  # autograd, or a torch.func transform (its tensors have no storage to launch on)
     key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
            weight.dtype, weight.get_device(), weight.data_ptr() % 16 == 0,
            None if bias is None
@@ -145,8 +146,8 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if (x.dtype != weight.dtype or x.dim() != 2 or out.dtype != x.dtype or torch.compiler.is_compiling()
             or (bias is not None and bias.dtype != x.dtype)
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                             or (bias is not None and bias.requires_grad)))):
-        return None
+                                             or (bias is not None and bias.requires_grad))) or transforming()):
+        return None  # out= has no forward-mode derivative: under a torch.func transform F.linear
     return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
 
 

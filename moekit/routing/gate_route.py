@@ -27,6 +27,7 @@ import importlib
 
 import torch
 
+from moekit.func_ops import transforming
 from moekit.routing import fused, gate, gate_mma
 from moekit.routing.route import Routing
 from moekit.routing.workspace import RouteBuffers
@@ -128,9 +129,11 @@ def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor,
 
 def runs(x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None) -> bool:
     """Whether ``gate_route`` may launch at all for these tensors: nothing compiling, no autograd graph to record
-    (the caller's check before it makes buffers for the call, ``moekit.routing.workspace.fresh_buffers``)."""
+    (the caller's check before it makes buffers for the call, ``moekit.routing.workspace.fresh_buffers``), no
+    torch.func transform (its tensors have no storage to launch on)."""
     return not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad)))
+        x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))
+    ) and not transforming()
 
 
 def wants_fresh(router: fused.FusedRouter, append_shared: bool, x: torch.Tensor, weight: torch.Tensor,
