@@ -25,6 +25,8 @@ def _number(value: float | None, fmt: str, error: str | None) -> str:
         return "-"
     if error.startswith("NotOnCPU"):  # hf_quant.NOT_ON_CPU: not attempted, neither passed nor failed
         return "not on CPU"
+    if error.startswith("NoReference"):  # hf_run.NO_REFERENCE: this row ran; eager, its reference, did not
+        return "no reference"
     return "skipped" if error.startswith("Skipped") else "[red]error[/red]"
 
 
