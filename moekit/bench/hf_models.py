@@ -12,7 +12,8 @@ fields), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936
 checkpoint: nothing here reaches the hub.
 
 The experts implementations are discovered from transformers' registry at run time (``"eager"`` plus
-every key of ``ALL_EXPERTS_FUNCTIONS``, which holds ``"moekit"`` once ``moekit.hf`` is imported).
+every key of ``ALL_EXPERTS_FUNCTIONS``, which holds ``"moekit"`` once ``moekit.hf`` is imported; an fp8
+model's from ``FP8ExpertsInterface``, ``hf_quant``).
 """
 
 from __future__ import annotations

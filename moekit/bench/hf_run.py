@@ -7,6 +7,8 @@ the same model run once in float64 (``hf_fp64``). Then, unless told not to, tran
 against eager's decode and against the float64 model's logits for the same steps. Every implementation is
 warmed (and compiled) before any is timed; the timed repeats go round-robin over the implementations and
 each number is the median. A measurement that fails records ``"Type: first line"`` instead of a number.
+With ``quant="fp8"`` the experts are transformers' fine-grained fp8 ones and the implementations theirs
+(``hf_quant``).
 """
 
 from __future__ import annotations
