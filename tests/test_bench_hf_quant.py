@@ -159,6 +159,18 @@ def test_bench_hf_fp8_tiny_cli(tmp_path, capsys):
     assert "fp8 experts" in out and "not on CPU" in out and "no reference" in out
 
 
+def test_moekit_blocks_keep_the_fp8_experts():
+    """use_moekit_blocks on the fp8 model: moe_from_hf keeps the experts fp8, so the row carries the recipe's
+    activation rounding against the float64 reference (a float MoE of the dequantized weights would be ~1e-7)."""
+    from moekit.bench.hf_run import default_options, run_hf_bench
+
+    opts = default_options("qwen3", torch.device("cpu"), tiny=True, layers=1, impls=("moekit", "moekit_blocks"),
+                           compile=False, repeats=1, decode_tokens=2, prefill_len=8, quant="fp8")
+    rows = {r["impl"]: r for r in run_hf_bench(torch.device("cpu"), opts)["rows"]}
+    for impl in ("moekit", "moekit_blocks"):
+        assert rows[impl]["decode_tok_s"] > 0 and 1e-4 < rows[impl]["logits_rel_err_vs_fp64"] < 3e-2
+
+
 @pytest.mark.parametrize("argv", [
     ["--hf-quant", "int4"],
     ["--hf-quant", "fp8", "--hf-model", "gpt-oss-20b"],
