@@ -103,3 +103,24 @@ def test_moekit_runs_transformers_fp8_experts_as_they_are():
         block_out = block(x[None])  # the `kernels` package, absent on a CPU machine)
         block_out = block_out[0] if isinstance(block_out, tuple) else block_out
         assert rel_l2(moe(x[None]), block_out) < 1e-5
+
+
+def test_moekit_fp8_experts_compile_fullgraph(monkeypatch):
+    """FP8Experts through "moekit" trace whole under torch.compile(fullgraph=True) on the triton backend (the
+    GPU's path, interpreted here: conftest) and equal their eager selves: a traced call wraps the module's fp8
+    tensors anew instead of comparing their data pointers with the cached wrap's (which broke the graph in
+    every layer)."""
+    pytest.importorskip("triton")
+    import moekit.experts
+    import moekit.hf as moekit_hf
+
+    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
+    monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
+    block, _ = _fp8_qwen3_moe()
+    block.experts.config._experts_implementation = "moekit"
+    x = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        eager = block(x)
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x)
+    eager, compiled = (out[0] if isinstance(out, tuple) else out for out in (eager, compiled))
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -8,7 +8,9 @@ The float64 weights are a copy made for a pass and dropped right after it (Qwen3
 with ``torch.func.functional_call`` so the benchmark's module itself is never converted. The pass is
 float64 except where transformers' modeling code casts to float32 on purpose (RMSNorm's statistics, the
 router's softmax, the rotary cos/sin): their rounding (~1e-7 relative; RMSNorm's alone 9e-8 on the tiny
-Qwen3) is this reference's floor, far below the ~1e-2 of bf16 logits.
+Qwen3) is this reference's floor, far below the ~1e-2 of bf16 logits. An fp8 model (``--hf-quant fp8``) runs
+its stored weights dequantized exactly, without the recipe's activation rounding; ``FP8Experts``' loop sums
+the experts in float32 (~1e-7 more).
 
 Shapes: B x L = the prefill batch, P = prompt tokens, T = generated tokens, V = vocabulary.
 """
@@ -22,15 +24,20 @@ import torch
 
 from moekit.bench import hf_measure as hm
 from moekit.bench.hf_models import REFERENCE_IMPL, free_memory_bytes
+from moekit.bench.hf_quant import dequantized_float64
 
 FIT_FRACTION = 0.8  # of the free memory: room for the activations (fp64 attention scores, 1 GB a layer at 4 x 1024)
 
 
 def _float64_tensors(model) -> dict[str, torch.Tensor]:
     """Every floating parameter and buffer of ``model`` as a float64 copy on its device, by name (tied
-    weights once: ``functional_call`` ties them back)."""
+    weights once: ``functional_call`` ties them back); fp8 weights with block scales as their exact value
+    (``hf_quant.dequantized_float64``: ``FP8Experts``' loop runs a float weight as a plain linear)."""
+    tensors = dequantized_float64(model)
     named = itertools.chain(model.named_parameters(), model.named_buffers())
-    return {name: t.detach().to(torch.float64) for name, t in named if t.is_floating_point()}
+    tensors.update({name: t.detach().to(torch.float64) for name, t in named
+                    if t.is_floating_point() and name not in tensors})
+    return tensors
 
 
 def float64_bytes(model) -> int:

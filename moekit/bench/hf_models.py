@@ -12,7 +12,8 @@ fields), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936
 checkpoint: nothing here reaches the hub.
 
 The experts implementations are discovered from transformers' registry at run time (``"eager"`` plus
-every key of ``ALL_EXPERTS_FUNCTIONS``, which holds ``"moekit"`` once ``moekit.hf`` is imported).
+every key of ``ALL_EXPERTS_FUNCTIONS``, which holds ``"moekit"`` once ``moekit.hf`` is imported; an fp8
+model's from ``FP8ExpertsInterface``, ``hf_quant``).
 """
 
 from __future__ import annotations
@@ -99,12 +100,15 @@ def build_model(config, dtype: torch.dtype, device: torch.device, seed: int = 0)
     return model.eval()
 
 
-def experts_implementations() -> list[str]:
-    """Every experts implementation transformers knows in this process, the reference first."""
+def experts_implementations(quant: str | None = None) -> list[str]:
+    """Every experts implementation transformers knows in this process, the reference first; with ``quant``
+    ("fp8"), those of its fp8 experts (``hf_quant.fp8_implementations``)."""
     import moekit.hf  # noqa: F401  (registers "moekit")
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    names = set(ALL_EXPERTS_FUNCTIONS.valid_keys()) | {REFERENCE_IMPL}
+    from moekit.bench.hf_quant import fp8_implementations
+
+    names = set(fp8_implementations() if quant else ALL_EXPERTS_FUNCTIONS.valid_keys()) | {REFERENCE_IMPL}
     rank = {n: i for i, n in enumerate(_IMPL_ORDER)}
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
@@ -119,18 +123,24 @@ def _no_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
 
 
 def register_no_experts() -> None:
-    """Register ``NO_EXPERTS_IMPL`` with transformers' experts interface (idempotent)."""
+    """Register ``NO_EXPERTS_IMPL`` with transformers' experts interfaces, the fp8 one too (idempotent)."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(NO_EXPERTS_IMPL, _no_experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        return
+    FP8ExpertsInterface.register(NO_EXPERTS_IMPL, _no_experts_forward)
 
 
-def select_impls(requested: list[str] | None) -> list[str]:
+def select_impls(requested: list[str] | None, quant: str | None = None) -> list[str]:
     """``requested`` (default: every registered one but ``NO_EXPERTS_IMPL`` and ``BLOCKS_IMPL``, which run only
-    when named) in the registry's order (``BLOCKS_IMPL`` after "moekit"), the reference always included first."""
+    when named) in the registry's order (``BLOCKS_IMPL`` after "moekit"), the reference always included first;
+    with ``quant``, among the implementations of transformers' fp8 experts."""
     if requested and NO_EXPERTS_IMPL in requested:
         register_no_experts()
-    known = experts_implementations()
+    known = experts_implementations(quant)
     named_only = [NO_EXPERTS_IMPL, BLOCKS_IMPL]
     unknown = sorted(set(requested or ()) - set(known) - set(named_only))
     if unknown:

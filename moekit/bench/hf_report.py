@@ -11,8 +11,11 @@ from moekit.bench.report import free_results_path
 
 
 def hf_results_path(out_dir: Path, doc: dict) -> Path:
-    """``<out_dir>/<device>-hf-<date>.json``, or ``...-<date>-2.json``, ``-3`` ... when that file exists."""
-    return free_results_path(out_dir, f"{doc['device'].replace(' ', '_')}-hf-{doc['date']}")
+    """``<out_dir>/<device>-hf-<date>.json`` (``-hf-fp8-`` for an fp8 model), or ``...-<date>-2.json``, ``-3`` ...
+    when that file exists."""
+    quant = doc.get("model", {}).get("quant")
+    kind = f"hf-{quant}" if quant else "hf"
+    return free_results_path(out_dir, f"{doc['device'].replace(' ', '_')}-{kind}-{doc['date']}")
 
 
 def _number(value: float | None, fmt: str, error: str | None) -> str:
@@ -20,13 +23,18 @@ def _number(value: float | None, fmt: str, error: str | None) -> str:
         return format(value, fmt)
     if error is None:
         return "-"
+    if error.startswith("NotOnCPU"):  # hf_quant.NOT_ON_CPU: not attempted, neither passed nor failed
+        return "not on CPU"
+    if error.startswith("NoReference"):  # hf_run.NO_REFERENCE: this row ran; eager, its reference, did not
+        return "no reference"
     return "skipped" if error.startswith("Skipped") else "[red]error[/red]"
 
 
 def hf_table(doc: dict) -> Table:
     model = doc["model"]
+    experts = f", {model['quant']} experts" if model.get("quant") else ""
     t = Table(title=f"moekit bench --hf: {model['name']} ({model['widths']} widths, {doc['layers']} layers, "
-                    f"{model['dtype']}) on {doc['device']}")
+                    f"{model['dtype']}{experts}) on {doc['device']}")
     for col in ("impl", "mode", "decode tok/s", "step tok/s", "prefill ms", "logits err vs eager",
                 "logits err vs fp64"):
         t.add_column(col, justify="left" if col in ("impl", "mode") else "right")

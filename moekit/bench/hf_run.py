@@ -7,6 +7,8 @@ the same model run once in float64 (``hf_fp64``). Then, unless told not to, tran
 against eager's decode and against the float64 model's logits for the same steps. Every implementation is
 warmed (and compiled) before any is timed; the timed repeats go round-robin over the implementations and
 each number is the median. A measurement that fails records ``"Type: first line"`` instead of a number.
+With ``quant="fp8"`` the experts are transformers' fine-grained fp8 ones and the implementations theirs
+(``hf_quant``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from moekit.bench.hf_models import (
     MODELS, REFERENCE_IMPL, build_model, free_memory_bytes, gathered_weight_bytes, hf_config, select_impls,
     use_impl,
 )
+from moekit.bench.hf_quant import FP8_METHOD, FP8_TINY, quantize_experts_fp8, unavailable
 from moekit.bench.run import commit_id, device_name
 
 RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
-NO_REFERENCE = "NoReference: the eager implementation failed, nothing to compare with"
+NO_REFERENCE = "NoReference: the eager implementation did not run (failed or not attempted), nothing to compare with"
 ERR_EAGER, ERR_FP64 = "logits_rel_err_vs_eager", "logits_rel_err_vs_fp64"  # a Row's two error metrics
 
 
@@ -45,6 +48,7 @@ class HFBenchOptions:
     impls: tuple[str, ...] | None = None  # None: every registered one; eager always runs in eager mode
     tiny: bool = False  # tiny widths instead of the published ones
     dtype: str | None = None  # the model's dtype, one of HF_DTYPES; None: bfloat16 on CUDA, float32 on the CPU
+    quant: str | None = None  # None: float experts; "fp8": transformers' fine-grained fp8 experts (hf_quant)
 
 
 HF_DTYPES = ("float32", "bfloat16", "float16")
@@ -122,17 +126,18 @@ def make_inputs(vocab_size: int, opts: HFBenchOptions, device: torch.device, see
     return Inputs(prompt.to(device), batch.to(device))
 
 
-def _prefill_fits(model, impl: str, batch: torch.Tensor) -> None:
-    """Raise ``Skipped`` where ``impl`` would gather more expert weights than half the free memory."""
-    need = gathered_weight_bytes(impl, model.config, batch.numel(), model.dtype.itemsize)
+def _prefill_fits(model, impl: str, batch: torch.Tensor, quant: str | None) -> None:
+    """Raise ``Skipped`` where ``impl`` would gather more expert weights than half the free memory (fp8
+    experts: every implementation reads them in place)."""
+    need = 0 if quant else gathered_weight_bytes(impl, model.config, batch.numel(), model.dtype.itemsize)
     free = free_memory_bytes(batch.device)
     if need > free // 2:
         raise hm.Skipped(f"{impl} would gather {need / 2**30:.1f} GiB of expert weights "
                           f"for this batch ({free / 2**30:.1f} GiB free)")
 
 
-def _prefill_all_logits(model, impl: str, batch: torch.Tensor) -> torch.Tensor:
-    _prefill_fits(model, impl, batch)
+def _prefill_all_logits(model, impl: str, batch: torch.Tensor, quant: str | None) -> torch.Tensor:
+    _prefill_fits(model, impl, batch, quant)
     return hm.prefill(model, batch, all_logits=True).logits
 
 
@@ -148,7 +153,7 @@ def _compare(row: Row, metric: str, logits: torch.Tensor, ref: torch.Tensor | No
 def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logits, fp64: Float64Prefill):
     """One prefill with all logits (the error checks) and one decode: (logits or None, Decode or None)."""
     use_impl(model, row.impl)
-    logits = row.attempt("prefill_ms", lambda: _prefill_all_logits(model, row.impl, inputs.batch))
+    logits = row.attempt("prefill_ms", lambda: _prefill_all_logits(model, row.impl, inputs.batch, opts.quant))
     if logits is None:
         row.errors[ERR_EAGER] = row.errors[ERR_FP64] = row.errors["prefill_ms"]
     else:
@@ -173,7 +178,12 @@ def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log, fp64:
     rows = {impl: Row(impl, "eager") for impl in impls}
     ref_logits, ref_decode = None, None
     for impl in impls:  # the reference first (select_impls): warm all before timing any
-        logits, dec = _warm_eager(model, rows[impl], inputs, opts, ref_logits, fp64)
+        reason = unavailable(impl, opts.quant, inputs.prompt.device)
+        if reason is None:
+            logits, dec = _warm_eager(model, rows[impl], inputs, opts, ref_logits, fp64)
+        else:
+            _not_attempted(rows[impl], reason, "prefill_ms", ERR_FP64)
+            logits, dec = None, None
         if impl == REFERENCE_IMPL:
             ref_logits, ref_decode = logits, dec
         log(f"eager    warm {impl}: " + _summary(rows[impl], dec))
@@ -199,15 +209,12 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
     with _recompile_limit(RECOMPILE_LIMIT):
         for impl in impls:
             row = rows[impl]
-            use_impl(model, impl)
-            dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens,
-                                                               compiled=config, keep_logits=True))
-            if dec is None:
-                row.errors[ERR_EAGER] = row.errors["decode_tok_s"]
-            elif ref is None:
-                row.errors[ERR_EAGER] = NO_REFERENCE
+            reason = unavailable(impl, opts.quant, inputs.prompt.device)
+            if reason is None:
+                dec = _warm_compiled(model, row, inputs, opts, config, ref)
             else:
-                row.logits_rel_err_vs_eager = hm.decode_rel_err(dec, ref)
+                _not_attempted(row, reason)
+                dec = None
             if dec is not None:
                 decodes[impl] = dec
             log(f"compiled warm {impl}: " + _summary(row, dec))
@@ -217,6 +224,21 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
                     + _timed_pass(model, rows[impl], inputs, opts, compiled=config))
     torch._dynamo.reset()
     return CompiledRows(rows=[rows[i] for i in impls], decodes=decodes)
+
+
+def _warm_compiled(model, row: Row, inputs: Inputs, opts: HFBenchOptions, config, ref: hm.Decode | None):
+    """One compiled decode of ``row``'s implementation (compiles it) and its error against ``ref``: the Decode
+    or None."""
+    use_impl(model, row.impl)
+    dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens,
+                                                       compiled=config, keep_logits=True))
+    if dec is None:
+        row.errors[ERR_EAGER] = row.errors["decode_tok_s"]
+    elif ref is None:
+        row.errors[ERR_EAGER] = NO_REFERENCE
+    else:
+        row.logits_rel_err_vs_eager = hm.decode_rel_err(dec, ref)
+    return dec
 
 
 def float64_decode_errors(model, compiled: CompiledRows, prompt: torch.Tensor) -> None:
@@ -243,6 +265,12 @@ def _step_logits_error(fp64: Float64Model, row: Row, dec: hm.Decode | None, prom
     ref = row.attempt(ERR_FP64, lambda: fp64.step_logits(prompt, dec.tokens))
     if ref is not None:
         row.logits_rel_err_vs_fp64 = hm.rel_err(dec.logits, ref)
+
+
+def _not_attempted(row: Row, reason: str, *metrics: str) -> None:
+    """``reason`` recorded for ``row``'s decode, its error against eager and ``metrics``: nothing of it runs."""
+    for metric in ("decode_tok_s", ERR_EAGER, *metrics):
+        row.errors[metric] = reason
 
 
 def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled) -> str:
@@ -292,12 +320,17 @@ def _recompile_limit(limit: int):
 
 def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str], None] = lambda msg: None) -> dict:
     """Build the model, measure every implementation, return the results document."""
-    impls = select_impls(list(opts.impls) if opts.impls else None)
+    impls = select_impls(list(opts.impls) if opts.impls else None, opts.quant)
     dtype = model_dtype(opts, device)
     config = hf_config(opts.model, opts.layers, opts.tiny)
+    if opts.quant and opts.tiny:
+        config.update(FP8_TINY[opts.model])
     log(f"building {opts.model} ({'tiny' if opts.tiny else 'real'} widths, {opts.layers} layers, "
-        f"{str(dtype).removeprefix('torch.')}) on {device}; implementations: {', '.join(impls)}")
+        f"{str(dtype).removeprefix('torch.')}{', fp8 experts' if opts.quant else ''}) on {device}; "
+        f"implementations: {', '.join(impls)}")
     model = build_model(config, dtype, device)
+    if opts.quant:
+        quantize_experts_fp8(model)
     inputs = make_inputs(config.vocab_size, opts, device)
     fp64 = float64_prefill(model, inputs.batch)
     log(f"float64 prefill (eager experts): {fp64.error or 'done'}")
@@ -324,7 +357,7 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict]) -> 
         "commit": commit_id(),
         "versions": _versions(),
         "model": {"name": opts.model, "preset": spec.preset, "widths": "tiny" if opts.tiny else "real",
-                  "vocab_size": config.vocab_size, "dtype": str(dtype).removeprefix("torch."),
+                  "vocab_size": config.vocab_size, "dtype": str(dtype).removeprefix("torch."), "quant": opts.quant,
                   "config": config.to_diff_dict()},
         "layers": opts.layers,
         "settings": asdict(opts),
@@ -340,6 +373,7 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict]) -> 
             "modeling code casts on purpose: RMSNorm statistics, router softmax, rotary cos/sin); compiled: "
             "generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
             "all implementations warmed first, repeats round-robin, medians"
+            + (FP8_METHOD if opts.quant else "")
         ),
         "rows": rows,
     }

@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
     g.add_argument("--hf-dtype", default=None,
                    help="the model's dtype: float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--hf-quant", default=None,
+                   help="fp8: the experts quantized with transformers' fine-grained fp8 (FineGrainedFP8Config: e4m3, "
+                   "128x128 block scales); implementations are then those of its FP8Experts (qwen3, mixtral; "
+                   "default: off, the experts in --hf-dtype)")
     g.add_argument("--tiny", action="store_true",
                    help="tiny widths, with --hf or --offload (a smoke run; the tests use it)")
 
@@ -44,17 +48,20 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moekit.bench.hf_models import model_names, select_impls
+    from moekit.bench.hf_quant import check_quant, quant_models
     from moekit.bench.hf_report import hf_results_path, print_hf_report
     from moekit.bench.hf_run import default_options, run_hf_bench
     from moekit.bench.report import write_json
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    models = model_names() if args.hf_model == "all" else args.hf_model.split(",")
+    models = quant_models(args.hf_quant, model_names()) if args.hf_model == "all" else args.hf_model.split(",")
     impls = tuple(args.hf_impls.split(",")) if args.hf_impls else None
     try:
         if set(models) - set(model_names()):
             raise ValueError(f"hf-model must be one of {model_names()} or all, got {args.hf_model!r}")
-        select_impls(list(impls) if impls else None)
+        for name in models:
+            check_quant(args.hf_quant, name)
+        select_impls(list(impls) if impls else None, args.hf_quant)
         options = [_options(args, name, device, impls, default_options) for name in models]
     except ValueError as err:
         raise SystemExit(f"bench: --{err}") from None
@@ -78,7 +85,8 @@ def _options(args, name, device, impls, default_options):
     opts = default_options(name, device, args.tiny, layers=args.layers, decode_tokens=args.decode_tokens,
                            prompt_len=args.prompt_len, prefill_batch=args.prefill_batch,
                            prefill_len=args.prefill_len, repeats=args.repeats, compile=args.compile,
-                           compile_backend=args.compile_backend, impls=impls, dtype=args.hf_dtype)
+                           compile_backend=args.compile_backend, impls=impls, dtype=args.hf_dtype,
+                           quant=args.hf_quant)
     model_dtype(opts, device)  # a bad --hf-dtype fails here, before any model is built
     for flag in ("layers", "decode_tokens", "prompt_len", "prefill_batch", "prefill_len", "repeats"):
         if getattr(opts, flag) < 1:

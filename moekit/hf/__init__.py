@@ -82,7 +82,10 @@ def moekit_fp8_experts_forward(
 
 
 def _fp8_weights(module: nn.Module):
-    """The module's (w13, w2) fp8_block weights, wrapped once per set of weight tensors (a load replaces them)."""
+    """The module's (w13, w2) fp8_block weights, wrapped once per set of weight tensors (a load replaces them);
+    wrapped anew in a traced call (dynamo cannot compare data pointers: the cache broke the graph there)."""
+    if torch.compiler.is_compiling():
+        return fp8_experts_weights(module)
     key = (module.gate_up_proj.data_ptr(), module.down_proj.data_ptr(), module.gate_up_proj_scale_inv.data_ptr(),
            module.down_proj_scale_inv.data_ptr())
     cached = module.__dict__.get(_FP8_ATTR)

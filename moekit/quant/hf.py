@@ -44,7 +44,9 @@ def fp8_experts_weights(experts: nn.Module) -> tuple[Fp8BlockWeight, Fp8BlockWei
         raise ValueError(f"{name}: per-tensor fp8 (block_size None) is not a block scheme; moekit runs fp8_block")
     block = tuple(int(b) for b in experts.block_size)
     config = getattr(experts, "config", None)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)  # the model's (logical) dtype
+    # the model's (logical) dtype; not the deprecated torch_dtype (transformers 5: the same value, behind a
+    # logged warning that torch.compile cannot trace)
+    dtype = getattr(config, "dtype", None)
     dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
     w13 = from_deepseek_fp8(experts.gate_up_proj.detach(), experts.gate_up_proj_scale_inv.detach(),
                             block_shape=block, dtype=dtype)
