@@ -6,7 +6,8 @@ call allocates and a cache keeps past the call fails it ("Detected 2 tensor(s) i
 outputs": the fp8 op's reused workspace buffer and its kept k-sum counters, H200). The CPU stand-in: every tensor alive
 after a call, ``gc.collect()`` run, whose storage did not exist before it is the output's or a leak. Checked for the
 op bodies a compiled graph holds (``triton_experts_fp8``, ``triton_experts_wo``, ``triton_experts_infer``), called
-through the op and inside a compiled (fullgraph) function, from empty caches; the direct eager path keeps its pool."""
+through the op and inside a compiled (fullgraph) function, from empty caches, and for transformers' FP8Experts through
+"moekit" compiled; the direct eager path keeps its pool. On main the fp8 cases keep a uint8 buffer and int32 counters."""
 
 from __future__ import annotations
 
@@ -36,16 +37,17 @@ def _live_tensors() -> list[torch.Tensor]:
     return [o for o in gc.get_objects() if type(o) in _REAL and o.device.type != "meta"]
 
 
-def _kept_after(call) -> tuple[torch.Tensor, list[tuple]]:
-    """call()'s output, and (shape, dtype) of each tensor alive after it whose storage is new and not the output's.
+def _kept_after(call) -> tuple:
+    """call()'s output (a tensor or a tuple), and (shape, dtype) of each tensor alive after it whose storage is new and not the output's.
     The tensors alive before are held for the call, so no new storage can take one of their addresses."""
     before = _live_tensors()
     old = {t.untyped_storage().data_ptr() for t in before}
     with torch.no_grad():
         out = call()
-    mine = out.untyped_storage().data_ptr()
+    mine = {t.untyped_storage().data_ptr() for t in (out if isinstance(out, tuple) else (out,))
+            if isinstance(t, torch.Tensor)}
     kept = [(tuple(t.shape), t.dtype) for t in _live_tensors()
-            if t.untyped_storage().data_ptr() not in old | {mine} and t.untyped_storage().nbytes()]
+            if t.untyped_storage().data_ptr() not in old | mine and t.untyped_storage().nbytes()]
     del before
     return out, kept
 
@@ -133,3 +135,28 @@ def test_bf16_op_keeps_nothing_it_allocates(interpreter, m):
             want[t] += float(weights[t, j]) * (w2[ids[t, j]].double() @ (torch.nn.functional.silu(gate_up[:32])
                                                                           * gate_up[32:]))
     assert rel_l2(out.double(), want) < 1e-4
+
+
+def test_compiled_transformers_fp8_experts_keep_nothing(fp8, monkeypatch):
+    """transformers' FP8Experts through "moekit" (``moekit_fp8_experts_forward``), the MoE block compiled fullgraph on
+    the triton backend: a compiled call from empty caches (as the trees' warm-up on a stream of their own finds them)
+    keeps nothing it allocates, and equals the eager block."""
+    pytest.importorskip("transformers.integrations.finegrained_fp8")
+    import moekit.experts
+    import moekit.hf as moekit_hf
+    from test_quant_hf import _fp8_qwen3_moe
+
+    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
+    monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
+    block, _ = _fp8_qwen3_moe()
+    block.experts.config._experts_implementation = "moekit"
+    x = torch.randn(1, 3, 256, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        eager = block(x)
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+        compiled(x)
+    fp8.clear_launch_caches()
+    got, kept = _kept_after(lambda: compiled(x))
+    assert kept == []
+    eager, got = (out[0] if isinstance(out, tuple) else out for out in (eager, got))
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
