@@ -7,7 +7,7 @@ outputs": the fp8 op's reused workspace buffer and its kept k-sum counters, H200
 after a call, ``gc.collect()`` run, whose storage did not exist before it is the output's or a leak. Checked for the
 op bodies a compiled graph holds (``triton_experts_fp8``, ``triton_experts_wo``, ``triton_experts_infer``), called
 through the op and inside a compiled (fullgraph) function, from empty caches, and for transformers' FP8Experts through
-"moekit" compiled; the direct eager path keeps its pool. On main the fp8 cases keep a uint8 buffer and int32 counters."""
+"moekit" compiled; the direct eager path keeps its pool. On main the fp8 cases kept a uint8 buffer, int32 counters."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def _live_tensors() -> list[torch.Tensor]:
 
 
 def _kept_after(call) -> tuple:
-    """call()'s output (a tensor or a tuple), and (shape, dtype) of each tensor alive after it whose storage is new and not the output's.
-    The tensors alive before are held for the call, so no new storage can take one of their addresses."""
+    """call()'s output (a tensor or a tuple), and (shape, dtype) of each tensor alive after it whose storage is new
+    and not the output's. The tensors alive before are held for the call: no new storage can take their addresses."""
     before = _live_tensors()
     old = {t.untyped_storage().data_ptr() for t in before}
     with torch.no_grad():
