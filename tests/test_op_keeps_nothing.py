@@ -142,15 +142,9 @@ def test_compiled_transformers_fp8_experts_keep_nothing(fp8, monkeypatch):
     the triton backend: a compiled call from empty caches (as the trees' warm-up on a stream of their own finds them)
     keeps nothing it allocates, and equals the eager block."""
     pytest.importorskip("transformers.integrations.finegrained_fp8")
-    import moekit.experts
-    import moekit.hf as moekit_hf
-    from test_quant_hf import _fp8_qwen3_moe
+    from test_quant_hf import triton_fp8_block
 
-    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
-    monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
-    block, _ = _fp8_qwen3_moe()
-    block.experts.config._experts_implementation = "moekit"
-    x = torch.randn(1, 3, 256, generator=torch.Generator().manual_seed(5))
+    block, x = triton_fp8_block(monkeypatch, tokens=3, seed=5)
     with torch.no_grad():
         eager = block(x)
         compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
