@@ -33,8 +33,11 @@ _REAL = (torch.Tensor, torch.nn.Parameter)  # not a compile's fake or functional
 
 
 def _live_tensors() -> list[torch.Tensor]:
+    """The strided CPU / CUDA tensors alive now (an earlier test's oneDNN or sparse tensors have no storage to
+    compare: a call here never makes one)."""
     gc.collect()
-    return [o for o in gc.get_objects() if type(o) in _REAL and o.device.type != "meta"]
+    return [o for o in gc.get_objects()
+            if type(o) in _REAL and o.device.type != "meta" and o.layout == torch.strided and not o.is_mkldnn]
 
 
 def _kept_after(call) -> tuple:
