@@ -49,15 +49,21 @@ def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor |
                 yield t, j, e
 
 
-def experts_loop(x, w13, w2, ids, weights, expert_map=None) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64, one (token, slot) of ``routed_slots`` at a
-    time; w13 [E, 2N, K] (gate rows first), w2 [E, K, N]."""
-    w13, w2 = w13.double(), w2.double()
+def experts_loop(x, w13, w2, ids, weights, expert_map=None, *, b13=None, b2=None) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * (w2[e] @ (silu(gate) * up) + b2[e]), (gate, up) = w13[e] @ x[t] + b13[e], in float64,
+    one (token, slot) of ``routed_slots`` at a time; w13 [E, 2N, K] (gate rows first), w2 [E, K, N], b13 [E, 2N]
+    and b2 [E, K] or None. Differentiable in every float input (autograd gives the reference gradients)."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
     n = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        h = w13[e] @ x[t].double()
-        out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
+        h = w13[e] @ x[t]  # [2N]
+        if b13 is not None:
+            h = h + b13[e].double()
+        y = w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:])  # [K]
+        if b2 is not None:
+            y = y + b2[e].double()
+        out[t] += weights[t, j].double() * y
     return out
 
 
