@@ -5,6 +5,7 @@ Shapes: M tokens, k slots, E experts, K hidden, N expert intermediate.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -44,23 +45,48 @@ def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor |
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             if expert_map is not None:
-                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
+                e = int(expert_map[e]) if 0 <= e < len(expert_map) else -1
             if 0 <= e < num_experts:
                 yield t, j, e
 
 
-def experts_loop(x, w13, w2, ids, weights, expert_map=None, *, b13=None, b2=None) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * (w2[e] @ (silu(gate) * up) + b2[e]), (gate, up) = w13[e] @ x[t] + b13[e], in float64,
-    one (token, slot) of ``routed_slots`` at a time; w13 [E, 2N, K] (gate rows first), w2 [E, K, N], b13 [E, 2N]
-    and b2 [E, K] or None. Differentiable in every float input (autograd gives the reference gradients)."""
+# The activations in float64, written out from their definitions (not moekit's table): g, alpha -> act(g).
+FORMULAS64 = {
+    "silu": lambda g, alpha: g / (1.0 + torch.exp(-alpha * g)),
+    "gelu": lambda g, alpha: 0.5 * g * (1.0 + torch.erf(g / math.sqrt(2.0))),
+    "gelu_tanh": lambda g, alpha: 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))),
+    "relu": lambda g, alpha: torch.where(g > 0, g, torch.zeros_like(g)),
+    "relu2": lambda g, alpha: torch.where(g > 0, g * g, torch.zeros_like(g)),
+}
+
+
+def glu64(h: torch.Tensor, spec) -> torch.Tensor:
+    """h [R] float64 -> [N]: the contract's glu of one token, written from the ``ActivationSpec``'s fields (gated:
+    gate / up halves or alternating rows, gate clamped above and up both sides at ``limit``, alpha, up_shift)."""
+    act = FORMULAS64[spec.name]
+    if not spec.gated:
+        return act(h, spec.alpha)
+    n = h.shape[0] // 2
+    gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
+    if spec.limit is not None:
+        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+    return act(gate, spec.alpha) * (up + spec.up_shift)
+
+
+def experts_loop(x, w13, w2, ids, weights, expert_map=None, *, b13=None, b2=None, spec=None) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * (w2[e] @ glu(w13[e] @ x[t] + b13[e]) + b2[e]) in float64, one (token, slot) of
+    ``routed_slots`` at a time; w13 [E, R, K], w2 [E, K, N], b13 [E, R] and b2 [E, K] or None. glu: silu(gate) * up
+    (torch's silu, gate rows first) without a ``spec``, else ``glu64``'s written-out formulas. Differentiable in
+    every float input (autograd gives the reference gradients)."""
     x, w13, w2 = x.double(), w13.double(), w2.double()
     n = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        h = w13[e] @ x[t]  # [2N]
+        h = w13[e] @ x[t]  # [R]
         if b13 is not None:
             h = h + b13[e].double()
-        y = w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:])  # [K]
+        glu = torch.nn.functional.silu(h[:n]) * h[n:] if spec is None else glu64(h, spec)  # [N]
+        y = w2[e] @ glu  # [K]
         if b2 is not None:
             y = y + b2[e].double()
         out[t] += weights[t, j].double() * y
