@@ -119,6 +119,30 @@ def count_calls(monkeypatch, seen: dict, targets: list[tuple]) -> dict:
     return seen
 
 
+class CountedOp:
+    """A torch op that appends ``name`` to ``calls`` at each call; anything else (``.default``, which the autograd
+    reads) is the op's."""
+
+    def __init__(self, op, calls: list, name: str):
+        self.op, self.calls, self.name = op, calls, name
+
+    def __call__(self, *args):
+        self.calls.append(self.name)
+        return self.op(*args)
+
+    def __getattr__(self, attr: str):
+        return getattr(self.op, attr)
+
+
+def count_op_calls(monkeypatch, names) -> list:
+    """Each ``torch.ops.moekit.<name>`` of ``names`` replaced by a ``CountedOp``; returns the list of the names
+    called, in call order."""
+    calls: list[str] = []
+    for name in names:
+        monkeypatch.setattr(torch.ops.moekit, name, CountedOp(getattr(torch.ops.moekit, name), calls, name))
+    return calls
+
+
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64; a NaN in ``got`` (an unwritten row was read) fails at once."""
     assert not got.isnan().any(), "NaN in the output: an unwritten row was read"

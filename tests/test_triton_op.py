@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import experts_loop, make_problem, rel_l2  # noqa: E402
+from _helpers import count_op_calls, experts_loop, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit.activations import ActivationSpec, spec_fields  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -26,20 +26,6 @@ GRAD_NAMES = ("x", "w13", "w2", "topk_weights")
 def op_args(problem) -> tuple:
     x, w13, w2, ids, weights = problem
     return (x, w13, w2, ids, weights, None, None, None, *TAIL)
-
-
-class Counted:
-    """An op that records its name per call; anything else (``.default``, which the autograd reads) is the op's."""
-
-    def __init__(self, op, calls: list, name: str):
-        self.op, self.calls, self.name = op, calls, name
-
-    def __call__(self, *args):
-        self.calls.append(self.name)
-        return self.op(*args)
-
-    def __getattr__(self, attr: str):
-        return getattr(self.op, attr)
 
 
 def test_twin_has_the_schema_and_fake_but_no_autograd_kernel():
@@ -92,9 +78,7 @@ def test_twin_passes_opcheck(interpreter):
 def test_a_call_needing_a_gradient_trains_through_the_custom_op(interpreter, monkeypatch):
     """experts_triton with inputs that need gradients: the custom op (counted), gradients of x, w13, w2 and the
     routed weights against the float64 loop's; the twin itself refuses such a call."""
-    calls = []
-    for name in ("triton_experts", "triton_experts_infer"):
-        monkeypatch.setattr(torch.ops.moekit, name, Counted(getattr(torch.ops.moekit, name), calls, name))
+    calls = count_op_calls(monkeypatch, ("triton_experts", "triton_experts_infer"))
     problem = make_problem(6, 2, E, K, N, torch.float32, seed=4)
     dout = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(5))
     got, want = ([t.clone().requires_grad_() for t in (problem.x, problem.w13, problem.w2, problem.weights)]

@@ -16,7 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, experts_loop, make_problem, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, count_op_calls, experts_loop, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from moekit.activations import ActivationSpec  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
@@ -187,22 +187,11 @@ def test_the_op_path_equals_the_direct_path(interpreter, monkeypatch):
 
 
 def test_a_bias_that_needs_a_gradient_goes_through_the_op(interpreter, monkeypatch):
-    calls = []
-    real = torch.ops.moekit.triton_experts
-
-    class Counted:  # the op, counting calls; its attributes (the autograd reads ``.default``) are the op's
-        def __call__(self, *args):
-            calls.append(1)
-            return real(*args)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    monkeypatch.setattr(torch.ops.moekit, "triton_experts", Counted())
+    calls = count_op_calls(monkeypatch, ("triton_experts",))
     x, w13, w2, ids, weights, b13, b2 = _problem(5, 2, GPT_OSS, seed=10)
     b2.requires_grad_()
     out = _run(interpreter, x, w13, w2, ids, weights, b13, b2, GPT_OSS)
-    assert calls == [1] and out.requires_grad  # autograd sees the op (its error comes at backward)
+    assert calls == ["triton_experts"] and out.requires_grad  # autograd sees the op (its error comes at backward)
 
 
 def test_opcheck_with_a_variant(interpreter):
