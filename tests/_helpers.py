@@ -6,6 +6,10 @@ Shapes: M tokens, k slots, E experts, K hidden, N expert intermediate.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -141,6 +145,17 @@ def count_op_calls(monkeypatch, names) -> list:
     for name in names:
         monkeypatch.setattr(torch.ops.moekit, name, CountedOp(getattr(torch.ops.moekit, name), calls, name))
     return calls
+
+
+def run_compile_script(script: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``benchmarks/<script> <args>`` in a process of its own with TRITON_INTERPRET unset (the kernels compile; this
+    process's interpreted kernels patch Triton's frontend): the finished process and its OK / FAIL lines."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+    return done, [line for line in done.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
 
 
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
