@@ -1,31 +1,19 @@
-"""Every experts backend against a float64 per-token loop written here."""
+"""Every experts backend against a float64 per-token loop (``_helpers.experts_loop``)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _helpers import TOLERANCE, make_problem, rel_l2
+from _helpers import TOLERANCE, experts_loop, make_problem, rel_l2
+from moekit.activations import ActivationSpec
 from moekit.experts import available_backends, get_backend, run_experts
 
-ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
 BACKENDS = ["reference", "grouped_mm"]
 
 
 def per_token_loop(x, w13, w2, ids, weights, activation="silu", expert_map=None):
-    """float64, one token and one slot at a time."""
-    x, w13, w2 = x.double(), w13.double(), w2.double()
-    n = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None and 0 <= e < len(expert_map):
-                e = int(expert_map[e])
-            if e < 0 or e >= w13.shape[0]:
-                continue
-            h = w13[e] @ x[t]
-            out[t] += float(weights[t, j]) * (w2[e] @ (ACTS[activation](h[:n]) * h[n:]))
-    return out
+    """``_helpers.experts_loop`` (float64, one token and one slot at a time) with the named gated activation."""
+    spec = None if activation == "silu" else ActivationSpec(activation)  # None: torch's silu(gate) * up
+    return experts_loop(x, w13, w2, ids, weights, expert_map, spec=spec)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
