@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from moekit.activations import ActivationSpec
+
 # Relative L2 error against a float64 reference that a dtype must stay under (design.md's contract).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -80,8 +82,10 @@ def glu64(h: torch.Tensor, spec) -> torch.Tensor:
 def experts_loop(x, w13, w2, ids, weights, expert_map=None, *, b13=None, b2=None, spec=None) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * (w2[e] @ glu(w13[e] @ x[t] + b13[e]) + b2[e]) in float64, one (token, slot) of
     ``routed_slots`` at a time; w13 [E, R, K], w2 [E, K, N], b13 [E, R] and b2 [E, K] or None. glu: silu(gate) * up
-    (torch's silu, gate rows first) without a ``spec``, else ``glu64``'s written-out formulas. Differentiable in
-    every float input (autograd gives the reference gradients)."""
+    (torch's silu, gate rows first) for ``spec`` None or "silu", else ``glu64``'s written-out formulas of the spec
+    (a name: its plain gated spec). Differentiable in every float input (autograd gives the reference gradients)."""
+    if isinstance(spec, str):
+        spec = None if spec == "silu" else ActivationSpec(spec)
     x, w13, w2 = x.double(), w13.double(), w2.double()
     n = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
