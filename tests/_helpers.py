@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: one random experts problem, one tolerance table, the error measures.
+"""Helpers shared by the tests: one random experts problem, one tolerance table, one float64 experts loop (the
+reference most tests hold a backend to), the error measures.
 
 Shapes: M tokens, k slots, E experts, K hidden, N expert intermediate.
 """
@@ -44,9 +45,9 @@ def make_problem(m, k, e, hidden, inter, dtype=torch.float32, seed=0, *, skips=F
     return Problem(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
 
 
-def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None):
+def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | list | None = None):
     """(t, j, e) for every (token, slot) of ids [M, k] that routes to local expert e: an id outside the
-    map or mapped to -1, or a local id outside [0, E), adds nothing (the experts contract)."""
+    map (a tensor or a list) or mapped to -1, or a local id outside [0, E), adds nothing (the experts contract)."""
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
@@ -66,7 +67,7 @@ FORMULAS64 = {
 }
 
 
-def glu64(h: torch.Tensor, spec) -> torch.Tensor:
+def glu64(h: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     """h [R] float64 -> [N]: the contract's glu of one token, written from the ``ActivationSpec``'s fields (gated:
     gate / up halves or alternating rows, gate clamped above and up both sides at ``limit``, alpha, up_shift)."""
     act = FORMULAS64[spec.name]
