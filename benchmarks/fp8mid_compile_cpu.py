@@ -21,6 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from compile_report import report_jobs  # noqa: E402
+
 E, N, K, A, M = 128, 768, 2048, 8192, 1024
 
 
@@ -111,14 +113,8 @@ def compile_tile(label: str, block_m: int, up_tile: tuple, down_tile: tuple) -> 
         jobs.append((f"{name}, PAIR_DOT", kernel, pair_ptrs, scalars, pair, warps, stages))
     jobs.append(("down persistent", pk.down_fp8_persistent_kernel, down_ptrs, down_scalars,
                  {k: v for k, v in down.items() if k != "EMULATE"}, *down_tile[1:]))
-    failed = 0
-    for name, kernel, ptrs, scalars, const, warps, stages in jobs:
-        try:
-            print(f"OK {label} {name}: {compile_one(kernel, ptrs, scalars, const, warps, stages)}", flush=True)
-        except Exception as exc:  # noqa: BLE001 (report each)
-            failed += 1
-            print(f"FAIL {label} {name}: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
-    return failed
+    return report_jobs([(f"{label} {job[0]}", lambda job=job: f"{label} {job[0]}: {compile_one(*job[1:])}")
+                        for job in jobs])
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compile_report import report_jobs
+
 
 @dataclass
 class Compiled:
@@ -98,14 +100,9 @@ def report_each(jobs, tail: int = 2500) -> int:
     ``tail`` characters; the exit status: 1 if any failed."""
     import triton
 
-    failed = 0
-    for name, job in jobs:
-        try:
-            print(f"OK triton {triton.__version__} {name}: {job()}", flush=True)
-        except Exception as exc:  # noqa: BLE001 (report each)
-            failed += 1
-            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-tail:]}", flush=True)
-    return 1 if failed else 0
+    run = f"triton {triton.__version__}"
+    return report_jobs([(f"{run} {name}", lambda name=name, job=job: f"{run} {name}: {job()}") for name, job in jobs],
+                       tail)
 
 
 def compile_fp8_gemm(gated: bool, tile) -> Compiled:
@@ -150,18 +147,15 @@ def main() -> int:
         DOWN_TILE, PIPELINED_DOWN_TILE, UP_TILE, WIDE_DOWN_TILE,
     )
 
-    failed = 0
+    def line(gated: bool, tile) -> str:
+        c = compile_fp8_gemm(gated, tile)
+        return (f"{c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, ptxas spill stores "
+                f"{c.spill_bytes} B, wgmma serialized {c.serialized}, wgmma.mma_async {c.wgmmas}")
+
     jobs = ((True, UP_TILE), (False, DOWN_TILE), (False, WIDE_DOWN_TILE),  # the plan's pipelines
             (False, PIPELINED_DOWN_TILE))  # wgmmas: 16, 8, 16, 24 expected
-    for gated, tile in jobs:
-        try:
-            c = compile_fp8_gemm(gated, tile)
-            print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "
-                  f"ptxas spill stores {c.spill_bytes} B, wgmma serialized {c.serialized}, wgmma.mma_async {c.wgmmas}")
-        except Exception as exc:  # noqa: BLE001 (report each GEMM)
-            failed += 1
-            print(f"FAIL {'gate-up' if gated else 'down'} {tile}: {type(exc).__name__}: {str(exc)[-2000:]}")
-    return 1 if failed else 0
+    return report_jobs([(f"{'gate-up' if gated else 'down'} {tile}", lambda g=gated, t=tile: line(g, t))
+                        for gated, tile in jobs], tail=2000)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from compile_report import report_jobs  # noqa: E402
 from gluon_fp8_compile_cpu import compile_gluon_sm90, ptxas_report  # noqa: E402
 from wgmma_hazards import pipeline_report  # noqa: E402
 from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
@@ -102,13 +103,8 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", choices=[c.name for c in CASES], help="compile these only")
     args = parser.parse_args()
     print("triton", triton.__version__, flush=True)
-    failed = 0
-    for case in [c for c in CASES if not args.cases or c.name in args.cases]:
-        try:
-            print("OK", report(case), flush=True)
-        except Exception as exc:  # noqa: BLE001 (report each case)
-            failed += 1
-            print(f"FAIL {case.name}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+    failed = report_jobs([(case.name, lambda case=case: report(case)) for case in CASES
+                          if not args.cases or case.name in args.cases], tail=3000)
     if args.sass:
         from wo_gemv_sass_cpu import _tool  # noqa: E402
 

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from compile_report import report_jobs  # noqa: E402
 from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
 from wol7_compile_cpu import _descriptor, loop_counts  # noqa: E402
 
@@ -80,15 +81,9 @@ def main() -> int:
 
     print("triton", triton.__version__, flush=True)
     only = sys.argv[1:]  # variant names (default: all)
-    failed = 0
-    for name, variant in VARIANTS.items():
-        for case in CASES if not only or name in only else ():
-            try:
-                print(f"OK {name:<11}", compile_case(*case, variant), flush=True)
-            except Exception as exc:  # noqa: BLE001 (report each case)
-                failed += 1
-                print(f"FAIL {name} {case}: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
-    return 1 if failed else 0
+    jobs = [(name, variant, case) for name, variant in VARIANTS.items() for case in CASES if not only or name in only]
+    return report_jobs([(f"{name} {case}", lambda n=name, v=variant, c=case: f"{n:<11} {compile_case(*c, v)}")
+                        for name, variant, case in jobs])
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 
+from compile_report import report_jobs
+
 
 @dataclass
 class LoopCount:
@@ -142,16 +144,13 @@ def main(argv=None) -> int:
 def _report(jobs: list[tuple], counter=None) -> int:
     """Print each job's OK line (``counter(*job)``, default this file's ``count``) or its FAIL line; 1 if any
     failed (``wo_reg_sass_cpu`` passes its own counter)."""
-    failed = 0
-    for job in jobs:
-        try:
-            c = (counter or count)(*job)
-            print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack "
-                  f"{c.stack} B; {c.top}", flush=True)
-        except Exception as e:  # noqa: BLE001 (report each kernel)
-            failed += 1
-            print(f"FAIL {job}: {type(e).__name__}: {str(e)[-1500:]}", flush=True)
-    return 1 if failed else 0
+
+    def line(job: tuple) -> str:
+        c = (counter or count)(*job)
+        return (f"{c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B; "
+                f"{c.top}")
+
+    return report_jobs([(f"{job}", lambda job=job: line(job)) for job in jobs])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from compile_report import report_jobs  # noqa: E402
 from wo_gemv_sass_cpu import main_loop_of  # noqa: E402
 from wo_reg_sass_cpu import _compile  # noqa: E402
 
@@ -104,16 +105,12 @@ def main(argv=None) -> int:
     else:
         jobs = [(s, bn, d, w, st, args.halves) for s in (1, 2) for d in (False, True)
                 for bn, w in ((16, 1), (32, 1), (64, 2), (128, 4)) for st in (3, 4)]
-    failed = 0
-    for job, job_k in [(job, bk) for bk in args.block_k for job in jobs]:
-        try:
-            c = count(*job[:5], pairs=args.pairs, block_k=job_k, halves=job[5], block_m=args.block_m)
-            print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
-                  f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
-        except Exception as e:  # noqa: BLE001 (report each kernel)
-            failed += 1
-            print(f"FAIL {job}: {type(e).__name__}: {str(e)[-1500:]}", flush=True)
-    return 1 if failed else 0
+    def line(job: tuple, job_k: int) -> str:
+        c = count(*job[:5], pairs=args.pairs, block_k=job_k, halves=job[5], block_m=args.block_m)
+        return (f"{c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B, "
+                f"shared {c.shared} B, {c.programs} programs an SM; {c.top}")
+
+    return report_jobs([(f"{job}", lambda job=job, bk=bk: line(job, bk)) for bk in args.block_k for job in jobs])
 
 
 if __name__ == "__main__":

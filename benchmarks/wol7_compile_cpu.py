@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from compile_report import report_jobs  # noqa: E402
 from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
 from wo_gemv_sass_cpu import _tool  # noqa: E402
 
@@ -95,14 +96,7 @@ def main() -> int:
     import triton
 
     print("triton", triton.__version__, flush=True)
-    failed = 0
-    for case in CASES:
-        try:
-            print("OK", compile_case(*case), flush=True)
-        except Exception as exc:  # noqa: BLE001 (report each case)
-            failed += 1
-            print(f"FAIL {case}: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
-    return 1 if failed else 0
+    return report_jobs([(f"{case}", lambda case=case: compile_case(*case)) for case in CASES])
 
 
 if __name__ == "__main__":

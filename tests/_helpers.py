@@ -1,13 +1,21 @@
-"""Helpers shared by the tests: one random experts problem, one tolerance table, the error measures.
+"""Helpers shared by the tests: one random experts problem, one tolerance table, one float64 experts loop (the
+reference most tests hold a backend to), the error measures.
 
 Shapes: M tokens, k slots, E experts, K hidden, N expert intermediate.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from moekit.activations import ActivationSpec
 
 # Relative L2 error against a float64 reference that a dtype must stay under (design.md's contract).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -37,27 +45,60 @@ def make_problem(m, k, e, hidden, inter, dtype=torch.float32, seed=0, *, skips=F
     return Problem(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
 
 
-def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None):
+def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | list | None = None):
     """(t, j, e) for every (token, slot) of ids [M, k] that routes to local expert e: an id outside the
-    map or mapped to -1, or a local id outside [0, E), adds nothing (the experts contract)."""
+    map (a tensor or a list) or mapped to -1, or a local id outside [0, E), adds nothing (the experts contract)."""
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             if expert_map is not None:
-                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
+                e = int(expert_map[e]) if 0 <= e < len(expert_map) else -1
             if 0 <= e < num_experts:
                 yield t, j, e
 
 
-def experts_loop(x, w13, w2, ids, weights, expert_map=None) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64, one (token, slot) of ``routed_slots`` at a
-    time; w13 [E, 2N, K] (gate rows first), w2 [E, K, N]."""
-    w13, w2 = w13.double(), w2.double()
+# The activations in float64, written out from their definitions (not moekit's table): g, alpha -> act(g).
+FORMULAS64 = {
+    "silu": lambda g, alpha: g / (1.0 + torch.exp(-alpha * g)),
+    "gelu": lambda g, alpha: 0.5 * g * (1.0 + torch.erf(g / math.sqrt(2.0))),
+    "gelu_tanh": lambda g, alpha: 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))),
+    "relu": lambda g, alpha: torch.where(g > 0, g, torch.zeros_like(g)),
+    "relu2": lambda g, alpha: torch.where(g > 0, g * g, torch.zeros_like(g)),
+}
+
+
+def glu64(h: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """h [R] float64 -> [N]: the contract's glu of one token, written from the ``ActivationSpec``'s fields (gated:
+    gate / up halves or alternating rows, gate clamped above and up both sides at ``limit``, alpha, up_shift)."""
+    act = FORMULAS64[spec.name]
+    if not spec.gated:
+        return act(h, spec.alpha)
+    n = h.shape[0] // 2
+    gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
+    if spec.limit is not None:
+        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+    return act(gate, spec.alpha) * (up + spec.up_shift)
+
+
+def experts_loop(x, w13, w2, ids, weights, expert_map=None, *, b13=None, b2=None, spec=None) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * (w2[e] @ glu(w13[e] @ x[t] + b13[e]) + b2[e]) in float64, one (token, slot) of
+    ``routed_slots`` at a time; w13 [E, R, K], w2 [E, K, N], b13 [E, R] and b2 [E, K] or None. glu: silu(gate) * up
+    (torch's silu, gate rows first) for ``spec`` None or "silu", else ``glu64``'s written-out formulas of the spec
+    (a name: its plain gated spec). Differentiable in every float input (autograd gives the reference gradients)."""
+    if isinstance(spec, str):
+        spec = None if spec == "silu" else ActivationSpec(spec)
+    x, w13, w2 = x.double(), w13.double(), w2.double()
     n = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        h = w13[e] @ x[t].double()
-        out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
+        h = w13[e] @ x[t]  # [R]
+        if b13 is not None:
+            h = h + b13[e].double()
+        glu = torch.nn.functional.silu(h[:n]) * h[n:] if spec is None else glu64(h, spec)  # [N]
+        y = w2[e] @ glu  # [K]
+        if b2 is not None:
+            y = y + b2[e].double()
+        out[t] += weights[t, j].double() * y
     return out
 
 
@@ -85,6 +126,41 @@ def count_calls(monkeypatch, seen: dict, targets: list[tuple]) -> dict:
 
         monkeypatch.setattr(module, name, counted)
     return seen
+
+
+class CountedOp:
+    """A torch op that appends ``name`` to ``calls`` at each call; anything else (``.default``, which the autograd
+    reads) is the op's."""
+
+    def __init__(self, op, calls: list, name: str):
+        self.op, self.calls, self.name = op, calls, name
+
+    def __call__(self, *args):
+        self.calls.append(self.name)
+        return self.op(*args)
+
+    def __getattr__(self, attr: str):
+        return getattr(self.op, attr)
+
+
+def count_op_calls(monkeypatch, names) -> list:
+    """Each ``torch.ops.moekit.<name>`` of ``names`` replaced by a ``CountedOp``; returns the list of the names
+    called, in call order."""
+    calls: list[str] = []
+    for name in names:
+        monkeypatch.setattr(torch.ops.moekit, name, CountedOp(getattr(torch.ops.moekit, name), calls, name))
+    return calls
+
+
+def run_compile_script(script: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``benchmarks/<script> <args>`` in a process of its own with TRITON_INTERPRET unset (the kernels compile; this
+    process's interpreted kernels patch Triton's frontend): the finished process and its OK / FAIL lines."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+    return done, [line for line in done.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
 
 
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:

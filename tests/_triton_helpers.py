@@ -1,6 +1,6 @@
 """Fixtures of the Triton tests, which run under Triton's interpreter (TRITON_INTERPRET=1): the
-interpreted backend module, and a log of the kernel launches. A test module imports the fixtures it
-uses: ``from _triton_helpers import interpreter, launch_log  # noqa: F401``.
+interpreted backend module (``interpreter``; ``fp8``: the fp8 one), and a log of the kernel launches. A
+test module imports the fixtures it uses: ``from _triton_helpers import interpreter, launch_log  # noqa: F401``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ def interpreter():
     """``moekit.experts.triton``, its kernels decorated under the interpreter."""
     with interpreted("moekit.experts", "moekit.experts.triton") as tri:
         yield tri
+
+
+@pytest.fixture(scope="module")
+def fp8():
+    """``moekit.experts.triton_fp8``, its kernels decorated under the interpreter."""
+    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
+        yield module
 
 
 class LaunchLog:

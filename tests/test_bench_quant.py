@@ -18,7 +18,7 @@ from moekit.bench.report import figure, footnotes, table
 from moekit.cli import main
 from moekit.quant import quantize
 
-from _helpers import cli_error
+from _helpers import cli_error, experts_loop
 
 ODD = Shape("odd", num_experts=8, n=25, k=40, top_k=2)  # N odd: a packed row's last byte half used; K, N < one group
 FIXED = Ceilings(copy_TBps=0.0069, mm_TFLOPs=0.0249, mm_dtype="float32")
@@ -82,18 +82,6 @@ def test_quantized_cells_floor_is_the_packed_bytes(fixed_ceilings):
     assert floors[(64, "fp8_block")] < floors[(64, "int8_w8a16")]  # compute-bound: the fp8 rate is the higher
 
 
-def token_loop(x, w13, w2, ids, weights) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * w2[e] @ (silu(gate) * up), float64, one token and slot at a time."""
-    x, w13, w2 = x.double(), w13.double(), w2.double()
-    n = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            h = w13[ids[t, j]] @ x[t]  # [2N]
-            out[t] += float(weights[t, j]) * (w2[ids[t, j]] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
-    return out
-
-
 def test_vs_bf16_and_the_error_against_the_unquantized_output(fixed_ceilings, tmp_path):
     doc = run.run_bench(torch.device("cpu"), shapes=[ODD], batches=[1, 64], backends=["grouped_mm"],
                         dtypes=["int8_w8a16"], budget_s=0.01)
@@ -105,8 +93,8 @@ def test_vs_bf16_and_the_error_against_the_unquantized_output(fixed_ceilings, tm
         assert base["vs_bf16"] is None and base["rel_err_vs_bf16"] is None
         assert quant["vs_bf16"] == pytest.approx(quant["us"] / base["us"])
         s = make_sets(ODD, m, 1, torch.float32, torch.device("cpu"))[0]  # the bench's first input set
-        ref = token_loop(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights)
-        err = ((token_loop(s.x, q13, q2, s.topk_ids, s.topk_weights) - ref).norm() / ref.norm()).item()
+        ref = experts_loop(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights)
+        err = ((experts_loop(s.x, q13, q2, s.topk_ids, s.topk_weights) - ref).norm() / ref.norm()).item()
         assert quant["rel_err_vs_bf16"] == pytest.approx(err, rel=1e-3)
     ratios = [cells[(m, "int8_w8a16")]["vs_bf16"] for m in (1, 64)]
     assert doc["summary"]["geomean_time_vs_bf16"]["int8_w8a16"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5)

@@ -1,14 +1,13 @@
 """torch.compile(fullgraph=True, dynamic=True) of the CPU experts backends with gradients: M is a SymInt, so the
-grouped_mm plan must not read it (it used to run choose_layout on it) and the reference must make no
-data-dependent size. Outputs and gradients against a float64 (token, slot) loop written here, at several M
-in one compiled function, with the recompiles counted by torch._dynamo's counters."""
+grouped_mm plan must not read it (it used to run choose_layout on it) and the reference must make no data-dependent
+size. Outputs and gradients against a float64 (token, slot) loop (``_helpers.experts_loop``), at several M in one
+compiled function, with the recompiles counted by torch._dynamo's counters."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from _helpers import rel_l2, routed_slots
+from _helpers import experts_loop, rel_l2
 from moekit import MoE, MoEConfig
 from moekit.experts.grouped_mm import experts_grouped_mm
 from moekit.experts.grouped_mm_plan import contiguous_token_bytes, traced_plan
@@ -16,15 +15,6 @@ from moekit.experts.reference import experts_reference
 
 E, N, K, TOP_K = 4, 8, 16, 2
 BACKENDS = {"grouped_mm": experts_grouped_mm, "reference": experts_reference}
-
-
-def loop64(x, w13, w2, ids, weights):
-    """float64, one (token, slot) at a time, differentiable in every float input; ids outside [0, E) add nothing."""
-    rows = [torch.zeros(x.shape[1], dtype=torch.float64) for _ in range(ids.shape[0])]
-    for t, j, e in routed_slots(ids, w13.shape[0]):
-        gate, up = (w13[e] @ x[t]).chunk(2)
-        rows[t] = rows[t] + weights[t, j] * (w2[e] @ (F.silu(gate) * up))
-    return torch.stack(rows)
 
 
 def problem(m, seed):
@@ -43,7 +33,7 @@ def weights(seed):
 
 def check_against_loop(fn, w13, w2, sizes, seed, backend="aot_eager", **kwargs):
     """Run the compiled ``fn`` at every M of ``sizes``; out and the gradients of x, w13, w2 and topk_weights
-    against loop64's. Returns the graphs dynamo made."""
+    against experts_loop's. Returns the graphs dynamo made."""
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(lambda *a: fn(*a, **kwargs), fullgraph=True, dynamic=True, backend=backend)
@@ -54,7 +44,7 @@ def check_against_loop(fn, w13, w2, sizes, seed, backend="aot_eager", **kwargs):
         upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(m), dtype=torch.float64)
         grads = torch.autograd.grad(out, leaves, upstream.float())
         leaves64 = [t.double().requires_grad_(True) for t in (x, w13, w2, topk_weights)]
-        want = loop64(leaves64[0], leaves64[1], leaves64[2], ids, leaves64[3])
+        want = experts_loop(leaves64[0], leaves64[1], leaves64[2], ids, leaves64[3])
         wants = torch.autograd.grad(want, leaves64, upstream)
         assert out.shape == (m, K) and rel_l2(out.detach(), want.detach()) < 1e-5, m
         for name, got, ref in zip(("x", "w13", "w2", "topk_weights"), grads, wants):

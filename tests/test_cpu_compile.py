@@ -1,11 +1,12 @@
 """The CPU experts under torch.compile: a call that needs no gradient runs the eager loop as the opaque op
 ``moekit::cpu_experts``; one that needs a gradient traces the grouped GEMM path (quantized weights:
-``test_cpu_quant_compile.py``). Checked against a float64 (token, slot) loop written here and against the eager call."""
+``test_cpu_quant_compile.py``). Checked against a float64 (token, slot) loop (``_helpers.experts_loop``) and against the
+eager call."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from _helpers import experts_loop
 from moekit import MoE, MoEConfig
 from moekit.activations import ActivationSpec
 from moekit.experts.cpu_packed import clear_packed_weights, packed_weight_cache
@@ -13,30 +14,6 @@ from moekit.experts.grouped_mm import experts_grouped_mm
 
 E, N, K = 6, 8, 16
 GPT_OSS = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
-
-
-def glu64(h, spec):
-    """h [2N] float64 -> [N], the spec written out: gate/up halves or alternating rows, clamps, alpha, shift."""
-    gate, up = (h[0::2], h[1::2]) if spec.interleaved else h.chunk(2)
-    if spec.limit is not None:
-        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-    return gate * torch.sigmoid(spec.alpha * gate) * (up + spec.up_shift)
-
-
-def token_loop(x, w13, w2, ids, weights, spec=ActivationSpec(), b13=None, b2=None, expert_map=None):
-    """float64, one (token, slot) at a time; an id outside [0, E_global) or mapped to -1 contributes nothing."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None:
-                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
-            if not 0 <= e < w13.shape[0]:
-                continue
-            h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
-            y = w2[e].double() @ glu64(h, spec) + (0 if b2 is None else b2[e].double())
-            out[t] += float(weights[t, j]) * y
-    return out
 
 
 def rel_err(got, want):
@@ -85,7 +62,8 @@ def test_compiled_inference_runs_the_op_and_equals_eager(variant, backend):
                       expert_map=torch.tensor([0, -1, 1, 2, -1, 3, 4, 5]))
         ids = torch.where(ids >= 0, ids + (ids >= 1) + (ids >= 3), ids)  # global ids 0..7, 1 and 4 not local
     spec = kwargs.get("activation", ActivationSpec())
-    want = token_loop(x, w13, w2, ids, weights, spec, kwargs.get("b13"), kwargs.get("b2"), kwargs.get("expert_map"))
+    want = experts_loop(x, w13, w2, ids, weights, kwargs.get("expert_map"), b13=kwargs.get("b13"), b2=kwargs.get("b2"),
+                        spec=spec)
     recorder = OpRecorder()
     fn = compiled(lambda *a: experts_grouped_mm(*a, **kwargs), recorder if backend == "recorder" else backend)
     got = fn(x, w13, w2, ids, weights)
@@ -103,7 +81,7 @@ def test_compiled_with_gradient_traces_the_grouped_gemm_path():
     recorder = OpRecorder()
     got = compiled(experts_grouped_mm, recorder)(x, w13, w2, ids, weights)
     assert recorder.saw("moekit.group_gemm") and not recorder.saw("moekit.cpu_experts")
-    assert rel_err(got, token_loop(x, w13.detach(), w2, ids, weights)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13.detach(), w2, ids, weights)) < 1e-5
     (grad,) = torch.autograd.grad(got.square().sum(), [w13])
     (want,) = torch.autograd.grad(experts_grouped_mm(x, w13, w2, ids, weights).square().sum(), [w13])
     torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
@@ -134,7 +112,7 @@ def test_packed_cache_is_filled_by_the_op_not_by_tracing():
         used = packed_weight_cache().used_bytes()
         second = fn(x, w13, w2, ids, weights)
     assert seen_at_trace == [0] and used > 0 and packed_weight_cache().used_bytes() == used
-    assert rel_err(first, token_loop(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(first, experts_loop(x, w13, w2, ids, weights)) < 1e-5
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     clear_packed_weights()
 
@@ -152,7 +130,7 @@ def test_layer_compiled_inference_runs_the_op(dtype):
         routing = moe.route_tokens(x.reshape(-1, K)).routing
     assert recorder.graphs == 1 and recorder.saw("moekit.cpu_experts")
     torch.testing.assert_close(got, eager, rtol=0, atol=0)
-    routed = token_loop(x.reshape(-1, K), moe.w13.detach(), moe.w2.detach(), routing.topk_ids, routing.topk_weights)
+    routed = experts_loop(x.reshape(-1, K), moe.w13.detach(), moe.w2.detach(), routing.topk_ids, routing.topk_weights)
     experts = experts_grouped_mm(x.reshape(-1, K), moe.w13, moe.w2, routing.topk_ids, routing.topk_weights)
     assert rel_err(experts, routed) < (1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -175,8 +153,8 @@ def test_transposed_weights_keep_their_packed_copies_and_follow_updates():
         down.mul_(2)
         updated = fn(x, ids, weights)
     assert any(k is up for k in keys) and any(k is down for k in keys)
-    assert rel_err(first, token_loop(x, w13, w2, ids, weights)) < 1e-5
-    assert rel_err(updated, token_loop(x, w13, 2 * w2, ids, weights)) < 1e-5
+    assert rel_err(first, experts_loop(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(updated, experts_loop(x, w13, 2 * w2, ids, weights)) < 1e-5
     clear_packed_weights()
 
 
@@ -187,7 +165,7 @@ def test_compiled_bf16_decode_calls_equal_eager_and_float64():
     x, w13, w2, ids, weights = problem(1, 4, seed=12)
     x, w13, w2, weights = x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights.bfloat16()
     ids[0, 0] = 2  # no skipped slot: four experts of one row
-    want = token_loop(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     fn = compiled(experts_grouped_mm, "inductor")
     with torch.no_grad():
         for _ in range(8):

@@ -13,7 +13,7 @@ from moekit.bench.cpu_report import report_lines, summary_lines
 from moekit.cli import main
 from moekit.experts.grouped_mm import experts_grouped_mm
 
-from _helpers import cli_error
+from _helpers import cli_error, experts_loop
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 TINY = ["bench", "--cpu-experts", "--shape", "4,8,16,2", "--batches", "1,3", "--repeats", "2"]
@@ -123,19 +123,6 @@ def test_quantized_rows_beside_the_unquantized_ones(tmp_path, capsys, act_dtype,
     assert "before ms" in out and "after/unq" in out and "dequant_all[mxfp4]" in out
 
 
-def _float64_loop(p: cpu_measure.ExpertsProblem) -> torch.Tensor:
-    """Σ_j w_j · W2[e_j] (silu(gate) * up) with gate, up = W13[e_j] x; token by token in float64."""
-    n = p.w2.shape[2]
-    out = torch.zeros(p.x.shape, dtype=torch.float64)
-    for t in range(p.x.shape[0]):
-        for j in range(p.ids.shape[1]):
-            e = int(p.ids[t, j])
-            h = p.w13[e].double() @ p.x[t].double()  # [2N]
-            act = torch.nn.functional.silu(h[:n]) * h[n:]
-            out[t] += float(p.weights[t, j]) * (p.w2[e].double() @ act)
-    return out
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -148,7 +135,7 @@ def test_moekits_recorded_error_agrees_with_a_float64_loop():
     p = cpu_measure.problem(20, w13, w2, shape.top_k, gen)  # ~10 rows per expert: the packed path runs
     assert all(len(set(row.tolist())) == shape.top_k for row in p.ids)  # k distinct experts per token
     batch = cpu_measure.measure_batch(p, {"moekit", "hf_eager"}, rounds=1)
-    truth = _float64_loop(p)
+    truth = experts_loop(p.x, p.w13, p.w2, p.ids, p.weights)
     module, eager = cpu_measure.hf_experts(p.w13, p.w2, shape.top_k)
     with torch.inference_mode():
         moekit = experts_grouped_mm(p.x, p.w13, p.w2, p.ids, p.weights)  # what the moekit row runs

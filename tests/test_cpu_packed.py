@@ -7,9 +7,8 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _helpers import routed_slots
+from _helpers import experts_loop
 from moekit.activations import ActivationSpec
 from moekit.experts import cpu_loop, cpu_packed
 from moekit.experts.cpu_packed import PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, experts_cpu_fused
@@ -20,17 +19,6 @@ SILU = ActivationSpec("silu")
 
 pytestmark = pytest.mark.skipif(not cpu_packed.packing_supported(torch.float32),
                                 reason="this torch build has no oneDNN weight packing")
-
-
-def loop64(x, w13, w2, ids, weights, b13=None, b2=None, expert_map=None):
-    """float64, one (token, slot) at a time, silu-gated; an id outside [0, E) or mapped to -1 adds nothing."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
-        gate, up = h.chunk(2)
-        y = w2[e].double() @ (F.silu(gate) * up) + (0 if b2 is None else b2[e].double())
-        out[t] += float(weights[t, j]) * y
-    return out
 
 
 def rel_err(got, want):
@@ -61,7 +49,7 @@ def test_packed_equals_plain_path_and_float64_loop():
     assert cache.used_bytes() == (w13.numel() + w2.numel()) * 4  # every expert has >= PACKED_MIN_ROWS rows
     assert cache.weight(w13, 0).is_mkldnn
     plain = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_loop")
-    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
     assert rel_err(got, plain.double()) < 1e-5
 
 
@@ -76,7 +64,7 @@ def test_packed_with_biases_transposed_views_and_expert_map():
     got = run(cache, x, store13.transpose(1, 2), store2.transpose(1, 2), ids, weights, b13=b13, b2=b2,
               expert_map=expert_map)
     assert cache.used_bytes() > 0
-    assert rel_err(got, loop64(x, w13, w2, ids, weights, b13, b2, expert_map)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights, expert_map, b13=b13, b2=b2)) < 1e-5
 
 
 def test_view_per_call_hits_the_entry_of_its_storage():
@@ -99,7 +87,7 @@ def test_rows_below_the_threshold_and_budget_keep_plain_weights():
     x, w13, w2, ids, weights = problem(seed=3)
     got = run(small, x, w13, w2, ids, weights)
     assert small.used_bytes() == one_expert  # the first w13 expert fits, nothing else does
-    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
 
 
 def test_in_place_update_repacks():
@@ -112,7 +100,7 @@ def test_in_place_update_repacks():
         w2[1].add_(0.25)
     got = run(cache, x, w13, w2, ids, weights)
     assert cache.weight(w13, 0) is not before
-    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
     assert cache.used_bytes() == (w13.numel() + w2.numel()) * 4  # stale copies released, not kept beside
 
 
@@ -122,15 +110,15 @@ def test_new_tensor_replaced_data_and_other_dtype_repack():
     cache = PackedWeightCache(budget_bytes=1 << 30)
     run(cache, x, p13, p2, ids, weights)
     _, n13, n2, _, _ = problem(seed=6)
-    assert rel_err(run(cache, x, n13, n2, ids, weights), loop64(x, n13, n2, ids, weights)) < 1e-5  # new tensors
+    assert rel_err(run(cache, x, n13, n2, ids, weights), experts_loop(x, n13, n2, ids, weights)) < 1e-5  # new tensors
     p13.data, p2.data = n13.clone(), n2.clone()  # same Parameter objects, new storage (no _version bump)
-    assert rel_err(run(cache, x, p13, p2, ids, weights), loop64(x, n13, n2, ids, weights)) < 1e-5
+    assert rel_err(run(cache, x, p13, p2, ids, weights), experts_loop(x, n13, n2, ids, weights)) < 1e-5
     if not cpu_packed.packing_supported(torch.bfloat16):
         return
     p13.data, p2.data = w13.bfloat16(), w2.bfloat16()  # other dtype
     got = run(cache, x.bfloat16(), p13, p2, ids, weights.bfloat16())
     assert cache.weight(p13, 0).dtype == torch.bfloat16
-    assert rel_err(got, loop64(x.bfloat16(), p13, p2, ids, weights.bfloat16())) < 2e-2
+    assert rel_err(got, experts_loop(x.bfloat16(), p13, p2, ids, weights.bfloat16())) < 2e-2
 
 
 def test_inference_tensors_are_never_packed():
@@ -139,7 +127,7 @@ def test_inference_tensors_are_never_packed():
         i13, i2 = w13.clone(), w2.clone()  # no version counter: an in-place update would go unseen
         cache = PackedWeightCache(budget_bytes=1 << 30)
         got = run(cache, x, i13, i2, ids, weights)
-    assert cache.used_bytes() == 0 and rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert cache.used_bytes() == 0 and rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
 
 
 def test_another_batch_hint_repacks_and_clear_drops_everything():
@@ -148,7 +136,7 @@ def test_another_batch_hint_repacks_and_clear_drops_everything():
     first = cache.weight(w13, 2)
     cache.batch_hint = 16  # a retune of the packing
     assert cache.weight(w13, 2) is not first
-    assert rel_err(run(cache, x, w13, w2, ids, weights), loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(run(cache, x, w13, w2, ids, weights), experts_loop(x, w13, w2, ids, weights)) < 1e-5
     cache.clear()
     assert cache.used_bytes() == 0
 
@@ -171,11 +159,11 @@ def test_auto_uses_the_shared_cache_and_falls_back_without_packing(monkeypatch):
     got = experts_grouped_mm(x, w13, w2, ids, weights)  # cpu_gemm="auto"
     shared = cpu_packed.packed_weight_cache()
     assert shared.budget_bytes == 0 or shared.used_bytes() > 0
-    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
     cpu_packed.clear_packed_weights()
     monkeypatch.setattr(cpu_packed, "packing_supported", lambda dtype: False)
     got = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_packed")
-    assert shared.used_bytes() == 0 and rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert shared.used_bytes() == 0 and rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
 
 
 def _onednn_refusing_plain_weights(monkeypatch):
@@ -200,7 +188,7 @@ def test_blas_for_experts_below_the_packing_threshold(monkeypatch, workers):
     store13 = w13.transpose(1, 2).contiguous()  # transformers' storage: a strided view per expert
     counts = torch.bincount(ids[(ids >= 0) & (ids < E)].long(), minlength=E)
     assert counts.max() >= PACKED_MIN_ROWS and 0 < counts[counts > 0].min() < PACKED_MIN_ROWS
-    want = loop64(x, w13, w2, ids, weights, b13, b2)
+    want = experts_loop(x, w13, w2, ids, weights, b13=b13, b2=b2)
     ex = ExpertParams(store13.transpose(1, 2), w2, b13, b2, SILU)
     plain = experts_cpu_fused(x, ex, ids, weights, None, PackedWeightCache(budget_bytes=1 << 30), workers=workers)
     _onednn_refusing_plain_weights(monkeypatch)
@@ -227,7 +215,7 @@ def test_blas_plain_rows_rule(monkeypatch):
 
 def test_auto_takes_blas_where_the_rule_says_and_explicit_onednn_never(monkeypatch):
     x, w13, w2, ids, weights = problem(m=3, seed=14)  # at most 3 rows an expert: none packed
-    want = loop64(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     monkeypatch.setattr(cpu_loop, "blas_plain_rows", lambda dtype: True)
     _onednn_refusing_plain_weights(monkeypatch)
     assert rel_err(experts_grouped_mm(x, w13, w2, ids, weights), want) < 1e-5

@@ -5,11 +5,12 @@ map with -1, skipped slots, idle experts, experts packed from 4 rows, BLAS rows,
 import pytest
 import torch
 
+from _helpers import experts_loop
 from moekit.activations import ActivationSpec
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
 from moekit.experts import cpu_packed
 from moekit.experts.cpu_phased import ExpertRun, expert_runs, experts_cpu_phased, phased_blas_rows
-from test_cpu_packed import loop64, rel_err
+from test_cpu_packed import rel_err
 from test_cpu_workers import E, K, N, SILU, needs_onednn, problem
 
 GPT_OSS = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=0.5, up_shift=1.0)
@@ -39,7 +40,7 @@ def test_phased_equals_float64_and_the_per_expert_loop_bit_for_bit(m, blas):
     x, w13, w2, ids, weights = problem(m=m, k=4, seed=m)
     phased, unsplit, split = both(x, w13, w2, ids, weights, cache=PackedWeightCache(budget_bytes=1 << 30), blas=blas)
     assert phased.shape == x.shape and phased.dtype == torch.float32
-    assert rel_err(phased, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(phased, experts_loop(x, w13, w2, ids, weights)) < 1e-5
     assert torch.equal(phased, unsplit) and torch.equal(phased, split)
 
 
@@ -51,7 +52,7 @@ def test_phased_with_biases_expert_map_and_a_transposed_view():
     expert_map = torch.tensor([2, -1, 0, 5, -1, 1])  # global 1 and 4 are not here
     store13 = w13.transpose(1, 2).contiguous()  # transformers' storage, read as a view
     outs = both(x, store13.transpose(1, 2), w2, ids, weights, b13=b13, b2=b2, expert_map=expert_map)
-    assert rel_err(outs[0], loop64(x, w13, w2, ids, weights, b13, b2, expert_map)) < 1e-5
+    assert rel_err(outs[0], experts_loop(x, w13, w2, ids, weights, expert_map, b13=b13, b2=b2)) < 1e-5
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
@@ -60,8 +61,8 @@ def test_phased_bf16_and_the_gpt_oss_activation_keep_the_loops_bits():
     x, w13, w2, ids, weights = problem(m=5, k=4, seed=8)
     outs = both(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), ids, weights)
     assert outs[0].dtype == torch.float32
-    assert rel_err(outs[0], loop64(x.bfloat16().float(), w13.bfloat16().float(), w2.bfloat16().float(), ids,
-                                   weights)) < 2e-2
+    assert rel_err(outs[0], experts_loop(x.bfloat16().float(), w13.bfloat16().float(), w2.bfloat16().float(), ids,
+                                         weights)) < 2e-2
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     b2 = torch.randn(E, K, generator=torch.Generator().manual_seed(9))
     outs = both(x, w13, w2, ids, weights, spec=GPT_OSS, b2=b2)
@@ -110,7 +111,7 @@ def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m):
     x, w13, w2, ids, weights = problem(m=m, k=4, seed=11 + m)
     x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
     outs = both(x, w13, w2, ids, weights, blas=True)
-    assert rel_err(outs[0], loop64(x.float(), w13.float(), w2.float(), ids, weights)) < 2e-2
+    assert rel_err(outs[0], experts_loop(x.float(), w13.float(), w2.float(), ids, weights)) < 2e-2
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     ex = ExpertParams(w13, w2, None, None, SILU)
     for workers in (1, 2):

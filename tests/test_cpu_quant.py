@@ -1,14 +1,13 @@
 """moekit.experts.cpu_quant: weight-only quantized experts in the CPU inference loop, each touched expert dequantized
-(or run by torch's weight-only kernel) on its worker. Held against the reference backend on the same quantized
-weights and a float64 loop written here; per-expert dequantization bit-identical to the whole one; workers 1 / 2
+(or run by torch's weight-only kernel) on its worker. Held against the reference backend on the same quantized weights
+and a float64 loop (``_helpers.experts_loop``); per-expert dequantization bit-identical to the whole one; workers 1 / 2
 bit-identical; the repack cache (int4, mxfp4 as int8); calls that keep their old path (gradients, fp8_block)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _helpers import routed_slots
-from moekit.activations import ActivationSpec, apply_glu
+from _helpers import experts_loop
+from moekit.activations import ActivationSpec
 from moekit.experts import backend_fn, cpu_packed
 from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
 from moekit.experts.cpu_quant import (
@@ -37,18 +36,10 @@ def problem(scheme, options, hidden=96, tokens=9, top_k=2, dtype=torch.float32, 
 
 
 def loop64(x, q13, q2, ids, weights, spec=ActivationSpec("silu"), b13=None, b2=None, expert_map=None):
-    """float64, one (token, slot) at a time on the weights dequantized in float64; silu-gated written out here."""
+    """``_helpers.experts_loop`` (float64, one (token, slot) at a time) on the weights dequantized in float64."""
     w13, w2 = q13.dequantize(torch.float64), q2.dequantize(torch.float64)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        h = w13[e] @ x[t].double() + (0 if b13 is None else b13[e].double())
-        if spec == ActivationSpec("silu"):
-            gate, up = h.chunk(2)
-            a = F.silu(gate) * up
-        else:
-            a = apply_glu(h[None], spec)[0]
-        out[t] += float(weights[t, j]) * (w2[e] @ a + (0 if b2 is None else b2[e].double()))
-    return out
+    glu = None if spec == ActivationSpec("silu") else spec  # None: torch's silu(gate) * up
+    return experts_loop(x, w13, w2, ids, weights, expert_map, b13=b13, b2=b2, spec=glu)
 
 
 def rel_err(got, want):

@@ -4,22 +4,12 @@ gradient against a float64 computation written here: softmax router, renormalise
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _helpers import rel_l2, routed_slots
+from _helpers import experts_loop, rel_l2
 from moekit import MoE, MoEConfig
 from moekit.experts.grouped_mm import CPU_GEMMS, experts_grouped_mm
 
 E, N, K, TOP_K, M = 6, 8, 16, 2, 40  # ~13 rows per expert: the loop packs the weights (>= 4 rows)
-
-
-def experts64(x, w13, w2, ids, weights):
-    """float64 (token, slot) loop, differentiable in ``weights``."""
-    rows = [torch.zeros(x.shape[1], dtype=torch.float64) for _ in range(ids.shape[0])]
-    for t, j, e in routed_slots(ids, w13.shape[0]):
-        gate, up = (w13[e].double() @ x[t].double()).chunk(2)
-        rows[t] = rows[t] + weights[t, j] * (w2[e].double() @ (F.silu(gate) * up))
-    return torch.stack(rows)
 
 
 def router64(x, gate_weight, ids):
@@ -50,7 +40,7 @@ def test_router_gradient_through_frozen_experts(cpu_gemm):
     out = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm=cpu_gemm)
     (grad,) = torch.autograd.grad(out, [gate], upstream.float())
     gate64 = gate.detach().double().requires_grad_(True)
-    want = experts64(x, w13, w2, ids, router64(x, gate64, ids))
+    want = experts_loop(x, w13, w2, ids, router64(x, gate64, ids))
     (want_grad,) = torch.autograd.grad(want, [gate64], upstream)
     assert rel_l2(out.detach(), want.detach()) < 1e-5
     assert rel_l2(grad, want_grad) < 1e-5
@@ -69,7 +59,7 @@ def test_layer_with_frozen_experts_trains_its_router():
     (grad,) = torch.autograd.grad(out, [moe.gate.weight], upstream.float())
     gate64 = moe.gate.weight.detach().double().requires_grad_(True)
     ids = moe.route_tokens(x).routing.topk_ids
-    want = experts64(x, moe.w13.detach(), moe.w2.detach(), ids, router64(x, gate64, ids))
+    want = experts_loop(x, moe.w13.detach(), moe.w2.detach(), ids, router64(x, gate64, ids))
     (want_grad,) = torch.autograd.grad(want, [gate64], upstream)
     assert rel_l2(grad, want_grad) < 1e-5
 
@@ -90,7 +80,7 @@ def test_graph_replay_is_never_offered_when_a_weight_needs_a_gradient(monkeypatc
     (grad,) = torch.autograd.grad(out, [moe.w2], upstream.float())
     routing = moe.route_tokens(x).routing
     w2_64 = moe.w2.detach().double().requires_grad_(True)
-    want = experts64(x, moe.w13.detach(), w2_64, routing.topk_ids, routing.topk_weights.double())
+    want = experts_loop(x, moe.w13.detach(), w2_64, routing.topk_ids, routing.topk_weights.double())
     (want_grad,) = torch.autograd.grad(want, [w2_64], upstream)
     assert rel_l2(grad, want_grad) < 1e-5
     with torch.no_grad():

@@ -5,12 +5,13 @@ both against test_cpu_packed's float64 loop."""
 import pytest
 import torch
 
+from _helpers import experts_loop
 from moekit.experts import cpu_loop, cpu_packed
 from moekit.experts.cpu_split_choice import (
     CHOSEN_BELOW, PROBE_MAX, PROBE_MIN, SPLIT, UNSPLIT, WINDOW, SplitChooser, split_chooser,
 )
 from moekit.experts.grouped_mm import experts_grouped_mm
-from test_cpu_packed import loop64, rel_err
+from test_cpu_packed import rel_err
 from test_cpu_workers import needs_onednn, problem
 
 KEY = "key"
@@ -119,7 +120,7 @@ def test_auto_at_decode_runs_the_chosen_mode_with_the_same_bits(monkeypatch, dty
     assert ran == [2, "phased", 2]  # split: one worker a thread; unsplit: in phases
     assert torch.equal(outs[SPLIT], outs[UNSPLIT])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert rel_err(outs[SPLIT].float(), loop64(x.float(), w13.float(), w2.float(), ids, weights)) < tol
+    assert rel_err(outs[SPLIT].float(), experts_loop(x.float(), w13.float(), w2.float(), ids, weights)) < tol
 
 
 def test_the_process_wide_chooser_is_one_object():

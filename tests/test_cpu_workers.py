@@ -9,13 +9,14 @@ import threading
 import pytest
 import torch
 
+from _helpers import experts_loop
 from moekit.activations import ActivationSpec
 from moekit.experts import cpu_packed
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
 from moekit.experts.cpu_split_choice import split_chooser
 from moekit.experts.cpu_workers import largest_first, run_dynamic, run_shares
 from moekit.experts.grouped_mm import experts_grouped_mm
-from test_cpu_packed import loop64, rel_err  # the float64 per-(token, slot) loop both files check against
+from test_cpu_packed import rel_err
 
 E, N, K = 6, 16, 32
 SILU = ActivationSpec("silu")
@@ -128,7 +129,7 @@ def test_split_loop_equals_float64_loop(workers, packed):
     cache = PackedWeightCache(budget_bytes=1 << 30) if packed else None
     got = split(x, w13, w2, ids, weights, workers, cache)
     assert got.shape == x.shape and got.dtype == torch.float32
-    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
 
 
 @needs_onednn
@@ -140,7 +141,7 @@ def test_split_with_biases_expert_map_and_idle_experts():
     store13 = w13.transpose(1, 2).contiguous()  # transformers' storage, read as a view
     got = split(x, store13.transpose(1, 2), w2, ids, weights, 2, PackedWeightCache(budget_bytes=1 << 30),
                 b13=b13, b2=b2, expert_map=expert_map)
-    assert rel_err(got, loop64(x, w13, w2, ids, weights, b13, b2, expert_map)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights, expert_map, b13=b13, b2=b2)) < 1e-5
 
 
 @needs_onednn
@@ -154,7 +155,7 @@ def test_split_runs_the_workers_under_the_callers_grad_mode(mode):
         x, w13, w2, ids, weights = problem(seed=5)
         got = split(x, w13, w2, ids, weights, 2, b13=b13, b2=b2)
     assert not got.requires_grad and torch.is_grad_enabled()
-    assert rel_err(got, loop64(x, w13, w2, ids, weights, b13.detach(), b2.detach())) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights, b13=b13.detach(), b2=b2.detach())) < 1e-5
 
 
 @needs_onednn
@@ -164,7 +165,7 @@ def test_split_handles_no_tokens_and_one_busy_expert():
     assert got.shape == (0, K)
     x, w13, w2, ids, weights = problem(m=5, k=1, seed=5, experts_used=1)  # every row on expert 0
     got = split(x, w13, w2, ids, weights, 4)
-    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
     ids.fill_(-1)  # every slot skipped: zeros
     assert torch.equal(split(x, w13, w2, ids, weights, 4), torch.zeros(5, K))
 
@@ -174,7 +175,7 @@ def test_split_gives_the_same_bits_on_every_run_and_for_every_worker_count():
     x, w13, w2, ids, weights = problem(m=96, k=3, seed=6)
     cache = PackedWeightCache(budget_bytes=1 << 30)
     first = split(x, w13, w2, ids, weights, 1, cache)
-    assert rel_err(first, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(first, experts_loop(x, w13, w2, ids, weights)) < 1e-5
     for workers in (2, 3, 2, 3, 5):
         assert torch.equal(split(x, w13, w2, ids, weights, workers, cache), first)
 
@@ -184,10 +185,10 @@ def test_split_with_one_row_and_b2_scales_the_output_not_the_activation():
     x, w13, w2, ids, weights = problem(m=1, k=3, seed=9)  # three experts of one row each
     b2 = torch.randn(E, K, generator=torch.Generator().manual_seed(10))
     got = split(x, w13, w2, ids, weights, 2, b2=b2)
-    assert rel_err(got, loop64(x, w13, w2, ids, weights, b2=b2)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights, b2=b2)) < 1e-5
     ids[0, 1] = -1  # a skipped slot: its weight and its bias add nothing
     got = split(x, w13, w2, ids, weights, 2, b2=b2)
-    assert rel_err(got, loop64(x, w13, w2, ids, weights, b2=b2)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights, b2=b2)) < 1e-5
 
 
 @needs_onednn
@@ -206,7 +207,7 @@ def test_grouped_mm_split_runs_one_worker_per_torch_thread(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert calls == [3, 3, 1]
-    want = loop64(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     for out in (got, auto, unsplit):
         assert rel_err(out, want) < 1e-5
     x, w13, w2, ids, weights = problem(m=1, k=2, seed=8)  # decode: 2 experts of 1 row
@@ -219,5 +220,5 @@ def test_grouped_mm_split_runs_one_worker_per_torch_thread(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert calls == [2, 2]  # one worker per busy expert (test_cpu_split_choice: auto's choice at decode)
-    want = loop64(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     assert rel_err(decode, want) < 1e-5 and rel_err(forced, want) < 1e-5

@@ -1,31 +1,12 @@
-"""Every experts backend against a float64 per-token loop written here."""
+"""Every experts backend against a float64 per-token loop (``_helpers.experts_loop``)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _helpers import TOLERANCE, make_problem, rel_l2
+from _helpers import TOLERANCE, experts_loop, make_problem, rel_l2
 from moekit.experts import available_backends, get_backend, run_experts
 
-ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
 BACKENDS = ["reference", "grouped_mm"]
-
-
-def per_token_loop(x, w13, w2, ids, weights, activation="silu", expert_map=None):
-    """float64, one token and one slot at a time."""
-    x, w13, w2 = x.double(), w13.double(), w2.double()
-    n = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None and 0 <= e < len(expert_map):
-                e = int(expert_map[e])
-            if e < 0 or e >= w13.shape[0]:
-                continue
-            h = w13[e] @ x[t]
-            out[t] += float(weights[t, j]) * (w2[e] @ (ACTS[activation](h[:n]) * h[n:]))
-    return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -34,7 +15,7 @@ def per_token_loop(x, w13, w2, ids, weights, activation="silu", expert_map=None)
                          [(1, 1, 4, 16, 8), (33, 6, 8, 24, 20), (64, 2, 5, 32, 48), (7, 3, 3, 17, 13)])
 def test_backend_matches_float64_loop(backend, dtype, m, k, e, hidden, inter):
     x, w13, w2, ids, weights = make_problem(m, k, e, hidden, inter, seed=m * e, skips=True)
-    ref = per_token_loop(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
+    ref = experts_loop(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
     got = run_experts(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights, backend=backend)
     assert got.dtype == dtype and got.shape == x.shape
     assert rel_l2(got, ref) < TOLERANCE[dtype]
@@ -44,7 +25,7 @@ def test_backend_matches_float64_loop(backend, dtype, m, k, e, hidden, inter):
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 def test_other_activations(backend, activation):
     x, w13, w2, ids, weights = make_problem(9, 2, 4, 16, 8, seed=4)
-    ref = per_token_loop(x, w13, w2, ids, weights, activation)
+    ref = experts_loop(x, w13, w2, ids, weights, spec=activation)
     assert rel_l2(run_experts(x, w13, w2, ids, weights, activation=activation, backend=backend), ref) < 1e-5
 
 
@@ -52,11 +33,11 @@ def test_other_activations(backend, activation):
 def test_skip_markers_expert_map_and_sentinels(backend):
     x, w13, w2, ids, weights = make_problem(20, 3, 8, 16, 8, seed=9)
     expert_map = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1])
-    ref = per_token_loop(x, w13[:4], w2[:4], ids, weights, expert_map=expert_map.tolist())
+    ref = experts_loop(x, w13[:4], w2[:4], ids, weights, expert_map=expert_map.tolist())
     got = run_experts(x, w13[:4], w2[:4], ids, weights, expert_map=expert_map, backend=backend)
     assert rel_l2(got, ref) < 1e-5
     sentinel = torch.where(ids >= 4, 4, ids)  # transformers' EP sentinel: id >= num_experts
-    ref = per_token_loop(x, w13[:4], w2[:4], sentinel, weights)
+    ref = experts_loop(x, w13[:4], w2[:4], sentinel, weights)
     assert rel_l2(run_experts(x, w13[:4], w2[:4], sentinel, weights, backend=backend), ref) < 1e-5
 
 
@@ -65,7 +46,7 @@ def test_all_tokens_on_one_expert_and_empty_batch(backend):
     x, w13, w2, _, _ = make_problem(10, 1, 6, 16, 8, seed=2)
     ids, weights = torch.full((10, 1), 4, dtype=torch.int32), torch.ones(10, 1)
     assert rel_l2(run_experts(x, w13, w2, ids, weights, backend=backend),
-                  per_token_loop(x, w13, w2, ids, weights)) < 1e-5
+                  experts_loop(x, w13, w2, ids, weights)) < 1e-5
     empty = run_experts(x[:0], w13, w2, ids[:0], weights[:0], backend=backend)
     assert empty.shape == (0, 16)
     direct = get_backend(backend)(x[:0], w13, w2, ids[:0], weights[:0])  # the backend itself, no shortcut
@@ -104,5 +85,5 @@ def test_duplicate_ids_in_a_row(backend, dtype):
     ids = torch.randint(0, 5, (24, 3), generator=g).int()  # id 4 = E: the sentinel, often twice in a row
     ids[:3] = torch.tensor([[0, 0, 0], [0, 0, 1], [1, 1, 4]])
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-    ref = per_token_loop(x, w13, w2, ids, weights)
+    ref = experts_loop(x, w13, w2, ids, weights)
     assert rel_l2(run_experts(x, w13, w2, ids, weights, backend=backend), ref) < TOLERANCE[dtype]

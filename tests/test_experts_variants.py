@@ -1,34 +1,23 @@
-"""The experts signature's variants (biases, ungated, interleaved gate/up, clamped SwiGLU, transposed
-weights) in every torch backend, against a float64 per-token loop whose activation formulas are
-written out here; the bad inputs that the signature refuses, each naming its argument.
+"""The experts signature's variants (biases, ungated, interleaved gate/up, clamped SwiGLU, transposed weights) in every
+torch backend, against a float64 per-token loop whose activation formulas are written out (``_helpers.experts_loop``,
+``glu64``); the bad inputs that the signature refuses, each naming its argument.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate, R = 2N (gated) or N (ungated).
 """
 
-import math
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
 import transformers.activations as hf_act
 
-from _helpers import TOLERANCE, rel_l2
+from _helpers import TOLERANCE, experts_loop, glu64, rel_l2
 from moekit.activations import ActivationSpec, activation_from_hf, apply_glu, as_spec
 from moekit.experts import backend_fn, bind_options, call_backend, run_experts
 from moekit.experts.grouped_mm import CPU_GEMMS, GROUPED_MM_LAYOUTS, experts_grouped_mm
 
 BACKENDS = ["reference", "grouped_mm"]
 E, K, N = 5, 16, 12
-
-# The activations, written out from their definitions (not moekit's table).
-FORMULAS = {
-    "silu": lambda g, alpha: g / (1.0 + torch.exp(-alpha * g)),
-    "gelu": lambda g, alpha: 0.5 * g * (1.0 + torch.erf(g / math.sqrt(2.0))),
-    "gelu_tanh": lambda g, alpha: 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))),
-    "relu": lambda g, alpha: torch.where(g > 0, g, torch.zeros_like(g)),
-    "relu2": lambda g, alpha: torch.where(g > 0, g * g, torch.zeros_like(g)),
-}
-
 
 @dataclass(frozen=True)
 class Variant:
@@ -54,37 +43,6 @@ VARIANTS = {
     "silu_clamped_concat": Variant(ActivationSpec("silu", limit=0.5, up_shift=-0.25), b13=True),
     "silu_alpha_ungated": Variant(ActivationSpec("silu", gated=False, alpha=1.702), b2=True),
 }
-
-
-def glu64(h: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
-    """h [R] float64 -> [N]: the contract's glu, one token, written from the spec's fields."""
-    act = FORMULAS[spec.name]
-    if not spec.gated:
-        return act(h, spec.alpha)
-    n = h.shape[0] // 2
-    gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
-    if spec.limit is not None:
-        gate = torch.minimum(gate, torch.full_like(gate, spec.limit))
-        up = torch.maximum(torch.minimum(up, torch.full_like(up, spec.limit)), torch.full_like(up, -spec.limit))
-    return act(gate, spec.alpha) * (up + spec.up_shift)
-
-
-def loop64(x, w13, w2, ids, weights, spec, b13=None, b2=None, expert_map=None) -> torch.Tensor:
-    """float64, one (token, slot) at a time, differentiable: sum_j w * (w2 @ glu(w13 @ x + b13) + b2)."""
-    rows = []
-    for t in range(x.shape[0]):
-        row = torch.zeros(x.shape[1], dtype=torch.float64)
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None and 0 <= e < len(expert_map):
-                e = int(expert_map[e])
-            if not 0 <= e < w13.shape[0]:
-                continue
-            h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
-            y = w2[e].double() @ glu64(h, spec) + (0 if b2 is None else b2[e].double())
-            row = row + weights[t, j].double() * y
-        rows.append(row)
-    return torch.stack(rows) if rows else torch.zeros(0, x.shape[1], dtype=torch.float64)
 
 
 @dataclass
@@ -124,7 +82,8 @@ def make_case(variant: Variant, m=23, k=3, *, transposed=False, dtype=torch.floa
 
 
 def _want(case: Case, spec, expert_map=None) -> torch.Tensor:
-    return loop64(case.x, case.w13, case.w2, case.ids, case.weights, spec, case.b13, case.b2, expert_map)
+    return experts_loop(case.x, case.w13, case.w2, case.ids, case.weights, expert_map, b13=case.b13, b2=case.b2,
+                        spec=spec)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -309,7 +268,7 @@ def test_gradients_match_float64_autograd(backend, layout, name, transposed, n):
         return call_backend(fn, x, w13, w2, case.ids, case.weights, activation=variant.spec, b13=b13, b2=b2)
 
     def theirs(x, w13, w2, b13, b2):
-        return loop64(x, w13, w2, case.ids, case.weights, variant.spec, b13, b2)
+        return experts_loop(x, w13, w2, case.ids, case.weights, b13=b13, b2=b2, spec=variant.spec)
 
     got = _grads(ours, case, _leaves(case, transposed), transposed, seed=1)
     leaves64 = {k: v.detach().double().requires_grad_(True) for k, v in _leaves(case, transposed).items()}

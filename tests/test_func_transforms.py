@@ -1,6 +1,6 @@
 """torch.func transforms through every experts backend on the CPU (the Triton ones under Triton's interpreter):
 grad and vjp against ``torch.autograd.grad`` on the same call and against the float64 autograd of the per-token
-loop (``test_triton_backward.loop_experts``), jacrev against the closed form d out[t] / d w[t, j] = y[t, j],
+loop (``_helpers.experts_loop``), jacrev against the closed form d out[t] / d w[t, j] = y[t, j],
 jvp against the loop's double-backward jvp (``torch.autograd.functional.jvp``), and the clear errors where a
 backend lacks a derivative (``moekit.func_ops``): forward mode and second derivatives on the Triton ops, any
 derivative on the fp8_block and weight-only kernels.
@@ -19,8 +19,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
-from _helpers import make_problem, rel_l2, routed_slots  # noqa: E402
-from test_triton_backward import loop_experts  # noqa: E402
+from _helpers import experts_loop, make_problem, rel_l2, routed_slots  # noqa: E402
 from moekit.experts import get_backend  # noqa: E402
 from moekit.experts.triton_backward import BackwardOptions, experts_triton_train  # noqa: E402
 from moekit.quant.schemes import quantize  # noqa: E402
@@ -66,12 +65,12 @@ def test_grad_and_vjp_match_autograd_and_the_float64_loop(backend):
     out, vjp_fn = torch.func.vjp(call, *primals)
     by_vjp = vjp_fn(dout)
     same_call = _autograd_grads(fn, problem, dout)
-    want = _autograd_grads(loop_experts, problem, dout, torch.float64)
+    want = _autograd_grads(experts_loop, problem, dout, torch.float64)
     for name, g, v, a, w in zip(("x", "w13", "w2", "topk_weights"), got, by_vjp, same_call, want):
         torch.testing.assert_close(g, a, msg=f"{name}: torch.func.grad vs torch.autograd.grad")
         torch.testing.assert_close(v, a, msg=f"{name}: torch.func.vjp vs torch.autograd.grad")
         assert rel_l2(g, w) < TOL, name
-    assert rel_l2(out, loop_experts(*(t.double() if t.is_floating_point() else t for t in problem))) < TOL
+    assert rel_l2(out, experts_loop(*(t.double() if t.is_floating_point() else t for t in problem))) < TOL
 
 
 def test_plain_autograd_keeps_the_custom_op():
@@ -111,7 +110,7 @@ def test_jvp_matches_the_loop_or_refuses(backend):
             torch.func.jacfwd(lambda w: call(problem.x, problem.w13, problem.w2, w))(problem.weights)
         return
     _, got = torch.func.jvp(call, primals, tangents)
-    _, want = torch.autograd.functional.jvp(_call(loop_experts, problem.ids), tuple(t.double() for t in primals),
+    _, want = torch.autograd.functional.jvp(_call(experts_loop, problem.ids), tuple(t.double() for t in primals),
                                             tuple(t.double() for t in tangents))
     assert rel_l2(got, want) < TOL
 
@@ -134,7 +133,7 @@ def test_second_derivatives_match_the_loop_or_refuse(backend):
         return
     x64 = problem.x.double().requires_grad_()
     w64 = problem.w13.double().requires_grad_()
-    out = loop_experts(x64, w64, problem.w2.double(), problem.ids, problem.weights.double())
+    out = experts_loop(x64, w64, problem.w2.double(), problem.ids, problem.weights.double())
     (dw,) = torch.autograd.grad((out * dout.double()).sum(), w64, create_graph=True)
     (want,) = torch.autograd.grad((dw * c.double()).sum(), x64)
     assert rel_l2(outer(problem.x), want) < TOL
@@ -156,7 +155,7 @@ def test_vmap_and_per_sample_grads_on_triton():
         problem.w13, problem.x, problem.ids, problem.weights, dout)  # [M, E, 2N, K]
     for t in range(problem.x.shape[0]):
         w64 = problem.w13.double().requires_grad_()
-        out = loop_experts(problem.x[t:t + 1].double(), w64, problem.w2.double(), problem.ids[t:t + 1],
+        out = experts_loop(problem.x[t:t + 1].double(), w64, problem.w2.double(), problem.ids[t:t + 1],
                            problem.weights[t:t + 1].double())
         (want,) = torch.autograd.grad((out * dout[t:t + 1].double()).sum(), w64)
         assert rel_l2(per_token[t], want) < TOL, t  # a token whose slots are all skipped: both exactly 0
@@ -174,7 +173,7 @@ def test_grad_through_experts_triton_train(recompute):
     got = torch.func.grad(lambda *a: (call(*a) * dout).sum(), argnums=ARGS)(
         problem.x, problem.w13, problem.w2, problem.weights)
     for g, a, w in zip(got, _autograd_grads(train, problem, dout),
-                       _autograd_grads(loop_experts, problem, dout, torch.float64)):
+                       _autograd_grads(experts_loop, problem, dout, torch.float64)):
         torch.testing.assert_close(g, a)
         assert rel_l2(g, w) < TOL
 
@@ -203,6 +202,6 @@ def test_quantized_triton_kernels_refuse_a_derivative_and_grouped_mm_gives_one(s
     assert rel_l2(got, torch.autograd.grad(gmm(leaf, q13, q2, ids, weights).float().sum(), leaf)[0]) < tol
     if scheme == "int8_w8a16":  # fp8_block quantizes x too (moekit.quant's recipe): no plain loop to hold it to
         x64 = x.double().requires_grad_()
-        (want,) = torch.autograd.grad(loop_experts(x64, q13.dequantize().double(), q2.dequantize().double(), ids,
+        (want,) = torch.autograd.grad(experts_loop(x64, q13.dequantize().double(), q2.dequantize().double(), ids,
                                                    weights.double()).sum(), x64)
         assert rel_l2(got, want) < tol

@@ -19,10 +19,10 @@ from moekit.experts.triton_gluon_launch import (
 )
 
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
-from _helpers import rel_l2
+from _helpers import experts_loop, rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from test_gluon_tail import layout_from_counts
-from test_triton_gluon_lean import _bf16_problem, _f64
+from test_triton_gluon_lean import _bf16_problem
 
 DOWN_256 = GluonTile(block_n=128, block_k=64, stages=3, group_m=1, blk256=True)  # the removed down tile's shape
 COUNTS = [
@@ -96,7 +96,7 @@ def test_plain_launch_on_blk256_gate_up_tiles(fake_gemms):
 
     x, w13, w2, ids, weights = _bf16_problem(300, 2)  # 150 rows an expert: tiles of 3 sub-tiles
     num_experts, hidden, inter = w2.shape
-    want = _f64(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     lay = gluon_layout(x, ids, num_experts)
     rows, a = lay.sorted_ids.numel(), ids.numel()
     h, y = x.new_full((rows, inter), float("nan")), x.new_full((rows, hidden), float("nan"))
@@ -126,7 +126,7 @@ def test_lean_launch_on_blk256_gate_up_tiles(fake_gemms, m):
     from moekit.experts import triton_gluon_lean
 
     x, w13, w2, ids, weights = _bf16_problem(m, 2)
-    want = _f64(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     down = down_tile(w2.shape[2])
     for _ in range(2):
         out = triton_gluon_lean.run_lean(x, w13, w2, ids, weights, None, BLK256_UP_TILE, down)
@@ -161,7 +161,7 @@ def test_experts_gluon_on_the_route_with_256_row_gate_up_tiles(fake_gemms, monke
 
     monkeypatch.setattr(triton_gluon_launch, "BLK256_UP_MIN_INTER", 128)
     x, w13, w2, ids, weights = _bf16_problem(256, 2)
-    want = _f64(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     out = experts_gluon(x, w13, w2, ids, weights, lean=lean)
     assert rel_l2(out, want) < 1e-2
     (_, bound, _), = fake_gemms["blk256"].log

@@ -7,10 +7,9 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from _helpers import TOLERANCE, make_problem, rel_l2, routed_slots
+from _helpers import TOLERANCE, experts_loop, make_problem, rel_l2
 from moekit.experts.grouped_mm import experts_grouped_mm, plan_grouped_mm
 from moekit.experts.grouped_mm_plan import contiguous_token_bytes
 
@@ -29,14 +28,6 @@ def peak_allocated(fn, path) -> int:
         held += e["args"]["Bytes"]
         peak = max(peak, held)
     return peak
-
-
-def loop64(x, w13, w2, ids, weights):
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t, j, e in routed_slots(ids, w13.shape[0]):
-        gate, up = (w13[e].double() @ x[t].double()).chunk(2)
-        out[t] += float(weights[t, j]) * (w2[e].double() @ (F.silu(gate) * up))
-    return out
 
 
 def problem(m, top_k, dtype):
@@ -66,7 +57,7 @@ def test_call_peak_stays_within_the_budget(cpu_gemm, top_k, dtype, layout, tmp_p
         peak = peak_allocated(call, tmp_path / "trace.json")
     plan = plan_grouped_mm(m, top_k, E, K, N, dtype, memory_budget_bytes=budget, layout=layout)
     assert peak <= budget + m * K * dtype.itemsize, (peak, budget, plan)  # the result [M, K] is the caller's
-    want = loop64(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     assert rel_l2(out, want) < TOLERANCE[dtype]
 
 
@@ -98,4 +89,4 @@ def test_traced_chunks_hold_their_outputs_in_x_dtype(tmp_path):
         out = fn(x, w13, w2, ids, weights)
         peak = peak_allocated(lambda: fn(x, w13, w2, ids, weights), tmp_path / "trace.json")
     assert peak <= budget + 2 * m * K * dtype.itemsize, (peak, budget)
-    assert out.dtype == dtype and rel_l2(out, loop64(x, w13, w2, ids, weights)) < TOLERANCE[dtype]
+    assert out.dtype == dtype and rel_l2(out, experts_loop(x, w13, w2, ids, weights)) < TOLERANCE[dtype]

@@ -1,10 +1,10 @@
-"""The grouped_mm backend's stages: every layout, GEMM strategy and the chunked path against a float64
-per-token loop written here; the plan (layout, chunks) by memory budget; the layouts' weighted inverses."""
+"""The grouped_mm backend's stages: every layout, GEMM strategy and the chunked path against a float64 per-token loop
+(``_helpers.experts_loop``); the plan (layout, chunks) by memory budget; the layouts' weighted inverses."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from _helpers import experts_loop
 from moekit import MoE, MoEConfig
 from moekit.experts.grouped_mm import (
     CPU_GEMMS, DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, experts_grouped_mm, plan_grouped_mm,
@@ -14,18 +14,6 @@ from moekit.layouts import (
 )
 
 E, N, K = 6, 8, 16
-
-
-def token_loop(x, w13, w2, ids, weights):
-    """float64, one (token, slot) at a time; ids < 0 or >= E contribute nothing."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if 0 <= e < w13.shape[0]:
-                gate, up = (w13[e].double() @ x[t].double()).chunk(2)
-                out[t] += float(weights[t, j]) * (w2[e].double() @ (F.silu(gate) * up))
-    return out
 
 
 def rel_err(got, want):
@@ -53,7 +41,7 @@ def problem(m, k, seed, skips=True, duplicates=True):
 @pytest.mark.parametrize("grad", [False, True])
 def test_every_layout_and_gemm_equals_token_loop(layout, cpu_gemm, grad):
     x, w13, w2, ids, weights = problem(37, 3, seed=1)
-    want = token_loop(x, w13, w2, ids, weights)
+    want = experts_loop(x, w13, w2, ids, weights)
     with torch.set_grad_enabled(grad):
         got = experts_grouped_mm(x.requires_grad_(grad), w13, w2, ids, weights, layout=layout, cpu_gemm=cpu_gemm)
     assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5
@@ -66,7 +54,7 @@ def test_small_budget_runs_in_chunks_and_stays_exact(layout):
     plan = plan_grouped_mm(50, 4, E, K, N, torch.float32, memory_budget_bytes=budget, layout=layout)
     assert plan.layout == layout and 1 <= plan.chunk_tokens < 50 and "chunks of" in plan.reason
     got = experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=budget, layout=layout)
-    assert rel_err(got, token_loop(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights)) < 1e-5
 
 
 def test_plan_default_budget_and_choice():
@@ -95,12 +83,12 @@ def test_expert_map_and_float64():
     x, w13, w2, ids, weights = problem(20, 3, seed=4, duplicates=False)
     expert_map = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1])  # this rank holds experts 0, 2, 4, 6 as 0..3
     local = torch.where((ids >= 0) & (ids < 8), expert_map[ids.long().clamp(0, 7)], -1)
-    want = token_loop(x, w13[:4], w2[:4], local, weights)
+    want = experts_loop(x, w13[:4], w2[:4], local, weights)
     for layout in GROUPED_MM_LAYOUTS:
         got = experts_grouped_mm(x, w13[:4], w2[:4], ids, weights, expert_map=expert_map, layout=layout)
         assert rel_err(got, want) < 1e-5
     got64 = experts_grouped_mm(x.double(), w13.double(), w2.double(), ids, weights)
-    assert got64.dtype == torch.float64 and rel_err(got64, token_loop(x, w13, w2, ids, weights)) < 1e-12
+    assert got64.dtype == torch.float64 and rel_err(got64, experts_loop(x, w13, w2, ids, weights)) < 1e-12
 
 
 def test_compiled_small_budget_chunks_trace_whole():
@@ -108,7 +96,7 @@ def test_compiled_small_budget_chunks_trace_whole():
     fn = torch.compile(lambda *a: experts_grouped_mm(*a, memory_budget_bytes=5_000), fullgraph=True,
                        backend="aot_eager")
     assert plan_grouped_mm(24, 2, E, K, N, torch.float32, memory_budget_bytes=5_000, allow_sync=False).chunk_tokens < 24
-    assert rel_err(fn(x, w13, w2, ids, weights), token_loop(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(fn(x, w13, w2, ids, weights), experts_loop(x, w13, w2, ids, weights)) < 1e-5
 
 
 def test_layer_stats_name_the_layout():
@@ -137,7 +125,7 @@ def test_layer_backend_options_reach_the_backend():
     with torch.no_grad():
         result = layer(x, return_stats=True)
         routing = layer.route_tokens(x).routing
-        want = token_loop(x, layer.w13, layer.w2, routing.topk_ids, routing.topk_weights)
+        want = experts_loop(x, layer.w13, layer.w2, routing.topk_ids, routing.topk_weights)
     assert "in chunks of" in result.stats.layout
     assert rel_err(result.out, want) < 1e-12
     with pytest.raises(ValueError, match=r"backend_options \['budget'\].*experts_grouped_mm"):

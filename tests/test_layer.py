@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _helpers import experts_loop
 from moekit import MoEConfig
 from moekit.layer import MoE
 
@@ -15,16 +16,13 @@ def moe_per_token(moe, x):
     cfg = moe.config
     x = x.double()
     logits = x @ moe.gate.weight.double().t()
-    out = torch.zeros_like(x)
+    ids, weights = [], []
     for t in range(x.shape[0]):
         probs = torch.softmax(logits[t], 0) if cfg.scoring == "softmax" else torch.sigmoid(logits[t])
         top = sorted(range(cfg.num_experts), key=lambda e: (-float(probs[e]), e))[: cfg.top_k]
-        w = probs[top] / probs[top].sum() if cfg.renormalize else probs[top]
-        for e, we in zip(top, w):
-            h = moe.w13[e].double() @ x[t]
-            out[t] += we * (moe.w2[e].double()
-                            @ (F.silu(h[: cfg.moe_intermediate_size]) * h[cfg.moe_intermediate_size:]))
-    return out
+        ids.append(top)
+        weights.append(probs[top] / probs[top].sum() if cfg.renormalize else probs[top])
+    return experts_loop(x, moe.w13, moe.w2, torch.tensor(ids), torch.stack(weights))  # ids, weights [M, k]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,24 +13,16 @@ from moekit.offload.calibrate import cpu_gemms
 from moekit.offload.cpu_direct import experts_direct
 from moekit.offload.cpu_path import CpuPath, unmeasured_gemm
 
-from _helpers import TOLERANCE, make_problem, rel_l2
+from _helpers import TOLERANCE, experts_loop, make_problem, rel_l2
 
 E, K, N = 8, 32, 16
 
 
 def _share_loop(x, w13, w2, ids, weights, experts, b13=None, b2=None) -> torch.Tensor:
-    """float64: out[t] = sum_j w[t, j] (w2[e] @ (silu(g) * u) + b2[e]) over slots routed to ``experts``."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    n = w2.shape[2]
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if e not in experts:
-                continue
-            h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
-            y = w2[e].double() @ (torch.nn.functional.silu(h[:n]) * h[n:]) + (0 if b2 is None else b2[e].double())
-            out[t] += float(weights[t, j]) * y
-    return out
+    """float64 (``_helpers.experts_loop``): out[t] = sum_j w[t, j] (w2[e] @ (silu(g) * u) + b2[e]) over the slots
+    routed to ``experts`` (a map keeping those ids, -1 for the others)."""
+    share = torch.tensor([e if e in experts else -1 for e in range(w13.shape[0])], dtype=torch.int32)  # [E]
+    return experts_loop(x, w13, w2, ids, weights, share, b13=b13, b2=b2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

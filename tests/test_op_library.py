@@ -5,11 +5,12 @@ layer is registered, and a direct call of the op equals a float64 (token, slot) 
 import pytest
 import torch
 
+from _helpers import experts_loop
 from moekit.activations import spec_fields
 from moekit.experts.cpu_op import cpu_experts_op
 from moekit.experts.cpu_quant_op import cpu_quant_experts_op
 from moekit.experts.cpu_quant_op import _meta as quant_meta
-from test_cpu_compile import GPT_OSS, problem, rel_err, token_loop
+from test_cpu_compile import GPT_OSS, problem, rel_err
 from test_cpu_quant import SCHEMES, loop64
 from test_cpu_quant import problem as quant_problem
 
@@ -42,7 +43,7 @@ def test_cpu_experts_op_equals_float64_loop_and_passes_opcheck(cpu_gemm):
     with torch.no_grad():
         got = cpu_experts_op(*args)
     assert got.shape == x.shape and got.dtype == x.dtype
-    assert rel_err(got, token_loop(x, w13, w2, ids, weights, GPT_OSS)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13, w2, ids, weights, spec=GPT_OSS)) < 1e-5
     torch.library.opcheck(cpu_experts_op, args)
 
 
@@ -66,4 +67,4 @@ def test_cpu_experts_op_refuses_a_call_that_needs_a_gradient():
         cpu_experts_op(*args)
     with torch.no_grad():
         got = cpu_experts_op(*args)
-    assert rel_err(got, token_loop(x, w13.detach(), w2, ids, weights, GPT_OSS)) < 1e-5
+    assert rel_err(got, experts_loop(x, w13.detach(), w2, ids, weights, spec=GPT_OSS)) < 1e-5

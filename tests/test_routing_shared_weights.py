@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 
+from _helpers import experts_loop
 from moekit import MoE, MoEConfig, route
 from moekit.routing import append_shared_slots
 
@@ -65,13 +66,9 @@ def reference_layer(moe, x):
         gate_up = moe.shared_w13.double().view(2, -1, n, cfg.hidden_size)  # [2, S, N, K]
         w13 = torch.cat([moe.w13.double(), torch.cat([gate_up[0], gate_up[1]], dim=1)])
         w2 = torch.cat([moe.w2.double(), moe.shared_w2.double().view(cfg.hidden_size, -1, n).transpose(0, 1)])
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        slots = ids[t].tolist() + list(range(cfg.num_experts, cfg.num_experts + cfg.num_shared_slots))
-        for e, w in zip(slots, routed[t].tolist() + shared[t].tolist()):
-            h = w13[e] @ x[t].double()  # [2N]
-            out[t] += w * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
-    return out
+    shared_ids = torch.arange(cfg.num_experts, cfg.num_experts + cfg.num_shared_slots, dtype=torch.int32)  # [S]
+    slots = torch.cat([ids, shared_ids.expand(x.shape[0], -1)], dim=1)  # [M, k + S]
+    return experts_loop(x, w13, w2, slots, torch.cat([routed, shared], dim=1))
 
 
 @pytest.mark.parametrize("fuse_shared", [False, True])

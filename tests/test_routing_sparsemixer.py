@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from _helpers import experts_loop
 from moekit import MoE, MoEConfig, route
 
 PHI = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=8, top_k=2, renormalize=False,
@@ -83,13 +84,7 @@ def reference_layer(moe, x):
     """float64 loop of the whole layer: gate, the sparsemixer loop, sum_j w_j * w2 @ (silu(gate) * up)."""
     logits = x.double() @ moe.gate.weight.double().t()  # [M, E]
     ids, weights = reference_sparsemixer(logits, moe.config)
-    w13, w2, n = moe.w13.double(), moe.w2.double(), moe.config.moe_intermediate_size
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for e, w in zip(ids[t].tolist(), weights[t].tolist()):
-            h = w13[e] @ x[t].double()  # [2N]
-            out[t] += w * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
-    return out
+    return experts_loop(x, moe.w13, moe.w2, ids, weights)
 
 
 def test_layer_against_the_loop_and_gradients():

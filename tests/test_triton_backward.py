@@ -16,28 +16,11 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
-from _helpers import make_problem, rel_l2  # noqa: E402
+from _helpers import experts_loop, make_problem, rel_l2  # noqa: E402
 from moekit.experts.triton_backward import BackwardOptions, experts_triton_train, unsupported_variant  # noqa: E402
 
-ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 NAMES = ("x", "w13", "w2", "topk_weights")
-
-
-def loop_experts(x, w13, w2, ids, weights, expert_map=None, activation="silu"):
-    """out[t] = sum_j w[t, j] * w2[e] @ (act(gate) * up), e = (mapped) ids[t, j]; unrouted slots add 0."""
-    n, act, rows = w2.shape[2], ACT[activation], []
-    for t in range(x.shape[0]):
-        acc = torch.zeros_like(x[t])
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None:
-                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
-            if 0 <= e < w13.shape[0]:
-                h = w13[e] @ x[t]  # [2N]
-                acc = acc + weights[t, j] * (w2[e] @ (act(h[:n]) * h[n:]))
-        rows.append(acc)
-    return torch.stack(rows) if rows else x.new_zeros(x.shape)
 
 
 def grads_of(fn, problem, dout, dtype, weight_dtype, requires=NAMES) -> dict:
@@ -57,7 +40,7 @@ def check_grads(fn, problem, dtype=torch.float32, expert_map=None, activation="s
     dout = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(7))
     rounded = type(problem)(*(t.to(dtype) if t.is_floating_point() else t for t in problem))
     got = grads_of(fn, rounded, dout, dtype, torch.float32, requires)
-    want = grads_of(lambda *a: loop_experts(*a, expert_map=expert_map, activation=activation), rounded, dout,
+    want = grads_of(lambda *a: experts_loop(*a, expert_map=expert_map, spec=activation), rounded, dout,
                     torch.float64, torch.float64, requires)
     for name in NAMES:
         if name not in requires:
@@ -204,7 +187,7 @@ def test_transposed_weight_views(interpreter):
     dout = torch.randn(5, 33, generator=torch.Generator().manual_seed(13))
     out = interpreter.experts_triton(x, stored13.transpose(1, 2), stored2.transpose(1, 2), ids, weights)
     (out * dout).sum().backward()
-    want = grads_of(loop_experts, make_problem(5, 2, 8, 33, 17, seed=12), dout, torch.float64, torch.float64)
+    want = grads_of(experts_loop, make_problem(5, 2, 8, 33, 17, seed=12), dout, torch.float64, torch.float64)
     assert rel_l2(stored13.grad, want["w13"].transpose(1, 2)) < TOL[torch.float32]
     assert rel_l2(stored2.grad, want["w2"].transpose(1, 2)) < TOL[torch.float32]
 
@@ -230,7 +213,7 @@ def _launch_grads(problem, dout, tiles, saved: bool, split_m: int = 0) -> dict:
 
 def _check_against_loop(problem, tiles, dtype, saved=False, split_m=0) -> None:
     dout = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(7))
-    want = grads_of(loop_experts, problem, dout, torch.float64, torch.float64)
+    want = grads_of(experts_loop, problem, dout, torch.float64, torch.float64)
     got = _launch_grads(problem, dout.to(dtype), tiles, saved, split_m)
     for name in NAMES:
         assert got[name].dtype == (torch.float32 if name == "topk_weights" else dtype), name

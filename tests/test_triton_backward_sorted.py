@@ -12,8 +12,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreter, spy_desc  # noqa: E402, F401  (interpreter: fixture)
-from _helpers import make_problem, rel_l2  # noqa: E402
-from test_triton_backward import NAMES, TOL, grads_of, loop_experts  # noqa: E402
+from _helpers import experts_loop, make_problem, rel_l2  # noqa: E402
+from test_triton_backward import NAMES, TOL, grads_of  # noqa: E402
 
 
 def _tiles(block_m: int, grad, weight_step: int = 16):
@@ -28,7 +28,7 @@ def _grads(problem, tiles, dtype, spy=None) -> tuple[dict, dict]:
     import moekit.experts.triton_backward_launch as bl
 
     dout = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(7))
-    want = grads_of(loop_experts, problem, dout, torch.float64, torch.float64)
+    want = grads_of(experts_loop, problem, dout, torch.float64, torch.float64)
     x, w13, w2, ids, weights = problem
     g = bl.experts_backward(dout.to(dtype), x, w13, w2, ids, weights, None, None, "silu", (True,) * 4, tiles=tiles)
     return {"x": g.x, "w13": g.w13, "w2": g.w2, "topk_weights": g.topk_weights}, want

@@ -1,6 +1,6 @@
 """The training forward on x permuted into the layout's rows (``triton_train_forward.sorted_forward``,
 ``_kernels/gemm_train_forward.py``) under Triton's interpreter, tiny shapes, against the float64 per-token
-loop of ``test_triton_backward``: the output alone (odd K/N, k in {1, 2, 6}, skipped slots, an empty
+loop (``_helpers.experts_loop``): the output alone (odd K/N, k in {1, 2, 6}, skipped slots, an empty
 expert, pointer and TMA tiles), and ``experts_triton_train`` forward + backward when the tiles carry it
 (the backward then reads the kept x_p instead of permuting x again).
 """
@@ -15,8 +15,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreter, spy_desc  # noqa: E402, F401  (interpreter: fixture)
-from _helpers import make_problem, rel_l2  # noqa: E402
-from test_triton_backward import NAMES, TOL, grads_of, loop_experts  # noqa: E402
+from _helpers import experts_loop, make_problem, rel_l2  # noqa: E402
+from test_triton_backward import NAMES, TOL, grads_of  # noqa: E402
 
 
 def _tiles(block_m: int, desc: bool = False, rows: int = 16):
@@ -29,11 +29,6 @@ def _tiles(block_m: int, desc: bool = False, rows: int = 16):
                          fwd2=dataclasses.replace(fwd, cols=32))
 
 
-def _loop(problem) -> torch.Tensor:
-    x, w13, w2, ids, weights = problem
-    return loop_experts(x.double(), w13.double(), w2.double(), ids, weights.double())
-
-
 @pytest.mark.parametrize("k", [1, 2, 6])
 def test_sorted_forward_odd_shapes(interpreter, k):
     """K=33, N=17: every tail masked; 16-row M-blocks in a 32-row layout; E=8 with skipped slots; expert 5 empty."""
@@ -44,7 +39,7 @@ def test_sorted_forward_odd_shapes(interpreter, k):
     x, w13, w2, ids, weights = problem
     out, x_p = sorted_forward(x, w13, w2, ids, weights, None, "silu", _tiles(32))
     assert out.dtype == torch.float32 and x_p.shape == (layout_rows(ids.numel(), 8, 32), 33)
-    assert rel_l2(out, _loop(problem)) < TOL[torch.float32]
+    assert rel_l2(out, experts_loop(*problem)) < TOL[torch.float32]
 
 
 def test_sorted_forward_descriptors(interpreter, monkeypatch):
@@ -56,7 +51,7 @@ def test_sorted_forward_descriptors(interpreter, monkeypatch):
     x, w13, w2, ids, weights = problem
     out, _ = tf.sorted_forward(x, w13, w2, ids, weights, None, "silu", _tiles(32, desc=True))
     assert seen == [("gate_up_train_kernel", True), ("down_train_kernel", True)]
-    assert rel_l2(out, _loop(problem)) < TOL[torch.bfloat16]
+    assert rel_l2(out, experts_loop(*problem)) < TOL[torch.bfloat16]
 
 
 def test_sorted_forward_block_must_divide_the_layout(interpreter):
@@ -85,7 +80,7 @@ def test_train_op_forward_and_backward_on_permuted_rows(interpreter, monkeypatch
     monkeypatch.setattr(tb, "experts_backward", spy)
     problem = make_problem(37, k, 8, 33, 17, seed=70 + k, skips=True)
     dout = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(9))
-    want = grads_of(loop_experts, problem, dout, torch.float64, torch.float64)
+    want = grads_of(experts_loop, problem, dout, torch.float64, torch.float64)
     got = grads_of(tb.experts_triton_train, problem, dout, torch.float32, torch.float32)
     assert len(kept) == 1 and kept[0] is not None and kept[0].shape[1] == 33
     for name in NAMES:

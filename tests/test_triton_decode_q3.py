@@ -15,19 +15,13 @@ triton = pytest.importorskip("triton")
 
 from _fp8_cases import SHAPES, emulation_f64, problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
-from _triton_helpers import interpreted  # noqa: E402
+from _triton_helpers import fp8, interpreted  # noqa: E402, F401  (fp8: fixture)
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
 SHAPE, BLOCK = SHAPES[0]  # E=4, K=160 (a K tail past 128), N=96 (an N tail), 128 x 128 blocks
 POISON_TMA = LaunchOptions(poison_workspace=True, weight_descriptors=True)
 POISON_PTR = LaunchOptions(poison_workspace=True, weight_descriptors=False)
-
-
-@pytest.fixture(scope="module")
-def fp8():
-    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
-        yield module
 
 
 @pytest.mark.parametrize("m,options", [(1, POISON_TMA), (7, POISON_PTR)])

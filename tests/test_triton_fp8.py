@@ -22,17 +22,10 @@ triton = pytest.importorskip("triton")
 from _fp8_cases import FLIP_TOL, SHAPES, emulation_f64, fake_quant_f64  # noqa: E402
 from _fp8_cases import kernel_vs_twin as _kernel_vs_twin, problem as _problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
-from _triton_helpers import interpreted  # noqa: E402
+from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_fp8_plan import check_config, fp8_config, heuristic_fp8_config  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def fp8():
-    """``moekit.experts.triton_fp8``, its kernels decorated under the interpreter."""
-    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
-        yield module
 
 
 # --- quantization ------------------------------------------------------------------------------------

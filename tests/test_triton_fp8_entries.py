@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 from _fp8_cases import FLIP_TOL, POISON, SHAPES, problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
-from _triton_helpers import interpreted  # noqa: E402
+from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
 from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
 from moekit.experts.triton_fp8_plan import build_plan  # noqa: E402
 
@@ -24,12 +24,6 @@ SHAPE, BLOCK = SHAPES[0]  # E=4, K=160 (a K tail), N=96 (an N tail)
 NARROW = KernelConfig(16, GemmTile(32, 128, 1, 4, 2), GemmTile(32, 128, 1, 4, 2))
 TALL = KernelConfig(64, GemmTile(32, 128, 2, 4, 2), GemmTile(32, 128, 2, 4, 2))
 NAME = "E4_N96_K160_fp8_block_cpu.json"
-
-
-@pytest.fixture(scope="module")
-def fp8():
-    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
-        yield module
 
 
 @pytest.fixture

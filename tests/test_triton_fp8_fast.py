@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 from _fp8_cases import FLIP_TOL, SHAPES, kernel_vs_twin, problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
-from _triton_helpers import interpreted  # noqa: E402
+from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_fp8_plan import build_plan, fp8_descriptors_allowed  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -34,12 +34,6 @@ CONFIGS = [
     # 256 wide: two scale blocks per tile (a scale per column), 64-row blocks of the aligned layout
     KernelConfig(64, GemmTile(256, 128, 2, 4, 2), GemmTile(256, 128, 2, 4, 2)),
 ]
-
-
-@pytest.fixture(scope="module")
-def fp8():
-    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
-        yield module
 
 
 def _flags(launch) -> tuple:

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 
 from _fp8_cases import FLIP_TOL, SHAPES, problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
-from _triton_helpers import interpreted  # noqa: E402
+from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_fp8_plan import build_plan  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -21,12 +21,6 @@ SHAPE, BLOCK = SHAPES[0]  # E=4, K=160 (a K tail), N=96 (an N tail)
 FOLDED = LaunchOptions(poison_workspace=True, align_fold_max=64)
 UNFOLDED = LaunchOptions(poison_workspace=True, align_fold_max=0)
 CONFIG = KernelConfig(16, GemmTile(32, 128, 1, 4, 2), GemmTile(32, 128, 1, 4, 2))
-
-
-@pytest.fixture(scope="module")
-def fp8():
-    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
-        yield module
 
 
 def test_plan_folds_up_to_the_limit():

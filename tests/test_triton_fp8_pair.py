@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 from _fp8_cases import FLIP_TOL, problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
-from _triton_helpers import interpreted  # noqa: E402
+from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
 from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
 from moekit.experts.triton_fp8_persistent import Persistent  # noqa: E402
 from moekit.experts.triton_fp8_plan import build_plan  # noqa: E402
@@ -27,12 +27,6 @@ UNFOLDED = LaunchOptions(poison_workspace=True, align_fold_max=0)  # the aligned
 CASES = [((4, 160, 96), (128, 128), KernelConfig(16, GemmTile(32, 128, 1, 4, 2), GemmTile(64, 128, 1, 4, 2))),
          ((5, 176, 64), (64, 32), KernelConfig(16, GemmTile(32, 32, 2, 4, 2), GemmTile(32, 32, 1, 4, 2))),
          ((3, 160, 256), (128, 128), KernelConfig(16, GemmTile(128, 128, 1, 4, 2), GemmTile(64, 128, 1, 4, 2)))]
-
-
-@pytest.fixture(scope="module")
-def fp8():
-    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
-        yield module
 
 
 def _launch(fp8, case, config, pair_dot, persistent=None, weight_tma=True):

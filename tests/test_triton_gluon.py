@@ -9,6 +9,7 @@ import importlib
 import pytest
 import torch
 
+from _helpers import experts_loop
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts import backend_names, get_backend
 from moekit.experts.triton_gluon import (
@@ -35,20 +36,6 @@ def _routing(m, k, seed=1, num_experts=E):
     ids = torch.rand(m, num_experts, generator=g).topk(k, dim=1).indices.int()
     weights = torch.softmax(torch.rand(m, k, generator=g), dim=1)
     return ids, weights
-
-
-def _experts_f64(x, w13, w2, ids, weights):
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up), e = ids[t, j], in float64, one slot at a time."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if not 0 <= e < w13.shape[0]:
-                continue
-            gate_up = w13[e].double() @ x[t].double()
-            h = torch.nn.functional.silu(gate_up[:N]) * gate_up[N:]
-            out[t] += float(weights[t, j]) * (w2[e].double() @ h)
-    return out
 
 
 def test_combine_kernel_matches_a_float64_loop_at_every_tile():
@@ -109,7 +96,7 @@ def test_twin_matches_a_float64_loop():
     ids[0, 0] = 9  # >= E: skipped
     x = torch.randn(24, K).bfloat16()
     out = experts_gluon_twin(x, w13, w2, ids, weights)
-    ref = _experts_f64(x, w13, w2, ids, weights)
+    ref = experts_loop(x, w13, w2, ids, weights)
     assert out.dtype == torch.bfloat16
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
@@ -121,7 +108,7 @@ def test_expert_map_reaches_the_layout():
     x = torch.randn(16, K).bfloat16()
     out = experts_gluon_twin(x, w13, w2, ids, weights, expert_map=emap)
     local = torch.where(emap[ids.long()] >= 0, emap[ids.long()], -1)
-    ref = _experts_f64(x, w13, w2, local, weights)
+    ref = experts_loop(x, w13, w2, local, weights)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 

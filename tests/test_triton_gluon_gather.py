@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
-from _helpers import rel_l2
+from _helpers import experts_loop, rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 
 E, N, K = 4, 128, 128
@@ -26,17 +26,6 @@ def _problem(m, k=2, seed=0, width=K):
     ids = torch.rand(m, E, generator=g).topk(k, dim=1).indices.int()
     weights = torch.softmax(torch.rand(m, k, generator=g), dim=1)
     return x, w13, w2, ids, weights
-
-
-def _f64(x, w13, w2, ids, weights):
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up), e = ids[t, j], in float64."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate_up = w13[e].double() @ x[t].double()
-            out[t] += float(weights[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(gate_up[:N]) * gate_up[N:]))
-    return out
 
 
 def _run(x, w13, w2, ids, weights, in_loader):
@@ -53,7 +42,7 @@ def test_in_loader_gather_equals_the_gather_kernel_route_and_a_float64_loop(fake
     first = _run(x, w13, w2, ids, weights, True)  # compiles: the bound launches
     again = _run(x, w13, w2, ids, weights, True)  # the recorded sequence
     assert torch.equal(first, base) and torch.equal(again, base)
-    assert rel_l2(again, _f64(x, w13, w2, ids, weights)) < 1e-2
+    assert rel_l2(again, experts_loop(x, w13, w2, ids, weights)) < 1e-2
     x2, _, _, ids2, weights2 = _problem(m, k, seed=5)  # new call tensors through the same sequence
     assert torch.equal(_run(x2, w13, w2, ids2, weights2, True), _run(x2, w13, w2, ids2, weights2, False))
 
@@ -85,7 +74,7 @@ def test_strided_x_rows_unaligned_fall_back_or_raise(fake_gemms, monkeypatch):
     monkeypatch.setattr(triton_gluon_launch, "LOADER_GATHER_MAX_INTER", N)
     out = _run(x, w13, w2, ids, weights, None)
     assert not fake_gemms["gather"].log and torch.equal(out, _run(x.contiguous(), w13, w2, ids, weights, False))
-    assert rel_l2(out, _f64(x, w13, w2, ids, weights)) < 1e-2
+    assert rel_l2(out, experts_loop(x, w13, w2, ids, weights)) < 1e-2
     _run(x.contiguous(), w13, w2, ids, weights, None)  # aligned: the default takes the loader
     assert len(fake_gemms["gather"].log) == 1
 
@@ -106,7 +95,7 @@ def test_switched_on_the_plain_and_lean_launches_both_gather_in_the_loader(fake_
         logs.append((grid, {k: v for k, v in bound.items() if not hasattr(v, "block_shape")
                             and not isinstance(v, torch.Tensor)}, options))
     assert torch.equal(outs[1], outs[0]) and logs[1] == logs[0]
-    assert rel_l2(outs[1], _f64(x, w13, w2, ids, weights)) < 1e-2
+    assert rel_l2(outs[1], experts_loop(x, w13, w2, ids, weights)) < 1e-2
     monkeypatch.setattr(triton_gluon_launch, "LOADER_GATHER_MAX_INTER", N - 128)  # experts too wide: the kernel
     assert torch.equal(experts_gluon(x, w13, w2, ids, weights, lean=False), outs[0])
 

@@ -16,7 +16,7 @@ import torch
 
 from _fp8_cases import quantize_weight
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
-from _helpers import rel_l2
+from _helpers import experts_loop, rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 
 E, N, K = 4, 128, 128  # the smallest N and K the Gluon paths take (fp8: K = 256, two scale groups)
@@ -45,21 +45,6 @@ def _fp8_problem(m, k=2, seed=0):
     q2 = quantize_weight(torch.randn(E, 2 * K, N, generator=g) / N**0.5, (128, 128))
     ids = torch.rand(m, E, generator=g).topk(k, dim=1).indices.int()
     return x, (*q13, *q2), ids, torch.rand(m, k, generator=g)
-
-
-def _f64(x, w13, w2, ids, weights, expert_map=None):
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up), e the local expert of ids[t, j], in float64."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None:
-                e = int(expert_map[e])
-            if not 0 <= e < w13.shape[0]:
-                continue
-            gate_up = w13[e].double() @ x[t].double()
-            out[t] += float(weights[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(gate_up[:N]) * gate_up[N:]))
-    return out
 
 
 def _fp8_f64(x, q, ids, weights):
@@ -100,7 +85,7 @@ def test_bf16_lean_equals_plain_and_a_float64_loop(fake_gemms, launched, monkeyp
     again = experts_gluon(x, w13, w2, ids, weights)  # the recorded sequence
     assert launched[0] == 1
     assert torch.equal(first, plain) and torch.equal(again, plain)
-    assert rel_l2(again, _f64(x, w13, w2, ids, weights)) < 1e-2
+    assert rel_l2(again, experts_loop(x, w13, w2, ids, weights)) < 1e-2
     x2, _, _, ids2, weights2 = _bf16_problem(m, k, seed=5)  # new call tensors through the same sequence
     assert torch.equal(experts_gluon(x2, w13, w2, ids2, weights2),
                        experts_gluon(x2, w13, w2, ids2, weights2, lean=False)) and launched[0] == 2
@@ -126,7 +111,7 @@ def test_expert_map_skips_other_ranks_experts(fake_gemms, launched):
     ids = torch.rand(30, 8, generator=torch.Generator().manual_seed(9)).topk(2, dim=1).indices.int()
     outs = [experts_gluon(x, w13, w2, ids, weights, expert_map=expert_map, lean=lean) for lean in (False, True, True)]
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]) and launched[0] == 1
-    assert rel_l2(outs[2], _f64(x, w13, w2, ids, weights, expert_map)) < 1e-2
+    assert rel_l2(outs[2], experts_loop(x, w13, w2, ids, weights, expert_map)) < 1e-2
 
 
 def test_gemm_arguments_equal_the_plain_launches(fake_gemms, monkeypatch):
@@ -205,7 +190,7 @@ def test_kept_state_is_rebuilt_when_its_inputs_change(fake_gemms, launched):
     assert lean._DESCRIPTORS.get(w13, w2, plan.weight_key, lean.weight_pair) is pair
     updated = experts_gluon(x, w13, w2, ids, weights)
     assert torch.equal(updated, experts_gluon(x, w13, w2, ids, weights, lean=False))
-    assert rel_l2(updated, _f64(x, w13, w2, ids, weights)) < 1e-2
+    assert rel_l2(updated, experts_loop(x, w13, w2, ids, weights)) < 1e-2
 
     clear_config_cache()  # a retune drops the plans and their sequences
     assert not lean._PLANS and not lean._SEQUENCES
@@ -278,7 +263,7 @@ def test_skipped_slots_never_read_a_stale_dst(fake_gemms):
     lean._WORKSPACES.pooled(plan.workspace, x.device)["dst"].fill_(0)
     out = experts_gluon(x, w13, w2, skipped, weights)
     assert torch.equal(out, experts_gluon(x, w13, w2, skipped, weights, lean=False))
-    assert rel_l2(out, _f64(x, w13, w2, skipped, weights)) < 1e-2
+    assert rel_l2(out, experts_loop(x, w13, w2, skipped, weights)) < 1e-2
 
 
 def test_backend_repeated_call_takes_the_fast_path(fake_gemms, monkeypatch):
@@ -360,7 +345,7 @@ def test_triton_backend_takes_the_gluon_path_where_the_default_choice_wants_it(f
     monkeypatch.setattr(tg, "DEFAULT_CHOICE", tg.GluonChoice(min_tokens=40, min_tokens_wide=40))
     outs = [experts_triton_unchecked(x, w13, w2, ids, weights) for _ in range(3)]
     assert all(torch.equal(out, plain) for out in outs) and launched[0] == 2  # recorded, then twice from what it kept
-    assert rel_l2(outs[0].double(), _f64(x, w13, w2, ids, weights)) < 1e-2
+    assert rel_l2(outs[0].double(), experts_loop(x, w13, w2, ids, weights)) < 1e-2
     gemms = len(fake_gemms["bf16"].log)
     never = tg.GluonChoice(min_tokens=10**9, min_tokens_narrow=10**9, min_tokens_wide=10**9)
     for out in (experts_triton_unchecked(x, w13, w2, ids, weights, options=LaunchOptions()),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
+from _helpers import experts_loop
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts.triton_gluon_wo import experts_gluon_wo_twin, gluon_wo_unfit, run_experts_wo_gluon
 from moekit.experts.triton_wo import WoWeight, run_experts_wo, weight_args
@@ -65,15 +66,8 @@ def _dense64(w: WoWeight) -> torch.Tensor:
 
 
 def _f64(x, w13: WoWeight, w2: WoWeight, ids, weights) -> torch.Tensor:
-    """out[t] = sum_j weight * W2[e] @ (silu(g) * u), float64, one slot at a time."""
-    d13, d2 = _dense64(w13), _dense64(w2)
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate_up = d13[e] @ x[t].double()
-            out[t] += float(weights[t, j]) * (d2[e] @ (torch.nn.functional.silu(gate_up[:N]) * gate_up[N:]))
-    return out
+    """out[t] = sum_j weight * W2[e] @ (silu(g) * u), float64, one slot at a time (``_helpers.experts_loop``)."""
+    return experts_loop(x, _dense64(w13), _dense64(w2), ids, weights)
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

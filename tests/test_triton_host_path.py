@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, make_problem, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, count_op_calls, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from moekit.experts.configs import GemmTile, KernelConfig, config_file_name, write_configs  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
@@ -61,9 +61,7 @@ def test_bound_launch_names_missing_arguments(interpreter):
 def test_direct_eager_equals_the_op_and_skips_it(interpreter, monkeypatch):
     """An eager call runs the implementation directly; one with ``direct_eager=False`` or under a dispatch mode goes
     through the inference twin, one with a weight that needs a gradient through the custom op; all four agree."""
-    calls = []
-    for name in ("triton_experts", "triton_experts_infer"):
-        monkeypatch.setattr(torch.ops.moekit, name, _Counted(getattr(torch.ops.moekit, name), calls, name))
+    calls = count_op_calls(monkeypatch, ("triton_experts", "triton_experts_infer"))
     x, w13, w2, ids, weights = make_problem(5, 2, E, K, N, torch.bfloat16)
     with torch.no_grad():
         direct = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
@@ -82,20 +80,6 @@ def test_direct_eager_equals_the_op_and_skips_it(interpreter, monkeypatch):
     assert with_grad.requires_grad  # through the custom op, which carries the autograd
     for out in (via_op, under_mode, with_grad.detach()):
         assert torch.equal(direct, out)
-
-
-class _Counted:
-    """An op that counts its calls; anything else (``.default``, which torch looks up) is the op's."""
-
-    def __init__(self, op, calls: list, name: str):
-        self.op, self.calls, self.name = op, calls, name
-
-    def __call__(self, *args):
-        self.calls.append(self.name)
-        return self.op(*args)
-
-    def __getattr__(self, name: str):
-        return getattr(self.op, name)
 
 
 class _PassThrough(TorchDispatchMode):

@@ -1,19 +1,18 @@
 """The Triton experts ops (``moekit.experts.triton_op``), under Triton's interpreter: ``moekit::triton_experts_infer``,
 the inference twin of ``moekit::triton_experts``, has the custom op's schema and fake but no Autograd kernel, passes
-``torch.library.opcheck`` and gives the custom op's bits; both equal a float64 (token, slot) loop written here.
-``experts_op`` sends a call that needs a gradient to the custom op (which trains: gradients against the loop's) and
-every other call to the twin, eagerly and under torch.compile (fullgraph: decided at trace time, no graph break;
-a compiled training step takes the custom op and runs its backward)."""
+``torch.library.opcheck`` and gives the custom op's bits; both equal a float64 (token, slot) loop
+(``_helpers.experts_loop``). ``experts_op`` sends a call that needs a gradient to the custom op (which trains: gradients
+against the loop's) and every other call to the twin, eagerly and under torch.compile (fullgraph: decided at trace time,
+no graph break; a compiled training step takes the custom op and runs its backward)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from _helpers import make_problem, rel_l2  # noqa: E402
+from _helpers import count_op_calls, experts_loop, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit.activations import ActivationSpec, spec_fields  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -24,38 +23,9 @@ TAIL = (*spec_fields(ActivationSpec()), *LaunchOptions(poison_workspace=True).as
 GRAD_NAMES = ("x", "w13", "w2", "topk_weights")
 
 
-def loop64(x, w13, w2, ids, weights):
-    """out [M, K] = sum over slots j of weights[t, j] * w2[e] @ (silu(gate) * up), (gate, up) = w13[e] @ x[t] split
-    in halves, e = ids[t, j]; in float64, differentiable (autograd gives the reference gradients)."""
-    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
-    rows = []
-    for t in range(x.shape[0]):
-        acc = x.new_zeros(x.shape[1])  # [K]
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            h = w13[e] @ x[t]  # [2N]
-            acc = acc + weights[t, j] * (w2[e] @ (F.silu(h[:N]) * h[N:]))
-        rows.append(acc)
-    return torch.stack(rows)
-
-
 def op_args(problem) -> tuple:
     x, w13, w2, ids, weights = problem
     return (x, w13, w2, ids, weights, None, None, None, *TAIL)
-
-
-class Counted:
-    """An op that records its name per call; anything else (``.default``, which the autograd reads) is the op's."""
-
-    def __init__(self, op, calls: list, name: str):
-        self.op, self.calls, self.name = op, calls, name
-
-    def __call__(self, *args):
-        self.calls.append(self.name)
-        return self.op(*args)
-
-    def __getattr__(self, attr: str):
-        return getattr(self.op, attr)
 
 
 def test_twin_has_the_schema_and_fake_but_no_autograd_kernel():
@@ -79,7 +49,7 @@ def test_twin_equals_the_custom_op_and_the_float64_loop(interpreter, dtype, m):
         custom = torch.ops.moekit.triton_experts(*op_args(problem))
     assert twin.shape == problem.x.shape and twin.dtype == dtype
     assert torch.equal(twin, custom)
-    assert rel_l2(twin, loop64(*problem)) < TOL[dtype]
+    assert rel_l2(twin, experts_loop(*problem)) < TOL[dtype]
 
 
 def test_the_body_builds_its_options_once_per_set(interpreter):
@@ -108,18 +78,16 @@ def test_twin_passes_opcheck(interpreter):
 def test_a_call_needing_a_gradient_trains_through_the_custom_op(interpreter, monkeypatch):
     """experts_triton with inputs that need gradients: the custom op (counted), gradients of x, w13, w2 and the
     routed weights against the float64 loop's; the twin itself refuses such a call."""
-    calls = []
-    for name in ("triton_experts", "triton_experts_infer"):
-        monkeypatch.setattr(torch.ops.moekit, name, Counted(getattr(torch.ops.moekit, name), calls, name))
+    calls = count_op_calls(monkeypatch, ("triton_experts", "triton_experts_infer"))
     problem = make_problem(6, 2, E, K, N, torch.float32, seed=4)
     dout = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(5))
     got, want = ([t.clone().requires_grad_() for t in (problem.x, problem.w13, problem.w2, problem.weights)]
                  for _ in range(2))
     out = interpreter.experts_triton(got[0], got[1], got[2], problem.ids, got[3])
     (out * dout).sum().backward()
-    (loop64(want[0], want[1], want[2], problem.ids, want[3]) * dout.double()).sum().backward()
+    (experts_loop(want[0], want[1], want[2], problem.ids, want[3]) * dout.double()).sum().backward()
     assert calls == ["triton_experts"]
-    assert rel_l2(out, loop64(*problem)) < TOL[torch.float32]
+    assert rel_l2(out, experts_loop(*problem)) < TOL[torch.float32]
     for name, g, w in zip(GRAD_NAMES, got, want):
         assert rel_l2(g.grad, w.grad) < TOL[torch.float32], name
     with pytest.raises(RuntimeError, match="has no backward"):
@@ -161,6 +129,6 @@ def test_compiled_inference_takes_the_twin_and_training_the_custom_op(interprete
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     (out * dout).sum().backward()
     w13_64, w2_64 = (w.detach().clone().requires_grad_() for w in (w13, w2))
-    (loop64(problem.x, w13_64, w2_64, problem.ids, problem.weights) * dout.double()).sum().backward()
+    (experts_loop(problem.x, w13_64, w2_64, problem.ids, problem.weights) * dout.double()).sum().backward()
     assert rel_l2(w13.grad, w13_64.grad) < TOL[torch.float32]
     assert rel_l2(w2.grad, w2_64.grad) < TOL[torch.float32]

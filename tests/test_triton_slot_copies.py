@@ -12,24 +12,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, experts_loop, rel_l2  # noqa: E402
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit.offload.cache import ExpertCache  # noqa: E402
 from moekit.offload.stats import OffloadStats  # noqa: E402
 
 E, K, N, C = 8, 40, 24, 3  # 16-byte weight rows in bf16: the TMA descriptor path runs; 3 slots of 8 experts
-
-
-def _reference(x, w13, w2, ids, weights):
-    """[M, K] float64: per token, sum over its slots of weight * down(silu(gate) * up), a loop."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate_up = w13[e].double() @ x[t].double()  # [2N]
-            h = torch.nn.functional.silu(gate_up[:N]) * gate_up[N:]
-            out[t] += float(weights[t, j]) * (w2[e].double() @ h)
-    return out
 
 
 def test_slot_copies_keep_descriptors_and_sequence(interpreter, monkeypatch):
@@ -56,7 +44,7 @@ def test_slot_copies_keep_descriptors_and_sequence(interpreter, monkeypatch):
         ids = torch.tensor([[experts[t % 2], experts[2]] for t in range(4)], dtype=torch.int32)
         out = interpreter.experts_triton(x, w13, w2, ids, weights, expert_map=cache.slot_map(layer, experts, E))
         cache.release(layer, experts)
-        assert rel_l2(out, _reference(x, host13, host2, ids, weights)) < TOL[torch.bfloat16]
+        assert rel_l2(out, experts_loop(x, host13, host2, ids, weights)) < TOL[torch.bfloat16]
         return out
 
     step([0, 1, 2])  # compiles

@@ -1,8 +1,8 @@
 """The Triton experts kernels on every experts variant (issue 14), under Triton's interpreter, small shapes.
 
-Each variant (biases, interleaved gate/up, ungated, clamped SwiGLU with alpha/limit/up_shift, transposed
-storage) is held to a float64 per-token loop written here with the activations spelled out, not to
-moekit's own torch code. Workspaces are poisoned with NaN, so a read of an unwritten row fails.
+Each variant (biases, interleaved gate/up, ungated, clamped SwiGLU with alpha/limit/up_shift, transposed storage) is
+held to a float64 per-token loop (``_helpers.experts_loop``) with the activations spelled out (``_helpers.glu64``), not
+to moekit's own torch code. Workspaces are poisoned with NaN, so a read of an unwritten row fails.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate (odd: every tile has a masked tail).
 """
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import math
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, make_problem, rel_l2, routed_slots  # noqa: E402
+from _helpers import TOLERANCE as TOL, count_op_calls, experts_loop, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from moekit.activations import ActivationSpec  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
@@ -39,37 +37,6 @@ VARIANTS = {
     "gelu_ungated": ActivationSpec("gelu", gated=False),
     "silu_alpha_ungated": ActivationSpec("silu", gated=False, alpha=1.702),
 }
-
-
-def _act(g: torch.Tensor, name: str, alpha: float) -> torch.Tensor:
-    if name == "silu":
-        return g / (1.0 + torch.exp(-alpha * g))
-    if name == "gelu":
-        return 0.5 * g * (1.0 + torch.erf(g / math.sqrt(2.0)))
-    if name == "gelu_tanh":
-        return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
-    if name == "relu":
-        return g.clamp_min(0.0)
-    assert name == "relu2", name
-    return g.clamp_min(0.0) ** 2
-
-
-def _loop(x, w13, w2, ids, weights, spec, b13=None, b2=None, expert_map=None) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * (w2[e] @ glu(w13[e] @ x[t] + b13[e]) + b2[e]) in float64, one slot at a time."""
-    num_experts, n = w13.shape[0], w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t, j, e in routed_slots(ids, num_experts, expert_map):
-        h = w13[e].double() @ x[t].double() + (0.0 if b13 is None else b13[e].double())
-        if spec.gated:
-            gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
-            if spec.limit is not None:
-                gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-            glu = _act(gate, spec.name, spec.alpha) * (up + spec.up_shift)
-        else:
-            glu = _act(h, spec.name, spec.alpha)
-        y = w2[e].double() @ glu + (0.0 if b2 is None else b2[e].double())
-        out[t] += float(weights[t, j]) * y
-    return out
 
 
 def _problem(m, k, spec, dtype=torch.float32, hidden=K, inter=N, seed=0, biases=True, skips=True):
@@ -93,7 +60,8 @@ def _check(tri, x, w13, w2, ids, weights, b13, b2, spec, expert_map=None, option
     assert out.shape == x.shape and out.dtype == x.dtype
     if x.shape[0]:
         loop_spec = ActivationSpec(spec) if isinstance(spec, str) else spec  # a str means its plain spec
-        assert rel_l2(out, _loop(x, w13, w2, ids, weights, loop_spec, b13, b2, expert_map)) < TOL[x.dtype]
+        want = experts_loop(x, w13, w2, ids, weights, expert_map, b13=b13, b2=b2, spec=loop_spec)
+        assert rel_l2(out, want) < TOL[x.dtype]
     return out
 
 
@@ -154,7 +122,7 @@ def test_weight_descriptors_with_variants(interpreter, launch_log, variant):
     spec = VARIANTS[variant]
     x, w13, w2, ids, weights, b13, b2 = _problem(33, 2, spec, torch.bfloat16, hidden=40, inter=24, seed=6)
     cfg = KernelConfig(16, GemmTile(16, 32, 2, 4, 2), GemmTile(16, 32, 1, 4, 2))  # N=24: a masked last N tile
-    ref = _loop(x, w13, w2, ids, weights, spec, b13, b2)
+    ref = experts_loop(x, w13, w2, ids, weights, b13=b13, b2=b2, spec=spec)
     for descriptors in (True, False):
         options = LaunchOptions(weight_descriptors=descriptors, poison_workspace=True)
         out = interpreter.fused_experts(x, w13, w2, ids, weights, None, spec, cfg, options, b13=b13, b2=b2)
@@ -168,14 +136,14 @@ def test_the_variant_parameters_matter(interpreter):
     """The test problems are sensitive: dropping the clamp, alpha, up_shift or the interleaving from the
     gpt-oss spec changes the loop's answer by far more than the tolerance, and the kernel follows each."""
     x, w13, w2, ids, weights, b13, b2 = _problem(5, 2, GPT_OSS, seed=7)
-    ref = _loop(x, w13, w2, ids, weights, GPT_OSS, b13, b2)
+    ref = experts_loop(x, w13, w2, ids, weights, b13=b13, b2=b2, spec=GPT_OSS)
     for change in (dict(limit=None), dict(alpha=1.0), dict(up_shift=0.0), dict(interleaved=False)):
         other = dataclasses.replace(GPT_OSS, **change)
-        other_ref = _loop(x, w13, w2, ids, weights, other, b13, b2)
+        other_ref = experts_loop(x, w13, w2, ids, weights, b13=b13, b2=b2, spec=other)
         assert rel_l2(other_ref, ref) > 0.05, change
         _check(interpreter, x, w13, w2, ids, weights, b13, b2, other)
-    assert rel_l2(_loop(x, w13, w2, ids, weights, GPT_OSS, None, b2), ref) > 0.05  # b13 matters
-    assert rel_l2(_loop(x, w13, w2, ids, weights, GPT_OSS, b13, None), ref) > 0.05  # b2 matters
+    assert rel_l2(experts_loop(x, w13, w2, ids, weights, b13=None, b2=b2, spec=GPT_OSS), ref) > 0.05  # b13 matters
+    assert rel_l2(experts_loop(x, w13, w2, ids, weights, b13=b13, b2=None, spec=GPT_OSS), ref) > 0.05  # b2 matters
 
 
 def test_plans_are_kept_per_variant(interpreter, launch_log):
@@ -219,22 +187,11 @@ def test_the_op_path_equals_the_direct_path(interpreter, monkeypatch):
 
 
 def test_a_bias_that_needs_a_gradient_goes_through_the_op(interpreter, monkeypatch):
-    calls = []
-    real = torch.ops.moekit.triton_experts
-
-    class Counted:  # the op, counting calls; its attributes (the autograd reads ``.default``) are the op's
-        def __call__(self, *args):
-            calls.append(1)
-            return real(*args)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    monkeypatch.setattr(torch.ops.moekit, "triton_experts", Counted())
+    calls = count_op_calls(monkeypatch, ("triton_experts",))
     x, w13, w2, ids, weights, b13, b2 = _problem(5, 2, GPT_OSS, seed=10)
     b2.requires_grad_()
     out = _run(interpreter, x, w13, w2, ids, weights, b13, b2, GPT_OSS)
-    assert calls == [1] and out.requires_grad  # autograd sees the op (its error comes at backward)
+    assert calls == ["triton_experts"] and out.requires_grad  # autograd sees the op (its error comes at backward)
 
 
 def test_opcheck_with_a_variant(interpreter):

@@ -19,11 +19,10 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from _helpers import routed_slots  # noqa: E402
+from _helpers import experts_loop  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -85,14 +84,9 @@ def dequant64(w, cols: int) -> torch.Tensor:
 
 
 def loop64(x, w13, w2, ids, weights, expert_map=None) -> torch.Tensor:
-    """float64 per token and slot; an id < 0, >= E, or mapped to -1 is skipped."""
-    big13, big2 = dequant64(w13, x.shape[1]), dequant64(w2, w13.q.shape[1] // 2)
-    n, num_experts = big2.shape[2], big13.shape[0]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t, j, e in routed_slots(ids, num_experts, expert_map):
-        gate_up = big13[e] @ x[t].double()
-        out[t] += float(weights[t, j]) * (big2[e] @ (F.silu(gate_up[:n]) * gate_up[n:]))
-    return out
+    """float64 per token and slot on the weights dequantized here (``_helpers.experts_loop``); an id < 0, >= E, or
+    mapped to -1 is skipped."""
+    return experts_loop(x, dequant64(w13, x.shape[1]), dequant64(w2, w13.q.shape[1] // 2), ids, weights, expert_map)
 
 
 def rel(a, b) -> float:

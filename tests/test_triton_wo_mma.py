@@ -12,6 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from _helpers import run_compile_script  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from test_triton_wo import POISON, loop64, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
@@ -251,16 +252,6 @@ def test_inline_ptx_compiles_for_sm90():
     in its two taken tiles) through Triton's pipeline and the bundled ptxas to sm_90 SASS (the PTX cannot run here: a
     syntax or operand error fails here, not on the device). In a process of its own: this module's interpreted
     kernels patch Triton's frontend."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root))
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "wo_mma_sass_cpu.py"), "--quick"],
-                          capture_output=True, text=True, env=env, timeout=600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
+    done, lines = run_compile_script("wo_mma_sass_cpu.py", "--quick")
     ok = done.returncode == 0 and len(lines) == 8 and all(line.startswith("OK") for line in lines)
     assert ok, done.stdout + done.stderr
