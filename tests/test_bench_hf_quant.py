@@ -69,6 +69,18 @@ def test_fp8_model_experts_are_transformers_fp8_experts(name):
     assert others and all(m.weight.dtype == torch.float32 for m in others)  # attention, LM head: float
 
 
+def test_dequantized_float64_block_tails():
+    """Weights whose rows and columns are not multiples of the block: the tail blocks take their own scale."""
+    module = torch.nn.Module()
+    module.block_size = (BLOCK, BLOCK)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 200, 300, generator=g).to(torch.float8_e4m3fn)  # [E, R, C]: 2 x 3 blocks, both tails short
+    module.weight = torch.nn.Parameter(w, requires_grad=False)
+    module.weight_scale_inv = torch.rand(2, 2, 3, generator=g) + 0.5
+    (value,) = dequantized_float64(module).values()
+    assert torch.equal(value, _blockwise(w, module.weight_scale_inv))
+
+
 def _e4m3_rows(x: torch.Tensor) -> torch.Tensor:
     """[T, C] float64 -> the values an fp8 GEMM sees: each token's 128-column block scaled to amax 448,
     rounded to e4m3, scaled back."""

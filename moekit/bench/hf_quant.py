@@ -116,7 +116,9 @@ def _check_whole_blocks(weights: dict[str, torch.Tensor], block_shape: tuple[int
 
 def dequantized_float64(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every e4m3 weight of ``model`` that has a ``*_scale_inv`` and a ``block_size`` beside it (``FP8Experts``,
-    ``FP8Linear``), by its full name, as its exact float64 value: e4m3 x its block's scale."""
+    ``FP8Linear``), by its full name, as its exact float64 value: e4m3 x its block's scale. Scaled in place block
+    row by block row, so the copy is the only weight-sized allocation (the float64 pass's fit check counts it alone;
+    the scales expanded whole took two more copies: a 3 GiB allocation failed the fp8 pass on an 80 GB H100)."""
     out = {}
     for prefix, module in model.named_modules():
         block = getattr(module, "block_size", None)
@@ -125,6 +127,9 @@ def dequantized_float64(model: nn.Module) -> dict[str, torch.Tensor]:
             if w.dtype != FP8_DTYPE or scale is None or block is None:
                 continue
             br, bc = block
-            blocks = scale.double().repeat_interleave(br, -2).repeat_interleave(bc, -1)  # [.., R', C'] >= [.., R, C]
-            out[f"{prefix}.{name}" if prefix else name] = w.double() * blocks[..., :w.shape[-2], :w.shape[-1]]
+            value = w.double()  # [.., R, C]
+            for i in range(scale.shape[-2]):  # a block row at a time: no temporary of the weight's size
+                rows = value[..., i * br:(i + 1) * br, :]  # [.., br, C] (fewer in the tail)
+                rows *= scale[..., i, :].double().repeat_interleave(bc, -1)[..., None, :w.shape[-1]]
+            out[f"{prefix}.{name}" if prefix else name] = value
     return out
