@@ -178,6 +178,10 @@ class _MoekitBlock(nn.Module):
         swap = self.__dict__[SWAP_ATTR]
         if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
             return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
+        if swap.plain:  # the MoE's output alone; compiled, the flags below are not read (fewer guards)
+            x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
+            out = swap.moe.forward(x2d)  # [M, K]
+            return out if x2d is hidden_states else out.view_as(hidden_states)
         hidden = swap.moe.config.hidden_size  # K: a flat x (ERNIE-4.5-VL's modality scatter) is [M*K]
         x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden)
         if swap.flat_with_logits:  # ERNIE-4.5-VL's blocks (no shared expert, no norm of their own)
