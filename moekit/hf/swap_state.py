@@ -51,6 +51,10 @@ class BlockSwap:
     # False where a call needs no look beyond ``is_bound`` (no copies, nothing detached, a router that never samples):
     # ``track`` sets it, so a compiled forward reads one flag instead of the three
     watch: bool = field(default=True, init=False)
+    # (the router's, the experts' ``_parameters``) where the MoE holds exactly their "weight", "gate_up_proj" and
+    # "down_proj" (the common layout): ``is_bound`` compares those three by names written in its code, so a compiled
+    # forward guards no name (``bound``'s are data, each an equality guard); else None
+    owners: tuple | None = field(default=None, init=False)
     # True: the forward is the MoE's alone (no shared expert, norm, tuple or flat logits to add): one flag, compiled
     plain: bool = field(default=False, init=False)
 
@@ -69,14 +73,25 @@ class BlockSwap:
         router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
         self.bound = tuple((m._parameters, name, *_held_by(self.moe, t)) for owner in (router, block.experts)
                            for m in owner.modules() for name, t in m._parameters.items() if t is not None)
+        experts = block.experts._parameters
+        common = {"weight": (router._parameters, "gate", "weight"), "gate_up_proj": (experts, "", "w13"),
+                  "down_proj": (experts, "", "w2")}
+        held = len(self.bound) == 3 and {name for _, name, _, _, _ in self.bound} == set(common) and all(
+            params is common[name][0] and (sub, key) == common[name][1:] for params, name, sub, key, _ in self.bound)
+        self.owners = (router._parameters, experts) if held else None
         self.watch = bool(self.sources or self.detached) or self.moe.config.sparsemixer_jitter_eps is not None
 
     def is_bound(self) -> bool:
         """Whether the router's and experts' Parameters are still those the MoE computes with (not while
         ``torch.func.functional_call`` substitutes them, nor after ``load_state_dict(assign=True)``). A Parameter the
-        MoE holds is compared with the MoE's own entry, read as the MoE's forward reads it: under torch.compile one
-        source a tensor, so dynamo adds no aliasing guard between the block's and the MoE's names for it."""
+        MoE holds is compared with the MoE's own entry, read as the MoE's forward reads it (compiled: two sources
+        of one tensor, one aliasing guard; a third reference kept here would add another)."""
         moe = self.moe
+        if self.owners is not None:
+            router, experts = self.owners
+            return (router.get("weight") is moe._modules["gate"]._parameters["weight"]
+                    and experts.get("gate_up_proj") is moe._parameters["w13"]
+                    and experts.get("down_proj") is moe._parameters["w2"])
         for params, name, sub, key, tensor in self.bound:
             held = tensor if key is None else (moe._modules[sub] if sub else moe)._parameters[key]
             if params.get(name) is not held:
