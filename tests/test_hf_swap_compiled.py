@@ -14,25 +14,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import moekit.hf as moekit_hf  # noqa: E402
-from moekit.hf.swap import SWAP_ATTR, set_blocks_active  # noqa: E402
+from moekit.hf.swap import set_blocks_active  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
 import _hf_tiny_models as tiny  # noqa: E402
+from _swap_helpers import count_moe_calls, swaps  # noqa: E402
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
-def _swaps(model):
-    return [m.__dict__[SWAP_ATTR] for m in model.modules() if SWAP_ATTR in m.__dict__]
-
-
-def _calls(model) -> list:
-    """A list that grows by one per swapped block's MoE call (its forward wrapped on the instance)."""
-    calls = []
-    for swap in _swaps(model):
-        forward = swap.moe.forward
-        swap.moe.forward = lambda x, *a, _f=forward, **k: calls.append(1) or _f(x, *a, **k)
-    return calls
 
 
 def _swapped_and_twin(name: str = "olmoe"):
@@ -51,7 +41,7 @@ def _logits(model) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["olmoe", "gpt_oss", "glm4_moe"])  # the common layout; views; a correction bias
 def test_weights_changed_in_place_or_replaced_take_effect(name):
     model, twin, compiled = _swapped_and_twin(name)
-    calls = _calls(model)
+    calls = count_moe_calls(model)
     assert rel_l2(_logits(compiled), _logits(twin)) < 1e-5 and calls
     with torch.no_grad():  # an optimizer step's kind of update: the same tensors, new values
         for m in (model, twin):
@@ -81,17 +71,17 @@ def test_functional_call_substitution_is_seen_compiled():
 
 def test_a_changed_config_set_blocks_active_and_restore_take_effect():
     model, twin, compiled = _swapped_and_twin()
-    calls = _calls(model)
+    calls = count_moe_calls(model)
     want = _logits(twin)
     assert rel_l2(_logits(compiled), want) < 1e-5 and calls
-    for swap in _swaps(model):  # a config of the MoE's own: top-1, unnormalised
+    for swap in swaps(model):  # a config of the MoE's own: top-1, unnormalised
         swap.moe.config = swap.moe.config.replace(top_k=1, renormalize=False)
     eager = _logits(model)
     assert rel_l2(eager, want) > 1e-3  # the MoE changed: the compiled model must follow
     assert rel_l2(_logits(compiled), eager) < 1e-5
     calls.clear()
-    assert set_blocks_active(model, False) == len(_swaps(model))
-    for swap in _swaps(model):
+    assert set_blocks_active(model, False) == len(swaps(model))
+    for swap in swaps(model):
         swap.moe.config = swap.moe.config.replace(top_k=model.config.num_experts_per_tok, renormalize=False)
     assert rel_l2(_logits(compiled), want) < 1e-5 and not calls  # the blocks' own forward
     set_blocks_active(model, True)
@@ -122,3 +112,26 @@ def test_a_plain_block_compiles_without_reading_its_swap_flags():
     assert any(r.startswith("plain") for r in read) and any(r.startswith("owners") for r in read)
     for flag in ("shared", "output_norm", "tuple_len", "flat_with_logits", "sources", "detached", "training", "bound"):
         assert not any(r.startswith(flag) for r in read), (flag, sorted(read))
+
+
+def test_traced_forward_is_forward_without_the_eager_caches():
+    """``MoE.traced_forward`` (the compiled block's call) computes ``forward``'s output bit for bit, eager and compiled,
+    and reads none of the caches ``forward`` consults first."""
+    import torch._dynamo.guards as dynamo_guards
+
+    model, _, _ = _swapped_and_twin()
+    moe = swaps(model)[0].moe
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = moe.forward(x)
+        assert torch.equal(moe.traced_forward(x), want)
+        kept = []
+        hook, dynamo_guards.guard_manager_testing_hook_fn = (dynamo_guards.guard_manager_testing_hook_fn,
+                                                             lambda manager, scope, builder: kept.append(str(manager)))
+        try:
+            torch._dynamo.reset()
+            assert torch.equal(torch.compile(moe.traced_forward, backend="eager")(x), want)
+        finally:
+            dynamo_guards.guard_manager_testing_hook_fn = hook
+    text = "\n".join(kept)
+    assert "_decode" not in text and "_route_ws" not in text and "eager_graphs" not in text and "_gate_inputs" in text

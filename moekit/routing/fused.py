@@ -7,11 +7,10 @@ Same contract and semantics as ``moekit.routing.route``, its torch twin: int32 i
 score order, fp32 weights [M, k]; ids equal to route's bit for bit where no two candidates tie, weights
 within fp32 rounding; equal scores: the lower expert id (and group id) wins. ``nonfinite="mask"``
 masks an expert with a non-finite logit (see ``route_kernel``); ``nonfinite="raise"`` is a device-side
-assert on the GPU, no host sync: the kernel's own ``tl.device_assert`` (compiled with ``debug=True``), in eager
-calls and under ``torch.compile`` alike (one launch; ``FusedRouter(assert_in_kernel=False)`` gives the other
-way: a one-element flag the kernel clears, filled before and checked by ``torch._assert_async`` after, three
-launches in a compiled graph); on the CPU (interpreted) the flag, and a ``ValueError`` naming the bad rows
-(``torch._assert_async``'s error while compiling).
+assert on the GPU, no host sync: the kernel's own ``tl.device_assert`` (``debug=True``), eager and under
+``torch.compile`` (one launch; ``FusedRouter(assert_in_kernel=False)``: a one-element flag the kernel clears, filled
+before and checked by ``torch._assert_async`` after, three launches compiled); on the CPU (interpreted) the flag,
+and a ``ValueError`` naming the bad rows (``torch._assert_async``'s error while compiling).
 
 Why: eagerly, route is ~15 small torch ops, each a few µs of host time (Qwen3 M=1 measured 1237 µs for
 the whole MoE layer against an 18 µs floor). Here the host path is the argument checks, two or three
@@ -150,10 +149,10 @@ def _scalars_and_constexprs(plan: _Plan, logits, bias, gate_logits, assert_in_ke
     return (programs,), scalars, constexprs
 
 
-def _flagged(plan: _Plan, device: torch.device, assert_in_kernel: bool) -> bool:
+def _flagged(check_finite: bool, device: torch.device, assert_in_kernel: bool) -> bool:
     """Whether nonfinite="raise" goes through the flag: the kernel asserts itself only where asked and compiled
     (the interpreter has no device assert)."""
-    return plan.check_finite and not (assert_in_kernel and _launch_options(device)["PRECISE"])
+    return check_finite and not (assert_in_kernel and _launch_options(device)["PRECISE"])
 
 
 def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None,
@@ -165,7 +164,7 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
     device = logits.device
     ids = torch.empty(num_tokens, plan.num_slots, dtype=torch.int32, device=device)  # [M, k+S]
     weights = torch.empty(num_tokens, plan.num_slots, dtype=torch.float32, device=device)  # [M, k+S]
-    flag = _flagged(plan, device, assert_in_kernel)
+    flag = _flagged(plan.check_finite, device, assert_in_kernel)
     ok = torch.ones(1, dtype=torch.int32, device=device) if flag else ids.new_empty(0)  # [1] or [0]
     if num_tokens == 0:
         return ids, weights, ok
@@ -188,7 +187,7 @@ class _BoundRoute:
     def __init__(self, plan: _Plan, logits: torch.Tensor, bias, gate_logits, assert_in_kernel: bool) -> None:
         self.shape, self.device = (logits.shape[0], plan.num_slots), logits.device  # [M, k+S]
         self.launch = None
-        flag = _flagged(plan, logits.device, assert_in_kernel)  # the interpreter: the flag
+        flag = _flagged(plan.check_finite, logits.device, assert_in_kernel)  # the interpreter: the flag
         if logits.shape[0]:
             grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits, not flag)
             self.launch = BoundLaunch(kernels("route_kernel").route_kernel, grid, 6, scalars, True, **constexprs)
@@ -271,10 +270,9 @@ def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, 
                 num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight,
                 assert_in_kernel=False):
     num_tokens, slots = logits.shape[0], top_k + num_shared
-    flag = check_finite and not (assert_in_kernel and _launch_options(logits.device)["PRECISE"])  # as _flagged
     return (logits.new_empty(num_tokens, slots, dtype=torch.int32),
             logits.new_empty(num_tokens, slots, dtype=torch.float32),
-            logits.new_empty(1 if flag else 0, dtype=torch.int32))
+            logits.new_empty(1 if _flagged(check_finite, logits.device, assert_in_kernel) else 0, dtype=torch.int32))
 
 
 define_inference_op("route_fused", _route_kernel, _route_fake)

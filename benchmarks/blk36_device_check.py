@@ -1,0 +1,270 @@
+"""blk36: ``use_moekit_blocks`` under torch.compile with fewer dynamo guards a layer and the fused router's
+nonfinite="raise" in its kernel (no flag fill, no ``_assert_async``), against main's (``blk36_before``), on the GPU.
+
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/blk36_device_check.py --out $OUT/blk36 --deadline 70   # H100/H200
+    PYTHONPATH=$PWD python3 benchmarks/blk36_device_check.py --smoke     # CPU: tiny shapes, Triton interpreted
+    PYTHONPATH=$PWD flock /work/wt/cpubench.lock python3 benchmarks/blk36_device_check.py --cpu --deadline 900
+        # the CPU measurement: 8 tiny layers, fp32, inductor "default" (the CPU's router and experts), 7 rounds
+
+The model: transformers' Qwen3-MoE as ``moekit bench --hf`` builds it (8 layers at Qwen3-30B-A3B widths, random
+weights, bf16), every block swapped (``use_moekit_blocks``), each block also given main's forward, swap checks and
+fused router over the same Parameters (``blk36_before.prepare``); ``install`` switches them, dynamo keeps a compiled
+entry for each. generate compiled as transformers does by default (static cache, "reduce-overhead": CUDA graphs).
+Phases (each skipped past the deadline; <out>/blk36.json rewritten after each):
+  correct   the compiled route op asked to assert in its kernel returns an empty flag (nothing filled); after /
+            before compiled step logits bit-equal (PASS within 1e-3 rel-L2), after against the eager unswapped model
+            with the "moekit" experts (PASS < 2e-2); in a child process a NaN logit through the compiled router
+            ends in a device-side assert (nonfinite="raise" still raises; the child's CUDA context is lost).
+  guards    dynamo's guard evaluation of each compiled step (µs, ``manager.check`` on the step's own locals, a hot
+            loop: what "TorchDynamo Cache Lookup" pays per step) and its leaf guard count, after / before.
+  compiled  ms a decode step (median of a 33-token generate's steps), after / before interleaved, 5 rounds.
+The table is printed last: medians, after / before per round, rounds >= 3% faster / slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+SMOKE = "--smoke" in sys.argv
+CPU = "--cpu" in sys.argv  # the CPU's own path timed: tiny widths, 8 layers, no Triton
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import blk36_before as before  # noqa: E402
+from bench_rounds import faster_rounds  # noqa: E402
+from bench_run import RunLog, rel_l2, run_generate, run_info, write_json  # noqa: E402
+from opg35_client import StepClock  # noqa: E402
+
+ROUNDS, TOKENS = (2, 4) if SMOKE else (7, 17) if CPU else (5, 33)
+VARIANTS = ("after", "before")
+RUN = RunLog("blk36: use_moekit_blocks compiled, after / before (guard µs a step, ms a decode step; medians)",
+             stall_s=60)
+RESULT: dict = {"run": {}, "failed": RUN.failed}
+KEPT: dict = {v: [] for v in VARIANTS}  # variant -> [guard manager] of its compiled frames
+CALLS: dict = {v: [] for v in VARIANTS}  # variant -> [(args, kwargs)] of its compiled calls
+CURRENT = ["after"]
+
+
+def _hook_guards() -> None:
+    import torch._dynamo.guards as dynamo_guards
+
+    dynamo_guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: KEPT[CURRENT[0]].append(
+        (manager, scope))
+
+
+def _record_calls(model) -> None:
+    """Keep each compiled call's arguments (the frame's locals for the guard timing: the compile-time ones are
+    mutated by generate afterwards)."""
+    get = type(model).get_compiled_call
+
+    def get_compiled_call(self, config):
+        fn = get(self, config)
+
+        def call(*args, **kwargs):
+            CALLS[CURRENT[0]][:] = [(args, dict(kwargs))]
+            return fn(*args, **kwargs)
+        return call
+    type(model).get_compiled_call = get_compiled_call
+
+
+def _compile_config(dev):
+    from transformers import CompileConfig
+
+    # "reduce-overhead" on the GPU (CUDA graphs); inductor without them on the CPU
+    config = CompileConfig(backend="eager") if SMOKE else CompileConfig(mode="default") if CPU else CompileConfig()
+    if dev.type != "cuda":
+        config._compile_all_devices = True
+    return config
+
+
+def build(dev):
+    from moekit.bench.hf_models import build_model, hf_config
+    from moekit.hf import use_moekit_blocks
+
+    config = hf_config("qwen3", 1 if SMOKE else 8, tiny=SMOKE or CPU)
+    model = build_model(config, torch.float32 if SMOKE or CPU else torch.bfloat16, dev)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (1, 16), generator=g).to(dev)
+    twin_logits = _steps(model, prompt, None, "moekit")  # the eager unswapped model, moekit's experts
+    model.set_experts_implementation("moekit")
+    report = use_moekit_blocks(model)
+    # the smoke runs the GPU's path interpreted: the fused router and the triton backend ("auto" on CUDA)
+    count = before.prepare(model, router="fused" if SMOKE else "auto", backend="triton" if SMOKE else None)
+    RUN.log(f"model: {len(report.swapped)} blocks swapped, {count} given main's forward; {dev}")
+    return model, prompt, twin_logits
+
+
+def _steps(model, prompt, config, impl=None) -> torch.Tensor:
+    """[T, V] float logits of each step of a TOKENS-token greedy generate."""
+    if impl is not None:
+        model.set_experts_implementation(impl)
+    out = run_generate(model, prompt, TOKENS, config, logits=True)
+    return torch.stack([s[0].float() for s in out.logits])
+
+
+def _generate(model, variant: str, prompt, config, clock=None):
+    CURRENT[0] = variant
+    before.install(model, variant)
+    return run_generate(model, prompt, TOKENS, config, clock)
+
+
+def correct_phase(model, prompt, config, twin_logits, dev) -> None:
+    from moekit import MoEConfig
+
+    res = RESULT["correct"] = {}
+    if not CPU:  # the CPU's own path has no fused router
+        cfg = MoEConfig.from_hf_config(model.config)
+        logits = torch.randn(1, cfg.num_experts, device=dev)
+        ok = torch.ops.moekit.route_fused(logits, None, None, cfg.top_k, 1, 1, False, cfg.renormalize, 1.0, True, 0,
+                                          128, 0.0, False, "max", False, 1.0, True)[2]
+        flag = res["assert_in_kernel_flag_shape"] = tuple(ok.shape)
+        RUN.check("compiled route op asserting in its kernel returns no flag", flag == ((1,) if SMOKE else (0,)),
+                  f"flag {flag} (the interpreter keeps the flag)")
+    steps = {}
+    for variant in VARIANTS:
+        CURRENT[0] = variant
+        before.install(model, variant)
+        steps[variant] = _steps(model, prompt, config)
+    err = rel_l2(steps["after"], steps["before"])
+    res.update(after_vs_before=err, bit_equal=bool(torch.equal(steps["after"], steps["before"])),
+               after_vs_eager=rel_l2(steps["after"], twin_logits))
+    RUN.check("after vs before compiled step logits", err < 1e-3, f"rel-L2 {err:.2e}, bit-equal {res['bit_equal']}")
+    RUN.check("after compiled vs the eager unswapped model", res["after_vs_eager"] < 2e-2,
+              f"rel-L2 {res['after_vs_eager']:.2e}")
+    if dev.type == "cuda":
+        res["nonfinite_child"] = _nonfinite_child()
+
+
+_CHILD = """
+import torch
+from moekit import MoEConfig
+from moekit.routing.fused import FusedRouter
+router = FusedRouter(MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=128, top_k=8))
+step = torch.compile(lambda x: router(x).topk_ids, fullgraph=True, mode="reduce-overhead")
+good = torch.randn(1, 128, device="cuda")
+for _ in range(3):
+    step(good)
+torch.cuda.synchronize()
+print("finite ok", flush=True)
+bad = good.clone()
+bad[0, 5] = float("nan")
+step(bad)
+torch.cuda.synchronize()
+print("NOT RAISED", flush=True)
+"""
+
+
+def _nonfinite_child() -> dict:
+    """A NaN logit through the compiled (CUDA-graph) router in a child: a device-side assert ends it."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=40)
+        text = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as err:
+        text = f"timeout: {err}"
+        done = None
+    raised = (done is not None and done.returncode != 0 and "finite ok" in text and "NOT RAISED" not in text
+              and ("device-side assert" in text or "assert" in text.lower()))
+    RUN.check("compiled router: a NaN logit still raises (device-side assert)", raised,
+              text.strip().splitlines()[-1][:200] if text.strip() else "no output")
+    return {"raised": raised, "tail": text[-600:]}
+
+
+def guards_phase(model) -> None:
+    res = RESULT["guards"] = {}
+    torch.set_grad_enabled(False)  # generate's mode: the guards check it
+    for variant in VARIANTS:
+        if not CALLS[variant] or not KEPT[variant]:
+            continue
+        args, kwargs = CALLS[variant][0]
+        before.install(model, variant)  # the other variant's classes fail this one's guards at once
+        rows = []
+        for manager, scope in KEPT[variant]:
+            scope = dict(scope, args=args, kwargs=kwargs)
+            text = str(manager).splitlines()
+            leaf = sum("+-" in line and "GuardManager:" not in line for line in text)
+            passes = bool(manager.check(scope))
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(200):
+                    manager.check(scope)
+                times.append((time.perf_counter() - start) / 200 * 1e6)
+            rows.append(dict(passes=passes, leaf_guards=leaf, us=times))
+        res[variant] = rows
+        RUN.log(f"guards {variant}: " + "; ".join(
+            f"{r['leaf_guards']} leaf, {statistics.median(r['us']):.1f} µs, passes {r['passes']}" for r in rows))
+    torch.set_grad_enabled(True)
+    passing = {v: [r for r in res.get(v, []) if r["passes"]] for v in VARIANTS}
+    if all(passing.values()):
+        after = min(passing["after"], key=lambda r: statistics.median(r["us"]))
+        prior = min(passing["before"], key=lambda r: statistics.median(r["us"]))
+        ratios = [a / b for a, b in zip(after["us"], prior["us"])]
+        RUN.summary.append(f"guards a step  after {statistics.median(after['us']):7.1f} µs ({after['leaf_guards']} "
+                           f"leaf)  before {statistics.median(prior['us']):7.1f} µs ({prior['leaf_guards']} leaf)  "
+                           f"after/before {' '.join(f'{r:.3f}' for r in ratios)}")
+
+
+def compiled_phase(model, prompt, config) -> None:
+    per = {v: [] for v in VARIANTS}
+    for r in range(ROUNDS):
+        if r and RUN.elapsed() > ARGS.deadline:
+            RUN.log(f"compiled: deadline, {r} rounds")
+            break
+        for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            clock = StepClock()
+            _generate(model, variant, prompt, config, clock)
+            per[variant].append(clock.median_ms())
+        RUN.log(f"compiled round {r}: " + ", ".join(f"{v} {t[-1]:.3f} ms" for v, t in per.items()))
+    RESULT["compiled"] = per
+    ratios = [a / b for a, b in zip(per["after"], per["before"])]
+    faster, slower = faster_rounds(per["after"], per["before"]), faster_rounds(per["before"], per["after"])
+    RUN.summary.append(f"decode step    after {statistics.median(per['after']):7.3f} ms  before "
+                       f"{statistics.median(per['before']):7.3f} ms  after/before "
+                       f"{' '.join(f'{x:.3f}' for x in ratios)}  >= 3% faster {faster}/{len(ratios)}, slower {slower}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="blk36_out")
+    parser.add_argument("--deadline", type=float, default=70.0, help="s from the start: no phase or round starts later")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--cpu", action="store_true")
+    parser.parse_args(namespace=ARGS)
+    threading.Thread(target=RUN.watchdog, daemon=True).start()
+    dev = torch.device("cpu" if SMOKE or CPU else "cuda")
+    RESULT["run"] = run_info()
+    path = os.path.join(ARGS.out, "blk36.json")
+    _hook_guards()
+    model, prompt, twin_logits = build(dev)
+    _record_calls(model)
+    config = _compile_config(dev)
+    phases = (("correct", lambda: correct_phase(model, prompt, config, twin_logits, dev)),
+              ("guards", lambda: guards_phase(model)), ("compiled", lambda: compiled_phase(model, prompt, config)))
+    for name, phase in phases:
+        if RUN.elapsed() > ARGS.deadline:
+            RUN.log(f"SKIP {name}: deadline")
+            RUN.summary.append(f"{name}: not reached")
+            continue
+        try:
+            phase()
+        except Exception as exc:  # noqa: BLE001 (a phase's failure is reported, the others still run)
+            RUN.log(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-800:]}")
+            RUN.failed.append(name)
+        write_json(path, RESULT)
+    RUN.print_table()
+
+
+ARGS = argparse.Namespace()
+
+if __name__ == "__main__":
+    main()
