@@ -26,6 +26,7 @@ from moekit.routing.fused import FusedRouter, Routing, _assert_finite, _launch_e
 BEFORE_KEY = "_blk36_before"  # on a swapped block: (its before class, its before swap)
 AFTER_KEY = "_blk36_after"  # on a swapped block: (the shipped class, the shipped swap)
 _ROUTERS: dict = {}  # config -> its MainFusedRouter, one for every layer as main's ``_router_of`` keeps one
+_CLASSES: dict = {}  # the shipped swapped class -> its before class (main's forward)
 
 
 class MainFusedRouter(FusedRouter):
@@ -110,8 +111,10 @@ def _before_of(block: nn.Module, swap: BlockSwap, router: str, backend: str | No
                            shared_weight=swap.shared_weight, output_norm=swap.output_norm,
                            flat_with_logits=swap.flat_with_logits)
     before.track(block)
-    cls = type(f"{swap.block_cls.__name__}OnMain", (type(block),), {"forward": main_forward})
-    return cls, before
+    shipped = type(block)
+    if shipped not in _CLASSES:  # one class for every block of a kind, as main's ``_swapped_class``
+        _CLASSES[shipped] = type(f"{swap.block_cls.__name__}OnMain", (shipped,), {"forward": main_forward})
+    return _CLASSES[shipped], before
 
 
 def prepare(model: nn.Module, router: str = "auto", backend: str | None = None) -> int:
