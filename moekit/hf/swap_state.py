@@ -48,8 +48,8 @@ class BlockSwap:
     # True: the block returns (output, router logits), each flattened to 1-D, for a caller that scatters them by token
     # type (ERNIE-4.5-VL's text and vision blocks); tuple_len is then 2
     flat_with_logits: bool = False
-    # False where a call needs no look beyond ``is_bound`` (no copies, nothing detached, a router that never samples):
-    # ``track`` sets it, so a compiled forward reads one flag instead of the three
+    # False where neither copies nor detached Parameters need a look each call: ``track`` sets it, so a compiled
+    # forward reads one flag instead of the two tuples
     watch: bool = field(default=True, init=False)
     # (the router's, the experts' ``_parameters``) where the MoE holds exactly their "weight", "gate_up_proj" and
     # "down_proj" (the common layout): ``is_bound`` compares those three by names written in its code, so a compiled
@@ -79,7 +79,7 @@ class BlockSwap:
         held = len(self.bound) == 3 and {name for _, name, _, _, _ in self.bound} == set(common) and all(
             params is common[name][0] and (sub, key) == common[name][1:] for params, name, sub, key, _ in self.bound)
         self.owners = (router._parameters, experts) if held else None
-        self.watch = bool(self.sources or self.detached) or self.moe.config.sparsemixer_jitter_eps is not None
+        self.watch = bool(self.sources or self.detached)
 
     def is_bound(self) -> bool:
         """Whether the router's and experts' Parameters are still those the MoE computes with (not while
@@ -106,10 +106,10 @@ class BlockSwap:
         first, in eager calls."""
         if not self.is_bound():
             return True  # substituted Parameters
+        if self.moe.config.sparsemixer_jitter_eps is not None and block.training:
+            return True  # Phi-MoE's router sampling in training (the config first: compiled, no guard on training)
         if not self.watch:
             return False
-        if block.training and self.moe.config.sparsemixer_jitter_eps is not None:
-            return True  # Phi-MoE's router sampling in training
         if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
             return True
         if self.sources and not torch.compiler.is_compiling():
