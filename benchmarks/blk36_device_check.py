@@ -18,6 +18,8 @@ each):
   compiled  ms a decode step (median of a 33-token generate's steps), after / before interleaved, 5 rounds.
   guards    dynamo's guard evaluation of each compiled step (µs, ``manager.check`` on the step's last locals, 1000 in
             a row, the variants interleaved: what "TorchDynamo Cache Lookup" pays a step) and its leaf guard count.
+  kernels   (CUDA) one compiled generate per variant under ``torch.profiler``: kernels a decode step, the
+            ``_assert_async`` and int-fill ones among them (PASS: none after, some before).
 Beside them, from the start, a child process sends a NaN logit through the compiled ("reduce-overhead") router and
 must end in a device-side assert (nonfinite="raise" still raises; that child's CUDA context is lost, not this one's).
 The table is printed last: medians, after / before per round, rounds >= 3% faster / slower.
@@ -240,18 +242,44 @@ def compiled_phase(model, prompt, config) -> None:
                        f"{' '.join(f'{x:.3f}' for x in ratios)}  >= 3% faster {faster}/{len(ratios)}, slower {slower}")
 
 
+def kernels_phase(model, prompt, config) -> None:
+    """Each variant's kernels over one compiled generate under ``torch.profiler`` (CUDA graph nodes included: the
+    profiler ran once before any graph was made), per decode step: all, ``_assert_async``'s, the int fills."""
+    res = RESULT["kernels"] = {}
+    for variant in VARIANTS:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _generate(model, variant, prompt, config)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        steps = TOKENS - 1
+        res[variant] = dict(all=len(names) / steps, assert_async=sum("assert_async" in n for n in names) / steps,
+                            fill=sum("FillFunctor" in n for n in names) / steps)
+        RUN.log(f"kernels {variant}: " + ", ".join(f"{k} {v:.1f}" for k, v in res[variant].items()) + " a step")
+    after, prior = res["after"], res["before"]
+    RUN.check("compiled step: no _assert_async kernel after (before has them)",
+              after["assert_async"] == 0 < prior["assert_async"],
+              f"a step after {after['assert_async']:.1f}, before {prior['assert_async']:.1f}")
+    RUN.summary.append(f"kernels a step after {after['all']:.1f} (assert {after['assert_async']:.1f}, fill "
+                       f"{after['fill']:.1f})  before {prior['all']:.1f} (assert {prior['assert_async']:.1f}, fill "
+                       f"{prior['fill']:.1f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="blk36_out")
     parser.add_argument("--deadline", type=float, default=70.0, help="s from the start: no phase or round starts later")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--phases", default="correct,compiled,guards", help="comma-separated, in this order")
+    parser.add_argument("--phases", default="correct,compiled,guards,kernels" if not (SMOKE or CPU) else
+                        "correct,compiled,guards", help="comma-separated, in this order (kernels: CUDA only)")
     parser.parse_args(namespace=ARGS)
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     dev = torch.device("cpu" if SMOKE or CPU else "cuda")
     if CPU:
         torch.set_num_threads(1)  # no OpenMP thread spinning against the other processes on this 2-core VM
+    if dev.type == "cuda":  # the profiler started once before any CUDA graph is made, or it misses them (#100441)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            pass
     child = None if dev.type != "cuda" else subprocess.Popen(  # the NaN check beside the phases: a context of its own
         [sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     RESULT["run"] = run_info()
@@ -261,7 +289,8 @@ def main() -> None:
     _record_calls(model)
     config = _compile_config(dev)
     phases = {"correct": lambda: correct_phase(model, prompt, config, twin_logits, dev),
-              "guards": lambda: guards_phase(model), "compiled": lambda: compiled_phase(model, prompt, config)}
+              "guards": lambda: guards_phase(model), "compiled": lambda: compiled_phase(model, prompt, config),
+              "kernels": lambda: kernels_phase(model, prompt, config)}
     for name in ARGS.phases.split(","):
         phase = phases[name]
         if RUN.elapsed() > ARGS.deadline:
