@@ -1,6 +1,7 @@
-"""``blk36_device_check``'s "before": main's (024707d) swapped-block forward, ``BlockSwap`` checks and
-``FusedRouter.__call__``, copied statement for statement, installed beside the shipped ones so one process
-interleaves the two (the same Python traced, so the same dynamo guards as main's compiled step).
+"""``blk36_device_check``'s "before": main's swapped-block forward, ``BlockSwap`` checks (024707d's, unchanged at
+7714f76) and ``FusedRouter.__call__`` (7714f76's: fgrad36's transform guard), copied statement for statement,
+installed beside the shipped ones so one process interleaves the two (the same Python traced, so the same dynamo
+guards as main's compiled step).
 
     main_forward     ``moekit.hf.swap._MoekitBlock.forward`` as main has it (every flag read each call)
     MainBlockSwap    main's ``track`` / ``is_bound`` / ``own_forward_needed`` (the (module, name, tensor) walk)
@@ -19,6 +20,7 @@ import itertools
 import torch
 from torch import nn
 
+from moekit.func_ops import transforming
 from moekit.hf.swap import SWAP_ATTR
 from moekit.hf.swap_state import BlockSwap, build_moe, copied_bytes, flat_output_and_logits, router_recorded
 from moekit.routing.fused import FusedRouter, Routing, _assert_finite, _launch_eager
@@ -33,7 +35,7 @@ class MainFusedRouter(FusedRouter):
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
                  shared_gate_logits: torch.Tensor | None = None, append_shared: bool = False, out=None) -> Routing:
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for t in (logits, correction_bias, shared_gate_logits)):
+                                           for t in (logits, correction_bias, shared_gate_logits)) or transforming():
             return self._twin(logits, correction_bias, shared_gate_logits, append_shared)
         plan = self._plans[1 if append_shared else 0]
         if plan is None:
