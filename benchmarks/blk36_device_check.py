@@ -4,14 +4,15 @@ nonfinite="raise" in its kernel (no flag fill, no ``_assert_async``), against ma
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/blk36_device_check.py --out $OUT/blk36 --deadline 70   # H100/H200
     PYTHONPATH=$PWD python3 benchmarks/blk36_device_check.py --smoke     # CPU: tiny shapes, Triton interpreted
     PYTHONPATH=$PWD flock /work/wt/cpubench.lock python3 benchmarks/blk36_device_check.py --cpu --deadline 900
-        # the CPU measurement: 8 tiny layers, fp32, inductor "default" (the CPU's router and experts), 7 rounds
+        # the CPU measurement: 8 tiny layers, fp32, inductor "default" (the CPU's router and experts), 7 rounds;
+        # its JSON named for this CPU as benchmarks/results/ files it (``_json_name``)
 
 The model: transformers' Qwen3-MoE as ``moekit bench --hf`` builds it (8 layers at Qwen3-30B-A3B widths, random
 weights, bf16), every block swapped (``use_moekit_blocks``), each block also given main's forward, swap checks and
 fused router over the same Parameters (``blk36_before.prepare``); ``install`` switches them, dynamo keeps a compiled
 entry for each. generate compiled as transformers does by default (static cache, "reduce-overhead": CUDA graphs).
-Phases (``--phases``, in this order by default; each skipped past the deadline; <out>/blk36.json rewritten after
-each):
+Phases (``--phases``, in this order by default; each skipped past the deadline; <out>/blk36.json (``_json_name``)
+rewritten after each):
   correct   the compiled route op asked to assert in its kernel returns an empty flag (nothing filled); after /
             before compiled step logits bit-equal (PASS within 1e-3 rel-L2), after against the eager unswapped model
             with the "moekit" experts (PASS < 2e-2).
@@ -28,6 +29,7 @@ The table is printed last: medians, after / before per round, rounds >= 3% faste
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
 import subprocess
@@ -47,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import blk36_before as before  # noqa: E402
 from bench_rounds import faster_rounds  # noqa: E402
 from bench_run import RunLog, rel_l2, run_generate, run_info, write_json  # noqa: E402
+from moekit.bench.cpu_measure import cpu_name  # noqa: E402
 from opg35_client import StepClock  # noqa: E402
 
 ROUNDS, TOKENS = (2, 4) if SMOKE else (7, 17) if CPU else (5, 33)
@@ -264,6 +267,15 @@ def kernels_phase(model, prompt, config) -> None:
                        f"{prior['fill']:.1f})")
 
 
+def _json_name() -> str:
+    """The JSON's file name under --out: blk36.json on the GPU; with --cpu the name benchmarks/results/ files it
+    under, from this machine's CPU model (/proc/cpuinfo, as ``moekit bench --cpu`` names its files):
+    ``<model name>-cpu-blk36-<date>.json``, e.g. AMD_EPYC-cpu-blk36-2026-12-05.json."""
+    if not CPU:
+        return "blk36.json"
+    return f"{cpu_name().replace(' ', '_').replace('/', '_')}-cpu-blk36-{datetime.date.today().isoformat()}.json"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="blk36_out")
@@ -282,8 +294,9 @@ def main() -> None:
             pass
     child = None if dev.type != "cuda" else subprocess.Popen(  # the NaN check beside the phases: a context of its own
         [sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    RESULT["run"] = run_info()
-    path = os.path.join(ARGS.out, "blk36.json")
+    RESULT["run"] = run_info() | ({"cpu": cpu_name()} if CPU else {})
+    path = os.path.join(ARGS.out, _json_name())
+    RUN.log(f"json: {path}")
     _hook_guards()
     model, prompt, twin_logits = build(dev)
     _record_calls(model)
