@@ -80,6 +80,18 @@ def test_non_fp8_experts_are_refused():
     assert quantized_experts_weights(float_block) is None
 
 
+def triton_fp8_block(monkeypatch, tokens: int, seed: int):
+    """(the fp8 MoE block with its experts through "moekit" on the triton backend, x [1, tokens, 256])."""
+    import moekit.experts
+    import moekit.hf as moekit_hf
+
+    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
+    monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
+    block, _ = _fp8_qwen3_moe()
+    block.experts.config._experts_implementation = "moekit"
+    return block, torch.randn(1, tokens, 256, generator=torch.Generator().manual_seed(seed))
+
+
 def test_moekit_runs_transformers_fp8_experts_as_they_are():
     """set_experts_implementation("moekit") on FineGrainedFP8Config's FP8Experts: moekit's fp8 recipe on
     the module's own e4m3 tensors (not dequantized, not requantized), and moe_from_hf keeps them fp8."""
@@ -111,14 +123,7 @@ def test_moekit_fp8_experts_compile_fullgraph(monkeypatch):
     tensors anew instead of comparing their data pointers with the cached wrap's (which broke the graph in
     every layer)."""
     pytest.importorskip("triton")
-    import moekit.experts
-    import moekit.hf as moekit_hf
-
-    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
-    monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
-    block, _ = _fp8_qwen3_moe()
-    block.experts.config._experts_implementation = "moekit"
-    x = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(4))
+    block, x = triton_fp8_block(monkeypatch, tokens=5, seed=4)
     with torch.no_grad():
         eager = block(x)
         compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x)

@@ -19,9 +19,9 @@ else as pointers read through their strides (``triton_fp8_plan.TMA_MAX_BLOCK_M``
 ``LaunchOptions.weight_descriptors=False`` forces the pointers.
 ``torch.ops.moekit.triton_experts_fp8`` is an op with a fake and no autograd layer (``op_library``; its twin
 ``triton_experts_fp8_autograd``, a custom op without a backward, takes calls whose inputs need a gradient): no host
-sync, every size from shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Eager
-calls take their buffers from a reused pool (``triton_cache.WorkspacePool``), a call under capture fresh ones from
-the graph's pool.
+sync, every size from shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Direct
+eager calls take their buffers from a reused pool (``triton_cache.WorkspacePool``); a call through the op takes fresh
+ones (from the graph's pool under CUDA graphs: nothing it allocates outlives it but its output).
 
 Torch twin: ``fused_experts_fp8_torch`` (the same quantization steps, float32 GEMMs on dequantized
 operands: equal to the block-scaled sum up to float32 rounding, except that now and then a value within
@@ -269,6 +269,10 @@ def _fp8_kernel(
 ) -> torch.Tensor:
     """The ops' body: x [M, K], the fp8 weights and scales, topk_ids / topk_weights [M, k], expert_map [E_global]
     or None, the block shape (block_n, block_k), three ``LaunchOptions`` fields -> out [M, K] (x.dtype)."""
+    # The op never reuses workspaces (``triton_op``'s rule): compiled callers run it inside CUDA-graph trees, whose
+    # warm-up runs allocate from the graph's private pool, and the pool's buffer and kept counters made there outlive
+    # the call (H200: generate with "reduce-overhead" on fp8 experts failed, "Detected 2 tensor(s) in the cudagraph
+    # pool not tracked as outputs"). Eager calls reach the pool through the direct path, not the op.
     options = _fp8_options(weight_descriptors, dependent_launch, poison_workspace)
     return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
                                     (block_n, block_k), options=options)
@@ -276,10 +280,10 @@ def _fp8_kernel(
 
 @functools.lru_cache(maxsize=8)
 def _fp8_options(weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool) -> LaunchOptions:
-    """The op's option fields as ``LaunchOptions``, built and validated once per set of values (as
-    ``triton_op._options_of``: a compiled graph passes the same constants on every call)."""
+    """The op's option fields as ``LaunchOptions`` (``reuse_workspace`` off), built and validated once per set of
+    values (as ``triton_op._options_of``: a compiled graph passes the same constants on every call)."""
     return LaunchOptions(weight_descriptors=weight_descriptors, dependent_launch=dependent_launch,
-                         poison_workspace=poison_workspace)
+                         poison_workspace=poison_workspace, reuse_workspace=False)
 
 
 def _fp8_fake(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_n, block_k,
