@@ -126,6 +126,14 @@ def _generate(model, variant: str, prompt, config, clock=None):
     return run_generate(model, prompt, TOKENS, config, clock)
 
 
+def _same_input_steps(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b [T, V] step logits -> the leading steps both read the same tokens for: up to and including the first
+    step whose greedy tokens differ."""
+    differ = (a.argmax(-1) != b.argmax(-1)).nonzero()
+    n = int(differ[0]) + 1 if differ.numel() else a.shape[0]
+    return a[:n], b[:n]
+
+
 def correct_phase(model, prompt, config, twin_logits, dev) -> None:
     from moekit import MoEConfig
 
@@ -145,10 +153,15 @@ def correct_phase(model, prompt, config, twin_logits, dev) -> None:
         steps[variant] = _steps(model, prompt, config)
     err = rel_l2(steps["after"], steps["before"])
     res.update(after_vs_before=err, bit_equal=bool(torch.equal(steps["after"], steps["before"])),
-               after_vs_eager=rel_l2(steps["after"], twin_logits))
+               after_vs_eager=rel_l2(*_same_input_steps(steps["after"], twin_logits)),
+               after_vs_eager_all_steps=rel_l2(steps["after"], twin_logits),
+               steps_same_input=len(_same_input_steps(steps["after"], twin_logits)[0]))
     RUN.check("after vs before compiled step logits", err < 1e-3, f"rel-L2 {err:.2e}, bit-equal {res['bit_equal']}")
-    RUN.check("after compiled vs the eager unswapped model", res["after_vs_eager"] < 2e-2,
-              f"rel-L2 {res['after_vs_eager']:.2e}")
+    # Greedy decode in bf16 may pick another token at some step (session 37, H100: all 33 steps 1.19e-1 with main's
+    # "before" bit-equal to "after"), and every step after it reads other tokens: those are not compared.
+    RUN.check("after compiled vs the eager unswapped model, steps of the same tokens", res["after_vs_eager"] < 2e-2,
+              f"rel-L2 {res['after_vs_eager']:.2e} over {res['steps_same_input']} of {TOKENS} steps "
+              f"(all steps {res['after_vs_eager_all_steps']:.2e})")
 
 
 _CHILD = """
