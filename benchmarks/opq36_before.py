@@ -43,11 +43,12 @@ def _wo(x, q13, s13, z13, g13, q2, s2, z2, g2, topk_ids, topk_weights, expert_ma
 
 
 def _route(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
-           num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight):
+           num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight,
+           assert_in_kernel=False):  # blk36's argument: the schema is the op's now (_register)
     math = RouterMath(softcap, bias_on_logits, group_score, fill_zero, shared_weight)
     plan = fused._plan(logits.shape[1], top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
                        num_shared, elements_per_program, math)
-    return fused._launch(plan, logits, bias, gate_logits)
+    return fused._launch(plan, logits, bias, gate_logits, assert_in_kernel)
 
 
 def _align(topk_ids, num_experts, block_size, expert_map, allow_naive, dependent_launch, align_small_max,

@@ -301,6 +301,13 @@ class MoE(nn.Module):
         return MoEOutput(out=out, stats=self._stats(routed), router_logits=routed.router_logits,
                          aux_loss=self._aux_loss(routed, seq_len))
 
+    def traced_forward(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d [M, K] -> [M, K]: ``forward(x2d)`` as torch.compile traces it, without the eager caches ``forward``
+        consults first (the decode fast path, the route workspace, the eager graphs: each stands aside while
+        compiling, yet dynamo guards what it reads), so a compiled caller's guards hold none of them
+        (``use_moekit_blocks``' compiled blocks). Eager callers use ``forward``."""
+        return self._experts_and_shared(x2d, self.route_tokens(x2d))
+
     def _experts_and_shared(self, x2d: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """[Group -> Experts -> Combine] with the moekit.experts backend, then [Shared] when not fused."""
         routing = routed.routing

@@ -14,25 +14,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import moekit.hf as moekit_hf  # noqa: E402
-from moekit.hf.swap import SWAP_ATTR, set_blocks_active  # noqa: E402
+from moekit.hf.swap import set_blocks_active  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
 import _hf_tiny_models as tiny  # noqa: E402
+from _swap_helpers import count_moe_calls, swaps  # noqa: E402
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
-def _swaps(model):
-    return [m.__dict__[SWAP_ATTR] for m in model.modules() if SWAP_ATTR in m.__dict__]
-
-
-def _count_moe_calls(model) -> list:
-    """A list that grows by one per swapped block's MoE call (its forward wrapped on the instance)."""
-    calls = []
-    for swap in _swaps(model):
-        forward = swap.moe.forward
-        swap.moe.forward = lambda x, *a, _f=forward, **k: calls.append(1) or _f(x, *a, **k)
-    return calls
 
 
 @pytest.mark.parametrize("name", list(tiny.MODELS))
@@ -45,7 +35,7 @@ def test_swapped_model_equals_its_twin(name):
         want = model(IDS).logits
     report = moekit_hf.use_moekit_blocks(model)
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
-    calls = _count_moe_calls(model)
+    calls = count_moe_calls(model)
     with torch.no_grad():
         got = model(IDS).logits
     assert len(report.swapped) == len(calls) > 0 and not report.left
@@ -75,7 +65,7 @@ def test_tuple_block_and_transposed_views():
     model, _ = tiny.build("gpt_oss")
     report = moekit_hf.use_moekit_blocks(model)
     experts = model.model.layers[0].mlp.experts
-    moe = _swaps(model)[0].moe
+    moe = swaps(model)[0].moe
     assert report.swapped[0].tuple_len == 2 and report.copied_bytes == 0
     assert moe.w13.data_ptr() == experts.gate_up_proj.data_ptr() and moe.w13.shape == (6, 32, 32)
     with pytest.raises(ValueError, match="transposed must be 'copy' or 'view'"):
@@ -95,7 +85,7 @@ def test_fused_shared_expert_is_a_copy_that_follows_updates():
     re-copied after an in-place update of the block's weights; under autograd the block's own forward."""
     model, _ = tiny.build("qwen3_next")
     report = moekit_hf.use_moekit_blocks(model, fuse_shared=True)
-    moe = _swaps(model)[0].moe
+    moe = swaps(model)[0].moe
     assert moe.fuse_shared and report.swapped[0].copied_bytes == 4 * (moe.w13.numel() + moe.w2.numel())
     twin = copy.deepcopy(model)
     moekit_hf.restore_blocks(twin)
@@ -103,8 +93,8 @@ def test_fused_shared_expert_is_a_copy_that_follows_updates():
         assert rel_l2(model(IDS).logits, twin(IDS).logits) < 1e-5
         for m in (model, twin):
             m.model.layers[0].mlp.shared_expert.down_proj.weight.mul_(3)
-        assert rel_l2(model(IDS).logits, twin(IDS).logits) < 1e-5 and _swaps(model)[0].moe is not moe
-    calls = _count_moe_calls(model)
+        assert rel_l2(model(IDS).logits, twin(IDS).logits) < 1e-5 and swaps(model)[0].moe is not moe
+    calls = count_moe_calls(model)
     model(IDS).logits.sum().backward()
     assert not calls and model.model.layers[0].mlp.shared_expert.down_proj.weight.grad is not None
 
@@ -132,7 +122,7 @@ def test_gradients_reach_the_blocks_parameters(name):
     model, _ = tiny.build(name)
     twin = copy.deepcopy(model)
     moekit_hf.use_moekit_blocks(model)
-    calls = _count_moe_calls(model)
+    calls = count_moe_calls(model)
     for m in (model, twin):
         m.train()
         m(IDS, labels=IDS).loss.backward()
@@ -168,7 +158,7 @@ def test_generate_and_compile():
     with torch.no_grad():
         assert torch.equal(model.generate(IDS[:1], **kwargs), twin.generate(IDS[:1], **kwargs))
         torch._dynamo.reset()
-        calls = _count_moe_calls(model)
+        calls = count_moe_calls(model)
         got = torch.compile(model, backend="eager")(IDS).logits
         assert calls and rel_l2(got, twin(IDS).logits) < 1e-5
 
@@ -177,20 +167,20 @@ def test_moves_pickles_restores_and_is_idempotent():
     model, _ = tiny.build("glm4_moe")
     twin = copy.deepcopy(model)
     first = moekit_hf.use_moekit_blocks(model)
-    moe = _swaps(model)[0].moe
-    assert moekit_hf.use_moekit_blocks(model) == first and _swaps(model)[0].moe is moe  # kept, not rebuilt
+    moe = swaps(model)[0].moe
+    assert moekit_hf.use_moekit_blocks(model) == first and swaps(model)[0].moe is moe  # kept, not rebuilt
     model.to(torch.bfloat16)
     twin.to(torch.bfloat16)
-    assert _swaps(model)[0].moe is not moe and _swaps(model)[0].moe.w13.dtype == torch.bfloat16
+    assert swaps(model)[0].moe is not moe and swaps(model)[0].moe.w13.dtype == torch.bfloat16
     with torch.no_grad():
         want = twin(IDS).logits
         assert rel_l2(model(IDS).logits, want) < 2e-2
         buf = io.BytesIO()
         torch.save(model, buf)
         loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
-        assert len(_swaps(loaded)) == 1 and torch.equal(loaded(IDS).logits, model(IDS).logits)
+        assert len(swaps(loaded)) == 1 and torch.equal(loaded(IDS).logits, model(IDS).logits)
         assert set_blocks_active(model, False) == 1 and torch.equal(model(IDS).logits, want)
-        assert moekit_hf.restore_blocks(model) == 1 and not _swaps(model)
+        assert moekit_hf.restore_blocks(model) == 1 and not swaps(model)
         assert type(model.model.layers[1].mlp) is type(twin.model.layers[1].mlp)
         assert torch.equal(model(IDS).logits, want)
 
@@ -206,7 +196,7 @@ def test_fp8_experts_stay_fp8():
         layer.mlp = moekit_hf.moe_from_hf(layer.mlp)
     report = moekit_hf.use_moekit_blocks(model)
     assert len(report.swapped) == 2 and report.copied_bytes == 0
-    assert all(s.moe.quant_scheme == "fp8_block" for s in _swaps(model))
+    assert all(s.moe.quant_scheme == "fp8_block" for s in swaps(model))
     with torch.no_grad():
         assert rel_l2(model(ids).logits, reference(ids).logits) < 1e-5
 

@@ -26,7 +26,8 @@ from moekit.layouts.block_aligned import align_block  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: discarded NaN lanes
 
-# main's (024707d) schemas, the part after the op's name, string for string
+# main's (024707d) schemas, the part after the op's name, string for string; route_fused's with blk36's trailing
+# ``bool assert_in_kernel=False`` (a defaulted argument: main's 17-argument calls unchanged)
 MAIN_SCHEMAS = {
     "triton_experts_fp8": "(Tensor x, Tensor w13_q, Tensor w13_scale, Tensor w2_q, Tensor w2_scale, Tensor topk_ids, "
                           "Tensor topk_weights, Tensor? expert_map, SymInt block_n, SymInt block_k, "
@@ -37,7 +38,8 @@ MAIN_SCHEMAS = {
     "route_fused": "(Tensor logits, Tensor? bias, Tensor? gate_logits, SymInt top_k, SymInt n_group, "
                    "SymInt topk_group, bool sigmoid, bool renormalize, float scaling, bool check_finite, "
                    "SymInt num_shared, SymInt elements_per_program, float softcap, bool bias_on_logits, "
-                   "str group_score, bool fill_zero, float shared_weight) -> (Tensor, Tensor, Tensor)",
+                   "str group_score, bool fill_zero, float shared_weight, bool assert_in_kernel=False) "
+                   "-> (Tensor, Tensor, Tensor)",
     "align_block_triton": "(Tensor topk_ids, SymInt num_experts, SymInt block_size, Tensor? expert_map, "
                           "bool allow_naive, bool dependent_launch, SymInt align_small_max, "
                           "SymInt align_small_max_bins, SymInt align_one_launch_max=2048, "

@@ -36,6 +36,7 @@ SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribu
 # whose modality block scatters both by token type
 _FLAT_WITH_LOGITS = ("Ernie4_5_VLMoeSparseMoeBlock",)
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+_compiling = torch.compiler.is_compiling
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,10 @@ class _MoekitBlock(nn.Module):
         swap = self.__dict__[SWAP_ATTR]
         if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
             return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
+        if swap.plain:  # the MoE's output alone; compiled, the flags below are not read (fewer guards)
+            x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
+            out = swap.moe.traced_forward(x2d) if _compiling() else swap.moe.forward(x2d)  # [M, K]
+            return out if x2d is hidden_states else out.view_as(hidden_states)
         hidden = swap.moe.config.hidden_size  # K: a flat x (ERNIE-4.5-VL's modality scatter) is [M*K]
         x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden)
         if swap.flat_with_logits:  # ERNIE-4.5-VL's blocks (no shared expert, no norm of their own)

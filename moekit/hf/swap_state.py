@@ -4,7 +4,7 @@ recording router logits, whether a copied weight moved on. ``moekit.hf.swap`` pu
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,13 +39,28 @@ class BlockSwap:
     sources: tuple = ()  # every block tensor, where the MoE holds copies of some (fuse_shared's slots); else ()
     versions: tuple = ()  # the sources' version counters when the copies were made
     detached: tuple = ()  # the block's Parameters, where some MoE Parameter is none of them (a copy, a view)
-    bound: tuple = ()  # (module, name, tensor) of the router's and experts' Parameters the MoE was built on
+    # (params, name, sub, key, tensor) for each of the router's and experts' Parameters: ``params[name]`` must be the
+    # MoE's (or its child ``sub``'s) Parameter ``key`` where the MoE holds it, else (key None) ``tensor``, as built
+    bound: tuple = ()
     active: bool = True  # False: the block's own forward (``set_blocks_active``)
     shared_weight: float = 1.0  # the shared expert's weight in the output: 0.5 where averaged in (Cohere2-MoE)
     output_norm: nn.Module | None = None  # the block's norm of its whole output (A.X-K1), applied last; None: none
     # True: the block returns (output, router logits), each flattened to 1-D, for a caller that scatters them by token
     # type (ERNIE-4.5-VL's text and vision blocks); tuple_len is then 2
     flat_with_logits: bool = False
+    # False where neither copies nor detached Parameters need a look each call: ``track`` sets it, so a compiled
+    # forward reads one flag instead of the two tuples
+    watch: bool = field(default=True, init=False)
+    # (the router's, the experts' ``_parameters``) where the MoE holds exactly their "weight", "gate_up_proj" and
+    # "down_proj" (the common layout): ``is_bound`` compares those three by names written in its code, so a compiled
+    # forward guards no name (``bound``'s are data, each an equality guard); else None
+    owners: tuple | None = field(default=None, init=False)
+    # True: the forward is the MoE's alone (no shared expert, norm, tuple or flat logits to add): one flag, compiled
+    plain: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.plain = (self.shared is None and self.output_norm is None and not self.flat_with_logits
+                      and self.tuple_len == 0)
 
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
@@ -56,13 +71,32 @@ class BlockSwap:
         own = {id(p) for p in block.parameters()}
         self.detached = tuple(block.parameters()) if any(id(p) not in own for p in self.moe.parameters()) else ()
         router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
-        self.bound = tuple((m, name, t) for owner in (router, block.experts) for m in owner.modules()
-                           for name, t in m._parameters.items() if t is not None)
+        self.bound = tuple((m._parameters, name, *_held_by(self.moe, t)) for owner in (router, block.experts)
+                           for m in owner.modules() for name, t in m._parameters.items() if t is not None)
+        experts = block.experts._parameters
+        common = {"weight": (router._parameters, "gate", "weight"), "gate_up_proj": (experts, "", "w13"),
+                  "down_proj": (experts, "", "w2")}
+        held = len(self.bound) == 3 and {name for _, name, _, _, _ in self.bound} == set(common) and all(
+            params is common[name][0] and (sub, key) == common[name][1:] for params, name, sub, key, _ in self.bound)
+        self.owners = (router._parameters, experts) if held else None
+        self.watch = bool(self.sources or self.detached)
 
     def is_bound(self) -> bool:
-        """Whether the router's and experts' Parameters are still those the MoE was built on (not while
-        ``torch.func.functional_call`` substitutes them, nor after ``load_state_dict(assign=True)``)."""
-        return all(m._parameters.get(name) is t for m, name, t in self.bound)
+        """Whether the router's and experts' Parameters are still those the MoE computes with (not while
+        ``torch.func.functional_call`` substitutes them, nor after ``load_state_dict(assign=True)``). A Parameter the
+        MoE holds is compared with the MoE's own entry, read as the MoE's forward reads it (compiled: two sources
+        of one tensor, one aliasing guard; a third reference kept here would add another)."""
+        moe = self.moe
+        if self.owners is not None:
+            router, experts = self.owners
+            return (router.get("weight") is moe._modules["gate"]._parameters["weight"]
+                    and experts.get("gate_up_proj") is moe._parameters["w13"]
+                    and experts.get("down_proj") is moe._parameters["w2"])
+        for params, name, sub, key, tensor in self.bound:
+            held = tensor if key is None else (moe._modules[sub] if sub else moe)._parameters[key]
+            if params.get(name) is not held:
+                return False
+        return True
 
     def own_forward_needed(self, block: nn.Module) -> bool:
         """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
@@ -70,8 +104,12 @@ class BlockSwap:
         autograd recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
         Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
         first, in eager calls."""
-        if not self.is_bound() or (block.training and self.moe.config.sparsemixer_jitter_eps is not None):
-            return True  # substituted Parameters; Phi-MoE's router sampling in training
+        if not self.is_bound():
+            return True  # substituted Parameters
+        if self.moe.config.sparsemixer_jitter_eps is not None and block.training:
+            return True  # Phi-MoE's router sampling in training (the config first: compiled, no guard on training)
+        if not self.watch:
+            return False
         if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
             return True
         if self.sources and not torch.compiler.is_compiling():
@@ -79,6 +117,16 @@ class BlockSwap:
                 self.moe = build_moe(block, self.options)
                 self.track(block)
         return False
+
+
+def _held_by(moe: nn.Module, tensor: torch.Tensor) -> tuple[str, str | None, torch.Tensor | None]:
+    """(sub, key, None) where ``tensor`` is the Parameter ``key`` of the MoE ("" for sub) or of its child ``sub``;
+    else ("", None, tensor): a Parameter the MoE holds a copy or a view of, compared by itself."""
+    for sub, module in itertools.chain((("", moe),), moe.named_children()):
+        key = next((k for k, p in module._parameters.items() if p is tensor), None)
+        if key is not None:
+            return sub, key, None
+    return "", None, tensor
 
 
 def flat_output_and_logits(moe: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,24 +1,22 @@
 """The fused router: ``route`` (and optionally ``append_shared_slots``) as one Triton kernel.
 
-    Gate -> [Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts
-      -> Combine
+    Gate -> [Route: score -> (grouped) top-k -> weights (+ shared), 1 launch] -> Capacity -> Group -> Experts -> Combine
 
 Same contract and semantics as ``moekit.routing.route``, its torch twin: int32 ids [M, k] in descending
 score order, fp32 weights [M, k]; ids equal to route's bit for bit where no two candidates tie, weights
 within fp32 rounding; equal scores: the lower expert id (and group id) wins. ``nonfinite="mask"``
 masks an expert with a non-finite logit (see ``route_kernel``); ``nonfinite="raise"`` is a device-side
-assert on the GPU, no host sync: in eager calls the kernel's own ``tl.device_assert`` (compiled with
-``debug=True``; ``FusedRouter(assert_in_kernel=False)`` gives the other way), under ``torch.compile``
-a one-element flag the kernel clears and ``torch._assert_async`` checks (one more launch, ~5 µs of
-host); on the CPU (interpreted) the flag, and a ``ValueError`` naming the bad rows.
+assert on the GPU, no host sync: the kernel's own ``tl.device_assert`` (``debug=True``), eager and under
+``torch.compile`` (one launch; ``FusedRouter(assert_in_kernel=False)``: a one-element flag the kernel clears, filled
+before and checked by ``torch._assert_async`` after, three launches compiled); on the CPU (interpreted) the flag,
+and a ``ValueError`` naming the bad rows (``torch._assert_async``'s error while compiling).
 
-Why: eagerly, route is ~15 small torch ops, each a few µs of host time (Qwen3 M=1 measured 1237 µs for
-the whole MoE layer against an 18 µs floor). Here the host path is the argument checks, two or three
-allocations and one launch; everything that depends only on the config is decided once, in a
-``FusedRouter`` (``_Plan``). Eager calls launch directly; under ``torch.compile`` the same launch runs
-behind ``torch.ops.moekit.route_fused`` (an op with a fake and no autograd layer, ``op_library``), so
-``fullgraph=True`` and CUDA graphs work. The weights carry no gradient: a call whose logits, bias or shared gate
-logits need one is routed by ``route`` (the op refuses it).
+Why: eagerly, route is ~15 small torch ops, each a few µs of host time (Qwen3 M=1 measured 1237 µs for the whole MoE
+layer against an 18 µs floor). Here the host path is the argument checks, two or three allocations and one launch;
+everything that depends only on the config is decided once, in a ``FusedRouter`` (``_Plan``). Eager calls launch
+directly; under ``torch.compile`` the same launch runs behind ``torch.ops.moekit.route_fused`` (an op with a fake and no
+autograd layer, ``op_library``), so ``fullgraph=True`` and CUDA graphs work. The weights carry no gradient: a call whose
+logits, bias or shared gate logits need one is routed by ``route`` (the op refuses it).
 
 Shapes: M tokens, E experts, k = top_k, S shared slots, BM rows per program.
 """
@@ -149,21 +147,26 @@ def _scalars_and_constexprs(plan: _Plan, logits, bias, gate_logits, assert_in_ke
     return (programs,), scalars, constexprs
 
 
-def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None):
-    """The kernel through ``kernel[grid]`` (the op's path; arguments already checked) -> (ids [M, k+S],
-    weights [M, k+S], ok). ok: [1] int32, 1 unless a logit is NaN or infinite, when check_finite; else [0]."""
-    num_tokens = logits.shape[0]
-    device = logits.device
+def _flagged(check_finite: bool, device: torch.device, assert_in_kernel: bool) -> bool:
+    """Whether nonfinite="raise" uses the flag: not where a compiled kernel is asked to assert itself."""
+    return check_finite and not (assert_in_kernel and _launch_options(device)["PRECISE"])
+
+
+def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None,
+            assert_in_kernel: bool = False):
+    """The kernel through ``kernel[grid]`` (the op's path; arguments checked) -> (ids [M, k+S], weights [M, k+S], ok).
+    ok: [1] int32, 1 unless a logit is NaN or infinite, where ``_flagged``; else [0] (nothing to fill)."""
+    num_tokens, device = logits.shape[0], logits.device
     ids = torch.empty(num_tokens, plan.num_slots, dtype=torch.int32, device=device)  # [M, k+S]
     weights = torch.empty(num_tokens, plan.num_slots, dtype=torch.float32, device=device)  # [M, k+S]
-    ok = torch.ones(1 if plan.check_finite else 0, dtype=torch.int32, device=device)  # [1] or [0]
+    flag = _flagged(plan.check_finite, device, assert_in_kernel)
+    ok = torch.ones(1, dtype=torch.int32, device=device) if flag else ids.new_empty(0)  # [1] or [0]
     if num_tokens == 0:
         return ids, weights, ok
-    grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits)
+    grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits, not flag)
     kernels("route_kernel").route_kernel[grid](
         logits, logits if bias is None else bias, logits if gate_logits is None else gate_logits, ids, weights,
-        ids if ok.numel() == 0 else ok, *scalars, **constexprs,
-    )
+        ids if ok.numel() == 0 else ok, *scalars, **constexprs)
     return ids, weights, ok
 
 
@@ -176,16 +179,14 @@ class _BoundRoute:
     __slots__ = ("launch", "shape", "device", "ok")
 
     def __init__(self, plan: _Plan, logits: torch.Tensor, bias, gate_logits, assert_in_kernel: bool) -> None:
-        self.shape, self.device = (logits.shape[0], plan.num_slots), logits.device  # [M, k+S]
-        self.launch = None
-        in_kernel = assert_in_kernel and _launch_options(logits.device)["PRECISE"]  # the interpreter: the flag
+        self.shape, self.device, self.launch = (logits.shape[0], plan.num_slots), logits.device, None  # [M, k+S]
+        flag = _flagged(plan.check_finite, logits.device, assert_in_kernel)  # the interpreter: the flag
         if logits.shape[0]:
-            grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits, in_kernel)
+            grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits, not flag)
             self.launch = BoundLaunch(kernels("route_kernel").route_kernel, grid, 6, scalars, True, **constexprs)
         # The kernel only ever clears the flag, on a non-finite logit; that is a device-side assert, fatal
         # to the CUDA context, and on the CPU ``_assert_finite`` sets it back before raising. So one flag
         # serves every call of this kind, instead of an allocation and a fill per call.
-        flag = plan.check_finite and not in_kernel
         self.ok = torch.ones(1, dtype=torch.int32, device=self.device) if flag else None  # [1]
 
     def __call__(self, logits: torch.Tensor, bias, gate_logits, out=None):
@@ -241,11 +242,12 @@ def bound_route(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, ga
 def _route_kernel(logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logits: Optional[torch.Tensor], top_k: int,
                   n_group: int, topk_group: int, sigmoid: bool, renormalize: bool, scaling: float, check_finite: bool,
                   num_shared: int, elements_per_program: int, softcap: float, bias_on_logits: bool, group_score: str,
-                  fill_zero: bool, shared_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  fill_zero: bool, shared_weight: float,
+                  assert_in_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's body: logits [M, E], bias [E] / gate_logits [M, 1] or None, config fields -> ``_launch``'s."""
     plan = _op_plan(logits.shape[1], top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
                     num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight)
-    return _launch(plan, logits, bias, gate_logits)
+    return _launch(plan, logits, bias, gate_logits, assert_in_kernel)
 
 
 @functools.lru_cache(maxsize=256)
@@ -257,11 +259,11 @@ def _op_plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoi
 
 
 def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
-                num_shared, *rest):
-    num_tokens, slots = logits.shape[0], top_k + num_shared
-    return (logits.new_empty(num_tokens, slots, dtype=torch.int32),
-            logits.new_empty(num_tokens, slots, dtype=torch.float32),
-            logits.new_empty(1 if check_finite else 0, dtype=torch.int32))
+                num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight,
+                assert_in_kernel=False):
+    ids = logits.new_empty(logits.shape[0], top_k + num_shared, dtype=torch.int32)  # [M, k+S]
+    flag = _flagged(check_finite, logits.device, assert_in_kernel)
+    return ids, torch.empty_like(ids, dtype=torch.float32), ids.new_empty(1 if flag else 0)  # weights [M, k+S], ok
 
 
 define_inference_op("route_fused", _route_kernel, _route_fake)
@@ -287,10 +289,9 @@ class FusedRouter:
 
     def __init__(self, config: MoEConfig, elements_per_program: int = ELEMENTS_PER_PROGRAM,
                  assert_in_kernel: bool = True) -> None:
-        """``elements_per_program``: tile elements one program holds (rows = this // padded row width); the
-        default is what the sm_90 instruction counts above chose, tests raise it to run fewer programs.
-        ``assert_in_kernel``: eager GPU calls assert nonfinite="raise" in the kernel (one launch), else
-        with the flag and ``torch._assert_async`` (two)."""
+        """``elements_per_program``: tile elements one program holds (rows = this // padded row width); the default is
+        what the sm_90 instruction counts above chose, tests raise it to run fewer programs. ``assert_in_kernel``:
+        nonfinite="raise" on the GPU, eager and compiled, as the kernel's own assert, else the flag (module docs)."""
         if not computes(config):
             raise ValueError(f"the fused router supports num_experts <= {MAX_EXPERTS}, top_k + shared slots <= "
                              f"{MAX_TOP_K}, n_group <= {MAX_GROUPS} and the router options it computes; got "
@@ -324,10 +325,10 @@ class FusedRouter:
         if torch.compiler.is_compiling():
             ids, weights, ok = torch.ops.moekit.route_fused(
                 logits, correction_bias, gate, *self._op_args, plan.num_slots - self.config.top_k,
-                self._elements_per_program, *self._math_args)
+                self._elements_per_program, *self._math_args, self.assert_in_kernel)
         else:  # eager: the bound launch, without the op's dispatch (host time is the point here)
             ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate, self.assert_in_kernel, out)
-        if plan.check_finite and ok is not None and logits.shape[0]:
+        if plan.check_finite and ok is not None and ok.numel() and logits.shape[0]:  # [0]: the kernel asserts
             _assert_finite(ok, logits)
         # With nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
         masked = None if plan.check_finite else (~torch.isfinite(logits).any(dim=1)).sum()
@@ -366,9 +367,8 @@ class FusedRouter:
             return None  # an ungated shared expert: weight 1, as append_shared_slots ignores the logits
         num_tokens = logits.shape[0]
         if gate_logits is None or gate_logits.shape != (num_tokens, 1):
-            got = None if gate_logits is None else tuple(gate_logits.shape)
             raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got "
-                             f"{got}")
+                             f"{None if gate_logits is None else tuple(gate_logits.shape)}")
         return gate_logits
 
 
