@@ -51,6 +51,8 @@ class FuzzCase:
     scheme: str | None  # moe.quantize_(scheme, **scheme_options)
     scheme_options: dict
     nan_gate_rows: list[int]  # gate rows made NaN (nonfinite="mask": those experts masked)
+    tied_gate_rows: list[tuple[int, int]]  # (a, b): gate row b a copy of row a, so experts a and b tie exactly
+    x_scale: float  # x ~ N(0, x_scale^2): 4 saturates sigmoids and reaches the activation's clamp
     refusals: list[Refusal] = field(default_factory=list)
 
     @property
@@ -81,7 +83,7 @@ def draw_fields(rng: random.Random) -> dict:
             "router_logit_softcap": [0.0, 1.5, 6.0], "shared_expert_gate": [False, True],
             "shared_expert_combine": ["sum", "average", "router"], "expert_weight_on": ["output", "input"],
             "router_bias": [False, True], "expert_bias": [False, True], "nonfinite": ["raise", "mask"],
-            "router_dtype": [None, "float32", "float64"]}
+            "router_dtype": [None, "float32", "float64", "bfloat16"]}
     for name, values in pick.items():
         if rng.random() < 0.35:
             f[name] = rng.choice(values)
@@ -89,7 +91,8 @@ def draw_fields(rng: random.Random) -> dict:
     f["num_identity_experts"] = rng.choice([0, 0, 0, 1, 3])
     f["sparsemixer_jitter_eps"] = rng.choice([None] * 5 + [0.01, 0.3])
     f["activation"] = rng.choice(["silu", "silu", "gelu", "gelu_tanh", "relu", "relu2", GPT_OSS,
-                                  ActivationSpec(name="gelu", limit=1.0, up_shift=0.5)])
+                                  ActivationSpec(name="gelu", limit=1.0, up_shift=0.5),
+                                  ActivationSpec(name="relu2", gated=False)])  # ungated: refused, naming it
     choice = e + f["num_identity_experts"]
     f["top_k"] = rng.choice([1, rng.randint(1, choice), choice, min(2, choice)])
     return f
@@ -162,12 +165,14 @@ def draw_case(seed: int, dtypes=(torch.float32, torch.bfloat16, torch.float64)) 
     nan_rows = []
     if cfg.nonfinite == "mask" and rng.random() < 0.7:
         nan_rows = sorted(rng.sample(range(cfg.router_width), rng.randint(1, cfg.router_width)))
+    width = cfg.router_width
+    tied = [tuple(rng.sample(range(width), 2)) for _ in range(rng.choice([0, 0, 1, 2]))] if width > 1 else []
     return FuzzCase(seed=seed, fields=f, dtype=rng.choice(dtypes), m=rng.choice([0, 1, 1, 2, 3, 5, 7, 8, 13, 33]),
                     fuse_shared=rng.random() < 0.6 and scheme is None,
                     capacity_factor=rng.choice([None, None, None, 0.5, 1.0, 1.7]),
                     drop_policy=rng.choice(["position", "weight"]), router=rng.choice(["torch", "torch", "fused"]),
                     grouped_mm_options=gmm, scheme=scheme, scheme_options=options, nan_gate_rows=nan_rows,
-                    refusals=refusals)
+                    tied_gate_rows=tied, x_scale=rng.choice([1.0, 1.0, 4.0]), refusals=refusals)
 
 
 def build(case: FuzzCase, backend: str = "reference") -> tuple[MoE, torch.Tensor]:
@@ -186,9 +191,13 @@ def build(case: FuzzCase, backend: str = "reference") -> tuple[MoE, torch.Tensor
                 bias[cfg.num_experts:] = 0.0
         if layer.e_score_correction_bias is not None:
             layer.e_score_correction_bias.copy_(torch.randn(cfg.choice_width, generator=g) * 0.5 - 0.3)
+        for a, b in case.tied_gate_rows:
+            layer.gate.weight[b] = layer.gate.weight[a]
+            if layer.gate.bias is not None:
+                layer.gate.bias[b] = layer.gate.bias[a]
         for row in case.nan_gate_rows:
             layer.gate.weight[row] = float("nan")
     if case.scheme is not None:
         layer.quantize_(case.scheme, **case.scheme_options)
-    x = torch.randn(case.m, cfg.hidden_size, generator=g).to(case.dtype)
+    x = (torch.randn(case.m, cfg.hidden_size, generator=g) * case.x_scale).to(case.dtype)
     return layer, x

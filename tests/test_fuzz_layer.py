@@ -26,7 +26,7 @@ from moekit import MoE, MoEConfig
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 
-SEEDS = range(150)  # ~60 s on one core of the dev machine (the interpreted triton cases are most of it)
+SEEDS = range(100)  # ~60 s on one core of the dev machine (the interpreted triton cases are most of it)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,13 +64,16 @@ def test_the_seeds_reach_every_option():
 
 
 def test_the_checks_fail_on_a_layer_off_by_a_little(monkeypatch):
-    """Every routed weight 0.1% too large: the float32 cases fail (the checks can fail)."""
+    """Every routed weight 0.1% too large: every float32 case routed through ``route``'s weights fails (the checks
+    can fail; sparsemixer, Inkling and fp8 weight elsewhere or more loosely, capacity may leave a case out)."""
     route_module = importlib.import_module("moekit.routing.route")
     real = route_module._weights
     monkeypatch.setattr(route_module, "_weights", lambda *args: real(*args) * 1.001)
-    cases = [c for c in map(draw_case, SEEDS) if c.dtype == torch.float32 and c.router == "torch" and c.m]
+    cases = [c for c in map(draw_case, SEEDS) if c.dtype == torch.float32 and c.router == "torch" and c.m
+             and c.scheme != "fp8_block" and c.config.sparsemixer_jitter_eps is None  # weighted elsewhere
+             and c.config.shared_expert_combine != "router" and c.capacity_factor is None]
     failing = [c.seed for c in cases if check_case(c, ("reference",)).failures]
-    assert len(cases) >= 5 and len(failing) >= len(cases) // 2, (len(cases), failing)
+    assert len(cases) >= 5 and len(failing) == len(cases), (len(cases), failing)
 
 
 def test_reference_single_expert_is_the_dense_ffn():
