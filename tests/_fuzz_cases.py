@@ -144,7 +144,10 @@ def valid_fields(rng: random.Random) -> tuple[dict, list[Refusal]]:
         return f, refusals
 
 
-def draw_case(seed: int, dtypes=(torch.float32, torch.bfloat16, torch.float64)) -> FuzzCase:
+DTYPES = (torch.float32, torch.float32, torch.bfloat16, torch.float64, torch.float16)  # float32 twice as often
+
+
+def draw_case(seed: int, dtypes=DTYPES) -> FuzzCase:
     """The case of ``seed``: a valid config, the layer's options, M and what to poison."""
     rng = random.Random(seed)
     f, refusals = valid_fields(rng)

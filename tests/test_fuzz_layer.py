@@ -1,8 +1,9 @@
 """The whole layer on seeded random configs (``_fuzz_cases``: every router option, shared / identity / input-weighted
-experts, biases, activations, capacity, fused or separate shared MLP, the fused router, quantized experts, M = 0, 1
-and odd, float32 / bfloat16 / float64) through ``reference``, ``grouped_mm`` (random ``cpu_gemm``, layout, memory
-budget) and ``triton`` (interpreted: TRITON_INTERPRET=1) against the float64 loop of ``_fuzz_reference``
-(``_fuzz_check``: output rel L2 per dtype, ids bit for bit, counts, drops; every refusal names its argument).
+experts, biases, activations, capacity, fused or separate shared MLP, the fused router, quantized experts, exact ties,
+M = 0, 1 and odd, float32 / bfloat16 / float64 / float16) through ``reference``, ``grouped_mm`` (random ``cpu_gemm``,
+layout, memory budget) and ``triton`` (interpreted: TRITON_INTERPRET=1) against the float64 loop of
+``_fuzz_reference`` (``_fuzz_check``: output rel L2 per dtype of plain, stats, repeated 3-D, strided-x and autograd
+calls, ids bit for bit, counts, drops; every refusal names its argument).
 
 A failure prints the seed and the case; ``python3 benchmarks/fuzz_layer.py --seeds S:S+1`` reruns it alone. Longer
 runs: ``benchmarks/fuzz_layer.py --seeds 0:5000``. The reference itself is held to closed forms here, and the checks
@@ -26,7 +27,7 @@ from moekit import MoE, MoEConfig
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 
-SEEDS = range(100)  # ~60 s on one core of the dev machine (the interpreted triton cases are most of it)
+SEEDS = range(50)  # ~55 s on one core of the dev machine (the interpreted triton cases are most of it)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,7 +55,7 @@ def test_the_seeds_reach_every_option():
                  "shared_expert_combine", "num_identity_experts", "expert_weight_on", "activation", "router_bias",
                  "expert_bias", "nonfinite", "router_dtype"):
         assert name in changed, name
-    assert {c.dtype for c in cases} == {torch.float32, torch.bfloat16, torch.float64}
+    assert {c.dtype for c in cases} == {torch.float32, torch.bfloat16, torch.float64, torch.float16}
     assert {c.scheme for c in cases} >= {None, "fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4"}
     assert {c.m for c in cases} >= {0, 1, 7} and any(c.capacity_factor for c in cases)
     assert {c.router for c in cases} == {"torch", "fused"} and any(c.nan_gate_rows for c in cases)
@@ -69,7 +70,7 @@ def test_the_checks_fail_on_a_layer_off_by_a_little(monkeypatch):
     route_module = importlib.import_module("moekit.routing.route")
     real = route_module._weights
     monkeypatch.setattr(route_module, "_weights", lambda *args: real(*args) * 1.001)
-    cases = [c for c in map(draw_case, SEEDS) if c.dtype == torch.float32 and c.router == "torch" and c.m
+    cases = [c for c in map(draw_case, range(200)) if c.dtype == torch.float32 and c.router == "torch" and c.m
              and c.scheme != "fp8_block" and c.config.sparsemixer_jitter_eps is None  # weighted elsewhere
              and c.config.shared_expert_combine != "router" and c.capacity_factor is None]
     failing = [c.seed for c in cases if check_case(c, ("reference",)).failures]
