@@ -126,18 +126,21 @@ def _check_output(out: torch.Tensor, want: torch.Tensor, case: FuzzCase, what: s
 
 
 def _check_logits(layer, x, logits, case, name, result) -> None:
-    """The layer's logits against the float64 gate GEMM; NaN exactly where a gate row is NaN."""
+    """The layer's logits against the float64 gate GEMM, relative to |x| @ |W|^T (+ |b|); NaN exactly where a gate
+    row is NaN."""
     w = LayerWeights.of(layer)
     want = x.double() @ w.gate.t() + (w.gate_bias if w.gate_bias is not None else 0.0)  # [M, W]
     if not torch.equal(torch.isnan(logits), torch.isnan(want)):
         result.fail(f"{name}: NaN logits where the gate has none, or none where it has")
         return
     finite = torch.isfinite(want)
+    # rounding scales with sum |x_i w_i|, not with the logit: a cancelling dot product is measured against that
+    scale = x.double().abs() @ w.gate.abs().t() + (w.gate_bias.abs() if w.gate_bias is not None else 0.0)  # [M, W]
     router_dtype = case.dtype if layer.config.router_dtype is None else getattr(torch, layer.config.router_dtype)
     tol = TOLERANCE[router_dtype] * (2 if router_dtype != case.dtype else 1)  # x and the weight both rounded to it
-    err = rel_l2(logits[finite], want[finite])
+    err = ((logits[finite] - want[finite]).norm() / scale[finite].norm().clamp_min(1e-3)).item()
     if not err < max(tol, 1e-5):
-        result.fail(f"{name}: router logits rel L2 {err:.3g} against the float64 gate")
+        result.fail(f"{name}: router logits L2 error {err:.3g} of |x| @ |W|^T against the float64 gate")
 
 
 def _check_routing(routed, stats, ref, rows, case, name, result) -> None:
