@@ -75,6 +75,16 @@ def test_budget_errors_name_the_argument():
         fn(x.requires_grad_(True), w13, w2, ids, weights)
 
 
+def test_a_budget_of_a_few_kilobytes_is_told_in_bytes():
+    """A budget below one token's run says what it holds and what the smallest layout needs, in bytes (fuzz37: a
+    2 KB budget was told as "no layout fits 0.0 MiB; the smallest, contiguous, needs 0.0 MiB")."""
+    x, w13, w2, ids, weights = problem(4, 2, torch.float32)
+    for layout in ("auto", "masked_measured_cap"):
+        with pytest.raises(ValueError, match=r"fits 64 bytes; the smallest, \w+, needs [1-9]\d* bytes|"
+                                             r"fits 64 bytes; the smallest, \w+, needs 0\.[1-9] MiB"):
+            experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=64, layout=layout)
+
+
 def test_traced_chunks_hold_their_outputs_in_x_dtype(tmp_path):
     """Under torch.compile the chunks' outputs are held until their cat: at most M*K in x's dtype beyond the budget
     and the result. A bf16 call used to hold them in float32 and cat them in float32 before the cast (over by

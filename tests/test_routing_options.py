@@ -147,10 +147,11 @@ def test_averaged_shared_expert_halves_both_sides():
     assert torch.equal(slots, torch.full_like(slots, 0.5))
 
 
-def _mlp(x, w13, w2):
-    """One gated SiLU MLP in float64: x [K], w13 [2N, K], w2 [K, N] -> [K]."""
-    gate, up = (w13.double() @ x).chunk(2)
-    return w2.double() @ (gate * torch.sigmoid(gate) * up)
+def _mlp(x, w13, w2, b13=0.0, b2=0.0):
+    """One gated SiLU MLP in float64: x [K], w13 [2N, K], w2 [K, N] (+ b13 [2N], b2 [K]) -> [K]."""
+    b13, b2 = (b if isinstance(b, float) else b.double() for b in (b13, b2))
+    gate, up = (w13.double() @ x + b13).chunk(2)
+    return w2.double() @ (gate * torch.sigmoid(gate) * up) + b2
 
 
 @pytest.mark.parametrize("fuse_shared", [True, False])
@@ -216,6 +217,32 @@ def test_layer_with_input_weighted_experts():
         want = _mlp(xt, moe.shared_w13, moe.shared_w2) + sum(
             _mlp(w * xt, moe.w13[i], moe.w2[i]) for i, w in zip(ids[t].tolist(), weights[t]))
         torch.testing.assert_close(got[t].double(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped_mm"])
+def test_input_weighted_experts_with_biases_skip_masked_slots(backend):
+    """Llama-4's experts with expert biases and masked experts (nonfinite="mask"): a masked slot's weight is 0 and
+    adds nothing, a token with no finite logit outputs 0 (fuzz37: each masked slot ran expert(0 x) = w2 glu(b13) +
+    b2, the masked tokens' output was O(1))."""
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=3, expert_weight_on="input",
+                    expert_bias=True, nonfinite="mask")
+    torch.manual_seed(11)
+    moe = MoE(cfg, backend=backend).eval()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        moe.b13.normal_()
+        moe.b2.normal_()
+        moe.gate.weight[1:5] = float("nan")  # experts 0 and 5 finite: the third slot of every token is masked
+        got = moe(x)
+        ids, weights = reference_route(moe.gate(x), cfg)
+        for t in range(x.shape[0]):
+            xt = x[t].double()
+            want = sum(_mlp(w * xt, moe.w13[i], moe.w2[i], moe.b13[i], moe.b2[i])
+                       for i, w in zip(ids[t].tolist(), weights[t]) if w != 0)
+            torch.testing.assert_close(got[t].double(), want, rtol=1e-5, atol=1e-6)
+        moe.gate.weight[:] = float("nan")
+        result = moe(x, return_stats=True)
+    assert result.stats.masked_tokens == 5 and torch.equal(result.out, torch.zeros_like(x))
 
 
 @pytest.mark.parametrize("changes", [

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.experts.cpu_packed import fused_loop_peak_bytes
-from moekit.layouts import LayoutChoice, choose_layout, grouped_row_bytes
+from moekit.layouts import LayoutChoice, choose_layout, grouped_row_bytes, size_text
 
 # 1 GiB of activations per call. The contiguous layout needs (2K + 3N) * 4 bytes per routed row in fp32
 # (25.6 KB at Qwen3-30B-A3B's K=2048, N=768), so one chunk holds ~5000 tokens at k=8: ~320 rows per
@@ -153,7 +153,7 @@ def _chooser(dims, dtype, budget, layout, allow_sync, workers):
             if need <= budget:
                 return choice if not why else LayoutChoice(choice.name, f"{'; '.join(why)}; {choice.reason}",
                                                            choice.estimates)
-            why.append(f"{choice.name}: {what} needs {need / 2**20:.2f} MiB over the {budget / 2**20:.2f} MiB budget")
+            why.append(f"{choice.name}: {what} needs {size_text(need)} over the {size_text(budget)} budget")
             left = tuple(c for c in left if c != choice.name)
         return LayoutChoice("none", "; ".join(why) or choice.reason, choice.estimates)
 

@@ -9,14 +9,14 @@ budget. ``grouping`` is the core they share (and routing's capacity and expert p
 """
 
 from moekit.layouts.block_aligned import BlockAlignedLayout, align_block, gather_rows, scatter_rows
-from moekit.layouts.chooser import LayoutChoice, LayoutEstimate, choose_layout, grouped_row_bytes
+from moekit.layouts.chooser import LayoutChoice, LayoutEstimate, choose_layout, grouped_row_bytes, size_text
 from moekit.layouts.contiguous import ContiguousLayout, combine_contiguous, permute_contiguous, unpermute_contiguous
 from moekit.layouts.grouping import GroupRanks, max_padded_rows, rank_within_groups, to_local_ids
 from moekit.layouts.masked import MaskedLayout, combine_masked, masked_layout, masked_layout_measured_cap_syncs, unmask
 
 __all__ = [
     "BlockAlignedLayout", "align_block", "gather_rows", "scatter_rows",
-    "LayoutChoice", "LayoutEstimate", "choose_layout", "grouped_row_bytes",
+    "LayoutChoice", "LayoutEstimate", "choose_layout", "grouped_row_bytes", "size_text",
     "ContiguousLayout", "combine_contiguous", "permute_contiguous", "unpermute_contiguous",
     "GroupRanks", "max_padded_rows", "rank_within_groups", "to_local_ids",
     "MaskedLayout", "combine_masked", "masked_layout", "masked_layout_measured_cap_syncs", "unmask",

@@ -78,10 +78,16 @@ def choose_layout(
     smallest = min(estimates, key=lambda e: e.peak_bytes)
     return LayoutChoice(
         "none",
-        f"no layout fits {memory_budget_bytes / 2**20:.1f} MiB; the smallest, {smallest.name}, needs "
-        f"{smallest.peak_bytes / 2**20:.1f} MiB: process the batch in chunks",
+        f"no layout fits {size_text(memory_budget_bytes)}; the smallest, {smallest.name}, needs "
+        f"{size_text(smallest.peak_bytes)}: process the batch in chunks",
         estimates,
     )
+
+
+def size_text(nbytes: int) -> str:
+    """A size for an error message: MiB from 0.1 MiB on, else bytes (a budget of a few KB printed as "0.0 MiB"
+    said nothing of what was missing)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 // 10 else f"{nbytes} bytes"
 
 
 def grouped_row_bytes(hidden_size: int, intermediate_size: int, dtype_bytes: int) -> int:

@@ -167,8 +167,10 @@ def _routed_part(config: MoEConfig) -> MoEConfig:
 
 def _with_shared_weights(routing: Routing, logits: torch.Tensor, config: MoEConfig) -> Routing:
     """Inkling's weights: a softmax over the log-sigmoids of the k chosen logits and the S shared ones (= each
-    sigmoid over their sum), times ``routed_scaling_factor``; logits [M, E + S]."""
+    sigmoid over their sum), times ``routed_scaling_factor``; logits [M, E + S], soft-capped first as the choice
+    saw them (``router_logit_softcap``: before anything else)."""
     e, k = config.num_experts, config.top_k
+    logits = soft_capped(logits, config)  # [M, E + S]
     chosen = logits[:, :e].gather(1, routing.topk_ids.long())  # [M, k]
     both = torch.nn.functional.logsigmoid(torch.cat([chosen, logits[:, e:]], dim=1))  # [M, k + S]
     weights = torch.softmax(both, dim=-1)

@@ -35,10 +35,12 @@ def without_identity(routing: Routing, config: MoEConfig) -> Routing:
 def input_weighted(run: Callable[[torch.Tensor, Routing], torch.Tensor], x2d: torch.Tensor,
                    routing: Routing) -> torch.Tensor:
     """Llama-4's experts: sum_j expert_{ids[:, j]}(w[:, j] x) for x2d [M, K] -> [M, K], through ``run(x, routing)``
-    (the layer's experts step) once per slot with weight 1. A skipped slot (-1) runs nothing; an expert whose
-    input is 0 returns 0 (a gated MLP without biases), as the weights 0 of Llama-4's dense form. k calls: EPMoE,
-    which dispatches once a forward, takes k = 1 only (Llama-4's)."""
+    (the layer's experts step) once per slot with weight 1. A skipped slot (-1) runs nothing, and so does a slot of
+    weight 0 (a masked expert, ``nonfinite="mask"``), as in Llama-4's dense form, where the weights 0 of the
+    experts not chosen add nothing: with expert biases (b13, b2) expert(0 x) is not 0. k calls: EPMoE, which
+    dispatches once a forward, takes k = 1 only (Llama-4's)."""
     ids, weights = routing.topk_ids, routing.topk_weights  # [M, k]
+    ids = ids.masked_fill(weights == 0, -1)  # [M, k]: weight 0 runs nothing
     ones = torch.ones_like(weights[:, :1])  # [M, 1]
     out = None
     for j in range(ids.shape[1]):

@@ -1,0 +1,93 @@
+"""fuzz37: the whole layer on seeded random configs against a float64 loop, for as many seeds as a run allows (the
+test file, ``tests/test_fuzz_layer.py``, runs a fixed few). CPU only; the triton backend and the fused router run
+under Triton's interpreter (TRITON_INTERPRET=1, set here). Not a timing: run it niced, one process.
+
+    PYTHONPATH=$PWD nice -n 10 python3 benchmarks/fuzz_layer.py --seeds 0:2000 --out /tmp/fuzz.json --deadline 3000
+    PYTHONPATH=$PWD python3 benchmarks/fuzz_layer.py --seeds 17:18 --backends grouped_mm   # one failing seed again
+    PYTHONPATH=$PWD python3 benchmarks/fuzz_layer.py --smoke                                # 3 seeds, every backend
+
+Per seed (``tests/_fuzz_cases.draw_case``): a config over every router option and the layer's options (capacity,
+fused / separate shared expert, fused router, grouped_mm's cpu_gemm / layout / memory budget, quantization, dtype,
+M, NaN gate rows); per backend (``tests/_fuzz_check.check_case``): output (plain, stats and repeated calls) vs the
+float64 loop (``tests/_fuzz_reference``), rel L2 under the dtype's tolerance; ids bit for bit where no near tie;
+counts, drops, masked tokens; every refusal names its argument. A line per failing seed (PASS/FAIL), the table last:
+seeds, comparisons, refusals checked, comparisons left out for a near tie decided a capacity drop, failing seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from _interpreter_speed import install  # noqa: E402
+from bench_run import RunLog, run_info, write_json  # noqa: E402
+
+install()
+warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy on the branches tl.where discards
+warnings.filterwarnings("ignore", category=UserWarning)
+
+from _fuzz_cases import draw_case  # noqa: E402
+from _fuzz_check import BACKENDS, check_case  # noqa: E402
+
+RUN = RunLog("fuzz37: the layer against a float64 loop (seeds, comparisons, refusals, left out, failing)")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0:200", help="A:B, the seeds A..B-1")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--out", help="JSON: the run's totals and every failing seed's case and failures")
+    p.add_argument("--deadline", type=float, default=float("inf"), help="s: no seed starts after it")
+    p.add_argument("--smoke", action="store_true", help="3 seeds, every backend")
+    args = p.parse_args()
+    start, stop = (int(v) for v in ("0:3" if args.smoke else args.seeds).split(":"))
+    if not 0 <= start < stop:
+        p.error(f"--seeds must be A:B with 0 <= A < B, got {args.seeds!r}")
+    args.range = range(start, stop)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    totals = dict(seeds=0, compared=0, refusals=0, left_out=0)
+    failing = []
+    for seed in args.range:
+        if RUN.elapsed() > args.deadline:
+            RUN.log(f"SKIP seeds {seed}..{args.range.stop - 1}: deadline")
+            break
+        case = draw_case(seed)
+        try:
+            outcome = check_case(case, tuple(args.backends))
+            failures = outcome.failures
+        except Exception as exc:  # noqa: BLE001 (a seed that raises is a failing seed; the others still run)
+            outcome, failures = None, [f"raised {type(exc).__name__}: {str(exc)[-400:]}"]
+        totals["seeds"] += 1
+        if outcome is not None:
+            totals["compared"] += outcome.compared
+            totals["refusals"] += outcome.refusals
+            totals["left_out"] += outcome.skipped_ambiguous
+        if failures:
+            failing.append({"seed": seed, "case": case.describe(), "failures": failures})
+            RUN.check(f"seed {seed}", False, f"{case.describe()}\n    " + "\n    ".join(failures))
+        if seed % 50 == 0:
+            RUN.log(f"seed {seed}: {totals}, {len(failing)} failing")
+    RUN.summary.append(f"seeds {totals['seeds']} ({args.range.start}..), backends {' '.join(args.backends)}: "
+                       f"{totals['compared']} comparisons, {totals['refusals']} refusals checked, "
+                       f"{totals['left_out']} left out (near tie at a capacity drop), {len(failing)} failing seeds "
+                       f"{[f['seed'] for f in failing][:20]}")
+    if args.out:
+        write_json(args.out, {"run": run_info(), "totals": totals, "failing": failing})
+    RUN.check("every seed", not failing, f"{len(failing)} failing")
+    RUN.print_table()
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""A float64 MoE layer written from the spec (``/work/shared/seeds``) and ``MoEConfig``'s documented semantics, one
+token and one chosen expert at a time: the independent reference of ``test_fuzz_layer`` and
+``benchmarks/fuzz_layer.py``. It calls none of moekit's routing, experts, activation or shared-expert code; it reads
+the layer's weights (``LayerWeights.of``) and computes everything else itself.
+
+    [Gate: x @ Wg^T + bg] -> [Route: cap, score, bias, groups, top-k, weights] -> [Capacity, opt-in]
+      -> [Experts: w2 @ glu(w13 @ x + b13) + b2, times the weight (or on weight x x)] -> [+ shared] -> [+ identity]
+
+Near ties: the layer routes in float32; where two of the values a choice compares (or a sparsemixer threshold) lie
+within ``TIE`` of each other the float64 choice may differ from it without either being wrong, so the token is
+marked ``ambiguous`` and the callers leave it out (and a whole capacity-dropping case with one: the drops of every
+token depend on it). Exact ties are not ambiguous: the lower id wins on both sides.
+
+Shapes: M tokens, K hidden, N expert intermediate, E routed experts, k = top_k, Z identity experts, S shared slots,
+W = the router's width (E, E + Z or E + S).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from _quant_refs import fake_fp8_rows
+
+TIE = 2e-5  # |a - b| <= TIE * (1 + |a| + |b|): a float32 router may order a and b either way
+
+
+@dataclass
+class SharedSlot:
+    """One piece of the shared MLP: rows of its gate-up weight in the activation's row order, the matching columns
+    of its down weight. A fused layer's slots are its w13/w2 rows E..E+S-1; a separate MLP is cut into S slots of
+    width N (or kept whole when its width is not a multiple of N)."""
+
+    w13: torch.Tensor  # [2n, K] float64
+    w2: torch.Tensor  # [K, n] float64
+
+
+@dataclass
+class LayerWeights:
+    """Everything the layer computes with, as float64 copies (quantized experts dequantized)."""
+
+    gate: torch.Tensor  # [W, K]
+    gate_bias: torch.Tensor | None  # [W]
+    correction_bias: torch.Tensor | None  # [E(+Z)]
+    w13: torch.Tensor  # [E, 2N, K] routed experts only
+    w2: torch.Tensor  # [E, K, N]
+    b13: torch.Tensor | None  # [E, 2N]
+    b2: torch.Tensor | None  # [E, K]
+    shared: list[SharedSlot]  # [] without a shared expert
+    shared_gate: torch.Tensor | None  # [K] (Qwen2-MoE's sigmoid gate)
+
+    @staticmethod
+    def of(layer) -> "LayerWeights":
+        """Read ``layer`` (a ``moekit.MoE``): its parameters and buffers, nothing it computes."""
+        cfg = layer.config
+        e, n = cfg.num_experts, cfg.moe_intermediate_size
+
+        def f64(t):
+            return None if t is None else t.detach().double()
+
+        def dense(w):  # a QuantizedWeight (not a tensor): its dequantized values, the quantized layer's weights
+            return f64(w) if isinstance(w, torch.Tensor) else w.dequantize(torch.float64)
+
+        w13, w2 = dense(layer.w13), dense(layer.w2)
+        if layer.fuse_shared:  # rows E..E+S-1 are the shared slots
+            shared = [SharedSlot(w13[e + s], w2[e + s]) for s in range(cfg.num_shared_slots)]
+        elif layer.shared_w13 is not None:
+            shared = _cut_shared(f64(layer.shared_w13), f64(layer.shared_w2), n, _spec(cfg.activation).interleaved)
+        else:
+            shared = []
+        b13 = None if layer.b13 is None else f64(layer.b13)[:e]
+        b2 = None if layer.b2 is None else f64(layer.b2)[:e]
+        sg = None if layer.shared_gate is None else f64(layer.shared_gate.weight)[0]
+        return LayerWeights(gate=f64(layer.gate.weight), gate_bias=f64(layer.gate.bias),
+                            correction_bias=f64(layer.e_score_correction_bias), w13=w13[:e], w2=w2[:e], b13=b13,
+                            b2=b2, shared=shared, shared_gate=sg)
+
+
+def _cut_shared(w13: torch.Tensor, w2: torch.Tensor, n: int, interleaved: bool) -> list[SharedSlot]:
+    """The separate shared MLP w13 [2SN, K], w2 [K, SN] as S slots of width n (one slot when SN % n)."""
+    width = w2.shape[1]
+    if width % n:
+        return [SharedSlot(w13, w2)]
+    slots = []
+    for s in range(width // n):
+        cols = slice(s * n, (s + 1) * n)
+        if interleaved:  # row 2j gate j, row 2j+1 up j: slot s is 2n consecutive rows
+            rows = w13[2 * s * n:2 * (s + 1) * n]
+        else:  # gate rows first, then up rows
+            rows = torch.cat([w13[cols], w13[width + s * n:width + (s + 1) * n]])
+        slots.append(SharedSlot(rows, w2[:, cols]))
+    return slots
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The activation, from ActivationSpec's documented fields
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    interleaved: bool = False
+    alpha: float = 1.0
+    limit: float | None = None
+    up_shift: float = 0.0
+
+
+def _spec(activation) -> _Spec:
+    if isinstance(activation, str):
+        return _Spec(activation)
+    return _Spec(activation.name, activation.interleaved, activation.alpha, activation.limit, activation.up_shift)
+
+
+def _act(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    if spec.name == "silu":
+        return t / (1 + torch.exp(-spec.alpha * t))
+    if spec.name == "gelu":
+        return 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))
+    if spec.name == "gelu_tanh":
+        return 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3)))
+    if spec.name == "relu":
+        return t.clamp(min=0)
+    if spec.name == "relu2":
+        return t.clamp(min=0) ** 2
+    raise ValueError(f"no reference for activation {spec.name!r}")
+
+
+def glu(h: torch.Tensor, activation) -> torch.Tensor:
+    """h [2n] (gate-up product of one token) -> [n]: act(gate) * (up + shift), clamped by the limit."""
+    spec = _spec(activation)
+    n = h.shape[-1] // 2
+    gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
+    if spec.limit is not None:
+        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+    return _act(gate, spec) * (up + spec.up_shift)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing, one token at a time
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenRoute:
+    ids: list[int]  # [k] the router's choice in order (descending choice value; sparsemixer: round order)
+    weights: list[float]  # [k] each slot's weight
+    shared_weights: list[float] | None = None  # [S] shared_expert_combine="router" only
+    masked: bool = False  # no finite logit at all
+    ambiguous: bool = False  # a near tie decided something (module docstring)
+
+
+def _near(a: float, b: float) -> bool:
+    if a == b or not (math.isfinite(a) and math.isfinite(b)):
+        return False  # an exact (or structural) tie: the lower id wins on both sides
+    return abs(a - b) <= TIE * (1 + abs(a) + abs(b))
+
+
+def _ordered(values: dict[int, float]) -> list[int]:
+    """Keys by descending value, the lower key first on equal values."""
+    return sorted(values, key=lambda i: (-values[i], i))
+
+
+def _boundary_near(values: dict[int, float], order: list[int], upto: int) -> bool:
+    """Whether any two neighbours among the first upto + 1 of ``order`` are near (the choice or its order)."""
+    head = order[:upto + 1]
+    return any(_near(values[a], values[b]) for a, b in zip(head, head[1:]))
+
+
+def _sigmoid(v: float) -> float:
+    return 1 / (1 + math.exp(-v)) if v >= 0 else math.exp(v) / (1 + math.exp(v))
+
+
+def route_token(raw: list[float], cfg, bias: list[float] | None) -> TokenRoute:
+    """One token's routing from its raw logits [W] (float64 values of the layer's logits)."""
+    cap = cfg.router_logit_softcap
+    width = cfg.choice_width  # E (+ Z); the router-weighted shared columns come after it
+    finite = [math.isfinite(v) for v in raw]
+    row = [cap * math.tanh(v / cap) if cap and f else v for v, f in zip(raw, finite)]
+    if cfg.sparsemixer_jitter_eps is not None:
+        return _sparsemixer(row[:width], finite[:width], cfg)
+    live = [e for e in range(width) if finite[e]]
+    if cfg.shared_expert_combine == "router" or cfg.scoring == "sigmoid":
+        scores = {e: _sigmoid(row[e]) for e in live}
+    else:  # softmax over the finite experts only
+        top = max((row[e] for e in live), default=0.0)
+        total = sum(math.exp(row[e] - top) for e in live)
+        scores = {e: math.exp(row[e] - top) / total for e in live}
+    shifted = scores if cfg.correction_bias_on == "scores" else {e: row[e] for e in live}
+    choice = {e: shifted[e] + (bias[e] if bias is not None else 0.0) for e in live}
+    allowed, ambiguous = _kept_experts(choice, cfg, bias is not None)
+    if cfg.dropped_group_fill == "zero":
+        choice = {e: (v if e in allowed else 0.0) for e, v in choice.items()}
+        allowed = set(range(width))
+    candidates = {e: v for e, v in choice.items() if e in allowed}
+    order = _ordered(candidates)
+    ambiguous |= _boundary_near(candidates, order, cfg.top_k)
+    masked_fill = [e for e in range(width) if e in allowed and not finite[e]]  # lower id first, weight 0
+    ids = (order + masked_fill)[:cfg.top_k]
+    taken = [e for e in ids if finite[e]]
+    if cfg.shared_expert_combine == "router":
+        return _router_shared(raw, row, ids, cfg, ambiguous)
+    if cfg.renormalize:
+        total = sum(scores[e] for e in taken)
+        weights = [scores[e] / total if finite[e] else 0.0 for e in ids]
+    else:
+        weights = [scores[e] if finite[e] else 0.0 for e in ids]
+    scale = cfg.routed_scaling_factor * (0.5 if cfg.shared_expert_combine == "average" else 1.0)
+    return TokenRoute(ids=ids, weights=[w * scale for w in weights], masked=not live, ambiguous=ambiguous)
+
+
+def _kept_experts(choice: dict[int, float], cfg, biased: bool) -> tuple[set[int], bool]:
+    """The experts of the best ``topk_group`` groups (all without groups), and whether a near tie chose them."""
+    e = cfg.num_experts
+    if cfg.n_group == 1:
+        return set(range(cfg.choice_width)), False
+    size = e // cfg.n_group
+    top2 = size >= 2 and (cfg.group_score == "top2_sum" or (cfg.group_score == "auto" and biased))
+    scores, empty = {}, set()
+    for g in range(cfg.n_group):
+        members = sorted((choice[i] for i in range(g * size, (g + 1) * size) if i in choice), reverse=True)
+        if not members:
+            empty.add(g)
+            scores[g] = -math.inf
+        else:
+            scores[g] = sum(members[:2]) if top2 else members[0]
+    order = sorted(range(cfg.n_group), key=lambda g: (g in empty, -scores[g], g))
+    kept, last = order[:cfg.topk_group], cfg.topk_group - 1
+    ambiguous = last + 1 < cfg.n_group and _near(scores[order[last]], scores[order[last + 1]])
+    return {i for g in kept for i in range(g * size, (g + 1) * size)}, ambiguous
+
+
+def _router_shared(raw, row, ids, cfg, ambiguous) -> TokenRoute:
+    """Inkling: each of the k chosen and the S shared sigmoids over their sum, times routed_scaling_factor; the
+    logits as the router scores them (soft-capped first, like every other use of them)."""
+    e, s = cfg.num_experts, cfg.num_shared_slots
+    sig = [_sigmoid(row[i]) for i in ids] + [_sigmoid(row[e + j]) for j in range(s)]
+    total = sum(sig)
+    w = [v / total * cfg.routed_scaling_factor for v in sig]
+    return TokenRoute(ids=ids, weights=w[:len(ids)], shared_weights=w[len(ids):], ambiguous=ambiguous)
+
+
+def _sparsemixer(row: list[float], finite: list[bool], cfg) -> TokenRoute:
+    """Phi-MoE at inference: k rounds; each takes the best expert left and weights it by a softmax over the experts
+    left within 2 eps of it, relatively: (m - l) / max(|l|, m) <= 2 eps. Masked experts come last, weight 0."""
+    near, left = 2 * cfg.sparsemixer_jitter_eps, [e for e in range(len(row)) if finite[e]]
+    ids, weights, ambiguous = [], [], False
+    masked = [e for e in range(len(row)) if not finite[e]]
+    for _ in range(cfg.top_k):
+        if not left:
+            ids.append(masked.pop(0))
+            weights.append(0.0)
+            continue
+        order = _ordered({e: row[e] for e in left})
+        ambiguous |= _boundary_near({e: row[e] for e in left}, order, 1)
+        best = order[0]
+        m = row[best]
+        members = []
+        for e in left:
+            denom = max(abs(row[e]), m)
+            rel = (m - row[e]) / denom if denom else 0.0
+            ambiguous |= _near(rel, near)
+            if rel <= near:
+                members.append(e)
+        total = sum(math.exp(row[e] - m) for e in members)
+        ids.append(best)
+        weights.append(1 / total)
+        left.remove(best)
+    scale = cfg.routed_scaling_factor * (0.5 if cfg.shared_expert_combine == "average" else 1.0)
+    return TokenRoute(ids=ids, weights=[w * scale for w in weights], masked=not any(finite), ambiguous=ambiguous)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Capacity, the experts, the layer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def capacity_keep(routes: list[TokenRoute], cfg, factor: float, policy: str) -> tuple[list[list[bool]], bool]:
+    """[M][k] kept flags: each routed expert keeps C = ceil(factor * M * k / E) of its assignments, first slot 0
+    of every token, then slot 1, ... ("position"), or the heaviest first, ties in that order ("weight");
+    identity slots are never dropped. Also whether a near tie of weights decided a drop."""
+    m, k, e = len(routes), cfg.top_k, cfg.num_experts
+    cap = math.ceil(factor * m * k / e)
+    order = [(j, t) for j in range(k) for t in range(m) if routes[t].ids[j] < e]
+    if policy == "weight":
+        order = sorted(order, key=lambda jt: -routes[jt[1]].weights[jt[0]])  # stable: position among equals
+    keep = [[True] * k for _ in range(m)]
+    taken: dict[int, list[float]] = {}
+    ambiguous = False
+    for j, t in order:
+        expert, w = routes[t].ids[j], routes[t].weights[j]
+        held = taken.setdefault(expert, [])
+        if len(held) >= cap:
+            keep[t][j] = False
+            ambiguous |= policy == "weight" and bool(held) and _near(held[-1], w)
+        else:
+            held.append(w)
+    return keep, ambiguous
+
+
+def _expert(x: torch.Tensor, w: LayerWeights, e: int, activation) -> torch.Tensor:
+    """Routed expert e on one token x [K] -> [K]."""
+    h = w.w13[e] @ x + (w.b13[e] if w.b13 is not None else 0.0)
+    y = w.w2[e] @ glu(h, activation)
+    return y + (w.b2[e] if w.b2 is not None else 0.0)
+
+
+def _expert_fp8(x: torch.Tensor, w: LayerWeights, e: int, activation, block: int) -> torch.Tensor:
+    """fp8_block's recipe: the activations fake-quantized to e4m3 per 1 x ``block`` before each GEMM."""
+    h = w.w13[e] @ fake_fp8_rows(x[None], block)[0] + (w.b13[e] if w.b13 is not None else 0.0)
+    y = w.w2[e] @ fake_fp8_rows(glu(h, activation)[None], block)[0]
+    return y + (w.b2[e] if w.b2 is not None else 0.0)
+
+
+@dataclass
+class Reference:
+    out: torch.Tensor  # [M, K] float64
+    routes: list[TokenRoute]  # [M] the router's choice, before capacity
+    kept: list[list[bool]]  # [M][k] after capacity
+    dropped: int  # routed assignments capacity dropped
+    counts: list[int]  # [E] assignments each routed expert ran
+    identity_counts: list[int]  # [Z] slots each identity expert took
+    masked_tokens: int
+    capacity_ambiguous: bool = False  # a near tie decided a drop: the whole case is ambiguous
+    ambiguous_tokens: list[int] = field(default_factory=list)
+
+
+def reference_moe(w: LayerWeights, cfg, x: torch.Tensor, logits: torch.Tensor | None = None, *,
+                  capacity_factor: float | None = None, drop_policy: str = "position",
+                  fp8_block: int | None = None) -> Reference:
+    """The layer on x [M, K]. ``logits`` [M, W]: route from these (the layer's own, upcast: a bf16 gate rounds them)
+    instead of the float64 gate GEMM. ``fp8_block``: the experts run fp8_block's activation recipe."""
+    x = x.double()
+    if logits is None:
+        logits = x @ w.gate.t() + (w.gate_bias if w.gate_bias is not None else 0.0)  # [M, W]
+    bias = None if w.correction_bias is None else w.correction_bias.tolist()
+    routes = [route_token(r, cfg, bias) for r in logits.double().tolist()]
+    m, e = x.shape[0], cfg.num_experts
+    keep, cap_amb = ([[True] * cfg.top_k for _ in range(m)], False) if capacity_factor is None else \
+        capacity_keep(routes, cfg, capacity_factor, drop_policy)
+    out = torch.zeros_like(x)  # [M, K]
+    counts, identity = [0] * e, [0] * cfg.num_identity_experts
+    dropped = 0
+    for t, r in enumerate(routes):
+        for j, (expert, weight) in enumerate(zip(r.ids, r.weights)):
+            if expert >= e:  # an identity expert: its weight times the token
+                identity[expert - e] += 1
+                out[t] += weight * x[t]
+                continue
+            if not keep[t][j]:
+                dropped += 1
+                continue
+            counts[expert] += 1
+            if cfg.expert_weight_on == "input":  # Llama-4: the expert runs on weight x token
+                if weight != 0.0:  # a weight-0 slot (a masked expert) adds nothing, as in the dense form
+                    out[t] += _run(weight * x[t], w, expert, cfg.activation, fp8_block)
+            else:
+                out[t] += weight * _run(x[t], w, expert, cfg.activation, fp8_block)
+        out[t] += _shared(x[t], w, cfg, r)
+    return Reference(out=out, routes=routes, kept=keep, dropped=dropped, counts=counts, identity_counts=identity,
+                     masked_tokens=sum(r.masked for r in routes), capacity_ambiguous=cap_amb,
+                     ambiguous_tokens=[t for t, r in enumerate(routes) if r.ambiguous])
+
+
+def _run(x, w, expert, activation, fp8_block):
+    return _expert(x, w, expert, activation) if fp8_block is None else _expert_fp8(x, w, expert, activation, fp8_block)
+
+
+def _shared(x: torch.Tensor, w: LayerWeights, cfg, r: TokenRoute) -> torch.Tensor:
+    """The shared MLP on one token: each slot times its weight (the router's: Inkling; 1/2: average; sigmoid gate)."""
+    y = torch.zeros_like(x)
+    for s, slot in enumerate(w.shared):
+        weight = r.shared_weights[s] if r.shared_weights is not None else 1.0
+        y += weight * (slot.w2 @ glu(slot.w13 @ x, cfg.activation))
+    if w.shared_gate is not None:
+        y = y * _sigmoid(float(w.shared_gate @ x))
+    return y * (0.5 if cfg.shared_expert_combine == "average" else 1.0)
