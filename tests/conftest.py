@@ -3,8 +3,9 @@
 On a machine without CUDA, Triton kernels can only run under Triton's interpreter, and Triton reads
 TRITON_INTERPRET when it is first imported; set it here, before any test module imports triton, so
 every test sees one consistent triton. ``backend="auto"`` never picks triton on the CPU, so only tests
-that ask for it by name run the interpreter; ``_interpreter_speed`` removes the interpreter's repeated
-re-patching of ``triton.language`` on every helper call inside a kernel.
+that ask for it by name run the interpreter; ``_interpreter_compat`` mends Triton 3.6's interpreter under
+NumPy >= 2.4, and ``_interpreter_speed`` removes the interpreter's repeated re-patching of
+``triton.language`` on every helper call inside a kernel.
 """
 
 import os
@@ -15,9 +16,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from _interpreter_speed import install
+    import _interpreter_compat
+    import _interpreter_speed
 
-    install()
+    _interpreter_compat.install()
+    _interpreter_speed.install()
 
 
 @pytest.fixture(scope="module")

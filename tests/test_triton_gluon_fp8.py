@@ -186,7 +186,7 @@ def test_triton_backend_takes_the_fp8_path_by_its_default_choice(monkeypatch):
 
 def test_gemm_compiles_for_sm90():
     """Both GEMMs through Triton's whole pipeline to a cubin for sm_90 (a typo or a layout error fails here,
-    not on the device), within the SM's shared memory, without register spills and with the wgmmas not
+    not on the device), within the SM's shared memory, without K-loop register spills and with the wgmmas not
     serialized (ptxas -v). In a process of its own: this module's interpreted
     kernels leave Triton's frontend patched in this one."""
     pytest.importorskip("triton.experimental.gluon._runtime", reason="no GluonASTSource in this Triton")
@@ -205,8 +205,10 @@ def test_gemm_compiles_for_sm90():
         name = line.split(" ")[1] + "".join(f" {t}" for t in ("wide", "pipelined") if f" {t}:" in line)
         assert line.endswith(f"wgmma.mma_async {wgmmas[name]}"), line  # none merged or dropped
         if name in ("gate-up", "down", "down pipelined"):  # not the wide tile (16 B on 3.9)
-            spills = line.split("spill stores ")[1].split(" B")[0]
-            assert spills in ("0", "None"), line  # None: no bundled ptxas took the PTX
+            spills = line.split("spill stores ")[1].split(" B")[0]  # None: no bundled ptxas took the PTX
+            # at most 2 registers: Triton 3.6's ptxas spills 8 B of the gate-up's consumer, stored once before its
+            # K loop and loaded after it (SASS); the K-loop spills this guards against were ~44 B (3.8 / 3.9: 0)
+            assert spills == "None" or int(spills) <= 8, line
 
 
 def test_unfit_calls_raise_naming_the_reason(monkeypatch):

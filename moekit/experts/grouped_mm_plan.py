@@ -91,7 +91,13 @@ def run_row_bytes(hidden_size, intermediate_size, dtype: torch.dtype):
     b, acc = dtype.itemsize, _acc_bytes(dtype)
     gemms = grouped_row_bytes(hidden_size, intermediate_size, b)
     combine = hidden_size * (2 * b + acc + (acc if acc != b else 0))
-    return torch.sym_max(gemms, combine) + _INDEX_BYTES_PER_ROW
+    return _larger(gemms, combine) + _INDEX_BYTES_PER_ROW
+
+
+def _larger(a, b):
+    """max of two sizes that may be SymInts. Plain ints take Python's max: torch 2.11's Dynamo cannot trace
+    ``torch.sym_max`` of two ints (it returns an int, "torch.* op returned non-Tensor"), 2.13 can."""
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else torch.sym_max(a, b)
 
 
 def contiguous_token_bytes(top_k, hidden_size, intermediate_size, dtype: torch.dtype):
