@@ -7,6 +7,7 @@ for the MoE's config, the swapped model run eagerly."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -106,10 +107,9 @@ def test_a_plain_block_compiles_without_reading_its_swap_flags():
         assert rel_l2(_logits(compiled), _logits(twin)) < 1e-5
     finally:
         dynamo_guards.guard_manager_testing_hook_fn = hook
-    lines = [line for text in kept for line in text.splitlines() if "_moekit_swap'].moe" not in line
-             and "_moekit_swap']" in line and "GuardManager" not in line]
-    read = {line.split("_moekit_swap']")[1].split()[0].strip(".,)") for line in lines}
-    assert any(r.startswith("plain") for r in read) and any(r.startswith("owners") for r in read)
+    # the swap's attributes the guards read: "..._moekit_swap'].plain" (torch 2.13) or "..._moekit_swap.plain" (2.11)
+    read = {name for text in kept for name in re.findall(r"_moekit_swap(?:'\])?\.(\w+)", text)} - {"moe", "__dict__"}
+    assert {"plain", "owners"} <= read, sorted(read)
     for flag in ("shared", "output_norm", "tuple_len", "flat_with_logits", "sources", "detached", "training", "bound"):
         assert not any(r.startswith(flag) for r in read), (flag, sorted(read))
 
