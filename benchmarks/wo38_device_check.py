@@ -24,9 +24,7 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
-import threading
 import time
 
 SMOKE = "--smoke" in sys.argv
@@ -40,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rounds import graph_of, medians, settled, shuffled, wins  # noqa: E402
 from bench_run import RunLog, run_info, write_json  # noqa: E402
 from compile_workers import compile_one, spawn_workers, task_status  # noqa: E402
-from held_run import held_device  # noqa: E402
+from held_run import held_device, start_watchdog  # noqa: E402
 from wo38_variants import CALLS, SMOKE_CELLS, CellSpec, Variant, compile_shape, shape_of, variants  # noqa: E402
 from wo8_variants import Weights  # noqa: E402
 from wo_device_check import rel_err  # noqa: E402
@@ -53,8 +51,8 @@ from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, wei
 SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
 WORKERS = 14  # of the device's 16 cores
 CELL_S = 12.0  # a cell waits for its compile tasks until this long before the deadline, then runs those compiled
-RUN = RunLog("wo38: graph µs, median of settled rounds; x pick = pick / variant; faster = rounds <= 0.97x the pick",
-             stall_s=60.0)
+WATCHDOG_S = 12.0  # past the deadline and this, the run ends with the table so far (a hung kernel; timeout 85 s)
+RUN = RunLog("wo38: graph µs, median of settled rounds; x pick = pick / variant; faster = rounds <= 0.97x the pick")
 
 
 @dataclasses.dataclass
@@ -171,7 +169,9 @@ def check(cell: Cell, calls: dict, w: Weights, c0) -> set:
     return passed
 
 
-def run_cell(ci: int, spec: CellSpec, w: Weights, dev, status: dict, index: dict) -> Cell:
+def run_cell(ci: int, spec: CellSpec, w: Weights, dev, status: dict, index: dict, stop_s: float) -> Cell:
+    """The cell's pick and variants: compile status applied, checked, captured, timed (no round begins past ``stop_s``
+    s from the start)."""
     s = shape_of(spec.preset)
     key, gluon_ok = device_key(dev), gluon_wo.gluon_supported(dev)
     found = variants(spec, key, gluon_ok)
@@ -200,7 +200,7 @@ def run_cell(ci: int, spec: CellSpec, w: Weights, dev, status: dict, index: dict
                 cell.errors[n] = f"graph capture: {type(e).__name__}: {str(e)[:300]}"
                 RUN.check(f"{cell.label} {n} graph", False, cell.errors[n])
         cell.rounds = settled({n: (g, None) for n, g in graphs.items()}, len(inputs), dev, ROUNDS, REPLAYS,
-                              order=shuffled)
+                              time.time() + stop_s - RUN.elapsed(), order=shuffled)
         cell.times = medians(cell.rounds)
         del graphs
     RUN.log(f"{cell.label}: " + "  ".join(f"{n} {t:.1f}" for n, t in sorted(cell.times.items(), key=lambda kv: kv[1])))
@@ -230,9 +230,7 @@ def rows(c: Cell) -> list[str]:
 
 
 def main(args) -> int:
-    dev = held_device(args.smoke, args)
-    if not args.smoke:  # the interpreter's calls take minutes
-        threading.Thread(target=RUN.watchdog, daemon=True).start()
+    dev = held_device(args.smoke, args)  # --smoke: no deadline (the interpreter's calls take minutes)
     specs = cell_specs(args)
     key, gluon_ok = device_key(dev), gluon_wo.gluon_supported(dev)
     tasks, index = compile_tasks(specs, key, gluon_ok)
@@ -240,6 +238,14 @@ def main(args) -> int:
     RUN.log(f"{run_info()} {len(specs)} cells, {len(tasks)} compile tasks, gluon {gluon_ok}")
     result = {**run_info(), "cells": [], "failed": RUN.failed}
     cells, held = [], {}
+
+    def dump() -> None:
+        result["cells"] = [dataclasses.asdict(c) for c in cells]
+        if args.out:
+            write_json(os.path.join(args.out, "wo38.json"), result)
+
+    if not args.smoke:  # past the deadline and a margin (a hung kernel): the workers killed, the table and JSON so far
+        start_watchdog(args.deadline + WATCHDOG_S, RUN.elapsed, {"all": procs}, RUN.failed, RUN.print_table, dump)
     try:
         for ci, spec in enumerate(specs):
             if RUN.elapsed() > args.deadline:
@@ -254,12 +260,10 @@ def main(args) -> int:
             wanted = {t for (c, _), t in index.items() if c == ci}
             status = wait_compiled(procs, wanted, args.deadline - CELL_S) if procs else {}
             try:
-                cells.append(run_cell(ci, spec, held["w"], dev, status, index))
+                cells.append(run_cell(ci, spec, held["w"], dev, status, index, args.deadline + WATCHDOG_S - 4))
             except Exception as e:  # noqa: BLE001  (one cell's failure never loses the others)
                 RUN.check(spec.label, False, f"raised {type(e).__name__}: {str(e)[:400]}")
-            result["cells"] = [dataclasses.asdict(c) for c in cells]
-            if args.out:
-                write_json(os.path.join(args.out, "wo38.json"), result)
+            dump()
     finally:
         for p, _ in procs:
             p.kill()
