@@ -27,17 +27,20 @@ def test_a_cell_is_scheme_preset_and_m():
 
 
 def test_variants_follow_the_rows_an_expert_receives():
-    # Mixtral int4 M = 256: 64 rows an expert. The route runs the 128-row tile heuristic; 16-row tiles and the register
-    # decode up to 64 rows run, 128-row tiles from 48, no 16-row tile decode (32 rows at most)
+    # Mixtral int4 M = 256: 64 rows an expert. The route runs the Gluon path (session 38), the 128-row tile heuristic
+    # where the device has none; 16-row blocks and the register decode up to 64 rows run, 128-row tiles from 48, no
+    # 16-row tile decode (32 rows at most)
     mixtral = variants(CellSpec.parse("int4:mixtral-8x7b:256"), H200, gluon_ok=True)
-    assert mixtral["pick"].decode == "tile" and mixtral["pick"].config.BLOCK_M == 128
-    assert {"mma16", "mma64", "reg", "tile128", "scratch", "gluon", "gluonM"} <= set(mixtral)
+    assert mixtral["pick"] == mixtral["gluonM"] and mixtral["pick"].decode == "gluon"
+    assert {"mma16", "mma64", "reg", "tile128", "scratch", "gluon"} <= set(mixtral)
     assert "tile16g8" not in mixtral
-    # DeepSeek-V3 M = 512: 16 rows an expert; the route's M = 1024 row runs 64-row tiles. No scratch (256 experts), no
-    # 64-row variant, none of the Gluon path where the device has none
+    off_hopper = variants(CellSpec.parse("int4:mixtral-8x7b:256"), H200, gluon_ok=False)["pick"]
+    assert off_hopper.decode == "tile" and off_hopper.config.BLOCK_M == 128
+    # DeepSeek-V3 M = 512: 16 rows an expert, the route's mma decode in 16-row blocks (session 38). No scratch (256
+    # experts), no 64-row variant, none of the Gluon path where the device has none
     deepseek = variants(CellSpec.parse("mxfp4:deepseek-v3:512"), H200, gluon_ok=False)
-    assert deepseek["pick"].decode == "tile" and deepseek["pick"].config.BLOCK_M == 64
-    assert {"mma16", "mma32", "tile16g8", "tile32"} <= set(deepseek)
+    assert deepseek["pick"] == deepseek["mma16"] and deepseek["pick"].config.BLOCK_M == 16
+    assert {"mma32", "tile16g8", "tile32"} <= set(deepseek)
     assert not {"scratch", "gluon", "gluonM", "tile64", "mma64"} & set(deepseek)
 
 
@@ -45,7 +48,7 @@ def test_a_variant_compiles_once_per_preset():
     specs = [CellSpec.parse(c) for c in ("int4:mixtral-8x7b:256", "int4:mixtral-8x7b:512", "int4:qwen3-30b-a3b:256")]
     tasks, index = check.compile_tasks(specs, H200, gluon_ok=True)
     assert index[(0, "tile128")] == index[(1, "tile128")]  # the same config, preset and scheme: one task
-    assert index[(1, "pick")] == index[(0, "scratch")]  # M = 512's pick is the scratch decode
+    assert index[(1, "pick")] == index[(0, "gluonM")]  # M = 512's pick: the Gluon path with the shape's options
     assert index[(0, "mma32")] != index[(2, "mma32")]  # another preset: its own task (E = 8 specialises apart)
     assert sorted(set(index.values())) == list(range(len(tasks)))
     assert [t[0] for t in tasks] == sorted(t[0] for t in tasks)  # the first cell's tasks first
