@@ -39,6 +39,12 @@ def collect_workers(procs, seconds_left) -> dict:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    return task_status(procs)
+
+
+def task_status(procs) -> dict:
+    """{(cell, variant): "ok" | "crashed" (started, not finished: still compiling where the worker runs) | "error:
+    ..."} from the workers' logs as they stand, waiting for nothing."""
     status = {}
     for _, log in procs:
         for line in log.read_text(errors="replace").splitlines():

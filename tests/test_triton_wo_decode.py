@@ -64,13 +64,15 @@ XTILE_MEASURED = {(128, 768, 2048, 8): {("mxfp4", 1): ("gemv", 25.9)}}
 # on merged main b32c0fb: int4 M=64 against register 2742.0 / 196.7, mxfp4 Mixtral M=8 against tile 589.6)
 # session 29 (benchmarks/mx9_device_check.py CK1 / CK1b, mxfp4 with the multiply placement; the same runs' picks:
 # Mixtral M=1 register 190.4, M=8 mma 558.1, M=64 tile 856.5, DeepSeek-V3 M=1 gemv 144.0, M=8 gemv 1010.4, M=64
-# register 3936.8)
+# register 3936.8); session 38 (benchmarks/wo38_device_check.py at d4f6eeb4, ONE H100, graph µs; the same run's picks:
+# Qwen3 mxfp4 M=8 tile 130.5, M=64 register 278.6)
 MMA_MEASURED = {(8, 14336, 4096, 2): {("int4_w4a16", 8): ("mma", 343.0), ("mxfp4", 8): ("mma", 336.4),
                                       ("mxfp4", 1): ("mma", 168.1), ("mxfp4", 64): ("mma", 763.1)},
                 (256, 2048, 7168, 8): {("int4_w4a16", 64): ("mma", 2309.5),  # merged main b32c0fb
                                        ("mxfp4", 1): ("mma", 104.1), ("mxfp4", 8): ("mma", 866.5),
                                        ("mxfp4", 64): ("mma", 3156.3)},
-                (128, 768, 2048, 8): {("int4_w4a16", 64): ("mma", 162.5)}}
+                (128, 768, 2048, 8): {("int4_w4a16", 64): ("mma", 162.5), ("mxfp4", 8): ("mma", 96.7),
+                                      ("mxfp4", 64): ("mma", 170.7)}}
 
 
 _KERNELS = {}  # the interpreted gemm_wo_reg module, for decode_kernel (a Triton kernel reads module globals only)

@@ -216,15 +216,17 @@ def test_chooser_takes_mma_where_it_won():
             ((256, 2048, 7168), (128, 768, 2048))} == {"gemv"}
     # int4 M=64 (DeepSeek-V3 2309.5 against 2742.0, Qwen3 162.5 against 196.7 µs) and Mixtral mxfp4 M=8 (562.0
     # against the tile decode's 589.6), merged main b32c0fb
-    assert {m: choose_decode("int4_w4a16", m, 256, 2048, 7168, 8) for m in (22, 23, 64, 511, 512)} == {
-        22: "register", 23: "mma", 64: "mma", 511: "mma", 512: "tile"}
-    assert {m: choose_decode("int4_w4a16", m, 128, 768, 2048, 8) for m in (23, 64, 255, 256)} == {
-        23: "mma", 64: "mma", 255: "mma", 256: "tile"}
+    # session 38 (H100): DeepSeek-V3 M=512 on the mma decode (its winners row: to M = 724, nearer than M = 1024's tile),
+    # Qwen3 M=256 (DECODE_MEASURED, 256..511; from 512 the M = 1024 row's tile)
+    assert {m: choose_decode("int4_w4a16", m, 256, 2048, 7168, 8) for m in (22, 23, 64, 511, 512, 724, 725)} == {
+        22: "register", 23: "mma", 64: "mma", 511: "mma", 512: "mma", 724: "mma", 725: "tile"}
+    assert {m: choose_decode("int4_w4a16", m, 128, 768, 2048, 8) for m in (23, 64, 255, 256, 511, 512)} == {
+        23: "mma", 64: "mma", 255: "mma", 256: "mma", 511: "mma", 512: "tile"}
     # mxfp4 on the mma's multiply placement (session 29, mx9 CK1 / CK1b: Mixtral M = 1 / 8 / 64 168.1 / 336.4 / 763.1
     # against 190.4 / 558.1 / 856.5 µs, DeepSeek-V3 M = 1 / 8 / 64 104.1 / 866.5 / 3156.3 against the gemv's 144.0 /
     # 1010.4 and the register decode's 3936.8)
-    assert {m: choose_decode("mxfp4", m, 8, 14336, 4096, 2) for m in (1, 2, 8, 64, 128)} == {
-        1: "mma", 2: "mma", 8: "mma", 64: "mma", 128: "tile"}
+    assert {m: choose_decode("mxfp4", m, 8, 14336, 4096, 2) for m in (1, 2, 8, 64, 128, 255)} == {
+        1: "mma", 2: "mma", 8: "mma", 64: "mma", 128: "mma", 255: "mma"}  # 128..255: session 38's row (H100)
     assert {choose_decode("mxfp4", m, 256, 2048, 7168, 8) for m in (1, 2, 3, 8, 64)} == {"mma"}
     # int8 M=1 (session 28: DeepSeek-V3 104.4 against the tile decode's 123.7 µs, Mixtral 122.2 against 135.8): M <= 2
     # (nearest in log2 to 1 of {1, 8, 64}), the tile decode from 3 (M=8: DeepSeek-V3 694.2 against 714.3)

@@ -79,9 +79,18 @@ class GluonWoGemms:
 # (``triton_gluon_wo_lean``, 38-68 µs of host a call) takes Qwen3 and DeepSeek-V3 int8 2048. Lost (not taken):
 # Qwen3 int4 1024 468.8 / tile 483.8 (2/5), int4 4096 1144 / scratch 1125, mxfp4 4096 1210 / scratch 1115, Mixtral
 # int4 / mxfp4 1024 2613 / 2592, 2677 / 2559, DeepSeek-V3 int8 1024 5859 / tile 5099.
+# Session 38 (benchmarks/wo38_device_check.py at d4f6eeb4, ONE H100 80GB, torch 2.11, Triton 3.6; graph µs, median of
+# 5 settled rounds, PASS against the twin; the shape's GLUON_WO_OPTIONS / the pick, >= 3% faster in 5/5 rounds):
+# Mixtral int4 M=128 / 256 / 384 / 512 764.4 / 763.3 / 771.1 / 1110.8 against tile m64 817.3, tile m128 1417.5 /
+# 1410.6, scratch 2609.5; mxfp4 M=256 / 384 / 512 883.8 / 902.0 / 1294.0 against tile m128 1513.8 / 1524.2, scratch
+# 2593.8 (M=128: 895.2 against 833.9, lost: the mma decode there, ``triton_wo_configs.MMA_CONFIGS``); int8 M=256 / 512
+# 656.9 / 919.5 against tile m128 978.9 / 1515.1 (int8 M=128 not measured). Graph µs only: the lean launch's 38-68 µs
+# of host a call lies well under these calls' GPU time. Not taken: DeepSeek-V3 int4 / int8 M=1024 5569.2 / 5568.8
+# against tile m64 6036.3 / 6005.2 (5/5 each; the swapped GEMMs' options start at 4096 there, GLUON_WO_OPTIONS)
 GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
-    # Mixtral M=1024: 1913 / tile 2414 / 1333; M=2048 (session 31, the swapped GEMMs below): 3172.8 / tile 3833.1
-    ("int8_w8a16", 8, 14336, 4096): (1024, 4096),
+    # Mixtral M=1024: 1913 / tile 2414 / 1333; M=2048 (session 31, the swapped GEMMs below): 3172.8 / tile 3833.1;
+    # M=256 / 512: session 38 (above)
+    ("int8_w8a16", 8, 14336, 4096): (256, 4096),
     # Qwen3 M=1024 / 2048 / 4096: 370.5 / 539.6 / 896.4 against tile 427.4 / 663.3 / 1100.2; eager 377 / 549 / 911
     # against 433 / 671 / 1109
     ("int8_w8a16", 128, 768, 2048): (1024, 8192),
@@ -95,8 +104,8 @@ GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     # session 28 (wo8_device_check.py, checkpoint 1c at f83b663, graph µs: this path with GLUON_WO_OPTIONS' variant /
     # the pick / bf16; 5 of 5 rounds >= 3% faster than the pick; the session-27 kernel through the lean launch lost
     # here, above): the 4-bit Mixtral cells at M = 1024
-    ("int4_w4a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 2320 / scratch 2586 / 1349
-    ("mxfp4", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 2273 / scratch 2547 / 1349
+    ("int4_w4a16", 8, 14336, 4096): (128, 2048),  # Mixtral M=1024: 2320 / scratch 2586 / 1349; M=128-512: session 38
+    ("mxfp4", 8, 14336, 4096): (256, 2048),  # Mixtral M=1024: 2273 / scratch 2547 / 1349; M=256-512: session 38
 }
 
 
@@ -129,15 +138,17 @@ GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], MeasuredGemms] = {
     # a call 344 / 383, 506 / 590, 3090 / 3819): Qwen3 M=1024 320.3 / 367.8 / 363.7, M=2048 471.3 / 547.5 / 439.8,
     # Mixtral M=2048 3172.8 / 3833.1 / 2320.4
     ("int8_w8a16", 128, 768, 2048): MeasuredGemms(1024, 8192, GluonWoGemms(_SWAP, _SWAP)),
-    ("int8_w8a16", 8, 14336, 4096): MeasuredGemms(1024, 4096, GluonWoGemms(_SWAP, _SWAP)),
+    ("int8_w8a16", 8, 14336, 4096): MeasuredGemms(256, 4096, GluonWoGemms(_SWAP, _SWAP)),  # M=256 / 512: session 38
     # DeepSeek-V3 M=4096: int4 11012 / 12078 / 8078, mxfp4 10356 / 11974 (split+fast|fast+slots3 10263). Session 31
     # (as above): int4 swapped, split 9795.4 / 12873.1 (the fast GEMMs) / 8249.1; eager 10202 / 10989
     ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP_INT4, _SWAP_INT4)),
     ("mxfp4", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
     # Mixtral M=1024: int4 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314). Session 31 (as
     # above): int4 swapped, split 2002.6 / 2590.2 (split + fast) / 1330.5; eager 2095 / 2483
-    ("int4_w4a16", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SWAP_INT4, _SWAP_INT4)),
-    ("mxfp4", 8, 14336, 4096): MeasuredGemms(1024, 2048, GluonWoGemms(_SPLIT_FAST, _SPLIT_FAST)),
+    # Session 38 (GLUON_WO_CELLS' comment): these options at M=128-512 (int4) / 256-512 (mxfp4), 1.27-1.55x faster than
+    # the session-27 GEMMs there (int4 M=256 763.3 against 1113.8, mxfp4 883.8 against 1053.9)
+    ("int4_w4a16", 8, 14336, 4096): MeasuredGemms(128, 2048, GluonWoGemms(_SWAP_INT4, _SWAP_INT4)),
+    ("mxfp4", 8, 14336, 4096): MeasuredGemms(256, 2048, GluonWoGemms(_SPLIT_FAST, _SPLIT_FAST)),
 }
 
 

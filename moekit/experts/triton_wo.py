@@ -63,7 +63,7 @@ from moekit.quant.base import unpack_nibbles
 SCHEMES = tuple(SCHEME_IDS)
 GROUP_SIZES = {"int8_w8a16": (0,), "int4_w4a16": (32, 64, 128), "mxfp4": (32,)}
 X_DTYPES = (torch.bfloat16, torch.float16)
-GLUON_MIN_TOKENS = 512  # no ``triton_gluon_wo.GLUON_WO_CELLS`` range starts below it (a test holds them to it)
+GLUON_MIN_TOKENS = 128  # no ``triton_gluon_wo.GLUON_WO_CELLS`` range starts below it (a test holds them to it)
 _ID_DTYPES = (torch.int32, torch.int64)
 
 

@@ -45,9 +45,15 @@ _T128, _T256 = GemmTile(32, 128, 1, 1, 3), GemmTile(32, 256, 1, 1, 3)  # 32 weig
 # unsplit: 2 an SM) 98.8 against the 256-column unsplit route's 122.1 (85% of the packed floor against 68%; the split
 # alone 109.9, the 128-byte read at those splits 94.8); Mixtral mxfp4 M = 64 32-row blocks (one an expert against
 # ~1.45 of 16 rows) with the halves at 128 columns 498.2 against the 16-row 256-column route's 528.0
+# Session 38 (benchmarks/wo38_device_check.py at d4f6eeb4, ONE H100 80GB, Triton 3.6, 5 settled rounds, PASS, 5/5 >= 3%
+# against the pick; the decode taken by ``triton_wo_winners.WO_WINNERS``): 32-row blocks, two-sided gate-up, at
+# Mixtral mxfp4 M = 128 744.7 against the m64 tile's 833.9 (16-row blocks 829.3, the halves 765.7), DeepSeek-V3 mxfp4
+# M = 1024 5100.6 against m64 6209.0 (16-row blocks 5452.4, the halves 5344.5)
 MMA_CONFIGS: dict[tuple[str, int, int, int, int], KernelConfig] = {
     ("int8_w8a16", 8, 14336, 4096, 1): WordConfig(16, _T128, _T128, down_split=4),
     ("mxfp4", 8, 14336, 4096, 64): WordConfig(32, _T128, _T128, halves=True),
+    ("mxfp4", 8, 14336, 4096, 128): KernelConfig(32, _T128, _T128),
+    ("mxfp4", 256, 2048, 7168, 1024): KernelConfig(32, _T128, _T128),
 }
 
 

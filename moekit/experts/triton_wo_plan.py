@@ -104,11 +104,12 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # 340.5 / 405.2 / 289.7 against the register decode's 422.6 / 459.9 / 352.8 (5/5 each); and, taken then (M=64
 # entries: DeepSeek-V3 M=23..511, Qwen3 M=23..255; Mixtral mxfp4 M=3..63), int4 M=64 DeepSeek-V3 2309.5 against
 # register 2742.0, Qwen3 162.5 against 196.7, mxfp4 Mixtral M=8 562.0 against tile 589.6 (5/5 each).
+# Session 38 (wo38_device_check, one H100, 5/5, triton-notes.md): Qwen3 M=256, mxfp4 M=8..128 mma, 1.35-2.09x faster
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
-    ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "mma"},  # Qwen3-30B-A3B
+    ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "mma", 256: "mma"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "mma"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "mma"},  # Mixtral-8x7B
-    ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
+    ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "mma", 64: "mma", 256: "mma"},  # Qwen3-30B-A3B (session 38)
     ("mxfp4", 256, 2048, 7168): {1: "mma", 8: "mma", 64: "mma"},  # DeepSeek-V3 (session 29, mx9: the mma's
     ("mxfp4", 8, 14336, 4096): {1: "mma", 8: "mma", 64: "mma"},  # Mixtral-8x7B  multiply placement; tuned files: µs)
     ("int8_w8a16", 256, 2048, 7168): {1: "mma", 8: "tile", 64: "tile"},  # DeepSeek-V3 (session 28, dec8: the mma's

@@ -1,15 +1,16 @@
 """The weight-only decode and tile config measured fastest per (scheme, E, N, K, M) at mid and large
-batches on the H200 (issue #16's M >= 1024 target; one M = 64 row), as data: ``benchmarks/wo_mid_device_check.py``
-prints the rows of WO_WINNERS ready to paste; ``triton_wo_plan.choose_decode`` takes the decode and
-``triton_wo_configs.wo_config`` the tile decode's config from here where the device has no tuned file.
+batches on the H200 (issue #16's M >= 1024 target; M = 64 rows; session 38's M = 128 / 512 rows on an H100), as data:
+``benchmarks/wo_mid_device_check.py`` prints the rows of WO_WINNERS ready to paste; ``triton_wo_plan.choose_decode``
+takes the decode and ``triton_wo_configs.wo_config`` the tile decode's config from here where the device has no tuned
+file.
 
     winner(scheme, E, N, K, M) -> the row of the measured M nearest to M (log2 distance, ties: the
     smaller) among those within a factor 2 (m/2 <= M < 2m) and m >= MIN_M; None where no row covers M
 
-A row: ``WoWinner(decode, tile)``; decode "tile" or "scratch" (or "register"), tile the fastest tile
-decode config measured at that cell (a ``WoTileConfig``), or None for the usual
-lookup. After a device run, the printed rows replace WO_WINNERS' (a data change; keep the run's name in
-the comment above them). Shapes: E local experts, N intermediate, K hidden, M tokens.
+A row: ``WoWinner(decode, tile)``; decode "tile", "scratch" or "mma" (its config ``wo_config``'s), tile the fastest
+tile decode config measured at that cell (a ``WoTileConfig``), or None for the usual lookup (the heuristic's for the
+call's tile-height bucket). After a device run, the printed rows replace WO_WINNERS' (a data change; keep the run's
+name in the comment above them). Shapes: E local experts, N intermediate, K hidden, M tokens.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
     ("mxfp4", 8, 14336, 4096, 1024): WoWinner("scratch", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
     # mixtral-8x7b µs: m256n64a 9689, scratch 5853, default 5853, bf16 5177; 1.13x bf16
     ("mxfp4", 8, 14336, 4096, 4096): WoWinner("scratch", tile(256, (64, 64, 8, 8, 3), (64, 64, 8, 8, 4), True)),
-    # deepseek-v3 µs: m64 6139, scratch 14064, default 6135, bf16 5219; 1.18x bf16
+    # deepseek-v3 µs: m64 6139, scratch 14064, default 6135, bf16 5219; 1.18x bf16. Session 38 (below): the mma decode
+    # 5691.6 against 6036.3 (5/5), the Gluon path 5569.2; neither taken: this row serves up to M = 2047 (64 rows an
+    # expert), where Mixtral's M = 256 read the mma decode's 16-row blocks 1.17x m64's
     ("int4_w4a16", 256, 2048, 7168, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # deepseek-v3 µs: m128n256a 13895, scratch 15864, default 15864, bf16 7733; 1.80x bf16
     ("int4_w4a16", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
@@ -93,10 +96,25 @@ WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
     ("int8_w8a16", 256, 2048, 7168, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # deepseek-v3 µs: m128s4 10967, scratch 16757, default 16757, bf16 7733; 1.42x bf16
     ("int8_w8a16", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (64, 64, 8, 8, 4), (128, 64, 8, 8, 4), False)),
-    # deepseek-v3 µs: m64 6257, scratch 13938, default 6256, bf16 5219; 1.20x bf16
-    ("mxfp4", 256, 2048, 7168, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
+    # deepseek-v3 µs: m64 6257, scratch 13938, default 6256, bf16 5219; 1.20x bf16. Session 38 (below): the mma decode
+    # in 32-row blocks (``triton_wo_configs.MMA_CONFIGS``) 5100.6 against m64 6209.0
+    ("mxfp4", 256, 2048, 7168, 1024): WoWinner("mma"),
     # deepseek-v3 µs: m128n256a 14594, scratch 15586, default 15586, bf16 7733; 1.89x bf16
     ("mxfp4", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
+    # Session 38 (benchmarks/wo38_device_check.py at d4f6eeb4, ONE H100 80GB, torch 2.11, Triton 3.6; graph µs, median
+    # of 5 settled rounds, every call PASS against the twin, the taken >= 3% faster than the pick in 5/5 rounds): at
+    # DeepSeek-V3 M=512 (16 rows an expert) the M=1024 rows above ran 64-row tiles; the M=256 pick's mma decode in
+    # 16-row blocks int4 3611.7 / mxfp4 3376.7 against m64 5974.2 / 6044.4 (32-row blocks 6616.4 / 3823.7); int8 the
+    # 32-row tile heuristic's (no tile here: ``wo_heuristic_config`` of the call's bucket) 4257.9 against m64 5755.5
+    # (GROUP_M 8 4229.0, the register decode 4288.5, mma 4438.6-4671.0). A row covers 256..1023 (nearest: 512..724);
+    # at 256..511 the chooser's decode and bucket config are what they were (mma 16-row, tile 16-row)
+    ("int4_w4a16", 256, 2048, 7168, 512): WoWinner("mma"),
+    ("mxfp4", 256, 2048, 7168, 512): WoWinner("mma"),
+    ("int8_w8a16", 256, 2048, 7168, 512): WoWinner("tile"),
+    # mixtral-8x7b mxfp4 M=128 (32 rows an expert; session 38 as above): the mma decode in 32-row blocks
+    # (``MMA_CONFIGS``) 744.7 against the m64 tile heuristic's 833.9 (the halves 765.7, the Gluon path 895.2); from
+    # M=256 the Gluon path (``triton_gluon_wo.GLUON_WO_CELLS``)
+    ("mxfp4", 8, 14336, 4096, 128): WoWinner("mma"),
 }
 
 
