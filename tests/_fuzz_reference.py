@@ -294,7 +294,9 @@ def capacity_keep(routes: list[TokenRoute], cfg, factor: float, policy: str) -> 
         held = taken.setdefault(expert, [])
         if len(held) >= cap:
             keep[t][j] = False
-            ambiguous |= policy == "weight" and bool(held) and _near(held[-1], w)
+            # any kept weight near it, not only the last: float64 weights a float32 router ties exactly may differ
+            # by an ulp, which then orders them (seed 314: 1/6 + 1 ulp put token 7 first, dropping token 5)
+            ambiguous |= policy == "weight" and any(_near(h, w) for h in held)
         else:
             held.append(w)
     return keep, ambiguous
