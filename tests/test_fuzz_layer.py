@@ -120,6 +120,20 @@ def test_reference_marks_a_capacity_drop_decided_by_a_near_tie():
     assert not check_case(draw_case(314)).failures
 
 
+def test_reference_marks_a_tie_that_float64_rounding_made():
+    """Seed 854: copied gate rows gave logits an ulp apart (a float64 GEMM's columns) whose float64 softmax scores
+    the reference rounds equal, so it took the lower id where the layer's softmax kept the ulp: ambiguous. Equal
+    logits stay an exact tie (the lower id, on both sides)."""
+    cfg = MoEConfig(hidden_size=4, moe_intermediate_size=4, num_experts=6, top_k=2)
+    row = [float.fromhex(v) for v in ("-0x1.69087d08a681ap+1", "0x1.bb55b7aca3230p-2", "0x1.a2f3a8857a9c2p+1",
+                                      "0x1.a6dc12fd85055p+0", "0x1.a6dc12fd85056p+0", "-0x1.de93cc0a9eae8p-1")]
+    route = route_token(row, cfg, None)
+    assert route.ids == [2, 3] and route.ambiguous
+    row[4] = row[3]
+    route = route_token(row, cfg, None)
+    assert route.ids == [2, 3] and not route.ambiguous
+
+
 def test_reference_marks_near_ties():
     """Two logits 1e-7 apart at the top-k boundary: float32 may choose either, so the token is ambiguous."""
     cfg = MoEConfig(hidden_size=4, moe_intermediate_size=4, num_experts=3, top_k=1)
