@@ -376,11 +376,12 @@ class MoE(nn.Module):
             return "per_expert_loop"  # reference and grouped_mm run fp8_block through moekit.quant's recipe loop
         if backend != "grouped_mm":
             return {"triton": "block_aligned", "reference": "per_expert_loop"}.get(backend, backend)
-        options = {k: v for k, v in self.backend_options.items() if k in ("memory_budget_bytes", "layout")}
+        keep = ("memory_budget_bytes", "layout") if routing.num_tokens else ("layout",)  # M = 0: no experts call
+        options = {k: v for k, v in self.backend_options.items() if k in keep}
         plan = plan_grouped_mm(*routing.topk_ids.shape, w13.shape[0], w13.shape[2], w2.shape[2],
                                w13.dtype, allow_sync=w13.device.type == "cpu", **options)
-        return (plan.layout if plan.chunk_tokens >= routing.num_tokens
-                else f"{plan.layout} in chunks of {plan.chunk_tokens}")
+        chunked = plan.chunk_tokens < routing.num_tokens
+        return f"{plan.layout} in chunks of {plan.chunk_tokens}" if chunked else plan.layout
 
     def resolved_backend(self) -> str:
         """The backend that runs on the weights' device: ``backend`` with "auto" resolved."""

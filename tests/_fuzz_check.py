@@ -20,10 +20,13 @@ from _fuzz_reference import LayerWeights, reference_moe
 
 # relative L2 against float64 (design.md's contract; float64 layers: float64 all the way)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float64: 1e-10}
-# bf16 outputs of fewer values: twice the tolerance. grouped_mm rounds h, + b13, glu, y, + b2 and each slot's weighted
-# output to bf16: measured up to 1.6e-2 on one token of K = 8 with expert biases (the float32 reference 2e-3), under
-# 6e-3 from 16 tokens on; the contract's 1e-2 is a bound on the error of whole batches
+# bf16 outputs of fewer values: three times the tolerance. The contract's 1e-2 bounds batches; on a few values the
+# error is a statistic of the bf16 roundings (test_bf16_rounding: grouped_mm's GEMM path, as transformers' grouped_mm,
+# rounds h, + b13, the activation, its product, y, + b2; emulated in float64 it is that path bit for bit). One token
+# of K = 8 with expert biases: up to 2.7e-2 in 4000 emulated draws (1.6% over 1e-2; the CPU loop 0.45%, float32
+# intermediates none), 64 values up to 1.4e-2 (0.2%), 512 values 1.04e-2 (0.03%): nothing of it a bug
 SMALL_BF16 = 64
+SMALL_BF16_FACTOR = 3
 FP8_TOLERANCE = 2e-2  # fp8_block: an activation on an e4m3 rounding boundary may round either way in float32
 BACKENDS = ("reference", "grouped_mm", "triton")
 
@@ -126,7 +129,7 @@ def _reference(layer, case: FuzzCase, x: torch.Tensor, logits: torch.Tensor, res
 def _check_output(out: torch.Tensor, want: torch.Tensor, case: FuzzCase, what: str, result: Outcome) -> None:
     err, tol = rel_l2(out, want), tolerance(case)
     if case.dtype in (torch.bfloat16, torch.float16) and out.numel() < SMALL_BF16:
-        tol *= 2
+        tol *= SMALL_BF16_FACTOR
     result.compared += 1
     if not err < tol:
         result.fail(f"{what} output rel L2 {err:.3g} >= {tol:g}")
@@ -191,6 +194,9 @@ EXPECTED_REFUSALS = (("triton", "float64", "float64"), ("grouped_mm", "memory_bu
 def _check_refusal(case: FuzzCase, backend: str, err: Exception, result: Outcome) -> None:
     """An error at the layer's call: a refusal this case may meet must name its argument; anything else fails."""
     message = str(err)
+    if case.m == 0 and "memory_budget_bytes" in message:  # an empty batch makes no experts call: no budget to meet
+        result.fail(f"{backend}: M = 0 refused for its budget: {message}")
+        return
     for refuser, cause, name in EXPECTED_REFUSALS:
         if backend == refuser and cause in message + str(case.dtype) + str(case.grouped_mm_options):
             result.refusals += 1

@@ -169,6 +169,15 @@ def _boundary_near(values: dict[int, float], order: list[int], upto: int) -> boo
     return any(_near(values[a], values[b]) for a, b in zip(head, head[1:]))
 
 
+def _rounded_tie(values: dict[int, float], scored: dict[int, float], row: list[float], order: list[int],
+                 upto: int) -> bool:
+    """Whether two neighbours among the first upto + 1 of ``order`` tie exactly on choice values (not a zero fill)
+    made from logits that differ: the tie is float64's rounding (the exp of logits an ulp apart; seed 854's float64
+    gate gave two copied rows' logits an ulp apart, which the layer's softmax kept), so the lower id need not win."""
+    head = [e for e in order[:upto + 1] if values[e] == scored[e]]
+    return any(values[a] == values[b] and row[a] != row[b] for a, b in zip(head, head[1:]))
+
+
 def _sigmoid(v: float) -> float:
     return 1 / (1 + math.exp(-v)) if v >= 0 else math.exp(v) / (1 + math.exp(v))
 
@@ -191,12 +200,13 @@ def route_token(raw: list[float], cfg, bias: list[float] | None) -> TokenRoute:
     shifted = scores if cfg.correction_bias_on == "scores" else {e: row[e] for e in live}
     choice = {e: shifted[e] + (bias[e] if bias is not None else 0.0) for e in live}
     allowed, ambiguous = _kept_experts(choice, cfg, bias is not None)
+    scored = choice  # before the zero fill
     if cfg.dropped_group_fill == "zero":
         choice = {e: (v if e in allowed else 0.0) for e, v in choice.items()}
         allowed = set(range(width))
     candidates = {e: v for e, v in choice.items() if e in allowed}
     order = _ordered(candidates)
-    ambiguous |= _boundary_near(candidates, order, cfg.top_k)
+    ambiguous |= _boundary_near(candidates, order, cfg.top_k) or _rounded_tie(candidates, scored, row, order, cfg.top_k)
     masked_fill = [e for e in range(width) if e in allowed and not finite[e]]  # lower id first, weight 0
     ids = (order + masked_fill)[:cfg.top_k]
     taken = [e for e in ids if finite[e]]
@@ -294,7 +304,9 @@ def capacity_keep(routes: list[TokenRoute], cfg, factor: float, policy: str) -> 
         held = taken.setdefault(expert, [])
         if len(held) >= cap:
             keep[t][j] = False
-            ambiguous |= policy == "weight" and bool(held) and _near(held[-1], w)
+            # any kept weight near it, not only the last: float64 weights a float32 router ties exactly may differ
+            # by an ulp, which then orders them (seed 314: 1/6 + 1 ulp put token 7 first, dropping token 5)
+            ambiguous |= policy == "weight" and any(_near(h, w) for h in held)
         else:
             held.append(w)
     return keep, ambiguous

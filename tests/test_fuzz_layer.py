@@ -20,7 +20,7 @@ import torch
 
 from _fuzz_cases import draw_case
 from _fuzz_check import check_case
-from _fuzz_reference import LayerWeights, reference_moe, route_token
+from _fuzz_reference import LayerWeights, TokenRoute, capacity_keep, reference_moe, route_token
 from _triton_helpers import interpreted
 from moekit import MoE, MoEConfig
 
@@ -103,6 +103,35 @@ def test_reference_routes_a_hand_example():
     assert r.ids == [2, 3] and not r.ambiguous
     assert r.weights == pytest.approx([2.5 * sig[2] / (sig[2] + sig[3]), 2.5 * sig[3] / (sig[2] + sig[3])], rel=1e-12)
     assert route_token(logits, cfg.replace(group_score="max"), bias).ids == [0, 1]
+
+
+def test_reference_marks_a_capacity_drop_decided_by_a_near_tie():
+    """Four tokens on expert 0 with room for three, "weight" policy: weights an ulp apart (float64 sums of ties a
+    float32 router makes exact) decide which is dropped, so the case is ambiguous, whichever kept weight is the near
+    one (fuzz seed 314: the heaviest); exact ties (position order on both sides) and clear gaps are not."""
+    cfg = MoEConfig(hidden_size=4, moe_intermediate_size=4, num_experts=2, top_k=1)
+    sixth = 1.0 / 6.0
+    for weights, ambiguous in (([math.nextafter(sixth, 1.0), sixth, sixth, sixth], True),
+                               ([sixth, sixth, sixth, math.nextafter(sixth, 0.0)], True),
+                               ([sixth] * 4, False), ([0.5, 0.4, 0.3, 0.2], False)):
+        routes = [TokenRoute(ids=[0], weights=[w]) for w in weights]
+        keep, marked = capacity_keep(routes, cfg, 1.5, "weight")  # C = ceil(1.5 * 4 tokens * k 1 / E 2) = 3
+        assert sum(k[0] for k in keep) == 3 and marked == ambiguous, (weights, keep)
+    assert not check_case(draw_case(314)).failures
+
+
+def test_reference_marks_a_tie_that_float64_rounding_made():
+    """Seed 854: copied gate rows gave logits an ulp apart (a float64 GEMM's columns) whose float64 softmax scores
+    the reference rounds equal, so it took the lower id where the layer's softmax kept the ulp: ambiguous. Equal
+    logits stay an exact tie (the lower id, on both sides)."""
+    cfg = MoEConfig(hidden_size=4, moe_intermediate_size=4, num_experts=6, top_k=2)
+    row = [float.fromhex(v) for v in ("-0x1.69087d08a681ap+1", "0x1.bb55b7aca3230p-2", "0x1.a2f3a8857a9c2p+1",
+                                      "0x1.a6dc12fd85055p+0", "0x1.a6dc12fd85056p+0", "-0x1.de93cc0a9eae8p-1")]
+    route = route_token(row, cfg, None)
+    assert route.ids == [2, 3] and route.ambiguous
+    row[4] = row[3]
+    route = route_token(row, cfg, None)
+    assert route.ids == [2, 3] and not route.ambiguous
 
 
 def test_reference_marks_near_ties():

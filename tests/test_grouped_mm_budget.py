@@ -10,6 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from _helpers import TOLERANCE, experts_loop, make_problem, rel_l2
+from moekit import MoE, MoEConfig
 from moekit.experts.grouped_mm import experts_grouped_mm, plan_grouped_mm
 from moekit.experts.grouped_mm_plan import contiguous_token_bytes
 
@@ -83,6 +84,39 @@ def test_a_budget_of_a_few_kilobytes_is_told_in_bytes():
         with pytest.raises(ValueError, match=r"fits 64 bytes; the smallest, \w+, needs [1-9]\d* bytes|"
                                              r"fits 64 bytes; the smallest, \w+, needs 0\.[1-9] MiB"):
             experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=64, layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["auto", "contiguous", "masked_measured_cap"])
+def test_an_empty_batch_is_not_refused_for_a_budget_it_does_not_need(layout):
+    """M = 0: the plain call returns the empty output without an experts call, and a call with stats agrees (it
+    asked the plan for one token's rows: fuzz37). The plan of no tokens is contiguous's empty run, which holds
+    nothing, so a direct call is not refused either; a forced masked layout, whose measured cap allocates
+    E x MASKED_ROUND_TO rows even then, says so. One token still meets the budget in both calls."""
+    cfg = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2)
+    moe = MoE(cfg, backend="grouped_mm", backend_options={"memory_budget_bytes": 64, "layout": layout}).eval()
+    roomy = MoE(cfg, backend="grouped_mm", backend_options={"layout": layout}).eval()
+    empty = torch.zeros(0, K)
+    with torch.no_grad():
+        assert torch.equal(moe(empty), torch.zeros(0, K))
+        result = moe(empty, return_stats=True)
+        assert torch.equal(result.out, torch.zeros(0, K)) and result.stats.num_tokens == 0
+        assert result.stats.counts.tolist() == [0] * E and result.stats.dropped == 0
+        assert result.stats.layout == roomy(empty, return_stats=True).stats.layout == (
+            "contiguous" if layout == "auto" else layout)
+        for stats in (False, True):
+            with pytest.raises(ValueError, match="memory_budget_bytes=64 cannot hold even one token"):
+                moe(torch.randn(1, K), return_stats=stats)
+    x, w13, w2, ids, weights = problem(0, 2, torch.float32)
+    if layout == "masked_measured_cap":
+        with pytest.raises(ValueError, match="memory_budget_bytes=64 cannot hold the rows its layout allocates at "
+                                             "M = 0"):
+            experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=64, layout=layout)
+        return
+    plan = plan_grouped_mm(0, 2, E, K, N, torch.float32, memory_budget_bytes=64, layout=layout)
+    assert (plan.layout, plan.chunk_tokens) == ("contiguous", 0)
+    for cpu_gemm in ("auto", "grouped_mm"):
+        out = experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=64, layout=layout, cpu_gemm=cpu_gemm)
+        assert torch.equal(out, torch.zeros(0, K))
 
 
 def test_traced_chunks_hold_their_outputs_in_x_dtype(tmp_path):

@@ -9,6 +9,7 @@ Shapes: M tokens, E experts, k = top_k, S shared slots, K hidden, N expert width
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 
@@ -169,3 +170,29 @@ def test_softcap_reaches_the_weights():
     assert torch.equal(got.topk_ids, ids)
     torch.testing.assert_close(got.topk_weights.double(), routed, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got.shared_weights.double(), shared, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("cap", [1.5, 0.0])
+def test_each_logit_is_capped_once_and_the_routing_is_unchanged(cap, monkeypatch):
+    """With ``router_logit_softcap`` the [M, E + S] logits are capped once, not once for the choice and again for
+    the weights (session 37: the recursive ``route`` capped the E, ``_with_shared_weights`` all E + S); the result
+    equals, bit for bit, what the two caps computed: the k chosen of E by the routed-part config on the logits'
+    first E columns, weighted from the whole capped logits."""
+    route_module = importlib.import_module("moekit.routing.route")  # the attribute moekit.routing.route is the function
+    capped = []
+    original = route_module.soft_capped
+    monkeypatch.setattr(route_module, "soft_capped", lambda t, c: capped.append(t.numel()) or original(t, c))
+    for seed, slots in ((0, 1), (1, 2), (2, 3)):
+        cfg = INK.replace(shared_expert_intermediate_size=4 * slots, router_logit_softcap=cap)
+        g = torch.Generator().manual_seed(seed)
+        logits, bias = torch.randn(33, 8 + slots, generator=g) * 3, torch.randn(8, generator=g) * 0.3
+        capped.clear()
+        got = route(logits, cfg, bias)
+        assert sum(capped) == logits.numel()
+        part = cfg.replace(shared_expert_combine="sum", renormalize=False, routed_scaling_factor=1.0)
+        ids = route(logits[:, :8], part, bias).topk_ids  # the choice, as the recursive route made it
+        whole = original(logits, cfg)  # [M, E + S]
+        both = torch.nn.functional.logsigmoid(torch.cat([whole[:, :8].gather(1, ids.long()), whole[:, 8:]], dim=1))
+        weights = torch.softmax(both, dim=-1) * 2.5
+        assert torch.equal(got.topk_ids, ids)
+        assert torch.equal(got.topk_weights, weights[:, :3]) and torch.equal(got.shared_weights, weights[:, 3:])

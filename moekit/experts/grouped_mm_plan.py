@@ -169,13 +169,14 @@ def _chooser(dims, dtype, budget, layout, allow_sync, workers):
 def _plan(num_tokens, dims, dtype, budget, layout, allow_sync, workers) -> GroupedMMPlan:
     _check(budget, layout, allow_sync)
     choose = _chooser(dims, dtype, budget, layout, allow_sync, workers)
-    chunk = max(num_tokens, 1)
+    chunk = num_tokens  # M = 0 is planned as no tokens (its contiguous run holds nothing), not as one
     choice = choose(chunk)
     whole = choice.reason
     while choice.name == "none" and chunk > 1:  # halve until a chunk fits: the peak grows with the tokens
         chunk = (chunk + 1) // 2
         choice = choose(chunk)
     if choice.name == "none":
-        raise ValueError(f"memory_budget_bytes={budget} cannot hold even one token's rows: {choice.reason}")
+        held = "even one token's rows" if num_tokens else "the rows its layout allocates at M = 0"
+        raise ValueError(f"memory_budget_bytes={budget} cannot hold {held}: {choice.reason}")
     reason = choice.reason if chunk >= num_tokens else f"{whole}; chunks of {chunk} tokens: {choice.reason}"
     return GroupedMMPlan(layout=choice.name, chunk_tokens=chunk, reason=reason)

@@ -85,10 +85,14 @@ def route(router_logits: torch.Tensor, config: MoEConfig, correction_bias: torch
     logits = _check_logits(router_logits, config)
     bias = check_bias(correction_bias, config, logits.device)
     if config.shared_expert_combine == "router":  # Inkling: the last S columns weight the shared slots
-        return _with_shared_weights(route(logits[:, :config.choice_width], _routed_part(config), bias),
-                                    logits, config)
-    finite = torch.isfinite(logits) if config.nonfinite == "mask" else None  # [M, E] bool, of the raw logits
-    logits = soft_capped(logits, config)  # [M, E]
+        return _with_shared_weights(logits, config, bias)
+    return _choose(logits, soft_capped(logits, config), config, bias)
+
+
+def _choose(raw: torch.Tensor, logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None) -> Routing:
+    """``route`` after the checks: ``raw`` [M, E] the checked logits, ``logits`` [M, E] them soft-capped
+    (``soft_capped``; the same tensor without a cap)."""
+    finite = torch.isfinite(raw) if config.nonfinite == "mask" else None  # [M, E] bool, of the raw logits
     if finite is not None:
         # The most negative float scores ~0 under softmax and sigmoid, so a masked expert takes no probability
         # mass from the others; selection and renormalisation exclude it explicitly.
@@ -165,14 +169,18 @@ def _routed_part(config: MoEConfig) -> MoEConfig:
     return config.replace(shared_expert_combine="sum", renormalize=False, routed_scaling_factor=1.0)
 
 
-def _with_shared_weights(routing: Routing, logits: torch.Tensor, config: MoEConfig) -> Routing:
-    """Inkling's weights: a softmax over the log-sigmoids of the k chosen logits and the S shared ones (= each
-    sigmoid over their sum), times ``routed_scaling_factor``; logits [M, E + S], soft-capped first as the choice
-    saw them (``router_logit_softcap``: before anything else)."""
+def _with_shared_weights(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None) -> Routing:
+    """Inkling's routing of the checked logits [M, E + S]: the k experts chosen from the first E (``_routed_part``),
+    weighted by a softmax over the log-sigmoids of the k chosen logits and the S shared ones (= each sigmoid over
+    their sum), times ``routed_scaling_factor``. Each logit is soft-capped once (``router_logit_softcap``: before
+    anything else), the choice and the weights reading the same capped values. (MoEConfig refuses
+    ``nonfinite="mask"`` here: no finite mask.)"""
     e, k = config.num_experts, config.top_k
-    logits = soft_capped(logits, config)  # [M, E + S]
-    chosen = logits[:, :e].gather(1, routing.topk_ids.long())  # [M, k]
-    both = torch.nn.functional.logsigmoid(torch.cat([chosen, logits[:, e:]], dim=1))  # [M, k + S]
+    routed = soft_capped(logits[:, :e], config)  # [M, E]
+    routing = _choose(logits[:, :e], routed, _routed_part(config), bias)
+    chosen = routed.gather(1, routing.topk_ids.long())  # [M, k]
+    shared = soft_capped(logits[:, e:], config)  # [M, S]
+    both = torch.nn.functional.logsigmoid(torch.cat([chosen, shared], dim=1))  # [M, k + S]
     weights = torch.softmax(both, dim=-1)
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
