@@ -70,6 +70,10 @@ def test_dequantized_experts_in_the_blocks_layout(name):
     weights = dequantized_blocks_float64(model, "int8_w8a16")
     params = dict(model.named_parameters())
     assert len(weights) == 2
+    swap = next(m for m in model.modules() if "_moekit_swap" in m.__dict__).__dict__["_moekit_swap"]
+    w13 = weights[next(k for k in weights if k.endswith("gate_up_proj"))]  # [E, 2N, K], or gpt-oss's [E, K, 2N]
+    whole = swap.moe.w13.dequantize(torch.float64)  # [E, 2N, K]
+    assert torch.equal(w13.transpose(1, 2) if name == "gpt-oss-20b" else w13, whole)  # the reference: dequantize()
     for key, value in weights.items():
         assert value.dtype == torch.float64 and value.shape == params[key].shape
         assert 1e-5 < rel_l2(value, params[key]) < 1e-2  # int8's rounding of that very weight, element by element

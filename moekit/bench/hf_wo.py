@@ -54,8 +54,9 @@ def use_blocks(model: nn.Module, quant: str | None) -> None:
 def dequantized_blocks_float64(model: nn.Module, quant: str) -> dict[str, torch.Tensor]:
     """The experts of ``model``'s blocks quantized with ``quant`` (``use_blocks``), by the block's parameter names
     (``<block>.experts.gate_up_proj`` / ``down_proj``), as ``QuantizedWeight.dequantize(float64)`` in the block's own
-    layout ([E, 2N, K] / [E, K, N]; gpt-oss's transposed [E, K, 2N] / [E, N, K]). KeyError where that set was not
-    made."""
+    layout ([E, 2N, K] / [E, K, N]; gpt-oss's transposed [E, K, 2N] / [E, N, K]), an expert at a time
+    (``dequantize_expert``, bit-identical to ``dequantize``'s slice): ``dequantize`` of a whole weight holds several
+    float64 temporaries of its size (Qwen3-30B-A3B's w13: 3.2 GB each). KeyError where that set was not made."""
     from moekit.hf.variants import build_plan
 
     paths = {id(m): path for path, m in model.named_modules()}
@@ -63,6 +64,8 @@ def dequantized_blocks_float64(model: nn.Module, quant: str) -> dict[str, torch.
     for block, swap in model.__dict__[_SETS_ATTR][quant].items():
         transposed = build_plan(block.experts).transposed
         for key, w in (("gate_up_proj", swap.moe.w13), ("down_proj", swap.moe.w2)):
-            value = w.dequantize(torch.float64)  # [E, 2N, K] / [E, K, N]
+            value = torch.empty(w.shape, dtype=torch.float64, device=w.device)  # [E, 2N, K] / [E, K, N]
+            for expert in range(w.num_experts):
+                value[expert] = w.dequantize_expert(expert, torch.float64)
             out[f"{paths[id(block)]}.experts.{key}"] = value.transpose(1, 2) if transposed else value
     return out
