@@ -19,7 +19,7 @@ from moekit.hf.variants import build_plan  # noqa: E402
 from moekit.quant.base import QuantizedWeight  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
-from _swap_helpers import count_moe_calls, swaps  # noqa: E402
+from _swap_helpers import block_loop64, count_moe_calls, swaps  # noqa: E402
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 IDS = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L] within the tiny vocabulary
@@ -27,21 +27,6 @@ IDS = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0)) 
 
 def _tiny(name: str, layers: int = 1):
     return build_model(hf_config(name, layers, tiny=True), torch.float32, torch.device("cpu"))
-
-
-def _block_loop(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int):
-    """x [T, K] float64 -> [T, K]: softmax over E, the top-k renormalised, sum_j p_j * w2_j (silu(g) * u) with
-    gate rows first in w13 [E, 2N, K], w2 [E, K, N]; one token, one expert at a time."""
-    out = torch.zeros_like(x)
-    n = w13.shape[1] // 2
-    for t in range(x.shape[0]):
-        probs = torch.softmax(router_w @ x[t], dim=0)  # [E]
-        weights, experts = probs.topk(top_k)
-        weights = weights / weights.sum()
-        for p, e in zip(weights.tolist(), experts.tolist()):
-            h = w13[e] @ x[t]  # [2N]
-            out[t] += p * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
-    return out
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -58,12 +43,12 @@ def test_quantized_block_matches_a_float64_loop_over_its_dequantized_weights(nam
     w13, w2 = swap.moe.w13.dequantize(torch.float64), swap.moe.w2.dequantize(torch.float64)
     assert 1e-4 < rel_l2(w13, float_w13.double()) < 0.2  # quantized (not the float weights), not scrambled (~1)
     x = torch.randn(6, w13.shape[2], generator=torch.Generator().manual_seed(1))  # [T, K]
-    want = _block_loop(x.double(), block.gate.weight.double(), w13, w2, swap.moe.config.top_k)
+    want = block_loop64(x.double(), block.gate.weight.double(), w13, w2, swap.moe.config.top_k)
     with torch.no_grad():
         got = block(x[None])  # [1, T, K]
     got = got[0] if isinstance(got, tuple) else got
     assert rel_l2(got[0].double(), want) < 1e-5
-    assert rel_l2(want, _block_loop(x.double(), block.gate.weight.double(), float_w13.double(),
+    assert rel_l2(want, block_loop64(x.double(), block.gate.weight.double(), float_w13.double(),
                                     block.experts.down_proj.double(), swap.moe.config.top_k)) > 1e-4
 
 
