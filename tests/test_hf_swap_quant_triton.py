@@ -64,3 +64,19 @@ def test_quantized_blocks_on_the_triton_backend(scheme):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert out.shape == (1, 8)
+
+
+def test_quantized_layer_traces_whole():
+    """The swapped block's quantized layer as its compiled forward calls it (``traced_forward``), compiled with
+    ``fullgraph=True``: no graph break in the weight-only experts, and the output of its eager call."""
+    import moekit.hf as moekit_hf
+
+    model = _tiny_qwen3_bf16()
+    moekit_hf.use_moekit_blocks(model, backend="triton", quant="int4_w4a16")
+    moe = swaps(model)[0].moe
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # [T, K]
+    with torch.no_grad():
+        eager = moe(x)
+        compiled = torch.compile(moe.traced_forward, fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    assert rel_l2(compiled, eager) < 1e-2 and rel_l2(eager, torch.zeros_like(eager)) > 0.5
