@@ -1,6 +1,9 @@
-"""What the ``use_moekit_blocks`` tests read of a swapped model: its blocks' swaps, and a count of their MoE calls."""
+"""What the ``use_moekit_blocks`` tests read of a swapped model: its blocks' swaps, a count of their MoE calls, and a
+float64 loop of a softmax-routed SwiGLU block (Qwen3, Mixtral) to hold a swapped block against."""
 
 from __future__ import annotations
+
+import torch
 
 from moekit.hf.swap import SWAP_ATTR
 
@@ -19,3 +22,18 @@ def count_moe_calls(model) -> list:
             fn = getattr(swap.moe, name)
             setattr(swap.moe, name, lambda x, *a, _f=fn, **k: calls.append(1) or _f(x, *a, **k))
     return calls
+
+
+def block_loop64(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int):
+    """x [T, K] float64 -> [T, K]: softmax over E, the top-k renormalised, sum_j p_j * w2_j (silu(g) * u) with
+    gate rows first in w13 [E, 2N, K], w2 [E, K, N]; one token, one expert at a time."""
+    out = torch.zeros_like(x)
+    n = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        probs = torch.softmax(router_w @ x[t], dim=0)  # [E]
+        weights, experts = probs.topk(top_k)
+        weights = weights / weights.sum()
+        for p, e in zip(weights.tolist(), experts.tolist()):
+            h = w13[e] @ x[t]  # [2N]
+            out[t] += p * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
+    return out

@@ -104,7 +104,7 @@ def test_fp64_errors_match_a_float64_forward_run_here():
             assert 0 < expected < FP32_TOL
 
 
-def _fail_conversion(model):
+def _fail_conversion(model, blocks_quant=None):
     raise TypeError("Cannot convert a MPS Tensor to float64 dtype")
 
 

@@ -10,7 +10,8 @@ float64 except where transformers' modeling code casts to float32 on purpose (RM
 router's softmax, the rotary cos/sin): their rounding (~1e-7 relative; RMSNorm's alone 9e-8 on the tiny
 Qwen3) is this reference's floor, far below the ~1e-2 of bf16 logits. An fp8 model (``--hf-quant fp8``) runs
 its stored weights dequantized exactly, without the recipe's activation rounding; ``FP8Experts``' loop sums
-the experts in float32 (~1e-7 more).
+the experts in float32 (~1e-7 more). A weight-only run's quantized row (``hf_wo``) has a float64 model of its own:
+the block's experts replaced by the swapped layer's quantized ones, dequantized in float64.
 
 Shapes: B x L = the prefill batch, P = prompt tokens, T = generated tokens, V = vocabulary.
 """
@@ -25,15 +26,19 @@ import torch
 from moekit.bench import hf_measure as hm
 from moekit.bench.hf_models import REFERENCE_IMPL, free_memory_bytes
 from moekit.bench.hf_quant import dequantized_float64
+from moekit.bench.hf_wo import dequantized_blocks_float64
 
 FIT_FRACTION = 0.8  # of the free memory: room for the activations (fp64 attention scores, 1 GB a layer at 4 x 1024)
 
 
-def _float64_tensors(model) -> dict[str, torch.Tensor]:
+def _float64_tensors(model, blocks_quant: str | None) -> dict[str, torch.Tensor]:
     """Every floating parameter and buffer of ``model`` as a float64 copy on its device, by name (tied
     weights once: ``functional_call`` ties them back); fp8 weights with block scales as their exact value
-    (``hf_quant.dequantized_float64``: ``FP8Experts``' loop runs a float weight as a plain linear)."""
+    (``hf_quant.dequantized_float64``: ``FP8Experts``' loop runs a float weight as a plain linear); with
+    ``blocks_quant``, the experts of the blocks quantized with it dequantized (``hf_wo``) instead of the block's."""
     tensors = dequantized_float64(model)
+    if blocks_quant is not None:
+        tensors.update(dequantized_blocks_float64(model, blocks_quant))
     named = itertools.chain(model.named_parameters(), model.named_buffers())
     tensors.update({name: t.detach().to(torch.float64) for name, t in named
                     if t.is_floating_point() and name not in tensors})
@@ -48,10 +53,11 @@ def float64_bytes(model) -> int:
 
 class Float64Model:
     """``model`` run with float64 copies of its weights and the ``eager`` experts; the copies live as long
-    as this object. Raises ``hm.Skipped`` where the copy and ``extra_bytes`` would not fit in the free
+    as this object (``blocks_quant``: the experts its blocks hold quantized with that scheme, dequantized:
+    ``hf_wo``). Raises ``hm.Skipped`` where the copy and ``extra_bytes`` would not fit in the free
     memory of the model's device, and whatever the device raises where float64 is not supported there."""
 
-    def __init__(self, model, extra_bytes: int = 0):
+    def __init__(self, model, extra_bytes: int = 0, blocks_quant: str | None = None):
         device = next(model.parameters()).device
         if device.type == "cuda":
             torch.cuda.empty_cache()  # blocks cached by earlier passes count as free
@@ -60,7 +66,7 @@ class Float64Model:
             raise hm.Skipped(f"the float64 pass needs {need / 2**30:.1f} GiB "
                              f"({free / 2**30:.1f} GiB free on {device})")
         self.model = model
-        self.tensors = _float64_tensors(model)
+        self.tensors = _float64_tensors(model, blocks_quant)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, L, V] float64 logits of every position of ``ids`` [B, L] (no cache)."""
@@ -89,12 +95,12 @@ class Float64Prefill:
     error: str | None  # "Type: first line" where it failed or was skipped, else None
 
 
-def float64_prefill(model, batch: torch.Tensor) -> Float64Prefill:
-    """The float64 logits of ``batch`` [B, L]; a failure (no float64 on the device, no room) is returned
-    as its text, never raised. The float64 weights are freed before this returns."""
+def float64_prefill(model, batch: torch.Tensor, blocks_quant: str | None = None) -> Float64Prefill:
+    """The float64 logits of ``batch`` [B, L] (``blocks_quant``: as ``Float64Model``); a failure (no float64 on
+    the device, no room) is returned as its text, never raised. The float64 weights are freed before this returns."""
     logits_bytes = 8 * batch.numel() * model.config.vocab_size
     try:
-        logits = Float64Model(model, extra_bytes=3 * logits_bytes).logits(batch)  # logits, error's cast, difference
+        logits = Float64Model(model, 3 * logits_bytes, blocks_quant).logits(batch)  # logits, error's cast, difference
     except Exception as err:  # noqa: BLE001  (a reference that cannot be computed is a result, not a crash)
         return Float64Prefill(None, hm.error_text(err))
     finally:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, WEIGHT_ONLY, use_blocks
 from moekit.config import MoEConfig
 from moekit.presets import hf_config_of_preset
 
@@ -102,13 +103,14 @@ def build_model(config, dtype: torch.dtype, device: torch.device, seed: int = 0)
 
 def experts_implementations(quant: str | None = None) -> list[str]:
     """Every experts implementation transformers knows in this process, the reference first; with ``quant``
-    ("fp8"), those of its fp8 experts (``hf_quant.fp8_implementations``)."""
+    "fp8", those of its fp8 experts (``hf_quant.fp8_implementations``; a weight-only ``quant`` leaves the
+    experts float: ``hf_wo``)."""
     import moekit.hf  # noqa: F401  (registers "moekit")
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     from moekit.bench.hf_quant import fp8_implementations
 
-    names = set(fp8_implementations() if quant else ALL_EXPERTS_FUNCTIONS.valid_keys()) | {REFERENCE_IMPL}
+    names = set(fp8_implementations() if quant == "fp8" else ALL_EXPERTS_FUNCTIONS.valid_keys()) | {REFERENCE_IMPL}
     rank = {n: i for i, n in enumerate(_IMPL_ORDER)}
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
@@ -137,28 +139,37 @@ def register_no_experts() -> None:
 def select_impls(requested: list[str] | None, quant: str | None = None) -> list[str]:
     """``requested`` (default: every registered one but ``NO_EXPERTS_IMPL`` and ``BLOCKS_IMPL``, which run only
     when named) in the registry's order (``BLOCKS_IMPL`` after "moekit"), the reference always included first;
-    with ``quant``, among the implementations of transformers' fp8 experts."""
+    with ``quant`` "fp8", among the implementations of transformers' fp8 experts; with a weight-only ``quant``
+    (``hf_wo``), ``QUANT_BLOCKS_IMPL`` always included after ``BLOCKS_IMPL`` (default: those two and
+    ``NO_EXPERTS_IMPL``, the rows its ratios need)."""
+    weight_only = quant in WEIGHT_ONLY
+    if weight_only:
+        requested = list(requested or (BLOCKS_IMPL, NO_EXPERTS_IMPL)) + [QUANT_BLOCKS_IMPL]
+    elif QUANT_BLOCKS_IMPL in (requested or ()):
+        raise ValueError(f"hf-impls {QUANT_BLOCKS_IMPL} runs with hf-quant one of {WEIGHT_ONLY}, "
+                         f"got hf-quant {quant!r}")
     if requested and NO_EXPERTS_IMPL in requested:
         register_no_experts()
     known = experts_implementations(quant)
-    named_only = [NO_EXPERTS_IMPL, BLOCKS_IMPL]
+    named_only = [NO_EXPERTS_IMPL, BLOCKS_IMPL] + [QUANT_BLOCKS_IMPL] * weight_only
     unknown = sorted(set(requested or ()) - set(known) - set(named_only))
     if unknown:
         raise ValueError(f"hf-impls must be among {known + named_only}, got unknown {unknown}")
     wanted = set(requested or set(known) - {NO_EXPERTS_IMPL}) | {REFERENCE_IMPL}
-    order = known[:known.index("moekit") + 1] + [BLOCKS_IMPL] + known[known.index("moekit") + 1:]
+    at = known.index("moekit") + 1
+    order = known[:at] + [BLOCKS_IMPL, QUANT_BLOCKS_IMPL] + known[at:]
     return [n for n in order if n in wanted]
 
 
-def use_impl(model, impl: str) -> None:
-    """Run ``model`` with ``impl``: an experts implementation, or ``BLOCKS_IMPL`` (the blocks swapped once, then
-    switched on and off with ``set_blocks_active``, so a compiled graph meets the same modules every pass)."""
-    from moekit.hf.swap import set_blocks_active, use_moekit_blocks
+def use_impl(model, impl: str, quant: str | None = None) -> None:
+    """Run ``model`` with ``impl``: an experts implementation, ``BLOCKS_IMPL`` or ``QUANT_BLOCKS_IMPL`` (the blocks
+    swapped once, their experts quantized with ``quant`` for the latter, then put in place or switched off without
+    rebuilding anything: ``hf_wo.use_blocks``, so a compiled graph meets the same modules every pass)."""
+    from moekit.hf.swap import set_blocks_active
 
-    if impl == BLOCKS_IMPL:
-        model.set_experts_implementation("moekit")
-        if not set_blocks_active(model, True):
-            use_moekit_blocks(model)
+    if impl in (BLOCKS_IMPL, QUANT_BLOCKS_IMPL):
+        model.set_experts_implementation("moekit")  # for a block the swap leaves
+        use_blocks(model, quant if impl == QUANT_BLOCKS_IMPL else None)
     else:
         set_blocks_active(model, False)
         model.set_experts_implementation(impl)

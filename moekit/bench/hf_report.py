@@ -11,8 +11,8 @@ from moekit.bench.report import free_results_path
 
 
 def hf_results_path(out_dir: Path, doc: dict) -> Path:
-    """``<out_dir>/<device>-hf-<date>.json`` (``-hf-fp8-`` for an fp8 model), or ``...-<date>-2.json``, ``-3`` ...
-    when that file exists."""
+    """``<out_dir>/<device>-hf-<date>.json`` (``-hf-<quant>-`` with ``--hf-quant``: ``-hf-fp8-``, ``-hf-int4_w4a16-``
+    ...), or ``...-<date>-2.json``, ``-3`` ... when that file exists."""
     quant = doc.get("model", {}).get("quant")
     kind = f"hf-{quant}" if quant else "hf"
     return free_results_path(out_dir, f"{doc['device'].replace(' ', '_')}-{kind}-{doc['date']}")
@@ -31,8 +31,10 @@ def _number(value: float | None, fmt: str, error: str | None) -> str:
 
 
 def hf_table(doc: dict) -> Table:
-    model = doc["model"]
+    model, quant = doc["model"], doc.get("quant")
     experts = f", {model['quant']} experts" if model.get("quant") else ""
+    if quant is not None:  # weight-only: the float model, one row's blocks quantized
+        experts = f"; {quant['impl']}: its blocks' experts {quant['scheme']}"
     t = Table(title=f"moekit bench --hf: {model['name']} ({model['widths']} widths, {doc['layers']} layers, "
                     f"{model['dtype']}{experts}) on {doc['device']}")
     for col in ("impl", "mode", "decode tok/s", "step tok/s", "prefill ms", "logits err vs eager",
@@ -55,9 +57,35 @@ def print_hf_report(doc: dict, console: Console | None = None) -> None:
     console.print(f"decode: {s['decode_tokens']} new tokens after {s['prompt_len']}, batch 1 (step tok/s: less a "
                   f"1-token generate, per extra token); prefill "
                   f"{s['prefill_batch']} x {s['prefill_len']}; median of {s['repeats']}")
+    for line in quant_lines(doc):
+        console.print(line, markup=False, highlight=False)
     if any(r["impl"] == "no_experts" for r in doc["rows"]):
         console.print("no_experts: the experts return zeros (the ceiling of any implementation; its errors mean "
                       "nothing)")
     for r in doc["rows"]:
         for text in dict.fromkeys(r["errors"].values()):  # one line per distinct error of a row
             console.print(f"  {r['impl']} ({r['mode']}): {text}", markup=False, highlight=False)
+
+
+def quant_lines(doc: dict) -> list[str]:
+    """A weight-only run's summary: the quantization's own cost in float64, and per mode the quantized blocks'
+    decode and prefill over the unquantized blocks' (``moekit_blocks``) and the ceiling's (``no_experts``)."""
+    quant = doc.get("quant")
+    if quant is None:
+        return []
+    cost = quant["fp64_logits_rel_err"]
+    lines = [f"{quant['scheme']}: float64 prefill logits of the dequantized experts vs the float ones: "
+             + (f"{cost:.2e}" if isinstance(cost, float) else str(cost))]
+    by = {(r["impl"], r["mode"]): r for r in doc["rows"]}
+    for mode in ("eager", "compiled"):
+        row = by.get((quant["impl"], mode))
+        if row is None:
+            continue
+        parts = [f"{metric} x{row[metric] / other[metric]:.3f} {base}"
+                 for base in ("moekit_blocks", "no_experts") if (other := by.get((base, mode)))
+                 for metric in ("decode_tok_s", "step_tok_s")
+                 if row.get(metric) and other.get(metric)]
+        if row.get("prefill_ms") and (blocks := by.get(("moekit_blocks", mode))) and blocks.get("prefill_ms"):
+            parts.append(f"prefill_ms x{row['prefill_ms'] / blocks['prefill_ms']:.3f} moekit_blocks")
+        lines.append(f"{quant['impl']} ({mode}): " + (", ".join(parts) or "no ratio (a row did not run)"))
+    return lines

@@ -8,14 +8,14 @@ against eager's decode and against the float64 model's logits for the same steps
 warmed (and compiled) before any is timed; the timed repeats go round-robin over the implementations and
 each number is the median. A measurement that fails records ``"Type: first line"`` instead of a number.
 With ``quant="fp8"`` the experts are transformers' fine-grained fp8 ones and the implementations theirs
-(``hf_quant``).
+(``hf_quant``); with a weight-only ``quant`` the model stays float and ``moekit_blocks_quant`` runs its blocks
+quantized by moekit, with a float64 reference of its own (``hf_wo``).
 """
 
 from __future__ import annotations
 
 import datetime
-import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -27,11 +27,11 @@ from moekit.bench.hf_models import (
     use_impl,
 )
 from moekit.bench.hf_quant import FP8_METHOD, FP8_TINY, quantize_experts_fp8, unavailable
+from moekit.bench.hf_rows import ERR_EAGER, ERR_FP64, NO_REFERENCE, Row
+from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, WEIGHT_ONLY, WO_METHOD
 from moekit.bench.run import commit_id, device_name
 
 RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
-NO_REFERENCE = "NoReference: the eager implementation did not run (failed or not attempted), nothing to compare with"
-ERR_EAGER, ERR_FP64 = "logits_rel_err_vs_eager", "logits_rel_err_vs_fp64"  # a Row's two error metrics
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class HFBenchOptions:
     impls: tuple[str, ...] | None = None  # None: every registered one; eager always runs in eager mode
     tiny: bool = False  # tiny widths instead of the published ones
     dtype: str | None = None  # the model's dtype, one of HF_DTYPES; None: bfloat16 on CUDA, float32 on the CPU
-    quant: str | None = None  # None: float experts; "fp8": transformers' fine-grained fp8 experts (hf_quant)
+    # None: float experts; "fp8": transformers' fine-grained fp8 experts (hf_quant); one of hf_wo.WEIGHT_ONLY: the
+    # float model, and its blocks swapped to moekit's layer and quantized with it (the QUANT_BLOCKS_IMPL row)
+    quant: str | None = None
 
 
 HF_DTYPES = ("float32", "bfloat16", "float16")
@@ -76,44 +78,6 @@ def default_options(model: str, device: torch.device, tiny: bool = False, **over
 
 
 @dataclass
-class Row:
-    impl: str
-    mode: str  # "eager" (no torch.compile) or "compiled" (static cache + torch.compile of the decode step)
-    decode_tok_s: float | None = None  # decode_tokens / median seconds of the whole generate call
-    # steady-state decode: (decode_tokens - 1) / (median generate(decode_tokens) - median generate(1)); the
-    # prompt's prefill and generate's per-call setup (a static cache, compile guards) cancel out
-    step_tok_s: float | None = None
-    prefill_ms: float | None = None  # median ms of the B x L forward (eager mode only: generate compiles decode)
-    logits_rel_err_vs_eager: float | None = None  # eager mode: prefill logits; compiled: decode step logits
-    logits_rel_err_vs_fp64: float | None = None  # the same logits against the float64 model's (hf_fp64)
-    errors: dict[str, str] = field(default_factory=dict)  # metric -> "Type: first line" where it failed or was skipped
-    _samples: dict[str, list[float]] = field(default_factory=dict, repr=False)  # metric -> seconds per repeat
-
-    def attempt(self, metric: str, fn: Callable[[], object]):
-        """fn(), or None with the error recorded under ``metric``."""
-        try:
-            return fn()
-        except Exception as err:  # noqa: BLE001  (any failure of an implementation is a result, not a crash)
-            self.errors[metric] = hm.error_text(err)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            return None
-
-    def record(self, metric: str, seconds: float) -> None:
-        self._samples.setdefault(metric, []).append(seconds)
-
-    def finish(self, decode_tokens: int) -> dict:
-        if "decode" in self._samples and "decode_tok_s" not in self.errors:
-            self.decode_tok_s = decode_tokens / statistics.median(self._samples["decode"])
-            if "decode1" in self._samples and "step_tok_s" not in self.errors and decode_tokens > 1:
-                steps = statistics.median(self._samples["decode"]) - statistics.median(self._samples["decode1"])
-                self.step_tok_s = (decode_tokens - 1) / steps if steps > 0 else None
-        if "prefill" in self._samples and "prefill_ms" not in self.errors:
-            self.prefill_ms = 1e3 * statistics.median(self._samples["prefill"])
-        return {k: v for k, v in asdict(self).items() if k != "_samples"}
-
-
-@dataclass
 class Inputs:
     prompt: torch.Tensor  # [1, P] random ids: the decode prompt
     batch: torch.Tensor  # [B, L] random ids: the prefill batch
@@ -129,7 +93,7 @@ def make_inputs(vocab_size: int, opts: HFBenchOptions, device: torch.device, see
 def _prefill_fits(model, impl: str, batch: torch.Tensor, quant: str | None) -> None:
     """Raise ``Skipped`` where ``impl`` would gather more expert weights than half the free memory (fp8
     experts: every implementation reads them in place)."""
-    need = 0 if quant else gathered_weight_bytes(impl, model.config, batch.numel(), model.dtype.itemsize)
+    need = 0 if quant == "fp8" else gathered_weight_bytes(impl, model.config, batch.numel(), model.dtype.itemsize)
     free = free_memory_bytes(batch.device)
     if need > free // 2:
         raise hm.Skipped(f"{impl} would gather {need / 2**30:.1f} GiB of expert weights "
@@ -152,7 +116,7 @@ def _compare(row: Row, metric: str, logits: torch.Tensor, ref: torch.Tensor | No
 
 def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logits, fp64: Float64Prefill):
     """One prefill with all logits (the error checks) and one decode: (logits or None, Decode or None)."""
-    use_impl(model, row.impl)
+    use_impl(model, row.impl, opts.quant)
     logits = row.attempt("prefill_ms", lambda: _prefill_all_logits(model, row.impl, inputs.batch, opts.quant))
     if logits is None:
         row.errors[ERR_EAGER] = row.errors[ERR_FP64] = row.errors["prefill_ms"]
@@ -168,19 +132,28 @@ def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logit
 
 
 @dataclass
+class Float64Refs:
+    weights: Float64Prefill  # the model's own weights in float64
+    quantized: Float64Prefill | None = None  # QUANT_BLOCKS_IMPL's: its blocks' quantized experts, dequantized
+
+    def of(self, impl: str) -> Float64Prefill:
+        return self.quantized if impl == QUANT_BLOCKS_IMPL and self.quantized is not None else self.weights
+
+
+@dataclass
 class EagerRows:
     rows: list[Row]  # one per implementation, in ``impls`` order
     ref_decode: hm.Decode | None  # the reference's decode: its step logits are the compiled rows' reference
 
 
-def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log, fp64: Float64Prefill) -> EagerRows:
+def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log, fp64: Float64Refs) -> EagerRows:
     """Eager-mode rows, and the reference's decode; ``fp64`` holds the float64 prefill logits (or why not)."""
     rows = {impl: Row(impl, "eager") for impl in impls}
     ref_logits, ref_decode = None, None
     for impl in impls:  # the reference first (select_impls): warm all before timing any
         reason = unavailable(impl, opts.quant, inputs.prompt.device)
         if reason is None:
-            logits, dec = _warm_eager(model, rows[impl], inputs, opts, ref_logits, fp64)
+            logits, dec = _warm_eager(model, rows[impl], inputs, opts, ref_logits, fp64.of(impl))
         else:
             _not_attempted(rows[impl], reason, "prefill_ms", ERR_FP64)
             logits, dec = None, None
@@ -229,7 +202,7 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
 def _warm_compiled(model, row: Row, inputs: Inputs, opts: HFBenchOptions, config, ref: hm.Decode | None):
     """One compiled decode of ``row``'s implementation (compiles it) and its error against ``ref``: the Decode
     or None."""
-    use_impl(model, row.impl)
+    use_impl(model, row.impl, opts.quant)
     dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens,
                                                        compiled=config, keep_logits=True))
     if dec is None:
@@ -241,18 +214,28 @@ def _warm_compiled(model, row: Row, inputs: Inputs, opts: HFBenchOptions, config
     return dec
 
 
-def float64_decode_errors(model, compiled: CompiledRows, prompt: torch.Tensor) -> None:
+def float64_decode_errors(model, compiled: CompiledRows, prompt: torch.Tensor, quant: str | None = None) -> None:
     """Each compiled row's ``logits_rel_err_vs_fp64``: its warm-up decode's step logits against the float64
     model's logits for the very inputs each step saw (teacher-forced on the row's own tokens, so every step
-    counts, not only those before the tokens diverge from another run's). Failures go to the row's errors."""
+    counts, not only those before the tokens diverge from another run's); a weight-only ``quant``'s
+    ``QUANT_BLOCKS_IMPL`` row against the float64 model of its dequantized experts (one float64 model at a time).
+    Failures go to the row's errors."""
+    blocks_quant = quant if quant in WEIGHT_ONLY else None
+    quantized = [r for r in compiled.rows if blocks_quant and r.impl == QUANT_BLOCKS_IMPL]
+    for rows, weights in (([r for r in compiled.rows if r not in quantized], None), (quantized, blocks_quant)):
+        if rows:
+            _decode_errors(model, rows, compiled.decodes, prompt, weights)
+
+
+def _decode_errors(model, rows: list[Row], decodes: dict, prompt: torch.Tensor, blocks_quant: str | None) -> None:
     try:
-        fp64 = Float64Model(model)
+        fp64 = Float64Model(model, blocks_quant=blocks_quant)
     except Exception as err:  # noqa: BLE001  (no float64 on this device, or no room: recorded per row)
-        for row in compiled.rows:
+        for row in rows:
             row.errors[ERR_FP64] = hm.error_text(err)
         return
-    for row in compiled.rows:
-        _step_logits_error(fp64, row, compiled.decodes.get(row.impl), prompt)
+    for row in rows:
+        _step_logits_error(fp64, row, decodes.get(row.impl), prompt)
     del fp64
     if prompt.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -275,7 +258,7 @@ def _not_attempted(row: Row, reason: str, *metrics: str) -> None:
 
 def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled) -> str:
     """One timed decode (and, in eager mode, prefill) of ``row``'s implementation; a line for the log."""
-    use_impl(model, row.impl)
+    use_impl(model, row.impl, opts.quant)
     done = []
     if "decode_tok_s" not in row.errors:
         dec = row.attempt("decode_tok_s",
@@ -323,33 +306,47 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
     impls = select_impls(list(opts.impls) if opts.impls else None, opts.quant)
     dtype = model_dtype(opts, device)
     config = hf_config(opts.model, opts.layers, opts.tiny)
-    if opts.quant and opts.tiny:
+    if opts.quant == "fp8" and opts.tiny:
         config.update(FP8_TINY[opts.model])
     log(f"building {opts.model} ({'tiny' if opts.tiny else 'real'} widths, {opts.layers} layers, "
-        f"{str(dtype).removeprefix('torch.')}{', fp8 experts' if opts.quant else ''}) on {device}; "
+        f"{str(dtype).removeprefix('torch.')}{f', {opts.quant} experts' if opts.quant else ''}) on {device}; "
         f"implementations: {', '.join(impls)}")
     model = build_model(config, dtype, device)
-    if opts.quant:
+    if opts.quant == "fp8":
         quantize_experts_fp8(model)
     inputs = make_inputs(config.vocab_size, opts, device)
-    fp64 = float64_prefill(model, inputs.batch)
-    log(f"float64 prefill (eager experts): {fp64.error or 'done'}")
+    fp64, quant_cost = _float64_prefills(model, inputs.batch, opts.quant, log)
     eager = measure_eager(model, impls, inputs, opts, log, fp64)
     del fp64
     rows = eager.rows
     if opts.compile:  # the reference runs compiled too only when asked for (compiling its loop is slow)
-        compiled = measure_compiled(model, [i for i in impls if opts.impls is None or i in opts.impls],
-                                    inputs, opts, eager.ref_decode, log)
-        float64_decode_errors(model, compiled, inputs.prompt)
+        asked = [i for i in impls if opts.impls is None or i in opts.impls or i == QUANT_BLOCKS_IMPL]
+        compiled = measure_compiled(model, asked, inputs, opts, eager.ref_decode, log)
+        float64_decode_errors(model, compiled, inputs.prompt, opts.quant)
         log("float64 decode steps: " + ", ".join(f"{r.impl} {_fp64_text(r)}" for r in compiled.rows))
         rows += compiled.rows
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return _document(device, opts, config, dtype, [r.finish(opts.decode_tokens) for r in rows])
+    return _document(device, opts, config, dtype, [r.finish(opts.decode_tokens) for r in rows], quant_cost)
 
 
-def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict]) -> dict:
+def _float64_prefills(model, batch: torch.Tensor, quant: str | None, log) -> tuple[Float64Refs, float | str | None]:
+    """The float64 prefill logits of the model's weights and, for a weight-only ``quant``, of its blocks' quantized
+    experts dequantized (those blocks made here); and the latter's relative error against the former (the
+    quantization's own cost; its failure as text; None: no weight-only run)."""
+    fp64 = Float64Refs(float64_prefill(model, batch))
+    log(f"float64 prefill (eager experts): {fp64.weights.error or 'done'}")
+    if quant not in WEIGHT_ONLY:
+        return fp64, None
+    use_impl(model, QUANT_BLOCKS_IMPL, quant)  # quantized now: the float64 model reads its experts
+    fp64.quantized = float64_prefill(model, batch, blocks_quant=quant)
+    log(f"float64 prefill ({quant} experts dequantized): {fp64.quantized.error or 'done'}")
+    missing = fp64.weights.error or fp64.quantized.error
+    return fp64, missing or hm.rel_err(fp64.quantized.logits, fp64.weights.logits)
+
+
+def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], quant_cost=None) -> dict:
     spec = MODELS[opts.model]
     return {
         "device": device_name(device),
@@ -359,6 +356,10 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict]) -> 
         "model": {"name": opts.model, "preset": spec.preset, "widths": "tiny" if opts.tiny else "real",
                   "vocab_size": config.vocab_size, "dtype": str(dtype).removeprefix("torch."), "quant": opts.quant,
                   "config": config.to_diff_dict()},
+        # a weight-only run: the scheme, its row, and the float64 model of its dequantized experts against the float
+        # one's prefill logits (a float, or why not)
+        **({"quant": {"scheme": opts.quant, "impl": QUANT_BLOCKS_IMPL, "fp64_logits_rel_err": quant_cost}}
+           if opts.quant in WEIGHT_ONLY else {}),
         "layers": opts.layers,
         "settings": asdict(opts),
         "method": (
@@ -373,7 +374,7 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict]) -> 
             "modeling code casts on purpose: RMSNorm statistics, router softmax, rotary cos/sin); compiled: "
             "generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
             "all implementations warmed first, repeats round-robin, medians"
-            + (FP8_METHOD if opts.quant else "")
+            + (FP8_METHOD if opts.quant == "fp8" else WO_METHOD.format(quant=opts.quant) if opts.quant else "")
         ),
         "rows": rows,
     }

@@ -34,8 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's dtype: float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--hf-quant", default=None,
                    help="fp8: the experts quantized with transformers' fine-grained fp8 (FineGrainedFP8Config: e4m3, "
-                   "128x128 block scales); implementations are then those of its FP8Experts (qwen3, mixtral; "
-                   "default: off, the experts in --hf-dtype)")
+                   "128x128 block scales); implementations are then those of its FP8Experts (qwen3, mixtral). "
+                   "int8_w8a16, int4_w4a16 or mxfp4: the model stays in --hf-dtype and the row moekit_blocks_quant "
+                   "runs it with every MoE block swapped to moekit's layer and its experts quantized by moekit "
+                   "(use_moekit_blocks(model, quant=...)); --hf-impls defaults to moekit_blocks,no_experts beside it "
+                   "(every model). Default: off, the experts in --hf-dtype")
     g.add_argument("--tiny", action="store_true",
                    help="tiny widths, with --hf or --offload (a smoke run; the tests use it)")
 

@@ -30,6 +30,7 @@ from torch import nn
 from moekit.hf.blocks import block_config, block_output_norm, moe_blocks
 from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
                                   router_recorded, router_weights_shared)
+from moekit.quant.schemes import SCHEMES
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 # Blocks whose forward returns (output.flatten(), router_logits.flatten()): ERNIE-4.5-VL's text and vision blocks,
@@ -64,16 +65,22 @@ class BlockSwapReport:
         return sum(b.copied_bytes for b in self.swapped)
 
 
-def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: bool = False) -> BlockSwapReport:
+def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: bool = False,
+                      quant: str | None = None) -> BlockSwapReport:
     """Give every MoE block of ``model`` moekit's layer forward over its own Parameters; returns which blocks
     were swapped and which were left (with ``moe_from_hf``'s reason: they keep their forward, so the experts
     implementation set on the model, e.g. ``set_experts_implementation("moekit")``, still serves them).
 
     ``backend``: the ``MoE``'s experts backend; ``fuse_shared=True`` copies a shared expert into routed
-    slots (a copy: see the module doc) instead of running the block's own shared expert. Idempotent: a
-    block already swapped with the same options is kept; other options rebuild its ``MoE``.
-    ``restore_blocks`` undoes it."""
-    options = SwapOptions(backend, bool(fuse_shared))
+    slots (a copy: see the module doc) instead of running the block's own shared expert. ``quant`` (a
+    ``moekit.quant`` scheme: "int8_w8a16", "int4_w4a16", "mxfp4", "fp8_block") quantizes each ``MoE``'s routed
+    experts from the block's weights (``MoE.quantize_``; the block keeps its float Parameters, its ``state_dict``
+    unchanged, and a move rebuilds and requantizes): the swapped blocks compute with the quantized experts, which
+    take no gradient (the router does). Idempotent: a block already swapped with the same options is kept; other
+    options rebuild its ``MoE``. ``restore_blocks`` undoes it."""
+    if quant is not None and quant not in SCHEMES:
+        raise ValueError(f"quant must be one of {SCHEMES} or None, got {quant!r}")
+    options = SwapOptions(backend, bool(fuse_shared), quant)
     swapped, left = [], []
     for site in moe_blocks(model):
         block = site.block

@@ -24,6 +24,7 @@ except ImportError:
 class SwapOptions:
     backend: str  # the MoE's experts backend ("auto" or a name)
     fuse_shared: bool  # the shared expert copied into routed slots (else the block's own runs)
+    quant: str | None = None  # the moekit.quant scheme the MoE's routed experts are quantized with; None: float
 
 
 @dataclass(eq=False)
@@ -138,10 +139,12 @@ def flat_output_and_logits(moe: nn.Module, x2d: torch.Tensor) -> tuple[torch.Ten
 def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
     """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
     expert only where fused or weighted by the router (else the block's). In eval mode: the block's own mode
-    decides (``own_forward_needed``)."""
-    return moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
-                       shared_expert=options.fuse_shared or router_weights_shared(block), transposed="view",
-                       output_norm="caller").eval()
+    decides (``own_forward_needed``). With ``options.quant`` the routed experts are quantized from the block's
+    weights (``MoE.quantize_``: a quantized copy; the block keeps its float Parameters)."""
+    moe = moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
+                      shared_expert=options.fuse_shared or router_weights_shared(block), transposed="view",
+                      output_norm="caller").eval()
+    return moe if options.quant is None else moe.quantize_(options.quant)
 
 
 def router_weights_shared(block: nn.Module) -> bool:

@@ -89,7 +89,7 @@ def e2m1_encode(a: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest (ties to the even code) e2m1 codes (uint8 0..15) of ``a``, saturating at +-6."""
     table = torch.tensor(E2M1_VALUES, dtype=a.dtype, device=a.device)
     mids = (table[1:] + table[:-1]) / 2  # [7] the decision points between neighbouring codes
-    mag = a.abs().clamp(max=E2M1_MAX)
+    mag = a.abs().clamp(max=E2M1_MAX).contiguous()  # bucketize copies (and warns about) strided input: a view's
     code = torch.bucketize(mag, mids)  # a tie goes to the lower code
     tie_to_upper = (mag == mids[code.clamp(max=6)]) & (code % 2 == 1)  # ties to the even code
     code = code + tie_to_upper.long()
