@@ -1,8 +1,8 @@
-"""The weight-only route at mid batches takes what session 38 measured faster (``benchmarks/wo38_device_check.py``, one
+"""The weight-only route at mid batches takes what sessions 38 and 39 measured faster (``benchmarks/wo38_device_check.py``, one
 H100, every call PASS, >= 3% faster than the route before in 5 of 5 rounds; the figures in the tables' comments): the
-Gluon path for Mixtral-8x7B from M = 128 (int4) / 256 (mxfp4, int8), the mma decode for Mixtral mxfp4 M = 128..255,
-DeepSeek-V3 int4 / mxfp4 M = 512 and Qwen3 4-bit M = 256, DeepSeek-V3 int8 M = 512 on the 32-row tile, and the
-neighbouring M each table row serves. The decision alone: meta tensors, no kernel runs."""
+Gluon path for Mixtral-8x7B from M = 128 (int4, int8) / 256 (mxfp4) and DeepSeek-V3 int4 / int8 from M = 1024, the
+mma decode for Mixtral mxfp4 M = 128..255, DeepSeek-V3 int4 / mxfp4 M = 512, Qwen3 4-bit M = 256 and mxfp4 M = 512,
+DeepSeek-V3 int8 M = 512 on the 32-row tile, and the neighbouring M each table row serves. The decision alone: meta tensors, no kernel runs."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _gluon(scheme: str, m: int, shape: tuple, monkeypatch) -> tgw.GluonWoGemms |
 @pytest.mark.parametrize("scheme,lo,on", [
     ("int4_w4a16", 128, {"split", "swap"}),  # M=128 764.4 against 817.3 µs
     ("mxfp4", 256, {"split", "fast"}),  # M=256 883.8 against 1513.8
-    ("int8_w8a16", 256, {"split", "fast", "swap"}),  # M=256 656.9 against 978.9
+    ("int8_w8a16", 128, {"split", "fast", "swap"}),  # M=128 648.1 against 783.9 (session 39), M=256 656.9 / 978.9
 ])
 def test_mixtral_takes_the_gluon_path_from_where_it_won(monkeypatch, scheme, lo, on):
     # the GEMM options measured: the shape's (GLUON_WO_OPTIONS'), not the session-27 GEMMs (1.2-1.5x slower there)
@@ -97,9 +97,33 @@ def test_deepseek_mxfp4_m1024_takes_the_32_row_mma_decode():
 
 def test_qwen3_4bit_takes_the_mma_decode_to_m511():
     # M = 256 (16 rows an expert): 227.8 / 211.0 against the 32-row tile's 475.7 / 377.5 µs; mxfp4 M = 8..128
-    # (96.7-174.9 against the tile / register decodes' 130.5-280.7)
-    for scheme in ("int4_w4a16", "mxfp4"):
-        assert {m: choose_decode(scheme, m, *QWEN3) for m in (64, 256, 511, 512)} == {
-            64: "mma", 256: "mma", 511: "mma", 512: "tile"}
+    # (96.7-174.9 against the tile / register decodes' 130.5-280.7); int4 M = 512: the 64-row tile stayed the fastest
+    assert {m: choose_decode("int4_w4a16", m, *QWEN3) for m in (64, 256, 511, 512)} == {
+        64: "mma", 256: "mma", 511: "mma", 512: "tile"}
+    assert {m: choose_decode("mxfp4", m, *QWEN3) for m in (64, 256, 511)} == {64: "mma", 256: "mma", 511: "mma"}
     assert {m: choose_decode("mxfp4", m, *QWEN3) for m in (1, 8, 32, 128)} == {1: "gemv", 8: "mma", 32: "mma",
                                                                              128: "mma"}
+
+
+def test_qwen3_mxfp4_m512_takes_the_32_row_mma_decode():
+    # session 39: 328.3 against the M = 1024 row's 64-row tile 371.1 µs, for 512..724 (nearer 512 than 1024); below
+    # 512 the 16-row bucket's config as before, from 725 the M = 1024 row's tile
+    assert {m: choose_decode("mxfp4", m, *QWEN3) for m in (511, 512, 724, 725, 1023)} == {
+        511: "mma", 512: "mma", 724: "mma", 725: "tile", 1023: "tile"}
+    assert {m: wo_config(m, *QWEN3, "mxfp4", "nowhere", "mma").BLOCK_M for m in (511, 512, 724)} == {
+        511: 16, 512: 32, 724: 32}
+    assert wo_config(512, *QWEN3, "mxfp4", "nowhere", "mma") == KernelConfig(32, T128, T128)
+    assert wo_config(725, *QWEN3, "mxfp4", "nowhere").BLOCK_M == 64
+
+
+@pytest.mark.parametrize("scheme", ["int4_w4a16", "int8_w8a16"])
+def test_deepseek_takes_the_swapped_gluon_gemms_from_m1024(monkeypatch, scheme):
+    # session 39: M = 1448 int4 / int8 5721.0 / 5512.6 against the 64-row tile's 6377.9 / 6156.1 µs, int4 M = 2048
+    # 5984.6 against 9347.3 (the session-27 GEMMs 8335.8-8490.2); session 38 at 1024: 5569 against 6036 / 6005
+    options = tgw.GLUON_WO_OPTIONS[(scheme, *DEEPSEEK[:3])].gemms
+    assert options.up.swap and options.down.swap and options.up.split
+    for m in (1024, 1448, 2048, 4096, 8191):
+        assert _gluon(scheme, m, DEEPSEEK, monkeypatch) == options, m
+    assert _gluon(scheme, 1023, DEEPSEEK, monkeypatch) is None
+    assert _gluon(scheme, 8192, DEEPSEEK, monkeypatch) is None
+    assert _gluon("mxfp4", 1448, DEEPSEEK, monkeypatch) is None  # not measured there: the mma decode's row

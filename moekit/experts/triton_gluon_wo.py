@@ -86,20 +86,27 @@ class GluonWoGemms:
 # 2593.8 (M=128: 895.2 against 833.9, lost: the mma decode there, ``triton_wo_configs.MMA_CONFIGS``); int8 M=256 / 512
 # 656.9 / 919.5 against tile m128 978.9 / 1515.1 (int8 M=128 not measured). Graph µs only: the lean launch's 38-68 µs
 # of host a call lies well under these calls' GPU time. Not taken: DeepSeek-V3 int4 / int8 M=1024 5569.2 / 5568.8
-# against tile m64 6036.3 / 6005.2 (5/5 each; the swapped GEMMs' options start at 4096 there, GLUON_WO_OPTIONS)
+# against tile m64 6036.3 / 6005.2 (5/5 each; the swapped GEMMs' options start at 4096 there, GLUON_WO_OPTIONS).
+# Session 39 (the same check at 38ead07c, ONE H100 80GB, as above; raw/NVIDIA_H100-2026-12-06-38ead07-wo39r2a.*): the
+# shape's swapped GEMMs at DeepSeek-V3 int4 M=1448 / 2048 5721.0 / 5984.6 against tile m64 6377.9 / tile m128 9347.3
+# (the session-27 GEMMs 8335.8 / 8490.2), int8 M=1448 5512.6 against tile m64 6156.1 (session-27 GEMMs 6515.1); Mixtral
+# int8 M=128 648.1 against tile m64 783.9 (session-27 GEMMs 719.2); 5/5 each. So DeepSeek-V3 int4 / int8 from 1024
+# (measured there in session 38) with the swapped GEMMs, Mixtral int8 from 128
 GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     # Mixtral M=1024: 1913 / tile 2414 / 1333; M=2048 (session 31, the swapped GEMMs below): 3172.8 / tile 3833.1;
-    # M=256 / 512: session 38 (above)
-    ("int8_w8a16", 8, 14336, 4096): (256, 4096),
+    # M=256 / 512: session 38, M=128: session 39 (above)
+    ("int8_w8a16", 8, 14336, 4096): (128, 4096),
     # Qwen3 M=1024 / 2048 / 4096: 370.5 / 539.6 / 896.4 against tile 427.4 / 663.3 / 1100.2; eager 377 / 549 / 911
     # against 433 / 671 / 1109
     ("int8_w8a16", 128, 768, 2048): (1024, 8192),
     ("int4_w4a16", 128, 768, 2048): (2048, 4096),  # Qwen3 M=2048: 685.9 / scratch 857.4; eager 698 / 868
     # Qwen3 M=1024 / 2048: 494.9 / 725.4 against tile 525.3 / scratch 850.6; eager 500 / 734 against 531 / 863
     ("mxfp4", 128, 768, 2048): (1024, 4096),
-    # DeepSeek-V3 M=2048: 6126 / tile 7916, eager 6366 / 7896; 4096 (session 27): 8972 / tile 12783 / 7353
-    ("int8_w8a16", 256, 2048, 7168): (2048, 8192),
-    ("int4_w4a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565)
+    # DeepSeek-V3 M=2048: 6126 / tile 7916, eager 6366 / 7896; 4096 (session 27): 8972 / tile 12783 / 7353; M=1024 /
+    # 1448: sessions 38 / 39 (above)
+    ("int8_w8a16", 256, 2048, 7168): (1024, 8192),
+    # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565); M=1024 / 1448 / 2048: sessions 38 / 39 (above)
+    ("int4_w4a16", 256, 2048, 7168): (1024, 8192),
     ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
     # session 28 (wo8_device_check.py, checkpoint 1c at f83b663, graph µs: this path with GLUON_WO_OPTIONS' variant /
     # the pick / bf16; 5 of 5 rounds >= 3% faster than the pick; the session-27 kernel through the lean launch lost
@@ -132,16 +139,20 @@ GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], MeasuredGemms] = {
     # the PTX conversion, split / the pick of then / bf16; 5 of 5 rounds >= 3% faster, every call PASS and bit-equal
     # to the session-27 kernel's; eager wall µs a call 8927 / 9964, 847 / 1001, 1696 / 2083). DeepSeek-V3 M=4096:
     # 8585 / 11162 (base|slots3, session 28's pick here) / 8439
-    ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP, _SWAP)),
+    # Session 39 (GLUON_WO_CELLS' comment): from M=1024, 1.08-1.18x the session-27 GEMMs at 1448
+    ("int8_w8a16", 256, 2048, 7168): MeasuredGemms(1024, 8192, GluonWoGemms(_SWAP, _SWAP)),
     # Qwen3 M=4096: 834.0 / 1016.6 / 689.7; Mixtral M=1024: 1652.5 / 2179.3 / 1381.8. Session 31 (wo4k_device_check.py
     # on merged main 814ebdc, H200, Triton 3.6; the swapped GEMMs / the pick of then / bf16, 5/5, PASS; eager wall µs
     # a call 344 / 383, 506 / 590, 3090 / 3819): Qwen3 M=1024 320.3 / 367.8 / 363.7, M=2048 471.3 / 547.5 / 439.8,
     # Mixtral M=2048 3172.8 / 3833.1 / 2320.4
     ("int8_w8a16", 128, 768, 2048): MeasuredGemms(1024, 8192, GluonWoGemms(_SWAP, _SWAP)),
-    ("int8_w8a16", 8, 14336, 4096): MeasuredGemms(256, 4096, GluonWoGemms(_SWAP, _SWAP)),  # M=256 / 512: session 38
+    # M=256 / 512: session 38; M=128: session 39 (648.1 against the session-27 GEMMs' 719.2)
+    ("int8_w8a16", 8, 14336, 4096): MeasuredGemms(128, 4096, GluonWoGemms(_SWAP, _SWAP)),
     # DeepSeek-V3 M=4096: int4 11012 / 12078 / 8078, mxfp4 10356 / 11974 (split+fast|fast+slots3 10263). Session 31
     # (as above): int4 swapped, split 9795.4 / 12873.1 (the fast GEMMs) / 8249.1; eager 10202 / 10989
-    ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_SWAP_INT4, _SWAP_INT4)),
+    # Session 39 (GLUON_WO_CELLS' comment): from M=1024; M=1448 / 2048 5721.0 / 5984.6 against the session-27 GEMMs'
+    # 8335.8 / 8490.2
+    ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(1024, 8192, GluonWoGemms(_SWAP_INT4, _SWAP_INT4)),
     ("mxfp4", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
     # Mixtral M=1024: int4 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314). Session 31 (as
     # above): int4 swapped, split 2002.6 / 2590.2 (split + fast) / 1330.5; eager 2095 / 2483

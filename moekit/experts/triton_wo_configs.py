@@ -48,12 +48,14 @@ _T128, _T256 = GemmTile(32, 128, 1, 1, 3), GemmTile(32, 256, 1, 1, 3)  # 32 weig
 # Session 38 (benchmarks/wo38_device_check.py at d4f6eeb4, ONE H100 80GB, Triton 3.6, 5 settled rounds, PASS, 5/5 >= 3%
 # against the pick; the decode taken by ``triton_wo_winners.WO_WINNERS``): 32-row blocks, two-sided gate-up, at
 # Mixtral mxfp4 M = 128 744.7 against the m64 tile's 833.9 (16-row blocks 829.3, the halves 765.7), DeepSeek-V3 mxfp4
-# M = 1024 5100.6 against m64 6209.0 (16-row blocks 5452.4, the halves 5344.5)
+# M = 1024 5100.6 against m64 6209.0 (16-row blocks 5452.4, the halves 5344.5). Session 39 (the same check at 38ead07c,
+# ONE H100, as above): Qwen3 mxfp4 M = 512 328.3 against the m64 tile's 371.1 (16-row blocks 339.8, the halves 352.8)
 MMA_CONFIGS: dict[tuple[str, int, int, int, int], KernelConfig] = {
     ("int8_w8a16", 8, 14336, 4096, 1): WordConfig(16, _T128, _T128, down_split=4),
     ("mxfp4", 8, 14336, 4096, 64): WordConfig(32, _T128, _T128, halves=True),
     ("mxfp4", 8, 14336, 4096, 128): KernelConfig(32, _T128, _T128),
     ("mxfp4", 256, 2048, 7168, 1024): KernelConfig(32, _T128, _T128),
+    ("mxfp4", 128, 768, 2048, 512): KernelConfig(32, _T128, _T128),
 }
 
 

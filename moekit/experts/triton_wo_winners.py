@@ -70,6 +70,11 @@ WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
     ("int8_w8a16", 128, 768, 2048, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # qwen3-30b-a3b µs: m128 1083, scratch 1188, default 1084, bf16 738; 1.47x bf16
     ("int8_w8a16", 128, 768, 2048, 4096): WoWinner("tile", tile(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3), False)),
+    # qwen3-30b-a3b mxfp4 M=512 (32 rows an expert; session 39: benchmarks/wo38_device_check.py at 38ead07c, ONE H100
+    # 80GB, PASS, 5/5 >= 3%): the mma decode in 32-row blocks (``triton_wo_configs.MMA_CONFIGS``) 328.3 against the
+    # M=1024 row's m64 tile 371.1 µs (int4 at M=512: the m64 tile stays the fastest, 342.0). Serves 512..724 (nearest);
+    # at 256..511 the decode and bucket config are what they were (the mma decode, 16-row blocks)
+    ("mxfp4", 128, 768, 2048, 512): WoWinner("mma"),
     # qwen3-30b-a3b µs: m64 543, scratch 764, default 647, bf16 371; 1.46x bf16
     ("mxfp4", 128, 768, 2048, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # qwen3-30b-a3b µs: m128n256a 1508, scratch 1115, default 1115, bf16 738; 1.51x bf16
@@ -87,12 +92,13 @@ WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
     # mixtral-8x7b µs: m256n64a 9689, scratch 5853, default 5853, bf16 5177; 1.13x bf16
     ("mxfp4", 8, 14336, 4096, 4096): WoWinner("scratch", tile(256, (64, 64, 8, 8, 3), (64, 64, 8, 8, 4), True)),
     # deepseek-v3 µs: m64 6139, scratch 14064, default 6135, bf16 5219; 1.18x bf16. Session 38 (below): the mma decode
-    # 5691.6 against 6036.3 (5/5), the Gluon path 5569.2; neither taken: this row serves up to M = 2047 (64 rows an
-    # expert), where Mixtral's M = 256 read the mma decode's 16-row blocks 1.17x m64's
+    # 5691.6 against 6036.3 (5/5), the Gluon path 5569.2; session 39 the Gluon path won at 1448 / 2048 too and takes
+    # M >= 1024 (``triton_gluon_wo.GLUON_WO_CELLS``): this row now serves 725..1023
     ("int4_w4a16", 256, 2048, 7168, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # deepseek-v3 µs: m128n256a 13895, scratch 15864, default 15864, bf16 7733; 1.80x bf16
     ("int4_w4a16", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
-    # deepseek-v3 µs: m64 5011, scratch 14931, default 4828, bf16 5219; 0.96x bf16
+    # deepseek-v3 µs: m64 5011, scratch 14931, default 4828, bf16 5219; 0.96x bf16. From M = 1024 the Gluon path
+    # (sessions 38 / 39, ``triton_gluon_wo.GLUON_WO_CELLS``): this row serves 725..1023
     ("int8_w8a16", 256, 2048, 7168, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # deepseek-v3 µs: m128s4 10967, scratch 16757, default 16757, bf16 7733; 1.42x bf16
     ("int8_w8a16", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (64, 64, 8, 8, 4), (128, 64, 8, 8, 4), False)),
