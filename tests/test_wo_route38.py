@@ -87,12 +87,18 @@ def test_deepseek_m512_takes_the_16_row_decodes():
     assert {choose_decode("int8_w8a16", m, *DEEPSEEK) for m in (256, 512, 1024)} == {"tile"}
 
 
-def test_deepseek_mxfp4_m1024_takes_the_32_row_mma_decode():
-    # 5100.6 against the 64-row tile's 6209.0 µs (16-row blocks 5452.4): 1024..2047 (64 rows an expert) in 32-row blocks
-    for m in (725, 1024, 2047):
+def test_deepseek_mxfp4_m1024_takes_the_32_row_mma_decode_and_m1448_the_64_row_tile():
+    # 5100.6 against the 64-row tile's 6209.0 µs (16-row blocks 5452.4): 725..1217 on the mma decode, 1024.. in 32-row
+    # blocks; session 39: at 1448 the 64-row tile 6192.0 against that mma decode's 6952.4, 1218..2047
+    for m in (725, 1024, 1217):
         assert choose_decode("mxfp4", m, *DEEPSEEK) == "mma"
-    assert {m: wo_config(m, *DEEPSEEK, "mxfp4", "nowhere", "mma").BLOCK_M for m in (725, 1023, 1024, 2047)} == {
-        725: 16, 1023: 16, 1024: 32, 2047: 32}
+    assert {m: wo_config(m, *DEEPSEEK, "mxfp4", "nowhere", "mma").BLOCK_M for m in (725, 1023, 1024, 1217)} == {
+        725: 16, 1023: 16, 1024: 32, 1217: 32}
+    for m in (1218, 1448, 2047, 2048, 2435):  # from 2048 the Gluon path on Hopper; this row where it does not run
+        assert choose_decode("mxfp4", m, *DEEPSEEK) == "tile"
+        cfg = wo_config(m, *DEEPSEEK, "mxfp4", "nowhere")
+        assert (cfg.BLOCK_M, cfg.up, cfg.down, cfg.ahead) == (64, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4),
+                                                               False)
 
 
 def test_qwen3_4bit_takes_the_mma_decode_to_m511():
@@ -126,4 +132,13 @@ def test_deepseek_takes_the_swapped_gluon_gemms_from_m1024(monkeypatch, scheme):
         assert _gluon(scheme, m, DEEPSEEK, monkeypatch) == options, m
     assert _gluon(scheme, 1023, DEEPSEEK, monkeypatch) is None
     assert _gluon(scheme, 8192, DEEPSEEK, monkeypatch) is None
-    assert _gluon("mxfp4", 1448, DEEPSEEK, monkeypatch) is None  # not measured there: the mma decode's row
+    assert _gluon("mxfp4", 1448, DEEPSEEK, monkeypatch) is None  # lost there (6768.1 against the m64 tile's 6192.0)
+
+
+def test_deepseek_mxfp4_takes_the_gluon_path_from_m2048(monkeypatch):
+    # session 39: M = 2048 7018.8 against the M = 4096 row's m128n256 tile 9858.6 µs (the session-27 GEMMs 8019.1)
+    options = tgw.GLUON_WO_OPTIONS[("mxfp4", *DEEPSEEK[:3])].gemms
+    assert options.up.fast and options.down.fast and not options.up.swap
+    for m in (2048, 2895, 4096, 8191):
+        assert _gluon("mxfp4", m, DEEPSEEK, monkeypatch) == options, m
+    assert _gluon("mxfp4", 2047, DEEPSEEK, monkeypatch) is None

@@ -91,7 +91,10 @@ class GluonWoGemms:
 # shape's swapped GEMMs at DeepSeek-V3 int4 M=1448 / 2048 5721.0 / 5984.6 against tile m64 6377.9 / tile m128 9347.3
 # (the session-27 GEMMs 8335.8 / 8490.2), int8 M=1448 5512.6 against tile m64 6156.1 (session-27 GEMMs 6515.1); Mixtral
 # int8 M=128 648.1 against tile m64 783.9 (session-27 GEMMs 719.2); 5/5 each. So DeepSeek-V3 int4 / int8 from 1024
-# (measured there in session 38) with the swapped GEMMs, Mixtral int8 from 128
+# (measured there in session 38) with the swapped GEMMs, Mixtral int8 from 128. The second call (raw/
+# NVIDIA_H100-2026-12-06-22a0d8b-wo39b.log, the H200's packaged tables under the H100's name): DeepSeek-V3 mxfp4 M=2048
+# with the shape's GEMMs 7018.8 against tile m128n256 9858.6 (5/5; the session-27 GEMMs 8019.1); at M=1448 the path lost
+# (6768.1 against tile m64 6192.0), so mxfp4 from 2048
 GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     # Mixtral M=1024: 1913 / tile 2414 / 1333; M=2048 (session 31, the swapped GEMMs below): 3172.8 / tile 3833.1;
     # M=256 / 512: session 38, M=128: session 39 (above)
@@ -107,7 +110,7 @@ GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     ("int8_w8a16", 256, 2048, 7168): (1024, 8192),
     # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565); M=1024 / 1448 / 2048: sessions 38 / 39 (above)
     ("int4_w4a16", 256, 2048, 7168): (1024, 8192),
-    ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
+    ("mxfp4", 256, 2048, 7168): (2048, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878; M=2048: session 39 (above)
     # session 28 (wo8_device_check.py, checkpoint 1c at f83b663, graph µs: this path with GLUON_WO_OPTIONS' variant /
     # the pick / bf16; 5 of 5 rounds >= 3% faster than the pick; the session-27 kernel through the lean launch lost
     # here, above): the 4-bit Mixtral cells at M = 1024
@@ -153,7 +156,7 @@ GLUON_WO_OPTIONS: dict[tuple[str, int, int, int], MeasuredGemms] = {
     # Session 39 (GLUON_WO_CELLS' comment): from M=1024; M=1448 / 2048 5721.0 / 5984.6 against the session-27 GEMMs'
     # 8335.8 / 8490.2
     ("int4_w4a16", 256, 2048, 7168): MeasuredGemms(1024, 8192, GluonWoGemms(_SWAP_INT4, _SWAP_INT4)),
-    ("mxfp4", 256, 2048, 7168): MeasuredGemms(4096, 8192, GluonWoGemms(_FAST, _FAST)),
+    ("mxfp4", 256, 2048, 7168): MeasuredGemms(2048, 8192, GluonWoGemms(_FAST, _FAST)),  # M=2048: session 39
     # Mixtral M=1024: int4 2320 / 2787 / 1349 (fast alone 2410); mxfp4 2273 / 2761 (fast alone 2314). Session 31 (as
     # above): int4 swapped, split 2002.6 / 2590.2 (split + fast) / 1330.5; eager 2095 / 2483
     # Session 38 (GLUON_WO_CELLS' comment): these options at M=128-512 (int4) / 256-512 (mxfp4), 1.27-1.55x faster than

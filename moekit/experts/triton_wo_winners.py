@@ -105,6 +105,11 @@ WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
     # deepseek-v3 µs: m64 6257, scratch 13938, default 6256, bf16 5219; 1.20x bf16. Session 38 (below): the mma decode
     # in 32-row blocks (``triton_wo_configs.MMA_CONFIGS``) 5100.6 against m64 6209.0
     ("mxfp4", 256, 2048, 7168, 1024): WoWinner("mma"),
+    # deepseek-v3 mxfp4 M=1448 (45 rows an expert; session 39, wo38_device_check.py at 22a0d8b, ONE H100, the H200's
+    # tables under its name, PASS, 5/5 >= 3%): the m64 tile 6192.0 against the M=1024 row's mma decode in 32-row blocks
+    # 6952.4 (the Gluon path 6768.1); serves 1218..2047, from 2048 the Gluon path (``GLUON_WO_CELLS``; the m64 tile
+    # 9064.5 against the M=4096 row's m128n256 9858.6 there too, for devices without it)
+    ("mxfp4", 256, 2048, 7168, 1448): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # deepseek-v3 µs: m128n256a 14594, scratch 15586, default 15586, bf16 7733; 1.89x bf16
     ("mxfp4", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
     # Session 38 (benchmarks/wo38_device_check.py at d4f6eeb4, ONE H100 80GB, torch 2.11, Triton 3.6; graph µs, median
