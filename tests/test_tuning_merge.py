@@ -168,6 +168,27 @@ def test_weight_only_user_file_changes_only_the_m_near_its_own(user):
         assert (got.BLOCK_M, got.up, got.down) == (packaged.BLOCK_M, packaged.up, packaged.down), m
 
 
+def test_weight_only_tile_file_leaves_the_winners_rows_at_other_m(user):
+    """The tile decode's measured rows (``triton_wo_winners``) count as entries under a tuned file's: a user file
+    tuned at M = 128 alone leaves Qwen3 int4's M = 1024 row in charge at 1024 (it took every M before)."""
+    from moekit.experts.triton_wo_winners import winner
+
+    name = "E128_N768_K2048_int4_w4a16_NVIDIA_H200.json"
+    tile = GemmTile(32, 64, 1, 4, 2)
+    mine = KernelConfig(32, tile, tile)
+    (user / name).write_text(json.dumps({"E": 128, "N": 768, "K": 2048, "dtype": "int4_w4a16",
+                                         "device": "NVIDIA_H200", "configs": {"128": mine.to_dict()}}))
+    clear_config_cache()
+
+    def lookup(m):
+        return wo_config(m, 128, 768, 2048, 8, "int4_w4a16", "NVIDIA_H200")
+
+    row = winner("int4_w4a16", 128, 768, 2048, 1024).tile
+    assert row is not None and row != mine
+    assert lookup(128) == lookup(100) == mine
+    assert lookup(1024) == lookup(900) == row
+
+
 def test_install_merges_per_m_and_says_so(dirs, tmp_path, capsys):
     """``moekit tune --install`` of a file tuned at M = 64 and 128 into a packaged file of 1, 64, 4096: 64 replaced
     (its switches named), 128 added, 1 and 4096 and their records as they were."""
