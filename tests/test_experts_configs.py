@@ -11,7 +11,7 @@ import torch
 from moekit.experts import configs
 from moekit.experts.configs import (
     PACKAGED_DIR, GemmTile, KernelConfig, config_file_name, fit_shared_memory, get_config, heuristic_config,
-    load_configs, read_configs, shared_memory_bytes,
+    load_configs, read_configs, shared_memory_bytes, write_configs,
 )
 
 SMALL = KernelConfig(16, GemmTile(32, 128), GemmTile(64, 128))
@@ -53,6 +53,24 @@ def test_other_user_dir_is_searched_again(user_dir, disk_loads, tmp_path, monkey
     monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(other))
     assert load_configs(8, 17, 33, torch.float32, "cpu") == {1: SMALL}
     assert len(disk_loads) == 2
+
+
+def test_files_overlay_per_m(user_dir, tmp_path, monkeypatch):
+    """$MOEKIT_CONFIG_DIR's file over $XDG_CONFIG_HOME's over the packaged one, M by M: each M from the first file
+    that has it; the other M of every file stay."""
+    packaged = tmp_path / "packaged"
+    monkeypatch.setattr(configs, "PACKAGED_DIR", packaged)
+    xdg = tmp_path / "xdg" / "moekit" / "configs"
+    # directory -> (its down tile width, the M its file holds); an entry's gate-up tile says its M
+    holdings = {user_dir: (32, (1, 2)), xdg: (64, (2, 3, 4)), packaged: (128, (4, 5))}
+    for directory, (width, ms) in holdings.items():
+        entries = {m: KernelConfig(16, GemmTile(16 * m, 128), GemmTile(width, 128)) for m in ms}
+        write_configs(directory / config_file_name(8, 17, 33, torch.float32, "cpu"), 8, 17, 33, torch.float32,
+                      "cpu", entries)
+    got = load_configs(8, 17, 33, torch.float32, "cpu")
+    assert {m: (c.up.BLOCK_N, c.down.BLOCK_N) for m, c in got.items()} == {
+        1: (16, 32), 2: (32, 32), 3: (48, 64), 4: (64, 64), 5: (80, 128)}
+    assert get_config(6, 8, 17, 33, 2, torch.float32, "cpu").down.BLOCK_N == 128  # nearest: the packaged file's 5
 
 
 def test_tune_save_clears_the_cache(user_dir, disk_loads, monkeypatch):

@@ -16,8 +16,13 @@ Each stage hands its candidates to the timer at once: on a GPU their kernels com
 thread pool (``precompile``) before any is timed.
 
 Resumable: each finished M is written to ``<file>.partial.json`` at once; a rerun skips those M.
-An existing file keeps its entries for the M not tuned in this run (``--batches`` retunes a few).
-``install`` copies a finished file into the packaged config directory (for committing).
+
+A tuned entry adds or replaces its own M and nothing else (``tuning_merge``): an existing file keeps its entries of
+the M not tuned in this run as they were, switches and all (``--batches`` retunes a few); the lookups overlay a user
+file's M over the packaged file's (``configs.overlay``), so tuning M = 128 into a fresh user directory leaves the
+other M on the packaged entries; ``install`` merges a finished file into the packaged config directory's file of
+that name the same way (for committing). A tuned entry is plain (the timed calls pass the config alone): where it
+replaces an entry with switches (the fp8 files' "weight_tma", "pair_dot", ...), ``note`` is told which.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -37,9 +41,10 @@ import torch
 from moekit.bench.cells import GPU_BATCHES, CellInputs, Shape, make_sets, make_weights
 from moekit.bench.run import GRAPH_MAX_M
 from moekit.bench.timing import time_calls
+from moekit.bench.tuning_merge import dropped_switches, looked_up, merge, raw_entries, switch_notes
 from moekit.experts.configs import (
     PACKAGED_DIR, GemmTile, KernelConfig, config_file_name, default_user_dir, device_key, dtype_key,
-    heuristic_config, read_configs, write_configs,
+    heuristic_config, read_configs, write_config_data,
 )
 from moekit.triton_bind import BoundLaunch, interpreting
 
@@ -212,11 +217,12 @@ def tune_one(shape: Shape, num_tokens: int, scheme: TuneScheme, device, weights)
 
 
 def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, device=None, out_dir: Path | None = None,
-         budget_s: float | None = None, progress=None) -> Path:
-    """Tune every M of ``batches`` (resuming a partial run), write the config file, return its path.
-    ``dtype``: a float dtype (or its name) or a quantization scheme (``scheme_for``). With
-    ``budget_s``, no new M is started once that many seconds have passed (at least one M is tuned per
-    run); the rest waits for a rerun. The weights are made once, when the first M is tuned."""
+         budget_s: float | None = None, progress=None, note: Callable[[str], None] | None = None) -> Path:
+    """Tune every M of ``batches`` (resuming a partial run), put the entries into the config file (``_save``: the
+    file's other M stay as they were), return its path. ``dtype``: a float dtype (or its name) or a quantization
+    scheme (``scheme_for``). With ``budget_s``, no new M is started once that many seconds have passed (at least
+    one M is tuned per run); the rest waits for a rerun. The weights are made once, when the first M is tuned.
+    ``note``: told, a line per M, where a tuned entry replaces one with switches in what the lookups read."""
     scheme, device = scheme_for(dtype), torch.device(device or "cuda")
     out_dir = Path(out_dir) if out_dir else default_user_dir()
     dev = device_key(device)
@@ -239,23 +245,24 @@ def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, devic
                             description=f"{label} M={m}: {result.us:.1f} µs (default {result.heuristic_us:.1f})")
         if budget_s is not None and time.monotonic() - start > budget_s:
             break  # checked after each M, so every run makes progress
-    _save(path, shape, scheme.name, dev, done)
+    for line in _save(path, shape, scheme.name, dev, done):
+        if note:
+            note(line)
     if all(str(m) in done["configs"] for m in batches):
         partial.unlink(missing_ok=True)
     return path
 
 
-def _save(path: Path, shape: Shape, name: str, dev: str, done: dict) -> None:
-    """Write the tuned entries of ``done`` into ``path``, keeping the file's entries of other M."""
-    configs = {int(m): KernelConfig.from_dict(c) for m, c in done["configs"].items()}
-    if not configs:
-        return
-    measured = {int(m): v for m, v in done["measured"].items()}
-    if path.exists():  # entries of M not tuned in this run stay as they were
-        old = json.loads(path.read_text())
-        configs = {**{int(m): KernelConfig.from_dict(c) for m, c in old["configs"].items()}, **configs}
-        measured = {**{int(m): v for m, v in old.get("measured", {}).items()}, **measured}
-    write_configs(path, shape.num_experts, shape.n, shape.k, name, dev, configs, measured=measured)
+def _save(path: Path, shape: Shape, name: str, dev: str, done: dict) -> list[str]:
+    """Put the tuned entries of ``done`` into ``path`` (``tuning_merge.merge``: the file's entries of other M stay
+    as they were, switches and all). Returns ``switch_notes`` on the entries the lookups read before at the tuned
+    M (``path``'s own, else the config directories'): which of them lose switches."""
+    if not done["configs"]:
+        return []
+    tuned = {"E": shape.num_experts, "N": shape.n, "K": shape.k, "dtype": name, "device": dev, **done}
+    dropped = dropped_switches(looked_up(path), {int(m): entry for m, entry in done["configs"].items()})
+    write_config_data(path, merge(json.loads(path.read_text()) if path.exists() else None, tuned, str(path)).data)
+    return switch_notes(dropped)
 
 
 def check_tuned_file(path: Path) -> str:
@@ -282,10 +289,19 @@ def check_tuned_file(path: Path) -> str:
     return expected
 
 
-def install(path: Path, packaged_dir: Path | None = None) -> Path:
-    """Copy a finished tuned file (as ``tune`` writes it, e.g. fetched from the GPU machine) into
-    ``packaged_dir`` (default: the packaged config directory, where every lookup finds it after the
-    user directories); refused (``check_tuned_file``) before anything is written. Returns the copy's path."""
+def install(path: Path, packaged_dir: Path | None = None, note: Callable[[str], None] | None = None) -> Path:
+    """Merge a finished tuned file (as ``tune`` writes it, e.g. fetched from the GPU machine) into its namesake in
+    ``packaged_dir`` (default: the packaged config directory, where every lookup finds it after the user
+    directories) per M (``tuning_merge.merge``): its M replace or join the packaged file's, whose other M stay as
+    they were. Refused (``check_tuned_file``) before anything is written. ``note``: told which M were added and
+    replaced, and which replaced entries had switches. Returns the packaged file's path."""
     target = Path(packaged_dir or PACKAGED_DIR) / check_tuned_file(path)
-    shutil.copyfile(path, target)
+    tuned = json.loads(Path(path).read_text())
+    old = json.loads(target.read_text()) if target.is_file() else None
+    merged = merge(old, tuned, str(target))
+    dropped = dropped_switches(raw_entries(target) if old else {}, raw_entries(path))
+    write_config_data(target, merged.data)
+    if note:
+        for line in [f"{target.name}: {merged.summary()}", *switch_notes(dropped)]:
+            note(line)
     return target

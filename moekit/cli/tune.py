@@ -1,7 +1,10 @@
 """``moekit tune``: tune the Triton experts kernels for a shape and weight format on this GPU; the file it
 writes (in the user config directory, searched before the packaged configs) is picked up with no code
-change. ``--install FILE ...`` copies tuned files into the packaged configs (``moekit/experts/configs/``),
-for committing: tune on the GPU machine with ``--out DIR``, fetch DIR, install from it."""
+change. A tuned entry adds or replaces its own M and nothing else: the file's other M stay as they were, and the
+lookups overlay a user file's M over the packaged file's. ``--install FILE ...`` merges tuned files into the packaged
+configs (``moekit/experts/configs/``) the same way, for committing: tune on the GPU machine with ``--out DIR``, fetch
+DIR, install from it. Both say where a tuned entry (plain: the tuner times the tiles alone) replaces one with
+switches (the fp8 files' "weight_tma", "pair_dot", ...)."""
 
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--budget-s", type=positive_float, default=None,
                    help="stop starting new M after this many seconds per shape")
     p.add_argument("--install", action=ListOption, item=_tuned_file, default=None, metavar="FILE",
-                   help="instead of tuning: copy these tuned files (written by moekit tune --out) into the "
-                   "packaged configs, moekit/experts/configs/")
+                   help="instead of tuning: merge these tuned files (written by moekit tune --out) into the "
+                   "packaged configs, moekit/experts/configs/, per M (the packaged file's other M stay)")
     p.set_defaults(func=_run)
 
 
@@ -76,14 +79,15 @@ def _run(args: argparse.Namespace) -> int:
     with Progress(*columns, console=console) as progress:
         for shape in shapes:
             path = tune(shape, args.batches or TUNE_BATCHES, args.dtype, out_dir=args.out,
-                        budget_s=args.budget_s, progress=progress)
+                        budget_s=args.budget_s, progress=progress, note=console.print)
             console.print(f"wrote {path}")
     return 0
 
 
 def _install(args: argparse.Namespace) -> int:
-    """``--install FILE ...``: the finished files into the packaged configs, all checked before any is
-    copied; a partial run's progress file is skipped, saying so (its finished M are in the file beside it)."""
+    """``--install FILE ...``: the finished files merged into the packaged configs per M, all checked before any
+    is written, each saying which M it added and replaced; a partial run's progress file is skipped, saying so (its
+    finished M are in the file beside it)."""
     from moekit.bench.tuning import check_tuned_file, install
 
     if args.preset or args.shape or args.batches or args.out or args.budget_s:
@@ -99,8 +103,11 @@ def _install(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise UsageError(f"--install: {err}") from None
         finished.append(path)
-    for path in finished:  # every file checked before any is copied
-        print(f"installed {install(path)}")
+    for path in finished:  # every file checked before any is written
+        try:
+            print(f"installed {install(path, note=print)}")
+        except ValueError as err:  # the packaged file of that name is of another shape (edited by hand)
+            raise UsageError(f"--install: {err}") from None
     return 0
 
 

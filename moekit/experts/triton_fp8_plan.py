@@ -10,8 +10,8 @@ Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check
 ``benchmarks/fp8_speed_device_check.py`` at 7e36ab4), are arguments of ``plan_for``: x quantized inside gate-up,
 weights through TMA or pointers.
 
-Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
-named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
+Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``, overlaid per M
+the same way), named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
 reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
 power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
 is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from moekit.experts.configs import (
-    PACKAGED_DIR, GemmTile, KernelConfig, device_key, nearest, on_config_cache_clear, read_configs, user_config_dirs,
+    GemmTile, KernelConfig, config_files, device_key, nearest, on_config_cache_clear, overlay, read_configs,
+    user_config_dirs,
 )
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec, pair_chunk
@@ -88,7 +89,7 @@ class Fp8Plan:
 
 
 _PLANS: dict[tuple, Fp8Plan] = {}
-_TABLES: dict[tuple, dict[int, KernelConfig] | None] = {}
+_TABLES: dict[tuple, dict[int, Fp8Entry] | None] = {}  # (E, N, K, device, the user directories) -> ``_table``
 on_config_cache_clear(_PLANS.clear)
 on_config_cache_clear(_TABLES.clear)
 
@@ -151,11 +152,11 @@ def fp8_entry(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, gro
 
 
 def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, Fp8Entry] | None:
+    """{M: Fp8Entry} of the files of this shape, overlaid per M (``configs.overlay``: a user file's M, switches and
+    all, over the packaged file's same M; its other M stay); None where no directory has one. Cached."""
     key = (num_experts, n, k, device, tuple(user_config_dirs()))
     if key not in _TABLES:
-        name = config_file_name(num_experts, n, k, device)
-        found = [d / name for d in [*user_config_dirs(), PACKAGED_DIR] if (d / name).is_file()]
-        _TABLES[key] = read_entries(found[0]) if found else None
+        _TABLES[key] = overlay(config_files(config_file_name(num_experts, n, k, device)), read_entries)
     return _TABLES[key]
 
 

@@ -1,10 +1,9 @@
 """Launch configurations of the weight-only fused decodes (``triton_wo_plan``): the heuristic defaults,
 the tuned-file lookup, the measured winners (``triton_wo_winners``) and the shared-memory fit.
 
-    wo_config(call) -> the mma decode's measured config (``MMA_CONFIGS``), else the device's tuned file's entry of
-    the nearest M, else the winners table's tile
-    config (tile decode, measured M >= 1024 cells), else for the word decodes their heuristic tiles with
-    the measured splits (``triton_wo_word_winners``), else ``wo_heuristic_config``
+    wo_config(call) -> the mma decode's measured config (``MMA_CONFIGS``), else the entry of the nearest M among the
+    device's tuned files' and the winners table's covering row (tile decode, measured cells), else for the word
+    decodes their heuristic tiles with the measured splits (``triton_wo_word_winners``), else ``wo_heuristic_config``
 
 ``triton_wo_winners.WoTileConfig``: a ``KernelConfig`` of the tile decode with ``ahead`` (``ahead_of``).
 
@@ -18,7 +17,7 @@ from dataclasses import replace
 from moekit.experts.configs import GemmTile, KernelConfig, load_configs, nearest
 from moekit.experts.triton_wo_gemv import WordConfig, gemv_heuristic_config
 from moekit.experts.triton_wo_mma import mma_split
-from moekit.experts.triton_wo_winners import WoTileConfig, winner
+from moekit.experts.triton_wo_winners import WoTileConfig, winner, winner_m
 from moekit.experts.triton_wo_word_winners import word_config
 
 MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
@@ -152,22 +151,23 @@ def _decode_width(blocks: int, cols: int, widest: int) -> int:
 
 def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str,
               decode: str = "tile") -> KernelConfig:
-    """For the mma decode the ``MMA_CONFIGS`` row covering the call (``mma_config``); else the tuned entry of the
-    nearest M for (E, N, K, ``config_name(scheme, decode)``, device) where this device has a file (``moekit tune``
-    measured it there); else, for the tile decode, the winners table's
-    config where it covers the call (``triton_wo_winners``: one H200 run's); for the word decodes their
-    heuristic tiles with the measured splits (``triton_wo_word_winners.word_config``); else
-    ``wo_heuristic_config``."""
+    """For the mma decode the ``MMA_CONFIGS`` row covering the call (``mma_config``); else the entry of the nearest
+    M among the tuned files' for (E, N, K, ``config_name(scheme, decode)``, device) (``moekit tune`` measured them on
+    this device; overlaid per M, ``configs.overlay``) and, for the tile decode, the winners table's row covering the
+    call (``triton_wo_winners``: one H200 run's; the files' own entry of its M over it), so a file tuned at a few M
+    leaves the table's rows at the other M; else for the word decodes their heuristic tiles with the measured splits
+    (``triton_wo_word_winners.word_config``); else ``wo_heuristic_config``."""
     measured = mma_config(num_tokens, num_experts, n, k, top_k, scheme) if decode == "mma" else None
     if measured is not None:
         return measured
-    configs = load_configs(num_experts, n, k, config_name(scheme, decode), device)  # the name in the dtype's place
+    configs = load_configs(num_experts, n, k, config_name(scheme, decode), device) or {}  # the scheme as the dtype
+    won_at = winner_m(scheme, num_experts, n, k, num_tokens) if decode == "tile" else None
+    won = None if won_at is None else winner(scheme, num_experts, n, k, num_tokens)
+    if won is not None and won.tile is not None:  # one more entry, under the tuned file's own entry of its M
+        configs = {won_at: won.tile, **configs}
     if configs:  # the mma decode: a measured gate-up split on top (``triton_wo_mma.MMA_UP_SPLITS``)
         cfg = nearest(configs, num_tokens)
         return mma_split(cfg, scheme, num_experts, n, k, num_tokens) if decode == "mma" else cfg
-    won = winner(scheme, num_experts, n, k, num_tokens) if decode == "tile" else None
-    if won is not None and won.tile is not None:
-        return won.tile
     if decode == "gemv":  # the heuristic tiles with the measured splits (``triton_wo_word_winners``)
         return word_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
     return wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme, decode)

@@ -1,8 +1,8 @@
 """The weight-only decode and tile config measured fastest per (scheme, E, N, K, M) at mid and large
 batches on the H200 (issue #16's M >= 1024 target; M = 64 rows; session 38's M = 128 / 512 rows on an H100), as data:
 ``benchmarks/wo_mid_device_check.py`` prints the rows of WO_WINNERS ready to paste; ``triton_wo_plan.choose_decode``
-takes the decode and ``triton_wo_configs.wo_config`` the tile decode's config from here where the device has no tuned
-file.
+takes the decode and ``triton_wo_configs.wo_config`` the tile decode's config from here where the device's tuned file
+has no entry as near the call (a row counts as one more entry of that file, under the file's own entry of its M).
 
     winner(scheme, E, N, K, M) -> the row of the measured M nearest to M (log2 distance, ties: the
     smaller) among those within a factor 2 (m/2 <= M < 2m) and m >= MIN_M; None where no row covers M
@@ -133,10 +133,14 @@ def winner(scheme: str, num_experts: int, n: int, k: int, num_tokens: int,
            table: dict | None = None) -> WoWinner | None:
     """The row of ``table`` (default WO_WINNERS) covering this call, see the module docstring."""
     rows = WO_WINNERS if table is None else table
+    m = winner_m(scheme, num_experts, n, k, num_tokens, rows)
+    return None if m is None else rows[(scheme, num_experts, n, k, m)]
+
+
+def winner_m(scheme: str, num_experts: int, n: int, k: int, num_tokens: int, table: dict | None = None) -> int | None:
+    """The measured M of ``winner``'s row (None where no row covers the call)."""
+    rows = WO_WINNERS if table is None else table
     target = math.log2(max(num_tokens, 1))
     covering = [m for (s, e, nn, kk, m) in rows
                 if (s, e, nn, kk) == (scheme, num_experts, n, k) and m >= MIN_M and m / 2 <= num_tokens < 2 * m]
-    if not covering:
-        return None
-    m = min(covering, key=lambda m: (abs(math.log2(m) - target), m))
-    return rows[(scheme, num_experts, n, k, m)]
+    return min(covering, key=lambda m: (abs(math.log2(m) - target), m)) if covering else None

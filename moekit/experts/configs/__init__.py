@@ -11,14 +11,18 @@ GEMMs walk the same block-aligned layout. Optional, written only when true: "swa
 A lookup takes the entry of the nearest M (in log2 distance).
 
 Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (default
-``~/.config/moekit/configs``), where ``moekit tune`` writes, then the files shipped here. With no file,
-``heuristic_config`` decides.
+``~/.config/moekit/configs``), where ``moekit tune`` writes, then the files shipped here. The files of one
+name are overlaid per M (``overlay``): an entry of a file earlier in that order replaces the same M of the
+later ones and nothing else, so a user file tuned at M = 128 alone changes the lookups near 128 (nearer 128
+than any shipped M) and leaves M = 1 or 4096 on the shipped entries. With no file, ``heuristic_config``
+decides.
 
 Lookups are cached in memory per shape (see ``_TABLES``): the filesystem is searched once per (E, N,
-K, dtype, device), and the nearest entry once per M (``_LOOKUPS``). ``write_configs`` (what ``moekit
-tune`` saves through) clears the cache; after editing a file by hand, or writing one from another
-process, call ``clear_config_cache()``. Whoever keeps configs of its own (the Triton path's plans)
-registers with ``on_config_cache_clear`` to be cleared with it.
+K, dtype, device), and the nearest entry once per M (``_LOOKUPS``). ``write_configs`` and
+``write_config_data`` (what ``moekit tune`` and ``--install`` save through) clear the cache; after
+editing a file by hand, or writing one from another process, call ``clear_config_cache()``. Whoever
+keeps configs of its own (the Triton path's plans) registers with ``on_config_cache_clear`` to be
+cleared with it.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 PACKAGED_DIR = Path(__file__).parent
+Entry = TypeVar("Entry")  # what a reader makes of one file entry: a KernelConfig, an fp8 plan's Fp8Entry, a raw dict
 
 
 @dataclass(frozen=True)
@@ -102,9 +107,9 @@ def default_user_dir() -> Path:
 
 
 # (E, N, K, dtype, device, $MOEKIT_CONFIG_DIR, $XDG_CONFIG_HOME) -> the tuned entries {M: config} of
-# the first file found, None where there is none. A lookup used to stat each directory and read the
-# file on every call (~50 µs on the host path); a hit is one dictionary lookup. The variables that
-# name the user directories are in the key, so pointing them elsewhere searches again.
+# the files found, overlaid per M (``overlay``), None where there is none. A lookup used to stat each
+# directory and read the file on every call (~50 µs on the host path); a hit is one dictionary lookup.
+# The variables that name the user directories are in the key, so pointing them elsewhere searches again.
 _TABLES: dict[tuple, dict[int, KernelConfig] | None] = {}
 # (M, E, N, K, top_k, dtype, device, the two variables) -> what ``get_config`` returned. The log2 search
 # over a file's entries cost ~14 µs a call on the H200's host; a hit is one lookup. Bounded: the oldest
@@ -134,18 +139,32 @@ def read_configs(path: Path) -> dict[int, KernelConfig]:
     return {int(m): KernelConfig.from_dict(c) for m, c in data["configs"].items()}
 
 
+def config_files(name: str) -> list[Path]:
+    """The files named ``name`` in the search order: the user directories' first, the packaged one last."""
+    return [directory / name for directory in [*user_config_dirs(), PACKAGED_DIR] if (directory / name).is_file()]
+
+
+def overlay(paths: list[Path], read: Callable[[Path], dict[int, Entry]]) -> dict[int, Entry] | None:
+    """The entries {M: entry} of ``paths`` (in the search order) taken together: per M the entry of the first file
+    that has one, so a tuned M replaces that M of the files after it and nothing else. None where ``paths`` is
+    empty."""
+    if not paths:
+        return None
+    entries: dict[int, Entry] = {}
+    for path in reversed(paths):
+        entries.update(read(path))
+    return entries
+
+
 def _load_from_disk(name: str) -> dict[int, KernelConfig] | None:
-    """The entries of file ``name`` in the first directory that has it (user ones first); else None."""
-    for directory in [*user_config_dirs(), PACKAGED_DIR]:
-        path = directory / name
-        if path.is_file():
-            return read_configs(path)
-    return None
+    """The entries of the files named ``name``, overlaid per M (user directories over the packaged one); else None."""
+    return overlay(config_files(name), read_configs)
 
 
 def load_configs(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> dict[int, KernelConfig] | None:
-    """The tuned entries {M: config} for this shape, from the first directory that has a file; else None.
-    Cached (``_TABLES``); the dict returned is shared, so do not change it."""
+    """The tuned entries {M: config} for this shape: each M from the first directory whose file has it (a user
+    file's M over the packaged file's, ``overlay``); None where no directory has a file. Cached (``_TABLES``); the
+    dict returned is shared, so do not change it."""
     key = (num_experts, n, k, dtype, device, os.environ.get("MOEKIT_CONFIG_DIR"), os.environ.get("XDG_CONFIG_HOME"))
     if key not in _TABLES:
         _TABLES[key] = _load_from_disk(config_file_name(num_experts, n, k, dtype, device))
@@ -234,13 +253,19 @@ def write_configs(path: Path, num_experts: int, n: int, k: int, dtype: torch.dty
     """Write a config file atomically (a reader never sees half a file) and clear the lookup cache, so
     the next lookup in this process finds it. ``measured`` (optional, per M: the tuned and the heuristic
     µs) is kept beside the entries for the record; lookups ignore it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "E": num_experts, "N": n, "K": k, "dtype": dtype_key(dtype), "device": device,
         "configs": {str(m): configs[m].to_dict() for m in sorted(configs)},
     }
     if measured:
         data["measured"] = {str(m): measured[m] for m in sorted(measured)}
+    write_config_data(path, data)
+
+
+def write_config_data(path: Path, data: dict) -> None:
+    """Write a config file's JSON ``data`` as it is (entries with keys of their path's own, such as the fp8
+    switches, kept), atomically, and clear the lookup cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)
