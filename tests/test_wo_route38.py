@@ -1,8 +1,9 @@
-"""The weight-only route at mid batches takes what sessions 38 and 39 measured faster (``benchmarks/wo38_device_check.py``, one
-H100, every call PASS, >= 3% faster than the route before in 5 of 5 rounds; the figures in the tables' comments): the
-Gluon path for Mixtral-8x7B from M = 128 (int4, int8) / 256 (mxfp4) and DeepSeek-V3 int4 / int8 from M = 1024, the
-mma decode for Mixtral mxfp4 M = 128..255, DeepSeek-V3 int4 / mxfp4 M = 512, Qwen3 4-bit M = 256 and mxfp4 M = 512,
-DeepSeek-V3 int8 M = 512 on the 32-row tile, and the neighbouring M each table row serves. The decision alone: meta tensors, no kernel runs."""
+"""The weight-only route at mid batches takes what sessions 38 and 39 measured faster
+(``benchmarks/wo38_device_check.py``, one H100, every call PASS, >= 3% faster than the route before in 5 of 5 rounds;
+the figures in the tables' comments): the Gluon path for Mixtral-8x7B from M = 128 (int4, int8) / 256 (mxfp4) and
+DeepSeek-V3 from M = 1024 (int4, int8) / 2048 (mxfp4), the mma decode for Mixtral mxfp4 M = 128..255, DeepSeek-V3 int4 /
+mxfp4 M = 512, Qwen3 4-bit M = 256 and mxfp4 M = 512, DeepSeek-V3 int8 M = 512 on the 32-row tile and mxfp4 M = 1448 on
+the 64-row tile, and the neighbouring M each table row serves. The decision alone: meta tensors, no kernel runs."""
 
 from __future__ import annotations
 
