@@ -85,17 +85,33 @@ def _expert_mlp(xs, ex: ExpertParams, offs, segment_ids, cpu_gemm) -> torch.Tens
     rows_expert = None  # [T]; E on rows of no expert
     if ex.b13 is not None or ex.b2 is not None:
         rows_expert = torch.where(segment_ids >= 0, segment_ids, ex.w13.shape[0])
-    h = _group_gemm(xs, ex.w13, offs)  # [T, R]
-    if ex.b13 is not None:
-        h = h + _bias_rows(ex.b13, rows_expert)  # _grouped_mm takes no bias
-    y = _group_gemm(apply_glu(h, ex.spec), ex.w2, offs)  # [T, K]
-    return y if ex.b2 is None else y + _bias_rows(ex.b2, rows_expert)
+    h = _group_gemm(xs, ex.w13, offs)  # [T, R] in xs's dtype: the GEMM's own rounding
+    b13 = None if ex.b13 is None else _bias_rows(ex.b13, rows_expert)  # [T, R]; _grouped_mm takes no bias
+    y = _group_gemm(glu_operand(h, ex.spec, b13), ex.w2, offs)  # [T, K] in xs's dtype
+    return y if ex.b2 is None else y + _bias_rows(ex.b2, rows_expert)  # [T, K] accumulation dtype, for the combine
 
 
 def _bias_rows(bias: torch.Tensor, rows_expert: torch.Tensor) -> torch.Tensor:
-    """bias [E, D] -> [T, D], each row's expert's bias; 0 on rows of no expert (rows_expert == E): the
-    grouped GEMM's backward leaves those rows' gradients unspecified, and they must reach no bias."""
-    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[rows_expert]
+    """bias [E, D] -> [T, D] in the accumulation dtype (float32 for bf16 / fp16: a sum with a GEMM's output is
+    not rounded back), each row's expert's bias; 0 on rows of no expert (rows_expert == E): the grouped GEMM's
+    backward leaves those rows' gradients unspecified, and they must reach no bias."""
+    zero = bias.new_zeros(1, bias.shape[1], dtype=torch.promote_types(bias.dtype, torch.float32))
+    return torch.cat([bias, zero])[rows_expert]  # cat promotes bias to zero's dtype
+
+
+def glu_operand(h: torch.Tensor, spec: ActivationSpec, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The second GEMM's operand: h [.., R], the first GEMM's output, (+ bias, broadcast to h, in the accumulation
+    dtype) -> glu [.., N] in h's dtype, the bias, the activation and its product computed in the accumulation
+    dtype (float32 for bf16 / fp16) and rounded once, where a bf16 GEMM forces it (a bf16 activation rounded
+    act(gate), then its product). For float32 and float64 h: ``apply_glu(h + bias)``, as before."""
+    acc = torch.promote_types(h.dtype, torch.float32)
+    if bias is not None:
+        return apply_glu(h + bias.to(acc), spec).to(h.dtype)
+    if not spec.plain:
+        return apply_glu(h.to(acc), spec).to(h.dtype)
+    gate, up = h.chunk(2, dim=-1)  # [.., N] each
+    act = get_activation(spec.name).fn(gate.to(acc))  # [.., N] acc; up stays h's dtype, the product promotes it
+    return (act * up).to(h.dtype)
 
 
 def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> torch.Tensor:
@@ -364,8 +380,8 @@ def _run_masked(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gem
     """x [M, K] -> [M, K] (accumulation dtype) through the masked layout with the measured cap (syncs)."""
     layout = masked_layout_measured_cap_syncs(x, topk_ids, ex.w13.shape[0], round_to=MASKED_ROUND_TO,
                                               expert_map=expert_map)  # [Group] x_masked [E, cap, K]
-    h = _batched_linear(layout.x_masked, ex.w13, ex.b13)  # [Experts] [E, cap, R]
-    y = _batched_linear(apply_glu(h, ex.spec), ex.w2, ex.b2)  # [E, cap, K]
+    h = _batched_linear(layout.x_masked, ex.w13, ex.b13)  # [Experts] [E, cap, R], the bias fused: one rounding
+    y = _batched_linear(glu_operand(h, ex.spec), ex.w2, ex.b2)  # [E, cap, K]
     return combine_masked(y, layout, topk_weights)  # [Combine] [M, K]
 
 

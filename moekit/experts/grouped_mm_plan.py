@@ -86,12 +86,23 @@ _INDEX_BYTES_PER_ROW = 6 * 8
 def run_row_bytes(hidden_size, intermediate_size, dtype: torch.dtype):
     """Peak bytes per layout row of a contiguous or masked run of ``experts_grouped_mm``, the larger of its two
     phases: the GEMMs (the row's x, h, activation and y: ``grouped_row_bytes``, what ``choose_layout``
-    models) and the combine (x and y, their weighted copy in the accumulation dtype, preceded by an upcast
-    copy when y is narrower), plus the row's indices. Arithmetic only: the sizes may be SymInts."""
+    models, plus, for a dtype narrower than its accumulation dtype, the activation's unrounded intermediates:
+    ``glu_float_bytes``) and the combine (x and y, their weighted copy in the accumulation dtype, preceded by an
+    upcast copy when y is narrower), plus the row's indices. Arithmetic only: the sizes may be SymInts."""
     b, acc = dtype.itemsize, _acc_bytes(dtype)
-    gemms = grouped_row_bytes(hidden_size, intermediate_size, b)
+    gemms = grouped_row_bytes(hidden_size, intermediate_size, b) + glu_float_bytes(intermediate_size, dtype)
     combine = hidden_size * (2 * b + acc + (acc if acc != b else 0))
     return _larger(gemms, combine) + _INDEX_BYTES_PER_ROW
+
+
+def glu_float_bytes(intermediate_size, dtype: torch.dtype):
+    """Bytes per row that ``grouped_mm.glu_operand`` holds beyond the bf16 / fp16 buffers ``grouped_row_bytes``
+    counts, so that the second GEMM's operand is rounded once: a plain gated activation's act(gate) and its
+    product [N] each in the accumulation dtype (float32) at once; none when the dtype is its own accumulation
+    dtype (nothing rounded between the GEMMs: as before). A bias or another activation also holds h + b13 in
+    float32 [2N], outside the count as the bias gathers are."""
+    acc = _acc_bytes(dtype)
+    return 0 if acc == dtype.itemsize else 2 * intermediate_size * acc
 
 
 def _larger(a, b):
