@@ -111,7 +111,11 @@ def glu_operand(h: torch.Tensor, spec: ActivationSpec, bias: torch.Tensor | None
         return apply_glu(h.to(acc), spec).to(h.dtype)
     gate, up = h.chunk(2, dim=-1)  # [.., N] each
     act = get_activation(spec.name).fn(gate.to(acc))  # [.., N] acc; up stays h's dtype, the product promotes it
-    return (act * up).to(h.dtype)
+    if (torch.is_grad_enabled() and (act.requires_grad or up.requires_grad)) or transforming() \
+            or torch.compiler.is_compiling():
+        return (act * up).to(h.dtype)
+    # no autograd: the product computed in acc and rounded as it is stored (one pass less over [.., N] acc)
+    return torch.mul(act, up, out=h.new_empty(act.shape))
 
 
 def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> torch.Tensor:
