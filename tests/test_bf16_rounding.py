@@ -5,20 +5,21 @@ fuzz37 measured grouped_mm at 1.6e-2 on one token of a layer 8 wide with expert 
 experts in float64 and rounds to bf16 only at the points it is told; with the points each backend rounds at, it
 equals the backend bit for bit, so those roundings are the whole error (no other source, no bug):
 
-| point                   | grouped GEMM path (1), contiguous | its masked layout   | CPU loop (default) | transformers (2) | reference |
-| ----------------------- | --------------------------------- | ------------------- | ------------------ | ---------------- | --------- |
-| h = x w13^T             | rounded: the GEMM returns bf16    | -                   | -                  | rounded          | -         |
-| h + b13                 | - (float32)                       | rounded (baddbmm)   | rounded (fused)    | rounded again    | -         |
-| act(gate)               | - (float32)                       | - (float32)         | rounded            | rounded          | -         |
-| a = act(gate) * up      | rounded (the second GEMM's operand) | rounded           | rounded            | rounded          | -         |
-| y = a w2^T              | rounded                           | -                   | -                  | rounded          | -         |
-| y + b2                  | - (float32, into the combine)     | rounded (baddbmm)   | rounded (fused)    | rounded again    | -         |
-| out (a float32 combine) | rounded                           | rounded             | rounded            | rounded          | rounded   |
+| point                 | grouped GEMM path (1) | its masked layout | CPU loop (default) | transformers (2) | ref.    |
+| --------------------- | --------------------- | ----------------- | ------------------ | ---------------- | ------- |
+| h = x w13^T           | rounded (bf16 GEMM)   | -                 | -                  | rounded          | -       |
+| h + b13               | - (float32)           | rounded (baddbmm) | rounded (fused)    | rounded again    | -       |
+| act(gate)             | - (float32)           | - (float32)       | rounded            | rounded          | -       |
+| a = act(gate) * up    | rounded (3)           | rounded           | rounded            | rounded          | -       |
+| y = a w2^T            | rounded               | -                 | -                  | rounded          | -       |
+| y + b2                | - (float32)           | rounded (baddbmm) | rounded (fused)    | rounded again    | -       |
+| out (float32 combine) | rounded               | rounded           | rounded            | rounded          | rounded |
 
 (1) ``cpu_gemm="grouped_mm"``, CUDA without Triton, CPU autograd. (On the CPU ``F.grouped_mm`` refuses a float32
 ``out_dtype`` for bf16 operands, torch 2.13: "output dtype must match `mat_a` dtype", so h and y stay rounded.)
 (2) transformers' ``grouped_mm_experts_forward``, and moekit's grouped path up to session 38 (rnd39 took out the
-three roundings a bf16 GEMM does not force: both biases and the activation in float32).
+three roundings a bf16 GEMM does not force: both biases and the activation in float32). (3) the second GEMM's
+operand.
 
 An output element that is a cancelling sum (the k slots, the biases) carries its terms' rounding errors relative to
 a small result, and over 8 values one such element sets the relative L2: a statistic of the roundings, not a bound.
