@@ -11,17 +11,23 @@ check PASS and no measured cell slower by more than 3%.
 ``before`` is 38ead07c's code for the three changed functions (``_glu_before``, ``_bias_rows_before``, no float32
 bytes in the plan's row model), patched in around a call; delete this script once the A/B is settled.
 
-Phases (each skipped past the deadline; <out>/rnd39.json rewritten after each):
+Phases, in this order (each skipped past the deadline; <out>/rnd39.json rewritten after each):
+  forward   Qwen3-30B-A3B (E 128, K 2048, N 768, k 8) and Mixtral-8x7B (E 8, K 4096, N 14336, k 2) experts, bf16,
+            no biases, and gpt-oss-20b's (E 32, K = N = 2880, k 4, its clamped SwiGLU and biases), default budget,
+            at M = 1, 64, 1024, 4096: rel L2 against the float64 reference (PASS < 1e-2 and after <= before x 1.02),
+            then µs a call (``time_calls``: CUDA events, four token sets in turn), before / after interleaved in 5
+            rounds, the order swapped every round. (Mixtral at M = 4096 now runs in 2 chunks: its float32 [A, N]
+            pair, 0.94 GB in one chunk, is in the budget's row model.)
   tail      one token of K = 8 (``tests/test_bf16_rounding.draw``, with biases), 1500 seeded draws on the device:
             rel L2 against the float64 experts, before / after, contiguous and masked layouts; PASS where after
             passes 1e-2 in fewer draws than before and in at most 1% of them; whether the device's outputs are the
             CPU emulation's (``GROUPED`` / ``MASKED`` rounding points) bit for bit (reported, not checked).
-  forward   Qwen3-30B-A3B (E 128, K 2048, N 768, k 8) and Mixtral-8x7B (E 8, K 4096, N 14336, k 2) experts, bf16,
-            no biases, default budget, at M = 1, 64, 1024, 4096: rel L2 against the float64 reference (PASS < 1e-2
-            and after <= before x 1.02), then µs a call (``time_calls``: CUDA events, four token sets in turn),
-            before / after interleaved in 5 rounds, the order swapped every round.
-  backward  the same at one M (Qwen3 1024, Mixtral 256): forward + backward of sum(out * probe) into x, w13, w2;
-            the gradients' rel L2 after vs before (PASS < 2e-2), µs in 5 interleaved rounds.
+  backward  Qwen3 at M = 1024, Mixtral at 256: forward + backward of sum(out * probe) into x, w13, w2; the
+            gradients' rel L2 after vs before (PASS < 2e-2), µs in 5 interleaved rounds.
+  glu       the activation alone (no bias), h [T, 2N] bf16 -> [T, N] bf16 at the forward cells' T for M = 1 and 4096:
+            before (bf16), after (``glu_operand``: gate.to(f32), silu, mul out= bf16), two float32 alternatives
+            (the product in place then a cast; h cast whole) bit-equal to after; µs, 5 interleaved rounds: which is
+            cheapest should the whole path read slower.
 The table is printed last: medians, after / before, rounds in which after was >= 3% slower / faster.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
@@ -42,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from bench_run import RunLog, rel_l2, run_info, run_phases  # noqa: E402
-from moekit.activations import apply_glu  # noqa: E402
+from moekit.activations import ActivationSpec, apply_glu  # noqa: E402
 from moekit.bench.timing import time_calls  # noqa: E402
 from moekit.experts import grouped_mm as gm  # noqa: E402
 from moekit.experts import grouped_mm_plan as plan  # noqa: E402
@@ -51,9 +57,11 @@ from moekit.experts.reference import experts_reference  # noqa: E402
 SMOKE, CPU = "--smoke" in sys.argv, "--cpu" in sys.argv
 ROUNDS = 2 if SMOKE else 5
 DRAWS = 40 if SMOKE else 1500
-SHAPES = ({"qwen3": (8, 64, 32, 2), "mixtral": (4, 128, 256, 2)} if SMOKE else
-          {"small": (8, 1024, 512, 2), "mid": (16, 2048, 768, 4)} if CPU else
-          {"qwen3": (128, 2048, 768, 8), "mixtral": (8, 4096, 14336, 2)})  # name -> (E, K, N, k)
+SHAPES = ({"qwen3": (8, 64, 32, 2), "mixtral": (4, 128, 256, 2), "gpt_oss": (4, 64, 64, 2)} if SMOKE else
+          {"small": (8, 1024, 512, 2), "mid": (16, 2048, 768, 4), "small_gpt_oss": (8, 1024, 512, 2)} if CPU else
+          {"qwen3": (128, 2048, 768, 8), "mixtral": (8, 4096, 14336, 2),
+           "gpt_oss": (32, 2880, 2880, 4)})  # name -> (E, K, N, k)
+GPT_OSS = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)  # with biases
 MS = (1, 8) if SMOKE else (1, 16, 256) if CPU else (1, 64, 1024, 4096)
 BACKWARD_M = ({"qwen3": 8, "mixtral": 8} if SMOKE else {"small": 256, "mid": 256} if CPU else
               {"qwen3": 1024, "mixtral": 256})
@@ -61,7 +69,7 @@ ARMS = ("before", "after")
 RUN = RunLog("rnd39: grouped_mm's bf16 roundings, before (38ead07c) / after (µs a call, medians of interleaved "
              "rounds)", stall_s=900 if CPU else 60)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
-NEEDS_S = {"tail": 10, "forward": 25, "backward": 10}  # a phase starts only this long before the deadline (s)
+NEEDS_S = {"glu": 5, "tail": 10, "forward": 25, "backward": 10}  # a phase starts only this long before the deadline (s)
 
 
 def _glu_before(h, spec, bias=None):
@@ -90,8 +98,9 @@ def arithmetic(arm: str):
         plan._PLANS.clear()
 
 
-def grouped(x, w13, w2, ids, weights, b13=None, b2=None, layout="auto"):
-    return gm.experts_grouped_mm(x, w13, w2, ids, weights, b13=b13, b2=b2, layout=layout, cpu_gemm="grouped_mm")
+def grouped(x, w13, w2, ids, weights, b13=None, b2=None, layout="auto", activation="silu"):
+    return gm.experts_grouped_mm(x, w13, w2, ids, weights, b13=b13, b2=b2, layout=layout, cpu_gemm="grouped_mm",
+                                 activation=activation)
 
 
 def tail_phase(dev) -> None:
@@ -122,13 +131,18 @@ def tail_phase(dev) -> None:
                            f"{DRAWS}; max {worst['before']:.3g} -> {worst['after']:.3g}; emulation {emulated}")
 
 
-def experts(name: str, dev, seed: int = 0):
-    """bf16 w13 [E, 2N, K], w2 [E, K, N] at 1/sqrt(fan_in)."""
+def experts(name: str, dev, seed: int = 0) -> dict:
+    """bf16 w13 [E, 2N, K], w2 [E, K, N] at 1/sqrt(fan_in); gpt-oss's: its activation and biases b13 [E, 2N],
+    b2 [E, K] at 0.3."""
     e, k, n, _ = SHAPES[name]
     g = torch.Generator(device=dev).manual_seed(seed)
     w13 = (torch.randn(e, 2 * n, k, generator=g, device=dev) * k**-0.5).bfloat16()
     w2 = (torch.randn(e, k, n, generator=g, device=dev) * n**-0.5).bfloat16()
-    return w13, w2
+    if "gpt_oss" not in name:
+        return dict(w13=w13, w2=w2)
+    b13 = (torch.randn(e, 2 * n, generator=g, device=dev) * 0.3).bfloat16()
+    b2 = (torch.randn(e, k, generator=g, device=dev) * 0.3).bfloat16()
+    return dict(w13=w13, w2=w2, b13=b13, b2=b2, activation=GPT_OSS)
 
 
 def tokens(name: str, m: int, dev, seed: int):
@@ -147,7 +161,7 @@ def timed_rounds(fns: dict, dev) -> dict:
     for r in range(ROUNDS):
         for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
             with arithmetic(arm):
-                samples[arm].append(time_calls(fns[arm], dev, budget_s=0.05 if SMOKE else 0.15))
+                samples[arm].append(time_calls(fns[arm], dev, budget_s=0.05 if SMOKE else 0.1))
     return samples
 
 
@@ -165,28 +179,64 @@ def summarize(label: str, samples: dict) -> dict:
 def forward_phase(dev) -> None:
     res = RESULT["forward"] = {}
     for name in SHAPES:
-        w13, w2 = experts(name, dev)
+        ex = experts(name, dev)
         for m in MS:
             calls = [tokens(name, m, dev, seed) for seed in range(4)]
             x, ids, weights = calls[0]
             with torch.no_grad():
-                exact = experts_reference(x.double(), w13, w2, ids, weights)
+                exact = experts_reference(x.double(), topk_ids=ids, topk_weights=weights, **ex)
                 errs = {}
                 for arm in ARMS:
                     with arithmetic(arm):
-                        errs[arm] = rel_l2(grouped(x, w13, w2, ids, weights), exact)
+                        errs[arm] = rel_l2(grouped(x, ids=ids, weights=weights, **ex), exact)
                 RUN.check(f"forward {name} M={m}", errs["after"] < 1e-2 and errs["after"] <= 1.02 * errs["before"],
                           f"rel_l2 before {errs['before']:.3e}, after {errs['after']:.3e}")
-                fns = {arm: [lambda c=c: grouped(c[0], w13, w2, c[1], c[2]) for c in calls] for arm in ARMS}
+                fns = {arm: [lambda c=c: grouped(c[0], ids=c[1], weights=c[2], **ex) for c in calls] for arm in ARMS}
                 res[f"{name} M={m}"] = {"rel_l2": errs, **summarize(f"forward {name} M={m}", timed_rounds(fns, dev))}
             del calls, fns
-        del w13, w2
+        del ex
+
+
+SILU = ActivationSpec()
+GLU_VARIANTS = {  # h [T, 2N] bf16 -> the second GEMM's operand [T, N] bf16 (plain silu, no bias)
+    "before": lambda h: apply_glu(h, SILU),  # act(gate) rounded, then its product
+    "after": lambda h: gm.glu_operand(h, SILU),  # gate.to(f32), silu, the product rounded as stored (mul out=)
+    "inplace": lambda h: torch.nn.functional.silu(h[:, :h.shape[1] // 2].float(), inplace=True).mul_(
+        h[:, h.shape[1] // 2:]).bfloat16(),  # f32 act, product in place, then cast
+    "whole_h": lambda h: (lambda h32: torch.nn.functional.silu(h32[:, :h.shape[1] // 2]) * h32[:, h.shape[1] // 2:])(
+        h.float()).bfloat16(),  # h cast whole: same-dtype kernels, more bytes
+}
+
+
+def glu_phase(dev) -> None:
+    """The activation alone, the part that changed (no bias): µs of each ``GLU_VARIANTS`` at the forward cells' T
+    (M = 1 and 4096 tokens times k), to say which is cheapest should the whole path read slower."""
+    res = RESULT["glu"] = {}
+    for name in ("qwen3", "mixtral"):
+        _, _, n, top_k = SHAPES[name]
+        for m in (MS[0], MS[-1]):
+            hs = [torch.randn(m * top_k, 2 * n, device=dev).bfloat16() for _ in range(4)]
+            with torch.no_grad():
+                outs = {v: GLU_VARIANTS[v](hs[0]) for v in GLU_VARIANTS}
+                same = all(torch.equal(outs["after"], outs[v]) for v in ("inplace", "whole_h"))
+                RUN.check(f"glu {name} T={m * top_k}: the float32 variants bit-equal", same)
+                samples = {v: [] for v in GLU_VARIANTS}
+                for r in range(ROUNDS):
+                    for v in (list(GLU_VARIANTS) if r % 2 == 0 else list(GLU_VARIANTS)[::-1]):
+                        fns = [lambda h=h, f=GLU_VARIANTS[v]: f(h) for h in hs]
+                        samples[v].append(time_calls(fns, dev, budget_s=0.03 if SMOKE else 0.08))
+            med = {v: statistics.median(t) for v, t in samples.items()}
+            res[f"{name} T={m * top_k}"] = samples
+            RUN.summary.append(f"glu {name} T={m * top_k}".ljust(29) + "  ".join(f"{v} {t:9.1f}" for v, t in med.items()))
+            RUN.log(f"glu {name} T={m * top_k}: {med}")
+            del hs
 
 
 def backward_phase(dev) -> None:
     res = RESULT["backward"] = {}
     for name, m in BACKWARD_M.items():
-        w13, w2 = experts(name, dev)
+        ex = experts(name, dev)
+        w13, w2 = ex["w13"], ex["w2"]
         calls = [tokens(name, m, dev, seed) for seed in range(2)]
         probe = torch.randn(m, SHAPES[name][1], generator=torch.Generator(device=dev).manual_seed(9), device=dev)
 
@@ -204,7 +254,7 @@ def backward_phase(dev) -> None:
                   "rel_l2 x, w13, w2: " + ", ".join(f"{e:.2e}" for e in errs))
         fns = {arm: [lambda c=c: step(c) for c in calls] for arm in ARMS}
         res[f"{name} M={m}"] = {"grad_rel_l2": errs, **summarize(f"fwd+bwd {name} M={m}", timed_rounds(fns, dev))}
-        del w13, w2, calls, fns, got
+        del ex, w13, w2, calls, fns, got
 
 
 def main() -> int:
@@ -213,13 +263,13 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=72.0)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--cpu", action="store_true", help="time on the CPU at CPU shapes (small, mid; M = 1, 16, 256)")
-    p.add_argument("--phases", nargs="*", default=["tail", "forward", "backward"])
+    p.add_argument("--phases", nargs="*", default=["forward", "tail", "backward", "glu"])
     args = p.parse_args()
     dev = torch.device("cpu" if args.smoke or args.cpu or not torch.cuda.is_available() else "cuda")
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     RESULT["run"] = run_info() | {"smoke": args.smoke, "cpu": args.cpu, "rounds": ROUNDS}
     RUN.log(f"{RESULT['run']}")
-    phases = {"tail": lambda: tail_phase(dev), "forward": lambda: forward_phase(dev),
+    phases = {"glu": lambda: glu_phase(dev), "tail": lambda: tail_phase(dev), "forward": lambda: forward_phase(dev),
               "backward": lambda: backward_phase(dev)}
     path = os.path.join(args.out, "rnd39.json") if args.out else ""
     return run_phases(RUN, phases, args.phases, args.deadline, NEEDS_S, path, RESULT)
