@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from bench_run import RunLog, rel_l2, run_info, run_phases  # noqa: E402
+from bench_run import RunLog, rel_l2, run_info, run_phases, write_json  # noqa: E402
 from moekit.activations import ActivationSpec, apply_glu  # noqa: E402
 from moekit.bench.timing import time_calls  # noqa: E402
 from moekit.experts import grouped_mm as gm  # noqa: E402
@@ -69,6 +69,7 @@ ARMS = ("before", "after")
 RUN = RunLog("rnd39: grouped_mm's bf16 roundings, before (38ead07c) / after (µs a call, medians of interleaved "
              "rounds)", stall_s=900 if CPU else 60)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
+ARGS = argparse.Namespace()
 NEEDS_S = {"glu": 5, "tail": 10, "forward": 25, "backward": 10}  # a phase starts only this long before the deadline (s)
 
 
@@ -178,23 +179,30 @@ def summarize(label: str, samples: dict) -> dict:
 
 def forward_phase(dev) -> None:
     res = RESULT["forward"] = {}
-    for name in SHAPES:
-        ex = experts(name, dev)
-        for m in MS:
-            calls = [tokens(name, m, dev, seed) for seed in range(4)]
-            x, ids, weights = calls[0]
-            with torch.no_grad():
-                exact = experts_reference(x.double(), topk_ids=ids, topk_weights=weights, **ex)
-                errs = {}
-                for arm in ARMS:
-                    with arithmetic(arm):
-                        errs[arm] = rel_l2(grouped(x, ids=ids, weights=weights, **ex), exact)
-                RUN.check(f"forward {name} M={m}", errs["after"] < 1e-2 and errs["after"] <= 1.02 * errs["before"],
-                          f"rel_l2 before {errs['before']:.3e}, after {errs['after']:.3e}")
-                fns = {arm: [lambda c=c: grouped(c[0], ids=c[1], weights=c[2], **ex) for c in calls] for arm in ARMS}
-                res[f"{name} M={m}"] = {"rel_l2": errs, **summarize(f"forward {name} M={m}", timed_rounds(fns, dev))}
-            del calls, fns
-        del ex
+    held: dict = {}  # the current shape's experts (one shape's weights on the device at a time)
+
+    def cell(spec: str) -> None:
+        name, m = spec.split(" M=")[0], int(spec.split(" M=")[1])
+        if name not in held:
+            held.clear()
+            held[name] = experts(name, dev)
+        ex = held[name]
+        calls = [tokens(name, m, dev, seed) for seed in range(4)]
+        x, ids, weights = calls[0]
+        with torch.no_grad():
+            exact = experts_reference(x.double(), topk_ids=ids, topk_weights=weights, **ex)
+            errs = {}
+            for arm in ARMS:
+                with arithmetic(arm):
+                    errs[arm] = rel_l2(grouped(x, ids=ids, weights=weights, **ex), exact)
+            RUN.check(f"forward {spec}", errs["after"] < 1e-2 and errs["after"] <= 1.02 * errs["before"],
+                      f"rel_l2 before {errs['before']:.3e}, after {errs['after']:.3e}")
+            fns = {arm: [lambda c=c: grouped(c[0], ids=c[1], weights=c[2], **ex) for c in calls] for arm in ARMS}
+            res[spec] = {"rel_l2": errs, **summarize(f"forward {spec}", timed_rounds(fns, dev))}
+
+    write = (lambda: write_json(os.path.join(ARGS.out, "rnd39.json"), RESULT)) if ARGS.out else (lambda: None)
+    RUN.each_cell([f"{name} M={m}" for name in SHAPES for m in MS], cell, ARGS.deadline - 4, write)
+    held.clear()
 
 
 SILU = ActivationSpec()
@@ -264,7 +272,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--cpu", action="store_true", help="time on the CPU at CPU shapes (small, mid; M = 1, 16, 256)")
     p.add_argument("--phases", nargs="*", default=["forward", "tail", "backward", "glu"])
-    args = p.parse_args()
+    args = p.parse_args(namespace=ARGS)
     dev = torch.device("cpu" if args.smoke or args.cpu or not torch.cuda.is_available() else "cuda")
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     RESULT["run"] = run_info() | {"smoke": args.smoke, "cpu": args.cpu, "rounds": ROUNDS}
