@@ -235,7 +235,8 @@ def glu_phase(dev) -> None:
                         samples[v].append(time_calls(fns, dev, budget_s=0.03 if SMOKE else 0.08))
             med = {v: statistics.median(t) for v, t in samples.items()}
             res[f"{name} T={m * top_k}"] = samples
-            RUN.summary.append(f"glu {name} T={m * top_k}".ljust(29) + "  ".join(f"{v} {t:9.1f}" for v, t in med.items()))
+            cells = "  ".join(f"{v} {t:9.1f}" for v, t in med.items())
+            RUN.summary.append(f"glu {name} T={m * top_k}".ljust(29) + cells)
             RUN.log(f"glu {name} T={m * top_k}: {med}")
             del hs
 
@@ -277,8 +278,8 @@ def main() -> int:
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     RESULT["run"] = run_info() | {"smoke": args.smoke, "cpu": args.cpu, "rounds": ROUNDS}
     RUN.log(f"{RESULT['run']}")
-    phases = {"glu": lambda: glu_phase(dev), "tail": lambda: tail_phase(dev), "forward": lambda: forward_phase(dev),
-              "backward": lambda: backward_phase(dev)}
+    phases = {"forward": lambda: forward_phase(dev), "tail": lambda: tail_phase(dev),
+              "backward": lambda: backward_phase(dev), "glu": lambda: glu_phase(dev)}
     path = os.path.join(args.out, "rnd39.json") if args.out else ""
     return run_phases(RUN, phases, args.phases, args.deadline, NEEDS_S, path, RESULT)
 
