@@ -55,7 +55,7 @@ from moekit.experts import grouped_mm_plan as plan  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 
 SMOKE, CPU = "--smoke" in sys.argv, "--cpu" in sys.argv
-ROUNDS = 2 if SMOKE else 5
+ROUNDS = 2 if SMOKE else int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
 DRAWS = 40 if SMOKE else 1500
 SHAPES = ({"qwen3": (8, 64, 32, 2), "mixtral": (4, 128, 256, 2), "gpt_oss": (4, 64, 64, 2)} if SMOKE else
           {"small": (8, 1024, 512, 2), "mid": (16, 2048, 768, 4), "small_gpt_oss": (8, 1024, 512, 2)} if CPU else
@@ -83,24 +83,32 @@ def _bias_rows_before(bias, rows_expert):
     return torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[rows_expert]
 
 
+# (module, name, 38ead07c's version)
+BEFORE = ((gm, "glu_operand", _glu_before), (gm, "_bias_rows", _bias_rows_before),
+          (plan, "glu_float_bytes", lambda n, d: 0))
+
+
 @contextlib.contextmanager
 def arithmetic(arm: str):
-    """The grouped path as ``arm`` computes it (plans recomputed on entry and exit: the row model differs)."""
+    """The experts as ``arm`` computes them (plans recomputed on entry and exit: the row model differs)."""
     if arm == "after":
         yield
         return
-    saved = gm.glu_operand, gm._bias_rows, plan.glu_float_bytes
-    gm.glu_operand, gm._bias_rows, plan.glu_float_bytes = _glu_before, _bias_rows_before, lambda n, d: 0
+    saved = [getattr(module, name) for module, name, _ in BEFORE]
+    for module, name, before in BEFORE:
+        setattr(module, name, before)
     plan._PLANS.clear()
     try:
         yield
     finally:
-        gm.glu_operand, gm._bias_rows, plan.glu_float_bytes = saved
+        for (module, name, _), now in zip(BEFORE, saved):
+            setattr(module, name, now)
         plan._PLANS.clear()
 
 
 def grouped(x, w13, w2, ids, weights, b13=None, b2=None, layout="auto", activation="silu"):
-    return gm.experts_grouped_mm(x, w13, w2, ids, weights, b13=b13, b2=b2, layout=layout, cpu_gemm="grouped_mm",
+    """The experts through ``ARGS.cpu_gemm`` ("grouped_mm": the grouped GEMM path on the CPU too)."""
+    return gm.experts_grouped_mm(x, w13, w2, ids, weights, b13=b13, b2=b2, layout=layout, cpu_gemm=ARGS.cpu_gemm,
                                  activation=activation)
 
 
@@ -272,11 +280,13 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=72.0)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--cpu", action="store_true", help="time on the CPU at CPU shapes (small, mid; M = 1, 16, 256)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (2 under --smoke)")
+    p.add_argument("--cpu-gemm", default="grouped_mm", help="experts_grouped_mm's cpu_gemm (\"auto\": the CPU loop)")
     p.add_argument("--phases", nargs="*", default=["forward", "tail", "backward", "glu"])
     args = p.parse_args(namespace=ARGS)
     dev = torch.device("cpu" if args.smoke or args.cpu or not torch.cuda.is_available() else "cuda")
     threading.Thread(target=RUN.watchdog, daemon=True).start()
-    RESULT["run"] = run_info() | {"smoke": args.smoke, "cpu": args.cpu, "rounds": ROUNDS}
+    RESULT["run"] = run_info() | {"smoke": args.smoke, "cpu": args.cpu, "cpu_gemm": args.cpu_gemm, "rounds": ROUNDS}
     RUN.log(f"{RESULT['run']}")
     phases = {"forward": lambda: forward_phase(dev), "tail": lambda: tail_phase(dev),
               "backward": lambda: backward_phase(dev), "glu": lambda: glu_phase(dev)}
