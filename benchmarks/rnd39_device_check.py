@@ -48,8 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from bench_run import RunLog, rel_l2, run_info, run_phases, write_json  # noqa: E402
-from moekit.activations import ActivationSpec, apply_glu  # noqa: E402
+from moekit.activations import ActivationSpec, apply_glu, get_activation  # noqa: E402
 from moekit.bench.timing import time_calls  # noqa: E402
+from moekit.experts import cpu_packed, cpu_phased  # noqa: E402
 from moekit.experts import grouped_mm as gm  # noqa: E402
 from moekit.experts import grouped_mm_plan as plan  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
@@ -83,9 +84,20 @@ def _bias_rows_before(bias, rows_expert):
     return torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[rows_expert]
 
 
-# (module, name, 38ead07c's version)
+def _glu_loop_before(h, spec, acc):
+    """38ead07c's CPU loops (``cpu_packed._expert``, ``cpu_phased.glu_rows``, ``_expert_mlp_cpu_loop``): the
+    activation in h's dtype, act(gate) rounded, then its product in place."""
+    if not spec.plain:
+        return apply_glu(h, spec)
+    n_dim = h.shape[1] // 2
+    return get_activation(spec.name).fn(h[:, :n_dim]).mul_(h[:, n_dim:])
+
+
+# (module, name, 38ead07c's version): the CPU loops' bytes (``fused_loop_peak_bytes``' acc term) are not patched,
+# which moves no plan at these sizes
 BEFORE = ((gm, "glu_operand", _glu_before), (gm, "_bias_rows", _bias_rows_before),
-          (plan, "glu_float_bytes", lambda n, d: 0))
+          (plan, "glu_float_bytes", lambda n, d: 0), (cpu_packed, "glu_rounded_once", _glu_loop_before),
+          (cpu_phased, "glu_rounded_once", _glu_loop_before), (gm, "glu_rounded_once", _glu_loop_before))
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activatio
 from moekit.experts.cpu_op import cpu_experts_op
 from moekit.func_ops import transforming
 from moekit.experts.cpu_packed import (
-    ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
+    ExpertParams, experts_cpu_fused, fused_loop_supported, glu_rounded_once, onednn_linear, packed_weight_cache,
 )
 from moekit.experts.cpu_loop import run_cpu_loop
 from moekit.experts.cpu_quant import weight_only
@@ -120,11 +120,10 @@ def glu_operand(h: torch.Tensor, spec: ActivationSpec, bias: torch.Tensor | None
 
 def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> torch.Tensor:
     """The inference loop over the non-empty experts: both GEMMs of an expert back to back (its [m, R]
-    stays in cache for the activation), a plain gated activation's product in place, the outputs
+    stays in cache for the activation), the activation rounded once (``glu_rounded_once``), the outputs
     written into one preallocated [T, K]. Rows past ends[-1] are left unwritten."""
     linear = onednn_linear(xs.dtype) if cpu_gemm in (*_FUSED_GEMMS, "onednn_loop") else None
-    plain, n_dim = ex.spec.plain, ex.w2.shape[2]
-    act = get_activation(ex.spec.name).fn
+    acc = torch.promote_types(xs.dtype, torch.float32)
     y = xs.new_empty(xs.shape[0], ex.w2.shape[1])  # [T, K]
     start = 0
     for expert, end in enumerate(ends):
@@ -132,12 +131,8 @@ def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> tor
             rows = slice(start, end)
             b13 = None if ex.b13 is None else ex.b13[expert]
             b2 = None if ex.b2 is None else ex.b2[expert]
-            h = _cpu_linear(xs[rows], ex.w13[expert], b13, linear)  # [m, R]
-            if plain:
-                a = act(h[:, :n_dim])  # [m, N], contiguous: oneDNN would copy a strided view of h first
-                a.mul_(h[:, n_dim:])  # in place: one [m, N] buffer, not two as apply_glu allocates
-            else:
-                a = apply_glu(h, ex.spec)  # [m, N]
+            h = _cpu_linear(xs[rows], ex.w13[expert], b13, linear)  # [m, R], the bias fused: one rounding
+            a = glu_rounded_once(h, ex.spec, acc)  # [m, N] contiguous: oneDNN would copy a strided view first
             _cpu_linear(a, ex.w2[expert], b2, linear, out=y[rows])
         start = end
     return y
