@@ -1,33 +1,31 @@
-"""rnd39: the grouped GEMM path (``backend="grouped_mm"``, CUDA without Triton) rounding only where its bf16 GEMMs
-force it (both biases and the activation in float32, the second GEMM's operand rounded once), against main
-38ead07c's arithmetic (``before``: the bias sums and act(gate) rounded to bf16 too). Decides whether it lands: every
-check PASS and no measured cell slower by more than 3%.
+"""rnd39: the grouped GEMM path (``backend="grouped_mm"``, CUDA without Triton) after session 39 against main
+38ead07c's arithmetic (``before``). On the CPU (``FLOAT32_GLU_DEVICES``) it rounds only where its bf16 GEMMs force it
+(both biases and the activation in float32); on CUDA, where those float32 passes cost twice the bytes (this check's
+first run, H100: the activation alone 1.9x, Mixtral / gpt-oss M = 4096 1.22x / 1.25x), it keeps h + b13 and the
+activation in bf16 and adds b2 in float32 only (the combine upcast y anyway). Decides whether that lands: every check
+PASS and no measured cell slower by more than 3%.
 
-    PYTHONPATH=$PWD timeout 80 python3 benchmarks/rnd39_device_check.py --out $OUT/rnd39 --deadline 72   # H100/H200
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/rnd39_device_check.py --out $OUT/rnd39 --deadline 70   # H100/H200
     PYTHONPATH=$PWD python3 benchmarks/rnd39_device_check.py --smoke     # CPU: tiny shapes (cpu_gemm="grouped_mm")
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 flock /work/wt/cpubench.lock python3 benchmarks/rnd39_device_check.py --cpu \
-        --phases forward backward --deadline 1500                        # CPU timings at CPU shapes
+        --phases forward backward --deadline 1500 [--cpu-gemm auto] [--rounds 11]   # CPU timings at CPU shapes
 
-``before`` is 38ead07c's code for the three changed functions (``_glu_before``, ``_bias_rows_before``, no float32
-bytes in the plan's row model), patched in around a call; delete this script once the A/B is settled.
+``before`` is 38ead07c's code for the changed functions (``_glu_before``, ``_bias_rows_before``, the CPU loops'
+``_glu_loop_before``, no float32 bytes in the plan's row model), patched in around a call; delete this script once
+the A/B is settled.
 
 Phases, in this order (each skipped past the deadline; <out>/rnd39.json rewritten after each):
   forward   Qwen3-30B-A3B (E 128, K 2048, N 768, k 8) and Mixtral-8x7B (E 8, K 4096, N 14336, k 2) experts, bf16,
             no biases, and gpt-oss-20b's (E 32, K = N = 2880, k 4, its clamped SwiGLU and biases), default budget,
             at M = 1, 64, 1024, 4096: rel L2 against the float64 reference (PASS < 1e-2 and after <= before x 1.02),
             then µs a call (``time_calls``: CUDA events, four token sets in turn), before / after interleaved in 5
-            rounds, the order swapped every round. (Mixtral at M = 4096 now runs in 2 chunks: its float32 [A, N]
-            pair, 0.94 GB in one chunk, is in the budget's row model.)
+            rounds, the order swapped every round. On CUDA only gpt-oss's arithmetic changed (+ b2 in float32).
   tail      one token of K = 8 (``tests/test_bf16_rounding.draw``, with biases), 1500 seeded draws on the device:
-            rel L2 against the float64 experts, before / after, contiguous and masked layouts; PASS where after
-            passes 1e-2 in fewer draws than before and in at most 1% of them; whether the device's outputs are the
-            CPU emulation's (``GROUPED`` / ``MASKED`` rounding points) bit for bit (reported, not checked).
+            rel L2 against the float64 experts, before / after (the contiguous layout; the masked one on the CPU
+            only: its cap syncs); PASS where after passes 1e-2 in fewer draws than before and equals the emulation of
+            the device's rounding points (``GROUPED`` on the CPU, ``CUDA`` elsewhere) in >= 99% of the draws.
   backward  Qwen3 at M = 1024, Mixtral at 256: forward + backward of sum(out * probe) into x, w13, w2; the
             gradients' rel L2 after vs before (PASS < 2e-2), µs in 5 interleaved rounds.
-  glu       the activation alone (no bias), h [T, 2N] bf16 -> [T, N] bf16 at the forward cells' T for M = 1 and 4096:
-            before (bf16), after (``glu_operand``: gate.to(f32), silu, mul out= bf16), two float32 alternatives
-            (the product in place then a cast; h cast whole) bit-equal to after; µs, 5 interleaved rounds: which is
-            cheapest should the whole path read slower.
 The table is printed last: medians, after / before, rounds in which after was >= 3% slower / faster.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
@@ -71,7 +69,7 @@ RUN = RunLog("rnd39: grouped_mm's bf16 roundings, before (38ead07c) / after (µs
              "rounds)", stall_s=900 if CPU else 60)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
 ARGS = argparse.Namespace()
-NEEDS_S = {"glu": 5, "tail": 10, "forward": 25, "backward": 10}  # a phase starts only this long before the deadline (s)
+NEEDS_S = {"tail": 10, "forward": 25, "backward": 10}  # a phase starts only this long before the deadline (s)
 
 
 def _glu_before(h, spec, bias=None):
@@ -79,7 +77,7 @@ def _glu_before(h, spec, bias=None):
     return apply_glu(h if bias is None else h + bias, spec)
 
 
-def _bias_rows_before(bias, rows_expert):
+def _bias_rows_before(bias, rows_expert, dtype=None):
     """38ead07c: the gathered bias in its own dtype (y + b2 rounded to bf16 before the combine)."""
     return torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[rows_expert]
 
@@ -96,7 +94,7 @@ def _glu_loop_before(h, spec, acc):
 # (module, name, 38ead07c's version): the CPU loops' bytes (``fused_loop_peak_bytes``' acc term) are not patched,
 # which moves no plan at these sizes
 BEFORE = ((gm, "glu_operand", _glu_before), (gm, "_bias_rows", _bias_rows_before),
-          (plan, "glu_float_bytes", lambda n, d: 0), (cpu_packed, "glu_rounded_once", _glu_loop_before),
+          (plan, "glu_float_bytes", lambda n, d, device: 0), (cpu_packed, "glu_rounded_once", _glu_loop_before),
           (cpu_phased, "glu_rounded_once", _glu_loop_before), (gm, "glu_rounded_once", _glu_loop_before))
 
 
@@ -125,10 +123,11 @@ def grouped(x, w13, w2, ids, weights, b13=None, b2=None, layout="auto", activati
 
 
 def tail_phase(dev) -> None:
-    from test_bf16_rounding import GROUPED, MASKED, draw, emulate
+    from test_bf16_rounding import CUDA, GROUPED, MASKED, draw, emulate
 
     res = RESULT["tail"] = {}
-    for layout, rounds in (("contiguous", GROUPED), ("masked_measured_cap", MASKED)):
+    points = [("contiguous", GROUPED if dev.type in gm.FLOAT32_GLU_DEVICES else CUDA)]
+    for layout, rounds in points + ([("masked_measured_cap", MASKED)] if dev.type == "cpu" else []):
         over, worst, emulated = {}, {}, 0
         for arm in ARMS:
             g = torch.Generator().manual_seed(2)
@@ -144,8 +143,8 @@ def tail_phase(dev) -> None:
                         emulated += torch.equal(got, emulate(x, w13, w2, b13, b2, ids, weights, rounds=rounds))
             over[arm], worst[arm] = sum(e > 1e-2 for e in errs), max(errs)
         res[layout] = {"over_1e-2": over, "max": worst, "after_is_emulation": emulated, "draws": DRAWS}
-        RUN.check(f"tail {layout}: one token of 8 over 1e-2 less often",
-                  over["after"] < max(over["before"], 1) and over["after"] <= DRAWS // 100,
+        RUN.check(f"tail {layout}: one token of 8 over 1e-2 less often, the emulation's points",
+                  over["after"] < max(over["before"], 1) and emulated >= DRAWS - DRAWS // 100,
                   f"before {over['before']} (max {worst['before']:.3g}), after {over['after']} "
                   f"(max {worst['after']:.3g}) of {DRAWS}; after = the emulation in {emulated}")
         RUN.summary.append(f"tail {layout:20s} over 1e-2: before {over['before']:4d}, after {over['after']:4d} of "
@@ -225,42 +224,6 @@ def forward_phase(dev) -> None:
     held.clear()
 
 
-SILU = ActivationSpec()
-GLU_VARIANTS = {  # h [T, 2N] bf16 -> the second GEMM's operand [T, N] bf16 (plain silu, no bias)
-    "before": lambda h: apply_glu(h, SILU),  # act(gate) rounded, then its product
-    "after": lambda h: gm.glu_operand(h, SILU),  # gate.to(f32), silu, the product rounded as stored (mul out=)
-    "inplace": lambda h: torch.nn.functional.silu(h[:, :h.shape[1] // 2].float(), inplace=True).mul_(
-        h[:, h.shape[1] // 2:]).bfloat16(),  # f32 act, product in place, then cast
-    "whole_h": lambda h: (lambda h32: torch.nn.functional.silu(h32[:, :h.shape[1] // 2]) * h32[:, h.shape[1] // 2:])(
-        h.float()).bfloat16(),  # h cast whole: same-dtype kernels, more bytes
-}
-
-
-def glu_phase(dev) -> None:
-    """The activation alone, the part that changed (no bias): µs of each ``GLU_VARIANTS`` at the forward cells' T
-    (M = 1 and 4096 tokens times k), to say which is cheapest should the whole path read slower."""
-    res = RESULT["glu"] = {}
-    for name in ("qwen3", "mixtral"):
-        _, _, n, top_k = SHAPES[name]
-        for m in (MS[0], MS[-1]):
-            hs = [torch.randn(m * top_k, 2 * n, device=dev).bfloat16() for _ in range(4)]
-            with torch.no_grad():
-                outs = {v: GLU_VARIANTS[v](hs[0]) for v in GLU_VARIANTS}
-                same = all(torch.equal(outs["after"], outs[v]) for v in ("inplace", "whole_h"))
-                RUN.check(f"glu {name} T={m * top_k}: the float32 variants bit-equal", same)
-                samples = {v: [] for v in GLU_VARIANTS}
-                for r in range(ROUNDS):
-                    for v in (list(GLU_VARIANTS) if r % 2 == 0 else list(GLU_VARIANTS)[::-1]):
-                        fns = [lambda h=h, f=GLU_VARIANTS[v]: f(h) for h in hs]
-                        samples[v].append(time_calls(fns, dev, budget_s=0.03 if SMOKE else 0.08))
-            med = {v: statistics.median(t) for v, t in samples.items()}
-            res[f"{name} T={m * top_k}"] = samples
-            cells = "  ".join(f"{v} {t:9.1f}" for v, t in med.items())
-            RUN.summary.append(f"glu {name} T={m * top_k}".ljust(29) + cells)
-            RUN.log(f"glu {name} T={m * top_k}: {med}")
-            del hs
-
-
 def backward_phase(dev) -> None:
     res = RESULT["backward"] = {}
     for name, m in BACKWARD_M.items():
@@ -294,14 +257,14 @@ def main() -> int:
     p.add_argument("--cpu", action="store_true", help="time on the CPU at CPU shapes (small, mid; M = 1, 16, 256)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (2 under --smoke)")
     p.add_argument("--cpu-gemm", default="grouped_mm", help="experts_grouped_mm's cpu_gemm (\"auto\": the CPU loop)")
-    p.add_argument("--phases", nargs="*", default=["forward", "tail", "backward", "glu"])
+    p.add_argument("--phases", nargs="*", default=["forward", "tail", "backward"])
     args = p.parse_args(namespace=ARGS)
     dev = torch.device("cpu" if args.smoke or args.cpu or not torch.cuda.is_available() else "cuda")
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     RESULT["run"] = run_info() | {"smoke": args.smoke, "cpu": args.cpu, "cpu_gemm": args.cpu_gemm, "rounds": ROUNDS}
     RUN.log(f"{RESULT['run']}")
     phases = {"forward": lambda: forward_phase(dev), "tail": lambda: tail_phase(dev),
-              "backward": lambda: backward_phase(dev), "glu": lambda: glu_phase(dev)}
+              "backward": lambda: backward_phase(dev)}
     path = os.path.join(args.out, "rnd39.json") if args.out else ""
     return run_phases(RUN, phases, args.phases, args.deadline, NEEDS_S, path, RESULT)
 

@@ -56,7 +56,8 @@ from moekit.experts.cpu_loop import run_cpu_loop
 from moekit.experts.cpu_quant import weight_only
 from moekit.experts.cpu_quant_op import cpu_quant_experts
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
-    DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan, plan_grouped_mm,
+    DEFAULT_MEMORY_BUDGET_BYTES, FLOAT32_GLU_DEVICES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan,
+    plan_grouped_mm,
 )
 from moekit.experts.torch_grouped import grouped_mm_fn, grouped_mm_takes
 from moekit.layouts import combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous
@@ -85,18 +86,22 @@ def _expert_mlp(xs, ex: ExpertParams, offs, segment_ids, cpu_gemm) -> torch.Tens
     rows_expert = None  # [T]; E on rows of no expert
     if ex.b13 is not None or ex.b2 is not None:
         rows_expert = torch.where(segment_ids >= 0, segment_ids, ex.w13.shape[0])
+    acc = torch.promote_types(xs.dtype, torch.float32)
+    in_acc = xs.device.type in FLOAT32_GLU_DEVICES  # else h + b13 and the activation in xs's dtype (measured cost)
     h = _group_gemm(xs, ex.w13, offs)  # [T, R] in xs's dtype: the GEMM's own rounding
-    b13 = None if ex.b13 is None else _bias_rows(ex.b13, rows_expert)  # [T, R]; _grouped_mm takes no bias
-    y = _group_gemm(glu_operand(h, ex.spec, b13), ex.w2, offs)  # [T, K] in xs's dtype
-    return y if ex.b2 is None else y + _bias_rows(ex.b2, rows_expert)  # [T, K] accumulation dtype, for the combine
+    # _grouped_mm takes no bias: a gather of the row's expert bias, [T, R]
+    b13 = None if ex.b13 is None else _bias_rows(ex.b13, rows_expert, acc if in_acc else xs.dtype)
+    a = glu_operand(h, ex.spec, b13) if in_acc else apply_glu(h if b13 is None else h + b13, ex.spec)  # [T, N]
+    y = _group_gemm(a, ex.w2, offs)  # [T, K] in xs's dtype
+    # + b2 in acc on every device: the combine upcasts y anyway (the same bytes)
+    return y if ex.b2 is None else y + _bias_rows(ex.b2, rows_expert, acc)  # [T, K] acc
 
 
-def _bias_rows(bias: torch.Tensor, rows_expert: torch.Tensor) -> torch.Tensor:
-    """bias [E, D] -> [T, D] in the accumulation dtype (float32 for bf16 / fp16: a sum with a GEMM's output is
-    not rounded back), each row's expert's bias; 0 on rows of no expert (rows_expert == E): the grouped GEMM's
-    backward leaves those rows' gradients unspecified, and they must reach no bias."""
-    zero = bias.new_zeros(1, bias.shape[1], dtype=torch.promote_types(bias.dtype, torch.float32))
-    return torch.cat([bias, zero])[rows_expert]  # cat promotes bias to zero's dtype
+def _bias_rows(bias: torch.Tensor, rows_expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bias [E, D] -> [T, D] in ``dtype`` (the accumulation dtype: a sum with a GEMM's output is not rounded back),
+    each row's expert's bias; 0 on rows of no expert (rows_expert == E): the grouped GEMM's backward leaves those
+    rows' gradients unspecified, and they must reach no bias."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[1], dtype=dtype)])[rows_expert]  # cat promotes to dtype
 
 
 def glu_operand(h: torch.Tensor, spec: ActivationSpec, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,11 +116,7 @@ def glu_operand(h: torch.Tensor, spec: ActivationSpec, bias: torch.Tensor | None
         return apply_glu(h.to(acc), spec).to(h.dtype)
     gate, up = h.chunk(2, dim=-1)  # [.., N] each
     act = get_activation(spec.name).fn(gate.to(acc))  # [.., N] acc; up stays h's dtype, the product promotes it
-    if (torch.is_grad_enabled() and (act.requires_grad or up.requires_grad)) or transforming() \
-            or torch.compiler.is_compiling():
-        return (act * up).to(h.dtype)
-    # no autograd: the product computed in acc and rounded as it is stored (one pass less over [.., N] acc)
-    return torch.mul(act, up, out=h.new_empty(act.shape))
+    return (act * up).to(h.dtype)
 
 
 def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> torch.Tensor:
@@ -322,7 +323,8 @@ def _experts_dense(x, w13, w2, topk_ids, topk_weights, *, activation, expert_map
     ex = ExpertParams(w13, w2, b13, b2, as_spec(activation))
     allow_sync = x.device.type == "cpu" and not torch.compiler.is_compiling()
     plan = plan_grouped_mm(num_tokens, top_k, w13.shape[0], w13.shape[2], w2.shape[2], x.dtype,
-                           memory_budget_bytes=memory_budget_bytes, layout=layout, allow_sync=allow_sync)
+                           memory_budget_bytes=memory_budget_bytes, layout=layout, allow_sync=allow_sync,
+                           device_type=x.device.type)
     run = _run_contiguous if plan.layout == "contiguous" else _run_masked
     if plan.chunk_tokens >= num_tokens:
         return run(x, ex, topk_ids, topk_weights, expert_map, cpu_gemm).to(x.dtype)
@@ -380,7 +382,7 @@ def _run_masked(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gem
     layout = masked_layout_measured_cap_syncs(x, topk_ids, ex.w13.shape[0], round_to=MASKED_ROUND_TO,
                                               expert_map=expert_map)  # [Group] x_masked [E, cap, K]
     h = _batched_linear(layout.x_masked, ex.w13, ex.b13)  # [Experts] [E, cap, R], the bias fused: one rounding
-    y = _batched_linear(glu_operand(h, ex.spec), ex.w2, ex.b2)  # [E, cap, K]
+    y = _batched_linear(glu_operand(h, ex.spec), ex.w2, ex.b2)  # [E, cap, K] (the CPU only: the cap syncs)
     return combine_masked(y, layout, topk_weights)  # [Combine] [M, K]
 
 
