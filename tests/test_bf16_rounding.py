@@ -15,8 +15,9 @@ equals the backend bit for bit, so those roundings are the whole error (no other
 | y + b2                | - (float32)           | rounded (baddbmm) | rounded (fused)    | rounded again    | -       |
 | out (float32 combine) | rounded               | rounded           | rounded            | rounded          | rounded |
 
-(1) ``cpu_gemm="grouped_mm"``, CUDA without Triton, CPU autograd. (On the CPU ``F.grouped_mm`` refuses a float32
-``out_dtype`` for bf16 operands, torch 2.13: "output dtype must match `mat_a` dtype", so h and y stay rounded.)
+(1) ``cpu_gemm="grouped_mm"`` and CPU autograd (on CUDA without Triton it keeps h + b13 and the activation in bf16:
+``CUDA`` below). (On the CPU ``F.grouped_mm`` refuses a float32 ``out_dtype`` for bf16 operands, torch 2.13: "output
+dtype must match `mat_a` dtype", so h and y stay rounded.)
 (2) transformers' ``grouped_mm_experts_forward``, and moekit's grouped path up to session 38 (rnd39 took out the
 three roundings a bf16 GEMM does not force: both biases and the activation in float32; and the CPU loops' rounded
 act(gate)). (3) the second GEMM's operand.
