@@ -37,6 +37,9 @@ bias: a gather of the row's expert bias; ``torch.baddbmm`` in the masked layout;
 ``_grouped_mm`` takes a row- or column-major B, ``bmm``/``mm`` pass strides to BLAS, oneDNN's linear
 takes the view with no torch-side copy (measured at [64, 2048] x [1536, 2048]^T fp32 on 2 shared cores:
 oneDNN 19 ms contiguous, 25 ms on the transposed view, torch.mm 53-56 ms either way).
+bf16 / fp16 rounding: y + b2 is summed in float32 into the float32 combine; on the CPU (``FLOAT32_GLU_DEVICES``)
+h + b13, the activation and its product are too, rounded once as the second GEMM's operand (``glu_operand``); on
+CUDA they stay in x's dtype, where float32 cost up to 1.25x the call (``tests/test_bf16_rounding.py`` has the points).
 
 Shapes: M tokens, k slots, A = M*k, E experts, K hidden, N intermediate, R = 2N (gated) or N (ungated)
 w13 rows, T layout rows.
