@@ -378,8 +378,8 @@ class MoE(nn.Module):
             return {"triton": "block_aligned", "reference": "per_expert_loop"}.get(backend, backend)
         keep = ("memory_budget_bytes", "layout") if routing.num_tokens else ("layout",)  # M = 0: no experts call
         options = {k: v for k, v in self.backend_options.items() if k in keep}
-        plan = plan_grouped_mm(*routing.topk_ids.shape, w13.shape[0], w13.shape[2], w2.shape[2],
-                               w13.dtype, allow_sync=w13.device.type == "cpu", **options)
+        plan = plan_grouped_mm(*routing.topk_ids.shape, w13.shape[0], w13.shape[2], w2.shape[2], w13.dtype,
+                               allow_sync=w13.device.type == "cpu", device_type=w13.device.type, **options)
         chunked = plan.chunk_tokens < routing.num_tokens
         return f"{plan.layout} in chunks of {plan.chunk_tokens}" if chunked else plan.layout
 

@@ -62,6 +62,23 @@ def test_call_peak_stays_within_the_budget(cpu_gemm, top_k, dtype, layout, tmp_p
     assert rel_l2(out, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "masked_measured_cap"])
+def test_a_wide_bf16_activation_stays_within_the_budget(layout, tmp_path):
+    """N >> K, bf16: the activation's float32 intermediates (act(gate) and its product, [A, N] each, before the
+    operand's one rounding) outweigh the combine, and the plan counts them (``glu_float_bytes``): a budget of
+    twice the GEMM phase's bf16 rows ran contiguous in one chunk and peaked at 1.25x the budget without them."""
+    m, top_k, dtype, wide_k, wide_n = 96, 2, torch.bfloat16, 16, 128
+    x, w13, w2, ids, weights = make_problem(m, top_k, E, wide_k, wide_n, dtype)
+    budget = 2 * m * top_k * (2 * wide_k + 3 * wide_n) * dtype.itemsize
+    call = lambda: experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=budget,  # noqa: E731
+                                      cpu_gemm="grouped_mm", layout=layout)
+    with torch.no_grad():
+        out = call()
+        peak = peak_allocated(call, tmp_path / "trace.json")
+    assert peak <= budget + m * wide_k * dtype.itemsize, (peak, budget)
+    assert rel_l2(out, experts_loop(x, w13, w2, ids, weights)) < TOLERANCE[dtype]
+
+
 def test_budget_errors_name_the_argument():
     """A bool is no budget (it used to pass as 1 byte or 0); a budget below one token's run says so, eager or traced."""
     x, w13, w2, ids, weights = problem(4, 2, torch.float32)

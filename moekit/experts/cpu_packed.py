@@ -222,12 +222,15 @@ def fused_loop_peak_bytes(num_tokens: int, top_k: int, hidden_size: int, interme
     and x excluded): the index buffers, the combine weights [A] and every expert's weighted rows [A, K]
     (acc) kept until the combine, plus the larger of the combine's out [M, K] (acc) and the rows in flight:
     ``workers`` experts of at most M rows each (at most A), each holding xs [m, K], h [m, 2N], the
-    activation [m, N] and w2's output [m, K] in ``dtype``. "At most M rows" holds when a token's k ids are
-    distinct (``route()``'s; the masked layout's estimate assumes the same); ids repeated within a token can
-    put more on one expert, and the in-flight term then undercounts unless ``workers`` >= k."""
+    activation [m, N] and w2's output [m, K] in ``dtype``, and for a dtype narrower than acc the activation's
+    acc buffers before its one rounding (``glu_rounded_once``: h [m, 2N] and act(gate) [m, N]). "At most M rows"
+    holds when a token's k ids are distinct (``route()``'s; the masked layout's estimate assumes the same); ids
+    repeated within a token can put more on one expert, and the in-flight term then undercounts unless ``workers``
+    >= k."""
     a = num_tokens * top_k
     elem, acc = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
-    in_flight = min(a, workers * num_tokens) * (2 * hidden_size + 3 * intermediate_size) * elem
+    row = (2 * hidden_size + 3 * intermediate_size) * elem + (3 * intermediate_size * acc if acc != elem else 0)
+    in_flight = min(a, workers * num_tokens) * row
     kept = a * (_INDEX_BYTES_PER_ASSIGNMENT + acc + hidden_size * acc)
     return kept + max(in_flight, num_tokens * hidden_size * acc)
 
@@ -331,18 +334,25 @@ class _ExpertLoop:
 def _expert(xs: torch.Tensor, ex: ExpertParams, w: ExpertWeights, scale: torch.Tensor,
             acc: torch.dtype) -> torch.Tensor:
     """xs [m, K] -> scale * (w2 @ glu(w13 @ xs^T + b13) + b2) as [m, K] (acc) for one expert's weights ``w``,
-    ``scale`` [m, 1] (acc); a plain gated activation's product in place (one [m, N] buffer). With no b2 and
-    xs already in acc, ``scale`` multiplies the [m, N] activation instead of the [m, K] output."""
-    h = linear_rows(w.linear, xs, w.w13, w.b13)  # [m, R]
-    if ex.spec.plain:
-        n_dim = ex.w2.shape[2]
-        a = get_activation(ex.spec.name).fn(h[:, :n_dim])  # [m, N], contiguous for oneDNN
-        a.mul_(h[:, n_dim:])
-    else:
-        a = apply_glu(h, ex.spec)  # [m, N]
+    ``scale`` [m, 1] (acc). With no b2 and xs already in acc, ``scale`` multiplies the [m, N] activation instead
+    of the [m, K] output."""
+    h = linear_rows(w.linear, xs, w.w13, w.b13)  # [m, R], the bias fused: one rounding
+    a = glu_rounded_once(h, ex.spec, acc)  # [m, N] in xs's dtype, contiguous for oneDNN
     if w.b2 is None and a.dtype == acc:
         return linear_rows(w.linear, a.mul_(scale), w.w2, None)
     return linear_rows(w.linear, a, w.w2, w.b2).to(acc).mul_(scale)
+
+
+def glu_rounded_once(h: torch.Tensor, spec: ActivationSpec, acc: torch.dtype) -> torch.Tensor:
+    """An inference loop's activation: h [m, R] -> glu [m, N] in h's dtype, computed in ``acc`` (float32 for bf16 /
+    fp16) and rounded once, as the second GEMM's operand (a bf16 activation rounded act(gate), then its product);
+    a plain gated activation's product in place. No autograd (in place). A plain activation reads the gate as a
+    strided view of h, so it iterates one row at a time whatever the rows (the phased loop's bits, ``glu_rows``)."""
+    if not spec.plain:
+        return apply_glu(h.to(acc), spec).to(h.dtype)
+    wide, n_dim = h.to(acc), h.shape[1] // 2  # [m, R] acc (h itself when h is in acc)
+    a = get_activation(spec.name).fn(wide[:, :n_dim])  # [m, N] acc, contiguous
+    return a.mul_(wide[:, n_dim:]).to(h.dtype)
 
 
 def linear_rows(linear, a: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.activations import ActivationSpec, apply_glu, get_activation
+from moekit.activations import ActivationSpec
 from moekit.experts.cpu_packed import (
-    PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, blas_plain_rows, expert_weights, linear_rows, onednn_linear,
+    PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, blas_plain_rows, expert_weights, glu_rounded_once, linear_rows,
+    onednn_linear,
 )
 from moekit.experts.cpu_quant import QuantKernels, weight_only
 from moekit.layouts.grouping import to_local_ids
@@ -116,18 +117,19 @@ def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor
 
 
 def glu_rows(h: torch.Tensor, runs: list[ExpertRun], spec: ActivationSpec, n_dim: int) -> torch.Tensor:
-    """h [A', R] -> glu(h) [A', N], every element with the bits the split loop gives it (``cpu_packed._expert`` on a
-    worker of one intra-op thread, one expert's [m, R] at a time). On one thread here too: two would split a large
-    iteration at a point that moves the boundary between the vector body and the scalar tail of exp (1 ulp apart). A
-    plain activation over all rows at once (h[:, :N] is a strided view: one loop a row, as for one expert's rows);
-    any other (gpt-oss's, over contiguous temporaries that iterate as one flat range) one expert's rows at a time."""
+    """h [A', R] -> glu(h) [A', N] in h's dtype, rounded once (``glu_rounded_once``), every element with the bits
+    the split loop gives it (``cpu_packed._expert`` on a worker of one intra-op thread, one expert's [m, R] at a
+    time). On one thread here too: two would split a large iteration at a point that moves the boundary between the
+    vector body and the scalar tail of exp (1 ulp apart). A plain activation over all rows at once (its gate a
+    strided view: one loop a row, as for one expert's rows); any other (gpt-oss's, over contiguous temporaries that
+    iterate as one flat range) one expert's rows at a time."""
+    acc = torch.promote_types(h.dtype, torch.float32)
     with one_thread():
         if spec.plain:
-            a = get_activation(spec.name).fn(h[:, :n_dim])  # [A', N], contiguous
-            return a.mul_(h[:, n_dim:])
+            return glu_rounded_once(h, spec, acc)  # [A', N]
         a = h.new_empty(h.shape[0], n_dim)  # [A', N]
         for r in runs:
-            a[r.start:r.end] = apply_glu(h[r.start:r.end], spec)
+            a[r.start:r.end] = glu_rounded_once(h[r.start:r.end], spec, acc)
         return a
 
 

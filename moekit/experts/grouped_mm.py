@@ -37,6 +37,9 @@ bias: a gather of the row's expert bias; ``torch.baddbmm`` in the masked layout;
 ``_grouped_mm`` takes a row- or column-major B, ``bmm``/``mm`` pass strides to BLAS, oneDNN's linear
 takes the view with no torch-side copy (measured at [64, 2048] x [1536, 2048]^T fp32 on 2 shared cores:
 oneDNN 19 ms contiguous, 25 ms on the transposed view, torch.mm 53-56 ms either way).
+bf16 / fp16 rounding: y + b2 is summed in float32 into the float32 combine; on the CPU (``FLOAT32_GLU_DEVICES``)
+h + b13, the activation and its product are too, rounded once as the second GEMM's operand (``glu_operand``); on
+CUDA they stay in x's dtype, where float32 cost up to 1.25x the call (``tests/test_bf16_rounding.py`` has the points).
 
 Shapes: M tokens, k slots, A = M*k, E experts, K hidden, N intermediate, R = 2N (gated) or N (ungated)
 w13 rows, T layout rows.
@@ -50,13 +53,14 @@ from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activatio
 from moekit.experts.cpu_op import cpu_experts_op
 from moekit.func_ops import transforming
 from moekit.experts.cpu_packed import (
-    ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
+    ExpertParams, experts_cpu_fused, fused_loop_supported, glu_rounded_once, onednn_linear, packed_weight_cache,
 )
 from moekit.experts.cpu_loop import run_cpu_loop
 from moekit.experts.cpu_quant import weight_only
 from moekit.experts.cpu_quant_op import cpu_quant_experts
 from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
-    DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan, plan_grouped_mm,
+    DEFAULT_MEMORY_BUDGET_BYTES, FLOAT32_GLU_DEVICES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan,
+    plan_grouped_mm,
 )
 from moekit.experts.torch_grouped import grouped_mm_fn, grouped_mm_takes
 from moekit.layouts import combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous
@@ -85,26 +89,45 @@ def _expert_mlp(xs, ex: ExpertParams, offs, segment_ids, cpu_gemm) -> torch.Tens
     rows_expert = None  # [T]; E on rows of no expert
     if ex.b13 is not None or ex.b2 is not None:
         rows_expert = torch.where(segment_ids >= 0, segment_ids, ex.w13.shape[0])
-    h = _group_gemm(xs, ex.w13, offs)  # [T, R]
-    if ex.b13 is not None:
-        h = h + _bias_rows(ex.b13, rows_expert)  # _grouped_mm takes no bias
-    y = _group_gemm(apply_glu(h, ex.spec), ex.w2, offs)  # [T, K]
-    return y if ex.b2 is None else y + _bias_rows(ex.b2, rows_expert)
+    acc = torch.promote_types(xs.dtype, torch.float32)
+    in_acc = xs.device.type in FLOAT32_GLU_DEVICES  # else h + b13 and the activation in xs's dtype (measured cost)
+    h = _group_gemm(xs, ex.w13, offs)  # [T, R] in xs's dtype: the GEMM's own rounding
+    # _grouped_mm takes no bias: a gather of the row's expert bias, [T, R]
+    b13 = None if ex.b13 is None else _bias_rows(ex.b13, rows_expert, acc if in_acc else xs.dtype)
+    a = glu_operand(h, ex.spec, b13) if in_acc else apply_glu(h if b13 is None else h + b13, ex.spec)  # [T, N]
+    y = _group_gemm(a, ex.w2, offs)  # [T, K] in xs's dtype
+    # + b2 in acc on every device: the combine upcasts y anyway (the same bytes)
+    return y if ex.b2 is None else y + _bias_rows(ex.b2, rows_expert, acc)  # [T, K] acc
 
 
-def _bias_rows(bias: torch.Tensor, rows_expert: torch.Tensor) -> torch.Tensor:
-    """bias [E, D] -> [T, D], each row's expert's bias; 0 on rows of no expert (rows_expert == E): the
-    grouped GEMM's backward leaves those rows' gradients unspecified, and they must reach no bias."""
-    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[rows_expert]
+def _bias_rows(bias: torch.Tensor, rows_expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bias [E, D] -> [T, D] in ``dtype`` (the accumulation dtype: a sum with a GEMM's output is not rounded back),
+    each row's expert's bias; 0 on rows of no expert (rows_expert == E): the grouped GEMM's backward leaves those
+    rows' gradients unspecified, and they must reach no bias."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[1], dtype=dtype)])[rows_expert]  # cat promotes to dtype
+
+
+def glu_operand(h: torch.Tensor, spec: ActivationSpec, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The second GEMM's operand: h [.., R], the first GEMM's output, (+ bias, broadcast to h, in the accumulation
+    dtype) -> glu [.., N] in h's dtype, the bias, the activation and its product computed in the accumulation
+    dtype (float32 for bf16 / fp16) and rounded once, where a bf16 GEMM forces it (a bf16 activation rounded
+    act(gate), then its product). For float32 and float64 h: ``apply_glu(h + bias)``, as before."""
+    acc = torch.promote_types(h.dtype, torch.float32)
+    if bias is not None:
+        return apply_glu(h + bias.to(acc), spec).to(h.dtype)
+    if not spec.plain:
+        return apply_glu(h.to(acc), spec).to(h.dtype)
+    gate, up = h.chunk(2, dim=-1)  # [.., N] each
+    act = get_activation(spec.name).fn(gate.to(acc))  # [.., N] acc; up stays h's dtype, the product promotes it
+    return (act * up).to(h.dtype)
 
 
 def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> torch.Tensor:
     """The inference loop over the non-empty experts: both GEMMs of an expert back to back (its [m, R]
-    stays in cache for the activation), a plain gated activation's product in place, the outputs
+    stays in cache for the activation), the activation rounded once (``glu_rounded_once``), the outputs
     written into one preallocated [T, K]. Rows past ends[-1] are left unwritten."""
     linear = onednn_linear(xs.dtype) if cpu_gemm in (*_FUSED_GEMMS, "onednn_loop") else None
-    plain, n_dim = ex.spec.plain, ex.w2.shape[2]
-    act = get_activation(ex.spec.name).fn
+    acc = torch.promote_types(xs.dtype, torch.float32)
     y = xs.new_empty(xs.shape[0], ex.w2.shape[1])  # [T, K]
     start = 0
     for expert, end in enumerate(ends):
@@ -112,12 +135,8 @@ def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> tor
             rows = slice(start, end)
             b13 = None if ex.b13 is None else ex.b13[expert]
             b2 = None if ex.b2 is None else ex.b2[expert]
-            h = _cpu_linear(xs[rows], ex.w13[expert], b13, linear)  # [m, R]
-            if plain:
-                a = act(h[:, :n_dim])  # [m, N], contiguous: oneDNN would copy a strided view of h first
-                a.mul_(h[:, n_dim:])  # in place: one [m, N] buffer, not two as apply_glu allocates
-            else:
-                a = apply_glu(h, ex.spec)  # [m, N]
+            h = _cpu_linear(xs[rows], ex.w13[expert], b13, linear)  # [m, R], the bias fused: one rounding
+            a = glu_rounded_once(h, ex.spec, acc)  # [m, N] contiguous: oneDNN would copy a strided view first
             _cpu_linear(a, ex.w2[expert], b2, linear, out=y[rows])
         start = end
     return y
@@ -307,7 +326,8 @@ def _experts_dense(x, w13, w2, topk_ids, topk_weights, *, activation, expert_map
     ex = ExpertParams(w13, w2, b13, b2, as_spec(activation))
     allow_sync = x.device.type == "cpu" and not torch.compiler.is_compiling()
     plan = plan_grouped_mm(num_tokens, top_k, w13.shape[0], w13.shape[2], w2.shape[2], x.dtype,
-                           memory_budget_bytes=memory_budget_bytes, layout=layout, allow_sync=allow_sync)
+                           memory_budget_bytes=memory_budget_bytes, layout=layout, allow_sync=allow_sync,
+                           device_type=x.device.type)
     run = _run_contiguous if plan.layout == "contiguous" else _run_masked
     if plan.chunk_tokens >= num_tokens:
         return run(x, ex, topk_ids, topk_weights, expert_map, cpu_gemm).to(x.dtype)
@@ -364,8 +384,8 @@ def _run_masked(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gem
     """x [M, K] -> [M, K] (accumulation dtype) through the masked layout with the measured cap (syncs)."""
     layout = masked_layout_measured_cap_syncs(x, topk_ids, ex.w13.shape[0], round_to=MASKED_ROUND_TO,
                                               expert_map=expert_map)  # [Group] x_masked [E, cap, K]
-    h = _batched_linear(layout.x_masked, ex.w13, ex.b13)  # [Experts] [E, cap, R]
-    y = _batched_linear(apply_glu(h, ex.spec), ex.w2, ex.b2)  # [E, cap, K]
+    h = _batched_linear(layout.x_masked, ex.w13, ex.b13)  # [Experts] [E, cap, R], the bias fused: one rounding
+    y = _batched_linear(glu_operand(h, ex.spec), ex.w2, ex.b2)  # [E, cap, K] (the CPU only: the cap syncs)
     return combine_masked(y, layout, topk_weights)  # [Combine] [M, K]
 
 

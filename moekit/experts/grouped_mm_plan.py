@@ -39,6 +39,11 @@ from moekit.layouts import LayoutChoice, choose_layout, grouped_row_bytes, size_
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 GROUPED_MM_LAYOUTS = ("contiguous", "masked_measured_cap")  # what this backend implements, for choose_layout
 MASKED_ROUND_TO = 8  # the measured cap's rounding: bmm computes every padding row, so round finely
+# Where the grouped GEMM path rounds a bf16 / fp16 call only where its GEMMs force it (h + b13, the activation and its
+# product in float32, one rounding into the second GEMM). Not on CUDA: there each of those eager elementwise passes
+# moved twice the bytes (H100, session 39: the activation alone 1.9x, Mixtral / gpt-oss-20b experts at M = 4096
+# 1.22x / 1.25x the whole call), so it rounds them in bf16 as transformers' grouped_mm does (``grouped_mm``).
+FLOAT32_GLU_DEVICES = ("cpu",)
 
 
 @dataclass(frozen=True)
@@ -60,21 +65,24 @@ TRACED_REASON = ("traced by torch.compile, M unread: contiguous, the layout that
 def plan_grouped_mm(
     num_tokens: int, top_k: int, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
     *, memory_budget_bytes: int | None = None, layout: str = "auto", allow_sync: bool = True,
+    device_type: str = "cpu",
 ) -> GroupedMMPlan:
     """The layout and chunk size for M = ``num_tokens`` (cached per arguments). ``layout`` "auto" asks
     ``choose_layout`` (among GROUPED_MM_LAYOUTS; ``allow_sync=False`` leaves out the measured cap);
     a layout name forces it, still chunked to the budget. ``allow_sync=True`` (CPU eager) also counts
-    the CPU per-expert loop's peak at ``torch.get_num_threads()`` workers. While ``torch.compile`` traces
-    (any size may be a SymInt) the call gets the plan of every M without reading M: ``traced_plan``."""
+    the CPU per-expert loop's peak at ``torch.get_num_threads()`` workers. ``device_type``: the call's device
+    (its float32 activation's bytes, ``glu_float_bytes``). While ``torch.compile`` traces (any size may be a
+    SymInt) the call gets the plan of every M without reading M: ``traced_plan``."""
     budget = DEFAULT_MEMORY_BUDGET_BYTES if memory_budget_bytes is None else memory_budget_bytes
     if torch.compiler.is_compiling():
-        return traced_plan(top_k, hidden_size, intermediate_size, dtype, budget, layout)
+        return traced_plan(top_k, hidden_size, intermediate_size, dtype, budget, layout, device_type)
     workers = torch.get_num_threads() if allow_sync else 0
-    key = (num_tokens, top_k, num_experts, hidden_size, intermediate_size, dtype, budget, layout, allow_sync, workers)
+    key = (num_tokens, top_k, num_experts, hidden_size, intermediate_size, dtype, budget, layout, allow_sync, workers,
+           device_type)
     plan = _PLANS.get(key)
     if plan is None:
         dims = (top_k, num_experts, hidden_size, intermediate_size)
-        plan = _PLANS[key] = _plan(num_tokens, dims, dtype, budget, layout, allow_sync, workers)
+        plan = _PLANS[key] = _plan(num_tokens, dims, dtype, budget, layout, allow_sync, workers, device_type)
     return plan
 
 
@@ -83,15 +91,27 @@ def plan_grouped_mm(
 _INDEX_BYTES_PER_ROW = 6 * 8
 
 
-def run_row_bytes(hidden_size, intermediate_size, dtype: torch.dtype):
+def run_row_bytes(hidden_size, intermediate_size, dtype: torch.dtype, device_type: str):
     """Peak bytes per layout row of a contiguous or masked run of ``experts_grouped_mm``, the larger of its two
     phases: the GEMMs (the row's x, h, activation and y: ``grouped_row_bytes``, what ``choose_layout``
-    models) and the combine (x and y, their weighted copy in the accumulation dtype, preceded by an upcast
-    copy when y is narrower), plus the row's indices. Arithmetic only: the sizes may be SymInts."""
+    models, plus, for a dtype narrower than its accumulation dtype, the activation's unrounded intermediates:
+    ``glu_float_bytes``) and the combine (x and y, their weighted copy in the accumulation dtype, preceded by an
+    upcast copy when y is narrower), plus the row's indices. Arithmetic only: the sizes may be SymInts."""
     b, acc = dtype.itemsize, _acc_bytes(dtype)
-    gemms = grouped_row_bytes(hidden_size, intermediate_size, b)
+    gemms = grouped_row_bytes(hidden_size, intermediate_size, b) + glu_float_bytes(intermediate_size, dtype,
+                                                                                 device_type)
     combine = hidden_size * (2 * b + acc + (acc if acc != b else 0))
     return _larger(gemms, combine) + _INDEX_BYTES_PER_ROW
+
+
+def glu_float_bytes(intermediate_size, dtype: torch.dtype, device_type: str):
+    """Bytes per row that ``grouped_mm.glu_operand`` holds beyond the bf16 / fp16 buffers ``grouped_row_bytes``
+    counts, so that the second GEMM's operand is rounded once: a plain gated activation's act(gate) and its
+    product [N] each in the accumulation dtype (float32) at once; none when the dtype is its own accumulation
+    dtype (nothing rounded between the GEMMs: as before) or off FLOAT32_GLU_DEVICES. A bias or another activation
+    also holds h + b13 in float32 [2N], outside the count as the bias gathers are."""
+    acc = _acc_bytes(dtype)
+    return 0 if acc == dtype.itemsize or device_type not in FLOAT32_GLU_DEVICES else 2 * intermediate_size * acc
 
 
 def _larger(a, b):
@@ -100,20 +120,22 @@ def _larger(a, b):
     return max(a, b) if isinstance(a, int) and isinstance(b, int) else torch.sym_max(a, b)
 
 
-def contiguous_token_bytes(top_k, hidden_size, intermediate_size, dtype: torch.dtype):
+def contiguous_token_bytes(top_k, hidden_size, intermediate_size, dtype: torch.dtype, device_type: str = "cpu"):
     """Peak bytes per token of the contiguous run (align 1: exactly k rows per token), its out [K] included."""
-    return top_k * run_row_bytes(hidden_size, intermediate_size, dtype) + hidden_size * _acc_bytes(dtype)
+    return (top_k * run_row_bytes(hidden_size, intermediate_size, dtype, device_type)
+            + hidden_size * _acc_bytes(dtype))
 
 
 def _acc_bytes(dtype: torch.dtype) -> int:
     return torch.promote_types(dtype, torch.float32).itemsize
 
 
-def traced_plan(top_k, hidden_size, intermediate_size, dtype: torch.dtype, budget: int, layout: str) -> GroupedMMPlan:
+def traced_plan(top_k, hidden_size, intermediate_size, dtype: torch.dtype, budget: int, layout: str,
+                device_type: str = "cpu") -> GroupedMMPlan:
     """The plan of every M: contiguous, chunks of budget // ``contiguous_token_bytes`` tokens. Arithmetic
     only, so the sizes may be SymInts (the chunk is then an expression of them, never of M)."""
     _check(budget, layout, allow_sync=False)
-    chunk = budget // contiguous_token_bytes(top_k, hidden_size, intermediate_size, dtype)
+    chunk = budget // contiguous_token_bytes(top_k, hidden_size, intermediate_size, dtype, device_type)
     if chunk < 1:
         raise ValueError(f"memory_budget_bytes={budget} cannot hold even one token's rows in the contiguous layout")
     return GroupedMMPlan(layout="contiguous", chunk_tokens=chunk, reason=TRACED_REASON)
@@ -128,7 +150,7 @@ def _check(budget, layout, allow_sync) -> None:
         raise ValueError(f"memory_budget_bytes must be a positive int or None, got {budget!r}")
 
 
-def _chooser(dims, dtype, budget, layout, allow_sync, workers):
+def _chooser(dims, dtype, budget, layout, allow_sync, workers, device_type):
     """m tokens -> choose_layout's choice for them, where the chosen layout's whole run must fit too
     (``run_row_bytes``; for contiguous also the CPU per-expert loop's peak when ``workers`` > 0, since it may
     run that layout's call); a layout whose run does not fit leaves the others to compete."""
@@ -141,13 +163,14 @@ def _chooser(dims, dtype, budget, layout, allow_sync, workers):
     def run_bytes(m: int, choice: LayoutChoice) -> tuple[int, str]:
         """The chosen layout's whole run for m tokens, and what needs it."""
         if choice.name == "contiguous":
-            run = m * contiguous_token_bytes(top_k, hidden, inter, dtype)
+            run = m * contiguous_token_bytes(top_k, hidden, inter, dtype, device_type)
             loop = fused_loop_peak_bytes(m, top_k, hidden, inter, dtype, workers) if workers else 0
             return (loop, "the CPU per-expert loop") if loop > run else (run, "its combine")
         # masked_measured_cap: E experts of the measured cap, which the counts (unknown here) set; at most M
         # rounded up when a token's ids are distinct (route()'s, as the masked estimate assumes)
         rows = num_experts * -(-m // MASKED_ROUND_TO) * MASKED_ROUND_TO
-        return rows * run_row_bytes(hidden, inter, dtype) + m * hidden * _acc_bytes(dtype), "its largest cap"
+        run = rows * run_row_bytes(hidden, inter, dtype, device_type) + m * hidden * _acc_bytes(dtype)
+        return run, "its largest cap"
 
     def choose(m: int) -> LayoutChoice:
         left, why = candidates, []
@@ -166,9 +189,9 @@ def _chooser(dims, dtype, budget, layout, allow_sync, workers):
     return choose
 
 
-def _plan(num_tokens, dims, dtype, budget, layout, allow_sync, workers) -> GroupedMMPlan:
+def _plan(num_tokens, dims, dtype, budget, layout, allow_sync, workers, device_type) -> GroupedMMPlan:
     _check(budget, layout, allow_sync)
-    choose = _chooser(dims, dtype, budget, layout, allow_sync, workers)
+    choose = _chooser(dims, dtype, budget, layout, allow_sync, workers, device_type)
     chunk = num_tokens  # M = 0 is planned as no tokens (its contiguous run holds nothing), not as one
     choice = choose(chunk)
     whole = choice.reason
