@@ -174,17 +174,12 @@ def test_an_ungated_spec_still_falls_back_naming_it(wo):
     assert rel_l2(got, want) < 1e-2
 
 
-def test_tiny_gpt_oss_mxfp4_blocks_on_triton_equal_reference(wo, monkeypatch):
-    """A tiny gpt-oss (bf16, random weights, built offline): its swapped blocks quantized to MXFP4 keep the
-    checkpoint's interleaved gate/up rows and biases; on the triton backend (the fused kernels: grouped_mm patched to
-    fail) each block equals the same block on the reference backend."""
+def _tiny_gpt_oss_mxfp4():
+    """A tiny gpt-oss (bf16, random weights, built offline) whose MoE blocks ``use_moekit_blocks`` swapped and
+    quantized to MXFP4 on the triton backend, and its swaps."""
     transformers = pytest.importorskip("transformers")
-    import moekit.experts.grouped_mm as grouped_mm
     import moekit.hf as moekit_hf
     from _swap_helpers import swaps
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("grouped_mm's dequantizing path ran")
 
     cfg = transformers.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=32, num_attention_heads=4,
                                     num_key_value_heads=2, head_dim=16, num_hidden_layers=2, num_local_experts=6,
@@ -198,12 +193,28 @@ def test_tiny_gpt_oss_mxfp4_blocks_on_triton_equal_reference(wo, monkeypatch):
     model = model.to(torch.bfloat16).eval()
     report = moekit_hf.use_moekit_blocks(model, backend="triton", quant="mxfp4")
     assert len(report.swapped) == 2 and not report.left
+    return model, swaps(model)
+
+
+def _refuse_grouped_mm(monkeypatch):
+    import moekit.experts.grouped_mm as grouped_mm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("grouped_mm's dequantizing path ran")
+
+    monkeypatch.setattr(grouped_mm, "experts_grouped_mm", refuse)
+
+
+def test_tiny_gpt_oss_mxfp4_blocks_on_triton_equal_reference(wo, monkeypatch):
+    """The swapped blocks keep the checkpoint's interleaved gate/up rows and biases; on the triton backend (the fused
+    kernels: grouped_mm patched to fail) each block equals the same block on the reference backend."""
+    model, swapped = _tiny_gpt_oss_mxfp4()
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    for swap, layer in zip(swaps(model), model.model.layers):
+    for swap, layer in zip(swapped, model.model.layers):
         moe = swap.moe
         assert moe.quant_scheme == "mxfp4" and as_spec(moe.config.activation).interleaved
         assert moe.b13 is not None and moe.b2 is not None
-        monkeypatch.setattr(grouped_mm, "experts_grouped_mm", refuse)
+        _refuse_grouped_mm(monkeypatch)
         with torch.no_grad():
             got = layer.mlp(x)
         monkeypatch.undo()
@@ -213,3 +224,17 @@ def test_tiny_gpt_oss_mxfp4_blocks_on_triton_equal_reference(wo, monkeypatch):
         moe.backend = "triton"
         got, want = (t[0] if isinstance(t, tuple) else t for t in (got, want))
         assert rel_l2(got, want) < 1e-2 and want.abs().max() > 0.1  # bf16's rounding, a real signal
+
+
+def test_tiny_gpt_oss_mxfp4_layer_traces_whole(wo, monkeypatch):
+    """The quantized gpt-oss layer as its compiled forward calls it (``traced_forward``), compiled with
+    ``fullgraph=True``: the weight-only op with biases and the spec, no graph break, its eager call's output."""
+    _, swapped = _tiny_gpt_oss_mxfp4()
+    moe = swapped[0].moe
+    _refuse_grouped_mm(monkeypatch)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # [T, K]
+    with torch.no_grad():
+        eager = moe(x)
+        compiled = torch.compile(moe.traced_forward, fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    assert rel_l2(compiled, eager) < 1e-2 and rel_l2(eager, torch.zeros_like(eager)) > 0.5
