@@ -80,6 +80,21 @@ def test_split_down_adds_b2_once(wo, decode):
     assert rel(out, _loop(x, w13, w2, ids, weights, b13, b2, GPT_OSS)) < 1e-3
 
 
+@pytest.mark.parametrize("decode", ["tile", "register"])
+def test_tiny_batch_shortcut_with_the_variant(wo, decode):
+    # M = 1, k = 4 of E = 16 (gpt-oss's M = 1: A * 4 <= E): no alignment, each block one assignment, its expert
+    # read from topk_ids (the NAIVE kernels), where b13 / b2 are indexed by that expert
+    from moekit.layouts.block_aligned import use_naive
+
+    x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=1, k=4, e=16, hidden=96, n=64, seed=13)
+    assert use_naive(4, 16, None)
+    b13, b2 = _biases(16, 64, 96, 14)
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    out = wo.run_experts_wo(x, *args, ids, weights, None, "mxfp4", GPT_OSS, options=POISON, decode=decode, b13=b13,
+                            b2=b2 * 50)
+    assert rel(out, _loop(x, w13, w2, ids, weights, b13, b2 * 50, GPT_OSS)) < 1e-3
+
+
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 def test_twin_with_the_variant_matches_float64_loop(wo, scheme, group):
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=6, k=2, hidden=99, n=40, seed=8)
