@@ -114,6 +114,19 @@ def test_the_op_takes_biases_and_the_spec(wo, scheme, group):
     assert rel(out, want) < 1e-2  # bf16 out
 
 
+def test_the_op_with_the_variant_passes_opcheck(wo):
+    # the schema's trailing b13, b2 and spec fields: the fake, the schema and aot dispatch hold (torch.library.opcheck)
+    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=3, k=2, hidden=96, n=64, seed=17)
+    b13, b2 = _biases(4, 64, 96, 18)
+    args = (x, w13.q, w13.scale, w13.zero, 32, w2.q, w2.scale, w2.zero, 32, ids, weights, None, "int4_w4a16", "silu",
+            False, "", b13, b2, True, True, 1.702, 7.0, 1.0)
+    with torch.no_grad():
+        got = torch.ops.moekit.triton_experts_wo(*args)
+    assert rel(got, _loop(x, w13, w2, ids, weights, b13, b2, GPT_OSS)) < 1e-3
+    torch.library.opcheck(torch.ops.moekit.triton_experts_wo.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 def test_chooser_picks_give_way_to_a_variant_decode(wo, monkeypatch):
     import moekit.experts.triton_wo_plan as plan
 
