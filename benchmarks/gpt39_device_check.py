@@ -16,7 +16,11 @@ b13 [E, 2N] and b2 [E, K] bf16, gpt-oss's spec (silu, interleaved, alpha 1.702, 
            on the quantized weights) and the bf16 Triton path on the dequantized weights.
   timing   CUDA graphs of the route ("new"), main's route ("old") and the bf16 Triton path, per M, ROUNDS
            ``bench_rounds.settled`` rounds (each graph after one replay of itself), median µs.
-The table last: per (scheme, M) new / old / bf16 µs, old / new and the rounds new was >= 3% faster, new / bf16.
+  --ab     also the route's decode ("pick") without biases on the plain silu ("plain": main's kernels, SASS-identical)
+           and with biases and the spec but gate/up rows not interleaved ("unleaved"), each against its twin, timed
+           with the rest: what the variant costs its decode, and what reading the rows interleaved in place costs.
+The table last: per (scheme, M) new / old / bf16 µs, old / new and the rounds new was >= 3% faster, new / bf16
+(--ab: plain and unleaved µs, new / plain, new / unleaved).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ SCHEMES = ("mxfp4", "int8_w8a16", "int4_w4a16")
 MS = (1, 5) if SMOKE else (1, 8, 64, 512)
 ROUNDS, REPLAYS, TOL = (1, 1, 1e-2) if SMOKE else (5, 5, 1e-2)
 SPEC = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)  # gpt-oss's experts
+UNLEAVED = ActivationSpec("silu", alpha=1.702, limit=7.0, up_shift=1.0)  # the same, gate rows then up rows
 RUN = RunLog("gpt39: gpt-oss experts (biases + clamped SwiGLU), graph µs, median of settled rounds", stall_s=60)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
 
@@ -84,35 +89,46 @@ def inputs(m: int, dev) -> tuple:
     return x, ids, weights
 
 
-def calls(w: dict, x, ids, weights) -> dict:
-    """name -> the call: the two variant decodes by name, the route, main's route, the bf16 path."""
+def calls(w: dict, x, ids, weights, ab: bool) -> dict:
+    """name -> (the call, the twin's activation and biases or None for SPEC's): the two variant decodes by name, the
+    route, main's route, the bf16 path; with ``ab`` the route's decode plain and with UNLEAVED."""
     from moekit.experts import run_experts
     from moekit.experts.grouped_mm import experts_grouped_mm
     from moekit.experts.triton_quant import _wo
     from moekit.experts.triton_wo import run_experts_wo, weight_args
+    from moekit.experts.triton_wo_plan import _usable_decode
+    from moekit.layouts.block_aligned import use_naive
 
     a13, a2 = (weight_args(v.q, v.scale, v.zero, v.group_size) for v in (_wo(w["q13"]), _wo(w["q2"])))
-    biases = dict(b13=w["b13"], b2=w["b2"])
+    biases, scheme = dict(b13=w["b13"], b2=w["b2"]), w["q13"].scheme
 
-    def decode(name: str):
-        return lambda: run_experts_wo(x, a13, a2, ids, weights, None, w["q13"].scheme, SPEC, decode=name, **biases)
+    def decode(name: str, spec=SPEC, **bias):
+        return lambda: run_experts_wo(x, a13, a2, ids, weights, None, scheme, spec, decode=name, **bias)
 
-    return {"tile": decode("tile"), "register": decode("register"),
+    out = {"tile": decode("tile", **biases), "register": decode("register", **biases),
             "new": lambda: run_experts(x, w["q13"], w["q2"], ids, weights, activation=SPEC, backend="triton", **biases),
             "old": lambda: experts_grouped_mm(x, w["q13"], w["q2"], ids, weights, activation=SPEC, **biases),
             "bf16": lambda: run_experts(x, w["d13"], w["d2"], ids, weights, activation=SPEC, backend="triton",
                                         **biases)}
+    out = {name: (fn, None) for name, fn in out.items()}
+    if ab:  # the route's decode (``triton_wo_plan._usable_decode`` of a variant call)
+        e, k, n, top_k = shape()
+        pick = _usable_decode(None, a13, a2, scheme, x.shape[0], e, n, k, top_k, use_naive(ids.numel(), e, None), True)
+        out["plain"] = (decode(pick, "silu"), ("silu", None, None))
+        out["unleaved"] = (decode(pick, UNLEAVED, **biases), (UNLEAVED, w["b13"], w["b2"]))
+    return out
 
 
-def twin(w: dict, x, ids, weights) -> torch.Tensor:
+def twin(w: dict, x, ids, weights, variant=None) -> torch.Tensor:
+    """``fused_experts_wo_torch`` with SPEC and the biases, or ``variant``'s (activation, b13, b2)."""
     from moekit.experts.triton_quant import _wo
     from moekit.experts.triton_wo import fused_experts_wo_torch
 
-    return fused_experts_wo_torch(x, _wo(w["q13"]), _wo(w["q2"]), ids, weights, activation=SPEC, b13=w["b13"],
-                                  b2=w["b2"])
+    activation, b13, b2 = variant or (SPEC, w["b13"], w["b2"])
+    return fused_experts_wo_torch(x, _wo(w["q13"]), _wo(w["q2"]), ids, weights, activation=activation, b13=b13, b2=b2)
 
 
-def run_scheme(scheme: str, ms: tuple, dev, deadline: float) -> None:
+def run_scheme(scheme: str, ms: tuple, dev, deadline: float, ab: bool) -> None:
     from moekit.experts.triton_quant import _warn_once
 
     w = layer(scheme, dev)
@@ -124,19 +140,18 @@ def run_scheme(scheme: str, ms: tuple, dev, deadline: float) -> None:
             RUN.summary.append(f"| {scheme} | {m} | not reached | | | | |")
             continue
         x, ids, weights = inputs(m, dev)
-        fns = calls(w, x, ids, weights)
-        want = twin(w, x, ids, weights)
+        fns = calls(w, x, ids, weights, ab)
         errs = {}
         _warn_once.cache_clear()
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for name, fn in fns.items():
-                errs[name] = rel_l2(fn(), want)
+            for name, (fn, variant) in fns.items():
+                errs[name] = rel_l2(fn(), twin(w, x, ids, weights, variant))
                 RUN.check(f"{scheme} M={m} {name}", errs[name] < TOL, f"rel_l2={errs[name]:.2e}")
         fell_back = [str(c.message) for c in caught if "dequantizing path" in str(c.message)]
         RUN.check(f"{scheme} M={m} the route stays on the fused kernels", not fell_back, "; ".join(fell_back))
         RUN.log(f"{scheme} M={m}: checked")
-        timed = {name: fns[name] for name in ("new", "old", "bf16")}
+        timed = {name: fns[name][0] for name in ("new", "old", "bf16", "plain", "unleaved") if name in fns}
         with torch.no_grad():
             graphs = {name: graph_of([fn], dev) for name, fn in timed.items()}
             us = settled({name: (g, None) for name, g in graphs.items()}, 1, dev, ROUNDS, REPLAYS,
@@ -144,9 +159,10 @@ def run_scheme(scheme: str, ms: tuple, dev, deadline: float) -> None:
         res[m] = {"rel_l2": errs, "us": us}
         med = {name: statistics.median(v) for name, v in us.items()}
         RUN.log(f"{scheme} M={m}: " + ", ".join(f"{n} {v:.1f} µs" for n, v in med.items()))
+        ab_cells = "".join(f" {med[n]:.1f} (x{med['new'] / med[n]:.2f}) |" for n in ("plain", "unleaved") if n in med)
         RUN.summary.append(f"| {scheme} | {m} | {med['new']:.1f} | {med['old']:.1f} | {med['bf16']:.1f} | "
                            f"x{med['old'] / med['new']:.2f} ({faster_rounds(us['new'], us['old'])}/{len(us['new'])})"
-                           f" | {med['new'] / med['bf16']:.2f} |")
+                           f" | {med['new'] / med['bf16']:.2f} |" + ab_cells)
 
 
 def main() -> int:
@@ -156,17 +172,19 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--schemes", type=lambda v: tuple(x for x in v.split(",") if x), default=SCHEMES)
     p.add_argument("--ms", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=MS)
+    p.add_argument("--ab", action="store_true", help="also the route's decode plain and not interleaved (docstring)")
     args = p.parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     RESULT["info"] = {**run_info(), "shape": shape(), "spec": str(SPEC), "ms": args.ms}
     RUN.log(f"{RESULT['info']}")
+    ab_head = " plain µs (new / plain) | unleaved µs (new / unleaved) |" if args.ab else ""
     RUN.summary.append("| scheme | M | new (route) µs | old (grouped_mm) µs | bf16 µs | old / new (rounds >= 3%) "
-                       "| new / bf16 |")
-    RUN.summary.append("| --- | --- | --- | --- | --- | --- | --- |")
+                       "| new / bf16 |" + ab_head)
+    RUN.summary.append("| --- " * (9 if args.ab else 7) + "|")
     path = os.path.join(args.out, "gpt39.json") if args.out else ""
     for scheme in args.schemes:
-        RUN.each_cell([scheme], lambda s: run_scheme(s, args.ms, dev, args.deadline), args.deadline)
+        RUN.each_cell([scheme], lambda s: run_scheme(s, args.ms, dev, args.deadline, args.ab), args.deadline)
         if path:
             write_json(path, RESULT)
         if dev.type == "cuda":
