@@ -257,12 +257,11 @@ def test_tiny_gpt_oss_mxfp4_blocks_on_triton_equal_reference(wo, monkeypatch):
 def test_tiny_gpt_oss_mxfp4_layer_traces_whole(wo, monkeypatch):
     """The quantized gpt-oss layer as its compiled forward calls it (``traced_forward``), compiled with
     ``fullgraph=True``: the weight-only op with biases and the spec, no graph break, its eager call's output."""
+    from _swap_helpers import eager_and_compiled
+
     _, swapped = _tiny_gpt_oss_mxfp4()
     moe = swapped[0].moe
     _refuse_grouped_mm(monkeypatch)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # [T, K]
-    with torch.no_grad():
-        eager = moe(x)
-        compiled = torch.compile(moe.traced_forward, fullgraph=True, backend="aot_eager")(x)
-    torch._dynamo.reset()
+    eager, compiled = eager_and_compiled(moe, x)
     assert rel_l2(compiled, eager) < 1e-2 and rel_l2(eager, torch.zeros_like(eager)) > 0.5
