@@ -31,7 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-BASE = dict(BLOCK_M=16, GROUP_M=1, NAIVE=True, UPCAST=False, PDL=True, SPLIT=1)
+# b13_ptr / b2_ptr None: the weight-only tile and register kernels without biases (session 39's pointers; a kernel
+# without the parameter drops it), so a tree before them and one after compile the same variants
+BASE = dict(BLOCK_M=16, GROUP_M=1, NAIVE=True, UPCAST=False, PDL=True, SPLIT=1, b13_ptr=None, b2_ptr=None)
 KSUM = dict(KSUM=True, TOPK_PAD=8, HAS_MAP=True, SUM_ROWS=4, ZERO_T=16)  # ``triton_plan.ksum_constexprs``, k = 8
 POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16",
             "q_ptr": "*u8", "z_ptr": "*u8", "b2_ptr": "*bf16", "w2_ptr": "*bf16", "hq_ptr": "*fp8e4nv",

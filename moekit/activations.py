@@ -9,6 +9,7 @@ Only torch is imported, so ``moekit.config`` can read the names without pulling 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -134,6 +135,15 @@ def spec_fields(activation: str | ActivationSpec) -> tuple[str, bool, bool, floa
     spec = as_spec(activation)  # a clear error for a wrong type or name
     limit = None if spec.limit is None else float(spec.limit)
     return spec.name, spec.gated, spec.interleaved, float(spec.alpha), limit, float(spec.up_shift)
+
+
+@functools.lru_cache(maxsize=256)
+def plan_activation(name: str, gated: bool = True, interleaved: bool = False, alpha: float = 1.0,
+                    limit: float | None = None, up_shift: float = 0.0) -> str | ActivationSpec:
+    """``spec_fields``' values as what the kernels' plans are keyed by: the name for a plain spec (so an op's call
+    and a direct eager "silu" call share one plan), else the spec. Built once per set of values."""
+    spec = ActivationSpec(name, gated, interleaved, alpha, limit, up_shift)
+    return name if spec.plain else spec
 
 
 def get_activation(name: str) -> Activation:

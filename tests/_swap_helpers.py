@@ -1,5 +1,6 @@
-"""What the ``use_moekit_blocks`` tests read of a swapped model: its blocks' swaps, a count of their MoE calls, and a
-float64 loop of a softmax-routed SwiGLU block (Qwen3, Mixtral) to hold a swapped block against."""
+"""What the ``use_moekit_blocks`` tests read of a swapped model: its blocks' swaps, a count of their MoE calls, a
+float64 loop of a softmax-routed SwiGLU block (Qwen3, Mixtral) to hold a swapped block against, and a swapped MoE's
+eager and compiled-whole calls."""
 
 from __future__ import annotations
 
@@ -37,3 +38,13 @@ def block_loop64(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2:
             h = w13[e] @ x[t]  # [2N]
             out[t] += p * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
     return out
+
+
+def eager_and_compiled(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A swapped block's MoE on x [T, K] (no grad): its eager call, and its ``traced_forward`` (what a compiled block
+    calls) compiled with ``fullgraph=True`` (aot_eager: no graph break anywhere in it); dynamo reset after."""
+    with torch.no_grad():
+        eager = moe(x)
+        compiled = torch.compile(moe.traced_forward, fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    return eager, compiled

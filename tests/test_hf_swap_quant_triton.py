@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _helpers import rel_l2
-from _swap_helpers import block_loop64, swaps
+from _swap_helpers import block_loop64, eager_and_compiled, swaps
 from _triton_helpers import interpreted
 
 transformers = pytest.importorskip("transformers")
@@ -75,8 +75,5 @@ def test_quantized_layer_traces_whole():
     moekit_hf.use_moekit_blocks(model, backend="triton", quant="int4_w4a16")
     moe = swaps(model)[0].moe
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # [T, K]
-    with torch.no_grad():
-        eager = moe(x)
-        compiled = torch.compile(moe.traced_forward, fullgraph=True, backend="aot_eager")(x)
-    torch._dynamo.reset()
+    eager, compiled = eager_and_compiled(moe, x)
     assert rel_l2(compiled, eager) < 1e-2 and rel_l2(eager, torch.zeros_like(eager)) > 0.5

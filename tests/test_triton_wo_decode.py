@@ -183,7 +183,7 @@ def test_decode_override_picks_the_kernels(wo, decode, gate_up, down):
     assert plan.decode == decode and plan.gate_up.kernel.fn.__name__ == gate_up
     assert plan.down.kernel.fn.__name__ == down
     assert plan.config == wo_heuristic_config(5, 4, 64, 100, 2, "int4_w4a16", decode)
-    constexprs = dict(zip(plan.gate_up.kernel.arg_names[9:], plan.gate_up.tail))  # after the 9 pointers
+    constexprs = dict(zip(plan.gate_up.kernel.arg_names[10:], plan.gate_up.tail))  # after the 10 pointers (b13 last)
     assert constexprs.get("ASM", "none") == (False if decode == "register" else "none")  # no PTX in the interpreter
     out = wo.fused_experts_wo(x, w13, w2, ids, weights, decode=decode)  # through the custom op
     assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3

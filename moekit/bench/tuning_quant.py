@@ -38,10 +38,12 @@ from moekit.experts.triton_fp8 import check_fp8_args, fused_experts_fp8_launch
 from moekit.experts.triton_fp8_plan import check_config, heuristic_fp8_config
 from moekit.experts.triton_fp8_plan import config_file_name as fp8_file_name
 from moekit.experts.triton_launch import LaunchOptions
-from moekit.experts.triton_wo import SCHEMES as WO_SCHEMES
-from moekit.experts.triton_wo import WoWeight, check_wo_args, run_experts_wo
+from moekit.experts.triton_wo import run_experts_wo
+from moekit.experts.triton_wo_args import SCHEMES as WO_SCHEMES
+from moekit.experts.triton_wo_args import WoWeight, check_wo_args
 from moekit.experts.triton_wo_configs import config_name, wo_heuristic_config
-from moekit.experts.triton_wo_plan import WeightArgs, span, weight_args
+from moekit.experts.triton_wo_gemm import span
+from moekit.experts.triton_wo_plan import WeightArgs, weight_args
 from moekit.quant import Int4Weight, Mxfp4Weight, QuantizedWeight, quantize
 from moekit.quant.fp8_block import DEFAULT_BLOCK_SHAPE
 from moekit.quant.mxfp4 import MX_BLOCK

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from moekit.activations import ActivationSpec, spec_fields
+from moekit.activations import plan_activation, spec_fields
 from moekit.experts import check_experts_args, register_traced_path
 from moekit.func_ops import transform_function
 from moekit.experts.op_library import define_inference_op
@@ -57,7 +57,7 @@ def _experts_kernel(
                           direct_eager, cache_plans, cached_launcher, raw_launcher, align_one_launch_max,
                           align_two_launch_max, align_fold_max, sum_fold_max, sum_tail_max, lean_launch,
                           align_scan_fold, fast_path, align_one_pass_from)
-    spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
+    spec = plan_activation(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 
 
@@ -100,15 +100,6 @@ TRANSFORM_FUNCTION = transform_function(
     "TritonExperts", torch.ops.moekit.triton_experts_infer, setup_experts_op, backward_experts_op,
     "the triton experts backend has no forward-mode derivative (torch.func.jvp, jacfwd, hessian): take those on "
     "backend='reference' or 'grouped_mm'; grad, vjp and jacrev work here")
-
-
-@functools.lru_cache(maxsize=256)
-def _spec_of(name: str, gated: bool, interleaved: bool, alpha: float, limit: float | None,
-             up_shift: float) -> str | ActivationSpec:
-    """The op's activation arguments as what the plans are keyed by: the name for a plain spec (so
-    the op and the direct eager path of a "silu" call share one plan), else the spec. Built once."""
-    spec = ActivationSpec(name, gated, interleaved, alpha, limit, up_shift)
-    return name if spec.plain else spec
 
 
 def experts_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, b13, b2):

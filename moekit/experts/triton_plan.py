@@ -281,14 +281,16 @@ def sum_tile(hidden: int, top_k: int) -> tuple[int, int]:
 
 
 def down_launches(kernel, programs: int, split_k: int, scalars: tuple, num_tokens: int, ksum: dict | None,
-                  **constexprs) -> tuple[BoundLaunch, BoundLaunch | None]:
+                  pointers: int = 13, **constexprs) -> tuple[BoundLaunch, BoundLaunch | None]:
     """A weight-only down GEMM's launch (grid: ``programs`` x ``split_k``; pointers: its ten, then out, counters,
-    expert_map), and with ``ksum`` (``ksum_constexprs``; one split) the same GEMM with the k-sum folded in, its
-    zero-fill programs after the GEMM's (``gemm.down_kernel``'s KSUM); else None."""
-    down = BoundLaunch(kernel, (programs, split_k), 13, scalars, **constexprs)
+    expert_map, and b2 where ``pointers`` is 14: the tile and register decodes), and with ``ksum``
+    (``ksum_constexprs``; one split) the same GEMM with the k-sum folded in, its zero-fill programs after the GEMM's
+    (``gemm.down_kernel``'s KSUM); else None."""
+    down = BoundLaunch(kernel, (programs, split_k), pointers, scalars, **constexprs)
     if ksum is None:
         return down, None
-    return down, BoundLaunch(kernel, (programs + cdiv(num_tokens, ZERO_TOKENS), 1), 13, scalars, **constexprs, **ksum)
+    return down, BoundLaunch(kernel, (programs + cdiv(num_tokens, ZERO_TOKENS), 1), pointers, scalars, **constexprs,
+                             **ksum)
 
 
 def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, options,

@@ -2,11 +2,14 @@
 
     QuantizedWeight pair -> fp8_block: triton_fp8.fused_experts_fp8 (activations quantized 1 x BC in the path),
                             or the fp8 Gluon path (triton_gluon_fp8) for the large calls its choice wants on Hopper
-                         -> int8_w8a16 / int4_w4a16 / mxfp4: triton_wo.fused_experts_wo (dequantized in registers)
+                         -> int8_w8a16 / int4_w4a16 / mxfp4: triton_wo.fused_experts_wo (dequantized in registers;
+                            expert biases and a gated activation spec, gpt-oss's included, on its tile and register
+                            decodes: ``triton_wo_plan.VARIANT_DECODES``)
 
-What the quantized kernels do not run yet (expert biases, an activation spec other than a plain name,
-fp8 with an activation other than SiLU, weight-only with float32 activations) goes to ``grouped_mm``'s quantized path
-(dequantized per call, the same definition) with a warning once per kind, so the answer is never a different function.
+What the quantized kernels do not run yet (fp8 with expert biases, an activation spec other than a plain name or an
+activation other than SiLU; weight-only with an ungated activation or float32 activations) goes to ``grouped_mm``'s
+quantized path (dequantized per call, the same definition) with a warning once per kind, naming what, so the answer
+is never a different function.
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
     else:
         from moekit.experts.triton_wo import fused_experts_wo
 
-        out = fused_experts_wo(x, _wo(w13), _wo(w2), topk_ids, topk_weights, activation=name, expert_map=expert_map,
-                               options=options)
-    if checked is not None and fp8_choice is None and expert_map is None:
+        out = fused_experts_wo(x, _wo(w13), _wo(w2), topk_ids, topk_weights, expert_map=expert_map, options=options,
+                               activation=activation, b13=b13, b2=b2)
+    if checked is not None and fp8_choice is None and expert_map is None and b13 is None and b2 is None:
         from moekit.experts.triton_quant_fast import remember_quant
 
         remember_quant(x, w13, w2, topk_ids, topk_weights, activation, options, checked)
@@ -70,14 +73,16 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
 
 def _unsupported(scheme: str, dtype: torch.dtype, activation, b13, b2) -> str | None:
     """Why the fused quantized kernels cannot take this call, or None."""
-    if scheme != "fp8_block" and dtype not in (torch.bfloat16, torch.float16):
-        return f"{str(dtype).removeprefix('torch.')} activations (the weight-only kernels take bf16/fp16)"
+    spec = as_spec(activation)
+    if scheme != "fp8_block":  # the weight-only kernels take biases and a gated spec (``triton_wo``)
+        if dtype not in (torch.bfloat16, torch.float16):
+            return f"{str(dtype).removeprefix('torch.')} activations (the weight-only kernels take bf16/fp16)"
+        return None if spec.gated else f"the ungated activation spec {spec} (the weight-only kernels are gated)"
     if b13 is not None or b2 is not None:
         return "expert biases"
-    spec = as_spec(activation)
     if not spec.plain:
         return f"the activation spec {spec}"
-    if scheme == "fp8_block" and spec.name != "silu":
+    if spec.name != "silu":
         return f"activation {spec.name!r} (the fp8 kernels fuse SiLU)"
     return None
 

@@ -202,11 +202,11 @@ def _lean_inputs(x, w13, w2, ids, weights, activation, options):
         from moekit.experts.triton_fp8 import fp8_lean_inputs
 
         return fp8_lean_inputs(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, tuple(w13.block_shape), options)
-    from moekit.activations import as_spec
+    from moekit.activations import plan_activation, spec_fields
     from moekit.experts.triton_quant import _wo
     from moekit.experts.triton_wo import wo_lean_inputs
 
-    return wo_lean_inputs(x, _wo(w13), _wo(w2), ids, weights, as_spec(activation).name, options)
+    return wo_lean_inputs(x, _wo(w13), _wo(w2), ids, weights, plan_activation(*spec_fields(activation)), options)
 
 
 def _record(spec, pool, device: torch.device, make_launches) -> tuple | None:

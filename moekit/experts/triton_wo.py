@@ -30,6 +30,12 @@ the reduction dim; w13: R = 2N gate rows then up rows, C = K; w2: R = K, C = N):
                 scale uint8 e8m0 [E, R, ceil(C/32)]; w = value * 2^(scale - 127)
 Every tensor is read through its strides (no copies).
 
+Expert biases and the activation variant (gpt-oss as it ships): b13 [E, 2N] (w13's row order) and b2 [E, K], each
+None or any float dtype, read contiguous (a strided one is copied per call); ``activation`` a name or a gated
+``ActivationSpec`` (interleaved gate/up rows, alpha, limit, up_shift). The tile and register decodes take them
+(``triton_wo_plan.VARIANT_DECODES``; the chooser's other decodes give way to "register"); the Gluon and scratch
+decodes do not (a call with them never takes those; asked for by name, an error).
+
 Torch twin: ``fused_experts_wo_torch`` (``dequantize_wo`` per expert, then a float32 per-expert loop).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g the group size.
@@ -38,17 +44,17 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from moekit.activations import act_and_mul, get_activation
+from moekit.activations import ActivationSpec, apply_glu, as_spec, plan_activation, spec_fields
 from moekit.experts.configs import KernelConfig
 from moekit.experts.op_library import define_inference_op, needs_grad
 from moekit.experts.triton_align import align_launches, clear_op_plans
 from moekit.experts.triton_cache import WorkspacePool
 from moekit.experts.triton_launch import LaunchOptions, is_available
+from moekit.experts.triton_wo_args import WoWeight, check_wo_args
 from moekit.experts.triton_wo_plan import (
     SCHEME_IDS, WeightArgs, check_decode, chosen_decode, clear_wo_plans, weight_args, wo_plan_for,
 )
@@ -60,82 +66,7 @@ from moekit.layouts.grouping import to_local_ids
 from moekit.quant import e2m1_decode
 from moekit.quant.base import unpack_nibbles
 
-SCHEMES = tuple(SCHEME_IDS)
-GROUP_SIZES = {"int8_w8a16": (0,), "int4_w4a16": (32, 64, 128), "mxfp4": (32,)}
-X_DTYPES = (torch.bfloat16, torch.float16)
 GLUON_MIN_TOKENS = 128  # no ``triton_gluon_wo.GLUON_WO_CELLS`` range starts below it (a test holds them to it)
-_ID_DTYPES = (torch.int32, torch.int64)
-
-
-@dataclass(frozen=True, eq=False)
-class WoWeight:
-    """One quantized expert weight [E, R, C] as raw tensors (layouts in the module docstring). The
-    logical C is not stored (a packed row of ceil(C/2) bytes holds C or C+1 values): the call knows it."""
-
-    scheme: str  # one of SCHEMES
-    q: torch.Tensor  # int8 [E, R, C] or uint8 [E, R, ceil(C/2)]
-    scale: torch.Tensor  # fp32 [E, R] (int8), fp32 [E, R, ceil(C/g)] (int4), uint8 [E, R, ceil(C/32)] (mxfp4)
-    zero: torch.Tensor | None = None  # int4 only: uint8 [E, R, ceil(C/g)]
-    group_size: int = 0  # int4: 32, 64 or 128; mxfp4: 32; int8: 0 (per output row)
-
-
-def _expected(scheme: str, rows: tuple, cols: int, group_size: int) -> dict:
-    """name -> (dtype, shape) of each tensor of a weight [*rows, cols] in ``scheme``."""
-    if scheme == "int8_w8a16":
-        return {"q": (torch.int8, (*rows, cols)), "scale": (torch.float32, rows)}
-    groups = (*rows, -(-cols // group_size))
-    if scheme == "int4_w4a16":
-        return {"q": (torch.uint8, (*rows, -(-cols // 2))), "scale": (torch.float32, groups),
-                "zero": (torch.uint8, groups)}
-    return {"q": (torch.uint8, (*rows, -(-cols // 2))), "scale": (torch.uint8, groups)}
-
-
-def check_wo_weight(w, name: str, rows: tuple, cols: int, device: torch.device) -> None:
-    """A clear error naming ``name`` (w13 or w2) unless ``w`` is a WoWeight of shape [*rows, cols]."""
-    if not isinstance(w, WoWeight):
-        raise TypeError(f"{name} must be a WoWeight, got {type(w).__name__}")
-    if w.scheme not in SCHEMES:
-        raise ValueError(f"{name}.scheme must be one of {SCHEMES}, got {w.scheme!r}")
-    if w.group_size not in GROUP_SIZES[w.scheme]:
-        raise ValueError(f"{name}.group_size must be one of {GROUP_SIZES[w.scheme]} for {w.scheme}, got {w.group_size}")
-    expected = _expected(w.scheme, rows, cols, w.group_size)
-    if w.zero is not None and "zero" not in expected:
-        raise ValueError(f"{name}.zero must be None for {w.scheme}")
-    for part, (dtype, shape) in expected.items():
-        t = getattr(w, part)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}.{part} must be a tensor for {w.scheme}, got {type(t).__name__}")
-        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name}.{part} must be {dtype} of shape {tuple(shape)} for {w.scheme}, "
-                             f"got {t.dtype} {tuple(t.shape)}")
-        if t.device != device:
-            raise ValueError(f"{name}.{part} must be on {device} like x, got {t.device}")
-
-
-def check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation: str) -> None:
-    """Every argument of a weight-only call, each with a clear error naming it."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in X_DTYPES:
-        raise ValueError(f"x must be a [M, K] tensor of one of {X_DTYPES}, got "
-                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-    get_activation(activation)  # raises, naming the argument
-    if not isinstance(w13, WoWeight) or w13.q.dim() != 3 or w13.q.shape[1] % 2:
-        raise ValueError("w13 must be a WoWeight of logical shape [E, 2N, K]")
-    (num_experts, two_n), hidden = w13.q.shape[:2], x.shape[1]
-    check_wo_weight(w13, "w13", (num_experts, two_n), hidden, x.device)
-    check_wo_weight(w2, "w2", (num_experts, hidden), two_n // 2, x.device)
-    if w2.scheme != w13.scheme:
-        raise ValueError(f"w13 and w2 must share a scheme, got {w13.scheme} and {w2.scheme}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in _ID_DTYPES:
-        raise ValueError(f"topk_ids must be int32/int64 of shape [M={x.shape[0]}, k], got "
-                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
-    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
-        raise ValueError(f"topk_weights must be floating of shape {tuple(topk_ids.shape)}, got "
-                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
-    for arg, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("expert_map", expert_map)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{arg} must be on {x.device} like x, got {t.device}")
-    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in _ID_DTYPES):
-        raise ValueError(f"expert_map must be 1-D int32/int64, got {expert_map.dtype} {tuple(expert_map.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,12 +99,15 @@ def fused_experts_wo_torch(
     topk_ids: torch.Tensor,  # [M, k]
     topk_weights: torch.Tensor,  # [M, k]
     *,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,  # [E, 2N]
+    b2: torch.Tensor | None = None,  # [E, K]
 ) -> torch.Tensor:
     """The twin of ``fused_experts_wo``: each routed expert's weights dequantized (one expert at a time,
-    so real shapes fit), then act-and-mul and the weighted sum in float32; returns x.dtype [M, K]."""
-    check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+    so real shapes fit), then + b13, the activation (``apply_glu``), + b2 and the weighted sum in float32; returns
+    x.dtype [M, K]."""
+    check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation, b13, b2)
     (num_experts, two_n), hidden = w13.q.shape[:2], x.shape[1]
     num_tokens, top_k = topk_ids.shape
     local = to_local_ids(topk_ids, num_experts, expert_map).view(num_tokens, top_k)  # [M, k]
@@ -183,7 +117,11 @@ def fused_experts_wo_torch(
         if tokens.numel() == 0:
             continue
         h = x[tokens].float() @ dequantize_wo(w13, hidden, expert).t()  # [m, 2N]
-        y = act_and_mul(h, activation) @ dequantize_wo(w2, two_n // 2, expert).t()  # [m, K]
+        if b13 is not None:
+            h = h + b13[expert].float()
+        y = apply_glu(h, activation) @ dequantize_wo(w2, two_n // 2, expert).t()  # [m, K]
+        if b2 is not None:
+            y = y + b2[expert].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
     return out.to(x.dtype)
 
@@ -195,14 +133,16 @@ def fused_experts_wo_torch(
 
 def run_experts_wo(
     x: torch.Tensor, w13: WeightArgs, w2: WeightArgs, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    expert_map: torch.Tensor | None, scheme: str, activation: str = "silu", config: KernelConfig | None = None,
-    options: LaunchOptions = LaunchOptions(), split_k: int | None = None, decode: str | None = None,
+    expert_map: torch.Tensor | None, scheme: str, activation: str | ActivationSpec = "silu",
+    config: KernelConfig | None = None, options: LaunchOptions = LaunchOptions(), split_k: int | None = None,
+    decode: str | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
     "register", "mma", "gemv", "scratch" (``triton_wo_scratch``) or "gluon" (``triton_gluon_wo``); None:
-    ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). Not an op: for tools that
-    pick configs per call; models go through ``fused_experts_wo``."""
+    ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
+    and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` only (module docstring). Not an op: for
+    tools that pick configs per call; models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -210,19 +150,26 @@ def run_experts_wo(
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    if _runs_gluon(x, w13, w2, ids, scheme, activation, config, split_k, decode):  # ``triton_gluon_wo``
+    variant = b13 is not None or b2 is not None or not as_spec(activation).plain
+    if variant and decode in ("gluon", "scratch"):
+        raise ValueError(f"decode={decode!r} takes no expert biases or activation variant: those run on "
+                         "triton_wo_plan.VARIANT_DECODES")
+    if not variant and _runs_gluon(x, w13, w2, ids, scheme, activation, config, split_k, decode):  # triton_gluon_wo
         from moekit.experts.triton_gluon_wo import run_experts_wo_gluon
 
         return run_experts_wo_gluon(x, w13, w2, ids, weights, expert_map, scheme, activation)
-    if _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
+    if not variant and _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
         return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options)
-    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)
+    b13 = None if b13 is None else b13.contiguous()  # the kernels read them contiguous: no copy unless strided
+    b2 = None if b2 is None else b2.contiguous()
+    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode,
+                       b13, b2)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
     b = plan.workspace.allocate(x.device)  # fresh: graph-safe, never aliased by what is returned
     if options.poison_workspace:
         b["h"].fill_(float("nan"))
         b["y"].fill_(float("nan"))
-    for launch, pointers in wo_launches(plan, b, x, w13, w2, ids, weights, expert_map, out):
+    for launch, pointers in wo_launches(plan, b, x, w13, w2, ids, weights, expert_map, out, b13, b2):
         launch(*pointers)
     return out
 
@@ -230,7 +177,8 @@ def run_experts_wo(
 LEAN_WORKSPACES = WorkspacePool()  # the reused buffers of lean eager calls (``triton_quant_fast``)
 
 
-def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str, options: LaunchOptions):
+def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str | ActivationSpec,
+                   options: LaunchOptions):
     """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the op's
     call used: the same options), a workspace pool, and its launches as a function of (b, x, ids, weights,
     out), weights bound. For a call the scratch decode runs, its kept form (``triton_wo_scratch_plan.
@@ -238,11 +186,12 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
-    if _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):  # its lean launch's plan and pool
+    plain = as_spec(activation).plain  # a variant takes neither the Gluon nor the scratch decode (run_experts_wo)
+    if plain and _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):  # its lean plan and pool
         from moekit.experts.triton_gluon_wo_lean import wo_gluon_lean_inputs
 
         return wo_gluon_lean_inputs(x, a13, a2, ids, weights, w13.scheme)
-    if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
+    if plain and _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
         op_options = _wo_options(options.dependent_launch)
         num_experts, two_n = a13.q.shape[:2]
         per, overlap = scratch_chunking(x, num_experts, two_n // 2, x.shape[1])
@@ -266,12 +215,14 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     return plan, LEAN_WORKSPACES, launches
 
 
-def wo_launches(plan, b: dict, x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, out) -> list:
+def wo_launches(plan, b: dict, x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, out, b13=None,
+                b2=None) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless the naive
     shortcut; hist and scan as one with the pool's counters where the plan has it), gate-up, down with the
     k-sum folded in (where the plan has it and ``b`` the pool's counters) or down and the sum over splits
     and slots. ``b``: the workspace's regions (h [A, N],
-    y [SPLIT*A, K]). Any tensor argument may be a stand-in (``triton_quant_fast`` records where each goes)."""
+    y [SPLIT*A, K]); b13 / b2 (contiguous, or None) go to a ``WoPlan.biased`` plan's GEMMs. Any tensor argument
+    may be a stand-in (``triton_quant_fast`` records where each goes)."""
     map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
     counters = b.get("counters")  # only a pool's workspace keeps them (the lean calls')
     if plan.align is None:
@@ -280,8 +231,9 @@ def wo_launches(plan, b: dict, x, w13: WeightArgs, w2: WeightArgs, ids, weights,
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
         launches = align_launches(plan.align, ids, map_or_ids, b, counters)
     h, y = b["h"], b["y"]  # [A, N], [SPLIT*A, K]
+    bias13, bias2 = ((b13,), (b2,)) if plan.biased else ((), ())
     if plan.glu is None and not plan.glu_fold:
-        launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, h, ids, *rows)))
+        launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, h, ids, *rows, *bias13)))
     else:  # the split gate-up's partials, then their sum and the activation (folded: down's, as it reads them)
         launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, b["p"], ids, *rows)))
         if plan.glu_fold:
@@ -290,15 +242,15 @@ def wo_launches(plan, b: dict, x, w13: WeightArgs, w2: WeightArgs, ids, weights,
             launches.append((plan.glu, (b["p"], h)))
     down = (h, w2.q, w2.scale, w2.zero, y, weights, ids, *rows)
     if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
-        launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))
+        launches.append((plan.down_sum, (*down, out, counters, map_or_ids, *bias2)))
     else:  # the same sums in the same order, bit for bit
-        launches.append((plan.down, (*down, None, None, None)))
+        launches.append((plan.down, (*down, None, None, None, *bias2)))
         launches.append((plan.sum_slots, (y, ids, map_or_ids, out)))
     return launches
 
 
-def _runs_gluon(x, w13: WeightArgs, w2: WeightArgs, ids, scheme: str, activation: str, config, split_k,
-                decode: str | None) -> bool:
+def _runs_gluon(x, w13: WeightArgs, w2: WeightArgs, ids, scheme: str, activation: str | ActivationSpec, config,
+                split_k, decode: str | None) -> bool:
     """The caller's "gluon", or for a call that fixes no decode, config or split the measured cells'
     (``triton_gluon_wo.gluon_wo_takes``; cheap first test: below GLUON_MIN_TOKENS never)."""
     if decode is not None or config is not None or split_k is not None or x.shape[0] < GLUON_MIN_TOKENS:
@@ -323,13 +275,18 @@ def _wo_kernel(
     x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, z13: Optional[torch.Tensor], g13: int,
     q2: torch.Tensor, s2: torch.Tensor, z2: Optional[torch.Tensor], g2: int,
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor],
-    scheme: str, activation: str, dependent_launch: bool, decode: str = "",
+    scheme: str, activation: str, dependent_launch: bool, decode: str = "", b13: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None, gated: bool = True, interleaved: bool = False, alpha: float = 1.0,
+    limit: Optional[float] = None, up_shift: float = 0.0,
 ) -> torch.Tensor:
     """The ops' body: x [M, K], each weight's (q, scale, zero or None, group size), topk_ids / topk_weights [M, k],
-    expert_map [E_global] or None, the scheme, the activation, one ``LaunchOptions`` field, the decode ("" for
-    the chooser's) -> out [M, K] (x.dtype)."""
+    expert_map [E_global] or None, the scheme, the activation's name, one ``LaunchOptions`` field, the decode ("" for
+    the chooser's), b13 [E, 2N] / b2 [E, K] or None, the rest of the activation's fields
+    (``activations.spec_fields``) -> out [M, K] (x.dtype)."""
+    spec = plan_activation(activation, gated, interleaved, alpha, limit, up_shift)
     return run_experts_wo(x, weight_args(q13, s13, z13, g13), weight_args(q2, s2, z2, g2), topk_ids, topk_weights,
-                          expert_map, scheme, activation, options=_wo_options(dependent_launch), decode=decode or None)
+                          expert_map, scheme, spec, options=_wo_options(dependent_launch), decode=decode or None,
+                          b13=b13, b2=b2)
 
 
 @functools.lru_cache(maxsize=2)
@@ -340,7 +297,8 @@ def _wo_options(dependent_launch: bool) -> LaunchOptions:
 
 
 def _wo_fake(x, q13, s13, z13, g13, q2, s2, z2, g2, topk_ids, topk_weights, expert_map, scheme, activation,
-             dependent_launch, decode=""):
+             dependent_launch, decode="", b13=None, b2=None, gated=True, interleaved=False, alpha=1.0, limit=None,
+             up_shift=0.0):
     return x.new_empty(x.shape)  # [M, K], x.dtype: what run_experts_wo returns
 
 
@@ -357,23 +315,28 @@ def fused_experts_wo(
     topk_ids: torch.Tensor,  # [M, k]
     topk_weights: torch.Tensor,  # [M, k]
     *,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     expert_map: torch.Tensor | None = None,
     options: LaunchOptions = LaunchOptions(),
     decode: str | None = None,
+    b13: torch.Tensor | None = None,  # [E, 2N], w13's row order
+    b2: torch.Tensor | None = None,  # [E, K]
 ) -> torch.Tensor:
     """The experts contract on quantized weights: out [M, K] (x.dtype) = sum over the routed slots of
-    weight * w2 @ act_and_mul(w13 @ x), the weights dequantized in the kernels. Through the op
-    ``triton_experts_wo``, or ``triton_experts_wo_autograd`` where an input needs a gradient.
-    ``options``: its ``dependent_launch`` applies. ``decode``: one of ``triton_wo_plan.DECODES``, or
-    None for the decode the H200 measured faster at this scheme, shape and batch size."""
-    check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+    weight * (w2 @ glu(w13 @ x + b13) + b2), the weights dequantized in the kernels, glu the activation (a name: its
+    plain gated spec). Through the op ``triton_experts_wo``, or ``triton_experts_wo_autograd`` where an input needs a
+    gradient. ``options``: its ``dependent_launch`` applies. ``decode``: one of ``triton_wo_plan.DECODES``, or
+    None for the decode the H200 measured faster at this scheme, shape and batch size (with biases or a variant:
+    module docstring)."""
+    check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation, b13, b2)
     check_decode(decode)
-    grad = needs_grad(x, w13.q, w13.scale, w2.q, w2.scale, topk_weights)
+    grad = needs_grad(x, w13.q, w13.scale, w2.q, w2.scale, topk_weights, b13, b2)
     op = (_TRANSFORM_FUNCTION.apply if transforming()  # torch.func: ``moekit.func_ops``
           else torch.ops.moekit.triton_experts_wo_autograd if grad else torch.ops.moekit.triton_experts_wo)
+    name, *fields = spec_fields(activation)
     return op(x, w13.q, w13.scale, w13.zero, w13.group_size, w2.q, w2.scale, w2.zero, w2.group_size,
-              topk_ids, topk_weights, expert_map, w13.scheme, activation, options.dependent_launch, decode or "")
+              topk_ids, topk_weights, expert_map, w13.scheme, name, options.dependent_launch, decode or "", b13, b2,
+              *fields)
 
 
 # the op as a torch.func transform reaches it (``moekit.func_ops``): vmap runs, a derivative refuses

@@ -27,6 +27,11 @@ tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on t
 the aligned layout at or below a measured M whose calls run aligned), else per (scheme, tile-height bucket)
 (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``) overrides it.
 
+Expert biases and the activation variant (gpt-oss: b13 [E, 2N], b2 [E, K], interleaved gate/up rows, a clamped
+SwiGLU): the tile and register decodes' kernels take them (VARIANT_DECODES; without them those kernels are the ones
+before, constexpr-guarded); a call with either gets the chooser's decode where it is one of those, else "register"
+(as a "gemv" or "mma" pick without words or a fitting group does); a caller's other decode is an error naming it.
+
 Configs (``triton_wo_configs.wo_config``): ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories
 (``moekit.experts.configs``'s format and search order, ``config_name(scheme, decode)`` in the dtype's place:
 the scheme for the tile decode, ``{scheme}_register`` for the register decode), nearest M; without a file,
@@ -42,33 +47,26 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moekit.activations import get_activation
-from moekit.experts.configs import GemmTile, KernelConfig, device_key, nearest, on_config_cache_clear
+from moekit.activations import ActivationSpec, as_spec
+from moekit.experts.configs import KernelConfig, device_key, nearest, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
-from moekit.experts.triton_launch import (
-    LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
-)
-from moekit.experts.triton_plan import down_launches, ksum_constexprs, sum_launch
-from moekit.experts.triton_wo_configs import (
-    MIN_PACKED_K, MIN_PROGRAMS, ahead_of, fit_wo_shared_memory, height_bucket, wo_config,
-)
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, max_shared_memory, resolve_launch_options
+from moekit.experts.triton_plan import ksum_constexprs, sum_launch
+from moekit.experts.triton_wo_configs import MIN_PROGRAMS, fit_wo_shared_memory, height_bucket, wo_config
+from moekit.experts.triton_wo_gemm import SCHEME_IDS, VARIANT_DECODES, gemm_launches
 from moekit.experts.triton_wo_gemv import (
     WORD_DECODES, WordConfig, folded_splits, gemv_launches, glu_launch, split_glu_launch, up_splits, words_ok,
 )
-from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_gate_up, mma_launch_args
+from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_gate_up
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
 from moekit.triton_bind import BoundLaunch
 
-SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
 DECODES = ("tile", "register", "mma", "gemv", "scratch", "gluon")
-_KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
-            "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel"),
-            "mma": ("gemm_wo_mma", "gate_up_wo_mma_kernel", "down_wo_mma_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
 # bf16 activations, two runs each (benchmarks/results/raw: ``b6a5c5f-wo_device_check`` tile and
 # ``87bfd3a-...-wo-fast-2-reverted`` register, then both in one run, ``a13647b-wo_device_check-wo-choice``;
@@ -160,6 +158,11 @@ class WoPlan:
     # the split gate-up folded into the down GEMM (``WordConfig.glu_fold``): no glu launch, down reads p for h
     glu_fold: bool = False
 
+    @property
+    def biased(self) -> bool:
+        """Whether gate-up takes b13 after its nine pointers and down b2 after its thirteen (None without one)."""
+        return self.decode in VARIANT_DECODES
+
 
 _WO_PLANS: dict[tuple, WoPlan] = {}
 on_config_cache_clear(_WO_PLANS.clear)
@@ -170,28 +173,34 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
 
 
-def wo_plan_key(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
-                config, options: LaunchOptions, split_k: int | None = None, decode: str | None = None) -> tuple:
+def wo_plan_key(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str,
+                activation: str | ActivationSpec, config, options: LaunchOptions, split_k: int | None = None,
+                decode: str | None = None, b13=None, b2=None) -> tuple:
     """The kind of a call: everything the launches depend on but the tensors' contents and addresses."""
     return (
         _tensor_key(x), x.device, *(_tensor_key(t) for w in (w13, w2) for t in (w.q, w.scale, w.zero)),
         w13.group_size, w2.group_size, _tensor_key(ids), _tensor_key(weights),
         None if expert_map is None else _tensor_key(expert_map), scheme, activation, config, options, split_k, decode,
+        None if b13 is None else _tensor_key(b13), None if b2 is None else _tensor_key(b2),
     )
 
 
-def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
-                config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None,
-                decode: str | None = None) -> WoPlan:
+def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str,
+                activation: str | ActivationSpec, config: KernelConfig | None, options: LaunchOptions,
+                split_k: int | None = None, decode: str | None = None, b13=None, b2=None) -> WoPlan:
     """The cached plan of this call's kind (``options.cache_plans``), else a new one. ``split_k``: the
     down GEMM's splits, None for ``decode_split_k``'s choice; ``decode``: one of DECODES, None for
-    ``choose_decode``'s."""
+    ``choose_decode``'s; ``activation``: a name or a spec that is not plain; b13 [E, 2N] / b2 [E, K]
+    contiguous, or None."""
+    build = (x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k, decode, b13 is not None,
+             b2 is not None)
     if not options.cache_plans:
-        return build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k, decode)
-    key = wo_plan_key(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)
+        return build_wo_plan(*build)
+    key = wo_plan_key(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode,
+                      b13, b2)
     plan = _WO_PLANS.get(key)
     if plan is None:
-        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k, decode)
+        plan = build_wo_plan(*build)
         if len(_WO_PLANS) >= MAX_PLANS:
             _WO_PLANS.pop(next(iter(_WO_PLANS)))
         _WO_PLANS[key] = plan
@@ -247,16 +256,6 @@ def inline_asm_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def span(tile: GemmTile, scheme: str, group_size: int) -> int:
-    """SPAN, the reduction width one scale covers inside a step: min(BLOCK_K, g) (int8: BLOCK_K; its
-    scale is per row). A packed config whose BLOCK_K is below MIN_PACKED_K is refused, naming it."""
-    if scheme == "int8_w8a16":
-        return tile.BLOCK_K
-    if tile.BLOCK_K < MIN_PACKED_K:
-        raise ValueError(f"config BLOCK_K must be >= {MIN_PACKED_K} for {scheme}, got {tile.BLOCK_K}")
-    return min(tile.BLOCK_K, group_size)
-
-
 def _check_config(config: KernelConfig, decode: str, scheme: str, w13: WeightArgs, w2: WeightArgs) -> None:
     """Refuse a config the chosen decode cannot run."""
     if config.swap_ab and decode != "register":
@@ -265,16 +264,18 @@ def _check_config(config: KernelConfig, decode: str, scheme: str, w13: WeightArg
         check_mma(config, scheme, w13, w2)
 
 
-def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: str, activation: str,
+def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: str, activation: str | ActivationSpec,
                   config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None,
-                  decode: str | None = None) -> WoPlan:
+                  decode: str | None = None, has_b13: bool = False, has_b2: bool = False) -> WoPlan:
     """Decide everything for this call's kind (arguments already checked)."""
     check_decode(decode)
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n), (num_tokens, top_k) = w13.q.shape[:2], ids.shape
     n, hidden, num_assignments = two_n // 2, x.shape[1], num_tokens * top_k
     shortcut = use_naive(num_assignments, num_experts, expert_map)
-    decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut)
+    spec = as_spec(activation)  # biases or a spec that is not plain: a variant decode (``_usable_decode``)
+    decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut,
+                            has_b13 or has_b2 or not spec.plain)
     if config is None:
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
     _check_config(config, decode, scheme, w13, w2)
@@ -297,24 +298,22 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     work_dtype = torch.float32 if interpreting() else x.dtype
     regions = [("h", work_dtype, (num_assignments, n)),
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
-    act = get_activation(activation).kernel_id
-    ksum = ksum_constexprs(top_k, config.down.BLOCK_N, expert_map) if fold else None
-    glu, glu_fold = None, False
+    ksum, glu, glu_fold = ksum_constexprs(top_k, config.down.BLOCK_N, expert_map) if fold else None, None, False
     if decode in WORD_DECODES:
         gate_up, down, down_sum = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
-                                                SCHEME_IDS[scheme], act, options, split_k, split_len,
+                                                SCHEME_IDS[scheme], spec.kernel_id, options, split_k, split_len,
                                                 inline_asm_ok(x.device), ksum)
-        glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, act, options)
+        glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, spec.kernel_id, options)
         glu_fold = folded_splits(config, w13.q.shape[2] // 4, scheme) > 1
         splits = up_splits(config, w13.q.shape[2] // 4, scheme)[0]
         if splits > 1:
             regions.append(("p", torch.float32, (splits * num_assignments, 2 * n)))
     else:
-        gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
-                                                 act, options, split_k, split_len, ksum)
+        gate_up, down, down_sum = gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
+                                                spec, inline_asm_ok(x.device), options, split_k, split_len, ksum)
         mma = mma_gate_up(config, w13.q.shape[2] // 4, scheme, n, num_pid_m) if decode == "mma" else None
         if mma is not None and mma.partials:  # float32 partials (split along K, or the halves apart), then h
-            glu = glu_launch(mma.partials, num_assignments, n, act, options)
+            glu = glu_launch(mma.partials, num_assignments, n, spec.kernel_id, options)
             regions.append(("p", torch.float32, (mma.partials * num_assignments, 2 * n)))
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
@@ -328,14 +327,22 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
 
 
 def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: str, num_tokens: int,
-                   num_experts: int, n: int, hidden: int, top_k: int, shortcut: bool = True) -> str:
+                   num_experts: int, n: int, hidden: int, top_k: int, shortcut: bool = True,
+                   variant: bool = False) -> str:
     """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
     weights do not read as words (``words_ok``), and its "mma" where the weights do not meet ``check_mma`` (int4
-    groups not a multiple of 128); a caller's "gemv" or "mma" there is an error naming it."""
+    groups not a multiple of 128); a caller's "gemv" or "mma" there is an error naming it. With ``variant`` (expert
+    biases or an activation spec that is not plain) a decode outside VARIANT_DECODES: the chooser's becomes
+    "register", a caller's is an error naming it."""
     if decode in ("scratch", "gluon"):
         raise ValueError(f"decode={decode!r} has no fused plan: run_experts_wo runs it "
                          "(triton_wo_scratch / triton_gluon_wo)")
     chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
+    if variant and chosen not in VARIANT_DECODES:
+        if decode is not None:
+            raise ValueError(f"decode={decode!r} takes no expert biases or activation variant: those run on "
+                             f"{VARIANT_DECODES}")
+        return "register"
     if chosen in WORD_DECODES and not (words_ok(w13.q) and words_ok(w2.q)):
         if decode is not None:
             raise ValueError(f"decode={decode!r} needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
@@ -358,43 +365,3 @@ def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_expert
     blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
     programs = blocks * cdiv(hidden, config.down.BLOCK_N)
     return max(1, min(cdiv(MIN_PROGRAMS, programs), MAX_SPLIT, cdiv(n, config.down.BLOCK_K)))
-
-
-def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: KernelConfig, num_pid_m: int,
-                   naive: bool, scheme: str, decode: str, act: int, options: LaunchOptions, split_k: int,
-                   split_len: int, ksum: dict | None = None) -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
-    """The gate-up and down launches of ``decode``'s kernels, and down with the k-sum folded in where
-    ``ksum`` (``triton_plan.down_launches``); h [A, N] and y [A, K] are contiguous workspace regions."""
-    num_experts, two_n = w13.q.shape[:2]
-    n, hidden, num_assignments = two_n // 2, x.shape[1], x.shape[0] * top_k
-    module, gate_up_name, down_name = _KERNELS[decode]
-    up, down, gemm = config.up, config.down, kernels(module)
-    shared = dict(BLOCK_M=config.BLOCK_M, SCHEME=SCHEME_IDS[scheme], NAIVE=naive, UPCAST=interpreting(),
-                  cached=options.cached_launcher, **options.pdl_kwargs())
-    if decode == "register":
-        shared["ASM"], shared["SWAP_AB"] = inline_asm_ok(x.device), config.swap_ab
-    elif decode == "mma":
-        shared["ASM"] = inline_asm_ok(x.device)
-    else:
-        shared["AHEAD"] = ahead_of(config)
-    q13, q2 = (w13.q.shape[2], w13.strides), (w2.q.shape[2], w2.strides)
-    extra13, extra2, up_grid, h_tail = {}, {}, (num_pid_m * cdiv(n, up.BLOCK_N),), (n,)
-    if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
-        (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
-        mma = mma_gate_up(config, q13[0], scheme, n, num_pid_m)  # its kernel, grid and output (h or partials)
-        gate_up_name, up_grid, h_tail, extra13["SPLIT"] = mma.kernel, mma.grid, mma.h_tail, mma.grid[1]
-    gate_up = BoundLaunch(
-        getattr(gemm, gate_up_name), up_grid, 9,
-        (n, hidden, q13[0], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *q13[1], *h_tail),
-        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SPAN=span(up, scheme, w13.group_size), GROUP=w13.group_size,
-        GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared, **extra13,
-    )
-    down_launch, down_sum = down_launches(
-        getattr(gemm, down_name), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
-        (hidden, n, q2[0], num_assignments, num_experts, num_pid_m, split_len, n, *q2[1], hidden),
-        x.shape[0], ksum,
-        BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SPAN=span(down, scheme, w2.group_size), GROUP=w2.group_size,
-        GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
-        **extra2,
-    )
-    return gate_up, down_launch, down_sum

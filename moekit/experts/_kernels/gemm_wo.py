@@ -54,6 +54,13 @@ after it, so the decode's ALU work runs while the (asynchronous, Hopper wgmma) d
 scales then load two steps ahead. Costs the registers of one decoded tile per weight operand; the last
 step decodes a tile past the reduction (masked loads: zeros, never read).
 
+Biases and the activation variant (gpt-oss's experts; the tile and register decodes, ``gemm_wo_reg`` too):
+b13_ptr [E, 2N] and b2_ptr [E, K], contiguous, or None (constexpr-specialised: without them the kernels are the
+ones before). b13 is added to the gate and up accumulators before the activation (after int8's row scale), b2 to
+the down output before the routed weight (split-K: by split 0 alone), the order of ``gemm.py``'s bf16 kernels.
+INTERLEAVED: gate column j is w13 (and b13) row 2j, up j row 2j + 1 (gpt-oss's stored order, read in place);
+ALPHA, LIMIT, UP_SHIFT: ``gemm._glu``'s clamped SwiGLU. Their defaults are the plain gated activation.
+
 Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows and activations these
 kernels share).
 
@@ -195,17 +202,35 @@ def _dot_t(w, a, acc):
 
 
 @triton.jit
+def add_b13(acc_gate, acc_up, b13_ptr, expert, gate, up, n_ok, N):
+    """acc_gate, acc_up [BM, BN] float32 + expert's b13 (contiguous [E, 2N]) at its gate and up rows [BN] (w13's)."""
+    row = b13_ptr + expert * 2 * N
+    acc_gate += tl.load(row + gate, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc_up += tl.load(row + up, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return acc_gate, acc_up
+
+
+@triton.jit
+def add_b2(acc, b2_ptr, expert, offs_out, out_ok, K):
+    """acc [BM, BN] float32 + expert's b2 (contiguous [E, K]) at columns offs_out, by split 0 only (split-K's
+    partials sum onto it)."""
+    b2 = tl.load(b2_ptr + expert * K + offs_out, mask=out_ok, other=0.0).to(tl.float32)  # [BN]
+    return acc + tl.where(tl.program_id(1) == 0, b2, 0.0)[None, :]
+
+
+@triton.jit
 def gate_up_wo_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, b13_ptr,  # b13 [E, 2N] or None
     N, K, K_STORED, num_assignments, top_k, num_experts, num_pid_m,  # K_STORED: bytes of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,
     stride_ze, stride_zr, stride_zg, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
-):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers."""
+    INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
+    UP_SHIFT: tl.constexpr = 0.0):
+    """h = glu(x w_gate^T + b13_gate, x w_up^T + b13_up) per row, w13 dequantized in registers (b13, variant: doc)."""
     wait_for_previous_kernel(PDL)
     pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
                                        num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
@@ -215,7 +240,8 @@ def gate_up_wo_kernel(
     token = tl.where(row_ok, rows // top_k, 0)  # [BM] int64: the x row of each assignment
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
+    gate = offs_n.to(tl.int64) * (2 if INTERLEAVED else 1)  # [BN] w13 rows: gate j at j (INTERLEAVED: 2j)
+    up = gate + (1 if INTERLEAVED else N)  # the up rows follow the N gate rows (INTERLEAVED: gpt-oss's 2j + 1)
     qg, qu = q_ptr + expert * stride_qe + gate * stride_qr, q_ptr + expert * stride_qe + up * stride_qr
     sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
@@ -248,7 +274,9 @@ def gate_up_wo_kernel(
     if SCHEME == 0:  # int8: the per-row scale, once
         acc_gate *= tl.load(sg, mask=n_ok, other=0.0)[None, :]
         acc_up *= tl.load(su, mask=n_ok, other=0.0)[None, :]
-    h = _glu(acc_gate, acc_up, ACT, 1.0, None, 0.0)  # [BM, BN] fp32: act(gate) * up
+    if b13_ptr is not None:
+        acc_gate, acc_up = add_b13(acc_gate, acc_up, b13_ptr, expert, gate, up, n_ok, N)
+    h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32: act(gate) * up (plain)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -256,13 +284,15 @@ def gate_up_wo_kernel(
 @triton.jit
 def _down_epilogue(acc, s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok,
                    arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global, stride_ym,
-                   BLOCK_N: tl.constexpr, SCHEME: tl.constexpr, KSUM: tl.constexpr, TOPK_PAD: tl.constexpr,
-                   HAS_MAP: tl.constexpr, SUM_ROWS: tl.constexpr):
-    """The weight-only down kernels' end: the y tile acc [BM, BN] (float32) x the int8 row scales, then
-    ``down_store.store_routed`` (x the routed weight, into this split's partial rows; KSUM: this program's
-    arrivals, ``arrivals`` [BM] each row's token's routed slots)."""
+                   b2_ptr, expert, BLOCK_N: tl.constexpr, SCHEME: tl.constexpr, KSUM: tl.constexpr,
+                   TOPK_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SUM_ROWS: tl.constexpr):
+    """The weight-only down kernels' end: the y tile acc [BM, BN] (float32) x the int8 row scales, + b2 (``add_b2``;
+    b2_ptr None: none), then ``down_store.store_routed`` (x the routed weight, into this split's partial rows; KSUM:
+    this program's arrivals, ``arrivals`` [BM] each row's token's routed slots)."""
     if SCHEME == 0:
         acc *= tl.load(s_rows, mask=out_ok, other=0.0)[None, :]
+    if b2_ptr is not None:
+        acc = add_b2(acc, b2_ptr, expert, offs_out, out_ok, K)
     store_routed(acc, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, num_assignments, row_ok,
                  arrivals, pid_n, offs_out, out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, KSUM,
                  TOPK_PAD, HAS_MAP, SUM_ROWS)  # y [SPLIT * A, K]: this split's partial rows
@@ -273,6 +303,7 @@ def down_wo_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
+    b2_ptr,  # b2 [E, K] or None
     K, N, N_STORED, num_assignments, num_experts, num_pid_m, split_len,  # N_STORED: bytes of a w2 row
     stride_hm, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,
     stride_ze, stride_zr, stride_zg, stride_ym,
@@ -282,7 +313,7 @@ def down_wo_kernel(
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers (split-K, KSUM: module doc)."""
+    """y = routed weight * (h w2^T + b2) per row, w2 dequantized in registers (split-K, KSUM, b2: module doc)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -327,4 +358,4 @@ def down_wo_kernel(
     let_next_kernel_launch(PDL)
     _down_epilogue(acc, s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok,
                    arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global, stride_ym,
-                   BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)
+                   b2_ptr, expert, BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)

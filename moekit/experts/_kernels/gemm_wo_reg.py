@@ -73,7 +73,7 @@ from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tok
 from moekit.experts._kernels.e2m1_ptx import e2m1_place
 from moekit.experts._kernels.gemm import _glu, program_tile
 from moekit.experts._kernels.gemm_fp8 import acc_zeros, unswap
-from moekit.experts._kernels.gemm_wo import _down_epilogue, _load_weights
+from moekit.experts._kernels.gemm_wo import _down_epilogue, _load_weights, add_b13
 
 @triton.jit
 def _base(DTYPE: tl.constexpr):
@@ -213,15 +213,17 @@ def _dot_chunk(raw, a, mul, add, acc, BLOCK_M: tl.constexpr, SPAN: tl.constexpr,
 @triton.jit
 def gate_up_wo_reg_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, b13_ptr,  # b13 [E, 2N] or None
     N, K, K_STORED, num_assignments, top_k, num_experts, num_pid_m,  # K_STORED: bytes of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,
     stride_ze, stride_zr, stride_zg, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
+    UP_SHIFT: tl.constexpr = 0.0,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers."""
+    """h = glu(x w_gate^T + b13_gate, x w_up^T + b13_up) per row, w13 dequantized in registers (b13: ``gemm_wo``)."""
     wait_for_previous_kernel(PDL)
     pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
                                        num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
@@ -231,7 +233,8 @@ def gate_up_wo_reg_kernel(
     token = tl.where(row_ok, rows // top_k, 0)  # [BM] int64: the x row of each assignment
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
+    gate = offs_n.to(tl.int64) * (2 if INTERLEAVED else 1)  # [BN] w13 rows: gate j at j (INTERLEAVED: 2j)
+    up = gate + (1 if INTERLEAVED else N)  # the up rows follow the N gate rows (INTERLEAVED: gpt-oss's 2j + 1)
     qg, qu = q_ptr + expert * stride_qe + gate * stride_qr, q_ptr + expert * stride_qe + up * stride_qr
     sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
@@ -262,7 +265,9 @@ def gate_up_wo_reg_kernel(
     if SCHEME == 0:  # int8: the per-row scale, once
         acc_gate *= tl.load(sg, mask=n_ok, other=0.0)[None, :]
         acc_up *= tl.load(su, mask=n_ok, other=0.0)[None, :]
-    h = _glu(acc_gate, acc_up, ACT, 1.0, None, 0.0)  # [BM, BN] fp32: act(gate) * up
+    if b13_ptr is not None:
+        acc_gate, acc_up = add_b13(acc_gate, acc_up, b13_ptr, expert, gate, up, n_ok, N)
+    h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32: act(gate) * up (plain)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -272,6 +277,7 @@ def down_wo_reg_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
+    b2_ptr,  # b2 [E, K] or None
     K, N, N_STORED, num_assignments, num_experts, num_pid_m, split_len,  # N_STORED: bytes of a w2 row
     stride_hm, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,
     stride_ze, stride_zr, stride_zg, stride_ym,
@@ -282,7 +288,8 @@ def down_wo_reg_kernel(
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
     SWAP_AB: tl.constexpr = False,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers (split-K, KSUM: module doc)."""
+    """y = routed weight * (h w2^T + b2) per assignment row, w2 dequantized in registers (split-K, KSUM: module doc;
+    b2: ``gemm_wo``'s)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -325,4 +332,4 @@ def down_wo_reg_kernel(
     let_next_kernel_launch(PDL)
     _down_epilogue(unswap(acc, SWAP_AB), s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows,
                    row_ok, arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global,
-                   stride_ym, BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)
+                   stride_ym, b2_ptr, expert, BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)
