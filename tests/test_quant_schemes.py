@@ -184,3 +184,19 @@ def test_object_helpers():
 def test_bad_input_is_named(call, error, match):
     with pytest.raises(error, match=match):
         call(_weight((2, 8, 64)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_mxfp4_dequantize_builds_no_host_tensor(dtype, monkeypatch):
+    # the dequantizing path runs inside CUDA graph captures (grouped_mm's), which refuse a pageable host copy: the
+    # e2m1 decode once built its table with torch.tensor(..., device=codes.device) on every call
+    qw = Q.quantize(_weight((2, 64, 96)), "mxfp4")
+    codes = unpack_nibbles_by_hand(qw.q, 96)
+    factor = 2.0 ** (qw.scale.double()[:, :, torch.arange(96) // 32] - 127)
+    want = (decode_e2m1(codes) * factor).to(dtype)
+
+    def no_host_tensor(*args, **kwargs):
+        raise AssertionError("torch.tensor called while dequantizing")
+
+    monkeypatch.setattr(torch, "tensor", no_host_tensor)
+    assert torch.equal(qw.dequantize(dtype), want)

@@ -79,9 +79,12 @@ class Mxfp4Weight(QuantizedWeight):
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """codes (uint8 0..15) -> their e2m1 values in ``dtype``."""
-    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
-    magnitude = table[(codes & 7).long()]
+    """codes (uint8 0..15) -> their e2m1 values in ``dtype`` (E2M1_VALUES), computed from the bits: exponent field
+    e = bits 1-2, mantissa m = bit 0; e = 0: m / 2 (0, 0.5), else 2^(e-1) (1 + m / 2). No table tensor: building one
+    copies it from the host on every call, which a CUDA graph capture refuses (grouped_mm's dequantizing path)."""
+    exponent = ((codes >> 1) & 3).to(dtype)
+    half_mantissa = (codes & 1).to(dtype) * 0.5
+    magnitude = torch.where(exponent == 0, half_mantissa, torch.exp2(exponent - 1) * (1 + half_mantissa))
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
