@@ -33,8 +33,11 @@ Every tensor is read through its strides (no copies).
 Expert biases and the activation variant (gpt-oss as it ships): b13 [E, 2N] (w13's row order) and b2 [E, K], each
 None or any float dtype, read contiguous (a strided one is copied per call); ``activation`` a name or a gated
 ``ActivationSpec`` (interleaved gate/up rows, alpha, limit, up_shift). The tile and register decodes take them
-(``triton_wo_plan.VARIANT_DECODES``; the chooser's other decodes give way to "register"); the Gluon and scratch
-decodes do not (a call with them never takes those; asked for by name, an error).
+(``triton_wo_plan.VARIANT_DECODES``; the chooser's other decodes give way to "register"), and so does the scratch
+decode (its bf16 GEMMs add each chunk's bias rows and run the variant on the scratch's rows as stored): a call with
+them takes "scratch" where a plain call of its shape and M would (``_runs_scratch``: the winners table's rows,
+SCRATCH_MIN_TOKENS, ``scratch_fits``), a fused variant decode elsewhere. The Gluon decode does not take them (such a
+call never takes it, not even where a plain call would; asked for by name, an error).
 
 Torch twin: ``fused_experts_wo_torch`` (``dequantize_wo`` per expert, then a float32 per-expert loop).
 
@@ -141,8 +144,8 @@ def run_experts_wo(
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
     "register", "mma", "gemv", "scratch" (``triton_wo_scratch``) or "gluon" (``triton_gluon_wo``); None:
     ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
-    and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` only (module docstring). Not an op: for
-    tools that pick configs per call; models go through ``fused_experts_wo``."""
+    and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` and "scratch" (module docstring). Not an
+    op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -151,15 +154,18 @@ def run_experts_wo(
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     variant = b13 is not None or b2 is not None or not as_spec(activation).plain
-    if variant and decode in ("gluon", "scratch"):
-        raise ValueError(f"decode={decode!r} takes no expert biases or activation variant: those run on "
-                         "triton_wo_plan.VARIANT_DECODES")
+    if variant and decode == "gluon":
+        raise ValueError("decode='gluon' takes no expert biases or activation variant: those run on "
+                         "triton_wo_plan.VARIANT_DECODES or decode='scratch'")
     if not variant and _runs_gluon(x, w13, w2, ids, scheme, activation, config, split_k, decode):  # triton_gluon_wo
         from moekit.experts.triton_gluon_wo import run_experts_wo_gluon
 
         return run_experts_wo_gluon(x, w13, w2, ids, weights, expert_map, scheme, activation)
-    if not variant and _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
-        return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options)
+    # a variant call where a plain one of its shape and M would run scratch (the Gluon path's cells included: the
+    # chooser below knows no Gluon), else a fused variant decode
+    if _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
+        return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options,
+                                      b13=b13, b2=b2)
     b13 = None if b13 is None else b13.contiguous()  # the kernels read them contiguous: no copy unless strided
     b2 = None if b2 is None else b2.contiguous()
     plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode,
@@ -186,12 +192,12 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
-    plain = as_spec(activation).plain  # a variant takes neither the Gluon nor the scratch decode (run_experts_wo)
+    plain = as_spec(activation).plain  # a variant never takes the Gluon decode (run_experts_wo); biases never come
     if plain and _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):  # its lean plan and pool
         from moekit.experts.triton_gluon_wo_lean import wo_gluon_lean_inputs
 
         return wo_gluon_lean_inputs(x, a13, a2, ids, weights, w13.scheme)
-    if plain and _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
+    if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
         op_options = _wo_options(options.dependent_launch)
         num_experts, two_n = a13.q.shape[:2]
         per, overlap = scratch_chunking(x, num_experts, two_n // 2, x.shape[1])
