@@ -10,7 +10,8 @@ M) and the bf16 Triton path. The route's rule: a variant call takes scratch wher
 
 Shape, weights, biases, spec and inputs: ``gpt39_device_check``'s (gpt-oss-20b: E 32, K = N = 2880, top-4, b13 / b2
 bf16, silu interleaved alpha 1.702 limit 7 up_shift 1; the smoke: E 8, K 128, N 64, top-2). Schemes mxfp4 then int4
-g128 (``--schemes``), M = 512, 1024, 4096 (``--ms``; the smoke: 5, 9). Per (scheme, M), none started past the deadline:
+g128 (``--schemes``), M = 512, 1024, 4096 (``--ms``; the smoke: 5, 9, the scratch threshold lowered to 9). Per
+(scheme, M), none started past the deadline:
   correct  against the torch twin ``fused_experts_wo_torch`` (float32, dequantized weights; rel-L2 < TOL): the scratch
            decode by name, the fused decode main's route took (``triton_wo_plan._usable_decode`` of a variant call),
            the route (``run_experts`` on the triton backend: which decode it takes is logged) and the bf16 path.
@@ -21,7 +22,6 @@ was >= 3% faster, scratch / bf16. Then the real client's command (prefill 4 x 10
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -47,7 +47,7 @@ CLIENT = ("PYTHONPATH=$PWD timeout 300 python3 -m moekit bench --hf --hf-model g
           "--hf-impls moekit_blocks,no_experts --repeats 3 --out $OUT/hf")
 RUN = RunLog("scr39: gpt-oss experts at prefill, scratch vs fused decode vs bf16, graph µs, median of settled rounds",
              stall_s=60)
-gpt39.RUN = RUN  # gpt39's ``captured`` logs a capture refused into this run's log
+gpt39.RUN = RUN  # gpt39's ``captured`` and ``reached`` log into this run's log and table
 RESULT: dict = {"run": {}, "failed": RUN.failed}
 
 
@@ -80,11 +80,7 @@ def run_scheme(scheme: str, ms: tuple, dev, deadline: float) -> None:
     w = gpt39.layer(scheme, dev)
     RUN.log(f"{scheme}: weights quantized")
     res = RESULT["run"][scheme] = {}
-    for m in ms:
-        if RUN.elapsed() > deadline:
-            RUN.log(f"SKIP {scheme} M={m}: deadline")
-            RUN.summary.append(f"| {scheme} | {m} | not reached | | | | | |")
-            continue
+    for m in gpt39.reached(scheme, ms, deadline, 5):
         x, ids, weights = gpt39.inputs(m, dev)
         fns, fused, route = calls(w, x, ids, weights)
         with torch.no_grad():
@@ -115,14 +111,12 @@ def run_scheme(scheme: str, ms: tuple, dev, deadline: float) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=50.0)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--schemes", type=lambda v: tuple(x for x in v.split(",") if x), default=SCHEMES)
-    p.add_argument("--ms", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=MS)
-    args = p.parse_args()
+    args = gpt39.parser(__doc__.split("\n")[0], 50.0, SCHEMES, MS).parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")
+    if SMOKE:  # the route's scratch branch at the smoke's M = 9 (the threshold lowered for this process only)
+        from moekit.experts import triton_wo, triton_wo_plan
+
+        triton_wo.SCRATCH_MIN_TOKENS = triton_wo_plan.SCRATCH_MIN_TOKENS = MS[-1]
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     RESULT["info"] = {**run_info(), "shape": gpt39.shape(), "spec": str(gpt39.SPEC), "ms": args.ms}
     RUN.log(f"{RESULT['info']}")
