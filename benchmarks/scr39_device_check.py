@@ -63,7 +63,7 @@ def calls(w: dict, x, ids, weights) -> tuple[dict, str, str]:
     biases, scheme = dict(b13=w["b13"], b2=w["b2"]), w["q13"].scheme
     e, k, n, top_k = gpt39.shape()
     fused = _usable_decode(None, a13, a2, scheme, x.shape[0], e, n, k, top_k, use_naive(ids.numel(), e, None), True)
-    route = "scratch" if _runs_scratch(x, a13, ids, scheme, None, None, None) else fused
+    route = "scratch" if _runs_scratch(x, a13, ids, scheme, None, None, None, True) else fused
 
     def decode(name: str):
         return lambda: run_experts_wo(x, a13, a2, ids, weights, None, scheme, gpt39.SPEC, decode=name, **biases)

@@ -6,7 +6,8 @@ Chain: the decode with b13 + b2 + the spec, and each alone, against a float64 pe
 its glu written out) over weights decoded by ``test_triton_wo``'s hand dequantizer (int8 / int4 / mxfp4); in chunks of
 experts (``SCRATCH_MAX_BYTES`` lowered) with an expert map; two calls of one kind with other biases (no stale bias
 pointer); the route: a call with biases or the spec takes the scratch decode where a plain call would
-(``SCRATCH_MIN_TOKENS`` lowered), a fused variant decode below it. "gluon" still refused for a variant:
+(``SCRATCH_MIN_TOKENS`` lowered), a fused variant decode below it, and from a measured shape's M
+(``VARIANT_SCRATCH_FROM``) for variant calls only. "gluon" still refused for a variant:
 ``test_triton_wo_variant``; the lean form of a variant call: ``test_triton_wo_scratch_lean``.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
@@ -120,3 +121,39 @@ def test_route_takes_scratch_for_a_variant_call_where_a_plain_one_would(wo, bias
     plans.chosen_decode.cache_clear()
     assert calls == [6]
 
+
+
+def test_a_measured_shape_takes_scratch_from_its_m_for_variant_calls_only(wo, monkeypatch):
+    """VARIANT_SCRATCH_FROM (here this tiny shape from M = 6; SCRATCH_MIN_TOKENS as shipped): a call with gpt-oss's spec
+    and biases of M = 6 runs the scratch decode, of M = 5 a fused one, a plain call of M = 6 a fused one too; each
+    equals the loop."""
+    import moekit.experts.triton_wo_scratch as scratch
+
+    calls = []
+    real = wo.run_experts_wo_scratch
+    monkeypatch.setattr(scratch, "VARIANT_SCRATCH_FROM", {("mxfp4", 4, 64, 96): 6})
+    monkeypatch.setattr(wo, "MIN_M", 2)  # the route's cheap test: no scratch below min(4096, MIN_M / 2) tokens
+    monkeypatch.setattr(wo, "run_experts_wo_scratch", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for m, variant in ((5, True), (6, True), (6, False)):
+        x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=m, k=2, hidden=96, n=64, seed=m)
+        b13, b2 = _biases(4, 64, 96, m) if variant else (None, None)
+        spec = GPT_OSS if variant else "silu"
+        out = wo.fused_experts_wo(x, w13, w2, ids, weights, activation=spec, b13=b13, b2=b2)
+        assert rel(out, _loop(x, w13, w2, ids, weights, b13, b2, spec)) < 1e-3
+    assert calls == [6]
+
+
+def test_gpt_oss_20b_variant_calls_take_scratch_from_1024():
+    # the H100's measured rows (scr39_device_check): mxfp4 / int4 from 1024; int8 and gpt-oss-120b (E = 128) unmeasured
+    from moekit.experts.triton_wo_scratch import variant_takes_scratch
+
+    for scheme in ("mxfp4", "int4_w4a16"):
+        assert variant_takes_scratch(scheme, 1024, 32, 2880, 2880, 2)
+        assert not variant_takes_scratch(scheme, 1023, 32, 2880, 2880, 2)
+        assert not variant_takes_scratch(scheme, 1024, 128, 2880, 2880, 2)
+    assert not variant_takes_scratch("int8_w8a16", 1024, 32, 2880, 2880, 2)
+    # the route's cheap test skips every call below MIN_M / 2 tokens: no row may start there
+    from moekit.experts.triton_wo_scratch import VARIANT_SCRATCH_FROM
+    from moekit.experts.triton_wo_winners import MIN_M
+
+    assert min(VARIANT_SCRATCH_FROM.values()) >= MIN_M // 2

@@ -36,7 +36,8 @@ None or any float dtype, read contiguous (a strided one is copied per call); ``a
 (``triton_wo_plan.VARIANT_DECODES``; the chooser's other decodes give way to "register"), and so does the scratch
 decode (its bf16 GEMMs add each chunk's bias rows and run the variant on the scratch's rows as stored): a call with
 them takes "scratch" where a plain call of its shape and M would (``_runs_scratch``: the winners table's rows,
-SCRATCH_MIN_TOKENS, ``scratch_fits``), a fused variant decode elsewhere. The Gluon decode does not take them (such a
+SCRATCH_MIN_TOKENS, ``scratch_fits``) and from a measured M of its shape (``triton_wo_scratch.VARIANT_SCRATCH_FROM``:
+gpt-oss-20b's mxfp4 / int4 from 1024), a fused variant decode elsewhere. The Gluon decode does not take them (such a
 call never takes it, not even where a plain call would; asked for by name, an error).
 
 Torch twin: ``fused_experts_wo_torch`` (``dequantize_wo`` per expert, then a float32 per-expert loop).
@@ -61,7 +62,9 @@ from moekit.experts.triton_wo_args import WoWeight, check_wo_args
 from moekit.experts.triton_wo_plan import (
     SCHEME_IDS, WeightArgs, check_decode, chosen_decode, clear_wo_plans, weight_args, wo_plan_for,
 )
-from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch, scratch_chunking
+from moekit.experts.triton_wo_scratch import (
+    SCRATCH_MIN_TOKENS, run_experts_wo_scratch, scratch_chunking, variant_takes_scratch,
+)
 from moekit.experts.triton_wo_scratch_plan import clear_scratch_plans, scratch_lean_inputs
 from moekit.experts.triton_wo_winners import MIN_M
 from moekit.func_ops import transform_function, transforming
@@ -162,8 +165,8 @@ def run_experts_wo(
 
         return run_experts_wo_gluon(x, w13, w2, ids, weights, expert_map, scheme, activation)
     # a variant call where a plain one of its shape and M would run scratch (the Gluon path's cells included: the
-    # chooser below knows no Gluon), else a fused variant decode
-    if _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
+    # chooser below knows no Gluon) or from its measured M (VARIANT_SCRATCH_FROM), else a fused variant decode
+    if _runs_scratch(x, w13, ids, scheme, config, split_k, decode, variant):
         return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options,
                                       b13=b13, b2=b2)
     b13 = None if b13 is None else b13.contiguous()  # the kernels read them contiguous: no copy unless strided
@@ -197,7 +200,7 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
         from moekit.experts.triton_gluon_wo_lean import wo_gluon_lean_inputs
 
         return wo_gluon_lean_inputs(x, a13, a2, ids, weights, w13.scheme)
-    if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
+    if _runs_scratch(x, a13, ids, w13.scheme, None, None, None, not plain):
         op_options = _wo_options(options.dependent_launch)
         num_experts, two_n = a13.q.shape[:2]
         per, overlap = scratch_chunking(x, num_experts, two_n // 2, x.shape[1])
@@ -266,15 +269,19 @@ def _runs_gluon(x, w13: WeightArgs, w2: WeightArgs, ids, scheme: str, activation
     return gluon_wo_takes(x, w13, w2, ids, scheme, activation)
 
 
-def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None) -> bool:
-    """The caller's "scratch", or the chooser's for a call that fixes no fused config or split (cheap
-    first test: batches below SCRATCH_MIN_TOKENS and below the winners table's scope never run it)."""
+def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None,
+                  variant: bool = False) -> bool:
+    """The caller's "scratch", or for a call that fixes no fused config or split the chooser's, and for a ``variant``
+    call (biases or an activation variant) also from its shape's measured M (``variant_takes_scratch``). Cheap
+    first test: batches below SCRATCH_MIN_TOKENS and below the winners table's scope never run it."""
     small = x.shape[0] < min(SCRATCH_MIN_TOKENS, MIN_M // 2)
     if decode is not None or config is not None or split_k is not None or small:
         return decode == "scratch"
     num_experts, two_n = w13.q.shape[:2]  # the shortcut matters to the fused decodes only
-    return chosen_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1],
-                         x.element_size()) == "scratch"
+    shape = (x.shape[0], num_experts, two_n // 2, x.shape[1])
+    if variant and variant_takes_scratch(scheme, *shape, x.element_size()):
+        return True
+    return chosen_decode(scheme, *shape, ids.shape[1], x.element_size()) == "scratch"
 
 
 def _wo_kernel(

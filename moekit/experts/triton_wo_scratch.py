@@ -60,6 +60,18 @@ from moekit.experts.triton_wo_scratch_plan import (
 # 1.21-1.28; M=16384 every scheme 1.40-2.33 -> 0.96-1.10. At M=1024 the dequantization (every weight
 # written once in bf16 and read back: 0.4-1.1 ms) is not paid back: scratch 1.56-2.20 against tile 1.19-2.47.
 SCRATCH_MIN_TOKENS = 4096
+# Calls with expert biases or an activation variant (gpt-oss) of these (scheme, E, N, K) take the scratch decode from
+# this M (and on, as any call from SCRATCH_MIN_TOKENS): one H100, Triton 3.6, session 39, benchmarks/
+# scr39_device_check.py at a2e93db9 (results/scr39/scr39.log), gpt-oss-20b's experts with b13 / b2 and its spec, graph
+# µs scratch / the fused tile decode (the route's before) / bf16, 5 settled rounds: mxfp4 M=512 1346.3 / 1042.3 /
+# 601.0 (the tile decode faster: not taken), M=1024 1431.6 / 1556.5 / 687.1 (x1.09, >= 3% in 5/5), M=4096 2298.0 /
+# 4421.8 / 1554.4 (x1.92, 5/5); int4 g128 1353.5 / 1044.1, 1439.5 / 1565.3 (x1.09, 5/5), 2358.8 / 4510.5 (x1.91,
+# 5/5). Unmeasured and so left to SCRATCH_MIN_TOKENS: int8, other shapes (gpt-oss-120b's E = 128), plain calls of
+# this shape; int4 of other group sizes follows the g128 row.
+VARIANT_SCRATCH_FROM: dict[tuple[str, int, int, int], int] = {
+    ("mxfp4", 32, 2880, 2880): 1024,
+    ("int4_w4a16", 32, 2880, 2880): 1024,
+}
 # The largest scratch buffer (bytes) the path allocates: all experts at once up to this, else chunks.
 # 2 GiB holds Mixtral-8x7B's w13 (8 x 28672 x 4096 bf16 = 1.88 GB: one chunk) and Qwen3-30B-A3B's
 # (128 x 1536 x 2048 bf16 = 0.81 GB); DeepSeek-V3's (256 x 4096 x 7168 = 15 GB) runs in 8 chunks of 36.
@@ -78,6 +90,13 @@ def scratch_bytes_per_expert(n: int, hidden: int, itemsize: int) -> int:
 def scratch_fits(n: int, hidden: int, itemsize: int, max_bytes: int = SCRATCH_MAX_BYTES) -> bool:
     """Whether one expert's dequantized matrix fits ``max_bytes`` (else the scratch decode cannot run)."""
     return scratch_bytes_per_expert(n, hidden, itemsize) <= max_bytes
+
+
+def variant_takes_scratch(scheme: str, num_tokens: int, num_experts: int, n: int, hidden: int, itemsize: int) -> bool:
+    """Whether a call with biases or an activation variant takes the scratch decode below SCRATCH_MIN_TOKENS: from
+    its shape's VARIANT_SCRATCH_FROM M, where one expert's scratch fits (``scratch_fits``)."""
+    start = VARIANT_SCRATCH_FROM.get((scheme, num_experts, n, hidden))
+    return start is not None and num_tokens >= start and scratch_fits(n, hidden, itemsize)
 
 
 def experts_per_chunk(num_experts: int, n: int, hidden: int, itemsize: int, max_bytes: int = SCRATCH_MAX_BYTES) -> int:
