@@ -150,17 +150,24 @@ def captured(name: str, fn, dev):
         return EagerCall(fn)
 
 
+def reached(scheme: str, ms: tuple, deadline: float, blanks: int):
+    """The Ms of ``ms`` that start before ``deadline`` (s into the run), in turn; each other one logged SKIP and its
+    table row "not reached" (then ``blanks`` empty cells)."""
+    for m in ms:
+        if RUN.elapsed() > deadline:
+            RUN.log(f"SKIP {scheme} M={m}: deadline")
+            RUN.summary.append(f"| {scheme} | {m} | not reached |" + " |" * blanks)
+            continue
+        yield m
+
+
 def run_scheme(scheme: str, ms: tuple, dev, deadline: float, ab: bool) -> None:
     from moekit.experts.triton_quant import _warn_once
 
     w = layer(scheme, dev)
     RUN.log(f"{scheme}: weights quantized")
     res = RESULT["run"][scheme] = {}
-    for m in ms:
-        if RUN.elapsed() > deadline:
-            RUN.log(f"SKIP {scheme} M={m}: deadline")
-            RUN.summary.append(f"| {scheme} | {m} | not reached | | | | |")
-            continue
+    for m in reached(scheme, ms, deadline, 4):
         x, ids, weights = inputs(m, dev)
         fns = calls(w, x, ids, weights, ab)
         errs = {}
@@ -190,13 +197,19 @@ def run_scheme(scheme: str, ms: tuple, dev, deadline: float, ab: bool) -> None:
                            f" | {med['new'] / med['bf16']:.2f} |" + ab_cells)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(description: str, deadline: float, schemes: tuple, ms: tuple) -> argparse.ArgumentParser:
+    """--out, --deadline (s), --smoke, --schemes and --ms (comma-separated) with these defaults."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=75.0)
+    p.add_argument("--deadline", type=float, default=deadline)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--schemes", type=lambda v: tuple(x for x in v.split(",") if x), default=SCHEMES)
-    p.add_argument("--ms", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=MS)
+    p.add_argument("--schemes", type=lambda v: tuple(x for x in v.split(",") if x), default=schemes)
+    p.add_argument("--ms", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=ms)
+    return p
+
+
+def main() -> int:
+    p = parser(__doc__.split("\n")[0], 75.0, SCHEMES, MS)
     p.add_argument("--ab", action="store_true", help="also the route's decode plain and not interleaved (docstring)")
     args = p.parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")

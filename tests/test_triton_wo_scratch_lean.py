@@ -195,3 +195,31 @@ def test_compiled_scratch_call_equals_served_call(interpreter, scratch, monkeypa
     assert scratch["hits"] == hits
     assert torch.equal(interpreter.experts_triton(x, q13, q2, ids, weights), served)
     assert scratch["hits"] == hits + 1
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_variant_call_runs_scratch_and_only_an_unbiased_one_is_served(interpreter, scratch, monkeypatch, biased):
+    """gpt-oss's spec (interleaved rows, clamp, up + 1) on the scratch decode, in chunks: without biases a repeated
+    call is kept and served (its kind keyed by the spec: never a silu entry's launches), bit for bit the plain path's;
+    with b13 / b2 nothing is kept (every call plain: the biases are each call's), each close to the float64 loop."""
+    from _helpers import experts_loop
+
+    from moekit.activations import ActivationSpec
+
+    spec = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=1.0, up_shift=1.0)
+    chunked(monkeypatch, 2)
+    q13, q2 = weights_of("mxfp4")
+    g = torch.Generator().manual_seed(7)
+    b13, b2 = ((torch.randn(E, 2 * N, generator=g).bfloat16(), torch.randn(E, K, generator=g).bfloat16()) if biased
+              else (None, None))
+    for seed in range(3):
+        x, ids, weights = routing(4, seed)
+        got = interpreter.experts_triton(x, q13, q2, ids, weights, activation=spec, b13=b13, b2=b2)
+        plain = interpreter.experts_triton(x, q13, q2, ids, weights, activation=spec, b13=b13, b2=b2, options=PLAIN)
+        assert torch.equal(got, plain)
+        want = experts_loop(x, q13.dequantize(torch.float64), q2.dequantize(torch.float64), ids, weights, b13=b13,
+                            b2=b2, spec=spec)
+        assert rel_l2(got, want) < 2e-2
+        assert rel_l2(got, interpreter.experts_triton(x, q13, q2, ids, weights, options=PLAIN)) > 0.05  # not silu's
+    assert scratch["plain"] == (9 if biased else 7)  # unbiased: the second and third calls served
+    assert scratch["hits"] == (0 if biased else 2)

@@ -33,8 +33,12 @@ Every tensor is read through its strides (no copies).
 Expert biases and the activation variant (gpt-oss as it ships): b13 [E, 2N] (w13's row order) and b2 [E, K], each
 None or any float dtype, read contiguous (a strided one is copied per call); ``activation`` a name or a gated
 ``ActivationSpec`` (interleaved gate/up rows, alpha, limit, up_shift). The tile and register decodes take them
-(``triton_wo_plan.VARIANT_DECODES``; the chooser's other decodes give way to "register"); the Gluon and scratch
-decodes do not (a call with them never takes those; asked for by name, an error).
+(``triton_wo_plan.VARIANT_DECODES``; the chooser's other decodes give way to "register"), and so does the scratch
+decode (its bf16 GEMMs add each chunk's bias rows and run the variant on the scratch's rows as stored): a call with
+them takes "scratch" where a plain call of its shape and M would (``_runs_scratch``: the winners table's rows,
+SCRATCH_MIN_TOKENS, ``scratch_fits``) and from a measured M of its shape (``triton_wo_scratch.VARIANT_SCRATCH_FROM``:
+gpt-oss-20b's mxfp4 / int4 from 1024), a fused variant decode elsewhere. The Gluon decode does not take them (such a
+call never takes it, not even where a plain call would; asked for by name, an error).
 
 Torch twin: ``fused_experts_wo_torch`` (``dequantize_wo`` per expert, then a float32 per-expert loop).
 
@@ -58,7 +62,9 @@ from moekit.experts.triton_wo_args import WoWeight, check_wo_args
 from moekit.experts.triton_wo_plan import (
     SCHEME_IDS, WeightArgs, check_decode, chosen_decode, clear_wo_plans, weight_args, wo_plan_for,
 )
-from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch, scratch_chunking
+from moekit.experts.triton_wo_scratch import (
+    SCRATCH_MIN_TOKENS, run_experts_wo_scratch, scratch_chunking, variant_takes_scratch,
+)
 from moekit.experts.triton_wo_scratch_plan import clear_scratch_plans, scratch_lean_inputs
 from moekit.experts.triton_wo_winners import MIN_M
 from moekit.func_ops import transform_function, transforming
@@ -141,8 +147,8 @@ def run_experts_wo(
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
     "register", "mma", "gemv", "scratch" (``triton_wo_scratch``) or "gluon" (``triton_gluon_wo``); None:
     ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
-    and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` only (module docstring). Not an op: for
-    tools that pick configs per call; models go through ``fused_experts_wo``."""
+    and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` and "scratch" (module docstring). Not an
+    op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -151,15 +157,18 @@ def run_experts_wo(
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     variant = b13 is not None or b2 is not None or not as_spec(activation).plain
-    if variant and decode in ("gluon", "scratch"):
-        raise ValueError(f"decode={decode!r} takes no expert biases or activation variant: those run on "
-                         "triton_wo_plan.VARIANT_DECODES")
+    if variant and decode == "gluon":
+        raise ValueError("decode='gluon' takes no expert biases or activation variant: those run on "
+                         "triton_wo_plan.VARIANT_DECODES or decode='scratch'")
     if not variant and _runs_gluon(x, w13, w2, ids, scheme, activation, config, split_k, decode):  # triton_gluon_wo
         from moekit.experts.triton_gluon_wo import run_experts_wo_gluon
 
         return run_experts_wo_gluon(x, w13, w2, ids, weights, expert_map, scheme, activation)
-    if not variant and _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
-        return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options)
+    # a variant call where a plain one of its shape and M would run scratch (the Gluon path's cells included: the
+    # chooser below knows no Gluon) or from its measured M (VARIANT_SCRATCH_FROM), else a fused variant decode
+    if _runs_scratch(x, w13, ids, scheme, config, split_k, decode, variant):
+        return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options,
+                                      b13=b13, b2=b2)
     b13 = None if b13 is None else b13.contiguous()  # the kernels read them contiguous: no copy unless strided
     b2 = None if b2 is None else b2.contiguous()
     plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode,
@@ -186,12 +195,12 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
-    plain = as_spec(activation).plain  # a variant takes neither the Gluon nor the scratch decode (run_experts_wo)
+    plain = as_spec(activation).plain  # a variant never takes the Gluon decode (run_experts_wo); biases never come
     if plain and _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):  # its lean plan and pool
         from moekit.experts.triton_gluon_wo_lean import wo_gluon_lean_inputs
 
         return wo_gluon_lean_inputs(x, a13, a2, ids, weights, w13.scheme)
-    if plain and _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
+    if _runs_scratch(x, a13, ids, w13.scheme, None, None, None, not plain):
         op_options = _wo_options(options.dependent_launch)
         num_experts, two_n = a13.q.shape[:2]
         per, overlap = scratch_chunking(x, num_experts, two_n // 2, x.shape[1])
@@ -260,15 +269,19 @@ def _runs_gluon(x, w13: WeightArgs, w2: WeightArgs, ids, scheme: str, activation
     return gluon_wo_takes(x, w13, w2, ids, scheme, activation)
 
 
-def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None) -> bool:
-    """The caller's "scratch", or the chooser's for a call that fixes no fused config or split (cheap
-    first test: batches below SCRATCH_MIN_TOKENS and below the winners table's scope never run it)."""
+def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None,
+                  variant: bool = False) -> bool:
+    """The caller's "scratch", or for a call that fixes no fused config or split the chooser's, and for a ``variant``
+    call (biases or an activation variant) also from its shape's measured M (``variant_takes_scratch``). Cheap
+    first test: batches below SCRATCH_MIN_TOKENS and below the winners table's scope never run it."""
     small = x.shape[0] < min(SCRATCH_MIN_TOKENS, MIN_M // 2)
     if decode is not None or config is not None or split_k is not None or small:
         return decode == "scratch"
     num_experts, two_n = w13.q.shape[:2]  # the shortcut matters to the fused decodes only
-    return chosen_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1],
-                         x.element_size()) == "scratch"
+    shape = (x.shape[0], num_experts, two_n // 2, x.shape[1])
+    if variant and variant_takes_scratch(scheme, *shape, x.element_size()):
+        return True
+    return chosen_decode(scheme, *shape, ids.shape[1], x.element_size()) == "scratch"
 
 
 def _wo_kernel(

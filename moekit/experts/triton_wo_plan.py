@@ -30,7 +30,8 @@ the aligned layout at or below a measured M whose calls run aligned), else per (
 Expert biases and the activation variant (gpt-oss: b13 [E, 2N], b2 [E, K], interleaved gate/up rows, a clamped
 SwiGLU): the tile and register decodes' kernels take them (VARIANT_DECODES; without them those kernels are the ones
 before, constexpr-guarded); a call with either gets the chooser's decode where it is one of those, else "register"
-(as a "gemv" or "mma" pick without words or a fitting group does); a caller's other decode is an error naming it.
+(as a "gemv" or "mma" pick without words or a fitting group does); a caller's other fused decode is an error naming
+it. The scratch decode takes them too (``triton_wo.run_experts_wo`` routes such a call there as a plain one).
 
 Configs (``triton_wo_configs.wo_config``): ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories
 (``moekit.experts.configs``'s format and search order, ``config_name(scheme, decode)`` in the dtype's place:

@@ -21,6 +21,11 @@ With ``overlap`` (SCRATCH_OVERLAP; CUDA only) each dequant runs on a side stream
 it runs (``_pipelined``): at least two chunks, w2 in a buffer of its own, so only the first chunk's w13
 dequant is not hidden behind a compute-bound GEMM.
 
+Expert biases and the activation variant (gpt-oss as it ships): each chunk's bf16 GEMMs add its experts' rows of
+b13 [E, 2N] / b2 [E, K] (``_chunk_bias``: a view, indexed as the chunk's scratch is) and run the spec's constexprs
+(interleaved gate/up rows read from the scratch as w13 stores them, alpha, the clamp, up_shift); the call's kind
+(``scratch_key``) and each chunk's bf16 plan are keyed by them, their values are each call's pointers.
+
 No host synchronisation in a call: CUDA-graph capturable. What a call launches besides its chunks' bf16
 plans is kept per kind of call (``triton_wo_scratch_plan.ScratchPlan``: the dequant and k-sum launches
 bound once, the chunk maps built once from the host), and a repeated eager call without a map runs from
@@ -38,10 +43,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.activations import ActivationSpec
 from moekit.experts.triton_align import run_align
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting
-from moekit.experts.triton_plan import Plan, plan_for
+from moekit.experts.triton_plan import DTYPES, Plan, plan_for
 from moekit.experts.triton_wo_scratch_plan import (
     DEQUANT_TILE, ScratchChunk, ScratchPlan, chunk_map_of, dequant_launch, lean_spec, scratch_key, scratch_plan_for,
     scratch_weights,
@@ -54,6 +60,18 @@ from moekit.experts.triton_wo_scratch_plan import (
 # 1.21-1.28; M=16384 every scheme 1.40-2.33 -> 0.96-1.10. At M=1024 the dequantization (every weight
 # written once in bf16 and read back: 0.4-1.1 ms) is not paid back: scratch 1.56-2.20 against tile 1.19-2.47.
 SCRATCH_MIN_TOKENS = 4096
+# Calls with expert biases or an activation variant (gpt-oss) of these (scheme, E, N, K) take the scratch decode from
+# this M (and on, as any call from SCRATCH_MIN_TOKENS): one H100, Triton 3.6, session 39, benchmarks/
+# scr39_device_check.py at a2e93db9 (results/scr39/scr39.log), gpt-oss-20b's experts with b13 / b2 and its spec, graph
+# µs scratch / the fused tile decode (the route's before) / bf16, 5 settled rounds: mxfp4 M=512 1346.3 / 1042.3 /
+# 601.0 (the tile decode faster: not taken), M=1024 1431.6 / 1556.5 / 687.1 (x1.09, >= 3% in 5/5), M=4096 2298.0 /
+# 4421.8 / 1554.4 (x1.92, 5/5); int4 g128 1353.5 / 1044.1, 1439.5 / 1565.3 (x1.09, 5/5), 2358.8 / 4510.5 (x1.91,
+# 5/5). Unmeasured and so left to SCRATCH_MIN_TOKENS: int8, other shapes (gpt-oss-120b's E = 128), plain calls of
+# this shape; int4 of other group sizes follows the g128 row.
+VARIANT_SCRATCH_FROM: dict[tuple[str, int, int, int], int] = {
+    ("mxfp4", 32, 2880, 2880): 1024,
+    ("int4_w4a16", 32, 2880, 2880): 1024,
+}
 # The largest scratch buffer (bytes) the path allocates: all experts at once up to this, else chunks.
 # 2 GiB holds Mixtral-8x7B's w13 (8 x 28672 x 4096 bf16 = 1.88 GB: one chunk) and Qwen3-30B-A3B's
 # (128 x 1536 x 2048 bf16 = 0.81 GB); DeepSeek-V3's (256 x 4096 x 7168 = 15 GB) runs in 8 chunks of 36.
@@ -72,6 +90,13 @@ def scratch_bytes_per_expert(n: int, hidden: int, itemsize: int) -> int:
 def scratch_fits(n: int, hidden: int, itemsize: int, max_bytes: int = SCRATCH_MAX_BYTES) -> bool:
     """Whether one expert's dequantized matrix fits ``max_bytes`` (else the scratch decode cannot run)."""
     return scratch_bytes_per_expert(n, hidden, itemsize) <= max_bytes
+
+
+def variant_takes_scratch(scheme: str, num_tokens: int, num_experts: int, n: int, hidden: int, itemsize: int) -> bool:
+    """Whether a call with biases or an activation variant takes the scratch decode below SCRATCH_MIN_TOKENS: from
+    its shape's VARIANT_SCRATCH_FROM M, where one expert's scratch fits (``scratch_fits``)."""
+    start = VARIANT_SCRATCH_FROM.get((scheme, num_experts, n, hidden))
+    return start is not None and num_tokens >= start and scratch_fits(n, hidden, itemsize)
 
 
 def experts_per_chunk(num_experts: int, n: int, hidden: int, itemsize: int, max_bytes: int = SCRATCH_MAX_BYTES) -> int:
@@ -107,21 +132,27 @@ class _Chunk:
     rows: tuple  # sorted_ids, expert_ids, num_padded of align_buffers (None x 3 in the naive shortcut)
     w13_view: torch.Tensor  # [c, 2N, K] scratch
     w2_view: torch.Tensor  # [c, K, N] scratch
+    b13: torch.Tensor | None  # [c, 2N]: the chunk's rows of the call's b13 (a view), or None
+    b2: torch.Tensor | None  # [c, K]: the chunk's rows of the call's b2 (a view), or None
 
 
 def run_experts_wo_scratch(
     x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map: torch.Tensor | None,
-    scheme_id: int, activation: str, options: LaunchOptions = LaunchOptions(),
-    max_scratch_bytes: int | None = None, overlap: bool | None = None,
+    scheme_id: int, activation: str | ActivationSpec, options: LaunchOptions = LaunchOptions(),
+    max_scratch_bytes: int | None = None, overlap: bool | None = None, b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [M, K] (x.dtype) through the scratch decode; ``w13`` / ``w2``: ``WeightArgs``; ``ids`` /
-    ``weights`` [M, k] contiguous, at least one assignment; arguments already checked. ``overlap`` (CUDA
-    only): see SCRATCH_OVERLAP; it and ``max_scratch_bytes``: None for the module's settings."""
+    ``weights`` [M, k] contiguous, at least one assignment; arguments already checked. ``activation``: a name
+    or an ``ActivationSpec`` (the bf16 kernels' variant: interleaved rows read from the scratch as stored);
+    b13 [E, 2N] (w13's row order) / b2 [E, K] or None: each chunk's GEMMs add its experts' rows (``_chunk_bias``).
+    ``overlap`` (CUDA only): see SCRATCH_OVERLAP; it and ``max_scratch_bytes``: None for the module's settings."""
     max_scratch_bytes = SCRATCH_MAX_BYTES if max_scratch_bytes is None else max_scratch_bytes
     (num_experts, two_n), (num_tokens, top_k), hidden = w13.q.shape[:2], ids.shape, x.shape[1]
     n, num_assignments = two_n // 2, num_tokens * top_k
     per, overlap = scratch_chunking(x, num_experts, n, hidden, max_scratch_bytes, overlap)
-    key = scratch_key(x, w13, w2, ids, weights, expert_map, scheme_id, activation, options, per, overlap)
+    b13, b2 = _bias_arg(b13), _bias_arg(b2)
+    key = scratch_key(x, w13, w2, ids, weights, expert_map, scheme_id, activation, options, per, overlap, b13, b2)
     kept = scratch_plan_for(key, x, w13, w2, top_k, expert_map, scheme_id, per, options)
     work = kept.work_dtype
     up_buffer = torch.empty(per * two_n * hidden, dtype=work, device=x.device)  # [c, 2N, K]
@@ -131,8 +162,8 @@ def run_experts_wo_scratch(
     if options.poison_workspace:
         h.fill_(float("nan"))
         y.fill_(float("nan"))
-    chunks = [_chunk(x, ids, weights, expert_map, activation, options, up_buffer, down_buffer, n, kept, chunk)
-              for chunk in kept.chunks]
+    chunks = [_chunk(x, ids, weights, expert_map, activation, options, up_buffer, down_buffer, n, kept, chunk,
+                     b13, b2) for chunk in kept.chunks]
     if kept.workspace is None and not overlap:  # what the lean form keeps (``triton_wo_scratch_plan.lean_spec``)
         kept.workspace = lean_spec(kept, [chunk.plan for chunk in chunks], num_assignments, n, hidden)
     steps = [(chunk, up) for chunk in chunks for up in (True, False)]  # gate-up then down, chunk by chunk
@@ -148,9 +179,9 @@ def run_experts_wo_scratch(
         if up:
             if chunk.plan.align is not None:  # a folded alignment launches nothing: the gate-up GEMM fills rows
                 run_align(chunk.plan.align, ids, chunk.expert_map, chunk.align_buffers)
-            chunk.plan.gate_up(x, w13_arg, w13_up_arg, None, h, ids, *chunk.rows, chunk.expert_map)
+            chunk.plan.gate_up(x, w13_arg, w13_up_arg, chunk.b13, h, ids, *chunk.rows, chunk.expert_map)
         else:
-            chunk.plan.down(h, w2_arg, None, y, weights, ids, *chunk.rows, None, None, None)
+            chunk.plan.down(h, w2_arg, chunk.b2, y, weights, ids, *chunk.rows, None, None, None)
 
     if overlap:
         _pipelined(steps, dequant, gemm, x.device)
@@ -176,19 +207,36 @@ def scratch_chunking(x: torch.Tensor, num_experts: int, n: int, hidden: int, max
     return per, overlap
 
 
-def _chunk(x, ids, weights, expert_map, activation: str, options: LaunchOptions, up_buffer: torch.Tensor,
-           down_buffer: torch.Tensor, n: int, plan: ScratchPlan, kept: ScratchChunk) -> _Chunk:
-    """The bf16 plan, scratch views, weight descriptors and alignment buffers of one chunk."""
+def _bias_arg(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias as the bf16 kernels read it: contiguous (a strided one copied), of a dtype they take (another
+    float dtype, e.g. float64, as float32: the kernels add it in float32)."""
+    if bias is None:
+        return None
+    return (bias if bias.dtype in DTYPES else bias.float()).contiguous()
+
+
+def _chunk_bias(bias: torch.Tensor | None, chunk: ScratchChunk) -> torch.Tensor | None:
+    """The rows of experts [expert0, expert0 + count) of a bias [E, R]: the chunk's GEMMs index it by the
+    expert's index in the chunk (its chunk map's value), as they index the chunk's scratch."""
+    return None if bias is None else bias[chunk.expert0:chunk.expert0 + chunk.count]
+
+
+def _chunk(x, ids, weights, expert_map, activation: str | ActivationSpec, options: LaunchOptions,
+           up_buffer: torch.Tensor, down_buffer: torch.Tensor, n: int, plan: ScratchPlan, kept: ScratchChunk,
+           b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> _Chunk:
+    """The bf16 plan, scratch views, weight descriptors, alignment buffers and bias rows of one chunk."""
     hidden, count = x.shape[1], kept.count
     w13_view = up_buffer[:count * 2 * n * hidden].view(count, 2 * n, hidden)
     w2_view = down_buffer[:count * hidden * n].view(count, hidden, n)
     cmap = chunk_map_of(plan, kept, expert_map, x.device)
-    bf16 = plan_for(x, w13_view, w2_view, ids, weights, cmap, activation, None, options)
+    bias13, bias2 = _chunk_bias(b13, kept), _chunk_bias(b2, kept)
+    bf16 = plan_for(x, w13_view, w2_view, ids, weights, cmap, activation, None, options, bias13, bias2)
     buffers, rows = None, (None, None, None)
     if bf16.align is not None:
         buffers = WorkspaceSpec.of(list(bf16.align.regions)).allocate(x.device)
         rows = (buffers["sorted_ids"], buffers["expert_ids"], buffers["num_padded"])
-    return _Chunk(kept, cmap, bf16, scratch_weights(bf16, w13_view, w2_view), buffers, rows, w13_view, w2_view)
+    return _Chunk(kept, cmap, bf16, scratch_weights(bf16, w13_view, w2_view), buffers, rows, w13_view, w2_view,
+                  bias13, bias2)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the stream the overlapped dequants run on

@@ -139,16 +139,18 @@ def _kept_chunk_map(num_experts: int, expert0: int, count: int, device: torch.de
     return kept
 
 
-def scratch_key(x, w13, w2, ids, weights, expert_map, scheme_id: int, activation: str, options: LaunchOptions,
-                per: int, overlap: bool) -> tuple:
-    """The kind of a scratch call: what its launches depend on but the tensors' contents and addresses."""
+def scratch_key(x, w13, w2, ids, weights, expert_map, scheme_id: int, activation, options: LaunchOptions,
+                per: int, overlap: bool, b13=None, b2=None) -> tuple:
+    """The kind of a scratch call: what its launches depend on but the tensors' contents and addresses
+    (``activation``: a name or an ``ActivationSpec``; b13 / b2: whether each is there, its dtype, strides and
+    alignment: the chunks' bf16 plans are keyed by them too, and their values are each call's pointers)."""
 
     def tensor(t):
         return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
 
     return (tensor(x), x.device, *(tensor(t) for w in (w13, w2) for t in (w.q, w.scale, w.zero)), w13.group_size,
             w2.group_size, tensor(ids), tensor(weights), tensor(expert_map), scheme_id, activation, options, per,
-            overlap)
+            overlap, tensor(b13), tensor(b2))
 
 
 def scratch_plan_for(key: tuple, x: torch.Tensor, w13, w2, top_k: int, expert_map, scheme_id: int, per: int,
@@ -227,7 +229,8 @@ def lean_spec(plan: ScratchPlan, bf16_plans: list, num_assignments: int, n: int,
 def scratch_lean_inputs(x, w13, w2, ids, weights, scheme_id: int, activation: str, options: LaunchOptions,
                         per: int, overlap: bool):
     """(plan, SCRATCH_WORKSPACES, launches(b, x, ids, weights, out)) for ``triton_quant_fast`` to record a plain
-    scratch call without a map that just ran (``w13`` / ``w2``: ``WeightArgs``; ``options``: the custom op's),
+    scratch call without a map or biases (``triton_quant_fast`` keeps none with them; ``activation``: a name or a
+    spec) that just ran (``w13`` / ``w2``: ``WeightArgs``; ``options``: the custom op's),
     or None: the overlapped pipeline, a kind the plain path did not keep. The launches not compiled yet (the
     fused hist + scan) run once here on the kept buffers (the output dropped)."""
     key = scratch_key(x, w13, w2, ids, weights, None, scheme_id, activation, options, per, overlap)
