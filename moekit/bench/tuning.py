@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ from typing import Callable
 import torch
 
 from moekit.bench.cells import GPU_BATCHES, CellInputs, Shape, make_sets, make_weights
+from moekit.bench.compiler_output import stderr_to
 from moekit.bench.run import GRAPH_MAX_M
 from moekit.bench.timing import time_calls
 from moekit.bench.tuning_merge import dropped_switches, looked_up, merge, raw_entries, switch_notes
@@ -190,6 +192,8 @@ class TuneResult:
     config: KernelConfig  # the fastest config timed; the heuristic default when nothing beat it
     us: float  # its median µs per call
     heuristic_us: float  # the heuristic default's median µs per call, timed in the same search
+    failed: int = 0  # configs that failed to compile or run (timed as inf, out of the running)
+    timed: int = 0  # configs timed in the search
 
 
 def tune_one(shape: Shape, num_tokens: int, scheme: TuneScheme, device, weights) -> TuneResult:
@@ -213,7 +217,7 @@ def tune_one(shape: Shape, num_tokens: int, scheme: TuneScheme, device, weights)
             cfg, cfg_us = best_of([cfg] + [replace(cfg, **{which: t}) for t in scheme.tiles(block_m, which)])
         if cfg_us < best_us:
             best, best_us = cfg, cfg_us
-    return TuneResult(best, best_us, timed[default])
+    return TuneResult(best, best_us, timed[default], sum(math.isinf(us) for us in timed.values()), len(timed))
 
 
 def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, device=None, out_dir: Path | None = None,
@@ -222,7 +226,9 @@ def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, devic
     file's other M stay as they were), return its path. ``dtype``: a float dtype (or its name) or a quantization
     scheme (``scheme_for``). With ``budget_s``, no new M is started once that many seconds have passed (at least
     one M is tuned per run); the rest waits for a rerun. The weights are made once, when the first M is tuned.
-    ``note``: told, a line per M, where a tuned entry replaces one with switches in what the lookups read."""
+    ``note``: told, a line per M, where a tuned entry replaces one with switches in what the lookups read, and where
+    configs failed to compile or run: their compiler output (Triton prints a failing kernel's IR from C++) goes to
+    ``<file>.compile.log`` beside the config file (``compiler_output.stderr_to``), not the console."""
     scheme, device = scheme_for(dtype), torch.device(device or "cuda")
     out_dir = Path(out_dir) if out_dir else default_user_dir()
     dev = device_key(device)
@@ -232,10 +238,14 @@ def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, devic
     todo = [m for m in batches if str(m) not in done["configs"]]
     label = f"tune {shape.name} {scheme.name}"
     task = progress.add_task(label, total=len(batches), completed=len(batches) - len(todo)) if progress else None
-    start, weights = time.monotonic(), None
+    start, weights, log = time.monotonic(), None, path.with_suffix(".compile.log")
     for m in todo:
         weights = scheme.make_weights(shape, device) if weights is None else weights
-        result = tune_one(shape, m, scheme, device, weights)
+        with stderr_to(log):
+            result = tune_one(shape, m, scheme, device, weights)
+        if result.failed and note:
+            note(f"M={m}: {result.failed} of {result.timed} configs failed to compile or run (timed as failed, out "
+                 f"of the running); their compiler output: {log}")
         done["configs"][str(m)] = result.config.to_dict()
         done["measured"][str(m)] = {"us": round(result.us, 2), "heuristic_us": round(result.heuristic_us, 2)}
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +255,8 @@ def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, devic
                             description=f"{label} M={m}: {result.us:.1f} µs (default {result.heuristic_us:.1f})")
         if budget_s is not None and time.monotonic() - start > budget_s:
             break  # checked after each M, so every run makes progress
+    if log.is_file() and not log.stat().st_size:
+        log.unlink()  # nothing was printed: no file left beside the configs
     for line in _save(path, shape, scheme.name, dev, done):
         if note:
             note(line)
