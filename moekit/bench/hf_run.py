@@ -325,7 +325,7 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
         float64_decode_errors(model, compiled, inputs.prompt, opts.quant)
         log("float64 decode steps: " + ", ".join(f"{r.impl} {_fp64_text(r)}" for r in compiled.rows))
         rows += compiled.rows
-    memory = _freed_memory(model, opts.quant, log) if opts.quant in WEIGHT_ONLY else None
+    memory = freed_memory(model, opts.quant, log) if opts.quant in WEIGHT_ONLY else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -345,16 +345,6 @@ def _float64_prefills(model, batch: torch.Tensor, quant: str | None, log) -> tup
     log(f"float64 prefill ({quant} experts dequantized): {fp64.quantized.error or 'done'}")
     missing = fp64.weights.error or fp64.quantized.error
     return fp64, missing or hm.rel_err(fp64.quantized.logits, fp64.weights.logits)
-
-
-def _freed_memory(model, quant: str, log) -> dict | str:
-    """``hf_wo.freed_memory``'s figures, or its failure as text."""
-    try:
-        memory = freed_memory(model, quant)
-    except Exception as err:  # noqa: BLE001  (recorded in the document; the rows stand)
-        memory = hm.error_text(err)
-    log(f"{QUANT_BLOCKS_IMPL} with keep_float=False: {memory}")
-    return memory
 
 
 def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], quant_cost=None, memory=None) -> dict:

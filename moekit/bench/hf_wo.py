@@ -28,6 +28,8 @@ import gc
 import torch
 from torch import nn
 
+from moekit.bench.hf_measure import error_text
+
 WEIGHT_ONLY = ("int8_w8a16", "int4_w4a16", "mxfp4")  # the --hf-quant values run by moekit's blocks
 QUANT_BLOCKS_IMPL = "moekit_blocks_quant"  # the row of the blocks whose experts are quantized
 _SETS_ATTR = "_moekit_bench_block_sets"  # on the model: {quant or None: {block: its BlockSwap}}
@@ -77,7 +79,17 @@ def dequantized_blocks_float64(model: nn.Module, quant: str) -> dict[str, torch.
     return out
 
 
-def freed_memory(model: nn.Module, quant: str) -> dict:
+def freed_memory(model: nn.Module, quant: str, log) -> dict | str:
+    """``_freed_memory``'s figures (logged), or its failure as text (the rows stand)."""
+    try:
+        memory = _freed_memory(model, quant)
+    except Exception as err:  # noqa: BLE001  (recorded in the document)
+        memory = error_text(err)
+    log(f"{QUANT_BLOCKS_IMPL} with keep_float=False: {memory}")
+    return memory
+
+
+def _freed_memory(model: nn.Module, quant: str) -> dict:
     """The model's parameter + buffer bytes (``model_bytes``) before and after its blocks quantized with ``quant``
     (``use_blocks``) free their float experts (``keep_float=False``: no requantization), the float experts' bytes
     freed and the quantized ones' (the report's), and on CUDA ``torch.cuda.memory_allocated`` before and after.
