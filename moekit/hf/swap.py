@@ -14,7 +14,10 @@ code) runs instead while transformers records router logits (``output_router_log
 the router module), when called with arguments beyond the hidden states, while its Parameters are
 substituted (``torch.func.functional_call``), and while autograd records on a block whose gradients the
 ``MoE`` would not reach (views, copies). A move or cast of the block (``model.to``) rebuilds its ``MoE``.
-Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report.
+Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report. With ``quant`` and
+``keep_float=False`` the block's float experts are freed and its quantized ones become the experts' buffers
+(``moekit.hf.swap_free``): the own forward has nothing to run, so each case above that needs it raises
+``FloatExpertsFreedError``, but router-logit recording, which runs the block's router and moekit's layer.
 """
 
 from __future__ import annotations

@@ -54,10 +54,9 @@ class FreedExperts:
         return self.fields[0]["dtype"]
 
 
-def buffer_names(freed_or_scheme: FreedExperts | str) -> list[str]:
+def buffer_names(freed: FreedExperts) -> list[str]:
     """The experts module's buffers that hold the quantized weights, e.g. ``gate_up_proj_q``, ``down_proj_scale``."""
-    scheme = freed_or_scheme if isinstance(freed_or_scheme, str) else freed_or_scheme.scheme
-    return [f"{name}_{field}" for name in FLOAT_NAMES for field in SCHEME_CLASSES[scheme].tensor_fields]
+    return [f"{name}_{field}" for name in FLOAT_NAMES for field in SCHEME_CLASSES[freed.scheme].tensor_fields]
 
 
 def free_float_experts(block: nn.Module, moe: nn.Module) -> FreedExperts:
