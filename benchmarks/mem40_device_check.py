@@ -14,6 +14,8 @@ nothing requantized), the logits again. PASS: the logits bit-equal; the report's
 the memory held (CUDA: memory_allocated; --cpu-real: the process's RSS) drops from kept to freed by the float
 experts' bytes (the quantized copies and the forward's workspaces are there in both), within 1%; the smoke's
 parameter + buffer bytes drop from the float model by the float experts' bytes less the quantized ones' exactly.
+Then the freed model goes to the CPU and back (``model.to``: the quantized buffers moved, the MoE rebuilt over
+them, nothing requantized): PASS of bit-equal logits again and of the memory held within 1% of the freed figure.
 No timing: a freed block runs the very MoE a kept one runs (tests/test_hf_swap_free.py: bit-equal outputs).
 The table is printed last: MiB float / kept / freed per scheme.
 """
@@ -77,15 +79,22 @@ def scheme_phase(scheme: str, dev: torch.device, tiny: bool, rss: bool) -> None:
     got = held["float"] - held["freed"] if exact else held["kept"] - held["freed"]
     want = report.freed_bytes - report.quant_bytes if exact else report.freed_bytes
     experts = config.num_experts * 3 * config.moe_intermediate_size * config.hidden_size * model.dtype.itemsize
-    RESULT[scheme] = {**held, "experts_float_bytes": report.freed_bytes, "experts_quant_bytes": report.quant_bytes}
     RUN.check(f"{scheme} logits bit-equal kept / freed", torch.equal(kept, freed))
     RUN.check(f"{scheme} float experts' bytes", report.freed_bytes == experts, f"{report.freed_bytes} vs {experts}")
     RUN.check(f"{scheme} {'float' if exact else 'kept'} -> freed drops by the float experts"
               + " less the quantized ones" * exact, got == want if exact else abs(got - want) <= 0.01 * experts,
               f"{got / MIB:.1f} MiB vs {want / MIB:.1f}")
+    model.to("cpu").to(dev)
+    with torch.no_grad():
+        moved = model(ids).logits.cpu()
+    held["moved"] = held_bytes(model, dev, rss)
+    RUN.check(f"{scheme} logits bit-equal after .to('cpu').to({dev.type!r})", torch.equal(moved, freed))
+    RUN.check(f"{scheme} held after the round trip", abs(held["moved"] - held["freed"]) <= 0.01 * experts,
+              f"{held['moved'] / MIB:.1f} MiB vs {held['freed'] / MIB:.1f}")
     RUN.summary.append(f"| {scheme} | {held['float'] / MIB:.1f} | {held['kept'] / MIB:.1f} | {held['freed'] / MIB:.1f}"
-                       f" | {report.freed_bytes / MIB:.1f} | {report.quant_bytes / MIB:.1f} |")
-    del model, kept, freed
+                       f" | {held['moved'] / MIB:.1f} | {report.freed_bytes / MIB:.1f} | {report.quant_bytes / MIB:.1f} |")
+    RESULT[scheme] = {**held, "experts_float_bytes": report.freed_bytes, "experts_quant_bytes": report.quant_bytes}
+    del model, kept, freed, moved
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -105,7 +114,7 @@ def main() -> int:
     RESULT["run"] = {**run_info(), "smoke": SMOKE, "cpu_real": args.cpu_real, "schemes": args.schemes}
     held = "RSS" if args.cpu_real else "memory_allocated" if dev.type == "cuda" else "parameter + buffer bytes"
     RUN.summary.append(f"| scheme | float model ({held}) | kept (keep_float=True) | freed (keep_float=False) | "
-                       "float experts | quantized experts |\n|---|---|---|---|---|---|")
+                       "freed, to the CPU and back | float experts | quantized experts |\n|---|---|---|---|---|---|---|")
     phases = {s: (lambda s=s: scheme_phase(s, dev, SMOKE, args.cpu_real)) for s in args.schemes}
     return run_phases(RUN, phases, args.schemes, args.deadline, {}, args.out and os.path.join(args.out, "mem40.json"),
                       RESULT)

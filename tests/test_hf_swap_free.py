@@ -207,7 +207,7 @@ def test_a_cast_moves_the_quantized_experts_without_requantizing():
 def test_compiled_and_generate():
     kept, model, _ = _pair("qwen3", "mxfp4")
     want = _logits(model)
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # no graph break in a freed block
     assert torch.equal(_logits(compiled), want)
     torch._dynamo.reset()
     with torch.no_grad():
