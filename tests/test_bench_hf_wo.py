@@ -46,7 +46,15 @@ def test_bench_hf_int4_tiny_cli(tmp_path, capsys):
         assert quantized["logits_rel_err_vs_fp64"] < 1e-5 and blocks["logits_rel_err_vs_fp64"] < 1e-5
         assert quantized["logits_rel_err_vs_eager"] > 1e-3  # the float model's eager row: the quantization shows
     assert rows[(QUANT_BLOCKS_IMPL, "eager")]["logits_rel_err_vs_eager"] == pytest.approx(cost, rel=1e-2)
+    memory = doc["quant"]["memory"]  # the quantized blocks with keep_float=False, after every row ran
+    cfg = hf_config("qwen3", 1, tiny=True)  # the run's config
+    e, k, n = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert memory["experts_float_bytes"] == e * 3 * n * k * 4  # the one layer's float32 w13 + w2
+    assert 0 < memory["experts_quant_bytes"] < memory["experts_float_bytes"] / 4
+    assert memory["model_bytes_before"] - memory["model_bytes_after"] == (memory["experts_float_bytes"]
+                                                                          - memory["experts_quant_bytes"])
     out = capsys.readouterr().out
+    assert "moekit_blocks_quant with keep_float=False: parameters + buffers" in out
     assert "moekit_blocks_quant: its blocks' experts int4_w4a16" in out
     assert "moekit_blocks_quant (compiled): decode_tok_s x" in out and "moekit_blocks" in out
 

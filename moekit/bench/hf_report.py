@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from moekit.bench.hf_wo import memory_line
 from moekit.bench.report import free_results_path
 
 
@@ -88,4 +89,5 @@ def quant_lines(doc: dict) -> list[str]:
         if row.get("prefill_ms") and (blocks := by.get(("moekit_blocks", mode))) and blocks.get("prefill_ms"):
             parts.append(f"prefill_ms x{row['prefill_ms'] / blocks['prefill_ms']:.3f} moekit_blocks")
         lines.append(f"{quant['impl']} ({mode}): " + (", ".join(parts) or "no ratio (a row did not run)"))
-    return lines
+    memory = memory_line(quant)
+    return lines + [memory] * (memory is not None)

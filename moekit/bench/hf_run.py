@@ -28,7 +28,7 @@ from moekit.bench.hf_models import (
 )
 from moekit.bench.hf_quant import FP8_METHOD, FP8_TINY, quantize_experts_fp8, unavailable
 from moekit.bench.hf_rows import ERR_EAGER, ERR_FP64, NO_REFERENCE, Row
-from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, WEIGHT_ONLY, WO_METHOD
+from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, WEIGHT_ONLY, WO_METHOD, freed_memory
 from moekit.bench.run import commit_id, device_name
 
 RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
@@ -325,10 +325,11 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
         float64_decode_errors(model, compiled, inputs.prompt, opts.quant)
         log("float64 decode steps: " + ", ".join(f"{r.impl} {_fp64_text(r)}" for r in compiled.rows))
         rows += compiled.rows
+    memory = freed_memory(model, opts.quant, log) if opts.quant in WEIGHT_ONLY else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return _document(device, opts, config, dtype, [r.finish(opts.decode_tokens) for r in rows], quant_cost)
+    return _document(device, opts, config, dtype, [r.finish(opts.decode_tokens) for r in rows], quant_cost, memory)
 
 
 def _float64_prefills(model, batch: torch.Tensor, quant: str | None, log) -> tuple[Float64Refs, float | str | None]:
@@ -346,7 +347,7 @@ def _float64_prefills(model, batch: torch.Tensor, quant: str | None, log) -> tup
     return fp64, missing or hm.rel_err(fp64.quantized.logits, fp64.weights.logits)
 
 
-def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], quant_cost=None) -> dict:
+def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], quant_cost=None, memory=None) -> dict:
     spec = MODELS[opts.model]
     return {
         "device": device_name(device),
@@ -356,9 +357,11 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
         "model": {"name": opts.model, "preset": spec.preset, "widths": "tiny" if opts.tiny else "real",
                   "vocab_size": config.vocab_size, "dtype": str(dtype).removeprefix("torch."), "quant": opts.quant,
                   "config": config.to_diff_dict()},
-        # a weight-only run: the scheme, its row, and the float64 model of its dequantized experts against the float
-        # one's prefill logits (a float, or why not)
-        **({"quant": {"scheme": opts.quant, "impl": QUANT_BLOCKS_IMPL, "fp64_logits_rel_err": quant_cost}}
+        # a weight-only run: the scheme, its row, the float64 model of its dequantized experts against the float
+        # one's prefill logits (a float, or why not), and the model's bytes with its float experts freed (hf_wo.
+        # freed_memory: a dict, or why not)
+        **({"quant": {"scheme": opts.quant, "impl": QUANT_BLOCKS_IMPL, "fp64_logits_rel_err": quant_cost,
+                      "memory": memory}}
            if opts.quant in WEIGHT_ONLY else {}),
         "layers": opts.layers,
         "settings": asdict(opts),

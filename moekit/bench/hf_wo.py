@@ -11,6 +11,10 @@ puts its set in place (``use_blocks``), so a compiled graph meets the same modul
 (eager, the float implementations, moekit_blocks, no_experts) runs the very float model the quantized one was
 quantized from: its decode over moekit_blocks' is what quantizing buys.
 
+After every row has run, the quantized blocks free their float experts (``use_moekit_blocks(model, quant=scheme,
+keep_float=False)``, ``freed_memory``): the document's ``quant.memory`` is the model's parameter + buffer bytes as
+the float rows ran it and as a user who quantizes to fit the model holds it (on CUDA ``memory_allocated`` too).
+
 The quantized row's float64 reference is the model with each block's experts replaced by their
 ``QuantizedWeight.dequantize`` in float64 (``dequantized_blocks_float64``): its error is the run's rounding alone;
 the float rows keep the float model's. The document's ``quant.fp64_logits_rel_err`` is the two float64 models'
@@ -19,8 +23,12 @@ prefill logits against each other: what the quantization itself costs, no roundi
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
+
+from moekit.bench.hf_measure import error_text
 
 WEIGHT_ONLY = ("int8_w8a16", "int4_w4a16", "mxfp4")  # the --hf-quant values run by moekit's blocks
 QUANT_BLOCKS_IMPL = "moekit_blocks_quant"  # the row of the blocks whose experts are quantized
@@ -69,3 +77,58 @@ def dequantized_blocks_float64(model: nn.Module, quant: str) -> dict[str, torch.
                 value[expert] = w.dequantize_expert(expert, torch.float64)
             out[f"{paths[id(block)]}.experts.{key}"] = value.transpose(1, 2) if transposed else value
     return out
+
+
+def freed_memory(model: nn.Module, quant: str, log) -> dict | str:
+    """``_freed_memory``'s figures (logged), or its failure as text (the rows stand)."""
+    try:
+        memory = _freed_memory(model, quant)
+    except Exception as err:  # noqa: BLE001  (recorded in the document)
+        memory = error_text(err)
+    log(f"{QUANT_BLOCKS_IMPL} with keep_float=False: {memory}")
+    return memory
+
+
+def _freed_memory(model: nn.Module, quant: str) -> dict:
+    """The model's parameter + buffer bytes (``model_bytes``) before and after its blocks quantized with ``quant``
+    (``use_blocks``) free their float experts (``keep_float=False``: no requantization), the float experts' bytes
+    freed and the quantized ones' (the report's), and on CUDA ``torch.cuda.memory_allocated`` before and after.
+    The last step of a run: the unquantized set of blocks is dropped (its MoEs read the float experts)."""
+    from moekit.hf.swap import use_moekit_blocks
+
+    use_blocks(model, quant)
+    del model.__dict__[_SETS_ATTR]  # the float set's MoEs hold the float experts
+    gc.collect()
+    cuda = next(model.parameters()).device.type == "cuda"
+    memory = {"model_bytes_before": model_bytes(model)}
+    if cuda:
+        memory["allocated_before"] = torch.cuda.memory_allocated()
+    report = use_moekit_blocks(model, quant=quant, keep_float=False)
+    gc.collect()
+    memory.update(model_bytes_after=model_bytes(model), experts_float_bytes=report.freed_bytes,
+                  experts_quant_bytes=report.quant_bytes)
+    if cuda:
+        torch.cuda.empty_cache()
+        memory["allocated_after"] = torch.cuda.memory_allocated()
+    return memory
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each tensor once)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def memory_line(quant: dict) -> str | None:
+    """The table's line of ``freed_memory``'s figures (None where the run has none)."""
+    memory = quant.get("memory")
+    if not isinstance(memory, dict):
+        return memory and f"{quant['impl']} with keep_float=False: {memory}"
+    mib = 2.0 ** 20
+    line = (f"{quant['impl']} with keep_float=False: parameters + buffers {memory['model_bytes_before'] / mib:.1f} -> "
+            f"{memory['model_bytes_after'] / mib:.1f} MiB (float experts {memory['experts_float_bytes'] / mib:.1f} "
+            f"MiB freed, quantized {memory['experts_quant_bytes'] / mib:.1f} MiB)")
+    if "allocated_after" in memory:
+        line += (f"; memory_allocated {memory['allocated_before'] / mib:.1f} -> "
+                 f"{memory['allocated_after'] / mib:.1f} MiB")
+    return line

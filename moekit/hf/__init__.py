@@ -24,12 +24,14 @@ from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
 from moekit.hf.swap import BlockSwapReport, restore_blocks, use_moekit_blocks
+from moekit.hf.swap_free import FloatExpertsFreedError
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
 from moekit.quant.hf import fp8_experts_weights
 
 _FP8_ATTR = "_moekit_fp8_weights"  # on an FP8Experts module: (its tensors' addresses, (w13, w2))
 
-__all__ = ["HF_BACKEND", "BlockSwapReport", "ComposedPathWarning", "ExpertsPlan", "MissingExtraError", "moe_from_hf",
+__all__ = ["HF_BACKEND", "BlockSwapReport", "ComposedPathWarning", "ExpertsPlan", "FloatExpertsFreedError",
+           "MissingExtraError", "moe_from_hf",
            "moekit_experts_forward", "moekit_fp8_experts_forward", "OffloadedBlock", "offload_experts", "prepare",
            "restore_blocks", "use_moekit_blocks"]
 

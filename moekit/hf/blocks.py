@@ -46,7 +46,9 @@ def moe_blocks(model: nn.Module) -> list[BlockSite]:
 def _is_block(module: nn.Module) -> bool:
     experts = getattr(module, "experts", None)
     router = next((getattr(module, n) for n in _ROUTER_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
-    return isinstance(experts, nn.Module) and hasattr(experts, "down_proj") and router is not None
+    # down_proj_q: a swapped block whose float experts were freed (moekit.hf.swap_free)
+    held = hasattr(experts, "down_proj") or hasattr(experts, "down_proj_q")
+    return isinstance(experts, nn.Module) and held and router is not None
 
 
 def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto",
@@ -77,6 +79,9 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
         raise ValueError(f"output_norm must be 'refuse' or 'caller', got {output_norm!r}")
     experts = getattr(block, "experts", None)
     router = next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    if hasattr(experts, "down_proj_q") and not hasattr(experts, "down_proj"):
+        raise TypeError(f"{type(block).__name__}'s float experts were freed by use_moekit_blocks(..., "
+                        "keep_float=False): its swapped MoE holds them quantized; restore_blocks(model) first")
     if experts is None or router is None or not hasattr(experts, "down_proj"):
         raise TypeError(f"block must be a transformers MoE block with .gate or .router and .experts (the experts "
                         f"interface), got {type(block).__name__}")

@@ -14,7 +14,10 @@ code) runs instead while transformers records router logits (``output_router_log
 the router module), when called with arguments beyond the hidden states, while its Parameters are
 substituted (``torch.func.functional_call``), and while autograd records on a block whose gradients the
 ``MoE`` would not reach (views, copies). A move or cast of the block (``model.to``) rebuilds its ``MoE``.
-Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report.
+Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report. With ``quant`` and
+``keep_float=False`` the block's float experts are freed and its quantized ones become the experts' buffers
+(``moekit.hf.swap_free``): the own forward has nothing to run, so each case above that needs it raises
+``FloatExpertsFreedError``, but router-logit recording, which runs the block's router and moekit's layer.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ import torch
 from torch import nn
 
 from moekit.hf.blocks import block_config, block_output_norm, moe_blocks
+from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
+                                 restore_float_experts, take_buffers)
 from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
                                   router_recorded, router_weights_shared)
+from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import SCHEMES
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
@@ -46,6 +52,8 @@ class SwappedBlock:
     block: str  # its own class name
     copied_bytes: int  # bytes of weights the MoE holds as copies (fuse_shared's slots); 0: the block's own
     tuple_len: int  # 0: the block returns a tensor; n: an n-tuple, kept as (out, None, ...)
+    quant_bytes: int = 0  # bytes of the MoE's quantized experts (packed weights, scales, zero points); 0: float
+    freed_bytes: int = 0  # bytes of the block's float experts freed (keep_float=False); 0: the block keeps them
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,17 @@ class BlockSwapReport:
     def copied_bytes(self) -> int:
         return sum(b.copied_bytes for b in self.swapped)
 
+    @property
+    def quant_bytes(self) -> int:
+        return sum(b.quant_bytes for b in self.swapped)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(b.freed_bytes for b in self.swapped)
+
 
 def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: bool = False,
-                      quant: str | None = None) -> BlockSwapReport:
+                      quant: str | None = None, keep_float: bool = True) -> BlockSwapReport:
     """Give every MoE block of ``model`` moekit's layer forward over its own Parameters; returns which blocks
     were swapped and which were left (with ``moe_from_hf``'s reason: they keep their forward, so the experts
     implementation set on the model, e.g. ``set_experts_implementation("moekit")``, still serves them).
@@ -76,11 +92,19 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     ``moekit.quant`` scheme: "int8_w8a16", "int4_w4a16", "mxfp4", "fp8_block") quantizes each ``MoE``'s routed
     experts from the block's weights (``MoE.quantize_``; the block keeps its float Parameters, its ``state_dict``
     unchanged, and a move rebuilds and requantizes): the swapped blocks compute with the quantized experts, which
-    take no gradient (the router does). Idempotent: a block already swapped with the same options is kept; other
-    options rebuild its ``MoE``. ``restore_blocks`` undoes it."""
+    take no gradient (the router does). ``keep_float=False`` (with ``quant``) then frees each swapped block's float
+    experts: the quantized weights become the experts module's buffers in their place (``moekit.hf.swap_free``),
+    the model shrinks, and what needs the float experts raises ``FloatExpertsFreedError``. Idempotent: a block
+    already swapped with the same options is kept (``keep_float=False`` frees a kept quantized block's float experts
+    without requantizing); other options rebuild its ``MoE``, which a block without float experts refuses.
+    ``restore_blocks`` undoes it."""
     if quant is not None and quant not in SCHEMES:
         raise ValueError(f"quant must be one of {SCHEMES} or None, got {quant!r}")
+    if not keep_float and quant is None:
+        raise ValueError("keep_float=False frees the float experts, which only quantized ones can replace: pass "
+                         "quant=<scheme> with it (got quant=None)")
     options = SwapOptions(backend, bool(fuse_shared), quant)
+    _refuse_rebuilding_freed(model, options, keep_float)
     swapped, left = [], []
     for site in moe_blocks(model):
         block = site.block
@@ -90,17 +114,56 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
         except (ValueError, TypeError, NotImplementedError, AttributeError, KeyError) as err:  # a config it can't read
             left.append(LeftBlock(site.path, own.__name__, str(err).split("\n")[0]))
             continue
-        swapped.append(SwappedBlock(site.path, own.__name__, copied_bytes(swap.moe, block), swap.tuple_len))
+        if not keep_float and swap.freed is None:
+            _free(block, swap)
+        quant_bytes = sum(w.nbytes for w in (swap.moe.w13, swap.moe.w2) if isinstance(w, QuantizedWeight))
+        swapped.append(SwappedBlock(site.path, own.__name__, copied_bytes(swap.moe, block), swap.tuple_len,
+                                    quant_bytes, 0 if swap.freed is None else swap.freed.freed_bytes))
     return BlockSwapReport(tuple(swapped), tuple(left))
+
+
+def _refuse_rebuilding_freed(model: nn.Module, options: SwapOptions, keep_float: bool) -> None:
+    """FloatExpertsFreedError, before any block changes, where a block whose float experts are gone would need them:
+    other options (a rebuild from the float experts), or keep_float=True (they cannot come back)."""
+    for module in model.modules():
+        swap = module.__dict__.get(SWAP_ATTR)
+        if swap is None or swap.freed is None:
+            continue
+        if swap.options != options:
+            raise freed_error(swap.block_cls, f"use_moekit_blocks with other options ({options} instead of "
+                                              f"{swap.options}) would rebuild its MoE from them")
+        if keep_float:
+            raise freed_error(swap.block_cls, "keep_float=True cannot bring them back")
+
+
+def _free(block: nn.Module, swap: BlockSwap) -> None:
+    """Free the block's float experts (``swap_free``): no reference stays (``track`` forgets them; a load of the
+    quantized buffers with ``assign=True`` rebuilds the MoE over the new tensors)."""
+    swap.freed = free_float_experts(block, swap.moe)
+    swap.track(block)
+    block.register_load_state_dict_post_hook(_rebuild_after_load)
+
+
+def _rebuild_after_load(block: nn.Module, incompatible_keys) -> None:
+    swap = block.__dict__.get(SWAP_ATTR)
+    if swap is not None and swap.freed is not None:
+        swap.moe = build_moe(block, swap.options, swap.freed)
+        swap.track(block)
 
 
 def restore_blocks(model: nn.Module) -> int:
     """Undo ``use_moekit_blocks``: every swapped block gets its own class back and drops its ``MoE``; returns
-    how many were restored."""
+    how many were restored. A block whose float experts were freed gets them back as Parameters dequantized from
+    its quantized ones (their logical dtype, the family's layout; the rounding stays, and so does the memory)."""
     count = 0
     for module in model.modules():
         swap = module.__dict__.pop(SWAP_ATTR, None)
         if swap is not None:
+            if swap.freed is not None:
+                restore_float_experts(module, swap.moe, swap.freed)
+                hooks = module._load_state_dict_post_hooks
+                for key in [k for k, hook in hooks.items() if hook is _rebuild_after_load]:
+                    del hooks[key]
             module.__class__ = swap.block_cls
             count += 1
     return count
@@ -110,6 +173,9 @@ def set_blocks_active(model: nn.Module, active: bool) -> int:
     """Switch swapped blocks between moekit's forward (True) and their own (False) without rebuilding
     anything (``moekit bench --hf`` interleaves the two); returns how many blocks were switched."""
     swaps = [m.__dict__[SWAP_ATTR] for m in model.modules() if SWAP_ATTR in m.__dict__]
+    freed = next((swap for swap in swaps if swap.freed is not None), None)
+    if not active and freed is not None:
+        raise freed_error(freed.block_cls, "set_blocks_active(model, False) would run the block's own forward on them")
     for swap in swaps:
         swap.active = bool(active)
     return len(swaps)
@@ -120,19 +186,23 @@ def _own_class(block: nn.Module) -> type:
     return type(block) if swap is None else swap.block_cls
 
 
-def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int | None = None) -> BlockSwap:
+def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int | None = None,
+             freed: FreedExperts | None = None) -> BlockSwap:
     """The block's BlockSwap: kept where its options match, else built (and the block's class swapped);
-    ``tuple_len`` where it is known (an unpickled block), else the block's earlier swap's, else probed."""
+    ``tuple_len`` where it is known (an unpickled block), else the block's earlier swap's, else probed; ``freed``
+    (an unpickled block's, else the earlier swap's): its float experts are gone, the MoE reads their buffers."""
     swap = block.__dict__.get(SWAP_ATTR)
     if swap is not None and swap.options == options and swap.is_bound():
         return swap
-    moe = build_moe(block, options)
+    freed = freed if swap is None else swap.freed
+    moe = build_moe(block, options, freed)
     if tuple_len is None:
         tuple_len = swap.tuple_len if swap is not None else _probe_tuple_len(block, moe)
     shared, shared_gate = _shared_parts(block, options)
     weight = 1.0 if shared is None else block_config(block).shared_weight
     swap = BlockSwap(moe, own, options, shared, shared_gate, tuple_len, shared_weight=weight,
-                     output_norm=block_output_norm(block), flat_with_logits=own.__name__ in _FLAT_WITH_LOGITS)
+                     output_norm=block_output_norm(block), flat_with_logits=own.__name__ in _FLAT_WITH_LOGITS,
+                     freed=freed)
     swap.track(block)
     block.__dict__[SWAP_ATTR] = swap
     block.__class__ = _swapped_class(own)
@@ -185,7 +255,9 @@ class _MoekitBlock(nn.Module):
         says."""
         swap = self.__dict__[SWAP_ATTR]
         if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
-            return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
+            if swap.freed is None or floats_present(self):
+                return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
+            _record_router_or_refuse(self, swap, hidden_states, args, kwargs)
         if swap.plain:  # the MoE's output alone; compiled, the flags below are not read (fewer guards)
             x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
             out = swap.moe.traced_forward(x2d) if _compiling() else swap.moe.forward(x2d)  # [M, K]
@@ -206,10 +278,17 @@ class _MoekitBlock(nn.Module):
         return out if swap.tuple_len == 0 else (out,) + (None,) * (swap.tuple_len - 1)
 
     def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
         swap = self.__dict__.get(SWAP_ATTR)
+        if swap is None or swap.freed is None:
+            module = super()._apply(fn, recurse)
+        else:  # the quantized buffers move with the block, never cast: out of its way while fn runs
+            held = take_buffers(self.experts, swap.freed)
+            try:
+                module = super()._apply(fn, recurse)
+            finally:
+                swap.freed = put_buffers(self.experts, swap.freed, held, fn)
         if swap is not None:  # the MoE read the old tensors (and resolved its backend for their device)
-            swap.moe = build_moe(self, swap.options)
+            swap.moe = build_moe(self, swap.options, swap.freed)
             swap.track(self)
         return module
 
@@ -217,14 +296,32 @@ class _MoekitBlock(nn.Module):
         """Pickled (``torch.save``, ``copy.deepcopy``) as the block of its own class, swapped again on load."""
         swap = self.__dict__[SWAP_ATTR]
         state = {k: v for k, v in self.__dict__.items() if k != SWAP_ATTR}
-        return _unpickle_swapped, (swap.block_cls, state, swap.options, swap.tuple_len)
+        return _unpickle_swapped, (swap.block_cls, state, swap.options, swap.tuple_len, swap.freed)
 
 
-def _unpickle_swapped(block_cls: type, state: dict, options: SwapOptions, tuple_len: int) -> nn.Module:
+def _unpickle_swapped(block_cls: type, state: dict, options: SwapOptions, tuple_len: int,
+                      freed: FreedExperts | None = None) -> nn.Module:
     block = block_cls.__new__(block_cls)
     block.__dict__.update(state)
-    _swap_of(block, block_cls, options, tuple_len)
+    _swap_of(block, block_cls, options, tuple_len, freed)
     return block
+
+
+def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: torch.Tensor, args, kwargs) -> None:
+    """A block without float experts where its own forward would run: transformers recording router logits is
+    served (the block's router runs on the tokens, its hooks record what the own forward's call would; moekit's
+    layer computes the output); everything else raises ``FloatExpertsFreedError`` naming it."""
+    if args or kwargs:
+        raise freed_error(swap.block_cls, "a call with arguments beyond the hidden states runs the block's own "
+                                          "forward on them")
+    if not swap.active:
+        raise freed_error(swap.block_cls, "an inactive swap (set_blocks_active) runs the block's own forward on them")
+    if swap.own_forward_needed(block):
+        raise freed_error(swap.block_cls, "substituted Parameters (torch.func.functional_call without the experts' "
+                                          "gate_up_proj / down_proj), router sampling in training or gradients the "
+                                          "MoE does not reach run the block's own forward on them")
+    router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
+    router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
 
 
 _CLASSES: dict[type, type] = {}  # a block class -> its swapped subclass, made once

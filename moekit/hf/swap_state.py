@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from moekit.hf.blocks import block_config, moe_from_hf
+from moekit.hf.swap_free import FreedExperts, build_freed_moe
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
     from transformers.utils.output_capturing import _active_collector as _COLLECTOR
@@ -49,6 +50,9 @@ class BlockSwap:
     # True: the block returns (output, router logits), each flattened to 1-D, for a caller that scatters them by token
     # type (ERNIE-4.5-VL's text and vision blocks); tuple_len is then 2
     flat_with_logits: bool = False
+    # set where the block's float experts were freed (keep_float=False): the MoE's quantized weights are the experts'
+    # buffers, and the block's own forward has nothing to run (moekit.hf.swap_free); None: the block keeps them
+    freed: FreedExperts | None = None
     # False where neither copies nor detached Parameters need a look each call: ``track`` sets it, so a compiled
     # forward reads one flag instead of the two tuples
     watch: bool = field(default=True, init=False)
@@ -115,7 +119,7 @@ class BlockSwap:
             return True
         if self.sources and not torch.compiler.is_compiling():
             if tuple(t._version for t in self.sources) != self.versions:
-                self.moe = build_moe(block, self.options)
+                self.moe = build_moe(block, self.options, self.freed)
                 self.track(block)
         return False
 
@@ -136,14 +140,17 @@ def flat_output_and_logits(moe: nn.Module, x2d: torch.Tensor) -> tuple[torch.Ten
     return moe._experts_and_shared(x2d, routed).reshape(-1), routed.router_logits.reshape(-1)
 
 
-def build_moe(block: nn.Module, options: SwapOptions) -> nn.Module:
+def build_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None = None) -> nn.Module:
     """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
     expert only where fused or weighted by the router (else the block's). In eval mode: the block's own mode
     decides (``own_forward_needed``). With ``options.quant`` the routed experts are quantized from the block's
-    weights (``MoE.quantize_``: a quantized copy; the block keeps its float Parameters)."""
-    moe = moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend,
-                      shared_expert=options.fuse_shared or router_weights_shared(block), transposed="view",
-                      output_norm="caller").eval()
+    weights (``MoE.quantize_``: a quantized copy; the block keeps its float Parameters), or, where ``freed`` says
+    the float experts are gone, taken from the experts' buffers as they are (``swap_free.build_freed_moe``)."""
+    shared_expert = options.fuse_shared or router_weights_shared(block)
+    if freed is not None:
+        return build_freed_moe(block, options.backend, freed, shared_expert)
+    moe = moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend, shared_expert=shared_expert,
+                      transposed="view", output_norm="caller").eval()
     return moe if options.quant is None else moe.quantize_(options.quant)
 
 
