@@ -91,9 +91,10 @@ def scheme_phase(scheme: str, dev: torch.device, tiny: bool, rss: bool) -> None:
     RUN.check(f"{scheme} logits bit-equal after .to('cpu').to({dev.type!r})", torch.equal(moved, freed))
     RUN.check(f"{scheme} held after the round trip", abs(held["moved"] - held["freed"]) <= 0.01 * experts,
               f"{held['moved'] / MIB:.1f} MiB vs {held['freed'] / MIB:.1f}")
-    RUN.summary.append(f"| {scheme} | {held['float'] / MIB:.1f} | {held['kept'] / MIB:.1f} | {held['freed'] / MIB:.1f}"
-                       f" | {held['moved'] / MIB:.1f} | {report.freed_bytes / MIB:.1f} | {report.quant_bytes / MIB:.1f} |")
-    RESULT[scheme] = {**held, "experts_float_bytes": report.freed_bytes, "experts_quant_bytes": report.quant_bytes}
+    cols = (held["float"], held["kept"], held["freed"], held["moved"], report.freed_bytes, report.quant_bytes)
+    RUN.summary.append(f"| {scheme} | " + " | ".join(f"{b / MIB:.1f}" for b in cols) + " |")
+    RESULT[scheme] = {**held, "experts_float_bytes": report.freed_bytes,
+                      "experts_quant_bytes": report.quant_bytes}
     del model, kept, freed, moved
     gc.collect()
     if dev.type == "cuda":
@@ -114,7 +115,8 @@ def main() -> int:
     RESULT["run"] = {**run_info(), "smoke": SMOKE, "cpu_real": args.cpu_real, "schemes": args.schemes}
     held = "RSS" if args.cpu_real else "memory_allocated" if dev.type == "cuda" else "parameter + buffer bytes"
     RUN.summary.append(f"| scheme | float model ({held}) | kept (keep_float=True) | freed (keep_float=False) | "
-                       "freed, to the CPU and back | float experts | quantized experts |\n|---|---|---|---|---|---|---|")
+                       "freed, to the CPU and back | float experts | quantized experts |\n"
+                       "|---|---|---|---|---|---|---|")
     phases = {s: (lambda s=s: scheme_phase(s, dev, SMOKE, args.cpu_real)) for s in args.schemes}
     return run_phases(RUN, phases, args.schemes, args.deadline, {}, args.out and os.path.join(args.out, "mem40.json"),
                       RESULT)
