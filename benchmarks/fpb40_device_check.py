@@ -29,8 +29,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import threading
-import time
 import warnings
 
 SMOKE = "--smoke" in sys.argv
@@ -43,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt39_device_check as gpt39  # noqa: E402
 from bench_rounds import faster_rounds, settled  # noqa: E402
-from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, rel_l2, write_json  # noqa: E402
 
 MS = (1, 9) if SMOKE else (1, 8, 64, 512, 1024, 4096)
 ROUNDS, REPLAYS, TOL = (1, 1, 2e-2) if SMOKE else (5, 3, 2e-2)  # bf16 out; now and then an e4m3 midpoint flip
@@ -102,20 +100,13 @@ def run_gpt_oss(ms: tuple, dev, deadline: float) -> None:
         fell_back = [str(c.message) for c in caught if "dequantizing path" in str(c.message)]
         RUN.check(f"gpt-oss fp8 M={m} the route stays on the fused kernels", not fell_back, "; ".join(fell_back))
         timed = {name: fns[name] for name in ("new", "old", "bf16")}
-        with torch.no_grad():
-            graphs = {name: gpt39.captured(name, fn, dev) for name, fn in timed.items()}
-            us = settled({name: (g, None) for name, g in graphs.items()}, 1, dev, ROUNDS, REPLAYS,
-                         until=time.time() + max(1.0, deadline - RUN.elapsed()))
-        eager = [name for name, g in graphs.items() if isinstance(g, gpt39.EagerCall)]
+        us, eager = gpt39.graph_rounds(timed, dev, deadline, ROUNDS, REPLAYS)
         res[m] = {"rel_l2": errs, "us": us, "eager_timed": eager}
-        med = {name: statistics.median(v) for name, v in us.items()}
-        RUN.log(f"gpt-oss fp8 M={m}: " + ", ".join(f"{n} {v:.1f} µs" for n, v in med.items()))
-        mark = {n: " (eager)" if n in eager else "" for n in med}
+        med, mark = gpt39.medians(f"gpt-oss fp8 M={m}", us, eager)
         RUN.summary.append(
             f"| fp8_block | {m} | {med['new']:.1f}{mark['new']} | {med['old']:.1f}{mark['old']} | "
             f"{med['bf16']:.1f}{mark['bf16']} | x{med['old'] / med['new']:.2f} "
             f"({faster_rounds(us['new'], us['old'])}/{len(us['new'])}) | {med['new'] / med['bf16']:.2f} |")
-        del graphs
 
 
 def run_plain(preset: str, dev) -> None:
@@ -154,12 +145,8 @@ def run_plain(preset: str, dev) -> None:
 def main() -> int:
     args = gpt39.parser(__doc__.split("\n")[0], 55.0, ("fp8_block",), MS).parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
-    RESULT["info"] = {**run_info(), "shape": gpt39.shape(), "spec": str(gpt39.SPEC), "ms": args.ms}
-    RUN.log(f"{RESULT['info']}")
-    RUN.summary.append("| scheme | M | new (fused fp8) µs | old (grouped_mm) µs | bf16 µs | old / new (rounds >= 3%) "
-                       "| new / bf16 |")
-    RUN.summary.append("| --- " * 7 + "|")
+    gpt39.begin(RESULT, args.ms, "| scheme | M | new (fused fp8) µs | old (grouped_mm) µs | bf16 µs "
+                "| old / new (rounds >= 3%) | new / bf16 |", 7)
     path = os.path.join(args.out, "fpb40.json") if args.out else ""
     RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, dev, args.deadline), args.deadline)
     if path:

@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton")
 from _fp8_cases import FLIP_TOL, POISON, SHAPES, emulation_f64, problem  # noqa: E402
 from _helpers import experts_loop, partial_expert_map, rel_l2  # noqa: E402
 from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
+from test_triton_wo_variant import refuse_grouped_mm, tiny_gpt_oss, triton_and_reference  # noqa: E402
 
 from moekit.activations import ActivationSpec, as_spec, spec_fields  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
@@ -157,15 +158,6 @@ def test_bad_biases_and_an_ungated_activation_are_named(fp8):
             "relu2", gated=False))
 
 
-def _refuse_grouped_mm(monkeypatch):
-    import moekit.experts.grouped_mm as grouped_mm
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("grouped_mm's dequantizing path ran")
-
-    monkeypatch.setattr(grouped_mm, "experts_grouped_mm", refuse)
-
-
 def test_quantized_route_runs_fp8_variant_calls_fused(fp8, monkeypatch):
     """``run_experts`` on the triton backend with fp8_block weights, b13, b2 and the spec: the fused kernels (grouped_mm
     patched to fail, no fallback warning), equal to the reference backend's fp8 emulation (bf16 in and out)."""
@@ -181,7 +173,7 @@ def test_quantized_route_runs_fp8_variant_calls_fused(fp8, monkeypatch):
     x = torch.randn(m, hidden, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(m)]).int()
     weights = torch.rand(m, 2, generator=g)
-    _refuse_grouped_mm(monkeypatch)
+    refuse_grouped_mm(monkeypatch)
     _warn_once.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -198,37 +190,11 @@ def test_tiny_gpt_oss_quantized_to_fp8_block_runs_fused_equal_to_reference(fp8, 
     ``moe.quantize_("fp8_block")``: the checkpoint's interleaved gate/up rows, biases and clamped SwiGLU run on the
     fused fp8 kernels (grouped_mm patched to fail, no fallback warning), each block equal to the same block on the
     reference backend."""
-    transformers = pytest.importorskip("transformers")
-    import moekit.hf as moekit_hf
-    from _swap_helpers import swaps
-    from moekit.experts.triton_quant import _warn_once
-
-    cfg = transformers.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=32, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, num_hidden_layers=2, num_local_experts=6,
-                                    num_experts_per_tok=2, sliding_window=4,
-                                    layer_types=["sliding_attention", "full_attention"])
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.5)  # biases ~ N(0, 0.25): they count
-    model = model.to(torch.bfloat16).eval()
-    report = moekit_hf.use_moekit_blocks(model, backend="triton")
-    assert len(report.swapped) == 2 and not report.left
+    model, swapped = tiny_gpt_oss(None)
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    for swap, layer in zip(swaps(model), model.model.layers):
+    for swap, layer in zip(swapped, model.model.layers):
         moe = swap.moe.quantize_("fp8_block")
         assert moe.quant_scheme == "fp8_block" and as_spec(moe.config.activation).interleaved
         assert moe.b13 is not None and moe.b2 is not None
-        _refuse_grouped_mm(monkeypatch)
-        _warn_once.cache_clear()
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("error")
-            got = layer.mlp(x)
-        monkeypatch.undo()
-        moe.backend = "reference"
-        with torch.no_grad():
-            want = layer.mlp(x)
-        moe.backend = "triton"
-        got, want = (t[0] if isinstance(t, tuple) else t for t in (got, want))
+        got, want = triton_and_reference(layer, moe, x, monkeypatch)
         assert rel_l2(got, want) < 1e-2 and want.abs().max() > 0.1  # bf16's rounding, a real signal
