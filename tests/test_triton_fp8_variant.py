@@ -7,7 +7,8 @@ weights, x and h through e4m3 per 128 columns, the glu written out in ``_helpers
 plan the kernels have (the tiny-batch shortcut, aligned blocks, x quantized inside gate-up, h float32, SWAP_AB, the
 k-sum in the down GEMM or apart, an expert map with -1, M = 0 / 1); two calls with other biases on one plan; the
 persistent GEMMs refused; the route (no grouped_mm fallback) and a tiny gpt-oss quantized to fp8_block against the
-reference backend. Workspaces are filled with NaN first (``POISON``).
+reference backend; the lean eager path serving an unbiased variant call with its own plan (never a biased one).
+Workspaces are filled with NaN first (``POISON``).
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 """
@@ -24,7 +25,7 @@ triton = pytest.importorskip("triton")
 
 from _fp8_cases import FLIP_TOL, POISON, SHAPES, emulation_f64, problem  # noqa: E402
 from _helpers import experts_loop, partial_expert_map, rel_l2  # noqa: E402
-from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
+from _triton_helpers import fp8, interpreter  # noqa: E402, F401  (fixtures)
 from test_triton_wo_variant import refuse_grouped_mm, tiny_gpt_oss, triton_and_reference  # noqa: E402
 
 from moekit.activations import ActivationSpec, as_spec, spec_fields  # noqa: E402
@@ -198,3 +199,33 @@ def test_tiny_gpt_oss_quantized_to_fp8_block_runs_fused_equal_to_reference(fp8, 
         assert moe.b13 is not None and moe.b2 is not None
         got, want = triton_and_reference(layer, moe, x, monkeypatch)
         assert rel_l2(got, want) < 1e-2 and want.abs().max() > 0.1  # bf16's rounding, a real signal
+
+
+def test_a_repeated_variant_call_without_biases_is_served_lean_equal_to_the_plain_path(fp8, interpreter, monkeypatch):
+    """An unbiased call with gpt-oss's spec is kept by ``triton_quant_fast`` (its plan: the spec's, not the plain
+    SiLU's): after a call of the kind (the plain path, launches compiled) the next records and later ones are served
+    from the kept launches, bit-equal to the plain path and to the float64 emulation; a biased call is never kept
+    (each of its calls runs the plain path)."""
+    import moekit.quant as Q
+    from _helpers import count_calls
+    from moekit.experts import triton_quant_fast
+    from moekit.experts.triton_launch import LaunchOptions
+
+    seen = count_calls(monkeypatch, {"hits": 0}, [(triton_quant_fast, "_launch", "hits")])
+    interpreter.clear_launch_caches()
+    g = torch.Generator().manual_seed(23)
+    (e, hidden, n), m = SHAPE, 3
+    q13 = Q.quantize((torch.randn(e, 2 * n, hidden, generator=g) / hidden**0.5).bfloat16(), "fp8_block")
+    q2 = Q.quantize((torch.randn(e, hidden, n, generator=g) / n**0.5).bfloat16(), "fp8_block")
+    x, weights = torch.randn(m, hidden, generator=g).bfloat16(), torch.rand(m, 2, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(m)]).int()
+    b13, b2 = (b.bfloat16() for b in _biases(SHAPE, 24))
+    plain = interpreter.experts_triton(x, q13, q2, ids, weights, activation=SPEC,
+                                       options=LaunchOptions(lean_launch=False))
+    got = [interpreter.experts_triton(x, q13, q2, ids, weights, activation=SPEC) for _ in range(3)]
+    assert seen["hits"] == 2 and all(torch.equal(t, plain) for t in got)  # the first records (launches compiled)
+    quantized = (q13.q, q13.scale, q2.q, q2.scale)
+    assert rel_l2(plain, _emulated(x.float(), quantized, ids, weights, BLOCK, None, None, SPEC)) < 1e-2  # bf16 out
+    for _ in range(3):
+        interpreter.experts_triton(x, q13, q2, ids, weights, activation=SPEC, b13=b13, b2=b2)
+    assert seen["hits"] == 2
