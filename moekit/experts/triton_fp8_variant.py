@@ -25,8 +25,9 @@ class Fp8Variant:
 
     @staticmethod
     def of(activation: str | ActivationSpec, b13: torch.Tensor | None, b2: torch.Tensor | None) -> "Fp8Variant":
-        """The variant of a call (PLAIN, one object, for the plain SiLU without biases: no dataclass built)."""
-        if activation == "silu" and b13 is None and b2 is None:
+        """The variant of a call (PLAIN, one object, for the plain SiLU without biases, named or as its spec: no
+        dataclass built)."""
+        if b13 is None and b2 is None and (activation == "silu" or activation == _SILU):
             return PLAIN
         spec = as_spec(activation)
         return Fp8Variant(spec.name if spec.plain else spec, *(
@@ -53,3 +54,4 @@ class Fp8Variant:
 
 
 PLAIN = Fp8Variant()
+_SILU = ActivationSpec("silu")
