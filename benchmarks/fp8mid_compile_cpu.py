@@ -40,6 +40,8 @@ def compile_one(kernel, pointers: dict, scalars: dict, const: dict, num_warps: i
     from triton.runtime.jit import mangle_type
 
     const = const | {name: 1 for name in ("stride_xk", "stride_wk", "stride_wn") if name in scalars}  # 1 specialised
+    plain = dict(b13_ptr=None, b2_ptr=None, ACT=None, INTERLEAVED=False, ALPHA=1.0, LIMIT=None, UP_SHIFT=0.0)
+    const = {name: v for name, v in plain.items() if name in kernel.arg_names} | const  # fpb40's variant: plain
     sig = {name: mangle_type(v) for name, v in pointers.items()}
     sig |= {name: "i32" for name in scalars if name not in const} | {name: "constexpr" for name in const}
     missing = [a for a in kernel.arg_names if a not in sig]

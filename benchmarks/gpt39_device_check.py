@@ -150,6 +150,23 @@ def captured(name: str, fn, dev):
         return EagerCall(fn)
 
 
+def graph_rounds(timed: dict, dev, deadline: float, rounds: int, replays: int) -> tuple[dict, list]:
+    """(name -> µs a call each round, the names timed eagerly): ``timed``'s calls (name -> fn) captured (``captured``)
+    and timed in ``bench_rounds.settled`` rounds, none begun past ``deadline`` (s into the run), without autograd."""
+    with torch.no_grad():
+        graphs = {name: captured(name, fn, dev) for name, fn in timed.items()}
+        us = settled({name: (g, None) for name, g in graphs.items()}, 1, dev, rounds, replays,
+                     until=time.time() + max(1.0, deadline - RUN.elapsed()))
+    return us, [name for name, g in graphs.items() if isinstance(g, EagerCall)]
+
+
+def medians(label: str, us: dict, eager: list) -> tuple[dict, dict]:
+    """(name -> median µs, name -> " (eager)" where timed eagerly, else ""): ``graph_rounds``' result, logged."""
+    med = {name: statistics.median(v) for name, v in us.items()}
+    RUN.log(f"{label}: " + ", ".join(f"{n} {v:.1f} µs" for n, v in med.items()))
+    return med, {n: " (eager)" if n in eager else "" for n in med}
+
+
 def reached(scheme: str, ms: tuple, deadline: float, blanks: int):
     """The Ms of ``ms`` that start before ``deadline`` (s into the run), in turn; each other one logged SKIP and its
     table row "not reached" (then ``blanks`` empty cells)."""
@@ -181,16 +198,10 @@ def run_scheme(scheme: str, ms: tuple, dev, deadline: float, ab: bool) -> None:
         RUN.check(f"{scheme} M={m} the route stays on the fused kernels", not fell_back, "; ".join(fell_back))
         RUN.log(f"{scheme} M={m}: checked")
         timed = {name: fns[name][0] for name in ("new", "old", "bf16", "plain", "unleaved") if name in fns}
-        with torch.no_grad():
-            graphs = {name: captured(name, fn, dev) for name, fn in timed.items()}
-            us = settled({name: (g, None) for name, g in graphs.items()}, 1, dev, ROUNDS, REPLAYS,
-                         until=time.time() + max(1.0, deadline - RUN.elapsed()))
-        res[m] = {"rel_l2": errs, "us": us}
-        res[m]["eager_timed"] = [name for name, g in graphs.items() if isinstance(g, EagerCall)]
-        med = {name: statistics.median(v) for name, v in us.items()}
-        RUN.log(f"{scheme} M={m}: " + ", ".join(f"{n} {v:.1f} µs" for n, v in med.items()))
+        us, eager_timed = graph_rounds(timed, dev, deadline, ROUNDS, REPLAYS)
+        res[m] = {"rel_l2": errs, "us": us, "eager_timed": eager_timed}
+        med, eager = medians(f"{scheme} M={m}", us, eager_timed)
         ab_cells = "".join(f" {med[n]:.1f} (x{med['new'] / med[n]:.2f}) |" for n in ("plain", "unleaved") if n in med)
-        eager = {n: " (eager)" if n in res[m]["eager_timed"] else "" for n in med}
         RUN.summary.append(f"| {scheme} | {m} | {med['new']:.1f}{eager['new']} | {med['old']:.1f}{eager['old']} | "
                            f"{med['bf16']:.1f}{eager['bf16']} | "
                            f"x{med['old'] / med['new']:.2f} ({faster_rounds(us['new'], us['old'])}/{len(us['new'])})"
@@ -208,18 +219,24 @@ def parser(description: str, deadline: float, schemes: tuple, ms: tuple) -> argp
     return p
 
 
+def begin(result: dict, ms: tuple, header: str, columns: int) -> None:
+    """A run's start (this one's or a check's that shares gpt39's shape, ``RUN`` set to its own): the watchdog, the
+    run's info (in ``result`` and logged), the table's ``header`` row over ``columns`` columns."""
+    threading.Thread(target=RUN.watchdog, daemon=True).start()
+    result["info"] = {**run_info(), "shape": shape(), "spec": str(SPEC), "ms": ms}
+    RUN.log(f"{result['info']}")
+    RUN.summary.append(header)
+    RUN.summary.append("| --- " * columns + "|")
+
+
 def main() -> int:
     p = parser(__doc__.split("\n")[0], 75.0, SCHEMES, MS)
     p.add_argument("--ab", action="store_true", help="also the route's decode plain and not interleaved (docstring)")
     args = p.parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
-    RESULT["info"] = {**run_info(), "shape": shape(), "spec": str(SPEC), "ms": args.ms}
-    RUN.log(f"{RESULT['info']}")
     ab_head = " plain µs (new / plain) | unleaved µs (new / unleaved) |" if args.ab else ""
-    RUN.summary.append("| scheme | M | new (route) µs | old (grouped_mm) µs | bf16 µs | old / new (rounds >= 3%) "
-                       "| new / bf16 |" + ab_head)
-    RUN.summary.append("| --- " * (9 if args.ab else 7) + "|")
+    begin(RESULT, args.ms, "| scheme | M | new (route) µs | old (grouped_mm) µs | bf16 µs | old / new (rounds >= 3%) "
+          "| new / bf16 |" + ab_head, 9 if args.ab else 7)
     path = os.path.join(args.out, "gpt39.json") if args.out else ""
     for scheme in args.schemes:
         RUN.each_cell([scheme], lambda s: run_scheme(s, args.ms, dev, args.deadline, args.ab), args.deadline)

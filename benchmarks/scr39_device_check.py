@@ -23,10 +23,7 @@ was >= 3% faster, scratch / bf16. Then the real client's command (prefill 4 x 10
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import threading
-import time
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -37,8 +34,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt39_device_check as gpt39  # noqa: E402
-from bench_rounds import faster_rounds, settled  # noqa: E402
-from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
+from bench_rounds import faster_rounds  # noqa: E402
+from bench_run import RunLog, rel_l2, write_json  # noqa: E402
 
 SCHEMES = ("mxfp4", "int4_w4a16")
 MS = (5, 9) if SMOKE else (512, 1024, 4096)
@@ -91,21 +88,14 @@ def run_scheme(scheme: str, ms: tuple, dev, deadline: float) -> None:
                       f"rel_l2={err:.2e}")
         RUN.log(f"{scheme} M={m}: checked; the route takes {route}")
         timed = {name: fns[name] for name in ("scratch", "fused", "bf16")}
-        with torch.no_grad():
-            graphs = {name: gpt39.captured(name, fn, dev) for name, fn in timed.items()}
-            us = settled({name: (g, None) for name, g in graphs.items()}, 1, dev, ROUNDS, REPLAYS,
-                         until=time.time() + max(1.0, deadline - RUN.elapsed()))
-        eager = [name for name, g in graphs.items() if isinstance(g, gpt39.EagerCall)]
+        us, eager = gpt39.graph_rounds(timed, dev, deadline, ROUNDS, REPLAYS)
         res[m] = {"rel_l2": errs, "us": us, "fused_decode": fused, "route": route, "eager_timed": eager}
-        med = {name: statistics.median(v) for name, v in us.items()}
-        RUN.log(f"{scheme} M={m}: " + ", ".join(f"{n} {v:.1f} µs" for n, v in med.items()))
-        mark = {n: " (eager)" if n in eager else "" for n in med}
+        med, mark = gpt39.medians(f"{scheme} M={m}", us, eager)
         RUN.summary.append(
             f"| {scheme} | {m} | {route} | {med['scratch']:.1f}{mark['scratch']} | {med['fused']:.1f}{mark['fused']} "
             f"({fused}) | {med['bf16']:.1f}{mark['bf16']} | x{med['fused'] / med['scratch']:.2f} "
             f"({faster_rounds(us['scratch'], us['fused'])}/{len(us['scratch'])}) "
             f"| {med['scratch'] / med['bf16']:.2f} |")
-        del graphs
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # each graph's pool holds a scratch of up to 1 GB at gpt-oss's width
 
@@ -117,12 +107,8 @@ def main() -> int:
         from moekit.experts import triton_wo, triton_wo_plan
 
         triton_wo.SCRATCH_MIN_TOKENS = triton_wo_plan.SCRATCH_MIN_TOKENS = MS[-1]
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
-    RESULT["info"] = {**run_info(), "shape": gpt39.shape(), "spec": str(gpt39.SPEC), "ms": args.ms}
-    RUN.log(f"{RESULT['info']}")
-    RUN.summary.append("| scheme | M | route takes | scratch µs | fused µs (decode) | bf16 µs "
-                       "| fused / scratch (rounds scratch >= 3% faster) | scratch / bf16 |")
-    RUN.summary.append("| --- " * 8 + "|")
+    gpt39.begin(RESULT, args.ms, "| scheme | M | route takes | scratch µs | fused µs (decode) | bf16 µs "
+                "| fused / scratch (rounds scratch >= 3% faster) | scratch / bf16 |", 8)
     path = os.path.join(args.out, "scr39.json") if args.out else ""
     for scheme in args.schemes:
         RUN.each_cell([scheme], lambda s: run_scheme(s, args.ms, dev, args.deadline), args.deadline)

@@ -187,6 +187,53 @@ def prefill_cases() -> dict[str, Case]:
     }
 
 
+def fp8_up_cases() -> dict[str, Case]:
+    """The fp8 gate-ups (session 40: b13, the activation variant) at the tiles the plan launches: the tiny-batch
+    16 x 128 (TMA weights, NAIVE), swapped with PAIR_DOT (Qwen3's tuned decode), x quantized inside with h float32
+    and the folded alignment with a map, the prefill 64 x 128 on 8 warps (sorted rows, pointers); the persistent
+    gate-up and down GEMMs (their unread bias pointers)."""
+    fp8 = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
+    up = BASE | dict(GROUP_N=128, BLOCK_N=128, BLOCK_K=128, EMULATE=False, H_FP32=False, X_RAW=False, W_DESC=True,
+                     ONE_BLOCK=True, AHEAD=True, SWAP_AB=False)
+    desc = {"w_ptr": _descriptor([8 * 1536, 2048], [128, 128], "fp8e4nv")}
+    pair = {"w_ptr": _descriptor([8, 12, 2, 64, 2048], [1, 2, 2, 64, 128], "fp8e4nv")}
+    persistent = dict(GROUP_N=128, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, UPCAST=False, EMULATE=False,
+                      W_DESC=False, ONE_BLOCK=True, PDL=True, b13_ptr=None, b2_ptr=None)
+    return {
+        "up_fp8": Case("gemm_fp8", "gate_up_fp8_kernel", up, 4, 4, fp8 | desc),
+        "up_fp8_swap_pair": Case("gemm_fp8", "gate_up_fp8_kernel", up | dict(SWAP_AB=True, PAIR_DOT=True,
+                                                                             PAIR_CHUNK=64), 4, 4, fp8 | pair),
+        "up_fp8_xraw_hfp32_fold": Case("gemm_fp8", "gate_up_fp8_kernel", up | dict(
+            BLOCK_N=32, X_RAW=True, H_FP32=True, W_DESC=False, FOLD=True, A_PAD=8, E_PAD=256, FOLD_CHUNK=8,
+            HAS_MAP=True), 4, 4, {"xq_ptr": "*bf16", "xs_ptr": "*bf16", "hq_ptr": "*fp32"}),
+        "up_fp8_m512": Case("gemm_fp8", "gate_up_fp8_kernel", up | dict(BLOCK_M=64, GROUP_M=8, NAIVE=False,
+                                                                        W_DESC=False), 8, 4, fp8),
+        "up_fp8_persistent": Case("gemm_fp8_persistent", "gate_up_fp8_persistent_kernel", persistent, 8, 4, fp8),
+        "down_fp8_persistent": Case("gemm_fp8_persistent", "down_fp8_persistent_kernel", persistent, 4, 4),
+    }
+
+
+def fp8_variant_cases() -> dict[str, Case]:
+    """``--variants`` (the tree after only: no before to compare with): the fp8 kernels with b13 / b2 and gpt-oss's
+    spec at the plan's tiles for such calls (pointer weights, no ONE_BLOCK), swapped, and GELU with a bias, to see
+    that they compile for sm_90 and what they cost in registers and lines."""
+    fp8 = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "b13_ptr": "*bf16", "b2_ptr": "*bf16"}
+    spec = dict(ACT=0, INTERLEAVED=True, ALPHA=1.702, LIMIT=7.0, UP_SHIFT=1.0)
+    up = {k: v for k, v in fp8_up_cases()["up_fp8"].const.items() if k != "b13_ptr"} | dict(W_DESC=False,
+                                                                                          ONE_BLOCK=False)
+    down = {k: v for k, v in dense_cases()["fp8"].const.items() if k != "b2_ptr"}
+    return {
+        "var_up_fp8_gptoss": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec, 4, 4, fp8),
+        "var_up_fp8_gptoss_swap": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(SWAP_AB=True), 4, 4, fp8),
+        "var_up_fp8_gptoss_m512": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(
+            BLOCK_M=64, GROUP_M=8, NAIVE=False), 8, 4, fp8),
+        "var_up_fp8_gelu_bias": Case("gemm_fp8", "gate_up_fp8_kernel", up | dict(ACT=1, ONE_BLOCK=True), 4, 4, fp8),
+        "var_down_fp8_bias": Case("gemm_fp8", "down_fp8_kernel", down, 4, 5, fp8),
+        "var_down_fp8_bias_swap_ksum": Case("gemm_fp8", "down_fp8_kernel", down | KSUM | dict(SWAP_AB=True), 4, 5,
+                                            fp8),
+    }
+
+
 def _descriptor(shape: list[int], block: list[int], dtype: str) -> str:
     """A host tensor descriptor's signature type (what a launch with one passes)."""
     import torch
@@ -209,11 +256,13 @@ def compile_case(case: Case):
     return _compile(fn, POINTERS | case.pointers, const, case.num_warps, case.num_stages)
 
 
-def dump(out: Path, only: list[str] | None) -> int:
+def dump(out: Path, only: list[str] | None, variants: bool = False) -> int:
     import moekit
     from gluon_sass_diff_cpu import write_sass
 
-    cases = wo_cases() | gate_up_cases() | tile_reg_up_cases() | dense_cases() | prefill_cases()
+    cases = wo_cases() | gate_up_cases() | tile_reg_up_cases() | dense_cases() | prefill_cases() | fp8_up_cases()
+    if variants:
+        cases = fp8_variant_cases()
     cases = {n: c for n, c in cases.items() if not only or n.startswith(tuple(only))}
     print(f"moekit at {Path(moekit.__file__).parent}: {len(cases)} kernels", flush=True)
     return write_sass(out, {n: partial(compile_case, c) for n, c in cases.items()})
@@ -223,8 +272,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dump", type=Path, required=True)
     parser.add_argument("--only", nargs="+", help="name prefixes of the kernels to dump (default: all; e.g. mma gemv)")
+    parser.add_argument("--variants", action="store_true", help="the fp8 kernels with biases and gpt-oss's spec "
+                        "instead (``fp8_variant_cases``: the tree after only)")
     args = parser.parse_args()
-    return dump(args.dump, args.only)
+    return dump(args.dump, args.only, args.variants)
 
 
 if __name__ == "__main__":

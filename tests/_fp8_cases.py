@@ -4,7 +4,7 @@ and the kernels-against-twin call (workspaces poisoned with NaN)."""
 from __future__ import annotations
 
 import torch
-from _helpers import routed_slots
+from _helpers import glu64, routed_slots
 
 from moekit.experts.triton_launch import LaunchOptions
 
@@ -38,9 +38,11 @@ def fake_quant_f64(v: torch.Tensor, group: int) -> torch.Tensor:
     return out
 
 
-def emulation_f64(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape, expert_map=None):
+def emulation_f64(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape, expert_map=None, *, b13=None, b2=None,
+                  spec=None):
     """The recipe per token and slot in float64 (the definition the twin is held to): x quantized per G columns,
-    block-dequantized weights, silu-and-mul, h quantized per G columns, the routed weight, the slots summed."""
+    block-dequantized weights (+ b13 [E, 2N]), silu-and-mul (``spec`` not None: ``_helpers.glu64``'s formulas of the
+    ActivationSpec), h quantized per G columns (+ b2 [E, K]), the routed weight, the slots summed."""
     (bn, bk), num_experts, inter = block_shape, w13_q.shape[0], w2_q.shape[2]
 
     def deq(q, s, e):  # q [R, C] * s[r // GN, c // G]
@@ -49,9 +51,14 @@ def emulation_f64(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape, expert
 
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t, j, e in routed_slots(ids, num_experts, expert_map):
-        gate_up = deq(w13_q, w13_s, e) @ fake_quant_f64(x[t].double(), bk)
-        h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-        out[t] += float(weights[t, j]) * (deq(w2_q, w2_s, e) @ fake_quant_f64(h, bk))
+        gate_up = deq(w13_q, w13_s, e) @ fake_quant_f64(x[t].double(), bk)  # [2N]
+        if b13 is not None:
+            gate_up = gate_up + b13[e].double()
+        h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:] if spec is None else glu64(gate_up, spec)
+        y = deq(w2_q, w2_s, e) @ fake_quant_f64(h, bk)  # [K]
+        if b2 is not None:
+            y = y + b2[e].double()
+        out[t] += float(weights[t, j]) * y
     return out
 
 

@@ -28,11 +28,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under
 
 # main's (024707d) schemas, the part after the op's name, string for string; route_fused's with blk36's trailing
 # ``bool assert_in_kernel=False`` (a defaulted argument: main's 17-argument calls unchanged), triton_experts_wo's with
-# gpt39's trailing biases and activation fields (defaulted: main's 16-argument calls unchanged)
+# gpt39's trailing biases and activation fields (defaulted: main's 16-argument calls unchanged), triton_experts_fp8's
+# with fpb40's (defaulted: main's 13-argument calls unchanged)
 MAIN_SCHEMAS = {
     "triton_experts_fp8": "(Tensor x, Tensor w13_q, Tensor w13_scale, Tensor w2_q, Tensor w2_scale, Tensor topk_ids, "
                           "Tensor topk_weights, Tensor? expert_map, SymInt block_n, SymInt block_k, "
-                          "bool weight_descriptors, bool dependent_launch, bool poison_workspace) -> Tensor",
+                          "bool weight_descriptors, bool dependent_launch, bool poison_workspace, Tensor? b13=None, "
+                          "Tensor? b2=None, str activation=\"silu\", bool gated=True, bool interleaved=False, "
+                          "float alpha=1., float? limit=None, float up_shift=0.) -> Tensor",
     "triton_experts_wo": "(Tensor x, Tensor q13, Tensor s13, Tensor? z13, SymInt g13, Tensor q2, Tensor s2, "
                          "Tensor? z2, SymInt g2, Tensor topk_ids, Tensor topk_weights, Tensor? expert_map, str scheme, "
                          "str activation, bool dependent_launch, str decode=\"\", Tensor? b13=None, Tensor? b2=None, "

@@ -202,9 +202,9 @@ def test_an_ungated_spec_still_falls_back_naming_it(wo):
     assert rel_l2(got, want) < 1e-2
 
 
-def _tiny_gpt_oss_mxfp4():
-    """A tiny gpt-oss (bf16, random weights, built offline) whose MoE blocks ``use_moekit_blocks`` swapped and
-    quantized to MXFP4 on the triton backend, and its swaps."""
+def tiny_gpt_oss(quant: str | None):
+    """A tiny gpt-oss (bf16, random weights, built offline) whose MoE blocks ``use_moekit_blocks`` swapped on the
+    triton backend, quantized with ``quant`` (or not), and its swaps."""
     transformers = pytest.importorskip("transformers")
     import moekit.hf as moekit_hf
     from _swap_helpers import swaps
@@ -219,12 +219,12 @@ def _tiny_gpt_oss_mxfp4():
         for p in model.parameters():
             p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.5)  # biases ~ N(0, 0.25): they count
     model = model.to(torch.bfloat16).eval()
-    report = moekit_hf.use_moekit_blocks(model, backend="triton", quant="mxfp4")
+    report = moekit_hf.use_moekit_blocks(model, backend="triton", quant=quant)
     assert len(report.swapped) == 2 and not report.left
     return model, swaps(model)
 
 
-def _refuse_grouped_mm(monkeypatch):
+def refuse_grouped_mm(monkeypatch):
     import moekit.experts.grouped_mm as grouped_mm
 
     def refuse(*args, **kwargs):
@@ -233,24 +233,36 @@ def _refuse_grouped_mm(monkeypatch):
     monkeypatch.setattr(grouped_mm, "experts_grouped_mm", refuse)
 
 
+def triton_and_reference(layer, moe, x, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the decoder layer's MoE block on x on the triton backend, grouped_mm patched to fail and any warning an error
+    (a fallback warns: ``triton_quant._warn_once``, cleared first); the same block on the reference backend)."""
+    import warnings
+
+    from moekit.experts.triton_quant import _warn_once
+
+    refuse_grouped_mm(monkeypatch)
+    _warn_once.cache_clear()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = layer.mlp(x)
+    monkeypatch.undo()
+    moe.backend = "reference"
+    with torch.no_grad():
+        want = layer.mlp(x)
+    moe.backend = "triton"
+    return tuple(t[0] if isinstance(t, tuple) else t for t in (got, want))
+
+
 def test_tiny_gpt_oss_mxfp4_blocks_on_triton_equal_reference(wo, monkeypatch):
     """The swapped blocks keep the checkpoint's interleaved gate/up rows and biases; on the triton backend (the fused
     kernels: grouped_mm patched to fail) each block equals the same block on the reference backend."""
-    model, swapped = _tiny_gpt_oss_mxfp4()
+    model, swapped = tiny_gpt_oss("mxfp4")
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for swap, layer in zip(swapped, model.model.layers):
         moe = swap.moe
         assert moe.quant_scheme == "mxfp4" and as_spec(moe.config.activation).interleaved
         assert moe.b13 is not None and moe.b2 is not None
-        _refuse_grouped_mm(monkeypatch)
-        with torch.no_grad():
-            got = layer.mlp(x)
-        monkeypatch.undo()
-        moe.backend = "reference"
-        with torch.no_grad():
-            want = layer.mlp(x)
-        moe.backend = "triton"
-        got, want = (t[0] if isinstance(t, tuple) else t for t in (got, want))
+        got, want = triton_and_reference(layer, moe, x, monkeypatch)
         assert rel_l2(got, want) < 1e-2 and want.abs().max() > 0.1  # bf16's rounding, a real signal
 
 
@@ -259,9 +271,9 @@ def test_tiny_gpt_oss_mxfp4_layer_traces_whole(wo, monkeypatch):
     ``fullgraph=True``: the weight-only op with biases and the spec, no graph break, its eager call's output."""
     from _swap_helpers import eager_and_compiled
 
-    _, swapped = _tiny_gpt_oss_mxfp4()
+    _, swapped = tiny_gpt_oss("mxfp4")
     moe = swapped[0].moe
-    _refuse_grouped_mm(monkeypatch)
+    refuse_grouped_mm(monkeypatch)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # [T, K]
     eager, compiled = eager_and_compiled(moe, x)
     assert rel_l2(compiled, eager) < 1e-2 and rel_l2(eager, torch.zeros_like(eager)) > 0.5

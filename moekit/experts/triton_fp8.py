@@ -1,7 +1,12 @@
 """Fused Triton experts on fp8 block-quantized weights (DeepSeek-V3's recipe), and its torch twin.
 
-    [Align (GPU, no sync)] -> [quantize x: e4m3 per token per G columns] -> [gate-up GEMM, block-scaled,
-    SiLU-and-mul, h re-quantized per G columns] -> [down GEMM, block-scaled, x routed weight] -> [sum over k]
+    [Align (GPU, no sync)] -> [quantize x: e4m3 per token per G columns] -> [gate-up GEMM, block-scaled, + b13,
+    the gated activation (SiLU-and-mul, or the spec's), h re-quantized per G columns] -> [down GEMM, block-scaled,
+    + b2, x routed weight] -> [sum over k]
+
+Expert biases (b13 [E, 2N], b2 [E, K]) and any gated ``ActivationSpec`` (gpt-oss's interleaved rows, alpha, clamp,
+up_shift; GELU) since session 40 (issue #15; ``_kernels/gemm_fp8``'s module docstring): each call passes its own
+biases to a plan keyed by their presence and the spec (``triton_fp8_variant.Fp8Variant``).
 
 Weights (``fp8_block``, COMMON layout): w13_q [E, 2N, K] and w2_q [E, K, N] float8_e4m3fn, scales
 [E, ceil(2N/GN), ceil(K/G)] and [E, ceil(K/GN), ceil(N/G)] float32, dequantized = q * scale (DeepSeek-V3's
@@ -38,6 +43,8 @@ from typing import Optional
 
 import torch
 
+from moekit.activations import ActivationSpec, apply_glu, as_spec, plan_activation, spec_fields
+from moekit.experts import _check_bias
 from moekit.experts.configs import KernelConfig
 from moekit.experts.op_library import define_inference_op, needs_grad
 from moekit.experts.triton import _runs_directly
@@ -45,6 +52,7 @@ from moekit.experts.triton_align import align_launches, clear_op_plans
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool
 from moekit.experts.triton_fp8_persistent import Persistent
 from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
+from moekit.experts.triton_fp8_variant import Fp8Variant
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
 from moekit.func_ops import transform_function, transforming
 from moekit.layouts.grouping import to_local_ids
@@ -79,13 +87,16 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block_shape: tuple[i
 
 def fused_experts_fp8_torch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, *,
-    activation: str = "silu", expert_map: torch.Tensor | None = None, block_shape: tuple[int, int] = (128, 128),
+    activation: str | ActivationSpec = "silu", expert_map: torch.Tensor | None = None,
+    block_shape: tuple[int, int] = (128, 128), b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch twin of ``fused_experts_fp8`` (any device; syncs): x quantized per token per G columns,
-    block-scaled gate-up in float32, SiLU-and-mul, h re-quantized per G columns, block-scaled down,
-    routed weight, sum over the k slots. Returns [M, K] in x.dtype."""
-    check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape)
-    group, n = block_shape[1], w13_q.shape[1] // 2
+    block-scaled gate-up in float32 (+ b13), the gated activation (``apply_glu``: SiLU-and-mul, or the spec's), h
+    re-quantized per G columns, block-scaled down (+ b2), routed weight, sum over the k slots. Returns [M, K] in
+    x.dtype."""
+    check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape,
+                   b13, b2)
+    group = block_shape[1]
     x_deq = dequantize_groups(*quantize_groups(x, group), group)  # [M, K] fp32
     top_k = topk_ids.shape[1]
     local = to_local_ids(topk_ids, w13_q.shape[0], expert_map)  # [A]; E = not routed here
@@ -96,18 +107,22 @@ def fused_experts_fp8_torch(
         assignments = (local == e).nonzero().squeeze(1)  # [n_e]
         tokens, slots = assignments // top_k, assignments % top_k
         gate_up = x_deq[tokens] @ dequantize_blocks(w13_q[e], w13_scale[e], block_shape).T  # [n_e, 2N]
-        h = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]  # [n_e, N]
+        if b13 is not None:
+            gate_up = gate_up + b13[e].float()
+        h = apply_glu(gate_up, activation)  # [n_e, N]
         y = (dequantize_groups(*quantize_groups(h, group), group)
-             @ dequantize_blocks(w2_q[e], w2_scale[e], block_shape).T)
+             @ dequantize_blocks(w2_q[e], w2_scale[e], block_shape).T)  # [n_e, K]
+        if b2 is not None:
+            y = y + b2[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].float()[:, None])  # [n_e, K]
     return out.to(x.dtype)
 
 
 def check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map,
-                   block_shape) -> None:
+                   block_shape, b13=None, b2=None) -> None:
     """A clear error, naming the argument, for anything the fp8 path cannot take."""
-    if activation != "silu":
-        raise ValueError(f"activation must be 'silu' for the fp8 path, got {activation!r}")
+    if activation != "silu" and not as_spec(activation).gated:  # as_spec: a clear error for a wrong name or type
+        raise ValueError(f"activation must be gated for the fp8 path (w13 [E, 2N, K]), got {activation!r}")
     if len(block_shape) != 2 or any(not isinstance(b, int) or b < 1 for b in block_shape):
         raise ValueError(f"block_shape must be two positive ints, got {block_shape!r}")
     if block_shape[1] < 16 or block_shape[1] & (block_shape[1] - 1):
@@ -132,6 +147,10 @@ def check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, 
                          f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
     if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"expert_map must be 1-D int32 or int64, got {tuple(expert_map.shape)} {expert_map.dtype}")
+    if b13 is not None:
+        _check_bias("b13", b13, (num_experts, two_n), f"2N={two_n}", x)
+    if b2 is not None:
+        _check_bias("b2", b2, (num_experts, hidden), f"K={hidden}", x)
     for name, t in (("w13_q", w13_q), ("w13_scale", w13_scale), ("w2_q", w2_q), ("w2_scale", w2_scale),
                     ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("expert_map", expert_map)):
         if t is not None and t.device != x.device:
@@ -179,14 +198,15 @@ def fused_experts_fp8_launch(
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
     options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
     ahead: bool = True, persistent: Persistent | None = None, pair_dot: bool | None = None,
+    activation: str | ActivationSpec = "silu", b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
-    tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
-    dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
-    (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
-    TMA descriptors (True) or pointers (False); None: the tuned entry's, else the plan's rule
-    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``, ``persistent``, ``pair_dot``: ``plan_for``'s. Whatever the
-    choices, the result is the same."""
+    """The kernels, launched (arguments already checked; ``activation`` gated, b13 [E, 2N] / b2 [E, K] or None).
+    ``config`` overrides the tuned lookup (for tuning and tests); models go through ``fused_experts_fp8``. Of
+    ``options``, weight_descriptors, dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``:
+    quantize x inside the gate-up GEMM (True) or in a kernel of its own (False, and None: measured faster).
+    ``weight_tma``: the weights through TMA descriptors (True) or pointers (False); None: the tuned entry's, else
+    the plan's rule (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``, ``persistent``, ``pair_dot``: ``plan_for``'s.
+    Whatever the choices, the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -195,12 +215,13 @@ def fused_experts_fp8_launch(
                            f"{x.device}")
     if expert_map is not None:
         expert_map = expert_map.contiguous()
+    b13, b2 = None if b13 is None else b13.contiguous(), None if b2 is None else b2.contiguous()  # read flat
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
-                    x_in_gate_up, weight_tma, ahead, persistent, pair_dot)
-    return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
+                    x_in_gate_up, weight_tma, ahead, persistent, pair_dot, Fp8Variant.of(activation, b13, b2))
+    return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, b13, b2)
 
 
-def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map) -> torch.Tensor:
+def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, b13, b2) -> torch.Tensor:
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     b = _WORKSPACES.buffers(plan.workspace, x.device) if plan.reuse_workspace else plan.workspace.allocate(x.device)
     if plan.poison:  # a read of a row no kernel wrote shows up as NaN in the output
@@ -211,16 +232,18 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
         pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
         w13_arg, w2_arg = pair.w13, pair.w2
     for launch, pointers in fp8_launches(plan, b, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
-                                         out):
+                                         out, b13, b2):
         launch(*pointers)
     return out
 
 
 def fp8_lean_inputs(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, block_shape: tuple[int, int],
-                    options: LaunchOptions) -> tuple:
-    """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the call used),
-    the workspace pool, and its launches as a function of (b, x, ids, weights, out), weights bound."""
-    plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, None, block_shape, None, options)
+                    options: LaunchOptions, activation: str | ActivationSpec = "silu") -> tuple:
+    """What ``triton_quant_fast`` records an eager call without a map or biases from: its plan (the one the call
+    used: ``activation``'s, ``plan_activation``'s value), the workspace pool, and its launches as a function of
+    (b, x, ids, weights, out), weights bound."""
+    plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, None, block_shape, None, options,
+                    variant=Fp8Variant.of(activation, None, None))
     w13_arg, w2_arg = w13_q, w2_q
     if plan.descriptor_key is not None:
         pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
@@ -233,12 +256,13 @@ def fp8_lean_inputs(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, block_sha
 
 
 def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
-                 out) -> list:
+                 out, b13=None, b2=None) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless folded or the
     shortcut; hist and scan as one with the pool's counters where the plan has it), x quantized (unless gate-up
     does it), gate-up, down with the k-sum folded in (where the plan has it and ``b`` the pool's counters) or
     down and the k-sum. ``b``: the workspace's
-    regions; the weight arguments are tensors or the plan's descriptors. Any argument may be a stand-in
+    regions; the weight arguments are tensors or the plan's descriptors; b13 [E, 2N] / b2 [E, K] contiguous, or None
+    as the plan was built (``Fp8Variant``). Any argument may be a stand-in
     (``triton_quant_fast`` records where each goes)."""
     map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
     counters = b.get("counters")  # only a pool's workspace keeps them (never while a graph captures)
@@ -252,12 +276,12 @@ def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale
     else:
         x_q, x_s = b["x_q"], b["x_s"]
         launches.append((plan.quantize, (x, x_q, x_s)))
-    launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)))
+    launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map, b13)))
     down = (b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
     if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
-        launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))
+        launches.append((plan.down_sum, (*down, out, counters, map_or_ids, b2)))
     else:  # the same sums in the same order, bit for bit
-        launches.append((plan.down, (*down, None, None, None)))
+        launches.append((plan.down, (*down, None, None, None, b2)))
         launches.append((plan.sum_slots, (b["y"], ids, map_or_ids, out)))
     return launches
 
@@ -266,16 +290,20 @@ def _fp8_kernel(
     x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], block_n: int,
     block_k: int, weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool,
+    b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None, activation: str = "silu", gated: bool = True,
+    interleaved: bool = False, alpha: float = 1.0, limit: Optional[float] = None, up_shift: float = 0.0,
 ) -> torch.Tensor:
     """The ops' body: x [M, K], the fp8 weights and scales, topk_ids / topk_weights [M, k], expert_map [E_global]
-    or None, the block shape (block_n, block_k), three ``LaunchOptions`` fields -> out [M, K] (x.dtype)."""
+    or None, the block shape (block_n, block_k), three ``LaunchOptions`` fields, b13 [E, 2N] / b2 [E, K] or None, the
+    activation's fields (``activations.spec_fields``) -> out [M, K] (x.dtype)."""
     # The op never reuses workspaces (``triton_op``'s rule): compiled callers run it inside CUDA-graph trees, whose
     # warm-up runs allocate from the graph's private pool, and the pool's buffer and kept counters made there outlive
     # the call (H200: generate with "reduce-overhead" on fp8 experts failed, "Detected 2 tensor(s) in the cudagraph
     # pool not tracked as outputs"). Eager calls reach the pool through the direct path, not the op.
     options = _fp8_options(weight_descriptors, dependent_launch, poison_workspace)
     return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
-                                    (block_n, block_k), options=options)
+                                    (block_n, block_k), options=options, b13=b13, b2=b2,
+                                    activation=plan_activation(activation, gated, interleaved, alpha, limit, up_shift))
 
 
 @functools.lru_cache(maxsize=8)
@@ -287,7 +315,8 @@ def _fp8_options(weight_descriptors: bool, dependent_launch: bool, poison_worksp
 
 
 def _fp8_fake(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_n, block_k,
-              weight_descriptors, dependent_launch, poison_workspace):
+              weight_descriptors, dependent_launch, poison_workspace, b13=None, b2=None, activation="silu", gated=True,
+              interleaved=False, alpha=1.0, limit=None, up_shift=0.0):
     return x.new_empty(x.shape)  # [M, K], x.dtype: what fused_experts_fp8_launch returns
 
 
@@ -307,25 +336,31 @@ def fused_experts_fp8(
     topk_ids: torch.Tensor,  # [M, k]
     topk_weights: torch.Tensor,  # [M, k]
     *,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     expert_map: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
     options: LaunchOptions = LaunchOptions(),
+    b13: torch.Tensor | None = None,  # [E, 2N], w13's row order
+    b2: torch.Tensor | None = None,  # [E, K]
 ) -> torch.Tensor:
-    """The experts contract on fp8 block-quantized weights, fused Triton kernels; returns [M, K] in
-    x.dtype. In eager mode where nothing traces or needs the op (``triton``'s direct-eager rule,
-    ``options.direct_eager``), the kernels are launched directly; else through
+    """The experts contract on fp8 block-quantized weights, fused Triton kernels: sum over the routed slots of
+    weight * (w2 @ q(glu(w13 @ q(x) + b13)) + b2), q the 1 x G activation quantization, glu any gated activation
+    (a name: its plain spec; gpt-oss's interleaved clamped SwiGLU too); returns [M, K] in x.dtype. In eager mode
+    where nothing traces or needs the op (``triton``'s direct-eager rule, ``options.direct_eager``), the kernels are
+    launched directly; else through
     ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, weight_descriptors, dependent_launch and
     poison_workspace cross the op), or ``triton_experts_fp8_autograd`` where an input needs a gradient."""
-    check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape)
-    if options.direct_eager and _runs_directly(x, w13_q, w2_q, topk_weights, None, None):
+    check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape,
+                   b13, b2)
+    if options.direct_eager and _runs_directly(x, w13_q, w2_q, topk_weights, b13, b2):
         return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
-                                        tuple(block_shape), options=options)
-    grad = needs_grad(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights)
+                                        tuple(block_shape), options=options, activation=activation, b13=b13, b2=b2)
+    grad = needs_grad(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights, b13, b2)
     op = (_TRANSFORM_FUNCTION.apply if transforming()  # torch.func: ``moekit.func_ops``
           else torch.ops.moekit.triton_experts_fp8_autograd if grad else torch.ops.moekit.triton_experts_fp8)
     return op(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_shape[0], block_shape[1],
-              options.weight_descriptors, options.dependent_launch, options.poison_workspace)
+              options.weight_descriptors, options.dependent_launch, options.poison_workspace, b13, b2,
+              *spec_fields(activation))
 
 
 # the op as a torch.func transform reaches it (``moekit.func_ops``): vmap runs, a derivative refuses

@@ -62,13 +62,15 @@ def sm_count(device: torch.device) -> int:
 
 
 def choose_persistent(asked: Persistent | None, from_entry: Persistent | None, folded_or_naive: bool, h_fp32: bool,
-                      x_raw: bool, swap_ab: bool) -> Persistent | None:
+                      x_raw: bool, swap_ab: bool, plain: bool = True) -> Persistent | None:
     """The persistent GEMMs a plan runs (None: one program a tile): the caller's (``asked``; refused by name where
     the plan cannot take them), else the tuned entry's where it can. They need the block-aligned layout with its own
-    launch, whole scale groups per gate-up tile, x quantized by its own kernel, no SWAP_AB."""
+    launch, whole scale groups per gate-up tile, x quantized by its own kernel, no SWAP_AB, and a ``plain`` call (no
+    expert biases, the plain SiLU: ``triton_fp8_variant.Fp8Variant``; their kernels take neither)."""
     refused = ("the alignment folded into gate-up or the tiny-batch shortcut (no layout launch)" if folded_or_naive
                else "a gate-up tile narrower than a scale group (h float32)" if h_fp32
-               else "x quantized inside gate-up" if x_raw else "swap_ab" if swap_ab else None)
+               else "x quantized inside gate-up" if x_raw else "swap_ab" if swap_ab
+               else "expert biases or an activation variant" if not plain else None)
     if asked is not None and asked.on and refused:
         raise ValueError(f"persistent fp8 GEMMs do not take {refused}")
     chosen = asked if asked is not None else None if refused else from_entry
@@ -78,11 +80,11 @@ def choose_persistent(asked: Persistent | None, from_entry: Persistent | None, f
 def gate_up_persistent_launch(w13_q, w13_scale, num_assignments: int, top_k: int, config: KernelConfig,
                               num_pid_m: int, shared: dict, programs_per_sm: int, device) -> BoundLaunch:
     """Pointers as ``triton_fp8_plan``'s gate-up launch: x_q, x_s, w13 (or its descriptor), w13_scale, h_q, h_s,
-    ids (unread), sorted_ids, expert_ids, num_padded, expert_map (unread)."""
+    ids (unread), sorted_ids, expert_ids, num_padded, expert_map (unread), b13 (None)."""
     (_, _, hidden), n, up = w13_q.shape, w13_q.shape[1] // 2, config.up
     grid = min(num_pid_m * cdiv(n, up.BLOCK_N), programs_per_sm * sm_count(device))
     return BoundLaunch(
-        kernels("gemm_fp8_persistent").gate_up_fp8_persistent_kernel, (grid,), 11,
+        kernels("gemm_fp8_persistent").gate_up_fp8_persistent_kernel, (grid,), 12,
         (n, hidden, num_assignments, top_k, hidden, cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(),
          n, cdiv(n, up.BLOCK_K)),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, num_warps=up.num_warps,
@@ -92,11 +94,11 @@ def gate_up_persistent_launch(w13_q, w13_scale, num_assignments: int, top_k: int
 def down_persistent_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num_pid_m: int,
                            shared: dict, programs_per_sm: int, device) -> BoundLaunch:
     """Pointers as ``triton_fp8_plan``'s down launch: h_q, h_s, w2 (or its descriptor), w2_scale, y, weights,
-    ids (unread), sorted_ids, expert_ids, num_padded, then three unread Nones."""
+    ids (unread), sorted_ids, expert_ids, num_padded, then three unread Nones, b2 (None)."""
     (_, hidden, n), down = w2_q.shape, config.down
     grid = min(num_pid_m * cdiv(hidden, down.BLOCK_N), programs_per_sm * sm_count(device))
     return BoundLaunch(
-        kernels("gemm_fp8_persistent").down_fp8_persistent_kernel, (grid,), 13,
+        kernels("gemm_fp8_persistent").down_fp8_persistent_kernel, (grid,), 14,
         (hidden, n, num_assignments, n, cdiv(n, down.BLOCK_K), *w2_q.stride(), *w2_scale.stride(), hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M, num_warps=down.num_warps,
         num_stages=down.num_stages, **shared)

@@ -45,6 +45,7 @@ from moekit.experts.configs import (
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec, pair_chunk
 from moekit.experts.triton_fp8_persistent import Persistent, choose_persistent, persistent_gemms
+from moekit.experts.triton_fp8_variant import PLAIN, Fp8Variant
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
     ZERO_TOKENS, SumTail, _fold_constexprs, ksum_constexprs, ksum_counter_count, sum_launch,
@@ -190,8 +191,10 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
              weight_tma: bool | None = None, ahead: bool = True, persistent: Persistent | None = None,
-             pair_dot: bool | None = None) -> Fp8Plan:
-    """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
+             pair_dot: bool | None = None, variant: Fp8Variant = PLAIN) -> Fp8Plan:
+    """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous. ``variant``: the
+    call's biases and activation (``Fp8Variant``); interleaved gate/up rows take pointer weights (no TMA, hence no
+    PAIR_DOT) and per-column scales (no ONE_BLOCK), and a variant call no persistent GEMMs (refused where asked).
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
     µs, its own kernel against inside gate-up: M = 1 Qwen3 20.6 / 24.4, DeepSeek-V3 98.6 / 101.0, Mixtral
@@ -211,20 +214,21 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, ahead, persistent, pair_dot, capturing)
+           block_shape, config, options, x_in_gate_up, weight_tma, ahead, persistent, pair_dot, capturing, variant)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, ahead, capturing, persistent, pair_dot)
+                                        options, x_in_gate_up, weight_tma, ahead, capturing, persistent, pair_dot,
+                                        variant)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
                options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
                ahead: bool = True, capturing: bool = False, persistent: Persistent | None = None,
-               pair_dot: bool | None = None) -> Fp8Plan:
+               pair_dot: bool | None = None, variant: Fp8Variant = PLAIN) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches.
     ``capturing``: for a CUDA graph capture (a tuned entry's "x_in_gate_up" applies to eager calls only)."""
     block_n, group = block_shape
@@ -247,22 +251,24 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
     if weight_tma is None:
         weight_tma = block_m <= TMA_MAX_BLOCK_M
-    x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options)
+    x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options, variant)
     regions = _workspace_regions(x, num_assignments, n, group, x_raw, h_fp32)
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, AHEAD=ahead, SWAP_AB=config.swap_ab, cached=options.cached_launcher,
                   **options.pdl_kwargs())
     up = config.up
-    up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
+    up_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0 and not variant.interleaved  # else a scale a column
+    down_one = block_n % down.BLOCK_N == 0
     pair = choose_pair_dot(pair_dot, entry.pair_dot, descriptors, up_one)
     up_shared = dict(shared, ONE_BLOCK=up_one, PAIR_DOT=pair, PAIR_CHUNK=pair_chunk(up.BLOCK_N))
     gate_up = _gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                              num_pid_m, dict(up_shared, X_RAW=x_raw), fold)
+                              num_pid_m, dict(up_shared, X_RAW=x_raw, **variant.constexprs()), fold)
     down_shared = dict(shared, ONE_BLOCK=down_one)
     down_launch = _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared)
     down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
         num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
-    persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, config.swap_ab)
+    persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, config.swap_ab,
+                                   variant.plain)
     if persistent is not None:
         gate_up, down_launch, down_sum = persistent_gemms(
             persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
@@ -303,11 +309,13 @@ def choose_pair_dot(asked: bool | None, from_entry: bool | None, descriptors: bo
     return bool(from_entry if asked is None else asked) and refused is None
 
 
-def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions) -> bool:
+def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions,
+                            variant: Fp8Variant = PLAIN) -> bool:
     """Asked for (``options.weight_descriptors``), and both weights contiguous, 16-byte aligned, with
     rows of a multiple of 16 bytes (K and N multiples of 16: what a TMA copy of e4m3 tiles needs).
-    Anything else (transposed storage, a slice) keeps the pointer loads through its strides, no copy."""
-    return options.weight_descriptors and all(
+    Anything else (transposed storage, a slice) keeps the pointer loads through its strides, no copy; so do
+    interleaved gate/up rows (``variant``: gate j at row 2j, read through pointers in place)."""
+    return options.weight_descriptors and not variant.interleaved and all(
         w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] % 16 == 0 for w in (w13_q, w2_q))
 
 
@@ -328,7 +336,7 @@ def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: i
     fold = dict(fold)
     num_global = fold.pop("num_global")
     return BoundLaunch(
-        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
+        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 12,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
          cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K), num_global),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
@@ -353,7 +361,7 @@ def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num
             shared = dict(shared, **tail.constexprs)
             programs += tail.programs
     return BoundLaunch(
-        kernels("gemm_fp8").down_fp8_kernel, (programs,), 13,
+        kernels("gemm_fp8").down_fp8_kernel, (programs,), 14,
         (hidden, n, num_assignments, num_experts, num_pid_m, n, cdiv(n, down.BLOCK_K), *w2_q.stride(),
          *w2_scale.stride(), hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,

@@ -112,7 +112,8 @@ def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activa
                     choice: Fp8GluonChoice) -> bool:
     """Whether the ``triton`` and ``triton_gluon`` backends run this call on the fp8 Gluon path: fp8_block weights, no
     biases, a plain silu, a call ``choice`` wants, a device that runs it, a call that fits
-    (``gluon_fp8_unfit``), and nothing that needs the Triton path's custom op (tracing, autograd)."""
+    (``gluon_fp8_unfit``), and nothing that needs the Triton path's custom op (tracing, autograd). A call with expert
+    biases or another activation stays on the fused Triton kernels at every M (they take both since session 40)."""
     from moekit.experts.triton import _runs_directly
     from moekit.quant import QuantizedWeight
 

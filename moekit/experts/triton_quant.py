@@ -1,15 +1,16 @@
 """The Triton backend on quantized weights: ``moekit.quant``'s objects onto the fp8 and weight-only kernels.
 
-    QuantizedWeight pair -> fp8_block: triton_fp8.fused_experts_fp8 (activations quantized 1 x BC in the path),
-                            or the fp8 Gluon path (triton_gluon_fp8) for the large calls its choice wants on Hopper
+    QuantizedWeight pair -> fp8_block: triton_fp8.fused_experts_fp8 (activations quantized 1 x BC in the path; expert
+                            biases and any gated activation spec, gpt-oss's included: ``_kernels/gemm_fp8``), or
+                            the fp8 Gluon path (triton_gluon_fp8) for the large plain SiLU calls without biases its
+                            choice wants on Hopper (a variant call stays on the fused Triton kernels at every M)
                          -> int8_w8a16 / int4_w4a16 / mxfp4: triton_wo.fused_experts_wo (dequantized in registers;
                             expert biases and a gated activation spec, gpt-oss's included, on its tile and register
                             decodes: ``triton_wo_plan.VARIANT_DECODES``)
 
-What the quantized kernels do not run yet (fp8 with expert biases, an activation spec other than a plain name or an
-activation other than SiLU; weight-only with an ungated activation or float32 activations) goes to ``grouped_mm``'s
-quantized path (dequantized per call, the same definition) with a warning once per kind, naming what, so the answer
-is never a different function.
+What the quantized kernels do not run (an ungated activation; weight-only with float32 activations) goes to
+``grouped_mm``'s quantized path (dequantized per call, the same definition) with a warning once per kind, naming
+what, so the answer is never a different function.
 """
 
 from __future__ import annotations
@@ -36,18 +37,18 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
     """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels. fp8_block
     calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 3e11 FLOPs and 128
     assignments per expert) wants and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no
-    tracing, no backward). With
+    tracing, no backward, no biases, the plain SiLU); the rest, biases and activation variants included, on the
+    fused Triton kernels. With
     ``checked`` (True: ``check_experts_args`` passed, False: the caller vouches) a fused call keeps its entry
     for the fast path (``triton_quant_fast``)."""
     scheme = check_quantized_pair(w13, w2)
-    reason = _unsupported(scheme, x.dtype, activation, b13, b2)
+    reason = _unsupported(scheme, x.dtype, activation)
     if reason is not None:
         _warn_once(scheme, reason)
         from moekit.experts.grouped_mm import experts_grouped_mm
 
         return experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
                                   b13=b13, b2=b2)
-    name = as_spec(activation).name
     if scheme == "fp8_block":
         from moekit.experts.triton_fp8 import fused_experts_fp8
         from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, fp8_fast_key, gluon_fp8_takes, launch_gluon_fp8
@@ -57,8 +58,9 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
             return launch_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map,
                                     fast_key=fp8_fast_key(w13, w2, activation, choice))
 
-        out = fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=name,
-                                expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options)
+        out = fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=activation,
+                                expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options, b13=b13,
+                                b2=b2)
     else:
         from moekit.experts.triton_wo import fused_experts_wo
 
@@ -71,20 +73,13 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
     return out
 
 
-def _unsupported(scheme: str, dtype: torch.dtype, activation, b13, b2) -> str | None:
-    """Why the fused quantized kernels cannot take this call, or None."""
+def _unsupported(scheme: str, dtype: torch.dtype, activation) -> str | None:
+    """Why the fused quantized kernels cannot take this call, or None. Both families take expert biases and any gated
+    activation spec (``triton_wo``; fp8: ``_kernels/gemm_fp8``'s module docstring)."""
     spec = as_spec(activation)
-    if scheme != "fp8_block":  # the weight-only kernels take biases and a gated spec (``triton_wo``)
-        if dtype not in (torch.bfloat16, torch.float16):
-            return f"{str(dtype).removeprefix('torch.')} activations (the weight-only kernels take bf16/fp16)"
-        return None if spec.gated else f"the ungated activation spec {spec} (the weight-only kernels are gated)"
-    if b13 is not None or b2 is not None:
-        return "expert biases"
-    if not spec.plain:
-        return f"the activation spec {spec}"
-    if spec.name != "silu":
-        return f"activation {spec.name!r} (the fp8 kernels fuse SiLU)"
-    return None
+    if scheme != "fp8_block" and dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(dtype).removeprefix('torch.')} activations (the weight-only kernels take bf16/fp16)"
+    return None if spec.gated else f"the ungated activation spec {spec} (the {scheme} kernels are gated)"
 
 
 @functools.lru_cache(maxsize=None)

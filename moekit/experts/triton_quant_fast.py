@@ -198,11 +198,13 @@ def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool)
 
 def _lean_inputs(x, w13, w2, ids, weights, activation, options):
     """(plan, pool, launches(b, x, ids, weights, out)) of the scheme's plain path for this call, or None."""
+    from moekit.activations import plan_activation, spec_fields
+
     if w13.scheme == "fp8_block":
         from moekit.experts.triton_fp8 import fp8_lean_inputs
 
-        return fp8_lean_inputs(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, tuple(w13.block_shape), options)
-    from moekit.activations import plan_activation, spec_fields
+        return fp8_lean_inputs(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, tuple(w13.block_shape), options,
+                               plan_activation(*spec_fields(activation)))
     from moekit.experts.triton_quant import _wo
     from moekit.experts.triton_wo import wo_lean_inputs
 

@@ -70,6 +70,15 @@ halves it went through shared memory). With SWAP_AB the [2BN, BK] tile is the MM
 64-wide tile one 128 x 16 wgmma a step instead of two 64 x 16 ones). The same products and the same fold, element by
 element.
 
+Biases and the activation variant (issue #15; ``gemm_wo``'s helpers): b13_ptr [E, 2N] / b2_ptr [E, K] contiguous or None
+(without them and with ACT None, the defaults, the kernels are the ones before: sm_90 SASS identical,
+``benchmarks/wo_sass_diff_cpu.py``; a helper around the plain SiLU-and-mul moved ptxas' schedule on Triton 3.6). b13
+joins the float32 accumulators after the block scales, before the activation (``gemm._gate_up_epilogue``; columns past N
+stay act(0) * (0 + UP_SHIFT) = 0, out of every amax); b2 the down accumulator before the routed weight
+(``gemm_wo.add_b2``; no split-K here: once). ACT: any gated activation (``gemm._glu``). INTERLEAVED: gate j is w13 (and
+b13) row 2j, up j row 2j + 1 (gpt-oss's order, read in place), each column with its row block's scale: pointer loads (no
+W_DESC, ONE_BLOCK, PAIR_DOT; no persistent GEMMs).
+
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -80,7 +89,8 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import gemm_done, programs_after_gemm, routed_slot_count
 from moekit.experts._kernels.down_store import store_routed
-from moekit.experts._kernels.gemm import _gate_up_rows, _grid_position, program_tile
+from moekit.experts._kernels.gemm import _gate_up_epilogue, _gate_up_rows, _grid_position, program_tile
+from moekit.experts._kernels.gemm_wo import add_b2
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
 
@@ -214,18 +224,47 @@ def _act_tile(ptrs, ahead, row_ok, offs, left, step, BLOCK_K: tl.constexpr, QUAN
 
 
 @triton.jit
+def _w13_ptrs(w_ptr, offs_n, offs_k, N, stride_wn, stride_wk, INTERLEAVED: tl.constexpr):
+    """The gate and up tiles' pointers [BK, BN] of K-step 0 of columns offs_n, w_ptr at the expert's w13: gate column
+    j at row j and up at N + j, or (INTERLEAVED, gpt-oss's order) at 2j and 2j + 1."""
+    if INTERLEAVED:
+        wg_ptrs = w_ptr + (2 * offs_n[None, :].to(tl.int64)) * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = wg_ptrs + stride_wn
+    else:
+        wg_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = wg_ptrs + N * stride_wn  # the up rows follow the N gate rows
+    return wg_ptrs, wu_ptrs
+
+
+@triton.jit
+def _interleaved_scale_ptrs(ws_ptr, offs_n, stride_wsn, GROUP_N: tl.constexpr):
+    """INTERLEAVED's K-step 0 weight scale pointers [BN] of gate and up columns offs_n: the row blocks of rows 2j
+    and 2j + 1 (``_weight_scale_ptrs`` without ONE_BLOCK), ws_ptr at the expert's scales."""
+    return ws_ptr + ((2 * offs_n) // GROUP_N) * stride_wsn, ws_ptr + ((2 * offs_n + 1) // GROUP_N) * stride_wsn
+
+
+@triton.jit
+def _with_b2(acc, b2_ptr, expert, offs_out, out_ok, K):
+    """acc [BM, BN] + the expert's b2 at columns offs_out (b2_ptr None: acc), before the routed weight: ``gemm_wo.
+    add_b2`` (the fp8 grid has no split: program_id(1) is 0)."""
+    if b2_ptr is not None:
+        acc = add_b2(acc, b2_ptr, expert, offs_out, out_ok, K)
+    return acc
+
+
+@triton.jit
 def gate_up_fp8_kernel(
-    # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
-    N, K, num_assignments, top_k, num_experts, num_pid_m,
-    stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm,
-    stride_hsm, num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
-    SWAP_AB: tl.constexpr = False,
+    # x_q (X_RAW: x), x_s, w13 (W_DESC: its descriptor) + scale, h_q, h_s out; map: FOLD only; b13 [E, 2N] or None
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,
+    b13_ptr, N, K, num_assignments, top_k, num_experts, num_pid_m, stride_xm, stride_xk, stride_xsm, stride_we,
+    stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm, num_global, GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NAIVE: tl.constexpr,
+    UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr, X_RAW: tl.constexpr, W_DESC: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True, SWAP_AB: tl.constexpr = False,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
-    HAS_MAP: tl.constexpr = False, PAIR_DOT: tl.constexpr = False, PAIR_CHUNK: tl.constexpr = 64):
+    HAS_MAP: tl.constexpr = False, PAIR_DOT: tl.constexpr = False, PAIR_CHUNK: tl.constexpr = 64,
+    ACT: tl.constexpr = None, INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
+    UP_SHIFT: tl.constexpr = 0.0):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -237,18 +276,16 @@ def gate_up_fp8_kernel(
     token = tl.where(row_ok, rows // top_k, 0)  # [BM] int64: the gather, x row of each assignment
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok, offs_k = offs_n < N, tl.arange(0, BLOCK_K)
-    x_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
-    xs_ptrs = xs_ptr + token * stride_xsm  # [BM] scale of K-step 0
+    x_ptrs, xs_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk, xs_ptr + token * stride_xsm
     if W_DESC:  # a descriptor over w13 as [E*2N, K], blocks [BN, BK] (PAIR_DOT: ``pair_descriptor``'s, see there)
         gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
-    else:
-        wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-        wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
-    ws_ptr += expert * stride_wse
-    sg_ptrs = _weight_scale_ptrs(ws_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # gate columns
-    su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
-    acc_gate = acc_zeros(BLOCK_M, BLOCK_N * (2 if PAIR_DOT else 1), SWAP_AB)  # PAIR_DOT: [BM, 2BN], gate and up
-    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)  # [BM, BN] (unused with PAIR_DOT)
+    else:  # [BK, BN] each
+        wg_ptrs, wu_ptrs = _w13_ptrs(w_ptr + expert * stride_we, offs_n, offs_k, N, stride_wn, stride_wk, INTERLEAVED)
+    ws_ptr += expert * stride_wse  # the gate and up columns' scales; INTERLEAVED: no ONE_BLOCK, W_DESC, PAIR_DOT
+    sg_ptrs, su_ptrs = _interleaved_scale_ptrs(ws_ptr, offs_n, stride_wsn, GROUP_N) if INTERLEAVED else (
+        _weight_scale_ptrs(ws_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK),
+        _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK))
+    acc_gate, acc_up = acc_zeros(BLOCK_M, BLOCK_N * (1 + PAIR_DOT), SWAP_AB), acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     x_next = _first_ahead(x_ptrs, row_ok, offs_k, K, X_RAW, AHEAD)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
@@ -271,7 +308,9 @@ def gate_up_fp8_kernel(
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
     acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT, SWAP_AB)
-    h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
+    h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB) if ACT is None else _gate_up_epilogue(
+        unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), b13_ptr, expert, offs_n, n_ok, N, 2 * N, 1, ACT, True,
+        INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32 (ACT None: SiLU-and-mul, no b13: the kernel before)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
 
@@ -300,6 +339,7 @@ def down_fp8_kernel(
     # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] (W_DESC: its descriptor) + scale, y [A, K]
     hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
+    b2_ptr,  # b2 [E, K] contiguous, or None
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -349,7 +389,7 @@ def down_fp8_kernel(
         acc = _step(acc, ha, wb, _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK), UPCAST, SWAP_AB)
         h_ptrs, hs_ptrs, s_ptrs = h_ptrs + BLOCK_K, hs_ptrs + 1, s_ptrs + stride_wsn
     let_next_kernel_launch(PDL)
-    store_routed(unswap(acc, SWAP_AB), weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows,
-                 0, row_ok, arrivals, pid_n, offs_out, out_ok, K, top_k, num_experts, num_global, stride_ym,
-                 BLOCK_N, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)
+    store_routed(_with_b2(unswap(acc, SWAP_AB), b2_ptr, expert, offs_out, out_ok, K), weights_ptr, y_ptr, out_ptr,
+                 counters_ptr, ids_ptr, map_ptr, safe_rows, 0, row_ok, arrivals, pid_n, offs_out, out_ok, K, top_k,
+                 num_experts, num_global, stride_ym, BLOCK_N, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)
     gemm_done(counters_ptr, SUM_AFTER)

@@ -45,6 +45,7 @@ def gate_up_fp8_persistent_kernel(
     # x_q [M, K], x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q [A, N], h_s [A, NB]
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # ids, map: unread (the plan's pointer list)
+    b13_ptr,  # None: the plan takes no biases to the persistent GEMMs (the plan's pointer list)
     N, K, num_assignments, top_k,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -106,6 +107,7 @@ def down_fp8_persistent_kernel(
     hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # unread (the plan's pointer list: ids, then the k-sum's three)
+    b2_ptr,  # None: unread, as b13_ptr
     K, N, num_assignments,
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
