@@ -179,10 +179,12 @@ def split_glu_launch(config: KernelConfig, num_assignments: int, n: int, w13_wor
     return glu_launch(split, num_assignments, n, act, options)
 
 
-def glu_launch(split: int, num_assignments: int, n: int, act: int, options: LaunchOptions) -> BoundLaunch:
+def glu_launch(split: int, num_assignments: int, n: int, act: int, options: LaunchOptions,
+               variant: dict | None = None) -> BoundLaunch:
     """h = act(gate) * up from ``split`` >= 1 sets of float32 partials (``wo_split.split_glu_kernel``; pointers: p
-    [split * A, 2N], h [A, N])."""
+    [split * A, 2N], h [A, N]); ``variant``: the clamped SwiGLU's ALPHA / LIMIT / UP_SHIFT (the mma decode's,
+    ``triton_wo_gemm.variant_constexprs``), None the kernel's defaults (the plain activation)."""
     block = min(1024, max(16, 1 << (n - 1).bit_length()))
     return BoundLaunch(kernels("wo_split").split_glu_kernel, (num_assignments, cdiv(n, block)), 2,
                        (n, num_assignments, 2 * n, n), SPLIT=split, BLOCK_N=block, ACT=act, num_warps=4,
-                       cached=options.cached_launcher, **options.pdl_kwargs())
+                       cached=options.cached_launcher, **options.pdl_kwargs(), **(variant or {}))
