@@ -1,0 +1,126 @@
+"""Expert biases and the activation variant (gpt-oss as it ships: b13, b2, interleaved gate/up rows, its clamped SwiGLU)
+on the weight-only word MMA decode (``decode="mma"``, ``_kernels/gemm_wo_mma.py``, session 40), on the CPU under
+Triton's interpreter, tiny shapes.
+
+Chain: the mma decode with b13 + b2 + the spec, and each alone, int8 / int4 g128 / mxfp4, K and N with tail steps,
+against a float64 per-token loop (``_helpers.experts_loop``, its glu written out) over weights decoded by the hand
+dequantizer of ``test_triton_wo``; the gate-up split along K (b13 in split 0's partials alone, the spec in the
+split_glu launch) and in halves (interleaved rows mapped to p's gate / up columns); the down GEMM split along N with an
+expert map holding -1 (b2 once); a plain call's launches keep the kernels' defaults; the route: a variant call takes
+the mma decode where a plain one of its shape and M does, and its shape's ``VARIANT_DECODE_MEASURED`` entry first.
+
+Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from test_triton_wo import POISON, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
+from test_triton_wo_variant import PARTS, SPEC, _biases, _loop, assert_variant, variant_problem  # noqa: E402
+
+from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
+from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
+
+SCHEMES = [("int8_w8a16", 0), ("int4_w4a16", 128), ("mxfp4", 32)]
+
+
+def _config(rows: int = 32, block_k: int = 128, **word) -> KernelConfig:
+    tile = GemmTile(rows, block_k, 1, 1, 1)
+    return WordConfig(16, tile, tile, **word) if word else KernelConfig(16, tile, tile)
+
+
+def _run(wo, x, w13, w2, ids, weights, spec, b13, b2, config=None, expert_map=None, split_k=None, decode="mma"):
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, spec, config=config, options=POISON,
+                             split_k=split_k, decode=decode, b13=b13, b2=b2)
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("parts", list(PARTS))
+def test_mma_variant_matches_float64_loop(wo, scheme, group, parts):
+    # K = 200: a tail step (words, x and scales past the row load as 0); N = 64: half a down step
+    x, w13, w2, ids, weights, b13, b2, spec = variant_problem(wo, scheme, group, parts, hidden=200)
+    assert_variant(_run(wo, x, w13, w2, ids, weights, spec, b13, b2, _config()), x, w13, w2, ids, weights, b13, b2,
+                   spec)
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("word", [dict(up_split=2), dict(up_split=3), dict(halves=True),
+                                  dict(halves=True, up_split=2)])
+def test_mma_partial_gate_ups_take_b13_once_and_the_spec(wo, scheme, group, word):
+    # K = 328: three 128-column steps (the last a tail) in 2 or 3 splits, or the gate and up rows in separate
+    # programs (interleaved rows read as gate / up columns of p); the split_glu launch sums them and runs the spec
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=328, n=64, seed=7)
+    b13, b2 = _biases(4, 64, 328, 8)
+    out = _run(wo, x, w13, w2, ids, weights, SPEC, b13, b2, _config(**word))
+    assert rel(out, _loop(x, w13, w2, ids, weights, b13, b2, SPEC)) < 1e-3
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+def test_mma_split_down_with_expert_map_adds_b2_once(wo, scheme, group):
+    # N = 384: three 128-wide steps in 3 splits of the down GEMM (split 0 alone adds b2); global expert 2 lives
+    # elsewhere (-1 in the map): its slots add nothing, bias included
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=128, n=384, seed=43)
+    expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
+    ids[0, 0] = 2
+    b13, b2 = _biases(4, 384, 128, 44)
+    out = _run(wo, x, w13, w2, ids, weights, SPEC, b13, b2, _config(rows=16), expert_map=expert_map, split_k=3)
+    assert rel(out, _loop(x, w13, w2, ids, weights, b13, b2, SPEC, expert_map)) < 1e-3
+
+
+def test_plain_mma_launches_keep_the_kernel_defaults(wo):
+    # no bias, the plain silu: gate-up, split_glu and down take the kernels' defaults (None bias pointers, not
+    # interleaved, alpha 1, no clamp, no shift): the plain kernels (sm_90 SASS identical: the notes' diff)
+    from moekit.experts.triton_wo_plan import wo_plan_for
+
+    x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=3, k=2, hidden=256, n=64, seed=5)
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    for config in (_config(), _config(up_split=2)):
+        plan = wo_plan_for(x, *args, ids, weights, None, "mxfp4", "silu", config, POISON, decode="mma")
+        assert plan.biased
+        for launch in (plan.gate_up, plan.glu) if plan.glu is not None else (plan.gate_up,):
+            names = launch.kernel.arg_names[len(launch.kernel.arg_names) - len(launch.tail):]
+            constexprs = dict(zip(names, launch.tail))
+            assert (constexprs["ALPHA"], constexprs["LIMIT"], constexprs["UP_SHIFT"]) == (1.0, None, 0.0)
+            assert constexprs.get("INTERLEAVED", False) is False
+        assert plan.gate_up.kernel.arg_names[9] == "b13_ptr" and plan.down.kernel.arg_names[13] == "b2_ptr"
+        out = _run(wo, x, w13, w2, ids, weights, "silu", None, None, config)
+        assert rel(out, _loop(x, w13, w2, ids, weights, None, None, "silu")) < 1e-3
+
+
+def test_route_gives_a_variant_call_the_mma_where_a_plain_call_takes_it(wo, monkeypatch):
+    # the plain chooser's "mma" (patched for this tiny shape's measured row) stands for a variant call (was "register")
+    import moekit.experts.triton_wo_plan as plan
+
+    x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=5, k=2, hidden=256, n=64, seed=11)
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    monkeypatch.setitem(plan.DECODE_MEASURED, ("mxfp4", 4, 64, 256), {5: "mma"})
+    assert plan._usable_decode(None, *args, "mxfp4", 5, 4, 64, 256, 2, False) == "mma"
+    assert plan._usable_decode(None, *args, "mxfp4", 5, 4, 64, 256, 2, False, variant=True) == "mma"
+    b13, b2 = _biases(4, 64, 256, 12)
+    ran = []
+    real = plan.build_wo_plan
+    monkeypatch.setattr(plan, "build_wo_plan", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
+    out = _run(wo, x, w13, w2, ids, weights, SPEC, b13, b2, decode=None)
+    assert [p.decode for p in ran] == ["mma"]
+    assert rel(out, _loop(x, w13, w2, ids, weights, b13, b2, SPEC)) < 1e-3
+
+
+def test_variant_measured_entry_comes_first_for_variant_calls_only(wo, monkeypatch):
+    # a VARIANT_DECODE_MEASURED entry of the shape (tile-height bucket 16: M = 1..31 here) decides variant calls;
+    # plain calls keep the chooser's; another bucket (M = 40: 20 rows an expert) keeps the chooser's too
+    import moekit.experts.triton_wo_plan as plan
+    import moekit.experts.triton_wo_variant as variant
+
+    x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=5, k=2, hidden=256, n=64, seed=13)
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    monkeypatch.setattr(plan, "choose_decode", lambda *a, **k: "tile")
+    monkeypatch.setitem(variant.VARIANT_DECODE_MEASURED, ("mxfp4", 4, 64, 256), {8: "mma"})
+    assert plan._usable_decode(None, *args, "mxfp4", 5, 4, 64, 256, 2, False, variant=True) == "mma"
+    assert plan._usable_decode(None, *args, "mxfp4", 5, 4, 64, 256, 2, False) == "tile"
+    assert plan._usable_decode(None, *args, "mxfp4", 40, 4, 64, 256, 2, False, variant=True) == "tile"
+    assert plan._usable_decode("register", *args, "mxfp4", 5, 4, 64, 256, 2, False, variant=True) == "register"
