@@ -3,8 +3,8 @@
     QuantizedWeight pair -> fp8_block: triton_fp8.fused_experts_fp8 (activations quantized 1 x BC in the path),
                             or the fp8 Gluon path (triton_gluon_fp8) for the large calls its choice wants on Hopper
                          -> int8_w8a16 / int4_w4a16 / mxfp4: triton_wo.fused_experts_wo (dequantized in registers;
-                            expert biases and a gated activation spec, gpt-oss's included, on its tile, register
-                            and mma decodes: ``triton_wo_plan.VARIANT_DECODES``)
+                            expert biases and a gated activation spec, gpt-oss's included, on its tile, register,
+                            mma and gemv decodes: ``triton_wo_plan.VARIANT_DECODES``)
 
 What the quantized kernels do not run yet (fp8 with expert biases, an activation spec other than a plain name or an
 activation other than SiLU; weight-only with an ungated activation or float32 activations) goes to ``grouped_mm``'s

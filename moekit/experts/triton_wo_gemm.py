@@ -7,7 +7,7 @@ and ``_kernels/gemm_wo_mma.py``'s module docstrings): their gate-up takes b13 af
 INTERLEAVED / ALPHA / LIMIT / UP_SHIFT (``variant_constexprs``; the mma decode's split or halves gate-up: b13 in its
 partials, the spec's clamp in the split_glu launch), their down GEMM b2 after its thirteen; with neither (None
 pointers, the plain spec's values) they are the kernels before (sm_90 SASS identical,
-``benchmarks/wo_sass_diff_cpu.py``). The gemv decode takes neither.
+``benchmarks/wo_sass_diff_cpu.py``). The gemv decode (``triton_wo_gemv.gemv_launches``) takes them the same way.
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g the group size.
 """
@@ -23,7 +23,7 @@ from moekit.experts.triton_wo_mma import mma_gate_up, mma_launch_args
 from moekit.triton_bind import BoundLaunch
 
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
-VARIANT_DECODES = ("tile", "register", "mma")  # the decodes whose kernels take b13 / b2 and the activation variant
+VARIANT_DECODES = ("tile", "register", "mma", "gemv")  # the decodes whose kernels take b13 / b2 and the variant
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel"),
             "mma": ("gemm_wo_mma", "gate_up_wo_mma_kernel", "down_wo_mma_kernel")}
@@ -39,11 +39,12 @@ def span(tile: GemmTile, scheme: str, group_size: int) -> int:
     return min(tile.BLOCK_K, group_size)
 
 
-def variant_constexprs(spec: ActivationSpec) -> dict:
-    """The clamped SwiGLU's constexprs of ``spec`` (``gemm._glu``'s ALPHA, LIMIT, UP_SHIFT; a plain spec's are the
-    kernels' defaults)."""
-    return dict(ALPHA=float(spec.alpha), LIMIT=None if spec.limit is None else float(spec.limit),
-                UP_SHIFT=float(spec.up_shift))
+def variant_constexprs(spec: ActivationSpec, rows: bool = False) -> dict:
+    """The clamped SwiGLU's constexprs of ``spec`` (``gemm._glu``'s ALPHA, LIMIT, UP_SHIFT), with ``rows`` also its
+    INTERLEAVED (a gate-up's); a plain spec's are the kernels' defaults."""
+    glu = dict(ALPHA=float(spec.alpha), LIMIT=None if spec.limit is None else float(spec.limit),
+               UP_SHIFT=float(spec.up_shift))
+    return dict(INTERLEAVED=spec.interleaved, **glu) if rows else glu
 
 
 def gemm_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, naive: bool, scheme: str,
@@ -70,7 +71,7 @@ def gemm_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     pointers13, pointers2 = 9, 13
     if decode in VARIANT_DECODES:
         pointers13, pointers2 = 10, 14
-        extra13.update(INTERLEAVED=spec.interleaved, **variant_constexprs(spec))
+        extra13.update(variant_constexprs(spec, rows=True))
     if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
         (q13, words13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
         extra13.update(words13)
