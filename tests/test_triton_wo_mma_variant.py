@@ -2,12 +2,13 @@
 on the weight-only word MMA decode (``decode="mma"``, ``_kernels/gemm_wo_mma.py``, session 40), on the CPU under
 Triton's interpreter, tiny shapes.
 
-Chain: the mma decode with b13 + b2 + the spec, and each alone, int8 / int4 g128 / mxfp4, K and N with tail steps,
-against a float64 per-token loop (``_helpers.experts_loop``, its glu written out) over weights decoded by the hand
-dequantizer of ``test_triton_wo``; the gate-up split along K (b13 in split 0's partials alone, the spec in the
-split_glu launch) and in halves (interleaved rows mapped to p's gate / up columns); the down GEMM split along N with an
-expert map holding -1 (b2 once); a plain call's launches keep the kernels' defaults; the route: a variant call takes
-the mma decode where a plain one of its shape and M does, and its shape's ``VARIANT_DECODE_MEASURED`` entry first.
+Chain: the mma decode (and the gemv, ``test_triton_wo_gemv_variant``'s other tests) with b13 + b2 + the spec, and each
+alone, int8 / int4 g128 / mxfp4, K and N with tail steps, against a float64 per-token loop (``_helpers.experts_loop``,
+its glu written out) over weights decoded by the hand dequantizer of ``test_triton_wo``; the gate-up split along K (b13
+in split 0's partials alone, the spec in the split_glu launch) and in halves (interleaved rows mapped to p's gate / up
+columns); the down GEMM split along N with an expert map holding -1 (b2 once; the gemv too); a plain call's launches
+keep the kernels' defaults; the route: a variant call takes the mma (or gemv) decode where a plain one of its shape and
+M does, and its shape's ``VARIANT_DECODE_MEASURED`` entry first.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 """
@@ -20,7 +21,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from test_triton_wo import POISON, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
-from test_triton_wo_variant import PARTS, SPEC, _biases, _loop, assert_variant, variant_problem  # noqa: E402
+from test_triton_wo_variant import (  # noqa: E402
+    PARTS, SPEC, _biases, _loop, assert_variant, built_plans, run_variant, variant_problem,
+)
 
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
@@ -33,19 +36,19 @@ def _config(rows: int = 32, block_k: int = 128, **word) -> KernelConfig:
     return WordConfig(16, tile, tile, **word) if word else KernelConfig(16, tile, tile)
 
 
-def _run(wo, x, w13, w2, ids, weights, spec, b13, b2, config=None, expert_map=None, split_k=None, decode="mma"):
-    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
-    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, spec, config=config, options=POISON,
-                             split_k=split_k, decode=decode, b13=b13, b2=b2)
+def _run(wo, *args, decode="mma", **kwargs):
+    return run_variant(wo, decode, *args, **kwargs)
 
 
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("parts", list(PARTS))
-def test_mma_variant_matches_float64_loop(wo, scheme, group, parts):
-    # K = 200: a tail step (words, x and scales past the row load as 0); N = 64: half a down step
+@pytest.mark.parametrize("decode", ["mma", "gemv"])
+def test_word_decodes_variant_matches_float64_loop(wo, scheme, group, parts, decode):
+    # K = 200: a tail step (words, x and scales past the row load as 0); N = 64: half a down step; the mma in 16-row
+    # blocks of 32 x 128 tiles, the gemv in its heuristic's 2-row blocks (M = 5, k = 2 of E = 4: aligned)
     x, w13, w2, ids, weights, b13, b2, spec = variant_problem(wo, scheme, group, parts, hidden=200)
-    assert_variant(_run(wo, x, w13, w2, ids, weights, spec, b13, b2, _config()), x, w13, w2, ids, weights, b13, b2,
-                   spec)
+    out = _run(wo, x, w13, w2, ids, weights, spec, b13, b2, _config() if decode == "mma" else None, decode=decode)
+    assert_variant(out, x, w13, w2, ids, weights, b13, b2, spec)
 
 
 @pytest.mark.parametrize("scheme,group", SCHEMES)
@@ -61,14 +64,16 @@ def test_mma_partial_gate_ups_take_b13_once_and_the_spec(wo, scheme, group, word
 
 
 @pytest.mark.parametrize("scheme,group", SCHEMES)
-def test_mma_split_down_with_expert_map_adds_b2_once(wo, scheme, group):
-    # N = 384: three 128-wide steps in 3 splits of the down GEMM (split 0 alone adds b2); global expert 2 lives
-    # elsewhere (-1 in the map): its slots add nothing, bias included
+@pytest.mark.parametrize("decode", ["mma", "gemv"])
+def test_word_decodes_split_down_with_expert_map_add_b2_once(wo, scheme, group, decode):
+    # N = 384: three 128-wide steps (the gemv's int8: six of 64) in 3 splits of the down GEMM (split 0 alone adds b2);
+    # global expert 2 lives elsewhere (-1 in the map): its slots add nothing, bias included
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=128, n=384, seed=43)
     expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
     ids[0, 0] = 2
     b13, b2 = _biases(4, 384, 128, 44)
-    out = _run(wo, x, w13, w2, ids, weights, SPEC, b13, b2, _config(rows=16), expert_map=expert_map, split_k=3)
+    out = _run(wo, x, w13, w2, ids, weights, SPEC, b13, b2, _config(rows=16) if decode == "mma" else None,
+               expert_map=expert_map, split_k=3, decode=decode)
     assert rel(out, _loop(x, w13, w2, ids, weights, b13, b2, SPEC, expert_map)) < 1e-3
 
 
@@ -92,21 +97,22 @@ def test_plain_mma_launches_keep_the_kernel_defaults(wo):
         assert rel(out, _loop(x, w13, w2, ids, weights, None, None, "silu")) < 1e-3
 
 
-def test_route_gives_a_variant_call_the_mma_where_a_plain_call_takes_it(wo, monkeypatch):
-    # the plain chooser's "mma" (patched for this tiny shape's measured row) stands for a variant call (was "register")
+@pytest.mark.parametrize("scheme,decode,m,k,e", [("mxfp4", "mma", 5, 2, 4), ("int4_w4a16", "gemv", 1, 4, 16)])
+def test_route_gives_a_variant_call_the_word_decode_a_plain_call_takes(wo, monkeypatch, scheme, decode, m, k, e):
+    # the plain chooser's "mma" (aligned 16-row blocks) or "gemv" (the shortcut: M = 1, k = 4 of E = 16), patched in
+    # for this tiny shape's measured row, stands for a variant call (was "register"), end to end
     import moekit.experts.triton_wo_plan as plan
 
-    x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=5, k=2, hidden=256, n=64, seed=11)
+    x, w13, w2, ids, weights = problem(wo, scheme, 32, m=m, k=k, e=e, hidden=256, n=64, seed=11)
     args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
-    monkeypatch.setitem(plan.DECODE_MEASURED, ("mxfp4", 4, 64, 256), {5: "mma"})
-    assert plan._usable_decode(None, *args, "mxfp4", 5, 4, 64, 256, 2, False) == "mma"
-    assert plan._usable_decode(None, *args, "mxfp4", 5, 4, 64, 256, 2, False, variant=True) == "mma"
-    b13, b2 = _biases(4, 64, 256, 12)
-    ran = []
-    real = plan.build_wo_plan
-    monkeypatch.setattr(plan, "build_wo_plan", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
+    monkeypatch.setitem(plan.DECODE_MEASURED, (scheme, e, 64, 256), {m: decode})
+    shortcut = decode == "gemv"
+    assert plan._usable_decode(None, *args, scheme, m, e, 64, 256, k, shortcut) == decode
+    assert plan._usable_decode(None, *args, scheme, m, e, 64, 256, k, shortcut, variant=True) == decode
+    b13, b2 = _biases(e, 64, 256, 12)
+    ran = built_plans(monkeypatch)
     out = _run(wo, x, w13, w2, ids, weights, SPEC, b13, b2, decode=None)
-    assert [p.decode for p in ran] == ["mma"]
+    assert [p.decode for p in ran] == [decode]
     assert rel(out, _loop(x, w13, w2, ids, weights, b13, b2, SPEC)) < 1e-3
 
 

@@ -1,12 +1,12 @@
 """Expert biases and the activation variant (gpt-oss as it ships: interleaved gate/up rows, alpha 1.702, a clamp,
 up + 1) on the weight-only Triton kernels, on the CPU under Triton's interpreter, tiny shapes.
 
-Chain: each variant decode ("tile", "register"; "mma": ``test_triton_wo_mma_variant``) with b13 + b2 + the spec, and
-with each alone, against a float64 per-token loop (``_helpers.experts_loop``, its glu written out) over weights decoded
-by the hand dequantizer of ``test_triton_wo`` (int8 / int4 / mxfp4); the torch twin the same way; the route: a call
-with biases or a spec takes a variant decode (never grouped_mm's dequantizing path), a caller's other decode is an
-error naming it; a tiny gpt-oss's swapped MXFP4 blocks (interleaved rows as the checkpoint stores them) on the
-triton backend equal the same blocks on the reference backend.
+Chain: each variant decode ("tile", "register"; "mma", "gemv": ``test_triton_wo_{mma,gemv}_variant``) with b13 + b2 +
+the spec, and with each alone, against a float64 per-token loop (``_helpers.experts_loop``, its glu written out) over
+weights decoded by the hand dequantizer of ``test_triton_wo`` (int8 / int4 / mxfp4); the torch twin the same way;
+the route: a call with biases or a spec takes a variant decode (never grouped_mm's dequantizing path), a caller's
+other decode is an error naming it; a tiny gpt-oss's swapped MXFP4 blocks (interleaved rows as the checkpoint
+stores them) on the triton backend equal the same blocks on the reference backend.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 """
@@ -70,13 +70,29 @@ def assert_variant(out, x, w13, w2, ids, weights, b13, b2, spec) -> None:
         assert rel(want, _loop(x, w13, w2, ids, weights, b13, b2, unclamped)) > 0.01
 
 
+def run_variant(wo, decode, x, w13, w2, ids, weights, spec, b13, b2, config=None, expert_map=None, split_k=None):
+    """``run_experts_wo`` with ``decode`` (None: the route's), poisoned workspaces (the op cannot poison)."""
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, spec, config=config, options=POISON,
+                             split_k=split_k, decode=decode, b13=b13, b2=b2)
+
+
+def built_plans(monkeypatch) -> list:
+    """The plans ``triton_wo_plan.build_wo_plan`` builds from here on (patched to keep them; a cached kind builds
+    none)."""
+    import moekit.experts.triton_wo_plan as plan
+
+    built, real = [], plan.build_wo_plan
+    monkeypatch.setattr(plan, "build_wo_plan", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    return built
+
+
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("decode", ["tile", "register"])
 @pytest.mark.parametrize("parts", list(PARTS))
 def test_variant_decodes_match_float64_loop(wo, scheme, group, decode, parts):
     x, w13, w2, ids, weights, b13, b2, spec = variant_problem(wo, scheme, group, parts, hidden=96)
-    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
-    out = wo.run_experts_wo(x, *args, ids, weights, None, scheme, spec, options=POISON, decode=decode, b13=b13, b2=b2)
+    out = run_variant(wo, decode, x, w13, w2, ids, weights, spec, b13, b2)
     assert_variant(out, x, w13, w2, ids, weights, b13, b2, spec)
 
 
@@ -151,7 +167,7 @@ def test_chooser_picks_give_way_to_a_variant_decode(wo, monkeypatch):
             pick if pick in plan.VARIANT_DECODES else "register")
 
 
-@pytest.mark.parametrize("decode", ["gemv", "gluon"])  # "scratch" and "mma" take them (their own test files)
+@pytest.mark.parametrize("decode", ["gluon"])  # "scratch", "mma" and "gemv" take them (their own test files)
 def test_a_callers_decode_without_the_variant_is_refused(wo, decode):
     x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=2, k=2, hidden=256, n=128, seed=1)
     args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
