@@ -130,3 +130,27 @@ def test_variant_measured_entry_comes_first_for_variant_calls_only(wo, monkeypat
     assert plan._usable_decode(None, *args, "mxfp4", 5, 4, 64, 256, 2, False) == "tile"
     assert plan._usable_decode(None, *args, "mxfp4", 40, 4, 64, 256, 2, False, variant=True) == "tile"
     assert plan._usable_decode("register", *args, "mxfp4", 5, 4, 64, 256, 2, False, variant=True) == "register"
+
+
+def test_variant_measured_entries_reach_a_factor_2_only(monkeypatch):
+    # an entry speaks for its bucket's Ms from half the smallest measured M to below twice the largest
+    import moekit.experts.triton_wo_variant as variant
+
+    monkeypatch.setitem(variant.VARIANT_DECODE_MEASURED, ("mxfp4", 4, 64, 256), {8: "mma"})
+    picks = [variant.measured_variant_decode("mxfp4", m, 4, 64, 256, 2) for m in (3, 4, 15, 16)]
+    assert picks == [None, "mma", "mma", None]  # M = 16: 8 rows an expert, still bucket 16, past 2 x 8
+
+
+def test_shipped_variant_rows_of_gpt_oss_20b():
+    # one H100's wom40 check: mxfp4 M = 4..127 and int4 4..22 / 512..608 on the mma decode, int4 23..127 register and
+    # 609..1023 tile (measured entries bounding them); M = 1..3, int8 and other shapes: the plain chooser's (None)
+    from moekit.experts.triton_wo_variant import measured_variant_decode
+
+    def picks(scheme, ms):
+        return [measured_variant_decode(scheme, m, 32, 2880, 2880, 4) for m in ms]
+
+    assert picks("mxfp4", (1, 3, 4, 8, 64, 127, 128, 512)) == [None, None, "mma", "mma", "mma", "mma", None, None]
+    assert picks("int4_w4a16", (3, 4, 22, 23, 127, 256, 512, 608, 609, 1023)) == [
+        None, "mma", "mma", "register", "register", None, "mma", "mma", "tile", "tile"]
+    assert picks("int8_w8a16", (1, 8, 64, 512)) == [None] * 4
+    assert measured_variant_decode("mxfp4", 8, 128, 2880, 2880, 4) is None  # gpt-oss-120b: unmeasured
