@@ -178,6 +178,23 @@ def reached(scheme: str, ms: tuple, deadline: float, blanks: int):
         yield m
 
 
+def cells(scheme: str, ms: tuple, dev, deadline: float, blanks: int):
+    """(the scheme's ``layer``, M, its ``inputs``) for each M ``reached`` (``scr39`` / ``wom40``'s cells)."""
+    w = layer(scheme, dev)
+    RUN.log(f"{scheme}: weights quantized")
+    for m in reached(scheme, ms, deadline, blanks):
+        yield w, m, inputs(m, dev)
+
+
+def checked(label: str, fns: dict, want, tol: float, fused: str) -> tuple[dict, bool]:
+    """(name -> rel-L2 of each call of ``fns`` against ``want``, whether all are below ``tol``), a PASS / FAIL line
+    each (the "fused" call named with its decode ``fused``)."""
+    with torch.no_grad():
+        errs = {name: rel_l2(fn(), want) for name, fn in fns.items()}
+    return errs, all([RUN.check(f"{label} {name}{f' ({fused})' if name == 'fused' else ''}", err < tol,
+                                f"rel_l2={err:.2e}") for name, err in errs.items()])  # every line printed
+
+
 def run_scheme(scheme: str, ms: tuple, dev, deadline: float, ab: bool) -> None:
     from moekit.experts.triton_quant import _warn_once
 
@@ -229,22 +246,31 @@ def begin(result: dict, ms: tuple, header: str, columns: int) -> None:
     RUN.summary.append("| --- " * columns + "|")
 
 
+def run_checks(args, dev, head: str, name: str, result: dict, run_one) -> None:
+    """The gpt-oss checks' run (this one's, ``scr39_device_check``'s, ``wom40_device_check``'s): ``begin`` with the
+    table's ``head`` row, ``run_one(scheme)`` for each of ``args.schemes`` as a cell that starts before the deadline,
+    <out>/<name>.json after each, the GPU's cache emptied between schemes (a scheme's weights: 2 GB at gpt-oss's
+    width), then the table."""
+    begin(result, args.ms, head, head.count("|") - 1)
+    path = os.path.join(args.out, f"{name}.json") if args.out else ""
+    for scheme in args.schemes:
+        RUN.each_cell([scheme], run_one, args.deadline)
+        if path:
+            write_json(path, result)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    RUN.print_table()
+
+
 def main() -> int:
     p = parser(__doc__.split("\n")[0], 75.0, SCHEMES, MS)
     p.add_argument("--ab", action="store_true", help="also the route's decode plain and not interleaved (docstring)")
     args = p.parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")
     ab_head = " plain µs (new / plain) | unleaved µs (new / unleaved) |" if args.ab else ""
-    begin(RESULT, args.ms, "| scheme | M | new (route) µs | old (grouped_mm) µs | bf16 µs | old / new (rounds >= 3%) "
-          "| new / bf16 |" + ab_head, 9 if args.ab else 7)
-    path = os.path.join(args.out, "gpt39.json") if args.out else ""
-    for scheme in args.schemes:
-        RUN.each_cell([scheme], lambda s: run_scheme(s, args.ms, dev, args.deadline, args.ab), args.deadline)
-        if path:
-            write_json(path, RESULT)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()  # the scheme's weights (2 GB at gpt-oss's width) before the next one's
-    RUN.print_table()
+    run_checks(args, dev, "| scheme | M | new (route) µs | old (grouped_mm) µs | bf16 µs | old / new (rounds >= 3%) "
+               "| new / bf16 |" + ab_head, "gpt39", RESULT,
+               lambda s: run_scheme(s, args.ms, dev, args.deadline, args.ab))
     return 1 if RUN.failed else 0
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt39_device_check as gpt39  # noqa: E402
 from bench_rounds import faster_rounds  # noqa: E402
-from bench_run import RunLog, rel_l2, write_json  # noqa: E402
+from bench_run import RunLog  # noqa: E402
 
 SCHEMES = ("mxfp4", "int4_w4a16")
 MS = (5, 9) if SMOKE else (512, 1024, 4096)
@@ -74,18 +74,10 @@ def calls(w: dict, x, ids, weights) -> tuple[dict, str, str]:
 
 
 def run_scheme(scheme: str, ms: tuple, dev, deadline: float) -> None:
-    w = gpt39.layer(scheme, dev)
-    RUN.log(f"{scheme}: weights quantized")
     res = RESULT["run"][scheme] = {}
-    for m in gpt39.reached(scheme, ms, deadline, 5):
-        x, ids, weights = gpt39.inputs(m, dev)
+    for w, m, (x, ids, weights) in gpt39.cells(scheme, ms, dev, deadline, 5):
         fns, fused, route = calls(w, x, ids, weights)
-        with torch.no_grad():
-            want = gpt39.twin(w, x, ids, weights)
-            errs = {name: rel_l2(fn(), want) for name, fn in fns.items()}
-        for name, err in errs.items():
-            RUN.check(f"{scheme} M={m} {name}{f' ({fused})' if name == 'fused' else ''}", err < TOL,
-                      f"rel_l2={err:.2e}")
+        errs = gpt39.checked(f"{scheme} M={m}", fns, gpt39.twin(w, x, ids, weights), TOL, fused)[0]
         RUN.log(f"{scheme} M={m}: checked; the route takes {route}")
         timed = {name: fns[name] for name in ("scratch", "fused", "bf16")}
         us, eager = gpt39.graph_rounds(timed, dev, deadline, ROUNDS, REPLAYS)
@@ -107,16 +99,9 @@ def main() -> int:
         from moekit.experts import triton_wo, triton_wo_plan
 
         triton_wo.SCRATCH_MIN_TOKENS = triton_wo_plan.SCRATCH_MIN_TOKENS = MS[-1]
-    gpt39.begin(RESULT, args.ms, "| scheme | M | route takes | scratch µs | fused µs (decode) | bf16 µs "
-                "| fused / scratch (rounds scratch >= 3% faster) | scratch / bf16 |", 8)
-    path = os.path.join(args.out, "scr39.json") if args.out else ""
-    for scheme in args.schemes:
-        RUN.each_cell([scheme], lambda s: run_scheme(s, args.ms, dev, args.deadline), args.deadline)
-        if path:
-            write_json(path, RESULT)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    RUN.print_table()
+    gpt39.run_checks(args, dev, "| scheme | M | route takes | scratch µs | fused µs (decode) | bf16 µs "
+                     "| fused / scratch (rounds scratch >= 3% faster) | scratch / bf16 |", "scr39", RESULT,
+                     lambda s: run_scheme(s, args.ms, dev, args.deadline))
     print(f"\nthe real client (prefill 4 x 1024 tokens, M = 4096 a layer call; not part of this check):\n    {CLIENT}")
     return 1 if RUN.failed else 0
 

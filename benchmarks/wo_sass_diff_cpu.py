@@ -98,7 +98,7 @@ def gate_up_cases() -> dict[str, Case]:
     tuned 32 x 256, mxfp4 Mixtral M = 8 32 x 128, int4's heuristic 32 x 128; mxfp4 split in 2 along K, the float32
     partials: ``MMA_UP_SPLITS``), its gate and up rows apart (int4 ``MMA_HALVES``: 32 x 128 on one warp, 64 x 128 on
     two), the gemv's (2-row blocks, 16 weight rows of 16 words; DeepSeek-V3's 32-row x_tile split in 4,
-    ``triton_wo_word_winners``)."""
+    ``triton_wo_word_winners``), and the split_glu launch that activates their float32 partials."""
     from moekit.experts.triton_wo_mma import operand_pairs
 
     group, cases = {0: 7168, 1: 128, 2: 32}, {}
@@ -119,6 +119,8 @@ def gate_up_cases() -> dict[str, Case]:
     cases["up_gemv_mxfp4_xtile_split"] = Case("gemm_wo_gemv", "gate_up_wo_gemv_kernel", cases["up_gemv_mxfp4"].const
                                               | dict(BLOCK_M=1, BLOCK_N=32, SPLIT=4, XTILE=True), 2, 1,
                                               _scheme(2) | fp32)
+    cases["up_glu_split"] = Case("wo_split", "split_glu_kernel", dict(SPLIT=2, BLOCK_N=1024, ACT=0, PDL=True), 4, 1,
+                                 fp32)  # the split gate-ups' activation launch (``triton_wo_gemv.glu_launch``)
     return cases
 
 

@@ -1,12 +1,12 @@
 """Expert biases and the activation variant (gpt-oss as it ships: interleaved gate/up rows, alpha 1.702, a clamp,
 up + 1) on the weight-only Triton kernels, on the CPU under Triton's interpreter, tiny shapes.
 
-Chain: each variant decode ("tile", "register": ``triton_wo_plan.VARIANT_DECODES``) with b13 + b2 + the spec, and
-with each alone, against a float64 per-token loop (``_helpers.experts_loop``, its glu written out) over weights decoded
-by the hand dequantizer of ``test_triton_wo`` (int8 / int4 / mxfp4); the torch twin the same way; the route: a call
-with biases or a spec takes a variant decode (never grouped_mm's dequantizing path), a caller's other decode is an
-error naming it; a tiny gpt-oss's swapped MXFP4 blocks (interleaved rows as the checkpoint stores them) on the
-triton backend equal the same blocks on the reference backend.
+Chain: each variant decode ("tile", "register"; "mma", "gemv": ``test_triton_wo_{mma,gemv}_variant``) with b13 + b2 +
+the spec, and with each alone, against a float64 per-token loop (``_helpers.experts_loop``, its glu written out) over
+weights decoded by the hand dequantizer of ``test_triton_wo`` (int8 / int4 / mxfp4); the torch twin the same way;
+the route: a call with biases or a spec takes a variant decode (never grouped_mm's dequantizing path), a caller's
+other decode is an error naming it; a tiny gpt-oss's swapped MXFP4 blocks (interleaved rows as the checkpoint
+stores them) on the triton backend equal the same blocks on the reference backend.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 """
@@ -44,29 +44,56 @@ def _biases(e: int, n: int, hidden: int, seed: int):
     return torch.randn(e, 2 * n, generator=g), torch.randn(e, hidden, generator=g)  # b13 [E, 2N], b2 [E, K]
 
 
-def _loop(x, w13, w2, ids, weights, b13, b2, spec):
-    return experts_loop(x, dequant64(w13, x.shape[1]), dequant64(w2, w13.q.shape[1] // 2), ids, weights, b13=b13,
-                        b2=b2, spec=spec)
+def _loop(x, w13, w2, ids, weights, b13, b2, spec, expert_map=None):
+    return experts_loop(x, dequant64(w13, x.shape[1]), dequant64(w2, w13.q.shape[1] // 2), ids, weights, expert_map,
+                        b13=b13, b2=b2, spec=spec)
+
+
+def variant_problem(wo, scheme: str, group: int, parts: str, hidden: int, seed: int = 3) -> tuple:
+    """(x, w13, w2, ids, weights, b13, b2, spec) of M = 5, k = 2, E = 4, N = 64 with PARTS[parts]'s biases and spec
+    (b2 the size of the output: mxfp4's here is ~100)."""
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=5, k=2, hidden=hidden, n=64, seed=seed)
+    with_b13, with_b2, spec = PARTS[parts]
+    b13, b2 = _biases(4, 64, hidden, 9)
+    b2 = b2 * _loop(x, w13, w2, ids, weights, None, None, "silu").pow(2).mean().sqrt().float()
+    return x, w13, w2, ids, weights, (b13 if with_b13 else None), (b2 if with_b2 else None), spec
+
+
+def assert_variant(out, x, w13, w2, ids, weights, b13, b2, spec) -> None:
+    """``out`` equals the float64 loop with b13 / b2 / spec (fp16 in and out, interpreter dots fp32: rel 1e-3), the
+    variant shows against the plain silu and, with SPEC, its clamp bites."""
+    want = _loop(x, w13, w2, ids, weights, b13, b2, spec)
+    assert rel(out, want) < 1e-3
+    assert rel(want, _loop(x, w13, w2, ids, weights, None, None, "silu")) > 0.05
+    if spec is SPEC:
+        unclamped = ActivationSpec("silu", interleaved=True, alpha=1.702, up_shift=1.0)
+        assert rel(want, _loop(x, w13, w2, ids, weights, b13, b2, unclamped)) > 0.01
+
+
+def run_variant(wo, decode, x, w13, w2, ids, weights, spec, b13, b2, config=None, expert_map=None, split_k=None):
+    """``run_experts_wo`` with ``decode`` (None: the route's), poisoned workspaces (the op cannot poison)."""
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, spec, config=config, options=POISON,
+                             split_k=split_k, decode=decode, b13=b13, b2=b2)
+
+
+def built_plans(monkeypatch) -> list:
+    """The plans ``triton_wo_plan.build_wo_plan`` builds from here on (patched to keep them; a cached kind builds
+    none)."""
+    import moekit.experts.triton_wo_plan as plan
+
+    built, real = [], plan.build_wo_plan
+    monkeypatch.setattr(plan, "build_wo_plan", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    return built
 
 
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("decode", ["tile", "register"])
 @pytest.mark.parametrize("parts", list(PARTS))
 def test_variant_decodes_match_float64_loop(wo, scheme, group, decode, parts):
-    x, w13, w2, ids, weights = problem(wo, scheme, group, m=5, k=2, hidden=96, n=64, seed=3)
-    with_b13, with_b2, spec = PARTS[parts]
-    plain = _loop(x, w13, w2, ids, weights, None, None, "silu")
-    b13, b2 = _biases(4, 64, 96, 9)
-    b2 = b2 * plain.pow(2).mean().sqrt().float()  # b2 the size of the output (mxfp4's here is ~100)
-    b13, b2 = (b13 if with_b13 else None), (b2 if with_b2 else None)
-    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
-    out = wo.run_experts_wo(x, *args, ids, weights, None, scheme, spec, options=POISON, decode=decode, b13=b13, b2=b2)
-    want = _loop(x, w13, w2, ids, weights, b13, b2, spec)
-    assert rel(out, want) < 1e-3  # fp16 in and out (interpreter dots are fp32)
-    assert rel(want, plain) > 0.05  # the variant shows
-    if spec is SPEC:  # and its clamp bites
-        unclamped = ActivationSpec("silu", interleaved=True, alpha=1.702, up_shift=1.0)
-        assert rel(want, _loop(x, w13, w2, ids, weights, b13, b2, unclamped)) > 0.01
+    x, w13, w2, ids, weights, b13, b2, spec = variant_problem(wo, scheme, group, parts, hidden=96)
+    out = run_variant(wo, decode, x, w13, w2, ids, weights, spec, b13, b2)
+    assert_variant(out, x, w13, w2, ids, weights, b13, b2, spec)
 
 
 @pytest.mark.parametrize("decode", ["tile", "register"])
@@ -140,7 +167,7 @@ def test_chooser_picks_give_way_to_a_variant_decode(wo, monkeypatch):
             pick if pick in plan.VARIANT_DECODES else "register")
 
 
-@pytest.mark.parametrize("decode", ["mma", "gemv", "gluon"])  # "scratch" takes them (test_triton_wo_scratch_variant)
+@pytest.mark.parametrize("decode", ["gluon"])  # "scratch", "mma" and "gemv" take them (their own test files)
 def test_a_callers_decode_without_the_variant_is_refused(wo, decode):
     x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=2, k=2, hidden=256, n=128, seed=1)
     args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]

@@ -5,8 +5,8 @@
                             the fp8 Gluon path (triton_gluon_fp8) for the large plain SiLU calls without biases its
                             choice wants on Hopper (a variant call stays on the fused Triton kernels at every M)
                          -> int8_w8a16 / int4_w4a16 / mxfp4: triton_wo.fused_experts_wo (dequantized in registers;
-                            expert biases and a gated activation spec, gpt-oss's included, on its tile and register
-                            decodes: ``triton_wo_plan.VARIANT_DECODES``)
+                            expert biases and a gated activation spec, gpt-oss's included, on its tile, register,
+                            mma and gemv decodes: ``triton_wo_plan.VARIANT_DECODES``)
 
 What the quantized kernels do not run (an ungated activation; weight-only with float32 activations) goes to
 ``grouped_mm``'s quantized path (dequantized per call, the same definition) with a warning once per kind, naming

@@ -32,13 +32,14 @@ Every tensor is read through its strides (no copies).
 
 Expert biases and the activation variant (gpt-oss as it ships): b13 [E, 2N] (w13's row order) and b2 [E, K], each
 None or any float dtype, read contiguous (a strided one is copied per call); ``activation`` a name or a gated
-``ActivationSpec`` (interleaved gate/up rows, alpha, limit, up_shift). The tile and register decodes take them
-(``triton_wo_plan.VARIANT_DECODES``; the chooser's other decodes give way to "register"), and so does the scratch
-decode (its bf16 GEMMs add each chunk's bias rows and run the variant on the scratch's rows as stored): a call with
-them takes "scratch" where a plain call of its shape and M would (``_runs_scratch``: the winners table's rows,
-SCRATCH_MIN_TOKENS, ``scratch_fits``) and from a measured M of its shape (``triton_wo_scratch.VARIANT_SCRATCH_FROM``:
-gpt-oss-20b's mxfp4 / int4 from 1024), a fused variant decode elsewhere. The Gluon decode does not take them (such a
-call never takes it, not even where a plain call would; asked for by name, an error).
+``ActivationSpec`` (interleaved gate/up rows, alpha, limit, up_shift). The tile, register, mma and gemv decodes take
+them (``triton_wo_plan.VARIANT_DECODES``; a shape's measured entry first, ``triton_wo_variant``, else the chooser's
+decode as for a plain call), and so does the scratch decode (its bf16 GEMMs add each chunk's bias rows and run the
+variant on the scratch's rows as stored): a call with them takes "scratch" where a plain call of its shape and M would
+(``_runs_scratch``: the winners table's rows, SCRATCH_MIN_TOKENS, ``scratch_fits``) and from a measured M of its shape
+(``triton_wo_scratch.VARIANT_SCRATCH_FROM``: gpt-oss-20b's mxfp4 / int4 from 1024), a fused variant decode elsewhere.
+The Gluon decode does not take them (such a call never takes it, not even where a plain call would; asked for by
+name, an error).
 
 Torch twin: ``fused_experts_wo_torch`` (``dequantize_wo`` per expert, then a float32 per-expert loop).
 
@@ -244,7 +245,7 @@ def wo_launches(plan, b: dict, x, w13: WeightArgs, w2: WeightArgs, ids, weights,
     if plan.glu is None and not plan.glu_fold:
         launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, h, ids, *rows, *bias13)))
     else:  # the split gate-up's partials, then their sum and the activation (folded: down's, as it reads them)
-        launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, b["p"], ids, *rows)))
+        launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, b["p"], ids, *rows, *bias13)))
         if plan.glu_fold:
             h = b["p"]
         else:

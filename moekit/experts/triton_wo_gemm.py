@@ -2,10 +2,12 @@
 each decode's gate-up and down kernels bound to a call kind's grid, scalars and constexprs.
 
 Expert biases and the activation variant (gpt-oss as it ships: b13 [E, 2N], b2 [E, K], interleaved gate/up rows,
-its clamped SwiGLU) reach the tile and register decodes' kernels (VARIANT_DECODES: ``_kernels/gemm_wo.py``'s
-module docstring): their gate-up takes b13 after its nine pointers and the spec's INTERLEAVED / ALPHA / LIMIT /
-UP_SHIFT, their down GEMM b2 after its thirteen; with neither (None pointers, the plain spec's values) they are the
-kernels before (sm_90 SASS identical, ``benchmarks/wo_sass_diff_cpu.py``). The mma decode takes neither.
+its clamped SwiGLU) reach the tile, register and mma decodes' kernels (VARIANT_DECODES: ``_kernels/gemm_wo.py``'s
+and ``_kernels/gemm_wo_mma.py``'s module docstrings): their gate-up takes b13 after its nine pointers and the spec's
+INTERLEAVED / ALPHA / LIMIT / UP_SHIFT (``variant_constexprs``; the mma decode's split or halves gate-up: b13 in its
+partials, the spec's clamp in the split_glu launch), their down GEMM b2 after its thirteen; with neither (None
+pointers, the plain spec's values) they are the kernels before (sm_90 SASS identical,
+``benchmarks/wo_sass_diff_cpu.py``). The gemv decode (``triton_wo_gemv.gemv_launches``) takes them the same way.
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g the group size.
 """
@@ -21,7 +23,7 @@ from moekit.experts.triton_wo_mma import mma_gate_up, mma_launch_args
 from moekit.triton_bind import BoundLaunch
 
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
-VARIANT_DECODES = ("tile", "register")  # the decodes whose kernels take b13 / b2 and the activation variant
+VARIANT_DECODES = ("tile", "register", "mma", "gemv")  # the decodes whose kernels take b13 / b2 and the variant
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel"),
             "mma": ("gemm_wo_mma", "gate_up_wo_mma_kernel", "down_wo_mma_kernel")}
@@ -35,6 +37,14 @@ def span(tile: GemmTile, scheme: str, group_size: int) -> int:
     if tile.BLOCK_K < MIN_PACKED_K:
         raise ValueError(f"config BLOCK_K must be >= {MIN_PACKED_K} for {scheme}, got {tile.BLOCK_K}")
     return min(tile.BLOCK_K, group_size)
+
+
+def variant_constexprs(spec: ActivationSpec, rows: bool = False) -> dict:
+    """The clamped SwiGLU's constexprs of ``spec`` (``gemm._glu``'s ALPHA, LIMIT, UP_SHIFT), with ``rows`` also its
+    INTERLEAVED (a gate-up's); a plain spec's are the kernels' defaults."""
+    glu = dict(ALPHA=float(spec.alpha), LIMIT=None if spec.limit is None else float(spec.limit),
+               UP_SHIFT=float(spec.up_shift))
+    return dict(INTERLEAVED=spec.interleaved, **glu) if rows else glu
 
 
 def gemm_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, naive: bool, scheme: str,
@@ -61,10 +71,10 @@ def gemm_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     pointers13, pointers2 = 9, 13
     if decode in VARIANT_DECODES:
         pointers13, pointers2 = 10, 14
-        extra13.update(INTERLEAVED=spec.interleaved, ALPHA=float(spec.alpha),
-                       LIMIT=None if spec.limit is None else float(spec.limit), UP_SHIFT=float(spec.up_shift))
+        extra13.update(variant_constexprs(spec, rows=True))
     if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
-        (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
+        (q13, words13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
+        extra13.update(words13)
         mma = mma_gate_up(config, q13[0], scheme, n, num_pid_m)  # its kernel, grid and output (h or partials)
         gate_up_name, up_grid, h_tail, extra13["SPLIT"] = mma.kernel, mma.grid, mma.h_tail, mma.grid[1]
     gate_up = BoundLaunch(

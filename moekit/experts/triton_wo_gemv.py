@@ -125,13 +125,14 @@ def check_gemv_config(config: KernelConfig, scheme: str) -> None:
 
 def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, naive: bool, scheme: str,
                   scheme_id: int, act: int, options: LaunchOptions, split_k: int, split_len: int,
-                  asm: bool = False, ksum: dict | None = None,
+                  asm: bool = False, ksum: dict | None = None, variant: dict | None = None,
                   ) -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
     """The gate-up and down launches (``w13``/``w2``: ``triton_wo_plan.WeightArgs``, q strides in bytes,
-    passed to the kernels in words), and down with the k-sum folded in where ``ksum`` (else None;
-    ``triton_plan.down_launches``); ``split_len`` the down GEMM's reduction elements per split (a
-    multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``). A
-    folded split gate-up
+    passed to the kernels in words; gate-up takes b13 after its nine pointers, down b2 after its thirteen: None
+    without), and down with the k-sum folded in where ``ksum`` (else None; ``triton_plan.down_launches``);
+    ``split_len`` the down GEMM's reduction elements per split (a multiple of its BLOCK_K); ``asm``: the kernels'
+    inline PTX decode (``triton_wo_plan.inline_asm_ok``); ``variant``: the gate-up's INTERLEAVED / ALPHA / LIMIT /
+    UP_SHIFT (None: the kernel's defaults, the plain activation). A folded split gate-up
     (``folded_splits``): down reads the partials p [SPLIT * A, 2N] in h's place (UP_SPLIT, ACT, ROUND: h's
     dtype, x's or float32 under the interpreter, as the plan's workspace)."""
     check_gemv_config(config, scheme)
@@ -150,18 +151,18 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
 
     up_split, up_words = up_splits(config, w13.q.shape[2] // 4, scheme)
     gate_up = BoundLaunch(  # SPLIT > 1: h_ptr the float32 partials [SPLIT * A, 2N] (``_kernels/wo_split``)
-        module.gate_up_wo_gemv_kernel, (num_pid_m * cdiv(n, up.BLOCK_N), up_split), 9,
+        module.gate_up_wo_gemv_kernel, (num_pid_m * cdiv(n, up.BLOCK_N), up_split), 10,
         (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13),
          n if up_split == 1 else 2 * n, up_words),
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
-        SPLIT=up_split, num_warps=up.num_warps, **staging(up), **shared,
+        SPLIT=up_split, num_warps=up.num_warps, **staging(up), **shared, **(variant or {}),
     )
     fold = folded_splits(config, w13.q.shape[2] // 4, scheme)
     folding = {} if fold == 1 else dict(UP_SPLIT=fold, ACT=act, ROUND=0 if interpreting() else ROUND[x.dtype])
     down_launch, down_sum = down_launches(
         module.down_wo_gemv_kernel, num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
         (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per,
-         n if fold == 1 else 2 * n, *strides(w2), hidden), x.shape[0], ksum,
+         n if fold == 1 else 2 * n, *strides(w2), hidden), x.shape[0], ksum, 14,
         BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,
         num_warps=down.num_warps, **staging(down), **shared, **folding,
     )
@@ -169,20 +170,22 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
 
 
 def split_glu_launch(config: KernelConfig, num_assignments: int, n: int, w13_words: int, scheme: str, act: int,
-                     options: LaunchOptions) -> BoundLaunch | None:
+                     options: LaunchOptions, variant: dict | None = None) -> BoundLaunch | None:
     """The launch that sums the split gate-up's partials and applies the activation (pointers: p [SPLIT * A,
-    2N] float32, h [A, N]); None where the gate-up does not split (``up_splits``) or the down GEMM folds it in
-    (``folded_splits``)."""
+    2N] float32, h [A, N]; ``variant``: ``glu_launch``'s); None where the gate-up does not split (``up_splits``) or
+    the down GEMM folds it in (``folded_splits``)."""
     split = up_splits(config, w13_words, scheme)[0]
     if split == 1 or folded_splits(config, w13_words, scheme) > 1:
         return None
-    return glu_launch(split, num_assignments, n, act, options)
+    return glu_launch(split, num_assignments, n, act, options, variant)
 
 
-def glu_launch(split: int, num_assignments: int, n: int, act: int, options: LaunchOptions) -> BoundLaunch:
+def glu_launch(split: int, num_assignments: int, n: int, act: int, options: LaunchOptions,
+               variant: dict | None = None) -> BoundLaunch:
     """h = act(gate) * up from ``split`` >= 1 sets of float32 partials (``wo_split.split_glu_kernel``; pointers: p
-    [split * A, 2N], h [A, N])."""
+    [split * A, 2N], h [A, N]); ``variant``: the clamped SwiGLU's ALPHA / LIMIT / UP_SHIFT (the mma decode's,
+    ``triton_wo_gemm.variant_constexprs``), None the kernel's defaults (the plain activation)."""
     block = min(1024, max(16, 1 << (n - 1).bit_length()))
     return BoundLaunch(kernels("wo_split").split_glu_kernel, (num_assignments, cdiv(n, block)), 2,
                        (n, num_assignments, 2 * n, n), SPLIT=split, BLOCK_N=block, ACT=act, num_warps=4,
-                       cached=options.cached_launcher, **options.pdl_kwargs())
+                       cached=options.cached_launcher, **options.pdl_kwargs(), **(variant or {}))

@@ -28,10 +28,11 @@ the aligned layout at or below a measured M whose calls run aligned), else per (
 (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``) overrides it.
 
 Expert biases and the activation variant (gpt-oss: b13 [E, 2N], b2 [E, K], interleaved gate/up rows, a clamped
-SwiGLU): the tile and register decodes' kernels take them (VARIANT_DECODES; without them those kernels are the ones
-before, constexpr-guarded); a call with either gets the chooser's decode where it is one of those, else "register"
-(as a "gemv" or "mma" pick without words or a fitting group does); a caller's other fused decode is an error naming
-it. The scratch decode takes them too (``triton_wo.run_experts_wo`` routes such a call there as a plain one).
+SwiGLU): the tile, register, mma and gemv decodes' kernels take them (VARIANT_DECODES; without them those kernels are
+the ones before, constexpr-guarded; the gemv's split gate-up is never folded into the down GEMM for a variant,
+``_config_for``); a call with either gets its shape's measured entry (``triton_wo_variant``), else the chooser's
+decode (as a plain call; "register" where a "gemv" or "mma" pick lacks words or a fitting group). The scratch
+decode takes them too (``triton_wo.run_experts_wo`` routes such a call there as a plain one).
 
 Configs (``triton_wo_configs.wo_config``): ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories
 (``moekit.experts.configs``'s format and search order, ``config_name(scheme, decode)`` in the dtype's place:
@@ -55,12 +56,13 @@ from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, max_shared_memory, resolve_launch_options
 from moekit.experts.triton_plan import ksum_constexprs, sum_launch
 from moekit.experts.triton_wo_configs import MIN_PROGRAMS, fit_wo_shared_memory, height_bucket, wo_config
-from moekit.experts.triton_wo_gemm import SCHEME_IDS, VARIANT_DECODES, gemm_launches
+from moekit.experts.triton_wo_gemm import SCHEME_IDS, VARIANT_DECODES, gemm_launches, variant_constexprs
 from moekit.experts.triton_wo_gemv import (
     WORD_DECODES, WordConfig, folded_splits, gemv_launches, glu_launch, split_glu_launch, up_splits, words_ok,
 )
 from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_gate_up
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
+from moekit.experts.triton_wo_variant import measured_variant_decode
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
 from moekit.triton_bind import BoundLaunch
@@ -265,6 +267,23 @@ def _check_config(config: KernelConfig, decode: str, scheme: str, w13: WeightArg
         check_mma(config, scheme, w13, w2)
 
 
+def _config_for(config: KernelConfig | None, decode: str, scheme: str, w13: WeightArgs, w2: WeightArgs,
+                spec: ActivationSpec, call: tuple, device: torch.device) -> KernelConfig:
+    """The caller's ``config`` or ``wo_config``'s for ``decode`` and ``call`` (M, E, N, K, k), checked
+    (``_check_config``). A spec that is not plain never folds the split gate-up into the down GEMM (``glu_fold``:
+    ``wo_split.load_h`` runs the plain activation): a looked-up config's fold is dropped (its split_glu launch
+    instead), a caller's refused by name."""
+    if config is None:
+        config = wo_config(*call, scheme, device_key(device), decode)
+        if not spec.plain and getattr(config, "glu_fold", False):
+            config = replace(config, glu_fold=False)
+    elif not spec.plain and getattr(config, "glu_fold", False):
+        raise ValueError("config.glu_fold runs the plain activation: a call with an activation variant takes "
+                         "glu_fold=False (the split_glu launch runs the variant)")
+    _check_config(config, decode, scheme, w13, w2)
+    return config
+
+
 def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: str, activation: str | ActivationSpec,
                   config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None,
                   decode: str | None = None, has_b13: bool = False, has_b2: bool = False) -> WoPlan:
@@ -277,9 +296,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     spec = as_spec(activation)  # biases or a spec that is not plain: a variant decode (``_usable_decode``)
     decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut,
                             has_b13 or has_b2 or not spec.plain)
-    if config is None:
-        config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
-    _check_config(config, decode, scheme, w13, w2)
+    config = _config_for(config, decode, scheme, w13, w2, spec, (num_tokens, num_experts, n, hidden, top_k), x.device)
     if not interpreting() and decode not in WORD_DECODES and decode != "mma":  # mma: BLOCK_K fixed, small
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     if split_k is None and isinstance(config, WordConfig) and config.down_split > 0:
@@ -303,8 +320,9 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     if decode in WORD_DECODES:
         gate_up, down, down_sum = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
                                                 SCHEME_IDS[scheme], spec.kernel_id, options, split_k, split_len,
-                                                inline_asm_ok(x.device), ksum)
-        glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, spec.kernel_id, options)
+                                                inline_asm_ok(x.device), ksum, variant_constexprs(spec, rows=True))
+        glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, spec.kernel_id, options,
+                               variant_constexprs(spec))
         glu_fold = folded_splits(config, w13.q.shape[2] // 4, scheme) > 1
         splits = up_splits(config, w13.q.shape[2] // 4, scheme)[0]
         if splits > 1:
@@ -314,7 +332,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
                                                 spec, inline_asm_ok(x.device), options, split_k, split_len, ksum)
         mma = mma_gate_up(config, w13.q.shape[2] // 4, scheme, n, num_pid_m) if decode == "mma" else None
         if mma is not None and mma.partials:  # float32 partials (split along K, or the halves apart), then h
-            glu = glu_launch(mma.partials, num_assignments, n, spec.kernel_id, options)
+            glu = glu_launch(mma.partials, num_assignments, n, spec.kernel_id, options, variant_constexprs(spec))
             regions.append(("p", torch.float32, (mma.partials * num_assignments, 2 * n)))
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
@@ -333,12 +351,16 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
     """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
     weights do not read as words (``words_ok``), and its "mma" where the weights do not meet ``check_mma`` (int4
     groups not a multiple of 128); a caller's "gemv" or "mma" there is an error naming it. With ``variant`` (expert
-    biases or an activation spec that is not plain) a decode outside VARIANT_DECODES: the chooser's becomes
+    biases or an activation spec that is not plain) the measured entry of its shape first
+    (``triton_wo_variant.measured_variant_decode``), and a decode outside VARIANT_DECODES: the chooser's becomes
     "register", a caller's is an error naming it."""
     if decode in ("scratch", "gluon"):
         raise ValueError(f"decode={decode!r} has no fused plan: run_experts_wo runs it "
                          "(triton_wo_scratch / triton_gluon_wo)")
-    chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
+    chosen = decode
+    if chosen is None and variant:
+        chosen = measured_variant_decode(scheme, num_tokens, num_experts, n, hidden, top_k)
+    chosen = chosen or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
     if variant and chosen not in VARIANT_DECODES:
         if decode is not None:
             raise ValueError(f"decode={decode!r} takes no expert biases or activation variant: those run on "

@@ -203,19 +203,20 @@ def _dot_t(w, a, acc):
 
 @triton.jit
 def add_b13(acc_gate, acc_up, b13_ptr, expert, gate, up, n_ok, N):
-    """acc_gate, acc_up [BM, BN] float32 + expert's b13 (contiguous [E, 2N]) at its gate and up rows [BN] (w13's)."""
+    """acc_gate, acc_up [BM, BN] (or one row's [BN], the gemv's) float32 + expert's b13 (contiguous [E, 2N]) at its
+    gate and up rows [BN] (w13's), broadcast over the rows."""
     row = b13_ptr + expert * 2 * N
-    acc_gate += tl.load(row + gate, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    acc_up += tl.load(row + up, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc_gate += tl.load(row + gate, mask=n_ok, other=0.0).to(tl.float32)
+    acc_up += tl.load(row + up, mask=n_ok, other=0.0).to(tl.float32)
     return acc_gate, acc_up
 
 
 @triton.jit
 def add_b2(acc, b2_ptr, expert, offs_out, out_ok, K):
-    """acc [BM, BN] float32 + expert's b2 (contiguous [E, K]) at columns offs_out, by split 0 only (split-K's
-    partials sum onto it)."""
+    """acc [BM, BN] (or one row's [BN], the gemv's) float32 + expert's b2 (contiguous [E, K]) at columns offs_out,
+    broadcast over the rows, by split 0 only (split-K's partials sum onto it)."""
     b2 = tl.load(b2_ptr + expert * K + offs_out, mask=out_ok, other=0.0).to(tl.float32)  # [BN]
-    return acc + tl.where(tl.program_id(1) == 0, b2, 0.0)[None, :]
+    return acc + tl.where(tl.program_id(1) == 0, b2, 0.0)
 
 
 @triton.jit

@@ -34,6 +34,14 @@ with the activation by ``wo_split.split_glu_kernel`` (more programs where the to
 few to keep the SMs' loads in flight: M = 1). Alignment, NAIVE, PDL as in ``gemm.py``; BLOCK_M is the
 M-block's rows (1 for the tiny-batch shortcut).
 
+Biases and the activation variant (gpt-oss's experts, session 40; ``gemm_wo``'s module docstring): b13_ptr [E, 2N]
+and b2_ptr [E, K], contiguous, or None (constexpr-specialised: without them the kernels are the ones before). b13 is
+added to each row's finished gate and up sums (int8's row scale applied), by split 0 alone where the gate-up splits
+(its partials then carry it once, into the split_glu launch or the down GEMM's fold); b2 to each output row before
+the routed weight, by split 0 alone. INTERLEAVED: gate column j is w13 (and b13) row 2j, up j row 2j + 1; ALPHA,
+LIMIT, UP_SHIFT: ``gemm._glu``'s clamped SwiGLU in the unsplit gate-up (a split one's: the split_glu launch's; the
+fold, ``wo_split.load_h``, runs the plain activation only: the plan does not fold a variant).
+
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a
 step (PER = 8 values a word for the 4-bit schemes, 4 for int8).
 """
@@ -44,6 +52,7 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _glu, program_tile
+from moekit.experts._kernels.gemm_wo import add_b2, add_b13
 from moekit.experts._kernels.wo_split import h_words, load_h, split_range, store_partials
 from moekit.experts._kernels.wo_words import load_words, word_scales, word_values
 
@@ -154,38 +163,44 @@ def _row(rows, num_assignments, r: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def gate_up_operands(x_ptr, q_ptr, s_ptr, z_ptr, rows, expert, pid_n, N, num_assignments, top_k, stride_xm,
                      stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr = False):
     """What the word decode's gate-up program reads, from its block's rows and expert: (a0, ok0, a1, ok1) its
     rows' assignments and whether they exist, x0 / x1 their x rows,
     offs_n [BN] its h columns and n_ok, the gate and up rows' word pointers qg, qu (int32), scales sg, su
-    and zeros zg, zu [BN] (the up rows follow the N gate rows)."""
+    and zeros zg, zu [BN] (the up rows follow the N gate rows; INTERLEAVED: gate j at w13 row 2j, up at 2j + 1),
+    and those rows gate, up [BN] (b13's)."""
     a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
     a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
     x0 = x_ptr + tl.where(ok0, a0 // top_k, 0) * stride_xm
     x1 = x_ptr + tl.where(ok1, a1 // top_k, 0) * stride_xm
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows
+    gate = offs_n.to(tl.int64) * (2 if INTERLEAVED else 1)  # [BN] w13 rows
+    up = gate + (1 if INTERLEAVED else N)
     words = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe
     qg, qu = words + gate * stride_qr, words + up * stride_qr
     sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
-    return a0, ok0, a1, ok1, x0, x1, offs_n, n_ok, qg, qu, sg, su, zg, zu
+    return a0, ok0, a1, ok1, x0, x1, offs_n, n_ok, qg, qu, sg, su, zg, zu, gate, up
 
 
 @triton.jit
 def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n, N, num_assignments, stride_hm,
-                 SCHEME: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr):
+                 SCHEME: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr, b13_ptr=None, expert=0, g_rows=0,
+                 u_rows=0, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None, UP_SHIFT: tl.constexpr = 0.0):
     """Row ``row`` of h [BN] from its accumulators [BN, BKW] and x terms [BN] (int8: times the per-row
-    scales); SPLIT > 1: this split's gate and up partials instead (``wo_split.store_partials``)."""
+    scales), + b13 at the w13 rows g_rows, u_rows (split 0 alone), the spec's glu; SPLIT > 1: this split's gate and
+    up partials instead (``wo_split.store_partials``)."""
     gate, up = tl.sum(acc_g, axis=1) - xt_g, tl.sum(acc_u, axis=1) - xt_u
     if SCHEME == 0:
         gate *= tl.load(sg, mask=n_ok, other=0.0)
         up *= tl.load(su, mask=n_ok, other=0.0)
+    if b13_ptr is not None:
+        gate, up = add_b13(gate, up, b13_ptr, expert, g_rows, u_rows, tl.where(tl.program_id(1) == 0, n_ok, False), N)
     if SPLIT > 1:
         store_partials(h_ptr, gate, up, row, ok, offs_n, n_ok, N, num_assignments, stride_hm)
     else:
-        h = _glu(gate, up, ACT, 1.0, None, 0.0)
+        h = _glu(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT)
         tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok, n_ok, False))
 
 
@@ -214,25 +229,27 @@ def _gate_up_step(acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg
 @triton.jit
 def gate_up_wo_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, b13_ptr,  # b13 [E, 2N] or None
     N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
     stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr, SPLIT: tl.constexpr = 1, AHEAD: tl.constexpr = 1, XTILE: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
+    UP_SHIFT: tl.constexpr = 0.0,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
-    word by word. SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of
-    each row, h_ptr the float32 partials p [SPLIT * A, 2N] (``wo_split``)."""
+    """h = glu(x w_gate^T + b13_gate, x w_up^T + b13_up) per assignment row (BLOCK_M 1 or 2 rows a block), w13
+    decoded word by word (b13, the variant: module doc). SPLIT > 1 (grid axis 1 = split s): words [s * split_words,
+    (s + 1) * split_words) of each row, h_ptr the float32 partials p [SPLIT * A, 2N] (``wo_split``)."""
     wait_for_previous_kernel(PDL)
     pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
                                        num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
     if expert < 0:
         return
-    a0, ok0, a1, ok1, x0, x1, offs_n, n_ok, qg, qu, sg, su, zg, zu = gate_up_operands(
+    a0, ok0, a1, ok1, x0, x1, offs_n, n_ok, qg, qu, sg, su, zg, zu, gate, up = gate_up_operands(
         x_ptr, q_ptr, s_ptr, z_ptr, rows, expert, pid_n, N, num_assignments, top_k, stride_xm, stride_qe, stride_qr,
-        stride_se, stride_sr, stride_ze, stride_zr, BLOCK_M, BLOCK_N)
+        stride_se, stride_sr, stride_ze, stride_zr, BLOCK_M, BLOCK_N, INTERLEAVED)
     acc_g0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
     xt_g0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
@@ -253,10 +270,10 @@ def gate_up_wo_gemv_kernel(
             wg, wu = far_g, far_u
     let_next_kernel_launch(PDL)
     _gate_up_out(acc_g0, xt_g0, acc_u0, xt_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, N, num_assignments, stride_hm,
-                 SCHEME, ACT, SPLIT)
+                 SCHEME, ACT, SPLIT, b13_ptr, expert, gate, up, ALPHA, LIMIT, UP_SHIFT)
     if BLOCK_M > 1:
         _gate_up_out(acc_g1, xt_g1, acc_u1, xt_u1, sg, su, n_ok, h_ptr, a1, ok1, offs_n, N, num_assignments,
-                     stride_hm, SCHEME, ACT, SPLIT)
+                     stride_hm, SCHEME, ACT, SPLIT, b13_ptr, expert, gate, up, ALPHA, LIMIT, UP_SHIFT)
 
 
 @triton.jit
@@ -301,11 +318,14 @@ def _down_loop(q_rows, s_rows, z_rows, h0, ok0, h1, ok1, w_start, split_words, N
 
 @triton.jit
 def _down_out(acc, xt, s_rows, out_ok, weights_ptr, y_ptr, row, ok, num_assignments, offs_out, stride_ym,
-              SCHEME: tl.constexpr):
-    """Row ``row``'s routed-weighted output [BN] into this split's partial row."""
+              SCHEME: tl.constexpr, b2_ptr=None, expert=0, K=0):
+    """Row ``row``'s routed-weighted output [BN] (+ b2 by split 0 alone: ``gemm_wo.add_b2``) into this split's
+    partial row."""
     y = tl.sum(acc, axis=1) - xt
     if SCHEME == 0:
         y *= tl.load(s_rows, mask=out_ok, other=0.0)
+    if b2_ptr is not None:
+        y = add_b2(y, b2_ptr, expert, offs_out, out_ok, K)
     y *= tl.load(weights_ptr + row, mask=ok, other=0.0).to(tl.float32)
     y_row = tl.program_id(1) * num_assignments + row
     tl.store(y_ptr + y_row * stride_ym + offs_out, y.to(y_ptr.dtype.element_ty), mask=tl.where(ok, out_ok, False))
@@ -316,6 +336,7 @@ def down_wo_gemv_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
+    b2_ptr,  # b2 [E, K] or None
     K, N, NW, num_assignments, num_experts, num_pid_m, split_words,  # NW: words of a w2 row
     stride_hm, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
     stride_ze, stride_zr, stride_zg, stride_ym,
@@ -327,7 +348,7 @@ def down_wo_gemv_kernel(
     UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0, AHEAD: tl.constexpr = 1,
     XTILE: tl.constexpr = False,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
+    """y = routed weight * (h w2^T + b2) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
     split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]. KSUM: ``gemm_wo``'s docstring.
     UP_SPLIT > 1: h_ptr the split gate-up's partials p [UP_SPLIT * A, 2N] (stride_hm 2N), h folded as read
@@ -361,9 +382,11 @@ def down_wo_gemv_kernel(
                                       stride_zg, num_assignments * stride_hm, BLOCK_M, BLOCK_N, BKW, PER, GROUP, SCHEME,
                                       ASM, UP_SPLIT, ACT, ROUND, AHEAD, XTILE)
     let_next_kernel_launch(PDL)
-    _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
+    _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME,
+              b2_ptr, expert, K)
     if BLOCK_M > 1:
-        _down_out(acc1, xt1, s_rows, out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym, SCHEME)
+        _down_out(acc1, xt1, s_rows, out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym,
+                  SCHEME, b2_ptr, expert, K)
     if KSUM:
         ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
                       out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)

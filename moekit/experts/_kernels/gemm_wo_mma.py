@@ -29,6 +29,13 @@ The gate-up in two forms: both sides a program (``gate_up_wo_mma_kernel``: two w
 activated) or the gate rows and up rows in separate programs (``gate_up_halves_wo_mma_kernel``, session 29: one
 of each, float32 partials activated by ``wo_split.split_glu_kernel``; fewer registers, more programs an SM).
 
+Biases and the activation variant (gpt-oss's experts, session 40; ``gemm_wo``'s module docstring): b13_ptr [E, 2N]
+and b2_ptr [E, K], contiguous, or None (constexpr-specialised: without them the kernels are the ones before). b13
+is added to the finished gate and up sums (after int8's row scale and mxfp4's 2^64), by split 0 alone where the
+gate-up splits along K (its partials then sum onto it in the split_glu launch, which runs the variant); b2 in
+``_down_epilogue`` as the tile decode's (split 0 alone). INTERLEAVED: gate column j is w13 (and b13) row 2j, up j row
+2j + 1 (read in place); ALPHA, LIMIT, UP_SHIFT: ``gemm._glu``'s clamped SwiGLU. Their defaults are the plain kernels.
+
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step (BLOCK_K / 8).
 """
 
@@ -38,7 +45,7 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _glu, program_tile
-from moekit.experts._kernels.gemm_wo import _down_epilogue
+from moekit.experts._kernels.gemm_wo import _down_epilogue, add_b13
 from moekit.experts._kernels.wo_mma_values import X_SCALE, weight_operand, x_operand
 
 DOT_K = tl.constexpr(128)  # columns a dot (16 words of 4-bit values, 32 of int8): a step runs BLOCK_K / DOT_K dots
@@ -162,9 +169,31 @@ def _finish(acc, SCHEME: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_out(acc_gate, acc_up, sg, su, b13_ptr, expert, gate, up, h_ptr, rows, row_ok, offs_n, n_ok, N,
+                 num_assignments, stride_hm, SCHEME: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr,
+                 ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
+    """The gate-up's end: the gate and up sums acc_gate, acc_up [BM, BN] float32 scaled (int8's rows, mxfp4's 2^64),
+    + b13 at the w13 rows gate, up [BN] (split 0 alone), then h = glu(gate, up) stored, or (SPLIT > 1) this split's
+    float32 partials: gate at p columns offs_n, up at N + offs_n."""
+    acc_gate, acc_up = _row_scaled(acc_gate, sg, n_ok, SCHEME), _row_scaled(acc_up, su, n_ok, SCHEME)
+    acc_gate, acc_up = _finish(acc_gate, SCHEME), _finish(acc_up, SCHEME)
+    if b13_ptr is not None:  # split 0's partials alone take it (one split: all programs)
+        acc_gate, acc_up = add_b13(acc_gate, acc_up, b13_ptr, expert, gate, up,
+                                   tl.where(tl.program_id(1) == 0, n_ok, False), N)
+    mask = row_ok[:, None] & n_ok[None, :]
+    if SPLIT > 1:
+        p_rows = h_ptr + (tl.program_id(1) * num_assignments + rows.to(tl.int64))[:, None] * stride_hm
+        tl.store(p_rows + offs_n[None, :], acc_gate, mask=mask)
+        tl.store(p_rows + N + offs_n[None, :], acc_up, mask=mask)
+    else:
+        h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32
+        tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def gate_up_wo_mma_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, b13_ptr,  # b13 [E, 2N] or None
     N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,  # q strides in words
     stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
@@ -172,10 +201,13 @@ def gate_up_wo_mma_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
     PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 8,
+    INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
+    UP_SHIFT: tl.constexpr = 0.0,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 0 int8, 1 int4 or 2 mxfp4; SPAN: unused).
-    SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of each row, h_ptr the float32
-    partials p [SPLIT * A, 2N] (gate then up; ``wo_split.split_glu_kernel`` sums and activates them)."""
+    """h = glu(x w_gate^T + b13_gate, x w_up^T + b13_up) per assignment row (SCHEME 0 int8, 1 int4 or 2 mxfp4;
+    SPAN: unused; b13 and the variant: module doc). SPLIT > 1 (grid axis 1 = split s): words [s * split_words,
+    (s + 1) * split_words) of each row, h_ptr the float32 partials p [SPLIT * A, 2N] (gate then up, b13 in split 0's;
+    ``wo_split.split_glu_kernel`` sums and activates them)."""
     wait_for_previous_kernel(PDL)
     pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
                                        num_padded_ptr, num_assignments, num_experts, BLOCK_M, GROUP_M, NAIVE)
@@ -185,7 +217,8 @@ def gate_up_wo_mma_kernel(
     token = tl.where(row_ok, rows // top_k, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
+    gate = offs_n.to(tl.int64) * (2 if INTERLEAVED else 1)  # [BN] w13 rows: gate j at j (INTERLEAVED: 2j)
+    up = gate + (1 if INTERLEAVED else N)  # the up rows follow the N gate rows (INTERLEAVED: gpt-oss's 2j + 1)
     words = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe
     qg, qu = words + gate * stride_qr, words + up * stride_qr
     sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
@@ -212,21 +245,14 @@ def gate_up_wo_mma_kernel(
             acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, ws * PER, K, n_ok, stride_sg, stride_zg, BLOCK_N,
                                  DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
-    acc_gate, acc_up = _row_scaled(acc_gate, sg, n_ok, SCHEME), _row_scaled(acc_up, su, n_ok, SCHEME)
-    mask = row_ok[:, None] & n_ok[None, :]
-    if SPLIT > 1:
-        p_rows = h_ptr + (tl.program_id(1) * num_assignments + rows.to(tl.int64))[:, None] * stride_hm
-        tl.store(p_rows + offs_n[None, :], _finish(acc_gate, SCHEME), mask=mask)
-        tl.store(p_rows + N + offs_n[None, :], _finish(acc_up, SCHEME), mask=mask)
-    else:
-        h = _glu(_finish(acc_gate, SCHEME), _finish(acc_up, SCHEME), ACT, 1.0, None, 0.0)  # [BM, BN] fp32
-        tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    _gate_up_out(acc_gate, acc_up, sg, su, b13_ptr, expert, gate, up, h_ptr, rows, row_ok, offs_n, n_ok, N,
+                 num_assignments, stride_hm, SCHEME, ACT, SPLIT, ALPHA, LIMIT, UP_SHIFT)
 
 
 @triton.jit
 def gate_up_halves_wo_mma_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, p_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); p [SPLIT * A, 2N] float32 out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, b13_ptr,  # b13 [E, 2N] or None
     N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,  # q strides in words
     stride_ze, stride_zr, stride_zg, stride_pm, split_words,  # split_words: a split's words (>= KW: one split)
@@ -234,8 +260,12 @@ def gate_up_halves_wo_mma_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
     PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 8,
+    INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
+    UP_SHIFT: tl.constexpr = 0.0,
 ):
-    """p = x w13^T per assignment row, float32, the activation left to the split_glu launch (``wo_split``): a
+    """p = x w13^T (+ b13 in split 0's) per assignment row, float32, the activation left to the split_glu launch
+    (``wo_split``; ALPHA, LIMIT, UP_SHIFT: its, unused here; INTERLEAVED: p column c < N reads w13 row 2c, column
+    N + c row 2c + 1, so p holds gate then up as without it): a
     program owns BLOCK_N of the 2N w13 rows, so the gate rows and the up rows are separate programs (a block across
     row N holds both; p's columns are w13's rows: gate, then up), each with one accumulator and one [BN, BKW] word
     tile a step (``gate_up_wo_mma_kernel`` holds two of each). Grid
@@ -250,7 +280,9 @@ def gate_up_halves_wo_mma_kernel(
     token = tl.where(row_ok, rows // top_k, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] w13 rows, p columns
     n_ok = offs_n < 2 * N
-    r = offs_n.to(tl.int64)
+    r = offs_n.to(tl.int64)  # [BN] w13 rows
+    if INTERLEAVED:
+        r = tl.where(r < N, 2 * r, 2 * (r - N) + 1)
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + r * stride_qr
     s_rows = s_ptr + expert * stride_se + r * stride_sr
     z_offs, b_offs = expert * stride_ze + r * stride_zr, expert * stride_se + r * stride_sr  # [BN] byte offsets
@@ -263,8 +295,11 @@ def gate_up_halves_wo_mma_kernel(
                     stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SCHEME, ASM, SCALE_WORD, PAIRS, PER, dtype)
     let_next_kernel_launch(PDL)
     p_rows = p_ptr + (tl.program_id(1) * num_assignments + rows.to(tl.int64))[:, None] * stride_pm  # [BM, 1]
-    tl.store(p_rows + offs_n[None, :], _finish(_row_scaled(acc, s_rows, n_ok, SCHEME), SCHEME),
-             mask=row_ok[:, None] & n_ok[None, :])
+    acc = _finish(_row_scaled(acc, s_rows, n_ok, SCHEME), SCHEME)
+    if b13_ptr is not None:  # split 0's partials alone
+        acc += tl.load(b13_ptr + expert * 2 * N + r, mask=tl.where(tl.program_id(1) == 0, n_ok, False),
+                       other=0.0).to(tl.float32)[None, :]
+    tl.store(p_rows + offs_n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -272,6 +307,7 @@ def down_wo_mma_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
+    b2_ptr,  # b2 [E, K] or None
     K, N, NW, num_assignments, num_experts, num_pid_m, split_len,  # NW: words of a w2 row
     stride_hm, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,  # q strides in words
     stride_ze, stride_zr, stride_zg, stride_ym,
@@ -282,7 +318,8 @@ def down_wo_mma_kernel(
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
-    """y = routed weight * (h w2^T) per assignment row (split-K, KSUM: ``gemm_wo_reg``'s; split_len in columns)."""
+    """y = routed weight * (h w2^T + b2) per assignment row (split-K, KSUM: ``gemm_wo_reg``'s; split_len in columns;
+    b2: module doc)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -317,4 +354,4 @@ def down_wo_mma_kernel(
     let_next_kernel_launch(PDL)
     _down_epilogue(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows,
                    row_ok, arrivals, pid_n, offs_out, out_ok, K, num_assignments, top_k, num_experts, num_global,
-                   stride_ym, None, expert, BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)
+                   stride_ym, b2_ptr, expert, BLOCK_N, SCHEME, KSUM, TOPK_PAD, HAS_MAP, SUM_ROWS)
