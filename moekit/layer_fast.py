@@ -19,7 +19,8 @@ dispatch mode or functorch transform, no CUDA graph capturing; x a plain tensor 
 checks, which it tries this before), contiguous, 16-byte aligned, of the entry's dtype and device, on its
 stream and thread;
 the layer's gate weight, gate bias, correction bias, w13, w2 and the expert biases b13 / b2 the same tensors (weakly
-held; None where the layer has none) and the first three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the router,
+held; None where the layer has none) and the first three's address, shape, strides and dtype unchanged (what the
+bound launches specialised on); the router,
 gate+router function, experts function, route workspace, config, capacity factor (None), eager graphs (None)
 the same objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves);
 w13 and w2 as the same tensors here, their addresses and layouts by the kept call (a move: it misses, and the

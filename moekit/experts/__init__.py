@@ -198,8 +198,9 @@ def fast_path_of(fn: ExpertsFn) -> Callable | None:
 
 
 # backend function -> its keeper of one kind of call: (x, w13, w2, topk_ids, topk_weights, activation, *, b13=None,
-# b2=None) -> a kept call (x, w13, w2, topk_ids, topk_weights, b13=None, b2=None) -> out | None for a caller that checks on every call what the backend's
-# keeper says (triton's ``triton_fast.KeptCall``: the decode fast path ``moekit.layer_fast``), or None.
+# b2=None) -> a kept call (x, w13, w2, topk_ids, topk_weights, b13=None, b2=None) -> out | None for a caller that
+# checks on every call what the backend's keeper says (triton's ``triton_fast.KeptCall``: the decode fast path
+# ``moekit.layer_fast``), or None.
 _KEEPERS: dict[ExpertsFn, Callable] = {}
 
 

@@ -180,8 +180,9 @@ class KeptCall:
     shape and dtype, ids and weights the same contiguous aligned buffers, w13, w2, b13 and b2 the kept tensors
     (the biases None or not as kept). It holds the kind's key and the entry last found under it; a call checks only
     what can move under such a caller: the entry superseded (a clear, the pool's buffers replaced), the weights moved
-    or ``.data`` swapped, a bias moved or updated in place (``kept_biases``), a launch hook. Where the entry fails, or none was kept yet (the full path keeps one once its kernels are
-    compiled), it looks the key up again; None where that fails too (the caller runs the full path)."""
+    or ``.data`` swapped, a bias moved or updated in place (``kept_biases``), a launch hook. Where the entry fails,
+    or none was kept yet (the full path keeps one once its kernels are compiled), it looks the key up again; None
+    where that fails too (the caller runs the full path)."""
 
     __slots__ = ("key", "entry", "pool", "stream")
 

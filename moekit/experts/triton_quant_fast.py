@@ -19,10 +19,11 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
       -> out = empty_like(x), the sequence launched: the plain path's kernels, grids and arguments (bit-equal)
 
 An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no expert map,
-biases only on the weight-only fused decodes (gpt-oss's; not the scratch decode), the default fp8 choice, M >= 1; the plain call compiled the launches, so the second call of a kind records and
-the third launches lean. A weight-only call the Gluon path takes (``triton_gluon_wo.GLUON_WO_CELLS``) is kept the same
-way, from that path's lean plan on its pool (``triton_gluon_wo_lean.wo_gluon_lean_inputs``: the GEMMs' TMA descriptors
-over the pooled regions, recorded). The weight-only "scratch" decode (from SCRATCH_MIN_TOKENS, chunks of experts) is
+biases only on the weight-only fused decodes (gpt-oss's; not the scratch decode), the default fp8 choice, M >= 1;
+the plain call compiled the launches, so the second call of a kind records and the third launches lean. A
+weight-only call the Gluon path takes (``triton_gluon_wo.GLUON_WO_CELLS``) is kept the same way, from that path's
+lean plan on its pool (``triton_gluon_wo_lean.wo_gluon_lean_inputs``: the GEMMs' TMA descriptors over the pooled
+regions, recorded). The weight-only "scratch" decode (from SCRATCH_MIN_TOKENS, chunks of experts) is
 kept too, from its plan (``triton_wo_scratch_plan``: the dequant and k-sum launches, chunk maps) on a kept scratch
 buffer (``SCRATCH_WORKSPACES``; h and y with it up to 256 MiB, else per call); its decode choice is cached per kind
 (``triton_wo_plan.chosen_decode``). Not kept: inference-mode weights (no version counter), calls whose plan has not
