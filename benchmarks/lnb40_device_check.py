@@ -106,12 +106,13 @@ def _x(m: int, dev) -> torch.Tensor:
 
 
 def _kept(layer, m: int, scheme: str, quant_fast) -> bool:
-    """Whether the fast paths hold this layer's call: bf16, its decode entry with the experts' kept call found
-    (``KeptCall.entry``); quantized, a kept op entry holding this layer's b13 (the layer fast path takes plain
-    weights only)."""
+    """Whether the fast paths hold this layer's call: its decode entry, and bf16: the experts' kept call found
+    (``KeptCall.entry``), quantized: a kept op entry holding this layer's b13."""
+    entry = layer._decode._entries.get(m)
+    if entry is None:
+        return False
     if scheme == "bf16":
-        entry = layer._decode._entries.get(m)
-        return entry is not None and entry.kept is not None and entry.kept.entry is not None
+        return entry.kept is not None and entry.kept.entry is not None
     return any(e.biases is not None and e.biases.b13() is layer.b13 for e in list(quant_fast._MEMO.values()))
 
 

@@ -28,6 +28,8 @@ experts run through ``MoE._experts_call`` on the routing just made; an in-place 
 new values); b13 and b2 as the same tensors here, their addresses, layouts and versions by the kept call (a move or an
 in-place update: it misses, and ``MoE._experts_call`` runs them; ``moekit.experts.kept_biases``). gpt-oss's layer
 (the router Linear's bias, expert biases, the clamped interleaved SwiGLU in ``config.activation``) is kept so.
+Quantized experts (``MoE.quantize_``: QuantizedWeight objects, the same ones by identity) have no kept call (the keeper
+takes plain tensors): the experts go to the backend's fast path (triton's ``run_fast``, its quantized entries).
 Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert
 (its gate is a GEMM of its own per call), a separate shared MLP, a router dtype other than x's and the
 gate weight's, capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
@@ -108,11 +110,16 @@ class _Entry:
 
 
 def _tensors(layer) -> tuple:
-    """(gate weight, gate bias, correction bias, w13, w2, b13, b2) as forward reads them."""
+    """(gate weight, gate bias, correction bias, w13, w2, b13, b2) as forward reads them (``layer._param``): quantized
+    experts (``MoE.quantize_``) are attributes, not Parameters."""
     gate = layer._modules["gate"]._parameters
     params = layer._parameters
-    return (gate["weight"], gate.get("bias"), layer._buffers.get("e_score_correction_bias"), params.get("w13"),
-            params.get("w2"), params.get("b13"), params.get("b2"))
+    w13, w2 = params.get("w13"), params.get("w2")
+    if w13 is None:
+        d = layer.__dict__
+        w13, w2 = d.get("w13"), d.get("w2")
+    return (gate["weight"], gate.get("bias"), layer._buffers.get("e_score_correction_bias"), w13, w2,
+            params.get("b13"), params.get("b2"))
 
 
 def _objects(layer) -> tuple:
@@ -204,7 +211,7 @@ class DecodeFast:
         weight, linear_bias, bias, w13, w2, b13, b2 = tensors
         fast = fast_path_of(layer._experts_fn)
         if (weight.dtype != x2d.dtype or not x2d.is_contiguous() or x2d.data_ptr() & 15
-                or not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor)):
+                or w13 is None or w2 is None):
             return
         if x2d.is_cuda and _capturing():
             return

@@ -7,6 +7,7 @@ miss, running the full path with the call's own biases and spec."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -150,9 +151,10 @@ def test_op_misses_on_changed_biases_or_spec(counts, tri, scheme):
                                 state["spec"])) < (TOL[torch.bfloat16] if scheme == "bf16" else QTOL)
 
 
-def _gpt_oss_layer():
+def _gpt_oss_layer(scheme: str = "bf16"):
     """(layer, full): a gpt-oss-20b MoE layer at tiny widths from a transformers config with random weights and
-    biases, its router fused; ``full`` the same weights, its decode fast path off."""
+    biases, its router fused, its experts quantized to ``scheme`` (bf16: as they are); ``full`` the same weights, its
+    decode fast path off."""
     from moekit.hf import moe_from_hf
 
     cfg = transformers.GptOssConfig(vocab_size=97, hidden_size=K, num_attention_heads=4, num_key_value_heads=2,
@@ -168,6 +170,8 @@ def _gpt_oss_layer():
     for _ in range(2):
         layer = moe_from_hf(block, backend="triton").eval()
         layer.router = "fused"
+        if scheme != "bf16":
+            layer.quantize_(scheme)
         layers.append(layer)
     layers[1]._decode = _Never()
     return layers
@@ -180,9 +184,9 @@ class _Never(layer_fast.DecodeFast):
         return None
 
 
-@pytest.mark.parametrize("m", [1, 4])
-def test_layer_fast_path_serves_gpt_oss_decode(counts, m):
-    layer, full = _gpt_oss_layer()
+@pytest.mark.parametrize("scheme, m", [("bf16", 1), ("bf16", 4), ("mxfp4", 1), ("mxfp4", 4)])
+def test_layer_fast_path_serves_gpt_oss_decode(counts, scheme, m):
+    layer, full = _gpt_oss_layer(scheme)
     assert layer.config.activation == GPT_OSS and layer.gate.bias is not None and layer.b2.shape == (E, K)
     with torch.no_grad():
         for seed in range(4):
@@ -190,26 +194,38 @@ def test_layer_fast_path_serves_gpt_oss_decode(counts, m):
             got, want = layer(x), full(x)
             assert torch.equal(got, want), seed
             routing = full.route_tokens(x).routing
-            ref = _loop(x, layer.w13, layer.w2, layer.b13, layer.b2, routing.topk_ids, routing.topk_weights)
-            assert rel_l2(got, ref) < TOL[torch.bfloat16]
+            ref = _loop(x, _dense(layer.w13), _dense(layer.w2), layer.b13, layer.b2, routing.topk_ids,
+                        routing.topk_weights)
+            assert rel_l2(got, ref) < (TOL[torch.bfloat16] if scheme == "bf16" else QTOL)
     assert counts["layer"] == 3 and list(layer._decode._entries) == [m]
 
 
-def test_layer_kept_call_misses_on_changed_biases(counts, monkeypatch):
-    """The layer's kept experts call (``KeptCall``) misses on an in-place bias update or a moved bias (the layer's
-    own experts call runs them); a new bias Parameter misses the layer's entry (the full forward runs)."""
-    from moekit.experts import triton_fast
+@pytest.mark.parametrize("scheme", ["bf16", "mxfp4"])
+def test_layer_experts_call_misses_on_changed_biases_or_weights(counts, monkeypatch, scheme):
+    """The experts' call the layer's fast path makes (bf16: its ``KeptCall``; quantized: the op's kept entry) misses
+    on an in-place bias update or a moved bias (the layer's own experts call runs them); a new bias Parameter, or new
+    quantized weights, misses the layer's entry (the full forward runs)."""
+    from moekit.experts import triton_fast, triton_quant_fast
 
+    layer, full = _gpt_oss_layer(scheme)
     served = [0]
-    real = triton_fast.KeptCall.__call__
+    if scheme == "bf16":
+        real = triton_fast.KeptCall.__call__
 
-    def kept(self, *args):
-        out = real(self, *args)
-        served[0] += out is not None
-        return out
+        def kept(self, *args):
+            out = real(self, *args)
+            served[0] += out is not None
+            return out
 
-    monkeypatch.setattr(triton_fast.KeptCall, "__call__", kept)
-    layer, full = _gpt_oss_layer()
+        monkeypatch.setattr(triton_fast.KeptCall, "__call__", kept)
+    else:
+        real = triton_quant_fast._launch
+
+        def kept(entry, *args):
+            served[0] += entry.w13() is layer.w13
+            return real(entry, *args)
+
+        monkeypatch.setattr(triton_quant_fast, "_launch", kept)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).bfloat16()
 
     def run() -> tuple[int, int]:
@@ -226,8 +242,12 @@ def test_layer_kept_call_misses_on_changed_biases(counts, monkeypatch):
         assert run() == (1, 1)
         layer.b2.data = layer.b2.data.clone()  # moved
         assert run() == (0, 1)
+        run()
         new = torch.nn.Parameter(layer.b2.detach() * 2, requires_grad=False)
         layer.b2, full.b2 = new, torch.nn.Parameter(new.detach().clone(), requires_grad=False)
         assert run() == (0, 0)  # a new tensor: the layer's entry misses
-        run()
+        run(), run()
         assert run() == (1, 1)
+        if scheme != "bf16":  # a new quantized weight object (the same tensors): the layer's entry misses
+            layer.w13 = copy.copy(layer.w13)
+            assert run() == (0, 0)
