@@ -4,6 +4,7 @@ a layer call, this branch against the path main runs (the same run: a switch, be
 
     PYTHONPATH=$PWD timeout 60 python3 benchmarks/lnb40_device_check.py --out $OUT/lnb40 --deadline 50   # H100/H200
     PYTHONPATH=$PWD python3 benchmarks/lnb40_device_check.py --smoke      # CPU: tiny shapes, Triton interpreted
+    PYTHONPATH=$PWD python3 benchmarks/lnb40_device_check.py --cpu-host   # CPU: host µs, kernels stubbed, bf16 only
 
 The layer: gpt-oss-20b's MoE block (E = 32, K = N = 2880, top-4, router Linear with a bias, b13 / b2) built from a
 transformers GptOssConfig with random weights and biases (``moe_from_hf``, router "fused"), bf16 experts and the same
@@ -14,7 +15,10 @@ tensors) served as main serves it: no layer decode entry (``_Full``) and no kept
             bf16, a kept op entry for mxfp4)
   time      ``bench_run.host_and_wall_us``: host µs a call (queued behind ~1 ms of GPU work) and wall µs, ROUNDS
             interleaved rounds; table last: medians, fast / main, rounds >= 3% faster.
-Then the real client's command for the lead (transformers' decode, 4 gpt-oss-20b layers).
+Then the real client's command for the lead (transformers' decode, 4 gpt-oss-20b layers). ``--cpu-host``: the time
+phase alone on the CPU at the smoke's widths, every Triton kernel a stand-in that launches nothing
+(``layer_host_cpu.stub_kernels``: the Python and torch host work around the launches), bf16 only (the weight-only
+kernels are not stubbed there), 500 calls a round.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import statistics
 import sys
 import threading
 
-SMOKE = "--smoke" in sys.argv
+CPU_HOST = "--cpu-host" in sys.argv
+SMOKE = "--smoke" in sys.argv or CPU_HOST
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -36,10 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_run import RunLog, host_and_wall_us, run_info, run_phases  # noqa: E402
 from moekit import layer_fast  # noqa: E402
 
-ROUNDS, CALLS = (2, 2) if SMOKE else (5, 100)
+ROUNDS, CALLS = (5, 500) if CPU_HOST else (2, 2) if SMOKE else (5, 100)
 E, K, N, TOP_K = (4, 64, 32, 2) if SMOKE else (32, 2880, 2880, 4)
 MS = (1, 4)
-SCHEMES = ("bf16", "mxfp4")
+SCHEMES = ("bf16",) if CPU_HOST else ("bf16", "mxfp4")
 CLIENT = ("moekit bench --hf --hf-model gpt-oss-20b --hf-quant mxfp4 --hf-impls moekit_blocks,no_experts "
           "--repeats 3")
 RUN = RunLog("lnb40: gpt-oss-20b MoE layer, eager decode, µs a call (medians of interleaved rounds)", stall_s=60)
@@ -167,13 +172,19 @@ def main() -> int:
     p.add_argument("--out", default="")
     p.add_argument("--deadline", type=float, default=50.0)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--cpu-host", action="store_true")
     p.parse_args(namespace=ARGS)
     dev = torch.device("cpu" if SMOKE else "cuda")
     RESULT["run"] = {**run_info(), "smoke": SMOKE, "shape": [E, N, K, TOP_K]}
     threading.Thread(target=RUN.watchdog, daemon=True).start()
-    phases = {"correct": lambda: correct_phase(dev), "time": lambda: time_phase(dev)}
+    phases = {"correct": lambda: correct_phase(dev), "time": lambda: time_phase(dev), "build": lambda: build(dev)}
+    if CPU_HOST:
+        from layer_host_cpu import stub_kernels
+
+        stub_kernels()
     path = os.path.join(ARGS.out, "lnb40.json") if ARGS.out else ""
-    status = run_phases(RUN, phases, ("correct", "time"), ARGS.deadline, NEEDS_S, path, RESULT)
+    names = ("build", "time") if CPU_HOST else ("correct", "time")
+    status = run_phases(RUN, phases, names, ARGS.deadline if not CPU_HOST else 600.0, NEEDS_S, path, RESULT)
     print(f"\nthe real client, after: {CLIENT}", flush=True)
     return status
 

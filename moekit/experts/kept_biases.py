@@ -1,8 +1,8 @@
 """The expert biases a kept eager call was made with (``triton_fast``'s and ``triton_quant_fast``'s entries): held
 weakly, as the weights are, with what a replay must find unchanged.
 
-    kept:  b13 [E, 2N] | None, b2 [E, K] | None (weak references), and each one's data_ptr, shape, strides, dtype,
-           device and _version when kept
+    kept:  b13 [E, 2N] | None, b2 [E, K] | None (weak references), and each one's data_ptr, shape, strides, dtype
+           and _version when kept (as the weights' state, ``triton_fast._weight_state``, plus the version)
     holds: the call's b13 and b2 are those objects (None where the entry had none) in that state: a new tensor, a
            move, ``.data`` swapped or an in-place update (the version moves) each misses; the full path then runs
            and keeps the call again
@@ -25,9 +25,12 @@ def _none() -> None:
 
 
 def _state(bias: torch.Tensor | None) -> tuple | None:
+    """What a replay compares: a move or ``.data`` swapped (address, shape, strides, dtype; a ``.data`` swap leaves the
+    version as it was), an in-place update (the version). Not the device: the address tells a move apart, as for the
+    weights."""
     if bias is None:
         return None
-    return bias.data_ptr(), bias.shape, bias.stride(), bias.dtype, bias.device, bias._version
+    return bias.data_ptr(), bias.shape, bias.stride(), bias.dtype, bias._version
 
 
 class KeptBiases:
@@ -42,7 +45,7 @@ class KeptBiases:
 
     def holds(self, b13: torch.Tensor | None, b2: torch.Tensor | None) -> bool:
         """Whether ``b13`` and ``b2`` are the kept ones, unchanged (see the module)."""
-        return self.b13() is b13 and self.b2() is b2 and self.state == (_state(b13), _state(b2))
+        return self.b13() is b13 and self.b2() is b2 and self.state[0] == _state(b13) and self.state[1] == _state(b2)
 
 
 def keepable(b13: torch.Tensor | None, b2: torch.Tensor | None) -> bool:
