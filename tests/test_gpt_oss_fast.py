@@ -16,7 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
-from _helpers import TOLERANCE as TOL, count_calls, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, count_calls, count_served, rel_l2  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
 from moekit import layer_fast  # noqa: E402
 from moekit.activations import ActivationSpec  # noqa: E402
@@ -208,18 +208,10 @@ def test_layer_experts_call_misses_on_changed_biases_or_weights(counts, monkeypa
     from moekit.experts import triton_fast, triton_quant_fast
 
     layer, full = _gpt_oss_layer(scheme)
-    served = [0]
     if scheme == "bf16":
-        real = triton_fast.KeptCall.__call__
-
-        def kept(self, *args):
-            out = real(self, *args)
-            served[0] += out is not None
-            return out
-
-        monkeypatch.setattr(triton_fast.KeptCall, "__call__", kept)
+        served = count_served(monkeypatch, triton_fast.KeptCall, "__call__")
     else:
-        real = triton_quant_fast._launch
+        served, real = [0], triton_quant_fast._launch
 
         def kept(entry, *args):
             served[0] += entry.w13() is layer.w13
