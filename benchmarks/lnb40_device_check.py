@@ -4,7 +4,7 @@ a layer call, this branch against the path main runs (the same run: a switch, be
 
     PYTHONPATH=$PWD timeout 60 python3 benchmarks/lnb40_device_check.py --out $OUT/lnb40 --deadline 50   # H100/H200
     PYTHONPATH=$PWD python3 benchmarks/lnb40_device_check.py --smoke      # CPU: tiny shapes, Triton interpreted
-    PYTHONPATH=$PWD python3 benchmarks/lnb40_device_check.py --cpu-host   # CPU: host µs, kernels stubbed, bf16 only
+    PYTHONPATH=$PWD python3 benchmarks/lnb40_device_check.py --cpu-host   # CPU: host µs, kernels stubbed
 
 The layer: gpt-oss-20b's MoE block (E = 32, K = N = 2880, top-4, router Linear with a bias, b13 / b2) built from a
 transformers GptOssConfig with random weights and biases (``moe_from_hf``, router "fused"), bf16 experts and the same
@@ -17,8 +17,8 @@ tensors) served as main serves it: no layer decode entry (``_Full``) and no kept
             interleaved rounds; table last: medians, fast / main, rounds >= 3% faster.
 Then the real client's command for the lead (transformers' decode, 4 gpt-oss-20b layers). ``--cpu-host``: the time
 phase alone on the CPU at the smoke's widths, every Triton kernel a stand-in that launches nothing
-(``layer_host_cpu.stub_kernels``: the Python and torch host work around the launches), bf16 only (the weight-only
-kernels are not stubbed there), 500 calls a round.
+(``layer_host_cpu.stub_kernels``, with WO_KERNELS added: the Python and torch host work around the launches), 500
+calls a round.
 """
 
 from __future__ import annotations
@@ -44,7 +44,11 @@ from moekit import layer_fast  # noqa: E402
 ROUNDS, CALLS = (5, 500) if CPU_HOST else (2, 2) if SMOKE else (5, 100)
 E, K, N, TOP_K = (4, 64, 32, 2) if SMOKE else (32, 2880, 2880, 4)
 MS = (1, 4)
-SCHEMES = ("bf16",) if CPU_HOST else ("bf16", "mxfp4")
+SCHEMES = ("bf16", "mxfp4")
+# --cpu-host: these kernel modules stubbed too (the weight-only GEMMs, the one-pass alignment, the tensor-core gate)
+WO_KERNELS = tuple(f"moekit.experts._kernels.{name}" for name in ("gemm_wo", "gemm_wo_gemv", "gemm_wo_mma", "gemm_wo_reg",
+                                                                 "wo_split", "align_one_pass", "down_store")) + (
+    "moekit.routing._kernels.gate_mma_kernel",)
 CLIENT = ("moekit bench --hf --hf-model gpt-oss-20b --hf-quant mxfp4 --hf-impls moekit_blocks,no_experts "
           "--repeats 3")
 RUN = RunLog("lnb40: gpt-oss-20b MoE layer, eager decode, µs a call (medians of interleaved rounds)", stall_s=60)
@@ -179,9 +183,10 @@ def main() -> int:
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     phases = {"correct": lambda: correct_phase(dev), "time": lambda: time_phase(dev), "build": lambda: build(dev)}
     if CPU_HOST:
-        from layer_host_cpu import stub_kernels
+        import layer_host_cpu
 
-        stub_kernels()
+        layer_host_cpu.KERNEL_MODULES = layer_host_cpu.KERNEL_MODULES + WO_KERNELS
+        layer_host_cpu.stub_kernels()
     path = os.path.join(ARGS.out, "lnb40.json") if ARGS.out else ""
     names = ("build", "time") if CPU_HOST else ("correct", "time")
     status = run_phases(RUN, phases, names, ARGS.deadline if not CPU_HOST else 600.0, NEEDS_S, path, RESULT)
