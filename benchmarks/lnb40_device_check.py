@@ -46,8 +46,8 @@ E, K, N, TOP_K = (4, 64, 32, 2) if SMOKE else (32, 2880, 2880, 4)
 MS = (1, 4)
 SCHEMES = ("bf16", "mxfp4")
 # --cpu-host: these kernel modules stubbed too (the weight-only GEMMs, the one-pass alignment, the tensor-core gate)
-WO_KERNELS = tuple(f"moekit.experts._kernels.{name}" for name in ("gemm_wo", "gemm_wo_gemv", "gemm_wo_mma", "gemm_wo_reg",
-                                                                 "wo_split", "align_one_pass", "down_store")) + (
+WO_KERNELS = tuple(f"moekit.experts._kernels.{name}" for name in (
+    "gemm_wo", "gemm_wo_gemv", "gemm_wo_mma", "gemm_wo_reg", "wo_split", "align_one_pass", "down_store")) + (
     "moekit.routing._kernels.gate_mma_kernel",)
 CLIENT = ("moekit bench --hf --hf-model gpt-oss-20b --hf-quant mxfp4 --hf-impls moekit_blocks,no_experts "
           "--repeats 3")
