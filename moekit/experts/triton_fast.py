@@ -198,7 +198,8 @@ class KeptCall:
         entry = self.entry
         if (entry is None or entry.epoch != _epoch[0] or entry.generation != self.pool.generation
                 or entry.state != _weight_state(w13, w2)
-                or (entry.biases is not None and not entry.biases.holds(b13, b2))):
+                or ((entry.biases is not None or b13 is not None or b2 is not None)
+                    and not fits(entry.biases, b13, b2))):
             entry = _MEMO.get(self.key)
             if (entry is None or entry.epoch != _epoch[0] or entry.generation != self.pool.generation
                     or entry.w13() is not w13 or entry.w2() is not w2 or entry.stream != self.stream
