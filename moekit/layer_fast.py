@@ -18,15 +18,20 @@ What a hit checks (else the full forward runs): no autograd (grad mode off), not
 dispatch mode or functorch transform, no CUDA graph capturing; x a plain tensor [M, K] (the forward's own
 checks, which it tries this before), contiguous, 16-byte aligned, of the entry's dtype and device, on its
 stream and thread;
-the layer's gate weight, gate bias, correction bias, w13 and w2 the same tensors (weakly held) and the first
-three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the router,
+the layer's gate weight, gate bias, correction bias, w13, w2 and the expert biases b13 / b2 the same tensors (weakly
+held; None where the layer has none) and the first three's address, shape, strides and dtype unchanged (what the
+bound launches specialised on); the router,
 gate+router function, experts function, route workspace, config, capacity factor (None), eager graphs (None)
 the same objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves);
 w13 and w2 as the same tensors here, their addresses and layouts by the kept call (a move: it misses, and the
 experts run through ``MoE._experts_call`` on the routing just made; an in-place update hits: the kernels read the
-new values).
+new values); b13 and b2 as the same tensors here, their addresses, layouts and versions by the kept call (a move or an
+in-place update: it misses, and ``MoE._experts_call`` runs them; ``moekit.experts.kept_biases``). gpt-oss's layer
+(the router Linear's bias, expert biases, the clamped interleaved SwiGLU in ``config.activation``) is kept so.
+Quantized experts (``MoE.quantize_``: QuantizedWeight objects, the same ones by identity) have no kept call (the keeper
+takes plain tensors): the experts go to the backend's fast path (triton's ``run_fast``, its quantized entries).
 Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert
-(its gate is a GEMM of its own per call), a separate shared MLP, expert biases, a router dtype other than x's and the
+(its gate is a GEMM of its own per call), a separate shared MLP, a router dtype other than x's and the
 gate weight's, capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``benchmarks/host_trim2_device_check.py``, raw
@@ -95,7 +100,7 @@ class _Entry:
         self.cuda = x2d.is_cuda
         self.stream = current_stream() if self.cuda else 0
         self.thread = get_ident()
-        self.refs = tuple(_ref(t) for t in tensors)  # gate weight, gate bias, correction bias, w13, w2: weakly
+        self.refs = tuple(_ref(t) for t in tensors)  # gate weight, gate bias, correction bias, w13, w2, b13, b2
         self.objects = _objects(layer)
         self.specs = (_spec(tensors[0]), _spec(tensors[1]), _spec(tensors[2]))
         self.buffers, self.fast, self.kept = buffers, fast, kept  # kept: the backend's kept call (keeper_of), else None
@@ -105,11 +110,16 @@ class _Entry:
 
 
 def _tensors(layer) -> tuple:
-    """(gate weight, gate bias, correction bias, w13, w2) as forward reads them."""
+    """(gate weight, gate bias, correction bias, w13, w2, b13, b2) as forward reads them (``layer._param``): quantized
+    experts (``MoE.quantize_``) are attributes, not Parameters."""
     gate = layer._modules["gate"]._parameters
     params = layer._parameters
-    return (gate["weight"], gate.get("bias"), layer._buffers.get("e_score_correction_bias"), params.get("w13"),
-            params.get("w2"))
+    w13, w2 = params.get("w13"), params.get("w2")
+    if w13 is None:
+        d = layer.__dict__
+        w13, w2 = d.get("w13"), d.get("w2")
+    return (gate["weight"], gate.get("bias"), layer._buffers.get("e_score_correction_bias"), w13, w2,
+            params.get("b13"), params.get("b2"))
 
 
 def _objects(layer) -> tuple:
@@ -144,10 +154,10 @@ class DecodeFast:
             return None
         if entry.cuda and (_capturing() or current_stream() != entry.stream):
             return None
-        weight, linear_bias, bias, w13, w2 = _tensors(layer)
-        gate_ref, linear_ref, bias_ref, w13_ref, w2_ref = entry.refs
+        weight, linear_bias, bias, w13, w2, b13, b2 = _tensors(layer)
+        gate_ref, linear_ref, bias_ref, w13_ref, w2_ref, b13_ref, b2_ref = entry.refs
         if (gate_ref() is not weight or linear_ref() is not linear_bias or bias_ref() is not bias
-                or w13_ref() is not w13 or w2_ref() is not w2):
+                or w13_ref() is not w13 or w2_ref() is not w2 or b13_ref() is not b13 or b2_ref() is not b2):
             return None
         objects = _objects(layer)  # none of them a tensor: == is identity, else a value compare
         if objects != entry.objects or entry.specs != (_spec(weight), _spec(linear_bias), _spec(bias)):
@@ -157,7 +167,7 @@ class DecodeFast:
             router._check_bias(bias, entry.device)
         joint = entry.joint
         if joint is not None:  # the one launch and the experts' in one C call (no flag: the router asserts in its
-            out = joint(x2d, w13, w2, buffers.ids, buffers.weights)  # kernel); None: they go one by one below
+            out = joint(x2d, w13, w2, buffers.ids, buffers.weights, b13, b2)  # kernel); None: they go one by one below
             if out is not None:
                 return out
         bound = entry.bound
@@ -177,12 +187,13 @@ class DecodeFast:
             fused._assert_finite(ok, buffers.logits)
         kept, fast = entry.kept, entry.fast
         if kept is not None:  # what it relies on was checked above (triton_fast.KeptCall)
-            out = kept(x2d, w13, w2, buffers.ids, buffers.weights)
+            out = kept(x2d, w13, w2, buffers.ids, buffers.weights, b13, b2)
         else:
-            out = None if fast is None else fast(x2d, w13, w2, buffers.ids, buffers.weights, entry.activation)
+            out = None if fast is None else fast(x2d, w13, w2, buffers.ids, buffers.weights, entry.activation,
+                                                 b13=b13, b2=b2)
         if out is None:  # no backend fast path, or it missed: the layer's experts call on this routing
             out = layer._experts_call(layer._experts_fn, x2d, w13, w2, buffers.ids, buffers.weights,
-                                      activation=entry.activation)
+                                      activation=entry.activation, b13=b13, b2=b2)
         return out
 
     def keep(self, layer, x2d: torch.Tensor) -> None:
@@ -197,11 +208,10 @@ class DecodeFast:
             or (c.router_dtype is not None and getattr(torch, c.router_dtype) != x2d.dtype)):
             return
         tensors = _tensors(layer)
-        weight, linear_bias, bias, w13, w2 = tensors
+        weight, linear_bias, bias, w13, w2, b13, b2 = tensors
         fast = fast_path_of(layer._experts_fn)
-        if (weight.dtype != x2d.dtype or layer._parameters.get("b13") is not None
-                or layer._parameters.get("b2") is not None or not x2d.is_contiguous() or x2d.data_ptr() & 15
-                or not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor)):
+        if (weight.dtype != x2d.dtype or not x2d.is_contiguous() or x2d.data_ptr() & 15
+                or w13 is None or w2 is None):
             return
         if x2d.is_cuda and _capturing():
             return
@@ -220,7 +230,8 @@ class DecodeFast:
         if len(self._entries) >= MAX_ENTRIES and m not in self._entries:
             self._entries.pop(next(iter(self._entries)))
         keeper = keeper_of(layer._experts_fn)
-        kept = None if keeper is None else keeper(x2d, w13, w2, buffers.ids, buffers.weights, c.activation)
+        kept = None if keeper is None else keeper(x2d, w13, w2, buffers.ids, buffers.weights, c.activation, b13=b13,
+                                                  b2=b2)
         joint = None  # the one launch joined to the kept call's batched launches, where both exist (no flag to read)
         if JOINED and bound is not None and bound.ok is None and hasattr(kept, "joined"):
             joint = kept.joined(bound.launch, bound.pointers(LEAD_X, weight, linear_bias, bias, None, buffers))

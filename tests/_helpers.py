@@ -115,6 +115,21 @@ def partial_expert_map(e_global: int, e_local: int, seed: int) -> torch.Tensor:
     return expert_map
 
 
+def count_served(monkeypatch, owner, name: str) -> list[int]:
+    """Wrap ``owner.<name>`` (a function or method returning an output, or None where it did not serve); returns
+    [how many calls returned an output]."""
+    served = [0]
+    real = getattr(owner, name)
+
+    def counted(*args):
+        out = real(*args)
+        served[0] += out is not None
+        return out
+
+    monkeypatch.setattr(owner, name, counted)
+    return served
+
+
 def count_calls(monkeypatch, seen: dict, targets: list[tuple]) -> dict:
     """Wrap each (module, function name, key) of ``targets`` so every call adds 1 to ``seen[key]``; returns seen."""
     for module, name, key in targets:

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from _helpers import TOLERANCE as TOL, rel_l2
+from _helpers import TOLERANCE as TOL, count_served, rel_l2
 from _triton_helpers import interpreted
 from moekit import MoE, MoEConfig, layer_fast
 from moekit.experts.reference import experts_reference
@@ -238,15 +238,7 @@ def test_kept_experts_call_serves_and_finds_its_entry_again(hits, monkeypatch):
     Outputs equal full's throughout."""
     from moekit.experts import triton_fast
 
-    served = [0]
-    real = triton_fast.KeptCall.__call__
-
-    def counted(self, *args):
-        out = real(self, *args)
-        served[0] += out is not None
-        return out
-
-    monkeypatch.setattr(triton_fast.KeptCall, "__call__", counted)
+    served = count_served(monkeypatch, triton_fast.KeptCall, "__call__")
     layer, full = _pair("grouped_shared")
     fulls = {}  # seed -> full's output for the weights of the time (full keeps nothing: computed once)
 

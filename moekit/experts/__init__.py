@@ -181,8 +181,8 @@ def call_checked_backend(
     return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map, b13=b13, b2=b2)
 
 
-# backend function -> its fast path for a repeated call without biases or an expert map: (x, w13, w2, topk_ids,
-# topk_weights, activation) -> out, or None where it does not apply (then the backend runs as usual).
+# backend function -> its fast path for a repeated call without an expert map: (x, w13, w2, topk_ids, topk_weights,
+# activation, *, b13=None, b2=None) -> out, or None where it does not apply (then the backend runs as usual).
 # ``ExpertsCallCache`` tries it first: the triton backend's (``triton_fast``) skips the argument check, the
 # plan and workspace lookups of a call it has seen.
 _FAST_PATHS: dict[ExpertsFn, Callable] = {}
@@ -197,9 +197,10 @@ def fast_path_of(fn: ExpertsFn) -> Callable | None:
     return _FAST_PATHS.get(fn)
 
 
-# backend function -> its keeper of one kind of call: (x, w13, w2, topk_ids, topk_weights, activation) -> a kept
-# call (x, w13, w2, topk_ids, topk_weights) -> out | None for a caller that checks on every call what the backend's
-# keeper says (triton's ``triton_fast.KeptCall``: the decode fast path ``moekit.layer_fast``), or None.
+# backend function -> its keeper of one kind of call: (x, w13, w2, topk_ids, topk_weights, activation, *, b13=None,
+# b2=None) -> a kept call (x, w13, w2, topk_ids, topk_weights, b13=None, b2=None) -> out | None for a caller that
+# checks on every call what the backend's keeper says (triton's ``triton_fast.KeptCall``: the decode fast path
+# ``moekit.layer_fast``), or None.
 _KEEPERS: dict[ExpertsFn, Callable] = {}
 
 
@@ -235,7 +236,7 @@ class ExpertsCallCache:
     or device or hidden size differs from the last call that passed it; otherwise the backend runs directly
     (``call_checked_backend``). The routing is not checked again: the caller vouches for it (ids and weights
     [M, k] of this x, on its device, ids int32/int64). Quantized weights are checked on every call. Before
-    all that, a call without biases goes to the backend's fast path where it registered one
+    all that, a call goes to the backend's fast path where it registered one
     (``register_fast_path``; triton's ``triton_fast``), which serves only calls it has kept, with these
     weight tensors unchanged. A copy or a pickle of the cache is a new, empty one (weak references do not pickle:
     ``torch.save`` of a ``MoE`` after a forward raised on them)."""
@@ -254,9 +255,10 @@ class ExpertsCallCache:
 
     def __call__(self, fn: ExpertsFn, x, w13, w2, topk_ids, topk_weights, *, activation, b13=None, b2=None):
         if not torch.compiler.is_compiling():  # traced: the check as before
-            fast = _FAST_PATHS.get(fn) if b13 is None and b2 is None else None
+            fast = _FAST_PATHS.get(fn)
             if fast is not None:  # the backend's own record of this call (it checks the weights are the same)
-                out = fast(x, w13, w2, topk_ids, topk_weights, activation)
+                out = (fast(x, w13, w2, topk_ids, topk_weights, activation) if b13 is None and b2 is None
+                       else fast(x, w13, w2, topk_ids, topk_weights, activation, b13=b13, b2=b2))
                 if out is not None:
                     return out
             if self._passed(x, (w13, w2, b13, b2)):

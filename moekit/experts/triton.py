@@ -156,9 +156,9 @@ def _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, config, o
         stamp = fast_stamp(_WORKSPACES)  # before: a clear or a new buffer from here on makes the entry stale
         sequence = lean_sequence(plan, _WORKSPACES, _DESCRIPTORS, x.device, w13, w2, expert_map, b13, b2)
         if sequence is not None:
-            if (checked is not None and options.fast_ready and config is None and expert_map is None and b13 is None
-                    and b2 is None and ids is topk_ids and weights is topk_weights):
-                remember(stamp, x, w13, w2, ids, weights, activation, options, plan, sequence, checked)
+            if (checked is not None and options.fast_ready and config is None and expert_map is None
+                    and ids is topk_ids and weights is topk_weights):
+                remember(stamp, x, w13, w2, ids, weights, activation, options, plan, sequence, checked, b13, b2)
             return launch_lean(sequence, x, ids, weights, expert_map, b13, b2, w13, w2)
     return _run(plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters)
 
@@ -229,8 +229,9 @@ def experts_triton(
     """The experts contract (see ``moekit.experts``) on fused Triton kernels; returns [M, K] in x.dtype.
     Every ``ActivationSpec`` runs fused (biases, interleaved gate/up, ungated, clamped SwiGLU).
     ``options``: how to launch (``LaunchOptions``; the defaults are what the H200 measurements picked)."""
-    if expert_map is None and b13 is None and b2 is None:  # a repeated call: kept, checked before (triton_fast)
-        out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=True)
+    if expert_map is None:  # a repeated call: kept, checked before (triton_fast; its biases the kept ones)
+        out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=True, b13=b13,
+                       b2=b2)
         if out is not None:
             return out
     check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
@@ -251,8 +252,12 @@ def experts_triton_unchecked(
     ``triton_gluon.run_fast_default_gluon``). On Hopper, bf16/fp16 calls that ``triton_gluon.DEFAULT_CHOICE`` wants
     (prefill sizes where the Gluon GEMMs measured faster for the whole call) take the Gluon path, as
     ``fp8_block`` calls take the fp8 one."""
-    if expert_map is None and b13 is None and b2 is None:
-        out = _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options)
+    if expert_map is None:
+        if b13 is None and b2 is None:
+            out = _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options)
+        else:  # biases: the Triton path's entries only (the Gluon paths keep no biased call)
+            out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False,
+                           b13=b13, b2=b2)
         if out is not None:
             return out
     return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=False)

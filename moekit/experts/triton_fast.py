@@ -3,7 +3,8 @@ weight set needs is kept once, found by a key of cheap attributes, so that the c
 check, the plan lookup, the workspace, descriptor and sequence lookups and goes straight to its launches.
 
     key:   id(w13), id(w2); x, ids, weights: shape, dtype, device; activation, options (as asked), thread
-    entry: w13 and w2 (weakly) with their data_ptr, shape, strides and dtype when kept; the plan; its
+    entry: w13 and w2 (weakly) with their data_ptr, shape, strides and dtype when kept; the expert biases b13 /
+           b2 (``kept_biases``: weakly, with their address, layout, device and version); the plan; its
            recorded LaunchSequence (``triton_lean``); the pool's generation; the CUDA stream; the epoch;
            whether ``check_experts_args`` passed on a call of this key
     a hit: nothing traces and autograd needs no graph (``triton._runs_directly``'s rules); x, ids and
@@ -13,11 +14,14 @@ check, the plan lookup, the workspace, descriptor and sequence lookups and goes 
            graph capture, the same stream, the pool's buffers not replaced, no retune or cache clear since;
            no Triton launch hook
       -> out = empty_like(x), the sequence launched: the same launches with the same arguments as the full
-         path (outputs equal bit for bit)
+         path (outputs equal bit for bit); the biases fill the sequence's B13 / B2 slots. A call's biases must be
+         the entry's, unchanged (a new tensor, a move, an in-place update each misses: ``kept_biases``); the
+         activation spec (gpt-oss's clamped, interleaved SwiGLU too) is in the key.
 
 Calls on quantized weights (``moekit.quant`` objects) go to their own entries (``triton_quant_fast``).
 Anything else misses and runs the full path (``triton.fused_experts``), which keeps an entry when its
-call launched lean. Only calls without an expert map or biases are kept, and never weights that are views
+call launched lean. Only calls without an expert map are kept (biases: plain, contiguous, not inference-mode
+ones), and never weights that are views
 (transformers' transposed storage, a new view per call: never the same object twice); the others take the
 full path.
 A public ``experts_triton`` call skips its check only on an entry whose check passed (a call through
@@ -34,6 +38,7 @@ from threading import get_ident
 import torch
 
 from moekit.experts.configs import on_config_cache_clear
+from moekit.experts.kept_biases import fits, keepable, kept_biases
 from moekit.batch_launch import Batch
 from moekit.experts.triton_lean import X, LaunchSequence, _Slot, launch_lean, record_steps
 from moekit.experts.triton_plan import Plan
@@ -67,10 +72,12 @@ on_config_cache_clear(clear_fast)  # a retune drops the plans: the entries hold 
 class FastEntry:
     """One kept call: its weights as they were, its plan and sequence, and what they were recorded under."""
 
-    __slots__ = ("w13", "w2", "state", "plan", "sequence", "generation", "stream", "epoch", "checked")
+    __slots__ = ("w13", "w2", "state", "biases", "plan", "sequence", "generation", "stream", "epoch", "checked")
 
-    def __init__(self, w13_ref, w2, plan: Plan, sequence: LaunchSequence, stamp: tuple, stream, checked: bool):
+    def __init__(self, w13_ref, w2, plan: Plan, sequence: LaunchSequence, stamp: tuple, stream, checked: bool,
+                 biases):
         self.w13, self.w2, self.state = w13_ref, weakref.ref(w2), _weight_state(w13_ref(), w2)
+        self.biases = biases  # kept_biases' (None: the call had none)
         self.plan, self.sequence, self.stream, self.checked = plan, sequence, stream, checked
         self.generation, self.epoch = stamp
 
@@ -118,16 +125,18 @@ def _stream(device: torch.device):
     return current_stream() if device.type == "cuda" else None
 
 
-def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool) -> torch.Tensor | None:
+def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool, b13=None,
+             b2=None) -> torch.Tensor | None:
     """out [M, K] launched from the kept entry of this call, or None (a miss: run the full path).
-    ``checked``: the caller skips ``check_experts_args`` on a hit, so only an entry that passed it serves."""
+    ``checked``: the caller skips ``check_experts_args`` on a hit, so only an entry that passed it serves.
+    ``b13`` [E, 2N] / ``b2`` [E, K]: the call's expert biases (the entry's, unchanged, or a miss)."""
     if torch.compiler.is_compiling() or not options.fast_ready:
         return None
     # _call_fits, inline
     if _dispatching() or _tracing() or _transforming():
         return None
     if x.__class__ not in _PLAIN or w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN:  # quantized, subclasses
-        return run_quant_fast(x, w13, w2, ids, weights, activation, options, checked)
+        return run_quant_fast(x, w13, w2, ids, weights, activation, options, checked, b13, b2)
     if _grad() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
         return None
     if not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()):
@@ -139,6 +148,8 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
                        ids.device, weights.device, activation, options, get_ident()))  # _key, inline
     if (entry is None or (checked and not entry.checked) or entry.epoch != _epoch[0] or entry.w13() is not w13
             or entry.w2() is not w2 or entry.generation != pool.generation or entry.state != _weight_state(w13, w2)):
+        return None
+    if (entry.biases is not None or b13 is not None or b2 is not None) and not fits(entry.biases, b13, b2):
         return None
     stream = None
     if entry.stream is not None:
@@ -153,12 +164,12 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     batch = sequence.batch
     if batch is not None and sequence.large is None:  # one C call (``triton_lean.BATCHED``): launch_lean's, inline
         out = torch.empty_like(x)  # [M, K]
-        batch.launch_all(batch.blob, stream, *pointers, out, None, None, None, w13, w2)
+        batch.launch_all(batch.blob, stream, *pointers, out, None, b13, b2, w13, w2)
         return out
     if not READ_ONCE:
-        return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
+        return launch_lean(sequence, x, ids, weights, None, b13, b2, w13, w2)
     # the launches take addresses where every one is raw (``LaunchSequence.addressed``): these ones, read above
-    return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2, stream,
+    return launch_lean(sequence, x, ids, weights, None, b13, b2, w13, w2, stream,
                        pointers if sequence.addressed is not None and triton_bind.PASS_ADDRESSES else None)
 
 
@@ -166,30 +177,33 @@ class KeptCall:
     """One kind of call kept for a caller that checks on every call what ``run_fast`` checks before its lookup
     (``moekit.layer_fast``): no tracing, dispatch mode or functorch transform, no autograd graph, not compiling,
     no graph capture, the stream and thread of ``keep_call``'s, x contiguous and 16-byte aligned in the kept
-    shape and dtype, ids and weights the same contiguous aligned buffers, w13 and w2 the kept tensors. It holds
-    the kind's key and the entry last found under it; a call checks only what can move under such a caller: the
-    entry superseded (a clear, the pool's buffers replaced), the weights moved or ``.data`` swapped,
-    a launch hook. Where the entry fails, or none was kept yet (the full path keeps one once its kernels are
-    compiled), it looks the key up again; None where that fails too (the caller runs the full path)."""
+    shape and dtype, ids and weights the same contiguous aligned buffers, w13, w2, b13 and b2 the kept tensors
+    (the biases None or not as kept). It holds the kind's key and the entry last found under it; a call checks only
+    what can move under such a caller: the entry superseded (a clear, the pool's buffers replaced), the weights moved
+    or ``.data`` swapped, a bias moved or updated in place (``kept_biases``), a launch hook. Where the entry fails,
+    or none was kept yet (the full path keeps one once its kernels are compiled), it looks the key up again; None
+    where that fails too (the caller runs the full path)."""
 
     __slots__ = ("key", "entry", "pool", "stream")
 
     def __init__(self, key: tuple, pool, stream) -> None:
         self.key, self.entry, self.pool, self.stream = key, None, pool, stream
 
-    def __call__(self, x, w13, w2, ids, weights) -> torch.Tensor | None:
-        sequence = self.sequence(w13, w2)
-        return None if sequence is None else launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
+    def __call__(self, x, w13, w2, ids, weights, b13=None, b2=None) -> torch.Tensor | None:
+        sequence = self.sequence(w13, w2, b13, b2)
+        return None if sequence is None else launch_lean(sequence, x, ids, weights, None, b13, b2, w13, w2)
 
-    def sequence(self, w13, w2) -> LaunchSequence | None:
+    def sequence(self, w13, w2, b13=None, b2=None) -> LaunchSequence | None:
         """The kept entry's sequence where it still serves this call (see the class), else None."""
         entry = self.entry
         if (entry is None or entry.epoch != _epoch[0] or entry.generation != self.pool.generation
-                or entry.state != _weight_state(w13, w2)):
+                or entry.state != _weight_state(w13, w2)
+                or ((entry.biases is not None or b13 is not None or b2 is not None)
+                    and not fits(entry.biases, b13, b2))):
             entry = _MEMO.get(self.key)
             if (entry is None or entry.epoch != _epoch[0] or entry.generation != self.pool.generation
                     or entry.w13() is not w13 or entry.w2() is not w2 or entry.stream != self.stream
-                    or entry.state != _weight_state(w13, w2)):
+                    or entry.state != _weight_state(w13, w2) or not fits(entry.biases, b13, b2)):
                 return None
             self.entry = entry
         sequence = entry.sequence
@@ -213,8 +227,8 @@ class JointCall:
         self.kept, self.sequence, self.batch = kept, None, None
         self.lead = (launch, tuple(_Slot(X) if p is LEAD_X else p for p in pointers))
 
-    def __call__(self, x, w13, w2, ids, weights) -> torch.Tensor | None:
-        sequence = self.kept.sequence(w13, w2)
+    def __call__(self, x, w13, w2, ids, weights, b13=None, b2=None) -> torch.Tensor | None:
+        sequence = self.kept.sequence(w13, w2, b13, b2)
         if sequence is None or sequence.batch is None or sequence.large is not None:
             return None
         if sequence is not self.sequence:
@@ -225,23 +239,23 @@ class JointCall:
         if batch is None:
             return None
         out = torch.empty_like(x)  # [M, K]
-        batch.launch_all(batch.blob, self.kept.stream, x, ids, weights, out, None, None, None, w13, w2)
+        batch.launch_all(batch.blob, self.kept.stream, x, ids, weights, out, None, b13, b2, w13, w2)
         return out
 
 
-def keep_call(pool, x, w13, w2, ids, weights, activation, options) -> KeptCall | None:
+def keep_call(pool, x, w13, w2, ids, weights, activation, options, b13=None, b2=None) -> KeptCall | None:
     """This kind of call's ``KeptCall`` (its entry found on first use), or None where the fast path never serves it."""
-    if not options.fast_ready or not _call_fits(x, w13, w2, ids, weights):
+    if not options.fast_ready or not _call_fits(x, w13, w2, ids, weights) or not keepable(b13, b2):
         return None
     return KeptCall(_key(x, w13, w2, ids, weights, activation, options), pool, _stream(x.device))
 
 
 def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: Plan, sequence: LaunchSequence,
-             checked: bool) -> None:
+             checked: bool, b13=None, b2=None) -> None:
     """Keep the entry of a call that just launched lean from ``sequence`` (the full path's), where the
-    fast path could serve it (``_call_fits``; the caller passes only calls without a map or biases).
+    fast path could serve it (``_call_fits``, ``kept_biases.keepable``; the caller passes only calls without a map).
     ``stamp``: ``fast_stamp`` of the pool, read before the sequence was looked up."""
-    if torch.compiler.is_compiling() or not _call_fits(x, w13, w2, ids, weights):
+    if torch.compiler.is_compiling() or not _call_fits(x, w13, w2, ids, weights) or not keepable(b13, b2):
         return
     if w13._base is not None or w2._base is not None:  # a view (transformers' transposed storage) is made anew
         return  # per call: an entry would never serve, only churn
@@ -252,7 +266,8 @@ def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: 
         if entry is not None and entry.w13 is ref:
             _MEMO.pop(key, None)
 
-    entry = FastEntry(weakref.ref(w13, forget), w2, plan, sequence, stamp, _stream(x.device), checked)
+    entry = FastEntry(weakref.ref(w13, forget), w2, plan, sequence, stamp, _stream(x.device), checked,
+                      kept_biases(b13, b2))
     with _lock:
         _MEMO.pop(key, None)
         if len(_MEMO) >= MAX_ENTRIES:

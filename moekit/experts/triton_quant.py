@@ -66,10 +66,10 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
 
         out = fused_experts_wo(x, _wo(w13), _wo(w2), topk_ids, topk_weights, expert_map=expert_map, options=options,
                                activation=activation, b13=b13, b2=b2)
-    if checked is not None and fp8_choice is None and expert_map is None and b13 is None and b2 is None:
+    if checked is not None and fp8_choice is None and expert_map is None:
         from moekit.experts.triton_quant_fast import remember_quant
 
-        remember_quant(x, w13, w2, topk_ids, topk_weights, activation, options, checked)
+        remember_quant(x, w13, w2, topk_ids, topk_weights, activation, options, checked, b13, b2)
     return out
 
 

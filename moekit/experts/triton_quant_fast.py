@@ -4,22 +4,26 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
 
     key:   id(w13), id(w2) (the QuantizedWeight objects); x, ids, weights: shape, dtype, device; activation,
            options (as asked), thread
-    entry: w13 and w2 (weakly) with each of their tensors' data_ptr (``state_reader``); the plan's launches
+    entry: w13 and w2 (weakly) with each of their tensors' data_ptr (``state_reader``); the expert biases b13 / b2
+           (weight-only schemes; ``kept_biases``: weakly, with address, layout, device, version); the plan's launches
            recorded once as a LaunchSequence (weights, descriptors, pooled workspace, grids, scalars fixed; x,
            ids, weights, out and the regions allocated per call as stand-ins); the pool's generation, the
            CUDA stream, the epoch; whether ``check_experts_args`` passed on a call of this key
     a hit: what ``triton_fast.run_fast`` asks of a bf16 hit (eager, no autograd graph, x/ids/weights contiguous
            and 16-byte aligned, no capture, the same stream, the pool's buffers kept, no retune or clear since,
-           no launch hook; fp8: the default Gluon choice the entry was kept under), and every weight tensor at
+           no launch hook; fp8: the default Gluon choice the entry was kept under), the call's biases the entry's
+           unchanged (bound into the sequence as the weights are: a new tensor, a move, an in-place update each
+           misses), and every weight tensor at
            the address it had (a tensor replaced on the object, a move: each misses; an in-place update hits, as
            in the bf16 entries: the sequence holds addresses and descriptors, never values)
       -> out = empty_like(x), the sequence launched: the plain path's kernels, grids and arguments (bit-equal)
 
-An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no expert map, no
-biases, the default fp8 choice, M >= 1; the plain call compiled the launches, so the second call of a kind records and
-the third launches lean. A weight-only call the Gluon path takes (``triton_gluon_wo.GLUON_WO_CELLS``) is kept the same
-way, from that path's lean plan on its pool (``triton_gluon_wo_lean.wo_gluon_lean_inputs``: the GEMMs' TMA descriptors
-over the pooled regions, recorded). The weight-only "scratch" decode (from SCRATCH_MIN_TOKENS, chunks of experts) is
+An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no expert map,
+biases only on the weight-only fused decodes (gpt-oss's; not the scratch decode), the default fp8 choice, M >= 1;
+the plain call compiled the launches, so the second call of a kind records and the third launches lean. A
+weight-only call the Gluon path takes (``triton_gluon_wo.GLUON_WO_CELLS``) is kept the same way, from that path's
+lean plan on its pool (``triton_gluon_wo_lean.wo_gluon_lean_inputs``: the GEMMs' TMA descriptors over the pooled
+regions, recorded). The weight-only "scratch" decode (from SCRATCH_MIN_TOKENS, chunks of experts) is
 kept too, from its plan (``triton_wo_scratch_plan``: the dequant and k-sum launches, chunk maps) on a kept scratch
 buffer (``SCRATCH_WORKSPACES``; h and y with it up to 256 MiB, else per call); its decode choice is cached per kind
 (``triton_wo_plan.chosen_decode``). Not kept: inference-mode weights (no version counter), calls whose plan has not
@@ -37,6 +41,7 @@ from threading import get_ident
 import torch
 
 from moekit.experts.configs import on_config_cache_clear
+from moekit.experts.kept_biases import fits, keepable, kept_biases
 from moekit.experts.triton_lean import LaunchSequence, _Slot, record_steps
 from moekit.quant import QuantizedWeight
 from moekit.triton_bind import current_stream
@@ -66,11 +71,12 @@ on_config_cache_clear(clear_quant_fast)  # a retune drops the plans: the entries
 class QuantEntry:
     """One kept call: its weight objects as they were, the recorded launches, what they were recorded under."""
 
-    __slots__ = ("w13", "w2", "read", "state", "sequence", "fresh", "pool", "generation", "stream", "epoch",
+    __slots__ = ("w13", "w2", "read", "state", "biases", "sequence", "fresh", "pool", "generation", "stream", "epoch",
                  "checked", "choice")
 
     def __init__(self, w13_ref, w2, sequence: LaunchSequence, fresh, pool, stamp: tuple, stream, checked: bool,
-                 choice):
+                 choice, biases):
+        self.biases = biases  # kept_biases' (None: the call had none); the sequence holds their addresses
         self.w13, self.w2, self.read = w13_ref, weakref.ref(w2), state_reader(w13_ref(), w2)
         self.state = self.read(w13_ref(), w2)
         self.sequence, self.fresh, self.pool, self.checked = sequence, fresh, pool, checked
@@ -113,7 +119,8 @@ def _stream(device: torch.device):
     return current_stream() if device.type == "cuda" else None
 
 
-def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool) -> torch.Tensor | None:
+def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool, b13=None,
+                   b2=None) -> torch.Tensor | None:
     """out [M, K] launched from the kept entry of this call, or None (a miss: the full path runs). Called
     by ``triton_fast.run_fast`` for weights that are not plain tensors; its eager/tracing tests have run."""
     if x.__class__ not in _PLAIN:  # w13 a QuantizedWeight: an entry's is (``entry.w13() is w13`` below)
@@ -130,6 +137,8 @@ def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool)
     if (entry is None or (checked and not entry.checked) or entry.epoch != _epoch[0] or entry.w13() is not w13
             or entry.w2() is not w2 or entry.generation != entry.pool.generation
             or entry.read(w13, w2) != entry.state):
+        return None
+    if (entry.biases is not None or b13 is not None or b2 is not None) and not fits(entry.biases, b13, b2):
         return None
     stream = None
     if entry.stream is not None:
@@ -165,14 +174,16 @@ def _launch(entry: QuantEntry, x, ids, weights, stream, pointers: tuple) -> torc
     return out
 
 
-def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool) -> None:
-    """Keep the entry of a plain fused call that just ran (``run_quantized_triton``; no map, biases or
-    Gluon choice), where the fast path could serve it and its launches have compiled."""
+def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool, b13=None, b2=None) -> None:
+    """Keep the entry of a plain fused call that just ran (``run_quantized_triton``; no map or Gluon choice; biases
+    ``kept_biases.keepable``, weight-only), where the fast path could serve it and its launches have compiled."""
     if not options.fast_ready or torch.compiler.is_compiling() or _dispatching() or _tracing() or _transforming():
         return
     if x.__class__ not in _PLAIN or ids.numel() == 0 or x.shape[1] == 0:
         return
     if _grad() and (x.requires_grad or weights.requires_grad):
+        return
+    if (b13 is not None or b2 is not None) and (w13.scheme == "fp8_block" or not keepable(b13, b2)):
         return
     if (not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
             or (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15):
@@ -182,7 +193,7 @@ def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool)
         return
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
-    inputs = _lean_inputs(x, w13, w2, ids, weights, activation, options)
+    inputs = _lean_inputs(x, w13, w2, ids, weights, activation, options, b13, b2)
     if inputs is None:
         return
     plan, pool, make_launches = inputs
@@ -193,10 +204,10 @@ def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool)
             return
         if pool.generation == stamp[0]:
             break
-    _keep(x, w13, w2, ids, weights, activation, options, recorded, pool, stamp, checked)
+    _keep(x, w13, w2, ids, weights, activation, options, recorded, pool, stamp, checked, kept_biases(b13, b2))
 
 
-def _lean_inputs(x, w13, w2, ids, weights, activation, options):
+def _lean_inputs(x, w13, w2, ids, weights, activation, options, b13, b2):
     """(plan, pool, launches(b, x, ids, weights, out)) of the scheme's plain path for this call, or None."""
     from moekit.activations import plan_activation, spec_fields
 
@@ -208,7 +219,8 @@ def _lean_inputs(x, w13, w2, ids, weights, activation, options):
     from moekit.experts.triton_quant import _wo
     from moekit.experts.triton_wo import wo_lean_inputs
 
-    return wo_lean_inputs(x, _wo(w13), _wo(w2), ids, weights, plan_activation(*spec_fields(activation)), options)
+    return wo_lean_inputs(x, _wo(w13), _wo(w2), ids, weights, plan_activation(*spec_fields(activation)), options,
+                          b13, b2)
 
 
 def _record(spec, pool, device: torch.device, make_launches) -> tuple | None:
@@ -228,7 +240,8 @@ def _record(spec, pool, device: torch.device, make_launches) -> tuple | None:
     return LaunchSequence(steps, hooks, None, None, None), fresh
 
 
-def _keep(x, w13, w2, ids, weights, activation, options, recorded: tuple, pool, stamp: tuple, checked: bool) -> None:
+def _keep(x, w13, w2, ids, weights, activation, options, recorded: tuple, pool, stamp: tuple, checked: bool,
+          biases) -> None:
     key = (id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
            ids.device, weights.device, activation, options, get_ident())
 
@@ -243,7 +256,8 @@ def _keep(x, w13, w2, ids, weights, activation, options, recorded: tuple, pool, 
         import moekit.experts.triton_gluon_fp8 as gluon_fp8
 
         choice = (gluon_fp8, gluon_fp8.DEFAULT_FP8_CHOICE)
-    entry = QuantEntry(weakref.ref(w13, forget), w2, sequence, fresh, pool, stamp, _stream(x.device), checked, choice)
+    entry = QuantEntry(weakref.ref(w13, forget), w2, sequence, fresh, pool, stamp, _stream(x.device), checked, choice,
+                       biases)
     with _lock:
         _MEMO.pop(key, None)
         if len(_MEMO) >= MAX_ENTRIES:

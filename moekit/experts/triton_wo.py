@@ -188,20 +188,25 @@ LEAN_WORKSPACES = WorkspacePool()  # the reused buffers of lean eager calls (``t
 
 
 def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str | ActivationSpec,
-                   options: LaunchOptions):
+                   options: LaunchOptions, b13=None, b2=None):
     """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the op's
     call used: the same options), a workspace pool, and its launches as a function of (b, x, ids, weights,
     out), weights bound. For a call the scratch decode runs, its kept form (``triton_wo_scratch_plan.
     scratch_lean_inputs``: the op's options; None where there is none); for one the Gluon path runs, its
-    lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size)."""
+    lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size). ``b13`` / ``b2``
+    (contiguous, or None): bound into the launches as the weights are (the caller checks they are the same on a
+    replay); a biased call the scratch decode runs: None (its lean form takes none)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
-    plain = as_spec(activation).plain  # a variant never takes the Gluon decode (run_experts_wo); biases never come
+    biased = b13 is not None or b2 is not None
+    plain = as_spec(activation).plain and not biased  # a variant never takes the Gluon decode (run_experts_wo)
     if plain and _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):  # its lean plan and pool
         from moekit.experts.triton_gluon_wo_lean import wo_gluon_lean_inputs
 
         return wo_gluon_lean_inputs(x, a13, a2, ids, weights, w13.scheme)
     if _runs_scratch(x, a13, ids, w13.scheme, None, None, None, not plain):
+        if biased:
+            return None
         op_options = _wo_options(options.dependent_launch)
         num_experts, two_n = a13.q.shape[:2]
         per, overlap = scratch_chunking(x, num_experts, two_n // 2, x.shape[1])
@@ -210,9 +215,9 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     # the op's options (its plan is the one the plain call compiled), with the caller's k-sum fold limit
     op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False,
                                sum_fold_max=options.sum_fold_max)
-    plan = wo_plan_for(x, a13, a2, ids, weights, None, w13.scheme, activation, None, op_options)
+    plan = wo_plan_for(x, a13, a2, ids, weights, None, w13.scheme, activation, None, op_options, None, None, b13, b2)
     b = LEAN_WORKSPACES.buffers(plan.workspace, x.device)
-    warm = wo_launches(plan, b, x, a13, a2, ids, weights, None, torch.empty_like(x))
+    warm = wo_launches(plan, b, x, a13, a2, ids, weights, None, torch.empty_like(x), b13, b2)
     if any(launch._launcher is None and launch._raw is None for launch, _ in warm):
         # the plain call (the op: a fresh workspace, no counters) ran the separate k-sum; the folded down GEMM
         # the lean calls launch (and a plan of another fold limit) compiles on one call of them now (output dropped)
@@ -220,7 +225,7 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
             launch(*pointers)
 
     def launches(b: dict, x_arg, ids_arg, weights_arg, out_arg) -> list:
-        return wo_launches(plan, b, x_arg, a13, a2, ids_arg, weights_arg, None, out_arg)
+        return wo_launches(plan, b, x_arg, a13, a2, ids_arg, weights_arg, None, out_arg, b13, b2)
 
     return plan, LEAN_WORKSPACES, launches
 
