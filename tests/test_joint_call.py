@@ -33,7 +33,7 @@ class Kept:
     def __init__(self, sequence):
         self.seq, self.stream = sequence, 66
 
-    def sequence(self, w13, w2):
+    def sequence(self, w13, w2, b13=None, b2=None):
         return self.seq
 
 
