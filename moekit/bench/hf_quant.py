@@ -38,7 +38,9 @@ HF_QUANTS = ("fp8", *WEIGHT_ONLY)  # the --hf-quant values: transformers' fp8 ex
 FP8_TINY = {
     "qwen3": dict(hidden_size=128, moe_intermediate_size=128, head_dim=32),
     "mixtral": dict(hidden_size=128, intermediate_size=128, head_dim=32),
+    "deepseek-v3": dict(hidden_size=128, moe_intermediate_size=128),
 }
+QUANTIZE_EXPERTS = 8  # experts a call of transformers' quantize op (quantize_experts_fp8): its temporaries' size
 # FP8ExpertsInterface entries that are not switchable experts implementations: deepgemm_megamoe is a load-time
 # choice (set_experts_implementation refuses to switch to or from it)
 _LOAD_TIME_IMPLS = ("deepgemm_megamoe",)
@@ -105,9 +107,17 @@ def quantize_experts_fp8(model: nn.Module, block_shape: tuple[int, int] = DEFAUL
     for name in names:
         experts = model.get_submodule(name).to_empty(device=device)
         for key, value in weights.pop(name).items():
-            for out_key, out in quantize.convert({key: value}).items():
-                getattr(experts, out_key).data.copy_(out)
+            _quantize_into(experts, quantize, key, value)
     return len(names)
+
+
+def _quantize_into(experts: nn.Module, quantize, key: str, value: torch.Tensor) -> None:
+    """``value`` [E, R, C] quantized by transformers' op ``QUANTIZE_EXPERTS`` experts at a time into ``experts``'
+    ``key`` and ``key_scale_inv``: the op works block by block, so the result is the whole weight's, and its float32
+    temporaries are a chunk's (on a whole DeepSeek-V3 gate_up_proj, 15 GB in bf16, they were four 30 GB copies)."""
+    for start in range(0, value.shape[0], QUANTIZE_EXPERTS):
+        for out_key, out in quantize.convert({key: value[start:start + QUANTIZE_EXPERTS]}).items():
+            getattr(experts, out_key).data[start:start + QUANTIZE_EXPERTS].copy_(out)
 
 
 def _check_whole_blocks(weights: dict[str, torch.Tensor], block_shape: tuple[int, int]) -> None:
