@@ -16,8 +16,9 @@ import torch
 
 pytest.importorskip("transformers.integrations.finegrained_fp8", reason="transformers >= 5 is part of the test extras")
 
-from moekit.bench import hf_fp64, hf_measure, hf_quant, hf_run  # noqa: E402
+from moekit.bench import hf_fp64, hf_fp64_stream, hf_measure, hf_quant, hf_run  # noqa: E402
 from moekit.bench.hf_models import CORRECTION_BIAS_STD, MODELS, build_model, hf_config  # noqa: E402
+from moekit.bench.hf_fp64_stream import streamed_bytes  # noqa: E402
 from moekit.bench.hf_quant import QUANTIZE_EXPERTS, quant_models  # noqa: E402
 from moekit.cli import main  # noqa: E402
 
@@ -61,18 +62,53 @@ def test_default_layers_fit_one_h100_while_the_fp8_copy_is_made():
     assert 22.5e9 < _bytes(_meta_model(default + 1)) - _bytes(_meta_model(default)) < 23.5e9  # a layer in bf16
 
 
-def test_float64_columns_at_real_widths_say_why_they_are_skipped(monkeypatch):
-    """On an 80 GB card with the bf16 model in it (the fp8 model's float64 copy is as large: 8 bytes a value either
-    way), the float64 pass is skipped with its size, not attempted."""
+def test_float64_columns_at_real_widths_stream_the_experts_or_say_why_not(monkeypatch):
+    """On an 80 GB card holding the bf16 model (the fp8 model's whole float64 copy is as large: 8 bytes a value
+    either way) the whole copy cannot fit and the float64 pass streams the experts (its copies outside them: 7.4 GB
+    and a chunk); with less free memory than that, the pass is skipped with both sizes, not attempted."""
     model = _meta_model(MODELS[NAME].default_layers)
     free = CARD_BYTES - _bytes(model)
     monkeypatch.setattr(hf_fp64, "free_memory_bytes", lambda device: free)
-    need = 8 * sum(p.numel() for p in model.parameters())
-    with pytest.raises(hf_measure.Skipped, match=rf"needs {need / 2**30:.1f} GiB \({free / 2**30:.1f} GiB free"):
+    whole = hf_fp64.float64_bytes(model)
+    assert 0 <= whole - 8 * sum(p.numel() for p in model.parameters()) < 1e4 and whole > 2 * CARD_BYTES  # + buffers
+    fp64 = hf_fp64.Float64Model(model)
+    assert fp64.streamed and not any(".experts." in name for name in fp64.tensors)
+    lean = streamed_bytes(model)
+    assert 7e9 < lean < 11e9 and lean < hf_fp64.FIT_FRACTION * free
+    monkeypatch.setattr(hf_fp64, "free_memory_bytes", lambda device: lean)
+    with pytest.raises(hf_measure.Skipped, match=rf"needs {whole / 2**30:.1f} GiB, "
+                                                 rf"{lean / 2**30:.1f} GiB with its experts streamed \("):
         hf_fp64.Float64Model(model)
     batch = torch.zeros(4, 1024, dtype=torch.long, device="meta")
     result = hf_fp64.float64_prefill(model, batch)
     assert result.logits is None and result.error.startswith("Skipped: the float64 pass needs")
+
+
+@pytest.mark.parametrize("name,quant", [(NAME, None), (NAME, "fp8"), ("qwen3", None), ("gpt-oss-20b", None)])
+def test_streamed_experts_give_the_whole_copys_logits(monkeypatch, name, quant):
+    """The float64 pass with its experts streamed (room for the rest, not for the whole copy) against the whole copy:
+    the same numbers (float experts: the same sums; fp8: ``FP8Experts``' loop sums a token's experts in float32 in
+    the whole copy, once per expert here); gpt-oss's biases and transposed experts included. Chunks of 3 experts:
+    several a layer, the last one short."""
+    monkeypatch.setattr(hf_fp64_stream, "STREAM_EXPERTS", 3)
+    config = hf_config(name, 2, tiny=True)
+    if quant:
+        config.update(hf_quant.FP8_TINY[name])
+    model = build_model(config, torch.float32, torch.device("cpu"))
+    if quant:
+        hf_quant.quantize_experts_fp8(model)
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    whole = hf_fp64.Float64Model(model)
+    assert not whole.streamed
+    want = whole.logits(ids)
+    del whole
+    need, lean = hf_fp64.float64_bytes(model), streamed_bytes(model)
+    monkeypatch.setattr(hf_fp64, "free_memory_bytes", lambda device: (need + lean) / 2 / hf_fp64.FIT_FRACTION)
+    streamed = hf_fp64.Float64Model(model)
+    assert streamed.streamed and lean < need
+    got = streamed.logits(ids)
+    assert got.dtype == torch.float64 and (got - want).norm() / want.norm() < (1e-6 if quant else 1e-13)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # the experts' own forward is back
 
 
 def test_correction_bias_is_drawn_and_steers_the_routing():
@@ -108,6 +144,25 @@ def test_tiny_rows_match_eager_and_float64():
             assert row["logits_rel_err_vs_fp64"] > 1e-2  # the experts matter in this model
         else:
             assert row["logits_rel_err_vs_eager"] < FP32_TOL and 0 < row["logits_rel_err_vs_fp64"] < FP32_TOL, impl
+
+
+def test_rows_against_the_streamed_float64_model(monkeypatch):
+    """The bench with room for the streamed float64 pass only: every row's error against float64 (the prefill's and
+    the compiled decode steps', moekit_blocks' swapped blocks in place) is the whole copy's."""
+    impls = ("moekit", "moekit_blocks")
+    opts = hf_run.default_options(NAME, torch.device("cpu"), tiny=True, impls=impls, repeats=1, decode_tokens=3,
+                                  prefill_len=8)
+    whole = _rows(hf_run.run_hf_bench(torch.device("cpu"), opts))
+    model = build_model(hf_config(NAME, opts.layers, tiny=True), torch.float32, torch.device("cpu"))
+    room = (hf_fp64.float64_bytes(model) + streamed_bytes(model)) / 2 / hf_fp64.FIT_FRACTION
+    monkeypatch.setattr(hf_fp64, "free_memory_bytes", lambda device: room)
+    made = []
+    monkeypatch.setattr(hf_fp64, "streamed_experts", lambda m: made.append(m) or hf_fp64_stream.streamed_experts(m))
+    streamed = _rows(hf_run.run_hf_bench(torch.device("cpu"), opts))
+    assert len(made) == 3  # the prefill's pass, each compiled row's decode steps
+    for key, row in streamed.items():
+        assert not row["errors"] and row["logits_rel_err_vs_fp64"] < FP32_TOL, key
+        assert row["logits_rel_err_vs_fp64"] == pytest.approx(whole[key]["logits_rel_err_vs_fp64"], rel=1e-6), key
 
 
 def test_fp8_rows_run_on_the_fp8_experts(monkeypatch):

@@ -129,20 +129,33 @@ def _check_whole_blocks(weights: dict[str, torch.Tensor], block_shape: tuple[int
 
 def dequantized_float64(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every e4m3 weight of ``model`` that has a ``*_scale_inv`` and a ``block_size`` beside it (``FP8Experts``,
-    ``FP8Linear``), by its full name, as its exact float64 value: e4m3 x its block's scale. Scaled in place block
-    row by block row, so the copy is the only weight-sized allocation (the float64 pass's fit check counts it alone;
-    the scales expanded whole took two more copies: a 3 GiB allocation failed the fp8 pass on an 80 GB H100)."""
+    ``FP8Linear``), by its full name, as its exact float64 value (``dequantize_float64``)."""
     out = {}
     for prefix, module in model.named_modules():
-        block = getattr(module, "block_size", None)
         for name, w in module.named_parameters(recurse=False):
-            scale = getattr(module, name + "_scale_inv", None)
-            if w.dtype != FP8_DTYPE or scale is None or block is None:
-                continue
-            br, bc = block
-            value = w.double()  # [.., R, C]
-            for i in range(scale.shape[-2]):  # a block row at a time: no temporary of the weight's size
-                rows = value[..., i * br:(i + 1) * br, :]  # [.., br, C] (fewer in the tail)
-                rows *= scale[..., i, :].double().repeat_interleave(bc, -1)[..., None, :w.shape[-1]]
-            out[f"{prefix}.{name}" if prefix else name] = value
+            scale = block_scale(module, name)
+            if scale is not None:
+                out[f"{prefix}.{name}" if prefix else name] = dequantize_float64(w, scale, module.block_size)
     return out
+
+
+def block_scale(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The ``*_scale_inv`` of ``module``'s parameter ``name`` where that parameter is e4m3 with block scales (a
+    ``block_size`` on the module), else None."""
+    scale = getattr(module, name + "_scale_inv", None)
+    if getattr(module, name).dtype != FP8_DTYPE or getattr(module, "block_size", None) is None:
+        return None
+    return scale
+
+
+def dequantize_float64(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """e4m3 ``w`` [.., R, C] x its ``block`` (BR, BC) scales [.., ceil(R/BR), ceil(C/BC)], exactly, in float64.
+    Scaled in place block row by block row, so the copy is the only weight-sized allocation (the float64 pass's fit
+    check counts it alone; the scales expanded whole took two more copies: a 3 GiB allocation failed the fp8 pass on
+    an 80 GB H100)."""
+    br, bc = block
+    value = w.double()  # [.., R, C]
+    for i in range(scale.shape[-2]):  # a block row at a time: no temporary of the weight's size
+        rows = value[..., i * br:(i + 1) * br, :]  # [.., br, C] (fewer in the tail)
+        rows *= scale[..., i, :].double().repeat_interleave(bc, -1)[..., None, :w.shape[-1]]
+    return value
