@@ -152,13 +152,16 @@ def test_rows_against_the_streamed_float64_model(monkeypatch):
     impls = ("moekit", "moekit_blocks")
     opts = hf_run.default_options(NAME, torch.device("cpu"), tiny=True, impls=impls, repeats=1, decode_tokens=3,
                                   prefill_len=8)
-    whole = _rows(hf_run.run_hf_bench(torch.device("cpu"), opts))
+    lines = []
+    whole = _rows(hf_run.run_hf_bench(torch.device("cpu"), opts, lines.append))
     model = build_model(hf_config(NAME, opts.layers, tiny=True), torch.float32, torch.device("cpu"))
     room = (hf_fp64.float64_bytes(model) + streamed_bytes(model)) / 2 / hf_fp64.FIT_FRACTION
     monkeypatch.setattr(hf_fp64, "free_memory_bytes", lambda device: room)
     made = []
     monkeypatch.setattr(hf_fp64, "streamed_experts", lambda m: made.append(m) or hf_fp64_stream.streamed_experts(m))
-    streamed = _rows(hf_run.run_hf_bench(torch.device("cpu"), opts))
+    streamed = _rows(hf_run.run_hf_bench(torch.device("cpu"), opts, lines.append))
+    assert [line for line in lines if line.startswith("float64 prefill")] == [
+        "float64 prefill (eager experts): done", "float64 prefill (eager experts, streamed): done"]
     assert len(made) == 3  # the prefill's pass, each compiled row's decode steps
     for key, row in streamed.items():
         assert not row["errors"] and row["logits_rel_err_vs_fp64"] < FP32_TOL, key

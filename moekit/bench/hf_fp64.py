@@ -102,6 +102,7 @@ class Float64Model:
 class Float64Prefill:
     logits: torch.Tensor | None  # [B, L, V] float64 logits of the prefill batch; None where the pass failed
     error: str | None  # "Type: first line" where it failed or was skipped, else None
+    streamed: bool = False  # the experts streamed (hf_fp64_stream): the whole float64 copy did not fit
 
 
 def float64_prefill(model, batch: torch.Tensor, blocks_quant: str | None = None) -> Float64Prefill:
@@ -109,10 +110,12 @@ def float64_prefill(model, batch: torch.Tensor, blocks_quant: str | None = None)
     the device, no room) is returned as its text, never raised. The float64 weights are freed before this returns."""
     logits_bytes = 8 * batch.numel() * model.config.vocab_size
     try:
-        logits = Float64Model(model, 3 * logits_bytes, blocks_quant).logits(batch)  # logits, error's cast, difference
+        fp64 = Float64Model(model, 3 * logits_bytes, blocks_quant)  # room for the logits, error's cast, difference
+        logits, streamed = fp64.logits(batch), fp64.streamed
+        del fp64  # its float64 copies freed before the cache is emptied
     except Exception as err:  # noqa: BLE001  (a reference that cannot be computed is a result, not a crash)
         return Float64Prefill(None, hm.error_text(err))
     finally:
         if batch.device.type == "cuda":
             torch.cuda.empty_cache()
-    return Float64Prefill(logits, None)
+    return Float64Prefill(logits, None, streamed)

@@ -7,6 +7,11 @@ fields), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936
     mixtral      Mixtral-8x7B:  hidden 4096, 8 experts of width 14336, top-2, 32 query / 8 kv heads of 128
     gpt-oss-20b  gpt-oss-20b:   hidden 2880, 32 experts of width 2880, top-4, 64 query / 8 kv heads of 64;
                  experts with biases, interleaved gate/up, clamped SwiGLU (alpha 1.702, limit 7), transposed
+    deepseek-v3  DeepSeek-V3:   hidden 7168, 256 experts of width 2048, top-8 of 8 groups keeping 4, sigmoid scores
+                 with a correction bias (drawn: zeros at init), routed scaling 2.5, one shared expert, MLA
+                 attention (128 heads, q / kv ranks 1536 / 512); every layer an MoE layer (the published
+                 model's first 3 are dense). 2 layers: 48 GB in bf16; with --hf-quant fp8, 62 GB while the
+                 fp8 copy is made (hf_quant), so one 80 GB card holds either run
 
 ``tiny=True`` shrinks every width (the CPU tests run the same code path on it). No tokenizer, no
 checkpoint: nothing here reaches the hub.
