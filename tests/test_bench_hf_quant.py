@@ -44,7 +44,7 @@ def _blockwise(w_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "mixtral", "deepseek-v3"])
 def test_fp8_model_experts_are_transformers_fp8_experts(name):
     from moekit.quant.hf import fp8_experts_weights
 
@@ -106,7 +106,7 @@ def _float64_recipe(self, hidden_states, top_k_index, top_k_weights):
     return out.to(hidden_states.dtype)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "mixtral", "deepseek-v3"])
 def test_moekit_logits_match_a_float64_emulation_of_the_recipe(name, monkeypatch):
     """Through transformers' FP8ExpertsInterface, "moekit" on the fp8 model gives the logits of the recipe
     run in float64 here (its float32 scales round a rare element the other way), far closer than the
@@ -139,7 +139,8 @@ def test_fp8_implementations_and_models():
     assert impls[0] == "eager" and {"moekit", "grouped_mm", "batched_mm"} <= set(impls)
     assert "deepgemm_megamoe" not in impls and "sonicmoe" not in impls  # load-time only; no fp8 form
     assert "moekit_blocks" in select_impls(["moekit_blocks"], "fp8")
-    assert quant_models("fp8", model_names()) == ["qwen3", "mixtral"] and quant_models(None, ["x"]) == ["x"]
+    assert quant_models("fp8", model_names()) == ["qwen3", "mixtral", "deepseek-v3"]
+    assert quant_models(None, ["x"]) == ["x"]
     with pytest.raises(ValueError, match="hf-impls"):
         select_impls(["sonicmoe"], "fp8")
 

@@ -11,19 +11,23 @@ router's softmax, the rotary cos/sin): their rounding (~1e-7 relative; RMSNorm's
 Qwen3) is this reference's floor, far below the ~1e-2 of bf16 logits. An fp8 model (``--hf-quant fp8``) runs
 its stored weights dequantized exactly, without the recipe's activation rounding; ``FP8Experts``' loop sums
 the experts in float32 (~1e-7 more). A weight-only run's quantized row (``hf_wo``) has a float64 model of its own:
-the block's experts replaced by the swapped layer's quantized ones, dequantized in float64.
+the block's experts replaced by the swapped layer's quantized ones, dequantized in float64. Where the whole copy
+does not fit (DeepSeek-V3, 2 layers: 188 GB) the experts are streamed, float64 a chunk of experts at a time
+(``hf_fp64_stream``: 10 GB there); where that does not fit either, the columns say so ("Skipped: ...").
 
 Shapes: B x L = the prefill batch, P = prompt tokens, T = generated tokens, V = vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
 import torch
 
 from moekit.bench import hf_measure as hm
+from moekit.bench.hf_fp64_stream import float64_outside_experts, streamed_bytes, streamed_experts
 from moekit.bench.hf_models import REFERENCE_IMPL, free_memory_bytes
 from moekit.bench.hf_quant import dequantized_float64
 from moekit.bench.hf_wo import dequantized_blocks_float64
@@ -54,26 +58,31 @@ def float64_bytes(model) -> int:
 class Float64Model:
     """``model`` run with float64 copies of its weights and the ``eager`` experts; the copies live as long
     as this object (``blocks_quant``: the experts its blocks hold quantized with that scheme, dequantized:
-    ``hf_wo``). Raises ``hm.Skipped`` where the copy and ``extra_bytes`` would not fit in the free
-    memory of the model's device, and whatever the device raises where float64 is not supported there."""
+    ``hf_wo``). Where the whole copy and ``extra_bytes`` would not fit in the free memory of the model's device, the
+    experts are streamed (``hf_fp64_stream``: float64 a chunk of experts at a time; not with ``blocks_quant``); raises
+    ``hm.Skipped`` where that would not fit either, and whatever the device raises where float64 is not supported."""
 
     def __init__(self, model, extra_bytes: int = 0, blocks_quant: str | None = None):
         device = next(model.parameters()).device
         if device.type == "cuda":
             torch.cuda.empty_cache()  # blocks cached by earlier passes count as free
         need, free = float64_bytes(model) + extra_bytes, free_memory_bytes(device)
-        if need > FIT_FRACTION * free:
-            raise hm.Skipped(f"the float64 pass needs {need / 2**30:.1f} GiB "
+        lean = streamed_bytes(model) + extra_bytes if need > FIT_FRACTION * free and blocks_quant is None else None
+        if need > FIT_FRACTION * free and (lean is None or lean > FIT_FRACTION * free):
+            streamed = "" if lean is None else f", {lean / 2**30:.1f} GiB with its experts streamed"
+            raise hm.Skipped(f"the float64 pass needs {need / 2**30:.1f} GiB{streamed} "
                              f"({free / 2**30:.1f} GiB free on {device})")
         self.model = model
-        self.tensors = _float64_tensors(model, blocks_quant)
+        self.streamed = lean is not None  # the experts as stored, a chunk at a time in float64 (hf_fp64_stream)
+        self.tensors = float64_outside_experts(model) if self.streamed else _float64_tensors(model, blocks_quant)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, L, V] float64 logits of every position of ``ids`` [B, L] (no cache)."""
         saved = self.model.get_experts_implementation()
         self.model.set_experts_implementation(REFERENCE_IMPL)
+        streaming = streamed_experts(self.model) if self.streamed else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), streaming:
                 out = torch.func.functional_call(self.model, self.tensors, (ids,),
                                                  {"use_cache": False, "logits_to_keep": 0})
         finally:
@@ -93,6 +102,7 @@ class Float64Model:
 class Float64Prefill:
     logits: torch.Tensor | None  # [B, L, V] float64 logits of the prefill batch; None where the pass failed
     error: str | None  # "Type: first line" where it failed or was skipped, else None
+    streamed: bool = False  # the experts streamed (hf_fp64_stream): the whole float64 copy did not fit
 
 
 def float64_prefill(model, batch: torch.Tensor, blocks_quant: str | None = None) -> Float64Prefill:
@@ -100,10 +110,12 @@ def float64_prefill(model, batch: torch.Tensor, blocks_quant: str | None = None)
     the device, no room) is returned as its text, never raised. The float64 weights are freed before this returns."""
     logits_bytes = 8 * batch.numel() * model.config.vocab_size
     try:
-        logits = Float64Model(model, 3 * logits_bytes, blocks_quant).logits(batch)  # logits, error's cast, difference
+        fp64 = Float64Model(model, 3 * logits_bytes, blocks_quant)  # room for the logits, error's cast, difference
+        logits, streamed = fp64.logits(batch), fp64.streamed
+        del fp64  # its float64 copies freed before the cache is emptied
     except Exception as err:  # noqa: BLE001  (a reference that cannot be computed is a result, not a crash)
         return Float64Prefill(None, hm.error_text(err))
     finally:
         if batch.device.type == "cuda":
             torch.cuda.empty_cache()
-    return Float64Prefill(logits, None)
+    return Float64Prefill(logits, None, streamed)

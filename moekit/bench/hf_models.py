@@ -7,6 +7,11 @@ fields), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936
     mixtral      Mixtral-8x7B:  hidden 4096, 8 experts of width 14336, top-2, 32 query / 8 kv heads of 128
     gpt-oss-20b  gpt-oss-20b:   hidden 2880, 32 experts of width 2880, top-4, 64 query / 8 kv heads of 64;
                  experts with biases, interleaved gate/up, clamped SwiGLU (alpha 1.702, limit 7), transposed
+    deepseek-v3  DeepSeek-V3:   hidden 7168, 256 experts of width 2048, top-8 of 8 groups keeping 4, sigmoid scores
+                 with a correction bias (drawn: zeros at init), routed scaling 2.5, one shared expert, MLA
+                 attention (128 heads, q / kv ranks 1536 / 512); every layer an MoE layer (the published
+                 model's first 3 are dense). 2 layers: 48 GB in bf16; with --hf-quant fp8, 62 GB while the
+                 fp8 copy is made (hf_quant), so one 80 GB card holds either run
 
 ``tiny=True`` shrinks every width (the CPU tests run the same code path on it). No tokenizer, no
 checkpoint: nothing here reaches the hub.
@@ -19,7 +24,7 @@ model's from ``FP8ExpertsInterface``, ``hf_quant``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +42,9 @@ NO_EXPERTS_IMPL = "no_experts"
 # Not an experts implementation: every MoE block runs moekit's whole layer (``moekit.hf.use_moekit_blocks``:
 # moekit's router and the layer's decode fast path); blocks it leaves run the "moekit" experts. Runs when named.
 BLOCKS_IMPL = "moekit_blocks"
+# Of the correction bias drawn for DeepSeek-V3's routers (build_model): about the spread of its sigmoid scores at the
+# real width (router logits of std ~1.7), so the bias moves some choices, not all
+CORRECTION_BIAS_STD = 0.1
 _IMPL_ORDER = ("eager", "moekit", "grouped_mm", "batched_mm")  # the rest follow in name order
 
 
@@ -46,6 +54,7 @@ class HFModelSpec:
     preset: str  # the moekit preset holding the published config.json fields
     default_layers: int  # decoder layers on the GPU (the CPU default is 1: fp32 real widths are GBs per layer)
     tiny: dict  # config overrides for --tiny
+    fields: dict = field(default_factory=dict)  # config overrides at every width (the preset's model cut to fit)
 
 
 MODELS = {
@@ -63,6 +72,13 @@ MODELS = {
         "gpt-oss-20b", "gpt-oss-20b", 4,
         dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=8),
+    ),
+    "deepseek-v3": HFModelSpec(
+        "deepseek-v3", "deepseek-v3", 2,
+        dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=16,
+             num_experts_per_tok=4, n_group=4, topk_group=2, num_attention_heads=4, num_key_value_heads=4,
+             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=256),
+        dict(first_k_dense_replace=0),  # every decoder layer an MoE layer (the published model's first 3 are dense)
     ),
 }
 
@@ -82,6 +98,7 @@ def hf_config(name: str, layers: int, tiny: bool = False):
     spec = MODELS[name]
     fields = hf_config_of_preset(spec.preset)
     model_type = fields.pop("model_type")
+    fields.update(spec.fields)
     fields.update(num_hidden_layers=layers, vocab_size=VOCAB_SIZE, bos_token_id=None, eos_token_id=None,
                   pad_token_id=0)  # no EOS: every generate call runs its full number of new tokens
     if tiny:
@@ -96,9 +113,21 @@ def build_model(config, dtype: torch.dtype, device: torch.device, seed: int = 0)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _draw_correction_biases(model, seed)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def _draw_correction_biases(model, seed: int) -> None:
+    """Every router's ``e_score_correction_bias`` (DeepSeek-V3's selection-only bias; zeros at init) drawn
+    N(0, ``CORRECTION_BIAS_STD``²), so the rows route with it as a trained model does: an implementation that
+    dropped it, or weighted the experts by the biased scores, would differ from eager."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * CORRECTION_BIAS_STD)
 
 
 def experts_implementations(quant: str | None = None) -> list[str]:

@@ -38,7 +38,9 @@ HF_QUANTS = ("fp8", *WEIGHT_ONLY)  # the --hf-quant values: transformers' fp8 ex
 FP8_TINY = {
     "qwen3": dict(hidden_size=128, moe_intermediate_size=128, head_dim=32),
     "mixtral": dict(hidden_size=128, intermediate_size=128, head_dim=32),
+    "deepseek-v3": dict(hidden_size=128, moe_intermediate_size=128),
 }
+QUANTIZE_EXPERTS = 8  # experts a call of transformers' quantize op (quantize_experts_fp8): its temporaries' size
 # FP8ExpertsInterface entries that are not switchable experts implementations: deepgemm_megamoe is a load-time
 # choice (set_experts_implementation refuses to switch to or from it)
 _LOAD_TIME_IMPLS = ("deepgemm_megamoe",)
@@ -105,9 +107,17 @@ def quantize_experts_fp8(model: nn.Module, block_shape: tuple[int, int] = DEFAUL
     for name in names:
         experts = model.get_submodule(name).to_empty(device=device)
         for key, value in weights.pop(name).items():
-            for out_key, out in quantize.convert({key: value}).items():
-                getattr(experts, out_key).data.copy_(out)
+            _quantize_into(experts, quantize, key, value)
     return len(names)
+
+
+def _quantize_into(experts: nn.Module, quantize, key: str, value: torch.Tensor) -> None:
+    """``value`` [E, R, C] quantized by transformers' op ``QUANTIZE_EXPERTS`` experts at a time into ``experts``'
+    ``key`` and ``key_scale_inv``: the op works block by block, so the result is the whole weight's, and its float32
+    temporaries are a chunk's (on a whole DeepSeek-V3 gate_up_proj, 15 GB in bf16, they were four 30 GB copies)."""
+    for start in range(0, value.shape[0], QUANTIZE_EXPERTS):
+        for out_key, out in quantize.convert({key: value[start:start + QUANTIZE_EXPERTS]}).items():
+            getattr(experts, out_key).data[start:start + QUANTIZE_EXPERTS].copy_(out)
 
 
 def _check_whole_blocks(weights: dict[str, torch.Tensor], block_shape: tuple[int, int]) -> None:
@@ -119,20 +129,33 @@ def _check_whole_blocks(weights: dict[str, torch.Tensor], block_shape: tuple[int
 
 def dequantized_float64(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every e4m3 weight of ``model`` that has a ``*_scale_inv`` and a ``block_size`` beside it (``FP8Experts``,
-    ``FP8Linear``), by its full name, as its exact float64 value: e4m3 x its block's scale. Scaled in place block
-    row by block row, so the copy is the only weight-sized allocation (the float64 pass's fit check counts it alone;
-    the scales expanded whole took two more copies: a 3 GiB allocation failed the fp8 pass on an 80 GB H100)."""
+    ``FP8Linear``), by its full name, as its exact float64 value (``dequantize_float64``)."""
     out = {}
     for prefix, module in model.named_modules():
-        block = getattr(module, "block_size", None)
         for name, w in module.named_parameters(recurse=False):
-            scale = getattr(module, name + "_scale_inv", None)
-            if w.dtype != FP8_DTYPE or scale is None or block is None:
-                continue
-            br, bc = block
-            value = w.double()  # [.., R, C]
-            for i in range(scale.shape[-2]):  # a block row at a time: no temporary of the weight's size
-                rows = value[..., i * br:(i + 1) * br, :]  # [.., br, C] (fewer in the tail)
-                rows *= scale[..., i, :].double().repeat_interleave(bc, -1)[..., None, :w.shape[-1]]
-            out[f"{prefix}.{name}" if prefix else name] = value
+            scale = block_scale(module, name)
+            if scale is not None:
+                out[f"{prefix}.{name}" if prefix else name] = dequantize_float64(w, scale, module.block_size)
     return out
+
+
+def block_scale(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The ``*_scale_inv`` of ``module``'s parameter ``name`` where that parameter is e4m3 with block scales (a
+    ``block_size`` on the module), else None."""
+    scale = getattr(module, name + "_scale_inv", None)
+    if getattr(module, name).dtype != FP8_DTYPE or getattr(module, "block_size", None) is None:
+        return None
+    return scale
+
+
+def dequantize_float64(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """e4m3 ``w`` [.., R, C] x its ``block`` (BR, BC) scales [.., ceil(R/BR), ceil(C/BC)], exactly, in float64.
+    Scaled in place block row by block row, so the copy is the only weight-sized allocation (the float64 pass's fit
+    check counts it alone; the scales expanded whole took two more copies: a 3 GiB allocation failed the fp8 pass on
+    an 80 GB H100)."""
+    br, bc = block
+    value = w.double()  # [.., R, C]
+    for i in range(scale.shape[-2]):  # a block row at a time: no temporary of the weight's size
+        rows = value[..., i * br:(i + 1) * br, :]  # [.., br, C] (fewer in the tail)
+        rows *= scale[..., i, :].double().repeat_interleave(bc, -1)[..., None, :w.shape[-1]]
+    return value

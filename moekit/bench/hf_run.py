@@ -337,7 +337,8 @@ def _float64_prefills(model, batch: torch.Tensor, quant: str | None, log) -> tup
     experts dequantized (those blocks made here); and the latter's relative error against the former (the
     quantization's own cost; its failure as text; None: no weight-only run)."""
     fp64 = Float64Refs(float64_prefill(model, batch))
-    log(f"float64 prefill (eager experts): {fp64.weights.error or 'done'}")
+    log(f"float64 prefill (eager experts{', streamed' if fp64.weights.streamed else ''}): "
+        f"{fp64.weights.error or 'done'}")
     if quant not in WEIGHT_ONLY:
         return fp64, None
     use_impl(model, QUANT_BLOCKS_IMPL, quant)  # quantized now: the float64 model reads its experts
@@ -373,7 +374,8 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
             "ids, no cache, last logits only; error vs eager: relative L2 of the prefill logits (eager mode) or "
             "of the decode steps' logits while the tokens agree (compiled) against the eager implementation in "
             "eager mode; error vs fp64: the same logits (every decode step: teacher-forced on the row's own "
-            "tokens) against the same weights run in float64 with the eager experts (float32 only where the "
+            "tokens) against the same weights run in float64 with the eager experts (a chunk of experts at a time "
+            "where the whole float64 copy does not fit: hf_fp64_stream; float32 only where the "
             "modeling code casts on purpose: RMSNorm statistics, router softmax, rotary cos/sin); compiled: "
             "generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
             "all implementations warmed first, repeats round-robin, medians"

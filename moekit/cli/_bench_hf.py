@@ -11,14 +11,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transformers end to end (--hf)")
     g.add_argument("--hf", action="store_true",
                    help="time whole transformers MoE models (random weights, no hub) per experts implementation")
-    g.add_argument("--hf-model", default="all", help="qwen3, mixtral, gpt-oss-20b or all (default: all)")
+    g.add_argument("--hf-model", default="all", help="qwen3, mixtral, gpt-oss-20b, deepseek-v3 or all (default: all)")
     g.add_argument("--hf-impls", default=None,
                    help="comma-separated experts implementations (default: every registered one; eager, the reference, "
                    "always runs in eager mode); no_experts adds the ceiling: experts that return zeros, i.e. the best "
                    "decode any implementation could reach in that model; moekit_blocks runs each MoE block as moekit's "
                    "whole layer (moekit.hf.use_moekit_blocks: its router too)")
     g.add_argument("--layers", type=int, default=None,
-                   help="decoder layers (default: 8 qwen3 / 2 mixtral on GPU, 1 on CPU)")
+                   help="decoder layers (default on GPU: 8 qwen3, 2 mixtral, 4 gpt-oss-20b, 2 deepseek-v3; 1 on CPU)")
     g.add_argument("--decode-tokens", type=int, default=None, help="new tokens per generate (default 64 GPU, 8 CPU)")
     g.add_argument("--prompt-len", type=int, default=None, help="decode prompt tokens (default 16 GPU, 8 CPU)")
     g.add_argument("--prefill-batch", type=int, default=None, help="prefill sequences (default 4 GPU, 1 CPU)")
@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's dtype: float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--hf-quant", default=None,
                    help="fp8: the experts quantized with transformers' fine-grained fp8 (FineGrainedFP8Config: e4m3, "
-                   "128x128 block scales); implementations are then those of its FP8Experts (qwen3, mixtral). "
+                   "128x128 block scales); implementations are then those of its FP8Experts (qwen3, mixtral, "
+                   "deepseek-v3). "
                    "int8_w8a16, int4_w4a16 or mxfp4: the model stays in --hf-dtype and the row moekit_blocks_quant "
                    "runs it with every MoE block swapped to moekit's layer and its experts quantized by moekit "
                    "(use_moekit_blocks(model, quant=...)); --hf-impls defaults to moekit_blocks,no_experts beside it "
