@@ -142,14 +142,14 @@ def test_variant_measured_entries_reach_a_factor_2_only(monkeypatch):
 
 
 def test_shipped_variant_rows_of_gpt_oss_20b():
-    # one H100's wom40 check: mxfp4 M = 4..127 and int4 4..22 / 512..608 on the mma decode, int4 23..127 register and
-    # 609..1023 tile (measured entries bounding them); M = 1..3, int8 and other shapes: the plain chooser's (None)
+    # one H100's wom40 checks: mxfp4 M = 1..127 and int4 4..22 / 512..608 on the mma decode, int4 23..127 register
+    # and 609..1023 tile (measured entries bounding them); int4 M = 1..3, int8 and other shapes: the plain chooser's
     from moekit.experts.triton_wo_variant import measured_variant_decode
 
     def picks(scheme, ms):
         return [measured_variant_decode(scheme, m, 32, 2880, 2880, 4) for m in ms]
 
-    assert picks("mxfp4", (1, 3, 4, 8, 64, 127, 128, 512)) == [None, None, "mma", "mma", "mma", "mma", None, None]
+    assert picks("mxfp4", (1, 3, 4, 8, 64, 127, 128, 512)) == ["mma", "mma", "mma", "mma", "mma", "mma", None, None]
     assert picks("int4_w4a16", (3, 4, 22, 23, 127, 256, 512, 608, 609, 1023)) == [
         None, "mma", "mma", "register", "register", None, "mma", "mma", "tile", "tile"]
     assert picks("int8_w8a16", (1, 8, 64, 512)) == [None] * 4

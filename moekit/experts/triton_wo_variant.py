@@ -29,10 +29,14 @@ from moekit.experts.triton_wo_configs import height_bucket
 #   int4 g128 M=8 218.1 / register 229.7 / 411.8 (x1.05, 5/5), M=64 279.0 / 281.8 (x1.01, 0/5: register stays),
 #   M=256 557.0 / tile 478.0 (0/5), M=512 952.6 / tile 1043.9 / 600.8 (x1.10, 5/5), M=724 1285.9 / 1070.1 (0/5).
 #   int8 M=8 / 64 / 256 / 512: the tile decode 1.03-1.06x the mma (0/5 each): no entry; M=724 not reached.
-# So, by the factor-2 reach: mxfp4 M = 4..127 mma; int4 M = 4..22 mma, 23..127 register, 512..608 mma, 609..1023 tile
-# (from 1024 scratch, VARIANT_SCRATCH_FROM); M = 1..3 (unmeasured) and everything else the plain chooser's.
+# Round 2 (the lead, merged main 88753e62, the same H100 kind, wom40_device_check --ms 1,8,64,512, 60 s, every check
+# PASS; results/raw/NVIDIA_H100-2026-12-06-88753e6-wom40r2.*): mxfp4 M=1 mma16 54.6 / tile 71.9 / 75.9 (x1.32, 5/5);
+# int4 M=1 register 63.9 stays (gemv 62.3, 1/5; mma 66.6); the rows above confirmed (the route's pick within 1% of
+# the best arm at mxfp4 8 / 64, int4 8 / 64 / 512).
+# So, by the factor-2 reach: mxfp4 M = 1..127 mma; int4 M = 4..22 mma, 23..127 register, 512..608 mma, 609..1023 tile
+# (from 1024 scratch, VARIANT_SCRATCH_FROM); int4 M = 1..3 and everything else the plain chooser's.
 VARIANT_DECODE_MEASURED: dict[tuple[str, int, int, int], dict[int, str]] = {
-    ("mxfp4", 32, 2880, 2880): {8: "mma", 64: "mma"},  # gpt-oss-20b
+    ("mxfp4", 32, 2880, 2880): {1: "mma", 8: "mma", 64: "mma"},  # gpt-oss-20b
     ("int4_w4a16", 32, 2880, 2880): {8: "mma", 64: "register", 512: "mma", 724: "tile"},  # gpt-oss-20b
 }
 
