@@ -146,7 +146,7 @@ def main() -> int:
     args = gpt39.parser(__doc__.split("\n")[0], 55.0, ("fp8_block",), MS).parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")
     gpt39.begin(RESULT, args.ms, "| scheme | M | new (fused fp8) µs | old (grouped_mm) µs | bf16 µs "
-                "| old / new (rounds >= 3%) | new / bf16 |", 7)
+                "| old / new (rounds >= 3%) | new / bf16 |")
     path = os.path.join(args.out, "fpb40.json") if args.out else ""
     RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, dev, args.deadline), args.deadline)
     if path:

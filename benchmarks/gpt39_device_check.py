@@ -236,14 +236,14 @@ def parser(description: str, deadline: float, schemes: tuple, ms: tuple) -> argp
     return p
 
 
-def begin(result: dict, ms: tuple, header: str, columns: int) -> None:
+def begin(result: dict, ms: tuple, header: str) -> None:
     """A run's start (this one's or a check's that shares gpt39's shape, ``RUN`` set to its own): the watchdog, the
-    run's info (in ``result`` and logged), the table's ``header`` row over ``columns`` columns."""
+    run's info (in ``result`` and logged), the table's ``header`` row and its rule."""
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     result["info"] = {**run_info(), "shape": shape(), "spec": str(SPEC), "ms": ms}
     RUN.log(f"{result['info']}")
     RUN.summary.append(header)
-    RUN.summary.append("| --- " * columns + "|")
+    RUN.summary.append("| --- " * (header.count("|") - 1) + "|")
 
 
 def run_checks(args, dev, head: str, name: str, result: dict, run_one) -> None:
@@ -251,7 +251,7 @@ def run_checks(args, dev, head: str, name: str, result: dict, run_one) -> None:
     table's ``head`` row, ``run_one(scheme)`` for each of ``args.schemes`` as a cell that starts before the deadline,
     <out>/<name>.json after each, the GPU's cache emptied between schemes (a scheme's weights: 2 GB at gpt-oss's
     width), then the table."""
-    begin(result, args.ms, head, head.count("|") - 1)
+    begin(result, args.ms, head)
     path = os.path.join(args.out, f"{name}.json") if args.out else ""
     for scheme in args.schemes:
         RUN.each_cell([scheme], run_one, args.deadline)
