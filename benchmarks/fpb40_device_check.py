@@ -109,37 +109,38 @@ def run_gpt_oss(ms: tuple, dev, deadline: float) -> None:
             f"({faster_rounds(us['new'], us['old'])}/{len(us['new'])}) | {med['new'] / med['bf16']:.2f} |")
 
 
-def run_plain(preset: str, dev) -> None:
-    """One plain fp8 call of ``preset``'s experts (E as ``PLAIN_CELLS`` keeps; the smoke: gpt39's tiny shape): the
-    route against the reference, then its graph µs."""
+def run_plain(preset: str, dev, m: int = PLAIN_M, kept: int | None = None, run: RunLog = RUN,
+              result: dict = RESULT, blanks: int = 4) -> None:
+    """One plain fp8 call of ``preset``'s experts at M = ``m`` (E: ``kept`` of them, else ``PLAIN_CELLS``' count or all;
+    the smoke: gpt39's tiny shape): the route against the reference, then its graph µs, logged into ``run`` (a
+    table row with ``blanks`` empty cells after the µs) and ``result["plain"]`` (gof41's check runs it with its own)."""
     import moekit.quant as Q
+    from moekit.bench.cells import Shape
     from moekit.experts import run_experts
-    from moekit.presets import hf_config_of_preset
 
     if SMOKE:
         e, k, n, top_k = gpt39.shape()
     else:
-        cfg = hf_config_of_preset(preset)
-        e = PLAIN_CELLS[preset] or cfg.get("num_experts", cfg.get("n_routed_experts"))
-        k, n, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+        shape = Shape.from_preset(preset)
+        e, k, n, top_k = kept or PLAIN_CELLS.get(preset) or shape.num_experts, shape.k, shape.n, shape.top_k
     g = torch.Generator(device=dev).manual_seed(40)
     q13 = Q.quantize((torch.randn(e, 2 * n, k, generator=g, device=dev) * k**-0.5).bfloat16(), "fp8_block")
     q2 = Q.quantize((torch.randn(e, k, n, generator=g, device=dev) * n**-0.5).bfloat16(), "fp8_block")
-    x = torch.randn(PLAIN_M, k, generator=g, device=dev).bfloat16()
-    ids = torch.stack([torch.randperm(e, generator=g, device=dev)[:top_k] for _ in range(PLAIN_M)]).int()
-    weights = torch.softmax(torch.randn(PLAIN_M, top_k, generator=g, device=dev), dim=1)
+    x = torch.randn(m, k, generator=g, device=dev).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g, device=dev)[:top_k] for _ in range(m)]).int()
+    weights = torch.softmax(torch.randn(m, top_k, generator=g, device=dev), dim=1)
 
     def route():
         return run_experts(x, q13, q2, ids, weights, backend="triton")
 
     with torch.no_grad():
         err = rel_l2(route(), run_experts(x, q13, q2, ids, weights, backend="reference"))
-        RUN.check(f"{preset} fp8 plain M={PLAIN_M} (E {e}, K {k}, N {n}, top-{top_k})", err < TOL, f"rel_l2={err:.2e}")
+        run.check(f"{preset} fp8 plain M={m} (E {e}, K {k}, N {n}, top-{top_k})", err < TOL, f"rel_l2={err:.2e}")
         graph = gpt39.captured("plain", route, dev)
         us = settled({"plain": (graph, None)}, 1, dev, ROUNDS, REPLAYS)["plain"]
-    RESULT["plain"][preset] = {"rel_l2": err, "us": us, "shape": (e, k, n, top_k)}
-    RUN.log(f"{preset} plain M={PLAIN_M}: {statistics.median(us):.1f} µs")
-    RUN.summary.append(f"| {preset} plain (E {e}) | {PLAIN_M} | {statistics.median(us):.1f} | | | | |")
+    result["plain"][preset] = {"rel_l2": err, "us": us, "shape": (e, k, n, top_k), "m": m}
+    run.log(f"{preset} plain M={m}: {statistics.median(us):.1f} µs")
+    run.summary.append(f"| {preset} plain (E {e}) | {m} | {statistics.median(us):.1f} |" + " |" * blanks)
 
 
 def main() -> int:

@@ -208,7 +208,7 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     247.9 / 318.0: every program quantizes each x tile it reads, in its K loop; raw/*-fp8_small.*).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
-    ``TMA_MAX_BLOCK_M`` decides (interleaved gate/up rows: ``INTERLEAVED_TMA_FROM_M``). ``ahead``: the GEMMs that quantize their activation tiles in the loop
+    ``default_weight_tma`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
     load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``persistent``:
     the GEMMs on a grid of a few programs per SM looping over the tiles (``triton_fp8_persistent``; refused where
     the plan cannot take them); None: the tuned entry's "persistent" where the plan takes it, else one program a
@@ -255,9 +255,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
     fold = _fold_constexprs(align, num_assignments, num_experts, block_m, expert_map)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
-    if weight_tma is None:
-        weight_tma = (INTERLEAVED_TMA_FROM_M is not None and num_tokens >= INTERLEAVED_TMA_FROM_M
-                      ) if variant.interleaved else block_m <= TMA_MAX_BLOCK_M
+    weight_tma = default_weight_tma(num_tokens, block_m, variant) if weight_tma is None else weight_tma
     x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options, variant,
                                                                                   config, block_n)
     regions = _workspace_regions(x, num_assignments, n, group, x_raw, h_fp32)
@@ -293,6 +291,14 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
+
+
+def default_weight_tma(num_tokens: int, block_m: int, variant: Fp8Variant) -> bool:
+    """The weight loads where neither the caller nor a tuned entry names them: TMA for tiles of at most
+    ``TMA_MAX_BLOCK_M`` rows; interleaved gate/up rows from ``INTERLEAVED_TMA_FROM_M`` tokens on (None: never)."""
+    if variant.interleaved:
+        return INTERLEAVED_TMA_FROM_M is not None and num_tokens >= INTERLEAVED_TMA_FROM_M
+    return block_m <= TMA_MAX_BLOCK_M
 
 
 def _workspace_regions(x: torch.Tensor, num_assignments: int, n: int, group: int, x_raw: bool, h_fp32: bool) -> list:
