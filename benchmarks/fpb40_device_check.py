@@ -150,15 +150,23 @@ def main() -> int:
                 "| old / new (rounds >= 3%) | new / bf16 |")
     path = os.path.join(args.out, "fpb40.json") if args.out else ""
     RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, dev, args.deadline), args.deadline)
+    return plain_cells_and_table(PLAIN_CELLS, lambda preset: run_plain(preset, dev), dev, path, args.deadline + 7)
+
+
+def plain_cells_and_table(cells, run_one, dev, path: str, deadline: float, run: RunLog = RUN,
+                          result: dict = RESULT) -> int:
+    """The end of a gpt-oss fp8 check (this one's, ``gof41_device_check``'s): ``result`` written to ``path`` (if any),
+    the GPU's cache emptied (gpt-oss's weights and graphs), ``run_one(preset)`` for each of ``cells`` that starts before
+    ``deadline``, ``result`` written again, the table; 1 where a check failed, else 0."""
     if path:
-        write_json(path, RESULT)
+        write_json(path, result)
     if dev.type == "cuda":
-        torch.cuda.empty_cache()  # gpt-oss's weights and graphs before the plain cells'
-    RUN.each_cell(list(PLAIN_CELLS), lambda preset: run_plain(preset, dev), args.deadline + 7)
+        torch.cuda.empty_cache()
+    run.each_cell(list(cells), run_one, deadline)
     if path:
-        write_json(path, RESULT)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+        write_json(path, result)
+    run.print_table()
+    return 1 if run.failed else 0
 
 
 if __name__ == "__main__":

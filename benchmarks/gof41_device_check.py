@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fpb40_device_check as fpb40  # noqa: E402
 import gpt39_device_check as gpt39  # noqa: E402
 from bench_rounds import faster_rounds  # noqa: E402
-from bench_run import RunLog, rel_l2, write_json  # noqa: E402
+from bench_run import RunLog, rel_l2  # noqa: E402
 
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -166,16 +166,8 @@ def main() -> int:
     RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, args.check_ms, dev, args.deadline), args.deadline)
     RESULT["switch_from_m"] = switch_from_m()
     RUN.summary.append(f"\nINTERLEAVED_TMA_FROM_M by the defaults rule: {RESULT['switch_from_m']}\n")
-    if path:
-        write_json(path, RESULT)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()  # gpt-oss's weights and graphs before the plain cells'
-    RUN.each_cell(list(PLAIN_CELLS), lambda preset: fpb40.run_plain(preset, dev, PLAIN_M, None, RUN, RESULT, 7),
-                  args.deadline + 15)
-    if path:
-        write_json(path, RESULT)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+    return fpb40.plain_cells_and_table(PLAIN_CELLS, lambda preset: fpb40.run_plain(
+        preset, dev, PLAIN_M, None, RUN, RESULT, 7), dev, path, args.deadline + 15, RUN, RESULT)
 
 
 if __name__ == "__main__":
