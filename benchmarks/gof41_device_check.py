@@ -26,8 +26,8 @@ Then plain fp8 Mixtral-8x7B and Qwen3-30B-A3B at M = 4096 (no biases, the plain 
 the route against the reference, PASS, and its graph µs): their kernels are main's (sm_90 SASS identical on Triton 3.6
 and 3.9, ``wo_sass_diff_cpu.py``), so the figures read against earlier runs of the same card.
 The table last: per M the five medians, main / tma, main / tma_m128 and main / ptr_m128 with the rounds each was >= 3%
-faster, best fp8 / bf16; then the switch the defaults rule gives (``INTERLEAVED_TMA_FROM_M``: the smallest timed M from which tma was
->= 3% faster than main in every round at every timed M, every check PASS), then the plain cells.
+faster, best fp8 / bf16; then the switch the defaults rule gives (``INTERLEAVED_TMA_FROM_M``: the smallest timed M
+from which tma was >= 3% faster than main in every round at every timed M, every check PASS), then the plain cells.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """gpt-oss's eager decode on the fast paths, under Triton's interpreter: expert biases (b13 [E, 2N], b2 [E, K]), the
 router Linear's bias and the clamped, interleaved SwiGLU (alpha 1.702, limit 7, up_shift 1). A repeated call is served
-by the experts op's kept entry (bf16: ``triton_fast``; mxfp4, int4, fp8_block: ``triton_quant_fast``) and by the layer's decode
-fast path (``layer_fast``, bf16), equal bit for bit to the full path and within bf16 of a float64 loop written here;
+by the experts op's kept entry (bf16: ``triton_fast``; mxfp4, int4, fp8_block: ``triton_quant_fast``) and by the
+layer's decode fast path (``layer_fast``, bf16), equal bit for bit to the full path and within bf16 (fp8_block: its
+recipe's e4m3 x and h) of a float64 loop written here;
 an in-place bias update, a new bias tensor, a moved bias (``.data`` swapped), a bias dropped and a spec change each
 miss, running the full path with the call's own biases and spec."""
 
