@@ -3,7 +3,7 @@ TMA (``gemm_fp8``'s W_DESC with INTERLEAVED: the plain calls' descriptor over w1
 tiles, a scale a row tile) against main's pointer loads (a scale a column), and against bf16.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/gof41_device_check.py --out $OUT/gof41 --deadline 60   # H100/H200
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/gof41_device_check.py --ms 1024,4096 ...
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/gof41_device_check.py --ms 1024,4096 --m128 ...
     PYTHONPATH=$PWD python3 benchmarks/gof41_device_check.py --smoke     # CPU: interpreter, tiny shapes
 
 Shape, weights, biases, spec and inputs: ``gpt39_device_check``'s (gpt-oss-20b: E 32, K = N = 2880, top-4, b13 / b2
@@ -13,20 +13,20 @@ own), the biases and the spec:
   main      pointer weights, the heuristic tiles: what main's route (and this branch's with ``triton_fp8_plan.
             INTERLEAVED_TMA_FROM_M`` None) launches at every M
   tma       TMA weights, the same tiles: what the route launches from ``INTERLEAVED_TMA_FROM_M`` on
-  tma_m128  TMA weights, 128-row tiles (Mixtral's tuned prefill entries: gate-up 128 x 128 on 8 warps, 3 stages; down
-            8 warps): what a tuned file for E32_N2880_K2880 could name
-  ptr_m128  pointer weights, those 128-row tiles: the tiles' share of tma_m128's gain apart from TMA's
   bf16      the bf16 Triton route on the dequantized weights (biases + spec)
+  --m128 adds tma_m128 / ptr_m128: TMA or pointer weights with 128-row tiles (Mixtral's tuned prefill entries: gate-up
+            128 x 128 on 8 warps, 3 stages; down 8 warps), what a tuned file for E32_N2880_K2880 could name. Not by
+            default: that gate-up spills (sm_90, Triton 3.9: 928 B of stack a thread; the 64-row TMA tile none)
   correct  at M = 64, 1024, 4096 (``--check-ms``; the smoke: 9): each fp8 arm and the route (``run_experts``, the
            switch off, then on from M = 1) against the reference backend's fp8 recipe, bf16 against the reference
            backend on the dequantized weights (rel-L2 < TOL)
-  timing   at M = 512, 1024, 2048, 4096 (``--ms``; the smoke: 9, 33): CUDA graphs of the five arms in ROUNDS settled
-           rounds (``bench_rounds.settled``), median µs; none started past the deadline
+  timing   at M = 8, 64, 512, 1024, 2048, 4096 (``--ms``; the smoke: 9, 33): CUDA graphs of the arms in ROUNDS
+           settled rounds (``bench_rounds.settled``), median µs; none started past the deadline
 Then plain fp8 Mixtral-8x7B and Qwen3-30B-A3B at M = 4096 (no biases, the plain silu; ``fpb40_device_check.run_plain``:
 the route against the reference, PASS, and its graph µs): their kernels are main's (sm_90 SASS identical on Triton 3.6
 and 3.9, ``wo_sass_diff_cpu.py``), so the figures read against earlier runs of the same card.
-The table last: per M the five medians, main / tma, main / tma_m128 and main / ptr_m128 with the rounds each was >= 3%
-faster, best fp8 / bf16; then the switch the defaults rule gives (``INTERLEAVED_TMA_FROM_M``: the smallest timed M
+The table last: per M each arm's median, main / each other fp8 arm with the rounds it was >= 3% faster, best fp8 /
+bf16; then the switch the defaults rule gives (``INTERLEAVED_TMA_FROM_M``: the smallest timed M
 from which tma was >= 3% faster than main in every round at every timed M, every check PASS), then the plain cells.
 """
 
@@ -52,22 +52,22 @@ from bench_run import RunLog, rel_l2  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
-MS = (9, 33) if SMOKE else (512, 1024, 2048, 4096)
+MS = (9, 33) if SMOKE else (8, 64, 512, 1024, 2048, 4096)
 CHECK_MS = (9,) if SMOKE else (64, 1024, 4096)
 ROUNDS, REPLAYS, TOL = (1, 1, 2e-2) if SMOKE else (5, 3, 2e-2)  # bf16 out; now and then an e4m3 midpoint flip
 PLAIN_M = 9 if SMOKE else 4096
 PLAIN_CELLS = ("mixtral-8x7b", "qwen3-30b-a3b")
 M128 = KernelConfig(128, GemmTile(128, 128, 8, 8, 3), GemmTile(128, 128, 8, 8, 4))
 FRESH = LaunchOptions(reuse_workspace=False)  # each call (and graph) its own workspace, as through the op
-ARMS = ("main", "tma", "tma_m128", "ptr_m128", "bf16")
+ARMS, M128_ARMS = ("main", "tma", "bf16"), ("tma_m128", "ptr_m128")  # ``arms``; the second with --m128
 RUN = RunLog("gof41: gpt-oss experts in fp8_block at prefill, interleaved rows by TMA, graph µs, median of settled "
              "rounds", stall_s=60)
 gpt39.RUN = RUN  # gpt39's ``captured`` and ``reached`` log into this run's log and table
 RESULT: dict = {"run": {}, "checks": {}, "plain": {}, "failed": RUN.failed}
 
 
-def arms(w: dict, x, ids, weights) -> dict:
-    """name -> the call (``ARMS``)."""
+def arms(w: dict, x, ids, weights, m128: bool) -> dict:
+    """name -> the call (``ARMS``, and with ``m128`` ``M128_ARMS``)."""
     from moekit.experts import run_experts
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
 
@@ -78,9 +78,10 @@ def arms(w: dict, x, ids, weights) -> dict:
             x, q13.q, q13.scale, q2.q, q2.scale, ids, weights, None, tuple(q13.block_shape), config, FRESH,
             weight_tma=weight_tma, activation=spec, **biases)
 
-    return {"main": fp8(False), "tma": fp8(True), "tma_m128": fp8(True, M128), "ptr_m128": fp8(False, M128),
-            "bf16": lambda: run_experts(x, w["d13"], w["d2"], ids, weights, activation=spec, backend="triton",
-                                        **biases)}
+    calls = {"main": fp8(False), "tma": fp8(True),
+             "bf16": lambda: run_experts(x, w["d13"], w["d2"], ids, weights, activation=spec, backend="triton",
+                                         **biases)}
+    return calls | ({"tma_m128": fp8(True, M128), "ptr_m128": fp8(False, M128)} if m128 else {})
 
 
 def route(w: dict, x, ids, weights, from_m: int | None):
@@ -106,13 +107,13 @@ def route(w: dict, x, ids, weights, from_m: int | None):
     return out, any(p.descriptor_key is not None for p in seen)
 
 
-def check(w: dict, m: int, dev) -> None:
+def check(w: dict, m: int, dev, m128: bool) -> None:
     """Each arm and the route (switch off, then on) against its reference: a PASS / FAIL line each."""
     x, ids, weights = gpt39.inputs(m, dev)
     with torch.no_grad():
         want = fpb40.references(w, x, ids, weights)
         errs = {name: rel_l2(fn(), want["bf16" if name == "bf16" else "new"]) for name, fn in
-                arms(w, x, ids, weights).items()}
+                arms(w, x, ids, weights, m128).items()}
         for name, from_m, tma in (("route (switch off)", None, False), ("route (switch on from M = 1)", 1, True)):
             out, took = route(w, x, ids, weights, from_m)
             errs[name] = rel_l2(out, want["new"])
@@ -122,22 +123,30 @@ def check(w: dict, m: int, dev) -> None:
     RESULT["checks"][m] = errs
 
 
-def run_gpt_oss(ms: tuple, check_ms: tuple, dev, deadline: float) -> None:
+def run_gpt_oss(ms: tuple, check_ms: tuple, dev, deadline: float, m128: bool) -> None:
     w = gpt39.layer("fp8_block", dev)
     RUN.log("gpt-oss: weights quantized to fp8_block")
     for m in check_ms:
-        check(w, m, dev)
+        check(w, m, dev, m128)
     RUN.log("checked")
-    for m in gpt39.reached("fp8_block", ms, deadline, 7):
+    names = ARMS + (M128_ARMS if m128 else ())
+    fp8 = [a for a in names if a != "bf16"]
+    for m in gpt39.reached("fp8_block", ms, deadline, 2 * len(names)):
         x, ids, weights = gpt39.inputs(m, dev)
-        us, eager = gpt39.graph_rounds(arms(w, x, ids, weights), dev, deadline, ROUNDS, REPLAYS)
+        us, eager = gpt39.graph_rounds(arms(w, x, ids, weights, m128), dev, deadline, ROUNDS, REPLAYS)
         RESULT["run"][m] = {"us": us, "eager_timed": eager}
         med, mark = gpt39.medians(f"gpt-oss fp8 M={m}", us, eager)
-        fp8 = [a for a in ARMS if a != "bf16"]
         RUN.summary.append(
-            f"| {m} | " + " | ".join(f"{med[a]:.1f}{mark[a]}" for a in ARMS) + " | " + " | ".join(
+            f"| {m} | " + " | ".join(f"{med[a]:.1f}{mark[a]}" for a in names) + " | " + " | ".join(
                 f"x{med['main'] / med[a]:.3f} ({faster_rounds(us[a], us['main'])}/{len(us[a])})" for a in fp8[1:]) +
             f" | {min(med[a] for a in fp8) / med['bf16']:.2f} |")
+
+
+def header(m128: bool) -> str:
+    """The table's head row: M, each arm's µs, main / each other fp8 arm, best fp8 / bf16."""
+    names = ARMS + (M128_ARMS if m128 else ())
+    ratios = [f"main / {a}" + (" (rounds >= 3%)" if a == "tma" else "") for a in names if a not in ("main", "bf16")]
+    return "| M | " + " | ".join(f"{a} µs" for a in names) + " | " + " | ".join(ratios) + " | best fp8 / bf16 |"
 
 
 def switch_from_m() -> int | None:
@@ -158,16 +167,18 @@ def switch_from_m() -> int | None:
 def main() -> int:
     p = gpt39.parser(__doc__.split("\n")[0], 60.0, ("fp8_block",), MS)
     p.add_argument("--check-ms", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=CHECK_MS)
+    p.add_argument("--m128", action="store_true", help="also the 128-row tiles, TMA and pointers (docstring)")
     args = p.parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")
-    gpt39.begin(RESULT, args.ms, "| M | main (pointers) µs | tma µs | tma_m128 µs | ptr_m128 µs | bf16 µs | main / tma "
-                "(rounds >= 3%) | main / tma_m128 | main / ptr_m128 | best fp8 / bf16 |")
+    gpt39.begin(RESULT, args.ms, header(args.m128))
     path = os.path.join(args.out, "gof41.json") if args.out else ""
-    RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, args.check_ms, dev, args.deadline), args.deadline)
+    RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, args.check_ms, dev, args.deadline, args.m128),
+                  args.deadline)
     RESULT["switch_from_m"] = switch_from_m()
     RUN.summary.append(f"\nINTERLEAVED_TMA_FROM_M by the defaults rule: {RESULT['switch_from_m']}\n")
     return fpb40.plain_cells_and_table(PLAIN_CELLS, lambda preset: fpb40.run_plain(
-        preset, dev, PLAIN_M, None, RUN, RESULT, 7), dev, path, args.deadline + 15, RUN, RESULT)
+        preset, dev, PLAIN_M, None, RUN, RESULT, len(header(args.m128).split("|")) - 5), dev, path, args.deadline + 15,
+        RUN, RESULT)
 
 
 if __name__ == "__main__":
