@@ -1,8 +1,8 @@
 """gpt-oss's interleaved gate/up rows through TMA on the fused fp8 gate-up GEMM (issue #15, session 41: ``gemm_fp8``'s
 W_DESC with INTERLEAVED), on the CPU under Triton's interpreter, tiny shapes with K and N tails.
 
-Chain: the kernels with TMA weights (the prefill 64-row tile and the tiny-batch 16-row one, gpt-oss's spec with a clamp
-that bites, b13, b2) against a float64 emulation of the recipe (``_fp8_cases.emulation_f64``) and against the same call
+Chain: the kernels with TMA weights (the prefill 64-row tile, the tiny-batch 16-row one, swapped, with x quantized
+inside gate-up; gpt-oss's spec with a clamp that bites, b13, b2) against a float64 emulation of the recipe (``_fp8_cases.emulation_f64``) and against the same call
 on pointer weights (session 40's route); shapes whose last tile's second row tile lies past the expert's 2N rows (its
 scale block clamped, its columns zeroed) and whose first row tile already crosses 2N; M = 0, M = 1 (the shortcut), an
 expert map with -1; the plan's rules (tiles that do not fit keep pointer loads, PAIR_DOT refused by name); the route's
@@ -15,6 +15,7 @@ Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,6 +36,8 @@ BLOCK = (128, 128)
 SHAPES = [(4, 160, 192), (3, 144, 48)]
 PREFILL = KernelConfig(64, GemmTile(128, 128, 8, 8, 2), GemmTile(128, 128, 8, 4, 2))
 TINY = KernelConfig(16, GemmTile(128, 128, 1, 4, 2), GemmTile(128, 128, 1, 4, 2))
+CONFIGS = {"prefill": (PREFILL, None), "tiny": (TINY, None), "swap_ab": (replace(TINY, swap_ab=True), None),
+           "x_in_gate_up": (TINY, True)}  # (config, x_in_gate_up)
 
 
 def _biases(shape, seed: int):
@@ -58,16 +61,18 @@ def _plan(fp8, x, quantized, ids, weights, config, weight_tma, b13, b2, block=BL
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("config", ["prefill", "tiny"])
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_interleaved_rows_by_tma_match_float64_and_the_pointer_loads(fp8, shape, config):
     x, _, quantized, ids, weights = problem(12, 2, shape, BLOCK, seed=3)
     b13, b2 = _biases(shape, 5)
-    config = {"prefill": PREFILL, "tiny": TINY}[config]
-    assert _gate_up_flags(_plan(fp8, x, quantized, ids, weights, config, True, b13, b2)) == (True, True, True)
-    assert _gate_up_flags(_plan(fp8, x, quantized, ids, weights, config, False, b13, b2)) == (False, False, True)
+    config, x_in = CONFIGS[config]
+    flags = {tma: _gate_up_flags(_plan(fp8, x, quantized, ids, weights, config, tma, b13, b2, x_in_gate_up=x_in))
+             for tma in (True, False)}
+    assert flags == {True: (True, True, True), False: (False, False, True)}
     want = emulation_f64(x, *quantized, ids, weights, BLOCK, b13=b13, b2=b2, spec=SPEC)
     tma, pointers = (fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, BLOCK, config, POISON,
-                                                  weight_tma=w, activation=SPEC, b13=b13, b2=b2) for w in (True, False))
+                                                  x_in_gate_up=x_in, weight_tma=w, activation=SPEC, b13=b13, b2=b2)
+                     for w in (True, False))
     assert rel_l2(tma, want) < FLIP_TOL and rel_l2(pointers, want) < FLIP_TOL
     assert rel_l2(tma, pointers) < FLIP_TOL
     assert want.abs().max() > 0.1
