@@ -2,12 +2,12 @@
 W_DESC with INTERLEAVED), on the CPU under Triton's interpreter, tiny shapes with K and N tails.
 
 Chain: the kernels with TMA weights (the prefill 64-row tile, the tiny-batch 16-row one, swapped, with x quantized
-inside gate-up; gpt-oss's spec with a clamp that bites, b13, b2) against a float64 emulation of the recipe (``_fp8_cases.emulation_f64``) and against the same call
-on pointer weights (session 40's route); shapes whose last tile's second row tile lies past the expert's 2N rows (its
-scale block clamped, its columns zeroed) and whose first row tile already crosses 2N; M = 0, M = 1 (the shortcut), an
-expert map with -1; the plan's rules (tiles that do not fit keep pointer loads, PAIR_DOT refused by name); the route's
-switch ``INTERLEAVED_TMA_FROM_M`` (off: pointer loads at every M; set: TMA from that M), through ``run_experts``
-against the reference backend's fp8 recipe.
+inside gate-up; gpt-oss's spec with a clamp that bites, b13, b2) against a float64 emulation of the recipe
+(``_fp8_cases.emulation_f64``) and against the same call on pointer weights (session 40's route); shapes whose last
+tile's second row tile lies past the expert's 2N rows (its scale block clamped, its columns zeroed) and whose first row
+tile already crosses 2N; M = 0, M = 1 (the shortcut), an expert map with -1; the plan's rules (tiles that do not fit
+keep pointer loads, PAIR_DOT refused by name); the route's switch ``INTERLEAVED_TMA_FROM_M`` (off: pointer loads at
+every M; set: TMA from that M), through ``run_experts`` against the reference backend's fp8 recipe.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 """
