@@ -20,7 +20,7 @@ own), the biases and the spec:
   correct  at M = 64, 1024, 4096 (``--check-ms``; the smoke: 9): each fp8 arm and the route (``run_experts``, the
            switch off, then on from M = 1) against the reference backend's fp8 recipe, bf16 against the reference
            backend on the dequantized weights (rel-L2 < TOL)
-  timing   at M = 8, 64, 512, 1024, 2048, 4096 (``--ms``; the smoke: 9, 33): CUDA graphs of the arms in ROUNDS
+  timing   at M = 1, 8, 64, 512, 1024, 2048, 4096 (``--ms``; the smoke: 9, 33): CUDA graphs of the arms in ROUNDS
            settled rounds (``bench_rounds.settled``), median µs; none started past the deadline
 Then plain fp8 Mixtral-8x7B and Qwen3-30B-A3B at M = 4096 (no biases, the plain silu; ``fpb40_device_check.run_plain``:
 the route against the reference, PASS, and its graph µs): their kernels are main's (sm_90 SASS identical on Triton 3.6
@@ -52,7 +52,7 @@ from bench_run import RunLog, rel_l2  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
-MS = (9, 33) if SMOKE else (8, 64, 512, 1024, 2048, 4096)
+MS = (9, 33) if SMOKE else (1, 8, 64, 512, 1024, 2048, 4096)
 CHECK_MS = (9,) if SMOKE else (64, 1024, 4096)
 ROUNDS, REPLAYS, TOL = (1, 1, 2e-2) if SMOKE else (5, 3, 2e-2)  # bf16 out; now and then an e4m3 midpoint flip
 PLAIN_M = 9 if SMOKE else 4096
