@@ -225,14 +225,16 @@ def fp8_variant_cases() -> dict[str, Case]:
     up = {k: v for k, v in fp8_up_cases()["up_fp8"].const.items() if k != "b13_ptr"} | dict(W_DESC=False,
                                                                                           ONE_BLOCK=False)
     down = {k: v for k, v in dense_cases()["fp8"].const.items() if k != "b2_ptr"}
+    gptoss_desc = {"w_ptr": _descriptor([32 * 5760, 2880], [128, 128], "fp8e4nv")}  # w13 of gpt-oss-20b as [E*2N, K]
     return {
         "var_up_fp8_gptoss": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec, 4, 4, fp8),
         "var_up_fp8_gptoss_swap": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(SWAP_AB=True), 4, 4, fp8),
         "var_up_fp8_gptoss_m512": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(
             BLOCK_M=64, GROUP_M=8, NAIVE=False), 8, 4, fp8),
+        "var_up_fp8_gptoss_tma": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(
+            W_DESC=True, ONE_BLOCK=True), 4, 4, fp8 | gptoss_desc),  # gof41: gpt-oss's rows by TMA, the tiny tile
         "var_up_fp8_gptoss_m512_tma": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(
-            BLOCK_M=64, GROUP_M=8, NAIVE=False, W_DESC=True, ONE_BLOCK=True), 8, 4,
-            fp8 | {"w_ptr": _descriptor([32 * 5760, 2880], [128, 128], "fp8e4nv")}),  # gof41: gpt-oss's rows by TMA
+            BLOCK_M=64, GROUP_M=8, NAIVE=False, W_DESC=True, ONE_BLOCK=True), 8, 4, fp8 | gptoss_desc),  # prefill
         "var_up_fp8_gelu_bias": Case("gemm_fp8", "gate_up_fp8_kernel", up | dict(ACT=1, ONE_BLOCK=True), 4, 4, fp8),
         "var_down_fp8_bias": Case("gemm_fp8", "down_fp8_kernel", down, 4, 5, fp8),
         "var_down_fp8_bias_swap_ksum": Case("gemm_fp8", "down_fp8_kernel", down | KSUM | dict(SWAP_AB=True), 4, 5,
