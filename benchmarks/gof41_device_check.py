@@ -3,7 +3,7 @@ TMA (``gemm_fp8``'s W_DESC with INTERLEAVED: the plain calls' descriptor over w1
 tiles, a scale a row tile) against main's pointer loads (a scale a column), and against bf16.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/gof41_device_check.py --out $OUT/gof41 --deadline 60   # H100/H200
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/gof41_device_check.py --ms 1024,4096 --m128 ...
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/gof41_device_check.py --ms 1024,4096 --extra m128,persist ...
     PYTHONPATH=$PWD python3 benchmarks/gof41_device_check.py --smoke     # CPU: interpreter, tiny shapes
 
 Shape, weights, biases, spec and inputs: ``gpt39_device_check``'s (gpt-oss-20b: E 32, K = N = 2880, top-4, b13 / b2
@@ -14,10 +14,13 @@ own), the biases and the spec:
             INTERLEAVED_TMA_FROM_M`` None) launches at every M
   tma       TMA weights, the same tiles: what the route launches from ``INTERLEAVED_TMA_FROM_M`` on
   bf16      the bf16 Triton route on the dequantized weights (biases + spec)
-  --m128 adds tma_m128 / ptr_m128: TMA or pointer weights with 128-row tiles (Mixtral's tuned prefill entries: gate-up
+  --extra m128: tma_m128 / ptr_m128, TMA or pointer weights with 128-row tiles (Mixtral's tuned prefill entries: gate-up
             128 x 128 on 8 warps, 3 stages; down 8 warps), what a tuned file for E32_N2880_K2880 could name. Not by
             default: that gate-up spills (sm_90, Triton 3.9: 928 B of stack a thread; the 64-row TMA tile none)
-  correct  at M = 64, 1024, 4096 (``--check-ms``; the smoke: 9): each fp8 arm and the route (``run_experts``, the
+  --extra persist: tma_persist, tma with the persistent GEMMs (``PERSISTENT``; session 41 gave them biases and the
+            spec, taken only where asked), where the layout is aligned (M >= 64 here). Not by default: that gate-up
+            spills (sm_90: 1150 / 1184 LDL / STL lines on Triton 3.9, 1024 / 1144 on 3.6)
+  correct  at M = 64, 1024, 4096 (``--check-ms``; the smoke: 9, 33): each fp8 arm and the route (``run_experts``, the
            switch off, then on from M = 1) against the reference backend's fp8 recipe, bf16 against the reference
            backend on the dequantized weights (rel-L2 < TOL)
   timing   at M = 1, 8, 64, 512, 1024, 2048, 4096 (``--ms``; the smoke: 9, 33): CUDA graphs of the arms in ROUNDS
@@ -50,38 +53,48 @@ from bench_rounds import faster_rounds  # noqa: E402
 from bench_run import RunLog, rel_l2  # noqa: E402
 
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
+from moekit.experts.triton_fp8_persistent import Persistent  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
 MS = (9, 33) if SMOKE else (1, 8, 64, 512, 1024, 2048, 4096)
-CHECK_MS = (9,) if SMOKE else (64, 1024, 4096)
+CHECK_MS = (9, 33) if SMOKE else (64, 1024, 4096)
 ROUNDS, REPLAYS, TOL = (1, 1, 2e-2) if SMOKE else (5, 3, 2e-2)  # bf16 out; now and then an e4m3 midpoint flip
 PLAIN_M = 9 if SMOKE else 4096
 PLAIN_CELLS = ("mixtral-8x7b", "qwen3-30b-a3b")
 M128 = KernelConfig(128, GemmTile(128, 128, 8, 8, 3), GemmTile(128, 128, 8, 8, 4))
 FRESH = LaunchOptions(reuse_workspace=False)  # each call (and graph) its own workspace, as through the op
-ARMS, M128_ARMS = ("main", "tma", "bf16"), ("tma_m128", "ptr_m128")  # ``arms``; the second with --m128
+EXTRA = {"m128": ("tma_m128", "ptr_m128"), "persist": ("tma_persist",)}  # --extra: arms beyond main, tma, bf16
+PERSISTENT = Persistent(1, 2)  # tma_persist's GEMMs: 1 gate-up and 2 down programs an SM (Qwen3's M = 512 entry)
 RUN = RunLog("gof41: gpt-oss experts in fp8_block at prefill, interleaved rows by TMA, graph µs, median of settled "
              "rounds", stall_s=60)
 gpt39.RUN = RUN  # gpt39's ``captured`` and ``reached`` log into this run's log and table
 RESULT: dict = {"run": {}, "checks": {}, "plain": {}, "failed": RUN.failed}
 
 
-def arms(w: dict, x, ids, weights, m128: bool) -> dict:
-    """name -> the call (``ARMS``, and with ``m128`` ``M128_ARMS``)."""
+def names(extra: tuple) -> tuple:
+    """The arms timed: main, tma, the ``extra`` groups' (``EXTRA``), bf16."""
+    return ("main", "tma") + sum((EXTRA[e] for e in extra), ()) + ("bf16",)
+
+
+def arms(w: dict, x, ids, weights, extra: tuple) -> dict:
+    """name -> the call (``names(extra)``; tma_persist only past the folded alignment's assignments: the persistent
+    GEMMs read the aligned layout's launch)."""
     from moekit.experts import run_experts
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
 
     q13, q2, spec, biases = w["q13"], w["q2"], gpt39.SPEC, dict(b13=w["b13"], b2=w["b2"])
 
-    def fp8(weight_tma: bool, config=None):
+    def fp8(weight_tma: bool, config=None, persistent=None):
         return lambda: fused_experts_fp8_launch(
             x, q13.q, q13.scale, q2.q, q2.scale, ids, weights, None, tuple(q13.block_shape), config, FRESH,
-            weight_tma=weight_tma, activation=spec, **biases)
+            weight_tma=weight_tma, persistent=persistent, activation=spec, **biases)
 
-    calls = {"main": fp8(False), "tma": fp8(True),
+    calls = {"main": fp8(False), "tma": fp8(True), "tma_m128": fp8(True, M128), "ptr_m128": fp8(False, M128),
              "bf16": lambda: run_experts(x, w["d13"], w["d2"], ids, weights, activation=spec, backend="triton",
                                          **biases)}
-    return calls | ({"tma_m128": fp8(True, M128), "ptr_m128": fp8(False, M128)} if m128 else {})
+    if ids.numel() > FRESH.align_fold_max:
+        calls["tma_persist"] = fp8(True, None, PERSISTENT)
+    return {name: calls[name] for name in names(extra) if name in calls}
 
 
 def route(w: dict, x, ids, weights, from_m: int | None):
@@ -107,13 +120,13 @@ def route(w: dict, x, ids, weights, from_m: int | None):
     return out, any(p.descriptor_key is not None for p in seen)
 
 
-def check(w: dict, m: int, dev, m128: bool) -> None:
+def check(w: dict, m: int, dev, extra: tuple) -> None:
     """Each arm and the route (switch off, then on) against its reference: a PASS / FAIL line each."""
     x, ids, weights = gpt39.inputs(m, dev)
     with torch.no_grad():
         want = fpb40.references(w, x, ids, weights)
         errs = {name: rel_l2(fn(), want["bf16" if name == "bf16" else "new"]) for name, fn in
-                arms(w, x, ids, weights, m128).items()}
+                arms(w, x, ids, weights, extra).items()}
         for name, from_m, tma in (("route (switch off)", None, False), ("route (switch on from M = 1)", 1, True)):
             out, took = route(w, x, ids, weights, from_m)
             errs[name] = rel_l2(out, want["new"])
@@ -123,30 +136,30 @@ def check(w: dict, m: int, dev, m128: bool) -> None:
     RESULT["checks"][m] = errs
 
 
-def run_gpt_oss(ms: tuple, check_ms: tuple, dev, deadline: float, m128: bool) -> None:
+def run_gpt_oss(ms: tuple, check_ms: tuple, dev, deadline: float, extra: tuple) -> None:
     w = gpt39.layer("fp8_block", dev)
     RUN.log("gpt-oss: weights quantized to fp8_block")
     for m in check_ms:
-        check(w, m, dev, m128)
+        check(w, m, dev, extra)
     RUN.log("checked")
-    names = ARMS + (M128_ARMS if m128 else ())
-    fp8 = [a for a in names if a != "bf16"]
-    for m in gpt39.reached("fp8_block", ms, deadline, 2 * len(names)):
+    timed = names(extra)
+    fp8 = [a for a in timed if a != "bf16"]
+    for m in gpt39.reached("fp8_block", ms, deadline, 2 * len(timed)):
         x, ids, weights = gpt39.inputs(m, dev)
-        us, eager = gpt39.graph_rounds(arms(w, x, ids, weights, m128), dev, deadline, ROUNDS, REPLAYS)
+        us, eager = gpt39.graph_rounds(arms(w, x, ids, weights, extra), dev, deadline, ROUNDS, REPLAYS)
         RESULT["run"][m] = {"us": us, "eager_timed": eager}
         med, mark = gpt39.medians(f"gpt-oss fp8 M={m}", us, eager)
         RUN.summary.append(
-            f"| {m} | " + " | ".join(f"{med[a]:.1f}{mark[a]}" for a in names) + " | " + " | ".join(
-                f"x{med['main'] / med[a]:.3f} ({faster_rounds(us[a], us['main'])}/{len(us[a])})" for a in fp8[1:]) +
-            f" | {min(med[a] for a in fp8) / med['bf16']:.2f} |")
+            f"| {m} | " + " | ".join(f"{med[a]:.1f}{mark[a]}" if a in med else "-" for a in timed) + " | " + " | ".join(
+                f"x{med['main'] / med[a]:.3f} ({faster_rounds(us[a], us['main'])}/{len(us[a])})" if a in med else "-"
+                for a in fp8[1:]) + f" | {min(med[a] for a in fp8 if a in med) / med['bf16']:.2f} |")
 
 
-def header(m128: bool) -> str:
+def header(extra: tuple) -> str:
     """The table's head row: M, each arm's µs, main / each other fp8 arm, best fp8 / bf16."""
-    names = ARMS + (M128_ARMS if m128 else ())
-    ratios = [f"main / {a}" + (" (rounds >= 3%)" if a == "tma" else "") for a in names if a not in ("main", "bf16")]
-    return "| M | " + " | ".join(f"{a} µs" for a in names) + " | " + " | ".join(ratios) + " | best fp8 / bf16 |"
+    timed = names(extra)
+    ratios = [f"main / {a}" + (" (rounds >= 3%)" if a == "tma" else "") for a in timed if a not in ("main", "bf16")]
+    return "| M | " + " | ".join(f"{a} µs" for a in timed) + " | " + " | ".join(ratios) + " | best fp8 / bf16 |"
 
 
 def switch_from_m() -> int | None:
@@ -167,17 +180,18 @@ def switch_from_m() -> int | None:
 def main() -> int:
     p = gpt39.parser(__doc__.split("\n")[0], 60.0, ("fp8_block",), MS)
     p.add_argument("--check-ms", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=CHECK_MS)
-    p.add_argument("--m128", action="store_true", help="also the 128-row tiles, TMA and pointers (docstring)")
+    p.add_argument("--extra", type=lambda v: tuple(x for x in v.split(",") if x), default=(),
+                   help="comma-separated groups of arms beyond main / tma / bf16: m128, persist (docstring)")
     args = p.parse_args()
     dev = torch.device("cpu" if SMOKE else "cuda")
-    gpt39.begin(RESULT, args.ms, header(args.m128))
+    gpt39.begin(RESULT, args.ms, header(args.extra))
     path = os.path.join(args.out, "gof41.json") if args.out else ""
-    RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, args.check_ms, dev, args.deadline, args.m128),
+    RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, args.check_ms, dev, args.deadline, args.extra),
                   args.deadline)
     RESULT["switch_from_m"] = switch_from_m()
     RUN.summary.append(f"\nINTERLEAVED_TMA_FROM_M by the defaults rule: {RESULT['switch_from_m']}\n")
     return fpb40.plain_cells_and_table(PLAIN_CELLS, lambda preset: fpb40.run_plain(
-        preset, dev, PLAIN_M, None, RUN, RESULT, len(header(args.m128).split("|")) - 5), dev, path, args.deadline + 15,
+        preset, dev, PLAIN_M, None, RUN, RESULT, len(header(args.extra).split("|")) - 5), dev, path, args.deadline + 15,
         RUN, RESULT)
 
 

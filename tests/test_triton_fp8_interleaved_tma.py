@@ -145,3 +145,35 @@ def _recording(build, seen: list):
         return seen[-1]
 
     return build_and_keep
+
+
+@pytest.mark.parametrize("activation", ["spec", "gelu"])
+def test_persistent_gemms_take_variant_calls_where_asked(fp8, activation):
+    """The persistent GEMMs with b13, b2 and gpt-oss's spec (interleaved rows through TMA) or GELU (rows apart, pointer
+    loads): bit-equal to the one-tile programs (the same products in the same order) and to the float64 emulation;
+    interleaved rows on pointer loads are refused by name, and a tuned entry's persistent GEMMs never reach a variant
+    call (only an asked-for one does)."""
+    from moekit.experts.triton_fp8_persistent import Persistent, choose_persistent
+
+    shape = SHAPES[0]
+    x, _, quantized, ids, weights = problem(13, 2, shape, BLOCK, seed=7)
+    b13, b2 = _biases(shape, 8)
+    spec, tma = (SPEC, True) if activation == "spec" else ("gelu", False)
+    unfolded = replace(POISON, align_fold_max=0)  # the persistent kernels read the aligned layout's launch
+
+    def call(persistent):
+        return fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, BLOCK, TINY, unfolded, False, tma, True,
+                                            persistent, activation=spec, b13=b13, b2=b2)
+
+    out, base = call(Persistent(1, 2)), call(None)
+    assert torch.equal(out, base)
+    want = emulation_f64(x, *quantized, ids, weights, BLOCK, b13=b13, b2=b2, spec=None if spec == "gelu" else spec)
+    if spec == "gelu":  # emulation_f64's default is silu-and-mul: the GELU twin instead
+        want = fp8.fused_experts_fp8_torch(x, *quantized, ids, weights, activation="gelu", block_shape=BLOCK, b13=b13,
+                                           b2=b2)
+    assert rel_l2(out, want) < FLIP_TOL
+    with pytest.raises(ValueError, match="do not take interleaved gate/up rows on pointer loads"):
+        fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, BLOCK, TINY, unfolded, False, False, True,
+                                     Persistent(), activation=SPEC, b13=b13, b2=b2)
+    assert choose_persistent(None, Persistent(), False, False, False, False, plain=False) is None
+

@@ -1,14 +1,14 @@
 """Expert biases, gpt-oss's activation variant and the other gated activations on the fused fp8 Triton kernels (issue
 #15), on the CPU under Triton's interpreter, tiny shapes (K and N not multiples of 128, as gpt-oss-20b's 2880).
 
-Chain: the kernels with b13 alone, b2 alone, the spec alone (interleaved rows, alpha 1.702, a clamp that bites,
-up + 1), all together, and GELU, against a float64 emulation of the recipe (``_fp8_cases.emulation_f64``: dequantized
-weights, x and h through e4m3 per 128 columns, the glu written out in ``_helpers.glu64``); the twin the same way; each
-plan the kernels have (the tiny-batch shortcut, aligned blocks, x quantized inside gate-up, h float32, SWAP_AB, the
-k-sum in the down GEMM or apart, an expert map with -1, M = 0 / 1); two calls with other biases on one plan; the
-persistent GEMMs refused; the route (no grouped_mm fallback) and a tiny gpt-oss quantized to fp8_block against the
-reference backend; the lean eager path serving an unbiased variant call with its own plan (never a biased one).
-Workspaces are filled with NaN first (``POISON``).
+Chain: the kernels with b13 alone, b2 alone, the spec alone (interleaved rows, alpha 1.702, a clamp that bites, up + 1),
+all together, and GELU, against a float64 emulation of the recipe (``_fp8_cases.emulation_f64``: dequantized weights, x
+and h through e4m3 per 128 columns, the glu written out in ``_helpers.glu64``); the twin the same way; each plan the
+kernels have (the tiny-batch shortcut, aligned blocks, x quantized inside gate-up, h float32, SWAP_AB, the k-sum in the
+down GEMM or apart, an expert map with -1, M = 0 / 1); two calls with other biases on one plan; the persistent GEMMs
+only where asked; the route (no grouped_mm fallback) and a tiny gpt-oss quantized to fp8_block against the reference
+backend; the lean eager path serving a variant call with its own plan (a biased one too, session 41). Workspaces are
+filled with NaN first (``POISON``).
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 """
@@ -136,11 +136,14 @@ def test_calls_with_other_biases_share_a_plan_and_never_each_others(fp8):
     assert rel_l2(plain, _emulated(x, quantized, ids, weights, BLOCK, None, None, "silu")) < FLIP_TOL
 
 
-def test_persistent_gemms_refused_for_a_variant_call():
+def test_persistent_gemms_for_a_variant_call_only_where_asked():
+    # session 41: the persistent kernels take biases and the spec (test_triton_fp8_interleaved_tma runs them); a tuned
+    # entry's persistent GEMMs still never reach a variant call, and interleaved rows on pointer loads are refused
     from moekit.experts.triton_fp8_persistent import Persistent, choose_persistent
 
-    with pytest.raises(ValueError, match="persistent fp8 GEMMs do not take expert biases or an activation variant"):
-        choose_persistent(Persistent(), None, False, False, False, False, plain=False)
+    assert choose_persistent(Persistent(), None, False, False, False, False, plain=False) == Persistent()
+    with pytest.raises(ValueError, match="persistent fp8 GEMMs do not take interleaved gate/up rows on pointer loads"):
+        choose_persistent(Persistent(), None, False, False, False, False, False, interleaved_pointers=True)
     assert choose_persistent(None, Persistent(), False, False, False, False, plain=False) is None  # a tuned entry's
     assert choose_persistent(None, Persistent(), False, False, False, False, plain=True) == Persistent()
 

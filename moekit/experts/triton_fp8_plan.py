@@ -200,7 +200,8 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous. ``variant``: the
     call's biases and activation (``Fp8Variant``); interleaved gate/up rows take pointer weights with per-column
     scales, or TMA weights (``weight_tma``, else ``INTERLEAVED_TMA_FROM_M``) with a scale per row tile where the tile
-    allows (``fp8_descriptors_allowed``); never PAIR_DOT; a variant call no persistent GEMMs (refused where asked).
+    allows (``fp8_descriptors_allowed``); never PAIR_DOT; a variant call persistent GEMMs only where asked (and
+    interleaved rows only through TMA: ``choose_persistent``).
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
     µs, its own kernel against inside gate-up: M = 1 Qwen3 20.6 / 24.4, DeepSeek-V3 98.6 / 101.0, Mixtral
@@ -275,11 +276,11 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
         num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
     persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, config.swap_ab,
-                                   variant.plain)
+                                   variant.plain, variant.interleaved and not descriptors)
     if persistent is not None:
         gate_up, down_launch, down_sum = persistent_gemms(
             persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
-            config, num_pid_m, up_shared, down_shared, x.device)
+            config, num_pid_m, dict(up_shared, **variant.constexprs()), down_shared, x.device)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
