@@ -109,37 +109,38 @@ def run_gpt_oss(ms: tuple, dev, deadline: float) -> None:
             f"({faster_rounds(us['new'], us['old'])}/{len(us['new'])}) | {med['new'] / med['bf16']:.2f} |")
 
 
-def run_plain(preset: str, dev) -> None:
-    """One plain fp8 call of ``preset``'s experts (E as ``PLAIN_CELLS`` keeps; the smoke: gpt39's tiny shape): the
-    route against the reference, then its graph µs."""
+def run_plain(preset: str, dev, m: int = PLAIN_M, kept: int | None = None, run: RunLog = RUN,
+              result: dict = RESULT, blanks: int = 4) -> None:
+    """One plain fp8 call of ``preset``'s experts at M = ``m`` (E: ``kept`` of them, else ``PLAIN_CELLS``' count or all;
+    the smoke: gpt39's tiny shape): the route against the reference, then its graph µs, logged into ``run`` (a
+    table row with ``blanks`` empty cells after the µs) and ``result["plain"]`` (gof41's check runs it with its own)."""
     import moekit.quant as Q
+    from moekit.bench.cells import Shape
     from moekit.experts import run_experts
-    from moekit.presets import hf_config_of_preset
 
     if SMOKE:
         e, k, n, top_k = gpt39.shape()
     else:
-        cfg = hf_config_of_preset(preset)
-        e = PLAIN_CELLS[preset] or cfg.get("num_experts", cfg.get("n_routed_experts"))
-        k, n, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+        shape = Shape.from_preset(preset)
+        e, k, n, top_k = kept or PLAIN_CELLS.get(preset) or shape.num_experts, shape.k, shape.n, shape.top_k
     g = torch.Generator(device=dev).manual_seed(40)
     q13 = Q.quantize((torch.randn(e, 2 * n, k, generator=g, device=dev) * k**-0.5).bfloat16(), "fp8_block")
     q2 = Q.quantize((torch.randn(e, k, n, generator=g, device=dev) * n**-0.5).bfloat16(), "fp8_block")
-    x = torch.randn(PLAIN_M, k, generator=g, device=dev).bfloat16()
-    ids = torch.stack([torch.randperm(e, generator=g, device=dev)[:top_k] for _ in range(PLAIN_M)]).int()
-    weights = torch.softmax(torch.randn(PLAIN_M, top_k, generator=g, device=dev), dim=1)
+    x = torch.randn(m, k, generator=g, device=dev).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g, device=dev)[:top_k] for _ in range(m)]).int()
+    weights = torch.softmax(torch.randn(m, top_k, generator=g, device=dev), dim=1)
 
     def route():
         return run_experts(x, q13, q2, ids, weights, backend="triton")
 
     with torch.no_grad():
         err = rel_l2(route(), run_experts(x, q13, q2, ids, weights, backend="reference"))
-        RUN.check(f"{preset} fp8 plain M={PLAIN_M} (E {e}, K {k}, N {n}, top-{top_k})", err < TOL, f"rel_l2={err:.2e}")
+        run.check(f"{preset} fp8 plain M={m} (E {e}, K {k}, N {n}, top-{top_k})", err < TOL, f"rel_l2={err:.2e}")
         graph = gpt39.captured("plain", route, dev)
         us = settled({"plain": (graph, None)}, 1, dev, ROUNDS, REPLAYS)["plain"]
-    RESULT["plain"][preset] = {"rel_l2": err, "us": us, "shape": (e, k, n, top_k)}
-    RUN.log(f"{preset} plain M={PLAIN_M}: {statistics.median(us):.1f} µs")
-    RUN.summary.append(f"| {preset} plain (E {e}) | {PLAIN_M} | {statistics.median(us):.1f} | | | | |")
+    result["plain"][preset] = {"rel_l2": err, "us": us, "shape": (e, k, n, top_k), "m": m}
+    run.log(f"{preset} plain M={m}: {statistics.median(us):.1f} µs")
+    run.summary.append(f"| {preset} plain (E {e}) | {m} | {statistics.median(us):.1f} |" + " |" * blanks)
 
 
 def main() -> int:
@@ -149,15 +150,23 @@ def main() -> int:
                 "| old / new (rounds >= 3%) | new / bf16 |")
     path = os.path.join(args.out, "fpb40.json") if args.out else ""
     RUN.each_cell(["gpt-oss"], lambda _: run_gpt_oss(args.ms, dev, args.deadline), args.deadline)
+    return plain_cells_and_table(PLAIN_CELLS, lambda preset: run_plain(preset, dev), dev, path, args.deadline + 7)
+
+
+def plain_cells_and_table(cells, run_one, dev, path: str, deadline: float, run: RunLog = RUN,
+                          result: dict = RESULT) -> int:
+    """The end of a gpt-oss fp8 check (this one's, ``gof41_device_check``'s): ``result`` written to ``path`` (if any),
+    the GPU's cache emptied (gpt-oss's weights and graphs), ``run_one(preset)`` for each of ``cells`` that starts before
+    ``deadline``, ``result`` written again, the table; 1 where a check failed, else 0."""
     if path:
-        write_json(path, RESULT)
+        write_json(path, result)
     if dev.type == "cuda":
-        torch.cuda.empty_cache()  # gpt-oss's weights and graphs before the plain cells'
-    RUN.each_cell(list(PLAIN_CELLS), lambda preset: run_plain(preset, dev), args.deadline + 7)
+        torch.cuda.empty_cache()
+    run.each_cell(list(cells), run_one, deadline)
     if path:
-        write_json(path, RESULT)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+        write_json(path, result)
+    run.print_table()
+    return 1 if run.failed else 0
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ a layer call, this branch against the path main runs (the same run: a switch, be
 
 The layer: gpt-oss-20b's MoE block (E = 32, K = N = 2880, top-4, router Linear with a bias, b13 / b2) built from a
 transformers GptOssConfig with random weights and biases (``moe_from_hf``, router "fused"), bf16 experts and the same
-quantized to mxfp4 (``MoE.quantize_``); eager, no_grad, M = 1 and 4. "main": a twin layer (the same values, its own
-tensors) served as main serves it: no layer decode entry (``_Full``) and no kept experts call for its biases
-(``kept_biases.keepable`` refuses its tensors). "fast": this branch.
+quantized to mxfp4 (``MoE.quantize_``; ``--schemes``: others, e.g. fp8_block); eager, no_grad, M = 1 and 4. "main":
+a twin layer (the same values, its own tensors) served as main serves it: no layer decode entry (``_Full``) and no kept
+experts call for its biases (``kept_biases.keepable`` refuses its tensors). "fast": this branch.
   correct   fast bit-equal to main after the warm-up calls, and the fast layer's kept entries exist (layer entry for
             bf16, a kept op entry for mxfp4)
   time      ``bench_run.host_and_wall_us``: host µs a call (queued behind ~1 ms of GPU work) and wall µs, ROUNDS
@@ -44,7 +44,7 @@ from moekit import layer_fast  # noqa: E402
 ROUNDS, CALLS = (5, 500) if CPU_HOST else (2, 2) if SMOKE else (5, 100)
 E, K, N, TOP_K = (4, 64, 32, 2) if SMOKE else (32, 2880, 2880, 4)
 MS = (1, 4)
-SCHEMES = ("bf16", "mxfp4")
+SCHEMES = ["bf16", "mxfp4"]  # --schemes replaces them (session 41: fp8_block's biased calls kept, gof41)
 # --cpu-host: these kernel modules stubbed too (the weight-only GEMMs, the one-pass alignment, the tensor-core gate)
 WO_KERNELS = tuple(f"moekit.experts._kernels.{name}" for name in (
     "gemm_wo", "gemm_wo_gemv", "gemm_wo_mma", "gemm_wo_reg", "wo_split", "align_one_pass", "down_store")) + (
@@ -177,7 +177,10 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=50.0)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--cpu-host", action="store_true")
+    p.add_argument("--schemes", type=lambda v: tuple(x for x in v.split(",") if x), default=SCHEMES,
+                   help="comma-separated, of bf16 and the quantized schemes (default bf16,mxfp4; gof41: fp8_block)")
     p.parse_args(namespace=ARGS)
+    SCHEMES[:] = ARGS.schemes
     dev = torch.device("cpu" if SMOKE else "cuda")
     RESULT["run"] = {**run_info(), "smoke": SMOKE, "shape": [E, N, K, TOP_K]}
     threading.Thread(target=RUN.watchdog, daemon=True).start()

@@ -217,18 +217,30 @@ def fp8_up_cases() -> dict[str, Case]:
 
 def fp8_variant_cases() -> dict[str, Case]:
     """``--variants`` (the tree after only: no before to compare with): the fp8 kernels with b13 / b2 and gpt-oss's
-    spec at the plan's tiles for such calls (pointer weights, no ONE_BLOCK), swapped, and GELU with a bias, to see
-    that they compile for sm_90 and what they cost in registers and lines."""
+    spec at the plan's tiles for such calls (pointer weights, no ONE_BLOCK; session 41: the prefill tile with TMA
+    weights, a scale a row tile), swapped, and GELU with a bias, to see that they compile for sm_90 and what they cost
+    in registers and lines."""
     fp8 = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "b13_ptr": "*bf16", "b2_ptr": "*bf16"}
     spec = dict(ACT=0, INTERLEAVED=True, ALPHA=1.702, LIMIT=7.0, UP_SHIFT=1.0)
     up = {k: v for k, v in fp8_up_cases()["up_fp8"].const.items() if k != "b13_ptr"} | dict(W_DESC=False,
                                                                                           ONE_BLOCK=False)
     down = {k: v for k, v in dense_cases()["fp8"].const.items() if k != "b2_ptr"}
+    gptoss_desc = {"w_ptr": _descriptor([32 * 5760, 2880], [128, 128], "fp8e4nv")}  # w13 of gpt-oss-20b as [E*2N, K]
+    persistent = fp8_up_cases()["up_fp8_persistent"]
     return {
         "var_up_fp8_gptoss": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec, 4, 4, fp8),
         "var_up_fp8_gptoss_swap": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(SWAP_AB=True), 4, 4, fp8),
         "var_up_fp8_gptoss_m512": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(
             BLOCK_M=64, GROUP_M=8, NAIVE=False), 8, 4, fp8),
+        "var_up_fp8_gptoss_tma": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(
+            W_DESC=True, ONE_BLOCK=True), 4, 4, fp8 | gptoss_desc),  # gof41: gpt-oss's rows by TMA, the tiny tile
+        "var_up_fp8_gptoss_m512_tma": Case("gemm_fp8", "gate_up_fp8_kernel", up | spec | dict(
+            BLOCK_M=64, GROUP_M=8, NAIVE=False, W_DESC=True, ONE_BLOCK=True), 8, 4, fp8 | gptoss_desc),  # prefill
+        "var_up_fp8_persistent_gptoss_tma": Case("gemm_fp8_persistent", "gate_up_fp8_persistent_kernel", {
+            k: v for k, v in persistent.const.items() if k != "b13_ptr"} | spec | dict(W_DESC=True), 8, 4,
+            fp8 | gptoss_desc),  # gof41: the persistent GEMMs with gpt-oss's rows by TMA, b13, the spec; and b2:
+        "var_down_fp8_persistent_b2": Case("gemm_fp8_persistent", "down_fp8_persistent_kernel", {
+            k: v for k, v in persistent.const.items() if k != "b2_ptr"}, 4, 4, fp8),
         "var_up_fp8_gelu_bias": Case("gemm_fp8", "gate_up_fp8_kernel", up | dict(ACT=1, ONE_BLOCK=True), 4, 4, fp8),
         "var_down_fp8_bias": Case("gemm_fp8", "down_fp8_kernel", down, 4, 5, fp8),
         "var_down_fp8_bias_swap_ksum": Case("gemm_fp8", "down_fp8_kernel", down | KSUM | dict(SWAP_AB=True), 4, 5,

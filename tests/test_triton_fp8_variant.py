@@ -1,14 +1,14 @@
 """Expert biases, gpt-oss's activation variant and the other gated activations on the fused fp8 Triton kernels (issue
 #15), on the CPU under Triton's interpreter, tiny shapes (K and N not multiples of 128, as gpt-oss-20b's 2880).
 
-Chain: the kernels with b13 alone, b2 alone, the spec alone (interleaved rows, alpha 1.702, a clamp that bites,
-up + 1), all together, and GELU, against a float64 emulation of the recipe (``_fp8_cases.emulation_f64``: dequantized
-weights, x and h through e4m3 per 128 columns, the glu written out in ``_helpers.glu64``); the twin the same way; each
-plan the kernels have (the tiny-batch shortcut, aligned blocks, x quantized inside gate-up, h float32, SWAP_AB, the
-k-sum in the down GEMM or apart, an expert map with -1, M = 0 / 1); two calls with other biases on one plan; the
-persistent GEMMs refused; the route (no grouped_mm fallback) and a tiny gpt-oss quantized to fp8_block against the
-reference backend; the lean eager path serving an unbiased variant call with its own plan (never a biased one).
-Workspaces are filled with NaN first (``POISON``).
+Chain: the kernels with b13 alone, b2 alone, the spec alone (interleaved rows, alpha 1.702, a clamp that bites, up + 1),
+all together, and GELU, against a float64 emulation of the recipe (``_fp8_cases.emulation_f64``: dequantized weights, x
+and h through e4m3 per 128 columns, the glu written out in ``_helpers.glu64``); the twin the same way; each plan the
+kernels have (the tiny-batch shortcut, aligned blocks, x quantized inside gate-up, h float32, SWAP_AB, the k-sum in the
+down GEMM or apart, an expert map with -1, M = 0 / 1); two calls with other biases on one plan; the persistent GEMMs
+only where asked; the route (no grouped_mm fallback) and a tiny gpt-oss quantized to fp8_block against the reference
+backend; the lean eager path serving a variant call with its own plan (a biased one too, session 41). Workspaces are
+filled with NaN first (``POISON``).
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 """
@@ -136,11 +136,14 @@ def test_calls_with_other_biases_share_a_plan_and_never_each_others(fp8):
     assert rel_l2(plain, _emulated(x, quantized, ids, weights, BLOCK, None, None, "silu")) < FLIP_TOL
 
 
-def test_persistent_gemms_refused_for_a_variant_call():
+def test_persistent_gemms_for_a_variant_call_only_where_asked():
+    # session 41: the persistent kernels take biases and the spec (test_triton_fp8_interleaved_tma runs them); a tuned
+    # entry's persistent GEMMs still never reach a variant call, and interleaved rows on pointer loads are refused
     from moekit.experts.triton_fp8_persistent import Persistent, choose_persistent
 
-    with pytest.raises(ValueError, match="persistent fp8 GEMMs do not take expert biases or an activation variant"):
-        choose_persistent(Persistent(), None, False, False, False, False, plain=False)
+    assert choose_persistent(Persistent(), None, False, False, False, False, plain=False) == Persistent()
+    with pytest.raises(ValueError, match="persistent fp8 GEMMs do not take interleaved gate/up rows on pointer loads"):
+        choose_persistent(Persistent(), None, False, False, False, False, False, interleaved_pointers=True)
     assert choose_persistent(None, Persistent(), False, False, False, False, plain=False) is None  # a tuned entry's
     assert choose_persistent(None, Persistent(), False, False, False, False, plain=True) == Persistent()
 
@@ -201,11 +204,12 @@ def test_tiny_gpt_oss_quantized_to_fp8_block_runs_fused_equal_to_reference(fp8, 
         assert rel_l2(got, want) < 1e-2 and want.abs().max() > 0.1  # bf16's rounding, a real signal
 
 
-def test_a_repeated_variant_call_without_biases_is_served_lean_equal_to_the_plain_path(fp8, interpreter, monkeypatch):
+def test_a_repeated_variant_call_is_served_lean_equal_to_the_plain_path(fp8, interpreter, monkeypatch):
     """An unbiased call with gpt-oss's spec is kept by ``triton_quant_fast`` (its plan: the spec's, not the plain
     SiLU's): after a call of the kind (the plain path, launches compiled) the next records and later ones are served
-    from the kept launches, bit-equal to the plain path and to the float64 emulation; a biased call is never kept
-    (each of its calls runs the plain path)."""
+    from the kept launches, bit-equal to the plain path and to the float64 emulation; a biased call too (session 41;
+    ``tests/test_gpt_oss_fast.py`` has the misses on changed biases): its first call records (its plan's launches
+    compiled there), the next two are served, bit-equal to its plain path."""
     import moekit.quant as Q
     from _helpers import count_calls
     from moekit.experts import triton_quant_fast
@@ -226,6 +230,9 @@ def test_a_repeated_variant_call_without_biases_is_served_lean_equal_to_the_plai
     assert seen["hits"] == 2 and all(torch.equal(t, plain) for t in got)  # the first records (launches compiled)
     quantized = (q13.q, q13.scale, q2.q, q2.scale)
     assert rel_l2(plain, _emulated(x.float(), quantized, ids, weights, BLOCK, None, None, SPEC)) < 1e-2  # bf16 out
-    for _ in range(3):
-        interpreter.experts_triton(x, q13, q2, ids, weights, activation=SPEC, b13=b13, b2=b2)
-    assert seen["hits"] == 2
+    biased = [interpreter.experts_triton(x, q13, q2, ids, weights, activation=SPEC, b13=b13, b2=b2) for _ in range(3)]
+    assert seen["hits"] == 4
+    full = interpreter.experts_triton(x, q13, q2, ids, weights, activation=SPEC, b13=b13, b2=b2,
+                                      options=LaunchOptions(lean_launch=False))
+    assert all(torch.equal(t, full) for t in biased)
+    assert rel_l2(full, _emulated(x.float(), quantized, ids, weights, BLOCK, b13.float(), b2.float(), SPEC)) < 1e-2

@@ -238,19 +238,22 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
 
 
 def fp8_lean_inputs(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, block_shape: tuple[int, int],
-                    options: LaunchOptions, activation: str | ActivationSpec = "silu") -> tuple:
-    """What ``triton_quant_fast`` records an eager call without a map or biases from: its plan (the one the call
-    used: ``activation``'s, ``plan_activation``'s value), the workspace pool, and its launches as a function of
-    (b, x, ids, weights, out), weights bound."""
+                    options: LaunchOptions, activation: str | ActivationSpec = "silu", b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> tuple:
+    """What ``triton_quant_fast`` records an eager call without a map from: its plan (the one the call used:
+    ``activation``'s, ``plan_activation``'s value, and its biases' kind), the workspace pool, and its launches as a
+    function of (b, x, ids, weights, out), weights and b13 [E, 2N] / b2 [E, K] (contiguous, or None) bound (the caller
+    checks they are the same on a replay, ``kept_biases``)."""
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, None, block_shape, None, options,
-                    variant=Fp8Variant.of(activation, None, None))
+                    variant=Fp8Variant.of(activation, b13, b2))
     w13_arg, w2_arg = w13_q, w2_q
     if plan.descriptor_key is not None:
         pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
         w13_arg, w2_arg = pair.w13, pair.w2
 
     def launches(b: dict, x_arg, ids_arg, weights_arg, out_arg) -> list:
-        return fp8_launches(plan, b, x_arg, w13_arg, w13_scale, w2_arg, w2_scale, ids_arg, weights_arg, None, out_arg)
+        return fp8_launches(plan, b, x_arg, w13_arg, w13_scale, w2_arg, w2_scale, ids_arg, weights_arg, None, out_arg,
+                            b13, b2)
 
     return plan, _WORKSPACES, launches
 

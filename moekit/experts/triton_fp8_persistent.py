@@ -62,18 +62,20 @@ def sm_count(device: torch.device) -> int:
 
 
 def choose_persistent(asked: Persistent | None, from_entry: Persistent | None, folded_or_naive: bool, h_fp32: bool,
-                      x_raw: bool, swap_ab: bool, plain: bool = True) -> Persistent | None:
+                      x_raw: bool, swap_ab: bool, plain: bool = True,
+                      interleaved_pointers: bool = False) -> Persistent | None:
     """The persistent GEMMs a plan runs (None: one program a tile): the caller's (``asked``; refused by name where
-    the plan cannot take them), else the tuned entry's where it can. They need the block-aligned layout with its own
-    launch, whole scale groups per gate-up tile, x quantized by its own kernel, no SWAP_AB, and a ``plain`` call (no
-    expert biases, the plain SiLU: ``triton_fp8_variant.Fp8Variant``; their kernels take neither)."""
+    the plan cannot take them), else the tuned entry's where it can and the call is ``plain`` (no expert biases, the
+    plain SiLU: ``triton_fp8_variant.Fp8Variant``; a variant call takes them only where asked, session 41: measured
+    on no device yet). They need the block-aligned layout with its own launch, whole scale groups per gate-up tile, x
+    quantized by its own kernel, no SWAP_AB, and interleaved gate/up rows through TMA (not ``interleaved_pointers``)."""
     refused = ("the alignment folded into gate-up or the tiny-batch shortcut (no layout launch)" if folded_or_naive
                else "a gate-up tile narrower than a scale group (h float32)" if h_fp32
                else "x quantized inside gate-up" if x_raw else "swap_ab" if swap_ab
-               else "expert biases or an activation variant" if not plain else None)
+               else "interleaved gate/up rows on pointer loads" if interleaved_pointers else None)
     if asked is not None and asked.on and refused:
         raise ValueError(f"persistent fp8 GEMMs do not take {refused}")
-    chosen = asked if asked is not None else None if refused else from_entry
+    chosen = asked if asked is not None else None if refused or not plain else from_entry
     return chosen if chosen is not None and chosen.on else None
 
 

@@ -59,6 +59,11 @@ QUANT_ROWS = 16  # rows per program of the activation quantization kernel (one c
 # against pointers at M=1 22.2 / 116.8 / 124.9 µs against 23.8 / 121.9 / 115.2 (Qwen3 / DeepSeek-V3 /
 # Mixtral), at M=4096 908 / 8049 / 5213 against 667 / 5964 / 3909 (those configs spilled registers).
 TMA_MAX_BLOCK_M = 16
+# Interleaved gate/up rows (gpt-oss's w13) through TMA from this many tokens on (``gemm_fp8``'s W_DESC with INTERLEAVED:
+# the plain calls' descriptor, each tile's rows in place as two row tiles), where neither the caller nor a tuned entry
+# names the weight loads; None: pointer loads at every M (session 40's route). The one switch of issue #15's gpt-oss
+# prefill cells (session 41), set from ``benchmarks/gof41_device_check.py``'s table by the defaults rule.
+INTERLEAVED_TMA_FROM_M: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +76,7 @@ class Fp8Plan:
     # h float32 and h_s [1], unused), y [A, K], + the alignment's
     workspace: WorkspaceSpec
     # (False, E, 2N, K, up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K) with TMA weights (``triton_cache``'s
-    # descriptor key, never interleaved here); None: pointer loads
+    # descriptor key; interleaved gate/up rows take the plain one, w13 as [E*2N, K]); None: pointer loads
     descriptor_key: tuple | None
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
     # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded,
@@ -193,8 +198,10 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
              weight_tma: bool | None = None, ahead: bool = True, persistent: Persistent | None = None,
              pair_dot: bool | None = None, variant: Fp8Variant = PLAIN) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous. ``variant``: the
-    call's biases and activation (``Fp8Variant``); interleaved gate/up rows take pointer weights (no TMA, hence no
-    PAIR_DOT) and per-column scales (no ONE_BLOCK), and a variant call no persistent GEMMs (refused where asked).
+    call's biases and activation (``Fp8Variant``); interleaved gate/up rows take pointer weights with per-column
+    scales, or TMA weights (``weight_tma``, else ``INTERLEAVED_TMA_FROM_M``) with a scale per row tile where the tile
+    allows (``fp8_descriptors_allowed``); never PAIR_DOT; a variant call persistent GEMMs only where asked (and
+    interleaved rows only through TMA: ``choose_persistent``).
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
     µs, its own kernel against inside gate-up: M = 1 Qwen3 20.6 / 24.4, DeepSeek-V3 98.6 / 101.0, Mixtral
@@ -202,7 +209,7 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     247.9 / 318.0: every program quantizes each x tile it reads, in its K loop; raw/*-fp8_small.*).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
-    ``TMA_MAX_BLOCK_M`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
+    ``default_weight_tma`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
     load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``persistent``:
     the GEMMs on a grid of a few programs per SM looping over the tiles (``triton_fp8_persistent``; refused where
     the plan cannot take them); None: the tuned entry's "persistent" where the plan takes it, else one program a
@@ -249,17 +256,18 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
     fold = _fold_constexprs(align, num_assignments, num_experts, block_m, expert_map)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
-    if weight_tma is None:
-        weight_tma = block_m <= TMA_MAX_BLOCK_M
-    x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options, variant)
+    weight_tma = default_weight_tma(num_tokens, block_m, variant) if weight_tma is None else weight_tma
+    x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options, variant,
+                                                                                  config, block_n)
     regions = _workspace_regions(x, num_assignments, n, group, x_raw, h_fp32)
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, AHEAD=ahead, SWAP_AB=config.swap_ab, cached=options.cached_launcher,
                   **options.pdl_kwargs())
     up = config.up
-    up_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0 and not variant.interleaved  # else a scale a column
+    # else a scale a column; interleaved rows through TMA: a scale a row tile (``gemm_fp8``'s INTERLEAVED)
+    up_one = descriptors if variant.interleaved else block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0
     down_one = block_n % down.BLOCK_N == 0
-    pair = choose_pair_dot(pair_dot, entry.pair_dot, descriptors, up_one)
+    pair = choose_pair_dot(pair_dot, entry.pair_dot, descriptors, up_one, variant.interleaved)
     up_shared = dict(shared, ONE_BLOCK=up_one, PAIR_DOT=pair, PAIR_CHUNK=pair_chunk(up.BLOCK_N))
     gate_up = _gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
                               num_pid_m, dict(up_shared, X_RAW=x_raw, **variant.constexprs()), fold)
@@ -268,11 +276,11 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
         num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
     persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, config.swap_ab,
-                                   variant.plain)
+                                   variant.plain, variant.interleaved and not descriptors)
     if persistent is not None:
         gate_up, down_launch, down_sum = persistent_gemms(
             persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
-            config, num_pid_m, up_shared, down_shared, x.device)
+            config, num_pid_m, dict(up_shared, **variant.constexprs()), down_shared, x.device)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
@@ -284,6 +292,14 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
+
+
+def default_weight_tma(num_tokens: int, block_m: int, variant: Fp8Variant) -> bool:
+    """The weight loads where neither the caller nor a tuned entry names them: TMA for tiles of at most
+    ``TMA_MAX_BLOCK_M`` rows; interleaved gate/up rows from ``INTERLEAVED_TMA_FROM_M`` tokens on (None: never)."""
+    if variant.interleaved:
+        return INTERLEAVED_TMA_FROM_M is not None and num_tokens >= INTERLEAVED_TMA_FROM_M
+    return block_m <= TMA_MAX_BLOCK_M
 
 
 def _workspace_regions(x: torch.Tensor, num_assignments: int, n: int, group: int, x_raw: bool, h_fp32: bool) -> list:
@@ -298,11 +314,14 @@ def _workspace_regions(x: torch.Tensor, num_assignments: int, n: int, group: int
                       ("y", y_dtype, (num_assignments, hidden))]
 
 
-def choose_pair_dot(asked: bool | None, from_entry: bool | None, descriptors: bool, up_one_block: bool) -> bool:
+def choose_pair_dot(asked: bool | None, from_entry: bool | None, descriptors: bool, up_one_block: bool,
+                    interleaved: bool = False) -> bool:
     """Whether the gate-up GEMM runs PAIR_DOT: the caller's ``asked`` (True refused by name where the plan cannot
-    take it), else the tuned entry's where it can. It needs TMA weight descriptors and every gate-up tile in one
-    weight scale block (one scalar scale a step for each of gate and up)."""
+    take it), else the tuned entry's where it can. It needs TMA weight descriptors, every gate-up tile in one
+    weight scale block (one scalar scale a step for each of gate and up) and gate rows apart from up rows (not
+    ``interleaved``: those tiles hold gate and up already, ``gemm_fp8``'s INTERLEAVED)."""
     refused = ("pointer weights (no TMA descriptors)" if not descriptors
+               else "interleaved gate/up rows" if interleaved
                else "a gate-up tile across weight scale blocks" if not up_one_block else None)
     if asked and refused:
         raise ValueError(f"pair_dot does not take {refused}")
@@ -310,12 +329,17 @@ def choose_pair_dot(asked: bool | None, from_entry: bool | None, descriptors: bo
 
 
 def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions,
-                            variant: Fp8Variant = PLAIN) -> bool:
+                            variant: Fp8Variant = PLAIN, config: KernelConfig | None = None,
+                            block_n: int = 128) -> bool:
     """Asked for (``options.weight_descriptors``), and both weights contiguous, 16-byte aligned, with
     rows of a multiple of 16 bytes (K and N multiples of 16: what a TMA copy of e4m3 tiles needs).
-    Anything else (transposed storage, a slice) keeps the pointer loads through its strides, no copy; so do
-    interleaved gate/up rows (``variant``: gate j at row 2j, read through pointers in place)."""
-    return options.weight_descriptors and not variant.interleaved and all(
+    Anything else (transposed storage, a slice) keeps the pointer loads through its strides, no copy. Interleaved
+    gate/up rows (``variant``; ``gemm_fp8``'s INTERLEAVED with W_DESC) also need the gate-up tile (``config``) one h
+    group wide (BLOCK_N == BLOCK_K) and within one weight scale block (``block_n``, the blocks' height, a multiple of
+    it), else they keep pointer loads."""
+    tiles_fit = not variant.interleaved or (
+        config is not None and config.up.BLOCK_N == config.up.BLOCK_K and block_n % config.up.BLOCK_N == 0)
+    return options.weight_descriptors and tiles_fit and all(
         w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] % 16 == 0 for w in (w13_q, w2_q))
 
 

@@ -5,7 +5,7 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
     key:   id(w13), id(w2) (the QuantizedWeight objects); x, ids, weights: shape, dtype, device; activation,
            options (as asked), thread
     entry: w13 and w2 (weakly) with each of their tensors' data_ptr (``state_reader``); the expert biases b13 / b2
-           (weight-only schemes; ``kept_biases``: weakly, with address, layout, device, version); the plan's launches
+           (``kept_biases``: weakly, with address, layout, device, version); the plan's launches
            recorded once as a LaunchSequence (weights, descriptors, pooled workspace, grids, scalars fixed; x,
            ids, weights, out and the regions allocated per call as stand-ins); the pool's generation, the
            CUDA stream, the epoch; whether ``check_experts_args`` passed on a call of this key
@@ -19,7 +19,8 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
       -> out = empty_like(x), the sequence launched: the plain path's kernels, grids and arguments (bit-equal)
 
 An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no expert map,
-biases only on the weight-only fused decodes (gpt-oss's; not the scratch decode), the default fp8 choice, M >= 1;
+biases on the weight-only fused decodes (gpt-oss's; not the scratch decode) and the fused fp8 kernels (session 41), the
+default fp8 choice, M >= 1;
 the plain call compiled the launches, so the second call of a kind records and the third launches lean. A
 weight-only call the Gluon path takes (``triton_gluon_wo.GLUON_WO_CELLS``) is kept the same way, from that path's
 lean plan on its pool (``triton_gluon_wo_lean.wo_gluon_lean_inputs``: the GEMMs' TMA descriptors over the pooled
@@ -176,14 +177,14 @@ def _launch(entry: QuantEntry, x, ids, weights, stream, pointers: tuple) -> torc
 
 def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool, b13=None, b2=None) -> None:
     """Keep the entry of a plain fused call that just ran (``run_quantized_triton``; no map or Gluon choice; biases
-    ``kept_biases.keepable``, weight-only), where the fast path could serve it and its launches have compiled."""
+    ``kept_biases.keepable``), where the fast path could serve it and its launches have compiled."""
     if not options.fast_ready or torch.compiler.is_compiling() or _dispatching() or _tracing() or _transforming():
         return
     if x.__class__ not in _PLAIN or ids.numel() == 0 or x.shape[1] == 0:
         return
     if _grad() and (x.requires_grad or weights.requires_grad):
         return
-    if (b13 is not None or b2 is not None) and (w13.scheme == "fp8_block" or not keepable(b13, b2)):
+    if (b13 is not None or b2 is not None) and not keepable(b13, b2):
         return
     if (not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
             or (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15):
@@ -215,7 +216,7 @@ def _lean_inputs(x, w13, w2, ids, weights, activation, options, b13, b2):
         from moekit.experts.triton_fp8 import fp8_lean_inputs
 
         return fp8_lean_inputs(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, tuple(w13.block_shape), options,
-                               plan_activation(*spec_fields(activation)))
+                               plan_activation(*spec_fields(activation)), b13, b2)
     from moekit.experts.triton_quant import _wo
     from moekit.experts.triton_wo import wo_lean_inputs
 

@@ -76,8 +76,8 @@ Biases and the activation variant (issue #15; ``gemm_wo``'s helpers): b13_ptr [E
 joins the float32 accumulators after the block scales, before the activation (``gemm._gate_up_epilogue``; columns past N
 stay act(0) * (0 + UP_SHIFT) = 0, out of every amax); b2 the down accumulator before the routed weight
 (``gemm_wo.add_b2``; no split-K here: once). ACT: any gated activation (``gemm._glu``). INTERLEAVED: gate j is w13 (and
-b13) row 2j, up j row 2j + 1 (gpt-oss's order, read in place), each column with its row block's scale: pointer loads (no
-W_DESC, ONE_BLOCK, PAIR_DOT; no persistent GEMMs).
+b13) row 2j, up j row 2j + 1 (gpt-oss's order, read in place): pointer loads, a scale a column, or (W_DESC, session 41)
+two TMA row tiles a K-step, a scale each (``gemm_fp8_interleaved``'s docstring); no PAIR_DOT, no persistent GEMMs.
 
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
@@ -89,7 +89,8 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import gemm_done, programs_after_gemm, routed_slot_count
 from moekit.experts._kernels.down_store import store_routed
-from moekit.experts._kernels.gemm import _gate_up_epilogue, _gate_up_rows, _grid_position, program_tile
+from moekit.experts._kernels.gemm import _gate_up_rows, _grid_position, program_tile
+from moekit.experts._kernels.gemm_fp8_interleaved import row_scale_ptrs, variant_h
 from moekit.experts._kernels.gemm_wo import add_b2
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
@@ -237,13 +238,6 @@ def _w13_ptrs(w_ptr, offs_n, offs_k, N, stride_wn, stride_wk, INTERLEAVED: tl.co
 
 
 @triton.jit
-def _interleaved_scale_ptrs(ws_ptr, offs_n, stride_wsn, GROUP_N: tl.constexpr):
-    """INTERLEAVED's K-step 0 weight scale pointers [BN] of gate and up columns offs_n: the row blocks of rows 2j
-    and 2j + 1 (``_weight_scale_ptrs`` without ONE_BLOCK), ws_ptr at the expert's scales."""
-    return ws_ptr + ((2 * offs_n) // GROUP_N) * stride_wsn, ws_ptr + ((2 * offs_n + 1) // GROUP_N) * stride_wsn
-
-
-@triton.jit
 def _with_b2(acc, b2_ptr, expert, offs_out, out_ok, K):
     """acc [BM, BN] + the expert's b2 at columns offs_out (b2_ptr None: acc), before the routed weight: ``gemm_wo.
     add_b2`` (the fp8 grid has no split: program_id(1) is 0)."""
@@ -277,12 +271,12 @@ def gate_up_fp8_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok, offs_k = offs_n < N, tl.arange(0, BLOCK_K)
     x_ptrs, xs_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk, xs_ptr + token * stride_xsm
-    if W_DESC:  # a descriptor over w13 as [E*2N, K], blocks [BN, BK] (PAIR_DOT: ``pair_descriptor``'s, see there)
-        gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
+    if W_DESC:  # over w13 as [E*2N, K], blocks [BN, BK] (PAIR_DOT: ``pair_descriptor``'s; INTERLEAVED: 2BN rows a tile)
+        gate_row = (expert * 2 * N + pid_n * (BLOCK_N * (1 + INTERLEAVED))).to(tl.int32)
     else:  # [BK, BN] each
         wg_ptrs, wu_ptrs = _w13_ptrs(w_ptr + expert * stride_we, offs_n, offs_k, N, stride_wn, stride_wk, INTERLEAVED)
-    ws_ptr += expert * stride_wse  # the gate and up columns' scales; INTERLEAVED: no ONE_BLOCK, W_DESC, PAIR_DOT
-    sg_ptrs, su_ptrs = _interleaved_scale_ptrs(ws_ptr, offs_n, stride_wsn, GROUP_N) if INTERLEAVED else (
+    ws_ptr += expert * stride_wse  # the gate and up columns' scales (INTERLEAVED with W_DESC: the two row tiles')
+    sg_ptrs, su_ptrs = row_scale_ptrs(ws_ptr, pid_n, N, stride_wsn, BLOCK_N, GROUP_N, W_DESC) if INTERLEAVED else (
         _weight_scale_ptrs(ws_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK),
         _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK))
     acc_gate, acc_up = acc_zeros(BLOCK_M, BLOCK_N * (1 + PAIR_DOT), SWAP_AB), acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
@@ -295,8 +289,8 @@ def gate_up_fp8_kernel(
             acc_gate = _pair_step(acc_gate, xa, w_ptr, expert.to(tl.int32), pid_n, k0, xs, sg_ptrs, su_ptrs, BLOCK_N,
                                   BLOCK_K, PAIR_CHUNK, UPCAST, SWAP_AB)
         else:
-            if W_DESC:  # past K the descriptor reads zeros
-                wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
+            if W_DESC:  # [BK, BN] each, zeros past K (INTERLEAVED: the two row tiles, ``gemm_fp8_interleaved``)
+                wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + (BLOCK_N if INTERLEAVED else N), k0]).T
             else:
                 wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -308,9 +302,9 @@ def gate_up_fp8_kernel(
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
     acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT, SWAP_AB)
-    h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB) if ACT is None else _gate_up_epilogue(
-        unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), b13_ptr, expert, offs_n, n_ok, N, 2 * N, 1, ACT, True,
-        INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32 (ACT None: SiLU-and-mul, no b13: the kernel before)
+    h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB) if ACT is None else variant_h(
+        unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), b13_ptr, expert, offs_n, n_ok, N, BLOCK_M, BLOCK_N, ACT,
+        INTERLEAVED, W_DESC, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32 (ACT None: SiLU-and-mul without b13, as before)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
 
