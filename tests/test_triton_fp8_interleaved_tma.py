@@ -113,9 +113,9 @@ def test_tiles_that_do_not_fit_keep_pointer_loads_and_pair_dot_is_refused(fp8):
 
 
 def test_the_route_switch_takes_tma_from_its_m_and_matches_the_reference(fp8, monkeypatch):
-    """``INTERLEAVED_TMA_FROM_M``: None (the default) keeps pointer loads at every M; set, interleaved calls from that
-    M take TMA (smaller ones pointers); ``run_experts`` on the triton backend equals the reference
-    backend's fp8 recipe either way."""
+    """``INTERLEAVED_TMA_FROM_M``: None keeps pointer loads at every M; set (1 by default since session 41's H100
+    run), interleaved calls from that M take TMA (smaller ones pointers); ``run_experts`` on the triton backend equals
+    the reference backend's fp8 recipe either way."""
     import moekit.quant as Q
     from moekit.experts import run_experts, triton_fp8_plan
 
