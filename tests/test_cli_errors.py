@@ -81,6 +81,7 @@ CASES = [
     ([*TINY, "--layers", "-1"], "--layers"),
     ([*TINY, "--memory-gib", "nan"], "--memory-gib"),
     ([*TINY, "--tflops", "inf"], "--tflops must be positive and finite"),
+    ([*TINY, "--gpu", "v100"], "--gpu must be one of"),
     (["simulate", "--experts", "-3"], "--experts"),
     (["simulate", "--top-k", "99"], "--top-k"),
     (["simulate", "--skew", "nan"], "--skew"),

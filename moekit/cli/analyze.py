@@ -149,7 +149,7 @@ def run(args) -> int:
     try:
         gpu = get_gpu(args.gpu).with_overrides(args.bandwidth, args.memory_gib, tflops)
     except KeyError as err:
-        raise UsageError(err.args[0]) from None
+        raise UsageError(f"--{err.args[0]}") from None  # "gpu must be one of [...]": name the flag
     if fmt.compute_dtype not in gpu.dense_tflops:
         raise UsageError(f"{gpu.name} has no {fmt.compute_dtype} tensor throughput for {fmt.name} weights; "
                          f"choose another --dtype or supply --tflops")

@@ -11,7 +11,8 @@ import contextlib
 from pathlib import Path
 
 from moekit.cli import _bench_cpu, _bench_hf, _bench_offload, _bench_train
-from moekit.cli._args import ListOption, UsageError, device_arg, output_dir, positive_float, positive_int
+from moekit.cli._args import (ListOption, UsageError, device_arg, missing_extra, output_dir, positive_float,
+                              positive_int)
 
 
 def register(subparsers) -> None:
@@ -90,8 +91,7 @@ def _run(args: argparse.Namespace) -> int:
                                      "each run takes the next free -N suffix)" if suffixed else ""))
     if not args.no_plot:
         png = plot(doc, path.with_suffix(".png"))
-        if png:
-            console.print(f"wrote {png}")
+        console.print(f"wrote {png}" if png else f"no plot: {missing_extra('plot', 'matplotlib')}", markup=False)
     return 0
 
 
