@@ -82,6 +82,7 @@ CASES = [
     ([*TINY, "--memory-gib", "nan"], "--memory-gib"),
     ([*TINY, "--tflops", "inf"], "--tflops must be positive and finite"),
     ([*TINY, "--gpu", "v100"], "--gpu must be one of"),
+    ([*TINY, "--cache-experts", "4", "--hit-rate", "0.9"], "--cache-experts, --hit-rate: settings of the offload"),
     (["simulate", "--experts", "-3"], "--experts"),
     (["simulate", "--top-k", "99"], "--top-k"),
     (["simulate", "--skew", "nan"], "--skew"),

@@ -22,7 +22,7 @@ from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
 from moekit.analysis.roofline import MAX_BATCH
 from moekit.analysis.touch import inclusion_from_counts
 from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
-from moekit.cli._analyze_offload import offload_rows, offload_table, offload_to_json
+from moekit.cli._analyze_offload import check_offload_flags, offload_rows, offload_table, offload_to_json
 from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
 from moekit.cli._model_source import add_source_arguments, layer_config, preset_source, read_config_json
 from moekit.config import MoEConfig
@@ -141,6 +141,7 @@ def _check_numbers(args) -> None:
 
 def run(args) -> int:
     _check_numbers(args)
+    check_offload_flags(args)
     cfg, hf, name = _model(args)
     if args.layers is not None:
         cfg = cfg.replace(num_moe_layers=args.layers)
