@@ -228,6 +228,17 @@ def test_simulate_help_has_defaults_and_lists_exercise_once():
     assert not undocumented, undocumented
 
 
+def test_every_subcommand_says_what_it_does_and_every_option_has_help():
+    """``moekit demo --help`` and ``moekit serve --help`` said nothing beyond the usage line, and ``--top-k`` of
+    analyze and ``--seed`` of simulate cache had no help: a new user's first look at each command."""
+    commands = _subparsers(build_parser())
+    commands |= {f"simulate {k}": v for k, v in _subparsers(commands["simulate"]).items()}
+    assert not [name for name, p in commands.items() if not p.description]
+    undocumented = {name: [a.dest for a in p._actions if a.help is None] for name, p in commands.items()}
+    assert not {name: dests for name, dests in undocumented.items() if dests}
+    assert "E=16 experts, top-2" in commands["demo"].format_help()
+
+
 def test_config_without_layer_count_takes_layers(files, capsys):
     assert main(["analyze", "--config", files["no_layers"], "--layers", "4", "--batches", "8", "--json"]) == 0
     out, err = capsys.readouterr()

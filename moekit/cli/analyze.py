@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     src = p.add_argument_group("model (one of)")
     add_source_arguments(src)
     src.add_argument("--experts", type=int, help="E, routed experts (with --top-k --hidden --moe-intermediate)")
-    src.add_argument("--top-k", type=int)
+    src.add_argument("--top-k", type=int, help="k, experts per token")
     src.add_argument("--hidden", type=int, help="d, hidden size")
     src.add_argument("--moe-intermediate", type=int, help="d_ff of one expert")
     src.add_argument("--layers", type=int, help="MoE layers in the model (default: the config's, else 1)")
