@@ -237,6 +237,9 @@ def test_every_subcommand_says_what_it_does_and_every_option_has_help():
     undocumented = {name: [a.dest for a in p._actions if a.help is None] for name, p in commands.items()}
     assert not {name: dests for name, dests in undocumented.items() if dests}
     assert "E=16 experts, top-2" in commands["demo"].format_help()
+    bench = " ".join(commands["bench"].format_help().split())  # where the files go, and which M, before a run
+    assert "(default: benchmarks/results under the current directory;" in bench
+    assert "(default: 1,8,32,64,128,256,512,1024,4096,16384 on the GPU, 1,8,32,128,512 on the CPU)" in bench
 
 
 def test_config_without_layer_count_takes_layers(files, capsys):
