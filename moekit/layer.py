@@ -388,10 +388,16 @@ class MoE(nn.Module):
         return resolve_backend(self.backend, self.w13.device)
 
     def extra_repr(self) -> str:
+        """What a user checks after building or quantizing: shapes, the experts' dtype and scheme, and the backend
+        "auto" resolves to on the weights' device."""
         c = self.config
+        shared = c.shared_expert_intermediate_size
+        backend = self.resolved_backend()
         return (f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
-                f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
-                f"backend={self.backend}, router={self.router}, capacity_factor={self.capacity_factor}")
+                f"shared={shared}{(' (fused)' if self.fuse_shared else ' (separate)') if shared else ''}, "
+                f"dtype={str(self.w13.dtype).removeprefix('torch.')}, quant={self.quant_scheme}, "
+                f"backend={self.backend}{f' ({backend})' if backend != self.backend else ''}, router={self.router}, "
+                f"capacity_factor={self.capacity_factor}")
 
 
 def _param(module: nn.Module, name: str):
