@@ -23,6 +23,7 @@ def test_simulate_summary_histogram_and_plot(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "capacity 5" in out and "imbalance" in out and "balancing         bias, 20 steps" in out
     assert "#" in out  # the ASCII bars
+    assert " µs  balanced " in out and " us " not in out  # one spelling of the unit (the EP lines said "us")
     assert png.stat().st_size > 10_000
 
 
@@ -39,6 +40,7 @@ def test_exercise_runs_and_plots(capsys, tmp_path, monkeypatch):
     assert main(["simulate", "exercise", "3", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "loses 50% of the throughput" in out and "eplb" in out
+    assert " µs  mean " in out and " us " not in out
     assert png.stat().st_size > 10_000
 
 

@@ -147,7 +147,7 @@ def _answer3(ex) -> str:
         return "\n".join(lines)
     lines.append(f"  first skew reaching it: {ex.at_target.skew} ({ex.at_target.ep.cost_model})")
     for r in ex.at_target.ep.placements:
-        lines.append(f"    {r.name:11s} step (max) {r.step_time_us:8.1f} us  mean {r.balanced_time_us:8.1f} us  "
+        lines.append(f"    {r.name:11s} step (max) {r.step_time_us:8.1f} µs  mean {r.balanced_time_us:8.1f} µs  "
                      f"imbalance {r.imbalance:4.2f}x  throughput lost {100 * r.throughput_lost:5.1f}%")
     lines.append(f"  EPLB with {ex.spare_slots} replicas: {ex.at_target.ep.replication_gain:.2f}x the contiguous "
                  f"throughput")
