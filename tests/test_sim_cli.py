@@ -44,6 +44,23 @@ def test_exercise_runs_and_plots(capsys, tmp_path, monkeypatch):
     assert png.stat().st_size > 10_000
 
 
+def test_a_run_shows_it_is_working_on_a_terminal_only(capsys, monkeypatch):
+    """The exercises take 10-25 s on a 2-core CPU: a spinner on stderr says what runs (there was nothing);
+    through a pipe stderr stays empty and stdout is the JSON alone."""
+    monkeypatch.setitem(simulate_cli._EXERCISES, 3, functools.partial(exercise3, tokens=64, skews=[0.0]))
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE"):  # what makes rich take a pipe for a terminal
+        monkeypatch.delenv(name, raising=False)
+    assert main(["simulate", "exercise", "3", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and json.loads(out)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich then draws as on a terminal
+    assert main(["simulate", "exercise", "3", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "exercise 3 ..." in err and json.loads(out)
+    assert main(["simulate", "--tokens", "16", "--experts", "8", "--json"]) == 0
+    assert "simulating 16 tokens on E=8, top-2 ..." in capsys.readouterr().err
+
+
 def test_serve_defaults_to_loopback():
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1"

@@ -75,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
                            **{n: getattr(args, n) for n in _SETTINGS})
     except ValueError as err:
         raise UsageError(_as_flag(str(err))) from err
-    result = simulate(params, config)
+    with _working(f"simulating {params.tokens} tokens on E={params.experts}, top-{params.top_k}"):
+        result = simulate(params, config)
     print(json.dumps(result.to_dict(), indent=1) if args.json else summary(result))
     if args.plot:
         from moekit.sim.plots import plot_run
@@ -105,8 +106,17 @@ def _as_flag(message: str) -> str:
 _EXERCISES = {1: exercise1, 2: exercise2, 3: exercise3}
 
 
+def _working(what: str):
+    """A spinner on stderr while a run works (10-25 s for the exercises on a 2-core CPU, silent before); rich
+    draws it on a terminal only, so pipes and ``--json`` output stay clean."""
+    from rich.console import Console
+
+    return Console(stderr=True).status(f"{what} ...")
+
+
 def _run_exercise(args: argparse.Namespace) -> int:
-    result = _EXERCISES[args.number]()
+    with _working(f"exercise {args.number}"):
+        result = _EXERCISES[args.number]()
     print(json.dumps(asdict(result)) if args.json else _ANSWERS[args.number](result))
     if args.plot:
         from moekit.sim import plots
