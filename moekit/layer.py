@@ -191,7 +191,8 @@ class MoE(nn.Module):
     def quantize_(self, scheme: str, **options) -> MoE:
         """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block",
         "int8_w8a16", "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become
-        non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype."""
+        non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype. Returns the
+        module, so ``MoE(cfg).quantize_("fp8_block")`` builds a quantized layer in one line."""
         quantize_experts_(self, scheme, **options)
         if self.eager_graphs is not None:
             self.eager_graphs.clear()  # they keep the unquantized weights alive
