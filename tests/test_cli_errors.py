@@ -240,6 +240,8 @@ def test_every_subcommand_says_what_it_does_and_every_option_has_help():
     bench = " ".join(commands["bench"].format_help().split())  # where the files go, and which M, before a run
     assert "(default: benchmarks/results under the current directory;" in bench
     assert "(default: 1,8,32,64,128,256,512,1024,4096,16384 on the GPU, 1,8,32,128,512 on the CPU)" in bench
+    tune = " ".join(commands["tune"].format_help().split())
+    assert "(default: bfloat16)" in tune and "i.e. ~/.config/moekit/configs" in tune and "(default: no limit)" in tune
 
 
 def test_config_without_layer_count_takes_layers(files, capsys):
