@@ -101,4 +101,5 @@ def test_weight_only_impls_and_models():
     (["--hf-quant", "int4"], "--hf-quant must be one of .*int4_w4a16"),
 ])
 def test_bench_hf_weight_only_refusals_name_the_flag(argv, flag, capsys):
-    assert re.search(flag, cli_error(capsys, ["bench", "--hf", "--tiny", "--device", "cpu", "--hf-model", "qwen3"] + argv))
+    line = cli_error(capsys, ["bench", "--hf", "--tiny", "--device", "cpu", "--hf-model", "qwen3"] + argv)
+    assert re.search(flag, line)
