@@ -234,6 +234,7 @@ def test_every_subcommand_says_what_it_does_and_every_option_has_help():
     commands = _subparsers(build_parser())
     commands |= {f"simulate {k}": v for k, v in _subparsers(commands["simulate"]).items()}
     assert not [name for name, p in commands.items() if not p.description]
+    assert not [name for name, p in commands.items() if "``" in p.format_help()]  # rst markup is for docstrings
     undocumented = {name: [a.dest for a in p._actions if a.help is None] for name, p in commands.items()}
     assert not {name: dests for name, dests in undocumented.items() if dests}
     assert "E=16 experts, top-2" in commands["demo"].format_help()

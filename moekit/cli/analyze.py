@@ -30,7 +30,8 @@ from moekit.config import MoEConfig
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="the byte model: experts touched, intensity, step-time floors, bills",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.replace("``", ""),  # the docstring's markup, not the terminal's
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model (one of)")
     add_source_arguments(src)
     src.add_argument("--experts", type=int, help="E, routed experts (with --top-k --hidden --moe-intermediate)")
