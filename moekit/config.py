@@ -8,6 +8,7 @@ Shape legend used across moekit:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -220,6 +221,14 @@ class MoEConfig:
         return width // n if width and width % n == 0 else 0
 
     def replace(self, **changes: Any) -> "MoEConfig":
+        """A copy with ``changes`` (each checked as the constructor checks it); an unknown name is a
+        ``TypeError`` naming the closest field (dataclasses' own said only "unexpected keyword argument")."""
+        fields = [f.name for f in dataclasses.fields(self) if f.init]
+        unknown = [name for name in changes if name not in fields]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; the fields: {fields}"
+            raise TypeError(f"MoEConfig has no field {unknown[0]!r}{hint}")
         return dataclasses.replace(self, **changes)
 
     @classmethod

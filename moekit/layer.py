@@ -189,9 +189,9 @@ class MoE(nn.Module):
         return module
 
     def quantize_(self, scheme: str, **options) -> MoE:
-        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block",
-        "int8_w8a16", "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become
-        non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype."""
+        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block", "int8_w8a16",
+        "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become non-trainable QuantizedWeights.
+        The router and the shared expert stay in the model dtype. Returns the module: ``MoE(cfg).quantize_(s)``."""
         quantize_experts_(self, scheme, **options)
         if self.eager_graphs is not None:
             self.eager_graphs.clear()  # they keep the unquantized weights alive
@@ -383,15 +383,15 @@ class MoE(nn.Module):
         chunked = plan.chunk_tokens < routing.num_tokens
         return f"{plan.layout} in chunks of {plan.chunk_tokens}" if chunked else plan.layout
 
-    def resolved_backend(self) -> str:
-        """The backend that runs on the weights' device: ``backend`` with "auto" resolved."""
+    def resolved_backend(self) -> str:  # the backend that runs on the weights' device: "auto" resolved
         return resolve_backend(self.backend, self.w13.device)
 
-    def extra_repr(self) -> str:
-        c = self.config
+    def extra_repr(self) -> str:  # what a user checks: shapes, the experts' dtype and scheme, what "auto" runs
+        c, auto = self.config, f" ({self.resolved_backend()})" if self.backend == "auto" else ""
         return (f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
                 f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
-                f"backend={self.backend}, router={self.router}, capacity_factor={self.capacity_factor}")
+                f"dtype={str(self.w13.dtype)[6:]}, quant={self.quant_scheme}, backend={self.backend}{auto}, "
+                f"router={self.router}, capacity_factor={self.capacity_factor}")
 
 
 def _param(module: nn.Module, name: str):

@@ -41,6 +41,17 @@ def test_json_round_trip(capsys):
     assert data["bills"]["params"]["total"] == pytest.approx(671e9, rel=0.01)
 
 
+def test_analyze_takes_the_cli_s_names():
+    """``analyze(cfg, "h100", "fp8")`` as a user writes it after ``moekit analyze --gpu h100 --dtype fp8``: the same
+    report as with the specs (it failed on ``'str' object has no attribute``), bytes as the closed form says."""
+    cfg = MoEConfig.preset("deepseek-v3")
+    by_name = analyze(cfg, "h100", "fp8_block", (1, 8))
+    assert report_to_json(by_name) == report_to_json(analyze(cfg, get_gpu("h100"), get_format("fp8"), (1, 8)))
+    assert by_name.rows[0].cost.weight_bytes == 8 * 3 * 7168 * 2048  # k = 8 experts of w13 + w2 at 1 byte a weight
+    with pytest.raises(KeyError, match="gpu must be one of"):
+        analyze(cfg, "v100", "fp8")
+
+
 def test_json_layer_counts(capsys):
     data = run_json(capsys, *TINY, "--batches", "1", "16")
     assert [r["batch"] for r in data["rows"]] == [1, 16]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -84,6 +85,15 @@ def test_bench_cli_on_cpu(tmp_path, capsys):
     (path,) = tmp_path.glob("cpu-*.json")
     doc = json.loads(path.read_text())
     assert doc["cells"][0]["shape"] == "mixtral-8x7b/16" and "copy_TBps" in doc["ceilings"]
+
+
+def test_bench_cli_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
+    """The JSON is written and the skipped PNG is a line naming the extra, not a silence."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # how a missing package fails to import
+    rc = main(["bench", "--device", "cpu", "--shapes", "mixtral-8x7b", "--batches", "1",
+               "--backends", "grouped_mm", "--budget-s", "0.01", "--out", str(tmp_path)])
+    assert rc == 0 and len(list(tmp_path.glob("cpu-*.json"))) == 1 and not list(tmp_path.glob("*.png"))
+    assert 'no plot: needs matplotlib, which is not installed: pip install "moekit[plot]"' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,flag", [

@@ -81,6 +81,8 @@ CASES = [
     ([*TINY, "--layers", "-1"], "--layers"),
     ([*TINY, "--memory-gib", "nan"], "--memory-gib"),
     ([*TINY, "--tflops", "inf"], "--tflops must be positive and finite"),
+    ([*TINY, "--gpu", "v100"], "--gpu must be one of"),
+    ([*TINY, "--cache-experts", "4", "--hit-rate", "0.9"], "--cache-experts, --hit-rate: settings of the offload"),
     (["simulate", "--experts", "-3"], "--experts"),
     (["simulate", "--top-k", "99"], "--top-k"),
     (["simulate", "--skew", "nan"], "--skew"),
@@ -224,6 +226,23 @@ def test_simulate_help_has_defaults_and_lists_exercise_once():
     assert "(default: 64)" in text and "(default: 0.55)" in text and "(default: None)" not in text
     undocumented = [a.dest for a in commands["simulate"]._actions if a.help is None]
     assert not undocumented, undocumented
+
+
+def test_every_subcommand_says_what_it_does_and_every_option_has_help():
+    """``moekit demo --help`` and ``moekit serve --help`` said nothing beyond the usage line, and ``--top-k`` of
+    analyze and ``--seed`` of simulate cache had no help: a new user's first look at each command."""
+    commands = _subparsers(build_parser())
+    commands |= {f"simulate {k}": v for k, v in _subparsers(commands["simulate"]).items()}
+    assert not [name for name, p in commands.items() if not p.description]
+    assert not [name for name, p in commands.items() if "``" in p.format_help()]  # rst markup is for docstrings
+    undocumented = {name: [a.dest for a in p._actions if a.help is None] for name, p in commands.items()}
+    assert not {name: dests for name, dests in undocumented.items() if dests}
+    assert "E=16 experts, top-2" in commands["demo"].format_help()
+    bench = " ".join(commands["bench"].format_help().split())  # where the files go, and which M, before a run
+    assert "(default: benchmarks/results under the current directory;" in bench
+    assert "(default: 1,8,32,64,128,256,512,1024,4096,16384 on the GPU, 1,8,32,128,512 on the CPU)" in bench
+    tune = " ".join(commands["tune"].format_help().split())
+    assert "(default: bfloat16)" in tune and "i.e. ~/.config/moekit/configs" in tune and "(default: no limit)" in tune
 
 
 def test_config_without_layer_count_takes_layers(files, capsys):

@@ -34,6 +34,19 @@ def test_unknown_inputs_are_named():
         MoEConfig(hidden_size=8, moe_intermediate_size=8, num_experts=4, top_k=2, activation="tanh")
 
 
+def test_replace_names_a_misspelt_field():
+    """``cfg.replace(hiden_size=256)`` said only "unexpected keyword argument"; now the closest field, and a
+    replaced value is checked as the constructor checks it."""
+    cfg = MoEConfig.preset("qwen3-30b-a3b")
+    with pytest.raises(TypeError, match="MoEConfig has no field 'hiden_size' \\(did you mean 'hidden_size'\\?\\)"):
+        cfg.replace(hiden_size=256)
+    with pytest.raises(TypeError, match="no field 'zzz'; the fields: \\['hidden_size', "):
+        cfg.replace(zzz=1)
+    with pytest.raises(ValueError, match="top_k must be <= num_experts"):
+        cfg.replace(top_k=cfg.num_experts + 1)
+    assert cfg.replace(hidden_size=256).hidden_size == 256 and cfg.hidden_size == 2048
+
+
 def test_missing_fields_are_named():
     from moekit.config import MissingConfigField
 

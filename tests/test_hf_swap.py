@@ -185,6 +185,16 @@ def test_moves_pickles_restores_and_is_idempotent():
         assert torch.equal(model(IDS).logits, want)
 
 
+def test_a_model_without_moe_blocks_warns():
+    """A dense model, or a decoder layer's sub-module handed in by mistake: nothing to swap, and a warning says so
+    (the call returned an empty report in silence); the model is left as it was."""
+    model, _ = tiny.build("glm4_moe")
+    experts = model.model.layers[1].mlp.experts  # the experts alone: no router beside them
+    with pytest.warns(UserWarning, match="Glm4MoeExperts has no MoE block .*: nothing swapped"):
+        report = moekit_hf.use_moekit_blocks(experts)
+    assert report.swapped == () and report.left == () and not swaps(model)
+
+
 def test_fp8_experts_stay_fp8():
     """FineGrainedFP8Config's FP8Experts: the MoE reads them as they are (fp8_block, nothing copied); logits
     equal each block's plain moekit MoE."""

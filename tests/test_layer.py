@@ -191,3 +191,16 @@ def test_forward_rechecks_a_replaced_expert_bias():
         moe.b2 = torch.nn.Parameter(torch.zeros(4, 7))
         with pytest.raises(ValueError, match="b2 must have shape"):
             moe(x)
+
+
+def test_repr_says_dtype_quantization_and_the_backend_auto_runs():
+    """``print(moe)`` after ``quantize_`` is how a user checks it took: the repr names the experts' dtype and
+    scheme and what "auto" resolved to (it showed neither)."""
+    cfg = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, top_k=2)
+    moe = MoE(cfg, dtype=torch.bfloat16)
+    text = repr(moe)
+    assert "dtype=bfloat16, quant=None" in text and f"backend=auto ({moe.resolved_backend()})," in text
+    moe.quantize_("int8_w8a16")
+    assert "dtype=bfloat16, quant=int8_w8a16" in repr(moe)
+    shared = MoE(cfg.replace(shared_expert_intermediate_size=32), backend="reference", fuse_shared=False)
+    assert "shared=32 (separate), dtype=float32, quant=None, backend=reference, router" in repr(shared)

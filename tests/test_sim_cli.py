@@ -23,6 +23,7 @@ def test_simulate_summary_histogram_and_plot(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "capacity 5" in out and "imbalance" in out and "balancing         bias, 20 steps" in out
     assert "#" in out  # the ASCII bars
+    assert " µs  balanced " in out and " us " not in out  # one spelling of the unit (the EP lines said "us")
     assert png.stat().st_size > 10_000
 
 
@@ -39,7 +40,25 @@ def test_exercise_runs_and_plots(capsys, tmp_path, monkeypatch):
     assert main(["simulate", "exercise", "3", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "loses 50% of the throughput" in out and "eplb" in out
+    assert " µs  mean " in out and " us " not in out
     assert png.stat().st_size > 10_000
+
+
+def test_a_run_shows_it_is_working_on_a_terminal_only(capsys, monkeypatch):
+    """The exercises take 10-25 s on a 2-core CPU: a spinner on stderr says what runs (there was nothing);
+    through a pipe stderr stays empty and stdout is the JSON alone."""
+    monkeypatch.setitem(simulate_cli._EXERCISES, 3, functools.partial(exercise3, tokens=64, skews=[0.0]))
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE"):  # what makes rich take a pipe for a terminal
+        monkeypatch.delenv(name, raising=False)
+    assert main(["simulate", "exercise", "3", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and json.loads(out)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich then draws as on a terminal
+    assert main(["simulate", "exercise", "3", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "exercise 3 ..." in err and json.loads(out)
+    assert main(["simulate", "--tokens", "16", "--experts", "8", "--json"]) == 0
+    assert "simulating 16 tokens on E=8, top-2 ..." in capsys.readouterr().err
 
 
 def test_serve_defaults_to_loopback():

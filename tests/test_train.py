@@ -9,6 +9,7 @@ unbalanced, 1.42 aux loss, 1.66 bias update; max/mean load over the last 12 step
 from __future__ import annotations
 
 import json
+import sys
 import sysconfig
 
 import pytest
@@ -18,6 +19,8 @@ from moekit.cli import main
 from moekit.train.curves import summary, tail_mean
 from moekit.train.data import load_stdlib_bytes, stdlib_files
 from moekit.train.loop import METHODS, TrainSettings, train_side_by_side
+
+from _helpers import cli_error
 
 TINY = dict(batch_size=16, seq_len=64, d_model=32, num_heads=2, num_layers=1, expert_size=32, aux_loss_coef=0.1,
             bias_rate=1e-2)
@@ -79,8 +82,20 @@ def test_command_writes_curves_with_drops(tmp_path, capsys, one_thread):
     (["--d-model", "30"], "divisible by num_heads"),
 ])
 def test_bad_settings_are_named(tmp_path, capsys, argv, message):
-    assert main(["train", "--steps", "1", "--out", str(tmp_path), *argv]) == 2
-    assert message in capsys.readouterr().err
+    """The one-line usage error names the flag the user typed (``--top-k``), not only the setting's field."""
+    line = cli_error(capsys, ["train", "--steps", "1", "--out", str(tmp_path), *argv])
+    assert message in line and argv[0] in line
+
+
+def test_without_matplotlib_says_which_extra(tmp_path, capsys, one_thread, monkeypatch):
+    """No PNG without matplotlib, and the line says so with the extra to install, brackets kept (rich reads
+    ``[plot]`` as a style tag unless told not to: the line said ``pip install "moekit"``)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # how a missing package fails to import
+    argv = ["train", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--d-model", "16", "--layers", "1",
+            "--expert-size", "8", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert 'no plot: needs matplotlib, which is not installed: pip install "moekit[plot]"' in capsys.readouterr().out
+    assert (tmp_path / "train-curves.json").exists() and not (tmp_path / "train-curves.png").exists()
 
 
 def test_bench_train_rows_on_cpu(tmp_path, capsys, one_thread):

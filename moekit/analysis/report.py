@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from moekit.analysis.bills import ParamBill, param_bill
-from moekit.analysis.formats import FORMATS, WeightFormat
-from moekit.analysis.gpus import GpuSpec
+from moekit.analysis.formats import FORMATS, WeightFormat, get_format
+from moekit.analysis.gpus import GpuSpec, get_gpu
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, Fit, MemoryBill, fit_on_gpus, weight_memory
 from moekit.analysis.padding import expected_padding_factor
 from moekit.analysis.roofline import (
@@ -75,8 +75,8 @@ class Report:
 
 def analyze(
     config: MoEConfig,
-    gpu: GpuSpec,
-    fmt: WeightFormat,
+    gpu: GpuSpec | str,
+    fmt: WeightFormat | str,
     batches: tuple[int, ...] = DEFAULT_BATCHES,
     hf_config: dict | None = None,
     model: str = "custom",
@@ -87,7 +87,11 @@ def analyze(
     routing: str = "uniform",
 ) -> Report:
     """Sweep ``batches`` for one MoE layer of ``config``; with ``hf_config`` add the whole-model bills.
-    ``inclusion`` [E] replaces uniform routing with a measured per-expert load."""
+    ``inclusion`` [E] replaces uniform routing with a measured per-expert load. ``gpu`` and ``fmt`` are specs
+    or their names, as ``moekit analyze --gpu`` / ``--dtype`` take them (``"h100"``, ``"fp8"``; ``KeyError``
+    naming the known ones)."""
+    gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     bills = _bills(hf_config, gpu, fmt, num_gpus, utilization, reserve_gib) if hf_config is not None else None
     e, k = config.num_experts, config.routed_slots_per_token
     if inclusion is not None:

@@ -27,6 +27,16 @@ def add_arguments(p) -> None:
                         "cpu_step_us)")
 
 
+def check_offload_flags(args) -> None:
+    """An offload setting given without ``--offload`` would change nothing, silently: refuse it, naming it."""
+    defaults = {"link_gbps": DEFAULT_LINK_GBPS, "cache_experts": None, "hit_rate": None, "cpu_tflops": None,
+                "cpu_gbps": None, "cpu_step_us": 0.0}  # as add_arguments declares them
+    given = [f"--{name.replace('_', '-')}" for name, default in defaults.items() if getattr(args, name) != default]
+    if given and not args.offload:
+        raise UsageError(f"{', '.join(given)}: settings of the offload prediction, which only --offload adds; "
+                         "add --offload (without it they change nothing)")
+
+
 def offload_rows(args, cfg, fmt, gpu) -> list[OffloadCost]:
     """One row per batch of the sweep; a UsageError naming the flag for a bad value."""
     if not 0 < args.link_gbps < float("inf"):

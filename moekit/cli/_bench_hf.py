@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from moekit.bench.hf_report import hf_results_path, print_hf_report
     from moekit.bench.hf_run import default_options, run_hf_bench
     from moekit.bench.report import write_json
+    from moekit.cli._args import UsageError
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models = quant_models(args.hf_quant, model_names()) if args.hf_model == "all" else args.hf_model.split(",")
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         select_impls(list(impls) if impls else None, args.hf_quant)
         options = [_options(args, name, device, impls, default_options) for name in models]
     except ValueError as err:
-        raise SystemExit(f"bench: --{err}") from None
+        raise UsageError(f"--{err}") from None
     console = Console(width=120)
     start = time.perf_counter()
 
@@ -92,7 +93,18 @@ def _options(args, name, device, impls, default_options):
                            compile_backend=args.compile_backend, impls=impls, dtype=args.hf_dtype,
                            quant=args.hf_quant)
     model_dtype(opts, device)  # a bad --hf-dtype fails here, before any model is built
+    _check_compile_backend(args.compile_backend)
     for flag in ("layers", "decode_tokens", "prompt_len", "prefill_batch", "prefill_len", "repeats"):
         if getattr(opts, flag) < 1:
             raise ValueError(f"{flag.replace('_', '-')} must be >= 1, got {getattr(opts, flag)}")
     return opts
+
+
+def _check_compile_backend(name: str | None) -> None:
+    """A ``--compile-backend`` torch.compile does not know fails here, before any model is built: later it
+    would only fill every compiled row with the same error."""
+    import torch._dynamo
+
+    if name is not None and name not in torch._dynamo.list_backends(exclude_tags=()):
+        common = sorted({*torch._dynamo.list_backends(), "eager", "aot_eager"})
+        raise ValueError(f"compile-backend must be a torch.compile backend (such as {common}), got {name!r}")

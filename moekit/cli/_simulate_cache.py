@@ -32,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
                    help="cache sizes as fractions of E x layers")
     p.add_argument("--policies", action=ListOption, item=_policy, default=list(POLICIES), help="eviction policies")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the routers and the tokens")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=run)
 

@@ -22,7 +22,7 @@ from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
 from moekit.analysis.roofline import MAX_BATCH
 from moekit.analysis.touch import inclusion_from_counts
 from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
-from moekit.cli._analyze_offload import offload_rows, offload_table, offload_to_json
+from moekit.cli._analyze_offload import check_offload_flags, offload_rows, offload_table, offload_to_json
 from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
 from moekit.cli._model_source import add_source_arguments, layer_config, preset_source, read_config_json
 from moekit.config import MoEConfig
@@ -30,11 +30,12 @@ from moekit.config import MoEConfig
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="the byte model: experts touched, intensity, step-time floors, bills",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.replace("``", ""),  # the docstring's markup, not the terminal's
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model (one of)")
     add_source_arguments(src)
     src.add_argument("--experts", type=int, help="E, routed experts (with --top-k --hidden --moe-intermediate)")
-    src.add_argument("--top-k", type=int)
+    src.add_argument("--top-k", type=int, help="k, experts per token")
     src.add_argument("--hidden", type=int, help="d, hidden size")
     src.add_argument("--moe-intermediate", type=int, help="d_ff of one expert")
     src.add_argument("--layers", type=int, help="MoE layers in the model (default: the config's, else 1)")
@@ -141,6 +142,7 @@ def _check_numbers(args) -> None:
 
 def run(args) -> int:
     _check_numbers(args)
+    check_offload_flags(args)
     cfg, hf, name = _model(args)
     if args.layers is not None:
         cfg = cfg.replace(num_moe_layers=args.layers)
@@ -149,7 +151,7 @@ def run(args) -> int:
     try:
         gpu = get_gpu(args.gpu).with_overrides(args.bandwidth, args.memory_gib, tflops)
     except KeyError as err:
-        raise UsageError(err.args[0]) from None
+        raise UsageError(f"--{err.args[0]}") from None  # "gpu must be one of [...]": name the flag
     if fmt.compute_dtype not in gpu.dense_tflops:
         raise UsageError(f"{gpu.name} has no {fmt.compute_dtype} tensor throughput for {fmt.name} weights; "
                          f"choose another --dtype or supply --tflops")

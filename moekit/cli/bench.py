@@ -10,8 +10,10 @@ import argparse
 import contextlib
 from pathlib import Path
 
+from moekit.bench.cells import CPU_BATCHES, GPU_BATCHES
 from moekit.cli import _bench_cpu, _bench_hf, _bench_offload, _bench_train
-from moekit.cli._args import ListOption, UsageError, device_arg, output_dir, positive_float, positive_int
+from moekit.cli._args import (ListOption, UsageError, device_arg, missing_extra, output_dir, positive_float,
+                              positive_int)
 
 
 def register(subparsers) -> None:
@@ -24,7 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("--shapes", action=ListOption, default=None,
                    help="presets, space- or comma-separated (default: all three)")
     p.add_argument("--batches", action=ListOption, item=positive_int, default=None,
-                   help="M values, space- or comma-separated")
+                   help="M values, space- or comma-separated (default: "
+                   f"{','.join(map(str, GPU_BATCHES))} on the GPU, {','.join(map(str, CPU_BATCHES))} on the CPU)")
     p.add_argument("--backends", action=ListOption, default=None,
                    help="backends, space- or comma-separated (default: all available)")
     p.add_argument("--dtype", action=ListOption, default=None,
@@ -35,7 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--budget-s", type=positive_float, default=None,
                    help="seconds of timed passes per cell (default 0.3; at least 5 passes whatever the budget)")
     p.add_argument("--out", type=output_dir, default=Path("benchmarks/results"),
-                   help="directory for <device>-<date>.json/.png; "
+                   help="directory for <device>-<date>.json/.png (default: benchmarks/results under the current "
+                   "directory; --hf, --offload, --train and --cpu-experts write there too); "
                    "an existing result is never overwritten: the run takes <device>-<date>-2, -3, ...")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     _bench_hf.add_arguments(p)
@@ -90,8 +94,7 @@ def _run(args: argparse.Namespace) -> int:
                                      "each run takes the next free -N suffix)" if suffixed else ""))
     if not args.no_plot:
         png = plot(doc, path.with_suffix(".png"))
-        if png:
-            console.print(f"wrote {png}")
+        console.print(f"wrote {png}" if png else f"no plot: {missing_extra('plot', 'matplotlib')}", markup=False)
     return 0
 
 

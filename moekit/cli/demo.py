@@ -14,7 +14,13 @@ from moekit.demo import DEMO_CONFIG, DemoReport, run_demo, total_steps
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="grouped dispatch == naive loop, then imbalance, drops and sparsity")
+    c = DEMO_CONFIG
+    p = subparsers.add_parser(
+        "demo", help="grouped dispatch == naive loop, then imbalance, drops and sparsity",
+        description=f"Build a small MoE layer (E={c.num_experts} experts, top-{c.top_k}, hidden {c.hidden_size}, "
+        f"expert width {c.moe_intermediate_size}), check that grouped dispatch equals a naive per-token loop, then "
+        "measure load imbalance, dropped assignments and effective sparsity across batch sizes and capacity factors, "
+        "and the experts a batch touches against the uniform-routing prediction E*(1-(1-k/E)^B).")
     p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu or cuda (default: cuda when present)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the weights and tokens (default: 0)")

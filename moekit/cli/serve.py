@@ -8,11 +8,16 @@ import socket
 
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, port_arg
 from moekit.cli._model_source import add_source_arguments, source_of
+from moekit.sim.budget import BUDGET_S
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve the routing / load-balancing simulator page locally",
-                              formatter_class=DefaultsHelpFormatter)
+    p = subparsers.add_parser(
+        "serve", help="serve the routing / load-balancing simulator page locally",
+        formatter_class=DefaultsHelpFormatter,
+        description="Serve the interactive page of `moekit simulate` on http://HOST:PORT/ until Ctrl-C: every number "
+        "on it comes from moekit.sim through /api/simulate. A run the cost model predicts above "
+        f"{BUDGET_S} s of one CPU core is refused with a 400 naming the setting to lower.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
     p.add_argument("--port", type=port_arg, default=8765, help="port (0 picks a free one)")
     p.add_argument("--verbose", action="store_true", help="log every request")

@@ -75,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
                            **{n: getattr(args, n) for n in _SETTINGS})
     except ValueError as err:
         raise UsageError(_as_flag(str(err))) from err
-    result = simulate(params, config)
+    with _working(f"simulating {params.tokens} tokens on E={params.experts}, top-{params.top_k}"):
+        result = simulate(params, config)
     print(json.dumps(result.to_dict(), indent=1) if args.json else summary(result))
     if args.plot:
         from moekit.sim.plots import plot_run
@@ -105,8 +106,17 @@ def _as_flag(message: str) -> str:
 _EXERCISES = {1: exercise1, 2: exercise2, 3: exercise3}
 
 
+def _working(what: str):
+    """A spinner on stderr while a run works (10-25 s for the exercises on a 2-core CPU, silent before); rich
+    draws it on a terminal only, so pipes and ``--json`` output stay clean."""
+    from rich.console import Console
+
+    return Console(stderr=True).status(f"{what} ...")
+
+
 def _run_exercise(args: argparse.Namespace) -> int:
-    result = _EXERCISES[args.number]()
+    with _working(f"exercise {args.number}"):
+        result = _EXERCISES[args.number]()
     print(json.dumps(asdict(result)) if args.json else _ANSWERS[args.number](result))
     if args.plot:
         from moekit.sim import plots
@@ -147,7 +157,7 @@ def _answer3(ex) -> str:
         return "\n".join(lines)
     lines.append(f"  first skew reaching it: {ex.at_target.skew} ({ex.at_target.ep.cost_model})")
     for r in ex.at_target.ep.placements:
-        lines.append(f"    {r.name:11s} step (max) {r.step_time_us:8.1f} us  mean {r.balanced_time_us:8.1f} us  "
+        lines.append(f"    {r.name:11s} step (max) {r.step_time_us:8.1f} µs  mean {r.balanced_time_us:8.1f} µs  "
                      f"imbalance {r.imbalance:4.2f}x  throughput lost {100 * r.throughput_lost:5.1f}%")
     lines.append(f"  EPLB with {ex.spare_slots} replicas: {ex.at_target.ep.replication_gain:.2f}x the contiguous "
                  f"throughput")

@@ -63,8 +63,8 @@ def _run(args: argparse.Namespace) -> int:
             seed=args.seed, device=args.device,
         )
         settings.moe_config("none")  # top_k <= experts, ...: the config's own checks, before any work
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    except ValueError as err:  # the config's words (top_k, num_experts) are the flags' --top-k, --experts
+        raise UsageError(f"--experts/--top-k/--d-model/--expert-size: {err}") from None
     console = Console(highlight=False)
     corpus = load_stdlib_bytes()
     console.print(f"data: {corpus.files} files, {corpus.data.numel() / 2**20:.1f} MiB from {corpus.root}")
@@ -75,10 +75,10 @@ def _run(args: argparse.Namespace) -> int:
         drops = f", dropped {100 * s['dropped']:.1f}%" if settings.capacity_factor is not None else ""
         console.print(f"{method:>5}: loss {s['loss']:.3f}, max/mean load {s['imbalance']:.2f}{drops} (mean of the last "
                       f"20% of steps)")
-    console.print(f"wrote {write_curves(doc, args.out / 'train-curves.json')}")
+    console.print(f"wrote {write_curves(doc, args.out / 'train-curves.json')}", markup=False)
     if not args.no_plot:
         png = plot_curves(doc, args.out / "train-curves.png")
-        console.print(f"wrote {png}" if png else f"no plot: {missing_extra('plot', 'matplotlib')}")
+        console.print(f"wrote {png}" if png else f"no plot: {missing_extra('plot', 'matplotlib')}", markup=False)
     return 0
 
 

@@ -30,10 +30,13 @@ def register(subparsers) -> None:
     p.add_argument("--batches", action=ListOption, item=positive_int, default=None,
                    help="M values, space- or comma-separated (default: 1..16384)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
-                   help="weights: a float dtype, or a quantization scheme (weights quantized, bf16 activations)")
-    p.add_argument("--out", type=output_dir, default=None, help="directory to write to (default: the user config dir)")
+                   help="weights: a float dtype, or a quantization scheme (weights quantized, bf16 activations) "
+                   "(default: bfloat16)")
+    p.add_argument("--out", type=output_dir, default=None,
+                   help="directory to write to (default: $MOEKIT_CONFIG_DIR, else $XDG_CONFIG_HOME/moekit/configs, "
+                   "i.e. ~/.config/moekit/configs: lookups search it before the packaged configs)")
     p.add_argument("--budget-s", type=positive_float, default=None,
-                   help="stop starting new M after this many seconds per shape")
+                   help="stop starting new M after this many seconds per shape (default: no limit)")
     p.add_argument("--install", action=ListOption, item=_tuned_file, default=None, metavar="FILE",
                    help="instead of tuning: merge these tuned files (written by moekit tune --out) into the "
                    "packaged configs, moekit/experts/configs/, per M (the packaged file's other M stay)")

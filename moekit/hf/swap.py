@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     the model shrinks, and what needs the float experts raises ``FloatExpertsFreedError``. Idempotent: a block
     already swapped with the same options is kept (``keep_float=False`` frees a kept quantized block's float experts
     without requantizing); other options rebuild its ``MoE``, which a block without float experts refuses.
-    ``restore_blocks`` undoes it."""
+    ``restore_blocks`` undoes it. A model with no MoE block warns (``UserWarning``) and is left as it is."""
     if quant is not None and quant not in SCHEMES:
         raise ValueError(f"quant must be one of {SCHEMES} or None, got {quant!r}")
     if not keep_float and quant is None:
@@ -106,7 +107,11 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     options = SwapOptions(backend, bool(fuse_shared), quant)
     _refuse_rebuilding_freed(model, options, keep_float)
     swapped, left = [], []
-    for site in moe_blocks(model):
+    sites = moe_blocks(model)
+    if not sites:  # a dense model, or a block handed in instead of the model: say so rather than return quietly
+        warnings.warn(f"use_moekit_blocks: {type(model).__name__} has no MoE block (a module with .experts and "
+                      ".gate/.router): nothing swapped", UserWarning, stacklevel=2)
+    for site in sites:
         block = site.block
         own = _own_class(block)
         try:

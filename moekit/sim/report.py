@@ -67,7 +67,7 @@ def summary(result: SimResult) -> str:
     ep = result.ep
     lines += ["", f"expert parallelism on {ep.gpus} GPUs ({ep.spare_slots} spare slots for EPLB): {ep.cost_model}"]
     for r in ep.placements:
-        lines.append(f"  {r.name:11s} step {r.step_time_us:8.2f} us  balanced {r.balanced_time_us:8.2f} us  "
+        lines.append(f"  {r.name:11s} step {r.step_time_us:8.2f} µs  balanced {r.balanced_time_us:8.2f} µs  "
                      f"imbalance {r.imbalance:5.2f}x  throughput lost {100 * r.throughput_lost:5.1f}%")
     lines.append(f"  replication gain (contiguous / eplb step time): {ep.replication_gain:.2f}x")
     return "\n".join(lines)
