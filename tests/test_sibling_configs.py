@@ -133,7 +133,8 @@ def test_the_switch(dirs, gpu, monkeypatch):
     for default in (False, True):
         monkeypatch.setattr(configs, "SIBLING_CONFIGS", default)
         configs.clear_config_cache()
-        assert (_source(1) == 64) is default and (get_config(1, E, N, K, TOP_K, DTYPE, H100) == heuristic) is not default
+        took_heuristic = get_config(1, E, N, K, TOP_K, DTYPE, H100) == heuristic
+        assert (_source(1) == 64) is default and took_heuristic is not default
     monkeypatch.setenv("MOEKIT_SIBLING_CONFIGS", "yes")
     configs.clear_config_cache()
     with pytest.raises(ValueError, match="MOEKIT_SIBLING_CONFIGS must be 1 .* or 0"):
@@ -144,7 +145,8 @@ def test_the_lookup_is_cached(dirs, gpu, monkeypatch):
     """One search of the directories per shape and one capability query per device, however many lookups."""
     _write(dirs["packaged"], H200, 64, (1, 64))
     searches, real = [], configs.tuned_files
-    monkeypatch.setattr(configs, "tuned_files", lambda name_of, device: searches.append(device) or real(name_of, device))
+    monkeypatch.setattr(configs, "tuned_files",
+                        lambda name_of, device: searches.append(device) or real(name_of, device))
     for m in (1, 2, 64, 1, 2, 64):
         get_config(m, E, N, K, TOP_K, DTYPE, H100)
         get_config(m, E, N, 2 * K, TOP_K, DTYPE, H100)  # a shape with no file anywhere
@@ -192,3 +194,15 @@ def test_tune_writes_the_device_own_file(dirs, gpu, monkeypatch):
     assert path == dirs["user"] / _name_of(H100)
     assert get_config(256, E, N, K, TOP_K, DTYPE, H100) == mine and _source(1) == 64
     assert served_by(256, _name_of, H100) == H100 and served_by(1, _name_of, H100) == "NVIDIA_H200 (sibling)"
+
+
+def test_tune_show_names_the_file_per_m(dirs, gpu, capsys):
+    from moekit.cli import main
+
+    _write(dirs["packaged"], H200, 64, (1, 64))
+    _write(dirs["user"], H100, 16, (4096,))
+    assert main(["tune", "--show", "--shape", f"{E},{N},{K},{TOP_K}", "--batches", "1,64,4096"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"E{E}_N{N}_K{K}_k{TOP_K} bfloat16 on {H100}: M=1,64: NVIDIA_H200 (sibling); M=4096: {H100}")
+    assert main(["tune", "--show", "--shape", f"{E},{N},{K},{TOP_K}", "--dtype", "fp8_block", "--batches", "8"]) == 0
+    assert capsys.readouterr().out.strip().endswith("fp8_block on NVIDIA_H100_80GB_HBM3: M=8: heuristic")
