@@ -6,29 +6,17 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
+from _config_dirs import config_dirs  # noqa: F401  (fixture)
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.bench.cells import Shape
 from moekit.bench.config_source import cell_config_source
 from moekit.bench.report import SIBLING_NOTE, footnotes, table
 from moekit.bench.run import run_bench
-from moekit.experts import configs
 from moekit.experts.configs import GemmTile, KernelConfig, config_file_name, write_configs
 
 TINY = Shape("tiny", num_experts=8, n=24, k=40, top_k=2)
-
-
-@pytest.fixture
-def dirs(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path / "user"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setenv("MOEKIT_SIBLING_CONFIGS", "1")
-    monkeypatch.setattr(configs, "PACKAGED_DIR", tmp_path / "packaged")
-    configs.clear_config_cache()
-    yield {"user": tmp_path / "user", "packaged": tmp_path / "packaged"}
-    configs.clear_config_cache()
 
 
 def _write(directory, dtype, device: str) -> None:
@@ -37,12 +25,12 @@ def _write(directory, dtype, device: str) -> None:
                   {1: KernelConfig(16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 32, 1, 4, 2))})
 
 
-def test_the_sweep_names_the_file_of_each_triton_cell(dirs):
+def test_the_sweep_names_the_file_of_each_triton_cell(config_dirs):
     doc = run_bench(torch.device("cpu"), shapes=[TINY], batches=[1], backends=["triton", "grouped_mm"],
                     budget_s=0.01)
     by_backend = {c["backend"]: c["config"] for c in doc["cells"]}
     assert by_backend == {"triton": "heuristic", "grouped_mm": None}
-    _write(dirs["user"], torch.float32, "cpu")
+    _write(config_dirs["user"], torch.float32, "cpu")
     doc = run_bench(torch.device("cpu"), shapes=[TINY], batches=[1], backends=["triton"], budget_s=0.01)
     assert [c["config"] for c in doc["cells"]] == ["cpu"]
     rendered = table(doc)
@@ -50,13 +38,13 @@ def test_the_sweep_names_the_file_of_each_triton_cell(dirs):
     assert SIBLING_NOTE not in footnotes(doc) and json.dumps(doc)
 
 
-def test_a_sibling_file_is_named_as_such(dirs, monkeypatch):
+def test_a_sibling_file_is_named_as_such(config_dirs, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
-    _write(dirs["packaged"], torch.bfloat16, "NVIDIA_H200")
+    _write(config_dirs["packaged"], torch.bfloat16, "NVIDIA_H200")
     assert cell_config_source(TINY, 64, "bfloat16", cuda) == "NVIDIA_H200 (sibling)"
     assert cell_config_source(TINY, 64, "fp8_block", cuda) == "heuristic"  # no fp8 file of this shape anywhere
     assert cell_config_source(TINY, 64, "int4_w4a16", cuda) is None  # the weight-only route: tables first
