@@ -110,12 +110,14 @@ def test_a_packaged_file_of_the_device_own_keeps_the_sibling_out(config_dirs, gp
 
 
 def test_the_switch(config_dirs, gpu, monkeypatch):
-    """$MOEKIT_SIBLING_CONFIGS=0: the heuristic (the variable is part of the cache key, so no clearing between);
+    """$MOEKIT_SIBLING_CONFIGS=0: the heuristic (read at a shape's first lookup: a change takes the cache cleared);
     unset: ``SIBLING_CONFIGS`` decides; anything but 0 / 1: an error naming the variable."""
     _write(config_dirs["packaged"], H200, 64, (1,))
     heuristic = heuristic_config(1, E, N, K, TOP_K)
     assert _source(1) == 64
     monkeypatch.setenv("MOEKIT_SIBLING_CONFIGS", "0")
+    assert _source(1) == 64  # cached as it was looked up
+    configs.clear_config_cache()
     assert get_config(1, E, N, K, TOP_K, DTYPE, H100) == heuristic
     assert served_by(1, _name_of, H100) == "heuristic"
     monkeypatch.delenv("MOEKIT_SIBLING_CONFIGS")

@@ -21,8 +21,9 @@ files, those of its nearest sibling that has any: a device of ``KNOWN_DEVICES`` 
 device's compute capability (``torch.cuda.get_device_capability``), nearest = first in that table's order (the H200,
 whose files are the packaged ones, first). So an H100 (sm_90, as the H200) reads, per M: its own user files, then
 the H200's user files, then the H200's packaged file; a device with a packaged file of its own reads only its own.
-``$MOEKIT_SIBLING_CONFIGS`` = 1 / 0 turns the fallback on / off (unset: ``SIBLING_CONFIGS``); off, such a device gets
-its own user files or the heuristic. ``served_by`` names the file a lookup takes its entry from ("NVIDIA_H200
+``$MOEKIT_SIBLING_CONFIGS`` = 1 / 0 turns the fallback on / off (unset: ``SIBLING_CONFIGS``; read at a shape's first
+lookup: after changing it in a running process, ``clear_config_cache()``); off, such a device gets its own user files
+or the heuristic. ``served_by`` names the file a lookup takes its entry from ("NVIDIA_H200
 (sibling)"), for reports. With no file, ``heuristic_config`` decides.
 
 Lookups are cached in memory per shape (see ``_TABLES``): the filesystem is searched once per (E, N,
@@ -169,12 +170,14 @@ def default_user_dir() -> Path:
     return user_config_dirs()[0]
 
 
-# (E, N, K, dtype, device, ``lookup_env()``) -> the tuned entries {M: config} of the files found (``tuned_files``),
+# (E, N, K, dtype, device, the two of ``lookup_env()``) -> the tuned entries {M: config} of the files found (``tuned_files``),
 # overlaid per M (``overlay``), None where there is none. A lookup used to stat each directory and read the file on
 # every call (~50 µs on the host path); a hit is one dictionary lookup. The variables that name the user directories
-# and the sibling switch are in the key, so setting them otherwise searches again.
+# are in the key, so pointing them elsewhere searches again. $MOEKIT_SIBLING_CONFIGS is not: an unset variable costs
+# ~0.77 µs to read (os.environ raises KeyError inside), +45% on a ``get_config`` hit (1.7 -> 2.5 µs, CPU); it is read
+# at a shape's first lookup, like the files, so after changing it in a running process call ``clear_config_cache()``.
 _TABLES: dict[tuple, dict[int, KernelConfig] | None] = {}
-# (M, E, N, K, top_k, dtype, device, ``lookup_env()``) -> what ``get_config`` returned. The log2 search
+# (M, E, N, K, top_k, dtype, device, the two of ``lookup_env()``) -> what ``get_config`` returned. The log2 search
 # over a file's entries cost ~14 µs a call on the H200's host; a hit is one lookup. Bounded: the oldest
 # entry goes first past _MAX_LOOKUPS.
 _LOOKUPS: dict[tuple, KernelConfig] = {}
@@ -182,10 +185,10 @@ _MAX_LOOKUPS = 4096
 _ON_CLEAR: list[Callable[[], None]] = []
 
 
-def lookup_env() -> tuple[str | None, str | None, str | None]:
-    """The variables a lookup's files depend on: $MOEKIT_CONFIG_DIR, $XDG_CONFIG_HOME, $MOEKIT_SIBLING_CONFIGS (part
-    of every cache key)."""
-    return os.environ.get("MOEKIT_CONFIG_DIR"), os.environ.get("XDG_CONFIG_HOME"), os.environ.get(SIBLING_ENV)
+def lookup_env() -> tuple[str | None, str | None]:
+    """The variables that name the user directories, $MOEKIT_CONFIG_DIR and $XDG_CONFIG_HOME (part of every cache
+    key of the files' entries)."""
+    return os.environ.get("MOEKIT_CONFIG_DIR"), os.environ.get("XDG_CONFIG_HOME")
 
 
 def clear_config_cache() -> None:
@@ -274,7 +277,7 @@ def load_configs(num_experts: int, n: int, k: int, dtype: torch.dtype | str, dev
     user file's M over the packaged file's, the device's own over a sibling's, ``overlay``); None where there is no
     file. ``dtype``: a torch dtype or a file's dtype part (the weight-only names). Cached (``_TABLES``); the dict
     returned is shared, so do not change it."""
-    key = (num_experts, n, k, dtype, device, lookup_env())
+    key = (num_experts, n, k, dtype, device, os.environ.get("MOEKIT_CONFIG_DIR"), os.environ.get("XDG_CONFIG_HOME"))
     if key not in _TABLES:
         files = tuned_files(lambda dev: config_file_name(num_experts, n, k, dtype, dev), device)
         _TABLES[key] = overlay(files.paths, read_configs)
@@ -346,7 +349,8 @@ def get_config(
     num_tokens: int, num_experts: int, n: int, k: int, top_k: int, dtype: torch.dtype, device: str
 ) -> KernelConfig:
     """The tuned config of the nearest M for this shape, or the heuristic. Cached (``_LOOKUPS``)."""
-    key = (num_tokens, num_experts, n, k, top_k, dtype, device, lookup_env())
+    key = (num_tokens, num_experts, n, k, top_k, dtype, device, os.environ.get("MOEKIT_CONFIG_DIR"),
+           os.environ.get("XDG_CONFIG_HOME"))
     config = _LOOKUPS.get(key)
     if config is None:
         configs = load_configs(num_experts, n, k, dtype, device)
