@@ -170,12 +170,13 @@ def default_user_dir() -> Path:
     return user_config_dirs()[0]
 
 
-# (E, N, K, dtype, device, the two of ``lookup_env()``) -> the tuned entries {M: config} of the files found (``tuned_files``),
-# overlaid per M (``overlay``), None where there is none. A lookup used to stat each directory and read the file on
-# every call (~50 µs on the host path); a hit is one dictionary lookup. The variables that name the user directories
-# are in the key, so pointing them elsewhere searches again. $MOEKIT_SIBLING_CONFIGS is not: an unset variable costs
-# ~0.77 µs to read (os.environ raises KeyError inside), +45% on a ``get_config`` hit (1.7 -> 2.5 µs, CPU); it is read
-# at a shape's first lookup, like the files, so after changing it in a running process call ``clear_config_cache()``.
+# (E, N, K, dtype, device, the two of ``lookup_env()``) -> the tuned entries {M: config} of the files found
+# (``tuned_files``), overlaid per M (``overlay``), None where there is none. A lookup used to stat each directory
+# and read the file on every call (~50 µs on the host path); a hit is one dictionary lookup. The variables that name
+# the user directories are in the key, so pointing them elsewhere searches again. $MOEKIT_SIBLING_CONFIGS is not: an
+# unset variable costs ~0.77 µs to read (os.environ raises KeyError inside), +45% on a ``get_config`` hit (1.7 ->
+# 2.5 µs, CPU); it is read at a shape's first lookup, like the files, so after changing it in a running process call
+# ``clear_config_cache()``.
 _TABLES: dict[tuple, dict[int, KernelConfig] | None] = {}
 # (M, E, N, K, top_k, dtype, device, the two of ``lookup_env()``) -> what ``get_config`` returned. The log2 search
 # over a file's entries cost ~14 µs a call on the H200's host; a hit is one lookup. Bounded: the oldest
