@@ -15,10 +15,11 @@ Else the ``triton`` backend's output on the first input set under each setting a
 ``experts_reference``, fp8 ``experts_fp8_block_reference``; rel L2 < TOLERANCE: PASS / FAIL), then each setting's
 calls over the rotated input sets captured in one CUDA graph and the two graphs timed in ROUNDS settled rounds
 (``bench_rounds.settled``): median µs a call, heuristic / sibling, rounds the sibling took <= 0.97x the heuristic
-(and the reverse). Compile: WORKERS subprocesses run every (cell, setting) once first (Triton's disk cache) while
-this process builds the first weights. Lines as it goes, <out>/hop41.json after each cell, the table last with the
-verdict: SIBLING_CONFIGS = True where every check PASS and the sibling is >= 3% faster in every round of every timed
-cell (the defaults rule); the counts say how far from it a run is.
+(and the reverse); the route's plan checked to hold the looked-up tiles. Compile: WORKERS subprocesses run every
+(cell, setting) to be timed once first, eagerly and captured, on zero weights (Triton's disk cache), for at most
+--worker-deadline seconds. Lines as it goes, <out>/hop41.json after each cell, the table last with the verdict:
+SIBLING_CONFIGS = True where every check PASS and the sibling is >= 3% faster in every round of every timed cell (the
+defaults rule); the counts say how far from it a run is.
 """
 
 from __future__ import annotations
