@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from moekit.bench.cells import Shape
 from moekit.experts.configs import GemmTile, KernelConfig
-from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, GLUON_WO_OPTIONS, GluonWoGemms, wo_options
+from moekit.experts.triton_gluon_wo import GLUON_WO_OPTIONS, GluonWoGemms, gluon_wo_range, wo_options
 from moekit.experts.triton_wo_configs import wo_config
 from moekit.experts.triton_wo_gemv import WordConfig
 from moekit.experts.triton_wo_plan import choose_decode
@@ -133,9 +133,9 @@ def measured_gluon(scheme: str, s: Shape) -> GluonWoGemms | None:
 
 def pick_variant(spec: CellSpec, s: Shape, device_key: str, gluon_ok: bool) -> Variant:
     """What the route runs at the real shape, named (the compile workers run it on fewer experts, where the route
-    would choose otherwise): the Gluon path where ``GLUON_WO_CELLS`` takes M (and the device runs Gluon), else
+    would choose otherwise): the Gluon path where ``gluon_wo_range`` takes M on this device (and it runs Gluon), else
     ``choose_decode``'s decode with ``wo_config``'s config."""
-    lo, hi = GLUON_WO_CELLS.get((spec.scheme, s.num_experts, s.n, s.k), (0, 0))
+    lo, hi = gluon_wo_range(spec.scheme, s.num_experts, s.n, s.k, device_key)
     if gluon_ok and lo <= spec.m < hi:
         return Variant("gluon", gluon=_options_at(spec.scheme, s, spec.m))
     decode = choose_decode(spec.scheme, spec.m, s.num_experts, s.n, s.k, s.top_k)

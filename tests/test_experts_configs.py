@@ -28,9 +28,10 @@ def user_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def disk_loads(monkeypatch) -> list:
     """A cold cache, and the file name of every search of the directories from here on."""
-    loads, real = [], configs._load_from_disk
+    loads, real = [], configs.tuned_files
     configs.clear_config_cache()
-    monkeypatch.setattr(configs, "_load_from_disk", lambda name: loads.append(name) or real(name))
+    monkeypatch.setattr(configs, "tuned_files",
+                        lambda name_of, device: loads.append(name_of(device)) or real(name_of, device))
     return loads
 
 

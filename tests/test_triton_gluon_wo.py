@@ -143,11 +143,41 @@ def test_off_hopper_the_call_raises():
 
 
 def test_measured_cells_start_where_the_cheap_test_looks():
-    from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, GLUON_WO_SCHEMES
+    from moekit.experts.configs import KNOWN_DEVICES
+    from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, GLUON_WO_CELLS_BY_DEVICE, GLUON_WO_SCHEMES
     from moekit.experts.triton_wo import GLUON_MIN_TOKENS
 
-    assert all(GLUON_MIN_TOKENS <= lo < hi for lo, hi in GLUON_WO_CELLS.values())
-    assert all(scheme in GLUON_WO_SCHEMES for scheme, *_ in GLUON_WO_CELLS)
+    tables = [GLUON_WO_CELLS, *GLUON_WO_CELLS_BY_DEVICE.values()]
+    assert all(GLUON_MIN_TOKENS <= lo < hi for table in tables for lo, hi in table.values())
+    assert all(scheme in GLUON_WO_SCHEMES for table in tables for scheme, *_ in table)
+    assert set(GLUON_WO_CELLS_BY_DEVICE) <= set(KNOWN_DEVICES)  # names as device_key spells them
+
+
+def test_a_device_row_replaces_the_default_row_on_that_device_only(monkeypatch):
+    """GLUON_WO_CELLS_BY_DEVICE: the H100's Qwen3 4-bit rows reach 4096..8191 there (session 40's M = 4096), the
+    H200's default row elsewhere; a shape without a device row keeps the default on every device; and the route's
+    test reads the row of the call's device."""
+    import moekit.experts.triton_gluon_wo as tgw
+
+    qwen3, h100 = (128, 768, 2048), "NVIDIA_H100_80GB_HBM3"
+    for scheme, default in (("int4_w4a16", (2048, 4096)), ("mxfp4", (1024, 4096))):
+        assert tgw.GLUON_WO_CELLS[(scheme, *qwen3)] == default  # the H200's rows unchanged
+        assert tgw.gluon_wo_range(scheme, *qwen3, "NVIDIA_H200") == default
+        assert tgw.gluon_wo_range(scheme, *qwen3, "cpu") == default
+        lo, hi = tgw.gluon_wo_range(scheme, *qwen3, h100)
+        assert lo == default[0] and lo < 4096 < hi == 8192
+    mixtral_int8 = ("int8_w8a16", 8, 14336, 4096)
+    assert tgw.gluon_wo_range(*mixtral_int8, h100) == tgw.GLUON_WO_CELLS[mixtral_int8] == (128, 4096)
+    assert tgw.gluon_wo_range("int8_w8a16", 3, 5, 7, h100) == (0, 0)  # no row: never
+
+    w13, w2 = _weights("int8_w8a16")
+    x, ids, _ = _call(600)
+    monkeypatch.setattr(tgw, "gluon_supported", lambda device: True)
+    monkeypatch.setattr(tgw, "GLUON_WO_CELLS", {("int8_w8a16", E, N, K): (100, 200)})
+    monkeypatch.setattr(tgw, "GLUON_WO_CELLS_BY_DEVICE", {"NVIDIA_TEST": {("int8_w8a16", E, N, K): (512, 1024)}})
+    assert not tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "silu")  # this CPU: the default row, 600 outside
+    monkeypatch.setattr(tgw, "_device_key", lambda device: "NVIDIA_TEST")
+    assert tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "silu")  # the device's row holds 600
 
 
 @pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16"])

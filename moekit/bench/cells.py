@@ -155,3 +155,6 @@ class Cell:
     rel_err_vs_grouped_mm: float | None = None  # sanity check on the first input set (triton only)
     vs_bf16: float | None = None  # quantized cells: us / the unquantized cell's us (same shape, M, backend)
     rel_err_vs_bf16: float | None = None  # quantized cells: relative L2 of the output vs the unquantized one, first set
+    # the tuned file the launch config came from (``config_source``): "NVIDIA_H200", "NVIDIA_H200 (sibling)",
+    # "heuristic"; None where not said (other backends, the weight-only schemes)
+    config: str | None = None

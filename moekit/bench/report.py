@@ -161,7 +161,16 @@ def footnotes(doc: dict) -> list[str]:
         notes.append(f"{noisy} cell(s) marked noisy: their timed passes spread (interquartile range) more than "
                      f"{doc['noisy_spread_pct']:.0f}% of the median; the machine was busy, run again to confirm."
                      + (NOISY_CPU.format(threads=threads) if doc["device"] == "cpu" and threads > 1 else ""))
+    if any("(sibling)" in (c.get("config") or "") for c in doc["cells"]):
+        notes.append(SIBLING_NOTE)
     return notes + _quant_notes(doc)
+
+
+SIBLING_NOTE = (
+    "config \"<device> (sibling)\": this device has no tuned file of its own for the cell's shape, so its launch "
+    "configs are those tuned on that device of the same compute capability (moekit.experts.configs.tuned_files); "
+    "MOEKIT_SIBLING_CONFIGS=0 gives the heuristic instead, moekit tune the device's own file."
+)
 
 
 QUANT_BACKENDS = {
@@ -209,15 +218,17 @@ def table(doc: dict) -> Table:
                       "unquantized cell's; achieved TFLOP/s: in the JSON")
     columns = ("shape", "M", "backend", "dtype", "time", "±%", "eager", "host", "floor", "%floor", "xbf16", "%copy",
                "%mm", "touched")
-    for col in columns:
-        t.add_column(col, justify="left" if col in ("shape", "backend", "dtype") else "right", no_wrap=True)
+    sourced = any(c.get("config") for c in doc["cells"])  # older files and CPU-only runs without triton lack it
+    for col in columns + (("config",) if sourced else ()):
+        t.add_column(col, justify="left" if col in ("shape", "backend", "dtype", "config") else "right", no_wrap=True)
     for c in doc["cells"]:
         spread = "-" if "spread_pct" not in c else f"{c['spread_pct']:.0f}" + (" noisy" if c["noisy"] else "")
         eager, host = (format_us(c[k]) if k in c else "-" for k in ("eager_us", "host_us"))  # older files lack them
         vs_bf16 = f"{c['vs_bf16']:.2f}" if c.get("vs_bf16") is not None else "-"
         t.add_row(c["shape"], str(c["M"]), c["backend"], c.get("dtype", doc["dtype"]), format_us(c["us"]), spread,
                   eager, host, format_us(c["floor_us"]), f"{c['pct_floor']:.0f}", vs_bf16,
-                  f"{c['pct_copy_bw']:.0f}", f"{c['pct_mm']:.0f}", f"{c['experts_touched']:.0f}")
+                  f"{c['pct_copy_bw']:.0f}", f"{c['pct_mm']:.0f}", f"{c['experts_touched']:.0f}",
+                  *((c.get("config") or "-",) if sourced else ()))
     return t
 
 

@@ -19,6 +19,7 @@ from moekit.bench.ceilings import Ceilings
 from moekit.bench.cells import (
     Cell, CellInputs, CellModel, ExpertWeights, Shape, cell_model, make_sets, make_weights, measured_experts_touched,
 )
+from moekit.bench.config_source import SOURCE_BACKENDS, cell_config_source
 from moekit.bench.quant_cells import WeightVariant, weight_variants
 from moekit.bench.timing import EagerTiming, Timing, time_paired, time_stats
 from moekit.experts import get_backend
@@ -139,6 +140,8 @@ def _variant_cells(at: AtM, v: WeightVariant, plan: SweepPlan, device, base: dic
         timed = _time_backend(get_backend(name), v.weights, at.sets, device, use_graph, plan.budget_s)
         cell = _make_cell(at, v, name, timed, model)
         cell.rel_err_vs_grouped_mm = err
+        if name in SOURCE_BACKENDS:
+            cell.config = cell_config_source(at.shape, at.m, v.dtype, device)
         if v.quantized and name in base["us"]:
             cell.vs_bf16 = cell.us / base["us"][name]
             cell.rel_err_vs_bf16 = _rel(outputs.of(name), base["outputs"].of(name))

@@ -40,6 +40,9 @@ def register(subparsers) -> None:
     p.add_argument("--install", action=ListOption, item=_tuned_file, default=None, metavar="FILE",
                    help="instead of tuning: merge these tuned files (written by moekit tune --out) into the "
                    "packaged configs, moekit/experts/configs/, per M (the packaged file's other M stay)")
+    p.add_argument("--show", action="store_true",
+                   help="instead of tuning: say, per M, whose tuned file the lookups of this shape and --dtype take "
+                   "on this device (its own, a sibling device's such as 'NVIDIA_H200 (sibling)', or the heuristic)")
     p.set_defaults(func=_run)
 
 
@@ -68,6 +71,8 @@ def _run(args: argparse.Namespace) -> int:
         shapes.append(_explicit_shape(args.shape))
     if not shapes:
         raise UsageError("give --preset NAME or --shape E,N,K,top_k")
+    if args.show:
+        return _show(args, shapes)
     if not torch.cuda.is_available():
         raise UsageError("needs a CUDA GPU (the Triton kernels are tuned where they run); none is visible")
     scheme = scheme_for(args.dtype)
@@ -111,6 +116,27 @@ def _install(args: argparse.Namespace) -> int:
             print(f"installed {install(path, note=print)}")
         except ValueError as err:  # the packaged file of that name is of another shape (edited by hand)
             raise UsageError(f"--install: {err}") from None
+    return 0
+
+
+def _show(args: argparse.Namespace, shapes: list) -> int:
+    """``--show``: per shape, the M of ``--batches`` (default the tuner's) grouped by the file their lookups take on
+    this device (the first GPU; the CPU without one), ``configs.served_by``."""
+    import torch
+
+    from moekit.bench.tuning import TUNE_BATCHES, scheme_for
+    from moekit.experts.configs import device_key, served_by
+
+    if args.out or args.budget_s:
+        raise UsageError("--show only reads the config files; give it without --out or --budget-s")
+    scheme, device = scheme_for(args.dtype), device_key(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    for shape in shapes:
+        name_of = lambda dev: scheme.file_name(shape.num_experts, shape.n, shape.k, dev)  # noqa: E731
+        by_source: dict[str, list[int]] = {}
+        for m in sorted(args.batches or TUNE_BATCHES):
+            by_source.setdefault(served_by(m, name_of, device), []).append(m)
+        served = "; ".join(f"M={','.join(map(str, ms))}: {source}" for source, ms in by_source.items())
+        print(f"{shape.name} {scheme.name} on {device}: {served}")
     return 0
 
 

@@ -11,10 +11,10 @@ Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check
 weights through TMA or pointers.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``, overlaid per M
-the same way), named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
-reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
-power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
-is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
+the same way, a sibling device's files taken the same way), named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``;
+BLOCK_K of both GEMMs must equal the scale blocks' reduction width G and the gate-up BLOCK_N be a multiple of G (h
+re-quantized in its epilogue) or a power of two below it (h written in float32, quantized by the down GEMM); a file
+that says otherwise is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
 false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``), and "x_in_gate_up" (true: in eager calls x is quantized
 inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for cells whose eager calls are
 host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel),
@@ -39,8 +39,7 @@ from pathlib import Path
 import torch
 
 from moekit.experts.configs import (
-    GemmTile, KernelConfig, config_files, device_key, nearest, on_config_cache_clear, overlay, read_configs,
-    user_config_dirs,
+    GemmTile, KernelConfig, device_key, lookup_env, nearest, on_config_cache_clear, overlay, read_configs, tuned_files,
 )
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec, pair_chunk
@@ -161,11 +160,13 @@ def fp8_entry(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, gro
 
 
 def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, Fp8Entry] | None:
-    """{M: Fp8Entry} of the files of this shape, overlaid per M (``configs.overlay``: a user file's M, switches and
-    all, over the packaged file's same M; its other M stay); None where no directory has one. Cached."""
-    key = (num_experts, n, k, device, tuple(user_config_dirs()))
+    """{M: Fp8Entry} of the files of this shape (``configs.tuned_files``: the device's own, then a sibling device's
+    where it has no packaged file), overlaid per M (``configs.overlay``: a user file's M, switches and all, over the
+    packaged file's same M; its other M stay); None where there is none. Cached."""
+    key = (num_experts, n, k, device, lookup_env())
     if key not in _TABLES:
-        _TABLES[key] = overlay(config_files(config_file_name(num_experts, n, k, device)), read_entries)
+        files = tuned_files(lambda dev: config_file_name(num_experts, n, k, dev), device)
+        _TABLES[key] = overlay(files.paths, read_entries)
     return _TABLES[key]
 
 

@@ -7,10 +7,11 @@ ahead of the wgmma).
       int4 / mxfp4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over k slots]
 
 ``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
-``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS), each GEMM in the variant measured for its shape and M
-(GLUON_WO_OPTIONS: ``GluonWoOptions`` split / fast / slots), through the lean launch (``triton_gluon_wo_lean``: plan,
-descriptors, workspace and launches kept; the backend's repeated calls from ``triton_quant_fast``'s entry) or, with
-``lean=False``, the plain launches built per call; ``gluon_wo_unfit`` says why a call cannot take it.
+``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS, a device's own rows in GLUON_WO_CELLS_BY_DEVICE), each GEMM
+in the variant measured for its shape and M (GLUON_WO_OPTIONS: ``GluonWoOptions`` split / fast / slots), through the
+lean launch (``triton_gluon_wo_lean``: plan, descriptors, workspace and launches kept; the backend's repeated calls
+from ``triton_quant_fast``'s entry) or, with ``lean=False``, the plain launches built per call; ``gluon_wo_unfit``
+says why a call cannot take it.
 ``experts_gluon_wo_twin`` is its arithmetic in torch (the oracle of the tests and the device check).
 
 Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of the permuted buffer.
@@ -18,11 +19,13 @@ Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
 import torch
 
+from moekit.experts.configs import device_key, on_config_cache_clear
 from moekit.experts.triton_gluon import gluon_layout, segment_twin
 from moekit.experts.triton_gluon_launch import (
     BLOCK_M, MAX_REGISTERS, NUM_WARPS, SHARED_BYTES, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
@@ -117,6 +120,40 @@ GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     ("int4_w4a16", 8, 14336, 4096): (128, 2048),  # Mixtral M=1024: 2320 / scratch 2586 / 1349; M=128-512: session 38
     ("mxfp4", 8, 14336, 4096): (256, 2048),  # Mixtral M=1024: 2273 / scratch 2547 / 1349; M=256-512: session 38
 }
+# device key (``configs.device_key``) -> rows that replace GLUON_WO_CELLS' row of their shape on that device only,
+# where that device measured otherwise than the rows above (which stay every device's default). The H100 (session 40,
+# benchmarks/wo38_device_check.py at df634c8, ONE H100 80GB HBM3, torch 2.11, Triton 3.6, graph µs, median of 5
+# settled rounds, every line PASS; raw/NVIDIA_H100-2026-12-06-df634c8-wo38-prefill.*): at Qwen3 M=4096 the
+# session-27 GEMMs (GLUON_WO_OPTIONS has no row for these shapes) beat the route's scratch decode, int4 1161.6 against
+# 1342.9 (x1.156, 5/5 rounds >= 3%), mxfp4 1210.2 against 1335.4 (x1.103, 5/5), where the H200 measured the opposite
+# in session 28 (int4 1144 / scratch 1125, mxfp4 1210 / 1115): the scratch decode writes and re-reads a bf16 copy of
+# every expert, at 3.0 TB/s on the H100 against the H200's 4.26. Graph µs only, as session 38's H100 rows: the lean
+# launch's 38-68 µs of host a call lies well under 1.2 ms. Each row keeps the H200's range below 4096 (not measured
+# on the H100) and adds 4096 up to twice it, the measured M's span.
+GLUON_WO_CELLS_BY_DEVICE: dict[str, dict[tuple[str, int, int, int], tuple[int, int]]] = {
+    "NVIDIA_H100_80GB_HBM3": {
+        ("int4_w4a16", 128, 768, 2048): (2048, 8192),  # the H200's 2048..4095, the H100's 4096..8191
+        ("mxfp4", 128, 768, 2048): (1024, 8192),  # the H200's 1024..4095, the H100's 4096..8191
+    },
+}
+
+
+def gluon_wo_range(scheme: str, num_experts: int, n: int, k: int, device: str) -> tuple[int, int]:
+    """[lo, hi): the tokens for which a call of this shape that names no decode takes this path on ``device`` (a
+    ``configs.device_key``): GLUON_WO_CELLS_BY_DEVICE's row for the device where it has one, else GLUON_WO_CELLS',
+    else (0, 0) (never)."""
+    key = (scheme, num_experts, n, k)
+    row = GLUON_WO_CELLS_BY_DEVICE.get(device, {}).get(key)
+    return row if row is not None else GLUON_WO_CELLS.get(key, (0, 0))
+
+
+@functools.lru_cache(maxsize=16)
+def _device_key(device: torch.device) -> str:
+    """``configs.device_key`` of a call's device, kept (the device's name is asked of the driver once)."""
+    return device_key(device)
+
+
+on_config_cache_clear(_device_key.cache_clear)
 
 
 @dataclass(frozen=True)
@@ -226,8 +263,9 @@ def wo_gemm_launch(scheme: str, tile: GluonTile, gated: bool, options: GluonWoOp
 
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
     """Whether a call that names no decode, config or split takes the weight-only Gluon path: its shape in
-    GLUON_WO_CELLS with M in its range, a Hopper with Gluon, and a call it fits (``gluon_wo_unfit``)."""
-    lo, hi = GLUON_WO_CELLS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1]), (0, 0))
+    GLUON_WO_CELLS with M in its range (``gluon_wo_range``: the device's own row where it has one), a Hopper with
+    Gluon, and a call it fits (``gluon_wo_unfit``)."""
+    lo, hi = gluon_wo_range(scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1], _device_key(x.device))
     return (lo <= x.shape[0] < hi and gluon_supported(x.device)
             and gluon_wo_unfit(x, w13, w2, scheme, activation) is None)
 

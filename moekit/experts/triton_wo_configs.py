@@ -153,7 +153,8 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
               decode: str = "tile") -> KernelConfig:
     """For the mma decode the ``MMA_CONFIGS`` row covering the call (``mma_config``); else the entry of the nearest
     M among the tuned files' for (E, N, K, ``config_name(scheme, decode)``, device) (``moekit tune`` measured them on
-    this device; overlaid per M, ``configs.overlay``) and, for the tile decode, the winners table's row covering the
+    this device, or a sibling device's where it has none, ``configs.tuned_files``; overlaid per M, ``configs.overlay``)
+    and, for the tile decode, the winners table's row covering the
     call (``triton_wo_winners``: one H200 run's; the files' own entry of its M over it), so a file tuned at a few M
     leaves the table's rows at the other M; else for the word decodes their heuristic tiles with the measured splits
     (``triton_wo_word_winners.word_config``); else ``wo_heuristic_config``."""

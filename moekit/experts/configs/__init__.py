@@ -14,8 +14,17 @@ Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (
 ``~/.config/moekit/configs``), where ``moekit tune`` writes, then the files shipped here. The files of one
 name are overlaid per M (``overlay``): an entry of a file earlier in that order replaces the same M of the
 later ones and nothing else, so a user file tuned at M = 128 alone changes the lookups near 128 (nearer 128
-than any shipped M) and leaves M = 1 or 4096 on the shipped entries. With no file, ``heuristic_config``
-decides.
+than any shipped M) and leaves M = 1 or 4096 on the shipped entries.
+
+Sibling files (``tuned_files``): a CUDA device with no packaged file of its own for a shape takes, under its own
+files, those of its nearest sibling that has any: a device of ``KNOWN_DEVICES`` (the names a file may carry) with the
+device's compute capability (``torch.cuda.get_device_capability``), nearest = first in that table's order (the H200,
+whose files are the packaged ones, first). So an H100 (sm_90, as the H200) reads, per M: its own user files, then
+the H200's user files, then the H200's packaged file; a device with a packaged file of its own reads only its own.
+``$MOEKIT_SIBLING_CONFIGS`` = 1 / 0 turns the fallback on / off (unset: ``SIBLING_CONFIGS``; read at a shape's first
+lookup: after changing it in a running process, ``clear_config_cache()``); off, such a device gets its own user files
+or the heuristic. ``served_by`` names the file a lookup takes its entry from ("NVIDIA_H200
+(sibling)"), for reports. With no file, ``heuristic_config`` decides.
 
 Lookups are cached in memory per shape (see ``_TABLES``): the filesystem is searched once per (E, N,
 K, dtype, device), and the nearest entry once per M (``_LOOKUPS``). ``write_configs`` and
@@ -27,6 +36,7 @@ cleared with it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -80,14 +90,68 @@ def device_key(device: torch.device | str | None = None) -> str:
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
         return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_")
+    return name_key(torch.cuda.get_device_name(device))
 
 
-def dtype_key(dtype: torch.dtype) -> str:
+def name_key(name: str) -> str:
+    """A device name as config file names carry it: 'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3'."""
+    return name.replace(" ", "_").replace("/", "_")
+
+
+# The devices whose files a device of the same compute capability may take when it has none of its own
+# (``sibling_devices``), as file names carry them (``device_key``), with their capability: a file name says nothing
+# of it. Nearest first: the H200 (the packaged files are its), then the H100 SXM (the Hopper most users have, the
+# same SM, 3.0 TB/s copy against the H200's 4.26), then the other Hopper parts.
+KNOWN_DEVICES: dict[str, tuple[int, int]] = {
+    "NVIDIA_H200": (9, 0),
+    "NVIDIA_H100_80GB_HBM3": (9, 0),
+    "NVIDIA_H100_NVL": (9, 0),
+    "NVIDIA_H100_PCIe": (9, 0),
+    "NVIDIA_GH200_480GB": (9, 0),
+    "NVIDIA_H800": (9, 0),
+    "NVIDIA_H20": (9, 0),
+}
+# Whether a device without a packaged file of its own takes its sibling's (``tuned_files``) when
+# $MOEKIT_SIBLING_CONFIGS is unset. Off until benchmarks/hop41_device_check.py has timed the H200's files against the
+# heuristic on an H100 (the defaults rule: every check PASS, >= 3% faster in 5/5 rounds).
+SIBLING_CONFIGS = False
+SIBLING_ENV = "MOEKIT_SIBLING_CONFIGS"
+
+
+def sibling_configs_on() -> bool:
+    """$MOEKIT_SIBLING_CONFIGS (1: on, 0: off), else ``SIBLING_CONFIGS``."""
+    value = os.environ.get(SIBLING_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"${SIBLING_ENV} must be 1 (take a sibling device's config files) or 0 (never), "
+                         f"got {value!r}")
+    return SIBLING_CONFIGS if value == "" else value == "1"
+
+
+@functools.lru_cache(maxsize=64)
+def device_capability(device: str) -> tuple[int, int] | None:
+    """The compute capability of the visible CUDA device ``device`` (a ``device_key``), else ``KNOWN_DEVICES``',
+    else None. Cached (cleared with the lookups)."""
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            if name_key(torch.cuda.get_device_name(index)) == device:
+                return tuple(torch.cuda.get_device_capability(index))
+    return KNOWN_DEVICES.get(device)
+
+
+def sibling_devices(device: str) -> list[str]:
+    """The devices whose files ``device`` may take, nearest first: those of ``KNOWN_DEVICES`` of its compute
+    capability, in the table's order, itself left out; none off CUDA or of an unknown capability."""
+    capability = None if device == "cpu" else device_capability(device)
+    if capability is None:
+        return []
+    return [other for other, cap in KNOWN_DEVICES.items() if cap == capability and other != device]
+
+
+def dtype_key(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> str:
+def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype | str, device: str) -> str:
     return f"E{num_experts}_N{n}_K{k}_{dtype_key(dtype)}_{device}.json"
 
 
@@ -106,12 +170,15 @@ def default_user_dir() -> Path:
     return user_config_dirs()[0]
 
 
-# (E, N, K, dtype, device, $MOEKIT_CONFIG_DIR, $XDG_CONFIG_HOME) -> the tuned entries {M: config} of
-# the files found, overlaid per M (``overlay``), None where there is none. A lookup used to stat each
-# directory and read the file on every call (~50 µs on the host path); a hit is one dictionary lookup.
-# The variables that name the user directories are in the key, so pointing them elsewhere searches again.
+# (E, N, K, dtype, device, the two of ``lookup_env()``) -> the tuned entries {M: config} of the files found
+# (``tuned_files``), overlaid per M (``overlay``), None where there is none. A lookup used to stat each directory
+# and read the file on every call (~50 µs on the host path); a hit is one dictionary lookup. The variables that name
+# the user directories are in the key, so pointing them elsewhere searches again. $MOEKIT_SIBLING_CONFIGS is not: an
+# unset variable costs ~0.77 µs to read (os.environ raises KeyError inside), +45% on a ``get_config`` hit (1.7 ->
+# 2.5 µs, CPU); it is read at a shape's first lookup, like the files, so after changing it in a running process call
+# ``clear_config_cache()``.
 _TABLES: dict[tuple, dict[int, KernelConfig] | None] = {}
-# (M, E, N, K, top_k, dtype, device, the two variables) -> what ``get_config`` returned. The log2 search
+# (M, E, N, K, top_k, dtype, device, the two of ``lookup_env()``) -> what ``get_config`` returned. The log2 search
 # over a file's entries cost ~14 µs a call on the H200's host; a hit is one lookup. Bounded: the oldest
 # entry goes first past _MAX_LOOKUPS.
 _LOOKUPS: dict[tuple, KernelConfig] = {}
@@ -119,11 +186,18 @@ _MAX_LOOKUPS = 4096
 _ON_CLEAR: list[Callable[[], None]] = []
 
 
+def lookup_env() -> tuple[str | None, str | None]:
+    """The variables that name the user directories, $MOEKIT_CONFIG_DIR and $XDG_CONFIG_HOME (part of every cache
+    key of the files' entries)."""
+    return os.environ.get("MOEKIT_CONFIG_DIR"), os.environ.get("XDG_CONFIG_HOME")
+
+
 def clear_config_cache() -> None:
     """Forget every cached lookup (and whatever registered with ``on_config_cache_clear``): the next
     one searches the directories again."""
     _TABLES.clear()
     _LOOKUPS.clear()
+    device_capability.cache_clear()
     for clear in _ON_CLEAR:
         clear()
 
@@ -156,18 +230,58 @@ def overlay(paths: list[Path], read: Callable[[Path], dict[int, Entry]]) -> dict
     return entries
 
 
-def _load_from_disk(name: str) -> dict[int, KernelConfig] | None:
-    """The entries of the files named ``name``, overlaid per M (user directories over the packaged one); else None."""
-    return overlay(config_files(name), read_configs)
+@dataclass(frozen=True)
+class TunedFiles:
+    """The files one lookup overlays (``overlay``), in the search order: the device's own, then a sibling's."""
+
+    own: tuple[Path, ...]  # the device's files of the shape: user directories first, the packaged one last
+    sibling: str | None  # the sibling device whose files follow (``sibling_devices``); None: own files only
+    theirs: tuple[Path, ...]  # that sibling's files of the shape, in the same order; () without a sibling
+
+    @property
+    def paths(self) -> list[Path]:
+        return [*self.own, *self.theirs]
 
 
-def load_configs(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> dict[int, KernelConfig] | None:
-    """The tuned entries {M: config} for this shape: each M from the first directory whose file has it (a user
-    file's M over the packaged file's, ``overlay``); None where no directory has a file. Cached (``_TABLES``); the
-    dict returned is shared, so do not change it."""
+def tuned_files(name_of: Callable[[str], str], device: str) -> TunedFiles:
+    """The files a lookup of one shape reads on ``device``: ``name_of(device)`` in the search order, then, where the
+    packaged directory holds no such file of the device's own and the fallback is on (``sibling_configs_on``), the
+    files ``name_of(sibling)`` of the nearest sibling with any (``sibling_devices``). ``name_of``: device key -> file
+    name of the shape."""
+    own = tuple(config_files(name_of(device)))
+    if (PACKAGED_DIR / name_of(device)).is_file() or not sibling_configs_on():
+        return TunedFiles(own, None, ())
+    for sibling in sibling_devices(device):
+        theirs = tuple(config_files(name_of(sibling)))
+        if theirs:
+            return TunedFiles(own, sibling, theirs)
+    return TunedFiles(own, None, ())
+
+
+def served_by(num_tokens: int, name_of: Callable[[str], str], device: str) -> str:
+    """Whose file a lookup at ``num_tokens`` takes its entry from (``tuned_files``, the nearest M of the overlay):
+    the device key, with " (sibling)" where it is a sibling's; "heuristic" where there is no file. Reads the files
+    (uncached): for reports, not the call path."""
+    files = tuned_files(name_of, device)
+    entries = [(path, set(map(int, json.loads(path.read_text())["configs"]))) for path in files.paths]
+    every_m = set().union(*(ms for _, ms in entries))
+    if not every_m:
+        return "heuristic"
+    at = nearest({m: m for m in every_m}, num_tokens)
+    path = next(path for path, ms in entries if at in ms)
+    return f"{files.sibling} (sibling)" if path in files.theirs else device
+
+
+def load_configs(num_experts: int, n: int, k: int, dtype: torch.dtype | str, device: str
+                 ) -> dict[int, KernelConfig] | None:
+    """The tuned entries {M: config} for this shape: each M from the first file of ``tuned_files`` that has it (a
+    user file's M over the packaged file's, the device's own over a sibling's, ``overlay``); None where there is no
+    file. ``dtype``: a torch dtype or a file's dtype part (the weight-only names). Cached (``_TABLES``); the dict
+    returned is shared, so do not change it."""
     key = (num_experts, n, k, dtype, device, os.environ.get("MOEKIT_CONFIG_DIR"), os.environ.get("XDG_CONFIG_HOME"))
     if key not in _TABLES:
-        _TABLES[key] = _load_from_disk(config_file_name(num_experts, n, k, dtype, device))
+        files = tuned_files(lambda dev: config_file_name(num_experts, n, k, dtype, dev), device)
+        _TABLES[key] = overlay(files.paths, read_configs)
     return _TABLES[key]
 
 
