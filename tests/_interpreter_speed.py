@@ -9,10 +9,14 @@ of the interpreter's time (a word-decode GEMV test: 34 of 68 s in the patching).
 
 ``install()`` wraps the interpreter's launch (``GridExecutor.__call__``, which notes the kernel's modules) and
 its ``_patch_lang``: the launch's own call patches as before; a call made while that patch is active, for a
-function whose language modules the launch already patched, returns a scope with nothing to restore; any
-other call (a helper naming a module the launch did not) runs the original. The patched
-state every helper sees is the one it saw before, so results are unchanged. A Triton whose interpreter lacks
-these names (another release) is left as it is.
+function whose language modules are already patched in this launch, returns a scope with nothing to restore;
+any other call (a helper naming a module not yet patched: ``tl.zeros`` or ``tl.sum``, jitted in
+``triton.language.standard``, which names ``core`` where our kernels name ``tl`` alone) runs the original, and
+its modules count as patched from then on until its scope is restored (Triton 3.9's device-function call never
+restores it, so they stay patched to the launch's end: before, each of those calls rescanned ``tl`` and
+``tl.core`` anew, a third of a word-decode GEMV test's time). The patched state every helper sees is the one it
+saw before, so results are unchanged. A Triton whose interpreter lacks these names (another release) is left as
+it is.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ import inspect
 class _NothingToRestore:
     def restore(self) -> None:
         pass
+
+
+class _Tracked:
+    """A helper call's patch scope (the original's): restoring it also un-counts the modules it added."""
+
+    def __init__(self, scope, patched: set, added: frozenset) -> None:
+        self.scope, self.patched, self.added = scope, patched, added
+
+    def restore(self) -> None:
+        self.scope.restore()
+        self.patched -= self.added
 
 
 def install() -> bool:
@@ -45,7 +60,7 @@ def install() -> bool:
         return False
     launch = executor.__call__
     state = {"pending": None}  # the launching kernel's modules, until its own _patch_lang call
-    active: list[frozenset[int]] = []  # the modules each running launch patched
+    active: list[set[int]] = []  # the modules patched (and not restored) in each running launch
 
     def langs_of(fn) -> frozenset[int]:
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
@@ -54,11 +69,17 @@ def install() -> bool:
         if state["pending"] is not None:  # the launch's own call: patch, and remember what
             langs, state["pending"] = state["pending"], None
             scope = original(fn)
-            active.append(langs)
+            active.append(set(langs))
             return scope
-        if active and langs_of(fn) <= active[-1]:
+        if not active:
+            return original(fn)
+        langs = langs_of(fn)
+        if langs <= active[-1]:
             return _NothingToRestore()
-        return original(fn)
+        added = langs - active[-1]
+        scope = original(fn)
+        active[-1] |= added
+        return _Tracked(scope, active[-1], added)
 
     def launch_tracked(self, *args, **kwargs):
         depth = len(active)

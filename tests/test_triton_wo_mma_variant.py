@@ -40,9 +40,15 @@ def _run(wo, *args, decode="mma", **kwargs):
     return run_variant(wo, decode, *args, **kwargs)
 
 
-@pytest.mark.parametrize("scheme,group", SCHEMES)
-@pytest.mark.parametrize("parts", list(PARTS))
-@pytest.mark.parametrize("decode", ["mma", "gemv"])
+# the mma: every part x every scheme; the gemv (ten times the interpreter's work a case): b13 + b2 + the spec with
+# every scheme's decode, and each part alone once (its epilogue, add_b13 / add_b2 / _glu, reads no weight: the scheme
+# changes only the decoded values the parts are added to, which "all" checks for every scheme)
+WORD_CASES = [("mma", parts, *scheme) for parts in PARTS for scheme in SCHEMES] + [
+    ("gemv", "all", *scheme) for scheme in SCHEMES] + [
+    ("gemv", "b13", *SCHEMES[0]), ("gemv", "b2", *SCHEMES[1]), ("gemv", "spec", *SCHEMES[2])]
+
+
+@pytest.mark.parametrize("decode,parts,scheme,group", WORD_CASES)
 def test_word_decodes_variant_matches_float64_loop(wo, scheme, group, parts, decode):
     # K = 200: a tail step (words, x and scales past the row load as 0); N = 64: half a down step; the mma in 16-row
     # blocks of 32 x 128 tiles, the gemv in its heuristic's 2-row blocks (M = 5, k = 2 of E = 4: aligned)
