@@ -13,20 +13,18 @@ import torch
 
 from moekit.bench.cells import Shape
 from moekit.bench.quant_cells import FP8
-from moekit.experts.configs import config_file_name, device_key, served_by
-from moekit.experts.triton_fp8_plan import config_file_name as fp8_file_name
+from moekit.experts.configs import device_key, served_by
 
 SOURCE_BACKENDS = ("triton",)  # the backends whose cells carry it
 
 
 def cell_config_source(shape: Shape, num_tokens: int, dtype: str, device: torch.device) -> str | None:
     """The file ``served_by`` names for this cell's lookup (``dtype``: the cell's, a torch dtype's name for the
-    unquantized cells); None for the weight-only schemes (the module's docstring)."""
-    e, n, k = shape.num_experts, shape.n, shape.k
-    if dtype == FP8:
-        name_of = lambda dev: fp8_file_name(e, n, k, dev)  # noqa: E731
-    elif isinstance(getattr(torch, dtype, None), torch.dtype):
-        name_of = lambda dev: config_file_name(e, n, k, getattr(torch, dtype), dev)  # noqa: E731
-    else:
+    unquantized cells), named as ``moekit tune`` names the file it writes (``scheme_for(dtype).file_name``); None for
+    the weight-only schemes (the module's docstring)."""
+    from moekit.bench.tuning import FLOAT_DTYPES, scheme_for  # here: tuning imports the sweep, which imports this
+
+    if dtype != FP8 and dtype not in FLOAT_DTYPES:
         return None
-    return served_by(num_tokens, name_of, device_key(device))
+    file_name = scheme_for(dtype).file_name
+    return served_by(num_tokens, lambda dev: file_name(shape.num_experts, shape.n, shape.k, dev), device_key(device))
