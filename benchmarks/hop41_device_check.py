@@ -18,8 +18,9 @@ calls over the rotated input sets captured in one CUDA graph and the two graphs 
 (and the reverse); the route's plan checked to hold the looked-up tiles. Compile: WORKERS subprocesses run every
 (cell, setting) to be timed once first, eagerly and captured, on zero weights (Triton's disk cache), for at most
 --worker-deadline seconds. Lines as it goes, <out>/hop41.json after each cell, the table last with the verdict:
-SIBLING_CONFIGS = True where every check PASS and the sibling is >= 3% faster in every round of every timed cell (the
-defaults rule); the counts say how far from it a run is.
+SIBLING_CONFIGS = True where every check PASS, the sibling is >= 3% faster in every round of at least one timed cell
+(the defaults rule, per cell) and >= 3% slower in no round of any (the fallback serves them all); the counts say how
+far from it a run is.
 """
 
 from __future__ import annotations
@@ -285,14 +286,16 @@ def summarize() -> None:
             continue
         h, s = c.us["heuristic"], c.us["sibling"]
         faster, slower = wins(s, h), wins(h, s)
-        timed.append((c, faster, len(s)))
+        timed.append((c, faster, len(s), slower))
         RUN.summary.append(f"{label}{statistics.median(h):9.1f} / {statistics.median(s):9.1f}  "
                            f"x{statistics.median(h) / statistics.median(s):.3f}  faster {faster}/{len(s)}  "
                            f"slower {slower}/{len(s)}  ({c.served['sibling']})")
-    every = bool(timed) and all(f == n == ROUNDS for _, f, n in timed) and not RUN.failed
-    RUN.summary.append(f"verdict: {'set SIBLING_CONFIGS = True' if every else 'keep SIBLING_CONFIGS = False'}"
-                       f" ({sum(f == n == ROUNDS for _, f, n in timed)} of {len(timed)} timed cells >= 3% faster in "
-                       f"{ROUNDS}/{ROUNDS} rounds; failed checks: {len(RUN.failed)})")
+    won = sum(f == n == ROUNDS for _, f, n, _ in timed)
+    lost = sum(sl > 0 for _, _, _, sl in timed)
+    on = won > 0 and lost == 0 and not RUN.failed
+    RUN.summary.append(f"verdict: SIBLING_CONFIGS = {on} ({won} of {len(timed)} timed cells >= 3% faster in "
+                       f"{ROUNDS}/{ROUNDS} rounds, {lost} >= 3% slower in some round; failed checks: "
+                       f"{len(RUN.failed)})")
 
 
 def write_out() -> None:
