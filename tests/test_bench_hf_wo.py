@@ -1,4 +1,4 @@
-"""``moekit bench --hf --hf-quant int8_w8a16|int4_w4a16|mxfp4`` on the CPU: the CLI's JSON and table carry the
+"""``moekit bench --hf --hf-quant int8_w8a16|int4_w4a16|mxfp4|fp8_block`` on the CPU: the CLI's JSON and table carry the
 scheme and a row of the float model's blocks quantized by moekit (``moekit_blocks_quant``) beside the unquantized
 blocks and the ceiling; that row is measured against the float64 model of its dequantized experts (the run's
 rounding alone), the float rows against the float model's; the dequantized experts lie in each block's own layout;
@@ -70,6 +70,25 @@ def test_bench_hf_mxfp4_gpt_oss_transposed_experts(tmp_path):
     rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
     assert set(rows) == {"eager", "moekit_blocks", QUANT_BLOCKS_IMPL}
     assert rows[QUANT_BLOCKS_IMPL]["logits_rel_err_vs_fp64"] < 1e-5 < rows[QUANT_BLOCKS_IMPL]["logits_rel_err_vs_eager"]
+
+
+def test_bench_hf_fp8_block_gpt_oss(tmp_path):
+    """fp8_block through moekit's blocks runs gpt-oss (biases, its activation), which transformers' FP8Experts
+    cannot: the row's float64 reference is its dequantized experts, so what remains is the recipe's activation
+    rounding (per token per 128 columns through e4m3), well under the weights' own cost against the float model."""
+    argv = ["bench", "--hf", "--tiny", "--device", "cpu", "--hf-model", "gpt-oss-20b", "--hf-quant", "fp8_block",
+            "--hf-impls", "moekit_blocks", "--no-compile", *SMALL, "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("cpu-hf-fp8_block-*.json")
+    doc = json.loads(path.read_text())
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert set(rows) == {"eager", "moekit_blocks", QUANT_BLOCKS_IMPL}
+    assert doc["quant"]["scheme"] == "fp8_block"
+    quantized = rows[QUANT_BLOCKS_IMPL]
+    assert 1e-4 < quantized["logits_rel_err_vs_fp64"] < 0.05  # e4m3 activations: 2^-4 relative steps, averaged
+    assert quantized["logits_rel_err_vs_fp64"] < quantized["logits_rel_err_vs_eager"]
+    memory = doc["quant"]["memory"]
+    assert memory["experts_quant_bytes"] < memory["experts_float_bytes"] / 3  # 1-byte e4m3 + scales vs float32
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gpt-oss-20b"])

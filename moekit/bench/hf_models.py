@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, WEIGHT_ONLY, use_blocks
+from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, BLOCK_QUANTS, use_blocks
 from moekit.config import MoEConfig
 from moekit.presets import hf_config_of_preset
 
@@ -168,19 +168,19 @@ def register_no_experts() -> None:
 def select_impls(requested: list[str] | None, quant: str | None = None) -> list[str]:
     """``requested`` (default: every registered one but ``NO_EXPERTS_IMPL`` and ``BLOCKS_IMPL``, which run only
     when named) in the registry's order (``BLOCKS_IMPL`` after "moekit"), the reference always included first;
-    with ``quant`` "fp8", among the implementations of transformers' fp8 experts; with a weight-only ``quant``
-    (``hf_wo``), ``QUANT_BLOCKS_IMPL`` always included after ``BLOCKS_IMPL`` (default: those two and
+    with ``quant`` "fp8", among the implementations of transformers' fp8 experts; with a ``quant`` of moekit's
+    blocks (``hf_wo.BLOCK_QUANTS``), ``QUANT_BLOCKS_IMPL`` always included after ``BLOCKS_IMPL`` (default: those two and
     ``NO_EXPERTS_IMPL``, the rows its ratios need)."""
-    weight_only = quant in WEIGHT_ONLY
-    if weight_only:
+    blocks = quant in BLOCK_QUANTS
+    if blocks:
         requested = list(requested or (BLOCKS_IMPL, NO_EXPERTS_IMPL)) + [QUANT_BLOCKS_IMPL]
     elif QUANT_BLOCKS_IMPL in (requested or ()):
-        raise ValueError(f"hf-impls {QUANT_BLOCKS_IMPL} runs with hf-quant one of {WEIGHT_ONLY}, "
+        raise ValueError(f"hf-impls {QUANT_BLOCKS_IMPL} runs with hf-quant one of {BLOCK_QUANTS}, "
                          f"got hf-quant {quant!r}")
     if requested and NO_EXPERTS_IMPL in requested:
         register_no_experts()
     known = experts_implementations(quant)
-    named_only = [NO_EXPERTS_IMPL, BLOCKS_IMPL] + [QUANT_BLOCKS_IMPL] * weight_only
+    named_only = [NO_EXPERTS_IMPL, BLOCKS_IMPL] + [QUANT_BLOCKS_IMPL] * blocks
     unknown = sorted(set(requested or ()) - set(known) - set(named_only))
     if unknown:
         raise ValueError(f"hf-impls must be among {known + named_only}, got unknown {unknown}")

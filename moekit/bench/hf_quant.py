@@ -13,8 +13,8 @@ quantizer refuses to quantize without a GPU; the ops themselves are plain torch)
 Only the experts are quantized (``modules_to_not_convert`` names every other linear): transformers' fp8
 linear layers (attention, LM head) run only through its hub kernels (``kernels-community/finegrained-fp8``,
 DeepGEMM), which an offline run cannot fetch, and they would cost every implementation the same anyway.
-gpt-oss has no fp8 form: ``FP8Experts`` takes no biases. The weight-only values (int8_w8a16, int4_w4a16, mxfp4)
-are moekit's own quantization of its swapped blocks: ``hf_wo``.
+gpt-oss has no form here: ``FP8Experts`` takes no biases (``--hf-quant fp8_block`` runs it: moekit's own fp8
+quantization of its swapped blocks, as the weight-only values int8_w8a16, int4_w4a16, mxfp4 do: ``hf_wo``).
 
 The float64 reference (``hf_fp64``) runs the stored fp8 weights dequantized exactly (e4m3 x scale in
 float64) through ``FP8Experts``' own loop, which takes a float weight as a plain ``F.linear``: the model
@@ -29,10 +29,10 @@ import types
 import torch
 from torch import nn
 
-from moekit.bench.hf_wo import WEIGHT_ONLY
+from moekit.bench.hf_wo import BLOCK_QUANTS
 from moekit.quant.fp8_block import DEFAULT_BLOCK_SHAPE, FP8_DTYPE
 
-HF_QUANTS = ("fp8", *WEIGHT_ONLY)  # the --hf-quant values: transformers' fp8 experts, moekit's weight-only blocks
+HF_QUANTS = ("fp8", *BLOCK_QUANTS)  # the --hf-quant values: transformers' fp8 experts, moekit's quantized blocks
 # Widths of the tiny fp8 models: transformers quantizes whole 128 x 128 blocks only (a weight whose rows or
 # columns are not multiples of 128 stays float), so hidden and expert widths are 128 here, not --tiny's 64 / 32.
 FP8_TINY = {
@@ -57,7 +57,7 @@ NOT_ON_CPU = ("NotOnCPU: transformers' fp8 experts run only through its CUDA hub
 def check_quant(quant: str | None, model: str) -> None:
     """ValueError naming ``hf-quant`` where ``quant`` is not a known value or ``model`` has no fp8 form (every
     model has the weight-only ones: moekit's blocks quantize whatever they swap)."""
-    if quant is None or quant in WEIGHT_ONLY:
+    if quant is None or quant in BLOCK_QUANTS:
         return
     if quant not in HF_QUANTS:
         raise ValueError(f"hf-quant must be one of {HF_QUANTS}, got {quant!r}")

@@ -28,7 +28,7 @@ from moekit.bench.hf_models import (
 )
 from moekit.bench.hf_quant import FP8_METHOD, FP8_TINY, quantize_experts_fp8, unavailable
 from moekit.bench.hf_rows import ERR_EAGER, ERR_FP64, NO_REFERENCE, Row
-from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, WEIGHT_ONLY, WO_METHOD, freed_memory
+from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, BLOCK_QUANTS, WO_METHOD, freed_memory
 from moekit.bench.run import commit_id, device_name
 
 RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
@@ -48,7 +48,7 @@ class HFBenchOptions:
     impls: tuple[str, ...] | None = None  # None: every registered one; eager always runs in eager mode
     tiny: bool = False  # tiny widths instead of the published ones
     dtype: str | None = None  # the model's dtype, one of HF_DTYPES; None: bfloat16 on CUDA, float32 on the CPU
-    # None: float experts; "fp8": transformers' fine-grained fp8 experts (hf_quant); one of hf_wo.WEIGHT_ONLY: the
+    # None: float experts; "fp8": transformers' fine-grained fp8 experts (hf_quant); one of hf_wo.BLOCK_QUANTS: the
     # float model, and its blocks swapped to moekit's layer and quantized with it (the QUANT_BLOCKS_IMPL row)
     quant: str | None = None
 
@@ -220,7 +220,7 @@ def float64_decode_errors(model, compiled: CompiledRows, prompt: torch.Tensor, q
     counts, not only those before the tokens diverge from another run's); a weight-only ``quant``'s
     ``QUANT_BLOCKS_IMPL`` row against the float64 model of its dequantized experts (one float64 model at a time).
     Failures go to the row's errors."""
-    blocks_quant = quant if quant in WEIGHT_ONLY else None
+    blocks_quant = quant if quant in BLOCK_QUANTS else None
     quantized = [r for r in compiled.rows if blocks_quant and r.impl == QUANT_BLOCKS_IMPL]
     for rows, weights in (([r for r in compiled.rows if r not in quantized], None), (quantized, blocks_quant)):
         if rows:
@@ -325,7 +325,7 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
         float64_decode_errors(model, compiled, inputs.prompt, opts.quant)
         log("float64 decode steps: " + ", ".join(f"{r.impl} {_fp64_text(r)}" for r in compiled.rows))
         rows += compiled.rows
-    memory = freed_memory(model, opts.quant, log) if opts.quant in WEIGHT_ONLY else None
+    memory = freed_memory(model, opts.quant, log) if opts.quant in BLOCK_QUANTS else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -339,7 +339,7 @@ def _float64_prefills(model, batch: torch.Tensor, quant: str | None, log) -> tup
     fp64 = Float64Refs(float64_prefill(model, batch))
     log(f"float64 prefill (eager experts{', streamed' if fp64.weights.streamed else ''}): "
         f"{fp64.weights.error or 'done'}")
-    if quant not in WEIGHT_ONLY:
+    if quant not in BLOCK_QUANTS:
         return fp64, None
     use_impl(model, QUANT_BLOCKS_IMPL, quant)  # quantized now: the float64 model reads its experts
     fp64.quantized = float64_prefill(model, batch, blocks_quant=quant)
@@ -363,7 +363,7 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
         # freed_memory: a dict, or why not)
         **({"quant": {"scheme": opts.quant, "impl": QUANT_BLOCKS_IMPL, "fp64_logits_rel_err": quant_cost,
                       "memory": memory}}
-           if opts.quant in WEIGHT_ONLY else {}),
+           if opts.quant in BLOCK_QUANTS else {}),
         "layers": opts.layers,
         "settings": asdict(opts),
         "method": (

@@ -1,10 +1,12 @@
-"""``moekit bench --hf --hf-quant int8_w8a16|int4_w4a16|mxfp4``: the model's MoE blocks run as moekit's layer with
-their experts quantized by moekit's weight-only schemes, beside the same blocks unquantized.
+"""``moekit bench --hf --hf-quant int8_w8a16|int4_w4a16|mxfp4|fp8_block``: the model's MoE blocks run as moekit's
+layer with their experts quantized by moekit (the weight-only schemes, or fp8_block: DeepSeek-V3's recipe, for every
+model, gpt-oss's biases too), beside the same blocks unquantized.
 
     float model ──use_moekit_blocks───────────────▶ moekit_blocks        (the float experts)
                 ──use_moekit_blocks(quant=scheme)─▶ moekit_blocks_quant  (MoE.quantize_(scheme))
 
-transformers has no form of these schemes for its experts, so the quantized row is moekit's whole layer over the
+transformers has no form of the weight-only schemes for its experts (nor fp8 experts with biases: gpt-oss), so the
+quantized row is moekit's whole layer over the
 block's router with its experts quantized from the block's weights, as a user gets it with
 ``use_moekit_blocks(model, quant=scheme)``. Both sets of swapped blocks are made once and kept on the model; a row
 puts its set in place (``use_blocks``), so a compiled graph meets the same modules every pass, and every other row
@@ -30,7 +32,8 @@ from torch import nn
 
 from moekit.bench.hf_measure import error_text
 
-WEIGHT_ONLY = ("int8_w8a16", "int4_w4a16", "mxfp4")  # the --hf-quant values run by moekit's blocks
+# the --hf-quant values run by moekit's blocks (their experts quantized by MoE.quantize_)
+BLOCK_QUANTS = ("int8_w8a16", "int4_w4a16", "mxfp4", "fp8_block")
 QUANT_BLOCKS_IMPL = "moekit_blocks_quant"  # the row of the blocks whose experts are quantized
 _SETS_ATTR = "_moekit_bench_block_sets"  # on the model: {quant or None: {block: its BlockSwap}}
 WO_METHOD = ("; {quant} (--hf-quant): moekit_blocks_quant is every MoE block swapped by "

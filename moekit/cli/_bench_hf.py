@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fp8: the experts quantized with transformers' fine-grained fp8 (FineGrainedFP8Config: e4m3, "
                    "128x128 block scales); implementations are then those of its FP8Experts (qwen3, mixtral, "
                    "deepseek-v3). "
-                   "int8_w8a16, int4_w4a16 or mxfp4: the model stays in --hf-dtype and the row moekit_blocks_quant "
-                   "runs it with every MoE block swapped to moekit's layer and its experts quantized by moekit "
+                   "int8_w8a16, int4_w4a16, mxfp4 or fp8_block: the model stays in --hf-dtype and the row "
+                   "moekit_blocks_quant runs it with every MoE block swapped to moekit's layer and its experts "
+                   "quantized by moekit (fp8_block: the fp8 recipe for every model, gpt-oss-20b too) "
                    "(use_moekit_blocks(model, quant=...)); --hf-impls defaults to moekit_blocks,no_experts beside it "
                    "(every model). Default: off, the experts in --hf-dtype")
     g.add_argument("--tiny", action="store_true",
