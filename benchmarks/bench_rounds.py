@@ -7,8 +7,8 @@ win is counted round by round against the base of the same round), the medians, 
     rounds = interleaved(graphs, len(sets), dev, ROUNDS, REPLAYS)        # name -> [µs a call, each round]
     wins(rounds["wide"], rounds["pick"])                               # rounds "wide" took <= 0.97 x "pick"
 
-Used by the device checks ``wo_tc``, ``wo_mma``, ``wo_ahead``, ``wo_fold``, ``dec7``, ``wol7``, ``mid7``,
-``prefill``, ``prefill6``, ``pre7``, ``f8pre`` and ``padding`` (their run bookkeeping: ``bench_run``).
+Used by the device checks (``hop41``, ``wo38``, ``gpt39``, ``wom40``, ``fpb40``, ``gof41``, ``wo_fold``, ``wolean``,
+``hfg32``, ``fam34``, ...; their run bookkeeping: ``bench_run``).
 """
 
 from __future__ import annotations
@@ -84,32 +84,6 @@ def interleaved(graphs: dict, calls: int, dev, rounds: int, replays: int, until:
     return samples
 
 
-def rotated_rounds(label: str, names: list, rounds: int, measure, stop, log, rotate: bool = True,
-                   say_stop: bool = True) -> dict:
-    """name -> [µs, each round] of ``measure(name)`` (µs, or None: a failure, that name dropped from later rounds),
-    every name once a round, each round starting one name further along where ``rotate`` (the first of a round runs
-    after the host's gap: it must not always be the same variant). ``stop(r)`` true ends the rounds before round r
-    ("deadline" logged where ``say_stop``); each round's values logged. Names never measured are left out."""
-    per: dict = {n: [] for n in names}
-    order = list(names)
-    for r in range(rounds):
-        if not order:
-            break
-        if stop(r):
-            if say_stop:
-                log(f"{label}: deadline, {r} rounds")
-            break
-        turn = order[r % len(order):] + order[:r % len(order)] if rotate else list(order)
-        for n in turn:
-            got = measure(n)
-            if got is None:
-                order.remove(n)
-            else:
-                per[n].append(got)
-        log(f"{label} round {r}: " + ", ".join(f"{n} {t[-1]:.1f}" for n, t in per.items() if t))
-    return {n: t for n, t in per.items() if t}
-
-
 def medians(rounds: dict) -> dict:
     """name -> the median of its rounds."""
     return {name: statistics.median(v) for name, v in rounds.items()}
@@ -151,24 +125,9 @@ def eager_us(calls: dict, rounds: int, n_calls: int) -> dict:
     return {k: (statistics.median(host[k]), statistics.median(wall[k])) for k in calls}
 
 
-class _Nothing:
-    """A graph that replays nothing: ``settled``'s warm-up of a name timed straight after the one before it."""
-
-    def replay(self) -> None:
-        pass
-
-
-NOTHING = _Nothing()
-
-
 def turned(r: int, names: list) -> list:
     """``settled``'s default order of round r: ``names`` turned r places (cyclic: each keeps its predecessor)."""
     return names[r % len(names):] + names[:r % len(names)]
-
-
-def swapped(r: int, names: list) -> list:
-    """An order of round r that reverses ``names`` every other round (two names: each before the other as often)."""
-    return list(names) if r % 2 == 0 else list(names)[::-1]
 
 
 def shuffled(r: int, names: list) -> list:
@@ -183,9 +142,8 @@ def settled(entries: dict, calls: int, dev, rounds: int, replays: int, until: fl
     (the graph timed, the graph replayed once just before it, unmeasured: None for the timed graph itself), so no
     name inherits the clock and power state the graph before it in the round left (session 31: the pick, timed right
     after the bf16 call's graph every round, read 5-14% above the same launches timed elsewhere at DeepSeek-V3 4096
-    and Mixtral 1024). ``order(r, names)``: round r's order (``turned``, ``swapped``, ``shuffled``; NOTHING as the
-    warm graph and a fixed order give ``interleaved``'s rounds); no round after the first begins past ``until``
-    (``time.time()``). Off the GPU (no ``timer``): one NaN each."""
+    and Mixtral 1024). ``order(r, names)``: round r's order (``turned``, ``shuffled``); no round after the first
+    begins past ``until`` (``time.time()``). Off the GPU (no ``timer``): one NaN each."""
     if timer is None:
         if dev.type != "cuda":
             return {name: [float("nan")] for name in entries}

@@ -1,7 +1,8 @@
 """What a device check keeps besides its timings: the PASS / FAIL lines and the failed list, a log stamped with the
 run's seconds, the table printed last, a watchdog that prints the table so far and ends the run when nothing was
-logged for a while (a hung kernel), the JSON header (device, torch, triton), the ceilings in this run, and one
-child process a cell (a fault loses only its cell). Timing: ``bench_rounds``.
+logged for a while (a hung kernel), the JSON header (device, torch, triton), the ceilings in this run, a
+case-by-case run's command line and loop, the phases of a run against its deadline, host / wall µs of eager calls,
+a transformers ``generate``. Timing: ``bench_rounds``.
 
     RUN = RunLog("whole calls, graph replay, median of the rounds", stall_s=30.0)
     threading.Thread(target=RUN.watchdog, daemon=True).start()
@@ -15,9 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from typing import Callable
@@ -204,76 +202,3 @@ def ceilings(dev, fp8: bool = False) -> dict:
     if fp8:
         got["fp8_mm_TFLOPs"] = measure_fp8_mm(dev).TFLOPs
     return got
-
-
-def _child_cells(cmd: list, timeout: float, path: str) -> tuple[dict, int | str]:
-    """``cmd`` run for at most ``timeout`` s; (the JSON it wrote at ``path``, {"cells": [], "failed": []} if none,
-    and its exit status or "timeout")."""
-    try:
-        rc = subprocess.run(cmd, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-    return got, rc
-
-
-def cells_in_children(script: str, labels: list, out: str, tag: str, run: RunLog, deadline: float, min_left: float,
-                      flags: Callable[[float], list]) -> tuple[list, list]:
-    """Cell i run as ``script --cell i --out out`` + ``flags(seconds left)``, one process a cell, each writing
-    <out>/<tag>-i.json ({"cells": [...], "failed": [...]}); a cell is skipped when less than ``min_left`` of
-    ``deadline`` (s from ``run``'s start) is left, a child killed when none is. Returns (the children's cell dicts,
-    the labels skipped); their failures, and a child's exit other than 0 / 1, go to ``run.failed``."""
-    cells, skipped = [], []
-    for i, label in enumerate(labels):
-        left = deadline - run.elapsed()
-        if left < min_left:
-            skipped.append(label)
-            continue
-        cmd = [sys.executable, os.path.abspath(script), "--cell", str(i), "--out", out] + flags(left)
-        got, rc = _child_cells(cmd, left, os.path.join(out, f"{tag}-{i}.json"))
-        cells += got["cells"]
-        run.failed.extend(got["failed"] + ([f"{label}: child exit {rc}"] if rc not in (0, 1) else []))
-        print(f"-- cell {i} done at {run.elapsed():.1f} s (exit {rc})", flush=True)
-    return cells, skipped
-
-
-def group_args(tag: str, argv=None) -> argparse.Namespace:
-    """The command line of a check run in groups (``run_groups``); --out's default /tmp/<tag>."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.environ.get("OUT") or f"/tmp/{tag}")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--deadline", type=float, default=70.0, help="wall-clock seconds; groups past it are skipped")
-    p.add_argument("--group", type=int, help="run one group in this process (the parent starts one per group)")
-    p.add_argument("--groups", type=int, nargs="+", help="the GROUPS to run, in this order (default: all; --smoke: 0)")
-    p.add_argument("--cells", help="(a group) where its JSON goes")
-    p.add_argument("--until", type=float, default=float("inf"), help="(a group) no timing round begins past this")
-    return p.parse_args(argv)
-
-
-def run_groups(script: str, tag: str, groups: tuple, args: argparse.Namespace, start: float,
-               failed: list) -> list[dict]:
-    """The parent of a check run in groups ((preset, scheme, Ms, variants) each): group i, in ``args.groups``' order
-    (default all; --smoke: 0), run as ``script --group i --cells TMP --until T [--smoke]`` in its own process, which
-    writes TMP/<tag>-i.json ({"cells": [...], "failed": [...]}); a group is skipped when less than 12 s of
-    ``args.deadline`` (s from ``start``) is left, killed when none is. Its failures go to ``failed``, and a child's
-    exit other than 0 / 1, or 1 with no failed line (it raised), too. Returns the children's cell dicts (after
-    printing the total and the groups skipped)."""
-    import triton
-
-    print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped, tmp = [], [], tempfile.mkdtemp(prefix=f"{tag}-")
-    for i in args.groups or ([0] if args.smoke else range(len(groups))):
-        preset, scheme, ms, _ = groups[i]
-        left = args.deadline - (time.perf_counter() - start)
-        if left < 12:
-            skipped.append(f"{preset} {scheme} M={ms}")
-            continue
-        cmd = [sys.executable, os.path.abspath(script), "--group", str(i), "--cells", tmp,
-               "--until", str(time.time() + left - 4)] + ["--smoke"] * args.smoke
-        got, rc = _child_cells(cmd, left, os.path.join(tmp, f"{tag}-{i}.json"))
-        cells += got["cells"]
-        broken = rc not in (0, 1) or (rc == 1 and not got["failed"])  # 1 with no failed line: it raised
-        failed.extend(got["failed"] + ([f"{preset} {scheme}: child exit {rc}"] if broken else []))
-        print(f"-- group {i} done at {time.perf_counter() - start:.1f} s (exit {rc})", flush=True)
-    print(f"total {time.perf_counter() - start:.1f} s; FAILED:", failed or "none", "; SKIPPED:", skipped or "none")
-    return cells

@@ -1,4 +1,4 @@
-"""The compile-worker pool of the decode device checks (``decode_q3_device_check.py``, ``m1_device_check.py``,
+"""The compile-worker pool of the device checks (``decode_q3_device_check.py``, ``hop41_device_check.py``,
 ``held_run.py``'s weight-only checks).
 
 Each worker is the check script itself run with ``--worker TASKS`` (a JSON list of (cell, variant) pairs): it

@@ -1,6 +1,7 @@
 """What one replay of a CUDA graph runs on the GPU, read from torch.profiler's CUPTI trace: every kernel, memset
 and copy in order with its grid, block, dynamic shared memory, registers and µs (the device checks' way to compare
-two graphs' launches; ``wopk31_device_check.py``: the route's pick against the same options named). Only on a GPU.
+two graphs' launches; session 31's ``wopk31_device_check.py`` compared the route's pick with the same options
+named). Only on a GPU.
 
     rows = graph_kernels(graph)          # [GpuOp], in the order the GPU started them
     print("\\n".join(op_lines(rows)))

@@ -1,5 +1,5 @@
 """The run of the weight-only checks whose presets' weights are held while their cells run, beside compile workers
-(``wo4k``, ``wo8``, ``wolean``, ``wol7``, ``wopk31`` ``_device_check.py``): the command line, the cell loop, the
+(``wolean_device_check.py``, ``wo38_device_check.py``): the command line, the cell loop, the
 JSON and table of the cells so far, and a watchdog past the deadline (a hung kernel).
 
     specs = [HeldCell(ci, preset, 6.0, f"{preset} M={m}", preset, preset) for ci, (preset, m) in enumerate(CELLS)]

@@ -1,4 +1,5 @@
-"""``op34_device_check``'s dispatch phase: one kernel that only returns zeros like x, registered the ways moekit's
+"""The dispatch phase of ``opg35_device_check`` (and of session 34's ``op34_device_check``, removed: ``git show
+87f368f6:benchmarks/op34_device_check.py``): one kernel that only returns zeros like x, registered the ways moekit's
 ops are (or could be), in the scratch namespace ``op34``. triton_experts' schema: x, w13, w2, ids, weights, three
 optional tensors, the activation's 6 fields and 20 launch options (ints and bools); cpu_experts': 19 arguments."""
 

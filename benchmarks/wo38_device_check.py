@@ -40,7 +40,7 @@ from bench_run import RunLog, run_info, write_json  # noqa: E402
 from compile_workers import compile_one, spawn_workers, task_status  # noqa: E402
 from held_run import held_device, start_watchdog  # noqa: E402
 from wo38_variants import CALLS, SMOKE_CELLS, CellSpec, Variant, compile_shape, shape_of, variants  # noqa: E402
-from wo8_variants import Weights  # noqa: E402
+from wo_weights import Weights  # noqa: E402
 from wo_device_check import rel_err  # noqa: E402
 
 import moekit.experts.triton_gluon_wo as gluon_wo  # noqa: E402

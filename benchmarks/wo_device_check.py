@@ -74,7 +74,7 @@ FAILED, check = RUN.failed, RUN.check
 
 def decodes(scheme: str, m: int) -> tuple:
     """The decodes a cell times: tile and register, and gemv where the chooser may pick it (int4 at
-    M <= 8; ``wo_speed_device_check`` times it everywhere else, where it lost)."""
+    M <= 8; session 9's ``wo_speed_device_check`` timed it everywhere else, where it lost)."""
     return ("tile", "register") + (("gemv",) if scheme == "int4_w4a16" and m <= 8 else ())
 
 

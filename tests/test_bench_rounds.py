@@ -1,7 +1,7 @@
 """The device checks' shared timing and run logic (``benchmarks/bench_rounds.py``, ``benchmarks/bench_run.py``)
-on the CPU: interleaved rounds and rotated rounds driven by a fake timer / fake measurements, the win counts
-against hand-counted rounds, the run log's lines, its watchdog in a child process, and the child-process cell
-loop with a stand-in cell script. Nothing here times anything."""
+on the CPU: interleaved and settled rounds driven by a fake timer, the win counts against hand-counted rounds, the
+run log's lines, its watchdog in a child process, the held-weights cell loop of ``held_run``, the JSON header.
+Nothing here times anything."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -92,14 +91,13 @@ def test_settled_replays_each_predecessor_once_unmeasured_and_turns_the_order():
     assert timed == [[name.split("@")[0]] * 3 for name in order]
 
 
-def test_settled_in_a_given_order_without_warm_replays():
+def test_settled_in_a_given_order():
     trace: list = []
     a, b, c = (FakeGraph(n, trace) for n in "abc")
-    entries = {"a": (a, br.NOTHING), "b": (b, br.NOTHING), "c": (c, br.NOTHING)}
+    entries = {"a": (a, None), "b": (b, None), "c": (c, None)}
     br.settled(entries, 1, CPU, rounds=2, replays=1, timer=lambda run: run() or 1.0,
                order=lambda r, names: ["c", *names[:2]] if r else names)
-    assert trace == ["a", "b", "c", "c", "a", "b"]  # nothing replayed but the timed graphs
-    assert br.swapped(1, ["x", "y"]) == ["y", "x"] and br.swapped(2, ["x", "y"]) == ["x", "y"]
+    assert trace == ["a", "a", "b", "b", "c", "c", "c", "c", "a", "a", "b", "b"]  # each warmed by itself, then timed
     assert br.turned(4, ["x", "y", "z"]) == ["y", "z", "x"]
     names = list("abcdef")
     orders = [br.shuffled(r, names) for r in range(5)]
@@ -111,41 +109,6 @@ def test_settled_in_a_given_order_without_warm_replays():
 def test_settled_off_the_gpu_without_a_timer_is_one_nan_each():
     got = br.settled({"a": (None, None)}, 1, CPU, rounds=5, replays=5)
     assert list(got) == ["a"] and got["a"][0] != got["a"][0]
-
-
-def test_rotated_rounds_starts_each_round_one_further_along():
-    order: list = []
-    lines: list = []
-
-    def measure(n):
-        order.append(n)
-        return float(len(order))
-
-    got = br.rotated_rounds("cell", ["a", "b", "c"], 3, measure, lambda r: False, lines.append)
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert got == {"a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
-    assert lines[0] == "cell round 0: a 1.0, b 2.0, c 3.0"
-    plain: list = []
-    br.rotated_rounds("x", ["a", "b"], 2, lambda n: plain.append(n) or 1.0, lambda r: False, lambda m: None,
-                      rotate=False)
-    assert plain == ["a", "b", "a", "b"]
-
-
-def test_rotated_rounds_drops_a_failed_name_and_stops_when_told():
-    lines: list = []
-    calls: list = []
-
-    def measure(n):
-        calls.append(n)
-        return None if n == "bad" else 2.0
-
-    got = br.rotated_rounds("c", ["bad", "ok", "never"], 4, measure, lambda r: r >= 2, lines.append)
-    assert calls == ["bad", "ok", "never", "never", "ok"]  # round 1: one along what is left ("bad" dropped)
-    assert got == {"ok": [2.0, 2.0], "never": [2.0, 2.0]}  # "bad" measured nothing: left out
-    assert lines[-1] == "c: deadline, 2 rounds"
-    quiet: list = []
-    br.rotated_rounds("c", ["a"], 3, lambda n: 1.0, lambda r: r >= 1, quiet.append, say_stop=False)
-    assert quiet == ["c round 0: a 1.0"]
 
 
 def test_wins_faster_rounds_and_versus_against_hand_counts():
@@ -197,59 +160,6 @@ def test_watchdog_prints_the_table_and_exits_when_nothing_is_logged():
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 3
     assert "STALLED 0 s after: last words" in done.stdout and "stalled table\nso far\nFAILED: none" in done.stdout
-
-
-CELL_SCRIPT = """
-import json, os, sys
-i, out = int(sys.argv[sys.argv.index("--cell") + 1]), sys.argv[sys.argv.index("--out") + 1]
-if i == 1:
-    sys.exit(2)  # a crash: no JSON
-with open(os.path.join(out, f"t-{i}.json"), "w") as f:
-    json.dump({"cells": [{"i": i, "flags": sys.argv[5:]}], "failed": ["cell 2 slow"] if i == 2 else []}, f)
-"""
-
-
-def test_cells_in_children_collects_each_cell_and_its_failures(tmp_path, capsys):
-    script = tmp_path / "cells.py"
-    script.write_text(CELL_SCRIPT)
-    run = bench_run.RunLog()
-    cells, skipped = bench_run.cells_in_children(str(script), ["c0", "c1", "c2"], str(tmp_path), "t", run, 600.0, 1.0,
-                                                 lambda left: ["--smoke"])
-    assert cells == [{"i": 0, "flags": ["--smoke"]}, {"i": 2, "flags": ["--smoke"]}] and skipped == []
-    assert run.failed == ["c1: child exit 2", "cell 2 slow"]
-    assert capsys.readouterr().out.count("-- cell ") == 3
-    late = bench_run.RunLog()
-    cells, skipped = bench_run.cells_in_children(str(script), ["c0", "c1"], str(tmp_path), "t", late, 5.0, 10.0,
-                                                 lambda left: [])
-    assert cells == [] and skipped == ["c0", "c1"] and late.failed == []
-
-
-GROUP_SCRIPT = """
-import json, os, sys
-i, tmp = int(sys.argv[sys.argv.index("--group") + 1]), sys.argv[sys.argv.index("--cells") + 1]
-failed = {0: [], 1: ["g1 check"], 2: []}[i]
-with open(os.path.join(tmp, f"g-{i}.json"), "w") as f:
-    json.dump({"cells": [{"i": i, "smoke": "--smoke" in sys.argv}], "failed": failed}, f)
-sys.exit({0: 0, 1: 1, 2: 1}[i])  # group 2 exits 1 with no failed line: it raised
-"""
-
-
-def test_run_groups_runs_the_order_given_and_counts_a_bare_exit_1_as_failed(tmp_path, capsys):
-    pytest.importorskip("triton")
-    script = tmp_path / "groups.py"
-    script.write_text(GROUP_SCRIPT)
-    groups = tuple(("p", f"s{i}", (1,), ()) for i in range(3))
-    args = bench_run.group_args("g", ["--groups", "2", "0", "1", "--smoke"])
-    failed: list = []
-    cells = bench_run.run_groups(str(script), "g", groups, args, time.perf_counter(), failed)
-    assert cells == [{"i": 2, "smoke": True}, {"i": 0, "smoke": True}, {"i": 1, "smoke": True}]
-    assert failed == ["p s2: child exit 1", "g1 check"]
-    out = capsys.readouterr().out
-    assert [line.split(" done")[0] for line in out.splitlines() if line.startswith("-- group")] == [
-        "-- group 2", "-- group 0", "-- group 1"]
-    late = bench_run.group_args("g", ["--deadline", "5"])
-    assert bench_run.run_groups(str(script), "g", groups, late, time.perf_counter(), []) == []
-    assert "SKIPPED: ['p s0 M=(1,)', 'p s1 M=(1,)', 'p s2 M=(1,)']" in capsys.readouterr().out
 
 
 @dataclasses.dataclass

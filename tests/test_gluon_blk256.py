@@ -3,8 +3,9 @@ the tile list (which 128-row blocks start a tile, how many 64-row sub-tiles it c
 experts' row counts, the torch twin against a float64 loop (rows it skips untouched), the tile's fit, the down GEMM
 refused on such tiles, and the plain and lean launches (a torch stand-in in the kernel's place,
 ``_gluon_fakes.blk256_gemm``) against a float64 loop of the layer.
-The kernel compiles for sm_90 in ``benchmarks/blk256_compile_cpu.py`` and runs on the H200 in
-``benchmarks/blk256_device_check.py``."""
+The kernel's sm_90 SASS: ``benchmarks/gluon_sass_diff_cpu.py`` (``blk256_up``); session 28 compiled it in
+``blk256_compile_cpu.py`` and ran it on the H200 in ``blk256_device_check.py`` (both removed: ``git show
+87f368f6:benchmarks/blk256_device_check.py``)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ tile reaches the plain and the lean launches, with the GEMMs as torch stand-ins
 (``_gluon_fakes.fp8_gemm``) equal to the default tiles bit for bit and to the recipe in float64; the wide tile's
 and the gate-up's refusals; the plan takes the pipelined down tile at the measured shape and rows, never for an
 odd count of down K-steps (the route falls back to the waited loop).
-The kernel itself (Gluon, sm_90 only): ``benchmarks/f8pp_device_check.py`` / ``f8r32_device_check.py`` on the H200,
-compiled offline by ``benchmarks/gluon_fp8_compile_cpu.py``."""
+The kernel itself (Gluon, sm_90 only): compiled offline by ``benchmarks/gluon_fp8_compile_cpu.py``; sessions 31 / 32 ran
+it on the H200 in ``f8pp_device_check.py`` / ``f8r32_device_check.py`` (removed: ``git show
+87f368f6:benchmarks/f8r32_device_check.py``)."""
 
 from __future__ import annotations
 

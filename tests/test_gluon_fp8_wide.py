@@ -2,8 +2,8 @@
 the GEMMs as torch stand-ins that address the weights tile by tile as the kernel does (``_gluon_fakes.fp8_gemm``:
 a wrong column-block count or second-tile offset leaves NaN or wrong columns), against the [128, 128] tiles bit for
 bit and a float64 loop; the refusals; where the plan takes it (``wants_wide_down``: from 4096 rows per expert, with
-the 4-group gather) and the ``triton`` backend's call there. The kernel itself: ``benchmarks/f8pre_device_check.py``
-on the H200."""
+the 4-group gather) and the ``triton`` backend's call there. The kernel itself: session 27's
+``f8pre_device_check.py`` on the H200 (removed: ``git show 87f368f6:benchmarks/f8pre_device_check.py``)."""
 
 from __future__ import annotations
 

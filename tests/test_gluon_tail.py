@@ -1,8 +1,8 @@
 """The folded-tail Gluon down GEMM (``triton_gluon_tail``, issue 19's padding tax) on the CPU: the tile list (which
 row blocks fold the next one) against a reference computed from the experts' row counts, the launches (a torch
 stand-in in the kernel's place) against a float64 loop on every real row, the SMEM fit, and where the route takes it.
-The kernel itself runs on the H200 (``benchmarks/padding_device_check.py``) and compiles for sm_90 in
-``benchmarks/tail_compile_cpu.py``."""
+The kernel itself compiles for sm_90 in ``benchmarks/tail_compile_cpu.py``; it ran on the H200 in
+``padding_device_check.py`` (removed: ``git show 87f368f6:benchmarks/padding_device_check.py``)."""
 
 from __future__ import annotations
 

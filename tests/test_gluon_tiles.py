@@ -1,6 +1,6 @@
 """The bf16 Gluon GEMM's tile knobs on the CPU (issue 19's ridge variants): the fields' checks, shared memory and
-register fit (the kernels themselves are checked on the H200 by ``benchmarks/ridge_device_check.py`` and compiled
-for sm_90 by ``ridge_compile_cpu.py``)."""
+register fit (the kernels themselves were checked on the H200 by ``ridge_device_check.py`` and compiled for
+sm_90 by ``ridge_compile_cpu.py``, both removed: ``git show 87f368f6:benchmarks/ridge_device_check.py``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ shr, mul.lo, lop3, prmt, fma, add and cvt; ``test_gluon_wo_swap`` runs the swapp
 mxfp4 e2m1 * 2^(e8m0 - 127) rounded to bf16 for every byte and every e8m0 0 .. 254, int4 the session-27 decode's
 float32 fma(128 + code, scale, -(128 + zero) * scale) rounded to bf16, pairs in K order (weight 2j the low half).
 The kernel itself needs a Hopper GPU
-(``benchmarks/wo8_device_check.py`` checks its decoded bits there)."""
+(session 28's ``wo8_device_check.py`` checked its decoded bits there; removed:
+``git show 87f368f6:benchmarks/wo8_device_check.py``)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ the alignment, gather and combine interpreted, the GEMMs as their torch stand-in
 sequence on the pool, and on fresh regions (the branch a CUDA graph capture takes) the same launches: kernel, grid,
 scalars and constexprs, options and every pointer argument's geometry; outputs equal bit for bit. (Session 31: the
 pick read 5-14% above "swapfs" in the device checks' graph replay at DeepSeek-V3 4096 and Mixtral 1024 int8; the
-device side: ``benchmarks/wopk31_device_check.py``.)"""
+device side: ``wopk31_device_check.py``, removed: ``git show 87f368f6:benchmarks/wopk31_device_check.py``.)"""
 
 from __future__ import annotations
 

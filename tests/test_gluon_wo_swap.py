@@ -2,8 +2,8 @@
 on the CPU: the kernel as its torch stand-in (``_gluon_fakes.wo_gemm``: the same product), the layout and combine
 interpreted. Its launches (plain and lean) hand it every parameter, its ring, tiles and warps, and none of the
 session-27 kernel's variant constexprs; the call matches a float64 loop, on one GEMM or both; what it cannot take is
-refused by name. The kernel itself: ``benchmarks/wo4k_device_check.py`` (H200), ``wo4k_compile_cpu.py`` (sm_90
-offline)."""
+refused by name. The kernel itself: ``benchmarks/wo4k_compile_cpu.py`` (sm_90 offline); session 29 ran it on
+the H200 in ``wo4k_device_check.py`` (removed: ``git show 87f368f6:benchmarks/wo4k_device_check.py``)."""
 
 from __future__ import annotations
 

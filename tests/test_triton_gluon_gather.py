@@ -3,7 +3,8 @@ the CPU: the alignment and combine kernels under Triton's interpreter, the Gluon
 (``_gluon_fakes``). What is checked here: the plan (no gather launch, no x_perm region, the GEMM's arguments), the
 output against the gather-kernel route (bit for bit: the same rows reach the same products) and a float64 loop,
 dst written by the GEMM for the combine, and which x the route sends where. The kernel itself (cp.async rows,
-its barriers): ``benchmarks/prefill_device_check.py``'s "lean gather" variant on the H200.
+its barriers): compiled for sm_90 by ``benchmarks/gather_compile_cpu.py``; on the H200 it ran as the "lean gather"
+variant of ``prefill_device_check.py`` (removed: ``git show 87f368f6:benchmarks/prefill_device_check.py``).
 """
 
 from __future__ import annotations

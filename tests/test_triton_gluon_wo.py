@@ -1,7 +1,9 @@
 """The weight-only Gluon path (``decode="gluon"``, ``triton_gluon_wo``) on the CPU: its torch twin and its launches
 (the Gluon GEMM faked in torch, ``_gluon_fakes.wo_gemm``; the layout and combine kernels interpreted) against a
-float64 loop, and the calls it refuses. The GEMM itself needs a Hopper GPU: ``benchmarks/wol7_device_check.py``
-checks it against the twin at the real shapes; ``benchmarks/wol7_compile_cpu.py`` compiles it for sm_90 here."""
+float64 loop, and the calls it refuses. The GEMM itself needs a Hopper GPU: ``benchmarks/wolean_device_check.py``
+checks the path against the reference, the twin and its plain launch at real shapes (session 27's
+``wol7_device_check.py`` is removed: ``git show 87f368f6:benchmarks/wol7_device_check.py``);
+``benchmarks/wol7_compile_cpu.py`` compiles it for sm_90 here."""
 
 from __future__ import annotations
 

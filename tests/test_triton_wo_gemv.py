@@ -3,7 +3,7 @@ Triton's interpreter, tiny shapes: its bit placement for every byte of a word ag
 here, the kernels against the torch twin and the float64 loop of ``test_triton_wo`` (1- and 2-row
 blocks, the tiny-batch shortcut, odd K, group tails, scales per row and per word, split-K, an expert map
 with -1, M = 0), where it applies, and its configs' errors. The inline PTX of the decode (NVIDIA only)
-is checked against the twin by ``benchmarks/wo_speed_device_check.py``.
+is checked against the twin by ``benchmarks/wo_device_check.py`` (int4, M <= 8).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The weight-only path's word MMA decode (``decode="mma"``, ``_kernels/gemm_wo_mma.py``, int8, int4, mxfp4) on the
 CPU under Triton's interpreter, tiny shapes: the kernels against the float64 loop of ``test_triton_wo`` (odd K with a
 group tail, split-K down, an expert map with -1), the MMA order of ``wo_mma_values`` (weights and activations
-permuted alike) against a decoder written here, and its refusals by name. The FAST placement (NVIDIA only) is
-checked against the torch twin at real shapes by ``benchmarks/wo_mma_device_check.py``.
+permuted alike) against a decoder written here, and its refusals by name. The FAST placement (NVIDIA only) was
+checked against the torch twin at real shapes by session 26's ``wo_mma_device_check.py`` (removed:
+``git show 87f368f6:benchmarks/wo_mma_device_check.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 split summed with the activation in one launch) on the CPU under Triton's interpreter, tiny shapes: the gemv
 against the float64 loop of ``test_triton_wo`` (the tiny-batch shortcut and 2-row aligned blocks, splits that
 do not divide the steps, odd K with a group tail, with the down GEMM split too), its launches, and the
-config's errors. The compiled kernels are checked at real shapes by ``benchmarks/wo_ahead_device_check.py``.
+config's errors. The compiled kernels were checked at real shapes by session 21's
+``wo_ahead_device_check.py`` (removed: ``git show 87f368f6:benchmarks/wo_ahead_device_check.py``).
 """
 
 from __future__ import annotations

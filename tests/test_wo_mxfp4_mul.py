@@ -2,8 +2,9 @@
 the CPU: its two PTX listings run in ``test_gluon_wo_fast``'s emulator for every code in every nibble and every e8m0
 scale the placement is exact for (66 .. 192), against a float64 loop (e2m1 * 2^(s - 127), times the decode's 2^-64)
 rounded to bf16; the bf16x2 scale's multiply-add; the per-group split's MMA order under the interpreter (its float
-twin) against a decoder written here; the tuned configs. The kernels run on the GPU in
-``benchmarks/mx9_device_check.py`` (against the torch twin)."""
+twin) against a decoder written here; the tuned configs. The kernels ran on the GPU in
+session 29's ``mx9_device_check.py`` (against the torch twin; removed:
+``git show 87f368f6:benchmarks/mx9_device_check.py``)."""
 
 from __future__ import annotations
 
