@@ -9,8 +9,8 @@ change that should leave the default kernels' machine code alone (an option remo
 
 Kernels: bf16 gate-up (TMA, and gathering in its loader), down (GROUP_M 8 and the narrow tile's plain order), down with
 the 64-row tail, the gate-up GEMM on 256-row tiles (``BLK256_UP_TILE``), the weight-only GEMMs at the variants
-``GLUON_WO_OPTIONS`` launches (``wo_cases``; they share ``gluon_gemm._loader``), the fp8 GEMM (gate-up, the narrow, the wide
-and the pipelined down tile; Mixtral widths; plain calls: no biases, silu).
+``GLUON_WO_OPTIONS`` launches (``wo_cases``; they share ``gluon_gemm._loader``), the fp8 GEMM (gate-up, the narrow, the
+wide and the pipelined down tile; Mixtral widths; plain calls: no biases, silu).
 ``--only PREFIX ...`` dumps the kernels whose names start with one of them (``blk256_up``: two consumers; ``fp8``).
 Each is compiled with the arguments its signature names (``_compile``: a removed parameter is not passed, one the
 case does not know gets a stand-in), DeepSeek-V3-like widths.

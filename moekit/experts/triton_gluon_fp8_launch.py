@@ -200,7 +200,7 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                         CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined,
-                        **(variant.gate_up_constexprs() if gated else PLAIN_VARIANT.gate_up_constexprs()),
+                        **(variant.gate_up_constexprs() if gated else {}),  # the down GEMM: the defaults
                         num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
 
 

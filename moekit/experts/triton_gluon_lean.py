@@ -105,7 +105,8 @@ def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, 
             ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
             None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
             None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down,
-            in_loader, gather_groups, variant, *(None if b is None else (b.dtype, b.data_ptr() & 15) for b in (b13, b2)))
+            in_loader, gather_groups, variant,
+            *(None if b is None else (b.dtype, b.data_ptr() & 15) for b in (b13, b2)))
 
 
 def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
@@ -128,7 +129,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
                in_loader: bool = False, gather_groups: int = 1, variant=None) -> GluonLeanPlan:
     """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``; ``in_loader``: bf16,
     no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows,
-    ``triton_gluon_launch.loader_gather_fits``; ``variant``: fp8's ``Fp8GluonVariant``, None: the plain one)."""
+    ``triton_gluon_launch.loader_gather_fits``; ``variant``: fp8's ``Fp8GluonVariant``)."""
     if in_loader and (fp8 or not loader_gather_fits(x)):
         raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
                          f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
@@ -237,12 +238,9 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True), down_gemm, blocks, weight_blocks)
 
 
-def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_groups: int, variant=None) -> _Part:
-    from moekit.experts.triton_gluon_fp8_launch import (
-        CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M, PLAIN_VARIANT, check_wide,
-    )
+def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_groups: int, variant) -> _Part:
+    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M, check_wide
 
-    variant = PLAIN_VARIANT if variant is None else variant
     rows, num_assignments, top_k, hidden, inter = sizes
     groups, inter_groups = cdiv(hidden, GROUP), cdiv(inter, GROUP)  # x's and h's scale columns
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
@@ -261,7 +259,7 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_gro
                             out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
                            WIDE=tile.wide, PIPE=tile.pipelined, num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers,
-                           **(variant if gated else PLAIN_VARIANT).gate_up_constexprs(), **launch)
+                           **(variant.gate_up_constexprs() if gated else {}), **launch)  # down: the defaults
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
@@ -343,7 +341,7 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
     (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it).
     ``gather_groups`` (fp8): the gather's 128-column groups a program (``triton_gluon_fp8_launch.plan_gluon_fp8``);
-    ``variant`` (fp8): the call's ``Fp8GluonVariant`` (None: plain), ``b13`` / ``b2`` its biases (contiguous; the
+    ``variant`` (fp8): the call's ``Fp8GluonVariant`` (``variant_of``), ``b13`` / ``b2`` its biases (contiguous; the
     recorded launches hold their addresses, in the sequence's key as the scales' are)."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()

@@ -115,7 +115,8 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
             _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
         else:
             _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED, bias_ptr,
-                      expert, cb * col_blocks * BLOCK_N, w_rows, gate_offset, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT)
+                      experts_ptr + rb, cb * col_blocks * BLOCK_N, w_rows, gate_offset, INTERLEAVED, ACT, ALPHA, LIMIT,
+                      UP_SHIFT)
     tma.store_wait(0)
 
 
@@ -221,18 +222,23 @@ def _wide_epilogue(acc, right, c_desc, c_left, c_right, row0, cb):
 
 
 @gluon.jit
-def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr, bias_ptr, expert, first_row, w_rows,
+def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr, bias_ptr, expert_ptr, first_row, w_rows,
               gate_offset, INTERLEAVED: gl.constexpr, ACT: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
               UP_SHIFT: gl.constexpr):
     """One half tile out by TMA: GATED, h = act(gate) * up quantized per row over its 128 columns (one h
     group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64]; else acc in c_desc's dtype.
     bias_ptr (None: none): b13 / b2 rows of the tile's weight rows first_row.. (acc's) and gate_offset + first_row..
-    (up's), added in float32 first. The plain silu keeps its own expression (its kernel as before: SASS-identical);
-    any other gated spec, or interleaved rows, goes through ``_variant_h``."""
+    (up's) of the expert at expert_ptr, added in float32 first. The expert is read again here (volatile: not merged
+    with the tile's first read), so no register holds it through the K loop: with it held, Triton 3.6's ptxas spilled
+    two 64-bit values of consumer 0 in gpt-oss's gate-up K loop (6 local loads / stores a K-step; sm_90 SASS), without
+    none (120 B of spill stores, all in the epilogue; Triton 3.9: one local load in the loop, as the plain kernel's).
+    The plain silu keeps its own expression (its kernel as before: SASS-identical); any other gated spec, or
+    interleaved rows, goes through ``_variant_h``."""
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     tma.store_wait(0)  # the last tile's store has read c_buf
     if bias_ptr is not None:
-        acc, up = _add_biases(acc, up, bias_ptr + expert * w_rows, first_row, w_rows, gate_offset, GATED)
+        acc, up = _add_biases(acc, up, bias_ptr + gl.load(expert_ptr, volatile=True) * w_rows, first_row, w_rows,
+                              gate_offset, GATED)
     if GATED:
         if INTERLEAVED or ACT != 0 or ALPHA != 1.0 or LIMIT is not None or UP_SHIFT != 0.0:
             h = _variant_h(acc, up, first_row, w_rows, gate_offset, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT)
