@@ -8,6 +8,8 @@ and the keys that keep a variant's plans apart from silu's. The kernels themselv
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -148,8 +150,7 @@ def test_route_takes_variants_only_with_the_switch(fake_gemms, monkeypatch):
 
     x, q, ids, weights, b13, b2 = _problem(m=12)
     w13, w2 = _weights(q)
-    off = Fp8GluonChoice(min_flops=1, min_rows_per_expert=0)
-    assert not off.variants and not tgf.DEFAULT_FP8_CHOICE.variants  # the default: off until the device run says
+    off = dataclasses.replace(ON, variants=False)  # main's route (the field's default until a device run says)
     assert not gluon_fp8_takes(x, w13, w2, weights, GPT_OSS, b13, b2, off)
     assert not gluon_fp8_takes(x, w13, w2, weights, GPT_OSS, None, None, off)
     assert not gluon_fp8_takes(x, w13, w2, weights, "silu", None, None, ON)  # N = 208 with the gate rows first
