@@ -59,12 +59,19 @@ gpt39.RUN = RUN  # gpt39's ``captured`` and ``reached`` log into this run's log 
 RESULT: dict = {"run": {}, "checks": {}, "eager": {}, "plain": {}, "failed": RUN.failed}
 
 
+_CHOICES: dict = {}  # on -> the choice: one object each (the fused path's kept entries check the choice by identity)
+
+
 def switched(on: bool):
-    """The route's choice with ``variants`` on or off (the smoke: from any size, its shapes are tiny)."""
+    """The route's choice with ``variants`` on or off (the smoke: from any size, its shapes are tiny); the module's
+    own where it is that one."""
     import moekit.experts.triton_gluon_fp8 as tgf
 
-    base = tgf.Fp8GluonChoice(min_flops=1, min_rows_per_expert=0) if SMOKE else tgf.DEFAULT_FP8_CHOICE
-    return dataclasses.replace(base, variants=on)
+    if on not in _CHOICES:
+        base = tgf.Fp8GluonChoice(min_flops=1, min_rows_per_expert=0) if SMOKE else tgf.DEFAULT_FP8_CHOICE
+        choice = dataclasses.replace(base, variants=on)
+        _CHOICES[on] = tgf.DEFAULT_FP8_CHOICE if choice == tgf.DEFAULT_FP8_CHOICE else choice
+    return _CHOICES[on]
 
 
 def route(w: dict, x, ids, weights, on: bool):
