@@ -141,10 +141,10 @@ def _weights(q):
 
 
 def test_route_takes_variants_only_with_the_switch(fake_gemms, monkeypatch):
-    """``gluon_fp8_takes``: a gpt-oss call never without ``variants`` (main's route: the fused Triton kernels,
-    whose result the backend then returns), always with it where it fits; a non-interleaved spec with N not a
-    multiple of 128 stays off; the ``triton`` backend with the switch on equals the Gluon launch and the reference
-    backend's recipe."""
+    """``gluon_fp8_takes``: a gpt-oss call (and a plain one with a K tail) never without ``variants`` (main's route:
+    the fused Triton kernels, whose result the backend then returns), always with it where it fits; a non-interleaved
+    spec with N not a multiple of 128 stays off; the ``triton`` backend with the switch on equals the Gluon launch
+    and the reference backend's recipe."""
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts import run_experts
 
@@ -154,8 +154,11 @@ def test_route_takes_variants_only_with_the_switch(fake_gemms, monkeypatch):
     assert not gluon_fp8_takes(x, w13, w2, weights, GPT_OSS, b13, b2, off)
     assert not gluon_fp8_takes(x, w13, w2, weights, GPT_OSS, None, None, off)
     assert not gluon_fp8_takes(x, w13, w2, weights, "silu", None, None, ON)  # N = 208 with the gate rows first
-    tail_x, tail_q, _, tail_weights, _, _ = _problem(m=12, n=128)  # K = 176: a plain call with a K tail fits now
-    assert gluon_fp8_takes(tail_x, *_weights(tail_q), tail_weights, "silu", None, None, off)
+    tail_x, tail_q, _, tail_weights, _, _ = _problem(m=12, n=128)  # K = 176: a plain call with a K tail fits now,
+    assert gluon_fp8_takes(tail_x, *_weights(tail_q), tail_weights, "silu", None, None, ON)  # with the switch alone
+    assert not gluon_fp8_takes(tail_x, *_weights(tail_q), tail_weights, "silu", None, None, off)
+    plain_x, plain_q, _, plain_weights, _, _ = _problem(m=12, n=128, hidden=256)  # main's plain call: as before
+    assert gluon_fp8_takes(plain_x, *_weights(plain_q), plain_weights, "silu", None, None, off)
     assert gluon_fp8_takes(x, w13, w2, weights, GPT_OSS, b13, b2, ON)
     assert not gluon_fp8_takes(x, w13, w2, weights, ActivationSpec("gelu"), b13, b2, ON)  # N = 208, gate rows first
 

@@ -55,10 +55,11 @@ class Fp8GluonChoice:
 
     min_flops: float | None = 3e11
     min_rows_per_expert: float = 128.0
-    # Calls with expert biases or another gated activation (gpt-oss's: b13 / b2, interleaved rows, silu alpha 1.702,
-    # limit 7, up + 1; issue 15, session 42) on this path too, where they fit (``gluon_fp8_unfit``: N, K multiples of
-    # 16; without interleaved rows N a multiple of 128). Off: they stay on the fused Triton fp8 kernels, main's route,
-    # until benchmarks/gfp42_device_check.py's device run says the Gluon GEMMs are faster there (the defaults rule).
+    # Calls with expert biases, another gated activation or N / K not multiples of 128 (gpt-oss's: b13 / b2, interleaved
+    # rows, silu alpha 1.702, limit 7, up + 1, N = K = 2880; issue 15, session 42) on this path too, where they fit
+    # (``gluon_fp8_unfit``: N, K multiples of 16; without interleaved rows N a multiple of 128). Off: they stay on the
+    # fused Triton fp8 kernels, main's route, until benchmarks/gfp42_device_check.py's device run says the Gluon GEMMs
+    # are faster there (the defaults rule).
     variants: bool = False
 
     def __post_init__(self) -> None:
@@ -131,9 +132,10 @@ def gluon_fp8_supported(device: torch.device | str) -> bool:
 def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activation, b13, b2,
                     choice: Fp8GluonChoice) -> bool:
     """Whether the ``triton`` and ``triton_gluon`` backends run this call on the fp8 Gluon path: fp8_block weights, a
-    call ``choice`` wants (biases or an activation other than the plain silu only with ``choice.variants``), a
-    device that runs it, a call that fits (``gluon_fp8_unfit``), and nothing that needs the Triton path's custom op
-    (tracing, autograd). The rest stays on the fused Triton kernels at every M (they take both since session 40)."""
+    call ``choice`` wants (biases, an activation other than the plain silu, or N / K not multiples of 128 only with
+    ``choice.variants``), a device that runs it, a call that fits (``gluon_fp8_unfit``), and nothing that needs the
+    Triton path's custom op (tracing, autograd). The rest stays on the fused Triton kernels at every M (they take
+    biases and variants since session 40)."""
     from moekit.experts.triton import _runs_directly
     from moekit.quant import QuantizedWeight
 
@@ -143,7 +145,7 @@ def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activa
             and w13.scheme == w2.scheme == "fp8_block"):
         return False
     plain = b13 is None and b2 is None and (activation == "silu" or as_spec(activation) == _SILU)  # no spec per call
-    if not (plain or choice.variants):
+    if not ((plain and w2.shape[1] % GROUP == 0 and w2.shape[2] % GROUP == 0) or choice.variants):  # main's calls
         return False
     if not gluon_fp8_supported(x.device) or tuple(w13.block_shape) != tuple(w2.block_shape):
         return False
