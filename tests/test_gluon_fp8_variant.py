@@ -15,7 +15,7 @@ import torch
 
 from _fp8_cases import quantize_weight
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
-from _helpers import glu64, rel_l2
+from _helpers import count_served, glu64, rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.activations import ActivationSpec
 from moekit.experts.triton_gluon_fp8 import (
@@ -184,3 +184,21 @@ def test_unfit_names_a_bad_bias(change, reason):
     msg = gluon_fp8_unfit(x, *q, GPT_OSS, (128, 128), **biases)
     assert msg is not None and reason in msg
     assert gluon_fp8_unfit(x, *q, GPT_OSS, (128, 128), b13=b13, b2=b2) is None
+
+
+def test_an_unbiased_variant_call_is_kept_by_its_spec(fake_gemms, monkeypatch):
+    """The backend's fast path keeps a gpt-oss call without biases (its key holds the spec): from the third call (the
+    first compiles, the second records the launches) served from it and equal; a silu call of the same shape and
+    weights is not served from the spec's entry."""
+    import moekit.experts.triton_gluon_fp8 as tgf
+    from moekit.experts import run_experts
+
+    x, q, ids, weights, _, _ = _problem(m=12, n=128, hidden=256)
+    w13, w2 = _weights(q)
+    monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", ON)
+    served = count_served(monkeypatch, tgf, "run_fast_fp8")
+    first, *again = (run_experts(x, w13, w2, ids, weights, backend="triton", activation=GPT_OSS) for _ in range(3))
+    assert served == [1] and all(torch.equal(first, out) for out in again)
+    silu = run_experts(x, w13, w2, ids, weights, backend="triton")
+    assert served == [1]
+    assert torch.equal(silu, experts_gluon_fp8(x, *q, ids, weights)) and not torch.equal(silu, first)
