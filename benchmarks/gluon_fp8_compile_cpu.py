@@ -2,7 +2,8 @@
 GPU, to catch typos and layout errors before a device run, and to read its SMEM, the partitions' register
 counts (setmaxnreg) and ptxas's spills (``ptxas -v`` on the PTX, with the ptxas Triton bundles that takes it).
 
-    PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py     # the plan's tiles (narrow and wide down)
+    PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py     # the plan's tiles, then gpt-oss's two GEMMs
+    PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py variant   # gpt-oss's alone (interleaved, biases, spec)
     PYTHONPATH=/tmp/NAME-site:$PWD python benchmarks/gluon_fp8_compile_cpu.py   # the same on another Triton (3.6)
 
 Needs a Triton whose Gluon has ``GluonASTSource`` (3.9 here; ``triton.compile`` with an explicit
@@ -105,9 +106,26 @@ def report_each(jobs, tail: int = 2500) -> int:
                        tail)
 
 
-def compile_fp8_gemm(gated: bool, tile) -> Compiled:
+@dataclass(frozen=True)
+class Fp8Variant:
+    """A variant call's GEMM (issue #15): gpt-oss-20b's widths (N = K = 2880, not multiples of 128), its biases
+    (b13 for the gate-up GEMM, b2 for the down) and its activation (interleaved rows, silu alpha 1.702, limit 7,
+    up + 1; the down GEMM takes b2 alone)."""
+
+    experts: int = 32
+    inter: int = 2880
+    hidden: int = 2880
+
+
+GPT_OSS = Fp8Variant()
+# The kernel's variant arguments of a plain call (its defaults; ``triton.compile`` takes no default, so every
+# constexpr is given)
+PLAIN_VARIANT = dict(bias_ptr=None, INTERLEAVED=False, ACT=0, ALPHA=1.0, LIMIT=None, UP_SHIFT=0.0)
+
+
+def compile_fp8_gemm(gated: bool, tile, variant: Fp8Variant | None = None) -> Compiled:
     """One GEMM (``tile``: an ``Fp8GluonTile``) at a small shape (E=2, N=256, K=512: shapes only reach the kernel
-    as i32 arguments)."""
+    as i32 arguments), or ``variant``'s (its widths, a bias, its spec)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -115,19 +133,25 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
 
     from moekit.experts._kernels.gluon_gemm_fp8 import grouped_gemm_fp8_kernel as kernel
 
-    e, n, k, t = 2, 256, 512, 1024
+    e, n, k, t = (2, 256, 512, 1024) if variant is None else (variant.experts, variant.inter, variant.hidden, 4096)
     fp8 = torch.float8_e4m3fn
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    groups = -(-r // 128)
     args = dict(a_desc=_descriptor([t, r], [64, 128], fp8), w_desc=_descriptor([e * w_rows, r], [128, 128], fp8),
                 c_desc=_descriptor([t, c], [64, 128], fp8 if gated else torch.bfloat16),
                 as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
                 experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
-                reduce_dim=r, num_col_blocks=c // tile.block_n, w_rows=w_rows,
-                gate_offset=n if gated else (128 if tile.wide else 0),
-                stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
-                stride_wsr=r // 128, stride_cs=c // 128)
+                reduce_dim=r, num_col_blocks=-(-c // tile.block_n), w_rows=w_rows,
+                gate_offset=(128 if variant is not None else n) if gated else (128 if tile.wide else 0),
+                stride_as=groups, stride_wse=-(-w_rows // 128) * groups,
+                stride_wsr=groups, stride_cs=-(-c // 128))
     const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
                  num_warps=4, WIDE=tile.wide, PIPE=tile.pipelined)
+    const |= PLAIN_VARIANT
+    if variant is not None:
+        del const["bias_ptr"]
+        args |= dict(bias_ptr=torch.empty(1, dtype=torch.bfloat16))
+        const |= dict(INTERLEAVED=True, ACT=0, ALPHA=1.702, LIMIT=7.0, UP_SHIFT=1.0) if gated else {}
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
@@ -137,7 +161,7 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
     name = (f"{'gate-up' if gated else 'down'} stages={tile.stages} group_m={tile.group_m} "
             f"regs={tile.max_registers}/{tile.consumer_regs}" + (" wide" if tile.wide else "")
-            + (" pipelined" if tile.pipelined else ""))
+            + (" pipelined" if tile.pipelined else "") + (" gpt-oss variant" if variant is not None else ""))
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
                     getattr(out, "n_spills", None), regs, *ptxas_report(ptx), ptx.count("wgmma.mma_async"))
 
@@ -147,15 +171,19 @@ def main() -> int:
         DOWN_TILE, PIPELINED_DOWN_TILE, UP_TILE, WIDE_DOWN_TILE,
     )
 
-    def line(gated: bool, tile) -> str:
-        c = compile_fp8_gemm(gated, tile)
+    def line(gated: bool, tile, variant) -> str:
+        c = compile_fp8_gemm(gated, tile, variant)
         return (f"{c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, ptxas spill stores "
                 f"{c.spill_bytes} B, wgmma serialized {c.serialized}, wgmma.mma_async {c.wgmmas}")
 
-    jobs = ((True, UP_TILE), (False, DOWN_TILE), (False, WIDE_DOWN_TILE),  # the plan's pipelines
-            (False, PIPELINED_DOWN_TILE))  # wgmmas: 16, 8, 16, 24 expected
-    return report_jobs([(f"{'gate-up' if gated else 'down'} {tile}", lambda g=gated, t=tile: line(g, t))
-                        for gated, tile in jobs], tail=2000)
+    jobs = ((True, UP_TILE, None), (False, DOWN_TILE, None), (False, WIDE_DOWN_TILE, None),  # the plan's pipelines
+            (False, PIPELINED_DOWN_TILE, None),  # wgmmas: 16, 8, 16, 24 expected
+            (True, UP_TILE, GPT_OSS), (False, DOWN_TILE, GPT_OSS))  # gpt-oss's calls (issue 15, session 42)
+    only = sys.argv[1:]  # "variant": gpt-oss's two alone
+    jobs = [job for job in jobs if not only or (job[2] is not None) == ("variant" in only)]
+    return report_jobs([(f"{'gate-up' if gated else 'down'} {tile}" + (" variant" if variant else ""),
+                         lambda g=gated, t=tile, v=variant: line(g, t, v)) for gated, tile, variant in jobs],
+                       tail=2000)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ change that should leave the default kernels' machine code alone (an option remo
 
 Kernels: bf16 gate-up (TMA, and gathering in its loader), down (GROUP_M 8 and the narrow tile's plain order), down with
 the 64-row tail, the gate-up GEMM on 256-row tiles (``BLK256_UP_TILE``), the weight-only GEMMs at the variants
-``GLUON_WO_OPTIONS`` launches (``wo_cases``; they share ``gluon_gemm._loader``), the fp8 GEMM (gate-up, the narrow and
-the wide down tile; Mixtral widths).
+``GLUON_WO_OPTIONS`` launches (``wo_cases``; they share ``gluon_gemm._loader``), the fp8 GEMM (gate-up, the narrow, the
+wide and the pipelined down tile; Mixtral widths; plain calls: no biases, silu).
 ``--only PREFIX ...`` dumps the kernels whose names start with one of them (``blk256_up``: two consumers; ``fp8``).
 Each is compiled with the arguments its signature names (``_compile``: a removed parameter is not passed, one the
 case does not know gets a stand-in), DeepSeek-V3-like widths.
@@ -146,7 +146,7 @@ def wo_cases() -> dict:
 def fp8_case(gated: bool, tile):
     """The route's fp8 GEMM (``tile``: an ``Fp8GluonTile``) at Mixtral's widths (K = 4096, N = 14336), integer
     arguments 16-divisible where their values are (as a launch specializes them)."""
-    from gluon_fp8_compile_cpu import _descriptor as desc
+    from gluon_fp8_compile_cpu import PLAIN_VARIANT, _descriptor as desc
 
     n, k, fp8 = 14336, 4096, torch.float8_e4m3fn
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
@@ -158,7 +158,7 @@ def fp8_case(gated: bool, tile):
     args = ptrs | ints | dict(a_desc=desc([T, r], [64, 128], fp8), w_desc=desc([E * w_rows, r], [128, 128], fp8),
                               c_desc=desc([T, c], [64, 128], fp8 if gated else torch.bfloat16))
     const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                 WIDE=tile.wide, num_warps=4)
+                 WIDE=tile.wide, PIPE=tile.pipelined, num_warps=4) | PLAIN_VARIANT  # no biases, plain silu
     from moekit.experts._kernels.gluon_gemm_fp8 import grouped_gemm_fp8_kernel
 
     aligned = (*ptrs, *(name for name, v in ints.items() if v % 16 == 0))
@@ -167,10 +167,11 @@ def fp8_case(gated: bool, tile):
 
 def fp8_cases() -> dict:
     """{name: () -> compiled} of the route's fp8 GEMMs: gate-up, the narrow and the wide down tile."""
-    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE, WIDE_DOWN_TILE
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, PIPELINED_DOWN_TILE, UP_TILE, WIDE_DOWN_TILE
 
     return {"fp8_gateup": lambda: fp8_case(True, UP_TILE), "fp8_down": lambda: fp8_case(False, DOWN_TILE),
-            "fp8_down_wide": lambda: fp8_case(False, WIDE_DOWN_TILE)}
+            "fp8_down_wide": lambda: fp8_case(False, WIDE_DOWN_TILE),
+            "fp8_down_pipe": lambda: fp8_case(False, PIPELINED_DOWN_TILE)}
 
 
 def dump(out: Path, only: list[str] | None) -> int:

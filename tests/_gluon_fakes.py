@@ -18,8 +18,8 @@ BLOCK = 128
 
 
 def _dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """q [R, C] with one float32 scale per row per 128 columns s [R, >= C/128], in float32."""
-    return q.float() * s[:, : q.shape[1] // BLOCK].repeat_interleave(BLOCK, 1)
+    """q [R, C] with one float32 scale per row per 128 columns s [R, >= ceil(C/128)], in float32."""
+    return q.float() * s[:, : -(-q.shape[1] // BLOCK)].repeat_interleave(BLOCK, 1)[:, : q.shape[1]]
 
 
 def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,29 +96,74 @@ def wo_gemm(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, W_ROWS,
         c[rows] = product.to(c.dtype)
 
 
+def _tma_rows(w: torch.Tensor, first: int) -> torch.Tensor:
+    """Rows first .. first + 127 of the 2-D weight view w [E * W_ROWS, R] as a TMA load reads them: zeros past its
+    last row, float32 [128, R]."""
+    tile = torch.zeros(BLOCK, w.shape[1])
+    rows = w[first:first + BLOCK].float()
+    tile[:rows.shape[0]] = rows
+    return tile
+
+
+def _scaled(tile: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A weight tile [128, R] times its row block's scale of each 128-column K-step (scales [ceil(R/128)])."""
+    return tile * scales.repeat_interleave(BLOCK)[: tile.shape[1]]
+
+
+def _glu_of(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT):
+    """``gemm._glu`` of the constexprs, by ``moekit.activations``' torch definition."""
+    from moekit.activations import ACTIVATIONS, ActivationSpec, apply_glu
+
+    name = next(n for n, a in ACTIVATIONS.items() if a.kernel_id == ACT)
+    return apply_glu(torch.cat((gate, up), dim=1), ActivationSpec(name, alpha=ALPHA, limit=LIMIT, up_shift=UP_SHIFT))
+
+
 def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, num_col_blocks, w_rows,
-             gate_offset, GATED, WIDE=False, **_):
-    """Down GEMM: tile by tile as the kernel addresses them (WIDE: column block cb's weight rows cb*256.. and
-    cb*256 + gate_offset..), so a wrong num_col_blocks or gate_offset leaves NaN columns or wrong ones."""
+             gate_offset, GATED, WIDE=False, bias_ptr=None, INTERLEAVED=False, ACT=0, ALPHA=1.0, LIMIT=None,
+             UP_SHIFT=0.0, **_):
+    """Tile by tile as the kernel addresses them: column block cb's weight rows cb * step.. (step 256 with WIDE or
+    INTERLEAVED, else 128) and gate_offset + those (gated, WIDE), each tile read past the view's last row as zeros
+    and scaled by its row block's scale (INTERLEAVED: the second tile's block clamped to the expert's last), + the
+    bias rows, the interleaved pairs split (rows past W_ROWS zeroed first), the activation, h quantized per 128
+    columns, the output clipped at C (TMA's store); so a wrong num_col_blocks, gate_offset, scale block or bias row
+    leaves NaN columns or wrong ones."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
-    cols, half = c.shape[1], BLOCK // 2
-    step = 2 * BLOCK if WIDE else BLOCK  # output columns per tile
+    cols, half, last = c.shape[1], BLOCK // 2, -(-w_rows // BLOCK) - 1
+    step = 2 * BLOCK if WIDE or INTERLEAVED else BLOCK  # weight rows per column block
+    width = 2 * BLOCK if WIDE else BLOCK  # output columns per tile
     for block in range(int(used_ptr[0]) // BLOCK):
         e = int(experts_ptr[block])
-        w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         for first in (block * BLOCK, block * BLOCK + half):  # the two consumers' 64-row halves
             rows = slice(first, first + half)
             a_deq = _dequant_rows(a[rows], as_ptr[rows])  # [64, R]
-            product = a_deq @ w_e[:cols].T
+            out = torch.full((half, num_col_blocks * width), float("nan"))
+            for cb in range(num_col_blocks):
+                row_a = cb * step  # the expert's weight row of the first tile
+                blocks = (cb * step // BLOCK, min(2 * cb + 1, last) if INTERLEAVED else (row_a + gate_offset) // BLOCK)
+                offsets = (row_a, row_a + gate_offset)
+                prods = [a_deq @ _scaled(_tma_rows(w, e * w_rows + r), ws_ptr[e, b]).T  # [64, 128] each
+                         for r, b in zip(offsets[:2 if GATED or WIDE else 1], blocks)]
+                if bias_ptr is not None:
+                    for j, r in enumerate(offsets[:len(prods)]):
+                        idx = r + torch.arange(BLOCK)
+                        prods[j] = prods[j] + torch.where(idx < w_rows, bias_ptr[e, idx.clamp(max=w_rows - 1)].float(),
+                                                          0.0)
+                if WIDE:
+                    out[:, cb * width:(cb + 1) * width] = torch.cat(prods, dim=1)
+                elif not GATED:
+                    out[:, cb * width:(cb + 1) * width] = prods[0]
+                elif INTERLEAVED:
+                    p0, p1 = (torch.where((r + torch.arange(BLOCK) < w_rows)[None, :], p, 0.0)
+                              for r, p in zip(offsets, prods))
+                    gate, up = torch.cat((p0[:, 0::2], p1[:, 0::2]), 1), torch.cat((p0[:, 1::2], p1[:, 1::2]), 1)
+                    out[:, cb * width:(cb + 1) * width] = _glu_of(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT)
+                else:
+                    out[:, cb * width:(cb + 1) * width] = _glu_of(prods[0], prods[1], ACT, ALPHA, LIMIT, UP_SHIFT)
             if GATED:
-                product = torch.nn.functional.silu(product) * (a_deq @ w_e[gate_offset:gate_offset + cols].T)
-                c[rows], cs_ptr[rows, : cols // BLOCK] = _quant_rows(product)
+                q, scales = _quant_rows(out)
+                c[rows], cs_ptr[rows, :num_col_blocks] = q[:, :cols], scales
             else:
-                out = torch.full((half, cols), float("nan"))
-                for cb in range(num_col_blocks):
-                    for j, w0 in enumerate((cb * step, cb * step + gate_offset) if WIDE else (cb * step,)):
-                        out[:, cb * step + j * BLOCK:cb * step + (j + 1) * BLOCK] = a_deq @ w_e[w0:w0 + BLOCK].T
-                c[rows] = out.to(c.dtype)
+                c[rows] = out[:, :cols].to(c.dtype)
 
 
 def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bool]:

@@ -12,6 +12,7 @@ import torch
 
 from _fp8_cases import e4m3_groups_f64, quantize_weight
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
+from moekit.activations import ActivationSpec
 from moekit.experts.triton_gluon_fp8 import (
     Fp8GluonChoice, experts_gluon_fp8, experts_gluon_fp8_twin, gluon_fp8_layout, gluon_fp8_unfit,
 )
@@ -105,8 +106,10 @@ def test_plan_rows_and_shared_memory_budget():
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(x=torch.float32), "x dtype"), (dict(activation="gelu"), "activation"),
-    (dict(block_shape=(64, 128)), "block_shape"), (dict(strided=True), "strided"), (dict(inter=96), "multiples"),
+    (dict(x=torch.float32), "x dtype"), (dict(activation=ActivationSpec("relu2", gated=False)), "gated activations"),
+    (dict(block_shape=(64, 128)), "block_shape"), (dict(strided=True), "strided"),
+    (dict(inter=96), "multiple of 128 unless"),  # not interleaved: the up rows N + c.. straddle two scale blocks
+    (dict(inter=104, activation=ActivationSpec(interleaved=True)), "multiples of 16"),  # TMA's 16-byte rows
 ])
 def test_unfit_names_the_reason(change, reason):
     x, (w13_q, w13_s, w2_q, w2_s), _, _ = _problem()
@@ -186,7 +189,8 @@ def test_triton_backend_takes_the_fp8_path_by_its_default_choice(monkeypatch):
 
 def test_gemm_compiles_for_sm90():
     """Both GEMMs through Triton's whole pipeline to a cubin for sm_90 (a typo or a layout error fails here,
-    not on the device), within the SM's shared memory, without K-loop register spills and with the wgmmas not
+    not on the device), the plan's tiles and gpt-oss's variant pair (interleaved rows, biases, its spec, N = K =
+    2880), within the SM's shared memory, without K-loop register spills and with the wgmmas not
     serialized (ptxas -v). In a process of its own: this module's interpreted
     kernels leave Triton's frontend patched in this one."""
     pytest.importorskip("triton.experimental.gluon._runtime", reason="no GluonASTSource in this Triton")

@@ -5,6 +5,7 @@ contiguous layout (a plain Triton kernel: it also runs in the interpreter) and t
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -64,6 +65,51 @@ PIPELINED_DOWN_TILE = Fp8GluonTile(stages=5, pipelined=True)
 
 
 @dataclass(frozen=True)
+class Fp8GluonVariant:
+    """What a call with expert biases or a gated activation variant adds to the two GEMMs (issue #15; the defaults:
+    a plain call, the kernels of before): the gate-up GEMM's INTERLEAVED / ACT / ALPHA / LIMIT / UP_SHIFT
+    constexprs (``moekit.activations.ActivationSpec``'s fields, ``gemm._glu``'s) and whether b13 / b2 are given
+    (each a pointer of its GEMM; None passed where absent). Hashable: in the lean plans' keys."""
+
+    interleaved: bool = False  # w13's gate j at row 2j, up j at 2j + 1 (gpt-oss)
+    act: int = 0  # ACTIVATIONS[name].kernel_id (0: silu)
+    alpha: float = 1.0
+    limit: float | None = None
+    up_shift: float = 0.0
+    b13: bool = False
+    b2: bool = False
+
+    def gate_up_constexprs(self) -> dict:
+        """The gate-up GEMM's variant constexprs (the down GEMM takes none: its b2 is a pointer)."""
+        return dict(INTERLEAVED=self.interleaved, ACT=self.act, ALPHA=self.alpha, LIMIT=self.limit,
+                    UP_SHIFT=self.up_shift)
+
+    def gate_offset(self, inter: int) -> int:
+        """The gate-up GEMM's second weight tile, rows past its first: the up rows N + c.., or (interleaved) the
+        next 128 rows in place."""
+        return GROUP if self.interleaved else inter
+
+
+PLAIN_VARIANT = Fp8GluonVariant()
+
+
+@functools.lru_cache(maxsize=256)
+def _variant(activation, b13: bool, b2: bool) -> Fp8GluonVariant:
+    from moekit.activations import as_spec
+
+    spec = as_spec(activation)
+    return Fp8GluonVariant(spec.interleaved, spec.kernel_id, float(spec.alpha),
+                           None if spec.limit is None else float(spec.limit), float(spec.up_shift), b13, b2)
+
+
+def variant_of(activation, b13: torch.Tensor | None, b2: torch.Tensor | None) -> Fp8GluonVariant:
+    """The variant of a call (a gated ``activation``, str or spec; the biases, or None): built once per kind."""
+    if activation == "silu" and b13 is None and b2 is None:  # the plain call: no lookup
+        return PLAIN_VARIANT
+    return _variant(activation, b13 is not None, b2 is not None)
+
+
+@dataclass(frozen=True)
 class Fp8GluonPlan:
     """Rows T of the permuted buffer (any routing fits: no host sync), the two GEMMs' pipelines and the gather's
     128-column groups per program."""
@@ -99,14 +145,15 @@ def wants_pipelined_down(num_tokens: int, top_k: int, num_experts: int, hidden: 
 
 def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, hidden: int, up: Fp8GluonTile | None = None,
                    down: Fp8GluonTile | None = None, gather_groups: int | None = None,
-                   inter: int | None = None) -> Fp8GluonPlan:
+                   inter: int | None = None, b2: bool = False) -> Fp8GluonPlan:
     """The plan of a call; ``up``, ``down``, ``gather_groups`` given replace the choice's each alone; ``inter`` (N,
-    the down GEMM's reduce width; None: not known, no pipelined down) for ``wants_pipelined_down``."""
+    the down GEMM's reduce width; None: not known, no pipelined down) for ``wants_pipelined_down``; ``b2``: the call
+    has a down bias (the wide tile's epilogue adds none: never chosen then)."""
     from moekit.layouts.grouping import max_padded_rows
 
     if gather_groups is not None and (gather_groups < 1 or gather_groups & (gather_groups - 1)):
         raise ValueError(f"gather_groups={gather_groups}: expected a power of 2 (the gather kernel's tl.arange)")
-    wide = wants_wide_down(num_tokens, top_k, num_experts, hidden)
+    wide = not b2 and wants_wide_down(num_tokens, top_k, num_experts, hidden)
     pipelined = wants_pipelined_down(num_tokens, top_k, num_experts, hidden, inter)
     return Fp8GluonPlan(max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M), up or UP_TILE,
                         down or (WIDE_DOWN_TILE if wide else PIPELINED_DOWN_TILE if pipelined else DOWN_TILE),
@@ -128,38 +175,43 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                     out_s: torch.Tensor | None, block_experts: torch.Tensor, rows_used: torch.Tensor,
-                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0):
-    """out [T, C] = act(block-scaled a [T, R] @ w[e]^T) per row block. a e4m3, a_s [T, R/128] float32
-    (unit column stride); w e4m3 [E, W_ROWS, R] contiguous, w_s [E, W_ROWS/128, R/128] float32 contiguous;
-    gated: out e4m3 h [T, N] and out_s [T, N/128] its scales, gate rows c.. and up rows gate_offset + c..
-    (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
-    tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
-    registers, spills and PTX for the device check)."""
-    check_wide(tile, gated, out.shape[1])
+                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0, bias: torch.Tensor | None = None,
+                    variant: Fp8GluonVariant = PLAIN_VARIANT):
+    """out [T, C] = act(block-scaled a [T, R] @ w[e]^T (+ bias)) per row block. a e4m3, a_s [T, ceil(R/128)]
+    float32 (unit column stride); w e4m3 [E, W_ROWS, R] contiguous, w_s [E, ceil(W_ROWS/128), ceil(R/128)] float32
+    contiguous; gated: out e4m3 h [T, N] and out_s [T, ceil(N/128)] its scales, gate rows c.. and up rows
+    gate_offset + c.. (W_ROWS = 2N; ``variant.interleaved``: gate_offset 128, the rows in place), ``variant``'s
+    activation; else out bf16/fp16 [T, K]. bias: b13 [E, 2N] / b2 [E, K] contiguous, or None. block_experts
+    [T/128] int32; rows_used: 1-element integer tensor (a multiple of 128, <= T). R and C need not be multiples of
+    128 (rows of 16-byte multiples: TMA). Returns what the launch returns (Triton's compiled kernel: its registers,
+    spills and PTX for the device check)."""
+    check_wide(tile, gated, out.shape[1], bias is not None)
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = gluon_descriptor(a, [HALF_M, GROUP])
     w_desc = gluon_descriptor(w.view(num_experts * w_rows, reduce_dim), [GROUP, GROUP])
     c_desc = gluon_descriptor(out, [HALF_M, GROUP])
-    num_col_blocks = out.shape[1] // tile.block_n
+    num_col_blocks = cdiv(out.shape[1], tile.block_n)
     gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
     max_tiles = cdiv(a.shape[0], BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     out_s = a_s if out_s is None else out_s  # never written by the down GEMM
-    return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
+    return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, bias, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                         CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined,
+                        **(variant.gate_up_constexprs() if gated else {}),  # the down GEMM: the defaults
                         num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
 
 
-def check_wide(tile: Fp8GluonTile, gated: bool, cols: int) -> None:
-    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256; a pipelined one is
-    the narrow down GEMM's (the wide tile's two accumulators and two parts would not fit the registers)."""
+def check_wide(tile: Fp8GluonTile, gated: bool, cols: int, bias: bool = False) -> None:
+    """A wide tile is for the down GEMM without a bias (its epilogue adds none), whose output width ``cols`` (K) must
+    be a multiple of 256; a pipelined one is the narrow down GEMM's (the wide tile's two accumulators and two parts
+    would not fit the registers)."""
     if tile.pipelined and (tile.wide or gated):
         raise ValueError(f"tile={tile}: the pipelined promotion is for the narrow down GEMM alone (gated={gated})")
     if not tile.wide:
         return
-    if gated or cols % tile.block_n:
-        raise ValueError(f"tile={tile}: wide tiles are for the down GEMM alone (gated={gated}), with an output "
-                         f"width that is a multiple of {tile.block_n} (got {cols})")
+    if gated or cols % tile.block_n or bias:
+        raise ValueError(f"tile={tile}: wide tiles are for the down GEMM alone (gated={gated}), without a bias "
+                         f"(bias={bias}), with an output width that is a multiple of {tile.block_n} (got {cols})")

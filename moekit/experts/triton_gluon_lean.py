@@ -84,38 +84,41 @@ class GluonLeanPlan:
     # down tile's tail's (None without one: ``GluonTile.tail``)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
-    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded (bf16 on 256-row tiles:
-    # then sorted_ids); with the gather in its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
+    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded (fp8: then b13 or None;
+    # bf16 on 256-row tiles: then sorted_ids); with the gather in its loader: x, sorted_ids, dst, W, C descriptors,
+    # expert_ids, num_padded
     up: BoundLaunch
-    # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same; with a tail (bf16):
-    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
+    # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same (fp8: then b2 or
+    # None); with a tail (bf16): A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
     blk256: bool = False  # the gate-up GEMM on 256-row tiles: a sixth pointer, sorted_ids
 
 
 def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False,
-             gather_groups: int = 1) -> tuple:
+             gather_groups: int = 1, variant=None, b13=None, b2=None) -> tuple:
     """The kind of a call: shapes, dtypes, device, x's row stride, every pointer's 16-byte alignment (Triton
-    specialises on it), the map's length, the tiles, the fp8 gather's groups a program. ``ids``, ``weights``,
-    ``expert_map``: contiguous."""
+    specialises on it), the map's length, the tiles, the fp8 gather's groups a program, the fp8 variant (its
+    activation constexprs and which biases it has: a gpt-oss call never reuses a silu plan) and its biases' dtypes.
+    ``ids``, ``weights``, ``expert_map``: contiguous."""
     return (s13 is not None, x.shape[0], x.shape[1], x.dtype, x.device, x.stride(0), w13.shape, w13.dtype, ids.shape[1],
             ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
             None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
             None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down,
-            in_loader, gather_groups)
+            in_loader, gather_groups, variant,
+            *(None if b is None else (b.dtype, b.data_ptr() & 15) for b in (b13, b2)))
 
 
 def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
-             in_loader: bool = False, gather_groups: int = 1) -> GluonLeanPlan:
+             in_loader: bool = False, gather_groups: int = 1, variant=None, b13=None, b2=None) -> GluonLeanPlan:
     """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given, its gather
-    taking ``gather_groups`` 128-column groups a program; ``in_loader``: bf16 with the gather in the gate-up
-    GEMM's loader)."""
-    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups)
+    taking ``gather_groups`` 128-column groups a program, ``variant`` its ``Fp8GluonVariant``, b13 / b2 its biases or
+    None; ``in_loader``: bf16 with the gather in the gate-up GEMM's loader)."""
+    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups, variant, b13, b2)
     plan = _PLANS.get(key)
     if plan is None:
         plan = build_plan(x, w13, w2, ids, expert_map, up, down, fp8=s13 is not None, s13=s13, s2=s2,
-                          in_loader=in_loader, gather_groups=gather_groups)
+                          in_loader=in_loader, gather_groups=gather_groups, variant=variant)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)), None)
         _PLANS[key] = plan
@@ -123,10 +126,10 @@ def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
 
 
 def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=None,
-               in_loader: bool = False, gather_groups: int = 1) -> GluonLeanPlan:
+               in_loader: bool = False, gather_groups: int = 1, variant=None) -> GluonLeanPlan:
     """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``; ``in_loader``: bf16,
     no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows,
-    ``triton_gluon_launch.loader_gather_fits``)."""
+    ``triton_gluon_launch.loader_gather_fits``; ``variant``: fp8's ``Fp8GluonVariant``)."""
     if in_loader and (fp8 or not loader_gather_fits(x)):
         raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
                          f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
@@ -145,10 +148,10 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     sms = num_sms(x.device)
 
     def grid(cols: int, block_n: int) -> tuple:
-        return (max(1, min(sms, cdiv(rows, BLOCK_M) * (cols // block_n))),)
+        return (max(1, min(sms, cdiv(rows, BLOCK_M) * cdiv(cols, block_n))),)
 
     sizes = (rows, num_assignments, top_k, hidden, inter)
-    part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch, gather_groups) if fp8
+    part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch, gather_groups, variant) if fp8
             else _bf16_part(x, sizes, up, down, grid, launch, in_loader))
     combine = combine_launch(num_tokens, hidden, num_experts, top_k, expert_map, launch)
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
@@ -235,11 +238,11 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True), down_gemm, blocks, weight_blocks)
 
 
-def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_groups: int) -> _Part:
+def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_groups: int, variant) -> _Part:
     from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M, check_wide
 
     rows, num_assignments, top_k, hidden, inter = sizes
-    groups = hidden // GROUP
+    groups, inter_groups = cdiv(hidden, GROUP), cdiv(inter, GROUP)  # x's and h's scale columns
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel,
                          (cdiv(rows, QROWS), cdiv(groups, gather_groups)), 5,
@@ -248,21 +251,22 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict, gather_gro
                          num_warps=4, **launch)
 
     def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
-                 out_groups: int, gated: bool):
-        check_wide(tile, gated, cols)
+                 out_groups: int, gated: bool, bias: bool):
+        check_wide(tile, gated, cols, bias)
         gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
-        return BoundLaunch(gemm, grid(cols, tile.block_n), 8,
-                           (reduce_dim, cols // tile.block_n, w_rows, gate_offset, a_groups, *scale.stride()[:2],
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 9,  # the ninth pointer: the bias (or None)
+                           (reduce_dim, cdiv(cols, tile.block_n), w_rows, gate_offset, a_groups, *scale.stride()[:2],
                             out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
                            WIDE=tile.wide, PIPE=tile.pipelined, num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers,
-                           **launch)
+                           **(variant.gate_up_constexprs() if gated else {}), **launch)  # down: the defaults
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
-               ("h_s", torch.float32, (rows, inter // GROUP)), ("y", x.dtype, (rows, hidden))]
-    return _Part(regions, gather, fp8_gemm(up, hidden, inter, 2 * inter, inter, groups, s13, inter // GROUP, True),
-                 fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False),
+               ("h_s", torch.float32, (rows, inter_groups)), ("y", x.dtype, (rows, hidden))]
+    return _Part(regions, gather, fp8_gemm(up, hidden, inter, 2 * inter, variant.gate_offset(inter), groups, s13,
+                                           inter_groups, True, variant.b13),
+                 fp8_gemm(down, inter, hidden, hidden, 0, inter_groups, s2, inter_groups, False, variant.b2),
                  ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
 
 
@@ -289,17 +293,18 @@ def activation_descriptors(plan: GluonLeanPlan, b: dict) -> tuple:
 
 
 def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPair, x, ids, weights, expert_map, out,
-                  s13, s2, counters) -> list:
+                  s13, s2, counters, b13=None, b2=None) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment, the gather, gate-up, down, the
-    combine. ``b``: the workspace's regions; ``acts``: their descriptors; any argument may be a stand-in."""
+    combine. ``b``: the workspace's regions; ``acts``: their descriptors; any argument may be a stand-in; fp8's
+    biases b13 / b2 (None: none) the GEMMs' last pointers."""
     map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
     launches = align_launches(plan.align, ids, map_or_ids, b, counters)
     a_up, c_up, a_down, c_down = acts[:4]
     rows = (b["expert_ids"], b["num_padded"])
     if plan.fp8:
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_q"], b["x_s"], b["dst"])),
-                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
-                     (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
+                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows, b13)),
+                     (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows, b2))]
     else:
         t_down, ct_down = acts[4:]
         up_rows = rows + (b["sorted_ids"],) if plan.blk256 else rows  # 256-row tiles: sorted_ids, a sixth pointer
@@ -329,31 +334,34 @@ def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch
 def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              expert_map: torch.Tensor | None, up, down, s13: torch.Tensor | None = None,
              s2: torch.Tensor | None = None, fast_key: tuple | None = None,
-             in_loader: bool | None = None, gather_groups: int = 1) -> torch.Tensor:
+             in_loader: bool | None = None, gather_groups: int = 1, variant=None, b13: torch.Tensor | None = None,
+             b2: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
     ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
     (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it).
-    ``gather_groups`` (fp8): the gather's 128-column groups a program (``triton_gluon_fp8_launch.plan_gluon_fp8``)."""
+    ``gather_groups`` (fp8): the gather's 128-column groups a program (``triton_gluon_fp8_launch.plan_gluon_fp8``);
+    ``variant`` (fp8): the call's ``Fp8GluonVariant`` (``variant_of``), ``b13`` / ``b2`` its biases (contiguous; the
+    recorded launches hold their addresses, in the sequence's key as the scales' are)."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     if in_loader is None:  # (256-row gate-up tiles read x_perm by TMA: the gather kernel)
         in_loader = s13 is None and not up.blk256 and wants_loader_gather(x, w2.shape[-1])
-    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups)
+    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, gather_groups, variant, b13, b2)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
     b, pooled = workspace_regions(plan.workspace, x.device)
     if pooled:
-        sequence = _sequence(plan, b, pair, w13, expert_map is not None, s13, s2)
+        sequence = _sequence(plan, b, pair, w13, expert_map is not None, s13, s2, b13, b2)
         if sequence is not None:
             if fast_key is not None and expert_map is None and ids is topk_ids and weights is topk_weights:
                 remember(stamp, x, w13, w2, ids, weights, fast_key, _FAST_OPTIONS, plan, sequence, checked=False)
             sequence.launch((x, ids, weights, out, expert_map, None, None, None, None, None, None))
             return out
     for launch, pointers in plan_launches(plan, b, activation_descriptors(plan, b), pair, x, ids, weights, expert_map,
-                                          out, s13, s2, b.get("counters")):
+                                          out, s13, s2, b.get("counters"), b13, b2):
         launch(*pointers)
     return out
 
@@ -368,18 +376,21 @@ def workspace_regions(spec, device: torch.device) -> tuple[dict, bool]:
     return _WORKSPACES.pooled(spec, device), True
 
 
-def _sequence(plan: GluonLeanPlan, b: dict, pair: DescriptorPair, w13: torch.Tensor, has_map: bool, s13=None, s2=None):
+def _sequence(plan: GluonLeanPlan, b: dict, pair: DescriptorPair, w13: torch.Tensor, has_map: bool, s13=None, s2=None,
+              b13=None, b2=None):
     """The recorded launches of ``plan`` for these weights and pooled regions on this thread (recorded now if
     stale), or None where they cannot be used yet (a launch not compiled, a Triton launch hook). fp8: the scales
-    ``s13``, ``s2`` are recorded in it by address (the key has their addresses; an in-place update keeps them), so
-    a call launches it with the call's tensors alone (``triton_lean.launch_lean``, the fast path's)."""
+    ``s13``, ``s2`` and the biases ``b13``, ``b2`` are recorded in it by address (the key has their addresses; an
+    in-place update keeps them), so a call launches it with the call's tensors alone (``triton_lean.launch_lean``, the
+    fast path's)."""
     key = (plan, threading.get_ident(), id(w13)) if s13 is None else (
-        plan, threading.get_ident(), id(w13), s13.data_ptr(), s2.data_ptr())
+        plan, threading.get_ident(), id(w13), s13.data_ptr(), s2.data_ptr(),
+        *(None if t is None else t.data_ptr() for t in (b13, b2)))
     sequence = _SEQUENCES.get(key)
     if sequence is None or not sequence.current(b, pair):
         launches = plan_launches(plan, b, activation_descriptors(plan, b), pair, _Slot(X), _Slot(IDS),
                                  _Slot(WEIGHTS), _Slot(MAP) if has_map else None, _Slot(OUT), s13, s2,
-                                 b.get("counters"))
+                                 b.get("counters"), b13, b2)
         sequence = record_launches(launches, b, pair)
         if sequence is None:
             return None

@@ -37,7 +37,7 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
     """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels. fp8_block
     calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 3e11 FLOPs and 128
     assignments per expert) wants and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no
-    tracing, no backward, no biases, the plain SiLU); the rest, biases and activation variants included, on the
+    tracing, no backward; biases and activation variants only with ``Fp8GluonChoice.variants``); the rest on the
     fused Triton kernels. With
     ``checked`` (True: ``check_experts_args`` passed, False: the caller vouches) a fused call keeps its entry
     for the fast path (``triton_quant_fast``)."""
@@ -56,7 +56,8 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
         choice = DEFAULT_FP8_CHOICE if fp8_choice is None else fp8_choice
         if gluon_fp8_takes(x, w13, w2, topk_weights, activation, b13, b2, choice):  # its checks: launched unchecked
             return launch_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map,
-                                    fast_key=fp8_fast_key(w13, w2, activation, choice))
+                                    fast_key=fp8_fast_key(w13, w2, activation, choice), activation=activation,
+                                    b13=b13, b2=b2)
 
         out = fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=activation,
                                 expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options, b13=b13,

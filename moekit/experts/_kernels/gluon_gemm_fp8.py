@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from moekit.experts._kernels.gemm import _glu
 from moekit.experts._kernels.gluon_gemm import _tile_of, stage_barriers
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -47,13 +48,14 @@ SECOND_HALF = gl.constexpr(1)
 
 @gluon.jit
 def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-            w_rows, gate_offset, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr):
+            w_rows, gate_offset, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr,
+            INTERLEAVED: gl.constexpr):
     HALF_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
-    COL_STEP: gl.constexpr = BLOCK_N * (2 if WIDE else 1)  # weight rows per column block of the tile walk
+    COL_STEP: gl.constexpr = BLOCK_N * (2 if WIDE or INTERLEAVED else 1)  # weight rows per column block of the walk
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + WTILES * w_desc.block_type.nbytes
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
@@ -75,9 +77,11 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 
 
 @gluon.jit
-def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-              reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr, PIPE: gl.constexpr):
+def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, bias_ptr,
+              reduce_dim, num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr, PIPE: gl.constexpr,
+              INTERLEAVED: gl.constexpr, ACT: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+              UP_SHIFT: gl.constexpr):
     """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -87,25 +91,32 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
-    up_block = gate_offset // BLOCK_N  # the up rows' first weight block (WIDE: the next column block, 1)
-    col_blocks: gl.constexpr = 2 if WIDE else 1  # weight scale blocks per tile column block
+    up_block = gate_offset // BLOCK_N  # the up rows' first weight block (WIDE, INTERLEAVED: the next one, 1)
+    col_blocks: gl.constexpr = 2 if WIDE or INTERLEAVED else 1  # weight scale blocks per tile column block
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         row0 = rb * 2 * HALF_M + HALF * HALF_M
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
-        ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
+        expert = gl.load(experts_ptr + rb)
+        ws_gate = ws_ptr + expert * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
+        if INTERLEAVED:  # the second row tile's block, clamped to the expert's last (past 2N: zeroed in _variant_h)
+            ws_up = ws_ptr + expert * stride_wse + gl.minimum(2 * cb + 1, gl.cdiv(w_rows, BLOCK_N) - 1) * stride_wsr
+        else:
+            ws_up = ws_gate + up_block * stride_wsr
         if PIPE:  # the narrow down GEMM alone (``triton_gluon_fp8_launch.check_wide``)
             acc, it = _k_loop_paired(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, k_steps, it, HALF, layout)
             up = acc  # unused: the down GEMM's
         else:
-            acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate,
-                                  ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, layout)
+            acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_up, k_steps, it, HALF,
+                                  GATED or WIDE, layout)
         if WIDE:
             _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
         else:
-            _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+            _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED, bias_ptr,
+                      experts_ptr + rb, cb * col_blocks * BLOCK_N, w_rows, gate_offset, INTERLEAVED, ACT, ALPHA, LIMIT,
+                      UP_SHIFT)
     tma.store_wait(0)
 
 
@@ -211,16 +222,33 @@ def _wide_epilogue(acc, right, c_desc, c_left, c_right, row0, cb):
 
 
 @gluon.jit
-def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
-    """One half tile out by TMA: GATED, h = silu(acc) * up quantized per row over its 128 columns (one h
-    group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64]; else acc in c_desc's dtype."""
+def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr, bias_ptr, expert_ptr, first_row, w_rows,
+              gate_offset, INTERLEAVED: gl.constexpr, ACT: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+              UP_SHIFT: gl.constexpr):
+    """One half tile out by TMA: GATED, h = act(gate) * up quantized per row over its 128 columns (one h
+    group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64]; else acc in c_desc's dtype.
+    bias_ptr (None: none): b13 / b2 rows of the tile's weight rows first_row.. (acc's) and gate_offset + first_row..
+    (up's) of the expert at expert_ptr, added in float32 first. The expert is read again here (volatile: not merged
+    with the tile's first read), so no register holds it through the K loop: with it held, Triton 3.6's ptxas spilled
+    two 64-bit values of consumer 0 in gpt-oss's gate-up K loop (6 local loads / stores a K-step; sm_90 SASS), without
+    none (120 B of spill stores, all in the epilogue; Triton 3.9: one local load in the loop, as the plain kernel's).
+    The plain silu keeps its own expression (its kernel as before: SASS-identical); any other gated spec, or
+    interleaved rows, goes through ``_variant_h``."""
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     tma.store_wait(0)  # the last tile's store has read c_buf
+    if bias_ptr is not None:
+        acc, up = _add_biases(acc, up, bias_ptr + gl.load(expert_ptr, volatile=True) * w_rows, first_row, w_rows,
+                              gate_offset, GATED)
     if GATED:
-        h = acc / (1.0 + gl.exp(-acc)) * up  # [64, 128] fp32
+        if INTERLEAVED or ACT != 0 or ALPHA != 1.0 or LIMIT is not None or UP_SHIFT != 0.0:
+            h = _variant_h(acc, up, first_row, w_rows, gate_offset, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT)
+        else:
+            h = acc / (1.0 + gl.exp(-acc)) * up  # [64, 128] fp32
         amax = gl.max(gl.abs(h), axis=1)
         h_scale = gl.where(amax > 0, amax / 448.0, 1.0)
         c_buf.store(gl.minimum(gl.maximum(h / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype))
+        if INTERLEAVED:  # h's joined layout holds the rows as the wgmma layout does: a relabelling, no data moved
+            h_scale = gl.convert_layout(h_scale, cs_ptrs.type.layout)
         gl.store(cs_ptrs, h_scale)
     else:
         c_buf.store(acc.to(c_desc.dtype))
@@ -229,20 +257,65 @@ def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
 
 
 @gluon.jit
-def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
+def _add_biases(acc, up, bias_rows, first_row, w_rows, gate_offset, GATED: gl.constexpr):
+    """(acc + the bias of its weight rows first_row + c, up + those of gate_offset + first_row + c (GATED)), each
+    [64, 128] float32; rows past w_rows (the expert's 2N or K) add 0. bias_rows: the expert's bias row."""
+    cols = first_row + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))  # [128] weight rows
+    acc += gl.load(bias_rows + cols, mask=cols < w_rows, other=0.0).to(gl.float32)[None, :]
+    if GATED:
+        up_rows = cols + gate_offset
+        up += gl.load(bias_rows + up_rows, mask=up_rows < w_rows, other=0.0).to(gl.float32)[None, :]
+    return acc, up
+
+
+@gluon.jit
+def _variant_h(acc, up, first_row, w_rows, gate_offset, INTERLEAVED: gl.constexpr, ACT: gl.constexpr,
+               ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_SHIFT: gl.constexpr):
+    """h [64, 128] float32 of a gated variant (``gemm._glu``: the Triton kernels' activation, the spec's constexprs).
+    INTERLEAVED: acc and up hold the products of the tile's two row tiles in place (rows first_row.. then
+    first_row + 128..: gate j, up j, gate j + 1, ... of the tile's first 64 columns, then of its last 64); rows past
+    w_rows (the next expert's, or the descriptor's zeros) are set to 0 first, so their h columns (past N, never
+    stored) are act(0) * (0 + UP_SHIFT) = 0 for every activation and stay out of the row's amax. Each row tile's
+    pairs split in registers (adjacent columns of a thread in the wgmma layout), h of the two joined in column
+    order. Else acc is the gate tile, up the up tile."""
+    HALF_M: gl.constexpr = acc.shape[0]
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    if INTERLEAVED:
+        rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))  # [128] weight rows
+        acc = gl.where((rows < w_rows)[None, :], acc, 0.0)
+        up = gl.where((rows + gate_offset < w_rows)[None, :], up, 0.0)
+        gate_a, up_a = gl.split(gl.reshape(acc, [HALF_M, BLOCK_N // 2, 2]))  # [64, 64] each: columns 0..63
+        gate_b, up_b = gl.split(gl.reshape(up, [HALF_M, BLOCK_N // 2, 2]))  # columns 64..127
+        h_a = _glu(gate_a, up_a, ACT, ALPHA, LIMIT, UP_SHIFT)
+        h_b = _glu(gate_b, up_b, ACT, ALPHA, LIMIT, UP_SHIFT)
+        h = gl.reshape(gl.permute(gl.join(h_a, h_b), [0, 2, 1]), [HALF_M, BLOCK_N])  # [64, 128]
+    else:
+        h = _glu(acc, up, ACT, ALPHA, LIMIT, UP_SHIFT)
+    return h
+
+
+@gluon.jit
+def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, bias_ptr, reduce_dim,
                             num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
                             GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, WIDE: gl.constexpr = False,
-                            PIPE: gl.constexpr = False):
+                            PIPE: gl.constexpr = False, INTERLEAVED: gl.constexpr = False, ACT: gl.constexpr = 0,
+                            ALPHA: gl.constexpr = 1.0, LIMIT: gl.constexpr = None, UP_SHIFT: gl.constexpr = 0.0):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
-    [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
-    R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only; row stride
-    stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
+    [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, ceil(R/128)] fp32 (row stride stride_as); ws_ptr [E,
+    ceil(W_ROWS/128), ceil(R/128)] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, ceil(C/128)] fp32 h scales
+    (GATED only; row stride stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128);
+    num_col_blocks = ceil(C/128). R and C need not be multiples of 128: TMA reads zeros past R (both operands) and
+    clips the stores at C; a last column block's rows past W_ROWS are the next expert's (unstored columns).
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
     WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128].
     PIPE (the narrow down GEMM alone): two wgmmas in flight, one's part folded in while the other runs
-    (``_k_loop_paired``)."""
+    (``_k_loop_paired``).
+    The experts variant (issue #15; all off: the plain kernel): bias_ptr b13 [E, 2N] (GATED) or b2 [E, K]
+    contiguous, or None; INTERLEAVED (GATED): w13's rows gate j = 2j, up j = 2j + 1 (gpt-oss), a tile of 128 h columns
+    read as the 256 rows in place in two row tiles (gate_offset = 128, scale blocks 2cb and 2cb + 1: ``_variant_h``);
+    ACT / ALPHA / LIMIT / UP_SHIFT the gated activation (``moekit.activations.ActivationSpec``, ``gemm._glu``)."""
     WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -251,11 +324,11 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     ready, empty = stage_barriers(STAGES, 2)
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, WIDE, PIPE)),
+                     bias_ptr, reduce_dim, num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr,
+                     stride_cs, FIRST_HALF, GATED, GROUP_M, WIDE, PIPE, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, WIDE, PIPE)),
+                     bias_ptr, reduce_dim, num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr,
+                     stride_cs, SECOND_HALF, GATED, GROUP_M, WIDE, PIPE, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                   w_rows, gate_offset, GATED, GROUP_M, WIDE)),
+                   w_rows, gate_offset, GATED, GROUP_M, WIDE, INTERLEAVED)),
     ], [4, 1], [CONSUMER_REGS, 24])
