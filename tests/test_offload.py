@@ -179,6 +179,9 @@ def test_bad_arguments_name_themselves():
         OffloadedMoE.from_moe(moe, cache_experts=2, prefetch="oracle")
     with pytest.raises(ValueError, match="policy"):
         OffloadedMoE.from_moe(moe, cache_experts=2, policy="fifo")
+    if not torch.cuda.is_available():  # a CPU machine: the GPU cache is refused naming device, not torch's Stream error
+        with pytest.raises(RuntimeError, match="device='cuda': the expert cache's slots live on a CUDA GPU"):
+            OffloadedMoE.from_moe(moe, cache_experts=2, device="cuda")
     cache = ExpertCache(2, device="cpu")
     OffloadedMoE.from_moe(moe, cache=cache)
     other = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=2 * N, num_experts=E, top_k=2))
