@@ -101,6 +101,9 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     ``restore_blocks`` undoes it. A model with no MoE block warns (``UserWarning``) and is left as it is."""
     if quant is not None and quant not in SCHEMES:
         raise ValueError(f"quant must be one of {SCHEMES} or None, got {quant!r}")
+    if quant is not None and fuse_shared:  # else each block with a shared expert was left float, in report.left only
+        raise ValueError(f"quant={quant!r} with fuse_shared=True: the fused shared expert would be quantized with the "
+                         "routed ones, and quantize_ keeps it in the model dtype; pass fuse_shared=False with quant")
     if not keep_float and quant is None:
         raise ValueError("keep_float=False frees the float experts, which only quantized ones can replace: pass "
                          "quant=<scheme> with it (got quant=None)")
