@@ -211,6 +211,16 @@ def test_fp8_experts_stay_fp8():
         assert rel_l2(model(ids).logits, reference(ids).logits) < 1e-5
 
 
+def test_quant_on_fp8_experts_warns_that_blocks_stay_unquantized():
+    """quant= asks for moekit's quantized experts; blocks that cannot have them (fp8 experts are not requantized)
+    stay on their own forward, said in a warning naming the scheme, the count and the first reason."""
+    pytest.importorskip("transformers.integrations.finegrained_fp8")
+    model = tiny.fp8_qwen3_moe()
+    with pytest.warns(UserWarning, match=r"quant='int8_w8a16'\): 2 of 2 MoE blocks left .*already quantized"):
+        report = moekit_hf.use_moekit_blocks(model, quant="int8_w8a16")
+    assert report.swapped == () and [b.path for b in report.left] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
 def test_functional_call_substitutes_the_weights():
     """torch.func.functional_call's tensors replace the block's Parameters for the call: the block's own forward
     runs on them (the MoE holds the originals), as in the twin."""
