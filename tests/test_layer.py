@@ -134,6 +134,29 @@ def test_compile_fullgraph_cpu_default_equals_eager(dtype):
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
+def test_return_stats_compiles_with_one_graph_break_and_fullgraph_says_why():
+    """Training under torch.compile reads aux_loss from return_stats=True: the stats (host ints) stay outside the
+    graph as one break, the aux loss and its gradient equal eager's; fullgraph=True refuses it naming return_stats."""
+    torch.manual_seed(4)
+    moe = MoE(MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=8, top_k=2, aux_loss_coef=0.01,
+                        z_loss_coef=0.001), capacity_factor=1.0)
+    x = torch.randn(2, 6, 16)
+    eager = moe(x, return_stats=True)
+    (want,) = torch.autograd.grad(eager.aux_loss, [moe.gate.weight])
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(moe)(x, return_stats=True)
+    assert explained.graph_break_count == 1 and "return_stats" in explained.break_reasons[0].reason
+    torch._dynamo.reset()
+    got = torch.compile(moe, backend="aot_eager")(x, return_stats=True)
+    torch.testing.assert_close(got.aux_loss, eager.aux_loss)
+    torch.testing.assert_close(torch.autograd.grad(got.aux_loss, [moe.gate.weight])[0], want)
+    assert got.stats.dropped == eager.stats.dropped > 0 and torch.equal(got.stats.counts, eager.stats.counts)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"return_stats=True\) reads its MoEStats on the host"):
+        torch.compile(moe, fullgraph=True, backend="aot_eager")(x, return_stats=True)
+    torch._dynamo.reset()
+
+
 def test_dropless_routing_allocates_no_drop_count_and_never_shares_one():
     moe = MoE(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2))
     with torch.no_grad():
