@@ -45,7 +45,7 @@ from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_logits, linear_into, router_inputs
+from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_linear, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.weighting import identity_weights, input_weighted, without_identity
 from moekit.routing.routed import MoEStats, RoutedTokens, stats_of, stats_on_host
@@ -270,7 +270,7 @@ class MoE(nn.Module):
         logits = self._gate_fn(x2d, weight, bias, out) if kernel else None  # None: not for the kernel
         if logits is None and out is not None and self._gate_mm is not None:
             logits = self._gate_mm(x2d, weight, bias, out)
-        return torch.nn.functional.linear(x2d, weight, bias) if logits is None else logits
+        return gate_linear(x2d, weight, bias, self.config.router_dtype) if logits is None else logits
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
