@@ -287,3 +287,17 @@ def test_router_prefetch_predicts_the_next_layers_routed_experts_only(options):
     predicted = {i for i in ids if i < E}
     assert set(cache.cached(layers[1].layer_id)) >= predicted and layers[0].last_stats.prefetched == len(predicted)
     assert rel_l2(layers[1](h), moes[1](moes[0](x))) < TOLERANCE[torch.float32]
+
+
+def test_forward_under_autograd_gives_the_values_and_backward_says_why_it_cannot():
+    """Without no_grad the forward runs as before (a plain MoE's values); its backward is refused naming the layer,
+    not autograd's "modified by an inplace operation" about a cache slot the next fetch overwrote."""
+    moe = _moe()
+    layer = OffloadedMoE.from_moe(moe, cache_experts=4)
+    x = _x(5).requires_grad_()
+    out = layer(x)
+    assert rel_l2(out, moe(x)) < TOLERANCE[torch.float32]
+    with pytest.raises(RuntimeError, match="OffloadedMoE has no backward: its experts are cache slots"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not layer(x).requires_grad
