@@ -1,12 +1,13 @@
 """EPMoE.from_moe on 2 gloo ranks: everything a rank holds in full comes from the layer (the router's bias of a
-``router_bias`` config too), a gate bias that differs between ranks is caught, and a quantized layer is refused
-naming the order that works. Shapes: K=32 hidden, N=16, E=8 experts."""
+``router_bias`` config too), a gate bias that differs between ranks is caught, a quantized layer is refused
+naming the order that works, and a float32 layer takes a bf16 x under autocast as ``MoE`` does. Shapes: K=32
+hidden, N=16, E=8 experts."""
 
 from __future__ import annotations
 
 import torch
 
-from _helpers import rel_max_err
+from _helpers import TOLERANCE, rel_l2, rel_max_err
 from _parallel_harness import run_ranks
 from moekit.config import MoEConfig
 from moekit.layer import MoE
@@ -43,12 +44,22 @@ def _scenarios(rank: int, world_size: int) -> dict:
         "bias_matters": rel_max_err(unbiased(mine), moe(mine)),  # the check above could fail without the bias
         "bias_mismatch": _error_of(lambda: EPMoE.from_moe(_moe(bias_shift=float(rank == 1)))),
         "quantized": _error_of(lambda: EPMoE.from_moe(_moe(fuse_shared=False).quantize_("int8_w8a16"))),
+        "autocast": _autocast(moe, mine.bfloat16()),
     }
 
 
-def test_from_moe_takes_the_router_bias_checks_it_and_refuses_quantized_layers():
+def _autocast(moe: MoE, x: torch.Tensor) -> tuple:
+    """(out dtype, rel L2 against the single-process MoE under the same autocast) of the exact and padded dispatch."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = moe(x).double()
+        outs = [EPMoE.from_moe(moe, max_tokens_per_rank=cap)(x) for cap in (None, 8)]
+    return tuple((out.dtype, rel_l2(out.double(), want)) for out in outs)
+
+
+def test_from_moe_takes_the_router_bias_refuses_quantized_layers_and_follows_autocast():
     for res in run_ranks(_scenarios, 2, timeout_s=120):
         assert res["router_bias"] < 2e-6 and res["bias_matters"] > 1e-2, res
         assert "replicated weights" in res["bias_mismatch"] and "gate_bias" in res["bias_mismatch"], res
         assert "quantized (int8_w8a16)" in res["quantized"], res
         assert "EPMoE.from_moe(moe).quantize_('int8_w8a16')" in res["quantized"], res
+        assert all(dtype == torch.bfloat16 and err < TOLERANCE[torch.bfloat16] for dtype, err in res["autocast"]), res

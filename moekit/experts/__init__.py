@@ -179,6 +179,13 @@ def autocast_operands(x: torch.Tensor, w13, w2, b13: torch.Tensor | None, b2: to
     return cast(x), cast(w13), cast(w2), cast(b13), cast(b2)
 
 
+def autocast_input(x: torch.Tensor) -> bool:
+    """x is of an enabled ``torch.autocast``'s dtype on its device type: an x the experts take in that dtype whatever
+    the weights' (``autocast_operands``; ``EPMoE`` accepts it so)."""
+    kind = x.device.type
+    return torch.is_autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
+
+
 def call_checked_backend(
     fn: ExpertsFn,
     x: torch.Tensor,

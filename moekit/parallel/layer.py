@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moekit.config import MoEConfig
-from moekit.experts import call_backend
+from moekit.experts import autocast_input, call_backend
 from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
@@ -282,7 +282,7 @@ class EPMoE(MoE):
         """Host-side checks of this rank's tokens (no sync): the payload carries x in the experts' dtype."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != self.w13.dtype:
+        if x.dtype != self.w13.dtype and not autocast_input(x):
             raise ValueError(f"x must be {_dtype_name(self.w13.dtype)} like the layer's weights, got "
                              f"{_dtype_name(x.dtype)}")
         if x.device != self.w13.device:
