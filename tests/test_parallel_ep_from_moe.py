@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from _helpers import TOLERANCE, rel_l2, rel_max_err
+from _helpers import TOLERANCE, rel_l2, rel_max_err, value_error_of
 from _parallel_harness import run_ranks
 from moekit.config import MoEConfig
 from moekit.layer import MoE
@@ -24,14 +24,6 @@ def _moe(seed: int = 0, bias_shift: float = 0.0, **kwargs) -> MoE:
     return moe
 
 
-def _error_of(call) -> str:
-    try:
-        call()
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
 @torch.no_grad()
 def _scenarios(rank: int, world_size: int) -> dict:
     x = torch.randn(2 * world_size + 3, 32, generator=torch.Generator().manual_seed(5))
@@ -42,8 +34,8 @@ def _scenarios(rank: int, world_size: int) -> dict:
     return {
         "router_bias": rel_max_err(EPMoE.from_moe(moe)(mine), moe(mine)),
         "bias_matters": rel_max_err(unbiased(mine), moe(mine)),  # the check above could fail without the bias
-        "bias_mismatch": _error_of(lambda: EPMoE.from_moe(_moe(bias_shift=float(rank == 1)))),
-        "quantized": _error_of(lambda: EPMoE.from_moe(_moe(fuse_shared=False).quantize_("int8_w8a16"))),
+        "bias_mismatch": value_error_of(lambda: EPMoE.from_moe(_moe(bias_shift=float(rank == 1)))),
+        "quantized": value_error_of(lambda: EPMoE.from_moe(_moe(fuse_shared=False).quantize_("int8_w8a16"))),
         "autocast": _autocast(moe, mine.bfloat16()),
     }
 
