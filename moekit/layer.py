@@ -45,10 +45,10 @@ from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_logits, linear_into, router_inputs
+from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_linear, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.weighting import identity_weights, input_weighted, without_identity
-from moekit.routing.routed import MoEStats, RoutedTokens, stats_of
+from moekit.routing.routed import MoEStats, RoutedTokens, stats_of, stats_on_host
 from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
@@ -270,7 +270,7 @@ class MoE(nn.Module):
         logits = self._gate_fn(x2d, weight, bias, out) if kernel else None  # None: not for the kernel
         if logits is None and out is not None and self._gate_mm is not None:
             logits = self._gate_mm(x2d, weight, bias, out)
-        return torch.nn.functional.linear(x2d, weight, bias) if logits is None else logits
+        return gate_linear(x2d, weight, bias, self.config.router_dtype) if logits is None else logits
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
@@ -298,7 +298,7 @@ class MoE(nn.Module):
         if not return_stats:
             return out
         seq_len = x.shape[-2] if x.dim() >= 3 else x2d.shape[0]
-        return MoEOutput(out=out, stats=self._stats(routed), router_logits=routed.router_logits,
+        return MoEOutput(out=out, stats=stats_on_host(self, routed), router_logits=routed.router_logits,
                          aux_loss=self._aux_loss(routed, seq_len))
 
     def traced_forward(self, x2d: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,8 @@ def blocks(ns: dict, printed: str) -> None:
 
 def parallel(ns: dict, printed: str) -> None:
     """docs/parallel.md on each of the test's ranks: the layer equals the single-process MoE it was read from on
-    this rank's tokens after the rebalance moved its weights; rank 0 prints the rebalance's line, the others
-    nothing."""
+    this rank's tokens after the rebalance moved its weights, and so does the CPU script's; rank 0 prints the
+    rebalance's line, the others nothing."""
     ref, ep, x = ns["ref_moe"], ns["ep"], ns["x_local"]
     with torch.no_grad():
         assert rel_l2(ns["out"], ref(ns["batch"])) < 1e-5  # the loop's last step, after the rebalance
@@ -66,6 +66,8 @@ def parallel(ns: dict, printed: str) -> None:
     report = ns["report"]  # the placement in use is the report's, never worse than the one before
     assert ep.placement.slots == report.placement.slots and report.max_load_after <= report.max_load_before
     assert report.placement.num_redundant in (0, 32)  # 32 replicas where EPLB found them better
+    with torch.no_grad():  # the CPU script: this rank's tokens through the small layer's EP twin
+        assert ns["cpu_out"].shape == ns["tokens"].shape and rel_l2(ns["cpu_out"], ns["small"](ns["tokens"])) < 1e-5
     if ns["dist"].get_rank() == 0:
         assert re.fullmatch(r"balancedness \d\.\d\d -> \d\.\d\d\n", printed), printed
     else:

@@ -219,3 +219,12 @@ class RacingDict(dict):
         if keys:
             dict.pop(self, keys[0])
         return iter(keys)
+
+
+def value_error_of(call) -> str:
+    """The message of the ValueError ``call()`` raises, or "no error" (for a spawned rank, which returns values)."""
+    try:
+        call()
+    except ValueError as err:
+        return str(err)
+    return "no error"

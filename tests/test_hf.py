@@ -113,6 +113,15 @@ def test_moekit_experts_compile_fullgraph(monkeypatch):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
+def test_a_bad_hf_backend_names_the_setting(monkeypatch):
+    """HF_BACKEND is a module setting, read at the first forward: its error names it (it said only "backend")."""
+    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "trition")
+    model = qwen3(True).eval()
+    model.set_experts_implementation("moekit")
+    with torch.no_grad(), pytest.raises(ValueError, match="moekit.hf.HF_BACKEND = 'trition': backend must be one of"):
+        model(torch.randint(0, 97, (1, 4)))
+
+
 def test_compiled_triton_experts_trace_only_the_op(monkeypatch):
     """Under torch.compile the "moekit" experts on the triton backend trace its custom op and nothing of the
     backend's eager path (a traced branch is Python dynamo guards on every compiled call): with that path

@@ -134,6 +134,29 @@ def test_gradients_reach_the_blocks_parameters(name):
             assert rel_l2(p.grad, q.grad) < 1e-4, pname
 
 
+def test_router_jitter_in_training_runs_the_blocks_own_forward():
+    """Mixtral's block with router_jitter_noise > 0 scales its input by uniform noise in training (router and experts
+    see it); moekit's layer has no such step, so the block's own forward runs there: the same RNG draws give the
+    twin's logits. In eval mode there is no noise and moekit's layer runs."""
+    cfg = transformers.MixtralConfig(**tiny.COMMON, intermediate_size=16, num_hidden_layers=2, num_local_experts=6,
+                                     num_experts_per_tok=2, router_jitter_noise=0.5)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    twin = copy.deepcopy(model)
+    moekit_hf.use_moekit_blocks(model)
+    calls = count_moe_calls(model)
+    for m in (model, twin):
+        m.train()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        got = model(IDS).logits
+        torch.manual_seed(1)
+        want = twin(IDS).logits
+        assert not calls and torch.equal(got, want)
+        model.eval(), twin.eval()
+        assert rel_l2(model(IDS).logits, twin(IDS).logits) < 1e-5 and calls
+
+
 def test_save_pretrained_round_trip(tmp_path):
     """The swapped model saves the checkpoint the unswapped one does and loads it back."""
     model, _ = tiny.build("qwen3_next")
@@ -209,6 +232,16 @@ def test_fp8_experts_stay_fp8():
     assert all(s.moe.quant_scheme == "fp8_block" for s in swaps(model))
     with torch.no_grad():
         assert rel_l2(model(ids).logits, reference(ids).logits) < 1e-5
+
+
+def test_quant_on_fp8_experts_warns_that_blocks_stay_unquantized():
+    """quant= asks for moekit's quantized experts; blocks that cannot have them (fp8 experts are not requantized)
+    stay on their own forward, said in a warning naming the scheme, the count and the first reason."""
+    pytest.importorskip("transformers.integrations.finegrained_fp8")
+    model = tiny.fp8_qwen3_moe()
+    with pytest.warns(UserWarning, match=r"quant='int8_w8a16'\): 2 of 2 MoE blocks left .*already quantized"):
+        report = moekit_hf.use_moekit_blocks(model, quant="int8_w8a16")
+    assert report.swapped == () and [b.path for b in report.left] == ["model.layers.0.mlp", "model.layers.1.mlp"]
 
 
 def test_functional_call_substitutes_the_weights():

@@ -101,3 +101,6 @@ def test_move_requantizes_and_unknown_scheme_names_quant():
     assert plain.moe.quant_scheme is None and plain.moe.w13 is model.model.layers[0].mlp.experts.gate_up_proj
     with pytest.raises(ValueError, match="quant must be one of .*got 'int3'"):
         use_moekit_blocks(model, quant="int3")
+    # quantized and fused shared slots cannot go together: refused, not every shared-expert block left float
+    with pytest.raises(ValueError, match="quant='int8_w8a16' with fuse_shared=True"):
+        use_moekit_blocks(model, quant="int8_w8a16", fuse_shared=True)

@@ -134,6 +134,50 @@ def test_compile_fullgraph_cpu_default_equals_eager(dtype):
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
+def test_return_stats_compiles_with_one_graph_break_and_fullgraph_says_why():
+    """Training under torch.compile reads aux_loss from return_stats=True: the stats (host ints) stay outside the
+    graph as one break, the aux loss and its gradient equal eager's; fullgraph=True refuses it naming return_stats."""
+    torch.manual_seed(4)
+    moe = MoE(MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=8, top_k=2, aux_loss_coef=0.01,
+                        z_loss_coef=0.001), capacity_factor=1.0)
+    x = torch.randn(2, 6, 16)
+    eager = moe(x, return_stats=True)
+    (want,) = torch.autograd.grad(eager.aux_loss, [moe.gate.weight])
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(moe)(x, return_stats=True)
+    assert explained.graph_break_count == 1 and "return_stats" in explained.break_reasons[0].reason
+    torch._dynamo.reset()
+    got = torch.compile(moe, backend="aot_eager")(x, return_stats=True)
+    torch.testing.assert_close(got.aux_loss, eager.aux_loss)
+    torch.testing.assert_close(torch.autograd.grad(got.aux_loss, [moe.gate.weight])[0], want)
+    assert got.stats.dropped == eager.stats.dropped > 0 and torch.equal(got.stats.counts, eager.stats.counts)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"return_stats=True\) reads its MoEStats on the host"):
+        torch.compile(moe, fullgraph=True, backend="aot_eager")(x, return_stats=True)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_layer_under_bf16_autocast_takes_a_bf16_input(backend):
+    """Mixed precision: a float32 layer after an autocast op gets a bf16 x. Its experts run in bf16 on the float32
+    weights cast as autocast casts a matmul's (it refused the pair); out and the float32 weights' gradients against a
+    float64 loop over the bf16-rounded x and weights, routed by the bf16 gate as autocast runs it."""
+    torch.manual_seed(5)
+    moe = MoE(MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2), backend=backend)
+    x = torch.randn(6, 32).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = moe(x, return_stats=True)
+    assert res.out.dtype == torch.bfloat16 and res.router_logits.dtype == torch.bfloat16
+    weights, ids = torch.topk(torch.softmax(res.router_logits.detach().double(), -1), 2)  # the layer's own routing
+    w13, w2 = (w.detach().bfloat16().double().requires_grad_() for w in (moe.w13, moe.w2))
+    want = experts_loop(x, w13, w2, ids, weights / weights.sum(-1, keepdim=True))
+    assert (res.out.double() - want).norm() / want.norm() < 1e-2
+    res.out.float().square().sum().backward()
+    want.square().sum().backward()
+    for param, ref in ((moe.w13, w13), (moe.w2, w2)):
+        assert param.grad.dtype == torch.float32 and (param.grad - ref.grad).norm() / ref.grad.norm() < 1.5e-2
+
+
 def test_dropless_routing_allocates_no_drop_count_and_never_shares_one():
     moe = MoE(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2))
     with torch.no_grad():

@@ -216,6 +216,23 @@ def test_router_dtype_keeps_the_gate_bias():
     torch.testing.assert_close(moe(x, return_stats=True).router_logits.detach(), want, rtol=1e-6, atol=1e-6)
 
 
+def test_router_dtype_holds_inside_autocast():
+    """A float32 model trained under bf16 autocast: router_dtype="float32" keeps the gate GEMM, the logits and the
+    z-loss in float32 (autocast would cast F.linear's inputs to bf16); without it they follow autocast."""
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, router_dtype="float32",
+                    z_loss_coef=1.0)
+    moe = _layer(cfg)
+    x = torch.randn(6, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = moe(x, return_stats=True)
+        default = _layer(cfg.replace(router_dtype=None))(x, return_stats=True)
+    want = x.double() @ moe.gate.weight.detach().double().t()  # [6, E]
+    assert res.router_logits.dtype == torch.float32 and default.router_logits.dtype == torch.bfloat16
+    torch.testing.assert_close(res.router_logits.detach().double(), want, rtol=1e-6, atol=1e-6)
+    z = sum(math.log(sum(math.exp(v) for v in row.tolist())) ** 2 for row in want) / 6
+    assert res.aux_loss.item() == pytest.approx(z, rel=1e-6)
+
+
 @pytest.mark.parametrize("field, value", [("aux_loss_coef", -1.0), ("z_loss_coef", float("nan")),
                                           ("seq_aux_loss_coef", True), ("router_dtype", "fp32")])
 def test_config_refuses_bad_training_fields(field, value):

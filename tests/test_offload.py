@@ -179,6 +179,9 @@ def test_bad_arguments_name_themselves():
         OffloadedMoE.from_moe(moe, cache_experts=2, prefetch="oracle")
     with pytest.raises(ValueError, match="policy"):
         OffloadedMoE.from_moe(moe, cache_experts=2, policy="fifo")
+    if not torch.cuda.is_available():  # a CPU machine: the GPU cache is refused naming device, not torch's Stream error
+        with pytest.raises(RuntimeError, match="device='cuda': the expert cache's slots live on a CUDA GPU"):
+            OffloadedMoE.from_moe(moe, cache_experts=2, device="cuda")
     cache = ExpertCache(2, device="cpu")
     OffloadedMoE.from_moe(moe, cache=cache)
     other = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=2 * N, num_experts=E, top_k=2))
@@ -284,3 +287,17 @@ def test_router_prefetch_predicts_the_next_layers_routed_experts_only(options):
     predicted = {i for i in ids if i < E}
     assert set(cache.cached(layers[1].layer_id)) >= predicted and layers[0].last_stats.prefetched == len(predicted)
     assert rel_l2(layers[1](h), moes[1](moes[0](x))) < TOLERANCE[torch.float32]
+
+
+def test_forward_under_autograd_gives_the_values_and_backward_says_why_it_cannot():
+    """Without no_grad the forward runs as before (a plain MoE's values); its backward is refused naming the layer,
+    not autograd's "modified by an inplace operation" about a cache slot the next fetch overwrote."""
+    moe = _moe()
+    layer = OffloadedMoE.from_moe(moe, cache_experts=4)
+    x = _x(5).requires_grad_()
+    out = layer(x)
+    assert rel_l2(out, moe(x)) < TOLERANCE[torch.float32]
+    with pytest.raises(RuntimeError, match="OffloadedMoE has no backward: its experts are cache slots"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not layer(x).requires_grad

@@ -198,6 +198,10 @@ def test_bench_offload_places_and_streams_select_rows(tmp_path, capsys):
     rows = json.loads(path.read_text())["rows"]
     assert [(r["stream"], r["prefetch"], r["compute_misses_on"]) for r in rows] == [
         ("skewed", p, "gpu") for _ in ("lfu", "lru") for p in ("none", "router")]
+    doc = json.loads(path.read_text())  # the first line says what ran: not DeepSeek-V3's widths, no GPU
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"--tiny: tiny layers (E={doc['experts']}, K={doc['hidden']}, N={doc['inter']}, top-")
+    assert "the cache in host memory, no GPU" in first
     with pytest.raises(SystemExit):
         main(["bench", "--offload", "--tiny", "--device", "cpu", "--offload-places", "disk"])
     assert "expected gpu, cpu or auto, got 'disk'" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _helpers import TOLERANCE, rel_l2, rel_max_err
+from _helpers import TOLERANCE, rel_l2, rel_max_err, value_error_of
 from _parallel_harness import run_ranks
 from moekit.config import MoEConfig
 from moekit.experts import run_experts
@@ -86,15 +86,6 @@ def _dispatch_and_combine(ep: EPMoE, x_local: torch.Tensor):
     sent = ep.dispatch(x_local, routing.topk_ids, routing.topk_weights)
     ep.combine(ep.run_local_experts(sent), sent)
     return sent
-
-
-def _error_of(call) -> str:
-    """The message of the ValueError ``call()`` raises, or "no error"."""
-    try:
-        call()
-    except ValueError as err:
-        return str(err)
-    return "no error"
 
 
 # --- the scenarios: run on every rank, in this order, inside one group ---------------------------------
@@ -181,7 +172,8 @@ def _router_options(g: Group) -> dict:
     res["router_options_identity"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
     moe = _moe(SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=1, scoring="sigmoid"))  # Llama-4's router
     res["router_options_input_weighted"] = _compare(EPMoE.from_moe(moe), moe, g.x, g.sizes, g.rank)
-    res["input_weighted_top2"] = _error_of(lambda: EPMoE(SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=2)))
+    top2 = SOFTMAX_SHARED.replace(expert_weight_on="input", top_k=2)
+    res["input_weighted_top2"] = value_error_of(lambda: EPMoE(top2))
     for name, cfg, fuse in (("sparsemixer", PHI, True), ("shared_router", INK, True), ("shared_router", INK, False)):
         moe = _skew(_moe(cfg, fuse_shared=fuse), [1, 6], 0.2) if cfg is INK else _moe(cfg).eval()
         res[f"router_options_{name}_{fuse}"] = _compare(EPMoE.from_moe(moe).eval(), moe, g.x, g.sizes, g.rank)
@@ -208,7 +200,7 @@ def _empty_and_stats(g: Group) -> dict:
     padded = EPMoE.from_moe(moe, max_tokens_per_rank=4)
     res["empty_shapes_padded"] = [tuple(padded(torch.empty(0, 32)).shape), tuple(padded(torch.empty(2, 0, 32)).shape)]
     # Every rank passes 5 > 4 tokens: each raises its own error before any payload collective.
-    res["over_capacity"] = _error_of(lambda: padded(torch.randn(5, 32)))
+    res["over_capacity"] = value_error_of(lambda: padded(torch.randn(5, 32)))
     total = ep(g.x_local, return_stats=True).stats.choice_counts.clone()  # [E + Z]
     dist.all_reduce(total)
     res["stats_counts_match"] = bool(torch.equal(total, moe(g.x, return_stats=True).stats.choice_counts))
@@ -268,11 +260,11 @@ def _mismatches(g: Group) -> dict:
     last = g.rank == g.world_size - 1
     placement = contiguous_placement(8, g.world_size) if g.rank else round_robin_placement(8, g.world_size)
     return {
-        "config_mismatch": _error_of(lambda: EPMoE(SOFTMAX_SHARED.replace(top_k=2 + last))),
-        "capacity_mismatch": _error_of(lambda: EPMoE(SOFTMAX_SHARED, max_tokens_per_rank=8 + g.rank)),
+        "config_mismatch": value_error_of(lambda: EPMoE(SOFTMAX_SHARED.replace(top_k=2 + last))),
+        "capacity_mismatch": value_error_of(lambda: EPMoE(SOFTMAX_SHARED, max_tokens_per_rank=8 + g.rank)),
         # rank 1's layer has other weights
-        "weights_mismatch": _error_of(lambda: EPMoE.from_moe(_moe(SOFTMAX_SHARED, seed=int(g.rank == 1)))),
-        "placement_mismatch": _error_of(lambda: EPMoE(SOFTMAX_SHARED, placement)),
+        "weights_mismatch": value_error_of(lambda: EPMoE.from_moe(_moe(SOFTMAX_SHARED, seed=int(g.rank == 1)))),
+        "placement_mismatch": value_error_of(lambda: EPMoE(SOFTMAX_SHARED, placement)),
     }
 
 

@@ -21,6 +21,7 @@ def test_defaults_are_the_lessons():
     ({"gpus": "16", "experts": "8"}, r"gpus must be <= experts"),
     ({"spare_slots": "100", "experts": "8", "gpus": "2"}, r"spare_slots must be <= experts"),
     ({"tokens": "1.5"}, "tokens must be an integer"),
+    ({"seed": "-1"}, r"seed must be in \[0, 2147483647\]; got -1"),  # the bound as an int, not 2.14748e\+09
     ({"color": "red"}, "unknown parameter"),
 ])
 def test_bad_values_raise_naming_the_parameter(values, message):

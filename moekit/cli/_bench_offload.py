@@ -12,7 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("host-resident experts (--offload)")
     g.add_argument("--offload", action="store_true",
                    help="decode through offloaded DeepSeek-V3-width layers (E=256, N=2048, K=7168, top-8) whose "
-                   "experts exceed the GPU budget; measures the host link and the CPU expert rate first")
+                   "experts exceed the GPU budget; measures the host link and the CPU expert rate first (on the CPU "
+                   "or with --tiny: E=16, K=64, N=32, top-2, a smoke run)")
     g.add_argument("--offload-layers", type=positive_int, default=2, help="MoE layers sharing the cache")
     g.add_argument("--cache-fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
                    help="GPU cache sizes as fractions of all routed experts")
@@ -49,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--device cuda is not available on this machine; use --device cpu")
     shape = {} if device.type == "cuda" and not args.tiny else {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2}
     console = Console(width=140)
+    if shape:  # said first: the table's "gpu" rows are then host copies of toy experts, nothing like the real ones
+        where = "the cache in host memory, no GPU" if device.type == "cpu" else "on the GPU"
+        console.print(f"{'--tiny' if args.tiny else 'on the CPU'}: tiny layers (E={shape['experts']}, "
+                      f"K={shape['hidden']}, N={shape['inter']}, top-{shape['top_k']}), {where}: a smoke run of "
+                      "the offload code, not a measure of offloading", markup=False, highlight=False)
     console.print(HEADER, markup=False, highlight=False)
     doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
                           fractions=tuple(args.cache_fractions), steps=args.offload_steps, scheme=scheme,

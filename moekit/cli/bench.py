@@ -47,9 +47,33 @@ def register(subparsers) -> None:
     _bench_train.add_arguments(p)
     _bench_cpu.add_arguments(p)
     p.set_defaults(func=_run)
+    _DEFAULTS.update({dest: p.get_default(dest) for dests in _MODE_FLAGS.values() for dest in dests})
+
+
+# Each mode's own flags (dests) and the modes that read them: given to a run of none of those modes, a flag was
+# dropped in silence (bench --train --tiny ran the full widths), so it is refused, naming where it applies.
+_MODE_FLAGS = {
+    ("hf",): ("hf_model", "hf_impls", "layers", "decode_tokens", "prompt_len", "prefill_batch", "prefill_len",
+              "compile", "compile_backend", "hf_dtype", "hf_quant"),
+    ("hf", "cpu_experts"): ("repeats",),
+    ("hf", "offload"): ("tiny",),
+    ("offload",): ("offload_layers", "cache_fractions", "offload_steps", "offload_places", "offload_streams",
+                   "offload_online_cpu_rate", "offload_dtype"),
+}
+_DEFAULTS: dict = {}  # dest -> the parser's default, read when the parser is built
+
+
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    for modes, dests in _MODE_FLAGS.items():
+        given = [dest for dest in dests if getattr(args, dest) != _DEFAULTS[dest]]
+        if given and not any(getattr(args, mode) for mode in modes):
+            where = " or ".join(f"--{mode.replace('_', '-')}" for mode in modes)
+            flag = "--compile / --no-compile" if given[0] == "compile" else f"--{given[0].replace('_', '-')}"
+            raise UsageError(f"{flag} applies to {where}, which this run is not")
 
 
 def _run(args: argparse.Namespace) -> int:
+    _check_mode_flags(args)
     modes = [f"--{m.replace('_', '-')}" for m in ("hf", "offload", "train", "cpu_experts") if getattr(args, m)]
     if modes and (args.budget_s or (args.dtype and modes != ["--cpu-experts"])):
         raise UsageError(f"--dtype and --budget-s apply to the kernel cells (--dtype also to --cpu-experts), "

@@ -152,10 +152,38 @@ def call_backend(
 ) -> torch.Tensor:
     """Check the arguments and run an already resolved backend function. Unlike ``run_experts`` it
     imports nothing, so ``torch.compile(fullgraph=True)`` traces through it. ``activation`` reaches
-    the backend as given (a str stays a str)."""
+    the backend as given (a str stays a str). Under ``torch.autocast`` an x whose dtype is not the weights' takes
+    autocast's, the weights too (``autocast_operands``)."""
+    if (isinstance(x, torch.Tensor) and x.dtype is not getattr(w13, "dtype", x.dtype)
+            and torch.is_autocast_enabled(x.device.type)):  # bad arguments fall through to the check's own errors
+        x, w13, w2, b13, b2 = autocast_operands(x, w13, w2, b13, b2)
     check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
     return call_checked_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
                                 b13=b13, b2=b2)
+
+
+def autocast_operands(x: torch.Tensor, w13, w2, b13: torch.Tensor | None, b2: torch.Tensor | None) -> tuple:
+    """(x, w13, w2, b13, b2) as ``torch.autocast`` would cast a matmul's operands on x's device type, for a call whose
+    x and weights differ in dtype: autocast never reaches moekit's backends (its lists name torch's ops), so a float32
+    model's layer under bf16 autocast met a bf16 x from the ops before it and float32 weights, and refused the pair.
+    Float16/32 tensors go to autocast's dtype (differentiable casts: float32 parameters get their gradients), float64
+    ones stay; quantized weights keep their format and take x in their logical dtype. A call whose x has the weights'
+    dtype runs in it, autocast or not (so the kept fast paths, which serve such calls, never differ)."""
+    if not isinstance(w13, torch.Tensor):  # a QuantizedWeight: its kernels run in its logical dtype
+        return (x if x.dtype in (w13.dtype, torch.float64) else x.to(w13.dtype)), w13, w2, b13, b2
+    dtype = torch.get_autocast_dtype(x.device.type)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or t.dtype in (dtype, torch.float64) else t.to(dtype)
+
+    return cast(x), cast(w13), cast(w2), cast(b13), cast(b2)
+
+
+def autocast_input(x: torch.Tensor) -> bool:
+    """x is of an enabled ``torch.autocast``'s dtype on its device type: an x the experts take in that dtype whatever
+    the weights' (``autocast_operands``; ``EPMoE`` accepts it so)."""
+    kind = x.device.type
+    return torch.is_autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
 
 
 def call_checked_backend(
@@ -254,6 +282,8 @@ class ExpertsCallCache:
         self._refs: tuple | None = None  # weakref.ref of w13, w2, b13, b2 (None where absent)
 
     def __call__(self, fn: ExpertsFn, x, w13, w2, topk_ids, topk_weights, *, activation, b13=None, b2=None):
+        if x.dtype is not w13.dtype and torch.is_autocast_enabled(x.device.type):  # new tensors: checked in full
+            x, w13, w2, b13, b2 = autocast_operands(x, w13, w2, b13, b2)
         if not torch.compiler.is_compiling():  # traced: the check as before
             fast = _FAST_PATHS.get(fn)
             if fast is not None:  # the backend's own record of this call (it checks the weights are the same)

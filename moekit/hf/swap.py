@@ -101,6 +101,9 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     ``restore_blocks`` undoes it. A model with no MoE block warns (``UserWarning``) and is left as it is."""
     if quant is not None and quant not in SCHEMES:
         raise ValueError(f"quant must be one of {SCHEMES} or None, got {quant!r}")
+    if quant is not None and fuse_shared:  # else each block with a shared expert was left float, in report.left only
+        raise ValueError(f"quant={quant!r} with fuse_shared=True: the fused shared expert would be quantized with the "
+                         "routed ones, and quantize_ keeps it in the model dtype; pass fuse_shared=False with quant")
     if not keep_float and quant is None:
         raise ValueError("keep_float=False frees the float experts, which only quantized ones can replace: pass "
                          "quant=<scheme> with it (got quant=None)")
@@ -124,6 +127,11 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
         quant_bytes = sum(w.nbytes for w in (swap.moe.w13, swap.moe.w2) if isinstance(w, QuantizedWeight))
         swapped.append(SwappedBlock(site.path, own.__name__, copied_bytes(swap.moe, block), swap.tuple_len,
                                     quant_bytes, 0 if swap.freed is None else swap.freed.freed_bytes))
+    if quant is not None and left:  # asked for quantized experts: the blocks that run without them are said aloud
+        first = left[0]
+        warnings.warn(f"use_moekit_blocks(quant={quant!r}): {len(left)} of {len(sites)} MoE blocks left on their own "
+                      f"forward, their experts not quantized by moekit ({first.path}: {first.reason}"
+                      f"{'; ...' if len(left) > 1 else ''}); report.left lists each", UserWarning, stacklevel=2)
     return BlockSwapReport(tuple(swapped), tuple(left))
 
 

@@ -105,7 +105,8 @@ class BlockSwap:
 
     def own_forward_needed(self, block: nn.Module) -> bool:
         """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
-        block in training mode whose router samples (Phi-MoE's sparsemixer: moekit routes as at inference), or
+        block in training mode whose router samples (Phi-MoE's sparsemixer: moekit routes as at inference) or whose
+        input is jittered (Mixtral's and MiniMax's ``router_jitter_noise``), or
         autograd recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
         Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
         first, in eager calls."""
@@ -113,6 +114,8 @@ class BlockSwap:
             return True  # substituted Parameters
         if self.moe.config.sparsemixer_jitter_eps is not None and block.training:
             return True  # Phi-MoE's router sampling in training (the config first: compiled, no guard on training)
+        if getattr(block, "jitter_noise", 0) and block.training:
+            return True  # Mixtral's / MiniMax's input jitter in training (router_jitter_noise): the layer has none
         if not self.watch:
             return False
         if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):

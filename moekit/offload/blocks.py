@@ -113,3 +113,14 @@ def _nbytes(v: PartView) -> int:
     for d in v.shape:
         count *= d
     return count * v.dtype.itemsize
+
+
+def slots_device(device: torch.device | str) -> torch.device:
+    """The device an ``ExpertCache``'s slots are allocated on. ``"cuda"`` where torch sees no GPU is refused naming
+    the argument (a CPU build failed later, in ``torch.cuda.Stream``, with no word of ``device``)."""
+    slots = torch.device(device)
+    if slots.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r}: the expert cache's slots live on a CUDA GPU and this torch sees "
+                           f"none (CUDA build: {torch.version.cuda is not None}); device='cpu' runs the same code "
+                           "with the slots in host memory (a test: nothing crosses a link)")
+    return slots

@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from moekit.offload.blocks import BlockLayout
+from moekit.offload.blocks import BlockLayout, slots_device
 from moekit.offload.parts import ExpertWeights, Weight
 from moekit.offload.policy import EvictionPolicy, PolicyName
 from moekit.offload.stats import OffloadStats
@@ -61,7 +61,7 @@ class ExpertCache:
         if not isinstance(cache_experts, int) or isinstance(cache_experts, bool) or cache_experts < 1:
             raise ValueError(f"cache_experts must be an int >= 1 (GPU expert slots), got {cache_experts!r}")
         self.cache_experts = cache_experts
-        self.device = torch.device(device)
+        self.device = slots_device(device)
         self.policy = EvictionPolicy(policy)
         self.stats = OffloadStats()
         self._layers: list[ExpertWeights] = []

@@ -43,6 +43,7 @@ from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, one_call
 from moekit.offload.cpu_direct import direct_share
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
+from moekit.offload.no_backward import no_backward
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, Proofs, plan_forward
@@ -187,7 +188,7 @@ class OffloadedMoE(MoE):
         self.last_stats = stats
         cache.stats.add(stats)
         cache.mark("end", self.layer_id)
-        return out
+        return no_backward(out)
 
     def _touched(self, x2d: torch.Tensor, routing: Routing) -> tuple[dict[int, int], list[int]]:
         """({expert: routed assignments} of this batch, the next layer's predicted experts)."""

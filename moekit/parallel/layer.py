@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moekit.config import MoEConfig
-from moekit.experts import call_backend
+from moekit.experts import autocast_input, call_backend
 from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
@@ -169,7 +169,7 @@ class EPMoE(MoE):
         settings.update(kwargs)
         ep = cls(moe.config, placement, group, **settings)
         with torch.no_grad():
-            ep.gate.weight.copy_(moe.gate.weight)
+            ep.gate.load_state_dict(moe.gate.state_dict())  # the weight, and the bias of a router_bias config
             if moe.e_score_correction_bias is not None:
                 ep.e_score_correction_bias.copy_(moe.e_score_correction_bias)
             ep.w13.copy_(shard_experts(moe.w13, ep.placement, ep.rank))
@@ -183,12 +183,12 @@ class EPMoE(MoE):
         return ep
 
     def verify_replicated(self) -> None:
-        """Raise a clear ValueError on every rank unless the weights every rank holds in full (gate,
+        """Raise a clear ValueError on every rank unless the weights every rank holds in full (gate and its bias,
         correction bias, shared expert and fused shared slots) are bit-identical across the group.
         Collective; copies those weights to the host once to hash them."""
         replicated = {
-            "gate": self.gate.weight, "e_score_correction_bias": self.e_score_correction_bias,
-            "shared_w13": self.shared_w13, "shared_w2": self.shared_w2,
+            "gate": self.gate.weight, "gate_bias": self.gate.bias, "shared_w13": self.shared_w13,
+            "e_score_correction_bias": self.e_score_correction_bias, "shared_w2": self.shared_w2,
             "shared_gate": None if self.shared_gate is None else self.shared_gate.weight,
             "fused_shared_w13": self.w13[self.num_local_experts :],
             "fused_shared_w2": self.w2[self.num_local_experts :],
@@ -282,7 +282,7 @@ class EPMoE(MoE):
         """Host-side checks of this rank's tokens (no sync): the payload carries x in the experts' dtype."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != self.w13.dtype:
+        if x.dtype != self.w13.dtype and not autocast_input(x):
             raise ValueError(f"x must be {_dtype_name(self.w13.dtype)} like the layer's weights, got "
                              f"{_dtype_name(x.dtype)}")
         if x.device != self.w13.device:

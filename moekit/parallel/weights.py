@@ -19,6 +19,9 @@ def shard_experts(weight: torch.Tensor, placement: Placement, rank: int) -> torc
     """weight [E(+S), ..] -> [L(+S), ..]: the rows of ``rank``'s experts in local order, then the S
     fused shared-slot rows (every rank keeps those)."""
     num_experts = placement.num_experts
+    if not isinstance(weight, torch.Tensor):  # a QuantizedWeight (EPMoE.from_moe of a quantized MoE): float only
+        raise ValueError(f"weight is quantized ({weight.scheme}): EPMoE shards float experts; shard the float layer, "
+                         f"then quantize: EPMoE.from_moe(moe).quantize_({weight.scheme!r})")
     if weight.shape[0] < num_experts:
         raise ValueError(f"weight must have at least num_experts={num_experts} rows, got shape {tuple(weight.shape)}")
     index = torch.tensor(placement.slots[rank] + list(range(num_experts, weight.shape[0])), dtype=torch.long,

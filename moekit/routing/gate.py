@@ -159,3 +159,13 @@ def router_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype != dtype:
         weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     return (x if x.dtype == dtype else x.to(dtype)), weight, bias
+
+
+def gate_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: str | None):
+    """``F.linear(x, weight, bias)`` on ``router_inputs``' tensors; with ``router_dtype`` set, outside autocast: a
+    mixed-precision region casts F.linear's inputs to its own dtype (bf16 logits from a float32 router_dtype), the
+    rounding router_dtype exists to keep out of the routing (Megatron runs its router GEMM the same way)."""
+    if router_dtype is not None and torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.nn.functional.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)

@@ -74,6 +74,15 @@ class MoEStats:
         return hits / slots if slots else 0.0
 
 
+@torch.compiler.disable(reason="MoE(x, return_stats=True) reads its MoEStats on the host (counts, drops: a sync), "
+                        "outside the graph; under fullgraph=True call the layer without return_stats")
+def stats_on_host(layer, routed: RoutedTokens) -> MoEStats:
+    """``layer._stats(routed)`` (``MoE.forward(return_stats=True)``), never traced: a compiled layer breaks its graph
+    here once, cleanly (its int fields are host reads), instead of at each read inside, and ``fullgraph=True``
+    refuses it with the reason above rather than dynamo's word on whatever it met first."""
+    return layer._stats(routed)
+
+
 def stats_of(routed: RoutedTokens, num_experts: int, block: int, layout: str,
              num_identity_experts: int = 0) -> MoEStats:
     """The stats of a forward's routing: counts over the E routed experts (ids -1, shared slots E.. and the

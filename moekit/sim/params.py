@@ -85,4 +85,5 @@ def _check_range(name: str, value: Any, integer: bool) -> None:
     if not numeric or (integer and not isinstance(value, int)) or value != value:
         raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}; got {value!r}")
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}]; got {value!r}")
+        bounds = f"[{lo}, {hi}]" if integer else f"[{lo:g}, {hi:g}]"  # an int bound whole (seed's 2147483647)
+        raise ValueError(f"{name} must be in {bounds}; got {value!r}")
