@@ -2,7 +2,7 @@
 gate/up rows, silu alpha 1.702, a clamp, up + 1) and N / K past a multiple of 128, on the CPU. The twin against a
 float64 loop written here and the reference backend's fp8 recipe; the plain and lean launches with the GEMMs as torch
 stand-ins that address the weights tile by tile as the kernel does (``_gluon_fakes.fp8_gemm``: interleaved row tiles,
-clamped scale blocks, zeros past the views) against the twin; the route (``Fp8GluonChoice.variants``, off by default)
+clamped scale blocks, zeros past the views) against the twin; the route (``Fp8GluonChoice.variants``, on by default)
 and the keys that keep a variant's plans apart from silu's. The kernels themselves compile in
 ``test_triton_gluon_fp8.test_gemm_compiles_for_sm90`` and run in ``benchmarks/gfp42_device_check.py``."""
 
@@ -150,7 +150,7 @@ def test_route_takes_variants_only_with_the_switch(fake_gemms, monkeypatch):
 
     x, q, ids, weights, b13, b2 = _problem(m=12)
     w13, w2 = _weights(q)
-    off = dataclasses.replace(ON, variants=False)  # main's route (the field's default until a device run says)
+    off = dataclasses.replace(ON, variants=False)  # the fused Triton kernels for every variant call
     assert not gluon_fp8_takes(x, w13, w2, weights, GPT_OSS, b13, b2, off)
     assert not gluon_fp8_takes(x, w13, w2, weights, GPT_OSS, None, None, off)
     assert not gluon_fp8_takes(x, w13, w2, weights, "silu", None, None, ON)  # N = 208 with the gate rows first

@@ -15,7 +15,7 @@ and to the fused Triton fp8 kernels everywhere else (``triton_quant.run_quantize
 The experts variant (issue #15, session 42): b13 after the block scales, before the activation; any gated spec in the
 gate-up epilogue (gpt-oss's interleaved rows read in place, two row tiles a column block); b2 before the routed
 weight; N and K past a multiple of 128 read as TMA's zeros. The backends send such calls here only with
-``Fp8GluonChoice.variants`` (off by default).
+``Fp8GluonChoice.variants`` (on by default: 1.4-1.66x the fused Triton fp8 kernels at gpt-oss-20b's prefill).
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ class Fp8GluonChoice:
     min_rows_per_expert: float = 128.0
     # Calls with expert biases, another gated activation or N / K not multiples of 128 (gpt-oss's: b13 / b2, interleaved
     # rows, silu alpha 1.702, limit 7, up + 1, N = K = 2880; issue 15, session 42) on this path too, where they fit
-    # (``gluon_fp8_unfit``: N, K multiples of 16; without interleaved rows N a multiple of 128). Off: they stay on the
-    # fused Triton fp8 kernels, main's route, until benchmarks/gfp42_device_check.py's device run says the Gluon GEMMs
-    # are faster there (the defaults rule).
-    variants: bool = False
+    # (``gluon_fp8_unfit``: N, K multiples of 16; without interleaved rows N a multiple of 128). On since
+    # benchmarks/gfp42_device_check.py on one H100 (session 42, raw results/raw/NVIDIA_H100-2026-12-06-b35bf8b-gfp42.*):
+    # gpt-oss-20b's experts, graph µs fused Triton fp8 / Gluon / bf16 at M 2048 901.8 / 642.5 / 934.4, 4096 1778.6 /
+    # 1134.7 / 1646.0, 8192 3423.9 / 2064.5 / 2988.9 (x1.40-1.66, 5/5 rounds each; fp8 / bf16 1.08 -> 0.69 at 4096),
+    # eager wall at 4096 1649.7 -> 1151.4 (5/5). False sends them back to the fused Triton kernels.
+    variants: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.min_flops, self.min_rows_per_expert, self.variants)))
