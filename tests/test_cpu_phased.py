@@ -103,11 +103,13 @@ def test_phased_keeps_the_bits_where_a_whole_row_range_would_vectorise_different
 
 
 @needs_onednn
-@pytest.mark.parametrize("m", [1, 2])  # 1: every expert one row, its GEMMs as torch.mv; 2: rows of 1 and 2
-def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m):
+@pytest.mark.parametrize("gemv", [False, True])  # one row as mm (no AMX) or as mv (AMX): ``bf16_row_gemv``
+@pytest.mark.parametrize("m", [1, 2])  # 1: every expert one row; 2: rows of 1 and 2
+def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m, gemv, monkeypatch):
     """bf16 experts of one row on BLAS (auto's phased mode, and the split loop's ``one_row_blas``) run as
-    matrix-vector products: the bits of the split loop's oneDNN linear, and within bf16's rounding of the float64
-    loop."""
+    matrix-vector products or as mm: the bits of the split loop's oneDNN linear, and within bf16's rounding of the
+    float64 loop."""
+    monkeypatch.setattr(cpu_packed, "bf16_row_gemv", lambda: gemv)
     x, w13, w2, ids, weights = problem(m=m, k=4, seed=11 + m)
     x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
     outs = both(x, w13, w2, ids, weights, blas=True)
@@ -119,11 +121,20 @@ def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m):
         assert torch.equal(one_row, outs[0])
 
 
+def test_one_bf16_row_is_a_matrix_vector_product_on_amx_cpus_only():
+    cpu_packed.bf16_row_gemv.cache_clear()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert cpu_packed.bf16_row_gemv() == bool(amx())
+
+
+@pytest.mark.parametrize("gemv", [False, True])  # one bf16 row as mm (no AMX) or as mv (AMX)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_blas_rows_one_bf16_row_as_a_matrix_vector_product(bias, rows):
-    """``linear_rows`` on BLAS: one bf16 row (``torch.mv`` / ``addmv``) and several (mm), into ``out`` or not, on a
-    row-major weight and a transposed view: within one bf16 rounding of the float64 product (+ bias)."""
+def test_blas_rows_one_bf16_row_as_a_matrix_vector_product(bias, rows, gemv, monkeypatch):
+    """``linear_rows`` on BLAS: one bf16 row (``torch.mv`` / ``addmv`` where ``bf16_row_gemv``, else mm) and several
+    (mm), into ``out`` or not, on a row-major weight and a transposed view: within one bf16 rounding of the float64
+    product (+ bias)."""
+    monkeypatch.setattr(cpu_packed, "bf16_row_gemv", lambda: gemv)
     g = torch.Generator().manual_seed(rows)
     a = torch.randn(rows, 64, generator=g).bfloat16()  # [m, in]
     w = (torch.randn(96, 64, generator=g) / 8).bfloat16()  # [out, in]

@@ -16,8 +16,9 @@ from moekit.experts.cpu_phased import experts_cpu_phased, phased_blas_rows
 from moekit.experts.cpu_split_choice import CHOSEN_BELOW, SPLIT, UNSPLIT, split_chooser
 
 # Below this many tokens ``auto``'s split loop runs experts of one row on BLAS where the phased loop does
-# (``phased_blas_rows``: bf16 as ``torch.mv``, the bits of oneDNN's linear). Qwen3-30B-A3B widths, the Xeon, each call
-# after a 2-thread GEMM, 9 rounds (session 34): M = 1 0.77-0.86x, 8 0.58-0.89x, 16 0.87-0.99x (7/9 >= 3%) of oneDNN.
+# (``phased_blas_rows``: bf16 as ``torch.mv`` on an AMX CPU, else ``torch.mm``: ``cpu_packed.bf16_row_gemv``).
+# Qwen3-30B-A3B widths, the Xeon (mv), each call after a 2-thread GEMM, 9 rounds (session 34): M = 1 0.77-0.86x, 8
+# 0.58-0.89x, 16 0.87-0.99x (7/9 >= 3%) of oneDNN.
 ONE_ROW_BLAS_BELOW = 16
 
 

@@ -45,9 +45,9 @@ def phased_blas_rows(dtype: torch.dtype) -> bool:
     """Whether ``auto``'s phased loop runs experts of fewer than ``PACKED_MIN_ROWS`` rows through torch's BLAS: where
     ``cpu_packed.blas_plain_rows`` says (float32, MKL, an Intel CPU), and bf16 where oneDNN runs bf16 natively
     (``torch.mm``'s bf16 is oneDNN's matmul there, its primitives cached: ~4 us a call before any work against
-    ``_linear_pointwise``'s ~16, 16 calls at M = 1 on Qwen3-30B-A3B; one row as ``torch.mv``, ``cpu_packed._blas_rows``,
-    ~27% faster again). In the split loop BLAS (mm) measured slower in bf16 (session 30); there only experts of one row
-    take it, below ``cpu_loop.ONE_ROW_BLAS_BELOW`` tokens (session 34)."""
+    ``_linear_pointwise``'s ~16, 16 calls at M = 1 on Qwen3-30B-A3B; one row as ``torch.mv`` on an AMX CPU,
+    ``cpu_packed.bf16_row_gemv``, ~27% faster again on the Xeon). In the split loop BLAS (mm) measured slower in bf16
+    (session 30); there only experts of one row take it, below ``cpu_loop.ONE_ROW_BLAS_BELOW`` tokens (session 34)."""
     if blas_plain_rows(dtype):
         return True
     supported = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
