@@ -22,6 +22,24 @@ from moekit.experts.cpu_split_choice import CHOSEN_BELOW, SPLIT, UNSPLIT, split_
 ONE_ROW_BLAS_BELOW = 16
 
 
+def one_row_blas_rows(x: torch.Tensor, ex: ExpertParams) -> bool:
+    """Whether ``auto``'s loops (both modes alike) run this call's experts of one row through torch's BLAS: below
+    ``ONE_ROW_BLAS_BELOW`` tokens, on row-major weights where ``phased_blas_rows`` says, and on float32 experts stored
+    transposed (``stored_transposed``: gpt-oss's [E, K, 2N] / [E, N, K] read as [E, 2N, K] / [E, K, N] views), where
+    BLAS reads the stored [in, out] rows as they are. There, at gpt-oss-20b's widths on the AMD EPYC (M = 1 and 4,
+    biases, 3 routings, each call after an LM-head GEMM, session 42), oneDNN's linear on the view took ~2x BLAS's time
+    at one row, while BLAS at 2-3 rows on 2 threads was 8-21% slower than oneDNN: one row only."""
+    if x.shape[0] >= ONE_ROW_BLAS_BELOW:
+        return False
+    row_major = all(isinstance(w, torch.Tensor) and w.stride(2) == 1 for w in (ex.w13, ex.w2))
+    return (row_major and phased_blas_rows(x.dtype)) or (x.dtype == torch.float32 and stored_transposed(ex))
+
+
+def stored_transposed(ex: ExpertParams) -> bool:
+    """Both weights plain tensors whose [out, in] rows are strided and columns contiguous (views of [in, out])."""
+    return all(isinstance(w, torch.Tensor) and w.stride(1) == 1 and w.stride(2) != 1 for w in (ex.w13, ex.w2))
+
+
 def run_cpu_loop(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map,
                  cache, *, auto: bool, split: bool) -> torch.Tensor:
     """x [M, K] -> [M, K] (accumulation dtype). ``split``: whole experts over torch's threads, else one worker;
@@ -29,12 +47,12 @@ def run_cpu_loop(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk
     or phased, whichever is faster on this machine now (the same bits either way)."""
     threads = torch.get_num_threads()
     blas = auto and blas_plain_rows(x.dtype)
-    one_row = auto and x.shape[0] < ONE_ROW_BLAS_BELOW and phased_blas_rows(x.dtype)
+    one_row = auto and one_row_blas_rows(x, ex)
 
     def run(mode: str) -> torch.Tensor:
         if mode == UNSPLIT:
             return experts_cpu_phased(x, ex, topk_ids, topk_weights, expert_map, cache,
-                                      blas_plain=phased_blas_rows(x.dtype))
+                                      blas_plain=phased_blas_rows(x.dtype), one_row_blas=one_row)
         return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=threads if split else 1,
                                  blas_plain=blas, one_row_blas=one_row)
 

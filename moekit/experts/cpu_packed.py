@@ -243,8 +243,8 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
     plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``.
     Weight-only quantized w13 / w2: each touched expert through ``quant``'s kernel (``moekit.experts.cpu_quant``).
     ``blas_plain``: experts of fewer than ``PACKED_MIN_ROWS`` rows on plain weight tensors (never packed) run through
-    torch's BLAS, not oneDNN (``blas_plain_rows``); ``one_row_blas``: experts of one row on row-major plain weights
-    do (bf16: ``torch.mv`` on an AMX CPU, else mm: ``_blas_rows``).
+    torch's BLAS, not oneDNN (``blas_plain_rows``); ``one_row_blas``: experts of one row on plain weights do (the
+    caller says which: ``cpu_loop.one_row_blas_rows``; bf16: ``torch.mv`` on an AMX CPU, else mm: ``_blas_rows``).
 
     ``workers`` > 1 hands the experts to that many threads of one intra-op thread each as they free up
     (``moekit.experts.cpu_workers``); each expert's weighted rows are kept apart and added per token in
@@ -263,7 +263,7 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
     # budget fills in the same order whatever the worker count
     linear = onednn_linear(x.dtype)
     blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
-    one_row = one_row_blas and not weight_only(ex.w13) and ex.w13.stride(2) == 1 and ex.w2.stride(2) == 1
+    one_row = one_row_blas and not weight_only(ex.w13)
     weights = {e: expert_weights(ex, e, cache if c >= PACKED_MIN_ROWS else None, quant, x.dtype,
                                  None if (blas and c < PACKED_MIN_ROWS) or (one_row and c == 1) else linear, c)
                for e, c in enumerate(counts) if c}
