@@ -51,16 +51,22 @@ def timed_calls(loop, mv: bool, x, ex, routings, weights, head, calls) -> tuple[
     return statistics.median(seconds), outs
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", default="1,8", help="token counts M, comma-separated")
+def loop_args(description: str, batches: str, calls: int) -> argparse.Namespace:
+    """The options of the CPU loops' A/B scripts (this one, ``cpu_transposed_rows.py``), torch's threads set."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--batches", default=batches, help="token counts M, comma-separated")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=12)
+    p.add_argument("--calls", type=int, default=calls)
     p.add_argument("--loop", default="phased", choices=["phased", "split"])
     p.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     args = p.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = loop_args(__doc__.split("\n")[0], "1,8", 12)
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     ex = ExpertParams((torch.randn(E, 2 * N, K, generator=g) * 0.02).to(dtype),  # w13 [E, 2N, K]

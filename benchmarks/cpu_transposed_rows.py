@@ -16,16 +16,19 @@ variant gave the same bits, and the relative error of each against a float64 loo
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 
-from moekit.activations import ActivationSpec
-from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused
-from moekit.experts.cpu_phased import experts_cpu_phased
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cpu_gemv_rows import loop_args  # noqa: E402
+from moekit.activations import ActivationSpec  # noqa: E402
+from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused  # noqa: E402
+from moekit.experts.cpu_phased import experts_cpu_phased  # noqa: E402
 
 E, N, K, TOP_K, VOCAB = 32, 2880, 2880, 4, 32000
 GPT_OSS = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
@@ -62,15 +65,7 @@ def float64_loop(x, ex: ExpertParams, ids, weights) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", default="1,4", help="token counts M, comma-separated")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=6)
-    p.add_argument("--loop", default="phased", choices=["phased", "split"])
-    p.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
-    args = p.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    args = loop_args(__doc__.split("\n")[0], "1,4", 6)
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(E, K, 2 * N, generator=g) * 0.02).transpose(1, 2)  # [E, 2N, K] view of [E, K, 2N]
     w2 = (torch.randn(E, N, K, generator=g) * 0.02).transpose(1, 2)  # [E, K, N] view of [E, N, K]
