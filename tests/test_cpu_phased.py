@@ -8,8 +8,9 @@ import torch
 from _helpers import experts_loop
 from moekit.activations import ActivationSpec
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
-from moekit.experts import cpu_packed
+from moekit.experts import cpu_loop, cpu_packed
 from moekit.experts.cpu_phased import ExpertRun, expert_runs, experts_cpu_phased, phased_blas_rows
+from moekit.experts.cpu_split_choice import SPLIT, UNSPLIT
 from test_cpu_packed import rel_err
 from test_cpu_workers import E, K, N, SILU, needs_onednn, problem
 
@@ -103,11 +104,13 @@ def test_phased_keeps_the_bits_where_a_whole_row_range_would_vectorise_different
 
 
 @needs_onednn
-@pytest.mark.parametrize("m", [1, 2])  # 1: every expert one row, its GEMMs as torch.mv; 2: rows of 1 and 2
-def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m):
+@pytest.mark.parametrize("gemv", [False, True])  # one row as mm (no AMX) or as mv (AMX): ``bf16_row_gemv``
+@pytest.mark.parametrize("m", [1, 2])  # 1: every expert one row; 2: rows of 1 and 2
+def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m, gemv, monkeypatch):
     """bf16 experts of one row on BLAS (auto's phased mode, and the split loop's ``one_row_blas``) run as
-    matrix-vector products: the bits of the split loop's oneDNN linear, and within bf16's rounding of the float64
-    loop."""
+    matrix-vector products or as mm: the bits of the split loop's oneDNN linear, and within bf16's rounding of the
+    float64 loop."""
+    monkeypatch.setattr(cpu_packed, "bf16_row_gemv", lambda: gemv)
     x, w13, w2, ids, weights = problem(m=m, k=4, seed=11 + m)
     x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
     outs = both(x, w13, w2, ids, weights, blas=True)
@@ -119,11 +122,20 @@ def test_phased_bf16_blas_rows_keep_the_split_loops_bits(m):
         assert torch.equal(one_row, outs[0])
 
 
+def test_one_bf16_row_is_a_matrix_vector_product_on_amx_cpus_only():
+    cpu_packed.bf16_row_gemv.cache_clear()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert cpu_packed.bf16_row_gemv() == bool(amx())
+
+
+@pytest.mark.parametrize("gemv", [False, True])  # one bf16 row as mm (no AMX) or as mv (AMX)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_blas_rows_one_bf16_row_as_a_matrix_vector_product(bias, rows):
-    """``linear_rows`` on BLAS: one bf16 row (``torch.mv`` / ``addmv``) and several (mm), into ``out`` or not, on a
-    row-major weight and a transposed view: within one bf16 rounding of the float64 product (+ bias)."""
+def test_blas_rows_one_bf16_row_as_a_matrix_vector_product(bias, rows, gemv, monkeypatch):
+    """``linear_rows`` on BLAS: one bf16 row (``torch.mv`` / ``addmv`` where ``bf16_row_gemv``, else mm) and several
+    (mm), into ``out`` or not, on a row-major weight and a transposed view: within one bf16 rounding of the float64
+    product (+ bias)."""
+    monkeypatch.setattr(cpu_packed, "bf16_row_gemv", lambda: gemv)
     g = torch.Generator().manual_seed(rows)
     a = torch.randn(rows, 64, generator=g).bfloat16()  # [m, in]
     w = (torch.randn(96, 64, generator=g) / 8).bfloat16()  # [out, in]
@@ -135,3 +147,56 @@ def test_blas_rows_one_bf16_row_as_a_matrix_vector_product(bias, rows):
         assert cpu_packed.linear_rows(None, a, weight, b, out=out) is out
         assert got.shape == (rows, 96) and torch.equal(got, out)
         assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -8
+
+
+class _FixedMode:
+    """A stand-in for ``cpu_split_choice``'s chooser that always runs one mode."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def call(self, key, run):
+        return run(self.mode)
+
+
+def test_one_row_blas_takes_float32_experts_stored_transposed():
+    x, w13, w2, _, _ = problem(m=1)
+    t13, t2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w13, w2))  # views of [E, K, R] / [E, N, K]
+    transposed = ExpertParams(t13, t2, None, None, SILU)
+    assert cpu_loop.stored_transposed(transposed) and cpu_loop.one_row_blas_rows(x, transposed)
+    assert not cpu_loop.one_row_blas_rows(x.expand(cpu_loop.ONE_ROW_BLAS_BELOW, -1), transposed)  # decode sizes only
+    assert not cpu_loop.stored_transposed(ExpertParams(w13, w2, None, None, SILU))
+    assert not cpu_loop.stored_transposed(ExpertParams(t13, w2, None, None, SILU))
+    assert not cpu_loop.one_row_blas_rows(x, ExpertParams(t13, w2, None, None, SILU))  # fp32, neither rule
+    bf16 = ExpertParams(t13.bfloat16(), t2.bfloat16(), None, None, SILU)
+    assert cpu_loop.stored_transposed(bf16) and not cpu_loop.one_row_blas_rows(x.bfloat16(), bf16)
+    row_major = ExpertParams(w13.bfloat16(), w2.bfloat16(), None, None, SILU)
+    assert cpu_loop.one_row_blas_rows(x.bfloat16(), row_major) == phased_blas_rows(torch.bfloat16)
+
+
+@needs_onednn
+@pytest.mark.parametrize("m", [1, 2, 3])  # 2, 3: experts of one and of more rows, skipped slots
+def test_auto_runs_float32_experts_stored_transposed_of_one_row_on_blas_in_both_modes(m, monkeypatch):
+    """gpt-oss's storage ([E, K, R] / [E, N, K] read as views) in float32, with biases: ``auto``'s split and phased
+    modes both send experts of one row through BLAS (``one_row_blas_rows``), the rest through oneDNN: the same bits,
+    within float32's rounding of the float64 loop."""
+    x, w13, w2, ids, weights = problem(m=m, k=4, seed=20 + m)
+    g = torch.Generator().manual_seed(m)
+    b13, b2 = torch.randn(E, 2 * N, generator=g), torch.randn(E, K, generator=g)
+    t13, t2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w13, w2))
+    ex = ExpertParams(t13, t2, b13, b2, SILU)
+    blas, calls = cpu_packed._blas_rows, []
+    monkeypatch.setattr(cpu_packed, "_blas_rows", lambda *a: calls.append(a[0].shape[0]) or blas(*a))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the chooser's path
+    try:
+        outs = []
+        for mode in (SPLIT, UNSPLIT):
+            monkeypatch.setattr(cpu_loop, "split_chooser", lambda: _FixedMode(mode))
+            calls.clear()
+            outs.append(cpu_loop.run_cpu_loop(x, ex, ids, weights, None, None, auto=True, split=True))
+            assert 1 in calls and (cpu_packed.blas_plain_rows(torch.float32) or set(calls) == {1})
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], experts_loop(x, t13, t2, ids, weights, b13=b13, b2=b2)) < 1e-5

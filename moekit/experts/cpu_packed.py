@@ -243,8 +243,8 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
     plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``.
     Weight-only quantized w13 / w2: each touched expert through ``quant``'s kernel (``moekit.experts.cpu_quant``).
     ``blas_plain``: experts of fewer than ``PACKED_MIN_ROWS`` rows on plain weight tensors (never packed) run through
-    torch's BLAS, not oneDNN (``blas_plain_rows``); ``one_row_blas``: experts of one row on row-major plain weights
-    do (bf16: ``torch.mv``, the bits of oneDNN's linear, see ``_blas_rows``).
+    torch's BLAS, not oneDNN (``blas_plain_rows``); ``one_row_blas``: experts of one row on plain weights do (the
+    caller says which: ``cpu_loop.one_row_blas_rows``; bf16: ``torch.mv`` on an AMX CPU, else mm: ``_blas_rows``).
 
     ``workers`` > 1 hands the experts to that many threads of one intra-op thread each as they free up
     (``moekit.experts.cpu_workers``); each expert's weighted rows are kept apart and added per token in
@@ -263,7 +263,7 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
     # budget fills in the same order whatever the worker count
     linear = onednn_linear(x.dtype)
     blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
-    one_row = one_row_blas and not weight_only(ex.w13) and ex.w13.stride(2) == 1 and ex.w2.stride(2) == 1
+    one_row = one_row_blas and not weight_only(ex.w13)
     weights = {e: expert_weights(ex, e, cache if c >= PACKED_MIN_ROWS else None, quant, x.dtype,
                                  None if (blas and c < PACKED_MIN_ROWS) or (one_row and c == 1) else linear, c)
                for e, c in enumerate(counts) if c}
@@ -369,12 +369,23 @@ def linear_rows(linear, a: torch.Tensor, w, bias: torch.Tensor | None, out: torc
     return result if out is None else out.copy_(result)
 
 
+@functools.cache
+def bf16_row_gemv() -> bool:
+    """Whether ``_blas_rows`` runs one bf16 row as a matrix-vector product (``torch.mv``), else as ``torch.mm``: on a
+    CPU with AMX tiles. At Qwen3-30B-A3B's expert shapes on the Sapphire Rapids Xeon (AMX), 2 threads, 8 experts in
+    cache, mv took 1.45 against mm's 1.97 ms (gate-up [1536, 2048]) and 0.89 against 1.29 (down [2048, 768]), the bits
+    of mm (session 34). On the AMD EPYC (Zen 4: AVX-512 bf16, no AMX), 1 thread, 8 of 128 experts from DRAM, mv took
+    10.2 against mm's 5.5 ms (gate-up) and 8.9 against 4.6 (down), and the gate-up's bits differed from mm's and
+    oneDNN's linear (session 42, ``benchmarks/triton-notes.md``)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return amx is not None and bool(amx())
+
+
 def _blas_rows(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
     """``linear_rows`` on torch's BLAS: a [m, in] @ w [out, in]^T (+ bias [out]) -> [m, out]. One bf16 row on a weight
-    of row-major rows runs as a matrix-vector product (``torch.mv``): at Qwen3-30B-A3B's expert shapes on the Xeon,
-    2 threads, 8 experts in cache, 1.45 against mm's 1.97 ms (gate-up [1536, 2048]) and 0.89 against 1.29 (down
-    [2048, 768]), the same bits as mm (fp32 sums rounded once; tested)."""
-    if a.shape[0] == 1 and a.dtype == torch.bfloat16 and w.stride(1) == 1:
+    of row-major rows runs as a matrix-vector product (``torch.mv``) where ``bf16_row_gemv`` says (fp32 sums rounded
+    once either way; tested)."""
+    if a.shape[0] == 1 and a.dtype == torch.bfloat16 and w.stride(1) == 1 and bf16_row_gemv():
         row = None if out is None else out[0]  # [out]
         y = torch.mv(w, a[0], out=row) if bias is None else torch.addmv(bias, w, a[0], out=row)
         return y.unsqueeze(0) if out is None else out

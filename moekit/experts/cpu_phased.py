@@ -45,9 +45,9 @@ def phased_blas_rows(dtype: torch.dtype) -> bool:
     """Whether ``auto``'s phased loop runs experts of fewer than ``PACKED_MIN_ROWS`` rows through torch's BLAS: where
     ``cpu_packed.blas_plain_rows`` says (float32, MKL, an Intel CPU), and bf16 where oneDNN runs bf16 natively
     (``torch.mm``'s bf16 is oneDNN's matmul there, its primitives cached: ~4 us a call before any work against
-    ``_linear_pointwise``'s ~16, 16 calls at M = 1 on Qwen3-30B-A3B; one row as ``torch.mv``, ``cpu_packed._blas_rows``,
-    ~27% faster again). In the split loop BLAS (mm) measured slower in bf16 (session 30); there only experts of one row
-    take it, below ``cpu_loop.ONE_ROW_BLAS_BELOW`` tokens (session 34)."""
+    ``_linear_pointwise``'s ~16, 16 calls at M = 1 on Qwen3-30B-A3B; one row as ``torch.mv`` on an AMX CPU,
+    ``cpu_packed.bf16_row_gemv``, ~27% faster again on the Xeon). In the split loop BLAS (mm) measured slower in bf16
+    (session 30); there only experts of one row take it, below ``cpu_loop.ONE_ROW_BLAS_BELOW`` tokens (session 34)."""
     if blas_plain_rows(dtype):
         return True
     supported = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
@@ -78,9 +78,11 @@ def expert_runs(local_ids: list[int], num_experts: int) -> tuple[list[int], list
 
 def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        expert_map: torch.Tensor | None, cache: PackedWeightCache | None,
-                       quant: QuantKernels = QuantKernels(), blas_plain: bool = False) -> torch.Tensor:
-    """x [M, K] -> [M, K] in float32 (bf16 / fp16 accumulate there too): ``experts_cpu_fused`` with ``workers=1``,
-    the same bits, its GEMMs on the caller's intra-op threads, in phases (the module's docstring)."""
+                       quant: QuantKernels = QuantKernels(), blas_plain: bool = False,
+                       one_row_blas: bool = False) -> torch.Tensor:
+    """x [M, K] -> [M, K] in float32 (bf16 / fp16 accumulate there too): ``experts_cpu_fused`` with ``workers=1``
+    (and the same ``blas_plain`` / ``one_row_blas``), the same bits, its GEMMs on the caller's intra-op threads, in
+    phases (the module's docstring)."""
     top_k = topk_ids.shape[1]
     acc = torch.promote_types(x.dtype, torch.float32)
     out = x.new_zeros(x.shape[0], x.shape[1], dtype=acc)  # [M, K]
@@ -92,9 +94,10 @@ def experts_cpu_phased(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor
     scale = topk_weights.reshape(-1).to(acc)[src].unsqueeze(1)  # [A', 1] combine weight of each row
     linear = onednn_linear(x.dtype)
     blas = blas_plain and not weight_only(ex.w13)  # quantized experts bring their own GEMM
+    one_row = one_row_blas and not weight_only(ex.w13)
     weights = {r.expert: expert_weights(ex, r.expert, cache if r.end - r.start >= PACKED_MIN_ROWS else None, quant,
-                                        x.dtype, None if blas and r.end - r.start < PACKED_MIN_ROWS else linear,
-                                        r.end - r.start)
+                                        x.dtype, None if (blas and r.end - r.start < PACKED_MIN_ROWS)
+                                        or (one_row and r.end - r.start == 1) else linear, r.end - r.start)
                for r in runs}
     xs = x.index_select(0, tokens)  # [A', K]
     h = x.new_empty(len(order), ex.w13.shape[1])  # [A', R]
