@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from moekit.hf.blocks import block_config, moe_from_hf
+from moekit.hf.blocks import block_config, block_moe
 from moekit.hf.swap_free import FreedExperts, build_freed_moe
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
@@ -152,8 +152,8 @@ def build_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None
     shared_expert = options.fuse_shared or router_weights_shared(block)
     if freed is not None:
         return build_freed_moe(block, options.backend, freed, shared_expert)
-    moe = moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend, shared_expert=shared_expert,
-                      transposed="view", output_norm="caller").eval()
+    moe = block_moe(block, fuse_shared=options.fuse_shared, backend=options.backend, shared_expert=shared_expert,
+                    transposed="view", output_norm="caller").eval()
     return moe if options.quant is None else moe.quantize_(options.quant)
 
 
