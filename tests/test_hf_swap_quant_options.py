@@ -93,6 +93,17 @@ def test_a_swap_is_kept_for_its_options_and_rebuilt_for_others():
         assert torch.equal(next(m for m in copied.modules() if hasattr(m, "experts"))(x), want)
 
 
+def test_fp8_block_shape_reaches_the_moe_and_a_list_is_its_tuple():
+    model, _ = _qwen3()
+    use_moekit_blocks(model, quant="fp8_block", quant_options={"block_shape": [64, 128]})
+    moe = swaps(model)[0].moe
+    assert moe.w13.block_shape == (64, 128) and tuple(moe.w13.scale.shape) == (6, 256 // 64, 256 // 128)
+    use_moekit_blocks(model, quant="fp8_block", quant_options={"block_shape": (64, 128)})
+    assert swaps(model)[0].moe is moe
+    use_moekit_blocks(model, quant="fp8_block")
+    assert swaps(model)[0].moe.w13.block_shape == (128, 128)
+
+
 def test_a_freed_block_keeps_its_options():
     model, block = _qwen3()
     use_moekit_blocks(model, quant=INT4, quant_options={"group_size": 64}, keep_float=False)
