@@ -10,6 +10,7 @@ Shapes: E experts, K hidden, N intermediate, S shared slots, SN shared width.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,26 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     the experts). A block that norms its output (A.X-K1's ``post_mlp_layernorm``) is refused unless
     ``output_norm="caller"``: the ``MoE`` ends at the combine and the caller applies the block's norm (as
     ``use_moekit_blocks``' swapped block does). The ``MoE`` takes the block's training mode (Phi-MoE's router
-    samples in training, which it refuses) and its experts' width (ERNIE-4.5-VL's vision block).
+    samples in training, which it refuses) and its experts' width (ERNIE-4.5-VL's vision block). A block in
+    training mode that jitters its input (Mixtral's, MiniMax's ``router_jitter_noise > 0``) gives a ``UserWarning``
+    naming ``router_jitter_noise``: the ``MoE`` has no input jitter and trains without it (``use_moekit_blocks``
+    runs such a block's own forward there).
     """
+    moe = block_moe(block, fuse_shared=fuse_shared, backend=backend, shared_expert=shared_expert,
+                    transposed=transposed, output_norm=output_norm)
+    jitter = getattr(block, "jitter_noise", 0)
+    if block.training and jitter:
+        warnings.warn(f"moe_from_hf: {type(block).__name__} jitters its input in training (router_jitter_noise="
+                      f"{jitter}); the MoE returned has no input jitter and trains without it (its function at "
+                      "inference is the block's); use_moekit_blocks runs the block's own forward in training",
+                      UserWarning, stacklevel=2)
+    return moe
+
+
+def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto",
+              shared_expert: bool = True, transposed: str = "copy", output_norm: str = "refuse") -> MoE:
+    """``moe_from_hf``'s ``MoE`` (its doc says how) without its warning: ``use_moekit_blocks`` runs the block's own
+    forward where it applies."""
     if transposed not in ("copy", "view"):
         raise ValueError(f"transposed must be 'copy' or 'view', got {transposed!r}")
     if output_norm not in ("refuse", "caller"):

@@ -37,7 +37,7 @@ from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_expert
 from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
                                   router_recorded, router_weights_shared)
 from moekit.quant.base import QuantizedWeight
-from moekit.quant.schemes import SCHEMES
+from moekit.quant.schemes import SCHEMES, quantize, scheme_defaults, scheme_options
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 # Blocks whose forward returns (output.flatten(), router_logits.flatten()): ERNIE-4.5-VL's text and vision blocks,
@@ -83,7 +83,8 @@ class BlockSwapReport:
 
 
 def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: bool = False,
-                      quant: str | None = None, keep_float: bool = True) -> BlockSwapReport:
+                      quant: str | None = None, quant_options: dict | None = None,
+                      keep_float: bool = True) -> BlockSwapReport:
     """Give every MoE block of ``model`` moekit's layer forward over its own Parameters; returns which blocks
     were swapped and which were left (with ``moe_from_hf``'s reason: they keep their forward, so the experts
     implementation set on the model, e.g. ``set_experts_implementation("moekit")``, still serves them).
@@ -93,11 +94,14 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     ``moekit.quant`` scheme: "int8_w8a16", "int4_w4a16", "mxfp4", "fp8_block") quantizes each ``MoE``'s routed
     experts from the block's weights (``MoE.quantize_``; the block keeps its float Parameters, its ``state_dict``
     unchanged, and a move rebuilds and requantizes): the swapped blocks compute with the quantized experts, which
-    take no gradient (the router does). ``keep_float=False`` (with ``quant``) then frees each swapped block's float
-    experts: the quantized weights become the experts module's buffers in their place (``moekit.hf.swap_free``),
-    the model shrinks, and what needs the float experts raises ``FloatExpertsFreedError``. Idempotent: a block
-    already swapped with the same options is kept (``keep_float=False`` frees a kept quantized block's float experts
-    without requantizing); other options rebuild its ``MoE``, which a block without float experts refuses.
+    take no gradient (the router does). ``quant_options``: the scheme's quantizer options, as ``MoE.quantize_(quant,
+    **quant_options)`` takes them (``moekit.quant.scheme_options``: int4_w4a16's ``group_size`` 32 / 64 / 128 and
+    ``symmetric``, fp8_block's ``block_shape``; None: the scheme's defaults), checked before any block changes.
+    ``keep_float=False`` (with ``quant``) then frees each swapped block's float experts: the quantized weights
+    become the experts module's buffers in their place (``moekit.hf.swap_free``), the model shrinks, and what needs
+    the float experts raises ``FloatExpertsFreedError``. Idempotent: a block already swapped with the same options
+    (``quant_options`` included) is kept (``keep_float=False`` frees a kept quantized block's float experts without
+    requantizing); other options rebuild its ``MoE``, which a block without float experts refuses.
     ``restore_blocks`` undoes it. A model with no MoE block warns (``UserWarning``) and is left as it is."""
     if quant is not None and quant not in SCHEMES:
         raise ValueError(f"quant must be one of {SCHEMES} or None, got {quant!r}")
@@ -107,7 +111,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     if not keep_float and quant is None:
         raise ValueError("keep_float=False frees the float experts, which only quantized ones can replace: pass "
                          "quant=<scheme> with it (got quant=None)")
-    options = SwapOptions(backend, bool(fuse_shared), quant)
+    options = SwapOptions(backend, bool(fuse_shared), quant, _checked_quant_options(quant, quant_options))
     _refuse_rebuilding_freed(model, options, keep_float)
     swapped, left = [], []
     sites = moe_blocks(model)
@@ -133,6 +137,32 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                       f"forward, their experts not quantized by moekit ({first.path}: {first.reason}"
                       f"{'; ...' if len(left) > 1 else ''}); report.left lists each", UserWarning, stacklevel=2)
     return BlockSwapReport(tuple(swapped), tuple(left))
+
+
+def _checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
+    """``quant_options`` as ``SwapOptions`` keeps them: sorted (name, value) pairs, lists as tuples, values left at
+    the scheme's defaults left out ({"group_size": 128} is int4_w4a16's None). Each is checked by the scheme's own
+    quantizer on a one-weight tensor, so a bad one fails here naming ``quant_options`` instead of leaving every
+    block float with the quantizer's reason in ``report.left``."""
+    if quant_options is not None and not isinstance(quant_options, dict):
+        raise TypeError(f"quant_options must be a dict of the scheme's quantizer options or None, got "
+                        f"{type(quant_options).__name__}")
+    if not quant_options:
+        return ()
+    if quant is None:
+        raise ValueError(f"quant_options={quant_options!r} with quant=None: they are a quantizer's options; pass "
+                         "quant=<scheme> with them")
+    taken = scheme_options(quant)
+    unknown = sorted(set(quant_options) - set(taken))
+    if unknown:
+        raise ValueError(f"quant_options has {unknown}, not options of quant={quant!r}; it takes {taken or 'none'}")
+    try:
+        quantize(torch.zeros(1, 1, 1), quant, **quant_options)  # w [E=1, R=1, C=1]: the values' checks alone
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"quant_options for quant={quant!r}: {err}") from err
+    defaults = scheme_defaults(quant)
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in quant_options.items()}
+    return tuple(sorted((k, v) for k, v in given.items() if v != defaults[k]))
 
 
 def _refuse_rebuilding_freed(model: nn.Module, options: SwapOptions, keep_float: bool) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.hf.blocks import moe_from_hf
+from moekit.hf.blocks import block_moe
 from moekit.hf.variants import build_plan
 from moekit.quant import install_quantized_experts_
 from moekit.quant.base import QuantizedWeight
@@ -88,7 +88,7 @@ def quantized_weights(experts: nn.Module, freed: FreedExperts) -> tuple[Quantize
 
 
 def build_freed_moe(block: nn.Module, backend: str, freed: FreedExperts, shared_expert: bool) -> nn.Module:
-    """The block's quantized ``MoE`` over its experts' buffers: ``moe_from_hf`` reads the layer's structure from
+    """The block's quantized ``MoE`` over its experts' buffers: ``block_moe`` reads the layer's structure from
     stand-ins of the float experts (their shape, dtype and device over one element: zero strides, no storage to
     speak of), then the quantized weights are installed as they are. Never requantizes."""
     experts = block.experts
@@ -98,8 +98,8 @@ def build_freed_moe(block: nn.Module, backend: str, freed: FreedExperts, shared_
         stand_in = torch.zeros((), dtype=freed.dtype, device=w.device).expand(shape)
         experts._parameters[name] = nn.Parameter(stand_in, requires_grad=False)
     try:
-        moe = moe_from_hf(block, backend=backend, shared_expert=shared_expert, transposed="view",
-                          output_norm="caller")
+        moe = block_moe(block, backend=backend, shared_expert=shared_expert, transposed="view",
+                        output_norm="caller")
     finally:
         for name in FLOAT_NAMES:
             del experts._parameters[name]

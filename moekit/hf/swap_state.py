@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from moekit.hf.blocks import block_config, moe_from_hf
+from moekit.hf.blocks import block_config, block_moe
 from moekit.hf.swap_free import FreedExperts, build_freed_moe
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
@@ -26,6 +26,10 @@ class SwapOptions:
     backend: str  # the MoE's experts backend ("auto" or a name)
     fuse_shared: bool  # the shared expert copied into routed slots (else the block's own runs)
     quant: str | None = None  # the moekit.quant scheme the MoE's routed experts are quantized with; None: float
+    # the scheme's options (``MoE.quantize_(quant, **options)``) as sorted (name, value) pairs, lists as tuples, so
+    # two swaps asked for the same options compare equal (a block swapped with group_size=64 is kept for 64, rebuilt
+    # for 128); options left at their defaults are left out: (): the scheme's defaults
+    quant_options: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(eq=False)
@@ -147,14 +151,15 @@ def build_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None
     """The block's MoE: its router and routed experts (transposed ones as strided views: no copy); the shared
     expert only where fused or weighted by the router (else the block's). In eval mode: the block's own mode
     decides (``own_forward_needed``). With ``options.quant`` the routed experts are quantized from the block's
-    weights (``MoE.quantize_``: a quantized copy; the block keeps its float Parameters), or, where ``freed`` says
-    the float experts are gone, taken from the experts' buffers as they are (``swap_free.build_freed_moe``)."""
+    weights (``MoE.quantize_`` with ``options.quant_options``: a quantized copy; the block keeps its float
+    Parameters), or, where ``freed`` says the float experts are gone, taken from the experts' buffers as they are
+    (``swap_free.build_freed_moe``)."""
     shared_expert = options.fuse_shared or router_weights_shared(block)
     if freed is not None:
         return build_freed_moe(block, options.backend, freed, shared_expert)
-    moe = moe_from_hf(block, fuse_shared=options.fuse_shared, backend=options.backend, shared_expert=shared_expert,
-                      transposed="view", output_norm="caller").eval()
-    return moe if options.quant is None else moe.quantize_(options.quant)
+    moe = block_moe(block, fuse_shared=options.fuse_shared, backend=options.backend, shared_expert=shared_expert,
+                    transposed="view", output_norm="caller").eval()
+    return moe if options.quant is None else moe.quantize_(options.quant, **dict(options.quant_options))
 
 
 def router_weights_shared(block: nn.Module) -> bool:

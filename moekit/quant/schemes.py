@@ -47,6 +47,12 @@ def scheme_options(scheme: str) -> list[str]:
     return [p for p in inspect.signature(_QUANTIZERS[check_scheme(scheme)]).parameters if p != "w"]
 
 
+def scheme_defaults(scheme: str) -> dict:
+    """Each option of ``scheme_options(scheme)`` with its default value."""
+    params = inspect.signature(_QUANTIZERS[check_scheme(scheme)]).parameters
+    return {name: params[name].default for name in scheme_options(scheme)}
+
+
 def quantize(w: torch.Tensor, scheme: str, **options) -> QuantizedWeight:
     """Quantize a float weight w [E, R, C] (reduction dim last) with ``scheme``, round to nearest.
 
