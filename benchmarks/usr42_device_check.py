@@ -1,8 +1,8 @@
 """usr42: what the second hour's fixes change on a GPU: a float32 ``MoE`` under bf16 autocast (its experts follow
 autocast, on the Triton backend and through the decode fast path's misses), ``router_dtype`` inside autocast with the
-fused router, ``return_stats=True`` under ``torch.compile``. (Its host phase, the experts call's dtype check before /
-after in interleaved rounds, ran once on an H100 and was removed: ``git show b35bf8b7:benchmarks/usr42_device_check.py``,
-results/raw/NVIDIA_H100-2026-12-06-b35bf8b-usr42.*.)
+fused router, ``return_stats=True`` under ``torch.compile``. (Its host phase, the experts call's dtype check
+before / after in interleaved rounds, ran once on an H100 and was removed: ``git show
+b35bf8b7:benchmarks/usr42_device_check.py``, results/raw/NVIDIA_H100-2026-12-06-b35bf8b-usr42.*.)
 
     PYTHONPATH=$PWD timeout 80 python3 benchmarks/usr42_device_check.py --out $OUT/usr42 --deadline 72   # H100/H200
     PYTHONPATH=$PWD python3 benchmarks/usr42_device_check.py --smoke     # CPU: tiny shapes, Triton interpreted
