@@ -30,8 +30,6 @@ k = top_k, S shared slots (the shared MLP split into routed-width experts), SN =
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -48,22 +46,11 @@ from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_linear, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.weighting import identity_weights, input_weighted, without_identity
-from moekit.routing.routed import MoEStats, RoutedTokens, stats_of, stats_on_host
+from moekit.routing.routed import MoEOutput, MoEStats, RoutedTokens, stats_of, stats_on_host
 from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 from moekit.triton_bind import triton_runs_on
-
-
-@dataclass
-class MoEOutput:
-    out: torch.Tensor  # [..., K]
-    stats: MoEStats | None  # None from forward(x, return_aux_loss=True): the stats are host reads, that path has none
-    router_logits: torch.Tensor | None = None  # [M, E(+Z|S)] the gate's logits, router dtype (differentiable)
-    # [] float32: config.aux_loss_coef * load_balancing_loss + seq_aux_loss_coef * sequence_balance_loss +
-    # z_loss_coef * z_loss over this forward's M tokens (add it to the task loss); None when all three
-    # coefficients are 0. The balance losses count the router's choice before capacity drops.
-    aux_loss: torch.Tensor | None = None
 
 
 class MoE(nn.Module):

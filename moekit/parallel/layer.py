@@ -270,12 +270,10 @@ class EPMoE(MoE):
 
     def forward(self, x: torch.Tensor, return_stats: bool = False,
                 return_aux_loss: bool = False) -> torch.Tensor | MoEOutput:
-        """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring. ``return_aux_loss``:
-        this rank's aux loss over its own tokens, as ``MoE.forward``'s."""
+        """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring; aux_loss: this rank's."""
         if transforming():  # before any collective: the load counts add in place, the collectives need storage
             raise NotImplementedError("EPMoE does not run under torch.func transforms (grad, vjp, jvp, vmap)")
-        # checks and routing may raise: agreed in forward_routed
-        with self._errors.on(self.w13.device, self._counts_chunks) as errors:
+        with self._errors.on(self.w13.device, self._counts_chunks) as errors:  # checks, routing raise: agreed there
             self.graph_captured |= errors.capturing
             self._check_x(x)
             return super().forward(x, return_stats, return_aux_loss)
