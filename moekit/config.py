@@ -73,8 +73,9 @@ class MoEConfig:
     expert_bias: bool = False  # gpt-oss: b13 [E, 2N] after the gate-up GEMM, b2 [E, K] after the down GEMM
     nonfinite: NonFinitePolicy = "raise"  # NaN/inf router logits: raise, or mask the expert out
     num_moe_layers: int | None = None  # MoE layers in the whole model, when known
-    # Training (issue #17): MoE.forward(return_stats=True).aux_loss = the sum of coefficient x loss of
-    # moekit.losses (load_balancing_loss, sequence_balance_loss, z_loss); None when all three are 0.
+    # Training (issue #17): MoE.forward(return_aux_loss=True).aux_loss (no host read; or return_stats=True's) =
+    # the sum of coefficient x loss of moekit.losses (load_balancing_loss, sequence_balance_loss, z_loss); None
+    # when all three are 0.
     aux_loss_coef: float = 0.0  # Switch/GShard load balance (Mixtral, Qwen: router_aux_loss_coef 0.001)
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance factor alpha (0.0001)
     z_loss_coef: float = 0.0  # ST-MoE router z-loss (0.001)

@@ -30,8 +30,6 @@ k = top_k, S shared slots (the shared MLP split into routed-width experts), SN =
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -48,22 +46,11 @@ from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_linear, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.weighting import identity_weights, input_weighted, without_identity
-from moekit.routing.routed import MoEStats, RoutedTokens, stats_of, stats_on_host
+from moekit.routing.routed import MoEOutput, MoEStats, RoutedTokens, stats_of, stats_on_host
 from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 from moekit.triton_bind import triton_runs_on
-
-
-@dataclass
-class MoEOutput:
-    out: torch.Tensor  # [..., K]
-    stats: MoEStats
-    router_logits: torch.Tensor | None = None  # [M, E(+Z|S)] the gate's logits, router dtype (differentiable)
-    # [] float32: config.aux_loss_coef * load_balancing_loss + seq_aux_loss_coef * sequence_balance_loss +
-    # z_loss_coef * z_loss over this forward's M tokens (add it to the task loss); None when all three
-    # coefficients are 0. The balance losses count the router's choice before capacity drops.
-    aux_loss: torch.Tensor | None = None
 
 
 class MoE(nn.Module):
@@ -272,9 +259,16 @@ class MoE(nn.Module):
             logits = self._gate_mm(x2d, weight, bias, out)
         return gate_linear(x2d, weight, bias, self.config.router_dtype) if logits is None else logits
 
-    def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
-        """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
-        out = self._decode(self, x) if not return_stats and self.eager_graphs is None else None  # a repeated decode
+    def forward(self, x: torch.Tensor, return_stats: bool = False,
+                return_aux_loss: bool = False) -> torch.Tensor | MoEOutput:
+        """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host); with
+        ``return_aux_loss`` one with ``stats=None``, ``router_logits`` and ``aux_loss`` (None when the config's three
+        loss coefficients are 0) and no host read: ``torch.compile(fullgraph=True)`` traces it (training)."""
+        if return_aux_loss and return_stats:
+            raise ValueError("pass return_stats=True or return_aux_loss=True, not both: return_stats's MoEOutput "
+                             "already has aux_loss (with the stats, a host read); return_aux_loss's has no host read")
+        extra = return_stats or return_aux_loss  # an MoEOutput: the eager caches below return the output alone
+        out = self._decode(self, x) if not extra and self.eager_graphs is None else None  # a repeated decode
         if out is not None:  # a plain 2-D x: straight to its launches (moekit.layer_fast: implies the checks below)
             return out
         if not isinstance(x, torch.Tensor):
@@ -285,9 +279,9 @@ class MoE(nn.Module):
             raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
         flat = x.dim() == 2  # the common case: no reshape either way (each one ~1-2 µs of host time)
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
-        out = self._graphed(x2d) if self.eager_graphs is not None and not return_stats else None
+        out = self._graphed(x2d) if self.eager_graphs is not None and not extra else None
         if out is None:
-            own = not return_stats and self._fused_router is not None and self._plain_routing
+            own = not extra and self._fused_router is not None and self._plain_routing
             out = self._decode(self, x2d) if own and not flat else None  # a flattened x's repeated decode call, or None
         if out is None:
             routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # Gate, Route, Capacity
@@ -295,11 +289,11 @@ class MoE(nn.Module):
             if own:
                 self._decode.keep(self, x2d)
         out = out if flat else out.reshape(x.shape)
-        if not return_stats:
+        if not extra:
             return out
         seq_len = x.shape[-2] if x.dim() >= 3 else x2d.shape[0]
-        return MoEOutput(out=out, stats=stats_on_host(self, routed), router_logits=routed.router_logits,
-                         aux_loss=self._aux_loss(routed, seq_len))
+        return MoEOutput(out=out, stats=stats_on_host(self, routed) if return_stats else None,
+                         router_logits=routed.router_logits, aux_loss=self._aux_loss(routed, seq_len))
 
     def traced_forward(self, x2d: torch.Tensor) -> torch.Tensor:
         """x2d [M, K] -> [M, K]: ``forward(x2d)`` as torch.compile traces it, without the eager caches ``forward``

@@ -190,6 +190,56 @@ def test_layer_aux_loss_is_none_without_coefficients():
     assert res.aux_loss is None and res.router_logits.shape == (4, E)
 
 
+def _aux_closed_form(logits, k, lb_coef, z_coef):
+    """float64, written out: lb_coef * E * sum_e f_e * P_e (f_e = the top-k choices of expert e / M, P_e = the mean
+    softmax probability of e) + z_coef * mean over tokens of logsumexp(logits)^2."""
+    m, e = logits.shape
+    chosen = torch.zeros(m, e, dtype=torch.float64).scatter_(1, torch.topk(logits, k, dim=-1).indices, 1.0)
+    f, p = chosen.sum(0) / m, torch.softmax(logits, -1).mean(0)  # [E], [E]
+    return lb_coef * e * (f * p).sum() + z_coef * torch.logsumexp(logits, -1).square().mean()
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_return_aux_loss_is_one_fullgraph_graph_with_eager_gradients(scoring):
+    """return_aux_loss=True: no stats (no host read), so torch.compile(fullgraph=True) traces the whole layer as one
+    graph; the loss equals the float64 closed form and its gradient at the router's weight equals the closed form's
+    and eager's."""
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, scoring=scoring,
+                    aux_loss_coef=0.01, z_loss_coef=0.002)
+    moe = _layer(cfg)
+    x = torch.randn(3, 5, 8)
+    weight = moe.gate.weight.detach().double().requires_grad_()
+    want = _aux_closed_form(x.reshape(-1, 8).double() @ weight.t(), 2, 0.01, 0.002)
+    (want_grad,) = torch.autograd.grad(want, [weight])
+    eager = moe(x, return_aux_loss=True)
+    assert eager.stats is None and eager.router_logits.shape == (15, E)
+    torch.testing.assert_close(eager.aux_loss.double(), want, rtol=1e-5, atol=0)
+    (eager_grad,) = torch.autograd.grad(eager.aux_loss, [moe.gate.weight])
+    torch.testing.assert_close(eager_grad.double(), want_grad, rtol=1e-4, atol=1e-7)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(moe)(x, return_aux_loss=True)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x, return_aux_loss=True)
+    torch._dynamo.reset()
+    assert got.stats is None
+    torch.testing.assert_close(got.out, eager.out)
+    torch.testing.assert_close(got.aux_loss, eager.aux_loss)
+    torch.testing.assert_close(torch.autograd.grad(got.aux_loss, [moe.gate.weight])[0], eager_grad)
+
+
+def test_return_aux_loss_refuses_return_stats_and_is_none_without_coefficients():
+    moe = _layer(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2))
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"return_stats=True or return_aux_loss=True, not both"):
+        moe(x, return_stats=True, return_aux_loss=True)
+    torch._dynamo.reset()
+    res = torch.compile(moe, fullgraph=True, backend="aot_eager")(x, return_aux_loss=True)
+    torch._dynamo.reset()
+    assert res.aux_loss is None and res.stats is None
+    torch.testing.assert_close(res.router_logits, x @ moe.gate.weight.t())
+
+
 def test_router_dtype_runs_the_gate_in_float32_and_keeps_the_weight_dtype():
     cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, router_dtype="float32",
                     z_loss_coef=1.0)

@@ -92,6 +92,19 @@ def test_capacity_drops_are_reported_like_the_plain_layer():
     assert rel_l2(got.out, ref.out) < TOLERANCE[torch.float32]
 
 
+
+def test_return_aux_loss_is_the_plain_layers():
+    """OffloadedMoE takes MoE.forward's return_aux_loss: no stats, the plain layer's aux loss and gate gradient."""
+    moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2, aux_loss_coef=0.01,
+                        z_loss_coef=0.001), backend="grouped_mm")
+    off = OffloadedMoE.from_moe(moe, cache_experts=2)
+    x = _x(20)
+    ref, got = moe(x, return_aux_loss=True), off(x, return_aux_loss=True)
+    assert got.stats is None and rel_l2(got.out, ref.out) < TOLERANCE[torch.float32]
+    torch.testing.assert_close(got.aux_loss, ref.aux_loss)
+    torch.testing.assert_close(torch.autograd.grad(got.aux_loss, [off.gate.weight])[0],
+                               torch.autograd.grad(ref.aux_loss, [moe.gate.weight])[0])
+
 def _simulate(batches: list[list[int]], slots: int, policy: str) -> tuple[int, int]:
     """(hits, misses) of an eviction cache over ``batches`` of touched experts, written independently:
     a batch's experts are all needed at once (never evicted for each other); LRU evicts the oldest

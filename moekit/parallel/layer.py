@@ -268,15 +268,15 @@ class EPMoE(MoE):
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.forward_routed(x2d, routing.topk_ids, routing.topk_weights)
 
-    def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
-        """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring."""
+    def forward(self, x: torch.Tensor, return_stats: bool = False,
+                return_aux_loss: bool = False) -> torch.Tensor | MoEOutput:
+        """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring; aux_loss: this rank's."""
         if transforming():  # before any collective: the load counts add in place, the collectives need storage
             raise NotImplementedError("EPMoE does not run under torch.func transforms (grad, vjp, jvp, vmap)")
-        # checks and routing may raise: agreed in forward_routed
-        with self._errors.on(self.w13.device, self._counts_chunks) as errors:
+        with self._errors.on(self.w13.device, self._counts_chunks) as errors:  # checks, routing raise: agreed there
             self.graph_captured |= errors.capturing
             self._check_x(x)
-            return super().forward(x, return_stats)
+            return super().forward(x, return_stats, return_aux_loss)
 
     def _check_x(self, x: torch.Tensor) -> None:
         """Host-side checks of this rank's tokens (no sync): the payload carries x in the experts' dtype."""

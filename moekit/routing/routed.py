@@ -1,6 +1,6 @@
 """What ``MoE.route_tokens`` hands the rest of the layer: the routing of a batch, what capacity dropped,
-and what the losses read; and ``MoEStats``, what a forward did, read from it. Routing results, so they live with
-the routing stage; ``moekit.layer`` (and ``moekit``) re-export them."""
+and what the losses read; ``MoEStats``, what a forward did, read from it; ``MoEOutput``, a forward's output with
+them. Routing results, so they live with the routing stage; ``moekit.layer`` (and ``moekit``) re-export them."""
 
 from __future__ import annotations
 
@@ -72,6 +72,19 @@ class MoEStats:
         hits = int(self.identity_counts.sum())
         slots = hits + int(self.counts.sum()) + self.dropped  # M*k
         return hits / slots if slots else 0.0
+
+
+@dataclass
+class MoEOutput:
+    """What ``MoE.forward(x, return_stats=True)`` or ``(x, return_aux_loss=True)`` returns."""
+
+    out: torch.Tensor  # [..., K]
+    stats: MoEStats | None  # None from forward(x, return_aux_loss=True): the stats are host reads, that path has none
+    router_logits: torch.Tensor | None = None  # [M, E(+Z|S)] the gate's logits, router dtype (differentiable)
+    # [] float32: config.aux_loss_coef * load_balancing_loss + seq_aux_loss_coef * sequence_balance_loss +
+    # z_loss_coef * z_loss over this forward's M tokens (add it to the task loss); None when all three
+    # coefficients are 0. The balance losses count the router's choice before capacity drops.
+    aux_loss: torch.Tensor | None = None
 
 
 @torch.compiler.disable(reason="MoE(x, return_stats=True) reads its MoEStats on the host (counts, drops: a sync), "
