@@ -88,7 +88,7 @@ class MoEOutput:
 
 
 @torch.compiler.disable(reason="MoE(x, return_stats=True) reads its MoEStats on the host (counts, drops: a sync), "
-                        "outside the graph; under fullgraph=True call the layer without return_stats")
+                        "outside the graph; under fullgraph=True pass return_aux_loss=True instead (no host read)")
 def stats_on_host(layer, routed: RoutedTokens) -> MoEStats:
     """``layer._stats(routed)`` (``MoE.forward(return_stats=True)``), never traced: a compiled layer breaks its graph
     here once, cleanly (its int fields are host reads), instead of at each read inside, and ``fullgraph=True``
