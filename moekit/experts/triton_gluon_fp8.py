@@ -79,21 +79,28 @@ class Fp8GluonChoice:
 
 DEFAULT_FP8_CHOICE = Fp8GluonChoice()
 _FAST = "gluon_fp8"  # the first field of the fp8 Gluon path's fast-path keys (``triton_fast``'s activation slot)
+# A call with expert biases (gpt-oss's b13 / b2) keeps a fast-path entry as an unbiased one does (issue 15, session 43:
+# before, it kept none and paid the plain lean launch's host time on every call, 85.7 against 38.5 µs at gpt-oss-20b
+# M = 4096 on an H100, session 42's call C). False: biased calls keep none, as before (the A/B of
+# benchmarks/gfl43_device_check.py only).
+BIASED_FAST = True
 
 
 def fp8_fast_key(w13, w2, activation, choice: Fp8GluonChoice) -> tuple:
-    """The fast-path key of a backend call on fp8_block weights without biases (``triton_gluon_lean.run_fast_gluon``,
-    keyed there by the ``q`` tensors too; a biased call keeps no entry: its launches hold the biases): what decided
-    the path besides shapes (the activation, str or spec: a gpt-oss spec never meets a silu entry; choice, block
-    shape) and the scales' addresses, which the kept launches hold (an in-place update keeps them; a new scale tensor
-    misses)."""
+    """The fast-path key of a backend call on fp8_block weights (``triton_gluon_lean.run_fast_gluon``, keyed there by
+    the ``q`` tensors too): what decided the path besides shapes (the activation, str or spec: a gpt-oss spec never
+    meets a silu entry; choice, block shape) and the scales' addresses, which the kept launches hold (an in-place
+    update keeps them; a new scale tensor misses). The biases are not in it: the entry holds them (``kept_biases``;
+    its launches hold their addresses), and a call with others, or none where it had some, misses."""
     return (_FAST, activation, choice, w13.block_shape, w13.scale.data_ptr(), w2.scale.data_ptr())
 
 
-def run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, choice: Fp8GluonChoice | None = None):
-    """A repeated fp8_block call the fp8 Gluon path took, launched from what it kept, or None (a miss)."""
+def run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, choice: Fp8GluonChoice | None = None, b13=None,
+                 b2=None):
+    """A repeated fp8_block call the fp8 Gluon path took (with its biases ``b13`` / ``b2``, or None), launched from
+    what it kept, or None (a miss)."""
     key = fp8_fast_key(w13, w2, activation, DEFAULT_FP8_CHOICE if choice is None else choice)
-    return run_fast_gluon(x, w13.q, w2.q, topk_ids, topk_weights, key)
+    return run_fast_gluon(x, w13.q, w2.q, topk_ids, topk_weights, key, b13, b2)
 
 
 def gluon_fp8_unfit(x: torch.Tensor, w13_q, w13_scale, w2_q, w2_scale, activation="silu",
@@ -222,7 +229,7 @@ def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights
                      fast_key: tuple | None = None, gather_groups: int | None = None, activation="silu",
                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """``experts_gluon_fp8`` for a caller that has run its checks (the backend, through ``gluon_fp8_takes``);
-    ``fast_key``: the backend's key for its fast path (``fp8_fast_key``; a biased call keeps none)."""
+    ``fast_key``: the backend's key for its fast path (``fp8_fast_key``; a biased call's entry holds its biases)."""
     num_experts, hidden, inter = w2_q.shape
     variant = variant_of(activation, b13, b2)
     plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, hidden, up, down, gather_groups, inter,
@@ -231,7 +238,7 @@ def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights
         from moekit.experts.triton_gluon_lean import run_lean
 
         return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, plan.up, plan.down, w13_scale, w2_scale,
-                        fast_key=None if variant.b13 or variant.b2 else fast_key,
+                        fast_key=fast_key if BIASED_FAST or not (variant.b13 or variant.b2) else None,
                         gather_groups=plan.gather_groups, variant=variant, b13=b13, b2=b2)
     layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map, gather_groups=plan.gather_groups)
     rows = layout.x_q.shape[0]
