@@ -1,6 +1,6 @@
 """A repeated eager fp8 call with expert biases that the route sends to the fp8 Gluon GEMMs (gpt-oss's: b13 / b2, its
-clamped interleaved SwiGLU, N and K past a multiple of 128) keeps a fast-path entry (issue #15, session 43), as an
-unbiased one does: from the third call served from it, bit-equal to the plain launches and within e4m3's rounding of a
+clamped interleaved SwiGLU, N and K past a multiple of 128) keeps a fast-path entry with ``BIASED_FAST`` on (issue
+#15, session 43; off by default until the device check has run), as an unbiased one does: from the third call served from it, bit-equal to the plain launches and within e4m3's rounding of a
 float64 loop (``_fp8_cases.emulation_f64``); a bias updated in place, moved, replaced or dropped misses, the full path
 runs with the call's biases and keeps the call again. On the CPU: kernels under the interpreter, the Gluon GEMMs as
 ``_gluon_fakes``' torch stand-ins (the same tile walk as the kernel)."""
@@ -46,6 +46,7 @@ def route(fake_gemms, monkeypatch):
     from moekit.experts import run_experts
 
     monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", ON)
+    monkeypatch.setattr(tgf, "BIASED_FAST", True)
     served = count_served(monkeypatch, tgf, "run_fast_fp8")
 
     def call(w13, w2, x, ids, weights, b13, b2):
@@ -119,6 +120,7 @@ def test_the_triton_gluon_backend_serves_a_biased_call(fake_gemms, monkeypatch):
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton_gluon import experts_triton_gluon
 
+    monkeypatch.setattr(tgf, "BIASED_FAST", True)
     served = count_served(monkeypatch, tgf, "run_fast_fp8")
     x, q, ids, weights, b13, b2 = _problem(4)
     w13, w2 = _weights(q)

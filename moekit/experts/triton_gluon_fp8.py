@@ -79,11 +79,12 @@ class Fp8GluonChoice:
 
 DEFAULT_FP8_CHOICE = Fp8GluonChoice()
 _FAST = "gluon_fp8"  # the first field of the fp8 Gluon path's fast-path keys (``triton_fast``'s activation slot)
-# A call with expert biases (gpt-oss's b13 / b2) keeps a fast-path entry as an unbiased one does (issue 15, session 43:
-# before, it kept none and paid the plain lean launch's host time on every call, 85.7 against 38.5 µs at gpt-oss-20b
-# M = 4096 on an H100, session 42's call C). False: biased calls keep none, as before (the A/B of
-# benchmarks/gfl43_device_check.py only).
-BIASED_FAST = True
+# Whether a call with expert biases (gpt-oss's b13 / b2) keeps a fast-path entry as an unbiased one does (issue 15,
+# session 43; the entry holds the biases, ``kept_biases``). Without one it pays the lean launch's host time on every
+# call: 85.7 against the fused path's 38.5 µs at gpt-oss-20b M = 4096 on an H100 (session 42, call C). Off until
+# benchmarks/gfl43_device_check.py has run on a GPU (it prints "BIASED_FAST by the defaults rule"); on is tested on
+# the CPU (tests/test_gluon_fp8_biased_fast.py).
+BIASED_FAST = False
 
 
 def fp8_fast_key(w13, w2, activation, choice: Fp8GluonChoice) -> tuple:
