@@ -1,9 +1,10 @@
 """A repeated eager fp8 call with expert biases that the route sends to the fp8 Gluon GEMMs (gpt-oss's: b13 / b2, its
 clamped interleaved SwiGLU, N and K past a multiple of 128) keeps a fast-path entry with ``BIASED_FAST`` on (issue
-#15, session 43; off by default until the device check has run), as an unbiased one does: from the third call served from it, bit-equal to the plain launches and within e4m3's rounding of a
-float64 loop (``_fp8_cases.emulation_f64``); a bias updated in place, moved, replaced or dropped misses, the full path
-runs with the call's biases and keeps the call again. On the CPU: kernels under the interpreter, the Gluon GEMMs as
-``_gluon_fakes``' torch stand-ins (the same tile walk as the kernel)."""
+#15, session 43; off by default until the device check has run), as an unbiased one does: from the third call served
+from it, bit-equal to the plain launches and within e4m3's rounding of a float64 loop (``_fp8_cases.emulation_f64``);
+a bias updated in place, moved, replaced or dropped misses, the full path runs with the call's biases and keeps the
+call again. On the CPU: kernels under the interpreter, the Gluon GEMMs as ``_gluon_fakes``' torch stand-ins (the same
+tile walk as the kernel)."""
 
 from __future__ import annotations
 
