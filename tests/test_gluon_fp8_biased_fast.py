@@ -128,3 +128,31 @@ def test_the_triton_gluon_backend_serves_a_biased_call(fake_gemms, monkeypatch):
     outs = [experts_triton_gluon(x, w13, w2, ids, weights, activation=GPT_OSS, b13=b13, b2=b2, fp8_choice=ON)
             for _ in range(3)]
     assert served == [1] and all(torch.equal(out, _plain(x, q, ids, weights, b13, b2)) for out in outs)
+
+
+def test_a_gpt_oss_layer_in_fp8_is_served(route):
+    """The real client's call: a gpt-oss MoE layer from a transformers config (random weights and biases) with its
+    experts quantized by ``MoE.quantize_("fp8_block")``; its repeated eager forward is served from the entry and equals
+    the forward with the switch off."""
+    import moekit.experts.triton_gluon_fp8 as tgf
+    from moekit.experts.triton_fast import clear_fast
+    from moekit.hf import moe_from_hf
+
+    transformers = pytest.importorskip("transformers")
+    _, served = route
+    cfg = transformers.GptOssConfig(vocab_size=97, hidden_size=K, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, intermediate_size=N, num_hidden_layers=1, num_local_experts=E,
+                                    num_experts_per_tok=TOP_K)
+    torch.manual_seed(0)
+    block = transformers.GptOssForCausalLM(cfg).model.layers[0].mlp.to(torch.bfloat16).eval()
+    layer = moe_from_hf(block, backend="triton").eval()
+    layer.quantize_("fp8_block")
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(7)).bfloat16()
+    assert layer.config.activation == ActivationSpec("silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
+    with torch.no_grad():
+        layer.b13.copy_(torch.randn_like(layer.b13) * 0.5), layer.b2.copy_(torch.randn_like(layer.b2) * 0.5)
+        outs = [layer(x) for _ in range(4)]
+        assert served == [2] and all(torch.equal(out, outs[0]) for out in outs)
+        tgf.BIASED_FAST = False  # (the fixture's monkeypatch restores it)
+        clear_fast()
+        assert torch.equal(layer(x), outs[0]) and served == [2]
