@@ -28,6 +28,7 @@ PASS, >= 3% faster than the route in every round at every M of the sweep) with t
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fpb40_device_check as fpb40  # noqa: E402
 import gpt39_device_check as gpt39  # noqa: E402
 from bench_rounds import faster_rounds  # noqa: E402
-from bench_run import RunLog, host_and_wall_us, rel_l2, write_json  # noqa: E402
+from bench_run import RunLog, host_and_wall_us, rel_l2, run_phases  # noqa: E402
 from moekit.experts.triton_gluon_fp8_launch import Fp8GluonShapeTiles, Fp8GluonTile  # noqa: E402
 
 MS = (9, 33) if SMOKE else (2048, 4096, 8192)
@@ -263,7 +264,7 @@ def verdicts() -> None:
 
 def main() -> int:
     global ARGS
-    p = gpt39.parser(__doc__.split("\n")[0], 60.0, ("fp8_block",), MS)
+    p = gpt39.parser(__doc__.split("\n")[0], 300.0 if SMOKE else 60.0, ("fp8_block",), MS)  # the smoke: all of it
     p.add_argument("--check-ms", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=CHECK_MS)
     p.add_argument("--cands", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()), default=DEFAULT_CANDS)
     ARGS = p.parse_args()
@@ -283,15 +284,11 @@ def main() -> int:
     gpt39.begin(RESULT, ARGS.ms, "| eager M | host before -> after | wall before -> after |")
     w = gpt39.layer("fp8_block", dev)
     RUN.log("gpt-oss: weights quantized to fp8_block")
-    path = os.path.join(ARGS.out, "gfl43.json") if ARGS.out else ""
-    RUN.each_cell(["checks"], lambda _: [check(w, m, dev) for m in ARGS.check_ms], ARGS.deadline)
-    RUN.each_cell(["eager"], lambda _: eager(w, dev), ARGS.deadline)
-    RUN.each_cell(["sweep"], lambda _: sweep(w, dev), ARGS.deadline)
-    verdicts()
-    if path:
-        write_json(path, RESULT)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+    phases = {"checks": lambda: [check(w, m, dev) for m in ARGS.check_ms], "eager": lambda: eager(w, dev),
+              "sweep": lambda: sweep(w, dev), "verdicts": verdicts}
+    return run_phases(RUN, phases, list(phases), ARGS.deadline, {"checks": 0, "eager": 0, "sweep": 0,
+                                                                  "verdicts": -math.inf},  # the verdicts always
+                      os.path.join(ARGS.out, "gfl43.json") if ARGS.out else "", RESULT)
 
 
 if __name__ == "__main__":

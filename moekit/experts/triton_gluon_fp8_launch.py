@@ -170,7 +170,8 @@ def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, hidden: int, u
     from moekit.layouts.grouping import max_padded_rows
 
     shaped = SHAPE_TILES.get((num_experts, hidden, inter), _NO_SHAPE_TILES) if SHAPE_TILES else _NO_SHAPE_TILES
-    up, down, gather_groups = up or shaped.up, down or shaped.down, gather_groups or shaped.gather_groups
+    up, down = up or shaped.up, down or shaped.down
+    gather_groups = shaped.gather_groups if gather_groups is None else gather_groups
     if gather_groups is not None and (gather_groups < 1 or gather_groups & (gather_groups - 1)):
         raise ValueError(f"gather_groups={gather_groups}: expected a power of 2 (the gather kernel's tl.arange)")
     wide = not b2 and wants_wide_down(num_tokens, top_k, num_experts, hidden)
