@@ -253,11 +253,7 @@ def experts_triton_unchecked(
     (prefill sizes where the Gluon GEMMs measured faster for the whole call) take the Gluon path, as
     ``fp8_block`` calls take the fp8 one."""
     if expert_map is None:
-        if b13 is None and b2 is None:
-            out = _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options)
-        else:  # biases: the Triton path's entries only (the Gluon paths keep no biased call)
-            out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False,
-                           b13=b13, b2=b2)
+        out = _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options, b13, b2)
         if out is not None:
             return out
     return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=False)
@@ -266,10 +262,12 @@ def experts_triton_unchecked(
 _GLUON: list = []  # [triton_gluon, triton_gluon_fp8], imported on first use (both import this module)
 
 
-def _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options: LaunchOptions) -> torch.Tensor | None:
+def _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options: LaunchOptions, b13=None,
+              b2=None) -> torch.Tensor | None:
     """A repeated call launched from what its path kept, or None: the Triton path's entries (``run_fast``) and the
-    Gluon paths' (fp8_block weights: ``run_fast_fp8``; bf16 with the default options: ``run_fast_default_gluon``),
-    one lookup where one can hit. A Gluon entry is keyed by the default choice that took it, so where that choice
+    Gluon paths' (fp8_block weights, with expert biases too since session 43: ``run_fast_fp8``; bf16 with the default
+    options and no biases, which its Gluon path never takes: ``run_fast_default_gluon``), one lookup where one can
+    hit. A Gluon entry is keyed by the default choice that took it, so where that choice
     does not want the call's size none can match and its lookup is skipped; where it does, the Gluon lookup goes
     first (on Hopper the Triton path keeps nothing there), then the Triton one (a call the Gluon path did not take:
     another GPU, an unfit shape). Before: the Triton lookup first on every call, a miss at every Gluon-path size
@@ -280,20 +278,23 @@ def _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options: LaunchOpt
         gluon_fp8 = _GLUON[1]
         if not gluon_fp8.DEFAULT_FP8_CHOICE.wants(x.shape[0], topk_weights.shape[1], w2.shape[2], x.shape[1],
                                                   w2.shape[0]):
-            return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
-        out = gluon_fp8.run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation)
-    elif options is _DEFAULT_OPTIONS and w13.__class__ in _PLAIN:  # weight-only: bf16 Gluon keeps none (no lookup)
-        if not _GLUON:
+            return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False,
+                            b13=b13, b2=b2)
+        out = gluon_fp8.run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, None, b13, b2)
+    elif options is _DEFAULT_OPTIONS and w13.__class__ in _PLAIN and b13 is None and b2 is None:  # weight-only:
+        if not _GLUON:  # bf16 Gluon keeps none (no lookup)
             _import_gluon()
         gluon = _GLUON[0]
         if not gluon.DEFAULT_CHOICE.wants(x.shape[0], w2.shape[-1], topk_weights.shape[1], w2.shape[0]):
             return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
         out = gluon.run_fast_default_gluon(x, w13, w2, topk_ids, topk_weights, activation)
-    else:  # the Gluon route takes the default options and plain tensors only
-        return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+    else:  # the Gluon route takes the default options and plain tensors only (bf16: no biases)
+        return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False, b13=b13,
+                        b2=b2)
     if out is not None:
         return out
-    return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+    return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False, b13=b13,
+                    b2=b2)
 
 
 def _import_gluon() -> None:

@@ -242,13 +242,16 @@ def experts_triton_gluon(
     from moekit.experts.triton import _DEFAULT_OPTIONS, FUSED_OPTIONS, experts_triton_unchecked
 
     fast_key = (_FAST, activation, choice)  # a repeated call the Gluon path took: its kept launches, no checks
-    if expert_map is None and b13 is None and b2 is None:
+    if expert_map is None:  # fp8 with or without biases (the entry holds them); bf16 without (its path takes none)
         from moekit.experts.triton_gluon_fp8 import run_fast_fp8
         from moekit.experts.triton_gluon_lean import run_fast_gluon
         from moekit.quant.fp8_block import Fp8BlockWeight
 
-        out = (run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, fp8_choice)
-               if w13.__class__ is Fp8BlockWeight else run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key))
+        out = None
+        if w13.__class__ is Fp8BlockWeight:
+            out = run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, fp8_choice, b13, b2)
+        elif b13 is None and b2 is None:
+            out = run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key)
         if out is not None:
             return out
     if not isinstance(w13, torch.Tensor):  # quantized weights: fp8_block may take the fp8 Gluon path

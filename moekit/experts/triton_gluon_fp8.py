@@ -16,6 +16,8 @@ The experts variant (issue #15, session 42): b13 after the block scales, before 
 gate-up epilogue (gpt-oss's interleaved rows read in place, two row tiles a column block); b2 before the routed
 weight; N and K past a multiple of 128 read as TMA's zeros. The backends send such calls here only with
 ``Fp8GluonChoice.variants`` (on by default: 1.4-1.66x the fused Triton fp8 kernels at gpt-oss-20b's prefill).
+A repeated eager backend call launches from its fast-path entry (``run_fast_fp8``); a biased one keeps one only with
+``BIASED_FAST`` (session 43), holding its biases as the fused kernels' entries do. Per-shape tiles: ``SHAPE_TILES``.
 """
 
 from __future__ import annotations
@@ -79,21 +81,29 @@ class Fp8GluonChoice:
 
 DEFAULT_FP8_CHOICE = Fp8GluonChoice()
 _FAST = "gluon_fp8"  # the first field of the fp8 Gluon path's fast-path keys (``triton_fast``'s activation slot)
+# Whether a call with expert biases (gpt-oss's b13 / b2) keeps a fast-path entry as an unbiased one does (issue 15,
+# session 43; the entry holds the biases, ``kept_biases``). Without one it pays the lean launch's host time on every
+# call: 85.7 against the fused path's 38.5 µs at gpt-oss-20b M = 4096 on an H100 (session 42, call C). Off until
+# benchmarks/gfl43_device_check.py has run on a GPU (it prints "BIASED_FAST by the defaults rule"); on is tested on
+# the CPU (tests/test_gluon_fp8_biased_fast.py).
+BIASED_FAST = False
 
 
 def fp8_fast_key(w13, w2, activation, choice: Fp8GluonChoice) -> tuple:
-    """The fast-path key of a backend call on fp8_block weights without biases (``triton_gluon_lean.run_fast_gluon``,
-    keyed there by the ``q`` tensors too; a biased call keeps no entry: its launches hold the biases): what decided
-    the path besides shapes (the activation, str or spec: a gpt-oss spec never meets a silu entry; choice, block
-    shape) and the scales' addresses, which the kept launches hold (an in-place update keeps them; a new scale tensor
-    misses)."""
+    """The fast-path key of a backend call on fp8_block weights (``triton_gluon_lean.run_fast_gluon``, keyed there by
+    the ``q`` tensors too): what decided the path besides shapes (the activation, str or spec: a gpt-oss spec never
+    meets a silu entry; choice, block shape) and the scales' addresses, which the kept launches hold (an in-place
+    update keeps them; a new scale tensor misses). The biases are not in it: the entry holds them (``kept_biases``;
+    its launches hold their addresses), and a call with others, or none where it had some, misses."""
     return (_FAST, activation, choice, w13.block_shape, w13.scale.data_ptr(), w2.scale.data_ptr())
 
 
-def run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, choice: Fp8GluonChoice | None = None):
-    """A repeated fp8_block call the fp8 Gluon path took, launched from what it kept, or None (a miss)."""
+def run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, choice: Fp8GluonChoice | None = None, b13=None,
+                 b2=None):
+    """A repeated fp8_block call the fp8 Gluon path took (with its biases ``b13`` / ``b2``, or None), launched from
+    what it kept, or None (a miss)."""
     key = fp8_fast_key(w13, w2, activation, DEFAULT_FP8_CHOICE if choice is None else choice)
-    return run_fast_gluon(x, w13.q, w2.q, topk_ids, topk_weights, key)
+    return run_fast_gluon(x, w13.q, w2.q, topk_ids, topk_weights, key, b13, b2)
 
 
 def gluon_fp8_unfit(x: torch.Tensor, w13_q, w13_scale, w2_q, w2_scale, activation="silu",
@@ -222,7 +232,7 @@ def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights
                      fast_key: tuple | None = None, gather_groups: int | None = None, activation="silu",
                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """``experts_gluon_fp8`` for a caller that has run its checks (the backend, through ``gluon_fp8_takes``);
-    ``fast_key``: the backend's key for its fast path (``fp8_fast_key``; a biased call keeps none)."""
+    ``fast_key``: the backend's key for its fast path (``fp8_fast_key``; a biased call's entry holds its biases)."""
     num_experts, hidden, inter = w2_q.shape
     variant = variant_of(activation, b13, b2)
     plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, hidden, up, down, gather_groups, inter,
@@ -231,7 +241,7 @@ def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights
         from moekit.experts.triton_gluon_lean import run_lean
 
         return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, plan.up, plan.down, w13_scale, w2_scale,
-                        fast_key=None if variant.b13 or variant.b2 else fast_key,
+                        fast_key=fast_key if BIASED_FAST or not (variant.b13 or variant.b2) else None,
                         gather_groups=plan.gather_groups, variant=variant, b13=b13, b2=b2)
     layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map, gather_groups=plan.gather_groups)
     rows = layout.x_q.shape[0]

@@ -322,13 +322,13 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
     return launches
 
 
-def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch.Tensor | None:
+def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple, b13=None, b2=None) -> torch.Tensor | None:
     """A repeated call with the same weights launched from what its first lean call kept, or None: the Triton
     path's fast path (``triton_fast.run_fast``: its checks, its invalidation) on this module's pool. w13, w2: bf16
     weights, or fp8's e4m3 ``q`` tensors. ``fast_key``: what else decided the path (the backend's activation and
     choice; fp8: the block shape and the scales' addresses, ``triton_gluon_fp8.fp8_fast_key``); a Triton path
-    entry never has it."""
-    return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, fast_key, _FAST_OPTIONS, checked=False)
+    entry never has it. fp8's ``b13`` / ``b2``: the entry's, unchanged, or a miss (``kept_biases``)."""
+    return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, fast_key, _FAST_OPTIONS, False, b13, b2)
 
 
 def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -338,8 +338,8 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
              b2: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
-    ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
-    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it).
+    ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon`` (with its biases).
+    ``in_loader`` (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (where x fits it).
     ``gather_groups`` (fp8): the gather's 128-column groups a program (``triton_gluon_fp8_launch.plan_gluon_fp8``);
     ``variant`` (fp8): the call's ``Fp8GluonVariant`` (``variant_of``), ``b13`` / ``b2`` its biases (contiguous; the
     recorded launches hold their addresses, in the sequence's key as the scales' are)."""
@@ -357,7 +357,7 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
         sequence = _sequence(plan, b, pair, w13, expert_map is not None, s13, s2, b13, b2)
         if sequence is not None:
             if fast_key is not None and expert_map is None and ids is topk_ids and weights is topk_weights:
-                remember(stamp, x, w13, w2, ids, weights, fast_key, _FAST_OPTIONS, plan, sequence, checked=False)
+                remember(stamp, x, w13, w2, ids, weights, fast_key, _FAST_OPTIONS, plan, sequence, False, b13, b2)
             sequence.launch((x, ids, weights, out, expert_map, None, None, None, None, None, None))
             return out
     for launch, pointers in plan_launches(plan, b, activation_descriptors(plan, b), pair, x, ids, weights, expert_map,
