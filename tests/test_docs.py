@@ -259,5 +259,5 @@ def test_every_benchmark_command_s_flags_are_its_script_s():
             source = _script_source(run.group(1), set())
             bad += [f"{doc}:{span.line}: {run.group(1)} {flag}" for flag in flags
                     if not re.search(rf"[\"']{re.escape(flag)}[\"']", source)]
-    assert checked >= 50
+    assert checked >= 40  # 42 commands at session 43 (39 finished scripts removed): not empty by accident
     assert not bad, "flags the script does not define:\n" + "\n".join(bad)
