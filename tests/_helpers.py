@@ -45,7 +45,7 @@ def make_problem(m, k, e, hidden, inter, dtype=torch.float32, seed=0, *, skips=F
     return Problem(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
 
 
-def quantized_pair(scheme: str, e: int, n: int, k: int, options: dict | None = None, seed: int = 0) -> tuple:
+def bf16_quantized_pair(scheme: str, e: int, n: int, k: int, options: dict | None = None, seed: int = 0) -> tuple:
     """(q13, q2): random bf16 experts w13 [E, 2N, K] and w2 [E, K, N] (scaled by K^-1/2, N^-1/2) from one generator
     seeded ``seed``, quantized to ``scheme`` with ``options``."""
     from moekit.quant import quantize

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import bf16_routing, count_calls, quantized_experts_loop, quantized_pair, rel_l2
+from _helpers import bf16_quantized_pair, bf16_routing, count_calls, quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
@@ -41,7 +41,7 @@ def counts(interpreter, monkeypatch):
 
 
 def _weights(scheme: str, seed: int = 0):
-    return quantized_pair(scheme, E, N, K, SCHEMES[scheme], seed)
+    return bf16_quantized_pair(scheme, E, N, K, SCHEMES[scheme], seed)
 
 
 def _routing(m: int, seed: int):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import quantized_experts_loop, quantized_pair, rel_l2
+from _helpers import bf16_quantized_pair, quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
@@ -33,7 +33,7 @@ MAP = torch.tensor([2, -1, 0, -1, 3, 1], dtype=torch.int32)  # 6 global experts,
 
 
 def _weights(scheme: str, seed: int = 0):
-    return quantized_pair(scheme, E, N, K, SCHEMES[scheme], seed)
+    return bf16_quantized_pair(scheme, E, N, K, SCHEMES[scheme], seed)
 
 
 def _routing(m: int, seed: int, with_map: bool):

@@ -19,7 +19,7 @@ import importlib
 import pytest
 import torch
 
-from _helpers import bf16_routing, count_calls, quantized_experts_loop, quantized_pair, rel_l2
+from _helpers import bf16_quantized_pair, bf16_routing, count_calls, quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
@@ -48,7 +48,7 @@ def hits(interpreter, monkeypatch):
 
 
 def _weights(scheme: str, e: int, n: int, k: int):
-    return quantized_pair(scheme, e, n, k)
+    return bf16_quantized_pair(scheme, e, n, k)
 
 
 def _routing(m: int, e: int, k: int, seed: int):

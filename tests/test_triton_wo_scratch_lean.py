@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import bf16_routing, count_calls, quantized_experts_loop, quantized_pair, rel_l2
+from _helpers import bf16_quantized_pair, bf16_routing, count_calls, quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
@@ -53,7 +53,7 @@ def chunked(monkeypatch, experts: int) -> None:
 
 
 def weights_of(scheme: str, seed: int = 0):
-    return quantized_pair(scheme, E, N, K, SCHEMES[scheme], seed)
+    return bf16_quantized_pair(scheme, E, N, K, SCHEMES[scheme], seed)
 
 
 def routing(m: int, seed: int):
