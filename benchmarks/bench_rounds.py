@@ -7,8 +7,8 @@ win is counted round by round against the base of the same round), the medians, 
     rounds = interleaved(graphs, len(sets), dev, ROUNDS, REPLAYS)        # name -> [µs a call, each round]
     wins(rounds["wide"], rounds["pick"])                               # rounds "wide" took <= 0.97 x "pick"
 
-Used by the device checks (``hop41``, ``wo38``, ``gpt39``, ``wom40``, ``fpb40``, ``gof41``, ``wo_fold``, ``wolean``,
-``hfg32``, ``fam34``, ...; their run bookkeeping: ``bench_run``).
+Used by the device checks (``wo38``, ``gpt39``, ``fpb40``, ``gfp42``, ``wolean``, ``fam34``, ``rfast34``, ``fgrad36``,
+``opg35``; their run bookkeeping: ``bench_run``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The compile-worker pool of the device checks (``decode_q3_device_check.py``, ``hop41_device_check.py``,
-``held_run.py``'s weight-only checks).
+"""The compile-worker pool of the device checks (``decode_q3_device_check.py``, ``held_run.py``'s weight-only
+checks).
 
 Each worker is the check script itself run with ``--worker TASKS`` (a JSON list of (cell, variant) pairs): it
 compiles and runs its part once, printing ``START ci vi`` / ``OK ci vi`` / ``ERR ci vi message`` lines, so the main
@@ -87,15 +87,3 @@ def smoke_shape(preset: str, smoke: bool):
     if smoke:
         return Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, min(real.top_k, 2))
     return real
-
-
-def zero_fp8_weights(s, dev) -> tuple:
-    """(w13, w2) ``Fp8BlockWeight``s of shape ``s`` for compiling only (values do not matter): zeros, scales one."""
-    from moekit.quant.fp8_block import Fp8BlockWeight
-
-    pair = []
-    for rows, cols in ((2 * s.n, s.k), (s.k, s.n)):
-        q = torch.zeros(s.num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=dev)
-        scale = torch.ones(s.num_experts, -(-rows // 128), -(-cols // 128), device=dev)
-        pair.append(Fp8BlockWeight(q=q, scale=scale, dtype=torch.bfloat16))
-    return tuple(pair)

@@ -113,7 +113,7 @@ def run_plain(preset: str, dev, m: int = PLAIN_M, kept: int | None = None, run: 
               result: dict = RESULT, blanks: int = 4) -> None:
     """One plain fp8 call of ``preset``'s experts at M = ``m`` (E: ``kept`` of them, else ``PLAIN_CELLS``' count or all;
     the smoke: gpt39's tiny shape): the route against the reference, then its graph µs, logged into ``run`` (a
-    table row with ``blanks`` empty cells after the µs) and ``result["plain"]`` (gof41's check runs it with its own)."""
+    table row with ``blanks`` empty cells after the µs) and ``result["plain"]`` (gof41's check ran it with its own)."""
     import moekit.quant as Q
     from moekit.bench.cells import Shape
     from moekit.experts import run_experts
@@ -155,8 +155,8 @@ def main() -> int:
 
 def plain_cells_and_table(cells, run_one, dev, path: str, deadline: float, run: RunLog = RUN,
                           result: dict = RESULT) -> int:
-    """The end of a gpt-oss fp8 check (this one's, ``gof41_device_check``'s): ``result`` written to ``path`` (if any),
-    the GPU's cache emptied (gpt-oss's weights and graphs), ``run_one(preset)`` for each of ``cells`` that starts before
+    """The end of a gpt-oss fp8 check (this one's; gof41's ran it too): ``result`` written to ``path`` (if any), the
+    GPU's cache emptied (gpt-oss's weights and graphs), ``run_one(preset)`` for each of ``cells`` that starts before
     ``deadline``, ``result`` written again, the table; 1 where a check failed, else 0."""
     if path:
         write_json(path, result)

@@ -247,7 +247,7 @@ def begin(result: dict, ms: tuple, header: str) -> None:
 
 
 def run_checks(args, dev, head: str, name: str, result: dict, run_one) -> None:
-    """The gpt-oss checks' run (this one's, ``wom40_device_check``'s): ``begin`` with the
+    """The gpt-oss checks' run (this one's; wom40's ran it too): ``begin`` with the
     table's ``head`` row, ``run_one(scheme)`` for each of ``args.schemes`` as a cell that starts before the deadline,
     <out>/<name>.json after each, the GPU's cache emptied between schemes (a scheme's weights: 2 GB at gpt-oss's
     width), then the table."""

@@ -1,4 +1,5 @@
-"""Where the host time of one eager experts call goes, step by step (``host_trim2_device_check.py``'s probe).
+"""Where the host time of one eager experts call goes, step by step (``host_mid_device_check``'s
+probe; written for ``f6f35e93:benchmarks/host_trim2_device_check.py``).
 
 A kept call (``triton_fast``'s entry: its ``LaunchSequence``) is launched the way ``triton_lean.launch_lean``
 does it, with a clock read between steps: the output's allocation, h and y's byte buffer (above the pool's
@@ -143,11 +144,3 @@ def controls(x, sequence, device: torch.device, reps: int) -> dict:
             args[3] = current_stream()
             result[tag] = idle(lambda a=args: entry(*a))
     return result
-
-
-def memory_counts(device: torch.device) -> dict:
-    """The caching allocator's cudaMalloc (segments allocated) and retry counts so far (CUDA only)."""
-    if device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(device)
-    return {"segments": stats.get("segment.all.allocated", 0), "retries": stats.get("num_alloc_retries", 0)}

@@ -1,6 +1,6 @@
-"""The offload checks' layer (``offload_cal``, ``offload_key``, ``offload_fetch``, ``offload_stall``,
-``offload_tail``, ``offload_step_anatomy``): Qwen3-30B-A3B's MoE layer shape on the GPU, a tiny one on the CPU
-(``--smoke``, or no GPU), its device, dtype and ``MoEConfig``."""
+"""The offload checks' layer (``offload_cal``; before session 43 also the removed ``offload_key``,
+``offload_fetch``, ``offload_stall``, ``offload_tail``, ``offload_step_anatomy``): Qwen3-30B-A3B's MoE layer shape on
+the GPU, a tiny one on the CPU (``--smoke``, or no GPU), its device, dtype and ``MoEConfig``."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ Outputs are the full forward's bit for bit: the same launches with the same argu
 (its gate is a GEMM of its own per call), a separate shared MLP, a router dtype other than x's and the
 gate weight's, capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
-H200, layer host µs per call, full forward -> this path (``benchmarks/host_trim2_device_check.py``, raw
+H200, layer host µs per call, full forward -> this path (``f6f35e93:benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
 47.2 -> 37.9 at M = 1, 76.3 -> 61.3 at M = 8; DeepSeek-V3 48.3 -> 39.8 and 83.5 -> 67.1. With the experts' kept
 call (``benchmarks/layer_host2_device_check.py``, another host): Qwen3 30.4 / 30.7, DeepSeek-V3 31.8 / 47.5 (two
@@ -56,14 +56,14 @@ from moekit.routing import gate_route
 from moekit.routing.gate_route import MAX_TOKENS, bound_launch
 from moekit.triton_bind import LEAD_X, current_stream
 
-ENABLED = True  # the A/B switch of ``benchmarks/host_trim2_device_check.py``
+ENABLED = True  # the A/B switch of ``f6f35e93:benchmarks/host_trim2_device_check.py``
 # The one gate + router launch in the experts' one C call (``triton_fast.JointCall``), where the kept call's launches
 # are batched; read when an entry is kept. False: its own raw launch (the A/B of ``benchmarks/layer3_device_check.py``)
 JOINED = True
 # Batches up to the memory-bound ones (issue 13: B <= 256). Above 8 rows an entry holds nothing the route workspace
 # does not keep already (its buffers, the router's bound launch), so a larger limit costs no memory; the CPU harness
-# (benchmarks/layer_host_cpu.py, kernels stubbed) measured the forward at M = 256 11-12 µs cheaper on the fast path.
-# Above 256 rows a call's GPU time dwarfs the Python skipped here.
+# (f6f35e93:benchmarks/layer_host_cpu.py, kernels stubbed) measured the forward at M = 256 11-12 µs cheaper on the
+# fast path. Above 256 rows a call's GPU time dwarfs the Python skipped here.
 MAX_ROWS = 256
 MAX_ENTRIES = 32  # kinds (M) kept per layer, as ``RouteWorkspace``; the oldest goes first
 

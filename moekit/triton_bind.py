@@ -24,7 +24,7 @@ def next_pow2(n: int) -> int:
 # A raw launch hands each tensor among its pointers to the C launch as its address: given a tensor, Triton's
 # launcher calls its data_ptr and then cuPointerGetAttribute, a driver call, for each such argument of each
 # launch (the gate and router launch has ten). A CUDA tensor's data_ptr is its device address: the kernel gets
-# the same arguments. Off: the tensors as before (the A/B switch of ``benchmarks/host_trim2_device_check.py``).
+# the same arguments. Off: the tensors as before (the A/B switch of ``f6f35e93:benchmarks/host_trim2_device_check.py``).
 PASS_ADDRESSES = True
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
 

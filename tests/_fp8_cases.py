@@ -3,9 +3,13 @@ and the kernels-against-twin call (workspaces poisoned with NaN)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from _helpers import glu64, routed_slots
 
+from moekit.experts.configs import clear_config_cache
 from moekit.experts.triton_launch import LaunchOptions
 
 POISON = LaunchOptions(poison_workspace=True)
@@ -15,6 +19,19 @@ POISON = LaunchOptions(poison_workspace=True)
 # Without flips they agree to ~1e-7; a wrong scale or a skipped quantization costs >= 1e-2.
 FLIP_TOL = 1e-3
 SHAPES = [((4, 160, 96), (128, 128)), ((5, 150, 70), (64, 32))]  # (E, K, N), block shape: K and N tails
+
+
+@pytest.fixture
+def fp8_tuned_file(user_config_dir):
+    """``write(entries)``: the tuned fp8_block file of SHAPES[0]'s experts on the CPU ({M: entry dict}) in an empty
+    user config directory searched first, the lookups' cache cleared after each write (and after the test)."""
+
+    def write(entries: dict) -> None:
+        body = {"E": 4, "N": 96, "K": 160, "dtype": "fp8_block", "device": "cpu", "configs": entries}
+        (user_config_dir / "E4_N96_K160_fp8_block_cpu.json").write_text(json.dumps(body))
+        clear_config_cache()
+
+    return write
 
 
 def e4m3_groups_f64(v: torch.Tensor) -> torch.Tensor:

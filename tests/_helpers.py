@@ -45,6 +45,26 @@ def make_problem(m, k, e, hidden, inter, dtype=torch.float32, seed=0, *, skips=F
     return Problem(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
 
 
+def bf16_quantized_pair(scheme: str, e: int, n: int, k: int, options: dict | None = None, seed: int = 0) -> tuple:
+    """(q13, q2): random bf16 experts w13 [E, 2N, K] and w2 [E, K, N] (scaled by K^-1/2, N^-1/2) from one generator
+    seeded ``seed``, quantized to ``scheme`` with ``options``."""
+    from moekit.quant import quantize
+
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * n, k, generator=g) * k**-0.5).bfloat16()
+    w2 = (torch.randn(e, k, n, generator=g) * n**-0.5).bfloat16()
+    return quantize(w13, scheme, **(options or {})), quantize(w2, scheme, **(options or {}))
+
+
+def bf16_routing(m: int, k: int, e: int, top_k: int, seed: int) -> tuple:
+    """(x [M, K] bf16, ids [M, top_k] int32: top_k distinct experts of E a token, weights [M, top_k] float32 softmax),
+    drawn in that order from one generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    ids = torch.rand(m, e, generator=g).argsort(dim=1)[:, :top_k].int()
+    return x, ids, torch.softmax(torch.rand(m, top_k, generator=g), dim=1)
+
+
 def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | list | None = None):
     """(t, j, e) for every (token, slot) of ids [M, k] that routes to local expert e: an id outside the
     map (a tensor or a list) or mapped to -1, or a local id outside [0, E), adds nothing (the experts contract)."""

@@ -45,6 +45,18 @@ def base_url():
 
 
 @pytest.fixture
+def user_config_dir(tmp_path, monkeypatch):
+    """An empty user config directory (``$MOEKIT_CONFIG_DIR``, searched first) for the tuned files a test writes, the
+    config lookups' cache cleared before and after the test (a test that rewrites a file clears it again)."""
+    from moekit.experts.configs import clear_config_cache
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    clear_config_cache()
+    yield tmp_path
+    clear_config_cache()
+
+
+@pytest.fixture
 def launched(monkeypatch):
     """Counts the calls that went through a recorded launch sequence (``triton_lean.LaunchSequence``)."""
     from moekit.experts.triton_lean import LaunchSequence

@@ -182,14 +182,13 @@ def test_config_rules_and_heuristic():
     assert heuristic_fp8_config(4096, 128, 768, 2048, 8).BLOCK_M == 64
 
 
-def test_tuned_file_nearest_m_and_refusal(tmp_path, monkeypatch):
+def test_tuned_file_nearest_m_and_refusal(user_config_dir):
     from moekit.experts.configs import clear_config_cache
 
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
     small = KernelConfig(16, GemmTile(128, 128, 1, 4, 5), GemmTile(32, 128, 1, 4, 5))
     large = KernelConfig(128, GemmTile(256, 128, 8, 8, 3), GemmTile(128, 128, 8, 8, 3))
     entries = {"1": small.to_dict(), "1024": large.to_dict()}
-    path = tmp_path / "E4_N96_K160_fp8_block_dev.json"
+    path = user_config_dir / "E4_N96_K160_fp8_block_dev.json"
     path.write_text(json.dumps({"E": 4, "N": 96, "K": 160, "dtype": "fp8_block", "device": "dev", "configs": entries}))
     clear_config_cache()
     assert fp8_config(2, 4, 96, 160, 2, 128, "dev") == small
@@ -200,7 +199,6 @@ def test_tuned_file_nearest_m_and_refusal(tmp_path, monkeypatch):
     clear_config_cache()
     with pytest.raises(ValueError, match="E4_N96_K160_fp8_block_dev.json: the gate-up BLOCK_N"):
         fp8_config(1, 4, 96, 160, 2, 128, "dev")
-    clear_config_cache()
 
 
 def test_opcheck_and_compile(fp8):

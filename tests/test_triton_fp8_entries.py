@@ -7,43 +7,27 @@ the activation tiles loaded a K-step ahead (``gemm_fp8``'s AHEAD) give bit for b
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-from _fp8_cases import FLIP_TOL, POISON, SHAPES, problem  # noqa: E402
+from _fp8_cases import FLIP_TOL, POISON, SHAPES, fp8_tuned_file, problem  # noqa: E402, F401  (fixture)
 from _helpers import rel_l2  # noqa: E402
 from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
-from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_fp8_plan import build_plan  # noqa: E402
 
 SHAPE, BLOCK = SHAPES[0]  # E=4, K=160 (a K tail), N=96 (an N tail)
 NARROW = KernelConfig(16, GemmTile(32, 128, 1, 4, 2), GemmTile(32, 128, 1, 4, 2))
 TALL = KernelConfig(64, GemmTile(32, 128, 2, 4, 2), GemmTile(32, 128, 2, 4, 2))
-NAME = "E4_N96_K160_fp8_block_cpu.json"
 
 
-@pytest.fixture
-def config_file(tmp_path, monkeypatch):
-    """Writes a tuned file into an empty user config directory searched first (caches cleared around)."""
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-
-    def write(entries: dict) -> None:
-        body = {"E": 4, "N": 96, "K": 160, "dtype": "fp8_block", "device": "cpu", "configs": entries}
-        (tmp_path / NAME).write_text(json.dumps(body))
-        clear_config_cache()
-
-    yield write
-    clear_config_cache()
-
-
-def test_entry_switch_reaches_the_plan(fp8, config_file):
+def test_entry_switch_reaches_the_plan(fp8, fp8_tuned_file):
     x, _, (w13_q, w13_s, w2_q, w2_s), ids, weights = problem(9, 2, SHAPE, BLOCK, seed=70)
     # M=1: a 16-row entry without the switch (the rule: TMA); M=9: 64-row tiles asked to load by TMA
-    config_file({"1": NARROW.to_dict(), "9": {**TALL.to_dict(), "weight_tma": True}})
+    fp8_tuned_file({"1": NARROW.to_dict(), "9": {**TALL.to_dict(), "weight_tma": True}})
     tall = build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON)
     assert tall.config == TALL and tall.descriptor_key is not None  # the rule alone would pick pointers
     forced = build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON, None, False)
@@ -56,16 +40,16 @@ def test_entry_switch_reaches_the_plan(fp8, config_file):
 
 
 @pytest.mark.parametrize("name", ["weight_tma", "x_in_gate_up"])
-def test_entry_switch_must_be_a_bool(config_file, name):
+def test_entry_switch_must_be_a_bool(fp8_tuned_file, name):
     x, _, (w13_q, w13_s, w2_q, w2_s), ids, _ = problem(9, 2, SHAPE, BLOCK)
-    config_file({"9": {**TALL.to_dict(), name: "yes"}})
+    fp8_tuned_file({"9": {**TALL.to_dict(), name: "yes"}})
     with pytest.raises(ValueError, match=name):
         build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON)
 
 
-def test_x_in_gate_up_switch_reaches_the_plan(fp8, config_file):
+def test_x_in_gate_up_switch_reaches_the_plan(fp8, fp8_tuned_file):
     x, _, (w13_q, w13_s, w2_q, w2_s), ids, weights = problem(9, 2, SHAPE, BLOCK, seed=71)
-    config_file({"1": {**NARROW.to_dict(), "x_in_gate_up": True}, "9": TALL.to_dict()})
+    fp8_tuned_file({"1": {**NARROW.to_dict(), "x_in_gate_up": True}, "9": TALL.to_dict()})
     assert build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON).quantize is None
     assert build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON, False).quantize is not None
     # a CUDA graph capture keeps the quantization kernel (faster on the GPU; the switch saves host time only)

@@ -5,7 +5,6 @@ float64 emulation of the recipe (``test_triton_fp8``) checks the twin. Also the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -13,10 +12,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _fp8_cases import FLIP_TOL, problem  # noqa: E402
+from _fp8_cases import FLIP_TOL, fp8_tuned_file, problem  # noqa: E402, F401  (fixture)
 from _helpers import rel_l2  # noqa: E402
 from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
-from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_fp8_persistent import Persistent  # noqa: E402
 from moekit.experts.triton_fp8_plan import build_plan  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -62,25 +61,17 @@ def test_pair_dot_refuses_what_it_does_not_take(fp8):
     assert _launch(fp8, case, config, None).shape == x.shape  # None: the entry's (none here), two dots
 
 
-def test_tuned_entry_switch(tmp_path, monkeypatch):
+def test_tuned_entry_switch(fp8_tuned_file):
     # Entry 9 asks for pair_dot: taken with TMA weights, not with pointers (no error: an entry's switch applies
     # where it can); the descriptor key names the pair descriptor.
     shape, block_shape, config = CASES[0]
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-    body = {"E": 4, "N": 96, "K": 160, "dtype": "fp8_block", "device": "cpu",
-            "configs": {"9": {**config.to_dict(), "weight_tma": True, "pair_dot": True}}}
-    (tmp_path / "E4_N96_K160_fp8_block_cpu.json").write_text(json.dumps(body))
-    clear_config_cache()
-    try:
-        x, _, quantized, ids, weights = problem(13, 2, shape, block_shape, seed=9)
-        plan = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
-        assert plan.descriptor_key[0] == "pair"
-        pointers = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED, weight_tma=False)
-        assert pointers.descriptor_key is None
-        body["configs"]["9"]["pair_dot"] = 1
-        (tmp_path / "E4_N96_K160_fp8_block_cpu.json").write_text(json.dumps(body))
-        clear_config_cache()
-        with pytest.raises(ValueError, match="pair_dot' must be true or false"):
-            build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
-    finally:
-        clear_config_cache()
+    entry = {**config.to_dict(), "weight_tma": True, "pair_dot": True}
+    fp8_tuned_file({"9": entry})
+    x, _, quantized, ids, weights = problem(13, 2, shape, block_shape, seed=9)
+    plan = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
+    assert plan.descriptor_key[0] == "pair"
+    pointers = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED, weight_tma=False)
+    assert pointers.descriptor_key is None
+    fp8_tuned_file({"9": {**entry, "pair_dot": 1}})
+    with pytest.raises(ValueError, match="pair_dot' must be true or false"):
+        build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)

@@ -13,10 +13,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _fp8_cases import FLIP_TOL, SHAPES, problem  # noqa: E402
+from _fp8_cases import FLIP_TOL, SHAPES, fp8_tuned_file, problem  # noqa: E402, F401  (fixture)
 from _helpers import rel_l2  # noqa: E402
 from _triton_helpers import fp8  # noqa: E402, F401  (fixture)
-from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_fp8_persistent import OFF, Persistent  # noqa: E402
 from moekit.experts.triton_fp8_plan import build_plan  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -75,34 +75,25 @@ def test_persistent_refuses_what_it_does_not_take(fp8):
         Persistent.from_dict({"up": 1}, "file")
 
 
-def test_tuned_entry_switch(fp8, tmp_path, monkeypatch):
+def test_tuned_entry_switch(fp8, fp8_tuned_file):
     # Entry 9 asks for a persistent down GEMM: the plan takes it at M = 13 (aligned, unfolded), not at M = 1 (the
     # tiny-batch shortcut; no error: an entry's switch applies where it can), and OFF overrides it.
     shape, block_shape = SHAPES[0]
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-    entry = {**CONFIGS[0].to_dict(), "persistent": {"up_per_sm": 0, "down_per_sm": 2}}
-    body = {"E": 4, "N": 96, "K": 160, "dtype": "fp8_block", "device": "cpu", "configs": {"9": entry}}
-    (tmp_path / "E4_N96_K160_fp8_block_cpu.json").write_text(json.dumps(body))
-    clear_config_cache()
-    try:
-        x, _, quantized, ids, weights = problem(13, 2, shape, block_shape, seed=9)
-        plan = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
-        assert "persistent" in plan.down.kernel.fn.__name__ and "persistent" not in plan.gate_up.kernel.fn.__name__
-        assert plan.down_sum is None  # the k-sum in its own launch
-        off = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED, persistent=OFF)
-        assert "persistent" not in off.down.kernel.fn.__name__
-        tiny = build_plan(x[:1], *quantized, ids[:1, :1], None, block_shape, None, UNFOLDED)
-        assert "persistent" not in tiny.down.kernel.fn.__name__
-        out = fp8.fused_experts_fp8(x, *quantized, ids, weights, block_shape=block_shape, options=UNFOLDED)
-        base = fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, block_shape, CONFIGS[0], UNFOLDED)
-        assert torch.equal(out, base)
-        body["configs"]["9"]["persistent"] = {"up_per_sm": True, "down_per_sm": 2}
-        (tmp_path / "E4_N96_K160_fp8_block_cpu.json").write_text(json.dumps(body))
-        clear_config_cache()
-        with pytest.raises(ValueError, match="up_per_sm must be an int"):
-            build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
-    finally:
-        clear_config_cache()
+    fp8_tuned_file({"9": {**CONFIGS[0].to_dict(), "persistent": {"up_per_sm": 0, "down_per_sm": 2}}})
+    x, _, quantized, ids, weights = problem(13, 2, shape, block_shape, seed=9)
+    plan = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
+    assert "persistent" in plan.down.kernel.fn.__name__ and "persistent" not in plan.gate_up.kernel.fn.__name__
+    assert plan.down_sum is None  # the k-sum in its own launch
+    off = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED, persistent=OFF)
+    assert "persistent" not in off.down.kernel.fn.__name__
+    tiny = build_plan(x[:1], *quantized, ids[:1, :1], None, block_shape, None, UNFOLDED)
+    assert "persistent" not in tiny.down.kernel.fn.__name__
+    out = fp8.fused_experts_fp8(x, *quantized, ids, weights, block_shape=block_shape, options=UNFOLDED)
+    base = fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, block_shape, CONFIGS[0], UNFOLDED)
+    assert torch.equal(out, base)
+    fp8_tuned_file({"9": {**CONFIGS[0].to_dict(), "persistent": {"up_per_sm": True, "down_per_sm": 2}}})
+    with pytest.raises(ValueError, match="up_per_sm must be an int"):
+        build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
 
 
 def test_packaged_fp8_entries_parse_with_their_switches():

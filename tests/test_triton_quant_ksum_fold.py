@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import quantized_experts_loop, rel_l2
+from _helpers import bf16_quantized_pair, quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit.experts.triton_cache import WorkspacePool  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
-from moekit.quant import quantize  # noqa: E402
 
 E, K, N, TOP_K = 4, 64, 32, 2
 FOLD = LaunchOptions(poison_workspace=True, sum_fold_max=8)
@@ -34,10 +33,7 @@ MAP = torch.tensor([2, -1, 0, -1, 3, 1], dtype=torch.int32)  # 6 global experts,
 
 
 def _weights(scheme: str, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * N, K, generator=g) * K**-0.5).bfloat16()
-    w2 = (torch.randn(E, K, N, generator=g) * N**-0.5).bfloat16()
-    return quantize(w13, scheme, **SCHEMES[scheme]), quantize(w2, scheme, **SCHEMES[scheme])
+    return bf16_quantized_pair(scheme, E, N, K, SCHEMES[scheme], seed)
 
 
 def _routing(m: int, seed: int, with_map: bool):

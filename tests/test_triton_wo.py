@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 from _helpers import experts_loop  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
-from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
 SCHEMES = [("int8_w8a16", 0), ("int4_w4a16", 32), ("int4_w4a16", 64), ("mxfp4", 32)]
@@ -230,24 +230,18 @@ def test_op_traces_fullgraph_and_passes_opcheck(wo):
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_tuned_file_is_found_and_heuristic_otherwise(wo, tmp_path, monkeypatch):
+def test_tuned_file_is_found_and_heuristic_otherwise(wo, user_config_dir):
     from moekit.experts import triton_wo_configs as plans
 
     tile = {"BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
     entry = {"BLOCK_M": 32, "up": tile, "down": tile}
-    (tmp_path / "E4_N64_K100_mxfp4_cpu.json").write_text(json.dumps({"configs": {"8": entry}}))
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-    clear_config_cache()
-    try:
-        assert plans.wo_config(5, 4, 64, 100, 2, "mxfp4", "cpu") == KernelConfig.from_dict(entry)
-        assert (plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu")
-                == plans.wo_heuristic_config(5, 4, 64, 100, 2, "int4_w4a16"))
-        x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=5, k=2, seed=12)
-        out = wo.fused_experts_wo(x, w13, w2, ids, weights)  # runs on the file's config
-        assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3
-    finally:
-        monkeypatch.delenv("MOEKIT_CONFIG_DIR")
-        clear_config_cache()
+    (user_config_dir / "E4_N64_K100_mxfp4_cpu.json").write_text(json.dumps({"configs": {"8": entry}}))
+    assert plans.wo_config(5, 4, 64, 100, 2, "mxfp4", "cpu") == KernelConfig.from_dict(entry)
+    assert (plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu")
+            == plans.wo_heuristic_config(5, 4, 64, 100, 2, "int4_w4a16"))
+    x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=5, k=2, seed=12)
+    out = wo.fused_experts_wo(x, w13, w2, ids, weights)  # runs on the file's config
+    assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3
 
 
 def test_packed_block_k_below_32_is_refused(wo):

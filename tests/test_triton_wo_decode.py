@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from moekit.experts.configs import KernelConfig, clear_config_cache  # noqa: E402
+from moekit.experts.configs import KernelConfig  # noqa: E402
 from test_triton_wo import e2m1_value, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
 
 # H200 (Triton 3.6, bf16 activations, CUDA graph) µs per call of (tile, register), both decodes in one run:
@@ -239,21 +239,15 @@ def test_register_heuristic_swaps_int4_at_decode_heights_only():
     assert not wo_heuristic_config(8, 8, 14336, 4096, 2, "int4_w4a16", "tile").swap_ab
 
 
-def test_each_decode_reads_its_own_tuned_file(wo, tmp_path, monkeypatch):
+def test_each_decode_reads_its_own_tuned_file(wo, user_config_dir):
     from moekit.experts import triton_wo_configs as plans
 
     tile = {"BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
     entry = {"BLOCK_M": 32, "up": tile, "down": tile}
-    (tmp_path / "E4_N64_K100_int4_w4a16_register_cpu.json").write_text(json.dumps({"configs": {"8": entry}}))
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-    clear_config_cache()
-    try:
-        assert plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu", "register") == KernelConfig.from_dict(entry)
-        assert plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu", "tile") == plans.wo_heuristic_config(
-            5, 4, 64, 100, 2, "int4_w4a16", "tile")
-        x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=5, k=2, seed=42)
-        out = wo.fused_experts_wo(x, w13, w2, ids, weights, decode="register")  # on the file's config
-        assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3
-    finally:
-        monkeypatch.delenv("MOEKIT_CONFIG_DIR")
-        clear_config_cache()
+    (user_config_dir / "E4_N64_K100_int4_w4a16_register_cpu.json").write_text(json.dumps({"configs": {"8": entry}}))
+    assert plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu", "register") == KernelConfig.from_dict(entry)
+    assert plans.wo_config(5, 4, 64, 100, 2, "int4_w4a16", "cpu", "tile") == plans.wo_heuristic_config(
+        5, 4, 64, 100, 2, "int4_w4a16", "tile")
+    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=5, k=2, seed=42)
+    out = wo.fused_experts_wo(x, w13, w2, ids, weights, decode="register")  # on the file's config
+    assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3

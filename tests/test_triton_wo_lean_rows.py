@@ -19,7 +19,7 @@ import importlib
 import pytest
 import torch
 
-from _helpers import count_calls, quantized_experts_loop, rel_l2
+from _helpers import bf16_quantized_pair, bf16_routing, count_calls, quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
@@ -48,17 +48,11 @@ def hits(interpreter, monkeypatch):
 
 
 def _weights(scheme: str, e: int, n: int, k: int):
-    g = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(e, 2 * n, k, generator=g) * k**-0.5).bfloat16()
-    w2 = (torch.randn(e, k, n, generator=g) * n**-0.5).bfloat16()
-    return quantize(w13, scheme), quantize(w2, scheme)
+    return bf16_quantized_pair(scheme, e, n, k)
 
 
 def _routing(m: int, e: int, k: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    ids = torch.rand(m, e, generator=g).argsort(dim=1)[:, :TOP_K].int()  # distinct experts per token
-    return x, ids, torch.softmax(torch.rand(m, TOP_K, generator=g), dim=1)
+    return bf16_routing(m, k, e, TOP_K, seed)
 
 
 def _served_three_times(tri, hits, q13, q2, m: int, e: int, k: int, tol: float = TOL) -> None:

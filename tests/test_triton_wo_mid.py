@@ -121,27 +121,22 @@ def test_chooser_and_config_read_the_table(monkeypatch):
     assert choose_decode(*huge[:1], 1024, *huge[1:], 2) == "tile"
 
 
-def test_a_tuned_file_of_the_device_comes_before_the_table(tmp_path, monkeypatch):
+def test_a_tuned_file_of_the_device_comes_before_the_table(user_config_dir):
     """The table is one H200 run's; a file ``moekit tune`` wrote for this device (any GPU) measured this
     device, so it decides the tile config where both cover a call (the table still decides the decode)."""
     import json
 
-    from moekit.experts.configs import KernelConfig, clear_config_cache
+    from moekit.experts.configs import KernelConfig
     from moekit.experts.triton_wo_configs import wo_config
     from moekit.experts.triton_wo_winners import winner
 
     entry = {"BLOCK_M": 32, "up": {"BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
              "down": {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}}
-    (tmp_path / "E128_N768_K2048_int4_w4a16_NVIDIA_A100.json").write_text(json.dumps({"configs": {"1024": entry}}))
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-    clear_config_cache()
-    try:
-        assert winner("int4_w4a16", *QWEN3, 1024).tile is not None  # a shipped row covers the call
-        assert wo_config(1024, *QWEN3, 8, "int4_w4a16", "NVIDIA_A100") == KernelConfig.from_dict(entry)
-        assert wo_config(1024, *QWEN3, 8, "int4_w4a16", "NVIDIA_H200") == winner("int4_w4a16", *QWEN3, 1024).tile
-    finally:
-        monkeypatch.delenv("MOEKIT_CONFIG_DIR")
-        clear_config_cache()
+    path = user_config_dir / "E128_N768_K2048_int4_w4a16_NVIDIA_A100.json"
+    path.write_text(json.dumps({"configs": {"1024": entry}}))
+    assert winner("int4_w4a16", *QWEN3, 1024).tile is not None  # a shipped row covers the call
+    assert wo_config(1024, *QWEN3, 8, "int4_w4a16", "NVIDIA_A100") == KernelConfig.from_dict(entry)
+    assert wo_config(1024, *QWEN3, 8, "int4_w4a16", "NVIDIA_H200") == winner("int4_w4a16", *QWEN3, 1024).tile
 
 
 def test_plan_launches_the_rows_tile_with_ahead(wo, monkeypatch):

@@ -13,14 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import count_calls, quantized_experts_loop, rel_l2
+from _helpers import bf16_quantized_pair, bf16_routing, count_calls, quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit.experts.configs import clear_config_cache  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
-from moekit.quant import quantize  # noqa: E402
 
 E, K, N, TOP_K = 5, 64, 32, 2
 PLAIN = LaunchOptions(lean_launch=False)
@@ -54,17 +53,11 @@ def chunked(monkeypatch, experts: int) -> None:
 
 
 def weights_of(scheme: str, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * N, K, generator=g) * K**-0.5).bfloat16()
-    w2 = (torch.randn(E, K, N, generator=g) * N**-0.5).bfloat16()
-    return quantize(w13, scheme, **SCHEMES[scheme]), quantize(w2, scheme, **SCHEMES[scheme])
+    return bf16_quantized_pair(scheme, E, N, K, SCHEMES[scheme], seed)
 
 
 def routing(m: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, K, generator=g).bfloat16()
-    ids = torch.rand(m, E, generator=g).argsort(dim=1)[:, :TOP_K].int()  # distinct experts per token
-    return x, ids, torch.softmax(torch.rand(m, TOP_K, generator=g), dim=1)
+    return bf16_routing(m, K, E, TOP_K, seed)
 
 
 def same_as_plain(tri, x, q13, q2, ids, weights) -> torch.Tensor:

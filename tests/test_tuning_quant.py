@@ -19,7 +19,7 @@ from _helpers import cli_error, rel_l2  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
 from moekit.bench import tuning, tuning_quant  # noqa: E402
 from moekit.bench.cells import PRESETS, Shape, make_sets  # noqa: E402
-from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.triton_bind import BoundLaunch  # noqa: E402
@@ -35,15 +35,6 @@ def paths():
     with interpreted("moekit.experts", "moekit.experts.triton_fp8") as fp8, \
             interpreted("moekit.experts", "moekit.experts.triton_wo") as wo:
         yield fp8, wo
-
-
-@pytest.fixture
-def config_dir(tmp_path, monkeypatch):
-    """An empty user config directory searched first, and the lookups' caches cleared around the test."""
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-    clear_config_cache()
-    yield tmp_path
-    clear_config_cache()
 
 
 def searched(scheme: tuning.TuneScheme, shape: Shape, m: int) -> list[KernelConfig]:
@@ -147,12 +138,12 @@ def _wo_scheme_decode(name: str, device: str) -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize("name", tuning_quant.QUANT_SCHEMES)
-def test_tuned_file_is_what_the_plan_looks_up(config_dir, monkeypatch, name):
+def test_tuned_file_is_what_the_plan_looks_up(user_config_dir, monkeypatch, name):
     monkeypatch.setattr(tuning, "_timer", _fake_timer)
     heuristic = tuning.scheme_for(name).heuristic
     assert _lookup(name, 1, TINY) == heuristic(1, TINY)  # no file yet
     path = tuning.tune(TINY, [1, 64], name, device="cpu")
-    assert path.parent == config_dir and not path.with_suffix(".partial.json").exists()
+    assert path.parent == user_config_dir and not path.with_suffix(".partial.json").exists()
     data = json.loads(path.read_text())
     assert data["dtype"] == name and (data["E"], data["N"], data["K"]) == (8, 24, 40)
     for tuned_m, other_m in ((1, 2), (64, 50)):
@@ -179,7 +170,7 @@ def test_timed_call_computes_the_experts(paths, name):
         assert out.dtype == torch.bfloat16 and rel_l2(out, ref) < 2e-2, (m, rel_l2(out, ref))
 
 
-def test_install_checks_then_copies(config_dir, monkeypatch, tmp_path_factory):
+def test_install_checks_then_copies(user_config_dir, monkeypatch, tmp_path_factory):
     monkeypatch.setattr(tuning, "_timer", _fake_timer)
     packaged = tmp_path_factory.mktemp("packaged")
     path = tuning.tune(TINY, [1], "fp8_block", device="cpu")
@@ -200,7 +191,7 @@ def test_install_checks_then_copies(config_dir, monkeypatch, tmp_path_factory):
     assert [p.name for p in packaged.iterdir()] == [path.name]
 
 
-def test_install_cli(config_dir, monkeypatch, tmp_path_factory, capsys):
+def test_install_cli(user_config_dir, monkeypatch, tmp_path_factory, capsys):
     monkeypatch.setattr(tuning, "_timer", _fake_timer)
     monkeypatch.setattr(tuning, "PACKAGED_DIR", tmp_path_factory.mktemp("packaged"))
     good = tuning.tune(TINY, [1], "int4_w4a16", device="cpu")

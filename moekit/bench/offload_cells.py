@@ -8,7 +8,7 @@ cells, it sees what they see: the host's speed drifts by tens of percent between
 quiet measurement, ``offload_floor.fixed_costs``, came out 0.27-0.41 ms a layer at M = 1 across one H200
 run's groups), and a step that follows another stack's runs slower than one that follows its own (its
 Python objects and the driver's state out of the CPU's caches: ~8% at M = 1 on one H200 run,
-``benchmarks/offload_fetch_device_check.py``'s gpu-alone).
+``f6f35e93:benchmarks/offload_fetch_device_check.py``'s gpu-alone).
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     (``fixed.layer_s``: the reference's median step) throughout, the headline until session 23. Paired, the
     floor follows the host's speed round by round and its mean holds the all-hit steps' mean, as ``step_ms`` is
     a mean: by the median the all-hit stack itself read 1.07-1.08x its own floor in the cpu cells of one H200
-    run, where the host's slow rounds pull its mean up (``offload_tail_device_check``, ``...-f963fdf-offload3-ck1``)."""
+    run, where the host's slow rounds pull its mean up (``f6f35e93:benchmarks/offload_tail_device_check.py``,
+    ``...-f963fdf-offload3-ck1``)."""
     given, busy = costs, busy or costs
     costs = dataclasses.replace(costs, cpu_step_s=busy.cpu_step_s, cpu_expert_s=busy.cpu_expert_s,
                                 cpu_token_s=busy.cpu_token_s, cpu_rows_s=busy.cpu_rows_s)

@@ -24,7 +24,7 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                forced into every layer less the same steps all hits, ``measure_forced``): what a forward
                with one fetch costs over an all-hit one whatever the link's rate, mostly the host's work
                on the copy path (one H200 run, Qwen3 widths, M = 1: 0.18-0.33 ms against 0.17 ms of link
-               time; ``benchmarks/offload_fetch_device_check.py``: the host, not the link, is the wait),
+               time; ``f6f35e93:benchmarks/offload_fetch_device_check.py``: the host, not the link, is the wait),
                a term on the layer's own path that a longer copy overlaps (a max, not a sum)
     CPU side:  ``MissCosts.cpu_side_s`` of the layer's CPU experts' rows (``OffloadStats.cpu_rows``): the
                call cost plus each expert's time at its row count (``calibrate``'s grid, scaled to the
@@ -51,7 +51,8 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                prefetch costs ``MissCosts.issue_s`` more (its victim evicted, its copy issued): at skewed 50%
                router M = 1 (2.25 experts a prefetching layer) the host's time from a gpu layer's end to the
                next layer's start was 0.16-0.28 ms against 0.03-0.04 without prefetch, at 75% (0.93 an
-               expert) 0.07-0.09 (``benchmarks/offload_tail_device_check.py``, raw ``...-f963fdf-offload3-ck1``)
+               expert) 0.07-0.09 (``f6f35e93:benchmarks/offload_tail_device_check.py``, raw
+               ``...-f963fdf-offload3-ck1``)
 
     copy call: after a layer that admitted experts (its CPU branch's misses, copied after its own calls) and
                prefetched nothing, ``FixedCosts.copy_call_s`` more on the host's path (a fetch's and a
@@ -59,8 +60,8 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                step's first layer pays it): what a copy into the slots leaves the next experts call to redo.
                While the Triton experts' descriptors and launch sequences were keyed on the slots'
                ``_version`` (which every copy bumps) that was their rebuild, 0.28-0.29 ms of host time
-               against 0.14-0.15 at M = 1 (``benchmarks/offload_step_anatomy.py``); keyed on addresses, an
-               A/B read 0.002 ms against 0.104 (``benchmarks/offload_key_device_check.py``)
+               against 0.14-0.15 at M = 1 (``f6f35e93:benchmarks/offload_step_anatomy.py``); keyed on addresses, an
+               A/B read 0.002 ms against 0.104 (``f6f35e93:benchmarks/offload_key_device_check.py``)
 
 What it leaves out (so a step may run above it): the CPU side's variance within a group (the floor
 prices the probe's median rate), host-memory contention between the CPU experts and the link beyond

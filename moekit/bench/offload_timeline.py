@@ -1,6 +1,6 @@
 """Where a traced step's time goes, layer by layer (``moekit.offload.StepTrace``'s marks), a linear fit of
 step times over their fetch counts, and the host's price of each CUDA step a fetch adds (``host_op_costs``)
-(``benchmarks/offload_fetch_device_check.py``).
+(``f6f35e93:benchmarks/offload_fetch_device_check.py``).
 
 Per layer (``layer_times``), host clock: the period from the layer's "start" to the next one's (the
 step's "step_end" for the last), the host's wait for the touched set ("counted" -> "touched"), the

@@ -27,9 +27,9 @@ def one_row_blas_rows(x: torch.Tensor, ex: ExpertParams) -> bool:
     ``ONE_ROW_BLAS_BELOW`` tokens, on row-major weights where ``phased_blas_rows`` says, and on float32 experts stored
     transposed (``stored_transposed``: gpt-oss's [E, K, 2N] / [E, N, K] read as [E, 2N, K] / [E, K, N] views), where
     BLAS reads the stored [in, out] rows as they are. There, at gpt-oss-20b's widths on the AMD EPYC (biases, 3
-    routings, each call after an LM-head GEMM; ``benchmarks/cpu_transposed_rows.py``, session 42), experts of one row
-    on BLAS took 0.47-0.59x oneDNN's time at M = 1 on 1 thread, and on 2 quiet threads 0.74-0.93x (phased) and
-    0.50-0.82x (split, M = 1-8), while BLAS at 2-3 rows on 2 threads was 8-21% slower than oneDNN: one row only."""
+    routings, each call after an LM-head GEMM; ``f6f35e93:benchmarks/cpu_transposed_rows.py``, session 42), experts
+    of one row on BLAS took 0.47-0.59x oneDNN's time at M = 1 on 1 thread, and on 2 quiet threads 0.74-0.93x (phased)
+    and 0.50-0.82x (split, M = 1-8), while BLAS at 2-3 rows on 2 threads was 8-21% slower than oneDNN: one row only."""
     if x.shape[0] >= ONE_ROW_BLAS_BELOW:
         return False
     row_major = all(isinstance(w, torch.Tensor) and w.stride(2) == 1 for w in (ex.w13, ex.w2))

@@ -217,10 +217,11 @@ def _one_pass(common: tuple, e_pad: int, has_map: bool, launch: dict, programs: 
     programs: chunk programs of at least two consecutive chunks each (fewer hist rows for the one-program scan),
     as few as fit in ``programs``, then one more per block item while there is room; counting in the kept counters
     from ``slot`` on. None without assignments. It reads and writes the chunked plan's regions (hist, chunk_base
-    [chunks, EP]: a row per chunk program; offsets [EP]) and the layout. H200, Qwen3-30B-A3B (host_big3_device_check):
-    A = 32768 (256 chunks), 128 chunk programs of 2 in a grid of 132 20.6 µs against 23.1 for 256 of 1 (run 2), in
-    a grid of 168 21.9 (merged main; DeepSeek-V3 26.6 in 224 against 22.6 in 132: hence ``ONE_PASS_ONE_PER_SM``,
-    20.56 / 22.56 in 132 on one run); A = 131072, 256 of 4 chunks 39.0-39.2 against 45.4 for 128 of 8."""
+    [chunks, EP]: a row per chunk program; offsets [EP]) and the layout. H200, Qwen3-30B-A3B
+    (f6f35e93:benchmarks/host_big3_device_check.py): A = 32768 (256 chunks), 128 chunk programs of 2 in a grid of 132
+    20.6 µs against 23.1 for 256 of 1 (run 2), in a grid of 168 21.9 (merged main; DeepSeek-V3 26.6 in 224 against 22.6
+    in 132: hence ``ONE_PASS_ONE_PER_SM``, 20.56 / 22.56 in 132 on one run); A = 131072, 256 of 4 chunks 39.0-39.2
+    against 45.4 for 128 of 8."""
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
     num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
     if not num_chunks:

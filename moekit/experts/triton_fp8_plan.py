@@ -61,9 +61,9 @@ TMA_MAX_BLOCK_M = 16
 # Interleaved gate/up rows (gpt-oss's w13) through TMA from this many tokens on (``gemm_fp8``'s W_DESC with INTERLEAVED:
 # the plain calls' descriptor, each tile's rows in place as two row tiles), where neither the caller nor a tuned entry
 # names the weight loads; None: pointer loads at every M (session 40's route). The one switch of issue #15's gpt-oss
-# prefill cells (session 41), set from ``benchmarks/gof41_device_check.py``'s table by the defaults rule: one H100
-# (Triton 3.6, gpt-oss-20b's experts, graph µs pointer / TMA, every check PASS, TMA >= 3% faster in 5/5 rounds at each
-# M): 1 53.7 / 49.8, 8 217.7 / 202.9, 64 318.1 / 303.5, 512 474.1 / 392.4, 1024 693.4 / 544.5, 2048 1172.2 / 896.7,
+# prefill cells (session 41), set from ``f6f35e93:benchmarks/gof41_device_check.py``'s table by the defaults rule: an
+# H100 (Triton 3.6, gpt-oss-20b's experts, graph µs pointer / TMA, every check PASS, TMA >= 3% faster in 5/5 rounds at
+# each M): 1 53.7 / 49.8, 8 217.7 / 202.9, 64 318.1 / 303.5, 512 474.1 / 392.4, 1024 693.4 / 544.5, 2048 1172.2 / 896.7,
 # 4096 2288.6 / 1751.1 (x1.05-1.31; raw/NVIDIA_H100_80GB_HBM3-2026-12-06-ae5250b-gof41.*). So from the first token.
 INTERLEAVED_TMA_FROM_M: int | None = 1
 

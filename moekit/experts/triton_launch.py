@@ -102,11 +102,11 @@ class LaunchOptions:
     # the GEMM's wait until every GEMM program has stored its y tile (one arrival each on a kept counter), then sum
     # as the separate ordered k-sum does (``_kernels/gemm.py``, SUM_AFTER; bit for bit). The GEMM's programs are
     # unchanged but for that one arrival; a call is one launch fewer. The same eager calls as sum_fold_max (the
-    # pool's kept counters), bf16 and fp8_block. 0 turns it off. H200 (benchmarks/host_launch_device_check.py, run 1,
-    # raw/NVIDIA_H200-2026-12-03-ea57e59-host_launch.*; separate -> sum programs, all bit-equal): at M = 64 graph µs
-    # within -0.12..+0.48% and host_rest µs 53.1 -> 48.9 (Qwen3), 56.1 -> 32.0 (DeepSeek-V3), 37.6 -> 32.9 (Mixtral),
-    # fp8 41.2 -> 33.7 / 73.7 -> 65.0 / 50.1 -> 54.8; at M = 256 graph +0.2..+2.6%, at 1024 +0.8..+6.0% (Qwen3
-    # 375 -> 398 µs): the sum programs run at the GEMM's occupancy. So up to M = 64.
+    # pool's kept counters), bf16 and fp8_block. 0 turns it off. H200 (f6f35e93:benchmarks/host_launch_device_check.py,
+    # run 1, raw/NVIDIA_H200-2026-12-03-ea57e59-host_launch.*; separate -> sum programs, all bit-equal): at M = 64 graph
+    # µs within -0.12..+0.48% and host_rest µs 53.1 -> 48.9 (Qwen3), 56.1 -> 32.0 (DeepSeek-V3), 37.6 -> 32.9 (Mixtral),
+    # fp8 41.2 -> 33.7 / 73.7 -> 65.0 / 50.1 -> 54.8; at M = 256 graph +0.2..+2.6%, at 1024 +0.8..+6.0% (Qwen3 375 ->
+    # 398 µs): the sum programs run at the GEMM's occupancy. So up to M = 64.
     sum_tail_max: int = 64
     # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
@@ -134,7 +134,7 @@ class LaunchOptions:
     # pool's kept counters), the whole alignment (hist, scan and scatter) is one launch of a persistent cooperative
     # grid (<= 2 programs per SM, all resident), its programs meeting at a barrier after the histogram
     # (``_kernels/align_one_pass.py``): one launch instead of two. 0 turns it off. H200, the alignment alone, GPU µs
-    # two launches -> one (benchmarks/host_big3_device_check.py, raw NVIDIA_H200-2026-12-03-54c56d0-launch3-ck2early):
+    # two launches -> one (f6f35e93:benchmarks/host_big3_device_check.py, raw ...-54c56d0-launch3-ck2early):
     # Qwen3-30B-A3B A = 8192 / 16384 / 32768 / 131072: 10.4 -> 12.3, 15.2 -> 16.2, 23.1 -> 20.6, 69.3 -> 39.0
     # (DeepSeek-V3 11.6 -> 13.7, 16.5 -> 17.6, 25.1 -> 22.6, 72.8 -> 47.6; at A = 4096 against hist + place 7.4 ->
     # 11.0), host 4-7 µs less per call: the barrier costs 1-4 µs where the scan is short. So from A = 32768 (M = 4096

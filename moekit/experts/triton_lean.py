@@ -46,7 +46,8 @@ MAX_SEQUENCES = 4096  # (plan, thread, weights) kept; the oldest goes first
 # written into the launches' recorded parameters there, then every cuLaunchKernelEx, instead of a Python argument
 # list and a C launch per launch (H200, session 24: host 3-9 µs lower a call, bit-equal at every cell). Read when a
 # sequence is recorded (``clear_launch_caches`` after a switch); a sequence the module refuses, or a machine where it
-# cannot be built, launches step by step. False: launch by launch (the A/B of ``benchmarks/host6_device_check.py``).
+# cannot be built, launches step by step. False: launch by launch (the A/B of
+# ``f6f35e93:benchmarks/host6_device_check.py``).
 BATCHED = True
 
 

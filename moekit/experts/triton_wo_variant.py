@@ -18,19 +18,19 @@ from moekit.experts.configs import nearest
 from moekit.experts.triton_wo_configs import height_bucket
 
 # (scheme, E, N, K) -> {M: the decode measured faster for variant calls at M}. An entry of another decode than the
-# plain chooser's goes in only where the device check (``benchmarks/wom40_device_check.py``: gpt-oss-20b's experts with
-# b13 / b2 and its spec, the new decode against the one the route ran, graph µs) read every check PASS and the new
-# decode >= 3% faster in 5/5 rounds; an entry of the chooser's own decode bounds one (a measured M where it stayed
-# faster). One H100 80GB HBM3, torch 2.11, Triton 3.6, session 40, wom40_device_check at 32870a2d
-# (results/wom40/wom40.log, 59 s, every check PASS), graph µs of the mma decode (16-row blocks, 32 x 128 one-warp
-# tiles) / the route's decode / bf16, 5 settled rounds:
+# plain chooser's goes in only where the device check (``f6f35e93:benchmarks/wom40_device_check.py``: gpt-oss-20b's
+# experts with b13 / b2 and its spec, the new decode against the one the route ran, graph µs) read every check PASS and
+# the new decode >= 3% faster in 5/5 rounds; an entry of the chooser's own decode bounds one (a measured M where it
+# stayed faster). One H100 80GB HBM3, torch 2.11, Triton 3.6, session 40, f6f35e93:benchmarks/wom40_device_check.py at
+# 32870a2d (results/wom40/wom40.log, 59 s, every check PASS), graph µs of the mma decode (16-row blocks, 32 x 128
+# one-warp tiles) / the route's decode / bf16, 5 settled rounds:
 #   mxfp4 M=8 221.4 / tile 285.9 / 411.9 (x1.29, 5/5), M=64 286.7 / tile 373.7 / 533.2 (x1.30, 5/5); M=256 609.7 /
 #   506.9, M=512 1065.9 (32-row 1048.4) / 1047.3, M=724 1426.5 (1328.1) / 1051.7: the tile decode stays (0/5 each).
 #   int4 g128 M=8 218.1 / register 229.7 / 411.8 (x1.05, 5/5), M=64 279.0 / 281.8 (x1.01, 0/5: register stays),
 #   M=256 557.0 / tile 478.0 (0/5), M=512 952.6 / tile 1043.9 / 600.8 (x1.10, 5/5), M=724 1285.9 / 1070.1 (0/5).
 #   int8 M=8 / 64 / 256 / 512: the tile decode 1.03-1.06x the mma (0/5 each): no entry; M=724 not reached.
-# Round 2 (the lead, merged main 88753e62, the same H100 kind, wom40_device_check --ms 1,8,64,512, 60 s, every check
-# PASS; results/raw/NVIDIA_H100-2026-12-06-88753e6-wom40r2.*): mxfp4 M=1 mma16 54.6 / tile 71.9 / 75.9 (x1.32, 5/5);
+# Round 2 (the lead, merged main 88753e62, the same H100 kind, wom40 at M = 1 / 8 / 64 / 512, 60 s, every check PASS;
+# results/raw/NVIDIA_H100-2026-12-06-88753e6-wom40r2.*): mxfp4 M=1 mma16 54.6 / tile 71.9 / 75.9 (x1.32, 5/5);
 # int4 M=1 register 63.9 stays (gemv 62.3, 1/5; mma 66.6); the rows above confirmed (the route's pick within 1% of
 # the best arm at mxfp4 8 / 64, int4 8 / 64 / 512).
 # So, by the factor-2 reach: mxfp4 M = 1..127 mma; int4 M = 4..22 mma, 23..127 register, 512..608 mma, 609..1023 tile

@@ -15,8 +15,8 @@ instructions, set the time. Splitting the gate-up's K over 2-4 programs (``_kern
 where the down GEMM has the fewest programs (Mixtral: 2 experts x 64 tiles) splitting its long reduction
 (N = 14336) does the same. A row's ``fold`` sums the split gate-up's partials and applies the activation in
 the down GEMM as it reads h (``_kernels/wo_split.load_h``: bit-equal, no activation launch): one launch fewer, for
-2 x splits float32 reads of each h element (H200, benchmarks/wo_fold_device_check.py). The choice of decode stays
-``triton_wo_plan.choose_decode``'s (DECODE_MEASURED).
+2 x splits float32 reads of each h element (H200, f6f35e93:benchmarks/wo_fold_device_check.py). The choice of decode
+stays ``triton_wo_plan.choose_decode``'s (DECODE_MEASURED).
 """
 
 from __future__ import annotations

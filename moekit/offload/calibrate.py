@@ -269,7 +269,7 @@ def thread_candidates(fixed: int | None) -> list[int]:
     host's 16 CPUs: 17.7 and 26.7 ms against a 3.1 ms median, 15-18x the model in the table's cpu cells at
     M = 1. At 12 (the calibration's pick among 15 / 12 / 8 by the mean of back-to-back branches, which never
     see it), decoding at M = 1 with the GPU path's host work between the branches
-    (``benchmarks/offload_tail_device_check.py``, raw ``...-f963fdf-offload3-ck1``): 17 of 373 branches over
+    (``f6f35e93:benchmarks/offload_tail_device_check.py``, raw ``...-f963fdf-offload3-ck1``): 17 of 373 branches over
     2x their model, up to 21x (68 ms), with the process's threads preempted through them (1.0 involuntary
     context switches a slow branch, 0.1 the others), cpu x floor 1.37; at 8 threads in the same turns 1 of
     373 (2.03x), no context switch, the same median rate (0.92x the 12-thread model against 0.90), x floor
@@ -295,7 +295,8 @@ def branch(layer, group: list[int], experts: int, m: int, threads: int | None, g
     count per CPU expert): max(rows) tokens, the j-th CPU expert routed from the first rows[j] of them (the
     other slots dropped, id -1), the rest of ``group`` from every token; ``m`` is then unused. ``quiet``:
     the whole device waited for first; False: the current stream only, so copies the caller queued on
-    another stream run on through the branch (``benchmarks/offload_key_device_check.py``'s contention probe)."""
+    another stream run on through the branch (the contention probe of
+    ``f6f35e93:benchmarks/offload_key_device_check.py``)."""
     c, dev = layer.config, layer.cache.device
     dtype = layer.cache.host(layer.layer_id).w13_template.dtype
     k = len(group)

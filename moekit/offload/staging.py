@@ -13,7 +13,7 @@ forward of shapes seen before makes no tensor but the device result, only the co
 record each way (the buffers grow to a power of two when a forward needs more, and the views are made
 again). Every torch call costs the host microseconds on the decode path: the previous staging (one cat
 of byte views on the device, one copy, the views made per forward) took ~25 calls each way. One H200 run
-at M = 1 (``benchmarks/offload_step_anatomy.py``, Qwen3-30B-A3B widths): stage 123 -> 44 us, back 70 -> 32 us
+at M = 1 (``f6f35e93:benchmarks/offload_step_anatomy.py``, Qwen3-30B-A3B widths): stage 123 -> 44 us, back 70 -> 32 us
 alone; in the cpu mode's steps, the branch's stage 0.21 -> 0.09 ms and back 0.15 -> 0.11 ms, the step
 6.84 -> 6.49 ms (skewed 75%) and 8.10 -> 7.57 ms (skewed 50%, prefetch), the two stacks taking turns.
 Without a ``Buffers`` each call allocates its buffers (torch's caching host allocator).

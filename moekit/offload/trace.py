@@ -12,7 +12,7 @@ cache marks "copy_start:<kind>" / "copy_end:<kind>" on its copy stream around ea
 ("fetch", "prefetch", "admit"). A mark's GPU time is when its stream reached it (the compute stream's
 unless it is a copy mark): a call's start and end on the GPU bracket its kernels, a copy's its bytes.
 Recording costs the host a few microseconds a mark, so a traced step runs a little slower than an
-untraced one (``benchmarks/offload_fetch_device_check.py`` times both). On the CPU the GPU times are None.
+untraced one (``f6f35e93:benchmarks/offload_fetch_device_check.py`` times both). On the CPU the GPU times are None.
 """
 
 from __future__ import annotations

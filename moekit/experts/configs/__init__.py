@@ -112,7 +112,7 @@ KNOWN_DEVICES: dict[str, tuple[int, int]] = {
     "NVIDIA_H20": (9, 0),
 }
 # Whether a device without a packaged file of its own takes its sibling's (``tuned_files``) when
-# $MOEKIT_SIBLING_CONFIGS is unset. On: benchmarks/hop41_device_check.py on one H100 (session 42, 87f368f; raw
+# $MOEKIT_SIBLING_CONFIGS is unset. On: f6f35e93:benchmarks/hop41_device_check.py on one H100 (session 42, 87f368f; raw
 # results/raw/NVIDIA_H100-2026-12-06-87f368f-hop41.*): every check PASS, the H200's files >= 3% faster in 5/5 rounds
 # at fp8 M = 1 (Mixtral x1.117, Qwen3 x1.080) and bf16 Mixtral M = 64 (x1.047), never >= 3% slower in any round of the
 # 12 timed cells.
