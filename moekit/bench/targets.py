@@ -133,8 +133,8 @@ RULES = (
          CellSet((BASELINE,), **DECODE), PCT_FLOOR, 80),
     Rule(19, "geomean", "Geometric mean ≥ 1.25× the best peer per cell over the 30 cells above",
          CellSet((BASELINE,)), X_PEER, 1.25, geomean=True,
-         note="over the cells that have a peer time; the issue's own table lists 21 cells, M = 1, 8, 64, 512, "
-              "1024, 4096, 16384, though its text says 30"),
+         note="over the cells that have a peer time; the issue's own table lists 21 of the 30 (M = 1, 8, 64, "
+              "512, 1024, 4096, 16384): its 1.11x is over all 30, the 21 listed give 1.14x"),
     Rule(19, "≥ peer", "no cell slower than its best peer", CellSet((BASELINE,)), X_PEER, 1.0),
 )
 

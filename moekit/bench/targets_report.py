@@ -8,7 +8,6 @@ from moekit.bench.report import ceilings_line
 from moekit.bench.targets import ISSUE_TITLES, PCT_FLOOR, PCT_FP8_MM, PCT_MM, X_BF16, X_PEER, Rule, TargetCell
 from moekit.bench.targets_judge import IssueResult, RuleResult, TargetsResult, Verdict
 
-PERCENT_METRICS = (PCT_FLOOR, PCT_MM, PCT_FP8_MM)
 MARKS = {True: "✓", False: "**✗**", None: "?"}  # a cell: met, missed, could not be judged
 TARGET_MARKS = {True: "✓", False: "✗", None: "?"}  # a target: met, missed, no cell judged
 
@@ -62,8 +61,10 @@ def _issue_section(issue: IssueResult, peer_source: str) -> list[str]:
 def _columns(results: list[RuleResult]) -> list[str]:
     metrics = {r.rule.metric.name for r in results}
     columns = ["µs"]
-    if metrics & {m.name for m in PERCENT_METRICS}:
+    if PCT_MM.name in metrics:
         columns.append("% floor (% mm)")
+    elif PCT_FLOOR.name in metrics:
+        columns.append("% floor")
     if X_BF16.name in metrics:
         columns += ["bf16 µs", "x bf16"]
     if X_PEER.name in metrics:
@@ -100,7 +101,7 @@ def _figures(c: TargetCell, results: list[RuleResult]) -> dict[str, str]:
     if bounds(PCT_MM, PCT_FP8_MM):
         pct += f" ({_number(c.pct_mm, 0, bounds(PCT_MM, PCT_FP8_MM))})"
     x_bf16, x_peer = X_BF16.read(c), X_PEER.read(c)
-    return {"µs": f"{c.us:.1f}", "% floor (% mm)": pct,
+    return {"µs": f"{c.us:.1f}", "% floor": pct, "% floor (% mm)": pct,
             "bf16 µs": "-" if c.bf16_us is None else f"{c.bf16_us:.1f}",
             "x bf16": "-" if x_bf16 is None else _number(x_bf16, 2, bounds(X_BF16)),
             "peer µs": "-" if c.peer_us is None else f"{c.peer_us:.1f}",
