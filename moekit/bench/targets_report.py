@@ -40,7 +40,7 @@ def _left_out(result: TargetsResult) -> list[str]:
         by_file[key] = by_file.get(key, 0) + 1
     for (source, first), n in by_file.items():
         lines.append(f"- {n} cells of `{source}` are also in `{first}` (same shape, M, dtype): judged from "
-                     f"`{first}`, the first given; `{source}`'s serve as its own quantized cells' x bf16")
+                     f"`{first}`, given first; in `{source}` they are only its quantized cells' x bf16 base")
     return [""] + lines if lines else []
 
 
