@@ -15,8 +15,9 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 RUN = "NVIDIA_H200-2026-12-06"
 PARTS = ("qwen3-dsv3", "mixtral", "wo-qwen3", "wo-dsv3-mixtral")  # the run's calls, bf16 + fp8 first
 # a row of the bench's table: shape M backend dtype time ±% eager host floor %floor xbf16 %copy %mm touched
-LOG_ROW = re.compile(r"^(?P<shape>[a-z0-9-]+)\s+(?P<M>\d+)\s+triton\s+(?P<dtype>\S+)\s+(?P<time>[\d.]+) (?P<unit>µs|ms)"
-                     r"\s+\d+\s+\S+ \S+\s+\S+ \S+\s+\S+ \S+\s+(?P<floor>\d+)\s+(?P<xbf16>[\d.]+|-)\s+\d+\s+(?P<mm>\d+)\s")
+LOG_ROW = re.compile(r"^(?P<shape>[a-z0-9-]+)\s+(?P<M>\d+)\s+triton\s+(?P<dtype>\S+)\s+"
+                     r"(?P<time>[\d.]+) (?P<unit>µs|ms)\s+\d+\s+\S+ \S+\s+\S+ \S+\s+\S+ \S+\s+"
+                     r"(?P<floor>\d+)\s+(?P<xbf16>[\d.]+|-)\s+\d+\s+(?P<mm>\d+)\s")
 
 
 def json_file(part: str) -> str:

@@ -79,8 +79,9 @@ def _table(issue: IssueResult, show_dtype: bool) -> list[str]:
     verdicts = [{id(v.cell): v for v in r.verdicts} for r in per_cell]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in issue.cells:
+        figures = _figures(c, issue.results)
         row = [c.shape, str(c.M), *([c.dtype] if show_dtype else [])]
-        row += [_figures(c, issue.results)[col] for col in _columns(issue.results)]
+        row += [figures[col] for col in _columns(issue.results)]
         row += [_mark(v.get(id(c))) for v in verdicts]
         lines.append("| " + " | ".join(row) + " |")
     return lines
