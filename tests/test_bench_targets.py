@@ -227,6 +227,8 @@ def test_other_backends_are_left_out_and_said_so(tmp_path, capsys):
     ("[1, 2]", "not a moekit bench result: a JSON list"),
     (json.dumps({"device": "NVIDIA H200", "model": "qwen3", "layers": []}),  # a bench --hf result
      "not a moekit bench result: no 'dtype', 'ceilings', 'cells'"),
+    (json.dumps({**bench_doc([]), "ceilings": {"copy_TBps": 4.2}}),
+     "its 'ceilings' have no 'mm_TFLOPs', 'mm_dtype'"),
     (json.dumps(bench_doc([{"shape": "deepseek-v3", "M": 1, "backend": "triton", "us": 1.0}])),
      "cell 0 has no 'pct_floor', 'pct_mm'"),
     (json.dumps(bench_doc([bench_cell("deepseek-v3", 1, "bfloat16", 10.0, 5.0, 1.0, peer_us=-3.0)])),

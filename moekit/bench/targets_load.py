@@ -19,6 +19,7 @@ from moekit.bench.targets import JUDGED_BACKEND, TargetCell
 from moekit.quant import SCHEMES
 
 DOC_KEYS = ("device", "dtype", "ceilings", "cells")
+CEILING_KEYS = ("copy_TBps", "mm_TFLOPs", "mm_dtype")
 CELL_KEYS = ("shape", "M", "backend", "us", "pct_floor", "pct_mm")
 NUMBERS = ("us", "pct_floor", "pct_mm")
 
@@ -47,7 +48,7 @@ def load_bench(path: str | Path) -> BenchFile:
     for c in raw:
         if c["backend"] != JUDGED_BACKEND:
             skipped[c["backend"]] = skipped.get(c["backend"], 0) + 1
-    mm_dtype = doc["ceilings"].get("mm_dtype", doc["dtype"])
+    mm_dtype = doc["ceilings"]["mm_dtype"]
     base_us = {(c["shape"], c["M"]): c["us"] for c in ours if _dtype(c, doc["dtype"]) == BASELINE}
     cells = [_target_cell(str(path), c, _dtype(c, doc["dtype"]), mm_dtype, base_us) for c in ours]
     versions = f"torch {doc.get('torch', '?')}, triton {doc.get('triton') or '-'}"
@@ -72,6 +73,9 @@ def _read(path: Path) -> dict:
                          f"{what}")
     if not isinstance(doc["cells"], list) or not isinstance(doc["ceilings"], dict):
         raise ValueError(f"{path}: not a moekit bench result: 'cells' must be a list and 'ceilings' an object")
+    missing = [k for k in CEILING_KEYS if k not in doc["ceilings"]]
+    if missing:
+        raise ValueError(f"{path}: not a moekit bench result: its 'ceilings' have no {', '.join(map(repr, missing))}")
     return doc
 
 
