@@ -10,6 +10,8 @@ the tuner, the expert-parallel layer, and one real layer against the byte model.
     run.py            the run: ceilings, then every shape's cells; the results document
     report.py         results JSON, the PNG, the compact table
     predict.py        the byte model's predicted floor beside the measured quantized cells (the PNG)
+    targets.py, targets_peers.py, targets_load.py, targets_judge.py, targets_report.py
+                      ``moekit bench --targets``: issues #15 / #16 / #19's targets judged on bench JSONs
     tuning.py         the kernel-config tuner behind ``moekit tune``: the search, its files, ``--install``
     tuning_quant.py   the tuner's quantized formats: fp8_block and the weight-only int8 / int4 / mxfp4
     ep.py             the expert-parallel benchmark (``torchrun ... -m moekit.bench.ep``)

@@ -2,7 +2,8 @@
 ``moekit bench --hf``: whole transformers MoE models per experts implementation (``_bench_hf``);
 ``moekit bench --offload``: decode with host-resident experts behind a GPU cache (``_bench_offload``);
 ``moekit bench --train``: forward + backward of the experts path against transformers' (``_bench_train``);
-``moekit bench --cpu-experts``: the CPU experts path against transformers' and the dense rate (``_bench_cpu``)."""
+``moekit bench --cpu-experts``: the CPU experts path against transformers' and the dense rate (``_bench_cpu``);
+``moekit bench --targets FILE ...``: issues #15 / #16 / #19's targets judged on bench JSONs (``_bench_targets``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import contextlib
 from pathlib import Path
 
 from moekit.bench.cells import CPU_BATCHES, GPU_BATCHES
-from moekit.cli import _bench_cpu, _bench_hf, _bench_offload, _bench_train
+from moekit.cli import _bench_cpu, _bench_hf, _bench_offload, _bench_targets, _bench_train
 from moekit.cli._args import (ListOption, UsageError, device_arg, missing_extra, output_dir, positive_float,
                               positive_int)
 
@@ -46,8 +47,9 @@ def register(subparsers) -> None:
     _bench_offload.add_arguments(p)
     _bench_train.add_arguments(p)
     _bench_cpu.add_arguments(p)
+    _bench_targets.add_arguments(p)
     p.set_defaults(func=_run)
-    _DEFAULTS.update({dest: p.get_default(dest) for dests in _MODE_FLAGS.values() for dest in dests})
+    _DEFAULTS.update(vars(p.parse_args([])))  # every option's default: modes check what was given against them
 
 
 # Each mode's own flags (dests) and the modes that read them: given to a run of none of those modes, a flag was
@@ -60,7 +62,7 @@ _MODE_FLAGS = {
     ("offload",): ("offload_layers", "cache_fractions", "offload_steps", "offload_places", "offload_streams",
                    "offload_online_cpu_rate", "offload_dtype"),
 }
-_DEFAULTS: dict = {}  # dest -> the parser's default, read when the parser is built
+_DEFAULTS: dict = {}  # dest -> the parser's default for every option, read when the parser is built
 
 
 def _check_mode_flags(args: argparse.Namespace) -> None:
@@ -73,6 +75,8 @@ def _check_mode_flags(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.targets is not None:
+        return _bench_targets.run(args, _DEFAULTS)
     _check_mode_flags(args)
     modes = [f"--{m.replace('_', '-')}" for m in ("hf", "offload", "train", "cpu_experts") if getattr(args, m)]
     if modes and (args.budget_s or (args.dtype and modes != ["--cpu-experts"])):
