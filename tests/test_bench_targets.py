@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from moekit.bench.targets_judge import JSON_PEERS, judge
+from moekit.bench.targets_judge import JSON_PEERS, NO_PEERS, judge
 from moekit.bench.targets_load import load_bench
 from moekit.bench.targets_peers import ISSUE_19_PEER_US, ISSUE_19_SOURCE
 from moekit.cli import main
@@ -155,6 +155,21 @@ def test_issue_19_peer_table_gives_the_issues_own_speedups(tmp_path):
     assert {(v.cell.shape, v.cell.M) for v in per_cell.misses} == {
         ("mixtral-8x7b", 8), ("mixtral-8x7b", 512), ("deepseek-v3", 8)}
     assert len(per_cell.verdicts) - len(per_cell.judged) == 1
+
+
+def test_issue_19_peer_table_only_for_an_h200s_cells(tmp_path):
+    """The issue's peer µs are an H200's: an H100 run's cells get none (their peer targets unjudged, said so),
+    while an H200 file given beside it keeps them for its own cells."""
+    h100 = bench_doc([bench_cell("mixtral-8x7b", 8, "bfloat16", 400.0, 95.0, 50.0)])
+    h100["device"] = "NVIDIA H100 80GB HBM3"
+    result = judge([load_bench(write(tmp_path, "h100.json", h100))])
+    per_cell = result.issues[-1].results[-1]
+    assert result.peer_source == NO_PEERS and per_cell.verdicts and not per_cell.judged
+    h200 = bench_doc([bench_cell("deepseek-v3", 8, "bfloat16", 1000.0, 95.0, 50.0)])
+    both = judge([load_bench(write(tmp_path, "h100.json", h100)), load_bench(write(tmp_path, "h200.json", h200))])
+    judged = {(v.cell.shape, v.cell.M): v.met for v in both.issues[-1].results[-1].judged}
+    assert both.peer_source == ISSUE_19_SOURCE
+    assert judged == {("deepseek-v3", 8): 1000.0 <= ISSUE_19_PEER_US[("deepseek-v3", 8)]}
 
 
 def test_each_quantized_cell_against_the_bf16_cell_of_its_own_file(tmp_path):

@@ -17,6 +17,7 @@ from moekit.bench.targets_load import BenchFile
 from moekit.bench.targets_peers import ISSUE_19_PEER_US, ISSUE_19_SOURCE
 
 JSON_PEERS = "the cells' own peer_us (in the JSON)"
+NO_PEERS = "none: no cell has a peer_us, and issue #19's table holds an H200's µs while no file here is an H200's"
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,13 @@ class IssueResult:
 class TargetsResult:
     files: list[BenchFile]
     issues: list[IssueResult]
-    peer_source: str  # JSON_PEERS or targets_peers.ISSUE_19_SOURCE
+    peer_source: str  # JSON_PEERS, targets_peers.ISSUE_19_SOURCE or NO_PEERS
     repeats: list[Repeat]
 
 
 def judge(files: list[BenchFile]) -> TargetsResult:
     cells, repeats = _first_of_each(files)
-    cells, peer_source = _with_peers(cells)
+    cells, peer_source = _with_peers(cells, {f.path for f in files if "H200" in f.device})
     results = []
     for issue in issues():
         dtypes = issue_dtypes(issue)
@@ -103,15 +104,16 @@ def _first_of_each(files: list[BenchFile]) -> tuple[list[TargetCell], list[Repea
     return list(first.values()), repeats
 
 
-def _with_peers(cells: list[TargetCell]) -> tuple[list[TargetCell], str]:
+def _with_peers(cells: list[TargetCell], h200_sources: set[str]) -> tuple[list[TargetCell], str]:
     """The cells with #19's peer time: their own ``peer_us`` when any cell #19 reads has one, else the issue's
-    table for the real presets."""
+    table for the real presets, for cells of an H200 file only (the table's µs are an H200's: another device's
+    cells get no peer, so their peer targets read "?")."""
     peer_rules = [r for r in RULES if r.metric is X_PEER]
     if any(c.peer_us is not None for c in cells if any(r.cells.holds(c) for r in peer_rules)):
         return cells, JSON_PEERS
     with_table = [dataclasses.replace(c, peer_us=ISSUE_19_PEER_US.get((c.shape, c.M)))
-                  if any(r.cells.holds(c) for r in peer_rules) else c for c in cells]
-    return with_table, ISSUE_19_SOURCE
+                  if c.source in h200_sources and any(r.cells.holds(c) for r in peer_rules) else c for c in cells]
+    return with_table, ISSUE_19_SOURCE if h200_sources else NO_PEERS
 
 
 def _judge_rule(rule: Rule, table: list[TargetCell]) -> RuleResult:
