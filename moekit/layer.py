@@ -49,7 +49,7 @@ from moekit.routing.weighting import identity_weights, input_weighted, without_i
 from moekit.routing.routed import MoEOutput, MoEStats, RoutedTokens, stats_of, stats_on_host
 from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
-from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
+from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_, refuse_quantized_into_float
 from moekit.triton_bind import triton_runs_on
 
 
@@ -119,6 +119,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(k_dim, width, bias=config.router_bias, **factory)  # weight [E(+Z|S), K] (+ bias)
         self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]; L(+S) on an EP rank
         self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]; L(+S) on an EP rank
+        self.register_load_state_dict_pre_hook(refuse_quantized_into_float)  # names a quantized checkpoint's scheme
         # config.expert_bias (gpt-oss): b13 [E(+S), 2N] in w13's row order, b2 [E(+S), K]; zero on shared slots
         self.b13 = nn.Parameter(torch.zeros(rows, 2 * n_dim, **factory)) if config.expert_bias else None
         self.b2 = nn.Parameter(torch.zeros(rows, k_dim, **factory)) if config.expert_bias else None

@@ -31,6 +31,7 @@ class QuantizedWeight:
     """
 
     scheme: ClassVar[str] = ""
+    tensor_dtypes: ClassVar[dict[str, torch.dtype]] = {}  # each tensor field's dtype; no two schemes share one
     tensor_fields: ClassVar[tuple[str, ...]] = ()  # the dataclass fields that hold tensors, all with E leading
 
     dtype: torch.dtype = torch.bfloat16
