@@ -119,7 +119,6 @@ class MoE(nn.Module):
         self.gate = nn.Linear(k_dim, width, bias=config.router_bias, **factory)  # weight [E(+Z|S), K] (+ bias)
         self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]; L(+S) on an EP rank
         self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]; L(+S) on an EP rank
-        self.register_load_state_dict_pre_hook(refuse_quantized_into_float)  # names a quantized checkpoint's scheme
         # config.expert_bias (gpt-oss): b13 [E(+S), 2N] in w13's row order, b2 [E(+S), K]; zero on shared slots
         self.b13 = nn.Parameter(torch.zeros(rows, 2 * n_dim, **factory)) if config.expert_bias else None
         self.b2 = nn.Parameter(torch.zeros(rows, k_dim, **factory)) if config.expert_bias else None
@@ -175,6 +174,10 @@ class MoE(nn.Module):
         self._route_ws.clear()  # buffers on the old device or in the old dtype
         self._decode.clear()  # it holds those buffers
         return module
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        refuse_quantized_into_float(self, state_dict, prefix, *args)  # a quantized checkpoint's scheme, named
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def quantize_(self, scheme: str, **options) -> MoE:
         """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block", "int8_w8a16",

@@ -95,8 +95,9 @@ def _load_quantized(module, state_dict, prefix, local_metadata, strict, missing_
 
 def refuse_quantized_into_float(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                 error_msgs):
-    """A float layer's load pre-hook: a state_dict whose ``w13`` / ``w2`` are a quantized layout is an error naming
-    the scheme and the order that works (torch reported ``w13`` missing and ``w13.q`` ... unexpected)."""
+    """A load pre-hook's arguments (``MoE._load_from_state_dict`` runs it first): where the layer's ``w13`` / ``w2``
+    are float and the state_dict holds a quantized layout for them, an error naming the scheme and the order that
+    works (torch reported ``w13`` missing and ``w13.q`` ... unexpected)."""
     for name in EXPERT_WEIGHTS:
         if isinstance(module.__dict__.get(name), QuantizedWeight) or prefix + name in state_dict:
             continue
