@@ -54,7 +54,7 @@ def register(subparsers) -> None:
 # dropped in silence (bench --train --tiny ran the full widths), so it is refused, naming where it applies.
 _MODE_FLAGS = {
     ("hf",): ("hf_model", "hf_impls", "layers", "decode_tokens", "prompt_len", "prefill_batch", "prefill_len",
-              "compile", "compile_backend", "hf_dtype", "hf_quant"),
+              "compile", "compile_backend", "hf_dtype", "hf_quant", "hf_quant_options"),
     ("hf", "cpu_experts"): ("repeats",),
     ("hf", "offload"): ("tiny",),
     ("offload",): ("offload_layers", "cache_fractions", "offload_steps", "offload_places", "offload_streams",

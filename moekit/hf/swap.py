@@ -111,7 +111,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     if not keep_float and quant is None:
         raise ValueError("keep_float=False frees the float experts, which only quantized ones can replace: pass "
                          "quant=<scheme> with it (got quant=None)")
-    options = SwapOptions(backend, bool(fuse_shared), quant, _checked_quant_options(quant, quant_options))
+    options = SwapOptions(backend, bool(fuse_shared), quant, checked_quant_options(quant, quant_options))
     _refuse_rebuilding_freed(model, options, keep_float)
     swapped, left = [], []
     sites = moe_blocks(model)
@@ -139,7 +139,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     return BlockSwapReport(tuple(swapped), tuple(left))
 
 
-def _checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
+def checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
     """``quant_options`` as ``SwapOptions`` keeps them: sorted (name, value) pairs, lists as tuples, values left at
     the scheme's defaults left out ({"group_size": 128} is int4_w4a16's None). Each is checked by the scheme's own
     quantizer on a one-weight tensor, so a bad one fails here naming ``quant_options`` instead of leaving every
