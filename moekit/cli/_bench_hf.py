@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-quant-options", default=None, metavar="NAME=VALUE,...",
                    help="the quantizer options of --hf-quant's scheme (moekit's quantizer: int4_w4a16 group_size=32|64|"
                    "128 and symmetric=true|false, fp8_block block_shape=RxC such as 64x128; int8_w8a16 and mxfp4 take "
-                   "none), as use_moekit_blocks(quant_options=...) takes them; recorded in the JSON (options under quant). "
-                   "Default: the scheme's defaults (int4 group_size=128, asymmetric; fp8_block 128x128)")
+                   "none), as use_moekit_blocks(quant_options=...) takes them; recorded in the JSON (options under "
+                   "quant). Default: the scheme's defaults (int4 group_size=128, asymmetric; fp8_block 128x128)")
     g.add_argument("--tiny", action="store_true",
                    help="tiny widths, with --hf or --offload (a smoke run; the tests use it)")
 
