@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moekit._checks import check_module
 from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
@@ -110,6 +111,7 @@ def _fp8_weights(module: nn.Module):
 def prepare(model: nn.Module) -> list[ExpertsPlan]:
     """Build the plan of every experts module in ``model`` now (eagerly), e.g. before
     ``torch.compile(fullgraph=True)``, which cannot trace the probing; returns the plans."""
+    check_module("model", model)
     return [experts_plan(m) for m in model.modules() if is_interface_experts(m)]
 
 
