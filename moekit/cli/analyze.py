@@ -23,7 +23,7 @@ from moekit.analysis.roofline import MAX_BATCH
 from moekit.analysis.touch import inclusion_from_counts
 from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
 from moekit.cli._analyze_offload import check_offload_flags, offload_rows, offload_table, offload_to_json
-from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
+from moekit.cli._args import ListOption, UsageError, plot_path, save_figure, working
 from moekit.cli._model_source import add_source_arguments, layer_config, preset_source, read_config_json
 from moekit.config import MoEConfig
 
@@ -167,7 +167,9 @@ def run(args) -> int:
     if args.measure:
         from moekit.bench.layer_measure import measure
 
-        measurement = measure(cfg, tuple(args.batches))
+        with working("analyze --measure") as status:
+            measurement = measure(cfg, tuple(args.batches),
+                                  on_step=lambda step: status.update(f"analyze --measure: {step} ..."))
     if args.json:
         _print_json(report, measurement, offload)
     else:
