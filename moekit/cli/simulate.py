@@ -63,11 +63,16 @@ def register(subparsers) -> None:
 
 _SETTINGS = ("tokens", "capacity_factor", "skew", "balance", "seed", "gpus", "spare_slots", "aux_steps",
              "bias_batches")  # SimParams' fields besides E and k, each its flag's value
+# a setting read by one --balance method only: given with another, it was dropped in silence
+_BALANCE_SETTINGS = {"aux_steps": "aux-loss", "bias_batches": "bias"}
 
 
 def _run(args: argparse.Namespace) -> int:
     config = _model(args)  # None: the default router (softmax top-k, renormalised)
     shape = {"experts": args.experts, "top_k": args.top_k}
+    for name, method in _BALANCE_SETTINGS.items():
+        if getattr(args, name) != getattr(_DEFAULTS, name) and args.balance != method:
+            raise UsageError(f"--{name.replace('_', '-')} applies to --balance {method}, got --balance {args.balance}")
     if config is not None:
         shape = {"experts": config.num_experts, "top_k": config.top_k}
     try:
