@@ -110,6 +110,14 @@ CASES = [
     (["bench", "--hf", "--offload-dtype", "mxfp4"], "--offload-dtype applies to --offload"),
     (["bench", "--cpu-experts", "--layers", "2"], "--layers applies to --hf"),
     (["bench", "--train", "--repeats", "3"], "--repeats applies to --hf or --cpu-experts"),
+    # the kernel cells' flags in a mode that does not read them: dropped in silence too (--hf --batches 8)
+    (["bench", "--hf", "--batches", "8"], "--batches applies to the kernel cells, --offload, --train, --cpu-experts, "
+                                          "not to --hf"),
+    (["bench", "--offload", "--shapes", "mixtral-8x7b"], "--shapes applies to the kernel cells, --train, not to "
+                                                          "--offload"),
+    (["bench", "--hf", "--backends", "triton"], "--backends applies to the kernel cells, --train, --cpu-experts, not "
+                                                "to --hf"),
+    (["bench", "--train", "--no-plot"], "--no-plot applies to the kernel cells, not to --train"),
     (["tune"], "give --preset"),
     (["tune", "--preset", "nope"], "--preset"),
     (["tune", "--shape", "8,16"], "--shape"),
