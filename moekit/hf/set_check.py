@@ -28,8 +28,8 @@ def is_interface_experts(module: nn.Module) -> bool:
 def wrap_set_experts_implementation() -> None:
     from transformers import PreTrainedModel
 
-    original = PreTrainedModel.set_experts_implementation
-    if getattr(original, _WRAPPED, False):
+    original = getattr(PreTrainedModel, "set_experts_implementation", None)
+    if original is None or getattr(original, _WRAPPED, False):  # a transformers without the method: nothing to say
         return
 
     @functools.wraps(original)
