@@ -75,13 +75,14 @@ def _load_quantized(module, state_dict, prefix, local_metadata, strict, missing_
         w = module.__dict__.get(name)
         if not isinstance(w, QuantizedWeight):
             continue
-        held = _held_layout(state_dict, prefix + name)
+        keys = {field: f"{prefix}{name}.{field}" for field in w.tensor_fields}
+        own = all(k in state_dict and state_dict[k].dtype == w.tensor_dtypes[f] for f, k in keys.items())
+        held = None if own else _held_layout(state_dict, prefix + name)  # the dict's keys read on a mismatch only
         if held is not None and held != w.scheme:
             error_msgs.append(f"{prefix}{name}: the state_dict holds {held} experts, this layer's are {w.scheme}: "
                               f"{_load_advice(held)}")
             _take_out(state_dict, prefix + name)
             continue
-        keys = {field: f"{prefix}{name}.{field}" for field in w.tensor_fields}
         if not all(k in state_dict for k in keys.values()):
             missing_keys.extend(k for k in keys.values() if k not in state_dict)
             continue
