@@ -41,9 +41,9 @@ from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, one_call
-from moekit.offload.forward_ops import expert_counts, sum_partials
 from moekit.offload.cpu_direct import direct_share
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
+from moekit.offload.forward_ops import expert_counts, sum_partials
 from moekit.offload.no_backward import no_backward
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
