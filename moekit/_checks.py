@@ -25,6 +25,14 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def check_module(name: str, value: Any) -> None:
+    """``value`` must be a torch ``nn.Module`` (a model or block; None and others read .modules() and failed there)."""
+    import torch
+
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}")
+
+
 def check_choice(name: str, value: Any, allowed: tuple) -> None:
     """``value`` must be one of ``allowed`` (an option's values, e.g. ``("sum", "average")``)."""
     if value not in allowed:

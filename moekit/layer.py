@@ -49,7 +49,7 @@ from moekit.routing.weighting import identity_weights, input_weighted, without_i
 from moekit.routing.routed import MoEOutput, MoEStats, RoutedTokens, stats_of, stats_on_host
 from moekit.routing.shared import shared_mlp
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
-from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
+from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_, refuse_quantized_into_float
 from moekit.triton_bind import triton_runs_on
 
 
@@ -174,6 +174,10 @@ class MoE(nn.Module):
         self._route_ws.clear()  # buffers on the old device or in the old dtype
         self._decode.clear()  # it holds those buffers
         return module
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        refuse_quantized_into_float(self, state_dict, prefix, *args)  # a quantized checkpoint's scheme, named
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def quantize_(self, scheme: str, **options) -> MoE:
         """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block", "int8_w8a16",

@@ -5,6 +5,7 @@ import json
 import time
 import tracemalloc
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -50,6 +51,18 @@ def test_analyze_takes_the_cli_s_names():
     assert by_name.rows[0].cost.weight_bytes == 8 * 3 * 7168 * 2048  # k = 8 experts of w13 + w2 at 1 byte a weight
     with pytest.raises(KeyError, match="gpu must be one of"):
         analyze(cfg, "v100", "fp8")
+
+
+@pytest.mark.parametrize(("call", "said"), [
+    (lambda cfg: analyze(None, "h100", "fp8"), "^config must be a MoEConfig, got NoneType$"),  # was AttributeError
+    (lambda cfg: analyze(cfg, "h100", "fp8", 8), r"^batches must be a sequence of ints .*, got 8$"),  # not iterable
+    (lambda cfg: analyze(cfg, "h100", "fp8", (1.5,)), r"^batches must be a sequence of ints .*, got \(1.5,\)$"),
+])
+def test_analyze_names_a_bad_config_or_batches(call, said):
+    """A batch of 1.5 tokens was swept as is; a single int and a None config failed inside with Python's messages."""
+    with pytest.raises(TypeError, match=said):
+        call(MoEConfig.preset("mixtral-8x7b"))
+    assert analyze(MoEConfig.preset("mixtral-8x7b"), "h100", "fp8", [np.int64(8)]).rows[0].cost.batch == 8
 
 
 def test_json_layer_counts(capsys):
@@ -271,3 +284,21 @@ def test_tables_name_the_identity_experts(capsys, tmp_path):
     assert main(["analyze", "--config", str(config), "--batches", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps at 120 columns
     assert "k=3 (and Z=2 identity experts: 2 experts run a token)" in out
+
+
+def test_measure_says_what_it_measures_on_a_terminal_only(capsys, monkeypatch):
+    """``analyze --measure`` ran 17 s here before its first line: a spinner on stderr now names each step (the
+    ceilings, the router's calibration, each batch); through a pipe stderr stays empty and stdout the JSON."""
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE"):  # what makes rich take a pipe for a terminal
+        monkeypatch.delenv(name, raising=False)
+    argv = ["analyze", *TINY, "--batches", "1", "--measure", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and json.loads(out)["measured"]["rows"][0]["batch"] == 1
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich then draws as on a terminal
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["measured"]["rows"][0]["batch"] == 1
+    for step in ("the copy bandwidth and matmul rate of cpu", "the router's expert-touch calibration",
+                 "batch 1 (1 of 1)"):
+        assert f"analyze --measure: {step} ..." in err, err

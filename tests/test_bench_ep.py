@@ -47,3 +47,20 @@ def test_profile_counts_the_exact_dispatchs_one_host_read_and_the_padded_none(do
         assert profile["layer"]["host_syncs"] == profile["route"]["host_syncs"] + 1, row["dispatch"]
         assert profile["combine"]["host_syncs"] == 0 and profile["combine"]["launches"] >= 1
         assert profile["layer"]["launches"] > profile["experts"]["launches"] + profile["route"]["launches"]
+
+
+def test_run_without_torchrun_is_one_line_saying_how(capsys, monkeypatch):
+    """``python -m moekit.bench.ep`` outside torchrun died in torch's env:// rendezvous with a traceback ("environment
+    variable RANK expected, but not set"); its help showed no defaults and the docstring's rst markup."""
+    from moekit.bench import ep
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        ep.main(["--tiny"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and err == ("python -m moekit.bench.ep: error: run it under torchrun, which sets RANK "
+                                           "and WORLD_SIZE: torchrun --standalone --nproc-per-node 2 -m "
+                                           "moekit.bench.ep ...")
+    text = " ".join(ep.build_parser().format_help().split())
+    assert "``" not in text and "(default: both)" in text and "default 20)" in text and "default 120)" in text

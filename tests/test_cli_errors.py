@@ -110,6 +110,14 @@ CASES = [
     (["bench", "--hf", "--offload-dtype", "mxfp4"], "--offload-dtype applies to --offload"),
     (["bench", "--cpu-experts", "--layers", "2"], "--layers applies to --hf"),
     (["bench", "--train", "--repeats", "3"], "--repeats applies to --hf or --cpu-experts"),
+    # the kernel cells' flags in a mode that does not read them: dropped in silence too (--hf --batches 8)
+    (["bench", "--hf", "--batches", "8"], "--batches applies to the kernel cells, --offload, --train, --cpu-experts, "
+                                          "not to --hf"),
+    (["bench", "--offload", "--shapes", "mixtral-8x7b"], "--shapes applies to the kernel cells, --train, not to "
+                                                          "--offload"),
+    (["bench", "--hf", "--backends", "triton"], "--backends applies to the kernel cells, --train, --cpu-experts, not "
+                                                "to --hf"),
+    (["bench", "--train", "--no-plot"], "--no-plot applies to the kernel cells, not to --train"),
     (["tune"], "give --preset"),
     (["tune", "--preset", "nope"], "--preset"),
     (["tune", "--shape", "8,16"], "--shape"),
@@ -251,6 +259,25 @@ def test_every_subcommand_says_what_it_does_and_every_option_has_help():
     assert "(default: 1,8,32,64,128,256,512,1024,4096,16384 on the GPU, 1,8,32,128,512 on the CPU)" in bench
     tune = " ".join(commands["tune"].format_help().split())
     assert "(default: bfloat16)" in tune and "i.e. ~/.config/moekit/configs" in tune and "(default: no limit)" in tune
+
+
+def test_every_option_with_a_default_says_it_in_its_help():
+    """analyze's --utilization / --reserve-gib / --batches / --link-gbps and bench --offload's six options ran with
+    defaults their help did not show (a user reads 0.92 of memory or three cache fractions nowhere but the code)."""
+    commands = _subparsers(build_parser())
+    commands |= {f"simulate {k}": v for k, v in _subparsers(commands["simulate"]).items()}
+    hidden = {}
+    for name, parser in commands.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+                continue
+            if "default" not in (formatter._get_help_string(action) or "").lower():
+                hidden.setdefault(name, []).append(action.option_strings[-1])
+    assert not hidden
+    analyze = " ".join(commands["analyze"].format_help().split())
+    assert "(default 0.92, vLLM's gpu_memory_utilization)" in analyze
+    assert "(default 1,8,32,64,128,256,512,4096)" in analyze
 
 
 def test_config_without_layer_count_takes_layers(files, capsys):

@@ -1,10 +1,12 @@
 """Every experts backend against a float64 per-token loop (``_helpers.experts_loop``)."""
 
+import functools
+
 import pytest
 import torch
 
 from _helpers import TOLERANCE, experts_loop, make_problem, rel_l2
-from moekit.experts import available_backends, get_backend, run_experts
+from moekit.experts import available_backends, call_backend, get_backend, run_experts
 
 BACKENDS = ["reference", "grouped_mm"]
 
@@ -74,6 +76,23 @@ def test_bad_arguments_are_named(mutate, error, match):
         run_experts(*problem)
     with pytest.raises(ValueError, match="backend must be one of"):
         run_experts(*make_problem(4, 2, 3, 8, 4, seed=0), backend="cutlass")
+
+
+@pytest.mark.parametrize("position, name", [(0, "x"), (1, "w13"), (2, "w2"), (3, "topk_ids"), (4, "topk_weights")])
+@pytest.mark.parametrize("value", [None, [[1.0, 2.0]]])
+@pytest.mark.parametrize("entry", ["run_experts", "call_backend"])
+def test_an_argument_that_is_no_tensor_is_named(position, name, value, entry):
+    """None or a list where a tensor goes raised AttributeError ('NoneType' object has no attribute 'device'); now a
+    TypeError naming the argument and what it must be, from both public entries."""
+    problem = list(make_problem(4, 2, 3, 8, 4, seed=0))
+    problem[position] = value
+    kind = "a torch.Tensor or a moekit.quant QuantizedWeight" if name in ("w13", "w2") else "a torch.Tensor"
+    call = run_experts if entry == "run_experts" else functools.partial(call_backend, get_backend("reference"))
+    with pytest.raises(TypeError, match=f"^{name} must be {kind}.*, got {type(value).__name__}$"):
+        call(*problem)
+    problem = list(make_problem(4, 2, 3, 8, 4, seed=0))
+    with pytest.raises(TypeError, match="^expert_map must be a torch.Tensor, got list$"):
+        call(*problem, expert_map=[0, 1, 2])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -218,6 +218,26 @@ def test_a_model_without_moe_blocks_warns():
     assert report.swapped == () and report.left == () and not swaps(model)
 
 
+@pytest.mark.parametrize(("call", "error", "said"), [
+    # a backend typo left every block on its own forward with the reason in report.left alone, no error or warning
+    (lambda m: moekit_hf.use_moekit_blocks(m, backend="cuda"), ValueError,
+     r"^backend must be one of \['reference', .*\] or 'auto', got 'cuda'$"),
+    (lambda m: moekit_hf.use_moekit_blocks(m, quant="int8_w8a16", keep_float="no"), TypeError,
+     "^keep_float must be a bool, got 'no'$"),  # a truthy string kept the float experts
+    # None read .modules() and raised AttributeError
+    (lambda m: moekit_hf.use_moekit_blocks(None), TypeError, "^model must be a torch.nn.Module, got NoneType$"),
+    (lambda m: moekit_hf.restore_blocks(None), TypeError, "^model must be a torch.nn.Module, got NoneType$"),
+    (lambda m: moekit_hf.prepare(None), TypeError, "^model must be a torch.nn.Module, got NoneType$"),
+    (lambda m: moekit_hf.offload_experts(None, 1 << 20, device="cpu"), TypeError,
+     "^model must be a torch.nn.Module, got NoneType$"),
+])
+def test_bad_arguments_are_refused_before_any_block_changes(call, error, said):
+    model, _ = tiny.build("glm4_moe")
+    with pytest.raises(error, match=said):
+        call(model)
+    assert not swaps(model)
+
+
 def test_fp8_experts_stay_fp8():
     """FineGrainedFP8Config's FP8Experts: the MoE reads them as they are (fp8_block, nothing copied); logits
     equal each block's plain moekit MoE."""

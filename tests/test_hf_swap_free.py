@@ -123,7 +123,7 @@ def test_paths_that_need_the_float_experts_raise_naming_keep_float():
         use_moekit_blocks(model, keep_float=False)
     use_moekit_blocks(model, quant="int8_w8a16", keep_float=False)
     want = _logits(model)
-    for options in (dict(quant="int4_w4a16", keep_float=False), dict(quant="int8_w8a16", backend="torch",
+    for options in (dict(quant="int4_w4a16", keep_float=False), dict(quant="int8_w8a16", backend="reference",
                                                                     keep_float=False), dict(quant="int8_w8a16")):
         with pytest.raises(FloatExpertsFreedError, match="keep_float=False"):
             use_moekit_blocks(model, **options)

@@ -314,3 +314,25 @@ def test_forward_under_autograd_gives_the_values_and_backward_says_why_it_cannot
         out.sum().backward()
     with torch.no_grad():
         assert not layer(x).requires_grad
+
+
+def test_quantize_and_a_cast_are_refused_where_they_would_not_reach_the_cached_experts():
+    """``quantize_`` of an OffloadedMoE quantized its empty own w13 (the repr said quant=int8_w8a16) while the cache
+    kept serving the float experts: the output stayed the float layer's. ``.to(torch.bfloat16)`` cast the gate and the
+    shared expert, not the cached experts, and the forward failed on "x, w13 and w2 must share a dtype". Both are
+    refused naming the order that works; a move, a same-dtype call and a quantized layer's cast (quantized experts
+    take any x dtype, as the plain layer's) still work."""
+    moe = _moe(shared_expert_intermediate_size=N)
+    off = OffloadedMoE.from_moe(moe, cache_experts=3, device="cpu")
+    x = _x(7)
+    want = off(x)
+    with pytest.raises(ValueError, match=r"quantize the MoE, then offload it: OffloadedMoE.from_moe\(moe.quantize_\("):
+        off.quantize_("int8_w8a16")
+    with pytest.raises(TypeError, match="its experts are torch.float32 in its ExpertCache, which a cast of the layer"):
+        off.to(torch.bfloat16)
+    assert off.quant_scheme is None and off.gate.weight.dtype == torch.float32
+    assert torch.equal(off.to("cpu").float()(x), want)
+    assert rel_l2(want, moe(x)) < TOLERANCE[torch.float32]
+    quantized = _moe().quantize_("int8_w8a16")
+    off_q = OffloadedMoE.from_moe(quantized, cache_experts=3, device="cpu").to(torch.bfloat16)
+    assert rel_l2(off_q(x.bfloat16()).float(), quantized.to(torch.bfloat16)(x.bfloat16()).float()) < 1e-2

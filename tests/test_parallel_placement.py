@@ -85,6 +85,18 @@ def test_rank_loads_split_replicas_evenly():
         rank_loads(p, [1.0, float("nan"), 2.0])
 
 
+def test_sizes_and_loads_of_the_wrong_type_are_named():
+    """round_robin_placement(8.0, 2) raised "'float' object cannot be interpreted as an integer" and a 2-D tensor of
+    loads "float() argument must be a string or a real number": neither named the argument."""
+    with pytest.raises(ValueError, match="^num_experts must be a positive int, got 8.0$"):
+        round_robin_placement(8.0, 2)
+    with pytest.raises(ValueError, match="^world_size must be a positive int, got True$"):
+        contiguous_placement(8, True)
+    with pytest.raises(TypeError, match=r"^loads must be a 1-D sequence of numbers .*, got Tensor of shape \(2, 4\)$"):
+        eplb_placement(torch.ones(2, 4), 2)
+    assert eplb_placement(torch.tensor([5, 1, 1, 1]), 2) == eplb_placement([5.0, 1.0, 1.0, 1.0], 2)
+
+
 def test_lower_bound_is_mean_or_largest_share():
     assert load_lower_bound([4, 4, 4, 4], 2, 0) == 8.0  # mean
     assert load_lower_bound([12, 1, 1, 1], 2, 0) == 12.0  # one expert

@@ -180,6 +180,11 @@ def test_object_helpers():
     (lambda w: Q.from_tensors("mxfp4", q=torch.zeros(2, 8, 16, dtype=torch.uint8)), ValueError,
      r"needs the tensors \['scale'\]"),
     (lambda w: Q.from_tensors("mxfp4", q=w, scales=w), ValueError, r"\['scales'\] are not fields"),
+    # torch's own errors were "Tensor.item() cannot be called on meta tensors" and "device() received an invalid
+    # combination of arguments"
+    (lambda w: Q.quantize(w.to("meta"), "int8_w8a16"), ValueError, "w is on the meta device: it has no values"),
+    (lambda w: Q.quantize(w, "int8_w8a16").to(torch.float16), TypeError,
+     r"Int8Weight.to takes a device, got the dtype torch.float16: .*dequantize\(torch.float16\) gives a float copy"),
 ])
 def test_bad_input_is_named(call, error, match):
     with pytest.raises(error, match=match):

@@ -3,9 +3,13 @@
 import functools
 import json
 
+import pytest
+
 from moekit.cli import build_parser, main
 from moekit.cli import simulate as simulate_cli
 from moekit.sim.exercises import exercise3
+
+from _helpers import cli_error
 
 
 def test_simulate_json_has_the_issue_fields(capsys):
@@ -64,3 +68,13 @@ def test_a_run_shows_it_is_working_on_a_terminal_only(capsys, monkeypatch):
 def test_serve_defaults_to_loopback():
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--aux-steps", "5"], "moekit simulate: error: --aux-steps applies to --balance aux-loss, got --balance none"),
+    (["--bias-batches", "3", "--balance", "aux-loss"],
+     "moekit simulate: error: --bias-batches applies to --balance bias, got --balance aux-loss"),
+])
+def test_a_balance_methods_setting_with_another_method_is_refused(argv, line, capsys):
+    """--aux-steps without --balance aux-loss (or --bias-batches without bias) ran, the setting dropped in silence."""
+    assert cli_error(capsys, ["simulate", "--tokens", "16", *argv]) == line

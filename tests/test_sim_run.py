@@ -70,3 +70,11 @@ def test_json_has_the_issue_fields(default_run):
     for key in ("loads", "capacity", "dropped", "drop_rate", "imbalance", "experts_touched",
                 "total_params", "active_params", "sparsity", "touched_by_batch", "ep", "balance"):
         assert key in d
+
+
+@pytest.mark.parametrize("params", [None, {"experts": 8, "tokens": 16}])
+def test_params_that_are_no_simparams_are_named(params):
+    """simulate({"experts": 8, ...}) failed on "'dict' object has no attribute 'experts'"."""
+    with pytest.raises(TypeError, match=r"^params must be a moekit.sim.SimParams \(SimParams\(\*\*settings\)\), got "):
+        simulate(params)
+    assert simulate(SimParams(experts=8, tokens=16)).params["experts"] == 8

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +91,11 @@ def analyze(
     ``inclusion`` [E] replaces uniform routing with a measured per-expert load. ``gpu`` and ``fmt`` are specs
     or their names, as ``moekit analyze --gpu`` / ``--dtype`` take them (``"h100"``, ``"fp8"``; ``KeyError``
     naming the known ones)."""
+    if not isinstance(config, MoEConfig):  # else "'NoneType' object has no attribute 'num_experts'"
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if isinstance(batches, (str, numbers.Number)) or not all(
+            isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in batches):  # 1.5 was swept as is
+        raise TypeError(f"batches must be a sequence of ints (tokens in a batch), got {batches!r}")
     gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     bills = _bills(hf_config, gpu, fmt, num_gpus, utilization, reserve_gib) if hf_config is not None else None

@@ -251,28 +251,36 @@ def _print_table(rows: list[dict]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's command line (apart from ``main``, so the docs' test parses its lines without running)."""
-    parser = argparse.ArgumentParser(prog="python -m moekit.bench.ep", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moekit.bench.ep",
+                                     description=__doc__.split("\n")[0].replace("``", ""))
     parser.add_argument("--tokens", type=int, nargs="+",
                         help="tokens per rank (default 128 1024 4096 16384; tiny: 8 64)")
     parser.add_argument("--dispatch", choices=["exact", "padded", "both"], default="both",
-                        help="exact: counts all-to-all + one host sync; padded: max_tokens_per_rank rows, no sync")
-    parser.add_argument("--backend", default="auto", help="experts backend (auto, triton, grouped_mm, reference)")
+                        help="exact: counts all-to-all + one host sync; padded: max_tokens_per_rank rows, no sync "
+                        "(default: both)")
+    parser.add_argument("--backend", default="auto",
+                        help="experts backend (auto, triton, grouped_mm, reference; default auto)")
     parser.add_argument("--tiny", action="store_true", help="small fp32 shapes (CPU smoke test)")
     parser.add_argument("--check", action="store_true", help="first compare EPMoE with the single-process MoE")
     parser.add_argument("--overlap", type=int, nargs="+", default=[1, 2],
-                        help="chunk counts of the micro-batch overlap to time (1 = none; always timed)")
-    parser.add_argument("--reps", type=int, default=20, help="timed repetitions of each phase (the same on every rank)")
+                        help="chunk counts of the micro-batch overlap to time (1 = none; always timed; default 1 2)")
+    parser.add_argument("--reps", type=int, default=20,
+                        help="timed repetitions of each phase (the same on every rank; default 20)")
     parser.add_argument("--out", type=Path, help="JSON results file (rank 0 writes it)")
     parser.add_argument("--pg-timeout", type=float, default=120.0,
                         help="process group timeout in seconds: a collective that waits longer fails instead of "
-                        "hanging")
+                        "hanging (default 120)")
     parser.add_argument("--profile", action="store_true",
                         help="profile every phase at every M first: launches, host syncs, host and device us per call")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # else torch's env:// rendezvous traceback
+        parser.error("run it under torchrun, which sets RANK and WORLD_SIZE: torchrun --standalone --nproc-per-node 2 "
+                     "-m moekit.bench.ep ...")
     device, rank, world_size = _setup(args.pg_timeout)
     try:
         doc = run(device, rank, world_size, args)

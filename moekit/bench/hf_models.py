@@ -190,15 +190,19 @@ def select_impls(requested: list[str] | None, quant: str | None = None) -> list[
     return [n for n in order if n in wanted]
 
 
-def use_impl(model, impl: str, quant: str | None = None) -> None:
+def use_impl(model, impl: str, quant: str | None = None, quant_options: tuple = ()) -> None:
     """Run ``model`` with ``impl``: an experts implementation, ``BLOCKS_IMPL`` or ``QUANT_BLOCKS_IMPL`` (the blocks
-    swapped once, their experts quantized with ``quant`` for the latter, then put in place or switched off without
-    rebuilding anything: ``hf_wo.use_blocks``, so a compiled graph meets the same modules every pass)."""
+    swapped once, their experts quantized with ``quant`` and ``quant_options`` for the latter, then put in place or
+    switched off without rebuilding anything: ``hf_wo.use_blocks``, so a compiled graph meets the same modules every
+    pass)."""
     from moekit.hf.swap import set_blocks_active
 
     if impl in (BLOCKS_IMPL, QUANT_BLOCKS_IMPL):
         model.set_experts_implementation("moekit")  # for a block the swap leaves
-        use_blocks(model, quant if impl == QUANT_BLOCKS_IMPL else None)
+        if impl == QUANT_BLOCKS_IMPL:
+            use_blocks(model, quant, quant_options)
+        else:
+            use_blocks(model, None)
     else:
         set_blocks_active(model, False)
         model.set_experts_implementation(impl)

@@ -35,7 +35,8 @@ def hf_table(doc: dict) -> Table:
     model, quant = doc["model"], doc.get("quant")
     experts = f", {model['quant']} experts" if model.get("quant") else ""
     if quant is not None:  # weight-only: the float model, one row's blocks quantized
-        experts = f"; {quant['impl']}: its blocks' experts {quant['scheme']}"
+        options = ", ".join(f"{k}={v}" for k, v in quant.get("options", {}).items())
+        experts = f"; {quant['impl']}: its blocks' experts {quant['scheme']}{f' ({options})' if options else ''}"
     t = Table(title=f"moekit bench --hf: {model['name']} ({model['widths']} widths, {doc['layers']} layers, "
                     f"{model['dtype']}{experts}) on {doc['device']}")
     for col in ("impl", "mode", "decode tok/s", "step tok/s", "prefill ms", "logits err vs eager",

@@ -28,7 +28,7 @@ from moekit.bench.hf_models import (
 )
 from moekit.bench.hf_quant import FP8_METHOD, FP8_TINY, quantize_experts_fp8, unavailable
 from moekit.bench.hf_rows import ERR_EAGER, ERR_FP64, NO_REFERENCE, Row
-from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, BLOCK_QUANTS, WO_METHOD, freed_memory
+from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, BLOCK_QUANTS, freed_memory, wo_method
 from moekit.bench.run import commit_id, device_name
 
 RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
@@ -51,6 +51,8 @@ class HFBenchOptions:
     # None: float experts; "fp8": transformers' fine-grained fp8 experts (hf_quant); one of hf_wo.BLOCK_QUANTS: the
     # float model, and its blocks swapped to moekit's layer and quantized with it (the QUANT_BLOCKS_IMPL row)
     quant: str | None = None
+    # a BLOCK_QUANTS scheme's quantizer options (--hf-quant-options) as use_moekit_blocks keeps them: sorted pairs
+    quant_options: tuple[tuple[str, object], ...] = ()
 
 
 HF_DTYPES = ("float32", "bfloat16", "float16")
@@ -116,7 +118,7 @@ def _compare(row: Row, metric: str, logits: torch.Tensor, ref: torch.Tensor | No
 
 def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logits, fp64: Float64Prefill):
     """One prefill with all logits (the error checks) and one decode: (logits or None, Decode or None)."""
-    use_impl(model, row.impl, opts.quant)
+    use_impl(model, row.impl, opts.quant, opts.quant_options)
     logits = row.attempt("prefill_ms", lambda: _prefill_all_logits(model, row.impl, inputs.batch, opts.quant))
     if logits is None:
         row.errors[ERR_EAGER] = row.errors[ERR_FP64] = row.errors["prefill_ms"]
@@ -202,7 +204,7 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
 def _warm_compiled(model, row: Row, inputs: Inputs, opts: HFBenchOptions, config, ref: hm.Decode | None):
     """One compiled decode of ``row``'s implementation (compiles it) and its error against ``ref``: the Decode
     or None."""
-    use_impl(model, row.impl, opts.quant)
+    use_impl(model, row.impl, opts.quant, opts.quant_options)
     dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens,
                                                        compiled=config, keep_logits=True))
     if dec is None:
@@ -258,7 +260,7 @@ def _not_attempted(row: Row, reason: str, *metrics: str) -> None:
 
 def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled) -> str:
     """One timed decode (and, in eager mode, prefill) of ``row``'s implementation; a line for the log."""
-    use_impl(model, row.impl, opts.quant)
+    use_impl(model, row.impl, opts.quant, opts.quant_options)
     done = []
     if "decode_tok_s" not in row.errors:
         dec = row.attempt("decode_tok_s",
@@ -315,7 +317,7 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
     if opts.quant == "fp8":
         quantize_experts_fp8(model)
     inputs = make_inputs(config.vocab_size, opts, device)
-    fp64, quant_cost = _float64_prefills(model, inputs.batch, opts.quant, log)
+    fp64, quant_cost = _float64_prefills(model, inputs.batch, opts, log)
     eager = measure_eager(model, impls, inputs, opts, log, fp64)
     del fp64
     rows = eager.rows
@@ -325,23 +327,24 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
         float64_decode_errors(model, compiled, inputs.prompt, opts.quant)
         log("float64 decode steps: " + ", ".join(f"{r.impl} {_fp64_text(r)}" for r in compiled.rows))
         rows += compiled.rows
-    memory = freed_memory(model, opts.quant, log) if opts.quant in BLOCK_QUANTS else None
+    memory = freed_memory(model, opts.quant, opts.quant_options, log) if opts.quant in BLOCK_QUANTS else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return _document(device, opts, config, dtype, [r.finish(opts.decode_tokens) for r in rows], quant_cost, memory)
 
 
-def _float64_prefills(model, batch: torch.Tensor, quant: str | None, log) -> tuple[Float64Refs, float | str | None]:
-    """The float64 prefill logits of the model's weights and, for a weight-only ``quant``, of its blocks' quantized
-    experts dequantized (those blocks made here); and the latter's relative error against the former (the
-    quantization's own cost; its failure as text; None: no weight-only run)."""
+def _float64_prefills(model, batch: torch.Tensor, opts: HFBenchOptions, log) -> tuple[Float64Refs, float | str | None]:
+    """The float64 prefill logits of the model's weights and, for a weight-only ``opts.quant``, of its blocks'
+    quantized experts dequantized (those blocks made here, with ``opts.quant_options``); and the latter's relative
+    error against the former (the quantization's own cost; its failure as text; None: no weight-only run)."""
+    quant = opts.quant
     fp64 = Float64Refs(float64_prefill(model, batch))
     log(f"float64 prefill (eager experts{', streamed' if fp64.weights.streamed else ''}): "
         f"{fp64.weights.error or 'done'}")
     if quant not in BLOCK_QUANTS:
         return fp64, None
-    use_impl(model, QUANT_BLOCKS_IMPL, quant)  # quantized now: the float64 model reads its experts
+    use_impl(model, QUANT_BLOCKS_IMPL, quant, opts.quant_options)  # quantized now: the float64 model reads them
     fp64.quantized = float64_prefill(model, batch, blocks_quant=quant)
     log(f"float64 prefill ({quant} experts dequantized): {fp64.quantized.error or 'done'}")
     missing = fp64.weights.error or fp64.quantized.error
@@ -361,8 +364,8 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
         # a weight-only run: the scheme, its row, the float64 model of its dequantized experts against the float
         # one's prefill logits (a float, or why not), and the model's bytes with its float experts freed (hf_wo.
         # freed_memory: a dict, or why not)
-        **({"quant": {"scheme": opts.quant, "impl": QUANT_BLOCKS_IMPL, "fp64_logits_rel_err": quant_cost,
-                      "memory": memory}}
+        **({"quant": {"scheme": opts.quant, "options": dict(opts.quant_options), "impl": QUANT_BLOCKS_IMPL,
+                      "fp64_logits_rel_err": quant_cost, "memory": memory}}
            if opts.quant in BLOCK_QUANTS else {}),
         "layers": opts.layers,
         "settings": asdict(opts),
@@ -379,7 +382,7 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
             "modeling code casts on purpose: RMSNorm statistics, router softmax, rotary cos/sin); compiled: "
             "generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
             "all implementations warmed first, repeats round-robin, medians"
-            + (FP8_METHOD if opts.quant == "fp8" else WO_METHOD.format(quant=opts.quant) if opts.quant else "")
+            + (FP8_METHOD if opts.quant == "fp8" else wo_method(opts.quant, opts.quant_options) if opts.quant else "")
         ),
         "rows": rows,
     }

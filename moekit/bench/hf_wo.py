@@ -36,23 +36,30 @@ from moekit.bench.hf_measure import error_text
 BLOCK_QUANTS = ("int8_w8a16", "int4_w4a16", "mxfp4", "fp8_block")
 QUANT_BLOCKS_IMPL = "moekit_blocks_quant"  # the row of the blocks whose experts are quantized
 _SETS_ATTR = "_moekit_bench_block_sets"  # on the model: {quant or None: {block: its BlockSwap}}
-WO_METHOD = ("; {quant} (--hf-quant): moekit_blocks_quant is every MoE block swapped by "
-             "moekit.hf.use_moekit_blocks(model, quant='{quant}'), its experts quantized from the model's random "
-             "float weights by MoE.quantize_ (router, attention, head in dtype); every other row runs the same "
-             "model unquantized; its float64 reference is the model with those experts dequantized "
-             "(QuantizedWeight.dequantize) in float64; quant.fp64_logits_rel_err: that float64 model's prefill "
-             "logits against the float model's in float64 (the quantization's own cost)")
+_WO_METHOD = ("; {quant} (--hf-quant): moekit_blocks_quant is every MoE block swapped by "
+              "moekit.hf.use_moekit_blocks(model, quant='{quant}'{options}), its experts quantized from the model's "
+              "random float weights by MoE.quantize_ (router, attention, head in dtype); every other row runs the same "
+              "model unquantized; its float64 reference is the model with those experts dequantized "
+              "(QuantizedWeight.dequantize) in float64; quant.fp64_logits_rel_err: that float64 model's prefill "
+              "logits against the float model's in float64 (the quantization's own cost)")
 
 
-def use_blocks(model: nn.Module, quant: str | None) -> None:
-    """Every MoE block of ``model`` runs moekit's layer, its experts quantized with ``quant`` (None: the float ones):
-    that set of swapped blocks made on first use and kept, put back in place (and switched on) on later ones.
-    RuntimeError where a block is left with a ``quant`` (its float forward would pass for quantized)."""
+def wo_method(quant: str, quant_options: tuple) -> str:
+    """The document's method sentence of a ``BLOCK_QUANTS`` run, its quantizer options named where any are set."""
+    options = f", quant_options={dict(quant_options)!r}" if quant_options else ""
+    return _WO_METHOD.format(quant=quant, options=options)
+
+
+def use_blocks(model: nn.Module, quant: str | None, quant_options: tuple = ()) -> None:
+    """Every MoE block of ``model`` runs moekit's layer, its experts quantized with ``quant`` (None: the float ones)
+    and ``quant_options`` ((name, value) pairs, ``--hf-quant-options``): that set of swapped blocks made on first use
+    and kept, put back in place (and switched on) on later ones. RuntimeError where a block is left with a ``quant``
+    (its float forward would pass for quantized)."""
     from moekit.hf.swap import SWAP_ATTR, use_moekit_blocks
 
     sets = model.__dict__.setdefault(_SETS_ATTR, {})
     if quant not in sets:
-        report = use_moekit_blocks(model, quant=quant)
+        report = use_moekit_blocks(model, quant=quant, quant_options=dict(quant_options) or None)
         if quant is not None and report.left:
             raise RuntimeError(f"{quant}: {len(report.left)} MoE blocks stay float ({report.left[0].path}: "
                                f"{report.left[0].reason})")
@@ -82,31 +89,31 @@ def dequantized_blocks_float64(model: nn.Module, quant: str) -> dict[str, torch.
     return out
 
 
-def freed_memory(model: nn.Module, quant: str, log) -> dict | str:
+def freed_memory(model: nn.Module, quant: str, quant_options: tuple, log) -> dict | str:
     """``_freed_memory``'s figures (logged), or its failure as text (the rows stand)."""
     try:
-        memory = _freed_memory(model, quant)
+        memory = _freed_memory(model, quant, quant_options)
     except Exception as err:  # noqa: BLE001  (recorded in the document)
         memory = error_text(err)
     log(f"{QUANT_BLOCKS_IMPL} with keep_float=False: {memory}")
     return memory
 
 
-def _freed_memory(model: nn.Module, quant: str) -> dict:
+def _freed_memory(model: nn.Module, quant: str, quant_options: tuple) -> dict:
     """The model's parameter + buffer bytes (``model_bytes``) before and after its blocks quantized with ``quant``
     (``use_blocks``) free their float experts (``keep_float=False``: no requantization), the float experts' bytes
     freed and the quantized ones' (the report's), and on CUDA ``torch.cuda.memory_allocated`` before and after.
     The last step of a run: the unquantized set of blocks is dropped (its MoEs read the float experts)."""
     from moekit.hf.swap import use_moekit_blocks
 
-    use_blocks(model, quant)
+    use_blocks(model, quant, quant_options)
     del model.__dict__[_SETS_ATTR]  # the float set's MoEs hold the float experts
     gc.collect()
     cuda = next(model.parameters()).device.type == "cuda"
     memory = {"model_bytes_before": model_bytes(model)}
     if cuda:
         memory["allocated_before"] = torch.cuda.memory_allocated()
-    report = use_moekit_blocks(model, quant=quant, keep_float=False)
+    report = use_moekit_blocks(model, quant=quant, keep_float=False, quant_options=dict(quant_options) or None)
     gc.collect()
     memory.update(model_bytes_after=model_bytes(model), experts_float_bytes=report.freed_bytes,
                   experts_quant_bytes=report.quant_bytes)

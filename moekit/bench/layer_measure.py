@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -80,9 +81,12 @@ class Measurement:
     rows: list[MeasuredRow]
 
 
-def measure(config: MoEConfig, batches: tuple[int, ...], budget_s: float = 0.3) -> Measurement:
-    """Measure one routed-expert MoE layer of ``config``'s E and k over ``batches`` on the present device."""
+def measure(config: MoEConfig, batches: tuple[int, ...], budget_s: float = 0.3,
+            on_step: Callable[[str], None] = lambda step: None) -> Measurement:
+    """Measure one routed-expert MoE layer of ``config``'s E and k over ``batches`` on the present device;
+    ``on_step`` hears what is measured next (the ceilings, then each batch)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_step(f"the copy bandwidth and matmul rate of {device}")
     ceilings = _ceilings(device)
     name = next(iter(ceilings.dense_tflops))  # the harness's matmul dtype: bf16 on CUDA, float32 on the CPU
     dtype = getattr(torch, name)
@@ -92,8 +96,12 @@ def measure(config: MoEConfig, batches: tuple[int, ...], budget_s: float = 0.3) 
     if scale > 1:
         note += f"; K and N divided by {scale} to fit the {_budget(device) / GIB:.2f} GiB weight budget"
     layer = MoE(cfg, dtype=dtype, device=device)
+    on_step("the router's expert-touch calibration")
     inclusion = _calibrate(layer, cfg)
-    rows = [_measure_batch(layer, cfg, b, fmt, ceilings, budget_s, inclusion) for b in batches]
+    rows = []
+    for i, b in enumerate(batches):
+        on_step(f"batch {b} ({i + 1} of {len(batches)})")
+        rows.append(_measure_batch(layer, cfg, b, fmt, ceilings, budget_s, inclusion))
     return Measurement(str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                        layer.resolved_backend(), fmt.name, cfg.hidden_size, cfg.moe_intermediate_size, scale,
                        note, ceilings, rows)

@@ -13,7 +13,8 @@ DEFAULT_LINK_GBPS = 25.0  # a PCIe 4.0 x16 host link's practical pinned copy rat
 def add_arguments(p) -> None:
     g = p.add_argument_group("offload (host-resident experts behind a GPU expert cache)")
     g.add_argument("--offload", action="store_true", help="add the offloaded decode step's prediction")
-    g.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="host -> GPU copy rate, GB/s")
+    g.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
+                   help=f"host -> GPU copy rate, GB/s (default {DEFAULT_LINK_GBPS:g}: PCIe 4.0 x16, pinned copies)")
     g.add_argument("--cache-experts", type=int,
                    help="GPU expert slots for the whole model (default: half of all routed experts)")
     g.add_argument("--hit-rate", type=float,

@@ -178,3 +178,12 @@ def save_figure(draw: Callable[[str], None], path: str, *, to_stderr: bool = Fal
     except OSError as err:
         raise UsageError(f"--plot: cannot write {path}: {err.strerror or err}") from err
     print(f"wrote {path}", file=sys.stderr if to_stderr else sys.stdout)
+
+
+def working(what: str):
+    """A spinner on stderr while a run works (``moekit simulate``'s exercises 10-25 s on a 2-core CPU, ``analyze
+    --measure`` 17 s: silent before); ``.update(text)`` changes what it says. rich draws it on a terminal only, so
+    pipes and ``--json`` output stay clean."""
+    from rich.console import Console
+
+    return Console(stderr=True).status(f"{what} ...")

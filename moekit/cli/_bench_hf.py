@@ -41,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "quantized by moekit (fp8_block: the fp8 recipe for every model, gpt-oss-20b too) "
                    "(use_moekit_blocks(model, quant=...)); --hf-impls defaults to moekit_blocks,no_experts beside it "
                    "(every model). Default: off, the experts in --hf-dtype")
+    g.add_argument("--hf-quant-options", default=None, metavar="NAME=VALUE,...",
+                   help="the quantizer options of --hf-quant's scheme (moekit's quantizer: int4_w4a16 group_size=32|64|"
+                   "128 and symmetric=true|false, fp8_block block_shape=RxC such as 64x128; int8_w8a16 and mxfp4 take "
+                   "none), as use_moekit_blocks(quant_options=...) takes them; recorded in the JSON (options under "
+                   "quant). Default: the scheme's defaults (int4 group_size=128, asymmetric; fp8_block 128x128)")
     g.add_argument("--tiny", action="store_true",
                    help="tiny widths, with --hf or --offload (a smoke run; the tests use it)")
 
@@ -56,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
     from moekit.bench.hf_quant import check_quant, quant_models
     from moekit.bench.hf_report import hf_results_path, print_hf_report
     from moekit.bench.hf_run import default_options, run_hf_bench
+    from moekit.bench.hf_wo import BLOCK_QUANTS
     from moekit.bench.report import write_json
     from moekit.cli._args import UsageError
+    from moekit.cli._quant_options import parse_quant_options
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models = quant_models(args.hf_quant, model_names()) if args.hf_model == "all" else args.hf_model.split(",")
@@ -68,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         for name in models:
             check_quant(args.hf_quant, name)
         select_impls(list(impls) if impls else None, args.hf_quant)
-        options = [_options(args, name, device, impls, default_options) for name in models]
+        quant_options = parse_quant_options(args.hf_quant_options, args.hf_quant, BLOCK_QUANTS)
+        options = [_options(args, name, device, impls, default_options, quant_options) for name in models]
     except ValueError as err:
         raise UsageError(f"--{err}") from None
     console = Console(width=120)
@@ -85,14 +93,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _options(args, name, device, impls, default_options):
+def _options(args, name, device, impls, default_options, quant_options):
     from moekit.bench.hf_run import model_dtype
 
     opts = default_options(name, device, args.tiny, layers=args.layers, decode_tokens=args.decode_tokens,
                            prompt_len=args.prompt_len, prefill_batch=args.prefill_batch,
                            prefill_len=args.prefill_len, repeats=args.repeats, compile=args.compile,
                            compile_backend=args.compile_backend, impls=impls, dtype=args.hf_dtype,
-                           quant=args.hf_quant)
+                           quant=args.hf_quant, quant_options=quant_options or None)
     model_dtype(opts, device)  # a bad --hf-dtype fails here, before any model is built
     _check_compile_backend(args.compile_backend)
     for flag in ("layers", "decode_tokens", "prompt_len", "prefill_batch", "prefill_len", "repeats"):

@@ -14,21 +14,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode through offloaded DeepSeek-V3-width layers (E=256, N=2048, K=7168, top-8) whose "
                    "experts exceed the GPU budget; measures the host link and the CPU expert rate first (on the CPU "
                    "or with --tiny: E=16, K=64, N=32, top-2, a smoke run)")
-    g.add_argument("--offload-layers", type=positive_int, default=2, help="MoE layers sharing the cache")
+    g.add_argument("--offload-layers", type=positive_int, default=2, help="MoE layers sharing the cache (default 2)")
     g.add_argument("--cache-fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
-                   help="GPU cache sizes as fractions of all routed experts")
-    g.add_argument("--offload-steps", type=positive_int, default=3, help="timed decode steps per configuration")
+                   help="GPU cache sizes as fractions of all routed experts, space- or comma-separated (default "
+                   "0.25,0.5,0.75)")
+    g.add_argument("--offload-steps", type=positive_int, default=3,
+                   help="timed decode steps per configuration (default 3)")
     g.add_argument("--offload-places", action=ListOption, item=_place, default=["gpu", "cpu", "auto"],
-                   help="where misses run (compute_misses_on): gpu, cpu, auto")
+                   help="where misses run (compute_misses_on): gpu, cpu, auto (default: all three)")
     g.add_argument("--offload-streams", action=ListOption, item=_stream, default=["uniform", "skewed"],
-                   help="simulated routing streams: uniform, skewed")
+                   help="simulated routing streams: uniform, skewed (default: both)")
     g.add_argument("--offload-online-cpu-rate", action="store_true",
                    help='"auto" layers price CPU experts by an online estimate of the CPU rate '
                    '(moekit.offload.CpuRate)')
     g.add_argument("--offload-dtype", default="float", metavar="DTYPE",
                    help="the experts' format: float (bf16 on CUDA, float32 on the CPU) or a moekit.quant scheme "
                    "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the "
-                   "link")
+                   "link (default float)")
 
 
 def run(args: argparse.Namespace) -> int:

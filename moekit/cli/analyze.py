@@ -23,7 +23,7 @@ from moekit.analysis.roofline import MAX_BATCH
 from moekit.analysis.touch import inclusion_from_counts
 from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
 from moekit.cli._analyze_offload import check_offload_flags, offload_rows, offload_table, offload_to_json
-from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
+from moekit.cli._args import ListOption, UsageError, plot_path, save_figure, working
 from moekit.cli._model_source import add_source_arguments, layer_config, preset_source, read_config_json
 from moekit.config import MoEConfig
 
@@ -51,12 +51,16 @@ def register(subparsers) -> None:
     hw.add_argument("--tflops", type=float, help="override the GPU's dense TFLOP/s in the format's compute dtype")
     hw.add_argument("--memory-gib", type=float, help="override the GPU's capacity")
     hw.add_argument("--gpus", type=int, default=1, help="GPUs the weights are split over, for the fit (default 1)")
-    hw.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION, help="memory fraction an engine uses")
+    hw.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION,
+                    help=f"memory fraction an engine uses (default {DEFAULT_UTILIZATION:g}, vLLM's "
+                    "gpu_memory_utilization)")
     hw.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
-                    help="per-GPU reserve for activations, graphs, non-torch memory (GiB)")
+                    help=f"per-GPU reserve for activations, graphs, non-torch memory (GiB; default "
+                    f"{DEFAULT_RESERVE_GIB:g})")
     out = p.add_argument_group("output")
     out.add_argument("--batches", action=ListOption, item=_batch, default=list(DEFAULT_BATCHES),
-                     help=f"batch sizes to sweep, space- or comma-separated, each in [1, {MAX_BATCH}]")
+                     help=f"batch sizes to sweep, space- or comma-separated, each in [1, {MAX_BATCH}] (default "
+                     f"{','.join(map(str, DEFAULT_BATCHES))})")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
     out.add_argument("--plot", metavar="OUT_PNG", type=plot_path, help="write the curves to this image")
     out.add_argument("--measure", action="store_true",
@@ -163,7 +167,9 @@ def run(args) -> int:
     if args.measure:
         from moekit.bench.layer_measure import measure
 
-        measurement = measure(cfg, tuple(args.batches))
+        with working("analyze --measure") as status:
+            measurement = measure(cfg, tuple(args.batches),
+                                  on_step=lambda step: status.update(f"analyze --measure: {step} ..."))
     if args.json:
         _print_json(report, measurement, offload)
     else:

@@ -56,13 +56,18 @@ def register(subparsers) -> None:
 # dropped in silence (bench --train --tiny ran the full widths), so it is refused, naming where it applies.
 _MODE_FLAGS = {
     ("hf",): ("hf_model", "hf_impls", "layers", "decode_tokens", "prompt_len", "prefill_batch", "prefill_len",
-              "compile", "compile_backend", "hf_dtype", "hf_quant"),
+              "compile", "compile_backend", "hf_dtype", "hf_quant", "hf_quant_options"),
     ("hf", "cpu_experts"): ("repeats",),
     ("hf", "offload"): ("tiny",),
     ("offload",): ("offload_layers", "cache_fractions", "offload_steps", "offload_places", "offload_streams",
                    "offload_online_cpu_rate", "offload_dtype"),
 }
 _DEFAULTS: dict = {}  # dest -> the parser's default for every option, read when the parser is built
+# The kernel cells' flags each other mode reads (--dtype / --budget-s: _run's own check); the rest it dropped in
+# silence (bench --hf --batches 8 ran its own sizes).
+_CELL_FLAGS = ("shapes", "batches", "backends", "no_plot")
+_MODE_READS = {"hf": (), "offload": ("batches",), "train": ("shapes", "batches", "backends"),
+               "cpu_experts": ("batches", "backends")}
 
 
 def _check_mode_flags(args: argparse.Namespace) -> None:
@@ -82,6 +87,13 @@ def _run(args: argparse.Namespace) -> int:
     if modes and (args.budget_s or (args.dtype and modes != ["--cpu-experts"])):
         raise UsageError(f"--dtype and --budget-s apply to the kernel cells (--dtype also to --cpu-experts), "
                          f"not to {modes[0]}")
+    for mode in modes:
+        unread = [f for f in _CELL_FLAGS if getattr(args, f) and f not in _MODE_READS[mode[2:].replace("-", "_")]]
+        unread = [f for f in unread if mode != "--cpu-experts" or f != "shapes"]  # its own line: use --shape
+        if unread:
+            takers = ["the kernel cells"] + [f"--{m.replace('_', '-')}" for m, r in _MODE_READS.items()
+                                             if unread[0] in r]
+            raise UsageError(f"--{unread[0].replace('_', '-')} applies to {', '.join(takers)}, not to {mode}")
     if not args.cpu_experts and (args.shape or args.threads or args.act_dtype):
         flag = "shape" if args.shape else "threads" if args.threads else "act-dtype"
         raise UsageError(f"--{flag} applies to --cpu-experts (the kernel cells take --shapes)")

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict
 
 from moekit.cli import _simulate_cache
-from moekit.cli._args import DefaultsHelpFormatter, UsageError, plot_path, save_figure
+from moekit.cli._args import DefaultsHelpFormatter, UsageError, plot_path, save_figure, working
 from moekit.cli._model_source import add_source_arguments, source_of
 from moekit.config import MoEConfig
 from moekit.sim import BALANCE_METHODS, SimParams, simulate
@@ -63,11 +63,16 @@ def register(subparsers) -> None:
 
 _SETTINGS = ("tokens", "capacity_factor", "skew", "balance", "seed", "gpus", "spare_slots", "aux_steps",
              "bias_batches")  # SimParams' fields besides E and k, each its flag's value
+# a setting read by one --balance method only: given with another, it was dropped in silence
+_BALANCE_SETTINGS = {"aux_steps": "aux-loss", "bias_batches": "bias"}
 
 
 def _run(args: argparse.Namespace) -> int:
     config = _model(args)  # None: the default router (softmax top-k, renormalised)
     shape = {"experts": args.experts, "top_k": args.top_k}
+    for name, method in _BALANCE_SETTINGS.items():
+        if getattr(args, name) != getattr(_DEFAULTS, name) and args.balance != method:
+            raise UsageError(f"--{name.replace('_', '-')} applies to --balance {method}, got --balance {args.balance}")
     if config is not None:
         shape = {"experts": config.num_experts, "top_k": config.top_k}
     try:
@@ -75,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
                            **{n: getattr(args, n) for n in _SETTINGS})
     except ValueError as err:
         raise UsageError(_as_flag(str(err))) from err
-    with _working(f"simulating {params.tokens} tokens on E={params.experts}, top-{params.top_k}"):
+    with working(f"simulating {params.tokens} tokens on E={params.experts}, top-{params.top_k}"):
         result = simulate(params, config)
     print(json.dumps(result.to_dict(), indent=1) if args.json else summary(result))
     if args.plot:
@@ -106,16 +111,8 @@ def _as_flag(message: str) -> str:
 _EXERCISES = {1: exercise1, 2: exercise2, 3: exercise3}
 
 
-def _working(what: str):
-    """A spinner on stderr while a run works (10-25 s for the exercises on a 2-core CPU, silent before); rich
-    draws it on a terminal only, so pipes and ``--json`` output stay clean."""
-    from rich.console import Console
-
-    return Console(stderr=True).status(f"{what} ...")
-
-
 def _run_exercise(args: argparse.Namespace) -> int:
-    with _working(f"exercise {args.number}"):
+    with working(f"exercise {args.number}"):
         result = _EXERCISES[args.number]()
     print(json.dumps(asdict(result)) if args.json else _ANSWERS[args.number](result))
     if args.plot:

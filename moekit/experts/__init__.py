@@ -119,6 +119,8 @@ def run_experts(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Check the arguments, then run the chosen backend. See the module docstring for the contract."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor [M, K], got {type(x).__name__}")
     fn = backend_fn(backend, x.device)
     return call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
                         b13=b13, b2=b2)
@@ -323,41 +325,60 @@ def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None, *, a
     """Raise a clear error naming the argument when shapes, dtypes or devices do not fit together.
     On every eager call: each attribute is read once and the common case costs a few comparisons.
     Weights are not asked to be contiguous: a strided (transposed) view is a valid weight."""
-    gated = as_spec(activation).gated
-    x_shape, w13_shape, ids_shape = x.shape, w13.shape, topk_ids.shape
-    if len(x_shape) != 2:
-        raise ValueError(f"x must have shape [M, K], got {tuple(x_shape)}")
-    if len(w13_shape) != 3 or w13_shape[2] != x_shape[1] or (gated and w13_shape[1] % 2):
-        rows = "2N" if gated else "N (ungated activation)"
-        raise ValueError(f"w13 must have shape [E, {rows}, K={x_shape[1]}], got {tuple(w13_shape)}")
-    num_experts, rows, hidden = w13_shape
-    n = rows // 2 if gated else rows
-    if w2.shape != (num_experts, hidden, n):
-        raise ValueError(f"w2 must have shape [E={num_experts}, K={hidden}, N={n}], got {tuple(w2.shape)}")
-    if len(ids_shape) != 2 or ids_shape[0] != x_shape[0]:
-        raise ValueError(f"topk_ids must have shape [M={x_shape[0]}, k], got {tuple(ids_shape)}")
-    if topk_ids.dtype not in _ID_DTYPES:
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if topk_weights.shape != ids_shape:
-        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(ids_shape)}, got "
-                         f"{tuple(topk_weights.shape)}")
-    dtype, device = x.dtype, x.device
-    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):  # moekit.quant weights, any x dtype
-        from moekit.quant import check_quantized_pair  # imported on this path only (keeps the top import-free)
+    try:
+        gated = as_spec(activation).gated
+        x_shape, w13_shape, ids_shape = x.shape, w13.shape, topk_ids.shape
+        if len(x_shape) != 2:
+            raise ValueError(f"x must have shape [M, K], got {tuple(x_shape)}")
+        if len(w13_shape) != 3 or w13_shape[2] != x_shape[1] or (gated and w13_shape[1] % 2):
+            rows = "2N" if gated else "N (ungated activation)"
+            raise ValueError(f"w13 must have shape [E, {rows}, K={x_shape[1]}], got {tuple(w13_shape)}")
+        num_experts, rows, hidden = w13_shape
+        n = rows // 2 if gated else rows
+        if w2.shape != (num_experts, hidden, n):
+            raise ValueError(f"w2 must have shape [E={num_experts}, K={hidden}, N={n}], got {tuple(w2.shape)}")
+        if len(ids_shape) != 2 or ids_shape[0] != x_shape[0]:
+            raise ValueError(f"topk_ids must have shape [M={x_shape[0]}, k], got {tuple(ids_shape)}")
+        if topk_ids.dtype not in _ID_DTYPES:
+            raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        if topk_weights.shape != ids_shape:
+            raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(ids_shape)}, got "
+                             f"{tuple(topk_weights.shape)}")
+        dtype, device = x.dtype, x.device
+        if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):  # moekit.quant's: any x dtype
+            from moekit.quant import check_quantized_pair  # imported on this path only (keeps the top import-free)
 
-        check_quantized_pair(w13, w2)  # both QuantizedWeights of one scheme, or a TypeError naming the other
-    elif w13.dtype != dtype or w2.dtype != dtype:
-        raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
-    if w13.device != device or w2.device != device or topk_ids.device != device or topk_weights.device != device:
-        for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if t.device != device:
-                raise ValueError(f"{name} must be on {device} like x, got {t.device}")
-    if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != device):
-        raise ValueError(f"expert_map must be 1-D on {device}, got {tuple(expert_map.shape)} on {expert_map.device}")
-    if b13 is not None:
-        _check_bias("b13", b13, (num_experts, rows), f"{'2N' if gated else 'N'}={rows}", x)
-    if b2 is not None:
-        _check_bias("b2", b2, (num_experts, hidden), f"K={hidden}", x)
+            check_quantized_pair(w13, w2)  # both QuantizedWeights of one scheme, or a TypeError naming the other
+        elif w13.dtype != dtype or w2.dtype != dtype:
+            raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+        if w13.device != device or w2.device != device or topk_ids.device != device or topk_weights.device != device:
+            for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+                if t.device != device:
+                    raise ValueError(f"{name} must be on {device} like x, got {t.device}")
+        if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != device):
+            raise ValueError(f"expert_map must be 1-D on {device}, got {tuple(expert_map.shape)} on "
+                             f"{expert_map.device}")
+        if b13 is not None:
+            _check_bias("b13", b13, (num_experts, rows), f"{'2N' if gated else 'N'}={rows}", x)
+        if b2 is not None:
+            _check_bias("b2", b2, (num_experts, hidden), f"K={hidden}", x)
+    except AttributeError:  # an argument that is no tensor (None, a list): say which
+        _check_tensor_types(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights, expert_map=expert_map)
+        raise
+
+
+def _check_tensor_types(**args) -> None:
+    """Raise a TypeError naming the first argument that is not a tensor (w13 / w2 may be a moekit.quant
+    QuantizedWeight, expert_map None): the error path of ``check_experts_args``, which reads attributes unguarded."""
+    from moekit.quant import is_quantized  # the error path only (keeps the top import-free)
+
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor) or (name == "expert_map" and value is None):
+            continue
+        if name in ("w13", "w2") and is_quantized(value):
+            continue
+        kind = "a torch.Tensor or a moekit.quant QuantizedWeight" if name in ("w13", "w2") else "a torch.Tensor"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
 
 
 def _check_bias(name: str, bias, shape: tuple[int, int], rows: str, x: torch.Tensor) -> None:

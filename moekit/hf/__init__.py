@@ -6,7 +6,8 @@ so ``model.set_experts_implementation("moekit")`` sends every experts call throu
 ``moekit.experts.call_backend`` (backend ``moekit.hf.HF_BACKEND``, "auto" by default), for every variant
 of transformers' experts interface: ``variants`` turns a module's flags and code into an ``ExpertsPlan``
 (an ``ActivationSpec``, biases, transposed views) once per module, and what moekit does not fuse runs
-through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``).
+through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``); on a model
+with no experts module transformers would dispatch, ``set_experts_implementation("moekit")`` warns (``set_check``).
 ``blocks.moe_from_hf`` turns a MoE block into a ``MoE``; ``swap.use_moekit_blocks`` gives every block of a
 model moekit's whole layer forward in place (``restore_blocks`` undoes it). The backend
 comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
@@ -19,10 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moekit._checks import check_module
 from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
+from moekit.hf.set_check import IMPLEMENTATION, is_interface_experts, wrap_set_experts_implementation
 from moekit.hf.swap import BlockSwapReport, restore_blocks, use_moekit_blocks
 from moekit.hf.swap_free import FloatExpertsFreedError
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
@@ -108,7 +111,8 @@ def _fp8_weights(module: nn.Module):
 def prepare(model: nn.Module) -> list[ExpertsPlan]:
     """Build the plan of every experts module in ``model`` now (eagerly), e.g. before
     ``torch.compile(fullgraph=True)``, which cannot trace the probing; returns the plans."""
-    return [experts_plan(m) for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
+    check_module("model", model)
+    return [experts_plan(m) for m in model.modules() if is_interface_experts(m)]
 
 
 class MissingExtraError(ImportError):
@@ -122,12 +126,13 @@ def _register() -> None:
         raise MissingExtraError('moekit.hf needs transformers >= 5.0, which is not installed: '
                                 'pip install "moekit[hf]"', name=err.name) from err
 
-    ExpertsInterface.register("moekit", moekit_experts_forward)
+    ExpertsInterface.register(IMPLEMENTATION, moekit_experts_forward)
+    wrap_set_experts_implementation()
     try:  # fine-grained fp8 experts dispatch through their own interface (transformers >= 5.x)
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     except ImportError:
         return
-    FP8ExpertsInterface.register("moekit", moekit_fp8_experts_forward)
+    FP8ExpertsInterface.register(IMPLEMENTATION, moekit_fp8_experts_forward)
 
 
 _register()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moekit._checks import check_module
 from moekit.hf.blocks import moe_blocks, moe_from_hf
 from moekit.offload import ExpertCache, OffloadedMoE, expert_nbytes, link_layers
 
@@ -39,6 +40,7 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
     ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert.
     With ``compute_misses_on="auto"`` the miss costs are measured once (on the first block's experts)
     and shared by every block."""
+    check_module("model", model)
     blocks = [(site.parent, site.name, site.block) for site in moe_blocks(model)]
     if not blocks:
         raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}")

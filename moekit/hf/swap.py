@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moekit._checks import check_bool, check_module
+from moekit.experts import backend_names
 from moekit.hf.blocks import block_config, block_output_norm, moe_blocks
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
@@ -103,6 +105,10 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     (``quant_options`` included) is kept (``keep_float=False`` frees a kept quantized block's float experts without
     requantizing); other options rebuild its ``MoE``, which a block without float experts refuses.
     ``restore_blocks`` undoes it. A model with no MoE block warns (``UserWarning``) and is left as it is."""
+    check_module("model", model)
+    check_bool("keep_float", keep_float)
+    if backend != "auto" and backend not in backend_names():  # else every block was left, in report.left only
+        raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {backend!r}")
     if quant is not None and quant not in SCHEMES:
         raise ValueError(f"quant must be one of {SCHEMES} or None, got {quant!r}")
     if quant is not None and fuse_shared:  # else each block with a shared expert was left float, in report.left only
@@ -111,7 +117,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     if not keep_float and quant is None:
         raise ValueError("keep_float=False frees the float experts, which only quantized ones can replace: pass "
                          "quant=<scheme> with it (got quant=None)")
-    options = SwapOptions(backend, bool(fuse_shared), quant, _checked_quant_options(quant, quant_options))
+    options = SwapOptions(backend, bool(fuse_shared), quant, checked_quant_options(quant, quant_options))
     _refuse_rebuilding_freed(model, options, keep_float)
     swapped, left = [], []
     sites = moe_blocks(model)
@@ -139,7 +145,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     return BlockSwapReport(tuple(swapped), tuple(left))
 
 
-def _checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
+def checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
     """``quant_options`` as ``SwapOptions`` keeps them: sorted (name, value) pairs, lists as tuples, values left at
     the scheme's defaults left out ({"group_size": 128} is int4_w4a16's None). Each is checked by the scheme's own
     quantizer on a one-weight tensor, so a bad one fails here naming ``quant_options`` instead of leaving every
@@ -198,6 +204,7 @@ def restore_blocks(model: nn.Module) -> int:
     """Undo ``use_moekit_blocks``: every swapped block gets its own class back and drops its ``MoE``; returns
     how many were restored. A block whose float experts were freed gets them back as Parameters dequantized from
     its quantized ones (their logical dtype, the family's layout; the rounding stays, and so does the memory)."""
+    check_module("model", model)
     count = 0
     for module in model.modules():
         swap = module.__dict__.pop(SWAP_ATTR, None)

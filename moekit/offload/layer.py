@@ -43,6 +43,7 @@ from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, one_call
 from moekit.offload.cpu_direct import direct_share
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
+from moekit.offload.forward_ops import expert_counts, sum_partials
 from moekit.offload.no_backward import no_backward
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
@@ -141,6 +142,19 @@ class OffloadedMoE(MoE):
                 _take(self.shared_w13, moe.shared_w13)
                 _take(self.shared_w2, moe.shared_w2)
 
+    def quantize_(self, scheme: str, **options) -> "OffloadedMoE":
+        raise ValueError(f"OffloadedMoE.quantize_: its experts are its ExpertCache's as registered; quantize the "
+                         f"MoE, then offload it: OffloadedMoE.from_moe(moe.quantize_({scheme!r}), ...)")
+
+    def _apply(self, fn, recurse=True):
+        """A cast of float experts is refused: it would not reach the cache's (the forward failed on the dtypes)."""
+        host = self.cache.host(self.layer_id) if hasattr(self, "cache") else None
+        dtype = host.w13_template.dtype if host is not None and host.scheme is None else None
+        if dtype is not None and fn(torch.empty(0, dtype=dtype)).dtype != dtype:
+            raise TypeError(f"OffloadedMoE: its experts are {dtype} in its ExpertCache, which a cast of the layer "
+                            f"does not reach: offload a MoE of the dtype wanted")
+        return super()._apply(fn, recurse)
+
     @property
     def next_layer(self) -> "OffloadedMoE | None":
         return self._next[0] if self._next else None
@@ -182,7 +196,7 @@ class OffloadedMoE(MoE):
                 self.cpu_rate.update(self._cpu.last, self.costs, list(stats.cpu_rows))
         else:
             self._cpu.last = None
-        out = _sum(partials, x2d)
+        out = sum_partials(partials, x2d)
         self._last_touched = sorted(tokens)
         self._prefetch_next(predicted, stats)
         self.last_stats = stats
@@ -200,7 +214,7 @@ class OffloadedMoE(MoE):
             pred = route(logits, nxt.config, nxt.e_score_correction_bias).topk_ids.reshape(-1)
             ids = torch.cat([ids, pred.to(ids.dtype) + (e + 2)])  # bins E+3..: the next layer's experts
             bins += nxt.config.num_experts + 1
-        counts = _expert_counts(ids, bins)  # [bins]
+        counts = expert_counts(ids, bins)  # [bins]
         self.cache.mark("counted", self.layer_id)
         host = [int(c) for c in counts.tolist()]  # the one device -> host copy
         tokens = {i: c for i, c in enumerate(host[1: e + 1]) if c}
@@ -363,33 +377,6 @@ def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst`` (a parameter or buffer, kept as the same object) holds a copy of ``src`` on ``dst``'s device,
     in ``src``'s dtype."""
     dst.data = src.detach().to(dst.device, copy=True)
-
-
-def _sum(partials: list[torch.Tensor], x2d: torch.Tensor) -> torch.Tensor:
-    """The sum of the partial outputs in x2d's dtype, added in float32 and rounded once. Two partials
-    take one add in their own dtype (its arithmetic is float32, rounded once: the same result); more
-    accumulate in a float32 tensor."""
-    if not partials:
-        return torch.zeros_like(x2d)
-    if len(partials) == 1:
-        return partials[0]
-    if len(partials) == 2:
-        return partials[0] + partials[1]
-    total = partials[0].float()
-    for p in partials[1:]:
-        total.add_(p)
-    return total.to(x2d.dtype)
-
-
-def _expert_counts(ids: torch.Tensor, bins: int) -> torch.Tensor:
-    """[bins] float32: bin b counts the ids equal to b - 1 (ids in [-1, bins - 2]; -1, a dropped
-    assignment, lands in bin 0). A histogram with fixed edges, each id mid-bin (exact in float32 for
-    any id below 2**23): ``torch.bincount`` on CUDA reads the ids' min and max back to the host first,
-    two more syncs per layer than the one the caller needs. Under ``torch.use_deterministic_algorithms``
-    (where CUDA's histc raises, its float atomics being flagged) the counts come from bincount."""
-    if torch.are_deterministic_algorithms_enabled():
-        return torch.bincount(ids.long() + 1, minlength=bins)[:bins].float()
-    return torch.histc(ids.float(), bins=bins, min=-1.5, max=bins - 1.5)
 
 
 def _routed_rows(w, num_experts: int):

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from moekit._checks import check_int
+
 __all__ = [
     "Placement",
     "contiguous_placement",
@@ -134,12 +136,20 @@ def round_robin_placement(num_experts: int, world_size: int) -> Placement:
 
 
 def _check_sizes(num_experts: int, world_size: int) -> None:
+    check_int("num_experts", num_experts)
+    check_int("world_size", world_size)
     if world_size < 1 or num_experts < world_size:
         raise ValueError(f"need num_experts >= world_size >= 1, got num_experts={num_experts}, world_size={world_size}")
 
 
 def _check_loads(loads) -> list[float]:
-    values = [float(v) for v in (loads.tolist() if isinstance(loads, torch.Tensor) else loads)]
+    flat = loads.tolist() if isinstance(loads, torch.Tensor) else list(loads)
+    try:
+        values = [float(v) for v in flat]
+    except (TypeError, ValueError):  # a 2-D tensor's rows, a string: float()'s own error named no argument
+        shape = f" of shape {tuple(loads.shape)}" if hasattr(loads, "shape") else ""
+        raise TypeError(f"loads must be a 1-D sequence of numbers (one per logical expert), got "
+                        f"{type(loads).__name__}{shape}") from None
     if not values:
         raise ValueError("loads must have one entry per logical expert, got none")
     bad = [i for i, v in enumerate(values) if not (math.isfinite(v) and v >= 0)]

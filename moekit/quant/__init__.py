@@ -26,15 +26,22 @@ from moekit.quant.fp8_block import (
 )
 from moekit.quant.int4 import Int4Weight
 from moekit.quant.int8 import Int8Weight
-from moekit.quant.module import install_quantized_experts_, move_quantized_, quant_scheme_of, quantize_experts_
+from moekit.quant.module import (
+    install_quantized_experts_,
+    move_quantized_,
+    quant_scheme_of,
+    quantize_experts_,
+    refuse_quantized_into_float,
+)
 from moekit.quant.mxfp4 import Mxfp4Weight, e2m1_decode
-from moekit.quant.schemes import SCHEMES, from_tensors, is_quantized, quantize, scheme_options
+from moekit.quant.schemes import SCHEMES, from_tensors, is_quantized, quantize, scheme_of_tensors, scheme_options
 
 __all__ = [
     "SCHEMES", "QuantizedWeight", "Fp8BlockWeight", "Int8Weight", "Int4Weight", "Mxfp4Weight", "Fp8Activations",
-    "quantize", "from_tensors", "is_quantized", "scheme_options",
+    "quantize", "from_tensors", "is_quantized", "scheme_options", "scheme_of_tensors",
     "quantize_activations_fp8", "fake_quantize_activations_fp8", "e2m1_decode",
     "experts_fp8_block_reference", "run_quantized", "check_quantized_pair",
     "from_deepseek_fp8", "from_gpt_oss_mxfp4", "from_gptq", "from_awq", "cat_rows", "stack_experts",
     "quantize_experts_", "install_quantized_experts_", "quant_scheme_of", "move_quantized_",
+    "refuse_quantized_into_float",
 ]

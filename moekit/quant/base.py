@@ -31,6 +31,7 @@ class QuantizedWeight:
     """
 
     scheme: ClassVar[str] = ""
+    tensor_dtypes: ClassVar[dict[str, torch.dtype]] = {}  # each tensor field's dtype; no two schemes share one
     tensor_fields: ClassVar[tuple[str, ...]] = ()  # the dataclass fields that hold tensors, all with E leading
 
     dtype: torch.dtype = torch.bfloat16
@@ -89,7 +90,11 @@ class QuantizedWeight:
         return self.nbytes // max(self.num_experts, 1)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
-        """The same weight with every tensor on ``device`` (self when already there). Never casts."""
+        """The same weight with every tensor on ``device`` (self when already there). Never casts: a dtype is refused
+        (torch's own error read "device() received an invalid combination of arguments")."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"{type(self).__name__}.to takes a device, got the dtype {device}: a quantized weight "
+                            f"keeps its {self.scheme} storage; dequantize({device}) gives a float copy")
         if torch.device(device) == self.device:
             return self
         return dataclasses.replace(self, **{k: t.to(device) for k, t in self.tensors().items()})
@@ -123,6 +128,8 @@ def check_float_weight(scheme: str, w: torch.Tensor) -> None:
     if not w.is_floating_point() or w.element_size() < 2:
         raise TypeError(f"{scheme}: w must be float16, bfloat16, float32 or float64, got {w.dtype}")
     check_3d(scheme, "w", w)
+    if w.is_meta:  # torch's own error was "Tensor.item() cannot be called on meta tensors"
+        raise ValueError(f"{scheme}: w is on the meta device: it has no values to quantize (materialize it first)")
     if w.numel() and not bool(torch.isfinite(w).all()):
         raise ValueError(f"{scheme}: w has NaN or infinite values; they cannot be quantized")
 

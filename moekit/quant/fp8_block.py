@@ -30,7 +30,8 @@ class Fp8BlockWeight(QuantizedWeight):
     w[e, r, c] = q[e, r, c] * scale[e, r // BR, c // BC]."""
 
     scheme: ClassVar[str] = "fp8_block"
-    tensor_fields: ClassVar[tuple[str, ...]] = ("q", "scale")
+    tensor_dtypes: ClassVar[dict[str, torch.dtype]] = {"q": FP8_DTYPE, "scale": torch.float32}
+    tensor_fields: ClassVar[tuple[str, ...]] = tuple(tensor_dtypes)
 
     q: torch.Tensor  # [E, R, C] float8_e4m3fn
     scale: torch.Tensor  # [E, ceil(R/BR), ceil(C/BC)] float32; the checkpoints' weight_scale_inv
@@ -40,9 +41,9 @@ class Fp8BlockWeight(QuantizedWeight):
         check_block_shape(self.block_shape)
         check_3d(self.scheme, "q", self.q)
         e, r, c = self.q.shape
-        check_tensor(self.scheme, "q", self.q, FP8_DTYPE, (e, r, c))
+        check_tensor(self.scheme, "q", self.q, self.tensor_dtypes["q"], (e, r, c))
         br, bc = self.block_shape
-        check_tensor(self.scheme, "scale", self.scale, torch.float32, (e, cdiv(r, br), cdiv(c, bc)))
+        check_tensor(self.scheme, "scale", self.scale, self.tensor_dtypes["scale"], (e, cdiv(r, br), cdiv(c, bc)))
 
     @property
     def shape(self) -> torch.Size:

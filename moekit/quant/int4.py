@@ -41,7 +41,8 @@ class Int4Weight(QuantizedWeight):
     scale[e, r, c // g]."""
 
     scheme: ClassVar[str] = "int4_w4a16"
-    tensor_fields: ClassVar[tuple[str, ...]] = ("q", "scale", "zero")
+    tensor_dtypes: ClassVar[dict[str, torch.dtype]] = {"q": torch.uint8, "scale": torch.float32, "zero": torch.uint8}
+    tensor_fields: ClassVar[tuple[str, ...]] = tuple(tensor_dtypes)
 
     q: torch.Tensor  # [E, R, ceil(C/2)] uint8
     scale: torch.Tensor  # [E, R, G] float32
@@ -55,10 +56,10 @@ class Int4Weight(QuantizedWeight):
         if not isinstance(self.cols, int) or isinstance(self.cols, bool) or self.cols < 0:
             raise ValueError(f"{self.scheme}: cols must be an int >= 0, got {self.cols!r}")
         e, r = self.q.shape[:2]
-        check_tensor(self.scheme, "q", self.q, torch.uint8, (e, r, cdiv(self.cols, 2)))
+        check_tensor(self.scheme, "q", self.q, self.tensor_dtypes["q"], (e, r, cdiv(self.cols, 2)))
         groups = cdiv(self.cols, self.group_size)
-        check_tensor(self.scheme, "scale", self.scale, torch.float32, (e, r, groups))
-        check_tensor(self.scheme, "zero", self.zero, torch.uint8, (e, r, groups))
+        check_tensor(self.scheme, "scale", self.scale, self.tensor_dtypes["scale"], (e, r, groups))
+        check_tensor(self.scheme, "zero", self.zero, self.tensor_dtypes["zero"], (e, r, groups))
 
     @property
     def shape(self) -> torch.Size:

@@ -21,7 +21,8 @@ class Int8Weight(QuantizedWeight):
     """Layout ``int8_w8a16``: q [E, R, C] int8, scale [E, R] float32; w[e, r, c] = q[e, r, c] * scale[e, r]."""
 
     scheme: ClassVar[str] = "int8_w8a16"
-    tensor_fields: ClassVar[tuple[str, ...]] = ("q", "scale")
+    tensor_dtypes: ClassVar[dict[str, torch.dtype]] = {"q": torch.int8, "scale": torch.float32}
+    tensor_fields: ClassVar[tuple[str, ...]] = tuple(tensor_dtypes)
 
     q: torch.Tensor  # [E, R, C] int8
     scale: torch.Tensor  # [E, R] float32
@@ -29,8 +30,8 @@ class Int8Weight(QuantizedWeight):
     def _check(self) -> None:
         check_3d(self.scheme, "q", self.q)
         e, r, c = self.q.shape
-        check_tensor(self.scheme, "q", self.q, torch.int8, (e, r, c))
-        check_tensor(self.scheme, "scale", self.scale, torch.float32, (e, r))
+        check_tensor(self.scheme, "q", self.q, self.tensor_dtypes["q"], (e, r, c))
+        check_tensor(self.scheme, "scale", self.scale, self.tensor_dtypes["scale"], (e, r))
 
     @property
     def shape(self) -> torch.Size:

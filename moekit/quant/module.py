@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moekit.quant.base import QuantizedWeight
-from moekit.quant.schemes import check_scheme, quantize
+from moekit.quant.schemes import check_scheme, quantize, scheme_of_tensors
 
 EXPERT_WEIGHTS = ("w13", "w2")
 
@@ -69,12 +69,20 @@ def _save_quantized(module: nn.Module, state_dict: dict, prefix: str, local_meta
 
 def _load_quantized(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """Rebuild each quantized weight from its ``{prefix}{name}.{field}`` entries (taken out of the dict, so
-    they are not reported unexpected), keeping the module's scheme and options; absent ones are missing."""
+    they are not reported unexpected), keeping the module's scheme and options; absent ones are missing. Entries
+    of another scheme's layout, or a float tensor, are an error saying what the state_dict holds (taken out too)."""
     for name in EXPERT_WEIGHTS:
         w = module.__dict__.get(name)
         if not isinstance(w, QuantizedWeight):
             continue
         keys = {field: f"{prefix}{name}.{field}" for field in w.tensor_fields}
+        own = all(k in state_dict and state_dict[k].dtype == w.tensor_dtypes[f] for f, k in keys.items())
+        held = None if own else _held_layout(state_dict, prefix + name)  # the dict's keys read on a mismatch only
+        if held is not None and held != w.scheme:
+            error_msgs.append(f"{prefix}{name}: the state_dict holds {held} experts, this layer's are {w.scheme}: "
+                              f"{_load_advice(held)}")
+            _take_out(state_dict, prefix + name)
+            continue
         if not all(k in state_dict for k in keys.values()):
             missing_keys.extend(k for k in keys.values() if k not in state_dict)
             continue
@@ -84,6 +92,43 @@ def _load_quantized(module, state_dict, prefix, local_metadata, strict, missing_
             module.__dict__[name] = type(w)(**meta, **tensors)
         except (TypeError, ValueError) as err:
             error_msgs.append(f"{prefix}{name}: {err}")
+
+
+def refuse_quantized_into_float(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                error_msgs):
+    """A load pre-hook's arguments (``MoE._load_from_state_dict`` runs it first): where the layer's ``w13`` / ``w2``
+    are float and the state_dict holds a quantized layout for them, an error naming the scheme and the order that
+    works (torch reported ``w13`` missing and ``w13.q`` ... unexpected)."""
+    for name in EXPERT_WEIGHTS:
+        if isinstance(module.__dict__.get(name), QuantizedWeight) or prefix + name in state_dict:
+            continue
+        held = _held_layout(state_dict, prefix + name)
+        if held is not None:
+            error_msgs.append(f"{prefix}{name}: the state_dict holds {held} experts, this layer's are float: "
+                              f"{_load_advice(held)}")
+            _take_out(state_dict, prefix + name)
+
+
+def _held_layout(state_dict: dict, key: str) -> str | None:
+    """What ``state_dict`` holds for the weight at ``key``: "float" (a tensor at ``key``), a scheme (its ``key.field``
+    entries' names and dtypes, ``scheme_of_tensors``), or None (nothing recognisable)."""
+    fields = {k[len(key) + 1:]: k for k in state_dict if k.startswith(key + ".")}
+    if key in state_dict and not fields:
+        return "float"
+    return scheme_of_tensors({field: state_dict[k] for field, k in fields.items()}) if fields else None
+
+
+def _take_out(state_dict: dict, key: str) -> None:
+    """Remove the weight's entries (``key`` and ``key.*``): reported as one error, not again as unexpected keys
+    (``load_state_dict`` hands the hooks its own copy of the dict)."""
+    for k in [k for k in state_dict if k == key or k.startswith(key + ".")]:
+        del state_dict[k]
+
+
+def _load_advice(held: str) -> str:
+    if held == "float":
+        return "load it into a float MoE, then quantize_ it"
+    return f"load it into a float MoE quantized first with quantize_({held!r}) and the options it was saved with"
 
 
 def move_quantized_(module: nn.Module, fn) -> None:

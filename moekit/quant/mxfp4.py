@@ -42,7 +42,8 @@ class Mxfp4Weight(QuantizedWeight):
     scale [E, R, G] uint8 (e8m0); w[e, r, c] = e2m1(code) * 2**(scale[e, r, c // 32] - 127)."""
 
     scheme: ClassVar[str] = "mxfp4"
-    tensor_fields: ClassVar[tuple[str, ...]] = ("q", "scale")
+    tensor_dtypes: ClassVar[dict[str, torch.dtype]] = {"q": torch.uint8, "scale": torch.uint8}
+    tensor_fields: ClassVar[tuple[str, ...]] = tuple(tensor_dtypes)
 
     q: torch.Tensor  # [E, R, ceil(C/2)] uint8
     scale: torch.Tensor  # [E, R, ceil(C/32)] uint8, e8m0
@@ -53,8 +54,8 @@ class Mxfp4Weight(QuantizedWeight):
         if not isinstance(self.cols, int) or isinstance(self.cols, bool) or self.cols < 0:
             raise ValueError(f"{self.scheme}: cols must be an int >= 0, got {self.cols!r}")
         e, r = self.q.shape[:2]
-        check_tensor(self.scheme, "q", self.q, torch.uint8, (e, r, cdiv(self.cols, 2)))
-        check_tensor(self.scheme, "scale", self.scale, torch.uint8, (e, r, cdiv(self.cols, MX_BLOCK)))
+        check_tensor(self.scheme, "q", self.q, self.tensor_dtypes["q"], (e, r, cdiv(self.cols, 2)))
+        check_tensor(self.scheme, "scale", self.scale, self.tensor_dtypes["scale"], (e, r, cdiv(self.cols, MX_BLOCK)))
 
     @property
     def shape(self) -> torch.Size:

@@ -87,5 +87,12 @@ def from_tensors(scheme: str, **fields) -> QuantizedWeight:
     return cls(**fields)
 
 
+def scheme_of_tensors(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The scheme whose layout ``tensors`` (field name -> tensor, e.g. a state_dict's ``w13.q``, ``w13.scale``) are:
+    the one with those field names and dtypes (``tensor_dtypes``), or None."""
+    dtypes = {name: t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    return next((scheme for scheme, cls in SCHEME_CLASSES.items() if cls.tensor_dtypes == dtypes), None)
+
+
 def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)

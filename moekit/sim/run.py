@@ -83,6 +83,8 @@ class SimResult:
 def simulate(params: SimParams, config: MoEConfig | None = None) -> SimResult:
     """Run the simulator for ``params`` (deterministic: the same params give the same result), routing with
     ``config``'s rule when given (its num_experts and top_k are ``params``' experts and top_k)."""
+    if not isinstance(params, SimParams):  # a dict of the settings failed on "'dict' object has no attribute"
+        raise TypeError(f"params must be a moekit.sim.SimParams (SimParams(**settings)), got {type(params).__name__}")
     router = make_router(params.experts, params.top_k, params.skew, params.seed, config)
     x = draw_tokens(params.tokens, router.width, streams.generator(params.seed, streams.EVAL))  # [M, F]
     outcome = _balance(router, params)

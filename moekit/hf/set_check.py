@@ -1,0 +1,48 @@
+"""``model.set_experts_implementation("moekit")`` on a model moekit would never serve says so.
+
+transformers dispatches only modules of an experts class it decorated (``use_experts_implementation``) through its
+experts interface, where moekit registered itself. A dense model (Llama), or one whose MoE blocks hold a list of
+expert MLPs, accepted ``"moekit"`` in silence and ran its own forward: moekit was never called. Importing
+``moekit.hf`` wraps ``PreTrainedModel.set_experts_implementation`` once: transformers' method runs as before, then a
+``UserWarning`` names the model class when ``"moekit"`` was asked for and the model has no such experts module.
+A warning, not an error: the model still computes its own function, as transformers chose to let it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+from torch import nn
+
+IMPLEMENTATION = "moekit"  # the name moekit registers in transformers' experts interfaces
+_WRAPPED = "_moekit_checks_servable"  # set on the wrapper: a second import wraps nothing
+
+
+def is_interface_experts(module: nn.Module) -> bool:
+    """``module`` is an experts module transformers dispatches through its experts interface (its decorator sets
+    ``has_gate``; ``FP8Experts`` too) with the weights moekit reads."""
+    return hasattr(module, "has_gate") and hasattr(module, "down_proj")
+
+
+def wrap_set_experts_implementation() -> None:
+    from transformers import PreTrainedModel
+
+    original = getattr(PreTrainedModel, "set_experts_implementation", None)
+    if original is None or getattr(original, _WRAPPED, False):  # a transformers without the method: nothing to say
+        return
+
+    @functools.wraps(original)
+    def set_experts_implementation(self, experts_implementation):
+        result = original(self, experts_implementation)
+        asked = experts_implementation.values() if isinstance(experts_implementation, dict) else (
+            experts_implementation,)
+        if IMPLEMENTATION in asked and not any(is_interface_experts(m) for m in self.modules()):
+            warnings.warn(f"set_experts_implementation({IMPLEMENTATION!r}): {type(self).__name__} has no experts "
+                          "module that transformers dispatches through its experts interface (a dense model, or MoE "
+                          "blocks holding a list of expert MLPs): moekit is never called, the model's own forward "
+                          "runs", UserWarning, stacklevel=2)
+        return result
+
+    setattr(set_experts_implementation, _WRAPPED, True)
+    PreTrainedModel.set_experts_implementation = set_experts_implementation

@@ -1,0 +1,84 @@
+"""``set_experts_implementation("moekit")`` on a model transformers never dispatches to moekit warns, naming the
+model class (it was accepted in silence and the model's own forward ran); on a MoE model it says nothing and moekit
+serves every experts call."""
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is part of the test extras")
+
+import moekit.hf as moekit_hf  # noqa: E402  (registers the "moekit" experts implementation)
+
+IDS = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8)
+
+
+def _llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=16)).eval()
+
+
+def _qwen3_moe():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                                      num_experts_per_tok=3)
+    return transformers.Qwen3MoeForCausalLM(cfg).eval()
+
+
+def _counting_calls(monkeypatch) -> list:
+    """Every call moekit's backend gets through ``call_backend`` (the hf forward's one way in) is recorded."""
+    calls = []
+    original = moekit_hf.call_backend
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moekit_hf, "call_backend", counted)
+    return calls
+
+
+@pytest.mark.parametrize("asked", ["moekit", {"": "moekit"}])
+def test_a_dense_model_warns_naming_its_class(monkeypatch, asked):
+    model = _llama()
+    calls = _counting_calls(monkeypatch)
+    with torch.no_grad():
+        before = model(IDS).logits
+    with pytest.warns(UserWarning, match=r"set_experts_implementation\('moekit'\): LlamaForCausalLM has no experts "
+                                         r"module .*: moekit is never called"):
+        model.set_experts_implementation(asked)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, before)
+    assert calls == []  # true: moekit was not called
+
+
+def test_a_moe_model_says_nothing_and_moekit_serves_it(monkeypatch):
+    model = _qwen3_moe()
+    calls = _counting_calls(monkeypatch)
+    with torch.no_grad():
+        eager = model(IDS).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.set_experts_implementation("moekit")
+        with torch.no_grad():
+            got = model(IDS).logits
+    assert len(calls) == 1 and calls[0] == (6, 32)  # the one MoE layer's experts, every token
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _llama().set_experts_implementation("eager")  # another implementation: none of moekit's business
+
+
+def test_wrapping_again_wraps_nothing():
+    """What a second registration (a re-import) would do: the method stays the one wrapper, one warning a call."""
+    from moekit.hf.set_check import wrap_set_experts_implementation
+
+    wrapped = transformers.PreTrainedModel.set_experts_implementation
+    wrap_set_experts_implementation()
+    assert transformers.PreTrainedModel.set_experts_implementation is wrapped
+    with pytest.warns(UserWarning) as record:
+        _llama().set_experts_implementation("moekit")
+    assert len(record) == 1
