@@ -163,6 +163,13 @@ def footnotes(doc: dict) -> list[str]:
                      + (NOISY_CPU.format(threads=threads) if doc["device"] == "cpu" and threads > 1 else ""))
     if any("(sibling)" in (c.get("config") or "") for c in doc["cells"]):
         notes.append(SIBLING_NOTE)
+    failed = doc.get("failed_cells") or []  # older files have none
+    if failed:
+        listed = ", ".join(f"{f['shape']} M={f['M']} {f['backend']} {f['dtype']}" for f in failed)
+        notes.append(f"{len(failed)} cell(s) FAILED and are not in the table: {listed} ({failed[0]['reason']}; "
+                     f"failed_cells in the JSON). The device has too little memory for them beside the weights "
+                     f"this run holds (every --dtype of a shape at once): run them alone (--shapes / --batches / "
+                     f"--dtype).")
     return notes + _quant_notes(doc)
 
 

@@ -22,7 +22,7 @@ from moekit.bench.ceilings import Ceilings, measure_ceilings, with_fp8_mm
 from moekit.bench.cells import CPU_BATCHES, CPU_SCALE, GPU_BATCHES, PRESETS, Cell, Shape
 from moekit.bench.quant_cells import FP8, check_dtypes, quantized_backends
 from moekit.bench.report import format_bandwidth, format_flops
-from moekit.bench.sweep import BUDGET_S, GRAPH_MAX_M, REFERENCE_MAX_M, SweepPlan, cell_count, run_cells
+from moekit.bench.sweep import BUDGET_S, GRAPH_MAX_M, REFERENCE_MAX_M, CellFailure, SweepPlan, cell_count, run_cells
 from moekit.bench.timing import EAGER_CALLS, MIN_REPEATS, NOISY_SPREAD_PCT
 from moekit.experts import available_backends, backend_available, backend_names
 from moekit.quant import SCHEMES
@@ -136,6 +136,11 @@ def _cell_line(cell: Cell) -> str:
             f"(after the first call {cell.host_rest_us:.1f}){noisy}")
 
 
+def _failure_line(f: CellFailure) -> str:
+    dtype = f" {f.dtype}" if f.dtype in SCHEMES else ""
+    return f"{f.shape} M={f.M} {f.backend}{dtype}: FAILED, {f.reason}; not in the results"
+
+
 def _ceilings_line(c: Ceilings) -> str:
     line = (f"ceilings: copy {format_bandwidth(c.copy_TBps * 1e12)}, matmul {format_flops(c.mm_TFLOPs * 1e12)} "
             f"({c.mm_dtype})")
@@ -163,15 +168,21 @@ def run_bench(device: torch.device, shapes=None, batches=None, backends=None, on
     ceilings = with_fp8_mm(measure_ceilings(device), device, FP8 in dtypes)
     report(BenchProgress(0, total, _ceilings_line(ceilings)))
     cells: list[Cell] = []
-    timed: list[Cell] = []  # grows cell by cell, ``cells`` shape by shape
+    timed: list[Cell | CellFailure] = []  # grows cell by cell, ``cells`` shape by shape
+    failed: list[CellFailure] = []
 
     def on_cell(cell: Cell):
         timed.append(cell)
         report(BenchProgress(len(timed), total, _cell_line(cell)))
 
+    def on_fail(failure: CellFailure):
+        timed.append(failure)
+        failed.append(failure)
+        report(BenchProgress(len(timed), total, _failure_line(failure)))
+
     for shape in shapes:
-        cells += run_cells(shape, plan, device, ceilings, on_cell)
-    return _document(device, plan, ceilings, shapes, cells)
+        cells += run_cells(shape, plan, device, ceilings, on_cell, on_fail)
+    return _document(device, plan, ceilings, shapes, cells, failed)
 
 
 QUANT_METHOD = (
@@ -182,7 +193,8 @@ QUANT_METHOD = (
 )
 
 
-def _document(device, plan: SweepPlan, ceilings: Ceilings, shapes, cells: list[Cell]) -> dict:
+def _document(device, plan: SweepPlan, ceilings: Ceilings, shapes, cells: list[Cell],
+              failed: list[CellFailure]) -> dict:
     method = (
         f"routing excluded, alignment included; CUDA-graph replay for M <= {GRAPH_MAX_M}; inputs rotated "
         "over 2-8 routings so each call streams its weights from HBM; us = median of >= "
@@ -206,6 +218,7 @@ def _document(device, plan: SweepPlan, ceilings: Ceilings, shapes, cells: list[C
         "cpu_threads": torch.get_num_threads(),  # torch's intra-op threads (OMP_NUM_THREADS): CPU timings depend on it
         "shapes": [asdict(s) for s in shapes],
         "cells": [asdict(c) for c in cells],
+        "failed_cells": [asdict(f) for f in failed],  # cells the device could not run (sweep.CellFailure)
         "summary": {"geomean_speedup_triton_vs_grouped_mm": geomean_speedup(cells),
                     "geomean_time_vs_bf16": geomean_vs_bf16(cells)},
     }

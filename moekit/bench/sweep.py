@@ -2,6 +2,7 @@
 
     shape --make_weights--> weights --quant_cells.weight_variants--> [baseline, fp8_block, ...] (quantized once)
       for M: rotated input sets --> for each variant, each backend: time, byte model --> Cell
+                                                               (out of GPU memory twice --> CellFailure)
 
 The unquantized variant runs first at each M, so each quantized cell's ``vs_bf16`` (its time over the
 unquantized cell of the same backend) and ``rel_err_vs_bf16`` (its output's relative L2 error against
@@ -92,6 +93,29 @@ class Outputs:
         return self.out[name]
 
 
+@dataclass(frozen=True)
+class CellFailure:
+    """A cell the device could not run: the run goes on and records it (``failed_cells`` in the JSON)."""
+
+    shape: str
+    M: int
+    backend: str
+    dtype: str
+    reason: str
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is the device running out of memory: torch's allocator (``torch.OutOfMemoryError``) or a
+    kernel launch that could not get its memory (Triton raises ``RuntimeError: ... CUDA]: out of memory``)."""
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+
+
+def _free_cached(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
@@ -121,7 +145,7 @@ def _make_cell(at: AtM, v: WeightVariant, name: str, t: BackendTiming, model: Ce
     )
 
 
-def _variant_cells(at: AtM, v: WeightVariant, plan: SweepPlan, device, base: dict, on_cell) -> list[Cell]:
+def _variant_cells(at: AtM, v: WeightVariant, plan: SweepPlan, device, base: dict, on_cell, on_fail) -> list[Cell]:
     """Every backend of ``v`` at one M. ``base``: the unquantized variant's {"us": {backend: us},
     "outputs": Outputs}, filled by the baseline's call and read by the quantized ones."""
     backends = [b for b in plan.backends_of(v) if plan.runs(b, at.m, device)]
@@ -132,16 +156,9 @@ def _variant_cells(at: AtM, v: WeightVariant, plan: SweepPlan, device, base: dic
         base["outputs"] = outputs
     cells = []
     for name in backends:
-        if name == "grouped_mm" or (not v.quantized and name in plan.quant_backends and len(plan.dtypes) > 1):
-            outputs.of(name)  # kept for the errors of triton and of the quantized cells
-        err = _rel(outputs.of(name),
-                   outputs.of("grouped_mm")) if name == "triton" and "grouped_mm" in backends else None
-        use_graph = device.type == "cuda" and at.m <= GRAPH_MAX_M and name != "reference"
-        timed = _time_backend(get_backend(name), v.weights, at.sets, device, use_graph, plan.budget_s)
-        cell = _make_cell(at, v, name, timed, model)
-        cell.rel_err_vs_grouped_mm = err
-        if name in SOURCE_BACKENDS:
-            cell.config = cell_config_source(at.shape, at.m, v.dtype, device)
+        cell = _backend_cell(at, v, name, backends, plan, device, outputs, model, on_fail)
+        if cell is None:
+            continue
         if v.quantized and name in base["us"]:
             cell.vs_bf16 = cell.us / base["us"][name]
             cell.rel_err_vs_bf16 = _rel(outputs.of(name), base["outputs"].of(name))
@@ -151,6 +168,38 @@ def _variant_cells(at: AtM, v: WeightVariant, plan: SweepPlan, device, base: dic
         if on_cell:
             on_cell(cell)
     return cells
+
+
+def _backend_cell(at: AtM, v: WeightVariant, name: str, backends: list[str], plan: SweepPlan, device,
+                  outputs: Outputs, model: CellModel, on_fail) -> Cell | None:
+    """One backend's cell. Out of device memory, the allocator's cache is emptied and the cell tried once more
+    (a launch can fail on memory the cache holds); out of memory again, the cell is reported to ``on_fail`` and
+    left out, so one cell too big for the card does not lose the run."""
+    for attempt in (1, 2):
+        try:
+            if name == "grouped_mm" or (not v.quantized and name in plan.quant_backends and len(plan.dtypes) > 1):
+                outputs.of(name)  # kept for the errors of triton and of the quantized cells
+            err = _rel(outputs.of(name),
+                       outputs.of("grouped_mm")) if name == "triton" and "grouped_mm" in backends else None
+            use_graph = device.type == "cuda" and at.m <= GRAPH_MAX_M and name != "reference"
+            timed = _time_backend(get_backend(name), v.weights, at.sets, device, use_graph, plan.budget_s)
+            break
+        except RuntimeError as error:
+            if not out_of_memory(error):
+                raise
+        # out of memory: freed outside the handler, whose traceback holds the failed call's tensors
+        outputs.out.pop(name, None)
+        _free_cached(device)
+        if attempt == 2:
+            if on_fail:
+                on_fail(CellFailure(at.shape.name, at.m, name, v.dtype,
+                                    "out of device memory, also after emptying the allocator's cache"))
+            return None
+    cell = _make_cell(at, v, name, timed, model)
+    cell.rel_err_vs_grouped_mm = err
+    if name in SOURCE_BACKENDS:
+        cell.config = cell_config_source(at.shape, at.m, v.dtype, device)
+    return cell
 
 
 def _inputs_at(shape: Shape, m: int, variants: list[WeightVariant], plan: SweepPlan, device,
@@ -165,15 +214,17 @@ def _inputs_at(shape: Shape, m: int, variants: list[WeightVariant], plan: SweepP
     return AtM(shape, m, sets, touched, ceilings)
 
 
-def run_cells(shape: Shape, plan: SweepPlan, device: torch.device, ceilings: Ceilings, on_cell=None) -> list[Cell]:
-    """Every (M, dtype, backend) cell of ``shape``; the weights are made and quantized once."""
+def run_cells(shape: Shape, plan: SweepPlan, device: torch.device, ceilings: Ceilings, on_cell=None,
+              on_fail=None) -> list[Cell]:
+    """Every (M, dtype, backend) cell of ``shape``; the weights are made and quantized once. A cell the device
+    has no memory for goes to ``on_fail(CellFailure)`` (``_backend_cell``), not into the list."""
     variants = weight_variants(make_weights(shape, plan.act_dtype, device), plan.dtypes, ceilings)
     cells = []
     for m in plan.batches:
         at = _inputs_at(shape, m, variants, plan, device, ceilings)
         base = {"us": {}, "outputs": None}
         for v in variants:
-            cells += _variant_cells(at, v, plan, device, base, on_cell)
+            cells += _variant_cells(at, v, plan, device, base, on_cell, on_fail)
         del at, base
     del variants
     if device.type == "cuda":
