@@ -1,5 +1,5 @@
 """Issue #15, session 43 (brief gfl43): gpt-oss's biased fp8 calls on the fp8 Gluon path's eager fast path
-(``triton_gluon_fp8.BIASED_FAST``), and a sweep of the fp8 Gluon tiles at gpt-oss-20b's shape (``SHAPE_TILES``).
+(``triton_gluon_fp8.BIASED_FAST``), and a sweep of the fp8 Gluon tiles at gpt-oss-20b's shape.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/gfl43_device_check.py --out $OUT/gfl43 --deadline 70   # H100/H200
     PYTHONPATH=$PWD python3 benchmarks/gfl43_device_check.py --smoke     # CPU: interpreter, the GEMMs' torch stand-ins
@@ -21,8 +21,9 @@ smoke M) it runs under a choice that wants every size ("forced"), so that each M
            whether it is bit-equal to the route logged), CUDA graphs in ROUNDS settled rounds, median µs; none started
            past the deadline
 The table last, then "BIASED_FAST by the defaults rule: X" (every check PASS; at each eager M host >= 3% lower in every
-round and wall never >= 3% higher) with the line to flip it, and each candidate that wins by the rule (every check
-PASS, >= 3% faster than the route in every round at every M of the sweep) with the SHAPE_TILES entry to add.
+round and wall never >= 3% higher) with the switch's value now, and each candidate that wins by the rule (every check
+PASS, >= 3% faster than the route in every round at every M of the sweep) with its tiles. The sweep of session 43
+(one H100) found none; a winner would want a per-shape place in ``plan_gluon_fp8``'s rules, which has none today.
 """
 
 from __future__ import annotations
@@ -45,25 +46,34 @@ import fpb40_device_check as fpb40  # noqa: E402
 import gpt39_device_check as gpt39  # noqa: E402
 from bench_rounds import faster_rounds  # noqa: E402
 from bench_run import RunLog, host_and_wall_us, rel_l2, run_phases  # noqa: E402
-from moekit.experts.triton_gluon_fp8_launch import Fp8GluonShapeTiles, Fp8GluonTile  # noqa: E402
+from moekit.experts.triton_gluon_fp8_launch import Fp8GluonTile  # noqa: E402
 
 MS = (9, 33) if SMOKE else (2048, 4096, 8192)
 CHECK_MS = (9, 33) if SMOKE else (1024, 4096)
 ROUNDS, REPLAYS = (1, 1) if SMOKE else (5, 3)
 TOL, TWIN_TOL = 2e-2, 1e-2  # as gfp42's: bf16 out, an e4m3 midpoint flip now and then; the twin rounds as the kernels
 EAGER_CALLS = 2 if SMOKE else 20
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A candidate's tiles; each None keeps the plan's pick."""
+
+    up: Fp8GluonTile | None = None
+    down: Fp8GluonTile | None = None
+    gather_groups: int | None = None
+
+
 # name -> the tiles a candidate replaces (the rest the plan's: UP_TILE 3 stages, DOWN_TILE 5, GROUP_M 8, gather 1).
 # SMEM: gate-up 4 stages 4 x 48 + 16 = 208 KB, down 6 stages 6 x 32 + 32 = 224 KB (of 227).
 CANDIDATES = {
-    "up s4": Fp8GluonShapeTiles(up=Fp8GluonTile(stages=4)),
-    "up gm4": Fp8GluonShapeTiles(up=Fp8GluonTile(stages=3, group_m=4)),
-    "down s6": Fp8GluonShapeTiles(down=Fp8GluonTile(stages=6)),
-    "down gm4": Fp8GluonShapeTiles(down=Fp8GluonTile(stages=5, group_m=4)),
-    "gather 2": Fp8GluonShapeTiles(gather_groups=2),
-    "up gm16": Fp8GluonShapeTiles(up=Fp8GluonTile(stages=3, group_m=16)),
-    "down gm16": Fp8GluonShapeTiles(down=Fp8GluonTile(stages=5, group_m=16)),
-    "down pipe": Fp8GluonShapeTiles(down=Fp8GluonTile(stages=5, pipelined=True)),  # 23 K-steps: an odd last one
-    "gather 4": Fp8GluonShapeTiles(gather_groups=4),
+    "up s4": Tiles(up=Fp8GluonTile(stages=4)),
+    "up gm4": Tiles(up=Fp8GluonTile(stages=3, group_m=4)),
+    "down s6": Tiles(down=Fp8GluonTile(stages=6)),
+    "down gm4": Tiles(down=Fp8GluonTile(stages=5, group_m=4)),
+    "gather 2": Tiles(gather_groups=2),
+    "up gm16": Tiles(up=Fp8GluonTile(stages=3, group_m=16)),
+    "down gm16": Tiles(down=Fp8GluonTile(stages=5, group_m=16)),
+    "down pipe": Tiles(down=Fp8GluonTile(stages=5, pipelined=True)),  # 23 K-steps: an odd last one
+    "gather 4": Tiles(gather_groups=4),
 }
 DEFAULT_CANDS = ("up s4", "up gm4", "down s6", "down gm4", "gather 2")
 RUN = RunLog("gfl43: gpt-oss fp8 on the Gluon path, the biased fast path (eager µs a call) and a tile sweep (graph "
@@ -129,7 +139,7 @@ def plain(w: dict, x, ids, weights, b13, b2) -> torch.Tensor:
                              b2=b2, lean=False)
 
 
-def tiled(w: dict, x, ids, weights, tiles: Fp8GluonShapeTiles) -> torch.Tensor:
+def tiled(w: dict, x, ids, weights, tiles: Tiles) -> torch.Tensor:
     """The fp8 Gluon path's lean launch with a candidate's tiles (each None: the plan's)."""
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
 
@@ -239,10 +249,12 @@ def sweep(w: dict, dev) -> None:
 
 def verdicts() -> None:
     """The defaults rule's lines: BIASED_FAST, then each sweep candidate."""
+    import moekit.experts.triton_gluon_fp8 as tgf
+
     eager_ok = len(RESULT["eager"]) == len(CHECK_MS) and all(r["rule"] for r in RESULT["eager"].values())
     RESULT["biased_fast_by_rule"] = not RUN.failed and eager_ok
-    RUN.summary.append(f"\nBIASED_FAST by the defaults rule: {RESULT['biased_fast_by_rule']}  (to flip: "
-                       "moekit/experts/triton_gluon_fp8.py, `BIASED_FAST = False` -> `BIASED_FAST = True`)")
+    RUN.summary.append(f"\nBIASED_FAST by the defaults rule: {RESULT['biased_fast_by_rule']}  (the switch: "
+                       f"moekit/experts/triton_gluon_fp8.py, now {tgf.BIASED_FAST}; on since session 43's H100 run)")
     runs = RESULT["sweep"]
     names = [n for n in CANDIDATES if runs and all(n in r["us"] for r in runs.values())]
     won = {n: statistics.geometric_mean([statistics.median(r["us"][n]) / statistics.median(r["us"]["route"])
@@ -251,15 +263,14 @@ def verdicts() -> None:
            and all(faster_rounds(r["us"][n], r["us"]["route"]) == len(r["us"][n]) == ROUNDS for r in runs.values())}
     RESULT["sweep_winners"] = won
     if not won:
-        RUN.summary.append("Sweep by the defaults rule: no candidate wins at every M; SHAPE_TILES stays as it is")
+        RUN.summary.append("Sweep by the defaults rule: no candidate wins at every M; the plan's rules stay")
         return
     e, k, n, _ = gpt39.shape()
     for name, ratio in sorted(won.items(), key=lambda kv: kv[1]):
         RUN.summary.append(f"Sweep: {name} wins (geometric mean of its / the route's medians {ratio:.3f})")
     best = min(won, key=won.get)
-    RUN.summary.append(f"To take the best (moekit/experts/triton_gluon_fp8_launch.py; winners of different GEMMs "
-                       f"merged into one entry only after a run of the merged one): SHAPE_TILES = {{({e}, {k}, {n}): "
-                       f"{CANDIDATES[best]!r}}}")
+    RUN.summary.append(f"The best at ({e}, {k}, {n}): {CANDIDATES[best]!r} (plan_gluon_fp8 has no per-shape entry "
+                       f"yet: add one where it picks the tiles)")
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ gate-up epilogue (gpt-oss's interleaved rows read in place, two row tiles a colu
 weight; N and K past a multiple of 128 read as TMA's zeros. The backends send such calls here only with
 ``Fp8GluonChoice.variants`` (on by default: 1.4-1.66x the fused Triton fp8 kernels at gpt-oss-20b's prefill).
 A repeated eager backend call launches from its fast-path entry (``run_fast_fp8``); a biased one keeps one only with
-``BIASED_FAST`` (session 43), holding its biases as the fused kernels' entries do. Per-shape tiles: ``SHAPE_TILES``.
+``BIASED_FAST`` (session 43), holding its biases as the fused kernels' entries do.
 """
 
 from __future__ import annotations

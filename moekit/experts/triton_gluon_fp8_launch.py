@@ -110,23 +110,6 @@ def variant_of(activation, b13: torch.Tensor | None, b2: torch.Tensor | None) ->
 
 
 @dataclass(frozen=True)
-class Fp8GluonShapeTiles:
-    """What one shape's calls take in place of the plan's rules (``SHAPE_TILES``); each None keeps the rule's pick."""
-
-    up: Fp8GluonTile | None = None
-    down: Fp8GluonTile | None = None  # never a wide tile where calls carry b2 (``check_wide`` refuses it at launch)
-    gather_groups: int | None = None
-
-
-# (local experts E, hidden K, inter N) -> the tiles measured faster there than the rules' (which were chosen at
-# Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V3's shapes). gpt-oss-20b's (32, 2880, 2880) is swept by
-# benchmarks/gfl43_device_check.py, which prints the entry to add where a candidate wins by the defaults rule.
-# Read by every plan (a change at run time wants ``triton.clear_launch_caches``: kept entries hold their launches).
-SHAPE_TILES: dict[tuple[int, int, int], Fp8GluonShapeTiles] = {}
-_NO_SHAPE_TILES = Fp8GluonShapeTiles()
-
-
-@dataclass(frozen=True)
 class Fp8GluonPlan:
     """Rows T of the permuted buffer (any routing fits: no host sync), the two GEMMs' pipelines and the gather's
     128-column groups per program."""
@@ -164,14 +147,10 @@ def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, hidden: int, u
                    down: Fp8GluonTile | None = None, gather_groups: int | None = None,
                    inter: int | None = None, b2: bool = False) -> Fp8GluonPlan:
     """The plan of a call; ``up``, ``down``, ``gather_groups`` given replace the choice's each alone; ``inter`` (N,
-    the down GEMM's reduce width; None: not known, no pipelined down, no ``SHAPE_TILES`` entry) for
-    ``wants_pipelined_down`` and the shape's entry, whose tiles replace the rules' (each where given); ``b2``: the
-    call has a down bias (the wide tile's epilogue adds none: never chosen then)."""
+    the down GEMM's reduce width; None: not known, no pipelined down) for ``wants_pipelined_down``; ``b2``: the call
+    has a down bias (the wide tile's epilogue adds none: never chosen then)."""
     from moekit.layouts.grouping import max_padded_rows
 
-    shaped = SHAPE_TILES.get((num_experts, hidden, inter), _NO_SHAPE_TILES) if SHAPE_TILES else _NO_SHAPE_TILES
-    up, down = up or shaped.up, down or shaped.down
-    gather_groups = shaped.gather_groups if gather_groups is None else gather_groups
     if gather_groups is not None and (gather_groups < 1 or gather_groups & (gather_groups - 1)):
         raise ValueError(f"gather_groups={gather_groups}: expected a power of 2 (the gather kernel's tl.arange)")
     wide = not b2 and wants_wide_down(num_tokens, top_k, num_experts, hidden)
