@@ -14,6 +14,7 @@ import pytest
 from moekit.bench.targets_judge import JSON_PEERS, NO_PEERS, judge
 from moekit.bench.targets_load import load_bench
 from moekit.bench.targets_peers import ISSUE_19_PEER_US, ISSUE_19_SOURCE
+from moekit.bench.targets_report import markdown
 from moekit.cli import main
 
 from _helpers import cli_error
@@ -271,3 +272,15 @@ def test_not_a_number_is_refused(tmp_path, capsys):
     doc["cells"][0]["us"] = "30"
     line = cli_error(capsys, ["bench", "--targets", write(tmp_path, "run.json", doc)])
     assert "us must be a finite number >= 0, got '30'" in line
+
+
+def test_cells_the_run_could_not_time_are_named(tmp_path):
+    """A bench run's ``failed_cells`` (out of device memory) are in no table: the report names them."""
+    doc = bench_doc([bench_cell("deepseek-v3", 8, "bfloat16", 1000.0, 95.0, 50.0)])
+    doc["failed_cells"] = [{"shape": "deepseek-v3", "M": 16384, "backend": "triton", "dtype": "int8_w8a16",
+                            "reason": "out of device memory, also after emptying the allocator's cache"}]
+    text = markdown(judge([load_bench(write(tmp_path, "run.json", doc))]))
+    line = next(line for line in text.splitlines() if "failed in the run" in line)
+    assert "deepseek-v3 M=16384 triton int8_w8a16 (out of device memory" in line
+    assert "failed in the run" not in markdown(judge([load_bench(write(tmp_path, "ok.json", bench_doc(
+        [bench_cell("deepseek-v3", 8, "bfloat16", 1000.0, 95.0, 50.0)])))]))

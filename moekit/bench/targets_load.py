@@ -36,6 +36,7 @@ class BenchFile:
     ceilings: dict  # the run's measured ceilings (run._document's "ceilings")
     cells: list[TargetCell]  # its triton cells, in the file's order
     skipped: dict[str, int]  # other backends -> how many cells of theirs the file has (not judged)
+    failed: list[str]  # the run's cells the device could not run ("shape M=.. backend dtype (reason)"; failed_cells)
 
 
 def load_bench(path: str | Path) -> BenchFile:
@@ -52,8 +53,10 @@ def load_bench(path: str | Path) -> BenchFile:
     base_us = {(c["shape"], c["M"]): c["us"] for c in ours if _dtype(c, doc["dtype"]) == BASELINE}
     cells = [_target_cell(str(path), c, _dtype(c, doc["dtype"]), mm_dtype, base_us) for c in ours]
     versions = f"torch {doc.get('torch', '?')}, triton {doc.get('triton') or '-'}"
+    failed = [f"{f.get('shape')} M={f.get('M')} {f.get('backend')} {f.get('dtype')} ({f.get('reason')})"
+              for f in doc.get("failed_cells") or [] if isinstance(f, dict)]  # files before session 43 have none
     return BenchFile(str(path), doc["device"], doc.get("commit", "unknown"), doc.get("date", "?"), versions,
-                     doc["ceilings"], cells, skipped)
+                     doc["ceilings"], cells, skipped, failed)
 
 
 def _read(path: Path) -> dict:

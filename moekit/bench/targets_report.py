@@ -27,9 +27,12 @@ def markdown(result: TargetsResult) -> str:
 
 
 def _left_out(result: TargetsResult) -> list[str]:
-    """What the tables do not judge, said once: other backends' cells, cells repeated in a later file."""
+    """What the tables do not judge, said once: cells the run could not time, other backends' cells, cells
+    repeated in a later file."""
     lines = []
     for f in result.files:
+        if f.failed:
+            lines.append(f"- **failed in the run, so in no table**: `{f.path}`'s {'; '.join(f.failed)}")
         if f.skipped:
             counts = ", ".join(f"{n} {b}" for b, n in f.skipped.items())
             lines.append(f"- not judged: `{f.path}`'s cells of other backends ({counts}); the issues' targets "
