@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from compile_report import report_jobs
+from sass_loops import SpillPlaces, spill_places
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Compiled:
     serialized: bool  # ptxas serialized the wgmmas (C7514: accumulators read inside a wgmma pipeline stage; C7512:
     # too few registers for the pipeline, e.g. a worker partition's in flight beside a 24-register one)
     wgmmas: int = 0  # wgmma.mma_async instructions in the PTX (a merged or dropped MMA shows as fewer)
+    places: SpillPlaces | None = None  # the spills in the SASS, inside the K loops or around them (None: no nvdisasm)
 
 
 def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
@@ -69,6 +71,31 @@ def ptxas_report(ptx: str) -> tuple[int | None, bool]:
             if done.returncode == 0 and found:
                 return int(found[0]), re.search(r"\(C751\d\)[^\n]*serialized", done.stderr) is not None  # any cause
     return None, False
+
+
+def sass_spill_places(ptx: str) -> SpillPlaces | None:
+    """Where this sm_90a PTX's spills sit in its SASS (``sass_loops``: inside the innermost MMA loops or around
+    them), through the bundled ptxas and nvdisasm; None where they are missing or refuse it."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):
+            exe = os.path.join(bin_dir, name)
+            if os.path.exists(exe) and subprocess.run([exe, "-arch=sm_90a", src, "-o", cubin],
+                                                      capture_output=True).returncode == 0:
+                break
+        else:
+            return None
+        done = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True, text=True)
+        return spill_places(done.stdout) if done.returncode == 0 else None
 
 
 def compile_gluon_sm90(kernel, args: dict, const: dict, num_warps: int, maxnreg: int | None = None,
@@ -163,7 +190,8 @@ def compile_fp8_gemm(gated: bool, tile, variant: Fp8Variant | None = None) -> Co
             f"regs={tile.max_registers}/{tile.consumer_regs}" + (" wide" if tile.wide else "")
             + (" pipelined" if tile.pipelined else "") + (" gpt-oss variant" if variant is not None else ""))
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
-                    getattr(out, "n_spills", None), regs, *ptxas_report(ptx), ptx.count("wgmma.mma_async"))
+                    getattr(out, "n_spills", None), regs, *ptxas_report(ptx), ptx.count("wgmma.mma_async"),
+                    sass_spill_places(ptx))
 
 
 def main() -> int:
@@ -174,7 +202,7 @@ def main() -> int:
     def line(gated: bool, tile, variant) -> str:
         c = compile_fp8_gemm(gated, tile, variant)
         return (f"{c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, ptxas spill stores "
-                f"{c.spill_bytes} B, wgmma serialized {c.serialized}, wgmma.mma_async {c.wgmmas}")
+                f"{c.spill_bytes} B ({c.places}), wgmma serialized {c.serialized}, wgmma.mma_async {c.wgmmas}")
 
     jobs = ((True, UP_TILE, None), (False, DOWN_TILE, None), (False, WIDE_DOWN_TILE, None),  # the plan's pipelines
             (False, PIPELINED_DOWN_TILE, None),  # wgmmas: 16, 8, 16, 24 expected
