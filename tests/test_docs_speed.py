@@ -1,6 +1,7 @@
 """The speed tables of README.md ("Speed today") and docs/speed.md are the bench results they cite: every row's
 µs, % of the floor and time over bf16 is the cell of ``SOURCES`` as ``row_text`` rounds it, and the docs name
-those files. A table copied by hand from another run, or left behind when the files change, fails here."""
+those files; the README's sentence on a whole transformers model is ``HF_SOURCE``'s rows. A figure copied by hand
+from another run, or left behind when the files change, fails here."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ SOURCES = tuple(f"benchmarks/results/NVIDIA_H200-2026-12-06-{name}.json"
 SHAPES = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "deepseek-v3": "DeepSeek-V3", "mixtral-8x7b": "Mixtral-8x7B"}
 SCHEMES = ("fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4")
 HEADER = "| shape | M | bf16 µs | % of floor | " + " | ".join(f"{s} x bf16" for s in SCHEMES) + " |"
+HF_SOURCE = "benchmarks/results/NVIDIA_H200-hf-2026-12-04.json"  # moekit bench --hf, Qwen3-30B-A3B widths
 TABLES = {"README.md": (1, 64, 1024, 16384), "docs/speed.md": None}  # the M each table shows (None: every M)
 
 
@@ -65,3 +67,20 @@ def test_a_changed_figure_is_caught():
     row = row_text("qwen3-30b-a3b", 1)
     changed = re.sub(r"\| (\d+\.\d) \|", lambda m: f"| {float(m.group(1)) + 0.1:.1f} |", row, count=1)
     assert changed != row and changed not in [row_text(s, m) for s in SHAPES for m in (1, 64, 1024, 16384)]
+
+
+def hf_sentence() -> str:
+    """The README's sentence on the transformers model, from ``HF_SOURCE``'s eager and compiled rows."""
+    run = json.loads((ROOT / HF_SOURCE).read_text())
+    rows = {(row["impl"], row["mode"]): row for row in run["rows"]}
+    assert (run["settings"]["prefill_batch"], run["settings"]["prefill_len"], run["layers"]) == (4, 1024, 8)
+    moekit, peer = rows[("moekit", "eager")], rows[("grouped_mm", "eager")]
+    moekit_c, peer_c = rows[("moekit", "compiled")], rows[("grouped_mm", "compiled")]
+    return (f"moekit's experts decoded {moekit['decode_tok_s']:.1f} tok/s eagerly against {peer['decode_tok_s']:.1f} for "
+            f"transformers' `grouped_mm` and {moekit_c['step_tok_s']:.1f} against {peer_c['step_tok_s']:.1f} per compiled "
+            f"step, and prefilled 4 × 1024 tokens in {moekit['prefill_ms']:.1f} ms against {peer['prefill_ms']:.1f}.")
+
+
+def test_the_transformers_figures_are_the_cited_run():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert HF_SOURCE.split("/")[-1] in readme and hf_sentence() in readme
