@@ -76,9 +76,10 @@ def hf_sentence() -> str:
     assert (run["settings"]["prefill_batch"], run["settings"]["prefill_len"], run["layers"]) == (4, 1024, 8)
     moekit, peer = rows[("moekit", "eager")], rows[("grouped_mm", "eager")]
     moekit_c, peer_c = rows[("moekit", "compiled")], rows[("grouped_mm", "compiled")]
-    return (f"moekit's experts decoded {moekit['decode_tok_s']:.1f} tok/s eagerly against {peer['decode_tok_s']:.1f} for "
-            f"transformers' `grouped_mm` and {moekit_c['step_tok_s']:.1f} against {peer_c['step_tok_s']:.1f} per compiled "
-            f"step, and prefilled 4 × 1024 tokens in {moekit['prefill_ms']:.1f} ms against {peer['prefill_ms']:.1f}.")
+    return (f"moekit's experts decoded {moekit['decode_tok_s']:.1f} tok/s eagerly against "
+            f"{peer['decode_tok_s']:.1f} for transformers' `grouped_mm` and {moekit_c['step_tok_s']:.1f} against "
+            f"{peer_c['step_tok_s']:.1f} per compiled step, and prefilled 4 × 1024 tokens in "
+            f"{moekit['prefill_ms']:.1f} ms against {peer['prefill_ms']:.1f}.")
 
 
 def test_the_transformers_figures_are_the_cited_run():
