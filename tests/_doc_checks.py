@@ -74,8 +74,37 @@ def parallel(ns: dict, printed: str) -> None:
         assert printed == ""
 
 
+def routing_and_grouping(ns: dict, printed: str) -> None:
+    """README "Routing and grouping": the top-2 ids and renormalised softmax weights of a float64 sort of the logits,
+    the capacity drops counted and within capacity, and the layout's inverse giving back each slot's token row."""
+    logits, routing = ns["logits"].double(), ns["routing"]
+    order = logits.argsort(dim=-1, descending=True, stable=True)[:, :2]  # ties to the lower id, as route's contract
+    assert torch.equal(routing.topk_ids.long(), order)
+    top = logits.softmax(-1).gather(1, order)
+    assert torch.allclose(routing.topk_weights.double(), top / top.sum(-1, keepdim=True), atol=1e-6)
+    capped = ns["capped"]
+    dropped = capped.routing.topk_ids < 0
+    assert int(capped.dropped) == int(dropped.sum()) and (capped.kept_counts <= capped.capacity).all()
+    x, back = ns["x"], ns["back"]
+    assert back.shape == (6, 2, 16) and torch.equal(back, x[:, None, :].expand(6, 2, 16))
+    layout = ns["layout"]
+    rows = layout.segment_ids >= 0
+    assert torch.equal(layout.segment_ids[rows].long(), routing.topk_ids.reshape(-1)[layout.src_of_row[rows]].long())
+
+
+def backends(ns: dict, printed: str) -> None:
+    """README "Experts and backends": the CPU's backends in "auto"'s order, and each backend's output against a
+    float64 per-token loop."""
+    assert printed == "['grouped_mm', 'reference']\n"
+    want = experts_loop(ns["x"], ns["w13"], ns["w2"], ns["ids"], ns["weights"])
+    for name, out in ns["outs"].items():
+        assert out.shape == (12, 64) and rel_l2(out, want) < 1e-5, name
+
+
 CHECKS = {
     "The API in a few lines": api,
+    "Routing and grouping": routing_and_grouping,
+    "Experts and backends": backends,
     "Quantized experts: `moekit.quant`": quant,
     "Experts that do not fit: `moekit.offload`": offload,
     'Every transformers MoE family: the `"moekit"` experts implementation': blocks,

@@ -1,7 +1,7 @@
 """The walk over the installed transformers: every experts class wrapped by transformers'
 ``use_experts_implementation``, and a small instance of each built from its own config class.
 
-Run as a script (``PYTHONPATH=. python tests/_hf_families.py``) it prints the coverage table the README
+Run as a script (``PYTHONPATH=. python tests/_hf_families.py``) it prints the coverage table of docs/hf.md
 and the issue quote: family, flags, fused/composed, rel. L2 error of "moekit" against "eager".
 """
 
@@ -173,7 +173,7 @@ def run_moekit(case: Case) -> torch.Tensor:
 
 
 def coverage_rows() -> list[str]:
-    """The README's table: one row per experts class."""
+    """docs/hf.md's coverage table: one row per experts class."""
     import warnings
 
     from moekit.hf.variants import ComposedPathWarning, experts_plan

@@ -156,13 +156,44 @@ def test_every_repository_path_the_docs_name_exists():
     assert not missing, "paths that are not in the repository:\n" + "\n".join(missing)
 
 
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, what is not a word character, a hyphen or a
+    space dropped, spaces as hyphens, a repeated one suffixed -1, -2, ... (headings inside fenced blocks are not)."""
+    anchors, seen, fenced = set(), {}, False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if heading := (None if fenced else re.match(r"#{1,6} (.+)$", line)):
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
 def test_every_relative_link_resolves():
+    """A relative link names a file that exists and, with a ``#fragment`` into a Markdown file (or the doc itself),
+    a heading of that file."""
     bad = []
     for doc in DOCS:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / doc).read_text()):
-            if not re.match(r"[a-z]+:", target) and not (ROOT / doc).parent.joinpath(target).exists():
+        for target, fragment in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", (ROOT / doc).read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path = (ROOT / doc).parent.joinpath(target) if target else ROOT / doc
+            if not path.exists():
                 bad.append(f"{doc}: {target}")
-    assert not bad, "links to files that do not exist:\n" + "\n".join(bad)
+            elif fragment and path.suffix == ".md" and fragment not in heading_anchors(path.read_text()):
+                bad.append(f"{doc}: {target}#{fragment} (no such heading)")
+    assert not bad, "links to files or headings that do not exist:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("heading, anchor", [
+    ("## Speed today", "speed-today"), ("## Today's standing", "todays-standing"),
+    ("## Quantized experts: `moekit.quant`", "quantized-experts-moekitquant"),
+    ("## Session 38 (lead): the H200 tables of main d949508 (bf16, fp8_block, int8 / int4 / mxfp4)",
+     "session-38-lead-the-h200-tables-of-main-d949508-bf16-fp8_block-int8--int4--mxfp4"),
+])
+def test_heading_anchors_are_github_s(heading, anchor):
+    assert anchor in heading_anchors(heading) and anchor + "x" not in heading_anchors(heading)
+    assert heading_anchors(f"{heading}\n{heading}\n") == {anchor, anchor + "-1"}
 
 
 def test_quick_start_is_what_ci_runs():

@@ -30,7 +30,7 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_walk_finds_the_interface():
-    """The walk is not empty and finds the variants the issue names (the count is in the README)."""
+    """The walk is not empty and finds the variants the issue names (the count is in the README and docs/hf.md)."""
     families = {f.family for f in FAMILIES.values()}
     assert {"gpt_oss", "glm4_moe", "qwen3_next", "olmoe", "granitemoe", "phimoe", "mixtral"} <= families
     flags = {k for f in FAMILIES.values() for k in f.flags}
