@@ -50,6 +50,7 @@ from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, Proofs, plan_forward
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
+from moekit.routing.shared import unfused_shared
 
 MissPlace = Literal["gpu", "cpu", "auto"]
 Prediction = Literal["router", "previous"]
@@ -134,10 +135,10 @@ class OffloadedMoE(MoE):
             if self.shared_w13 is None:
                 return
             if moe.fuse_shared:
-                e, n_dim = moe.config.num_experts, moe.config.moe_intermediate_size
-                gate_rows, up_rows = moe.w13[e:].split(n_dim, dim=1)  # [S, N, K] each
-                _take(self.shared_w13, torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
-                _take(self.shared_w2, torch.cat(list(moe.w2[e:]), dim=1))  # [K, S*N]
+                e = moe.config.num_experts
+                shared_w13, shared_w2 = unfused_shared(moe.w13[e:], moe.w2[e:])  # [2SN, K], [K, SN]
+                _take(self.shared_w13, shared_w13)
+                _take(self.shared_w2, shared_w2)
             else:
                 _take(self.shared_w13, moe.shared_w13)
                 _take(self.shared_w2, moe.shared_w2)
