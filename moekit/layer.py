@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit._checks import check_int
+from moekit._checks import check_int, input_error
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
@@ -209,8 +209,11 @@ class MoE(nn.Module):
         """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to ``gate_route.ROWS``
         (256) rows gate and router are one launch (``gate_route``) into ``workspace``'s kept buffers (forward without
         stats), else into fresh ones where two launches' bits would differ (``wants_fresh``), else two."""
-        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         c = self.config
+        if not isinstance(x2d, torch.Tensor) or not x2d.is_floating_point() or x2d.dim() != 2 or x2d.shape[1] != \
+                c.hidden_size:  # forward's checks, for a direct call
+            raise input_error("x2d", x2d, c.hidden_size, rows=True)
+        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
         slots = c.top_k + c.num_shared_slots * in_kernel  # the kernel appends S unless capacity drops in between
         ws = None if workspace is None else workspace.get(x2d, c.num_experts, slots, gx.dtype)
@@ -279,12 +282,9 @@ class MoE(nn.Module):
         out = self._decode(self, x) if not extra and self.eager_graphs is None else None  # a repeated decode
         if out is not None:  # a plain 2-D x: straight to its launches (moekit.layer_fast: implies the checks below)
             return out
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or x.shape[-1] != \
+                self.config.hidden_size:
+            raise input_error("x", x, self.config.hidden_size)
         flat = x.dim() == 2  # the common case: no reshape either way (each one ~1-2 µs of host time)
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
         out = self._graphed(x2d) if self.eager_graphs is not None and not extra else None
