@@ -3,7 +3,8 @@ expert cache, so a model larger than the GPU decodes.
 
     every MoE block (router + experts [+ shared]) ──moe_from_hf──▶ MoE ──OffloadedMoE.from_moe──▶ block
     one ExpertCache of gpu_budget_bytes // bytes-per-expert slots, shared by the blocks in model order
-    (bytes per expert: w13 + w2 (+ biases) of one expert; packed bytes, scales included, for fp8 experts)
+    (bytes per expert: w13 + w2 (+ biases) of one expert; packed bytes, scales included, for fp8 experts;
+    at most E x blocks slots: every expert resident)
 
 Load the model on the CPU, call ``offload_experts(model, gpu_budget_bytes=..., device="cuda")``, then
 move the rest of the model to the GPU (``model.to("cuda")``: the host-resident experts are not module
@@ -19,6 +20,7 @@ from torch import nn
 from moekit._checks import check_module
 from moekit.hf.blocks import moe_blocks, moe_from_hf
 from moekit.offload import ExpertCache, OffloadedMoE, expert_nbytes, link_layers
+from moekit.offload.slot_cap import cap_slots
 
 
 class OffloadedBlock(nn.Module):
@@ -37,7 +39,8 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
                     backend: str = "auto") -> ExpertCache:
     """Replace every MoE block of ``model`` (a module with ``.experts`` of transformers' experts interface
     and a ``.gate``/``.router``) by an ``OffloadedBlock``; returns the shared ``ExpertCache``, whose
-    ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert.
+    ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert; a budget of
+    more slots than the model's experts (E x MoE blocks) is capped there, with a warning.
     With ``compute_misses_on="auto"`` the miss costs are measured once (on the first block's experts)
     and shared by every block."""
     check_module("model", model)
@@ -49,7 +52,9 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
     if not isinstance(gpu_budget_bytes, int) or gpu_budget_bytes < expert_bytes:
         raise ValueError(f"gpu_budget_bytes must be an int of at least one expert's {expert_bytes} bytes, "
                          f"got {gpu_budget_bytes!r}")
-    cache = ExpertCache(gpu_budget_bytes // expert_bytes, device=device, policy=policy)
+    most = first.config.num_experts * len(blocks)  # every expert of every block resident: more slots hold nothing
+    slots = cap_slots(gpu_budget_bytes // expert_bytes, most, f"gpu_budget_bytes={gpu_budget_bytes}")
+    cache = ExpertCache(slots, device=device, policy=policy)
     layers = []
     for i, (parent, name, block) in enumerate(blocks):
         moe = first if i == 0 else moe_from_hf(block, backend=backend)

@@ -48,6 +48,7 @@ from moekit.offload.no_backward import no_backward
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, Proofs, plan_forward
+from moekit.offload.slot_cap import cap_slots
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
 from moekit.routing.shared import unfused_shared
@@ -78,8 +79,8 @@ class OffloadedMoE(MoE):
         cpu_rate: CpuRate | None = None,
     ) -> "OffloadedMoE":
         """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
-        private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``) or a
-        shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
+        private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``; capped at E with a
+        warning) or a shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
         on first use when None. Misses computed on the CPU are not fetched for this forward; the
         busiest of them are copied into the cache in the background (so the cache still learns the hot
         set): ``admit_per_forward`` of them, or with None as many as fit in the link's idle time during
@@ -104,8 +105,9 @@ class OffloadedMoE(MoE):
             raise TypeError(f"cpu_rate must be a moekit.offload.CpuRate, got {type(cpu_rate).__name__}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
             raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
-        if cache is None:
-            cache = ExpertCache(cache_experts, device=device or moe.w13.device, policy=policy)
+        if cache is None:  # capped at E: a private cache never holds another layer's experts
+            slots = cap_slots(cache_experts, moe.config.num_experts, f"cache_experts={cache_experts}")
+            cache = ExpertCache(slots, device=device or moe.w13.device, policy=policy)
         layer = cls(moe.config, backend=moe.backend, backend_options=moe.backend_options, fuse_shared=False,
                     capacity_factor=moe.capacity_factor, drop_policy=moe.drop_policy, router=moe.router,
                     stats_block_size=moe.stats_block_size, num_local_experts=0, dtype=moe.w13.dtype,
