@@ -19,6 +19,7 @@ from torch import nn
 
 from moekit._checks import check_module
 from moekit.hf.blocks import moe_blocks, moe_from_hf
+from moekit.hf.progress import Progress, block_progress, reported
 from moekit.offload import ExpertCache, OffloadedMoE, expert_nbytes, link_layers
 from moekit.offload.slot_cap import cap_slots
 
@@ -36,14 +37,16 @@ class OffloadedBlock(nn.Module):
 
 def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.device | str = "cuda",
                     policy: str = "lfu", prefetch: str | None = "router", compute_misses_on: str = "gpu",
-                    backend: str = "auto") -> ExpertCache:
+                    backend: str = "auto", progress: Progress = None) -> ExpertCache:
     """Replace every MoE block of ``model`` (a module with ``.experts`` of transformers' experts interface
     and a ``.gate``/``.router``) by an ``OffloadedBlock``; returns the shared ``ExpertCache``, whose
     ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert; a budget of
     more slots than the model's experts (E x MoE blocks) is capped there, with a warning.
     With ``compute_misses_on="auto"`` the miss costs are measured once (on the first block's experts)
-    and shared by every block."""
+    and shared by every block. ``progress``: None (default) a line on stderr when stderr is a terminal, True always,
+    False never, or a callable ``progress(done, total)`` called after each block (``moekit.hf.progress``)."""
     check_module("model", model)
+    report = block_progress(progress, "offload_experts")
     blocks = [(site.parent, site.name, site.block) for site in moe_blocks(model)]
     if not blocks:
         raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}")
@@ -56,7 +59,7 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
     slots = cap_slots(gpu_budget_bytes // expert_bytes, most, f"gpu_budget_bytes={gpu_budget_bytes}")
     cache = ExpertCache(slots, device=device, policy=policy)
     layers = []
-    for i, (parent, name, block) in enumerate(blocks):
+    for i, (parent, name, block) in enumerate(reported(blocks, report)):
         moe = first if i == 0 else moe_from_hf(block, backend=backend)
         layer = OffloadedMoE.from_moe(moe, cache=cache, prefetch=prefetch, compute_misses_on=compute_misses_on)
         setattr(parent, name, OffloadedBlock(layer))
