@@ -44,6 +44,7 @@ from moekit.offload.cost import MissCosts, one_call
 from moekit.offload.cpu_direct import direct_share
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.forward_ops import expert_counts, sum_partials
+from moekit.offload.layer_state import load_host_experts, save_host_experts
 from moekit.offload.no_backward import no_backward
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
@@ -157,6 +158,14 @@ class OffloadedMoE(MoE):
             raise TypeError(f"OffloadedMoE: its experts are {dtype} in its ExpertCache, which a cast of the layer "
                             f"does not reach: offload a MoE of the dtype wanted")
         return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # the experts: the host store's (layer_state)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        save_host_experts(self, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        load_host_experts(self, state_dict, prefix, missing, errors)  # into the host store; slots dropped
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 
     @property
     def next_layer(self) -> "OffloadedMoE | None":
