@@ -86,3 +86,10 @@ def test_a_budget_above_every_expert_is_capped_at_them():
     with torch.no_grad():
         got = model(ids).logits
     assert rel_l2(got, ref) < 1e-5 and cache.stats.touched == cache.stats.hits + cache.stats.fetched
+
+
+def test_offloading_again_says_the_blocks_are_offloaded():
+    model = tiny.qwen3_moe_small()
+    offload_experts(model, gpu_budget_bytes=5 * 3 * 32 * 16 * 4, device="cpu")
+    with pytest.raises(ValueError, match=r"no MoE block .*: Qwen3MoeForCausalLM; its blocks are offloaded already"):
+        offload_experts(model, gpu_budget_bytes=5 * 3 * 32 * 16 * 4, device="cpu")

@@ -49,7 +49,9 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
     report = block_progress(progress, "offload_experts")
     blocks = [(site.parent, site.name, site.block) for site in moe_blocks(model)]
     if not blocks:
-        raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}")
+        again = any(isinstance(m, OffloadedBlock) for m in model.modules())  # its blocks are OffloadedBlocks now
+        raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}"
+                         + ("; its blocks are offloaded already (OffloadedBlock)" if again else ""))
     first = moe_from_hf(blocks[0][2], backend=backend)
     expert_bytes = expert_nbytes(first)  # packed bytes for quantized (fp8) experts: the budget holds more
     if not isinstance(gpu_budget_bytes, int) or gpu_budget_bytes < expert_bytes:
