@@ -151,20 +151,20 @@ def dequant_phase(dev) -> None:
 
 
 def main() -> int:
+    dev = torch.device("cpu" if SMOKE else "cuda")
+    phases = {"correct": lambda: correct_phase(dev), "train": lambda: train_phase(dev),
+              "layer": lambda: layer_phase(dev), "dequant": lambda: dequant_phase(dev)}
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=60.0)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--phases", type=lambda v: tuple(x for x in v.split(",") if x),
-                   default=("correct", "train", "layer", "dequant"))
+    p.add_argument("--out", default="", help="directory for usr44.json (none: no file)")
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds; a phase past it is skipped")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreted")
+    p.add_argument("--phases", type=lambda v: tuple(x for x in v.split(",") if x), default=tuple(phases),
+                   help="comma-separated, of " + ", ".join(phases))
     p.parse_args(namespace=ARGS)
     threading.Thread(target=RUN.watchdog, daemon=True).start()
-    dev = torch.device("cpu" if SMOKE else "cuda")
     RESULT["run"] = {**run_info(), "smoke": SMOKE, "shape": [E, K, N, TOP_K], "phases": ARGS.phases}
     RUN.summary.append("| phase | cell | host µs new / old | wall µs new / old | new / old per round | "
                        "rounds >= 3% faster / slower |\n|---|---|---|---|---|---|")
-    phases = {"correct": lambda: correct_phase(dev), "train": lambda: train_phase(dev),
-              "layer": lambda: layer_phase(dev), "dequant": lambda: dequant_phase(dev)}
     return run_phases(RUN, phases, ARGS.phases, ARGS.deadline, NEEDS_S,
                       ARGS.out and os.path.join(ARGS.out, "usr44.json"), RESULT)
 
