@@ -84,3 +84,18 @@ def test_a_state_dict_that_does_not_fit_writes_nothing():
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "w2"'):
         off.load_state_dict(partial)
     assert torch.equal(off.cache.host(off.layer_id).parts["w13"], host_w13)  # w13 alone is not written
+
+
+@pytest.mark.parametrize("saved, target", [(None, "int4_w4a16"), ("int4_w4a16", None), ("int8_w8a16", "mxfp4")])
+def test_another_format_is_named_once_per_weight(saved, target):
+    """Torch's words were ``Missing key(s): "w13.q" ...`` and ``Unexpected key(s): "w13"`` (or the reverse)."""
+    off = OffloadedMoE.from_moe(_moe(7, target), cache_experts=3)
+    host = {k: v.clone() for k, v in off.cache.host(off.layer_id).parts.items()}
+    with pytest.raises(RuntimeError) as err:
+        off.load_state_dict(_saved(OffloadedMoE.from_moe(_moe(0, saved), cache_experts=3)))
+    text = str(err.value)
+    for weight in ("w13", "w2"):
+        assert f"{weight}: the state_dict holds {saved or 'float'} experts, this offloaded layer's are " \
+               f"{target or 'float'}: offload a MoE of that format" in text
+    assert "Missing key" not in text and "Unexpected key" not in text
+    assert all(torch.equal(off.cache.host(off.layer_id).parts[k], v) for k, v in host.items())

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from moekit.quant import scheme_of_tensors
+
 OWN_ROWS = ("w13", "w2", "b13", "b2")  # the layer's own Parameters, with no expert rows (num_local_experts=0)
 
 
@@ -32,9 +34,12 @@ def load_host_experts(layer, state_dict: dict, prefix: str, missing_keys: list, 
     torch's load does); a missing one is a missing key and nothing is written. The own empty rows are then loaded
     from themselves (nothing of theirs is in a state_dict)."""
     cache, layer_id = layer.cache, layer.layer_id
-    parts, given = cache.host(layer_id).parts, {}
+    host = cache.host(layer_id)
+    parts, given, other = host.parts, {}, _other_format(state_dict, prefix, host.scheme or "float")
     for name, part in parts.items():
         t = state_dict.pop(prefix + name, None)
+        if t is None and other:
+            continue  # said once, by _other_format's error below
         if t is None:
             missing_keys.append(prefix + name)
         elif t.shape != part.shape or not (t.dtype == part.dtype or (name in OWN_ROWS and t.is_floating_point())):
@@ -49,6 +54,24 @@ def load_host_experts(layer, state_dict: dict, prefix: str, missing_keys: list, 
             for name, t in given.items():
                 parts[name].copy_(t)
         cache.evict(layer_id, list(cache.cached(layer_id)))  # their slots hold the old experts
+    error_msgs.extend(other)
     for name in OWN_ROWS:
         if layer._parameters.get(name) is not None:
             state_dict[prefix + name] = layer._parameters[name]
+
+
+def _other_format(state_dict: dict, prefix: str, own: str) -> list[str]:
+    """One error a weight (``w13``, ``w2``) whose entries in ``state_dict`` are of another format than this layer's
+    experts (float, or a scheme told by ``scheme_of_tensors``), those entries taken out (not unexpected keys too)."""
+    errors = []
+    for weight in ("w13", "w2"):
+        key = prefix + weight
+        fields = {k[len(key) + 1:]: k for k in state_dict if k.startswith(key + ".")}
+        held = "float" if key in state_dict and not fields else (
+            scheme_of_tensors({f: state_dict[k] for f, k in fields.items()}) if fields else None)
+        if held is not None and held != own:
+            errors.append(f"{key}: the state_dict holds {held} experts, this offloaded layer's are {own}: offload a "
+                          f"MoE of that format (OffloadedMoE.from_moe) and load it there")
+            for k in [key, *fields.values()]:
+                state_dict.pop(k, None)
+    return errors
