@@ -37,3 +37,17 @@ def check_choice(name: str, value: Any, allowed: tuple) -> None:
     """``value`` must be one of ``allowed`` (an option's values, e.g. ``("sum", "average")``)."""
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def input_error(name: str, x: Any, hidden_size: int, rows: bool = False) -> Exception:
+    """The error for a layer input ``x`` that is not a floating-point tensor [..., hidden_size] (``rows``: [M,
+    hidden_size]); the caller tests the cheap conditions inline and builds this only to raise it."""
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        return TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        return TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if rows:
+        return ValueError(f"{name} must be [M, hidden_size={hidden_size}], got shape {tuple(x.shape)}")
+    return ValueError(f"{name} must have last dim hidden_size={hidden_size}, got shape {tuple(x.shape)}")

@@ -13,7 +13,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 | Group    | the backend's layout, from ``moekit.layouts`` (below)            | x2d, ids -> rows grouped by expert    |
 | Experts  | the ``moekit.experts`` backend, called by ``run_routed``         | rows -> w2 @ act_and_mul(w13 @ row)   |
 | Combine  | the layout's weighted inverse, in the same backend               | rows, weights -> out [M, K]           |
-| Shared   | S extra routed slots (fused), or ``MoE._shared_mlp``             | x2d -> [M, K], added                  |
+| Shared   | S extra routed slots (fused), or ``routing.shared.shared_mlp``   | x2d -> [M, K], added                  |
 | Identity | Z > 0 (LongCat-Flash): ``moekit.routing.weighting`` after Route  | weight x token [M, K], added          |
 
 Group and Combine per backend: ``grouped_mm`` (the CPU default) groups with ``permute_contiguous``
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit._checks import check_int
+from moekit._checks import check_int, input_error
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
@@ -166,14 +166,18 @@ class MoE(nn.Module):
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
         move_quantized_(self, fn)  # quantized w13/w2 are not Parameters: moved here, never cast
+        self._weights_changed()
+        return module
+
+    def _weights_changed(self) -> None:
+        """Resolve again and forget what was kept for the old weights (a move, a cast, ``quantize_``)."""
         if self.eager_graphs is not None:
             self.eager_graphs.clear()  # they read the old tensors' memory
         self.backend = self._backend
         self.router = self._router
         self._experts_call.clear()  # a move or cast may keep the Parameter objects but change their data
-        self._route_ws.clear()  # buffers on the old device or in the old dtype
+        self._route_ws.clear()  # buffers on the old device or in the old dtype, or sized for fused shared slots
         self._decode.clear()  # it holds those buffers
-        return module
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         refuse_quantized_into_float(self, state_dict, prefix, *args)  # a quantized checkpoint's scheme, named
@@ -181,11 +185,11 @@ class MoE(nn.Module):
 
     def quantize_(self, scheme: str, **options) -> MoE:
         """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block", "int8_w8a16",
-        "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become non-trainable QuantizedWeights.
-        The router and the shared expert stay in the model dtype. Returns the module: ``MoE(cfg).quantize_(s)``."""
+        "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``) into non-trainable QuantizedWeights. The router
+        and the shared expert stay in the model dtype: a fused one is first un-fused into ``shared_w13``/``shared_w2``
+        (``fuse_shared`` becomes False, the function is the same). Returns the module: ``MoE(cfg).quantize_(s)``."""
         quantize_experts_(self, scheme, **options)
-        if self.eager_graphs is not None:
-            self.eager_graphs.clear()  # they keep the unquantized weights alive
+        self._weights_changed()  # the graphs keep the unquantized weights alive; un-fused: other routing buffers
         return self
 
     @property
@@ -205,8 +209,11 @@ class MoE(nn.Module):
         """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to ``gate_route.ROWS``
         (256) rows gate and router are one launch (``gate_route``) into ``workspace``'s kept buffers (forward without
         stats), else into fresh ones where two launches' bits would differ (``wants_fresh``), else two."""
-        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         c = self.config
+        if not isinstance(x2d, torch.Tensor) or not x2d.is_floating_point() or x2d.dim() != 2 or x2d.shape[1] != \
+                c.hidden_size:  # forward's checks, for a direct call
+            raise input_error("x2d", x2d, c.hidden_size, rows=True)
+        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
         slots = c.top_k + c.num_shared_slots * in_kernel  # the kernel appends S unless capacity drops in between
         ws = None if workspace is None else workspace.get(x2d, c.num_experts, slots, gx.dtype)
@@ -275,12 +282,9 @@ class MoE(nn.Module):
         out = self._decode(self, x) if not extra and self.eager_graphs is None else None  # a repeated decode
         if out is not None:  # a plain 2-D x: straight to its launches (moekit.layer_fast: implies the checks below)
             return out
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or x.shape[-1] != \
+                self.config.hidden_size:
+            raise input_error("x", x, self.config.hidden_size)
         flat = x.dim() == 2  # the common case: no reshape either way (each one ~1-2 µs of host time)
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
         out = self._graphed(x2d) if self.eager_graphs is not None and not extra else None
@@ -318,7 +322,8 @@ class MoE(nn.Module):
         else:
             out = self.run_routed(x2d, routing)  # [M, K]; a subclass places the experts
         if self.shared_w13 is not None:
-            out = out + self._shared_mlp(x2d, routing.shared_weights)
+            out = out + shared_mlp(x2d, self.shared_w13, self.shared_w2, self.shared_gate, self.config,
+                                   routing.shared_weights)  # [M, K]
         if routed.identity_weights is not None:  # LongCat-Flash's zero-computation experts: weight x token
             out = out + (x2d * routed.identity_weights).to(out.dtype)
         return out
@@ -354,9 +359,6 @@ class MoE(nn.Module):
         experts elsewhere (expert parallelism) override this one step."""
         return call_backend(self._experts_fn, x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
                             activation=self.config.activation, b13=self.b13, b2=self.b2)
-
-    def _shared_mlp(self, x2d: torch.Tensor, slot_weights: torch.Tensor | None = None) -> torch.Tensor:
-        return shared_mlp(x2d, self.shared_w13, self.shared_w2, self.shared_gate, self.config, slot_weights)  # [M, K]
 
     def _stats(self, routed: RoutedTokens) -> MoEStats:
         return stats_of(routed, self.config.num_experts, self.stats_block_size, self._layout_used(routed.routing),

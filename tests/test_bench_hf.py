@@ -178,6 +178,25 @@ def test_results_path_never_overwrites(tmp_path):
     assert hf_results_path(tmp_path, doc).name == "NVIDIA_H200-hf-2030-01-02-3.json"
 
 
+def test_results_path_carries_the_quantizer_options(tmp_path):
+    """Two runs with other --hf-quant-options get names of their own (they took -2 and -3 after the scheme's name)."""
+    def doc(options):
+        return {"device": "NVIDIA H100 80GB HBM3", "date": "2030-01-02", "model": {"quant": "int4_w4a16"},
+                "quant": {"options": options}}
+
+    assert hf_results_path(tmp_path, doc({})).name == "NVIDIA_H100_80GB_HBM3-hf-int4_w4a16-2030-01-02.json"
+    named = hf_results_path(tmp_path, doc({"group_size": 32, "symmetric": True}))
+    assert named.name == "NVIDIA_H100_80GB_HBM3-hf-int4_w4a16-group_size32-symmetrictrue-2030-01-02.json"
+    named.write_text("{}")
+    other = hf_results_path(tmp_path, doc({"group_size": 64, "symmetric": False}))
+    assert other.name == "NVIDIA_H100_80GB_HBM3-hf-int4_w4a16-group_size64-symmetricfalse-2030-01-02.json"
+    block = {"device": "cpu", "date": "2030-01-02", "model": {"quant": "fp8_block"},
+             "quant": {"options": {"block_shape": (64, 128)}}}
+    assert hf_results_path(tmp_path, block).name == "cpu-hf-fp8_block-block_shape64x128-2030-01-02.json"
+    assert hf_results_path(tmp_path, {**block, "quant": {"options": {"odd": "a/b c"}}}).name == \
+        "cpu-hf-fp8_block-odda_b_c-2030-01-02.json"  # nothing but [A-Za-z0-9_.] from an option
+
+
 def test_registry_discovery_and_selection():
     names = experts_implementations()
     assert names[:2] == ["eager", "moekit"] and "grouped_mm" in names

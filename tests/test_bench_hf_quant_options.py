@@ -37,6 +37,7 @@ def test_the_options_reach_the_blocks_and_the_json(tmp_path, capsys):
             "--out", str(tmp_path)]
     assert main(argv) == 0
     (path,) = tmp_path.glob("cpu-hf-int4_w4a16-*.json")
+    assert path.name.startswith("cpu-hf-int4_w4a16-group_size32-symmetrictrue-20")  # the options, then the date
     doc = json.loads(path.read_text())
     assert doc["quant"]["options"] == {"group_size": 32, "symmetric": True}
     assert doc["settings"]["quant_options"] == [["group_size", 32], ["symmetric", True]]

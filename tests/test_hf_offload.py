@@ -71,3 +71,25 @@ def test_fp8_model_offloads_packed_and_gives_the_plain_fp8_logits():
     assert rel_l2(got, ref) < 1e-5  # the float32 router stays float32 (bf16, the fp8 logical dtype, gave 1.7e-4)
     stats = cache.stats
     assert stats.fetched > 0 and stats.bytes_transferred == (stats.fetched + stats.prefetched) * packed
+
+
+def test_a_budget_above_every_expert_is_capped_at_them():
+    """3 blocks x 8 experts = 24 experts; a budget of 100 experts' bytes held 100 slots, 76 of them for nothing."""
+    model = tiny.qwen3_moe_small()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    budget = 100 * 3 * 32 * 16 * 4
+    with pytest.warns(UserWarning, match=rf"^gpu_budget_bytes={budget} asks for 100 expert slots, more than the 24 "):
+        cache = offload_experts(model, gpu_budget_bytes=budget, device="cpu", backend="grouped_mm")
+    assert cache.cache_experts == 24 and cache.slot_weights[0].shape == (24, 32, 32)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert rel_l2(got, ref) < 1e-5 and cache.stats.touched == cache.stats.hits + cache.stats.fetched
+
+
+def test_offloading_again_says_the_blocks_are_offloaded():
+    model = tiny.qwen3_moe_small()
+    offload_experts(model, gpu_budget_bytes=5 * 3 * 32 * 16 * 4, device="cpu")
+    with pytest.raises(ValueError, match=r"no MoE block .*: Qwen3MoeForCausalLM; its blocks are offloaded already"):
+        offload_experts(model, gpu_budget_bytes=5 * 3 * 32 * 16 * 4, device="cpu")

@@ -5,6 +5,7 @@ hit/miss counts are checked against an eviction simulation written here."""
 
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
@@ -336,3 +337,23 @@ def test_quantize_and_a_cast_are_refused_where_they_would_not_reach_the_cached_e
     quantized = _moe().quantize_("int8_w8a16")
     off_q = OffloadedMoE.from_moe(quantized, cache_experts=3, device="cpu").to(torch.bfloat16)
     assert rel_l2(off_q(x.bfloat16()).float(), quantized.to(torch.bfloat16)(x.bfloat16()).float()) < 1e-2
+
+
+def test_a_private_cache_is_capped_at_the_layers_experts():
+    """cache_experts=99 on E = 8 held 99 slots ([99, 2N, K]: 91 no expert can fill); capped at E with one warning,
+    the outputs those of a shared cache of 99 slots (what the private one was) and of the plain layer."""
+    moe, x = _moe(), _x(13)
+    with pytest.warns(UserWarning, match=r"^cache_experts=99 asks for 99 expert slots, more than the 8 experts that "
+                                         r"can register: the cache holds 8") as caught:
+        off = OffloadedMoE.from_moe(moe, cache_experts=99)
+    assert len(caught) == 1 and off.cache.cache_experts == E
+    assert off.cache.slot_weights[0].shape == (E, 2 * N, K) and off.cache.slot_weights[1].shape == (E, K, N)
+    wide = OffloadedMoE.from_moe(moe, cache=ExpertCache(99, device="cpu"))  # a shared cache is taken as given
+    assert wide.cache.slot_weights[0].shape == (99, 2 * N, K)
+    with torch.no_grad():
+        for seed in range(2):
+            x = _x(13, seed)
+            assert torch.equal(off(x), wide(x)) and rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert OffloadedMoE.from_moe(moe, cache_experts=E).cache.cache_experts == E  # E itself: no warning

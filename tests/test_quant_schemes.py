@@ -191,6 +191,21 @@ def test_bad_input_is_named(call, error, match):
         call(_weight((2, 8, 64)))
 
 
+DTYPES = r"\(torch.float32, torch.bfloat16, torch.float16, torch.float64\)"
+
+
+@pytest.mark.parametrize("scheme", Q.SCHEMES)
+@pytest.mark.parametrize("dtype, error", [("float32", TypeError), (torch.int8, ValueError), (float, TypeError),
+                                          (torch.float8_e4m3fn, ValueError), (None, TypeError)])
+def test_dequantize_takes_float_dtypes_only(scheme, dtype, error):
+    """A string once read "Invalid device string", torch.int8 returned truncated integers, None a float32 copy."""
+    qw = Q.quantize(_weight((2, 8, 64)), scheme)
+    for call in (lambda: qw.dequantize(dtype), lambda: qw.dequantize_expert(1, dtype)):
+        with pytest.raises(error, match=rf"^dtype must be a floating-point torch.dtype {DTYPES}, got {dtype!r}$"):
+            call()
+    assert torch.equal(qw.dequantize_expert(1, torch.float64), qw.dequantize(torch.float64)[1])  # the float path
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_mxfp4_dequantize_builds_no_host_tensor(dtype, monkeypatch):
     # the dequantizing path runs inside CUDA graph captures (grouped_mm's), which refuse a pageable host copy: the

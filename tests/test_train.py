@@ -118,3 +118,25 @@ def test_bench_train_rows_on_cpu(tmp_path, capsys, one_thread):
     (speedup,) = doc["speedups"]
     ratio = rows["transformers:grouped_mm"]["ms"] / rows["moekit:grouped_mm"]["ms"]
     assert speedup["speedup_vs_transformers"] == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_device_defaults_to_cuda_when_a_gpu_is_present(gpu, monkeypatch, capsys):
+    """As demo and bench: the default is resolved when the parser is built, and --help shows the one it took."""
+    from moekit.cli import build_parser
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    parser = build_parser()
+    assert parser.parse_args(["train"]).device == ("cuda" if gpu else "cpu")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"cuda (the Triton experts path) when a GPU is present, else cpu; as demo and bench (default: " \
+           f"{'cuda' if gpu else 'cpu'})" in help_text
+
+
+def test_the_first_line_names_the_device(tmp_path, capsys, one_thread):
+    argv = ["train", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--d-model", "16", "--layers", "1",
+            "--expert-size", "8", "--no-plot", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "moekit train on cpu: 1 steps x 3 runs"

@@ -80,6 +80,23 @@ def test_forward_refuses(x, error, match):
         MoE(MoEConfig(**BASE))(x)
 
 
+@pytest.mark.parametrize(
+    "x, error, match",
+    [
+        ([[0.0] * 8], TypeError, "^x2d must be a torch.Tensor, got list$"),
+        (None, TypeError, "^x2d must be a torch.Tensor, got NoneType$"),
+        (torch.zeros(3, 8, dtype=torch.int64), TypeError, "^x2d must be a floating-point tensor, got torch.int64$"),
+        (torch.zeros(2, 3, 8), ValueError, r"^x2d must be \[M, hidden_size=8\], got shape \(2, 3, 8\)$"),
+        (torch.zeros(8), ValueError, r"^x2d must be \[M, hidden_size=8\], got shape \(8,\)$"),
+        (torch.zeros(3, 7), ValueError, r"^x2d must be \[M, hidden_size=8\], got shape \(3, 7\)$"),
+    ],
+)
+def test_route_tokens_refuses(x, error, match):
+    """Each one failed inside (AttributeError, the router's or a matmul's message) or, the int tensor, routed."""
+    with pytest.raises(error, match=match):
+        MoE(MoEConfig(**BASE)).route_tokens(x)
+
+
 def test_route_refuses_a_config_that_is_not_one():
     with pytest.raises(TypeError, match="config must be a MoEConfig"):
         route(torch.randn(2, 8), BASE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -13,10 +14,24 @@ from moekit.bench.report import free_results_path
 
 def hf_results_path(out_dir: Path, doc: dict) -> Path:
     """``<out_dir>/<device>-hf-<date>.json`` (``-hf-<quant>-`` with ``--hf-quant``: ``-hf-fp8-``, ``-hf-int4_w4a16-``
-    ...), or ``...-<date>-2.json``, ``-3`` ... when that file exists."""
+    ...; then each ``--hf-quant-options`` entry as ``-<name><value>``: ``-hf-int4_w4a16-group_size32-symmetrictrue-``),
+    or ``...-<date>-2.json``, ``-3`` ... when that file exists."""
     quant = doc.get("model", {}).get("quant")
-    kind = f"hf-{quant}" if quant else "hf"
+    options = doc.get("quant", {}).get("options", {})
+    kind = "-".join(["hf", quant, *(_file_safe(f"{name}{_flag_value(v)}") for name, v in options.items())] if quant
+                    else ["hf"])
     return free_results_path(out_dir, f"{doc['device'].replace(' ', '_')}-{kind}-{doc['date']}")
+
+
+def _flag_value(value) -> str:
+    """An option's value as ``--hf-quant-options`` spells it: ``true`` / ``false``, ``RxC`` for a block shape."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "x".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
+def _file_safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", text)
 
 
 def _number(value: float | None, fmt: str, error: str | None) -> str:

@@ -26,7 +26,10 @@ def register(subparsers) -> None:
         "writes train-curves.json and train-curves.png under --out (replacing earlier ones).",
     )
     p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps per run")
-    p.add_argument("--device", type=device_arg, default=d.device, help="cpu, or cuda (the Triton experts path)")
+    import torch
+
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else d.device,
+                   help="cuda (the Triton experts path) when a GPU is present, else cpu; as demo and bench")
     p.add_argument("--out", type=output_dir, default=Path("moekit-train"), help="directory for the JSON and PNG")
     p.add_argument("--seed", type=seed_arg, default=d.seed, help="weights and batches")
     p.add_argument("--capacity-factor", type=positive_float, default=None,
@@ -66,6 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:  # the config's words (top_k, num_experts) are the flags' --top-k, --experts
         raise UsageError(f"--experts/--top-k/--d-model/--expert-size: {err}") from None
     console = Console(highlight=False)
+    console.print(f"moekit train on {settings.device}: {settings.steps} steps x 3 runs")
     corpus = load_stdlib_bytes()
     console.print(f"data: {corpus.files} files, {corpus.data.numel() / 2**20:.1f} MiB from {corpus.root}")
     with _progress(console, args.log_every, settings.capacity_factor is not None) as on_step:

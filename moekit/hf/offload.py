@@ -3,7 +3,8 @@ expert cache, so a model larger than the GPU decodes.
 
     every MoE block (router + experts [+ shared]) ──moe_from_hf──▶ MoE ──OffloadedMoE.from_moe──▶ block
     one ExpertCache of gpu_budget_bytes // bytes-per-expert slots, shared by the blocks in model order
-    (bytes per expert: w13 + w2 (+ biases) of one expert; packed bytes, scales included, for fp8 experts)
+    (bytes per expert: w13 + w2 (+ biases) of one expert; packed bytes, scales included, for fp8 experts;
+    at most E x blocks slots: every expert resident)
 
 Load the model on the CPU, call ``offload_experts(model, gpu_budget_bytes=..., device="cuda")``, then
 move the rest of the model to the GPU (``model.to("cuda")``: the host-resident experts are not module
@@ -18,7 +19,9 @@ from torch import nn
 
 from moekit._checks import check_module
 from moekit.hf.blocks import moe_blocks, moe_from_hf
+from moekit.hf.progress import Progress, block_progress, reported
 from moekit.offload import ExpertCache, OffloadedMoE, expert_nbytes, link_layers
+from moekit.offload.slot_cap import cap_slots
 
 
 class OffloadedBlock(nn.Module):
@@ -34,24 +37,31 @@ class OffloadedBlock(nn.Module):
 
 def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.device | str = "cuda",
                     policy: str = "lfu", prefetch: str | None = "router", compute_misses_on: str = "gpu",
-                    backend: str = "auto") -> ExpertCache:
+                    backend: str = "auto", progress: Progress = None) -> ExpertCache:
     """Replace every MoE block of ``model`` (a module with ``.experts`` of transformers' experts interface
     and a ``.gate``/``.router``) by an ``OffloadedBlock``; returns the shared ``ExpertCache``, whose
-    ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert.
+    ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert; a budget of
+    more slots than the model's experts (E x MoE blocks) is capped there, with a warning.
     With ``compute_misses_on="auto"`` the miss costs are measured once (on the first block's experts)
-    and shared by every block."""
+    and shared by every block. ``progress``: None (default) a line on stderr when stderr is a terminal, True always,
+    False never, or a callable ``progress(done, total)`` called after each block (``moekit.hf.progress``)."""
     check_module("model", model)
+    report = block_progress(progress, "offload_experts")
     blocks = [(site.parent, site.name, site.block) for site in moe_blocks(model)]
     if not blocks:
-        raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}")
+        again = any(isinstance(m, OffloadedBlock) for m in model.modules())  # its blocks are OffloadedBlocks now
+        raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}"
+                         + ("; its blocks are offloaded already (OffloadedBlock)" if again else ""))
     first = moe_from_hf(blocks[0][2], backend=backend)
     expert_bytes = expert_nbytes(first)  # packed bytes for quantized (fp8) experts: the budget holds more
     if not isinstance(gpu_budget_bytes, int) or gpu_budget_bytes < expert_bytes:
         raise ValueError(f"gpu_budget_bytes must be an int of at least one expert's {expert_bytes} bytes, "
                          f"got {gpu_budget_bytes!r}")
-    cache = ExpertCache(gpu_budget_bytes // expert_bytes, device=device, policy=policy)
+    most = first.config.num_experts * len(blocks)  # every expert of every block resident: more slots hold nothing
+    slots = cap_slots(gpu_budget_bytes // expert_bytes, most, f"gpu_budget_bytes={gpu_budget_bytes}")
+    cache = ExpertCache(slots, device=device, policy=policy)
     layers = []
-    for i, (parent, name, block) in enumerate(blocks):
+    for i, (parent, name, block) in enumerate(reported(blocks, report)):
         moe = first if i == 0 else moe_from_hf(block, backend=backend)
         layer = OffloadedMoE.from_moe(moe, cache=cache, prefetch=prefetch, compute_misses_on=compute_misses_on)
         setattr(parent, name, OffloadedBlock(layer))

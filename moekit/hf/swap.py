@@ -34,6 +34,7 @@ from torch import nn
 from moekit._checks import check_bool, check_module
 from moekit.experts import backend_names
 from moekit.hf.blocks import block_config, block_output_norm, moe_blocks
+from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
 from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
@@ -86,7 +87,7 @@ class BlockSwapReport:
 
 def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: bool = False,
                       quant: str | None = None, quant_options: dict | None = None,
-                      keep_float: bool = True) -> BlockSwapReport:
+                      keep_float: bool = True, progress: Progress = None) -> BlockSwapReport:
     """Give every MoE block of ``model`` moekit's layer forward over its own Parameters; returns which blocks
     were swapped and which were left (with ``moe_from_hf``'s reason: they keep their forward, so the experts
     implementation set on the model, e.g. ``set_experts_implementation("moekit")``, still serves them).
@@ -104,16 +105,17 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     the float experts raises ``FloatExpertsFreedError``. Idempotent: a block already swapped with the same options
     (``quant_options`` included) is kept (``keep_float=False`` frees a kept quantized block's float experts without
     requantizing); other options rebuild its ``MoE``, which a block without float experts refuses.
-    ``restore_blocks`` undoes it. A model with no MoE block warns (``UserWarning``) and is left as it is."""
+    ``restore_blocks`` undoes it. A model with no MoE block warns (``UserWarning``) and is left as it is. ``progress``:
+    a line a block on stderr, on a terminal only (None), always (True), never (False), or ``progress(done, total)``."""
     check_module("model", model)
     check_bool("keep_float", keep_float)
     if backend != "auto" and backend not in backend_names():  # else every block was left, in report.left only
         raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {backend!r}")
     if quant is not None and quant not in SCHEMES:
         raise ValueError(f"quant must be one of {SCHEMES} or None, got {quant!r}")
-    if quant is not None and fuse_shared:  # else each block with a shared expert was left float, in report.left only
-        raise ValueError(f"quant={quant!r} with fuse_shared=True: the fused shared expert would be quantized with the "
-                         "routed ones, and quantize_ keeps it in the model dtype; pass fuse_shared=False with quant")
+    if quant is not None and fuse_shared:  # quantize_ un-fuses the copy again: the block's own shared expert runs
+        raise ValueError(f"quant={quant!r} with fuse_shared=True: pass fuse_shared=False with quant (quantize_ keeps "
+                         "the shared expert in the model dtype, un-fused: the block's own runs, copying it is waste)")
     if not keep_float and quant is None:
         raise ValueError("keep_float=False frees the float experts, which only quantized ones can replace: pass "
                          "quant=<scheme> with it (got quant=None)")
@@ -124,7 +126,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     if not sites:  # a dense model, or a block handed in instead of the model: say so rather than return quietly
         warnings.warn(f"use_moekit_blocks: {type(model).__name__} has no MoE block (a module with .experts and "
                       ".gate/.router): nothing swapped", UserWarning, stacklevel=2)
-    for site in sites:
+    for site in reported(sites, block_progress(progress, "use_moekit_blocks")):  # checked before the first block
         block = site.block
         own = _own_class(block)
         try:

@@ -44,12 +44,15 @@ from moekit.offload.cost import MissCosts, one_call
 from moekit.offload.cpu_direct import direct_share
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.forward_ops import expert_counts, sum_partials
+from moekit.offload.layer_state import load_host_experts, save_host_experts
 from moekit.offload.no_backward import no_backward
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, Proofs, plan_forward
+from moekit.offload.slot_cap import cap_slots
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
+from moekit.routing.shared import unfused_shared
 
 MissPlace = Literal["gpu", "cpu", "auto"]
 Prediction = Literal["router", "previous"]
@@ -77,8 +80,8 @@ class OffloadedMoE(MoE):
         cpu_rate: CpuRate | None = None,
     ) -> "OffloadedMoE":
         """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
-        private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``) or a
-        shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
+        private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``; capped at E with a
+        warning) or a shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
         on first use when None. Misses computed on the CPU are not fetched for this forward; the
         busiest of them are copied into the cache in the background (so the cache still learns the hot
         set): ``admit_per_forward`` of them, or with None as many as fit in the link's idle time during
@@ -103,8 +106,9 @@ class OffloadedMoE(MoE):
             raise TypeError(f"cpu_rate must be a moekit.offload.CpuRate, got {type(cpu_rate).__name__}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
             raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
-        if cache is None:
-            cache = ExpertCache(cache_experts, device=device or moe.w13.device, policy=policy)
+        if cache is None:  # capped at E: a private cache never holds another layer's experts
+            slots = cap_slots(cache_experts, moe.config.num_experts, f"cache_experts={cache_experts}")
+            cache = ExpertCache(slots, device=device or moe.w13.device, policy=policy)
         layer = cls(moe.config, backend=moe.backend, backend_options=moe.backend_options, fuse_shared=False,
                     capacity_factor=moe.capacity_factor, drop_policy=moe.drop_policy, router=moe.router,
                     stats_block_size=moe.stats_block_size, num_local_experts=0, dtype=moe.w13.dtype,
@@ -134,10 +138,10 @@ class OffloadedMoE(MoE):
             if self.shared_w13 is None:
                 return
             if moe.fuse_shared:
-                e, n_dim = moe.config.num_experts, moe.config.moe_intermediate_size
-                gate_rows, up_rows = moe.w13[e:].split(n_dim, dim=1)  # [S, N, K] each
-                _take(self.shared_w13, torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
-                _take(self.shared_w2, torch.cat(list(moe.w2[e:]), dim=1))  # [K, S*N]
+                e = moe.config.num_experts
+                shared_w13, shared_w2 = unfused_shared(moe.w13[e:], moe.w2[e:])  # [2SN, K], [K, SN]
+                _take(self.shared_w13, shared_w13)
+                _take(self.shared_w2, shared_w2)
             else:
                 _take(self.shared_w13, moe.shared_w13)
                 _take(self.shared_w2, moe.shared_w2)
@@ -154,6 +158,14 @@ class OffloadedMoE(MoE):
             raise TypeError(f"OffloadedMoE: its experts are {dtype} in its ExpertCache, which a cast of the layer "
                             f"does not reach: offload a MoE of the dtype wanted")
         return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # the experts: the host store's (layer_state)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        save_host_experts(self, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        load_host_experts(self, state_dict, prefix, missing, errors)  # into the host store; slots dropped
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 
     @property
     def next_layer(self) -> "OffloadedMoE | None":

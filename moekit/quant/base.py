@@ -22,6 +22,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what dequantize computes into
+
+
+def _dtype_error(dtype) -> Exception:
+    """dequantize's error: a TypeError for what is no torch.dtype (a string), a ValueError for another dtype."""
+    names = ", ".join(str(d) for d in DEQUANTIZE_DTYPES)
+    error = ValueError if isinstance(dtype, torch.dtype) else TypeError
+    return error(f"dtype must be a floating-point torch.dtype ({names}), got {dtype!r}")
+
+
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class QuantizedWeight:
     """Base of the per-scheme classes; never built directly.
@@ -58,15 +68,27 @@ class QuantizedWeight:
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The logical weight [E, R, C] in ``dtype`` (computed in float32, or float64 when asked)."""
-        raise NotImplementedError
+        """The logical weight [E, R, C] in ``dtype``, one of ``DEQUANTIZE_DTYPES`` (computed in float32, or float64
+        when asked); anything else (a string, an integer dtype) is refused naming them."""
+        if dtype not in DEQUANTIZE_DTYPES:  # a tuple: compared by identity first, never hashed (~40 ns)
+            raise _dtype_error(dtype)
+        return self._dequantize(dtype)
 
     def dequantize_expert(self, expert: int, dtype: torch.dtype = torch.float32,
                           rows: slice = slice(None)) -> torch.Tensor:
-        """w[expert, rows] [r, C] in ``dtype``: bit-identical to ``dequantize(dtype)[expert, rows]`` at the cost
-        of those rows (the CPU inference loop dequantizes only the experts a call touches, a tile of rows at a
-        time). The weight-only schemes override it with a faster expression of the same per-element arithmetic."""
-        return self.select_experts(slice(expert, expert + 1)).dequantize(dtype)[0, rows]
+        """w[expert, rows] [r, C] in ``dtype`` (as ``dequantize``'s): bit-identical to ``dequantize(dtype)[expert,
+        rows]`` at the cost of those rows (the CPU inference loop dequantizes only the experts a call touches, a tile
+        of rows at a time)."""
+        if dtype not in DEQUANTIZE_DTYPES:
+            raise _dtype_error(dtype)
+        return self._dequantize_expert(expert, dtype, rows)
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dequantize_expert(self, expert: int, dtype: torch.dtype, rows: slice) -> torch.Tensor:
+        """The weight-only schemes override it with a faster expression of the same per-element arithmetic."""
+        return self.select_experts(slice(expert, expert + 1))._dequantize(dtype)[0, rows]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.tensor_fields}

@@ -49,7 +49,7 @@ class Fp8BlockWeight(QuantizedWeight):
     def shape(self) -> torch.Size:
         return self.q.shape
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         r, c = self.q.shape[1:]
         br, bc = self.block_shape

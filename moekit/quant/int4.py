@@ -69,15 +69,14 @@ class Int4Weight(QuantizedWeight):
         """The unpacked codes [E, R, C] uint8 (0..15)."""
         return unpack_nibbles(self.q, self.cols)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         g, c = self.group_size, self.cols
         zero = self.zero.to(acc).repeat_interleave(g, 2)[:, :, :c]  # [E, R, C]
         scale = self.scale.to(acc).repeat_interleave(g, 2)[:, :, :c]  # [E, R, C]
         return ((self.codes().to(acc) - zero) * scale).to(dtype)
 
-    def dequantize_expert(self, expert: int, dtype: torch.dtype = torch.float32,
-                          rows: slice = slice(None)) -> torch.Tensor:
+    def _dequantize_expert(self, expert: int, dtype: torch.dtype, rows: slice) -> torch.Tensor:
         """The same (code - zero) * scale per element in the same precision, on [r, G, g] with the group's
         zero and scale broadcast (no [r, C] copies of them) and the codes decoded by one byte gather."""
         acc = torch.float64 if dtype == torch.float64 else torch.float32

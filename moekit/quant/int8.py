@@ -37,12 +37,11 @@ class Int8Weight(QuantizedWeight):
     def shape(self) -> torch.Size:
         return self.q.shape
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         return (self.q.to(acc) * self.scale.to(acc)[:, :, None]).to(dtype)
 
-    def dequantize_expert(self, expert: int, dtype: torch.dtype = torch.float32,
-                          rows: slice = slice(None)) -> torch.Tensor:
+    def _dequantize_expert(self, expert: int, dtype: torch.dtype, rows: slice) -> torch.Tensor:
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         return (self.q[expert, rows].to(acc) * self.scale[expert, rows].to(acc)[:, None]).to(dtype)  # [r, C]
 

@@ -1,5 +1,6 @@
 """Quantizing an ``MoE``'s routed expert weights in place (``MoE.quantize_``) and keeping them on the
-module's device. The router and the shared expert stay in the model dtype.
+module's device. The router and the shared expert stay in the model dtype (a fused shared expert is un-fused
+into the separate MLP first).
 
 A quantized ``w13``/``w2`` is a plain attribute holding a ``QuantizedWeight`` (not a Parameter: it is
 not trainable); ``MoE._apply`` calls ``move_quantized_`` so ``moe.to(device)`` moves it. Dtype casts
@@ -17,6 +18,7 @@ from torch import nn
 
 from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import check_scheme, quantize, scheme_of_tensors
+from moekit.routing.shared import unfused_shared
 
 EXPERT_WEIGHTS = ("w13", "w2")
 
@@ -32,12 +34,31 @@ def quantize_experts_(module: nn.Module, scheme: str, **options) -> None:
     current = quant_scheme_of(module.w13)
     if current is not None:
         raise ValueError(f"the experts are already quantized ({current!r}); quantize a float MoE")
-    if getattr(module, "fuse_shared", False):
-        raise ValueError("quantize_ keeps the shared expert in the model dtype, but this MoE fuses it into "
-                         "w13/w2 (fuse_shared=True): build it with fuse_shared=False")
-    with torch.no_grad():
-        quantized = {name: quantize(getattr(module, name).detach(), scheme, **options) for name in EXPERT_WEIGHTS}
+    slots = module.config.num_shared_slots if getattr(module, "fuse_shared", False) else 0  # S fused shared rows
+    rows = module.w13.shape[0] - slots  # the routed experts' rows (E, or L on an EP rank)
+    with torch.no_grad():  # quantized before anything changes: a refused option leaves the layer as it was
+        quantized = {name: quantize(getattr(module, name).detach()[:rows], scheme, **options)
+                     for name in EXPERT_WEIGHTS}
+    if slots:
+        _unfuse_shared_(module, rows)
     install_quantized_experts_(module, quantized["w13"], quantized["w2"])
+
+
+def _unfuse_shared_(module: nn.Module, rows: int) -> None:
+    """Move a fused shared expert out of ``w13``/``w2``'s rows ``rows:`` into the separate MLP's ``shared_w13``
+    [2SN, K] / ``shared_w2`` [K, SN] (Parameters in the model dtype), keep the routed rows of ``w13``/``w2``/
+    ``b13``/``b2`` (the shared slots' biases are zero) and set ``fuse_shared`` False: the layer then computes as
+    one built with ``fuse_shared=False``."""
+    with torch.no_grad():
+        grad = module.w13.requires_grad
+        shared = unfused_shared(module.w13[rows:], module.w2[rows:])  # [2SN, K], [K, SN]
+        module.shared_w13, module.shared_w2 = (nn.Parameter(w, requires_grad=grad) for w in shared)
+        for name in ("w13", "w2", "b13", "b2"):
+            w = getattr(module, name)
+            if w is not None:  # w13/w2: views (no copy), the quantized weights replace them next; the biases copied
+                setattr(module, name, nn.Parameter(w[:rows] if name in EXPERT_WEIGHTS else w[:rows].clone(),
+                                                   requires_grad=w.requires_grad))
+    module.fuse_shared = False
 
 
 def install_quantized_experts_(module: nn.Module, w13: QuantizedWeight, w2: QuantizedWeight) -> None:

@@ -61,14 +61,13 @@ class Mxfp4Weight(QuantizedWeight):
     def shape(self) -> torch.Size:
         return torch.Size((*self.q.shape[:2], self.cols))
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         values = e2m1_decode(unpack_nibbles(self.q, self.cols), acc)  # [E, R, C]
         exponent = self.scale.to(torch.int32).repeat_interleave(MX_BLOCK, 2)[:, :, : self.cols] - E8M0_BIAS
         return torch.ldexp(values, exponent.to(acc)).to(dtype)
 
-    def dequantize_expert(self, expert: int, dtype: torch.dtype = torch.float32,
-                          rows: slice = slice(None)) -> torch.Tensor:
+    def _dequantize_expert(self, expert: int, dtype: torch.dtype, rows: slice) -> torch.Tensor:
         """The same product per element: ``torch.ldexp(v, e)`` is v * 2.0**e, here with 2.0**e taken once
         per block [r, G] (exact for every e8m0 byte but 255) and the codes decoded by one byte gather."""
         acc = torch.float64 if dtype == torch.float64 else torch.float32

@@ -69,3 +69,13 @@ def shared_mlp(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: tor
     if gate is not None:
         y = torch.sigmoid(gate(x2d)) * y
     return y if config.shared_weight == 1.0 else y * config.shared_weight
+
+
+def unfused_shared(slot_w13: torch.Tensor, slot_w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused shared slots back as the separate MLP's weights: slot_w13 [S, 2N, K] (each slot's gate rows, then
+    its up rows) -> shared_w13 [2SN, K] (all gate rows, then all up rows); slot_w2 [S, K, N] -> shared_w2 [K, SN].
+    Inverse of the copy ``moekit.hf.blocks`` fuses with; the same function (``shared_mlp``)."""
+    n_dim = slot_w2.shape[2]
+    gate_rows, up_rows = slot_w13.split(n_dim, dim=1)  # [S, N, K] each
+    shared_w13 = torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)])  # [2SN, K]
+    return shared_w13, torch.cat(list(slot_w2), dim=1)  # [K, SN]
