@@ -263,9 +263,8 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
                              f"({layout.block_m}): a step would cross into the next expert's rows")
         left = permute_rows(left, l_div, layout) if l_div else left
         right = permute_rows(right, r_div, layout) if r_div else right
-        pair = (None, None)
-        if tile.desc:
-            pair = (descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
+        pair = ((descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
+                if tile.desc else (None, None))
         use_desc = None not in pair
         if use_desc and tile.persistent and split == 1:
             return weight_grad_persistent(*pair, rows, cols, layout.counts, layout.block_m, out, tile)
