@@ -6,8 +6,8 @@ a kernel without FMA contraction (other numerics, likely slower), and every kern
   ``BoundLaunch`` adds them to its options;
 - the launches: calls of every kernel family under the interpreter (bf16 / fp32 / fp8 / weight-only forward, the
   alignment's launch counts, the k-sum, backward, routing; the Gluon GEMMs through their torch stand-ins), each
-  launch noted by ``_fusion_guard`` with what it asked for, and together they reach every kernel moekit launches;
-  with the options emptied the guard names the launches that went without;
+  launch noted by ``_fusion_guard`` with what it asked for; they and the test modules ``ELSEWHERE`` names reach every
+  kernel moekit launches; with the options emptied the guard names the launches that went without;
 - the offline compile for sm_90 (no GPU): with the options no FP-fusion warning, without them Triton 3.9's warning.
 """
 
@@ -38,15 +38,15 @@ def _source_files() -> list[Path]:
     return sorted((ROOT / "moekit").rglob("*.py"))
 
 
-def _jit_functions() -> dict[str, str]:
-    """Every top-level ``@triton.jit`` / ``@gluon.jit`` function in moekit: name -> its module."""
-    found = {}
+def _jit_functions() -> list[tuple[str, str]]:
+    """Every top-level ``@triton.jit`` / ``@gluon.jit`` function in moekit: (its module, its name)."""
+    found = []
     for path in _source_files():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef) and any(
                     re.fullmatch(r"(triton|gluon)\.jit(\(.*\))?", ast.unparse(d), re.S) for d in node.decorator_list):
-                module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-                found[node.name] = module
+                found.append((module, node.name))
     return found
 
 
@@ -55,7 +55,7 @@ def launched_kernels() -> set[str]:
     ``_kernels`` packages) names, as an attribute (``kernels("gemm").gate_up_kernel``) or in a string (the weight-only
     decodes' tables); the ``_kernel`` helpers only kernels call (``wait_for_previous_kernel``) are not named there."""
     host = "\n".join(p.read_text() for p in _source_files() if "_kernels" not in p.parts)
-    return {f"{module}.{name}" for name, module in _jit_functions().items()
+    return {f"{module}.{name}" for module, name in _jit_functions()
             if name.endswith("_kernel") and re.search(rf"[.\"']{name}\b", host)}
 
 
