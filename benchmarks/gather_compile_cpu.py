@@ -29,6 +29,7 @@ def compile_gather_gemm(tile) -> tuple[str, str]:
 
     from moekit.experts._kernels.gluon_gemm_gather import gather_gate_up_kernel as kernel
     from moekit.experts.triton_gluon_launch import BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS
+    from moekit.triton_bind import COMPILE_OPTIONS
 
     e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
     int32 = torch.empty(1, dtype=torch.int32)
@@ -45,7 +46,7 @@ def compile_gather_gemm(tile) -> tuple[str, str]:
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()}, attrs)
     t0 = time.perf_counter()
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS))
+                         options=dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **COMPILE_OPTIONS))
     ptx = out.asm["ptx"]
     regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
     spills, serialized = ptxas_report(ptx)

@@ -107,10 +107,12 @@ def compile_gluon_sm90(kernel, args: dict, const: dict, num_warps: int, maxnreg:
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    from moekit.triton_bind import COMPILE_OPTIONS
+
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     consts = {(kernel.arg_names.index(name),): v for name, v in const.items()}
     src = GluonASTSource(kernel, sig, consts) if attrs is None else GluonASTSource(kernel, sig, consts, attrs)
-    options = dict(num_warps=num_warps) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
+    options = dict(num_warps=num_warps, **COMPILE_OPTIONS) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -159,6 +161,7 @@ def compile_fp8_gemm(gated: bool, tile, variant: Fp8Variant | None = None) -> Co
     from triton.runtime.jit import mangle_type
 
     from moekit.experts._kernels.gluon_gemm_fp8 import grouped_gemm_fp8_kernel as kernel
+    from moekit.triton_bind import COMPILE_OPTIONS
 
     e, n, k, t = (2, 256, 512, 1024) if variant is None else (variant.experts, variant.inter, variant.hidden, 4096)
     fp8 = torch.float8_e4m3fn
@@ -182,7 +185,8 @@ def compile_fp8_gemm(gated: bool, tile, variant: Fp8Variant | None = None) -> Co
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=tile.max_registers))
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=tile.max_registers,
+                                                                                 **COMPILE_OPTIONS))
     ptx = out.asm["ptx"]
     regs = sorted({int(line.split("setmaxnreg")[1].split(",")[0].split(".")[-1].strip().rstrip(";").split()[-1])
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []

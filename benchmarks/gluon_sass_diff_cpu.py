@@ -49,6 +49,8 @@ def _compile(kernel, args: dict, const: dict, aligned: tuple, num_warps: int = 8
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    from moekit.triton_bind import COMPILE_OPTIONS
+
     names = kernel.arg_names
     args, const = {k: v for k, v in args.items() if k in names}, {k: v for k, v in const.items() if k in names}
     for n in (n for n in names if n not in args and n not in const):
@@ -61,7 +63,8 @@ def _compile(kernel, args: dict, const: dict, aligned: tuple, num_warps: int = 8
     sig = {n: mangle_type(args[n]) if n in args else "constexpr" for n in names if n in args or n in const}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in args}
     src = GluonASTSource(kernel, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg,
+                                                                            **COMPILE_OPTIONS))
 
 
 def bf16_cases() -> dict:

@@ -29,13 +29,14 @@ def _compile(kernel, args: dict, const: dict, aligned: tuple) -> str:
     from triton.runtime.jit import mangle_type
 
     from moekit.experts.triton_gluon_launch import MAX_REGISTERS, NUM_WARPS
+    from moekit.triton_bind import COMPILE_OPTIONS
 
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()}, attrs)
     t0 = time.perf_counter()
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS,
-                                                                              maxnreg=MAX_REGISTERS))
+                                                                              maxnreg=MAX_REGISTERS, **COMPILE_OPTIONS))
     ptx = out.asm["ptx"]
     regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
     spills, serialized = ptxas_report(ptx)

@@ -56,6 +56,8 @@ def _compile(module: str, kernel: str, const: dict, num_warps: int, num_stages: 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from moekit.triton_bind import COMPILE_OPTIONS
+
     fn = getattr(importlib.import_module(f"moekit.routing._kernels.{module}"), kernel)
     names = fn.arg_names
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
@@ -65,7 +67,8 @@ def _compile(module: str, kernel: str, const: dict, num_warps: int, num_stages: 
     src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
     debug = dict(debug=True, sanitize_overflow=False) if const.get("ASSERT_FINITE") else {}  # as the eager launch
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=num_warps, num_stages=num_stages, enable_reflect_ftz=False, launch_pdl=False, **debug))
+        num_warps=num_warps, num_stages=num_stages, enable_reflect_ftz=False, launch_pdl=False, **debug,
+        **COMPILE_OPTIONS))
 
 
 def cases(options: bool) -> dict:

@@ -37,6 +37,7 @@ def compile_wo(gated: bool, stages: int, scheme: int, block_n: int, variant: dic
     from triton.runtime.jit import mangle_type
 
     from moekit.experts._kernels.gluon_gemm_wo import grouped_gemm_wo_kernel as kernel
+    from moekit.triton_bind import COMPILE_OPTIONS
 
     e, n, k, t = 2, 256, 512, 1024
     split = variant.get("SPLIT", False)
@@ -58,7 +59,8 @@ def compile_wo(gated: bool, stages: int, scheme: int, block_n: int, variant: dic
                  **{"SPLIT": False, "FAST": False, "SLOTS": 2, **variant})
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=168))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=168,
+                                                                                 **COMPILE_OPTIONS))
 
 
 def compile_case(gated: bool, stages: int, scheme: int, block_n: int, variant: dict, block_k: int = 64) -> str:

@@ -54,10 +54,12 @@ def _compile(fn, pointer_types: dict, const: dict, num_warps: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from moekit.triton_bind import COMPILE_OPTIONS
+
     sig = {n: "constexpr" if n in const else pointer_types.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in fn.arg_names}
     src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, **COMPILE_OPTIONS))
 
 
 def _main_loop(sass: str) -> list[str]:

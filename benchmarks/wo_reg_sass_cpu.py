@@ -31,11 +31,14 @@ def _compile(fn, pointer_types: dict, const: dict, num_warps: int, num_stages: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from moekit.triton_bind import COMPILE_OPTIONS
+
     sig = {n: "constexpr" if n in const else pointer_types.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in fn.arg_names}
     src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
-                                                                               num_stages=num_stages))
+                                                                               num_stages=num_stages,
+                                                                               **COMPILE_OPTIONS))
 
 
 def count(scheme: int, block_n: int, block_k: int, swap: bool, down: bool = False, num_warps: int = 4,

@@ -68,6 +68,7 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: i
     from triton.runtime.jit import mangle_type
 
     from moekit.experts._kernels.gluon_gemm_wo import grouped_gemm_wo_kernel as kernel
+    from moekit.triton_bind import COMPILE_OPTIONS
 
     e, n, k, t = 2, 256, 512, 1024
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
@@ -83,7 +84,8 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: i
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=8, maxnreg=168, **COMPILE_OPTIONS))
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
     return (f"{('int8', 'int4', 'mxfp4')[scheme]} {'gate-up' if gated else 'down'} {block_n}x{block_k} s{stages}: "

@@ -13,6 +13,13 @@ import types
 
 import torch
 
+# The compile options every moekit kernel asks for, Triton and Gluon alike: each ``kernel[grid](...)`` launch passes
+# ``**COMPILE_OPTIONS`` and a ``BoundLaunch`` adds them to its options itself (a caller's own choice wins). FP fusion
+# (FMA contraction): every kernel was tuned and checked with it on, Triton 3.6-3.9's default; Triton 3.9 warns at a
+# compile that leaves it unset and 3.10 turns the default off. Asked for per compile, never through
+# ``TRITON_DEFAULT_FP_FUSION`` or ``triton.knobs``: those would change the user's other kernels too.
+COMPILE_OPTIONS = types.MappingProxyType({"enable_fp_fusion": True})
+
 LEAD_X = object()  # among a joined lead launch's pointers (``triton_fast.JointCall``): the call's x
 
 
@@ -70,7 +77,8 @@ class BoundLaunch:
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))  # a compiled launcher reads grid[0..2]
         self.tail = (*scalars, *(constexprs_and_options.pop(n, defaults[n]) for n in rest))  # signature order
-        self.options = constexprs_and_options  # what is left: Triton's num_warps, num_stages, launch_pdl
+        # what is left: Triton's num_warps, num_stages, launch_pdl; COMPILE_OPTIONS unless the caller chose otherwise
+        self.options = {**COMPILE_OPTIONS, **constexprs_and_options}
         # the trailing parameters by name for the compiling call: Triton takes its compile options from the keyword
         # arguments only, so a parameter that is also an option (a Gluon kernel's ``num_warps: gl.constexpr``)
         # passed by position would compile with the option's default

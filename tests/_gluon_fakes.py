@@ -3,7 +3,7 @@
 ``fn`` for its signature) and that compute in torch, per row block of the rows in use (bf16: the descriptor's
 block rows; fp8: 128), what the kernel writes; each launch's arguments are logged, bound to the kernel's
 parameters, with the compile options Triton would take from it (its keyword arguments that are not parameters,
-and ``num_warps`` where it comes by keyword).
+and ``num_warps`` where it comes by keyword), each launch noted by ``_fusion_guard`` (FP fusion asked for).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import inspect
 
 import pytest
 import torch
+
+import _fusion_guard
 
 BLOCK = 128
 
@@ -239,6 +241,7 @@ class FakeKernel:
             bound.update((k, v) for k, v in kwargs.items() if k in self._params)
             bound = {**{k: v for k, v in self._defaults.items() if k not in bound}, **bound}
             options = {k: v for k, v in kwargs.items() if k not in self._params}  # Triton's compile options
+            _fusion_guard.note(self.fn, options)
             if "num_warps" in kwargs:  # Triton compiles with num_warps only when it comes by keyword
                 options["num_warps"] = kwargs["num_warps"]
             self.log.append((tuple(grid) + (1,) * (3 - len(grid)), bound, options))

@@ -5,7 +5,8 @@ TRITON_INTERPRET when it is first imported; set it here, before any test module 
 every test sees one consistent triton. ``backend="auto"`` never picks triton on the CPU, so only tests
 that ask for it by name run the interpreter; ``_interpreter_compat`` mends Triton 3.6's interpreter under
 NumPy >= 2.4, and ``_interpreter_speed`` removes the interpreter's repeated re-patching of
-``triton.language`` on every helper call inside a kernel.
+``triton.language`` on every helper call inside a kernel. ``_fusion_guard`` notes every moekit kernel launch under the
+interpreter, and ``fp_fusion_asked`` fails a test during which moekit launched a kernel without FP fusion asked for.
 
 Under pytest-xdist (``-n 2``: CI's two cores, each worker's torch with two OpenMP threads) an idle OpenMP thread
 sleeps at once (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning on a core the other worker needs: read by libgomp
@@ -29,6 +30,23 @@ if not torch.cuda.is_available():
 
     _interpreter_compat.install()
     _interpreter_speed.install()
+
+import _fusion_guard  # noqa: E402
+
+_fusion_guard.install()  # on a GPU machine too: tests that interpret a kernel module (``_triton_helpers.interpreted``)
+
+
+@pytest.fixture(autouse=True)
+def fp_fusion_asked():
+    """Every kernel launch moekit made during the test asked for FP fusion (``_fusion_guard``; ``COMPILE_OPTIONS``).
+    Checked after the test, not at the launch: a path that falls back on an error would hide a raise there."""
+    from _fusion_guard import LOG
+
+    LOG.clear()
+    yield LOG
+    missing = LOG.missing()
+    LOG.clear()
+    assert not missing, f"launched without enable_fp_fusion=True (moekit.triton_bind.COMPILE_OPTIONS): {missing}"
 
 
 @pytest.fixture(scope="module")

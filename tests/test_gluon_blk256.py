@@ -108,7 +108,7 @@ def test_plain_launch_on_blk256_gate_up_tiles(fake_gemms):
     launch_contiguous_sum(y, lay.src_to_dst, weights.contiguous(), out)
     assert rel_l2(out, want) < 1e-2
     (_, bound, options), = fake_gemms["blk256"].log
-    assert options == {"num_warps": 4, "maxnreg": 160} and bound["SEARCH_STEPS"] >= 1
+    assert options == {"num_warps": 4, "maxnreg": 160, "enable_fp_fusion": True} and bound["SEARCH_STEPS"] >= 1
     assert bound["sorted_ptr"] is lay.sorted_ids and bound["num_assignments"] == ids.numel()
     assert bound["c_desc"].block_shape == [64, 64] and bound["w_desc"].block_shape == [64, 64]
     with pytest.raises(ValueError, match="sorted_ids"):
@@ -134,7 +134,7 @@ def test_lean_launch_on_blk256_gate_up_tiles(fake_gemms, m):
         assert rel_l2(out, want) < 1e-2
     (_, up_bound, up_options), (_, down_bound, _) = fake_gemms["blk256"].log[0], fake_gemms["bf16"].log[0]
     assert up_bound["c_desc"].block_shape == [64, 64] and up_bound["sorted_ptr"] is not None
-    assert up_options == {"num_warps": 4, "maxnreg": 160}  # every constexpr bound by name
+    assert up_options == {"num_warps": 4, "maxnreg": 160, "enable_fp_fusion": True}  # constexprs by name
     assert not down_bound["GATED"] and down_bound["c_desc"].block_shape == [128, down.block_n]
     assert not fake_gemms["gather"].log
     with pytest.raises(ValueError, match="x_perm"):

@@ -268,9 +268,10 @@ def test_compile_only_warms_the_same_arguments_and_restores_the_launch():
     with tuning._compile_only():
         launch("a", "b")
     launch("a", "b")
-    # the trailing parameter by name in both, as Triton reads compile options (a Gluon kernel's num_warps) by name
-    assert kernel.log == [("warmup", ("a", "b", 5), (3, 1, 1), {"BLOCK": 16, "num_warps": 4}),
-                          ("launch", ("a", "b", 5), (3, 1, 1), {"BLOCK": 16, "num_warps": 4})]
+    # the trailing parameter by name in both, as Triton reads compile options (a Gluon kernel's num_warps) by name;
+    # FP fusion asked for by the warm-up as by the launch (moekit.triton_bind.COMPILE_OPTIONS)
+    named = {"BLOCK": 16, "enable_fp_fusion": True, "num_warps": 4}
+    assert kernel.log == [("warmup", ("a", "b", 5), (3, 1, 1), named), ("launch", ("a", "b", 5), (3, 1, 1), named)]
     with pytest.raises(RuntimeError), tuning._compile_only():
         raise RuntimeError("a failed pass")
     launch("c", "d")
@@ -302,7 +303,8 @@ def test_precompile_warms_every_call_inside_async_compile(monkeypatch):
 
     tuning.precompile([lambda: launch("a", "b"), broken, lambda: launch("c", "d")], torch.device("cuda"))
     assert scopes == [("enter", True), ("exit", None)]
-    assert [(kind, args, named) for kind, args, _, named in kernel.log] == [("warmup", ("a", "b", 5), {"BLOCK": 16}),
-                                                                            ("warmup", ("c", "d", 5), {"BLOCK": 16})]
+    named = {"BLOCK": 16, "enable_fp_fusion": True}
+    assert [(kind, args, kw) for kind, args, _, kw in kernel.log] == [("warmup", ("a", "b", 5), named),
+                                                                      ("warmup", ("c", "d", 5), named)]
     tuning.precompile([lambda: launch("e", "f")], CPU)  # nothing to compile off the GPU
     assert len(kernel.log) == 2 and len(scopes) == 2

@@ -34,6 +34,7 @@ from moekit.experts.triton_align import plan_block_rows, run_align
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
 from moekit.experts.triton_plan import sum_launch
 from moekit.experts.triton_wgrad import weight_grad_persistent
+from moekit.triton_bind import COMPILE_OPTIONS
 
 # The activations whose derivative ``_kernels/gemm_backward._act_and_grad`` knows.
 BACKWARD_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -232,7 +233,7 @@ def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_
         a.stride(0), w.stride(0), w.stride(out_dim), w.stride(red_dim), out.stride(0),
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8, HAS_SCALE=scale is not None,
         W_DESC=w_desc is not None, RED_ROWS=red_rows, A_SORTED=a_div == 0,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(a.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(a.dtype), **COMPILE_OPTIONS,
     )
 
 
@@ -262,16 +263,15 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
                              f"({layout.block_m}): a step would cross into the next expert's rows")
         left = permute_rows(left, l_div, layout) if l_div else left
         right = permute_rows(right, r_div, layout) if r_div else right
-        pair = (None, None)
-        if tile.desc:
-            pair = (descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
+        pair = ((descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
+                if tile.desc else (None, None))
         use_desc = None not in pair
         if use_desc and tile.persistent and split == 1:
             return weight_grad_persistent(*pair, rows, cols, layout.counts, layout.block_m, out, tile)
         kernels("gemm_backward").weight_grad_contiguous_kernel[grid](
             *(pair if use_desc else (left, right)), out, layout.counts,
             rows, cols, num_experts, split, layout.block_m, left.stride(0), right.stride(0), *strides,
-            GROUP_R=tile.group, DESC=use_desc, **common)
+            GROUP_R=tile.group, DESC=use_desc, **common, **COMPILE_OPTIONS)
     else:
         if not l_div or not r_div:
             raise ValueError("the gathering weight grad takes operands by assignment (div >= 1); operands in the "
@@ -279,7 +279,7 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         kernels("gemm_backward").weight_grad_kernel[grid](
             left, right, out, layout.sorted_ids, layout.counts,
             rows, cols, num_assignments, num_experts, l_div, r_div, split, layout.block_m,
-            left.stride(0), right.stride(0), *strides, **common)
+            left.stride(0), right.stride(0), *strides, **common, **COMPILE_OPTIONS)
     return out if split == 1 else out.sum(0).to(out_dtype)  # a fixed-order sum: deterministic
 
 
@@ -292,7 +292,7 @@ def permute_rows(src: torch.Tensor, div: int, layout: Layout) -> torch.Tensor:
     block_c = min(256, next_pow2(cols))
     kernels("gemm_backward").permute_rows_kernel[(cdiv(num_rows, block_m), cdiv(cols, block_c))](
         src, out, layout.sorted_ids, layout.num_padded, cols, layout.num_assignments, div, src.stride(0),
-        out.stride(0), BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+        out.stride(0), BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4, **COMPILE_OPTIONS)
     return out
 
 
@@ -332,7 +332,7 @@ def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelT
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8,
         ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13,
         OUT_SORTED=sorted_out,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x.dtype), **COMPILE_OPTIONS,
     )
     return dh, gw, parts
 

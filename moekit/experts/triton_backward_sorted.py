@@ -17,6 +17,7 @@ import torch
 from moekit.activations import get_activation
 from moekit.experts.triton_backward_launch import KernelTiles, Layout, _precision, _work_dtype, descriptor
 from moekit.experts.triton_launch import cdiv, kernels
+from moekit.triton_bind import COMPILE_OPTIONS
 
 
 def grad_gate_up_sorted(dout_p: torch.Tensor, x_p: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -49,13 +50,14 @@ def grad_gate_up_sorted(dout_p: torch.Tensor, x_p: torch.Tensor, w13: torch.Tens
         kernels("gemm_backward_sorted").sorted_gemm_kernel[(num_pid_m * cdiv(n, tile.dg_cols),)](
             ops[2], ops[3], dg, layout.expert_ids, layout.num_padded, layout.sorted_ids,
             n, hidden, num_pid_m, layout.block_m, layout.num_assignments, dout_p.stride(0), *w2.stride(), dg.stride(0),
-            BLOCK_N=tile.dg_cols, SCATTER=False, **common)
+            BLOCK_N=tile.dg_cols, SCATTER=False, **common, **COMPILE_OPTIONS)
     kernels("gemm_backward_sorted").grad_gate_up_sorted_kernel[(num_pid_m * num_pid_n,)](
         ops[2], ops[0], ops[1], ops[3], dg, weights, dh, gw, parts,
         layout.sorted_ids, layout.expert_ids, layout.num_padded,
         n, hidden, layout.num_assignments, num_pid_m, layout.block_m,
         x_p.stride(0), *w13.stride(), *w2.stride(),
-        BLOCK_N=tile.cols, ACT=get_activation(activation).kernel_id, DG_IN=tile.dg_cols > 0, **common)
+        BLOCK_N=tile.cols, ACT=get_activation(activation).kernel_id, DG_IN=tile.dg_cols > 0, **common,
+        **COMPILE_OPTIONS)
     return dh, gw, parts
 
 
@@ -76,4 +78,4 @@ def dx_sorted(dh: torch.Tensor, w13: torch.Tensor, per_slot: torch.Tensor, layou
         hidden, two_n, num_pid_m, layout.block_m, layout.num_assignments, dh.stride(0), *w13.stride(),
         per_slot.stride(0), BLOCK_M=block, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=tile.group,
         DESC=ops[0] is not dh, SCATTER=True, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **_precision(dh.dtype))
+        **_precision(dh.dtype), **COMPILE_OPTIONS)

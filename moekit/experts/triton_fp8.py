@@ -56,6 +56,7 @@ from moekit.experts.triton_fp8_variant import Fp8Variant
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
 from moekit.func_ops import transform_function, transforming
 from moekit.layouts.grouping import to_local_ids
+from moekit.triton_bind import COMPILE_OPTIONS
 
 E4M3_MAX = 448.0
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -189,7 +190,7 @@ def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Ten
     if v.numel():
         kernels("quant_fp8").quantize_rows_kernel[(cdiv(rows, QUANT_ROWS), cdiv(cols, group))](
             v, q, s, rows, cols, *v.stride(), cols, s.shape[1], BLOCK_R=QUANT_ROWS, GROUP=group,
-            EMULATE=interpreting(), PDL=False)
+            EMULATE=interpreting(), PDL=False, **COMPILE_OPTIONS)
     return q.to(torch.float8_e4m3fn), s  # under the interpreter q holds e4m3 values in float32: exact
 
 

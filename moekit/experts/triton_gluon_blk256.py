@@ -14,6 +14,7 @@ import importlib
 import torch
 
 from moekit.experts.triton_gluon_launch import _KERNELS, BLOCK_M, GluonTile, check_tile, gluon_descriptor, num_sms
+from moekit.triton_bind import COMPILE_OPTIONS
 
 SUB_M = 64  # rows of a sub-tile: the step in which padding costs tensor work (m64 wgmmas at n128, full rate)
 TILE_M = 4 * SUB_M  # rows of a tile: two consumer warpgroups, 128 rows each
@@ -72,7 +73,7 @@ def launch_blk256_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bloc
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, sorted_ids, num_assignments, a.shape[1],
                  num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, STAGES=tile.stages, GROUP_M=tile.group_m,
                  SEARCH_STEPS=search_steps(num_row_blocks), CONSUMER_REGS=CONSUMER_REGS, num_warps=CONSUMER_WARPS,
-                 maxnreg=MAX_REGISTERS)
+                 maxnreg=MAX_REGISTERS, **COMPILE_OPTIONS)
 
 
 def search_steps(num_row_blocks: int) -> int:

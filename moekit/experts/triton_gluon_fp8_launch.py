@@ -13,6 +13,7 @@ import torch
 
 from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import cdiv, interpreting
+from moekit.triton_bind import COMPILE_OPTIONS
 
 GROUP = 128  # the scale blocks (weights 128 x 128, activations 1 x 128) = the GEMM's BLOCK_N and BLOCK_K
 HALF_M = BLOCK_M // 2  # rows per consumer warpgroup
@@ -170,7 +171,8 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
     groups = cdiv(hidden, GROUP)
     kernel[(cdiv(rows, GATHER_ROWS), cdiv(groups, gather_groups))](
         x, sorted_ids, x_q, x_s, dst, rows, dst.numel(), hidden, x.stride(0), x_q.stride(0), x_s.stride(0), groups,
-        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=gather_groups, num_warps=4)
+        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=gather_groups, num_warps=4,
+        **COMPILE_OPTIONS)
 
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
@@ -201,7 +203,7 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                         CONSUMER_REGS=tile.consumer_regs, WIDE=tile.wide, PIPE=tile.pipelined,
                         **(variant.gate_up_constexprs() if gated else {}),  # the down GEMM: the defaults
-                        num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
+                        num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers, **COMPILE_OPTIONS)
 
 
 def check_wide(tile: Fp8GluonTile, gated: bool, cols: int, bias: bool = False) -> None:

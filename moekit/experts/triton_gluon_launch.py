@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moekit.triton_bind import COMPILE_OPTIONS
+
 BLOCK_M = 128  # rows per tile = the contiguous layout's segment alignment (one expert per row block)
 NUM_WARPS = 8  # the MMA partition: two warpgroups per [BLOCK_M, BLOCK_N] tile; the loader adds one warp
 MAX_REGISTERS = 168  # per thread at launch: 12 warps x 32 x 168 fit the SM's 64K; the loader gives its share back
@@ -271,7 +273,7 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **COMPILE_OPTIONS)
 
 
 def loader_gather_fits(x: torch.Tensor) -> bool:
@@ -300,7 +302,7 @@ def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Ten
     kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, dst.numel(), x.stride(0), x.shape[1],
                  num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=tile.stages,
                  GROUP_M=tile.group_m, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
-                 maxnreg=MAX_REGISTERS)
+                 maxnreg=MAX_REGISTERS, **COMPILE_OPTIONS)
 
 
 def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,
@@ -311,7 +313,7 @@ def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_
     rows, hidden = x_perm.shape
     grid = (-(-rows // block_r), -(-hidden // block_k))
     kernel[grid](x, sorted_ids, x_perm, dst, rows, dst.numel(), hidden, x.stride(0), x_perm.stride(0),
-                 TOP_K=top_k, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+                 TOP_K=top_k, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4, **COMPILE_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -347,4 +349,4 @@ def launch_contiguous_sum(y: torch.Tensor, dst: torch.Tensor, weights: torch.Ten
     grid = (-(-num_tokens // tile.block_t), -(-hidden // tile.block_k))
     kernel[grid](y, dst, weights, out, dst, dst, num_tokens, hidden, y.stride(0), out.stride(0), 0, 0,
                  TOP_K=top_k, BLOCK_T=tile.block_t, BLOCK_K=tile.block_k,
-                 num_warps=tile.num_warps)  # ids and map unread (FROM_IDS off)
+                 num_warps=tile.num_warps, **COMPILE_OPTIONS)  # ids and map unread (FROM_IDS off)

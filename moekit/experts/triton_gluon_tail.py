@@ -16,6 +16,7 @@ import torch
 from moekit.experts.triton_gluon_launch import (
     _KERNELS, BLOCK_M, MAX_REGISTERS, NUM_WARPS, GluonTile, check_tile, gluon_descriptor, num_sms,
 )
+from moekit.triton_bind import COMPILE_OPTIONS
 
 TAIL = 64  # the rows of a last block the tile before it takes (m64 MMAs, the warpgroups splitting the columns)
 
@@ -56,7 +57,7 @@ def launch_tail_down(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_
     grid = (max(1, min(num_sms(h.device), -(-h.shape[0] // BLOCK_M) * num_col_blocks)),)
     kernel[grid](a_desc, t_desc, w_desc, c_desc, ct_desc, block_experts, sorted_ids, rows_used, num_assignments,
                  h.shape[1], num_col_blocks, W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **COMPILE_OPTIONS)
 
 
 def tail_down_twin(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,

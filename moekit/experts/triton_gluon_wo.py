@@ -32,6 +32,7 @@ from moekit.experts.triton_gluon_launch import (
     launch_contiguous_sum, num_sms,
 )
 from moekit.experts.triton_wo import WoWeight, dequantize_wo
+from moekit.triton_bind import COMPILE_OPTIONS
 
 GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
 PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored element the kernel reads (int4: int32 words)
@@ -318,7 +319,7 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
     how.kernel()[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *scale_strides(w), a.shape[1],
                        num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=how.stages,
                        GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
-                       num_warps=how.num_warps, maxnreg=MAX_REGISTERS, **how.variant(options))
+                       num_warps=how.num_warps, maxnreg=MAX_REGISTERS, **how.variant(options), **COMPILE_OPTIONS)
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

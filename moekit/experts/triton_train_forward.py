@@ -21,6 +21,7 @@ from moekit.experts.triton_backward_launch import (BackwardTiles, KernelTiles, L
                                                    backward_tiles, descriptor, gather_gemm, permute_rows, sum_slots)
 from moekit.experts.triton_launch import cdiv, kernels
 from moekit.layouts.grouping import max_padded_rows
+from moekit.triton_bind import COMPILE_OPTIONS
 
 
 def layout_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
@@ -69,7 +70,7 @@ def _gate_up(x_p, w13, g_p, layout: Layout, tile: KernelTiles, activation: str) 
         n, hidden, num_pid_m, layout.block_m, x_p.stride(0), *w13.stride(), g_p.stride(0),
         BLOCK_M=block, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=tile.group,
         ACT=get_activation(activation).kernel_id,
-        DESC=use_desc, num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x_p.dtype))
+        DESC=use_desc, num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x_p.dtype), **COMPILE_OPTIONS)
 
 
 def _down(g_p, w2, weights, per_slot, layout: Layout, tile: KernelTiles) -> None:
@@ -82,7 +83,7 @@ def _down(g_p, w2, weights, per_slot, layout: Layout, tile: KernelTiles) -> None
         *(pair if use_desc else (g_p, w2)), per_slot, weights, layout.sorted_ids, layout.expert_ids, layout.num_padded,
         hidden, n, layout.num_assignments, num_pid_m, layout.block_m, g_p.stride(0), *w2.stride(), per_slot.stride(0),
         BLOCK_M=block, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=tile.group, DESC=use_desc,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(g_p.dtype))
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(g_p.dtype), **COMPILE_OPTIONS)
 
 
 def saving_forward(x, w13, w2, ids, weights, expert_map, activation: str,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from moekit.experts.triton_launch import cdiv, interpreting, kernels
+from moekit.triton_bind import COMPILE_OPTIONS
 
 INTERPRETED_SMS = 3  # the "SMs" under the interpreter: few programs, so each walks several tiles and experts
 
@@ -43,5 +44,5 @@ def weight_grad_persistent(l_desc, r_desc, rows: int, cols: int, counts: torch.T
         l_desc, r_desc, out_arg, counts, starts, rows, cols, num_experts, num_programs, rows * cols, cols,
         BLOCK_R=tile.rows, BLOCK_C=tile.cols, BLOCK_K=tile.red, GROUP_R=tile.group,
         OUT_DESC=out_arg is not out, FLAT=tile.flat, UPCAST=interpreting(), PRECISION="tf32",
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **COMPILE_OPTIONS)
     return out

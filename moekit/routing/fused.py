@@ -36,7 +36,7 @@ from moekit.config import MoEConfig
 from moekit.experts.op_library import define_inference_op
 from moekit.func_ops import transforming
 from moekit.routing import gate
-from moekit.triton_bind import BoundLaunch, interpreting, next_pow2, triton_runs_on
+from moekit.triton_bind import COMPILE_OPTIONS, BoundLaunch, interpreting, next_pow2, triton_runs_on
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
 from moekit.routing.router_math import RouterMath, computed_options
 from moekit.routing.shared import append_shared_slots
@@ -166,7 +166,7 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
     grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits, not flag)
     kernels("route_kernel").route_kernel[grid](
         logits, logits if bias is None else bias, logits if gate_logits is None else gate_logits, ids, weights,
-        ids if ok.numel() == 0 else ok, *scalars, **constexprs)
+        ids if ok.numel() == 0 else ok, *scalars, **constexprs, **COMPILE_OPTIONS)
     return ids, weights, ok
 
 
