@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
+from moekit.activations import ActivationSpec
 from moekit.offload import EvictionPolicy, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, link_layers
 from moekit.routing import route
 
@@ -336,3 +337,19 @@ def test_quantize_and_a_cast_are_refused_where_they_would_not_reach_the_cached_e
     quantized = _moe().quantize_("int8_w8a16")
     off_q = OffloadedMoE.from_moe(quantized, cache_experts=3, device="cpu").to(torch.bfloat16)
     assert rel_l2(off_q(x.bfloat16()).float(), quantized.to(torch.bfloat16)(x.bfloat16()).float()) < 1e-2
+
+
+def test_a_fused_shared_expert_with_an_interleaved_activation_is_unfused_in_its_row_order():
+    """gpt-oss's interleaved activation (row 2i gate i, row 2i+1 up i) on a fused shared expert: from_moe's separate
+    shared MLP keeps each slot's interleaved rows (the fuzzer's offloaded layers found it split them as gate rows
+    then up rows: 70% off, fuz44); the plain activation's split is unchanged."""
+    gpt_oss = ActivationSpec(name="silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
+    for activation in ("silu", gpt_oss):
+        cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, top_k=2,
+                        shared_expert_intermediate_size=16, activation=activation)
+        torch.manual_seed(0)
+        moe = MoE(cfg, fuse_shared=True).eval()
+        off = OffloadedMoE.from_moe(moe, cache_experts=2, device="cpu")
+        x = torch.randn(5, 16)
+        with torch.no_grad():
+            assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32], activation

@@ -135,8 +135,11 @@ class OffloadedMoE(MoE):
                 return
             if moe.fuse_shared:
                 e, n_dim = moe.config.num_experts, moe.config.moe_intermediate_size
-                gate_rows, up_rows = moe.w13[e:].split(n_dim, dim=1)  # [S, N, K] each
-                _take(self.shared_w13, torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
+                if _interleaved(moe.config.activation):  # rows 2i gate i, 2i+1 up i over the whole MLP too
+                    _take(self.shared_w13, moe.w13[e:].flatten(0, 1))
+                else:  # every slot's gate rows, then every slot's up rows
+                    gate_rows, up_rows = moe.w13[e:].split(n_dim, dim=1)  # [S, N, K] each
+                    _take(self.shared_w13, torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
                 _take(self.shared_w2, torch.cat(list(moe.w2[e:]), dim=1))  # [K, S*N]
             else:
                 _take(self.shared_w13, moe.shared_w13)
@@ -371,6 +374,11 @@ def _group(experts: list[int], hits: list[int], fetch: list[int]) -> str:
     if set(experts) <= set(hits):
         return "hits"
     return "fetched" if set(experts) <= set(fetch) else "mixed"
+
+
+def _interleaved(activation) -> bool:
+    """Whether w13's rows alternate gate and up (gpt-oss's ``ActivationSpec``), for a slot as for the shared MLP."""
+    return not isinstance(activation, str) and activation.interleaved
 
 
 def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
