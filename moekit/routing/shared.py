@@ -69,3 +69,10 @@ def shared_mlp(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: tor
     if gate is not None:
         y = torch.sigmoid(gate(x2d)) * y
     return y if config.shared_weight == 1.0 else y * config.shared_weight
+
+
+def shared_rows_detached(bias: torch.Tensor, slots: int) -> torch.Tensor:
+    """An expert bias [E + S, ...] whose last ``slots`` rows (a fused layer's shared slots: zero, the shared MLP has no
+    bias) carry no gradient, so training leaves them zero, as the un-fused layer's shared MLP (and OffloadedMoE's
+    copy of it) has none; the same values."""
+    return torch.cat([bias[:-slots], bias[-slots:].detach()]) if bias.requires_grad else bias
