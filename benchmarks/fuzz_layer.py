@@ -5,12 +5,15 @@ under Triton's interpreter (TRITON_INTERPRET=1, set here). Not a timing: run it 
     PYTHONPATH=$PWD nice -n 10 python3 benchmarks/fuzz_layer.py --seeds 0:2000 --out /tmp/fuzz.json --deadline 3000
     PYTHONPATH=$PWD python3 benchmarks/fuzz_layer.py --seeds 17:18 --backends grouped_mm   # one failing seed again
     PYTHONPATH=$PWD python3 benchmarks/fuzz_layer.py --smoke                                # 3 seeds, every backend
+    PYTHONPATH=$PWD nice -n 10 python3 benchmarks/fuzz_layer.py --grad --offload --seeds 0:1000  # + gradients, offload
 
 Per seed (``tests/_fuzz_cases.draw_case``): a config over every router option and the layer's options (capacity,
 fused / separate shared expert, fused router, grouped_mm's cpu_gemm / layout / memory budget, quantization, dtype,
 M, NaN gate rows); per backend (``tests/_fuzz_check.check_case``): output (plain, stats and repeated calls) vs the
 float64 loop (``tests/_fuzz_reference``), rel L2 under the dtype's tolerance; ids bit for bit where no near tie;
-counts, drops, masked tokens; every refusal names its argument. A line per failing seed (PASS/FAIL), the table last:
+counts, drops, masked tokens; every refusal names its argument. ``--grad``: also each backend's gradients against
+float64 autograd through the loop (``tests/_fuzz_grad``); ``--offload``: also two OffloadedMoE layers on one small
+cache, three batches in a row (``tests/_fuzz_offload``). A line per failing seed (PASS/FAIL), the table last:
 seeds, comparisons, refusals checked, comparisons left out for a near tie decided a capacity drop, failing seeds.
 """
 
@@ -35,6 +38,8 @@ warnings.filterwarnings("ignore", category=UserWarning)
 
 from _fuzz_cases import draw_case  # noqa: E402
 from _fuzz_check import BACKENDS, check_case  # noqa: E402
+from _fuzz_grad import check_grads  # noqa: E402
+from _fuzz_offload import check_offload  # noqa: E402
 
 RUN = RunLog("fuzz37: the layer against a float64 loop (seeds, comparisons, refusals, left out, failing)")
 
@@ -46,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", help="JSON: the run's totals and every failing seed's case and failures")
     p.add_argument("--deadline", type=float, default=float("inf"), help="s: no seed starts after it")
     p.add_argument("--smoke", action="store_true", help="3 seeds, every backend")
+    p.add_argument("--grad", action="store_true", help="also the gradients against float64 autograd (_fuzz_grad)")
+    p.add_argument("--offload", action="store_true", help="also two OffloadedMoE layers on one cache (_fuzz_offload)")
     args = p.parse_args()
     start, stop = (int(v) for v in ("0:3" if args.smoke else args.seeds).split(":"))
     if not 0 <= start < stop:
@@ -65,6 +72,10 @@ def main() -> int:
         case = draw_case(seed)
         try:
             outcome = check_case(case, tuple(args.backends))
+            if args.grad:
+                check_grads(case, tuple(args.backends), outcome)
+            if args.offload:
+                check_offload(case, outcome)
             failures = outcome.failures
         except Exception as exc:  # noqa: BLE001 (a seed that raises is a failing seed; the others still run)
             outcome, failures = None, [f"raised {type(exc).__name__}: {str(exc)[-400:]}"]
