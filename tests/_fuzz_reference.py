@@ -131,8 +131,13 @@ def _ordered(values: dict[int, float]) -> list[int]:
 
 
 def _boundary_near(values: dict[int, float], order: list[int], upto: int) -> bool:
-    """Whether any two neighbours among the first upto + 1 of ``order`` are near (the choice or its order)."""
-    head = order[:upto + 1]
+    """Whether any two neighbours among the first upto + 1 of ``order`` are near (the choice or its order), the head
+    run on past an exact tie at its end: the value behind two tied ones may be near both (fuzz seed 47's chained
+    offload input: capped logits 1.5, 1.5 exactly and 1.5 - 4e-9, which float32 rounds to a three-way tie)."""
+    end = min(upto + 1, len(order))
+    while 2 <= end < len(order) and values[order[end - 1]] == values[order[end - 2]]:
+        end += 1
+    head = order[:end]
     return any(_near(values[a], values[b]) for a, b in zip(head, head[1:]))
 
 
