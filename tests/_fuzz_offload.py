@@ -52,13 +52,12 @@ def offload_options(case: FuzzCase) -> OffloadOptions:
 
 
 def offloadable(case: FuzzCase) -> bool:
-    """Cases with tokens, without NaN gate rows (a forward that raises tells nothing of the cache) and without
-    capacity: with the first layer's output as the second's input, seeds 26 and 47 (capacity dropping) differed from
-    the float64 loop (0.09-0.2 rel L2) while the offloaded and the plain layer agreed exactly: a plain-layer or
-    reference question, left open (triton-notes, session 44); and without fp8_block: seed 15's second layer (fp8,
-    input-weighted, relu2, bf16) read 6e-2 against the fp8 tolerance 2e-2, the plain layer exactly as the offloaded
-    one (a forward-fuzzer question, left open too)."""
-    return case.m > 0 and not case.nan_gate_rows and case.capacity_factor is None and case.scheme != "fp8_block"
+    """Cases with tokens, without NaN gate rows (a forward that raises tells nothing of the cache) and not fp8_block
+    on input-weighted experts: the layer rounds weight x token to its dtype before the fp8 activation recipe, the
+    loop does not, and e4m3's 12.5% steps then flip (seed 15, bf16, relu2: one token 12% off in the plain layer
+    exactly as in the offloaded one; a question of the forward fuzzer's reference, triton-notes session 44)."""
+    fp8_input = case.scheme == "fp8_block" and case.config.expert_weight_on == "input"
+    return case.m > 0 and not case.nan_gate_rows and not fp8_input
 
 
 def _layers(case: FuzzCase, opts: OffloadOptions):
