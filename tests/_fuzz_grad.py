@@ -74,8 +74,11 @@ def grad_case(case: FuzzCase) -> GradCase:
     rng = random.Random(f"grad{case.seed}")
     fields = {**case.fields, **{name: rng.choice(AUX_COEFS)
                                 for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef")}}
-    if case.nan_gate_rows:  # no aux loss: they read the masked columns' -inf
-        fields.update(router_bias=True, aux_loss_coef=0.0, seq_aux_loss_coef=0.0, z_loss_coef=0.0)
+    if case.nan_gate_rows:
+        fields["router_bias"] = True
+    if set(range(case.config.choice_width)) <= set(case.nan_gate_rows):  # every expert masked: the aux losses of
+        # tokens with no live expert are NaN on both sides (softmax over nothing); not a training case
+        fields.update(aux_loss_coef=0.0, seq_aux_loss_coef=0.0, z_loss_coef=0.0)
     return GradCase(dataclasses.replace(case, fields=fields, nan_gate_rows=[]), list(case.nan_gate_rows))
 
 
@@ -198,7 +201,7 @@ def aux_loss(row: torch.Tensor, decided, cfg) -> torch.Tensor | None:
         total = total + cfg.aux_loss_coef * width * (counts / m * p).sum()
     if cfg.seq_aux_loss_coef:
         s = torch.exp(logits - torch.logsumexp(logits, 1, keepdim=True)) if cfg.scoring == "softmax" else \
-            1 / (1 + torch.exp(-logits))  # [M, E']
+            torch.sigmoid(logits)  # [M, E']; 1 / (1 + exp(-x))'s backward reads inf / inf at a masked -inf
         p = (s / s.sum(1, keepdim=True)).mean(0)  # [E']
         total = total + cfg.seq_aux_loss_coef * (counts * width / (k * m) * p).sum()
     if cfg.z_loss_coef:
