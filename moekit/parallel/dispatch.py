@@ -389,8 +389,9 @@ def _unpack(rows: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype, wdt
 def _view_as(byte_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     try:
         return byte_cols.view(dtype)
-    except RuntimeError:  # misaligned offset or row stride (e.g. an odd K in bf16): copy first
-        return byte_cols.contiguous().view(dtype)
+    except RuntimeError:  # misaligned offset or row stride (e.g. an odd K in bf16): copy first (a clone: contiguous()
+        # returns a single row as it is, its row stride not compared)
+        return byte_cols.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
 def weights_dtype(topk_weights: torch.Tensor) -> torch.dtype:
