@@ -38,14 +38,20 @@ def test_the_seeds_reach_every_offload_option():
 
 
 def test_the_checks_fail_on_an_offloaded_output_off_by_a_little(monkeypatch):
-    """The offloaded partial sums 0.1% high: every compared float32 case fails."""
+    """The offloaded partial sums 0.1% high: every float32 case that compared (not left out for a near tie at a
+    capacity drop) fails."""
+    cases = [c for c in map(draw_case, SEEDS) if offloadable(c) and c.dtype == torch.float32]
+    compared = []
+    for c in cases:
+        outcome = Outcome()
+        check_offload(c, outcome)
+        compared += [c.seed] if outcome.compared else []
     layer = importlib.import_module("moekit.offload.layer")
     real = layer.sum_partials
     monkeypatch.setattr(layer, "sum_partials", lambda *args: real(*args) * 1.001)
-    cases = [c for c in map(draw_case, SEEDS) if offloadable(c) and c.dtype == torch.float32]
     failing = []
     for c in cases:
         outcome = Outcome()
         check_offload(c, outcome)
         failing += [c.seed] if outcome.failures else []
-    assert len(cases) >= 5 and failing == [c.seed for c in cases], (len(cases), failing)
+    assert len(compared) >= 5 and failing == compared, (compared, failing)
