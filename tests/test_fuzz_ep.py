@@ -1,0 +1,67 @@
+"""Expert-parallel layers (``EPMoE``) on the fuzzer's seeded configs over 2 and 3 gloo ranks (``_fuzz_ep``): each
+rank's output for its rows (uneven shares, empty ones included; contiguous or round-robin placement, uneven with 3
+ranks) against the float64 loop on the whole batch, routed from the ranks' logits; the configs EPMoE refuses must
+name what they refuse. One spawn per world size runs every seed. ``benchmarks/fuzz_layer.py --ep`` runs more."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from _fuzz_cases import draw_case
+from _fuzz_check import Outcome
+from _fuzz_ep import check_ep, ep_case, ep_takes, rank_cases
+from _parallel_harness import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+
+SEEDS = {w: [s for s in seeds if ep_takes(draw_case(s))] for w, seeds in ((2, range(0, 60)), (3, range(60, 120)))}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Each world size's ranks' results, one spawn each."""
+    return {w: run_ranks(rank_cases, w, seeds, timeout_s=300, pg_timeout_s=120) for w, seeds in SEEDS.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ep_layers_match_the_float64_loop(ranks, world_size):
+    outcome = Outcome()
+    check_ep(SEEDS[world_size], ranks[world_size], world_size, outcome)
+    assert outcome.compared >= 10 and outcome.refusals >= 3, (outcome.compared, outcome.refusals)
+    assert not outcome.failures, "\n".join(outcome.failures)
+
+
+def test_the_seeds_reach_every_ep_option(ranks):
+    """Both placements, empty and uneven shares, fused and separate shared experts, every float dtype, refusals."""
+    taken = [(w, s) for w, seeds in SEEDS.items() for s in seeds if ranks[w][0][s].refusal is None]
+    cases = [ep_case(draw_case(s)) for _, s in taken]
+    assert {random.Random(f"epp{s}").random() < 0.5 for _, s in taken} == {True, False}  # round-robin, contiguous
+    assert any(ranks[w][r][s].start == ranks[w][r][s].stop for w, s in taken for r in range(w))  # an empty share
+    assert any(c.config.num_experts % 3 for (w, _), c in zip(taken, cases) if w == 3)  # uneven placement
+    assert any(c.fuse_shared and c.config.num_shared_slots for c in cases)
+    assert any(not c.fuse_shared and c.config.has_shared_expert for c in cases)
+    assert {c.dtype for c in cases} == {torch.float32, torch.bfloat16, torch.float64, torch.float16}
+    assert any(ranks[w][0][s].refusal for w, seeds in SEEDS.items() for s in seeds)
+
+
+def test_the_checks_fail_on_an_ep_output_off_by_a_little(ranks):
+    """Each rank's output 0.1% high: every float32 seed that compared fails."""
+    w = 2
+    bent = [{s: dataclasses.replace(r, out=None if r.out is None else r.out * 1.001) for s, r in rank.items()}
+            for rank in ranks[w]]
+    seeds = [s for s in SEEDS[w] if draw_case(s).dtype == torch.float32 and ranks[w][0][s].refusal is None
+             and draw_case(s).m > 0]
+    compared, failing = [], []
+    for s in seeds:
+        plain, outcome = Outcome(), Outcome()
+        check_ep([s], ranks[w], w, plain)
+        check_ep([s], bent, w, outcome)
+        compared += [s] if plain.compared else []  # not every token left out for a near tie
+        failing += [s] if outcome.failures else []
+    assert len(compared) >= 3 and failing == compared, (compared, failing)
+    assert all(isinstance(r.out, np.ndarray) for rank in bent for r in rank.values() if r.refusal is None)
