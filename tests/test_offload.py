@@ -353,3 +353,17 @@ def test_a_fused_shared_expert_with_an_interleaved_activation_is_unfused_in_its_
         x = torch.randn(5, 16)
         with torch.no_grad():
             assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32], activation
+
+
+def test_from_moe_keeps_the_layers_mode():
+    """from_moe's layer is in ``moe``'s mode (moe_from_hf sets it from the HF block): an eval Phi-MoE layer (its
+    router refuses training) offloaded runs at once; it came back in training mode and raised (fuz44)."""
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, top_k=2, renormalize=False,
+                    sparsemixer_jitter_eps=0.01)
+    torch.manual_seed(0)
+    moe = MoE(cfg).eval()
+    off = OffloadedMoE.from_moe(moe, cache_experts=2, device="cpu")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert not off.training and rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+    assert OffloadedMoE.from_moe(moe.train(), cache_experts=2, device="cpu").training
