@@ -180,7 +180,7 @@ class EPMoE(MoE):
             if ep.shared_gate is not None:
                 ep.shared_gate.weight.copy_(moe.shared_gate.weight)
         ep.verify_replicated()
-        return ep
+        return ep.train(moe.training)  # moe's mode (Phi-MoE's router refuses training: moe_from_hf sets it)
 
     def verify_replicated(self) -> None:
         """Raise a clear ValueError on every rank unless the weights every rank holds in full (gate and its bias,
