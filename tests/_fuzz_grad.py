@@ -130,7 +130,8 @@ def reference_grads(layer, case: FuzzCase, x: torch.Tensor, logits: torch.Tensor
     raw = torch.where(torch.isfinite(raw), raw + (logits.detach().double() - raw).detach(), raw)
     row = _capped(raw, cfg)  # [M, W]
     pairs = [route_weights(row[t], route, cfg) for t, route in enumerate(decided.routes)]
-    out = combine(x64, w, cfg, decided.routes, decided.kept, [p[0] for p in pairs], [p[1] for p in pairs])
+    out = combine(x64, w, cfg, decided.routes, decided.kept, [p[0] for p in pairs], [p[1] for p in pairs],
+                  round_to=case.dtype)
     loss = (out * r).sum()
     aux = aux_loss(row, decided, cfg)
     if aux is not None:

@@ -304,8 +304,9 @@ def reference_moe(w: LayerWeights, cfg, x: torch.Tensor, logits: torch.Tensor | 
                   capacity_factor: float | None = None, drop_policy: str = "position",
                   fp8_block: int | None = None) -> Reference:
     """The layer on x [M, K]. ``logits`` [M, W]: route from these (the layer's own, upcast: a bf16 gate rounds them)
-    instead of the float64 gate GEMM. ``fp8_block``: the experts run fp8_block's activation recipe."""
-    x = x.double()
+    instead of the float64 gate GEMM. ``fp8_block``: the experts run fp8_block's activation recipe. x's dtype is
+    the layer's: input-weighted experts read weight x token rounded to it."""
+    dtype, x = x.dtype, x.double()
     if logits is None:
         logits = x @ w.gate.t() + (w.gate_bias if w.gate_bias is not None else 0.0)  # [M, W]
     bias = None if w.correction_bias is None else w.correction_bias.tolist()
@@ -324,7 +325,7 @@ def reference_moe(w: LayerWeights, cfg, x: torch.Tensor, logits: torch.Tensor | 
             else:
                 dropped += 1
     out = combine(x, w, cfg, routes, keep, [r.weights for r in routes], [r.shared_weights for r in routes],
-                  fp8_block)
+                  fp8_block, dtype)
     return Reference(out=out, routes=routes, kept=keep, dropped=dropped, counts=counts, identity_counts=identity,
                      masked_tokens=sum(r.masked for r in routes), capacity_ambiguous=cap_amb,
                      ambiguous_tokens=[t for t, r in enumerate(routes) if r.ambiguous])
