@@ -14,7 +14,8 @@ float64 loop (``tests/_fuzz_reference``), rel L2 under the dtype's tolerance; id
 counts, drops, masked tokens; every refusal names its argument. ``--grad``: also each backend's gradients against
 float64 autograd through the loop (``tests/_fuzz_grad``); ``--offload``: also two OffloadedMoE layers on one small
 cache, three batches in a row (``tests/_fuzz_offload``); ``--ep 2 3``: also EPMoE over 2 and 3 gloo ranks
-(``tests/_fuzz_ep``), after the seeds. A line per failing seed (PASS/FAIL), the table last:
+(``tests/_fuzz_ep``; with ``--grad`` its gradients too, ``tests/_fuzz_ep_grad``), after the seeds. A line per failing
+seed (PASS/FAIL), the table last:
 seeds, comparisons, refusals checked, comparisons left out for a near tie decided a capacity drop, failing seeds.
 """
 
@@ -40,6 +41,7 @@ warnings.filterwarnings("ignore", category=UserWarning)
 from _fuzz_cases import draw_case  # noqa: E402
 from _fuzz_check import BACKENDS, Outcome, check_case  # noqa: E402
 from _fuzz_ep import check_ep, ep_takes, rank_cases  # noqa: E402
+from _fuzz_ep_grad import check_ep_grads, ep_grad_seeds, rank_grads  # noqa: E402
 from _fuzz_grad import check_grads  # noqa: E402
 from _fuzz_offload import check_offload  # noqa: E402
 from _parallel_harness import run_ranks  # noqa: E402
@@ -96,6 +98,8 @@ def main() -> int:
             RUN.log(f"seed {seed}: {totals}, {len(failing)} failing")
     for world_size in args.ep:
         _run_ep(args.range, world_size, totals, failing)
+        if args.grad:
+            _run_ep_grads(args.range, world_size, totals, failing)
     RUN.summary.append(f"seeds {totals['seeds']} ({args.range.start}..), backends {' '.join(args.backends)}: "
                        f"{totals['compared']} comparisons, {totals['refusals']} refusals checked, "
                        f"{totals['left_out']} left out (near tie at a capacity drop), {len(failing)} failing seeds "
@@ -120,6 +124,21 @@ def _run_ep(seeds: range, world_size: int, totals: dict, failing: list) -> None:
             failing.append({"seed": seed, "case": f"EP W={world_size}", "failures": outcome.failures})
             RUN.check(f"seed {seed} EP W={world_size}", False, "\n    ".join(outcome.failures))
     RUN.log(f"EP W={world_size}: {len(taken)} seeds")
+
+
+def _run_ep_grads(seeds: range, world_size: int, totals: dict, failing: list) -> None:
+    """Every seed EPMoE trains, its gradients through ``world_size`` gloo ranks (one spawn), checked."""
+    taken = ep_grad_seeds(seeds, world_size)
+    ranks = run_ranks(rank_grads, world_size, taken, timeout_s=3600, pg_timeout_s=600)
+    for seed in taken:
+        outcome = Outcome()
+        check_ep_grads([seed], ranks, world_size, outcome)
+        totals["compared"] += outcome.compared
+        totals["left_out"] += outcome.skipped_ambiguous
+        if outcome.failures:
+            failing.append({"seed": seed, "case": f"EP grad W={world_size}", "failures": outcome.failures})
+            RUN.check(f"seed {seed} EP grad W={world_size}", False, "\n    ".join(outcome.failures))
+    RUN.log(f"EP gradients W={world_size}: {len(taken)} seeds")
 
 
 if __name__ == "__main__":

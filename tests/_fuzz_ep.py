@@ -49,7 +49,7 @@ def ep_case(case: FuzzCase) -> FuzzCase:
     return dataclasses.replace(case, router="torch", grouped_mm_options={})
 
 
-def _rows(m: int, rank: int, world_size: int, seed: int) -> tuple[int, int]:
+def rows_of(m: int, rank: int, world_size: int, seed: int) -> tuple[int, int]:
     """Rank's rows of M: cut points drawn from the seed (uneven, empty shares included)."""
     rng = random.Random(f"rows{seed}")
     cuts = sorted(rng.randint(0, m) for _ in range(world_size - 1))
@@ -66,7 +66,7 @@ def rank_cases(rank: int, world_size: int, seeds: list[int]) -> dict[int, RankRe
         case = ep_case(draw_case(seed))
         moe, x = build(case, random.Random(f"epb{seed}").choice(["grouped_mm", "reference"]))
         placer = round_robin_placement if random.Random(f"epp{seed}").random() < 0.5 else contiguous_placement
-        start, stop = _rows(case.m, rank, world_size, seed)
+        start, stop = rows_of(case.m, rank, world_size, seed)
         try:
             ep = EPMoE.from_moe(moe, placer(case.config.num_experts, world_size)).eval()
         except (TypeError, ValueError) as err:

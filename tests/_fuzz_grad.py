@@ -237,10 +237,10 @@ def check_grads(case: FuzzCase, backends, result: Outcome) -> None:
         if want is None:
             result.skipped_ambiguous += 1
             continue
-        _compare(got, want, case, backend, result)
+        compare(got, want, case, backend, result)
 
 
-def _compare(got: Grads, want: Grads, case: FuzzCase, backend: str, result: Outcome) -> None:
+def compare(got: Grads, want: Grads, case: FuzzCase, backend: str, result: Outcome) -> None:
     tol = grad_tolerance(case, "gate.weight")  # the aux losses read the logits only
     if (got.aux_loss is None) != (want.aux_loss is None):
         result.fail(f"{backend}: aux_loss {got.aux_loss}, the reference {want.aux_loss}")
