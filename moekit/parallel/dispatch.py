@@ -360,14 +360,15 @@ class PendingCombine:
         return out.to(y.dtype)
 
 
-def tied_if_empty(y: torch.Tensor, x_recv: torch.Tensor, weights_recv: torch.Tensor) -> torch.Tensor:
-    """The experts' output y [U, K] for the received rows x_recv [U, K], weights_recv [U, k]. With no rows (U = 0) the
-    experts' empty output has no graph (a backend returns a fresh empty tensor), so this rank's loss would not reach
-    the received tensors and its backward would skip the transposed all-to-alls its peers' backward pairs with (they
-    hang; or its loss has no gradient at all): tied to them with zeros, the same empty values."""
-    if y.shape[0] or not torch.is_grad_enabled():
+def tied_to_received(y: torch.Tensor, x_recv: torch.Tensor, weights_recv: torch.Tensor) -> torch.Tensor:
+    """The experts' output y [U, K] for the received rows x_recv [U, K], weights_recv [U, k]. Where no received slot
+    ran an expert (no rows; or the padded dispatch's W*C rows all skipped: every token on other ranks' experts or on
+    identity experts) a backend returns a fresh tensor outside the graph, so this rank's loss would not reach the
+    received tensors and its backward would skip the transposed all-to-alls its peers' backward pairs with (they hang,
+    or its loss has no gradient at all): tied to them with zeros, the same values."""
+    if y.requires_grad or not torch.is_grad_enabled() or not (x_recv.requires_grad or weights_recv.requires_grad):
         return y
-    return y + (x_recv * 0).to(y.dtype) + (weights_recv.sum() * 0).to(y.dtype)  # [0, K]
+    return y + (x_recv * 0).to(y.dtype) + (weights_recv.sum() * 0).to(y.dtype)  # [U, K]
 
 
 def start_combine(y: torch.Tensor, sent: Dispatched, group) -> PendingCombine:

@@ -28,7 +28,7 @@ from moekit.experts import autocast_input, call_backend
 from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
-                                      plan_sends, tied_if_empty, weights_dtype)
+                                      plan_sends, tied_to_received, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.overlap import dispatch_starters, run_chunks
@@ -234,7 +234,7 @@ class EPMoE(MoE):
 
     def run_local_experts(self, sent: Dispatched) -> torch.Tensor:
         """The received rows through this rank's experts: [U, K], each row its slots' weighted sum."""
-        return tied_if_empty(call_backend(self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
+        return tied_to_received(call_backend(self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
                                           activation=self.config.activation), sent.x, sent.weights)  # [U, K]
 
     def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:
