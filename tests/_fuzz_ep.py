@@ -2,7 +2,8 @@
 ``_fuzz_reference``: what ``test_fuzz_ep`` asserts and ``benchmarks/fuzz_layer.py --ep`` counts.
 
     W gloo ranks (``_parallel_harness.run_ranks``), one spawn for many seeds: each rank builds the case's MoE (the same
-    weights everywhere), EPMoE.from_moe over a contiguous or round-robin placement, passes its own rows of the batch
+    weights everywhere), EPMoE.from_moe over a contiguous or round-robin placement, exact or padded dispatch, 1-3
+    overlapped chunks (``ep_options``), passes its own rows of the batch
     (uneven, a rank may have none) and returns its output and logits -> the parent routes the whole batch in the loop
     from the ranks' logits and checks each rank's rows
 
@@ -44,6 +45,31 @@ def ep_takes(case: FuzzCase) -> bool:
     return case.capacity_factor is None and not case.nan_gate_rows
 
 
+@dataclass
+class EpOptions:
+    """The EP layer's options from the seed's own stream."""
+
+    round_robin: bool  # the placement: round-robin, else contiguous
+    overlap: int  # chunks of the micro-batch (moekit.parallel.overlap); 1 = none
+    padded: bool  # max_tokens_per_rank = M: the padded dispatch (W*C rows on the wire), else the exact one
+
+
+def ep_options(seed: int) -> EpOptions:
+    rng = random.Random(f"epp{seed}")
+    return EpOptions(round_robin=rng.random() < 0.5, overlap=rng.choice([1, 1, 2, 3]), padded=rng.random() < 0.3)
+
+
+def ep_layer(moe, case: FuzzCase, world_size: int):
+    """The case's EPMoE on this rank (its options: ``ep_options``), in eval mode."""
+    from moekit.parallel import EPMoE, contiguous_placement, round_robin_placement
+
+    opts = ep_options(case.seed)
+    placement = (round_robin_placement if opts.round_robin else contiguous_placement)(case.config.num_experts,
+                                                                                      world_size)
+    cap = max(case.m, 1) if opts.padded else None
+    return EPMoE.from_moe(moe, placement, max_tokens_per_rank=cap, overlap=opts.overlap).eval()
+
+
 def ep_case(case: FuzzCase) -> FuzzCase:
     """The case on the torch router (the fused one is interpreted: not in spawned ranks), grouped_mm's defaults."""
     return dataclasses.replace(case, router="torch", grouped_mm_options={})
@@ -59,16 +85,13 @@ def rows_of(m: int, rank: int, world_size: int, seed: int) -> tuple[int, int]:
 
 def rank_cases(rank: int, world_size: int, seeds: list[int]) -> dict[int, RankResult]:
     """Run on each rank (spawned): every seed's case through EPMoE; refusals returned as their messages."""
-    from moekit.parallel import EPMoE, contiguous_placement, round_robin_placement
-
     results = {}
     for seed in seeds:
         case = ep_case(draw_case(seed))
         moe, x = build(case, random.Random(f"epb{seed}").choice(["grouped_mm", "reference"]))
-        placer = round_robin_placement if random.Random(f"epp{seed}").random() < 0.5 else contiguous_placement
         start, stop = rows_of(case.m, rank, world_size, seed)
         try:
-            ep = EPMoE.from_moe(moe, placer(case.config.num_experts, world_size)).eval()
+            ep = ep_layer(moe, case, world_size)
         except (TypeError, ValueError) as err:
             results[seed] = RankResult(start, stop, None, None, str(err))
             continue

@@ -20,7 +20,7 @@ import torch
 
 from _fuzz_cases import build, draw_case
 from _fuzz_check import Outcome
-from _fuzz_ep import ep_case, ep_takes, refused_for, rows_of
+from _fuzz_ep import ep_case, ep_layer, ep_takes, refused_for, rows_of
 from _fuzz_grad import Grads, compare, grad_case, projection, reference_grads, trainable
 
 NO_AUX = dict(aux_loss_coef=0.0, seq_aux_loss_coef=0.0, z_loss_coef=0.0)
@@ -61,15 +61,11 @@ def rank_grads(rank: int, world_size: int, seeds: list[int]) -> dict[int, RankGr
     """Run on each rank (spawned): every seed's case trained through EPMoE."""
     import torch.distributed as dist
 
-    from moekit.parallel import EPMoE, contiguous_placement, round_robin_placement
-
     results = {}
     for seed in seeds:
         case, masked = _trained(seed)
         moe, x = _moe(case, masked, random.Random(f"epb{seed}").choice(["grouped_mm", "reference"]))
-        placer = round_robin_placement if random.Random(f"epp{seed}").random() < 0.5 else contiguous_placement
-        placement = placer(case.config.num_experts, world_size)
-        ep = EPMoE.from_moe(moe, placement).eval()
+        ep = ep_layer(moe, case, world_size)
         start, stop = rows_of(case.m, rank, world_size, seed)
         leaf = x[start:stop].clone().requires_grad_(True)
         call = ep(leaf, return_aux_loss=True)
@@ -86,7 +82,7 @@ def rank_grads(rank: int, world_size: int, seeds: list[int]) -> dict[int, RankGr
                 dist.all_reduce(g)  # replicated: summed as data parallelism sums them
             grads[name] = g
         logits = call.router_logits.detach().double().numpy()
-        results[seed] = RankGrads(start, stop, list(placement.slots[rank]), logits,
+        results[seed] = RankGrads(start, stop, list(ep.placement.slots[rank]), logits,
                                   {k: v.detach().double().numpy() for k, v in grads.items()})
     return results
 

@@ -15,7 +15,7 @@ import torch
 
 from _fuzz_cases import draw_case
 from _fuzz_check import Outcome
-from _fuzz_ep import check_ep, ep_case, ep_takes, rank_cases
+from _fuzz_ep import check_ep, ep_case, ep_options, ep_takes, rank_cases
 from _fuzz_ep_grad import check_ep_grads, ep_grad_seeds, rank_grads
 from _parallel_harness import run_ranks
 
@@ -57,10 +57,13 @@ def test_ep_layers_match_the_float64_loop(ranks, world_size):
 
 
 def test_the_seeds_reach_every_ep_option(ranks):
-    """Both placements, empty and uneven shares, fused and separate shared experts, every float dtype, refusals."""
+    """Both placements, exact and padded dispatch, overlapped chunks, empty and uneven shares, fused and separate
+    shared experts, every float dtype, refusals."""
     taken = [(w, s) for w, seeds in SEEDS.items() for s in seeds if ranks[w][0][s].refusal is None]
     cases = [ep_case(draw_case(s)) for _, s in taken]
-    assert {random.Random(f"epp{s}").random() < 0.5 for _, s in taken} == {True, False}  # round-robin, contiguous
+    opts = [ep_options(s) for _, s in taken]
+    assert {o.round_robin for o in opts} == {True, False} and {o.padded for o in opts} == {True, False}
+    assert {o.overlap for o in opts} == {1, 2, 3}
     assert any(ranks[w][r][s].start == ranks[w][r][s].stop for w, s in taken for r in range(w))  # an empty share
     assert any(c.config.num_experts % 3 for (w, _), c in zip(taken, cases) if w == 3)  # uneven placement
     assert any(c.fuse_shared and c.config.num_shared_slots for c in cases)
