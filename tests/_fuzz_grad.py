@@ -32,11 +32,13 @@ from _fuzz_reference import LayerWeights, TokenRoute, combine, reference_moe
 # d(logit_i) = p_i (g_i - <p, g>); seed 162: a float32 gate gradient 1.4e-5 off on its own norm, one token on a
 # peaked sparsemixer round), so its error is measured against the terms' scale, not its own.
 # float32 as the forward's 1e-5 (the backward is GEMMs and elementwise ops of the forward's depth, in float32);
-# float64 1e-10 as the forward, routed in float32 (the fused router, router_dtype) 1e-6 as the forward; bf16 / fp16 the
-# forward's 1e-2, three times that under SMALL_M tokens (a gradient sums M rank-1 terms: one token's roundings are not
-# averaged; seeds 0..600 on the reference backend: up to 7e-3 from 8 tokens on, 1.7e-2 at one token on the floor).
-# A bfloat16 router's gate backward runs in bfloat16: its gradients (and x's, which sums the gate's) at bf16's
-GRAD_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# float64 1e-10 as the forward, routed in float32 (the fused router, router_dtype) 1e-6 as the forward; bf16 / fp16
+# 2e-2, twice the forward's (the backward rounds dY, each expert's dH and dX and the weight gradients' sums to the
+# dtype), three times that under SMALL_M tokens (a gradient sums M rank-1 terms: one token's roundings don't average).
+# Measured, seeds 0..700, the floor applied: bf16 up to 8.0e-3 from 8 tokens on (seed 463's gate, grouped_mm and
+# triton), 1.1e-2 under (seed 494), fp16 up to 2e-3. A bfloat16 router's gate backward runs in bfloat16: its gradients
+# (and x's, which sums the gate's) at bf16's.
+GRAD_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 ROUTED_IN_FLOAT32 = 1e-6
 FLOOR = 0.1
 SMALL_M = 8
