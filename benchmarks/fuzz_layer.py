@@ -99,7 +99,7 @@ def main() -> int:
     for world_size in args.ep:
         _run_ep(args.range, world_size, totals, failing)
         if args.grad:
-            _run_ep_grads(args.range, world_size, totals, failing)
+            _run_ep(args.range, world_size, totals, failing, grad=True)
     RUN.summary.append(f"seeds {totals['seeds']} ({args.range.start}..), backends {' '.join(args.backends)}: "
                        f"{totals['compared']} comparisons, {totals['refusals']} refusals checked, "
                        f"{totals['left_out']} left out (near tie at a capacity drop), {len(failing)} failing seeds "
@@ -111,34 +111,24 @@ def main() -> int:
     return 1 if failing else 0
 
 
-def _run_ep(seeds: range, world_size: int, totals: dict, failing: list) -> None:
-    """Every seed EPMoE takes through ``world_size`` gloo ranks (one spawn), checked; failures by seed."""
-    taken = [s for s in seeds if ep_takes(draw_case(s))]
-    ranks = run_ranks(rank_cases, world_size, taken, timeout_s=3600, pg_timeout_s=600)
+def _run_ep(seeds: range, world_size: int, totals: dict, failing: list, grad: bool = False) -> None:
+    """Every seed EPMoE takes (``grad``: trains) through ``world_size`` gloo ranks in one spawn, checked; failures by
+    seed."""
+    if grad:
+        taken, fn, check, what = ep_grad_seeds(seeds, world_size), rank_grads, check_ep_grads, "EP gradients"
+    else:
+        taken, fn, check, what = [s for s in seeds if ep_takes(draw_case(s))], rank_cases, check_ep, "EP"
+    ranks = run_ranks(fn, world_size, taken, timeout_s=3600, pg_timeout_s=600)
     for seed in taken:
         outcome = Outcome()
-        check_ep([seed], ranks, world_size, outcome)
+        check([seed], ranks, world_size, outcome)
         totals["compared"] += outcome.compared
         totals["refusals"] += outcome.refusals
-        if outcome.failures:
-            failing.append({"seed": seed, "case": f"EP W={world_size}", "failures": outcome.failures})
-            RUN.check(f"seed {seed} EP W={world_size}", False, "\n    ".join(outcome.failures))
-    RUN.log(f"EP W={world_size}: {len(taken)} seeds")
-
-
-def _run_ep_grads(seeds: range, world_size: int, totals: dict, failing: list) -> None:
-    """Every seed EPMoE trains, its gradients through ``world_size`` gloo ranks (one spawn), checked."""
-    taken = ep_grad_seeds(seeds, world_size)
-    ranks = run_ranks(rank_grads, world_size, taken, timeout_s=3600, pg_timeout_s=600)
-    for seed in taken:
-        outcome = Outcome()
-        check_ep_grads([seed], ranks, world_size, outcome)
-        totals["compared"] += outcome.compared
         totals["left_out"] += outcome.skipped_ambiguous
         if outcome.failures:
-            failing.append({"seed": seed, "case": f"EP grad W={world_size}", "failures": outcome.failures})
-            RUN.check(f"seed {seed} EP grad W={world_size}", False, "\n    ".join(outcome.failures))
-    RUN.log(f"EP gradients W={world_size}: {len(taken)} seeds")
+            failing.append({"seed": seed, "case": f"{what} W={world_size}", "failures": outcome.failures})
+            RUN.check(f"seed {seed} {what} W={world_size}", False, "\n    ".join(outcome.failures))
+    RUN.log(f"{what} W={world_size}: {len(taken)} seeds")
 
 
 if __name__ == "__main__":
