@@ -47,7 +47,7 @@ from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_linear, gate_logit
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.weighting import identity_weights, input_weighted, without_identity
 from moekit.routing.routed import MoEOutput, MoEStats, RoutedTokens, stats_of, stats_on_host
-from moekit.routing.shared import shared_mlp
+from moekit.routing.shared import shared_mlp, shared_rows_detached
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_, refuse_quantized_into_float
 from moekit.triton_bind import triton_runs_on
@@ -316,9 +316,11 @@ class MoE(nn.Module):
         if self.config.expert_weight_on == "input":  # Llama-4: expert(w x), one experts call per slot
             out = input_weighted(self.run_routed, x2d, routing)  # [M, K]
         elif self._plain_run:  # run_routed with the argument check once per weight set
+            b13, b2 = _param(self, "b13"), _param(self, "b2")
+            if b13 is not None and self.fuse_shared and torch.is_grad_enabled():
+                b13, b2 = (shared_rows_detached(b, self.config.num_shared_slots) for b in (b13, b2))
             out = self._experts_call(self._experts_fn, x2d, _param(self, "w13"), _param(self, "w2"), routing.topk_ids,
-                                     routing.topk_weights, activation=self.config.activation, b13=_param(self, "b13"),
-                                     b2=_param(self, "b2"))  # [M, K]
+                                     routing.topk_weights, activation=self.config.activation, b13=b13, b2=b2)  # [M, K]
         else:
             out = self.run_routed(x2d, routing)  # [M, K]; a subclass places the experts
         if self.shared_w13 is not None:

@@ -27,7 +27,7 @@ def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len
     c = config
     if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
         return None
-    logits = choice_columns(soft_capped(logits, c), c)  # [M, E(+Z)]
+    logits = choice_columns(_capped(logits, c), c)  # [M, E(+Z)]
     width = c.choice_width
     total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
     if logits.shape[0] == 0:
@@ -39,6 +39,13 @@ def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len
     if c.z_loss_coef:
         total = total + c.z_loss_coef * z_loss(logits)
     return total
+
+
+def _capped(logits: torch.Tensor, config) -> torch.Tensor:
+    """``soft_capped``, a non-finite logit kept as it is: the cap would make a masked expert's -inf a live -c (the
+    router masks it: ``nonfinite="mask"``), a NaN stays NaN as without a cap."""
+    capped = soft_capped(logits, config)
+    return capped if capped is logits else torch.where(torch.isfinite(logits), capped, logits)
 
 
 def choice_columns(logits: torch.Tensor, config) -> torch.Tensor:

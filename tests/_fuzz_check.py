@@ -78,12 +78,18 @@ def check_case(case: FuzzCase, backends=BACKENDS) -> Outcome:
     return result
 
 
-def _check_backend(case: FuzzCase, backend: str, result: Outcome) -> None:
+def prepared(case: FuzzCase, backend: str, result: Outcome):
+    """The case's layer on ``backend`` with its grouped_mm options and router, x [M, K], and the router it got."""
     layer, x = build(case, backend)
     if backend == "grouped_mm" and case.grouped_mm_options:
         layer.backend_options = dict(case.grouped_mm_options)
         layer.backend = "grouped_mm"
     router = "fused" if case.router == "fused" and _fused_router_takes(layer, result) else "torch"
+    return layer, x, router
+
+
+def _check_backend(case: FuzzCase, backend: str, result: Outcome) -> None:
+    layer, x, router = prepared(case, backend, result)
     try:
         with torch.no_grad():
             plain = layer(x)  # [M, K]
@@ -103,7 +109,7 @@ def _check_backend(case: FuzzCase, backend: str, result: Outcome) -> None:
         return
     rows = [t for t in range(case.m) if t not in set(ref.ambiguous_tokens)]
     for what, out in (("plain", plain), ("stats", stats.out), ("repeated", again)):
-        _check_output(out[rows], ref.out[rows], case, f"{name}: {what}", result)
+        check_output(out[rows], ref.out[rows], case, f"{name}: {what}", result)
     _check_routing(routed, stats.stats, ref, rows, case, name, result)
     for what, call in (("strided x", strided), ("autograd", graded)):
         # a gate GEMM of other strides or with autograd may round the logits otherwise (a bf16 ulp): the
@@ -113,7 +119,7 @@ def _check_backend(case: FuzzCase, backend: str, result: Outcome) -> None:
                 _reference(layer, case, x, call.router_logits, result)
             if own is not None:
                 rows = [t for t in range(case.m) if t not in set(own.ambiguous_tokens)]
-                _check_output(call.out.detach()[rows], own.out[rows], case, f"{name}: {what}", result)
+                check_output(call.out.detach()[rows], own.out[rows], case, f"{name}: {what}", result)
 
 
 def _reference(layer, case: FuzzCase, x: torch.Tensor, logits: torch.Tensor, result: Outcome):
@@ -127,8 +133,10 @@ def _reference(layer, case: FuzzCase, x: torch.Tensor, logits: torch.Tensor, res
     return ref
 
 
-def _check_output(out: torch.Tensor, want: torch.Tensor, case: FuzzCase, what: str, result: Outcome) -> None:
-    err, tol = rel_l2(out, want), tolerance(case)
+def check_output(out: torch.Tensor, want: torch.Tensor, case: FuzzCase, what: str, result: Outcome,
+                 tol: float | None = None) -> None:
+    """rel L2 of ``out`` against ``want`` under ``tol`` (None: the case's ``tolerance``)."""
+    err, tol = rel_l2(out, want), tolerance(case) if tol is None else tol
     if case.dtype in (torch.bfloat16, torch.float16) and out.numel() < SMALL_BF16:
         tol *= SMALL_BF16_FACTOR
     result.compared += 1

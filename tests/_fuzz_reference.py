@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from _quant_refs import fake_fp8_rows
+from _fuzz_experts import activation_spec, combine
 
 TIE = 2e-5  # |a - b| <= TIE * (1 + |a| + |b|): a float32 router may order a and b either way
 
@@ -52,13 +52,22 @@ class LayerWeights:
     shared_gate: torch.Tensor | None  # [K] (Qwen2-MoE's sigmoid gate)
 
     @staticmethod
-    def of(layer) -> "LayerWeights":
-        """Read ``layer`` (a ``moekit.MoE``): its parameters and buffers, nothing it computes."""
+    def of(layer, leaves: dict[str, torch.Tensor] | None = None) -> "LayerWeights":
+        """Read ``layer`` (a ``moekit.MoE``): its parameters and buffers, nothing it computes. With ``leaves`` (a
+        dict, filled here) each parameter's float64 copy is a leaf that requires grad, kept under the parameter's
+        name: the float64 loop built from these weights differentiates into them (``_fuzz_grad``)."""
         cfg = layer.config
         e, n = cfg.num_experts, cfg.moe_intermediate_size
+        names = {id(p): name for name, p in layer.named_parameters()}
 
         def f64(t):
-            return None if t is None else t.detach().double()
+            if t is None:
+                return None
+            copy = t.detach().double()
+            if leaves is None or id(t) not in names:  # a buffer (the correction bias) carries no gradient
+                return copy
+            leaves[names[id(t)]] = copy.requires_grad_(True)
+            return copy
 
         def dense(w):  # a QuantizedWeight (not a tensor): its dequantized values, the quantized layer's weights
             return f64(w) if isinstance(w, torch.Tensor) else w.dequantize(torch.float64)
@@ -67,7 +76,8 @@ class LayerWeights:
         if layer.fuse_shared:  # rows E..E+S-1 are the shared slots
             shared = [SharedSlot(w13[e + s], w2[e + s]) for s in range(cfg.num_shared_slots)]
         elif layer.shared_w13 is not None:
-            shared = _cut_shared(f64(layer.shared_w13), f64(layer.shared_w2), n, _spec(cfg.activation).interleaved)
+            interleaved = activation_spec(cfg.activation).interleaved
+            shared = _cut_shared(f64(layer.shared_w13), f64(layer.shared_w2), n, interleaved)
         else:
             shared = []
         b13 = None if layer.b13 is None else f64(layer.b13)[:e]
@@ -95,50 +105,6 @@ def _cut_shared(w13: torch.Tensor, w2: torch.Tensor, n: int, interleaved: bool) 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The activation, from ActivationSpec's documented fields
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Spec:
-    name: str
-    interleaved: bool = False
-    alpha: float = 1.0
-    limit: float | None = None
-    up_shift: float = 0.0
-
-
-def _spec(activation) -> _Spec:
-    if isinstance(activation, str):
-        return _Spec(activation)
-    return _Spec(activation.name, activation.interleaved, activation.alpha, activation.limit, activation.up_shift)
-
-
-def _act(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
-    if spec.name == "silu":
-        return t / (1 + torch.exp(-spec.alpha * t))
-    if spec.name == "gelu":
-        return 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))
-    if spec.name == "gelu_tanh":
-        return 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3)))
-    if spec.name == "relu":
-        return t.clamp(min=0)
-    if spec.name == "relu2":
-        return t.clamp(min=0) ** 2
-    raise ValueError(f"no reference for activation {spec.name!r}")
-
-
-def glu(h: torch.Tensor, activation) -> torch.Tensor:
-    """h [2n] (gate-up product of one token) -> [n]: act(gate) * (up + shift), clamped by the limit."""
-    spec = _spec(activation)
-    n = h.shape[-1] // 2
-    gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
-    if spec.limit is not None:
-        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-    return _act(gate, spec) * (up + spec.up_shift)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Routing, one token at a time
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -148,6 +114,7 @@ class TokenRoute:
     ids: list[int]  # [k] the router's choice in order (descending choice value; sparsemixer: round order)
     weights: list[float]  # [k] each slot's weight
     shared_weights: list[float] | None = None  # [S] shared_expert_combine="router" only
+    members: list[list[int]] | None = None  # [k] sparsemixer: the experts each round's softmax ran over
     masked: bool = False  # no finite logit at all
     ambiguous: bool = False  # a near tie decided something (module docstring)
 
@@ -164,8 +131,13 @@ def _ordered(values: dict[int, float]) -> list[int]:
 
 
 def _boundary_near(values: dict[int, float], order: list[int], upto: int) -> bool:
-    """Whether any two neighbours among the first upto + 1 of ``order`` are near (the choice or its order)."""
-    head = order[:upto + 1]
+    """Whether any two neighbours among the first upto + 1 of ``order`` are near (the choice or its order), the head
+    run on past an exact tie at its end: the value behind two tied ones may be near both (fuzz seed 47's chained
+    offload input: capped logits 1.5, 1.5 exactly and 1.5 - 4e-9, which float32 rounds to a three-way tie)."""
+    end = min(upto + 1, len(order))
+    while 2 <= end < len(order) and values[order[end - 1]] == values[order[end - 2]]:
+        end += 1
+    head = order[:end]
     return any(_near(values[a], values[b]) for a, b in zip(head, head[1:]))
 
 
@@ -256,12 +228,13 @@ def _sparsemixer(row: list[float], finite: list[bool], cfg) -> TokenRoute:
     """Phi-MoE at inference: k rounds; each takes the best expert left and weights it by a softmax over the experts
     left within 2 eps of it, relatively: (m - l) / max(|l|, m) <= 2 eps. Masked experts come last, weight 0."""
     near, left = 2 * cfg.sparsemixer_jitter_eps, [e for e in range(len(row)) if finite[e]]
-    ids, weights, ambiguous = [], [], False
+    ids, weights, rounds, ambiguous = [], [], [], False
     masked = [e for e in range(len(row)) if not finite[e]]
     for _ in range(cfg.top_k):
         if not left:
             ids.append(masked.pop(0))
             weights.append(0.0)
+            rounds.append([])
             continue
         order = _ordered({e: row[e] for e in left})
         ambiguous |= _boundary_near({e: row[e] for e in left}, order, 1)
@@ -277,9 +250,11 @@ def _sparsemixer(row: list[float], finite: list[bool], cfg) -> TokenRoute:
         total = sum(math.exp(row[e] - m) for e in members)
         ids.append(best)
         weights.append(1 / total)
+        rounds.append(members)
         left.remove(best)
     scale = cfg.routed_scaling_factor * (0.5 if cfg.shared_expert_combine == "average" else 1.0)
-    return TokenRoute(ids=ids, weights=[w * scale for w in weights], masked=not any(finite), ambiguous=ambiguous)
+    return TokenRoute(ids=ids, weights=[w * scale for w in weights], members=rounds, masked=not any(finite),
+                      ambiguous=ambiguous)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,20 +287,6 @@ def capacity_keep(routes: list[TokenRoute], cfg, factor: float, policy: str) -> 
     return keep, ambiguous
 
 
-def _expert(x: torch.Tensor, w: LayerWeights, e: int, activation) -> torch.Tensor:
-    """Routed expert e on one token x [K] -> [K]."""
-    h = w.w13[e] @ x + (w.b13[e] if w.b13 is not None else 0.0)
-    y = w.w2[e] @ glu(h, activation)
-    return y + (w.b2[e] if w.b2 is not None else 0.0)
-
-
-def _expert_fp8(x: torch.Tensor, w: LayerWeights, e: int, activation, block: int) -> torch.Tensor:
-    """fp8_block's recipe: the activations fake-quantized to e4m3 per 1 x ``block`` before each GEMM."""
-    h = w.w13[e] @ fake_fp8_rows(x[None], block)[0] + (w.b13[e] if w.b13 is not None else 0.0)
-    y = w.w2[e] @ fake_fp8_rows(glu(h, activation)[None], block)[0]
-    return y + (w.b2[e] if w.b2 is not None else 0.0)
-
-
 @dataclass
 class Reference:
     out: torch.Tensor  # [M, K] float64
@@ -343,8 +304,9 @@ def reference_moe(w: LayerWeights, cfg, x: torch.Tensor, logits: torch.Tensor | 
                   capacity_factor: float | None = None, drop_policy: str = "position",
                   fp8_block: int | None = None) -> Reference:
     """The layer on x [M, K]. ``logits`` [M, W]: route from these (the layer's own, upcast: a bf16 gate rounds them)
-    instead of the float64 gate GEMM. ``fp8_block``: the experts run fp8_block's activation recipe."""
-    x = x.double()
+    instead of the float64 gate GEMM. ``fp8_block``: the experts run fp8_block's activation recipe. x's dtype is
+    the layer's: input-weighted experts read weight x token rounded to it."""
+    dtype, x = x.dtype, x.double()
     if logits is None:
         logits = x @ w.gate.t() + (w.gate_bias if w.gate_bias is not None else 0.0)  # [M, W]
     bias = None if w.correction_bias is None else w.correction_bias.tolist()
@@ -352,40 +314,19 @@ def reference_moe(w: LayerWeights, cfg, x: torch.Tensor, logits: torch.Tensor | 
     m, e = x.shape[0], cfg.num_experts
     keep, cap_amb = ([[True] * cfg.top_k for _ in range(m)], False) if capacity_factor is None else \
         capacity_keep(routes, cfg, capacity_factor, drop_policy)
-    out = torch.zeros_like(x)  # [M, K]
     counts, identity = [0] * e, [0] * cfg.num_identity_experts
     dropped = 0
-    for t, r in enumerate(routes):
-        for j, (expert, weight) in enumerate(zip(r.ids, r.weights)):
-            if expert >= e:  # an identity expert: its weight times the token
+    for r, kept in zip(routes, keep):
+        for expert, k in zip(r.ids, kept):
+            if expert >= e:
                 identity[expert - e] += 1
-                out[t] += weight * x[t]
-                continue
-            if not keep[t][j]:
-                dropped += 1
-                continue
-            counts[expert] += 1
-            if cfg.expert_weight_on == "input":  # Llama-4: the expert runs on weight x token
-                if weight != 0.0:  # a weight-0 slot (a masked expert) adds nothing, as in the dense form
-                    out[t] += _run(weight * x[t], w, expert, cfg.activation, fp8_block)
+            elif k:
+                counts[expert] += 1
             else:
-                out[t] += weight * _run(x[t], w, expert, cfg.activation, fp8_block)
-        out[t] += _shared(x[t], w, cfg, r)
+                dropped += 1
+    out = combine(x, w, cfg, routes, keep, [r.weights for r in routes], [r.shared_weights for r in routes],
+                  fp8_block, dtype)
     return Reference(out=out, routes=routes, kept=keep, dropped=dropped, counts=counts, identity_counts=identity,
                      masked_tokens=sum(r.masked for r in routes), capacity_ambiguous=cap_amb,
                      ambiguous_tokens=[t for t, r in enumerate(routes) if r.ambiguous])
 
-
-def _run(x, w, expert, activation, fp8_block):
-    return _expert(x, w, expert, activation) if fp8_block is None else _expert_fp8(x, w, expert, activation, fp8_block)
-
-
-def _shared(x: torch.Tensor, w: LayerWeights, cfg, r: TokenRoute) -> torch.Tensor:
-    """The shared MLP on one token: each slot times its weight (the router's: Inkling; 1/2: average; sigmoid gate)."""
-    y = torch.zeros_like(x)
-    for s, slot in enumerate(w.shared):
-        weight = r.shared_weights[s] if r.shared_weights is not None else 1.0
-        y += weight * (slot.w2 @ glu(slot.w13 @ x, cfg.activation))
-    if w.shared_gate is not None:
-        y = y * _sigmoid(float(w.shared_gate @ x))
-    return y * (0.5 if cfg.shared_expert_combine == "average" else 1.0)

@@ -140,3 +140,13 @@ def test_reference_marks_near_ties():
     assert route_token([1.0, 1.0 + 1e-7, -1.0], cfg, None).ambiguous
     assert not route_token([1.0, 1.0, -1.0], cfg, None).ambiguous  # exact: the lower id, on both sides
     assert not route_token([1.0, 1.5, -1.0], cfg, None).ambiguous
+
+
+def test_reference_marks_a_near_tie_behind_an_exact_tie():
+    """k = 1 over logits 1.0, 1.0 (copied gate rows: an exact tie, the lower id on both sides) and 1.0 - 1e-7: the
+    third is near both, so float32 may make it a three-way tie that it wins (the lowest id): ambiguous. Behind no
+    exact tie, or far from it, the third is not looked at."""
+    cfg = MoEConfig(hidden_size=4, moe_intermediate_size=4, num_experts=4, top_k=1)
+    assert route_token([1.0 - 1e-7, 1.0, 1.0, -1.0], cfg, None).ambiguous
+    assert not route_token([0.5, 1.0, 1.0, -1.0], cfg, None).ambiguous
+    assert not route_token([1.0 - 1e-7, 1.0, 1.5, -1.0], cfg, None).ambiguous

@@ -136,3 +136,30 @@ def test_gradcheck_reference_float64(cfg):
     # fast_mode: finite differences along random directions against the same products of the analytic
     # Jacobian (the full Jacobian took 15-40 s per config on a loaded CI machine; this takes about 1 s)
     assert torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped_mm"])
+def test_fused_shared_slots_bias_rows_get_no_gradient(backend):
+    """Expert biases with a fused shared expert: b13 / b2's rows E.. are the shared slots', zero because the shared
+    MLP has no bias. Training must leave them zero (the un-fused layer, and OffloadedMoE's copy of the shared MLP, have
+    no such bias): no gradient reaches them, and the routed rows' gradients are the separate layer's (the float64
+    fuzzer's gradients found the shared rows' gradient, fuz44)."""
+    cfg = BASE.replace(expert_bias=True, shared_expert_intermediate_size=24)  # S = 2 slots
+    torch.manual_seed(5)
+    fused = MoE(cfg, backend=backend, fuse_shared=True)
+    separate = MoE(cfg, backend=backend, fuse_shared=False)
+    with torch.no_grad():
+        fused.b13[:8].normal_()
+        fused.b2[:8].normal_()
+        separate.gate.weight.copy_(fused.gate.weight)
+        for name in ("w13", "w2", "b13", "b2"):
+            getattr(separate, name).copy_(getattr(fused, name)[:8])
+        gate, up = fused.w13[8:].split(12, dim=1)  # [S, N, K] each
+        separate.shared_w13.copy_(torch.cat([gate.flatten(0, 1), up.flatten(0, 1)]))
+        separate.shared_w2.copy_(torch.cat(list(fused.w2[8:]), dim=1))
+    x, r = torch.randn(6, 16), torch.randn(6, 16)
+    for moe in (fused, separate):
+        (moe(x) * r).sum().backward()
+    assert torch.equal(fused.b13.grad[8:], torch.zeros(2, 24)) and torch.equal(fused.b2.grad[8:], torch.zeros(2, 16))
+    torch.testing.assert_close(fused.b13.grad[:8], separate.b13.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.b2.grad[:8], separate.b2.grad, rtol=1e-5, atol=1e-6)

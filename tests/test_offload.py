@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
+from moekit.activations import ActivationSpec
 from moekit.offload import EvictionPolicy, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, link_layers
 from moekit.routing import route
 
@@ -357,3 +358,33 @@ def test_a_private_cache_is_capped_at_the_layers_experts():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert OffloadedMoE.from_moe(moe, cache_experts=E).cache.cache_experts == E  # E itself: no warning
+
+
+def test_a_fused_shared_expert_with_an_interleaved_activation_is_unfused_in_its_row_order():
+    """gpt-oss's interleaved activation (row 2i gate i, row 2i+1 up i) on a fused shared expert: from_moe's separate
+    shared MLP keeps each slot's interleaved rows (the fuzzer's offloaded layers found it split them as gate rows
+    then up rows: 70% off, fuz44); the plain activation's split is unchanged."""
+    gpt_oss = ActivationSpec(name="silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
+    for activation in ("silu", gpt_oss):
+        cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, top_k=2,
+                        shared_expert_intermediate_size=16, activation=activation)
+        torch.manual_seed(0)
+        moe = MoE(cfg, fuse_shared=True).eval()
+        off = OffloadedMoE.from_moe(moe, cache_experts=2, device="cpu")
+        x = torch.randn(5, 16)
+        with torch.no_grad():
+            assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32], activation
+
+
+def test_from_moe_keeps_the_layers_mode():
+    """from_moe's layer is in ``moe``'s mode (moe_from_hf sets it from the HF block): an eval Phi-MoE layer (its
+    router refuses training) offloaded runs at once; it came back in training mode and raised (fuz44)."""
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, top_k=2, renormalize=False,
+                    sparsemixer_jitter_eps=0.01)
+    torch.manual_seed(0)
+    moe = MoE(cfg).eval()
+    off = OffloadedMoE.from_moe(moe, cache_experts=2, device="cpu")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert not off.training and rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+    assert OffloadedMoE.from_moe(moe.train(), cache_experts=2, device="cpu").training

@@ -37,6 +37,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
         "bias_mismatch": value_error_of(lambda: EPMoE.from_moe(_moe(bias_shift=float(rank == 1)))),
         "quantized": value_error_of(lambda: EPMoE.from_moe(_moe(fuse_shared=False).quantize_("int8_w8a16"))),
         "autocast": _autocast(moe, mine.bfloat16()),
+        "mode": (EPMoE.from_moe(_moe().eval()).training, EPMoE.from_moe(_moe().train()).training),
     }
 
 
@@ -49,7 +50,10 @@ def _autocast(moe: MoE, x: torch.Tensor) -> tuple:
 
 
 def test_from_moe_takes_the_router_bias_refuses_quantized_layers_and_follows_autocast():
+    """from_moe takes the router bias, refuses quantized layers, follows autocast and keeps the layer's mode (it came
+    back in training mode: an eval Phi-MoE layer, whose router refuses training, raised; fuz44)."""
     for res in run_ranks(_scenarios, 2, timeout_s=120):
+        assert res["mode"] == (False, True), res
         assert res["router_bias"] < 2e-6 and res["bias_matters"] > 1e-2, res
         assert "replicated weights" in res["bias_mismatch"] and "gate_bias" in res["bias_mismatch"], res
         assert "quantized (int8_w8a16)" in res["quantized"], res

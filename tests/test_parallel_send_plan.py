@@ -67,3 +67,19 @@ def test_send_order_and_rows_match_a_loop(num_tokens, top_k):
         assert torch.equal(x_rows[i], x[t])
         assert id_rows[i].tolist() == [loc if d == w else -1 for d, loc in dest[t]]
         assert weight_rows[i].tolist() == [float(weights[t, j]) if d == w else 0.0 for j, (d, _) in enumerate(dest[t])]
+
+
+@pytest.mark.parametrize("num_rows", [1, 2])
+@pytest.mark.parametrize("dtype, top_k", [(torch.float64, 3), (torch.bfloat16, 1), (torch.float32, 3)])
+def test_unpack_reads_any_row_count_of_misaligned_rows(num_rows, dtype, top_k):
+    """A received payload's columns at an offset or row stride their dtype cannot view (float64 rows of K = 40 with
+    an odd k: 320 + 4k + 8k bytes) are copied first; a single row too, which ``contiguous()`` returns as it is (a
+    size-1 dim's stride is not compared: the float64 fuzzer's EP layers failed on it, fuz44)."""
+    g = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 40, generator=g).to(dtype)  # [U, K]
+    ids = torch.randint(0, 8, (num_rows, top_k), generator=g, dtype=torch.int32)
+    weights = torch.rand(num_rows, top_k, generator=g, dtype=torch.float64).to(torch.promote_types(dtype,
+                                                                                                  torch.float32))
+    rows = torch.cat([t.contiguous().view(torch.uint8) for t in (x, ids, weights)], dim=1)  # [U, B]
+    got = _unpack(rows, 40, top_k, dtype, weights.dtype)
+    assert all(torch.equal(a, b) for a, b in zip(got, (x, ids, weights)))

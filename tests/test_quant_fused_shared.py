@@ -151,3 +151,30 @@ def _ep_ranks(rank: int, world_size: int) -> float:
 
 def test_an_ep_layer_with_a_fused_shared_expert_quantizes_as_the_whole_layer():
     assert all(err < 1e-6 for err in run_ranks(_ep_ranks, 2, timeout_s=120))
+
+
+
+def _gpt_oss_glu(h: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU on interleaved columns (2i gate i, 2i + 1 up i), written here: [M, 2W] -> [M, W]."""
+    gate, up = h[:, 0::2].clamp(max=7.0), h[:, 1::2].clamp(-7.0, 7.0)
+    return (up + 1.0) * gate * torch.sigmoid(1.702 * gate)
+
+
+def test_an_interleaved_activation_keeps_its_shared_rows_in_order():
+    """gpt-oss's interleaved spec on a fused shared expert: quantize_ un-fuses the slots in their row order (split as
+    gate rows then up rows they would compute another function; found merging usr44's un-fusing with fuz44's fix of
+    the same split in OffloadedMoE, session 44). The separate MLP it leaves, against the fused slots before, float64."""
+    from moekit.activations import ActivationSpec
+
+    spec = ActivationSpec(name="silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
+    cfg = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2,
+                    shared_expert_intermediate_size=64, activation=spec)
+    torch.manual_seed(0)
+    moe = MoE(cfg, backend="reference")
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1)).double()
+    slots13, slots2 = moe.w13[8:].detach().double(), moe.w2[8:].detach().double()  # [S, 2N, K], [S, K, N]
+    want = sum(_gpt_oss_glu(x @ slots13[s].t()) @ slots2[s].t() for s in range(2))  # [6, K]
+    moe.quantize_("int8_w8a16")
+    assert not moe.fuse_shared and moe.shared_w13.shape == (128, 64)
+    got = _gpt_oss_glu(x @ moe.shared_w13.detach().double().t()) @ moe.shared_w2.detach().double().t()
+    assert rel_l2(got, want) < 1e-12

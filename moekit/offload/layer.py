@@ -121,7 +121,7 @@ class OffloadedMoE(MoE):
         layer.admit_per_forward, layer.cpu_rate = admit_per_forward, cpu_rate
         layer.last_stats, layer._last_touched, layer._next, layer._proofs = OffloadStats(), [], [], Proofs()
         layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
-        return layer
+        return layer.train(moe.training)  # moe's mode (Phi-MoE's router refuses training: moe_from_hf sets it)
 
     def _copy_resident(self, moe: MoE) -> None:
         """The gate (and its bias), correction bias and shared expert (un-fused into a separate MLP) from
@@ -139,7 +139,8 @@ class OffloadedMoE(MoE):
                 return
             if moe.fuse_shared:
                 e = moe.config.num_experts
-                shared_w13, shared_w2 = unfused_shared(moe.w13[e:], moe.w2[e:])  # [2SN, K], [K, SN]
+                shared_w13, shared_w2 = unfused_shared(moe.w13[e:], moe.w2[e:],  # [2SN, K], [K, SN]
+                                                       moe.config.activation)
                 _take(self.shared_w13, shared_w13)
                 _take(self.shared_w2, shared_w2)
             else:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from moekit.layouts.grouping import rank_within_groups
 from moekit.parallel.errors import SplitSizes, exchange_columns
 from moekit.parallel.placement import Placement
-from moekit.parallel.rows import attach_gradients
+from moekit.parallel.rows import as_bytes, attach_gradients, view_rows_as
 
 
 @dataclass
@@ -360,6 +360,17 @@ class PendingCombine:
         return out.to(y.dtype)
 
 
+def tied_to_received(y: torch.Tensor, x_recv: torch.Tensor, weights_recv: torch.Tensor) -> torch.Tensor:
+    """The experts' output y [U, K] for the received rows x_recv [U, K], weights_recv [U, k]. Where no received slot
+    ran an expert (no rows; or the padded dispatch's W*C rows all skipped: every token on other ranks' experts or on
+    identity experts) a backend returns a fresh tensor outside the graph, so this rank's loss would not reach the
+    received tensors and its backward would skip the transposed all-to-alls its peers' backward pairs with (they hang,
+    or its loss has no gradient at all): tied to them with zeros, the same values."""
+    if y.requires_grad or not torch.is_grad_enabled() or not (x_recv.requires_grad or weights_recv.requires_grad):
+        return y
+    return y + (x_recv * 0).to(y.dtype) + (weights_recv.sum() * 0).to(y.dtype)  # [U, K]
+
+
 def start_combine(y: torch.Tensor, sent: Dispatched, group) -> PendingCombine:
     """``combine``'s all-to-all issued asynchronously; the sum happens in ``wait``."""
     y = y.contiguous()
@@ -370,27 +381,15 @@ def start_combine(y: torch.Tensor, sent: Dispatched, group) -> PendingCombine:
 
 def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[T, K] x, [T, k] int32 ids, [T, k] float32 weights -> [T, B] uint8 rows, B = K*x.itemsize + 8k."""
-    # bytes: no graph (rows.py) # [T, bytes of one row each]; a [T, 1] column (k = 1, Llama-4) can pass as
-    # contiguous with a last stride 0 (a size-1 dim's stride is not compared), which view(uint8) refuses: cloned
-    parts = [t.detach().contiguous() for t in (x, ids, weights)]
-    parts = [(t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)).view(torch.uint8)
-             for t in parts]
-    return torch.cat(parts, dim=1)
+    return torch.cat([as_bytes(t) for t in (x, ids, weights)], dim=1)  # bytes: no graph (rows.py); [T, B]
 
 
 def _unpack(rows: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype, wdtype: torch.dtype):
     x_bytes = hidden * dtype.itemsize
-    x = _view_as(rows[:, :x_bytes], dtype)  # [U, K], a strided view when the row size allows (no copy)
-    ids = _view_as(rows[:, x_bytes : x_bytes + 4 * top_k], torch.int32)  # [U, k]
-    weights = _view_as(rows[:, x_bytes + 4 * top_k :], wdtype)  # [U, k]
+    x = view_rows_as(rows[:, :x_bytes], dtype)  # [U, K], a strided view when the row size allows (no copy)
+    ids = view_rows_as(rows[:, x_bytes : x_bytes + 4 * top_k], torch.int32)  # [U, k]
+    weights = view_rows_as(rows[:, x_bytes + 4 * top_k :], wdtype)  # [U, k]
     return x, ids, weights
-
-
-def _view_as(byte_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    try:
-        return byte_cols.view(dtype)
-    except RuntimeError:  # misaligned offset or row stride (e.g. an odd K in bf16): copy first
-        return byte_cols.contiguous().view(dtype)
 
 
 def weights_dtype(topk_weights: torch.Tensor) -> torch.dtype:

@@ -28,7 +28,7 @@ from moekit.experts import autocast_input, call_backend
 from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
-                                      plan_sends, weights_dtype)
+                                      plan_sends, tied_to_received, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.overlap import dispatch_starters, run_chunks
@@ -180,7 +180,7 @@ class EPMoE(MoE):
             if ep.shared_gate is not None:
                 ep.shared_gate.weight.copy_(moe.shared_gate.weight)
         ep.verify_replicated()
-        return ep
+        return ep.train(moe.training)  # moe's mode (Phi-MoE's router refuses training: moe_from_hf sets it)
 
     def verify_replicated(self) -> None:
         """Raise a clear ValueError on every rank unless the weights every rank holds in full (gate and its bias,
@@ -234,8 +234,8 @@ class EPMoE(MoE):
 
     def run_local_experts(self, sent: Dispatched) -> torch.Tensor:
         """The received rows through this rank's experts: [U, K], each row its slots' weighted sum."""
-        return call_backend(self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
-                            activation=self.config.activation)
+        return tied_to_received(call_backend(self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
+                                          activation=self.config.activation), sent.x, sent.weights)  # [U, K]
 
     def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:
         return combine(y, sent, self.group)

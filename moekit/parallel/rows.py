@@ -54,13 +54,30 @@ class _Attach(torch.autograd.Function):
 def _all_to_all(tensors, out_splits, in_splits, group) -> list[torch.Tensor]:
     """Rows of every tensor packed as bytes, one ``all_to_all_single``, unpacked in the same dtypes."""
     flat = [t.reshape(t.shape[0], math.prod(t.shape[1:])) for t in tensors]  # [U, width] each
-    payload = torch.cat([t.contiguous().view(torch.uint8) for t in flat], dim=1)  # [U, B]
+    payload = torch.cat([as_bytes(t) for t in flat], dim=1)  # [U, B]
     received = payload.new_empty((sum(out_splits), payload.shape[1]))  # [T, B]
     dist.all_to_all_single(received, payload, out_splits, in_splits, group=group)
     out, offset = [], 0
     for t, f in zip(tensors, flat):
         width = f.shape[1] * t.dtype.itemsize
-        part = received[:, offset : offset + width].contiguous().view(t.dtype)
+        part = view_rows_as(received[:, offset : offset + width], t.dtype)
         out.append(part.reshape(part.shape[0], *t.shape[1:]))
         offset += width
     return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[T, n] -> [T, n * itemsize] uint8 rows. A column [T, 1] (a gradient expanded from a scalar, k = 1) can pass as
+    contiguous with a last stride 0 (a size-1 dim's stride is not compared), which view(uint8) refuses: cloned."""
+    t = t.detach().contiguous()
+    return (t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)).view(torch.uint8)
+
+
+def view_rows_as(byte_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Byte columns [U, n * itemsize] of received rows as [U, n] of ``dtype``: a view, or a copy first where the
+    offset or the row stride does not allow one (an odd K in bf16, float64 rows behind int32 ids); a clone, as
+    contiguous() returns a single row as it is (its row stride not compared)."""
+    try:
+        return byte_cols.view(dtype)
+    except RuntimeError:
+        return byte_cols.clone(memory_format=torch.contiguous_format).view(dtype)

@@ -51,7 +51,8 @@ def _unfuse_shared_(module: nn.Module, rows: int) -> None:
     one built with ``fuse_shared=False``."""
     with torch.no_grad():
         grad = module.w13.requires_grad
-        shared = unfused_shared(module.w13[rows:], module.w2[rows:])  # [2SN, K], [K, SN]
+        shared = unfused_shared(module.w13[rows:], module.w2[rows:],  # [2SN, K], [K, SN]
+                                module.config.activation)
         module.shared_w13, module.shared_w2 = (nn.Parameter(w, requires_grad=grad) for w in shared)
         for name in ("w13", "w2", "b13", "b2"):
             w = getattr(module, name)

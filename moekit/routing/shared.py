@@ -71,11 +71,22 @@ def shared_mlp(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: tor
     return y if config.shared_weight == 1.0 else y * config.shared_weight
 
 
-def unfused_shared(slot_w13: torch.Tensor, slot_w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused shared slots back as the separate MLP's weights: slot_w13 [S, 2N, K] (each slot's gate rows, then
-    its up rows) -> shared_w13 [2SN, K] (all gate rows, then all up rows); slot_w2 [S, K, N] -> shared_w2 [K, SN].
-    Inverse of the copy ``moekit.hf.blocks`` fuses with; the same function (``shared_mlp``)."""
-    n_dim = slot_w2.shape[2]
-    gate_rows, up_rows = slot_w13.split(n_dim, dim=1)  # [S, N, K] each
-    shared_w13 = torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)])  # [2SN, K]
+def unfused_shared(slot_w13: torch.Tensor, slot_w2: torch.Tensor, activation) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused shared slots back as the separate MLP's weights: slot_w13 [S, 2N, K] -> shared_w13 [2SN, K];
+    slot_w2 [S, K, N] -> shared_w2 [K, SN]. Each slot's gate rows then its up rows become all gate rows, then all up
+    rows; for an interleaved ``activation`` (an ``ActivationSpec`` like gpt-oss's: row 2i gate i, 2i + 1 up i, in a
+    slot as in the shared MLP) the slots' rows are stacked as they are. Inverse of the copy ``moekit.hf.blocks`` fuses with; the same function
+    (``shared_mlp``)."""
+    if not isinstance(activation, str) and activation.interleaved:
+        shared_w13 = slot_w13.flatten(0, 1)  # [2SN, K]
+    else:
+        gate_rows, up_rows = slot_w13.split(slot_w2.shape[2], dim=1)  # [S, N, K] each
+        shared_w13 = torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)])  # [2SN, K]
     return shared_w13, torch.cat(list(slot_w2), dim=1)  # [K, SN]
+
+
+def shared_rows_detached(bias: torch.Tensor, slots: int) -> torch.Tensor:
+    """An expert bias [E + S, ...] whose last ``slots`` rows (a fused layer's shared slots: zero, the shared MLP has no
+    bias) carry no gradient, so training leaves them zero, as the un-fused layer's shared MLP (and OffloadedMoE's
+    copy of it) has none; the same values."""
+    return torch.cat([bias[:-slots], bias[-slots:].detach()]) if bias.requires_grad else bias

@@ -1,0 +1,120 @@
+"""The experts and the shared MLP of the float64 loop (``_fuzz_reference``), one token at a time, from the spec and
+``ActivationSpec``'s documented fields: the activation (``glu``), a routed expert, and ``combine``, which weights the
+chosen experts and adds the shared MLP. The weights may be floats or float64 tensors that carry a gradient
+(``_fuzz_grad``): torch ops only on their paths.
+
+Shapes: M tokens, K hidden, N expert intermediate, k = top_k, S shared slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from _quant_refs import fake_fp8_rows
+
+if TYPE_CHECKING:
+    from _fuzz_reference import LayerWeights, TokenRoute
+
+# ---------------------------------------------------------------------------------------------------------------
+# The activation, from ActivationSpec's documented fields
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    interleaved: bool = False
+    alpha: float = 1.0
+    limit: float | None = None
+    up_shift: float = 0.0
+
+
+def activation_spec(activation) -> _Spec:
+    if isinstance(activation, str):
+        return _Spec(activation)
+    return _Spec(activation.name, activation.interleaved, activation.alpha, activation.limit, activation.up_shift)
+
+
+def _act(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    if spec.name == "silu":
+        return t / (1 + torch.exp(-spec.alpha * t))
+    if spec.name == "gelu":
+        return 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))
+    if spec.name == "gelu_tanh":
+        return 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3)))
+    if spec.name == "relu":
+        return t.clamp(min=0)
+    if spec.name == "relu2":
+        return t.clamp(min=0) ** 2
+    raise ValueError(f"no reference for activation {spec.name!r}")
+
+
+def glu(h: torch.Tensor, activation) -> torch.Tensor:
+    """h [2n] (gate-up product of one token) -> [n]: act(gate) * (up + shift), clamped by the limit."""
+    spec = activation_spec(activation)
+    n = h.shape[-1] // 2
+    gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
+    if spec.limit is not None:
+        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+    return _act(gate, spec) * (up + spec.up_shift)
+
+
+
+def _expert(x: torch.Tensor, w: LayerWeights, e: int, activation) -> torch.Tensor:
+    """Routed expert e on one token x [K] -> [K]."""
+    h = w.w13[e] @ x + (w.b13[e] if w.b13 is not None else 0.0)
+    y = w.w2[e] @ glu(h, activation)
+    return y + (w.b2[e] if w.b2 is not None else 0.0)
+
+
+def _expert_fp8(x: torch.Tensor, w: LayerWeights, e: int, activation, block: int) -> torch.Tensor:
+    """fp8_block's recipe: the activations fake-quantized to e4m3 per 1 x ``block`` before each GEMM."""
+    h = w.w13[e] @ fake_fp8_rows(x[None], block)[0] + (w.b13[e] if w.b13 is not None else 0.0)
+    y = w.w2[e] @ fake_fp8_rows(glu(h, activation)[None], block)[0]
+    return y + (w.b2[e] if w.b2 is not None else 0.0)
+
+
+def combine(x: torch.Tensor, w: LayerWeights, cfg, routes: list[TokenRoute], keep: list[list[bool]], weights: list,
+            shared_weights: list, fp8_block: int | None = None, round_to: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] through the chosen experts (``routes``' ids, ``keep`` after capacity) weighted by ``weights`` [M][k]
+    and the shared MLP (``shared_weights`` [M][S] or None each) -> [M, K]. The weights are floats (the routes'
+    own) or float64 tensors that carry a gradient (``_fuzz_grad``): torch ops only on their paths. ``round_to``: the
+    layer's dtype, to which it rounds weight x token before input-weighted experts (``weighting.input_weighted``;
+    under fp8_block's e4m3 steps the rounding shows: seed 15, bf16, 6e-2 without it, 3e-3 with it)."""
+    e = cfg.num_experts
+    out = torch.zeros_like(x)  # [M, K]
+    for t, r in enumerate(routes):
+        for j, (expert, weight) in enumerate(zip(r.ids, weights[t])):
+            if expert >= e:  # an identity expert: its weight times the token
+                out[t] += weight * x[t]
+                continue
+            if not keep[t][j]:
+                continue
+            if cfg.expert_weight_on == "input":  # Llama-4: the expert runs on weight x token
+                if r.weights[j] != 0.0:  # a weight-0 slot (a masked expert) adds nothing, as in the dense form
+                    weighted = weight * x[t] if round_to is None else (weight * x[t]).to(round_to).to(x.dtype)
+                    out[t] += _run(weighted, w, expert, cfg.activation, fp8_block)
+            else:
+                out[t] += weight * _run(x[t], w, expert, cfg.activation, fp8_block)
+        out[t] += _shared(x[t], w, cfg, shared_weights[t])
+    return out
+
+
+def _run(x, w, expert, activation, fp8_block):
+    return _expert(x, w, expert, activation) if fp8_block is None else _expert_fp8(x, w, expert, activation, fp8_block)
+
+
+def _shared(x: torch.Tensor, w: LayerWeights, cfg, weights) -> torch.Tensor:
+    """The shared MLP on one token: each slot times its weight (``weights`` [S], the router's: Inkling; 1/2: average;
+    sigmoid gate)."""
+    y = torch.zeros_like(x)
+    for s, slot in enumerate(w.shared):
+        weight = weights[s] if weights is not None else 1.0
+        y = y + weight * (slot.w2 @ glu(slot.w13 @ x, cfg.activation))
+    if w.shared_gate is not None:
+        y = y * torch.sigmoid(w.shared_gate @ x)
+    return y * (0.5 if cfg.shared_expert_combine == "average" else 1.0)
