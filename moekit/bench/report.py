@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -24,8 +25,24 @@ def free_results_path(out_dir: Path, stem: str, also: tuple[str, ...] = ()) -> P
 
 def results_path(out_dir: Path, doc: dict) -> Path:
     """``<out_dir>/<device>-<date>.json`` (device with spaces as ``_``), or ``-2``, ``-3`` ... when the
-    JSON or its PNG is taken."""
-    return free_results_path(out_dir, f"{doc['device'].replace(' ', '_')}-{doc['date']}", also=(".png",))
+    JSON, its PNG or a killed run's partial JSON is taken."""
+    return free_results_path(out_dir, f"{doc['device'].replace(' ', '_')}-{doc['date']}",
+                             also=(".png", PARTIAL_SUFFIX))
+
+
+PARTIAL_SUFFIX = ".partial.json"  # beside a run's results path while it runs: the cells timed so far
+
+
+def write_partial(doc: dict, path: Path) -> Path:
+    """Write the document of a run still going (``doc["partial"]``: the cells timed so far) beside the results
+    ``path`` as ``<stem>.partial.json``, replacing the last one atomically: a run killed by a time limit, the
+    machine or the user keeps what it measured (``moekit bench --targets`` reads it). Returns its path."""
+    partial = path.with_suffix(PARTIAL_SUFFIX)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial.with_name(partial.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, partial)
+    return partial
 
 
 def write_json(doc: dict, path: Path) -> Path:

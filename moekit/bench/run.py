@@ -151,8 +151,10 @@ def _ceilings_line(c: Ceilings) -> str:
 
 
 def run_bench(device: torch.device, shapes=None, batches=None, backends=None, on_progress=None, dtypes=None,
-              budget_s: float = BUDGET_S) -> dict:
-    """Measure the ceilings, then every cell, calling ``on_progress(BenchProgress)`` as it goes.
+              budget_s: float = BUDGET_S, on_partial=None) -> dict:
+    """Measure the ceilings, then every cell, calling ``on_progress(BenchProgress)`` as it goes and
+    ``on_partial(document)`` after each cell (timed or failed) with the document of the cells so far
+    (``"partial": True``; ``report.write_partial`` keeps it on disk).
     ``dtypes``: bench dtypes (``quant_cells.BENCH_DTYPES``; default the unquantized cells only);
     ``budget_s``: seconds of timed passes per cell. Returns the results document (see ``report.write_json``)."""
     check_args(backends, batches, device, dtypes, budget_s)
@@ -171,14 +173,21 @@ def run_bench(device: torch.device, shapes=None, batches=None, backends=None, on
     timed: list[Cell | CellFailure] = []  # grows cell by cell, ``cells`` shape by shape
     failed: list[CellFailure] = []
 
+    def keep_partial():
+        if on_partial is not None:
+            so_far = [c for c in timed if isinstance(c, Cell)]
+            on_partial(_document(device, plan, ceilings, shapes, so_far, failed) | {"partial": True})
+
     def on_cell(cell: Cell):
         timed.append(cell)
         report(BenchProgress(len(timed), total, _cell_line(cell)))
+        keep_partial()
 
     def on_fail(failure: CellFailure):
         timed.append(failure)
         failed.append(failure)
         report(BenchProgress(len(timed), total, _failure_line(failure)))
+        keep_partial()
 
     for shape in shapes:
         cells += run_cells(shape, plan, device, ceilings, on_cell, on_fail)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from pathlib import Path
 
 from moekit.bench.cells import CPU_BATCHES, GPU_BATCHES
@@ -113,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
         return _bench_train.run(args, device)
     from rich.console import Console
 
-    from moekit.bench.report import plot, print_report, report_width, results_path, write_json
+    from moekit.bench.report import plot, print_report, report_width, results_path, write_json, write_partial
     from moekit.bench.run import BUDGET_S, check_args, run_bench
 
     budget_s = args.budget_s or BUDGET_S
@@ -124,9 +125,22 @@ def _run(args: argparse.Namespace) -> int:
         check_args(backends, args.batches, device, args.dtype, budget_s)
     except ValueError as err:
         raise UsageError(f"--{err}") from None  # each message begins with the argument's name
-    with _progress() as on_progress:
-        doc = run_bench(device, shapes, args.batches, backends, on_progress, args.dtype, budget_s)
-    path = write_json(doc, results_path(args.out, doc))
+    kept: dict = {}  # the results path, chosen at the first cell; the partial file beside it
+
+    def on_partial(partial: dict):
+        kept.setdefault("path", results_path(args.out, partial))
+        kept["partial"] = write_partial(partial, kept["path"])
+
+    try:
+        with _progress() as on_progress:
+            doc = run_bench(device, shapes, args.batches, backends, on_progress, args.dtype, budget_s, on_partial)
+    except KeyboardInterrupt:
+        if "partial" in kept:
+            print(f"moekit bench: the cells timed before the interruption are in {kept['partial']}", file=sys.stderr)
+        raise
+    path = write_json(doc, kept.get("path") or results_path(args.out, doc))
+    if "partial" in kept:
+        kept["partial"].unlink()
     console = Console(width=report_width(doc))
     print_report(doc, console)
     suffixed = not path.stem.endswith(doc["date"])

@@ -1,0 +1,53 @@
+"""``moekit bench`` keeps the cells timed so far on disk while it runs (``<results>.partial.json``, replaced after
+each cell): a run killed by a time limit lost every cell (session 44: an H100 weight-only run stopped by `timeout`
+after 53 of 84 cells, nothing written). A finished run leaves only its results file."""
+
+from __future__ import annotations
+
+import json
+
+from moekit.bench import sweep
+from moekit.bench.report import PARTIAL_SUFFIX, results_path
+from moekit.cli import main
+from moekit.experts import get_backend
+
+ARGS = ["bench", "--device", "cpu", "--shapes", "mixtral-8x7b", "--batches", "1", "3", "5",
+        "--backends", "grouped_mm", "--budget-s", "0.01", "--no-plot"]
+
+
+def _killed_at(monkeypatch, m_killed: int):
+    """grouped_mm as it is, but the first call at M = m_killed interrupts the run as a Ctrl-C or a kill would."""
+    real = get_backend("grouped_mm")
+
+    def run(x, *args, **kwargs):
+        if x.shape[0] == m_killed:
+            raise KeyboardInterrupt
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "get_backend", lambda name: run)
+
+
+def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch, capsys):
+    _killed_at(monkeypatch, 5)
+    assert main([*ARGS, "--out", str(tmp_path)]) == 130  # the CLI's exit status for an interrupted command
+    (partial,) = tmp_path.glob(f"*{PARTIAL_SUFFIX}")
+    assert f"the cells timed before the interruption are in {partial}" in capsys.readouterr().err
+    assert list(tmp_path.glob("*.json")) == [partial]  # no results file: the run did not finish
+    doc = json.loads(partial.read_text())
+    assert doc["partial"] is True and [c["M"] for c in doc["cells"]] == [1, 3] and doc["failed_cells"] == []
+    assert all(c["us"] > 0 for c in doc["cells"]) and "copy_TBps" in doc["ceilings"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+    monkeypatch.undo()  # the next run of the day takes the next name: the killed run's cells stay
+    assert main([*ARGS, "--out", str(tmp_path)]) == 0
+    assert json.loads(partial.read_text())["cells"] == doc["cells"]
+    (done,) = [p for p in tmp_path.glob("*.json") if p != partial]
+    assert done.stem.endswith("-2") and "partial" not in json.loads(done.read_text())
+    assert [c["M"] for c in json.loads(done.read_text())["cells"]] == [1, 3, 5]
+
+
+def test_a_finished_run_leaves_only_its_results(tmp_path):
+    assert main([*ARGS, "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    assert not path.name.endswith(PARTIAL_SUFFIX) and not list(tmp_path.glob("*.tmp"))
+    assert path == results_path(tmp_path, json.loads(path.read_text())).with_name(path.name)
