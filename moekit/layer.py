@@ -184,10 +184,9 @@ class MoE(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def quantize_(self, scheme: str, **options) -> MoE:
-        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block", "int8_w8a16",
-        "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``) into non-trainable QuantizedWeights. The router
-        and the shared expert stay in the model dtype: a fused one is first un-fused into ``shared_w13``/``shared_w2``
-        (``fuse_shared`` becomes False, the function is the same). Returns the module: ``MoE(cfg).quantize_(s)``."""
+        """Quantize the routed experts' w13/w2 in place (a ``moekit.quant`` scheme and ``quantize``'s options) into
+        non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype (a fused one is
+        un-fused first: ``fuse_shared`` becomes False, same function). Returns the module: ``MoE(cfg).quantize_(s)``."""
         quantize_experts_(self, scheme, **options)
         self._weights_changed()  # the graphs keep the unquantized weights alive; un-fused: other routing buffers
         return self
@@ -210,9 +209,8 @@ class MoE(nn.Module):
         (256) rows gate and router are one launch (``gate_route``) into ``workspace``'s kept buffers (forward without
         stats), else into fresh ones where two launches' bits would differ (``wants_fresh``), else two."""
         c = self.config
-        if not isinstance(x2d, torch.Tensor) or not x2d.is_floating_point() or x2d.dim() != 2 or x2d.shape[1] != \
-                c.hidden_size:  # forward's checks, for a direct call
-            raise input_error("x2d", x2d, c.hidden_size, rows=True)
+        if not isinstance(x2d, torch.Tensor) or not x2d.is_floating_point() or x2d.shape[1:] != (c.hidden_size,):
+            raise input_error("x2d", x2d, c.hidden_size, rows=True)  # forward's checks, for a direct call
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
         slots = c.top_k + c.num_shared_slots * in_kernel  # the kernel appends S unless capacity drops in between

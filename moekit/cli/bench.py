@@ -112,6 +112,12 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise UsageError(f"--{err}") from None
         return _bench_train.run(args, device)
+    return _run_kernel_cells(args)
+
+
+def _run_kernel_cells(args: argparse.Namespace) -> int:
+    """The default mode: the experts backends' cells against the device's ceilings; the JSON (the cells so far kept
+    in ``<results>.partial.json`` while it runs), the table, the PNG."""
     from rich.console import Console
 
     from moekit.bench.report import plot, print_report, report_width, results_path, write_json, write_partial

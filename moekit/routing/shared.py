@@ -75,8 +75,8 @@ def unfused_shared(slot_w13: torch.Tensor, slot_w2: torch.Tensor, activation) ->
     """The fused shared slots back as the separate MLP's weights: slot_w13 [S, 2N, K] -> shared_w13 [2SN, K];
     slot_w2 [S, K, N] -> shared_w2 [K, SN]. Each slot's gate rows then its up rows become all gate rows, then all up
     rows; for an interleaved ``activation`` (an ``ActivationSpec`` like gpt-oss's: row 2i gate i, 2i + 1 up i, in a
-    slot as in the shared MLP) the slots' rows are stacked as they are. Inverse of the copy ``moekit.hf.blocks`` fuses with; the same function
-    (``shared_mlp``)."""
+    slot as in the shared MLP) the slots' rows are stacked as they are. Inverse of the copy ``moekit.hf.blocks``
+    fuses with; the same function (``shared_mlp``)."""
     if not isinstance(activation, str) and activation.interleaved:
         shared_w13 = slot_w13.flatten(0, 1)  # [2SN, K]
     else:
