@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 from moekit.bench import sweep
+from moekit.bench.cells import Shape
 from moekit.bench.report import PARTIAL_SUFFIX, results_path
 from moekit.cli import main
 from moekit.experts import get_backend
 
+TINY = Shape("tiny", num_experts=8, n=24, k=40, top_k=2)
 ARGS = ["bench", "--device", "cpu", "--shapes", "mixtral-8x7b", "--batches", "1", "3", "5",
         "--backends", "grouped_mm", "--budget-s", "0.01", "--no-plot"]
 
@@ -51,3 +53,21 @@ def test_a_finished_run_leaves_only_its_results(tmp_path):
     (path,) = tmp_path.glob("*.json")
     assert not path.name.endswith(PARTIAL_SUFFIX) and not list(tmp_path.glob("*.tmp"))
     assert path == results_path(tmp_path, json.loads(path.read_text())).with_name(path.name)
+
+
+def test_the_run_asks_git_once_and_every_partial_carries_the_runs_header(monkeypatch):
+    """The commit (two git processes) is read once a run, not after every cell, and each partial document's header
+    (device, date, commit, ceilings) is the final one's: a run past midnight keeps one date and one results name."""
+    import torch
+
+    import moekit.bench.run as run
+
+    asked = []
+    monkeypatch.setattr(run, "commit_id", lambda: asked.append(1) or f"c{len(asked)}")
+    partials = []
+    doc = run.run_bench(torch.device("cpu"), shapes=[TINY], batches=[1, 3, 5], backends=["grouped_mm"],
+                        budget_s=0.01, on_partial=partials.append)
+    assert len(asked) == 1 and len(partials) == 3 and [len(p["cells"]) for p in partials] == [1, 2, 3]
+    head = ("device", "date", "commit", "ceilings", "shapes")
+    assert all({k: p[k] for k in head} == {k: doc[k] for k in head} for p in partials)
+    assert partials[-1]["cells"] == doc["cells"] and "partial" not in doc

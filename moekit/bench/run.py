@@ -172,11 +172,12 @@ def run_bench(device: torch.device, shapes=None, batches=None, backends=None, on
     cells: list[Cell] = []
     timed: list[Cell | CellFailure] = []  # grows cell by cell, ``cells`` shape by shape
     failed: list[CellFailure] = []
+    header = _header(device, plan, ceilings, shapes)  # once: the commit asks git, and a partial's date is the run's
 
     def keep_partial():
         if on_partial is not None:
             so_far = [c for c in timed if isinstance(c, Cell)]
-            on_partial(_document(device, plan, ceilings, shapes, so_far, failed) | {"partial": True})
+            on_partial(_document(header, so_far, failed) | {"partial": True})
 
     def on_cell(cell: Cell):
         timed.append(cell)
@@ -191,7 +192,7 @@ def run_bench(device: torch.device, shapes=None, batches=None, backends=None, on
 
     for shape in shapes:
         cells += run_cells(shape, plan, device, ceilings, on_cell, on_fail)
-    return _document(device, plan, ceilings, shapes, cells, failed)
+    return _document(header, cells, failed)
 
 
 QUANT_METHOD = (
@@ -202,8 +203,8 @@ QUANT_METHOD = (
 )
 
 
-def _document(device, plan: SweepPlan, ceilings: Ceilings, shapes, cells: list[Cell],
-              failed: list[CellFailure]) -> dict:
+def _header(device, plan: SweepPlan, ceilings: Ceilings, shapes) -> dict:
+    """A run's document less its cells: the device, versions, ceilings, method and shapes."""
     method = (
         f"routing excluded, alignment included; CUDA-graph replay for M <= {GRAPH_MAX_M}; inputs rotated "
         "over 2-8 routings so each call streams its weights from HBM; us = median of >= "
@@ -226,6 +227,12 @@ def _document(device, plan: SweepPlan, ceilings: Ceilings, shapes, cells: list[C
         "noisy_spread_pct": NOISY_SPREAD_PCT,
         "cpu_threads": torch.get_num_threads(),  # torch's intra-op threads (OMP_NUM_THREADS): CPU timings depend on it
         "shapes": [asdict(s) for s in shapes],
+    }
+
+
+def _document(header: dict, cells: list[Cell], failed: list[CellFailure]) -> dict:
+    """The results document (see ``report.write_json``): ``header`` with the cells, the failed cells, the summary."""
+    return header | {
         "cells": [asdict(c) for c in cells],
         "failed_cells": [asdict(f) for f in failed],  # cells the device could not run (sweep.CellFailure)
         "summary": {"geomean_speedup_triton_vs_grouped_mm": geomean_speedup(cells),
