@@ -101,6 +101,22 @@ def backends(ns: dict, printed: str) -> None:
         assert out.shape == (12, 64) and rel_l2(out, want) < 1e-5, name
 
 
+def quantize_how_to(ns: dict, printed: str) -> None:
+    """docs/quantization.md "How to": the int4 layer is the float64 loop over its dequantized experts, routed as the
+    float layer routes (the gate is not quantized); the error against the float layer is the comment's; the
+    state_dict loads into a layer quantized alike, the same bits."""
+    moe, x = ns["moe"], ns["x"]
+    assert printed == "['group_size', 'symmetric']\n" and moe.quant_scheme == "int4_w4a16"
+    logits = x.double() @ moe.gate.weight.double().T  # [16, 8]: Mixtral's softmax over the top 2, renormalised
+    top, ids = logits.softmax(-1).topk(2, dim=-1)
+    want = experts_loop(x, moe.w13.dequantize(), moe.w2.dequantize(), ids, top / top.sum(-1, keepdim=True))
+    assert rel_l2(ns["y"], want) < 1e-5 and 0.1 <= ns["err"] <= 0.2
+    groups = moe.w13.dequantize().shape[-1] // 64  # group_size=64 took: one scale per 64 columns
+    assert moe.w13.scale.shape[-1] == groups and torch.equal(ns["again"].w13.q, moe.w13.q)
+    with torch.no_grad():
+        assert torch.equal(ns["again"](x), ns["y"])
+
+
 CHECKS = {
     "The API in a few lines": api,
     "Routing and grouping": routing_and_grouping,
@@ -109,4 +125,5 @@ CHECKS = {
     "Experts that do not fit: `moekit.offload`": offload,
     'Every transformers MoE family: the `"moekit"` experts implementation': blocks,
     "Expert parallelism across GPUs and nodes (`moekit.parallel`)": parallel,
+    "How to: quantize a layer's experts": quantize_how_to,
 }
