@@ -117,6 +117,24 @@ def quantize_how_to(ns: dict, printed: str) -> None:
         assert torch.equal(ns["again"](x), ns["y"])
 
 
+def train_how_to(ns: dict, printed: str) -> None:
+    """docs/training.md "How to": the layer's aux loss is 1e-2 x Switch's E * sum f_e P_e + 1e-3 x mean logsumexp^2,
+    from a float64 gate and top-2 written here; the bias moved by the sign of (mean count - count), centred."""
+    moe, x = ns["moe"], ns["x"]
+    logits = x.reshape(-1, 64).double() @ moe.gate.weight.detach().double().T  # [32, 8]
+    ids = logits.topk(2, dim=-1).indices
+    f = torch.zeros(8, dtype=torch.float64).index_add_(0, ids.reshape(-1), torch.ones(64, dtype=torch.float64)) / 32
+    want = 1e-2 * 8 * (f * logits.softmax(-1).mean(0)).sum() + 1e-3 * logits.logsumexp(-1).square().mean()
+    with torch.no_grad():
+        got = moe(x, return_aux_loss=True).aux_loss
+    assert abs(float(got) - float(want)) < 1e-6 * float(want)
+    counts = ns["stats"].choice_counts.double()
+    assert int(counts.sum()) == 32 * 2
+    sign = torch.sign(counts.mean() - counts) * 1e-3
+    assert torch.allclose(ns["delta"].double(), sign - sign.mean(), atol=1e-9)
+    assert torch.equal(ns["biased"].e_score_correction_bias, ns["delta"])  # the bias started at zero
+
+
 CHECKS = {
     "The API in a few lines": api,
     "Routing and grouping": routing_and_grouping,
@@ -126,4 +144,5 @@ CHECKS = {
     'Every transformers MoE family: the `"moekit"` experts implementation': blocks,
     "Expert parallelism across GPUs and nodes (`moekit.parallel`)": parallel,
     "How to: quantize a layer's experts": quantize_how_to,
+    "How to: train with the balancing losses": train_how_to,
 }
