@@ -135,6 +135,19 @@ def train_how_to(ns: dict, printed: str) -> None:
     assert torch.equal(ns["biased"].e_score_correction_bias, ns["delta"])  # the bias started at zero
 
 
+def offload_how_to(ns: dict, printed: str) -> None:
+    """docs/offload.md "How to": the two offloaded layers compute their MoEs' functions (the residual stack run again
+    through the plain layers); the stats add up and count a fetch for every expert first seen."""
+    x, h = ns["x"], ns["x"]
+    with torch.no_grad():
+        for moe in ns["moes"]:
+            h = h + moe(h)
+        assert rel_l2(ns["h"], h) < 1e-5
+    stats = ns["cache"].stats
+    assert printed == "True\n" and ns["cache"].cache_experts == 6
+    assert stats.hits + stats.fetched == stats.touched and stats.fetched >= 6 and stats.hits > 0
+
+
 CHECKS = {
     "The API in a few lines": api,
     "Routing and grouping": routing_and_grouping,
@@ -145,4 +158,5 @@ CHECKS = {
     "Expert parallelism across GPUs and nodes (`moekit.parallel`)": parallel,
     "How to: quantize a layer's experts": quantize_how_to,
     "How to: train with the balancing losses": train_how_to,
+    "How to: offload experts": offload_how_to,
 }
