@@ -148,6 +148,23 @@ def offload_how_to(ns: dict, printed: str) -> None:
     assert stats.hits + stats.fetched == stats.touched and stats.fetched >= 6 and stats.hits > 0
 
 
+def hf_how_to(ns: dict, printed: str) -> None:
+    """docs/hf.md "How to": the "moekit" logits and the swapped blocks' are transformers' "eager" ones (the model
+    restored, run eagerly here); the MoE from the first block is that block's function."""
+    import transformers
+
+    model, ids = ns["model"], ns["ids"]
+    assert printed == "2 ()\n"
+    assert all(type(layer.mlp).__module__.startswith("transformers.") for layer in model.model.layers)
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        eager = model(ids).logits
+        assert rel_l2(ns["logits"], eager) < 1e-5 and rel_l2(ns["swapped"], eager) < 1e-5
+        block, x = model.model.layers[0].mlp, torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(4))
+        assert isinstance(model, transformers.Qwen3MoeForCausalLM)
+        assert rel_l2(ns["moe"](x), block(x)) < 1e-5
+
+
 CHECKS = {
     "The API in a few lines": api,
     "Routing and grouping": routing_and_grouping,
@@ -159,4 +176,5 @@ CHECKS = {
     "How to: quantize a layer's experts": quantize_how_to,
     "How to: train with the balancing losses": train_how_to,
     "How to: offload experts": offload_how_to,
+    "How to: run a transformers model through moekit": hf_how_to,
 }
