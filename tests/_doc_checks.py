@@ -4,6 +4,7 @@ untouched model's logits, a closed-form bound)."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -165,6 +166,22 @@ def hf_how_to(ns: dict, printed: str) -> None:
         assert rel_l2(ns["moe"](x), block(x)) < 1e-5
 
 
+def simulate_how_to(ns: dict, printed: str) -> None:
+    """docs/simulate.md "How to": capacity ceil(1.25 M k / E), kept = min(load, capacity), drops and imbalance from the
+    loads by their definitions; DeepSeek-V3's run routes M k slots to 256 experts with its groups."""
+    r = ns["result"]
+    assert r.capacity == math.ceil(1.25 * 128 * 2 / 64) and sum(r.loads) == 128 * 2 and len(r.loads) == 64
+    assert r.kept == [min(load, r.capacity) for load in r.loads] and r.dropped == sum(r.loads) - sum(r.kept)
+    assert abs(r.imbalance - max(r.loads) / (sum(r.loads) / 64)) < 1e-12
+    assert printed.splitlines()[0] == f"{r.capacity} {r.dropped} {r.imbalance:.2f}"
+    assert r.balance.method == "bias" and r.balance.imbalance_after == r.imbalance
+    ds = ns["ds"]  # DeepSeek-V3's card: 671B; the 248 experts a token skips in 58 MoE layers, 3 * 7168 * 2048 each
+    assert sum(ds.loads) == 256 * 8 and len(ds.loads) == 256 and ds.router["n_group"] == 8
+    assert round(ds.total_params / 1e9) == 671 and ds.total_params - ds.active_params == 58 * 248 * 3 * 7168 * 2048
+    line = printed.splitlines()[1]
+    assert line == f"671B total, {ds.active_params / 1e9:.1f}B read per token" == "671B total, 37.6B read per token"
+
+
 CHECKS = {
     "The API in a few lines": api,
     "Routing and grouping": routing_and_grouping,
@@ -177,4 +194,5 @@ CHECKS = {
     "How to: train with the balancing losses": train_how_to,
     "How to: offload experts": offload_how_to,
     "How to: run a transformers model through moekit": hf_how_to,
+    "How to: simulate routing and balancing": simulate_how_to,
 }
