@@ -150,6 +150,20 @@ def output_dir(text: str) -> Path:
     return path
 
 
+def made_output_dir(path: Path) -> Path:
+    """``--out``'s directory (given, or the default, which ``output_dir`` never sees), made before a run's work: one
+    that cannot be made or written (a read-only or special file system: root passes ``output_dir``'s access check
+    on /proc, where mkdir fails) stops the run at its start in one line, not at its end with a traceback and the
+    results lost."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out: cannot write under {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--out: cannot write under {path}: permission denied")
+    return path
+
+
 def plot_path(text: str) -> str:
     """An image file name for ``--plot``: matplotlib is installed, the suffix is a format it writes,
     and the file can be written."""

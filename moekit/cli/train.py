@@ -9,8 +9,8 @@ import contextlib
 import time
 from pathlib import Path
 
-from moekit.cli._args import (DefaultsHelpFormatter, device_arg, missing_extra, output_dir, positive_float,
-                              positive_int, seed_arg)
+from moekit.cli._args import (DefaultsHelpFormatter, device_arg, made_output_dir, missing_extra, output_dir,
+                              positive_float, positive_int, seed_arg)
 
 
 def register(subparsers) -> None:
@@ -68,6 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         settings.moe_config("none")  # top_k <= experts, ...: the config's own checks, before any work
     except ValueError as err:  # the config's words (top_k, num_experts) are the flags' --top-k, --experts
         raise UsageError(f"--experts/--top-k/--d-model/--expert-size: {err}") from None
+    made_output_dir(args.out)  # before the runs: a directory that cannot be written would lose them at the end
     console = Console(highlight=False)
     console.print(f"moekit train on {settings.device}: {settings.steps} steps x 3 runs")
     corpus = load_stdlib_bytes()
