@@ -16,7 +16,7 @@ from moekit.bench import hf_fp64, hf_measure  # noqa: E402
 from moekit.bench.hf_models import (  # noqa: E402
     build_model, experts_implementations, gathered_weight_bytes, hf_config, select_impls,
 )
-from moekit.bench.hf_report import hf_results_path, hf_table  # noqa: E402
+from moekit.bench.hf_report import hf_results_path, hf_table, step_lost_in_noise  # noqa: E402
 from moekit.bench.hf_run import (  # noqa: E402
     CompiledRows, Row, default_options, float64_decode_errors, make_inputs, run_hf_bench,
 )
@@ -142,6 +142,8 @@ def test_step_rate_is_the_extra_tokens_over_the_extra_time():
     noisy.record("decode", 1.0)
     noisy.record("decode1", 1.2)  # a 1-token call slower than the whole one: no rate rather than a negative one
     assert noisy.finish(decode_tokens=4)["step_tok_s"] is None
+    doc = {"rows": [noisy.finish(decode_tokens=4), row.finish(decode_tokens=11)]}
+    assert step_lost_in_noise(doc) == ["moekit (eager)"]  # the report's footnote names the row its "-" belongs to
 
 
 def test_a_failed_one_token_generate_keeps_the_decode_rate(monkeypatch):
