@@ -285,6 +285,28 @@ def test_error_text_is_type_and_first_line():
         "RuntimeError: op failed (Explanation: got X)"
 
 
+def test_the_help_states_the_defaults_each_run_takes():
+    """--layers ... --prefill-len and --compile: the help's "N GPU, N CPU, N --tiny" (and on/off) are the options a
+    GPU run, a CPU run and a --tiny run take (--tiny ran 2 compiled layers on the CPU while the help said 1, off)."""
+    import argparse
+    import re
+
+    from moekit.bench.hf_run import default_options
+    from moekit.cli import build_parser
+
+    bench = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    helps = {a.dest: a.help for a in bench._actions}
+    runs = {"GPU": default_options("qwen3", torch.device("cuda")), "CPU": default_options("qwen3", torch.device("cpu")),
+            "--tiny": default_options("qwen3", torch.device("cpu"), tiny=True)}
+    for dest in ("decode_tokens", "prompt_len", "prefill_batch", "prefill_len"):
+        stated = dict((run, int(n)) for n, run in re.findall(r"(\d+) (GPU|CPU|--tiny)", helps[dest]))
+        assert stated == {run: getattr(opts, dest) for run, opts in runs.items()}, dest
+    assert re.search(r"8 qwen3.*; 1 CPU; 2 --tiny", helps["layers"]) and runs["GPU"].layers == 8
+    assert (runs["CPU"].layers, runs["--tiny"].layers) == (1, 2)
+    assert "on for CUDA and with --tiny, off on CPU" in helps["compile"]
+    assert (runs["GPU"].compile, runs["--tiny"].compile, runs["CPU"].compile) == (True, True, False)
+
+
 def test_table_marks_errors_and_skips():
     doc = {"device": "cpu", "layers": 1, "model": {"name": "qwen3", "widths": "tiny", "dtype": "float32"}, "rows": [
         {"impl": "batched_mm", "mode": "eager", "decode_tok_s": 5.0, "prefill_ms": None,
