@@ -315,3 +315,14 @@ def test_an_output_directory_that_cannot_be_made_stops_the_run_before_its_work(a
     line = cli_error(capsys, argv)
     assert f"moekit {argv[0]}: error: --out: cannot write under " in line
     assert ("moekit-train" if argv[0] == "train" else "benchmarks/results") in line
+
+
+def test_a_usage_error_after_the_output_directory_was_made_leaves_nothing(capsys, tmp_path):
+    """``bench --hf --hf-model nope --out A/B``: the model is refused after --out's directories were made; they go
+    again (a directory that was there stays, and so does one the run wrote into)."""
+    out = tmp_path / "a" / "b"
+    cli_error(capsys, ["bench", "--hf", "--hf-model", "nope", "--out", str(out)])
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    cli_error(capsys, ["bench", "--hf", "--hf-model", "nope", "--out", str(tmp_path / "kept")])
+    assert (tmp_path / "kept").is_dir()
