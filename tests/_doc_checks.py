@@ -4,6 +4,7 @@ untouched model's logits, a closed-form bound)."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -101,6 +102,86 @@ def backends(ns: dict, printed: str) -> None:
         assert out.shape == (12, 64) and rel_l2(out, want) < 1e-5, name
 
 
+def quantize_how_to(ns: dict, printed: str) -> None:
+    """docs/quantization.md "How to": the int4 layer is the float64 loop over its dequantized experts, routed as the
+    float layer routes (the gate is not quantized); the error against the float layer is the comment's; the
+    state_dict loads into a layer quantized alike, the same bits."""
+    moe, x = ns["moe"], ns["x"]
+    assert printed == "['group_size', 'symmetric']\n" and moe.quant_scheme == "int4_w4a16"
+    logits = x.double() @ moe.gate.weight.double().T  # [16, 8]: Mixtral's softmax over the top 2, renormalised
+    top, ids = logits.softmax(-1).topk(2, dim=-1)
+    want = experts_loop(x, moe.w13.dequantize(), moe.w2.dequantize(), ids, top / top.sum(-1, keepdim=True))
+    assert rel_l2(ns["y"], want) < 1e-5 and 0.1 <= ns["err"] <= 0.2
+    groups = moe.w13.dequantize().shape[-1] // 64  # group_size=64 took: one scale per 64 columns
+    assert moe.w13.scale.shape[-1] == groups and torch.equal(ns["again"].w13.q, moe.w13.q)
+    with torch.no_grad():
+        assert torch.equal(ns["again"](x), ns["y"])
+
+
+def train_how_to(ns: dict, printed: str) -> None:
+    """docs/training.md "How to": the layer's aux loss is 1e-2 x Switch's E * sum f_e P_e + 1e-3 x mean logsumexp^2,
+    from a float64 gate and top-2 written here; the bias moved by the sign of (mean count - count), centred."""
+    moe, x = ns["moe"], ns["x"]
+    logits = x.reshape(-1, 64).double() @ moe.gate.weight.detach().double().T  # [32, 8]
+    ids = logits.topk(2, dim=-1).indices
+    f = torch.zeros(8, dtype=torch.float64).index_add_(0, ids.reshape(-1), torch.ones(64, dtype=torch.float64)) / 32
+    want = 1e-2 * 8 * (f * logits.softmax(-1).mean(0)).sum() + 1e-3 * logits.logsumexp(-1).square().mean()
+    with torch.no_grad():
+        got = moe(x, return_aux_loss=True).aux_loss
+    assert abs(float(got) - float(want)) < 1e-6 * float(want)
+    counts = ns["stats"].choice_counts.double()
+    assert int(counts.sum()) == 32 * 2
+    sign = torch.sign(counts.mean() - counts) * 1e-3
+    assert torch.allclose(ns["delta"].double(), sign - sign.mean(), atol=1e-9)
+    assert torch.equal(ns["biased"].e_score_correction_bias, ns["delta"])  # the bias started at zero
+
+
+def offload_how_to(ns: dict, printed: str) -> None:
+    """docs/offload.md "How to": the two offloaded layers compute their MoEs' functions (the residual stack run again
+    through the plain layers); the stats add up and count a fetch for every expert first seen."""
+    x, h = ns["x"], ns["x"]
+    with torch.no_grad():
+        for moe in ns["moes"]:
+            h = h + moe(h)
+        assert rel_l2(ns["h"], h) < 1e-5
+    stats = ns["cache"].stats
+    assert printed == "True\n" and ns["cache"].cache_experts == 6
+    assert stats.hits + stats.fetched == stats.touched and stats.fetched >= 6 and stats.hits > 0
+
+
+def hf_how_to(ns: dict, printed: str) -> None:
+    """docs/hf.md "How to": the "moekit" logits and the swapped blocks' are transformers' "eager" ones (the model
+    restored, run eagerly here); the MoE from the first block is that block's function."""
+    import transformers
+
+    model, ids = ns["model"], ns["ids"]
+    assert printed == "2 ()\n"
+    assert all(type(layer.mlp).__module__.startswith("transformers.") for layer in model.model.layers)
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        eager = model(ids).logits
+        assert rel_l2(ns["logits"], eager) < 1e-5 and rel_l2(ns["swapped"], eager) < 1e-5
+        block, x = model.model.layers[0].mlp, torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(4))
+        assert isinstance(model, transformers.Qwen3MoeForCausalLM)
+        assert rel_l2(ns["moe"](x), block(x)) < 1e-5
+
+
+def simulate_how_to(ns: dict, printed: str) -> None:
+    """docs/simulate.md "How to": capacity ceil(1.25 M k / E), kept = min(load, capacity), drops and imbalance from the
+    loads by their definitions; DeepSeek-V3's run routes M k slots to 256 experts with its groups."""
+    r = ns["result"]
+    assert r.capacity == math.ceil(1.25 * 128 * 2 / 64) and sum(r.loads) == 128 * 2 and len(r.loads) == 64
+    assert r.kept == [min(load, r.capacity) for load in r.loads] and r.dropped == sum(r.loads) - sum(r.kept)
+    assert abs(r.imbalance - max(r.loads) / (sum(r.loads) / 64)) < 1e-12
+    assert printed.splitlines()[0] == f"{r.capacity} {r.dropped} {r.imbalance:.2f}"
+    assert r.balance.method == "bias" and r.balance.imbalance_after == r.imbalance
+    ds = ns["ds"]  # DeepSeek-V3's card: 671B; the 248 experts a token skips in 58 MoE layers, 3 * 7168 * 2048 each
+    assert sum(ds.loads) == 256 * 8 and len(ds.loads) == 256 and ds.router["n_group"] == 8
+    assert round(ds.total_params / 1e9) == 671 and ds.total_params - ds.active_params == 58 * 248 * 3 * 7168 * 2048
+    line = printed.splitlines()[1]
+    assert line == f"671B total, {ds.active_params / 1e9:.1f}B read per token" == "671B total, 37.6B read per token"
+
+
 CHECKS = {
     "The API in a few lines": api,
     "Routing and grouping": routing_and_grouping,
@@ -109,4 +190,9 @@ CHECKS = {
     "Experts that do not fit: `moekit.offload`": offload,
     'Every transformers MoE family: the `"moekit"` experts implementation': blocks,
     "Expert parallelism across GPUs and nodes (`moekit.parallel`)": parallel,
+    "How to: quantize a layer's experts": quantize_how_to,
+    "How to: train with the balancing losses": train_how_to,
+    "How to: offload experts": offload_how_to,
+    "How to: run a transformers model through moekit": hf_how_to,
+    "How to: simulate routing and balancing": simulate_how_to,
 }

@@ -16,7 +16,7 @@ from moekit.bench import hf_fp64, hf_measure  # noqa: E402
 from moekit.bench.hf_models import (  # noqa: E402
     build_model, experts_implementations, gathered_weight_bytes, hf_config, select_impls,
 )
-from moekit.bench.hf_report import hf_results_path, hf_table  # noqa: E402
+from moekit.bench.hf_report import hf_results_path, hf_table, step_lost_in_noise  # noqa: E402
 from moekit.bench.hf_run import (  # noqa: E402
     CompiledRows, Row, default_options, float64_decode_errors, make_inputs, run_hf_bench,
 )
@@ -142,6 +142,8 @@ def test_step_rate_is_the_extra_tokens_over_the_extra_time():
     noisy.record("decode", 1.0)
     noisy.record("decode1", 1.2)  # a 1-token call slower than the whole one: no rate rather than a negative one
     assert noisy.finish(decode_tokens=4)["step_tok_s"] is None
+    doc = {"rows": [noisy.finish(decode_tokens=4), row.finish(decode_tokens=11)]}
+    assert step_lost_in_noise(doc) == ["moekit (eager)"]  # the report's footnote names the row its "-" belongs to
 
 
 def test_a_failed_one_token_generate_keeps_the_decode_rate(monkeypatch):
@@ -281,6 +283,28 @@ def test_error_text_is_type_and_first_line():
     assert hf_measure.error_text(ValueError("bad dtype\nmore detail")) == "ValueError: bad dtype"
     assert hf_measure.error_text(RuntimeError("op failed\n  Explanation: got X\n  Hint: y")) == \
         "RuntimeError: op failed (Explanation: got X)"
+
+
+def test_the_help_states_the_defaults_each_run_takes():
+    """--layers ... --prefill-len and --compile: the help's "N GPU, N CPU, N --tiny" (and on/off) are the options a
+    GPU run, a CPU run and a --tiny run take (--tiny ran 2 compiled layers on the CPU while the help said 1, off)."""
+    import argparse
+    import re
+
+    from moekit.bench.hf_run import default_options
+    from moekit.cli import build_parser
+
+    bench = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    helps = {a.dest: a.help for a in bench._actions}
+    runs = {"GPU": default_options("qwen3", torch.device("cuda")), "CPU": default_options("qwen3", torch.device("cpu")),
+            "--tiny": default_options("qwen3", torch.device("cpu"), tiny=True)}
+    for dest in ("decode_tokens", "prompt_len", "prefill_batch", "prefill_len"):
+        stated = dict((run, int(n)) for n, run in re.findall(r"(\d+) (GPU|CPU|--tiny)", helps[dest]))
+        assert stated == {run: getattr(opts, dest) for run, opts in runs.items()}, dest
+    assert re.search(r"8 qwen3.*; 1 CPU; 2 --tiny", helps["layers"]) and runs["GPU"].layers == 8
+    assert (runs["CPU"].layers, runs["--tiny"].layers) == (1, 2)
+    assert "on for CUDA and with --tiny, off on CPU" in helps["compile"]
+    assert (runs["GPU"].compile, runs["--tiny"].compile, runs["CPU"].compile) == (True, True, False)
 
 
 def test_table_marks_errors_and_skips():

@@ -297,3 +297,32 @@ def test_wrote_lines(tmp_path, capsys):
     assert json.loads(out)["rows"] and err.strip() == f"wrote {png}"  # stdout stays JSON
     assert main(["simulate", "--tokens", "16", "--plot", str(tmp_path / "s.png")]) == 0
     assert f"wrote {tmp_path / 's.png'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["train", "--steps", "1"], ["bench", "--device", "cpu", "--no-plot"]])
+def test_an_output_directory_that_cannot_be_made_stops_the_run_before_its_work(argv, capsys, monkeypatch):
+    """Run from /proc (no directory can be made there, root or not), the default ``--out`` fails at the start, in one
+    line naming --out, before a step is trained or a ceiling measured: not at the end, the results lost."""
+    import moekit.bench.ceilings
+    import moekit.train.loop
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run's work started")
+
+    monkeypatch.setattr(moekit.train.loop, "train_side_by_side", never)
+    monkeypatch.setattr(moekit.bench.ceilings, "measure_ceilings", never)
+    monkeypatch.chdir("/proc")
+    line = cli_error(capsys, argv)
+    assert f"moekit {argv[0]}: error: --out: cannot write under " in line
+    assert ("moekit-train" if argv[0] == "train" else "benchmarks/results") in line
+
+
+def test_a_usage_error_after_the_output_directory_was_made_leaves_nothing(capsys, tmp_path):
+    """``bench --hf --hf-model nope --out A/B``: the model is refused after --out's directories were made; they go
+    again (a directory that was there stays, and so does one the run wrote into)."""
+    out = tmp_path / "a" / "b"
+    cli_error(capsys, ["bench", "--hf", "--hf-model", "nope", "--out", str(out)])
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    cli_error(capsys, ["bench", "--hf", "--hf-model", "nope", "--out", str(tmp_path / "kept")])
+    assert (tmp_path / "kept").is_dir()

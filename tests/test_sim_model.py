@@ -29,8 +29,9 @@ def longcat_json(tmp_path):
 def test_simulate_a_longcat_config(capsys, longcat_json):
     assert main(["simulate", "--config", longcat_json, "--gpus", "4", "--spare-slots", "4", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    want = simulate(SimParams(experts=32, top_k=4, gpus=4, spare_slots=4), MoEConfig.from_hf_config(LONGCAT))
+    want = simulate(SimParams(experts=32, top_k=4, gpus=4, spare_slots=4), LONGCAT)  # the file's fields
     assert got == json.loads(json.dumps(want.to_dict()))
+    assert "(longcat_flash's config has no field 'num_attention_heads' the bill reads)" in got["param_shape"]
     assert len(got["identity_hits"]) == 16 and sum(got["identity_hits"]) > 0
     assert sum(got["loads"]) + sum(got["identity_hits"]) == 128 * 4 and got["router"]["num_identity_experts"] == 16
     assert main(["simulate", "--config", longcat_json, "--gpus", "4", "--spare-slots", "4"]) == 0
@@ -46,6 +47,23 @@ def test_simulate_a_preset_routes_with_its_router(capsys):
                              "use_correction_bias": True}
 
 
+def test_a_preset_run_states_that_model_s_parameters_and_expert_cost(capsys):
+    """DeepSeek-V3's own bill, not Mixtral's shapes with E = 256, k = 8 (1.4T): its card's 671B, and the 248 experts a
+    token does not pick in each of its 58 MoE layers (3 * 7168 * 2048 each) between total and active; each
+    assignment priced at 6 * 7168 * 2048 FLOPs at the H100's dense bf16 peak (989.4 TFLOP/s, half its sparse 1979)."""
+    assert main(["simulate", "--preset", "deepseek-v3", "--tokens", "64", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert round(got["total_params"] / 1e9) == 671
+    assert got["total_params"] - got["active_params"] == 58 * (256 - 8) * 3 * 7168 * 2048
+    assert got["param_shape"].startswith("deepseek_v3 shapes (d=7168, d_ff=2048, 61 layers)")
+    for placement in got["ep"]["placements"]:
+        want_us = max(placement["gpu_loads"]) * 6 * 7168 * 2048 / 989.4e12 * 1e6
+        assert placement["step_time_us"] == pytest.approx(want_us, rel=1e-3)
+    assert "deepseek_v3 expert: 0.09 µs each" in got["ep"]["cost_model"]
+    default = simulate(SimParams(experts=256, top_k=8, tokens=64))  # no model: Mixtral's shapes, as the lesson's
+    assert default.param_shape.startswith("mixtral-8x7b shapes") and "Mixtral expert" in default.ep.cost_model
+
+
 def test_simulate_refuses_experts_with_a_model(capsys, longcat_json):
     assert main(["simulate", "--config", longcat_json, "--experts", "8"]) == 2
     assert "--experts / --top-k come from --preset / --config" in capsys.readouterr().err
@@ -55,7 +73,7 @@ def test_simulate_refuses_experts_with_a_model(capsys, longcat_json):
 def served():
     from moekit.sim.server import make_server
 
-    server = make_server(model=MoEConfig.from_hf_config(LONGCAT), model_name="longcat-tiny")
+    server = make_server(model=MoEConfig.from_hf_config(LONGCAT), model_name="longcat-tiny", model_fields=LONGCAT)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     host, port = server.server_address[:2]
     yield f"http://{host}:{port}"
@@ -76,7 +94,7 @@ def test_served_model_fixes_experts_and_top_k(served):
     assert status == 200 and d["model"] == "longcat-tiny" and d["router"]["num_identity_experts"] == 16
     assert (d["params"]["experts"], d["params"]["top_k"]) == (32, 4) and d["limits"]["experts"] == [32, 32]
     status, got = _get(served + "/api/simulate?skew=0.3&gpus=4&spare_slots=4")
-    want = simulate(SimParams(experts=32, top_k=4, skew=0.3, gpus=4, spare_slots=4), MoEConfig.from_hf_config(LONGCAT))
+    want = simulate(SimParams(experts=32, top_k=4, skew=0.3, gpus=4, spare_slots=4), LONGCAT)
     assert status == 200 and got == json.loads(json.dumps(want.to_dict()))
     assert _get(served + "/api/simulate?experts=32&top_k=4&gpus=4&spare_slots=4")[0] == 200
     status, err = _get(served + "/api/simulate?experts=64")

@@ -76,12 +76,26 @@ def print_hf_report(doc: dict, console: Console | None = None) -> None:
                   f"{s['prefill_batch']} x {s['prefill_len']}; median of {s['repeats']}")
     for line in quant_lines(doc):
         console.print(line, markup=False, highlight=False)
+    if lost := step_lost_in_noise(doc):
+        console.print(f"step tok/s -: {', '.join(lost)}: the whole generate's median took no longer than a 1-token "
+                      "one's, so the steps were lost in the timing noise; more --decode-tokens or --repeats",
+                      markup=False, highlight=False)
     if any(r["impl"] == "no_experts" for r in doc["rows"]):
         console.print("no_experts: the experts return zeros (the ceiling of any implementation; its errors mean "
                       "nothing)")
     for r in doc["rows"]:
         for text in dict.fromkeys(r["errors"].values()):  # one line per distinct error of a row
             console.print(f"  {r['impl']} ({r['mode']}): {text}", markup=False, highlight=False)
+
+
+def step_lost_in_noise(doc: dict) -> list[str]:
+    """The rows (``impl (mode)``) whose decode rate was measured but whose step rate is not (``Row.finish``: the
+    whole generate no slower than a 1-token one) and not failed: a "-" the table would leave unexplained. Empty when
+    a generate makes one token (no step to measure)."""
+    if doc.get("settings", {}).get("decode_tokens", 2) < 2:
+        return []
+    return [f"{r['impl']} ({r['mode']})" for r in doc["rows"] if r.get("decode_tok_s") is not None
+            and r.get("step_tok_s") is None and "step_tok_s" not in r["errors"] and "step_tok_s" in r]
 
 
 def quant_lines(doc: dict) -> list[str]:

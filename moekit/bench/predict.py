@@ -58,8 +58,9 @@ def is_quantized(doc: dict, cell: dict) -> bool:
 
 
 def prediction_note(doc: dict) -> str | None:
-    """The footnote that says what the dashed curves are, with the ``moekit analyze`` flags that give
-    the same numbers; None when the run has no quantized cells."""
+    """The footnote that says what the byte model predicts for the quantized cells (the plot's dashed curves; worded
+    so that it holds for a run without the PNG too), with the ``moekit analyze`` flags that give the same numbers;
+    None when the run has no quantized cells."""
     fmts = {f.name: f for c in doc["cells"] if is_quantized(doc, c) and (f := format_of(c["dtype"]))}
     if not fmts:
         return None
@@ -67,10 +68,10 @@ def prediction_note(doc: dict) -> str | None:
     rates = run_gpu(c).dense_tflops
     flags = "; ".join(f"--dtype {n} --bandwidth {c['copy_TBps']:.4g} --tflops {rates[f.compute_dtype]:.4g}"
                       for n, f in fmts.items() if f.compute_dtype in rates)
-    return ("Dashed: the byte model's floor (moekit analyze with the shape's --experts/--top-k/--hidden/"
-            f"--moe-intermediate and {flags}): expected experts touched under uniform routing, weights only, "
-            "bytes per weight as the format counts them; the measured cells count their touched experts' "
-            "exact packed bytes, scales and x/out.")
+    return ("The byte model's predicted floor (the PNG's dashed curves; moekit analyze with the shape's "
+            f"--experts/--top-k/--hidden/--moe-intermediate and {flags}): expected experts touched under uniform "
+            "routing, weights only, bytes per weight as the format counts them; the table's floor counts the "
+            "touched experts' exact packed bytes, scales and x/out.")
 
 
 def draw_predictions(ax, doc: dict, shape_name: str, colors: dict[str, str], legend: bool = True) -> None:

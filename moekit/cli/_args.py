@@ -10,6 +10,7 @@ argparse's ``moekit <subcommand>: error: argument --flag: ...`` and exit code 2)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -148,6 +149,29 @@ def output_dir(text: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write under {path}: permission denied on {existing}")
     return path
+
+
+@contextlib.contextmanager
+def made_output_dir(path: Path):
+    """``--out``'s directory (given, or the default, which ``output_dir`` never sees), made before a run's work: one
+    that cannot be made or written (a read-only or special file system: root passes ``output_dir``'s access check
+    on /proc, where mkdir fails) stops the run at its start in one line, not at its end with a traceback and the
+    results lost. A usage error the run finds inside the block removes the directories this made, while empty."""
+    made = [p for p in (path, *path.parents) if not p.exists()]  # what mkdir makes, deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out: cannot write under {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--out: cannot write under {path}: permission denied")
+    try:
+        yield path
+    except UsageError:
+        for p in made:
+            if not p.is_dir() or any(p.iterdir()):
+                break
+            p.rmdir()
+        raise
 
 
 def plot_path(text: str) -> str:

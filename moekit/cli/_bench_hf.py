@@ -18,16 +18,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "decode any implementation could reach in that model; moekit_blocks runs each MoE block as moekit's "
                    "whole layer (moekit.hf.use_moekit_blocks: its router too)")
     g.add_argument("--layers", type=int, default=None,
-                   help="decoder layers (default on GPU: 8 qwen3, 2 mixtral, 4 gpt-oss-20b, 2 deepseek-v3; 1 on CPU)")
-    g.add_argument("--decode-tokens", type=int, default=None, help="new tokens per generate (default 64 GPU, 8 CPU)")
-    g.add_argument("--prompt-len", type=int, default=None, help="decode prompt tokens (default 16 GPU, 8 CPU)")
-    g.add_argument("--prefill-batch", type=int, default=None, help="prefill sequences (default 4 GPU, 1 CPU)")
+                   help="decoder layers (default on GPU: 8 qwen3, 2 mixtral, 4 gpt-oss-20b, 2 deepseek-v3; 1 CPU; "
+                        "2 --tiny)")
+    g.add_argument("--decode-tokens", type=int, default=None,
+                   help="new tokens per generate (default 64 GPU, 8 CPU, 4 --tiny)")
+    g.add_argument("--prompt-len", type=int, default=None,
+                   help="decode prompt tokens (default 16 GPU, 8 CPU, 8 --tiny)")
+    g.add_argument("--prefill-batch", type=int, default=None,
+                   help="prefill sequences (default 4 GPU, 1 CPU, 2 --tiny)")
     g.add_argument("--prefill-len", type=int, default=None,
-                   help="prefill tokens per sequence (default 1024 GPU, 64 CPU)")
+                   help="prefill tokens per sequence (default 1024 GPU, 64 CPU, 16 --tiny)")
     g.add_argument("--repeats", type=int, default=None,
                    help="timed round-robin repeats; medians (default 3; 7 with --cpu-experts)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time transformers' compiled decode (default: on for CUDA, off on CPU)")
+                   help="also time transformers' compiled decode (default: on for CUDA and with --tiny, off on CPU)")
     g.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
     g.add_argument("--hf-dtype", default=None,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from moekit.bench.cells import CPU_BATCHES, GPU_BATCHES
 from moekit.cli import _bench_cpu, _bench_hf, _bench_offload, _bench_targets, _bench_train
-from moekit.cli._args import (ListOption, UsageError, device_arg, missing_extra, output_dir, positive_float,
-                              positive_int)
+from moekit.cli._args import (ListOption, UsageError, device_arg, made_output_dir, missing_extra, output_dir,
+                              positive_float, positive_int)
 
 
 def register(subparsers) -> None:
@@ -98,6 +98,12 @@ def _run(args: argparse.Namespace) -> int:
     if not args.cpu_experts and (args.shape or args.threads or args.act_dtype):
         flag = "shape" if args.shape else "threads" if args.threads else "act-dtype"
         raise UsageError(f"--{flag} applies to --cpu-experts (the kernel cells take --shapes)")
+    with made_output_dir(args.out):  # before any measurement: every mode writes its JSON there
+        return _run_mode(args, modes)
+
+
+def _run_mode(args: argparse.Namespace, modes: list[str]) -> int:
+    """The run of the mode the flags name (``modes``: those given), each writing its JSON under ``args.out``."""
     if args.cpu_experts:
         if len(modes) > 1:
             raise UsageError(f"{modes[0]} and --cpu-experts are separate runs; give one")

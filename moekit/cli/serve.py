@@ -21,7 +21,8 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
     p.add_argument("--port", type=port_arg, default=8765, help="port (0 picks a free one)")
     p.add_argument("--verbose", action="store_true", help="log every request")
-    add_source_arguments(p, "a transformers config.json: every run routes with its layer's router (its E and k)")
+    add_source_arguments(p, "a transformers config.json: every run routes with its layer's router (its E and "
+                            "k) and prices that model's parameters and experts")
     p.set_defaults(func=_run)
 
 
@@ -29,9 +30,9 @@ def _run(args: argparse.Namespace) -> int:
     from moekit.sim.server import make_server
 
     source = source_of(args)
-    model, name = (None, "") if source is None else (source.layer, source.name)
+    model, name, fields = (None, "", None) if source is None else (source.layer, source.name, source.hf)
     try:
-        server = make_server(args.host, args.port, args.verbose, model, name)
+        server = make_server(args.host, args.port, args.verbose, model, name, fields)
     except OSError as err:
         raise UsageError(_bind_error(args.host, args.port, err)) from err
     host, port = server.server_address[:2]

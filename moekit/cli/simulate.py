@@ -9,8 +9,7 @@ from dataclasses import asdict
 
 from moekit.cli import _simulate_cache
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, plot_path, save_figure, working
-from moekit.cli._model_source import add_source_arguments, source_of
-from moekit.config import MoEConfig
+from moekit.cli._model_source import ModelSource, add_source_arguments, source_of
 from moekit.sim import BALANCE_METHODS, SimParams, simulate
 from moekit.sim.exercises import exercise1, exercise2, exercise3
 from moekit.sim.report import summary
@@ -28,7 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, help=f"k, experts per token; a model's with --preset / --config "
                    f"(default: {_DEFAULTS.top_k})")
     add_source_arguments(p, "a transformers config.json: route with its layer's router (E, k, scoring, groups, "
-                            "router options), not the default softmax top-k")
+                            "router options), not the default softmax top-k, and price that model's parameters "
+                            "and experts, not Mixtral-8x7B's shapes")
     p.add_argument("--tokens", type=int, default=_DEFAULTS.tokens, help="M, tokens in the batch")
     p.add_argument("--capacity-factor", type=float, default=_DEFAULTS.capacity_factor,
                    help="per-expert capacity = ceil(factor * M * k / E); assignments over it are dropped")
@@ -68,7 +68,8 @@ _BALANCE_SETTINGS = {"aux_steps": "aux-loss", "bias_batches": "bias"}
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = _model(args)  # None: the default router (softmax top-k, renormalised)
+    source = _model(args)  # None: the default router (softmax top-k, renormalised)
+    config = None if source is None else source.layer
     shape = {"experts": args.experts, "top_k": args.top_k}
     for name, method in _BALANCE_SETTINGS.items():
         if getattr(args, name) != getattr(_DEFAULTS, name) and args.balance != method:
@@ -81,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(_as_flag(str(err))) from err
     with working(f"simulating {params.tokens} tokens on E={params.experts}, top-{params.top_k}"):
-        result = simulate(params, config)
+        result = simulate(params, None if source is None else source.hf)  # that model's bill, not Mixtral's
     print(json.dumps(result.to_dict(), indent=1) if args.json else summary(result))
     if args.plot:
         from moekit.sim.plots import plot_run
@@ -90,8 +91,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model(args: argparse.Namespace) -> MoEConfig | None:
-    """The layer of ``--preset`` / ``--config`` (its E and k: --experts / --top-k then refused), or None."""
+def _model(args: argparse.Namespace) -> ModelSource | None:
+    """The model of ``--preset`` / ``--config`` (its E and k: --experts / --top-k then refused), or None."""
     source = source_of(args)
     if source is None:
         return None
@@ -99,7 +100,7 @@ def _model(args: argparse.Namespace) -> MoEConfig | None:
         layer = source.layer
         raise UsageError(f"--experts / --top-k come from --preset / --config ({source.name}: E={layer.num_experts}, "
                          f"k={layer.top_k}); give one or the other")
-    return source.layer
+    return source
 
 
 def _as_flag(message: str) -> str:

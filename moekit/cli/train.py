@@ -9,8 +9,8 @@ import contextlib
 import time
 from pathlib import Path
 
-from moekit.cli._args import (DefaultsHelpFormatter, device_arg, missing_extra, output_dir, positive_float,
-                              positive_int, seed_arg)
+from moekit.cli._args import (DefaultsHelpFormatter, device_arg, made_output_dir, missing_extra, output_dir,
+                              positive_float, positive_int, seed_arg)
 
 
 def register(subparsers) -> None:
@@ -50,13 +50,8 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from moekit.cli._args import UsageError
-    from moekit.train.curves import curves_document, summary, write_curves
-    from moekit.train.data import load_stdlib_bytes
-    from moekit.train.loop import TrainSettings, train_side_by_side
-    from moekit.train.plot import plot_curves
+    from moekit.train.loop import TrainSettings
 
     try:
         settings = TrainSettings(
@@ -68,6 +63,19 @@ def _run(args: argparse.Namespace) -> int:
         settings.moe_config("none")  # top_k <= experts, ...: the config's own checks, before any work
     except ValueError as err:  # the config's words (top_k, num_experts) are the flags' --top-k, --experts
         raise UsageError(f"--experts/--top-k/--d-model/--expert-size: {err}") from None
+    with made_output_dir(args.out):  # before the runs: a directory that cannot be written would lose them at the end
+        return _train(args, settings)
+
+
+def _train(args: argparse.Namespace, settings) -> int:
+    """The three runs side by side, their summary, the JSON and the PNG under ``args.out``."""
+    from rich.console import Console
+
+    from moekit.train.curves import curves_document, summary, write_curves
+    from moekit.train.data import load_stdlib_bytes
+    from moekit.train.loop import train_side_by_side
+    from moekit.train.plot import plot_curves
+
     console = Console(highlight=False)
     console.print(f"moekit train on {settings.device}: {settings.steps} steps x 3 runs")
     corpus = load_stdlib_bytes()

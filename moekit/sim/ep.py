@@ -25,11 +25,16 @@ from moekit.parallel.placement import (
     rank_loads,
     round_robin_placement,
 )
-from moekit.sim.shape import EP_DTYPE, EP_GPU, seconds_per_assignment
+from moekit.sim.shape import EP_DTYPE, EP_GPU, StatedModel, seconds_per_assignment
 
-COST_MODEL = (f"GPU time = assignments on its experts × 6·d·d_ff FLOPs at the {EP_GPU.upper()}'s dense {EP_DTYPE} "
-              f"peak (Mixtral expert: {seconds_per_assignment() * 1e6:.2f} µs each); step = max over GPUs; "
-              "communication not modelled")  # stated from moekit.sim.shape, so the text follows its constants
+
+def cost_model(model: StatedModel | None = None) -> str:
+    """The cost model in words, stated from ``moekit.sim.shape`` so the text follows its constants; ``model``: the
+    expert priced (default Mixtral's)."""
+    name = "Mixtral" if model is None else model.name
+    return (f"GPU time = assignments on its experts × 6·d·d_ff FLOPs at the {EP_GPU.upper()}'s dense {EP_DTYPE} "
+            f"peak ({name} expert: {seconds_per_assignment(model) * 1e6:.2f} µs each); step = max over GPUs; "
+            "communication not modelled")
 
 
 @dataclass
@@ -56,9 +61,9 @@ class EPReport:
     replication_gain: float  # contiguous step time / EPLB step time (1.0 = no gain)
 
 
-def price_placement(name: str, placement: Placement, loads: Sequence[float]) -> PlacementReport:
+def price_placement(name: str, placement: Placement, loads: Sequence[float], seconds: float) -> PlacementReport:
+    """``placement`` of ``loads`` [E] priced at ``seconds`` an assignment."""
     per_gpu = rank_loads(placement, loads)
-    seconds = seconds_per_assignment()
     peak, mean = max(per_gpu), sum(per_gpu) / len(per_gpu)
     balance = balancedness(per_gpu)
     return PlacementReport(
@@ -72,15 +77,16 @@ def price_placement(name: str, placement: Placement, loads: Sequence[float]) -> 
     )
 
 
-def ep_what_if(loads: Sequence[float], gpus: int, spare_slots: int) -> EPReport:
-    """Price contiguous, round-robin and EPLB placements of ``loads`` [E] on ``gpus`` GPUs."""
-    num_experts = len(loads)
+def ep_what_if(loads: Sequence[float], gpus: int, spare_slots: int, model: StatedModel | None = None) -> EPReport:
+    """Price contiguous, round-robin and EPLB placements of ``loads`` [E] on ``gpus`` GPUs, each assignment at
+    ``model``'s expert (default Mixtral's)."""
+    num_experts, seconds = len(loads), seconds_per_assignment(model)
     reports = [
-        price_placement("contiguous", contiguous_placement(num_experts, gpus), loads),
-        price_placement("round-robin", round_robin_placement(num_experts, gpus), loads),
-        price_placement("eplb", eplb_placement(loads, gpus, spare_slots), loads),
+        price_placement("contiguous", contiguous_placement(num_experts, gpus), loads, seconds),
+        price_placement("round-robin", round_robin_placement(num_experts, gpus), loads, seconds),
+        price_placement("eplb", eplb_placement(loads, gpus, spare_slots), loads, seconds),
     ]
     eplb_time = reports[2].step_time_us
     gain = reports[0].step_time_us / eplb_time if eplb_time > 0 else 1.0
-    return EPReport(gpus=gpus, spare_slots=spare_slots, cost_model=COST_MODEL, placements=reports,
+    return EPReport(gpus=gpus, spare_slots=spare_slots, cost_model=cost_model(model), placements=reports,
                     replication_gain=gain)

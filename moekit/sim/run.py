@@ -25,7 +25,7 @@ from moekit.sim.balance import BalanceOutcome, expert_loads, train_aux_loss, upd
 from moekit.sim.ep import EPReport, ep_what_if
 from moekit.sim.params import SimParams
 from moekit.sim.router import SyntheticRouter, draw_tokens, make_router
-from moekit.sim.shape import param_counts
+from moekit.sim.shape import param_counts, stated_model
 
 TOUCH_BATCHES = (1, 8, 64, 512)
 TOUCH_TRIALS = 8  # independent batches averaged per batch size
@@ -80,11 +80,18 @@ class SimResult:
         return asdict(self)
 
 
-def simulate(params: SimParams, config: MoEConfig | None = None) -> SimResult:
+def simulate(params: SimParams, config: MoEConfig | dict | None = None) -> SimResult:
     """Run the simulator for ``params`` (deterministic: the same params give the same result), routing with
-    ``config``'s rule when given (its num_experts and top_k are ``params``' experts and top_k)."""
+    ``config``'s rule when given (its num_experts and top_k are ``params``' experts and top_k). A ``MoEConfig`` is a
+    layer alone: parameters and the EP cost are priced at Mixtral-8x7B's shapes with E and k replaced; a config.json's
+    fields (a dict: ``moekit.hf_config_of_preset(name)``, a file's) route with its layer's rule and price that whole
+    model (``moekit.sim.shape``)."""
     if not isinstance(params, SimParams):  # a dict of the settings failed on "'dict' object has no attribute"
         raise TypeError(f"params must be a moekit.sim.SimParams (SimParams(**settings)), got {type(params).__name__}")
+    fields = config if isinstance(config, dict) else None
+    if fields is not None:
+        config = MoEConfig.from_hf_config(fields)
+    model = None if fields is None else stated_model(params.experts, params.top_k, fields)
     router = make_router(params.experts, params.top_k, params.skew, params.seed, config)
     x = draw_tokens(params.tokens, router.width, streams.generator(params.seed, streams.EVAL))  # [M, F]
     outcome = _balance(router, params)
@@ -96,7 +103,7 @@ def simulate(params: SimParams, config: MoEConfig | None = None) -> SimResult:
     capped = apply_capacity(routing, params.experts, params.capacity_factor)
     assignments = int(loads.sum())  # M·k less the identity slots
     dropped = int(capped.dropped)
-    counts = param_counts(params.experts, params.top_k, router.config.routed_slots_per_token)
+    counts = param_counts(params.experts, params.top_k, router.config.routed_slots_per_token, model)
     return SimResult(
         params=params.to_dict(),
         loads=loads.tolist(),
@@ -112,7 +119,7 @@ def simulate(params: SimParams, config: MoEConfig | None = None) -> SimResult:
         param_shape=counts.shape,
         touched_by_batch=touched_by_batch(outcome, params.seed),
         balance=_balance_report(router, outcome, x, params, loads, capped),
-        ep=ep_what_if(loads.tolist(), params.gpus, params.spare_slots),
+        ep=ep_what_if(loads.tolist(), params.gpus, params.spare_slots, model),
         router=router_summary(router.config),
         routed_assignments=assignments,
         identity_hits=identity.tolist(),

@@ -83,7 +83,7 @@ class SimRequestHandler(BaseHTTPRequestHandler):
             self._json(400, {"error": str(e)})
             return
         try:
-            self._json(200, simulate(params, self.server.model).to_dict())
+            self._json(200, simulate(params, self.server.model_fields or self.server.model).to_dict())
         except Exception as e:  # a bug must answer, not drop the connection; the message says what broke
             self._json(500, {"error": f"internal error: {type(e).__name__}: {e}"})
 
@@ -134,11 +134,12 @@ class SimServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], verbose: bool = False, model: MoEConfig | None = None,
-                 model_name: str = "") -> None:
+                 model_name: str = "", model_fields: dict | None = None) -> None:
         super().__init__(address, SimRequestHandler)
         self.verbose = verbose  # log every request
         self.model = model  # every run routes with this layer's router; None: the default softmax top-k
         self.model_name = model_name
+        self.model_fields = model_fields  # model's config.json fields: runs price that model (simulate's dict)
 
     def fixed(self) -> dict[str, int]:
         """The parameters the served model fixes (experts, top_k); none without a model."""
@@ -175,8 +176,10 @@ class SimServer(ThreadingHTTPServer):
 
 
 def make_server(host: str = "127.0.0.1", port: int = 0, verbose: bool = False, model: MoEConfig | None = None,
-                model_name: str = "") -> SimServer:
+                model_name: str = "", model_fields: dict | None = None) -> SimServer:
     """A server bound to ``host:port`` (port 0 picks a free one: read ``server.server_address``), warmed
-    up so that no request pays a one-time import; every run routes with ``model``'s router when given."""
+    up so that no request pays a one-time import; every run routes with ``model``'s router when given, and prices
+    the whole model of ``model_fields`` (its config.json's, which ``model`` was read from) when given."""
     warm_up()
-    return SimServer((host, port), verbose, model, model_name or ("" if model is None else "(a MoEConfig)"))
+    return SimServer((host, port), verbose, model, model_name or ("" if model is None else "(a MoEConfig)"),
+                     model_fields)

@@ -1,10 +1,12 @@
-"""The stated expert shape the simulator prices its runs with: Mixtral-8x7B's, with E and k replaced.
+"""The stated model the simulator prices its runs with: by default Mixtral-8x7B's shapes with E and k replaced; a
+run routed as a model read from its config.json fields (``--preset`` / ``--config``) states that model's own.
 
 Mixtral-8x7B (``moekit.presets``): hidden 4096, expert intermediate 14336, 32 MoE layers, grouped-query
 attention, 32k vocabulary. One expert costs 3·4096·14336 = 176M parameters per layer. The bill is
 ``moekit.analysis.param_bill`` of that config with ``num_local_experts = E`` and
 ``num_experts_per_tok = k``; at the lesson's E = 64, k = 2 it gives 362.4B total, 12.9B active, 28.1×
 (the lesson's page shows 362.9G / 13.4G / 27.0×; it counts about 0.5B more non-expert parameters).
+DeepSeek-V3's own fields give its 671B total, 37.6B active (embedding included).
 """
 
 from __future__ import annotations
@@ -12,12 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.analysis import get_gpu, param_bill
+from moekit.analysis.bills import num_hidden_layers
 from moekit.analysis.roofline import expert_flops
+from moekit.config import MoEConfig
 from moekit.presets import hf_config_of_preset
 
 PRESET = "mixtral-8x7b"
 EP_GPU = "h100"  # the GPU whose dense bf16 peak prices an expert's work in the EP what-if
 EP_DTYPE = "bf16"
+
+
+@dataclass(frozen=True)
+class StatedModel:
+    """The whole model whose parameters and expert cost a run states."""
+
+    name: str  # "mixtral-8x7b" (the default shapes) or the model_type of the config the run routes as
+    fields: dict  # its config.json fields; the default's with E and k replaced
 
 
 @dataclass
@@ -37,24 +49,40 @@ def model_config(num_experts: int, top_k: int) -> dict:
     return cfg
 
 
-def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = None) -> ParamCounts:
-    """The bill with E and k; ``routed_per_token`` (k·E/(E + Z) with identity experts, whose slots read no
-    expert) prices the active experts instead of k."""
-    cfg = model_config(num_experts, top_k)
-    bill = param_bill(cfg)
+def stated_model(num_experts: int, top_k: int, fields: dict | None = None) -> StatedModel:
+    """The model a run of E experts, top-k states: ``fields`` (a config.json's, whose E and k the run's are) as they
+    are, or without them Mixtral-8x7B's with E and k replaced."""
+    if fields is None:
+        return StatedModel(PRESET, model_config(num_experts, top_k))
+    return StatedModel(str(fields.get("model_type", "config")), fields)
+
+
+def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = None,
+                 model: StatedModel | None = None) -> ParamCounts:
+    """The bill of ``model`` (default: ``stated_model(E, k)``); ``routed_per_token`` (k·E/(E + Z) with identity
+    experts, whose slots read no expert) prices the active experts instead of k. A config whose fields do not make a
+    bill (a family ``param_bill`` does not read) is priced at the default shapes, and the shape says so."""
+    model = model or stated_model(num_experts, top_k)
+    try:
+        bill = param_bill(model.fields)
+    except KeyError as err:
+        counts = param_counts(num_experts, top_k, routed_per_token)
+        counts.shape += f" ({model.name}'s config has no field {err} the bill reads)"
+        return counts
     active = bill.active
     if routed_per_token is not None and routed_per_token != top_k:
         active -= round(bill.active_routed_experts * (1 - routed_per_token / top_k))
-    shape = (f"{PRESET} shapes (d={cfg['hidden_size']}, d_ff={cfg['intermediate_size']}, "
-             f"{cfg['num_hidden_layers']} layers) with E={num_experts}, k={top_k}")
+    layer = MoEConfig.from_hf_config(model.fields)
+    shape = (f"{model.name} shapes (d={layer.hidden_size}, d_ff={layer.moe_intermediate_size}, "
+             f"{num_hidden_layers(model.fields)} layers) with E={num_experts}, k={top_k}")
     if routed_per_token is not None and routed_per_token != top_k:
         shape += f" ({routed_per_token:g} of them experts on average)"
     return ParamCounts(total=bill.total, active=active, sparsity=bill.total / active, shape=shape)
 
 
-def seconds_per_assignment() -> float:
+def seconds_per_assignment(model: StatedModel | None = None) -> float:
     """Cost model of the EP what-if: one routed token-assignment costs 6·d·d_ff FLOPs in one layer
-    (w13 and w2, multiply-add) at the EP GPU's dense peak; 0.36 µs for Mixtral's expert on an H100."""
-    cfg = hf_config_of_preset(PRESET)
-    flops = expert_flops(1, 1, cfg["hidden_size"], cfg["intermediate_size"])
+    (w13 and w2, multiply-add) at the EP GPU's dense peak; 0.36 µs for Mixtral's expert on an H100, the default."""
+    layer = MoEConfig.from_hf_config(model.fields if model else hf_config_of_preset(PRESET))
+    flops = expert_flops(1, 1, layer.hidden_size, layer.moe_intermediate_size)
     return flops / get_gpu(EP_GPU).flops_per_s(EP_DTYPE)
