@@ -34,8 +34,8 @@ class _InterleavedExperts(qwen2.Qwen2MoeExperts):
 
 
 def _block(slots: int):
-    cfg = transformers.Qwen2MoeConfig(hidden_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=8 * slots,
-                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
+    cfg = transformers.Qwen2MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6, num_experts_per_tok=2,
+                                      shared_expert_intermediate_size=8 * slots, norm_topk_prob=True)
     torch.manual_seed(slots)
     block = qwen2.Qwen2MoeSparseMoeBlock(cfg).to(torch.float64).eval()
     block.experts = _InterleavedExperts(cfg).to(torch.float64)
