@@ -32,12 +32,7 @@ from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.overlap import dispatch_starters, run_chunks
-from moekit.parallel.placement import (
-    Placement,
-    balancedness,
-    contiguous_placement,
-    rank_loads,
-)
+from moekit.parallel.placement import Placement, balancedness, contiguous_placement, rank_loads
 from moekit.parallel.weights import move_experts, shard_experts
 from moekit.routing import Routing
 
@@ -235,7 +230,8 @@ class EPMoE(MoE):
     def run_local_experts(self, sent: Dispatched) -> torch.Tensor:
         """The received rows through this rank's experts: [U, K], each row its slots' weighted sum."""
         return tied_to_received(call_backend(self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
-                                          activation=self.config.activation), sent.x, sent.weights)  # [U, K]
+                                          activation=self.config.activation), sent.x, sent.weights,
+                                (self.w13, self.w2))  # [U, K]
 
     def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:
         return combine(y, sent, self.group)
