@@ -28,11 +28,12 @@ from moekit.experts import autocast_input, call_backend
 from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
-                                      plan_sends, tied_to_received, weights_dtype)
+                                      plan_sends, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.overlap import dispatch_starters, run_chunks
 from moekit.parallel.placement import Placement, balancedness, contiguous_placement, rank_loads
+from moekit.parallel.rows import tied_to_received
 from moekit.parallel.weights import move_experts, shard_experts
 from moekit.routing import Routing
 
