@@ -58,8 +58,9 @@ class ReplicaTables:
     @classmethod
     def build(cls, placement: Placement, rank: int, num_shared_slots: int, device,
               width: int | None = None) -> "ReplicaTables":
-        """``width``: Rmax, raised to the most replicas of one expert if smaller; a fixed width (W, the
-        most any placement can have) keeps the tables' shapes when the placement changes."""
+        """``width``: Rmax, raised to the most replicas of one expert if smaller; a fixed width (W: the most a
+        placement can have unless it doubles an expert on a rank, as EPLB may) keeps the tables' shapes when the
+        placement changes."""
         num_experts = placement.num_experts
         replicas = [placement.replicas(e) for e in range(num_experts)]
         width = max(max(len(r) for r in replicas), width or 0)
