@@ -18,19 +18,13 @@ import torch
 from _fuzz_cases import draw_case
 from _fuzz_check import Outcome
 from _fuzz_grad import check_grads, grad_case, trainable
-from _triton_helpers import interpreted
+from _triton_helpers import router_and_experts_interpreted  # noqa: F401 (autouse: the kernels interpreted)
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 
 SEEDS = range(40)
 BACKENDS = ("reference", "grouped_mm", "triton")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    with interpreted("moekit.routing", "moekit.routing.fused"), interpreted("moekit.experts", "moekit.experts.triton"):
-        yield
 
 
 @pytest.mark.parametrize("seed", SEEDS)
