@@ -20,7 +20,6 @@ The table is printed last: medians, loaded / saved per round.
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import statistics
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_run import RunLog, rel_l2, run_info, run_phases  # noqa: E402
+from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases  # noqa: E402
 
 from moekit import MoE, MoEConfig  # noqa: E402
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss  # noqa: E402
@@ -45,7 +44,6 @@ CONFIG = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=
 RUN = RunLog("fix45: an offloaded model through torch.save on CUDA, the losses compiled (wall µs a decode step, "
              "medians of interleaved rounds)", stall_s=60)
 RESULT: dict = {"run": {}, "failed": RUN.failed}
-ARGS = argparse.Namespace()
 NEEDS_S = {"time": 10, "losses": 25}
 
 
@@ -159,18 +157,11 @@ def time_phase(dev) -> None:
 def main() -> int:
     dev = torch.device("cpu" if SMOKE else "cuda")
     phases = {"pickle": lambda: pickle_phase(dev), "time": lambda: time_phase(dev), "losses": lambda: losses_phase(dev)}
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="", help="directory for fix45.json (none: no file)")
-    p.add_argument("--deadline", type=float, default=60.0, help="seconds; a phase past it is skipped")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
-    p.add_argument("--phases", type=lambda v: tuple(x for x in v.split(",") if x), default=tuple(phases),
-                   help="comma-separated, of " + ", ".join(phases))
-    p.parse_args(namespace=ARGS)
+    args = phase_args(__doc__, phases, "fix45.json")
     threading.Thread(target=RUN.watchdog, daemon=True).start()
-    RESULT["run"] = {**run_info(), "smoke": SMOKE, "shape": [E, K, N, SLOTS], "phases": ARGS.phases}
+    RESULT["run"] = {**run_info(), "smoke": SMOKE, "shape": [E, K, N, SLOTS], "phases": args.phases}
     RUN.summary.append("| cell | wall µs loaded / saved | loaded / saved per round |\n|---|---|---|")
-    return run_phases(RUN, phases, ARGS.phases, ARGS.deadline, NEEDS_S,
-                      ARGS.out and os.path.join(ARGS.out, "fix45.json"), RESULT)
+    return run_phases(RUN, phases, args.phases, args.deadline, NEEDS_S, args.path, RESULT)
 
 
 if __name__ == "__main__":
