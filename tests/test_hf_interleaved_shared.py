@@ -55,3 +55,24 @@ def test_an_interleaved_layers_shared_expert_keeps_its_gate_and_up_rows(slots, f
     with torch.no_grad():
         # float64 weights, float32 routing weights (moekit's contract): 6e-7 here; the gate-then-up copy was 12 off
         torch.testing.assert_close(moe(x), block(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_shared_expert_of_another_activation_is_refused():
+    """moekit's shared MLP runs the experts' activation: a block whose shared expert computes gelu(gate) * up beside
+    silu experts was computed as silu in silence (a Qwen2-MoE block with its shared act_fn swapped, float64)."""
+    cfg = transformers.Qwen2MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6, num_experts_per_tok=2,
+                                      shared_expert_intermediate_size=8)
+    torch.manual_seed(0)
+    block = qwen2.Qwen2MoeSparseMoeBlock(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    block.shared_expert.act_fn = torch.nn.GELU()
+    for fuse_shared in (False, True):
+        with pytest.raises(TypeError, match=r"Qwen2MoeMLP computes gelu\(gate\) \* up.*'silu'.*shared_expert=False"):
+            moekit_hf.moe_from_hf(block, fuse_shared=fuse_shared)
+    routed = moekit_hf.moe_from_hf(block, shared_expert=False)
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    with torch.no_grad():  # the routed part alone: the block's output less its gated shared expert
+        shared = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+        torch.testing.assert_close(routed(x), block(x) - shared, rtol=1e-5, atol=1e-6)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.activations import glu_rows
+from moekit.activations import as_spec, glu_rows
 from moekit.config import MoEConfig
-from moekit.hf.variants import build_plan
+from moekit.hf.variants import build_plan, identify_activation
 from moekit.layer import MoE
 from moekit.quant import install_quantized_experts_
 from moekit.quant.hf import quantized_experts_weights
@@ -242,8 +242,16 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
 
 def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Tensor]:
     """A transformers gated MLP -> (w13 [2SN, K], w2 [K, SN]), w13's rows in the order the layer's shared MLP reads
-    with the experts' ``activation`` (gate rows then up rows, or interleaved: ``glu_rows``)."""
+    with the experts' ``activation`` (gate rows then up rows, or interleaved: ``glu_rows``). The layer runs its shared
+    MLP with that spec, so an MLP whose ``act_fn`` computes another activation (or the spec a clamped or scaled one
+    the MLP's plain act(gate) * up is not) is refused rather than computed as another function."""
     gate, up, down = _shared_gate_up_down(mlp)
+    spec = as_spec(activation)
+    own = identify_activation(getattr(mlp, "act_fn", None), down.device)
+    if own is not None and (own != spec.name or spec.alpha != 1.0 or spec.limit is not None or spec.up_shift):
+        raise TypeError(f"the shared expert {type(mlp).__name__} computes {own}(gate) * up, but moekit's shared MLP "
+                        f"runs the experts' activation {activation!r}; leave it to the block: moe_from_hf(..., "
+                        "shared_expert=False), use_moekit_blocks(..., fuse_shared=False)")
     return glu_rows(gate, up, activation), down
 
 
