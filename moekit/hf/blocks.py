@@ -250,8 +250,8 @@ def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Ten
     own = identify_activation(getattr(mlp, "act_fn", None), down.device)
     if own is not None and (own != spec.name or spec.alpha != 1.0 or spec.limit is not None or spec.up_shift):
         raise TypeError(f"the shared expert {type(mlp).__name__} computes {own}(gate) * up, but moekit's shared MLP "
-                        f"runs the experts' activation {activation!r}; leave it to the block: moe_from_hf(..., "
-                        "shared_expert=False), use_moekit_blocks(..., fuse_shared=False)")
+                        f"runs the experts' activation {activation!r}, so it cannot run in the layer: moe_from_hf(..., "
+                        "shared_expert=False) leaves it out, use_moekit_blocks(..., fuse_shared=False) to the block")
     return glu_rows(gate, up, activation), down
 
 
