@@ -125,6 +125,20 @@ def run_phases(run: RunLog, phases: dict, names, deadline: float, needs_s: dict,
     return 1 if run.failed else 0
 
 
+def phase_args(doc: str, phases: dict, json_name: str) -> argparse.Namespace:
+    """A device check's options: ``--out DIR`` (the JSON ``DIR/json_name``, ``path``; none without), ``--deadline S``
+    (a phase past it is skipped), ``--smoke`` (CPU, tiny shapes), ``--phases a,b`` (of ``phases``, all by default)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--out", default="", help=f"directory for {json_name} (none: no file)")
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds; a phase past it is skipped")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    p.add_argument("--phases", type=lambda v: tuple(x for x in v.split(",") if x), default=tuple(phases),
+                   help="comma-separated, of " + ", ".join(phases))
+    args = p.parse_args()
+    args.path = args.out and os.path.join(args.out, json_name)
+    return args
+
+
 def host_and_wall_us(fns: dict, dev, calls: int, rounds: int) -> dict:
     """name -> ([host µs a call, each round], [wall µs a call, each round]): host is ``calls`` calls queued behind
     ~1 ms of GPU work on CUDA (the host's time alone), wall the same to completion; the order reversed every other

@@ -13,8 +13,9 @@ M, NaN gate rows); per backend (``tests/_fuzz_check.check_case``): output (plain
 float64 loop (``tests/_fuzz_reference``), rel L2 under the dtype's tolerance; ids bit for bit where no near tie;
 counts, drops, masked tokens; every refusal names its argument. ``--grad``: also each backend's gradients against
 float64 autograd through the loop (``tests/_fuzz_grad``); ``--offload``: also two OffloadedMoE layers on one small
-cache, three batches in a row (``tests/_fuzz_offload``); ``--ep 2 3``: also EPMoE over 2 and 3 gloo ranks
-(``tests/_fuzz_ep``; with ``--grad`` its gradients too, ``tests/_fuzz_ep_grad``), after the seeds. A line per failing
+cache, three batches in a row, saved and loaded whole in some (``tests/_fuzz_offload``); ``--ep 2 3``: also EPMoE
+over 2 and 3 gloo ranks, with capacity (per rank) and EPLB in some (``tests/_fuzz_ep``; with ``--grad`` its gradients
+too, ``tests/_fuzz_ep_grad``), after the seeds. A line per failing
 seed (PASS/FAIL), the table last:
 seeds, comparisons, refusals checked, comparisons left out for a near tie decided a capacity drop, failing seeds.
 """

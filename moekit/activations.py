@@ -177,6 +177,14 @@ def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor
     return act * (up + spec.up_shift) if spec.up_shift != 0.0 else act * up
 
 
+def glu_rows(gate: torch.Tensor, up: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor:
+    """A gated MLP's gate [N, K] and up [N, K] rows as its w13 [2N, K] in the order ``apply_glu`` reads for the
+    spec: gate rows then up rows, or interleaved (row 2i gate i, 2i + 1 up i: gpt-oss's)."""
+    if as_spec(activation).interleaved:
+        return torch.stack([gate, up], dim=1).flatten(0, 1)  # [2N, K]
+    return torch.cat([gate, up])  # [2N, K]
+
+
 def _act(t: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     """The spec's activation alone: ``ACTIVATIONS[name].fn``, or silu with its ``alpha``."""
     if spec.alpha != 1.0:

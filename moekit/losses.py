@@ -10,9 +10,17 @@ Every loss is a 0-dim float32 tensor (float64 for float64 logits), differentiabl
 only: which experts were selected (``topk_ids``) carries no gradient, as in every reference
 implementation. Ids outside [0, E) (moekit's -1 for a dropped or skipped slot, fused shared slots
 E..E+S-1) are not counted as assignments. No function syncs with the host.
+
+Left-out tokens: a token whose ``token_mask`` entry is 0 (padding) and a token with no live expert (every logit
+-inf: the router's ``nonfinite="mask"`` gave it all-zero weights) count nowhere: not in an expert's assignments,
+its probability mass, the z-loss's mean nor the token count that divides them. So a loss over some live tokens is
+the loss of those tokens alone, and one over none (an all-masked batch, an empty one) is 0, with a zero gradient,
+never NaN. A NaN logit stays NaN (it is no mask).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +36,8 @@ def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len
     if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
         return None
     logits = choice_columns(_capped(logits, c), c)  # [M, E(+Z)]
+    if c.nonfinite == "mask":  # as the router: a NaN or +inf logit is a masked expert, as -inf is
+        logits = logits.masked_fill(~torch.isfinite(logits), float("-inf"))
     width = c.choice_width
     total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
     if logits.shape[0] == 0:
@@ -72,15 +82,10 @@ def load_balancing_loss(
     its ``attention_mask`` (``token_mask`` here, flattened to [M]). Uniform routing gives k; all tokens
     on the same k experts give k * E (softmax concentrated on them) at most."""
     logits = _check_logits(router_logits, num_experts)
-    mask = _check_mask(token_mask, logits)
-    counts = assignments_per_expert(topk_ids, num_experts, logits, mask)  # [E]
-    probs = torch.softmax(logits, dim=-1)  # [M, E]
-    if mask is None:
-        tokens = float(logits.shape[0])
-        prob_sum = probs.sum(0)  # [E]
-    else:
-        tokens = mask.sum()
-        prob_sum = (probs * mask[:, None]).sum(0)  # [E]
+    live = _live_tokens(logits, _check_mask(token_mask, logits))
+    counts = assignments_per_expert(topk_ids, num_experts, logits, live.weight)  # [E]
+    prob_sum = (torch.softmax(live.logits, dim=-1) * live.weight[:, None]).sum(0)  # [E]
+    tokens = _at_least_one(live.weight.sum())
     return num_experts * torch.sum((counts / tokens) * (prob_sum / tokens))
 
 
@@ -92,6 +97,7 @@ def sequence_balance_loss(
     *,
     scoring: str = "sigmoid",
     alpha: float = 1.0,
+    token_mask: torch.Tensor | None = None,  # [B*T] or [B, T] bool or 0/1; False/0 = padding, left out
 ) -> torch.Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss (paper eqs. 17-20), averaged over the B
     sequences: ``alpha * sum_e f_e * P_e`` per sequence, with
@@ -102,7 +108,8 @@ def sequence_balance_loss(
       "sigmoid"``, DeepSeek-V3) or softmax(logits) (``"softmax"``, where s' = s).
 
     ``alpha`` is the paper's balance factor (1e-4 in DeepSeek-V3); ``MoEConfig.seq_aux_loss_coef``
-    plays that role in ``MoE`` (which calls this with alpha=1). Uniform routing gives alpha."""
+    plays that role in ``MoE`` (which calls this with alpha=1). Uniform routing gives alpha. Left-out tokens (the
+    module docstring) shrink their sequence's T; a sequence with none live is left out of the mean over B."""
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
@@ -117,12 +124,16 @@ def sequence_balance_loss(
         raise ValueError(f"router_logits must hold whole sequences of seq_len={seq_len} tokens, got {logits.shape[0]} "
                          f"rows")
     num_seqs, top_k = logits.shape[0] // seq_len, ids.shape[1]
-    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
-    normed = scores / scores.sum(-1, keepdim=True)  # [M, E]; s'
-    p = normed.view(num_seqs, seq_len, num_experts).mean(1)  # [B, E]
-    selected = one_hot_assignments(ids, num_experts, logits)  # [M, E]; 1 where the token chose e
-    f = selected.view(num_seqs, seq_len, num_experts).sum(1) * (num_experts / (top_k * seq_len))  # [B, E]
-    return alpha * (f * p).sum(-1).mean()
+    live = _live_tokens(logits, _check_mask(token_mask, logits))
+    scores = torch.softmax(live.logits, dim=-1) if scoring == "softmax" else torch.sigmoid(live.logits)  # [M, E]
+    normed = scores / scores.sum(-1, keepdim=True) * live.weight[:, None]  # [M, E]; s', 0 on a left-out token
+    weight = live.weight.view(num_seqs, seq_len)  # [B, T]
+    tokens = _at_least_one(weight.sum(1))[:, None]  # [B, 1]; the sequence's live T
+    p = normed.view(num_seqs, seq_len, num_experts).sum(1) / tokens  # [B, E]
+    selected = one_hot_assignments(ids, num_experts, logits) * live.weight[:, None]  # [M, E]; 1 where it chose e
+    f = selected.view(num_seqs, seq_len, num_experts).sum(1) * (num_experts / top_k) / tokens  # [B, E]
+    seqs = _at_least_one((weight.sum(1) > 0).to(logits.dtype).sum())  # sequences with a live token
+    return alpha * (f * p).sum(-1).sum() / seqs
 
 
 def z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,9 +142,9 @@ def z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) 
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2 or not router_logits.is_floating_point():
         raise ValueError(f"router_logits must be a floating-point tensor [M, E], got {_describe(router_logits)}")
     logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
-    mask = _check_mask(token_mask, logits)
-    sq = torch.logsumexp(logits, dim=-1).square()  # [M]
-    return sq.mean() if mask is None else (sq * mask).sum() / mask.sum()
+    live = _live_tokens(logits, _check_mask(token_mask, logits))
+    sq = torch.logsumexp(live.logits, dim=-1).square()  # [M]
+    return (sq * live.weight).sum() / _at_least_one(live.weight.sum())
 
 
 def assignments_per_expert(
@@ -156,6 +167,24 @@ def one_hot_assignments(topk_ids: torch.Tensor, num_experts: int, like: torch.Te
     out = torch.zeros(ids.shape[0], num_experts + 1, dtype=like.dtype, device=like.device)  # column E: not counted
     out.scatter_add_(1, torch.where(valid, ids, num_experts), torch.ones_like(ids, dtype=like.dtype))
     return out[:, :num_experts]
+
+
+@dataclass(frozen=True)
+class _LiveTokens:
+    logits: torch.Tensor  # [M, E]; a token with no live expert's row at 0 (finite softmax, no NaN gradient)
+    weight: torch.Tensor  # [M] logits' dtype; token_mask (1 without one), 0 where no expert is live
+
+
+def _live_tokens(logits: torch.Tensor, mask: torch.Tensor | None) -> _LiveTokens:
+    """The tokens a loss counts (the module docstring): a row of logits [M, E] all -inf has no live expert."""
+    alive = (logits > float("-inf")).any(-1)  # [M] bool; a NaN counts as live (it stays NaN)
+    weight = alive.to(logits.dtype) if mask is None else torch.where(alive, mask, 0.0)  # [M]
+    return _LiveTokens(logits=torch.where(alive[:, None], logits, 0.0), weight=weight)
+
+
+def _at_least_one(count: torch.Tensor) -> torch.Tensor:
+    """A count of tokens (or sequences) as a divisor: 1 where it is 0, whose numerators are 0 then."""
+    return torch.where(count > 0, count, 1.0)
 
 
 def _check_logits(router_logits: torch.Tensor, num_experts: int) -> torch.Tensor:

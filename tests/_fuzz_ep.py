@@ -7,9 +7,14 @@
     (uneven, a rank may have none) and returns its output and logits -> the parent routes the whole batch in the loop
     from the ranks' logits and checks each rank's rows
 
+Capacity dropping applies over each rank's own tokens (EPMoE's contract, GShard's per-group capacity), so a case with
+a capacity factor is checked rank by rank: each rank's output and dropped count against the loop on its rows alone.
+EPLB (``ep_options``' ``eplb``): before the checked call the layer rebalances, with 0-2 redundant replica slots, to
+loads drawn from the seed (the same on every rank), so tokens reach replicas through the replica tables.
+
 Cases EPMoE takes (its documented refusals: quantized layers, expert biases, input-weighted experts with top_k > 1,
-are checked to name themselves on rank 0's side): dropless only (its capacity is per rank, by contract not the
-single layer's), no NaN gate rows (a collective error, ``test_parallel_ep_faults``), the torch router.
+are checked to name themselves on rank 0's side): no NaN gate rows (a collective error, ``test_parallel_ep_faults``),
+the torch router.
 
 Shapes: M tokens of the whole batch, K hidden, W ranks.
 """
@@ -39,10 +44,12 @@ class RankResult:
     out: np.ndarray | None  # [rows, K]
     logits: np.ndarray | None  # [rows, W_router]
     refusal: str | None = None
+    dropped: int = 0  # assignments this rank's capacity dropped (its call's stats)
+    replicas: int = 0  # redundant slots of the placement the checked call ran on (EPLB), 0 without
 
 
 def ep_takes(case: FuzzCase) -> bool:
-    return case.capacity_factor is None and not case.nan_gate_rows
+    return not case.nan_gate_rows
 
 
 @dataclass
@@ -52,22 +59,34 @@ class EpOptions:
     round_robin: bool  # the placement: round-robin, else contiguous
     overlap: int  # chunks of the micro-batch (moekit.parallel.overlap); 1 = none
     padded: bool  # max_tokens_per_rank = M: the padded dispatch (W*C rows on the wire), else the exact one
+    eplb: int | None  # rebalance with this many redundant slots before the call (``eplb_loads``); None: no EPLB
 
 
 def ep_options(seed: int) -> EpOptions:
     rng = random.Random(f"epp{seed}")
-    return EpOptions(round_robin=rng.random() < 0.5, overlap=rng.choice([1, 1, 2, 3]), padded=rng.random() < 0.3)
+    return EpOptions(round_robin=rng.random() < 0.5, overlap=rng.choice([1, 1, 2, 3]), padded=rng.random() < 0.3,
+                     eplb=rng.choice([None, None, 0, 1, 2]))
 
 
-def ep_layer(moe, case: FuzzCase, world_size: int):
-    """The case's EPMoE on this rank (its options: ``ep_options``), in eval mode."""
+def eplb_loads(case: FuzzCase) -> list[float]:
+    """[E] skewed expert loads from the seed (a few hot experts), the same on every rank."""
+    rng = random.Random(f"eplb{case.seed}")
+    return [rng.expovariate(1.0) ** 3 for _ in range(case.config.num_experts)]
+
+
+def ep_layer(moe, case: FuzzCase, world_size: int, eplb: bool = True):
+    """The case's EPMoE on this rank (its options: ``ep_options``; ``eplb``: rebalanced where they say so), in eval
+    mode. Collective."""
     from moekit.parallel import EPMoE, contiguous_placement, round_robin_placement
 
     opts = ep_options(case.seed)
     placement = (round_robin_placement if opts.round_robin else contiguous_placement)(case.config.num_experts,
                                                                                       world_size)
     cap = max(case.m, 1) if opts.padded else None
-    return EPMoE.from_moe(moe, placement, max_tokens_per_rank=cap, overlap=opts.overlap).eval()
+    ep = EPMoE.from_moe(moe, placement, max_tokens_per_rank=cap, overlap=opts.overlap).eval()
+    if eplb and opts.eplb is not None:
+        ep.rebalance(opts.eplb, loads=eplb_loads(case))
+    return ep
 
 
 def ep_case(case: FuzzCase) -> FuzzCase:
@@ -97,7 +116,8 @@ def rank_cases(rank: int, world_size: int, seeds: list[int]) -> dict[int, RankRe
             continue
         with torch.no_grad():
             call = ep(x[start:stop], return_stats=True)
-        results[seed] = RankResult(start, stop, call.out.double().numpy(), call.router_logits.double().numpy())
+        results[seed] = RankResult(start, stop, call.out.double().numpy(), call.router_logits.double().numpy(),
+                                   dropped=int(call.stats.dropped), replicas=ep.placement.num_redundant)
     return results
 
 
@@ -122,6 +142,9 @@ def check_ep(seeds: list[int], ranks: list[dict[int, RankResult]], world_size: i
                 result.fail(f"ep W={world_size} seed {seed}: refusal names none of {named}: {shares[0].refusal}")
             continue
         moe, x = build(case, "reference")
+        if case.capacity_factor is not None:
+            _check_per_rank(case, moe, x, shares, f"ep W={world_size} seed {seed}", result)
+            continue
         logits = torch.cat([torch.from_numpy(s.logits) for s in shares])  # [M, W_router]
         ref = reference_moe(LayerWeights.of(moe), case.config, x, logits)
         for rank, share in enumerate(shares):
@@ -130,3 +153,21 @@ def check_ep(seeds: list[int], ranks: list[dict[int, RankResult]], world_size: i
             if rows:
                 what = f"ep W={world_size} seed {seed} rank {rank}"
                 check_output(torch.from_numpy(share.out)[mine], ref.out[rows], case, what, result)
+
+
+def _check_per_rank(case: FuzzCase, moe, x: torch.Tensor, shares: list[RankResult], what: str,
+                    result: Outcome) -> None:
+    """A capacity case: each rank's output and dropped count against the loop on its own rows (capacity over them),
+    left out where a near tie decided a drop (or any token: the drops of every token depend on it)."""
+    for rank, share in enumerate(shares):
+        if share.stop == share.start:
+            continue
+        ref = reference_moe(LayerWeights.of(moe), case.config, x[share.start:share.stop],
+                            torch.from_numpy(share.logits), capacity_factor=case.capacity_factor,
+                            drop_policy=case.drop_policy)
+        if ref.capacity_ambiguous or ref.ambiguous_tokens:
+            result.skipped_ambiguous += 1
+            continue
+        if share.dropped != ref.dropped:
+            result.fail(f"{what} rank {rank}: dropped {share.dropped}, the reference {ref.dropped}")
+        check_output(torch.from_numpy(share.out), ref.out, case, f"{what} rank {rank}", result)

@@ -6,7 +6,9 @@
     parallelism sums them) -> the parent assembles the whole layer's gradients and compares them with the loop's
 
 The cases ``_fuzz_ep`` runs, float experts only, without aux losses (each rank's aux loss is over its own tokens, by
-contract not the whole batch's). Shapes: M tokens of the batch, K hidden, E routed experts, L local, S shared slots.
+contract not the whole batch's), dropless (a rank's capacity is over its own tokens); EPLB's replicas of an expert
+each hold the gradient of the tokens they ran, summed here into the expert's. Shapes: M tokens of the batch, K hidden,
+E routed experts, L local, S shared slots.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class RankGrads:
 def ep_grad_seeds(seeds, world_size: int) -> list[int]:
     """The seeds whose case EPMoE takes on ``world_size`` ranks and trains."""
     cases = {s: ep_case(draw_case(s)) for s in seeds}
-    return [s for s, c in cases.items() if ep_takes(c) and trainable(c) and not refused_for(c, world_size)]
+    return [s for s, c in cases.items()  # dropless: a rank's capacity is over its own tokens, not the loop's batch
+            if ep_takes(c) and c.capacity_factor is None and trainable(c) and not refused_for(c, world_size)]
 
 
 def _trained(seed: int):
@@ -102,9 +105,9 @@ def check_ep_grads(seeds: list[int], ranks: list[dict[int, RankGrads]], world_si
         e = case.config.num_experts
         for name in ("w13", "w2"):
             full = torch.zeros_like(want.grads[name])  # [E(+S), ...]
-            for s in shares:
+            for s in shares:  # an expert's replicas (EPLB) each hold the gradient of the tokens they ran: summed
                 local = torch.from_numpy(s.grads[name])
-                full[s.slots] = local[:len(s.slots)]
+                full.index_add_(0, torch.tensor(s.slots, dtype=torch.long), local[:len(s.slots)])
                 full[e:] = local[len(s.slots):]
             got[name] = full
         for name, g in shares[0].grads.items():

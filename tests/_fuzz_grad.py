@@ -78,9 +78,6 @@ def grad_case(case: FuzzCase) -> GradCase:
                                 for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef")}}
     if case.nan_gate_rows:
         fields["router_bias"] = True
-    if set(range(case.config.choice_width)) <= set(case.nan_gate_rows):  # every expert masked: the aux losses of
-        # tokens with no live expert are NaN on both sides (softmax over nothing); not a training case
-        fields.update(aux_loss_coef=0.0, seq_aux_loss_coef=0.0, z_loss_coef=0.0)
     return GradCase(dataclasses.replace(case, fields=fields, nan_gate_rows=[]), list(case.nan_gate_rows))
 
 
@@ -189,16 +186,20 @@ def aux_loss(row: torch.Tensor, decided, cfg) -> torch.Tensor | None:
     router's choice before capacity (``RoutedTokens.selected_ids``: GShard's and Switch's f counts the router's
     assignments, not what capacity kept), one sequence of M tokens:
     load balance E' sum_e f_e P_e (f_e = assignments / M, P_e = mean softmax), DeepSeek-V3's sequence-wise
-    sum_e (E' / (k M)) c_e mean_t(s_te / sum_j s_tj), z-loss mean_t logsumexp_t^2; E' = E + Z."""
+    sum_e (E' / (k M)) c_e mean_t(s_te / sum_j s_tj), z-loss mean_t logsumexp_t^2; E' = E + Z. A token with no live
+    expert (every logit -inf: every expert masked) is left out, M counting the others; none left: 0."""
     if not (cfg.aux_loss_coef or cfg.seq_aux_loss_coef or cfg.z_loss_coef):
         return None
-    width, (m, k) = cfg.choice_width, (row.shape[0], cfg.top_k)
-    logits = row[:, :width]  # [M, E']
+    live = [t for t in range(row.shape[0]) if torch.isfinite(row[t, :cfg.choice_width]).any()]
+    width, (m, k) = cfg.choice_width, (len(live), cfg.top_k)
+    logits = row[live, :width]  # [M live, E']
     counts = torch.zeros(width, dtype=torch.float64)  # [E'] the router's assignments
-    for route in decided.routes:
-        for expert in route.ids:
+    for t in live:
+        for expert in decided.routes[t].ids:
             counts[expert] += 1
     total = torch.zeros((), dtype=torch.float64)
+    if m == 0:
+        return total
     if cfg.aux_loss_coef:
         p = torch.exp(logits - torch.logsumexp(logits, 1, keepdim=True)).mean(0)  # [E']
         total = total + cfg.aux_loss_coef * width * (counts / m * p).sum()

@@ -8,7 +8,8 @@
 
 On the CPU both "devices" are the CPU (the cache's documented test mode: copies plain and synchronous). Options from
 the seed's own stream: C, the policy (lru / lfu), prefetch (None / router / previous), where misses run (gpu / cpu /
-auto with fixed costs), admissions per forward. The plain layer's backend is grouped_mm or reference.
+auto with fixed costs), admissions per forward, and whether both layers go through torch.save / torch.load (the whole
+modules, sharing their cache) after the first batch. The plain layer's backend is grouped_mm or reference.
 
 Shapes: M tokens, K hidden, E routed experts, C cache slots.
 """
@@ -16,6 +17,7 @@ Shapes: M tokens, K hidden, E routed experts, C cache slots.
 from __future__ import annotations
 
 import dataclasses
+import io
 import random
 from dataclasses import dataclass
 
@@ -39,6 +41,7 @@ class OffloadOptions:
     compute_misses_on: str  # "gpu" / "cpu" / "auto"
     admit_per_forward: int | None
     backend: str  # the plain layer's: "grouped_mm" / "reference"
+    pickled: bool  # after the first batch, both layers through torch.save / torch.load (one new, empty cache)
 
 
 def offload_options(case: FuzzCase) -> OffloadOptions:
@@ -48,7 +51,7 @@ def offload_options(case: FuzzCase) -> OffloadOptions:
                           prefetch=rng.choice([None, "router", "previous"]),
                           compute_misses_on=rng.choice(["gpu", "cpu", "auto"]),
                           admit_per_forward=rng.choice([None, 0, 1]),
-                          backend=rng.choice(["grouped_mm", "reference"]))
+                          backend=rng.choice(["grouped_mm", "reference"]), pickled=rng.random() < 0.3)
 
 
 def offloadable(case: FuzzCase) -> bool:
@@ -81,6 +84,8 @@ def check_offload(case: FuzzCase, result: Outcome) -> OffloadOptions | None:
     link_layers(layers)
     g = torch.Generator().manual_seed(case.seed + 7)
     for step in range(FORWARDS):
+        if step == 1 and opts.pickled:
+            layers = _saved_and_loaded(layers)
         for depth, (off, moe) in enumerate(zip(layers, plain)):
             # each layer a fresh x [M, K] of the case's scale: a layer's output as the next input compounds the
             # dtype's rounding and overflows fp16; the cache and the prefetch see the same sequence of calls
@@ -96,6 +101,13 @@ def check_offload(case: FuzzCase, result: Outcome) -> OffloadOptions | None:
                 return opts
             _check_call(case, moe, x, call, f"offload {opts}: forward {step} layer {depth}", result)
     return opts
+
+
+def _saved_and_loaded(layers: list[OffloadedMoE]) -> list[OffloadedMoE]:
+    buf = io.BytesIO()
+    torch.save(layers, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def _check_call(case: FuzzCase, moe, x: torch.Tensor, call, what: str, result: Outcome) -> None:

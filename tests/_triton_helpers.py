@@ -41,6 +41,14 @@ def interpreter():
         yield tri
 
 
+@pytest.fixture(scope="module", autouse=True)
+def router_and_experts_interpreted():
+    """The fused router and ``moekit.experts.triton``, their kernels decorated under the interpreter (the fuzz tests:
+    import it into the module, as ``interpreter``)."""
+    with interpreted("moekit.routing", "moekit.routing.fused"), interpreted("moekit.experts", "moekit.experts.triton"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def fp8():
     """``moekit.experts.triton_fp8``, its kernels decorated under the interpreter."""

@@ -1,6 +1,7 @@
 """Expert-parallel layers (``EPMoE``) on the fuzzer's seeded configs over 2 and 3 gloo ranks (``_fuzz_ep``): each
 rank's output for its rows (uneven shares, empty ones included; contiguous or round-robin placement, uneven with 3
-ranks) against the float64 loop on the whole batch, routed from the ranks' logits; the configs EPMoE refuses must
+ranks; EPLB rebalanced, with redundant replicas) against the float64 loop on the whole batch, routed from the ranks'
+logits (with capacity dropping: on the rank's own rows, its dropped count too); the configs EPMoE refuses must
 name what they refuse; and the gradients (``_fuzz_ep_grad``) against float64 autograd through the loop. One spawn
 per world size runs every seed. ``benchmarks/fuzz_layer.py --ep`` runs more."""
 
@@ -70,6 +71,31 @@ def test_the_seeds_reach_every_ep_option(ranks):
     assert any(not c.fuse_shared and c.config.has_shared_expert for c in cases)
     assert {c.dtype for c in cases} == {torch.float32, torch.bfloat16, torch.float64, torch.float16}
     assert any(ranks[w][0][s].refusal for w, seeds in SEEDS.items() for s in seeds)
+    # capacity per rank with drops on some rank, both drop policies; EPLB with and without redundant replicas
+    capacity = [(w, s) for (w, s), c in zip(taken, cases) if c.capacity_factor is not None]
+    assert any(ranks[w][r][s].dropped for w, s in capacity for r in range(w))
+    assert {draw_case(s).drop_policy for _, s in capacity} == {"position", "weight"}
+    assert {o.eplb for o in opts} == {None, 0, 1, 2}
+    assert any(ranks[w][r][s].replicas for w, s in taken for r in range(w))
+
+
+def test_the_checks_fail_on_a_rank_that_drops_one_more(ranks):
+    """A capacity case's dropped count one high on rank 0: every seed whose rank 0 compared fails (the count is held
+    to the loop's over that rank's own tokens)."""
+    compared, failing = [], []
+    for w in SEEDS:
+        bent = [{s: dataclasses.replace(r, dropped=r.dropped + (rank == 0)) for s, r in by_seed.items()}
+                for rank, by_seed in enumerate(ranks[w])]
+        for s in SEEDS[w]:
+            if draw_case(s).capacity_factor is None or ranks[w][0][s].refusal is not None:
+                continue
+            plain, outcome = Outcome(), Outcome()
+            check_ep([s], ranks[w], w, plain)
+            check_ep([s], bent, w, outcome)
+            assert not plain.failures, plain.failures
+            compared += [(w, s)] if ranks[w][0][s].stop > 0 and plain.compared else []
+            failing += [(w, s)] if outcome.failures else []
+    assert len(compared) >= 3 and set(compared) <= set(failing), (compared, failing)
 
 
 def test_the_checks_fail_on_an_ep_output_off_by_a_little(ranks):
@@ -114,3 +140,10 @@ def test_the_gradient_checks_fail_on_a_wrong_ep_gradient(grad_ranks):
         compared += [s] if plain.compared and bent[0][s].slots and np.abs(bent[0][s].grads["w13"]).max() > 0 else []
         failing += [s] if outcome.failures else []
     assert len(compared) >= 3 and set(compared) <= set(failing), (compared, failing)
+
+
+def test_the_gradient_seeds_reach_eplb_replicas(grad_ranks):
+    """Some trained case ran on a rebalanced placement with redundant replicas (their gradients summed per expert)."""
+    replicated = [(w, s) for w, seeds in GRAD_SEEDS.items() for s in seeds
+                  if sum(len(rank[s].slots) for rank in grad_ranks[w]) > draw_case(s).config.num_experts]
+    assert len(replicated) >= 2, replicated

@@ -21,19 +21,13 @@ import torch
 from _fuzz_cases import draw_case
 from _fuzz_check import check_case
 from _fuzz_reference import LayerWeights, TokenRoute, capacity_keep, reference_moe, route_token
-from _triton_helpers import interpreted
+from _triton_helpers import router_and_experts_interpreted  # noqa: F401 (autouse: the kernels interpreted)
 from moekit import MoE, MoEConfig
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 
 SEEDS = range(50)  # ~55 s on one core of the dev machine (the interpreted triton cases are most of it)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    with interpreted("moekit.routing", "moekit.routing.fused"), interpreted("moekit.experts", "moekit.experts.triton"):
-        yield
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -1,6 +1,7 @@
 """Offloaded layers (``OffloadedMoE``) on the fuzzer's seeded configs against the float64 loop (``_fuzz_offload``):
 two layers on one shared ExpertCache smaller than the experts a batch touches (rounds), LRU / LFU, prefetch off /
-by router / by the previous set, misses on the "gpu" (the CPU here), the CPU or "auto", three batches in a row.
+by router / by the previous set, misses on the "gpu" (the CPU here), the CPU or "auto", three batches in a row, the
+layers saved and loaded whole (torch.save) after the first in some.
 A failure prints the seed and the options; ``benchmarks/fuzz_layer.py --offload --seeds S:S+1`` reruns it."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def test_the_seeds_reach_every_offload_option():
     cases = [c for c in map(draw_case, SEEDS) if offloadable(c)]
     opts = [offload_options(c) for c in cases]
     assert {o.policy for o in opts} == {"lru", "lfu"} and {o.prefetch for o in opts} == {None, "router", "previous"}
-    assert {o.compute_misses_on for o in opts} == {"gpu", "cpu", "auto"}
+    assert {o.compute_misses_on for o in opts} == {"gpu", "cpu", "auto"} and {o.pickled for o in opts} == {True, False}
     assert any(o.cache_experts < c.config.num_experts and c.m * c.config.top_k > o.cache_experts
                for o, c in zip(opts, cases))  # a batch may touch more experts than the cache holds: rounds
     assert any(c.scheme for c in cases) and {c.dtype for c in cases} >= {torch.float32, torch.bfloat16, torch.float64}

@@ -93,3 +93,23 @@ def test_offloading_again_says_the_blocks_are_offloaded():
     offload_experts(model, gpu_budget_bytes=5 * 3 * 32 * 16 * 4, device="cpu")
     with pytest.raises(ValueError, match=r"no MoE block .*: Qwen3MoeForCausalLM; its blocks are offloaded already"):
         offload_experts(model, gpu_budget_bytes=5 * 3 * 32 * 16 * 4, device="cpu")
+
+
+def test_a_whole_offloaded_model_saves_and_loads():
+    """torch.save(model) of the offloaded transformers model (modules pickled, not a state_dict; it failed on the
+    cache's typed views, usr44): the loaded model's blocks share one new cache and give the original's logits."""
+    import io
+
+    model = tiny.qwen3_moe_small()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    offload_experts(model, gpu_budget_bytes=5 * 3 * 32 * 16 * 4, device="cpu", backend="grouped_mm")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    caches = {id(m.moe.cache) for m in loaded.modules() if isinstance(m, OffloadedBlock)}
+    assert len(caches) == 1
+    with torch.no_grad():
+        assert rel_l2(loaded(ids).logits, ref) < 1e-5

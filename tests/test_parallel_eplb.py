@@ -167,6 +167,7 @@ def test_deterministic_and_spread_when_equal():
 # ----- EPMoE with an expert twice on one rank (2 gloo ranks) ---------------------------------------
 
 DOUBLED = Placement(8, 2, [[0, 1, 4, 4, 2], [3, 5, 6, 7, 4]])  # expert 4: two slots on rank 0, one on rank 1
+WIDE = Placement(8, 2, [[0, 1, 2, 3, 4], [4, 5, 6, 7, 0]])  # DOUBLED's slot counts, at most 2 replicas an expert
 
 
 @torch.no_grad()
@@ -189,6 +190,19 @@ def _doubled_scenario(rank: int, world_size: int) -> dict:
     res["received"] = ep.apply_placement(DOUBLED)  # from contiguous: rank 0 receives expert 4 into two slots
     res["moved"] = err(ep(local))
     res["weights"] = all(torch.equal(ep.w13[i], moe.w13[e]) for i, e in enumerate(DOUBLED.slots[rank]))
+    # the same slot counts, but expert 4 on 3 slots: more replicas than the W-wide tables held (an in-place copy of
+    # the tables raised "size of tensor a (2) must match ... (3)"; found by the fuzzer's EPLB draws, fix45)
+    ep = EPMoE.from_moe(moe, WIDE)
+    w13 = ep.w13
+    ep.apply_placement(DOUBLED)
+    res["wider"], res["same_w13"] = err(ep(local)), ep.w13 is w13
+    ep = EPMoE.from_moe(moe, WIDE)
+    ep.graph_captured = True
+    try:
+        ep.apply_placement(DOUBLED)
+        res["captured"] = "applied"
+    except ValueError as e:
+        res["captured"] = str(e)
     return res
 
 
@@ -197,7 +211,8 @@ def test_epmoe_serves_an_expert_held_twice_on_a_rank():
     needed there): outputs equal the single-process layer, each slot gets its expert's weights."""
     per_rank = run_ranks(_doubled_scenario, 2, timeout_s=150)
     for res in per_rank:
-        assert res["exact"] < 1e-13 and res["padded"] < 1e-13 and res["moved"] < 1e-13
-        assert res["weights"]
+        assert res["exact"] < 1e-13 and res["padded"] < 1e-13 and res["moved"] < 1e-13 and res["wider"] < 1e-13
+        assert res["weights"] and res["same_w13"]  # the slot count kept: the weights stay in their Parameter
+        assert "replicas to 3 (> 2)" in res["captured"] and "captured CUDA graph" in res["captured"]
     # move_experts sends expert 4 to rank 0 twice (one row per slot) but counts distinct experts received.
     assert [res["received"] for res in per_rank] == [1, 1]

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moekit.activations import as_spec, glu_rows
 from moekit.config import MoEConfig
-from moekit.hf.variants import build_plan
+from moekit.hf.variants import build_plan, identify_activation
 from moekit.layer import MoE
 from moekit.quant import install_quantized_experts_
 from moekit.quant.hf import quantized_experts_weights
+from moekit.routing.shared import fused_shared
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
@@ -205,7 +207,7 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
                              "expert: use fuse_shared=False")
         install_quantized_experts_(moe, *quantized)
         if shared_mlp is not None:
-            shared_w13, shared_w2 = _shared_weights(shared_mlp)
+            shared_w13, shared_w2 = _shared_weights(shared_mlp, moe.config.activation)
             with torch.no_grad():
                 moe.shared_w13.copy_(shared_w13)
                 moe.shared_w2.copy_(shared_w2)
@@ -213,13 +215,13 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
     w13, w2 = experts.gate_up_proj, experts.down_proj
     if transposed:
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, 2N, K], [E, K, N]
-    shared_w13, shared_w2 = _shared_weights(shared_mlp) if shared_mlp is not None else (None, None)
+    activation = moe.config.activation
+    shared_w13, shared_w2 = _shared_weights(shared_mlp, activation) if shared_mlp is not None else (None, None)
     if moe.fuse_shared:
-        slots, n_dim = moe.config.num_shared_slots, moe.config.moe_intermediate_size
-        gate_rows, up_rows = shared_w13.view(2, slots, n_dim, -1).unbind(0)  # [S, N, K] each
+        slot_w13, slot_w2 = fused_shared(shared_w13, shared_w2, activation, moe.config.num_shared_slots)
         with torch.no_grad():
-            moe.w13.copy_(torch.cat([w13, torch.cat([gate_rows, up_rows], dim=1)]))
-            moe.w2.copy_(torch.cat([w2, shared_w2.view(-1, slots, n_dim).transpose(0, 1)]))
+            moe.w13.copy_(torch.cat([w13, slot_w13]))
+            moe.w2.copy_(torch.cat([w2, slot_w2]))
             if moe.b13 is not None:
                 moe.b13[: w13.shape[0]].copy_(experts.gate_up_proj_bias)
                 moe.b2[: w13.shape[0]].copy_(experts.down_proj_bias)
@@ -238,22 +240,37 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
             moe.shared_w2.copy_(shared_w2)
 
 
-def _shared_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A transformers gated MLP -> (w13 [2SN, K] gate rows then up rows, w2 [K, SN]); a fused ``gate_up_proj``
+def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers gated MLP -> (w13 [2SN, K], w2 [K, SN]), w13's rows in the order the layer's shared MLP reads
+    with the experts' ``activation`` (gate rows then up rows, or interleaved: ``glu_rows``). The layer runs its shared
+    MLP with that spec, so an MLP whose ``act_fn`` computes another activation (or the spec a clamped or scaled one
+    the MLP's plain act(gate) * up is not) is refused rather than computed as another function."""
+    gate, up, down = _shared_gate_up_down(mlp)
+    spec = as_spec(activation)
+    own = identify_activation(getattr(mlp, "act_fn", None), down.device)
+    if own is not None and (own != spec.name or spec.alpha != 1.0 or spec.limit is not None or spec.up_shift):
+        raise TypeError(f"the shared expert {type(mlp).__name__} computes {own}(gate) * up, but moekit's shared MLP "
+                        f"runs the experts' activation {activation!r}, so it cannot run in the layer: moe_from_hf(..., "
+                        "shared_expert=False) leaves it out, use_moekit_blocks(..., fuse_shared=False) to the block")
+    return glu_rows(gate, up, activation), down
+
+
+def _shared_gate_up_down(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A transformers gated MLP -> (gate [SN, K], up [SN, K], down [K, SN]); a fused ``gate_up_proj``
     (MiniMax-M3-VL: gate rows then up rows, its activation the experts'); S experts in bmm layout (Inkling)."""
     if getattr(mlp, "limit", None) is not None:  # Step-3.7 / Bailing-Hybrid's per-layer clamp
         raise TypeError(f"the shared expert {type(mlp).__name__} clamps its SwiGLU (limit {mlp.limit}): moekit's "
                         "shared MLP does not")
     if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear) and getattr(mlp.gate_up_proj, "bias", None) is None:
-        return mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
+        return (*mlp.gate_up_proj.weight.detach().chunk(2), mlp.down_proj.weight.detach())
     if all(isinstance(getattr(mlp, n, None), nn.Parameter) and getattr(mlp, n).dim() == 3
            for n in ("gate_proj", "up_proj", "down_proj")):  # Inkling's S experts: [S, N, K] twice, [S, K, N]
         gate, up, down = mlp.gate_proj.detach(), mlp.up_proj.detach(), mlp.down_proj.detach()
-        return torch.cat([gate.flatten(0, 1), up.flatten(0, 1)]), down.permute(1, 0, 2).flatten(1)
+        return gate.flatten(0, 1), up.flatten(0, 1), down.permute(1, 0, 2).flatten(1)
     if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         raise TypeError(f"the shared expert must be a gated MLP with gate_proj/up_proj/down_proj, "
                         f"got {type(mlp).__name__}")
     if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
         raise TypeError(f"the shared expert {type(mlp).__name__} has biases (ERNIE's use_bias): moekit's shared MLP "
                         "has none")
-    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.down_proj.weight.detach()
+    return mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach()

@@ -42,6 +42,12 @@ class Buffers:
         self._sent = torch.cuda.Event() if pin else None  # after the result's copy
         self._result_pending = False
 
+    def __getstate__(self) -> dict:  # scratch: pickled (torch.save of a model, deepcopy) as new, empty buffers
+        return {"pin": self.pin}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(pin=state["pin"])
+
     def input_views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Typed views over the inputs' buffer shaped as ``tensors``, packed by element size (largest
         first, so each starts at a multiple of its own size); the same views for the same signature."""

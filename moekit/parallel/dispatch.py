@@ -58,8 +58,9 @@ class ReplicaTables:
     @classmethod
     def build(cls, placement: Placement, rank: int, num_shared_slots: int, device,
               width: int | None = None) -> "ReplicaTables":
-        """``width``: Rmax, raised to the most replicas of one expert if smaller; a fixed width (W, the
-        most any placement can have) keeps the tables' shapes when the placement changes."""
+        """``width``: Rmax, raised to the most replicas of one expert if smaller; a fixed width (W: the most a
+        placement can have unless it doubles an expert on a rank, as EPLB may) keeps the tables' shapes when the
+        placement changes."""
         num_experts = placement.num_experts
         replicas = [placement.replicas(e) for e in range(num_experts)]
         width = max(max(len(r) for r in replicas), width or 0)
@@ -358,17 +359,6 @@ class PendingCombine:
         out = torch.zeros(num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
         out.index_add_(0, sent.send_token, back.to(acc))
         return out.to(y.dtype)
-
-
-def tied_to_received(y: torch.Tensor, x_recv: torch.Tensor, weights_recv: torch.Tensor) -> torch.Tensor:
-    """The experts' output y [U, K] for the received rows x_recv [U, K], weights_recv [U, k]. Where no received slot
-    ran an expert (no rows; or the padded dispatch's W*C rows all skipped: every token on other ranks' experts or on
-    identity experts) a backend returns a fresh tensor outside the graph, so this rank's loss would not reach the
-    received tensors and its backward would skip the transposed all-to-alls its peers' backward pairs with (they hang,
-    or its loss has no gradient at all): tied to them with zeros, the same values."""
-    if y.requires_grad or not torch.is_grad_enabled() or not (x_recv.requires_grad or weights_recv.requires_grad):
-        return y
-    return y + (x_recv * 0).to(y.dtype) + (weights_recv.sum() * 0).to(y.dtype)  # [U, K]
 
 
 def start_combine(y: torch.Tensor, sent: Dispatched, group) -> PendingCombine:

@@ -28,16 +28,12 @@ from moekit.experts import autocast_input, call_backend
 from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
-                                      plan_sends, tied_to_received, weights_dtype)
+                                      plan_sends, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.overlap import dispatch_starters, run_chunks
-from moekit.parallel.placement import (
-    Placement,
-    balancedness,
-    contiguous_placement,
-    rank_loads,
-)
+from moekit.parallel.placement import Placement, balancedness, contiguous_placement, rank_loads
+from moekit.parallel.rows import tied_to_received
 from moekit.parallel.weights import move_experts, shard_experts
 from moekit.routing import Routing
 
@@ -235,7 +231,8 @@ class EPMoE(MoE):
     def run_local_experts(self, sent: Dispatched) -> torch.Tensor:
         """The received rows through this rank's experts: [U, K], each row its slots' weighted sum."""
         return tied_to_received(call_backend(self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
-                                          activation=self.config.activation), sent.x, sent.weights)  # [U, K]
+                                          activation=self.config.activation), sent.x, sent.weights,
+                                (self.w13, self.w2))  # [U, K]
 
     def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:
         return combine(y, sent, self.group)
@@ -344,10 +341,11 @@ class EPMoE(MoE):
         """Move expert weights between ranks so this rank holds ``placement.slots[rank]``; returns the
         slots received over the network. Collective; every rank passes the same placement (checked).
 
-        In place when this rank keeps its slot count (always with EPLB when E + R is a multiple of W):
-        weights and replica tables are copied into their storage, so a CUDA graph captured before
-        replays the new placement. Otherwise ``w13``/``w2`` are reallocated, which is refused on every
-        rank once a forward ran under capture (``graph_captured``; reset it after dropping the graphs)."""
+        In place when this rank keeps its slot count (always with EPLB when E + R is a multiple of W) and no expert
+        has more replicas than the tables hold (W, or the most a placement applied before had: EPLB may double an
+        expert on a rank): weights and replica tables are copied into their storage, so a CUDA graph captured before
+        replays the new placement. Otherwise they are reallocated, which is refused on every rank once a forward ran
+        under capture (``graph_captured``; reset it after dropping the graphs)."""
         with self._errors.on(self.w13.device) as errors:
             if placement.num_experts != self.num_experts or placement.world_size != self.world_size:
                 raise ValueError(
@@ -355,30 +353,32 @@ class EPMoE(MoE):
                     f"{placement.num_experts} over {placement.world_size}"
                 )
             num_local = placement.num_local_experts(self.rank)
-            if num_local != self.num_local_experts and self.graph_captured:
+            tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device,
+                                         width=self._tables.rank_of.shape[1])
+            in_place = num_local == self.num_local_experts and tables.rank_of.shape == self._tables.rank_of.shape
+            if not in_place and self.graph_captured:
                 raise ValueError(
-                    f"the placement changes this rank's expert slots from {self.num_local_experts} to {num_local}, "
-                    f"which "
-                    "reallocates w13/w2 under a captured CUDA graph; keep each rank's slot count (see apply_placement)"
-                )
+                    f"the placement changes this rank's expert slots from {self.num_local_experts} to {num_local} "
+                    f"or an expert's replicas to {tables.rank_of.shape[1]} (> {self._tables.rank_of.shape[1]}), "
+                    "which reallocates w13/w2 or the replica tables under a captured CUDA graph (see apply_placement)")
             errors.agree(json.dumps(placement.to_dict()), what="the placement to apply")
         with torch.no_grad():
             w13 = move_experts(self.w13.data, self.placement, placement, self.rank, self.group)
             w2 = move_experts(self.w2.data, self.placement, placement, self.rank, self.group)
-        tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device,
-                                     width=self.world_size)
         if num_local == self.num_local_experts:  # same shapes: copy into the same storage
             with torch.no_grad():
                 self.w13.copy_(w13.weight)
                 self.w2.copy_(w2.weight)
+        else:
+            self.w13 = nn.Parameter(w13.weight, requires_grad=self.w13.requires_grad)
+            self.w2 = nn.Parameter(w2.weight, requires_grad=self.w2.requires_grad)
+        if in_place:
             for name in ("num_replicas", "rank_of", "local_of", "lookup"):
                 getattr(self._tables, name).copy_(getattr(tables, name))
             # A graph captured before keeps the replica choice it captured (or its absence): either way
             # every slot goes to a rank holding its expert (replica 0 always exists), only the spread differs.
             self._tables.replicated = tables.replicated
         else:
-            self.w13 = nn.Parameter(w13.weight, requires_grad=self.w13.requires_grad)
-            self.w2 = nn.Parameter(w2.weight, requires_grad=self.w2.requires_grad)
             self._tables = tables
         self.placement = placement
         return w13.received

@@ -81,3 +81,20 @@ def view_rows_as(byte_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return byte_cols.view(dtype)
     except RuntimeError:
         return byte_cols.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
+def tied_to_received(y: torch.Tensor, x_recv: torch.Tensor, weights_recv: torch.Tensor,
+                     experts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The experts' output y [U, K] for the received rows x_recv [U, K], weights_recv [U, k], from the rank's
+    ``experts`` weights (w13, w2). Where no received slot ran an expert (no rows; or the padded dispatch's W*C rows
+    all skipped: every token on other ranks' experts or on identity experts) a backend returns a fresh tensor outside
+    the graph, so this rank's loss would not reach the received tensors and its backward would skip the transposed
+    all-to-alls its peers' backward pairs with (they hang, or its loss has no gradient at all), and its experts'
+    gradients would be None where an optimizer or a DDP-style all-reduce expects zeros: tied to all of them with
+    zeros (one element of each weight: its gradient is the zero tensor of its shape), the same values."""
+    if y.requires_grad or not torch.is_grad_enabled():
+        return y
+    ties = [t.reshape(-1)[:1].sum() for t in experts if t.requires_grad and t.numel()]
+    if x_recv.requires_grad or weights_recv.requires_grad:
+        ties += [x_recv * 0, weights_recv.sum()]
+    return y + sum((t * 0).to(y.dtype) for t in ties) if ties else y  # [U, K]

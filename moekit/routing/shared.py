@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.activations import apply_glu
+from moekit.activations import apply_glu, as_spec
 from moekit.config import MoEConfig
 from moekit.routing.route import Routing
 
@@ -71,13 +71,28 @@ def shared_mlp(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: tor
     return y if config.shared_weight == 1.0 else y * config.shared_weight
 
 
+def fused_shared(shared_w13: torch.Tensor, shared_w2: torch.Tensor, activation,
+                 slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The separate shared MLP's weights as ``slots`` routed-width experts (``unfused_shared``'s inverse):
+    shared_w13 [2SN, K] -> slot_w13 [S, 2N, K]; shared_w2 [K, SN] -> slot_w2 [S, K, N] (a view). Slot s holds units
+    sN..sN + N - 1: their gate rows then their up rows, or, for an interleaved ``activation`` (row 2i gate i, 2i + 1
+    up i), the 2N rows holding them as they are."""
+    n = shared_w2.shape[1] // slots
+    if as_spec(activation).interleaved:
+        slot_w13 = shared_w13.view(slots, 2 * n, -1)  # [S, 2N, K]
+    else:
+        gate_rows, up_rows = shared_w13.view(2, slots, n, -1).unbind(0)  # [S, N, K] each
+        slot_w13 = torch.cat([gate_rows, up_rows], dim=1)  # [S, 2N, K]
+    return slot_w13, shared_w2.view(-1, slots, n).transpose(0, 1)
+
+
 def unfused_shared(slot_w13: torch.Tensor, slot_w2: torch.Tensor, activation) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused shared slots back as the separate MLP's weights: slot_w13 [S, 2N, K] -> shared_w13 [2SN, K];
     slot_w2 [S, K, N] -> shared_w2 [K, SN]. Each slot's gate rows then its up rows become all gate rows, then all up
     rows; for an interleaved ``activation`` (an ``ActivationSpec`` like gpt-oss's: row 2i gate i, 2i + 1 up i, in a
-    slot as in the shared MLP) the slots' rows are stacked as they are. Inverse of the copy ``moekit.hf.blocks``
-    fuses with; the same function (``shared_mlp``)."""
-    if not isinstance(activation, str) and activation.interleaved:
+    slot as in the shared MLP) the slots' rows are stacked as they are. Inverse of ``fused_shared``; the same
+    function (``shared_mlp``)."""
+    if as_spec(activation).interleaved:
         shared_w13 = slot_w13.flatten(0, 1)  # [2SN, K]
     else:
         gate_rows, up_rows = slot_w13.split(slot_w2.shape[2], dim=1)  # [S, N, K] each
