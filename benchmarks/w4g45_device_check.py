@@ -1,0 +1,234 @@
+"""Issue #16 target 1, session 45 (brief w4g45): the int4 words gate-up (``moekit/experts/_kernels/gluon_wo_words.py``:
+16-byte word loads straight into mma.sync's register operand) against the route's pick's gate-up and a pure read of
+the same bytes in the same geometry (``w4g45_reads``).
+
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/w4g45_device_check.py --out $OUT/w4g45 --deadline 70   # GPU
+    PYTHONPATH=$PWD python3 benchmarks/w4g45_device_check.py --smoke        # CPU: the kernels' torch twins, tiny
+
+Per cell (int4, groups of 128, random scales and zero points): PASS / FAIL of the words gate-up's h against the torch
+twin (``dequantize_wo`` in float32, silu(gate) * up; rel-L2 <= TOL), of the pick's h likewise, and of the read's
+folds against ``read_fold_twin`` (its first blocks); then CUDA graphs over SETS rotated input sets, ROUNDS rounds
+(``bench_rounds.settled``, shuffled), median µs a call of: "words" (x_words + the kernel), "words128" (the same, ptxas
+capped at 128 registers: 4 programs an SM against 3), "kernel" (the kernel alone,
+x_words made before), "read" (the pure read), "pick" (the route's launches up to its down GEMM: alignment, gate-up,
+split_glu where it has them) and "align" (the pick's alignment alone, aligned cells). The floor: the touched
+experts' w13 bytes (codes, scales, zero points) at the copy rate measured first. Table last; JSON <out>/w4g45.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_rounds import graph_of, medians, settled, shuffled, wins  # noqa: E402
+from bench_run import RunLog, run_info, write_json  # noqa: E402
+from decode_q3_device_check import measure_copy, rel_l2  # noqa: E402
+from wo_device_check import quantized  # noqa: E402
+
+from moekit.bench.cells import Shape, make_sets  # noqa: E402
+from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
+from moekit.experts.triton_wo import dequantize_wo, wo_launches  # noqa: E402
+from moekit.experts.triton_wo_plan import weight_args, wo_plan_for  # noqa: E402
+from moekit.experts.triton_wo_words import (  # noqa: E402
+    NUM_WARPS, gate_up_words, gate_up_words_torch, words_gate_up_launch, x_words,
+)
+from moekit.layouts.block_aligned import align_block  # noqa: E402
+
+CELLS = (("mixtral-8x7b", 1), ("deepseek-v3", 1), ("mixtral-8x7b", 8), ("deepseek-v3", 8), ("qwen3-30b-a3b", 1))
+SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
+RUN = RunLog("w4g45: gate-up launches, graph µs, median of 5 rounds; % of the w13 byte floor; x pick = pick / words")
+
+
+def weights(s: Shape, dev, seed: int):
+    """w13 int4 (random codes, scales 0.5-1.5x the unit-variance one, zero points 0-15) and w2 uninitialised."""
+    w13 = quantized("int4_w4a16", s.num_experts, 2 * s.n, s.k, dev, seed=seed)
+    g = torch.Generator(device=dev).manual_seed(seed + 7)
+    w13.scale.mul_(torch.rand(w13.scale.shape, generator=g, device=dev) + 0.5)
+    w13.zero.copy_(torch.randint(0, 16, w13.zero.shape, generator=g, device=dev, dtype=torch.uint8))
+    w2 = quantized("int4_w4a16", s.num_experts, s.k, s.n, dev, seed=None)
+    return w13, w2
+
+
+def h_twin(x, w13, ids) -> torch.Tensor:
+    """h [A, N] float32 by ``dequantize_wo``, one touched expert at a time."""
+    n, top_k = w13.q.shape[1] // 2, ids.shape[1]
+    flat = ids.reshape(-1)
+    h = torch.empty(flat.numel(), n, device=x.device)
+    for e in flat.unique().tolist():
+        slots = (flat == e).nonzero()[:, 0]
+        v = x[slots // top_k].float() @ dequantize_wo(w13, x.shape[1], e).t()  # [m, 2N]
+        h[slots] = torch.nn.functional.silu(v[:, :n]) * v[:, n:]
+    return h
+
+
+def pick_launches(c, a13, a2, upto_align: bool = False) -> tuple:
+    """(a function running the route's launches before its down GEMM, its h buffer)."""
+    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16", "silu", None, LaunchOptions(),
+                       None, None, None, None)
+    b = plan.workspace.allocate(c.x.device)
+    out = torch.empty_like(c.x)
+    launches = wo_launches(plan, b, c.x, a13, a2, c.topk_ids, c.topk_weights, None, out)
+    stop = next(i for i, (launch, _) in enumerate(launches) if launch in (plan.down, plan.down_sum))
+    if upto_align:
+        stop = next(i for i, (launch, _) in enumerate(launches) if launch is plan.gate_up)
+    chosen = launches[:stop]
+
+    def run() -> None:
+        for launch, pointers in chosen:
+            launch(*pointers)
+
+    return run, b["h"], plan.decode
+
+
+def read_call(c, w13, layout, n: int):
+    """(a function running the pure read on this set's blocks, its fold buffer, the blocks' experts)."""
+    from w4g45_reads import read_words_kernel
+
+    naive = layout.naive
+    experts = c.topk_ids.reshape(-1) if naive else layout.expert_ids
+    blocks = experts.numel()
+    tiles = n // (8 * NUM_WARPS)
+    out = torch.empty(blocks * tiles * 32, dtype=torch.int32, device=c.x.device)
+    args = (w13.q, c.topk_ids.reshape(-1), layout.expert_ids, layout.num_padded, out, n, w13.q.shape[2] * 2,
+            w13.q.stride(0) // 4, w13.q.stride(1) // 4)
+
+    def run() -> None:
+        read_words_kernel[(blocks * tiles,)](*args, BM=8, NAIVE=naive, num_warps=NUM_WARPS, enable_fp_fusion=True)
+
+    return run, out, experts
+
+
+def floor_us(s: Shape, ids: torch.Tensor, copy_tbps: float) -> float:
+    """The touched experts' w13 bytes (codes, float32 scales, zero points) at the copy rate."""
+    groups = s.k // 128
+    per_expert = 2 * s.n * (s.k // 2 + 5 * groups)
+    return ids.unique().numel() * per_expert / (copy_tbps * 1e12) * 1e6
+
+
+def check_cell(label: str, s: Shape, c, w13, a13, a2, layout) -> dict:
+    """The PASS / FAIL lines on set 0; returns the calls that passed, by name."""
+    twin = h_twin(c.x, w13, c.topk_ids)
+    calls = {}
+    if SMOKE:
+        mine = gate_up_words_torch(c.x, a13, c.topk_ids).float()
+    else:
+        mine = gate_up_words(c.x, a13, c.topk_ids, layout).float()
+        torch.cuda.synchronize()
+    if RUN.check(f"{label} words h", rel_l2(mine, twin) <= TOL, f"rel-L2 {rel_l2(mine, twin):.2e}"):
+        calls["words"] = None
+    if not SMOKE:
+        capped = gate_up_words(c.x, a13, c.topk_ids, layout, max_registers=128).float()
+        RUN.check(f"{label} words128 h bit-equal to words'", torch.equal(capped, mine))
+    run, h, decode = pick_launches(c, a13, a2)
+    run()
+    err = rel_l2(h.float(), twin)
+    if RUN.check(f"{label} pick ({decode}) h", err <= TOL, f"rel-L2 {err:.2e}"):
+        calls["pick"] = None
+    if not SMOKE:
+        from w4g45_reads import read_fold_twin
+
+        run, out, experts = read_call(c, w13, layout, s.n)
+        run()
+        first = experts[:2].tolist()
+        twin_fold = read_fold_twin(w13.q, first, s.n, NUM_WARPS).reshape(-1)
+        ok = torch.equal(out[:twin_fold.numel()], twin_fold)
+        if RUN.check(f"{label} read folds", ok, f"first {len(first)} blocks"):
+            calls["read"] = None
+    return calls
+
+
+def timed(label: str, s: Shape, sets: list, w13, a13, a2, layouts: list, calls: dict, stop: float) -> dict:
+    """name -> [µs a call per round] of the cell's graphs."""
+    fns = {}
+    if "words" in calls:
+        fns["words"] = [lambda c=c, lay=lay: gate_up_words(c.x, a13, c.topk_ids, lay) for c, lay in zip(sets, layouts)]
+        fns["words128"] = [lambda c=c, lay=lay: gate_up_words(c.x, a13, c.topk_ids, lay, max_registers=128)
+                           for c, lay in zip(sets, layouts)]
+        made = [x_words(c.x, a13.group_size) for c in sets]
+        kernels = []
+        for c, lay, xw in zip(sets, layouts, made):
+            a, h = c.topk_ids.numel(), torch.empty(c.topk_ids.numel(), s.n, dtype=c.x.dtype, device=c.x.device)
+            blocks = a if lay.naive else lay.expert_ids.numel()
+            launch = words_gate_up_launch(c.x, a13, a, c.topk_ids.shape[1], blocks, lay.naive, 8)
+            rows = (None, None, None) if lay.naive else (lay.sorted_ids, lay.expert_ids, lay.num_padded)
+            ptrs = (xw.x, xw.sums, a13.q, a13.scale, a13.zero, h, c.topk_ids.reshape(-1), *rows)
+            kernels.append(lambda launch=launch, ptrs=ptrs: launch(*ptrs))
+        fns["kernel"] = kernels
+    if "read" in calls:
+        fns["read"] = [read_call(c, w13, lay, s.n)[0] for c, lay in zip(sets, layouts)]
+    if "pick" in calls:
+        fns["pick"] = [pick_launches(c, a13, a2)[0] for c in sets]
+        if not layouts[0].naive:
+            fns["align"] = [pick_launches(c, a13, a2, upto_align=True)[0] for c in sets]
+    graphs = {name: graph_of(f, sets[0].x.device) for name, f in fns.items()}
+    rounds = settled({n: (g, None) for n, g in graphs.items()}, len(sets), sets[0].x.device, ROUNDS, REPLAYS,
+                     stop, order=shuffled)
+    del graphs
+    return rounds
+
+
+def run_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results: list) -> None:
+    s = Shape(f"{preset}/smoke", 8, 64, 512, 2) if SMOKE else Shape.from_preset(preset)
+    label = f"{preset} int4 M={m}"
+    w13, w2 = weights(s, dev, seed=m)
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    sets = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
+    layouts = [align_block(c.topk_ids, s.num_experts, 8) for c in sets]
+    RUN.log(f"{label}: {'tiny-batch shortcut' if layouts[0].naive else 'aligned, 8-row blocks'}")
+    calls = check_cell(label, s, sets[0], w13, a13, a2, layouts[0])
+    if dev.type != "cuda":
+        return
+    rounds = timed(label, s, sets, w13, a13, a2, layouts, calls, stop)
+    times = medians(rounds)
+    floor = sum(floor_us(s, c.topk_ids, copy_tbps) for c in sets) / len(sets)
+    results.append({"cell": label, "floor_us": floor, "times": times, "rounds": rounds})
+    RUN.log(f"{label}: floor {floor:.1f} " + "  ".join(f"{n} {t:.1f}" for n, t in times.items()))
+    pick, words, read = times.get("pick"), times.get("words"), times.get("read")
+    line = f"{label} (floor {floor:.1f} µs):"
+    for n, t in times.items():
+        line += f"  {n} {t:.1f} ({100 * floor / t:.0f}%)"
+    if pick and words:
+        won = wins(rounds["words"], rounds["pick"])
+        line += f"; x pick {pick / words:.3f}, words faster {won}/{len(rounds['words'])}"
+    if read and words:
+        line += f"; words at {100 * read / words:.0f}% of the read"
+    RUN.summary.append(line)
+
+
+def main(args) -> int:
+    dev = torch.device("cpu" if SMOKE else "cuda")
+    copy_tbps = 0.0 if SMOKE else measure_copy(dev)
+    RUN.log(f"copy {copy_tbps:.2f} TB/s; {run_info()}")
+    results, stop_at = [], time.time() + args.deadline - RUN.elapsed()
+    for preset, m in CELLS[:1] if SMOKE else CELLS:
+        if RUN.elapsed() > args.deadline - 12:
+            RUN.summary.append(f"{preset} int4 M={m}: not reached (deadline)")
+            continue
+        try:
+            run_cell(preset, m, dev, copy_tbps, stop_at, results)
+        except Exception as e:  # noqa: BLE001  (a cell that fails is reported; the others still run)
+            RUN.check(f"{preset} M={m}", False, f"{type(e).__name__}: {str(e)[:400]}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.out:
+            write_json(os.path.join(args.out, "w4g45.json"), {**run_info(), "copy_tbps": copy_tbps, "cells": results})
+    RUN.print_table()
+    return 1 if RUN.failed else 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="")
+    p.add_argument("--deadline", type=float, default=70.0)
+    p.add_argument("--smoke", action="store_true")
+    sys.exit(main(p.parse_args()))

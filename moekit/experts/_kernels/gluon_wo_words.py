@@ -1,0 +1,225 @@
+"""The int4 decode gate-up on Gluon with the packed words loaded straight into mma.sync's register operand (decode
+"gluon_words", issue #16 target 1, session 45): no shared memory, no cp.async / TMA ring for the weights.
+
+    h[a, j] = silu(x[t(a)] . w_gate[e(a), j]) * (x[t(a)] . w_up[e(a), j])       a: an assignment, t(a) = a // k
+
+A warp owns 8 gate rows and their 8 up rows: the 16 rows of one ``mma.sync m16n8k16`` A operand (weight rows as M,
+the block's tokens as N = 8 or 16), gate row i at operand row i and up row i at i + 8, so a thread's accumulator
+holds the gate sum and the up sum of the same output (mma C rows g and g + 8) and the SiLU-and-mul moves nothing.
+A program is ``num_warps`` such warps (8 num_warps gate rows of one expert) over the whole reduction, on one block of
+BM rows of the block-aligned layout (NAIVE: assignment pid_m alone, the tiny-batch shortcut).
+
+The words: a step is 32 int32 words of each row (256 columns, 128 bytes a row), loaded in the operand layout of
+``k_width`` 4 on the [16 num_warps, 32] word tile: thread (g, q) of a warp (lane 4 g + q) holds words 4q .. 4q + 3
+and 16 + 4q .. 16 + 4q + 3 of rows g and g + 8 (two LDG.128 a row), issued one step ahead in registers. Each word
+decodes where it lies (``_WORD_ASM``: three shifts and four lop3 for eight weights, 128 + code as bf16, exact) and
+the halves are put in the order of the bf16 operand layout (``k_width`` 2) by reshape / permute / split only, so the
+``convert_layout`` to it is a register renaming (no SHFL, no STS / LDS: ``benchmarks/w4g45_sass_cpu.py``). The dot's
+reduction order is free: within a step, dot column d (bits p = d0, q0 = d1, q1 = d2, g = d3, h = d4, j0 = d5,
+j1 = d6, c = d7) holds value T = g + 2 h + 4 p of word 16 c + 4 q + j, i.e. the weight's column
+
+    phys(d) = 128 c + 32 q + 8 j + 4 p + 2 h + g          (``triton_wo_words.dot_columns`` is its torch form)
+
+and the activations come in that order too, stored so each thread's B fragment is contiguous (``x_words``: column
+m = 64 (d1 + 2 d2) + d0 + 2 d3 + 4 d4 + 8 d5 + 16 d6 + 32 d7 of a 256-column step holds x[phys(d)]; 8 LDG.128 a
+step, loaded in a blocked layout and renamed into the B operand the same way).
+
+int4 with groups of a multiple of 128 columns: d7 = c is column bit 7, so each half step [128 c, 128 c + 128) lies
+in one group. Its dot starts from zero and is corrected and scaled on the float32 partial:
+
+    acc += scale * (sum_d (128 + code) x  -  (128 + zero) * xsum)         xsum: the group's sum of x (float32)
+
+(``xsum`` made with x_words on the host: one [M, K / g] tensor). No bf16 fma in the decode: the code's bf16 is its
+value plus 128, exact, and the zero point's term is one FFMA a partial element.
+
+Shapes: A = M*k assignments, E experts, N intermediate, K hidden (a multiple of 256), W = num_warps, BM tokens a
+block. Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch`` (this launch's h: ``triton_wo_words``).
+Gluon does not run in the interpreter (CUDA sm_80+ only).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+STEP_WORDS = gl.constexpr(32)  # words of a row a step: 256 int4 columns, 128 bytes
+STEP = gl.constexpr(256)  # columns a step
+
+# $0..$3: values (t, t + 4) of the word $4 for t = 0..3 as bf16x2 bits of 128 + code; $5 0x43004300 (bf16x2 128.0,
+# a runtime value so ptxas keeps it in a register)
+_WORD_ASM = gl.constexpr("""{
+.reg .b32 a, b, c;
+shr.u32 a, $4, 4;
+shr.u32 b, $4, 8;
+shr.u32 c, $4, 12;
+lop3.b32 $0, $4, 0x000F000F, $5, 0xEA;
+lop3.b32 $1, a, 0x000F000F, $5, 0xEA;
+lop3.b32 $2, b, 0x000F000F, $5, 0xEA;
+lop3.b32 $3, c, 0x000F000F, $5, 0xEA;
+}""")
+
+
+@gluon.jit
+def _halves(o):
+    """int32 [R, C] holding bf16x2 -> bf16 [R, C, 2] (the low half first)."""
+    lo = o.to(gl.int16).to(gl.bfloat16, bitcast=True)
+    hi = (o >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _weight_halves(words, magic, a_layout: gl.constexpr):
+    """A step's words [R, 32] (the k_width-4 operand layout) -> its two half steps c = 0, 1 as the bf16 A operand
+    [R, 128] each (128 + code, dot order: module doc)."""
+    R: gl.constexpr = words.type.shape[0]
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(_WORD_ASM, "=r,=r,=r,=r,r,r", [words, magic],
+                                               dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    v = gl.join(gl.join(_halves(o0), _halves(o1)), gl.join(_halves(o2), _halves(o3)))  # [R, 32, p, g, h]
+    v = gl.reshape(v, [R, 2, 2, 2, 2, 2, 2, 2, 2])  # [R, c, q1, q0, j1, j0, p, g, h]
+    v = gl.permute(v, [0, 4, 5, 8, 7, 2, 3, 6, 1])  # [R, j1, j0, h, g, q1, q0, p, c]
+    lo, hi = gl.split(gl.reshape(v, [R, 128, 2]))
+    return gl.convert_layout(lo, a_layout), gl.convert_layout(hi, a_layout)
+
+
+@gluon.jit
+def _x_halves(xp, b_layout: gl.constexpr):
+    """A step's activations as int32 bf16 pairs [BM, 128] in the stored order (module doc) -> the B operand
+    [128, BM] of each half step. (Carried through the loop as int32: as bf16 the loop-carried halves cost a PRMT
+    each, sm_90 SASS.)"""
+    BM: gl.constexpr = xp.type.shape[0]
+    v = gl.reshape(_halves(xp), [BM, 2, 2, 2, 2, 2, 2, 2, 2])  # [n, d2, d1, d7, d6, d5, d4, d3, d0]
+    v = gl.permute(v, [4, 5, 6, 7, 1, 2, 8, 0, 3])  # [d6, d5, d4, d3, d2, d1, d0, n, d7]
+    lo, hi = gl.split(gl.reshape(v, [128, BM, 2]))
+    return gl.convert_layout(lo, b_layout), gl.convert_layout(hi, b_layout)
+
+
+@gluon.jit
+def _operand_rows(words, W: gl.constexpr):
+    """The loaded words [16 W, 32] (tile row 8 W v + 8 w + g) -> operand rows 16 w + 8 v + g: the k_width-4 operand
+    layout's lanes and warps (a renaming)."""
+    t = gl.permute(gl.reshape(words, [2, W, 8, STEP_WORDS]), [1, 0, 2, 3])
+    return gl.reshape(t, [16 * W, STEP_WORDS])
+
+
+@gluon.jit
+def _group_terms(s_rows, z_rows, xs_rows, col, row_ok, tok_ok, GROUP: gl.constexpr):
+    """The half step at column ``col``'s group: the rows' scales [R], 128 + their zero points [R] (float32) and the
+    tokens' sums of x over the group [BM]."""
+    g = col // GROUP
+    scale = gl.load(s_rows + g, mask=row_ok, other=0.0)
+    zero = gl.load(z_rows + g, mask=row_ok, other=0).to(gl.float32) + 128.0
+    xsum = gl.load(xs_rows + g, mask=tok_ok, other=0.0)
+    return scale, zero, xsum
+
+
+@gluon.jit
+def _corrected(acc, part, scale, zero, xsum):
+    """acc + scale * (part - (128 + zero) * xsum) (module doc)."""
+    return acc + (part - zero[:, None] * xsum[None, :]) * scale[:, None]
+
+
+@gluon.jit
+def _step(acc, zeros, words, xp, col, magic, s_rows, z_rows, xs_rows, row_ok, tok_ok, GROUP: gl.constexpr,
+          num_warps: gl.constexpr):
+    """acc [R, BM] (zeros: its shape, 0) + the step at column ``col``: its words [R, 32] (as loaded) decoded, times
+    its activations [BM, 128] (int32 pairs), each half step's partial corrected and scaled by its group
+    (``_corrected``)."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc.type.layout, k_width=2)
+    s0, z0, xs0 = _group_terms(s_rows, z_rows, xs_rows, col, row_ok, tok_ok, GROUP)
+    s1, z1, xs1 = _group_terms(s_rows, z_rows, xs_rows, col + 128, row_ok, tok_ok, GROUP)
+    a0, a1 = _weight_halves(_operand_rows(words, num_warps), magic, a_layout)
+    b0, b1 = _x_halves(xp, b_layout)
+    acc = _corrected(acc, mma_v2(a0, b0, zeros), s0, z0, xs0)
+    return _corrected(acc, mma_v2(a1, b1, zeros), s1, z1, xs1)
+
+
+@gluon.jit
+def gate_up_words_kernel(
+    x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x_words [M, K] bf16, xsum [M, K / g] f32; w13 q / s / z; h [A, N]
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,  # the routing (NAIVE: ids alone) and aligned layout
+    N, K, num_assignments, top_k, num_experts,
+    stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,  # q in words
+    BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, num_warps: gl.constexpr,
+):
+    """h = silu(x w_gate^T) * (x w_up^T) of one block's rows and 8 num_warps gate columns (module doc). Grid:
+    (blocks * N / (8 num_warps),); N a multiple of 8 num_warps, K of 256, GROUP of 128 (``triton_wo_words``)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [1, num_warps], [1, 0])
+    num_pid_n = N // (8 * num_warps)
+    pid_m = gl.program_id(0) // num_pid_n
+    n0 = (gl.program_id(0) % num_pid_n) * (8 * num_warps)
+    # the block's rows (assignments, A past the end) and expert
+    tok_x = gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
+    tok_c = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    if NAIVE:
+        expert = gl.load(ids_ptr + pid_m).to(gl.int32)
+        rows_x = gl.where(tok_x == 0, pid_m, num_assignments)
+        rows_c = gl.where(tok_c == 0, pid_m, num_assignments)
+    else:
+        expert = gl.where(pid_m * BM < gl.load(num_padded_ptr), gl.load(expert_ids_ptr + pid_m), -1)
+        rows_x = gl.load(sorted_ids_ptr + pid_m * BM + tok_x)
+        rows_c = gl.load(sorted_ids_ptr + pid_m * BM + tok_c)
+    if (expert >= 0) & (expert < num_experts):
+        _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
+               stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
+               GROUP, num_warps)
+
+
+@gluon.jit
+def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
+           stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
+           GROUP: gl.constexpr, num_warps: gl.constexpr):
+    """The program's h tile: rows_x / rows_c [BM] its block's assignments (A past the end) in the x load's and the
+    accumulator's layouts, n0 its first gate column (module doc)."""
+    BM: gl.constexpr = rows_x.type.shape[0]
+    R: gl.constexpr = 16 * num_warps
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])  # 16-byte loads
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [1, num_warps], [1, 0])  # int32 pairs
+    ok_x, ok_c = rows_x < num_assignments, rows_c < num_assignments
+    # the words load [16 W, 32] as tile row u = 8 W v + 8 w + g (v: register, w: warp, g: lane group): operand row
+    # 16 w + 8 v + g (``_operand_rows``), i.e. w13 row n0 + 8 w + g, plus N for the up rows (v = 1)
+    u = gl.arange(0, R, layout=gl.SliceLayout(1, w_layout))
+    w13_w = n0 + 8 * (u // 8 % num_warps) + u % 8 + (u // (8 * num_warps)) * N
+    r_c = gl.arange(0, R, layout=gl.SliceLayout(1, mma))  # operand row 16 w + 8 v + g: the same w13 row
+    w13_c = n0 + 8 * (r_c // 16) + r_c % 8 + (r_c % 16 // 8) * N
+    words = q_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert.to(gl.int64) * stride_qe
+    cols = gl.arange(0, STEP_WORDS, layout=gl.SliceLayout(0, w_layout))
+    w_ptrs = words + (w13_w * stride_qr)[:, None] + cols[None, :]  # [R, 32] the step's words
+    m = gl.arange(0, STEP // 2, layout=gl.SliceLayout(0, x_layout))  # bf16 pairs
+    x_pairs = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    x_ptrs = x_pairs + (gl.where(ok_x, rows_x // top_k, 0) * (stride_xm // 2))[:, None] + m[None, :]  # [BM, 128]
+    s_rows = s_ptr + expert * stride_se + w13_c * stride_sr  # [R] the rows' groups
+    z_rows = z_ptr + expert * stride_ze + w13_c * stride_zr
+    xs_rows = xsum_ptr + gl.where(ok_c, rows_c // top_k, 0) * stride_xsm  # [BM]
+    row_ok = w13_c < 2 * N
+    magic = 0x43004300 + (K >> 31)  # bf16x2 128.0 (K >= 0), a value ptxas holds in a register
+    acc = gl.zeros([R, BM], gl.float32, mma)
+    zeros = gl.zeros([R, BM], gl.float32, mma)  # each half step's dot starts from zero
+    steps = K // STEP  # even (the host's checks): two steps an iteration, each loaded a step before its decode
+    w_a = gl.load(w_ptrs)  # [R, 32] int32, unmasked: every row and step lies inside w13 (the host's checks)
+    x_a = gl.load(x_ptrs)  # [BM, 128] int32: padding rows read token 0, never stored
+    for s in range(0, steps - 2, 2):  # ping-pong a / b: no register copies between iterations
+        w_b, x_b = gl.load(w_ptrs + (s + 1) * STEP_WORDS), gl.load(x_ptrs + (s + 1) * (STEP // 2))
+        acc = _step(acc, zeros, w_a, x_a, s * STEP, magic, s_rows, z_rows, xs_rows, row_ok, ok_c, GROUP, num_warps)
+        w_a, x_a = gl.load(w_ptrs + (s + 2) * STEP_WORDS), gl.load(x_ptrs + (s + 2) * (STEP // 2))
+        acc = _step(acc, zeros, w_b, x_b, (s + 1) * STEP, magic, s_rows, z_rows, xs_rows, row_ok, ok_c, GROUP,
+                    num_warps)
+    w_b, x_b = gl.load(w_ptrs + (steps - 1) * STEP_WORDS), gl.load(x_ptrs + (steps - 1) * (STEP // 2))
+    acc = _step(acc, zeros, w_a, x_a, (steps - 2) * STEP, magic, s_rows, z_rows, xs_rows, row_ok, ok_c, GROUP,
+                num_warps)
+    acc = _step(acc, zeros, w_b, x_b, (steps - 1) * STEP, magic, s_rows, z_rows, xs_rows, row_ok, ok_c, GROUP,
+                num_warps)
+    # acc rows: warp w's gate rows then up rows -> gate, up [8 W, BM], each thread both of its outputs
+    both = gl.permute(gl.reshape(acc, [num_warps, 2, 8, BM]), [0, 2, 3, 1])  # [W, 8, BM, gate / up]
+    gate, up = gl.split(both)
+    h = gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * num_warps, BM])
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
+    h = gl.convert_layout(h, out_layout)
+    cols_o = n0 + gl.arange(0, 8 * num_warps, layout=gl.SliceLayout(1, out_layout))
+    rows_o = gl.convert_layout(rows_c, gl.SliceLayout(0, out_layout))
+    ok_o = gl.convert_layout(ok_c, gl.SliceLayout(0, out_layout))
+    gl.store(h_ptr + rows_o[None, :] * stride_hm + cols_o[:, None], h.to(h_ptr.dtype.element_ty),
+             mask=ok_o[None, :] & (cols_o < N)[:, None])

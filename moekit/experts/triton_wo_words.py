@@ -1,0 +1,169 @@
+"""The host side of the int4 gate-up that loads its packed words straight into mma.sync's register operand (decode
+"gluon_words", issue #16 target 1, session 45; the kernel: ``_kernels/gluon_wo_words.py``, whose module docstring
+gives the dot order): what it requires (``check_words``, refused by name), the activations in its order
+(``x_words``), the launch (``words_gate_up_launch``) and h of a call (``gate_up_words``). Selectable only: no
+default takes it until a device run measures it (``benchmarks/w4g45_device_check.py``).
+
+    [align or the tiny-batch shortcut] -> x_words (x in the dot order, group sums) -> gate_up_words_kernel -> h
+
+Shapes: M tokens, k slots, A = M*k, E experts, N intermediate, K hidden, g the int4 group size, W warps a program.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from moekit.triton_bind import BoundLaunch
+
+STEP = 256  # columns a step of the kernel (32 words of a row)
+BLOCK_ROWS = (8, 16)  # BM: the block's rows, the MMA's N (8 or two 8-column MMAs)
+NUM_WARPS = 4  # a program's warps (8 gate rows each); sm_90, Triton 3.6 / 3.9: 140-144 registers, 3 programs an SM
+
+
+def dot_columns() -> torch.Tensor:
+    """[256] int64: the weight column within a step that dot column d holds (``gluon_wo_words``: with d's bits p =
+    d0, q = d1 + 2 d2, g = d3, h = d4, j = d5 + 2 d6, c = d7, column 128 c + 32 q + 8 j + 4 p + 2 h + g)."""
+    d = torch.arange(STEP)
+    bit = [(d >> i) & 1 for i in range(8)]
+    p, q, g, h, j, c = bit[0], bit[1] + 2 * bit[2], bit[3], bit[4], bit[5] + 2 * bit[6], bit[7]
+    return 128 * c + 32 * q + 8 * j + 4 * p + 2 * h + g
+
+
+def stored_dot_columns() -> torch.Tensor:
+    """[256] int64: the dot column stored at position m of a step of ``x_words`` (each thread's B fragment
+    contiguous: m = 64 (d1 + 2 d2) + d0 + 2 d3 + 4 d4 + 8 d5 + 16 d6 + 32 d7)."""
+    m = torch.arange(STEP)
+    bit = [(m >> i) & 1 for i in range(8)]  # m's bits: d0, d3, d4, d5, d6, d7, d1, d2
+    return bit[0] + 8 * bit[1] + 16 * bit[2] + 32 * bit[3] + 64 * bit[4] + 128 * bit[5] + 2 * bit[6] + 4 * bit[7]
+
+
+@functools.cache
+def _x_order(device: torch.device) -> torch.Tensor:
+    return dot_columns()[stored_dot_columns()].to(device)
+
+
+@dataclass(frozen=True)
+class XWords:
+    """The activations as the kernel reads them."""
+
+    x: torch.Tensor  # [M, K] x.dtype: column 256 s + m holds x[:, 256 s + dot_columns()[stored_dot_columns()[m]]]
+    sums: torch.Tensor  # [M, K / g] float32: sums[:, i] = x[:, i g:(i + 1) g].sum(1) of the bf16 values
+
+
+def x_words(x: torch.Tensor, group_size: int) -> XWords:
+    """x [M, K] (K a multiple of 256 and of g) in the kernel's order, and its group sums."""
+    m, k = x.shape
+    stored = x.view(m, k // STEP, STEP)[:, :, _x_order(x.device)].reshape(m, k)
+    return XWords(stored, x.float().view(m, k // group_size, group_size).sum(-1))
+
+
+def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps: int = NUM_WARPS) -> None:
+    """The kernel's requirements of x and w13 (a ``triton_wo_plan.WeightArgs`` of int4), each refused by name."""
+    num_experts, two_n, half_k = w13.q.shape
+    n, k = two_n // 2, x.shape[1]
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"decode='gluon_words' needs x contiguous bf16, got {x.dtype}")
+    if w13.q.dtype != torch.uint8 or w13.zero.dtype != torch.uint8 or 2 * half_k != k:
+        raise ValueError("decode='gluon_words' runs int4_w4a16 (w13.q uint8 [E, 2N, K / 2] with zero points) only")
+    if k % (2 * STEP):
+        raise ValueError(f"decode='gluon_words' needs K a multiple of {2 * STEP} (two steps an iteration), got {k}")
+    if w13.group_size % 128 or k % w13.group_size:
+        raise ValueError(f"decode='gluon_words' needs w13.group_size a multiple of 128 dividing K, got "
+                         f"{w13.group_size}")
+    if n % (8 * num_warps):
+        raise ValueError(f"decode='gluon_words' needs N a multiple of {8 * num_warps} (8 gate rows a warp), got {n}")
+    if w13.scale.stride(2) != 1 or w13.zero.stride(2) != 1:
+        raise ValueError("decode='gluon_words' needs w13.scale and w13.zero with contiguous groups")
+    if w13.q.stride(2) != 1 or w13.q.stride(1) % 16 or w13.q.stride(0) % 16 or w13.q.data_ptr() % 16:
+        raise ValueError("decode='gluon_words' needs w13.q rows contiguous at 16-byte aligned strides and address")
+    if block_rows not in BLOCK_ROWS or top_k < 1:
+        raise ValueError(f"decode='gluon_words': block_rows must be one of {BLOCK_ROWS} and top_k >= 1, got "
+                         f"{block_rows}, {top_k}")
+
+
+def words_gate_up_launch(x: torch.Tensor, w13, num_assignments: int, top_k: int, blocks: int, naive: bool,
+                         block_rows: int = 8, num_warps: int = NUM_WARPS,
+                         max_registers: int | None = None) -> BoundLaunch:
+    """The gate-up launch of a call (after ``check_words``): ``blocks`` blocks of ``block_rows`` rows (naive: one
+    assignment each), pointers (x_words.x, x_words.sums, q, scale, zero, h, ids, sorted_ids, expert_ids,
+    num_padded; the last three None when naive). ``max_registers``: ptxas's cap (128: 4 programs an SM, 48 bytes of
+    stack outside the main loop, sm_90 offline; None: 140-144 registers, 3 programs), for the device check's A/B."""
+    from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel
+
+    num_experts, two_n, half_k = w13.q.shape
+    n, k = two_n // 2, 2 * half_k
+    qe, qr, _, se, sr, _, ze, zr, _ = w13.strides
+    scalars = (n, k, num_assignments, top_k, num_experts, k, k // w13.group_size, qe // 4, qr // 4, se, sr, ze, zr, n)
+    cap = {} if max_registers is None else {"maxnreg": max_registers}
+    return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)),), 10, scalars, cached=True,
+                       BM=block_rows, GROUP=w13.group_size, NAIVE=naive, num_warps=num_warps, **cap)
+
+
+def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,
+                  max_registers: int | None = None):
+    """h [A, N] (x.dtype) = silu(x w_gate^T) * (x w_up^T) of each assignment through the kernel. ``layout``: a
+    ``moekit.layouts.block_aligned.BlockAlignedLayout`` of 8- or 16-row blocks, or None for the tiny-batch shortcut
+    (one assignment a program). For tools and the device check; not a route's launch."""
+    num_tokens, top_k = topk_ids.shape
+    naive = layout is None or layout.naive
+    block_rows = 8 if naive else layout.block_size
+    check_words(x, w13, top_k, block_rows, num_warps)
+    a = num_tokens * top_k
+    blocks = a if naive else layout.expert_ids.numel()
+    launch = words_gate_up_launch(x, w13, a, top_k, blocks, naive, block_rows, num_warps, max_registers)
+    xw = x_words(x, w13.group_size)
+    h = torch.empty(a, w13.q.shape[1] // 2, dtype=x.dtype, device=x.device)
+    rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
+    launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, topk_ids.reshape(-1), *rows)
+    return h
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernel's operand order in torch (its steps mirrored op for op) and its arithmetic
+# ---------------------------------------------------------------------------------------------------
+
+
+def weight_halves_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gluon_wo_words._weight_halves`` in torch: a step's words [R, 32] int32 -> the two half steps' A operands
+    [R, 128] float32 (128 + code) in the dot order, by the kernel's joins, reshape, permute and split."""
+    r = words.shape[0]
+    o = [(((words >> (4 * t)) & 0x000F000F) | 0x43004300) for t in range(4)]  # bf16x2 bits of 128 + code
+    halves = [torch.stack([(v & 0xFFFF) - 0x4300, ((v >> 16) & 0xFFFF) - 0x4300], -1) + 128 for v in o]  # [R, 32, 2]
+    v = torch.stack([torch.stack([halves[0], halves[1]], -1), torch.stack([halves[2], halves[3]], -1)], -1)
+    v = v.reshape(r, 2, 2, 2, 2, 2, 2, 2, 2).permute(0, 4, 5, 8, 7, 2, 3, 6, 1).reshape(r, 128, 2)
+    return v[..., 0].float(), v[..., 1].float()
+
+
+def x_halves_torch(xp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gluon_wo_words._x_halves`` in torch: a step's stored activations [BM, 256] -> the B operands [128, BM]."""
+    bm = xp.shape[0]
+    v = xp.reshape(bm, 2, 2, 2, 2, 2, 2, 2, 2).permute(4, 5, 6, 7, 1, 2, 8, 0, 3).reshape(128, bm, 2)
+    return v[..., 0], v[..., 1]
+
+
+def gate_up_words_torch(x: torch.Tensor, w13, topk_ids: torch.Tensor) -> torch.Tensor:
+    """h [A, N] float32 as the kernel computes it (tiny-batch form: one assignment at a time), from its operands in
+    its order (``weight_halves_torch``, ``x_halves_torch`` on ``x_words``), float64 sums: each half step's
+    sum_d (128 + code) x, corrected by (128 + zero) * the group's x sum, times the group's scale."""
+    num_experts, two_n, half_k = w13.q.shape
+    n, k, g = two_n // 2, 2 * half_k, w13.group_size
+    xw = x_words(x, g)
+    ids = topk_ids.reshape(-1)
+    h = torch.empty(ids.numel(), n, dtype=torch.float64, device=x.device)
+    for a, e in enumerate(ids.tolist()):
+        t = a // topk_ids.shape[1]
+        words = w13.q[e].contiguous().view(torch.int32).long()  # [2N, K / 8]
+        acc = torch.zeros(two_n, dtype=torch.float64, device=x.device)
+        for s in range(k // STEP):
+            parts = zip(weight_halves_torch(words[:, 32 * s:32 * s + 32]),
+                        x_halves_torch(xw.x[t:t + 1, STEP * s:STEP * s + STEP].double()))
+            for c, (a_op, b_op) in enumerate(parts):
+                grp = (STEP * s + 128 * c) // g
+                part = a_op.double() @ b_op[:, 0]  # [2N]
+                zero = w13.zero[e, :, grp].double() + 128
+                acc += (part - zero * xw.sums[t, grp].double()) * w13.scale[e, :, grp].double()
+        h[a] = torch.nn.functional.silu(acc[:n]) * acc[n:]
+    return h
