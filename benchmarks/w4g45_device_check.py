@@ -154,7 +154,7 @@ def timed(label: str, s: Shape, sets: list, w13, a13, a2, layouts: list, calls: 
         fns["words"] = [lambda c=c, lay=lay: gate_up_words(c.x, a13, c.topk_ids, lay) for c, lay in zip(sets, layouts)]
         fns["words128"] = [lambda c=c, lay=lay: gate_up_words(c.x, a13, c.topk_ids, lay, max_registers=128)
                            for c, lay in zip(sets, layouts)]
-        made = [x_words(c.x, a13.group_size) for c in sets]
+        made = [x_words(c.x) for c in sets]
         kernels = []
         for c, lay, xw in zip(sets, layouts, made):
             a, h = c.topk_ids.numel(), torch.empty(c.topk_ids.numel(), s.n, dtype=c.x.dtype, device=c.x.device)

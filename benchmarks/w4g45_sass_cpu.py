@@ -5,6 +5,7 @@ opcodes, its loads by width, and any STS / LDS / SHFL (the operand must reach th
 
     PYTHONPATH=$PWD python3 benchmarks/w4g45_sass_cpu.py                          # this Triton (3.9 here)
     PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/w4g45_sass_cpu.py          # Triton 3.6 (the H200's)
+    ... w4g45_sass_cpu.py naive aligned                                            # these cases only
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def main() -> int:
 
     print("triton", triton.__version__, flush=True)
     for case in CASES:
-        print(report(*case), flush=True)
+        if len(sys.argv) < 2 or case[0] in sys.argv[1:]:
+            print(report(*case), flush=True)
     return 0
 
 

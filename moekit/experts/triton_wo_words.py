@@ -4,7 +4,7 @@ gives the dot order): what it requires (``check_words``, refused by name), the a
 (``x_words``), the launch (``words_gate_up_launch``) and h of a call (``gate_up_words``). Selectable only: no
 default takes it until a device run measures it (``benchmarks/w4g45_device_check.py``).
 
-    [align or the tiny-batch shortcut] -> x_words (x in the dot order, group sums) -> gate_up_words_kernel -> h
+    [align or the tiny-batch shortcut] -> x_words (x in the dot order, its 128-column sums) -> gate_up_words_kernel -> h
 
 Shapes: M tokens, k slots, A = M*k, E experts, N intermediate, K hidden, g the int4 group size, W warps a program.
 """
@@ -50,14 +50,15 @@ class XWords:
     """The activations as the kernel reads them."""
 
     x: torch.Tensor  # [M, K] x.dtype: column 256 s + m holds x[:, 256 s + dot_columns()[stored_dot_columns()[m]]]
-    sums: torch.Tensor  # [M, K / g] float32: sums[:, i] = x[:, i g:(i + 1) g].sum(1) of the bf16 values
+    sums: torch.Tensor  # [M, K / 128] float32: sums[:, i] = x[:, 128 i:128 (i + 1)].sum(1) of the bf16 values
 
 
-def x_words(x: torch.Tensor, group_size: int) -> XWords:
-    """x [M, K] (K a multiple of 256 and of g) in the kernel's order, and its group sums."""
+def x_words(x: torch.Tensor) -> XWords:
+    """x [M, K] (K a multiple of 256) in the kernel's order, and its sums over each half step's 128 columns (the
+    zero points' term: a half step lies in one group, but a group of 256 or more spans several half steps)."""
     m, k = x.shape
     stored = x.view(m, k // STEP, STEP)[:, :, _x_order(x.device)].reshape(m, k)
-    return XWords(stored, x.float().view(m, k // group_size, group_size).sum(-1))
+    return XWords(stored, x.float().view(m, k // 128, 128).sum(-1))
 
 
 def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps: int = NUM_WARPS) -> None:
@@ -96,7 +97,7 @@ def words_gate_up_launch(x: torch.Tensor, w13, num_assignments: int, top_k: int,
     num_experts, two_n, half_k = w13.q.shape
     n, k = two_n // 2, 2 * half_k
     qe, qr, _, se, sr, _, ze, zr, _ = w13.strides
-    scalars = (n, k, num_assignments, top_k, num_experts, k, k // w13.group_size, qe // 4, qr // 4, se, sr, ze, zr, n)
+    scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, n)
     cap = {} if max_registers is None else {"maxnreg": max_registers}
     return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)),), 10, scalars, cached=True,
                        BM=block_rows, GROUP=w13.group_size, NAIVE=naive, num_warps=num_warps, **cap)
@@ -114,7 +115,7 @@ def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num
     a = num_tokens * top_k
     blocks = a if naive else layout.expert_ids.numel()
     launch = words_gate_up_launch(x, w13, a, top_k, blocks, naive, block_rows, num_warps, max_registers)
-    xw = x_words(x, w13.group_size)
+    xw = x_words(x)
     h = torch.empty(a, w13.q.shape[1] // 2, dtype=x.dtype, device=x.device)
     rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
     launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, topk_ids.reshape(-1), *rows)
@@ -147,10 +148,10 @@ def x_halves_torch(xp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def gate_up_words_torch(x: torch.Tensor, w13, topk_ids: torch.Tensor) -> torch.Tensor:
     """h [A, N] float32 as the kernel computes it (tiny-batch form: one assignment at a time), from its operands in
     its order (``weight_halves_torch``, ``x_halves_torch`` on ``x_words``), float64 sums: each half step's
-    sum_d (128 + code) x, corrected by (128 + zero) * the group's x sum, times the group's scale."""
+    sum_d (128 + code) x, corrected by (128 + zero) * the half step's x sum, times the group's scale."""
     num_experts, two_n, half_k = w13.q.shape
     n, k, g = two_n // 2, 2 * half_k, w13.group_size
-    xw = x_words(x, g)
+    xw = x_words(x)
     ids = topk_ids.reshape(-1)
     h = torch.empty(ids.numel(), n, dtype=torch.float64, device=x.device)
     for a, e in enumerate(ids.tolist()):
@@ -164,6 +165,6 @@ def gate_up_words_torch(x: torch.Tensor, w13, topk_ids: torch.Tensor) -> torch.T
                 grp = (STEP * s + 128 * c) // g
                 part = a_op.double() @ b_op[:, 0]  # [2N]
                 zero = w13.zero[e, :, grp].double() + 128
-                acc += (part - zero * xw.sums[t, grp].double()) * w13.scale[e, :, grp].double()
+                acc += (part - zero * xw.sums[t, 2 * s + c].double()) * w13.scale[e, :, grp].double()
         h[a] = torch.nn.functional.silu(acc[:n]) * acc[n:]
     return h

@@ -27,9 +27,9 @@ step, loaded in a blocked layout and renamed into the B operand the same way).
 int4 with groups of a multiple of 128 columns: d7 = c is column bit 7, so each half step [128 c, 128 c + 128) lies
 in one group. Its dot starts from zero and is corrected and scaled on the float32 partial:
 
-    acc += scale * (sum_d (128 + code) x  -  (128 + zero) * xsum)         xsum: the group's sum of x (float32)
+    acc += scale * (sum_d (128 + code) x  -  (128 + zero) * xsum)    xsum: the half step's sum of x (float32)
 
-(``xsum`` made with x_words on the host: one [M, K / g] tensor). No bf16 fma in the decode: the code's bf16 is its
+(``xsum`` made with x_words on the host: one [M, K / 128] tensor). No bf16 fma in the decode: the code's bf16 is its
 value plus 128, exact, and the zero point's term is one FFMA a partial element.
 
 Shapes: A = M*k assignments, E experts, N intermediate, K hidden (a multiple of 256), W = num_warps, BM tokens a
@@ -104,12 +104,12 @@ def _operand_rows(words, W: gl.constexpr):
 
 @gluon.jit
 def _group_terms(s_rows, z_rows, xs_rows, col, row_ok, tok_ok, GROUP: gl.constexpr):
-    """The half step at column ``col``'s group: the rows' scales [R], 128 + their zero points [R] (float32) and the
-    tokens' sums of x over the group [BM]."""
+    """The half step at column ``col``: its group's scales [R] and 128 + zero points [R] (float32) of the rows, and the
+    tokens' sums of x over its 128 columns [BM]."""
     g = col // GROUP
     scale = gl.load(s_rows + g, mask=row_ok, other=0.0)
     zero = gl.load(z_rows + g, mask=row_ok, other=0).to(gl.float32) + 128.0
-    xsum = gl.load(xs_rows + g, mask=tok_ok, other=0.0)
+    xsum = gl.load(xs_rows + col // 128, mask=tok_ok, other=0.0)
     return scale, zero, xsum
 
 
@@ -137,7 +137,7 @@ def _step(acc, zeros, words, xp, col, magic, s_rows, z_rows, xs_rows, row_ok, to
 
 @gluon.jit
 def gate_up_words_kernel(
-    x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x_words [M, K] bf16, xsum [M, K / g] f32; w13 q / s / z; h [A, N]
+    x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x_words [M, K] bf16, xsum [M, K / 128] f32; w13; h [A, N]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,  # the routing (NAIVE: ids alone) and aligned layout
     N, K, num_assignments, top_k, num_experts,
     stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,  # q in words

@@ -1,0 +1,115 @@
+"""The int4 words gate-up (``moekit/experts/triton_wo_words.py``, kernel ``_kernels/gluon_wo_words.py``) on the CPU:
+Gluon does not run in the interpreter, so its host side is held here against independent references: the dot order
+(closed form) against the words' nibbles read one by one, the kernel's operand steps mirrored in torch against it, the
+activations' stored order and group sums against float64, the kernel's arithmetic (``gate_up_words_torch``) against a
+float64 loop over dequantized weights, the refusals by name, and the kernel compiled for sm_90 (no spill, no shared
+memory or shuffle in its main loop, 16-byte word loads). The kernel itself is checked on the device
+(``benchmarks/w4g45_device_check.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit.experts.triton_wo_plan import weight_args
+from moekit.experts.triton_wo_words import (
+    check_words, dot_columns, gate_up_words_torch, stored_dot_columns, weight_halves_torch, x_halves_torch, x_words,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _int4(e: int, rows: int, cols: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (e, rows, cols // 2), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(e, rows, cols // group, generator=g) + 0.5) / (4.6 * cols**0.5)  # unit-variance products
+    zero = torch.randint(0, 16, (e, rows, cols // group), generator=g, dtype=torch.uint8)
+    return q, scale, zero
+
+
+def _code(q_row: torch.Tensor, col: int) -> int:
+    """The int4 code of column ``col`` of a packed row (element 2i the low nibble of byte i)."""
+    byte = int(q_row[col // 2])
+    return byte & 15 if col % 2 == 0 else byte >> 4
+
+
+def test_orders_are_permutations():
+    assert sorted(dot_columns().tolist()) == list(range(256))
+    assert sorted(stored_dot_columns().tolist()) == list(range(256))
+
+
+def test_weight_operand_holds_the_codes_in_dot_order():
+    q, _, _ = _int4(1, 4, 512, 128)
+    words = q[0].contiguous().view(torch.int32).long()  # [4, 64]
+    cols = dot_columns().tolist()
+    for s in range(2):
+        halves = weight_halves_torch(words[:, 32 * s:32 * s + 32])
+        for c, half in enumerate(halves):  # [4, 128]
+            for r in range(4):
+                want = [128 + _code(q[0, r], 256 * s + cols[128 * c + d]) for d in range(128)]
+                assert half[r].tolist() == want
+
+
+def test_x_operand_holds_x_in_dot_order_and_group_sums():
+    x = torch.randn(3, 1024, dtype=torch.float64).bfloat16()
+    xw = x_words(x)
+    cols = dot_columns()
+    for s in range(4):
+        b0, b1 = x_halves_torch(xw.x[:, 256 * s:256 * s + 256])  # [128, 3] each
+        for c, b in enumerate((b0, b1)):
+            assert torch.equal(b.t(), x[:, 256 * s + cols[128 * c:128 * c + 128]])
+    sums = x.double().view(3, 8, 128).sum(-1)
+    assert torch.allclose(xw.sums.double(), sums, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [128, 256])
+def test_kernel_arithmetic_matches_a_float64_loop(group):
+    e, n, k = 3, 32, 1024
+    q, scale, zero = _int4(e, 2 * n, k, group, seed=group)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ids = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32)
+    h = gate_up_words_torch(x, weight_args(q, scale, zero, group), ids)
+    for a, expert in enumerate(ids.reshape(-1).tolist()):
+        xt = x[a // 2].double()
+        acc = torch.zeros(2 * n, dtype=torch.float64)
+        for r in range(2 * n):
+            for col in range(k):
+                grp = col // group
+                w = (_code(q[expert, r], col) - int(zero[expert, r, grp])) * float(scale[expert, r, grp])
+                acc[r] += w * float(xt[col])
+        want = torch.nn.functional.silu(acc[:n]) * acc[n:]
+        assert torch.allclose(h[a], want, rtol=1e-6, atol=1e-6 * want.abs().max())  # x sums in float32
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"dtype": torch.float16}, "bf16"), ({"k": 768}, "K a multiple of 512"), ({"group": 64}, "group_size"),
+    ({"n": 48}, "N a multiple of 32"), ({"block_rows": 4}, "block_rows"),
+])
+def test_refusals_name_the_argument(change, named):
+    n, k, group = change.get("n", 64), change.get("k", 1024), change.get("group", 128)
+    q, scale, zero = _int4(2, 2 * n, k, group)
+    x = torch.zeros(1, k, dtype=change.get("dtype", torch.bfloat16))
+    with pytest.raises(ValueError, match=named):
+        check_words(x, weight_args(q, scale, zero, group), 2, change.get("block_rows", 8))
+
+
+def test_kernel_compiles_for_sm90_without_an_operand_hop():
+    """Through Triton's whole pipeline to sm_90 SASS (a layout error fails here, not on the device), in a process of
+    its own (the interpreter's patches stay out): no spill, no STS / LDS / SHFL / local memory in the main loop, the
+    words and x by 16-byte loads, at most 2 instructions a weight."""
+    pytest.importorskip("triton.experimental.gluon._runtime", reason="no GluonASTSource in this Triton")
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere", reason="no Gluon mma_v2 in this Triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "w4g45_sass_cpu.py"), "naive", "aligned"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("naive:", "aligned:"))]
+    assert run.returncode == 0 and len(lines) == 2, run.stdout + run.stderr[-3000:]
+    for line in lines:  # "naive: registers 144, stack 0 B; loop 398 instructions, 1.55 a weight (8 tokens ...), ..."
+        assert "stack 0 B" in line and "local in the loop 0;" in line, line
+        assert float(line.split(" instructions, ")[1].split(" a weight")[0]) <= 2.0, line
+        assert "'LDG.E.128': 24" in line, line  # two steps: 8 loads of words, 16 of x
