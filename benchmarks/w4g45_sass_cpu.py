@@ -1,6 +1,7 @@
 """The words gate-up (``moekit/experts/_kernels/gluon_wo_words.py``) compiled for sm_90 without a GPU: registers and
 stack (cuobjdump), and its main loop in the SASS (the backward branch whose body holds the HMMAs): instructions a
-weight a thread (the loop runs two steps: 2 rows x 256 columns x 2 steps / 4 lanes = 256 weights a thread), its
+weight a thread (the loop runs two steps: 2 rows x 256 columns x 2 steps / 4 lanes = 256 weights a thread; the
+down kernel's likewise), its
 opcodes, its loads by width, and any STS / LDS / SHFL (the operand must reach the MMA without them).
 
     PYTHONPATH=$PWD python3 benchmarks/w4g45_sass_cpu.py                          # this Triton (3.9 here)
@@ -25,7 +26,8 @@ from gluon_fp8_compile_cpu import compile_gluon_sm90  # noqa: E402
 
 # (name, BM, NAIVE, num_warps, maxnreg): Mixtral's shape (N 14336, K 4096); shapes reach the kernel as i32 arguments
 CASES = (("naive", 8, True, 4, None), ("naive-r128", 8, True, 4, 128), ("aligned", 8, False, 4, None),
-         ("aligned-bm16", 16, False, 4, None), ("naive-w8", 8, True, 8, None))
+         ("aligned-bm16", 16, False, 4, None), ("naive-w8", 8, True, 8, None), ("down", 8, True, 4, None),
+         ("down-split", 8, True, 4, None), ("down-aligned", 8, False, 4, None))
 WEIGHTS_A_LOOP = 256  # a thread's weights in one loop iteration
 
 
@@ -33,6 +35,28 @@ def _tools() -> str:
     import triton
 
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_down(bm: int, naive: bool, split: int, num_warps: int, maxnreg: int | None):
+    """The down kernel at Mixtral's shape (w2 [8, 4096, 14336]), 14 steps a split."""
+    from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel as kernel
+
+    n, k, e = 14336, 4096, 8
+    t = lambda dtype: torch.empty(16, dtype=dtype)  # noqa: E731
+    args = dict(h_ptr=t(torch.bfloat16), q_ptr=t(torch.uint8), s_ptr=t(torch.float32), z_ptr=t(torch.uint8),
+                y_ptr=t(torch.float32 if split > 1 else torch.bfloat16), weights_ptr=t(torch.float32),
+                ids_ptr=t(torch.int32), sorted_ids_ptr=t(torch.int32), expert_ids_ptr=t(torch.int32),
+                num_padded_ptr=t(torch.int32), K=k, N=n, num_assignments=2, num_experts=e, split_steps=14,
+                stride_hm=n, stride_qe=k * n // 8, stride_qr=n // 8, stride_se=k * n // 128, stride_sr=n // 128,
+                stride_ze=k * n // 128, stride_zr=n // 128, stride_ym=k)
+    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, SPLIT=split, num_warps=num_warps), maxnreg)
+
+
+def _compiled(kernel, args: dict, const: dict, maxnreg: int | None):
+    # what a launch specialises: tensors' 16-byte alignment, integers divisible by 16
+    aligned = [name for name, v in args.items() if isinstance(v, torch.Tensor) or v % 16 == 0]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return compile_gluon_sm90(kernel, args, const, const["num_warps"], maxnreg, attrs=attrs)
 
 
 def compile_case(bm: int, naive: bool, num_warps: int, maxnreg: int | None):
@@ -46,11 +70,7 @@ def compile_case(bm: int, naive: bool, num_warps: int, maxnreg: int | None):
                 num_experts=e, stride_xm=k, stride_xsm=k // 128, stride_qe=2 * n * k // 8, stride_qr=k // 8,
                 stride_se=2 * n * k // 128, stride_sr=k // 128, stride_ze=2 * n * k // 128, stride_zr=k // 128,
                 stride_hm=n)
-    # what a launch specialises: tensors' 16-byte alignment, integers divisible by 16
-    aligned = [name for name, v in args.items() if isinstance(v, torch.Tensor) or v % 16 == 0]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    const = dict(BM=bm, GROUP=128, NAIVE=naive, num_warps=num_warps)
-    return compile_gluon_sm90(kernel, args, const, num_warps, maxnreg, attrs=attrs)
+    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, num_warps=num_warps, H_ORDER=True), maxnreg)
 
 
 def loop_ops(sass: str) -> list[str]:
@@ -70,7 +90,10 @@ def loop_ops(sass: str) -> list[str]:
 
 
 def report(name: str, bm: int, naive: bool, num_warps: int, maxnreg: int | None) -> str:
-    out = compile_case(bm, naive, num_warps, maxnreg)
+    if name.startswith("down"):
+        out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps, maxnreg)
+    else:
+        out = compile_case(bm, naive, num_warps, maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(out.asm["cubin"])
         f.flush()

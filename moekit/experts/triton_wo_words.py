@@ -86,12 +86,13 @@ def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps
 
 
 def words_gate_up_launch(x: torch.Tensor, w13, num_assignments: int, top_k: int, blocks: int, naive: bool,
-                         block_rows: int = 8, num_warps: int = NUM_WARPS,
-                         max_registers: int | None = None) -> BoundLaunch:
+                         block_rows: int = 8, num_warps: int = NUM_WARPS, max_registers: int | None = None,
+                         h_order: bool = False) -> BoundLaunch:
     """The gate-up launch of a call (after ``check_words``): ``blocks`` blocks of ``block_rows`` rows (naive: one
     assignment each), pointers (x_words.x, x_words.sums, q, scale, zero, h, ids, sorted_ids, expert_ids,
     num_padded; the last three None when naive). ``max_registers``: ptxas's cap (128: 4 programs an SM, 48 bytes of
-    stack outside the main loop, sm_90 offline; None: 140-144 registers, 3 programs), for the device check's A/B."""
+    stack outside the main loop, sm_90 offline; None: 140-144 registers, 3 programs), for the device check's A/B.
+    ``h_order``: h stored in the dot order (``stored_dot_columns``), for ``words_down_launch``."""
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel
 
     num_experts, two_n, half_k = w13.q.shape
@@ -100,7 +101,7 @@ def words_gate_up_launch(x: torch.Tensor, w13, num_assignments: int, top_k: int,
     scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, n)
     cap = {} if max_registers is None else {"maxnreg": max_registers}
     return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)),), 10, scalars, cached=True,
-                       BM=block_rows, GROUP=w13.group_size, NAIVE=naive, num_warps=num_warps, **cap)
+                       BM=block_rows, GROUP=w13.group_size, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, **cap)
 
 
 def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,
@@ -120,6 +121,68 @@ def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num
     rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
     launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, topk_ids.reshape(-1), *rows)
     return h
+
+
+def check_words_down(w2, split: int, num_warps: int = NUM_WARPS) -> None:
+    """The down kernel's requirements of w2 (int4 ``WeightArgs`` [E, K, N]) and the split, each refused by name."""
+    num_experts, k, half_n = w2.q.shape
+    n = 2 * half_n
+    if w2.q.dtype != torch.uint8 or w2.zero.dtype != torch.uint8:
+        raise ValueError("decode='gluon_words' runs int4_w4a16 (w2.q uint8 [E, K, N / 2] with zero points) only")
+    if split < 1 or n % (STEP * split):
+        raise ValueError(f"decode='gluon_words': N must be a multiple of {STEP} x the down GEMM's split, got N {n}, "
+                         f"split {split}")
+    if w2.group_size % 128 or n % w2.group_size or k % (16 * num_warps):
+        raise ValueError(f"decode='gluon_words' needs w2.group_size a multiple of 128 dividing N and K a multiple of "
+                         f"{16 * num_warps}, got {w2.group_size}, K {k}")
+    if w2.q.stride(2) != 1 or w2.q.stride(1) % 16 or w2.q.stride(0) % 16 or w2.q.data_ptr() % 16:
+        raise ValueError("decode='gluon_words' needs w2.q rows contiguous at 16-byte aligned strides and address")
+    if w2.scale.stride(2) != 1 or w2.zero.stride(2) != 1:
+        raise ValueError("decode='gluon_words' needs w2.scale and w2.zero with contiguous groups")
+
+
+def words_down_launch(w2, num_assignments: int, blocks: int, naive: bool, split: int, block_rows: int = 8,
+                      num_warps: int = NUM_WARPS) -> BoundLaunch:
+    """The down launch (after ``check_words_down``): pointers (h in the dot order, q, scale, zero, y [split A, K]
+    (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded)."""
+    from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel
+
+    num_experts, k, half_n = w2.q.shape
+    n = 2 * half_n
+    qe, qr, _, se, sr, _, ze, zr, _ = w2.strides
+    scalars = (k, n, num_assignments, num_experts, n // STEP // split, n, qe // 4, qr // 4, se, sr, ze, zr, k)
+    return BoundLaunch(down_words_kernel, (blocks * (k // (16 * num_warps)), split), 10, scalars, cached=True,
+                       BM=block_rows, GROUP=w2.group_size, NAIVE=naive, SPLIT=split, num_warps=num_warps)
+
+
+def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout=None,
+                  split: int = 1) -> torch.Tensor:
+    """The whole call on the words kernels (out [M, K], x.dtype): x in the dot order, the gate-up storing h in the
+    dot order the down GEMM reads, the down GEMM (``split`` partials along N), the existing k-sum launch. ``layout``:
+    as ``gate_up_words``'. For the device check and tools; no route takes it (selectable only)."""
+    from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+    from moekit.experts.triton_plan import sum_launch
+
+    num_tokens, top_k = topk_ids.shape
+    naive = layout is None or layout.naive
+    block_rows = 8 if naive else layout.block_size
+    check_words(x, w13, top_k, block_rows)
+    check_words_down(w2, split)
+    a, n, k = num_tokens * top_k, w13.q.shape[1] // 2, x.shape[1]
+    blocks = a if naive else layout.expert_ids.numel()
+    ids = topk_ids.reshape(-1)
+    rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
+    xw = x_words(x)
+    h = torch.empty(a, n, dtype=x.dtype, device=x.device)
+    gate_up = words_gate_up_launch(x, w13, a, top_k, blocks, naive, block_rows, h_order=True)
+    gate_up(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, ids, *rows)
+    y = torch.empty(split * a, k, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    down = words_down_launch(w2, a, blocks, naive, split, block_rows)
+    down(h, w2.q, w2.scale, w2.zero, y, topk_weights.reshape(-1).float(), ids, *rows)
+    out = torch.empty_like(x)
+    options = resolve_launch_options(LaunchOptions(dependent_launch=False), x.device)
+    sum_launch(num_tokens, k, top_k, w13.q.shape[0], None, options, split)(y, ids, ids, out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

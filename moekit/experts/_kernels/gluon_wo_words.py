@@ -60,6 +60,24 @@ lop3.b32 $3, c, 0x000F000F, $5, 0xEA;
 }""")
 
 
+# $0..$3: values (t, t + 4) of the word $4 for t = 0..3 minus the row's zero point, bf16x2: 128 + code from the lop3
+# with $5 (0x43004300), then one fma by $7 (bf16x2 1.0) adding $6 = -(128 + zero) twice (exact: integers -15..15)
+_EXACT_ASM = gl.constexpr("""{
+.reg .b32 a, b, c, t0, t1, t2, t3;
+shr.u32 a, $4, 4;
+shr.u32 b, $4, 8;
+shr.u32 c, $4, 12;
+lop3.b32 t0, $4, 0x000F000F, $5, 0xEA;
+lop3.b32 t1, a, 0x000F000F, $5, 0xEA;
+lop3.b32 t2, b, 0x000F000F, $5, 0xEA;
+lop3.b32 t3, c, 0x000F000F, $5, 0xEA;
+fma.rn.bf16x2 $0, t0, $7, $6;
+fma.rn.bf16x2 $1, t1, $7, $6;
+fma.rn.bf16x2 $2, t2, $7, $6;
+fma.rn.bf16x2 $3, t3, $7, $6;
+}""")
+
+
 @gluon.jit
 def _halves(o):
     """int32 [R, C] holding bf16x2 -> bf16 [R, C, 2] (the low half first)."""
@@ -83,7 +101,31 @@ def _weight_halves(words, magic, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _x_halves(xp, b_layout: gl.constexpr):
+def _exact_half(words, zc, magic, one):
+    """One half step's words [R, 16] (word 4 q + j, the load's rows) and the rows' -(128 + zero) as bf16x2 bits [R]
+    -> code - zero [R, 128] bf16 in the dot order (module doc), still in the load's rows."""
+    R: gl.constexpr = words.type.shape[0]
+    zc = gl.convert_layout(zc, gl.SliceLayout(1, words.type.layout))  # the same rows a thread: a renaming
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(_EXACT_ASM, "=r,=r,=r,=r,r,r,r,r", [words, magic, zc[:, None], one],
+                                               dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    v = gl.join(gl.join(_halves(o0), _halves(o1)), gl.join(_halves(o2), _halves(o3)))  # [R, 16, p, g, h]
+    v = gl.reshape(v, [R, 2, 2, 2, 2, 2, 2, 2])  # [R, q1, q0, j1, j0, p, g, h]
+    return gl.reshape(gl.permute(v, [0, 3, 4, 7, 6, 1, 2, 5]), [R, 128])  # [R, j1, j0, h, g, q1, q0, p]
+
+
+@gluon.jit
+def exact_halves(words, zc0, zc1, magic, one, num_warps: gl.constexpr, a_layout: gl.constexpr):
+    """A step's words [R, 32] as loaded and the rows' -(128 + zero) bf16x2 of each half step's group (zc0, zc1 [R]
+    in the load's row layout) -> the two half steps' A operands [R, 128] (code - zero, exact; no x sums needed)."""
+    R: gl.constexpr = words.type.shape[0]
+    w0, w1 = gl.split(gl.permute(gl.reshape(words, [R, 2, 16]), [0, 2, 1]))  # half steps c = 0, 1: words 16 c + ..
+    a0 = gl.convert_layout(operand_rows(_exact_half(w0, zc0, magic, one), num_warps), a_layout)
+    a1 = gl.convert_layout(operand_rows(_exact_half(w1, zc1, magic, one), num_warps), a_layout)
+    return a0, a1
+
+
+@gluon.jit
+def x_halves(xp, b_layout: gl.constexpr):
     """A step's activations as int32 bf16 pairs [BM, 128] in the stored order (module doc) -> the B operand
     [128, BM] of each half step. (Carried through the loop as int32: as bf16 the loop-carried halves cost a PRMT
     each, sm_90 SASS.)"""
@@ -95,11 +137,21 @@ def _x_halves(xp, b_layout: gl.constexpr):
 
 
 @gluon.jit
-def _operand_rows(words, W: gl.constexpr):
-    """The loaded words [16 W, 32] (tile row 8 W v + 8 w + g) -> operand rows 16 w + 8 v + g: the k_width-4 operand
-    layout's lanes and warps (a renaming)."""
-    t = gl.permute(gl.reshape(words, [2, W, 8, STEP_WORDS]), [1, 0, 2, 3])
-    return gl.reshape(t, [16 * W, STEP_WORDS])
+def stored_column(col):
+    """Where column ``col`` of an activation row lies in the stored dot order (``triton_wo_words.x_words``): its
+    step's column 128 c + 32 q + 8 j + 4 p + 2 h + g at 64 q + 32 c + 8 j + 4 h + 2 g + p."""
+    t = col % STEP
+    c, q, j = (t >> 7) & 1, (t >> 5) & 3, (t >> 3) & 3
+    p, h, g = (t >> 2) & 1, (t >> 1) & 1, t & 1
+    return col - t + 64 * q + 32 * c + 8 * j + 4 * h + 2 * g + p
+
+
+@gluon.jit
+def operand_rows(t, W: gl.constexpr):
+    """A loaded tile [16 W, C] (tile row 8 W v + 8 w + g) -> operand rows 16 w + 8 v + g: the MMA operand layouts'
+    lanes and warps (a renaming)."""
+    C: gl.constexpr = t.type.shape[1]
+    return gl.reshape(gl.permute(gl.reshape(t, [2, W, 8, C]), [1, 0, 2, 3]), [16 * W, C])
 
 
 @gluon.jit
@@ -129,8 +181,8 @@ def _step(acc, zeros, words, xp, col, magic, s_rows, z_rows, xs_rows, row_ok, to
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc.type.layout, k_width=2)
     s0, z0, xs0 = _group_terms(s_rows, z_rows, xs_rows, col, row_ok, tok_ok, GROUP)
     s1, z1, xs1 = _group_terms(s_rows, z_rows, xs_rows, col + 128, row_ok, tok_ok, GROUP)
-    a0, a1 = _weight_halves(_operand_rows(words, num_warps), magic, a_layout)
-    b0, b1 = _x_halves(xp, b_layout)
+    a0, a1 = _weight_halves(operand_rows(words, num_warps), magic, a_layout)
+    b0, b1 = x_halves(xp, b_layout)
     acc = _corrected(acc, mma_v2(a0, b0, zeros), s0, z0, xs0)
     return _corrected(acc, mma_v2(a1, b1, zeros), s1, z1, xs1)
 
@@ -142,6 +194,7 @@ def gate_up_words_kernel(
     N, K, num_assignments, top_k, num_experts,
     stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,  # q in words
     BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, num_warps: gl.constexpr,
+    H_ORDER: gl.constexpr = False,  # h stored in the dot order the down GEMM reads (``stored_column``)
 ):
     """h = silu(x w_gate^T) * (x w_up^T) of one block's rows and 8 num_warps gate columns (module doc). Grid:
     (blocks * N / (8 num_warps),); N a multiple of 8 num_warps, K of 256, GROUP of 128 (``triton_wo_words``)."""
@@ -164,13 +217,13 @@ def gate_up_words_kernel(
     if (expert >= 0) & (expert < num_experts):
         _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
                stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-               GROUP, num_warps)
+               GROUP, num_warps, H_ORDER)
 
 
 @gluon.jit
 def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
            stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-           GROUP: gl.constexpr, num_warps: gl.constexpr):
+           GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr):
     """The program's h tile: rows_x / rows_c [BM] its block's assignments (A past the end) in the x load's and the
     accumulator's layouts, n0 its first gate column (module doc)."""
     BM: gl.constexpr = rows_x.type.shape[0]
@@ -180,7 +233,7 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, 
     x_layout: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [1, num_warps], [1, 0])  # int32 pairs
     ok_x, ok_c = rows_x < num_assignments, rows_c < num_assignments
     # the words load [16 W, 32] as tile row u = 8 W v + 8 w + g (v: register, w: warp, g: lane group): operand row
-    # 16 w + 8 v + g (``_operand_rows``), i.e. w13 row n0 + 8 w + g, plus N for the up rows (v = 1)
+    # 16 w + 8 v + g (``operand_rows``), i.e. w13 row n0 + 8 w + g, plus N for the up rows (v = 1)
     u = gl.arange(0, R, layout=gl.SliceLayout(1, w_layout))
     w13_w = n0 + 8 * (u // 8 % num_warps) + u % 8 + (u // (8 * num_warps)) * N
     r_c = gl.arange(0, R, layout=gl.SliceLayout(1, mma))  # operand row 16 w + 8 v + g: the same w13 row
@@ -219,6 +272,8 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, 
     out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
     h = gl.convert_layout(h, out_layout)
     cols_o = n0 + gl.arange(0, 8 * num_warps, layout=gl.SliceLayout(1, out_layout))
+    if H_ORDER:
+        cols_o = stored_column(cols_o)
     rows_o = gl.convert_layout(rows_c, gl.SliceLayout(0, out_layout))
     ok_o = gl.convert_layout(ok_c, gl.SliceLayout(0, out_layout))
     gl.store(h_ptr + rows_o[None, :] * stride_hm + cols_o[:, None], h.to(h_ptr.dtype.element_ty),
