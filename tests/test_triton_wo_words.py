@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from moekit.experts.triton_wo_plan import weight_args
+from moekit.experts._kernels.gluon_wo_words import stored_column
 from moekit.experts.triton_wo_words import (
-    check_words, dot_columns, gate_up_words_torch, stored_dot_columns, weight_halves_torch, x_halves_torch, x_words,
+    check_words, check_words_down, dot_columns, exact_half_torch, gate_up_words_torch, stored_dot_columns,
+    weight_halves_torch, x_halves_torch, x_words,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +69,28 @@ def test_x_operand_holds_x_in_dot_order_and_group_sums():
     assert torch.allclose(xw.sums.double(), sums, rtol=1e-6, atol=1e-4)
 
 
+def test_exact_decode_holds_code_minus_zero_in_dot_order():
+    q, _, zero = _int4(1, 3, 256, 128)
+    words = q[0].contiguous().view(torch.int32).long()  # [3, 32]
+    cols = dot_columns().tolist()
+    for c in range(2):  # the kernel splits a step's words into its half steps: words 16 c .. 16 c + 15
+        half = exact_half_torch(words[:, 16 * c:16 * c + 16], zero[0, :, 0].long())
+        for r in range(3):
+            want = [_code(q[0, r], cols[128 * c + d]) - int(zero[0, r, 0]) for d in range(128)]
+            assert half[r].tolist() == want
+
+
+def test_the_gate_up_stores_h_where_the_down_gemm_reads_it():
+    """``stored_column`` (the gate-up's H_ORDER store, its integer arithmetic run on torch) puts column n where
+    ``x_words`` puts it: the down GEMM reads h as the gate-up reads x."""
+    x = (torch.arange(768) % 256).repeat(2, 1).bfloat16()  # a step's columns told apart (exact in bf16)
+    where = stored_column.fn(torch.arange(768))
+    assert torch.equal(where // 256, torch.arange(768) // 256)  # each column stays in its step
+    stored = torch.empty_like(x)
+    stored[:, where] = x
+    assert torch.equal(stored, x_words(x).x)
+
+
 @pytest.mark.parametrize("group", [128, 256])
 def test_kernel_arithmetic_matches_a_float64_loop(group):
     e, n, k = 3, 32, 1024
@@ -84,6 +108,17 @@ def test_kernel_arithmetic_matches_a_float64_loop(group):
                 acc[r] += w * float(xt[col])
         want = torch.nn.functional.silu(acc[:n]) * acc[n:]
         assert torch.allclose(h[a], want, rtol=1e-6, atol=1e-6 * want.abs().max())  # x sums in float32
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"n": 640}, "N must be a multiple of 256"), ({"split": 3}, "split"), ({"group": 64}, "group_size"),
+    ({"k": 40}, "K a multiple of 64"),
+])
+def test_down_refusals_name_the_argument(change, named):
+    n, k, group = change.get("n", 512), change.get("k", 128), change.get("group", 128)
+    q, scale, zero = _int4(2, k, n, group)
+    with pytest.raises(ValueError, match=named):
+        check_words_down(weight_args(q, scale, zero, group), change.get("split", 1))
 
 
 @pytest.mark.parametrize("change, named", [

@@ -201,6 +201,16 @@ def weight_halves_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return v[..., 0].float(), v[..., 1].float()
 
 
+def exact_half_torch(words: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``gluon_wo_words._exact_half`` in torch: one half step's words [R, 16] int32 and the rows' zero points [R] ->
+    code - zero [R, 128] float32 in the dot order, by the kernel's joins, reshape and permute."""
+    r = words.shape[0]
+    o = [((words >> (4 * t)) & 0x000F000F) for t in range(4)]  # the codes the lop3 places, before the fma
+    halves = [torch.stack([v & 0xFFFF, (v >> 16) & 0xFFFF], -1) - zero[:, None, None] for v in o]  # [R, 16, 2]
+    v = torch.stack([torch.stack([halves[0], halves[1]], -1), torch.stack([halves[2], halves[3]], -1)], -1)
+    return v.reshape(r, 2, 2, 2, 2, 2, 2, 2).permute(0, 3, 4, 7, 6, 1, 2, 5).reshape(r, 128).float()
+
+
 def x_halves_torch(xp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gluon_wo_words._x_halves`` in torch: a step's stored activations [BM, 256] -> the B operands [128, BM]."""
     bm = xp.shape[0]
