@@ -3,6 +3,7 @@
 the same bytes in the same geometry (``w4g45_reads``).
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/w4g45_device_check.py --out $OUT/w4g45 --deadline 70   # GPU
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/w4g45_device_check.py --out $OUT/w4g45 --deadline 70 --calls  # CK2
     PYTHONPATH=$PWD python3 benchmarks/w4g45_device_check.py --smoke        # CPU: the kernels' torch twins, tiny
 
 Per cell (int4, groups of 128, random scales and zero points): PASS / FAIL of the words gate-up's h against the torch
@@ -13,6 +14,9 @@ capped at 128 registers: 4 programs an SM against 3), "kernel" (the kernel alone
 x_words made before), "read" (the pure read), "pick" (the route's launches up to its down GEMM: alignment, gate-up,
 split_glu where it has them) and "align" (the pick's alignment alone, aligned cells). The floor: the touched
 experts' w13 bytes (codes, scales, zero points) at the copy rate measured first. Table last; JSON <out>/w4g45.json.
+CK2 (``--calls``): whole calls instead, PASS against ``fused_experts_wo_torch`` (w2 random too), graph µs of the pick
+("pick": ``run_experts_wo``), the words kernels at each down split of SPLITS ("words_sS": x reorder, gate-up storing
+h in the dot order, down, the k-sum launch), and both gate-ups alone; the floor: w13 and w2 bytes.
 """
 
 from __future__ import annotations
@@ -37,26 +41,35 @@ from wo_device_check import quantized  # noqa: E402
 
 from moekit.bench.cells import Shape, make_sets  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
-from moekit.experts.triton_wo import dequantize_wo, wo_launches  # noqa: E402
+from moekit.experts.triton_wo import dequantize_wo, fused_experts_wo_torch, run_experts_wo, wo_launches  # noqa: E402
 from moekit.experts.triton_wo_plan import weight_args, wo_plan_for  # noqa: E402
 from moekit.experts.triton_wo_words import (  # noqa: E402
-    NUM_WARPS, gate_up_words, gate_up_words_torch, words_gate_up_launch, x_words,
+    NUM_WARPS, experts_words, gate_up_words, gate_up_words_torch, words_gate_up_launch, x_words,
 )
 from moekit.layouts.block_aligned import align_block  # noqa: E402
 
 CELLS = (("mixtral-8x7b", 1), ("deepseek-v3", 1), ("mixtral-8x7b", 8), ("deepseek-v3", 8), ("qwen3-30b-a3b", 1))
+# CK2: the down GEMM's splits timed per cell (programs: Mixtral M = 1 has 2 x 64 row tiles of 64 outputs unsplit)
+SPLITS = {("mixtral-8x7b", 1): (4, 8), ("deepseek-v3", 1): (1, 2), ("mixtral-8x7b", 8): (2, 4),
+          ("deepseek-v3", 8): (1,), ("qwen3-30b-a3b", 1): (1, 3)}
 SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
 RUN = RunLog("w4g45: gate-up launches, graph µs, median of 5 rounds; % of the w13 byte floor; x pick = pick / words")
 
 
-def weights(s: Shape, dev, seed: int):
-    """w13 int4 (random codes, scales 0.5-1.5x the unit-variance one, zero points 0-15) and w2 uninitialised."""
-    w13 = quantized("int4_w4a16", s.num_experts, 2 * s.n, s.k, dev, seed=seed)
-    g = torch.Generator(device=dev).manual_seed(seed + 7)
-    w13.scale.mul_(torch.rand(w13.scale.shape, generator=g, device=dev) + 0.5)
-    w13.zero.copy_(torch.randint(0, 16, w13.zero.shape, generator=g, device=dev, dtype=torch.uint8))
-    w2 = quantized("int4_w4a16", s.num_experts, s.k, s.n, dev, seed=None)
-    return w13, w2
+def _randomized(w, dev, seed: int):
+    """``w`` with scales 0.5-1.5x the unit-variance one and zero points 0-15, random (in place)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w.scale.mul_(torch.rand(w.scale.shape, generator=g, device=dev) + 0.5)
+    w.zero.copy_(torch.randint(0, 16, w.zero.shape, generator=g, device=dev, dtype=torch.uint8))
+    return w
+
+
+def weights(s: Shape, dev, seed: int, whole: bool = False):
+    """w13 int4 (random codes, scales and zero points: ``_randomized``) and w2 likewise (``whole``) or uninitialised
+    (the gate-up cells: only its plan reads it)."""
+    w13 = _randomized(quantized("int4_w4a16", s.num_experts, 2 * s.n, s.k, dev, seed=seed), dev, seed + 7)
+    w2 = quantized("int4_w4a16", s.num_experts, s.k, s.n, dev, seed=seed + 1 if whole else None)
+    return w13, _randomized(w2, dev, seed + 8) if whole else w2
 
 
 def h_twin(x, w13, ids) -> torch.Tensor:
@@ -205,17 +218,60 @@ def run_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results: l
     RUN.summary.append(line)
 
 
+def calls_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results: list) -> None:
+    """CK2: whole calls, the route's pick against the words kernels at each split of SPLITS, checked against
+    ``fused_experts_wo_torch``; beside them both gate-ups alone."""
+    s = Shape(f"{preset}/smoke", 8, 64, 512, 2) if SMOKE else Shape.from_preset(preset)
+    label = f"{preset} int4 M={m} call"
+    w13, w2 = weights(s, dev, seed=m, whole=True)
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    sets = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
+    layouts = [align_block(c.topk_ids, s.num_experts, 8) for c in sets]
+    c0 = sets[0]
+    twin = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
+    makers = {"pick": lambda c, lay: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16")}
+    for split in SPLITS.get((preset, m), (1,)):
+        makers[f"words_s{split}"] = lambda c, lay, split=split: experts_words(c.x, a13, a2, c.topk_ids,
+                                                                               c.topk_weights, lay, split)
+    fns = {}
+    for name, make in makers.items():
+        if SMOKE and name != "pick":
+            continue
+        err = rel_l2(make(c0, layouts[0]).float(), twin.float())
+        if RUN.check(f"{label} {name}", err <= TOL, f"rel-L2 {err:.2e}"):
+            fns[name] = [lambda c=c, lay=lay, make=make: make(c, lay) for c, lay in zip(sets, layouts)]
+    if dev.type != "cuda":
+        return
+    fns["words_gu"] = [lambda c=c, lay=lay: gate_up_words(c.x, a13, c.topk_ids, lay) for c, lay in zip(sets, layouts)]
+    fns["pick_gu"] = [pick_launches(c, a13, a2)[0] for c in sets]
+    graphs = {name: graph_of(f, dev) for name, f in fns.items()}
+    rounds = settled({n: (g, None) for n, g in graphs.items()}, len(sets), dev, ROUNDS, REPLAYS, stop, order=shuffled)
+    del graphs
+    times = medians(rounds)
+    floor = sum(floor_us(s, c.topk_ids, copy_tbps) * 1.5 for c in sets) / len(sets)  # w2: half of w13's bytes
+    results.append({"cell": label, "floor_us": floor, "times": times, "rounds": rounds})
+    line = f"{label} (floor {floor:.1f} µs):" + "".join(f"  {n} {t:.1f} ({100 * floor / t:.0f}%)"
+                                                        for n, t in times.items() if not n.endswith("_gu"))
+    best = min((n for n in times if n.startswith("words_s")), key=times.get, default=None)
+    if best and "pick" in times:
+        won = wins(rounds[best], rounds["pick"])
+        line += f"; best {best} x pick {times['pick'] / times[best]:.3f}, faster {won}/{len(rounds[best])}"
+    line += "; gate-ups " + ", ".join(f"{n} {times[n]:.1f}" for n in ("words_gu", "pick_gu") if n in times)
+    RUN.summary.append(line)
+
+
 def main(args) -> int:
     dev = torch.device("cpu" if SMOKE else "cuda")
     copy_tbps = 0.0 if SMOKE else measure_copy(dev)
     RUN.log(f"copy {copy_tbps:.2f} TB/s; {run_info()}")
     results, stop_at = [], time.time() + args.deadline - RUN.elapsed()
+    cell = calls_cell if args.calls else run_cell
     for preset, m in CELLS[:1] if SMOKE else CELLS:
         if RUN.elapsed() > args.deadline - 12:
             RUN.summary.append(f"{preset} int4 M={m}: not reached (deadline)")
             continue
         try:
-            run_cell(preset, m, dev, copy_tbps, stop_at, results)
+            cell(preset, m, dev, copy_tbps, stop_at, results)
         except Exception as e:  # noqa: BLE001  (a cell that fails is reported; the others still run)
             RUN.check(f"{preset} M={m}", False, f"{type(e).__name__}: {str(e)[:400]}")
         if dev.type == "cuda":
@@ -231,4 +287,5 @@ if __name__ == "__main__":
     p.add_argument("--out", default="")
     p.add_argument("--deadline", type=float, default=70.0)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--calls", action="store_true", help="CK2: whole calls (pick against the words kernels)")
     sys.exit(main(p.parse_args()))
