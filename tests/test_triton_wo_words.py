@@ -19,7 +19,7 @@ import torch
 from moekit.experts.triton_wo_plan import weight_args
 from moekit.experts._kernels.gluon_wo_words import stored_column
 from moekit.experts.triton_wo_words import (
-    check_words, check_words_down, dot_columns, exact_half_torch, gate_up_words_torch, stored_dot_columns,
+    check_words, check_words_down, dot_columns, down_split, exact_half_torch, gate_up_words_torch, stored_dot_columns,
     weight_halves_torch, x_halves_torch, x_words,
 )
 
@@ -148,3 +148,23 @@ def test_kernel_compiles_for_sm90_without_an_operand_hop():
         assert "stack 0 B" in line and "local in the loop 0;" in line, line
         assert float(line.split(" instructions, ")[1].split(" a weight")[0]) <= 2.0, line
         assert "'LDG.E.128': 24" in line, line  # two steps: 8 loads of words, 16 of x
+
+
+def test_down_split_takes_the_fewest_splits_that_fill_the_device():
+    assert down_split(14336, 4096, 2) == 4  # Mixtral M = 1: 2 x 64 row tiles, 56 steps -> 4 x 128 = 512 programs
+    assert down_split(2048, 7168, 8) == 1  # DeepSeek-V3 M = 1: 8 x 112 = 896 programs unsplit
+    assert down_split(768, 2048, 8) == 3  # Qwen3 M = 1: 3 steps, 8 x 32 x 3 = 768
+    assert down_split(512, 128, 1) == 2  # too few programs at any split: the finest
+
+
+@pytest.mark.parametrize("scheme, named", [("cpu", "CUDA"), ("mxfp4", "int4_w4a16"), ("map", "expert_map")])
+def test_the_selectable_decode_refuses_what_it_does_not_run(scheme, named):
+    from moekit.experts.triton_wo import run_experts_wo
+
+    n, k = 256, 512
+    w13, w2 = weight_args(*_int4(4, 2 * n, k, 128), 128), weight_args(*_int4(4, k, n, 128), 128)
+    x, ids, weights = torch.zeros(1, k, dtype=torch.bfloat16), torch.tensor([[0, 1]]), torch.ones(1, 2)
+    expert_map = torch.arange(4) if scheme == "map" else None
+    with pytest.raises(ValueError, match=named):
+        run_experts_wo(x, w13, w2, ids, weights, expert_map, "mxfp4" if scheme == "mxfp4" else "int4_w4a16",
+                       decode="gluon_words")

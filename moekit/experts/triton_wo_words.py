@@ -185,6 +185,37 @@ def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights
     return out
 
 
+MIN_DOWN_PROGRAMS = 512  # the down GEMM splits along N until it has this many programs (4 an SM): a rule, unmeasured
+
+
+def down_split(n: int, k: int, blocks: int, num_warps: int = NUM_WARPS) -> int:
+    """The smallest split of the down GEMM's N steps (one dividing them) giving MIN_DOWN_PROGRAMS programs, else the
+    finest."""
+    steps = n // STEP
+    splits = [s for s in range(1, steps + 1) if steps % s == 0]
+    return next((s for s in splits if blocks * (k // (16 * num_warps)) * s >= MIN_DOWN_PROGRAMS), splits[-1])
+
+
+def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map, scheme: str,
+                      activation, variant: bool) -> torch.Tensor:
+    """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): the words kernels on
+    the tiny-batch shortcut or 8-row aligned blocks (``align_block``), the down split by ``down_split``. Refuses by
+    name what they do not run."""
+    from moekit.activations import as_spec
+    from moekit.layouts.block_aligned import align_block
+
+    spec = as_spec(activation)
+    if scheme != "int4_w4a16" or expert_map is not None or variant or spec.name != "silu":
+        raise ValueError(f"decode='gluon_words' runs int4_w4a16 with plain silu, no expert_map and no biases, got "
+                         f"{scheme}, activation {spec.name}, expert_map {expert_map is not None}, variant {variant}")
+    if x.device.type != "cuda":
+        raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
+    layout = align_block(ids, w13.q.shape[0], 8)
+    blocks = ids.numel() if layout.naive else layout.expert_ids.numel()
+    split = down_split(2 * w2.q.shape[2], w2.q.shape[1], blocks)
+    return experts_words(x, w13, w2, ids, weights, layout, split)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The kernel's operand order in torch (its steps mirrored op for op) and its arithmetic
 # ---------------------------------------------------------------------------------------------------
