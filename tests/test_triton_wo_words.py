@@ -20,7 +20,7 @@ from moekit.experts.triton_wo_plan import weight_args
 from moekit.experts._kernels.gluon_wo_words import stored_column
 from moekit.experts.triton_wo_words import (
     check_words, check_words_down, dot_columns, down_split, exact_half_torch, gate_up_words_torch, stored_dot_columns,
-    weight_halves_torch, x_halves_torch, x_words,
+    weight_halves_torch, x_halves_torch, x_words, x_words_torch,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_weight_operand_holds_the_codes_in_dot_order():
 
 def test_x_operand_holds_x_in_dot_order_and_group_sums():
     x = torch.randn(3, 1024, dtype=torch.float64).bfloat16()
-    xw = x_words(x)
+    xw = x_words_torch(x)
     cols = dot_columns()
     for s in range(4):
         b0, b1 = x_halves_torch(xw.x[:, 256 * s:256 * s + 256])  # [128, 3] each
@@ -88,7 +88,7 @@ def test_the_gate_up_stores_h_where_the_down_gemm_reads_it():
     assert torch.equal(where // 256, torch.arange(768) // 256)  # each column stays in its step
     stored = torch.empty_like(x)
     stored[:, where] = x
-    assert torch.equal(stored, x_words(x).x)
+    assert torch.equal(stored, x_words_torch(x).x)
 
 
 @pytest.mark.parametrize("group", [128, 256])
@@ -168,3 +168,10 @@ def test_the_selectable_decode_refuses_what_it_does_not_run(scheme, named):
     with pytest.raises(ValueError, match=named):
         run_experts_wo(x, w13, w2, ids, weights, expert_map, "mxfp4" if scheme == "mxfp4" else "int4_w4a16",
                        decode="gluon_words")
+
+
+def test_the_x_launch_matches_its_torch_twin():
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got, want = x_words(x), x_words_torch(x)
+    assert torch.equal(got.x, want.x)
+    assert torch.allclose(got.sums, want.sums, rtol=1e-5, atol=1e-5)  # float32 sums in another order

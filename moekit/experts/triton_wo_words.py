@@ -53,12 +53,28 @@ class XWords:
     sums: torch.Tensor  # [M, K / 128] float32: sums[:, i] = x[:, 128 i:128 (i + 1)].sum(1) of the bf16 values
 
 
-def x_words(x: torch.Tensor) -> XWords:
+def x_words_torch(x: torch.Tensor) -> XWords:
     """x [M, K] (K a multiple of 256) in the kernel's order, and its sums over each half step's 128 columns (the
     zero points' term: a half step lies in one group, but a group of 256 or more spans several half steps)."""
     m, k = x.shape
     stored = x.view(m, k // STEP, STEP)[:, :, _x_order(x.device)].reshape(m, k)
     return XWords(stored, x.float().view(m, k // 128, 128).sum(-1))
+
+
+def x_words(x: torch.Tensor) -> XWords:
+    """``x_words_torch`` in one launch (``_kernels/words_x.py``; x contiguous)."""
+    from moekit.experts._kernels.words_x import x_words_kernel
+
+    m, k = x.shape
+    out = XWords(torch.empty_like(x), torch.empty(m, k // 128, dtype=torch.float32, device=x.device))
+    launch = _x_words_launch(x_words_kernel, m, k)
+    launch(x, out.x, out.sums)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _x_words_launch(kernel, m: int, k: int) -> BoundLaunch:
+    return BoundLaunch(kernel, (m, k // STEP), 3, (k, k, k // 128), cached=True, num_warps=4)
 
 
 def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps: int = NUM_WARPS) -> None:
@@ -251,11 +267,11 @@ def x_halves_torch(xp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gate_up_words_torch(x: torch.Tensor, w13, topk_ids: torch.Tensor) -> torch.Tensor:
     """h [A, N] float32 as the kernel computes it (tiny-batch form: one assignment at a time), from its operands in
-    its order (``weight_halves_torch``, ``x_halves_torch`` on ``x_words``), float64 sums: each half step's
+    its order (``weight_halves_torch``, ``x_halves_torch`` on ``x_words_torch``), float64 sums: each half step's
     sum_d (128 + code) x, corrected by (128 + zero) * the half step's x sum, times the group's scale."""
     num_experts, two_n, half_k = w13.q.shape
     n, k, g = two_n // 2, 2 * half_k, w13.group_size
-    xw = x_words(x)
+    xw = x_words_torch(x)
     ids = topk_ids.reshape(-1)
     h = torch.empty(ids.numel(), n, dtype=torch.float64, device=x.device)
     for a, e in enumerate(ids.tolist()):
