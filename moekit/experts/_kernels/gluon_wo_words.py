@@ -188,6 +188,24 @@ def _step(acc, zeros, words, xp, col, magic, s_rows, z_rows, xs_rows, row_ok, to
 
 
 @gluon.jit
+def block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM: gl.constexpr,
+               NAIVE: gl.constexpr, x_layout: gl.constexpr, acc_layout: gl.constexpr):
+    """Block pid_m's expert (-1: none) and its rows' assignments (A past the end) [BM], in the activation load's
+    layout and the accumulator's: NAIVE assignment pid_m alone (ids read), else the aligned layout's block."""
+    tok_x = gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
+    tok_c = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+    if NAIVE:
+        expert = gl.load(ids_ptr + pid_m).to(gl.int32)
+        rows_x = gl.where(tok_x == 0, pid_m, num_assignments)
+        rows_c = gl.where(tok_c == 0, pid_m, num_assignments)
+    else:
+        expert = gl.where(pid_m * BM < gl.load(num_padded_ptr), gl.load(expert_ids_ptr + pid_m), -1)
+        rows_x = gl.load(sorted_ids_ptr + pid_m * BM + tok_x)
+        rows_c = gl.load(sorted_ids_ptr + pid_m * BM + tok_c)
+    return expert, rows_x, rows_c
+
+
+@gluon.jit
 def gate_up_words_kernel(
     x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x_words [M, K] bf16, xsum [M, K / 128] f32; w13; h [A, N]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,  # the routing (NAIVE: ids alone) and aligned layout
@@ -203,17 +221,8 @@ def gate_up_words_kernel(
     num_pid_n = N // (8 * num_warps)
     pid_m = gl.program_id(0) // num_pid_n
     n0 = (gl.program_id(0) % num_pid_n) * (8 * num_warps)
-    # the block's rows (assignments, A past the end) and expert
-    tok_x = gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
-    tok_c = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    if NAIVE:
-        expert = gl.load(ids_ptr + pid_m).to(gl.int32)
-        rows_x = gl.where(tok_x == 0, pid_m, num_assignments)
-        rows_c = gl.where(tok_c == 0, pid_m, num_assignments)
-    else:
-        expert = gl.where(pid_m * BM < gl.load(num_padded_ptr), gl.load(expert_ids_ptr + pid_m), -1)
-        rows_x = gl.load(sorted_ids_ptr + pid_m * BM + tok_x)
-        rows_c = gl.load(sorted_ids_ptr + pid_m * BM + tok_c)
+    expert, rows_x, rows_c = block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                        num_assignments, BM, NAIVE, x_layout, mma)
     if (expert >= 0) & (expert < num_experts):
         _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
                stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,

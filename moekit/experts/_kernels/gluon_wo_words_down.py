@@ -22,7 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from moekit.experts._kernels.gluon_wo_words import STEP, STEP_WORDS, exact_halves, x_halves
+from moekit.experts._kernels.gluon_wo_words import STEP, STEP_WORDS, block_rows, exact_halves, x_halves
 
 
 @gluon.jit
@@ -90,16 +90,8 @@ def down_words_kernel(
     num_pid_n = K // R
     pid_m = gl.program_id(0) // num_pid_n
     k0 = (gl.program_id(0) % num_pid_n) * R
-    tok_x = gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
-    tok_c = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    if NAIVE:
-        expert = gl.load(ids_ptr + pid_m).to(gl.int32)
-        rows_x = gl.where(tok_x == 0, pid_m, num_assignments)
-        rows_c = gl.where(tok_c == 0, pid_m, num_assignments)
-    else:
-        expert = gl.where(pid_m * BM < gl.load(num_padded_ptr), gl.load(expert_ids_ptr + pid_m), -1)
-        rows_x = gl.load(sorted_ids_ptr + pid_m * BM + tok_x)
-        rows_c = gl.load(sorted_ids_ptr + pid_m * BM + tok_c)
+    expert, rows_x, rows_c = block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                        num_assignments, BM, NAIVE, x_layout, mma)
     if (expert >= 0) & (expert < num_experts):
         # tile row u = 8 W v + 8 w + g of the words load is operand row 16 w + 8 v + g (``operand_rows``): w2 row k0 +
         u = gl.arange(0, R, layout=gl.SliceLayout(1, w_layout))
