@@ -136,18 +136,20 @@ def test_refusals_name_the_argument(change, named):
 def test_kernel_compiles_for_sm90_without_an_operand_hop():
     """Through Triton's whole pipeline to sm_90 SASS (a layout error fails here, not on the device), in a process of
     its own (the interpreter's patches stay out): no spill, no STS / LDS / SHFL / local memory in the main loop, the
-    words and x by 16-byte loads, at most 2 instructions a weight."""
+    words and x by 16-byte loads, at most 2 instructions a weight; the gate-up and the down GEMM."""
     pytest.importorskip("triton.experimental.gluon._runtime", reason="no GluonASTSource in this Triton")
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere", reason="no Gluon mma_v2 in this Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "w4g45_sass_cpu.py"), "naive", "aligned"],
+    cases = ("naive", "aligned", "down", "down-aligned")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "w4g45_sass_cpu.py"), *cases],
                          capture_output=True, text=True, env=env, timeout=600)
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("naive:", "aligned:"))]
-    assert run.returncode == 0 and len(lines) == 2, run.stdout + run.stderr[-3000:]
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(tuple(f"{c}:" for c in cases))]
+    assert run.returncode == 0 and len(lines) == len(cases), run.stdout + run.stderr[-3000:]
     for line in lines:  # "naive: registers 144, stack 0 B; loop 398 instructions, 1.55 a weight (8 tokens ...), ..."
         assert "stack 0 B" in line and "local in the loop 0;" in line, line
+        # the gate-up 1.56-1.58 on Triton 3.6 / 3.9, the down (one bf16x2 fma a pair more) 1.96-1.97
         assert float(line.split(" instructions, ")[1].split(" a weight")[0]) <= 2.0, line
-        assert "'LDG.E.128': 24" in line, line  # two steps: 8 loads of words, 16 of x
+        assert "'LDG.E.128': 24" in line, line  # two steps: 8 loads of words, 16 of x / h
 
 
 def test_down_split_takes_the_fewest_splits_that_fill_the_device():
