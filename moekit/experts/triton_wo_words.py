@@ -101,23 +101,32 @@ def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps
                          f"{block_rows}, {top_k}")
 
 
-def words_gate_up_launch(x: torch.Tensor, w13, num_assignments: int, top_k: int, blocks: int, naive: bool,
-                         block_rows: int = 8, num_warps: int = NUM_WARPS, max_registers: int | None = None,
+def words_gate_up_launch(w13, num_assignments: int, top_k: int, blocks: int, naive: bool, block_rows: int = 8,
+                         num_warps: int = NUM_WARPS, max_registers: int | None = None,
                          h_order: bool = False) -> BoundLaunch:
     """The gate-up launch of a call (after ``check_words``): ``blocks`` blocks of ``block_rows`` rows (naive: one
     assignment each), pointers (x_words.x, x_words.sums, q, scale, zero, h, ids, sorted_ids, expert_ids,
     num_padded; the last three None when naive). ``max_registers``: ptxas's cap (128: 4 programs an SM, 48 bytes of
     stack outside the main loop, sm_90 offline; None: 140-144 registers, 3 programs), for the device check's A/B.
-    ``h_order``: h stored in the dot order (``stored_dot_columns``), for ``words_down_launch``."""
+    ``h_order``: h stored in the dot order (``stored_dot_columns``), for ``words_down_launch``. Kept per kind of
+    call (no tensor held)."""
+    return _gate_up_bound(tuple(w13.q.shape), w13.strides, w13.group_size, num_assignments, top_k, blocks, naive,
+                          block_rows, num_warps, max_registers, h_order)
+
+
+@functools.lru_cache(maxsize=256)
+def _gate_up_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, top_k: int, blocks: int,
+                   naive: bool, block_rows: int, num_warps: int, max_registers: int | None,
+                   h_order: bool) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel
 
-    num_experts, two_n, half_k = w13.q.shape
+    num_experts, two_n, half_k = shape
     n, k = two_n // 2, 2 * half_k
-    qe, qr, _, se, sr, _, ze, zr, _ = w13.strides
+    qe, qr, _, se, sr, _, ze, zr, _ = strides
     scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, n)
     cap = {} if max_registers is None else {"maxnreg": max_registers}
     return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)),), 10, scalars, cached=True,
-                       BM=block_rows, GROUP=w13.group_size, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, **cap)
+                       BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, **cap)
 
 
 def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,
@@ -131,7 +140,7 @@ def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num
     check_words(x, w13, top_k, block_rows, num_warps)
     a = num_tokens * top_k
     blocks = a if naive else layout.expert_ids.numel()
-    launch = words_gate_up_launch(x, w13, a, top_k, blocks, naive, block_rows, num_warps, max_registers)
+    launch = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, num_warps, max_registers)
     xw = x_words(x)
     h = torch.empty(a, w13.q.shape[1] // 2, dtype=x.dtype, device=x.device)
     rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
@@ -160,15 +169,22 @@ def check_words_down(w2, split: int, num_warps: int = NUM_WARPS) -> None:
 def words_down_launch(w2, num_assignments: int, blocks: int, naive: bool, split: int, block_rows: int = 8,
                       num_warps: int = NUM_WARPS) -> BoundLaunch:
     """The down launch (after ``check_words_down``): pointers (h in the dot order, q, scale, zero, y [split A, K]
-    (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded)."""
+    (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded). Kept per kind."""
+    return _down_bound(tuple(w2.q.shape), w2.strides, w2.group_size, num_assignments, blocks, naive, split,
+                       block_rows, num_warps)
+
+
+@functools.lru_cache(maxsize=256)
+def _down_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, blocks: int, naive: bool, split: int,
+                block_rows: int, num_warps: int) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel
 
-    num_experts, k, half_n = w2.q.shape
+    num_experts, k, half_n = shape
     n = 2 * half_n
-    qe, qr, _, se, sr, _, ze, zr, _ = w2.strides
+    qe, qr, _, se, sr, _, ze, zr, _ = strides
     scalars = (k, n, num_assignments, num_experts, n // STEP // split, n, qe // 4, qr // 4, se, sr, ze, zr, k)
     return BoundLaunch(down_words_kernel, (blocks * (k // (16 * num_warps)), split), 10, scalars, cached=True,
-                       BM=block_rows, GROUP=w2.group_size, NAIVE=naive, SPLIT=split, num_warps=num_warps)
+                       BM=block_rows, GROUP=group, NAIVE=naive, SPLIT=split, num_warps=num_warps)
 
 
 def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout=None,
@@ -176,9 +192,6 @@ def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights
     """The whole call on the words kernels (out [M, K], x.dtype): x in the dot order, the gate-up storing h in the
     dot order the down GEMM reads, the down GEMM (``split`` partials along N), the existing k-sum launch. ``layout``:
     as ``gate_up_words``'. For the device check and tools; no route takes it (selectable only)."""
-    from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
-    from moekit.experts.triton_plan import sum_launch
-
     num_tokens, top_k = topk_ids.shape
     naive = layout is None or layout.naive
     block_rows = 8 if naive else layout.block_size
@@ -190,15 +203,24 @@ def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights
     rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
     xw = x_words(x)
     h = torch.empty(a, n, dtype=x.dtype, device=x.device)
-    gate_up = words_gate_up_launch(x, w13, a, top_k, blocks, naive, block_rows, h_order=True)
+    gate_up = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, h_order=True)
     gate_up(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, ids, *rows)
     y = torch.empty(split * a, k, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     down = words_down_launch(w2, a, blocks, naive, split, block_rows)
     down(h, w2.q, w2.scale, w2.zero, y, topk_weights.reshape(-1).float(), ids, *rows)
     out = torch.empty_like(x)
-    options = resolve_launch_options(LaunchOptions(dependent_launch=False), x.device)
-    sum_launch(num_tokens, k, top_k, w13.q.shape[0], None, options, split)(y, ids, ids, out)
+    _sum_bound(num_tokens, k, top_k, w13.q.shape[0], split, x.device)(y, ids, ids, out)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _sum_bound(num_tokens: int, k: int, top_k: int, num_experts: int, split: int, device: torch.device):
+    """The existing k-sum launch (``triton_plan.sum_launch``) over the down GEMM's splits and slots."""
+    from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+    from moekit.experts.triton_plan import sum_launch
+
+    options = resolve_launch_options(LaunchOptions(dependent_launch=False), device)
+    return sum_launch(num_tokens, k, top_k, num_experts, None, options, split)
 
 
 MIN_DOWN_PROGRAMS = 512  # the down GEMM splits along N until it has this many programs (4 an SM): a rule, unmeasured
