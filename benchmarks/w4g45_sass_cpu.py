@@ -24,10 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gluon_fp8_compile_cpu import compile_gluon_sm90  # noqa: E402
 
-# (name, BM, NAIVE, num_warps, maxnreg): Mixtral's shape (N 14336, K 4096); shapes reach the kernel as i32 arguments
-CASES = (("naive", 8, True, 4, None), ("naive-r128", 8, True, 4, 128), ("aligned", 8, False, 4, None),
-         ("aligned-bm16", 16, False, 4, None), ("naive-w8", 8, True, 8, None), ("down", 8, True, 4, None),
-         ("down-split", 8, True, 4, None), ("down-aligned", 8, False, 4, None))
+# (name, BM, NAIVE, num_warps): Mixtral's shape (N 14336, K 4096); shapes reach the kernel as i32 arguments
+CASES = (("naive", 8, True, 4), ("aligned", 8, False, 4), ("aligned-bm16", 16, False, 4), ("naive-w8", 8, True, 8),
+         ("naive-split", 8, True, 4), ("down", 8, True, 4), ("down-split", 8, True, 4), ("down-aligned", 8, False, 4))
 WEIGHTS_A_LOOP = 256  # a thread's weights in one loop iteration
 
 
@@ -37,7 +36,7 @@ def _tools() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_down(bm: int, naive: bool, split: int, num_warps: int, maxnreg: int | None):
+def compile_down(bm: int, naive: bool, split: int, num_warps: int):
     """The down kernel at Mixtral's shape (w2 [8, 4096, 14336]), 14 steps a split."""
     from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel as kernel
 
@@ -49,17 +48,17 @@ def compile_down(bm: int, naive: bool, split: int, num_warps: int, maxnreg: int 
                 num_padded_ptr=t(torch.int32), K=k, N=n, num_assignments=2, num_experts=e, split_steps=14,
                 stride_hm=n, stride_qe=k * n // 8, stride_qr=n // 8, stride_se=k * n // 128, stride_sr=n // 128,
                 stride_ze=k * n // 128, stride_zr=n // 128, stride_ym=k)
-    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, SPLIT=split, num_warps=num_warps), maxnreg)
+    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, SPLIT=split, num_warps=num_warps))
 
 
-def _compiled(kernel, args: dict, const: dict, maxnreg: int | None):
+def _compiled(kernel, args: dict, const: dict):
     # what a launch specialises: tensors' 16-byte alignment, integers divisible by 16
     aligned = [name for name, v in args.items() if isinstance(v, torch.Tensor) or v % 16 == 0]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return compile_gluon_sm90(kernel, args, const, const["num_warps"], maxnreg, attrs=attrs)
+    return compile_gluon_sm90(kernel, args, const, const["num_warps"], attrs=attrs)
 
 
-def compile_case(bm: int, naive: bool, num_warps: int, maxnreg: int | None):
+def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1):
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel as kernel
 
     n, k, e = 14336, 4096, 8
@@ -70,7 +69,8 @@ def compile_case(bm: int, naive: bool, num_warps: int, maxnreg: int | None):
                 num_experts=e, stride_xm=k, stride_xsm=k // 128, stride_qe=2 * n * k // 8, stride_qr=k // 8,
                 stride_se=2 * n * k // 128, stride_sr=k // 128, stride_ze=2 * n * k // 128, stride_zr=k // 128,
                 stride_hm=n)
-    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, num_warps=num_warps, H_ORDER=True), maxnreg)
+    const = dict(BM=bm, GROUP=128, NAIVE=naive, num_warps=num_warps, H_ORDER=split == 1, SPLIT=split)
+    return _compiled(kernel, args, const)
 
 
 def loop_ops(sass: str) -> list[str]:
@@ -89,11 +89,11 @@ def loop_ops(sass: str) -> list[str]:
     return found
 
 
-def report(name: str, bm: int, naive: bool, num_warps: int, maxnreg: int | None) -> str:
+def report(name: str, bm: int, naive: bool, num_warps: int) -> str:
     if name.startswith("down"):
-        out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps, maxnreg)
+        out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps)
     else:
-        out = compile_case(bm, naive, num_warps, maxnreg)
+        out = compile_case(bm, naive, num_warps, 2 if name == "naive-split" else 1)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(out.asm["cubin"])
         f.flush()

@@ -20,7 +20,7 @@ from moekit.triton_bind import BoundLaunch
 
 STEP = 256  # columns a step of the kernel (32 words of a row)
 BLOCK_ROWS = (8, 16)  # BM: the block's rows, the MMA's N (8 or two 8-column MMAs)
-NUM_WARPS = 4  # a program's warps (8 gate rows each); sm_90, Triton 3.6 / 3.9: 140-144 registers, 3 programs an SM
+NUM_WARPS = 4  # a program's warps (8 gate rows each); sm_90, Triton 3.6 / 3.9: 112-116 registers, 4 programs an SM
 
 
 def dot_columns() -> torch.Tensor:
@@ -77,16 +77,19 @@ def _x_words_launch(kernel, m: int, k: int) -> BoundLaunch:
     return BoundLaunch(kernel, (m, k // STEP), 3, (k, k, k // 128), cached=True, num_warps=4)
 
 
-def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps: int = NUM_WARPS) -> None:
-    """The kernel's requirements of x and w13 (a ``triton_wo_plan.WeightArgs`` of int4), each refused by name."""
+def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps: int = NUM_WARPS,
+                split: int = 1) -> None:
+    """The kernel's requirements of x and w13 (a ``triton_wo_plan.WeightArgs`` of int4) and the gate-up's split,
+    each refused by name."""
     num_experts, two_n, half_k = w13.q.shape
     n, k = two_n // 2, x.shape[1]
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError(f"decode='gluon_words' needs x contiguous bf16, got {x.dtype}")
     if w13.q.dtype != torch.uint8 or w13.zero.dtype != torch.uint8 or 2 * half_k != k:
         raise ValueError("decode='gluon_words' runs int4_w4a16 (w13.q uint8 [E, 2N, K / 2] with zero points) only")
-    if k % (2 * STEP):
-        raise ValueError(f"decode='gluon_words' needs K a multiple of {2 * STEP} (two steps an iteration), got {k}")
+    if split < 1 or k % (2 * STEP * split):
+        raise ValueError(f"decode='gluon_words' needs K a multiple of {2 * STEP} x the gate-up's split (two steps an "
+                         f"iteration), got K {k}, split {split}")
     if w13.group_size % 128 or k % w13.group_size:
         raise ValueError(f"decode='gluon_words' needs w13.group_size a multiple of 128 dividing K, got "
                          f"{w13.group_size}")
@@ -102,50 +105,62 @@ def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps
 
 
 def words_gate_up_launch(w13, num_assignments: int, top_k: int, blocks: int, naive: bool, block_rows: int = 8,
-                         num_warps: int = NUM_WARPS, max_registers: int | None = None,
-                         h_order: bool = False) -> BoundLaunch:
+                         num_warps: int = NUM_WARPS, h_order: bool = False, split: int = 1) -> BoundLaunch:
     """The gate-up launch of a call (after ``check_words``): ``blocks`` blocks of ``block_rows`` rows (naive: one
     assignment each), pointers (x_words.x, x_words.sums, q, scale, zero, h, ids, sorted_ids, expert_ids,
-    num_padded; the last three None when naive). ``max_registers``: ptxas's cap (128: 4 programs an SM, 48 bytes of
-    stack outside the main loop, sm_90 offline; None: 140-144 registers, 3 programs), for the device check's A/B.
-    ``h_order``: h stored in the dot order (``stored_dot_columns``), for ``words_down_launch``. Kept per kind of
-    call (no tensor held)."""
+    num_padded; the last three None when naive). ``h_order``: h stored in the dot order (``stored_dot_columns``),
+    for ``words_down_launch``. ``split`` > 1: K's steps in that many programs, the h pointer float32 partials
+    p [split A, 2N] (``wo_split.split_glu_kernel``'s). Kept per kind of call (no tensor held)."""
     return _gate_up_bound(tuple(w13.q.shape), w13.strides, w13.group_size, num_assignments, top_k, blocks, naive,
-                          block_rows, num_warps, max_registers, h_order)
+                          block_rows, num_warps, h_order, split)
 
 
 @functools.lru_cache(maxsize=256)
 def _gate_up_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, top_k: int, blocks: int,
-                   naive: bool, block_rows: int, num_warps: int, max_registers: int | None,
-                   h_order: bool) -> BoundLaunch:
+                   naive: bool, block_rows: int, num_warps: int, h_order: bool, split: int) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel
 
     num_experts, two_n, half_k = shape
     n, k = two_n // 2, 2 * half_k
     qe, qr, _, se, sr, _, ze, zr, _ = strides
-    scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, n)
-    cap = {} if max_registers is None else {"maxnreg": max_registers}
-    return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)),), 10, scalars, cached=True,
-                       BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, **cap)
+    out_stride = 2 * n if split > 1 else n  # p's rows or h's
+    scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, out_stride)
+    return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)), split), 10, scalars, cached=True,
+                       BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, SPLIT=split)
 
 
 def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,
-                  max_registers: int | None = None):
+                  split: int = 1):
     """h [A, N] (x.dtype) = silu(x w_gate^T) * (x w_up^T) of each assignment through the kernel. ``layout``: a
     ``moekit.layouts.block_aligned.BlockAlignedLayout`` of 8- or 16-row blocks, or None for the tiny-batch shortcut
-    (one assignment a program). For tools and the device check; not a route's launch."""
+    (one assignment a program). ``split`` > 1: K split over that many programs, their float32 partials summed and
+    activated by ``wo_split.split_glu_kernel`` (one launch more). For tools and the device check; not a route's
+    launch."""
     num_tokens, top_k = topk_ids.shape
     naive = layout is None or layout.naive
     block_rows = 8 if naive else layout.block_size
-    check_words(x, w13, top_k, block_rows, num_warps)
-    a = num_tokens * top_k
+    check_words(x, w13, top_k, block_rows, num_warps, split)
+    a, n = num_tokens * top_k, w13.q.shape[1] // 2
     blocks = a if naive else layout.expert_ids.numel()
-    launch = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, num_warps, max_registers)
+    launch = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, num_warps, split=split)
     xw = x_words(x)
-    h = torch.empty(a, w13.q.shape[1] // 2, dtype=x.dtype, device=x.device)
+    h = torch.empty(a, n, dtype=x.dtype, device=x.device)
+    out = h if split == 1 else torch.empty(split * a, 2 * n, dtype=torch.float32, device=x.device)
     rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
-    launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, topk_ids.reshape(-1), *rows)
+    launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, out, topk_ids.reshape(-1), *rows)
+    if split > 1:
+        _glu_bound(split, a, n, x.device)(out, h)
     return h
+
+
+@functools.lru_cache(maxsize=256)
+def _glu_bound(split: int, num_assignments: int, n: int, device: torch.device) -> BoundLaunch:
+    """The existing launch summing a split gate-up's partials into h = silu(gate) * up (``triton_wo_gemv``)."""
+    from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+    from moekit.experts.triton_wo_gemv import glu_launch
+
+    return glu_launch(split, num_assignments, n, 0, resolve_launch_options(LaunchOptions(dependent_launch=False),
+                                                                          device))
 
 
 def check_words_down(w2, split: int, num_warps: int = NUM_WARPS) -> None:

@@ -172,19 +172,65 @@ def _corrected(acc, part, scale, zero, xsum):
 
 
 @gluon.jit
-def _step(acc, zeros, words, xp, col, magic, s_rows, z_rows, xs_rows, row_ok, tok_ok, GROUP: gl.constexpr,
-          num_warps: gl.constexpr):
+def _zero_pairs(z_rows, g, row_ok):
+    """The rows' -(128 + zero) of group g as bf16x2 bits (int32 [R]): 0xC300 | zero in each half."""
+    z = gl.load(z_rows + g, mask=row_ok, other=0).to(gl.int32)
+    return (z | (z << 16)) | -0x3CFF3D00  # 0xC300C300 as int32
+
+
+@gluon.jit
+def _step(acc, zeros, words, xp, col, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok, GROUP: gl.constexpr,
+          EXACT: gl.constexpr, num_warps: gl.constexpr):
     """acc [R, BM] (zeros: its shape, 0) + the step at column ``col``: its words [R, 32] (as loaded) decoded, times
-    its activations [BM, 128] (int32 pairs), each half step's partial corrected and scaled by its group
-    (``_corrected``)."""
+    its activations [BM, 128] (int32 pairs), each half step's partial times its group's scale: EXACT code - zero in
+    the decode (``exact_halves``; z_rows / z_ok in the load's rows), else 128 + code corrected by the x sums
+    (``_corrected``; z_rows in the accumulator's rows, as s_rows)."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc.type.layout, k_width=2)
-    s0, z0, xs0 = _group_terms(s_rows, z_rows, xs_rows, col, row_ok, tok_ok, GROUP)
-    s1, z1, xs1 = _group_terms(s_rows, z_rows, xs_rows, col + 128, row_ok, tok_ok, GROUP)
-    a0, a1 = _weight_halves(operand_rows(words, num_warps), magic, a_layout)
     b0, b1 = x_halves(xp, b_layout)
-    acc = _corrected(acc, mma_v2(a0, b0, zeros), s0, z0, xs0)
-    return _corrected(acc, mma_v2(a1, b1, zeros), s1, z1, xs1)
+    if EXACT:
+        s0 = gl.load(s_rows + col // GROUP, mask=row_ok, other=0.0)
+        s1 = gl.load(s_rows + (col + 128) // GROUP, mask=row_ok, other=0.0)
+        zc0, zc1 = _zero_pairs(z_rows, col // GROUP, z_ok), _zero_pairs(z_rows, (col + 128) // GROUP, z_ok)
+        a0, a1 = exact_halves(words, zc0, zc1, magic, one, num_warps, a_layout)
+        acc += mma_v2(a0, b0, zeros) * s0[:, None]
+        acc += mma_v2(a1, b1, zeros) * s1[:, None]
+    else:
+        s0, z0, xs0 = _group_terms(s_rows, z_rows, xs_rows, col, row_ok, tok_ok, GROUP)
+        s1, z1, xs1 = _group_terms(s_rows, z_rows, xs_rows, col + 128, row_ok, tok_ok, GROUP)
+        a0, a1 = _weight_halves(operand_rows(words, num_warps), magic, a_layout)
+        acc = _corrected(acc, mma_v2(a0, b0, zeros), s0, z0, xs0)
+        acc = _corrected(acc, mma_v2(a1, b1, zeros), s1, z1, xs1)
+    return acc
+
+
+@gluon.jit
+def words_loop(acc, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
+               GROUP: gl.constexpr, EXACT: gl.constexpr, num_warps: gl.constexpr):
+    """acc + ``steps`` steps (``_step``) from column col0 (w_ptrs [R, 32] / x_ptrs [BM, 128] at its first step),
+    each loaded a step before its decode, two an iteration (ping-pong registers: no copies), an odd last one alone.
+    The loads are unmasked: every row and step lies inside the weight (the host's checks); padding rows read
+    token 0 and are never stored."""
+    zeros = gl.zeros_like(acc)  # each half step's dot starts from zero
+    w_a, x_a = gl.load(w_ptrs), gl.load(x_ptrs)
+    for s in range(0, steps - 2, 2):
+        w_b, x_b = gl.load(w_ptrs + (s + 1) * STEP_WORDS), gl.load(x_ptrs + (s + 1) * (STEP // 2))
+        acc = _step(acc, zeros, w_a, x_a, col0 + s * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
+                    GROUP, EXACT, num_warps)
+        w_a, x_a = gl.load(w_ptrs + (s + 2) * STEP_WORDS), gl.load(x_ptrs + (s + 2) * (STEP // 2))
+        acc = _step(acc, zeros, w_b, x_b, col0 + (s + 1) * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok,
+                    tok_ok, GROUP, EXACT, num_warps)
+    last = col0 + (steps - 2 + steps % 2) * STEP  # the step w_a holds
+    if steps % 2 == 0:
+        w_b, x_b = gl.load(w_ptrs + (steps - 1) * STEP_WORDS), gl.load(x_ptrs + (steps - 1) * (STEP // 2))
+        acc = _step(acc, zeros, w_a, x_a, last, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok, GROUP,
+                    EXACT, num_warps)
+        acc = _step(acc, zeros, w_b, x_b, last + STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
+                    GROUP, EXACT, num_warps)
+    else:
+        acc = _step(acc, zeros, w_a, x_a, last, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok, GROUP,
+                    EXACT, num_warps)
+    return acc
 
 
 @gluon.jit
@@ -213,9 +259,12 @@ def gate_up_words_kernel(
     stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,  # q in words
     BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, num_warps: gl.constexpr,
     H_ORDER: gl.constexpr = False,  # h stored in the dot order the down GEMM reads (``stored_column``)
+    SPLIT: gl.constexpr = 1,  # > 1: grid axis 1 = split s of K's steps; h_ptr the float32 partials p [SPLIT A, 2N]
 ):
     """h = silu(x w_gate^T) * (x w_up^T) of one block's rows and 8 num_warps gate columns (module doc). Grid:
-    (blocks * N / (8 num_warps),); N a multiple of 8 num_warps, K of 256, GROUP of 128 (``triton_wo_words``)."""
+    (blocks * N / (8 num_warps), SPLIT); N a multiple of 8 num_warps, K / 256 of 2 SPLIT, GROUP of 128
+    (``triton_wo_words``). SPLIT > 1: split s's gate sums at p[s A + a, n], its up sums at p[s A + a, N + n]
+    (``wo_split.split_glu_kernel`` sums and activates them)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
     x_layout: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [1, num_warps], [1, 0])
     num_pid_n = N // (8 * num_warps)
@@ -226,13 +275,13 @@ def gate_up_words_kernel(
     if (expert >= 0) & (expert < num_experts):
         _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
                stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-               GROUP, num_warps, H_ORDER)
+               GROUP, num_warps, H_ORDER, SPLIT)
 
 
 @gluon.jit
 def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
            stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-           GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr):
+           GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr):
     """The program's h tile: rows_x / rows_c [BM] its block's assignments (A past the end) in the x load's and the
     accumulator's layouts, n0 its first gate column (module doc)."""
     BM: gl.constexpr = rows_x.type.shape[0]
@@ -247,43 +296,36 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, 
     w13_w = n0 + 8 * (u // 8 % num_warps) + u % 8 + (u // (8 * num_warps)) * N
     r_c = gl.arange(0, R, layout=gl.SliceLayout(1, mma))  # operand row 16 w + 8 v + g: the same w13 row
     w13_c = n0 + 8 * (r_c // 16) + r_c % 8 + (r_c % 16 // 8) * N
-    words = q_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert.to(gl.int64) * stride_qe
+    steps = K // STEP // SPLIT  # the split's steps
+    col0 = gl.program_id(1) * steps * STEP  # this split's first column
+    words = q_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert.to(gl.int64) * stride_qe + col0 // 8
     cols = gl.arange(0, STEP_WORDS, layout=gl.SliceLayout(0, w_layout))
     w_ptrs = words + (w13_w * stride_qr)[:, None] + cols[None, :]  # [R, 32] the step's words
     m = gl.arange(0, STEP // 2, layout=gl.SliceLayout(0, x_layout))  # bf16 pairs
-    x_pairs = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    x_pairs = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + col0 // 2
     x_ptrs = x_pairs + (gl.where(ok_x, rows_x // top_k, 0) * (stride_xm // 2))[:, None] + m[None, :]  # [BM, 128]
     s_rows = s_ptr + expert * stride_se + w13_c * stride_sr  # [R] the rows' groups
     z_rows = z_ptr + expert * stride_ze + w13_c * stride_zr
     xs_rows = xsum_ptr + gl.where(ok_c, rows_c // top_k, 0) * stride_xsm  # [BM]
     row_ok = w13_c < 2 * N
     magic = 0x43004300 + (K >> 31)  # bf16x2 128.0 (K >= 0), a value ptxas holds in a register
-    acc = gl.zeros([R, BM], gl.float32, mma)
-    zeros = gl.zeros([R, BM], gl.float32, mma)  # each half step's dot starts from zero
-    steps = K // STEP  # even (the host's checks): two steps an iteration, each loaded a step before its decode
-    w_a = gl.load(w_ptrs)  # [R, 32] int32, unmasked: every row and step lies inside w13 (the host's checks)
-    x_a = gl.load(x_ptrs)  # [BM, 128] int32: padding rows read token 0, never stored
-    for s in range(0, steps - 2, 2):  # ping-pong a / b: no register copies between iterations
-        w_b, x_b = gl.load(w_ptrs + (s + 1) * STEP_WORDS), gl.load(x_ptrs + (s + 1) * (STEP // 2))
-        acc = _step(acc, zeros, w_a, x_a, s * STEP, magic, s_rows, z_rows, xs_rows, row_ok, ok_c, GROUP, num_warps)
-        w_a, x_a = gl.load(w_ptrs + (s + 2) * STEP_WORDS), gl.load(x_ptrs + (s + 2) * (STEP // 2))
-        acc = _step(acc, zeros, w_b, x_b, (s + 1) * STEP, magic, s_rows, z_rows, xs_rows, row_ok, ok_c, GROUP,
-                    num_warps)
-    w_b, x_b = gl.load(w_ptrs + (steps - 1) * STEP_WORDS), gl.load(x_ptrs + (steps - 1) * (STEP // 2))
-    acc = _step(acc, zeros, w_a, x_a, (steps - 2) * STEP, magic, s_rows, z_rows, xs_rows, row_ok, ok_c, GROUP,
-                num_warps)
-    acc = _step(acc, zeros, w_b, x_b, (steps - 1) * STEP, magic, s_rows, z_rows, xs_rows, row_ok, ok_c, GROUP,
-                num_warps)
+    acc = words_loop(gl.zeros([R, BM], gl.float32, mma), w_ptrs, x_ptrs, steps, col0, magic, magic, s_rows, z_rows,
+                     xs_rows, row_ok, row_ok, ok_c, GROUP, False, num_warps)
     # acc rows: warp w's gate rows then up rows -> gate, up [8 W, BM], each thread both of its outputs
     both = gl.permute(gl.reshape(acc, [num_warps, 2, 8, BM]), [0, 2, 3, 1])  # [W, 8, BM, gate / up]
     gate, up = gl.split(both)
-    h = gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * num_warps, BM])
     out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
-    h = gl.convert_layout(h, out_layout)
     cols_o = n0 + gl.arange(0, 8 * num_warps, layout=gl.SliceLayout(1, out_layout))
-    if H_ORDER:
-        cols_o = stored_column(cols_o)
     rows_o = gl.convert_layout(rows_c, gl.SliceLayout(0, out_layout))
-    ok_o = gl.convert_layout(ok_c, gl.SliceLayout(0, out_layout))
-    gl.store(h_ptr + rows_o[None, :] * stride_hm + cols_o[:, None], h.to(h_ptr.dtype.element_ty),
-             mask=ok_o[None, :] & (cols_o < N)[:, None])
+    ok_o = gl.convert_layout(ok_c, gl.SliceLayout(0, out_layout))[None, :] & (cols_o < N)[:, None]
+    if SPLIT > 1:  # this split's float32 sums, gate then up (module doc)
+        p_rows = h_ptr + (gl.program_id(1) * num_assignments + rows_o)[None, :].to(gl.int64) * stride_hm
+        gl.store(p_rows + cols_o[:, None], gl.convert_layout(gl.reshape(gate, [8 * num_warps, BM]), out_layout),
+                 mask=ok_o)
+        gl.store(p_rows + N + cols_o[:, None], gl.convert_layout(gl.reshape(up, [8 * num_warps, BM]), out_layout),
+                 mask=ok_o)
+    else:
+        h = gl.convert_layout(gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * num_warps, BM]), out_layout)
+        if H_ORDER:
+            cols_o = stored_column(cols_o)
+        gl.store(h_ptr + rows_o[None, :] * stride_hm + cols_o[:, None], h.to(h_ptr.dtype.element_ty), mask=ok_o)

@@ -20,57 +20,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from moekit.experts._kernels.gluon_wo_words import STEP, STEP_WORDS, block_rows, exact_halves, x_halves
-
-
-@gluon.jit
-def _zero_pairs(z_rows, g, row_ok):
-    """The rows' -(128 + zero) of group g as bf16x2 bits (int32 [R]): 0xC300 | zero in each half."""
-    z = gl.load(z_rows + g, mask=row_ok, other=0).to(gl.int32)
-    return (z | (z << 16)) | -0x3CFF3D00  # 0xC300C300 as int32
-
-
-@gluon.jit
-def _down_step(acc, zeros, words, hp, col, magic, one, s_rows, z_rows, row_ok, row_ok_w, GROUP: gl.constexpr,
-               num_warps: gl.constexpr):
-    """acc [R, BM] + the step at column ``col``: words [R, 32] (as loaded) decoded exactly, times h pairs [BM, 128],
-    each half step's partial times its group's scale."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc.type.layout, k_width=2)
-    s0 = gl.load(s_rows + col // GROUP, mask=row_ok, other=0.0)
-    s1 = gl.load(s_rows + (col + 128) // GROUP, mask=row_ok, other=0.0)
-    zc0, zc1 = _zero_pairs(z_rows, col // GROUP, row_ok_w), _zero_pairs(z_rows, (col + 128) // GROUP, row_ok_w)
-    a0, a1 = exact_halves(words, zc0, zc1, magic, one, num_warps, a_layout)
-    b0, b1 = x_halves(hp, b_layout)
-    acc += mma_v2(a0, b0, zeros) * s0[:, None]
-    return acc + mma_v2(a1, b1, zeros) * s1[:, None]
-
-
-@gluon.jit
-def _down_loop(acc, w_ptrs, h_ptrs, steps, col0, magic, one, s_rows, z_rows, row_ok, row_ok_w, GROUP: gl.constexpr,
-               num_warps: gl.constexpr):
-    """acc + ``steps`` steps from column col0 (w_ptrs / h_ptrs at its first step), each loaded a step ahead, two an
-    iteration (no register copies), an odd last step alone."""
-    zeros = gl.zeros_like(acc)
-    w_a, h_a = gl.load(w_ptrs), gl.load(h_ptrs)
-    for s in range(0, steps - 2, 2):
-        w_b, h_b = gl.load(w_ptrs + (s + 1) * STEP_WORDS), gl.load(h_ptrs + (s + 1) * (STEP // 2))
-        acc = _down_step(acc, zeros, w_a, h_a, col0 + s * STEP, magic, one, s_rows, z_rows, row_ok, row_ok_w, GROUP,
-                         num_warps)
-        w_a, h_a = gl.load(w_ptrs + (s + 2) * STEP_WORDS), gl.load(h_ptrs + (s + 2) * (STEP // 2))
-        acc = _down_step(acc, zeros, w_b, h_b, col0 + (s + 1) * STEP, magic, one, s_rows, z_rows, row_ok, row_ok_w,
-                         GROUP, num_warps)
-    last = col0 + (steps - 2 + steps % 2) * STEP  # the step w_a holds
-    if steps % 2 == 0:
-        w_b, h_b = gl.load(w_ptrs + (steps - 1) * STEP_WORDS), gl.load(h_ptrs + (steps - 1) * (STEP // 2))
-        acc = _down_step(acc, zeros, w_a, h_a, last, magic, one, s_rows, z_rows, row_ok, row_ok_w, GROUP, num_warps)
-        acc = _down_step(acc, zeros, w_b, h_b, last + STEP, magic, one, s_rows, z_rows, row_ok, row_ok_w, GROUP,
-                         num_warps)
-    else:
-        acc = _down_step(acc, zeros, w_a, h_a, last, magic, one, s_rows, z_rows, row_ok, row_ok_w, GROUP, num_warps)
-    return acc
+from moekit.experts._kernels.gluon_wo_words import STEP, STEP_WORDS, block_rows, words_loop
 
 
 @gluon.jit
@@ -108,8 +59,8 @@ def down_words_kernel(
         z_rows = z_ptr + expert * stride_ze + w2_w * stride_zr  # in the load's rows: the decode's zero points
         magic = 0x43004300 + (N >> 31)  # bf16x2 128.0 and 1.0 (N >= 0): values ptxas holds in registers
         one = 0x3F803F80 + (N >> 31)
-        acc = _down_loop(gl.zeros([R, BM], gl.float32, mma), w_ptrs, h_ptrs, split_steps, col0, magic, one, s_rows,
-                         z_rows, w2_c < K, w2_w < K, GROUP, num_warps)
+        acc = words_loop(gl.zeros([R, BM], gl.float32, mma), w_ptrs, h_ptrs, split_steps, col0, magic, one, s_rows,
+                         z_rows, s_rows, w2_c < K, w2_w < K, rows_c < num_assignments, GROUP, True, num_warps)
         ok_c = rows_c < num_assignments
         acc = acc * gl.load(weights_ptr + rows_c, mask=ok_c, other=0.0)[None, :]
         out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
