@@ -177,3 +177,30 @@ def test_the_x_launch_matches_its_torch_twin():
     got, want = x_words(x), x_words_torch(x)
     assert torch.equal(got.x, want.x)
     assert torch.allclose(got.sums, want.sums, rtol=1e-5, atol=1e-5)  # float32 sums in another order
+
+
+def test_the_down_gemm_operands_match_a_float64_loop():
+    """The down kernel's arithmetic in its operand order: each half step's words (16 c .. 16 c + 15 of the step)
+    decoded exactly (``exact_half_torch``) against h in the stored order the gate-up writes (``x_halves_torch``),
+    times the group's scale and the routed weight, against a float64 loop over dequantized w2."""
+    e, k, n, group = 2, 8, 512, 128
+    q, scale, zero = _int4(e, k, n, group, seed=5)
+    h = torch.randn(3, n, generator=torch.Generator().manual_seed(6)).bfloat16()
+    stored = x_words_torch(h).x
+    experts, routed = [1, 0, 1], [0.5, 0.25, 2.0]
+    for a, (expert, weight) in enumerate(zip(experts, routed)):
+        words = q[expert].contiguous().view(torch.int32).long()  # [K, N / 8]
+        y = torch.zeros(k, dtype=torch.float64)
+        for s in range(n // 256):
+            halves = x_halves_torch(stored[a:a + 1, 256 * s:256 * s + 256].double())
+            for c in range(2):
+                grp = (256 * s + 128 * c) // group
+                a_op = exact_half_torch(words[:, 32 * s + 16 * c:32 * s + 16 * c + 16], zero[expert, :, grp].long())
+                y += (a_op.double() @ halves[c][:, 0]) * scale[expert, :, grp].double()
+        want = torch.zeros(k, dtype=torch.float64)
+        for r in range(k):
+            for col in range(n):
+                grp = col // group
+                w = (_code(q[expert, r], col) - int(zero[expert, r, grp])) * float(scale[expert, r, grp])
+                want[r] += w * float(h[a, col])
+        assert torch.allclose(y * weight, want * weight, rtol=1e-9, atol=1e-12)
