@@ -122,7 +122,7 @@ def test_down_refusals_name_the_argument(change, named):
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"dtype": torch.float16}, "bf16"), ({"k": 768}, "K a multiple of 512"), ({"group": 64}, "group_size"),
+    ({"dtype": torch.float16}, "bf16"), ({"k": 640}, "K a multiple of 256"), ({"group": 64}, "group_size"),
     ({"n": 48}, "N a multiple of 32"), ({"block_rows": 4}, "block_rows"),
 ])
 def test_refusals_name_the_argument(change, named):

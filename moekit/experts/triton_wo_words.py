@@ -87,9 +87,9 @@ def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps
         raise ValueError(f"decode='gluon_words' needs x contiguous bf16, got {x.dtype}")
     if w13.q.dtype != torch.uint8 or w13.zero.dtype != torch.uint8 or 2 * half_k != k:
         raise ValueError("decode='gluon_words' runs int4_w4a16 (w13.q uint8 [E, 2N, K / 2] with zero points) only")
-    if split < 1 or k % (2 * STEP * split):
-        raise ValueError(f"decode='gluon_words' needs K a multiple of {2 * STEP} x the gate-up's split (two steps an "
-                         f"iteration), got K {k}, split {split}")
+    if split < 1 or k % (STEP * split):
+        raise ValueError(f"decode='gluon_words' needs K a multiple of {STEP} x the gate-up's split, got K {k}, "
+                         f"split {split}")
     if w13.group_size % 128 or k % w13.group_size:
         raise ValueError(f"decode='gluon_words' needs w13.group_size a multiple of 128 dividing K, got "
                          f"{w13.group_size}")

@@ -262,7 +262,7 @@ def gate_up_words_kernel(
     SPLIT: gl.constexpr = 1,  # > 1: grid axis 1 = split s of K's steps; h_ptr the float32 partials p [SPLIT A, 2N]
 ):
     """h = silu(x w_gate^T) * (x w_up^T) of one block's rows and 8 num_warps gate columns (module doc). Grid:
-    (blocks * N / (8 num_warps), SPLIT); N a multiple of 8 num_warps, K / 256 of 2 SPLIT, GROUP of 128
+    (blocks * N / (8 num_warps), SPLIT); N a multiple of 8 num_warps, K / 256 of SPLIT, GROUP of 128
     (``triton_wo_words``). SPLIT > 1: split s's gate sums at p[s A + a, n], its up sums at p[s A + a, N + n]
     (``wo_split.split_glu_kernel`` sums and activates them)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
