@@ -146,7 +146,8 @@ def run_experts_wo(
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
-    "register", "mma", "gemv", "scratch" (``triton_wo_scratch``) or "gluon" (``triton_gluon_wo``); None:
+    "register", "mma", "gemv", "scratch" (``triton_wo_scratch``), "gluon" (``triton_gluon_wo``) or "gluon_words"
+    (``triton_wo_words``: int4, selectable only); None:
     ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
     and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` and "scratch" (module docstring). Not an
     op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
@@ -161,6 +162,10 @@ def run_experts_wo(
     if variant and decode == "gluon":
         raise ValueError("decode='gluon' takes no expert biases or activation variant: those run on "
                          "triton_wo_plan.VARIANT_DECODES or decode='scratch'")
+    if decode == "gluon_words":  # selectable only (issue 16, session 45): ``triton_wo_words``
+        from moekit.experts.triton_wo_words import run_experts_words
+
+        return run_experts_words(x, w13, w2, ids, weights, expert_map, scheme, activation, variant)
     if not variant and _runs_gluon(x, w13, w2, ids, scheme, activation, config, split_k, decode):  # triton_gluon_wo
         from moekit.experts.triton_gluon_wo import run_experts_wo_gluon
 

@@ -6,7 +6,7 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Six decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Seven decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
@@ -21,6 +21,9 @@ Six decodes of the packed weights (DECODES), each its own kernels and its own co
     gluon     ``triton_gluon_wo`` (int8 / int4 / mxfp4, Hopper with Gluon): warp-specialized Gluon GEMMs decoding
               each stored tile to bf16 in shared memory one step ahead of the wgmma (no fused plan:
               ``run_experts_wo`` diverts to it); taken where ``GLUON_WO_CELLS`` measured it faster, else selectable.
+    gluon_words ``triton_wo_words`` (int4, Gluon; session 45): the packed words by 16-byte loads straight into
+              mma.sync's register operand, K permuted so no operand moves; selectable only (no fused plan:
+              ``run_experts_wo`` diverts to it), no default takes it before a device run measures it.
 ``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the
 call (``triton_wo_winners``, mid and large batches), else per (scheme, shape, nearest measured M of the same
 tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch shortcut, or on
@@ -69,7 +72,7 @@ from moekit.triton_bind import BoundLaunch
 
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
-DECODES = ("tile", "register", "mma", "gemv", "scratch", "gluon")
+DECODES = ("tile", "register", "mma", "gemv", "scratch", "gluon", "gluon_words")
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
 # bf16 activations, two runs each (benchmarks/results/raw: ``b6a5c5f-wo_device_check`` tile and
 # ``87bfd3a-...-wo-fast-2-reverted`` register, then both in one run, ``a13647b-wo_device_check-wo-choice``;
@@ -354,9 +357,9 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
     biases or an activation spec that is not plain) the measured entry of its shape first
     (``triton_wo_variant.measured_variant_decode``), and a decode outside VARIANT_DECODES: the chooser's becomes
     "register", a caller's is an error naming it."""
-    if decode in ("scratch", "gluon"):
+    if decode in ("scratch", "gluon", "gluon_words"):
         raise ValueError(f"decode={decode!r} has no fused plan: run_experts_wo runs it "
-                         "(triton_wo_scratch / triton_gluon_wo)")
+                         "(triton_wo_scratch / triton_gluon_wo / triton_wo_words)")
     chosen = decode
     if chosen is None and variant:
         chosen = measured_variant_decode(scheme, num_tokens, num_experts, n, hidden, top_k)

@@ -1,0 +1,125 @@
+"""The words gate-up (``moekit/experts/_kernels/gluon_wo_words.py``) compiled for sm_90 without a GPU: registers and
+stack (cuobjdump), and its main loop in the SASS (the backward branch whose body holds the HMMAs): instructions a
+weight a thread (the loop runs two steps: 2 rows x 256 columns x 2 steps / 4 lanes = 256 weights a thread; the
+down kernel's likewise), its
+opcodes, its loads by width, and any STS / LDS / SHFL (the operand must reach the MMA without them).
+
+    PYTHONPATH=$PWD python3 benchmarks/w4g45_sass_cpu.py                          # this Triton (3.9 here)
+    PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/w4g45_sass_cpu.py          # Triton 3.6 (the H200's)
+    ... w4g45_sass_cpu.py naive aligned                                            # these cases only
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gluon_fp8_compile_cpu import compile_gluon_sm90  # noqa: E402
+
+# (name, BM, NAIVE, num_warps): Mixtral's shape (N 14336, K 4096); shapes reach the kernel as i32 arguments
+CASES = (("naive", 8, True, 4), ("aligned", 8, False, 4), ("aligned-bm16", 16, False, 4), ("naive-w8", 8, True, 8),
+         ("naive-split", 8, True, 4), ("down", 8, True, 4), ("down-split", 8, True, 4), ("down-aligned", 8, False, 4))
+WEIGHTS_A_LOOP = 256  # a thread's weights in one loop iteration
+
+
+def _tools() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_down(bm: int, naive: bool, split: int, num_warps: int):
+    """The down kernel at Mixtral's shape (w2 [8, 4096, 14336]), 14 steps a split."""
+    from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel as kernel
+
+    n, k, e = 14336, 4096, 8
+    t = lambda dtype: torch.empty(16, dtype=dtype)  # noqa: E731
+    args = dict(h_ptr=t(torch.bfloat16), q_ptr=t(torch.uint8), s_ptr=t(torch.float32), z_ptr=t(torch.uint8),
+                y_ptr=t(torch.float32 if split > 1 else torch.bfloat16), weights_ptr=t(torch.float32),
+                ids_ptr=t(torch.int32), sorted_ids_ptr=t(torch.int32), expert_ids_ptr=t(torch.int32),
+                num_padded_ptr=t(torch.int32), K=k, N=n, num_assignments=2, num_experts=e, split_steps=14,
+                stride_hm=n, stride_qe=k * n // 8, stride_qr=n // 8, stride_se=k * n // 128, stride_sr=n // 128,
+                stride_ze=k * n // 128, stride_zr=n // 128, stride_ym=k)
+    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, SPLIT=split, num_warps=num_warps))
+
+
+def _compiled(kernel, args: dict, const: dict):
+    # what a launch specialises: tensors' 16-byte alignment, integers divisible by 16
+    aligned = [name for name, v in args.items() if isinstance(v, torch.Tensor) or v % 16 == 0]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return compile_gluon_sm90(kernel, args, const, const["num_warps"], attrs=attrs)
+
+
+def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1):
+    from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel as kernel
+
+    n, k, e = 14336, 4096, 8
+    t = lambda dtype: torch.empty(16, dtype=dtype)  # noqa: E731
+    args = dict(x_ptr=t(torch.bfloat16), xsum_ptr=t(torch.float32), q_ptr=t(torch.uint8), s_ptr=t(torch.float32),
+                z_ptr=t(torch.uint8), h_ptr=t(torch.bfloat16), ids_ptr=t(torch.int32), sorted_ids_ptr=t(torch.int32),
+                expert_ids_ptr=t(torch.int32), num_padded_ptr=t(torch.int32), N=n, K=k, num_assignments=2, top_k=2,
+                num_experts=e, stride_xm=k, stride_xsm=k // 128, stride_qe=2 * n * k // 8, stride_qr=k // 8,
+                stride_se=2 * n * k // 128, stride_sr=k // 128, stride_ze=2 * n * k // 128, stride_zr=k // 128,
+                stride_hm=n)
+    const = dict(BM=bm, GROUP=128, NAIVE=naive, num_warps=num_warps, H_ORDER=split == 1, SPLIT=split)
+    return _compiled(kernel, args, const)
+
+
+def loop_ops(sass: str) -> list[str]:
+    """The opcodes (with their modifiers) of the last backward branch's body that holds HMMAs."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line.strip()))}
+    found = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i + 1) < i and any("HMMA" in b for b in lines[labels[m.group(1)]:i]):
+            found = []
+            for b in lines[labels[m.group(1)]:i + 1]:
+                if mm := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", b):
+                    words = mm.group(1).split()
+                    found.append(words[1] if words[0].startswith("@") else words[0])
+    return found
+
+
+def report(name: str, bm: int, naive: bool, num_warps: int) -> str:
+    if name.startswith("down"):
+        out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps)
+    else:
+        out = compile_case(bm, naive, num_warps, 2 if name == "naive-split" else 1)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(out.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(_tools(), "nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True).stdout
+        usage = subprocess.run([os.path.join(_tools(), "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    ops = loop_ops(sass)
+    top = " ".join(f"{k}:{v}" for k, v in Counter(o.split(".")[0] for o in ops).most_common(12))
+    loads = dict(Counter(o for o in ops if o.startswith("LDG")))
+    hops = sum(o.startswith(("STS", "LDS", "SHFL", "STL", "LDL")) for o in ops)
+    return (f"{name}: registers {regs.group(1)}, stack {regs.group(2)} B; loop {len(ops)} instructions, "
+            f"{len(ops) / WEIGHTS_A_LOOP:.2f} a weight ({bm} tokens a block), "
+            f"STS/LDS/SHFL/local in the loop {hops}; {top}; loads {loads}")
+
+
+def main() -> int:
+    import triton
+
+    print("triton", triton.__version__, flush=True)
+    for case in CASES:
+        if len(sys.argv) < 2 or case[0] in sys.argv[1:]:
+            print(report(*case), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The host side of the int4 gate-up that loads its packed words straight into mma.sync's register operand (decode
+"gluon_words", issue #16 target 1, session 45; the kernel: ``_kernels/gluon_wo_words.py``, whose module docstring
+gives the dot order): what it requires (``check_words``, refused by name), the activations in its order
+(``x_words``), the launch (``words_gate_up_launch``) and h of a call (``gate_up_words``). Selectable only: no
+default takes it until a device run measures it (``benchmarks/w4g45_device_check.py``).
+
+    [align or the tiny-batch shortcut] -> x_words (x in the dot order, its 128-column sums) -> gate_up_words_kernel -> h
+
+Shapes: M tokens, k slots, A = M*k, E experts, N intermediate, K hidden, g the int4 group size, W warps a program.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from moekit.triton_bind import BoundLaunch
+
+STEP = 256  # columns a step of the kernel (32 words of a row)
+BLOCK_ROWS = (8, 16)  # BM: the block's rows, the MMA's N (8 or two 8-column MMAs)
+NUM_WARPS = 4  # a program's warps (8 gate rows each); sm_90, Triton 3.6 / 3.9: 112-116 registers, 4 programs an SM
+
+
+def dot_columns() -> torch.Tensor:
+    """[256] int64: the weight column within a step that dot column d holds (``gluon_wo_words``: with d's bits p =
+    d0, q = d1 + 2 d2, g = d3, h = d4, j = d5 + 2 d6, c = d7, column 128 c + 32 q + 8 j + 4 p + 2 h + g)."""
+    d = torch.arange(STEP)
+    bit = [(d >> i) & 1 for i in range(8)]
+    p, q, g, h, j, c = bit[0], bit[1] + 2 * bit[2], bit[3], bit[4], bit[5] + 2 * bit[6], bit[7]
+    return 128 * c + 32 * q + 8 * j + 4 * p + 2 * h + g
+
+
+def stored_dot_columns() -> torch.Tensor:
+    """[256] int64: the dot column stored at position m of a step of ``x_words`` (each thread's B fragment
+    contiguous: m = 64 (d1 + 2 d2) + d0 + 2 d3 + 4 d4 + 8 d5 + 16 d6 + 32 d7)."""
+    m = torch.arange(STEP)
+    bit = [(m >> i) & 1 for i in range(8)]  # m's bits: d0, d3, d4, d5, d6, d7, d1, d2
+    return bit[0] + 8 * bit[1] + 16 * bit[2] + 32 * bit[3] + 64 * bit[4] + 128 * bit[5] + 2 * bit[6] + 4 * bit[7]
+
+
+@functools.cache
+def _x_order(device: torch.device) -> torch.Tensor:
+    return dot_columns()[stored_dot_columns()].to(device)
+
+
+@dataclass(frozen=True)
+class XWords:
+    """The activations as the kernel reads them."""
+
+    x: torch.Tensor  # [M, K] x.dtype: column 256 s + m holds x[:, 256 s + dot_columns()[stored_dot_columns()[m]]]
+    sums: torch.Tensor  # [M, K / 128] float32: sums[:, i] = x[:, 128 i:128 (i + 1)].sum(1) of the bf16 values
+
+
+def x_words_torch(x: torch.Tensor) -> XWords:
+    """x [M, K] (K a multiple of 256) in the kernel's order, and its sums over each half step's 128 columns (the
+    zero points' term: a half step lies in one group, but a group of 256 or more spans several half steps)."""
+    m, k = x.shape
+    stored = x.view(m, k // STEP, STEP)[:, :, _x_order(x.device)].reshape(m, k)
+    return XWords(stored, x.float().view(m, k // 128, 128).sum(-1))
+
+
+def x_words(x: torch.Tensor) -> XWords:
+    """``x_words_torch`` in one launch (``_kernels/words_x.py``; x contiguous)."""
+    from moekit.experts._kernels.words_x import x_words_kernel
+
+    m, k = x.shape
+    out = XWords(torch.empty_like(x), torch.empty(m, k // 128, dtype=torch.float32, device=x.device))
+    launch = _x_words_launch(x_words_kernel, m, k)
+    launch(x, out.x, out.sums)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _x_words_launch(kernel, m: int, k: int) -> BoundLaunch:
+    return BoundLaunch(kernel, (m, k // STEP), 3, (k, k, k // 128), cached=True, num_warps=4)
+
+
+def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps: int = NUM_WARPS,
+                split: int = 1) -> None:
+    """The kernel's requirements of x and w13 (a ``triton_wo_plan.WeightArgs`` of int4) and the gate-up's split,
+    each refused by name."""
+    num_experts, two_n, half_k = w13.q.shape
+    n, k = two_n // 2, x.shape[1]
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"decode='gluon_words' needs x contiguous bf16, got {x.dtype}")
+    if w13.q.dtype != torch.uint8 or w13.zero.dtype != torch.uint8 or 2 * half_k != k:
+        raise ValueError("decode='gluon_words' runs int4_w4a16 (w13.q uint8 [E, 2N, K / 2] with zero points) only")
+    if split < 1 or k % (STEP * split):
+        raise ValueError(f"decode='gluon_words' needs K a multiple of {STEP} x the gate-up's split, got K {k}, "
+                         f"split {split}")
+    if w13.group_size % 128 or k % w13.group_size:
+        raise ValueError(f"decode='gluon_words' needs w13.group_size a multiple of 128 dividing K, got "
+                         f"{w13.group_size}")
+    if n % (8 * num_warps):
+        raise ValueError(f"decode='gluon_words' needs N a multiple of {8 * num_warps} (8 gate rows a warp), got {n}")
+    if w13.scale.stride(2) != 1 or w13.zero.stride(2) != 1:
+        raise ValueError("decode='gluon_words' needs w13.scale and w13.zero with contiguous groups")
+    if w13.q.stride(2) != 1 or w13.q.stride(1) % 16 or w13.q.stride(0) % 16 or w13.q.data_ptr() % 16:
+        raise ValueError("decode='gluon_words' needs w13.q rows contiguous at 16-byte aligned strides and address")
+    if block_rows not in BLOCK_ROWS or top_k < 1:
+        raise ValueError(f"decode='gluon_words': block_rows must be one of {BLOCK_ROWS} and top_k >= 1, got "
+                         f"{block_rows}, {top_k}")
+
+
+def words_gate_up_launch(w13, num_assignments: int, top_k: int, blocks: int, naive: bool, block_rows: int = 8,
+                         num_warps: int = NUM_WARPS, h_order: bool = False, split: int = 1) -> BoundLaunch:
+    """The gate-up launch of a call (after ``check_words``): ``blocks`` blocks of ``block_rows`` rows (naive: one
+    assignment each), pointers (x_words.x, x_words.sums, q, scale, zero, h, ids, sorted_ids, expert_ids,
+    num_padded; the last three None when naive). ``h_order``: h stored in the dot order (``stored_dot_columns``),
+    for ``words_down_launch``. ``split`` > 1: K's steps in that many programs, the h pointer float32 partials
+    p [split A, 2N] (``wo_split.split_glu_kernel``'s). Kept per kind of call (no tensor held)."""
+    return _gate_up_bound(tuple(w13.q.shape), w13.strides, w13.group_size, num_assignments, top_k, blocks, naive,
+                          block_rows, num_warps, h_order, split)
+
+
+@functools.lru_cache(maxsize=256)
+def _gate_up_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, top_k: int, blocks: int,
+                   naive: bool, block_rows: int, num_warps: int, h_order: bool, split: int) -> BoundLaunch:
+    from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel
+
+    num_experts, two_n, half_k = shape
+    n, k = two_n // 2, 2 * half_k
+    qe, qr, _, se, sr, _, ze, zr, _ = strides
+    out_stride = 2 * n if split > 1 else n  # p's rows or h's
+    scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, out_stride)
+    return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)), split), 10, scalars, cached=True,
+                       BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, SPLIT=split)
+
+
+def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,
+                  split: int = 1):
+    """h [A, N] (x.dtype) = silu(x w_gate^T) * (x w_up^T) of each assignment through the kernel. ``layout``: a
+    ``moekit.layouts.block_aligned.BlockAlignedLayout`` of 8- or 16-row blocks, or None for the tiny-batch shortcut
+    (one assignment a program). ``split`` > 1: K split over that many programs, their float32 partials summed and
+    activated by ``wo_split.split_glu_kernel`` (one launch more). For tools and the device check; not a route's
+    launch."""
+    num_tokens, top_k = topk_ids.shape
+    naive = layout is None or layout.naive
+    block_rows = 8 if naive else layout.block_size
+    check_words(x, w13, top_k, block_rows, num_warps, split)
+    a, n = num_tokens * top_k, w13.q.shape[1] // 2
+    blocks = a if naive else layout.expert_ids.numel()
+    launch = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, num_warps, split=split)
+    xw = x_words(x)
+    h = torch.empty(a, n, dtype=x.dtype, device=x.device)
+    out = h if split == 1 else torch.empty(split * a, 2 * n, dtype=torch.float32, device=x.device)
+    rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
+    launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, out, topk_ids.reshape(-1), *rows)
+    if split > 1:
+        _glu_bound(split, a, n, x.device)(out, h)
+    return h
+
+
+@functools.lru_cache(maxsize=256)
+def _glu_bound(split: int, num_assignments: int, n: int, device: torch.device) -> BoundLaunch:
+    """The existing launch summing a split gate-up's partials into h = silu(gate) * up (``triton_wo_gemv``)."""
+    from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+    from moekit.experts.triton_wo_gemv import glu_launch
+
+    return glu_launch(split, num_assignments, n, 0, resolve_launch_options(LaunchOptions(dependent_launch=False),
+                                                                          device))
+
+
+def check_words_down(w2, split: int, num_warps: int = NUM_WARPS) -> None:
+    """The down kernel's requirements of w2 (int4 ``WeightArgs`` [E, K, N]) and the split, each refused by name."""
+    num_experts, k, half_n = w2.q.shape
+    n = 2 * half_n
+    if w2.q.dtype != torch.uint8 or w2.zero.dtype != torch.uint8:
+        raise ValueError("decode='gluon_words' runs int4_w4a16 (w2.q uint8 [E, K, N / 2] with zero points) only")
+    if split < 1 or n % (STEP * split):
+        raise ValueError(f"decode='gluon_words': N must be a multiple of {STEP} x the down GEMM's split, got N {n}, "
+                         f"split {split}")
+    if w2.group_size % 128 or n % w2.group_size or k % (16 * num_warps):
+        raise ValueError(f"decode='gluon_words' needs w2.group_size a multiple of 128 dividing N and K a multiple of "
+                         f"{16 * num_warps}, got {w2.group_size}, K {k}")
+    if w2.q.stride(2) != 1 or w2.q.stride(1) % 16 or w2.q.stride(0) % 16 or w2.q.data_ptr() % 16:
+        raise ValueError("decode='gluon_words' needs w2.q rows contiguous at 16-byte aligned strides and address")
+    if w2.scale.stride(2) != 1 or w2.zero.stride(2) != 1:
+        raise ValueError("decode='gluon_words' needs w2.scale and w2.zero with contiguous groups")
+
+
+def words_down_launch(w2, num_assignments: int, blocks: int, naive: bool, split: int, block_rows: int = 8,
+                      num_warps: int = NUM_WARPS) -> BoundLaunch:
+    """The down launch (after ``check_words_down``): pointers (h in the dot order, q, scale, zero, y [split A, K]
+    (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded). Kept per kind."""
+    return _down_bound(tuple(w2.q.shape), w2.strides, w2.group_size, num_assignments, blocks, naive, split,
+                       block_rows, num_warps)
+
+
+@functools.lru_cache(maxsize=256)
+def _down_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, blocks: int, naive: bool, split: int,
+                block_rows: int, num_warps: int) -> BoundLaunch:
+    from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel
+
+    num_experts, k, half_n = shape
+    n = 2 * half_n
+    qe, qr, _, se, sr, _, ze, zr, _ = strides
+    scalars = (k, n, num_assignments, num_experts, n // STEP // split, n, qe // 4, qr // 4, se, sr, ze, zr, k)
+    return BoundLaunch(down_words_kernel, (blocks * (k // (16 * num_warps)), split), 10, scalars, cached=True,
+                       BM=block_rows, GROUP=group, NAIVE=naive, SPLIT=split, num_warps=num_warps)
+
+
+def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout=None,
+                  split: int = 1) -> torch.Tensor:
+    """The whole call on the words kernels (out [M, K], x.dtype): x in the dot order, the gate-up storing h in the
+    dot order the down GEMM reads, the down GEMM (``split`` partials along N), the existing k-sum launch. ``layout``:
+    as ``gate_up_words``'. For the device check and tools; no route takes it (selectable only)."""
+    num_tokens, top_k = topk_ids.shape
+    naive = layout is None or layout.naive
+    block_rows = 8 if naive else layout.block_size
+    check_words(x, w13, top_k, block_rows)
+    check_words_down(w2, split)
+    a, n, k = num_tokens * top_k, w13.q.shape[1] // 2, x.shape[1]
+    blocks = a if naive else layout.expert_ids.numel()
+    ids = topk_ids.reshape(-1)
+    rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
+    xw = x_words(x)
+    h = torch.empty(a, n, dtype=x.dtype, device=x.device)
+    gate_up = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, h_order=True)
+    gate_up(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, ids, *rows)
+    y = torch.empty(split * a, k, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    down = words_down_launch(w2, a, blocks, naive, split, block_rows)
+    down(h, w2.q, w2.scale, w2.zero, y, topk_weights.reshape(-1).float(), ids, *rows)
+    out = torch.empty_like(x)
+    _sum_bound(num_tokens, k, top_k, w13.q.shape[0], split, x.device)(y, ids, ids, out)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _sum_bound(num_tokens: int, k: int, top_k: int, num_experts: int, split: int, device: torch.device):
+    """The existing k-sum launch (``triton_plan.sum_launch``) over the down GEMM's splits and slots."""
+    from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+    from moekit.experts.triton_plan import sum_launch
+
+    options = resolve_launch_options(LaunchOptions(dependent_launch=False), device)
+    return sum_launch(num_tokens, k, top_k, num_experts, None, options, split)
+
+
+MIN_DOWN_PROGRAMS = 512  # the down GEMM splits along N until it has this many programs (4 an SM): a rule, unmeasured
+
+
+def down_split(n: int, k: int, blocks: int, num_warps: int = NUM_WARPS) -> int:
+    """The smallest split of the down GEMM's N steps (one dividing them) giving MIN_DOWN_PROGRAMS programs, else the
+    finest."""
+    steps = n // STEP
+    splits = [s for s in range(1, steps + 1) if steps % s == 0]
+    return next((s for s in splits if blocks * (k // (16 * num_warps)) * s >= MIN_DOWN_PROGRAMS), splits[-1])
+
+
+def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map, scheme: str,
+                      activation, variant: bool) -> torch.Tensor:
+    """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): the words kernels on
+    the tiny-batch shortcut or 8-row aligned blocks (``align_block``), the down split by ``down_split``. Refuses by
+    name what they do not run."""
+    from moekit.activations import as_spec
+    from moekit.layouts.block_aligned import align_block
+
+    spec = as_spec(activation)
+    if scheme != "int4_w4a16" or expert_map is not None or variant or spec.name != "silu":
+        raise ValueError(f"decode='gluon_words' runs int4_w4a16 with plain silu, no expert_map and no biases, got "
+                         f"{scheme}, activation {spec.name}, expert_map {expert_map is not None}, variant {variant}")
+    if x.device.type != "cuda":
+        raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
+    layout = align_block(ids, w13.q.shape[0], 8)
+    blocks = ids.numel() if layout.naive else layout.expert_ids.numel()
+    split = down_split(2 * w2.q.shape[2], w2.q.shape[1], blocks)
+    return experts_words(x, w13, w2, ids, weights, layout, split)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernel's operand order in torch (its steps mirrored op for op) and its arithmetic
+# ---------------------------------------------------------------------------------------------------
+
+
+def weight_halves_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gluon_wo_words._weight_halves`` in torch: a step's words [R, 32] int32 -> the two half steps' A operands
+    [R, 128] float32 (128 + code) in the dot order, by the kernel's joins, reshape, permute and split."""
+    r = words.shape[0]
+    o = [(((words >> (4 * t)) & 0x000F000F) | 0x43004300) for t in range(4)]  # bf16x2 bits of 128 + code
+    halves = [torch.stack([(v & 0xFFFF) - 0x4300, ((v >> 16) & 0xFFFF) - 0x4300], -1) + 128 for v in o]  # [R, 32, 2]
+    v = torch.stack([torch.stack([halves[0], halves[1]], -1), torch.stack([halves[2], halves[3]], -1)], -1)
+    v = v.reshape(r, 2, 2, 2, 2, 2, 2, 2, 2).permute(0, 4, 5, 8, 7, 2, 3, 6, 1).reshape(r, 128, 2)
+    return v[..., 0].float(), v[..., 1].float()
+
+
+def exact_half_torch(words: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``gluon_wo_words._exact_half`` in torch: one half step's words [R, 16] int32 and the rows' zero points [R] ->
+    code - zero [R, 128] float32 in the dot order, by the kernel's joins, reshape and permute."""
+    r = words.shape[0]
+    o = [((words >> (4 * t)) & 0x000F000F) for t in range(4)]  # the codes the lop3 places, before the fma
+    halves = [torch.stack([v & 0xFFFF, (v >> 16) & 0xFFFF], -1) - zero[:, None, None] for v in o]  # [R, 16, 2]
+    v = torch.stack([torch.stack([halves[0], halves[1]], -1), torch.stack([halves[2], halves[3]], -1)], -1)
+    return v.reshape(r, 2, 2, 2, 2, 2, 2, 2).permute(0, 3, 4, 7, 6, 1, 2, 5).reshape(r, 128).float()
+
+
+def x_halves_torch(xp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gluon_wo_words._x_halves`` in torch: a step's stored activations [BM, 256] -> the B operands [128, BM]."""
+    bm = xp.shape[0]
+    v = xp.reshape(bm, 2, 2, 2, 2, 2, 2, 2, 2).permute(4, 5, 6, 7, 1, 2, 8, 0, 3).reshape(128, bm, 2)
+    return v[..., 0], v[..., 1]
+
+
+def gate_up_words_torch(x: torch.Tensor, w13, topk_ids: torch.Tensor) -> torch.Tensor:
+    """h [A, N] float32 as the kernel computes it (tiny-batch form: one assignment at a time), from its operands in
+    its order (``weight_halves_torch``, ``x_halves_torch`` on ``x_words_torch``), float64 sums: each half step's
+    sum_d (128 + code) x, corrected by (128 + zero) * the half step's x sum, times the group's scale."""
+    num_experts, two_n, half_k = w13.q.shape
+    n, k, g = two_n // 2, 2 * half_k, w13.group_size
+    xw = x_words_torch(x)
+    ids = topk_ids.reshape(-1)
+    h = torch.empty(ids.numel(), n, dtype=torch.float64, device=x.device)
+    for a, e in enumerate(ids.tolist()):
+        t = a // topk_ids.shape[1]
+        words = w13.q[e].contiguous().view(torch.int32).long()  # [2N, K / 8]
+        acc = torch.zeros(two_n, dtype=torch.float64, device=x.device)
+        for s in range(k // STEP):
+            parts = zip(weight_halves_torch(words[:, 32 * s:32 * s + 32]),
+                        x_halves_torch(xw.x[t:t + 1, STEP * s:STEP * s + STEP].double()))
+            for c, (a_op, b_op) in enumerate(parts):
+                grp = (STEP * s + 128 * c) // g
+                part = a_op.double() @ b_op[:, 0]  # [2N]
+                zero = w13.zero[e, :, grp].double() + 128
+                acc += (part - zero * xw.sums[t, 2 * s + c].double()) * w13.scale[e, :, grp].double()
+        h[a] = torch.nn.functional.silu(acc[:n]) * acc[n:]
+    return h
