@@ -206,7 +206,8 @@ def test_a_shared_expert_beside_clamped_experts_equals_the_block(key):
     """HY-V4 (and its VL text block) clamp their experts' SwiGLU (limit 10) beside a plain act_fn(gate) * up shared
     MLP, GLM-5-Next clamps both: at x * 30, past the clamp, moe_from_hf's MoE (the shared MLP in the layer, its own
     activation) equals the block (< 1e-5; 0.94 rel-L2 off when the shared MLP ran the experts' clamp). Fusing the
-    shared expert into routed slots, which run the experts' activation, is refused by name where the two differ."""
+    shared expert into routed slots, which run the experts' activation, is refused by name where the two differ;
+    offload_experts (an OffloadedMoE from moe_from_hf's layer, 2 of the 6 experts cached) equals the block too."""
     block, x, _ = _family_block(_FAMILIES[key])
     x = x * 30
     with torch.no_grad():
@@ -221,6 +222,15 @@ def test_a_shared_expert_beside_clamped_experts_equals_the_block(key):
                 moekit_hf.moe_from_hf(block, fuse_shared=True)
         else:
             assert rel_l2(moekit_hf.moe_from_hf(block, fuse_shared=True)(x).flatten(), want.flatten()) < 1e-5
+    holder = torch.nn.Module()
+    holder.mlp = block
+    expert_bytes = (block.experts.gate_up_proj[0].numel() + block.experts.down_proj[0].numel()) * 4
+    moekit_hf.offload_experts(holder, gpu_budget_bytes=2 * expert_bytes, device="cpu", backend="grouped_mm",
+                              progress=False)
+    assert isinstance(holder.mlp, moekit_hf.OffloadedBlock)
+    assert holder.mlp.moe.config.shared_activation == moe.config.shared_activation
+    with torch.no_grad():
+        assert rel_l2(holder.mlp(x).flatten(), want.flatten()) < 1e-5
 
 
 @pytest.mark.parametrize("fuse_shared", [False, True])
