@@ -40,7 +40,8 @@ class MoEConfig:
 
     ``shared_expert_intermediate_size`` is the total width of the always-on shared MLP (0 = none).
     When it is a multiple of ``moe_intermediate_size`` the shared MLP splits exactly into
-    ``num_shared_slots`` experts of the routed width, which is what lets it run as extra routed slots.
+    ``num_shared_slots`` experts of the routed width, which is what lets it run as extra routed slots (only when
+    ``shared_activation`` is None or the experts' own: the slots run the experts' activation).
     """
 
     hidden_size: int  # K
