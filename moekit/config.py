@@ -40,7 +40,8 @@ class MoEConfig:
 
     ``shared_expert_intermediate_size`` is the total width of the always-on shared MLP (0 = none).
     When it is a multiple of ``moe_intermediate_size`` the shared MLP splits exactly into
-    ``num_shared_slots`` experts of the routed width, which is what lets it run as extra routed slots.
+    ``num_shared_slots`` experts of the routed width, which is what lets it run as extra routed slots (only when
+    ``shared_activation`` is None or the experts' own: the slots run the experts' activation).
     """
 
     hidden_size: int  # K
@@ -69,6 +70,8 @@ class MoEConfig:
     num_identity_experts: int = 0
     expert_weight_on: WeightOn = "output"  # "input": each slot's expert runs on weight x token (Llama-4)
     activation: str | ActivationSpec = "silu"  # a name, or a spec (gpt-oss: clamped SwiGLU, interleaved)
+    # the shared MLP's own (HY-V4: a plain silu beside its clamped experts); None: the experts' activation
+    shared_activation: str | ActivationSpec | None = None
     router_bias: bool = False  # gpt-oss: the router Linear has a bias [E]
     expert_bias: bool = False  # gpt-oss: b13 [E, 2N] after the gate-up GEMM, b2 [E, K] after the down GEMM
     nonfinite: NonFinitePolicy = "raise"  # NaN/inf router logits: raise, or mask the expert out
@@ -117,6 +120,7 @@ class MoEConfig:
         if not spec.gated:
             raise ValueError("activation must be gated: the MoE layer holds w13 [E, 2N, K] (an ungated spec "
                              "runs through moekit.experts and moekit.hf, not the layer)")
+        self._check_shared_activation()
         if self.nonfinite not in ("raise", "mask"):
             raise ValueError(f"nonfinite must be 'raise' or 'mask', got {self.nonfinite!r}")
         for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
@@ -125,6 +129,19 @@ class MoEConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.router_dtype is not None and self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"router_dtype must be None or one of {ROUTER_DTYPES}, got {self.router_dtype!r}")
+
+    def _check_shared_activation(self) -> None:
+        if self.shared_activation is None:
+            return
+        try:
+            spec = as_spec(self.shared_activation)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"shared_activation must be None (the experts' activation), a name or an ActivationSpec: "
+                            f"{err}") from None
+        if not spec.gated:
+            raise ValueError("shared_activation must be gated: the shared MLP holds w13 [2SN, K]")
+        if not self.shared_expert_intermediate_size:
+            raise ValueError("shared_activation needs shared_expert_intermediate_size > 0")
 
     def _check_options(self) -> None:
         """The session-34 options: each one of its values, and the combinations a family can have."""
@@ -210,6 +227,16 @@ class MoEConfig:
         """The shared expert's weight in the output: 1, or 0.5 with ``shared_expert_combine="average"`` (with
         "router" each token's own, ``Routing.shared_weights``)."""
         return 0.5 if self.shared_expert_combine == "average" else 1.0
+
+    @property
+    def shared_mlp_activation(self) -> str | ActivationSpec:
+        """What the shared MLP computes: ``shared_activation``, or the experts' ``activation`` where it is None."""
+        return self.activation if self.shared_activation is None else self.shared_activation
+
+    @property
+    def shared_fusable(self) -> bool:
+        """Whether the shared MLP can run as routed slots: its activation is the experts' (the slots run theirs)."""
+        return as_spec(self.shared_mlp_activation) == as_spec(self.activation)
 
     @property
     def has_shared_expert(self) -> bool:

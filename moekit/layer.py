@@ -57,9 +57,9 @@ class MoE(nn.Module):
     """A Mixture-of-Experts layer built from a ``MoEConfig``.
 
     Weights follow transformers v5 and vLLM: ``w13 [E(+S), 2N, K]`` (gate rows, then up rows) and ``w2 [E(+S), K, N]``.
-    With ``fuse_shared=True`` (default, when the shared width is a multiple of N) the shared MLP lives in the last S
-    rows of ``w13``/``w2`` and runs as extra routed slots in the same grouped GEMM; with ``fuse_shared=False`` it is a
-    separate MLP (``shared_w13 [2SN, K]``, ``shared_w2 [K, SN]``). Both compute the same function.
+    With ``fuse_shared=True`` (default, when the shared width is a multiple of N and ``config.shared_fusable``) the
+    shared MLP lives in the last S rows of ``w13``/``w2`` and runs as extra routed slots in the same grouped GEMM;
+    else a separate MLP (``shared_w13 [2SN, K]``, ``shared_w2 [K, SN]``). Both compute the same function.
 
     ``capacity_factor=None`` is dropless (default). A number enables training-style dropping with
     ``drop_policy`` ("position" or "weight"); the dropped count is in the stats.
@@ -109,8 +109,8 @@ class MoE(nn.Module):
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.stats_block_size = stats_block_size
-        # input-weighted experts (Llama-4) keep the shared MLP apart: its slots would run on w x too
-        self.fuse_shared = bool(fuse_shared and config.num_shared_slots and config.expert_weight_on == "output")
+        fusable = config.num_shared_slots and config.expert_weight_on == "output" and config.shared_fusable
+        self.fuse_shared = bool(fuse_shared and fusable)  # not Llama-4's (slots run on w x), HY-V4's (own activation)
         k_dim, n_dim, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
         factory = {"dtype": dtype, "device": device}
         slots = config.num_shared_slots if self.fuse_shared else 0

@@ -187,10 +187,6 @@ def test_moe_from_hf_with_the_shared_expert_equals_the_block(key):
     fam = _FAMILIES[key]
     block, x, want = _family_block(fam)
     norm = block_output_norm(block)
-    if _shared_gates_otherwise(block):  # HY-V4, GLM-5-Next: clamped experts, a plain shared MLP (0.94 off at x * 30)
-        with pytest.raises(TypeError, match="moekit's shared MLP runs the experts' activation"):
-            moekit_hf.moe_from_hf(block, output_norm="caller")
-        return
     with torch.no_grad():
         if norm is None:
             got = moekit_hf.moe_from_hf(block)(x)
@@ -202,22 +198,39 @@ def test_moe_from_hf_with_the_shared_expert_equals_the_block(key):
     assert rel_l2(first(got).flatten(), first(want).flatten()) < 1e-5  # ERNIE-4.5-VL's blocks return it flat
 
 
-def _shared_gates_otherwise(block) -> bool:
-    """Whether the block's shared MLP gates as act_fn(gate) * up differently from its experts' own gating
-    (``_apply_gate``) on values up to 50 (past any clamp): moekit runs the shared MLP with the experts' activation."""
-    from moekit.hf.variants import apply_module_gate
+_CLAMPED = [k for k in _BUILT if _FAMILIES[k].family in ("hy_v4", "hy_v4_vl", "glm5_next")]
 
-    shared = next((getattr(block, n) for n in ("shared_experts", "shared_expert", "shared_mlp")
-                   if getattr(block, n, None) is not None), None)
-    if shared is None or getattr(shared, "act_fn", None) is None:
-        return False
-    gate = torch.linspace(-50, 50, 101, dtype=torch.float64)
-    up = gate.flip(0)
-    together = getattr(block.experts, "is_concatenated", True)
-    gate_up = torch.cat([gate, up]) if together else torch.stack([gate, up], dim=1).flatten()  # [2N] its layout
+
+@pytest.mark.parametrize("key", _CLAMPED)
+def test_a_shared_expert_beside_clamped_experts_equals_the_block(key):
+    """HY-V4 (and its VL text block) clamp their experts' SwiGLU (limit 10) beside a plain act_fn(gate) * up shared
+    MLP, GLM-5-Next clamps both: at x * 30, past the clamp, moe_from_hf's MoE (the shared MLP in the layer, its own
+    activation) equals the block (< 1e-5; 0.94 rel-L2 off when the shared MLP ran the experts' clamp). Fusing the
+    shared expert into routed slots, which run the experts' activation, is refused by name where the two differ;
+    offload_experts (an OffloadedMoE from moe_from_hf's layer, 2 of the 6 experts cached) equals the block too."""
+    block, x, _ = _family_block(_FAMILIES[key])
+    x = x * 30
     with torch.no_grad():
-        theirs, mine = apply_module_gate(block.experts, gate_up[None])[0], shared.act_fn(gate) * up  # [N] each
-    return not torch.allclose(theirs.double(), mine, rtol=1e-6, atol=1e-6)
+        want = block(x)
+    plain = _FAMILIES[key].family != "glm5_next"
+    moe = moekit_hf.moe_from_hf(block)
+    assert moe.config.shared_activation == ("silu" if plain else None)
+    with torch.no_grad():
+        assert rel_l2(moe(x).flatten(), want.flatten()) < 1e-5
+        if plain:
+            with pytest.raises(TypeError, match=r"fuse_shared=True: .* computes silu\(gate\) \* up and its experts"):
+                moekit_hf.moe_from_hf(block, fuse_shared=True)
+        else:
+            assert rel_l2(moekit_hf.moe_from_hf(block, fuse_shared=True)(x).flatten(), want.flatten()) < 1e-5
+    holder = torch.nn.Module()
+    holder.mlp = block
+    expert_bytes = (block.experts.gate_up_proj[0].numel() + block.experts.down_proj[0].numel()) * 4
+    moekit_hf.offload_experts(holder, gpu_budget_bytes=2 * expert_bytes, device="cpu", backend="grouped_mm",
+                              progress=False)
+    assert isinstance(holder.mlp, moekit_hf.OffloadedBlock)
+    assert holder.mlp.moe.config.shared_activation == moe.config.shared_activation
+    with torch.no_grad():
+        assert rel_l2(holder.mlp(x).flatten(), want.flatten()) < 1e-5
 
 
 @pytest.mark.parametrize("fuse_shared", [False, True])

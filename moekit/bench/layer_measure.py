@@ -116,7 +116,8 @@ def _budget(device: torch.device) -> float:
 def _fit_shapes(config: MoEConfig, fmt: WeightFormat, device: torch.device) -> tuple[MoEConfig, int]:
     """The routed-only config to run, with K and N divided by the smallest power of two that fits (the shared
     expert's combine back to "sum": an averaged or router-weighted one needs the shared expert it weights)."""
-    cfg = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False, shared_expert_combine="sum")
+    cfg = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False, shared_expert_combine="sum",
+                         shared_activation=None)
     scale = 1
     while (3 * cfg.num_experts * (cfg.hidden_size // scale) * (cfg.moe_intermediate_size // scale)
            * fmt.bytes_per_weight > _budget(device)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.activations import as_spec, glu_rows
+from moekit.activations import ActivationSpec, as_spec, glu_rows
 from moekit.config import MoEConfig
 from moekit.hf.variants import build_plan, identify_activation
 from moekit.layer import MoE
@@ -118,6 +118,13 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
     if shared_mlp is None or not shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer
         config, shared_mlp = routed_only(config), None
+    else:  # HY-V4, GLM-5-Next: a plain act_fn(gate) * up shared MLP beside clamped experts
+        config = config.replace(shared_activation=_shared_activation(shared_mlp, plan.activation,
+                                                                     experts.down_proj.device))
+        if fuse_shared and not config.shared_fusable:
+            raise TypeError(f"fuse_shared=True: {type(block).__name__}'s shared expert computes "
+                            f"{config.shared_activation}(gate) * up and its experts {plan.activation!r}; fused slots "
+                            "would run the experts' activation: use fuse_shared=False (a separate shared MLP)")
     quantized = quantized_experts_weights(experts)  # fp8 experts: kept fp8, never materialised in bf16
     dtype = experts.down_proj.dtype if quantized is None else quantized[0].dtype
     views = plan.transposed and transposed == "view" and not (fuse_shared and shared_mlp is not None)
@@ -179,7 +186,7 @@ def routed_only(config: MoEConfig) -> MoEConfig:
     expert's half (Cohere2-MoE) moves into the routed scaling, exactly (a power of 2); whoever runs the shared
     expert weights it ``config.shared_weight`` (``use_moekit_blocks``' swapped block)."""
     return config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False, shared_expert_combine="sum",
-                          routed_scaling_factor=config.routed_weight_scale)
+                          shared_activation=None, routed_scaling_factor=config.routed_weight_scale)
 
 
 def _copy_router(moe: MoE, block: nn.Module, router: nn.Module) -> None:
@@ -207,7 +214,7 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
                              "expert: use fuse_shared=False")
         install_quantized_experts_(moe, *quantized)
         if shared_mlp is not None:
-            shared_w13, shared_w2 = _shared_weights(shared_mlp, moe.config.activation)
+            shared_w13, shared_w2 = _shared_weights(shared_mlp, moe.config.shared_mlp_activation)
             with torch.no_grad():
                 moe.shared_w13.copy_(shared_w13)
                 moe.shared_w2.copy_(shared_w2)
@@ -215,7 +222,7 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
     w13, w2 = experts.gate_up_proj, experts.down_proj
     if transposed:
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, 2N, K], [E, K, N]
-    activation = moe.config.activation
+    activation = moe.config.shared_mlp_activation  # the experts' where fused (MoE fuses only then)
     shared_w13, shared_w2 = _shared_weights(shared_mlp, activation) if shared_mlp is not None else (None, None)
     if moe.fuse_shared:
         slot_w13, slot_w2 = fused_shared(shared_w13, shared_w2, activation, moe.config.num_shared_slots)
@@ -240,18 +247,25 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
             moe.shared_w2.copy_(shared_w2)
 
 
+def _shared_activation(mlp: nn.Module, activation, device: torch.device) -> str | ActivationSpec | None:
+    """The shared MLP's ``MoEConfig.shared_activation``: None where its ``act_fn`` is not recognised or it gates as the
+    experts' ``activation`` does (GLM-5-Next's clamps at its ``swiglu_limit`` as its experts do), else what it computes
+    (HY-V4's plain silu beside its experts' clamped SwiGLU)."""
+    spec = as_spec(activation)
+    own = identify_activation(getattr(mlp, "act_fn", None), device)
+    if own is None:
+        return None
+    limit = getattr(mlp, "swiglu_limit", None)  # clamps gate (max) and up (both sides) before act(gate) * up
+    limit = None if limit is None else float(limit)
+    if own == spec.name and limit == spec.limit and spec.alpha == 1.0 and not spec.up_shift:
+        return None
+    return own if limit is None else ActivationSpec(name=own, limit=limit)
+
+
 def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Tensor]:
     """A transformers gated MLP -> (w13 [2SN, K], w2 [K, SN]), w13's rows in the order the layer's shared MLP reads
-    with the experts' ``activation`` (gate rows then up rows, or interleaved: ``glu_rows``). The layer runs its shared
-    MLP with that spec, so an MLP whose ``act_fn`` computes another activation (or the spec a clamped or scaled one
-    the MLP's plain act(gate) * up is not) is refused rather than computed as another function."""
+    with its ``activation`` (``MoEConfig.shared_mlp_activation``: gate rows then up rows, or interleaved)."""
     gate, up, down = _shared_gate_up_down(mlp)
-    spec = as_spec(activation)
-    own = identify_activation(getattr(mlp, "act_fn", None), down.device)
-    if own is not None and (own != spec.name or spec.alpha != 1.0 or spec.limit is not None or spec.up_shift):
-        raise TypeError(f"the shared expert {type(mlp).__name__} computes {own}(gate) * up, but moekit's shared MLP "
-                        f"runs the experts' activation {activation!r}, so it cannot run in the layer: moe_from_hf(..., "
-                        "shared_expert=False) leaves it out, use_moekit_blocks(..., fuse_shared=False) to the block")
     return glu_rows(gate, up, activation), down
 
 

@@ -93,7 +93,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
     implementation set on the model, e.g. ``set_experts_implementation("moekit")``, still serves them).
 
     ``backend``: the ``MoE``'s experts backend; ``fuse_shared=True`` copies a shared expert into routed
-    slots (a copy: see the module doc) instead of running the block's own shared expert. ``quant`` (a
+    slots (a copy: see the module doc; not HY-V4's, of its own activation) instead of running the block's. ``quant`` (a
     ``moekit.quant`` scheme: "int8_w8a16", "int4_w4a16", "mxfp4", "fp8_block") quantizes each ``MoE``'s routed
     experts from the block's weights (``MoE.quantize_``; the block keeps its float Parameters, its ``state_dict``
     unchanged, and a move rebuilds and requantizes): the swapped blocks compute with the quantized experts, which

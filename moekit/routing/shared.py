@@ -58,9 +58,10 @@ def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits:
 def shared_mlp(x2d: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gate: torch.nn.Module | None,
                config: MoEConfig, slot_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The separate (unfused) shared MLP: x2d [M, K], w13 [2SN, K], w2 [K, SN] -> [M, K], scaled by
-    sigmoid(gate(x2d)) for a gated (Qwen2-MoE) one and by ``config.shared_weight`` (Cohere2-MoE's average);
+    sigmoid(gate(x2d)) for a gated (Qwen2-MoE) one and by ``config.shared_weight`` (Cohere2-MoE's average), with
+    ``config.shared_mlp_activation`` (the experts' unless ``shared_activation`` is set: HY-V4's plain silu);
     ``slot_weights`` [M, S] (Inkling's router) scale each slot's N activations before the down projection."""
-    h = apply_glu(x2d @ w13.t(), config.activation)  # [M, SN]
+    h = apply_glu(x2d @ w13.t(), config.shared_mlp_activation)  # [M, SN]
     if slot_weights is not None:
         num_tokens, slots = slot_weights.shape
         per_slot = h.view(num_tokens, slots, h.shape[1] // slots)  # [M, S, N]; M may be 0
