@@ -121,6 +121,21 @@ def test_the_words_call_matches_the_twin(stand_ins, m, split):
     assert down["y_ptr"].dtype == (torch.float32 if split > 1 else torch.bfloat16)
 
 
+def test_the_words_in_flight_reach_both_kernels(stand_ins):
+    """``ahead`` (the words' steps in flight, ``gluon_wo_words.words_loop``) is each kernel's AHEAD; one step by
+    default. (The loop itself runs on the device only: ``benchmarks/w4g45_device_check.py --aheads 1 2``.)"""
+    from moekit.experts.triton_wo_words import experts_words
+
+    w13, w2 = _weights(2 * N, K, 1), _weights(K, N, 2)
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    x, ids, weights = _call(5, 3)
+    layout = align_block(ids, E, 8)
+    for ahead in (1, 2):
+        out = experts_words(x, a13, a2, ids, weights, layout, 1, **({} if ahead == 1 else {"ahead": ahead}))
+        assert _rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
+        assert stand_ins["gate_up"].log[-1][1]["AHEAD"] == ahead and stand_ins["down"].log[-1][1]["AHEAD"] == ahead
+
+
 @pytest.mark.parametrize("split", [1, 2])
 def test_the_gate_up_alone_and_split_match_the_twin(stand_ins, split):
     from moekit.experts.triton_wo import apply_glu, dequantize_wo
