@@ -19,8 +19,8 @@ import torch
 from moekit.experts.triton_wo_plan import weight_args
 from moekit.experts._kernels.gluon_wo_words import stored_column
 from moekit.experts.triton_wo_words import (
-    check_ahead, check_words, check_words_down, dot_columns, down_split, exact_half_torch, gate_up_words_torch, stored_dot_columns,
-    weight_halves_torch, x_halves_torch, x_words, x_words_torch,
+    check_ahead, check_words, check_words_down, dot_columns, down_split, exact_half_torch, gate_up_words_torch,
+    stored_dot_columns, weight_halves_torch, x_halves_torch, x_words, x_words_torch,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
