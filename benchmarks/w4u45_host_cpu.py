@@ -8,8 +8,10 @@ Per cell (DeepSeek-V3 / Mixtral int4: their experts and top-k on a small N and K
 reads the weights' shapes only): µs a call, the median of ROUNDS rounds of CALLS calls, of
   words        ``experts_words`` with the layout made before (its checks, x_words' allocation and launch, h, y,
                out, the cached launches' lookups, four launches stubbed)
-  words+align  ``run_experts_words``' body (the above plus ``align_block`` in torch: on the GPU its ops are launches
-               too, here they run on the CPU: an upper bound of its Python, the shortcut included)
+  words+layout ``run_experts_words``' body: the above plus ``words_layout`` (none at the tiny-batch shortcut, else
+               ``align_block`` in torch: on the GPU its ops are launches too, here they run on the CPU, so an
+               upper bound of their Python)
+  words+align_block  the same with ``align_block`` at the shortcut too (the form merged in session 45)
   pick         ``run_experts_wo`` (the plan lookup, the workspace, ``wo_launches``; launches stubbed), the plain
                path; the lean path (``triton_quant_fast``: one recorded C call) is cheaper still and is not a
                Python function here (session 14's H200 figures: 29-58 µs a call for int4 at M <= 64)
@@ -30,7 +32,7 @@ import torch  # noqa: E402
 
 from moekit.experts.triton_wo import run_experts_wo  # noqa: E402
 from moekit.experts.triton_wo_plan import weight_args  # noqa: E402
-from moekit.experts.triton_wo_words import experts_words  # noqa: E402
+from moekit.experts.triton_wo_words import experts_words, words_layout  # noqa: E402
 from moekit.layouts.block_aligned import align_block  # noqa: E402
 from moekit.triton_bind import BoundLaunch  # noqa: E402
 
@@ -81,7 +83,7 @@ def per_call_us(fn) -> float:
 def main() -> int:
     BoundLaunch.__call__ = lambda self, *pointers: None  # every kernel launch stubbed: the host's Python alone
     torch.set_num_threads(1)
-    print("cell | words | words+align | pick (plain)")
+    print("cell | words | words+layout | words+align_block | pick (plain)")
     for name, e, top_k in CELLS:
         for m in (1, 8):
             c = make_cell(name, e, top_k, m)
@@ -90,14 +92,16 @@ def main() -> int:
             def words(c=c, layout=layout):
                 return experts_words(c.x, c.w13, c.w2, c.ids, c.weights, layout, 1)
 
-            def words_align(c=c):  # run_experts_words' body: it refuses the CPU by name
-                lay = align_block(c.ids, c.w13.q.shape[0], 8)
-                return experts_words(c.x, c.w13, c.w2, c.ids, c.weights, lay, 1)
+            def words_align(c=c):  # run_experts_words' body (it refuses the CPU by name), down split 1
+                return experts_words(c.x, c.w13, c.w2, c.ids, c.weights, words_layout(c.ids, c.w13.q.shape[0]), 1)
+
+            def words_align_before(c=c):  # the same with align_block at the shortcut too (the merged form)
+                return experts_words(c.x, c.w13, c.w2, c.ids, c.weights, align_block(c.ids, c.w13.q.shape[0], 8), 1)
 
             def pick(c=c):
                 return run_experts_wo(c.x, c.w13, c.w2, c.ids, c.weights, None, "int4_w4a16")
 
-            row = [f"{per_call_us(fn):.1f}" for fn in (words, words_align, pick)]
+            row = [f"{per_call_us(fn):.1f}" for fn in (words, words_align, words_align_before, pick)]
             print(f"{name} int4 M={m} ({'naive' if layout.naive else 'aligned'}) | " + " | ".join(row), flush=True)
     return 0
 

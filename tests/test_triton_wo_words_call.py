@@ -151,3 +151,22 @@ def test_the_gate_up_alone_and_split_match_the_twin(stand_ins, split):
     (grid, bound, _), = stand_ins["gate_up"].log
     assert grid[1] == split and not bound["H_ORDER"]
     assert bound["h_ptr"].shape == ((10, N) if split == 1 else (split * 10, 2 * N))
+
+
+def test_the_shortcut_builds_no_layout_and_the_call_still_matches(stand_ins):
+    """``words_layout``: None where A * 4 <= E (the kernels read the experts from ids), else ``align_block``'s 8-row
+    blocks; the call on None matches the twin through the naive grid."""
+    from moekit.experts.triton_wo_words import experts_words, words_layout
+
+    w13, w2 = _weights(2 * N, K, 1), _weights(K, N, 2)
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    x, ids, weights = _call(1, 4)  # A = 2, E = 8: the shortcut
+    assert words_layout(ids, E) is None
+    out = experts_words(x, a13, a2, ids, weights, None, 1)
+    assert _rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
+    (grid_up, up, _), = stand_ins["gate_up"].log
+    assert up["NAIVE"] and grid_up == (ids.numel() * N // 32, 1, 1)
+    _, big, _ = _call(5, 5)  # A = 10 > E / 4: aligned blocks, as align_block makes them
+    aligned, twin = words_layout(big, E), align_block(big, E, 8)
+    assert not aligned.naive and torch.equal(aligned.sorted_ids, twin.sorted_ids)
+    assert torch.equal(aligned.expert_ids, twin.expert_ids)

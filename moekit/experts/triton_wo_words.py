@@ -266,13 +266,21 @@ def down_split(n: int, k: int, blocks: int, num_warps: int = NUM_WARPS) -> int:
     return next((s for s in splits if blocks * (k // (16 * num_warps)) * s >= MIN_DOWN_PROGRAMS), splits[-1])
 
 
+def words_layout(ids: torch.Tensor, num_experts: int):
+    """The words kernels' layout of a call: None for the tiny-batch shortcut (A * 4 <= E: the kernels read each
+    block's expert from ids, so the ~12 torch ops of ``align_block``'s shortcut layout are not built), else
+    ``align_block``'s 8-row blocks (in torch: the pick's path aligns by 1-3 Triton launches instead)."""
+    from moekit.layouts.block_aligned import align_block, use_naive
+
+    return None if use_naive(ids.numel(), num_experts, None) else align_block(ids, num_experts, 8)
+
+
 def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map, scheme: str,
                       activation, variant: bool) -> torch.Tensor:
     """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): the words kernels on
     the tiny-batch shortcut or 8-row aligned blocks (``align_block``), the down split by ``down_split``. Refuses by
     name what they do not run."""
     from moekit.activations import as_spec
-    from moekit.layouts.block_aligned import align_block
 
     spec = as_spec(activation)
     if scheme != "int4_w4a16" or expert_map is not None or variant or spec.name != "silu":
@@ -280,8 +288,8 @@ def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torc
                          f"{scheme}, activation {spec.name}, expert_map {expert_map is not None}, variant {variant}")
     if x.device.type != "cuda":
         raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
-    layout = align_block(ids, w13.q.shape[0], 8)
-    blocks = ids.numel() if layout.naive else layout.expert_ids.numel()
+    layout = words_layout(ids, w13.q.shape[0])
+    blocks = ids.numel() if layout is None else layout.expert_ids.numel()
     split = down_split(2 * w2.q.shape[2], w2.q.shape[1], blocks)
     return experts_words(x, w13, w2, ids, weights, layout, split)
 
