@@ -9,9 +9,9 @@ reads the weights' shapes only): µs a call, the median of ROUNDS rounds of CALL
   words        ``experts_words`` with the layout made before (its checks, x_words' allocation and launch, h, y,
                out, the cached launches' lookups, four launches stubbed)
   words+layout ``run_experts_words``' body: the above plus ``words_layout`` (none at the tiny-batch shortcut, else
-               ``align_block`` in torch: on the GPU its ops are launches too, here they run on the CPU, so an
-               upper bound of their Python)
-  words+align_block  the same with ``align_block`` at the shortcut too (the form merged in session 45)
+               the Triton alignment's 1-3 launches, stubbed)
+  words+align_block  the same with ``align_block`` (torch) for the layout, the form merged in session 45: on the
+               GPU its ~12-15 ops are launches too, here they run on the CPU, so an upper bound of their Python
   pick         ``run_experts_wo`` (the plan lookup, the workspace, ``wo_launches``; launches stubbed), the plain
                path; the lean path (``triton_quant_fast``: one recorded C call) is cheaper still and is not a
                Python function here (session 14's H200 figures: 29-58 µs a call for int4 at M <= 64)

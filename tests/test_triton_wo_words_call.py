@@ -153,9 +153,9 @@ def test_the_gate_up_alone_and_split_match_the_twin(stand_ins, split):
     assert bound["h_ptr"].shape == ((10, N) if split == 1 else (split * 10, 2 * N))
 
 
-def test_the_shortcut_builds_no_layout_and_the_call_still_matches(stand_ins):
-    """``words_layout``: None where A * 4 <= E (the kernels read the experts from ids), else ``align_block``'s 8-row
-    blocks; the call on None matches the twin through the naive grid."""
+def test_the_words_layout_matches_align_block_and_the_call_the_twin(stand_ins):
+    """``words_layout``: None where A * 4 <= E (the kernels read the experts from ids), else 8-row blocks by the
+    Triton alignment (interpreted) holding what ``align_block``'s hold; the call on either matches the twin."""
     from moekit.experts.triton_wo_words import experts_words, words_layout
 
     w13, w2 = _weights(2 * N, K, 1), _weights(K, N, 2)
@@ -166,7 +166,14 @@ def test_the_shortcut_builds_no_layout_and_the_call_still_matches(stand_ins):
     assert _rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
     (grid_up, up, _), = stand_ins["gate_up"].log
     assert up["NAIVE"] and grid_up == (ids.numel() * N // 32, 1, 1)
-    _, big, _ = _call(5, 5)  # A = 10 > E / 4: aligned blocks, as align_block makes them
-    aligned, twin = words_layout(big, E), align_block(big, E, 8)
-    assert not aligned.naive and torch.equal(aligned.sorted_ids, twin.sorted_ids)
-    assert torch.equal(aligned.expert_ids, twin.expert_ids)
+
+    def blocks(layout, a: int) -> list:  # each used block's expert and its assignments, in no order
+        rows = [[r for r in layout.sorted_ids[8 * i:8 * i + 8].tolist() if r < a]
+                for i in range(int(layout.num_padded[0]) // 8)]
+        return sorted((int(layout.expert_ids[i]), sorted(r)) for i, r in enumerate(rows))
+
+    x, big, weights = _call(5, 5)  # A = 10 > E / 4: 8-row blocks by the Triton alignment, as align_block's
+    aligned = words_layout(big, E)
+    assert not aligned.naive and blocks(aligned, big.numel()) == blocks(align_block(big, E, 8), big.numel())
+    out = experts_words(x, a13, a2, big, weights, aligned, 1)
+    assert _rel(out, fused_experts_wo_torch(x, w13, w2, big, weights)) < 1e-2

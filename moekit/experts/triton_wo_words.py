@@ -266,13 +266,43 @@ def down_split(n: int, k: int, blocks: int, num_warps: int = NUM_WARPS) -> int:
     return next((s for s in splits if blocks * (k // (16 * num_warps)) * s >= MIN_DOWN_PROGRAMS), splits[-1])
 
 
-def words_layout(ids: torch.Tensor, num_experts: int):
-    """The words kernels' layout of a call: None for the tiny-batch shortcut (A * 4 <= E: the kernels read each
-    block's expert from ids, so the ~12 torch ops of ``align_block``'s shortcut layout are not built), else
-    ``align_block``'s 8-row blocks (in torch: the pick's path aligns by 1-3 Triton launches instead)."""
-    from moekit.layouts.block_aligned import align_block, use_naive
+@dataclass(frozen=True)
+class WordsLayout:
+    """The 8-row aligned blocks the words kernels read (what they take of ``BlockAlignedLayout``), built by the
+    route's Triton alignment (``triton_align.plan_align``)."""
 
-    return None if use_naive(ids.numel(), num_experts, None) else align_block(ids, num_experts, 8)
+    sorted_ids: torch.Tensor  # [R] int32, A on padding rows
+    expert_ids: torch.Tensor  # [R / 8] int32 (blocks past num_padded unread)
+    num_padded: torch.Tensor  # [1] int32
+    block_size: int = 8
+    naive: bool = False
+
+
+def words_layout(ids: torch.Tensor, num_experts: int) -> WordsLayout | None:
+    """The words kernels' layout of a call (ids [M, k] contiguous): None for the tiny-batch shortcut (A * 4 <= E:
+    the kernels read each block's expert from ids, so no layout is built), else 8-row blocks aligned by the pick's
+    own launches (``triton_align``: 1-3 Triton launches, where ``align_block`` is ~15 torch ops a call)."""
+    from moekit.experts.triton_align import run_align
+    from moekit.layouts.block_aligned import use_naive
+
+    a = ids.numel()
+    if use_naive(a, num_experts, None):
+        return None
+    plan = _align_plan(a, num_experts, ids.device)
+    b = {name: torch.empty(shape, dtype=dtype, device=ids.device) for name, dtype, shape in plan.regions}
+    run_align(plan, ids, None, b)
+    return WordsLayout(b["sorted_ids"], b["expert_ids"], b["num_padded"])
+
+
+@functools.lru_cache(maxsize=256)
+def _align_plan(num_assignments: int, num_experts: int, device: torch.device):
+    from moekit.experts.triton_align import plan_align
+    from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+    from moekit.layouts.grouping import max_padded_rows
+
+    rows = -(-max_padded_rows(num_assignments, num_experts, 8) // 8) * 8  # whole blocks
+    options = resolve_launch_options(LaunchOptions(dependent_launch=False), device)
+    return plan_align(num_assignments, num_experts, 8, None, rows, options)
 
 
 def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map, scheme: str,
