@@ -17,8 +17,9 @@ read), "pick" (the route's launches up to its down GEMM: alignment, gate-up, spl
 "align" (the pick's alignment alone, aligned cells). The floor: the touched experts' w13 bytes (codes, scales,
 zero points) at the copy rate measured first. Table last; JSON <out>/w4g45.json.
 CK2 (``--calls``): whole calls instead, PASS against ``fused_experts_wo_torch`` (w2 random too), graph µs of the pick
-("pick": ``run_experts_wo``), the words kernels at each down split of SPLITS ("words_sS": x reorder, gate-up storing
-h in the dot order, down, the k-sum launch), and both gate-ups alone; the floor: w13 and w2 bytes.
+("pick": ``run_experts_wo``), the words kernels at each down split of SPLITS ("words_sS": the layout
+(``words_layout``, w4u45: made in the call, as the pick's is; CK2 at c082770 passed the words calls a layout made
+before), x reorder, gate-up storing h in the dot order, down, the k-sum launch), and both gate-ups alone; the floor: w13 and w2 bytes.
 ``--aheads 1 2`` (w4u45): each words call with both kernels' words 1 and 2 steps in flight ("words_sS" and
 "words_sS_a2"; ``gluon_wo_words.words_loop``'s AHEAD), the gate-ups alone likewise. ``--eager``: beside the graph
 µs, each whole call eager (``eager_us``): its wall a call over EAGER_CALLS calls, and the host's part (the time
@@ -51,7 +52,8 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.experts.triton_wo import dequantize_wo, fused_experts_wo_torch, run_experts_wo, wo_launches  # noqa: E402
 from moekit.experts.triton_wo_plan import weight_args, wo_plan_for  # noqa: E402
 from moekit.experts.triton_wo_words import (  # noqa: E402
-    NUM_WARPS, down_split, experts_words, gate_up_words, gate_up_words_torch, words_gate_up_launch, x_words,
+    NUM_WARPS, down_split, experts_words, gate_up_words, gate_up_words_torch, words_gate_up_launch, words_layout,
+    x_words,
 )
 from moekit.layouts.block_aligned import align_block  # noqa: E402
 
@@ -266,8 +268,8 @@ def calls_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results:
     for split in SPLITS.get((preset, m)) or (down_split(s.n, s.k, blocks),):
         for ahead in aheads:
             makers[f"words_s{split}" + ("" if ahead == 1 else f"_a{ahead}")] = (
-                lambda c, lay, split=split, ahead=ahead: experts_words(c.x, a13, a2, c.topk_ids, c.topk_weights, lay,
-                                                                       split, ahead))
+                lambda c, lay, split=split, ahead=ahead: experts_words(
+                    c.x, a13, a2, c.topk_ids, c.topk_weights, words_layout(c.topk_ids, s.num_experts), split, ahead))
     fns = {}
     for name, make in makers.items():
         if SMOKE and name != "pick":
