@@ -19,7 +19,8 @@ zero points) at the copy rate measured first. Table last; JSON <out>/w4g45.json.
 CK2 (``--calls``): whole calls instead, PASS against ``fused_experts_wo_torch`` (w2 random too), graph µs of the pick
 ("pick": ``run_experts_wo``), the words kernels at each down split of SPLITS ("words_sS": the layout
 (``words_layout``, w4u45: made in the call, as the pick's is; CK2 at c082770 passed the words calls a layout made
-before), x reorder, gate-up storing h in the dot order, down, the k-sum launch), and both gate-ups alone; the floor: w13 and w2 bytes.
+before), x reorder, gate-up storing h in the dot order, down, the k-sum launch), and both gate-ups alone; the
+floor: w13 and w2 bytes.
 ``--aheads 1 2`` (w4u45): each words call with both kernels' words 1 and 2 steps in flight ("words_sS" and
 "words_sS_a2"; ``gluon_wo_words.words_loop``'s AHEAD), the gate-ups alone likewise. ``--eager``: beside the graph
 µs, each whole call eager (``eager_us``): its wall a call over EAGER_CALLS calls, and the host's part (the time
