@@ -212,3 +212,36 @@ def test_the_down_gemm_operands_match_a_float64_loop():
                 w = (_code(q[expert, r], col) - int(zero[expert, r, grp])) * float(scale[expert, r, grp])
                 want[r] += w * float(h[a, col])
         assert torch.allclose(y * weight, want * weight, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_loop_decodes_every_step_once_in_order_from_its_own_loads(monkeypatch, ahead):
+    """The main loop's Python body (``_loop_ahead1`` / ``_loop_ahead2``, as written) run with loads that return their
+    offsets and a ``_step`` that records what it is given: for 1-10 steps, each step decoded once, in order, with its
+    own words, activations and column, and no load outside the steps (the loads are unmasked)."""
+    import moekit.experts._kernels.gluon_wo_words as gw
+
+    value = lambda v: getattr(v, "value", v)  # noqa: E731  (the module's constexprs)
+    loads = []
+
+    class FakeGl:
+        @staticmethod
+        def load(offset):
+            loads.append(value(offset))
+            return value(offset)
+
+        @staticmethod
+        def minimum(a, b):
+            return min(value(a), value(b))
+
+    monkeypatch.setattr(gw, "gl", FakeGl)
+    monkeypatch.setattr(gw, "_step", lambda acc, zeros, w, x, col, *rest: acc + [(value(w), value(x), value(col))])
+    loop = (gw._loop_ahead1 if ahead == 1 else gw._loop_ahead2).fn
+    w0, x0, col0 = 1 << 20, 1 << 24, 512  # the words' and activations' first offsets, the first column
+    for steps in range(1, 11):
+        loads.clear()
+        done = loop([], None, w0, x0, steps, col0, 0, 0, 0, 0, 0, 0, 0, 0, 128, False, 4)
+        assert done == [(w0 + 32 * i, x0 + 128 * i, col0 + 256 * i) for i in range(steps)], (steps, done)
+        words = [o - w0 for o in loads if o < x0]
+        acts = [o - x0 for o in loads if o >= x0]
+        assert all(0 <= o < 32 * steps for o in words) and all(0 <= o < 128 * steps for o in acts), steps
