@@ -308,7 +308,7 @@ def _align_plan(num_assignments: int, num_experts: int, device: torch.device):
 def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map, scheme: str,
                       activation, variant: bool) -> torch.Tensor:
     """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): the words kernels on
-    the tiny-batch shortcut or 8-row aligned blocks (``align_block``), the down split by ``down_split``. Refuses by
+    the tiny-batch shortcut or 8-row aligned blocks (``words_layout``), the down split by ``down_split``. Refuses by
     name what they do not run."""
     from moekit.activations import as_spec
 
