@@ -5,6 +5,8 @@ the same bytes in the same geometry (``w4g45_reads``).
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/w4g45_device_check.py --out $OUT/w4g45 --deadline 70   # GPU
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/w4g45_device_check.py --out $OUT/w4g45 --deadline 70 --calls  # CK2
     PYTHONPATH=$PWD python3 benchmarks/w4g45_device_check.py --smoke        # CPU: the kernels' torch twins, tiny
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/w4g45_device_check.py --out $OUT/w4u45 --deadline 75 --calls \
+        --aheads 1 2 --eager --ms 1 8 32 64                                 # session 46's one call (w4u45)
 
 Per cell (int4, groups of 128, random scales and zero points): PASS / FAIL of the words gate-up's h against the torch
 twin (``dequantize_wo`` in float32, silu(gate) * up; rel-L2 <= TOL), of the pick's h likewise, and of the read's
@@ -15,8 +17,15 @@ read), "pick" (the route's launches up to its down GEMM: alignment, gate-up, spl
 "align" (the pick's alignment alone, aligned cells). The floor: the touched experts' w13 bytes (codes, scales,
 zero points) at the copy rate measured first. Table last; JSON <out>/w4g45.json.
 CK2 (``--calls``): whole calls instead, PASS against ``fused_experts_wo_torch`` (w2 random too), graph µs of the pick
-("pick": ``run_experts_wo``), the words kernels at each down split of SPLITS ("words_sS": x reorder, gate-up storing
-h in the dot order, down, the k-sum launch), and both gate-ups alone; the floor: w13 and w2 bytes.
+("pick": ``run_experts_wo``), the words kernels at each down split of SPLITS ("words_sS": the layout
+(``words_layout``, w4u45: made in the call, as the pick's is; CK2 at c082770 passed the words calls a layout made
+before), x reorder, gate-up storing h in the dot order, down, the k-sum launch), and both gate-ups alone; the
+floor: w13 and w2 bytes.
+``--aheads 1 2`` (w4u45): each words call with both kernels' words 1 and 2 steps in flight ("words_sS" and
+"words_sS_a2"; ``gluon_wo_words.words_loop``'s AHEAD), the gate-ups alone likewise. ``--eager``: beside the graph
+µs, each whole call eager (``eager_us``): its wall a call over EAGER_CALLS calls, and the host's part (the time
+until the last call returned, before the synchronize). ``--ms``: the token counts of DeepSeek-V3 and Mixtral
+(``--ms 1 8 32 64``: eight cells, M-major, the down split of a cell SPLITS lacks by ``down_split``).
 """
 
 from __future__ import annotations
@@ -44,7 +53,8 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.experts.triton_wo import dequantize_wo, fused_experts_wo_torch, run_experts_wo, wo_launches  # noqa: E402
 from moekit.experts.triton_wo_plan import weight_args, wo_plan_for  # noqa: E402
 from moekit.experts.triton_wo_words import (  # noqa: E402
-    NUM_WARPS, experts_words, gate_up_words, gate_up_words_torch, words_gate_up_launch, x_words,
+    NUM_WARPS, down_split, experts_words, gate_up_words, gate_up_words_torch, words_gate_up_launch, words_layout,
+    x_words,
 )
 from moekit.layouts.block_aligned import align_block  # noqa: E402
 
@@ -53,6 +63,8 @@ CELLS = (("mixtral-8x7b", 1), ("deepseek-v3", 1), ("mixtral-8x7b", 8), ("deepsee
 SPLITS = {("mixtral-8x7b", 1): (4, 8), ("deepseek-v3", 1): (1, 2), ("mixtral-8x7b", 8): (2, 4),
           ("deepseek-v3", 8): (1,), ("qwen3-30b-a3b", 1): (1, 3)}
 SETS, ROUNDS, REPLAYS, TOL = 2, 5, 3, 1e-2
+EAGER_CALLS, EAGER_ROUNDS = 24, 3  # --eager: calls a round (under the launch queue's depth), rounds (median)
+WIDE_PRESETS = ("deepseek-v3", "mixtral-8x7b")  # --ms's cells
 RUN = RunLog("w4g45: gate-up launches, graph µs, median of 5 rounds; % of the w13 byte floor; x pick = pick / words")
 
 
@@ -221,9 +233,29 @@ def run_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results: l
     RUN.summary.append(line)
 
 
-def calls_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results: list) -> None:
-    """CK2: whole calls, the route's pick against the words kernels at each split of SPLITS, checked against
-    ``fused_experts_wo_torch``; beside them both gate-ups alone."""
+def eager_us(fns: list, dev) -> tuple[float, float]:
+    """(wall µs a call, host µs a call) of ``fns`` (one a set) called eagerly, EAGER_CALLS a round from an idle GPU,
+    the median of EAGER_ROUNDS rounds: the wall until the GPU finished, the host's part until the last call
+    returned (both over the calls)."""
+    walls, hosts = [], []
+    for _ in range(EAGER_ROUNDS):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for i in range(EAGER_CALLS):
+            fns[i % len(fns)]()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize(dev)
+        t2 = time.perf_counter()
+        walls.append((t2 - t0) / EAGER_CALLS * 1e6)
+        hosts.append((t1 - t0) / EAGER_CALLS * 1e6)
+    return sorted(walls)[len(walls) // 2], sorted(hosts)[len(hosts) // 2]
+
+
+def calls_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results: list, aheads=(1,),
+               eager: bool = False) -> None:
+    """CK2: whole calls, the route's pick against the words kernels at each split of SPLITS (else ``down_split``'s)
+    and each AHEAD of ``aheads``, checked against ``fused_experts_wo_torch``; beside them both gate-ups alone, and
+    with ``eager`` each call's eager wall and host µs (``eager_us``)."""
     s = Shape(f"{preset}/smoke", 8, 64, 512, 2) if SMOKE else Shape.from_preset(preset)
     label = f"{preset} int4 M={m} call"
     w13, w2 = weights(s, dev, seed=m, whole=True)
@@ -233,9 +265,12 @@ def calls_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results:
     c0 = sets[0]
     twin = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
     makers = {"pick": lambda c, lay: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16")}
-    for split in SPLITS.get((preset, m), (1,)):
-        makers[f"words_s{split}"] = lambda c, lay, split=split: experts_words(c.x, a13, a2, c.topk_ids,
-                                                                               c.topk_weights, lay, split)
+    blocks = c0.topk_ids.numel() if layouts[0].naive else layouts[0].expert_ids.numel()
+    for split in SPLITS.get((preset, m)) or (down_split(s.n, s.k, blocks),):
+        for ahead in aheads:
+            makers[f"words_s{split}" + ("" if ahead == 1 else f"_a{ahead}")] = (
+                lambda c, lay, split=split, ahead=ahead: experts_words(
+                    c.x, a13, a2, c.topk_ids, c.topk_weights, words_layout(c.topk_ids, s.num_experts), split, ahead))
     fns = {}
     for name, make in makers.items():
         if SMOKE and name != "pick":
@@ -245,21 +280,29 @@ def calls_cell(preset: str, m: int, dev, copy_tbps: float, stop: float, results:
             fns[name] = [lambda c=c, lay=lay, make=make: make(c, lay) for c, lay in zip(sets, layouts)]
     if dev.type != "cuda":
         return
-    fns["words_gu"] = [lambda c=c, lay=lay: gate_up_words(c.x, a13, c.topk_ids, lay) for c, lay in zip(sets, layouts)]
+    calls = dict(fns)
+    for ahead in aheads:
+        fns["words_gu" + ("" if ahead == 1 else f"_a{ahead}")] = [
+            lambda c=c, lay=lay, ahead=ahead: gate_up_words(c.x, a13, c.topk_ids, lay, ahead=ahead)
+            for c, lay in zip(sets, layouts)]
     fns["pick_gu"] = [pick_launches(c, a13, a2)[0] for c in sets]
+    walls = {name: eager_us(f, dev) for name, f in calls.items()} if eager else {}
     graphs = {name: graph_of(f, dev) for name, f in fns.items()}
     rounds = settled({n: (g, None) for n, g in graphs.items()}, len(sets), dev, ROUNDS, REPLAYS, stop, order=shuffled)
     del graphs
     times = medians(rounds)
     floor = sum(floor_us(s, c.topk_ids, copy_tbps) * 1.5 for c in sets) / len(sets)  # w2: half of w13's bytes
-    results.append({"cell": label, "floor_us": floor, "times": times, "rounds": rounds})
+    results.append({"cell": label, "floor_us": floor, "times": times, "rounds": rounds,
+                    "eager_wall_host_us": walls})
     line = f"{label} (floor {floor:.1f} µs):" + "".join(f"  {n} {t:.1f} ({100 * floor / t:.0f}%)"
-                                                        for n, t in times.items() if not n.endswith("_gu"))
+                                                        for n, t in times.items() if "_gu" not in n)
     best = min((n for n in times if n.startswith("words_s")), key=times.get, default=None)
     if best and "pick" in times:
         won = wins(rounds[best], rounds["pick"])
         line += f"; best {best} x pick {times['pick'] / times[best]:.3f}, faster {won}/{len(rounds[best])}"
-    line += "; gate-ups " + ", ".join(f"{n} {times[n]:.1f}" for n in ("words_gu", "pick_gu") if n in times)
+    line += "; gate-ups " + ", ".join(f"{n} {t:.1f}" for n, t in times.items() if "_gu" in n)
+    if walls:
+        line += "; eager wall / host µs " + ", ".join(f"{n} {w:.1f} / {h:.1f}" for n, (w, h) in walls.items())
     RUN.summary.append(line)
 
 
@@ -268,8 +311,12 @@ def main(args) -> int:
     copy_tbps = 0.0 if SMOKE else measure_copy(dev)
     RUN.log(f"copy {copy_tbps:.2f} TB/s; {run_info()}")
     results, stop_at = [], time.time() + args.deadline - RUN.elapsed()
-    cell = calls_cell if args.calls else run_cell
-    for preset, m in CELLS[:1] if SMOKE else CELLS:
+    if args.calls:
+        cell = lambda *a: calls_cell(*a, aheads=tuple(args.aheads), eager=args.eager and not SMOKE)  # noqa: E731
+    else:
+        cell = run_cell
+    cells = [(p, m) for m in args.ms for p in WIDE_PRESETS] if args.ms else CELLS
+    for preset, m in cells[:1] if SMOKE else cells:
         if RUN.elapsed() > args.deadline - 12:
             RUN.summary.append(f"{preset} int4 M={m}: not reached (deadline)")
             continue
@@ -291,4 +338,7 @@ if __name__ == "__main__":
     p.add_argument("--deadline", type=float, default=70.0)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--calls", action="store_true", help="CK2: whole calls (pick against the words kernels)")
+    p.add_argument("--aheads", type=int, nargs="+", default=[1], help="--calls: the words' steps in flight timed")
+    p.add_argument("--eager", action="store_true", help="--calls: each whole call's eager wall and host µs too")
+    p.add_argument("--ms", type=int, nargs="+", default=[], help="token counts of DeepSeek-V3 and Mixtral (cells)")
     sys.exit(main(p.parse_args()))

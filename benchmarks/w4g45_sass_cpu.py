@@ -7,6 +7,9 @@ opcodes, its loads by width, and any STS / LDS / SHFL (the operand must reach th
     PYTHONPATH=$PWD python3 benchmarks/w4g45_sass_cpu.py                          # this Triton (3.9 here)
     PYTHONPATH=/tmp/f8pre-site:$PWD python3 benchmarks/w4g45_sass_cpu.py          # Triton 3.6 (the H200's)
     ... w4g45_sass_cpu.py naive aligned                                            # these cases only
+    ... w4g45_sass_cpu.py --ahead 2 naive down                                     # words two steps ahead
+
+``--ahead 2`` compiles ``words_loop``'s AHEAD 2 (session 45, w4u45): its loop runs three steps (384 weights a thread).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from gluon_fp8_compile_cpu import compile_gluon_sm90  # noqa: E402
 # (name, BM, NAIVE, num_warps): Mixtral's shape (N 14336, K 4096); shapes reach the kernel as i32 arguments
 CASES = (("naive", 8, True, 4), ("aligned", 8, False, 4), ("aligned-bm16", 16, False, 4), ("naive-w8", 8, True, 8),
          ("naive-split", 8, True, 4), ("down", 8, True, 4), ("down-split", 8, True, 4), ("down-aligned", 8, False, 4))
-WEIGHTS_A_LOOP = 256  # a thread's weights in one loop iteration
+WEIGHTS_A_STEP = 128  # a thread's weights in one step (2 rows x 256 columns / 4 lanes); AHEAD 1 loops 2, AHEAD 2 3
 
 
 def _tools() -> str:
@@ -36,7 +39,7 @@ def _tools() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_down(bm: int, naive: bool, split: int, num_warps: int):
+def compile_down(bm: int, naive: bool, split: int, num_warps: int, ahead: int = 1):
     """The down kernel at Mixtral's shape (w2 [8, 4096, 14336]), 14 steps a split."""
     from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel as kernel
 
@@ -48,7 +51,7 @@ def compile_down(bm: int, naive: bool, split: int, num_warps: int):
                 num_padded_ptr=t(torch.int32), K=k, N=n, num_assignments=2, num_experts=e, split_steps=14,
                 stride_hm=n, stride_qe=k * n // 8, stride_qr=n // 8, stride_se=k * n // 128, stride_sr=n // 128,
                 stride_ze=k * n // 128, stride_zr=n // 128, stride_ym=k)
-    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, SPLIT=split, num_warps=num_warps))
+    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, SPLIT=split, num_warps=num_warps, AHEAD=ahead))
 
 
 def _compiled(kernel, args: dict, const: dict):
@@ -58,7 +61,7 @@ def _compiled(kernel, args: dict, const: dict):
     return compile_gluon_sm90(kernel, args, const, const["num_warps"], attrs=attrs)
 
 
-def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1):
+def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1, ahead: int = 1):
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel as kernel
 
     n, k, e = 14336, 4096, 8
@@ -69,7 +72,7 @@ def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1):
                 num_experts=e, stride_xm=k, stride_xsm=k // 128, stride_qe=2 * n * k // 8, stride_qr=k // 8,
                 stride_se=2 * n * k // 128, stride_sr=k // 128, stride_ze=2 * n * k // 128, stride_zr=k // 128,
                 stride_hm=n)
-    const = dict(BM=bm, GROUP=128, NAIVE=naive, num_warps=num_warps, H_ORDER=split == 1, SPLIT=split)
+    const = dict(BM=bm, GROUP=128, NAIVE=naive, num_warps=num_warps, H_ORDER=split == 1, SPLIT=split, AHEAD=ahead)
     return _compiled(kernel, args, const)
 
 
@@ -89,11 +92,11 @@ def loop_ops(sass: str) -> list[str]:
     return found
 
 
-def report(name: str, bm: int, naive: bool, num_warps: int) -> str:
+def report(name: str, bm: int, naive: bool, num_warps: int, ahead: int = 1) -> str:
     if name.startswith("down"):
-        out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps)
+        out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps, ahead)
     else:
-        out = compile_case(bm, naive, num_warps, 2 if name == "naive-split" else 1)
+        out = compile_case(bm, naive, num_warps, 2 if name == "naive-split" else 1, ahead)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(out.asm["cubin"])
         f.flush()
@@ -106,8 +109,9 @@ def report(name: str, bm: int, naive: bool, num_warps: int) -> str:
     top = " ".join(f"{k}:{v}" for k, v in Counter(o.split(".")[0] for o in ops).most_common(12))
     loads = dict(Counter(o for o in ops if o.startswith("LDG")))
     hops = sum(o.startswith(("STS", "LDS", "SHFL", "STL", "LDL")) for o in ops)
-    return (f"{name}: registers {regs.group(1)}, stack {regs.group(2)} B; loop {len(ops)} instructions, "
-            f"{len(ops) / WEIGHTS_A_LOOP:.2f} a weight ({bm} tokens a block), "
+    weights = WEIGHTS_A_STEP * (ahead + 1)  # the loop's steps: 2 (AHEAD 1), 3 (AHEAD 2)
+    return (f"{name} ahead {ahead}: registers {regs.group(1)}, stack {regs.group(2)} B; loop {len(ops)} "
+            f"instructions, {len(ops) / weights:.2f} a weight ({bm} tokens a block), "
             f"STS/LDS/SHFL/local in the loop {hops}; {top}; loads {loads}")
 
 
@@ -115,9 +119,15 @@ def main() -> int:
     import triton
 
     print("triton", triton.__version__, flush=True)
+    names = sys.argv[1:]
+    ahead = 1
+    if "--ahead" in names:
+        i = names.index("--ahead")
+        ahead = int(names[i + 1])
+        names = names[:i] + names[i + 2:]
     for case in CASES:
-        if len(sys.argv) < 2 or case[0] in sys.argv[1:]:
-            print(report(*case), flush=True)
+        if not names or case[0] in names:
+            print(report(*case, ahead=ahead), flush=True)
     return 0
 
 

@@ -121,6 +121,21 @@ def test_the_words_call_matches_the_twin(stand_ins, m, split):
     assert down["y_ptr"].dtype == (torch.float32 if split > 1 else torch.bfloat16)
 
 
+def test_the_words_in_flight_reach_both_kernels(stand_ins):
+    """``ahead`` (the words' steps in flight, ``gluon_wo_words.words_loop``) is each kernel's AHEAD; one step by
+    default. (The loop itself runs on the device only: ``benchmarks/w4g45_device_check.py --aheads 1 2``.)"""
+    from moekit.experts.triton_wo_words import experts_words
+
+    w13, w2 = _weights(2 * N, K, 1), _weights(K, N, 2)
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    x, ids, weights = _call(5, 3)
+    layout = align_block(ids, E, 8)
+    for ahead in (1, 2):
+        out = experts_words(x, a13, a2, ids, weights, layout, 1, **({} if ahead == 1 else {"ahead": ahead}))
+        assert _rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
+        assert stand_ins["gate_up"].log[-1][1]["AHEAD"] == ahead and stand_ins["down"].log[-1][1]["AHEAD"] == ahead
+
+
 @pytest.mark.parametrize("split", [1, 2])
 def test_the_gate_up_alone_and_split_match_the_twin(stand_ins, split):
     from moekit.experts.triton_wo import apply_glu, dequantize_wo
@@ -136,3 +151,29 @@ def test_the_gate_up_alone_and_split_match_the_twin(stand_ins, split):
     (grid, bound, _), = stand_ins["gate_up"].log
     assert grid[1] == split and not bound["H_ORDER"]
     assert bound["h_ptr"].shape == ((10, N) if split == 1 else (split * 10, 2 * N))
+
+
+def test_the_words_layout_matches_align_block_and_the_call_the_twin(stand_ins):
+    """``words_layout``: None where A * 4 <= E (the kernels read the experts from ids), else 8-row blocks by the
+    Triton alignment (interpreted) holding what ``align_block``'s hold; the call on either matches the twin."""
+    from moekit.experts.triton_wo_words import experts_words, words_layout
+
+    w13, w2 = _weights(2 * N, K, 1), _weights(K, N, 2)
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    x, ids, weights = _call(1, 4)  # A = 2, E = 8: the shortcut
+    assert words_layout(ids, E) is None
+    out = experts_words(x, a13, a2, ids, weights, None, 1)
+    assert _rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
+    (grid_up, up, _), = stand_ins["gate_up"].log
+    assert up["NAIVE"] and grid_up == (ids.numel() * N // 32, 1, 1)
+
+    def blocks(layout, a: int) -> list:  # each used block's expert and its assignments, in no order
+        rows = [[r for r in layout.sorted_ids[8 * i:8 * i + 8].tolist() if r < a]
+                for i in range(int(layout.num_padded[0]) // 8)]
+        return sorted((int(layout.expert_ids[i]), sorted(r)) for i, r in enumerate(rows))
+
+    x, big, weights = _call(5, 5)  # A = 10 > E / 4: 8-row blocks by the Triton alignment, as align_block's
+    aligned = words_layout(big, E)
+    assert not aligned.naive and blocks(aligned, big.numel()) == blocks(align_block(big, E, 8), big.numel())
+    out = experts_words(x, a13, a2, big, weights, aligned, 1)
+    assert _rel(out, fused_experts_wo_torch(x, w13, w2, big, weights)) < 1e-2

@@ -104,20 +104,34 @@ def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps
                          f"{block_rows}, {top_k}")
 
 
+# steps of words in flight (``gluon_wo_words.words_loop``): 1 the measured form (session 45 H100: 62-75% of a pure
+# read); 2 (w4u45) three steps a loop, +22-24 registers (3 programs an SM, ~48 KB of words in flight against ~32 KB),
+# selectable and unmeasured: the device decides
+AHEADS = (1, 2)
+
+
+def check_ahead(ahead: int) -> None:
+    if ahead not in AHEADS:
+        raise ValueError(f"decode='gluon_words': ahead must be one of {AHEADS} (steps of words in flight), got {ahead}")
+
+
 def words_gate_up_launch(w13, num_assignments: int, top_k: int, blocks: int, naive: bool, block_rows: int = 8,
-                         num_warps: int = NUM_WARPS, h_order: bool = False, split: int = 1) -> BoundLaunch:
+                         num_warps: int = NUM_WARPS, h_order: bool = False, split: int = 1,
+                         ahead: int = 1) -> BoundLaunch:
     """The gate-up launch of a call (after ``check_words``): ``blocks`` blocks of ``block_rows`` rows (naive: one
     assignment each), pointers (x_words.x, x_words.sums, q, scale, zero, h, ids, sorted_ids, expert_ids,
     num_padded; the last three None when naive). ``h_order``: h stored in the dot order (``stored_dot_columns``),
     for ``words_down_launch``. ``split`` > 1: K's steps in that many programs, the h pointer float32 partials
-    p [split A, 2N] (``wo_split.split_glu_kernel``'s). Kept per kind of call (no tensor held)."""
+    p [split A, 2N] (``wo_split.split_glu_kernel``'s). ``ahead``: steps of words in flight (``AHEADS``). Kept per
+    kind of call (no tensor held)."""
+    check_ahead(ahead)
     return _gate_up_bound(tuple(w13.q.shape), w13.strides, w13.group_size, num_assignments, top_k, blocks, naive,
-                          block_rows, num_warps, h_order, split)
+                          block_rows, num_warps, h_order, split, ahead)
 
 
 @functools.lru_cache(maxsize=256)
 def _gate_up_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, top_k: int, blocks: int,
-                   naive: bool, block_rows: int, num_warps: int, h_order: bool, split: int) -> BoundLaunch:
+                   naive: bool, block_rows: int, num_warps: int, h_order: bool, split: int, ahead: int) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel
 
     num_experts, two_n, half_k = shape
@@ -126,11 +140,12 @@ def _gate_up_bound(shape: tuple, strides: tuple, group: int, num_assignments: in
     out_stride = 2 * n if split > 1 else n  # p's rows or h's
     scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, out_stride)
     return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)), split), 10, scalars, cached=True,
-                       BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, SPLIT=split)
+                       BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, SPLIT=split,
+                       AHEAD=ahead)
 
 
 def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,
-                  split: int = 1):
+                  split: int = 1, ahead: int = 1):
     """h [A, N] (x.dtype) = silu(x w_gate^T) * (x w_up^T) of each assignment through the kernel. ``layout``: a
     ``moekit.layouts.block_aligned.BlockAlignedLayout`` of 8- or 16-row blocks, or None for the tiny-batch shortcut
     (one assignment a program). ``split`` > 1: K split over that many programs, their float32 partials summed and
@@ -142,7 +157,7 @@ def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num
     check_words(x, w13, top_k, block_rows, num_warps, split)
     a, n = num_tokens * top_k, w13.q.shape[1] // 2
     blocks = a if naive else layout.expert_ids.numel()
-    launch = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, num_warps, split=split)
+    launch = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, num_warps, split=split, ahead=ahead)
     xw = x_words(x)
     h = torch.empty(a, n, dtype=x.dtype, device=x.device)
     out = h if split == 1 else torch.empty(split * a, 2 * n, dtype=torch.float32, device=x.device)
@@ -182,16 +197,17 @@ def check_words_down(w2, split: int, num_warps: int = NUM_WARPS) -> None:
 
 
 def words_down_launch(w2, num_assignments: int, blocks: int, naive: bool, split: int, block_rows: int = 8,
-                      num_warps: int = NUM_WARPS) -> BoundLaunch:
+                      num_warps: int = NUM_WARPS, ahead: int = 1) -> BoundLaunch:
     """The down launch (after ``check_words_down``): pointers (h in the dot order, q, scale, zero, y [split A, K]
     (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded). Kept per kind."""
+    check_ahead(ahead)
     return _down_bound(tuple(w2.q.shape), w2.strides, w2.group_size, num_assignments, blocks, naive, split,
-                       block_rows, num_warps)
+                       block_rows, num_warps, ahead)
 
 
 @functools.lru_cache(maxsize=256)
 def _down_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, blocks: int, naive: bool, split: int,
-                block_rows: int, num_warps: int) -> BoundLaunch:
+                block_rows: int, num_warps: int, ahead: int) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel
 
     num_experts, k, half_n = shape
@@ -199,14 +215,15 @@ def _down_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, 
     qe, qr, _, se, sr, _, ze, zr, _ = strides
     scalars = (k, n, num_assignments, num_experts, n // STEP // split, n, qe // 4, qr // 4, se, sr, ze, zr, k)
     return BoundLaunch(down_words_kernel, (blocks * (k // (16 * num_warps)), split), 10, scalars, cached=True,
-                       BM=block_rows, GROUP=group, NAIVE=naive, SPLIT=split, num_warps=num_warps)
+                       BM=block_rows, GROUP=group, NAIVE=naive, SPLIT=split, num_warps=num_warps, AHEAD=ahead)
 
 
 def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout=None,
-                  split: int = 1) -> torch.Tensor:
+                  split: int = 1, ahead: int = 1) -> torch.Tensor:
     """The whole call on the words kernels (out [M, K], x.dtype): x in the dot order, the gate-up storing h in the
     dot order the down GEMM reads, the down GEMM (``split`` partials along N), the existing k-sum launch. ``layout``:
-    as ``gate_up_words``'. For the device check and tools; no route takes it (selectable only)."""
+    as ``gate_up_words``'. ``ahead``: both kernels' steps of words in flight (``AHEADS``). For the device check and
+    tools; no route takes it (selectable only)."""
     num_tokens, top_k = topk_ids.shape
     naive = layout is None or layout.naive
     block_rows = 8 if naive else layout.block_size
@@ -218,10 +235,10 @@ def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights
     rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
     xw = x_words(x)
     h = torch.empty(a, n, dtype=x.dtype, device=x.device)
-    gate_up = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, h_order=True)
+    gate_up = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, h_order=True, ahead=ahead)
     gate_up(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, ids, *rows)
     y = torch.empty(split * a, k, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-    down = words_down_launch(w2, a, blocks, naive, split, block_rows)
+    down = words_down_launch(w2, a, blocks, naive, split, block_rows, ahead=ahead)
     down(h, w2.q, w2.scale, w2.zero, y, topk_weights.reshape(-1).float(), ids, *rows)
     out = torch.empty_like(x)
     _sum_bound(num_tokens, k, top_k, w13.q.shape[0], split, x.device)(y, ids, ids, out)
@@ -249,13 +266,51 @@ def down_split(n: int, k: int, blocks: int, num_warps: int = NUM_WARPS) -> int:
     return next((s for s in splits if blocks * (k // (16 * num_warps)) * s >= MIN_DOWN_PROGRAMS), splits[-1])
 
 
+@dataclass(frozen=True)
+class WordsLayout:
+    """The 8-row aligned blocks the words kernels read (what they take of ``BlockAlignedLayout``), built by the
+    route's Triton alignment (``triton_align.plan_align``)."""
+
+    sorted_ids: torch.Tensor  # [R] int32, A on padding rows
+    expert_ids: torch.Tensor  # [R / 8] int32 (blocks past num_padded unread)
+    num_padded: torch.Tensor  # [1] int32
+    block_size: int = 8
+    naive: bool = False
+
+
+def words_layout(ids: torch.Tensor, num_experts: int) -> WordsLayout | None:
+    """The words kernels' layout of a call (ids [M, k] contiguous): None for the tiny-batch shortcut (A * 4 <= E:
+    the kernels read each block's expert from ids, so no layout is built), else 8-row blocks aligned by the pick's
+    own launches (``triton_align``: 1-3 Triton launches, where ``align_block`` is ~15 torch ops a call)."""
+    from moekit.experts.triton_align import run_align
+    from moekit.layouts.block_aligned import use_naive
+
+    a = ids.numel()
+    if use_naive(a, num_experts, None):
+        return None
+    plan = _align_plan(a, num_experts, ids.device)
+    b = {name: torch.empty(shape, dtype=dtype, device=ids.device) for name, dtype, shape in plan.regions}
+    run_align(plan, ids, None, b)
+    return WordsLayout(b["sorted_ids"], b["expert_ids"], b["num_padded"])
+
+
+@functools.lru_cache(maxsize=256)
+def _align_plan(num_assignments: int, num_experts: int, device: torch.device):
+    from moekit.experts.triton_align import plan_align
+    from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+    from moekit.layouts.grouping import max_padded_rows
+
+    rows = -(-max_padded_rows(num_assignments, num_experts, 8) // 8) * 8  # whole blocks
+    options = resolve_launch_options(LaunchOptions(dependent_launch=False), device)
+    return plan_align(num_assignments, num_experts, 8, None, rows, options)
+
+
 def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map, scheme: str,
                       activation, variant: bool) -> torch.Tensor:
     """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): the words kernels on
-    the tiny-batch shortcut or 8-row aligned blocks (``align_block``), the down split by ``down_split``. Refuses by
+    the tiny-batch shortcut or 8-row aligned blocks (``words_layout``), the down split by ``down_split``. Refuses by
     name what they do not run."""
     from moekit.activations import as_spec
-    from moekit.layouts.block_aligned import align_block
 
     spec = as_spec(activation)
     if scheme != "int4_w4a16" or expert_map is not None or variant or spec.name != "silu":
@@ -263,8 +318,8 @@ def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torc
                          f"{scheme}, activation {spec.name}, expert_map {expert_map is not None}, variant {variant}")
     if x.device.type != "cuda":
         raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
-    layout = align_block(ids, w13.q.shape[0], 8)
-    blocks = ids.numel() if layout.naive else layout.expert_ids.numel()
+    layout = words_layout(ids, w13.q.shape[0])
+    blocks = ids.numel() if layout is None else layout.expert_ids.numel()
     split = down_split(2 * w2.q.shape[2], w2.q.shape[1], blocks)
     return experts_words(x, w13, w2, ids, weights, layout, split)
 

@@ -206,12 +206,26 @@ def _step(acc, zeros, words, xp, col, magic, one, s_rows, z_rows, xs_rows, row_o
 
 @gluon.jit
 def words_loop(acc, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
-               GROUP: gl.constexpr, EXACT: gl.constexpr, num_warps: gl.constexpr):
-    """acc + ``steps`` steps (``_step``) from column col0 (w_ptrs [R, 32] / x_ptrs [BM, 128] at its first step),
-    each loaded a step before its decode, two an iteration (ping-pong registers: no copies), an odd last one alone.
-    The loads are unmasked: every row and step lies inside the weight (the host's checks); padding rows read
-    token 0 and are never stored."""
+               GROUP: gl.constexpr, EXACT: gl.constexpr, num_warps: gl.constexpr, AHEAD: gl.constexpr = 1):
+    """acc + ``steps`` steps (``_step``) from column col0 (w_ptrs [R, 32] / x_ptrs [BM, 128] at its first step).
+    AHEAD 1: each step's words and activations loaded a step before its decode, two steps an iteration (ping-pong
+    registers: no copies), an odd last one alone. AHEAD 2: the words two steps ahead (``_loop_ahead2``). The loads
+    are unmasked: every row and step lies inside the weight (the host's checks); padding rows read token 0 and are
+    never stored."""
     zeros = gl.zeros_like(acc)  # each half step's dot starts from zero
+    if AHEAD == 2:
+        acc = _loop_ahead2(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok,
+                           z_ok, tok_ok, GROUP, EXACT, num_warps)
+    else:
+        acc = _loop_ahead1(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok,
+                           z_ok, tok_ok, GROUP, EXACT, num_warps)
+    return acc
+
+
+@gluon.jit
+def _loop_ahead1(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
+                 GROUP: gl.constexpr, EXACT: gl.constexpr, num_warps: gl.constexpr):
+    """``words_loop`` with one step in flight (session 45, w4g45: the measured form)."""
     w_a, x_a = gl.load(w_ptrs), gl.load(x_ptrs)
     for s in range(0, steps - 2, 2):
         w_b, x_b = gl.load(w_ptrs + (s + 1) * STEP_WORDS), gl.load(x_ptrs + (s + 1) * (STEP // 2))
@@ -230,6 +244,39 @@ def words_loop(acc, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_
     else:
         acc = _step(acc, zeros, w_a, x_a, last, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok, GROUP,
                     EXACT, num_warps)
+    return acc
+
+
+@gluon.jit
+def _loop_ahead2(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
+                 GROUP: gl.constexpr, EXACT: gl.constexpr, num_warps: gl.constexpr):
+    """``words_loop`` with the words of two steps in flight (session 45, w4u45; selectable, unmeasured): three steps
+    an iteration, the words in a 3-way rotation (w_a, w_b, w_c: each loaded two steps before its decode) and the
+    activations still one step ahead (x_a, x_b, x_c: their 32 registers a step are L2 hits, the words the HBM
+    stream), so the loop carries w_a, w_b, x_a and copies nothing. Word loads past the last step are clamped to it
+    (a reload of bytes just read: at most two a program); steps % 3 trailing steps run after the loop."""
+    last = steps - 1
+    w_a, x_a = gl.load(w_ptrs), gl.load(x_ptrs)
+    w_b = gl.load(w_ptrs + gl.minimum(last, 1) * STEP_WORDS)
+    for s in range(0, steps - 2, 3):  # steps s, s + 1, s + 2 all inside
+        w_c, x_b = gl.load(w_ptrs + (s + 2) * STEP_WORDS), gl.load(x_ptrs + (s + 1) * (STEP // 2))
+        acc = _step(acc, zeros, w_a, x_a, col0 + s * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
+                    GROUP, EXACT, num_warps)
+        w_a, x_c = gl.load(w_ptrs + gl.minimum(last, s + 3) * STEP_WORDS), gl.load(x_ptrs + (s + 2) * (STEP // 2))
+        acc = _step(acc, zeros, w_b, x_b, col0 + (s + 1) * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok,
+                    tok_ok, GROUP, EXACT, num_warps)
+        w_b = gl.load(w_ptrs + gl.minimum(last, s + 4) * STEP_WORDS)
+        x_a = gl.load(x_ptrs + gl.minimum(last, s + 3) * (STEP // 2))
+        acc = _step(acc, zeros, w_c, x_c, col0 + (s + 2) * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok,
+                    tok_ok, GROUP, EXACT, num_warps)
+    done = steps - steps % 3  # w_a / x_a hold step done, w_b step done + 1 (when inside)
+    if steps % 3 != 0:
+        x_b = gl.load(x_ptrs + gl.minimum(last, done + 1) * (STEP // 2))
+        acc = _step(acc, zeros, w_a, x_a, col0 + done * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok,
+                    tok_ok, GROUP, EXACT, num_warps)
+        if steps % 3 == 2:
+            acc = _step(acc, zeros, w_b, x_b, col0 + (done + 1) * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok,
+                        z_ok, tok_ok, GROUP, EXACT, num_warps)
     return acc
 
 
@@ -260,6 +307,7 @@ def gate_up_words_kernel(
     BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, num_warps: gl.constexpr,
     H_ORDER: gl.constexpr = False,  # h stored in the dot order the down GEMM reads (``stored_column``)
     SPLIT: gl.constexpr = 1,  # > 1: grid axis 1 = split s of K's steps; h_ptr the float32 partials p [SPLIT A, 2N]
+    AHEAD: gl.constexpr = 1,  # steps of words in flight (``words_loop``): 2 selectable, unmeasured
 ):
     """h = silu(x w_gate^T) * (x w_up^T) of one block's rows and 8 num_warps gate columns (module doc). Grid:
     (blocks * N / (8 num_warps), SPLIT); N a multiple of 8 num_warps, K / 256 of SPLIT, GROUP of 128
@@ -275,13 +323,14 @@ def gate_up_words_kernel(
     if (expert >= 0) & (expert < num_experts):
         _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
                stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-               GROUP, num_warps, H_ORDER, SPLIT)
+               GROUP, num_warps, H_ORDER, SPLIT, AHEAD)
 
 
 @gluon.jit
 def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
            stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-           GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr):
+           GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr,
+           AHEAD: gl.constexpr):
     """The program's h tile: rows_x / rows_c [BM] its block's assignments (A past the end) in the x load's and the
     accumulator's layouts, n0 its first gate column (module doc)."""
     BM: gl.constexpr = rows_x.type.shape[0]
@@ -310,7 +359,7 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, 
     row_ok = w13_c < 2 * N
     magic = 0x43004300 + (K >> 31)  # bf16x2 128.0 (K >= 0), a value ptxas holds in a register
     acc = words_loop(gl.zeros([R, BM], gl.float32, mma), w_ptrs, x_ptrs, steps, col0, magic, magic, s_rows, z_rows,
-                     xs_rows, row_ok, row_ok, ok_c, GROUP, False, num_warps)
+                     xs_rows, row_ok, row_ok, ok_c, GROUP, False, num_warps, AHEAD)
     # acc rows: warp w's gate rows then up rows -> gate, up [8 W, BM], each thread both of its outputs
     both = gl.permute(gl.reshape(acc, [num_warps, 2, 8, BM]), [0, 2, 3, 1])  # [W, 8, BM, gate / up]
     gate, up = gl.split(both)

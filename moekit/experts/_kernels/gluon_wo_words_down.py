@@ -31,6 +31,7 @@ def down_words_kernel(
     K, N, num_assignments, num_experts, split_steps,  # split_steps: steps of 256 columns a split
     stride_hm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_ym,  # q in words
     BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
+    AHEAD: gl.constexpr = 1,  # steps of words in flight (``gluon_wo_words.words_loop``): 2 selectable, unmeasured
 ):
     """y = routed weight * (h w2^T) over split program_id(1)'s columns for one block's rows and 16 num_warps output
     rows (module doc). Grid (blocks * K / (16 num_warps), SPLIT)."""
@@ -60,7 +61,7 @@ def down_words_kernel(
         magic = 0x43004300 + (N >> 31)  # bf16x2 128.0 and 1.0 (N >= 0): values ptxas holds in registers
         one = 0x3F803F80 + (N >> 31)
         acc = words_loop(gl.zeros([R, BM], gl.float32, mma), w_ptrs, h_ptrs, split_steps, col0, magic, one, s_rows,
-                         z_rows, s_rows, w2_c < K, w2_w < K, rows_c < num_assignments, GROUP, True, num_warps)
+                         z_rows, s_rows, w2_c < K, w2_w < K, rows_c < num_assignments, GROUP, True, num_warps, AHEAD)
         ok_c = rows_c < num_assignments
         acc = acc * gl.load(weights_ptr + rows_c, mask=ok_c, other=0.0)[None, :]
         out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
