@@ -160,7 +160,7 @@ def check_cell(label: str, s: Shape, c, w13, a13, a2, layout) -> dict:
     run, h, decode = pick_launches(c, a13, a2)
     run()
     if h is None:  # folded: checked as a whole call by --calls (CK2); timed here all the same
-        print(f"INFO  {label} pick ({decode}): its gate-up folds into the down GEMM, timed, no h to compare", flush=True)
+        print(f"INFO  {label} pick ({decode}): gate-up folded into the down GEMM, timed, no h to compare", flush=True)
         calls["pick"] = None
     else:
         err = rel_l2(h.float(), twin)
