@@ -195,3 +195,23 @@ def test_mxfp4_as_int8_holds_the_same_values_or_declines():
     if int8pack_supported(torch.bfloat16):
         assert isinstance(expert_linear(wide, 1, torch.bfloat16, QuantKernels(), RepackCache(1 << 30)), DequantLinear)
         assert isinstance(expert_linear(w, 1, torch.bfloat16, QuantKernels(), RepackCache(1 << 30)), Int8PackLinear)
+
+
+@pytest.mark.parametrize("scheme, options", SCHEMES)
+def test_bf16_loop_without_a_onednn_linear_multiplies_on_blas(scheme, options, monkeypatch):
+    """A CPU whose oneDNN has no bf16 linear (AVX2 only: ``onednn_linear`` None) still runs weight-only experts in
+    the per-expert loop, their linears on torch's BLAS with the float32 biases added before the one rounding (the
+    dequantizing linear called a None ``linear`` there: TypeError), equal to the float64 loop; no expert dequantized
+    whole."""
+    from moekit.experts import cpu_phased, grouped_mm
+
+    for module in (cpu_packed, cpu_phased, grouped_mm):
+        monkeypatch.setattr(module, "onednn_linear", lambda dtype: None)
+    x, q13, q2, ids, weights = problem(scheme, options, hidden=2048, tokens=5, dtype=torch.bfloat16, seed=4)
+    g = torch.Generator().manual_seed(5)
+    b13, b2 = torch.randn(E, 2 * N, generator=g), torch.randn(E, 2048, generator=g)
+    want = loop64(x, q13, q2, ids, weights, b13=b13, b2=b2)
+    monkeypatch.setattr(type(q13), "dequantize", lambda *a, **k: pytest.fail("dequantized every expert"))
+    with torch.no_grad():
+        got = experts_grouped_mm(x, q13, q2, ids, weights, b13=b13, b2=b2)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < TOL[torch.bfloat16]

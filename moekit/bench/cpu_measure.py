@@ -39,7 +39,7 @@ import torch
 from moekit.bench import cpu_quant_rows
 from moekit.bench.run import commit_id
 from moekit.bench.timing import Timing
-from moekit.experts.cpu_packed import cpuinfo_field, packed_weight_cache
+from moekit.experts.cpu_packed import cpuinfo_field, onednn_linear, packed_weight_cache
 from moekit.experts.grouped_mm import experts_grouped_mm, plan_grouped_mm
 
 DEFAULT_BATCHES = (1, 8, 64, 512)
@@ -177,7 +177,7 @@ def variants(p: ExpertsProblem, rows: set[str]) -> dict[str, Callable[[], torch.
     a_rows = torch.randn(p.ids.numel(), p.x.shape[1]).to(p.x.dtype)  # [A, K]
     dense_w = p.w13[0].clone()  # [2N, K]: the same GEMM shape as the gate-up projection over all A rows
     calls["dense_mm"] = lambda: torch.mm(a_rows, dense_w.t())
-    linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    linear = onednn_linear(p.x.dtype)  # None where oneDNN has no linear of the dtype here (bf16 on an AVX2 CPU)
     if linear is not None:
         calls["dense_onednn"] = lambda: linear(a_rows, dense_w, None, "none", [], "")
     return {name: fn for name, fn in calls.items() if name in rows or name.startswith("dense")}

@@ -361,7 +361,7 @@ def linear_rows(linear, a: torch.Tensor, w, bias: torch.Tensor | None, out: torc
     this worker into oneDNN's ``linear``, or torch's weight-only kernel). Into ``out`` [m, out] when given (BLAS writes
     there, the others' result is copied)."""
     if not isinstance(w, torch.Tensor):
-        result = w(a, bias, linear)
+        result = w(a, bias, blas_linear if linear is None else linear)
     elif linear is None:
         return _blas_rows(a, w, bias, out)
     else:
@@ -379,6 +379,14 @@ def bf16_row_gemv() -> bool:
     oneDNN's linear (session 42, ``benchmarks/triton-notes.md``)."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return amx is not None and bool(amx())
+
+
+def blas_linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *_options) -> torch.Tensor:
+    """oneDNN linear's call form on torch's BLAS, for quantized experts' linears where ``onednn_linear`` is None (bf16
+    on an AVX2-only CPU); a float32 bias beside bf16 (as oneDNN takes it) added in float32 before the one rounding."""
+    if bias is None or bias.dtype == a.dtype:
+        return _blas_rows(a, w, bias, None)
+    return torch.addmm(bias.float(), a.float(), w.float().t()).to(a.dtype)
 
 
 def _blas_rows(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:

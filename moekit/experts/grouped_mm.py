@@ -294,7 +294,10 @@ def _runs_quantized_loop(x, w13, w2, topk_weights, b13, b2, layout, cpu_gemm) ->
         return False
     if cpu_gemm not in _FUSED_GEMMS or layout not in ("auto", "contiguous"):
         return False
-    if not torch.compiler.is_compiling() and not fused_loop_supported(x.dtype):
+    # weight-only linears need no packed weights: without a oneDNN linear of x's dtype (bf16 on an AVX2 CPU)
+    # they multiply on torch's BLAS (``cpu_packed.blas_linear``)
+    if not torch.compiler.is_compiling() and not (x.dtype in (torch.float32, torch.bfloat16)
+                                                  or fused_loop_supported(x.dtype)):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_weights, b13, b2))
                 or transforming())  # no autograd, no forward-mode derivative (as _run_contiguous's loop)
