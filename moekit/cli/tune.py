@@ -42,8 +42,8 @@ def register(subparsers) -> None:
                    "packaged configs, moekit/experts/configs/, per M (the packaged file's other M stay)")
     p.add_argument("--show", action="store_true",
                    help="instead of tuning: say, per M, whose tuned file the lookups of this shape and --dtype take "
-                   "on this device (its own, a sibling device's such as 'NVIDIA_H200 (sibling)', or the heuristic); without "
-                   "a CUDA GPU: that none applies, and the CPU path a call runs")
+                   "on this device (its own, a sibling device's such as 'NVIDIA_H200 (sibling)', or the heuristic); "
+                   "without a CUDA GPU: that none applies, and the CPU path a call runs")
     p.set_defaults(func=_run)
 
 
