@@ -7,8 +7,8 @@
 
 The cases ``_fuzz_ep`` runs, float experts only, without aux losses (each rank's aux loss is over its own tokens, by
 contract not the whole batch's), dropless (a rank's capacity is over its own tokens); EPLB's replicas of an expert
-summed by ``EPMoE.sync_replica_grads`` after backward: each must then hold the expert's gradient, bit-equal. Shapes: M tokens of the batch, K hidden,
-E routed experts, L local, S shared slots.
+summed by ``EPMoE.sync_replica_grads`` after backward: each must then hold the expert's gradient, bit-equal.
+Shapes: M tokens of the batch, K hidden, E routed experts, L local, S shared slots.
 """
 
 from __future__ import annotations
