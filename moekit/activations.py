@@ -160,6 +160,18 @@ def activation_from_hf(hidden_act: str) -> str:
     return _HF_NAMES[hidden_act]
 
 
+def shared_glu_activation(experts: str | ActivationSpec, name: str,
+                          limit: float | None = None) -> str | ActivationSpec | None:
+    """``MoEConfig.shared_activation`` of a shared MLP computing ``act(gate) * up`` (``name``), gate and up clamped
+    at ``limit`` first where set, beside experts computing ``experts``: None where the two compute the same (the
+    experts' spec then serves both), else the name or a clamped spec. The one rule ``MoEConfig.from_hf_config``
+    (a config's fields) and ``moekit.hf.moe_from_hf`` (the block's modules) both apply."""
+    spec = as_spec(experts)
+    if name == spec.name and limit == spec.limit and spec.alpha == 1.0 and not spec.up_shift:
+        return None
+    return name if limit is None else ActivationSpec(name=name, limit=float(limit))
+
+
 def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor:
     """The spec's torch definition: h [.., 2N] (gated) or [.., N] (ungated) -> [.., N], in h's dtype."""
     spec = as_spec(activation)

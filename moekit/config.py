@@ -293,19 +293,29 @@ class MoEConfig:
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
         if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
             raise TypeError(f"cfg must be a transformers config or a dict of its fields, got {type(cfg).__name__}")
-        d = Fields(cfg if isinstance(cfg, dict) else cfg.to_dict())
+        # a VL / omni model's top-level config: its MoE layer is the text model's
+        d = Fields(hf_layer_fields(cfg if isinstance(cfg, dict) else cfg.to_dict()))
         model_type = d.get("model_type")
         if model_type in REFUSED:
             raise ValueError(f"cfg.model_type {model_type!r}: {REFUSED[model_type]}")
         reader = HF_READERS.get(model_type)
-        text = d.get("text_config")  # a VL / omni model's top-level config: its MoE layer is the text model's
-        if reader is None and isinstance(text, dict) and text.get("model_type") in set(HF_READERS) | set(REFUSED):
-            return cls.from_hf_config(text)
         if reader is None:
             raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
         fields = reader(d)
         fields.setdefault("activation", activation_from_hf(d.get("hidden_act", "silu")))
         return cls(**fields)
+
+
+def hf_layer_fields(d: dict) -> dict:
+    """The config fields that describe the model's MoE layers: ``d`` where its ``model_type`` is read (``HF_READERS``)
+    or refused, else its ``text_config`` where that one's is (a VL / omni model's top-level config.json: Qwen3-VL-MoE,
+    Llama-4, HY-V4-VL, whose experts carry the text config), else ``d``. The one lookup of ``from_hf_config``, the
+    whole-model bills (``moekit.analysis``) and the simulator's stated model."""
+    known = set(HF_READERS) | set(REFUSED)
+    text = d.get("text_config")
+    if d.get("model_type") not in known and isinstance(text, dict) and text.get("model_type") in known:
+        return text
+    return d
 
 
 def check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moekit.activations import ActivationSpec
+from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
 
 
 class MissingConfigField(KeyError):
@@ -138,6 +138,26 @@ def _read_deepseek(d: dict) -> dict:
         shared_expert_intermediate_size=_get(d, "n_shared_experts", "num_shared_experts", default=0) * shared_width,
         num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0),
     )
+
+
+# Experts computing silu(gate.clamp(max=L)) * up.clamp(-L, L) at the config's swiglu_limit L whatever its hidden_act
+# (their _apply_gate), DeepSeek-V3's router; the shared MLP's act_fn(gate) * up clamped at L too (True: GLM-5-Next's
+# forward clamps) or not (HY-V4's plain MLP)
+_SWIGLU_LIMIT_SHARED_CLAMPED = {"hy_v4": False, "hy_v4_vl_text": False, "glm5_next_text": True}
+
+
+def _read_swiglu_limit(d: dict) -> dict:
+    """HY-V4, HY-V4-VL (text), GLM-5-Next (text): ``_read_deepseek``'s router, the experts' clamped SwiGLU and the
+    shared MLP's own activation (``activations.shared_glu_activation``, the rule ``moe_from_hf`` applies to the
+    block's modules). transformers' default limit is 10."""
+    limit = float(_get(d, "swiglu_limit", default=10.0))
+    experts = ActivationSpec("silu", limit=limit)
+    fields = dict(_read_deepseek(d), activation=experts)
+    if fields["shared_expert_intermediate_size"]:
+        shared_limit = limit if _SWIGLU_LIMIT_SHARED_CLAMPED[d["model_type"]] else None
+        fields["shared_activation"] = shared_glu_activation(experts, activation_from_hf(d.get("hidden_act", "silu")),
+                                                            shared_limit)
+    return fields
 
 
 def _read_axk2(d: dict) -> dict:
@@ -351,7 +371,8 @@ HF_READERS = {
     "qwen3_moe": _read_qwen3_moe, "qwen3_omni_moe_text": _read_qwen3_moe, "qwen3_vl_moe_text": _read_qwen3_moe,
     "mellum": _read_qwen3_moe,
     "deepseek_v2": _read_deepseek, "deepseek_ocr2_text": _read_deepseek, "unlimited_ocr_text": _read_deepseek,
-    **{name: _read_deepseek for name in sorted(_V3_ROUTER - {"axk2"})},
+    **{name: _read_deepseek for name in sorted(_V3_ROUTER - {"axk2"} - set(_SWIGLU_LIMIT_SHARED_CLAMPED))},
+    **{name: _read_swiglu_limit for name in _SWIGLU_LIMIT_SHARED_CLAMPED},
     "axk2": _read_axk2,
     "mistral4": _read_mistral4, "mistral_large4_text": _read_mistral4,
     "kimi_linear": _read_kimi_linear, "bailing_hybrid": _read_kimi_linear,

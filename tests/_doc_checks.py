@@ -63,16 +63,38 @@ def parallel(ns: dict, printed: str) -> None:
     ref, ep, x = ns["ref_moe"], ns["ep"], ns["x_local"]
     with torch.no_grad():
         assert rel_l2(ns["out"], ref(ns["batch"])) < 1e-5  # the loop's last step, after the rebalance
-        assert rel_l2(ep(x), ref(x)) < 1e-5
     report = ns["report"]  # the placement in use is the report's, never worse than the one before
     assert ep.placement.slots == report.placement.slots and report.max_load_after <= report.max_load_before
-    assert report.placement.num_redundant in (0, 32)  # 32 replicas where EPLB found them better
+    assert report.placement.num_redundant == 32  # EPLB's replicas, which the training loop after it keeps equal
+    trained = _trained_single_copy(ref, ns["dist"].get_world_size())
+    with torch.no_grad():  # the trained EP layer (replicas synced) is the single copy trained on every rank's batches
+        assert rel_l2(ep(x), trained(x)) < 1e-5 and rel_l2(trained(x), ref(x)) > 1e-2
     with torch.no_grad():  # the CPU script: this rank's tokens through the small layer's EP twin
         assert ns["cpu_out"].shape == ns["tokens"].shape and rel_l2(ns["cpu_out"], ns["small"](ns["tokens"])) < 1e-5
     if ns["dist"].get_rank() == 0:
         assert re.fullmatch(r"balancedness \d\.\d\d -> \d\.\d\d\n", printed), printed
     else:
         assert printed == ""
+
+
+def _trained_single_copy(ref, world_size: int):
+    """docs/parallel.md's training loop on one process: a copy of ``ref`` stepped by SGD (lr 0.1) on the sum over the
+    ranks of each rank's mean squared output, every rank's ``batches`` drawn again as ``_doc_setups.ep_checkpoint``
+    draws them."""
+    import copy
+
+    batches = []
+    for rank in range(world_size):
+        generator = torch.Generator().manual_seed(2 + rank)
+        torch.randn(6, 64, generator=generator)  # x_local
+        batches.append([torch.randn(5 + i % 3, 64, generator=generator) for i in range(10)])
+    trained = copy.deepcopy(ref)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    for step in range(10):
+        sum((trained(rank_batches[step]) ** 2).mean() for rank_batches in batches).backward()
+        opt.step()
+        opt.zero_grad()
+    return trained
 
 
 def routing_and_grouping(ns: dict, printed: str) -> None:

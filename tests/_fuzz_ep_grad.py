@@ -7,8 +7,8 @@
 
 The cases ``_fuzz_ep`` runs, float experts only, without aux losses (each rank's aux loss is over its own tokens, by
 contract not the whole batch's), dropless (a rank's capacity is over its own tokens); EPLB's replicas of an expert
-each hold the gradient of the tokens they ran, summed here into the expert's. Shapes: M tokens of the batch, K hidden,
-E routed experts, L local, S shared slots.
+summed by ``EPMoE.sync_replica_grads`` after backward: each must then hold the expert's gradient, bit-equal.
+Shapes: M tokens of the batch, K hidden, E routed experts, L local, S shared slots.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def rank_grads(rank: int, world_size: int, seeds: list[int]) -> dict[int, RankGr
         leaf = x[start:stop].clone().requires_grad_(True)
         call = ep(leaf, return_aux_loss=True)
         (call.out.double() * projection(case)[start:stop]).sum().backward()
+        ep.sync_replica_grads()  # EPLB's replicas: each slot of an expert holds the expert's whole gradient
         grads = {"x": leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)}
         local = ep.num_local_experts
         for name, p in ep.named_parameters():
@@ -105,10 +106,17 @@ def check_ep_grads(seeds: list[int], ranks: list[dict[int, RankGrads]], world_si
         e = case.config.num_experts
         for name in ("w13", "w2"):
             full = torch.zeros_like(want.grads[name])  # [E(+S), ...]
-            for s in shares:  # an expert's replicas (EPLB) each hold the gradient of the tokens they ran: summed
+            held: dict[int, torch.Tensor] = {}
+            for s in shares:  # after sync_replica_grads every replica (EPLB) holds its expert's whole gradient
                 local = torch.from_numpy(s.grads[name])
-                full.index_add_(0, torch.tensor(s.slots, dtype=torch.long), local[:len(s.slots)])
+                for slot, expert in enumerate(s.slots):
+                    if expert in held and not torch.equal(held[expert], local[slot]):
+                        result.fail(f"ep W={world_size} seed {seed}: the replicas of expert {expert} hold different "
+                                    f"{name} gradients after sync_replica_grads")
+                    held.setdefault(expert, local[slot])
                 full[e:] = local[len(s.slots):]
+            for expert, g in held.items():
+                full[expert] = g
             got[name] = full
         for name, g in shares[0].grads.items():
             got.setdefault(name, torch.from_numpy(g))

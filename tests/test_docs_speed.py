@@ -85,3 +85,37 @@ def hf_sentence() -> str:
 def test_the_transformers_figures_are_the_cited_run():
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert HF_SOURCE.split("/")[-1] in readme and hf_sentence() in readme
+
+
+def _speed_today() -> str:
+    text = (ROOT / "README.md").read_text()
+    return " ".join(text[text.index("## Speed today"):text.index("## Quantized experts")].split())
+
+
+def _version(text: str) -> str:
+    return ".".join(text.split("+")[0].split(".")[:2])  # "2.11.0+cu130" -> "2.11"
+
+
+def test_speed_today_names_the_run_of_every_cited_file():
+    """The paragraph says which run: each cited file's device, short commit, date, torch and Triton (and the
+    transformers run's), as the files record them; and its remark on the weight-only files' own bf16 cells (the
+    denominators of their ratios) is what those cells are."""
+    para = _speed_today()
+    assert "on one NVIDIA H200" in para and "on an H200" in para
+    for source in SOURCES + (HF_SOURCE,):
+        run = json.loads((ROOT / source).read_text())
+        versions = run.get("versions") or run  # the --hf file keeps them apart
+        assert run["device"] == "NVIDIA H200" and f"main `{run['commit'][:7]}`, {run['date']}" in para, source
+        for name, spelled in (("torch", "torch"), ("triton", "Triton"), ("transformers", "transformers")):
+            if versions.get(name):
+                assert f"{spelled} {_version(versions[name])}" in para, (source, name)
+    own = {}
+    for source in SOURCES[2:]:  # the weight-only files' bf16 cells
+        for cell in json.loads((ROOT / source).read_text())["cells"]:
+            if cell["backend"] == "triton" and cell["dtype"] == "bfloat16":
+                own[(cell["shape"], cell["M"])] = cell["us"]
+    gaps = {key: abs(us / cells()[(*key, "bfloat16")]["us"] - 1)
+            for key, us in own.items() if key[1] in TABLES["README.md"]}
+    outlier = ("mixtral-8x7b", 1024)
+    assert max(g for key, g in gaps.items() if key != outlier) <= 0.021 < gaps[outlier]
+    assert "within 2.1% of the table's, but for Mixtral M = 1024: " f"{own[outlier]:.1f} µs" in para

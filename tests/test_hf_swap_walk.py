@@ -245,3 +245,31 @@ def test_axk1_keeps_its_output_norm_after_moekit(fuse_shared):
         assert rel_l2(block(x), want) < 1e-5
         block.post_mlp_layernorm.weight.mul_(3.0)
         assert rel_l2(block(x), 3.0 * want) < 1e-5
+
+
+@pytest.mark.parametrize("key", _CLAMPED)
+def test_a_layer_built_from_the_config_alone_clamps_as_the_block(key):
+    """MoEConfig.from_hf_config (what MoE(config), `moekit bench --config/--preset` build from) reads the experts'
+    swiglu_limit and the shared MLP's own activation (HY-V4's plain silu, GLM-5-Next's clamped one) from the config:
+    a MoE of that config alone, given the block's weights, equals the block at x * 30, past the clamp (< 1e-5). The
+    same config read as config.json's dict, and a VL model's top-level config, give the same layer. With the
+    activations of the plain hidden_act (the reading before session 46) it is > 0.1 off."""
+    from moekit import MoE, MoEConfig
+
+    block, x, _ = _family_block(_FAMILIES[key])
+    x = x * 30
+    with torch.no_grad():
+        want = block(x)
+    cfg = block.experts.config
+    config = MoEConfig.from_hf_config(cfg)
+    assert config == MoEConfig.from_hf_config(cfg.to_dict())
+    top = {"model_type": "wrapper", "text_config": cfg.to_dict()}  # a VL / omni config.json's nesting
+    assert config == MoEConfig.from_hf_config(top)
+    weights = moekit_hf.moe_from_hf(block).state_dict()
+    moe = MoE(config, backend="reference", fuse_shared=False).eval()
+    moe.load_state_dict(weights)
+    plain = MoE(config.replace(activation="silu", shared_activation=None), backend="reference", fuse_shared=False)
+    plain.load_state_dict(weights)
+    with torch.no_grad():
+        assert rel_l2(moe(x).flatten(), want.flatten()) < 1e-5
+        assert rel_l2(plain(x).flatten(), want.flatten()) > 0.1

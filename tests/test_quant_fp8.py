@@ -25,15 +25,16 @@ def _problem(m, seed=0, dtype=torch.float32):
     return x, w13, w2, ids, weights
 
 
-def _decode_fp8(qw) -> torch.Tensor:
-    """w[e, r, c] = q[e, r, c] * scale[e, r // 128, c // 128], float64, from the layout text."""
-    r, c = qw.q.shape[1:]
-    return qw.q.double() * qw.scale.double()[:, torch.arange(r) // 128][:, :, torch.arange(c) // 128]
+def _decode_fp8(qw, block_shape=(128, 128)) -> torch.Tensor:
+    """w[e, r, c] = q[e, r, c] * scale[e, r // BR, c // BC], float64, from the layout text."""
+    (r, c), (br, bc) = qw.q.shape[1:], block_shape
+    return qw.q.double() * qw.scale.double()[:, torch.arange(r) // br][:, :, torch.arange(c) // bc]
 
 
-def _per_token_fp8(x, w13q, w2q, ids, weights, expert_map=None):
-    """float64 per (token, slot): quantize x 1x128, gate-up, SiLU-and-mul, quantize 1x128, down, weight."""
-    w13, w2 = _decode_fp8(w13q), _decode_fp8(w2q)
+def _per_token_fp8(x, w13q, w2q, ids, weights, expert_map=None, block_shape=(128, 128)):
+    """float64 per (token, slot): quantize x 1 x BC, gate-up, SiLU-and-mul, quantize 1 x BC, down, weight."""
+    w13, w2 = _decode_fp8(w13q, block_shape), _decode_fp8(w2q, block_shape)
+    bc = block_shape[1]
     out = torch.zeros(x.shape[0], K, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
@@ -41,9 +42,9 @@ def _per_token_fp8(x, w13q, w2q, ids, weights, expert_map=None):
             e = int(expert_map[e]) if expert_map is not None and 0 <= e < len(expert_map) else e
             if not 0 <= e < E:
                 continue
-            h = fake_fp8_rows(x[t:t + 1]) @ w13[e].t()
+            h = fake_fp8_rows(x[t:t + 1], bc) @ w13[e].t()
             a = F.silu(h[:, :N]) * h[:, N:]
-            out[t] += float(weights[t, j]) * (fake_fp8_rows(a) @ w2[e].t())[0]
+            out[t] += float(weights[t, j]) * (fake_fp8_rows(a, bc) @ w2[e].t())[0]
     return out
 
 
@@ -118,3 +119,48 @@ def test_mixed_or_foreign_weights_are_refused():
         run_experts(x, w13q, Q.quantize(w2, "int8_w8a16"), ids, weights, backend="reference")
     with pytest.raises(ValueError, match="w2 must have shape"):
         run_experts(x, w13q, Q.quantize(w2[:, :, :64], "fp8_block"), ids, weights, backend="reference")
+
+
+@pytest.mark.parametrize("block_shape", [(100, 128), (48, 32), (8, 16)])
+def test_row_blocks_of_any_height_are_exact(block_shape):
+    """block_shape's rows may be any positive int (a tile straddling two row blocks reads a scale per column: the
+    Triton kernels' case in test_triton_fp8.py): each block's scale is its amax / 448 (float64 loop over the blocks
+    here), and quantize_ on a layer computes the recipe at that shape (the float64 per-token loop, < 2e-4)."""
+    from moekit import MoE, MoEConfig
+
+    x, w13, w2, ids, weights = _problem(7, seed=11)
+    qw = Q.quantize(w13, "fp8_block", block_shape=block_shape)
+    (br, bc), rows = block_shape, w13.shape[1]
+    for i in range(-(-rows // br)):
+        for j in range(-(-K // bc)):
+            amax = w13[:, i * br:(i + 1) * br, j * bc:(j + 1) * bc].double().abs().amax(dim=(1, 2))
+            torch.testing.assert_close(qw.scale[:, i, j].double(), amax / 448, rtol=1e-7, atol=0)
+    config = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2)
+    moe = MoE(config, backend="grouped_mm")
+    with torch.no_grad():
+        moe.w13.copy_(w13)
+        moe.w2.copy_(w2)
+    moe.quantize_("fp8_block", block_shape=block_shape)
+    expected = _per_token_fp8(x, moe.w13, moe.w2, ids, weights, block_shape=block_shape)
+    for backend in ("reference", "grouped_mm"):
+        got = run_experts(x, moe.w13, moe.w2, ids, weights, backend=backend)
+        assert rel_l2(got, expected) < 2e-4, backend
+
+
+@pytest.mark.parametrize("block_shape", [(128, 100), (128, 256), (128, 8), (64, 48)])
+def test_reduction_blocks_the_kernels_do_not_run_are_refused_by_name(block_shape):
+    """block_shape[1] is the activations' group and the Triton kernels' BLOCK_K: 16, 32, 64 or 128; the rest is
+    refused where the weight is made (quantize, quantize_, from_tensors), not at a CUDA call later."""
+    from moekit import MoE, MoEConfig
+
+    w = _problem(1)[1]
+    match = r"block_shape\[1\] \(the reduction block.*must be one of \(16, 32, 64, 128\), got"
+    with pytest.raises(ValueError, match=match):
+        Q.quantize(w, "fp8_block", block_shape=block_shape)
+    moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2))
+    with pytest.raises(ValueError, match=match):
+        moe.quantize_("fp8_block", block_shape=block_shape)
+    assert isinstance(moe.w13, torch.nn.Parameter)  # refused before anything changed
+    good = Q.quantize(w, "fp8_block", block_shape=(block_shape[0], 128))
+    with pytest.raises(ValueError, match=match):
+        Q.from_tensors("fp8_block", q=good.q, scale=good.scale, block_shape=block_shape)

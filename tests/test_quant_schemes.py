@@ -168,6 +168,12 @@ def test_object_helpers():
 @pytest.mark.parametrize("call, error, match", [
     (lambda w: Q.quantize(w, "int3"), ValueError, "scheme must be one of"),
     (lambda w: Q.quantize(w, "int4_w4a16", group_size=48), ValueError, "group_size must be one of"),
+    (lambda w: Q.quantize(w, "int4_w4a16", group_size=64.0), ValueError, "group_size must be one of"),
+    (lambda w: Q.from_tensors("int4_w4a16", **Q.quantize(w, "int4_w4a16", group_size=32).tensors(), group_size=32.0,
+                              cols=64), ValueError, r"group_size must be one of \(32, 64, 128\), got 32.0"),
+    (lambda w: Q.quantize(w, "fp8_block", block_shape=(128, 96)), ValueError, r"block_shape\[1\] \(the reduction"),
+    (lambda w: Q.quantize(w, "fp8_block", block_shape=(128, 128.0)), ValueError, "two positive ints"),
+    (lambda w: Q.quantize(w, "mxfp4", group_size=32), ValueError, "not options of scheme 'mxfp4'"),
     (lambda w: Q.quantize(w, "int8_w8a16", group_size=32), ValueError, "not options of scheme 'int8_w8a16'"),
     (lambda w: Q.quantize(w, "fp8_block", block_shape=(128,)), ValueError, "block_shape must be"),
     (lambda w: Q.quantize(w[0], "mxfp4"), ValueError, r"3-D tensor \[E, R, C\]"),

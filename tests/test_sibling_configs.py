@@ -197,3 +197,19 @@ def test_tune_show_names_the_file_per_m(config_dirs, gpu, capsys):
         f"E{E}_N{N}_K{K}_k{TOP_K} bfloat16 on {H100}: M=1,64: NVIDIA_H200 (sibling); M=4096: {H100}")
     assert main(["tune", "--show", "--shape", f"{E},{N},{K},{TOP_K}", "--dtype", "fp8_block", "--batches", "8"]) == 0
     assert capsys.readouterr().out.strip().endswith("fp8_block on NVIDIA_H100_80GB_HBM3: M=8: heuristic")
+
+
+def test_tune_show_on_a_cpu_says_no_tuned_config_applies(config_dirs, monkeypatch, capsys):
+    """Without a CUDA GPU no M takes a tuned file or the heuristic (both are the Triton kernels', which do not run
+    there: the old line said "heuristic"); --show names the path a CPU call runs, the one a layer built there runs."""
+    from moekit import MoE, MoEConfig
+    from moekit.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _write(config_dirs["user"], "cpu", 64, (1, 64))  # even a file keyed "cpu" configures nothing a CPU call runs
+    ran = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=TOP_K))._experts_fn.__name__
+    for dtype, path in (("bfloat16", "the CPU experts path"), ("int4_w4a16", "the CPU quantized experts")):
+        assert main(["tune", "--show", "--shape", f"{E},{N},{K},{TOP_K}", "--batches", "1,64", "--dtype", dtype]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"E{E}_N{N}_K{K}_k{TOP_K} {dtype} on cpu: no tuned config applies") and path in out
+        assert "runs grouped_mm here" in out and "grouped_mm" in ran and "M=" not in out

@@ -108,3 +108,36 @@ def test_the_page_shows_the_zero_compute_share(served):
         js = r.read().decode()
     assert 'id="zero-compute-row" hidden' in html and 'id="model"' in html
     assert "r.identity_hits" in js and "r.zero_compute_share" in js and "r.routed_assignments" in js
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "llama4", "hy_v4_vl"])
+def test_a_multimodal_config_json_is_read_from_its_text_config(tmp_path, capsys, model_type):
+    """A VL model's config.json keeps its MoE fields in a nested text_config (Qwen3-VL-MoE, Llama-4, HY-V4-VL;
+    written here from transformers' own config classes, offline): `moekit simulate --config` and `moekit analyze
+    --config` find them there, as from_hf_config does, and give what the text config alone gives. Before, the layer
+    was read but the bill looked for hidden_size at the top level and priced Mixtral-8x7B's shapes instead."""
+    transformers = pytest.importorskip("transformers")
+    nested = transformers.AutoConfig.for_model(model_type).to_dict()
+    text = nested["text_config"]
+    assert "hidden_size" not in nested and "hidden_size" in text  # the top level alone has no MoE layer
+    paths = {}
+    for name, fields in (("nested", nested), ("text", text)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(fields))
+    runs = {}
+    for name, path in paths.items():
+        assert main(["simulate", "--config", str(path), "--tokens", "64", "--json"]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    shape = runs["nested"].pop("param_shape")
+    assert shape.startswith(f"{model_type} shapes (d={text['hidden_size']}") and "has no field" not in shape
+    assert runs["text"].pop("param_shape").startswith(f"{text['model_type']} shapes (d={text['hidden_size']}")
+    costs = {name: run["ep"].pop("cost_model") for name, run in runs.items()}  # each names its config's model_type
+    assert costs["nested"].replace(f"({model_type} ", f"({text['model_type']} ") == costs["text"]
+    assert runs["nested"] == runs["text"]
+    bills = {}
+    for name, path in paths.items():
+        assert main(["analyze", "--config", str(path), "--json"]) == 0
+        out = capsys.readouterr()
+        assert "no parameter or memory bills" not in out.err
+        bills[name] = json.loads(out.out)["bills"]
+    assert bills["nested"] == bills["text"] and bills["nested"]["params"]["routed_experts"] > 0

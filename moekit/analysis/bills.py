@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moekit.config import MoEConfig
+from moekit.config import MoEConfig, hf_layer_fields
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,9 @@ class ParamBill:
 
 def param_bill(hf_config: dict) -> ParamBill:
     """The bill of a config dict of a preset's family: Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3,
-    Kimi-K2, GLM-4.5, gpt-oss, OLMoE; and LongCat-Flash (``num_hidden_layers``: its attention sublayers)."""
+    Kimi-K2, GLM-4.5, gpt-oss, OLMoE; and LongCat-Flash (``num_hidden_layers``: its attention sublayers). A VL /
+    omni model's top-level config is billed as its text model's (``hf_layer_fields``: the vision tower not counted)."""
+    hf_config = hf_layer_fields(hf_config)
     cfg = MoEConfig.from_hf_config(hf_config)
     d, layers = hf_config["hidden_size"], num_hidden_layers(hf_config)
     moe_layers = cfg.num_moe_layers or layers

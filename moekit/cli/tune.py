@@ -42,7 +42,8 @@ def register(subparsers) -> None:
                    "packaged configs, moekit/experts/configs/, per M (the packaged file's other M stay)")
     p.add_argument("--show", action="store_true",
                    help="instead of tuning: say, per M, whose tuned file the lookups of this shape and --dtype take "
-                   "on this device (its own, a sibling device's such as 'NVIDIA_H200 (sibling)', or the heuristic)")
+                   "on this device (its own, a sibling device's such as 'NVIDIA_H200 (sibling)', or the heuristic); "
+                   "without a CUDA GPU: that none applies, and the CPU path a call runs")
     p.set_defaults(func=_run)
 
 
@@ -129,7 +130,9 @@ def _show(args: argparse.Namespace, shapes: list) -> int:
 
     if args.out or args.budget_s:
         raise UsageError("--show only reads the config files; give it without --out or --budget-s")
-    scheme, device = scheme_for(args.dtype), device_key(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if not torch.cuda.is_available():
+        return _show_cpu(args, shapes)
+    scheme, device = scheme_for(args.dtype), device_key(torch.device("cuda"))
     for shape in shapes:
         name_of = lambda dev: scheme.file_name(shape.num_experts, shape.n, shape.k, dev)  # noqa: E731
         by_source: dict[str, list[int]] = {}
@@ -137,6 +140,22 @@ def _show(args: argparse.Namespace, shapes: list) -> int:
             by_source.setdefault(served_by(m, name_of, device), []).append(m)
         served = "; ".join(f"M={','.join(map(str, ms))}: {source}" for source, ms in by_source.items())
         print(f"{shape.name} {scheme.name} on {device}: {served}")
+    return 0
+
+
+def _show_cpu(args: argparse.Namespace, shapes: list) -> int:
+    """``--show`` without a CUDA GPU: the tuned files configure the Triton kernels, which run on CUDA only, so no M
+    of a CPU call takes one (nor the heuristic: that is the Triton kernels' too); say which path a call runs here."""
+    from moekit.bench.tuning import scheme_for
+    from moekit.experts import resolve_backend
+
+    backend = resolve_backend("auto", "cpu")
+    quantized = args.dtype not in ("bfloat16", "float16", "float32")
+    path = "the CPU quantized experts (moekit.experts.cpu_quant)" if quantized else "the CPU experts path"
+    for shape in shapes:
+        print(f"{shape.name} {scheme_for(args.dtype).name} on cpu: no tuned config applies: the tuned files (and the "
+              f"heuristic) configure the Triton kernels, which run on a CUDA GPU (none visible); backend='auto' runs "
+              f"{backend} here, {path}, which has no launch configs to tune (`moekit bench --cpu-experts` times it)")
     return 0
 
 

@@ -56,6 +56,7 @@ from moekit.experts.triton_fp8_variant import Fp8Variant
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
 from moekit.func_ops import transform_function, transforming
 from moekit.layouts.grouping import to_local_ids
+from moekit.quant.fp8_block import check_block_shape
 from moekit.triton_bind import COMPILE_OPTIONS
 
 E4M3_MAX = 448.0
@@ -124,10 +125,7 @@ def check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, 
     """A clear error, naming the argument, for anything the fp8 path cannot take."""
     if activation != "silu" and not as_spec(activation).gated:  # as_spec: a clear error for a wrong name or type
         raise ValueError(f"activation must be gated for the fp8 path (w13 [E, 2N, K]), got {activation!r}")
-    if len(block_shape) != 2 or any(not isinstance(b, int) or b < 1 for b in block_shape):
-        raise ValueError(f"block_shape must be two positive ints, got {block_shape!r}")
-    if block_shape[1] < 16 or block_shape[1] & (block_shape[1] - 1):
-        raise ValueError(f"block_shape[1] (the reduction block) must be a power of two >= 16, got {block_shape[1]}")
+    check_block_shape(tuple(block_shape))  # the quantizer's and the checkpoints' rule
     if x.dim() != 2 or x.dtype not in X_DTYPES:
         raise ValueError(f"x must be [M, K] in one of {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
     (m, hidden), (bn, bk) = x.shape, block_shape

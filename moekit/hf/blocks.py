@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.activations import ActivationSpec, as_spec, glu_rows
+from moekit.activations import ActivationSpec, glu_rows, shared_glu_activation
 from moekit.config import MoEConfig
 from moekit.hf.variants import build_plan, identify_activation
 from moekit.layer import MoE
@@ -251,15 +251,11 @@ def _shared_activation(mlp: nn.Module, activation, device: torch.device) -> str 
     """The shared MLP's ``MoEConfig.shared_activation``: None where its ``act_fn`` is not recognised or it gates as the
     experts' ``activation`` does (GLM-5-Next's clamps at its ``swiglu_limit`` as its experts do), else what it computes
     (HY-V4's plain silu beside its experts' clamped SwiGLU)."""
-    spec = as_spec(activation)
     own = identify_activation(getattr(mlp, "act_fn", None), device)
     if own is None:
         return None
     limit = getattr(mlp, "swiglu_limit", None)  # clamps gate (max) and up (both sides) before act(gate) * up
-    limit = None if limit is None else float(limit)
-    if own == spec.name and limit == spec.limit and spec.alpha == 1.0 and not spec.up_shift:
-        return None
-    return own if limit is None else ActivationSpec(name=own, limit=limit)
+    return shared_glu_activation(activation, own, None if limit is None else float(limit))
 
 
 def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ The signature travels as a CRC-32 of its text: two different texts collide with 
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -176,3 +177,13 @@ def check_same_on_all_ranks(fingerprint: dict, group, what: str = "settings") ->
                 problems.append(f"rank 0 vs rank {rank} differ in {key} ({detail})")
     if problems:
         raise ValueError(f"EPMoE: the ranks were built with different {what}: " + "; ".join(problems))
+
+
+def digest(t: torch.Tensor) -> str:
+    """A tensor's bytes as 16 hex digits of their sha256 (``EPMoE.verify_replicated`` compares ranks' weights)."""
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``float32``, as the errors name a dtype."""
+    return str(dtype).removeprefix("torch.")

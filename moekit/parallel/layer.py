@@ -14,7 +14,6 @@ rank and serve that rank's own tokens, so its work never crosses the network.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from datetime import timedelta
 from typing import Callable
@@ -30,9 +29,10 @@ from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
                                       plan_sends, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
-from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
+from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks, digest, dtype_name
 from moekit.parallel.overlap import dispatch_starters, run_chunks
 from moekit.parallel.placement import Placement, balancedness, contiguous_placement, rank_loads
+from moekit.parallel.replica_grads import sync_replica_grads
 from moekit.parallel.rows import tied_to_received
 from moekit.parallel.weights import move_experts, shard_experts
 from moekit.routing import Routing
@@ -64,8 +64,8 @@ class EPMoE(MoE):
     device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context as in a single-device ``MoE``
     (the others then wait out the group's timeout). Construction and ``rebalance`` also sync; ``rebalance`` keeps the
     weights' storage when each rank keeps its slot count (``apply_placement``). Trains (``moekit.parallel.rows``): every
-    rank calls ``backward`` as often as ``forward``; expert gradients sum every rank's tokens, the replicated weights'
-    (gate, shared) hold this rank's share, to be all-reduced as in data parallelism.
+    rank calls ``backward`` as often as ``forward``; expert gradients sum every rank's tokens (an EPLB replica's its
+    own share until ``sync_replica_grads``), the gate's and shared expert's this rank's (data parallelism sums them).
 
     Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
     expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
@@ -189,7 +189,7 @@ class EPMoE(MoE):
             "fused_shared_w13": self.w13[self.num_local_experts :],
             "fused_shared_w2": self.w2[self.num_local_experts :],
         }
-        digests = {name: _digest(t) for name, t in replicated.items() if t is not None}
+        digests = {name: digest(t) for name, t in replicated.items() if t is not None}
         check_same_on_all_ranks(digests, self.group, what="replicated weights (sha256)")
 
     def load_experts(self, expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -257,8 +257,8 @@ class EPMoE(MoE):
                     f"{x2d.shape[0]}"
                 )
             # The payload row (K values of x's dtype, k ids, k weights) must be the same on every rank.
-            row = (f"x {_dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token, "
-                   f"weights {_dtype_name(weights_dtype(topk_weights))}")
+            row = (f"x {dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token, "
+                   f"weights {dtype_name(weights_dtype(topk_weights))}")
             agree = lambda counts=None: errors.agree(row, what="the dispatch payload row", counts=counts)  # noqa: E731
             return run_chunks(self, dispatch_starters(self, x2d, topk_ids, topk_weights, agree))
 
@@ -280,8 +280,8 @@ class EPMoE(MoE):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype != self.w13.dtype and not autocast_input(x):
-            raise ValueError(f"x must be {_dtype_name(self.w13.dtype)} like the layer's weights, got "
-                             f"{_dtype_name(x.dtype)}")
+            raise ValueError(f"x must be {dtype_name(self.w13.dtype)} like the layer's weights, got "
+                             f"{dtype_name(x.dtype)}")
         if x.device != self.w13.device:
             raise ValueError(f"x must be on {self.w13.device} like the layer's weights, got {x.device}")
 
@@ -383,6 +383,12 @@ class EPMoE(MoE):
         self.placement = placement
         return w13.received
 
+    def sync_replica_grads(self) -> int:
+        """After backward, before the optimizer step: each replica of an expert (EPLB's slots) gets the sum of all its
+        replicas' w13 / w2 gradients, a single copy's; collective among the ranks sharing one, nothing without
+        replicas (``moekit.parallel.replica_grads``). Returns the replicated experts summed on this rank."""
+        return sync_replica_grads(self.w13, self.w2, self.placement, self.rank, self.group, self._errors)
+
     def extra_repr(self) -> str:
         c = self.config
         return (
@@ -390,11 +396,3 @@ class EPMoE(MoE):
             f"K={c.hidden_size}, N={c.moe_intermediate_size}, shared_slots={self.num_shared_slots}, "
             f"backend={self.backend}"
         )
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

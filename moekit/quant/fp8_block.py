@@ -22,6 +22,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 DEFAULT_BLOCK_SHAPE = (128, 128)
 ACTIVATION_BLOCK = 128  # DeepSeek-V3: activations are quantized per token per 128 columns
+REDUCTION_BLOCKS = (16, 32, 64, 128)  # the block shapes' BC every backend runs (``check_block_shape``)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -58,9 +59,18 @@ class Fp8BlockWeight(QuantizedWeight):
 
 
 def check_block_shape(block_shape) -> None:
+    """(BR, BC), the one rule of ``quantize``, ``from_tensors`` / checkpoints and the Triton kernels' entry: BR any
+    positive int (a scale per BR rows: a kernel tile straddling two blocks reads a scale per column, tested at
+    100 and 48 rows under the interpreter), BC one of ``REDUCTION_BLOCKS`` (the activations' 1 x BC groups and the
+    kernels' K step, BLOCK_K = BC; the reference path computes any BC, the kernels need a power of two from 16, and
+    only up to 128 ran on a device)."""
     if (not isinstance(block_shape, tuple) or len(block_shape) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block_shape)):
         raise ValueError(f"block_shape must be a tuple of two positive ints (rows, cols), got {block_shape!r}")
+    if block_shape[1] not in REDUCTION_BLOCKS:
+        raise ValueError(f"block_shape[1] (the reduction block: the activations' group and the kernels' BLOCK_K) must "
+                         f"be one of {REDUCTION_BLOCKS}, got {block_shape!r}; rows (block_shape[0]) may be any "
+                         "positive int; checkpoints use (128, 128)")
 
 
 def quantize_fp8_block(w: torch.Tensor, block_shape=DEFAULT_BLOCK_SHAPE) -> Fp8BlockWeight:

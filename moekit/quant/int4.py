@@ -88,7 +88,7 @@ class Int4Weight(QuantizedWeight):
 
 
 def check_group_size(group_size) -> None:
-    if group_size not in GROUP_SIZES or isinstance(group_size, bool):
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
 
 

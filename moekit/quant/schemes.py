@@ -3,7 +3,7 @@ wrap a layout's tensors as they are (``from_tensors``, never requantized).
 
 | scheme         | class           | options (``quantize``)                      | layout tensors      |
 | -------------- | --------------- | ------------------------------------------- | ------------------- |
-| ``fp8_block``  | Fp8BlockWeight  | block_shape=(128, 128)                      | q, scale            |
+| ``fp8_block``  | Fp8BlockWeight  | block_shape=(128, 128) (cols 16/32/64/128)  | q, scale            |
 | ``int8_w8a16`` | Int8Weight      | (none)                                      | q, scale            |
 | ``int4_w4a16`` | Int4Weight      | group_size=128 (32/64/128), symmetric=False | q, scale, zero      |
 | ``mxfp4``      | Mxfp4Weight     | (none)                                      | q, scale            |

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from moekit.analysis import get_gpu, param_bill
 from moekit.analysis.bills import num_hidden_layers
 from moekit.analysis.roofline import expert_flops
-from moekit.config import MoEConfig
+from moekit.config import MoEConfig, hf_layer_fields
 from moekit.presets import hf_config_of_preset
 
 PRESET = "mixtral-8x7b"
@@ -29,7 +29,7 @@ class StatedModel:
     """The whole model whose parameters and expert cost a run states."""
 
     name: str  # "mixtral-8x7b" (the default shapes) or the model_type of the config the run routes as
-    fields: dict  # its config.json fields; the default's with E and k replaced
+    fields: dict  # its MoE layers' config.json fields (a VL model's text_config); the default's with E and k replaced
 
 
 @dataclass
@@ -51,10 +51,11 @@ def model_config(num_experts: int, top_k: int) -> dict:
 
 def stated_model(num_experts: int, top_k: int, fields: dict | None = None) -> StatedModel:
     """The model a run of E experts, top-k states: ``fields`` (a config.json's, whose E and k the run's are) as they
-    are, or without them Mixtral-8x7B's with E and k replaced."""
+    are (a VL / omni model's: its text model's, ``hf_layer_fields``), or without them Mixtral-8x7B's with E and k
+    replaced."""
     if fields is None:
         return StatedModel(PRESET, model_config(num_experts, top_k))
-    return StatedModel(str(fields.get("model_type", "config")), fields)
+    return StatedModel(str(fields.get("model_type", "config")), hf_layer_fields(fields))
 
 
 def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = None,
