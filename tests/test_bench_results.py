@@ -10,11 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from moekit.bench import run
+from moekit.bench import run, timing
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.cells import Shape
 from moekit.bench.report import footnotes, format_flops, plot_title, results_path, write_json
@@ -62,16 +63,18 @@ def test_host_rest_leaves_out_each_loops_first_call():
     assert eager.host_us >= 0.9 * 40_000 / 4 and eager.host_rest_us < 2_000
 
 
-def test_paired_timing_spreads_eager_loops_over_a_drifting_clock():
-    """A device that slows down over the run (a GPU throttling as it heats): each call sleeps longer than the
+def test_paired_timing_spreads_eager_loops_over_a_drifting_clock(monkeypatch):
+    """A device that slows down over the run (a GPU throttling as it heats): each call takes longer than the
     last. Timed one after the other, the eager loops come last and read slower than the passes; paired,
-    the loops sit between the passes and both medians see the same mid-run speed."""
-    count = [0]
+    the loops sit between the passes and both medians see the same mid-run speed. The clock is the test's
+    own (each call advances it), so a loaded machine's sleep overshoot cannot blur the drift."""
+    count, now = [0], [0.0]
 
     def call():
         count[0] += 1
-        time.sleep(0.001 * (1 + count[0] / 8))  # 1 ms, then 1/8 ms slower per call
+        now[0] += 0.001 * (1 + count[0] / 8)  # 1 ms, then 1/8 ms slower per call
 
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     cpu = torch.device("cpu")
     stats = time_stats([call], cpu, budget_s=0, min_reps=10, max_reps=10)
     eager = time_eager([call], cpu, calls=4, repeats=5)
