@@ -2,7 +2,7 @@
 installed transformers (``_hf_fuzz_models.fuzz_families``), that family's MoE config fields drawn among the ones its
 config has (expert count, top-k from 1 to E, norm_topk_prob, expert groups, routed scaling, shared experts and their
 width, dense first layers, MoE layer frequency, odd expert widths), the batch (padding mask or none), the dtype and
-what else the seed checks (gradients, ``moe_from_hf`` on a block, quantized blocks, ``torch.compile``).
+what else the seed checks (gradients in float32 / float64, ``moe_from_hf`` on a block, quantized blocks, ``torch.compile``).
 
 A draw the family's config or model refuses (its validation, a shape its code cannot take, no MoE layer left) is
 not moekit's to pass: it is counted (``FuzzCase.rejected``) and the seed's next draw is tried. A case is reproduced
@@ -135,13 +135,14 @@ def draw_case(seed: int, *, keys: tuple[str, ...] | None = None, triton: bool = 
     padded = rng.random() < 0.5
     case = FuzzCase(
         seed=seed, fam=fam, fields={},
-        dtype=rng.choices([torch.float32, torch.float64], [0.75, 0.25])[0],
+        dtype=rng.choices([torch.float32, torch.float64, torch.bfloat16], [0.6, 0.25, 0.15])[0],
         batch=rng.choice([2, 3]) if padded else rng.choice([1, 2, 3]), seq=rng.choice([1, 2, 5, 8]) + padded,
         padded=padded, backends=tuple(rng.sample(backends, rng.choice(range(1, len(backends) + 1)))),
         grad=rng.random() < 0.3, block=rng.random() < 0.4, fuse_shared=rng.random() < 0.5,
         scheme=rng.choice(SCHEMES) if rng.random() < quant_rate else None, compiled=rng.random() < compile_rate)
-    if triton and "triton" in case.backends:  # the interpreter: the tiniest shapes only
-        case.batch, case.seq, case.padded = 1, min(case.seq, 3), False
+    case.grad = case.grad and case.dtype != torch.bfloat16
+    if triton and "triton" in case.backends:  # the interpreter: the tiniest shapes only; no float64 kernels
+        case.batch, case.seq, case.padded, case.dtype = 1, min(case.seq, 3), False, torch.float32
     default = tiny_config(fam)
     for _ in range(DRAWS):
         fields = draw_fields(rng, default)

@@ -1,6 +1,6 @@
 """The real client on seeded random configs of every MoE family transformers ships (``_hf_fuzz_cases``: the family's
 expert count, top-k from 1 to E, norm_topk_prob, expert groups, routed scaling, shared experts and their width,
-dense first layers, MoE layer frequency, odd widths; padding masks; float32 / float64): the model on
+dense first layers, MoE layer frequency, odd widths; padding masks; float32 / float64 / bfloat16): the model on
 ``set_experts_implementation("moekit")`` (``reference`` and ``grouped_mm``) against transformers' eager experts,
 logits and for some seeds the gradients; ``moe_from_hf`` on a block against the block; quantized blocks against their
 float64 dequantized twin (``_hf_fuzz_check``, which states the tolerances).
