@@ -9,7 +9,8 @@ reduction orders of an expert's GEMM and of the combine; ``--spread`` of ``bench
 seed): the bounds leave a factor of ~30 over the worst and still catch a weight off by 0.01% (a test shows it). In
 bfloat16 eager rounds every linear's output and the weighted sum to bf16, moekit once from float32: one experts call
 measured 3e-3 to 1.1e-2 off eager over 12 seeds (transformers' batched_mm up to 8e-3 off its eager in the logits),
-so 3e-2; bf16 draws no gradients (their rounding would need a bound of its own).
+so 3e-2; bf16 draws no gradients (their rounding would need a bound of its own). A float64 model whose experts
+code casts to float32 itself (``rounds_through_float32``: Beam) is held to float32's bound.
 
 Each experts call's output is held to the bound too (``call_verdict``): an experts error of 1e-4 can shrink below
 1e-5 in the logits. A near tie: moekit's experts output is off eager's by its rounding, so the next layer's router
@@ -22,6 +23,7 @@ Shapes: B sequences, S tokens, M = B * S rows of an experts call, K hidden, k ro
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass, field
 
@@ -125,10 +127,25 @@ def call_verdict(eager: Run, ours: Run, tol: float) -> str | None:
     return None
 
 
+def rounds_through_float32(model) -> bool:
+    """An experts class of ``model`` casts to float32 in its own code (Beam's ``_apply_gate``: ``act(gate.float()) *
+    up.float()``, cast back): in float64 its eager output carries float32 rounding (8e-8 measured, seed 200)."""
+    classes = {type(m) for m in model.modules() if is_interface_experts(m)}
+    sources = [inspect.getsource(getattr(c, n)) for c in classes for n in ("forward", "_apply_gate") if hasattr(c, n)]
+    return any(".float()" in src or "float32" in src for src in sources)
+
+
+def bound(case: FuzzCase, model) -> float:
+    """The dtype's bound; float32's for a float64 model whose experts code rounds through float32."""
+    if case.dtype == torch.float64 and rounds_through_float32(model):
+        return TOLERANCES[torch.float32]
+    return TOLERANCES[case.dtype]
+
+
 def _check_logits(case: FuzzCase, model, inputs: dict, eager: Run, outcome: Outcome) -> None:
     """Each experts call's output, then the logits (an experts error of 1e-4 can shrink below 1e-5 in logits that
     the residual stream and the shared experts dominate: the calls are held to the bound themselves)."""
-    tol = TOLERANCES[case.dtype]
+    tol = bound(case, model)
     for backend in case.backends:
         ours = run(model, "moekit", inputs, backend)
         verdict = call_verdict(eager, ours, tol)
@@ -165,7 +182,7 @@ def gradients(model, implementation: str, inputs: dict, backend: str | None, see
 
 
 def _check_grads(case: FuzzCase, model, inputs: dict, eager: Run, outcome: Outcome) -> None:
-    tol = GRAD_TOLERANCES[case.dtype]
+    tol = max(GRAD_TOLERANCES[case.dtype], bound(case, model))
     backend = case.backends[0]
     want = gradients(model, "eager", inputs, None, case.seed)
     got = gradients(model, "moekit", inputs, backend, case.seed)
@@ -173,7 +190,7 @@ def _check_grads(case: FuzzCase, model, inputs: dict, eager: Run, outcome: Outco
     if not bad:
         outcome.compared += len(want)
         return
-    if (call_verdict(eager, run(model, "moekit", inputs, backend), TOLERANCES[case.dtype]) or "").startswith("tie"):
+    if (call_verdict(eager, run(model, "moekit", inputs, backend), bound(case, model)) or "").startswith("tie"):
         outcome.left_out.append(f"{backend} gradients: near tie")
         return
     outcome.failures.append(f"{backend} gradients rel L2 > {tol:g}: "
@@ -265,9 +282,9 @@ def _check_compiled(case: FuzzCase, model, inputs: dict, eager: Run, outcome: Ou
     want = _compiled_output(model, inputs, "eager", backend)
     got = _compiled_output(model, inputs, "moekit", backend)
     err = rel_l2(got, want)
-    if err <= TOLERANCES[case.dtype]:
+    if err <= bound(case, model):
         outcome.compared += 1
-    elif (call_verdict(eager, run(model, "moekit", inputs, backend), TOLERANCES[case.dtype]) or "").startswith("tie"):
+    elif (call_verdict(eager, run(model, "moekit", inputs, backend), bound(case, model)) or "").startswith("tie"):
         outcome.left_out.append("compiled: near tie")
     else:
         outcome.failures.append(f"torch.compile on moekit ({backend}) vs on eager experts rel L2 {err:.2e}")

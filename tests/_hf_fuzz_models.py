@@ -69,6 +69,8 @@ def tiny_config(fam: FuzzFamily, fields: dict | None = None):
             kw[name] = 8 if "rope" in name else 16
         elif name.endswith("_heads") and value > 4:
             kw[name] = 4
+        elif name.endswith("_layer_period") and value > 2:  # Jamba: an attention / MoE layer within the L layers
+            kw |= {name: 2, name.replace("period", "offset"): 1}
     for name, value in {**SMALL, **COMMON}.items():
         current = getattr(default, name, 0.5)
         if current is None or type(current) is int:
