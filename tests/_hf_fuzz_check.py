@@ -197,6 +197,17 @@ def _check_grads(case: FuzzCase, model, inputs: dict, eager: Run, outcome: Outco
                             + ", ".join(f"{n} {e:.2e}" for n, e in list(bad.items())[:4]))
 
 
+def _unless_refused(outcome: Outcome, what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with its warnings silenced; None where it refuses (counted, with its reason)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn(*args, **kwargs)
+    except REFUSALS as err:
+        outcome.refusals.append(f"{what}: {str(err)[:160]}")
+        return None
+
+
 def _check_block(case: FuzzCase, model, outcome: Outcome) -> None:
     """moe_from_hf on the first MoE block against the block's forward (eager experts), on x [B, S, K] ~ N(0, 1)."""
     sites = moe_blocks(model)
@@ -204,12 +215,9 @@ def _check_block(case: FuzzCase, model, outcome: Outcome) -> None:
         outcome.refusals.append("moe_from_hf: no block with .gate/.router and .experts")
         return
     block = sites[0].block
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            moe = moekit_hf.moe_from_hf(block, fuse_shared=case.fuse_shared, backend=case.backends[0])
-    except REFUSALS as err:
-        outcome.refusals.append(f"moe_from_hf {type(block).__name__}: {str(err)[:160]}")
+    moe = _unless_refused(outcome, f"moe_from_hf {type(block).__name__}", moekit_hf.moe_from_hf, block,
+                          fuse_shared=case.fuse_shared, backend=case.backends[0])
+    if moe is None:
         return
     hidden = model.get_input_embeddings().weight.shape[1]
     x = torch.randn(case.batch, case.seq, hidden, generator=torch.Generator().manual_seed(case.seed), dtype=case.dtype)
@@ -229,12 +237,9 @@ def _check_block(case: FuzzCase, model, outcome: Outcome) -> None:
 def _check_quant(case: FuzzCase, inputs: dict, outcome: Outcome) -> None:
     """use_moekit_blocks(quant=scheme) in float32 against the float64 twin over the same dequantized weights."""
     model = case.model(torch.float32)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = moekit_hf.use_moekit_blocks(model, quant=case.scheme, backend=case.backends[0])
-    except REFUSALS as err:
-        outcome.refusals.append(f"use_moekit_blocks(quant={case.scheme}): {str(err)[:160]}")
+    report = _unless_refused(outcome, f"use_moekit_blocks(quant={case.scheme})", moekit_hf.use_moekit_blocks, model,
+                             quant=case.scheme, backend=case.backends[0])
+    if report is None:
         return
     if not report.swapped:
         outcome.refusals.append(f"use_moekit_blocks(quant={case.scheme}): no block swapped ({report.left[0].reason})")

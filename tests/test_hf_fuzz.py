@@ -47,8 +47,8 @@ def test_real_client_matches_transformers_eager(seed):
 
 def test_the_seeds_reach_every_kind_of_draw():
     """The fixed seeds draw several families, k = 1 and k = E, both norm_topk_prob, expert groups, a shared-expert
-    count of 0, padding, float64, gradients and moe_from_hf (fused shared too): else the test above tests less than
-    it says."""
+    count of 0, padding, float64 and bfloat16, gradients, moe_from_hf (fused shared too) and a quantized model: else
+    the test above tests less than it says."""
     cases = [_case(s) for s in SEEDS]
     assert len({c.fam.key for c in cases}) >= 8
     tops = [(f.get("num_experts_per_tok", f.get("moe_k")), max((v for k, v in f.items() if k in (
@@ -57,7 +57,8 @@ def test_the_seeds_reach_every_kind_of_draw():
     assert any(k == 1 for k, _ in tops) and any(k == e and e and e > 1 for k, e in tops)
     assert {c.fields.get("norm_topk_prob") for c in cases} >= {True, False}
     assert any(c.fields.get("n_group", 1) > 1 for c in cases)
-    assert any(c.padded for c in cases) and any(c.dtype == torch.float64 for c in cases)
+    assert any(c.padded for c in cases) and {torch.float64, torch.bfloat16} <= {c.dtype for c in cases}
+    assert any(c.scheme for c in cases) and any(c.fields.get("n_shared_experts") == 0 for c in cases)
     assert any(c.grad for c in cases) and any(c.block and c.fuse_shared for c in cases)
 
 
