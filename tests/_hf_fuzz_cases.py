@@ -1,7 +1,7 @@
 """Random real-client cases from a seed, for ``test_hf_fuzz`` and ``benchmarks/fuzz_hf.py``: a family of the
 installed transformers (``_hf_fuzz_models.fuzz_families``), that family's MoE config fields drawn among the ones its
 config has (expert count, top-k from 1 to E, norm_topk_prob, expert groups, routed scaling, shared experts and their
-width, dense first layers, MoE layer frequency, odd expert widths), the batch (padding mask or none), the dtype and
+width, dense first layers, MoE layer frequency, odd expert widths, the activation), the batch (padding mask or none), the dtype and
 what else the seed checks (gradients in float32 / float64, ``moe_from_hf`` on a block, quantized blocks, ``torch.compile``).
 
 A draw the family's config or model refuses (its validation, a shape its code cannot take, no MoE layer left) is
@@ -31,6 +31,7 @@ SHARED_WIDTHS = ("shared_expert_intermediate_size", "moe_shared_expert_intermedi
                  "shared_intermediate_size", "shared_experts_intermediate_size")
 SCALINGS = ("routed_scaling_factor", "route_scale", "moe_routed_scaling_factor")
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu", "swish", "gelu_new", "sigmoid")  # hidden_act values
 DRAWS = 8  # draws a seed tries before it falls back to the family's tiny default config
 
 
@@ -101,6 +102,8 @@ def draw_fields(rng: random.Random, default) -> dict:
     for name in WIDTHS + SHARED_WIDTHS:
         if type(getattr(default, name, None)) is int and rng.random() < 0.6:
             fields[name] = rng.choice([1, 3, 5, 7, 8, 13, 16, 24])
+    if isinstance(getattr(default, "hidden_act", None), str) and rng.random() < 0.3:  # experts and shared MLP
+        fields["hidden_act"] = rng.choice(ACTIVATIONS)
     layers = default.num_hidden_layers
     if type(getattr(default, "first_k_dense_replace", None)) is int:
         fields["first_k_dense_replace"] = rng.choice([0, 0, 1, 2])

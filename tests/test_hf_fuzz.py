@@ -27,7 +27,7 @@ from _hf_fuzz_models import FuzzFamily, family_keys, family_of, tiny_config, bui
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-SEEDS = range(14)  # ~40 s on one core of the dev machine, the families' first builds included
+SEEDS = range(14)  # ~45 s of CPU on the dev machine (AVX2 EPYC, loaded), the families' first builds included
 _CASES = {}
 
 
@@ -68,7 +68,7 @@ def test_the_checks_fail_on_experts_off_by_a_little(monkeypatch):
     for target in ("call_backend", "run_composed"):
         real = getattr(moekit_hf, target)
         monkeypatch.setattr(moekit_hf, target, lambda *a, _f=real, **k: _f(*a, **k) * 1.0001)
-    for seed in SEEDS[:4]:
+    for seed in SEEDS[:2]:
         case = _case(seed)
         assert any("logits" in f for f in check_case(case).failures), case.describe()
 
