@@ -2,7 +2,8 @@
 installed transformers (``_hf_fuzz_models.fuzz_families``), that family's MoE config fields drawn among the ones its
 config has (expert count, top-k from 1 to E, norm_topk_prob, expert groups, routed scaling, shared experts and their
 width, dense first layers, MoE layer frequency, odd expert widths, the activation), the batch (padding mask or none), the dtype and
-what else the seed checks (gradients in float32 / float64, ``moe_from_hf`` on a block, quantized blocks, ``torch.compile``).
+what else the seed checks (gradients in float32 / float64, ``moe_from_hf`` on a block, every block swapped,
+quantized blocks, ``torch.compile``).
 
 A draw the family's config or model refuses (its validation, a shape its code cannot take, no MoE layer left) is
 not moekit's to pass: it is counted (``FuzzCase.rejected``) and the seed's next draw is tried. A case is reproduced
@@ -49,12 +50,14 @@ class FuzzCase:
     block: bool  # also moe_from_hf on one MoE block against the block's forward
     fuse_shared: bool  # moe_from_hf's fuse_shared
     scheme: str | None  # also use_moekit_blocks(quant=scheme) against the dequantized float64 twin
+    swap: bool  # also use_moekit_blocks (every block moekit's whole layer, fuse_shared) against eager
     compiled: bool  # also torch.compile of the model on "moekit" against eager
     rejected: list[str] = field(default_factory=list)  # the draws the family refused, with why
 
     def describe(self) -> str:
-        extra = [n for n, on in (("grad", self.grad), ("block", self.block), ("compiled", self.compiled)) if on]
-        extra += [f"fuse_shared"] * (self.block and self.fuse_shared) + [f"quant={self.scheme}"] * bool(self.scheme)
+        extra = [n for n, on in (("grad", self.grad), ("block", self.block), ("swap", self.swap),
+                                 ("compiled", self.compiled)) if on]
+        extra += ["fuse_shared"] * ((self.block or self.swap) and self.fuse_shared) + [f"quant={self.scheme}"] * bool(self.scheme)
         return (f"seed {self.seed}: {self.fam.key} {self.fields} {str(self.dtype).removeprefix('torch.')} "
                 f"B={self.batch} S={self.seq}{' padded' if self.padded else ''} backends={'/'.join(self.backends)} "
                 f"{' '.join(extra)}".rstrip())
@@ -142,8 +145,10 @@ def draw_case(seed: int, *, keys: tuple[str, ...] | None = None, triton: bool = 
         batch=rng.choice([2, 3]) if padded else rng.choice([1, 2, 3]), seq=rng.choice([1, 2, 5, 8]) + padded,
         padded=padded, backends=tuple(rng.sample(backends, rng.choice(range(1, len(backends) + 1)))),
         grad=rng.random() < 0.3, block=rng.random() < 0.4, fuse_shared=rng.random() < 0.5,
-        scheme=rng.choice(SCHEMES) if rng.random() < quant_rate else None, compiled=rng.random() < compile_rate)
+        scheme=rng.choice(SCHEMES) if rng.random() < quant_rate else None, compiled=rng.random() < compile_rate,
+        swap=random.Random(f"swap {seed}").random() < 0.3)  # its own stream: the draws above as before it
     case.grad = case.grad and case.dtype != torch.bfloat16
+    case.swap = case.swap and case.dtype != torch.bfloat16  # its tie oracle is float32 against float64
     if triton and "triton" in case.backends:  # the interpreter: the tiniest shapes only; no float64 kernels
         case.batch, case.seq, case.padded, case.dtype = 1, min(case.seq, 3), False, torch.float32
     default = tiny_config(fam)

@@ -1,6 +1,6 @@
 """One real-client fuzz case checked (``check_case``): the model on transformers' eager experts against the same
 model on ``set_experts_implementation("moekit")`` per backend (logits, and for some seeds the gradients of the input
-embeddings and of every experts weight); ``moe_from_hf`` on one MoE block against the block's forward;
+embeddings and of every experts weight); ``moe_from_hf`` on one MoE block against the block's forward; ``use_moekit_blocks`` on the whole model;
 ``use_moekit_blocks(quant=...)`` against the float64 twin over its dequantized weights; ``torch.compile``.
 
 Tolerances, rel. L2 (``TOLERANCES``): float32 1e-5, float64 1e-12, bfloat16 3e-2. transformers' own eager and
@@ -234,6 +234,28 @@ def _check_block(case: FuzzCase, model, outcome: Outcome) -> None:
                                 f"{err:.2e}")
 
 
+def _check_swap(case: FuzzCase, inputs: dict, eager: Run, outcome: Outcome) -> None:
+    """use_moekit_blocks (every block moekit's whole layer: its router too) against the eager model's output, at the
+    blocks' bound (moekit routes in the model's dtype, most families in float32)."""
+    model = case.model()
+    report = _unless_refused(outcome, "use_moekit_blocks", moekit_hf.use_moekit_blocks, model,
+                             backend=case.backends[0], fuse_shared=case.fuse_shared)
+    if report is None:
+        return
+    if not report.swapped:
+        outcome.refusals.append(f"use_moekit_blocks: no block swapped ({report.left[0].reason[:120]})")
+        return
+    got = run(model, "eager", inputs).out  # blocks it left run transformers' eager experts
+    err = rel_l2(got, eager.out)
+    if err <= BLOCK_TOLERANCES[case.dtype]:
+        outcome.compared += 1
+    elif _tie_sensitive(case, inputs):
+        outcome.left_out.append("use_moekit_blocks: near tie (eager float32 vs float64)")
+    else:
+        outcome.failures.append(f"use_moekit_blocks (fuse_shared={case.fuse_shared}, {len(report.swapped)} swapped, "
+                                f"{len(report.left)} left) rel L2 {err:.2e}")
+
+
 def _check_quant(case: FuzzCase, inputs: dict, outcome: Outcome) -> None:
     """use_moekit_blocks(quant=scheme) in float32 against the float64 twin over the same dequantized weights."""
     model = case.model(torch.float32)
@@ -310,6 +332,8 @@ def check_case(case: FuzzCase, *, spread: bool = False) -> Outcome:
         _check_grads(case, model, inputs, eager, outcome)
     if case.block:
         _check_block(case, model, outcome)
+    if case.swap:
+        _check_swap(case, inputs, eager, outcome)
     if case.scheme:
         _check_quant(case, inputs, outcome)
     if case.compiled:

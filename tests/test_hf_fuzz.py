@@ -103,3 +103,20 @@ def test_zero_shared_experts_convert(fuse_shared):
     with torch.no_grad():
         want = block(x)
         assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "unlimited_ocr"])
+def test_deepseek_v2_router_ignores_norm_topk_prob(family):
+    """hfz46, seed 47 (DeepSeek-V2, norm_topk_prob=True, k = 3 of 4): transformers' V2 router never renormalises (it
+    does not read the field); from_hf_config did, so moe_from_hf and the swap were 1.3e-3 off the model. Now the
+    MoE equals the block with the field on, and its routed weights sum to the scaling, not to 1."""
+    block = _block(family, {"norm_topk_prob": True, "num_experts_per_tok": 3, "first_k_dense_replace": 0,
+                            "routed_scaling_factor": 1.5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moe = moekit_hf.moe_from_hf(block)
+    assert not moe.config.renormalize
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = block(x)
+        assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
