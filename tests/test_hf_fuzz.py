@@ -81,18 +81,23 @@ def test_every_family_builds_or_says_why():
     assert {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen2_moe", "olmoe"} <= fuzzed
 
 
-def _block(family: str, fields: dict, dtype=torch.float32):
+def _model(family: str, fields: dict, dtype=torch.float32):
     fam = family_of(next(k for k in family_keys() if k.startswith(family + ":")))
     model = build_model(fam, tiny_config(fam, fields), 0, dtype)
     model.set_experts_implementation("eager")
-    return next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+    return model
+
+
+def _block(family: str, fields: dict, dtype=torch.float32):
+    return next(m for m in _model(family, fields, dtype).modules() if hasattr(m, "experts") and hasattr(m, "gate"))
 
 
 @pytest.mark.parametrize("fuse_shared", [False, True])
 def test_zero_shared_experts_convert(fuse_shared):
     """hfz46, seed 6 (DeepSeek-V3.2, n_shared_experts = 0): transformers builds the shared MLP at width 0 (it adds
-    zeros); moe_from_hf refused the block ("holds a shared expert its config does not describe"). Now a MoE without
-    one, equal to the block."""
+    zeros); moe_from_hf refused the block ("holds a shared expert its config does not describe") and
+    use_moekit_blocks left every block. Now a MoE without one, equal to the block; the model swapped, equal to its
+    own."""
     block = _block("deepseek_v3", {"n_shared_experts": 0, "first_k_dense_replace": 0})
     assert block.shared_experts.gate_proj.weight.numel() == 0
     with warnings.catch_warnings():
@@ -103,6 +108,13 @@ def test_zero_shared_experts_convert(fuse_shared):
     with torch.no_grad():
         want = block(x)
         assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
+    model = _model("deepseek_v3", {"n_shared_experts": 0, "first_k_dense_replace": 0})
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+        report = moekit_hf.use_moekit_blocks(model, fuse_shared=fuse_shared)
+        assert len(report.swapped) == 3 and not report.left
+        assert rel_l2(model(ids).logits, want) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "unlimited_ocr"])
