@@ -1,9 +1,9 @@
 """Random real-client cases from a seed, for ``test_hf_fuzz`` and ``benchmarks/fuzz_hf.py``: a family of the
 installed transformers (``_hf_fuzz_models.fuzz_families``), that family's MoE config fields drawn among the ones its
 config has (expert count, top-k from 1 to E, norm_topk_prob, expert groups, routed scaling, shared experts and their
-width, dense first layers, MoE layer frequency, odd expert widths, the activation), the batch (padding mask or none), the dtype and
-what else the seed checks (gradients in float32 / float64, ``moe_from_hf`` on a block, every block swapped,
-quantized blocks, ``torch.compile``).
+width, dense first layers, MoE layer frequency, odd expert widths, the activation), the batch (padding mask or
+none), the dtype and what else the seed checks (gradients in float32 / float64, ``moe_from_hf`` on a block, every
+block swapped, quantized blocks, ``torch.compile``).
 
 A draw the family's config or model refuses (its validation, a shape its code cannot take, no MoE layer left) is
 not moekit's to pass: it is counted (``FuzzCase.rejected``) and the seed's next draw is tried. A case is reproduced
@@ -57,7 +57,8 @@ class FuzzCase:
     def describe(self) -> str:
         extra = [n for n, on in (("grad", self.grad), ("block", self.block), ("swap", self.swap),
                                  ("compiled", self.compiled)) if on]
-        extra += ["fuse_shared"] * ((self.block or self.swap) and self.fuse_shared) + [f"quant={self.scheme}"] * bool(self.scheme)
+        extra += ["fuse_shared"] * ((self.block or self.swap) and self.fuse_shared)
+        extra += [f"quant={self.scheme}"] * bool(self.scheme)
         return (f"seed {self.seed}: {self.fam.key} {self.fields} {str(self.dtype).removeprefix('torch.')} "
                 f"B={self.batch} S={self.seq}{' padded' if self.padded else ''} backends={'/'.join(self.backends)} "
                 f"{' '.join(extra)}".rstrip())

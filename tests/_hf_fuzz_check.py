@@ -1,7 +1,8 @@
 """One real-client fuzz case checked (``check_case``): the model on transformers' eager experts against the same
 model on ``set_experts_implementation("moekit")`` per backend (logits, and for some seeds the gradients of the input
-embeddings and of every experts weight); ``moe_from_hf`` on one MoE block against the block's forward; ``use_moekit_blocks`` on the whole model;
-``use_moekit_blocks(quant=...)`` against the float64 twin over its dequantized weights; ``torch.compile``.
+embeddings and of every experts weight); ``moe_from_hf`` on one MoE block against the block's forward;
+``use_moekit_blocks`` on the whole model; ``use_moekit_blocks(quant=...)`` against the float64 twin over its
+dequantized weights; ``torch.compile``.
 
 Tolerances, rel. L2 (``TOLERANCES``): float32 1e-5, float64 1e-12, bfloat16 3e-2. transformers' own eager and
 batched_mm experts, the same model and batch, differ by 1e-8 to 3e-7 in float32 and 1e-16 to 5e-16 in float64 (the
