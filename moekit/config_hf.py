@@ -109,6 +109,9 @@ def _read_qwen2_moe(d: dict) -> dict:
 
 # DeepSeek-V3's router (sigmoid, a correction bias for the choice, groups scored by their top-2 biased scores,
 # routed scaling), the same computation in each of these families' modeling files
+# DeepSeek-V2's router as transformers writes it (V2, DeepSeek-OCR-2, Unlimited-OCR): softmax top-k times the scaling,
+# never renormalised, whatever the config's norm_topk_prob (the field is there; the router does not read it)
+_V2_ROUTER = {"deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text"}
 _V3_ROUTER = {"deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
               "deepseek_v32", "hy_v4", "hy_v4_vl_text", "solar_open", "minicpm5_moe", "exaone_moe", "dots3_note_text",
               "mimo_v2_flash", "beam", "axk2", "axk1"}
@@ -130,7 +133,7 @@ def _read_deepseek(d: dict) -> dict:
         num_experts=_get(d, "n_routed_experts", "num_local_experts", "num_experts"),
         top_k=d["num_experts_per_tok"],
         scoring=scoring,
-        renormalize=bool(_get(d, "norm_topk_prob", default=False)),
+        renormalize=d["model_type"] not in _V2_ROUTER and bool(_get(d, "norm_topk_prob", default=False)),
         routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
         n_group=_get(d, "n_group", default=1) if grouped else 1,
         topk_group=_get(d, "topk_group", default=1) if grouped else 1,
@@ -370,7 +373,7 @@ HF_READERS = {
     "qwen3_5_moe_text": _read_qwen2_moe,
     "qwen3_moe": _read_qwen3_moe, "qwen3_omni_moe_text": _read_qwen3_moe, "qwen3_vl_moe_text": _read_qwen3_moe,
     "mellum": _read_qwen3_moe,
-    "deepseek_v2": _read_deepseek, "deepseek_ocr2_text": _read_deepseek, "unlimited_ocr_text": _read_deepseek,
+    **{name: _read_deepseek for name in sorted(_V2_ROUTER)},
     **{name: _read_deepseek for name in sorted(_V3_ROUTER - {"axk2"} - set(_SWIGLU_LIMIT_SHARED_CLAMPED))},
     **{name: _read_swiglu_limit for name in _SWIGLU_LIMIT_SHARED_CLAMPED},
     "axk2": _read_axk2,

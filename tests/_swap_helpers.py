@@ -1,5 +1,6 @@
 """What the ``use_moekit_blocks`` tests read of a swapped model: its blocks' swaps, a count of their MoE calls, a
-float64 loop of a softmax-routed SwiGLU block (Qwen3, Mixtral) to hold a swapped block against, and a swapped MoE's
+float64 loop of a softmax-routed SwiGLU block (Qwen3, Mixtral) to hold a swapped block against, a quantized swapped
+model's float64 twin over its dequantized weights, and a swapped MoE's
 eager and compiled-whole calls."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moekit.hf.swap import SWAP_ATTR
+from moekit.hf.variants import build_plan
 
 
 def swaps(model) -> list:
@@ -23,6 +25,27 @@ def count_moe_calls(model) -> list:
             fn = getattr(swap.moe, name)
             setattr(swap.moe, name, lambda x, *a, _f=fn, **k: calls.append(1) or _f(x, *a, **k))
     return calls
+
+
+def dequantized_float64_logits(model, inputs: dict) -> torch.Tensor:
+    """[B, L, V] (a text model: its last hidden state): ``model`` run in float64 on ``inputs`` with transformers'
+    eager experts, every swapped block's experts replaced by its MoE's dequantized weights in the block's own layout
+    (gpt-oss's [E, K, 2N] / [E, N, K])."""
+    tensors = {n: t.detach().double() for n, t in model.named_parameters()}
+    tensors.update({n: t.double() for n, t in model.named_buffers() if t.is_floating_point()})
+    for path, module in model.named_modules():
+        swap = module.__dict__.get(SWAP_ATTR)
+        if swap is None:
+            continue
+        transposed = build_plan(module.experts).transposed
+        for key, w in (("gate_up_proj", swap.moe.w13), ("down_proj", swap.moe.w2)):
+            value = w.dequantize(torch.float64)  # [E, 2N, K] / [E, K, N]
+            tensors[f"{path}.experts.{key}"] = value.transpose(1, 2) if transposed else value
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        out = torch.func.functional_call(model, tensors, (), {**inputs, "use_cache": False})
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out.last_hidden_state
 
 
 def block_loop64(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int):

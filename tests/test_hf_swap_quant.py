@@ -15,11 +15,10 @@ pytest.importorskip("transformers")
 
 from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
 from moekit.hf import use_moekit_blocks  # noqa: E402
-from moekit.hf.variants import build_plan  # noqa: E402
 from moekit.quant.base import QuantizedWeight  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
-from _swap_helpers import block_loop64, count_moe_calls, swaps  # noqa: E402
+from _swap_helpers import block_loop64, count_moe_calls, dequantized_float64_logits, swaps  # noqa: E402
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 IDS = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L] within the tiny vocabulary
@@ -52,24 +51,6 @@ def test_quantized_block_matches_a_float64_loop_over_its_dequantized_weights(nam
                                     block.experts.down_proj.double(), swap.moe.config.top_k)) > 1e-4
 
 
-def _dequantized_float64_model_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """[B, L, V]: ``model`` run in float64 with transformers' eager experts, every swapped block's experts replaced by
-    its MoE's dequantized weights in the block's own layout (gpt-oss's [E, K, 2N] / [E, N, K])."""
-    tensors = {n: t.detach().double() for n, t in model.named_parameters()}
-    tensors.update({n: t.double() for n, t in model.named_buffers() if t.is_floating_point()})
-    for path, module in model.named_modules():
-        swap = module.__dict__.get("_moekit_swap")
-        if swap is None:
-            continue
-        transposed = build_plan(module.experts).transposed
-        for key, w in (("gate_up_proj", swap.moe.w13), ("down_proj", swap.moe.w2)):
-            value = w.dequantize(torch.float64)  # [E, 2N, K] / [E, K, N]
-            tensors[f"{path}.experts.{key}"] = value.transpose(1, 2) if transposed else value
-    model.set_experts_implementation("eager")
-    with torch.no_grad():
-        return torch.func.functional_call(model, tensors, (ids,), {"use_cache": False}).logits
-
-
 @pytest.mark.parametrize(("name", "scheme"), [("qwen3", "int4_w4a16"), ("mixtral", "int8_w8a16"),
                                               ("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "int4_w4a16")])
 def test_quantized_model_matches_its_dequantized_float64_twin(name, scheme):
@@ -83,7 +64,7 @@ def test_quantized_model_matches_its_dequantized_float64_twin(name, scheme):
     with torch.no_grad():
         got = model(IDS).logits
     assert len(calls) == 2  # both blocks ran moekit's layer, not their own float forward
-    want = _dequantized_float64_model_logits(model, IDS)
+    want = dequantized_float64_logits(model, {"input_ids": IDS})
     assert rel_l2(got.double(), want) < 1e-5
     assert rel_l2(float_logits.double(), want) > 1e-4  # the float model differs: the quantization shows
 

@@ -113,7 +113,7 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
                          "set_experts_implementation('moekit') instead")
     config = _layer_config(block, router, shared_expert, output_norm).replace(activation=plan.activation,
                                                                               expert_bias=plan.has_bias)
-    shared_mlp = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
+    shared_mlp = block_shared_mlp(block)
     if shared_mlp is not None and not config.has_shared_expert:
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
     if shared_mlp is None or not shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer
@@ -164,6 +164,15 @@ def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, outp
         raise ValueError(f"{type(router).__name__}.global_scale is {float(scale.detach())}: moekit's "
                          "routed_scaling_factor, which it multiplies, is > 0")
     return config.replace(routed_scaling_factor=config.routed_scaling_factor * float(scale.detach()))
+
+
+def block_shared_mlp(block: nn.Module) -> nn.Module | None:
+    """The block's shared expert (``shared_expert(s)``/``shared_mlp``), or None: none, or one of width 0 (DeepSeek's
+    families build ``n_shared_experts = 0`` as an MLP of width 0, which adds zeros; it was refused as "a shared expert
+    its config does not describe")."""
+    shared = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
+    params = list(shared.parameters()) if isinstance(shared, nn.Module) else []
+    return None if params and all(p.numel() == 0 for p in params) else shared
 
 
 def block_output_norm(block: nn.Module) -> nn.Module | None:

@@ -33,7 +33,7 @@ from torch import nn
 
 from moekit._checks import check_bool, check_module
 from moekit.experts import backend_names
-from moekit.hf.blocks import block_config, block_output_norm, moe_blocks
+from moekit.hf.blocks import block_config, block_output_norm, block_shared_mlp, moe_blocks
 from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
@@ -46,7 +46,6 @@ SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribu
 # Blocks whose forward returns (output.flatten(), router_logits.flatten()): ERNIE-4.5-VL's text and vision blocks,
 # whose modality block scatters both by token type
 _FLAT_WITH_LOGITS = ("Ernie4_5_VLMoeSparseMoeBlock",)
-_SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 _compiling = torch.compiler.is_compiling
 
 
@@ -264,7 +263,7 @@ def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int |
 def _shared_parts(block: nn.Module, options: SwapOptions) -> tuple[nn.Module | None, nn.Module | None]:
     """(the block's shared expert, its sigmoid gate: Qwen2-MoE, Qwen3-Next) where the MoE leaves them to the
     block (fuse_shared off, not weighted by the router), else (None, None)."""
-    shared = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
+    shared = block_shared_mlp(block)
     if shared is None or options.fuse_shared or router_weights_shared(block):
         return None, None
     return shared, getattr(block, "shared_expert_gate", None)
