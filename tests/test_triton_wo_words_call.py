@@ -10,14 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gluon_fakes import FakeKernel
-from moekit.experts._kernels.gluon_wo_words import stored_column
+from _words_fakes import E, GROUP, K, N, stand_ins  # noqa: F401  (a fixture)
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo_torch
 from moekit.experts.triton_wo_plan import weight_args
 from moekit.layouts.block_aligned import align_block
-from moekit.quant.base import unpack_nibbles
-
-E, N, K, GROUP = 8, 512, 512, 128
 
 
 def _weights(rows: int, cols: int, seed: int) -> WoWeight:
@@ -26,67 +22,6 @@ def _weights(rows: int, cols: int, seed: int) -> WoWeight:
     scale = (torch.rand(E, rows, cols // GROUP, generator=g) + 0.5) / (4.6 * cols**0.5)
     zero = torch.randint(0, 16, (E, rows, cols // GROUP), generator=g, dtype=torch.uint8)
     return WoWeight("int4_w4a16", q, scale, zero, GROUP)
-
-
-def _dequant(q, s, z, e: int, cols: int) -> torch.Tensor:
-    per = lambda t: t[e].double().repeat_interleave(GROUP, -1)[:, :cols]  # noqa: E731
-    return (unpack_nibbles(q[e], cols).double() - per(z)) * per(s)
-
-
-def _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM, NAIVE):
-    """(expert, assignments) of each block the kernels run (``gluon_wo_words.block_rows``)."""
-    if NAIVE:
-        return [(int(e), [a]) for a, e in enumerate(ids_ptr.tolist())]
-    used = int(num_padded_ptr[0]) // BM
-    return [(int(expert_ids_ptr[b]), [a for a in sorted_ids_ptr[b * BM:(b + 1) * BM].tolist() if a < num_assignments])
-            for b in range(used)]
-
-
-def _gate_up(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-             N, K, num_assignments, top_k, BM, NAIVE, H_ORDER, SPLIT, **_):
-    order = stored_column.fn(torch.arange(K))
-    x = x_ptr[:, order].double()  # the stored activations back in column order
-    for expert, rows in _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM, NAIVE):
-        w = _dequant(q_ptr, s_ptr, z_ptr, expert, K)  # [2N, K]
-        for a in rows:
-            parts = [w[:, s * K // SPLIT:(s + 1) * K // SPLIT] @ x[a // top_k, s * K // SPLIT:(s + 1) * K // SPLIT]
-                     for s in range(SPLIT)]
-            if SPLIT > 1:
-                for s, p in enumerate(parts):
-                    h_ptr[s * num_assignments + a] = p.float()
-            else:
-                h = torch.nn.functional.silu(parts[0][:N]) * parts[0][N:]
-                h_ptr[a, stored_column.fn(torch.arange(N)) if H_ORDER else torch.arange(N)] = h.to(h_ptr.dtype)
-
-
-def _down(h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-          K, N, num_assignments, split_steps, BM, NAIVE, SPLIT, **_):
-    h = h_ptr[:, stored_column.fn(torch.arange(N))].double()  # the gate-up's stored order back in column order
-    cols = split_steps * 256
-    for expert, rows in _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM, NAIVE):
-        w = _dequant(q_ptr, s_ptr, z_ptr, expert, N)  # [K, N]
-        for a in rows:
-            for s in range(SPLIT):
-                part = w[:, s * cols:(s + 1) * cols] @ h[a, s * cols:(s + 1) * cols]
-                y_ptr[s * num_assignments + a] = (part * float(weights_ptr[a])).to(y_ptr.dtype)
-
-
-@pytest.fixture
-def stand_ins(monkeypatch):
-    import moekit.experts._kernels.gluon_wo_words as up
-    import moekit.experts._kernels.gluon_wo_words_down as down
-    import moekit.experts.triton_wo_words as tw
-
-    fakes = {"gate_up": FakeKernel(up.gate_up_words_kernel, _gate_up),
-             "down": FakeKernel(down.down_words_kernel, _down)}
-    monkeypatch.setattr(up, "gate_up_words_kernel", fakes["gate_up"])
-    monkeypatch.setattr(down, "down_words_kernel", fakes["down"])
-    caches = (tw._gate_up_bound, tw._down_bound)
-    for cache in caches:
-        cache.cache_clear()
-    yield fakes
-    for cache in caches:  # the stand-ins' launches are not kept past the test
-        cache.cache_clear()
 
 
 def _call(m: int, seed: int):

@@ -377,3 +377,6 @@ def clear_launch_caches() -> None:
     clear_scratch_plans()
     clear_op_plans()  # the alignment op's (``triton_align``)
     LEAN_WORKSPACES.clear()
+    from moekit.experts.triton_wo_words_lean import clear_words_plans  # decode "gluon_words"'s
+
+    clear_words_plans()

@@ -32,6 +32,7 @@ def down_words_kernel(
     stride_hm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_ym,  # q in words
     BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
     AHEAD: gl.constexpr = 1,  # steps of words in flight (``gluon_wo_words.words_loop``): 2 selectable, unmeasured
+    MXFP4: gl.constexpr = False,  # q mxfp4 codes, s_ptr its e8m0 scales (``words_mx``); z_ptr unread
 ):
     """y = routed weight * (h w2^T) over split program_id(1)'s columns for one block's rows and 16 num_warps output
     rows (module doc). Grid (blocks * K / (16 num_warps), SPLIT)."""
@@ -58,10 +59,17 @@ def down_words_kernel(
         h_ptrs = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + h_rows[:, None] + m[None, :]  # [BM, 128]
         s_rows = s_ptr + expert * stride_se + w2_c * stride_sr
         z_rows = z_ptr + expert * stride_ze + w2_w * stride_zr  # in the load's rows: the decode's zero points
-        magic = 0x43004300 + (N >> 31)  # bf16x2 128.0 and 1.0 (N >= 0): values ptxas holds in registers
-        one = 0x3F803F80 + (N >> 31)
-        acc = words_loop(gl.zeros([R, BM], gl.float32, mma), w_ptrs, h_ptrs, split_steps, col0, magic, one, s_rows,
-                         z_rows, s_rows, w2_c < K, w2_w < K, rows_c < num_assignments, GROUP, True, num_warps, AHEAD)
+        acc = gl.zeros([R, BM], gl.float32, mma)
+        if MXFP4:  # the scales in the words' rows (the decode's), magic bf16x2 -0 (N >= 0: a value in a register)
+            neg0 = (N >> 31) - 0x7FFF8000
+            acc = words_loop(acc, w_ptrs, h_ptrs, split_steps, col0, neg0, neg0, s_rows,
+                             s_ptr + expert * stride_se + w2_w * stride_sr, s_rows, w2_c < K, w2_w < K,
+                             rows_c < num_assignments, GROUP, 2, num_warps, AHEAD)
+        else:
+            magic = 0x43004300 + (N >> 31)  # bf16x2 128.0 and 1.0 (N >= 0): values ptxas holds in registers
+            one = 0x3F803F80 + (N >> 31)
+            acc = words_loop(acc, w_ptrs, h_ptrs, split_steps, col0, magic, one, s_rows, z_rows, s_rows, w2_c < K,
+                             w2_w < K, rows_c < num_assignments, GROUP, 1, num_warps, AHEAD)
         ok_c = rows_c < num_assignments
         acc = acc * gl.load(weights_ptr + rows_c, mask=ok_c, other=0.0)[None, :]
         out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])

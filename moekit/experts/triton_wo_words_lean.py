@@ -1,0 +1,188 @@
+"""The words decode's call as a plan, and its lean launch for repeated eager calls (decode "gluon_words", issue #16
+target 1, session 46): what ``triton_wo_words.run_experts_words`` built on every call (the alignment's plan lookup
+and fresh regions, x_words' buffers, h, y, five cached-launch lookups, each launch through ``BoundLaunch``) built
+once per kind of call and, for a repeated eager call, recorded once as a ``triton_lean.LaunchSequence`` over a pooled
+workspace (the pick's lean machinery: ``triton_quant_fast`` / ``triton_lean``).
+
+    per kind of call (WordsPlan: shapes, dtypes, device, the weights' strides and scheme, AHEAD; no tensor held):
+      the alignment's plan (None at the tiny-batch shortcut), the x reorder, the gate-up, the down GEMM (its split
+      by ``down_split``) and the k-sum as BoundLaunches; the workspace's regions (alignment, xw, xs, h, y)
+    per (plan, thread, the weights' addresses; mxfp4: and the scales' versions, which ``check_mx_scales`` read):
+      the launches recorded over the pool's views (``triton_lean.record_launches``)
+    per call: out, the recorded launches with the call's x, ids, weights, out (one C call where all are raw)
+
+Not lean (the plan's BoundLaunches on fresh regions, as before): while a CUDA graph captures (the graph owns its
+buffers), before each launch has compiled once, with a Triton launch hook, above the pool's size, x / ids / weights
+not 16-byte aligned (Triton specialises on it; the plan's launches were compiled for aligned pointers), or routed
+weights not float32 (the down GEMM reads float32: a copy a call). Outputs equal the plain launches' bit for bit
+(the same kernels, grids and arguments).
+
+Shapes: M tokens, k slots, A = M*k, E experts, N intermediate, K hidden, R the alignment's rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_wo import LEAN_WORKSPACES
+from moekit.experts.triton_lean import IDS, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
+from moekit.triton_bind import BoundLaunch
+
+MAX_SEQUENCES = 1024  # (plan, thread, weights) kept; the oldest goes first
+MAX_PLANS = 256
+_PLANS: dict[tuple, "WordsPlan"] = {}  # by ``_plan_key``: what the call's checks read, so a kept plan is a checked one
+_SEQUENCES: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True, eq=False)
+class WordsPlan:
+    """What every words call of one kind launches with. Holds no tensor."""
+
+    workspace: WorkspaceSpec  # the alignment's regions, xw [M, K] x.dtype, xs [M, K / 128] f32, h [A, N], y [s A, K]
+    align: object  # triton_align.AlignPlan, or None at the tiny-batch shortcut (the kernels read ids)
+    x_words: BoundLaunch  # pointers: x, xw, xs
+    gate_up: BoundLaunch  # xw, xs, q13, scale, zero, h, ids, sorted_ids, expert_ids, num_padded
+    down: BoundLaunch  # h, q2, scale, zero, y, weights, ids, sorted_ids, expert_ids, num_padded
+    k_sum: BoundLaunch  # y, ids, ids (no map), out
+
+
+def _plan_key(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int) -> tuple:
+    return (x.shape, x.dtype, x.device, ids.shape, ids.dtype, tuple(w13.q.shape), w13.strides, w13.group_size,
+            w13.scale.dtype, tuple(w2.q.shape), w2.strides, w2.group_size, w2.scale.dtype, ahead)
+
+
+def words_plan(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int = 1) -> WordsPlan:
+    """The plan of this call's kind (its checks passed: ``triton_wo_words.check_words`` / ``check_words_down``),
+    built now if new."""
+    key = _plan_key(x, w13, w2, ids, ahead)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)), None)
+        plan = _PLANS[key] = _plan(*key)
+    return plan
+
+
+def _plan(x_shape, x_dtype, device, ids_shape, ids_dtype, q13_shape, s13, g13, d13, q2_shape, s2, g2, d2,
+          ahead: int) -> WordsPlan:
+    from moekit.experts._kernels.words_x import x_words_kernel
+    from moekit.experts.triton_wo_words import (
+        STEP, _align_plan, _down_bound, _gate_up_bound, _sum_bound, down_split, words_layout_naive,
+    )
+
+    (m, k), top_k = x_shape, ids_shape[1]
+    a, num_experts, n = m * top_k, q13_shape[0], q13_shape[1] // 2
+    naive = words_layout_naive(a, num_experts)
+    align = None if naive else _align_plan(a, num_experts, device)
+    regions = [] if naive else list(align.regions)
+    blocks = a if naive else dict((r[0], r[2]) for r in regions)["expert_ids"][0]
+    split = down_split(2 * q2_shape[2], q2_shape[1], blocks)
+    regions += [("xw", x_dtype, (m, k)), ("xs", torch.float32, (m, k // 128)), ("h", x_dtype, (a, n)),
+                ("y", torch.float32 if split > 1 else x_dtype, (split * a, k))]
+    mx13, mx2 = d13 == torch.uint8, d2 == torch.uint8  # e8m0 scales: mxfp4
+    return WordsPlan(
+        WorkspaceSpec.of(regions),
+        align,
+        BoundLaunch(x_words_kernel, (m, k // STEP), 3, (k, k, k // 128), cached=True, num_warps=4),
+        _gate_up_bound(q13_shape, s13, g13, a, top_k, blocks, naive, 8, 4, True, 1, ahead, mx13),
+        _down_bound(q2_shape, s2, g2, a, blocks, naive, split, 8, 4, ahead, mx2),
+        _sum_bound(m, k, top_k, num_experts, split, device))
+
+
+def words_launches(plan: WordsPlan, b: dict, x, ids, weights, out, w13, w2) -> list:
+    """A call's launches in order, each (BoundLaunch, its pointers): the alignment (none at the shortcut), x in the
+    dot order, the gate-up storing h in it, the down GEMM, the k-sum. ``b``: the workspace's regions; x, ids
+    (contiguous [M, k]: the kernels read it flat), weights (float32 [M, k]) and out may be stand-ins."""
+    from moekit.experts.triton_align import align_launches
+
+    launches, rows = [], (None, None, None)
+    if plan.align is not None:
+        launches = align_launches(plan.align, ids, ids, b)
+        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+    return launches + [(plan.x_words, (x, b["xw"], b["xs"])),
+                       (plan.gate_up, (b["xw"], b["xs"], w13.q, w13.scale, w13.zero, b["h"], ids, *rows)),
+                       (plan.down, (b["h"], w2.q, w2.scale, w2.zero, b["y"], weights, ids, *rows)),
+                       (plan.k_sum, (b["y"], ids, ids, out))]
+
+
+def words_lean_call(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor,
+                    ahead: int = 1) -> torch.Tensor | None:
+    """out [M, K] from the kept sequence of this call's kind and weights, or None (a miss: the caller checks the
+    call and runs ``run_words``, which records). A sequence is kept only after a checked call of its plan (whose
+    key holds what the checks read: shapes, strides, dtypes, scheme) on these weights; x must be contiguous."""
+    if weights.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    plan = _PLANS.get(_plan_key(x, w13, w2, ids, ahead))
+    if plan is None:
+        return None
+    sequence = _lean_sequence(plan, x, ids, weights, w13, w2, record=False)
+    if sequence is None:
+        return None
+    out = torch.empty_like(x)  # [M, K]
+    sequence.launch((x, ids, weights, out))
+    return out
+
+
+def run_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, ahead: int = 1) -> torch.Tensor:
+    """out [M, K] of a words call (checked by the caller; ids, weights contiguous): lean where it can be (module
+    doc), else the plan's launches on fresh regions."""
+    if weights.dtype != torch.float32:
+        weights = weights.float()  # the down GEMM's routed weights
+    plan = words_plan(x, w13, w2, ids, ahead)
+    out = torch.empty_like(x)  # [M, K]
+    sequence = _lean_sequence(plan, x, ids, weights, w13, w2)
+    if sequence is not None:
+        sequence.launch((x, ids, weights, out))
+        return out
+    b = plan.workspace.allocate(x.device)  # fresh: graph-safe, never aliased by what is returned
+    for launch, pointers in words_launches(plan, b, x, ids, weights, out, w13, w2):
+        launch(*pointers)
+    return out
+
+
+def _lean_sequence(plan: WordsPlan, x, ids, weights, w13, w2, record: bool = True):
+    """The plan's recorded launches for these weights on this thread's pooled workspace (with ``record``: recorded
+    now if missing or stale), or None where the call is not lean (module doc)."""
+    pool = LEAN_WORKSPACES
+    if _capturing(x.device):
+        return None
+    if (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15 or plan.workspace.nbytes > pool.max_bytes:
+        return None
+    views = pool.pooled(plan.workspace, x.device)
+    key = (plan, threading.get_ident(), *weight_state(w13), *weight_state(w2))
+    sequence = _SEQUENCES.get(key)
+    if sequence is None or not sequence.current(views, None):
+        if not record:
+            return None
+        launches = words_launches(plan, views, _Slot(X), _Slot(IDS), _Slot(WEIGHTS), _Slot(OUT), w13, w2)
+        sequence = record_launches(launches, views, None)
+        if sequence is None:  # a launch not compiled yet: this call compiles it
+            return None
+        keep_sequence(_SEQUENCES, _lock, key, sequence, MAX_SEQUENCES)
+    if sequence.raw and not sequence.hooks.idle():
+        return None
+    return sequence
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def weight_state(w) -> tuple:
+    """What a recorded sequence holds of a weight: its tensors' addresses; mxfp4 also its scales' version (an
+    in-place update is checked again: ``check_mx_scales``)."""
+    if w.scale.dtype == torch.uint8:
+        return w.q.data_ptr(), w.scale.data_ptr(), w.scale._version
+    return w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr()
+
+
+def clear_words_plans() -> None:
+    """Drop every words plan and recorded sequence (``triton_wo.clear_launch_caches``)."""
+    _PLANS.clear()
+    _SEQUENCES.clear()
+

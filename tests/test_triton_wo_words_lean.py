@@ -1,0 +1,136 @@
+"""The words decode's call as a plan and its lean launch (``triton_wo_words_lean``) on the CPU: the two Gluon kernels
+as torch stand-ins (``_words_fakes``), the x reorder, the alignment and the k-sum interpreted. A repeated call of a
+kind is served from its recorded sequence with the first call's output bit for bit, and both match a float64 loop
+written here; a new shape, a new weight tensor or (mxfp4) an in-place scale update misses and records again; while a
+graph would capture the call runs the plan's launches on fresh regions (no pooled buffer), with the same output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _words_fakes import E, GROUP, K, N, dequant, stand_ins  # noqa: F401  (a fixture)
+from moekit.experts.triton_lean import LaunchSequence
+from moekit.experts.triton_wo_plan import weight_args
+import moekit.experts.triton_wo_words_lean as lean
+
+MX = {"int4_w4a16": False, "mxfp4": True}
+
+
+def _weight(rows: int, cols: int, seed: int, mx: bool):
+    """int4 (groups of GROUP, zero points) or mxfp4 (e8m0 scales 118-126) ``WeightArgs`` [E, rows, cols]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (E, rows, cols // 2), generator=g, dtype=torch.uint8)
+    if mx:
+        scale = torch.randint(118, 127, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
+        return weight_args(q, scale, None, 32)
+    scale = (torch.rand(E, rows, cols // GROUP, generator=g) + 0.5) / (4.6 * cols**0.5)
+    zero = torch.randint(0, 16, (E, rows, cols // GROUP), generator=g, dtype=torch.uint8)
+    return weight_args(q, scale, zero, GROUP)
+
+
+def _call(m: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(m)]).int()
+    weights = torch.rand(m, 2, generator=g)
+    return x, ids, weights / weights.sum(1, keepdim=True)
+
+
+def loop64(x, w13, w2, ids, weights) -> torch.Tensor:
+    """out [M, K] float64: each token's slots, one at a time, from the weights dequantized in float64 (h rounded to
+    bf16 as the kernels store it)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot, e in enumerate(ids[t].tolist()):
+            v = dequant(w13.q, w13.scale, w13.zero, e, K) @ x[t].double()
+            h = (torch.nn.functional.silu(v[:N]) * v[N:]).bfloat16().double()
+            out[t] += float(weights[t, slot]) * (dequant(w2.q, w2.scale, w2.zero, e, N) @ h)
+    return out
+
+
+def _rel(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Counts the sequences' launches (lean calls) and the plans built."""
+    seen = {"lean": 0, "plans": 0}
+    launch, plan = LaunchSequence.launch, lean._plan
+
+    def counted_launch(self, values, stream=None):
+        seen["lean"] += 1
+        return launch(self, values, stream)
+
+    def counted_plan(*key):
+        seen["plans"] += 1
+        return plan(*key)
+
+    monkeypatch.setattr(LaunchSequence, "launch", counted_launch)
+    monkeypatch.setattr(lean, "_plan", counted_plan)
+    return seen
+
+
+@pytest.mark.parametrize("scheme, m", [("int4_w4a16", 1), ("int4_w4a16", 5), ("mxfp4", 1), ("mxfp4", 5)])
+def test_the_repeated_call_is_lean_and_equal_to_the_first(stand_ins, launched, scheme, m):
+    """M = 1: the tiny-batch shortcut (A * 4 <= E); M = 5: 8-row blocks by the Triton alignment."""
+    w13, w2 = _weight(2 * N, K, 1, MX[scheme]), _weight(K, N, 2, MX[scheme])
+    x, ids, weights = _call(m, m)
+    assert lean.words_lean_call(x, w13, w2, ids, weights) is None  # no plan of this kind yet: the caller checks
+    first = lean.run_words(x, w13, w2, ids, weights)  # compiles the launches (the interpreter's / stand-ins')
+    assert launched == {"lean": 0, "plans": 1}
+    second = lean.run_words(x, w13, w2, ids, weights)  # records the sequence and launches it
+    third = lean.words_lean_call(x, w13, w2, ids, weights)  # served from the kept sequence
+    assert launched == {"lean": 2, "plans": 1}
+    assert torch.equal(first, second) and torch.equal(first, third)
+    assert _rel(first, loop64(x, w13, w2, ids, weights)) < 1e-2
+    x2, ids2, weights2 = _call(m, m + 10)  # new activations and routing of the same kind: served
+    got = lean.words_lean_call(x2, w13, w2, ids2, weights2)
+    assert launched["lean"] == 3 and _rel(got, loop64(x2, w13, w2, ids2, weights2)) < 1e-2
+    (_, up, _), *_ = stand_ins["gate_up"].log
+    assert up["MXFP4"] == MX[scheme] and up["GROUP"] == (32 if MX[scheme] else GROUP) and up["H_ORDER"]
+
+
+def test_a_new_shape_or_weight_records_again(stand_ins, launched):
+    w13, w2 = _weight(2 * N, K, 1, True), _weight(K, N, 2, True)
+    x, ids, weights = _call(5, 1)
+    for _ in range(2):
+        lean.run_words(x, w13, w2, ids, weights)
+    assert lean.words_lean_call(x, w13, w2, ids, weights) is not None
+    x3, ids3, weights3 = _call(3, 2)  # another M: another plan, nothing kept yet
+    assert lean.words_lean_call(x3, w13, w2, ids3, weights3) is None
+    moved = weight_args(w13.q.clone(), w13.scale, None, 32)  # the same values at another address
+    assert lean.words_lean_call(x, moved, w2, ids, weights) is None
+    w2.scale.add_(1)  # in place: the scales' version moved (their range is read again by the caller's check)
+    assert lean.words_lean_call(x, w13, w2, ids, weights) is None
+    got = lean.run_words(x, w13, w2, ids, weights)  # records for the updated scales
+    assert lean.words_lean_call(x, w13, w2, ids, weights) is not None
+    assert _rel(got, loop64(x, w13, w2, ids, weights)) < 1e-2
+
+
+def test_while_a_graph_captures_the_call_takes_fresh_regions(stand_ins, launched, monkeypatch):
+    """What a capture sees (``torch.cuda.is_current_stream_capturing`` on a CUDA x; here its answer patched in): the
+    plan's launches on fresh regions, none of the pool's views (a graph must own its buffers), the same output."""
+    w13, w2 = _weight(2 * N, K, 1, False), _weight(K, N, 2, False)
+    x, ids, weights = _call(5, 3)
+    for _ in range(2):
+        want = lean.run_words(x, w13, w2, ids, weights)
+    monkeypatch.setattr(lean, "_capturing", lambda device: True)
+    pool = lean.LEAN_WORKSPACES.pooled(lean.words_plan(x, w13, w2, ids).workspace, x.device)
+    lean_before = launched["lean"]
+    assert lean.words_lean_call(x, w13, w2, ids, weights) is None
+    got = lean.run_words(x, w13, w2, ids, weights)
+    assert launched["lean"] == lean_before and torch.equal(got, want)
+    h = stand_ins["gate_up"].log[-1][1]["h_ptr"]
+    assert h.data_ptr() != pool["h"].data_ptr()
+
+
+def test_routed_weights_in_bf16_are_not_lean_but_equal(stand_ins, launched):
+    w13, w2 = _weight(2 * N, K, 1, False), _weight(K, N, 2, False)
+    x, ids, weights = _call(1, 4)
+    for _ in range(2):
+        want = lean.run_words(x, w13, w2, ids, weights)
+    half = weights.bfloat16()
+    assert lean.words_lean_call(x, w13, w2, ids, half) is None  # the down GEMM reads float32: a copy a call
+    assert _rel(lean.run_words(x, w13, w2, ids, half), want) < 1e-2
