@@ -332,24 +332,41 @@ def _align_plan(num_assignments: int, num_experts: int, device: torch.device):
     return plan_align(num_assignments, num_experts, 8, None, rows, options)
 
 
-def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map, scheme: str,
-                      activation, variant: bool) -> torch.Tensor:
-    """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): int4 or mxfp4 (session
-    46) on the words kernels, the tiny-batch shortcut or 8-row aligned blocks, the down split by ``down_split``
-    (``triton_wo_words_lean.words_plan``); a repeated eager call of a kind launches its recorded sequence
-    (``words_lean_call``). Refuses by name what they do not run (biases and activation variants: gpt-oss's clamped
-    SwiGLU and expert biases are not in the epilogues)."""
+_WORDS_SCHEMES = ("int4_w4a16", "mxfp4")
+
+
+def _refuse(scheme: str, expert_map, variant: bool, activation) -> None:
+    """Raise, naming what the words kernels do not run of the call (nothing: return)."""
     from moekit.activations import as_spec
-    from moekit.experts.triton_wo_words_lean import run_words, words_lean_call
 
     name = as_spec(activation).name
-    if scheme not in ("int4_w4a16", "mxfp4") or expert_map is not None or variant or name != "silu":
-        raise ValueError(f"decode='gluon_words' runs int4_w4a16 or mxfp4 with plain silu, no expert_map and no "
-                         f"expert biases, got {scheme}, activation {name}, expert_map {expert_map is not None}, "
-                         f"biases or an activation variant {variant}")
-    out = words_lean_call(x, w13, w2, ids, weights)
+    variant = variant or not as_spec(activation).plain
+    refused = [f"scheme {scheme}" * (scheme not in _WORDS_SCHEMES), "an expert_map" * (expert_map is not None),
+               "expert biases or an activation variant (gpt-oss's clamped SwiGLU)" * variant,
+               f"activation {name}" * (name != "silu")]
+    if any(refused):
+        raise ValueError("decode='gluon_words' runs int4_w4a16 or mxfp4 with plain silu, no expert_map and no expert "
+                         "biases, got " + ", ".join(r for r in refused if r))
+
+
+def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map,
+                      scheme: str, activation, b13=None, b2=None) -> torch.Tensor:
+    """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): int4 or mxfp4 (session
+    46) on the words kernels, the tiny-batch shortcut or 8-row aligned blocks, the down split by ``down_split``
+    (``triton_wo_words_lean.words_plan``); a repeated eager call of a kind launches its kept sequence
+    (``words_lean_call``) after the refusals alone. Refuses by name what they do not run (expert biases and activation
+    variants: gpt-oss's clamped SwiGLU and expert biases are not in the epilogues)."""
+    from moekit.experts.triton_wo_words_lean import run_words, words_lean_call
+
+    if scheme not in _WORDS_SCHEMES or expert_map is not None or b13 is not None or b2 is not None or (
+            activation != "silu"):
+        _refuse(scheme, expert_map, b13 is not None or b2 is not None, activation)
+    out = words_lean_call(x, w13, w2, topk_ids, topk_weights)
     if out is not None:
         return out
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
+    if ids.numel() == 0 or x.shape[1] == 0:
+        return x.new_zeros(x.shape)
     if x.device.type != "cuda":
         raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
     check_words(x, w13, ids.shape[1])

@@ -7,8 +7,10 @@ workspace (the pick's lean machinery: ``triton_quant_fast`` / ``triton_lean``).
     per kind of call (WordsPlan: shapes, dtypes, device, the weights' strides and scheme, AHEAD; no tensor held):
       the alignment's plan (None at the tiny-batch shortcut), the x reorder, the gate-up, the down GEMM (its split
       by ``down_split``) and the k-sum as BoundLaunches; the workspace's regions (alignment, xw, xs, h, y)
-    per (plan, thread, the weights' addresses; mxfp4: and the scales' versions, which ``check_mx_scales`` read):
-      the launches recorded over the pool's views (``triton_lean.record_launches``)
+    per (w13.q, w2.q, x / ids shapes and dtypes, device, AHEAD, thread) (Kept; dropped by a retune or a clear):
+      the launches recorded over the pool's views (``triton_lean.record_launches``), with what a hit compares: the
+      weights' addresses (mxfp4: and its scales' versions, which ``check_mx_scales`` read), the pool's generation,
+      the stream
     per call: out, the recorded launches with the call's x, ids, weights, out (one C call where all are raw)
 
 Not lean (the plan's BoundLaunches on fresh regions, as before): while a CUDA graph captures (the graph owns its
@@ -23,19 +25,20 @@ Shapes: M tokens, k slots, A = M*k, E experts, N intermediate, K hidden, R the a
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_lean import IDS, OUT, WEIGHTS, X, _Slot, record_launches
 from moekit.experts.triton_wo import LEAN_WORKSPACES
-from moekit.experts.triton_lean import IDS, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
-from moekit.triton_bind import BoundLaunch
+from moekit.triton_bind import BoundLaunch, current_stream
 
-MAX_SEQUENCES = 1024  # (plan, thread, weights) kept; the oldest goes first
+MAX_KEPT = 1024  # kinds of call x weights kept; the oldest goes first
 MAX_PLANS = 256
-_PLANS: dict[tuple, "WordsPlan"] = {}  # by ``_plan_key``: what the call's checks read, so a kept plan is a checked one
-_SEQUENCES: dict[tuple, object] = {}
+_PLANS: dict[tuple, "WordsPlan"] = {}  # by ``_plan_key``
+_KEPT: dict[tuple, "Kept"] = {}  # by ``_key``
 _lock = threading.Lock()
 
 
@@ -110,32 +113,60 @@ def words_launches(plan: WordsPlan, b: dict, x, ids, weights, out, w13, w2) -> l
                        (plan.k_sum, (b["y"], ids, ids, out))]
 
 
+class Kept:
+    """One kept kind of call on one pair of weights: its recorded launches and what they were recorded under."""
+
+    __slots__ = ("q13", "sequence", "state", "generation", "stream")
+
+    def __init__(self, q13: torch.Tensor, sequence, state: tuple, generation: int, stream):
+        self.q13 = weakref.ref(q13)  # the key's id(w13.q) is this tensor's
+        self.sequence, self.state, self.generation, self.stream = sequence, state, generation, stream
+
+
+def _key(x, w13, w2, ids, ahead: int) -> tuple:
+    return id(w13.q), id(w2.q), x.shape, ids.shape, x.dtype, ids.dtype, x.device, ahead, threading.get_ident()
+
+
 def words_lean_call(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor,
                     ahead: int = 1) -> torch.Tensor | None:
-    """out [M, K] from the kept sequence of this call's kind and weights, or None (a miss: the caller checks the
-    call and runs ``run_words``, which records). A sequence is kept only after a checked call of its plan (whose
-    key holds what the checks read: shapes, strides, dtypes, scheme) on these weights; x must be contiguous."""
-    if weights.dtype != torch.float32 or not x.is_contiguous():
+    """out [M, K] launched from the kept entry of this call, or None (a miss: the caller checks the call and runs
+    ``run_words``, which keeps it). An entry is kept only by a checked call (``run_experts_words``) whose plan's key
+    holds what the checks read of the weights (shapes, strides, dtypes, groups: the same tensors at the same
+    addresses here); a hit asks what ``triton_quant_fast`` asks: the weights' addresses (mxfp4: its scales'
+    versions) unchanged, the pool's buffers kept, the same stream, no capture, no launch hook, x / ids / weights
+    contiguous and 16-byte aligned, weights float32."""
+    kept = _KEPT.get(_key(x, w13, w2, ids, ahead))
+    if kept is None or kept.q13() is not w13.q or kept.generation != LEAN_WORKSPACES.generation:
         return None
-    plan = _PLANS.get(_plan_key(x, w13, w2, ids, ahead))
-    if plan is None:
+    if weights.dtype is not torch.float32 or not (x.is_contiguous() and ids.is_contiguous() and
+                                                  weights.is_contiguous()):
         return None
-    sequence = _lean_sequence(plan, x, ids, weights, w13, w2, record=False)
-    if sequence is None:
+    if (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15 or kept.state != (*weight_state(w13),
+                                                                                    *weight_state(w2)):
+        return None
+    stream = None
+    if kept.stream is not None:
+        stream = current_stream()
+        if stream != kept.stream or _capturing(x.device):
+            return None
+    elif _capturing(x.device):  # (a CPU entry never is; the tests ask it here)
+        return None
+    sequence = kept.sequence
+    if sequence.raw and not sequence.hooks.idle():
         return None
     out = torch.empty_like(x)  # [M, K]
-    sequence.launch((x, ids, weights, out))
+    sequence.launch((x, ids, weights, out), stream)
     return out
 
 
 def run_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, ahead: int = 1) -> torch.Tensor:
-    """out [M, K] of a words call (checked by the caller; ids, weights contiguous): lean where it can be (module
-    doc), else the plan's launches on fresh regions."""
+    """out [M, K] of a words call (checked by the caller; ids, weights contiguous): recorded and kept where it can be
+    lean (module doc), else the plan's launches on fresh regions."""
     if weights.dtype != torch.float32:
         weights = weights.float()  # the down GEMM's routed weights
     plan = words_plan(x, w13, w2, ids, ahead)
     out = torch.empty_like(x)  # [M, K]
-    sequence = _lean_sequence(plan, x, ids, weights, w13, w2)
+    sequence = _record(plan, x, ids, weights, w13, w2, ahead)
     if sequence is not None:
         sequence.launch((x, ids, weights, out))
         return out
@@ -145,27 +176,26 @@ def run_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor
     return out
 
 
-def _lean_sequence(plan: WordsPlan, x, ids, weights, w13, w2, record: bool = True):
-    """The plan's recorded launches for these weights on this thread's pooled workspace (with ``record``: recorded
-    now if missing or stale), or None where the call is not lean (module doc)."""
+def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int):
+    """The plan's launches recorded over this thread's pooled workspace and kept for this call's key, or None where
+    the call is not lean (module doc; a launch not compiled yet: this call compiles it)."""
     pool = LEAN_WORKSPACES
-    if _capturing(x.device):
+    if _capturing(x.device) or plan.workspace.nbytes > pool.max_bytes:
         return None
-    if (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15 or plan.workspace.nbytes > pool.max_bytes:
+    if (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15 or weights.dtype != torch.float32:
         return None
     views = pool.pooled(plan.workspace, x.device)
-    key = (plan, threading.get_ident(), *weight_state(w13), *weight_state(w2))
-    sequence = _SEQUENCES.get(key)
-    if sequence is None or not sequence.current(views, None):
-        if not record:
-            return None
-        launches = words_launches(plan, views, _Slot(X), _Slot(IDS), _Slot(WEIGHTS), _Slot(OUT), w13, w2)
-        sequence = record_launches(launches, views, None)
-        if sequence is None:  # a launch not compiled yet: this call compiles it
-            return None
-        keep_sequence(_SEQUENCES, _lock, key, sequence, MAX_SEQUENCES)
-    if sequence.raw and not sequence.hooks.idle():
+    generation = pool.generation  # after the views: a buffer grown for them is the one recorded
+    launches = words_launches(plan, views, _Slot(X), _Slot(IDS), _Slot(WEIGHTS), _Slot(OUT), w13, w2)
+    sequence = record_launches(launches, views, None)
+    if sequence is None or (sequence.raw and not sequence.hooks.idle()):
         return None
+    stream = current_stream() if x.device.type == "cuda" else None
+    with _lock:
+        if len(_KEPT) >= MAX_KEPT:
+            _KEPT.pop(next(iter(_KEPT)), None)
+        _KEPT[_key(x, w13, w2, ids, ahead)] = Kept(w13.q, sequence, (*weight_state(w13), *weight_state(w2)),
+                                                   generation, stream)
     return sequence
 
 
@@ -182,7 +212,7 @@ def weight_state(w) -> tuple:
 
 
 def clear_words_plans() -> None:
-    """Drop every words plan and recorded sequence (``triton_wo.clear_launch_caches``)."""
+    """Drop every words plan and kept call (``triton_wo.clear_launch_caches``)."""
     _PLANS.clear()
-    _SEQUENCES.clear()
+    _KEPT.clear()
 
