@@ -121,7 +121,8 @@ def report(name: str, bm: int, naive: bool, num_warps: int, ahead: int = 1, mx: 
     loads = dict(Counter(o for o in ops if o.startswith("LDG")))
     hops = sum(o.startswith(("STS", "LDS", "SHFL", "STL", "LDL")) for o in ops)
     weights = WEIGHTS_A_STEP * (ahead + 1)  # the loop's steps: 2 (AHEAD 1), 3 (AHEAD 2)
-    return (f"{name}{' mxfp4' if mx else ''} ahead {ahead}: registers {regs.group(1)}, stack {regs.group(2)} B; loop {len(ops)} "
+    label = f"{name} mxfp4" if mx else name
+    return (f"{label} ahead {ahead}: registers {regs.group(1)}, stack {regs.group(2)} B; loop {len(ops)} "
             f"instructions, {len(ops) / weights:.2f} a weight ({bm} tokens a block), "
             f"STS/LDS/SHFL/local in the loop {hops}; {top}; loads {loads}")
 

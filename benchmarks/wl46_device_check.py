@@ -168,23 +168,22 @@ def run_cell(preset: str, scheme: str, m: int, dev, copy_tbps: float, stop: floa
 
 
 def main(args) -> int:
-    dev = torch.device("cpu" if SMOKE else "cuda")
+    dev, results = torch.device("cpu" if SMOKE else "cuda"), []
     copy_tbps = 0.0 if SMOKE else measure_copy(dev)
+    stop_at = time.time() + args.deadline - RUN.elapsed()  # the graphs' rounds stop by it
     RUN.log(f"copy {copy_tbps:.2f} TB/s; {run_info()}")
-    results, stop_at = [], time.time() + args.deadline - RUN.elapsed()
-    for preset, scheme, m in CELLS[:1] if SMOKE else CELLS:
-        if RUN.elapsed() > args.deadline - 8:
-            RUN.summary.append(f"{preset} {scheme} M={m}: not reached (deadline)")
-            continue
-        try:
-            with torch.no_grad():
-                run_cell(preset, scheme, m, dev, copy_tbps, stop_at, results)
-        except Exception as e:  # noqa: BLE001  (a cell that fails is reported; the others still run)
-            RUN.check(f"{preset} {scheme} M={m}", False, f"{type(e).__name__}: {str(e)[:400]}")
+
+    def one(cell: tuple) -> None:
+        with torch.no_grad():
+            run_cell(*cell, dev, copy_tbps, stop_at, results)
+
+    def after() -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         if args.out:
             write_json(os.path.join(args.out, "wl46.json"), {**run_info(), "copy_tbps": copy_tbps, "cells": results})
+
+    RUN.each_cell(CELLS[:1] if SMOKE else CELLS, one, args.deadline - 8, after)
     RUN.print_table()
     return 1 if RUN.failed else 0
 

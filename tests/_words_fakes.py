@@ -19,6 +19,19 @@ E2M1 = [(-1.0) ** (c >> 3) * ((c & 1) * 0.5 if (c >> 1) & 3 == 0 else 2.0 ** (((
         for c in range(16)]
 
 
+def routing(m: int, seed: int) -> tuple:
+    """(x [m, K] bf16, ids [m, 2] int32: two distinct experts of E a token, weights [m, 2] float32 summing to 1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(m)]).int()
+    weights = torch.rand(m, 2, generator=g)
+    return x, ids, weights / weights.sum(1, keepdim=True)
+
+
+def rel(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
 def dequant(q, s, z, e: int, cols: int) -> torch.Tensor:
     """Expert e's weight [R, cols] in float64: int4 (float scales of GROUP with zero points) or mxfp4 (uint8 e8m0
     scales of 32)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _words_fakes import E, GROUP, K, N, dequant, stand_ins  # noqa: F401  (a fixture)
+from _words_fakes import E, GROUP, K, N, dequant, rel, routing, stand_ins  # noqa: F401  (a fixture)
 from moekit.experts.triton_lean import LaunchSequence
 from moekit.experts.triton_wo_plan import weight_args
 import moekit.experts.triton_wo_words_lean as lean
@@ -29,14 +29,6 @@ def _weight(rows: int, cols: int, seed: int, mx: bool):
     return weight_args(q, scale, zero, GROUP)
 
 
-def _call(m: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, K, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(m)]).int()
-    weights = torch.rand(m, 2, generator=g)
-    return x, ids, weights / weights.sum(1, keepdim=True)
-
-
 def loop64(x, w13, w2, ids, weights) -> torch.Tensor:
     """out [M, K] float64: each token's slots, one at a time, from the weights dequantized in float64 (h rounded to
     bf16 as the kernels store it)."""
@@ -47,10 +39,6 @@ def loop64(x, w13, w2, ids, weights) -> torch.Tensor:
             h = (torch.nn.functional.silu(v[:N]) * v[N:]).bfloat16().double()
             out[t] += float(weights[t, slot]) * (dequant(w2.q, w2.scale, w2.zero, e, N) @ h)
     return out
-
-
-def _rel(out, ref) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 @pytest.fixture
@@ -76,7 +64,7 @@ def launched(monkeypatch):
 def test_the_repeated_call_is_lean_and_equal_to_the_first(stand_ins, launched, scheme, m):
     """M = 1: the tiny-batch shortcut (A * 4 <= E); M = 5: 8-row blocks by the Triton alignment."""
     w13, w2 = _weight(2 * N, K, 1, MX[scheme]), _weight(K, N, 2, MX[scheme])
-    x, ids, weights = _call(m, m)
+    x, ids, weights = routing(m, m)
     assert lean.words_lean_call(x, w13, w2, ids, weights) is None  # no plan of this kind yet: the caller checks
     first = lean.run_words(x, w13, w2, ids, weights)  # compiles the launches (the interpreter's / stand-ins')
     assert launched == {"lean": 0, "plans": 1}
@@ -84,21 +72,21 @@ def test_the_repeated_call_is_lean_and_equal_to_the_first(stand_ins, launched, s
     third = lean.words_lean_call(x, w13, w2, ids, weights)  # served from the kept sequence
     assert launched == {"lean": 2, "plans": 1}
     assert torch.equal(first, second) and torch.equal(first, third)
-    assert _rel(first, loop64(x, w13, w2, ids, weights)) < 1e-2
-    x2, ids2, weights2 = _call(m, m + 10)  # new activations and routing of the same kind: served
+    assert rel(first, loop64(x, w13, w2, ids, weights)) < 1e-2
+    x2, ids2, weights2 = routing(m, m + 10)  # new activations and routing of the same kind: served
     got = lean.words_lean_call(x2, w13, w2, ids2, weights2)
-    assert launched["lean"] == 3 and _rel(got, loop64(x2, w13, w2, ids2, weights2)) < 1e-2
+    assert launched["lean"] == 3 and rel(got, loop64(x2, w13, w2, ids2, weights2)) < 1e-2
     (_, up, _), *_ = stand_ins["gate_up"].log
     assert up["MXFP4"] == MX[scheme] and up["GROUP"] == (32 if MX[scheme] else GROUP) and up["H_ORDER"]
 
 
 def test_a_new_shape_or_weight_records_again(stand_ins, launched):
     w13, w2 = _weight(2 * N, K, 1, True), _weight(K, N, 2, True)
-    x, ids, weights = _call(5, 1)
+    x, ids, weights = routing(5, 1)
     for _ in range(2):
         lean.run_words(x, w13, w2, ids, weights)
     assert lean.words_lean_call(x, w13, w2, ids, weights) is not None
-    x3, ids3, weights3 = _call(3, 2)  # another M: another plan, nothing kept yet
+    x3, ids3, weights3 = routing(3, 2)  # another M: another plan, nothing kept yet
     assert lean.words_lean_call(x3, w13, w2, ids3, weights3) is None
     moved = weight_args(w13.q.clone(), w13.scale, None, 32)  # the same values at another address
     assert lean.words_lean_call(x, moved, w2, ids, weights) is None
@@ -106,14 +94,14 @@ def test_a_new_shape_or_weight_records_again(stand_ins, launched):
     assert lean.words_lean_call(x, w13, w2, ids, weights) is None
     got = lean.run_words(x, w13, w2, ids, weights)  # records for the updated scales
     assert lean.words_lean_call(x, w13, w2, ids, weights) is not None
-    assert _rel(got, loop64(x, w13, w2, ids, weights)) < 1e-2
+    assert rel(got, loop64(x, w13, w2, ids, weights)) < 1e-2
 
 
 def test_while_a_graph_captures_the_call_takes_fresh_regions(stand_ins, launched, monkeypatch):
     """What a capture sees (``torch.cuda.is_current_stream_capturing`` on a CUDA x; here its answer patched in): the
     plan's launches on fresh regions, none of the pool's views (a graph must own its buffers), the same output."""
     w13, w2 = _weight(2 * N, K, 1, False), _weight(K, N, 2, False)
-    x, ids, weights = _call(5, 3)
+    x, ids, weights = routing(5, 3)
     for _ in range(2):
         want = lean.run_words(x, w13, w2, ids, weights)
     monkeypatch.setattr(lean, "_capturing", lambda device: True)
@@ -128,9 +116,9 @@ def test_while_a_graph_captures_the_call_takes_fresh_regions(stand_ins, launched
 
 def test_routed_weights_in_bf16_are_not_lean_but_equal(stand_ins, launched):
     w13, w2 = _weight(2 * N, K, 1, False), _weight(K, N, 2, False)
-    x, ids, weights = _call(1, 4)
+    x, ids, weights = routing(1, 4)
     for _ in range(2):
         want = lean.run_words(x, w13, w2, ids, weights)
     half = weights.bfloat16()
     assert lean.words_lean_call(x, w13, w2, ids, half) is None  # the down GEMM reads float32: a copy a call
-    assert _rel(lean.run_words(x, w13, w2, ids, half), want) < 1e-2
+    assert rel(lean.run_words(x, w13, w2, ids, half), want) < 1e-2

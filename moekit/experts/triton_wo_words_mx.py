@@ -29,8 +29,8 @@ def check_mx_scales(scale: torch.Tensor, name: str) -> None:
     if key in _CHECKED:
         return
     if scale.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError(f"decode='gluon_words' on mxfp4 reads {name}.scale's range once before it runs: make one eager "
-                         "call before capturing a graph")
+        raise ValueError(f"decode='gluon_words' on mxfp4 reads {name}.scale's range once before it runs: make one "
+                         "eager call before capturing a graph")
     top = int(scale.max()) if scale.numel() else 0
     if top > MX_MAX_SCALE:
         raise ValueError(f"decode='gluon_words' on mxfp4 needs {name}.scale e8m0 bytes <= {MX_MAX_SCALE} (groups below "

@@ -206,9 +206,9 @@ def _step(acc, zeros, words, xp, col, magic, one, s_rows, z_rows, xs_rows, row_o
     else:
         s0, z0, xs0 = _group_terms(s_rows, z_rows, xs_rows, col, row_ok, tok_ok, GROUP)
         s1, z1, xs1 = _group_terms(s_rows, z_rows, xs_rows, col + 128, row_ok, tok_ok, GROUP)
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(_WORD_ASM, "=r,=r,=r,=r,r,r", [operand_rows(words, num_warps), magic],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
-                                                   pack=1)
+        rows = operand_rows(words, num_warps)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_WORD_ASM, "=r,=r,=r,=r,r,r", [rows, magic],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
         a0, a1 = _operand_halves(o0, o1, o2, o3, a_layout)
         acc = _corrected(acc, mma_v2(a0, b0, zeros), s0, z0, xs0)
         acc = _corrected(acc, mma_v2(a1, b1, zeros), s1, z1, xs1)
