@@ -147,7 +147,7 @@ def run_experts_wo(
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
     "register", "mma", "gemv", "scratch" (``triton_wo_scratch``), "gluon" (``triton_gluon_wo``) or "gluon_words"
-    (``triton_wo_words``: int4, selectable only); None:
+    (``triton_wo_words``: int4 or mxfp4, selectable only; a repeated eager call lean); None:
     ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
     and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` and "scratch" (module docstring). Not an
     op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
