@@ -147,7 +147,7 @@ def words_lean_call(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.
     stream = None
     if kept.stream is not None:
         stream = current_stream()
-        if stream != kept.stream or _capturing(x.device):
+        if stream != kept.stream or _capturing_now():
             return None
     elif _capturing(x.device):  # (a CPU entry never is; the tests ask it here)
         return None
@@ -200,7 +200,12 @@ def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int):
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and _capturing_now()
+
+
+def _capturing_now() -> bool:
+    """Whether the current CUDA stream captures (``torch.cuda.is_current_stream_capturing`` without its Python)."""
+    return torch._C._cuda_isCurrentStreamCapturing()
 
 
 def weight_state(w) -> tuple:
