@@ -33,11 +33,12 @@ def loop64(x, w13, w2, ids, weights) -> torch.Tensor:
     """out [M, K] float64: each token's slots, one at a time, from the weights dequantized in float64 (h rounded to
     bf16 as the kernels store it)."""
     out = torch.zeros(x.shape, dtype=torch.float64)
+    n, k = w13.q.shape[1] // 2, x.shape[1]
     for t in range(x.shape[0]):
         for slot, e in enumerate(ids[t].tolist()):
-            v = dequant(w13.q, w13.scale, w13.zero, e, K) @ x[t].double()
-            h = (torch.nn.functional.silu(v[:N]) * v[N:]).bfloat16().double()
-            out[t] += float(weights[t, slot]) * (dequant(w2.q, w2.scale, w2.zero, e, N) @ h)
+            v = dequant(w13.q, w13.scale, w13.zero, e, k) @ x[t].double()
+            h = (torch.nn.functional.silu(v[:n]) * v[n:]).bfloat16().double()
+            out[t] += float(weights[t, slot]) * (dequant(w2.q, w2.scale, w2.zero, e, n) @ h)
     return out
 
 
@@ -122,3 +123,29 @@ def test_routed_weights_in_bf16_are_not_lean_but_equal(stand_ins, launched):
     half = weights.bfloat16()
     assert lean.words_lean_call(x, w13, w2, ids, half) is None  # the down GEMM reads float32: a copy a call
     assert rel(lean.run_words(x, w13, w2, ids, half), want) < 1e-2
+
+
+@pytest.mark.parametrize("n, k", [(320, 320), (512, 320), (224, 512)])
+def test_mxfp4_off_the_256_grid_runs_on_a_kept_padded_copy(stand_ins, launched, n, k):
+    """gpt-oss's K = N = 2880 in miniature: the words run a copy padded to multiples of 256 (``triton_wo_words_pad``:
+    zero codes past K and N, made once, kept), x reordered with zeros past K; against the float64 loop of the
+    originals, lean from the third call."""
+    from moekit.experts.triton_wo_words import check_words, check_words_down
+    from moekit.experts.triton_wo_words_pad import needs_padding, words_weights
+
+    w13, w2 = _weight(2 * n, k, 5, True), _weight(k, n, 6, True)
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(5, k, generator=g).bfloat16()
+    _, ids, weights = routing(5, 9)
+    assert needs_padding(x, w13)
+    p13, p2 = words_weights(w13, w2)
+    assert words_weights(w13, w2) == (p13, p2)  # kept: the same copy
+    check_words(x, p13, 2, cols=2 * p13.q.shape[2])  # what the route checks of the copy passes
+    check_words_down(p2, 1)
+    assert p13.q.shape == (E, 2 * -(-n // 256) * 256, -(-k // 256) * 128) and p2.q.shape == (E, k, -(-n // 256) * 128)
+    outs = [lean.run_words(x, p13, p2, ids, weights) for _ in range(2)]
+    outs.append(lean.words_lean_call(x, p13, p2, ids, weights))
+    assert launched["lean"] == 2 and all(torch.equal(o, outs[0]) for o in outs)
+    assert rel(outs[0], loop64(x, w13, w2, ids, weights)) < 1e-2
+    w13.scale.add_(1)  # an original updated in place: a new copy
+    assert words_weights(w13, w2)[0].q.data_ptr() != p13.q.data_ptr()

@@ -70,12 +70,13 @@ def _mx(rows: int, cols: int) -> object:
     ("clamped", "got expert biases or an activation variant"),
 ])
 def test_what_the_mxfp4_words_do_not_run_is_refused_by_name(case, named):
-    """gpt-oss's shape (K = N = 2880, no multiple of 256), its expert biases and its clamped SwiGLU, an expert map."""
+    """The kernels at gpt-oss's shape unpadded (K = N = 2880, no multiple of 256), its expert biases and its clamped
+    SwiGLU, an expert map."""
     from moekit.activations import ActivationSpec
     from moekit.experts.triton_wo import run_experts_wo
     from moekit.experts.triton_wo_words import check_words
 
-    if case == "gpt-oss":
+    if case == "gpt-oss":  # unpadded (the route pads: ``triton_wo_words_pad``), and an int4 group off its K
         with pytest.raises(ValueError, match=named):
             check_words(torch.zeros(1, 2880, dtype=torch.bfloat16), _mx(2 * 2880, 2880), 4)
         return

@@ -70,14 +70,16 @@ def x_words(x: torch.Tensor) -> XWords:
 
     m, k = x.shape
     out = XWords(torch.empty_like(x), torch.empty(m, k // 128, dtype=torch.float32, device=x.device))
-    launch = _x_words_launch(x_words_kernel, m, k)
+    launch = x_words_launch(x_words_kernel, m, k, k)
     launch(x, out.x, out.sums)
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def _x_words_launch(kernel, m: int, k: int) -> BoundLaunch:
-    return BoundLaunch(kernel, (m, k // STEP), 3, (k, k, k // 128), cached=True, num_warps=4)
+def x_words_launch(kernel, m: int, k: int, padded: int) -> BoundLaunch:
+    """The reorder of x [m, k] into [m, padded] (zeros past k) and its sums [m, padded / 128]: pointers x, out,
+    sums."""
+    return BoundLaunch(kernel, (m, padded // STEP), 3, (k, k, padded, padded // 128), cached=True, num_warps=4)
 
 
 def is_mx(w) -> bool:
@@ -102,12 +104,19 @@ def _check_scheme(w, name: str, cols: int) -> None:
                          f"{w.group_size}")
 
 
+def check_words_x_k(x: torch.Tensor, w13) -> None:
+    """x's K is w13's (refused by name before a padded copy is made of w13)."""
+    if 2 * w13.q.shape[2] != x.shape[1]:
+        raise ValueError(f"decode='gluon_words' needs x [M, K] with w13's K {2 * w13.q.shape[2]}, got {x.shape[1]}")
+
+
 def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps: int = NUM_WARPS,
-                split: int = 1) -> None:
+                split: int = 1, cols: int | None = None) -> None:
     """The kernel's requirements of x and w13 (a ``triton_wo_plan.WeightArgs`` of int4 or mxfp4) and the gate-up's
-    split, each refused by name."""
+    split, each refused by name. ``cols``: the reduction the kernel reads where it is not x's K (a padded copy's K':
+    ``triton_wo_words_pad``)."""
     num_experts, two_n, half_k = w13.q.shape
-    n, k = two_n // 2, x.shape[1]
+    n, k = two_n // 2, x.shape[1] if cols is None else cols
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError(f"decode='gluon_words' needs x contiguous bf16, got {x.dtype}")
     if split < 1 or k % (STEP * split):
@@ -357,10 +366,16 @@ def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_wei
     (``words_lean_call``) after the refusals alone. Refuses by name what they do not run (expert biases and activation
     variants: gpt-oss's clamped SwiGLU and expert biases are not in the epilogues)."""
     from moekit.experts.triton_wo_words_lean import run_words, words_lean_call
+    from moekit.experts.triton_wo_words_pad import needs_padding, words_weights
 
     if scheme not in _WORDS_SCHEMES or expert_map is not None or b13 is not None or b2 is not None or (
             activation != "silu"):
         _refuse(scheme, expert_map, b13 is not None or b2 is not None, activation)
+    cols = None  # the kernels' reduction: x's K, or the padded copy's K'
+    if needs_padding(x, w13):  # mxfp4 at K or N no multiple of 256 (gpt-oss's 2880): the kept padded copy
+        check_words_x_k(x, w13)
+        w13, w2 = words_weights(w13, w2)
+        cols = 2 * w13.q.shape[2]
     out = words_lean_call(x, w13, w2, topk_ids, topk_weights)
     if out is not None:
         return out
@@ -369,6 +384,6 @@ def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_wei
         return x.new_zeros(x.shape)
     if x.device.type != "cuda":
         raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
-    check_words(x, w13, ids.shape[1])
+    check_words(x, w13, ids.shape[1], cols=cols)
     check_words_down(w2, 1)
     return run_words(x, w13, w2, ids, weights)

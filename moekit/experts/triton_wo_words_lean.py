@@ -46,7 +46,7 @@ _lock = threading.Lock()
 class WordsPlan:
     """What every words call of one kind launches with. Holds no tensor."""
 
-    workspace: WorkspaceSpec  # the alignment's regions, xw [M, K] x.dtype, xs [M, K / 128] f32, h [A, N], y [s A, K]
+    workspace: WorkspaceSpec  # the alignment's regions, xw [M, K'] x.dtype, xs [M, K' / 128] f32, h [A, N'], y [s A, K]
     align: object  # triton_align.AlignPlan, or None at the tiny-batch shortcut (the kernels read ids)
     x_words: BoundLaunch  # pointers: x, xw, xs
     gate_up: BoundLaunch  # xw, xs, q13, scale, zero, h, ids, sorted_ids, expert_ids, num_padded
@@ -75,23 +75,24 @@ def _plan(x_shape, x_dtype, device, ids_shape, ids_dtype, q13_shape, s13, g13, d
           ahead: int) -> WordsPlan:
     from moekit.experts._kernels.words_x import x_words_kernel
     from moekit.experts.triton_wo_words import (
-        STEP, _align_plan, _down_bound, _gate_up_bound, _sum_bound, down_split, words_layout_naive,
+        _align_plan, _down_bound, _gate_up_bound, _sum_bound, down_split, words_layout_naive, x_words_launch,
     )
 
     (m, k), top_k = x_shape, ids_shape[1]
     a, num_experts, n = m * top_k, q13_shape[0], q13_shape[1] // 2
+    padded = 2 * q13_shape[2]  # the words' reduction: K, or the padded copy's K' (``triton_wo_words_pad``)
     naive = words_layout_naive(a, num_experts)
     align = None if naive else _align_plan(a, num_experts, device)
     regions = [] if naive else list(align.regions)
     blocks = a if naive else dict((r[0], r[2]) for r in regions)["expert_ids"][0]
     split = down_split(2 * q2_shape[2], q2_shape[1], blocks)
-    regions += [("xw", x_dtype, (m, k)), ("xs", torch.float32, (m, k // 128)), ("h", x_dtype, (a, n)),
+    regions += [("xw", x_dtype, (m, padded)), ("xs", torch.float32, (m, padded // 128)), ("h", x_dtype, (a, n)),
                 ("y", torch.float32 if split > 1 else x_dtype, (split * a, k))]
     mx13, mx2 = d13 == torch.uint8, d2 == torch.uint8  # e8m0 scales: mxfp4
     return WordsPlan(
         WorkspaceSpec.of(regions),
         align,
-        BoundLaunch(x_words_kernel, (m, k // STEP), 3, (k, k, k // 128), cached=True, num_warps=4),
+        x_words_launch(x_words_kernel, m, k, padded),
         _gate_up_bound(q13_shape, s13, g13, a, top_k, blocks, naive, 8, 4, True, 1, ahead, mx13),
         _down_bound(q2_shape, s2, g2, a, blocks, naive, split, 8, 4, ahead, mx2),
         _sum_bound(m, k, top_k, num_experts, split, device))
@@ -217,7 +218,10 @@ def weight_state(w) -> tuple:
 
 
 def clear_words_plans() -> None:
-    """Drop every words plan and kept call (``triton_wo.clear_launch_caches``)."""
+    """Drop every words plan, kept call and padded weight copy (``triton_wo.clear_launch_caches``)."""
+    from moekit.experts.triton_wo_words_pad import clear_padded
+
     _PLANS.clear()
     _KEPT.clear()
+    clear_padded()
 
