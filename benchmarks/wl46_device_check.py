@@ -4,8 +4,8 @@
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/wl46_device_check.py --out $OUT/wl46 --deadline 72     # GPU
     PYTHONPATH=$PWD python3 benchmarks/wl46_device_check.py --smoke     # CPU, interpreted: the pick and twin only
 
-Cells: DeepSeek-V3 and Mixtral at M = 1 and 8 in int4_w4a16 then mxfp4 (random codes; int4 random scales and zero
-points, groups of 128; mxfp4 e8m0 scales around the unit-variance one), then gpt-oss-20b mxfp4 M = 1 and 8 (its
+Cells: DeepSeek-V3 M = 1, Mixtral M = 8, DeepSeek-V3 M = 8, Mixtral M = 1, each in int4_w4a16 then mxfp4 (random
+codes; int4 random scales and zero points, groups of 128; mxfp4 e8m0 scales around the unit-variance one), then gpt-oss-20b mxfp4 M = 1 and 8 (its
 K = N = 2880 is no multiple of 256: the route's words run a kept copy padded to 3072, ``triton_wo_words_pad``;
 w4u45's form refuses it).
 First, per cell, PASS / FAIL against ``fused_experts_wo_torch`` (rel-L2 <= TOL) of:
@@ -49,7 +49,9 @@ from moekit.experts.triton_wo_words import check_words, down_split, experts_word
 from moekit.quant.int4 import Int4Weight  # noqa: E402
 from moekit.quant.mxfp4 import Mxfp4Weight  # noqa: E402
 
-CELLS = [(p, s, m) for s in ("int4_w4a16", "mxfp4") for m in (1, 8) for p in ("deepseek-v3", "mixtral-8x7b")]
+# both schemes early (mxfp4's words run on a GPU for the first time here), then the other M, then gpt-oss
+CELLS = [(p, s, m) for p, m in (("deepseek-v3", 1), ("mixtral-8x7b", 8), ("deepseek-v3", 8), ("mixtral-8x7b", 1))
+         for s in ("int4_w4a16", "mxfp4")]
 CELLS += [("gpt-oss-20b", "mxfp4", 1), ("gpt-oss-20b", "mxfp4", 8)]
 SETS, ROUNDS, REPLAYS, TOL = 2, 3, 3, 1e-2
 EAGER_CALLS, EAGER_ROUNDS = 24, 3
