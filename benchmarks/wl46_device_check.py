@@ -5,9 +5,9 @@
     PYTHONPATH=$PWD python3 benchmarks/wl46_device_check.py --smoke     # CPU, interpreted: the pick and twin only
 
 Cells: DeepSeek-V3 M = 1, Mixtral M = 8, DeepSeek-V3 M = 8, Mixtral M = 1, each in int4_w4a16 then mxfp4 (random
-codes; int4 random scales and zero points, groups of 128; mxfp4 e8m0 scales around the unit-variance one), then gpt-oss-20b mxfp4 M = 1 and 8 (its
-K = N = 2880 is no multiple of 256: the route's words run a kept copy padded to 3072, ``triton_wo_words_pad``;
-w4u45's form refuses it).
+codes; int4 random scales and zero points, groups of 128; mxfp4 e8m0 scales around the unit-variance one), then
+gpt-oss-20b mxfp4 M = 1 and 8 (its K = N = 2880 is no multiple of 256: the route's words run a kept copy padded to
+3072, ``triton_wo_words_pad``; w4u45's form refuses it).
 First, per cell, PASS / FAIL against ``fused_experts_wo_torch`` (rel-L2 <= TOL) of:
   words        ``run_experts_wo(decode="gluon_words")``: the plan; from its third call the recorded sequence
   words_before w4u45's form (``experts_words`` with ``words_layout``: the layout, x_words, h, y and out allocated
