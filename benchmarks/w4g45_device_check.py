@@ -194,7 +194,7 @@ def timed(label: str, s: Shape, sets: list, w13, a13, a2, layouts: list, calls: 
             blocks = a if lay.naive else lay.expert_ids.numel()
             launch = words_gate_up_launch(a13, a, c.topk_ids.shape[1], blocks, lay.naive, 8)
             rows = (None, None, None) if lay.naive else (lay.sorted_ids, lay.expert_ids, lay.num_padded)
-            ptrs = (xw.x, xw.sums, a13.q, a13.scale, a13.zero, h, c.topk_ids.reshape(-1), *rows)
+            ptrs = (xw.x, xw.sums, a13.q, a13.scale, a13.zero, h, c.topk_ids.reshape(-1), *rows, None)
             kernels.append(lambda launch=launch, ptrs=ptrs: launch(*ptrs))
         fns["kernel"] = kernels
     if "read" in calls:

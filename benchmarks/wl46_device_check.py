@@ -6,8 +6,8 @@
 
 Cells: DeepSeek-V3 M = 1, Mixtral M = 8, DeepSeek-V3 M = 8, Mixtral M = 1, each in int4_w4a16 then mxfp4 (random
 codes; int4 random scales and zero points, groups of 128; mxfp4 e8m0 scales around the unit-variance one), then
-gpt-oss-20b mxfp4 M = 1 and 8 (its K = N = 2880 is no multiple of 256: the route's words run a kept copy padded to
-3072, ``triton_wo_words_pad``; w4u45's form refuses it).
+gpt-oss-20b mxfp4 M = 1 and 8 as it ships (b13, b2, the clamped SwiGLU on interleaved rows; its K = N = 2880 is no
+multiple of 256: the route's words run a kept copy padded to 3072, ``triton_wo_words_pad``; w4u45's form refuses it).
 First, per cell, PASS / FAIL against ``fused_experts_wo_torch`` (rel-L2 <= TOL) of:
   words        ``run_experts_wo(decode="gluon_words")``: the plan; from its third call the recorded sequence
   words_before w4u45's form (``experts_words`` with ``words_layout``: the layout, x_words, h, y and out allocated
@@ -41,6 +41,7 @@ from bench_run import RunLog, run_info, write_json  # noqa: E402
 from decode_q3_device_check import measure_copy, rel_l2  # noqa: E402
 from wo_device_check import quantized  # noqa: E402
 
+from moekit.activations import ActivationSpec  # noqa: E402
 from moekit.bench.cells import Shape, make_sets  # noqa: E402
 from moekit.experts.triton import experts_triton  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo  # noqa: E402
@@ -111,15 +112,30 @@ def eager_walls(fns: dict, dev) -> dict:
     return {name: tuple(sorted(v)[len(v) // 2] for v in pair) for name, pair in got.items()}
 
 
+def gpt_oss_call(s: Shape, dev) -> dict:
+    """gpt-oss's experts as they ship beside the weights: b13 / b2 (random, ~unit) and its clamped SwiGLU on
+    interleaved rows; other presets: plain SiLU."""
+    if not s.name.startswith("gpt-oss"):
+        return {}
+    g = torch.Generator(device=dev).manual_seed(3)
+    return dict(activation=ActivationSpec("silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0),
+                b13=torch.randn(s.num_experts, 2 * s.n, generator=g, device=dev).bfloat16(),
+                b2=torch.randn(s.num_experts, s.k, generator=g, device=dev).bfloat16())
+
+
 def checked_calls(label: str, s: Shape, scheme: str, sets: list, w13, w2) -> dict:
     """The PASS / FAIL lines on set 0; name -> [a call per set] of the variants that passed."""
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
     q13, q2 = as_quant(w13, s.k), as_quant(w2, s.n)
-    makers = {"pick": lambda c: experts_triton(c.x, q13, q2, c.topk_ids, c.topk_weights),
-              "words": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme,
-                                                decode="gluon_words")}
+    extra = gpt_oss_call(s, sets[0].x.device)
+    spec = extra.get("activation", "silu")
+    makers = {"pick": lambda c: experts_triton(c.x, q13, q2, c.topk_ids, c.topk_weights, **extra),
+              "words": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, spec,
+                                                decode="gluon_words", b13=extra.get("b13"), b2=extra.get("b2"))}
     try:
         check_words(sets[0].x, a13, s.top_k)
+        if extra:
+            raise ValueError("no biases or activation variant in w4u45's form")
     except ValueError as e:  # gpt-oss's 2880: the route's words run a padded copy, w4u45's form none
         RUN.summary.append(f"{label}: words on the padded copy; words_before refused ({str(e)[:70]})")
     else:
@@ -130,7 +146,7 @@ def checked_calls(label: str, s: Shape, scheme: str, sets: list, w13, w2) -> dic
 
         makers["words_before"] = before
     c0 = sets[0]
-    twin = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights).float()
+    twin = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights, **extra).float()
     fns = {}
     for name, make in makers.items():
         if SMOKE and name != "pick":

@@ -52,8 +52,18 @@ def _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignm
             for b in range(used)]
 
 
+def _glu(v: torch.Tensor, bias, n: int, INTERLEAVED, LIMIT, ALPHA, UP_SHIFT, **_) -> torch.Tensor:
+    """One assignment's gate-up sums v [2N] (w13's row order) -> h [N]: ``ActivationSpec``'s definition."""
+    if bias is not None:
+        v = v + bias.double()
+    gate, up = (v[0::2], v[1::2]) if INTERLEAVED else (v[:n], v[n:])
+    if LIMIT > 0:
+        gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
+    return gate * torch.sigmoid(ALPHA * gate) * (up + UP_SHIFT)
+
+
 def _gate_up(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-             N, K, num_assignments, top_k, BM, NAIVE, H_ORDER, SPLIT, **_):
+             b13_ptr, N, K, num_assignments, top_k, BM, NAIVE, H_ORDER, SPLIT, BIASED=False, **spec):
     order = stored_column.fn(torch.arange(K))
     x = x_ptr[:, order].double()  # the stored activations back in column order
     for expert, rows in _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM, NAIVE):
@@ -65,12 +75,12 @@ def _gate_up(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, sorted_ids_pt
                 for s, p in enumerate(parts):
                     h_ptr[s * num_assignments + a] = p.float()
             else:
-                h = torch.nn.functional.silu(parts[0][:N]) * parts[0][N:]
+                h = _glu(parts[0], b13_ptr[expert] if BIASED else None, N, **spec)
                 h_ptr[a, stored_column.fn(torch.arange(N)) if H_ORDER else torch.arange(N)] = h.to(h_ptr.dtype)
 
 
 def _down(h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-          K, N, num_assignments, split_steps, BM, NAIVE, SPLIT, **_):
+          b2_ptr, K, N, num_assignments, split_steps, BM, NAIVE, SPLIT, BIASED=False, **_):
     h = h_ptr[:, stored_column.fn(torch.arange(N))].double()  # the gate-up's stored order back in column order
     cols = split_steps * 256
     for expert, rows in _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM, NAIVE):
@@ -78,6 +88,8 @@ def _down(h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, ids_ptr, sorted_ids_pt
         for a in rows:
             for s in range(SPLIT):
                 part = w[:, s * cols:(s + 1) * cols] @ h[a, s * cols:(s + 1) * cols]
+                if BIASED and s == 0:
+                    part = part + b2_ptr[expert].double()
                 y_ptr[s * num_assignments + a] = (part * float(weights_ptr.reshape(-1)[a])).to(y_ptr.dtype)
 
 

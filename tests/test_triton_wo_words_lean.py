@@ -138,8 +138,8 @@ def test_mxfp4_off_the_256_grid_runs_on_a_kept_padded_copy(stand_ins, launched, 
     x = torch.randn(5, k, generator=g).bfloat16()
     _, ids, weights = routing(5, 9)
     assert needs_padding(x, w13)
-    p13, p2 = words_weights(w13, w2)
-    assert words_weights(w13, w2) == (p13, p2)  # kept: the same copy
+    p13, p2, _ = words_weights(w13, w2)
+    assert words_weights(w13, w2) == (p13, p2, None)  # kept: the same copy
     check_words(x, p13, 2, cols=2 * p13.q.shape[2])  # what the route checks of the copy passes
     check_words_down(p2, 1)
     assert p13.q.shape == (E, 2 * -(-n // 256) * 256, -(-k // 256) * 128) and p2.q.shape == (E, k, -(-n // 256) * 128)
@@ -149,3 +149,47 @@ def test_mxfp4_off_the_256_grid_runs_on_a_kept_padded_copy(stand_ins, launched, 
     assert rel(outs[0], loop64(x, w13, w2, ids, weights)) < 1e-2
     w13.scale.add_(1)  # an original updated in place: a new copy
     assert words_weights(w13, w2)[0].q.data_ptr() != p13.q.data_ptr()
+
+
+GPT_OSS = dict(interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)  # its ActivationSpec's fields
+
+
+def loop64_variant(x, w13, w2, ids, weights, b13, b2, interleaved, alpha, limit, up_shift) -> torch.Tensor:
+    """out [M, K] float64 by gpt-oss's definition written here: v = w13 x + b13; gate, up its even / odd rows
+    (interleaved) or halves; gate <= limit, |up| <= limit; h = gate sigmoid(alpha gate) (up + up_shift) rounded to
+    bf16; out += weight (w2 h + b2)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    n, k = w13.q.shape[1] // 2, x.shape[1]
+    for t in range(x.shape[0]):
+        for slot, e in enumerate(ids[t].tolist()):
+            v = dequant(w13.q, w13.scale, w13.zero, e, k) @ x[t].double() + b13[e].double()
+            gate, up = (v[0::2], v[1::2]) if interleaved else (v[:n], v[n:])
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            h = (gate * torch.sigmoid(alpha * gate) * (up + up_shift)).bfloat16().double()
+            out[t] += float(weights[t, slot]) * (dequant(w2.q, w2.scale, w2.zero, e, n) @ h + b2[e].double())
+    return out
+
+
+@pytest.mark.parametrize("mx, n, k, interleaved", [(True, 512, 512, True), (False, 512, 512, False),
+                                                   (True, 320, 320, True), (True, 224, 512, False)])
+def test_gpt_oss_biases_and_clamped_swiglu(stand_ins, launched, mx, n, k, interleaved):
+    """The words' epilogues with b13 / b2 and the clamped SwiGLU (interleaved rows or not; off the 256 grid on the
+    padded copy, b13 padded with it) against the definition's float64 loop, lean from the third call; a new b2
+    misses."""
+    from moekit.activations import ActivationSpec
+    from moekit.experts.triton_wo_words_route import words_variant
+    from moekit.experts.triton_wo_words_pad import needs_padding, words_weights
+
+    w13, w2 = _weight(2 * n, k, 7, mx), _weight(k, n, 8, mx)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, k, generator=g).bfloat16() * 4  # sums past the limit: the clamp matters
+    b13, b2 = torch.randn(E, 2 * n, generator=g), torch.randn(E, k, generator=g)
+    _, ids, weights = routing(5, 11)
+    spec = dict(GPT_OSS, interleaved=interleaved)
+    variant = words_variant(ActivationSpec("silu", **spec), b13, b2)
+    p13, p2, pb13 = words_weights(w13, w2, interleaved, b13) if needs_padding(x, w13) else (w13, w2, b13)
+    outs = [lean.run_words(x, p13, p2, ids, weights, variant=variant, b13=pb13, b2=b2) for _ in range(2)]
+    outs.append(lean.words_lean_call(x, p13, p2, ids, weights, variant, pb13, b2))
+    assert launched["lean"] == 2 and all(torch.equal(o, outs[0]) for o in outs)
+    assert rel(outs[0], loop64_variant(x, w13, w2, ids, weights, b13, b2, **spec)) < 1e-2
+    assert lean.words_lean_call(x, p13, p2, ids, weights, variant, pb13, b2.clone()) is None

@@ -152,7 +152,7 @@ def run_experts_wo(
     and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` and "scratch" (module docstring). Not an
     op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
     if decode == "gluon_words":  # selectable only (issue 16, sessions 45-46): ``triton_wo_words``, its own checks
-        from moekit.experts.triton_wo_words import run_experts_words
+        from moekit.experts.triton_wo_words_route import run_experts_words
 
         return run_experts_words(x, w13, w2, topk_ids, topk_weights, expert_map, scheme, activation, b13, b2)
     if not is_available(x.device):

@@ -145,12 +145,29 @@ def check_ahead(ahead: int) -> None:
         raise ValueError(f"decode='gluon_words': ahead must be one of {AHEADS} (steps of words in flight), got {ahead}")
 
 
+@dataclass(frozen=True)
+class WordsVariant:
+    """What a call asks of the kernels' epilogues beyond plain SiLU (gpt-oss's experts: ``ActivationSpec``'s fields
+    and the expert biases): ``_kernels/words_glu.store_h``, the down GEMM's b2."""
+
+    b13: bool = False  # b13 [E, 2N] added to the gate-up's sums
+    b2: bool = False  # b2 [E, K] added to the down GEMM's (before the routed weight)
+    interleaved: bool = False  # w13's rows gate i at 2i, up i at 2i + 1
+    limit: float = 0.0  # gate <= limit, |up| <= limit; 0: none
+    alpha: float = 1.0  # glu = gate sigmoid(alpha gate) (up + up_shift)
+    up_shift: float = 0.0
+
+
+PLAIN = WordsVariant()
+
+
 def words_gate_up_launch(w13, num_assignments: int, top_k: int, blocks: int, naive: bool, block_rows: int = 8,
                          num_warps: int = NUM_WARPS, h_order: bool = False, split: int = 1,
                          ahead: int = 1) -> BoundLaunch:
     """The gate-up launch of a call (after ``check_words``): ``blocks`` blocks of ``block_rows`` rows (naive: one
     assignment each), pointers (x_words.x, x_words.sums, q, scale, zero, h, ids, sorted_ids, expert_ids,
-    num_padded; the last three None when naive). ``h_order``: h stored in the dot order (``stored_dot_columns``),
+    num_padded, b13; the routing's three None when naive, b13 None: plain SiLU, the route's ``words_plan`` binds a
+    ``WordsVariant``). ``h_order``: h stored in the dot order (``stored_dot_columns``),
     for ``words_down_launch``. ``split`` > 1: K's steps in that many programs, the h pointer float32 partials
     p [split A, 2N] (``wo_split.split_glu_kernel``'s). ``ahead``: steps of words in flight (``AHEADS``). Kept per
     kind of call (no tensor held)."""
@@ -162,17 +179,20 @@ def words_gate_up_launch(w13, num_assignments: int, top_k: int, blocks: int, nai
 @functools.lru_cache(maxsize=256)
 def _gate_up_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, top_k: int, blocks: int,
                    naive: bool, block_rows: int, num_warps: int, h_order: bool, split: int, ahead: int,
-                   mx: bool = False) -> BoundLaunch:
+                   mx: bool = False, variant: WordsVariant = PLAIN) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel
 
     num_experts, two_n, half_k = shape
     n, k = two_n // 2, 2 * half_k
     qe, qr, _, se, sr, _, ze, zr, _ = strides
     out_stride = 2 * n if split > 1 else n  # p's rows or h's
-    scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, out_stride)
-    return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)), split), 10, scalars, cached=True,
+    scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, out_stride,
+               2 * n)  # b13 contiguous [E, 2N]
+    v = variant
+    return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)), split), 11, scalars, cached=True,
                        BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, SPLIT=split,
-                       AHEAD=ahead, MXFP4=mx)
+                       AHEAD=ahead, MXFP4=mx, BIASED=v.b13, INTERLEAVED=v.interleaved, LIMIT=v.limit, ALPHA=v.alpha,
+                       UP_SHIFT=v.up_shift)
 
 
 def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,
@@ -193,7 +213,7 @@ def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num
     h = torch.empty(a, n, dtype=x.dtype, device=x.device)
     out = h if split == 1 else torch.empty(split * a, 2 * n, dtype=torch.float32, device=x.device)
     rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
-    launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, out, topk_ids.reshape(-1), *rows)
+    launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, out, topk_ids.reshape(-1), *rows, None)
     if split > 1:
         _glu_bound(split, a, n, x.device)(out, h)
     return h
@@ -229,7 +249,8 @@ def check_words_down(w2, split: int, num_warps: int = NUM_WARPS) -> None:
 def words_down_launch(w2, num_assignments: int, blocks: int, naive: bool, split: int, block_rows: int = 8,
                       num_warps: int = NUM_WARPS, ahead: int = 1) -> BoundLaunch:
     """The down launch (after ``check_words_down``): pointers (h in the dot order, q, scale, zero, y [split A, K]
-    (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded). Kept per kind."""
+    (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded, b2 (None: none)).
+    Kept per kind."""
     check_ahead(ahead)
     return _down_bound(tuple(w2.q.shape), w2.strides, w2.group_size, num_assignments, blocks, naive, split,
                        block_rows, num_warps, ahead, is_mx(w2))
@@ -237,15 +258,16 @@ def words_down_launch(w2, num_assignments: int, blocks: int, naive: bool, split:
 
 @functools.lru_cache(maxsize=256)
 def _down_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, blocks: int, naive: bool, split: int,
-                block_rows: int, num_warps: int, ahead: int, mx: bool = False) -> BoundLaunch:
+                block_rows: int, num_warps: int, ahead: int, mx: bool = False, biased: bool = False) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel
 
     num_experts, k, half_n = shape
     n = 2 * half_n
     qe, qr, _, se, sr, _, ze, zr, _ = strides
-    scalars = (k, n, num_assignments, num_experts, n // STEP // split, n, qe // 4, qr // 4, se, sr, ze, zr, k)
-    return BoundLaunch(down_words_kernel, (blocks * (k // (16 * num_warps)), split), 10, scalars, cached=True,
-                       BM=block_rows, GROUP=group, NAIVE=naive, SPLIT=split, num_warps=num_warps, AHEAD=ahead, MXFP4=mx)
+    scalars = (k, n, num_assignments, num_experts, n // STEP // split, n, qe // 4, qr // 4, se, sr, ze, zr, k, k)
+    return BoundLaunch(down_words_kernel, (blocks * (k // (16 * num_warps)), split), 11, scalars, cached=True,
+                       BM=block_rows, GROUP=group, NAIVE=naive, SPLIT=split, num_warps=num_warps, AHEAD=ahead, MXFP4=mx,
+                       BIASED=biased)
 
 
 def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout=None,
@@ -266,10 +288,10 @@ def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights
     xw = x_words(x)
     h = torch.empty(a, n, dtype=x.dtype, device=x.device)
     gate_up = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, h_order=True, ahead=ahead)
-    gate_up(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, ids, *rows)
+    gate_up(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, ids, *rows, None)
     y = torch.empty(split * a, k, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     down = words_down_launch(w2, a, blocks, naive, split, block_rows, ahead=ahead)
-    down(h, w2.q, w2.scale, w2.zero, y, topk_weights.reshape(-1).float(), ids, *rows)
+    down(h, w2.q, w2.scale, w2.zero, y, topk_weights.reshape(-1).float(), ids, *rows, None)
     out = torch.empty_like(x)
     _sum_bound(num_tokens, k, top_k, w13.q.shape[0], split, x.device)(y, ids, ids, out)
     return out
@@ -339,51 +361,3 @@ def _align_plan(num_assignments: int, num_experts: int, device: torch.device):
     rows = -(-max_padded_rows(num_assignments, num_experts, 8) // 8) * 8  # whole blocks
     options = resolve_launch_options(LaunchOptions(dependent_launch=False), device)
     return plan_align(num_assignments, num_experts, 8, None, rows, options)
-
-
-_WORDS_SCHEMES = ("int4_w4a16", "mxfp4")
-
-
-def _refuse(scheme: str, expert_map, variant: bool, activation) -> None:
-    """Raise, naming what the words kernels do not run of the call (nothing: return)."""
-    from moekit.activations import as_spec
-
-    name = as_spec(activation).name
-    variant = variant or not as_spec(activation).plain
-    refused = [f"scheme {scheme}" * (scheme not in _WORDS_SCHEMES), "an expert_map" * (expert_map is not None),
-               "expert biases or an activation variant (gpt-oss's clamped SwiGLU)" * variant,
-               f"activation {name}" * (name != "silu")]
-    if any(refused):
-        raise ValueError("decode='gluon_words' runs int4_w4a16 or mxfp4 with plain silu, no expert_map and no expert "
-                         "biases, got " + ", ".join(r for r in refused if r))
-
-
-def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map,
-                      scheme: str, activation, b13=None, b2=None) -> torch.Tensor:
-    """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): int4 or mxfp4 (session
-    46) on the words kernels, the tiny-batch shortcut or 8-row aligned blocks, the down split by ``down_split``
-    (``triton_wo_words_lean.words_plan``); a repeated eager call of a kind launches its kept sequence
-    (``words_lean_call``) after the refusals alone. Refuses by name what they do not run (expert biases and activation
-    variants: gpt-oss's clamped SwiGLU and expert biases are not in the epilogues)."""
-    from moekit.experts.triton_wo_words_lean import run_words, words_lean_call
-    from moekit.experts.triton_wo_words_pad import needs_padding, words_weights
-
-    if scheme not in _WORDS_SCHEMES or expert_map is not None or b13 is not None or b2 is not None or (
-            activation != "silu"):
-        _refuse(scheme, expert_map, b13 is not None or b2 is not None, activation)
-    cols = None  # the kernels' reduction: x's K, or the padded copy's K'
-    if needs_padding(x, w13):  # mxfp4 at K or N no multiple of 256 (gpt-oss's 2880): the kept padded copy
-        check_words_x_k(x, w13)
-        w13, w2 = words_weights(w13, w2)
-        cols = 2 * w13.q.shape[2]
-    out = words_lean_call(x, w13, w2, topk_ids, topk_weights)
-    if out is not None:
-        return out
-    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
-    if ids.numel() == 0 or x.shape[1] == 0:
-        return x.new_zeros(x.shape)
-    if x.device.type != "cuda":
-        raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
-    check_words(x, w13, ids.shape[1], cols=cols)
-    check_words_down(w2, 1)
-    return run_words(x, w13, w2, ids, weights)

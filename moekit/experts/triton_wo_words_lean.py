@@ -33,6 +33,7 @@ import torch
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_lean import IDS, OUT, WEIGHTS, X, _Slot, record_launches
 from moekit.experts.triton_wo import LEAN_WORKSPACES
+from moekit.experts.triton_wo_words import PLAIN, WordsVariant
 from moekit.triton_bind import BoundLaunch, current_stream
 
 MAX_KEPT = 1024  # kinds of call x weights kept; the oldest goes first
@@ -54,15 +55,16 @@ class WordsPlan:
     k_sum: BoundLaunch  # y, ids, ids (no map), out
 
 
-def _plan_key(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int) -> tuple:
+def _plan_key(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int, variant) -> tuple:
     return (x.shape, x.dtype, x.device, ids.shape, ids.dtype, tuple(w13.q.shape), w13.strides, w13.group_size,
-            w13.scale.dtype, tuple(w2.q.shape), w2.strides, w2.group_size, w2.scale.dtype, ahead)
+            w13.scale.dtype, tuple(w2.q.shape), w2.strides, w2.group_size, w2.scale.dtype, ahead, variant)
 
 
-def words_plan(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int = 1) -> WordsPlan:
+def words_plan(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int = 1,
+               variant: WordsVariant = PLAIN) -> WordsPlan:
     """The plan of this call's kind (its checks passed: ``triton_wo_words.check_words`` / ``check_words_down``),
-    built now if new."""
-    key = _plan_key(x, w13, w2, ids, ahead)
+    built now if new; ``variant``: the epilogues' (``WordsVariant``)."""
+    key = _plan_key(x, w13, w2, ids, ahead, variant)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= MAX_PLANS:
@@ -72,7 +74,7 @@ def words_plan(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int = 1) -> W
 
 
 def _plan(x_shape, x_dtype, device, ids_shape, ids_dtype, q13_shape, s13, g13, d13, q2_shape, s2, g2, d2,
-          ahead: int) -> WordsPlan:
+          ahead: int, variant) -> WordsPlan:
     from moekit.experts._kernels.words_x import x_words_kernel
     from moekit.experts.triton_wo_words import (
         _align_plan, _down_bound, _gate_up_bound, _sum_bound, down_split, words_layout_naive, x_words_launch,
@@ -93,15 +95,16 @@ def _plan(x_shape, x_dtype, device, ids_shape, ids_dtype, q13_shape, s13, g13, d
         WorkspaceSpec.of(regions),
         align,
         x_words_launch(x_words_kernel, m, k, padded),
-        _gate_up_bound(q13_shape, s13, g13, a, top_k, blocks, naive, 8, 4, True, 1, ahead, mx13),
-        _down_bound(q2_shape, s2, g2, a, blocks, naive, split, 8, 4, ahead, mx2),
+        _gate_up_bound(q13_shape, s13, g13, a, top_k, blocks, naive, 8, 4, True, 1, ahead, mx13, variant),
+        _down_bound(q2_shape, s2, g2, a, blocks, naive, split, 8, 4, ahead, mx2, variant.b2),
         _sum_bound(m, k, top_k, num_experts, split, device))
 
 
-def words_launches(plan: WordsPlan, b: dict, x, ids, weights, out, w13, w2) -> list:
+def words_launches(plan: WordsPlan, b: dict, x, ids, weights, out, w13, w2, b13=None, b2=None) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment (none at the shortcut), x in the
     dot order, the gate-up storing h in it, the down GEMM, the k-sum. ``b``: the workspace's regions; x, ids
-    (contiguous [M, k]: the kernels read it flat), weights (float32 [M, k]) and out may be stand-ins."""
+    (contiguous [M, k]: the kernels read it flat), weights (float32 [M, k]) and out may be stand-ins; b13 / b2
+    (contiguous) where the plan's variant has them."""
     from moekit.experts.triton_align import align_launches
 
     launches, rows = [], (None, None, None)
@@ -109,8 +112,8 @@ def words_launches(plan: WordsPlan, b: dict, x, ids, weights, out, w13, w2) -> l
         launches = align_launches(plan.align, ids, ids, b)
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
     return launches + [(plan.x_words, (x, b["xw"], b["xs"])),
-                       (plan.gate_up, (b["xw"], b["xs"], w13.q, w13.scale, w13.zero, b["h"], ids, *rows)),
-                       (plan.down, (b["h"], w2.q, w2.scale, w2.zero, b["y"], weights, ids, *rows)),
+                       (plan.gate_up, (b["xw"], b["xs"], w13.q, w13.scale, w13.zero, b["h"], ids, *rows, b13)),
+                       (plan.down, (b["h"], w2.q, w2.scale, w2.zero, b["y"], weights, ids, *rows, b2)),
                        (plan.k_sum, (b["y"], ids, ids, out))]
 
 
@@ -124,26 +127,32 @@ class Kept:
         self.sequence, self.state, self.generation, self.stream = sequence, state, generation, stream
 
 
-def _key(x, w13, w2, ids, ahead: int) -> tuple:
-    return id(w13.q), id(w2.q), x.shape, ids.shape, x.dtype, ids.dtype, x.device, ahead, threading.get_ident()
+def _key(x, w13, w2, ids, ahead: int, variant) -> tuple:
+    return id(w13.q), id(w2.q), x.shape, ids.shape, x.dtype, ids.dtype, x.device, ahead, variant, threading.get_ident()
+
+
+def _state(w13, w2, b13, b2) -> tuple:
+    """What a kept sequence holds of the weights and biases: addresses (mxfp4 scales and biases: their versions too,
+    what the checks read / what a bias update changes nowhere else)."""
+    return (*weight_state(w13), *weight_state(w2), *((None,) if b13 is None else (b13.data_ptr(), b13._version)),
+            *((None,) if b2 is None else (b2.data_ptr(), b2._version)))
 
 
 def words_lean_call(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor,
-                    ahead: int = 1) -> torch.Tensor | None:
+                    variant: WordsVariant = PLAIN, b13=None, b2=None, ahead: int = 1) -> torch.Tensor | None:
     """out [M, K] launched from the kept entry of this call, or None (a miss: the caller checks the call and runs
     ``run_words``, which keeps it). An entry is kept only by a checked call (``run_experts_words``) whose plan's key
     holds what the checks read of the weights (shapes, strides, dtypes, groups: the same tensors at the same
     addresses here); a hit asks what ``triton_quant_fast`` asks: the weights' addresses (mxfp4: its scales'
     versions) unchanged, the pool's buffers kept, the same stream, no capture, no launch hook, x / ids / weights
     contiguous and 16-byte aligned, weights float32."""
-    kept = _KEPT.get(_key(x, w13, w2, ids, ahead))
+    kept = _KEPT.get(_key(x, w13, w2, ids, ahead, variant))
     if kept is None or kept.q13() is not w13.q or kept.generation != LEAN_WORKSPACES.generation:
         return None
     if weights.dtype is not torch.float32 or not (x.is_contiguous() and ids.is_contiguous() and
                                                   weights.is_contiguous()):
         return None
-    if (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15 or kept.state != (*weight_state(w13),
-                                                                                    *weight_state(w2)):
+    if (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15 or kept.state != _state(w13, w2, b13, b2):
         return None
     stream = None
     if kept.stream is not None:
@@ -160,24 +169,25 @@ def words_lean_call(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.
     return out
 
 
-def run_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, ahead: int = 1) -> torch.Tensor:
-    """out [M, K] of a words call (checked by the caller; ids, weights contiguous): recorded and kept where it can be
-    lean (module doc), else the plan's launches on fresh regions."""
+def run_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, ahead: int = 1,
+              variant: WordsVariant = PLAIN, b13=None, b2=None) -> torch.Tensor:
+    """out [M, K] of a words call (checked by the caller; ids, weights, b13, b2 contiguous): recorded and kept where
+    it can be lean (module doc), else the plan's launches on fresh regions."""
     if weights.dtype != torch.float32:
         weights = weights.float()  # the down GEMM's routed weights
-    plan = words_plan(x, w13, w2, ids, ahead)
+    plan = words_plan(x, w13, w2, ids, ahead, variant)
     out = torch.empty_like(x)  # [M, K]
-    sequence = _record(plan, x, ids, weights, w13, w2, ahead)
+    sequence = _record(plan, x, ids, weights, w13, w2, ahead, variant, b13, b2)
     if sequence is not None:
         sequence.launch((x, ids, weights, out))
         return out
     b = plan.workspace.allocate(x.device)  # fresh: graph-safe, never aliased by what is returned
-    for launch, pointers in words_launches(plan, b, x, ids, weights, out, w13, w2):
+    for launch, pointers in words_launches(plan, b, x, ids, weights, out, w13, w2, b13, b2):
         launch(*pointers)
     return out
 
 
-def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int):
+def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int, variant, b13, b2):
     """The plan's launches recorded over this thread's pooled workspace and kept for this call's key, or None where
     the call is not lean (module doc; a launch not compiled yet: this call compiles it)."""
     pool = LEAN_WORKSPACES
@@ -187,7 +197,7 @@ def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int):
         return None
     views = pool.pooled(plan.workspace, x.device)
     generation = pool.generation  # after the views: a buffer grown for them is the one recorded
-    launches = words_launches(plan, views, _Slot(X), _Slot(IDS), _Slot(WEIGHTS), _Slot(OUT), w13, w2)
+    launches = words_launches(plan, views, _Slot(X), _Slot(IDS), _Slot(WEIGHTS), _Slot(OUT), w13, w2, b13, b2)
     sequence = record_launches(launches, views, None)
     if sequence is None or (sequence.raw and not sequence.hooks.idle()):
         return None
@@ -195,8 +205,8 @@ def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int):
     with _lock:
         if len(_KEPT) >= MAX_KEPT:
             _KEPT.pop(next(iter(_KEPT)), None)
-        _KEPT[_key(x, w13, w2, ids, ahead)] = Kept(w13.q, sequence, (*weight_state(w13), *weight_state(w2)),
-                                                   generation, stream)
+        _KEPT[_key(x, w13, w2, ids, ahead, variant)] = Kept(w13.q, sequence, _state(w13, w2, b13, b2), generation,
+                                                            stream)
     return sequence
 
 

@@ -43,6 +43,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from moekit.experts._kernels.words_glu import store_h, stored_column  # noqa: F401  (stored_column: re-exported)
 from moekit.experts._kernels.words_mx import mx_multipliers, mx_pairs
 
 STEP_WORDS = gl.constexpr(32)  # words of a row a step: 256 int4 columns, 128 bytes
@@ -135,16 +136,6 @@ def x_halves(xp, b_layout: gl.constexpr):
     v = gl.permute(v, [4, 5, 6, 7, 1, 2, 8, 0, 3])  # [d6, d5, d4, d3, d2, d1, d0, n, d7]
     lo, hi = gl.split(gl.reshape(v, [128, BM, 2]))
     return gl.convert_layout(lo, b_layout), gl.convert_layout(hi, b_layout)
-
-
-@gluon.jit
-def stored_column(col):
-    """Where column ``col`` of an activation row lies in the stored dot order (``triton_wo_words.x_words``): its
-    step's column 128 c + 32 q + 8 j + 4 p + 2 h + g at 64 q + 32 c + 8 j + 4 h + 2 g + p."""
-    t = col & 255  # the column in its step (STEP 256; a plain int: the tests run this on torch)
-    c, q, j = (t >> 7) & 1, (t >> 5) & 3, (t >> 3) & 3
-    p, h, g = (t >> 2) & 1, (t >> 1) & 1, t & 1
-    return col - t + 64 * q + 32 * c + 8 * j + 4 * h + 2 * g + p
 
 
 @gluon.jit
@@ -313,13 +304,18 @@ def block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, n
 def gate_up_words_kernel(
     x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x_words [M, K] bf16, xsum [M, K / 128] f32; w13; h [A, N]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,  # the routing (NAIVE: ids alone) and aligned layout
+    b13_ptr,  # the expert biases [E, 2N] (w13's row order) where BIASED, else unread
     N, K, num_assignments, top_k, num_experts,
-    stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,  # q in words
+    stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm, stride_be,
     BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, num_warps: gl.constexpr,
     H_ORDER: gl.constexpr = False,  # h stored in the dot order the down GEMM reads (``stored_column``)
     SPLIT: gl.constexpr = 1,  # > 1: grid axis 1 = split s of K's steps; h_ptr the float32 partials p [SPLIT A, 2N]
     AHEAD: gl.constexpr = 1,  # steps of words in flight (``words_loop``): 2 selectable, unmeasured
     MXFP4: gl.constexpr = False,  # q mxfp4 codes, s_ptr its e8m0 scales (``words_mx``); z_ptr, xsum_ptr unread
+    # the activation variant (``words_glu.store_h``; SPLIT 1 only): b13 added, w13's rows interleaved (gate i at 2i,
+    # up i at 2i + 1: gpt-oss), gate <= LIMIT and |up| <= LIMIT (0: none), h = gate sigmoid(ALPHA gate) (up + UP_SHIFT)
+    BIASED: gl.constexpr = False, INTERLEAVED: gl.constexpr = False, LIMIT: gl.constexpr = 0.0,
+    ALPHA: gl.constexpr = 1.0, UP_SHIFT: gl.constexpr = 0.0,
 ):
     """h = silu(x w_gate^T) * (x w_up^T) of one block's rows and 8 num_warps gate columns (module doc). Grid:
     (blocks * N / (8 num_warps), SPLIT); N a multiple of 8 num_warps, K / 256 of SPLIT, GROUP of 128
@@ -333,16 +329,18 @@ def gate_up_words_kernel(
     expert, rows_x, rows_c = block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                         num_assignments, BM, NAIVE, x_layout, mma)
     if (expert >= 0) & (expert < num_experts):
-        _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
-               stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-               GROUP, num_warps, H_ORDER, SPLIT, AHEAD, MXFP4)
+        _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, b13_ptr, expert, rows_x, rows_c, n0, N, K,
+               num_assignments, top_k, stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze,
+               stride_zr, stride_hm, stride_be, GROUP, num_warps, H_ORDER, SPLIT, AHEAD, MXFP4, BIASED, INTERLEAVED,
+               LIMIT, ALPHA, UP_SHIFT)
 
 
 @gluon.jit
-def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
-           stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-           GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr,
-           AHEAD: gl.constexpr, MXFP4: gl.constexpr):
+def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, b13_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments,
+           top_k, stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
+           stride_be, GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr,
+           AHEAD: gl.constexpr, MXFP4: gl.constexpr, BIASED: gl.constexpr, INTERLEAVED: gl.constexpr,
+           LIMIT: gl.constexpr, ALPHA: gl.constexpr, UP_SHIFT: gl.constexpr):
     """The program's h tile: rows_x / rows_c [BM] its block's assignments (A past the end) in the x load's and the
     accumulator's layouts, n0 its first gate column (module doc)."""
     BM: gl.constexpr = rows_x.type.shape[0]
@@ -354,9 +352,13 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, 
     # the words load [16 W, 32] as tile row u = 8 W v + 8 w + g (v: register, w: warp, g: lane group): operand row
     # 16 w + 8 v + g (``operand_rows``), i.e. w13 row n0 + 8 w + g, plus N for the up rows (v = 1)
     u = gl.arange(0, R, layout=gl.SliceLayout(1, w_layout))
-    w13_w = n0 + 8 * (u // 8 % num_warps) + u % 8 + (u // (8 * num_warps)) * N
     r_c = gl.arange(0, R, layout=gl.SliceLayout(1, mma))  # operand row 16 w + 8 v + g: the same w13 row
-    w13_c = n0 + 8 * (r_c // 16) + r_c % 8 + (r_c % 16 // 8) * N
+    if INTERLEAVED:  # gate i at w13 row 2i, up i at 2i + 1
+        w13_w = 2 * (n0 + 8 * (u // 8 % num_warps) + u % 8) + u // (8 * num_warps)
+        w13_c = 2 * (n0 + 8 * (r_c // 16) + r_c % 8) + r_c % 16 // 8
+    else:
+        w13_w = n0 + 8 * (u // 8 % num_warps) + u % 8 + (u // (8 * num_warps)) * N
+        w13_c = n0 + 8 * (r_c // 16) + r_c % 8 + (r_c % 16 // 8) * N
     steps = K // STEP // SPLIT  # the split's steps
     col0 = gl.program_id(1) * steps * STEP  # this split's first column
     words = q_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert.to(gl.int64) * stride_qe + col0 // 8
@@ -379,21 +381,5 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, 
         magic = 0x43004300 + (K >> 31)  # bf16x2 128.0 (K >= 0), a value ptxas holds in a register
         acc = words_loop(acc, w_ptrs, x_ptrs, steps, col0, magic, magic, s_rows, z_rows, xs_rows, row_ok, row_ok, ok_c,
                          GROUP, 0, num_warps, AHEAD)
-    # acc rows: warp w's gate rows then up rows -> gate, up [8 W, BM], each thread both of its outputs
-    both = gl.permute(gl.reshape(acc, [num_warps, 2, 8, BM]), [0, 2, 3, 1])  # [W, 8, BM, gate / up]
-    gate, up = gl.split(both)
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
-    cols_o = n0 + gl.arange(0, 8 * num_warps, layout=gl.SliceLayout(1, out_layout))
-    rows_o = gl.convert_layout(rows_c, gl.SliceLayout(0, out_layout))
-    ok_o = gl.convert_layout(ok_c, gl.SliceLayout(0, out_layout))[None, :] & (cols_o < N)[:, None]
-    if SPLIT > 1:  # this split's float32 sums, gate then up (module doc)
-        p_rows = h_ptr + (gl.program_id(1) * num_assignments + rows_o)[None, :].to(gl.int64) * stride_hm
-        gl.store(p_rows + cols_o[:, None], gl.convert_layout(gl.reshape(gate, [8 * num_warps, BM]), out_layout),
-                 mask=ok_o)
-        gl.store(p_rows + N + cols_o[:, None], gl.convert_layout(gl.reshape(up, [8 * num_warps, BM]), out_layout),
-                 mask=ok_o)
-    else:
-        h = gl.convert_layout(gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * num_warps, BM]), out_layout)
-        if H_ORDER:
-            cols_o = stored_column(cols_o)
-        gl.store(h_ptr + rows_o[None, :] * stride_hm + cols_o[:, None], h.to(h_ptr.dtype.element_ty), mask=ok_o)
+    store_h(acc, h_ptr, b13_ptr, expert, w13_c, row_ok, rows_c, ok_c, r_c % 16 // 8, n0, N, num_assignments,
+            stride_hm, stride_be, num_warps, H_ORDER, SPLIT, BIASED, LIMIT, ALPHA, UP_SHIFT)
