@@ -3,6 +3,7 @@
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/wl46_device_check.py --out $OUT/wl46 --deadline 72     # GPU
     PYTHONPATH=$PWD python3 benchmarks/wl46_device_check.py --smoke     # CPU, interpreted: the pick and twin only
+    ... wl46_device_check.py --out $OUT/wl46b --deadline 72 --presets gpt-oss-20b    # its cells alone (CK2)
 
 Cells: DeepSeek-V3 M = 1, Mixtral M = 8, DeepSeek-V3 M = 8, Mixtral M = 1, each in int4_w4a16 then mxfp4 (random
 codes; int4 random scales and zero points, groups of 128; mxfp4 e8m0 scales around the unit-variance one), then
@@ -201,7 +202,8 @@ def main(args) -> int:
         if args.out:
             write_json(os.path.join(args.out, "wl46.json"), {**run_info(), "copy_tbps": copy_tbps, "cells": results})
 
-    RUN.each_cell(CELLS[:1] if SMOKE else CELLS, one, args.deadline - 8, after)
+    cells = [c for c in CELLS if not args.presets or c[0] in args.presets]
+    RUN.each_cell(cells[:1] if SMOKE else cells, one, args.deadline - 8, after)
     RUN.print_table()
     return 1 if RUN.failed else 0
 
@@ -211,4 +213,5 @@ if __name__ == "__main__":
     p.add_argument("--out", default="")
     p.add_argument("--deadline", type=float, default=72.0)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--presets", nargs="+", default=[], help="these presets' cells only (a second call: gpt-oss-20b)")
     sys.exit(main(p.parse_args()))
