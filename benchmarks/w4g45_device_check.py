@@ -53,9 +53,9 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.experts.triton_wo import dequantize_wo, fused_experts_wo_torch, run_experts_wo, wo_launches  # noqa: E402
 from moekit.experts.triton_wo_plan import weight_args, wo_plan_for  # noqa: E402
 from moekit.experts.triton_wo_words import (  # noqa: E402
-    NUM_WARPS, down_split, experts_words, gate_up_words, gate_up_words_torch, words_gate_up_launch, words_layout,
-    x_words,
+    NUM_WARPS, down_split, experts_words, gate_up_words, words_gate_up_launch, words_layout, x_words,
 )
+from moekit.experts.triton_wo_words_twin import gate_up_words_torch  # noqa: E402
 from moekit.layouts.block_aligned import align_block  # noqa: E402
 
 CELLS = (("mixtral-8x7b", 1), ("deepseek-v3", 1), ("mixtral-8x7b", 8), ("deepseek-v3", 8), ("qwen3-30b-a3b", 1))
@@ -194,7 +194,7 @@ def timed(label: str, s: Shape, sets: list, w13, a13, a2, layouts: list, calls: 
             blocks = a if lay.naive else lay.expert_ids.numel()
             launch = words_gate_up_launch(a13, a, c.topk_ids.shape[1], blocks, lay.naive, 8)
             rows = (None, None, None) if lay.naive else (lay.sorted_ids, lay.expert_ids, lay.num_padded)
-            ptrs = (xw.x, xw.sums, a13.q, a13.scale, a13.zero, h, c.topk_ids.reshape(-1), *rows)
+            ptrs = (xw.x, xw.sums, a13.q, a13.scale, a13.zero, h, c.topk_ids.reshape(-1), *rows, None)
             kernels.append(lambda launch=launch, ptrs=ptrs: launch(*ptrs))
         fns["kernel"] = kernels
     if "read" in calls:

@@ -10,6 +10,8 @@ opcodes, its loads by width, and any STS / LDS / SHFL (the operand must reach th
     ... w4g45_sass_cpu.py --ahead 2 naive down                                     # words two steps ahead
 
 ``--ahead 2`` compiles ``words_loop``'s AHEAD 2 (session 45, w4u45): its loop runs three steps (384 weights a thread).
+``--mxfp4`` compiles both kernels' mxfp4 decode (session 46, wl46: ``_kernels/words_mx.py``; uint8 e8m0 scales, one a
+32 columns, no zero points); ``--variant`` gpt-oss's epilogues (b13 / b2, interleaved rows, the clamped SwiGLU).
 """
 
 from __future__ import annotations
@@ -39,40 +41,57 @@ def _tools() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_down(bm: int, naive: bool, split: int, num_warps: int, ahead: int = 1):
+def _groups(mx: bool) -> tuple[int, torch.dtype]:
+    """(columns a scale, the scales' dtype): mxfp4's e8m0 bytes of 32, else int4's float32 of 128."""
+    return (32, torch.uint8) if mx else (128, torch.float32)
+
+
+def compile_down(bm: int, naive: bool, split: int, num_warps: int, ahead: int = 1, mx: bool = False,
+                 variant: bool = False):
     """The down kernel at Mixtral's shape (w2 [8, 4096, 14336]), 14 steps a split."""
     from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel as kernel
 
     n, k, e = 14336, 4096, 8
+    g, sd = _groups(mx)
     t = lambda dtype: torch.empty(16, dtype=dtype)  # noqa: E731
-    args = dict(h_ptr=t(torch.bfloat16), q_ptr=t(torch.uint8), s_ptr=t(torch.float32), z_ptr=t(torch.uint8),
+    args = dict(h_ptr=t(torch.bfloat16), q_ptr=t(torch.uint8), s_ptr=t(sd), z_ptr=t(torch.uint8),
                 y_ptr=t(torch.float32 if split > 1 else torch.bfloat16), weights_ptr=t(torch.float32),
                 ids_ptr=t(torch.int32), sorted_ids_ptr=t(torch.int32), expert_ids_ptr=t(torch.int32),
-                num_padded_ptr=t(torch.int32), K=k, N=n, num_assignments=2, num_experts=e, split_steps=14,
-                stride_hm=n, stride_qe=k * n // 8, stride_qr=n // 8, stride_se=k * n // 128, stride_sr=n // 128,
-                stride_ze=k * n // 128, stride_zr=n // 128, stride_ym=k)
-    return _compiled(kernel, args, dict(BM=bm, GROUP=128, NAIVE=naive, SPLIT=split, num_warps=num_warps, AHEAD=ahead))
+                num_padded_ptr=t(torch.int32), b2_ptr=t(torch.float32), K=k, N=n,
+                num_assignments=2, num_experts=e, split_steps=14,
+                stride_hm=n, stride_qe=k * n // 8, stride_qr=n // 8, stride_se=k * n // g, stride_sr=n // g,
+                stride_ze=k * n // 128, stride_zr=n // 128, stride_ym=k, stride_be=k)
+    return _compiled(kernel, args, dict(BM=bm, GROUP=g, NAIVE=naive, SPLIT=split, num_warps=num_warps, AHEAD=ahead,
+                                        MXFP4=mx, BIASED=variant))
 
 
 def _compiled(kernel, args: dict, const: dict):
     # what a launch specialises: tensors' 16-byte alignment, integers divisible by 16
-    aligned = [name for name, v in args.items() if isinstance(v, torch.Tensor) or v % 16 == 0]
+    aligned = [name for name, v in args.items() if isinstance(v, torch.Tensor) or (v is not None and v % 16 == 0)]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     return compile_gluon_sm90(kernel, args, const, const["num_warps"], attrs=attrs)
 
 
-def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1, ahead: int = 1):
+def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1, ahead: int = 1, mx: bool = False,
+                 variant: bool = False):
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel as kernel
 
     n, k, e = 14336, 4096, 8
+    g, sd = _groups(mx)
     t = lambda dtype: torch.empty(16, dtype=dtype)  # noqa: E731
-    args = dict(x_ptr=t(torch.bfloat16), xsum_ptr=t(torch.float32), q_ptr=t(torch.uint8), s_ptr=t(torch.float32),
+    args = dict(x_ptr=t(torch.bfloat16), xsum_ptr=t(torch.float32), q_ptr=t(torch.uint8), s_ptr=t(sd),
                 z_ptr=t(torch.uint8), h_ptr=t(torch.bfloat16), ids_ptr=t(torch.int32), sorted_ids_ptr=t(torch.int32),
-                expert_ids_ptr=t(torch.int32), num_padded_ptr=t(torch.int32), N=n, K=k, num_assignments=2, top_k=2,
+                expert_ids_ptr=t(torch.int32), num_padded_ptr=t(torch.int32),
+                b13_ptr=t(torch.float32), N=n, K=k, num_assignments=2, top_k=2,
                 num_experts=e, stride_xm=k, stride_xsm=k // 128, stride_qe=2 * n * k // 8, stride_qr=k // 8,
-                stride_se=2 * n * k // 128, stride_sr=k // 128, stride_ze=2 * n * k // 128, stride_zr=k // 128,
-                stride_hm=n)
-    const = dict(BM=bm, GROUP=128, NAIVE=naive, num_warps=num_warps, H_ORDER=split == 1, SPLIT=split, AHEAD=ahead)
+                stride_se=2 * n * k // g, stride_sr=k // g, stride_ze=2 * n * k // 128, stride_zr=k // 128,
+                stride_hm=n, stride_be=2 * n)
+    const = dict(BM=bm, GROUP=g, NAIVE=naive, num_warps=num_warps, H_ORDER=split == 1, SPLIT=split, AHEAD=ahead,
+                 MXFP4=mx)
+    # every constexpr by value (this compile takes no defaults): plain SiLU, or gpt-oss's b13, interleaved rows and
+    # clamped SwiGLU
+    const.update(BIASED=variant, INTERLEAVED=variant, LIMIT=7.0 if variant else 0.0, ALPHA=1.702 if variant else 1.0,
+                 UP_SHIFT=1.0 if variant else 0.0)
     return _compiled(kernel, args, const)
 
 
@@ -92,11 +111,12 @@ def loop_ops(sass: str) -> list[str]:
     return found
 
 
-def report(name: str, bm: int, naive: bool, num_warps: int, ahead: int = 1) -> str:
+def report(name: str, bm: int, naive: bool, num_warps: int, ahead: int = 1, mx: bool = False,
+           variant: bool = False) -> str:
     if name.startswith("down"):
-        out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps, ahead)
+        out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps, ahead, mx, variant)
     else:
-        out = compile_case(bm, naive, num_warps, 2 if name == "naive-split" else 1, ahead)
+        out = compile_case(bm, naive, num_warps, 2 if name == "naive-split" else 1, ahead, mx, variant)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(out.asm["cubin"])
         f.flush()
@@ -110,7 +130,8 @@ def report(name: str, bm: int, naive: bool, num_warps: int, ahead: int = 1) -> s
     loads = dict(Counter(o for o in ops if o.startswith("LDG")))
     hops = sum(o.startswith(("STS", "LDS", "SHFL", "STL", "LDL")) for o in ops)
     weights = WEIGHTS_A_STEP * (ahead + 1)  # the loop's steps: 2 (AHEAD 1), 3 (AHEAD 2)
-    return (f"{name} ahead {ahead}: registers {regs.group(1)}, stack {regs.group(2)} B; loop {len(ops)} "
+    label = name + " mxfp4" * mx + " variant" * variant
+    return (f"{label} ahead {ahead}: registers {regs.group(1)}, stack {regs.group(2)} B; loop {len(ops)} "
             f"instructions, {len(ops) / weights:.2f} a weight ({bm} tokens a block), "
             f"STS/LDS/SHFL/local in the loop {hops}; {top}; loads {loads}")
 
@@ -119,15 +140,15 @@ def main() -> int:
     import triton
 
     print("triton", triton.__version__, flush=True)
-    names = sys.argv[1:]
-    ahead = 1
+    names = [n for n in sys.argv[1:] if n not in ("--mxfp4", "--variant")]
+    mx, variant, ahead = "--mxfp4" in sys.argv, "--variant" in sys.argv, 1
     if "--ahead" in names:
         i = names.index("--ahead")
         ahead = int(names[i + 1])
         names = names[:i] + names[i + 2:]
     for case in CASES:
         if not names or case[0] in names:
-            print(report(*case, ahead=ahead), flush=True)
+            print(report(*case, ahead=ahead, mx=mx, variant=variant), flush=True)
     return 0
 
 

@@ -19,8 +19,10 @@ import torch
 from moekit.experts.triton_wo_plan import weight_args
 from moekit.experts._kernels.gluon_wo_words import stored_column
 from moekit.experts.triton_wo_words import (
-    check_ahead, check_words, check_words_down, dot_columns, down_split, exact_half_torch, gate_up_words_torch,
-    stored_dot_columns, weight_halves_torch, x_halves_torch, x_words, x_words_torch,
+    check_ahead, check_words, check_words_down, dot_columns, down_split, stored_dot_columns, x_words, x_words_torch,
+)
+from moekit.experts.triton_wo_words_twin import (
+    exact_half_torch, gate_up_words_torch, weight_halves_torch, x_halves_torch,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +169,7 @@ def test_down_split_takes_the_fewest_splits_that_fill_the_device():
     assert down_split(512, 128, 1) == 2  # too few programs at any split: the finest
 
 
-@pytest.mark.parametrize("scheme, named", [("cpu", "CUDA"), ("mxfp4", "int4_w4a16"), ("map", "expert_map")])
+@pytest.mark.parametrize("scheme, named", [("cpu", "CUDA"), ("int8", "int4_w4a16 or mxfp4"), ("map", "expert_map")])
 def test_the_selectable_decode_refuses_what_it_does_not_run(scheme, named):
     from moekit.experts.triton_wo import run_experts_wo
 
@@ -176,7 +178,7 @@ def test_the_selectable_decode_refuses_what_it_does_not_run(scheme, named):
     x, ids, weights = torch.zeros(1, k, dtype=torch.bfloat16), torch.tensor([[0, 1]]), torch.ones(1, 2)
     expert_map = torch.arange(4) if scheme == "map" else None
     with pytest.raises(ValueError, match=named):
-        run_experts_wo(x, w13, w2, ids, weights, expert_map, "mxfp4" if scheme == "mxfp4" else "int4_w4a16",
+        run_experts_wo(x, w13, w2, ids, weights, expert_map, "int8_w8a16" if scheme == "int8" else "int4_w4a16",
                        decode="gluon_words")
 
 

@@ -10,14 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gluon_fakes import FakeKernel
-from moekit.experts._kernels.gluon_wo_words import stored_column
+from _words_fakes import E, GROUP, K, N, rel, routing, stand_ins  # noqa: F401  (a fixture)
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo_torch
 from moekit.experts.triton_wo_plan import weight_args
 from moekit.layouts.block_aligned import align_block
-from moekit.quant.base import unpack_nibbles
-
-E, N, K, GROUP = 8, 512, 512, 128
 
 
 def _weights(rows: int, cols: int, seed: int) -> WoWeight:
@@ -28,91 +24,18 @@ def _weights(rows: int, cols: int, seed: int) -> WoWeight:
     return WoWeight("int4_w4a16", q, scale, zero, GROUP)
 
 
-def _dequant(q, s, z, e: int, cols: int) -> torch.Tensor:
-    per = lambda t: t[e].double().repeat_interleave(GROUP, -1)[:, :cols]  # noqa: E731
-    return (unpack_nibbles(q[e], cols).double() - per(z)) * per(s)
-
-
-def _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM, NAIVE):
-    """(expert, assignments) of each block the kernels run (``gluon_wo_words.block_rows``)."""
-    if NAIVE:
-        return [(int(e), [a]) for a, e in enumerate(ids_ptr.tolist())]
-    used = int(num_padded_ptr[0]) // BM
-    return [(int(expert_ids_ptr[b]), [a for a in sorted_ids_ptr[b * BM:(b + 1) * BM].tolist() if a < num_assignments])
-            for b in range(used)]
-
-
-def _gate_up(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-             N, K, num_assignments, top_k, BM, NAIVE, H_ORDER, SPLIT, **_):
-    order = stored_column.fn(torch.arange(K))
-    x = x_ptr[:, order].double()  # the stored activations back in column order
-    for expert, rows in _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM, NAIVE):
-        w = _dequant(q_ptr, s_ptr, z_ptr, expert, K)  # [2N, K]
-        for a in rows:
-            parts = [w[:, s * K // SPLIT:(s + 1) * K // SPLIT] @ x[a // top_k, s * K // SPLIT:(s + 1) * K // SPLIT]
-                     for s in range(SPLIT)]
-            if SPLIT > 1:
-                for s, p in enumerate(parts):
-                    h_ptr[s * num_assignments + a] = p.float()
-            else:
-                h = torch.nn.functional.silu(parts[0][:N]) * parts[0][N:]
-                h_ptr[a, stored_column.fn(torch.arange(N)) if H_ORDER else torch.arange(N)] = h.to(h_ptr.dtype)
-
-
-def _down(h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-          K, N, num_assignments, split_steps, BM, NAIVE, SPLIT, **_):
-    h = h_ptr[:, stored_column.fn(torch.arange(N))].double()  # the gate-up's stored order back in column order
-    cols = split_steps * 256
-    for expert, rows in _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments, BM, NAIVE):
-        w = _dequant(q_ptr, s_ptr, z_ptr, expert, N)  # [K, N]
-        for a in rows:
-            for s in range(SPLIT):
-                part = w[:, s * cols:(s + 1) * cols] @ h[a, s * cols:(s + 1) * cols]
-                y_ptr[s * num_assignments + a] = (part * float(weights_ptr[a])).to(y_ptr.dtype)
-
-
-@pytest.fixture
-def stand_ins(monkeypatch):
-    import moekit.experts._kernels.gluon_wo_words as up
-    import moekit.experts._kernels.gluon_wo_words_down as down
-    import moekit.experts.triton_wo_words as tw
-
-    fakes = {"gate_up": FakeKernel(up.gate_up_words_kernel, _gate_up),
-             "down": FakeKernel(down.down_words_kernel, _down)}
-    monkeypatch.setattr(up, "gate_up_words_kernel", fakes["gate_up"])
-    monkeypatch.setattr(down, "down_words_kernel", fakes["down"])
-    caches = (tw._gate_up_bound, tw._down_bound)
-    for cache in caches:
-        cache.cache_clear()
-    yield fakes
-    for cache in caches:  # the stand-ins' launches are not kept past the test
-        cache.cache_clear()
-
-
-def _call(m: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, K, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(m)]).int()
-    weights = torch.rand(m, 2, generator=g)
-    return x, ids, weights / weights.sum(1, keepdim=True)
-
-
-def _rel(out, ref) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 @pytest.mark.parametrize("m, split", [(1, 1), (1, 2), (5, 1), (5, 2)])  # the tiny-batch shortcut; 8-row blocks
 def test_the_words_call_matches_the_twin(stand_ins, m, split):
     from moekit.experts.triton_wo_words import experts_words
 
     w13, w2 = _weights(2 * N, K, 1), _weights(K, N, 2)
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    x, ids, weights = _call(m, m + split)
+    x, ids, weights = routing(m, m + split)
     layout = align_block(ids, E, 8)
     assert layout.naive == (m == 1)
     out = experts_words(x, a13, a2, ids, weights, layout, split)
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert _rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
+    assert rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
     (grid_up, up, _), = stand_ins["gate_up"].log
     (grid_down, down, _), = stand_ins["down"].log
     blocks = ids.numel() if m == 1 else layout.expert_ids.numel()
@@ -128,11 +51,11 @@ def test_the_words_in_flight_reach_both_kernels(stand_ins):
 
     w13, w2 = _weights(2 * N, K, 1), _weights(K, N, 2)
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    x, ids, weights = _call(5, 3)
+    x, ids, weights = routing(5, 3)
     layout = align_block(ids, E, 8)
     for ahead in (1, 2):
         out = experts_words(x, a13, a2, ids, weights, layout, 1, **({} if ahead == 1 else {"ahead": ahead}))
-        assert _rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
+        assert rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
         assert stand_ins["gate_up"].log[-1][1]["AHEAD"] == ahead and stand_ins["down"].log[-1][1]["AHEAD"] == ahead
 
 
@@ -142,12 +65,12 @@ def test_the_gate_up_alone_and_split_match_the_twin(stand_ins, split):
     from moekit.experts.triton_wo_words import gate_up_words
 
     w13 = _weights(2 * N, K, 3)
-    x, ids, _ = _call(5, 7)
+    x, ids, _ = routing(5, 7)
     h = gate_up_words(x, weight_args(w13.q, w13.scale, w13.zero, GROUP), ids, align_block(ids, E, 8), split=split)
     flat = ids.reshape(-1).long()
     want = torch.stack([apply_glu(x[a // 2].double() @ dequantize_wo(w13, K, int(e)).double().t(), "silu")
                         for a, e in enumerate(flat)])
-    assert h.shape == (10, N) and _rel(h, want) < 1e-2
+    assert h.shape == (10, N) and rel(h, want) < 1e-2
     (grid, bound, _), = stand_ins["gate_up"].log
     assert grid[1] == split and not bound["H_ORDER"]
     assert bound["h_ptr"].shape == ((10, N) if split == 1 else (split * 10, 2 * N))
@@ -160,10 +83,10 @@ def test_the_words_layout_matches_align_block_and_the_call_the_twin(stand_ins):
 
     w13, w2 = _weights(2 * N, K, 1), _weights(K, N, 2)
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    x, ids, weights = _call(1, 4)  # A = 2, E = 8: the shortcut
+    x, ids, weights = routing(1, 4)  # A = 2, E = 8: the shortcut
     assert words_layout(ids, E) is None
     out = experts_words(x, a13, a2, ids, weights, None, 1)
-    assert _rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
+    assert rel(out, fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-2
     (grid_up, up, _), = stand_ins["gate_up"].log
     assert up["NAIVE"] and grid_up == (ids.numel() * N // 32, 1, 1)
 
@@ -172,8 +95,8 @@ def test_the_words_layout_matches_align_block_and_the_call_the_twin(stand_ins):
                 for i in range(int(layout.num_padded[0]) // 8)]
         return sorted((int(layout.expert_ids[i]), sorted(r)) for i, r in enumerate(rows))
 
-    x, big, weights = _call(5, 5)  # A = 10 > E / 4: 8-row blocks by the Triton alignment, as align_block's
+    x, big, weights = routing(5, 5)  # A = 10 > E / 4: 8-row blocks by the Triton alignment, as align_block's
     aligned = words_layout(big, E)
     assert not aligned.naive and blocks(aligned, big.numel()) == blocks(align_block(big, E, 8), big.numel())
     out = experts_words(x, a13, a2, big, weights, aligned, 1)
-    assert _rel(out, fused_experts_wo_torch(x, w13, w2, big, weights)) < 1e-2
+    assert rel(out, fused_experts_wo_torch(x, w13, w2, big, weights)) < 1e-2

@@ -147,10 +147,14 @@ def run_experts_wo(
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
     "register", "mma", "gemv", "scratch" (``triton_wo_scratch``), "gluon" (``triton_gluon_wo``) or "gluon_words"
-    (``triton_wo_words``: int4, selectable only); None:
+    (``triton_wo_words``: int4 or mxfp4, selectable only; a repeated eager call lean); None:
     ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
     and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` and "scratch" (module docstring). Not an
     op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
+    if decode == "gluon_words":  # selectable only (issue 16, sessions 45-46): ``triton_wo_words``, its own checks
+        from moekit.experts.triton_wo_words_route import run_experts_words
+
+        return run_experts_words(x, w13, w2, topk_ids, topk_weights, expert_map, scheme, activation, b13, b2)
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -162,10 +166,6 @@ def run_experts_wo(
     if variant and decode == "gluon":
         raise ValueError("decode='gluon' takes no expert biases or activation variant: those run on "
                          "triton_wo_plan.VARIANT_DECODES or decode='scratch'")
-    if decode == "gluon_words":  # selectable only (issue 16, session 45): ``triton_wo_words``
-        from moekit.experts.triton_wo_words import run_experts_words
-
-        return run_experts_words(x, w13, w2, ids, weights, expert_map, scheme, activation, variant)
     if not variant and _runs_gluon(x, w13, w2, ids, scheme, activation, config, split_k, decode):  # triton_gluon_wo
         from moekit.experts.triton_gluon_wo import run_experts_wo_gluon
 
@@ -377,3 +377,6 @@ def clear_launch_caches() -> None:
     clear_scratch_plans()
     clear_op_plans()  # the alignment op's (``triton_align``)
     LEAN_WORKSPACES.clear()
+    from moekit.experts.triton_wo_words_lean import clear_words_plans  # decode "gluon_words"'s
+
+    clear_words_plans()

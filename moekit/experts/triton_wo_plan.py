@@ -21,7 +21,7 @@ Seven decodes of the packed weights (DECODES), each its own kernels and its own 
     gluon     ``triton_gluon_wo`` (int8 / int4 / mxfp4, Hopper with Gluon): warp-specialized Gluon GEMMs decoding
               each stored tile to bf16 in shared memory one step ahead of the wgmma (no fused plan:
               ``run_experts_wo`` diverts to it); taken where ``GLUON_WO_CELLS`` measured it faster, else selectable.
-    gluon_words ``triton_wo_words`` (int4, Gluon; session 45): the packed words by 16-byte loads straight into
+    gluon_words ``triton_wo_words`` (int4 session 45, mxfp4 46; Gluon): the packed words by 16-byte loads into
               mma.sync's register operand, K permuted so no operand moves; selectable only (no fused plan:
               ``run_experts_wo`` diverts to it), no default takes it before a device run measures it.
 ``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the

@@ -2,7 +2,10 @@
 "gluon_words", issue #16 target 1, session 45; the kernel: ``_kernels/gluon_wo_words.py``, whose module docstring
 gives the dot order): what it requires (``check_words``, refused by name), the activations in its order
 (``x_words``), the launch (``words_gate_up_launch``) and h of a call (``gate_up_words``). Selectable only: no
-default takes it until a device run measures it (``benchmarks/w4g45_device_check.py``).
+default takes it until a device run measures it (``benchmarks/w4g45_device_check.py``, ``wl46_device_check.py``).
+mxfp4 (session 46): the same words and dot order, the e8m0 scales in the decode (``_kernels/words_mx.py``, host side
+``triton_wo_words_mx``); the route's call as a plan with a lean launch: ``triton_wo_words_lean``; the kernels' operand
+order mirrored in torch: ``triton_wo_words_twin``.
 
     [align or the tiny-batch shortcut] -> x_words (x in the dot order, its 128-column sums) -> gate_up_words_kernel -> h
 
@@ -67,32 +70,59 @@ def x_words(x: torch.Tensor) -> XWords:
 
     m, k = x.shape
     out = XWords(torch.empty_like(x), torch.empty(m, k // 128, dtype=torch.float32, device=x.device))
-    launch = _x_words_launch(x_words_kernel, m, k)
+    launch = x_words_launch(x_words_kernel, m, k, k)
     launch(x, out.x, out.sums)
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def _x_words_launch(kernel, m: int, k: int) -> BoundLaunch:
-    return BoundLaunch(kernel, (m, k // STEP), 3, (k, k, k // 128), cached=True, num_warps=4)
+def x_words_launch(kernel, m: int, k: int, padded: int) -> BoundLaunch:
+    """The reorder of x [m, k] into [m, padded] (zeros past k) and its sums [m, padded / 128]: pointers x, out,
+    sums."""
+    return BoundLaunch(kernel, (m, padded // STEP), 3, (k, k, padded, padded // 128), cached=True, num_warps=4)
+
+
+def is_mx(w) -> bool:
+    """Whether a ``WeightArgs`` is mxfp4 (e8m0 scales, no zero points) rather than int4."""
+    return w.scale.dtype == torch.uint8
+
+
+def _check_scheme(w, name: str, cols: int) -> None:
+    """int4 (uint8 codes, zero points, groups of a multiple of 128 dividing the reduction ``cols``) or mxfp4 (uint8
+    codes, e8m0 scales of 32 whose factors the decode holds: ``triton_wo_words_mx.check_mx_scales``), by name."""
+    if w.q.dtype != torch.uint8 or 2 * w.q.shape[2] != cols or w.zero.dtype != torch.uint8:
+        raise ValueError(f"decode='gluon_words' runs int4_w4a16 (with zero points) or mxfp4: {name}.q uint8 with "
+                         f"{cols} / 2 bytes a row, got {w.q.dtype} {tuple(w.q.shape)}")
+    if is_mx(w):
+        from moekit.experts.triton_wo_words_mx import check_mx_scales
+
+        if w.group_size != 32:
+            raise ValueError(f"decode='gluon_words' on mxfp4 needs {name}.group_size 32, got {w.group_size}")
+        check_mx_scales(w.scale, name)
+    elif w.group_size % 128 or cols % w.group_size:
+        raise ValueError(f"decode='gluon_words' needs {name}.group_size a multiple of 128 dividing {cols}, got "
+                         f"{w.group_size}")
+
+
+def check_words_x_k(x: torch.Tensor, w13) -> None:
+    """x's K is w13's (refused by name before a padded copy is made of w13)."""
+    if 2 * w13.q.shape[2] != x.shape[1]:
+        raise ValueError(f"decode='gluon_words' needs x [M, K] with w13's K {2 * w13.q.shape[2]}, got {x.shape[1]}")
 
 
 def check_words(x: torch.Tensor, w13, top_k: int, block_rows: int = 8, num_warps: int = NUM_WARPS,
-                split: int = 1) -> None:
-    """The kernel's requirements of x and w13 (a ``triton_wo_plan.WeightArgs`` of int4) and the gate-up's split,
-    each refused by name."""
+                split: int = 1, cols: int | None = None) -> None:
+    """The kernel's requirements of x and w13 (a ``triton_wo_plan.WeightArgs`` of int4 or mxfp4) and the gate-up's
+    split, each refused by name. ``cols``: the reduction the kernel reads where it is not x's K (a padded copy's K':
+    ``triton_wo_words_pad``)."""
     num_experts, two_n, half_k = w13.q.shape
-    n, k = two_n // 2, x.shape[1]
+    n, k = two_n // 2, x.shape[1] if cols is None else cols
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError(f"decode='gluon_words' needs x contiguous bf16, got {x.dtype}")
-    if w13.q.dtype != torch.uint8 or w13.zero.dtype != torch.uint8 or 2 * half_k != k:
-        raise ValueError("decode='gluon_words' runs int4_w4a16 (w13.q uint8 [E, 2N, K / 2] with zero points) only")
     if split < 1 or k % (STEP * split):
         raise ValueError(f"decode='gluon_words' needs K a multiple of {STEP} x the gate-up's split, got K {k}, "
                          f"split {split}")
-    if w13.group_size % 128 or k % w13.group_size:
-        raise ValueError(f"decode='gluon_words' needs w13.group_size a multiple of 128 dividing K, got "
-                         f"{w13.group_size}")
+    _check_scheme(w13, "w13", k)
     if n % (8 * num_warps):
         raise ValueError(f"decode='gluon_words' needs N a multiple of {8 * num_warps} (8 gate rows a warp), got {n}")
     if w13.scale.stride(2) != 1 or w13.zero.stride(2) != 1:
@@ -115,33 +145,54 @@ def check_ahead(ahead: int) -> None:
         raise ValueError(f"decode='gluon_words': ahead must be one of {AHEADS} (steps of words in flight), got {ahead}")
 
 
+@dataclass(frozen=True)
+class WordsVariant:
+    """What a call asks of the kernels' epilogues beyond plain SiLU (gpt-oss's experts: ``ActivationSpec``'s fields
+    and the expert biases): ``_kernels/words_glu.store_h``, the down GEMM's b2."""
+
+    b13: bool = False  # b13 [E, 2N] added to the gate-up's sums
+    b2: bool = False  # b2 [E, K] added to the down GEMM's (before the routed weight)
+    interleaved: bool = False  # w13's rows gate i at 2i, up i at 2i + 1
+    limit: float = 0.0  # gate <= limit, |up| <= limit; 0: none
+    alpha: float = 1.0  # glu = gate sigmoid(alpha gate) (up + up_shift)
+    up_shift: float = 0.0
+
+
+PLAIN = WordsVariant()
+
+
 def words_gate_up_launch(w13, num_assignments: int, top_k: int, blocks: int, naive: bool, block_rows: int = 8,
                          num_warps: int = NUM_WARPS, h_order: bool = False, split: int = 1,
                          ahead: int = 1) -> BoundLaunch:
     """The gate-up launch of a call (after ``check_words``): ``blocks`` blocks of ``block_rows`` rows (naive: one
     assignment each), pointers (x_words.x, x_words.sums, q, scale, zero, h, ids, sorted_ids, expert_ids,
-    num_padded; the last three None when naive). ``h_order``: h stored in the dot order (``stored_dot_columns``),
+    num_padded, b13; the routing's three None when naive, b13 None: plain SiLU, the route's ``words_plan`` binds a
+    ``WordsVariant``). ``h_order``: h stored in the dot order (``stored_dot_columns``),
     for ``words_down_launch``. ``split`` > 1: K's steps in that many programs, the h pointer float32 partials
     p [split A, 2N] (``wo_split.split_glu_kernel``'s). ``ahead``: steps of words in flight (``AHEADS``). Kept per
     kind of call (no tensor held)."""
     check_ahead(ahead)
     return _gate_up_bound(tuple(w13.q.shape), w13.strides, w13.group_size, num_assignments, top_k, blocks, naive,
-                          block_rows, num_warps, h_order, split, ahead)
+                          block_rows, num_warps, h_order, split, ahead, is_mx(w13))
 
 
 @functools.lru_cache(maxsize=256)
 def _gate_up_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, top_k: int, blocks: int,
-                   naive: bool, block_rows: int, num_warps: int, h_order: bool, split: int, ahead: int) -> BoundLaunch:
+                   naive: bool, block_rows: int, num_warps: int, h_order: bool, split: int, ahead: int,
+                   mx: bool = False, variant: WordsVariant = PLAIN) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel
 
     num_experts, two_n, half_k = shape
     n, k = two_n // 2, 2 * half_k
     qe, qr, _, se, sr, _, ze, zr, _ = strides
     out_stride = 2 * n if split > 1 else n  # p's rows or h's
-    scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, out_stride)
-    return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)), split), 10, scalars, cached=True,
+    scalars = (n, k, num_assignments, top_k, num_experts, k, k // 128, qe // 4, qr // 4, se, sr, ze, zr, out_stride,
+               2 * n)  # b13 contiguous [E, 2N]
+    v = variant
+    return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)), split), 11, scalars, cached=True,
                        BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, SPLIT=split,
-                       AHEAD=ahead)
+                       AHEAD=ahead, MXFP4=mx, BIASED=v.b13, INTERLEAVED=v.interleaved, LIMIT=v.limit, ALPHA=v.alpha,
+                       UP_SHIFT=v.up_shift)
 
 
 def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,
@@ -162,7 +213,7 @@ def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num
     h = torch.empty(a, n, dtype=x.dtype, device=x.device)
     out = h if split == 1 else torch.empty(split * a, 2 * n, dtype=torch.float32, device=x.device)
     rows = (None, None, None) if naive else (layout.sorted_ids, layout.expert_ids, layout.num_padded)
-    launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, out, topk_ids.reshape(-1), *rows)
+    launch(xw.x, xw.sums, w13.q, w13.scale, w13.zero, out, topk_ids.reshape(-1), *rows, None)
     if split > 1:
         _glu_bound(split, a, n, x.device)(out, h)
     return h
@@ -179,17 +230,16 @@ def _glu_bound(split: int, num_assignments: int, n: int, device: torch.device) -
 
 
 def check_words_down(w2, split: int, num_warps: int = NUM_WARPS) -> None:
-    """The down kernel's requirements of w2 (int4 ``WeightArgs`` [E, K, N]) and the split, each refused by name."""
+    """The down kernel's requirements of w2 (int4 or mxfp4 ``WeightArgs`` [E, K, N]) and the split, each refused by
+    name."""
     num_experts, k, half_n = w2.q.shape
     n = 2 * half_n
-    if w2.q.dtype != torch.uint8 or w2.zero.dtype != torch.uint8:
-        raise ValueError("decode='gluon_words' runs int4_w4a16 (w2.q uint8 [E, K, N / 2] with zero points) only")
     if split < 1 or n % (STEP * split):
         raise ValueError(f"decode='gluon_words': N must be a multiple of {STEP} x the down GEMM's split, got N {n}, "
                          f"split {split}")
-    if w2.group_size % 128 or n % w2.group_size or k % (16 * num_warps):
-        raise ValueError(f"decode='gluon_words' needs w2.group_size a multiple of 128 dividing N and K a multiple of "
-                         f"{16 * num_warps}, got {w2.group_size}, K {k}")
+    if k % (16 * num_warps):
+        raise ValueError(f"decode='gluon_words' needs K a multiple of {16 * num_warps}, got {k}")
+    _check_scheme(w2, "w2", n)
     if w2.q.stride(2) != 1 or w2.q.stride(1) % 16 or w2.q.stride(0) % 16 or w2.q.data_ptr() % 16:
         raise ValueError("decode='gluon_words' needs w2.q rows contiguous at 16-byte aligned strides and address")
     if w2.scale.stride(2) != 1 or w2.zero.stride(2) != 1:
@@ -199,23 +249,25 @@ def check_words_down(w2, split: int, num_warps: int = NUM_WARPS) -> None:
 def words_down_launch(w2, num_assignments: int, blocks: int, naive: bool, split: int, block_rows: int = 8,
                       num_warps: int = NUM_WARPS, ahead: int = 1) -> BoundLaunch:
     """The down launch (after ``check_words_down``): pointers (h in the dot order, q, scale, zero, y [split A, K]
-    (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded). Kept per kind."""
+    (float32 when split), the routed weights [A] float32, ids, sorted_ids, expert_ids, num_padded, b2 (None: none)).
+    Kept per kind."""
     check_ahead(ahead)
     return _down_bound(tuple(w2.q.shape), w2.strides, w2.group_size, num_assignments, blocks, naive, split,
-                       block_rows, num_warps, ahead)
+                       block_rows, num_warps, ahead, is_mx(w2))
 
 
 @functools.lru_cache(maxsize=256)
 def _down_bound(shape: tuple, strides: tuple, group: int, num_assignments: int, blocks: int, naive: bool, split: int,
-                block_rows: int, num_warps: int, ahead: int) -> BoundLaunch:
+                block_rows: int, num_warps: int, ahead: int, mx: bool = False, biased: bool = False) -> BoundLaunch:
     from moekit.experts._kernels.gluon_wo_words_down import down_words_kernel
 
     num_experts, k, half_n = shape
     n = 2 * half_n
     qe, qr, _, se, sr, _, ze, zr, _ = strides
-    scalars = (k, n, num_assignments, num_experts, n // STEP // split, n, qe // 4, qr // 4, se, sr, ze, zr, k)
-    return BoundLaunch(down_words_kernel, (blocks * (k // (16 * num_warps)), split), 10, scalars, cached=True,
-                       BM=block_rows, GROUP=group, NAIVE=naive, SPLIT=split, num_warps=num_warps, AHEAD=ahead)
+    scalars = (k, n, num_assignments, num_experts, n // STEP // split, n, qe // 4, qr // 4, se, sr, ze, zr, k, k)
+    return BoundLaunch(down_words_kernel, (blocks * (k // (16 * num_warps)), split), 11, scalars, cached=True,
+                       BM=block_rows, GROUP=group, NAIVE=naive, SPLIT=split, num_warps=num_warps, AHEAD=ahead, MXFP4=mx,
+                       BIASED=biased)
 
 
 def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout=None,
@@ -236,10 +288,10 @@ def experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights
     xw = x_words(x)
     h = torch.empty(a, n, dtype=x.dtype, device=x.device)
     gate_up = words_gate_up_launch(w13, a, top_k, blocks, naive, block_rows, h_order=True, ahead=ahead)
-    gate_up(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, ids, *rows)
+    gate_up(xw.x, xw.sums, w13.q, w13.scale, w13.zero, h, ids, *rows, None)
     y = torch.empty(split * a, k, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     down = words_down_launch(w2, a, blocks, naive, split, block_rows, ahead=ahead)
-    down(h, w2.q, w2.scale, w2.zero, y, topk_weights.reshape(-1).float(), ids, *rows)
+    down(h, w2.q, w2.scale, w2.zero, y, topk_weights.reshape(-1).float(), ids, *rows, None)
     out = torch.empty_like(x)
     _sum_bound(num_tokens, k, top_k, w13.q.shape[0], split, x.device)(y, ids, ids, out)
     return out
@@ -283,15 +335,21 @@ def words_layout(ids: torch.Tensor, num_experts: int) -> WordsLayout | None:
     the kernels read each block's expert from ids, so no layout is built), else 8-row blocks aligned by the pick's
     own launches (``triton_align``: 1-3 Triton launches, where ``align_block`` is ~15 torch ops a call)."""
     from moekit.experts.triton_align import run_align
-    from moekit.layouts.block_aligned import use_naive
 
     a = ids.numel()
-    if use_naive(a, num_experts, None):
+    if words_layout_naive(a, num_experts):
         return None
     plan = _align_plan(a, num_experts, ids.device)
     b = {name: torch.empty(shape, dtype=dtype, device=ids.device) for name, dtype, shape in plan.regions}
     run_align(plan, ids, None, b)
     return WordsLayout(b["sorted_ids"], b["expert_ids"], b["num_padded"])
+
+
+def words_layout_naive(num_assignments: int, num_experts: int) -> bool:
+    """Whether the words kernels take the tiny-batch shortcut (A * 4 <= E: one assignment a block, read from ids)."""
+    from moekit.layouts.block_aligned import use_naive
+
+    return use_naive(num_assignments, num_experts, None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -303,80 +361,3 @@ def _align_plan(num_assignments: int, num_experts: int, device: torch.device):
     rows = -(-max_padded_rows(num_assignments, num_experts, 8) // 8) * 8  # whole blocks
     options = resolve_launch_options(LaunchOptions(dependent_launch=False), device)
     return plan_align(num_assignments, num_experts, 8, None, rows, options)
-
-
-def run_experts_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map, scheme: str,
-                      activation, variant: bool) -> torch.Tensor:
-    """``triton_wo.run_experts_wo``'s decode "gluon_words" (selectable, no default takes it): the words kernels on
-    the tiny-batch shortcut or 8-row aligned blocks (``words_layout``), the down split by ``down_split``. Refuses by
-    name what they do not run."""
-    from moekit.activations import as_spec
-
-    spec = as_spec(activation)
-    if scheme != "int4_w4a16" or expert_map is not None or variant or spec.name != "silu":
-        raise ValueError(f"decode='gluon_words' runs int4_w4a16 with plain silu, no expert_map and no biases, got "
-                         f"{scheme}, activation {spec.name}, expert_map {expert_map is not None}, variant {variant}")
-    if x.device.type != "cuda":
-        raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
-    layout = words_layout(ids, w13.q.shape[0])
-    blocks = ids.numel() if layout is None else layout.expert_ids.numel()
-    split = down_split(2 * w2.q.shape[2], w2.q.shape[1], blocks)
-    return experts_words(x, w13, w2, ids, weights, layout, split)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The kernel's operand order in torch (its steps mirrored op for op) and its arithmetic
-# ---------------------------------------------------------------------------------------------------
-
-
-def weight_halves_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gluon_wo_words._weight_halves`` in torch: a step's words [R, 32] int32 -> the two half steps' A operands
-    [R, 128] float32 (128 + code) in the dot order, by the kernel's joins, reshape, permute and split."""
-    r = words.shape[0]
-    o = [(((words >> (4 * t)) & 0x000F000F) | 0x43004300) for t in range(4)]  # bf16x2 bits of 128 + code
-    halves = [torch.stack([(v & 0xFFFF) - 0x4300, ((v >> 16) & 0xFFFF) - 0x4300], -1) + 128 for v in o]  # [R, 32, 2]
-    v = torch.stack([torch.stack([halves[0], halves[1]], -1), torch.stack([halves[2], halves[3]], -1)], -1)
-    v = v.reshape(r, 2, 2, 2, 2, 2, 2, 2, 2).permute(0, 4, 5, 8, 7, 2, 3, 6, 1).reshape(r, 128, 2)
-    return v[..., 0].float(), v[..., 1].float()
-
-
-def exact_half_torch(words: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``gluon_wo_words._exact_half`` in torch: one half step's words [R, 16] int32 and the rows' zero points [R] ->
-    code - zero [R, 128] float32 in the dot order, by the kernel's joins, reshape and permute."""
-    r = words.shape[0]
-    o = [((words >> (4 * t)) & 0x000F000F) for t in range(4)]  # the codes the lop3 places, before the fma
-    halves = [torch.stack([v & 0xFFFF, (v >> 16) & 0xFFFF], -1) - zero[:, None, None] for v in o]  # [R, 16, 2]
-    v = torch.stack([torch.stack([halves[0], halves[1]], -1), torch.stack([halves[2], halves[3]], -1)], -1)
-    return v.reshape(r, 2, 2, 2, 2, 2, 2, 2).permute(0, 3, 4, 7, 6, 1, 2, 5).reshape(r, 128).float()
-
-
-def x_halves_torch(xp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gluon_wo_words._x_halves`` in torch: a step's stored activations [BM, 256] -> the B operands [128, BM]."""
-    bm = xp.shape[0]
-    v = xp.reshape(bm, 2, 2, 2, 2, 2, 2, 2, 2).permute(4, 5, 6, 7, 1, 2, 8, 0, 3).reshape(128, bm, 2)
-    return v[..., 0], v[..., 1]
-
-
-def gate_up_words_torch(x: torch.Tensor, w13, topk_ids: torch.Tensor) -> torch.Tensor:
-    """h [A, N] float32 as the kernel computes it (tiny-batch form: one assignment at a time), from its operands in
-    its order (``weight_halves_torch``, ``x_halves_torch`` on ``x_words_torch``), float64 sums: each half step's
-    sum_d (128 + code) x, corrected by (128 + zero) * the half step's x sum, times the group's scale."""
-    num_experts, two_n, half_k = w13.q.shape
-    n, k, g = two_n // 2, 2 * half_k, w13.group_size
-    xw = x_words_torch(x)
-    ids = topk_ids.reshape(-1)
-    h = torch.empty(ids.numel(), n, dtype=torch.float64, device=x.device)
-    for a, e in enumerate(ids.tolist()):
-        t = a // topk_ids.shape[1]
-        words = w13.q[e].contiguous().view(torch.int32).long()  # [2N, K / 8]
-        acc = torch.zeros(two_n, dtype=torch.float64, device=x.device)
-        for s in range(k // STEP):
-            parts = zip(weight_halves_torch(words[:, 32 * s:32 * s + 32]),
-                        x_halves_torch(xw.x[t:t + 1, STEP * s:STEP * s + STEP].double()))
-            for c, (a_op, b_op) in enumerate(parts):
-                grp = (STEP * s + 128 * c) // g
-                part = a_op.double() @ b_op[:, 0]  # [2N]
-                zero = w13.zero[e, :, grp].double() + 128
-                acc += (part - zero * xw.sums[t, 2 * s + c].double()) * w13.scale[e, :, grp].double()
-        h[a] = torch.nn.functional.silu(acc[:n]) * acc[n:]
-    return h

@@ -43,6 +43,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from moekit.experts._kernels.words_glu import store_h, stored_column  # noqa: F401  (stored_column: re-exported)
+from moekit.experts._kernels.words_mx import mx_multipliers, mx_pairs
+
 STEP_WORDS = gl.constexpr(32)  # words of a row a step: 256 int4 columns, 128 bytes
 STEP = gl.constexpr(256)  # columns a step
 
@@ -87,12 +90,11 @@ def _halves(o):
 
 
 @gluon.jit
-def _weight_halves(words, magic, a_layout: gl.constexpr):
-    """A step's words [R, 32] (the k_width-4 operand layout) -> its two half steps c = 0, 1 as the bf16 A operand
-    [R, 128] each (128 + code, dot order: module doc)."""
-    R: gl.constexpr = words.type.shape[0]
-    o0, o1, o2, o3 = gl.inline_asm_elementwise(_WORD_ASM, "=r,=r,=r,=r,r,r", [words, magic],
-                                               dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+def _operand_halves(o0, o1, o2, o3, a_layout: gl.constexpr):
+    """A step's words [R, 32] (the k_width-4 operand layout) decoded as bf16x2 pairs o_t = values (t, t + 4) of each
+    word (int32, the words' shape) -> its two half steps c = 0, 1 as the bf16 A operand [R, 128] each (dot order:
+    module doc). int4: o_t from ``_WORD_ASM`` (128 + code); mxfp4: from ``words_mx.mx_pairs``."""
+    R: gl.constexpr = o0.type.shape[0]
     v = gl.join(gl.join(_halves(o0), _halves(o1)), gl.join(_halves(o2), _halves(o3)))  # [R, 32, p, g, h]
     v = gl.reshape(v, [R, 2, 2, 2, 2, 2, 2, 2, 2])  # [R, c, q1, q0, j1, j0, p, g, h]
     v = gl.permute(v, [0, 4, 5, 8, 7, 2, 3, 6, 1])  # [R, j1, j0, h, g, q1, q0, p, c]
@@ -137,16 +139,6 @@ def x_halves(xp, b_layout: gl.constexpr):
 
 
 @gluon.jit
-def stored_column(col):
-    """Where column ``col`` of an activation row lies in the stored dot order (``triton_wo_words.x_words``): its
-    step's column 128 c + 32 q + 8 j + 4 p + 2 h + g at 64 q + 32 c + 8 j + 4 h + 2 g + p."""
-    t = col & 255  # the column in its step (STEP 256; a plain int: the tests run this on torch)
-    c, q, j = (t >> 7) & 1, (t >> 5) & 3, (t >> 3) & 3
-    p, h, g = (t >> 2) & 1, (t >> 1) & 1, t & 1
-    return col - t + 64 * q + 32 * c + 8 * j + 4 * h + 2 * g + p
-
-
-@gluon.jit
 def operand_rows(t, W: gl.constexpr):
     """A loaded tile [16 W, C] (tile row 8 W v + 8 w + g) -> operand rows 16 w + 8 v + g: the MMA operand layouts'
     lanes and warps (a renaming)."""
@@ -180,15 +172,22 @@ def _zero_pairs(z_rows, g, row_ok):
 
 @gluon.jit
 def _step(acc, zeros, words, xp, col, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok, GROUP: gl.constexpr,
-          EXACT: gl.constexpr, num_warps: gl.constexpr):
+          DECODE: gl.constexpr, num_warps: gl.constexpr):
     """acc [R, BM] (zeros: its shape, 0) + the step at column ``col``: its words [R, 32] (as loaded) decoded, times
-    its activations [BM, 128] (int32 pairs), each half step's partial times its group's scale: EXACT code - zero in
-    the decode (``exact_halves``; z_rows / z_ok in the load's rows), else 128 + code corrected by the x sums
-    (``_corrected``; z_rows in the accumulator's rows, as s_rows)."""
+    its activations [BM, 128] (int32 pairs). DECODE 0: int4, 128 + code, each half step's partial
+    corrected by the x sums and scaled (``_corrected``; z_rows in the accumulator's rows, as s_rows); 1: int4 exact,
+    code - zero in the decode (``exact_halves``; z_rows / z_ok in the load's rows), each partial scaled; 2: mxfp4, the
+    e8m0 scales in the decode (``words_mx``; z_rows / z_ok: the scales in the load's rows, magic bf16x2 -0), the MMA
+    accumulating straight into acc."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc.type.layout, k_width=2)
     b0, b1 = x_halves(xp, b_layout)
-    if EXACT:
+    if DECODE == 2:
+        mul = mx_multipliers(words, z_rows, col, z_ok, num_warps)
+        o0, o1, o2, o3 = mx_pairs(operand_rows(words, num_warps), operand_rows(mul, num_warps), magic)
+        a0, a1 = _operand_halves(o0, o1, o2, o3, a_layout)
+        acc = mma_v2(a1, b1, mma_v2(a0, b0, acc))
+    elif DECODE == 1:
         s0 = gl.load(s_rows + col // GROUP, mask=row_ok, other=0.0)
         s1 = gl.load(s_rows + (col + 128) // GROUP, mask=row_ok, other=0.0)
         zc0, zc1 = _zero_pairs(z_rows, col // GROUP, z_ok), _zero_pairs(z_rows, (col + 128) // GROUP, z_ok)
@@ -198,7 +197,10 @@ def _step(acc, zeros, words, xp, col, magic, one, s_rows, z_rows, xs_rows, row_o
     else:
         s0, z0, xs0 = _group_terms(s_rows, z_rows, xs_rows, col, row_ok, tok_ok, GROUP)
         s1, z1, xs1 = _group_terms(s_rows, z_rows, xs_rows, col + 128, row_ok, tok_ok, GROUP)
-        a0, a1 = _weight_halves(operand_rows(words, num_warps), magic, a_layout)
+        rows = operand_rows(words, num_warps)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_WORD_ASM, "=r,=r,=r,=r,r,r", [rows, magic],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+        a0, a1 = _operand_halves(o0, o1, o2, o3, a_layout)
         acc = _corrected(acc, mma_v2(a0, b0, zeros), s0, z0, xs0)
         acc = _corrected(acc, mma_v2(a1, b1, zeros), s1, z1, xs1)
     return acc
@@ -206,7 +208,7 @@ def _step(acc, zeros, words, xp, col, magic, one, s_rows, z_rows, xs_rows, row_o
 
 @gluon.jit
 def words_loop(acc, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
-               GROUP: gl.constexpr, EXACT: gl.constexpr, num_warps: gl.constexpr, AHEAD: gl.constexpr = 1):
+               GROUP: gl.constexpr, DECODE: gl.constexpr, num_warps: gl.constexpr, AHEAD: gl.constexpr = 1):
     """acc + ``steps`` steps (``_step``) from column col0 (w_ptrs [R, 32] / x_ptrs [BM, 128] at its first step).
     AHEAD 1: each step's words and activations loaded a step before its decode, two steps an iteration (ping-pong
     registers: no copies), an odd last one alone. AHEAD 2: the words two steps ahead (``_loop_ahead2``). The loads
@@ -215,41 +217,41 @@ def words_loop(acc, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_
     zeros = gl.zeros_like(acc)  # each half step's dot starts from zero
     if AHEAD == 2:
         acc = _loop_ahead2(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok,
-                           z_ok, tok_ok, GROUP, EXACT, num_warps)
+                           z_ok, tok_ok, GROUP, DECODE, num_warps)
     else:
         acc = _loop_ahead1(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok,
-                           z_ok, tok_ok, GROUP, EXACT, num_warps)
+                           z_ok, tok_ok, GROUP, DECODE, num_warps)
     return acc
 
 
 @gluon.jit
 def _loop_ahead1(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
-                 GROUP: gl.constexpr, EXACT: gl.constexpr, num_warps: gl.constexpr):
+                 GROUP: gl.constexpr, DECODE: gl.constexpr, num_warps: gl.constexpr):
     """``words_loop`` with one step in flight (session 45, w4g45: the measured form)."""
     w_a, x_a = gl.load(w_ptrs), gl.load(x_ptrs)
     for s in range(0, steps - 2, 2):
         w_b, x_b = gl.load(w_ptrs + (s + 1) * STEP_WORDS), gl.load(x_ptrs + (s + 1) * (STEP // 2))
         acc = _step(acc, zeros, w_a, x_a, col0 + s * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
-                    GROUP, EXACT, num_warps)
+                    GROUP, DECODE, num_warps)
         w_a, x_a = gl.load(w_ptrs + (s + 2) * STEP_WORDS), gl.load(x_ptrs + (s + 2) * (STEP // 2))
         acc = _step(acc, zeros, w_b, x_b, col0 + (s + 1) * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok,
-                    tok_ok, GROUP, EXACT, num_warps)
+                    tok_ok, GROUP, DECODE, num_warps)
     last = col0 + (steps - 2 + steps % 2) * STEP  # the step w_a holds
     if steps % 2 == 0:
         w_b, x_b = gl.load(w_ptrs + (steps - 1) * STEP_WORDS), gl.load(x_ptrs + (steps - 1) * (STEP // 2))
         acc = _step(acc, zeros, w_a, x_a, last, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok, GROUP,
-                    EXACT, num_warps)
+                    DECODE, num_warps)
         acc = _step(acc, zeros, w_b, x_b, last + STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
-                    GROUP, EXACT, num_warps)
+                    GROUP, DECODE, num_warps)
     else:
         acc = _step(acc, zeros, w_a, x_a, last, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok, GROUP,
-                    EXACT, num_warps)
+                    DECODE, num_warps)
     return acc
 
 
 @gluon.jit
 def _loop_ahead2(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
-                 GROUP: gl.constexpr, EXACT: gl.constexpr, num_warps: gl.constexpr):
+                 GROUP: gl.constexpr, DECODE: gl.constexpr, num_warps: gl.constexpr):
     """``words_loop`` with the words of two steps in flight (session 45, w4u45; selectable, unmeasured): three steps
     an iteration, the words in a 3-way rotation (w_a, w_b, w_c: each loaded two steps before its decode) and the
     activations still one step ahead (x_a, x_b, x_c: their 32 registers a step are L2 hits, the words the HBM
@@ -261,22 +263,22 @@ def _loop_ahead2(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_
     for s in range(0, steps - 2, 3):  # steps s, s + 1, s + 2 all inside
         w_c, x_b = gl.load(w_ptrs + (s + 2) * STEP_WORDS), gl.load(x_ptrs + (s + 1) * (STEP // 2))
         acc = _step(acc, zeros, w_a, x_a, col0 + s * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
-                    GROUP, EXACT, num_warps)
+                    GROUP, DECODE, num_warps)
         w_a, x_c = gl.load(w_ptrs + gl.minimum(last, s + 3) * STEP_WORDS), gl.load(x_ptrs + (s + 2) * (STEP // 2))
         acc = _step(acc, zeros, w_b, x_b, col0 + (s + 1) * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok,
-                    tok_ok, GROUP, EXACT, num_warps)
+                    tok_ok, GROUP, DECODE, num_warps)
         w_b = gl.load(w_ptrs + gl.minimum(last, s + 4) * STEP_WORDS)
         x_a = gl.load(x_ptrs + gl.minimum(last, s + 3) * (STEP // 2))
         acc = _step(acc, zeros, w_c, x_c, col0 + (s + 2) * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok,
-                    tok_ok, GROUP, EXACT, num_warps)
+                    tok_ok, GROUP, DECODE, num_warps)
     done = steps - steps % 3  # w_a / x_a hold step done, w_b step done + 1 (when inside)
     if steps % 3 != 0:
         x_b = gl.load(x_ptrs + gl.minimum(last, done + 1) * (STEP // 2))
         acc = _step(acc, zeros, w_a, x_a, col0 + done * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok,
-                    tok_ok, GROUP, EXACT, num_warps)
+                    tok_ok, GROUP, DECODE, num_warps)
         if steps % 3 == 2:
             acc = _step(acc, zeros, w_b, x_b, col0 + (done + 1) * STEP, magic, one, s_rows, z_rows, xs_rows, row_ok,
-                        z_ok, tok_ok, GROUP, EXACT, num_warps)
+                        z_ok, tok_ok, GROUP, DECODE, num_warps)
     return acc
 
 
@@ -302,12 +304,18 @@ def block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, n
 def gate_up_words_kernel(
     x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x_words [M, K] bf16, xsum [M, K / 128] f32; w13; h [A, N]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,  # the routing (NAIVE: ids alone) and aligned layout
+    b13_ptr,  # the expert biases [E, 2N] (w13's row order) where BIASED, else unread
     N, K, num_assignments, top_k, num_experts,
-    stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,  # q in words
+    stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm, stride_be,
     BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, num_warps: gl.constexpr,
     H_ORDER: gl.constexpr = False,  # h stored in the dot order the down GEMM reads (``stored_column``)
     SPLIT: gl.constexpr = 1,  # > 1: grid axis 1 = split s of K's steps; h_ptr the float32 partials p [SPLIT A, 2N]
     AHEAD: gl.constexpr = 1,  # steps of words in flight (``words_loop``): 2 selectable, unmeasured
+    MXFP4: gl.constexpr = False,  # q mxfp4 codes, s_ptr its e8m0 scales (``words_mx``); z_ptr, xsum_ptr unread
+    # the activation variant (``words_glu.store_h``; SPLIT 1 only): b13 added, w13's rows interleaved (gate i at 2i,
+    # up i at 2i + 1: gpt-oss), gate <= LIMIT and |up| <= LIMIT (0: none), h = gate sigmoid(ALPHA gate) (up + UP_SHIFT)
+    BIASED: gl.constexpr = False, INTERLEAVED: gl.constexpr = False, LIMIT: gl.constexpr = 0.0,
+    ALPHA: gl.constexpr = 1.0, UP_SHIFT: gl.constexpr = 0.0,
 ):
     """h = silu(x w_gate^T) * (x w_up^T) of one block's rows and 8 num_warps gate columns (module doc). Grid:
     (blocks * N / (8 num_warps), SPLIT); N a multiple of 8 num_warps, K / 256 of SPLIT, GROUP of 128
@@ -321,16 +329,18 @@ def gate_up_words_kernel(
     expert, rows_x, rows_c = block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                         num_assignments, BM, NAIVE, x_layout, mma)
     if (expert >= 0) & (expert < num_experts):
-        _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
-               stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-               GROUP, num_warps, H_ORDER, SPLIT, AHEAD)
+        _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, b13_ptr, expert, rows_x, rows_c, n0, N, K,
+               num_assignments, top_k, stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze,
+               stride_zr, stride_hm, stride_be, GROUP, num_warps, H_ORDER, SPLIT, AHEAD, MXFP4, BIASED, INTERLEAVED,
+               LIMIT, ALPHA, UP_SHIFT)
 
 
 @gluon.jit
-def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments, top_k,
-           stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
-           GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr,
-           AHEAD: gl.constexpr):
+def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, b13_ptr, expert, rows_x, rows_c, n0, N, K, num_assignments,
+           top_k, stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
+           stride_be, GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr,
+           AHEAD: gl.constexpr, MXFP4: gl.constexpr, BIASED: gl.constexpr, INTERLEAVED: gl.constexpr,
+           LIMIT: gl.constexpr, ALPHA: gl.constexpr, UP_SHIFT: gl.constexpr):
     """The program's h tile: rows_x / rows_c [BM] its block's assignments (A past the end) in the x load's and the
     accumulator's layouts, n0 its first gate column (module doc)."""
     BM: gl.constexpr = rows_x.type.shape[0]
@@ -342,9 +352,13 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, 
     # the words load [16 W, 32] as tile row u = 8 W v + 8 w + g (v: register, w: warp, g: lane group): operand row
     # 16 w + 8 v + g (``operand_rows``), i.e. w13 row n0 + 8 w + g, plus N for the up rows (v = 1)
     u = gl.arange(0, R, layout=gl.SliceLayout(1, w_layout))
-    w13_w = n0 + 8 * (u // 8 % num_warps) + u % 8 + (u // (8 * num_warps)) * N
     r_c = gl.arange(0, R, layout=gl.SliceLayout(1, mma))  # operand row 16 w + 8 v + g: the same w13 row
-    w13_c = n0 + 8 * (r_c // 16) + r_c % 8 + (r_c % 16 // 8) * N
+    if INTERLEAVED:  # gate i at w13 row 2i, up i at 2i + 1
+        w13_w = 2 * (n0 + 8 * (u // 8 % num_warps) + u % 8) + u // (8 * num_warps)
+        w13_c = 2 * (n0 + 8 * (r_c // 16) + r_c % 8) + r_c % 16 // 8
+    else:
+        w13_w = n0 + 8 * (u // 8 % num_warps) + u % 8 + (u // (8 * num_warps)) * N
+        w13_c = n0 + 8 * (r_c // 16) + r_c % 8 + (r_c % 16 // 8) * N
     steps = K // STEP // SPLIT  # the split's steps
     col0 = gl.program_id(1) * steps * STEP  # this split's first column
     words = q_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert.to(gl.int64) * stride_qe + col0 // 8
@@ -357,24 +371,15 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, expert, rows_x, rows_c, 
     z_rows = z_ptr + expert * stride_ze + w13_c * stride_zr
     xs_rows = xsum_ptr + gl.where(ok_c, rows_c // top_k, 0) * stride_xsm  # [BM]
     row_ok = w13_c < 2 * N
-    magic = 0x43004300 + (K >> 31)  # bf16x2 128.0 (K >= 0), a value ptxas holds in a register
-    acc = words_loop(gl.zeros([R, BM], gl.float32, mma), w_ptrs, x_ptrs, steps, col0, magic, magic, s_rows, z_rows,
-                     xs_rows, row_ok, row_ok, ok_c, GROUP, False, num_warps, AHEAD)
-    # acc rows: warp w's gate rows then up rows -> gate, up [8 W, BM], each thread both of its outputs
-    both = gl.permute(gl.reshape(acc, [num_warps, 2, 8, BM]), [0, 2, 3, 1])  # [W, 8, BM, gate / up]
-    gate, up = gl.split(both)
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
-    cols_o = n0 + gl.arange(0, 8 * num_warps, layout=gl.SliceLayout(1, out_layout))
-    rows_o = gl.convert_layout(rows_c, gl.SliceLayout(0, out_layout))
-    ok_o = gl.convert_layout(ok_c, gl.SliceLayout(0, out_layout))[None, :] & (cols_o < N)[:, None]
-    if SPLIT > 1:  # this split's float32 sums, gate then up (module doc)
-        p_rows = h_ptr + (gl.program_id(1) * num_assignments + rows_o)[None, :].to(gl.int64) * stride_hm
-        gl.store(p_rows + cols_o[:, None], gl.convert_layout(gl.reshape(gate, [8 * num_warps, BM]), out_layout),
-                 mask=ok_o)
-        gl.store(p_rows + N + cols_o[:, None], gl.convert_layout(gl.reshape(up, [8 * num_warps, BM]), out_layout),
-                 mask=ok_o)
+    acc = gl.zeros([R, BM], gl.float32, mma)
+    if MXFP4:  # the scales in the words' rows (the decode's), magic bf16x2 -0 (K >= 0: a value in a register)
+        mx_rows = s_ptr + expert * stride_se + w13_w * stride_sr
+        neg0 = (K >> 31) - 0x7FFF8000
+        acc = words_loop(acc, w_ptrs, x_ptrs, steps, col0, neg0, neg0, s_rows, mx_rows, xs_rows, row_ok, w13_w < 2 * N,
+                         ok_c, GROUP, 2, num_warps, AHEAD)
     else:
-        h = gl.convert_layout(gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * num_warps, BM]), out_layout)
-        if H_ORDER:
-            cols_o = stored_column(cols_o)
-        gl.store(h_ptr + rows_o[None, :] * stride_hm + cols_o[:, None], h.to(h_ptr.dtype.element_ty), mask=ok_o)
+        magic = 0x43004300 + (K >> 31)  # bf16x2 128.0 (K >= 0), a value ptxas holds in a register
+        acc = words_loop(acc, w_ptrs, x_ptrs, steps, col0, magic, magic, s_rows, z_rows, xs_rows, row_ok, row_ok, ok_c,
+                         GROUP, 0, num_warps, AHEAD)
+    store_h(acc, h_ptr, b13_ptr, expert, w13_c, row_ok, rows_c, ok_c, r_c % 16 // 8, n0, N, num_assignments,
+            stride_hm, stride_be, num_warps, H_ORDER, SPLIT, BIASED, LIMIT, ALPHA, UP_SHIFT)

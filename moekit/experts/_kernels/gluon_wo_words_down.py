@@ -2,7 +2,7 @@
 (``gluon_wo_words``: 16-byte word loads straight into mma.sync's register operand, the dot order by reshape /
 permute only) on w2 with the routed weight:
 
-    y[s A + a, k] = weight[a] * sum over split s's columns n of h[a, n] w2[e(a), k, n]
+    y[s A + a, k] = weight[a] * (sum over split s's columns n of h[a, n] w2[e(a), k, n]  (+ b2[e(a), k] for s = 0))
 
 A warp owns 16 consecutive output rows (w2 rows) of one MMA A operand; a program ``num_warps`` of them on one block
 of BM assignments (NAIVE: assignment pid_m alone), over its split's steps of 256 columns (grid axis 1 = split s;
@@ -28,10 +28,13 @@ from moekit.experts._kernels.gluon_wo_words import STEP, STEP_WORDS, block_rows,
 def down_words_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N] (dot order); w2 q / scale / zero; y [SPLIT A, K]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,  # the routing (NAIVE: ids alone) and aligned layout
+    b2_ptr,  # the expert biases [E, K] where BIASED (added by split 0, before the routed weight), else unread
     K, N, num_assignments, num_experts, split_steps,  # split_steps: steps of 256 columns a split
-    stride_hm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_ym,  # q in words
+    stride_hm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_ym, stride_be,  # q in words
     BM: gl.constexpr, GROUP: gl.constexpr, NAIVE: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
     AHEAD: gl.constexpr = 1,  # steps of words in flight (``gluon_wo_words.words_loop``): 2 selectable, unmeasured
+    MXFP4: gl.constexpr = False,  # q mxfp4 codes, s_ptr its e8m0 scales (``words_mx``); z_ptr unread
+    BIASED: gl.constexpr = False,
 ):
     """y = routed weight * (h w2^T) over split program_id(1)'s columns for one block's rows and 16 num_warps output
     rows (module doc). Grid (blocks * K / (16 num_warps), SPLIT)."""
@@ -58,11 +61,21 @@ def down_words_kernel(
         h_ptrs = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + h_rows[:, None] + m[None, :]  # [BM, 128]
         s_rows = s_ptr + expert * stride_se + w2_c * stride_sr
         z_rows = z_ptr + expert * stride_ze + w2_w * stride_zr  # in the load's rows: the decode's zero points
-        magic = 0x43004300 + (N >> 31)  # bf16x2 128.0 and 1.0 (N >= 0): values ptxas holds in registers
-        one = 0x3F803F80 + (N >> 31)
-        acc = words_loop(gl.zeros([R, BM], gl.float32, mma), w_ptrs, h_ptrs, split_steps, col0, magic, one, s_rows,
-                         z_rows, s_rows, w2_c < K, w2_w < K, rows_c < num_assignments, GROUP, True, num_warps, AHEAD)
+        acc = gl.zeros([R, BM], gl.float32, mma)
+        if MXFP4:  # the scales in the words' rows (the decode's), magic bf16x2 -0 (N >= 0: a value in a register)
+            neg0 = (N >> 31) - 0x7FFF8000
+            acc = words_loop(acc, w_ptrs, h_ptrs, split_steps, col0, neg0, neg0, s_rows,
+                             s_ptr + expert * stride_se + w2_w * stride_sr, s_rows, w2_c < K, w2_w < K,
+                             rows_c < num_assignments, GROUP, 2, num_warps, AHEAD)
+        else:
+            magic = 0x43004300 + (N >> 31)  # bf16x2 128.0 and 1.0 (N >= 0): values ptxas holds in registers
+            one = 0x3F803F80 + (N >> 31)
+            acc = words_loop(acc, w_ptrs, h_ptrs, split_steps, col0, magic, one, s_rows, z_rows, s_rows, w2_c < K,
+                             w2_w < K, rows_c < num_assignments, GROUP, 1, num_warps, AHEAD)
         ok_c = rows_c < num_assignments
+        if BIASED:  # split 0 adds b2 (the splits' partials are summed by the k-sum)
+            ok_b = (w2_c < K) & (gl.program_id(1) == 0)
+            acc += gl.load(b2_ptr + expert * stride_be + w2_c, mask=ok_b, other=0.0).to(gl.float32)[:, None]
         acc = acc * gl.load(weights_ptr + rows_c, mask=ok_c, other=0.0)[None, :]
         out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
         acc = gl.convert_layout(acc, out_layout)

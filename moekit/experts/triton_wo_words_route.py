@@ -1,0 +1,68 @@
+"""The route's decode "gluon_words" (``triton_wo.run_experts_wo(decode="gluon_words")``; issue #16 target 1, sessions
+45-46; selectable, no default takes it): what the words kernels run of a call, refused by name otherwise; gpt-oss's
+experts as a ``WordsVariant`` (expert biases, the clamped SwiGLU, interleaved rows: ``_kernels/words_glu.py``); mxfp4
+off the 256 grid on the kept padded copy (``triton_wo_words_pad``); then a repeated eager call's kept sequence
+(``triton_wo_words_lean.words_lean_call``) or, checked, the plan (``run_words``).
+
+Shapes: x [M, K], w13 [E, 2N, K], w2 [E, K, N], ids / weights [M, k], b13 [E, 2N], b2 [E, K].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.experts.triton_wo_words import PLAIN, WordsVariant, check_words, check_words_down, check_words_x_k
+
+WORDS_SCHEMES = ("int4_w4a16", "mxfp4")
+
+
+def words_variant(activation, b13, b2) -> WordsVariant:
+    """The call's ``WordsVariant``; refuses by name an activation the epilogue does not run (not gated SiLU)."""
+    from moekit.activations import as_spec
+
+    spec = as_spec(activation)
+    if spec.name != "silu" or not spec.gated:
+        raise ValueError(f"decode='gluon_words' runs gated silu (alpha, limit, up_shift and interleaved rows "
+                         f"included), got activation {spec.name}, gated {spec.gated}")
+    return WordsVariant(b13 is not None, b2 is not None, spec.interleaved, 0.0 if spec.limit is None else spec.limit,
+                        spec.alpha, spec.up_shift)
+
+
+def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map,
+                      scheme: str, activation, b13=None, b2=None) -> torch.Tensor:
+    """out [M, K] of the call on the words kernels: int4 or mxfp4, the tiny-batch shortcut or 8-row aligned blocks,
+    the down split by ``down_split`` (``triton_wo_words_lean.words_plan``); a repeated eager call of a kind launches
+    its kept sequence (``words_lean_call``) after the refusals alone."""
+    from moekit.experts.triton_wo_words_lean import run_words, words_lean_call
+    from moekit.experts.triton_wo_words_pad import needs_padding, words_weights
+
+    if scheme not in WORDS_SCHEMES or expert_map is not None:
+        raise ValueError(f"decode='gluon_words' runs int4_w4a16 or mxfp4 without an expert_map, got {scheme}, "
+                         f"expert_map {expert_map is not None}")
+    variant = PLAIN if activation == "silu" and b13 is None and b2 is None else words_variant(activation, b13, b2)
+    b13 = None if b13 is None else b13.contiguous()  # the kernels read them flat (no copy unless strided)
+    b2 = None if b2 is None else b2.contiguous()
+    cols = None  # the kernels' reduction: x's K, or the padded copy's K'
+    if needs_padding(x, w13):  # mxfp4 at K or N no multiple of 256 (gpt-oss's 2880): the kept padded copy
+        check_words_x_k(x, w13)
+        w13, w2, b13 = words_weights(w13, w2, variant.interleaved, b13)
+        cols = 2 * w13.q.shape[2]
+    out = words_lean_call(x, w13, w2, topk_ids, topk_weights, variant, b13, b2)
+    if out is not None:
+        return out
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
+    if ids.numel() == 0 or x.shape[1] == 0:
+        return x.new_zeros(x.shape)
+    if x.device.type != "cuda":
+        raise ValueError(f"decode='gluon_words' runs on CUDA sm_80+ (Gluon), got {x.device}")
+    check_words(x, w13, ids.shape[1], cols=cols)
+    check_words_down(w2, 1)
+    _check_biases(w13, w2, b13, b2)
+    return run_words(x, w13, w2, ids, weights, variant=variant, b13=b13, b2=b2)
+
+
+def _check_biases(w13, w2, b13, b2) -> None:
+    """b13 [E, 2N] and b2 [E, K], as the kernels read them (by name)."""
+    for name, b, shape in (("b13", b13, w13.q.shape[:2]), ("b2", b2, w2.q.shape[:2])):
+        if b is not None and tuple(b.shape) != tuple(shape):
+            raise ValueError(f"decode='gluon_words' needs {name} {tuple(shape)}, got {tuple(b.shape)}")
