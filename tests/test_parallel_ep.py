@@ -181,18 +181,15 @@ def _router_options(g: Group) -> dict:
 
 
 def _capacity(g: Group) -> dict:
-    """Capacity dropping applies per rank (GShard's local group): MoE on this rank's tokens alone. ``return_aux_loss``'s
-    loss is this rank's part of the group's: the mean over the ranks is MoE's on every rank's tokens (its counts are
-    the router's choices, before the drops), the same as ``return_stats``'s."""
+    """Capacity dropping applies per rank (GShard's local group): MoE on this rank's tokens alone. The aux loss is the
+    rank's part of the group's: their mean is MoE's on all the tokens (counts: the choices before the drops)."""
     moe = _moe(SOFTMAX_SHARED.replace(aux_loss_coef=0.01, z_loss_coef=0.001), capacity_factor=0.5)
     ep = EPMoE.from_moe(moe)
     out = ep(g.x_local, return_stats=True)
     aux = ep(g.x_local, return_aux_loss=True)
-    mean = aux.aux_loss.detach().clone()
-    dist.all_reduce(mean)
-    ref_aux = moe(g.x, return_aux_loss=True).aux_loss
-    res = {"aux_loss_of_the_group": (aux.stats, float(mean) / g.world_size, float(ref_aux), float(aux.aux_loss),
-                                     float(out.aux_loss))}
+    dist.all_reduce(mean := aux.aux_loss.detach().clone())
+    res = {"aux_loss_of_the_group": (aux.stats, float(mean) / g.world_size, float(moe(g.x, return_aux_loss=True)
+                                     .aux_loss), float(aux.aux_loss), float(out.aux_loss))}
     if not g.sizes[g.rank]:
         return res | {"capacity_per_rank": 0.0, "capacity_dropped": (0, 0)}
     ref = moe(g.x_local, return_stats=True)
