@@ -215,7 +215,8 @@ def main() -> None:
             print(f"FAIL curves: {err}")
         for m, c in doc.get("curves", {}).items():
             ok = c["counts_equal"] and c["loss_rel"] < 1e-4
-            print(f"{'PASS' if ok else 'FAIL'} curves {m}: counts equal {c['counts_equal']}, loss rel {c['loss_rel']:.1e}")
+            print(f"{'PASS' if ok else 'FAIL'} curves {m}: counts equal {c['counts_equal']}, "
+                  f"loss rel {c['loss_rel']:.1e}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _port()
