@@ -3,7 +3,7 @@ batch, averaged over the ranks as data parallelism (DDP) averages them.
 
     [EPLB replicas: each expert's slots summed (replica_grads)]
       -> [one flat all_reduce over the EP group: every gradient all ranks hold in full, and which ranks had one]
-      (-> [dp_group: the same flat buffer, and each EP layer's w13 / w2 gradient, all_reduce over it])
+      (-> [dp_group: the same flat buffer, and each EP layer's routed slots' w13 / w2 gradients, all_reduce over it])
       -> [every gradient / (W * D)]
 
 What "averaged" means: after backward each rank's loss has put into the gradients of the weights it holds in full
