@@ -12,7 +12,7 @@ The pattern in a training loop (one ``ExpertCounts`` per MoE layer; update every
         res = moe(x, return_stats=True)              # MoEStats.choice_counts [E(+Z)]: this forward's assignments
         counts.add(res.stats.choice_counts)
         ...loss.backward(); optimizer.step()
-        update_correction_bias_(moe, counts.take(), rate=1e-3, group=ep_group)  # group: sum over ranks
+        update_correction_bias_(moe, counts.take(), rate=1e-3)  # an EPMoE: summed over its group
 
 The bias only changes which experts are selected (``moekit.routing.route``), never the weights, so it
 needs no gradient and no optimizer; it lives in the ``e_score_correction_bias`` buffer
@@ -66,8 +66,11 @@ def update_correction_bias_(
     selection). With identity experts a common shift of the routed experts' biases is the budget control, so
     centring is refused. ``routed_per_token``: LongCat-Flash's K_e (``correction_delta``).
     ``group``: a process group to sum ``counts`` over first (``all_reduce``, collective: every rank of it
-    calls this with its own counts); None = these counts alone. For the world, pass
-    ``torch.distributed.group.WORLD``. Returns the delta [E(+Z)] (the bias dtype) that was added."""
+    calls this with its own counts); None = the layer's ``counts_group`` where it has one (an ``EPMoE``: its
+    counts are its rank's tokens', so they are summed over its group and every rank's bias moves alike, as one
+    layer's on all the tokens), else these counts alone. For the world, pass ``torch.distributed.group.WORLD``
+    (an EP group with data-parallel replicas: the counts of all of them). Returns the delta [E(+Z)] (the bias dtype)
+    that was added."""
     bias = getattr(moe, "e_score_correction_bias", None)
     if not isinstance(bias, torch.Tensor):
         raise ValueError("moe has no e_score_correction_bias: build it with MoEConfig(use_correction_bias=True)")
@@ -78,6 +81,7 @@ def update_correction_bias_(
     counts = _check_counts(counts, width, what).to(device=bias.device, dtype=torch.float64)
     top_k = config.top_k if identity else 1  # read only with identity experts
     _rule(rate, center, width - identity, identity, top_k, routed_per_token)  # before the collective
+    group = getattr(moe, "counts_group", None) if group is None else group
     if group is not None:
         counts = counts.clone()
         dist.all_reduce(counts, group=group)

@@ -21,17 +21,32 @@ never NaN. A NaN logit stays NaN (it is no mask).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from moekit.routing.route import soft_capped
 
 
-def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len: int) -> torch.Tensor | None:
+@dataclass(frozen=True)
+class Across:
+    """Several ranks' batches as one batch (expert parallelism): ``total`` sums a tensor over the ranks (an
+    ``all_reduce`` of a copy, no autograd), ``ranks`` is W. ``configured_aux_loss`` then returns this rank's part
+    times W: the mean over the ranks of their parts is the loss of all their tokens as one batch (what a
+    data-parallel average of the ranks' losses trains on)."""
+
+    total: Callable[[torch.Tensor], torch.Tensor]
+    ranks: int
+
+
+def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len: int,
+                        across: Across | None = None) -> torch.Tensor | None:
     """A ``MoEConfig``'s sum of coefficient x loss over one forward's logits [M, E(+Z|S)] and chosen ids [M, k]
     (``MoEOutput.aux_loss``), None when its three coefficients are 0; the sequence-wise loss takes ``seq_len``
     tokens as a sequence. The losses read the logits as the router scores them (soft-capped: Laguna's, which
-    transformers' balance loss reads too), over the columns it chooses from (``choice_columns``)."""
+    transformers' balance loss reads too), over the columns it chooses from (``choice_columns``). ``across``:
+    the counts that divide (assignments per expert, live tokens, live sequences) summed over the ranks first
+    (one collective, also with no rows here), the rank's part scaled by W (``Across``)."""
     c = config
     if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
         return None
@@ -40,14 +55,22 @@ def configured_aux_loss(config, logits: torch.Tensor, ids: torch.Tensor, seq_len
         logits = logits.masked_fill(~torch.isfinite(logits), float("-inf"))
     width = c.choice_width
     total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
-    if logits.shape[0] == 0:
+    if logits.shape[0] == 0 and across is None:
         return total
+    logits = _check_logits(logits, width)
+    live = _live_tokens(logits, None)
+    counts, prob_sum, tokens = _balance_parts(live, ids, width)  # [E], [E], []
+    seq_sum, seqs = _sequence_parts(live, ids, width, seq_len, c.scoring) if c.seq_aux_loss_coef else (total, total)
+    local = torch.cat([counts, tokens[None], seqs[None]]).detach()  # [E + 2]
+    ranks, glob = (1, local) if across is None else (across.ranks, across.total(local))
+    glob_tokens, glob_seqs = _at_least_one(glob[width]), _at_least_one(glob[width + 1])
     if c.aux_loss_coef:
-        total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, width)
+        f = glob[:width] / glob_tokens  # [E]
+        total = total + c.aux_loss_coef * (width * torch.sum(f * (prob_sum * ranks / glob_tokens)))
     if c.seq_aux_loss_coef:
-        total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, width, seq_len, scoring=c.scoring)
+        total = total + c.seq_aux_loss_coef * (ranks * seq_sum / glob_seqs)
     if c.z_loss_coef:
-        total = total + c.z_loss_coef * z_loss(logits)
+        total = total + c.z_loss_coef * (ranks * _z_sum(live) / glob_tokens)
     return total
 
 
@@ -82,11 +105,17 @@ def load_balancing_loss(
     its ``attention_mask`` (``token_mask`` here, flattened to [M]). Uniform routing gives k; all tokens
     on the same k experts give k * E (softmax concentrated on them) at most."""
     logits = _check_logits(router_logits, num_experts)
-    live = _live_tokens(logits, _check_mask(token_mask, logits))
-    counts = assignments_per_expert(topk_ids, num_experts, logits, live.weight)  # [E]
-    prob_sum = (torch.softmax(live.logits, dim=-1) * live.weight[:, None]).sum(0)  # [E]
-    tokens = _at_least_one(live.weight.sum())
+    counts, prob_sum, tokens = _balance_parts(_live_tokens(logits, _check_mask(token_mask, logits)), topk_ids,
+                                              num_experts)  # [E], [E], []
+    tokens = _at_least_one(tokens)
     return num_experts * torch.sum((counts / tokens) * (prob_sum / tokens))
+
+
+def _balance_parts(live: _LiveTokens, topk_ids: torch.Tensor, num_experts: int):
+    """The balance loss's sums over the live tokens: assignments [E], softmax mass [E], live tokens []."""
+    counts = assignments_per_expert(topk_ids, num_experts, live.logits, live.weight)  # [E]
+    prob_sum = (torch.softmax(live.logits, dim=-1) * live.weight[:, None]).sum(0)  # [E]
+    return counts, prob_sum, live.weight.sum()
 
 
 def sequence_balance_loss(
@@ -123,8 +152,17 @@ def sequence_balance_loss(
     if logits.shape[0] % seq_len:
         raise ValueError(f"router_logits must hold whole sequences of seq_len={seq_len} tokens, got {logits.shape[0]} "
                          f"rows")
+    seq_sum, seqs = _sequence_parts(_live_tokens(logits, _check_mask(token_mask, logits)), ids, num_experts, seq_len,
+                                    scoring)
+    return alpha * seq_sum / _at_least_one(seqs)
+
+
+def _sequence_parts(live: _LiveTokens, ids: torch.Tensor, num_experts: int, seq_len: int, scoring: str):
+    """The sequence-wise loss summed over the sequences [], and the sequences with a live token []."""
+    logits = live.logits
+    if not logits.shape[0]:  # an EP rank without tokens (a 2-D x of 0 rows is a sequence of 0)
+        return logits.new_zeros(()), logits.new_zeros(())
     num_seqs, top_k = logits.shape[0] // seq_len, ids.shape[1]
-    live = _live_tokens(logits, _check_mask(token_mask, logits))
     scores = torch.softmax(live.logits, dim=-1) if scoring == "softmax" else torch.sigmoid(live.logits)  # [M, E]
     normed = scores / scores.sum(-1, keepdim=True) * live.weight[:, None]  # [M, E]; s', 0 on a left-out token
     weight = live.weight.view(num_seqs, seq_len)  # [B, T]
@@ -132,8 +170,7 @@ def sequence_balance_loss(
     p = normed.view(num_seqs, seq_len, num_experts).sum(1) / tokens  # [B, E]
     selected = one_hot_assignments(ids, num_experts, logits) * live.weight[:, None]  # [M, E]; 1 where it chose e
     f = selected.view(num_seqs, seq_len, num_experts).sum(1) * (num_experts / top_k) / tokens  # [B, E]
-    seqs = _at_least_one((weight.sum(1) > 0).to(logits.dtype).sum())  # sequences with a live token
-    return alpha * (f * p).sum(-1).sum() / seqs
+    return (f * p).sum(-1).sum(), (weight.sum(1) > 0).to(logits.dtype).sum()
 
 
 def z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,8 +180,12 @@ def z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) 
         raise ValueError(f"router_logits must be a floating-point tensor [M, E], got {_describe(router_logits)}")
     logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
     live = _live_tokens(logits, _check_mask(token_mask, logits))
-    sq = torch.logsumexp(live.logits, dim=-1).square()  # [M]
-    return (sq * live.weight).sum() / _at_least_one(live.weight.sum())
+    return _z_sum(live) / _at_least_one(live.weight.sum())
+
+
+def _z_sum(live: _LiveTokens) -> torch.Tensor:
+    """logsumexp(logits)^2 summed over the live tokens []."""
+    return (torch.logsumexp(live.logits, dim=-1).square() * live.weight).sum()
 
 
 def assignments_per_expert(

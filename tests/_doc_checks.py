@@ -78,9 +78,9 @@ def parallel(ns: dict, printed: str) -> None:
 
 
 def _trained_single_copy(ref, world_size: int):
-    """docs/parallel.md's training loop on one process: a copy of ``ref`` stepped by SGD (lr 0.1) on the sum over the
-    ranks of each rank's mean squared output, every rank's ``batches`` drawn again as ``_doc_setups.ep_checkpoint``
-    draws them."""
+    """docs/parallel.md's training loop on one process: a copy of ``ref`` stepped by SGD (lr 0.1) on the mean over the
+    ranks of each rank's mean squared output (``sync_grads`` averages), every rank's ``batches`` drawn again as
+    ``_doc_setups.ep_checkpoint`` draws them."""
     import copy
 
     batches = []
@@ -91,7 +91,7 @@ def _trained_single_copy(ref, world_size: int):
     trained = copy.deepcopy(ref)
     opt = torch.optim.SGD(trained.parameters(), lr=0.1)
     for step in range(10):
-        sum((trained(rank_batches[step]) ** 2).mean() for rank_batches in batches).backward()
+        (sum((trained(rank_batches[step]) ** 2).mean() for rank_batches in batches) / world_size).backward()
         opt.step()
         opt.zero_grad()
     return trained

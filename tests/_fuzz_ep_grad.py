@@ -1,13 +1,13 @@
 """Gradients of expert-parallel layers (``EPMoE``) on the fuzzer's cases against float64 autograd through the loop
 (``_fuzz_grad.reference_grads``): what ``test_fuzz_ep`` asserts for training.
 
-    each rank: loss = sum(out * R) over its rows -> backward (the all-to-alls' transposes) -> x's gradient rows, its
-    local experts' gradients, the replicated weights' (gate, shared, fused shared slots) summed over the ranks (as data
-    parallelism sums them) -> the parent assembles the whole layer's gradients and compares them with the loop's
+    each rank: loss = sum(out * R) over its rows -> backward (the all-to-alls' transposes) -> ``ep.sync_grads()``
+    (every gradient averaged over the ranks: times W, the gradient of the sum of the ranks' losses) -> x's gradient
+    rows, the layer's gradients -> the parent assembles the whole layer's gradients and compares them with the loop's
 
-The cases ``_fuzz_ep`` runs, float experts only, without aux losses (each rank's aux loss is over its own tokens, by
-contract not the whole batch's), dropless (a rank's capacity is over its own tokens); EPLB's replicas of an expert
-summed by ``EPMoE.sync_replica_grads`` after backward: each must then hold the expert's gradient, bit-equal.
+The cases ``_fuzz_ep`` runs, float experts only, without aux losses (``test_parallel_train_steps`` trains them),
+dropless (a rank's capacity is over its own tokens); EPLB's replicas of an expert summed by ``sync_grads``: each
+must then hold the expert's gradient, bit-equal.
 Shapes: M tokens of the batch, K hidden, E routed experts, L local, S shared slots.
 """
 
@@ -62,8 +62,6 @@ def _moe(case, masked_rows: list[int], backend: str):
 
 def rank_grads(rank: int, world_size: int, seeds: list[int]) -> dict[int, RankGrads]:
     """Run on each rank (spawned): every seed's case trained through EPMoE."""
-    import torch.distributed as dist
-
     results = {}
     for seed in seeds:
         case, masked = _trained(seed)
@@ -73,18 +71,10 @@ def rank_grads(rank: int, world_size: int, seeds: list[int]) -> dict[int, RankGr
         leaf = x[start:stop].clone().requires_grad_(True)
         call = ep(leaf, return_aux_loss=True)
         (call.out.double() * projection(case)[start:stop]).sum().backward()
-        ep.sync_replica_grads()  # EPLB's replicas: each slot of an expert holds the expert's whole gradient
+        ep.sync_grads()  # averaged over the ranks; EPLB's replicas: each slot holds the expert's whole gradient
         grads = {"x": leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)}
-        local = ep.num_local_experts
-        for name, p in ep.named_parameters():
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)).double().clone()
-            if name in ("w13", "w2"):
-                shared = g[local:].contiguous()
-                dist.all_reduce(shared)  # the fused shared slots: every rank's tokens' share, summed
-                g[local:] = shared
-            else:
-                dist.all_reduce(g)  # replicated: summed as data parallelism sums them
-            grads[name] = g
+        for name, p in ep.named_parameters():  # times W: the gradient of the sum of the ranks' losses, the loop's
+            grads[name] = (p.grad if p.grad is not None else torch.zeros_like(p)).double() * world_size
         logits = call.router_logits.detach().double().numpy()
         results[seed] = RankGrads(start, stop, list(ep.placement.slots[rank]), logits,
                                   {k: v.detach().double().numpy() for k, v in grads.items()})
@@ -107,12 +97,12 @@ def check_ep_grads(seeds: list[int], ranks: list[dict[int, RankGrads]], world_si
         for name in ("w13", "w2"):
             full = torch.zeros_like(want.grads[name])  # [E(+S), ...]
             held: dict[int, torch.Tensor] = {}
-            for s in shares:  # after sync_replica_grads every replica (EPLB) holds its expert's whole gradient
+            for s in shares:  # after sync_grads every replica (EPLB) holds its expert's whole gradient
                 local = torch.from_numpy(s.grads[name])
                 for slot, expert in enumerate(s.slots):
                     if expert in held and not torch.equal(held[expert], local[slot]):
                         result.fail(f"ep W={world_size} seed {seed}: the replicas of expert {expert} hold different "
-                                    f"{name} gradients after sync_replica_grads")
+                                    f"{name} gradients after sync_grads")
                     held.setdefault(expert, local[slot])
                 full[e:] = local[len(s.slots):]
             for expert, g in held.items():

@@ -181,14 +181,15 @@ def _router_options(g: Group) -> dict:
 
 
 def _capacity(g: Group) -> dict:
-    """Capacity dropping applies per rank (GShard's local group): MoE on this rank's tokens alone; so does
-    ``return_aux_loss``'s loss (over the rank's tokens, 0 on a rank without any)."""
+    """Capacity dropping applies per rank (GShard's local group): MoE on this rank's tokens alone. The aux loss is the
+    rank's part of the group's: their mean is MoE's on all the tokens (counts: the choices before the drops)."""
     moe = _moe(SOFTMAX_SHARED.replace(aux_loss_coef=0.01, z_loss_coef=0.001), capacity_factor=0.5)
     ep = EPMoE.from_moe(moe)
     out = ep(g.x_local, return_stats=True)
     aux = ep(g.x_local, return_aux_loss=True)
-    ref_aux = moe(g.x_local, return_aux_loss=True).aux_loss
-    res = {"aux_loss_per_rank": (aux.stats, float(aux.aux_loss), float(ref_aux), float(out.aux_loss))}
+    dist.all_reduce(mean := aux.aux_loss.detach().clone())
+    res = {"aux_loss_of_the_group": (aux.stats, float(mean) / g.world_size, float(moe(g.x, return_aux_loss=True)
+                                     .aux_loss), float(aux.aux_loss), float(out.aux_loss))}
     if not g.sizes[g.rank]:
         return res | {"capacity_per_rank": 0.0, "capacity_dropped": (0, 0)}
     ref = moe(g.x_local, return_stats=True)
@@ -332,8 +333,8 @@ CHECKS = [
           "EP drops as many assignments as MoE on the rank's tokens alone", key="capacity_dropped"),
     _case("capacity_drops_somewhere", lambda v, *_: v[0] > 0, "capacity 0.5 drops on some rank",
           key="capacity_dropped", any_rank=True),
-    _case("aux_loss_per_rank", lambda v, *_: v[0] is None and abs(v[1] - v[2]) <= 1e-6 * v[2] and v[1] == v[3],
-          "return_aux_loss: no stats, the aux loss of MoE on the rank's tokens alone, return_stats's"),
+    _case("aux_loss_of_the_group", lambda v, *_: v[0] is None and abs(v[1] - v[2]) <= 1e-6 * v[2] and v[3] == v[4],
+          "return_aux_loss: no stats, the mean over the ranks MoE's aux loss on all their tokens, return_stats's"),
     _case("empty_shapes", lambda v, *_: v == [(0, 32), (2, 0, 32)], "empty batches keep their shape"),
     _case("empty_shapes_padded", lambda v, *_: v == [(0, 32), (2, 0, 32)], "empty batches keep their shape"),
     _error_says("over_capacity", "max_tokens_per_rank=4", "got 5"),

@@ -1,11 +1,12 @@
-"""EPLB's replicas train as one expert: ``EPMoE.sync_replica_grads`` on 2 and 3 gloo ranks.
+"""EPLB's replicas train as one expert: ``EPMoE.sync_grads`` on 2 and 3 gloo ranks.
 
 Each rank passes its own tokens (float64) and takes sum(out * r) over them; the reference is a float64 per-token loop
 over all the tokens with one copy of each expert (the routing computed here: softmax, top-k, renormalised), its
-gradients by autograd. After backward and ``sync_replica_grads`` every slot of an expert (on several ranks, or twice
-on one) holds that copy's gradient, bit-identical across slots and ranks; an SGD step leaves the replicas equal. The
-collectives counted: none where no expert spans two ranks (no replicas, or an expert doubled on one rank only); the
-agreement and one payload exchange otherwise. A rank without gradients raises, its peers ``PeerRankError``.
+gradients by autograd. After backward and ``sync_grads`` every slot of an expert (on several ranks, or twice on one)
+holds that copy's gradient over W (averaged over the ranks), bit-identical across slots and ranks; an SGD step leaves
+the replicas equal. The all-to-alls counted: the error agreement alone where no expert spans two ranks (no replicas,
+or an expert doubled on one rank only); the agreement and one payload exchange otherwise. A rank without gradients
+raises, its peers ``PeerRankError``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from moekit.parallel import EPMoE, Placement
 
 CONFIG = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2, scoring="softmax",
                    renormalize=True)
-PLACEMENTS = {  # world size -> name -> (slots per rank, tokens per rank, all_to_all calls sync_replica_grads makes)
+PLACEMENTS = {  # world size -> name -> (slots per rank, tokens per rank, all_to_all calls sync_grads makes)
     2: {"spread_and_doubled": ([[0, 1, 2, 0], [3, 0, 1]], [13, 11], 2),  # 0: twice on rank 0 and on rank 1
-        "doubled_on_one_rank": ([[0, 0, 1], [2, 3]], [10, 9], 0),  # summed locally, no collective
-        "no_replicas": ([[0, 1], [2, 3]], [7, 8], 0)},
+        "doubled_on_one_rank": ([[0, 0, 1], [2, 3]], [10, 9], 1),  # summed locally: the agreement alone
+        "no_replicas": ([[0, 1], [2, 3]], [7, 8], 1)},
     3: {"three_ranks": ([[0, 1], [2, 0], [3, 0, 1]], [9, 0, 12], 2)},  # 0 on every rank, 1 on two; rank 1 no tokens
 }
 
@@ -64,9 +65,10 @@ def _rank(rank: int, world_size: int, name: str) -> dict:
     real = dist.all_to_all_single
     dist.all_to_all_single = lambda *a, **k: (counted.append(1), real(*a, **k))[1]
     try:
-        summed = ep.sync_replica_grads()
+        summed = ep.sync_grads().replicated_experts
     finally:
         dist.all_to_all_single = real
+    want13, want2 = want13 / world_size, want2 / world_size  # averaged over the ranks
     errors = {s: max(rel_l2(ep.w13.grad[s], want13[e]), rel_l2(ep.w2.grad[s], want2[e])) for s, e in enumerate(mine)}
     grads = {(e, rank, s): (ep.w13.grad[s].numpy().copy(), ep.w2.grad[s].numpy().copy()) for s, e in enumerate(mine)}
     torch.optim.SGD([ep.w13, ep.w2], lr=0.5).step()
@@ -117,7 +119,7 @@ def _missing_grad(rank: int, world_size: int) -> str:
     if rank == 1:
         ep.w2.grad = None
     try:
-        ep.sync_replica_grads()
+        ep.sync_grads()
     except Exception as err:  # noqa: BLE001  (the type and message are the test's)
         return f"{type(err).__name__}: {err}"
     return "no error"
@@ -125,5 +127,6 @@ def _missing_grad(rank: int, world_size: int) -> str:
 
 def test_a_rank_without_gradients_raises_on_every_rank():
     got = run_ranks(_missing_grad, 2, timeout_s=100)
-    assert got[1].startswith("ValueError: sync_replica_grads: w2 hold no gradient on rank 1: call it after backward")
-    assert got[0].startswith("PeerRankError: rank 1 failed: ValueError: sync_replica_grads"), got[0]
+    assert got[1].startswith("ValueError: sync_grads: w2 of EPMoE layer 0 hold no gradient on rank 1: call it after "
+                             "backward"), got[1]
+    assert got[0].startswith("PeerRankError: rank 1 failed: ValueError: sync_grads"), got[0]

@@ -44,6 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=positive_float, default=d.lr, help="AdamW learning rate")
     p.add_argument("--aux-coef", type=positive_float, default=d.aux_loss_coef, help="the aux run's loss coefficient")
     p.add_argument("--bias-rate", type=positive_float, default=d.bias_rate, help="the bias run's update speed")
+    p.add_argument("--ep", type=positive_int, default=d.ep,
+                   help="spread every MoE layer's experts over N processes (expert parallelism: gloo on the CPU, NCCL "
+                   "with one GPU each), each taking batch-size / N sequences; the curves are the whole batch's")
     p.add_argument("--log-every", type=positive_int, default=10, help="print a line every N steps")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.set_defaults(func=_run)
@@ -58,11 +61,20 @@ def _run(args: argparse.Namespace) -> int:
             steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, d_model=args.d_model,
             num_layers=args.layers, num_experts=args.experts, top_k=args.top_k, expert_size=args.expert_size,
             lr=args.lr, aux_loss_coef=args.aux_coef, bias_rate=args.bias_rate, capacity_factor=args.capacity_factor,
-            seed=args.seed, device=args.device,
+            seed=args.seed, device=args.device, ep=args.ep,
         )
         settings.moe_config("none")  # top_k <= experts, ...: the config's own checks, before any work
     except ValueError as err:  # the config's words (top_k, num_experts) are the flags' --top-k, --experts
-        raise UsageError(f"--experts/--top-k/--d-model/--expert-size: {err}") from None
+        flags = "--ep/--batch-size/--experts" if str(err).startswith("ep=") else \
+            "--experts/--top-k/--d-model/--expert-size"
+        raise UsageError(f"{flags}: {err}") from None
+    if settings.ep > 1:
+        from moekit.train.ep import check_ranks
+
+        try:
+            check_ranks(settings)
+        except ValueError as err:
+            raise UsageError(f"--ep: {err}") from None
     with made_output_dir(args.out):  # before the runs: a directory that cannot be written would lose them at the end
         return _train(args, settings)
 
@@ -77,11 +89,18 @@ def _train(args: argparse.Namespace, settings) -> int:
     from moekit.train.plot import plot_curves
 
     console = Console(highlight=False)
-    console.print(f"moekit train on {settings.device}: {settings.steps} steps x 3 runs")
+    spread = "" if settings.ep == 1 else (f", experts over {settings.ep} processes "
+                                          f"({'NCCL' if settings.device.startswith('cuda') else 'gloo'})")
+    console.print(f"moekit train on {settings.device}: {settings.steps} steps x 3 runs{spread}")
     corpus = load_stdlib_bytes()
     console.print(f"data: {corpus.files} files, {corpus.data.numel() / 2**20:.1f} MiB from {corpus.root}")
     with _progress(console, args.log_every, settings.capacity_factor is not None) as on_step:
-        result = train_side_by_side(settings, corpus, on_step)
+        if settings.ep == 1:
+            result = train_side_by_side(settings, corpus, on_step)
+        else:
+            from moekit.train.ep import train_expert_parallel
+
+            result = train_expert_parallel(settings, corpus, on_step)
     doc = curves_document(result, corpus)
     for method, s in summary(result).items():
         drops = f", dropped {100 * s['dropped']:.1f}%" if settings.capacity_factor is not None else ""

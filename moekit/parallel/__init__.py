@@ -3,7 +3,8 @@
     [Gate+Route, local tokens] -> [Dispatch: all_to_all_single] -> [Local experts] -> [Combine: all_to_all_single]
 
 ``moekit.parallel.placement`` and ``moekit.parallel.eplb`` have no ``torch.distributed`` dependency (the
-simulator imports them); ``EPMoE`` is imported on first use.
+simulator imports them); ``EPMoE`` and ``sync_grads`` (training: every gradient averaged over the ranks after
+backward) are imported on first use.
 """
 
 from moekit.parallel.eplb import eplb_placement, load_lower_bound
@@ -18,7 +19,7 @@ from moekit.parallel.placement import (
 from moekit.parallel import eplb as _eplb
 from moekit.parallel import placement as _placement
 
-__all__ = [*_placement.__all__, *_eplb.__all__, "EPMoE", "RebalanceReport", "PeerRankError"]
+__all__ = [*_placement.__all__, *_eplb.__all__, "EPMoE", "RebalanceReport", "PeerRankError", "sync_grads"]
 
 
 def __getattr__(name: str):
@@ -26,6 +27,10 @@ def __getattr__(name: str):
         from moekit.parallel import layer
 
         return getattr(layer, name)
+    if name == "sync_grads":  # a model's gradients after backward: needs torch.distributed
+        from moekit.parallel import grad_sync
+
+        return grad_sync.sync_grads
     if name == "PeerRankError":
         from moekit.parallel import errors
 

@@ -32,13 +32,13 @@ from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bou
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks, digest, dtype_name
 from moekit.parallel.overlap import dispatch_starters, run_chunks
 from moekit.parallel.placement import Placement, balancedness, contiguous_placement, rank_loads
-from moekit.parallel.replica_grads import sync_replica_grads
 from moekit.parallel.rows import tied_to_received
+from moekit.parallel.training import EPTraining
 from moekit.parallel.weights import move_experts, shard_experts
 from moekit.routing import Routing
 
 
-class EPMoE(MoE):
+class EPMoE(EPTraining, MoE):
     """An expert-parallel MoE layer over a ``torch.distributed`` process group (NCCL or gloo).
 
     A ``MoE`` whose experts-and-combine step (``run_routed``) dispatches rows to the ranks holding
@@ -64,8 +64,8 @@ class EPMoE(MoE):
     device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context as in a single-device ``MoE``
     (the others then wait out the group's timeout). Construction and ``rebalance`` also sync; ``rebalance`` keeps the
     weights' storage when each rank keeps its slot count (``apply_placement``). Trains (``moekit.parallel.rows``): every
-    rank calls ``backward`` as often as ``forward``; expert gradients sum every rank's tokens (an EPLB replica's its
-    own share until ``sync_replica_grads``), the gate's and shared expert's this rank's (data parallelism sums them).
+    rank calls ``backward`` as often as ``forward``, then ``sync_grads`` (every gradient averaged over the ranks, as
+    DDP's; ``moekit.parallel.grad_sync``). The aux loss is this rank's part of the group's (``losses.Across``).
 
     Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
     expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
@@ -120,6 +120,7 @@ class EPMoE(MoE):
         # Tables of width W (the most replicas any placement can have): a rebalance overwrites them in place.
         self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, device, width=world_size)
         self.graph_captured = False  # a forward ran under CUDA-graph capture: see apply_placement
+        self._with_aux = False  # this forward returns the aux loss (and its collective): in the agreement
         self._errors = CollectiveErrors(group, timeout=timeout)  # one agreement per collective call
         check_same_on_all_ranks(self._fingerprint(), group)
 
@@ -258,7 +259,7 @@ class EPMoE(MoE):
                 )
             # The payload row (K values of x's dtype, k ids, k weights) must be the same on every rank.
             row = (f"x {dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token, "
-                   f"weights {dtype_name(weights_dtype(topk_weights))}")
+                   f"weights {dtype_name(weights_dtype(topk_weights))}, aux {self._with_aux}")
             agree = lambda counts=None: errors.agree(row, what="the dispatch payload row", counts=counts)  # noqa: E731
             return run_chunks(self, dispatch_starters(self, x2d, topk_ids, topk_weights, agree))
 
@@ -273,7 +274,11 @@ class EPMoE(MoE):
         with self._errors.on(self.w13.device, self._counts_chunks) as errors:  # checks, routing raise: agreed there
             self.graph_captured |= errors.capturing
             self._check_x(x)
-            return super().forward(x, return_stats, return_aux_loss)
+            self._with_aux = return_stats or return_aux_loss  # its all_reduce follows the combine: agreed
+            try:
+                return super().forward(x, return_stats, return_aux_loss)
+            finally:
+                self._with_aux = False
 
     def _check_x(self, x: torch.Tensor) -> None:
         """Host-side checks of this rank's tokens (no sync): the payload carries x in the experts' dtype."""
@@ -297,9 +302,7 @@ class EPMoE(MoE):
 
     def global_expert_load(self) -> torch.Tensor:
         """[E] float64: ``expert_load`` summed over the group (all_reduce). Collective."""
-        loads = self.expert_load.clone()
-        dist.all_reduce(loads, group=self.group)
-        return loads
+        return self._group_total(self.expert_load)
 
     def rebalance(self, num_redundant: int = 0, loads=None) -> RebalanceReport:
         """EPLB: sum the tracked load over ranks (or take ``loads`` [E], rank 0's counts), compute a
@@ -382,12 +385,6 @@ class EPMoE(MoE):
             self._tables = tables
         self.placement = placement
         return w13.received
-
-    def sync_replica_grads(self) -> int:
-        """After backward, before the optimizer step: each replica of an expert (EPLB's slots) gets the sum of all its
-        replicas' w13 / w2 gradients, a single copy's; collective among the ranks sharing one, nothing without
-        replicas (``moekit.parallel.replica_grads``). Returns the replicated experts summed on this rank."""
-        return sync_replica_grads(self.w13, self.w2, self.placement, self.rank, self.group, self._errors)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -5,7 +5,7 @@
 
 EPLB (``EPMoE.rebalance(num_redundant=R)``) puts a hot expert in several slots, on several ranks or twice on one, and
 the dispatch splits its tokens over them, so each slot's gradient covers only its share; a single copy of the expert
-would get their sum. ``EPMoE.sync_replica_grads`` (after backward, before the optimizer step) writes that sum into
+would get their sum. ``EPMoE.sync_grads`` (after backward, before the optimizer step) writes that sum into
 every slot, so an optimizer step keeps the replicas equal. Communication: only the partials of experts whose slots sit
 on more than one rank, only between the ranks holding them (one row a shared expert a pair of ranks, both directions);
 an expert doubled on one rank is summed locally; a placement where no expert spans two ranks makes no collective at all.
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.parallel.errors import CollectiveErrors
 from moekit.parallel.placement import Placement
 
 
@@ -49,19 +48,19 @@ class ReplicaSums:
                    exchanges=any(len(ranks) > 1 for ranks in ranks_of))
 
 
-def sync_replica_grads(w13: torch.Tensor, w2: torch.Tensor, placement: Placement, rank: int, group,
-                       errors: CollectiveErrors) -> int:
+def check_grads(w13: torch.Tensor, w2: torch.Tensor, rank: int, what: str = "") -> None:
+    """Raise a ValueError naming the weight when a training expert weight holds no gradient (before backward)."""
+    missing = [name for name, w in (("w13", w13), ("w2", w2)) if w.requires_grad and w.grad is None]
+    if missing:
+        raise ValueError(f"sync_grads: {' and '.join(missing)}{what} hold no gradient on rank {rank}: call it after "
+                         "backward")
+
+
+def sum_replicas(w13: torch.Tensor, w2: torch.Tensor, plan: ReplicaSums, rank: int, group) -> int:
     """Every slot of a replicated expert gets the sum of its slots' gradients over the group (``w13.grad`` [L+S, 2N,
-    K], ``w2.grad`` [L+S, K, N], in place); returns the experts summed on this rank. Collective over the group when
-    the placement spreads an expert over two ranks (every rank calls it then; a rank without gradients, i.e. before
-    backward, raises its ValueError and the others ``PeerRankError``); no collective otherwise."""
-    plan = ReplicaSums.build(placement, rank)
-    if plan.exchanges:
-        with errors.on(w13.device) as agreement:  # a rank's error raises on every rank before the exchange
-            _check_grads(w13, w2, plan, rank)
-            agreement.agree(what="sync_replica_grads")
-    else:
-        _check_grads(w13, w2, plan, rank)
+    K], ``w2.grad`` [L+S, K, N], in place); returns the experts summed on this rank. One ``all_to_all_single`` over
+    the group when ``plan.exchanges`` (every rank calls it then, after the caller's error agreement), none otherwise;
+    the gradients are there (``check_grads``)."""
     if not plan.experts and not plan.exchanges:
         return 0
     width = w13[0].numel() + w2[0].numel() if w13.shape[0] else 0  # P
@@ -81,13 +80,6 @@ def sync_replica_grads(w13: torch.Tensor, w2: torch.Tensor, placement: Placement
                 g13[s].copy_(total[: g13[s].numel()].view_as(g13[s]))
                 g2[s].copy_(total[g13[s].numel():].view_as(g2[s]))
     return len(plan.experts)
-
-
-def _check_grads(w13: torch.Tensor, w2: torch.Tensor, plan: ReplicaSums, rank: int) -> None:
-    missing = [name for name, w in (("w13", w13), ("w2", w2)) if getattr(w, "grad", None) is None]
-    if plan.experts and missing:
-        raise ValueError(f"sync_replica_grads: {' and '.join(missing)} hold no gradient on rank {rank}: call it "
-                         "after backward (experts that train: float weights with requires_grad)")
 
 
 def _exchange(partial: torch.Tensor, plan: ReplicaSums, group) -> dict[tuple[int, int], torch.Tensor]:

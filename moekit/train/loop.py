@@ -3,6 +3,11 @@ auxiliary load-balancing loss, and DeepSeek's bias update.
 
     for each step: one batch -> each run: forward, loss (+ aux), backward, AdamW step (bias run: bias update)
 
+Expert-parallel (``ep`` > 1, ``moekit.train.ep``): every rank builds the same model with its MoE layers as ``EPMoE``,
+draws the same batch and runs its share of the sequences; ``sync_grads`` averages the gradients after backward, the
+bias update sums the counts over the ranks, and the curves are the whole batch's (loss averaged, counts summed): the
+single process's run on the same seed, up to float32 summation order (``Share``).
+
 One router for all three runs, so the comparison isolates the balancing method: softmax scoring, top-k,
 renormalised (Mixtral's), with the correction bias buffer in every run (``use_correction_bias``);
 it stays at zero unless the bias run moves it. The bias moves selection only, as in DeepSeek-V3; it
@@ -51,10 +56,11 @@ class TrainSettings:
     seed: int = 0
     device: str = "cpu"
     backend: str = "auto"
+    ep: int = 1  # processes the MoE layers' experts are spread over (1: one process, no torch.distributed)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "d_model", "num_layers", "num_heads", "num_experts", "top_k",
-                     "expert_size"):
+                     "expert_size", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -63,6 +69,9 @@ class TrainSettings:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.batch_size % self.ep or self.num_experts < self.ep:
+            raise ValueError(f"ep={self.ep} processes each take batch_size / ep sequences and hold experts: batch_size "
+                             f"({self.batch_size}) must be a multiple of it and num_experts ({self.num_experts}) >= it")
         if self.capacity_factor is not None and not 0 < self.capacity_factor < float("inf"):
             raise ValueError(f"capacity_factor must be a positive number or None, got {self.capacity_factor!r}")
 
@@ -100,6 +109,25 @@ class TrainResult:
         return {"settings": asdict(self.settings), "runs": {m: asdict(c) for m, c in self.curves.items()}}
 
 
+class Share:
+    """One process trains on the whole batch: what ``moekit.train.ep.RankShare`` does across ranks, done locally."""
+
+    def parallel(self, model: TinyMoELM) -> TinyMoELM:
+        """The model this process trains (its MoE layers as they are)."""
+        return model
+
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This process's sequences of a batch [B, T] (all of them)."""
+        return batch
+
+    def sync_grads(self, model: TinyMoELM) -> None:
+        """The gradients after backward as the whole batch's (nothing to do)."""
+
+    def totals(self, values: torch.Tensor) -> torch.Tensor:
+        """A step's [loss, dropped, counts...] over the whole batch (the loss a mean, the rest sums): these."""
+        return values
+
+
 @dataclass
 class _Run:
     model: TinyMoELM
@@ -107,42 +135,51 @@ class _Run:
     curve: Curve
 
 
-def _build(settings: TrainSettings, method: str) -> _Run:
-    torch.manual_seed(settings.seed)  # the same initial weights in every run
-    model = TinyMoELM(settings.moe_config(method), settings.num_layers, settings.num_heads, settings.seq_len,
-                      backend=settings.backend, capacity_factor=settings.capacity_factor).to(settings.device)
+def _build(settings: TrainSettings, method: str, share: Share) -> _Run:
+    torch.manual_seed(settings.seed)  # the same initial weights in every run (and on every rank)
+    model = share.parallel(TinyMoELM(settings.moe_config(method), settings.num_layers, settings.num_heads,
+                                     settings.seq_len, backend=settings.backend,
+                                     capacity_factor=settings.capacity_factor).to(settings.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     return _Run(model, optimizer, Curve())
 
 
-def _step(run: _Run, method: str, settings: TrainSettings, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+def _step(run: _Run, method: str, settings: TrainSettings, inputs: torch.Tensor, targets: torch.Tensor,
+          share: Share) -> None:
+    """One step of one run on the batch inputs, targets [B, T] (this process's share of it)."""
     t0 = time.perf_counter()
-    out = run.model(inputs, targets)
+    out = run.model(share.rows(inputs), share.rows(targets))
     total = out.loss if out.aux_loss is None else out.loss + out.aux_loss
     run.optimizer.zero_grad(set_to_none=True)
     total.backward()
+    share.sync_grads(run.model)
     run.optimizer.step()
-    if method == "bias":
+    if method == "bias":  # an EPMoE sums the counts over its ranks itself
         for moe, stats in zip(run.model.moe_layers, out.stats):
             update_correction_bias_(moe, stats.choice_counts, rate=settings.bias_rate)
-    counts = [s.counts.double() for s in out.stats]  # [E] per layer
+    mine = [out.loss.detach().double().reshape(1), torch.tensor([float(sum(s.dropped for s in out.stats))]),
+            *(s.counts.double().cpu() for s in out.stats)]
+    values = share.totals(torch.cat([v.cpu() for v in mine]))  # [2 + layers * E]: the whole batch's
+    counts = values[2:].view(len(out.stats), -1)  # [layers, E]
     assignments = inputs.numel() * settings.top_k * len(counts)
-    run.curve.loss.append(float(out.loss.detach()))
+    run.curve.loss.append(float(values[0]))
     run.curve.imbalance.append(sum(float(c.max() / c.mean()) for c in counts) / len(counts))
-    run.curve.dropped.append(sum(s.dropped for s in out.stats) / assignments)
+    run.curve.dropped.append(float(values[1]) / assignments)
     run.curve.seconds += time.perf_counter() - t0
 
 
 def train_side_by_side(settings: TrainSettings, corpus: ByteCorpus,
-                       on_step: Callable[[StepReport], None] | None = None) -> TrainResult:
-    """Train the three runs for ``settings.steps`` steps on the same seeded batches."""
-    runs = {method: _build(settings, method) for method in METHODS}
+                       on_step: Callable[[StepReport], None] | None = None, share: Share | None = None) -> TrainResult:
+    """Train the three runs for ``settings.steps`` steps on the same seeded batches; ``share``: this rank's part of
+    an expert-parallel run (``moekit.train.ep``), None: one process, all of it."""
+    share = Share() if share is None else share
+    runs = {method: _build(settings, method, share) for method in METHODS}
     batches = torch.Generator().manual_seed(settings.seed)
     for step in range(1, settings.steps + 1):
         inputs, targets = corpus.batch(settings.batch_size, settings.seq_len, batches)  # [B, T] each
         inputs, targets = inputs.to(settings.device), targets.to(settings.device)
         for method, run in runs.items():
-            _step(run, method, settings, inputs, targets)
+            _step(run, method, settings, inputs, targets, share)
         if on_step is not None:
             latest = {m: (r.curve.loss[-1], r.curve.imbalance[-1], r.curve.dropped[-1]) for m, r in runs.items()}
             on_step(StepReport(step, settings.steps, latest))

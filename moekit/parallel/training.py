@@ -1,0 +1,46 @@
+"""What training adds to ``EPMoE``: the aux loss of the whole group's batch, the group the bias update sums its
+counts over, and ``sync_grads``.
+
+    [forward: this rank's tokens] -> aux loss: this rank's part (counts all_reduced) -> backward -> sync_grads
+      -> optimizer step -> update_correction_bias_(counts summed over ``counts_group``)
+
+A mixin of ``EPMoE`` (``moekit.parallel.layer``), which holds ``group``, ``world_size`` and ``config``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moekit.losses import Across, configured_aux_loss
+from moekit.parallel.grad_sync import GradSync, sync_grads
+from moekit.routing.routed import RoutedTokens
+
+
+class EPTraining:
+    """``EPMoE``'s training pieces (see the module docstring)."""
+
+    def sync_grads(self, dp_group: dist.ProcessGroup | None = None) -> GradSync:
+        """After backward, before the optimizer step: every gradient of this layer averaged over the ranks (EPLB's
+        replicas summed first), a single process's on every rank's batch, as DDP averages
+        (``moekit.parallel.grad_sync``); ``moekit.parallel.sync_grads(model)`` does a whole model's, its layers and
+        the parameters around them, in the same collectives. ``dp_group``: data-parallel replicas of this EP group."""
+        return sync_grads(self, dp_group)
+
+    @property
+    def counts_group(self) -> dist.ProcessGroup:
+        """The group whose tokens a forward's router counts split: ``update_correction_bias_`` sums them over it,
+        so every rank's bias moves as one layer's on all the tokens would (and stays equal on every rank)."""
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def _group_total(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` summed over the group (all_reduce, no autograd). Collective."""
+        total = t.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    def _aux_loss(self, routed: RoutedTokens, seq_len: int) -> torch.Tensor | None:
+        """This rank's part of the aux loss of every rank's tokens as one batch: the mean over the ranks is that loss
+        (``moekit.losses.Across``: one all_reduce of the counts; the forward's agreement says it follows)."""
+        return configured_aux_loss(self.config, routed.router_logits, routed.selected_ids, seq_len,
+                                   across=Across(self._group_total, self.world_size))
