@@ -53,10 +53,11 @@ def test_mma_split_down_and_expert_map(wo, scheme, group, split_k):
 
 @pytest.mark.parametrize("scheme,group", [("int4_w4a16", 128), ("mxfp4", 32), ("int8_w8a16", 0)])
 def test_mma_split_gate_up(wo, scheme, group):
-    # K = 384: three 128-column steps in 2 splits (256 + 128) or 3; float32 partials summed by the split_glu launch
+    # K = 384: three 128-column steps in 2 splits (256 + 128) or 3; float32 partials summed by the split_glu launch;
+    # E = 2: two row blocks of 3 rows (as the wide steps below)
     from moekit.experts.triton_wo_gemv import WordConfig
 
-    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=384, n=128, seed=7)
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, e=2, hidden=384, n=128, seed=7)
     tile = GemmTile(32, 128, 1, 1, 1)
     for split in (2, 3):
         out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=split))
