@@ -15,15 +15,13 @@ any other call (a helper naming a module not yet patched: ``tl.zeros`` or ``tl.s
 its modules count as patched from then on until its scope is restored (Triton 3.9's device-function call never
 restores it, so they stay patched to the launch's end: before, each of those calls rescanned ``tl`` and
 ``tl.core`` anew, a third of a word-decode GEMV test's time). The patched state every helper sees is the one it
-saw before, so results are unchanged. Which language modules a function names is read from its globals once per
-function (a scan of every global a call: 3 of 89 s in a profiled word-decode GEMV case), not at each call. A Triton
-whose interpreter lacks these names (another release) is left as it is.
+saw before, so results are unchanged. A Triton whose interpreter lacks these names (another release) is left as
+it is.
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
 
 
 class _NothingToRestore:
@@ -64,14 +62,8 @@ def install() -> bool:
     state = {"pending": None}  # the launching kernel's modules, until its own _patch_lang call
     active: list[set[int]] = []  # the modules patched (and not restored) in each running launch
 
-    langs_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> its language modules, read once
-
     def langs_of(fn) -> frozenset[int]:
-        langs = langs_seen.get(fn)
-        if langs is None:
-            langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
-            langs_seen[fn] = langs
-        return langs
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
     def patch_lang(fn):
         if state["pending"] is not None:  # the launch's own call: patch, and remember what
