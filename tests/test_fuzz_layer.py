@@ -27,7 +27,7 @@ from moekit import MoE, MoEConfig
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 
-SEEDS = range(50)  # ~55 s on one core of the dev machine (the interpreted triton cases are most of it)
+SEEDS = range(40)  # every option reached (the test below; range(35) misses a scheme); 50 took 25% longer
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -53,10 +53,11 @@ def test_mma_split_down_and_expert_map(wo, scheme, group, split_k):
 
 @pytest.mark.parametrize("scheme,group", [("int4_w4a16", 128), ("mxfp4", 32), ("int8_w8a16", 0)])
 def test_mma_split_gate_up(wo, scheme, group):
-    # K = 384: three 128-column steps in 2 splits (256 + 128) or 3; float32 partials summed by the split_glu launch
+    # K = 384: three 128-column steps in 2 splits (256 + 128) or 3; float32 partials summed by the split_glu launch;
+    # E = 2: two row blocks of 3 rows (as the wide steps below)
     from moekit.experts.triton_wo_gemv import WordConfig
 
-    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=384, n=128, seed=7)
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, e=2, hidden=384, n=128, seed=7)
     tile = GemmTile(32, 128, 1, 1, 1)
     for split in (2, 3):
         out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=split))
@@ -73,8 +74,10 @@ def test_mma_wide_steps_match_float64_loop(wo, scheme, hidden, group, block_k):
     # steps of 256 columns (one load of 128 bytes of a 4-bit row, 256 of int8) run as 2 dots on the step's halves,
     # each dot inside one int4 group; K = 200 / 296 / 328 / 640: tail steps whose later sub-steps lie past the row
     # (their words, x and scales 0), int4 tail groups of 72 / 40 / 128 columns, an mxfp4 tail group of 8; N = 384 in
-    # the down GEMM: a step of 256 then a half step; int8 at 128 columns (32 words, one dot) too
-    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=hidden, n=384, seed=hidden + block_k)
+    # the down GEMM: a step of 256 then a half step; int8 at 128 columns (32 words, one dot) too. E = 2: two row
+    # blocks of 3 rows (every token takes both experts; E = 4 spread the same 6 slots over 3-4 blocks)
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, e=2, hidden=hidden, n=384,
+                                       seed=hidden + block_k)
     out = run(wo, x, w13, w2, ids, weights, config(block_k=block_k))
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
 

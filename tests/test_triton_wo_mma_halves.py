@@ -50,8 +50,10 @@ def test_halves_match_float64_loop(wo, scheme, group):
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 def test_halves_wide_steps_split_along_k(wo, scheme, group):
     # K = 640 in steps of 256 columns (two dots each), split in 2 (512 + 128: the second split's step half past the
-    # row) and 3, the partial sets summed in split order by the split_glu launch; the down GEMM split in 2 too
-    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=640, n=384, seed=17)
+    # row) and 3, the partial sets summed in split order by the split_glu launch; the down GEMM split in 2 too.
+    # E = 2: every token takes both experts, so two row blocks of 3 rows each (the interpreter's time: E = 4 put
+    # the same 6 slots in 4 blocks)
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, e=2, hidden=640, n=384, seed=17)
     want = loop64(x, w13, w2, ids, weights)
     for split in (2, 3):
         out = run(wo, x, w13, w2, ids, weights, halves(block_k=256, up_split=split), split_k=2)
