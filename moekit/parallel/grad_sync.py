@@ -61,6 +61,13 @@ def sync_grads(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> G
     groups = {id(layer.group) for layer in layers}
     if len(groups) > 1:
         raise ValueError("model's EPMoE layers use different process groups: sync_grads averages over one EP group")
+    for i, layer in enumerate(layers):
+        c = layer.config
+        aux = bool(c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef)
+        if layer.dp_group is not dp_group and (layer.dp_group is not None or aux):
+            raise ValueError(f"dp_group must be EPMoE layer {i}'s dp_group (its aux loss's batch spans that group's "
+                             f"replicas; set layer.dp_group = dp_group before the forward), got {dp_group!r} against "
+                             f"{layer.dp_group!r}")
     with first._errors.on(first.w13.device) as agreement:
         plans = [ReplicaSums.build(layer.placement, layer.rank) for layer in layers]
         for i, layer in enumerate(layers):
@@ -115,8 +122,11 @@ def _flat(pieces: list[_Piece]) -> torch.Tensor:
 
 
 def _unflat(flat: torch.Tensor, pieces: list[_Piece], divisor: int) -> None:
-    """Each piece's gradient := its summed values / divisor, in its dtype; left None where no rank had one."""
-    offset, flags = 0, flat[flat.numel() - len(pieces):].tolist()
+    """Each piece's gradient := its summed values / divisor, in its dtype; left None where no rank had one. The
+    presence flags are read back to the host only where a gradient is None here (a rank that has one knows the sum
+    is present): a step whose gradients all exist syncs no more than its collectives (CUDA-graph capturable)."""
+    offset, missing = 0, any(p.param.grad is None for p in pieces)
+    flags = flat[flat.numel() - len(pieces):].tolist() if missing else [True] * len(pieces)
     for p, present in zip(pieces, flags):
         n = p.param[p.start:].numel()
         if present:
