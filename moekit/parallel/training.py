@@ -25,12 +25,13 @@ class EPTraining:
     # all_reduces of E + 2 values a forward), this rank's part scaled by W * D; pass the same group to sync_grads.
     dp_group: dist.ProcessGroup | None = None
 
-    def sync_grads(self, dp_group: dist.ProcessGroup | None = None) -> GradSync:
+    def sync_grads(self, dp_group: dist.ProcessGroup | None = None, agree: bool = True) -> GradSync:
         """After backward, before the optimizer step: every gradient of this layer averaged over the ranks (EPLB's
         replicas summed first), a single process's on every rank's batch, as DDP averages
         (``moekit.parallel.grad_sync``); ``moekit.parallel.sync_grads(model)`` does a whole model's, its layers and
-        the parameters around them, in the same collectives. ``dp_group``: data-parallel replicas of this EP group."""
-        return sync_grads(self, dp_group)
+        the parameters around them, in the same collectives. ``dp_group``: data-parallel replicas of this EP group;
+        ``agree=False``: no host sync (see ``moekit.parallel.grad_sync.sync_grads``)."""
+        return sync_grads(self, dp_group, agree)
 
     @property
     def counts_group(self) -> dist.ProcessGroup:
