@@ -144,8 +144,7 @@ class MoE(nn.Module):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        # Resolved here and on every device move (``_apply``), never inside forward: a first resolution
-        # imports modules, which torch.compile(fullgraph=True) cannot trace.
+        # Resolved here and on every move (``_apply``), never in forward (fullgraph=True cannot trace its imports).
         self._backend = name
         self._experts_fn: ExpertsFn = bind_options(backend_fn(name, self.w13.device, self.config.activation),
                                                    self.backend_options)

@@ -117,7 +117,8 @@ def test_each_step_block_becomes_a_layer_with_its_own_clamp():
         block = layer.mlp
         assert build_plan(block.experts).activation == ActivationSpec("silu", limit=LIMITS[i], limit_after_act=True)
         moe = moekit_hf.moe_from_hf(block)
-        assert moe.config == MoEConfig.from_hf_config(model.config, layer=i).replace(num_moe_layers=moe.config.num_moe_layers)
+        read = MoEConfig.from_hf_config(model.config, layer=i)
+        assert moe.config == read.replace(num_moe_layers=moe.config.num_moe_layers)
         assert moe.resolved_backend() == "grouped_mm"
         with torch.no_grad():
             want = block(x)
@@ -159,3 +160,15 @@ def test_the_fused_kernels_refuse_a_clamp_after_the_activation():
                        activation=ActivationSpec("silu", limit=3.0, limit_after_act=True))
     with pytest.raises(ValueError, match="limit_after_act"):
         MoE(config, backend="triton")
+
+
+def test_compiled_on_the_cpu_the_layer_takes_the_traced_path():
+    """Under torch.compile the CPU op's schema carries no limit_after_act: such a layer traces grouped_mm's path
+    (as a call with a gradient does) and computes what it computes eagerly."""
+    config = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, top_k=2,
+                       activation=ActivationSpec("silu", limit=1.0, limit_after_act=True))
+    torch.manual_seed(0)
+    moe = MoE(config).eval()
+    x = torch.randn(5, 16) * 30
+    with torch.no_grad():
+        assert rel_l2(torch.compile(moe)(x), moe(x)) < 1e-5

@@ -48,12 +48,10 @@ _BACKENDS = {
 # for tests), so "auto" never picks it there; it stays available by name.
 _AUTO_ORDER = {"cuda": ("triton", "grouped_mm", "reference")}
 _AUTO_ORDER_OTHER = ("grouped_mm", "reference")
-# Backends whose kernels clamp a SwiGLU before the activation only (``ActivationSpec.limit_after_act``): "auto"
-# passes them over for a spec that clamps after it, and asked by name they refuse it (``check_clamp_before_act``).
-_CLAMP_BEFORE_ACT_ONLY = ("triton", "triton_gluon")
+_CLAMP_BEFORE_ACT_ONLY = ("triton", "triton_gluon")  # no limit_after_act: "auto" passes over them, by name refused
 
-# (backend name, device type, clamp after the activation) -> its resolved function. A plain dict, not functools.lru_cache: on a hit
-# torch.compile traces a dict lookup, while it traces through an lru_cache wrapper into the resolution
+# (backend name, device type, clamps after the activation) -> its resolved function. A plain dict, not an lru_cache:
+# on a hit torch.compile traces a dict lookup, while it traces through an lru_cache wrapper into the resolution
 # itself (module imports), which fullgraph=True cannot take.
 _RESOLVED: dict[tuple[str, str, bool], ExpertsFn] = {}
 

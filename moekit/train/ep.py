@@ -3,12 +3,13 @@
     parent: spawn N ranks (free loopback port) -> rank 0's step reports and result through a queue -> on_step, curves
     rank r: init_process_group (gloo on the CPU, NCCL with GPU r) -> train_side_by_side(share=RankShare)
 
-Each rank builds the same model (the same seed), turns its MoE layers into ``EPMoE`` (contiguous placement: rank r holds
-experts [r*E/N, (r+1)*E/N); with ``--spare-slots S --rebalance-every K`` EPLB's placement with S replicas, rebalanced
-every K steps: ``moekit.train.ep_balance``), draws the same batch and runs sequences [r*B/N, (r+1)*B/N) of it; after backward
-``moekit.parallel.sync_grads`` averages every gradient over the ranks (one flat all-reduce for the model's replicated
-weights), and the step's loss, drops and expert counts are summed over the ranks (one small all-reduce), so rank 0
-reports the whole batch's curves. No torchrun: the processes are ``torch.multiprocessing`` spawns of this module.
+Each rank builds the same model (the same seed), turns its MoE layers into ``EPMoE`` (contiguous placement: rank r
+holds experts [r*E/N, (r+1)*E/N); with ``--spare-slots S --rebalance-every K`` EPLB's placement with S replicas,
+rebalanced every K steps: ``moekit.train.ep_balance``), draws the same batch and runs sequences [r*B/N, (r+1)*B/N) of
+it; after backward ``moekit.parallel.sync_grads`` averages every gradient over the ranks (one flat all-reduce for the
+model's replicated weights), and the step's loss, drops and expert counts are summed over the ranks (one small
+all-reduce), so rank 0 reports the whole batch's curves. No torchrun: the processes are ``torch.multiprocessing``
+spawns of this module.
 """
 
 from __future__ import annotations
