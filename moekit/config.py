@@ -266,7 +266,7 @@ class MoEConfig:
         return cls.from_hf_config(hf_config_of_preset(name))
 
     @classmethod
-    def from_hf_config(cls, cfg: Any, layer: int | None = None) -> "MoEConfig":
+    def from_hf_config(cls, cfg: Any, layer: int | str | None = None) -> "MoEConfig":
         """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (64 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
@@ -293,7 +293,8 @@ class MoEConfig:
         ``layer``: the decoder layer this config describes, for a family that clamps its SwiGLU per layer (Step-3.7's
         and Bailing-Hybrid's ``swiglu_limits`` / ``swiglu_limits_shared``, clamped after the activation:
         ``moekit.config_hf_clamps``); None reads the MoE layers' common clamp, and raises a ValueError naming
-        ``layer`` where they differ. Any other family has one MoE layer config: ``layer`` is only checked (an index
+        ``layer`` where they differ; ``"typical"`` reads the clamps most MoE layers share (the whole-model
+        tools'). Any other family has one MoE layer config: ``layer`` is only checked (an index
         of a MoE layer).
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;

@@ -4,8 +4,11 @@ Step-3.7 (``step3p5``) and Bailing-Hybrid give one limit a decoder layer: the ro
 (Bailing-Hybrid's config.json: ``expert_swiglu_limit_list``) and the shared MLP's ``swiglu_limits_shared[i]``
 (``share_expert_swiglu_limit_list``), 0 or None meaning no clamp. Both clamp after the activation (their configs'
 ``limit_after_act``): min(act(gate), L) * up.clamp(-L, L), ``ActivationSpec(limit=L, limit_after_act=True)``. One
-``MoEConfig`` describes one layer, so ``MoEConfig.from_hf_config(cfg, layer=i)`` reads layer i's; without a layer
-the MoE layers' clamps must agree (the common case: every layer unclamped), else a ValueError names ``layer``.
+``MoEConfig`` describes one layer, so ``MoEConfig.from_hf_config(cfg, layer=i)`` reads layer i's; without a layer the
+MoE layers' clamps must agree (the common case: every layer unclamped), else a ValueError names ``layer``;
+``layer="typical"`` (what the whole-model tools read: ``moekit simulate`` / ``analyze`` / ``bench --config``) takes
+the clamps most MoE layers share (Step-3.7-Flash, by transformers' modeling note: 40 of its 42 unclamped), ties to
+the earliest layer.
 """
 
 from __future__ import annotations
@@ -72,12 +75,15 @@ def moe_layers(d: dict) -> list[int]:
     return list(range(int(d.get("num_hidden_layers") or len(_limit_list(d, "experts") or []))))
 
 
+TYPICAL = "typical"  # from_hf_config's layer: the clamps most MoE layers share
+
+
 def check_layer(d: dict, layer: Any) -> None:
-    """``layer`` is None or the index of one of ``d``'s MoE layers; a ValueError / TypeError naming it."""
-    if layer is None:
+    """``layer`` is None, ``TYPICAL`` or the index of one of ``d``'s MoE layers; a ValueError / TypeError naming it."""
+    if layer is None or layer == TYPICAL:
         return
     if isinstance(layer, bool) or not isinstance(layer, int):
-        raise TypeError(f"layer must be an int (a decoder layer's index) or None, got {layer!r}")
+        raise TypeError(f"layer must be an int (a decoder layer's index), None or {TYPICAL!r}, got {layer!r}")
     total = d.get("num_hidden_layers")
     if layer < 0 or (total is not None and layer >= total):
         raise ValueError(f"layer must be in [0, {total}) (cfg.num_hidden_layers), got {layer}")
@@ -89,18 +95,20 @@ def check_layer(d: dict, layer: Any) -> None:
 def clamp_fields(d: dict, layer: int | None, fields: dict) -> dict:
     """``fields`` (a reader's ``MoEConfig`` fields) with the experts' and the shared MLP's activation of layer
     ``layer``'s clamps; ``layer=None``: the MoE layers' clamps, which must agree (else a ValueError naming ``layer``
-    and the layers that differ)."""
-    if layer is None:
+    and the layers that differ); ``TYPICAL``: the clamps most MoE layers share (ties: the earliest layer's)."""
+    if layer is None or layer == TYPICAL:
         layers = moe_layers(d)
         found = {i: layer_clamps(d, i) for i in layers}
-        distinct = sorted(set(found.values()), key=repr)
+        distinct = sorted(set(found.values()), key=lambda c: layers.index(next(i for i in layers if found[i] == c)))
+        if layer == TYPICAL and distinct:
+            distinct = [max(distinct, key=lambda c: sum(found[i] == c for i in layers))]  # max keeps the earliest tie
         if len(distinct) > 1:
             by_clamp = {c: [i for i in layers if found[i] == c] for c in distinct}
             said = "; ".join(f"layers {ls[:4]}{'...' if len(ls) > 4 else ''}: experts {c.experts}, shared {c.shared}"
                              for c, ls in by_clamp.items())
             raise ValueError(f"cfg clamps its MoE layers' SwiGLU per layer ({_LISTS['experts'][0]}, "
                              f"{_LISTS['shared'][0]}) and they differ ({said}): pass layer=i, the layer this "
-                             "MoEConfig describes")
+                             f"MoEConfig describes (or layer={TYPICAL!r}: the clamps most of them share)")
         clamps = distinct[0] if distinct else LayerClamps(None, None)
     else:
         clamps = layer_clamps(d, layer)

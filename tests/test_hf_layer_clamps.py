@@ -81,7 +81,11 @@ def test_the_config_reads_each_layers_clamp_and_refuses_without_a_layer():
         assert config.shared_mlp_activation == shared
     same = cfg.to_dict() | {"swiglu_limits": [4.0, 4.0], "swiglu_limits_shared": [0, 0]}
     assert MoEConfig.from_hf_config(same).activation == ActivationSpec("silu", limit=4.0, limit_after_act=True)
-    for layer, err in ((2, ValueError), (-1, ValueError), (True, TypeError)):
+    assert MoEConfig.from_hf_config(cfg, layer="typical").activation.limit == LIMITS[0]  # a tie: the earliest layer
+    three = cfg.to_dict() | {"num_hidden_layers": 3, "mlp_layer_types": ["sparse"] * 3, "swiglu_limits": [3, 5, 5],
+                             "swiglu_limits_shared": [0, 0, 0]}
+    assert MoEConfig.from_hf_config(three, layer="typical").activation.limit == 5.0  # what most MoE layers clamp at
+    for layer, err in ((2, ValueError), (-1, ValueError), (True, TypeError), ("most", TypeError)):
         with pytest.raises(err, match="layer"):
             MoEConfig.from_hf_config(cfg, layer=layer)
     dense = cfg.to_dict() | {"mlp_layer_types": ["dense", "sparse"]}
