@@ -2,7 +2,7 @@
 rank's layer told its DP group (``ep.dp_group``), so its aux loss is the global batch's (counts summed over every rank);
 ``sync_grads(model, dp_group)``. Against one float64 process over the global batch (the 4 ranks' sequences
 concatenated, loss (1/4) sum_r mse_r + the whole batch's aux loss): the loss, the gradients and the weights after two
-SGD steps and DeepSeek's bias update (its counts summed over the world), the second step's
+SGD steps and DeepSeek's bias update (its counts summed over EP and ``dp_group`` by default), the second step's
 ``sync_grads(agree=False)`` syncing the host nowhere (``.tolist()`` counted). Without ``dp_group`` on the layer (the EP
 group's batch only) the mean aux loss is off: the test can fail; and ``sync_grads`` then refuses a ``dp_group`` the
 aux loss did not span. One launch of 4 ranks (CI time).
@@ -92,7 +92,7 @@ def _rank(rank: int, world_size: int, want: list[dict]) -> dict:
             errors[f"w13 grad {step} slot {s}"] = rel_l2(model.ep.w13.grad[s], want[step]["w13_grad"][e])
         opt.step()
         opt.zero_grad()
-        update_correction_bias_(model.ep, res.stats.choice_counts, rate=BIAS_RATE, group=dist.group.WORLD)
+        update_correction_bias_(model.ep, res.stats.choice_counts, rate=BIAS_RATE)  # over EP, then dp_group
     last = want[STEPS]
     errors.update({f"{name} slot {s}": rel_l2(getattr(model.ep, name)[s].detach(), last[name][e])
                    for name in ("w13", "w2") for s, e in enumerate(mine)})

@@ -2,7 +2,7 @@
 every EP group's data-parallel replicas' too), the group the bias update sums its counts over, and ``sync_grads``.
 
     [forward: this rank's tokens] -> aux loss: this rank's part (counts all_reduced) -> backward -> sync_grads
-      -> optimizer step -> update_correction_bias_(counts summed over ``counts_group``)
+      -> optimizer step -> update_correction_bias_(counts summed by ``batch_total``)
 
 A mixin of ``EPMoE`` (``moekit.parallel.layer``), which holds ``group``, ``world_size`` and ``config``.
 """
@@ -33,15 +33,11 @@ class EPTraining:
         ``agree=False``: no host sync (see ``moekit.parallel.grad_sync.sync_grads``)."""
         return sync_grads(self, dp_group, agree)
 
-    @property
-    def counts_group(self) -> dist.ProcessGroup:
-        """The group whose tokens a forward's router counts split: ``update_correction_bias_`` sums them over it,
-        so every rank's bias moves as one layer's on all the tokens would (and stays equal on every rank)."""
-        return self.group if self.group is not None else dist.group.WORLD
-
-    def _group_total(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of ``t`` summed over the group, and over ``dp_group`` where set (all_reduce, no autograd).
-        Collective."""
+    def batch_total(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` summed over the ranks whose tokens form the batch: the group, then ``dp_group`` where set
+        (all_reduce, no autograd). Collective. ``update_correction_bias_`` sums a forward's counts with it, so every
+        rank's bias moves as one layer's on all the tokens would (and stays equal on every rank); EPLB's loads too,
+        so data-parallel replicas compute the same placement."""
         total = t.detach().clone()
         dist.all_reduce(total, group=self.group)
         if self.dp_group is not None:
@@ -54,4 +50,4 @@ class EPTraining:
         all_reduced; the forward's agreement says it follows)."""
         replicas = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         return configured_aux_loss(self.config, routed.router_logits, routed.selected_ids, seq_len,
-                                   across=Across(self._group_total, self.world_size * replicas))
+                                   across=Across(self.batch_total, self.world_size * replicas))
