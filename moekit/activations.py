@@ -59,6 +59,9 @@ class ActivationSpec:
 
     gated:  glu = act(gate) * (up + up_shift), gate and up clamped by ``limit`` when set; w13 is [E, 2N, K]
     ungated: glu = act(h); w13 is [E, N, K] (an up projection only)
+    ``limit_after_act``: the gate's clamp applies to act(gate), not gate: min(act(gate), limit) * up.clamp(-limit,
+    limit) (Step-3.7, Bailing-Hybrid: transformers' ``limit_after_act``). The fused Triton kernels clamp before the
+    activation only: such a spec runs on ``grouped_mm`` / ``reference`` (``backend="auto"`` picks them).
     """
 
     name: str = "silu"  # one of ACTIVATIONS
@@ -67,11 +70,12 @@ class ActivationSpec:
     alpha: float = 1.0  # silu only: act(g) = g * sigmoid(alpha * g) (gpt-oss: 1.702)
     limit: float | None = None  # gated only: gate.clamp(max=limit), up.clamp(-limit, limit) (gpt-oss: 7.0)
     up_shift: float = 0.0  # gated only: act(gate) * (up + up_shift) (gpt-oss: 1.0)
+    limit_after_act: bool = False  # with a limit: min(act(gate), limit), not act(gate.clamp(max=limit)) (Step-3.7)
 
     def __post_init__(self) -> None:
         if self.name not in ACTIVATIONS:
             raise ValueError(f"activation.name must be one of {ACTIVATION_NAMES}, got {self.name!r}")
-        for field in ("gated", "interleaved"):
+        for field in ("gated", "interleaved", "limit_after_act"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"activation.{field} must be a bool, got {getattr(self, field)!r}")
         _check_finite("alpha", self.alpha)
@@ -82,6 +86,8 @@ class ActivationSpec:
             _check_finite("limit", self.limit)
             if self.limit <= 0:
                 raise ValueError(f"activation.limit must be > 0 or None, got {self.limit}")
+        if self.limit_after_act and self.limit is None:
+            raise ValueError("activation.limit_after_act needs a limit (it says where the limit clamps)")
         if not self.gated:
             extras = {"interleaved": self.interleaved, "limit": self.limit is not None,
                       "up_shift": self.up_shift != 0.0}
@@ -129,12 +135,23 @@ def as_spec(activation: str | ActivationSpec) -> ActivationSpec:
 def spec_fields(activation: str | ActivationSpec) -> tuple[str, bool, bool, float, float | None, float]:
     """``activation`` as plain values (name, gated, interleaved, alpha, limit, up_shift), the way a spec
     crosses a ``torch.library`` custom op's schema (which takes no dataclasses); ``ActivationSpec(*fields)``
-    rebuilds it. A known name (the common case) costs one dictionary test: a call's host time."""
+    rebuilds it. A known name (the common case) costs one dictionary test: a call's host time. The ops (the fused
+    Triton kernels, the compiled CPU loops) take no ``limit_after_act``: such a spec is refused here, naming it."""
     if activation.__class__ is str and activation in _NAMED_SPECS:
         return activation, True, False, 1.0, None, 0.0
     spec = as_spec(activation)  # a clear error for a wrong type or name
+    check_clamp_before_act(spec, "the fused kernels and moekit's custom ops")
     limit = None if spec.limit is None else float(spec.limit)
     return spec.name, spec.gated, spec.interleaved, float(spec.alpha), limit, float(spec.up_shift)
+
+
+def check_clamp_before_act(spec: ActivationSpec, what: str) -> None:
+    """A ValueError naming ``activation.limit_after_act`` where ``what`` (a path clamping before the activation
+    only) is asked to run a spec that clamps after it."""
+    if spec.limit_after_act:
+        raise ValueError(f"activation.limit_after_act=True (min(act(gate), limit): Step-3.7 / Bailing-Hybrid) is not "
+                         f"computed by {what}, which clamp before the activation; backend='grouped_mm' or "
+                         f"'reference' runs it (backend='auto' picks them for such a spec)")
 
 
 @functools.lru_cache(maxsize=256)
@@ -160,16 +177,19 @@ def activation_from_hf(hidden_act: str) -> str:
     return _HF_NAMES[hidden_act]
 
 
-def shared_glu_activation(experts: str | ActivationSpec, name: str,
-                          limit: float | None = None) -> str | ActivationSpec | None:
+def shared_glu_activation(experts: str | ActivationSpec, name: str, limit: float | None = None,
+                          limit_after_act: bool = False) -> str | ActivationSpec | None:
     """``MoEConfig.shared_activation`` of a shared MLP computing ``act(gate) * up`` (``name``), gate and up clamped
-    at ``limit`` first where set, beside experts computing ``experts``: None where the two compute the same (the
-    experts' spec then serves both), else the name or a clamped spec. The one rule ``MoEConfig.from_hf_config``
-    (a config's fields) and ``moekit.hf.moe_from_hf`` (the block's modules) both apply."""
+    at ``limit`` where set (before the activation, or after it with ``limit_after_act``: Step-3.7), beside experts
+    computing ``experts``: None where the two compute the same (the experts' spec then serves both), else the name
+    or a clamped spec. The one rule ``MoEConfig.from_hf_config`` (a config's fields) and ``moekit.hf.moe_from_hf``
+    (the block's modules) both apply."""
     spec = as_spec(experts)
-    if name == spec.name and limit == spec.limit and spec.alpha == 1.0 and not spec.up_shift:
+    after = limit_after_act and limit is not None
+    if (name == spec.name and limit == spec.limit and after == spec.limit_after_act and spec.alpha == 1.0
+            and not spec.up_shift):
         return None
-    return name if limit is None else ActivationSpec(name=name, limit=float(limit))
+    return name if limit is None else ActivationSpec(name=name, limit=float(limit), limit_after_act=after)
 
 
 def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor:
@@ -183,9 +203,13 @@ def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor
         gate, up = h[..., 0::2], h[..., 1::2]  # [.., N] each
     else:
         gate, up = h.chunk(2, dim=-1)  # [.., N] each
-    if spec.limit is not None:
+    if spec.limit_after_act:  # min(act(gate), limit) * up.clamp(-limit, limit)
+        act, up = _act(gate, spec).clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+    elif spec.limit is not None:
         gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-    act = _act(gate, spec)
+        act = _act(gate, spec)
+    else:
+        act = _act(gate, spec)
     return act * (up + spec.up_shift) if spec.up_shift != 0.0 else act * up
 
 

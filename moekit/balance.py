@@ -66,11 +66,10 @@ def update_correction_bias_(
     selection). With identity experts a common shift of the routed experts' biases is the budget control, so
     centring is refused. ``routed_per_token``: LongCat-Flash's K_e (``correction_delta``).
     ``group``: a process group to sum ``counts`` over first (``all_reduce``, collective: every rank of it
-    calls this with its own counts); None = the layer's ``counts_group`` where it has one (an ``EPMoE``: its
-    counts are its rank's tokens', so they are summed over its group and every rank's bias moves alike, as one
-    layer's on all the tokens), else these counts alone. For the world, pass ``torch.distributed.group.WORLD``
-    (an EP group with data-parallel replicas: the counts of all of them). Returns the delta [E(+Z)] (the bias dtype)
-    that was added."""
+    calls this with its own counts); None = the layer's ``batch_total`` where it has one (an ``EPMoE``: its
+    counts are its rank's tokens', so they are summed over its group, and its ``dp_group`` where set, and every
+    rank's bias moves alike, as one layer's on all the tokens), else these counts alone. Returns the delta [E(+Z)]
+    (the bias dtype) that was added."""
     bias = getattr(moe, "e_score_correction_bias", None)
     if not isinstance(bias, torch.Tensor):
         raise ValueError("moe has no e_score_correction_bias: build it with MoEConfig(use_correction_bias=True)")
@@ -81,10 +80,11 @@ def update_correction_bias_(
     counts = _check_counts(counts, width, what).to(device=bias.device, dtype=torch.float64)
     top_k = config.top_k if identity else 1  # read only with identity experts
     _rule(rate, center, width - identity, identity, top_k, routed_per_token)  # before the collective
-    group = getattr(moe, "counts_group", None) if group is None else group
     if group is not None:
         counts = counts.clone()
         dist.all_reduce(counts, group=group)
+    elif callable(getattr(moe, "batch_total", None)):  # an EPMoE: every rank's tokens of the batch
+        counts = moe.batch_total(counts)
     delta = correction_delta(counts, width - identity, top_k, rate, center, routed_per_token).to(bias.dtype)
     bias.add_(delta)
     return delta

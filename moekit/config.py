@@ -17,6 +17,7 @@ import torch
 from moekit._checks import check_bool, check_choice, check_int, check_positive_finite
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
+from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps
 from moekit.presets import hf_config_of_preset
 
 Scoring = Literal["softmax", "sigmoid"]
@@ -265,7 +266,7 @@ class MoEConfig:
         return cls.from_hf_config(hf_config_of_preset(name))
 
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> "MoEConfig":
+    def from_hf_config(cls, cfg: Any, layer: int | str | None = None) -> "MoEConfig":
         """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (64 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
@@ -289,6 +290,13 @@ class MoEConfig:
         (``shared_expert_combine="router"``). A family whose router moekit does not compute (``REFUSED``: ZAYA's
         MLP router with cross-layer state) is refused, naming why (its experts still run on "moekit").
 
+        ``layer``: the decoder layer this config describes, for a family that clamps its SwiGLU per layer (Step-3.7's
+        and Bailing-Hybrid's ``swiglu_limits`` / ``swiglu_limits_shared``, clamped after the activation:
+        ``moekit.config_hf_clamps``); None reads the MoE layers' common clamp, and raises a ValueError naming
+        ``layer`` where they differ; ``"typical"`` reads the clamps most MoE layers share (the whole-model
+        tools'). Any other family has one MoE layer config: ``layer`` is only checked (an index
+        of a MoE layer).
+
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
         if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
@@ -301,8 +309,11 @@ class MoEConfig:
         reader = HF_READERS.get(model_type)
         if reader is None:
             raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
+        check_layer(d, layer)
         fields = reader(d)
         fields.setdefault("activation", activation_from_hf(d.get("hidden_act", "silu")))
+        if has_layer_clamps(d):
+            fields = clamp_fields(d, layer, fields)
         return cls(**fields)
 
 

@@ -9,7 +9,7 @@ with momentum, AdamW), then DeepSeek's bias update on the forward's counts (summ
 is what the average means; its routing, weights and bias are computed here from the same seed. EPLB replicas (an
 expert on every rank, one twice on a rank) and a fused shared expert (two slots on every rank) take part. A model
 parameter only rank 0 uses gets rank 0's gradient / W everywhere; one nobody uses keeps a None gradient. With a
-data-parallel group (4 ranks: two EP groups of 2, replicas of each other) the same holds over all 4 ranks' batches.
+data-parallel group (4 ranks: two EP groups of 2, replicas of each other): tests/test_parallel_dp_aux.py.
 
 Tolerance 1e-9 (relative L2, float64): the two differ only in summation order (per-rank partial sums, the flat
 all-reduce, the division by W) and 4 steps; measured up to 1.2e-15, so 1e-9 leaves room for AdamW's division by
@@ -36,8 +36,6 @@ CONFIG = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=
                    aux_loss_coef=1e-1, seq_aux_loss_coef=1e-1, z_loss_coef=1e-2)
 SEQ_LEN, STEPS, BIAS_RATE = 5, 4, 1e-2
 CASES = {2: ([[0, 1, 2, 0], [3, 0, 1]], [2, 1]), 3: ([[0, 1], [2, 0], [3, 0, 1]], [1, 0, 2])}  # slots, sequences
-DP_SEQS = [2, 1, 1, 2]  # sequences of ranks 0..3: EP groups {0, 1} and {2, 3} (CASES[2]'s slots), DP {0, 2}, {1, 3}
-NO_AUX = dict(aux_loss_coef=0.0, seq_aux_loss_coef=0.0, z_loss_coef=0.0)  # with DP: the aux loss sees its EP group
 OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
               "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01)}
 
@@ -153,35 +151,6 @@ def test_ep_training_steps_equal_one_process_on_all_batches(world_size, optimize
             by_expert.setdefault(e, []).append(value)
     for e, values in by_expert.items():  # the replicas of an expert stay bit-identical over the steps
         assert all((a == values[0][0]).all() and (b == values[0][1]).all() for a, b in values), e
-
-
-def _rank_dp(rank: int, world_size: int) -> dict:
-    """Two EP groups of 2 ranks, each the other's data-parallel replica: sync_grads(model, dp_group)."""
-    groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]  # every rank creates every group
-    ep_group, dp_group = groups[rank // 2], groups[2 + rank % 2]
-    slots = CASES[2][0]
-    torch.manual_seed(0)
-    moe = MoE(CONFIG.replace(**NO_AUX), backend="grouped_mm", dtype=torch.float64)
-    model = nn.Module()
-    model.ep = EPMoE.from_moe(moe, placement=Placement(4, 2, slots), group=ep_group)
-    model.extra = nn.Parameter(torch.ones(3, dtype=torch.float64))
-    opt = OPTIMIZERS["sgd"](model.parameters())
-    want = _single(DP_SEQS, "sgd", CONFIG.replace(**NO_AUX))
-    start, stop = sum(DP_SEQS[:rank]), sum(DP_SEQS[: rank + 1])
-    for x, y in _batches(DP_SEQS):
-        res = model.ep(x[start:stop], return_stats=True)
-        (_mse(res.out, y[start:stop]) + ((model.extra * 2.0).sum() if rank == 0 else 0.0)).backward()
-        divisor = sync_grads(model, dp_group=dp_group).divisor
-        opt.step()
-        opt.zero_grad()
-        update_correction_bias_(model.ep, res.stats.choice_counts, rate=BIAS_RATE, group=dist.group.WORLD)
-    return {"errors": _errors(model, slots[rank % 2], want), "divisor": divisor}
-
-
-def test_ep_training_with_a_data_parallel_group_equals_one_process_on_all_four_batches():
-    for rank, got in enumerate(run_ranks(_rank_dp, 4, timeout_s=240)):
-        assert got["divisor"] == 4
-        assert max(got["errors"].values()) < 1e-9, (rank, got["errors"])
 
 
 def _rank_bf16(rank: int, world_size: int) -> dict[str, float]:

@@ -60,7 +60,7 @@ def param_bill(hf_config: dict) -> ParamBill:
     Kimi-K2, GLM-4.5, gpt-oss, OLMoE; and LongCat-Flash (``num_hidden_layers``: its attention sublayers). A VL /
     omni model's top-level config is billed as its text model's (``hf_layer_fields``: the vision tower not counted)."""
     hf_config = hf_layer_fields(hf_config)
-    cfg = MoEConfig.from_hf_config(hf_config)
+    cfg = MoEConfig.from_hf_config(hf_config, layer="typical")
     d, layers = hf_config["hidden_size"], num_hidden_layers(hf_config)
     moe_layers = cfg.num_moe_layers or layers
     vocab = hf_config["vocab_size"]

@@ -213,7 +213,7 @@ def gathered_weight_bytes(impl: str, config, num_tokens: int, element_size: int)
     gathers a full expert (3·N·K) for every (token, slot) pair; the others read the weights in place."""
     if impl != "batched_mm":
         return 0
-    moe = MoEConfig.from_hf_config(config)
+    moe = MoEConfig.from_hf_config(config, layer="typical")
     return num_tokens * moe.top_k * 3 * moe.moe_intermediate_size * moe.hidden_size * element_size
 
 

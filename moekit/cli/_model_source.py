@@ -29,7 +29,7 @@ class ModelSource:
 def preset_source(name: str) -> ModelSource:
     """The model of preset ``name`` (one of ``preset_names()``)."""
     hf = hf_config_of_preset(name)
-    return ModelSource(MoEConfig.from_hf_config(hf), hf, name)
+    return ModelSource(MoEConfig.from_hf_config(hf, layer="typical"), hf, name)
 
 
 def source_of(args) -> ModelSource | None:
@@ -61,7 +61,7 @@ def read_config_json(path: str) -> dict:
 def layer_config(hf: dict, path: str) -> MoEConfig:
     """The MoE layer the config.json at ``path`` describes, or a ``UsageError`` naming the file and the field."""
     try:
-        return MoEConfig.from_hf_config(hf)
+        return MoEConfig.from_hf_config(hf, layer="typical")
     except MissingConfigField as err:
         raise UsageError(err.message(f"config.json at {path}")) from err
     except ValueError as err:

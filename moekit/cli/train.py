@@ -47,6 +47,12 @@ def register(subparsers) -> None:
     p.add_argument("--ep", type=positive_int, default=d.ep,
                    help="spread every MoE layer's experts over N processes (expert parallelism: gloo on the CPU, NCCL "
                    "with one GPU each), each taking batch-size / N sequences; the curves are the whole batch's")
+    p.add_argument("--spare-slots", type=int, default=d.spare_slots,
+                   help="with --ep: redundant expert slots per MoE layer that EPLB fills with replicas of hot experts "
+                   "(experts + spare slots a multiple of --ep; needs --rebalance-every)")
+    p.add_argument("--rebalance-every", type=int, default=d.rebalance_every,
+                   help="with --ep: rebalance every MoE layer's experts with EPLB every N steps (the optimizer's state "
+                   "moves with them); 0: the placement stays")
     p.add_argument("--log-every", type=positive_int, default=10, help="print a line every N steps")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.set_defaults(func=_run)
@@ -61,12 +67,14 @@ def _run(args: argparse.Namespace) -> int:
             steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, d_model=args.d_model,
             num_layers=args.layers, num_experts=args.experts, top_k=args.top_k, expert_size=args.expert_size,
             lr=args.lr, aux_loss_coef=args.aux_coef, bias_rate=args.bias_rate, capacity_factor=args.capacity_factor,
-            seed=args.seed, device=args.device, ep=args.ep,
+            seed=args.seed, device=args.device, ep=args.ep, spare_slots=args.spare_slots,
+            rebalance_every=args.rebalance_every,
         )
         settings.moe_config("none")  # top_k <= experts, ...: the config's own checks, before any work
     except ValueError as err:  # the config's words (top_k, num_experts) are the flags' --top-k, --experts
+        balancer = str(err).startswith(("spare_slots", "rebalance_every"))
         flags = "--ep/--batch-size/--experts" if str(err).startswith("ep=") else \
-            "--experts/--top-k/--d-model/--expert-size"
+            "--spare-slots/--rebalance-every" if balancer else "--experts/--top-k/--d-model/--expert-size"
         raise UsageError(f"{flags}: {err}") from None
     if settings.ep > 1:
         from moekit.train.ep import check_ranks
@@ -90,7 +98,9 @@ def _train(args: argparse.Namespace, settings) -> int:
 
     console = Console(highlight=False)
     spread = "" if settings.ep == 1 else (f", experts over {settings.ep} processes "
-                                          f"({'NCCL' if settings.device.startswith('cuda') else 'gloo'})")
+                                          f"({'NCCL' if settings.device.startswith('cuda') else 'gloo'})"
+                                          + (f", EPLB every {settings.rebalance_every} steps with "
+                                             f"{settings.spare_slots} spare slots" if settings.rebalance_every else ""))
     console.print(f"moekit train on {settings.device}: {settings.steps} steps x 3 runs{spread}")
     corpus = load_stdlib_bytes()
     console.print(f"data: {corpus.files} files, {corpus.data.numel() / 2**20:.1f} MiB from {corpus.root}")

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from moekit.activations import ActivationSpec, glu_rows, shared_glu_activation
-from moekit.config import MoEConfig
+from moekit.config import MoEConfig, hf_layer_fields
+from moekit.config_hf_clamps import LayerClamps, has_layer_clamps, with_layer_clamps
 from moekit.hf.variants import build_plan, identify_activation
 from moekit.layer import MoE
 from moekit.quant import install_quantized_experts_
@@ -186,7 +187,11 @@ def block_config(block: nn.Module) -> MoEConfig:
     for module in (block.experts, block, *block.children()):
         cfg = getattr(module, "config", None)
         if hasattr(cfg, "to_dict"):
-            return MoEConfig.from_hf_config(cfg)
+            d = hf_layer_fields(cfg.to_dict())
+            if has_layer_clamps(d):  # Step-3.7, Bailing-Hybrid: this block's own clamps, as its modules hold them
+                limits = (getattr(block.experts, "limit", None), getattr(block_shared_mlp(block), "limit", None))
+                d = with_layer_clamps(d, LayerClamps(*limits))
+            return MoEConfig.from_hf_config(d)
     raise TypeError(f"{type(block).__name__} holds no transformers config (on its experts, itself or a child)")
 
 
@@ -259,11 +264,14 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
 def _shared_activation(mlp: nn.Module, activation, device: torch.device) -> str | ActivationSpec | None:
     """The shared MLP's ``MoEConfig.shared_activation``: None where its ``act_fn`` is not recognised or it gates as the
     experts' ``activation`` does (GLM-5-Next's clamps at its ``swiglu_limit`` as its experts do), else what it computes
-    (HY-V4's plain silu beside its experts' clamped SwiGLU)."""
+    (HY-V4's plain silu beside its experts' clamped SwiGLU; Step-3.7's and Bailing-Hybrid's ``limit``, their layer's
+    own, clamping after the activation)."""
     own = identify_activation(getattr(mlp, "act_fn", None), device)
     if own is None:
         return None
     limit = getattr(mlp, "swiglu_limit", None)  # clamps gate (max) and up (both sides) before act(gate) * up
+    if limit is None and getattr(mlp, "limit", None) is not None:  # Step-3.7 / Bailing-Hybrid: min(act(gate), L)
+        return shared_glu_activation(activation, own, float(mlp.limit), limit_after_act=True)
     return shared_glu_activation(activation, own, None if limit is None else float(limit))
 
 
@@ -277,9 +285,6 @@ def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Ten
 def _shared_gate_up_down(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A transformers gated MLP -> (gate [SN, K], up [SN, K], down [K, SN]); a fused ``gate_up_proj``
     (MiniMax-M3-VL: gate rows then up rows, its activation the experts'); S experts in bmm layout (Inkling)."""
-    if getattr(mlp, "limit", None) is not None:  # Step-3.7 / Bailing-Hybrid's per-layer clamp
-        raise TypeError(f"the shared expert {type(mlp).__name__} clamps its SwiGLU (limit {mlp.limit}): moekit's "
-                        "shared MLP does not")
     if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear) and getattr(mlp.gate_up_proj, "bias", None) is None:
         return (*mlp.gate_up_proj.weight.detach().chunk(2), mlp.down_proj.weight.detach())
     if all(isinstance(getattr(mlp, n, None), nn.Parameter) and getattr(mlp, n).dim() == 3

@@ -7,9 +7,9 @@ transformers describes an experts class by flags (``has_gate``, ``has_bias``, ``
 override. Flags are read as data; code is recognised by what it computes. ``act_fn`` is compared with
 every activation moekit has on a probe tensor, and ``_apply_gate`` (the default one or an override, e.g.
 gpt-oss's clamped SwiGLU) with the ``ActivationSpec`` candidates its flags and attributes suggest
-(``alpha``/``swiglu_alpha``, ``limit``/``swiglu_limit``). A module whose code matches no spec, or that
-has a post-expert norm, runs composed: moekit's grouped GEMMs with the module's own functions between
-them (``moekit.hf.composed``), and one ``ComposedPathWarning`` per class says so.
+(``alpha``/``swiglu_alpha``, ``limit``/``swiglu_limit``, clamping before the activation or after it). A module
+whose code matches no spec, or that has a post-expert norm, runs composed: moekit's grouped GEMMs with the
+module's own functions between them (``moekit.hf.composed``), and one ``ComposedPathWarning`` per class says so.
 
 Shapes: E experts, K hidden, N intermediate; w13 is [E, 2N, K] gated, [E, N, K] ungated.
 """
@@ -165,11 +165,13 @@ def _candidates(module: nn.Module, alphas: list[float], limits: list[float], dev
     known = identify_activation(getattr(module, "act_fn", None), device)
     names = [known] * (known is not None) + [n for n in ACTIVATIONS if n != known]
     interleaved = not getattr(module, "is_concatenated", True)
-    for name, inter, alpha, limit, shift in itertools.product(
-        names, (interleaved, not interleaved), alphas + [1.0], limits + [None], (0.0, 1.0)
+    first = bool(getattr(module, "limit_after_act", False))  # Step-3.7, Bailing-Hybrid: min(act(gate), limit)
+    for name, inter, alpha, limit, shift, after in itertools.product(
+        names, (interleaved, not interleaved), alphas + [1.0], limits + [None], (0.0, 1.0), (first, not first)
     ):
-        if alpha == 1.0 or name == "silu":
-            yield ActivationSpec(name=name, interleaved=inter, alpha=alpha, limit=limit, up_shift=shift)
+        if (alpha == 1.0 or name == "silu") and (limit is not None or not after):
+            yield ActivationSpec(name=name, interleaved=inter, alpha=alpha, limit=limit, up_shift=shift,
+                                 limit_after_act=after)
 
 
 def _attr_values(module: nn.Module, names: tuple[str, ...]) -> list[float]:

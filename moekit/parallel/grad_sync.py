@@ -46,11 +46,18 @@ class _Piece:
     start: int  # first row of param it covers (0, or L for the fused shared slots)
 
 
-def sync_grads(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> GradSync:
+def sync_grads(model: nn.Module, dp_group: dist.ProcessGroup | None = None, agree: bool = True) -> GradSync:
     """Average every gradient of ``model`` over the ranks (the module docstring); collective over the EP group (every
     ``EPMoE`` of the model must share one) and ``dp_group`` (None: none). A gradient that is None on every rank stays
     None; None on some ranks counts as zeros there. A rank whose experts hold no gradient (before backward) raises
-    its ValueError, the others ``PeerRankError``, before any collective."""
+    its ValueError, the others ``PeerRankError``, before any collective.
+
+    Host syncs: (1) the agreement (``agree``): one tiny collective read back on the host, which turns a rank's
+    missing gradients or a different gradient layout into an error on every rank instead of mismatched collectives
+    (a hang, or sums of different tensors); (2) the presence flags, read back only where a gradient is None on this
+    rank. ``agree=False`` skips (1) (the local checks still run): a step whose gradients all exist then syncs the host
+    nowhere here, as a CUDA-graph-captured step needs; the results are the same, and a rank that does differ is
+    not caught (the caller vouches that every rank runs the same model)."""
     from moekit.parallel.layer import EPMoE  # the layer module imports this one
 
     layers = [m for m in model.modules() if isinstance(m, EPMoE)]
@@ -61,13 +68,13 @@ def sync_grads(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> G
     groups = {id(layer.group) for layer in layers}
     if len(groups) > 1:
         raise ValueError("model's EPMoE layers use different process groups: sync_grads averages over one EP group")
-    with first._errors.on(first.w13.device) as agreement:
-        plans = [ReplicaSums.build(layer.placement, layer.rank) for layer in layers]
-        for i, layer in enumerate(layers):
-            check_grads(layer.w13, layer.w2, layer.rank, f" of EPMoE layer {i}")
-        pieces = _pieces(model, layers)
-        layout = ", ".join(f"{tuple(p.param[p.start:].shape)} {p.param.dtype}" for p in pieces)
-        agreement.agree(f"{len(pieces)} gradients: {layout}", what="sync_grads' gradients (the same model?)")
+    if not agree:
+        plans, pieces = _local_checks(model, layers, dp_group)
+    else:
+        with first._errors.on(first.w13.device) as agreement:
+            plans, pieces = _local_checks(model, layers, dp_group)
+            layout = ", ".join(f"{tuple(p.param[p.start:].shape)} {p.param.dtype}" for p in pieces)
+            agreement.agree(f"{len(pieces)} gradients: {layout}", what="sync_grads' gradients (the same model?)")
     summed = sum(sum_replicas(layer.w13, layer.w2, plan, layer.rank, layer.group)
                  for layer, plan in zip(layers, plans))
     divisor = first.world_size * (1 if dp_group is None else dist.get_world_size(dp_group))
@@ -85,6 +92,21 @@ def sync_grads(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> G
                     routed.div_(divisor)
         _unflat(flat, pieces, divisor)
     return GradSync(replicated_experts=summed, flat_values=flat.numel() - len(pieces), divisor=divisor)
+
+
+def _local_checks(model: nn.Module, layers, dp_group) -> tuple[list[ReplicaSums], list[_Piece]]:
+    """What this rank checks and plans alone: each layer's replica-sum plan, its experts' gradients, its aux loss's
+    batch against ``dp_group`` (``EPTraining.dp_group``), the pieces."""
+    plans = [ReplicaSums.build(layer.placement, layer.rank) for layer in layers]
+    for i, layer in enumerate(layers):
+        c = layer.config
+        aux = bool(c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef)
+        if layer.dp_group is not dp_group and (layer.dp_group is not None or aux):
+            raise ValueError(f"dp_group must be EPMoE layer {i}'s dp_group (its aux loss's batch spans that group's "
+                             f"replicas; set layer.dp_group = dp_group before the forward), got {dp_group!r} against "
+                             f"{layer.dp_group!r}")
+        check_grads(layer.w13, layer.w2, layer.rank, f" of EPMoE layer {i}")
+    return plans, _pieces(model, layers)
 
 
 def _pieces(model: nn.Module, layers) -> list[_Piece]:
@@ -115,8 +137,11 @@ def _flat(pieces: list[_Piece]) -> torch.Tensor:
 
 
 def _unflat(flat: torch.Tensor, pieces: list[_Piece], divisor: int) -> None:
-    """Each piece's gradient := its summed values / divisor, in its dtype; left None where no rank had one."""
-    offset, flags = 0, flat[flat.numel() - len(pieces):].tolist()
+    """Each piece's gradient := its summed values / divisor, in its dtype; left None where no rank had one. The
+    presence flags are read back to the host only where a gradient is None here (a rank that has one knows the sum
+    is present): a step whose gradients all exist syncs no more than its collectives (CUDA-graph capturable)."""
+    offset, missing = 0, any(p.param.grad is None for p in pieces)
+    flags = flat[flat.numel() - len(pieces):].tolist() if missing else [True] * len(pieces)
     for p, present in zip(pieces, flags):
         n = p.param[p.start:].numel()
         if present:

@@ -301,8 +301,8 @@ class EPMoE(EPTraining, MoE):
     # ----- EPLB -----------------------------------------------------------------------------------
 
     def global_expert_load(self) -> torch.Tensor:
-        """[E] float64: ``expert_load`` summed over the group (all_reduce). Collective."""
-        return self._group_total(self.expert_load)
+        """[E] float64: ``expert_load`` summed over the group (and ``dp_group``: ``batch_total``). Collective."""
+        return self.batch_total(self.expert_load)
 
     def rebalance(self, num_redundant: int = 0, loads=None) -> RebalanceReport:
         """EPLB: sum the tracked load over ranks (or take ``loads`` [E], rank 0's counts), compute a

@@ -90,7 +90,7 @@ def simulate(params: SimParams, config: MoEConfig | dict | None = None) -> SimRe
         raise TypeError(f"params must be a moekit.sim.SimParams (SimParams(**settings)), got {type(params).__name__}")
     fields = config if isinstance(config, dict) else None
     if fields is not None:
-        config = MoEConfig.from_hf_config(fields)
+        config = MoEConfig.from_hf_config(fields, layer="typical")
     model = None if fields is None else stated_model(params.experts, params.top_k, fields)
     router = make_router(params.experts, params.top_k, params.skew, params.seed, config)
     x = draw_tokens(params.tokens, router.width, streams.generator(params.seed, streams.EVAL))  # [M, F]

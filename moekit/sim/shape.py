@@ -73,7 +73,7 @@ def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = 
     active = bill.active
     if routed_per_token is not None and routed_per_token != top_k:
         active -= round(bill.active_routed_experts * (1 - routed_per_token / top_k))
-    layer = MoEConfig.from_hf_config(model.fields)
+    layer = MoEConfig.from_hf_config(model.fields, layer="typical")
     shape = (f"{model.name} shapes (d={layer.hidden_size}, d_ff={layer.moe_intermediate_size}, "
              f"{num_hidden_layers(model.fields)} layers) with E={num_experts}, k={top_k}")
     if routed_per_token is not None and routed_per_token != top_k:
@@ -84,6 +84,7 @@ def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = 
 def seconds_per_assignment(model: StatedModel | None = None) -> float:
     """Cost model of the EP what-if: one routed token-assignment costs 6·d·d_ff FLOPs in one layer
     (w13 and w2, multiply-add) at the EP GPU's dense peak; 0.36 µs for Mixtral's expert on an H100, the default."""
-    layer = MoEConfig.from_hf_config(model.fields if model else hf_config_of_preset(PRESET))
+    fields = model.fields if model else hf_config_of_preset(PRESET)
+    layer = MoEConfig.from_hf_config(fields, layer="typical")
     flops = expert_flops(1, 1, layer.hidden_size, layer.moe_intermediate_size)
     return flops / get_gpu(EP_GPU).flops_per_s(EP_DTYPE)

@@ -3,11 +3,13 @@
     parent: spawn N ranks (free loopback port) -> rank 0's step reports and result through a queue -> on_step, curves
     rank r: init_process_group (gloo on the CPU, NCCL with GPU r) -> train_side_by_side(share=RankShare)
 
-Each rank builds the same model (the same seed), turns its MoE layers into ``EPMoE`` (contiguous placement: rank r holds
-experts [r*E/N, (r+1)*E/N)), draws the same batch and runs sequences [r*B/N, (r+1)*B/N) of it; after backward
-``moekit.parallel.sync_grads`` averages every gradient over the ranks (one flat all-reduce for the model's replicated
-weights), and the step's loss, drops and expert counts are summed over the ranks (one small all-reduce), so rank 0
-reports the whole batch's curves. No torchrun: the processes are ``torch.multiprocessing`` spawns of this module.
+Each rank builds the same model (the same seed), turns its MoE layers into ``EPMoE`` (contiguous placement: rank r
+holds experts [r*E/N, (r+1)*E/N); with ``--spare-slots S --rebalance-every K`` EPLB's placement with S replicas,
+rebalanced every K steps: ``moekit.train.ep_balance``), draws the same batch and runs sequences [r*B/N, (r+1)*B/N) of
+it; after backward ``moekit.parallel.sync_grads`` averages every gradient over the ranks (one flat all-reduce for the
+model's replicated weights), and the step's loss, drops and expert counts are summed over the ranks (one small
+all-reduce), so rank 0 reports the whole batch's curves. No torchrun: the processes are ``torch.multiprocessing``
+spawns of this module.
 """
 
 from __future__ import annotations
@@ -38,13 +40,23 @@ class RankShare(Share):
 
     rank: int
     world_size: int
+    spare_slots: int = 0  # TrainSettings': EPLB's replica slots per layer
+    rebalance_every: int = 0  # TrainSettings': steps between rebalances (0: none)
 
     def parallel(self, model: TinyMoELM) -> TinyMoELM:
         from moekit.parallel import EPMoE
+        from moekit.train.ep_balance import initial_placement
 
-        for block in model.blocks:
-            block.moe = EPMoE.from_moe(block.moe)  # contiguous placement; the gate and the rest replicated
+        for block in model.blocks:  # the gate and the rest replicated
+            placement = initial_placement(block.moe.config.num_experts, self.world_size, self.spare_slots)
+            block.moe = EPMoE.from_moe(block.moe, placement=placement)
         return model
+
+    def after_step(self, model: TinyMoELM, optimizer: torch.optim.Optimizer, step: int) -> None:
+        if self.rebalance_every and step % self.rebalance_every == 0:
+            from moekit.train.ep_balance import rebalance_
+
+            rebalance_(model, optimizer, self.spare_slots)
 
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
         size = batch.shape[0] // self.world_size  # TrainSettings checks that it divides
@@ -127,7 +139,8 @@ def _rank_main(rank: int, settings: TrainSettings, corpus: ByteCorpus, port: int
                                 **({"device_id": torch.device("cuda", rank)} if cuda else {}))
         on_step = (lambda report: reports.put(("step", rank, report))) if rank == 0 else None
         result = train_side_by_side(replace(settings, device=f"cuda:{rank}" if cuda else settings.device), corpus,
-                                    on_step, RankShare(rank, settings.ep))
+                                    on_step, RankShare(rank, settings.ep, settings.spare_slots,
+                                                       settings.rebalance_every))
         if rank == 0:
             reports.put(("done", rank, TrainResult(settings, result.curves)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it

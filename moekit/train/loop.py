@@ -57,6 +57,8 @@ class TrainSettings:
     device: str = "cpu"
     backend: str = "auto"
     ep: int = 1  # processes the MoE layers' experts are spread over (1: one process, no torch.distributed)
+    spare_slots: int = 0  # ep only: replica slots per MoE layer that EPLB fills (``moekit.train.ep_balance``)
+    rebalance_every: int = 0  # ep only: steps between EPLB rebalances of every MoE layer (0: the placement stays)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "d_model", "num_layers", "num_heads", "num_experts", "top_k",
@@ -72,6 +74,7 @@ class TrainSettings:
         if self.batch_size % self.ep or self.num_experts < self.ep:
             raise ValueError(f"ep={self.ep} processes each take batch_size / ep sequences and hold experts: batch_size "
                              f"({self.batch_size}) must be a multiple of it and num_experts ({self.num_experts}) >= it")
+        _check_balancer(self)
         if self.capacity_factor is not None and not 0 < self.capacity_factor < float("inf"):
             raise ValueError(f"capacity_factor must be a positive number or None, got {self.capacity_factor!r}")
 
@@ -79,6 +82,22 @@ class TrainSettings:
         return MoEConfig(hidden_size=self.d_model, moe_intermediate_size=self.expert_size, num_experts=self.num_experts,
                          top_k=self.top_k, use_correction_bias=True,
                          aux_loss_coef=self.aux_loss_coef if method == "aux" else 0.0)
+
+
+def _check_balancer(s: TrainSettings) -> None:
+    """EPLB's settings: non-negative ints, with ``ep`` > 1, replicas only when rebalanced, and (E + S) slots a multiple
+    of ``ep`` (every rank keeps its slot count, so the optimizer keeps its Parameters)."""
+    for name in ("spare_slots", "rebalance_every"):
+        value = getattr(s, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if (s.spare_slots or s.rebalance_every) and s.ep == 1:
+        raise ValueError("spare_slots / rebalance_every balance the experts over ranks: they need ep > 1")
+    if s.spare_slots and not s.rebalance_every:
+        raise ValueError(f"spare_slots={s.spare_slots} are filled by EPLB's rebalances: set rebalance_every > 0")
+    if (s.num_experts + s.spare_slots) % s.ep:
+        raise ValueError(f"spare_slots: num_experts + spare_slots ({s.num_experts} + {s.spare_slots}) must be a "
+                         f"multiple of ep ({s.ep}), so that every rank keeps its number of expert slots")
 
 
 @dataclass
@@ -126,6 +145,9 @@ class Share:
     def totals(self, values: torch.Tensor) -> torch.Tensor:
         """A step's [loss, dropped, counts...] over the whole batch (the loss a mean, the rest sums): these."""
         return values
+
+    def after_step(self, model: TinyMoELM, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """After step ``step``'s optimizer step (EPLB's rebalance across ranks): nothing."""
 
 
 @dataclass
@@ -180,6 +202,7 @@ def train_side_by_side(settings: TrainSettings, corpus: ByteCorpus,
         inputs, targets = inputs.to(settings.device), targets.to(settings.device)
         for method, run in runs.items():
             _step(run, method, settings, inputs, targets, share)
+            share.after_step(run.model, run.optimizer, step)
         if on_step is not None:
             latest = {m: (r.curve.loss[-1], r.curve.imbalance[-1], r.curve.dropped[-1]) for m, r in runs.items()}
             on_step(StepReport(step, settings.steps, latest))
