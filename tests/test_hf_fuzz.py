@@ -74,11 +74,14 @@ def test_the_checks_fail_on_experts_off_by_a_little(monkeypatch):
 
 
 def test_every_family_builds_or_says_why():
-    """Every experts class of the walk is fuzzed or skipped with a reason; the families the issue names are fuzzed."""
+    """Every experts class of the walk is fuzzed or skipped with a reason; the families the issue names are fuzzed,
+    and some of those the tiny-config rules of session 47 made build."""
     found = {key: family_of(key) for key in family_keys()}
     assert all(isinstance(f, FuzzFamily) or f.reason for f in found.values())
     fuzzed = {key.split(":")[0] for key, f in found.items() if isinstance(f, FuzzFamily)}
     assert {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen2_moe", "olmoe"} <= fuzzed
+    # hfz47's rules (_hf_fuzz_fills): per-layer configs, None defaults filled, hybrid kinds, M-RoPE, mamba groups
+    assert {"gemma4", "dots3_note", "dots1", "lfm2_moe", "glm4v_moe", "nemotron_h", "zaya", "longcat_flash"} <= fuzzed
 
 
 def _model(family: str, fields: dict, dtype=torch.float32):
