@@ -11,8 +11,8 @@ from __future__ import annotations
 # A None default filled by name: the family's model reads the field without a default of its own.
 NONE_FILLS = {
     "n_shared_experts": 1,  # dots1: its MoE builds the shared MLP at moe_intermediate_size * n_shared_experts
-    "mlp_layer_types": ["sparse"],
-    "top_k_experts": 2,  # gemma4, diffusion_gemma: no MoE by default (num_experts None too: SMALL fills it)  # deepseek_ocr2: its layers read one kind each, the config derives none
+    "mlp_layer_types": ["sparse"],  # deepseek_ocr2: its layers read one kind each, the config derives none
+    "top_k_experts": 2,  # gemma4, diffusion_gemma: no MoE by default (num_experts None too: SMALL fills it)
     # qwen4_exp: the indexed-attention layers' indexer (QSA) reads all five; kv heads 1 and budget a multiple of
     # the compress ratio are its config's own rules
     "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,

@@ -10,6 +10,8 @@ Shapes: E experts, K hidden, N intermediate, S shared slots, SN shared width.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -18,7 +20,8 @@ from torch import nn
 
 from moekit.activations import ActivationSpec, glu_rows, shared_glu_activation
 from moekit.config import MoEConfig
-from moekit.hf.variants import build_plan, identify_activation
+from moekit.config_hf_v4 import hash_refusal
+from moekit.hf.variants import build_plan, clamps_before_act, identify_activation
 from moekit.layer import MoE
 from moekit.quant import install_quantized_experts_
 from moekit.quant.hf import quantized_experts_weights
@@ -145,6 +148,10 @@ def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, outp
     """The block's config for moe_from_hf, its experts' own width (ERNIE-4.5-VL's vision block), Inkling's learned
     router scale multiplied in; a block whose output norm or router-weighted shared experts the MoE would leave out
     is refused, naming why."""
+    if routes_by_ids(router):  # DeepSeek-V4's hash layers
+        cfg = getattr(block.experts, "config", None)
+        raise ValueError(f"{type(block).__name__}'s {type(router).__name__} routes by input ids: "
+                         f"{hash_refusal(cfg.to_dict() if hasattr(cfg, 'to_dict') else {})}")
     norm = block_output_norm(block)
     if norm is not None and output_norm == "refuse":
         raise ValueError(f"{type(block).__name__} applies {type(norm).__name__} to its output, after the experts and "
@@ -164,6 +171,16 @@ def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, outp
         raise ValueError(f"{type(router).__name__}.global_scale is {float(scale.detach())}: moekit's "
                          "routed_scaling_factor, which it multiplies, is > 0")
     return config.replace(routed_scaling_factor=config.routed_scaling_factor * float(scale.detach()))
+
+
+def routes_by_ids(router: nn.Module) -> bool:
+    """The router's forward takes the input ids (DeepSeek-V4's hash router: tid2eid[input_ids])."""
+    return _takes_ids(type(router))
+
+
+@functools.cache
+def _takes_ids(cls: type) -> bool:
+    return "input_ids" in inspect.signature(cls.forward).parameters
 
 
 def block_shared_mlp(block: nn.Module) -> nn.Module | None:
@@ -264,7 +281,15 @@ def _shared_activation(mlp: nn.Module, activation, device: torch.device) -> str 
     if own is None:
         return None
     limit = getattr(mlp, "swiglu_limit", None)  # clamps gate (max) and up (both sides) before act(gate) * up
+    if limit is None and _clamped_first(mlp, own):  # DeepSeek-V4's shared MLP: its .limit, the same clamps
+        limit = mlp.limit
     return shared_glu_activation(activation, own, None if limit is None else float(limit))
+
+
+def _clamped_first(mlp: nn.Module, own: str | None) -> bool:
+    """The MLP has a ``limit`` (``.limit``) it applies before its activation, as moekit's clamped SwiGLU does."""
+    limit = getattr(mlp, "limit", None)
+    return limit is not None and own is not None and clamps_before_act(mlp, float(limit), own)
 
 
 def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +302,9 @@ def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Ten
 def _shared_gate_up_down(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A transformers gated MLP -> (gate [SN, K], up [SN, K], down [K, SN]); a fused ``gate_up_proj``
     (MiniMax-M3-VL: gate rows then up rows, its activation the experts'); S experts in bmm layout (Inkling)."""
-    if getattr(mlp, "limit", None) is not None:  # Step-3.7 / Bailing-Hybrid's per-layer clamp
+    limit = getattr(mlp, "limit", None)  # Step-3.7 / Bailing-Hybrid's per-layer clamp, after the activation
+    if limit is not None and not _clamped_first(mlp, identify_activation(getattr(mlp, "act_fn", None),
+                                                                         mlp.down_proj.weight.device)):
         raise TypeError(f"the shared expert {type(mlp).__name__} clamps its SwiGLU (limit {mlp.limit}): moekit's "
                         "shared MLP does not")
     if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear) and getattr(mlp.gate_up_proj, "bias", None) is None:
