@@ -135,3 +135,19 @@ def test_deepseek_v2_router_ignores_norm_topk_prob(family):
     with torch.no_grad():
         want = block(x)
         assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_beam_gelu_experts_convert(dtype):
+    """hfz47 (the hfz46 run's refusals, Beam with hidden_act gelu): Beam's _apply_gate computes in float32 whatever
+    its input, which put its gelu 1.9e-6 off the float64 probe's and moe_from_hf refused the block ("computes no
+    activation moekit implements"). Now the MoE equals the block (at float32's bound: the block rounds through it)."""
+    block = _block("beam", {"hidden_act": "gelu", "first_k_dense_replace": 0}, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moe = moekit_hf.moe_from_hf(block)
+    assert moe.config.activation == "gelu"
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0), dtype=dtype) * 3
+    with torch.no_grad():
+        want = block(x)
+        assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5

@@ -144,10 +144,13 @@ def _recognise_gate(module: nn.Module, width: int, device: torch.device) -> Acti
     except Exception:  # noqa: BLE001 (an _apply_gate that cannot run on the probe: composed)
         return None
     for spec in _candidates(module, alphas, limits, device):
-        with torch.no_grad():
-            got = apply_glu(probe, spec)
-        if got.shape == target.shape and torch.allclose(got, target, rtol=_RTOL, atol=_ATOL):
-            return spec
+        # also in float32: an _apply_gate that computes in float32 whatever its input (Beam's act(gate.float()) *
+        # up.float(): its gelu on the probe is 1.9e-6 off float64's, past the bound, its silu within it)
+        for dtype in (torch.float64, torch.float32):
+            with torch.no_grad():
+                got = apply_glu(probe.to(dtype), spec).to(torch.float64)
+            if got.shape == target.shape and torch.allclose(got, target, rtol=_RTOL, atol=_ATOL):
+                return spec
     return None
 
 
