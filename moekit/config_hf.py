@@ -115,7 +115,7 @@ def _read_qwen2_moe(d: dict) -> dict:
 _V2_ROUTER = {"deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text"}
 _V3_ROUTER = {"deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
               "deepseek_v32", "hy_v4", "hy_v4_vl_text", "solar_open", "minicpm5_moe", "exaone_moe", "dots3_note_text",
-              "mimo_v2_flash", "beam", "axk2", "axk1"}
+              "mimo_v2_flash", "beam", "axk2", "axk1", "dots1"}
 
 
 def _read_deepseek(d: dict) -> dict:

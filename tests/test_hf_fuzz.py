@@ -151,3 +151,28 @@ def test_beam_gelu_experts_convert(dtype):
     with torch.no_grad():
         want = block(x)
         assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
+
+
+@pytest.mark.parametrize("fuse_shared", [False, True])
+def test_dots1_converts(fuse_shared):
+    """hfz47: dots1 (newly fuzzed: its default config leaves n_shared_experts None) has DeepSeek-V3's router, expert
+    groups included; from_hf_config did not know its model type. Now moe_from_hf equals its block with groups on and
+    the swapped model its own logits."""
+    fields = {"n_group": 2, "topk_group": 1, "n_routed_experts": 6, "num_experts_per_tok": 2, "n_shared_experts": 1,
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1}
+    block = _block("dots1", fields)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moe = moekit_hf.moe_from_hf(block, fuse_shared=fuse_shared)
+    assert (moe.config.n_group, moe.config.use_correction_bias) == (2, True)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(moe(x), block(x)) < 1e-5
+    model = _model("dots1", fields)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model(ids).logits
+        report = moekit_hf.use_moekit_blocks(model, fuse_shared=fuse_shared)
+        assert len(report.swapped) == 2 and not report.left
+        assert rel_l2(model(ids).logits, want) < 1e-5
