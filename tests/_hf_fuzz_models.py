@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from _hf_families import Family, config_class, walk
-from _hf_fuzz_fills import fills
+from _hf_fuzz_fills import UNFUZZABLE, fills
 
 VOCAB = 64
 LAYERS = 3
@@ -206,6 +206,8 @@ def _walked() -> dict[str, Family]:
 def family_of(key: str) -> FuzzFamily | Skipped:
     """The family of ``key`` if its tiny default model builds and runs eager, else why not."""
     fam = _walked()[key]
+    if key in UNFUZZABLE:
+        return Skipped(key, UNFUZZABLE[key])
     try:
         config_cls = type(config_class(fam)().get_text_config())
         model_cls = model_class(config_cls, importlib.import_module(fam.cls.__module__))
