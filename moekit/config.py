@@ -20,7 +20,8 @@ from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # 
 from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps
 from moekit.presets import hf_config_of_preset
 
-Scoring = Literal["softmax", "sigmoid"]
+Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus"]  # sqrtsoftplus: sqrt(softplus(logits)) (DeepSeek-V4)
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 NonFinitePolicy = Literal["raise", "mask"]
 RouterDtype = Literal["float32", "float64", "bfloat16", "float16"]
 ROUTER_DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -103,8 +104,8 @@ class MoEConfig:
         if self.top_k > self.choice_width:
             what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
             raise ValueError(f"top_k must be <= {what} ({self.choice_width}), got {self.top_k}")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if self.num_experts % self.n_group != 0:
             raise ValueError(f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
         if self.topk_group > self.n_group:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
+from moekit.config_hf_v4 import read_deepseek_v4
 
 
 class MissingConfigField(KeyError):
@@ -114,7 +115,7 @@ def _read_qwen2_moe(d: dict) -> dict:
 _V2_ROUTER = {"deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text"}
 _V3_ROUTER = {"deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
               "deepseek_v32", "hy_v4", "hy_v4_vl_text", "solar_open", "minicpm5_moe", "exaone_moe", "dots3_note_text",
-              "mimo_v2_flash", "beam", "axk2", "axk1"}
+              "mimo_v2_flash", "beam", "axk2", "axk1", "dots1"}
 
 
 def _read_deepseek(d: dict) -> dict:
@@ -387,6 +388,7 @@ HF_READERS = {
     "ernie4_5_moe": _read_ernie, "ernie4_5_vl_moe_text": _read_ernie_vl,
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
     "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
+    "deepseek_v4": read_deepseek_v4,  # its top-k layers; the hash layers are refused (config_hf_v4.py)
 }
 # Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
 REFUSED = {

@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 
-from moekit.routing.route import soft_capped
+from moekit.config import SCORINGS
+from moekit.routing.route import router_scores, soft_capped
 
 
 @dataclass(frozen=True)
@@ -134,13 +135,14 @@ def sequence_balance_loss(
     - f_e = E / (k * T) * (tokens of the sequence that selected expert e): 1 for every expert when the
       sequence's assignments are spread evenly;
     - P_e = mean over the sequence's tokens of s'_e = s_e / sum_j s_j, s = sigmoid(logits) (``scoring=
-      "sigmoid"``, DeepSeek-V3) or softmax(logits) (``"softmax"``, where s' = s).
+      "sigmoid"``, DeepSeek-V3), sqrt(softplus(logits)) (``"sqrtsoftplus"``, DeepSeek-V4) or softmax(logits)
+      (``"softmax"``, where s' = s).
 
     ``alpha`` is the paper's balance factor (1e-4 in DeepSeek-V3); ``MoEConfig.seq_aux_loss_coef``
     plays that role in ``MoE`` (which calls this with alpha=1). Uniform routing gives alpha. Left-out tokens (the
     module docstring) shrink their sequence's T; a sequence with none live is left out of the mean over B."""
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() not in (2, 3):
@@ -163,7 +165,7 @@ def _sequence_parts(live: _LiveTokens, ids: torch.Tensor, num_experts: int, seq_
     if not logits.shape[0]:  # an EP rank without tokens (a 2-D x of 0 rows is a sequence of 0)
         return logits.new_zeros(()), logits.new_zeros(())
     num_seqs, top_k = logits.shape[0] // seq_len, ids.shape[1]
-    scores = torch.softmax(live.logits, dim=-1) if scoring == "softmax" else torch.sigmoid(live.logits)  # [M, E]
+    scores = router_scores(live.logits, scoring)  # [M, E]
     normed = scores / scores.sum(-1, keepdim=True) * live.weight[:, None]  # [M, E]; s', 0 on a left-out token
     weight = live.weight.view(num_seqs, seq_len)  # [B, T]
     tokens = _at_least_one(weight.sum(1))[:, None]  # [B, 1]; the sequence's live T

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from _hf_fuzz_fills import family_fields
 from _hf_fuzz_models import FuzzFamily, build_model, family_keys, family_of, model_output, tiny_config
 
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "n_experts")
-TOP_KS = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk")
+TOP_KS = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "top_k_experts")
 GROUPS = ("n_group", "num_expert_group")
 SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 WIDTHS = ("moe_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size", "expert_ffn_hidden_size",
@@ -152,9 +153,9 @@ def draw_case(seed: int, *, keys: tuple[str, ...] | None = None, triton: bool = 
     case.swap = case.swap and case.dtype != torch.bfloat16  # its tie oracle is float32 against float64
     if triton and "triton" in case.backends:  # the interpreter: the tiniest shapes only; no float64 kernels
         case.batch, case.seq, case.padded, case.dtype = 1, min(case.seq, 3), False, torch.float32
-    default = tiny_config(fam)
+    default, fixed = tiny_config(fam), family_fields(fam.key)
     for _ in range(DRAWS):
-        fields = draw_fields(rng, default)
+        fields = {n: v for n, v in draw_fields(rng, default).items() if n not in fixed}
         why = _refused(fam, fields, seed)
         if why is None:
             case.fields = fields

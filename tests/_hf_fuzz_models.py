@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from _hf_families import Family, config_class, walk
+from _hf_fuzz_fills import UNFUZZABLE, fills
 
 VOCAB = 64
 LAYERS = 3
@@ -26,7 +27,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_v
               intermediate_size=24, max_position_embeddings=128)
 # Of every other int size field above 16 (attention ranks, linear-attention / mamba widths, head dims): 16, the rope
 # part of a split head 8; head counts above 4: 4
-SIZE_SUFFIXES = ("_rank", "_dim", "_size")
+SIZE_SUFFIXES = ("rank", "_dim", "_size")  # rank: qwen4_exp's hc_lowrank too
 NOT_SIZES = ("vocab", "position", "window", "chunk", "batch")
 MAX_PARAMS = 400_000  # a tiny model bigger than this kept a size field the rules above do not know
 
@@ -61,16 +62,9 @@ def tiny_config(fam: FuzzFamily, fields: dict | None = None):
     from _hf_families import SMALL
 
     default = fam.config_cls()
-    kw = {}
-    for name, value in vars(default).items():
-        if name.startswith("_") or type(value) is not int or any(w in name for w in NOT_SIZES):
-            continue
-        if name.endswith(SIZE_SUFFIXES) and value > 16:
-            kw[name] = 8 if "rope" in name else 16
-        elif name.endswith("_heads") and value > 4:
-            kw[name] = 4
-        elif name.endswith("_layer_period") and value > 2:  # Jamba: an attention / MoE layer within the L layers
-            kw |= {name: 2, name.replace("period", "offset"): 1}
+    if getattr(default, "is_heterogeneous", False):  # per-layer attributes: read the global values, cut each layer's
+        default.allow_global_per_layer_attribute_access = True
+    kw = cut_sizes(vars(default))
     for name, value in {**SMALL, **COMMON}.items():
         current = getattr(default, name, 0.5)
         if current is None or type(current) is int:
@@ -85,21 +79,55 @@ def tiny_config(fam: FuzzFamily, fields: dict | None = None):
             "qk_rope_head_dim", default.qk_rope_head_dim)
     if getattr(default, "n_group", None):  # the default expert groups do not divide the tiny expert count
         kw.update(n_group=1, topk_group=1)
-    rope = getattr(default, "rope_parameters", None)
-    if isinstance(rope, dict) and rope.get("mrope_section"):  # the sections span half a tiny head
-        kw["rope_parameters"] = {**rope, "mrope_section": _sections(rope["mrope_section"], COMMON["head_dim"] // 2)}
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if type(getattr(default, name, None)) is int and getattr(default, name) >= VOCAB:
             kw[name] = 0
     kw.update(_layer_lists(default))
+    kw.update(_per_layer(default, kw))
+    kw.update(fills(default, kw, fam.key))
     kw.update(fields or {})
     return fam.config_cls(**kw)
 
 
-def _sections(sections: list[int], total: int) -> list[int]:
-    """``sections`` scaled to sum to ``total``, each at least 1 (the last takes the rounding)."""
-    scaled = [max(1, s * total // sum(sections)) for s in sections[:-1]]
-    return scaled + [total - sum(scaled)]
+def cut_sizes(values: dict) -> dict:
+    """The tiny value of each size field of ``values`` (name -> default value) the rules above cut."""
+    kw = {}
+    for name, value in values.items():
+        if (name.endswith("vocab_size") or name.startswith("vocab_size")) and type(value) is int and value > VOCAB:
+            # inkling2's unpadded_vocab_size, gemma4's vocab_size_per_layer_input
+            kw[name] = VOCAB
+        if name.startswith("_") or type(value) is not int or any(w in name for w in NOT_SIZES):
+            continue
+        if name.endswith(SIZE_SUFFIXES) and value > 16:
+            kw[name] = 8 if "rope" in name else 16
+        elif name.endswith("_heads") and value > 4:
+            kw[name] = 4
+        elif name.endswith("_layer_period") and value > 2:  # Jamba: an attention / MoE layer within the L layers
+            kw |= {name: 2, name.replace("period", "offset"): 1}
+    return kw
+
+
+def _per_layer(default, kw: dict) -> dict:
+    """A heterogeneous config's per-layer overrides (gemma4's full-attention head_dim, dots3_note's sliding MLA
+    sizes) cut like the global fields, each tiny layer taking those of the first layer of its kind (layer_types);
+    the last tiny layer is the default's last (gemma4's config forces a full-attention last layer)."""
+    spec = getattr(default, "_heterogeneity_spec", None)
+    if spec is None or not spec.per_layer_overrides:
+        return {}
+    kinds, layers = default.layer_types, kw["num_hidden_layers"]
+    tiny_kinds = list(kw.get("layer_types") or kinds[:layers])
+    tiny_kinds[-1] = kinds[-1]
+    out = {}
+    for i in range(layers):
+        source = len(kinds) - 1 if i == layers - 1 else kinds.index(tiny_kinds[i])
+        layer = dict(spec.per_layer_overrides.get(source, {}))
+        layer |= cut_sizes(layer)
+        if "qk_nope_head_dim" in layer:  # MLA: a head is its nope and rope parts
+            layer["head_dim"] = layer["qk_nope_head_dim"] + layer.get("qk_rope_head_dim", kw.get(
+                "qk_rope_head_dim", default.qk_rope_head_dim))
+        if layer:
+            out[i] = layer
+    return {"per_layer_config": out, "layer_types": tiny_kinds}
 
 
 def _layer_lists(default) -> dict:
@@ -135,7 +163,19 @@ def build_model(fam: FuzzFamily, config, seed: int, dtype: torch.dtype) -> torch
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith(("_bias", "router.bias", "gate.bias")) and t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=g) * (0.1 if "correction" in name else 0.5))
-    return model.to(dtype)
+    return _keep_float32(model.to(dtype))
+
+
+def _keep_float32(model: torch.nn.Module) -> torch.nn.Module:
+    """The weights the model class keeps in float32 (``_keep_in_fp32_modules_strict``: routers, correction biases)
+    back in float32 in a bfloat16 model, as ``from_pretrained`` loads them, and in a float64 one: inkling2's router
+    computes ``hidden.float()`` against its weight, so its model runs in float64 only so (from_pretrained leaves
+    float64 alone: that model would raise)."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.dtype in (torch.bfloat16, torch.float64) and any(k in name for k in keep):
+            t.data = t.data.float()
+    return model
 
 
 def model_output(out) -> torch.Tensor:
@@ -166,6 +206,8 @@ def _walked() -> dict[str, Family]:
 def family_of(key: str) -> FuzzFamily | Skipped:
     """The family of ``key`` if its tiny default model builds and runs eager, else why not."""
     fam = _walked()[key]
+    if key in UNFUZZABLE:
+        return Skipped(key, UNFUZZABLE[key])
     try:
         config_cls = type(config_class(fam)().get_text_config())
         model_cls = model_class(config_cls, importlib.import_module(fam.cls.__module__))

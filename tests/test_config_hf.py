@@ -25,11 +25,13 @@ def _sparse(cfg) -> int:
 def test_every_reader_reads_its_own_config_class():
     """Each model type transformers registers reads from its default config: a layer of the config's own hidden
     size, with at least one expert per token (DeepSeek-V2's and DeepSeek-OCR-2's default leaves num_experts_per_tok
-    None: given 6, as their checkpoints do)."""
+    None: given 6, as their checkpoints do; dots1's its expert counts too: 64 routed, 2 shared)."""
     known = set(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
     for model_type in sorted(set(HF_READERS) & known):
-        unset = getattr(transformers.AutoConfig.for_model(model_type), "num_experts_per_tok", 1) is None
-        config, cfg = _read(model_type, **({"num_experts_per_tok": 6} if unset else {}))
+        default = transformers.AutoConfig.for_model(model_type)
+        unset = {n: v for n, v in {"num_experts_per_tok": 6, "n_routed_experts": 64, "n_shared_experts": 2}.items()
+                 if hasattr(default, n) and getattr(default, n) is None}
+        config, cfg = _read(model_type, **unset)
         assert config.hidden_size == cfg.hidden_size and 1 <= config.top_k <= config.num_experts, model_type
 
 

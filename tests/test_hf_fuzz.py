@@ -74,11 +74,14 @@ def test_the_checks_fail_on_experts_off_by_a_little(monkeypatch):
 
 
 def test_every_family_builds_or_says_why():
-    """Every experts class of the walk is fuzzed or skipped with a reason; the families the issue names are fuzzed."""
+    """Every experts class of the walk is fuzzed or skipped with a reason; the families the issue names are fuzzed,
+    and some of those the tiny-config rules of session 47 made build."""
     found = {key: family_of(key) for key in family_keys()}
     assert all(isinstance(f, FuzzFamily) or f.reason for f in found.values())
     fuzzed = {key.split(":")[0] for key, f in found.items() if isinstance(f, FuzzFamily)}
     assert {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen2_moe", "olmoe"} <= fuzzed
+    # hfz47's rules (_hf_fuzz_fills): per-layer configs, None defaults filled, hybrid kinds, M-RoPE, mamba groups
+    assert {"gemma4", "dots3_note", "dots1", "lfm2_moe", "glm4v_moe", "nemotron_h", "zaya", "longcat_flash"} <= fuzzed
 
 
 def _model(family: str, fields: dict, dtype=torch.float32):
@@ -132,3 +135,44 @@ def test_deepseek_v2_router_ignores_norm_topk_prob(family):
     with torch.no_grad():
         want = block(x)
         assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_beam_gelu_experts_convert(dtype):
+    """hfz47 (the hfz46 run's refusals, Beam with hidden_act gelu): Beam's _apply_gate computes in float32 whatever
+    its input, which put its gelu 1.9e-6 off the float64 probe's and moe_from_hf refused the block ("computes no
+    activation moekit implements"). Now the MoE equals the block (at float32's bound: the block rounds through it)."""
+    block = _block("beam", {"hidden_act": "gelu", "first_k_dense_replace": 0}, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moe = moekit_hf.moe_from_hf(block)
+    assert moe.config.activation == "gelu"
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0), dtype=dtype) * 3
+    with torch.no_grad():
+        want = block(x)
+        assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
+
+
+@pytest.mark.parametrize("fuse_shared", [False, True])
+def test_dots1_converts(fuse_shared):
+    """hfz47: dots1 (newly fuzzed: its default config leaves n_shared_experts None) has DeepSeek-V3's router, expert
+    groups included; from_hf_config did not know its model type. Now moe_from_hf equals its block with groups on and
+    the swapped model its own logits."""
+    fields = {"n_group": 2, "topk_group": 1, "n_routed_experts": 6, "num_experts_per_tok": 2, "n_shared_experts": 1,
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1}
+    block = _block("dots1", fields)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moe = moekit_hf.moe_from_hf(block, fuse_shared=fuse_shared)
+    assert (moe.config.n_group, moe.config.use_correction_bias) == (2, True)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(moe(x), block(x)) < 1e-5
+    model = _model("dots1", fields)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model(ids).logits
+        report = moekit_hf.use_moekit_blocks(model, fuse_shared=fuse_shared)
+        assert len(report.swapped) == 2 and not report.left
+        assert rel_l2(model(ids).logits, want) < 1e-5

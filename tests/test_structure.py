@@ -36,6 +36,7 @@ LEVELS = {
     "eager_graphs": 0, "batch_launch": 0, "func_ops": 0,
     "config_hf": 0,  # from_hf_config's readers (design.md's config.py row), imported by config only
     "config_hf_clamps": 0,  # a layer's per-layer SwiGLU clamps, imported by config and moekit.hf
+    "config_hf_v4": 0,  # DeepSeek-V4's reader, split from config_hf (its size limit); imported by config_hf and hf
     "analysis": 3,  # imported by bench and sim; itself imports only ANALYSIS_MAY_IMPORT
 }
 SAME_LEVEL_ALLOWED = {0, 1}

@@ -10,6 +10,8 @@ Shapes: E experts, K hidden, N intermediate, S shared slots, SN shared width.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -19,7 +21,8 @@ from torch import nn
 from moekit.activations import ActivationSpec, glu_rows, shared_glu_activation
 from moekit.config import MoEConfig, hf_layer_fields
 from moekit.config_hf_clamps import LayerClamps, has_layer_clamps, with_layer_clamps
-from moekit.hf.variants import build_plan, identify_activation
+from moekit.config_hf_v4 import hash_refusal
+from moekit.hf.variants import build_plan, clamps_before_act, identify_activation
 from moekit.layer import MoE
 from moekit.quant import install_quantized_experts_
 from moekit.quant.hf import quantized_experts_weights
@@ -146,6 +149,10 @@ def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, outp
     """The block's config for moe_from_hf, its experts' own width (ERNIE-4.5-VL's vision block), Inkling's learned
     router scale multiplied in; a block whose output norm or router-weighted shared experts the MoE would leave out
     is refused, naming why."""
+    if routes_by_ids(router):  # DeepSeek-V4's hash layers
+        cfg = getattr(block.experts, "config", None)
+        raise ValueError(f"{type(block).__name__}'s {type(router).__name__} routes by input ids: "
+                         f"{hash_refusal(cfg.to_dict() if hasattr(cfg, 'to_dict') else {})}")
     norm = block_output_norm(block)
     if norm is not None and output_norm == "refuse":
         raise ValueError(f"{type(block).__name__} applies {type(norm).__name__} to its output, after the experts and "
@@ -165,6 +172,16 @@ def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, outp
         raise ValueError(f"{type(router).__name__}.global_scale is {float(scale.detach())}: moekit's "
                          "routed_scaling_factor, which it multiplies, is > 0")
     return config.replace(routed_scaling_factor=config.routed_scaling_factor * float(scale.detach()))
+
+
+def routes_by_ids(router: nn.Module) -> bool:
+    """The router's forward takes the input ids (DeepSeek-V4's hash router: tid2eid[input_ids])."""
+    return _takes_ids(type(router))
+
+
+@functools.cache
+def _takes_ids(cls: type) -> bool:
+    return "input_ids" in inspect.signature(cls.forward).parameters
 
 
 def block_shared_mlp(block: nn.Module) -> nn.Module | None:
@@ -270,9 +287,17 @@ def _shared_activation(mlp: nn.Module, activation, device: torch.device) -> str 
     if own is None:
         return None
     limit = getattr(mlp, "swiglu_limit", None)  # clamps gate (max) and up (both sides) before act(gate) * up
-    if limit is None and getattr(mlp, "limit", None) is not None:  # Step-3.7 / Bailing-Hybrid: min(act(gate), L)
-        return shared_glu_activation(activation, own, float(mlp.limit), limit_after_act=True)
+    if limit is None and getattr(mlp, "limit", None) is not None:
+        if not _clamped_first(mlp, own):  # Step-3.7 / Bailing-Hybrid: min(act(gate), L) * up.clamp(-L, L)
+            return shared_glu_activation(activation, own, float(mlp.limit), limit_after_act=True)
+        limit = mlp.limit  # DeepSeek-V4's shared MLP: its .limit, clamping before the activation as the experts do
     return shared_glu_activation(activation, own, None if limit is None else float(limit))
+
+
+def _clamped_first(mlp: nn.Module, own: str | None) -> bool:
+    """The MLP has a ``limit`` (``.limit``) it applies before its activation, as moekit's clamped SwiGLU does."""
+    limit = getattr(mlp, "limit", None)
+    return limit is not None and own is not None and clamps_before_act(mlp, float(limit), own)
 
 
 def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from torch import nn
 
 from moekit._checks import check_bool, check_module
 from moekit.experts import backend_names
-from moekit.hf.blocks import block_config, block_output_norm, block_shared_mlp, moe_blocks
+from moekit.hf.blocks import block_config, block_output_norm, block_shared_mlp, moe_blocks, routes_by_ids
 from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
@@ -305,6 +305,8 @@ class _MoekitBlock(nn.Module):
         expert] [-> its output norm], or (output, router logits) flattened; its own forward where the module doc
         says."""
         swap = self.__dict__[SWAP_ATTR]
+        if kwargs and kwargs.keys() == {"input_ids"} and not _ids_routed(self):
+            kwargs = {}  # DeepSeek-V4's decoder layer passes them to every block; a top-k block reads them not
         if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
             if swap.freed is None or floats_present(self):
                 return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
@@ -373,6 +375,12 @@ def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: t
                                           "MoE does not reach run the block's own forward on them")
     router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
     router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
+
+
+def _ids_routed(block: nn.Module) -> bool:
+    """The block's router reads the input ids (DeepSeek-V4's hash router); its own forward reads them for it only."""
+    return routes_by_ids(next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None),
+                                                                                         nn.Module)))
 
 
 _CLASSES: dict[type, type] = {}  # a block class -> its swapped subclass, made once

@@ -16,6 +16,7 @@ Shapes: E experts, K hidden, N intermediate; w13 is [E, 2N, K] gated, [E, N, K] 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -143,10 +144,13 @@ def _recognise_gate(module: nn.Module, width: int, device: torch.device) -> Acti
     except Exception:  # noqa: BLE001 (an _apply_gate that cannot run on the probe: composed)
         return None
     for spec in _candidates(module, alphas, limits, device):
-        with torch.no_grad():
-            got = apply_glu(probe, spec)
-        if got.shape == target.shape and torch.allclose(got, target, rtol=_RTOL, atol=_ATOL):
-            return spec
+        # also in float32: an _apply_gate that computes in float32 whatever its input (Beam's act(gate.float()) *
+        # up.float(): its gelu on the probe is 1.9e-6 off float64's, past the bound, its silu within it)
+        for dtype in (torch.float64, torch.float32):
+            with torch.no_grad():
+                got = apply_glu(probe.to(dtype), spec).to(torch.float64)
+            if got.shape == target.shape and torch.allclose(got, target, rtol=_RTOL, atol=_ATOL):
+                return spec
     return None
 
 
@@ -191,3 +195,21 @@ def _gate_probe(width: int, limits: list[float], device: torch.device) -> torch.
         sweep = torch.linspace(-2 * limit, 2 * limit, width, dtype=torch.float64)
         rows.append(torch.stack([sweep, sweep.flip(0), sweep[torch.randperm(width, generator=gen)]]))
     return torch.cat(rows).to(device)
+
+
+def clamps_before_act(mlp: nn.Module, limit: float, name: str) -> bool:
+    """Whether a gated MLP with a ``limit`` computes ``down(act(gate.clamp(max=L)) * up.clamp(-L, L))`` (DeepSeek-V4's
+    shared MLP: moekit's clamped SwiGLU), not a clamp after the activation (Step-3.7's: silu(g).clamp(max=10) is
+    silu(g.clamp(max=10)) within 5e-5, so the probe runs a float64 copy, 16 rows whose gates reach 3 L, at 1e-9)."""
+    weights = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(w, nn.Linear) and w.bias is None for w in weights):
+        return False
+    twin = copy.deepcopy(mlp).to(torch.float64)
+    gate, up, down = (getattr(twin, n).weight.detach() for n in ("gate_proj", "up_proj", "down_proj"))
+    x = torch.randn(16, gate.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x.to(gate.device)
+    x = x * 3 * limit / (x @ gate.T).abs().max().clamp_min(1e-30)  # [16, K]
+    with torch.no_grad():
+        got = twin(x)
+    ref = apply_glu(torch.cat([x @ gate.T, x @ up.T], -1), ActivationSpec(name=name, limit=float(limit))) @ down.T
+    return bool(((got - ref).norm() <= 1e-9 * ref.norm()).item())

@@ -99,12 +99,31 @@ def _choose(raw: torch.Tensor, logits: torch.Tensor, config: MoEConfig, bias: to
         logits = logits.masked_fill(~finite, torch.finfo(torch.float32).min)
     if config.sparsemixer_jitter_eps is not None:
         return _sparsemixer(logits, finite, config)  # Phi-MoE
-    scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
+    scores = router_scores(logits, config.scoring)  # [M, E]
     shifted = scores if config.correction_bias_on == "scores" else logits  # what the bias shifts (Kolibri: logits)
     choice = shifted if bias is None else shifted + bias  # [M, E]
     if finite is None:
         return _select(logits, scores, choice, config, biased=bias is not None)
     return _select_masked(logits, scores, choice, finite, config, biased=bias is not None)
+
+
+def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """[M, E] logits -> [M, E] scores: softmax over the row, sigmoid, or sqrt(softplus) (DeepSeek-V4)."""
+    if scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.nn.functional.softplus(logits).sqrt()
+
+
+def _log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """[M, k] chosen logits -> log of their scores up to a row's constant (softmax: the logits themselves), the
+    renormalisation's input: softmax of it is w_i / sum_j w_j without underflow to 0/0."""
+    if scoring == "softmax":
+        return chosen_logits
+    if scoring == "sigmoid":
+        return torch.nn.functional.logsigmoid(chosen_logits)
+    return 0.5 * torch.log(torch.nn.functional.softplus(chosen_logits))  # -inf where softplus underflows to 0
 
 
 def _select(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Tensor, config: MoEConfig,
@@ -309,7 +328,7 @@ def _weights(
     if config.renormalize:
         # softmax over the chosen log-scores == w_i / sum_j w_j, without underflow to 0/0.
         chosen_logits = logits.gather(1, topk_ids)  # [M, k]
-        log_scores = chosen_logits if config.scoring == "softmax" else torch.nn.functional.logsigmoid(chosen_logits)
+        log_scores = _log_scores(chosen_logits, config.scoring)
         if chosen_finite is not None:
             log_scores = log_scores.masked_fill(~chosen_finite, float("-inf"))
         weights = torch.softmax(log_scores, dim=-1)  # NaN on a row with no finite slot: zeroed below

@@ -22,9 +22,11 @@ COMPUTED = {"router_logit_softcap": None, "correction_bias_on": ("scores", "logi
 
 
 def computed_options(config: MoEConfig) -> bool:
-    """True when every changed router option of ``config`` is one the kernels compute."""
-    return all(name in COMPUTED and (COMPUTED[name] is None or value in COMPUTED[name])
-               for name, value in config.changed_router_options().items())
+    """True when every changed router option of ``config`` is one the kernels compute, and its scores are (softmax
+    or sigmoid: DeepSeek-V4's sqrtsoftplus routes with ``route`` only)."""
+    return config.scoring != "sqrtsoftplus" and all(
+        name in COMPUTED and (COMPUTED[name] is None or value in COMPUTED[name])
+        for name, value in config.changed_router_options().items())
 
 
 @dataclass(frozen=True)
