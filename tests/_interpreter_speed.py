@@ -62,8 +62,16 @@ def install() -> bool:
     state = {"pending": None}  # the launching kernel's modules, until its own _patch_lang call
     active: list[set[int]] = []  # the modules patched (and not restored) in each running launch
 
+    seen: dict = {}  # function -> (its globals, their size, the language modules among them)
+
     def langs_of(fn) -> frozenset[int]:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        names = fn.__globals__
+        known = seen.get(fn)
+        if known is not None and known[0] is names and known[1] == len(names):
+            return known[2]
+        langs = frozenset(id(v) for v in names.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        seen[fn] = (names, len(names), langs)
+        return langs
 
     def patch_lang(fn):
         if state["pending"] is not None:  # the launch's own call: patch, and remember what

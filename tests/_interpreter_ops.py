@@ -1,0 +1,184 @@
+"""Triton's interpreter, minus the per-op cost of building the same types again.
+
+Under ``TRITON_INTERPRET=1`` every ``tl`` op of every program goes through ``semantic.py`` as in a compile, with
+NumPy arrays for handles: the arrays are tiny in our tests, so NumPy is ~1% of a kernel test's time and Python's
+type bookkeeping is most of it. A profiled word-decode GEMV case (``test_triton_wo_gemv``, 43 s in its launches):
+149k ``block_type`` and 185k ``tensor`` constructions, each building a ``tl.tuple`` of its shape (its own
+``tuple_type`` of ``constexpr_type`` entries, 524k tuples in all) and formatting the type's name; 67k
+``_get_np_dtype`` calls, each building a 19-entry dict of dtypes; 1M ``_unwrap_if_constexpr`` calls through a
+chain of ``isinstance``.
+
+``install()`` replaces four functions with ones that compute the same values once per distinct input:
+
+- ``block_type.__init__``: for a shape of plain ints (or ``constexpr`` of ints), its ``tl.tuple``, ``numel`` and
+  the shape's text are kept per shape and reused (the name still names this call's element type); the tensor
+  shape a block of it gives (a ``tl.tuple`` of ``constexpr``, and its numel) is kept beside them.
+- ``tensor.__init__``: takes that tensor shape from its block type (or the one empty shape of a scalar) instead
+  of building it; any other type goes through the original.
+- ``interpreter._get_np_dtype``: one lookup per (type class, type name); the name determines the result
+  (``<shape, element>`` for blocks, ``pointer<...>`` for pointers).
+- ``core._unwrap_if_constexpr``: a value of an exact type that can never be wrapped (int, float, bool, None,
+  ``tl.tensor``, a dtype) or a plain ``constexpr`` is answered at once; lists, tuples and anything else go
+  through the original.
+
+The shared shape tuples and constexprs are never mutated by the interpreter (they are types' and tensors' shapes,
+read only), so every op sees equal values and results are bit-identical. Each replacement is installed only where
+the original's source is one this module was checked against (Triton 3.6 and 3.9); any other release keeps its own.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import inspect
+import math
+
+# The originals each replacement was checked against: the first 16 hex digits of the sha1 of their source
+# (``inspect.getsource``) in Triton 3.6 and 3.9 (one value where the two are the same text).
+_CHECKED = {
+    "block_type.__init__": {"5e48a558c76a6c66"},
+    "tensor.__init__": {"918c80e8ee879fd3"},
+    "_get_np_dtype": {"74e2c0b884e314f2"},
+    "_unwrap_if_constexpr": {"e9e3cb05494211e9", "31368a0b466eb7fd"},
+    "binary_op_sanitize_overflow_impl": {"e9781b8791098822", "d70661025baaca42"},
+    "device_assert": {"5fe1d491f4615e44", "9b0bbe964143a506"},
+}
+
+
+def _checked(name: str, fn) -> bool:
+    """``fn`` is the original of ``name`` this module was checked against."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    return hashlib.sha1(source.encode()).hexdigest()[:16] in _CHECKED[name]
+
+
+def _block_type_init(core, original):
+    shapes: dict[builtins.tuple, builtins.tuple] = {}  # int shape -> (tl.tuple, numel, text, tensor shape, numel)
+    core_tuple, constexpr = core.tuple, core.constexpr
+
+    def init(self, element_ty, shape):
+        values = shape.values if type(shape) is core_tuple else shape
+        if type(values) is not list and type(values) is not builtins.tuple:
+            return original(self, element_ty, shape)
+        key = []
+        for s in values:
+            t = type(s)
+            if t is constexpr:
+                s, t = s.value, type(s.value)
+            if t is not int:
+                return original(self, element_ty, shape)
+            key.append(s)
+        key = builtins.tuple(key)
+        known = shapes.get(key)
+        if known is None:
+            original(self, element_ty, shape)
+            tensor_shape = core_tuple([constexpr(s) for s in self.shape])
+            known = shapes[key] = (self.shape, self.numel, str(self.shape), tensor_shape,
+                                   constexpr(math.prod(self.shape)))
+            self._moekit_tensor_shape = known[3:]
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel = known[0], known[1]
+        self.name = f'<{known[2]}, {self.element_ty}>'
+        self._moekit_tensor_shape = known[3:]
+
+    return init
+
+
+def _tensor_init(core, original):
+    block_type = core.block_type
+    scalar_shape = (core.tuple([]), core.constexpr(1))
+
+    def init(self, handle, type):
+        cls = builtins.type(type)
+        if cls is block_type:
+            known = type.__dict__.get("_moekit_tensor_shape")
+            if known is None:
+                return original(self, handle, type)
+        elif isinstance(type, core.dtype) and not type.is_block():
+            known = scalar_shape
+        else:
+            return original(self, handle, type)
+        self.handle = handle
+        self.numel = known[1]
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = known[0]
+
+    return init
+
+
+def _np_dtype(original):
+    found: dict = {}
+
+    def np_dtype(tt_dtype):
+        key = (type(tt_dtype), tt_dtype.name)
+        np_type = found.get(key)
+        if np_type is None:
+            np_type = found[key] = original(tt_dtype)
+        return np_type
+
+    return np_dtype
+
+
+def _unwrap(core, original):
+    constexpr = core.constexpr
+    plain = {int, float, bool, type(None), str, core.tensor, core.dtype, core.pointer_type, core.block_type}
+
+    def unwrap(o):
+        t = type(o)
+        if t is constexpr:
+            return o.value
+        if t in plain:
+            return o
+        return original(o)
+
+    return unwrap
+
+
+def _sanitize(semantic, original):
+    builder = semantic.builder
+
+    def sanitize(lhs, rhs, binary_op):
+        scalar = lhs.type.scalar
+        if not builder.options.debug and scalar == rhs.type.scalar and scalar.is_int():
+            return None
+        return original(lhs, rhs, binary_op)
+
+    return sanitize
+
+
+def install() -> bool:
+    """Replace each checked original (once); False where none of them is this Triton's."""
+    try:
+        import triton.language.core as core
+        from triton.language import semantic
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    if getattr(core.block_type.__init__, "_moekit_ops", False):
+        return True
+    patched = False
+    for name, owner, attr, make in (
+        ("block_type.__init__", core.block_type, "__init__", lambda f: _block_type_init(core, f)),
+        ("tensor.__init__", core.tensor, "__init__", lambda f: _tensor_init(core, f)),
+        ("_get_np_dtype", interpreter, "_get_np_dtype", _np_dtype),
+        ("_unwrap_if_constexpr", core, "_unwrap_if_constexpr", lambda f: _unwrap(core, f)),
+    ):
+        original = getattr(owner, attr, None)
+        if original is not None and _checked(name, original):
+            replacement = make(original)
+            replacement._moekit_ops = True
+            setattr(owner, attr, replacement)
+            patched = True
+    # the interpreter's own semantic object only: a compile's overflow checks stay in its IR
+    ours = getattr(interpreter, "interpreter_semantic", None)
+    cls = getattr(semantic, "TritonSemantic", None)
+    if (ours is not None and cls is not None and type(ours) is cls
+            and _checked("binary_op_sanitize_overflow_impl", cls.binary_op_sanitize_overflow_impl)
+            and _checked("device_assert", cls.device_assert)):
+        ours.binary_op_sanitize_overflow_impl = _sanitize(ours, ours.binary_op_sanitize_overflow_impl)
+        patched = True
+    return patched
