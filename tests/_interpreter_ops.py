@@ -32,6 +32,7 @@ import builtins
 import hashlib
 import inspect
 import math
+from dataclasses import dataclass
 
 # The originals each replacement was checked against: the first 16 hex digits of the sha1 of their source
 # (``inspect.getsource``) in Triton 3.6 and 3.9 (one value where the two are the same text).
@@ -42,6 +43,7 @@ _CHECKED = {
     "_unwrap_if_constexpr": {"e9e3cb05494211e9", "31368a0b466eb7fd"},
     "binary_op_sanitize_overflow_impl": {"e9781b8791098822", "d70661025baaca42"},
     "device_assert": {"5fe1d491f4615e44", "9b0bbe964143a506"},
+    "broadcast_impl_value": {"9c5582987488fc51", "4baf056e1c757973"},
 }
 
 
@@ -54,58 +56,75 @@ def _checked(name: str, fn) -> bool:
     return hashlib.sha1(source.encode()).hexdigest()[:16] in _CHECKED[name]
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What a ``block_type`` and a tensor of it build from one shape of ints (shared; the interpreter only reads them)."""
+
+    shape: object  # tl.tuple of ints: block_type.shape
+    numel: int  # block_type.numel
+    text: str  # str(shape): the shape's part of block_type.name
+    tensor_shape: object  # tl.tuple of constexpr: tensor.shape
+    tensor_numel: object  # constexpr: tensor.numel
+
+
+def _int_shape(core, shape) -> builtins.tuple | None:
+    """``shape`` (a list, tuple or tl.tuple of ints or constexpr ints) as a tuple of ints; None for anything else."""
+    values = shape.values if type(shape) is core.tuple else shape
+    if type(values) is not list and type(values) is not builtins.tuple:
+        return None
+    ints = []
+    for s in values:
+        if type(s) is core.constexpr:
+            s = s.value
+        if type(s) is not int:
+            return None
+        ints.append(s)
+    return builtins.tuple(ints)
+
+
 def _block_type_init(core, original):
-    shapes: dict[builtins.tuple, builtins.tuple] = {}  # int shape -> (tl.tuple, numel, text, tensor shape, numel)
-    core_tuple, constexpr = core.tuple, core.constexpr
+    by_ints: dict[builtins.tuple, _Shape] = {}
+    by_tuple: dict[int, _Shape] = {}  # id(a _Shape's shape) -> it: a type's shape passed on (with_element_ty)
 
     def init(self, element_ty, shape):
-        values = shape.values if type(shape) is core_tuple else shape
-        if type(values) is not list and type(values) is not builtins.tuple:
-            return original(self, element_ty, shape)
-        key = []
-        for s in values:
-            t = type(s)
-            if t is constexpr:
-                s, t = s.value, type(s.value)
-            if t is not int:
-                return original(self, element_ty, shape)
-            key.append(s)
-        key = builtins.tuple(key)
-        known = shapes.get(key)
-        if known is None:
-            original(self, element_ty, shape)
-            tensor_shape = core_tuple([constexpr(s) for s in self.shape])
-            known = shapes[key] = (self.shape, self.numel, str(self.shape), tensor_shape,
-                                   constexpr(math.prod(self.shape)))
-            self._moekit_tensor_shape = known[3:]
-            return
+        known = by_tuple.get(id(shape))
+        if known is None or known.shape is not shape:
+            ints = _int_shape(core, shape)
+            known = None if ints is None else by_ints.get(ints)
+            if known is None:
+                original(self, element_ty, shape)
+                if ints is not None:
+                    known = by_ints[ints] = _Shape(self.shape, self.numel, str(self.shape),
+                                                   core.tuple([core.constexpr(s) for s in self.shape]),
+                                                   core.constexpr(math.prod(self.shape)))
+                    by_tuple[id(self.shape)] = known
+                    self._moekit_shape = known
+                return
         self.element_ty = element_ty
-        self.shape, self.numel = known[0], known[1]
-        self.name = f'<{known[2]}, {self.element_ty}>'
-        self._moekit_tensor_shape = known[3:]
+        self.shape, self.numel = known.shape, known.numel
+        self.name = f"<{known.text}, {element_ty}>"
+        self._moekit_shape = known
 
     return init
 
 
 def _tensor_init(core, original):
-    block_type = core.block_type
-    scalar_shape = (core.tuple([]), core.constexpr(1))
+    scalar = _Shape(core.tuple([]), 1, "", core.tuple([]), core.constexpr(1))
 
     def init(self, handle, type):
-        cls = builtins.type(type)
-        if cls is block_type:
-            known = type.__dict__.get("_moekit_tensor_shape")
+        if builtins.type(type) is core.block_type:
+            known = type.__dict__.get("_moekit_shape")
             if known is None:
                 return original(self, handle, type)
         elif isinstance(type, core.dtype) and not type.is_block():
-            known = scalar_shape
+            known = scalar
         else:
             return original(self, handle, type)
         self.handle = handle
-        self.numel = known[1]
+        self.numel = known.tensor_numel
         self.type = type
         self.dtype = type.scalar
-        self.shape = known[0]
+        self.shape = known.tensor_shape
 
     return init
 
@@ -150,6 +169,17 @@ def _sanitize(semantic, original):
     return sanitize
 
 
+def _broadcast(core, original):
+    def broadcast(lhs, rhs):
+        lhs_ty, rhs_ty = lhs.type, rhs.type
+        if type(lhs_ty) is core.block_type and type(rhs_ty) is core.block_type and (
+                lhs_ty.shape is rhs_ty.shape or lhs_ty.shape.values == rhs_ty.shape.values):
+            return lhs, rhs  # the original's answer for two blocks of one shape
+        return original(lhs, rhs)
+
+    return broadcast
+
+
 def install() -> bool:
     """Replace each checked original (once); False where none of them is this Triton's."""
     try:
@@ -180,5 +210,9 @@ def install() -> bool:
             and _checked("binary_op_sanitize_overflow_impl", cls.binary_op_sanitize_overflow_impl)
             and _checked("device_assert", cls.device_assert)):
         ours.binary_op_sanitize_overflow_impl = _sanitize(ours, ours.binary_op_sanitize_overflow_impl)
+        patched = True
+    if ours is not None and cls is not None and type(ours) is cls and _checked("broadcast_impl_value",
+                                                                           cls.broadcast_impl_value):
+        ours.broadcast_impl_value = _broadcast(core, ours.broadcast_impl_value)
         patched = True
     return patched
