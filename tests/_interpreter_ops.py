@@ -1,29 +1,33 @@
-"""Triton's interpreter, minus the per-op cost of building the same types again.
+"""Triton's interpreter, minus per-op work whose result is already known or never read.
 
 Under ``TRITON_INTERPRET=1`` every ``tl`` op of every program goes through ``semantic.py`` as in a compile, with
-NumPy arrays for handles: the arrays are tiny in our tests, so NumPy is ~1% of a kernel test's time and Python's
-type bookkeeping is most of it. A profiled word-decode GEMV case (``test_triton_wo_gemv``, 43 s in its launches):
-149k ``block_type`` and 185k ``tensor`` constructions, each building a ``tl.tuple`` of its shape (its own
-``tuple_type`` of ``constexpr_type`` entries, 524k tuples in all) and formatting the type's name; 67k
-``_get_np_dtype`` calls, each building a 19-entry dict of dtypes; 1M ``_unwrap_if_constexpr`` calls through a
-chain of ``isinstance``.
+NumPy arrays for handles. Our tests' arrays are tiny, so NumPy is ~1% of a kernel test and Python's type
+bookkeeping is most of it. A profiled word-decode GEMV case (``test_triton_wo_gemv``, 43 s in its launches, 35M
+calls): every integer ``+``, ``-``, ``*`` checked for overflow (9962 checks, 18 s: two casts to int64, the op
+again, two comparisons and an ``and``, whose result only ``device_assert`` reads, and it returns at once unless the
+interpreter's ``options.debug`` is set, which it never is); 149k ``block_type`` and 185k ``tensor``
+constructions, each building a ``tl.tuple`` of its shape (524k tuples in all) and formatting the type's name; 67k
+``_get_np_dtype`` calls, each building a 19-entry dict; 1M ``_unwrap_if_constexpr`` calls.
 
-``install()`` replaces four functions with ones that compute the same values once per distinct input:
+``install()`` replaces, on this Triton's interpreter only:
 
-- ``block_type.__init__``: for a shape of plain ints (or ``constexpr`` of ints), its ``tl.tuple``, ``numel`` and
-  the shape's text are kept per shape and reused (the name still names this call's element type); the tensor
-  shape a block of it gives (a ``tl.tuple`` of ``constexpr``, and its numel) is kept beside them.
-- ``tensor.__init__``: takes that tensor shape from its block type (or the one empty shape of a scalar) instead
-  of building it; any other type goes through the original.
-- ``interpreter._get_np_dtype``: one lookup per (type class, type name); the name determines the result
-  (``<shape, element>`` for blocks, ``pointer<...>`` for pointers).
-- ``core._unwrap_if_constexpr``: a value of an exact type that can never be wrapped (int, float, bool, None,
-  ``tl.tensor``, a dtype) or a plain ``constexpr`` is answered at once; lists, tuples and anything else go
-  through the original.
+- the interpreter's semantic object's ``binary_op_sanitize_overflow_impl``: returns at once where the original's
+  only effect would be a ``device_assert`` that does nothing (``options.debug`` unset, both operands one integer
+  type); anything else goes through the original. A compile's checks are untouched (another semantic object).
+- its ``broadcast_impl_value``: two blocks of one shape are returned as they are (the original's answer for
+  them); anything else goes through the original.
+- ``block_type.__init__``: for a shape of ints (or ``constexpr`` ints), the ``tl.tuple``, ``numel`` and text of the
+  shape are built once per shape and shared (the name still names this call's element type), with the shape a
+  tensor of it gets (a ``tl.tuple`` of ``constexpr``) beside them.
+- ``tensor.__init__``: takes that tensor shape from its block type (or the one empty shape of a scalar).
+- ``interpreter._get_np_dtype``: one lookup per (type class, type name), which determines its result.
+- ``core._unwrap_if_constexpr``: a plain ``constexpr`` or a value of an exact type that is never wrapped (int,
+  float, bool, None, str, ``tl.tensor``, a dtype) is answered at once; lists, tuples and the rest go through it.
 
-The shared shape tuples and constexprs are never mutated by the interpreter (they are types' and tensors' shapes,
-read only), so every op sees equal values and results are bit-identical. Each replacement is installed only where
-the original's source is one this module was checked against (Triton 3.6 and 3.9); any other release keeps its own.
+The shared shapes are read, never written, by the interpreter, so every op sees equal values: results are
+bit-identical (every launch's tensor storages hashed with and without it, Triton 3.9 and 3.6). Each replacement is
+installed only where the original's source is one this module was checked against (``_CHECKED``: Triton 3.6 and
+3.9); another release keeps its own. The same case after it: 12M calls, 20 s in its launches under cProfile.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def _checked(name: str, fn) -> bool:
 
 @dataclass(frozen=True)
 class _Shape:
-    """What a ``block_type`` and a tensor of it build from one shape of ints (shared; the interpreter only reads them)."""
+    """What a ``block_type`` and a tensor of it build from one shape of ints (shared; the interpreter reads them)."""
 
     shape: object  # tl.tuple of ints: block_type.shape
     numel: int  # block_type.numel
