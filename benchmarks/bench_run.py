@@ -66,7 +66,7 @@ class RunLog:
                 run_one(spec)
             except Exception as exc:  # noqa: BLE001 (one cell's failure is reported, the others still run)
                 self.log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
-                self.failed.append(spec)
+                self.failed.append(str(spec))
             after()
 
     def watchdog(self, stall_s: Callable[[], float] | None = None, poll_s: float = 2.0) -> None:

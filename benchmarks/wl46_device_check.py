@@ -44,6 +44,7 @@ from wo_device_check import quantized  # noqa: E402
 
 from moekit.activations import ActivationSpec  # noqa: E402
 from moekit.bench.cells import Shape, make_sets  # noqa: E402
+from moekit.config import MoEConfig  # noqa: E402
 from moekit.experts.triton import experts_triton  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo  # noqa: E402
 from moekit.experts.triton_wo_plan import weight_args  # noqa: E402
@@ -161,8 +162,14 @@ def checked_calls(label: str, s: Shape, scheme: str, sets: list, w13, w2) -> dic
     return fns
 
 
+def preset_shape(preset: str) -> Shape:
+    """Any published preset's shape (``Shape.from_preset`` knows the bench's three; gpt-oss is not one)."""
+    c = MoEConfig.preset(preset)
+    return Shape(preset, c.num_experts, c.moe_intermediate_size, c.hidden_size, c.top_k)
+
+
 def run_cell(preset: str, scheme: str, m: int, dev, copy_tbps: float, stop: float, results: list) -> None:
-    s = Shape(f"{preset}/smoke", 8, 256, 512, 2) if SMOKE else Shape.from_preset(preset)
+    s = Shape(f"{preset}/smoke", 8, 256, 512, 2) if SMOKE else preset_shape(preset)
     label = f"{preset} {scheme} M={m}"
     w13, w2 = weights(s, scheme, dev)
     sets = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
