@@ -18,6 +18,7 @@ from moekit._checks import check_bool, check_choice, check_int, check_positive_f
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
 from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps
+from moekit.config_hf_v4 import hash_layer_fields
 from moekit.presets import hf_config_of_preset
 
 Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus"]  # sqrtsoftplus: sqrt(softplus(logits)) (DeepSeek-V4)
@@ -330,6 +331,8 @@ class MoEConfig:
             raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
         check_layer(d, layer)
         fields = reader(d)
+        if model_type == "deepseek_v4":  # its hash layers route by a token-id table (moekit.config_hf_v4)
+            fields = hash_layer_fields(d, layer, fields)
         fields.setdefault("activation", activation_from_hf(d.get("hidden_act", "silu")))
         if has_layer_clamps(d):
             fields = clamp_fields(d, layer, fields)
