@@ -1,4 +1,4 @@
-"""``HashMoE``: an ``MoE`` whose experts a token-id table chooses (DeepSeek-V4's hash layers); its forward takes the ids.
+"""``HashMoE``: an ``MoE`` whose experts a token-id table chooses (DeepSeek-V4's hash layers); forward takes the ids.
 
     [Gate] -> [Route: tid2eid[token_ids], weighted by the scores] -> [Capacity, opt-in] -> [Group] -> [Experts]
     -> [Combine] (+ shared)

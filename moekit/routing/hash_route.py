@@ -1,4 +1,4 @@
-"""Hash routing (DeepSeek-V4's first MoE layers): a fixed table of token ids chooses the experts, the scores weight them.
+"""Hash routing (DeepSeek-V4's first MoE layers): a fixed table of token ids chooses the experts, the scores weigh them.
 
     [Route: token ids [M] -> table [V, k] -> ids [M, k]; logits [M, E] -> scores -> gathered at ids -> weights]
     -> Capacity (opt-in) -> Shared slots -> Group -> Experts -> Combine
