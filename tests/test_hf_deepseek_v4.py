@@ -160,3 +160,17 @@ def test_a_shared_mlp_clamping_after_its_activation_is_told_apart():
     assert clamps_before_act(_ClampedMLP(before=True), 2.0, "silu")
     assert not clamps_before_act(_ClampedMLP(before=False), 2.0, "silu")
     assert not clamps_before_act(_ClampedMLP(before=False, limit=10.0), 10.0, "silu")
+
+
+def test_the_moekit_experts_implementation_serves_the_hash_layers_too(monkeypatch):
+    """set_experts_implementation("moekit") keeps every block's router (the hash one's table lookup included) and runs
+    the experts on moekit: the model's logits as with eager experts, one moekit experts call a block."""
+    model = _model(torch.float64)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    calls, original = [], moekit_hf.call_backend
+    monkeypatch.setattr(moekit_hf, "call_backend", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with torch.no_grad():
+        want = model(ids).logits
+        model.set_experts_implementation("moekit")
+        got = model(ids).logits
+    assert (got - want).norm() / want.norm() < 1e-12 and len(calls) == 3
