@@ -82,7 +82,8 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     samples in training, which it refuses) and its experts' width (ERNIE-4.5-VL's vision block). A block in
     training mode that jitters its input (Mixtral's, MiniMax's ``router_jitter_noise > 0``) gives a ``UserWarning``
     naming ``router_jitter_noise``: the ``MoE`` has no input jitter and trains without it (``use_moekit_blocks``
-    runs such a block's own forward there).
+    runs such a block's own forward there). A block whose router reads the input ids (DeepSeek-V4's hash layers) becomes
+    a ``moekit.HashMoE`` holding the router's ``tid2eid`` (checked), called ``moe(x, token_ids=input_ids)``.
     """
     moe = block_moe(block, fuse_shared=fuse_shared, backend=backend, shared_expert=shared_expert,
                     transposed=transposed, output_norm=output_norm)
