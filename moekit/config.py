@@ -18,6 +18,7 @@ from moekit._checks import check_bool, check_choice, check_int, check_positive_f
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
 from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps
+from moekit.config_hf_v4 import hash_layer_fields
 from moekit.presets import hf_config_of_preset
 
 Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus"]  # sqrtsoftplus: sqrt(softplus(logits)) (DeepSeek-V4)
@@ -63,6 +64,9 @@ class MoEConfig:
     # eps >= 0: Phi-MoE's sparsemixer at inference (k argmax rounds, each weighted by a softmax over the logits
     # within 2 eps of its max, relatively); None: top-k of the scores. Sampled in training: the layer refuses that
     sparsemixer_jitter_eps: float | None = None
+    # V > 0: the experts of a token are a fixed table's row, tid2eid[token id] [V, k] (DeepSeek-V4's hash layers:
+    # moekit.HashMoE, whose forward takes the token ids); the scores only weight them. None: top-k of the scores
+    hash_table_size: int | None = None
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ g)
     # "average": (routed + shared) / 2 (Cohere2-MoE); "router": the router's logits [M, E + S] end with one per
@@ -163,6 +167,21 @@ class MoEConfig:
             self._check_sparsemixer()
         if self.shared_expert_combine == "router":
             self._check_router_weighted_shared()
+        if self.hash_table_size is not None:
+            self._check_hash_routed()
+
+    def _check_hash_routed(self) -> None:
+        """A token-id table chooses the experts (``moekit.routing.hash_route``): nothing of the top-k choice (bias,
+        groups, identity experts, sparsemixer, router-weighted shared slots, masking) composes with it."""
+        check_int("hash_table_size", self.hash_table_size)
+        clashing = {name: getattr(self, name) for name, plain in (
+            ("use_correction_bias", False), ("n_group", 1), ("num_identity_experts", 0),
+            ("sparsemixer_jitter_eps", None), ("shared_expert_combine", "sum"), ("nonfinite", "raise"),
+            ("expert_weight_on", "output")) if getattr(self, name) != plain}
+        if clashing:
+            raise ValueError(f"hash_table_size routes by a token-id table: no correction bias, n_group=1, no identity "
+                             f"experts, no sparsemixer, shared_expert_combine='sum', nonfinite='raise' and "
+                             f"expert_weight_on='output' (as DeepSeek-V4's hash layers), got {clashing}")
 
     def _check_router_weighted_shared(self) -> None:
         """Inkling's router-weighted shared slots: S = num_shared_slots logits after the E routed ones, renormalised
@@ -312,6 +331,8 @@ class MoEConfig:
             raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
         check_layer(d, layer)
         fields = reader(d)
+        if model_type == "deepseek_v4":  # its hash layers route by a token-id table (moekit.config_hf_v4)
+            fields = hash_layer_fields(d, layer, fields)
         fields.setdefault("activation", activation_from_hf(d.get("hidden_act", "silu")))
         if has_layer_clamps(d):
             fields = clamp_fields(d, layer, fields)
@@ -331,11 +352,17 @@ def hf_layer_fields(d: dict) -> dict:
 
 
 def check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts,
-                     dtype) -> None:
-    """``moekit.MoE.__init__``'s arguments besides the config's own fields: a clear error naming the one that
-    cannot be honoured."""
+                     dtype, eager_graph_rows, layer_cls: type) -> None:
+    """``moekit.MoE.__init__``'s arguments besides the config's own fields (``layer_cls``: the class built): a clear
+    error naming the one that cannot be honoured."""
+    if eager_graph_rows is not None:
+        check_int("eager_graph_rows", eager_graph_rows, minimum=1)
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if (config.hash_table_size is not None) != getattr(layer_cls, "takes_token_ids", False):
+        raise TypeError(f"config.hash_table_size={config.hash_table_size}: a layer routed by a token-id table is "
+                        "moekit.HashMoE (its forward takes token_ids), a top-k one moekit.MoE; got "
+                        f"{layer_cls.__name__}")
     check_bool("fuse_shared", fuse_shared)
     if capacity_factor is not None:
         try:

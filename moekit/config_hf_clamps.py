@@ -67,11 +67,14 @@ def with_layer_clamps(d: dict, clamps: LayerClamps) -> dict:
     return out
 
 
+MOE_LAYER_KINDS = ("sparse", "moe", "hash_moe")  # mlp_layer_types' MoE layers (DeepSeek-V4: "moe", "hash_moe")
+
+
 def moe_layers(d: dict) -> list[int]:
-    """The decoder layers holding a MoE block: ``mlp_layer_types``' "sparse" ones where the config says, else all."""
+    """The decoder layers holding a MoE block: ``mlp_layer_types``' MoE ones where the config says, else all."""
     types = d.get("mlp_layer_types")
     if isinstance(types, (list, tuple)):
-        return [i for i, kind in enumerate(types) if kind == "sparse"]
+        return [i for i, kind in enumerate(types) if kind in MOE_LAYER_KINDS]
     return list(range(int(d.get("num_hidden_layers") or len(_limit_list(d, "experts") or []))))
 
 
@@ -88,7 +91,7 @@ def check_layer(d: dict, layer: Any) -> None:
     if layer < 0 or (total is not None and layer >= total):
         raise ValueError(f"layer must be in [0, {total}) (cfg.num_hidden_layers), got {layer}")
     types = d.get("mlp_layer_types")
-    if isinstance(types, (list, tuple)) and layer < len(types) and types[layer] != "sparse":
+    if isinstance(types, (list, tuple)) and layer < len(types) and types[layer] not in MOE_LAYER_KINDS:
         raise ValueError(f"layer {layer} is a {types[layer]!r} MLP layer (cfg.mlp_layer_types), not a MoE layer")
 
 

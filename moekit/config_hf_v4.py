@@ -6,10 +6,12 @@ its top-k MoE layers, as transformers' ``DeepseekV4TopKRouter`` and ``DeepseekV4
     experts and shared MLP: act(gate.clamp(max=L)) * up.clamp(-L, L) at L = swiglu_limit; one shared MLP of the
             experts' width (moe_intermediate_size; the block builds it whatever n_shared_experts says)
 
-Its first layers (``mlp_layer_types[i] == "hash_moe"``, 3 by default) hash-route: the experts a token runs are
-``tid2eid[input_ids]``, a fixed table of the token's id, weighted by the same scores. moekit's layer sees the hidden
-states only, so those layers are not read: ``num_moe_layers`` counts the top-k layers, a config of hash layers alone
-is refused, and ``moe_from_hf`` refuses a hash block naming the layers (``hash_layers``).
+Its first layers (``mlp_layer_types[i] == "hash_moe"``, 3 by default) hash-route (``DeepseekV4HashRouter``): the
+experts a token runs are ``tid2eid[input_ids]``, a fixed [vocab_size, k] table of the token's id, weighted by the same
+scores gathered there, divided by their sum + 1e-20, times routed_scaling_factor (no correction bias). ``layer=i`` of a
+hash layer reads it as ``hash_table_size=vocab_size`` (``moekit.HashMoE``; ``hash_layer_fields``), as does
+``layer=None`` for a config whose MoE layers all hash-route; otherwise the top-k layers' config. ``num_moe_layers``
+counts both kinds.
 """
 
 from __future__ import annotations
@@ -24,19 +26,19 @@ def hash_layers(d: dict) -> list[int]:
     return [i for i, kind in enumerate(d.get("mlp_layer_types") or []) if kind == "hash_moe"]
 
 
-def hash_refusal(d: dict) -> str:
-    """Why moekit does not serve a hash layer, naming the config's hash layers."""
-    return (f"DeepSeek-V4's layers {hash_layers(d)} (mlp_layer_types 'hash_moe') choose each token's experts by "
-            "tid2eid[input_ids], a fixed table of its token id; moekit's layer routes the hidden states only (serving "
-            "them takes the ids threaded through the layer and a routing of given expert ids). Their experts run on "
-            "moekit through model.set_experts_implementation('moekit'), which keeps the block's router")
+def hash_layer_fields(d: dict, layer, fields: dict) -> dict:
+    """``fields`` (``read_deepseek_v4``'s) for decoder layer ``layer``: a hash layer's where it is one, or where
+    ``layer`` is None and every MoE layer of ``d`` hash-routes; else the top-k layers' as read."""
+    hashed = hash_layers(d)
+    only_hash = bool(hashed) and "moe" not in (d.get("mlp_layer_types") or [])
+    if layer in hashed or (layer is None and only_hash):
+        return dict(fields, hash_table_size=d["vocab_size"], use_correction_bias=False)
+    return fields
 
 
 def read_deepseek_v4(d: dict) -> dict:
     """The top-k layers' ``MoEConfig`` fields (the module doc); ``d``: a ``Fields`` of the config."""
     types = d.get("mlp_layer_types")
-    if isinstance(types, (list, tuple)) and types and "moe" not in types:
-        raise ValueError(f"every MoE layer of this DeepSeek-V4 config hash-routes: {hash_refusal(d)}")
     scoring = d.get("scoring_func") or "sqrtsoftplus"
     if scoring not in SCORING_FUNCS:
         raise ValueError(f"cfg.scoring_func must be one of {sorted(SCORING_FUNCS)} for DeepSeek-V4, got {scoring!r}")
@@ -49,5 +51,5 @@ def read_deepseek_v4(d: dict) -> dict:
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0), use_correction_bias=True,
         shared_expert_intermediate_size=width,
         activation=name if not limit else ActivationSpec(name=name, limit=float(limit)),
-        num_moe_layers=sum(1 for t in types if t == "moe") if isinstance(types, (list, tuple)) else None,
+        num_moe_layers=sum(1 for t in types if t in ("moe", "hash_moe")) if isinstance(types, (list, tuple)) else None,
     )

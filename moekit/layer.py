@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit._checks import check_int, input_error
+from moekit._checks import input_error
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
@@ -96,9 +96,8 @@ class MoE(nn.Module):
         eager CUDA calls without autograd of at most this many tokens replay a CUDA graph captured per kind of call
         (``moekit.eager_graphs``; off by default: each token count seen costs a capture and its memory)."""
         super().__init__()
-        check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
-        if eager_graph_rows is not None:
-            check_int("eager_graph_rows", eager_graph_rows, minimum=1)
+        check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype,
+                         eager_graph_rows, type(self))
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
         self._experts_call = ExpertsCallCache()  # forward's experts call: check_experts_args once per weight set
         self._route_ws = RouteWorkspace()  # forward's routing buffers; not with a subclass's route_tokens/run_routed

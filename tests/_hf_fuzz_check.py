@@ -218,7 +218,8 @@ def _unless_refused(outcome: Outcome, what: str, fn, *args, **kwargs):
 
 
 def _check_block(case: FuzzCase, model, outcome: Outcome) -> None:
-    """moe_from_hf on the first MoE block against the block's forward (eager experts), on x [B, S, K] ~ N(0, 1)."""
+    """moe_from_hf on the first MoE block against the block's forward (eager experts), on x [B, S, K] ~ N(0, 1)
+    (and random input ids where it hash-routes: DeepSeek-V4's)."""
     sites = moe_blocks(model)
     if not sites:
         outcome.refusals.append("moe_from_hf: no block with .gate/.router and .experts")
@@ -231,10 +232,14 @@ def _check_block(case: FuzzCase, model, outcome: Outcome) -> None:
     hidden = model.get_input_embeddings().weight.shape[1]
     x = torch.randn(case.batch, case.seq, hidden, generator=torch.Generator().manual_seed(case.seed), dtype=case.dtype)
     model.set_experts_implementation("eager")
+    ids = {}  # a hash block's (DeepSeek-V4's first): the same random input ids to the block and its HashMoE
+    if getattr(moe, "takes_token_ids", False):
+        ids = {"input_ids": torch.randint(0, moe.config.hash_table_size, x.shape[:-1],
+                                          generator=torch.Generator().manual_seed(case.seed))}
     with torch.no_grad():
-        want = block(x)
+        want = block(x, **ids)
         want = want[0] if isinstance(want, tuple) else want
-        got = moe(x)
+        got = moe(x, token_ids=ids["input_ids"]) if ids else moe(x)
     err = rel_l2(got.reshape(want.shape), want)
     if err <= BLOCK_TOLERANCES[case.dtype]:
         outcome.compared += 1

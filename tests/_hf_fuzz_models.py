@@ -150,7 +150,8 @@ def _layer_lists(default) -> dict:
 
 def build_model(fam: FuzzFamily, config, seed: int, dtype: torch.dtype) -> torch.nn.Module:
     """The model (eval mode) with seeded random weights: every bias and correction bias random and non-zero (a
-    family's init leaves them zero, which would hide a bias read in the wrong place)."""
+    family's init leaves them zero, which would hide a bias read in the wrong place), every token-id routing table
+    (DeepSeek-V4's ``tid2eid``, built all zero: every token on expert 0) random experts."""
     with torch.device("meta"):
         size = sum(p.numel() for p in fam.model_cls(config).parameters())
     if size > MAX_PARAMS:
@@ -163,6 +164,9 @@ def build_model(fam: FuzzFamily, config, seed: int, dtype: torch.dtype) -> torch
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith(("_bias", "router.bias", "gate.bias")) and t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=g) * (0.1 if "correction" in name else 0.5))
+            if name.endswith("tid2eid"):  # [vocab, k] of the router's num_experts
+                experts = model.get_submodule(name.rsplit(".", 1)[0]).num_experts
+                t.copy_(torch.randint(0, experts, t.shape, generator=g))
     return _keep_float32(model.to(dtype))
 
 

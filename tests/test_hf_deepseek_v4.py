@@ -1,7 +1,7 @@
-"""DeepSeek-V4 (hfz47): ``from_hf_config`` reads its top-k layers (sqrt(softplus) scores, the correction bias, always
-renormalised, routed scaling, the clamped SwiGLU of its experts and shared MLP) and refuses its hash layers
-(``tid2eid[input_ids]``) naming them; ``moe_from_hf`` and ``use_moekit_blocks`` against a tiny DeepSeek-V4 built
-offline by transformers; ``route``'s new scoring against a float64 loop.
+"""DeepSeek-V4 (hfz47, v4h47): ``from_hf_config`` reads its top-k layers (sqrt(softplus) scores, the correction bias,
+always renormalised, routed scaling, the clamped SwiGLU of its experts and shared MLP) and its hash layers
+(``tid2eid[input_ids]``: ``hash_table_size``, a ``HashMoE``); ``moe_from_hf`` and ``use_moekit_blocks`` against a tiny
+DeepSeek-V4 built offline by transformers with a random table; ``route``'s new scoring against a float64 loop.
 
 Shapes: M tokens, E experts, k experts a token, K hidden 32.
 """
@@ -21,6 +21,7 @@ from moekit.config import MoEConfig  # noqa: E402
 from moekit.hf.blocks import moe_blocks  # noqa: E402
 from moekit.hf.variants import clamps_before_act  # noqa: E402
 from moekit.layer import MoE  # noqa: E402
+from moekit.layer_hash import HashMoE  # noqa: E402
 from moekit.routing import route  # noqa: E402
 from moekit.routing.fused import computes  # noqa: E402
 
@@ -58,16 +59,19 @@ def test_sqrtsoftplus_routing_matches_a_float64_loop():
     assert not computes(config)  # the fused kernels score softmax / sigmoid only: route serves it
 
 
-def test_from_hf_config_reads_the_top_k_layers_and_refuses_hash_only():
+def test_from_hf_config_reads_the_top_k_and_the_hash_layers():
     cfg = transformers.AutoConfig.for_model("deepseek_v4")  # 43 layers, the first 3 hash-routed
     config = MoEConfig.from_hf_config(cfg)
     assert (config.scoring, config.renormalize, config.use_correction_bias) == ("sqrtsoftplus", True, True)
-    assert config.routed_scaling_factor == cfg.routed_scaling_factor and config.num_moe_layers == 43 - 3
+    assert config.routed_scaling_factor == cfg.routed_scaling_factor and config.num_moe_layers == 43
     assert config.activation.limit == cfg.swiglu_limit and config.shared_activation is None
     assert config.shared_expert_intermediate_size == cfg.moe_intermediate_size
-    with pytest.raises(ValueError, match=r"layers \[0, 1\].*tid2eid\[input_ids\]"):
-        MoEConfig.from_hf_config(transformers.AutoConfig.for_model(
-            "deepseek_v4", num_hidden_layers=2, mlp_layer_types=["hash_moe", "hash_moe"]))
+    assert config.hash_table_size is None and MoEConfig.from_hf_config(cfg, layer=3) == config
+    hashed = MoEConfig.from_hf_config(cfg, layer=2)
+    assert hashed == config.replace(hash_table_size=cfg.vocab_size, use_correction_bias=False)
+    only_hash = transformers.AutoConfig.for_model("deepseek_v4", num_hidden_layers=2,
+                                                  mlp_layer_types=["hash_moe", "hash_moe"])
+    assert MoEConfig.from_hf_config(only_hash).hash_table_size == only_hash.vocab_size
 
 
 def _model(dtype: torch.dtype, **fields):
@@ -95,21 +99,40 @@ def test_a_top_k_block_equals_transformers(dtype, tol, fuse_shared):
     assert err < tol
 
 
-def test_the_hash_block_is_refused_naming_its_layers_and_the_model_swaps_the_others(monkeypatch):
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("fuse_shared", [False, True])
+def test_a_hash_block_equals_transformers(dtype, tol, fuse_shared):
+    """Layer 0's block (hash-routed; a random table), against the block given the same input ids."""
+    block = _blocks(_model(dtype, swiglu_limit=3.0, routed_scaling_factor=2.5, num_experts_per_tok=3))[0]
+    assert len(set(block.gate.tid2eid.flatten().tolist())) > 1  # random (the fuzzer's build_model), not all 0
+    moe = moekit_hf.moe_from_hf(block, fuse_shared=fuse_shared)
+    assert isinstance(moe, HashMoE) and moe.tid2eid is block.gate.tid2eid  # the router's table, not a copy
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1), dtype=dtype) * 20
+    ids = torch.randint(0, moe.config.hash_table_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = block(x, input_ids=ids)
+        err = (moe(x, token_ids=ids) - want).norm() / want.norm()
+    assert err < tol
+    bad = block.gate.tid2eid.clone()
+    bad[5, 0] = block.experts.num_experts
+    block.gate.tid2eid.copy_(bad)
+    with pytest.raises(ValueError, match=r"DeepseekV4HashRouter.tid2eid must hold experts in \[0, num_experts=6\)"):
+        moekit_hf.moe_from_hf(block)
+
+
+def test_the_model_swaps_every_block_the_hash_ones_routed_by_the_input_ids(monkeypatch):
     model = _model(torch.float32)
-    hash_block = _blocks(model)[0]
-    with pytest.raises(ValueError, match=r"DeepseekV4HashRouter routes by input ids.*layers \[0\]"):
-        moekit_hf.moe_from_hf(hash_block)
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
-    calls, forward = [], MoE.forward
-    monkeypatch.setattr(MoE, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    calls, forward, hashed = [], MoE.forward, HashMoE.forward
+    monkeypatch.setattr(MoE, "forward", lambda self, *a, **k: calls.append("top-k") or forward(self, *a, **k))
+    monkeypatch.setattr(HashMoE, "forward", lambda self, *a, **k: calls.append("hash") or hashed(self, *a, **k))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = model(ids).logits
         report = moekit_hf.use_moekit_blocks(model)
         got = model(ids).logits
-    assert len(report.swapped) == 2 and len(report.left) == 1 and "input ids" in report.left[0].reason
-    assert len(calls) == 2  # the decoder layers pass input_ids to every block: the top-k ones still run moekit
+    assert len(report.swapped) == 3 and not report.left
+    assert calls == ["hash", "top-k", "top-k"]  # the decoder layers pass input_ids to every block
     assert (got - want).norm() / want.norm() < 1e-5
 
 
@@ -137,3 +160,17 @@ def test_a_shared_mlp_clamping_after_its_activation_is_told_apart():
     assert clamps_before_act(_ClampedMLP(before=True), 2.0, "silu")
     assert not clamps_before_act(_ClampedMLP(before=False), 2.0, "silu")
     assert not clamps_before_act(_ClampedMLP(before=False, limit=10.0), 10.0, "silu")
+
+
+def test_the_moekit_experts_implementation_serves_the_hash_layers_too(monkeypatch):
+    """set_experts_implementation("moekit") keeps every block's router (the hash one's table lookup included) and runs
+    the experts on moekit: the model's logits as with eager experts, one moekit experts call a block."""
+    model = _model(torch.float64)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    calls, original = [], moekit_hf.call_backend
+    monkeypatch.setattr(moekit_hf, "call_backend", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with torch.no_grad():
+        want = model(ids).logits
+        model.set_experts_implementation("moekit")
+        got = model(ids).logits
+    assert (got - want).norm() / want.norm() < 1e-12 and len(calls) == 3

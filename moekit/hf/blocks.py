@@ -21,11 +21,12 @@ from torch import nn
 from moekit.activations import ActivationSpec, glu_rows, shared_glu_activation
 from moekit.config import MoEConfig, hf_layer_fields
 from moekit.config_hf_clamps import LayerClamps, has_layer_clamps, with_layer_clamps
-from moekit.config_hf_v4 import hash_refusal
 from moekit.hf.variants import build_plan, clamps_before_act, identify_activation
 from moekit.layer import MoE
+from moekit.layer_hash import HashMoE
 from moekit.quant import install_quantized_experts_
 from moekit.quant.hf import quantized_experts_weights
+from moekit.routing.hash_route import check_table
 from moekit.routing.shared import fused_shared
 
 _ROUTER_NAMES = ("gate", "router")
@@ -81,7 +82,8 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     samples in training, which it refuses) and its experts' width (ERNIE-4.5-VL's vision block). A block in
     training mode that jitters its input (Mixtral's, MiniMax's ``router_jitter_noise > 0``) gives a ``UserWarning``
     naming ``router_jitter_noise``: the ``MoE`` has no input jitter and trains without it (``use_moekit_blocks``
-    runs such a block's own forward there).
+    runs such a block's own forward there). A block whose router reads the input ids (DeepSeek-V4's hash layers) becomes
+    a ``moekit.HashMoE`` holding the router's ``tid2eid`` (checked), called ``moe(x, token_ids=input_ids)``.
     """
     moe = block_moe(block, fuse_shared=fuse_shared, backend=backend, shared_expert=shared_expert,
                     transposed=transposed, output_norm=output_norm)
@@ -133,8 +135,9 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
     dtype = experts.down_proj.dtype if quantized is None else quantized[0].dtype
     views = plan.transposed and transposed == "view" and not (fuse_shared and shared_mlp is not None)
     shares = quantized is not None or views or not (plan.transposed or (fuse_shared and shared_mlp is not None))
-    moe = MoE(config, backend=backend, fuse_shared=fuse_shared, dtype=dtype, device=experts.down_proj.device,
-              num_local_experts=0 if shares else None)  # no rows to allocate where the block's are taken
+    layer_cls = MoE if config.hash_table_size is None else HashMoE  # HashMoE: DeepSeek-V4's hash layers
+    moe = layer_cls(config, backend=backend, fuse_shared=fuse_shared, dtype=dtype, device=experts.down_proj.device,
+                    num_local_experts=0 if shares else None)  # no rows to allocate where the block's are taken
     _copy_router(moe, block, router)
     _copy_experts(moe, experts, plan.transposed and not views, shared_mlp, quantized)
     if views:  # [E, 2N, K] / [E, K, N] strided over the block's [E, K, 2N] / [E, N, K]
@@ -149,16 +152,14 @@ def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, outp
     """The block's config for moe_from_hf, its experts' own width (ERNIE-4.5-VL's vision block), Inkling's learned
     router scale multiplied in; a block whose output norm or router-weighted shared experts the MoE would leave out
     is refused, naming why."""
-    if routes_by_ids(router):  # DeepSeek-V4's hash layers
-        cfg = getattr(block.experts, "config", None)
-        raise ValueError(f"{type(block).__name__}'s {type(router).__name__} routes by input ids: "
-                         f"{hash_refusal(cfg.to_dict() if hasattr(cfg, 'to_dict') else {})}")
     norm = block_output_norm(block)
     if norm is not None and output_norm == "refuse":
         raise ValueError(f"{type(block).__name__} applies {type(norm).__name__} to its output, after the experts and "
                          "the shared expert: moekit's layer ends at the combine (use_moekit_blocks keeps the block's "
                          "norm; moe_from_hf(output_norm='caller') leaves it to you)")
     config = block_config(block)
+    if routes_by_ids(router):  # DeepSeek-V4's hash layers: a HashMoE, the router's table copied (_copy_router)
+        config = config.replace(hash_table_size=_routing_table(router).shape[0], use_correction_bias=False)
     width = getattr(block.experts, "intermediate_dim", None)  # ERNIE-4.5-VL's vision experts: their own width
     if isinstance(width, int) and width != config.moe_intermediate_size:
         config = config.replace(moe_intermediate_size=width)
@@ -233,6 +234,17 @@ def _copy_router(moe: MoE, block: nn.Module, router: nn.Module) -> None:
         bias = next(getattr(h, n) for h in holders for n in ("e_score_correction_bias", "expert_bias")
                     if isinstance(getattr(h, n, None), torch.Tensor))
         moe.e_score_correction_bias = bias.detach().reshape(-1).float()
+    if isinstance(moe, HashMoE):  # the router's table itself, checked (no copy: 6 MiB a layer at V4's vocab)
+        moe.tid2eid = check_table(_routing_table(router), moe.config, name=f"{type(router).__name__}.tid2eid")
+
+
+def _routing_table(router: nn.Module) -> torch.Tensor:
+    """A router of input ids' table [V, k] of expert ids (DeepSeek-V4's ``DeepseekV4HashRouter.tid2eid``)."""
+    table = getattr(router, "tid2eid", None)
+    if not isinstance(table, torch.Tensor):
+        raise ValueError(f"{type(router).__name__} routes by input ids but holds no tid2eid table [vocab, k] (the one "
+                         "moekit.HashMoE reads: DeepSeek-V4's hash router)")
+    return table
 
 
 def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn.Module | None,

@@ -33,7 +33,7 @@ from torch import nn
 
 from moekit._checks import check_bool, check_module
 from moekit.experts import backend_names
-from moekit.hf.blocks import block_config, block_output_norm, block_shared_mlp, moe_blocks, routes_by_ids
+from moekit.hf.blocks import block_config, block_output_norm, block_shared_mlp, moe_blocks
 from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
@@ -305,21 +305,28 @@ class _MoekitBlock(nn.Module):
         expert] [-> its output norm], or (output, router logits) flattened; its own forward where the module doc
         says."""
         swap = self.__dict__[SWAP_ATTR]
-        if kwargs and kwargs.keys() == {"input_ids"} and not _ids_routed(self):
-            kwargs = {}  # DeepSeek-V4's decoder layer passes them to every block; a top-k block reads them not
-        if args or kwargs or not swap.active or router_recorded(self) or swap.own_forward_needed(self):
+        ids = None  # [B, S] a hash block's input ids: its HashMoE routes by them
+        if kwargs and kwargs.keys() == {"input_ids"}:  # DeepSeek-V4's decoder layer passes them to every block
+            ids = kwargs["input_ids"] if getattr(swap.moe, "takes_token_ids", False) else None
+            kwargs = kwargs if ids is not None else {}  # a top-k block reads them not
+        if args or (kwargs and ids is None) or not swap.active or router_recorded(self) or \
+                swap.own_forward_needed(self):
             if swap.freed is None or floats_present(self):
                 return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
             _record_router_or_refuse(self, swap, hidden_states, args, kwargs)
         if swap.plain:  # the MoE's output alone; compiled, the flags below are not read (fewer guards)
             x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
-            out = swap.moe.traced_forward(x2d) if _compiling() else swap.moe.forward(x2d)  # [M, K]
+            if ids is not None:
+                out = _routed_by_ids(swap.moe, x2d, ids)  # [M, K]
+            else:
+                out = swap.moe.traced_forward(x2d) if _compiling() else swap.moe.forward(x2d)  # [M, K]
             return out if x2d is hidden_states else out.view_as(hidden_states)
         hidden = swap.moe.config.hidden_size  # K: a flat x (ERNIE-4.5-VL's modality scatter) is [M*K]
         x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden)
         if swap.flat_with_logits:  # ERNIE-4.5-VL's blocks (no shared expert, no norm of their own)
             return flat_output_and_logits(swap.moe, x2d)
-        out = swap.moe.forward(x2d)  # [M, K]; a 2-D x meets the layer's decode fast path first (no hooks on it)
+        # [M, K]; a 2-D x meets the layer's decode fast path first (no hooks on it)
+        out = swap.moe.forward(x2d) if ids is None else _routed_by_ids(swap.moe, x2d, ids)
         out = out if x2d is hidden_states else out.view_as(hidden_states)  # view_as: 0.7 µs, view(shape) 2.2
         if swap.shared is not None:
             shared = swap.shared(hidden_states)
@@ -377,10 +384,10 @@ def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: t
     router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
 
 
-def _ids_routed(block: nn.Module) -> bool:
-    """The block's router reads the input ids (DeepSeek-V4's hash router); its own forward reads them for it only."""
-    return routes_by_ids(next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None),
-                                                                                         nn.Module)))
+def _routed_by_ids(moe: nn.Module, x2d: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x2d [M, K] through a hash block's ``HashMoE``, routed by the input ids [B, S] (M = B*S) -> [M, K]."""
+    ids = ids.reshape(-1)  # [M]
+    return moe.traced_forward(x2d, ids) if _compiling() else moe.forward(x2d, ids)
 
 
 _CLASSES: dict[type, type] = {}  # a block class -> its swapped subclass, made once

@@ -10,7 +10,8 @@ experts, Llama-4's input-weighted experts). ``route_fused`` / ``FusedRouter`` (`
 the shared slots) in one Triton kernel, the router options of ``router_math.py`` too (``fused.computes``; "auto"
 takes it on CUDA where ``fused.supports``); ``route`` stays the torch twin the kernel is tested against. For up to 256
 tokens ``gate_route.py`` runs the gate GEMM (``gate.py``; tensor cores above 8, ``gate_mma.py``) and that kernel
-in one launch.
+in one launch. ``hash_route`` (``hash_route.py``) routes by a token-id table instead (DeepSeek-V4's hash layers,
+``moekit.HashMoE``), in torch on every device.
 """
 
 from moekit.routing.capacity import CapacityResult, DropPolicy, apply_capacity, expert_capacity

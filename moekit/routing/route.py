@@ -22,7 +22,8 @@ from moekit.config import MoEConfig
 class Routing:
     """Which experts each token is sent to, and the weight its output is scaled by."""
 
-    # [M, k(+S)] int32; expert of each slot, in descending score order; shared slots last; -1 = skipped
+    # [M, k(+S)] int32; expert of each slot, in descending score order (hash_route: the table's); shared slots last;
+    # -1 = skipped
     topk_ids: torch.Tensor
     # [M, k(+S)] float32 (float64 from float64 logits); weight of each slot; 0 where the id is -1
     topk_weights: torch.Tensor

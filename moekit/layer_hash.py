@@ -1,0 +1,101 @@
+"""``HashMoE``: an ``MoE`` whose experts a token-id table chooses (DeepSeek-V4's hash layers); forward takes the ids.
+
+    [Gate] -> [Route: tid2eid[token_ids], weighted by the scores] -> [Capacity, opt-in] -> [Group] -> [Experts]
+    -> [Combine] (+ shared)
+
+Everything after the routing is ``MoE``'s. The routing is ``moekit.routing.hash_route`` in torch (no fused router:
+there is no top-k to fuse), so the eager caches of ``MoE.forward`` (the decode fast path, the route workspace, CUDA
+graphs) stand aside: each call gates, routes and runs the experts.
+
+Shapes: M tokens (leading dims flattened), K hidden, E routed experts, k = top_k, V table rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit._checks import input_error
+from moekit.config import MoEConfig
+from moekit.layer import MoE
+from moekit.routing import append_shared_slots, apply_capacity
+from moekit.routing.hash_route import check_table, default_table, hash_route
+from moekit.routing.routed import MoEOutput, RoutedTokens, stats_on_host
+
+
+class HashMoE(MoE):
+    """``MoE`` routed by ``tid2eid`` [V, k] int64 (a buffer: saved, loaded, moved with the layer): token t runs experts
+    ``tid2eid[token_ids[t]]``, weighted by its scores there (``hash_route``). ``config.hash_table_size`` = V.
+
+    ``moe(x, token_ids=ids)``: ids of x's shape without K (a model's input ids). A fresh layer's table spreads the ids
+    over the experts (``default_table``); ``load_table_`` copies a model's, checked. ``router`` and
+    ``eager_graph_rows`` are ``MoE``'s options that do not apply: refused but for their defaults."""
+
+    takes_token_ids = True  # read by check_layer_args: a config with hash_table_size builds this class only
+
+    def __init__(self, config: MoEConfig, *, router: str = "torch", **options) -> None:
+        if router not in ("auto", "torch"):
+            raise ValueError(f"router must be 'auto' or 'torch' for a HashMoE (its routing is a table lookup in "
+                             f"torch; the fused router chooses top-k), got {router!r}")
+        if options.get("eager_graph_rows") is not None:
+            raise ValueError("eager_graph_rows: a HashMoE runs eagerly (its forward takes the token ids)")
+        super().__init__(config, router="torch", **options)
+        self.register_buffer("tid2eid", default_table(config, self.w13.device))  # [V, k] int64
+
+    def load_table_(self, table: torch.Tensor) -> HashMoE:
+        """Copy ``table`` [V, k] (checked: shape, integer dtype, experts in [0, E)) into ``tid2eid``."""
+        with torch.no_grad():
+            self.tid2eid.copy_(check_table(table, self.config))
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        table = state_dict.get(prefix + "tid2eid")
+        if table is not None:  # a table entry outside [0, E) is refused at load, never met in a forward
+            check_table(table, self.config, name=prefix + "tid2eid")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def route_tokens(self, x2d: torch.Tensor, workspace=None, token_ids: torch.Tensor | None = None) -> RoutedTokens:
+        """Gate x2d [M, K], route by ``token_ids`` [M], drop over capacity (opt-in), append the fused shared slots.
+        ``workspace`` is ``MoE.route_tokens``' and unused (no kept buffers)."""
+        c = self.config
+        if not isinstance(x2d, torch.Tensor) or not x2d.is_floating_point() or x2d.shape[1:] != (c.hidden_size,):
+            raise input_error("x2d", x2d, c.hidden_size, rows=True)
+        if token_ids is None:
+            raise TypeError("token_ids is required: a HashMoE (config.hash_table_size) chooses each token's experts "
+                            "by its id, tid2eid[token_ids]; call moe(x, token_ids=input_ids)")
+        logits = self._router_logits(x2d)  # [M, E]
+        routing = hash_route(logits, token_ids, self._buffers["tid2eid"], c)  # [M, k]
+        ids, dropped = routing.topk_ids, None
+        if self.capacity_factor is not None:
+            capped = apply_capacity(routing, c.num_experts, self.capacity_factor, self.drop_policy)
+            routing, dropped = capped.routing, capped.dropped
+        if self.fuse_shared:
+            gate_logits = self.shared_gate(x2d) if self.shared_gate is not None else None  # [M, 1]
+            routing = append_shared_slots(routing, c, gate_logits)
+        return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, router_ids=ids,
+                            top_k=c.top_k)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None, return_stats: bool = False,
+                return_aux_loss: bool = False) -> torch.Tensor | MoEOutput:
+        """x [..., K], token_ids [...] (x's shape without K) -> [..., K]; ``return_stats`` / ``return_aux_loss`` as
+        ``MoE.forward``'s. ``torch.compile`` traces it whole (the id range check is a device-side assert there)."""
+        if return_aux_loss and return_stats:
+            raise ValueError("pass return_stats=True or return_aux_loss=True, not both (as MoE.forward)")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or \
+                x.shape[-1] != self.config.hidden_size:
+            raise input_error("x", x, self.config.hidden_size)
+        if isinstance(token_ids, torch.Tensor) and token_ids.shape != x.shape[:-1]:
+            raise ValueError(f"token_ids must have x's shape without its last dim, {tuple(x.shape[:-1])}, got "
+                             f"{tuple(token_ids.shape)}")
+        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
+        ids = token_ids.reshape(-1) if isinstance(token_ids, torch.Tensor) else token_ids  # [M]
+        routed = self.route_tokens(x2d, token_ids=ids)
+        out = self._experts_and_shared(x2d, routed).reshape(x.shape)  # [..., K]
+        if not (return_stats or return_aux_loss):
+            return out
+        seq_len = x.shape[-2] if x.dim() >= 3 else x2d.shape[0]
+        return MoEOutput(out=out, stats=stats_on_host(self, routed) if return_stats else None,
+                         router_logits=routed.router_logits, aux_loss=self._aux_loss(routed, seq_len))
+
+    def traced_forward(self, x2d: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x2d [M, K], token_ids [M] -> [M, K]: ``forward`` as a compiled caller traces it (``MoE.traced_forward``)."""
+        return self._experts_and_shared(x2d, self.route_tokens(x2d, token_ids=token_ids))
