@@ -70,9 +70,10 @@ def _type_checking(core, sem, original):
         ret = promoted.get(key)
         if ret is None:
             ret = promoted[key] = sem.computation_type_impl(lhs_ty, lhs_num, rhs_ty, rhs_num, div_or_mod)
-        if lhs_num or lhs_ty != ret:
+        # dtype's != is a Python call (not ==): `is` first, then ==
+        if lhs_num or (lhs_ty is not ret and not lhs_ty == ret):
             lhs = sem._cast_to_computation_type(lhs, ret)
-        if rhs_num or rhs_ty != ret:
+        if rhs_num or (rhs_ty is not ret and not rhs_ty == ret):
             rhs = sem._cast_to_computation_type(rhs, ret)
         return sem.broadcast_impl_value(lhs, rhs)
 
