@@ -18,7 +18,8 @@ each ``TensorHandle`` checks its array's item size against its dtype through a m
   already of the computation type is kept (the original's ``cast`` returns it as it is); the rest go through the
   original's own ``cast`` / ``_cast_to_computation_type`` and ``broadcast_impl_value``. Anything else: the original.
 - ``_patch_attr``: the wrapper it installs for each builtin drops a caller's ``_semantic`` from its kwargs dict (a
-  fresh one per call) in place, not through a copy; same arguments, same order.
+  fresh one per call) in place, not through a copy; same arguments, same order. It calls the builtin's function
+  itself, not ``core.builtin``'s wrapper around it, whose one check (``_semantic`` given, not None) it always meets.
 - ``TensorHandle.__post_init__``: the original's size rule (array item bits <= max(dtype bits, 8); pointers pass)
   inline, with the original called for the error (Triton 3.6 and 3.9, one source).
 
@@ -39,6 +40,7 @@ _CHECKED = {
     "check_ptr_type_impl": {"af5586d3a7ad7e64"},
     "cast": {"39a306eeea4aebe8"},
     "_patch_attr": {"c94834c6df3f4fea"},
+    "builtin": {"46c4b3e0619aed6f"},
     "TensorHandle.__post_init__": {"b74d04971cf266fd"},
     "_validate_np_data_size": {"7efb15190b1a94e7"},
 }
@@ -80,8 +82,14 @@ def _type_checking(core, sem, original):
     return checking
 
 
-def _patch_attr(interpreter):
+def _patch_attr(core, interpreter):
+    # the code of core.builtin's wrapper: it only raises where _semantic is missing or None, and ours never is
+    wrapper_code = core.builtin(lambda _semantic=None: None).__code__
+
     def patch_attr(obj, name, member, builder, scope):
+        if getattr(member, "__code__", None) is wrapper_code and callable(getattr(member, "__wrapped__", None)):
+            member = member.__wrapped__
+
         def new_member(*args, member=member, **kwargs):
             kwargs.pop("_semantic", None)
             kwargs["_semantic"] = interpreter.interpreter_semantic
@@ -124,8 +132,9 @@ def install() -> bool:
         handle.__post_init__._moekit_binops = True
         patched = True
     original = getattr(interpreter, "_patch_attr", None)
-    if original is not None and _checked("_patch_attr", original) and hasattr(interpreter, "interpreter_semantic"):
-        interpreter._patch_attr = _patch_attr(interpreter)
+    if (original is not None and _checked("_patch_attr", original) and _checked("builtin", core.builtin)
+            and hasattr(interpreter, "interpreter_semantic")):
+        interpreter._patch_attr = _patch_attr(core, interpreter)
         patched = True
     ours = getattr(interpreter, "interpreter_semantic", None)
     cls = getattr(semantic, "TritonSemantic", None)
