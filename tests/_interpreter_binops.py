@@ -29,8 +29,7 @@ Results are bit-identical: every launch's tensors hashed with and without it (``
 
 from __future__ import annotations
 
-import hashlib
-import inspect
+from _interpreter_ops import source_hash_in
 
 # The originals each replacement was checked against: the first 16 hex digits of the sha1 of their source.
 # binary_op_type_checking_impl's shortcut rests on the other three semantic methods too.
@@ -48,11 +47,7 @@ _CHECKED = {
 
 def _checked(name: str, fn) -> bool:
     """``fn`` is the original of ``name`` this module was checked against."""
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return False
-    return hashlib.sha1(source.encode()).hexdigest()[:16] in _CHECKED[name]
+    return source_hash_in(fn, _CHECKED[name])
 
 
 def _type_checking(core, sem, original):

@@ -55,13 +55,18 @@ _CHECKED = {
 }
 
 
-def _checked(name: str, fn) -> bool:
-    """``fn`` is the original of ``name`` this module was checked against."""
+def source_hash_in(fn, hashes: set[str]) -> bool:
+    """The first 16 hex digits of the sha1 of ``fn``'s source are one of ``hashes`` (False without a source)."""
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         return False
-    return hashlib.sha1(source.encode()).hexdigest()[:16] in _CHECKED[name]
+    return hashlib.sha1(source.encode()).hexdigest()[:16] in hashes
+
+
+def _checked(name: str, fn) -> bool:
+    """``fn`` is the original of ``name`` this module was checked against."""
+    return source_hash_in(fn, _CHECKED[name])
 
 
 @dataclass(frozen=True)
