@@ -266,7 +266,8 @@ def install() -> bool:
                                                                            cls.broadcast_impl_value):
         builder = getattr(interpreter, "InterpreterBuilder", None)
         builder_checked = builder is not None and type(ours.builder) is builder and all(
-            _checked(name, getattr(builder, name, None)) for name in ("create_splat", "get_block_ty", "create_broadcast"))
+            _checked(name, getattr(builder, name, None))
+            for name in ("create_splat", "get_block_ty", "create_broadcast"))
         ours.broadcast_impl_value = _broadcast(core, ours, ours.broadcast_impl_value, builder_checked)
         patched = True
     return patched
