@@ -24,7 +24,7 @@ each ``TensorHandle`` checks its array's item size against its dtype through a m
   inline, with the original called for the error (Triton 3.6 and 3.9, one source).
 
 Results are bit-identical: every launch's tensors hashed with and without it (``benchmarks/triton-notes.md``,
-"CI, session 47: ... round two").
+"CI, session 47: the interpreter's next per-op costs").
 """
 
 from __future__ import annotations
