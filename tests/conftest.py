@@ -6,7 +6,8 @@ every test sees one consistent triton. ``backend="auto"`` never picks triton on 
 that ask for it by name run the interpreter; ``_interpreter_compat`` mends Triton 3.6's interpreter under
 NumPy >= 2.4, and ``_interpreter_speed`` removes the interpreter's repeated re-patching of
 ``triton.language`` on every helper call inside a kernel and ``_interpreter_ops`` its rebuilding of the same types
-(and its overflow checks that nothing reads) on every op. ``_fusion_guard`` notes every moekit kernel launch under the
+(and its overflow checks that nothing reads) on every op, ``_interpreter_binops`` its re-typing of binary operands
+whose computation type is already known. ``_fusion_guard`` notes every moekit kernel launch under the
 interpreter, and ``fp_fusion_asked`` fails a test during which moekit launched a kernel without FP fusion asked for.
 
 Under pytest-xdist (``-n 2``: CI's two cores, each worker's torch with two OpenMP threads) an idle OpenMP thread
@@ -26,6 +27,7 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import _interpreter_binops
     import _interpreter_compat
     import _interpreter_ops
     import _interpreter_speed
@@ -33,6 +35,7 @@ if not torch.cuda.is_available():
     _interpreter_compat.install()
     _interpreter_speed.install()
     _interpreter_ops.install()
+    _interpreter_binops.install()
 
 import _fusion_guard  # noqa: E402
 
