@@ -145,6 +145,11 @@ def spec_fields(activation: str | ActivationSpec) -> tuple[str, bool, bool, floa
     return spec.name, spec.gated, spec.interleaved, float(spec.alpha), limit, float(spec.up_shift)
 
 
+def clamps_after_act(activation: str | ActivationSpec) -> bool:
+    """Whether ``activation`` clamps after the activation (``limit_after_act``); a name never does (one class test)."""
+    return activation.__class__ is not str and as_spec(activation).limit_after_act
+
+
 def check_clamp_before_act(spec: ActivationSpec, what: str) -> None:
     """A ValueError naming ``activation.limit_after_act`` where ``what`` (a path clamping before the activation
     only) is asked to run a spec that clamps after it."""
@@ -205,10 +210,9 @@ def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor
         gate, up = h.chunk(2, dim=-1)  # [.., N] each
     if spec.limit_after_act:  # min(act(gate), limit) * up.clamp(-limit, limit)
         act, up = _act(gate, spec).clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-    elif spec.limit is not None:
-        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-        act = _act(gate, spec)
     else:
+        if spec.limit is not None:
+            gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
         act = _act(gate, spec)
     return act * (up + spec.up_shift) if spec.up_shift != 0.0 else act * up
 

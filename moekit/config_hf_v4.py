@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from moekit.activations import ActivationSpec, activation_from_hf
 
-SCORING_FUNCS = {"sqrtsoftplus": "sqrtsoftplus", "sigmoid": "sigmoid", "softmax": "softmax"}  # scoring_func -> moekit
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # the config's scoring_func: moekit's scoring of one name
 
 
 def hash_layers(d: dict) -> list[int]:
@@ -47,7 +47,7 @@ def read_deepseek_v4(d: dict) -> dict:
     width = d["moe_intermediate_size"]
     return dict(
         hidden_size=d["hidden_size"], moe_intermediate_size=width, num_experts=d["n_routed_experts"],
-        top_k=d["num_experts_per_tok"], scoring=SCORING_FUNCS[scoring], renormalize=True,
+        top_k=d["num_experts_per_tok"], scoring=scoring, renormalize=True,
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0), use_correction_bias=True,
         shared_expert_intermediate_size=width,
         activation=name if not limit else ActivationSpec(name=name, limit=float(limit)),

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from moekit.activations import ActivationSpec, as_spec, check_clamp_before_act
+from moekit.activations import ActivationSpec, as_spec, check_clamp_before_act, clamps_after_act
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -87,7 +87,7 @@ def resolve_backend(backend: str, device: torch.device | str, activation: str | 
     """The concrete backend name for ``backend`` ("auto" or a name) on ``device`` for experts computing
     ``activation``: "auto" passes over the fused kernels for a spec that clamps after the activation."""
     if backend == "auto":
-        after = activation.__class__ is not str and as_spec(activation).limit_after_act
+        after = clamps_after_act(activation)
         return next(name for name in available_backends(device) if not (after and name in _CLAMP_BEFORE_ACT_ONLY))
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {backend!r}")
@@ -104,8 +104,8 @@ def backend_fn(name: str, device: torch.device | str, activation: str | Activati
     (``resolve_backend``), resolved on the first call per (name, device type, clamp after the activation) and
     cached. A cached call imports nothing, so it traces under ``torch.compile(fullgraph=True)``; resolve once
     outside the trace (as ``MoE`` does on construction)."""
-    after = activation.__class__ is not str and as_spec(activation).limit_after_act
-    key = (name, device.type if isinstance(device, torch.device) else torch.device(device).type, after)
+    key = (name, device.type if isinstance(device, torch.device) else torch.device(device).type,
+           clamps_after_act(activation))
     fn = _RESOLVED.get(key)
     if fn is None:
         fn = _RESOLVED[key] = get_backend(resolve_backend(name, device, activation))

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation, spec_fields
+from moekit.activations import ActivationSpec, apply_glu, as_spec, clamps_after_act, get_activation, spec_fields
 from moekit.experts.cpu_op import cpu_experts_op
 from moekit.func_ops import transforming
 from moekit.experts.cpu_packed import (
@@ -274,8 +274,8 @@ def experts_grouped_mm(
 def _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm, activation) -> bool:
     """Whether a call runs as ``moekit::cpu_experts`` (``cpu_op``): traced by torch.compile, on the CPU, a
     ``cpu_gemm`` of the eager loops, no gradient needed (the op has none; the traced path does), no limit_after_act."""
-    after = activation.__class__ is not str and as_spec(activation).limit_after_act  # no field of the op's schema
-    if after or not torch.compiler.is_compiling() or x.device.type != "cpu" or cpu_gemm == "grouped_mm":
+    if clamps_after_act(activation) or not torch.compiler.is_compiling() or x.device.type != "cpu" \
+            or cpu_gemm == "grouped_mm":  # limit_after_act: no field of the op's schema
         return False
     if not torch.is_grad_enabled():
         return True
