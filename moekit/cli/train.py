@@ -49,7 +49,8 @@ def register(subparsers) -> None:
                    "with one GPU each), each taking batch-size / N sequences; the curves are the whole batch's")
     p.add_argument("--spare-slots", type=int, default=d.spare_slots,
                    help="with --ep: redundant expert slots per MoE layer that EPLB fills with replicas of hot experts "
-                   "(experts + spare slots a multiple of --ep; needs --rebalance-every)")
+                   "(at most experts x (ep - 1); ranks hold (experts + spare slots) / ep slots or one more; needs "
+                   "--rebalance-every)")
     p.add_argument("--rebalance-every", type=int, default=d.rebalance_every,
                    help="with --ep: rebalance every MoE layer's experts with EPLB every N steps (the optimizer's state "
                    "moves with them); 0: the placement stays")
