@@ -10,7 +10,8 @@ identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkli
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
 from moekit.config_hf_v4 import read_deepseek_v4
@@ -33,10 +34,27 @@ class MissingConfigField(KeyError):
 
 
 class Fields(dict):
-    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError."""
+    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError. A reader that
+    counts the MoE layers by a rule of some fields (``_count_layers``) leaves it in ``moe_layer_rule``, so that
+    ``from_hf_config(cfg, layer=i)`` refuses a dense layer i by the same rule."""
+
+    moe_layer_rule: "MoELayerRule | None" = None
 
     def __missing__(self, name: str) -> Any:
         raise MissingConfigField((name,), self.get("model_type"))
+
+
+@dataclass(frozen=True)
+class MoELayerRule:
+    """Which decoder layers hold a MoE block, by a family's fields."""
+
+    is_moe: Callable[[int], bool]  # is_moe(i): decoder layer i holds a MoE block
+    fields: str  # the fields the rule reads, for the refusal ("first_k_dense_replace, moe_layer_freq")
+
+    def check(self, layer: int) -> None:
+        """A ValueError naming ``layer`` where that decoder layer is a dense one."""
+        if not self.is_moe(layer):
+            raise ValueError(f"layer {layer} is a dense MLP layer (cfg.{self.fields}), not a MoE layer")
 
 
 def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
@@ -50,12 +68,15 @@ def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
     return default
 
 
-def _count_layers(d: dict, is_moe) -> int | None:
+def _count_layers(d: dict, is_moe, fields: str = "") -> int | None:
     """The MoE layers among the model's ``num_hidden_layers``; None when the config does not say. A config with
-    ``mlp_layer_types`` (one "dense" / "sparse" a layer) says it directly."""
+    ``mlp_layer_types`` (one "dense" / "sparse" a layer) says it directly. ``fields``: those ``is_moe`` reads, where
+    it can say a layer is dense (recorded on ``d``: ``Fields.moe_layer_rule``)."""
     types = d.get("mlp_layer_types")
     if isinstance(types, (list, tuple)):
         return sum(1 for t in types if t == "sparse")
+    if fields and isinstance(d, Fields):
+        d.moe_layer_rule = MoELayerRule(is_moe, fields)
     layers = d.get("num_hidden_layers")
     return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
 
@@ -81,7 +102,7 @@ def _read_mixtral(d: dict) -> dict:
 
 def _qwen_moe_layers(d: dict) -> int:
     step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
-    return _count_layers(d, lambda i: i not in dense and (i + 1) % step == 0)
+    return _count_layers(d, lambda i: i not in dense and (i + 1) % step == 0, "mlp_only_layers, decoder_sparse_step")
 
 
 def _read_qwen3_moe(d: dict) -> dict:
@@ -140,7 +161,8 @@ def _read_deepseek(d: dict) -> dict:
         topk_group=_get(d, "topk_group", default=1) if grouped else 1,
         use_correction_bias=method == "noaux_tc",
         shared_expert_intermediate_size=_get(d, "n_shared_experts", "num_shared_experts", default=0) * shared_width,
-        num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0),
+        num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0,
+                                     "first_k_dense_replace, moe_layer_freq"),
     )
 
 
@@ -254,7 +276,8 @@ def _read_sigmoid_topk(d: dict) -> dict:
         shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", default=0) if shared is None
         else shared,
         router_logit_softcap=float(_get(d, "moe_router_logit_softcapping", default=0.0)),
-        num_moe_layers=_qwen_moe_layers(d) if kind == "flint" else _count_layers(d, lambda i: i >= first_dense),
+        num_moe_layers=_qwen_moe_layers(d) if kind == "flint"
+        else _count_layers(d, lambda i: i >= first_dense, "num_dense_layers"),
     )
 
 
@@ -324,6 +347,8 @@ def _read_llama4(d: dict) -> dict:
     its output: ``expert_weight_on="input"``), no renormalisation, a shared expert of the experts' width always
     added; the MoE layers are the config's moe_layers."""
     layers = d.get("moe_layers")
+    if isinstance(layers, (list, tuple)) and isinstance(d, Fields):
+        d.moe_layer_rule = MoELayerRule(set(layers).__contains__, "moe_layers")
     return dict(_read_mixtral(d), scoring="sigmoid", renormalize=False, expert_weight_on="input",
                 shared_expert_intermediate_size=d["intermediate_size"],
                 num_moe_layers=len(layers) if isinstance(layers, (list, tuple)) else d.get("num_hidden_layers"))
