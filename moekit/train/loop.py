@@ -71,9 +71,13 @@ class TrainSettings:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
-        if self.batch_size % self.ep or self.num_experts < self.ep:
-            raise ValueError(f"ep={self.ep} processes each take batch_size / ep sequences and hold experts: batch_size "
-                             f"({self.batch_size}) must be a multiple of it and num_experts ({self.num_experts}) >= it")
+        if self.batch_size % self.ep:
+            nearest = self.ep * -(-self.batch_size // self.ep)  # the next multiple up
+            raise ValueError(f"ep={self.ep} processes each take batch_size / ep sequences: batch_size "
+                             f"({self.batch_size}) must be a multiple of it (e.g. {nearest})")
+        if self.num_experts < self.ep:
+            raise ValueError(f"ep={self.ep} processes each hold at least one expert: num_experts ({self.num_experts}) "
+                             f"must be >= it")
         _check_balancer(self)
         if self.capacity_factor is not None and not 0 < self.capacity_factor < float("inf"):
             raise ValueError(f"capacity_factor must be a positive number or None, got {self.capacity_factor!r}")
