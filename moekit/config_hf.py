@@ -10,10 +10,10 @@ identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
+from moekit.config_hf_clamps import MoELayerRule, count_moe_layers
 from moekit.config_hf_v4 import read_deepseek_v4
 
 
@@ -34,27 +34,13 @@ class MissingConfigField(KeyError):
 
 
 class Fields(dict):
-    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError. A reader that
-    counts the MoE layers by a rule of some fields (``_count_layers``) leaves it in ``moe_layer_rule``, so that
-    ``from_hf_config(cfg, layer=i)`` refuses a dense layer i by the same rule."""
+    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError; a reader that
+    counts the MoE layers by a rule of its fields leaves it here (``count_moe_layers``), for ``layer=``'s check."""
 
-    moe_layer_rule: "MoELayerRule | None" = None
+    moe_layer_rule: MoELayerRule | None = None
 
     def __missing__(self, name: str) -> Any:
         raise MissingConfigField((name,), self.get("model_type"))
-
-
-@dataclass(frozen=True)
-class MoELayerRule:
-    """Which decoder layers hold a MoE block, by a family's fields."""
-
-    is_moe: Callable[[int], bool]  # is_moe(i): decoder layer i holds a MoE block
-    fields: str  # the fields the rule reads, for the refusal ("first_k_dense_replace, moe_layer_freq")
-
-    def check(self, layer: int) -> None:
-        """A ValueError naming ``layer`` where that decoder layer is a dense one."""
-        if not self.is_moe(layer):
-            raise ValueError(f"layer {layer} is a dense MLP layer (cfg.{self.fields}), not a MoE layer")
 
 
 def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
@@ -66,19 +52,6 @@ def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
     if default is KeyError:
         raise MissingConfigField(names, d.get("model_type"))
     return default
-
-
-def _count_layers(d: dict, is_moe, fields: str = "") -> int | None:
-    """The MoE layers among the model's ``num_hidden_layers``; None when the config does not say. A config with
-    ``mlp_layer_types`` (one "dense" / "sparse" a layer) says it directly. ``fields``: those ``is_moe`` reads, where
-    it can say a layer is dense (recorded on ``d``: ``Fields.moe_layer_rule``)."""
-    types = d.get("mlp_layer_types")
-    if isinstance(types, (list, tuple)):
-        return sum(1 for t in types if t == "sparse")
-    if fields and isinstance(d, Fields):
-        d.moe_layer_rule = MoELayerRule(is_moe, fields)
-    layers = d.get("num_hidden_layers")
-    return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
 
 
 def _oss_spec(d: dict, interleaved: bool) -> ActivationSpec:
@@ -102,7 +75,8 @@ def _read_mixtral(d: dict) -> dict:
 
 def _qwen_moe_layers(d: dict) -> int:
     step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
-    return _count_layers(d, lambda i: i not in dense and (i + 1) % step == 0, "mlp_only_layers, decoder_sparse_step")
+    return count_moe_layers(d, lambda i: i not in dense and (i + 1) % step == 0,
+                            "mlp_only_layers, decoder_sparse_step")
 
 
 def _read_qwen3_moe(d: dict) -> dict:
@@ -161,7 +135,7 @@ def _read_deepseek(d: dict) -> dict:
         topk_group=_get(d, "topk_group", default=1) if grouped else 1,
         use_correction_bias=method == "noaux_tc",
         shared_expert_intermediate_size=_get(d, "n_shared_experts", "num_shared_experts", default=0) * shared_width,
-        num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0,
+        num_moe_layers=count_moe_layers(d, lambda i: i >= first_dense and i % freq == 0,
                                      "first_k_dense_replace, moe_layer_freq"),
     )
 
@@ -249,7 +223,7 @@ def _read_minimax_m2(d: dict) -> dict:
         return fields
     return dict(fields, routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
                 shared_expert_intermediate_size=_get(d, "shared_intermediate_size", default=0),
-                activation=_oss_spec(d, interleaved=False), num_moe_layers=_count_layers(d, lambda i: True))
+                activation=_oss_spec(d, interleaved=False), num_moe_layers=count_moe_layers(d, lambda i: True))
 
 
 def _read_sigmoid_topk(d: dict) -> dict:
@@ -277,7 +251,7 @@ def _read_sigmoid_topk(d: dict) -> dict:
         else shared,
         router_logit_softcap=float(_get(d, "moe_router_logit_softcapping", default=0.0)),
         num_moe_layers=_qwen_moe_layers(d) if kind == "flint"
-        else _count_layers(d, lambda i: i >= first_dense, "num_dense_layers"),
+        else count_moe_layers(d, lambda i: i >= first_dense, "num_dense_layers"),
     )
 
 
@@ -293,7 +267,7 @@ def _read_softmax_shared(d: dict) -> dict:
     fields = dict(hidden_size=d["hidden_size"], moe_intermediate_size=width,
                   num_experts=_get(d, "moe_num_experts", "num_experts"),
                   top_k=_get(d, "moe_topk", "num_experts_per_tok"), scoring="softmax", renormalize=True,
-                  shared_expert_intermediate_size=width * shared, num_moe_layers=_count_layers(d, lambda i: True))
+                  shared_expert_intermediate_size=width * shared, num_moe_layers=count_moe_layers(d, lambda i: True))
     if kind != "cohere2_moe":
         return fields
     strategy = _get(d, "shared_expert_combination_strategy", default="sum")
@@ -322,7 +296,7 @@ def _read_ernie_vl(d: dict) -> dict:
     its experts); its shared experts (text width) sit on the modality block, outside the sparse blocks."""
     widths = d["moe_intermediate_size"]
     text = Fields(d, moe_intermediate_size=widths[0] if isinstance(widths, (list, tuple)) else widths)
-    return dict(_read_ernie(text), router_dtype="float32", num_moe_layers=_count_layers(d, lambda i: True))
+    return dict(_read_ernie(text), router_dtype="float32", num_moe_layers=count_moe_layers(d, lambda i: True))
 
 
 def _read_kimi_linear(d: dict) -> dict:
@@ -339,7 +313,7 @@ def _read_kimi_linear(d: dict) -> dict:
         use_correction_bias=True, shared_expert_intermediate_size=_get(d, "num_shared_experts", "n_shared_experts",
                                                                         default=0) * n_dim,
     )
-    return fields if d.get("mlp_layer_types") is None else dict(fields, num_moe_layers=_count_layers(d, None))
+    return fields if d.get("mlp_layer_types") is None else dict(fields, num_moe_layers=count_moe_layers(d, None))
 
 
 def _read_llama4(d: dict) -> dict:
@@ -390,7 +364,7 @@ def _read_inkling(d: dict) -> dict:
                 renormalize=True, use_correction_bias=True,
                 routed_scaling_factor=float(_get(d, "route_scale", default=1.0)),
                 shared_expert_intermediate_size=shared * d["moe_intermediate_size"], shared_expert_combine="router",
-                router_dtype="float32", num_moe_layers=_count_layers(d, lambda i: True))
+                router_dtype="float32", num_moe_layers=count_moe_layers(d, lambda i: True))
 
 
 HF_READERS = {
