@@ -316,7 +316,7 @@ class MoEConfig:
         ``layer`` where they differ; ``"typical"`` reads the clamps most MoE layers share (the whole-model
         tools'). Any other family has one MoE layer config: ``layer`` is only checked (an index
         of a MoE layer: a dense one is refused by the family's own rule, ``mlp_layer_types``,
-        ``first_k_dense_replace`` / ``moe_layer_freq``, ``mlp_only_layers`` / ``decoder_sparse_step``,
+        ``first_k_dense_replace``, ``mlp_only_layers`` / ``decoder_sparse_step``,
         ``num_dense_layers`` or Llama-4's ``moe_layers``: ``Fields.moe_layer_rule``).
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;

@@ -120,7 +120,9 @@ def _read_deepseek(d: dict) -> dict:
     v3 = d["model_type"] in _V3_ROUTER
     method = _get(d, "topk_method", default="noaux_tc" if v3 else "greedy")
     grouped = method in ("group_limited_greedy", "noaux_tc")
-    first_dense, freq = _get(d, "first_k_dense_replace", default=0), _get(d, "moe_layer_freq", default=1)
+    # transformers' DeepSeek-V2/V3 (and GLM-4.5's) decoder layer: a MoE block where layer_idx >= first_k_dense_replace;
+    # moe_layer_freq (DeepSeek's remote code) is not read there (A.X-K1/K2 turn it into mlp_layer_types)
+    first_dense = _get(d, "first_k_dense_replace", default=0)
     scoring = _get(d, "scoring_func", default="sigmoid" if v3 else "softmax")
     shared_width = _get(d, "shared_experts_intermediate_size", default=d["moe_intermediate_size"])
     return dict(
@@ -135,8 +137,7 @@ def _read_deepseek(d: dict) -> dict:
         topk_group=_get(d, "topk_group", default=1) if grouped else 1,
         use_correction_bias=method == "noaux_tc",
         shared_expert_intermediate_size=_get(d, "n_shared_experts", "num_shared_experts", default=0) * shared_width,
-        num_moe_layers=count_moe_layers(d, lambda i: i >= first_dense and i % freq == 0,
-                                     "first_k_dense_replace, moe_layer_freq"),
+        num_moe_layers=count_moe_layers(d, lambda i: i >= first_dense, "first_k_dense_replace"),
     )
 
 

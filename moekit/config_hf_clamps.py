@@ -76,7 +76,7 @@ class MoELayerRule:
     """Which decoder layers hold a MoE block, by a family's fields (its reader's rule: ``count_moe_layers``)."""
 
     is_moe: Callable[[int], bool]  # is_moe(i): decoder layer i holds a MoE block
-    fields: str  # the fields the rule reads, for the refusal ("first_k_dense_replace, moe_layer_freq")
+    fields: str  # the fields the rule reads, for the refusal ("mlp_only_layers, decoder_sparse_step")
 
     def check(self, layer: int) -> None:
         """A ValueError naming ``layer`` where that decoder layer is a dense one."""
