@@ -105,6 +105,8 @@ def _rank(rank: int, world_size: int, want: list[dict]) -> dict:
         sync_grads(model, agree="no")
     with pytest.raises(TypeError, match="dp_group must be a torch.distributed ProcessGroup"):
         model.ep.sync_grads(False)  # agree passed as the first positional: dp_group
+    with pytest.raises(TypeError, match="dp_group must be a torch.distributed ProcessGroup"):
+        model.ep.dp_group = [0, 2]  # the ranks, not their group: refused when set, not at the next forward
     return {"errors": errors, "tolist": len(reduces), "ep_only_aux": rel_l2(ep_only, want[0]["aux"])}
 
 
