@@ -1,8 +1,8 @@
 """What a device check keeps besides its timings: the PASS / FAIL lines and the failed list, a log stamped with the
 run's seconds, the table printed last, a watchdog that prints the table so far and ends the run when nothing was
 logged for a while (a hung kernel), the JSON header (device, torch, triton), the ceilings in this run, a
-case-by-case run's command line and loop, the phases of a run against its deadline, host / wall µs of eager calls,
-a transformers ``generate``. Timing: ``bench_rounds``.
+case-by-case run's command line and loop, a check's common options (``check_parser``), the phases of a run against
+its deadline, host / wall µs of eager calls, a transformers ``generate``. Timing: ``bench_rounds``.
 
     RUN = RunLog("whole calls, graph replay, median of the rounds", stall_s=30.0)
     threading.Thread(target=RUN.watchdog, daemon=True).start()
@@ -174,6 +174,16 @@ def run_generate(model, prompt, tokens: int, config=None, processor=None, logits
         kwargs["logits_processor"] = LogitsProcessorList([processor])
     with torch.no_grad():
         return model.generate(prompt, **kwargs)
+
+
+def check_parser(deadline: float) -> argparse.ArgumentParser:
+    """A device check's common options, the script adding its own: ``--out DIR`` (its JSON's folder; "" none),
+    ``--deadline S`` (seconds: the check stops timing by then), ``--smoke`` (CPU, interpreted, tiny shapes)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="")
+    p.add_argument("--deadline", type=float, default=deadline)
+    p.add_argument("--smoke", action="store_true")
+    return p
 
 
 def case_args(doc: str, deadline: float, cases, namespace=None) -> argparse.Namespace:

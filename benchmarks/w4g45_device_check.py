@@ -30,7 +30,6 @@ until the last call returned, before the synchronize). ``--ms``: the token count
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import graph_of, medians, settled, shuffled, wins  # noqa: E402
-from bench_run import RunLog, run_info, write_json  # noqa: E402
+from bench_run import RunLog, check_parser, run_info, write_json  # noqa: E402
 from decode_q3_device_check import measure_copy, rel_l2  # noqa: E402
 from wo_device_check import quantized  # noqa: E402
 
@@ -338,10 +337,7 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=70.0)
-    p.add_argument("--smoke", action="store_true")
+    p = check_parser(deadline=70.0)
     p.add_argument("--calls", action="store_true", help="CK2: whole calls (pick against the words kernels)")
     p.add_argument("--aheads", type=int, nargs="+", default=[1], help="--calls: the words' steps in flight timed")
     p.add_argument("--eager", action="store_true", help="--calls: each whole call's eager wall and host µs too")

@@ -23,7 +23,6 @@ w2 bytes at the copy rate measured first). Table last; JSON <out>/wl46.json. Cel
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -38,7 +37,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import graph_of, medians, settled, shuffled, wins  # noqa: E402
-from bench_run import RunLog, run_info, write_json  # noqa: E402
+from bench_run import RunLog, check_parser, run_info, write_json  # noqa: E402
 from decode_q3_device_check import measure_copy, rel_l2  # noqa: E402
 from wo_device_check import quantized  # noqa: E402
 
@@ -216,9 +215,6 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=72.0)
-    p.add_argument("--smoke", action="store_true")
+    p = check_parser(deadline=72.0)
     p.add_argument("--presets", nargs="+", default=[], help="these presets' cells only (a second call: gpt-oss-20b)")
     sys.exit(main(p.parse_args()))

@@ -315,7 +315,9 @@ class MoEConfig:
         ``moekit.config_hf_clamps``); None reads the MoE layers' common clamp, and raises a ValueError naming
         ``layer`` where they differ; ``"typical"`` reads the clamps most MoE layers share (the whole-model
         tools'). Any other family has one MoE layer config: ``layer`` is only checked (an index
-        of a MoE layer).
+        of a MoE layer: a dense one is refused by the family's own rule, ``mlp_layer_types``,
+        ``first_k_dense_replace``, ``mlp_only_layers`` / ``decoder_sparse_step``,
+        ``num_dense_layers`` or Llama-4's ``moe_layers``: ``Fields.moe_layer_rule``).
 
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
@@ -331,6 +333,8 @@ class MoEConfig:
             raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
         check_layer(d, layer)
         fields = reader(d)
+        if isinstance(layer, int) and d.moe_layer_rule is not None:  # check_layer passed it: an int in range
+            d.moe_layer_rule.check(layer)
         if model_type == "deepseek_v4":  # its hash layers route by a token-id table (moekit.config_hf_v4)
             fields = hash_layer_fields(d, layer, fields)
         fields.setdefault("activation", activation_from_hf(d.get("hidden_act", "silu")))

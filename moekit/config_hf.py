@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
+from moekit.config_hf_clamps import MoELayerRule, count_moe_layers
 from moekit.config_hf_v4 import read_deepseek_v4
 
 
@@ -33,7 +34,10 @@ class MissingConfigField(KeyError):
 
 
 class Fields(dict):
-    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError."""
+    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError; a reader that
+    counts the MoE layers by a rule of its fields leaves it here (``count_moe_layers``), for ``layer=``'s check."""
+
+    moe_layer_rule: MoELayerRule | None = None
 
     def __missing__(self, name: str) -> Any:
         raise MissingConfigField((name,), self.get("model_type"))
@@ -48,16 +52,6 @@ def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
     if default is KeyError:
         raise MissingConfigField(names, d.get("model_type"))
     return default
-
-
-def _count_layers(d: dict, is_moe) -> int | None:
-    """The MoE layers among the model's ``num_hidden_layers``; None when the config does not say. A config with
-    ``mlp_layer_types`` (one "dense" / "sparse" a layer) says it directly."""
-    types = d.get("mlp_layer_types")
-    if isinstance(types, (list, tuple)):
-        return sum(1 for t in types if t == "sparse")
-    layers = d.get("num_hidden_layers")
-    return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
 
 
 def _oss_spec(d: dict, interleaved: bool) -> ActivationSpec:
@@ -81,7 +75,8 @@ def _read_mixtral(d: dict) -> dict:
 
 def _qwen_moe_layers(d: dict) -> int:
     step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
-    return _count_layers(d, lambda i: i not in dense and (i + 1) % step == 0)
+    return count_moe_layers(d, lambda i: i not in dense and (i + 1) % step == 0,
+                            "mlp_only_layers, decoder_sparse_step")
 
 
 def _read_qwen3_moe(d: dict) -> dict:
@@ -125,7 +120,9 @@ def _read_deepseek(d: dict) -> dict:
     v3 = d["model_type"] in _V3_ROUTER
     method = _get(d, "topk_method", default="noaux_tc" if v3 else "greedy")
     grouped = method in ("group_limited_greedy", "noaux_tc")
-    first_dense, freq = _get(d, "first_k_dense_replace", default=0), _get(d, "moe_layer_freq", default=1)
+    # transformers' DeepSeek-V2/V3 (and GLM-4.5's) decoder layer: a MoE block where layer_idx >= first_k_dense_replace;
+    # moe_layer_freq (DeepSeek's remote code) is not read there (A.X-K1/K2 turn it into mlp_layer_types)
+    first_dense = _get(d, "first_k_dense_replace", default=0)
     scoring = _get(d, "scoring_func", default="sigmoid" if v3 else "softmax")
     shared_width = _get(d, "shared_experts_intermediate_size", default=d["moe_intermediate_size"])
     return dict(
@@ -140,7 +137,7 @@ def _read_deepseek(d: dict) -> dict:
         topk_group=_get(d, "topk_group", default=1) if grouped else 1,
         use_correction_bias=method == "noaux_tc",
         shared_expert_intermediate_size=_get(d, "n_shared_experts", "num_shared_experts", default=0) * shared_width,
-        num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0),
+        num_moe_layers=count_moe_layers(d, lambda i: i >= first_dense, "first_k_dense_replace"),
     )
 
 
@@ -227,7 +224,7 @@ def _read_minimax_m2(d: dict) -> dict:
         return fields
     return dict(fields, routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
                 shared_expert_intermediate_size=_get(d, "shared_intermediate_size", default=0),
-                activation=_oss_spec(d, interleaved=False), num_moe_layers=_count_layers(d, lambda i: True))
+                activation=_oss_spec(d, interleaved=False), num_moe_layers=count_moe_layers(d, lambda i: True))
 
 
 def _read_sigmoid_topk(d: dict) -> dict:
@@ -254,7 +251,8 @@ def _read_sigmoid_topk(d: dict) -> dict:
         shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", default=0) if shared is None
         else shared,
         router_logit_softcap=float(_get(d, "moe_router_logit_softcapping", default=0.0)),
-        num_moe_layers=_qwen_moe_layers(d) if kind == "flint" else _count_layers(d, lambda i: i >= first_dense),
+        num_moe_layers=_qwen_moe_layers(d) if kind == "flint"
+        else count_moe_layers(d, lambda i: i >= first_dense, "num_dense_layers"),
     )
 
 
@@ -270,7 +268,7 @@ def _read_softmax_shared(d: dict) -> dict:
     fields = dict(hidden_size=d["hidden_size"], moe_intermediate_size=width,
                   num_experts=_get(d, "moe_num_experts", "num_experts"),
                   top_k=_get(d, "moe_topk", "num_experts_per_tok"), scoring="softmax", renormalize=True,
-                  shared_expert_intermediate_size=width * shared, num_moe_layers=_count_layers(d, lambda i: True))
+                  shared_expert_intermediate_size=width * shared, num_moe_layers=count_moe_layers(d, lambda i: True))
     if kind != "cohere2_moe":
         return fields
     strategy = _get(d, "shared_expert_combination_strategy", default="sum")
@@ -299,7 +297,7 @@ def _read_ernie_vl(d: dict) -> dict:
     its experts); its shared experts (text width) sit on the modality block, outside the sparse blocks."""
     widths = d["moe_intermediate_size"]
     text = Fields(d, moe_intermediate_size=widths[0] if isinstance(widths, (list, tuple)) else widths)
-    return dict(_read_ernie(text), router_dtype="float32", num_moe_layers=_count_layers(d, lambda i: True))
+    return dict(_read_ernie(text), router_dtype="float32", num_moe_layers=count_moe_layers(d, lambda i: True))
 
 
 def _read_kimi_linear(d: dict) -> dict:
@@ -316,7 +314,7 @@ def _read_kimi_linear(d: dict) -> dict:
         use_correction_bias=True, shared_expert_intermediate_size=_get(d, "num_shared_experts", "n_shared_experts",
                                                                         default=0) * n_dim,
     )
-    return fields if d.get("mlp_layer_types") is None else dict(fields, num_moe_layers=_count_layers(d, None))
+    return fields if d.get("mlp_layer_types") is None else dict(fields, num_moe_layers=count_moe_layers(d, None))
 
 
 def _read_llama4(d: dict) -> dict:
@@ -324,6 +322,8 @@ def _read_llama4(d: dict) -> dict:
     its output: ``expert_weight_on="input"``), no renormalisation, a shared expert of the experts' width always
     added; the MoE layers are the config's moe_layers."""
     layers = d.get("moe_layers")
+    if isinstance(layers, (list, tuple)) and isinstance(d, Fields):
+        d.moe_layer_rule = MoELayerRule(set(layers).__contains__, "moe_layers")
     return dict(_read_mixtral(d), scoring="sigmoid", renormalize=False, expert_weight_on="input",
                 shared_expert_intermediate_size=d["intermediate_size"],
                 num_moe_layers=len(layers) if isinstance(layers, (list, tuple)) else d.get("num_hidden_layers"))
@@ -365,7 +365,7 @@ def _read_inkling(d: dict) -> dict:
                 renormalize=True, use_correction_bias=True,
                 routed_scaling_factor=float(_get(d, "route_scale", default=1.0)),
                 shared_expert_intermediate_size=shared * d["moe_intermediate_size"], shared_expert_combine="router",
-                router_dtype="float32", num_moe_layers=_count_layers(d, lambda i: True))
+                router_dtype="float32", num_moe_layers=count_moe_layers(d, lambda i: True))
 
 
 HF_READERS = {

@@ -9,12 +9,16 @@ MoE layers' clamps must agree (the common case: every layer unclamped), else a V
 ``layer="typical"`` (what the whole-model tools read: ``moekit simulate`` / ``analyze`` / ``bench --config``) takes
 the clamps most MoE layers share (Step-3.7-Flash, by transformers' modeling note: 40 of its 42 unclamped), ties to
 the earliest layer.
+
+Which decoder layers hold a MoE block, the other half of ``layer=``: ``mlp_layer_types`` where the config has it
+(``moe_layers``, ``check_layer``), else the family reader's rule of its own fields (``count_moe_layers`` leaves a
+``MoELayerRule`` on the fields it read: DeepSeek's ``first_k_dense_replace``, Qwen's ``mlp_only_layers``, ...).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
 
@@ -65,6 +69,32 @@ def with_layer_clamps(d: dict, clamps: LayerClamps) -> dict:
     for which, limit in (("experts", clamps.experts), ("shared", clamps.shared)):
         out[_LISTS[which][0]] = [limit or 0.0] * layers
     return out
+
+
+@dataclass(frozen=True)
+class MoELayerRule:
+    """Which decoder layers hold a MoE block, by a family's fields (its reader's rule: ``count_moe_layers``)."""
+
+    is_moe: Callable[[int], bool]  # is_moe(i): decoder layer i holds a MoE block
+    fields: str  # the fields the rule reads, for the refusal ("mlp_only_layers, decoder_sparse_step")
+
+    def check(self, layer: int) -> None:
+        """A ValueError naming ``layer`` where that decoder layer is a dense one."""
+        if not self.is_moe(layer):
+            raise ValueError(f"layer {layer} is a dense MLP layer (cfg.{self.fields}), not a MoE layer")
+
+
+def count_moe_layers(d: dict, is_moe, fields: str = "") -> int | None:
+    """The MoE layers among the model's ``num_hidden_layers``; None when the config does not say. A config with
+    ``mlp_layer_types`` (one "dense" / "sparse" a layer) says it directly. ``fields``: those ``is_moe`` reads, where
+    it can say a layer is dense: the rule is left on ``d`` (``config_hf.Fields.moe_layer_rule``)."""
+    types = d.get("mlp_layer_types")
+    if isinstance(types, (list, tuple)):
+        return sum(1 for t in types if t == "sparse")
+    if fields and hasattr(d, "moe_layer_rule"):
+        d.moe_layer_rule = MoELayerRule(is_moe, fields)
+    layers = d.get("num_hidden_layers")
+    return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
 
 
 MOE_LAYER_KINDS = ("sparse", "moe", "hash_moe")  # mlp_layer_types' MoE layers (DeepSeek-V4: "moe", "hash_moe")

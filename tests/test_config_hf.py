@@ -159,3 +159,33 @@ def test_the_families_of_fam34b():
     assert axk1.shared_expert_intermediate_size == cfg.n_shared_experts * cfg.moe_intermediate_size
     vl, cfg = _read("ernie4_5_vl_moe")
     assert vl.moe_intermediate_size == cfg.text_config.moe_intermediate_size[0] and vl.router_dtype == "float32"
+
+
+@pytest.mark.parametrize("model_type, changes", [
+    ("deepseek_v3", dict(first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                         moe_intermediate_size=8, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                         qk_nope_head_dim=4, v_head_dim=4)),
+    ("deepseek_v2", dict(first_k_dense_replace=1, moe_layer_freq=2, n_routed_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=8, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                         qk_nope_head_dim=4, v_head_dim=4)),  # transformers reads first_k_dense_replace alone
+    ("qwen2_moe", dict(mlp_only_layers=[1], decoder_sparse_step=1, num_experts=4, moe_intermediate_size=8,
+                       shared_expert_intermediate_size=8)),
+    ("qwen3_moe", dict(decoder_sparse_step=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)),
+])
+def test_layer_of_a_dense_decoder_layer_is_refused(model_type, changes):
+    """``from_hf_config(cfg, layer=i)`` reads layer i where transformers' model built from cfg has a MoE block there
+    (a module with ``experts``: the reference), and refuses, naming the layer and the fields, where it has a dense
+    MLP (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step). DeepSeek-V2's moe_layer_freq,
+    which transformers' modeling does not read, counts for nothing, as there."""
+    cfg = transformers.AutoConfig.for_model(model_type, hidden_size=16, intermediate_size=16, num_hidden_layers=4,
+                                            num_attention_heads=2, num_key_value_heads=1, vocab_size=32, **changes)
+    model = transformers.AutoModel.from_config(cfg)
+    moe = [hasattr(layer.mlp, "experts") for layer in model.layers]
+    assert any(moe) and not all(moe), moe  # both kinds present: the test can fail either way
+    assert MoEConfig.from_hf_config(cfg).num_moe_layers == sum(moe)
+    for i, is_moe in enumerate(moe):
+        if is_moe:
+            assert MoEConfig.from_hf_config(cfg, layer=i).num_experts == 4
+        else:
+            with pytest.raises(ValueError, match=rf"layer {i} is a dense MLP layer \(cfg\.\w+"):
+                MoEConfig.from_hf_config(cfg, layer=i)

@@ -5,7 +5,7 @@ concatenated, loss (1/4) sum_r mse_r + the whole batch's aux loss): the loss, th
 SGD steps and DeepSeek's bias update (its counts summed over EP and ``dp_group`` by default), the second step's
 ``sync_grads(agree=False)`` syncing the host nowhere (``.tolist()`` counted). Without ``dp_group`` on the layer (the EP
 group's batch only) the mean aux loss is off: the test can fail; and ``sync_grads`` then refuses a ``dp_group`` the
-aux loss did not span. One launch of 4 ranks (CI time).
+aux loss did not span, and an ``agree`` or ``dp_group`` of the wrong type. One launch of 4 ranks (CI time).
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ def _rank(rank: int, world_size: int, want: list[dict]) -> dict:
     model.ep.dp_group = None  # the aux loss of the EP group's batch: sync_grads with a dp_group refuses, naming it
     with pytest.raises(ValueError, match="dp_group must be EPMoE layer 0's dp_group"):
         sync_grads(model, dp_group=dp_group)
+    with pytest.raises(TypeError, match="agree must be a bool"):  # a truthy "no" would agree: refused, not guessed
+        sync_grads(model, agree="no")
+    with pytest.raises(TypeError, match="dp_group must be a torch.distributed ProcessGroup"):
+        model.ep.sync_grads(False)  # agree passed as the first positional: dp_group
+    with pytest.raises(TypeError, match="dp_group must be a torch.distributed ProcessGroup"):
+        model.ep.dp_group = [0, 2]  # the ranks, not their group: refused when set, not at the next forward
     return {"errors": errors, "tolist": len(reduces), "ep_only_aux": rel_l2(ep_only, want[0]["aux"])}
 
 

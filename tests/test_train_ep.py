@@ -55,12 +55,16 @@ def test_ep2_curves_equal_one_process_s(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ep", "3", "--batch-size", "4"], "batch_size (4) must be a multiple of it"),
-    (["--ep", "4", "--batch-size", "4", "--experts", "2", "--top-k", "1"], "num_experts (2) >= it"),
+    (["--ep", "3", "--batch-size", "4"], "--ep/--batch-size: ep=3 processes each take batch_size / ep sequences: "
+     "batch_size (4) must be a multiple of it (e.g. 6)"),
+    (["--ep", "4", "--batch-size", "4", "--experts", "2", "--top-k", "1"], "--ep/--experts: ep=4 processes each hold "
+     "at least one expert: num_experts (2) must be >= it"),
+    (["--ep", "9", "--batch-size", "18"], "--ep/--experts: ep=9 processes each hold at least one expert: num_experts "
+     "(8) must be >= it"),  # the experts alone (the batch divides): the one condition that fails is named
 ])
 def test_shares_that_do_not_divide_are_refused_by_flag(tmp_path, capsys, argv, message):
     line = cli_error(capsys, ["train", "--steps", "1", "--out", str(tmp_path), *argv])
-    assert message in line and "--ep" in line, line
+    assert line.endswith(message), line
 
 
 def test_on_cuda_one_gpu_per_rank(tmp_path, capsys, monkeypatch):

@@ -44,14 +44,15 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=positive_float, default=d.lr, help="AdamW learning rate")
     p.add_argument("--aux-coef", type=positive_float, default=d.aux_loss_coef, help="the aux run's loss coefficient")
     p.add_argument("--bias-rate", type=positive_float, default=d.bias_rate, help="the bias run's update speed")
-    p.add_argument("--ep", type=positive_int, default=d.ep,
+    p.add_argument("--ep", type=positive_int, default=d.ep, metavar="N",
                    help="spread every MoE layer's experts over N processes (expert parallelism: gloo on the CPU, NCCL "
                    "with one GPU each), each taking batch-size / N sequences; the curves are the whole batch's")
-    p.add_argument("--spare-slots", type=int, default=d.spare_slots,
-                   help="with --ep: redundant expert slots per MoE layer that EPLB fills with replicas of hot experts "
-                   "(experts + spare slots a multiple of --ep; needs --rebalance-every)")
-    p.add_argument("--rebalance-every", type=int, default=d.rebalance_every,
-                   help="with --ep: rebalance every MoE layer's experts with EPLB every N steps (the optimizer's state "
+    p.add_argument("--spare-slots", type=int, default=d.spare_slots, metavar="S",
+                   help="with --ep N: S redundant expert slots per MoE layer that EPLB fills with replicas of hot "
+                   "experts (at most experts x (N - 1); a rank holds (experts + S) / N slots, rounded down or up; "
+                   "needs --rebalance-every)")
+    p.add_argument("--rebalance-every", type=int, default=d.rebalance_every, metavar="K",
+                   help="with --ep: rebalance every MoE layer's experts with EPLB every K steps (the optimizer's state "
                    "moves with them); 0: the placement stays")
     p.add_argument("--log-every", type=positive_int, default=10, help="print a line every N steps")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -71,11 +72,8 @@ def _run(args: argparse.Namespace) -> int:
             rebalance_every=args.rebalance_every,
         )
         settings.moe_config("none")  # top_k <= experts, ...: the config's own checks, before any work
-    except ValueError as err:  # the config's words (top_k, num_experts) are the flags' --top-k, --experts
-        balancer = str(err).startswith(("spare_slots", "rebalance_every"))
-        flags = "--ep/--batch-size/--experts" if str(err).startswith("ep=") else \
-            "--spare-slots/--rebalance-every" if balancer else "--experts/--top-k/--d-model/--expert-size"
-        raise UsageError(f"{flags}: {err}") from None
+    except ValueError as err:
+        raise UsageError(f"{_flags_of(str(err))}: {err}") from None
     if settings.ep > 1:
         from moekit.train.ep import check_ranks
 
@@ -85,6 +83,16 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"--ep: {err}") from None
     with made_output_dir(args.out):  # before the runs: a directory that cannot be written would lose them at the end
         return _train(args, settings)
+
+
+def _flags_of(message: str) -> str:
+    """The flags a ``TrainSettings`` / ``MoEConfig`` refusal is about (their words, top_k, num_experts, are the flags'
+    --top-k, --experts)."""
+    if message.startswith("ep="):
+        return "--ep/--batch-size" if "batch_size" in message else "--ep/--experts"
+    if message.startswith(("spare_slots", "rebalance_every")):
+        return "--spare-slots/--rebalance-every"
+    return "--experts/--top-k/--d-model/--expert-size"
 
 
 def _train(args: argparse.Namespace, settings) -> int:

@@ -60,6 +60,11 @@ def sync_grads(model: nn.Module, dp_group: dist.ProcessGroup | None = None, agre
     not caught (the caller vouches that every rank runs the same model)."""
     from moekit.parallel.layer import EPMoE  # the layer module imports this one
 
+    if not isinstance(agree, bool):
+        raise TypeError(f"agree must be a bool (False: no host sync, see sync_grads), got {agree!r}")
+    if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
+        raise TypeError(f"dp_group must be a torch.distributed ProcessGroup (the data-parallel replicas) or None, got "
+                        f"{dp_group!r}")
     layers = [m for m in model.modules() if isinstance(m, EPMoE)]
     if not layers:
         raise ValueError("model has no EPMoE layer: sync_grads averages an expert-parallel model's gradients (for a "

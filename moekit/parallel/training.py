@@ -20,10 +20,21 @@ from moekit.routing.routed import RoutedTokens
 class EPTraining:
     """``EPMoE``'s training pieces (see the module docstring)."""
 
-    # Data-parallel replicas of this EP group (EP x DP), set by the training loop (``ep.dp_group = dp``), None: none.
-    # With it the aux loss is the global batch's: its counts summed over the EP group, then over dp_group (two
-    # all_reduces of E + 2 values a forward), this rank's part scaled by W * D; pass the same group to sync_grads.
-    dp_group: dist.ProcessGroup | None = None
+    _dp_group: dist.ProcessGroup | None = None
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """Data-parallel replicas of this EP group (EP x DP), set by the training loop (``ep.dp_group = dp``), None:
+        none. With it the aux loss is the global batch's: its counts summed over the EP group, then over dp_group (two
+        all_reduces of E + 2 values a forward), this rank's part scaled by W * D; pass the same group to sync_grads."""
+        return self._dp_group
+
+    @dp_group.setter
+    def dp_group(self, group: dist.ProcessGroup | None) -> None:
+        if group is not None and not isinstance(group, dist.ProcessGroup):  # else met at the next forward's all_reduce
+            raise TypeError(f"dp_group must be a torch.distributed ProcessGroup (the data-parallel replicas of this EP "
+                            f"group) or None, got {group!r}")
+        self._dp_group = group
 
     def sync_grads(self, dp_group: dist.ProcessGroup | None = None, agree: bool = True) -> GradSync:
         """After backward, before the optimizer step: every gradient of this layer averaged over the ranks (EPLB's

@@ -71,9 +71,13 @@ class TrainSettings:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
-        if self.batch_size % self.ep or self.num_experts < self.ep:
-            raise ValueError(f"ep={self.ep} processes each take batch_size / ep sequences and hold experts: batch_size "
-                             f"({self.batch_size}) must be a multiple of it and num_experts ({self.num_experts}) >= it")
+        if self.batch_size % self.ep:
+            nearest = self.ep * -(-self.batch_size // self.ep)  # the next multiple up
+            raise ValueError(f"ep={self.ep} processes each take batch_size / ep sequences: batch_size "
+                             f"({self.batch_size}) must be a multiple of it (e.g. {nearest})")
+        if self.num_experts < self.ep:
+            raise ValueError(f"ep={self.ep} processes each hold at least one expert: num_experts ({self.num_experts}) "
+                             f"must be >= it")
         _check_balancer(self)
         if self.capacity_factor is not None and not 0 < self.capacity_factor < float("inf"):
             raise ValueError(f"capacity_factor must be a positive number or None, got {self.capacity_factor!r}")
@@ -85,8 +89,9 @@ class TrainSettings:
 
 
 def _check_balancer(s: TrainSettings) -> None:
-    """EPLB's settings: non-negative ints, with ``ep`` > 1, replicas only when rebalanced, and (E + S) slots a multiple
-    of ``ep`` (every rank keeps its slot count, so the optimizer keeps its Parameters)."""
+    """EPLB's settings: non-negative ints, with ``ep`` > 1, replicas only when rebalanced, at most ``ep`` - 1 replicas
+    of an expert. E + S need not be a multiple of ``ep``: the ranks then hold P // ep or one more slots, and a rank
+    whose count a rebalance changes gets new w13 / w2 Parameters, swapped into the optimizer (``ep_balance``)."""
     for name in ("spare_slots", "rebalance_every"):
         value = getattr(s, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -95,9 +100,9 @@ def _check_balancer(s: TrainSettings) -> None:
         raise ValueError("spare_slots / rebalance_every balance the experts over ranks: they need ep > 1")
     if s.spare_slots and not s.rebalance_every:
         raise ValueError(f"spare_slots={s.spare_slots} are filled by EPLB's rebalances: set rebalance_every > 0")
-    if (s.num_experts + s.spare_slots) % s.ep:
-        raise ValueError(f"spare_slots: num_experts + spare_slots ({s.num_experts} + {s.spare_slots}) must be a "
-                         f"multiple of ep ({s.ep}), so that every rank keeps its number of expert slots")
+    if s.spare_slots > s.num_experts * (s.ep - 1):
+        raise ValueError(f"spare_slots={s.spare_slots} would put some expert on more than ep={s.ep} ranks: at most "
+                         f"num_experts * (ep - 1) = {s.num_experts * (s.ep - 1)}")
 
 
 @dataclass
