@@ -1,9 +1,10 @@
 """Expert parallelism of DeepSeek-V4's layers on 2 gloo ranks (one spawned group for every check): a hash layer
 (``EPMoE.from_moe(hash_moe)`` -> ``EPHashMoE``, the table replicated; the shared expert fused and separate) against
 a float64 per-token loop and, after backward and ``sync_grads``, against the single-process ``HashMoE``'s gradients
-over all the tokens (the gate's, the experts', the shared expert's; the table has none); the exact and the padded dispatch; the EPLB load counts; a rank
-calling without ``token_ids`` or with an id outside the table; and a V4 top-k layer (sqrtsoftplus scores, the
-correction bias, routed scaling, the clamped SwiGLU) against the single-process ``MoE``, forward and gradients.
+over all the tokens (the gate's, the experts', the shared expert's; the table has none); the exact and the padded
+dispatch; the EPLB load counts; a rank calling without ``token_ids`` or with an id outside the table; and a V4 top-k
+layer (sqrtsoftplus scores, the correction bias, routed scaling, the clamped SwiGLU) against the single-process
+``MoE``, forward and gradients.
 
 Shapes: K hidden 16, N expert width 8, E experts 8 (4 a rank), k = top_k 2, V table rows 30; 5 + 7 tokens.
 """
