@@ -112,3 +112,17 @@ def test_a_deepseek_v4_model_offloads_its_hash_and_top_k_blocks_and_keeps_its_lo
     assert cache.stats.fetched > 0 and cache.stats.touched == cache.stats.hits + cache.stats.fetched
     with pytest.raises(TypeError, match="token_ids is required"):
         blocks[0](torch.randn(1, 3, model.config.hidden_size))  # a hash block called without the input ids
+
+
+def test_the_table_travels_in_the_state_dict_and_a_bad_entry_is_refused():
+    """Another offloaded hash layer loading the first's state_dict (host experts and table) computes the first's."""
+    first, other = (OffloadedMoE.from_moe(_hash_moe(seed), cache_experts=4) for seed in (0, 1))
+    state = first.state_dict()
+    assert not torch.equal(state["tid2eid"], other.tid2eid)
+    other.load_state_dict(state)
+    x, ids = torch.randn(6, 16, dtype=torch.float64), _ids((6,))
+    with torch.no_grad():
+        assert torch.equal(other(x, token_ids=ids), first(x, token_ids=ids))
+    state["tid2eid"][3, 1] = 8
+    with pytest.raises(ValueError, match=r"tid2eid must hold experts in \[0, num_experts=8\); rows \[3\]"):
+        other.load_state_dict(state)
