@@ -61,6 +61,14 @@ def test_v4_top_k_layers_simulate_with_sqrtsoftplus_and_bias_balancing():
     assert "hash layers       0, 1: not simulated" in summary(result)
 
 
+def test_aux_loss_balancing_trains_the_v4_router_too():
+    """The aux loss trains the router weight whose logits V4's router scores by sqrt(softplus) and routes top-k."""
+    params = SimParams(experts=E, top_k=K_TOP, tokens=96, skew=0.6, balance="aux-loss", aux_steps=40, gpus=4,
+                       spare_slots=4)
+    b = simulate(params, _v4_fields(["hash_moe", "moe"])).balance
+    assert b.imbalance_after < b.imbalance_before and b.drop_rate_after < b.drop_rate_before, b
+
+
 def test_a_config_without_hash_layers_names_none():
     result = simulate(SimParams(experts=E, top_k=K_TOP, tokens=32, gpus=4, spare_slots=0), _v4_fields(["moe"] * 2))
     assert result.hash_layers == [] and "hash layers" not in summary(result)
