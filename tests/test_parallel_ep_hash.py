@@ -2,9 +2,9 @@
 (``EPMoE.from_moe(hash_moe)`` -> ``EPHashMoE``, the table replicated; the shared expert fused and separate) against
 a float64 per-token loop and, after backward and ``sync_grads``, against the single-process ``HashMoE``'s gradients
 over all the tokens (the gate's, the experts', the shared expert's; the table has none); the exact and the padded
-dispatch; the EPLB load counts; a rank calling without ``token_ids`` or with an id outside the table; and a V4 top-k
-layer (sqrtsoftplus scores, the correction bias, routed scaling, the clamped SwiGLU) against the single-process
-``MoE``, forward and gradients.
+dispatch, the micro-batch overlap; the EPLB load counts; a rank calling without ``token_ids`` or with an id outside
+the table; and a V4 top-k layer (sqrtsoftplus scores, the correction bias, routed scaling, the clamped SwiGLU)
+against the single-process ``MoE``, forward and gradients.
 
 Shapes: K hidden 16, N expert width 8, E experts 8 (4 a rank), k = top_k 2, V table rows 30; 5 + 7 tokens.
 """
@@ -86,6 +86,11 @@ def _scenarios(rank: int, world_size: int) -> dict:
         moe = _hash_moe(torch.float64, fuse_shared)
         ep = EPMoE.from_moe(moe, max_tokens_per_rank=cap)
         res[f"hash {name}"] = dict(_compare(rank, world_size, moe, ep, x64, ids, cap), cls=type(ep).__name__)
+    with torch.no_grad():  # the micro-batch overlap: its chunks dispatch the table's choices too
+        moe = _hash_moe(torch.float64)
+        start, stop = sum(SIZES[:rank]), sum(SIZES[: rank + 1])
+        got = EPMoE.from_moe(moe, overlap=3)(x64[start:stop], token_ids=ids[start:stop])
+        res["overlap"] = float((got - moe(x64, token_ids=ids)[start:stop]).abs().max())
     ep = EPMoE.from_moe(_hash_moe(torch.float64))
     mine = x64[:3]
     res["no ids"] = _error_of(lambda: ep(mine, token_ids=torch.tensor([1, 2, 3])) if rank == 0 else ep(mine))
@@ -115,6 +120,7 @@ def test_hash_and_v4_top_k_layers_over_two_ranks_equal_the_single_process():
             assert got["grads"] == ["gate.weight", *shared, "w13", "w2"], got["grads"]
             errs = {k: v for k, v in got.items() if k == "out" or k == "loop" or k.startswith("grad ")}
             assert all(v < 1e-12 for v in errs.values()), (rank, name, errs)
+        assert res["overlap"] < 1e-12, (rank, res["overlap"])
         v4 = res["v4 top-k"]
         assert "grad e_score_correction_bias" not in v4 and "grad gate.weight" in v4, v4
         assert all(v < 1e-5 for k, v in v4.items() if k == "out" or k.startswith("grad ")), (rank, v4)
