@@ -93,13 +93,17 @@ def _v4_model():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-def test_a_deepseek_v4_model_offloads_its_hash_and_top_k_blocks_and_keeps_its_logits():
-    from moekit.hf import OffloadedBlock, offload_experts
+@pytest.mark.parametrize("swapped", [False, True])
+def test_a_deepseek_v4_model_offloads_its_hash_and_top_k_blocks_and_keeps_its_logits(swapped):
+    """The model as transformers built it, or after use_moekit_blocks (its blocks swapped, then offloaded)."""
+    from moekit.hf import OffloadedBlock, offload_experts, use_moekit_blocks
 
     model = _v4_model()
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = model(ids).logits
+    if swapped:
+        assert len(use_moekit_blocks(model).swapped) == 3
     experts = model.config.n_routed_experts
     per_expert = 3 * model.config.hidden_size * model.config.moe_intermediate_size * 4
     cache = offload_experts(model, gpu_budget_bytes=(experts + 2) * per_expert, device="cpu", backend="grouped_mm")
