@@ -1,8 +1,9 @@
 """``moekit simulate`` / the balance simulator of a DeepSeek-V4 config.json (transformers' own, built offline, at
 E=16, k=4): its top-k layers route with sqrt(softplus) scores, the correction bias on them for selection (loads
 against a float64 loop written here, after DeepSeek's bias updates), balancing lowers the imbalance, and its hash
-layers are named and not simulated (``moekit.sim.run``'s module doc); a hash layer's ``MoEConfig`` and a model whose
-every MoE layer hash-routes are refused, in the API and on the command line.
+layers are named and not simulated (``moekit.sim.run``'s module doc; the summary, the JSON and ``moekit serve``'s
+page); a hash layer's ``MoEConfig`` and a model whose every MoE layer hash-routes are refused, in the API and on the
+command line (``simulate`` and ``serve``).
 
 Shapes: M tokens 96, E experts 16, k = top_k 4, F router inputs.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import urllib.request
 
 import pytest
 import torch
@@ -85,5 +88,25 @@ def test_hash_only_models_and_hash_layer_configs_are_refused(tmp_path, capsys):
         simulate(params, layer)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(only_hash))
-    line = cli_error(capsys, ["simulate", "--config", str(path)])
-    assert f"--config {path}: every MoE layer" in line and "tid2eid" in line, line
+    for command in ("simulate", "serve"):  # the page would answer every run with an error: refused before it serves
+        line = cli_error(capsys, [command, "--config", str(path)])
+        assert f"--config {path}: every MoE layer" in line and "tid2eid" in line, line
+
+
+def test_the_page_names_the_hash_layers_of_the_model_it_serves():
+    from moekit.sim.server import make_server
+
+    fields = _v4_fields(["hash_moe", "moe", "moe"])
+    server = make_server(port=0, model=MoEConfig.from_hf_config(fields, layer="typical"), model_name="v4-tiny",
+                         model_fields=fields)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = "http://{}:{}".format(*server.server_address[:2])
+    try:
+        with urllib.request.urlopen(url + "/api/simulate?tokens=32&gpus=4&spare_slots=0", timeout=60) as r:
+            assert json.loads(r.read())["hash_layers"] == [0]
+        with urllib.request.urlopen(url + "/app.js", timeout=60) as r:
+            js = r.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert '$("hash-row").hidden = r.hash_layers.length === 0' in js and "r.hash_layers.join" in js
