@@ -365,7 +365,8 @@ def check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_bl
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     if (config.hash_table_size is not None) != getattr(layer_cls, "takes_token_ids", False):
         raise TypeError(f"config.hash_table_size={config.hash_table_size}: a layer routed by a token-id table is "
-                        "moekit.HashMoE (its forward takes token_ids), a top-k one moekit.MoE; got "
+                        "moekit.HashMoE (its forward takes token_ids; expert-parallel: moekit.parallel.EPHashMoE; "
+                        "offloaded: OffloadedMoE.from_moe of a HashMoE), a top-k one moekit.MoE; got "
                         f"{layer_cls.__name__}")
     check_bool("fuse_shared", fuse_shared)
     if capacity_factor is not None:

@@ -15,6 +15,8 @@ import torch
 from moekit import HashMoE, MoE, MoEConfig
 from moekit.routing.hash_route import hash_route
 
+from _hash_loop import hash_layer_loop
+
 V, E, K, N = 11, 6, 8, 4
 CFG = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=3, scoring="sqrtsoftplus",
                 routed_scaling_factor=1.5, hash_table_size=V, shared_expert_intermediate_size=2 * N)
@@ -58,29 +60,6 @@ def test_hash_route_matches_a_float64_loop(changes):
     assert torch.allclose(got.topk_weights, weights, rtol=1e-12, atol=0)
 
 
-def _mlp(w13, w2, xt, width):
-    h = w13.double() @ xt  # [2 width]
-    return w2.double() @ (torch.nn.functional.silu(h[:width]) * h[width:])
-
-
-def _loop_layer(moe: HashMoE, x, token_ids):
-    """The layer per token in float64: sum over its table row of weight x w2 @ (silu(gate) * up), + the shared MLP
-    (its own weights, or the fused slots' rows E.. of w13 / w2, each of weight 1)."""
-    out = []
-    for xt, t in zip(x.double().reshape(-1, K), token_ids.reshape(-1).tolist()):
-        s = torch.nn.functional.softplus(moe.gate.weight.double() @ xt).sqrt()  # [E]
-        row = moe.tid2eid[t].tolist()
-        total = sum(float(s[e]) for e in row) + 1e-20
-        acc = sum(float(s[e]) / total * moe.config.routed_scaling_factor * _mlp(moe.w13[e], moe.w2[e], xt, N)
-                  for e in row)
-        if moe.fuse_shared:
-            acc = acc + sum(_mlp(moe.w13[e], moe.w2[e], xt, N) for e in range(E, E + 2))
-        else:
-            acc = acc + _mlp(moe.shared_w13, moe.shared_w2, xt, 2 * N)
-        out.append(acc)
-    return torch.stack(out).reshape(x.shape)
-
-
 @pytest.mark.parametrize("fuse_shared", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_the_layer_equals_a_float64_loop(dtype, tol, fuse_shared):
@@ -90,7 +69,7 @@ def test_the_layer_equals_a_float64_loop(dtype, tol, fuse_shared):
     token_ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
     token_ids[0, 0] = 0  # the row repeating expert 2
     with torch.no_grad():
-        got, want = moe(x, token_ids=token_ids), _loop_layer(moe, x, token_ids)
+        got, want = moe(x, token_ids=token_ids), hash_layer_loop(moe, x, token_ids)
         stats = moe(x, token_ids=token_ids, return_stats=True).stats
     assert ((got.double() - want).norm() / want.norm()).item() < tol
     want_counts = torch.bincount(_table()[token_ids.reshape(-1)].reshape(-1), minlength=E)

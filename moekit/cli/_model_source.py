@@ -66,3 +66,17 @@ def layer_config(hf: dict, path: str) -> MoEConfig:
         raise UsageError(err.message(f"config.json at {path}")) from err
     except ValueError as err:
         raise UsageError(f"config.json at {path}: {err}") from err
+
+
+def simulated_source(args) -> ModelSource | None:
+    """``source_of(args)`` for the simulator (``moekit simulate``, ``moekit serve``): a model whose every MoE layer
+    hash-routes (DeepSeek-V4's hash layers: ``moekit.sim.run``'s module doc) is a ``UsageError`` naming the flag."""
+    from moekit.sim.run import hash_layers_of  # the simulator's rule; analyze and bench never load it
+
+    source = source_of(args)
+    if source is not None:
+        try:
+            hash_layers_of(source.hf)
+        except ValueError as err:
+            raise UsageError(f"{'--preset' if args.preset else '--config'} {source.name}: {err}") from err
+    return source

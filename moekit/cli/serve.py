@@ -7,7 +7,7 @@ import errno
 import socket
 
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, port_arg
-from moekit.cli._model_source import add_source_arguments, source_of
+from moekit.cli._model_source import add_source_arguments, simulated_source
 from moekit.sim.budget import BUDGET_S
 
 
@@ -29,7 +29,7 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     from moekit.sim.server import make_server
 
-    source = source_of(args)
+    source = simulated_source(args)  # a model whose every MoE layer hash-routes: refused
     model, name, fields = (None, "", None) if source is None else (source.layer, source.name, source.hf)
     try:
         server = make_server(args.host, args.port, args.verbose, model, name, fields)

@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from moekit.cli import _simulate_cache
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, plot_path, save_figure, working
-from moekit.cli._model_source import ModelSource, add_source_arguments, source_of
+from moekit.cli._model_source import ModelSource, add_source_arguments, simulated_source
 from moekit.sim import BALANCE_METHODS, SimParams, simulate
 from moekit.sim.exercises import exercise1, exercise2, exercise3
 from moekit.sim.report import summary
@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace) -> ModelSource | None:
     """The model of ``--preset`` / ``--config`` (its E and k: --experts / --top-k then refused), or None."""
-    source = source_of(args)
+    source = simulated_source(args)  # a model whose every MoE layer hash-routes: refused
     if source is None:
         return None
     if args.experts is not None or args.top_k is not None:

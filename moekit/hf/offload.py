@@ -9,7 +9,9 @@ expert cache, so a model larger than the GPU decodes.
 Load the model on the CPU, call ``offload_experts(model, gpu_budget_bytes=..., device="cuda")``, then
 move the rest of the model to the GPU (``model.to("cuda")``: the host-resident experts are not module
 tensors, so they stay where they are). Each block keeps its own router, correction bias and shared
-expert on the device; ``link_layers`` lets each block prefetch the next one's predicted experts.
+expert on the device; ``link_layers`` lets each block prefetch the next one's predicted experts. A hash-routed block
+(DeepSeek-V4's first layers) becomes an ``OffloadedHashMoE``: its table stays on the device with the gate, its
+experts share the cache, and its block routes by the ``input_ids`` the decoder layer passes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ class OffloadedBlock(nn.Module):
         super().__init__()
         self.moe = moe
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids`` [B, S]: DeepSeek-V4's decoder layer passes them to every block; a hash layer
+        (``OffloadedHashMoE``) routes by them (None: its error naming ``token_ids``), a top-k layer reads them not."""
+        if getattr(self.moe, "takes_token_ids", False):
+            return self.moe(hidden_states, token_ids=input_ids)
         return self.moe(hidden_states)
 
 

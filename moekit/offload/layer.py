@@ -38,6 +38,7 @@ import torch
 from moekit.experts import backend_available, backend_fn, bind_options, call_backend
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer import MoE
+from moekit.layer_hash import HashMoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, one_call
@@ -49,10 +50,10 @@ from moekit.offload.no_backward import no_backward
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, Proofs, plan_forward
+from moekit.offload.resident import copy_resident
 from moekit.offload.slot_cap import cap_slots
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
-from moekit.routing.shared import unfused_shared
 
 MissPlace = Literal["gpu", "cpu", "auto"]
 Prediction = Literal["router", "previous"]
@@ -79,7 +80,8 @@ class OffloadedMoE(MoE):
         cpu_options: CpuOptions | None = None,
         cpu_rate: CpuRate | None = None,
     ) -> "OffloadedMoE":
-        """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
+        """``moe``'s function with its routed experts moved to host memory (a ``HashMoE`` gives an
+        ``OffloadedHashMoE``, called with ``token_ids`` as it is). Give ``cache_experts`` (a
         private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``; capped at E with a
         warning) or a shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
         on first use when None. Misses computed on the CPU are not fetched for this forward; the
@@ -104,16 +106,15 @@ class OffloadedMoE(MoE):
             raise TypeError(f"cpu_options must be a moekit.offload.CpuOptions, got {type(cpu_options).__name__}")
         if cpu_rate is not None and not isinstance(cpu_rate, CpuRate):
             raise TypeError(f"cpu_rate must be a moekit.offload.CpuRate, got {type(cpu_rate).__name__}")
-        if not isinstance(moe, MoE) or type(moe) is not MoE:
-            raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
+        layer_cls = _layer_class(cls, moe)
         if cache is None:  # capped at E: a private cache never holds another layer's experts
             slots = cap_slots(cache_experts, moe.config.num_experts, f"cache_experts={cache_experts}")
             cache = ExpertCache(slots, device=device or moe.w13.device, policy=policy)
-        layer = cls(moe.config, backend=moe.backend, backend_options=moe.backend_options, fuse_shared=False,
+        layer = layer_cls(moe.config, backend=moe.backend, backend_options=moe.backend_options, fuse_shared=False,
                     capacity_factor=moe.capacity_factor, drop_policy=moe.drop_policy, router=moe.router,
                     stats_block_size=moe.stats_block_size, num_local_experts=0, dtype=moe.w13.dtype,
                     device=cache.device)
-        layer._copy_resident(moe)
+        copy_resident(layer, moe)
         e = moe.config.num_experts
         routed = [_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]  # packed when quantized
         layer.cache, layer.layer_id = cache, cache.register(*routed)
@@ -122,30 +123,6 @@ class OffloadedMoE(MoE):
         layer.last_stats, layer._last_touched, layer._next, layer._proofs = OffloadStats(), [], [], Proofs()
         layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
         return layer.train(moe.training)  # moe's mode (Phi-MoE's router refuses training: moe_from_hf sets it)
-
-    def _copy_resident(self, moe: MoE) -> None:
-        """The gate (and its bias), correction bias and shared expert (un-fused into a separate MLP) from
-        ``moe``, each in its own dtype (a float32 router in a bf16 model, or in a quantized one whose
-        logical dtype is bf16, stays float32: rounding it would change the routing)."""
-        with torch.no_grad():
-            _take(self.gate.weight, moe.gate.weight)
-            if moe.gate.bias is not None:
-                _take(self.gate.bias, moe.gate.bias)
-            if moe.e_score_correction_bias is not None:
-                _take(self.e_score_correction_bias, moe.e_score_correction_bias)
-            if self.shared_gate is not None:
-                _take(self.shared_gate.weight, moe.shared_gate.weight)
-            if self.shared_w13 is None:
-                return
-            if moe.fuse_shared:
-                e = moe.config.num_experts
-                shared_w13, shared_w2 = unfused_shared(moe.w13[e:], moe.w2[e:],  # [2SN, K], [K, SN]
-                                                       moe.config.activation)
-                _take(self.shared_w13, shared_w13)
-                _take(self.shared_w2, shared_w2)
-            else:
-                _take(self.shared_w13, moe.shared_w13)
-                _take(self.shared_w2, moe.shared_w2)
 
     def quantize_(self, scheme: str, **options) -> "OffloadedMoE":
         raise ValueError(f"OffloadedMoE.quantize_: its experts are its ExpertCache's as registered; quantize the "
@@ -167,6 +144,14 @@ class OffloadedMoE(MoE):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         load_host_experts(self, state_dict, prefix, missing, errors)  # into the host store; slots dropped
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    _token_ids = None  # the latest forward's token ids [M]: a hash layer's (OffloadedHashMoE), None for top-k
+
+    def predicted_ids(self, x2d: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """This layer's experts [M*k] predicted for the previous layer's input x2d [M, K]: its router applied to it
+        (``token_ids``, that layer's, are for a hash layer's table: ``OffloadedHashMoE``)."""
+        logits = self.gate(x2d if x2d.dtype == self.gate.weight.dtype else x2d.to(self.gate.weight.dtype))
+        return route(logits, self.config, self.e_score_correction_bias).topk_ids.reshape(-1)
 
     @property
     def next_layer(self) -> "OffloadedMoE | None":
@@ -222,9 +207,10 @@ class OffloadedMoE(MoE):
         e = self.config.num_experts
         nxt = self.next_layer
         ids, bins = routing.topk_ids.reshape(-1), e + 2  # bins 1..E: this layer's experts (0: dropped)
+        pred = None
         if nxt is not None and self.prefetch == "router" and x2d.shape[0]:
-            logits = nxt.gate(x2d if x2d.dtype == nxt.gate.weight.dtype else x2d.to(nxt.gate.weight.dtype))
-            pred = route(logits, nxt.config, nxt.e_score_correction_bias).topk_ids.reshape(-1)
+            pred = nxt.predicted_ids(x2d, self._token_ids)  # [M*k] or None
+        if pred is not None:
             ids = torch.cat([ids, pred.to(ids.dtype) + (e + 2)])  # bins E+3..: the next layer's experts
             bins += nxt.config.num_experts + 1
         counts = expert_counts(ids, bins)  # [bins]
@@ -386,10 +372,16 @@ def _group(experts: list[int], hits: list[int], fetch: list[int]) -> str:
     return "fetched" if set(experts) <= set(fetch) else "mixed"
 
 
-def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst`` (a parameter or buffer, kept as the same object) holds a copy of ``src`` on ``dst``'s device,
-    in ``src``'s dtype."""
-    dst.data = src.detach().to(dst.device, copy=True)
+def _layer_class(cls: type, moe: MoE) -> type:
+    """The class ``from_moe`` builds for ``moe``: ``cls``, or ``OffloadedHashMoE`` for a ``HashMoE`` (routed by its
+    table, its experts offloaded); any other subclass of ``MoE`` is refused."""
+    if type(moe) not in (MoE, HashMoE):
+        raise TypeError(f"moe must be a plain moekit.MoE or a moekit.HashMoE, got {type(moe).__name__}")
+    if isinstance(moe, HashMoE) and not issubclass(cls, HashMoE):
+        from moekit.offload.layer_hash import OffloadedHashMoE  # a subclass of OffloadedMoE: imported here
+
+        return OffloadedHashMoE
+    return cls
 
 
 def _routed_rows(w, num_experts: int):

@@ -19,7 +19,8 @@ from moekit.parallel.placement import (
 from moekit.parallel import eplb as _eplb
 from moekit.parallel import placement as _placement
 
-__all__ = [*_placement.__all__, *_eplb.__all__, "EPMoE", "RebalanceReport", "PeerRankError", "sync_grads"]
+__all__ = [*_placement.__all__, *_eplb.__all__, "EPMoE", "EPHashMoE", "RebalanceReport", "PeerRankError",
+           "sync_grads"]
 
 
 def __getattr__(name: str):
@@ -27,6 +28,10 @@ def __getattr__(name: str):
         from moekit.parallel import layer
 
         return getattr(layer, name)
+    if name == "EPHashMoE":  # a HashMoE's expert-parallel layer (EPMoE.from_moe(hash_moe) builds it)
+        from moekit.parallel import layer_hash
+
+        return layer_hash.EPHashMoE
     if name == "sync_grads":  # a model's gradients after backward: needs torch.distributed
         from moekit.parallel import grad_sync
 

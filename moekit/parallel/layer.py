@@ -26,6 +26,7 @@ from moekit.config import MoEConfig
 from moekit.experts import autocast_input, call_backend
 from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
+from moekit.layer_hash import HashMoE
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
                                       plan_sends, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
@@ -34,7 +35,7 @@ from moekit.parallel.overlap import dispatch_starters, run_chunks
 from moekit.parallel.placement import Placement, balancedness, contiguous_placement, rank_loads
 from moekit.parallel.rows import tied_to_received
 from moekit.parallel.training import EPTraining
-from moekit.parallel.weights import move_experts, shard_experts
+from moekit.parallel.weights import move_experts, take_weights
 from moekit.routing import Routing
 
 
@@ -155,7 +156,8 @@ class EPMoE(EPTraining, MoE):
         cls, moe: MoE, placement: Placement | None = None, group: dist.ProcessGroup | None = None, **kwargs
     ) -> "EPMoE":
         """This rank's ``EPMoE`` from a full ``MoE`` (same weights on every rank): the gate, bias and
-        shared expert are copied, the routed experts sliced by ``placement`` (contiguous by default).
+        shared expert are copied, the routed experts sliced by ``placement`` (contiguous by default). A ``HashMoE``
+        gives an ``EPHashMoE`` (its table copied: replicated, checked equal on every rank).
         ``kwargs`` override the settings taken from ``moe`` (backend, timeout, track_load...)."""
         settings = dict(
             backend=moe.backend, backend_options=moe.backend_options, router=moe.router,
@@ -164,18 +166,12 @@ class EPMoE(EPTraining, MoE):
             dtype=moe.w13.dtype, device=moe.w13.device,
         )
         settings.update(kwargs)
+        if isinstance(moe, HashMoE) and not issubclass(cls, HashMoE):  # routed by its table on every rank
+            from moekit.parallel.layer_hash import EPHashMoE  # a subclass of this one: imported here
+
+            cls = EPHashMoE
         ep = cls(moe.config, placement, group, **settings)
-        with torch.no_grad():
-            ep.gate.load_state_dict(moe.gate.state_dict())  # the weight, and the bias of a router_bias config
-            if moe.e_score_correction_bias is not None:
-                ep.e_score_correction_bias.copy_(moe.e_score_correction_bias)
-            ep.w13.copy_(shard_experts(moe.w13, ep.placement, ep.rank))
-            ep.w2.copy_(shard_experts(moe.w2, ep.placement, ep.rank))
-            for name in ("shared_w13", "shared_w2"):
-                if getattr(ep, name) is not None:
-                    getattr(ep, name).copy_(getattr(moe, name))
-            if ep.shared_gate is not None:
-                ep.shared_gate.weight.copy_(moe.shared_gate.weight)
+        take_weights(ep, moe)
         ep.verify_replicated()
         return ep.train(moe.training)  # moe's mode (Phi-MoE's router refuses training: moe_from_hf sets it)
 
@@ -188,7 +184,7 @@ class EPMoE(EPTraining, MoE):
             "e_score_correction_bias": self.e_score_correction_bias, "shared_w2": self.shared_w2,
             "shared_gate": None if self.shared_gate is None else self.shared_gate.weight,
             "fused_shared_w13": self.w13[self.num_local_experts :],
-            "fused_shared_w2": self.w2[self.num_local_experts :],
+            "fused_shared_w2": self.w2[self.num_local_experts :], "tid2eid": self._buffers.get("tid2eid"),
         }
         digests = {name: digest(t) for name, t in replicated.items() if t is not None}
         check_same_on_all_ranks(digests, self.group, what="replicated weights (sha256)")
@@ -269,14 +265,20 @@ class EPMoE(EPTraining, MoE):
     def forward(self, x: torch.Tensor, return_stats: bool = False,
                 return_aux_loss: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring; aux_loss: this rank's."""
+        return self._collective(x, return_stats or return_aux_loss,
+                                lambda: MoE.forward(self, x, return_stats, return_aux_loss))
+
+    def _collective(self, x: torch.Tensor, with_aux: bool, call: Callable[[], torch.Tensor | MoEOutput]):
+        """``call()`` (the layer's forward of this rank's x) with x checked and every error before the dispatch
+        agreed over the group; ``with_aux``: the forward's all_reduce of its stats / aux loss follows the combine."""
         if transforming():  # before any collective: the load counts add in place, the collectives need storage
             raise NotImplementedError("EPMoE does not run under torch.func transforms (grad, vjp, jvp, vmap)")
         with self._errors.on(self.w13.device, self._counts_chunks) as errors:  # checks, routing raise: agreed there
             self.graph_captured |= errors.capturing
             self._check_x(x)
-            self._with_aux = return_stats or return_aux_loss  # its all_reduce follows the combine: agreed
+            self._with_aux = with_aux
             try:
-                return super().forward(x, return_stats, return_aux_loss)
+                return call()
             finally:
                 self._with_aux = False
 

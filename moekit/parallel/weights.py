@@ -15,6 +15,21 @@ import torch.distributed as dist
 from moekit.parallel.placement import Placement
 
 
+def take_weights(ep, moe) -> None:
+    """``ep`` (this rank's ``EPMoE``) takes the full ``moe``'s weights: the gate (and its bias), the correction bias,
+    the shared expert and its gate, a hash layer's table (``tid2eid``) copied; the routed experts sliced by
+    ``ep.placement`` (``shard_experts``)."""
+    with torch.no_grad():
+        ep.gate.load_state_dict(moe.gate.state_dict())  # the weight, and the bias of a router_bias config
+        for name in ("e_score_correction_bias", "tid2eid", "shared_w13", "shared_w2"):
+            if getattr(moe, name, None) is not None:
+                getattr(ep, name).copy_(getattr(moe, name))
+        ep.w13.copy_(shard_experts(moe.w13, ep.placement, ep.rank))
+        ep.w2.copy_(shard_experts(moe.w2, ep.placement, ep.rank))
+        if ep.shared_gate is not None:
+            ep.shared_gate.weight.copy_(moe.shared_gate.weight)
+
+
 def shard_experts(weight: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
     """weight [E(+S), ..] -> [L(+S), ..]: the rows of ``rank``'s experts in local order, then the S
     fused shared-slot rows (every rank keeps those)."""

@@ -57,6 +57,11 @@ def summary(result: SimResult) -> str:
         lines.append(f"zero-compute      {sum(result.identity_hits)} of {p['tokens'] * p['top_k']} slots on the "
                      f"{len(result.identity_hits)} identity experts ({100 * result.zero_compute_share:.1f}%): "
                      f"{p['top_k'] * (1 - result.zero_compute_share):.2f} experts run a token")
+    if result.hash_layers:
+        layers = ", ".join(map(str, result.hash_layers))
+        lines.append(f"hash layers       {layers}: not simulated (this run is the top-k layers'); a token's experts "
+                     f"there are tid2eid[its id], a table in the checkpoint, so their load is that table's over the "
+                     f"text's token ids, which neither --skew nor --balance changes")
     if result.balance is not None:
         b = result.balance
         lines.append(f"balancing         {b.method}, {b.steps} steps: imbalance {b.imbalance_before:.2f}x -> "

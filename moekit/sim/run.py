@@ -8,6 +8,13 @@ Shapes: M = ``tokens``, E = ``experts``, k = ``top_k``, Z = identity experts, B 
 
 ``simulate(params, config)`` routes with a ``MoEConfig``'s own rule (``moekit.sim.router``): LongCat-Flash's identity
 slots are counted apart (``identity_hits``, ``zero_compute_share``), never as expert loads, capacity or EP work.
+
+Hash-routed layers (DeepSeek-V4's first MoE layers, ``mlp_layer_types[i] == "hash_moe"``) are not simulated: a
+token's experts there are ``tid2eid[token id]``, a [vocab, k] table that lives in the checkpoint (no config.json
+holds it), so their load is that table's over the text's token frequencies: no router logits, skew or balancing
+method decides or changes it, and a made-up table's load would be reported as the model's. A config.json with hash
+and top-k layers simulates its top-k layers and names the hash ones (``hash_layers``); a hash layer's ``MoEConfig``
+(``hash_table_size``), or a model whose every MoE layer hash-routes, is refused (``hash_layers_of``).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moekit.analysis import experts_touched
-from moekit.config import MoEConfig
+from moekit.config import MoEConfig, hf_layer_fields
+from moekit.config_hf_v4 import hash_layers
 from moekit.routing import apply_capacity
 from moekit.routing.weighting import without_identity
 from moekit.sim import streams
@@ -75,6 +83,7 @@ class SimResult:
     routed_assignments: int  # the M·k slots less the identity ones: what the experts run (before capacity)
     identity_hits: list[int]  # [Z] slots routed to identity expert E + j (LongCat-Flash); [] without
     zero_compute_share: float  # sum(identity_hits) / (M·k): slots that ran no expert
+    hash_layers: list[int]  # the model's hash-routed MoE layers (DeepSeek-V4's): not simulated, see the module doc
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,6 +98,7 @@ def simulate(params: SimParams, config: MoEConfig | dict | None = None) -> SimRe
     if not isinstance(params, SimParams):  # a dict of the settings failed on "'dict' object has no attribute"
         raise TypeError(f"params must be a moekit.sim.SimParams (SimParams(**settings)), got {type(params).__name__}")
     fields = config if isinstance(config, dict) else None
+    hashed = hash_layers_of(config)  # refuses what routes by a table only
     if fields is not None:
         config = MoEConfig.from_hf_config(fields, layer="typical")
     model = None if fields is None else stated_model(params.experts, params.top_k, fields)
@@ -124,7 +134,26 @@ def simulate(params: SimParams, config: MoEConfig | dict | None = None) -> SimRe
         routed_assignments=assignments,
         identity_hits=identity.tolist(),
         zero_compute_share=float(identity.sum()) / (params.tokens * params.top_k),
+        hash_layers=hashed,
     )
+
+
+def hash_layers_of(config: MoEConfig | dict | None) -> list[int]:
+    """The hash-routed MoE layers of ``config`` (a config.json's fields; [] for a ``MoEConfig`` or None), which
+    ``simulate`` does not simulate (the module doc); a ValueError for a hash layer's ``MoEConfig`` and for a model
+    whose every MoE layer hash-routes: nothing of it is the simulator's to route."""
+    why = ("routes by a token-id table (tid2eid[token id], a [vocab, k] table in the checkpoint, not in a config): "
+           "its load is that table's over the text's token ids, which no router logits, skew or balancing decide; the "
+           "simulator routes a synthetic router's logits (a top-k layer)")
+    if isinstance(config, MoEConfig) and config.hash_table_size is not None:
+        raise ValueError(f"config.hash_table_size={config.hash_table_size}: a hash layer {why}")
+    if not isinstance(config, dict):
+        return []
+    d = hf_layer_fields(config)
+    hashed = hash_layers(d)
+    if hashed and "moe" not in d["mlp_layer_types"]:
+        raise ValueError(f"every MoE layer of this {d.get('model_type')} config ({len(hashed)}) {why}")
+    return hashed
 
 
 def router_summary(config: MoEConfig) -> dict:

@@ -81,6 +81,8 @@ function render(r) {
   $("zero-compute-row").hidden = r.identity_hits.length === 0; // LongCat-Flash's identity experts: no expert runs
   $("zero-compute").textContent = `${r.identity_hits.reduce((a, b) => a + b, 0)} ` +
     `(${(100 * r.zero_compute_share).toFixed(1)}%)`;
+  $("hash-row").hidden = r.hash_layers.length === 0; // DeepSeek-V4's hash layers: named, not simulated
+  $("hash-layers").textContent = r.hash_layers.join(", ");
   const b = r.balance;
   $("balance-report").textContent = b === null ? "Balancing off." :
     `${b.method}: ${b.steps} steps; imbalance ${b.imbalance_before.toFixed(2)}× → ${b.imbalance_after.toFixed(2)}×, ` +
