@@ -81,7 +81,7 @@ class QuantEntry:
 
     def __init__(self, w13_ref, w2, sequence: LaunchSequence | None, fresh, pool, stamp: tuple, stream, checked: bool,
                  choice, biases, words=None):
-        self.words = words  # the words default's ``WordsVariant`` (sequence None: ``words_lean_call`` launches), or None
+        self.words = words  # the words default's ``WordsVariant`` (sequence None: ``words_lean_call`` launches)
         self.biases = biases  # kept_biases' (None: the call had none); the sequence holds their addresses
         self.w13, self.w2, self.read = w13_ref, weakref.ref(w2), state_reader(w13_ref(), w2)
         self.state = self.read(w13_ref(), w2)

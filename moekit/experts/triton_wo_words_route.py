@@ -81,7 +81,7 @@ def _check_biases(w13, w2, b13, b2) -> None:
 
 
 def runs_on(device: torch.device) -> bool:
-    """Whether the words kernels (Gluon) run on ``device``: CUDA (the CPU tests patch it, with the kernels' stand-ins)."""
+    """Whether the words kernels (Gluon) run on ``device``: CUDA (the CPU tests patch it, with their stand-ins)."""
     return device.type == "cuda"
 
 
