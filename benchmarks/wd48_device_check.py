@@ -2,29 +2,30 @@
 (``moekit/experts/triton_wo_words_default.py``) through the real client, against the previous pick (the default off:
 ``triton_wo_words_default.set_enabled(False)``).
 
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/wd48_device_check.py --out $OUT/wd48 --deadline 72     # GPU
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/wd48_device_check.py --out $OUT/wd48 --deadline 72 --rounds 3  # GPU
     PYTHONPATH=$PWD python3 benchmarks/wd48_device_check.py --smoke     # CPU, interpreted: the layers and the twin
+    ... wd48_device_check.py --out $OUT/wd48b --deadline 72 --rounds 3 --cases deepseek-v3:2 mixtral-8x7b:2 ...
 
 Layers: a ``moekit.MoE`` of DeepSeek-V3 (E 256, N 2048, K 7168, top-8, its shared expert; int4_w4a16, groups of 128)
 and of Mixtral-8x7B (E 8, N 14336, K 4096, top-2; mxfp4), backend "triton", bf16, random init, quantized with
 ``quantize_`` (DeepSeek-V3: the same ``moekit.quant.quantize`` per 32 experts and ``install_quantized_experts_``, since
 the whole [256, 4096, 7168] tensor's float32 temporaries do not fit beside it; quantization is per expert row group,
-so the result is the same). Cells: each layer at M = 1, 8, 16, 2, 4 (the table's Ms first), DeepSeek-V3 then Mixtral.
+so the result is the same). Cells: each layer at M = 1, 8, 16, 2, 4 (the table's Ms first), DeepSeek-V3 then Mixtral
+(``--cases``: some of these, as "preset:M").
 Per cell, first PASS / FAIL:
   experts   ``experts_triton`` on the layer's quantized weights (fixed random routing), default on: rel-L2 <= TOL
             against ``fused_experts_wo_torch``, and the words kernels ran it (counted); default off: the same
             against the twin, and the words never ran
   layer     the layer's forward on / off: rel-L2 <= TOL between the two (the same gate and routing)
 then eager wall and host µs a call (EAGER_CALLS calls, behind ~1 ms of GPU sleep for host, to completion for
-wall; each variant warmed after its switch; ROUNDS rounds, the variants interleaved, medians) and CUDA-graph µs a call
-(SETS input sets captured per variant; ROUNDS rounds shuffled, medians; wins: rounds on <= 0.97 x off) of the
+wall; each variant warmed after its switch; --rounds rounds, the variants interleaved, medians) and CUDA-graph µs a
+call (SETS input sets captured per variant; --rounds rounds shuffled, medians; wins: rounds on <= 0.97 x off) of the
 experts call and the layer forward, on and off. Table last; JSON <out>/wd48.json. Cells past the deadline: "not
 reached".
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -40,7 +41,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import graph_of, medians, settled, shuffled, wins  # noqa: E402
-from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, case_args, rel_l2, run_cases  # noqa: E402
 
 import moekit.experts.triton_wo_words_default as words_default  # noqa: E402
 import moekit.experts.triton_wo_words_lean as words_lean  # noqa: E402
@@ -56,8 +57,8 @@ from moekit.quant.module import install_quantized_experts_  # noqa: E402
 
 LAYERS = {"deepseek-v3": "int4_w4a16", "mixtral-8x7b": "mxfp4"}
 MS = (1, 8, 16, 2, 4)
-CELLS = [(preset, m) for m in MS for preset in LAYERS]
-SETS, ROUNDS, REPLAYS, TOL = 2, 3, 3, 1e-2
+CASES = [f"{preset}:{m}" for m in MS for preset in LAYERS]  # "preset:M"; --cases picks some
+SETS, REPLAYS, TOL = 2, 3, 1e-2
 EAGER_CALLS, WARM = 16, 3
 CHUNK = 32  # DeepSeek-V3's experts quantized at a time (the whole tensor's float32 temporaries would not fit)
 RUN = RunLog("wd48: the words default on / off through the client; graph µs (wins/rounds), eager wall / host µs")
@@ -147,12 +148,12 @@ def checks(label: str, layer: MoE, sets: list) -> dict:
     return fns
 
 
-def eager(fns: dict, dev) -> dict:
+def eager(fns: dict, dev, rounds: int) -> dict:
     """name -> (wall µs a call, host µs a call): per round each variant switched and warmed (WARM calls), then
-    EAGER_CALLS calls behind ~1 ms of GPU sleep (host) and to completion (wall); medians of ROUNDS rounds, the
+    EAGER_CALLS calls behind ~1 ms of GPU sleep (host) and to completion (wall); medians of ``rounds`` rounds, the
     variants' order reversed every other round."""
     got = {name: ([], []) for name in fns}
-    for r in range(ROUNDS):
+    for r in range(rounds):
         for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
             calls = fns[name]
             for i in range(WARM):
@@ -170,16 +171,16 @@ def eager(fns: dict, dev) -> dict:
     return {name: (statistics.median(w), statistics.median(h)) for name, (w, h) in got.items()}
 
 
-def graphs(fns: dict, dev, stop: float) -> dict:
+def graphs(fns: dict, dev, rounds: int, stop: float) -> dict:
     """name -> [µs a call, each round]: each variant's calls captured under its switch, timed interleaved."""
     entries = {}
     for name, calls in fns.items():
         calls[0]()  # the switch set (and its entries dropped) outside the capture
         entries[name] = (graph_of(calls, dev), None)
-    return settled(entries, len(next(iter(fns.values()))), dev, ROUNDS, REPLAYS, stop, order=shuffled)
+    return settled(entries, len(next(iter(fns.values()))), dev, rounds, REPLAYS, stop, order=shuffled)
 
 
-def run_cell(preset: str, m: int, layers: dict, dev, stop: float, results: list) -> None:
+def run_cell(preset: str, m: int, layers: dict, dev, rounds: int, stop: float, results: list) -> None:
     if preset not in layers:  # both kept (DeepSeek-V3's codes ~6 GB, Mixtral's ~0.7): the Ms alternate presets
         layers[preset] = build_layer(preset, dev)
     layer = layers[preset]
@@ -190,45 +191,36 @@ def run_cell(preset: str, m: int, layers: dict, dev, stop: float, results: list)
     fns = checks(label, layer, sets)
     if dev.type != "cuda" or not fns:
         return
-    walls = eager(fns, dev)
-    rounds = graphs(fns, dev, stop)
-    times = medians(rounds)
-    results.append({"cell": label, "graph_us": times, "rounds": rounds, "eager_wall_host_us": walls})
+    walls = eager(fns, dev, rounds)
+    timed = graphs(fns, dev, rounds, stop)
+    times = medians(timed)
+    results.append({"cell": label, "graph_us": times, "rounds": timed, "eager_wall_host_us": walls})
     parts = []
     for what in ("experts", "layer"):
         on, off = f"{what}_on", f"{what}_off"
         parts.append(f"{what} graph {times[off]:.1f} / {times[on]:.1f} (x{times[off] / times[on]:.2f}, "
-                     f"{wins(rounds[on], rounds[off])}/{len(rounds[on])}), eager wall {walls[off][0]:.1f} / "
+                     f"{wins(timed[on], timed[off])}/{len(timed[on])}), eager wall {walls[off][0]:.1f} / "
                      f"{walls[on][0]:.1f}, host {walls[off][1]:.1f} / {walls[on][1]:.1f}")
     RUN.summary.append(f"{label} off / on: " + "; ".join(parts))
 
 
-def main(args) -> int:
-    dev, results, layers = torch.device("cpu" if SMOKE else "cuda"), [], {}
+def main() -> int:
+    args = case_args(__doc__, 72.0, CASES)
+    dev, result, layers = torch.device("cpu" if SMOKE else "cuda"), {"cells": []}, {}
     _count_words()
     stop_at = time.time() + args.deadline - RUN.elapsed()
-    RUN.log(f"{run_info()}")
+    if SMOKE:
+        args.cases = args.cases[:2]
 
-    def one(cell: tuple) -> None:
+    def one(case: str) -> None:
+        preset, m = case.split(":")
         with torch.no_grad():
-            run_cell(*cell, layers, dev, stop_at, results)
+            run_cell(preset, int(m), layers, dev, args.rounds, stop_at, result["cells"])
 
-    def after() -> None:
-        if args.out:
-            write_json(os.path.join(args.out, "wd48.json"), {**run_info(), "cells": results})
-
-    cells = [c for c in CELLS if (not args.presets or c[0] in args.presets) and (not args.ms or c[1] in args.ms)]
-    RUN.each_cell(cells[:2] if SMOKE else cells, one, args.deadline - 8, after)
+    run_cases(RUN, result, args, "wd48", one)
     set_enabled(True)
-    RUN.print_table()
     return 1 if RUN.failed else 0
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=72.0)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--presets", nargs="+", default=[], help="these layers' cells only")
-    p.add_argument("--ms", nargs="+", type=int, default=[], help="these M only")
-    sys.exit(main(p.parse_args()))
+    sys.exit(main())
