@@ -138,9 +138,9 @@ def test_weights_the_kernels_do_not_take_fall_back_to_the_pick(on_cpu):
 
 @pytest.mark.parametrize("scheme, m", [("int4_w4a16", 1), ("mxfp4", 5)])
 def test_the_client_takes_the_default_and_its_fast_path_serves_the_words(on_cpu, monkeypatch, scheme, m):
-    """``experts_triton`` on ``moekit.quant`` weights and the ``fused_experts_wo`` op: the named call's output; the
-    first eager call keeps a words entry (no fused sequence), the next ones are served by it through the words' own
-    kept sequence, never asking to record again."""
+    """``experts_triton`` on ``moekit.quant`` weights, the ``fused_experts_wo`` op, eager and compiled: the named call's
+    output (the compiled one through the words kernels too); the first eager call keeps a words entry (no fused
+    sequence), the next ones are served by it through the words' own kept sequence, never asking to record again."""
     from _helpers import bf16_quantized_pair, count_served
     from moekit.experts import triton_fast, triton_quant_fast as tqf
     from moekit.experts.triton import experts_triton
@@ -164,3 +164,8 @@ def test_the_client_takes_the_default_and_its_fast_path_serves_the_words(on_cpu,
     (entry,) = tqf._MEMO.values()
     assert entry.sequence is None and entry.words == route.words_call_variant("silu", None, None)
     assert torch.equal(fused_experts_wo(x, _wo(q13), _wo(q2), ids, weights), named)
+    compiled = torch.compile(lambda x, ids, weights: fused_experts_wo(x, _wo(q13), _wo(q2), ids, weights),
+                             backend="eager", fullgraph=True)  # the op's body runs the route at run time
+    for fake in on_cpu.values():
+        fake.log.clear()
+    assert torch.equal(compiled(x, ids, weights), named) and all(fake.log for fake in on_cpu.values())
