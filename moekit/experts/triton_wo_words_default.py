@@ -29,18 +29,25 @@ from moekit.experts.triton_wo_words_route import WORDS_SCHEMES, words_variant
 ENABLED = os.environ.get("MOEKIT_WORDS_DEFAULT", "1") != "0"
 
 # (scheme, E, N, K) -> {measured M: whether the words won there in eager wall AND graph time}. Measured on an H100
-# 80GB HBM3 (no H200 was lent in sessions 47-48; the chooser's tables are H200 measurements: the same sm_90 and 132
-# SMs), torch 2.11, Triton 3.6, benchmarks/wl46_device_check.py at main 3bdb789 (session 47) and ef0afa3a (session 48,
-# figures within 1% of session 47's); graph µs pick / words (3/3 interleaved rounds), eager wall µs a call pick / words.
+# 80GB HBM3 (no H200 was lent in sessions 47-48; the chooser's tables are H200 measurements: the same sm_90, 132 SMs),
+# torch 2.11, Triton 3.6: first benchmarks/wl46_device_check.py at main 3bdb789 and ef0afa3a (M = 1 and 8, sessions
+# 47-48), then benchmarks/wd48_device_check.py at e6a4c2a1 (session 48, through a moekit.MoE layer quantized with
+# quantize_, every output PASS): graph µs of the experts call off / on (3/3 interleaved rounds on <= 0.97 x off), eager
+# wall µs a call of the experts call and of the layer forward off / on; off = the chooser's pick.
 # Not taken: Mixtral int4 (M=1 x1.06 in graph but 110.2 / 119.9 eager wall; M=8 x0.98), DeepSeek-V3 mxfp4 (M=1 / 8
 # x0.93 / x0.96), and gpt-oss-20b mxfp4 though it won (x1.28 / x1.21): its K = N = 2880 runs the words on a kept padded
 # copy of every expert (``triton_wo_words_pad``, 471 MB beside a layer's 423 MB), and a default may not double the
-# experts' memory (``words_fit`` refuses a call that needs the copy).
+# experts' memory (``run_experts_words(default=True)`` refuses a call that needs the copy).
 WORDS_DEFAULT_CELLS: dict[tuple[str, int, int, int], dict[int, bool]] = {
-    # DeepSeek-V3: M=1 112.7 / 97.2 (x1.16), eager 116.8 / 101.0; M=8 760.5 / 680.2 (x1.12), eager 767.8 / 687.7
-    ("int4_w4a16", 256, 2048, 7168): {1: True, 8: True},
-    # Mixtral-8x7B: M=1 137.6 / 108.7 (x1.27), eager 136.3 / 114.5; M=8 401.0 / 361.0 (x1.11), eager 372.1 / 372.0
-    ("mxfp4", 8, 14336, 4096): {1: True, 8: True},
+    # DeepSeek-V3, graph / eager experts / eager layer: M=1 131.0 / 105.4 (x1.24), 117.0 / 102.0, 178.2 / 162.9;
+    # M=2 215.9 / 182.7, 225.5 / 188.3, 297.6 / 260.0; M=4 391.7 / 350.4, 397.6 / 355.7, 475.9 / 433.7; M=8 759.4 /
+    # 687.6, 765.4 / 690.6, 882.7 / 806.3; M=16 1307.8 / 1066.4 (x1.23), 1313.9 / 1075.4, 1506.5 / 1254.6
+    ("int4_w4a16", 256, 2048, 7168): {1: True, 2: True, 4: True, 8: True, 16: True},
+    # Mixtral-8x7B: M=1 137.9 / 109.2 (x1.26), 136.0 / 115.2, 142.3 / 121.1; M=2 218.2 / 196.5, 227.3 / 205.0, 233.4 /
+    # 211.0; M=4 319.1 / 263.2, 299.5 / 275.4, 328.4 / 292.7; M=16 479.6 / 439.8, 480.7 / 446.8, 489.2 / 454.1. M=8
+    # lost in eager wall (graph 403.0 / 366.9, x1.10, but the layer 372.9 / 380.9, the experts call 375.0 / 369.5;
+    # sessions 47-48: 372.1 / 372.0): M = 6..11 take the pick
+    ("mxfp4", 8, 14336, 4096): {1: True, 2: True, 4: True, 8: False, 16: True},
 }
 
 
