@@ -8,7 +8,8 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
 The same alignment, tiny-batch shortcut, workspace regions, k-sum (folded into the down GEMM in lean eager
 calls up to ``LaunchOptions.sum_fold_max`` tokens with one split) and launch options as the 16-bit
 path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Five decodes of the packed weights,
-chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
+chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``; before it, the words decode in the
+cells ``triton_wo_words_default`` measured, on an H100) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
 "register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers), "mma"
 (``_kernels/gemm_wo_mma.py``, all three schemes: 32-bit words decoded where they land into one tensor-core
