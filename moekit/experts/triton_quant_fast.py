@@ -29,7 +29,10 @@ kept too, from its plan (``triton_wo_scratch_plan``: the dequant and k-sum launc
 buffer (``SCRATCH_WORKSPACES``; h and y with it up to 256 MiB, else per call); its decode choice is cached per kind
 (``triton_wo_plan.chosen_decode``). Not kept: inference-mode weights (no version counter), calls whose plan has not
 compiled. The weight-only plain path allocates its workspace per call; its lean calls take theirs from a reused pool
-(``triton_wo.LEAN_WORKSPACES``), as the bf16 and fp8 eager paths do. ``clear_quant_fast``
+(``triton_wo.LEAN_WORKSPACES``), as the bf16 and fp8 eager paths do. A call the words decode's default runs
+(``triton_wo_words_default``) is kept as a words entry, no recorded sequence: a hit launches the words decode's own
+kept sequence (``triton_wo_words_lean.words_lean_call``, which asks what it recorded under; its miss is this path's
+miss). ``clear_quant_fast``
 (``triton.clear_launch_caches``, a retune) drops every entry; an entry goes when its w13 is freed.
 """
 
@@ -44,6 +47,7 @@ import torch
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.kept_biases import fits, keepable, kept_biases
 from moekit.experts.triton_lean import LaunchSequence, _Slot, record_steps
+from moekit.experts.triton_wo_words import WordsVariant
 from moekit.quant import QuantizedWeight
 from moekit.triton_bind import current_stream
 
@@ -73,10 +77,11 @@ class QuantEntry:
     """One kept call: its weight objects as they were, the recorded launches, what they were recorded under."""
 
     __slots__ = ("w13", "w2", "read", "state", "biases", "sequence", "fresh", "pool", "generation", "stream", "epoch",
-                 "checked", "choice")
+                 "checked", "choice", "words")
 
-    def __init__(self, w13_ref, w2, sequence: LaunchSequence, fresh, pool, stamp: tuple, stream, checked: bool,
-                 choice, biases):
+    def __init__(self, w13_ref, w2, sequence: LaunchSequence | None, fresh, pool, stamp: tuple, stream, checked: bool,
+                 choice, biases, words=None):
+        self.words = words  # the words default's ``WordsVariant`` (sequence None: ``words_lean_call`` launches)
         self.biases = biases  # kept_biases' (None: the call had none); the sequence holds their addresses
         self.w13, self.w2, self.read = w13_ref, weakref.ref(w2), state_reader(w13_ref(), w2)
         self.state = self.read(w13_ref(), w2)
@@ -148,6 +153,10 @@ def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool,
             return None
     if entry.choice is not None and entry.choice[0].DEFAULT_FP8_CHOICE is not entry.choice[1]:
         return None
+    if entry.words is not None:  # the words default's call: its own kept sequence, its own checks (None: a miss)
+        from moekit.experts.triton_wo_words_lean import words_lean_call
+
+        return words_lean_call(x, w13, w2, ids, weights, entry.words, b13, b2)
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
@@ -197,6 +206,13 @@ def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool,
     inputs = _lean_inputs(x, w13, w2, ids, weights, activation, options, b13, b2)
     if inputs is None:
         return
+    if isinstance(inputs, WordsVariant):  # the words default ran it (``wo_lean_inputs``)
+        from moekit.experts.triton_wo import LEAN_WORKSPACES
+
+        stamp = (LEAN_WORKSPACES.generation, _epoch[0])
+        _keep(x, w13, w2, ids, weights, activation, options, (None, None), LEAN_WORKSPACES, stamp, checked,
+              kept_biases(b13, b2), inputs)
+        return
     plan, pool, make_launches = inputs
     for _ in range(2):  # again where the views grew the pool's buffer (a new generation) as they were carved
         stamp = (pool.generation, _epoch[0])  # before the views: a clear or a new buffer from here on makes it stale
@@ -209,7 +225,8 @@ def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool,
 
 
 def _lean_inputs(x, w13, w2, ids, weights, activation, options, b13, b2):
-    """(plan, pool, launches(b, x, ids, weights, out)) of the scheme's plain path for this call, or None."""
+    """(plan, pool, launches(b, x, ids, weights, out)) of the scheme's plain path for this call, the words default's
+    ``WordsVariant`` where it runs the call, or None."""
     from moekit.activations import plan_activation, spec_fields
 
     if w13.scheme == "fp8_block":
@@ -242,7 +259,7 @@ def _record(spec, pool, device: torch.device, make_launches) -> tuple | None:
 
 
 def _keep(x, w13, w2, ids, weights, activation, options, recorded: tuple, pool, stamp: tuple, checked: bool,
-          biases) -> None:
+          biases, words=None) -> None:
     key = (id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
            ids.device, weights.device, activation, options, get_ident())
 
@@ -258,7 +275,7 @@ def _keep(x, w13, w2, ids, weights, activation, options, recorded: tuple, pool, 
 
         choice = (gluon_fp8, gluon_fp8.DEFAULT_FP8_CHOICE)
     entry = QuantEntry(weakref.ref(w13, forget), w2, sequence, fresh, pool, stamp, _stream(x.device), checked, choice,
-                       biases)
+                       biases, words)
     with _lock:
         _MEMO.pop(key, None)
         if len(_MEMO) >= MAX_ENTRIES:

@@ -8,7 +8,8 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
 The same alignment, tiny-batch shortcut, workspace regions, k-sum (folded into the down GEMM in lean eager
 calls up to ``LaunchOptions.sum_fold_max`` tokens with one split) and launch options as the 16-bit
 path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Five decodes of the packed weights,
-chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
+chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``; before it, the words decode in the
+cells ``triton_wo_words_default`` measured, on an H100) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
 "register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers), "mma"
 (``_kernels/gemm_wo_mma.py``, all three schemes: 32-bit words decoded where they land into one tensor-core
@@ -68,6 +69,8 @@ from moekit.experts.triton_wo_scratch import (
 )
 from moekit.experts.triton_wo_scratch_plan import clear_scratch_plans, scratch_lean_inputs
 from moekit.experts.triton_wo_winners import MIN_M
+from moekit.experts.triton_wo_words_default import words_default_covers
+from moekit.experts.triton_wo_words_route import run_experts_words, words_call_variant, words_fit
 from moekit.func_ops import transform_function, transforming
 from moekit.layouts.grouping import to_local_ids
 from moekit.quant import e2m1_decode
@@ -147,14 +150,18 @@ def run_experts_wo(
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
     "register", "mma", "gemv", "scratch" (``triton_wo_scratch``), "gluon" (``triton_gluon_wo``) or "gluon_words"
-    (``triton_wo_words``: int4 or mxfp4, selectable only; a repeated eager call lean); None:
-    ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
+    (``triton_wo_words``: int4 or mxfp4; a repeated eager call lean); None: the words decode in its measured cells
+    (``triton_wo_words_default``) where it fits, else ``choose_decode``, the fused ones when ``config`` or
+    ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
     and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` and "scratch" (module docstring). Not an
     op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
-    if decode == "gluon_words":  # selectable only (issue 16, sessions 45-46): ``triton_wo_words``, its own checks
-        from moekit.experts.triton_wo_words_route import run_experts_words
-
+    if decode == "gluon_words":  # issue 16, sessions 45-46: ``triton_wo_words``, its own checks
         return run_experts_words(x, w13, w2, topk_ids, topk_weights, expert_map, scheme, activation, b13, b2)
+    if (decode is None and config is None and split_k is None
+            and words_default_covers(x, w13, scheme, activation, expert_map)):  # session 48: its measured cells
+        out = run_experts_words(x, w13, w2, topk_ids, topk_weights, None, scheme, activation, b13, b2, default=True)
+        if out is not None:
+            return out
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -198,11 +205,14 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     call used: the same options), a workspace pool, and its launches as a function of (b, x, ids, weights,
     out), weights bound. For a call the scratch decode runs, its kept form (``triton_wo_scratch_plan.
     scratch_lean_inputs``: the op's options; None where there is none); for one the Gluon path runs, its
-    lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size). ``b13`` / ``b2``
+    lean launch's (``triton_gluon_wo_lean.wo_gluon_lean_inputs``; None above its pool's size); for one the words
+    default runs, its ``WordsVariant`` (no fused sequence: its own kept one, ``words_lean_call``). ``b13`` / ``b2``
     (contiguous, or None): bound into the launches as the weights are (the caller checks they are the same on a
     replay); a biased call the scratch decode runs: None (its lean form takes none)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
+    if words_default_covers(x, a13, w13.scheme, activation, None) and words_fit(x, a13, a2, ids.shape[1]):
+        return words_call_variant(activation, b13, b2)
     biased = b13 is not None or b2 is not None
     plain = as_spec(activation).plain and not biased  # a variant never takes the Gluon decode (run_experts_wo)
     if plain and _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):  # its lean plan and pool

@@ -22,8 +22,9 @@ Seven decodes of the packed weights (DECODES), each its own kernels and its own 
               each stored tile to bf16 in shared memory one step ahead of the wgmma (no fused plan:
               ``run_experts_wo`` diverts to it); taken where ``GLUON_WO_CELLS`` measured it faster, else selectable.
     gluon_words ``triton_wo_words`` (int4 session 45, mxfp4 46; Gluon): the packed words by 16-byte loads into
-              mma.sync's register operand, K permuted so no operand moves; selectable only (no fused plan:
-              ``run_experts_wo`` diverts to it), no default takes it before a device run measures it.
+              mma.sync's register operand, K permuted so no operand moves (no fused plan: ``run_experts_wo``
+              diverts to it); taken where ``triton_wo_words_default.WORDS_DEFAULT_CELLS`` measured it faster (before
+              the chooser below), else selectable.
 ``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the
 call (``triton_wo_winners``, mid and large batches), else per (scheme, shape, nearest measured M of the same
 tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch shortcut, or on

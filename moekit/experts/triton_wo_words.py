@@ -1,8 +1,8 @@
 """The host side of the int4 gate-up that loads its packed words straight into mma.sync's register operand (decode
 "gluon_words", issue #16 target 1, session 45; the kernel: ``_kernels/gluon_wo_words.py``, whose module docstring
 gives the dot order): what it requires (``check_words``, refused by name), the activations in its order
-(``x_words``), the launch (``words_gate_up_launch``) and h of a call (``gate_up_words``). Selectable only: no
-default takes it until a device run measures it (``benchmarks/w4g45_device_check.py``, ``wl46_device_check.py``).
+(``x_words``), the launch (``words_gate_up_launch``) and h of a call (``gate_up_words``). Named, or since session 48
+the default of the cells an H100 measured it faster in (``triton_wo_words_default``, ``wd48_device_check.py``).
 mxfp4 (session 46): the same words and dot order, the e8m0 scales in the decode (``_kernels/words_mx.py``, host side
 ``triton_wo_words_mx``); the route's call as a plan with a lean launch: ``triton_wo_words_lean``; the kernels' operand
 order mirrored in torch: ``triton_wo_words_twin``.
