@@ -25,7 +25,7 @@ def words_variant(activation, b13, b2) -> WordsVariant:
         raise ValueError(f"decode='gluon_words' runs gated silu (alpha, limit, up_shift and interleaved rows "
                          f"included), got activation {spec.name}, gated {spec.gated}")
     return WordsVariant(b13 is not None, b2 is not None, spec.interleaved, 0.0 if spec.limit is None else spec.limit,
-                        spec.alpha, spec.up_shift)
+                        spec.alpha, spec.up_shift, spec.limit_after_act)
 
 
 def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map,
