@@ -57,7 +57,8 @@ def _words_loop(x, w13, w2, ids, weights, spec) -> torch.Tensor:
             act = gate.clamp(max=limit) * torch.sigmoid(gate.clamp(max=limit))
             if spec.limit_after_act:
                 act = (gate * torch.sigmoid(gate)).clamp(max=limit)
-            out[t] += float(weights[t, slot]) * (dequant(w2.q, w2.scale, w2.zero, e, n) @ (act * up).bfloat16().double())
+            h = (act * up).bfloat16().double()
+            out[t] += float(weights[t, slot]) * (dequant(w2.q, w2.scale, w2.zero, e, n) @ h)
     return out
 
 

@@ -43,7 +43,8 @@ def _cpu_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: Optional[torch.Tensor], b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
-    limit_after_act: bool, memory_budget_bytes: Optional[int], layout: str, cpu_gemm: str, w13_transposed: bool, w2_transposed: bool,
+    limit_after_act: bool, memory_budget_bytes: Optional[int], layout: str, cpu_gemm: str, w13_transposed: bool,
+    w2_transposed: bool,
 ) -> torch.Tensor:
     """x [M, K], w13 [E, R, K] ([E, K, R] when ``w13_transposed``), w2 [E, K, N] ([E, N, K] when ``w2_transposed``),
     topk_ids / topk_weights [M, k], expert_map [E_global] or None, b13 [E, R] / b2 [E, K] or None, the

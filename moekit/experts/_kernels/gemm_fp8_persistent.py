@@ -49,8 +49,7 @@ def gate_up_fp8_persistent_kernel(
     # x_q [M, K], x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q [A, N], h_s [A, NB]
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # ids, map: unread (the plan's pointer list)
-    b13_ptr,  # [E, 2N] or None (plain calls)
-    N, K, num_assignments, top_k,
+    b13_ptr, N, K, num_assignments, top_k,  # b13 [E, 2N] or None (plain calls)
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, W_DESC: tl.constexpr,
