@@ -3,6 +3,7 @@ LIMIT_AFTER constexpr: Step-3.7, Bailing-Hybrid) on the GPU. It only has to show
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/act48_device_check.py --out $OUT/act48 --deadline 72    # GPU
     PYTHONPATH=$PWD python3 benchmarks/act48_device_check.py --smoke    # CPU, interpreted: the Triton picks at M = 4
+    ... act48_device_check.py --out $OUT/act48b --deadline 72 --phases picks,graphs    # the picks alone
 
 A Step-3.7-like layer: 64 local experts (an EP slice of Step-3.7-Flash's 288), top-8, hidden 4096, expert width 1280;
 silu clamped at LIMIT = 1.0 (it bites on unit-variance gate-up sums; at Step-3.7's larger limits silu(L) ~ L and the
@@ -21,7 +22,6 @@ rounds the after-act one took >= 3% longer). Table last; JSON <out>/act48.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import graph_of, medians, settled, shuffled, wins  # noqa: E402
-from bench_run import RunLog, rel_l2, run_info, write_json  # noqa: E402
+from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases  # noqa: E402
 from wo_device_check import quantized  # noqa: E402
 
 from moekit.activations import ActivationSpec  # noqa: E402
@@ -158,33 +158,21 @@ def time_cell(label: str, calls: dict, dev, stop: float, results: list) -> None:
     results.append({"cell": label, "graph_us": times, "rounds": rounds})
 
 
-def main(args) -> int:
-    dev, results = torch.device("cpu" if SMOKE else "cuda"), []
+def main() -> int:
+    dev, result, timed = torch.device("cpu" if SMOKE else "cuda"), {"cells": []}, {}
+    phases = {"gluon": lambda: gluon_checks(dev),
+              "picks": lambda: RUN.each_cell([(scheme, m) for m in BATCHES for scheme in SCHEMES],
+                                             lambda cell: pick_cell(*cell, dev, timed), args.deadline - 8),
+              "graphs": lambda: RUN.each_cell(list(timed), lambda label: time_cell(label, timed[label], dev, stop_at,
+                                                                                   result["cells"]), args.deadline)}
+    args = phase_args(__doc__, phases, "act48.json")
     stop_at = time.time() + args.deadline - 6 - RUN.elapsed()  # the graphs' rounds stop by it
+    result.update(run_info(), limit=LIMIT, shape=dict(E=E, K=K, N=N, top_k=TOP_K))
     RUN.log(f"E={E} K={K} N={N} top-{TOP_K}, limit {LIMIT}; {run_info()}")
-
-    def after() -> None:
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        if args.out:
-            write_json(os.path.join(args.out, "act48.json"), {**run_info(), "limit": LIMIT, "cells": results})
-
-    timed: dict = {}
+    names = [name for name in args.phases if not (SMOKE and name == "gluon")]  # Gluon: CUDA only
     with torch.no_grad():
-        if not SMOKE:
-            RUN.each_cell(["gluon"], lambda _: gluon_checks(dev), args.deadline - 8, after)
-        cells = [(scheme, m) for m in BATCHES for scheme in SCHEMES]
-        RUN.each_cell(cells, lambda cell: pick_cell(*cell, dev, timed), args.deadline - 8, after)
-        RUN.log(f"checks done; timing {len(timed)} cells")
-        RUN.each_cell(list(timed), lambda label: time_cell(label, timed[label], dev, stop_at, results),
-                      args.deadline - 4, after)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+        return run_phases(RUN, phases, names, args.deadline, {"gluon": 8, "picks": 8, "graphs": 6}, args.path, result)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=72.0)
-    p.add_argument("--smoke", action="store_true")
-    sys.exit(main(p.parse_args()))
+    sys.exit(main())

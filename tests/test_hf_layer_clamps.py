@@ -134,14 +134,21 @@ def test_each_step_block_becomes_a_layer_with_its_own_clamp():
             assert rel_l2(other(x), want) > 1e-3  # the other layer's clamp: the test can fail
 
 
-def test_the_whole_model_through_moekit_blocks_and_the_experts_implementation():
-    model = _step_model()
-    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+def eager_and_moekit(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the last hidden state with transformers' "eager" experts, then with "moekit"'s; the model left on "moekit")."""
     with torch.no_grad():
         model.set_experts_implementation("eager")
         want = model(ids).last_hidden_state
         model.set_experts_implementation("moekit")
-        assert rel_l2(model(ids).last_hidden_state, want) < 1e-5
+        return want, model(ids).last_hidden_state
+
+
+def test_the_whole_model_through_moekit_blocks_and_the_experts_implementation():
+    model = _step_model()
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    want, got = eager_and_moekit(model, ids)
+    assert rel_l2(got, want) < 1e-5
+    with torch.no_grad():
         plans = [layer.mlp.experts._moekit_plan for layer in model.layers]
         assert [p.activation.limit for p in plans] == LIMITS and all(p.fused for p in plans)
         report = moekit_hf.use_moekit_blocks(model)

@@ -73,17 +73,13 @@ def test_step_3_7_experts_on_the_triton_backend(interpreter, monkeypatch):
     pytest.importorskip("transformers")
     import moekit.hf as moekit_hf
     from moekit.experts import triton_plan
-    from test_hf_layer_clamps import LIMITS, _step_model
+    from test_hf_layer_clamps import LIMITS, _step_model, eager_and_moekit
 
     monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
     interpreter.clear_launch_caches()
-    model = _step_model()
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        model.set_experts_implementation("eager")
-        want = model(ids).last_hidden_state
-        model.set_experts_implementation("moekit")
-        assert rel_l2(model(ids).last_hidden_state, want) < 1e-5
+    want, got = eager_and_moekit(_step_model(), ids)
+    assert rel_l2(got, want) < 1e-5
     limits = sorted({spec.limit for key in triton_plan._PLANS for spec in key
                      if isinstance(spec, ActivationSpec) and spec.limit_after_act})
     assert limits == LIMITS  # both layers' experts ran on the Triton kernels, each with its own clamp
