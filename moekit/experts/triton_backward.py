@@ -74,7 +74,8 @@ def unsupported_variant(args: dict) -> str | None:
         value = args.get(name, base)
         if (value is not None) if base is None else (value != base):
             shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
-            return f"the triton backward does not support the variant {name}={shown} yet (only {name}={base!r})"
+            return (f"the triton backward does not support the variant {name}={shown} yet (only {name}={base!r}); "
+                    f"backend='grouped_mm' or 'reference' computes its gradients")
     return None
 
 
