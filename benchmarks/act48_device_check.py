@@ -3,7 +3,7 @@ LIMIT_AFTER constexpr: Step-3.7, Bailing-Hybrid) on the GPU. It only has to show
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/act48_device_check.py --out $OUT/act48 --deadline 72    # GPU
     PYTHONPATH=$PWD python3 benchmarks/act48_device_check.py --smoke    # CPU, interpreted: the Triton picks at M = 4
-    ... act48_device_check.py --out $OUT/act48b --deadline 72 --phases picks,graphs    # the picks alone
+    ... act48_device_check.py --out $OUT/act48b --deadline 72 --phases gain    # the pick against grouped_mm
 
 A Step-3.7-like layer: 64 local experts (an EP slice of Step-3.7-Flash's 288), top-8, hidden 4096, expert width 1280;
 silu clamped at LIMIT = 1.0 (it bites on unit-variance gate-up sums; at Step-3.7's larger limits silu(L) ~ L and the
@@ -17,7 +17,10 @@ then the backend's pick (``experts_triton``: bf16 weights, ``fp8_block``, ``int4
 takes at that M) at M = 1, 64, 1024, called before, after, before, after (the plans, kept sequences and compiled
 kernels of the two places must stay apart), each call against its twin (bf16: ``experts_reference``, float32). Then
 CUDA graphs of the pick, after against before, each cell's two graphs in shuffled rounds (median µs a call, the
-rounds the after-act one took >= 3% longer). Table last; JSON <out>/act48.json.
+rounds the after-act one took >= 3% longer). Last, where time is left (``--phases gain`` runs it alone), what the
+change gives such a layer: the pick against ``grouped_mm`` (``backend="auto"``'s choice for it on CUDA before session
+48), the clamp after the activation, both checked against the twin, eager wall µs a call. Table last; JSON
+<out>/act48.json.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rounds import graph_of, medians, settled, shuffled, wins  # noqa: E402
+from bench_rounds import eager_us, graph_of, medians, settled, shuffled, wins  # noqa: E402
 from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases  # noqa: E402
 from wo_device_check import quantized  # noqa: E402
 
@@ -158,20 +161,47 @@ def time_cell(label: str, calls: dict, dev, stop: float, results: list) -> None:
     results.append({"cell": label, "graph_us": times, "rounds": rounds})
 
 
+def gain_cell(scheme: str, m: int, dev, results: list) -> None:
+    """What the change gives a Step-3.7 layer: its pick (the Triton kernels, clamp after the activation) against
+    ``grouped_mm`` (what ``backend="auto"`` ran for it on CUDA before session 48: torch GEMMs, quantized weights
+    dequantized per call), both checked against the twin, then eager wall µs a call (``bench_rounds.eager_us``)."""
+    from moekit.experts import backend_fn
+    from moekit.experts.triton import experts_triton
+
+    if scheme not in _WEIGHTS:
+        _WEIGHTS[scheme] = weights(scheme, dev)
+    (w13, w2), ref = _WEIGHTS[scheme]
+    sets, spec, label = [routing(m, dev, 100 * m + i) for i in range(SETS)], SPECS["after"], f"gain {scheme} M={m}"
+    runs = {"triton": lambda c: experts_triton(c[0], w13, w2, c[1], c[2], activation=spec),
+            "grouped_mm": lambda c: backend_fn("grouped_mm", dev)(c[0], w13, w2, c[1], c[2], activation=spec)}
+    want = twin(scheme, ref, *sets[0], spec).float()
+    errs = {name: rel_l2(run(sets[0]).float(), want) for name, run in runs.items()}
+    if not all([RUN.check(f"{label} {n}", e <= TOL, f"rel-L2 {e:.2e}") for n, e in errs.items()]) or dev.type != "cuda":
+        return
+    us = eager_us({name: [lambda c=c, run=run: run(c) for c in sets] for name, run in runs.items()}, 3, 4)
+    wall = {name: pair[1] for name, pair in us.items()}
+    RUN.summary.append(f"{label}: eager wall µs triton {wall['triton']:.1f}, grouped_mm {wall['grouped_mm']:.1f} "
+                       f"(x{wall['grouped_mm'] / wall['triton']:.2f})")
+    results.append({"cell": label, "eager_host_wall_us": us})
+
+
 def main() -> int:
     dev, result, timed = torch.device("cpu" if SMOKE else "cuda"), {"cells": []}, {}
     phases = {"gluon": lambda: gluon_checks(dev),
               "picks": lambda: RUN.each_cell([(scheme, m) for m in BATCHES for scheme in SCHEMES],
                                              lambda cell: pick_cell(*cell, dev, timed), args.deadline - 8),
               "graphs": lambda: RUN.each_cell(list(timed), lambda label: time_cell(label, timed[label], dev, stop_at,
-                                                                                   result["cells"]), args.deadline)}
+                                                                                   result["cells"]), args.deadline),
+              "gain": lambda: RUN.each_cell([(scheme, m) for m in BATCHES for scheme in SCHEMES],
+                                            lambda cell: gain_cell(*cell, dev, result["cells"]), args.deadline - 4)}
     args = phase_args(__doc__, phases, "act48.json")
     stop_at = time.time() + args.deadline - 6 - RUN.elapsed()  # the graphs' rounds stop by it
     result.update(run_info(), limit=LIMIT, shape=dict(E=E, K=K, N=N, top_k=TOP_K))
     RUN.log(f"E={E} K={K} N={N} top-{TOP_K}, limit {LIMIT}; {run_info()}")
     names = [name for name in args.phases if not (SMOKE and name == "gluon")]  # Gluon: CUDA only
     with torch.no_grad():
-        return run_phases(RUN, phases, names, args.deadline, {"gluon": 8, "picks": 8, "graphs": 6}, args.path, result)
+        return run_phases(RUN, phases, names, args.deadline, {"gluon": 8, "picks": 8, "graphs": 6, "gain": 6},
+                          args.path, result)
 
 
 if __name__ == "__main__":
