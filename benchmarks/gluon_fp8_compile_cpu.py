@@ -4,6 +4,8 @@ counts (setmaxnreg) and ptxas's spills (``ptxas -v`` on the PTX, with the ptxas 
 
     PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py     # the plan's tiles, then gpt-oss's two GEMMs
     PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py variant   # gpt-oss's alone (interleaved, biases, spec)
+    PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py after     # gpt-oss's gate-up, its clamp before and
+                                                                         # after the activation (Step-3.7's place)
     PYTHONPATH=/tmp/NAME-site:$PWD python benchmarks/gluon_fp8_compile_cpu.py   # the same on another Triton (3.6)
 
 Needs a Triton whose Gluon has ``GluonASTSource`` (3.9 here; ``triton.compile`` with an explicit
@@ -144,12 +146,14 @@ class Fp8Variant:
     experts: int = 32
     inter: int = 2880
     hidden: int = 2880
+    limit_after: bool = False  # the clamp after the activation (LIMIT_AFTER: Step-3.7, Bailing-Hybrid; session 48)
 
 
 GPT_OSS = Fp8Variant()
+GPT_OSS_AFTER = Fp8Variant(limit_after=True)
 # The kernel's variant arguments of a plain call (its defaults; ``triton.compile`` takes no default, so every
 # constexpr is given)
-PLAIN_VARIANT = dict(bias_ptr=None, INTERLEAVED=False, ACT=0, ALPHA=1.0, LIMIT=None, UP_SHIFT=0.0)
+PLAIN_VARIANT = dict(bias_ptr=None, INTERLEAVED=False, ACT=0, ALPHA=1.0, LIMIT=None, UP_SHIFT=0.0, LIMIT_AFTER=False)
 
 
 def compile_fp8_gemm(gated: bool, tile, variant: Fp8Variant | None = None) -> Compiled:
@@ -181,7 +185,8 @@ def compile_fp8_gemm(gated: bool, tile, variant: Fp8Variant | None = None) -> Co
     if variant is not None:
         del const["bias_ptr"]
         args |= dict(bias_ptr=torch.empty(1, dtype=torch.bfloat16))
-        const |= dict(INTERLEAVED=True, ACT=0, ALPHA=1.702, LIMIT=7.0, UP_SHIFT=1.0) if gated else {}
+        const |= dict(INTERLEAVED=True, ACT=0, ALPHA=1.702, LIMIT=7.0, UP_SHIFT=1.0,
+                      LIMIT_AFTER=variant.limit_after) if gated else {}
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
@@ -192,7 +197,8 @@ def compile_fp8_gemm(gated: bool, tile, variant: Fp8Variant | None = None) -> Co
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
     name = (f"{'gate-up' if gated else 'down'} stages={tile.stages} group_m={tile.group_m} "
             f"regs={tile.max_registers}/{tile.consumer_regs}" + (" wide" if tile.wide else "")
-            + (" pipelined" if tile.pipelined else "") + (" gpt-oss variant" if variant is not None else ""))
+            + (" pipelined" if tile.pipelined else "") + (" gpt-oss variant" if variant is not None else "")
+            + (" clamp after" if variant is not None and variant.limit_after else ""))
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
                     getattr(out, "n_spills", None), regs, *ptxas_report(ptx), ptx.count("wgmma.mma_async"),
                     sass_spill_places(ptx))
@@ -211,8 +217,11 @@ def main() -> int:
     jobs = ((True, UP_TILE, None), (False, DOWN_TILE, None), (False, WIDE_DOWN_TILE, None),  # the plan's pipelines
             (False, PIPELINED_DOWN_TILE, None),  # wgmmas: 16, 8, 16, 24 expected
             (True, UP_TILE, GPT_OSS), (False, DOWN_TILE, GPT_OSS))  # gpt-oss's calls (issue 15, session 42)
-    only = sys.argv[1:]  # "variant": gpt-oss's two alone
-    jobs = [job for job in jobs if not only or (job[2] is not None) == ("variant" in only)]
+    only = sys.argv[1:]  # "variant": gpt-oss's two alone; "after": its gate-up with the clamp before, then after
+    if "after" in only:
+        jobs = ((True, UP_TILE, GPT_OSS), (True, UP_TILE, GPT_OSS_AFTER))
+    else:
+        jobs = [job for job in jobs if not only or (job[2] is not None) == ("variant" in only)]
     return report_jobs([(f"{'gate-up' if gated else 'down'} {tile}" + (" variant" if variant else ""),
                          lambda g=gated, t=tile, v=variant: line(g, t, v)) for gated, tile, variant in jobs],
                        tail=2000)

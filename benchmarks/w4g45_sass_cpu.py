@@ -9,6 +9,7 @@ opcodes, its loads by width, and any STS / LDS / SHFL (the operand must reach th
     ... w4g45_sass_cpu.py naive aligned                                            # these cases only
     ... w4g45_sass_cpu.py --ahead 2 naive down                                     # words two steps ahead
 
+``--after`` with ``--variant``: the clamp after the activation (LIMIT_AFTER, Step-3.7's; session 48).
 ``--ahead 2`` compiles ``words_loop``'s AHEAD 2 (session 45, w4u45): its loop runs three steps (384 weights a thread).
 ``--mxfp4`` compiles both kernels' mxfp4 decode (session 46, wl46: ``_kernels/words_mx.py``; uint8 e8m0 scales, one a
 32 columns, no zero points); ``--variant`` gpt-oss's epilogues (b13 / b2, interleaved rows, the clamped SwiGLU).
@@ -73,7 +74,7 @@ def _compiled(kernel, args: dict, const: dict):
 
 
 def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1, ahead: int = 1, mx: bool = False,
-                 variant: bool = False):
+                 variant: bool = False, after: bool = False):
     from moekit.experts._kernels.gluon_wo_words import gate_up_words_kernel as kernel
 
     n, k, e = 14336, 4096, 8
@@ -91,7 +92,7 @@ def compile_case(bm: int, naive: bool, num_warps: int, split: int = 1, ahead: in
     # every constexpr by value (this compile takes no defaults): plain SiLU, or gpt-oss's b13, interleaved rows and
     # clamped SwiGLU
     const.update(BIASED=variant, INTERLEAVED=variant, LIMIT=7.0 if variant else 0.0, ALPHA=1.702 if variant else 1.0,
-                 UP_SHIFT=1.0 if variant else 0.0)
+                 UP_SHIFT=1.0 if variant else 0.0, LIMIT_AFTER=variant and after)
     return _compiled(kernel, args, const)
 
 
@@ -112,11 +113,11 @@ def loop_ops(sass: str) -> list[str]:
 
 
 def report(name: str, bm: int, naive: bool, num_warps: int, ahead: int = 1, mx: bool = False,
-           variant: bool = False) -> str:
+           variant: bool = False, after: bool = False) -> str:
     if name.startswith("down"):
         out = compile_down(bm, naive, 4 if name == "down-split" else 1, num_warps, ahead, mx, variant)
     else:
-        out = compile_case(bm, naive, num_warps, 2 if name == "naive-split" else 1, ahead, mx, variant)
+        out = compile_case(bm, naive, num_warps, 2 if name == "naive-split" else 1, ahead, mx, variant, after)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(out.asm["cubin"])
         f.flush()
@@ -130,7 +131,7 @@ def report(name: str, bm: int, naive: bool, num_warps: int, ahead: int = 1, mx: 
     loads = dict(Counter(o for o in ops if o.startswith("LDG")))
     hops = sum(o.startswith(("STS", "LDS", "SHFL", "STL", "LDL")) for o in ops)
     weights = WEIGHTS_A_STEP * (ahead + 1)  # the loop's steps: 2 (AHEAD 1), 3 (AHEAD 2)
-    label = name + " mxfp4" * mx + " variant" * variant
+    label = name + " mxfp4" * mx + " variant" * variant + " clamp after" * (variant and after)
     return (f"{label} ahead {ahead}: registers {regs.group(1)}, stack {regs.group(2)} B; loop {len(ops)} "
             f"instructions, {len(ops) / weights:.2f} a weight ({bm} tokens a block), "
             f"STS/LDS/SHFL/local in the loop {hops}; {top}; loads {loads}")
@@ -140,15 +141,15 @@ def main() -> int:
     import triton
 
     print("triton", triton.__version__, flush=True)
-    names = [n for n in sys.argv[1:] if n not in ("--mxfp4", "--variant")]
-    mx, variant, ahead = "--mxfp4" in sys.argv, "--variant" in sys.argv, 1
+    names = [n for n in sys.argv[1:] if n not in ("--mxfp4", "--variant", "--after")]
+    mx, variant, after, ahead = "--mxfp4" in sys.argv, "--variant" in sys.argv, "--after" in sys.argv, 1
     if "--ahead" in names:
         i = names.index("--ahead")
         ahead = int(names[i + 1])
         names = names[:i] + names[i + 2:]
     for case in CASES:
         if not names or case[0] in names:
-            print(report(*case, ahead=ahead, mx=mx, variant=variant), flush=True)
+            print(report(*case, ahead=ahead, mx=mx, variant=variant, after=after), flush=True)
     return 0
 
 

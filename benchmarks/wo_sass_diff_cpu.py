@@ -143,12 +143,20 @@ def tile_reg_up_cases() -> dict[str, Case]:
 
 
 def dense_cases() -> dict[str, Case]:
-    """The bf16 (``gemm.down_kernel``: pointers and a TMA descriptor, a bias, KSUM, SUM_AFTER) and fp8 down GEMMs."""
+    """The bf16 (``gemm.down_kernel``: pointers and a TMA descriptor, a bias, KSUM, SUM_AFTER) and fp8 down GEMMs;
+    the bf16 gate-up (``gemm.gate_up_kernel``, plain silu: session 48's LIMIT_AFTER beside LIMIT, a tree before it
+    drops the name) on pointers at the tiny-batch tile and through TMA at a prefill tile on sorted rows."""
     bf16 = BASE | dict(BLOCK_N=32, BLOCK_K=256, PRECISION="tf32", W_DESC=False, b2_ptr=None)
+    up = BASE | dict(BLOCK_N=64, BLOCK_K=64, ACT=0, GATED=True, INTERLEAVED=False, PAIRS=False, ALPHA=1.0, LIMIT=None,
+                     LIMIT_AFTER=False, UP_SHIFT=0.0, PRECISION="tf32", W_DESC=False, w13_up_ptr=None)
     fp8 = BASE | dict(GROUP_N=128, BLOCK_N=64, BLOCK_K=128, EMULATE=False, H_FP32=False, W_DESC=False,
                       ONE_BLOCK=True, AHEAD=True, SWAP_AB=False)
     after = dict(SUM_AFTER=True, SUM_T=4, SUM_K=256, TOPK_PAD=8, HAS_MAP=True)
     return {
+        "up_bf16": Case("gemm", "gate_up_kernel", up, 4, 4, {"w13_ptr": "*bf16"}),
+        "up_bf16_desc_sorted": Case("gemm", "gate_up_kernel", up | dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, NAIVE=False,
+                                                                        W_DESC=True), 8, 3,
+                                    {"w13_ptr": _descriptor([8 * 2 * 1536, 2048], [128, 64], "bf16")}),
         "bf16": Case("gemm", "down_kernel", bf16, 4, 3),
         "bf16_desc_ksum": Case("gemm", "down_kernel", bf16 | KSUM | dict(W_DESC=True), 4, 3,
                                {"w2_ptr": _descriptor([8 * 4096, 14336], [32, 256], "bf16")}),

@@ -60,8 +60,8 @@ class ActivationSpec:
     gated:  glu = act(gate) * (up + up_shift), gate and up clamped by ``limit`` when set; w13 is [E, 2N, K]
     ungated: glu = act(h); w13 is [E, N, K] (an up projection only)
     ``limit_after_act``: the gate's clamp applies to act(gate), not gate: min(act(gate), limit) * up.clamp(-limit,
-    limit) (Step-3.7, Bailing-Hybrid: transformers' ``limit_after_act``). The fused Triton kernels clamp before the
-    activation only: such a spec runs on ``grouped_mm`` / ``reference`` (``backend="auto"`` picks them).
+    limit) (Step-3.7, Bailing-Hybrid: transformers' ``limit_after_act``); every backend computes it (the Triton
+    kernels' ``LIMIT_AFTER`` constexpr, ``glu_constexprs``).
     """
 
     name: str = "silu"  # one of ACTIVATIONS
@@ -132,39 +132,33 @@ def as_spec(activation: str | ActivationSpec) -> ActivationSpec:
     raise TypeError(f"activation must be a str or an ActivationSpec, got {type(activation).__name__}")
 
 
-def spec_fields(activation: str | ActivationSpec) -> tuple[str, bool, bool, float, float | None, float]:
-    """``activation`` as plain values (name, gated, interleaved, alpha, limit, up_shift), the way a spec
-    crosses a ``torch.library`` custom op's schema (which takes no dataclasses); ``ActivationSpec(*fields)``
-    rebuilds it. A known name (the common case) costs one dictionary test: a call's host time. The ops (the fused
-    Triton kernels, the compiled CPU loops) take no ``limit_after_act``: such a spec is refused here, naming it."""
+def spec_fields(activation: str | ActivationSpec) -> tuple[str, bool, bool, float, float | None, float, bool]:
+    """``activation`` as plain values (name, gated, interleaved, alpha, limit, up_shift, limit_after_act), the way
+    a spec crosses a ``torch.library`` custom op's schema (which takes no dataclasses); ``ActivationSpec(*fields)``
+    rebuilds it. A known name (the common case) costs one dictionary test: a call's host time."""
     if activation.__class__ is str and activation in _NAMED_SPECS:
-        return activation, True, False, 1.0, None, 0.0
+        return activation, True, False, 1.0, None, 0.0, False
     spec = as_spec(activation)  # a clear error for a wrong type or name
-    check_clamp_before_act(spec, "the fused kernels and moekit's custom ops")
     limit = None if spec.limit is None else float(spec.limit)
-    return spec.name, spec.gated, spec.interleaved, float(spec.alpha), limit, float(spec.up_shift)
+    return (spec.name, spec.gated, spec.interleaved, float(spec.alpha), limit, float(spec.up_shift),
+            spec.limit_after_act)
 
 
-def clamps_after_act(activation: str | ActivationSpec) -> bool:
-    """Whether ``activation`` clamps after the activation (``limit_after_act``); a name never does (one class test)."""
-    return activation.__class__ is not str and as_spec(activation).limit_after_act
-
-
-def check_clamp_before_act(spec: ActivationSpec, what: str) -> None:
-    """A ValueError naming ``activation.limit_after_act`` where ``what`` (a path clamping before the activation
-    only) is asked to run a spec that clamps after it."""
-    if spec.limit_after_act:
-        raise ValueError(f"activation.limit_after_act=True (min(act(gate), limit): Step-3.7 / Bailing-Hybrid) is not "
-                         f"computed by {what}, which clamp before the activation; backend='grouped_mm' or "
-                         f"'reference' runs it (backend='auto' picks them for such a spec)")
+def glu_constexprs(spec: ActivationSpec) -> dict:
+    """The clamped SwiGLU's constexprs of ``spec`` as the Triton kernels name them (``_kernels/gemm._glu``: ALPHA,
+    LIMIT, UP_SHIFT, LIMIT_AFTER); a plain spec's are the kernels' defaults. LIMIT_AFTER is always passed, so two
+    specs differing only in ``limit_after_act`` never share a compiled kernel."""
+    return dict(ALPHA=float(spec.alpha), LIMIT=None if spec.limit is None else float(spec.limit),
+                UP_SHIFT=float(spec.up_shift), LIMIT_AFTER=spec.limit_after_act)
 
 
 @functools.lru_cache(maxsize=256)
 def plan_activation(name: str, gated: bool = True, interleaved: bool = False, alpha: float = 1.0,
-                    limit: float | None = None, up_shift: float = 0.0) -> str | ActivationSpec:
+                    limit: float | None = None, up_shift: float = 0.0,
+                    limit_after_act: bool = False) -> str | ActivationSpec:
     """``spec_fields``' values as what the kernels' plans are keyed by: the name for a plain spec (so an op's call
     and a direct eager "silu" call share one plan), else the spec. Built once per set of values."""
-    spec = ActivationSpec(name, gated, interleaved, alpha, limit, up_shift)
+    spec = ActivationSpec(name, gated, interleaved, alpha, limit, up_shift, limit_after_act)
     return name if spec.plain else spec
 
 

@@ -145,8 +145,7 @@ class MoE(nn.Module):
     def backend(self, name: str) -> None:
         # Resolved here and on every move (``_apply``), never in forward (fullgraph=True cannot trace its imports).
         self._backend = name
-        self._experts_fn: ExpertsFn = bind_options(backend_fn(name, self.w13.device, self.config.activation),
-                                                   self.backend_options)
+        self._experts_fn: ExpertsFn = bind_options(backend_fn(name, self.w13.device), self.backend_options)
 
     @property
     def router(self) -> str:
@@ -383,7 +382,7 @@ class MoE(nn.Module):
         return f"{plan.layout} in chunks of {plan.chunk_tokens}" if chunked else plan.layout
 
     def resolved_backend(self) -> str:  # the backend that runs on the weights' device: "auto" resolved
-        return resolve_backend(self.backend, self.w13.device, self.config.activation)
+        return resolve_backend(self.backend, self.w13.device)
 
     def extra_repr(self) -> str:  # what a user checks: shapes, the experts' dtype and scheme, what "auto" runs
         c, auto = self.config, f" ({self.resolved_backend()})" if self.backend == "auto" else ""

@@ -112,17 +112,18 @@ def _scaled(tile: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return tile * scales.repeat_interleave(BLOCK)[: tile.shape[1]]
 
 
-def _glu_of(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT):
+def _glu_of(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER):
     """``gemm._glu`` of the constexprs, by ``moekit.activations``' torch definition."""
     from moekit.activations import ACTIVATIONS, ActivationSpec, apply_glu
 
     name = next(n for n, a in ACTIVATIONS.items() if a.kernel_id == ACT)
-    return apply_glu(torch.cat((gate, up), dim=1), ActivationSpec(name, alpha=ALPHA, limit=LIMIT, up_shift=UP_SHIFT))
+    return apply_glu(torch.cat((gate, up), dim=1), ActivationSpec(name, alpha=ALPHA, limit=LIMIT, up_shift=UP_SHIFT,
+                                                                  limit_after_act=LIMIT_AFTER))
 
 
 def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, num_col_blocks, w_rows,
              gate_offset, GATED, WIDE=False, bias_ptr=None, INTERLEAVED=False, ACT=0, ALPHA=1.0, LIMIT=None,
-             UP_SHIFT=0.0, **_):
+             UP_SHIFT=0.0, LIMIT_AFTER=False, **_):
     """Tile by tile as the kernel addresses them: column block cb's weight rows cb * step.. (step 256 with WIDE or
     INTERLEAVED, else 128) and gate_offset + those (gated, WIDE), each tile read past the view's last row as zeros
     and scaled by its row block's scale (INTERLEAVED: the second tile's block clamped to the expert's last), + the
@@ -158,9 +159,10 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
                     p0, p1 = (torch.where((r + torch.arange(BLOCK) < w_rows)[None, :], p, 0.0)
                               for r, p in zip(offsets, prods))
                     gate, up = torch.cat((p0[:, 0::2], p1[:, 0::2]), 1), torch.cat((p0[:, 1::2], p1[:, 1::2]), 1)
-                    out[:, cb * width:(cb + 1) * width] = _glu_of(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT)
+                    out[:, cb * width:(cb + 1) * width] = _glu_of(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
                 else:
-                    out[:, cb * width:(cb + 1) * width] = _glu_of(prods[0], prods[1], ACT, ALPHA, LIMIT, UP_SHIFT)
+                    out[:, cb * width:(cb + 1) * width] = _glu_of(prods[0], prods[1], ACT, ALPHA, LIMIT, UP_SHIFT,
+                                                                      LIMIT_AFTER)
             if GATED:
                 q, scales = _quant_rows(out)
                 c[rows], cs_ptr[rows, :num_col_blocks] = q[:, :cols], scales

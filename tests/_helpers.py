@@ -89,15 +89,21 @@ FORMULAS64 = {
 
 def glu64(h: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     """h [R] float64 -> [N]: the contract's glu of one token, written from the ``ActivationSpec``'s fields (gated:
-    gate / up halves or alternating rows, gate clamped above and up both sides at ``limit``, alpha, up_shift)."""
+    gate / up halves or alternating rows, up clamped both sides at ``limit`` and the gate above, before the
+    activation or with ``limit_after_act`` act(gate) after it, alpha, up_shift)."""
     act = FORMULAS64[spec.name]
     if not spec.gated:
         return act(h, spec.alpha)
     n = h.shape[0] // 2
     gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
     if spec.limit is not None:
-        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-    return act(gate, spec.alpha) * (up + spec.up_shift)
+        up = up.clamp(-spec.limit, spec.limit)
+        if not spec.limit_after_act:
+            gate = gate.clamp(max=spec.limit)
+    a = act(gate, spec.alpha)
+    if spec.limit_after_act:
+        a = a.clamp(max=spec.limit)
+    return a * (up + spec.up_shift)
 
 
 def experts_loop(x, w13, w2, ids, weights, expert_map=None, *, b13=None, b2=None, spec=None) -> torch.Tensor:

@@ -52,14 +52,16 @@ def _blocks(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignm
             for b in range(used)]
 
 
-def _glu(v: torch.Tensor, bias, n: int, INTERLEAVED, LIMIT, ALPHA, UP_SHIFT, **_) -> torch.Tensor:
-    """One assignment's gate-up sums v [2N] (w13's row order) -> h [N]: ``ActivationSpec``'s definition."""
+def _glu(v: torch.Tensor, bias, n: int, INTERLEAVED, LIMIT, ALPHA, UP_SHIFT, LIMIT_AFTER=False, **_) -> torch.Tensor:
+    """One assignment's gate-up sums v [2N] (w13's row order) -> h [N]: ``ActivationSpec``'s definition (LIMIT_AFTER:
+    the gate's clamp on gate sigmoid(ALPHA gate), Step-3.7's)."""
     if bias is not None:
         v = v + bias.double()
     gate, up = (v[0::2], v[1::2]) if INTERLEAVED else (v[:n], v[n:])
     if LIMIT > 0:
-        gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
-    return gate * torch.sigmoid(ALPHA * gate) * (up + UP_SHIFT)
+        gate, up = gate if LIMIT_AFTER else gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
+    act = gate * torch.sigmoid(ALPHA * gate)
+    return (act.clamp(max=LIMIT) if LIMIT > 0 and LIMIT_AFTER else act) * (up + UP_SHIFT)
 
 
 def _gate_up(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,

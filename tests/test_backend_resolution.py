@@ -23,7 +23,7 @@ def resolutions(monkeypatch) -> list:
     real = moekit.experts.resolve_backend
     monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
     monkeypatch.setattr(moekit.experts, "resolve_backend",
-                        lambda name, device, *rest: calls.append((name, str(device))) or real(name, device, *rest))
+                        lambda name, device: calls.append((name, str(device))) or real(name, device))
     return calls
 
 
@@ -34,7 +34,7 @@ def test_resolved_once_per_name_and_device_type(resolutions):
     assert [name for name, _ in resolutions] == ["auto", "reference"]
     with pytest.raises(ValueError, match="backend must be one of"):
         backend_fn("cutlass", "cpu")
-    assert ("cutlass", "cpu", False) not in moekit.experts._RESOLVED  # a failed resolution is not cached
+    assert ("cutlass", "cpu") not in moekit.experts._RESOLVED  # a failed resolution is not cached
 
 
 def test_cached_lookup_traces_fullgraph(resolutions):

@@ -278,7 +278,8 @@ def test_availability(interpreter, monkeypatch):
 def test_opcheck(interpreter):
     x, w13, w2, ids, weights = _problem(5, 2, 8, 33, 17, torch.float32)
     options = LaunchOptions(poison_workspace=True).as_op_args()
-    plain = ("silu", True, False, 1.0, None, 0.0)  # (activation, gated, interleaved, alpha, limit, up_shift)
+    plain = ("silu", True, False, 1.0, None, 0.0, False)  # activation, gated, interleaved, alpha, limit, up_shift,
+    # limit_after_act
     torch.library.opcheck(torch.ops.moekit.triton_experts,
                           (x, w13, w2, ids, weights, None, None, None, *plain, *options))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 128, 64))

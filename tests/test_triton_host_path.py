@@ -109,7 +109,7 @@ def test_the_op_never_keeps_a_workspace(interpreter):
     is kept: a buffer held from a graph's private pool would break the tree."""
     x, w13, w2, ids, weights = make_problem(5, 2, E, K, N, torch.float32)
     interpreter.clear_launch_caches()
-    args = (x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None, 0.0,
+    args = (x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None, 0.0, False,
             *LaunchOptions().as_op_args())
     torch.ops.moekit.triton_experts(*args)
     torch.ops.moekit.triton_experts_infer(*args)

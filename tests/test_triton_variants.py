@@ -173,17 +173,17 @@ def test_the_op_path_equals_the_direct_path(interpreter, monkeypatch):
     and directly: equal outputs; a plain spec crosses the op as its name, sharing the "silu" plan."""
     calls = []
     real = torch.ops.moekit.triton_experts_infer
-    monkeypatch.setattr(torch.ops.moekit, "triton_experts_infer", lambda *a: calls.append(a[8:14]) or real(*a))
+    monkeypatch.setattr(torch.ops.moekit, "triton_experts_infer", lambda *a: calls.append(a[8:15]) or real(*a))
     for spec in (GPT_OSS, VARIANTS["relu2_ungated"]):
         x, w13, w2, ids, weights, b13, b2 = _problem(5, 2, spec, seed=9)
         direct = _check(interpreter, x, w13, w2, ids, weights, b13, b2, spec)
         via_op = _run(interpreter, x, w13, w2, ids, weights, b13, b2, spec,
                       options=LaunchOptions(poison_workspace=True, direct_eager=False))
         assert torch.equal(direct, via_op)
-    assert calls == [("silu", True, True, 1.702, 0.5, 1.0), ("relu2", False, False, 1.0, None, 0.0)]
+    assert calls == [("silu", True, True, 1.702, 0.5, 1.0, False), ("relu2", False, False, 1.0, None, 0.0, False)]
     from moekit.activations import plan_activation  # what the op rebuilds the spec with
 
-    assert plan_activation("silu", True, False, 1.0, None, 0.0) == "silu"
+    assert plan_activation("silu", True, False, 1.0, None, 0.0, False) == "silu"
 
 
 def test_a_bias_that_needs_a_gradient_goes_through_the_op(interpreter, monkeypatch):
@@ -197,13 +197,14 @@ def test_a_bias_that_needs_a_gradient_goes_through_the_op(interpreter, monkeypat
 def test_opcheck_with_a_variant(interpreter):
     x, w13, w2, ids, weights, b13, b2 = _problem(5, 2, GPT_OSS, seed=11)
     options = LaunchOptions(poison_workspace=True).as_op_args()
-    variant = ("silu", True, True, 1.702, 0.5, 1.0)
+    variant = ("silu", True, True, 1.702, 0.5, 1.0, False)
     torch.library.opcheck(torch.ops.moekit.triton_experts,
                           (x, w13, w2, ids, weights, None, b13, b2, *variant, *options))
     spec = VARIANTS["relu2_ungated"]
     x, w13, w2, ids, weights, b13, _ = _problem(5, 2, spec, seed=11)
     torch.library.opcheck(torch.ops.moekit.triton_experts,
-                          (x, w13, w2, ids, weights, None, b13, None, "relu2", False, False, 1.0, None, 0.0, *options))
+                          (x, w13, w2, ids, weights, None, b13, None, "relu2", False, False, 1.0, None, 0.0, False,
+                           *options))
 
 
 def test_compiled_fullgraph_with_a_variant(interpreter):

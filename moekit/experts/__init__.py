@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from moekit.activations import ActivationSpec, as_spec, check_clamp_before_act, clamps_after_act
+from moekit.activations import ActivationSpec, as_spec
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -48,12 +48,11 @@ _BACKENDS = {
 # for tests), so "auto" never picks it there; it stays available by name.
 _AUTO_ORDER = {"cuda": ("triton", "grouped_mm", "reference")}
 _AUTO_ORDER_OTHER = ("grouped_mm", "reference")
-_CLAMP_BEFORE_ACT_ONLY = ("triton", "triton_gluon")  # no limit_after_act: "auto" passes over them, by name refused
 
-# (backend name, device type, clamps after the activation) -> its resolved function. A plain dict, not an lru_cache:
-# on a hit torch.compile traces a dict lookup, while it traces through an lru_cache wrapper into the resolution
+# (backend name, device type) -> its resolved function. A plain dict, not functools.lru_cache: on a hit
+# torch.compile traces a dict lookup, while it traces through an lru_cache wrapper into the resolution
 # itself (module imports), which fullgraph=True cannot take.
-_RESOLVED: dict[tuple[str, str, bool], ExpertsFn] = {}
+_RESOLVED: dict[tuple[str, str], ExpertsFn] = {}
 
 
 def backend_names() -> list[str]:
@@ -83,32 +82,27 @@ def available_backends(device: torch.device | str) -> list[str]:
     return [name for name in order if backend_available(name, device)]
 
 
-def resolve_backend(backend: str, device: torch.device | str, activation: str | ActivationSpec = "silu") -> str:
-    """The concrete backend name for ``backend`` ("auto" or a name) on ``device`` for experts computing
-    ``activation``: "auto" passes over the fused kernels for a spec that clamps after the activation."""
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The concrete backend name for ``backend`` ("auto" or a name) on ``device``. Every backend computes every
+    ``ActivationSpec`` (the clamp after the activation included), so the activation never changes the answer."""
     if backend == "auto":
-        after = clamps_after_act(activation)
-        return next(name for name in available_backends(device) if not (after and name in _CLAMP_BEFORE_ACT_ONLY))
+        return available_backends(device)[0]
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {backend!r}")
     if not backend_available(backend, device):
         raise RuntimeError(f"backend {backend!r} is not available on {device}; auto would use: "
                            f"{available_backends(device)}")
-    if backend in _CLAMP_BEFORE_ACT_ONLY and activation.__class__ is not str:
-        check_clamp_before_act(as_spec(activation), f"backend {backend!r}")
     return backend
 
 
-def backend_fn(name: str, device: torch.device | str, activation: str | ActivationSpec = "silu") -> ExpertsFn:
-    """The experts function of backend ``name`` ("auto" or a name) on ``device``'s type for ``activation``
-    (``resolve_backend``), resolved on the first call per (name, device type, clamp after the activation) and
-    cached. A cached call imports nothing, so it traces under ``torch.compile(fullgraph=True)``; resolve once
-    outside the trace (as ``MoE`` does on construction)."""
-    key = (name, device.type if isinstance(device, torch.device) else torch.device(device).type,
-           clamps_after_act(activation))
+def backend_fn(name: str, device: torch.device | str) -> ExpertsFn:
+    """The experts function of backend ``name`` ("auto" or a name) on ``device``'s type, resolved on
+    the first call per (name, device type) and cached. A cached call imports nothing, so it traces under
+    ``torch.compile(fullgraph=True)``; resolve once outside the trace (as ``MoE`` does on construction)."""
+    key = (name, device.type if isinstance(device, torch.device) else torch.device(device).type)
     fn = _RESOLVED.get(key)
     if fn is None:
-        fn = _RESOLVED[key] = get_backend(resolve_backend(name, device, activation))
+        fn = _RESOLVED[key] = get_backend(resolve_backend(name, device))
     return fn
 
 

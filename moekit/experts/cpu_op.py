@@ -43,7 +43,8 @@ def _cpu_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: Optional[torch.Tensor], b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
-    memory_budget_bytes: Optional[int], layout: str, cpu_gemm: str, w13_transposed: bool, w2_transposed: bool,
+    limit_after_act: bool, memory_budget_bytes: Optional[int], layout: str, cpu_gemm: str, w13_transposed: bool,
+    w2_transposed: bool,
 ) -> torch.Tensor:
     """x [M, K], w13 [E, R, K] ([E, K, R] when ``w13_transposed``), w2 [E, K, N] ([E, N, K] when ``w2_transposed``),
     topk_ids / topk_weights [M, k], expert_map [E_global] or None, b13 [E, R] / b2 [E, K] or None, the
@@ -51,13 +52,15 @@ def _cpu_experts(
     w13 = w13.transpose(1, 2) if w13_transposed else w13
     w2 = w2.transpose(1, 2) if w2_transposed else w2
     return backend_fn("grouped_mm", x.device)(
-        x, w13, w2, topk_ids, topk_weights, activation=_spec(activation, gated, interleaved, alpha, limit, up_shift),
+        x, w13, w2, topk_ids, topk_weights, activation=_spec(activation, gated, interleaved, alpha, limit, up_shift,
+                                                                limit_after_act),
         expert_map=expert_map, b13=b13, b2=b2, memory_budget_bytes=memory_budget_bytes, layout=layout,
         cpu_gemm=cpu_gemm)
 
 
 def _cpu_experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activation, gated, interleaved, alpha,
-                      limit, up_shift, memory_budget_bytes, layout, cpu_gemm, w13_transposed, w2_transposed):
+                      limit, up_shift, limit_after_act, memory_budget_bytes, layout, cpu_gemm, w13_transposed,
+                      w2_transposed):
     return x.new_empty(x.shape)  # [M, K], x.dtype, row-major: what the eager path returns
 
 
@@ -66,6 +69,6 @@ cpu_experts_op = define_inference_op("cpu_experts", _cpu_experts, _cpu_experts_f
 
 @functools.lru_cache(maxsize=256)
 def _spec(name: str, gated: bool, interleaved: bool, alpha: float, limit: float | None,
-          up_shift: float) -> ActivationSpec:
+          up_shift: float, limit_after_act: bool) -> ActivationSpec:
     """The op's activation fields as the spec, built (and checked) once per kind of call."""
-    return ActivationSpec(name, gated, interleaved, alpha, limit, up_shift)
+    return ActivationSpec(name, gated, interleaved, alpha, limit, up_shift, limit_after_act)

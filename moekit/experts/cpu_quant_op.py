@@ -48,7 +48,7 @@ def _cpu_quant_experts(
     b2: Optional[torch.Tensor], scheme: str, w13_meta: list[int], w2_meta: list[int], w13_dtype: torch.dtype,
     w2_dtype: torch.dtype,
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
-    memory_budget_bytes: Optional[int], cpu_gemm: str,
+    limit_after_act: bool, memory_budget_bytes: Optional[int], cpu_gemm: str,
 ) -> torch.Tensor:
     """x [M, K], w13 / w2 a ``scheme`` QuantizedWeight's tensors (logical [E, R, K] / [E, K, N]), ``_META_FIELDS``
     and logical dtype, topk_ids / topk_weights [M, k], expert_map [E_global] or None, b13 [E, R] / b2 [E, K] or
@@ -58,13 +58,13 @@ def _cpu_quant_experts(
     w13 = _rebuilt(scheme, w13_tensors, w13_meta, w13_dtype)
     w2 = _rebuilt(scheme, w2_tensors, w2_meta, w2_dtype)
     return experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, expert_map=expert_map, b13=b13, b2=b2,
-                              activation=_spec(activation, gated, interleaved, alpha, limit, up_shift),
+                              activation=_spec(activation, gated, interleaved, alpha, limit, up_shift, limit_after_act),
                               memory_budget_bytes=memory_budget_bytes, layout="contiguous", cpu_gemm=cpu_gemm)
 
 
 def _cpu_quant_experts_fake(x, w13_tensors, w2_tensors, topk_ids, topk_weights, expert_map, b13, b2, scheme, w13_meta,
                             w2_meta, w13_dtype, w2_dtype, activation, gated, interleaved, alpha, limit, up_shift,
-                            memory_budget_bytes, cpu_gemm):
+                            limit_after_act, memory_budget_bytes, cpu_gemm):
     return x.new_empty(x.shape)  # [M, K], x.dtype, row-major: what the eager loop returns
 
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.activations import ActivationSpec, apply_glu, as_spec, clamps_after_act, get_activation, spec_fields
+from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation, spec_fields
 from moekit.experts.cpu_op import cpu_experts_op
 from moekit.func_ops import transforming
 from moekit.experts.cpu_packed import (
@@ -262,7 +262,7 @@ def experts_grouped_mm(
                                            topk_weights, expert_map, memory_budget_bytes, cpu_gemm)
         return run_quantized(_experts_dense, x, w13, w2, topk_ids, topk_weights, activation=activation,
                              expert_map=expert_map, b13=b13, b2=b2, weight_dtype=x.dtype, dense_options=options)
-    if _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm, activation):  # compiled: the eager CPU loop, opaque
+    if _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm):  # compiled: the eager CPU loop, opaque
         t13, t2 = _transposed_storage(w13), _transposed_storage(w2)  # cross as stored (cpu_op says why)
         return cpu_experts_op(x, w13.transpose(1, 2) if t13 else w13, w2.transpose(1, 2) if t2 else w2, topk_ids,
                               topk_weights, expert_map, b13, b2, *spec_fields(activation), memory_budget_bytes, layout,
@@ -271,11 +271,10 @@ def experts_grouped_mm(
                           b2=b2, **options)
 
 
-def _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm, activation) -> bool:
+def _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm) -> bool:
     """Whether a call runs as ``moekit::cpu_experts`` (``cpu_op``): traced by torch.compile, on the CPU, a
-    ``cpu_gemm`` of the eager loops, no gradient needed (the op has none; the traced path does), no limit_after_act."""
-    if clamps_after_act(activation) or not torch.compiler.is_compiling() or x.device.type != "cpu" \
-            or cpu_gemm == "grouped_mm":  # limit_after_act: no field of the op's schema
+    ``cpu_gemm`` of the eager loops, no gradient needed (the op has none; the traced path does)."""
+    if not torch.compiler.is_compiling() or x.device.type != "cpu" or cpu_gemm == "grouped_mm":
         return False
     if not torch.is_grad_enabled():
         return True

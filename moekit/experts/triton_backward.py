@@ -49,8 +49,8 @@ from moekit.experts.triton_plan import check_triton_args
 
 # Arguments of a variant the backward does not take yet, with the value of the base variant (the
 # forward's schema may carry any of them; each that differs is named in the NotImplementedError).
-_BASE_VARIANT = {"b13": None, "b2": None, "gated": True, "interleaved": False, "alpha": 1.0, "limit": None,
-                 "up_shift": 0.0}
+_BASE_VARIANT = {"b13": None, "b2": None, "gated": True, "interleaved": False, "alpha": 1.0,
+                 "limit_after_act": False, "limit": None, "up_shift": 0.0}
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ def unsupported_variant(args: dict) -> str | None:
         value = args.get(name, base)
         if (value is not None) if base is None else (value != base):
             shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
-            return f"the triton backward does not support the variant {name}={shown} yet (only {name}={base!r})"
+            return (f"the triton backward does not support the variant {name}={shown} yet (only {name}={base!r}); "
+                    f"backend='grouped_mm' or 'reference' computes its gradients")
     return None
 
 

@@ -294,6 +294,7 @@ def _fp8_kernel(
     block_k: int, weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool,
     b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None, activation: str = "silu", gated: bool = True,
     interleaved: bool = False, alpha: float = 1.0, limit: Optional[float] = None, up_shift: float = 0.0,
+    limit_after_act: bool = False,
 ) -> torch.Tensor:
     """The ops' body: x [M, K], the fp8 weights and scales, topk_ids / topk_weights [M, k], expert_map [E_global]
     or None, the block shape (block_n, block_k), three ``LaunchOptions`` fields, b13 [E, 2N] / b2 [E, K] or None, the
@@ -305,7 +306,8 @@ def _fp8_kernel(
     options = _fp8_options(weight_descriptors, dependent_launch, poison_workspace)
     return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
                                     (block_n, block_k), options=options, b13=b13, b2=b2,
-                                    activation=plan_activation(activation, gated, interleaved, alpha, limit, up_shift))
+                                    activation=plan_activation(activation, gated, interleaved, alpha, limit, up_shift,
+                                                               limit_after_act))
 
 
 @functools.lru_cache(maxsize=8)
@@ -318,7 +320,7 @@ def _fp8_options(weight_descriptors: bool, dependent_launch: bool, poison_worksp
 
 def _fp8_fake(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_n, block_k,
               weight_descriptors, dependent_launch, poison_workspace, b13=None, b2=None, activation="silu", gated=True,
-              interleaved=False, alpha=1.0, limit=None, up_shift=0.0):
+              interleaved=False, alpha=1.0, limit=None, up_shift=0.0, limit_after_act=False):
     return x.new_empty(x.shape)  # [M, K], x.dtype: what fused_experts_fp8_launch returns
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.activations import ActivationSpec, as_spec
+from moekit.activations import ActivationSpec, as_spec, glu_constexprs
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class Fp8Variant:
         if self.plain:
             return {}
         spec = as_spec(self.activation)
-        return dict(ACT=spec.kernel_id, INTERLEAVED=spec.interleaved, ALPHA=float(spec.alpha),
-                    LIMIT=None if spec.limit is None else float(spec.limit), UP_SHIFT=float(spec.up_shift))
+        return dict(ACT=spec.kernel_id, INTERLEAVED=spec.interleaved, **glu_constexprs(spec))
 
 
 PLAIN = Fp8Variant()

@@ -68,9 +68,9 @@ PIPELINED_DOWN_TILE = Fp8GluonTile(stages=5, pipelined=True)
 @dataclass(frozen=True)
 class Fp8GluonVariant:
     """What a call with expert biases or a gated activation variant adds to the two GEMMs (issue #15; the defaults:
-    a plain call, the kernels of before): the gate-up GEMM's INTERLEAVED / ACT / ALPHA / LIMIT / UP_SHIFT
-    constexprs (``moekit.activations.ActivationSpec``'s fields, ``gemm._glu``'s) and whether b13 / b2 are given
-    (each a pointer of its GEMM; None passed where absent). Hashable: in the lean plans' keys."""
+    a plain call, the kernels of before): the gate-up GEMM's INTERLEAVED / ACT / ALPHA / LIMIT / UP_SHIFT /
+    LIMIT_AFTER constexprs (``moekit.activations.ActivationSpec``'s fields, ``gemm._glu``'s) and whether b13 / b2
+    are given (each a pointer of its GEMM; None passed where absent). Hashable: in the lean plans' keys."""
 
     interleaved: bool = False  # w13's gate j at row 2j, up j at 2j + 1 (gpt-oss)
     act: int = 0  # ACTIVATIONS[name].kernel_id (0: silu)
@@ -79,11 +79,12 @@ class Fp8GluonVariant:
     up_shift: float = 0.0
     b13: bool = False
     b2: bool = False
+    limit_after: bool = False  # min(act(gate), limit), not act(min(gate, limit)) (Step-3.7, Bailing-Hybrid)
 
     def gate_up_constexprs(self) -> dict:
         """The gate-up GEMM's variant constexprs (the down GEMM takes none: its b2 is a pointer)."""
         return dict(INTERLEAVED=self.interleaved, ACT=self.act, ALPHA=self.alpha, LIMIT=self.limit,
-                    UP_SHIFT=self.up_shift)
+                    UP_SHIFT=self.up_shift, LIMIT_AFTER=self.limit_after)
 
     def gate_offset(self, inter: int) -> int:
         """The gate-up GEMM's second weight tile, rows past its first: the up rows N + c.., or (interleaved) the
@@ -100,7 +101,8 @@ def _variant(activation, b13: bool, b2: bool) -> Fp8GluonVariant:
 
     spec = as_spec(activation)
     return Fp8GluonVariant(spec.interleaved, spec.kernel_id, float(spec.alpha),
-                           None if spec.limit is None else float(spec.limit), float(spec.up_shift), b13, b2)
+                           None if spec.limit is None else float(spec.limit), float(spec.up_shift), b13, b2,
+                           spec.limit_after_act)
 
 
 def variant_of(activation, b13: torch.Tensor | None, b2: torch.Tensor | None) -> Fp8GluonVariant:

@@ -42,10 +42,11 @@ def _experts_kernel(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: Optional[torch.Tensor], b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
-    weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
-    align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
-    raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
-    sum_tail_max: int, lean_launch: bool, align_scan_fold: bool, fast_path: bool, align_one_pass_from: int,
+    limit_after_act: bool, weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool,
+    align_small_max: int, align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool,
+    reuse_workspace: bool, raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int,
+    align_fold_max: int, sum_fold_max: int, sum_tail_max: int, lean_launch: bool, align_scan_fold: bool,
+    fast_path: bool, align_one_pass_from: int,
 ) -> torch.Tensor:
     """x [M, K], w13 [E, R, K], w2 [E, K, N], topk_ids / topk_weights [M, k], expert_map [E_global] or None,
     b13 [E, R] / b2 [E, K] or None, the activation's fields, ``LaunchOptions``' fields -> out [M, K] (x.dtype)."""
@@ -57,7 +58,7 @@ def _experts_kernel(
                           direct_eager, cache_plans, cached_launcher, raw_launcher, align_one_launch_max,
                           align_two_launch_max, align_fold_max, sum_fold_max, sum_tail_max, lean_launch,
                           align_scan_fold, fast_path, align_one_pass_from)
-    spec = plan_activation(activation, gated, interleaved, alpha, limit, up_shift)
+    spec = plan_activation(activation, gated, interleaved, alpha, limit, up_shift, limit_after_act)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 
 
@@ -79,7 +80,7 @@ def _options_of(weight_descriptors, dependent_launch, poison_workspace, align_sm
 
 
 def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activation, gated, interleaved, alpha,
-                  limit, up_shift, *options):
+                  limit, up_shift, limit_after_act, *options):
     return x.new_empty(x.shape)  # [M, K], x.dtype, row-major: what fused_experts returns
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.activations import ActivationSpec, as_spec, check_clamp_before_act
+from moekit.activations import ActivationSpec, as_spec, glu_constexprs
 from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
@@ -138,9 +138,7 @@ def variant_constexprs(activation: str | ActivationSpec) -> dict:
     gated activation) or an ``ActivationSpec`` (which has checked its fields: an ungated one has no
     interleaving, limit or up_shift)."""
     spec = as_spec(activation)
-    check_clamp_before_act(spec, "the Triton kernels")
-    return dict(ACT=spec.kernel_id, GATED=spec.gated, INTERLEAVED=spec.interleaved, ALPHA=float(spec.alpha),
-                LIMIT=None if spec.limit is None else float(spec.limit), UP_SHIFT=float(spec.up_shift))
+    return dict(ACT=spec.kernel_id, GATED=spec.gated, INTERLEAVED=spec.interleaved, **glu_constexprs(spec))
 
 
 def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, config, options: LaunchOptions,

@@ -311,13 +311,13 @@ def _wo_kernel(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor],
     scheme: str, activation: str, dependent_launch: bool, decode: str = "", b13: Optional[torch.Tensor] = None,
     b2: Optional[torch.Tensor] = None, gated: bool = True, interleaved: bool = False, alpha: float = 1.0,
-    limit: Optional[float] = None, up_shift: float = 0.0,
+    limit: Optional[float] = None, up_shift: float = 0.0, limit_after_act: bool = False,
 ) -> torch.Tensor:
     """The ops' body: x [M, K], each weight's (q, scale, zero or None, group size), topk_ids / topk_weights [M, k],
     expert_map [E_global] or None, the scheme, the activation's name, one ``LaunchOptions`` field, the decode ("" for
     the chooser's), b13 [E, 2N] / b2 [E, K] or None, the rest of the activation's fields
     (``activations.spec_fields``) -> out [M, K] (x.dtype)."""
-    spec = plan_activation(activation, gated, interleaved, alpha, limit, up_shift)
+    spec = plan_activation(activation, gated, interleaved, alpha, limit, up_shift, limit_after_act)
     return run_experts_wo(x, weight_args(q13, s13, z13, g13), weight_args(q2, s2, z2, g2), topk_ids, topk_weights,
                           expert_map, scheme, spec, options=_wo_options(dependent_launch), decode=decode or None,
                           b13=b13, b2=b2)
@@ -332,7 +332,7 @@ def _wo_options(dependent_launch: bool) -> LaunchOptions:
 
 def _wo_fake(x, q13, s13, z13, g13, q2, s2, z2, g2, topk_ids, topk_weights, expert_map, scheme, activation,
              dependent_launch, decode="", b13=None, b2=None, gated=True, interleaved=False, alpha=1.0, limit=None,
-             up_shift=0.0):
+             up_shift=0.0, limit_after_act=False):
     return x.new_empty(x.shape)  # [M, K], x.dtype: what run_experts_wo returns
 
 

@@ -14,7 +14,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g
 
 from __future__ import annotations
 
-from moekit.activations import ActivationSpec
+from moekit.activations import ActivationSpec, glu_constexprs
 from moekit.experts.configs import GemmTile, KernelConfig
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels
 from moekit.experts.triton_plan import down_launches
@@ -40,10 +40,10 @@ def span(tile: GemmTile, scheme: str, group_size: int) -> int:
 
 
 def variant_constexprs(spec: ActivationSpec, rows: bool = False) -> dict:
-    """The clamped SwiGLU's constexprs of ``spec`` (``gemm._glu``'s ALPHA, LIMIT, UP_SHIFT), with ``rows`` also its
-    INTERLEAVED (a gate-up's); a plain spec's are the kernels' defaults."""
-    glu = dict(ALPHA=float(spec.alpha), LIMIT=None if spec.limit is None else float(spec.limit),
-               UP_SHIFT=float(spec.up_shift))
+    """The clamped SwiGLU's constexprs of ``spec`` (``activations.glu_constexprs``: ``gemm._glu``'s ALPHA, LIMIT,
+    UP_SHIFT, LIMIT_AFTER), with ``rows`` also its INTERLEAVED (a gate-up's); a plain spec's are the kernels'
+    defaults."""
+    glu = glu_constexprs(spec)
     return dict(INTERLEAVED=spec.interleaved, **glu) if rows else glu
 
 

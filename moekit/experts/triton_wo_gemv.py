@@ -132,7 +132,7 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     without), and down with the k-sum folded in where ``ksum`` (else None; ``triton_plan.down_launches``);
     ``split_len`` the down GEMM's reduction elements per split (a multiple of its BLOCK_K); ``asm``: the kernels'
     inline PTX decode (``triton_wo_plan.inline_asm_ok``); ``variant``: the gate-up's INTERLEAVED / ALPHA / LIMIT /
-    UP_SHIFT (None: the kernel's defaults, the plain activation). A folded split gate-up
+    UP_SHIFT / LIMIT_AFTER (None: the kernel's defaults, the plain activation). A folded split gate-up
     (``folded_splits``): down reads the partials p [SPLIT * A, 2N] in h's place (UP_SPLIT, ACT, ROUND: h's
     dtype, x's or float32 under the interpreter, as the plan's workspace)."""
     check_gemv_config(config, scheme)
@@ -183,7 +183,7 @@ def split_glu_launch(config: KernelConfig, num_assignments: int, n: int, w13_wor
 def glu_launch(split: int, num_assignments: int, n: int, act: int, options: LaunchOptions,
                variant: dict | None = None) -> BoundLaunch:
     """h = act(gate) * up from ``split`` >= 1 sets of float32 partials (``wo_split.split_glu_kernel``; pointers: p
-    [split * A, 2N], h [A, N]); ``variant``: the clamped SwiGLU's ALPHA / LIMIT / UP_SHIFT (the mma decode's,
+    [split * A, 2N], h [A, N]); ``variant``: the clamped SwiGLU's ALPHA / LIMIT / UP_SHIFT / LIMIT_AFTER (the mma's,
     ``triton_wo_gemm.variant_constexprs``), None the kernel's defaults (the plain activation)."""
     block = min(1024, max(16, 1 << (n - 1).bit_length()))
     return BoundLaunch(kernels("wo_split").split_glu_kernel, (num_assignments, cdiv(n, block)), 2,

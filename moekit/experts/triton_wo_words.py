@@ -156,6 +156,7 @@ class WordsVariant:
     limit: float = 0.0  # gate <= limit, |up| <= limit; 0: none
     alpha: float = 1.0  # glu = gate sigmoid(alpha gate) (up + up_shift)
     up_shift: float = 0.0
+    limit_after: bool = False  # with a limit: min(gate sigmoid(alpha gate), limit), gate unclamped (Step-3.7)
 
 
 PLAIN = WordsVariant()
@@ -192,7 +193,7 @@ def _gate_up_bound(shape: tuple, strides: tuple, group: int, num_assignments: in
     return BoundLaunch(gate_up_words_kernel, (blocks * (n // (8 * num_warps)), split), 11, scalars, cached=True,
                        BM=block_rows, GROUP=group, NAIVE=naive, num_warps=num_warps, H_ORDER=h_order, SPLIT=split,
                        AHEAD=ahead, MXFP4=mx, BIASED=v.b13, INTERLEAVED=v.interleaved, LIMIT=v.limit, ALPHA=v.alpha,
-                       UP_SHIFT=v.up_shift)
+                       UP_SHIFT=v.up_shift, LIMIT_AFTER=v.limit_after)
 
 
 def gate_up_words(x: torch.Tensor, w13, topk_ids: torch.Tensor, layout=None, num_warps: int = NUM_WARPS,

@@ -26,7 +26,7 @@ def words_variant(activation, b13, b2) -> WordsVariant:
         raise ValueError(f"decode='gluon_words' runs gated silu (alpha, limit, up_shift and interleaved rows "
                          f"included), got activation {spec.name}, gated {spec.gated}")
     return WordsVariant(b13 is not None, b2 is not None, spec.interleaved, 0.0 if spec.limit is None else spec.limit,
-                        spec.alpha, spec.up_shift)
+                        spec.alpha, spec.up_shift, spec.limit_after_act)
 
 
 def words_call_variant(activation, b13, b2) -> WordsVariant:

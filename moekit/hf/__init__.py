@@ -60,7 +60,7 @@ def moekit_experts_forward(
     b2 = self.down_proj_bias if plan.has_bias else None
     if plan.activation is None:
         return run_composed(self, plan, hidden_states, w13, w2, top_k_index, top_k_weights, b13, b2)
-    fn = _backend_fn(hidden_states.device, plan.activation)
+    fn = _backend_fn(hidden_states.device)
     if torch.compiler.is_compiling():  # the backend's traced entry: none of its eager branches traced and guarded
         traced = traced_path_of(fn)
         if traced is not None:
@@ -82,15 +82,15 @@ def moekit_fp8_experts_forward(
         dtype = hidden_states.dtype
         return run_composed(self, plan, hidden_states, w13.dequantize(dtype), w2.dequantize(dtype), top_k_index,
                             top_k_weights, None, None)
-    return call_backend(_backend_fn(hidden_states.device, plan.activation), hidden_states, w13, w2, top_k_index,
-                        top_k_weights, activation=plan.activation)
+    return call_backend(_backend_fn(hidden_states.device), hidden_states, w13, w2, top_k_index, top_k_weights,
+                        activation=plan.activation)
 
 
-def _backend_fn(device: torch.device, activation="silu"):
-    """The experts function of ``HF_BACKEND`` on ``device`` for ``activation`` (``backend_fn``'s cache); a name that
-    is no backend, or one ``device`` lacks, raises naming the setting (the user set it, not a ``backend=`` argument)."""
+def _backend_fn(device: torch.device):
+    """The experts function of ``HF_BACKEND`` on ``device`` (``backend_fn``'s cache); a name that is no backend, or
+    one ``device`` lacks, raises naming the setting (the user set it, not a ``backend=`` argument)."""
     try:
-        return backend_fn(HF_BACKEND, device, activation)
+        return backend_fn(HF_BACKEND, device)
     except (ValueError, RuntimeError) as err:
         raise type(err)(f"moekit.hf.HF_BACKEND = {HF_BACKEND!r}: {err}") from None
 

@@ -41,9 +41,10 @@ The experts variant (``moekit.activations.ActivationSpec``) is constexprs of the
 each variant compiles its own epilogue and the plain silu kernel is what it was: ACT (the activation's
 kernel id), GATED (False: w13 is [E, N, K], an up projection and act alone), INTERLEAVED (gate row 2j,
 up row 2j + 1: gpt-oss), ALPHA (silu's sigmoid scale), LIMIT (gate <= LIMIT, |up| <= LIMIT; None: no
-clamp), UP_SHIFT (act(gate) * (up + UP_SHIFT)). Biases are pointers, None without one: b13 [E, 2N or
-N] is added in the gate-up epilogue (one [BN] row per tile), b2 [E, K] in the down epilogue before the
-routed weight multiplies. Weights are read through their strides (transposed storage is a view).
+clamp), LIMIT_AFTER (act(gate) <= LIMIT instead of gate: Step-3.7, Bailing-Hybrid), UP_SHIFT (act(gate) *
+(up + UP_SHIFT)). Biases are pointers, None without one: b13 [E, 2N or N] is added in the gate-up epilogue
+(one [BN] row per tile), b2 [E, K] in the down epilogue before the routed weight multiplies. Weights are read
+through their strides (transposed storage is a view).
 
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
@@ -153,21 +154,28 @@ def _activation(g, ACT: tl.constexpr, ALPHA: tl.constexpr):
 
 
 @triton.jit
-def _glu(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
+def _glu(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr,
+         LIMIT_AFTER: tl.constexpr = False):
     """act(gate) * (up + UP_SHIFT), gate clamped to <= LIMIT and up to [-LIMIT, LIMIT] first unless
-    LIMIT is None (gpt-oss: ALPHA 1.702, LIMIT 7, UP_SHIFT 1). Twin: ``moekit.activations``' spec."""
+    LIMIT is None (gpt-oss: ALPHA 1.702, LIMIT 7, UP_SHIFT 1); LIMIT_AFTER: min(act(gate), LIMIT) instead of
+    act(min(gate, LIMIT)) (Step-3.7, Bailing-Hybrid). Twin: ``moekit.activations``' spec."""
     if LIMIT is not None:
-        gate = tl.minimum(gate, LIMIT)
+        if not LIMIT_AFTER:
+            gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     if UP_SHIFT != 0.0:
         up = up + UP_SHIFT
-    return _activation(gate, ACT, ALPHA) * up
+    act = _activation(gate, ACT, ALPHA)
+    if LIMIT_AFTER:
+        act = tl.minimum(act, LIMIT)
+    return act * up
 
 
 @triton.jit
 def _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
                       ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-                      ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
+                      ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr,
+                      LIMIT_AFTER: tl.constexpr = False):
     """[BM, BN] fp32 h tile from the accumulators: + b13 (one [BN] row per tile), then glu (gated) or
     act (ungated: acc_up is unused)."""
     if b13_ptr is not None:
@@ -178,7 +186,7 @@ def _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride
             up_rows = 1 if INTERLEAVED else N  # up of column j: row 2j + 1, or row N + j
             acc_up += tl.load(b_ptrs + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        return _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT)
+        return _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
     else:
         return _activation(acc_gate, ACT, ALPHA)
 
@@ -204,9 +212,9 @@ def gate_up_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr, ALPHA: tl.constexpr,
-    LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
-    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False):
+    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False,  # FOLD: docstring
+    A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
     wait_for_previous_kernel(PDL)
@@ -254,7 +262,7 @@ def gate_up_kernel(
         x_ptrs += BLOCK_K * stride_xk
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     h = _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
-                          ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
+                          ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)  # [BM, BN] fp32; no [A, 2N]
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 

@@ -258,7 +258,7 @@ def gate_up_fp8_kernel(
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False, PAIR_DOT: tl.constexpr = False, PAIR_CHUNK: tl.constexpr = 64,
     ACT: tl.constexpr = None, INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
-    UP_SHIFT: tl.constexpr = 0.0):
+    UP_SHIFT: tl.constexpr = 0.0, LIMIT_AFTER: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -304,7 +304,7 @@ def gate_up_fp8_kernel(
     acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT, SWAP_AB)
     h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB) if ACT is None else variant_h(
         unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), b13_ptr, expert, offs_n, n_ok, N, BLOCK_M, BLOCK_N, ACT,
-        INTERLEAVED, W_DESC, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32 (ACT None: SiLU-and-mul without b13, as before)
+        INTERLEAVED, W_DESC, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)  # [BM, BN] fp32 (ACT None: SiLU-and-mul, no b13)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
 

@@ -53,11 +53,12 @@ def row_tile_pairs(acc_a, acc_b, n_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 @triton.jit
 def variant_h(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               ACT: tl.constexpr, INTERLEAVED: tl.constexpr, W_DESC: tl.constexpr, ALPHA: tl.constexpr,
-              LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
+              LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr,
+              LIMIT_AFTER: tl.constexpr):
     """h [BM, BN] fp32 of a variant call's tile (ACT not None) from its accumulators [BM, BN] (unswapped): with
     INTERLEAVED and W_DESC first split into gate and up (``row_tile_pairs``), then + b13 and the gated activation
     (``gemm._gate_up_epilogue``)."""
     if INTERLEAVED and W_DESC:
         acc_gate, acc_up = row_tile_pairs(acc_gate, acc_up, n_ok, BLOCK_M, BLOCK_N)
     return _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, 2 * N, 1, ACT, True, INTERLEAVED,
-                             ALPHA, LIMIT, UP_SHIFT)
+                             ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)

@@ -49,14 +49,13 @@ def gate_up_fp8_persistent_kernel(
     # x_q [M, K], x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q [A, N], h_s [A, NB]
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # ids, map: unread (the plan's pointer list)
-    b13_ptr,  # [E, 2N] or None (plain calls)
-    N, K, num_assignments, top_k,
+    b13_ptr, N, K, num_assignments, top_k,  # b13 [E, 2N] or None (plain calls)
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, W_DESC: tl.constexpr,
     ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, PAIR_DOT: tl.constexpr = False, PAIR_CHUNK: tl.constexpr = 64,
     ACT: tl.constexpr = None, INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
-    UP_SHIFT: tl.constexpr = 0.0):  # ACT ..: ``gemm_fp8``'s; INTERLEAVED with W_DESC only
+    UP_SHIFT: tl.constexpr = 0.0, LIMIT_AFTER: tl.constexpr = False):  # ACT ..: ``gemm_fp8``'s; INTERLEAVED: W_DESC
     wait_for_previous_kernel(PDL)
     num_pid_m, num_pid_n = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M), tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -101,7 +100,8 @@ def gate_up_fp8_persistent_kernel(
                 acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs + step * stride_wsk, n_ok, ONE_BLOCK)
         acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT, False)
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up if ACT is None else variant_h(acc_gate, acc_up, b13_ptr, expert,
-            offs_n, n_ok, N, BLOCK_M, BLOCK_N, ACT, INTERLEAVED, W_DESC, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32
+            offs_n, n_ok, N, BLOCK_M, BLOCK_N, ACT, INTERLEAVED, W_DESC, ALPHA, LIMIT, UP_SHIFT,
+            LIMIT_AFTER)  # [BM, BN] fp32
         _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K,
                  EMULATE, False)
     let_next_kernel_launch(PDL)

@@ -59,7 +59,7 @@ b13_ptr [E, 2N] and b2_ptr [E, K], contiguous, or None (constexpr-specialised: w
 ones before). b13 is added to the gate and up accumulators before the activation (after int8's row scale), b2 to
 the down output before the routed weight (split-K: by split 0 alone), the order of ``gemm.py``'s bf16 kernels.
 INTERLEAVED: gate column j is w13 (and b13) row 2j, up j row 2j + 1 (gpt-oss's stored order, read in place);
-ALPHA, LIMIT, UP_SHIFT: ``gemm._glu``'s clamped SwiGLU. Their defaults are the plain gated activation.
+ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER: ``gemm._glu``'s clamped SwiGLU. Their defaults are the plain gated activation.
 
 Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows and activations these
 kernels share).
@@ -230,7 +230,7 @@ def gate_up_wo_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
     INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
-    UP_SHIFT: tl.constexpr = 0.0):
+    UP_SHIFT: tl.constexpr = 0.0, LIMIT_AFTER: tl.constexpr = False):
     """h = glu(x w_gate^T + b13_gate, x w_up^T + b13_up) per row, w13 dequantized in registers (b13, variant: doc)."""
     wait_for_previous_kernel(PDL)
     pid_n, rows, expert = program_tile(num_pid_m, tl.cdiv(N, BLOCK_N), ids_ptr, sorted_ids_ptr, expert_ids_ptr,
@@ -277,7 +277,7 @@ def gate_up_wo_kernel(
         acc_up *= tl.load(su, mask=n_ok, other=0.0)[None, :]
     if b13_ptr is not None:
         acc_gate, acc_up = add_b13(acc_gate, acc_up, b13_ptr, expert, gate, up, n_ok, N)
-    h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32: act(gate) * up (plain)
+    h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)  # [BM, BN] fp32: act(gate) * up (plain)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 

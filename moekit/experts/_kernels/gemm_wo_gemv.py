@@ -39,7 +39,7 @@ and b2_ptr [E, K], contiguous, or None (constexpr-specialised: without them the 
 added to each row's finished gate and up sums (int8's row scale applied), by split 0 alone where the gate-up splits
 (its partials then carry it once, into the split_glu launch or the down GEMM's fold); b2 to each output row before
 the routed weight, by split 0 alone. INTERLEAVED: gate column j is w13 (and b13) row 2j, up j row 2j + 1; ALPHA,
-LIMIT, UP_SHIFT: ``gemm._glu``'s clamped SwiGLU in the unsplit gate-up (a split one's: the split_glu launch's; the
+LIMIT, UP_SHIFT, LIMIT_AFTER: ``gemm._glu``'s in the unsplit gate-up (a split one's: the split_glu launch's; the
 fold, ``wo_split.load_h``, runs the plain activation only: the plan does not fold a variant).
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a
@@ -187,7 +187,8 @@ def gate_up_operands(x_ptr, q_ptr, s_ptr, z_ptr, rows, expert, pid_n, N, num_ass
 @triton.jit
 def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n, N, num_assignments, stride_hm,
                  SCHEME: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr, b13_ptr=None, expert=0, g_rows=0,
-                 u_rows=0, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None, UP_SHIFT: tl.constexpr = 0.0):
+                 u_rows=0, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None, UP_SHIFT: tl.constexpr = 0.0,
+                 LIMIT_AFTER: tl.constexpr = False):
     """Row ``row`` of h [BN] from its accumulators [BN, BKW] and x terms [BN] (int8: times the per-row
     scales), + b13 at the w13 rows g_rows, u_rows (split 0 alone), the spec's glu; SPLIT > 1: this split's gate and
     up partials instead (``wo_split.store_partials``)."""
@@ -200,7 +201,7 @@ def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n,
     if SPLIT > 1:
         store_partials(h_ptr, gate, up, row, ok, offs_n, n_ok, N, num_assignments, stride_hm)
     else:
-        h = _glu(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT)
+        h = _glu(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
         tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok, n_ok, False))
 
 
@@ -237,7 +238,7 @@ def gate_up_wo_gemv_kernel(
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr, SPLIT: tl.constexpr = 1, AHEAD: tl.constexpr = 1, XTILE: tl.constexpr = False,
     INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
-    UP_SHIFT: tl.constexpr = 0.0,
+    UP_SHIFT: tl.constexpr = 0.0, LIMIT_AFTER: tl.constexpr = False,
 ):
     """h = glu(x w_gate^T + b13_gate, x w_up^T + b13_up) per assignment row (BLOCK_M 1 or 2 rows a block), w13
     decoded word by word (b13, the variant: module doc). SPLIT > 1 (grid axis 1 = split s): words [s * split_words,
@@ -270,10 +271,10 @@ def gate_up_wo_gemv_kernel(
             wg, wu = far_g, far_u
     let_next_kernel_launch(PDL)
     _gate_up_out(acc_g0, xt_g0, acc_u0, xt_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, N, num_assignments, stride_hm,
-                 SCHEME, ACT, SPLIT, b13_ptr, expert, gate, up, ALPHA, LIMIT, UP_SHIFT)
+                 SCHEME, ACT, SPLIT, b13_ptr, expert, gate, up, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
     if BLOCK_M > 1:
         _gate_up_out(acc_g1, xt_g1, acc_u1, xt_u1, sg, su, n_ok, h_ptr, a1, ok1, offs_n, N, num_assignments,
-                     stride_hm, SCHEME, ACT, SPLIT, b13_ptr, expert, gate, up, ALPHA, LIMIT, UP_SHIFT)
+                     stride_hm, SCHEME, ACT, SPLIT, b13_ptr, expert, gate, up, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
 
 
 @triton.jit

@@ -34,7 +34,7 @@ and b2_ptr [E, K], contiguous, or None (constexpr-specialised: without them the 
 is added to the finished gate and up sums (after int8's row scale and mxfp4's 2^64), by split 0 alone where the
 gate-up splits along K (its partials then sum onto it in the split_glu launch, which runs the variant); b2 in
 ``_down_epilogue`` as the tile decode's (split 0 alone). INTERLEAVED: gate column j is w13 (and b13) row 2j, up j row
-2j + 1 (read in place); ALPHA, LIMIT, UP_SHIFT: ``gemm._glu``'s clamped SwiGLU. Their defaults are the plain kernels.
+2j + 1 (read in place); ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER: ``gemm._glu``'s. Their defaults are the plain kernels.
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step (BLOCK_K / 8).
 """
@@ -171,7 +171,7 @@ def _finish(acc, SCHEME: tl.constexpr):
 @triton.jit
 def _gate_up_out(acc_gate, acc_up, sg, su, b13_ptr, expert, gate, up, h_ptr, rows, row_ok, offs_n, n_ok, N,
                  num_assignments, stride_hm, SCHEME: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr,
-                 ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
+                 ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, LIMIT_AFTER: tl.constexpr):
     """The gate-up's end: the gate and up sums acc_gate, acc_up [BM, BN] float32 scaled (int8's rows, mxfp4's 2^64),
     + b13 at the w13 rows gate, up [BN] (split 0 alone), then h = glu(gate, up) stored, or (SPLIT > 1) this split's
     float32 partials: gate at p columns offs_n, up at N + offs_n."""
@@ -186,7 +186,7 @@ def _gate_up_out(acc_gate, acc_up, sg, su, b13_ptr, expert, gate, up, h_ptr, row
         tl.store(p_rows + offs_n[None, :], acc_gate, mask=mask)
         tl.store(p_rows + N + offs_n[None, :], acc_up, mask=mask)
     else:
-        h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32
+        h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)  # [BM, BN] fp32
         tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -202,7 +202,7 @@ def gate_up_wo_mma_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
     PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 8,
     INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
-    UP_SHIFT: tl.constexpr = 0.0,
+    UP_SHIFT: tl.constexpr = 0.0, LIMIT_AFTER: tl.constexpr = False,
 ):
     """h = glu(x w_gate^T + b13_gate, x w_up^T + b13_up) per assignment row (SCHEME 0 int8, 1 int4 or 2 mxfp4;
     SPAN: unused; b13 and the variant: module doc). SPLIT > 1 (grid axis 1 = split s): words [s * split_words,
@@ -246,7 +246,7 @@ def gate_up_wo_mma_kernel(
                                  DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     _gate_up_out(acc_gate, acc_up, sg, su, b13_ptr, expert, gate, up, h_ptr, rows, row_ok, offs_n, n_ok, N,
-                 num_assignments, stride_hm, SCHEME, ACT, SPLIT, ALPHA, LIMIT, UP_SHIFT)
+                 num_assignments, stride_hm, SCHEME, ACT, SPLIT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
 
 
 @triton.jit
@@ -261,10 +261,10 @@ def gate_up_halves_wo_mma_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
     PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 8,
     INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
-    UP_SHIFT: tl.constexpr = 0.0,
+    UP_SHIFT: tl.constexpr = 0.0, LIMIT_AFTER: tl.constexpr = False,
 ):
     """p = x w13^T (+ b13 in split 0's) per assignment row, float32, the activation left to the split_glu launch
-    (``wo_split``; ALPHA, LIMIT, UP_SHIFT: its, unused here; INTERLEAVED: p column c < N reads w13 row 2c, column
+    (``wo_split``; ALPHA .. LIMIT_AFTER: its, unused here; INTERLEAVED: p column c < N reads w13 row 2c, column
     N + c row 2c + 1, so p holds gate then up as without it): a
     program owns BLOCK_N of the 2N w13 rows, so the gate rows and the up rows are separate programs (a block across
     row N holds both; p's columns are w13's rows: gate, then up), each with one accumulator and one [BN, BKW] word

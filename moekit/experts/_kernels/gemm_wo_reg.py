@@ -221,7 +221,7 @@ def gate_up_wo_reg_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr = False,
     INTERLEAVED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None,
-    UP_SHIFT: tl.constexpr = 0.0,
+    UP_SHIFT: tl.constexpr = 0.0, LIMIT_AFTER: tl.constexpr = False,
 ):
     """h = glu(x w_gate^T + b13_gate, x w_up^T + b13_up) per row, w13 dequantized in registers (b13: ``gemm_wo``)."""
     wait_for_previous_kernel(PDL)
@@ -267,7 +267,7 @@ def gate_up_wo_reg_kernel(
         acc_up *= tl.load(su, mask=n_ok, other=0.0)[None, :]
     if b13_ptr is not None:
         acc_gate, acc_up = add_b13(acc_gate, acc_up, b13_ptr, expert, gate, up, n_ok, N)
-    h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32: act(gate) * up (plain)
+    h = _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)  # [BM, BN] fp32: act(gate) * up (plain)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 

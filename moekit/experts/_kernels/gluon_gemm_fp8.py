@@ -81,7 +81,7 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
               reduce_dim, num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
               HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr, PIPE: gl.constexpr,
               INTERLEAVED: gl.constexpr, ACT: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
-              UP_SHIFT: gl.constexpr):
+              UP_SHIFT: gl.constexpr, LIMIT_AFTER: gl.constexpr):
     """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -116,7 +116,7 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
         else:
             _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED, bias_ptr,
                       experts_ptr + rb, cb * col_blocks * BLOCK_N, w_rows, gate_offset, INTERLEAVED, ACT, ALPHA, LIMIT,
-                      UP_SHIFT)
+                      UP_SHIFT, LIMIT_AFTER)
     tma.store_wait(0)
 
 
@@ -224,7 +224,7 @@ def _wide_epilogue(acc, right, c_desc, c_left, c_right, row0, cb):
 @gluon.jit
 def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr, bias_ptr, expert_ptr, first_row, w_rows,
               gate_offset, INTERLEAVED: gl.constexpr, ACT: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
-              UP_SHIFT: gl.constexpr):
+              UP_SHIFT: gl.constexpr, LIMIT_AFTER: gl.constexpr):
     """One half tile out by TMA: GATED, h = act(gate) * up quantized per row over its 128 columns (one h
     group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64]; else acc in c_desc's dtype.
     bias_ptr (None: none): b13 / b2 rows of the tile's weight rows first_row.. (acc's) and gate_offset + first_row..
@@ -241,7 +241,8 @@ def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr, bi
                               gate_offset, GATED)
     if GATED:
         if INTERLEAVED or ACT != 0 or ALPHA != 1.0 or LIMIT is not None or UP_SHIFT != 0.0:
-            h = _variant_h(acc, up, first_row, w_rows, gate_offset, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT)
+            h = _variant_h(acc, up, first_row, w_rows, gate_offset, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT,
+                           LIMIT_AFTER)
         else:
             h = acc / (1.0 + gl.exp(-acc)) * up  # [64, 128] fp32
         amax = gl.max(gl.abs(h), axis=1)
@@ -270,7 +271,7 @@ def _add_biases(acc, up, bias_rows, first_row, w_rows, gate_offset, GATED: gl.co
 
 @gluon.jit
 def _variant_h(acc, up, first_row, w_rows, gate_offset, INTERLEAVED: gl.constexpr, ACT: gl.constexpr,
-               ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_SHIFT: gl.constexpr):
+               ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_SHIFT: gl.constexpr, LIMIT_AFTER: gl.constexpr):
     """h [64, 128] float32 of a gated variant (``gemm._glu``: the Triton kernels' activation, the spec's constexprs).
     INTERLEAVED: acc and up hold the products of the tile's two row tiles in place (rows first_row.. then
     first_row + 128..: gate j, up j, gate j + 1, ... of the tile's first 64 columns, then of its last 64); rows past
@@ -286,11 +287,11 @@ def _variant_h(acc, up, first_row, w_rows, gate_offset, INTERLEAVED: gl.constexp
         up = gl.where((rows + gate_offset < w_rows)[None, :], up, 0.0)
         gate_a, up_a = gl.split(gl.reshape(acc, [HALF_M, BLOCK_N // 2, 2]))  # [64, 64] each: columns 0..63
         gate_b, up_b = gl.split(gl.reshape(up, [HALF_M, BLOCK_N // 2, 2]))  # columns 64..127
-        h_a = _glu(gate_a, up_a, ACT, ALPHA, LIMIT, UP_SHIFT)
-        h_b = _glu(gate_b, up_b, ACT, ALPHA, LIMIT, UP_SHIFT)
+        h_a = _glu(gate_a, up_a, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
+        h_b = _glu(gate_b, up_b, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
         h = gl.reshape(gl.permute(gl.join(h_a, h_b), [0, 2, 1]), [HALF_M, BLOCK_N])  # [64, 128]
     else:
-        h = _glu(acc, up, ACT, ALPHA, LIMIT, UP_SHIFT)
+        h = _glu(acc, up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
     return h
 
 
@@ -300,7 +301,8 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
                             GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, WIDE: gl.constexpr = False,
                             PIPE: gl.constexpr = False, INTERLEAVED: gl.constexpr = False, ACT: gl.constexpr = 0,
-                            ALPHA: gl.constexpr = 1.0, LIMIT: gl.constexpr = None, UP_SHIFT: gl.constexpr = 0.0):
+                            ALPHA: gl.constexpr = 1.0, LIMIT: gl.constexpr = None, UP_SHIFT: gl.constexpr = 0.0,
+                            LIMIT_AFTER: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, ceil(R/128)] fp32 (row stride stride_as); ws_ptr [E,
@@ -315,7 +317,8 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     The experts variant (issue #15; all off: the plain kernel): bias_ptr b13 [E, 2N] (GATED) or b2 [E, K]
     contiguous, or None; INTERLEAVED (GATED): w13's rows gate j = 2j, up j = 2j + 1 (gpt-oss), a tile of 128 h columns
     read as the 256 rows in place in two row tiles (gate_offset = 128, scale blocks 2cb and 2cb + 1: ``_variant_h``);
-    ACT / ALPHA / LIMIT / UP_SHIFT the gated activation (``moekit.activations.ActivationSpec``, ``gemm._glu``)."""
+    ACT / ALPHA / LIMIT / UP_SHIFT / LIMIT_AFTER the gated activation (``moekit.activations.ActivationSpec``,
+    ``gemm._glu``)."""
     WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -325,10 +328,12 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
                      bias_ptr, reduce_dim, num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr,
-                     stride_cs, FIRST_HALF, GATED, GROUP_M, WIDE, PIPE, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT)),
+                     stride_cs, FIRST_HALF, GATED, GROUP_M, WIDE, PIPE, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT,
+                     LIMIT_AFTER)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
                      bias_ptr, reduce_dim, num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr,
-                     stride_cs, SECOND_HALF, GATED, GROUP_M, WIDE, PIPE, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT)),
+                     stride_cs, SECOND_HALF, GATED, GROUP_M, WIDE, PIPE, INTERLEAVED, ACT, ALPHA, LIMIT, UP_SHIFT,
+                     LIMIT_AFTER)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    w_rows, gate_offset, GATED, GROUP_M, WIDE, INTERLEAVED)),
     ], [4, 1], [CONSUMER_REGS, 24])

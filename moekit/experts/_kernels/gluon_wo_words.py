@@ -313,9 +313,10 @@ def gate_up_words_kernel(
     AHEAD: gl.constexpr = 1,  # steps of words in flight (``words_loop``): 2 selectable, unmeasured
     MXFP4: gl.constexpr = False,  # q mxfp4 codes, s_ptr its e8m0 scales (``words_mx``); z_ptr, xsum_ptr unread
     # the activation variant (``words_glu.store_h``; SPLIT 1 only): b13 added, w13's rows interleaved (gate i at 2i,
-    # up i at 2i + 1: gpt-oss), gate <= LIMIT and |up| <= LIMIT (0: none), h = gate sigmoid(ALPHA gate) (up + UP_SHIFT)
+    # up i at 2i + 1: gpt-oss), gate <= LIMIT and |up| <= LIMIT (0: none), h = gate sigmoid(ALPHA gate) (up + UP_SHIFT);
+    # LIMIT_AFTER: gate sigmoid(ALPHA gate) <= LIMIT instead of gate (Step-3.7, Bailing-Hybrid)
     BIASED: gl.constexpr = False, INTERLEAVED: gl.constexpr = False, LIMIT: gl.constexpr = 0.0,
-    ALPHA: gl.constexpr = 1.0, UP_SHIFT: gl.constexpr = 0.0,
+    ALPHA: gl.constexpr = 1.0, UP_SHIFT: gl.constexpr = 0.0, LIMIT_AFTER: gl.constexpr = False,
 ):
     """h = silu(x w_gate^T) * (x w_up^T) of one block's rows and 8 num_warps gate columns (module doc). Grid:
     (blocks * N / (8 num_warps), SPLIT); N a multiple of 8 num_warps, K / 256 of SPLIT, GROUP of 128
@@ -332,7 +333,7 @@ def gate_up_words_kernel(
         _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, b13_ptr, expert, rows_x, rows_c, n0, N, K,
                num_assignments, top_k, stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze,
                stride_zr, stride_hm, stride_be, GROUP, num_warps, H_ORDER, SPLIT, AHEAD, MXFP4, BIASED, INTERLEAVED,
-               LIMIT, ALPHA, UP_SHIFT)
+               LIMIT, ALPHA, UP_SHIFT, LIMIT_AFTER)
 
 
 @gluon.jit
@@ -340,7 +341,7 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, b13_ptr, expert, rows_x,
            top_k, stride_xm, stride_xsm, stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, stride_hm,
            stride_be, GROUP: gl.constexpr, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr,
            AHEAD: gl.constexpr, MXFP4: gl.constexpr, BIASED: gl.constexpr, INTERLEAVED: gl.constexpr,
-           LIMIT: gl.constexpr, ALPHA: gl.constexpr, UP_SHIFT: gl.constexpr):
+           LIMIT: gl.constexpr, ALPHA: gl.constexpr, UP_SHIFT: gl.constexpr, LIMIT_AFTER: gl.constexpr):
     """The program's h tile: rows_x / rows_c [BM] its block's assignments (A past the end) in the x load's and the
     accumulator's layouts, n0 its first gate column (module doc)."""
     BM: gl.constexpr = rows_x.type.shape[0]
@@ -382,4 +383,4 @@ def _block(x_ptr, xsum_ptr, q_ptr, s_ptr, z_ptr, h_ptr, b13_ptr, expert, rows_x,
         acc = words_loop(acc, w_ptrs, x_ptrs, steps, col0, magic, magic, s_rows, z_rows, xs_rows, row_ok, row_ok, ok_c,
                          GROUP, 0, num_warps, AHEAD)
     store_h(acc, h_ptr, b13_ptr, expert, w13_c, row_ok, rows_c, ok_c, r_c % 16 // 8, n0, N, num_assignments,
-            stride_hm, stride_be, num_warps, H_ORDER, SPLIT, BIASED, LIMIT, ALPHA, UP_SHIFT)
+            stride_hm, stride_be, num_warps, H_ORDER, SPLIT, BIASED, LIMIT, ALPHA, UP_SHIFT, LIMIT_AFTER)

@@ -37,9 +37,10 @@ def split_glu_kernel(
     N, num_assignments, stride_pm, stride_hm,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
     ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = None, UP_SHIFT: tl.constexpr = 0.0,
+    LIMIT_AFTER: tl.constexpr = False,
 ):
     """h[a, n] = glu(sum_s p[s A + a, n], sum_s p[s A + a, N + n]), the splits summed in order; grid
-    (A, cdiv(N, BLOCK_N)); ALPHA, LIMIT, UP_SHIFT: ``gemm._glu``'s clamped SwiGLU (defaults: the plain act(gate) * up;
+    (A, cdiv(N, BLOCK_N)); ALPHA .. LIMIT_AFTER: ``gemm._glu``'s clamped SwiGLU (defaults: the plain act(gate) * up;
     the mma decode's variant gate-ups)."""
     wait_for_previous_kernel(PDL)
     a = tl.program_id(0).to(tl.int64)
@@ -52,7 +53,7 @@ def split_glu_kernel(
         gate += tl.load(p_row + offs_n, mask=n_ok, other=0.0)
         up += tl.load(p_row + N + offs_n, mask=n_ok, other=0.0)
     let_next_kernel_launch(PDL)
-    h = _glu(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT)
+    h = _glu(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT, LIMIT_AFTER)
     tl.store(h_ptr + a * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
 

@@ -1,7 +1,8 @@
 """The words gate-up's epilogue (decode "gluon_words", issue #16; moved out of ``gluon_wo_words`` and given the
 activation variants in session 46): the accumulator's gate and up rows into h, with gpt-oss's expert biases and
 clamped SwiGLU where asked (``ActivationSpec``: b13 added by accumulator row, gate <= limit and |up| <= limit by the
-row's parity, h = gate sigmoid(alpha gate) (up + up_shift)), stored in the dot order the down GEMM reads
+row's parity, h = gate sigmoid(alpha gate) (up + up_shift); with ``limit_after_act`` the gate's clamp on
+gate sigmoid(alpha gate) instead: Step-3.7), stored in the dot order the down GEMM reads
 (``stored_column``) or as a split's float32 partials. Each thread holds the gate and the up sum of the same output
 (mma C rows g and g + 8), so the variant moves nothing: a load, a clamp and two FMAs an output.
 
@@ -28,15 +29,18 @@ def stored_column(col):
 @gluon.jit
 def store_h(acc, h_ptr, b13_ptr, expert, w13_c, row_ok, rows_c, ok_c, up_row, n0, N, num_assignments, stride_hm,
             stride_be, num_warps: gl.constexpr, H_ORDER: gl.constexpr, SPLIT: gl.constexpr, BIASED: gl.constexpr,
-            LIMIT: gl.constexpr, ALPHA: gl.constexpr, UP_SHIFT: gl.constexpr):
+            LIMIT: gl.constexpr, ALPHA: gl.constexpr, UP_SHIFT: gl.constexpr, LIMIT_AFTER: gl.constexpr = False):
     """acc [R, BM] (rows: w13 rows w13_c [R], up_row [R] 1 on the up rows) -> h of the block's rows_c (module doc);
     SPLIT > 1: the split's float32 gate sums at p[s A + a, n], up sums at p[s A + a, N + n] (no variant)."""
     BM: gl.constexpr = acc.type.shape[1]
     if BIASED:
         acc += gl.load(b13_ptr + expert * stride_be + w13_c, mask=row_ok, other=0.0).to(gl.float32)[:, None]
-    if LIMIT > 0:
+    if LIMIT > 0:  # |up| <= LIMIT; gate <= LIMIT, or with LIMIT_AFTER act(gate) <= LIMIT (below)
         up = (up_row == 1)[:, None]
-        acc = gl.where(up, gl.maximum(gl.minimum(acc, LIMIT), -LIMIT), gl.minimum(acc, LIMIT))
+        if LIMIT_AFTER:
+            acc = gl.where(up, gl.maximum(gl.minimum(acc, LIMIT), -LIMIT), acc)
+        else:
+            acc = gl.where(up, gl.maximum(gl.minimum(acc, LIMIT), -LIMIT), gl.minimum(acc, LIMIT))
     # acc rows: warp w's gate rows then up rows -> gate, up [8 W, BM], each thread both of its outputs
     both = gl.permute(gl.reshape(acc, [num_warps, 2, 8, BM]), [0, 2, 3, 1])  # [W, 8, BM, gate / up]
     gate, up = gl.split(both)
@@ -51,8 +55,10 @@ def store_h(acc, h_ptr, b13_ptr, expert, w13_c, row_ok, rows_c, ok_c, up_row, n0
         gl.store(p_rows + N + cols_o[:, None], gl.convert_layout(gl.reshape(up, [8 * num_warps, BM]), out_layout),
                  mask=ok_o)
     else:
-        if ALPHA == 1.0 and UP_SHIFT == 0.0:
+        if ALPHA == 1.0 and UP_SHIFT == 0.0 and not LIMIT_AFTER:
             glu = gate / (1.0 + gl.exp(-gate)) * up
+        elif LIMIT_AFTER:  # Step-3.7, Bailing-Hybrid: min(act(gate), LIMIT)
+            glu = gl.minimum(gate / (1.0 + gl.exp(-ALPHA * gate)), LIMIT) * (up + UP_SHIFT)
         else:
             glu = gate / (1.0 + gl.exp(-ALPHA * gate)) * (up + UP_SHIFT)
         h = gl.convert_layout(gl.reshape(glu, [8 * num_warps, BM]), out_layout)
