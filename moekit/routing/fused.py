@@ -245,9 +245,8 @@ def _route_kernel(logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logit
                   fill_zero: bool, shared_weight: float, sqrt_softplus: bool = False,
                   assert_in_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's body: logits [M, E], bias [E] / gate_logits [M, 1] or None, config fields -> ``_launch``'s."""
-    plan = _op_plan(logits.shape[1], top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
-                    num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight,
-                    sqrt_softplus)
+    plan = _op_plan(logits.size(1), top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
+                    elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus)
     return _launch(plan, logits, bias, gate_logits, assert_in_kernel)
 
 

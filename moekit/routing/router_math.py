@@ -1,7 +1,7 @@
 """The router options the fused kernels compute (``MoEConfig.changed_router_options``), as their plans take them.
 
-    Route: [soft-cap -> score (softmax, sigmoid or sqrt(softplus)) -> (bias on scores or logits) -> (grouped: max / top-2 sum, dropped groups -inf or 0)
-      -> top-k -> weights x scaling (+ shared slots x their weight)]
+    Route: [soft-cap -> score (softmax, sigmoid or sqrt(softplus)) -> (bias on scores or logits)
+      -> (grouped: max / top-2 sum, dropped groups -inf or 0) -> top-k -> weights x scaling (+ shared slots x weight)]
 
 Torch twin: ``moekit.routing.route`` (and ``append_shared_slots``). The defaults are the router of session 33, whose
 kernels' machine code the options leave alone (``benchmarks/route_sass_diff_cpu.py``).

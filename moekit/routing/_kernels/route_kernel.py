@@ -152,8 +152,9 @@ def _select(key, col, BLOCK_M: tl.constexpr, SLOTS_PAD: tl.constexpr, TOP_K: tl.
 @triton.jit
 def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
              PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False):
-    """chosen [BM, SLOTS_PAD] logits of the chosen experts; taken: the slot holds a finite chosen expert.
-    Renormalisation is a softmax over the taken slots' log-scores (route's formula, no 0/0)."""
+    """chosen [BM, SLOTS_PAD] logits of the chosen experts; taken: the slot holds a finite chosen expert; row_max,
+    row_sum [BM] the softmax's. Renormalisation is a softmax over the taken slots' log-scores (route's formula, no
+    0/0)."""
     if RENORMALIZE:
         log_score = chosen
         if SQRT_SOFTPLUS:  # route's 0.5 * log(softplus(x)): -inf where softplus underflows to 0
@@ -166,7 +167,7 @@ def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RE
         numerator, denominator = tl.broadcast(e, tl.sum(e, axis=1)[:, None])
         w = tl.math.div_rn(numerator, denominator)
     else:
-        w = _score(chosen, row_max, row_sum, SIGMOID, PRECISE, SQRT_SOFTPLUS)
+        w = _score(chosen, row_max[:, None], row_sum[:, None], SIGMOID, PRECISE, SQRT_SOFTPLUS)
     return tl.where(taken, w * scaling, 0.0)
 
 
@@ -238,8 +239,7 @@ def route_rows(
     GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr,
     ASSERT_FINITE: tl.constexpr, VOLATILE: tl.constexpr, SOFTCAP: tl.constexpr, SOFTCAP_INV: tl.constexpr,
-    BIAS_ON_LOGITS: tl.constexpr, FILL_ZERO: tl.constexpr, SHARED_SCALE: tl.constexpr,
-    SQRT_SOFTPLUS: tl.constexpr = False,
+    BIAS_ON_LOGITS: tl.constexpr, FILL_ZERO: tl.constexpr, SHARED_SCALE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
 ):
     """Rows row0 .. row0 + BM - 1 (those below num_tokens) routed; also the route part of ``gate_route_kernel``,
     where the logits were written by other programs of the same launch (``VOLATILE``: loaded past the L1)."""
@@ -261,9 +261,8 @@ def route_rows(
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
     e = tl.where(finite, _exp(x_fin - row_max[:, None, None], PRECISE), 0.0)
     row_sum = tl.sum(tl.sum(e, axis=2), axis=1)  # [BM]
-    # [BM, G, P] what chooses (+ the bias): Kolibri's logits, or the scores
     choice = x_fin if BIAS_ON_LOGITS else _score(x_fin, row_max[:, None, None], row_sum[:, None, None], SIGMOID,
-                                                 PRECISE, SQRT_SOFTPLUS)
+                                                 PRECISE, SQRT_SOFTPLUS)  # [BM, G, P]; Kolibri's: logits (+ bias)
     if HAS_BIAS:
         choice += tl.load(bias_ptr + expert * stride_b, mask=col_ok, other=0.0).to(tl.float32)
     choice = tl.where(finite, choice, float("-inf"))
@@ -281,8 +280,7 @@ def route_rows(
                      volatile=VOLATILE).to(tl.float32)
     taken = is_routed & (tl.abs(chosen) < float("inf"))
     chosen = _soft_capped(chosen, SOFTCAP, SOFTCAP_INV, PRECISE)  # the weights read the capped logits too
-    w = _weights(chosen, taken, row_max[:, None], row_sum[:, None], scaling, SIGMOID, RENORMALIZE, PRECISE,
-                 SQRT_SOFTPLUS)
+    w = _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID, RENORMALIZE, PRECISE, SQRT_SOFTPLUS)
     if NUM_SHARED > 0:  # shared slots last: ids E..E+S-1, weight 1 or sigmoid(gate logit), times SHARED_SCALE
         ids = tl.where(is_routed, ids, NUM_EXPERTS + slot - TOP_K)
         shared_w = tl.full([BLOCK_M, SLOTS_PAD], SHARED_SCALE, tl.float32)  # 0.5: Cohere2's average
