@@ -10,16 +10,17 @@ Phases (each skipped past the deadline; <out>/v4r48.json rewritten after each):
             here (ids equal except where the float64 k-th and (k+1)-th choices are within 1e-5: counted; weights rel
             1e-5), at M = 1, 8, 64, 1024; and the scores at large logits (+-200, +-110, +-103, 20 +- 0.01, 89, 1e4)
             against torch's ``F.softplus(x).sqrt()`` on the GPU (its threshold 20; denormals kept: no ftz) and
-            float64.
+            float64; the one-launch hash router (``FusedHashRouter``, V4's shared slot appended) against
+            ``hash_route`` and float64 at the same M, a random table of V 129280 rows.
   layer     V4's top-k layer (E 256, K 4096, N 256 here: the router's shapes, small experts; float32, the shared
             expert fused) with ``router="fused"`` (the one gate + router launch up to 8 rows, the tensor-core one up
             to 256, the decode fast path kept) against the same layer with ``router="torch"`` (rel-L2 < 1e-5) at
-            M = 1, 8, 64, its repeated call bit-equal to its first; a ``HashMoE`` (hash_route, masked_tokens None now)
-            against a float64 reference.
+            M = 1, 8, 64, its repeated call bit-equal to its first; a ``HashMoE`` with ``router="torch"`` (hash_route,
+            masked_tokens None now) and ``"fused"`` (one launch) against a float64 reference.
   time      host and wall µs a call (``bench_run.host_and_wall_us``: 7 interleaved rounds, medians), bf16, the real
             V4 layer (E 256, K 4096, N 2048, top-6, V 129280): the top-k layer before (``router="torch"``: ``route``
             in torch, the full forward, as hash48 measured it) and after (``router="fused"``: the lean path); the
-            hash layer (routing in torch by design). M = 1 and 32.
+            hash layer with ``router="torch"`` (before) and ``"fused"`` (after). M = 1 and 32.
 The table is printed last: medians.
 """
 
@@ -43,6 +44,9 @@ from bench_run import RunLog, host_and_wall_us, phase_args, rel_l2, run_info, ru
 from moekit import HashMoE, MoE, MoEConfig, route  # noqa: E402
 from moekit.activations import ActivationSpec  # noqa: E402
 from moekit.routing.fused import FusedRouter  # noqa: E402
+from moekit.routing.hash_fused import FusedHashRouter  # noqa: E402
+from moekit.routing.hash_route import hash_route  # noqa: E402
+from moekit.routing.shared import append_shared_slots  # noqa: E402
 
 ROUNDS = 2 if SMOKE else 7
 E, K, N, TOP_K, V = (16, 64, 32, 6, 50) if SMOKE else (256, 4096, 2048, 6, 129280)
@@ -98,6 +102,30 @@ def router_phase(dev) -> None:
         RUN.check(f"fused router M={m}: vs float64 twin", ids_ok and w_err < 1e-5,
                   f"rel w={w_err:.1e}, rows within 1e-5 (not compared): {int(near.sum())}")
     extremes_check(dev, res)
+    hash_router_check(dev, res, weight)
+
+
+def hash_router_check(dev, res, weight) -> None:
+    """The one-launch hash router (``FusedHashRouter``, the shared slot appended) against ``hash_route`` and float64
+    (the table's experts, s / (sum + 1e-20) x 1.5) on V4's gate and a random table of V rows."""
+    cfg = CONFIG.replace(hash_table_size=V, use_correction_bias=False)
+    g = torch.Generator().manual_seed(5)
+    table = torch.randint(0, E, (V, TOP_K), generator=g).to(dev)
+    router = FusedHashRouter(cfg)
+    for m in ROWS:
+        x = torch.randn(m, K, generator=g).to(dev, torch.bfloat16)
+        logits = torch.nn.functional.linear(x, weight)  # [M, E] bf16
+        ids = torch.randint(0, V, (m,), generator=g).to(dev)
+        got = router(logits, ids, table, append_shared=True)
+        want = append_shared_slots(hash_route(logits, ids, table, cfg), cfg)
+        s = sqrt_softplus64(logits.float()).gather(1, table[ids])
+        w64 = s / (s.sum(1, keepdim=True) + 1e-20) * CONFIG.routed_scaling_factor
+        same = bool(torch.equal(got.topk_ids, want.topk_ids))
+        tw = (got.topk_weights - want.topk_weights).abs().max().item()
+        err = ((got.topk_weights[:, :TOP_K].double() - w64).abs() / w64).max().item()
+        res[f"hash M={m}"] = dict(ids_equal=same, weights_abs_twin=tw, weights_rel_float64=err)
+        RUN.check(f"fused hash router M={m}: ids == hash_route, weights ~ it and float64", same and tw < 1e-6 and
+                  err < 1e-5 and bool((got.topk_weights[:, TOP_K:] == 1).all()), f"|dw|={tw:.1e}, rel64={err:.1e}")
 
 
 def extremes_check(dev, res) -> None:
@@ -152,17 +180,19 @@ def layer_phase(dev) -> None:
             err = res[f"fused vs torch M={m}"] = rel_l2(again, want)
             RUN.check(f"V4 layer M={m}: fused router (fast path) vs torch router", err < 1e-5 and kept and bool(
                 torch.equal(first, again)), f"rel_l2={err:.2e}, kept={kept}, repeat bit-equal")
-        hashed = HashMoE(cfg.replace(hash_table_size=V, use_correction_bias=False), backend="triton", device=dev,
-                         fuse_shared=False).eval()
-        g = torch.Generator().manual_seed(2)
-        hashed.load_table_(torch.randint(0, E, (V, TOP_K), generator=g).to(dev))
-        x = torch.randn(13, K, generator=g).to(dev)
-        ids = torch.randint(0, V, (13,), generator=g).to(dev)
-        rows = hashed.tid2eid[ids]  # [M, k]
-        s = sqrt_softplus64(x.double() @ hashed.gate.weight.double().T).gather(1, rows)
-        w = s / (s.sum(1, keepdim=True) + 1e-20) * CONFIG.routed_scaling_factor
-        err = res["hash vs float64"] = rel_l2(hashed(x, token_ids=ids), reference(hashed, x, rows, w))
-        RUN.check("HashMoE vs float64", err < 1e-5, f"rel_l2={err:.2e}")
+        for router in ("torch", "fused"):
+            torch.manual_seed(0)
+            hashed = HashMoE(cfg.replace(hash_table_size=V, use_correction_bias=False), backend="triton", device=dev,
+                             fuse_shared=False, router=router).eval()
+            g = torch.Generator().manual_seed(2)
+            hashed.load_table_(torch.randint(0, E, (V, TOP_K), generator=g).to(dev))
+            x = torch.randn(13, K, generator=g).to(dev)
+            ids = torch.randint(0, V, (13,), generator=g).to(dev)
+            rows = hashed.tid2eid[ids]  # [M, k]
+            s = sqrt_softplus64(x.double() @ hashed.gate.weight.double().T).gather(1, rows)
+            w = s / (s.sum(1, keepdim=True) + 1e-20) * CONFIG.routed_scaling_factor
+            err = res[f"hash {router} vs float64"] = rel_l2(hashed(x, token_ids=ids), reference(hashed, x, rows, w))
+            RUN.check(f"HashMoE(router={router!r}) vs float64", err < 1e-5, f"rel_l2={err:.2e}")
 
 
 def time_phase(dev) -> None:
@@ -171,15 +201,18 @@ def time_phase(dev) -> None:
     for router in ("torch", "fused"):
         torch.manual_seed(0)
         layers[f"top-k {router}"] = MoE(CONFIG, router=router, dtype=torch.bfloat16, device=dev).eval()
-    torch.manual_seed(0)
-    hashed = HashMoE(CONFIG.replace(hash_table_size=V, use_correction_bias=False), dtype=torch.bfloat16,
-                     device=dev).eval()
-    hashed.load_table_(torch.randint(0, E, (V, TOP_K), generator=torch.Generator().manual_seed(3)).to(dev))
+    hashed = {}
+    for router in ("torch", "fused"):
+        torch.manual_seed(0)
+        hashed[f"hash {router}"] = HashMoE(CONFIG.replace(hash_table_size=V, use_correction_bias=False), router=router,
+                                           dtype=torch.bfloat16, device=dev).eval()
+        hashed[f"hash {router}"].load_table_(torch.randint(0, E, (V, TOP_K), generator=torch.Generator().manual_seed(3))
+                                             .to(dev))
     for m in TIME_ROWS:
         x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
         ids = torch.randint(0, V, (m,), device=dev)
         fns = {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
-        fns["hash"] = lambda: hashed(x, token_ids=ids)
+        fns |= {name: (lambda layer=layer: layer(x, token_ids=ids)) for name, layer in hashed.items()}
         with torch.no_grad():
             for _ in range(3):  # warm: the kernels compile, the fast path keeps its entry
                 for fn in fns.values():
@@ -188,9 +221,9 @@ def time_phase(dev) -> None:
             times = host_and_wall_us(fns, dev, 5 if SMOKE else 30, ROUNDS)
         res[m] = times
         med = {name: (statistics.median(h), statistics.median(w)) for name, (h, w) in times.items()}
-        before, after, hsh = med["top-k torch"], med["top-k fused"], med["hash"]
-        RUN.summary.append(f"| M={m} | {before[0]:.1f} / {before[1]:.1f} | {after[0]:.1f} / {after[1]:.1f} | "
-                           f"{before[0] / after[0]:.1f}x | {hsh[0]:.1f} / {hsh[1]:.1f} |")
+        row = " | ".join(f"{med[n][0]:.1f} / {med[n][1]:.1f}" for n in ("top-k torch", "top-k fused", "hash torch",
+                                                                         "hash fused"))
+        RUN.summary.append(f"| M={m} | {row} |")
     RESULT["kept"] = {m: layers["top-k fused"]._decode._entries.get(m) is not None for m in TIME_ROWS}
     RUN.check("the fused V4 layer kept its decode entries", all(RESULT["kept"].values()), str(RESULT["kept"]))
 
@@ -201,8 +234,8 @@ def main() -> int:
     args = phase_args(__doc__, phases, "v4r48.json")
     threading.Thread(target=RUN.watchdog, daemon=True).start()
     RESULT["run"] = {**run_info(), "smoke": SMOKE, "shape": [E, K, N, TOP_K, V], "phases": args.phases}
-    RUN.summary.append("| M | top-k before (router=torch): host / wall µs | after (fused): host / wall µs | host "
-                       "before/after | hash layer: host / wall µs |\n|---|---|---|---|---|")
+    RUN.summary.append("| M (host / wall µs a call) | top-k router=torch (before) | top-k fused (after) | hash "
+                       "router=torch (before) | hash fused (after) |\n|---|---|---|---|---|")
     return run_phases(RUN, phases, args.phases, args.deadline, NEEDS_S, args.path, RESULT)
 
 
