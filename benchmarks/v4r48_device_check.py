@@ -27,7 +27,6 @@ The table is printed last: medians.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import threading
 
@@ -39,7 +38,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # before moekit imports its kernels
 
-from bench_run import RunLog, host_and_wall_us, phase_args, rel_l2, run_info, run_phases  # noqa: E402
+from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases, warm_then_time  # noqa: E402
 
 from moekit import HashMoE, MoE, MoEConfig, route  # noqa: E402
 from moekit.activations import ActivationSpec  # noqa: E402
@@ -213,14 +212,7 @@ def time_phase(dev) -> None:
         ids = torch.randint(0, V, (m,), device=dev)
         fns = {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
         fns |= {name: (lambda layer=layer: layer(x, token_ids=ids)) for name, layer in hashed.items()}
-        with torch.no_grad():
-            for _ in range(3):  # warm: the kernels compile, the fast path keeps its entry
-                for fn in fns.values():
-                    fn()
-            RUN.log(f"timing M={m}")
-            times = host_and_wall_us(fns, dev, 5 if SMOKE else 30, ROUNDS)
-        res[m] = times
-        med = {name: (statistics.median(h), statistics.median(w)) for name, (h, w) in times.items()}
+        res[m], med = warm_then_time(RUN, f"timing M={m}", fns, dev, 5 if SMOKE else 30, ROUNDS)
         row = " | ".join(f"{med[n][0]:.1f} / {med[n][1]:.1f}" for n in ("top-k torch", "top-k fused", "hash torch",
                                                                          "hash fused"))
         RUN.summary.append(f"| M={m} | {row} |")

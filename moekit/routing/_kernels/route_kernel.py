@@ -58,12 +58,8 @@ def _log1p(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def _log(x, PRECISE: tl.constexpr):
-    """torch.log on the GPU: libdevice's logf (Triton's default ``log`` is the lg2 approximation)."""
-    if PRECISE:
-        y = libdevice.log(x)
-    else:
-        y = tl.log(x)
-    return y
+    """torch.log on the GPU: libdevice's logf (Triton's default ``log`` is the lg2 approximation); interpreted, numpy's."""
+    return libdevice.log(x) if PRECISE else tl.log(x)
 
 
 @triton.jit
