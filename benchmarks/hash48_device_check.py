@@ -13,9 +13,10 @@ Phases (each skipped past the deadline; <out>/hash48.json rewritten after each):
   time      host and wall µs a call (``bench_run.host_and_wall_us``: 7 interleaved rounds, medians) at M = 1 and 32,
             bf16, E 64, K 2048, N 1024, k 6, V 129280: the resident ``HashMoE`` vs the resident top-k ``MoE`` of the
             same experts (sqrtsoftplus, correction bias), and both offloaded with every expert cached (all hits, no
-            prefetch). Both layers take the full forward: the fused router does not compute V4's sqrtsoftplus
-            (``router_math.computed_options``), so the top-k layer routes with ``route`` in torch and its decode fast
-            path never keeps it; the hash layer routes in torch by design. Hash vs top-k is torch vs torch routing.
+            prefetch). At hash48's commit both layers took the full forward: the fused router did not compute V4's
+            sqrtsoftplus, so the top-k layer routed with ``route`` in torch and its decode fast path never kept it;
+            the hash layer routes in torch by design. Hash vs top-k was torch vs torch routing; since v4r48 the top-k
+            layer takes the fused router and its fast path (``benchmarks/v4r48_device_check.py``).
 The table is printed last: medians, hash / top-k.
 """
 
