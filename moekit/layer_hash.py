@@ -33,6 +33,7 @@ class HashMoE(MoE):
     "auto" the same) or "fused" (``FusedHashRouter``); ``eager_graph_rows`` does not apply: refused."""
 
     takes_token_ids = True  # read by check_layer_args: a config with hash_table_size builds this class only
+    _hash_router: FusedHashRouter | None = None  # router="fused" (a subclass built past __init__: the torch twin)
 
     def __init__(self, config: MoEConfig, *, router: str = "torch", **options) -> None:
         if router not in ("auto", "torch", "fused"):
