@@ -19,7 +19,7 @@ from moekit._checks import input_error
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.routing import append_shared_slots, apply_capacity
-from moekit.routing.hash_fused import FusedHashRouter
+from moekit.routing.hash_fused import FusedHashRouter, computes
 from moekit.routing.hash_route import check_table, default_table, hash_route
 from moekit.routing.routed import MoEOutput, RoutedTokens, stats_on_host
 
@@ -29,11 +29,12 @@ class HashMoE(MoE):
     ``tid2eid[token_ids[t]]``, weighted by its scores there (``hash_route``). ``config.hash_table_size`` = V.
 
     ``moe(x, token_ids=ids)``: ids of x's shape without K (a model's input ids). A fresh layer's table spreads the ids
-    over the experts (``default_table``); ``load_table_`` copies a model's, checked. ``router``: "torch" (default;
-    "auto" the same) or "fused" (``FusedHashRouter``); ``eager_graph_rows`` does not apply: refused."""
+    over the experts (``default_table``); ``load_table_`` copies a model's, checked. ``router``: "torch" (default),
+    "fused" (``FusedHashRouter``) or "auto" (fused on CUDA); ``eager_graph_rows`` does not apply: refused."""
 
     takes_token_ids = True  # read by check_layer_args: a config with hash_table_size builds this class only
     _hash_router: FusedHashRouter | None = None  # router="fused" (a subclass built past __init__: the torch twin)
+    _hash_cuda_only = False  # router="auto": the fused hash router on CUDA logits only
 
     def __init__(self, config: MoEConfig, *, router: str = "torch", **options) -> None:
         if router not in ("auto", "torch", "fused"):
@@ -43,7 +44,10 @@ class HashMoE(MoE):
             raise ValueError("eager_graph_rows: a HashMoE runs eagerly (its forward takes the token ids)")
         super().__init__(config, router="torch", **options)
         self.register_buffer("tid2eid", default_table(config, self.w13.device))  # [V, k] int64
-        self._hash_router = FusedHashRouter(config) if router == "fused" else None  # the table lookup in one launch
+        # the table lookup in one launch: always with "fused", on CUDA with "auto" (as MoE's fused router)
+        self._hash_router = FusedHashRouter(config) if router == "fused" or (router == "auto" and computes(config)) \
+            else None
+        self._hash_cuda_only = router == "auto"
 
     def load_table_(self, table: torch.Tensor) -> HashMoE:
         """Copy ``table`` [V, k] (checked: shape, integer dtype, experts in [0, E)) into ``tid2eid``."""
@@ -68,7 +72,8 @@ class HashMoE(MoE):
                             "by its id, tid2eid[token_ids]; call moe(x, token_ids=input_ids)")
         logits = self._router_logits(x2d)  # [M, E]
         in_kernel = self.fuse_shared and self.capacity_factor is None and self.shared_gate is None  # S appended
-        if self._hash_router is not None:
+        fused = self._hash_router is not None and (logits.is_cuda or not self._hash_cuda_only)
+        if fused:
             routing = self._hash_router(logits, token_ids, self._buffers["tid2eid"], in_kernel)  # [M, k(+S)]
         else:
             routing = hash_route(logits, token_ids, self._buffers["tid2eid"], c)  # [M, k]
@@ -76,7 +81,7 @@ class HashMoE(MoE):
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, c.num_experts, self.capacity_factor, self.drop_policy)
             routing, dropped = capped.routing, capped.dropped
-        if self.fuse_shared and not (in_kernel and self._hash_router is not None):
+        if self.fuse_shared and not (in_kernel and fused):
             gate_logits = self.shared_gate(x2d) if self.shared_gate is not None else None  # [M, 1]
             routing = append_shared_slots(routing, c, gate_logits)
         return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, router_ids=ids,

@@ -128,3 +128,7 @@ def test_the_layer_with_the_fused_hash_router(hash_fused, fuse_shared):
     assert (got - want).norm() / want.norm() < 1e-6
     ref = hash_layer_loop(fused, x, ids)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+    torch.manual_seed(0)
+    auto = HashMoE(cfg, backend="triton", router="auto", fuse_shared=fuse_shared).eval()
+    with torch.no_grad():
+        assert torch.equal(auto(x, token_ids=ids), want)  # "auto" off CUDA: the torch twin, as MoE's router
