@@ -3,9 +3,9 @@
     [Gate] -> [Route: tid2eid[token_ids], weighted by the scores] -> [Capacity, opt-in] -> [Group] -> [Experts]
     -> [Combine] (+ shared)
 
-Everything after the routing is ``MoE``'s. The routing is ``moekit.routing.hash_route`` in torch, or with
-``router="fused"`` its one-launch kernel (``moekit.routing.hash_fused``; off by default until measured on a GPU:
-``benchmarks/v4r48_device_check.py``); the eager caches of ``MoE.forward`` (the decode fast path, the route workspace,
+Everything after the routing is ``MoE``'s. The routing is, on CUDA, its one-launch kernel (``moekit.routing.
+hash_fused``: H100, V4's layer at M = 1, 407 -> 126 µs of host a call, ``benchmarks/v4r48_device_check.py``), else
+``moekit.routing.hash_route`` in torch; the eager caches of ``MoE.forward`` (the decode fast path, the route workspace,
 CUDA graphs) stand aside: each call gates, routes and runs the experts.
 
 Shapes: M tokens (leading dims flattened), K hidden, E routed experts, k = top_k, V table rows.
@@ -29,14 +29,15 @@ class HashMoE(MoE):
     ``tid2eid[token_ids[t]]``, weighted by its scores there (``hash_route``). ``config.hash_table_size`` = V.
 
     ``moe(x, token_ids=ids)``: ids of x's shape without K (a model's input ids). A fresh layer's table spreads the ids
-    over the experts (``default_table``); ``load_table_`` copies a model's, checked. ``router``: "torch" (default),
-    "fused" (``FusedHashRouter``) or "auto" (fused on CUDA); ``eager_graph_rows`` does not apply: refused."""
+    over the experts (``default_table``); ``load_table_`` copies a model's, checked. ``router``: "auto" (default: the
+    one-launch ``FusedHashRouter`` on CUDA, ``hash_route`` elsewhere), "fused" (always) or "torch" (never);
+    ``eager_graph_rows`` does not apply: refused."""
 
     takes_token_ids = True  # read by check_layer_args: a config with hash_table_size builds this class only
     _hash_router: FusedHashRouter | None = None  # router="fused" (a subclass built past __init__: the torch twin)
     _hash_cuda_only = False  # router="auto": the fused hash router on CUDA logits only
 
-    def __init__(self, config: MoEConfig, *, router: str = "torch", **options) -> None:
+    def __init__(self, config: MoEConfig, *, router: str = "auto", **options) -> None:
         if router not in ("auto", "torch", "fused"):
             raise ValueError(f"router must be 'auto', 'torch' or 'fused' for a HashMoE (its routing is a table lookup: "
                              f"hash_route in torch, or its one-launch kernel), got {router!r}")

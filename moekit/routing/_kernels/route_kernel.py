@@ -58,7 +58,7 @@ def _log1p(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def _log(x, PRECISE: tl.constexpr):
-    """torch.log on the GPU: libdevice's logf (Triton's default ``log`` is the lg2 approximation); interpreted, numpy's."""
+    """torch.log on the GPU: libdevice's logf (Triton's default ``log`` is an lg2 approximation); else numpy's."""
     return libdevice.log(x) if PRECISE else tl.log(x)
 
 
