@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import threading
 import time
 from typing import Callable
@@ -137,6 +138,18 @@ def phase_args(doc: str, phases: dict, json_name: str) -> argparse.Namespace:
     args = p.parse_args()
     args.path = args.out and os.path.join(args.out, json_name)
     return args
+
+
+def warm_then_time(run: RunLog, label: str, fns: dict, dev, calls: int, rounds: int, warm: int = 3):
+    """``warm`` calls of each of ``fns`` (the kernels compile, caches fill, fast paths keep their entries), ``label``
+    logged, then ``host_and_wall_us`` under no_grad -> (its times, name -> (median host µs, median wall µs))."""
+    with torch.no_grad():
+        for _ in range(warm):
+            for fn in fns.values():
+                fn()
+        run.log(label)
+        times = host_and_wall_us(fns, dev, calls, rounds)
+    return times, {name: (statistics.median(h), statistics.median(w)) for name, (h, w) in times.items()}
 
 
 def host_and_wall_us(fns: dict, dev, calls: int, rounds: int) -> dict:

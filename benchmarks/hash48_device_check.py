@@ -13,16 +13,16 @@ Phases (each skipped past the deadline; <out>/hash48.json rewritten after each):
   time      host and wall µs a call (``bench_run.host_and_wall_us``: 7 interleaved rounds, medians) at M = 1 and 32,
             bf16, E 64, K 2048, N 1024, k 6, V 129280: the resident ``HashMoE`` vs the resident top-k ``MoE`` of the
             same experts (sqrtsoftplus, correction bias), and both offloaded with every expert cached (all hits, no
-            prefetch). Both layers take the full forward: the fused router does not compute V4's sqrtsoftplus
-            (``router_math.computed_options``), so the top-k layer routes with ``route`` in torch and its decode fast
-            path never keeps it; the hash layer routes in torch by design. Hash vs top-k is torch vs torch routing.
+            prefetch). At hash48's commit both layers took the full forward: the fused router did not compute V4's
+            sqrtsoftplus, so the top-k layer routed with ``route`` in torch and its decode fast path never kept it;
+            the hash layer routes in torch by design. Hash vs top-k was torch vs torch routing; since v4r48 the top-k
+            layer takes the fused router and its fast path (``benchmarks/v4r48_device_check.py``).
 The table is printed last: medians, hash / top-k.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import threading
 
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_run import RunLog, host_and_wall_us, phase_args, rel_l2, run_info, run_phases  # noqa: E402
+from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases, warm_then_time  # noqa: E402
 
 from moekit import HashMoE, MoE, MoEConfig  # noqa: E402
 from moekit.offload import ExpertCache, OffloadedMoE, link_layers  # noqa: E402
@@ -137,14 +137,7 @@ def time_phase(dev) -> None:
         off_top = OffloadedMoE.from_moe(top_k, cache_experts=E, prefetch=None)
         fns = {"hash": lambda: hashed(x, token_ids=ids), "top-k": lambda: top_k(x),
                "offloaded hash": lambda: off_hash(x, token_ids=ids), "offloaded top-k": lambda: off_top(x)}
-        with torch.no_grad():
-            for _ in range(3):  # warm: the cache fills, the kernels compile
-                for fn in fns.values():
-                    fn()
-            RUN.log(f"timing M={m}")
-            times = host_and_wall_us(fns, dev, 5 if SMOKE else 30, ROUNDS)
-        res[m] = times
-        med = {name: (statistics.median(h), statistics.median(w)) for name, (h, w) in times.items()}
+        res[m], med = warm_then_time(RUN, f"timing M={m}", fns, dev, 5 if SMOKE else 30, ROUNDS)  # the cache fills
         for kind in ("", "offloaded "):
             a, b = med[f"{kind}hash"], med[f"{kind}top-k"]
             RUN.summary.append(f"| {kind or 'resident '}M={m} | {a[0]:.1f} / {b[0]:.1f} ({a[0] / b[0]:.2f}x) | "

@@ -38,6 +38,9 @@ DSV3 = LAUNCH | dict(NUM_EXPERTS=256, PER_GROUP=32, G_PAD=8, P_PAD=32, TOP_K=8, 
 MIXTRAL = QWEN3 | dict(NUM_EXPERTS=8, PER_GROUP=8, P_PAD=8, TOP_K=2, SLOTS_PAD=2)
 QWEN2 = QWEN3 | dict(NUM_EXPERTS=64, PER_GROUP=64, P_PAD=64, TOP_K=4, NUM_SHARED=4, SLOTS_PAD=8, HAS_GATE=True,
                      RENORMALIZE=False)
+# DeepSeek-V4's top-k layer (session 48's option): 256 experts, no groups, top-6 + its fused shared slot, the bias
+V4 = QWEN3 | dict(NUM_EXPERTS=256, PER_GROUP=256, P_PAD=256, TOP_K=6, NUM_SHARED=1, SLOTS_PAD=8, HAS_BIAS=True,
+                  SQRT_SOFTPLUS=True)
 POINTERS = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "gate_ptr": "*bf16", "ids_ptr": "*i32",
             "weights_ptr": "*fp32", "ok_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
             "count_ptr": "*i32", "part_ptr": "*fp32"}
@@ -97,6 +100,8 @@ def cases(options: bool) -> dict:
         out["opt_route_qwen2_average"] = partial(route, QWEN2 | dict(BLOCK_M=1, SHARED_SCALE=0.5))
         out["opt_mma_dsv3_all"] = partial(mma, DSV3 | tensor | dict(ROUTE_M=8) | {
             k: v for c in OPTIONS.values() for k, v in c.items()})
+        out |= {"opt_route_v4": partial(route, V4 | dict(BLOCK_M=1)), "opt_one_v4_m1": partial(one, V4 | gate),
+                "opt_mma_v4_m64": partial(mma, V4 | tensor | dict(ROUTE_M=8))}
     return out
 
 

@@ -3,9 +3,10 @@
     [Gate] -> [Route: tid2eid[token_ids], weighted by the scores] -> [Capacity, opt-in] -> [Group] -> [Experts]
     -> [Combine] (+ shared)
 
-Everything after the routing is ``MoE``'s. The routing is ``moekit.routing.hash_route`` in torch (no fused router:
-there is no top-k to fuse), so the eager caches of ``MoE.forward`` (the decode fast path, the route workspace, CUDA
-graphs) stand aside: each call gates, routes and runs the experts.
+Everything after the routing is ``MoE``'s. The routing is, on CUDA, its one-launch kernel (``moekit.routing.
+hash_fused``: H100, V4's layer at M = 1, 407 -> 126 µs of host a call, ``benchmarks/v4r48_device_check.py``), else
+``moekit.routing.hash_route`` in torch; the eager caches of ``MoE.forward`` (the decode fast path, the route workspace,
+CUDA graphs) stand aside: each call gates, routes and runs the experts.
 
 Shapes: M tokens (leading dims flattened), K hidden, E routed experts, k = top_k, V table rows.
 """
@@ -18,6 +19,7 @@ from moekit._checks import input_error
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.routing import append_shared_slots, apply_capacity
+from moekit.routing.hash_fused import FusedHashRouter, computes
 from moekit.routing.hash_route import check_table, default_table, hash_route
 from moekit.routing.routed import MoEOutput, RoutedTokens, stats_on_host
 
@@ -27,19 +29,26 @@ class HashMoE(MoE):
     ``tid2eid[token_ids[t]]``, weighted by its scores there (``hash_route``). ``config.hash_table_size`` = V.
 
     ``moe(x, token_ids=ids)``: ids of x's shape without K (a model's input ids). A fresh layer's table spreads the ids
-    over the experts (``default_table``); ``load_table_`` copies a model's, checked. ``router`` and
-    ``eager_graph_rows`` are ``MoE``'s options that do not apply: refused but for their defaults."""
+    over the experts (``default_table``); ``load_table_`` copies a model's, checked. ``router``: "auto" (default: the
+    one-launch ``FusedHashRouter`` on CUDA, ``hash_route`` elsewhere), "fused" (always) or "torch" (never);
+    ``eager_graph_rows`` does not apply: refused."""
 
     takes_token_ids = True  # read by check_layer_args: a config with hash_table_size builds this class only
+    _hash_router: FusedHashRouter | None = None  # router="fused" (a subclass built past __init__: the torch twin)
+    _hash_cuda_only = False  # router="auto": the fused hash router on CUDA logits only
 
-    def __init__(self, config: MoEConfig, *, router: str = "torch", **options) -> None:
-        if router not in ("auto", "torch"):
-            raise ValueError(f"router must be 'auto' or 'torch' for a HashMoE (its routing is a table lookup in "
-                             f"torch; the fused router chooses top-k), got {router!r}")
+    def __init__(self, config: MoEConfig, *, router: str = "auto", **options) -> None:
+        if router not in ("auto", "torch", "fused"):
+            raise ValueError(f"router must be 'auto', 'torch' or 'fused' for a HashMoE (its routing is a table lookup: "
+                             f"hash_route in torch, or its one-launch kernel), got {router!r}")
         if options.get("eager_graph_rows") is not None:
             raise ValueError("eager_graph_rows: a HashMoE runs eagerly (its forward takes the token ids)")
         super().__init__(config, router="torch", **options)
         self.register_buffer("tid2eid", default_table(config, self.w13.device))  # [V, k] int64
+        # the table lookup in one launch: always with "fused", on CUDA with "auto" (as MoE's fused router)
+        self._hash_router = FusedHashRouter(config) if router == "fused" or (router == "auto" and computes(config)) \
+            else None
+        self._hash_cuda_only = router == "auto"
 
     def load_table_(self, table: torch.Tensor) -> HashMoE:
         """Copy ``table`` [V, k] (checked: shape, integer dtype, experts in [0, E)) into ``tid2eid``."""
@@ -63,12 +72,17 @@ class HashMoE(MoE):
             raise TypeError("token_ids is required: a HashMoE (config.hash_table_size) chooses each token's experts "
                             "by its id, tid2eid[token_ids]; call moe(x, token_ids=input_ids)")
         logits = self._router_logits(x2d)  # [M, E]
-        routing = hash_route(logits, token_ids, self._buffers["tid2eid"], c)  # [M, k]
-        ids, dropped = routing.topk_ids, None
+        in_kernel = self.fuse_shared and self.capacity_factor is None and self.shared_gate is None  # S appended
+        fused = self._hash_router is not None and (logits.is_cuda or not self._hash_cuda_only)
+        if fused:
+            routing = self._hash_router(logits, token_ids, self._buffers["tid2eid"], in_kernel)  # [M, k(+S)]
+        else:
+            routing = hash_route(logits, token_ids, self._buffers["tid2eid"], c)  # [M, k]
+        ids, dropped = routing.topk_ids[:, :c.top_k], None
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, c.num_experts, self.capacity_factor, self.drop_policy)
             routing, dropped = capped.routing, capped.dropped
-        if self.fuse_shared:
+        if self.fuse_shared and not (in_kernel and fused):
             gate_logits = self.shared_gate(x2d) if self.shared_gate is not None else None  # [M, 1]
             routing = append_shared_slots(routing, c, gate_logits)
         return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, router_ids=ids,

@@ -101,8 +101,8 @@ def test_errors_name_the_argument():
         HashMoE(CFG.replace(hash_table_size=None))
     with pytest.raises(ValueError, match=r"hash_table_size routes by a token-id table.*'use_correction_bias': True"):
         CFG.replace(use_correction_bias=True)
-    with pytest.raises(ValueError, match="router must be 'auto' or 'torch' for a HashMoE"):
-        HashMoE(CFG, router="fused")
+    with pytest.raises(ValueError, match="router must be 'auto', 'torch' or 'fused' for a HashMoE"):
+        HashMoE(CFG, router="top-k")
 
 
 def test_the_table_is_saved_and_loaded_and_a_fresh_one_is_valid():

@@ -71,7 +71,7 @@ def param_bill(hf_config: dict) -> ParamBill:
         embedding=vocab * d,
         output=0 if hf_config.get("tie_word_embeddings", False) else vocab * d,
         attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
-        dense_mlp=_dense_mlps(hf_config, layers, moe_layers) * 3 * d * _get(hf_config, "intermediate_size"),
+        dense_mlp=_dense_mlp_params(hf_config, layers, moe_layers),
         routed_experts=moe_layers * cfg.num_experts * expert,
         active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * expert),  # LongCat: k·E/(E+Z)
         shared_experts=moe_layers * shared,
@@ -97,10 +97,19 @@ def _dense_mlps(c: dict, layers: int, moe_layers: int) -> int:
     return layers if c.get("model_type") == "longcat_flash" else layers - moe_layers
 
 
-def _get(c: dict, name: str) -> int:
-    """A field, under its transformers attribute-map alias where the config.json uses another name (LongCat-Flash:
-    ``ffn_hidden_size`` for ``intermediate_size``)."""
-    return c[name] if name in c or c.get("model_type") != "longcat_flash" else c["ffn_hidden_size"]
+# The dense MLP's width where a family's config.json does not call it intermediate_size: LongCat-Flash's
+# ffn_hidden_size (its transformers attribute map), Kolibri-1.1's mlp_only_intermediate_size (its mlp_only_layers)
+DENSE_WIDTH = {"longcat_flash": "ffn_hidden_size", "kolibri1_1": "mlp_only_intermediate_size"}
+
+
+def _dense_mlp_params(c: dict, layers: int, moe_layers: int) -> int:
+    """3·d·width a dense MLP. A model whose every layer is MoE (DeepSeek-V4, Qwen3.5-MoE, Solar-Open: configs
+    without ``intermediate_size``, which a bill read whatever the count until session 48, so ``moekit simulate``
+    priced them at Mixtral's shapes) reads no width."""
+    count = _dense_mlps(c, layers, moe_layers)
+    if not count:
+        return 0
+    return count * 3 * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
 
 
 def _layer_attention_params(c: dict, layer: int) -> int:

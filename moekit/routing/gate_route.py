@@ -145,9 +145,10 @@ def wants_fresh(router: fused.FusedRouter, append_shared: bool, x: torch.Tensor,
     if plan is None:
         return False
     c = plan.constexprs
-    # the measured plans only: a soft-capped one (Laguna's option) was not measured, so it takes the one launch too
-    two_equal = (not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"] and not c["SOFTCAP"]
-                 and x.shape[0] <= MAX_TOKENS)
+    # the measured plans only: a soft-capped one (Laguna's option) or a sqrt(softplus) one (DeepSeek-V4) was not
+    # measured, so it takes the one launch too
+    two_equal = (not c["SIGMOID"] and not c["SQRT_SOFTPLUS"] and not c["GROUPED"] and c["RENORMALIZE"]
+                 and not c["SOFTCAP"] and x.shape[0] <= MAX_TOKENS)
     return not two_equal and runs(x, weight, linear_bias)
 
 

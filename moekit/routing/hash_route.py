@@ -36,8 +36,9 @@ def hash_route(router_logits: torch.Tensor, token_ids: torch.Tensor, table: torc
         weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
     if config.routed_weight_scale != 1.0:
         weights = weights * config.routed_weight_scale
-    masked_tokens = torch.zeros((), dtype=torch.int64, device=logits.device)
-    return Routing(topk_ids=ids.to(torch.int32), topk_weights=weights, masked_tokens=masked_tokens)
+    # masked_tokens None: a non-finite logit raises above, so none can be masked (a per-call zero tensor built and
+    # filled for nothing was one of this path's ~20 launches: the CPU profile of session 48)
+    return Routing(topk_ids=ids.to(torch.int32), topk_weights=weights, masked_tokens=None)
 
 
 def _checked_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:

@@ -29,7 +29,7 @@ class Routing:
     topk_weights: torch.Tensor
     # [] int64; tokens route() found with no finite logit (nonfinite="mask"): all their weights are 0.
     # route() always sets it (0 with nonfinite="raise"); None where none can be masked (the fused router
-    # with nonfinite="raise") and on a Routing built by hand.
+    # with nonfinite="raise", hash_route) and on a Routing built by hand.
     masked_tokens: torch.Tensor | None = None
     # [M, S] topk_weights' dtype; each shared slot's weight where the router gives it (shared_expert_combine=
     # "router": Inkling); None: config.shared_weight. The shared slots take it when appended or run apart.

@@ -1,7 +1,7 @@
 """The router options the fused kernels compute (``MoEConfig.changed_router_options``), as their plans take them.
 
-    Route: [soft-cap -> score -> (bias on scores or logits) -> (grouped: max / top-2 sum, dropped groups -inf or 0)
-      -> top-k -> weights x scaling (+ shared slots x their weight)]
+    Route: [soft-cap -> score (softmax, sigmoid or sqrt(softplus)) -> (bias on scores or logits)
+      -> (grouped: max / top-2 sum, dropped groups -inf or 0) -> top-k -> weights x scaling (+ shared slots x weight)]
 
 Torch twin: ``moekit.routing.route`` (and ``append_shared_slots``). The defaults are the router of session 33, whose
 kernels' machine code the options leave alone (``benchmarks/route_sass_diff_cpu.py``).
@@ -22,9 +22,9 @@ COMPUTED = {"router_logit_softcap": None, "correction_bias_on": ("scores", "logi
 
 
 def computed_options(config: MoEConfig) -> bool:
-    """True when every changed router option of ``config`` is one the kernels compute, and its scores are (softmax
-    or sigmoid: DeepSeek-V4's sqrtsoftplus routes with ``route`` only)."""
-    return config.scoring != "sqrtsoftplus" and all(
+    """True when every changed router option of ``config`` is one the kernels compute (every scoring is: softmax,
+    sigmoid and DeepSeek-V4's sqrtsoftplus)."""
+    return all(
         name in COMPUTED and (COMPUTED[name] is None or value in COMPUTED[name])
         for name, value in config.changed_router_options().items())
 
@@ -39,15 +39,17 @@ class RouterMath:
     group_score: str = "auto"  # "auto" (top-2 sum with a bias, else max), "max", "top2_sum"
     fill_zero: bool = False  # dropped_group_fill="zero"
     shared_weight: float = 1.0  # the appended shared slots' weight factor (0.5: shared_expert_combine="average")
+    sqrt_softplus: bool = False  # scoring="sqrtsoftplus" (DeepSeek-V4): sqrt(softplus(logits)) in place of the sigmoid
 
     @staticmethod
     def of(config: MoEConfig) -> "RouterMath":
         return RouterMath(float(config.router_logit_softcap), config.correction_bias_on == "logits",
-                          config.group_score, config.dropped_group_fill == "zero", config.shared_weight)
+                          config.group_score, config.dropped_group_fill == "zero", config.shared_weight,
+                          config.scoring == "sqrtsoftplus")
 
     def constexprs(self) -> dict:
         """The kernels' option constexprs; SOFTCAP_INV is the fp32 reciprocal torch's CUDA division by a Python
         scalar multiplies with (1.0f / float(c))."""
         inv = (1.0 / torch.tensor(self.softcap, dtype=torch.float32)).item() if self.softcap else 0.0
         return dict(SOFTCAP=self.softcap, SOFTCAP_INV=inv, BIAS_ON_LOGITS=self.bias_on_logits,
-                    FILL_ZERO=self.fill_zero, SHARED_SCALE=self.shared_weight)
+                    FILL_ZERO=self.fill_zero, SHARED_SCALE=self.shared_weight, SQRT_SOFTPLUS=self.sqrt_softplus)

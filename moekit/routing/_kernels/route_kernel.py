@@ -18,10 +18,11 @@ expert ids and groups with group ids, so this is route's rule: equal scores, low
 every float: a non-finite expert (``_MASKED``: chosen only when the allowed groups hold fewer than k finite experts) and
 a column that is never chosen (``_EXCLUDED``: padding, an expert of a group not kept, an expert already taken).
 
-Scores are computed as torch computes them on the GPU (``exp`` is libdevice's expf, divisions are
-correctly rounded ``div_rn``; Triton's default ``exp`` and ``/`` are approximations), so the ids match
-route bit for bit where no two candidates tie. Triton's interpreter has no libdevice, so there
-(``PRECISE=False``) ``exp`` and ``log1p`` are numpy's, as close to torch's CPU kernels as the tests need.
+Scores are computed as torch computes them on the GPU (``exp``, ``log1p`` and ``log`` are libdevice's, divisions are
+correctly rounded ``div_rn`` and DeepSeek-V4's sqrt(softplus) takes ``sqrt_rn``; Triton's default ``exp``, ``log``,
+``sqrt`` and ``/`` are approximations), so the ids match route bit for bit where no two candidates tie. Triton's
+interpreter has no libdevice, so there (``PRECISE=False``) ``exp`` and ``log`` are numpy's and ``log1p`` is built from
+them (``_log1p``), as close to torch's CPU kernels as the tests need.
 """
 
 import triton
@@ -45,11 +46,27 @@ def _exp(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def _log1p(x, PRECISE: tl.constexpr):
+    """log1p; interpreted, Goldberg's log(u) * x / (u - 1) at u = 1 + x, within a few ulps where log(1 + x) loses x
+    (log(1 + 1e-10) is 0 in fp32: every sqrt(softplus) score below a logit of -17 would tie at 0)."""
     if PRECISE:
         y = libdevice.log1p(x)
     else:
-        y = tl.log(1.0 + x)
+        u = 1.0 + x
+        y = tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
     return y
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    """torch.log on the GPU: libdevice's logf (Triton's default ``log`` is an lg2 approximation); else numpy's."""
+    return libdevice.log(x) if PRECISE else tl.log(x)
+
+
+@triton.jit
+def _softplus(x, PRECISE: tl.constexpr):
+    """torch's F.softplus (beta 1, threshold 20): x itself above 20, else log1p(exp(x)) (0 where exp underflows,
+    below -103.9: as torch). exp reads min(x, 20): no overflow on the branch tl.where discards."""
+    return tl.where(x > 20.0, x, _log1p(_exp(tl.minimum(x, 20.0), PRECISE), PRECISE))
 
 
 @triton.jit
@@ -59,9 +76,12 @@ def _sigmoid(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _score(x, row_max, row_sum, SIGMOID: tl.constexpr, PRECISE: tl.constexpr):
-    """torch.sigmoid(x), or torch.softmax's exp(x - max) / sum with the row's max and sum."""
-    if SIGMOID:
+def _score(x, row_max, row_sum, SIGMOID: tl.constexpr, PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False):
+    """torch.sigmoid(x), DeepSeek-V4's sqrt(softplus(x)) (torch's sqrt is correctly rounded: sqrt_rn), or
+    torch.softmax's exp(x - max) / sum with the row's max and sum."""
+    if SQRT_SOFTPLUS:
+        score = tl.sqrt_rn(_softplus(x, PRECISE))
+    elif SIGMOID:
         score = _sigmoid(x, PRECISE)
     else:
         numerator, denominator = tl.broadcast(_exp(x - row_max, PRECISE), row_sum)  # div_rn does not broadcast
@@ -127,12 +147,15 @@ def _select(key, col, BLOCK_M: tl.constexpr, SLOTS_PAD: tl.constexpr, TOP_K: tl.
 
 @triton.jit
 def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
-             PRECISE: tl.constexpr):
-    """chosen [BM, SLOTS_PAD] logits of the chosen experts; taken: the slot holds a finite chosen expert.
-    Renormalisation is a softmax over the taken slots' log-scores (route's formula, no 0/0)."""
+             PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False):
+    """chosen [BM, SLOTS_PAD] logits of the chosen experts; taken: the slot holds a finite chosen expert; row_max,
+    row_sum [BM] the softmax's. Renormalisation is a softmax over the taken slots' log-scores (route's formula, no
+    0/0)."""
     if RENORMALIZE:
         log_score = chosen
-        if SIGMOID:  # torch's logsigmoid: min(x, 0) - log1p(exp(-|x|))
+        if SQRT_SOFTPLUS:  # route's 0.5 * log(softplus(x)): -inf where softplus underflows to 0
+            log_score = 0.5 * _log(_softplus(chosen, PRECISE), PRECISE)
+        elif SIGMOID:  # torch's logsigmoid: min(x, 0) - log1p(exp(-|x|))
             log_score = tl.minimum(chosen, 0.0) - _log1p(_exp(-tl.abs(chosen), PRECISE), PRECISE)
         log_score = tl.where(taken, log_score, float("-inf"))
         top = tl.max(log_score, axis=1)  # [BM]; -inf on a row with nothing taken (then all weights 0)
@@ -140,7 +163,7 @@ def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RE
         numerator, denominator = tl.broadcast(e, tl.sum(e, axis=1)[:, None])
         w = tl.math.div_rn(numerator, denominator)
     else:
-        w = _score(chosen, row_max, row_sum, SIGMOID, PRECISE)
+        w = _score(chosen, row_max[:, None], row_sum[:, None], SIGMOID, PRECISE, SQRT_SOFTPLUS)
     return tl.where(taken, w * scaling, 0.0)
 
 
@@ -192,7 +215,7 @@ def route_kernel(
     PRECISE: tl.constexpr, PDL: tl.constexpr, ASSERT_FINITE: tl.constexpr,
     # the router options (``MoEConfig.changed_router_options``; these defaults: none)
     SOFTCAP: tl.constexpr = 0.0, SOFTCAP_INV: tl.constexpr = 0.0, BIAS_ON_LOGITS: tl.constexpr = False,
-    FILL_ZERO: tl.constexpr = False, SHARED_SCALE: tl.constexpr = 1.0,
+    FILL_ZERO: tl.constexpr = False, SHARED_SCALE: tl.constexpr = 1.0, SQRT_SOFTPLUS: tl.constexpr = False,
 ):
     if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
         gdc_wait()
@@ -200,7 +223,8 @@ def route_kernel(
     route_rows(logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr, tl.program_id(0) * BLOCK_M, num_tokens,
                stride_lm, stride_le, stride_b, stride_gm, scaling, NUM_EXPERTS, PER_GROUP, G_PAD, P_PAD, TOP_K,
                TOPK_GROUP, NUM_SHARED, SLOTS_PAD, GROUPED, TOP2, SIGMOID, RENORMALIZE, HAS_BIAS, HAS_GATE, CHECK_FINITE,
-               BLOCK_M, PRECISE, ASSERT_FINITE, False, SOFTCAP, SOFTCAP_INV, BIAS_ON_LOGITS, FILL_ZERO, SHARED_SCALE)
+               BLOCK_M, PRECISE, ASSERT_FINITE, False, SOFTCAP, SOFTCAP_INV, BIAS_ON_LOGITS, FILL_ZERO, SHARED_SCALE,
+               SQRT_SOFTPLUS)
 
 
 @triton.jit
@@ -211,7 +235,7 @@ def route_rows(
     GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr,
     ASSERT_FINITE: tl.constexpr, VOLATILE: tl.constexpr, SOFTCAP: tl.constexpr, SOFTCAP_INV: tl.constexpr,
-    BIAS_ON_LOGITS: tl.constexpr, FILL_ZERO: tl.constexpr, SHARED_SCALE: tl.constexpr,
+    BIAS_ON_LOGITS: tl.constexpr, FILL_ZERO: tl.constexpr, SHARED_SCALE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
 ):
     """Rows row0 .. row0 + BM - 1 (those below num_tokens) routed; also the route part of ``gate_route_kernel``,
     where the logits were written by other programs of the same launch (``VOLATILE``: loaded past the L1)."""
@@ -234,7 +258,7 @@ def route_rows(
     e = tl.where(finite, _exp(x_fin - row_max[:, None, None], PRECISE), 0.0)
     row_sum = tl.sum(tl.sum(e, axis=2), axis=1)  # [BM]
     choice = x_fin if BIAS_ON_LOGITS else _score(x_fin, row_max[:, None, None], row_sum[:, None, None], SIGMOID,
-                                                 PRECISE)  # [BM, G, P]; Kolibri's logits (+ bias) choose, or scores
+                                                 PRECISE, SQRT_SOFTPLUS)  # [BM, G, P]; Kolibri's: logits (+ bias)
     if HAS_BIAS:
         choice += tl.load(bias_ptr + expert * stride_b, mask=col_ok, other=0.0).to(tl.float32)
     choice = tl.where(finite, choice, float("-inf"))
@@ -252,7 +276,7 @@ def route_rows(
                      volatile=VOLATILE).to(tl.float32)
     taken = is_routed & (tl.abs(chosen) < float("inf"))
     chosen = _soft_capped(chosen, SOFTCAP, SOFTCAP_INV, PRECISE)  # the weights read the capped logits too
-    w = _weights(chosen, taken, row_max[:, None], row_sum[:, None], scaling, SIGMOID, RENORMALIZE, PRECISE)
+    w = _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID, RENORMALIZE, PRECISE, SQRT_SOFTPLUS)
     if NUM_SHARED > 0:  # shared slots last: ids E..E+S-1, weight 1 or sigmoid(gate logit), times SHARED_SCALE
         ids = tl.where(is_routed, ids, NUM_EXPERTS + slot - TOP_K)
         shared_w = tl.full([BLOCK_M, SLOTS_PAD], SHARED_SCALE, tl.float32)  # 0.5: Cohere2's average
