@@ -133,6 +133,21 @@ def _objects(layer) -> tuple:
             d["fuse_shared"], d["_plain_routing"], d["eager_graphs"])
 
 
+def run_experts(layer, entry, x2d: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, b13, b2):
+    """[Experts] on a hit's routing (ids, weights [M, k(+S)]): ``entry.kept`` (the backend's kept call: what it relies
+    on the caller checked), else ``entry.fast`` (the backend's fast path, its own checks), else or on their miss the
+    layer's experts call; then the separate shared MLP (``with_shared``). -> out [M, K]"""
+    kept, fast = entry.kept, entry.fast
+    if kept is not None:
+        out = kept(x2d, w13, w2, ids, weights, b13, b2)
+    else:
+        out = None if fast is None else fast(x2d, w13, w2, ids, weights, entry.activation, b13=b13, b2=b2)
+    if out is None:
+        out = layer._experts_call(layer._experts_fn, x2d, w13, w2, ids, weights, activation=entry.activation,
+                                  b13=b13, b2=b2)
+    return with_shared(layer, x2d, out)
+
+
 def with_shared(layer, x2d: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [M, K] plus the separate shared MLP where the layer has one: ``MoE._experts_and_shared``'s own ops on the
     tensors it reads now (nothing of them is kept: a new, moved or updated one is read as the full forward reads it)."""
@@ -199,16 +214,7 @@ class DecodeFast:
             ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
         if ok is not None:
             fused._assert_finite(ok, buffers.logits)
-        kept, fast = entry.kept, entry.fast
-        if kept is not None:  # what it relies on was checked above (triton_fast.KeptCall)
-            out = kept(x2d, w13, w2, buffers.ids, buffers.weights, b13, b2)
-        else:
-            out = None if fast is None else fast(x2d, w13, w2, buffers.ids, buffers.weights, entry.activation,
-                                                 b13=b13, b2=b2)
-        if out is None:  # no backend fast path, or it missed: the layer's experts call on this routing
-            out = layer._experts_call(layer._experts_fn, x2d, w13, w2, buffers.ids, buffers.weights,
-                                      activation=entry.activation, b13=b13, b2=b2)
-        return with_shared(layer, x2d, out)
+        return run_experts(layer, entry, x2d, w13, w2, buffers.ids, buffers.weights, b13, b2)
 
     def keep(self, layer, x2d: torch.Tensor) -> None:
         """Keep this call's kind, where the fast path can serve it (the full forward has just run it)."""
