@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from _helpers import TOLERANCE as TOL, rel_l2
-from _triton_helpers import interpreted
-from moekit import MoE, MoEConfig, layer_fast
+from moekit import MoE, MoEConfig
 from moekit.activations import apply_glu
 from moekit.experts.reference import experts_reference
+from test_layer_fast import _Never, hits, interpreter  # noqa: F401  (fixtures: the interpreter, served calls)
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the branches tl.where discards
@@ -22,40 +22,6 @@ K, N = 64, 32  # int4's groups of 32 along K and N
 CONFIG = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=8, top_k=2, scoring="sigmoid",
                    use_correction_bias=True, routed_scaling_factor=2.5, shared_expert_intermediate_size=N)
 SCHEMES = {"int4_w4a16": dict(group_size=32), "fp8_block": dict(block_shape=(32, 32))}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    with interpreted("moekit.routing", "moekit.routing.fused"), interpreted("moekit.experts", "moekit.experts.triton"):
-        yield
-
-
-@pytest.fixture
-def hits(monkeypatch):
-    """Counts the forwards the fast path served."""
-    seen = [0]
-    real = layer_fast.DecodeFast.__call__
-
-    def counted(self, layer, x2d):
-        out = real(self, layer, x2d)
-        seen[0] += out is not None
-        return out
-
-    monkeypatch.setattr(layer_fast.DecodeFast, "__call__", counted)
-    return seen
-
-
-class _Never:
-    """A ``DecodeFast`` that keeps nothing: the full forward every time."""
-
-    def __call__(self, layer, x2d):
-        return None
-
-    def keep(self, layer, x2d) -> None:
-        pass
-
-    def clear(self) -> None:
-        pass
 
 
 def _pair(gated: bool = False, scheme: str | None = None):
@@ -98,13 +64,11 @@ def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 8])
 def test_served_equal_to_full_forward(hits, gated, m):
     layer, full = _pair(gated)
+    xs = [_x(m, seed) for seed in range(3)]
     with torch.no_grad():
-        for seed in range(3):
-            x = _x(m, seed)
-            got = layer(x)
-            assert torch.equal(got, full(x))
-        assert rel_l2(got, _reference(layer, x)) < TOL[torch.bfloat16]  # a served call's output
-    assert hits[0] == 2  # the first call keeps, the others are served
+        pairs = [(layer(x), full(x)) for x in xs]  # the first call keeps, the others are served
+        assert hits[0] == 2 and all(torch.equal(got, want) for got, want in pairs)
+        assert rel_l2(pairs[-1][0], _reference(layer, xs[-1])) < TOL[torch.bfloat16]  # a served call's output
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
