@@ -111,9 +111,10 @@ class HashDecodeFast:
         table = layer._buffers["tid2eid"]
         if entry.table() is not table or _spec(table) != entry.table_spec:
             return None
-        tensors = _tensors(layer)
-        weight, linear_bias, w13, w2, b13, b2 = tensors
-        if any(ref() is not t for ref, t in zip(entry.refs, tensors)) or _objects(layer) != entry.objects:
+        weight, linear_bias, w13, w2, b13, b2 = _tensors(layer)
+        gate_ref, linear_ref, w13_ref, w2_ref, b13_ref, b2_ref = entry.refs
+        if (gate_ref() is not weight or linear_ref() is not linear_bias or w13_ref() is not w13 or w2_ref() is not w2
+                or b13_ref() is not b13 or b2_ref() is not b2 or _objects(layer) != entry.objects):
             return None
         logits = layer._gate(x2d, weight, linear_bias, None)  # [M, E], as route_tokens' _router_logits
         entry.launch(logits, token_ids, table, entry.ids, entry.weights, entry.ok)
