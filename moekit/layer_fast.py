@@ -30,9 +30,12 @@ in-place update: it misses, and ``MoE._experts_call`` runs them; ``moekit.expert
 (the router Linear's bias, expert biases, the clamped interleaved SwiGLU in ``config.activation``) is kept so.
 Quantized experts (``MoE.quantize_``: QuantizedWeight objects, the same ones by identity) have no kept call (the keeper
 takes plain tensors): the experts go to the backend's fast path (triton's ``run_fast``, its quantized entries).
+A separate shared MLP (``fuse_shared=False``, and every quantized layer with a shared expert: ``quantize_`` un-fuses
+it), Qwen2-MoE's sigmoid gate on it included, runs after the experts as ``MoE._experts_and_shared`` runs it
+(``with_shared``: ``shared_mlp`` on the tensors the layer holds now; nothing of it is kept, so nothing to check).
 Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert
-(its gate is a GEMM of its own per call), a separate shared MLP, a router dtype other than x's and the
-gate weight's, capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
+in fused slots (its gate logits feed the router), router-weighted shared slots (Inkling), a router dtype other than
+x's and the gate weight's, capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``f6f35e93:benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
@@ -54,6 +57,7 @@ from moekit.experts import fast_path_of, keeper_of
 from moekit.routing import fused
 from moekit.routing import gate_route
 from moekit.routing.gate_route import MAX_TOKENS, bound_launch
+from moekit.routing.shared import shared_mlp
 from moekit.triton_bind import LEAD_X, current_stream
 
 ENABLED = True  # the A/B switch of ``f6f35e93:benchmarks/host_trim2_device_check.py``
@@ -129,6 +133,31 @@ def _objects(layer) -> tuple:
             d["fuse_shared"], d["_plain_routing"], d["eager_graphs"])
 
 
+def run_experts(layer, entry, x2d: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, b13, b2):
+    """[Experts] on a hit's routing (ids, weights [M, k(+S)]): ``entry.kept`` (the backend's kept call: what it relies
+    on the caller checked), else ``entry.fast`` (the backend's fast path, its own checks), else or on their miss the
+    layer's experts call; then the separate shared MLP (``with_shared``). -> out [M, K]"""
+    kept, fast = entry.kept, entry.fast
+    if kept is not None:
+        out = kept(x2d, w13, w2, ids, weights, b13, b2)
+    else:
+        out = None if fast is None else fast(x2d, w13, w2, ids, weights, entry.activation, b13=b13, b2=b2)
+    if out is None:
+        out = layer._experts_call(layer._experts_fn, x2d, w13, w2, ids, weights, activation=entry.activation,
+                                  b13=b13, b2=b2)
+    return with_shared(layer, x2d, out)
+
+
+def with_shared(layer, x2d: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [M, K] plus the separate shared MLP where the layer has one: ``MoE._experts_and_shared``'s own ops on the
+    tensors it reads now (nothing of them is kept: a new, moved or updated one is read as the full forward reads it)."""
+    params = layer._parameters
+    shared_w13 = params.get("shared_w13")
+    if shared_w13 is None:
+        return out
+    return out + shared_mlp(x2d, shared_w13, params["shared_w2"], layer._modules.get("shared_gate"), layer.config)
+
+
 class DecodeFast:
     """A layer's kept decode calls, one per M (at most MAX_ROWS rows, MAX_ENTRIES kinds)."""
 
@@ -185,16 +214,7 @@ class DecodeFast:
             ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
         if ok is not None:
             fused._assert_finite(ok, buffers.logits)
-        kept, fast = entry.kept, entry.fast
-        if kept is not None:  # what it relies on was checked above (triton_fast.KeptCall)
-            out = kept(x2d, w13, w2, buffers.ids, buffers.weights, b13, b2)
-        else:
-            out = None if fast is None else fast(x2d, w13, w2, buffers.ids, buffers.weights, entry.activation,
-                                                 b13=b13, b2=b2)
-        if out is None:  # no backend fast path, or it missed: the layer's experts call on this routing
-            out = layer._experts_call(layer._experts_fn, x2d, w13, w2, buffers.ids, buffers.weights,
-                                      activation=entry.activation, b13=b13, b2=b2)
-        return out
+        return run_experts(layer, entry, x2d, w13, w2, buffers.ids, buffers.weights, b13, b2)
 
     def keep(self, layer, x2d: torch.Tensor) -> None:
         """Keep this call's kind, where the fast path can serve it (the full forward has just run it)."""
@@ -203,8 +223,9 @@ class DecodeFast:
                 or _transforming()):
             return
         c = layer.config
-        if (layer.shared_w13 is not None or (layer.fuse_shared and layer.shared_gate is not None)
-                or layer._gate_route is None
+        if ((layer.shared_w13 is not None and c.shared_expert_combine == "router")  # Inkling's: weights the kept
+                # buffers do not hold (its fused router is refused today: a guard for when it is not)
+                or (layer.fuse_shared and layer.shared_gate is not None) or layer._gate_route is None
             or (c.router_dtype is not None and getattr(torch, c.router_dtype) != x2d.dtype)):
             return
         tensors = _tensors(layer)

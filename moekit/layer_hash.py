@@ -5,8 +5,8 @@
 
 Everything after the routing is ``MoE``'s. The routing is, on CUDA, its one-launch kernel (``moekit.routing.
 hash_fused``: H100, V4's layer at M = 1, 407 -> 126 µs of host a call, ``benchmarks/v4r48_device_check.py``), else
-``moekit.routing.hash_route`` in torch; the eager caches of ``MoE.forward`` (the decode fast path, the route workspace,
-CUDA graphs) stand aside: each call gates, routes and runs the experts.
+``moekit.routing.hash_route`` in torch. With the one-launch router a repeated eager call of up to 256 tokens goes
+straight to its launches (``moekit.layer_hash_fast``); ``MoE.forward``'s route workspace and CUDA graphs stand aside.
 
 Shapes: M tokens (leading dims flattened), K hidden, E routed experts, k = top_k, V table rows.
 """
@@ -18,6 +18,7 @@ import torch
 from moekit._checks import input_error
 from moekit.config import MoEConfig
 from moekit.layer import MoE
+from moekit.layer_hash_fast import HashDecodeFast
 from moekit.routing import append_shared_slots, apply_capacity
 from moekit.routing.hash_fused import FusedHashRouter, computes
 from moekit.routing.hash_route import check_table, default_table, hash_route
@@ -49,6 +50,15 @@ class HashMoE(MoE):
         self._hash_router = FusedHashRouter(config) if router == "fused" or (router == "auto" and computes(config)) \
             else None
         self._hash_cuda_only = router == "auto"
+        self._hash_decode = HashDecodeFast()  # forward's repeated decode calls (the fused router's), kept per M
+        # what the fast path skips is this class's own (a subclass that routes or places the experts elsewhere: never)
+        self._plain_hash = type(self).route_tokens is HashMoE.route_tokens and self._plain_run
+
+    def _weights_changed(self) -> None:
+        super()._weights_changed()
+        decode = self.__dict__.get("_hash_decode")  # None while MoE.__init__ runs
+        if decode is not None:
+            decode.clear()  # it holds buffers on the old device and the experts' kept calls
 
     def load_table_(self, table: torch.Tensor) -> HashMoE:
         """Copy ``table`` [V, k] (checked: shape, integer dtype, experts in [0, E)) into ``tid2eid``."""
@@ -100,11 +110,18 @@ class HashMoE(MoE):
         if isinstance(token_ids, torch.Tensor) and token_ids.shape != x.shape[:-1]:
             raise ValueError(f"token_ids must have x's shape without its last dim, {tuple(x.shape[:-1])}, got "
                              f"{tuple(token_ids.shape)}")
-        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
-        ids = token_ids.reshape(-1) if isinstance(token_ids, torch.Tensor) else token_ids  # [M]
-        routed = self.route_tokens(x2d, token_ids=ids)
-        out = self._experts_and_shared(x2d, routed).reshape(x.shape)  # [..., K]
-        if not (return_stats or return_aux_loss):
+        flat = x.dim() == 2  # the common decode case: no reshapes (each ~1-2 µs of host, as MoE.forward)
+        x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
+        ids = token_ids.reshape(-1) if isinstance(token_ids, torch.Tensor) and not flat else token_ids  # [M]
+        extra = return_stats or return_aux_loss
+        out = None if extra else self._hash_decode(self, x2d, ids)  # a repeated decode call: straight to its launches
+        if out is None:
+            routed = self.route_tokens(x2d, token_ids=ids)
+            out = self._experts_and_shared(x2d, routed)  # [M, K]
+            if not extra:
+                self._hash_decode.keep(self, x2d, ids, routed.router_logits)
+        out = out if flat else out.reshape(x.shape)  # [..., K]
+        if not extra:
             return out
         seq_len = x.shape[-2] if x.dim() >= 3 else x2d.shape[0]
         return MoEOutput(out=out, stats=stats_on_host(self, routed) if return_stats else None,

@@ -32,6 +32,7 @@ LEVELS = {
     "<root>": 2, "layer": 2,  # ``import moekit`` runs moekit/__init__.py, which imports the layer
     "layer_fast": 2,  # the layer's decode fast path: reads the layer's state, imported by it only
     "layer_hash": 2,  # HashMoE, the layer routed by a token-id table: a subclass of the layer's MoE
+    "layer_hash_fast": 2,  # HashMoE's decode fast path: imported by layer_hash only, built on layer_fast's parts
     "experts": 1, "quant": 1, "layouts": 1, "routing": 1, "losses": 1, "balance": 1,
     "config": 0, "presets": 0, "activations": 0, "_checks": 0, "triton_bind": 0,
     "eager_graphs": 0, "batch_launch": 0, "func_ops": 0,
@@ -44,8 +45,10 @@ SAME_LEVEL_ALLOWED = {0, 1}
 # Single sideways edges at other levels, one direction only: the benchmarks replay the simulator's
 # routing streams (``bench.offload_measure``), and transformers interop wraps a model's blocks into
 # offloaded layers (``hf.offload``), and the layer keeps its decode fast path in a module of its own
-# (``layer_fast``), and ``HashMoE`` subclasses it (``layer_hash``); no target imports its source back.
-SIDEWAYS_ALLOWED = {("bench", "sim"), ("hf", "offload"), ("layer", "layer_fast"), ("layer_hash", "layer")}
+# (``layer_fast``), and ``HashMoE`` subclasses it (``layer_hash``) and keeps its own fast path beside it
+# (``layer_hash_fast``, on ``layer_fast``'s checks and experts step); no target imports its source back.
+SIDEWAYS_ALLOWED = {("bench", "sim"), ("hf", "offload"), ("layer", "layer_fast"), ("layer_hash", "layer"),
+                    ("layer_hash", "layer_hash_fast"), ("layer_hash_fast", "layer_fast")}
 ANALYSIS_MAY_IMPORT = {"analysis", "config", "presets"}
 ABOVE_THE_LIBRARY = {"bench", "cli", "sim", "demo", "train"}
 CLI_ENTRY_POINTS = {"moekit.__main__"}  # the one module outside cli that runs it

@@ -121,20 +121,23 @@ class FusedHashRouter:
             routing = hash_route(logits, token_ids, table, self.config)  # the twin: gradients, tracing, the CPU
             return append_shared_slots(routing, self.config) if append_shared else routing
         self._check(logits, token_ids)
-        key = (kernels("hash_route_kernel"), plan, logits.shape[0], logits.dtype, logits.stride(),
-               logits.data_ptr() % 16 == 0, logits.device, token_ids.dtype, token_ids.stride(),
-               token_ids.data_ptr() % 16 == 0, table.dtype, table.shape, table.stride(), table.data_ptr() % 16 == 0)
-        bound = _BOUND.get(key)
-        if bound is None:
-            if len(_BOUND) >= MAX_BOUND:
-                _BOUND.pop(next(iter(_BOUND)))
-            bound = _BOUND[key] = _Bound(plan, logits, token_ids, table)
+        bound = _bound(plan, logits, token_ids, table)
         ids, weights = bound(logits, token_ids, table) if logits.shape[0] else (
             torch.empty(0, plan.num_slots, dtype=torch.int32, device=logits.device),
             torch.empty(0, plan.num_slots, device=logits.device))
         if logits.shape[0]:
-            _assert_flags(bound.ok, logits, token_ids, table.shape[0])
+            assert_flags(bound.ok, logits, token_ids, table.shape[0])
         return Routing(topk_ids=ids, topk_weights=weights, masked_tokens=None)
+
+    def bind(self, logits: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor,
+             append_shared: bool) -> _Bound | None:
+        """The bound launch a call with these arguments makes (``moekit.layer_hash_fast`` keeps it: the same launch
+        into its own buffers), or None where the call takes the twin or has no rows."""
+        plan = self._plans[1 if append_shared else 0]
+        if plan is None or not logits.shape[0] or not triton_runs_on(logits.device):
+            return None
+        self._check(logits, token_ids)
+        return _bound(plan, logits, token_ids, table)
 
     def _check(self, logits: torch.Tensor, token_ids: torch.Tensor) -> None:
         """hash_route's checks the kernel does not make (its flags: the values), with their messages."""
@@ -149,7 +152,20 @@ class FusedHashRouter:
             raise ValueError(f"token_ids must be on {logits.device} like router_logits, got {token_ids.device}")
 
 
-def _assert_flags(ok: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor, table_rows: int) -> None:
+def _bound(plan: _Plan, logits: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor) -> _Bound:
+    """The bound launch of this kind of call, bound on its first."""
+    key = (kernels("hash_route_kernel"), plan, logits.shape[0], logits.dtype, logits.stride(),
+           logits.data_ptr() % 16 == 0, logits.device, token_ids.dtype, token_ids.stride(),
+           token_ids.data_ptr() % 16 == 0, table.dtype, table.shape, table.stride(), table.data_ptr() % 16 == 0)
+    bound = _BOUND.get(key)
+    if bound is None:
+        if len(_BOUND) >= MAX_BOUND:
+            _BOUND.pop(next(iter(_BOUND)))
+        bound = _BOUND[key] = _Bound(plan, logits, token_ids, table)
+    return bound
+
+
+def assert_flags(ok: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor, table_rows: int) -> None:
     """The kernel's two flags as hash_route's errors: device-side asserts on the GPU (fatal: the flags never need
     setting back there), on the CPU the twin's own errors, the flags set back for the next call."""
     if logits.device.type != "cpu" and not interpreting():

@@ -1,0 +1,175 @@
+"""``HashMoE``'s decode fast path (``moekit.layer_hash_fast``) under Triton's interpreter: a repeated forward with the
+one-launch hash router is served and equals the full forward bit for bit (the fast path off) and ``_hash_loop``'s
+float64 layer, with the shared expert fused or separate, flat or 3-D; it steps aside, running the full forward, for a
+new table tensor, token ids of another dtype or stride, new expert weights, the switch off; an in-place table load is
+served with the new table; a token id out of range or a NaN logit on a served call still raises, and the next good call
+is right. The torch router never keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _hash_loop import hash_layer_loop
+from _triton_helpers import interpreted
+from moekit import HashMoE, MoEConfig, layer_fast
+from moekit.layer_hash_fast import HashDecodeFast
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the branches tl.where discards
+
+V, K = 50, 16
+CONFIG = MoEConfig(hidden_size=K, moe_intermediate_size=8, num_experts=16, top_k=4, scoring="sqrtsoftplus",
+                   routed_scaling_factor=1.5, hash_table_size=V, shared_expert_intermediate_size=8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    with interpreted("moekit.routing", "moekit.routing.hash_fused"), \
+            interpreted("moekit.experts", "moekit.experts.triton"):
+        yield
+
+
+@pytest.fixture
+def hits(monkeypatch):
+    """Counts the forwards the fast path served."""
+    seen = [0]
+    real = HashDecodeFast.__call__
+
+    def counted(self, layer, x2d, token_ids):
+        out = real(self, layer, x2d, token_ids)
+        seen[0] += out is not None
+        return out
+
+    monkeypatch.setattr(HashDecodeFast, "__call__", counted)
+    return seen
+
+
+class _Never:
+    """A ``HashDecodeFast`` that keeps nothing: the full forward every time."""
+
+    def __call__(self, layer, x2d, token_ids):
+        return None
+
+    def keep(self, layer, x2d, token_ids, logits) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
+def _pair(fuse_shared: bool = True, router: str = "fused"):
+    """(layer, full): the same weights and table; ``full`` never takes the fast path."""
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layers.append(HashMoE(CONFIG, backend="triton", router=router, fuse_shared=fuse_shared).eval())
+    layers[1]._hash_decode = _Never()
+    return layers[0], layers[1]
+
+
+def _inputs(shape: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, K, generator=g), torch.randint(0, V, shape, generator=g)
+
+
+@pytest.mark.parametrize("fuse_shared", [True, False])
+@pytest.mark.parametrize("shape", [(1,), (8,), (2, 3)])
+def test_served_equal_to_full_forward(hits, fuse_shared, shape):
+    layer, full = _pair(fuse_shared)
+    with torch.no_grad():
+        for seed in range(3):
+            x, ids = _inputs(shape, seed)
+            got = layer(x, token_ids=ids)
+            assert torch.equal(got, full(x, token_ids=ids))
+    ref = hash_layer_loop(layer, x, ids)  # a served call's output
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert hits[0] == 2  # the first call keeps, the others are served
+
+
+def _new_table(layer, full, ids):
+    t = torch.randint(0, CONFIG.num_experts, (V, CONFIG.top_k))
+    layer.tid2eid, full.tid2eid = t, t.clone()
+    return ids
+
+
+def _table_loaded(layer, full, ids):
+    t = torch.randint(0, CONFIG.num_experts, (V, CONFIG.top_k))
+    layer.load_table_(t), full.load_table_(t)
+    return ids
+
+
+def _int32_ids(layer, full, ids):
+    return ids.int()
+
+
+def _strided_ids(layer, full, ids):
+    return torch.stack([ids, ids], dim=1)[:, 0]  # [M], stride 2
+
+
+def _new_w13(layer, full, ids):
+    w = layer.w13.detach() * 2
+    layer.w13, full.w13 = torch.nn.Parameter(w), torch.nn.Parameter(w.clone())
+    return ids
+
+
+def _w2_in_place(layer, full, ids):
+    layer.w2.mul_(2), full.w2.mul_(2)
+    return ids
+
+
+@pytest.mark.parametrize("change, served", [(_new_table, False), (_table_loaded, True), (_int32_ids, False),
+                                            (_strided_ids, False), (_new_w13, False), (_w2_in_place, True)])
+def test_steps_aside_when_its_entry_is_stale(hits, change, served):
+    layer, full = _pair()
+    with torch.no_grad():
+        for seed in range(2):
+            layer(*_inputs((3,), seed))
+        x, ids = _inputs((3,), 2)
+        before = full(x, token_ids=ids)
+        ids = change(layer, full, ids)
+        want = full(x, token_ids=ids)
+        if change not in (_int32_ids, _strided_ids):
+            assert not torch.equal(want, before)  # the change matters
+        hit = hits[0]
+        assert torch.equal(layer(x, token_ids=ids), want)
+        assert (hits[0] > hit) is served
+        assert torch.equal(layer(x, token_ids=ids), want) and hits[0] == hit + 1 + served  # kept again: served
+
+
+def test_bad_ids_and_logits_on_a_served_call_still_raise(hits):
+    layer, full = _pair()
+    x, ids = _inputs((2,), 0)
+    with torch.no_grad():
+        layer(x, token_ids=ids), layer(x, token_ids=ids)
+        assert hits[0] == 1
+        with pytest.raises(ValueError, match="token_ids"):
+            layer(x, token_ids=torch.tensor([0, V]))
+        with pytest.raises(ValueError, match="token_ids"):
+            layer(x, token_ids=torch.tensor([-1, 0]))
+        with pytest.raises(ValueError, match="NaN"):
+            layer(torch.full_like(x, float("nan")), token_ids=ids)
+        with pytest.raises(TypeError, match="token_ids is required"):
+            layer(x)
+        with pytest.raises(ValueError, match="shape"):
+            layer(x, token_ids=ids[:1])
+        assert torch.equal(layer(x, token_ids=ids), full(x, token_ids=ids))  # the flags set back
+    assert hits[0] == 2  # the raising calls that reached it were its own: none returned
+
+
+def test_torch_router_switch_off_and_a_cast_never_serve(hits, monkeypatch):
+    layer, full = _pair(router="torch")
+    x, ids = _inputs((2,), 0)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(layer(x, token_ids=ids), full(x, token_ids=ids))
+        assert not layer._hash_decode._entries
+        fused, full = _pair()
+        fused(x, token_ids=ids)
+        assert len(fused._hash_decode._entries) == 1
+        fused.bfloat16(), full.bfloat16()
+        assert not fused._hash_decode._entries
+        monkeypatch.setattr(layer_fast, "ENABLED", False)
+        for _ in range(2):
+            assert torch.equal(fused(x.bfloat16(), token_ids=ids), full(x.bfloat16(), token_ids=ids))
+    assert hits[0] == 0
