@@ -98,6 +98,11 @@ def checks(dev) -> None:
             f"{n} {apart[n]:.1e} / {ref['triton'][n]:.1e}, {ref['grouped_mm'][n]:.1e}" for n in want))
 
 
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_steps(dev, result: dict, stop: float) -> None:
     """Wall µs of one training step, triton against grouped_mm, per layer and M: ROUNDS interleaved rounds of
     CALLS steps (the order turned each round), medians; stops cleanly at ``stop`` (time.time())."""
@@ -115,15 +120,16 @@ def time_steps(dev, result: dict, stop: float) -> None:
                 if r and time.time() > stop:
                     break
                 for b in turned(r, list(runs)):
-                    torch.cuda.synchronize() if dev.type == "cuda" else None
+                    sync(dev)
                     t0 = time.perf_counter()
                     for _ in range(CALLS):
                         runs[b]()
-                    torch.cuda.synchronize() if dev.type == "cuda" else None
+                    sync(dev)
                     samples[b].append((time.perf_counter() - t0) * 1e6 / CALLS)
             med = {b: statistics.median(s) for b, s in samples.items()}
+            ratio = med["grouped_mm"] / med["triton"]
             RUN.summary.append(f"{layer:8s} M={m:5d}: triton {med['triton']:9.1f} µs, grouped_mm "
-                               f"{med['grouped_mm']:9.1f} µs, grouped_mm / triton x{med['grouped_mm'] / med['triton']:.2f}"
+                               f"{med['grouped_mm']:9.1f} µs, grouped_mm / triton x{ratio:.2f}"
                                f" ({len(samples['triton'])} rounds)")
             result["cells"].append({"layer": layer, "M": m, "wall_us": samples, "median_us": med})
             RUN.log(f"timed {layer} M={m}")
