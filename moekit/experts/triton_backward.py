@@ -25,7 +25,7 @@ Options (``BackwardOptions``, for ``experts_triton_train``; the ``triton_experts
 ``experts_triton_train``'s forward (recompute) runs on x permuted into the layout's rows when the tiles
 of the shape carry forward tiles (``BackwardTiles.fwd13``/``fwd2``, ``triton_train_forward``) and keeps
 x_p for the backward, which then does not permute x again; else it is the inference forward.
-Every path is deterministic: no atomics, the d-weight and split sums in a fixed order.
+Every fused path is deterministic: no atomics, the d-weight and split sums in a fixed order.
 
 The variants (expert biases, an ``ActivationSpec`` other than the plain gated one of ``BACKWARD_ACTIVATIONS``:
 interleaved rows, alpha, a clamp before or after the activation, up_shift, ungated, relu2) train too, through a
