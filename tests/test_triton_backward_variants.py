@@ -14,7 +14,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
-from _helpers import experts_loop, make_problem, rel_l2  # noqa: E402
+from _helpers import experts_loop, make_problem, partial_expert_map, rel_l2  # noqa: E402
 from moekit.activations import ActivationSpec  # noqa: E402
 from moekit.experts.triton_backward import BackwardOptions, experts_triton_train, unsupported_variant  # noqa: E402
 from moekit.experts.triton_backward_launch import BACKWARD_ACTIVATIONS  # noqa: E402
@@ -109,6 +109,24 @@ def test_variant_subsets_and_skipped_slots(interpreter):
     spec, biases = VARIANTS["gpt_oss"]
     _check(_triton(interpreter), spec, biases, m=9, requires=("topk_weights",), seed=3)
     _check(_triton(interpreter), spec, biases, m=9, requires=("b13", "x"), seed=4)
+
+
+def test_variant_with_an_expert_map(interpreter):
+    """An expert-parallel rank's call (4 local experts of 6, ids off the rank skipped): the recompute passes the map."""
+    spec, biases = VARIANTS["gpt_oss"]
+    expert_map = partial_expert_map(6, 4, seed=12)
+    got_in, want_in = (_leaves(9, 2, 4, 16, 8, spec, biases, 12, dtype) for dtype in (torch.float32, torch.float64))
+    ids = torch.randint(0, 6, (9, 2), generator=torch.Generator().manual_seed(13), dtype=torch.int32)
+    got_in["ids"] = want_in["ids"] = ids
+    dout = torch.randn(9, 16, generator=torch.Generator().manual_seed(14))
+    got = _grads(lambda x, w13, w2, i, w, s, b13, b2: interpreter.experts_triton(
+        x, w13, w2, i, w, activation=s, expert_map=expert_map, b13=b13, b2=b2), got_in, spec, dout)
+    want = _grads(lambda x, w13, w2, i, w, s, b13, b2: experts_loop(
+        x, w13, w2, i, w, expert_map, b13=b13, b2=b2, spec=s), want_in, spec, dout)
+    off = expert_map[ids.long()] < 0
+    assert off.any() and torch.equal(got["topk_weights"][off], torch.zeros(int(off.sum())))
+    for name in NAMES:
+        assert rel_l2(got[name], want[name]) < 1e-5, name
 
 
 def test_train_entry_takes_variants(interpreter):
