@@ -3,7 +3,8 @@ and crosses, under Triton's interpreter on the CPU: two specs differing only in 
 compiled kernel or a recorded launch sequence (bf16 weights through the eager fast path and the op, int4 and fp8
 weights through the quantized lean path: calls alternating in either order, each against the float64 loop of
 ``_limit_after``); transformers' Step-3.7 model (built offline, two MoE layers with their own limits) with its experts
-on ``backend="triton"`` equals its own eager experts; the backward refuses the variant by name.
+on ``backend="triton"`` equals its own eager experts; the backward (a recompute on grouped_mm) gives the loop's
+gradients for each place.
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 """
@@ -85,8 +86,17 @@ def test_step_3_7_experts_on_the_triton_backend(interpreter, monkeypatch):
     assert limits == LIMITS  # both layers' experts ran on the Triton kernels, each with its own clamp
 
 
-def test_the_backward_refuses_the_clamp_by_name(interpreter):
+def test_the_backward_differentiates_each_place(interpreter):
+    """x's gradient through the Triton backend's recomputing backward, against the float64 loop's, for the clamp
+    before and after the activation (whose gradients differ: the test can tell them apart)."""
     x, w13, w2, ids, weights = make_problem(3, 2, 8, 33, 17, seed=6)
-    out = interpreter.experts_triton(x.requires_grad_(), w13, w2, ids, weights, activation=SPECS[1])
-    with pytest.raises(NotImplementedError, match="limit_after_act=True.*backend=.grouped_mm."):
-        out.sum().backward()
+    wants = []
+    for spec in SPECS:
+        x64 = x.double().requires_grad_()
+        loop64(x64, w13, w2, ids, weights, spec)[0].sum().backward()
+        wants.append(x64.grad)
+    assert rel_l2(wants[0], wants[1]) > 1e-3
+    for spec, want in zip(SPECS, wants):
+        leaf = x.clone().requires_grad_()
+        interpreter.experts_triton(leaf, w13, w2, ids, weights, activation=spec).sum().backward()
+        assert rel_l2(leaf.grad, want) < 1e-5

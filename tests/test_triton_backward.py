@@ -169,7 +169,8 @@ def test_layer_trains_one_step(interpreter):
     assert after < losses[0]
 
 
-def test_variants_without_backward_are_named():
+def test_variants_the_fused_backward_lacks_are_named():
+    """What sends a backward to recomputation (``test_triton_backward_variants`` checks those gradients)."""
     assert unsupported_variant({"activation": "silu", "b13": None, "gated": True}) is None
     assert "b13" in unsupported_variant({"activation": "silu", "b13": torch.zeros(2, 4)})
     assert "interleaved" in unsupported_variant({"activation": "silu", "interleaved": True})
@@ -194,7 +195,7 @@ def test_transposed_weight_views(interpreter):
 
 def test_train_refuses_what_it_cannot_differentiate(interpreter):
     x, w13, w2, ids, weights = make_problem(3, 2, 8, 33, 17, seed=14)
-    with pytest.raises(NotImplementedError, match="activation name"):
+    with pytest.raises(TypeError, match="activation"):
         experts_triton_train(x, w13, w2, ids, weights, activation=object())
     with pytest.raises(TypeError, match="BackwardOptions"):
         experts_triton_train(x, w13, w2, ids, weights, backward={"recompute": False})

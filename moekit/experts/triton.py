@@ -196,7 +196,7 @@ def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """Whether an eager call may skip the custom op. The op matters to torch.compile's and torch.jit's
     tracing, to dispatch modes (FakeTensor, make_fx), tensor subclasses and functorch transforms, and to
     autograd (the op's backward is ``triton_backward``'s; the routed weights count too, and a bias that
-    needs a gradient gets a clear error there); else it is only the dispatcher's cost (on the CPU here,
+    needs a gradient gets one there, by recomputation); else it is only the dispatcher's cost (on the CPU here,
     stubbed launches: ~100 µs of a ~250 µs call)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._is_tracing():
         return False

@@ -25,10 +25,15 @@ Options (``BackwardOptions``, for ``experts_triton_train``; the ``triton_experts
 ``experts_triton_train``'s forward (recompute) runs on x permuted into the layout's rows when the tiles
 of the shape carry forward tiles (``BackwardTiles.fwd13``/``fwd2``, ``triton_train_forward``) and keeps
 x_p for the backward, which then does not permute x again; else it is the inference forward.
-Every path is deterministic: no atomics, the d-weight and split sums in a fixed order.
+Every fused path is deterministic: no atomics, the d-weight and split sums in a fixed order.
 
-The variants (biases, an ``ActivationSpec`` other than the plain gated one) have no backward yet: their
-backward raises NotImplementedError naming the variant (the forward runs; only ``backward()`` refuses).
+The variants (expert biases, an ``ActivationSpec`` other than the plain gated one of ``BACKWARD_ACTIVATIONS``:
+interleaved rows, alpha, a clamp before or after the activation, up_shift, ungated, relu2) train too, through a
+recomputing backward (``triton_backward_recompute``): the forward runs on the Triton kernels, the backward
+re-runs the call on ``grouped_mm``'s differentiable path and takes its gradients (x, w13, w2, topk_weights,
+b13, b2), one grouped_mm forward + backward in the backward pass. ``unsupported_variant`` names why a call
+takes it; a plain call's backward is the fused one above, unchanged. ``experts_triton_train`` sends a variant
+through the ``triton_experts`` op (its ``BackwardOptions`` are the fused backward's and do not apply).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate.
 """
@@ -40,15 +45,17 @@ from typing import Optional
 
 import torch
 
+from moekit.activations import ActivationSpec, spec_fields
 from moekit.experts import check_experts_args
+from moekit.experts.triton_backward_recompute import GRAD_NAMES, recompute_grads
 from moekit.func_ops import transform_function, transforming
 from moekit.experts.triton_backward_launch import BACKWARD_ACTIVATIONS, BackwardTiles, backward_tiles, experts_backward
 from moekit.experts.triton_launch import interpreting
 from moekit.experts.triton_train_forward import layout_rows, saving_forward, sorted_forward
 from moekit.experts.triton_plan import check_triton_args
 
-# Arguments of a variant the backward does not take yet, with the value of the base variant (the
-# forward's schema may carry any of them; each that differs is named in the NotImplementedError).
+# Arguments of a variant the fused backward does not take, with the value of the base variant (the
+# forward's schema may carry any of them; one that differs sends the backward to recomputation).
 _BASE_VARIANT = {"b13": None, "b2": None, "gated": True, "interleaved": False, "alpha": 1.0,
                  "limit_after_act": False, "limit": None, "up_shift": 0.0}
 
@@ -66,16 +73,16 @@ class BackwardOptions:
 
 
 def unsupported_variant(args: dict) -> str | None:
-    """Why the backward cannot take a forward called with ``args`` (by schema name), or None."""
+    """Why the fused backward cannot take a forward called with ``args`` (by schema name), or None; such a
+    call's gradients come by recomputation (``triton_backward_recompute``)."""
     activation = args.get("activation", "silu")
     if activation not in BACKWARD_ACTIVATIONS:
-        return f"the triton backward has no derivative for activation={activation!r} (it has {BACKWARD_ACTIVATIONS})"
+        return f"the fused backward has no derivative for activation={activation!r} (it has {BACKWARD_ACTIVATIONS})"
     for name, base in _BASE_VARIANT.items():
         value = args.get(name, base)
         if (value is not None) if base is None else (value != base):
             shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
-            return (f"the triton backward does not support the variant {name}={shown} yet (only {name}={base!r}); "
-                    f"backend='grouped_mm' or 'reference' computes its gradients")
+            return f"the fused backward takes {name}={base!r} only, not {name}={shown}"
     return None
 
 
@@ -117,7 +124,7 @@ _BACKWARD_FUNCTION = transform_function(
 def _grads(ctx, dout: torch.Tensor, h_pre: torch.Tensor | None, split_m: int, x_p: torch.Tensor | None = None) -> tuple:
     """The backward op on the saved inputs; the grads by the forward's input position (None elsewhere)."""
     if ctx.unsupported is not None:
-        raise NotImplementedError(ctx.unsupported)
+        return _recomputed(ctx, dout)
     x, w13, w2, ids, weights, expert_map = ctx.saved_tensors[:6]
     positions = ctx.positions  # input positions of x, w13, w2, topk_weights
     needs = tuple(ctx.needs_input_grad[i] for i in positions)
@@ -126,6 +133,16 @@ def _grads(ctx, dout: torch.Tensor, h_pre: torch.Tensor | None, split_m: int, x_
     result = [None] * ctx.num_inputs
     for position, need, grad in zip(positions, needs, grads):
         result[position] = grad if need else None
+    return tuple(result)
+
+
+def _recomputed(ctx, dout: torch.Tensor) -> tuple:
+    """A variant's grads by recomputation (``triton_backward_recompute``), by the forward's input position."""
+    needs = tuple(ctx.needs_input_grad[i] for i in ctx.grad_positions)
+    grads = recompute_grads(dout, ctx.saved_tensors[:8], ctx.spec_fields, needs)
+    result = [None] * ctx.num_inputs
+    for position, grad in zip(ctx.grad_positions, grads):
+        result[position] = grad
     return tuple(result)
 
 
@@ -143,13 +160,20 @@ def _setup(ctx, names: list[str], inputs: tuple) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
+# the op schema's names of an ActivationSpec's fields, in ``spec_fields``' order
+_SPEC_NAMES = ("activation", "gated", "interleaved", "alpha", "limit", "up_shift", "limit_after_act")
+
+
 def setup_experts_op(ctx, inputs: tuple, output) -> None:
     """``setup_context`` of ``moekit::triton_experts``: its inputs read by schema name, so arguments
     that the forward gains later (biases, activation fields) reach ``unsupported_variant``."""
     names = [a.name for a in torch.ops.moekit.triton_experts.default._schema.arguments]
     args = _setup(ctx, names, inputs)
+    # a variant's recompute (``_recomputed``) also reads the biases, the spec's fields and the bias positions
+    ctx.grad_positions = tuple(names.index(n) for n in GRAD_NAMES)
+    ctx.spec_fields = tuple(args[n] for n in _SPEC_NAMES)
     ctx.save_for_backward(args["x"], args["w13"], args["w2"], args["topk_ids"], args["topk_weights"],
-                          args["expert_map"])
+                          args["expert_map"], args["b13"], args["b2"])
 
 
 def backward_experts_op(ctx, dout: torch.Tensor) -> tuple:
@@ -236,19 +260,32 @@ def experts_triton_train(
     topk_ids: torch.Tensor,  # [M, k]
     topk_weights: torch.Tensor,  # [M, k]
     *,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,  # [E, R]
+    b2: torch.Tensor | None = None,  # [E, K]
     backward: BackwardOptions = BackwardOptions(),
 ) -> torch.Tensor:
-    """The experts contract (``moekit.experts``) on the Triton kernels, differentiable with the
-    backward's options chosen (``BackwardOptions``); ``experts_triton`` differentiates with the defaults."""
-    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map)
-    if not isinstance(activation, str):
-        raise NotImplementedError(f"experts_triton_train takes an activation name (one of {BACKWARD_ACTIVATIONS}); "
-                                  f"the variant {activation!r} has no Triton backward yet")
-    check_triton_args(x, activation)
+    """The experts contract (``moekit.experts``) on the Triton kernels, differentiable with the fused
+    backward's options chosen (``BackwardOptions``); ``experts_triton`` differentiates
+    with the defaults. A variant (``unsupported_variant``: biases, a spec the fused backward lacks) runs
+    through ``experts_triton``, whose backward recomputes (``triton_backward_recompute``); options other
+    than the defaults are refused for it, as they would not apply."""
+    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
     if not isinstance(backward, BackwardOptions):
         raise TypeError(f"backward must be a BackwardOptions, got {type(backward).__name__}")
+    fields = spec_fields(activation)
+    variant = unsupported_variant({**dict(zip(_SPEC_NAMES, fields)), "b13": b13, "b2": b2})
+    if variant is not None:
+        if backward != BackwardOptions():
+            raise ValueError(f"backward={backward} applies to the fused backward only, and this call's backward "
+                             f"recomputes ({variant}): leave backward at its default")
+        from moekit.experts.triton import experts_triton  # triton.py imports this module: lazily, no cycle
+
+        return experts_triton(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                              b13=b13, b2=b2)
+    activation = fields[0]  # a plain spec: its name
+    check_triton_args(x, activation)
     train = _TRAIN_FUNCTION.apply if transforming() else torch.ops.moekit.triton_experts_train
     out, _ = train(x, w13, w2, topk_ids, topk_weights, expert_map, activation, not backward.recompute, backward.split_m)
     return out

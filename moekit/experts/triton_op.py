@@ -87,7 +87,8 @@ def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activ
 _experts_op = torch.library.custom_op("moekit::triton_experts", _experts_kernel, mutates_args=())
 _experts_op.register_fake(_experts_fake)
 
-# The op's gradients (x, w13, w2, topk_weights) come from triton_backward, which reads the op's schema by name.
+# The op's gradients (x, w13, w2, topk_weights; the biases' too, for a variant) come from triton_backward, which
+# reads the op's schema by name.
 from moekit.experts.triton_backward import backward_experts_op, setup_experts_op  # noqa: E402
 
 _experts_op.register_autograd(backward_experts_op, setup_context=setup_experts_op)
