@@ -29,22 +29,25 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under
 # main's (024707d) schemas, the part after the op's name, string for string; route_fused's with blk36's trailing
 # ``bool assert_in_kernel=False`` (a defaulted argument: main's 17-argument calls unchanged), triton_experts_wo's with
 # gpt39's trailing biases and activation fields (defaulted: main's 16-argument calls unchanged), triton_experts_fp8's
-# with fpb40's (defaulted: main's 13-argument calls unchanged)
+# with fpb40's (defaulted: main's 13-argument calls unchanged); session 48: the two experts ops' trailing
+# ``bool limit_after_act=False`` (act48) and route_fused's ``bool sqrt_softplus=False`` before ``assert_in_kernel``
+# (v4r48), each defaulted
 MAIN_SCHEMAS = {
     "triton_experts_fp8": "(Tensor x, Tensor w13_q, Tensor w13_scale, Tensor w2_q, Tensor w2_scale, Tensor topk_ids, "
                           "Tensor topk_weights, Tensor? expert_map, SymInt block_n, SymInt block_k, "
                           "bool weight_descriptors, bool dependent_launch, bool poison_workspace, Tensor? b13=None, "
                           "Tensor? b2=None, str activation=\"silu\", bool gated=True, bool interleaved=False, "
-                          "float alpha=1., float? limit=None, float up_shift=0.) -> Tensor",
+                          "float alpha=1., float? limit=None, float up_shift=0., bool limit_after_act=False) -> Tensor",
     "triton_experts_wo": "(Tensor x, Tensor q13, Tensor s13, Tensor? z13, SymInt g13, Tensor q2, Tensor s2, "
                          "Tensor? z2, SymInt g2, Tensor topk_ids, Tensor topk_weights, Tensor? expert_map, str scheme, "
                          "str activation, bool dependent_launch, str decode=\"\", Tensor? b13=None, Tensor? b2=None, "
                          "bool gated=True, bool interleaved=False, float alpha=1., float? limit=None, "
-                         "float up_shift=0.) -> Tensor",
+                         "float up_shift=0., bool limit_after_act=False) -> Tensor",
     "route_fused": "(Tensor logits, Tensor? bias, Tensor? gate_logits, SymInt top_k, SymInt n_group, "
                    "SymInt topk_group, bool sigmoid, bool renormalize, float scaling, bool check_finite, "
                    "SymInt num_shared, SymInt elements_per_program, float softcap, bool bias_on_logits, "
-                   "str group_score, bool fill_zero, float shared_weight, bool assert_in_kernel=False) "
+                   "str group_score, bool fill_zero, float shared_weight, bool sqrt_softplus=False, "
+                   "bool assert_in_kernel=False) "
                    "-> (Tensor, Tensor, Tensor)",
     "align_block_triton": "(Tensor topk_ids, SymInt num_experts, SymInt block_size, Tensor? expert_map, "
                           "bool allow_naive, bool dependent_launch, SymInt align_small_max, "
