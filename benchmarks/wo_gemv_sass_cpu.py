@@ -118,7 +118,8 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BKW=bkw, PER=8, GROUP=128 if scheme == 1 else 32, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1, AHEAD=ahead, XTILE=x_tile,
-                 b13_ptr=None, b2_ptr=None)  # no expert biases (session 40's pointers: the plain kernels)
+                 b13_ptr=None, b2_ptr=None,  # no expert biases (session 40's pointers: the plain kernels)
+                 LIMIT_AFTER=False)  # act48's constexpr, passed as the launch passes it
     m = main_loop_of(_compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps))
     weights = block_n * bkw * 8 * (1 if down else 2)
     name = (f"{kind} {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} BM={block_m} "

@@ -68,7 +68,8 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
                  KSUM=False, TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
                  PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2, PER=4 if scheme == 0 else 8,
                  stride_xk=1, stride_qc=1, stride_sg=1,  # unit strides: constants at launch
-                 b13_ptr=None, b2_ptr=None)  # no expert biases (session 40's pointers: the plain kernels)
+                 b13_ptr=None, b2_ptr=None,  # no expert biases (session 40's pointers: the plain kernels)
+                 LIMIT_AFTER=False)  # act48's constexpr, passed as the launch passes it
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
     m = main_loop_of(out)
     weights = block_n * block_k * (1 if down or halves else 2)

@@ -264,7 +264,7 @@ def family_launches() -> dict:
 
 # Launched kernels these families do not reach, and the test module whose calls do (conftest's ``fp_fusion_asked``
 # checks every launch there too): their paths take tiles or layouts a test sets up (the backward's sorted and
-# persistent variants, the fp8 persistent GEMMs, the weight-only split gate-up and mma halves).
+# persistent variants, the fp8 persistent GEMMs, the weight-only split gate-up and mma halves, the hash router).
 ELSEWHERE = {
     "gemm_backward.permute_rows_kernel": "test_weight_grad_contiguous",
     "gemm_backward.weight_grad_contiguous_kernel": "test_weight_grad_contiguous",
@@ -277,6 +277,7 @@ ELSEWHERE = {
     "gemm_fp8_persistent.down_fp8_persistent_kernel": "test_triton_fp8_persistent",
     "wo_split.split_glu_kernel": "test_triton_wo_split",
     "gemm_wo_mma.gate_up_halves_wo_mma_kernel": "test_triton_wo_mma_halves",
+    "hash_route_kernel.hash_route_kernel": "test_hash_fused",  # DeepSeek-V4's hash layers (session 48)
 }
 
 

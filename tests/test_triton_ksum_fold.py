@@ -52,7 +52,7 @@ def test_fold_runs_only_where_counters_are_kept(interpreter, launch_log):
     assert "sum_slots_kernel" in names
     assert torch.equal(out, run(interpreter, args, FOLD))
     via_op = torch.ops.moekit.triton_experts(x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None,
-                                             0.0, *LaunchOptions(sum_fold_max=8).as_op_args())
+                                             0.0, False, *LaunchOptions(sum_fold_max=8).as_op_args())
     assert "sum_slots_kernel" in [name for name, _ in launch_log.take()]  # the op never keeps workspaces
     assert torch.allclose(via_op.double(), experts_loop(*args), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="sum_fold_max"):
