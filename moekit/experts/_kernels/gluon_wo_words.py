@@ -252,7 +252,9 @@ def _loop_ahead1(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_
 @gluon.jit
 def _loop_ahead2(acc, zeros, w_ptrs, x_ptrs, steps, col0, magic, one, s_rows, z_rows, xs_rows, row_ok, z_ok, tok_ok,
                  GROUP: gl.constexpr, DECODE: gl.constexpr, num_warps: gl.constexpr):
-    """``words_loop`` with the words of two steps in flight (session 45, w4u45; selectable, unmeasured): three steps
+    """``words_loop`` with the words of two steps in flight (session 45, w4u45; selectable, no default takes it: on an
+    H100 it lost, DeepSeek-V3 int4 M = 1 115.9 against AHEAD 1's 97.6 µs, and tied at M = 8, session 47's
+    ``benchmarks/results/raw/NVIDIA_H100-2026-12-07-3bdb789-w4u45-aheads.json``; kept for an H200 A/B): three steps
     an iteration, the words in a 3-way rotation (w_a, w_b, w_c: each loaded two steps before its decode) and the
     activations still one step ahead (x_a, x_b, x_c: their 32 registers a step are L2 hits, the words the HBM
     stream), so the loop carries w_a, w_b, x_a and copies nothing. Word loads past the last step are clamped to it
