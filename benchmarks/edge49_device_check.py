@@ -109,11 +109,29 @@ def check_phase(dev) -> None:
                   f"rel {rel_route:.1e}")
         RUN.check(f"{name}: fused weights ~ float64 twin", rel64 < 2e-5, f"rel {rel64:.1e}")
         if cfg.renorm_eps and cfg.renorm_eps < 1e-12:
-            before = FusedRouter(cfg.replace(renorm_eps=0.0))(x[:16], bias)
-            same = bool(torch.equal(before.topk_weights, got.topk_weights[:16]))
-            entry["ordinary_bit_equal_eps0"] = same
-            RUN.check(f"{name}: ordinary rows bit-equal to renorm_eps=0", same)
+            ordinary_check(name, cfg, x[:16], bias, got, entry)
     gate_check(dev, x, res)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How two float32 weight tensors differ: elements that differ, and the largest difference in ulps of b."""
+    diff = (a.float() - b.float()).abs()
+    ulp = torch.nextafter(b.float().abs(), torch.tensor(float("inf"), device=b.device)) - b.float().abs()
+    return {"differ": int((diff > 0).sum()), "max_ulps": float((diff / ulp.clamp_min(1e-45)).max())}
+
+
+def ordinary_check(name: str, cfg: MoEConfig, x: torch.Tensor, bias, got, entry: dict) -> None:
+    """On the ordinary rows x [16, E]: the kernel with eps bit-equal to the kernel with renorm_eps=0 (the claim), and,
+    for the record, each kernel against route with the same eps (fp32 rounding: how many weights differ, by how
+    many ulps)."""
+    exact = cfg.replace(renorm_eps=0.0)
+    before, twin0 = FusedRouter(exact)(x, bias), route(x, exact, bias)
+    after, twin = got.topk_weights[:16], route(x, cfg, bias).topk_weights
+    same = bool(torch.equal(before.topk_weights, after))
+    entry["ordinary"] = dict(bit_equal_eps0=same, eps_vs_eps0_kernel=_ulps(after, before.topk_weights),
+                             eps0_kernel_vs_route=_ulps(before.topk_weights, twin0.topk_weights),
+                             eps_kernel_vs_route=_ulps(after, twin), route_eps_vs_eps0=_ulps(twin, twin0.topk_weights))
+    RUN.check(f"{name}: ordinary rows bit-equal to renorm_eps=0", same, str(entry["ordinary"]))
 
 
 def gate_check(dev, x: torch.Tensor, res: dict) -> None:

@@ -83,7 +83,7 @@ def draw_fields(rng: random.Random) -> dict:
             "router_logit_softcap": [0.0, 1.5, 6.0], "shared_expert_gate": [False, True],
             "shared_expert_combine": ["sum", "average", "router"], "expert_weight_on": ["output", "input"],
             "router_bias": [False, True], "expert_bias": [False, True], "nonfinite": ["raise", "mask"],
-            "router_dtype": [None, "float32", "float64", "bfloat16"]}
+            "router_dtype": [None, "float32", "float64", "bfloat16"], "renorm_eps": [0.0, 1e-20, 1e-6]}
     for name, values in pick.items():
         if rng.random() < 0.35:
             f[name] = rng.choice(values)
@@ -108,7 +108,7 @@ def _fit(f: dict, rng: random.Random) -> dict:
             f["shared_expert_combine"] = "sum"
     if f.get("shared_expert_combine") == "router" and rng.random() < 0.8:
         f.update(scoring="sigmoid", renormalize=True, n_group=1, topk_group=1, num_identity_experts=0,
-                 shared_expert_gate=False, expert_weight_on="output", nonfinite="raise",
+                 shared_expert_gate=False, expert_weight_on="output", nonfinite="raise", renorm_eps=0.0,
                  shared_expert_intermediate_size=f["moe_intermediate_size"] * rng.choice([1, 2]))
     if f["num_identity_experts"] and rng.random() < 0.8:
         f.update(n_group=1, topk_group=1)

@@ -57,8 +57,8 @@ def route(router_logits: torch.Tensor, config: MoEConfig, correction_bias: torch
       groups can be chosen from (``dropped_group_fill="zero"``, A.X-K2 and Mistral-4: the other groups' experts
       score 0 for the choice, so they still win over a kept expert's negative score).
     - renormalisation: a softmax over the chosen experts' log-scores (= w / sum(w); finite when all underflow), times
-      S / (S + eps) with ``renorm_eps`` eps > 0 (S = sum(w), from its log: ``_eps_factor``), the family's
-      w / (S + eps); that factor is exactly 1.0 in float32 wherever S > 2^24 eps (1.7e-13 at 1e-20).
+      S / (S + eps) with ``renorm_eps`` eps > 0 (S = sum(w), computed from the log-scores: ``_eps_factor``), the
+      family's w / (S + eps); that factor is exactly 1.0 in float32 wherever S > 2^24 eps (1.7e-13 at 1e-20).
     - ``routed_scaling_factor`` multiplies the routed weights (``MoEConfig.routed_weight_scale``: halved too
       where the shared expert is averaged in, ``shared_expert_combine="average"``).
 
@@ -139,13 +139,16 @@ def renorm_log_eps(eps: float) -> float:
 
 
 def _eps_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
-    """[M, 1] S / (S + eps) = sigmoid(log S - log eps), S the chosen scores' sum from ``log_scores`` [M, k] (softmax:
-    minus the row's logsumexp over ``logits`` [M, E], the masked experts at the dtype's min), eps = ``renorm_eps``;
-    0 on a row with no finite slot (its weights are zeroed)."""
-    log_total = torch.logsumexp(log_scores, dim=-1, keepdim=True)  # [M, 1]
+    """[M, 1] S / (S + eps) for eps = ``renorm_eps``, S the chosen scores' sum: with t the largest of ``log_scores``
+    [M, k] (softmax: they are the logits; minus the row's logsumexp over ``logits`` [M, E], the masked experts at the
+    dtype's min), T = sum_j e^(l_j - t) and c = eps e^-t, T / (T + c) (the fused kernels divide by T + c: one
+    division). Exactly 1.0 where c is below T's rounding (S > 2^24 eps: 1.7e-13 at 1e-20); 0 where eps e^-t
+    overflows (S below 1e-38 eps: weights below 1e-38); NaN on a row with no finite slot (its weights are zeroed)."""
+    top = log_scores.max(dim=-1, keepdim=True).values  # [M, 1]
+    total = torch.exp(log_scores - top).sum(dim=-1, keepdim=True)  # [M, 1]
     if config.scoring == "softmax":
-        log_total = log_total - torch.logsumexp(logits, dim=-1, keepdim=True)
-    return torch.sigmoid(log_total - renorm_log_eps(config.renorm_eps))
+        top = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return total / (total + torch.exp(renorm_log_eps(config.renorm_eps) - top))
 
 
 def _select(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Tensor, config: MoEConfig,

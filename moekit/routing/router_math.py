@@ -51,10 +51,9 @@ class RouterMath:
 
     def constexprs(self) -> dict:
         """The kernels' option constexprs; SOFTCAP_INV is the fp32 reciprocal torch's CUDA division by a Python
-        scalar multiplies with (1.0f / float(c)); RENORM_LOG_EPS route's float32 log(eps) (``renorm_log_eps``). The
-        defaults leave RENORM_EPS out: a kernel compiled without it is the one of session 48."""
+        scalar multiplies with (1.0f / float(c)); RENORM_LOG_EPS route's float32 log(eps) (``renorm_log_eps``), left
+        out at eps 0: the kernel's default None compiles no code for it (the kernels of session 48)."""
         inv = (1.0 / torch.tensor(self.softcap, dtype=torch.float32)).item() if self.softcap else 0.0
-        eps = {} if not self.renorm_eps else dict(RENORM_EPS=self.renorm_eps,
-                                                  RENORM_LOG_EPS=renorm_log_eps(self.renorm_eps))
+        eps = dict(RENORM_LOG_EPS=renorm_log_eps(self.renorm_eps)) if self.renorm_eps else {}
         return dict(SOFTCAP=self.softcap, SOFTCAP_INV=inv, BIAS_ON_LOGITS=self.bias_on_logits,
                     FILL_ZERO=self.fill_zero, SHARED_SCALE=self.shared_weight, SQRT_SOFTPLUS=self.sqrt_softplus, **eps)
