@@ -11,20 +11,20 @@ Phases (each skipped past the deadline; <out>/edge49.json rewritten after each):
           (sigmoid, bias, no eps): 64 rows of logits, 16 ordinary (N(0, 4)) and 8 each at -20, -50, -104, -200 (+ N(0,
           1)) and mixed (-200, one expert at 0.5). ``FusedRouter`` against ``route`` (ids equal; weights rel 2e-5, abs
           1e-30) and against ``twin64``, a float64 twin of the family's weights written here (on the fused ids: s_i /
-          (sum s + eps) x scale; rel 2e-5); no NaN anywhere. The ordinary rows of each eps < 1e-12 family bit-equal to
-          the kernel with renorm_eps=0 (the factor is exactly 1.0 there). The one gate + route launch (M = 6) and the
+          (sum s + eps) x scale; rel 2e-5); no NaN anywhere. On the ordinary rows of each eps < 1e-12 family, route
+          bit-equal to itself at renorm_eps=0 (the factor is exactly 1.0 there), the kernel within 2 ulps of itself
+          at eps 0 (``ordinary_check``). The one gate + route launch (M = 6) and the
           tensor-core gate + route (M = 64) on DeepSeek-V3's config (W the identity) against ``route`` on the logits
           they wrote.
   time    The fused router's kernel at DeepSeek-V3's config (E 256, top-8, 8 groups, the bias), M = 1 and 64, float32
           logits: renorm_eps=0 (before, the kernel of session 48) against 1e-20 (after), each a CUDA graph of 50
-          calls, 9 interleaved rounds (order reversed every other round), median µs a call by CUDA events.
+          calls, 9 interleaved rounds, median µs a call by CUDA events (``bench_rounds``).
 The table is printed last: medians.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import threading
 
@@ -36,6 +36,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # before moekit imports its kernels
 
+from bench_rounds import graph_of, interleaved, medians  # noqa: E402
 from bench_run import RunLog, phase_args, run_info, run_phases  # noqa: E402
 
 from moekit import MoEConfig, route  # noqa: E402
@@ -121,17 +122,19 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def ordinary_check(name: str, cfg: MoEConfig, x: torch.Tensor, bias, got, entry: dict) -> None:
-    """On the ordinary rows x [16, E]: the kernel with eps bit-equal to the kernel with renorm_eps=0 (the claim), and,
-    for the record, each kernel against route with the same eps (fp32 rounding: how many weights differ, by how
-    many ulps)."""
+    """On the ordinary rows x [16, E]: route with eps bit-equal to route with renorm_eps=0 (S / (S + eps) is exactly
+    1.0 there), and the kernel with eps within 2 ulps of the kernel with eps 0. Not bit-equal for every family: b875176d
+    on an H100 found Mistral-4's softmax kernel at eps 0 2 ulps off route in 10 of 64 weights (the compiler contracts
+    libdevice exp's last multiply into the sum), its eps kernel equal to route. How they differ is recorded."""
     exact = cfg.replace(renorm_eps=0.0)
     before, twin0 = FusedRouter(exact)(x, bias), route(x, exact, bias)
     after, twin = got.topk_weights[:16], route(x, cfg, bias).topk_weights
-    same = bool(torch.equal(before.topk_weights, after))
-    entry["ordinary"] = dict(bit_equal_eps0=same, eps_vs_eps0_kernel=_ulps(after, before.topk_weights),
+    entry["ordinary"] = dict(eps_vs_eps0_kernel=_ulps(after, before.topk_weights),
                              eps0_kernel_vs_route=_ulps(before.topk_weights, twin0.topk_weights),
                              eps_kernel_vs_route=_ulps(after, twin), route_eps_vs_eps0=_ulps(twin, twin0.topk_weights))
-    RUN.check(f"{name}: ordinary rows bit-equal to renorm_eps=0", same, str(entry["ordinary"]))
+    rec = entry["ordinary"]
+    ok = rec["route_eps_vs_eps0"]["differ"] == 0 and rec["eps_vs_eps0_kernel"]["max_ulps"] <= 2
+    RUN.check(f"{name}: ordinary rows: route bit-equal to eps 0, the kernel within 2 ulps", ok, str(entry["ordinary"]))
 
 
 def gate_check(dev, x: torch.Tensor, res: dict) -> None:
@@ -154,21 +157,6 @@ def gate_check(dev, x: torch.Tensor, res: dict) -> None:
                   f"rel {rel:.1e}")
 
 
-def _graph(fn, calls: int):
-    """A CUDA graph of ``calls`` calls of ``fn`` (warmed on a side stream first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
 def time_phase(dev) -> None:
     res = RESULT["time_us"] = {}
     bias = (torch.randn(E, generator=torch.Generator().manual_seed(1)) * 0.05).to(dev)
@@ -179,20 +167,11 @@ def time_phase(dev) -> None:
             for router in routers.values():
                 router(logits, bias)
             continue
-        graphs = {name: _graph(lambda r=router: r(logits, bias), CALLS) for name, router in routers.items()}
-        times = {name: [] for name in graphs}
+        graphs = {name: graph_of([lambda r=router: r(logits, bias)] * CALLS, dev) for name, router in routers.items()}
         RUN.log(f"timing M={m}")
-        for r in range(ROUNDS):
-            for name in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                graphs[name].replay()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) * 1e3 / CALLS)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        res[m] = {"rounds_us": times, "median_us": med}
+        rounds = interleaved(graphs, CALLS, dev, ROUNDS, 1)  # name -> [µs a call, each round]
+        med = medians(rounds)
+        res[m] = {"rounds_us": rounds, "median_us": med}
         RUN.summary.append(f"| M={m} | " + " | ".join(f"{med[n]:.2f}" for n in routers) + " |")
 
 

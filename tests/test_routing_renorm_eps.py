@@ -94,13 +94,26 @@ class Family:
     hf_float64: bool  # the router runs in the input's dtype (no float32 cast): its float64 run is exact
 
 
-def _identity(router: torch.nn.Module) -> None:
-    with torch.no_grad():
-        router.weight.copy_(torch.eye(E))
-
-
 def _bias(seed: int) -> torch.Tensor:
     return torch.randn(E, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _router(cls, hf, bias: torch.Tensor | None, bias_arg: bool = False) -> Callable:
+    """transformers' router ``cls(hf)`` with the identity gate and ``bias`` in its correction-bias buffer (or passed to
+    its forward where ``bias_arg``: LFM2's block holds it) -> logits [M, E] -> (weights, ids), run in the logits'
+    dtype (``.to``: a router that casts to float32 itself still does)."""
+    router = cls(hf)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+        if bias is not None and not bias_arg:
+            router.e_score_correction_bias.copy_(bias)
+
+    def run(x):
+        args = (x, bias.to(x.dtype)) if bias_arg else (x,)
+        _, w, i = router.to(x.dtype)(*args)
+        return w, i
+
+    return run
 
 
 def _deepseek_v3() -> Family:
@@ -109,15 +122,9 @@ def _deepseek_v3() -> Family:
 
     hf = DeepseekV3Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=K_TOP, n_group=4, topk_group=2,
                           norm_topk_prob=True, routed_scaling_factor=2.5, moe_intermediate_size=8)
-    router, bias = DeepseekV3TopkRouter(hf), _bias(1)
-    _identity(router)
-    router.e_score_correction_bias.copy_(bias)
-
-    def run(x):
-        _, w, i = router(x)
-        return w, i
-
-    return Family("deepseek_v3", MoEConfig.from_hf_config(hf), bias, run, 1e-20, False)
+    bias = _bias(1)
+    return Family("deepseek_v3", MoEConfig.from_hf_config(hf), bias, _router(DeepseekV3TopkRouter, hf, bias), 1e-20,
+                  False)
 
 
 def _deepseek_v4() -> Family:
@@ -126,18 +133,9 @@ def _deepseek_v4() -> Family:
 
     hf = DeepseekV4Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=K_TOP, routed_scaling_factor=1.5,
                           moe_intermediate_size=8)
-    router, bias = DeepseekV4TopKRouter(hf), _bias(2)
-    _identity(router)
-    router.e_score_correction_bias.copy_(bias)
-
-    def run(x):
-        r = router.to(x.dtype)
-        with torch.no_grad():
-            r.e_score_correction_bias.copy_(bias.to(x.dtype))
-        _, w, i = r(x)
-        return w, i
-
-    return Family("deepseek_v4", MoEConfig.from_hf_config(hf), bias, run, 1e-20, True)
+    bias = _bias(2)
+    return Family("deepseek_v4", MoEConfig.from_hf_config(hf), bias, _router(DeepseekV4TopKRouter, hf, bias), 1e-20,
+                  True)
 
 
 def _mistral4() -> Family:
@@ -146,14 +144,7 @@ def _mistral4() -> Family:
 
     hf = Mistral4Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=K_TOP, n_group=4, topk_group=2,
                         norm_topk_prob=True, routed_scaling_factor=1.25, moe_intermediate_size=8)
-    router = Mistral4TopkRouter(hf)
-    _identity(router)
-
-    def run(x):
-        _, w, i = router.to(x.dtype)(x)
-        return w, i
-
-    return Family("mistral4", MoEConfig.from_hf_config(hf), None, run, 1e-20, True)
+    return Family("mistral4", MoEConfig.from_hf_config(hf), None, _router(Mistral4TopkRouter, hf, None), 1e-20, True)
 
 
 def _lfm2_moe() -> Family:
@@ -162,14 +153,9 @@ def _lfm2_moe() -> Family:
 
     hf = Lfm2MoeConfig(hidden_size=E, num_experts=E, num_experts_per_tok=K_TOP, norm_topk_prob=True,
                        use_expert_bias=True, routed_scaling_factor=1.0, moe_intermediate_size=8)
-    router, bias = Lfm2MoeTopKRouter(hf), _bias(3)
-    _identity(router)
-
-    def run(x):
-        _, w, i = router.to(x.dtype)(x, bias.to(x.dtype))
-        return w, i
-
-    return Family("lfm2_moe", MoEConfig.from_hf_config(hf), bias, run, 1e-6, True)
+    bias = _bias(3)
+    return Family("lfm2_moe", MoEConfig.from_hf_config(hf), bias, _router(Lfm2MoeTopKRouter, hf, bias, True), 1e-6,
+                  True)
 
 
 def _laguna() -> Family:
@@ -178,16 +164,8 @@ def _laguna() -> Family:
 
     hf = LagunaConfig(hidden_size=E, num_experts=E, num_experts_per_tok=K_TOP, moe_intermediate_size=8,
                       shared_expert_intermediate_size=8)
-    router, bias = LagunaTopKRouter(hf), _bias(4)
-    _identity(router)
-    with torch.no_grad():
-        router.e_score_correction_bias.copy_(bias)
-
-    def run(x):
-        _, w, i = router(x)
-        return w, i
-
-    return Family("laguna", MoEConfig.from_hf_config(hf), bias, run, 0.0, False)
+    bias = _bias(4)
+    return Family("laguna", MoEConfig.from_hf_config(hf), bias, _router(LagunaTopKRouter, hf, bias), 0.0, False)
 
 
 FAMILIES = {f.__name__[1:]: f for f in (_deepseek_v3, _deepseek_v4, _mistral4, _lfm2_moe, _laguna)}
