@@ -48,9 +48,11 @@ SCALARS = {"scaling": "fp32"}  # every other scalar: i32
 ONES = ("stride_le", "stride_b", "stride_gm")  # 1 in every launch: Triton specialises them as constants
 ALIGNED = ("logits_ptr", "bias_ptr", "ids_ptr", "weights_ptr", "ok_ptr", "x_ptr", "w_ptr", "b_ptr", "count_ptr",
            "part_ptr", "stride_lm", "stride_xm", "stride_we", "hidden")
-# the session-34 options on (``router_math.RouterMath.constexprs``): Laguna's cap 30 (its fp32 reciprocal)
+# the session-34 options on (``router_math.RouterMath.constexprs``): Laguna's cap 30 (its fp32 reciprocal); session
+# 49's renorm_eps at DeepSeek-V3's 1e-20 (its fp32 log)
 OPTIONS = {"softcap": dict(SOFTCAP=30.0, SOFTCAP_INV=0.03333333507180214), "bias_on_logits": dict(BIAS_ON_LOGITS=True),
-           "fill_zero": dict(FILL_ZERO=True), "average": dict(SHARED_SCALE=0.5)}
+           "fill_zero": dict(FILL_ZERO=True), "average": dict(SHARED_SCALE=0.5),
+           "renorm_eps": dict(RENORM_LOG_EPS=-46.051700592041016)}
 
 
 def _compile(module: str, kernel: str, const: dict, num_warps: int, num_stages: int = 3):
@@ -101,7 +103,8 @@ def cases(options: bool) -> dict:
         out["opt_mma_dsv3_all"] = partial(mma, DSV3 | tensor | dict(ROUTE_M=8) | {
             k: v for c in OPTIONS.values() for k, v in c.items()})
         out |= {"opt_route_v4": partial(route, V4 | dict(BLOCK_M=1)), "opt_one_v4_m1": partial(one, V4 | gate),
-                "opt_mma_v4_m64": partial(mma, V4 | tensor | dict(ROUTE_M=8))}
+                "opt_mma_v4_m64": partial(mma, V4 | tensor | dict(ROUTE_M=8)),
+                "opt_route_v4_renorm_eps": partial(route, V4 | dict(BLOCK_M=1) | OPTIONS["renorm_eps"])}
     return out
 
 

@@ -53,6 +53,9 @@ class MoEConfig:
     top_k: int  # k
     scoring: Scoring = "softmax"
     renormalize: bool = True
+    # eps > 0: renormalise as w / (sum(w) + eps), the family's formula (DeepSeek-V3's 1e-20: a row whose chosen scores
+    # all underflow weighs ~0); 0: the exact w / sum(w), finite for every finite row (moekit.routing.route)
+    renorm_eps: float = 0.0
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
@@ -105,6 +108,9 @@ class MoEConfig:
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "router_bias", "expert_bias"):
             check_bool(name, getattr(self, name))
         check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
+        eps = self.renorm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+            raise ValueError(f"renorm_eps must be a finite number >= 0 (0: the exact w / sum(w)), got {eps!r}")
         if self.top_k > self.choice_width:
             what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
             raise ValueError(f"top_k must be <= {what} ({self.choice_width}), got {self.top_k}")
@@ -191,12 +197,12 @@ class MoEConfig:
                              "moe_intermediate_size (one router logit a shared slot)")
         clashing = {name: getattr(self, name) for name, plain in (
             ("scoring", "sigmoid"), ("renormalize", True), ("n_group", 1), ("num_identity_experts", 0),
-            ("shared_expert_gate", False), ("expert_weight_on", "output"), ("nonfinite", "raise"))
+            ("shared_expert_gate", False), ("expert_weight_on", "output"), ("nonfinite", "raise"), ("renorm_eps", 0.0))
             if getattr(self, name) != plain}
         if clashing:
             raise ValueError(f"shared_expert_combine='router' routes with scoring='sigmoid', renormalize=True, "
-                             f"n_group=1, no identity experts, no shared gate, expert_weight_on='output' and "
-                             f"nonfinite='raise' (as Inkling), got {clashing}")
+                             f"n_group=1, no identity experts, no shared gate, expert_weight_on='output', "
+                             f"nonfinite='raise' and renorm_eps=0 (as Inkling: exact), got {clashing}")
 
     def _check_sparsemixer(self) -> None:
         """Phi-MoE's sparsemixer weights each round by its own softmax: no scoring rule, bias, groups or

@@ -14,7 +14,7 @@ from typing import Any
 
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
 from moekit.config_hf_clamps import MoELayerRule, count_moe_layers
-from moekit.config_hf_v4 import read_deepseek_v4
+from moekit.config_hf_v4 import HF_RENORM_EPS, read_deepseek_v4
 
 
 class MissingConfigField(KeyError):
@@ -97,17 +97,16 @@ def _read_qwen3_moe(d: dict) -> dict:
 def _read_qwen2_moe(d: dict) -> dict:
     """Qwen2-MoE, Qwen3-Next, Qwen4-Exp, Qwen3.5-MoE (always renormalised): a shared expert scaled by
     sigmoid(x @ g)."""
-    shared = _get(d, "shared_expert_intermediate_size", default=0)
-    always = d["model_type"] == "qwen3_5_moe_text"
+    shared, always = _get(d, "shared_expert_intermediate_size", default=0), d["model_type"] == "qwen3_5_moe_text"
     fields = dict(_read_qwen3_moe(d), shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
     return dict(fields, renormalize=always or fields["renormalize"])
 
 
-# DeepSeek-V3's router (sigmoid, a correction bias for the choice, groups scored by their top-2 biased scores,
-# routed scaling), the same computation in each of these families' modeling files
 # DeepSeek-V2's router as transformers writes it (V2, DeepSeek-OCR-2, Unlimited-OCR): softmax top-k times the scaling,
 # never renormalised, whatever the config's norm_topk_prob (the field is there; the router does not read it)
 _V2_ROUTER = {"deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text"}
+# DeepSeek-V3's router (sigmoid, a correction bias for the choice, groups by their top-2 biased scores, w / (sum(w) +
+# 1e-20), routed scaling), the same computation in each of these families' modeling files
 _V3_ROUTER = {"deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
               "deepseek_v32", "hy_v4", "hy_v4_vl_text", "solar_open", "minicpm5_moe", "exaone_moe", "dots3_note_text",
               "mimo_v2_flash", "beam", "axk2", "axk1", "dots1"}
@@ -132,6 +131,7 @@ def _read_deepseek(d: dict) -> dict:
         top_k=d["num_experts_per_tok"],
         scoring=scoring,
         renormalize=d["model_type"] not in _V2_ROUTER and bool(_get(d, "norm_topk_prob", default=False)),
+        renorm_eps=HF_RENORM_EPS if v3 else 0.0,  # V3's router: w / (sum + 1e-20)
         routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
         n_group=_get(d, "n_group", default=1) if grouped else 1,
         topk_group=_get(d, "topk_group", default=1) if grouped else 1,
@@ -176,7 +176,8 @@ def _read_mistral4(d: dict) -> dict:
     dropped groups' experts score 0 for the choice."""
     fields = _read_deepseek(d)
     n_group, always = _get(d, "n_group", default=1), d["model_type"] == "mistral_large4_text"
-    fields = dict(fields, scoring="softmax", use_correction_bias=False, renormalize=always or fields["renormalize"])
+    fields = dict(fields, scoring="softmax", use_correction_bias=False, renormalize=always or fields["renormalize"],
+                  renorm_eps=HF_RENORM_EPS)
     if n_group == 1:
         return fields
     return dict(fields, n_group=n_group, topk_group=_get(d, "topk_group", default=1), group_score="top2_sum",
@@ -231,10 +232,9 @@ def _read_sigmoid_topk(d: dict) -> dict:
     """Sigmoid scores, top-k (of the scores plus a correction bias where the family has one), the k renormalised,
     routed scaling, and an ungated shared expert, under each family's own field names: Step-3.5/3.7, Hunyuan-V3,
     Laguna (its logits soft-capped when moe_router_logit_softcapping > 0), AFMoE (bias, always renormalised);
-    LFM2-MoE (bias when use_expert_bias, renormalised when norm_topk_prob: its 1e-6 in the denominator is a
-    relative 1e-6 / sum(w), not computed); Flint (no bias)."""
-    kind = d["model_type"]
-    width = d["moe_intermediate_size"]
+    LFM2-MoE (bias when use_expert_bias, renormalised when norm_topk_prob); Flint (no bias). AFMoE and Hunyuan-V3
+    divide by sum(w) + 1e-20, LFM2-MoE by sum(w) + 1e-6, the others by sum(w) alone (0/0 where all underflow)."""
+    kind, width = d["model_type"], d["moe_intermediate_size"]
     shared = {"step3p5": _get(d, "share_expert_dim", default=0),
               "hy_v3": width * _get(d, "num_shared_experts", default=0),
               "afmoe": width * _get(d, "num_shared_experts", default=0)}.get(kind)
@@ -244,6 +244,7 @@ def _read_sigmoid_topk(d: dict) -> dict:
         hidden_size=d["hidden_size"], moe_intermediate_size=width,
         num_experts=_get(d, "num_experts", "n_routed_experts", "num_local_experts"), top_k=d["num_experts_per_tok"],
         scoring="sigmoid", renormalize=renorm,
+        renorm_eps={"afmoe": HF_RENORM_EPS, "hy_v3": HF_RENORM_EPS, "lfm2_moe": 1e-6}.get(kind, 0.0),
         routed_scaling_factor=float(_get(d, "moe_router_scaling_factor", "router_scaling_factor",
                                          "moe_routed_scaling_factor", "route_scale", "routed_scaling_factor",
                                          default=1.0)),
@@ -309,7 +310,7 @@ def _read_kimi_linear(d: dict) -> dict:
         num_experts=_get(d, "num_experts", "num_local_experts"),
         top_k=_get(d, "num_experts_per_token", "num_experts_per_tok"),
         scoring="sigmoid", renormalize=bool(_get(d, "moe_renormalize", "norm_topk_prob", default=True)),
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
+        renorm_eps=HF_RENORM_EPS, routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
         n_group=_get(d, "num_expert_group", "n_group", default=1), topk_group=_get(d, "topk_group", default=1),
         use_correction_bias=True, shared_expert_intermediate_size=_get(d, "num_shared_experts", "n_shared_experts",
                                                                         default=0) * n_dim,

@@ -2,7 +2,7 @@
 its top-k MoE layers, as transformers' ``DeepseekV4TopKRouter`` and ``DeepseekV4SparseMoeBlock`` compute them.
 
     router: scores = sqrt(softplus(x @ W^T)) [M, E]; top-k of scores + e_score_correction_bias (no groups); weights =
-            the chosen unbiased scores / their sum (always: norm_topk_prob is not read) x routed_scaling_factor
+            the chosen unbiased scores / (their sum + 1e-20) (always: norm_topk_prob not read) x routed_scaling_factor
     experts and shared MLP: act(gate.clamp(max=L)) * up.clamp(-L, L) at L = swiglu_limit; one shared MLP of the
             experts' width (moe_intermediate_size; the block builds it whatever n_shared_experts says)
 
@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from moekit.activations import ActivationSpec, activation_from_hf
 
+# transformers' renormalisation w / (sum(w) + 1e-20): DeepSeek-V3's router and its copies, DeepSeek-V4's (both routers),
+# Mistral-4's, AFMoE's, Hunyuan-V3's (``MoEConfig.renorm_eps``; moekit.routing.hash_route's RENORM_EPS)
+HF_RENORM_EPS = 1e-20
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # the config's scoring_func: moekit's scoring of one name
 
 
@@ -47,7 +50,7 @@ def read_deepseek_v4(d: dict) -> dict:
     width = d["moe_intermediate_size"]
     return dict(
         hidden_size=d["hidden_size"], moe_intermediate_size=width, num_experts=d["n_routed_experts"],
-        top_k=d["num_experts_per_tok"], scoring=scoring, renormalize=True,
+        top_k=d["num_experts_per_tok"], scoring=scoring, renormalize=True, renorm_eps=HF_RENORM_EPS,
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0), use_correction_bias=True,
         shared_expert_intermediate_size=width,
         activation=name if not limit else ActivationSpec(name=name, limit=float(limit)),

@@ -95,6 +95,8 @@ def draw_fields(rng: random.Random) -> dict:
                                   ActivationSpec(name="relu2", gated=False)])  # ungated: refused, naming it
     choice = e + f["num_identity_experts"]
     f["top_k"] = rng.choice([1, rng.randint(1, choice), choice, min(2, choice)])
+    # session 49's field, from the draw so far, not the generator: every seed's other fields stay what they were
+    f["renorm_eps"] = (0.0, 0.0, 0.0, 1e-20, 1e-6)[(f["hidden_size"] + n + e + f["top_k"]) % 5]
     return f
 
 
@@ -108,7 +110,7 @@ def _fit(f: dict, rng: random.Random) -> dict:
             f["shared_expert_combine"] = "sum"
     if f.get("shared_expert_combine") == "router" and rng.random() < 0.8:
         f.update(scoring="sigmoid", renormalize=True, n_group=1, topk_group=1, num_identity_experts=0,
-                 shared_expert_gate=False, expert_weight_on="output", nonfinite="raise",
+                 shared_expert_gate=False, expert_weight_on="output", nonfinite="raise", renorm_eps=0.0,
                  shared_expert_intermediate_size=f["moe_intermediate_size"] * rng.choice([1, 2]))
     if f["num_identity_experts"] and rng.random() < 0.8:
         f.update(n_group=1, topk_group=1)

@@ -177,7 +177,7 @@ def route_weights(row: torch.Tensor, route: TokenRoute, cfg) -> tuple[list, list
     else:
         scores = dict(zip(live, torch.softmax(row[live], dim=0)))
     taken = [e for e in route.ids if finite[e]]
-    total = sum(scores[e] for e in taken) if cfg.renormalize and taken else 1.0
+    total = sum(scores[e] for e in taken) + cfg.renorm_eps if cfg.renormalize and taken else 1.0
     return [scores[e] / total * scale if finite[e] else 0.0 for e in route.ids], None
 
 

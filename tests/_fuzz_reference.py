@@ -185,7 +185,7 @@ def route_token(raw: list[float], cfg, bias: list[float] | None) -> TokenRoute:
     if cfg.shared_expert_combine == "router":
         return _router_shared(raw, row, ids, cfg, ambiguous)
     if cfg.renormalize:
-        total = sum(scores[e] for e in taken)
+        total = sum(scores[e] for e in taken) + cfg.renorm_eps  # the family's eps (0: the exact ratio)
         weights = [scores[e] / total if finite[e] else 0.0 for e in ids]
     else:
         weights = [scores[e] if finite[e] else 0.0 for e in ids]

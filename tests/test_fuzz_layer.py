@@ -47,7 +47,7 @@ def test_the_seeds_reach_every_option():
                  "correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
                  "sparsemixer_jitter_eps", "shared_expert_intermediate_size", "shared_expert_gate",
                  "shared_expert_combine", "num_identity_experts", "expert_weight_on", "activation", "router_bias",
-                 "expert_bias", "nonfinite", "router_dtype"):
+                 "expert_bias", "nonfinite", "router_dtype", "renorm_eps"):
         assert name in changed, name
     assert {c.dtype for c in cases} == {torch.float32, torch.bfloat16, torch.float64, torch.float16}
     assert {c.scheme for c in cases} >= {None, "fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4"}

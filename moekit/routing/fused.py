@@ -45,9 +45,7 @@ RouterChoice = Literal["auto", "torch", "fused"]
 
 # Limits of the kernel as written: a row's E scores sit in one warp's registers (E = 1024: 32 values
 # per lane), and the k and topk_group rounds are unrolled. Larger configs fall back to ``route``.
-MAX_EXPERTS = 1024
-MAX_TOP_K = 32
-MAX_GROUPS = 64
+MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS = 1024, 32, 64
 # One warp per program, holding BM = max(1, 128 // C) rows of C padded columns: 4 values per lane. A
 # warp's instructions grow with the rows it holds (sm_90 PTX: one Qwen3 row 411, two rows 765), so more
 # rows per warp only pay where a row is narrower than the warp: Mixtral's 8 columns, 4 rows: 199
@@ -242,11 +240,12 @@ def bound_route(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, ga
 def _route_kernel(logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logits: Optional[torch.Tensor], top_k: int,
                   n_group: int, topk_group: int, sigmoid: bool, renormalize: bool, scaling: float, check_finite: bool,
                   num_shared: int, elements_per_program: int, softcap: float, bias_on_logits: bool, group_score: str,
-                  fill_zero: bool, shared_weight: float, sqrt_softplus: bool = False,
+                  fill_zero: bool, shared_weight: float, sqrt_softplus: bool = False, renorm_eps: float = 0.0,
                   assert_in_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's body: logits [M, E], bias [E] / gate_logits [M, 1] or None, config fields -> ``_launch``'s."""
+    math = (softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus, renorm_eps)  # RouterMath's
     plan = _op_plan(logits.size(1), top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
-                    elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus)
+                    elements_per_program, *math)
     return _launch(plan, logits, bias, gate_logits, assert_in_kernel)
 
 
@@ -260,7 +259,7 @@ def _op_plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoi
 
 def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
                 num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight,
-                sqrt_softplus=False, assert_in_kernel=False):
+                sqrt_softplus=False, renorm_eps=0.0, assert_in_kernel=False):
     ids = logits.new_empty(logits.shape[0], top_k + num_shared, dtype=torch.int32)  # [M, k+S]
     flag = _flagged(check_finite, logits.device, assert_in_kernel)
     return ids, torch.empty_like(ids, dtype=torch.float32), ids.new_empty(1 if flag else 0)  # weights [M, k+S], ok

@@ -56,7 +56,9 @@ def route(router_logits: torch.Tensor, config: MoEConfig, correction_bias: torch
       or "auto" when a bias is given and a group has >= 2 experts), else its max; only the best ``topk_group``
       groups can be chosen from (``dropped_group_fill="zero"``, A.X-K2 and Mistral-4: the other groups' experts
       score 0 for the choice, so they still win over a kept expert's negative score).
-    - renormalisation: a softmax over the chosen experts' log-scores (= w / sum(w); finite when all underflow).
+    - renormalisation: a softmax over the chosen experts' log-scores (= w / sum(w); finite when all underflow), times
+      S / (S + eps) with ``renorm_eps`` eps > 0 (S = sum(w), computed from the log-scores: ``_eps_factor``), the
+      family's w / (S + eps); that factor is exactly 1.0 in float32 wherever S > 2^24 eps (1.7e-13 at 1e-20).
     - ``routed_scaling_factor`` multiplies the routed weights (``MoEConfig.routed_weight_scale``: halved too
       where the shared expert is averaged in, ``shared_expert_combine="average"``).
 
@@ -124,7 +126,29 @@ def _log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor:
         return chosen_logits
     if scoring == "sigmoid":
         return torch.nn.functional.logsigmoid(chosen_logits)
-    return 0.5 * torch.log(torch.nn.functional.softplus(chosen_logits))  # -inf where softplus underflows to 0
+    # 0.5 log(softplus(x)); where softplus is subnormal or 0 (x below -87.3 in float32), log(log1p(e^x)) = x - e^x / 2
+    # = x to the dtype's precision (the log of a subnormal would carry its rounding, of 0 be -inf: NaN weights)
+    softplus = torch.nn.functional.softplus(chosen_logits)
+    tiny = torch.finfo(softplus.dtype).tiny
+    return 0.5 * torch.where(softplus < tiny, chosen_logits, torch.log(softplus.clamp(min=tiny)))
+
+
+def renorm_log_eps(eps: float) -> float:
+    """log(eps) rounded to float32: the constant ``_eps_factor`` and the fused kernels (RENORM_LOG_EPS) both read."""
+    return torch.tensor(eps, dtype=torch.float64).log().float().item()
+
+
+def _eps_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """[M, 1] S / (S + eps) for eps = ``renorm_eps``, S the chosen scores' sum: with t the largest of ``log_scores``
+    [M, k] (softmax: they are the logits; minus the row's logsumexp over ``logits`` [M, E], the masked experts at the
+    dtype's min), T = sum_j e^(l_j - t) and c = eps e^-t, T / (T + c) (the fused kernels divide by T + c: one
+    division). Exactly 1.0 where c is below T's rounding (S > 2^24 eps: 1.7e-13 at 1e-20); 0 where eps e^-t
+    overflows (S below 1e-38 eps: weights below 1e-38); NaN on a row with no finite slot (its weights are zeroed)."""
+    top = log_scores.max(dim=-1, keepdim=True).values  # [M, 1]
+    total = torch.exp(log_scores - top).sum(dim=-1, keepdim=True)  # [M, 1]
+    if config.scoring == "softmax":
+        top = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return total / (total + torch.exp(renorm_log_eps(config.renorm_eps) - top))
 
 
 def _select(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Tensor, config: MoEConfig,
@@ -333,6 +357,8 @@ def _weights(
         if chosen_finite is not None:
             log_scores = log_scores.masked_fill(~chosen_finite, float("-inf"))
         weights = torch.softmax(log_scores, dim=-1)  # NaN on a row with no finite slot: zeroed below
+        if config.renorm_eps:
+            weights = weights * _eps_factor(log_scores, logits, config)
     else:
         weights = scores.gather(1, topk_ids)  # [M, k]
     if chosen_finite is not None:

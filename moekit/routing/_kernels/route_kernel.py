@@ -33,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 _EXCLUDED = tl.constexpr(-2147483648)  # key of a column that is never chosen
 _MASKED = tl.constexpr(-2147483647)  # key of a non-finite expert: above _EXCLUDED, below every float
 _NEVER = tl.constexpr(-9223372036854775808)  # packed value of a taken column, below every packed key
+_TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal (torch.finfo(torch.float32).tiny)
 
 
 @triton.jit
@@ -147,20 +148,28 @@ def _select(key, col, BLOCK_M: tl.constexpr, SLOTS_PAD: tl.constexpr, TOP_K: tl.
 
 @triton.jit
 def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
-             PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False):
+             PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False, RENORM_LOG_EPS: tl.constexpr = None):
     """chosen [BM, SLOTS_PAD] logits of the chosen experts; taken: the slot holds a finite chosen expert; row_max,
     row_sum [BM] the softmax's. Renormalisation is a softmax over the taken slots' log-scores (route's formula, no
-    0/0)."""
+    0/0); with RENORM_LOG_EPS = log eps, e_i / (sum e + eps e^-top): w_i / (S + eps) scaled by e^-top, the largest
+    score's reciprocal (route's ``_eps_factor``; the sum unchanged by the term wherever S > 2^24 eps)."""
     if RENORMALIZE:
         log_score = chosen
-        if SQRT_SOFTPLUS:  # route's 0.5 * log(softplus(x)): -inf where softplus underflows to 0
-            log_score = 0.5 * _log(_softplus(chosen, PRECISE), PRECISE)
+        if SQRT_SOFTPLUS:  # route's 0.5 * log(softplus(x)), x itself where softplus is subnormal or 0
+            softplus = _softplus(chosen, PRECISE)
+            log_score = 0.5 * tl.where(softplus < _TINY, chosen, _log(tl.maximum(softplus, _TINY), PRECISE))
         elif SIGMOID:  # torch's logsigmoid: min(x, 0) - log1p(exp(-|x|))
             log_score = tl.minimum(chosen, 0.0) - _log1p(_exp(-tl.abs(chosen), PRECISE), PRECISE)
         log_score = tl.where(taken, log_score, float("-inf"))
         top = tl.max(log_score, axis=1)  # [BM]; -inf on a row with nothing taken (then all weights 0)
         e = _exp(log_score - top[:, None], PRECISE)
-        numerator, denominator = tl.broadcast(e, tl.sum(e, axis=1)[:, None])
+        total = tl.sum(e, axis=1)  # [BM]
+        if RENORM_LOG_EPS is not None:  # + eps / e^top; softmax: its scores are e^(x - row_max) / row_sum
+            if SIGMOID or SQRT_SOFTPLUS:
+                total += _exp(RENORM_LOG_EPS - top, PRECISE)
+            else:
+                total += row_sum * _exp(RENORM_LOG_EPS + row_max - top, PRECISE)
+        numerator, denominator = tl.broadcast(e, total[:, None])
         w = tl.math.div_rn(numerator, denominator)
     else:
         w = _score(chosen, row_max[:, None], row_sum[:, None], SIGMOID, PRECISE, SQRT_SOFTPLUS)
@@ -216,6 +225,7 @@ def route_kernel(
     # the router options (``MoEConfig.changed_router_options``; these defaults: none)
     SOFTCAP: tl.constexpr = 0.0, SOFTCAP_INV: tl.constexpr = 0.0, BIAS_ON_LOGITS: tl.constexpr = False,
     FILL_ZERO: tl.constexpr = False, SHARED_SCALE: tl.constexpr = 1.0, SQRT_SOFTPLUS: tl.constexpr = False,
+    RENORM_LOG_EPS: tl.constexpr = None,  # MoEConfig.renorm_eps's float32 log; None: renorm_eps 0 (no code)
 ):
     if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
         gdc_wait()
@@ -224,7 +234,7 @@ def route_kernel(
                stride_lm, stride_le, stride_b, stride_gm, scaling, NUM_EXPERTS, PER_GROUP, G_PAD, P_PAD, TOP_K,
                TOPK_GROUP, NUM_SHARED, SLOTS_PAD, GROUPED, TOP2, SIGMOID, RENORMALIZE, HAS_BIAS, HAS_GATE, CHECK_FINITE,
                BLOCK_M, PRECISE, ASSERT_FINITE, False, SOFTCAP, SOFTCAP_INV, BIAS_ON_LOGITS, FILL_ZERO, SHARED_SCALE,
-               SQRT_SOFTPLUS)
+               SQRT_SOFTPLUS, RENORM_LOG_EPS)
 
 
 @triton.jit
@@ -236,13 +246,13 @@ def route_rows(
     HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr,
     ASSERT_FINITE: tl.constexpr, VOLATILE: tl.constexpr, SOFTCAP: tl.constexpr, SOFTCAP_INV: tl.constexpr,
     BIAS_ON_LOGITS: tl.constexpr, FILL_ZERO: tl.constexpr, SHARED_SCALE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
+    RENORM_LOG_EPS: tl.constexpr = None,
 ):
     """Rows row0 .. row0 + BM - 1 (those below num_tokens) routed; also the route part of ``gate_route_kernel``,
     where the logits were written by other programs of the same launch (``VOLATILE``: loaded past the L1)."""
     rows = row0 + tl.arange(0, BLOCK_M)  # [BM]
     row_ok = rows < num_tokens
-    g = tl.arange(0, G_PAD)[None, :, None]
-    p = tl.arange(0, P_PAD)[None, None, :]
+    g, p = tl.arange(0, G_PAD)[None, :, None], tl.arange(0, P_PAD)[None, None, :]  # [1, G, 1], [1, 1, P]
     expert = g * PER_GROUP + p  # [1, G, P]
     col_ok = (g < NUM_EXPERTS // PER_GROUP) & (p < PER_GROUP)  # [1, G, P] not padding
     valid = row_ok[:, None, None] & col_ok  # [BM, G, P]
@@ -276,7 +286,7 @@ def route_rows(
                      volatile=VOLATILE).to(tl.float32)
     taken = is_routed & (tl.abs(chosen) < float("inf"))
     chosen = _soft_capped(chosen, SOFTCAP, SOFTCAP_INV, PRECISE)  # the weights read the capped logits too
-    w = _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID, RENORMALIZE, PRECISE, SQRT_SOFTPLUS)
+    w = _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID, RENORMALIZE, PRECISE, SQRT_SOFTPLUS, RENORM_LOG_EPS)
     if NUM_SHARED > 0:  # shared slots last: ids E..E+S-1, weight 1 or sigmoid(gate logit), times SHARED_SCALE
         ids = tl.where(is_routed, ids, NUM_EXPERTS + slot - TOP_K)
         shared_w = tl.full([BLOCK_M, SLOTS_PAD], SHARED_SCALE, tl.float32)  # 0.5: Cohere2's average
