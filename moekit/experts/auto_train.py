@@ -1,0 +1,169 @@
+"""``backend="auto"`` by what a call does: inference on the device's best forward, training on the backend whose
+training step measured fastest for the call's kind.
+
+    backend_fn("auto", cuda) -> experts_auto (a dispatcher around the inference pick, "triton")
+      a call that records no gradient (grad mode off, or none of x, w13, w2, topk_weights, b13, b2 requires grad)
+        -> the inference pick, as before (its fast path and keeper are the dispatcher's too: the layer's decode
+           fast path and ``ExpertsCallCache`` never enter the dispatcher, and they serve no-grad calls only)
+      a call that records gradients -> ``training_backend(kind, M, rules)``: the last of ``rules`` of the call's kind
+        that M reaches, else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a gated silu /
+        gelu / relu without biases or clamps), "variant" (biases, gpt-oss's clamped SwiGLU, the clamp after the
+        activation, ungated or other activations: Triton's recomputing backward), "quantized" (moekit.quant weights)
+
+Where the choice lives: in the resolved function, so ``MoE``, ``EPMoE``, the offloaded layer and ``moekit.hf`` all
+take it without a check of their own. The test reads grad mode and ``requires_grad``, which torch.compile guards on
+already (the triton op it picks between reads them too), so a compiled training step is traced once and replays
+step after step; CUDA graphs capture no-grad calls only, which take the inference pick unchanged.
+
+``backend_options`` with "auto" bind to the inference pick (``bind_options``): every call runs there, as before.
+
+Shapes: M tokens, K hidden, E experts, k slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moekit.activations import ActivationSpec
+from moekit.experts import (ExpertsFn, call_backend, fast_path_of, get_backend, keeper_of, register_fast_path,
+                            register_keeper, register_traced_path, traced_path_of)
+
+KINDS = ("plain", "variant", "quantized")
+
+
+@dataclass(frozen=True)
+class TrainingRule:
+    """A call of ``kind`` with at least ``from_tokens`` tokens (M) that records gradients trains on ``backend``."""
+
+    kind: str  # one of KINDS
+    backend: str  # a backend name available where "auto" takes its inference pick
+    from_tokens: int = 0  # rules of a kind in ascending from_tokens: the last one M reaches applies
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.from_tokens, int) or self.from_tokens < 0:
+            raise ValueError(f"from_tokens must be an int >= 0, got {self.from_tokens!r}")
+
+
+# The training choice of "auto" on CUDA. A kind without a rule trains on the inference pick (triton), what "auto"
+# did for every call before session 49. Quantized weights: the Triton backend's quantized kernels have no backward
+# (torch's "no autograd formula" error at backward()), grouped_mm dequantizes in differentiable ops.
+TRAINING_RULES: tuple[TrainingRule, ...] = (
+    TrainingRule("quantized", "grouped_mm"),
+)
+
+
+def records_grad(x: torch.Tensor | None, w13, w2, topk_weights: torch.Tensor, b13, b2) -> bool:
+    """Whether a call records gradients: grad mode on and x (None: not asked), w13, w2, topk_weights or a bias
+    requires grad (a quantized weight never does)."""
+    if not torch.is_grad_enabled():
+        return False
+    return ((x is not None and x.requires_grad) or getattr(w13, "requires_grad", False)
+            or getattr(w2, "requires_grad", False) or topk_weights.requires_grad
+            or (b13 is not None and b13.requires_grad) or (b2 is not None and b2.requires_grad))
+
+
+def call_kind(activation: str | ActivationSpec, w13, b13, b2) -> str:
+    """The call's kind for the training rules (module docstring)."""
+    from moekit.experts.triton_backward import fused_backward_takes  # Triton's: only where the dispatcher exists
+
+    if not isinstance(w13, torch.Tensor):
+        return "quantized"
+    return "plain" if fused_backward_takes(activation, b13, b2) else "variant"
+
+
+def training_backend(kind: str, tokens: int, rules: tuple[TrainingRule, ...]) -> str | None:
+    """The backend a call of ``kind`` with ``tokens`` rows that records gradients trains on under ``rules``, or None
+    (the inference pick)."""
+    chosen = None
+    for rule in rules:
+        if rule.kind == kind and tokens >= rule.from_tokens:
+            chosen = rule.backend
+    return chosen
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What one "auto" dispatcher chooses between: the inference pick and the training backends, resolved."""
+
+    inference: str  # the backend name of the inference pick
+    fns: dict  # backend name -> its experts function, for the inference pick and every rule's backend
+    rules: tuple[TrainingRule, ...]
+
+    def pick(self, x, w13, w2, topk_weights, activation, b13, b2, tokens: int) -> str:
+        """The backend name a call runs on: the training rule's where it records gradients, else the inference pick."""
+        if records_grad(x, w13, w2, topk_weights, b13, b2):
+            chosen = training_backend(call_kind(activation, w13, b13, b2), tokens, self.rules)
+            if chosen is not None:
+                return chosen
+        return self.inference
+
+
+_DISPATCHERS: dict[tuple, ExpertsFn] = {}  # (inference fn, rules) -> its dispatcher: one per pick, registered once
+
+
+def auto_dispatcher(inference: str, rules: tuple[TrainingRule, ...] | None = None) -> ExpertsFn:
+    """The experts function of "auto" whose inference pick is backend ``inference`` (module docstring), with the
+    training ``rules`` (None: ``TRAINING_RULES``); the inference pick's own function where no rule names another."""
+    rules = TRAINING_RULES if rules is None else tuple(rules)
+    infer_fn = get_backend(inference)
+    if all(rule.backend == inference for rule in rules):
+        return infer_fn
+    key = (infer_fn, rules)
+    fn = _DISPATCHERS.get(key)
+    if fn is None:
+        choice = AutoChoice(inference, {name: get_backend(name) for name in {inference, *(r.backend for r in rules)}},
+                            rules)
+        fn = _DISPATCHERS[key] = _dispatcher(choice, infer_fn)
+    return fn
+
+
+def _dispatcher(choice: AutoChoice, infer_fn: ExpertsFn) -> ExpertsFn:
+    fns, pick = choice.fns, choice.pick
+
+    def experts_auto(x, w13, w2, topk_ids, topk_weights, *, activation="silu", expert_map=None, b13=None, b2=None):
+        """"auto": the inference pick, or for a call that records gradients its training backend."""
+        fn = infer_fn
+        if torch.is_grad_enabled():  # the common inference call: one test
+            fn = fns[pick(x, w13, w2, topk_weights, activation, b13, b2, x.shape[0])]
+        return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map, b13=b13, b2=b2)
+
+    infer_traced = traced_path_of(infer_fn)
+
+    def traced_auto(x, w13, w2, topk_ids, topk_weights, activation, b13=None, b2=None):
+        """The traced entry: decided at trace time (dynamo guards grad mode and requires_grad)."""
+        name = pick(x, w13, w2, topk_weights, activation, b13, b2, x.shape[0])
+        if name == choice.inference and infer_traced is not None:
+            return infer_traced(x, w13, w2, topk_ids, topk_weights, activation, b13, b2)
+        return call_backend(fns[name], x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
+
+    experts_auto.auto_choice = choice
+    _register(experts_auto, choice, infer_fn, traced_auto)
+    return experts_auto
+
+
+def _register(fn: ExpertsFn, choice: AutoChoice, infer_fn: ExpertsFn, traced: Callable) -> None:
+    """The inference pick's fast path serves the dispatcher's calls that stay on it; its keeper (the layer's decode
+    fast path, which keeps and serves calls in no-grad mode only) the same."""
+    fast, keep = fast_path_of(infer_fn), keeper_of(infer_fn)
+    if fast is not None:
+        def fast_auto(x, w13, w2, topk_ids, topk_weights, activation, *, b13=None, b2=None):
+            if torch.is_grad_enabled() and choice.pick(x, w13, w2, topk_weights, activation, b13, b2,
+                                                       x.shape[0]) != choice.inference:
+                return None  # a miss: ExpertsCallCache runs the dispatcher
+            return fast(x, w13, w2, topk_ids, topk_weights, activation, b13=b13, b2=b2)
+
+        register_fast_path(fn, fast_auto)
+    if keep is not None:
+        register_keeper(fn, keep)
+    register_traced_path(fn, traced)
+
+
+def auto_choice_of(fn: ExpertsFn) -> AutoChoice | None:
+    """The ``AutoChoice`` of an "auto" dispatcher, or None for any other experts function."""
+    return getattr(fn, "auto_choice", None)
+
