@@ -37,7 +37,7 @@ from moekit._checks import input_error
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
-from moekit.experts.auto_train import auto_choice_of
+from moekit.experts.auto_train import running_backend
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.func_ops import transforming
 from moekit.layer_fast import DecodeFast
@@ -370,7 +370,8 @@ class MoE(nn.Module):
     def _layout_for(self, routing: Routing, w13, w2) -> str:
         """The layout this layer's backend groups ``routing`` with over experts ``w13`` [E, 2N, K], ``w2`` [E, K, N]
         (tensors or QuantizedWeights; a subclass's may not be ``self.w13``: an offloaded layer's cache slots)."""
-        backend = self._backend_of(routing, w13, w2)
+        backend = running_backend(self._experts_fn, self.resolved_backend(), w13, w2, routing.topk_weights,
+                                  self.config.activation, self.b13, self.b2, routing.num_tokens)  # auto: may train
         if backend != "triton" and quant_scheme_of(w13) == "fp8_block":
             return "per_expert_loop"  # reference and grouped_mm run fp8_block through moekit.quant's recipe loop
         if backend != "grouped_mm":
@@ -383,16 +384,7 @@ class MoE(nn.Module):
         return f"{plan.layout} in chunks of {plan.chunk_tokens}" if chunked else plan.layout
 
     def resolved_backend(self) -> str:  # the backend that runs on the weights' device: "auto" resolved
-        return resolve_backend(self.backend, self.w13.device)  # (a call that records gradients: _backend_of)
-
-    def _backend_of(self, routing: Routing, w13, w2) -> str:
-        """The backend a call with ``routing`` over ``w13`` / ``w2`` runs on, in the grad mode of now: "auto"'s
-        dispatcher (``moekit.experts.auto_train``) may train elsewhere than it infers."""
-        choice = auto_choice_of(self._experts_fn)
-        if choice is None:
-            return self.resolved_backend()
-        return choice.pick(None, w13, w2, routing.topk_weights, self.config.activation, self.b13, self.b2,
-                           routing.num_tokens)
+        return resolve_backend(self.backend, self.w13.device)
 
     def extra_repr(self) -> str:  # what a user checks: shapes, the experts' dtype and scheme, what "auto" runs
         c, auto = self.config, f" ({self.resolved_backend()})" if self.backend == "auto" else ""

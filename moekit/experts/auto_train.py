@@ -68,12 +68,17 @@ def records_grad(x: torch.Tensor | None, w13, w2, topk_weights: torch.Tensor, b1
 
 
 def call_kind(activation: str | ActivationSpec, w13, b13, b2) -> str:
-    """The call's kind for the training rules (module docstring)."""
-    from moekit.experts.triton_backward import fused_backward_takes  # Triton's: only where the dispatcher exists
+    """The call's kind for the training rules (module docstring). Imports the Triton backward's rule (where the
+    dispatcher exists, Triton does): a caller that traces uses ``AutoChoice.kind``, bound when it was built."""
+    from moekit.experts.triton_backward import fused_backward_takes
 
+    return _kind(fused_backward_takes, activation, w13, b13, b2)
+
+
+def _kind(fused_takes: Callable, activation, w13, b13, b2) -> str:
     if not isinstance(w13, torch.Tensor):
         return "quantized"
-    return "plain" if fused_backward_takes(activation, b13, b2) else "variant"
+    return "plain" if fused_takes(activation, b13, b2) else "variant"
 
 
 def training_backend(kind: str, tokens: int, rules: tuple[TrainingRule, ...]) -> str | None:
@@ -93,11 +98,15 @@ class AutoChoice:
     inference: str  # the backend name of the inference pick
     fns: dict  # backend name -> its experts function, for the inference pick and every rule's backend
     rules: tuple[TrainingRule, ...]
+    fused_takes: Callable  # triton_backward.fused_backward_takes: (activation, b13, b2) -> the fused backward's call
+
+    def kind(self, activation, w13, b13, b2) -> str:
+        return _kind(self.fused_takes, activation, w13, b13, b2)
 
     def pick(self, x, w13, w2, topk_weights, activation, b13, b2, tokens: int) -> str:
         """The backend name a call runs on: the training rule's where it records gradients, else the inference pick."""
         if records_grad(x, w13, w2, topk_weights, b13, b2):
-            chosen = training_backend(call_kind(activation, w13, b13, b2), tokens, self.rules)
+            chosen = training_backend(self.kind(activation, w13, b13, b2), tokens, self.rules)
             if chosen is not None:
                 return chosen
         return self.inference
@@ -116,8 +125,10 @@ def auto_dispatcher(inference: str, rules: tuple[TrainingRule, ...] | None = Non
     key = (infer_fn, rules)
     fn = _DISPATCHERS.get(key)
     if fn is None:
+        from moekit.experts.triton_backward import fused_backward_takes
+
         choice = AutoChoice(inference, {name: get_backend(name) for name in {inference, *(r.backend for r in rules)}},
-                            rules)
+                            rules, fused_backward_takes)
         fn = _DISPATCHERS[key] = _dispatcher(choice, infer_fn)
     return fn
 
@@ -141,7 +152,7 @@ def _dispatcher(choice: AutoChoice, infer_fn: ExpertsFn) -> ExpertsFn:
             return infer_traced(x, w13, w2, topk_ids, topk_weights, activation, b13, b2)
         return call_backend(fns[name], x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
 
-    experts_auto.auto_choice = choice
+    experts_auto.auto_choice, experts_auto.inference_fn = choice, infer_fn  # bind_options binds the latter
     _register(experts_auto, choice, infer_fn, traced_auto)
     return experts_auto
 
@@ -166,4 +177,12 @@ def _register(fn: ExpertsFn, choice: AutoChoice, infer_fn: ExpertsFn, traced: Ca
 def auto_choice_of(fn: ExpertsFn) -> AutoChoice | None:
     """The ``AutoChoice`` of an "auto" dispatcher, or None for any other experts function."""
     return getattr(fn, "auto_choice", None)
+
+
+def running_backend(fn: ExpertsFn, resolved: str, w13, w2, topk_weights: torch.Tensor, activation, b13, b2,
+                    tokens: int) -> str:
+    """The backend a call through experts function ``fn`` (resolved as backend ``resolved``) runs on in the grad mode
+    of now, x aside: ``resolved``, or what an "auto" dispatcher picks (``MoE``'s stats name its layout)."""
+    choice = auto_choice_of(fn)
+    return resolved if choice is None else choice.pick(None, w13, w2, topk_weights, activation, b13, b2, tokens)
 
