@@ -2,7 +2,8 @@
 (``moekit.experts.auto_train``), and that auto's no-grad call at M = 1 did not move.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/auto49_device_check.py --out $OUT/auto49 --deadline 75    # GPU
-    PYTHONPATH=$PWD python3 benchmarks/auto49_device_check.py --smoke    # CPU, interpreted, tiny shapes
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/auto49_device_check.py --ck2 --out $OUT/auto49 --deadline 75  # GPU
+    PYTHONPATH=$PWD python3 benchmarks/auto49_device_check.py --smoke [--ck2]    # CPU, interpreted, tiny shapes
 
 Layers (bf16; E scaled down where the weights and their gradients would not fit beside the others):
   mixtral   Mixtral-8x7B: E 8, top-2, K 4096, N 14336, silu (plain: the fused Triton backward)
@@ -20,8 +21,11 @@ with ``backend="triton"`` (what auto was) against ``backend="auto"`` (the dispat
 decode fast path kept its call, host / wall µs medians. Phase "time" (M = 256, 4096, then 1024): one eager training
 step (forward + ``torch.autograd.grad`` of every input) on triton and on grouped_mm, ROUNDS interleaved rounds (the
 order turned each round) of CALLS steps: wall µs (perf_counter, synchronised) and CUDA-event µs, medians. Table
-last; JSON <out>/auto49.json. (Triton forward + grouped_mm backward, the mixed form, is what the recompute does for
-the variants; for a plain spec it would cost grouped_mm's whole step plus Triton's forward: not timed.)
+last; JSON <out>/auto49.json. ``--ck2`` (the second run, after the rules were filled from the first): the checks at
+CK2_CHECKED (triton against grouped_mm; auto as committed) and the time phase at CK2_CELLS (the plain rule's bounds in
+E and M, and M = 16384), each line with the backend auto trains it on. (Triton forward + grouped_mm backward, the
+mixed form, is what the recompute does for the variants; for a plain spec it would cost grouped_mm's whole step plus
+Triton's forward: not timed.)
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ import time
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
+CK2 = "--ck2" in sys.argv  # the second run: where the committed rules' bounds lie (below)
+if CK2:
+    sys.argv.remove("--ck2")
 
 import torch  # noqa: E402
 
@@ -54,9 +61,21 @@ LAYERS = {
     "gpt_oss": (32, 4, 2880, 2880, GPT_OSS, True),
     "step37": (96, 8, 4096, 1280, STEP37, False),
 }
+# --ck2: plain layers of Mixtral's, Qwen3's and DeepSeek-V3's expert shapes at 16 and 32 experts (where between E 8
+# and 64 the plain rule turns), Qwen3 and DeepSeek-V3 at M = 512 (between 256 and 1024), and M = 16384
+LAYERS.update({"mixtral_e32": (32, 2, 4096, 14336, "silu", False), "qwen3_e16": (16, 8, 2048, 768, "silu", False),
+               "qwen3_e32": (32, 8, 2048, 768, "silu", False), "dsv3_e16": (16, 8, 7168, 2048, "silu", False),
+               "dsv3_e32": (32, 8, 7168, 2048, "silu", False)})
+CK2_CELLS = (*((name, m) for name in ("mixtral_e32", "qwen3_e16", "qwen3_e32", "dsv3_e16", "dsv3_e32")
+               for m in (1024, 4096)), ("qwen3", 512), ("dsv3", 512),
+             *((name, 16384) for name in ("mixtral", "gpt_oss", "step37", "qwen3", "dsv3")))
+CK2_CHECKED = (("qwen3_e32", 1024), ("dsv3", 1024), ("gpt_oss", 1024))
 if SMOKE:
     LAYERS = {name: (4, 2, 64, 32, spec, biases) for name, (_, _, _, _, spec, biases) in LAYERS.items()}
 CHECK_M, TIME_MS, INFER_M = (8, (8,), 1) if SMOKE else (256, (256, 4096, 1024), 1)
+BASE = ("mixtral", "qwen3", "dsv3", "gpt_oss", "step37")
+CELLS = (tuple((name, 8) for name, _ in CK2_CELLS[:3]) if SMOKE else CK2_CELLS) if CK2 else \
+    tuple((name, m) for m in TIME_MS for name in BASE)
 TOL, ROUNDS, CALLS = 2e-2, 5, 3
 INFER_CALLS, INFER_ROUNDS = (3, 2) if SMOKE else (200, 7)
 NAMES = ("x", "w13", "w2", "topk_weights", "b13", "b2")
@@ -103,30 +122,46 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def checks(dev) -> None:
+def auto_pick(dev, layer: str, p: dict, m: int) -> str:
+    """The backend "auto" as committed trains this call on."""
     from moekit.experts import backend_fn, resolve_backend
-    from moekit.experts.auto_train import KINDS, TrainingRule, auto_choice_of, auto_dispatcher, call_kind
+    from moekit.experts.auto_train import auto_choice_of
+
+    choice = auto_choice_of(backend_fn("auto", dev))
+    x_leaf = p["x"].detach().requires_grad_()  # a call that records gradients
+    return resolve_backend("auto", dev) if choice is None else choice.pick(
+        x_leaf, p["w13"], p["w2"], p["topk_weights"], LAYERS[layer][4], p["b13"], p["b2"], m)
+
+
+def checks(dev) -> None:
+    """ck1: each BASE layer at CHECK_M against the float32 reference, and "auto" with explicit rules; --ck2: the
+    CK2_CHECKED cells (triton against grouped_mm). Both: "auto" as committed gives its pick's gradients."""
+    from moekit.experts import backend_fn
+    from moekit.experts.auto_train import KINDS, TrainingRule, auto_dispatcher, call_kind
 
     to_gmm = auto_dispatcher("triton", tuple(TrainingRule(kind, "grouped_mm") for kind in KINDS))
-    auto = backend_fn("auto", dev)
-    for layer in LAYERS:
-        p = problem(layer, CHECK_M, dev, seed=1)
-        want = step(backend_fn("reference", dev), layer, p, torch.float32)
+    cells = (CK2_CHECKED if not SMOKE else tuple((name, 8) for name, _ in CK2_CHECKED)) if CK2 else \
+        tuple((name, CHECK_M) for name in BASE)
+    for layer, m in cells:
+        p = problem(layer, m, dev, seed=1)
         got = {b: step(backend_fn(b, dev), layer, p) for b in BACKENDS}
-        ref = {b: {n: rel_l2(g[n].float(), want[n].float()) for n in want} for b, g in got.items()}
-        apart = {n: rel_l2(got["triton"][n].float(), got["grouped_mm"][n].float()) for n in want}
-        ok = all(apart[n] <= TOL and ref["triton"][n] <= 1.5 * ref["grouped_mm"][n] + 1e-3 for n in want)
-        RUN.check(f"{layer} grads M={CHECK_M}", ok, "triton vs grouped_mm / vs f32 (triton, grouped_mm): " + ", ".join(
-            f"{n} {apart[n]:.1e} / {ref['triton'][n]:.1e}, {ref['grouped_mm'][n]:.1e}" for n in want))
-        RUN.check(f"{layer} auto(rules -> grouped_mm) trains on grouped_mm", same(step(to_gmm, layer, p),
-                                                                                  got["grouped_mm"]))
-        RUN.check(f"{layer} auto(rules -> grouped_mm) infers on triton",
-                  torch.equal(forward(to_gmm, layer, p), forward(backend_fn("triton", dev), layer, p)))
-        choice, kind = auto_choice_of(auto), call_kind(LAYERS[layer][4], p["w13"], p["b13"], p["b2"])
-        x_leaf = p["x"].detach().requires_grad_()  # a call that records gradients
-        name = resolve_backend("auto", dev) if choice is None else choice.pick(
-            x_leaf, p["w13"], p["w2"], p["topk_weights"], LAYERS[layer][4], p["b13"], p["b2"], CHECK_M)
-        RUN.check(f"{layer} auto as committed ({kind}) trains on {name}", same(step(auto, layer, p), got[name]))
+        apart = {n: rel_l2(got["triton"][n].float(), got["grouped_mm"][n].float()) for n in got["triton"]}
+        if CK2:
+            RUN.check(f"{layer} grads M={m}", all(v <= TOL for v in apart.values()), "triton vs grouped_mm: " +
+                      ", ".join(f"{n} {v:.1e}" for n, v in apart.items()))
+        else:
+            want = step(backend_fn("reference", dev), layer, p, torch.float32)
+            ref = {b: {n: rel_l2(g[n].float(), want[n].float()) for n in want} for b, g in got.items()}
+            ok = all(apart[n] <= TOL and ref["triton"][n] <= 1.5 * ref["grouped_mm"][n] + 1e-3 for n in want)
+            RUN.check(f"{layer} grads M={m}", ok, "triton vs grouped_mm / vs f32 (triton, grouped_mm): " + ", ".join(
+                f"{n} {apart[n]:.1e} / {ref['triton'][n]:.1e}, {ref['grouped_mm'][n]:.1e}" for n in want))
+            RUN.check(f"{layer} auto(rules -> grouped_mm) trains on grouped_mm", same(step(to_gmm, layer, p),
+                                                                                      got["grouped_mm"]))
+            RUN.check(f"{layer} auto(rules -> grouped_mm) infers on triton",
+                      torch.equal(forward(to_gmm, layer, p), forward(backend_fn("triton", dev), layer, p)))
+        kind, name = call_kind(LAYERS[layer][4], p["w13"], p["b13"], p["b2"]), auto_pick(dev, layer, p, m)
+        RUN.check(f"{layer} M={m} auto as committed ({kind}) trains on {name}",
+                  same(step(backend_fn("auto", dev), layer, p), got[name]))
 
 
 def infer(dev, result: dict) -> None:
@@ -170,11 +205,12 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def time_cell(dev, layer: str, m: int, stop: float) -> dict:
-    """layer at M = m: backend -> ([wall µs a step, each round], [event µs a step, each round])."""
+def time_cell(dev, layer: str, m: int, stop: float) -> tuple[dict, str]:
+    """layer at M = m: (backend -> ([wall µs a step, each round], [event µs a step, each round]), auto's pick)."""
     from moekit.experts import backend_fn
 
     p = problem(layer, m, dev, seed=2)
+    pick = auto_pick(dev, layer, p, m)
     runs = {b: (lambda fn=backend_fn(b, dev): step(fn, layer, p)) for b in BACKENDS}
     for run in runs.values():  # warm-up: compiles, plans, allocator
         run()
@@ -197,25 +233,25 @@ def time_cell(dev, layer: str, m: int, stop: float) -> dict:
             sync(dev)
             samples[b][0].append((time.perf_counter() - t0) * 1e6 / CALLS)
             samples[b][1].append(start.elapsed_time(end) * 1e3 / CALLS if cuda else float("nan"))
-    return samples
+    return samples, pick
 
 
 def time_steps(dev, result: dict, stop: float) -> None:
-    for m in TIME_MS:
-        for layer in LAYERS:
-            if time.time() > stop:
-                RUN.summary.append(f"{layer} M={m}: not timed (deadline)")
-                continue
-            samples = time_cell(dev, layer, m, stop)
-            med = {b: [statistics.median(w), statistics.median(ev)] for b, (w, ev) in samples.items()}
-            t, g = med["triton"], med["grouped_mm"]
-            RUN.summary.append(f"{layer:8s} M={m:5d}: wall triton {t[0]:9.1f} grouped_mm {g[0]:9.1f} x{g[0] / t[0]:.2f}"
-                               f" | event triton {t[1]:9.1f} grouped_mm {g[1]:9.1f} x{g[1] / t[1]:.2f} "
-                               f"({len(samples['triton'][0])} rounds; x = grouped_mm / triton)")
-            result["cells"].append({"layer": layer, "M": m, "samples_wall_event_us": samples, "median_us": med})
-            RUN.log(f"timed {layer} M={m}")
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+    for layer, m in CELLS:
+        if time.time() > stop:
+            RUN.summary.append(f"{layer} M={m}: not timed (deadline)")
+            continue
+        samples, pick = time_cell(dev, layer, m, stop)
+        med = {b: [statistics.median(w), statistics.median(ev)] for b, (w, ev) in samples.items()}
+        t, g = med["triton"], med["grouped_mm"]
+        RUN.summary.append(f"{layer:11s} M={m:5d}: wall triton {t[0]:9.1f} grouped_mm {g[0]:9.1f} x{g[0] / t[0]:.2f}"
+                           f" | event triton {t[1]:9.1f} grouped_mm {g[1]:9.1f} x{g[1] / t[1]:.2f} | auto {pick} "
+                           f"({len(samples['triton'][0])} rounds; x = grouped_mm / triton)")
+        result["cells"].append({"layer": layer, "M": m, "samples_wall_event_us": samples, "median_us": med,
+                                "auto": pick})
+        RUN.log(f"timed {layer} M={m}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main() -> int:

@@ -3,12 +3,14 @@ training step measured fastest for the call's kind.
 
     backend_fn("auto", cuda) -> experts_auto (a dispatcher around the inference pick, "triton")
       a call that records no gradient (grad mode off, or none of x, w13, w2, topk_weights, b13, b2 requires grad)
-        -> the inference pick, as before (its fast path and keeper are the dispatcher's too: the layer's decode
-           fast path and ``ExpertsCallCache`` never enter the dispatcher, and they serve no-grad calls only)
-      a call that records gradients -> ``training_backend(kind, M, rules)``: the last of ``rules`` of the call's kind
-        that M reaches, else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a gated silu /
-        gelu / relu without biases or clamps), "variant" (biases, gpt-oss's clamped SwiGLU, the clamp after the
-        activation, ungated or other activations: Triton's recomputing backward), "quantized" (moekit.quant weights)
+        -> the inference pick, as before; its fast path and keeper serve the dispatcher too (the layer's decode
+           fast path keeps and serves no-grad calls only; ``ExpertsCallCache``'s fast path lookup is the pick's,
+           behind one grad-mode test)
+      a call that records gradients -> ``training_backend(kind, M, E, rules)``: the last of ``rules`` of the call's
+        kind that M and E reach, else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a
+        gated silu / gelu / relu without biases or clamps), "variant" (biases, gpt-oss's clamped SwiGLU, the clamp
+        after the activation, ungated or other activations: Triton's recomputing backward), "quantized"
+        (moekit.quant weights)
 
 Where the choice lives: in the resolved function, so ``MoE``, ``EPMoE``, the offloaded layer and ``moekit.hf`` all
 take it without a check of their own. The test reads grad mode and ``requires_grad``, which torch.compile guards on
@@ -36,24 +38,37 @@ KINDS = ("plain", "variant", "quantized")
 
 @dataclass(frozen=True)
 class TrainingRule:
-    """A call of ``kind`` with at least ``from_tokens`` tokens (M) that records gradients trains on ``backend``."""
+    """A call of ``kind`` with at least ``from_tokens`` tokens (M) over at least ``from_experts`` experts (E, w13's
+    rows) that records gradients trains on ``backend``; of the rules that match a call, the last one applies."""
 
     kind: str  # one of KINDS
     backend: str  # a backend name available where "auto" takes its inference pick
-    from_tokens: int = 0  # rules of a kind in ascending from_tokens: the last one M reaches applies
+    from_tokens: int = 0
+    from_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if not isinstance(self.from_tokens, int) or self.from_tokens < 0:
-            raise ValueError(f"from_tokens must be an int >= 0, got {self.from_tokens!r}")
+        for name in ("from_tokens", "from_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
-# The training choice of "auto" on CUDA. A kind without a rule trains on the inference pick (triton), what "auto"
-# did for every call before session 49. Quantized weights: the Triton backend's quantized kernels have no backward
-# (torch's "no autograd formula" error at backward()), grouped_mm dequantizes in differentiable ops.
+# The training choice of "auto" on CUDA (a kind without a rule trains on the inference pick, triton). From one eager
+# training step (forward + the gradients of every input), bf16, on an H100 80GB HBM3 (torch 2.11, Triton 3.6),
+# benchmarks/auto49_device_check.py at a678399c, medians of 5 interleaved rounds, grouped_mm µs / triton µs:
+#   variant (Triton's recomputing backward): gpt-oss-20b 0.64 / 0.82 / 0.86 at M = 256 / 1024 / 4096, Step-3.7
+#     0.78 / 0.80 / 0.90: grouped_mm at every M
+#   plain (the fused backward): Mixtral-8x7B (E 8) 0.75 / 0.55 / 0.88; Qwen3-30B-A3B (E 128) 0.91 / 1.03 / 1.54;
+#     DeepSeek-V3 (E 64 of 256) 0.91 / 1.13 / 2.85: grouped_mm below 1024 tokens and for few experts, triton above
+#   quantized: the Triton backend's quantized kernels have no backward at all (torch's "no autograd formula" error
+#     at backward()); grouped_mm dequantizes in differentiable ops
 TRAINING_RULES: tuple[TrainingRule, ...] = (
     TrainingRule("quantized", "grouped_mm"),
+    TrainingRule("variant", "grouped_mm"),
+    TrainingRule("plain", "grouped_mm"),
+    TrainingRule("plain", "triton", from_tokens=1024, from_experts=64),
 )
 
 
@@ -81,12 +96,12 @@ def _kind(fused_takes: Callable, activation, w13, b13, b2) -> str:
     return "plain" if fused_takes(activation, b13, b2) else "variant"
 
 
-def training_backend(kind: str, tokens: int, rules: tuple[TrainingRule, ...]) -> str | None:
-    """The backend a call of ``kind`` with ``tokens`` rows that records gradients trains on under ``rules``, or None
-    (the inference pick)."""
+def training_backend(kind: str, tokens: int, experts: int, rules: tuple[TrainingRule, ...]) -> str | None:
+    """The backend a call of ``kind`` with ``tokens`` rows over ``experts`` experts that records gradients trains on
+    under ``rules``, or None (the inference pick)."""
     chosen = None
     for rule in rules:
-        if rule.kind == kind and tokens >= rule.from_tokens:
+        if rule.kind == kind and tokens >= rule.from_tokens and experts >= rule.from_experts:
             chosen = rule.backend
     return chosen
 
@@ -106,7 +121,7 @@ class AutoChoice:
     def pick(self, x, w13, w2, topk_weights, activation, b13, b2, tokens: int) -> str:
         """The backend name a call runs on: the training rule's where it records gradients, else the inference pick."""
         if records_grad(x, w13, w2, topk_weights, b13, b2):
-            chosen = training_backend(self.kind(activation, w13, b13, b2), tokens, self.rules)
+            chosen = training_backend(self.kind(activation, w13, b13, b2), tokens, w13.shape[0], self.rules)
             if chosen is not None:
                 return chosen
         return self.inference
