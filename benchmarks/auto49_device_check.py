@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import turned  # noqa: E402
 from bench_run import RunLog, host_and_wall_us, phase_args, rel_l2, run_info, run_phases  # noqa: E402
+from train_step_inputs import layer_inputs, step_grads  # noqa: E402
 
 from moekit.activations import ActivationSpec  # noqa: E402
 
@@ -61,8 +62,8 @@ LAYERS = {
     "gpt_oss": (32, 4, 2880, 2880, GPT_OSS, True),
     "step37": (96, 8, 4096, 1280, STEP37, False),
 }
-# --ck2: plain layers of Mixtral's, Qwen3's and DeepSeek-V3's expert shapes at 16 and 32 experts (where between E 8
-# and 64 the plain rule turns), Qwen3 and DeepSeek-V3 at M = 512 (between 256 and 1024), and M = 16384
+# --ck2: plain layers of Mixtral's, Qwen3's and DeepSeek-V3's expert shapes at 16 and 32 experts (ck1's rule bounded
+# E; these showed the expert width decides, not E), Qwen3 and DeepSeek-V3 at M = 512 (between 256 and 1024), M = 16384
 LAYERS.update({"mixtral_e32": (32, 2, 4096, 14336, "silu", False), "qwen3_e16": (16, 8, 2048, 768, "silu", False),
                "qwen3_e32": (32, 8, 2048, 768, "silu", False), "dsv3_e16": (16, 8, 7168, 2048, "silu", False),
                "dsv3_e32": (32, 8, 7168, 2048, "silu", False)})
@@ -78,38 +79,17 @@ CELLS = (tuple((name, 8) for name, _ in CK2_CELLS[:3]) if SMOKE else CK2_CELLS) 
     tuple((name, m) for m in TIME_MS for name in BASE)
 TOL, ROUNDS, CALLS = 2e-2, 5, 3
 INFER_CALLS, INFER_ROUNDS = (3, 2) if SMOKE else (200, 7)
-NAMES = ("x", "w13", "w2", "topk_weights", "b13", "b2")
 BACKENDS = ("triton", "grouped_mm")
 RUN = RunLog("auto49: µs of one eager training step (fwd + grads of every input), triton vs grouped_mm, bf16; "
              "auto's no-grad M = 1 before (triton) / after (auto)")
 
 
 def problem(layer: str, m: int, dev, seed: int) -> dict:
-    """The layer's inputs by name (bf16; topk_weights float32 softmax; biases None where the layer has none), ids."""
-    e, top_k, k, n, spec, biases = LAYERS[layer]
-    g = torch.Generator(device=dev).manual_seed(seed)
-    return {
-        "x": torch.randn(m, k, generator=g, device=dev).bfloat16(),
-        "w13": (torch.randn(e, 2 * n, k, generator=g, device=dev) * k**-0.5).bfloat16(),
-        "w2": (torch.randn(e, k, n, generator=g, device=dev) * n**-0.5).bfloat16(),
-        "topk_weights": torch.softmax(torch.rand(m, top_k, generator=g, device=dev), dim=1),
-        "b13": (torch.randn(e, 2 * n, generator=g, device=dev) * 0.1).bfloat16() if biases else None,
-        "b2": (torch.randn(e, k, generator=g, device=dev) * 0.1).bfloat16() if biases else None,
-        "ids": torch.rand(m, e, generator=g, device=dev).argsort(dim=1)[:, :top_k].int(),
-        "dout": torch.randn(m, k, generator=g, device=dev).bfloat16(),
-    }
+    return layer_inputs(LAYERS[layer], m, dev, seed)
 
 
 def step(fn, layer: str, p: dict, dtype=None) -> dict:
-    """One training step's gradients through experts function ``fn``: name -> grad of every input the layer has
-    (cast to ``dtype`` first)."""
-    leaves = {n: None if p[n] is None else (p[n] if dtype is None or n == "topk_weights" else p[n].to(dtype))
-              .detach().requires_grad_() for n in NAMES}
-    out = fn(leaves["x"], leaves["w13"], leaves["w2"], p["ids"], leaves["topk_weights"], activation=LAYERS[layer][4],
-             b13=leaves["b13"], b2=leaves["b2"])
-    wanted = [n for n in NAMES if leaves[n] is not None]
-    grads = torch.autograd.grad(out, [leaves[n] for n in wanted], p["dout"].to(out.dtype))
-    return dict(zip(wanted, grads))
+    return step_grads(fn, LAYERS[layer][4], p, dtype)
 
 
 def forward(fn, layer: str, p: dict) -> torch.Tensor:

@@ -110,20 +110,20 @@ def test_grad_mode_with_nothing_to_differentiate_is_inference(ran, monkeypatch):
     assert ran == ["triton", "grouped_mm"]
 
 
-def test_rules_by_kind_tokens_and_experts(ran, monkeypatch):
-    """A rule applies to its kind only (gpt-oss's biases and clamped SwiGLU are a variant), from its token count and
-    expert count on; the last rule that matches wins."""
+def test_rules_by_kind_tokens_and_width(ran, monkeypatch):
+    """A rule applies to its kind only (gpt-oss's biases and clamped SwiGLU are a variant), from its token count on,
+    up to its expert width; the last rule that matches wins."""
     rules(monkeypatch, TrainingRule("variant", "grouped_mm"), TrainingRule("plain", "grouped_mm", from_tokens=16),
-          TrainingRule("plain", "triton", from_tokens=32, from_experts=4))
-    plain = layers(CONFIG, "auto")["auto"]  # E = 4
-    few = layers(MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=3, top_k=2), "auto")["auto"]
+          TrainingRule("plain", "triton", from_tokens=32, max_width=16))
+    plain = layers(CONFIG, "auto")["auto"]  # N = 16
+    wide = layers(MoEConfig(hidden_size=32, moe_intermediate_size=24, num_experts=4, top_k=2), "auto")["auto"]
     variant = layers(GPT_OSS, "auto")["auto"]
     for layer, m, want in ((plain, 8, "triton"), (plain, 16, "grouped_mm"), (plain, 40, "triton"),
-                           (few, 16, "grouped_mm"), (few, 40, "grouped_mm"), (variant, 8, "grouped_mm"),
+                           (wide, 16, "grouped_mm"), (wide, 40, "grouped_mm"), (variant, 8, "grouped_mm"),
                            (variant, 40, "grouped_mm")):
         ran.clear()
         train_step(layer, torch.randn(m, 32))
-        assert ran == [want], (layer.config.num_experts, layer.config.expert_bias, m)
+        assert ran == [want], (layer.config.moe_intermediate_size, layer.config.expert_bias, m)
 
 
 def test_a_variant_trains_as_its_rule_says_with_that_backends_gradients(ran, monkeypatch):
@@ -163,8 +163,8 @@ def test_the_rules_refuse_an_unknown_kind_or_count():
         TrainingRule("fp8", "grouped_mm")
     with pytest.raises(ValueError, match="from_tokens must be an int >= 0"):
         TrainingRule("plain", "grouped_mm", from_tokens=-1)
-    with pytest.raises(ValueError, match="from_experts must be an int >= 0"):
-        TrainingRule("plain", "grouped_mm", from_experts=2.5)
+    with pytest.raises(ValueError, match="max_width must be an int >= 1 or None"):
+        TrainingRule("plain", "grouped_mm", max_width=0)
 
 
 def test_no_rule_off_the_inference_pick_resolves_to_it(ran, monkeypatch):

@@ -6,8 +6,8 @@ training step measured fastest for the call's kind.
         -> the inference pick, as before; its fast path and keeper serve the dispatcher too (the layer's decode
            fast path keeps and serves no-grad calls only; ``ExpertsCallCache``'s fast path lookup is the pick's,
            behind one grad-mode test)
-      a call that records gradients -> ``training_backend(kind, M, E, rules)``: the last of ``rules`` of the call's
-        kind that M and E reach, else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a
+      a call that records gradients -> ``training_backend(kind, M, N, rules)``: the last of ``rules`` of the call's
+        kind that M and N fit, else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a
         gated silu / gelu / relu without biases or clamps), "variant" (biases, gpt-oss's clamped SwiGLU, the clamp
         after the activation, ungated or other activations: Triton's recomputing backward), "quantized"
         (moekit.quant weights)
@@ -38,37 +38,42 @@ KINDS = ("plain", "variant", "quantized")
 
 @dataclass(frozen=True)
 class TrainingRule:
-    """A call of ``kind`` with at least ``from_tokens`` tokens (M) over at least ``from_experts`` experts (E, w13's
-    rows) that records gradients trains on ``backend``; of the rules that match a call, the last one applies."""
+    """A call of ``kind`` with at least ``from_tokens`` tokens (M) over experts at most ``max_width`` wide (N, w2's
+    last dim; None: any width) that records gradients trains on ``backend``; of the rules that match a call, the
+    last one applies."""
 
     kind: str  # one of KINDS
     backend: str  # a backend name available where "auto" takes its inference pick
     from_tokens: int = 0
-    from_experts: int = 0
+    max_width: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("from_tokens", "from_experts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.from_tokens, int) or self.from_tokens < 0:
+            raise ValueError(f"from_tokens must be an int >= 0, got {self.from_tokens!r}")
+        if self.max_width is not None and (not isinstance(self.max_width, int) or self.max_width < 1):
+            raise ValueError(f"max_width must be an int >= 1 or None, got {self.max_width!r}")
 
 
 # The training choice of "auto" on CUDA (a kind without a rule trains on the inference pick, triton). From one eager
 # training step (forward + the gradients of every input), bf16, on an H100 80GB HBM3 (torch 2.11, Triton 3.6),
-# benchmarks/auto49_device_check.py at a678399c, medians of 5 interleaved rounds, grouped_mm µs / triton µs:
-#   variant (Triton's recomputing backward): gpt-oss-20b 0.64 / 0.82 / 0.86 at M = 256 / 1024 / 4096, Step-3.7
-#     0.78 / 0.80 / 0.90: grouped_mm at every M
-#   plain (the fused backward): Mixtral-8x7B (E 8) 0.75 / 0.55 / 0.88; Qwen3-30B-A3B (E 128) 0.91 / 1.03 / 1.54;
-#     DeepSeek-V3 (E 64 of 256) 0.91 / 1.13 / 2.85: grouped_mm below 1024 tokens and for few experts, triton above
+# benchmarks/auto49_device_check.py (ck1 at a678399c, ck2 --ck2 at 858d075e), medians of 5 interleaved rounds,
+# grouped_mm µs / triton µs (> 1: triton faster) at M = 256 / 512 / 1024 / 4096 / 16384:
+#   variant (Triton's recomputing backward): gpt-oss-20b (E 32) 0.64 / - / 0.82 / 0.86 / 0.90, Step-3.7 (E 96)
+#     0.78 / - / 0.80 / 0.90 / 0.92: grouped_mm at every M
+#   plain (the fused backward), by expert width N:
+#     N 768 (Qwen3-30B-A3B, K 2048): E 128 0.91 / 0.97 / 1.03 / 1.54; E 32 - / - / 1.02 / 1.49; E 16 - / - / 0.99 / 1.21
+#     N 2048 (DeepSeek-V3, K 7168): E 64 0.91 / 0.97 / 1.13 / 2.85; E 32 - / - / 1.17 / 2.07; E 16 - / - / 1.21 / 0.95
+#     N 14336 (Mixtral-8x7B, K 4096): E 8 0.75 / - / 0.55 / 0.88 / 1.07; E 32 - / - / 0.76 / 0.48
+#   so triton from 1024 tokens for experts up to 2048 wide (the widest measured there), grouped_mm below and wider
 #   quantized: the Triton backend's quantized kernels have no backward at all (torch's "no autograd formula" error
 #     at backward()); grouped_mm dequantizes in differentiable ops
 TRAINING_RULES: tuple[TrainingRule, ...] = (
     TrainingRule("quantized", "grouped_mm"),
     TrainingRule("variant", "grouped_mm"),
     TrainingRule("plain", "grouped_mm"),
-    TrainingRule("plain", "triton", from_tokens=1024, from_experts=64),
+    TrainingRule("plain", "triton", from_tokens=1024, max_width=2048),
 )
 
 
@@ -96,12 +101,12 @@ def _kind(fused_takes: Callable, activation, w13, b13, b2) -> str:
     return "plain" if fused_takes(activation, b13, b2) else "variant"
 
 
-def training_backend(kind: str, tokens: int, experts: int, rules: tuple[TrainingRule, ...]) -> str | None:
-    """The backend a call of ``kind`` with ``tokens`` rows over ``experts`` experts that records gradients trains on
-    under ``rules``, or None (the inference pick)."""
+def training_backend(kind: str, tokens: int, width: int, rules: tuple[TrainingRule, ...]) -> str | None:
+    """The backend a call of ``kind`` with ``tokens`` rows over experts ``width`` (N) wide that records gradients
+    trains on under ``rules``, or None (the inference pick)."""
     chosen = None
     for rule in rules:
-        if rule.kind == kind and tokens >= rule.from_tokens and experts >= rule.from_experts:
+        if rule.kind == kind and tokens >= rule.from_tokens and (rule.max_width is None or width <= rule.max_width):
             chosen = rule.backend
     return chosen
 
@@ -121,7 +126,7 @@ class AutoChoice:
     def pick(self, x, w13, w2, topk_weights, activation, b13, b2, tokens: int) -> str:
         """The backend name a call runs on: the training rule's where it records gradients, else the inference pick."""
         if records_grad(x, w13, w2, topk_weights, b13, b2):
-            chosen = training_backend(self.kind(activation, w13, b13, b2), tokens, w13.shape[0], self.rules)
+            chosen = training_backend(self.kind(activation, w13, b13, b2), tokens, w2.shape[2], self.rules)
             if chosen is not None:
                 return chosen
         return self.inference
