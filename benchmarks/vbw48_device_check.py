@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rounds import turned  # noqa: E402
 from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases  # noqa: E402
+from train_step_inputs import layer_inputs, step_grads  # noqa: E402
 
 from moekit.activations import ActivationSpec  # noqa: E402
 
@@ -48,39 +49,19 @@ LAYERS = {
 }
 CHECK_M, TIME_MS = (8, (8,)) if SMOKE else (256, (256, 4096))
 TOL, ROUNDS, CALLS = 2e-2, 5, 3
-NAMES = ("x", "w13", "w2", "topk_weights", "b13", "b2")
 RUN = RunLog("vbw48: wall µs of one eager training step (fwd + grads of every input), triton vs grouped_mm, bf16")
 
 
 def problem(layer: str, m: int, dev, seed: int) -> dict:
-    """The layer's inputs by name (bf16; topk_weights float32 softmax; biases None where the layer has none), ids."""
-    e, top_k, k, n, spec, biases = LAYERS[layer]
-    g = torch.Generator(device=dev).manual_seed(seed)
-    inputs = {
-        "x": torch.randn(m, k, generator=g, device=dev).bfloat16(),
-        "w13": (torch.randn(e, 2 * n, k, generator=g, device=dev) * k**-0.5).bfloat16(),
-        "w2": (torch.randn(e, k, n, generator=g, device=dev) * n**-0.5).bfloat16(),
-        "topk_weights": torch.softmax(torch.rand(m, top_k, generator=g, device=dev), dim=1),
-        "b13": (torch.randn(e, 2 * n, generator=g, device=dev) * 0.1).bfloat16() if biases else None,
-        "b2": (torch.randn(e, k, generator=g, device=dev) * 0.1).bfloat16() if biases else None,
-        "ids": torch.rand(m, e, generator=g, device=dev).argsort(dim=1)[:, :top_k].int(),
-        "dout": torch.randn(m, k, generator=g, device=dev).bfloat16(),
-    }
-    return inputs
+    """The layer's inputs by name (``train_step_inputs.layer_inputs``)."""
+    return layer_inputs(LAYERS[layer], m, dev, seed)
 
 
 def step(backend: str, layer: str, p: dict, dtype=None) -> dict:
-    """One training step's gradients: name -> grad of every input the layer has (cast to ``dtype`` first)."""
+    """One training step's gradients on ``backend``: name -> grad of every input the layer has (cast to ``dtype``)."""
     from moekit.experts import backend_fn
 
-    fn = backend_fn(backend, p["x"].device)
-    leaves = {n: None if p[n] is None else (p[n] if dtype is None or n == "topk_weights" else p[n].to(dtype))
-              .detach().requires_grad_() for n in NAMES}
-    out = fn(leaves["x"], leaves["w13"], leaves["w2"], p["ids"], leaves["topk_weights"], activation=LAYERS[layer][4],
-             b13=leaves["b13"], b2=leaves["b2"])
-    wanted = [n for n in NAMES if leaves[n] is not None]
-    grads = torch.autograd.grad(out, [leaves[n] for n in wanted], p["dout"].to(out.dtype))
-    return dict(zip(wanted, grads))
+    return step_grads(backend_fn(backend, p["x"].device), LAYERS[layer][4], p, dtype)
 
 
 def checks(dev) -> None:

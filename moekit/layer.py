@@ -37,6 +37,7 @@ from moekit._checks import input_error
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
+from moekit.experts.auto_train import running_backend
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.func_ops import transforming
 from moekit.layer_fast import DecodeFast
@@ -369,7 +370,8 @@ class MoE(nn.Module):
     def _layout_for(self, routing: Routing, w13, w2) -> str:
         """The layout this layer's backend groups ``routing`` with over experts ``w13`` [E, 2N, K], ``w2`` [E, K, N]
         (tensors or QuantizedWeights; a subclass's may not be ``self.w13``: an offloaded layer's cache slots)."""
-        backend = self.resolved_backend()
+        backend = running_backend(self._experts_fn, self.resolved_backend(), w13, w2, routing.topk_weights,
+                                  self.config.activation, self.b13, self.b2, routing.num_tokens)  # auto: may train
         if backend != "triton" and quant_scheme_of(w13) == "fp8_block":
             return "per_expert_loop"  # reference and grouped_mm run fp8_block through moekit.quant's recipe loop
         if backend != "grouped_mm":

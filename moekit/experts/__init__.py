@@ -12,15 +12,15 @@ storage passed as ``gate_up_proj.transpose(1, 2)``): backends read them through 
 An id that is < 0 or >= E, or whose ``expert_map`` entry is -1, is skipped (contributes 0): that
 covers moekit's -1, capacity drops, transformers' EP sentinel (id >= E) and vLLM's expert map.
 
-Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels, CUDA; on
-Hopper at prefill, warp-specialized Gluon GEMMs on the contiguous layout where they measured faster, for
-bf16/fp16 and block-scaled fp8 weights), ``triton_gluon`` (``triton`` with the caller's ``GluonChoice``; never
-picked by ``auto``). ``backend="auto"`` picks the best
-available for the device. ``backend_fn(name, device)`` is the one resolver that ``MoE``, ``EPMoE`` and
-``moekit.hf`` use: resolved once per (name, device type), then a dictionary lookup. A backend function
-assumes ``check_experts_args`` has passed (it runs once, in ``call_backend``); only a backend's own
-requirements (dtypes, activations) are its own. ``call_backend`` passes ``b13``/``b2`` only when one is
-set, so a backend's defaults must be None.
+Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels, CUDA; on Hopper at
+prefill, warp-specialized Gluon GEMMs on the contiguous layout where they measured faster, for bf16/fp16 and
+block-scaled fp8 weights), ``triton_gluon`` (``triton`` with the caller's ``GluonChoice``; never picked by
+``auto``). ``backend="auto"`` picks the best available for the device; on CUDA a call that records gradients trains
+where ``moekit.experts.auto_train``'s rules say. ``backend_fn(name, device)`` is the one resolver that ``MoE``,
+``EPMoE`` and ``moekit.hf`` use: resolved once per (name, device type), then a dictionary lookup. A backend function
+assumes ``check_experts_args`` has passed (it runs once, in ``call_backend``); only a backend's own requirements
+(dtypes, activations) are its own. ``call_backend`` passes ``b13``/``b2`` only when one is set, so a backend's
+defaults must be None.
 """
 
 from __future__ import annotations
@@ -101,8 +101,10 @@ def backend_fn(name: str, device: torch.device | str) -> ExpertsFn:
     ``torch.compile(fullgraph=True)``; resolve once outside the trace (as ``MoE`` does on construction)."""
     key = (name, device.type if isinstance(device, torch.device) else torch.device(device).type)
     fn = _RESOLVED.get(key)
-    if fn is None:
-        fn = _RESOLVED[key] = get_backend(resolve_backend(name, device))
+    if fn is None:  # "auto" on triton: ``auto_train``'s dispatcher (a call that records gradients may train elsewhere)
+        resolved = resolve_backend(name, device)
+        auto = importlib.import_module("moekit.experts.auto_train") if (name, resolved) == ("auto", "triton") else None
+        fn = _RESOLVED[key] = get_backend(resolved) if auto is None else auto.auto_dispatcher(resolved)
     return fn
 
 
@@ -132,6 +134,7 @@ def bind_options(fn: ExpertsFn, options: dict) -> ExpertsFn:
     ``torch.compile`` traces); a name ``fn`` does not take raises here, naming it and what it takes."""
     if not options:
         return fn
+    fn = getattr(fn, "inference_fn", fn)  # "auto"'s dispatcher (auto_train): the options are its inference pick's
     contract = {"x", "w13", "w2", "topk_ids", "topk_weights", "activation", "expert_map", "b13", "b2"}
     taken = [p for p in inspect.signature(fn).parameters if p not in contract]
     unknown = sorted(set(options) - set(taken))

@@ -164,6 +164,12 @@ def _setup(ctx, names: list[str], inputs: tuple) -> dict:
 _SPEC_NAMES = ("activation", "gated", "interleaved", "alpha", "limit", "up_shift", "limit_after_act")
 
 
+def fused_backward_takes(activation: str | ActivationSpec, b13, b2) -> bool:
+    """Whether the fused backward differentiates a call of ``activation`` with biases ``b13`` / ``b2`` (each a tensor
+    or None); else its gradients come by recomputation (``unsupported_variant``'s rule, on the spec's fields)."""
+    return unsupported_variant({**dict(zip(_SPEC_NAMES, spec_fields(activation))), "b13": b13, "b2": b2}) is None
+
+
 def setup_experts_op(ctx, inputs: tuple, output) -> None:
     """``setup_context`` of ``moekit::triton_experts``: its inputs read by schema name, so arguments
     that the forward gains later (biases, activation fields) reach ``unsupported_variant``."""
