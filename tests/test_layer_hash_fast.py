@@ -3,7 +3,8 @@ one-launch hash router is served and equals the full forward bit for bit (the fa
 float64 layer, with the shared expert fused or separate, flat or 3-D; it steps aside, running the full forward, for a
 new table tensor, token ids of another dtype or stride, new expert weights, the switch off; an in-place table load is
 served with the new table; a token id out of range or a NaN logit on a served call still raises, and the next good call
-is right. The torch router never keeps."""
+is right. The torch router never keeps. Tried before forward's checks, it misses what they refuse (their errors); the
+gate of up to 8 rows is the gate kernel in both paths (session 49)."""
 
 from __future__ import annotations
 
@@ -173,3 +174,62 @@ def test_torch_router_switch_off_and_a_cast_never_serve(hits, monkeypatch):
         for _ in range(2):
             assert torch.equal(fused(x.bfloat16(), token_ids=ids), full(x.bfloat16(), token_ids=ids))
     assert hits[0] == 0
+
+
+def test_tried_first_it_misses_what_forward_refuses(hits):
+    """The fast path runs before forward's argument checks: a call those checks refuse misses it and gets their error
+    (ids of another shape, x of another width or dtype); a 3-D x and its ids are served once flattened."""
+    layer, full = _pair()
+    x, ids = _inputs((2,), 0)
+    with torch.no_grad():
+        layer(x, token_ids=ids)
+        layer._hash_decode._entries[2].ok = None  # as a compiled kernel asserting: no host check of the ids after it
+        with pytest.raises(ValueError, match="token_ids must have x's shape"):
+            layer(x, token_ids=ids[:1])  # [1]: the launch would read past it
+        with pytest.raises(ValueError, match="token_ids must have x's shape"):
+            layer(x, token_ids=ids[:, None])  # [2, 1]: another shape, the same M
+        with pytest.raises(ValueError, match="token_ids must have x's shape"):
+            layer(x, token_ids=ids[None, :])  # [1, 2]
+        with pytest.raises(ValueError, match="x"):
+            layer(torch.randn(2, K + 1), token_ids=ids)
+        with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+            layer(x.to(torch.int32), token_ids=ids)
+        assert hits[0] == 0
+        x3, ids3 = x[None], ids[None]  # [1, 2, K], [1, 2]
+        assert torch.equal(layer(x3, token_ids=ids3), full(x3, token_ids=ids3)) and hits[0] == 1
+
+
+def test_the_gate_kernel_in_both_paths(hits, monkeypatch):
+    """With the one-launch hash router the gate of up to 8 rows is the gate kernel (``gate.gate_logits``) in the full
+    forward and on the fast path alike: its logits within fp32 rounding of a float64 x @ W^T, equal to the kernel's
+    called directly; 9 rows gate through F.linear; the torch router's layer never launches it."""
+    from moekit.routing import gate
+
+    launches = [0]
+    real = gate._BoundGate.__call__
+
+    def counted(self, *args):
+        launches[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(gate._BoundGate, "__call__", counted)
+    layer, _ = _pair()
+    torch_routed, _ = _pair(router="torch")
+    with torch.no_grad():
+        for m, kernel in ((1, True), (8, True), (9, False)):
+            x, ids = _inputs((m,), m)
+            before = launches[0]
+            logits = layer(x, token_ids=ids, return_aux_loss=True).router_logits  # the full forward's
+            assert (launches[0] > before) is kernel
+            ref = x.double() @ layer.gate.weight.double().t()
+            assert ((logits.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+            if kernel:
+                assert torch.equal(logits, gate.gate_logits(x, layer.gate.weight))
+            layer(x, token_ids=ids)  # kept
+            before = launches[0]
+            layer(x, token_ids=ids)  # served
+            assert (launches[0] > before) is kernel
+        before = launches[0]
+        torch_routed(*_inputs((2,), 0))
+        assert launches[0] == before
+    assert hits[0] == 3
