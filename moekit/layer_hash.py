@@ -29,6 +29,12 @@ from moekit.routing.routed import MoEOutput, RoutedTokens, stats_on_host
 from moekit.triton_bind import triton_runs_on
 
 
+def _check_router(router) -> None:
+    if router not in ("auto", "torch", "fused"):
+        raise ValueError(f"router must be 'auto', 'torch' or 'fused' for a HashMoE (its routing is a table lookup: "
+                         f"hash_route in torch, or its one-launch kernel), got {router!r}")
+
+
 class HashMoE(MoE):
     """``MoE`` routed by ``tid2eid`` [V, k] int64 (a buffer: saved, loaded, moved with the layer): token t runs experts
     ``tid2eid[token_ids[t]]``, weighted by its scores there (``hash_route``). ``config.hash_table_size`` = V.
@@ -39,31 +45,40 @@ class HashMoE(MoE):
     ``eager_graph_rows`` does not apply: refused."""
 
     takes_token_ids = True  # read by check_layer_args: a config with hash_table_size builds this class only
-    _hash_router: FusedHashRouter | None = None  # router="fused" (a subclass built past __init__: the torch twin)
-    _hash_cuda_only = False  # router="auto": the fused hash router on CUDA logits only
 
     def __init__(self, config: MoEConfig, *, router: str = "auto", **options) -> None:
-        if router not in ("auto", "torch", "fused"):
-            raise ValueError(f"router must be 'auto', 'torch' or 'fused' for a HashMoE (its routing is a table lookup: "
-                             f"hash_route in torch, or its one-launch kernel), got {router!r}")
+        _check_router(router)
         if options.get("eager_graph_rows") is not None:
             raise ValueError("eager_graph_rows: a HashMoE runs eagerly (its forward takes the token ids)")
         super().__init__(config, router="torch", **options)
         self.register_buffer("tid2eid", default_table(config, self.w13.device))  # [V, k] int64
-        # the table lookup in one launch: always with "fused", on CUDA with "auto" (as MoE's fused router)
-        self._hash_router = FusedHashRouter(config) if router == "fused" or (router == "auto" and computes(config)) \
-            else None
-        self._hash_cuda_only = router == "auto"
-        self._hash_gate()
+        self.router = router
         self._hash_decode = HashDecodeFast()  # forward's repeated decode calls (the fused router's), kept per M
         # what the fast path skips is this class's own (a subclass that routes or places the experts elsewhere: never)
         self._plain_hash = type(self).route_tokens is HashMoE.route_tokens and self._plain_run
 
+    @property
+    def router(self) -> str:
+        """The hash router asked for ("auto", "torch" or "fused"; ``_hash_router`` the one resolved): what
+        ``OffloadedMoE.from_moe`` and ``EPMoE.from_moe`` hand the layers they build."""
+        return self._router
+
+    @router.setter
+    def router(self, choice: str) -> None:
+        # Resolved here and on every move (MoE._weights_changed sets it again), never inside forward (as MoE's).
+        _check_router(choice)
+        MoE.router.fset(self, "torch")  # MoE's top-k router and its gate: never a hash layer's
+        self._router = choice
+        # the table lookup in one launch: always with "fused", on CUDA with "auto" (as MoE's fused router)
+        self._hash_router = FusedHashRouter(self.config) if choice == "fused" or (
+            choice == "auto" and computes(self.config)) else None
+        self._hash_cuda_only = choice == "auto"
+        self._hash_gate()
+
     def _weights_changed(self) -> None:
-        super()._weights_changed()  # resolves MoE's router again: "torch", no gate kernel
+        super()._weights_changed()  # the routers resolved again (the setter above)
         decode = self.__dict__.get("_hash_decode")  # None while MoE.__init__ runs
         if decode is not None:
-            self._hash_gate()
             decode.clear()  # it holds buffers on the old device and the experts' kept calls
 
     def _hash_gate(self) -> None:
