@@ -14,8 +14,9 @@ name takes its default): Qwen3-30B-A3B (128 experts, softmax, renormalised), Dee
 keep 4, sigmoid, a bias, top-2 group sums), Mixtral (8 experts, 16 rows a program), Qwen2-MoE's gated shared slots,
 masking (nonfinite="mask") and the flag (nonfinite="raise" under torch.compile), the others with the kernel's own
 assert (eager nonfinite="raise", debug=True); the one launch at 1 and 4 rows, the tensor-core one at
-64; DeepSeek-V4's hash router with its flags and with its own asserts (session 49). ``--options`` adds each session-34 option on (the after tree only: a compile check and their size; a file the
-before dump lacks is not compared).
+64; DeepSeek-V4's hash router with its flags and with its own asserts (session 49). ``--options`` adds each
+session-34 option on (the after tree only: a compile check and their size; a file the before dump lacks is not
+compared).
 """
 
 from __future__ import annotations
