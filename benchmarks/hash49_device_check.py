@@ -17,8 +17,10 @@ expert fused, V 129280 and a random table; offloaded: E 64, K 2048, N 1024 as ha
 Phases (each skipped past the deadline; <out>/hash49.json rewritten after each):
   check     at M = 1 and 8: hash's third call (served: its entry kept) bit-equal to its full forward (fast path off)
             and within 1e-2 rel-L2 of a float64 per-token loop written here; hash48 within 1e-2 of it too; the
-            offloaded hash (this tree's router) within 1e-2 of float64; a served call with an id outside the table,
-            and one with a NaN in x, each end a child process in the kernel's device-side assert naming the check
+            offloaded hash (this tree's router) within 1e-2 of float64; a bf16 top-k layer with Qwen2-MoE's separate
+            gated shared MLP served (its launches joined on a GPU) == its full forward, within 1e-2 of float64; a
+            served call with an id outside the table, and one with a NaN in x, each end a child process in a
+            device-side assert (the kernel's message reported)
   time      host and wall µs a call (``bench_run.host_and_wall_us``: interleaved rounds, medians) at M = 1 and 8
   graph     CUDA-graph replay µs of hash and hash48 (GPU time: the gate kernel against cuBLAS), outputs equal to eager
 The table is printed last: medians.
@@ -173,6 +175,7 @@ def check_phase(dev) -> None:
             RUN.check(f"hash48 M={m}: vs float64", err48 < 1e-2, f"rel_l2={err48:.2e}")
             RUN.check(f"offloaded hash M={m} (one-launch router: {off._hash_router is not None}): vs float64",
                       err_off < 1e-2 and (SMOKE or off._hash_router is not None), f"rel_l2={err_off:.2e}")
+    shared_check(dev, res)
     layer_fast.ENABLED = True
     for case, child in children.items():
         text = child.communicate(timeout=60)[0]
@@ -181,6 +184,38 @@ def check_phase(dev) -> None:
         res[f"bad {case}"] = text[-600:]
         RUN.check(f"a served call with bad {case}: a device-side assert", ok, f"the kernel's message '{want}' in the "
                   f"child's output: {want in text}")
+
+
+def shared_check(dev, res: dict) -> None:
+    """A bf16 top-k layer with Qwen2-MoE's separate, sigmoid-gated shared MLP on ``layer_fast``: where its gate +
+    router launch joins the experts' one C call (a GPU), the served call still adds the shared MLP (host48 dropped it
+    there): equal to the full forward, within 1e-2 of a float64 twin of the routed experts plus the shared MLP."""
+    cfg = MoEConfig(hidden_size=OFF_K, moe_intermediate_size=OFF_N, num_experts=OFF_E, top_k=4,
+                    shared_expert_intermediate_size=OFF_N, shared_expert_gate=True)
+    torch.manual_seed(2)
+    layer = MoE(cfg, backend="triton", router="fused", dtype=torch.bfloat16, device=dev, fuse_shared=False).eval()
+    x = inputs(dev, 2, OFF_K)[0]
+    with torch.no_grad():
+        full = switched(lambda: layer(x), False)()
+        on = switched(lambda: layer(x), True)
+        on(), on()
+        served, entry = on(), layer._decode._entries.get(2)
+        routing = layer.route_tokens(x).routing
+        xd, w13, w2 = x.double(), layer.w13.double(), layer.w2.double()
+        ref = torch.zeros_like(xd)
+        for t in range(x.shape[0]):
+            for i, w in zip(routing.topk_ids[t].tolist(), routing.topk_weights[t].tolist()):
+                h = w13[i] @ xd[t]
+                ref[t] += w * (w2[i] @ (torch.nn.functional.silu(h[:OFF_N]) * h[OFF_N:]))
+        h = xd @ layer.shared_w13.double().t()  # [M, 2 SN]
+        shared = (torch.nn.functional.silu(h[:, :OFF_N]) * h[:, OFF_N:]) @ layer.shared_w2.double().t()
+        ref += torch.sigmoid(xd @ layer.shared_gate.weight.double().t()) * shared
+    joined = entry is not None and entry.joint is not None
+    err = rel_l2(served, ref)
+    res["shared mlp"] = dict(joined=joined, equal=bool(torch.equal(served, full)), rel_l2=err)
+    RUN.check(f"top-k + separate gated shared MLP (joined: {joined}): served == full forward",
+              torch.equal(served, full))
+    RUN.check("top-k + separate gated shared MLP: vs float64", err < 1e-2, f"rel_l2={err:.2e}")
 
 
 def time_phase(dev) -> None:
