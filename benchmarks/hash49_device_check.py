@@ -7,10 +7,12 @@ asserts, the fast path tried first) and the offloaded hash layer on the one-laun
 Layers (bf16, one set of weights: V4's E 256, K 4096, N 2048, top-6, sqrt(softplus), routed scaling 1.5, the shared
 expert fused, V 129280 and a random table; offloaded: E 64, K 2048, N 1024 as hash48's, every expert cached):
   hash        ``HashMoE`` as this tree builds it (router "auto" on CUDA: the gate kernel up to 8 rows, the one-launch
-              hash router asserting in its kernel, the fast path tried before forward's checks)
-  hash48      the same weights with session 48's two stages: ``_gate_fn = None`` (F.linear) and
-              ``FusedHashRouter(assert_in_kernel=False)`` (its flags and two torch._assert_async); forward's order is
-              this tree's (its checks after the fast path: not in this A/B, the CPU harness measures it)
+              hash router asserting in its kernel, the fast path tried before forward's checks, its gate, router and
+              experts' launches joined in one C call)
+  hash48      the same weights with session 48's stages: ``_gate_fn = None`` (F.linear) and
+              ``FusedHashRouter(assert_in_kernel=False)`` (its flags and two torch._assert_async; so nothing joined);
+              forward's order is this tree's (its checks after the fast path: not in this A/B, the CPU harness
+              measures it)
   topk        V4's top-k layer (the correction bias) on the same experts: ``layer_fast``, the reference
   off hash48  ``OffloadedMoE.from_moe(hash)`` with ``router = "torch"``: what session 48's got (``from_moe`` handed it
               MoE's "torch"); off hash: this tree's (the HashMoE's "auto"); off topk: the top-k layer offloaded
@@ -164,13 +166,15 @@ def check_phase(dev) -> None:
             on(), on()  # kept, then served
             served = on()
             kept = m in hashed._hash_decode._entries
+            joined = kept and hashed._hash_decode._entries[m].joint is not None  # gate, router, experts: one C call
             ref = loop64(hashed, x, ids)
             err, err48 = rel_l2(served, ref), rel_l2(layers["hash48"](x, token_ids=ids), ref)
             xs = x[:, :OFF_K].contiguous()
             err_off = rel_l2(off(xs, token_ids=ids), loop64(layers["small"], xs, ids))
-            res[f"M={m}"] = dict(kept=kept, equal=bool(torch.equal(served, full)), rel_l2=err, rel_l2_hash48=err48,
-                                 rel_l2_offloaded=err_off)
-            RUN.check(f"hash M={m}: kept, served == full forward bit for bit", kept and torch.equal(served, full))
+            res[f"M={m}"] = dict(kept=kept, joined=joined, equal=bool(torch.equal(served, full)), rel_l2=err,
+                                 rel_l2_hash48=err48, rel_l2_offloaded=err_off)
+            RUN.check(f"hash M={m} (joined: {joined}): kept, served == full forward bit for bit",
+                      kept and torch.equal(served, full))
             RUN.check(f"hash M={m}: vs float64", err < 1e-2, f"rel_l2={err:.2e}")
             RUN.check(f"hash48 M={m}: vs float64", err48 < 1e-2, f"rel_l2={err48:.2e}")
             RUN.check(f"offloaded hash M={m} (one-launch router: {off._hash_router is not None}): vs float64",

@@ -11,7 +11,10 @@ generic code.
     a repeated call that fits the kept entry:
       [Gate: the kept gate launch (above 8 rows ``MoE._gate``, F.linear), as the full forward runs it] -> [Route: the
       bound launch into the kept buffers; its two checks the compiled kernel's device-side asserts (interpreted: its
-      flags, checked as the router checks them)] -> [Experts, + the separate shared MLP: ``layer_fast.run_experts``]
+      flags, checked as the router checks them)] -> [Experts, + the separate shared MLP: ``layer_fast.run_experts``];
+      where the kept call's launches are batched (a GPU; ``layer_fast.JOINED``) and the gate is the kernel, the gate,
+      the router (the call's token ids in its aux slot) and the experts' launches in one C call
+      (``triton_fast.JointCall``), as the top-k layer's gate + router launch joins them
 
 What a hit checks (else the full forward runs, whose checks raise on bad input): ``layer_fast``'s call conditions (no
 autograd, compiling, tracing, dispatch mode, functorch transform or CUDA graph capture; x a plain 2-D tensor [M, K],
@@ -45,7 +48,7 @@ from moekit.experts import fast_path_of, keeper_of
 from moekit.layer_fast import _capturing, _compiling, _dispatching, _grad, _ref, _spec, _tracing, _transforming
 from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, bound_gate
 from moekit.routing.hash_fused import assert_flags
-from moekit.triton_bind import current_stream, interpreting
+from moekit.triton_bind import LEAD_AUX, LEAD_X, current_stream, interpreting
 
 
 class _Entry:
@@ -53,10 +56,10 @@ class _Entry:
 
     __slots__ = ("hidden", "dtype", "device_index", "stream", "thread", "ids_shape", "ids_dtype", "ids_stride",
                  "ids_aligned", "table", "table_spec", "refs", "gate_specs", "objects", "gate", "logits", "launch",
-                 "ok", "flag_arg", "flags", "rows", "ids", "weights", "kept", "fast", "activation", "cuda")
+                 "ok", "flag_arg", "flags", "rows", "ids", "weights", "kept", "fast", "joint", "activation", "cuda")
 
     def __init__(self, layer, x2d: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor, tensors: tuple,
-                 gate, logits, bound, kept, fast, ids: torch.Tensor, weights: torch.Tensor) -> None:
+                 gate, logits, bound, kept, fast, joint, ids: torch.Tensor, weights: torch.Tensor) -> None:
         self.hidden, self.dtype, self.device_index, self.cuda = x2d.shape[1], x2d.dtype, x2d.get_device(), x2d.is_cuda
         self.stream = current_stream() if self.cuda else 0
         self.thread = get_ident()
@@ -74,6 +77,7 @@ class _Entry:
         self.flags = (bound.ok[0], bound.ok[1]) if bound.ok is not None and self.cuda and not interpreting() else None
         self.ids, self.weights = ids, weights  # [M, k(+S)] int32 / fp32, this entry's own
         self.kept, self.fast, self.activation = kept, fast, layer.config.activation
+        self.joint = joint  # the gate, the router and the kept call in one C call (``KeptCall.joined``), else None
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -133,6 +137,11 @@ class HashDecodeFast:
                 or b13_ref() is not b13 or b2_ref() is not b2 or _objects(layer) != entry.objects
                 or entry.gate_specs != (_spec(weight), _spec(linear_bias))):
             return None
+        joint = entry.joint
+        if joint is not None:  # the gate, the router and the experts in one C call; None: one by one below
+            out = joint(x2d, w13, w2, entry.ids, entry.weights, b13, b2, token_ids)
+            if out is not None:
+                return layer_fast.with_shared(layer, x2d, out)
         gate = entry.gate
         if gate is not None:  # MoE._gate's kernel launch, into the entry's logits
             logits = gate(x2d, weight, linear_bias, entry.logits)  # [M, E]
@@ -177,5 +186,10 @@ class HashDecodeFast:
         weights = torch.empty(bound.shape, dtype=torch.float32, device=x2d.device)  # [M, k(+S)]
         keeper = keeper_of(layer._experts_fn)
         kept = None if keeper is None else keeper(x2d, w13, w2, ids, weights, c.activation, b13=b13, b2=b2)
+        joint = None  # where the router asserts in its kernel (no flag to read after it) and the gate is the kernel
+        if layer_fast.JOINED and gate is not None and bound.ok is None and hasattr(kept, "joined"):
+            gate_bias = weight if linear_bias is None else linear_bias  # the gate launch's third pointer
+            joint = kept.joined(gate.launch, (LEAD_X, weight, gate_bias, kept_logits),
+                                ((bound.launch, (kept_logits, LEAD_AUX, table, ids, weights, ids)),))
         self._entries[m] = _Entry(layer, x2d, token_ids, table, tensors, gate, kept_logits, bound, kept,
-                                  fast_path_of(layer._experts_fn), ids, weights)
+                                  fast_path_of(layer._experts_fn), joint, ids, weights)

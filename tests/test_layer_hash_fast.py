@@ -4,7 +4,8 @@ float64 layer, with the shared expert fused or separate, flat or 3-D; it steps a
 new table tensor, token ids of another dtype or stride, new expert weights, the switch off; an in-place table load is
 served with the new table; a token id out of range or a NaN logit on a served call still raises, and the next good call
 is right. The torch router never keeps. Tried before forward's checks, it misses what they refuse (their errors); the
-gate of up to 8 rows is the gate kernel in both paths (session 49)."""
+gate of up to 8 rows is the gate kernel in both paths; where the router asserts in its kernel the gate, the router and
+the experts are joined into one C call, whose served output equals the full forward's (session 49)."""
 
 from __future__ import annotations
 
@@ -233,3 +234,41 @@ def test_the_gate_kernel_in_both_paths(hits, monkeypatch):
         torch_routed(*_inputs((2,), 0))
         assert launches[0] == before
     assert hits[0] == 3
+
+
+@pytest.mark.parametrize("fuse_shared", [True, False])
+def test_joined_gate_router_and_experts(hits, fuse_shared, monkeypatch):
+    """Where the router asserts in its kernel (compiled: no flags) the entry joins the gate launch, the router launch
+    (the call's token ids in the aux slot) and the experts' kept call (``KeptCall.joined``; batched only on a GPU);
+    a served call through the joint adds the separate shared MLP and equals the full forward. The interpreter keeps
+    flags: its routers are made to look compiled (``ok`` None) for the keep, and the joint is a stand-in."""
+    from moekit.experts.triton_lean import MAP, X
+    from moekit.routing import hash_fused
+
+    layer, full = _pair(fuse_shared)
+    x, ids = _inputs((2,), 0)
+    with torch.no_grad():
+        layer(x, token_ids=ids)
+        assert layer._hash_decode._entries[2].joint is None  # interpreted: flags to assert after the launch
+        for bound in hash_fused._BOUND.values():
+            monkeypatch.setattr(bound, "ok", None)  # set back after the test: the module's bound launches
+        layer._hash_decode.clear()
+        layer(x, token_ids=ids)
+        entry = layer._hash_decode._entries[2]
+        (gate, gate_args), (route, route_args) = entry.joint.leads
+        assert gate is entry.gate.launch and gate_args[0].index == X and gate_args[3] is entry.logits
+        assert route is entry.launch and route_args[0] is entry.logits and route_args[1].index == MAP
+        assert route_args[2] is layer.tid2eid and route_args[3:] == (entry.ids, entry.weights, entry.ids)
+        seen = []
+
+        def stand_in(x2d, w13, w2, ids_buf, weights_buf, b13, b2, aux):
+            seen.append(aux)
+            entry.gate(x2d, layer.gate.weight, None, entry.logits)
+            entry.launch(entry.logits, aux, layer.tid2eid, ids_buf, weights_buf, entry.ids)
+            return layer._experts_call(layer._experts_fn, x2d, w13, w2, ids_buf, weights_buf,
+                                       activation=layer.config.activation)
+
+        entry.joint = stand_in
+        x2, ids2 = _inputs((2,), 1)
+        assert torch.equal(layer(x2, token_ids=ids2), full(x2, token_ids=ids2))
+    assert seen == [ids2] and hits[0] == 1
