@@ -44,11 +44,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SMOKE = "--smoke" in sys.argv
-if SMOKE:
-    os.environ["TRITON_INTERPRET"] = "1"  # before moekit imports its kernels
+from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases, smoke_mode, warm_then_time  # noqa: E402
 
-from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases, warm_then_time  # noqa: E402
+SMOKE = smoke_mode()  # before moekit imports its kernels
 from host48_device_check import switched  # noqa: E402
 
 from moekit import HashMoE, MoE, MoEConfig, layer_fast  # noqa: E402

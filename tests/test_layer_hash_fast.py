@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _hash_loop import hash_layer_loop
+from _helpers import count_calls
 from _triton_helpers import interpreted
 from moekit import HashMoE, MoEConfig, layer_fast
 from moekit.layer_hash_fast import HashDecodeFast
@@ -206,33 +207,26 @@ def test_the_gate_kernel_in_both_paths(hits, monkeypatch):
     called directly; 9 rows gate through F.linear; the torch router's layer never launches it."""
     from moekit.routing import gate
 
-    launches = [0]
-    real = gate._BoundGate.__call__
-
-    def counted(self, *args):
-        launches[0] += 1
-        return real(self, *args)
-
-    monkeypatch.setattr(gate._BoundGate, "__call__", counted)
+    launches = count_calls(monkeypatch, {"gate": 0}, [(gate._BoundGate, "__call__", "gate")])
     layer, _ = _pair()
     torch_routed, _ = _pair(router="torch")
     with torch.no_grad():
         for m, kernel in ((1, True), (8, True), (9, False)):
             x, ids = _inputs((m,), m)
-            before = launches[0]
+            before = launches["gate"]
             logits = layer(x, token_ids=ids, return_aux_loss=True).router_logits  # the full forward's
-            assert (launches[0] > before) is kernel
+            assert (launches["gate"] > before) is kernel
             ref = x.double() @ layer.gate.weight.double().t()
             assert ((logits.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
             if kernel:
                 assert torch.equal(logits, gate.gate_logits(x, layer.gate.weight))
             layer(x, token_ids=ids)  # kept
-            before = launches[0]
+            before = launches["gate"]
             layer(x, token_ids=ids)  # served
-            assert (launches[0] > before) is kernel
-        before = launches[0]
+            assert (launches["gate"] > before) is kernel
+        before = launches["gate"]
         torch_routed(*_inputs((2,), 0))
-        assert launches[0] == before
+        assert launches["gate"] == before
     assert hits[0] == 3
 
 

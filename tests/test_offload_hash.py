@@ -139,18 +139,12 @@ def test_the_offloaded_layer_keeps_the_hash_router_asked_for(router, monkeypatch
     """``from_moe`` hands the layer it builds the HashMoE's router choice (session 48 handed MoE's, "torch": the
     offloaded hash layer routed with the torch twin on the GPU too); with "fused" it routes with the one-launch kernel
     and the gate kernel (interpreted here) and equals the float64 loop."""
+    from _helpers import count_calls
     from _triton_helpers import interpreted
     from moekit.routing.hash_fused import FusedHashRouter
 
     with interpreted("moekit.routing", "moekit.routing.hash_fused"):
-        calls = [0]
-        real = FusedHashRouter.__call__
-
-        def counted(self, *args):
-            calls[0] += 1
-            return real(self, *args)
-
-        monkeypatch.setattr(FusedHashRouter, "__call__", counted)
+        calls = count_calls(monkeypatch, {"router": 0}, [(FusedHashRouter, "__call__", "router")])
         moe = _hash_moe(0, router=router)
         off = OffloadedMoE.from_moe(moe, cache_experts=3, prefetch=None)
         assert off.router == router and (off._hash_router is None) == (router == "torch")
@@ -159,4 +153,4 @@ def test_the_offloaded_layer_keeps_the_hash_router_asked_for(router, monkeypatch
         with torch.no_grad():
             got, want = off(x, token_ids=ids), hash_layer_loop(moe, x, ids)
         assert ((got - want).norm() / want.norm()).item() < 1e-7
-        assert calls[0] == (router == "fused")
+        assert calls["router"] == (router == "fused")
