@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from typing import Callable
@@ -80,6 +81,15 @@ class RunLog:
                 print(f"\nSTALLED {limit():.0f} s after: {self.last[1]}", flush=True)
                 self.print_table()
                 os._exit(3)
+
+
+def smoke_mode() -> bool:
+    """Whether the device check runs as ``--smoke`` (the CPU, tiny shapes); then ``TRITON_INTERPRET=1``, which must be
+    set before moekit imports its kernels: call this before importing moekit."""
+    smoke = "--smoke" in sys.argv
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return smoke
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

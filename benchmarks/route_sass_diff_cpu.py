@@ -14,8 +14,9 @@ name takes its default): Qwen3-30B-A3B (128 experts, softmax, renormalised), Dee
 keep 4, sigmoid, a bias, top-2 group sums), Mixtral (8 experts, 16 rows a program), Qwen2-MoE's gated shared slots,
 masking (nonfinite="mask") and the flag (nonfinite="raise" under torch.compile), the others with the kernel's own
 assert (eager nonfinite="raise", debug=True); the one launch at 1 and 4 rows, the tensor-core one at
-64. ``--options`` adds each session-34 option on (the after tree only: a compile check and their size; a file the
-before dump lacks is not compared).
+64; DeepSeek-V4's hash router with its flags and with its own asserts (session 49). ``--options`` adds each
+session-34 option on (the after tree only: a compile check and their size; a file the before dump lacks is not
+compared).
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ QWEN2 = QWEN3 | dict(NUM_EXPERTS=64, PER_GROUP=64, P_PAD=64, TOP_K=4, NUM_SHARED
 # DeepSeek-V4's top-k layer (session 48's option): 256 experts, no groups, top-6 + its fused shared slot, the bias
 V4 = QWEN3 | dict(NUM_EXPERTS=256, PER_GROUP=256, P_PAD=256, TOP_K=6, NUM_SHARED=1, SLOTS_PAD=8, HAS_BIAS=True,
                   SQRT_SOFTPLUS=True)
-POINTERS = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "gate_ptr": "*bf16", "ids_ptr": "*i32",
+# DeepSeek-V4's hash layer (``hash_route_kernel``, its plan: E 256, top-6 + the fused shared slot, sqrt(softplus), one
+# row a program at 128 elements): its two checks as flags (interpreted, FusedHashRouter(assert_in_kernel=False)) or
+# as the kernel's own asserts (session 49's eager default on the GPU)
+HASH = dict(NUM_EXPERTS=256, E_PAD=256, TOP_K=6, NUM_SHARED=1, SLOTS_PAD=8, SIGMOID=False, SQRT_SOFTPLUS=True,
+            RENORMALIZE=True, SHARED_SCALE=1.0, SOFTCAP=0.0, SOFTCAP_INV=0.0, BLOCK_M=1, PRECISE=True)
+POINTERS = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "gate_ptr": "*bf16", "ids_ptr": "*i32", "tid_ptr": "*i64",
+            "table_ptr": "*i64",
             "weights_ptr": "*fp32", "ok_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
             "count_ptr": "*i32", "part_ptr": "*fp32"}
 SCALARS = {"scaling": "fp32"}  # every other scalar: i32
@@ -70,7 +77,8 @@ def _compile(module: str, kernel: str, const: dict, num_warps: int, num_stages: 
     sig = {n: "constexpr" if n in const else POINTERS.get(n, SCALARS.get(n, "i32")) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in names}
     src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    debug = dict(debug=True, sanitize_overflow=False) if const.get("ASSERT_FINITE") else {}  # as the eager launch
+    asserts = const.get("ASSERT_FINITE") or const.get("ASSERT_IN_KERNEL")
+    debug = dict(debug=True, sanitize_overflow=False) if asserts else {}  # as the eager launch
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
         num_warps=num_warps, num_stages=num_stages, enable_reflect_ftz=False, launch_pdl=False, **debug,
         **COMPILE_OPTIONS))
@@ -81,6 +89,7 @@ def cases(options: bool) -> dict:
     route = partial(_compile, "route_kernel", "route_kernel", num_warps=1)
     one = partial(_compile, "gate_route_kernel", "gate_route_kernel", num_warps=4)
     mma = partial(_compile, "gate_mma_kernel", "gate_mma_kernel", num_warps=4)
+    hashed = partial(_compile, "hash_route_kernel", "hash_route_kernel", num_warps=1)
     gate = dict(BLOCK_M=1, BLOCK_E=2, BLOCK_K=2048, HAS_LINEAR_BIAS=False)  # gate._tiles(1, E, 7168)
     tensor = dict(BLOCK_M=64, BLOCK_E=64, BLOCK_K=64, SPLIT_K=1, IEEE=False, UPCAST=False, HAS_LINEAR_BIAS=False,
                   ROUTE=True)
@@ -95,6 +104,8 @@ def cases(options: bool) -> dict:
         "one_dsv3_m1": partial(one, DSV3 | gate),
         "mma_dsv3_m64": partial(mma, DSV3 | tensor | dict(ROUTE_M=8)),
         "mma_qwen3_m64": partial(mma, QWEN3 | tensor | dict(ROUTE_M=16)),
+        "hash_v4_flags": partial(hashed, HASH),
+        "hash_v4_assert": partial(hashed, HASH | dict(ASSERT_IN_KERNEL=True)),
     }
     if options:
         out |= {f"opt_route_dsv3_{n}": partial(route, DSV3 | dict(BLOCK_M=1) | c) for n, c in OPTIONS.items()}

@@ -197,8 +197,8 @@ class DecodeFast:
         joint = entry.joint
         if joint is not None:  # the one launch and the experts' in one C call (no flag: the router asserts in its
             out = joint(x2d, w13, w2, buffers.ids, buffers.weights, b13, b2)  # kernel); None: they go one by one below
-            if out is not None:
-                return out
+            if out is not None:  # the routed experts: the separate shared MLP after them, as run_experts adds it
+                return with_shared(layer, x2d, out)
         bound = entry.bound
         if bound is not None:
             bound(x2d, weight, linear_bias, bias, None, buffers)

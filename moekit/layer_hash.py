@@ -5,8 +5,10 @@
 
 Everything after the routing is ``MoE``'s. The routing is, on CUDA, its one-launch kernel (``moekit.routing.
 hash_fused``: H100, V4's layer at M = 1, 407 -> 126 µs of host a call, ``benchmarks/v4r48_device_check.py``), else
-``moekit.routing.hash_route`` in torch. With the one-launch router a repeated eager call of up to 256 tokens goes
-straight to its launches (``moekit.layer_hash_fast``); ``MoE.forward``'s route workspace and CUDA graphs stand aside.
+``moekit.routing.hash_route`` in torch; with it, the gate of up to 8 rows is ``MoE``'s gate kernel
+(``routing.gate.gate_logits``, as a top-k layer's fused router has it), else ``F.linear``. With the one-launch router a
+repeated eager call of up to 256 tokens goes straight to its launches (``moekit.layer_hash_fast``, tried before
+forward's checks, as ``MoE.forward`` tries its own); ``MoE.forward``'s route workspace and CUDA graphs stand aside.
 
 Shapes: M tokens (leading dims flattened), K hidden, E routed experts, k = top_k, V table rows.
 """
@@ -21,8 +23,16 @@ from moekit.layer import MoE
 from moekit.layer_hash_fast import HashDecodeFast
 from moekit.routing import append_shared_slots, apply_capacity
 from moekit.routing.hash_fused import FusedHashRouter, computes
+from moekit.routing.gate import gate_logits
 from moekit.routing.hash_route import check_table, default_table, hash_route
 from moekit.routing.routed import MoEOutput, RoutedTokens, stats_on_host
+from moekit.triton_bind import triton_runs_on
+
+
+def _check_router(router) -> None:
+    if router not in ("auto", "torch", "fused"):
+        raise ValueError(f"router must be 'auto', 'torch' or 'fused' for a HashMoE (its routing is a table lookup: "
+                         f"hash_route in torch, or its one-launch kernel), got {router!r}")
 
 
 class HashMoE(MoE):
@@ -35,30 +45,50 @@ class HashMoE(MoE):
     ``eager_graph_rows`` does not apply: refused."""
 
     takes_token_ids = True  # read by check_layer_args: a config with hash_table_size builds this class only
-    _hash_router: FusedHashRouter | None = None  # router="fused" (a subclass built past __init__: the torch twin)
-    _hash_cuda_only = False  # router="auto": the fused hash router on CUDA logits only
 
     def __init__(self, config: MoEConfig, *, router: str = "auto", **options) -> None:
-        if router not in ("auto", "torch", "fused"):
-            raise ValueError(f"router must be 'auto', 'torch' or 'fused' for a HashMoE (its routing is a table lookup: "
-                             f"hash_route in torch, or its one-launch kernel), got {router!r}")
+        _check_router(router)
         if options.get("eager_graph_rows") is not None:
             raise ValueError("eager_graph_rows: a HashMoE runs eagerly (its forward takes the token ids)")
         super().__init__(config, router="torch", **options)
         self.register_buffer("tid2eid", default_table(config, self.w13.device))  # [V, k] int64
-        # the table lookup in one launch: always with "fused", on CUDA with "auto" (as MoE's fused router)
-        self._hash_router = FusedHashRouter(config) if router == "fused" or (router == "auto" and computes(config)) \
-            else None
-        self._hash_cuda_only = router == "auto"
+        self.router = router
         self._hash_decode = HashDecodeFast()  # forward's repeated decode calls (the fused router's), kept per M
         # what the fast path skips is this class's own (a subclass that routes or places the experts elsewhere: never)
         self._plain_hash = type(self).route_tokens is HashMoE.route_tokens and self._plain_run
 
+    @property
+    def router(self) -> str:
+        """The hash router asked for ("auto", "torch" or "fused"; ``_hash_router`` the one resolved): what
+        ``OffloadedMoE.from_moe`` and ``EPMoE.from_moe`` hand the layers they build."""
+        return self._router
+
+    @router.setter
+    def router(self, choice: str) -> None:
+        # Resolved here and on every move (MoE._weights_changed sets it again), never inside forward (as MoE's).
+        _check_router(choice)
+        MoE.router.fset(self, "torch")  # MoE's top-k router and its gate: never a hash layer's
+        self._router = choice
+        # the table lookup in one launch: always with "fused", on CUDA with "auto" (as MoE's fused router)
+        self._hash_router = FusedHashRouter(self.config) if choice == "fused" or (
+            choice == "auto" and computes(self.config)) else None
+        self._hash_cuda_only = choice == "auto"
+        self._hash_gate()
+
     def _weights_changed(self) -> None:
-        super()._weights_changed()
+        super()._weights_changed()  # the routers resolved again (the setter above)
         decode = self.__dict__.get("_hash_decode")  # None while MoE.__init__ runs
         if decode is not None:
             decode.clear()  # it holds buffers on the old device and the experts' kept calls
+
+    def _hash_gate(self) -> None:
+        """The gate kernel (``MoE._gate``'s, up to 8 rows) wherever the one-launch hash router routes this layer's
+        logits (on the weights' device): so the full forward and ``layer_hash_fast`` gate alike, and neither through
+        cuBLAS's host setup (``F.linear``: the torch router's path, compiled and autograd calls too)."""
+        device = self.w13.device
+        fused = self._hash_router is not None and triton_runs_on(device) and (
+            device.type == "cuda" or not self._hash_cuda_only)
+        self._gate_fn = gate_logits if fused else None
 
     def load_table_(self, table: torch.Tensor) -> HashMoE:
         """Copy ``table`` [V, k] (checked: shape, integer dtype, experts in [0, E)) into ``tid2eid``."""
@@ -104,6 +134,10 @@ class HashMoE(MoE):
         ``MoE.forward``'s. ``torch.compile`` traces it whole (the id range check is a device-side assert there)."""
         if return_aux_loss and return_stats:
             raise ValueError("pass return_stats=True or return_aux_loss=True, not both (as MoE.forward)")
+        extra = return_stats or return_aux_loss
+        out = None if extra else self._hash_decode(self, x, token_ids)  # a repeated decode call: straight to its
+        if out is not None:  # launches (layer_hash_fast: a plain 2-D x and [M] ids; implies the checks below)
+            return out
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or \
                 x.shape[-1] != self.config.hidden_size:
             raise input_error("x", x, self.config.hidden_size)
@@ -113,8 +147,7 @@ class HashMoE(MoE):
         flat = x.dim() == 2  # the common decode case: no reshapes (each ~1-2 µs of host, as MoE.forward)
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
         ids = token_ids.reshape(-1) if isinstance(token_ids, torch.Tensor) and not flat else token_ids  # [M]
-        extra = return_stats or return_aux_loss
-        out = None if extra else self._hash_decode(self, x2d, ids)  # a repeated decode call: straight to its launches
+        out = None if extra or flat else self._hash_decode(self, x2d, ids)  # a flattened call's, or None
         if out is None:
             routed = self.route_tokens(x2d, token_ids=ids)
             out = self._experts_and_shared(x2d, routed)  # [M, K]

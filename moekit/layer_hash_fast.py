@@ -1,29 +1,37 @@
 """``HashMoE``'s decode fast path: a repeated eager forward of up to ``layer_fast.MAX_ROWS`` tokens with the one-launch
-hash router (``routing.hash_fused``) goes straight to its launches, past ``route_tokens``, the router's argument
-checks and bind lookup and the experts step's generic code.
+hash router (``routing.hash_fused``) goes straight to its launches, past forward's argument checks (tried first, as
+``MoE.forward`` tries ``layer_fast``), ``route_tokens``, the router's checks and bind lookup and the experts step's
+generic code.
 
-    first call of a kind (M rows; x's dtype, device, stream, thread; token_ids' dtype, stride and alignment; the
-      layer's weights, table and routers): the full forward, then ``HashDecodeFast.keep``: the router's bound launch
+    first call of a kind (M rows; x's dtype, device, stream, thread; token_ids' shape, dtype, stride and alignment;
+      the layer's weights, table and routers): the full forward, then ``HashDecodeFast.keep``: the gate kernel's bound
+      launch (``gate.bound_gate``, up to its 8 rows) and logits [M, E] of its own, the router's bound launch
       (``FusedHashRouter.bind``), ids / weights buffers [M, k(+S)] of its own, the experts backend's kept call or
       fast path (as ``layer_fast``)
     a repeated call that fits the kept entry:
-      [Gate: ``MoE._gate`` as the full forward runs it] -> [Route: the bound launch into the kept buffers, its two
-      flags asserted as the router asserts them] -> [Experts, + the separate shared MLP: ``layer_fast.run_experts``]
+      [Gate: the kept gate launch (above 8 rows ``MoE._gate``, F.linear), as the full forward runs it] -> [Route: the
+      bound launch into the kept buffers; its two checks the compiled kernel's device-side asserts (interpreted: its
+      flags, checked as the router checks them)] -> [Experts, + the separate shared MLP: ``layer_fast.run_experts``];
+      where the kept call's launches are batched (a GPU; ``layer_fast.JOINED``) and the gate is the kernel, the gate,
+      the router (the call's token ids in its aux slot) and the experts' launches in one C call
+      (``triton_fast.JointCall``), as the top-k layer's gate + router launch joins them
 
-What a hit checks (else the full forward runs), besides what ``HashMoE.forward`` checked before (x [..., K] floating,
-token_ids of x's shape without K): ``layer_fast``'s call conditions (no autograd, compiling, tracing, dispatch mode,
-functorch transform or CUDA graph capture; x2d a plain contiguous 16-byte aligned tensor of the entry's dtype and
-device, on its stream and thread); token_ids a plain tensor of the entry's dtype and stride on x's device, aligned as
-then (the bound launch's key); the table (``tid2eid``) the same tensor at the same address, shape and strides (the
-launch binds V and its row stride; its values are read per call: ``load_table_`` in place is served, checked there);
-the gate weight and bias, w13, w2, b13, b2 the same tensors; the hash router, experts function, config, capacity
-factor (None), fuse_shared and shared gate the same objects. A token id outside [0, V) or a non-finite logit still
-raises: the kernel's flags, asserted each call (a device-side assert on the GPU, the twin's errors on the CPU).
-Outputs are the full forward's bit for bit: the same gate, the same launch with the same arguments, the same experts.
+What a hit checks (else the full forward runs, whose checks raise on bad input): ``layer_fast``'s call conditions (no
+autograd, compiling, tracing, dispatch mode, functorch transform or CUDA graph capture; x a plain 2-D tensor [M, K],
+contiguous, 16-byte aligned, of the entry's dtype and device, on its stream and thread); token_ids a plain tensor of
+shape [M] with the entry's dtype and stride on x's device, aligned as then (the bound launch's key); the table
+(``tid2eid``) the same tensor at the same address, shape and strides (the launch binds V and its row stride; its values
+are read per call: ``load_table_`` in place is served, checked there); the gate weight and bias, w13, w2, b13, b2 the
+same tensors, the gate's at the same address, shape, strides and dtype (the gate launch's key); the hash router, gate
+function, experts function, config, capacity factor (None), fuse_shared and shared gate the same objects. A token id
+outside [0, V) or a non-finite logit still raises: the kernel's device-side asserts on the GPU (or its flags, asserted,
+with ``FusedHashRouter(assert_in_kernel=False)``), the twin's errors on the CPU. Outputs are the full forward's bit for
+bit: the same gate launch, the same route launch with the same arguments, the same experts.
 
 Not kept: the torch router (``router="torch"``, or "auto" off CUDA), capacity dropping, a router dtype other than
-x's, a gated shared expert in fused slots, input-weighted experts, an eager-graph layer. A move or cast drops the
-entries (``MoE._weights_changed``).
+x's, a gated shared expert in fused slots, input-weighted experts, an eager-graph layer, a subclass that routes or
+places the experts itself (``OffloadedHashMoE``, ``EPHashMoE``). A move or cast drops the entries
+(``MoE._weights_changed``).
 
 Shapes: M tokens, K hidden, E experts, k + S slots, V table rows.
 """
@@ -38,31 +46,38 @@ import torch
 import moekit.layer_fast as layer_fast
 from moekit.experts import fast_path_of, keeper_of
 from moekit.layer_fast import _capturing, _compiling, _dispatching, _grad, _ref, _spec, _tracing, _transforming
+from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, bound_gate
 from moekit.routing.hash_fused import assert_flags
-from moekit.triton_bind import current_stream, interpreting
+from moekit.triton_bind import LEAD_AUX, LEAD_X, current_stream, interpreting
 
 
 class _Entry:
     """One kept kind of hash decode call."""
 
-    __slots__ = ("hidden", "dtype", "device_index", "stream", "thread", "ids_dtype", "ids_stride", "ids_aligned",
-                 "table", "table_spec", "refs", "objects", "launch", "ok", "flags", "rows", "ids", "weights",
-                 "kept", "fast", "activation", "cuda")
+    __slots__ = ("hidden", "dtype", "device_index", "stream", "thread", "ids_shape", "ids_dtype", "ids_stride",
+                 "ids_aligned", "table", "table_spec", "refs", "gate_specs", "objects", "gate", "logits", "launch",
+                 "ok", "flag_arg", "flags", "rows", "ids", "weights", "kept", "fast", "joint", "activation", "cuda")
 
     def __init__(self, layer, x2d: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor, tensors: tuple,
-                 bound, kept, fast, ids: torch.Tensor, weights: torch.Tensor) -> None:
+                 gate, logits, bound, kept, fast, joint, ids: torch.Tensor, weights: torch.Tensor) -> None:
         self.hidden, self.dtype, self.device_index, self.cuda = x2d.shape[1], x2d.dtype, x2d.get_device(), x2d.is_cuda
         self.stream = current_stream() if self.cuda else 0
         self.thread = get_ident()
-        self.ids_dtype, self.ids_stride, self.ids_aligned = token_ids.dtype, token_ids.stride(), _aligned(token_ids)
+        self.ids_shape, self.ids_dtype = token_ids.shape, token_ids.dtype  # [M]
+        self.ids_stride, self.ids_aligned = token_ids.stride(), _aligned(token_ids)
         self.table, self.table_spec, self.rows = weakref.ref(table), _spec(table), table.shape[0]
         self.refs = tuple(_ref(t) for t in tensors)  # gate weight, gate bias, w13, w2, b13, b2
+        self.gate_specs = (_spec(tensors[0]), _spec(tensors[1]))  # what the bound gate launch specialised on
         self.objects = _objects(layer)
-        self.launch, self.ok = bound.launch, bound.ok  # ok [2] int32: the kernel's flags (logits finite, ids inside)
+        # the gate kernel's bound launch and its logits [M, E] (up to gate.MAX_TOKENS rows), else None: MoE._gate
+        self.gate, self.logits = gate, logits
+        self.launch, self.ok = bound.launch, bound.ok  # ok [2] int32: the kernel's flags, None: asserted in it
+        self.flag_arg = ids if bound.ok is None else bound.ok  # the launch's sixth pointer (unread when asserting)
         # the flags' two asserts without indexing each call; on the CPU (or interpreted) the router's own check
-        self.flags = (bound.ok[0], bound.ok[1]) if self.cuda and not interpreting() else None
+        self.flags = (bound.ok[0], bound.ok[1]) if bound.ok is not None and self.cuda and not interpreting() else None
         self.ids, self.weights = ids, weights  # [M, k(+S)] int32 / fp32, this entry's own
         self.kept, self.fast, self.activation = kept, fast, layer.config.activation
+        self.joint = joint  # the gate, the router and the kept call in one C call (``KeptCall.joined``), else None
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -79,8 +94,8 @@ def _tensors(layer) -> tuple:
 def _objects(layer) -> tuple:
     """What else the forward's path depends on, compared by identity (none a tensor)."""
     d = layer.__dict__
-    return (d["_hash_router"], d["_hash_cuda_only"], d["_experts_fn"], d["config"], d["capacity_factor"],
-            d["fuse_shared"], layer._modules.get("shared_gate"), d["eager_graphs"])
+    return (d["_hash_router"], d["_hash_cuda_only"], d["_gate_fn"], d["_experts_fn"], d["config"],
+            d["capacity_factor"], d["fuse_shared"], layer._modules.get("shared_gate"), d["eager_graphs"])
 
 
 class HashDecodeFast:
@@ -94,17 +109,22 @@ class HashDecodeFast:
     def clear(self) -> None:
         self._entries.clear()
 
-    def __call__(self, layer, x2d: torch.Tensor, token_ids) -> torch.Tensor | None:
-        """out [M, K] of a repeated decode call, or None (the caller runs the full forward). x2d [M, K] and
-        token_ids [M] as ``HashMoE.forward`` made them after its checks."""
-        entry = self._entries.get(x2d.shape[0])
-        if (entry is None or not layer_fast.ENABLED or _compiling() or _grad() or _dispatching() or _tracing()
-                or _transforming() or x2d.__class__ is not torch.Tensor or token_ids.__class__ is not torch.Tensor):
+    def __call__(self, layer, x2d, token_ids) -> torch.Tensor | None:
+        """out [M, K] of a repeated decode call, or None (the caller runs the full forward). ``x2d``, ``token_ids``:
+        what ``HashMoE.forward`` was given (it tries this first) or made of it: anything but a plain [M, K] tensor and
+        plain [M] ids of a kept kind misses here."""
+        if (_compiling() or x2d.__class__ is not torch.Tensor or token_ids.__class__ is not torch.Tensor
+                or x2d.dim() != 2):  # first: a trace never reads M here
             return None
-        if (x2d.shape[1] != entry.hidden or x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index
+        shape = x2d.shape
+        entry = self._entries.get(shape[0])
+        if entry is None or not layer_fast.ENABLED or _grad() or _dispatching() or _tracing() or _transforming():
+            return None
+        if (shape[1] != entry.hidden or x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index
                 or not x2d.is_contiguous() or x2d.data_ptr() & 15 or get_ident() != entry.thread
-                or token_ids.dtype is not entry.ids_dtype or token_ids.get_device() != entry.device_index
-                or token_ids.stride() != entry.ids_stride or _aligned(token_ids) != entry.ids_aligned):
+                or token_ids.shape != entry.ids_shape or token_ids.dtype is not entry.ids_dtype
+                or token_ids.get_device() != entry.device_index or token_ids.stride() != entry.ids_stride
+                or _aligned(token_ids) != entry.ids_aligned):
             return None
         if entry.cuda and (_capturing() or current_stream() != entry.stream):
             return None
@@ -114,15 +134,25 @@ class HashDecodeFast:
         weight, linear_bias, w13, w2, b13, b2 = _tensors(layer)
         gate_ref, linear_ref, w13_ref, w2_ref, b13_ref, b2_ref = entry.refs
         if (gate_ref() is not weight or linear_ref() is not linear_bias or w13_ref() is not w13 or w2_ref() is not w2
-                or b13_ref() is not b13 or b2_ref() is not b2 or _objects(layer) != entry.objects):
+                or b13_ref() is not b13 or b2_ref() is not b2 or _objects(layer) != entry.objects
+                or entry.gate_specs != (_spec(weight), _spec(linear_bias))):
             return None
-        logits = layer._gate(x2d, weight, linear_bias, None)  # [M, E], as route_tokens' _router_logits
-        entry.launch(logits, token_ids, table, entry.ids, entry.weights, entry.ok)
-        if entry.flags is None:
-            assert_flags(entry.ok, logits, token_ids, entry.rows)
-        else:  # FusedHashRouter's asserts on views made once
+        joint = entry.joint
+        if joint is not None:  # the gate, the router and the experts in one C call; None: one by one below
+            out = joint(x2d, w13, w2, entry.ids, entry.weights, b13, b2, token_ids)
+            if out is not None:
+                return layer_fast.with_shared(layer, x2d, out)
+        gate = entry.gate
+        if gate is not None:  # MoE._gate's kernel launch, into the entry's logits
+            logits = gate(x2d, weight, linear_bias, entry.logits)  # [M, E]
+        else:  # above the kernel's rows: MoE._gate as the full forward runs it (F.linear)
+            logits = layer._gate(x2d, weight, linear_bias, None)  # [M, E]
+        entry.launch(logits, token_ids, table, entry.ids, entry.weights, entry.flag_arg)
+        if entry.flags is not None:  # FusedHashRouter's asserts on views made once
             torch._assert_async(entry.flags[0], "router_logits contains NaN or infinite values")
             torch._assert_async(entry.flags[1], "token_ids outside [0, hash_table_size)")
+        elif entry.ok is not None:  # the CPU (interpreted): the twin's errors
+            assert_flags(entry.ok, logits, token_ids, entry.rows)
         return layer_fast.run_experts(layer, entry, x2d, w13, w2, entry.ids, entry.weights, b13, b2)
 
     def keep(self, layer, x2d: torch.Tensor, token_ids, logits: torch.Tensor) -> None:
@@ -138,11 +168,16 @@ class HashDecodeFast:
                 or not x2d.is_contiguous() or x2d.data_ptr() & 15 or (x2d.is_cuda and _capturing())):
             return
         tensors = _tensors(layer)
-        weight, _, w13, w2, b13, b2 = tensors
+        weight, linear_bias, w13, w2, b13, b2 = tensors
         if weight.dtype != x2d.dtype or w13 is None or w2 is None:
             return
+        gate = None  # the gate kernel where MoE._gate took it (its rows, a kind of call it applies to)
+        if layer._gate_fn is not None and m <= GATE_ROWS:
+            gate = bound_gate(x2d, weight, linear_bias)
+        kept_logits = None if gate is None else torch.empty_like(logits)  # [M, E], the gate kernel's out
         table = layer._buffers["tid2eid"]
-        bound = layer._hash_router.bind(logits, token_ids, table, layer.fuse_shared)
+        bound = layer._hash_router.bind(logits if kept_logits is None else kept_logits, token_ids, table,
+                                        layer.fuse_shared)
         if bound is None:
             return
         if len(self._entries) >= layer_fast.MAX_ENTRIES and m not in self._entries:
@@ -151,5 +186,10 @@ class HashDecodeFast:
         weights = torch.empty(bound.shape, dtype=torch.float32, device=x2d.device)  # [M, k(+S)]
         keeper = keeper_of(layer._experts_fn)
         kept = None if keeper is None else keeper(x2d, w13, w2, ids, weights, c.activation, b13=b13, b2=b2)
-        self._entries[m] = _Entry(layer, x2d, token_ids, table, tensors, bound, kept, fast_path_of(layer._experts_fn),
-                                  ids, weights)
+        joint = None  # where the router asserts in its kernel (no flag to read after it) and the gate is the kernel
+        if layer_fast.JOINED and gate is not None and bound.ok is None and hasattr(kept, "joined"):
+            gate_bias = weight if linear_bias is None else linear_bias  # the gate launch's third pointer
+            joint = kept.joined(gate.launch, (LEAD_X, weight, gate_bias, kept_logits),
+                                ((bound.launch, (kept_logits, LEAD_AUX, table, ids, weights, ids)),))
+        self._entries[m] = _Entry(layer, x2d, token_ids, table, tensors, gate, kept_logits, bound, kept,
+                                  fast_path_of(layer._experts_fn), joint, ids, weights)

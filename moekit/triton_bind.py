@@ -21,6 +21,7 @@ import torch
 COMPILE_OPTIONS = types.MappingProxyType({"enable_fp_fusion": True})
 
 LEAD_X = object()  # among a joined lead launch's pointers (``triton_fast.JointCall``): the call's x
+LEAD_AUX = object()  # among them too: the call's one other per-call tensor (the hash router's token ids: ``aux``)
 
 
 def next_pow2(n: int) -> int:

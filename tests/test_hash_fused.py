@@ -4,7 +4,8 @@ Triton's interpreter (TRITON_INTERPRET=1).
 Chain: the kernel against a float64 per-token loop written here (the table's experts, their scores: sqrt(softplus),
 sigmoid or softmax, soft-capped or not, / (their sum + 1e-20) or not, x the scale; shared slots last) and against
 ``hash_route`` (its torch twin: ids equal, weights within fp32 rounding); its errors as the twin's; the layer with
-``router="fused"`` against the torch-routed layer and ``_hash_loop``'s float64 layer. GPU figures:
+``router="fused"`` against the torch-routed layer and ``_hash_loop``'s float64 layer; the compiled launch's own
+device-side asserts (interpreted with the debug option a GPU compile gets). GPU figures:
 ``benchmarks/v4r48_device_check.py``.
 
 Shapes: M tokens, E experts 16, k = top_k 4, V table rows 50.
@@ -132,3 +133,64 @@ def test_the_layer_with_the_fused_hash_router(hash_fused, fuse_shared):
     auto = HashMoE(cfg, backend="triton", router="auto", fuse_shared=fuse_shared).eval()
     with torch.no_grad():
         assert torch.equal(auto(x, token_ids=ids), want)  # "auto" off CUDA: the torch twin, as MoE's router
+
+
+@pytest.fixture
+def device_asserts(monkeypatch):
+    """The interpreter compiling ``tl.device_assert`` as a GPU compile with ``debug=True`` does (its builder's
+    options say debug=False: the asserts would be dropped)."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+
+
+def test_the_kernels_own_asserts(hash_fused, device_asserts):
+    """ASSERT_IN_KERNEL (the compiled GPU launch's): a token id outside [0, V) and a NaN logit each fail the kernel's
+    device-side assert with hash_route's message; good inputs route as the flagged launch does, bit for bit."""
+    cfg = MoEConfig(**BASE)
+    logits, token_ids, table = _problem(cfg, 5, seed=7)
+    plan = hash_fused.FusedHashRouter(cfg)._plans[0]
+    kernel = hash_fused.kernels("hash_route_kernel").hash_route_kernel
+
+    def launch(lg, tid, in_kernel: bool):
+        ids, weights = torch.empty(5, 4, dtype=torch.int32), torch.empty(5, 4)
+        ok = torch.ones(2, dtype=torch.int32)
+        kernel[(5,)](lg, tid, table, ids, weights, ok, 5, V, lg.stride(0), 1, table.stride(0), 1.5, **plan.constexprs,
+                     BLOCK_M=1, PRECISE=False, ASSERT_IN_KERNEL=in_kernel)
+        return ids, weights, ok
+
+    ids, weights, ok = launch(logits, token_ids, True)
+    flagged = launch(logits, token_ids, False)
+    assert torch.equal(ids, flagged[0]) and torch.equal(weights, flagged[1]) and flagged[2].tolist() == [1, 1]
+    assert ok.tolist() == [1, 1]  # asserting, the kernel writes no flag
+    bad_ids = token_ids.clone()
+    bad_ids[4] = V
+    with pytest.raises(Exception, match=r"token_ids outside \[0, hash_table_size\)"):
+        launch(logits, bad_ids, True)
+    assert launch(logits, bad_ids, False)[2].tolist() == [1, 0]  # the flag the launcher asserts instead
+    bad_logits = logits.clone()
+    bad_logits[2, 9] = float("nan")
+    with pytest.raises(Exception, match="router_logits contains NaN or infinite values"):
+        launch(bad_logits, token_ids, True)
+
+
+def test_compiled_launches_assert_in_the_kernel(hash_fused, monkeypatch):
+    """Where the kernel is compiled (PRECISE: a GPU), the bound launch asks for its asserts (debug=True) and keeps no
+    flags; ``assert_in_kernel=False`` keeps the flags; interpreted, always the flags."""
+    cfg = MoEConfig(**BASE)
+    logits, token_ids, table = _problem(cfg, 3, seed=3)
+    plan = hash_fused.FusedHashRouter(cfg)._plans[0]
+    interpreted_bound = hash_fused._Bound(plan, logits, token_ids, table, True)
+    assert interpreted_bound.ok is not None and "debug" not in interpreted_bound.launch.options
+    assert interpreted_bound.launch.tail[-1] is False  # ASSERT_IN_KERNEL, the kernel's last parameter
+    compiled = dict(hash_fused._launch_options(logits.device), PRECISE=True)
+    monkeypatch.setattr(hash_fused, "_launch_options", lambda device: compiled)
+    bound = hash_fused._Bound(plan, logits, token_ids, table, True)
+    assert bound.ok is None and bound.launch.options["debug"] is True
+    assert bound.launch.options["sanitize_overflow"] is False and bound.launch.tail[-1] is True
+    flagged = hash_fused._Bound(plan, logits, token_ids, table, False)
+    assert flagged.ok.tolist() == [1, 1] and "debug" not in flagged.launch.options
+    assert not hash_fused.FusedHashRouter(cfg, assert_in_kernel=False).assert_in_kernel

@@ -12,8 +12,8 @@ import torch
 
 import moekit.batch_launch as bl
 import moekit.experts.triton_lean as lean
-from moekit.experts.triton_fast import JointCall
-from moekit.triton_bind import LEAD_X
+from moekit.experts.triton_fast import JointCall, KeptCall
+from moekit.triton_bind import LEAD_AUX, LEAD_X
 from test_batch_launch import PDL, Driver, _template, mod  # noqa: F401  (mod: the fixture)
 
 
@@ -44,7 +44,7 @@ def test_lead_then_sequence_in_one_call(mod, monkeypatch):  # noqa: F811
     bl.register(0x8000, "gemm", ["*bf16", "*bf16", "i32"], None)
     weight, logits = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4)
     kept = Kept(_sequence(0x8000))
-    joint = JointCall(kept, _lead(0x7000), (LEAD_X, weight, logits))
+    joint = JointCall(kept, ((_lead(0x7000), (LEAD_X, weight, logits)),))
     driver = Driver({0x7000: [8, 8, 8, 4, 4, 8, 8], 0x8000: [8, 8, 4, 8, 8]})
     driver.install(mod)
     x, ids, weights = torch.ones(8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), torch.zeros(2)
@@ -67,3 +67,31 @@ def test_lead_then_sequence_in_one_call(mod, monkeypatch):  # noqa: F811
     assert kept.seq.batch is None and joint(x, None, None, ids, weights) is None
     kept.seq = None  # the kept call misses
     assert joint(x, None, None, ids, weights) is None
+
+
+def test_two_leads_and_the_calls_aux_tensor(mod, monkeypatch):  # noqa: F811
+    """``layer_hash_fast``'s join: two lead launches in order (the gate, then the hash router), the second reading
+    the call's ``aux`` tensor (its token ids, ``LEAD_AUX``) at its position, a new aux per call; then the sequence."""
+    monkeypatch.setattr(bl, "module", lambda: mod)
+    monkeypatch.setattr(lean, "BATCHED", True)
+    bl.register(0x7000, "gate", ["*bf16", "*bf16", "*fp32", "i32", "fp32"], None)
+    bl.register(0x7100, "route", ["*fp32", "*i64", "*i32", "i32", "fp32"], None)
+    bl.register(0x8000, "gemm", ["*bf16", "*bf16", "i32"], None)
+    weight, logits, table = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), torch.zeros(4, dtype=torch.int32)
+    kept = Kept(_sequence(0x8000))
+    joint = KeptCall(None, None, 66).joined(_lead(0x7000), (LEAD_X, weight, logits),
+                                            ((_lead(0x7100), (logits, LEAD_AUX, table)),))
+    joint.kept = kept  # the stand-in's sequence (a KeptCall's is its memo's)
+    driver = Driver({0x7000: [8, 8, 8, 4, 4, 8, 8], 0x7100: [8, 8, 8, 4, 4, 8, 8], 0x8000: [8, 8, 4, 8, 8]})
+    driver.install(mod)
+    x, ids, weights = torch.ones(8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), torch.zeros(2)
+    for step in range(2):
+        token_ids = torch.arange(2 + step)  # a new tensor each call
+        driver.launches.clear()
+        out = joint(x, None, None, ids, weights, aux=token_ids)
+        gate, route, gemm = driver.launches
+        assert [gate["function"], route["function"], gemm["function"]] == [0x7000, 0x7100, 0x8000]
+        assert gate["params"][0] == struct.pack("<Q", x.data_ptr())
+        assert route["params"][:3] == [struct.pack("<Q", logits.data_ptr()), struct.pack("<Q", token_ids.data_ptr()),
+                                       struct.pack("<Q", table.data_ptr())]
+        assert gemm["params"][1] == struct.pack("<Q", out.data_ptr())

@@ -118,3 +118,40 @@ def test_a_changed_shared_weight_is_read_as_the_full_forward_reads_it(hits, chan
         assert torch.equal(layer(x), want)
     assert hits[0] == 2
 
+
+
+class _JointStandIn:
+    """Stands in for ``triton_fast.JointCall`` (which batches only on a GPU): the one C call's output, the routed
+    experts alone (the layer's experts call), after the gate + router launch the stand-in runs first."""
+
+    def __init__(self, entry, layer):
+        self.entry, self.layer = entry, layer
+
+    def __call__(self, x, w13, w2, ids, weights, b13=None, b2=None):
+        entry, layer = self.entry, self.layer
+        entry.bound(x, layer.gate.weight, None, layer.e_score_correction_bias, None, entry.buffers)
+        return routed_experts(layer, x, ids, weights)
+
+
+def routed_experts(layer, x, ids, weights):
+    return layer._experts_call(layer._experts_fn, x, layer.w13, layer.w2, ids, weights,
+                               activation=layer.config.activation)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_joined_call_adds_the_shared_mlp(hits, gated):
+    """Where the gate + router launch joins the experts' one C call (``JOINED``, a GPU's batched launches) the served
+    output is still the full forward's: the separate shared MLP added after it (session 48 returned the joined call's
+    routed experts alone)."""
+    layer, full = _pair(gated)
+    x = _x(2, 0)
+    with torch.no_grad():
+        layer(x)
+        entry = layer._decode._entries[2]
+        assert entry.kept is not None and entry.bound is not None
+        entry.joint = _JointStandIn(entry, layer)
+        got, want = layer(x), full(x)
+        routed = routed_experts(layer, x, entry.buffers.ids, entry.buffers.weights)
+    assert hits[0] == 1
+    assert not torch.equal(routed, want)  # the shared MLP matters here
+    assert torch.equal(got, want)

@@ -3,7 +3,9 @@ one-launch hash router is served and equals the full forward bit for bit (the fa
 float64 layer, with the shared expert fused or separate, flat or 3-D; it steps aside, running the full forward, for a
 new table tensor, token ids of another dtype or stride, new expert weights, the switch off; an in-place table load is
 served with the new table; a token id out of range or a NaN logit on a served call still raises, and the next good call
-is right. The torch router never keeps."""
+is right. The torch router never keeps. Tried before forward's checks, it misses what they refuse (their errors); the
+gate of up to 8 rows is the gate kernel in both paths; where the router asserts in its kernel the gate, the router and
+the experts are joined into one C call, whose served output equals the full forward's (session 49)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from _hash_loop import hash_layer_loop
+from _helpers import count_calls
 from _triton_helpers import interpreted
 from moekit import HashMoE, MoEConfig, layer_fast
 from moekit.layer_hash_fast import HashDecodeFast
@@ -173,3 +176,93 @@ def test_torch_router_switch_off_and_a_cast_never_serve(hits, monkeypatch):
         for _ in range(2):
             assert torch.equal(fused(x.bfloat16(), token_ids=ids), full(x.bfloat16(), token_ids=ids))
     assert hits[0] == 0
+
+
+def test_tried_first_it_misses_what_forward_refuses(hits):
+    """The fast path runs before forward's argument checks: a call those checks refuse misses it and gets their error
+    (ids of another shape, x of another width or dtype); a 3-D x and its ids are served once flattened."""
+    layer, full = _pair()
+    x, ids = _inputs((2,), 0)
+    with torch.no_grad():
+        layer(x, token_ids=ids)
+        layer._hash_decode._entries[2].ok = None  # as a compiled kernel asserting: no host check of the ids after it
+        with pytest.raises(ValueError, match="token_ids must have x's shape"):
+            layer(x, token_ids=ids[:1])  # [1]: the launch would read past it
+        with pytest.raises(ValueError, match="token_ids must have x's shape"):
+            layer(x, token_ids=ids[:, None])  # [2, 1]: another shape, the same M
+        with pytest.raises(ValueError, match="token_ids must have x's shape"):
+            layer(x, token_ids=ids[None, :])  # [1, 2]
+        with pytest.raises(ValueError, match="x"):
+            layer(torch.randn(2, K + 1), token_ids=ids)
+        with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+            layer(x.to(torch.int32), token_ids=ids)
+        assert hits[0] == 0
+        x3, ids3 = x[None], ids[None]  # [1, 2, K], [1, 2]
+        assert torch.equal(layer(x3, token_ids=ids3), full(x3, token_ids=ids3)) and hits[0] == 1
+
+
+def test_the_gate_kernel_in_both_paths(hits, monkeypatch):
+    """With the one-launch hash router the gate of up to 8 rows is the gate kernel (``gate.gate_logits``) in the full
+    forward and on the fast path alike: its logits within fp32 rounding of a float64 x @ W^T, equal to the kernel's
+    called directly; 9 rows gate through F.linear; the torch router's layer never launches it."""
+    from moekit.routing import gate
+
+    launches = count_calls(monkeypatch, {"gate": 0}, [(gate._BoundGate, "__call__", "gate")])
+    layer, _ = _pair()
+    torch_routed, _ = _pair(router="torch")
+    with torch.no_grad():
+        for m, kernel in ((1, True), (8, True), (9, False)):
+            x, ids = _inputs((m,), m)
+            before = launches["gate"]
+            logits = layer(x, token_ids=ids, return_aux_loss=True).router_logits  # the full forward's
+            assert (launches["gate"] > before) is kernel
+            ref = x.double() @ layer.gate.weight.double().t()
+            assert ((logits.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+            if kernel:
+                assert torch.equal(logits, gate.gate_logits(x, layer.gate.weight))
+            layer(x, token_ids=ids)  # kept
+            before = launches["gate"]
+            layer(x, token_ids=ids)  # served
+            assert (launches["gate"] > before) is kernel
+        before = launches["gate"]
+        torch_routed(*_inputs((2,), 0))
+        assert launches["gate"] == before
+    assert hits[0] == 3
+
+
+@pytest.mark.parametrize("fuse_shared", [True, False])
+def test_joined_gate_router_and_experts(hits, fuse_shared, monkeypatch):
+    """Where the router asserts in its kernel (compiled: no flags) the entry joins the gate launch, the router launch
+    (the call's token ids in the aux slot) and the experts' kept call (``KeptCall.joined``; batched only on a GPU);
+    a served call through the joint adds the separate shared MLP and equals the full forward. The interpreter keeps
+    flags: its routers are made to look compiled (``ok`` None) for the keep, and the joint is a stand-in."""
+    from moekit.experts.triton_lean import MAP, X
+    from moekit.routing import hash_fused
+
+    layer, full = _pair(fuse_shared)
+    x, ids = _inputs((2,), 0)
+    with torch.no_grad():
+        layer(x, token_ids=ids)
+        assert layer._hash_decode._entries[2].joint is None  # interpreted: flags to assert after the launch
+        for bound in hash_fused._BOUND.values():
+            monkeypatch.setattr(bound, "ok", None)  # set back after the test: the module's bound launches
+        layer._hash_decode.clear()
+        layer(x, token_ids=ids)
+        entry = layer._hash_decode._entries[2]
+        (gate, gate_args), (route, route_args) = entry.joint.leads
+        assert gate is entry.gate.launch and gate_args[0].index == X and gate_args[3] is entry.logits
+        assert route is entry.launch and route_args[0] is entry.logits and route_args[1].index == MAP
+        assert route_args[2] is layer.tid2eid and route_args[3:] == (entry.ids, entry.weights, entry.ids)
+        seen = []
+
+        def stand_in(x2d, w13, w2, ids_buf, weights_buf, b13, b2, aux):
+            seen.append(aux)
+            entry.gate(x2d, layer.gate.weight, None, entry.logits)
+            entry.launch(entry.logits, aux, layer.tid2eid, ids_buf, weights_buf, entry.ids)
+            return layer._experts_call(layer._experts_fn, x2d, w13, w2, ids_buf, weights_buf,
+                                       activation=layer.config.activation)
+
+        entry.joint = stand_in
+        x2, ids2 = _inputs((2,), 1)
+        assert torch.equal(layer(x2, token_ids=ids2), full(x2, token_ids=ids2))
+    assert seen == [ids2] and hits[0] == 1

@@ -1,7 +1,8 @@
 """Offloaded hash layers (``OffloadedMoE.from_moe(hash_moe)`` -> ``OffloadedHashMoE``, CPU: the cache's "GPU" is the
 CPU too): the layer against a float64 per-token loop with misses fetched, computed on the CPU, and in rounds; the
 errors naming ``token_ids``; the next hash layer's prefetch told exactly by the table; and the whole-model offload of a
-tiny DeepSeek-V4 built offline by transformers (a hash layer and two top-k layers) against its own logits.
+tiny DeepSeek-V4 built offline by transformers (a hash layer and two top-k layers) against its own logits; the layer
+keeps the HashMoE's router choice (the one-launch kernel and the gate kernel with "fused", interpreted).
 
 Shapes: M tokens, K hidden 16, N expert width 8, E experts 8, k = top_k 2, V table rows 40.
 """
@@ -130,3 +131,26 @@ def test_the_table_travels_in_the_state_dict_and_a_bad_entry_is_refused():
     state["tid2eid"][3, 1] = 8
     with pytest.raises(ValueError, match=r"tid2eid must hold experts in \[0, num_experts=8\); rows \[3\]"):
         other.load_state_dict(state)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the branches tl.where discards
+@pytest.mark.parametrize("router", ["auto", "torch", "fused"])
+def test_the_offloaded_layer_keeps_the_hash_router_asked_for(router, monkeypatch):
+    """``from_moe`` hands the layer it builds the HashMoE's router choice (session 48 handed MoE's, "torch": the
+    offloaded hash layer routed with the torch twin on the GPU too); with "fused" it routes with the one-launch kernel
+    and the gate kernel (interpreted here) and equals the float64 loop."""
+    from _helpers import count_calls
+    from _triton_helpers import interpreted
+    from moekit.routing.hash_fused import FusedHashRouter
+
+    with interpreted("moekit.routing", "moekit.routing.hash_fused"):
+        calls = count_calls(monkeypatch, {"router": 0}, [(FusedHashRouter, "__call__", "router")])
+        moe = _hash_moe(0, router=router)
+        off = OffloadedMoE.from_moe(moe, cache_experts=3, prefetch=None)
+        assert off.router == router and (off._hash_router is None) == (router == "torch")
+        assert (off._gate_fn is not None) == (router == "fused")  # "auto" off CUDA: the torch twin, F.linear
+        x, ids = torch.randn(5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2)), _ids((5,))
+        with torch.no_grad():
+            got, want = off(x, token_ids=ids), hash_layer_loop(moe, x, ids)
+        assert ((got - want).norm() / want.norm()).item() < 1e-7
+        assert calls["router"] == (router == "fused")

@@ -40,11 +40,11 @@ import torch
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.kept_biases import fits, keepable, kept_biases
 from moekit.batch_launch import Batch
-from moekit.experts.triton_lean import X, LaunchSequence, _Slot, launch_lean, record_steps
+from moekit.experts.triton_lean import MAP, X, LaunchSequence, _Slot, launch_lean, record_steps
 from moekit.experts.triton_plan import Plan
 from moekit.experts.triton_quant_fast import run_quant_fast
 import moekit.triton_bind as triton_bind
-from moekit.triton_bind import LEAD_X, current_stream
+from moekit.triton_bind import LEAD_AUX, LEAD_X, current_stream
 
 MAX_ENTRIES = 4096  # (weights, kind of call, thread) kept; the oldest goes first
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -209,37 +209,42 @@ class KeptCall:
         sequence = entry.sequence
         return None if sequence.raw and not sequence.hooks.idle() else sequence
 
-    def joined(self, launch, pointers: tuple) -> "JointCall":
+    def joined(self, launch, pointers: tuple, then: tuple = ()) -> "JointCall":
         """This call with ``launch`` (a ``BoundLaunch`` whose ``pointers`` are fixed but for x, ``LEAD_X``) before its
-        launches, in the one C call of a batched sequence (``moekit.layer_fast``: the gate + router launch)."""
-        return JointCall(self, launch, pointers)
+        launches, in the one C call of a batched sequence (``moekit.layer_fast``: the gate + router launch); ``then``:
+        more (launch, pointers) after it, in order, whose pointers may hold ``LEAD_AUX`` too (``layer_hash_fast``: the
+        gate, then the hash router reading the call's token ids)."""
+        return JointCall(self, ((launch, pointers), *then))
 
 
 class JointCall:
-    """A ``KeptCall`` whose launches follow a lead launch in one C call (``batch_launch.Batch``): the lead's steps
+    """A ``KeptCall`` whose launches follow lead launches in one C call (``batch_launch.Batch``): the leads' steps
     recorded once, joined to the kept entry's sequence (again whenever the entry's sequence is another object). A call
     returns out [M, K], or None where the sequence is not batched (a step not raw, no C module, workspace allocated per
-    call) or the kept call misses: the caller then launches the lead and the kept call itself."""
+    call) or the kept call misses: the caller then launches the leads and the kept call itself. ``aux`` (a call's
+    tensor a lead reads, ``LEAD_AUX``) travels in the expert map's slot, which a kept call never fills (it keeps only
+    calls without a map)."""
 
-    __slots__ = ("kept", "lead", "sequence", "batch")
+    __slots__ = ("kept", "leads", "sequence", "batch")
 
-    def __init__(self, kept: KeptCall, launch, pointers: tuple) -> None:
+    def __init__(self, kept: KeptCall, leads: tuple) -> None:
         self.kept, self.sequence, self.batch = kept, None, None
-        self.lead = (launch, tuple(_Slot(X) if p is LEAD_X else p for p in pointers))
+        slots = {id(LEAD_X): _Slot(X), id(LEAD_AUX): _Slot(MAP)}
+        self.leads = [(launch, tuple(slots.get(id(p), p) for p in pointers)) for launch, pointers in leads]
 
-    def __call__(self, x, w13, w2, ids, weights, b13=None, b2=None) -> torch.Tensor | None:
+    def __call__(self, x, w13, w2, ids, weights, b13=None, b2=None, aux=None) -> torch.Tensor | None:
         sequence = self.kept.sequence(w13, w2, b13, b2)
         if sequence is None or sequence.batch is None or sequence.large is not None:
             return None
         if sequence is not self.sequence:
-            lead = record_steps([self.lead])
+            leads = record_steps(self.leads)
             self.sequence = sequence
-            self.batch = None if lead is None else Batch.of(lead[0] + sequence.steps)
+            self.batch = None if leads is None else Batch.of(leads[0] + sequence.steps)
         batch = self.batch
         if batch is None:
             return None
         out = torch.empty_like(x)  # [M, K]
-        batch.launch_all(batch.blob, self.kept.stream, x, ids, weights, out, None, b13, b2, w13, w2)
+        batch.launch_all(batch.blob, self.kept.stream, x, ids, weights, out, aux, b13, b2, w13, w2)
         return out
 
 

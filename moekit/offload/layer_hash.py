@@ -5,10 +5,12 @@
     or on the CPU] (+ shared) -> [Prefetch the next layer's experts]
 
 The routing is ``HashMoE``'s (the [V, k] table stays on the device with the gate: it is the routing, not an
-expert), the experts are ``OffloadedMoE``'s. ``moe(x, token_ids=ids)`` as a ``HashMoE``; a call without ids, or
-with an id outside the table, is its error naming ``token_ids``. The next layer's prediction: a hash layer after a
-hash layer is told exactly, ``tid2eid[token_ids]`` of these ids (``predicted_ids``); a top-k layer by its router on
-this input, as between top-k layers; a hash layer after a top-k layer is not predicted (that layer has no ids).
+expert; the router asked for is the ``HashMoE``'s: on CUDA by default the gate kernel and the one-launch hash
+router, since session 49), the experts are ``OffloadedMoE``'s. ``moe(x, token_ids=ids)`` as a ``HashMoE``; a call
+without ids, or with an id outside the table, is its error naming ``token_ids``. The next layer's prediction: a hash
+layer after a hash layer is told exactly, ``tid2eid[token_ids]`` of these ids (``predicted_ids``); a top-k layer by
+its router on this input, as between top-k layers; a hash layer after a top-k layer is not predicted (that layer has
+no ids).
 
 Shapes: M tokens, K hidden, k = top_k, V table rows.
 """

@@ -1,7 +1,8 @@
 """``EPHashMoE``: an expert-parallel ``HashMoE`` (DeepSeek-V4's hash layers); ``EPMoE.from_moe`` of a ``HashMoE``
 builds it.
 
-    [Gate + Route on each rank: tid2eid[token_ids] (the table replicated), weighted by the scores] -> [EPMoE's
+    [Gate + Route on each rank: tid2eid[token_ids] (the table replicated), weighted by the scores; the HashMoE's
+      router choice, on CUDA by default the gate kernel and the one-launch hash router] -> [EPMoE's
       dispatch to the experts' owner ranks, local experts, combine] (+ shared)
 
 The table is small ([V, k] int64: 6 MiB at V4's vocabulary of 129280 x k = 6) and every rank holds it whole

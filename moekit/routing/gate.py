@@ -107,6 +107,13 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     dtypes, devices and layouts are checked once per kind of call (everything they read is in its key).
     ``out``: written instead of a fresh tensor; the caller vouches that it is [M, E] contiguous in x's
     dtype on x's device (``moekit.routing.workspace``)."""
+    bound = bound_gate(x, weight, bias)
+    return None if bound is None else bound(x, weight, bias, out)
+
+
+def bound_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> _BoundGate | None:
+    """The bound launch ``gate_logits`` calls for this kind of call (kept by ``moekit.layer_hash_fast``: called
+    ``(x, weight, bias, out)`` on tensors of the same kind), or None where the kernel does not apply."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))) or transforming():
         return None  # autograd, or a torch.func transform (its tensors have no storage to launch on)
@@ -119,7 +126,7 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
         bound = _BOUND[key] = _BoundGate(x, weight, bias) if _applies(x, weight, bias) else _LINEAR
-    return None if bound is _LINEAR else bound(x, weight, bias, out)
+    return None if bound is _LINEAR else bound
 
 
 _LINEAR = object()  # in _BOUND: a kind of call the kernel does not take

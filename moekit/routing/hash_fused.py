@@ -6,11 +6,13 @@
 
 Same contract as ``moekit.routing.hash_route``, its torch twin: ids [M, k] int32 in the table's order, fp32 weights
 within fp32 rounding of its; a NaN or infinite logit and a token id outside [0, V) raise as there (a ``ValueError``
-naming them on the CPU, a device-side assert on the GPU: no host sync), from two flags the kernel clears. Why: the
-twin is ~22 small torch ops a call, each a few µs of host time (a CPU profile of one ``HashMoE`` call, session 48);
-here the argument checks, two allocations, one launch and the flags' two asserts (H100, V4's hash layer at M = 1:
-407 -> 126 µs of host a call, ``benchmarks/v4r48_device_check.py``). Under ``torch.compile``, with autograd or a
-torch.func transform, the twin runs.
+naming them on the CPU, a device-side assert on the GPU: no host sync): on the GPU the compiled kernel's own
+``tl.device_assert``s (``assert_in_kernel``, the default since session 49: no launch after the kernel), else, and
+always interpreted, two flags the kernel clears, asserted after it. Why: the twin is ~22 small torch ops a call, each
+a few µs of host time (a CPU profile of one ``HashMoE`` call, session 48); here the argument checks, two allocations
+and one launch (H100, V4's hash layer at M = 1, with the flags' two asserts then: 407 -> 126 µs of host a call,
+``benchmarks/v4r48_device_check.py``). Under ``torch.compile``, with autograd or a torch.func transform, the twin
+runs.
 
 Shapes: M tokens, E experts, k = top_k, S shared slots, V table rows.
 """
@@ -65,25 +67,31 @@ def _plan(config: MoEConfig, num_shared: int, elements_per_program: int) -> _Pla
 
 
 class _Bound:
-    """One kind of call (plan, M, the pointers' dtypes, strides, alignment, device), decided on its first call: the
-    bound launch and its two flags ([2] int32, 1 = fine; only ever cleared, and a clear is fatal on the GPU)."""
+    """One kind of call (plan, M, the pointers' dtypes, strides, alignment, device, assert mode), decided on its first
+    call: the bound launch and, where the kernel does not assert itself, its two flags ([2] int32, 1 = fine; only ever
+    cleared, and a clear is fatal on the GPU)."""
 
     __slots__ = ("launch", "shape", "device", "ok")
 
-    def __init__(self, plan: _Plan, logits: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor) -> None:
+    def __init__(self, plan: _Plan, logits: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor,
+                 assert_in_kernel: bool) -> None:
         self.shape, self.device = (logits.shape[0], plan.num_slots), logits.device  # [M, k+S]
         scalars = (logits.shape[0], table.shape[0], logits.stride(0), logits.stride(1), table.stride(0), plan.scaling)
         options = {k: v for k, v in _launch_options(logits.device).items() if k in ("PRECISE", "enable_reflect_ftz",
                                                                                      "num_warps")}
+        in_kernel = assert_in_kernel and options["PRECISE"]  # interpreted (no PRECISE): the flags
+        if in_kernel:  # Triton compiles tl.device_assert only with debug=True; its overflow checks stay off
+            options.update(ASSERT_IN_KERNEL=True, debug=True, sanitize_overflow=False)
         grid = (-(-logits.shape[0] // plan.block_m),)
         self.launch = BoundLaunch(kernels("hash_route_kernel").hash_route_kernel, grid, 6, scalars, True,
                                   **plan.constexprs, BLOCK_M=plan.block_m, **options)
-        self.ok = torch.ones(2, dtype=torch.int32, device=self.device)  # [2]: logits finite, token ids inside
+        # [2]: logits finite, token ids inside; None where the kernel asserts them itself
+        self.ok = None if in_kernel else torch.ones(2, dtype=torch.int32, device=self.device)
 
     def __call__(self, logits, token_ids, table) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.empty(self.shape, dtype=torch.int32, device=self.device)  # [M, k+S]
         weights = torch.empty(self.shape, dtype=torch.float32, device=self.device)  # [M, k+S]
-        self.launch(logits, token_ids, table, ids, weights, self.ok)
+        self.launch(logits, token_ids, table, ids, weights, ids if self.ok is None else self.ok)
         return ids, weights
 
 
@@ -102,13 +110,16 @@ class FusedHashRouter:
     """``hash_route`` for one config on the fused kernel: ``router(logits [M, E], token_ids [M], table [V, k],
     append_shared=False) -> Routing [M, k(+S)]`` (the table checked at load: ``check_table``)."""
 
-    def __init__(self, config: MoEConfig, elements_per_program: int = ELEMENTS_PER_PROGRAM) -> None:
+    def __init__(self, config: MoEConfig, elements_per_program: int = ELEMENTS_PER_PROGRAM,
+                 assert_in_kernel: bool = True) -> None:
+        """``assert_in_kernel``: the two checks as the compiled kernel's own device-side asserts (default: one launch,
+        nothing after it), else its flags and two ``torch._assert_async`` (the interpreter always: its flags)."""
         if not computes(config):
             raise ValueError(f"the fused hash router needs hash_table_size, num_experts <= {MAX_EXPERTS}, top_k + "
                              f"shared slots <= {MAX_TOP_K} and no router option but the soft cap; got "
                              f"{config.hash_table_size}, {config.num_experts}, {config.top_k} + "
                              f"{config.num_shared_slots}, {config.changed_router_options()} (router='torch' routes it)")
-        self.config = config
+        self.config, self.assert_in_kernel = config, bool(assert_in_kernel)
         slots = 0 if config.shared_expert_gate else config.num_shared_slots  # a gated shared expert: the twin
         self._plans = (_plan(config, 0, elements_per_program), _plan(config, slots, elements_per_program) if slots
                        else None)
@@ -121,11 +132,11 @@ class FusedHashRouter:
             routing = hash_route(logits, token_ids, table, self.config)  # the twin: gradients, tracing, the CPU
             return append_shared_slots(routing, self.config) if append_shared else routing
         self._check(logits, token_ids)
-        bound = _bound(plan, logits, token_ids, table)
+        bound = _bound(plan, logits, token_ids, table, self.assert_in_kernel)
         ids, weights = bound(logits, token_ids, table) if logits.shape[0] else (
             torch.empty(0, plan.num_slots, dtype=torch.int32, device=logits.device),
             torch.empty(0, plan.num_slots, device=logits.device))
-        if logits.shape[0]:
+        if logits.shape[0] and bound.ok is not None:
             assert_flags(bound.ok, logits, token_ids, table.shape[0])
         return Routing(topk_ids=ids, topk_weights=weights, masked_tokens=None)
 
@@ -137,7 +148,7 @@ class FusedHashRouter:
         if plan is None or not logits.shape[0] or not triton_runs_on(logits.device):
             return None
         self._check(logits, token_ids)
-        return _bound(plan, logits, token_ids, table)
+        return _bound(plan, logits, token_ids, table, self.assert_in_kernel)
 
     def _check(self, logits: torch.Tensor, token_ids: torch.Tensor) -> None:
         """hash_route's checks the kernel does not make (its flags: the values), with their messages."""
@@ -152,16 +163,18 @@ class FusedHashRouter:
             raise ValueError(f"token_ids must be on {logits.device} like router_logits, got {token_ids.device}")
 
 
-def _bound(plan: _Plan, logits: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor) -> _Bound:
+def _bound(plan: _Plan, logits: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor,
+           assert_in_kernel: bool) -> _Bound:
     """The bound launch of this kind of call, bound on its first."""
     key = (kernels("hash_route_kernel"), plan, logits.shape[0], logits.dtype, logits.stride(),
            logits.data_ptr() % 16 == 0, logits.device, token_ids.dtype, token_ids.stride(),
-           token_ids.data_ptr() % 16 == 0, table.dtype, table.shape, table.stride(), table.data_ptr() % 16 == 0)
+           token_ids.data_ptr() % 16 == 0, table.dtype, table.shape, table.stride(), table.data_ptr() % 16 == 0,
+           assert_in_kernel)
     bound = _BOUND.get(key)
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
-        bound = _BOUND[key] = _Bound(plan, logits, token_ids, table)
+        bound = _BOUND[key] = _Bound(plan, logits, token_ids, table, assert_in_kernel)
     return bound
 
 
