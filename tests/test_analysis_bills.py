@@ -180,3 +180,54 @@ def test_longcat_flash_reconciles_with_published():
     pytest.importorskip("transformers.models.longcat_flash")
     bill = param_bill(transformers.LongcatFlashConfig().to_dict())
     assert bill.total / 1e9 == pytest.approx(560, rel=0.01) and bill.active_matmul / 1e9 == pytest.approx(27, rel=0.01)
+
+
+V4_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
+               q_lora_rank=24, o_groups=2, o_lora_rank=8, hc_mult=3, index_n_heads=2, index_head_dim=8,
+               n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
+               layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+               mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates={"compressed_sparse_attention": 4,
+                                                                            "heavily_compressed_attention": 8})
+
+
+def _v4_by_hand(c: dict) -> int:
+    """DeepSeek-V4's parameters summed from its modules' shapes. Attention (every layer): q_a [qr, d], its norm, q_b
+    [H·h, qr]; one shared kv head [h, d] and its norm; the grouped output projection o_a (g blocks of [o_rank, H·h/g])
+    then o_b [d, g·o_rank]; one sink a head. A compressed layer adds its compressor: kv and gate projections [w, d],
+    a position bias [rate, w], a norm of h (w = h on the heavily compressed layers, 2h on the sparse ones, whose
+    indexer adds its own kv / gate [2·ih, d], bias [rate, 2·ih], norm ih, q_b [iH·ih, qr] and head weights [iH, d]).
+    Per layer two hyper-connection mixers (fn [(2+N)·N, N·d], base, 3 scales), two RMSNorms and one MoE block (E
+    experts, one shared, a router [E, d]); the model: embedding, LM head, final norm, the head's mixer [N, N·d] + N + 1."""
+    d, heads, h, qr, g, o_rank, n = (c[k] for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank",
+                                                     "o_groups", "o_lora_rank", "hc_mult"))
+    ih, ih_heads = c["index_head_dim"], c["index_n_heads"]
+    core = d * qr + qr + qr * heads * h + d * h + h + o_rank * heads * h + g * o_rank * d + heads
+    compressor = {"sliding_attention": 0,
+                  "heavily_compressed_attention": 2 * d * h + c["compress_rates"]["heavily_compressed_attention"] * h + h,
+                  "compressed_sparse_attention": 2 * d * 2 * h + c["compress_rates"]["compressed_sparse_attention"] * 2 * h
+                  + h + 2 * d * 2 * ih + c["compress_rates"]["compressed_sparse_attention"] * 2 * ih + ih
+                  + qr * ih_heads * ih + d * ih_heads}
+    mixers = 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)
+    moe = (c["n_routed_experts"] + c["n_shared_experts"]) * 3 * d * c["moe_intermediate_size"] + c["n_routed_experts"] * d
+    layers = sum(core + compressor[t] + mixers + 2 * d + moe for t in c["layer_types"])
+    return layers + 2 * c["vocab_size"] * d + d + n * n * d + n + 1
+
+
+def test_deepseek_v4_bill_equals_transformers_model():
+    """DeepSeek-V4's attention is not grouped-query: one shared kv head, low-rank q and a grouped low-rank output,
+    and a compressor (with an indexer on the sparse layers) by layer type; its residual stream runs hyper-connection
+    mixers. Read as grouped-query attention its default config (V4-Flash's shapes) billed 290.9B total, 20.4B active;
+    the card says 284B and 13B. Held to a count by hand and to transformers' model at the tiny shapes (every layer
+    type), to the model on the meta device at the default shapes, and to the card."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.deepseek_v4")
+    tiny = transformers.AutoConfig.for_model("deepseek_v4", **V4_TINY)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny)
+    assert param_bill(tiny.to_dict()).total == _v4_by_hand(V4_TINY) == sum(p.numel() for p in model.parameters())
+    default = transformers.AutoConfig.for_model("deepseek_v4")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(default)
+    bill = param_bill(default.to_dict())
+    assert bill.total == sum(p.numel() for p in model.parameters())
+    assert bill.total / 1e9 == pytest.approx(284, rel=0.01) and round(bill.active_matmul / 1e9) == 13

@@ -3,8 +3,8 @@
 Shapes: V = vocab, d = hidden size, L = layers, H = attention heads, H_kv = key/value heads,
 h = head dim, E = routed experts, k = experts per token, N = one expert's intermediate size.
 
-Counted: input embedding, output head, attention (GQA, or DeepSeek's MLA with its low-rank projections
-and norms), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the router,
+Counted: input embedding, output head, attention (GQA, DeepSeek's MLA with its low-rank projections
+and norms, or DeepSeek-V4's compressed attention by layer type), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the router,
 and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
 671B total also excludes, and non-parameter buffers (DeepSeek-V3's e_score_correction_bias).
 """
@@ -30,7 +30,7 @@ class ParamBill:
     active_routed_experts: int  # k·3·d·N per MoE layer
     shared_experts: int  # 3·d·width (+ d for a shared gate) per MoE layer
     router: int  # d·E per MoE layer
-    norms: int  # 2·d per layer + the final d
+    norms: int  # 2·d per layer + the final d; DeepSeek-V4's hyper-connection mixers too (the residual streams' weights)
     num_moe_layers: int
     num_dense_layers: int
 
@@ -76,7 +76,7 @@ def param_bill(hf_config: dict) -> ParamBill:
         active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * expert),  # LongCat: k·E/(E+Z)
         shared_experts=moe_layers * shared,
         router=moe_layers * (d + cfg.router_bias) * cfg.router_width,
-        norms=layers * 2 * d + d,
+        norms=layers * 2 * d + d + _hyper_connection_params(hf_config, layers),
         num_moe_layers=moe_layers,
         num_dense_layers=layers - moe_layers,
     )
@@ -117,11 +117,14 @@ def _layer_attention_params(c: dict, layer: int) -> int:
     interval = c.get("full_attention_interval", 4)
     if c["model_type"] == "qwen3_next" and (layer + 1) % interval != 0:
         return _gated_deltanet_params(c)
-    return attention_params(c)
+    return attention_params(c, layer)
 
 
-def attention_params(c: dict) -> int:
-    """One layer's attention: MLA when the config has ``kv_lora_rank``, grouped-query otherwise."""
+def attention_params(c: dict, layer: int = 0) -> int:
+    """Layer ``layer``'s attention: DeepSeek-V4's by its layer type, MLA when the config has ``kv_lora_rank``,
+    grouped-query otherwise."""
+    if c["model_type"] == "deepseek_v4":
+        return _v4_attention_params(c, c["layer_types"][layer])
     if c.get("kv_lora_rank"):
         return _mla_params(c)
     d, heads, kind = c["hidden_size"], c["num_attention_heads"], c["model_type"]
@@ -158,3 +161,35 @@ def _mla_params(c: dict) -> int:
     kv_a = d * (kv_rank + c["qk_rope_head_dim"]) + kv_rank  # compress to the latent + rope key, norm
     kv_b = kv_rank * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])  # latent -> per-head k_nope, v
     return q + kv_a + kv_b + heads * c["v_head_dim"] * d  # + o_proj
+
+
+def _v4_attention_params(c: dict, layer_type: str) -> int:
+    """DeepSeek-V4's attention: low-rank q (a, norm, b), one kv head shared by key and value (and its norm), the
+    grouped low-rank output (o_a: g blocks of [o_rank, H·h/g]; o_b [d, g·o_rank]), a sink a head; a compressed
+    layer's compressor (kv and gate projections to w, a position bias [rate, w], a norm of h: w = h heavily
+    compressed, 2h sparse, whose lightning indexer adds the same at its head dim ih, its q_b [iH·ih, q_rank] and
+    head weights [iH, d]). Without this reading (grouped-query) V4-Flash's bill was 290.9B total, 20.4B active,
+    against the card's 284B and 13B."""
+    d, heads, h, q_rank = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["q_lora_rank"]
+    o_rank = c["o_lora_rank"]
+    core = (d * q_rank + q_rank + q_rank * heads * h + d * h + h + o_rank * heads * h + c["o_groups"] * o_rank * d
+            + heads)
+    if layer_type == "sliding_attention":
+        return core
+    rate = c["compress_rates"][layer_type]
+    if layer_type == "heavily_compressed_attention":
+        return core + 2 * d * h + rate * h + h
+    ih, i_heads = c["index_head_dim"], c["index_n_heads"]
+    indexer = 2 * d * 2 * ih + rate * 2 * ih + ih + q_rank * i_heads * ih + d * i_heads
+    return core + 2 * d * 2 * h + rate * 2 * h + h + indexer
+
+
+def _hyper_connection_params(c: dict, layers: int) -> int:
+    """DeepSeek-V4's manifold-constrained hyper-connections over N = hc_mult residual streams: per layer two mixers
+    (attention's, the MLP's) of a projection [(2 + N)·N, N·d], its bias and 3 scales; the head's [N, N·d], N, 1.
+    0 for every other family."""
+    if c["model_type"] != "deepseek_v4":
+        return 0
+    d, n = c["hidden_size"], c["hc_mult"]
+    mixer = (2 + n) * n * n * d + (2 + n) * n + 3
+    return layers * 2 * mixer + n * n * d + n + 1
