@@ -212,8 +212,13 @@ def _read_softmax_topk(d: dict) -> dict:
         shared = _get(d, "shared_intermediate_size", default=0)
     if d["model_type"] == "hunyuan_v1_moe" and _get(d, "use_mixed_mlp_moe", default=True):
         shared = d["intermediate_size"] * _get(d, "num_shared_expert", default=1)
-    return dict(_read_mixtral(d), renormalize=renorm or bool(_get(d, "norm_topk_prob", default=False)),
-                shared_expert_intermediate_size=shared)
+    fields = dict(_read_mixtral(d), renormalize=renorm or bool(_get(d, "norm_topk_prob", default=False)),
+                  shared_expert_intermediate_size=shared)
+    if d["model_type"] == "jamba":  # a MoE block on every expert_layer_period-th layer, a dense MLP between
+        period, offset = _get(d, "expert_layer_period", default=2), _get(d, "expert_layer_offset", default=1)
+        fields["num_moe_layers"] = count_moe_layers(d, lambda i: i % period == offset,
+                                                    "expert_layer_period, expert_layer_offset")
+    return fields
 
 
 def _read_minimax_m2(d: dict) -> dict:
@@ -288,7 +293,17 @@ def _read_ernie(d: dict) -> dict:
     shared = _get(d, "moe_num_shared_experts", default=0) * d["moe_intermediate_size"]
     return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
                 num_experts=_get(d, "moe_num_experts", "num_experts"), top_k=_get(d, "moe_k", "num_experts_per_tok"),
-                renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared)
+                renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared,
+                num_moe_layers=_ernie_moe_layers(d))
+
+
+def _ernie_moe_layers(d: dict) -> int | None:
+    """ERNIE-4.5-MoE's MoE blocks: layers start..end (inclusive; end -1: the last) where (i + 1) % interval == 0."""
+    start, interval = _get(d, "moe_layer_start_index", default=0), _get(d, "moe_layer_interval", default=1)
+    end = _get(d, "moe_layer_end_index", default=-1)
+    end = (d.get("num_hidden_layers") or 0) - 1 if end == -1 else end
+    return count_moe_layers(d, lambda i: start <= i <= end and (i + 1) % interval == 0,
+                            "moe_layer_start_index, moe_layer_end_index, moe_layer_interval")
 
 
 def _read_ernie_vl(d: dict) -> dict:

@@ -171,16 +171,23 @@ def test_the_families_of_fam34b():
     ("qwen2_moe", dict(mlp_only_layers=[1], decoder_sparse_step=1, num_experts=4, moe_intermediate_size=8,
                        shared_expert_intermediate_size=8)),
     ("qwen3_moe", dict(decoder_sparse_step=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)),
+    # Jamba: a MoE block where i % expert_layer_period == expert_layer_offset (read as every layer until session 49)
+    ("jamba", dict(expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                   attn_layer_period=2, attn_layer_offset=0, mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False)),
+    # ERNIE-4.5-MoE: layers start..end (inclusive) where (i + 1) % interval == 0 (read as no count until session 49)
+    ("ernie4_5_moe", dict(moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1, moe_num_experts=4,
+                          moe_k=2, moe_intermediate_size=8)),
 ])
 def test_layer_of_a_dense_decoder_layer_is_refused(model_type, changes):
     """``from_hf_config(cfg, layer=i)`` reads layer i where transformers' model built from cfg has a MoE block there
     (a module with ``experts``: the reference), and refuses, naming the layer and the fields, where it has a dense
-    MLP (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step). DeepSeek-V2's moe_layer_freq,
+    MLP (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step, Jamba's expert_layer_period /
+    offset, ERNIE's moe_layer_start_index / end_index / interval). DeepSeek-V2's moe_layer_freq,
     which transformers' modeling does not read, counts for nothing, as there."""
     cfg = transformers.AutoConfig.for_model(model_type, hidden_size=16, intermediate_size=16, num_hidden_layers=4,
                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=32, **changes)
     model = transformers.AutoModel.from_config(cfg)
-    moe = [hasattr(layer.mlp, "experts") for layer in model.layers]
+    moe = [hasattr(getattr(layer, "mlp", None) or layer.feed_forward, "experts") for layer in model.layers]
     assert any(moe) and not all(moe), moe  # both kinds present: the test can fail either way
     assert MoEConfig.from_hf_config(cfg).num_moe_layers == sum(moe)
     for i, is_moe in enumerate(moe):
