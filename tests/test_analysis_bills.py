@@ -231,3 +231,46 @@ def test_deepseek_v4_bill_equals_transformers_model():
     bill = param_bill(default.to_dict())
     assert bill.total == sum(p.numel() for p in model.parameters())
     assert bill.total / 1e9 == pytest.approx(284, rel=0.01) and round(bill.active_matmul / 1e9) == 13
+
+
+JAMBA_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=24, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=0, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
+                  mamba_dt_rank=5, use_mamba_kernels=False)
+
+
+def _jamba_by_hand(c: dict) -> int:
+    """Jamba's parameters from its modules' shapes: a Mamba mixer on the layers that are not attention ones (in_proj
+    [2I, d], a depthwise conv [I, 1, k] with its bias, x_proj [R + 2S, I], dt_proj [I, R] with its bias, A_log [I, S],
+    D [I], out_proj [d, I], RMSNorms of R, S, S; I = expand·d), grouped-query attention on the others; a MoE block
+    (E experts, a router [E, d]) where i % expert_layer_period == expert_layer_offset, a dense MLP elsewhere; two
+    RMSNorms a layer; embedding, LM head, final norm."""
+    d, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    h, inner, rank, state = d // heads, c["mamba_expand"] * d, c["mamba_dt_rank"], c["mamba_d_state"]
+    mamba = (d * 2 * inner + inner * c["mamba_d_conv"] + inner + inner * (rank + 2 * state) + rank * inner + inner
+             + inner * state + inner + inner * d + rank + 2 * state)
+    attention = 2 * d * heads * h + 2 * d * kv * h
+    moe = c["num_experts"] * 3 * d * c["intermediate_size"] + c["num_experts"] * d
+    total = 0
+    for i in range(c["num_hidden_layers"]):
+        total += attention if i % c["attn_layer_period"] == c["attn_layer_offset"] else mamba
+        total += moe if i % c["expert_layer_period"] == c["expert_layer_offset"] else 3 * d * c["intermediate_size"]
+        total += 2 * d
+    return total + 2 * c["vocab_size"] * d + d
+
+
+def test_jamba_bill_equals_transformers_model():
+    """Jamba mixes Mamba and attention layers, MoE and dense MLPs; billed as attention and MoE on every layer it came
+    to 92.1B (49.8B with its MoE layers counted, the Mamba mixers still as attention) against transformers' 51.57B and
+    the card's 52B total, 12B active. Held to a count by hand and transformers' model (tiny, and the default config
+    on the meta device)."""
+    transformers = pytest.importorskip("transformers")
+    tiny = transformers.AutoConfig.for_model("jamba", **JAMBA_TINY)
+    model = transformers.AutoModelForCausalLM.from_config(tiny)
+    assert param_bill(tiny.to_dict()).total == _jamba_by_hand(JAMBA_TINY) == sum(p.numel() for p in model.parameters())
+    default = transformers.AutoConfig.for_model("jamba")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(default)
+    bill = param_bill(default.to_dict())
+    assert bill.total == sum(p.numel() for p in model.parameters())
+    assert bill.total / 1e9 == pytest.approx(52, rel=0.01) and round(bill.active / 1e9) == 12

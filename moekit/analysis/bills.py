@@ -4,7 +4,8 @@ Shapes: V = vocab, d = hidden size, L = layers, H = attention heads, H_kv = key/
 h = head dim, E = routed experts, k = experts per token, N = one expert's intermediate size.
 
 Counted: input embedding, output head, attention (GQA, DeepSeek's MLA with its low-rank projections
-and norms, or DeepSeek-V4's compressed attention by layer type), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the router,
+and norms, or DeepSeek-V4's compressed attention by layer type; Qwen3-Next's Gated DeltaNet and Jamba's
+Mamba mixers on their layers), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the router,
 and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
 671B total also excludes, and non-parameter buffers (DeepSeek-V3's e_score_correction_bias).
 """
@@ -113,10 +114,13 @@ def _dense_mlp_params(c: dict, layers: int, moe_layers: int) -> int:
 
 
 def _layer_attention_params(c: dict, layer: int) -> int:
-    """Layer ``layer``'s token mixer: Qwen3-Next's Gated DeltaNet on 3 of every 4 layers, else attention."""
+    """Layer ``layer``'s token mixer: Qwen3-Next's Gated DeltaNet on 3 of every 4 layers, Jamba's Mamba on the layers
+    off its attention period, else attention."""
     interval = c.get("full_attention_interval", 4)
     if c["model_type"] == "qwen3_next" and (layer + 1) % interval != 0:
         return _gated_deltanet_params(c)
+    if c["model_type"] == "jamba" and layer % c.get("attn_layer_period", 8) != c.get("attn_layer_offset", 4):
+        return _mamba_params(c)
     return attention_params(c, layer)
 
 
@@ -151,6 +155,20 @@ def _gated_deltanet_params(c: dict) -> int:
     in_proj = d * (2 * key_dim + 2 * value_dim) + d * 2 * v_heads
     conv = (2 * key_dim + value_dim) * kernel
     return in_proj + conv + 2 * v_heads + c["linear_value_head_dim"] + value_dim * d
+
+
+def _mamba_params(c: dict) -> int:
+    """Jamba's Mamba mixer, I = mamba_expand·d inner channels, R the time-step rank, S the state: in_proj [2I, d], a
+    depthwise conv of kernel k over I (its bias), x_proj [R + 2S, I], dt_proj [I, R] and its bias, A_log [I, S],
+    D [I], out_proj [d, I] (in and out biases with mamba_proj_bias), RMSNorms over R, S and S."""
+    d = c["hidden_size"]
+    inner, state = c.get("mamba_expand", 2) * d, c.get("mamba_d_state", 16)
+    rank = c.get("mamba_dt_rank", "auto")
+    rank = -(-d // 16) if rank == "auto" else rank
+    proj = d * 2 * inner + inner * d + (2 * inner + d if c.get("mamba_proj_bias", False) else 0)
+    conv = inner * c.get("mamba_d_conv", 4) + (inner if c.get("mamba_conv_bias", True) else 0)
+    ssm = inner * (rank + 2 * state) + rank * inner + inner + inner * state + inner
+    return proj + conv + ssm + rank + 2 * state
 
 
 def _mla_params(c: dict) -> int:
