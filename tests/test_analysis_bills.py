@@ -197,18 +197,18 @@ def _v4_by_hand(c: dict) -> int:
     a position bias [rate, w], a norm of h (w = h on the heavily compressed layers, 2h on the sparse ones, whose
     indexer adds its own kv / gate [2·ih, d], bias [rate, 2·ih], norm ih, q_b [iH·ih, qr] and head weights [iH, d]).
     Per layer two hyper-connection mixers (fn [(2+N)·N, N·d], base, 3 scales), two RMSNorms and one MoE block (E
-    experts, one shared, a router [E, d]); the model: embedding, LM head, final norm, the head's mixer [N, N·d] + N + 1."""
-    d, heads, h, qr, g, o_rank, n = (c[k] for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank",
-                                                     "o_groups", "o_lora_rank", "hc_mult"))
+    experts, one shared, a router [E, d]); the model: embedding, LM head, final norm, the head mixer [N, N·d], N, 1."""
+    names = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult")
+    d, heads, h, qr, g, o_rank, n = (c[k] for k in names)
     ih, ih_heads = c["index_head_dim"], c["index_n_heads"]
+    csa, hca = (c["compress_rates"][t] for t in ("compressed_sparse_attention", "heavily_compressed_attention"))
     core = d * qr + qr + qr * heads * h + d * h + h + o_rank * heads * h + g * o_rank * d + heads
-    compressor = {"sliding_attention": 0,
-                  "heavily_compressed_attention": 2 * d * h + c["compress_rates"]["heavily_compressed_attention"] * h + h,
-                  "compressed_sparse_attention": 2 * d * 2 * h + c["compress_rates"]["compressed_sparse_attention"] * 2 * h
-                  + h + 2 * d * 2 * ih + c["compress_rates"]["compressed_sparse_attention"] * 2 * ih + ih
-                  + qr * ih_heads * ih + d * ih_heads}
+    indexer = 2 * d * 2 * ih + csa * 2 * ih + ih + qr * ih_heads * ih + d * ih_heads
+    compressor = {"sliding_attention": 0, "heavily_compressed_attention": 2 * d * h + hca * h + h,
+                  "compressed_sparse_attention": 2 * d * 2 * h + csa * 2 * h + h + indexer}
     mixers = 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)
-    moe = (c["n_routed_experts"] + c["n_shared_experts"]) * 3 * d * c["moe_intermediate_size"] + c["n_routed_experts"] * d
+    experts = c["n_routed_experts"] + c["n_shared_experts"]
+    moe = experts * 3 * d * c["moe_intermediate_size"] + c["n_routed_experts"] * d
     layers = sum(core + compressor[t] + mixers + 2 * d + moe for t in c["layer_types"])
     return layers + 2 * c["vocab_size"] * d + d + n * n * d + n + 1
 

@@ -171,9 +171,10 @@ def test_the_families_of_fam34b():
     ("qwen2_moe", dict(mlp_only_layers=[1], decoder_sparse_step=1, num_experts=4, moe_intermediate_size=8,
                        shared_expert_intermediate_size=8)),
     ("qwen3_moe", dict(decoder_sparse_step=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)),
-    # Jamba: a MoE block where i % expert_layer_period == expert_layer_offset (read as every layer until session 49)
+    # Jamba: a MoE block where i % expert_layer_period == expert_layer_offset (read as every layer before session 49)
     ("jamba", dict(expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
-                   attn_layer_period=2, attn_layer_offset=0, mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False)),
+                   attn_layer_period=2, attn_layer_offset=0, mamba_d_state=4, mamba_dt_rank=4,
+                   use_mamba_kernels=False)),
     # ERNIE-4.5-MoE: layers start..end (inclusive) where (i + 1) % interval == 0 (read as no count until session 49)
     ("ernie4_5_moe", dict(moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1, moe_num_experts=4,
                           moe_k=2, moe_intermediate_size=8)),

@@ -5,8 +5,8 @@ h = head dim, E = routed experts, k = experts per token, N = one expert's interm
 
 Counted: input embedding, output head, attention (GQA, DeepSeek's MLA with its low-rank projections
 and norms, or DeepSeek-V4's compressed attention by layer type; Qwen3-Next's Gated DeltaNet and Jamba's
-Mamba mixers on their layers), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the router,
-and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
+Mamba mixers on their layers), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the
+router, and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
 671B total also excludes, and non-parameter buffers (DeepSeek-V3's e_score_correction_bias).
 """
 
@@ -31,7 +31,7 @@ class ParamBill:
     active_routed_experts: int  # k·3·d·N per MoE layer
     shared_experts: int  # 3·d·width (+ d for a shared gate) per MoE layer
     router: int  # d·E per MoE layer
-    norms: int  # 2·d per layer + the final d; DeepSeek-V4's hyper-connection mixers too (the residual streams' weights)
+    norms: int  # 2·d per layer + the final d; DeepSeek-V4's hyper-connection mixers too (its residual streams')
     num_moe_layers: int
     num_dense_layers: int
 
