@@ -405,10 +405,23 @@ HF_READERS = {
     "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
     "deepseek_v4": read_deepseek_v4,  # top-k layers; hash layers by from_hf_config(cfg, layer=i) (config_hf_v4.py)
 }
-# Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
+_KEEPS = "Its experts run on moekit through model.set_experts_implementation('moekit'), which keeps its router"
+# Routers, experts or blocks moekit's layer does not compute: read them and the layer would differ, so refuse.
 REFUSED = {
     "zaya": "ZAYA's router is an MLP (down_proj to router_hidden_size plus the previous layer's router state times a "
             "learned scale, an RMSNorm, two GELU layers, out_proj over the E experts and a skip expert of weight 0), "
-            "and its block takes and returns that state across layers; moekit's gate is one linear layer of x. Its "
-            "experts run on moekit through model.set_experts_implementation('moekit'), which keeps its router",
+            "and its block takes and returns that state across layers; moekit's gate is one linear layer of x. " + _KEEPS,
+    **dict.fromkeys(("gemma4_text", "diffusion_gemma_text"),
+                    "its router RMS-normalises x without a weight, scales it by a learned vector and hidden_size^-0.5 "
+                    "before its linear layer, and multiplies each chosen weight by a learned per_expert_scale; moekit's "
+                    "gate is one linear layer of x. " + _KEEPS),
+    "nemotron_h": "its experts are ungated (an up projection and relu^2), and a MoEConfig layer holds gated experts "
+                  "(w13 [E, 2N, K]). " + _KEEPS + " (ActivationSpec('relu2', gated=False))",
+    "ergo": "its experts are ungated (an up projection and relu^2) and RMS-normalise each route's output before the "
+            "weighted sum; a MoEConfig layer holds gated experts and sums the weighted outputs as they are. " + _KEEPS,
+    **dict.fromkeys(("inkling2_text", "inkling2_loop_text"),
+                    "its experts' SwiGLU soft-caps the gate factor and up (tanh(x / c) * c), an activation moekit does "
+                    "not implement. " + _KEEPS + " (composed)"),
+    "muse_spark_text": "its experts RMS-normalise each expert's output before the routing weight (has_post_expert_norm), "
+                       "and moekit's combine sums the weighted outputs as they are. " + _KEEPS + " (composed)",
 }

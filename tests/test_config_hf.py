@@ -133,10 +133,12 @@ def test_refused_families_say_why(model_type):
         MoEConfig.from_hf_config({"model_type": model_type, "hidden_size": 32})
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "qwen3_omni_moe"])
 def test_a_vl_models_top_level_config_reads_its_text_config(model_type):
+    """Qwen3-Omni's MoE text model is its thinker's (thinker_config.text_config), which get_text_config() returns."""
     cfg = transformers.AutoConfig.for_model(model_type)
-    assert MoEConfig.from_hf_config(cfg) == MoEConfig.from_hf_config(cfg.get_text_config())
+    text = MoEConfig.from_hf_config(cfg.get_text_config())
+    assert MoEConfig.from_hf_config(cfg) == MoEConfig.from_hf_config(cfg.to_dict()) == text
 
 
 def test_the_families_of_fam34b():
@@ -197,3 +199,24 @@ def test_layer_of_a_dense_decoder_layer_is_refused(model_type, changes):
         else:
             with pytest.raises(ValueError, match=rf"layer {i} is a dense MLP layer \(cfg\.\w+"):
                 MoEConfig.from_hf_config(cfg, layer=i)
+
+
+def _walk_model_types() -> list[str]:
+    from _hf_families import walk
+
+    names = transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES
+    return sorted({fam.family for fam in walk()} & set(names))
+
+
+@pytest.mark.parametrize("model_type", _walk_model_types())
+def test_every_moe_family_transformers_ships_is_read_or_refused_saying_why(model_type):
+    """Each family whose experts the installed transformers wraps (the walk), from its top-level default config (what
+    a checkpoint's config.json says): ``from_hf_config`` reads it, or refuses it saying why (REFUSED's reason, a
+    missing field, a dense layer), never with the list of the model types it knows as if it were not a MoE model.
+    Before session 49 Gemma-4, DiffusionGemma, Nemotron-H, Ergo, Inkling-2 (and its loop), Muse-Spark and Qwen3-Omni's
+    top-level config (its MoE text model under thinker_config) met that list."""
+    cfg = transformers.AutoConfig.for_model(model_type)
+    try:
+        MoEConfig.from_hf_config(cfg, layer="typical")
+    except (ValueError, KeyError) as err:
+        assert "must be one of" not in str(err), str(err)[:200]
