@@ -307,8 +307,9 @@ class MoEConfig:
         (``shared_expert_combine``), LongCat-Flash's zero-computation experts (``num_identity_experts``),
         Llama-4's input-scaled experts (``expert_weight_on="input"``), Phi-MoE's sparsemixer at inference
         (``sparsemixer_jitter_eps``: router_jitter_noise), Inkling's router-weighted shared experts
-        (``shared_expert_combine="router"``). A family whose router moekit does not compute (``REFUSED``: ZAYA's
-        MLP router with cross-layer state) is refused, naming why (its experts still run on "moekit").
+        (``shared_expert_combine="router"``). A family whose router, experts or combine moekit's layer does not
+        compute (``REFUSED``: ZAYA's MLP router, Gemma-4's scaled one, ungated or soft-capped experts, ...) is
+        refused, naming why (its experts still run on "moekit").
 
         ``layer``: the decoder layer this config describes, for a family that clamps its SwiGLU per layer (Step-3.7's
         and Bailing-Hybrid's ``swiglu_limits`` / ``swiglu_limits_shared``, clamped after the activation:

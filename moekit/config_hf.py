@@ -2,7 +2,7 @@
 layer, each written from the family's router in transformers' modeling file (what it scores, selects, weights).
 
 A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the config's ``hidden_act``). A
-family whose router moekit does not compute is in ``REFUSED`` with the reason. The router options of session 34
+family whose router moekit does not compute is in ``REFUSED`` with the reason (``config_hf_refused``). The router options of session 34
 (``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap, Kolibri's bias
 on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert, LongCat-Flash's
 identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkling's router-weighted shared experts.
@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
-from moekit.config_hf_clamps import MoELayerRule, count_moe_layers
+from moekit.config_hf_clamps import MoELayerRule, count_moe_layers, ernie_moe_layers
+from moekit.config_hf_refused import REFUSED  # noqa: F401  (re-exported: config.py, the tests)
 from moekit.config_hf_v4 import read_deepseek_v4
 
 
@@ -294,16 +295,8 @@ def _read_ernie(d: dict) -> dict:
     return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
                 num_experts=_get(d, "moe_num_experts", "num_experts"), top_k=_get(d, "moe_k", "num_experts_per_tok"),
                 renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared,
-                num_moe_layers=_ernie_moe_layers(d))
+                num_moe_layers=ernie_moe_layers(d))
 
-
-def _ernie_moe_layers(d: dict) -> int | None:
-    """ERNIE-4.5-MoE's MoE blocks: layers start..end (inclusive; end -1: the last) where (i + 1) % interval == 0."""
-    start, interval = _get(d, "moe_layer_start_index", default=0), _get(d, "moe_layer_interval", default=1)
-    end = _get(d, "moe_layer_end_index", default=-1)
-    end = (d.get("num_hidden_layers") or 0) - 1 if end == -1 else end
-    return count_moe_layers(d, lambda i: start <= i <= end and (i + 1) % interval == 0,
-                            "moe_layer_start_index, moe_layer_end_index, moe_layer_interval")
 
 
 def _read_ernie_vl(d: dict) -> dict:
@@ -404,24 +397,4 @@ HF_READERS = {
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
     "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
     "deepseek_v4": read_deepseek_v4,  # top-k layers; hash layers by from_hf_config(cfg, layer=i) (config_hf_v4.py)
-}
-_KEEPS = "Its experts run on moekit through model.set_experts_implementation('moekit'), which keeps its router"
-# Routers, experts or blocks moekit's layer does not compute: read them and the layer would differ, so refuse.
-REFUSED = {
-    "zaya": "ZAYA's router is an MLP (down_proj to router_hidden_size plus the previous layer's router state times a "
-            "learned scale, an RMSNorm, two GELU layers, out_proj over the E experts and a skip expert of weight 0), "
-            "and its block takes and returns that state across layers; moekit's gate is one linear layer of x. " + _KEEPS,
-    **dict.fromkeys(("gemma4_text", "diffusion_gemma_text"),
-                    "its router RMS-normalises x without a weight, scales it by a learned vector and hidden_size^-0.5 "
-                    "before its linear layer, and multiplies each chosen weight by a learned per_expert_scale; moekit's "
-                    "gate is one linear layer of x. " + _KEEPS),
-    "nemotron_h": "its experts are ungated (an up projection and relu^2), and a MoEConfig layer holds gated experts "
-                  "(w13 [E, 2N, K]). " + _KEEPS + " (ActivationSpec('relu2', gated=False))",
-    "ergo": "its experts are ungated (an up projection and relu^2) and RMS-normalise each route's output before the "
-            "weighted sum; a MoEConfig layer holds gated experts and sums the weighted outputs as they are. " + _KEEPS,
-    **dict.fromkeys(("inkling2_text", "inkling2_loop_text"),
-                    "its experts' SwiGLU soft-caps the gate factor and up (tanh(x / c) * c), an activation moekit does "
-                    "not implement. " + _KEEPS + " (composed)"),
-    "muse_spark_text": "its experts RMS-normalise each expert's output before the routing weight (has_post_expert_norm), "
-                       "and moekit's combine sums the weighted outputs as they are. " + _KEEPS + " (composed)",
 }
