@@ -1,11 +1,11 @@
 """``MoEConfig.from_hf_config``'s readers: one transformers ``model_type`` -> the ``MoEConfig`` fields of its MoE
 layer, each written from the family's router in transformers' modeling file (what it scores, selects, weights).
 
-A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the config's ``hidden_act``). A
-family whose router moekit does not compute is in ``REFUSED`` with the reason (``config_hf_refused``). The router options of session 34
-(``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap, Kolibri's bias
-on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert, LongCat-Flash's
-identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkling's router-weighted shared experts.
+A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the config's ``hidden_act``). A family
+moekit's layer does not compute is in ``REFUSED`` with the reason (``config_hf_refused``). The router options of
+session 34 (``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap,
+Kolibri's bias on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert,
+LongCat's identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkling's weighted shared experts.
 """
 
 from __future__ import annotations
