@@ -274,3 +274,19 @@ def test_jamba_bill_equals_transformers_model():
     bill = param_bill(default.to_dict())
     assert bill.total == sum(p.numel() for p in model.parameters())
     assert bill.total / 1e9 == pytest.approx(52, rel=0.01) and round(bill.active / 1e9) == 12
+
+
+def test_qwen3_5_moe_bill_equals_transformers_model():
+    """Qwen3.5-MoE's text model runs Qwen3-Next's Gated DeltaNet on its layer_types' "linear_attention" layers (30 of
+    40) and gated attention on the others; billed as plain attention everywhere it came to 34.13B against
+    transformers' 34.66B (the card's 35B-A3B). The default config, on the meta device; the top-level (VL) config
+    bills its text model."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    text = transformers.AutoConfig.for_model("qwen3_5_moe_text")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(text)
+    bill = param_bill(text.to_dict())
+    assert bill.total == sum(p.numel() for p in model.parameters())
+    assert round(bill.total / 1e9) == 35 and round(bill.active_matmul / 1e9) == 3
+    assert param_bill(transformers.AutoConfig.for_model("qwen3_5_moe").to_dict()) == bill

@@ -4,7 +4,7 @@ Shapes: V = vocab, d = hidden size, L = layers, H = attention heads, H_kv = key/
 h = head dim, E = routed experts, k = experts per token, N = one expert's intermediate size.
 
 Counted: input embedding, output head, attention (GQA, DeepSeek's MLA with its low-rank projections
-and norms, or DeepSeek-V4's compressed attention by layer type; Qwen3-Next's Gated DeltaNet and Jamba's
+and norms, or DeepSeek-V4's compressed attention by layer type; Qwen3-Next's and Qwen3.5's Gated DeltaNet and Jamba's
 Mamba mixers on their layers), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the
 router, and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
 671B total also excludes, and non-parameter buffers (DeepSeek-V3's e_score_correction_bias).
@@ -113,12 +113,18 @@ def _dense_mlp_params(c: dict, layers: int, moe_layers: int) -> int:
     return count * 3 * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
 
 
+QWEN_DELTANET = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers beside gated attention (q_proj: 2H heads)
+
+
 def _layer_attention_params(c: dict, layer: int) -> int:
-    """Layer ``layer``'s token mixer: Qwen3-Next's Gated DeltaNet on 3 of every 4 layers, Jamba's Mamba on the layers
-    off its attention period, else attention."""
-    interval = c.get("full_attention_interval", 4)
-    if c["model_type"] == "qwen3_next" and (layer + 1) % interval != 0:
-        return _gated_deltanet_params(c)
+    """Layer ``layer``'s token mixer: Qwen3-Next's and Qwen3.5-MoE's Gated DeltaNet on their ``layer_types``'
+    "linear_attention" layers (else 3 of every 4), Jamba's Mamba on the layers off its attention period, else
+    attention."""
+    if c["model_type"] in QWEN_DELTANET:
+        types, interval = c.get("layer_types"), c.get("full_attention_interval", 4)
+        linear = types[layer] == "linear_attention" if types else (layer + 1) % interval != 0
+        if linear:
+            return _gated_deltanet_params(c)
     if c["model_type"] == "jamba" and layer % c.get("attn_layer_period", 8) != c.get("attn_layer_offset", 4):
         return _mamba_params(c)
     return attention_params(c, layer)
@@ -134,12 +140,12 @@ def attention_params(c: dict, layer: int = 0) -> int:
     d, heads, kind = c["hidden_size"], c["num_attention_heads"], c["model_type"]
     kv_heads = c.get("num_key_value_heads") or heads
     h = c.get("head_dim") or d // heads
-    q_heads = 2 * heads if kind == "qwen3_next" else heads  # Qwen3-Next's q_proj also makes the output gate
+    q_heads = 2 * heads if kind in QWEN_DELTANET else heads  # Qwen3-Next's q_proj also makes the output gate
     weights = d * q_heads * h + 2 * d * kv_heads * h + heads * h * d  # q, k, v, o
     qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c.get("attention_bias", kind == "qwen2_moe")) else 0
     if kind == "gpt_oss":  # an o_proj bias, and one attention sink per head
         qkv_bias += d + heads
-    qk_norm = 2 * h if kind in ("qwen3_moe", "qwen3_next") else 0  # per-head RMSNorm on q and k
+    qk_norm = 2 * h if kind in ("qwen3_moe", *QWEN_DELTANET) else 0  # per-head RMSNorm on q and k
     if kind == "olmoe":  # RMSNorm over all of q and all of k
         qk_norm = (heads + kv_heads) * h
     return weights + qkv_bias + qk_norm
