@@ -290,3 +290,33 @@ def test_qwen3_5_moe_bill_equals_transformers_model():
     assert bill.total == sum(p.numel() for p in model.parameters())
     assert round(bill.total / 1e9) == 35 and round(bill.active_matmul / 1e9) == 3
     assert param_bill(transformers.AutoConfig.for_model("qwen3_5_moe").to_dict()) == bill
+
+
+def _default_model_count(transformers, model_type: str) -> tuple[dict, int]:
+    """A family's default config (DeepSeek-V2's None top-k given 6, as its checkpoints) and its model's count."""
+    cfg = transformers.AutoConfig.for_model(model_type)
+    if getattr(cfg, "num_experts_per_tok", 0) is None:
+        cfg = transformers.AutoConfig.for_model(model_type, num_experts_per_tok=6)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return cfg.to_dict(), sum(p.numel() for p in model.parameters())
+
+
+def test_the_families_billed_exactly_are_and_the_others_say_approximate():
+    """``ParamBill.exact``: the model types whose bill is held to the parameter (every EXACT_BILL type transformers
+    registers, its default config against its model on the meta device), and False for a family whose own attention
+    the bill reads as grouped-query or MLA (HY-V4: 1.4% short; MiniMax's lightning attention: 1.4% short), which
+    ``moekit analyze`` then says. Kimi-K2's config is DeepSeek-V3's model (test_bill_equals_transformers_model)."""
+    transformers = pytest.importorskip("transformers")
+    from moekit.analysis.bills import EXACT_BILL
+
+    known = set(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
+    assert EXACT_BILL - known == {"kimi_k2"}
+    for model_type in sorted(EXACT_BILL & known):
+        fields, count = _default_model_count(transformers, model_type)
+        bill = param_bill(fields)
+        assert bill.exact and bill.total == count, model_type
+    for model_type in ("hy_v4", "minimax"):
+        fields, count = _default_model_count(transformers, model_type)
+        bill = param_bill(fields)
+        assert not bill.exact and bill.total != count, model_type

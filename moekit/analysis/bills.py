@@ -34,6 +34,7 @@ class ParamBill:
     norms: int  # 2·d per layer + the final d; DeepSeek-V4's hyper-connection mixers too (its residual streams')
     num_moe_layers: int
     num_dense_layers: int
+    exact: bool = False  # the family is in EXACT_BILL: this bill equals transformers' model to the parameter
 
     @property
     def total(self) -> int:
@@ -54,6 +55,17 @@ class ParamBill:
     def active_matmul(self) -> int:
         """Active parameters that take part in a matmul (the embedding is a lookup): F ≈ 2·this per token."""
         return self.active - self.embedding - self.norms
+
+
+# The model types whose bill equals transformers' model of their default config to the parameter (transformers 5.25,
+# tests/test_analysis_bills.py); Kimi-K2's config.json is DeepSeek-V3's model. Any other family's own attention (or
+# token mixer) is read as grouped-query or MLA: within 0.1-3% of its model on the families of transformers 5.25
+# (benchmarks/triton-notes.md, session 49), and ``moekit analyze`` says the bill is approximate.
+EXACT_BILL = frozenset({
+    "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
+    "granitemoeshared", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral", "olmoe", "qwen2_moe",
+    "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
+})
 
 
 def param_bill(hf_config: dict) -> ParamBill:
@@ -80,6 +92,7 @@ def param_bill(hf_config: dict) -> ParamBill:
         norms=layers * 2 * d + d + _hyper_connection_params(hf_config, layers),
         num_moe_layers=moe_layers,
         num_dense_layers=layers - moe_layers,
+        exact=hf_config["model_type"] in EXACT_BILL,
     )
 
 
