@@ -182,6 +182,21 @@ def test_longcat_flash_reconciles_with_published():
     assert bill.total / 1e9 == pytest.approx(560, rel=0.01) and bill.active_matmul / 1e9 == pytest.approx(27, rel=0.01)
 
 
+def _default_model_count(transformers, model_type: str) -> tuple[dict, int]:
+    """A family's default config (DeepSeek-V2's None top-k given 6, as its checkpoints) and its model's count."""
+    cfg = transformers.AutoConfig.for_model(model_type)
+    if getattr(cfg, "num_experts_per_tok", 0) is None:
+        cfg = transformers.AutoConfig.for_model(model_type, num_experts_per_tok=6)
+    return cfg.to_dict(), _meta_count(transformers, cfg)
+
+
+def _meta_count(transformers, cfg) -> int:
+    """The parameters of transformers' causal LM of ``cfg``, built on the meta device."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
 V4_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
                q_lora_rank=24, o_groups=2, o_lora_rank=8, hc_mult=3, index_n_heads=2, index_head_dim=8,
                n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
@@ -213,26 +228,6 @@ def _v4_by_hand(c: dict) -> int:
     return layers + 2 * c["vocab_size"] * d + d + n * n * d + n + 1
 
 
-def test_deepseek_v4_bill_equals_transformers_model():
-    """DeepSeek-V4's attention is not grouped-query: one shared kv head, low-rank q and a grouped low-rank output,
-    and a compressor (with an indexer on the sparse layers) by layer type; its residual stream runs hyper-connection
-    mixers. Read as grouped-query attention its default config (V4-Flash's shapes) billed 290.9B total, 20.4B active;
-    the card says 284B and 13B. Held to a count by hand and to transformers' model at the tiny shapes (every layer
-    type), to the model on the meta device at the default shapes, and to the card."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("transformers.models.deepseek_v4")
-    tiny = transformers.AutoConfig.for_model("deepseek_v4", **V4_TINY)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(tiny)
-    assert param_bill(tiny.to_dict()).total == _v4_by_hand(V4_TINY) == sum(p.numel() for p in model.parameters())
-    default = transformers.AutoConfig.for_model("deepseek_v4")
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(default)
-    bill = param_bill(default.to_dict())
-    assert bill.total == sum(p.numel() for p in model.parameters())
-    assert bill.total / 1e9 == pytest.approx(284, rel=0.01) and round(bill.active_matmul / 1e9) == 13
-
-
 JAMBA_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=24, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
                   expert_layer_period=2, expert_layer_offset=0, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
@@ -259,22 +254,26 @@ def _jamba_by_hand(c: dict) -> int:
     return total + 2 * c["vocab_size"] * d + d
 
 
-def test_jamba_bill_equals_transformers_model():
-    """Jamba mixes Mamba and attention layers, MoE and dense MLPs; billed as attention and MoE on every layer it came
-    to 92.1B (49.8B with its MoE layers counted, the Mamba mixers still as attention) against transformers' 51.57B and
-    the card's 52B total, 12B active. Held to a count by hand and transformers' model (tiny, and the default config
-    on the meta device)."""
+@pytest.mark.parametrize("model_type, tiny, by_hand, card", [
+    ("deepseek_v4", V4_TINY, _v4_by_hand, (284, 13)),  # V4-Flash's card: 284B total, 13B active
+    ("jamba", JAMBA_TINY, _jamba_by_hand, (52, 12)),  # Jamba's card: 52B total, 12B active
+])
+def test_a_family_of_its_own_token_mixer_bills_as_transformers_model(model_type, tiny, by_hand, card):
+    """DeepSeek-V4's attention is not grouped-query: one shared kv head, low-rank q and a grouped low-rank output,
+    and a compressor (with an indexer on the sparse layers) by layer type; its residual stream runs hyper-connection
+    mixers. Read as grouped-query attention its default config (V4-Flash's shapes) billed 290.9B total, 20.4B active.
+    Jamba mixes Mamba and attention layers, MoE and dense MLPs; billed as attention and MoE on every layer it came to
+    92.1B (49.8B with its MoE layers counted, the Mamba mixers still as attention), against transformers' 51.57B.
+    Each held to a count by hand and transformers' model at tiny shapes (every layer kind), to its default config's
+    model on the meta device, and to its card (total, active matmul parameters)."""
     transformers = pytest.importorskip("transformers")
-    tiny = transformers.AutoConfig.for_model("jamba", **JAMBA_TINY)
-    model = transformers.AutoModelForCausalLM.from_config(tiny)
-    assert param_bill(tiny.to_dict()).total == _jamba_by_hand(JAMBA_TINY) == sum(p.numel() for p in model.parameters())
-    default = transformers.AutoConfig.for_model("jamba")
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(default)
-    bill = param_bill(default.to_dict())
-    assert bill.total == sum(p.numel() for p in model.parameters())
-    assert bill.total / 1e9 == pytest.approx(52, rel=0.01) and round(bill.active / 1e9) == 12
-
+    pytest.importorskip(f"transformers.models.{model_type}")
+    small = transformers.AutoConfig.for_model(model_type, **tiny)
+    assert param_bill(small.to_dict()).total == by_hand(tiny) == _meta_count(transformers, small)
+    fields, count = _default_model_count(transformers, model_type)
+    bill = param_bill(fields)
+    assert bill.total == count
+    assert bill.total / 1e9 == pytest.approx(card[0], rel=0.01) and round(bill.active_matmul / 1e9) == card[1]
 
 def test_qwen3_5_moe_bill_equals_transformers_model():
     """Qwen3.5-MoE's text model runs Qwen3-Next's Gated DeltaNet on its layer_types' "linear_attention" layers (30 of
@@ -283,23 +282,11 @@ def test_qwen3_5_moe_bill_equals_transformers_model():
     bills its text model."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("transformers.models.qwen3_5_moe")
-    text = transformers.AutoConfig.for_model("qwen3_5_moe_text")
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(text)
-    bill = param_bill(text.to_dict())
-    assert bill.total == sum(p.numel() for p in model.parameters())
+    fields, count = _default_model_count(transformers, "qwen3_5_moe_text")
+    bill = param_bill(fields)
+    assert bill.total == count
     assert round(bill.total / 1e9) == 35 and round(bill.active_matmul / 1e9) == 3
     assert param_bill(transformers.AutoConfig.for_model("qwen3_5_moe").to_dict()) == bill
-
-
-def _default_model_count(transformers, model_type: str) -> tuple[dict, int]:
-    """A family's default config (DeepSeek-V2's None top-k given 6, as its checkpoints) and its model's count."""
-    cfg = transformers.AutoConfig.for_model(model_type)
-    if getattr(cfg, "num_experts_per_tok", 0) is None:
-        cfg = transformers.AutoConfig.for_model(model_type, num_experts_per_tok=6)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    return cfg.to_dict(), sum(p.numel() for p in model.parameters())
 
 
 def test_the_families_billed_exactly_are_and_the_others_say_approximate():
