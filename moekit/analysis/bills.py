@@ -63,7 +63,7 @@ class ParamBill:
 # (benchmarks/triton-notes.md, session 49), and ``moekit analyze`` says the bill is approximate.
 EXACT_BILL = frozenset({
     "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
-    "granitemoeshared", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral", "olmoe", "qwen2_moe",
+    "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral", "olmoe", "qwen2_moe",
     "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
 })
 
@@ -126,6 +126,7 @@ def _dense_mlp_params(c: dict, layers: int, moe_layers: int) -> int:
     return count * 3 * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
 
 
+HY_V4 = ("hy_v4", "hy_v4_vl_text")  # MLA with an output gate, sinks and DSA indexers; hyper-connections
 QWEN_DELTANET = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers beside gated attention (q_proj: 2H heads)
 
 
@@ -148,6 +149,8 @@ def attention_params(c: dict, layer: int = 0) -> int:
     grouped-query otherwise."""
     if c["model_type"] == "deepseek_v4":
         return _v4_attention_params(c, c["layer_types"][layer])
+    if c["model_type"] in HY_V4:
+        return _hy_v4_attention_params(c, layer)
     if c.get("kv_lora_rank"):
         return _mla_params(c)
     d, heads, kind = c["hidden_size"], c["num_attention_heads"], c["model_type"]
@@ -221,12 +224,25 @@ def _v4_attention_params(c: dict, layer_type: str) -> int:
     return core + 2 * d * 2 * h + rate * 2 * h + h + indexer
 
 
+def _hy_v4_attention_params(c: dict, layer: int) -> int:
+    """HY-V4's attention: DeepSeek's MLA, an output gate [H·v, d] and a sink a head; on its ``indexer_types``' "full"
+    layers a DSA indexer (q_b [iH·ih, q_rank], k [ih, d], a LayerNorm of ih, head weights [iH, d]); a "shared" layer
+    reuses the previous one's choice."""
+    d, heads, v = c["hidden_size"], c["num_attention_heads"], c["v_head_dim"]
+    own = heads * v * d + heads
+    if c["indexer_types"][layer] == "full":
+        ih, i_heads = c["index_head_dim"], c["index_n_heads"]
+        own += c["q_lora_rank"] * i_heads * ih + d * ih + 2 * ih + d * i_heads
+    return _mla_params(c) + own
+
+
 def _hyper_connection_params(c: dict, layers: int) -> int:
     """DeepSeek-V4's manifold-constrained hyper-connections over N = hc_mult residual streams: per layer two mixers
-    (attention's, the MLP's) of a projection [(2 + N)·N, N·d], its bias and 3 scales; the head's [N, N·d], N, 1.
-    0 for every other family."""
-    if c["model_type"] != "deepseek_v4":
+    (attention's, the MLP's) of a projection [(2 + N)·N, N·d], its bias and 3 scales; HY-V4's without the comb
+    output, [2N, N·d], 2N, 2; the head's [N, N·d], N, 1. 0 for every other family."""
+    if c["model_type"] not in ("deepseek_v4", *HY_V4):
         return 0
     d, n = c["hidden_size"], c["hc_mult"]
-    mixer = (2 + n) * n * n * d + (2 + n) * n + 3
+    outputs, scales = (2 * n, 2) if c["model_type"] in HY_V4 else ((2 + n) * n, 3)
+    mixer = outputs * n * d + outputs + scales
     return layers * 2 * mixer + n * n * d + n + 1
