@@ -313,8 +313,9 @@ class MoEConfig:
         (``shared_expert_combine``), LongCat-Flash's zero-computation experts (``num_identity_experts``),
         Llama-4's input-scaled experts (``expert_weight_on="input"``), Phi-MoE's sparsemixer at inference
         (``sparsemixer_jitter_eps``: router_jitter_noise), Inkling's router-weighted shared experts
-        (``shared_expert_combine="router"``). A family whose router moekit does not compute (``REFUSED``: ZAYA's
-        MLP router with cross-layer state) is refused, naming why (its experts still run on "moekit").
+        (``shared_expert_combine="router"``). A family whose router, experts or combine moekit's layer does not
+        compute (``REFUSED``: ZAYA's MLP router, Gemma-4's scaled one, ungated or soft-capped experts, ...) is
+        refused, naming why (its experts still run on "moekit").
 
         ``layer``: the decoder layer this config describes, for a family that clamps its SwiGLU per layer (Step-3.7's
         and Bailing-Hybrid's ``swiglu_limits`` / ``swiglu_limits_shared``, clamped after the activation:
@@ -352,12 +353,16 @@ class MoEConfig:
 def hf_layer_fields(d: dict) -> dict:
     """The config fields that describe the model's MoE layers: ``d`` where its ``model_type`` is read (``HF_READERS``)
     or refused, else its ``text_config`` where that one's is (a VL / omni model's top-level config.json: Qwen3-VL-MoE,
-    Llama-4, HY-V4-VL, whose experts carry the text config), else ``d``. The one lookup of ``from_hf_config``, the
-    whole-model bills (``moekit.analysis``) and the simulator's stated model."""
+    Llama-4, HY-V4-VL, whose experts carry the text config), or Qwen3-Omni's ``thinker_config.text_config``, else
+    ``d``. The one lookup of ``from_hf_config``, the whole-model bills (``moekit.analysis``) and the simulator's
+    stated model."""
     known = set(HF_READERS) | set(REFUSED)
-    text = d.get("text_config")
-    if d.get("model_type") not in known and isinstance(text, dict) and text.get("model_type") in known:
-        return text
+    if d.get("model_type") in known:
+        return d
+    thinker = d.get("thinker_config")  # Qwen3-Omni: the thinker's text model (its talker is a smaller MoE of its own)
+    for text in (d.get("text_config"), thinker.get("text_config") if isinstance(thinker, dict) else None):
+        if isinstance(text, dict) and text.get("model_type") in known:
+            return text
     return d
 
 

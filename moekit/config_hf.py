@@ -1,11 +1,11 @@
 """``MoEConfig.from_hf_config``'s readers: one transformers ``model_type`` -> the ``MoEConfig`` fields of its MoE
 layer, each written from the family's router in transformers' modeling file (what it scores, selects, weights).
 
-A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the config's ``hidden_act``). A
-family whose router moekit does not compute is in ``REFUSED`` with the reason. The router options of session 34
-(``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap, Kolibri's bias
-on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert, LongCat-Flash's
-identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkling's router-weighted shared experts.
+A reader returns a dict of ``MoEConfig`` fields (``activation`` defaults to the config's ``hidden_act``). A family
+moekit's layer does not compute is in ``REFUSED`` with the reason (``config_hf_refused``). The router options of
+session 34 (``MoEConfig.changed_router_options``) are read where a family sets them: Laguna's logit soft-cap,
+Kolibri's bias on the logits, Mistral-4's and A.X-K2's group rule and fill, Cohere2-MoE's averaged shared expert,
+LongCat's identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemixer, Inkling's weighted shared experts.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
-from moekit.config_hf_clamps import MoELayerRule, count_moe_layers
+from moekit.config_hf_clamps import MoELayerRule, count_moe_layers, ernie_moe_layers
+from moekit.config_hf_refused import REFUSED  # noqa: F401  (re-exported: config.py, the tests)
 from moekit.config_hf_v4 import HF_RENORM_EPS, read_deepseek_v4
 
 
@@ -213,8 +214,13 @@ def _read_softmax_topk(d: dict) -> dict:
         shared = _get(d, "shared_intermediate_size", default=0)
     if d["model_type"] == "hunyuan_v1_moe" and _get(d, "use_mixed_mlp_moe", default=True):
         shared = d["intermediate_size"] * _get(d, "num_shared_expert", default=1)
-    return dict(_read_mixtral(d), renormalize=renorm or bool(_get(d, "norm_topk_prob", default=False)),
-                shared_expert_intermediate_size=shared)
+    fields = dict(_read_mixtral(d), renormalize=renorm or bool(_get(d, "norm_topk_prob", default=False)),
+                  shared_expert_intermediate_size=shared)
+    if d["model_type"] == "jamba":  # a MoE block on every expert_layer_period-th layer, a dense MLP between
+        period, offset = _get(d, "expert_layer_period", default=2), _get(d, "expert_layer_offset", default=1)
+        fields["num_moe_layers"] = count_moe_layers(d, lambda i: i % period == offset,
+                                                    "expert_layer_period, expert_layer_offset")
+    return fields
 
 
 def _read_minimax_m2(d: dict) -> dict:
@@ -289,7 +295,8 @@ def _read_ernie(d: dict) -> dict:
     shared = _get(d, "moe_num_shared_experts", default=0) * d["moe_intermediate_size"]
     return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
                 num_experts=_get(d, "moe_num_experts", "num_experts"), top_k=_get(d, "moe_k", "num_experts_per_tok"),
-                renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared)
+                renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared,
+                num_moe_layers=ernie_moe_layers(d))
 
 
 def _read_ernie_vl(d: dict) -> dict:
@@ -390,11 +397,4 @@ HF_READERS = {
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
     "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
     "deepseek_v4": read_deepseek_v4,  # top-k layers; hash layers by from_hf_config(cfg, layer=i) (config_hf_v4.py)
-}
-# Routers (or blocks) moekit does not compute: read them and the layer would route differently, so refuse.
-REFUSED = {
-    "zaya": "ZAYA's router is an MLP (down_proj to router_hidden_size plus the previous layer's router state times a "
-            "learned scale, an RMSNorm, two GELU layers, out_proj over the E experts and a skip expert of weight 0), "
-            "and its block takes and returns that state across layers; moekit's gate is one linear layer of x. Its "
-            "experts run on moekit through model.set_experts_implementation('moekit'), which keeps its router",
 }

@@ -97,6 +97,15 @@ def count_moe_layers(d: dict, is_moe, fields: str = "") -> int | None:
     return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
 
 
+def ernie_moe_layers(d: dict) -> int | None:
+    """ERNIE-4.5-MoE's MoE blocks: layers start..end (inclusive; end -1: the last) where (i + 1) % interval == 0."""
+    start, interval = d.get("moe_layer_start_index") or 0, d.get("moe_layer_interval") or 1
+    end = d.get("moe_layer_end_index")
+    end = (d.get("num_hidden_layers") or 0) - 1 if end in (None, -1) else end
+    return count_moe_layers(d, lambda i: start <= i <= end and (i + 1) % interval == 0,
+                            "moe_layer_start_index, moe_layer_end_index, moe_layer_interval")
+
+
 MOE_LAYER_KINDS = ("sparse", "moe", "hash_moe")  # mlp_layer_types' MoE layers (DeepSeek-V4: "moe", "hash_moe")
 
 

@@ -180,3 +180,132 @@ def test_longcat_flash_reconciles_with_published():
     pytest.importorskip("transformers.models.longcat_flash")
     bill = param_bill(transformers.LongcatFlashConfig().to_dict())
     assert bill.total / 1e9 == pytest.approx(560, rel=0.01) and bill.active_matmul / 1e9 == pytest.approx(27, rel=0.01)
+
+
+def _default_model_count(transformers, model_type: str) -> tuple[dict, int]:
+    """A family's default config (DeepSeek-V2's None top-k given 6, as its checkpoints) and its model's count."""
+    cfg = transformers.AutoConfig.for_model(model_type)
+    if getattr(cfg, "num_experts_per_tok", 0) is None:
+        cfg = transformers.AutoConfig.for_model(model_type, num_experts_per_tok=6)
+    return cfg.to_dict(), _meta_count(transformers, cfg)
+
+
+def _meta_count(transformers, cfg) -> int:
+    """The parameters of transformers' causal LM of ``cfg``, built on the meta device."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+V4_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
+               q_lora_rank=24, o_groups=2, o_lora_rank=8, hc_mult=3, index_n_heads=2, index_head_dim=8,
+               n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
+               layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+               mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates={"compressed_sparse_attention": 4,
+                                                                            "heavily_compressed_attention": 8})
+
+
+def _v4_by_hand(c: dict) -> int:
+    """DeepSeek-V4's parameters summed from its modules' shapes. Attention (every layer): q_a [qr, d], its norm, q_b
+    [H·h, qr]; one shared kv head [h, d] and its norm; the grouped output projection o_a (g blocks of [o_rank, H·h/g])
+    then o_b [d, g·o_rank]; one sink a head. A compressed layer adds its compressor: kv and gate projections [w, d],
+    a position bias [rate, w], a norm of h (w = h on the heavily compressed layers, 2h on the sparse ones, whose
+    indexer adds its own kv / gate [2·ih, d], bias [rate, 2·ih], norm ih, q_b [iH·ih, qr] and head weights [iH, d]).
+    Per layer two hyper-connection mixers (fn [(2+N)·N, N·d], base, 3 scales), two RMSNorms and one MoE block (E
+    experts, one shared, a router [E, d]); the model: embedding, LM head, final norm, the head mixer [N, N·d], N, 1."""
+    names = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult")
+    d, heads, h, qr, g, o_rank, n = (c[k] for k in names)
+    ih, ih_heads = c["index_head_dim"], c["index_n_heads"]
+    csa, hca = (c["compress_rates"][t] for t in ("compressed_sparse_attention", "heavily_compressed_attention"))
+    core = d * qr + qr + qr * heads * h + d * h + h + o_rank * heads * h + g * o_rank * d + heads
+    indexer = 2 * d * 2 * ih + csa * 2 * ih + ih + qr * ih_heads * ih + d * ih_heads
+    compressor = {"sliding_attention": 0, "heavily_compressed_attention": 2 * d * h + hca * h + h,
+                  "compressed_sparse_attention": 2 * d * 2 * h + csa * 2 * h + h + indexer}
+    mixers = 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)
+    experts = c["n_routed_experts"] + c["n_shared_experts"]
+    moe = experts * 3 * d * c["moe_intermediate_size"] + c["n_routed_experts"] * d
+    layers = sum(core + compressor[t] + mixers + 2 * d + moe for t in c["layer_types"])
+    return layers + 2 * c["vocab_size"] * d + d + n * n * d + n + 1
+
+
+JAMBA_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=24, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=0, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
+                  mamba_dt_rank=5, use_mamba_kernels=False)
+
+
+def _jamba_by_hand(c: dict) -> int:
+    """Jamba's parameters from its modules' shapes: a Mamba mixer on the layers that are not attention ones (in_proj
+    [2I, d], a depthwise conv [I, 1, k] with its bias, x_proj [R + 2S, I], dt_proj [I, R] with its bias, A_log [I, S],
+    D [I], out_proj [d, I], RMSNorms of R, S, S; I = expand·d), grouped-query attention on the others; a MoE block
+    (E experts, a router [E, d]) where i % expert_layer_period == expert_layer_offset, a dense MLP elsewhere; two
+    RMSNorms a layer; embedding, LM head, final norm."""
+    d, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    h, inner, rank, state = d // heads, c["mamba_expand"] * d, c["mamba_dt_rank"], c["mamba_d_state"]
+    mamba = (d * 2 * inner + inner * c["mamba_d_conv"] + inner + inner * (rank + 2 * state) + rank * inner + inner
+             + inner * state + inner + inner * d + rank + 2 * state)
+    attention = 2 * d * heads * h + 2 * d * kv * h
+    moe = c["num_experts"] * 3 * d * c["intermediate_size"] + c["num_experts"] * d
+    total = 0
+    for i in range(c["num_hidden_layers"]):
+        total += attention if i % c["attn_layer_period"] == c["attn_layer_offset"] else mamba
+        total += moe if i % c["expert_layer_period"] == c["expert_layer_offset"] else 3 * d * c["intermediate_size"]
+        total += 2 * d
+    return total + 2 * c["vocab_size"] * d + d
+
+
+@pytest.mark.parametrize("model_type, tiny, by_hand, card", [
+    ("deepseek_v4", V4_TINY, _v4_by_hand, (284, 13)),  # V4-Flash's card: 284B total, 13B active
+    ("jamba", JAMBA_TINY, _jamba_by_hand, (52, 12)),  # Jamba's card: 52B total, 12B active
+])
+def test_a_family_of_its_own_token_mixer_bills_as_transformers_model(model_type, tiny, by_hand, card):
+    """DeepSeek-V4's attention is not grouped-query: one shared kv head, low-rank q and a grouped low-rank output,
+    and a compressor (with an indexer on the sparse layers) by layer type; its residual stream runs hyper-connection
+    mixers. Read as grouped-query attention its default config (V4-Flash's shapes) billed 290.9B total, 20.4B active.
+    Jamba mixes Mamba and attention layers, MoE and dense MLPs; billed as attention and MoE on every layer it came to
+    92.1B (49.8B with its MoE layers counted, the Mamba mixers still as attention), against transformers' 51.57B.
+    Each held to a count by hand and transformers' model at tiny shapes (every layer kind), to its default config's
+    model on the meta device, and to its card (total, active matmul parameters)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip(f"transformers.models.{model_type}")
+    small = transformers.AutoConfig.for_model(model_type, **tiny)
+    assert param_bill(small.to_dict()).total == by_hand(tiny) == _meta_count(transformers, small)
+    fields, count = _default_model_count(transformers, model_type)
+    bill = param_bill(fields)
+    assert bill.total == count
+    assert bill.total / 1e9 == pytest.approx(card[0], rel=0.01) and round(bill.active_matmul / 1e9) == card[1]
+
+def test_qwen3_5_moe_bill_equals_transformers_model():
+    """Qwen3.5-MoE's text model runs Qwen3-Next's Gated DeltaNet on its layer_types' "linear_attention" layers (30 of
+    40) and gated attention on the others; billed as plain attention everywhere it came to 34.13B against
+    transformers' 34.66B (the card's 35B-A3B). The default config, on the meta device; the top-level (VL) config
+    bills its text model."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    fields, count = _default_model_count(transformers, "qwen3_5_moe_text")
+    bill = param_bill(fields)
+    assert bill.total == count
+    assert round(bill.total / 1e9) == 35 and round(bill.active_matmul / 1e9) == 3
+    assert param_bill(transformers.AutoConfig.for_model("qwen3_5_moe").to_dict()) == bill
+
+
+def test_the_families_billed_exactly_are_and_the_others_say_approximate():
+    """``ParamBill.exact``: the model types whose bill is held to the parameter (every EXACT_BILL type transformers
+    registers, its default config against its model on the meta device), and False for a family whose own attention
+    the bill reads as grouped-query or MLA (MiniCPM5-MoE: 1.6% short; MiniMax's lightning attention: 1.4% short),
+    which ``moekit analyze`` then says. Kimi-K2's config is DeepSeek-V3's model (test_bill_equals_transformers_model).
+    HY-V4 (its MLA's output gate and sinks, DSA indexers on the "full" layers, hyper-connections) billed 57.45B against
+    58.28B before session 49."""
+    transformers = pytest.importorskip("transformers")
+    from moekit.analysis.bills import EXACT_BILL
+
+    known = set(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
+    assert EXACT_BILL - known == {"kimi_k2"}
+    for model_type in sorted(EXACT_BILL & known):
+        fields, count = _default_model_count(transformers, model_type)
+        bill = param_bill(fields)
+        assert bill.exact and bill.total == count, model_type
+    for model_type in ("minicpm5_moe", "minimax"):
+        fields, count = _default_model_count(transformers, model_type)
+        bill = param_bill(fields)
+        assert not bill.exact and bill.total != count, model_type

@@ -317,3 +317,17 @@ def test_measure_says_what_it_measures_on_a_terminal_only(capsys, monkeypatch):
     assert "analyze --measure: the copy bandwidth and matmul rate of cpu ..." in err, err
 
 
+
+
+def test_the_parameters_table_says_whether_the_bill_is_exact(capsys, tmp_path):
+    """A family billed to the parameter says so; one whose attention is read approximately (MiniMax's lightning
+    attention as grouped-query) says the bill is approximate and why, in the table and in the JSON."""
+    transformers = pytest.importorskip("transformers")
+    for model_type, exact in (("mixtral", True), ("minimax", False)):
+        path = tmp_path / f"{model_type}.json"
+        path.write_text(json.dumps(transformers.AutoConfig.for_model(model_type).to_dict(), default=str))
+        assert main(["analyze", "--config", str(path), "--batches", "1"]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        said = "counted to the parameter" if exact else "approximate"
+        assert said in text and ("approximate" in text) != exact, model_type
+        assert run_json(capsys, "--config", str(path), "--batches", "1")["bills"]["params"]["exact"] is exact

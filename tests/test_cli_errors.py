@@ -155,6 +155,18 @@ def test_unknown_subcommand(capsys):
     assert exc.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sub", ["analyze", "bench", "demo", "serve", "simulate", "train", "tune"])
+def test_an_unknown_flag_is_the_subcommand_s_error(sub, capsys):
+    """A flag the subcommand does not take (a typo, or another subcommand's: ``bench --config``) is reported by that
+    subcommand, with its usage line, as every other mistake; argparse's top-level parser said ``moekit: error``
+    under ``usage: moekit [-h] [--version] COMMAND ...``, which names neither the subcommand nor its options."""
+    line = cli_error(capsys, [sub, "--no-such-flag=x"])
+    assert line == f"moekit {sub}: error: unrecognized arguments: --no-such-flag=x"
+    with pytest.raises(SystemExit):
+        main([sub, "--no-such-flag"])
+    assert capsys.readouterr().err.startswith(f"usage: moekit {sub} ")
+
+
 def test_plot_without_matplotlib(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # how a missing package fails to import
     for argv in ([*TINY, "--plot", "out.png"], ["simulate", "--plot", "out.png"]):

@@ -133,10 +133,12 @@ def test_refused_families_say_why(model_type):
         MoEConfig.from_hf_config({"model_type": model_type, "hidden_size": 32})
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "qwen3_omni_moe"])
 def test_a_vl_models_top_level_config_reads_its_text_config(model_type):
+    """Qwen3-Omni's MoE text model is its thinker's (thinker_config.text_config), which get_text_config() returns."""
     cfg = transformers.AutoConfig.for_model(model_type)
-    assert MoEConfig.from_hf_config(cfg) == MoEConfig.from_hf_config(cfg.get_text_config())
+    text = MoEConfig.from_hf_config(cfg.get_text_config())
+    assert MoEConfig.from_hf_config(cfg) == MoEConfig.from_hf_config(cfg.to_dict()) == text
 
 
 def test_the_families_of_fam34b():
@@ -171,16 +173,24 @@ def test_the_families_of_fam34b():
     ("qwen2_moe", dict(mlp_only_layers=[1], decoder_sparse_step=1, num_experts=4, moe_intermediate_size=8,
                        shared_expert_intermediate_size=8)),
     ("qwen3_moe", dict(decoder_sparse_step=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)),
+    # Jamba: a MoE block where i % expert_layer_period == expert_layer_offset (read as every layer before session 49)
+    ("jamba", dict(expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                   attn_layer_period=2, attn_layer_offset=0, mamba_d_state=4, mamba_dt_rank=4,
+                   use_mamba_kernels=False)),
+    # ERNIE-4.5-MoE: layers start..end (inclusive) where (i + 1) % interval == 0 (read as no count until session 49)
+    ("ernie4_5_moe", dict(moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1, moe_num_experts=4,
+                          moe_k=2, moe_intermediate_size=8)),
 ])
 def test_layer_of_a_dense_decoder_layer_is_refused(model_type, changes):
     """``from_hf_config(cfg, layer=i)`` reads layer i where transformers' model built from cfg has a MoE block there
     (a module with ``experts``: the reference), and refuses, naming the layer and the fields, where it has a dense
-    MLP (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step). DeepSeek-V2's moe_layer_freq,
+    MLP (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step, Jamba's expert_layer_period /
+    offset, ERNIE's moe_layer_start_index / end_index / interval). DeepSeek-V2's moe_layer_freq,
     which transformers' modeling does not read, counts for nothing, as there."""
     cfg = transformers.AutoConfig.for_model(model_type, hidden_size=16, intermediate_size=16, num_hidden_layers=4,
                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=32, **changes)
     model = transformers.AutoModel.from_config(cfg)
-    moe = [hasattr(layer.mlp, "experts") for layer in model.layers]
+    moe = [hasattr(getattr(layer, "mlp", None) or layer.feed_forward, "experts") for layer in model.layers]
     assert any(moe) and not all(moe), moe  # both kinds present: the test can fail either way
     assert MoEConfig.from_hf_config(cfg).num_moe_layers == sum(moe)
     for i, is_moe in enumerate(moe):
@@ -189,3 +199,24 @@ def test_layer_of_a_dense_decoder_layer_is_refused(model_type, changes):
         else:
             with pytest.raises(ValueError, match=rf"layer {i} is a dense MLP layer \(cfg\.\w+"):
                 MoEConfig.from_hf_config(cfg, layer=i)
+
+
+def _walk_model_types() -> list[str]:
+    from _hf_families import walk
+
+    names = transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES
+    return sorted({fam.family for fam in walk()} & set(names))
+
+
+@pytest.mark.parametrize("model_type", _walk_model_types())
+def test_every_moe_family_transformers_ships_is_read_or_refused_saying_why(model_type):
+    """Each family whose experts the installed transformers wraps (the walk), from its top-level default config (what
+    a checkpoint's config.json says): ``from_hf_config`` reads it, or refuses it saying why (REFUSED's reason, a
+    missing field, a dense layer), never with the list of the model types it knows as if it were not a MoE model.
+    Before session 49 Gemma-4, DiffusionGemma, Nemotron-H, Ergo, Inkling-2 (and its loop), Muse-Spark and Qwen3-Omni's
+    top-level config (its MoE text model under thinker_config) met that list."""
+    cfg = transformers.AutoConfig.for_model(model_type)
+    try:
+        MoEConfig.from_hf_config(cfg, layer="typical")
+    except (ValueError, KeyError) as err:
+        assert "must be one of" not in str(err), str(err)[:200]

@@ -141,6 +141,23 @@ def test_every_flag_the_prose_names_exists():
     assert not unknown, "flags no parser has:\n" + "\n".join(unknown)
 
 
+def test_a_subcommand_s_flags_in_the_prose_are_its_own():
+    """A span that starts with a subcommand (``moekit bench --targets``, or ``bench --hf`` after a ``moekit`` named
+    before it) names only that subcommand's flags (its nested ones too): docs/hf.md said ``bench --config``, a flag
+    only ``analyze`` and ``simulate`` take, which the check over all parsers above let through."""
+    (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    own = {name: _option_strings(sub) for name, sub in action.choices.items()}
+    wrong = []
+    for doc in DOCS:
+        for s in spans(doc):
+            words = s.text.split()
+            words = words[1:] if words[:1] == ["moekit"] else words
+            if words and words[0] in own:
+                wrong += [f"{s.doc}:{s.line}: {flag} in `{s.text}`" for flag in
+                          re.findall(r"(?<![\w-])(--[a-z0-9][\w-]*)", s.text) if flag not in own[words[0]]]
+    assert not wrong, "flags the subcommand does not take:\n" + "\n".join(wrong)
+
+
 PATH = re.compile(r"(?:moekit|benchmarks|docs|tests)/[\w./*<>-]+")
 
 

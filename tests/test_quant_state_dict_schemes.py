@@ -5,6 +5,7 @@ format loads bit for bit. The scheme is read off the saved tensors' names and dt
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -60,3 +61,22 @@ def test_a_state_dict_of_another_format_is_refused_by_name(held, layer_format):
     if held != "float":
         assert f"quantize_({held!r})" in message
     assert layer.w13 is w13 and layer.w2 is w2  # the layer keeps its own experts
+
+
+@pytest.mark.parametrize("scheme, saved, loaded", [
+    ("int4_w4a16", {"group_size": 64}, {"group_size": 128}),
+    ("fp8_block", {"block_shape": (64, 64)}, {"block_shape": (128, 128)}),
+])
+def test_a_state_dict_of_other_options_is_refused_naming_the_layers(scheme, saved, loaded):
+    """The same scheme saved with other options (int4's group size, fp8's block shape): the error names the layer's
+    options and what to do, not only a scale's shape ("scale must have shape [4, 128, 1], got [4, 128, 2]")."""
+    torch.manual_seed(0)
+    buffer = io.BytesIO()
+    torch.save(MoE(CONFIG, backend="reference").quantize_(scheme, **saved).state_dict(), buffer)
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    layer = MoE(CONFIG, backend="reference").quantize_(scheme, **loaded)
+    (name, value), = loaded.items()
+    with pytest.raises(RuntimeError, match=rf"w13: {scheme}: .*shape.*this layer's {scheme} options: {name}="
+                                           rf"{re.escape(str(value))}; quantize_ it with the options the state_dict "
+                                           "was saved with"):
+        layer.load_state_dict(state)

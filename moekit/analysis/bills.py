@@ -3,9 +3,10 @@
 Shapes: V = vocab, d = hidden size, L = layers, H = attention heads, H_kv = key/value heads,
 h = head dim, E = routed experts, k = experts per token, N = one expert's intermediate size.
 
-Counted: input embedding, output head, attention (GQA, or DeepSeek's MLA with its low-rank projections
-and norms), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the router,
-and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
+Counted: input embedding, output head, attention (GQA, DeepSeek's MLA with its low-rank projections
+and norms, or DeepSeek-V4's compressed attention by layer type; Qwen3-Next's and Qwen3.5's Gated DeltaNet and Jamba's
+Mamba mixers on their layers), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the
+router, and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
 671B total also excludes, and non-parameter buffers (DeepSeek-V3's e_score_correction_bias).
 """
 
@@ -30,9 +31,10 @@ class ParamBill:
     active_routed_experts: int  # k·3·d·N per MoE layer
     shared_experts: int  # 3·d·width (+ d for a shared gate) per MoE layer
     router: int  # d·E per MoE layer
-    norms: int  # 2·d per layer + the final d
+    norms: int  # 2·d per layer + the final d; DeepSeek-V4's hyper-connection mixers too (its residual streams')
     num_moe_layers: int
     num_dense_layers: int
+    exact: bool = False  # the family is in EXACT_BILL: this bill equals transformers' model to the parameter
 
     @property
     def total(self) -> int:
@@ -53,6 +55,17 @@ class ParamBill:
     def active_matmul(self) -> int:
         """Active parameters that take part in a matmul (the embedding is a lookup): F ≈ 2·this per token."""
         return self.active - self.embedding - self.norms
+
+
+# The model types whose bill equals transformers' model of their default config to the parameter (transformers 5.25,
+# tests/test_analysis_bills.py); Kimi-K2's config.json is DeepSeek-V3's model. Any other family's own attention (or
+# token mixer) is read as grouped-query or MLA: within 0.1-3% of its model on the families of transformers 5.25
+# (benchmarks/triton-notes.md, session 49), and ``moekit analyze`` says the bill is approximate.
+EXACT_BILL = frozenset({
+    "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
+    "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral", "olmoe", "qwen2_moe",
+    "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
+})
 
 
 def param_bill(hf_config: dict) -> ParamBill:
@@ -76,9 +89,10 @@ def param_bill(hf_config: dict) -> ParamBill:
         active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * expert),  # LongCat: k·E/(E+Z)
         shared_experts=moe_layers * shared,
         router=moe_layers * (d + cfg.router_bias) * cfg.router_width,
-        norms=layers * 2 * d + d,
+        norms=layers * 2 * d + d + _hyper_connection_params(hf_config, layers),
         num_moe_layers=moe_layers,
         num_dense_layers=layers - moe_layers,
+        exact=hf_config["model_type"] in EXACT_BILL,
     )
 
 
@@ -112,27 +126,42 @@ def _dense_mlp_params(c: dict, layers: int, moe_layers: int) -> int:
     return count * 3 * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
 
 
+HY_V4 = ("hy_v4", "hy_v4_vl_text")  # MLA with an output gate, sinks and DSA indexers; hyper-connections
+QWEN_DELTANET = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers beside gated attention (q_proj: 2H heads)
+
+
 def _layer_attention_params(c: dict, layer: int) -> int:
-    """Layer ``layer``'s token mixer: Qwen3-Next's Gated DeltaNet on 3 of every 4 layers, else attention."""
-    interval = c.get("full_attention_interval", 4)
-    if c["model_type"] == "qwen3_next" and (layer + 1) % interval != 0:
-        return _gated_deltanet_params(c)
-    return attention_params(c)
+    """Layer ``layer``'s token mixer: Qwen3-Next's and Qwen3.5-MoE's Gated DeltaNet on their ``layer_types``'
+    "linear_attention" layers (else 3 of every 4), Jamba's Mamba on the layers off its attention period, else
+    attention."""
+    if c["model_type"] in QWEN_DELTANET:
+        types, interval = c.get("layer_types"), c.get("full_attention_interval", 4)
+        linear = types[layer] == "linear_attention" if types else (layer + 1) % interval != 0
+        if linear:
+            return _gated_deltanet_params(c)
+    if c["model_type"] == "jamba" and layer % c.get("attn_layer_period", 8) != c.get("attn_layer_offset", 4):
+        return _mamba_params(c)
+    return attention_params(c, layer)
 
 
-def attention_params(c: dict) -> int:
-    """One layer's attention: MLA when the config has ``kv_lora_rank``, grouped-query otherwise."""
+def attention_params(c: dict, layer: int = 0) -> int:
+    """Layer ``layer``'s attention: DeepSeek-V4's by its layer type, MLA when the config has ``kv_lora_rank``,
+    grouped-query otherwise."""
+    if c["model_type"] == "deepseek_v4":
+        return _v4_attention_params(c, c["layer_types"][layer])
+    if c["model_type"] in HY_V4:
+        return _hy_v4_attention_params(c, layer)
     if c.get("kv_lora_rank"):
         return _mla_params(c)
     d, heads, kind = c["hidden_size"], c["num_attention_heads"], c["model_type"]
     kv_heads = c.get("num_key_value_heads") or heads
     h = c.get("head_dim") or d // heads
-    q_heads = 2 * heads if kind == "qwen3_next" else heads  # Qwen3-Next's q_proj also makes the output gate
+    q_heads = 2 * heads if kind in QWEN_DELTANET else heads  # Qwen3-Next's q_proj also makes the output gate
     weights = d * q_heads * h + 2 * d * kv_heads * h + heads * h * d  # q, k, v, o
     qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c.get("attention_bias", kind == "qwen2_moe")) else 0
     if kind == "gpt_oss":  # an o_proj bias, and one attention sink per head
         qkv_bias += d + heads
-    qk_norm = 2 * h if kind in ("qwen3_moe", "qwen3_next") else 0  # per-head RMSNorm on q and k
+    qk_norm = 2 * h if kind in ("qwen3_moe", *QWEN_DELTANET) else 0  # per-head RMSNorm on q and k
     if kind == "olmoe":  # RMSNorm over all of q and all of k
         qk_norm = (heads + kv_heads) * h
     return weights + qkv_bias + qk_norm
@@ -150,6 +179,20 @@ def _gated_deltanet_params(c: dict) -> int:
     return in_proj + conv + 2 * v_heads + c["linear_value_head_dim"] + value_dim * d
 
 
+def _mamba_params(c: dict) -> int:
+    """Jamba's Mamba mixer, I = mamba_expand·d inner channels, R the time-step rank, S the state: in_proj [2I, d], a
+    depthwise conv of kernel k over I (its bias), x_proj [R + 2S, I], dt_proj [I, R] and its bias, A_log [I, S],
+    D [I], out_proj [d, I] (in and out biases with mamba_proj_bias), RMSNorms over R, S and S."""
+    d = c["hidden_size"]
+    inner, state = c.get("mamba_expand", 2) * d, c.get("mamba_d_state", 16)
+    rank = c.get("mamba_dt_rank", "auto")
+    rank = -(-d // 16) if rank == "auto" else rank
+    proj = d * 2 * inner + inner * d + (2 * inner + d if c.get("mamba_proj_bias", False) else 0)
+    conv = inner * c.get("mamba_d_conv", 4) + (inner if c.get("mamba_conv_bias", True) else 0)
+    ssm = inner * (rank + 2 * state) + rank * inner + inner + inner * state + inner
+    return proj + conv + ssm + rank + 2 * state
+
+
 def _mla_params(c: dict) -> int:
     """DeepSeek's multi-head latent attention: low-rank q (optional) and a shared compressed kv."""
     d, heads, q_rank, kv_rank = c["hidden_size"], c["num_attention_heads"], c.get("q_lora_rank"), c["kv_lora_rank"]
@@ -158,3 +201,48 @@ def _mla_params(c: dict) -> int:
     kv_a = d * (kv_rank + c["qk_rope_head_dim"]) + kv_rank  # compress to the latent + rope key, norm
     kv_b = kv_rank * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])  # latent -> per-head k_nope, v
     return q + kv_a + kv_b + heads * c["v_head_dim"] * d  # + o_proj
+
+
+def _v4_attention_params(c: dict, layer_type: str) -> int:
+    """DeepSeek-V4's attention: low-rank q (a, norm, b), one kv head shared by key and value (and its norm), the
+    grouped low-rank output (o_a: g blocks of [o_rank, H·h/g]; o_b [d, g·o_rank]), a sink a head; a compressed
+    layer's compressor (kv and gate projections to w, a position bias [rate, w], a norm of h: w = h heavily
+    compressed, 2h sparse, whose lightning indexer adds the same at its head dim ih, its q_b [iH·ih, q_rank] and
+    head weights [iH, d]). Without this reading (grouped-query) V4-Flash's bill was 290.9B total, 20.4B active,
+    against the card's 284B and 13B."""
+    d, heads, h, q_rank = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["q_lora_rank"]
+    o_rank = c["o_lora_rank"]
+    core = (d * q_rank + q_rank + q_rank * heads * h + d * h + h + o_rank * heads * h + c["o_groups"] * o_rank * d
+            + heads)
+    if layer_type == "sliding_attention":
+        return core
+    rate = c["compress_rates"][layer_type]
+    if layer_type == "heavily_compressed_attention":
+        return core + 2 * d * h + rate * h + h
+    ih, i_heads = c["index_head_dim"], c["index_n_heads"]
+    indexer = 2 * d * 2 * ih + rate * 2 * ih + ih + q_rank * i_heads * ih + d * i_heads
+    return core + 2 * d * 2 * h + rate * 2 * h + h + indexer
+
+
+def _hy_v4_attention_params(c: dict, layer: int) -> int:
+    """HY-V4's attention: DeepSeek's MLA, an output gate [H·v, d] and a sink a head; on its ``indexer_types``' "full"
+    layers a DSA indexer (q_b [iH·ih, q_rank], k [ih, d], a LayerNorm of ih, head weights [iH, d]); a "shared" layer
+    reuses the previous one's choice."""
+    d, heads, v = c["hidden_size"], c["num_attention_heads"], c["v_head_dim"]
+    own = heads * v * d + heads
+    if c["indexer_types"][layer] == "full":
+        ih, i_heads = c["index_head_dim"], c["index_n_heads"]
+        own += c["q_lora_rank"] * i_heads * ih + d * ih + 2 * ih + d * i_heads
+    return _mla_params(c) + own
+
+
+def _hyper_connection_params(c: dict, layers: int) -> int:
+    """DeepSeek-V4's manifold-constrained hyper-connections over N = hc_mult residual streams: per layer two mixers
+    (attention's, the MLP's) of a projection [(2 + N)·N, N·d], its bias and 3 scales; HY-V4's without the comb
+    output, [2N, N·d], 2N, 2; the head's [N, N·d], N, 1. 0 for every other family."""
+    if c["model_type"] not in ("deepseek_v4", *HY_V4):
+        return 0
+    d, n = c["hidden_size"], c["hc_mult"]
+    outputs, scales = (2 * n, 2) if c["model_type"] in HY_V4 else ((2 + n) * n, 3)
+    mixer = outputs * n * d + outputs + scales
+    return layers * 2 * mixer + n * n * d + n + 1

@@ -27,17 +27,25 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``moekit`` parser and each subcommand's, by name."""
     parser = argparse.ArgumentParser(prog="moekit", description="Mixture-of-Experts layers, exact and explained.")
     parser.add_argument("--version", action="version", version=f"moekit {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if not info.name.startswith("_"):
             importlib.import_module(f"{__name__}.{info.name}").register(subparsers)
-    return parser
+    return parser, subparsers.choices
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser, commands = _parsers()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # parse_args would report them as the top-level parser's: "moekit: error", its usage line
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except UsageError as err:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moekit.quant.base import QuantizedWeight
-from moekit.quant.schemes import check_scheme, quantize, scheme_of_tensors
+from moekit.quant.schemes import check_scheme, quantize, scheme_of_tensors, scheme_options
 from moekit.routing.shared import unfused_shared
 
 EXPERT_WEIGHTS = ("w13", "w2")
@@ -112,8 +112,10 @@ def _load_quantized(module, state_dict, prefix, local_metadata, strict, missing_
         meta = {f.name: getattr(w, f.name) for f in dataclasses.fields(w) if f.name not in w.tensor_fields}
         try:
             module.__dict__[name] = type(w)(**meta, **tensors)
-        except (TypeError, ValueError) as err:
-            error_msgs.append(f"{prefix}{name}: {err}")
+        except (TypeError, ValueError) as err:  # the same scheme saved with other options (group size, block shape)
+            options = ", ".join(f"{k}={meta[k]}" for k in scheme_options(w.scheme) if k in meta)
+            error_msgs.append(f"{prefix}{name}: {err} (this layer's {w.scheme} options: {options or 'none'}; quantize_ "
+                              "it with the options the state_dict was saved with)")
 
 
 def refuse_quantized_into_float(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
