@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from moekit import route
+from moekit.bench.timing import host_from_idle
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.routing import gate_route
@@ -75,14 +76,7 @@ with torch.no_grad():
 
 def host(fn, calls: int = 32, rounds: int = 7) -> tuple[float, float]:
     """(median, min) host µs per call over ``rounds`` rounds of ``calls`` calls, each started on an idle GPU."""
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
+    times = host_from_idle(fn, torch.device("cuda"), calls=calls, samples=rounds)
     return statistics.median(times), min(times)
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from moekit.bench.cells import Shape, make_weights, uniform_routing
-from moekit.bench.timing import time_calls
+from moekit.bench.timing import host_from_idle, time_calls
 from moekit.experts.triton import _DESCRIPTORS, _WORKSPACES, experts_triton
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_plan import plan_for
@@ -75,15 +75,7 @@ def _stats(samples: list) -> dict:
 def host_us(fn, calls: int | None = None, samples: int | None = None) -> dict:
     """Host µs per call: ``calls`` calls started on an idle GPU, ``samples`` times."""
     calls, samples = calls or Run.samples[2], samples or Run.samples[0]
-    times = []
-    for _ in range(samples):
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    _sync()
-    return _stats(times)
+    return _stats(host_from_idle(fn, Run.device, calls=calls, samples=samples))
 
 
 def one_at_a_time_us(fn) -> dict:

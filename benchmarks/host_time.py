@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
+from moekit.bench import timing
 from moekit.bench.timing import time_calls
 from moekit.config import MoEConfig
 from moekit.experts.triton import clear_launch_caches, experts_triton, held_workspaces
@@ -82,15 +83,7 @@ def eager_and_host(fn, calls: int, repeats: int = 3) -> tuple[float, float]:
 
 def host_from_idle(fn, calls: int = 32, repeats: int = 5) -> float:
     """Host µs per call of ``calls`` calls started on an idle GPU (no back-pressure); median."""
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    _sync()
-    return statistics.median(times)
+    return statistics.median(timing.host_from_idle(fn, Run.device, calls=calls, samples=repeats))
 
 
 def measure(fn, calls: int, graph: bool = True, repeats: int = 3) -> dict:

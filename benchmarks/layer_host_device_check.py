@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from moekit import route
+from moekit.bench import timing
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.routing import fused, gate
@@ -71,15 +72,7 @@ STACKS: dict[str, str] = {}  # the Python stack of each distinct host sync, prin
 
 
 def host_from_idle(fn, calls: int = 32, rounds: int = 5) -> float:
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(timing.host_from_idle(fn, torch.device("cuda"), calls=calls, samples=rounds))
 
 
 def eager_us(fn, calls: int = 200) -> float:

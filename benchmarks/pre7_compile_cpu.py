@@ -62,36 +62,20 @@ def plain(tile, gated: bool) -> str:
 
 
 def gather(tile) -> str:
-    from gluon_fp8_compile_cpu import _descriptor
+    from gather_compile_cpu import GATHER_ALIGNED, gather_up_args
 
     from moekit.experts._kernels.gluon_gemm_gather import gather_gate_up_kernel
-    from moekit.experts.triton_gluon_launch import BLOCK_M, LOADER_REGS, LOADER_WARPS, NUM_WARPS
 
-    bf16, int32 = torch.bfloat16, torch.empty(1, dtype=torch.int32)
-    args = dict(x_ptr=torch.empty(1, dtype=bf16), sorted_ptr=int32, dst_ptr=int32,
-                w_desc=_descriptor([E * 2 * N, K], [tile.block_n, tile.block_k], bf16),
-                c_desc=_descriptor([T, N], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
-                num_assignments=T, stride_x=K, reduce_dim=K, num_col_blocks=N // tile.block_n)
-    const = dict(TOP_K=8, W_ROWS=2 * N, GATE_OFFSET=N, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS)
-    aligned = ("x_ptr", "sorted_ptr", "dst_ptr", "experts_ptr", "used_ptr", "stride_x", "reduce_dim")
-    return _compile(gather_gate_up_kernel, args, const, aligned)
+    args, const = gather_up_args(tile, E, N, K, T)
+    return _compile(gather_gate_up_kernel, args, const, GATHER_ALIGNED)
 
 
 def tail(tile) -> str:
-    from gluon_fp8_compile_cpu import _descriptor
+    from tail_compile_cpu import tail_down_args
 
     from moekit.experts._kernels.gluon_gemm_tail import tail_down_kernel
-    from moekit.experts.triton_gluon_launch import BLOCK_M, NUM_WARPS
 
-    bf16, int32 = torch.bfloat16, torch.empty(1, dtype=torch.int32)
-    args = dict(a_desc=_descriptor([T, N], [BLOCK_M, tile.block_k], bf16),
-                t_desc=_descriptor([T, N], [tile.tail, tile.block_k], bf16),
-                w_desc=_descriptor([E * K, N], [tile.block_n, tile.block_k], bf16),
-                c_desc=_descriptor([T, K], [BLOCK_M, tile.block_n], bf16),
-                ct_desc=_descriptor([T, K], [tile.tail, tile.block_n], bf16), experts_ptr=int32, sorted_ptr=int32,
-                used_ptr=int32, num_assignments=T, reduce_dim=N, num_col_blocks=K // tile.block_n)
-    const = dict(W_ROWS=K, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=NUM_WARPS)
+    args, const = tail_down_args(tile, E, N, K, T)
     return _compile(tail_down_kernel, args, const, ("experts_ptr", "sorted_ptr", "used_ptr"))
 
 

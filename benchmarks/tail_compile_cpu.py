@@ -17,22 +17,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def tail_down_args(tile, e: int, n: int, k: int, t: int) -> tuple[dict, dict]:
+    """(args, const) of ``tail_down_kernel`` for a compile: the down GEMM of ``e`` experts over t assignment rows,
+    reducing n (h [t, n]), k output columns (w2 as [e * k, n]), at ``tile`` with its tail rows."""
+    from gluon_fp8_compile_cpu import _descriptor
+
+    from moekit.experts.triton_gluon_launch import BLOCK_M, NUM_WARPS
+
+    bf16, int32 = torch.bfloat16, torch.empty(1, dtype=torch.int32)
+    args = dict(a_desc=_descriptor([t, n], [BLOCK_M, tile.block_k], bf16),
+                t_desc=_descriptor([t, n], [tile.tail, tile.block_k], bf16),
+                w_desc=_descriptor([e * k, n], [tile.block_n, tile.block_k], bf16),
+                c_desc=_descriptor([t, k], [BLOCK_M, tile.block_n], bf16),
+                ct_desc=_descriptor([t, k], [tile.tail, tile.block_n], bf16), experts_ptr=int32, sorted_ptr=int32,
+                used_ptr=int32, num_assignments=t, reduce_dim=n, num_col_blocks=k // tile.block_n)
+    return args, dict(W_ROWS=k, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=NUM_WARPS)
+
+
 def compile_tail_down(tile) -> str:
-    from gluon_fp8_compile_cpu import _descriptor, compile_gluon_sm90, sm90_summary
+    from gluon_fp8_compile_cpu import compile_gluon_sm90, sm90_summary
 
     from moekit.experts._kernels.gluon_gemm_tail import tail_down_kernel as kernel
-    from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS
+    from moekit.experts.triton_gluon_launch import MAX_REGISTERS, NUM_WARPS
 
-    e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
-    int32 = torch.empty(1, dtype=torch.int32)
-    w_rows, r, c = k, n, k
-    args = dict(a_desc=_descriptor([t, r], [BLOCK_M, tile.block_k], bf16),
-                t_desc=_descriptor([t, r], [tile.tail, tile.block_k], bf16),
-                w_desc=_descriptor([e * w_rows, r], [tile.block_n, tile.block_k], bf16),
-                c_desc=_descriptor([t, c], [BLOCK_M, tile.block_n], bf16),
-                ct_desc=_descriptor([t, c], [tile.tail, tile.block_n], bf16), experts_ptr=int32, sorted_ptr=int32,
-                used_ptr=int32, num_assignments=t, reduce_dim=r, num_col_blocks=c // tile.block_n)
-    const = dict(W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=NUM_WARPS)
+    args, const = tail_down_args(tile, 2, 512, 512, 1024)
     t0 = time.perf_counter()
     out = compile_gluon_sm90(kernel, args, const, NUM_WARPS, MAX_REGISTERS)
     return f"{tile}: {sm90_summary(out, time.perf_counter() - t0)}"

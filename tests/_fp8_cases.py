@@ -93,6 +93,14 @@ def quantize_weight(w: torch.Tensor, block_shape) -> tuple[torch.Tensor, torch.T
     return q, scale
 
 
+def block_experts(g: torch.Generator, num_experts: int, inter: int, hidden: int) -> tuple:
+    """(w13 e4m3 [E, 2N, K], its scales, w2 e4m3 [E, K, N], its scales) in 128 x 128 blocks, drawn from ``g`` (w13,
+    then w2; each / sqrt(its reduction) for unit-scale outputs): the Gluon fp8 tests' experts."""
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    return (*quantize_weight(w13, (128, 128)), *quantize_weight(w2, (128, 128)))
+
+
 def problem(m, k, shape, block_shape, dtype=torch.float32, seed=0, num_global=None):
     """x, (w13, w2) unquantized, quantized weights, ids (into num_global experts if given), weights."""
     (num_experts, hidden, inter), g = shape, torch.Generator().manual_seed(seed)

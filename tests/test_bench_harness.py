@@ -14,7 +14,8 @@ from moekit.bench import tuning
 from moekit.bench.cells import Shape, cell_model, measured_experts_touched, uniform_routing
 from moekit.bench.report import plot, results_path, table, write_json
 from moekit.bench.run import Cell, geomean_speedup, run_bench
-from moekit.bench.timing import NOISY_SPREAD_PCT, time_calls
+from moekit.bench import timing
+from moekit.bench.timing import NOISY_SPREAD_PCT, host_from_idle, time_calls
 from moekit.cli import main
 from moekit.experts.configs import KernelConfig, config_file_name, load_configs
 
@@ -43,6 +44,19 @@ def test_uniform_routing_is_seeded_and_distinct():
 def test_time_calls_cpu():
     a = torch.randn(64, 64)
     assert time_calls([lambda: a @ a], torch.device("cpu"), budget_s=0.01) > 0
+
+
+def test_host_from_idle_divides_each_sample_by_its_calls(monkeypatch):
+    clock = [0.0]  # seconds; each call of fn advances it by its sample's cost
+    costs = iter([3e-6] * 4 + [5e-6] * 4 + [2e-6] * 4)  # 3 samples of 4 calls
+
+    def fn():
+        clock[0] += next(costs)
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    got = host_from_idle(fn, torch.device("cpu"), calls=4, samples=3)
+    assert got == pytest.approx([3.0, 5.0, 2.0])  # µs per call
+    assert next(costs, None) is None  # exactly calls * samples calls
 
 
 def test_run_bench_document(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fp8_cases import e4m3_groups_f64, quantize_weight
+from _fp8_cases import block_experts, e4m3_groups_f64
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
@@ -38,8 +38,7 @@ def test_lean_launch_binds_the_groups(fake_gemms):
     g = torch.Generator().manual_seed(3)
     hidden, inter = 512, 128
     x = torch.randn(40, hidden, generator=g).bfloat16()
-    q = (*quantize_weight(torch.randn(E, 2 * inter, hidden, generator=g) / hidden**0.5, (128, 128)),
-         *quantize_weight(torch.randn(E, hidden, inter, generator=g) / inter**0.5, (128, 128)))
+    q = block_experts(g, E, inter, hidden)
     ids = torch.rand(40, E, generator=g).topk(2, dim=1).indices.int()
     weights = torch.rand(40, 2, generator=g)
     plain = experts_gluon_fp8(x, *q, ids, weights, lean=False)

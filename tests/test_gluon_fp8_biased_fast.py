@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fp8_cases import emulation_f64, quantize_weight
+from _fp8_cases import block_experts, emulation_f64
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import count_served, rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
@@ -27,8 +27,7 @@ ON = Fp8GluonChoice(min_flops=1, min_rows_per_expert=0, variants=True)  # every 
 def _problem(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).bfloat16()
-    q = (*quantize_weight(torch.randn(E, 2 * N, K, generator=g) / K**0.5, (128, 128)),
-         *quantize_weight(torch.randn(E, K, N, generator=g) / N**0.5, (128, 128)))
+    q = block_experts(g, E, N, K)
     ids = torch.rand(M, E, generator=g).topk(TOP_K, dim=1).indices.int()
     b13, b2 = torch.randn(E, 2 * N, generator=g).bfloat16(), torch.randn(E, K, generator=g).bfloat16()
     return x, q, ids, torch.rand(M, TOP_K, generator=g), b13, b2

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fp8_cases import emulation_f64, quantize_weight
+from _fp8_cases import block_experts, emulation_f64
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
@@ -26,10 +26,9 @@ E, N, K = 4, 384, 256  # the down GEMM: 3 K-steps of 128 (a pair and an odd last
 def _problem(m, k=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, K, generator=g).bfloat16()
-    q13 = quantize_weight(torch.randn(E, 2 * N, K, generator=g) / K**0.5, (128, 128))
-    q2 = quantize_weight(torch.randn(E, K, N, generator=g) / N**0.5, (128, 128))
+    q = block_experts(g, E, N, K)
     ids = torch.rand(m, E, generator=g).topk(k, dim=1).indices.int()
-    return x, (*q13, *q2), ids, torch.rand(m, k, generator=g)
+    return x, q, ids, torch.rand(m, k, generator=g)
 
 
 def test_pipelined_down_tile_reaches_both_launches_and_equals_the_recipe(fake_gemms):
@@ -82,8 +81,7 @@ def test_the_route_falls_back_to_the_waited_down_gemm_for_an_odd_k_step_count(fa
     monkeypatch.setattr(launch, "PIPE_DOWN_ROWS", (1, 10**6))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40, K, generator=g).bfloat16()
-    q = (*quantize_weight(torch.randn(E, 2 * inter, K, generator=g) / K**0.5, (128, 128)),
-         *quantize_weight(torch.randn(E, K, inter, generator=g) / inter**0.5, (128, 128)))
+    q = block_experts(g, E, inter, K)
     ids = torch.rand(40, E, generator=g).topk(2, dim=1).indices.int()
     weights = torch.rand(40, 2, generator=g)
     out = experts_gluon_fp8(x, *q, ids, weights)  # the plan's tiles, lean launch

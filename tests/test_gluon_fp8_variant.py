@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from _fp8_cases import quantize_weight
+from _fp8_cases import block_experts
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import count_served, glu64, rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
@@ -32,12 +32,11 @@ ON = Fp8GluonChoice(min_flops=1, min_rows_per_expert=0, variants=True)  # every 
 def _problem(m=40, k=2, n=N, hidden=K, seed=0, biases=True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, hidden, generator=g).bfloat16()
-    q13 = quantize_weight(torch.randn(E, 2 * n, hidden, generator=g) / hidden**0.5, (128, 128))
-    q2 = quantize_weight(torch.randn(E, hidden, n, generator=g) / n**0.5, (128, 128))
+    q = block_experts(g, E, n, hidden)
     ids = torch.rand(m, E, generator=g).topk(k, dim=1).indices.int()
     b13 = torch.randn(E, 2 * n, generator=g).bfloat16() if biases else None
     b2 = torch.randn(E, hidden, generator=g).bfloat16() if biases else None
-    return x, (*q13, *q2), ids, torch.rand(m, k, generator=g), b13, b2
+    return x, q, ids, torch.rand(m, k, generator=g), b13, b2
 
 
 def _groups_f64(v: torch.Tensor) -> torch.Tensor:

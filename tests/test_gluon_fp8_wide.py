@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fp8_cases import quantize_weight
+from _fp8_cases import block_experts
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
@@ -24,10 +24,9 @@ E, N, K = 4, 128, 512  # K = two 256-wide column blocks of the down GEMM
 def _problem(m, k=2, seed=0, experts=E):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, K, generator=g).bfloat16()
-    q13 = quantize_weight(torch.randn(experts, 2 * N, K, generator=g) / K**0.5, (128, 128))
-    q2 = quantize_weight(torch.randn(experts, K, N, generator=g) / N**0.5, (128, 128))
+    q = block_experts(g, experts, N, K)
     ids = torch.rand(m, experts, generator=g).topk(k, dim=1).indices.int()
-    return x, (*q13, *q2), ids, torch.rand(m, k, generator=g)
+    return x, q, ids, torch.rand(m, k, generator=g)
 
 
 def _e4m3_groups(v: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fp8_cases import quantize_weight
+from _fp8_cases import block_experts
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
 
@@ -92,12 +92,11 @@ def test_fp8_gluon_call_one_lookup(fake_gemms, lookups, monkeypatch):
     g = torch.Generator().manual_seed(0)
     m, n, k = 16, 128, 256
     x = torch.randn(m, k, generator=g).bfloat16()
-    q13 = quantize_weight(torch.randn(E, 2 * n, k, generator=g) / k**0.5, (128, 128))
-    q2 = quantize_weight(torch.randn(E, k, n, generator=g) / n**0.5, (128, 128))
+    q13_q, q13_s, q2_q, q2_s = block_experts(g, E, n, k)
     ids = torch.rand(m, E, generator=g).topk(2, dim=1).indices.int()
     weights = torch.rand(m, 2, generator=g)
-    w13 = Fp8BlockWeight(q=q13[0], scale=q13[1], dtype=torch.bfloat16)
-    w2 = Fp8BlockWeight(q=q2[0], scale=q2[1], dtype=torch.bfloat16)
+    w13 = Fp8BlockWeight(q=q13_q, scale=q13_s, dtype=torch.bfloat16)
+    w2 = Fp8BlockWeight(q=q2_q, scale=q2_s, dtype=torch.bfloat16)
     monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", tgf.Fp8GluonChoice(min_flops=1, min_rows_per_expert=0))
     outs, count, hits = _repeat(lambda: experts_triton_unchecked(x, w13, w2, ids, weights), lookups)
     plain = tgf.experts_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, lean=False)

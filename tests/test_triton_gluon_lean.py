@@ -14,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from _fp8_cases import quantize_weight
+from _fp8_cases import block_experts
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 from _helpers import experts_loop, rel_l2
 from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
@@ -41,10 +41,9 @@ def _bf16_problem(m, k=2, seed=0, dtype=torch.bfloat16):
 def _fp8_problem(m, k=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, 2 * K, generator=g).bfloat16()
-    q13 = quantize_weight(torch.randn(E, 2 * N, 2 * K, generator=g) / (2 * K) ** 0.5, (128, 128))
-    q2 = quantize_weight(torch.randn(E, 2 * K, N, generator=g) / N**0.5, (128, 128))
+    q = block_experts(g, E, N, 2 * K)
     ids = torch.rand(m, E, generator=g).topk(k, dim=1).indices.int()
-    return x, (*q13, *q2), ids, torch.rand(m, k, generator=g)
+    return x, q, ids, torch.rand(m, k, generator=g)
 
 
 def _fp8_f64(x, q, ids, weights):

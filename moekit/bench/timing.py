@@ -17,6 +17,10 @@ end, no graph, nothing between the calls; it also reports the host's issue time 
 the same GPU clock: timed one after the other, a GPU-bound cell's later loops ran throttled (Mixtral
 M = 4096 on the H200: 1980 MHz in the first timing, about 1430 MHz in the second).
 
+``host_from_idle(fn, device)`` is the host's issue time alone: each sample starts ``calls`` calls on an idle device
+(synchronised first, so no call waits on a full launch queue) and divides the wall clock over their issue by
+``calls``; the device check scripts take the median (and min) of the samples.
+
 ``wall_time(fn, device)`` times one long call (a whole ``generate``, a model's prefill) by the wall
 clock between two device synchronisations; the caller repeats, interleaves and takes the median.
 """
@@ -235,6 +239,21 @@ def _cuda_pass(fns, graph: bool) -> Callable[[], float]:
         return start.elapsed_time(end) / 1e3  # ms -> s
 
     return one_pass
+
+
+def host_from_idle(fn: Callable[[], object], device: torch.device, *, calls: int = 32,
+                   samples: int = 5) -> list[float]:
+    """Host µs per call of ``fn``, ``samples`` times: each the wall clock over ``calls`` calls issued right after a
+    device synchronisation, divided by ``calls`` (the device synchronised again after the last sample)."""
+    times = []
+    for _ in range(samples):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    _sync(device)
+    return times
 
 
 @dataclass
