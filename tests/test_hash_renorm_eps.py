@@ -38,7 +38,8 @@ def test_the_hash_routers_take_their_eps(eps):
     """0 (a hand-built config's default) and 1e-20 route alike: w / (sum + 1e-20), a float64 loop here."""
     cfg = HASH.replace(renorm_eps=eps)
     layer = HashMoE(cfg, router="torch")
-    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) - torch.tensor([[0.0], [0.0], [80.0]])  # the last row: S ~ 2e-17, eps 6e-4 of it
+    # the last row at -80: S ~ 2e-17, the eps 6e-4 of it (above float32's rounding: the eps is seen)
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) - torch.tensor([[0.0], [0.0], [80.0]])
     token_ids = torch.tensor([1, 7, 30])
     got = hash_route(logits, token_ids, layer.tid2eid, cfg)
     for t in range(3):

@@ -28,8 +28,8 @@ def _hf_config():
     from transformers import Ernie4_5_MoeConfig
 
     return Ernie4_5_MoeConfig(hidden_size=E, intermediate_size=32, moe_intermediate_size=8, moe_num_experts=E,
-                              moe_k=TOP_K, num_hidden_layers=2, moe_layer_start_index=0, num_attention_heads=2, num_key_value_heads=2,
-                              moe_num_shared_experts=0)
+                              moe_k=TOP_K, num_hidden_layers=2, moe_layer_start_index=0, num_attention_heads=2,
+                              num_key_value_heads=2, moe_num_shared_experts=0)
 
 
 def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
