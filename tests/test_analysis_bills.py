@@ -191,9 +191,12 @@ def _default_model_count(transformers, model_type: str) -> tuple[dict, int]:
 
 
 def _meta_count(transformers, cfg) -> int:
-    """The parameters of transformers' causal LM of ``cfg``, built on the meta device."""
+    """The parameters of transformers' causal LM of ``cfg`` (the privacy filter, a token classifier: its token
+    classification model), built on the meta device."""
+    auto = (transformers.AutoModelForTokenClassification if cfg.model_type == "openai_privacy_filter"
+            else transformers.AutoModelForCausalLM)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = auto.from_config(cfg)
     return sum(p.numel() for p in model.parameters())
 
 

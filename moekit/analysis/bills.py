@@ -63,9 +63,10 @@ class ParamBill:
 # (benchmarks/triton-notes.md, session 49), and ``moekit analyze`` says the bill is approximate.
 EXACT_BILL = frozenset({
     "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
-    "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral", "olmoe", "qwen2_moe",
-    "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
+    "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral", "olmoe",
+    "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
 })
+TOKEN_CLASSIFIERS = frozenset({"openai_privacy_filter"})  # a label head in place of the LM head
 
 
 def param_bill(hf_config: dict) -> ParamBill:
@@ -82,7 +83,7 @@ def param_bill(hf_config: dict) -> ParamBill:
     shared = 3 * d * cfg.shared_expert_intermediate_size + (d if cfg.shared_expert_gate else 0)
     return ParamBill(
         embedding=vocab * d,
-        output=0 if hf_config.get("tie_word_embeddings", False) else vocab * d,
+        output=_output_params(hf_config, vocab, d),
         attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
         dense_mlp=_dense_mlp_params(hf_config, layers, moe_layers),
         routed_experts=moe_layers * cfg.num_experts * expert,
@@ -94,6 +95,15 @@ def param_bill(hf_config: dict) -> ParamBill:
         num_dense_layers=layers - moe_layers,
         exact=hf_config["model_type"] in EXACT_BILL,
     )
+
+
+def _output_params(c: dict, vocab: int, d: int) -> int:
+    """The head: the LM head V·d (0 when tied to the embedding); the privacy filter's, a token classifier (no LM head),
+    is its score Linear of one row and bias per label (``id2label``: 33 in its default config)."""
+    if c["model_type"] in TOKEN_CLASSIFIERS:
+        labels = len(c.get("id2label") or {}) or c.get("num_labels", 2)  # transformers' default: two labels
+        return labels * d + labels
+    return 0 if c.get("tie_word_embeddings", False) else vocab * d
 
 
 def num_hidden_layers(c: dict) -> int:
@@ -159,7 +169,7 @@ def attention_params(c: dict, layer: int = 0) -> int:
     q_heads = 2 * heads if kind in QWEN_DELTANET else heads  # Qwen3-Next's q_proj also makes the output gate
     weights = d * q_heads * h + 2 * d * kv_heads * h + heads * h * d  # q, k, v, o
     qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c.get("attention_bias", kind == "qwen2_moe")) else 0
-    if kind == "gpt_oss":  # an o_proj bias, and one attention sink per head
+    if kind in ("gpt_oss", "openai_privacy_filter"):  # an o_proj bias, and one attention sink per head
         qkv_bias += d + heads
     qk_norm = 2 * h if kind in ("qwen3_moe", *QWEN_DELTANET) else 0  # per-head RMSNorm on q and k
     if kind == "olmoe":  # RMSNorm over all of q and all of k
