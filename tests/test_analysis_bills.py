@@ -278,6 +278,22 @@ def test_a_family_of_its_own_token_mixer_bills_as_transformers_model(model_type,
     assert bill.total == count
     assert bill.total / 1e9 == pytest.approx(card[0], rel=0.01) and round(bill.active_matmul / 1e9) == card[1]
 
+@pytest.mark.parametrize("proj_bias, conv_bias", [(False, True), (True, False)])
+def test_granitemoe_hybrid_bills_its_mamba2_and_attention_layers(proj_bias, conv_bias):
+    """GraniteMoE-Hybrid's Mamba-2 layers (every layer of its default config) were billed as attention: 3.0% short of
+    transformers' model. A tiny config mixing Mamba-2 and attention layers, each bias setting, against transformers'
+    model on the meta device (the default config: ``test_the_families_billed_exactly_are...``)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.granitemoehybrid")
+    tiny = transformers.AutoConfig.for_model(
+        "granitemoehybrid", vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=16, shared_intermediate_size=8, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["linear_attention", "attention", "linear_attention"], mamba_n_heads=8,
+        mamba_d_head=8, mamba_d_state=6, mamba_n_groups=2, mamba_d_conv=3, mamba_expand=2,
+        mamba_proj_bias=proj_bias, mamba_conv_bias=conv_bias)
+    assert param_bill(tiny.to_dict()).total == _meta_count(transformers, tiny)
+
+
 def test_qwen3_5_moe_bill_equals_transformers_model():
     """Qwen3.5-MoE's text model runs Qwen3-Next's Gated DeltaNet on its layer_types' "linear_attention" layers (30 of
     40) and gated attention on the others; billed as plain attention everywhere it came to 34.13B against

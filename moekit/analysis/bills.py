@@ -63,8 +63,8 @@ class ParamBill:
 # (benchmarks/triton-notes.md, session 49), and ``moekit analyze`` says the bill is approximate.
 EXACT_BILL = frozenset({
     "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
-    "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral", "olmoe",
-    "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
+    "granitemoehybrid", "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral",
+    "olmoe", "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
 })
 TOKEN_CLASSIFIERS = frozenset({"openai_privacy_filter"})  # a label head in place of the LM head
 
@@ -142,8 +142,8 @@ QWEN_DELTANET = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers besi
 
 def _layer_attention_params(c: dict, layer: int) -> int:
     """Layer ``layer``'s token mixer: Qwen3-Next's and Qwen3.5-MoE's Gated DeltaNet on their ``layer_types``'
-    "linear_attention" layers (else 3 of every 4), Jamba's Mamba on the layers off its attention period, else
-    attention."""
+    "linear_attention" layers (else 3 of every 4), Jamba's Mamba on the layers off its attention period,
+    GraniteMoE-Hybrid's Mamba-2 on its "linear_attention" ("mamba") layers, else attention."""
     if c["model_type"] in QWEN_DELTANET:
         types, interval = c.get("layer_types"), c.get("full_attention_interval", 4)
         linear = types[layer] == "linear_attention" if types else (layer + 1) % interval != 0
@@ -151,6 +151,10 @@ def _layer_attention_params(c: dict, layer: int) -> int:
             return _gated_deltanet_params(c)
     if c["model_type"] == "jamba" and layer % c.get("attn_layer_period", 8) != c.get("attn_layer_offset", 4):
         return _mamba_params(c)
+    if c["model_type"] == "granitemoehybrid":  # its layer_types (None: every layer Mamba-2, transformers' default)
+        types = c.get("layer_types") or c.get("layers_block_type")
+        if not types or types[layer] in ("linear_attention", "mamba"):
+            return _mamba2_params(c)
     return attention_params(c, layer)
 
 
@@ -201,6 +205,19 @@ def _mamba_params(c: dict) -> int:
     conv = inner * c.get("mamba_d_conv", 4) + (inner if c.get("mamba_conv_bias", True) else 0)
     ssm = inner * (rank + 2 * state) + rank * inner + inner + inner * state + inner
     return proj + conv + ssm + rank + 2 * state
+
+
+def _mamba2_params(c: dict) -> int:
+    """GraniteMoE-Hybrid's Mamba-2 mixer, I = mamba_expand·d inner channels, G groups of state S, H heads, C = I + 2GS
+    conv channels: in_proj [I + C + H, d], a depthwise conv [C, 1, k] (its bias with mamba_conv_bias), dt_bias, A_log
+    and D [H] each, a gated RMSNorm over I, out_proj [d, I] (in and out biases with mamba_proj_bias)."""
+    d, heads = c["hidden_size"], c["mamba_n_heads"]
+    inner = int(c.get("mamba_expand", 2) * d)
+    conv = inner + 2 * c.get("mamba_n_groups", 1) * c["mamba_d_state"]
+    bias = c.get("mamba_proj_bias", False)
+    in_proj = (d + bias) * (inner + conv + heads)
+    conv_params = conv * (c.get("mamba_d_conv", 4) + c.get("mamba_conv_bias", True))
+    return in_proj + conv_params + 3 * heads + inner + inner * d + (d if bias else 0)
 
 
 def _mla_params(c: dict) -> int:
