@@ -59,12 +59,13 @@ class ParamBill:
 
 # The model types whose bill equals transformers' model of their default config to the parameter (transformers 5.25,
 # tests/test_analysis_bills.py); Kimi-K2's config.json is DeepSeek-V3's model. Any other family's own attention (or
-# token mixer) is read as grouped-query or MLA: within 0.1-3% of its model on the families of transformers 5.25
+# token mixer) is read as grouped-query or MLA: within 0.1-1% of its model on the families of transformers 5.25
 # (benchmarks/triton-notes.md, session 49), and ``moekit analyze`` says the bill is approximate.
 EXACT_BILL = frozenset({
     "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
-    "granitemoehybrid", "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral",
-    "olmoe", "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
+    "granitemoehybrid", "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "minicpm5_moe",
+    "minimax", "mixtral", "olmoe", "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
+    "solar_open",
 })
 TOKEN_CLASSIFIERS = frozenset({"openai_privacy_filter"})  # a label head in place of the LM head
 
@@ -143,7 +144,8 @@ QWEN_DELTANET = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers besi
 def _layer_attention_params(c: dict, layer: int) -> int:
     """Layer ``layer``'s token mixer: Qwen3-Next's and Qwen3.5-MoE's Gated DeltaNet on their ``layer_types``'
     "linear_attention" layers (else 3 of every 4), Jamba's Mamba on the layers off its attention period,
-    GraniteMoE-Hybrid's Mamba-2 on its "linear_attention" ("mamba") layers, else attention."""
+    GraniteMoE-Hybrid's Mamba-2 on its "linear_attention" ("mamba") layers, MiniMax's lightning attention on its
+    "linear_attention" layers, else attention."""
     if c["model_type"] in QWEN_DELTANET:
         types, interval = c.get("layer_types"), c.get("full_attention_interval", 4)
         linear = types[layer] == "linear_attention" if types else (layer + 1) % interval != 0
@@ -151,6 +153,9 @@ def _layer_attention_params(c: dict, layer: int) -> int:
             return _gated_deltanet_params(c)
     if c["model_type"] == "jamba" and layer % c.get("attn_layer_period", 8) != c.get("attn_layer_offset", 4):
         return _mamba_params(c)
+    if c["model_type"] == "minimax" and (c.get("layer_types") or ["full_attention"] * (layer + 1))[layer] == \
+            "linear_attention":
+        return _lightning_params(c)
     if c["model_type"] == "granitemoehybrid":  # its layer_types (None: every layer Mamba-2, transformers' default)
         types = c.get("layer_types") or c.get("layers_block_type")
         if not types or types[layer] in ("linear_attention", "mamba"):
@@ -170,7 +175,8 @@ def attention_params(c: dict, layer: int = 0) -> int:
     d, heads, kind = c["hidden_size"], c["num_attention_heads"], c["model_type"]
     kv_heads = c.get("num_key_value_heads") or heads
     h = c.get("head_dim") or d // heads
-    q_heads = 2 * heads if kind in QWEN_DELTANET else heads  # Qwen3-Next's q_proj also makes the output gate
+    # Qwen3-Next's q_proj also makes the output gate, as MiniCPM5-MoE's q_gate_proj [2·H·h, d]
+    q_heads = 2 * heads if kind in (*QWEN_DELTANET, "minicpm5_moe") else heads
     weights = d * q_heads * h + 2 * d * kv_heads * h + heads * h * d  # q, k, v, o
     qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c.get("attention_bias", kind == "qwen2_moe")) else 0
     if kind in ("gpt_oss", "openai_privacy_filter"):  # an o_proj bias, and one attention sink per head
@@ -205,6 +211,14 @@ def _mamba_params(c: dict) -> int:
     conv = inner * c.get("mamba_d_conv", 4) + (inner if c.get("mamba_conv_bias", True) else 0)
     ssm = inner * (rank + 2 * state) + rank * inner + inner + inner * state + inner
     return proj + conv + ssm + rank + 2 * state
+
+
+def _lightning_params(c: dict) -> int:
+    """MiniMax's lightning (linear) attention, I = H·h: qkv_proj [3I, d], out_proj [d, I], output_gate [I, d], an
+    RMSNorm over I."""
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    inner = heads * (c.get("head_dim") or d // heads)
+    return 5 * inner * d + inner
 
 
 def _mamba2_params(c: dict) -> int:
