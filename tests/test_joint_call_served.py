@@ -14,24 +14,14 @@ import torch
 from _helpers import TOLERANCE as TOL, rel_l2
 from _interpreted_raw import interpreted_raw
 from _hash_loop import hash_layer_loop
-from _triton_helpers import interpreted
 from moekit import HashMoE, MoE, MoEConfig, layer_fast
 from moekit.routing import hash_fused
 from test_batch_launch import mod  # noqa: F401  (the fixture: the C module)
 from test_layer_fast import hits  # noqa: F401  (the fixture: served calls)
+from test_layer_hash_fast import interpreter  # noqa: F401  (the routers, the hash one too, and experts interpreted)
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the branches tl.where discards
-
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    """The routers (the top-k one launch, the gate kernel, the hash router) and the experts interpreted."""
-    with interpreted("moekit.routing", "moekit.routing.hash_fused"), \
-            interpreted("moekit.experts", "moekit.experts.triton"):
-        yield
-
 
 K, N, E, TOP_K = 64, 32, 8, 2
 # nonfinite="mask": the router keeps no flag under the interpreter (as a GPU's asserting kernel keeps none), which
