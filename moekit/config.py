@@ -34,7 +34,8 @@ GroupFill = Literal["-inf", "zero"]  # what a dropped group's experts score for 
 SharedCombine = Literal["sum", "average", "router"]
 WeightOn = Literal["output", "input"]  # a slot's weight scales its expert's output, or its input (Llama-4)
 ROUTER_OPTIONS = ("correction_bias_on", "group_score", "dropped_group_fill", "router_logit_softcap",
-                  "shared_expert_combine", "num_identity_experts", "expert_weight_on", "sparsemixer_jitter_eps")
+                  "shared_expert_combine", "num_identity_experts", "expert_weight_on", "sparsemixer_jitter_eps",
+                  "renorm_clamp")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class MoEConfig:
     # eps > 0: renormalise as w / (sum(w) + eps), the family's formula (DeepSeek-V3's 1e-20: a row whose chosen scores
     # all underflow weighs ~0); 0: the exact w / sum(w), finite for every finite row (moekit.routing.route)
     renorm_eps: float = 0.0
+    renorm_clamp: float = 0.0  # c > 0: w / max(sum(w), c), ERNIE-4.5's moe_norm_min (``route`` only; fused: refused)
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
@@ -108,9 +110,12 @@ class MoEConfig:
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "router_bias", "expert_bias"):
             check_bool(name, getattr(self, name))
         check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
-        eps = self.renorm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
-            raise ValueError(f"renorm_eps must be a finite number >= 0 (0: the exact w / sum(w)), got {eps!r}")
+        for name in ("renorm_eps", "renorm_clamp"):
+            eps = getattr(self, name)
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0 (0: the exact w / sum(w)), got {eps!r}")
+        if self.renorm_eps and self.renorm_clamp:  # one family's formula or the other
+            raise ValueError(f"renorm_eps and renorm_clamp exclude each other, got {self.renorm_eps!r}, {eps!r}")
         if self.top_k > self.choice_width:
             what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
             raise ValueError(f"top_k must be <= {what} ({self.choice_width}), got {self.top_k}")
@@ -183,11 +188,11 @@ class MoEConfig:
         clashing = {name: getattr(self, name) for name, plain in (
             ("use_correction_bias", False), ("n_group", 1), ("num_identity_experts", 0),
             ("sparsemixer_jitter_eps", None), ("shared_expert_combine", "sum"), ("nonfinite", "raise"),
-            ("expert_weight_on", "output")) if getattr(self, name) != plain}
+            ("expert_weight_on", "output"), ("renorm_clamp", 0.0)) if getattr(self, name) != plain}
         if clashing:
             raise ValueError(f"hash_table_size routes by a token-id table: no correction bias, n_group=1, no identity "
-                             f"experts, no sparsemixer, shared_expert_combine='sum', nonfinite='raise' and "
-                             f"expert_weight_on='output' (as DeepSeek-V4's hash layers), got {clashing}")
+                             f"experts, no sparsemixer, shared_expert_combine='sum', nonfinite='raise', "
+                             f"expert_weight_on='output' and renorm_clamp=0 (V4's hash layers), got {clashing}")
 
     def _check_router_weighted_shared(self) -> None:
         """Inkling's router-weighted shared slots: S = num_shared_slots logits after the E routed ones, renormalised
@@ -197,12 +202,12 @@ class MoEConfig:
                              "moe_intermediate_size (one router logit a shared slot)")
         clashing = {name: getattr(self, name) for name, plain in (
             ("scoring", "sigmoid"), ("renormalize", True), ("n_group", 1), ("num_identity_experts", 0),
-            ("shared_expert_gate", False), ("expert_weight_on", "output"), ("nonfinite", "raise"), ("renorm_eps", 0.0))
-            if getattr(self, name) != plain}
+            ("shared_expert_gate", False), ("expert_weight_on", "output"), ("nonfinite", "raise"), ("renorm_eps", 0.0),
+            ("renorm_clamp", 0.0)) if getattr(self, name) != plain}
         if clashing:
             raise ValueError(f"shared_expert_combine='router' routes with scoring='sigmoid', renormalize=True, "
                              f"n_group=1, no identity experts, no shared gate, expert_weight_on='output', "
-                             f"nonfinite='raise' and renorm_eps=0 (as Inkling: exact), got {clashing}")
+                             f"nonfinite='raise' and renorm_eps = renorm_clamp = 0 (as Inkling: exact), got {clashing}")
 
     def _check_sparsemixer(self) -> None:
         """Phi-MoE's sparsemixer weights each round by its own softmax: no scoring rule, bias, groups or

@@ -290,13 +290,13 @@ def _read_softmax_shared(d: dict) -> dict:
 
 
 def _read_ernie(d: dict) -> dict:
-    """ERNIE-4.5-MoE: softmax, a correction bias (``moe_statics``) for the choice, renormalised (the
-    clamp at moe_norm_min only guards 0/0)."""
+    """ERNIE-4.5-MoE: softmax, a correction bias (``moe_statics``) for the choice, renormalised as w / clamp(sum(w),
+    min=moe_norm_min) (``renorm_clamp``: rows whose chosen scores sum below it weigh their scores / moe_norm_min)."""
     shared = _get(d, "moe_num_shared_experts", default=0) * d["moe_intermediate_size"]
     return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
                 num_experts=_get(d, "moe_num_experts", "num_experts"), top_k=_get(d, "moe_k", "num_experts_per_tok"),
-                renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared,
-                num_moe_layers=ernie_moe_layers(d))
+                renormalize=True, renorm_clamp=float(_get(d, "moe_norm_min", default=1e-12)), use_correction_bias=True,
+                shared_expert_intermediate_size=shared, num_moe_layers=ernie_moe_layers(d))
 
 
 def _read_ernie_vl(d: dict) -> dict:

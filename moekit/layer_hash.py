@@ -24,7 +24,7 @@ from moekit.layer_hash_fast import HashDecodeFast
 from moekit.routing import append_shared_slots, apply_capacity
 from moekit.routing.hash_fused import FusedHashRouter, computes
 from moekit.routing.gate import gate_logits
-from moekit.routing.hash_route import check_table, default_table, hash_route
+from moekit.routing.hash_route import check_hash_eps, check_table, default_table, hash_route
 from moekit.routing.routed import MoEOutput, RoutedTokens, stats_on_host
 from moekit.triton_bind import triton_runs_on
 
@@ -48,6 +48,7 @@ class HashMoE(MoE):
 
     def __init__(self, config: MoEConfig, *, router: str = "auto", **options) -> None:
         _check_router(router)
+        check_hash_eps(config)
         if options.get("eager_graph_rows") is not None:
             raise ValueError("eager_graph_rows: a HashMoE runs eagerly (its forward takes the token ids)")
         super().__init__(config, router="torch", **options)

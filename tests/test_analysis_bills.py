@@ -191,9 +191,12 @@ def _default_model_count(transformers, model_type: str) -> tuple[dict, int]:
 
 
 def _meta_count(transformers, cfg) -> int:
-    """The parameters of transformers' causal LM of ``cfg``, built on the meta device."""
+    """The parameters of transformers' causal LM of ``cfg`` (the privacy filter, a token classifier: its token
+    classification model), built on the meta device."""
+    auto = (transformers.AutoModelForTokenClassification if cfg.model_type == "openai_privacy_filter"
+            else transformers.AutoModelForCausalLM)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = auto.from_config(cfg)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -275,6 +278,22 @@ def test_a_family_of_its_own_token_mixer_bills_as_transformers_model(model_type,
     assert bill.total == count
     assert bill.total / 1e9 == pytest.approx(card[0], rel=0.01) and round(bill.active_matmul / 1e9) == card[1]
 
+@pytest.mark.parametrize("proj_bias, conv_bias", [(False, True), (True, False)])
+def test_granitemoe_hybrid_bills_its_mamba2_and_attention_layers(proj_bias, conv_bias):
+    """GraniteMoE-Hybrid's Mamba-2 layers (every layer of its default config) were billed as attention: 3.0% short of
+    transformers' model. A tiny config mixing Mamba-2 and attention layers, each bias setting, against transformers'
+    model on the meta device (the default config: ``test_the_families_billed_exactly_are...``)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.granitemoehybrid")
+    tiny = transformers.AutoConfig.for_model(
+        "granitemoehybrid", vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=16, shared_intermediate_size=8, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["linear_attention", "attention", "linear_attention"], mamba_n_heads=8,
+        mamba_d_head=8, mamba_d_state=6, mamba_n_groups=2, mamba_d_conv=3, mamba_expand=2,
+        mamba_proj_bias=proj_bias, mamba_conv_bias=conv_bias)
+    assert param_bill(tiny.to_dict()).total == _meta_count(transformers, tiny)
+
+
 def test_qwen3_5_moe_bill_equals_transformers_model():
     """Qwen3.5-MoE's text model runs Qwen3-Next's Gated DeltaNet on its layer_types' "linear_attention" layers (30 of
     40) and gated attention on the others; billed as plain attention everywhere it came to 34.13B against
@@ -292,10 +311,11 @@ def test_qwen3_5_moe_bill_equals_transformers_model():
 def test_the_families_billed_exactly_are_and_the_others_say_approximate():
     """``ParamBill.exact``: the model types whose bill is held to the parameter (every EXACT_BILL type transformers
     registers, its default config against its model on the meta device), and False for a family whose own attention
-    the bill reads as grouped-query or MLA (MiniCPM5-MoE: 1.6% short; MiniMax's lightning attention: 1.4% short),
-    which ``moekit analyze`` then says. Kimi-K2's config is DeepSeek-V3's model (test_bill_equals_transformers_model).
-    HY-V4 (its MLA's output gate and sinks, DSA indexers on the "full" layers, hyper-connections) billed 57.45B against
-    58.28B before session 49."""
+    the bill reads as grouped-query or MLA (AFMoE: 0.7% short), which ``moekit analyze`` then says. Session 49's fix49
+    made four more exact: MiniCPM5-MoE's gated q (1.6% short), MiniMax's lightning attention (1.4%), GraniteMoE-Hybrid's
+    Mamba-2 layers (3.0%), the privacy filter's label head in place of an LM head (9.1% over). Kimi-K2's config is
+    DeepSeek-V3's model (test_bill_equals_transformers_model). HY-V4 (its MLA's output gate and sinks, DSA indexers
+    on the "full" layers, hyper-connections) billed 57.45B against 58.28B before session 49."""
     transformers = pytest.importorskip("transformers")
     from moekit.analysis.bills import EXACT_BILL
 
@@ -305,7 +325,7 @@ def test_the_families_billed_exactly_are_and_the_others_say_approximate():
         fields, count = _default_model_count(transformers, model_type)
         bill = param_bill(fields)
         assert bill.exact and bill.total == count, model_type
-    for model_type in ("minicpm5_moe", "minimax"):
+    for model_type in ("afmoe",):
         fields, count = _default_model_count(transformers, model_type)
         bill = param_bill(fields)
         assert not bill.exact and bill.total != count, model_type

@@ -320,10 +320,10 @@ def test_measure_says_what_it_measures_on_a_terminal_only(capsys, monkeypatch):
 
 
 def test_the_parameters_table_says_whether_the_bill_is_exact(capsys, tmp_path):
-    """A family billed to the parameter says so; one whose attention is read approximately (MiniMax's lightning
-    attention as grouped-query) says the bill is approximate and why, in the table and in the JSON."""
+    """A family billed to the parameter says so; one whose attention is read approximately (AFMoE's gated attention as
+    grouped-query) says the bill is approximate and why, in the table and in the JSON."""
     transformers = pytest.importorskip("transformers")
-    for model_type, exact in (("mixtral", True), ("minimax", False)):
+    for model_type, exact in (("mixtral", True), ("afmoe", False)):
         path = tmp_path / f"{model_type}.json"
         path.write_text(json.dumps(transformers.AutoConfig.for_model(model_type).to_dict(), default=str))
         assert main(["analyze", "--config", str(path), "--batches", "1"]) == 0

@@ -167,6 +167,16 @@ def test_an_unknown_flag_is_the_subcommand_s_error(sub, capsys):
     assert capsys.readouterr().err.startswith(f"usage: moekit {sub} ")
 
 
+def test_an_unknown_flag_after_a_nested_subcommand_is_that_subcommand_s_error(capsys):
+    """``simulate cache --nope`` was reported by ``simulate``'s parser, under simulate's usage."""
+    line = cli_error(capsys, ["simulate", "cache", "--nope"])
+    assert line == "moekit simulate cache: error: unrecognized arguments: --nope"
+    with pytest.raises(SystemExit):
+        main(["simulate", "cache", "--nope"])
+    assert capsys.readouterr().err.startswith("usage: moekit simulate cache ")
+    assert cli_error(capsys, ["simulate", "--nope"]) == "moekit simulate: error: unrecognized arguments: --nope"
+
+
 def test_plot_without_matplotlib(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # how a missing package fails to import
     for argv in ([*TINY, "--plot", "out.png"], ["simulate", "--plot", "out.png"]):

@@ -44,7 +44,7 @@ def test_simulate_a_preset_routes_with_its_router(capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["params"]["experts"] == 256 and got["params"]["top_k"] == 8 and got["identity_hits"] == []
     assert got["router"] == {"scoring": "sigmoid", "renormalize": True, "n_group": 8, "topk_group": 4,
-                             "use_correction_bias": True}
+                             "use_correction_bias": True, "renorm_eps": 1e-20}  # DeepseekV3TopkRouter's / (sum + 1e-20)
 
 
 def test_a_preset_run_states_that_model_s_parameters_and_expert_cost(capsys):

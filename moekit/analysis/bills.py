@@ -59,13 +59,15 @@ class ParamBill:
 
 # The model types whose bill equals transformers' model of their default config to the parameter (transformers 5.25,
 # tests/test_analysis_bills.py); Kimi-K2's config.json is DeepSeek-V3's model. Any other family's own attention (or
-# token mixer) is read as grouped-query or MLA: within 0.1-3% of its model on the families of transformers 5.25
+# token mixer) is read as grouped-query or MLA: within 0.1-1% of its model on the families of transformers 5.25
 # (benchmarks/triton-notes.md, session 49), and ``moekit analyze`` says the bill is approximate.
 EXACT_BILL = frozenset({
     "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
-    "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "mixtral", "olmoe", "qwen2_moe",
-    "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "solar_open",
+    "granitemoehybrid", "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "minicpm5_moe",
+    "minimax", "mixtral", "olmoe", "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
+    "solar_open",
 })
+TOKEN_CLASSIFIERS = frozenset({"openai_privacy_filter"})  # a label head in place of the LM head
 
 
 def param_bill(hf_config: dict) -> ParamBill:
@@ -82,7 +84,7 @@ def param_bill(hf_config: dict) -> ParamBill:
     shared = 3 * d * cfg.shared_expert_intermediate_size + (d if cfg.shared_expert_gate else 0)
     return ParamBill(
         embedding=vocab * d,
-        output=0 if hf_config.get("tie_word_embeddings", False) else vocab * d,
+        output=_output_params(hf_config, vocab, d),
         attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
         dense_mlp=_dense_mlp_params(hf_config, layers, moe_layers),
         routed_experts=moe_layers * cfg.num_experts * expert,
@@ -94,6 +96,15 @@ def param_bill(hf_config: dict) -> ParamBill:
         num_dense_layers=layers - moe_layers,
         exact=hf_config["model_type"] in EXACT_BILL,
     )
+
+
+def _output_params(c: dict, vocab: int, d: int) -> int:
+    """The head: the LM head V·d (0 when tied to the embedding); the privacy filter's, a token classifier (no LM head),
+    is its score Linear of one row and bias per label (``id2label``: 33 in its default config)."""
+    if c["model_type"] in TOKEN_CLASSIFIERS:
+        labels = len(c.get("id2label") or {}) or c.get("num_labels", 2)  # transformers' default: two labels
+        return labels * d + labels
+    return 0 if c.get("tie_word_embeddings", False) else vocab * d
 
 
 def num_hidden_layers(c: dict) -> int:
@@ -132,8 +143,9 @@ QWEN_DELTANET = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers besi
 
 def _layer_attention_params(c: dict, layer: int) -> int:
     """Layer ``layer``'s token mixer: Qwen3-Next's and Qwen3.5-MoE's Gated DeltaNet on their ``layer_types``'
-    "linear_attention" layers (else 3 of every 4), Jamba's Mamba on the layers off its attention period, else
-    attention."""
+    "linear_attention" layers (else 3 of every 4), Jamba's Mamba on the layers off its attention period,
+    GraniteMoE-Hybrid's Mamba-2 on its "linear_attention" ("mamba") layers, MiniMax's lightning attention on its
+    "linear_attention" layers, else attention."""
     if c["model_type"] in QWEN_DELTANET:
         types, interval = c.get("layer_types"), c.get("full_attention_interval", 4)
         linear = types[layer] == "linear_attention" if types else (layer + 1) % interval != 0
@@ -141,6 +153,13 @@ def _layer_attention_params(c: dict, layer: int) -> int:
             return _gated_deltanet_params(c)
     if c["model_type"] == "jamba" and layer % c.get("attn_layer_period", 8) != c.get("attn_layer_offset", 4):
         return _mamba_params(c)
+    if c["model_type"] == "minimax" and (c.get("layer_types") or ["full_attention"] * (layer + 1))[layer] == \
+            "linear_attention":
+        return _lightning_params(c)
+    if c["model_type"] == "granitemoehybrid":  # its layer_types (None: every layer Mamba-2, transformers' default)
+        types = c.get("layer_types") or c.get("layers_block_type")
+        if not types or types[layer] in ("linear_attention", "mamba"):
+            return _mamba2_params(c)
     return attention_params(c, layer)
 
 
@@ -156,10 +175,11 @@ def attention_params(c: dict, layer: int = 0) -> int:
     d, heads, kind = c["hidden_size"], c["num_attention_heads"], c["model_type"]
     kv_heads = c.get("num_key_value_heads") or heads
     h = c.get("head_dim") or d // heads
-    q_heads = 2 * heads if kind in QWEN_DELTANET else heads  # Qwen3-Next's q_proj also makes the output gate
+    # Qwen3-Next's q_proj also makes the output gate, as MiniCPM5-MoE's q_gate_proj [2·H·h, d]
+    q_heads = 2 * heads if kind in (*QWEN_DELTANET, "minicpm5_moe") else heads
     weights = d * q_heads * h + 2 * d * kv_heads * h + heads * h * d  # q, k, v, o
     qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c.get("attention_bias", kind == "qwen2_moe")) else 0
-    if kind == "gpt_oss":  # an o_proj bias, and one attention sink per head
+    if kind in ("gpt_oss", "openai_privacy_filter"):  # an o_proj bias, and one attention sink per head
         qkv_bias += d + heads
     qk_norm = 2 * h if kind in ("qwen3_moe", *QWEN_DELTANET) else 0  # per-head RMSNorm on q and k
     if kind == "olmoe":  # RMSNorm over all of q and all of k
@@ -191,6 +211,27 @@ def _mamba_params(c: dict) -> int:
     conv = inner * c.get("mamba_d_conv", 4) + (inner if c.get("mamba_conv_bias", True) else 0)
     ssm = inner * (rank + 2 * state) + rank * inner + inner + inner * state + inner
     return proj + conv + ssm + rank + 2 * state
+
+
+def _lightning_params(c: dict) -> int:
+    """MiniMax's lightning (linear) attention, I = H·h: qkv_proj [3I, d], out_proj [d, I], output_gate [I, d], an
+    RMSNorm over I."""
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    inner = heads * (c.get("head_dim") or d // heads)
+    return 5 * inner * d + inner
+
+
+def _mamba2_params(c: dict) -> int:
+    """GraniteMoE-Hybrid's Mamba-2 mixer, I = mamba_expand·d inner channels, G groups of state S, H heads, C = I + 2GS
+    conv channels: in_proj [I + C + H, d], a depthwise conv [C, 1, k] (its bias with mamba_conv_bias), dt_bias, A_log
+    and D [H] each, a gated RMSNorm over I, out_proj [d, I] (in and out biases with mamba_proj_bias)."""
+    d, heads = c["hidden_size"], c["mamba_n_heads"]
+    inner = int(c.get("mamba_expand", 2) * d)
+    conv = inner + 2 * c.get("mamba_n_groups", 1) * c["mamba_d_state"]
+    bias = c.get("mamba_proj_bias", False)
+    in_proj = (d + bias) * (inner + conv + heads)
+    conv_params = conv * (c.get("mamba_d_conv", 4) + c.get("mamba_conv_bias", True))
+    return in_proj + conv_params + 3 * heads + inner + inner * d + (d if bias else 0)
 
 
 def _mla_params(c: dict) -> int:

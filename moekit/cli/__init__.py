@@ -41,11 +41,20 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     return parser, subparsers.choices
 
 
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the deepest subcommand ``args`` chose (``simulate cache``: the cache parser, whose usage and
+    name, ``moekit simulate cache``, an unknown flag after it is reported under)."""
+    for action in parser._actions:  # argparse keeps its subparsers there: no public accessor
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return _innermost(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, commands = _parsers()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # parse_args would report them as the top-level parser's: "moekit: error", its usage line
-        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        _innermost(commands[args.command], args).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except UsageError as err:

@@ -89,7 +89,7 @@ def _params_table(report: Report) -> Table:
         t.add_row(name, f"{n / 1e9:,.3f}")
     t.caption = ("counted to the parameter (this family's bill equals transformers' model)" if p.exact else
                  "approximate: this family's own attention is counted as grouped-query or MLA attention (within "
-                 "0.1-3% of transformers' model for its families)")
+                 "0.1-1% of transformers' model for its families)")
     return t
 
 

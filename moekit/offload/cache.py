@@ -31,6 +31,7 @@ import torch
 
 from moekit.offload.blocks import BlockLayout, slots_device
 from moekit.offload.cache_pickle import PicklableCache
+from moekit.offload.cache_repr import ReadableCache
 from moekit.offload.parts import ExpertWeights, Weight
 from moekit.offload.policy import EvictionPolicy, PolicyName
 from moekit.offload.stats import OffloadStats
@@ -52,9 +53,9 @@ class _Slots:
     waited: list[int | None] = field(default_factory=list)  # [C]; the stream (handle) that waited for copy_done
 
 
-class ExpertCache(PicklableCache):
+class ExpertCache(PicklableCache, ReadableCache):
     """C expert slots on ``device`` with an eviction ``policy`` ("lru" or "lfu"), shared by layers. ``stats``
-    accumulates over every forward of every layer (``OffloadStats``). Pickles as ``cache_pickle`` says (slots empty)."""
+    accumulates over every forward of every layer (``OffloadStats``); pickle: ``cache_pickle``, repr: ``cache_repr``"""
 
     def __init__(self, cache_experts: int, *, device: torch.device | str, policy: PolicyName = "lfu") -> None:
         if not isinstance(cache_experts, int) or isinstance(cache_experts, bool) or cache_experts < 1:

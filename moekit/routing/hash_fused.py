@@ -27,7 +27,7 @@ import torch
 from moekit.config import MoEConfig
 from moekit.func_ops import transforming
 from moekit.routing.fused import ELEMENTS_PER_PROGRAM, MAX_EXPERTS, MAX_TOP_K, _launch_options, kernels
-from moekit.routing.hash_route import check_token_ids, hash_route
+from moekit.routing.hash_route import check_hash_eps, check_token_ids, hash_route
 from moekit.routing.route import Routing, assert_logits_finite
 from moekit.routing.router_math import RouterMath
 from moekit.routing.shared import append_shared_slots
@@ -119,6 +119,7 @@ class FusedHashRouter:
                              f"shared slots <= {MAX_TOP_K} and no router option but the soft cap; got "
                              f"{config.hash_table_size}, {config.num_experts}, {config.top_k} + "
                              f"{config.num_shared_slots}, {config.changed_router_options()} (router='torch' routes it)")
+        check_hash_eps(config)
         self.config, self.assert_in_kernel = config, bool(assert_in_kernel)
         slots = 0 if config.shared_expert_gate else config.num_shared_slots  # a gated shared expert: the twin
         self._plans = (_plan(config, 0, elements_per_program), _plan(config, slots, elements_per_program) if slots

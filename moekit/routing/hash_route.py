@@ -4,7 +4,8 @@
     -> Capacity (opt-in) -> Shared slots -> Group -> Experts -> Combine
 
 Weights as transformers' ``DeepseekV4HashRouter``: s = score(logits) (``config.scoring``: V4's sqrt(softplus)), the
-table's experts' s, divided by their sum + ``RENORM_EPS`` (``config.renormalize``), times ``routed_scaling_factor``.
+table's experts' s, divided by their sum + ``RENORM_EPS`` (``config.renormalize``; ``check_hash_eps``), times
+``routed_scaling_factor``.
 No sort, no choice: it runs in torch on every device (the fused Triton router chooses top-k and is never used here).
 
 Shapes: M tokens, E routed experts, k = top_k, V table rows (``config.hash_table_size``).
@@ -20,6 +21,15 @@ from moekit.routing.route import Routing, assert_logits_finite, router_scores, s
 RENORM_EPS = 1e-20  # DeepseekV4HashRouter's weights / (sum + 1e-20); a row of all-zero scores weighs 0, not NaN
 
 
+def check_hash_eps(config: MoEConfig) -> None:
+    """The hash routers (this one and the fused kernel) divide by sum + RENORM_EPS, V4's (``MoEConfig.renorm_eps``
+    1e-20, as ``from_hf_config`` reads V4's hash layers; 0, a hand-built config's default, is taken as it): any other
+    eps is refused rather than ignored."""
+    if config.renorm_eps not in (0.0, RENORM_EPS):
+        raise ValueError(f"renorm_eps: the hash routers divide by sum(w) + {RENORM_EPS} (DeepSeek-V4's hash layers) at "
+                         f"renorm_eps 0 or {RENORM_EPS}, got {config.renorm_eps!r}")
+
+
 def hash_route(router_logits: torch.Tensor, token_ids: torch.Tensor, table: torch.Tensor,
                config: MoEConfig) -> Routing:
     """logits [M, E], token ids [M] (integers in [0, V)), table [V, k] int64 of experts in [0, E) (``check_table``:
@@ -28,6 +38,7 @@ def hash_route(router_logits: torch.Tensor, token_ids: torch.Tensor, table: torc
     ``token_ids`` on the CPU, a device-side assert on a GPU or while compiling (no host sync)."""
     if config.hash_table_size is None:
         raise ValueError("config.hash_table_size is None: hash_route routes by a token-id table (route: top-k)")
+    check_hash_eps(config)
     logits = _checked_logits(router_logits, config)  # [M, E] float32 (float64 when given)
     ids = table[check_token_ids(token_ids, logits.shape[0], config.hash_table_size)]  # [M, k] int64
     scores = router_scores(soft_capped(logits, config), config.scoring)  # [M, E]

@@ -58,7 +58,9 @@ def route(router_logits: torch.Tensor, config: MoEConfig, correction_bias: torch
       score 0 for the choice, so they still win over a kept expert's negative score).
     - renormalisation: a softmax over the chosen experts' log-scores (= w / sum(w); finite when all underflow), times
       S / (S + eps) with ``renorm_eps`` eps > 0 (S = sum(w), computed from the log-scores: ``_eps_factor``), the
-      family's w / (S + eps); that factor is exactly 1.0 in float32 wherever S > 2^24 eps (1.7e-13 at 1e-20).
+      family's w / (S + eps); that factor is exactly 1.0 in float32 wherever S > 2^24 eps (1.7e-13 at 1e-20). With
+      ``renorm_clamp`` c > 0 instead, times S / max(S, c) (ERNIE-4.5's w / clamp(S, min=c): ``_clamp_factor``),
+      exactly 1.0 wherever S >= c.
     - ``routed_scaling_factor`` multiplies the routed weights (``MoEConfig.routed_weight_scale``: halved too
       where the shared expert is averaged in, ``shared_expert_combine="average"``).
 
@@ -149,6 +151,17 @@ def _eps_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfi
     if config.scoring == "softmax":
         top = top - torch.logsumexp(logits, dim=-1, keepdim=True)
     return total / (total + torch.exp(renorm_log_eps(config.renorm_eps) - top))
+
+
+def _clamp_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """[M, 1] S / max(S, c) = min(1, S / c) for c = ``renorm_clamp`` (ERNIE-4.5's w / clamp(sum(w), min=c)), S the
+    chosen scores' sum from ``log_scores`` [M, k] (softmax: minus the row's logsumexp over ``logits`` [M, E]) as
+    log S = t + log sum_j e^(l_j - t); exactly 1.0 wherever S >= c, so those rows keep the exact ratio's bits."""
+    top = log_scores.max(dim=-1, keepdim=True).values  # [M, 1]
+    log_total = top + torch.log(torch.exp(log_scores - top).sum(dim=-1, keepdim=True))  # [M, 1] log S
+    if config.scoring == "softmax":
+        log_total = log_total - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return torch.exp((log_total - renorm_log_eps(config.renorm_clamp)).clamp(max=0.0))
 
 
 def _select(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Tensor, config: MoEConfig,
@@ -359,6 +372,8 @@ def _weights(
         weights = torch.softmax(log_scores, dim=-1)  # NaN on a row with no finite slot: zeroed below
         if config.renorm_eps:
             weights = weights * _eps_factor(log_scores, logits, config)
+        elif config.renorm_clamp:
+            weights = weights * _clamp_factor(log_scores, logits, config)
     else:
         weights = scores.gather(1, topk_ids)  # [M, k]
     if chosen_finite is not None:

@@ -160,7 +160,7 @@ def router_summary(config: MoEConfig) -> dict:
     """The routing rule of ``config`` in a few JSON fields: what the page and the summary print."""
     return {"scoring": config.scoring, "renormalize": config.renormalize, "n_group": config.n_group,
             "topk_group": config.topk_group, "use_correction_bias": config.use_correction_bias,
-            **config.changed_router_options()}
+            "renorm_eps": config.renorm_eps, **config.changed_router_options()}
 
 
 def _balance_report(router: SyntheticRouter, outcome: BalanceOutcome, x: torch.Tensor, params: SimParams,
