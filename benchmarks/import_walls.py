@@ -106,7 +106,7 @@ def measure(tree: Path, runs: int, top: int = 6) -> list[CommandFigures]:
         walls = [wall for wall, _ in samples[name]]
         figures.append(CommandFigures(name, walls, statistics.median(walls),
                                       statistics.median(cpu for _, cpu in samples[name]),
-                                      [h for h in HEAVY if h in times],
+                                      [h for h in HEAVY if any(m == h or m.startswith(h + ".") for m in times)],
                                       sorted(by_package.items(), key=lambda p: -p[1])[:top]))
     return figures
 
