@@ -55,17 +55,19 @@ class CommandFigures:
     beyond_torch_ms: list[tuple[str, float]] = field(default_factory=list)
 
 
-def _env(tree: Path) -> dict[str, str]:
+def _python(args: list[str], tree: Path, **kwargs) -> subprocess.CompletedProcess:
+    """``python3 ARGS`` on ``tree``: its root first on ``PYTHONPATH`` and the working directory (``-c`` and ``-m``
+    put the working directory first on ``sys.path``)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree), env["PYTHONPATH"]]) if env.get("PYTHONPATH") else str(tree)
-    return env
+    return subprocess.run([sys.executable, *args], env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL, **kwargs)
 
 
-def _run(args: list[str], env: dict[str, str]) -> tuple[float, float]:
+def _run(args: list[str], tree: Path) -> tuple[float, float]:
     """(wall s, user + sys CPU s) of one run."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run([sys.executable, *args], env=env, check=True, stdout=subprocess.DEVNULL)
+    _python(args, tree)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
@@ -77,10 +79,9 @@ def _package(module: str) -> str:
     return ".".join(parts[:2] if parts[0] == "torch" and len(parts) > 1 else parts[:1])
 
 
-def _import_times(args: list[str], env: dict[str, str]) -> dict[str, int]:
+def _import_times(args: list[str], tree: Path) -> dict[str, int]:
     """Module -> self import µs, from one ``-X importtime`` run (its stderr)."""
-    run = subprocess.run([sys.executable, "-X", "importtime", *args], env=env, check=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run = _python(["-X", "importtime", *args], tree, stderr=subprocess.PIPE, text=True)
     times = {}
     for line in run.stderr.splitlines():
         parts = line.split("|")
@@ -90,15 +91,14 @@ def _import_times(args: list[str], env: dict[str, str]) -> dict[str, int]:
 
 
 def measure(tree: Path, runs: int, top: int = 6) -> list[CommandFigures]:
-    env = _env(tree)
     samples = {name: [] for name in COMMANDS}  # name -> [(wall, cpu)] a round
     for _ in range(runs):
         for name, args in COMMANDS.items():
-            samples[name].append(_run(args, env))
-    floor = set(_import_times(COMMANDS["import torch"], env))
+            samples[name].append(_run(args, tree))
+    floor = set(_import_times(COMMANDS["import torch"], tree))
     figures = []
     for name, args in COMMANDS.items():
-        times = _import_times(args, env)
+        times = _import_times(args, tree)
         by_package: dict[str, float] = {}
         for module, us in times.items():
             if module not in floor:
