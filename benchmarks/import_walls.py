@@ -90,14 +90,19 @@ def _import_times(args: list[str], tree: Path) -> dict[str, int]:
     return times
 
 
-def measure(tree: Path, runs: int, top: int = 6) -> list[CommandFigures]:
-    samples = {name: [] for name in COMMANDS}  # name -> [(wall, cpu)] a round
+def measure(tree: Path, runs: int, commands: dict[str, list[str]] = COMMANDS, stop_at: float = float("inf"),
+            top: int = 6) -> list[CommandFigures]:
+    """Each command's figures over ``runs`` interleaved rounds (fewer once ``time.perf_counter()`` passes ``stop_at``;
+    one at least); ``commands`` names ``import torch``, the floor the import times are read against."""
+    samples = {name: [] for name in commands}  # name -> [(wall, cpu)] a round
     for _ in range(runs):
-        for name, args in COMMANDS.items():
+        for name, args in commands.items():
             samples[name].append(_run(args, tree))
-    floor = set(_import_times(COMMANDS["import torch"], tree))
+        if time.perf_counter() > stop_at:
+            break
+    floor = set(_import_times(commands["import torch"], tree))
     figures = []
-    for name, args in COMMANDS.items():
+    for name, args in commands.items():
         times = _import_times(args, tree)
         by_package: dict[str, float] = {}
         for module, us in times.items():
@@ -112,11 +117,11 @@ def measure(tree: Path, runs: int, top: int = 6) -> list[CommandFigures]:
 
 
 def table(figures: list[CommandFigures]) -> str:
-    lines = [f"{'command':<22} {'wall s':>6} {'cpu s':>6}  {'walls s':<30} heavy packages loaded; beyond torch (ms)"]
+    lines = [f"{'command':<26} {'wall s':>6} {'cpu s':>6}  {'walls s':<30} heavy packages loaded; beyond torch (ms)"]
     for f in figures:
         walls = " ".join(f"{w:.2f}" for w in f.walls_s)
         top = ", ".join(f"{m} {ms:.0f}" for m, ms in f.beyond_torch_ms[:4])
-        lines.append(f"{f.name:<22} {f.median_s:>6.2f} {f.cpu_median_s:>6.2f}  {walls:<30} "
+        lines.append(f"{f.name:<26} {f.median_s:>6.2f} {f.cpu_median_s:>6.2f}  {walls:<30} "
                      f"{' '.join(f.heavy) or '-'}; {top or '-'}")
     return "\n".join(lines)
 

@@ -1,0 +1,118 @@
+"""imp49 device check (session 49, import time), on the GPU machine's torch and Triton (2.11 / 3.6 there; the
+branch was written on 2.13 / 3.9, the CPU):
+
+    PYTHONPATH=$PWD timeout 90 python3 benchmarks/imp49_device_check.py --out $OUT/imp49 --deadline 75
+
+PASS / FAIL first, each in fresh interpreters:
+  tests    ``pytest -q tests/test_import_light.py``: ``import moekit``, an eager CPU forward, the help of moekit and of
+           its analyze command load no heavy package; ``torch.compile`` of a layer with ``return_stats=True`` in a
+           process that loaded dynamo after moekit breaks once at the stats and ``fullgraph=True`` refuses them with
+           the layer's reason, whichever is traced first: this torch's dynamo running the lazily taken
+           ``torch.compiler.disable``
+  device   ``import moekit`` loads no heavy package; a bf16 layer (E 8, K 256, N 128, top-2, its default backend) on
+           the device, ``return_stats=True``: out against the float64 loop of ``tests/_helpers.py`` on the layer's own
+           routing (rel-L2 < 2e-2), counts summing to M*k; the heavy packages the forward loaded are reported (triton
+           once its kernels are built: where the import moved to)
+Then the walls (and CPU seconds) of fresh interpreters, median of interleaved rounds (``import_walls.measure``):
+``import torch``, ``import moekit``, main's import of moekit (stand-in: ``import torch._dynamo`` first, what
+main's decorator imported), ``moekit --help``, and a first forward on the device (import, build, one call, sync).
+The table is printed last; JSON under ``--out``. ``--smoke``: the CPU (no CUDA), 2 rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import import_walls
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FORWARD = """
+import json, sys
+import torch
+heavy = {heavy!r}
+loaded = lambda: [h for h in heavy if any(m == h or m.startswith(h + ".") for m in sys.modules)]
+import moekit
+after_import = loaded()
+from _helpers import experts_loop
+torch.manual_seed(0)
+moe = moekit.MoE(moekit.MoEConfig(hidden_size=256, moe_intermediate_size=128, num_experts=8, top_k=2),
+                 device={device!r}, dtype=torch.bfloat16)
+x = torch.randn(32, 256, device={device!r}, dtype=torch.bfloat16)
+res = moe(x, return_stats=True)
+weights, ids = torch.topk(torch.softmax(res.router_logits.float().double(), -1), 2)
+want = experts_loop(x.cpu(), moe.w13.detach().cpu(), moe.w2.detach().cpu(), ids.cpu(),
+                    (weights / weights.sum(-1, keepdim=True)).cpu())
+rel = ((res.out.cpu().double() - want).norm() / want.norm()).item()
+print(json.dumps({{"after_import": after_import, "after_forward": loaded(), "rel": rel,
+                  "backend": moe.resolved_backend(), "counts_sum": int(res.stats.counts.sum()),
+                  "torch": torch.__version__}}))
+"""
+
+FIRST_FORWARD = ("import torch, moekit; moe = moekit.MoE(moekit.MoEConfig(hidden_size=256, moe_intermediate_size=128, "
+                 "num_experts=8, top_k=2), device={device!r}, dtype=torch.bfloat16); "
+                 "moe(torch.randn(32, 256, device={device!r}, dtype=torch.bfloat16)); "
+                 "torch.cuda.synchronize() if torch.cuda.is_available() else None")
+
+
+def _python(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def check_tests() -> dict:
+    done = _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_import_light.py"])
+    summary = (done.stdout.strip().splitlines() or [""])[-1]
+    return {"pass": done.returncode == 0, "summary": summary, "tail": (done.stdout + done.stderr)[-2000:]}
+
+
+def check_device(device: str) -> dict:
+    done = _python(["-c", FORWARD.format(heavy=import_walls.HEAVY, device=device)])
+    if done.returncode:
+        return {"pass": False, "tail": done.stderr[-2000:]}
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found["pass"] = not found["after_import"] and found["rel"] < 2e-2 and found["counts_sum"] == 32 * 2
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("imp49_out"))
+    parser.add_argument("--deadline", type=float, default=75.0, help="seconds; timing rounds stop before it")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="the CPU, 2 rounds")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    device = "cpu" if args.smoke else "cuda"
+    results = {"tests": check_tests(), "device": check_device(device)}
+    for name, found in results.items():
+        detail = found.get("summary") or {k: v for k, v in found.items() if k not in ("pass", "tail")}
+        print(f"{'PASS' if found['pass'] else 'FAIL'} {name}: {detail}")
+        if not found["pass"]:
+            print(found.get("tail", ""))
+    commands = {
+        "import torch": ["-c", "import torch"],
+        "import moekit": ["-c", "import moekit"],
+        "main's import (stand-in)": ["-c", "import torch._dynamo, moekit"],
+        "moekit --help": ["-m", "moekit", "--help"],
+        f"first forward ({device})": ["-c", FIRST_FORWARD.format(device=device)],
+    }
+    rounds = 2 if args.smoke else args.rounds
+    # the import-time runs after the rounds take about one round; 10 s of margin for them
+    figures = import_walls.measure(ROOT, rounds, commands, stop_at=start + args.deadline - 10)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results["walls"] = [asdict(f) for f in figures]
+    (args.out / "imp49_device_check.json").write_text(json.dumps(results, indent=1))
+    print(f"{time.perf_counter() - start:.0f} s, load average {os.getloadavg()[0]:.2f}")
+    print(import_walls.table(figures))
+
+
+if __name__ == "__main__":
+    main()
