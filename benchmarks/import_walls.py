@@ -92,13 +92,15 @@ def _import_times(args: list[str], tree: Path) -> dict[str, int]:
 
 def measure(tree: Path, runs: int, commands: dict[str, list[str]] = COMMANDS, stop_at: float = float("inf"),
             top: int = 6) -> list[CommandFigures]:
-    """Each command's figures over ``runs`` interleaved rounds (fewer once ``time.perf_counter()`` passes ``stop_at``;
-    one at least); ``commands`` names ``import torch``, the floor the import times are read against."""
+    """Each command's figures over ``runs`` interleaved rounds, fewer where another round and the import-time pass
+    after them (about a round) would end past ``stop_at`` (a ``time.perf_counter()`` value), one at least;
+    ``commands`` names ``import torch``, the floor the import times are read against."""
     samples = {name: [] for name in commands}  # name -> [(wall, cpu)] a round
     for _ in range(runs):
+        round_start = time.perf_counter()
         for name, args in commands.items():
             samples[name].append(_run(args, tree))
-        if time.perf_counter() > stop_at:
+        if time.perf_counter() + 2 * (time.perf_counter() - round_start) > stop_at:
             break
     floor = set(_import_times(commands["import torch"], tree))
     figures = []
