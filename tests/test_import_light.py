@@ -115,4 +115,4 @@ def test_commands_are_the_cli_modules_and_a_full_build_lists_them_all():
     assert set(COMMANDS) == modules
     full, bare = build_parser().format_help(), build_parser([]).format_help()
     assert full == bare
-    assert all(f"{name}" in bare and summary in " ".join(bare.split()) for name, summary in COMMANDS.items())
+    assert all(name in bare and summary in " ".join(bare.split()) for name, summary in COMMANDS.items())
