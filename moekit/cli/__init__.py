@@ -48,9 +48,9 @@ def build_parser(built: Iterable[str] = COMMANDS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moekit", description="Mixture-of-Experts layers, exact and explained.")
     parser.add_argument("--version", action="version", version=f"moekit {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    built = set(built)
+    with_parsers = set(built)
     for name, summary in COMMANDS.items():
-        if name in built:
+        if name in with_parsers:
             importlib.import_module(f"{__name__}.{name}").register(subparsers)
         else:
             subparsers.add_parser(name, help=summary)
