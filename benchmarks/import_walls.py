@@ -50,24 +50,32 @@ class CommandFigures:
     walls_s: list[float]  # one per round, in round order
     median_s: float
     cpu_median_s: float  # median of the rounds' user + sys seconds
-    heavy: list[str]  # HEAVY packages in the command's sys.modules at exit
+    heavy: list[str] | None  # HEAVY packages in the command's sys.modules at exit; None: not read (out of time)
     # self import time of the modules ``import torch`` does not import, summed by package: [package, ms], largest first
     beyond_torch_ms: list[tuple[str, float]] = field(default_factory=list)
 
 
-def _python(args: list[str], tree: Path, **kwargs) -> subprocess.CompletedProcess:
-    """``python3 ARGS`` on ``tree``: its root first on ``PYTHONPATH`` and the working directory (``-c`` and ``-m``
-    put the working directory first on ``sys.path``)."""
+def _python(args: list[str], tree: Path, stop_at: float, **kwargs) -> subprocess.CompletedProcess | None:
+    """``python3 ARGS`` on ``tree`` (its root first on ``PYTHONPATH`` and the working directory: ``-c`` and ``-m`` put
+    the working directory first on ``sys.path``), killed at ``stop_at`` (a ``time.perf_counter()`` value): None then."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree), env["PYTHONPATH"]]) if env.get("PYTHONPATH") else str(tree)
-    return subprocess.run([sys.executable, *args], env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL, **kwargs)
+    left = stop_at - time.perf_counter()
+    if left <= 0:
+        return None
+    try:
+        return subprocess.run([sys.executable, *args], env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL,
+                              timeout=None if left == float("inf") else left, **kwargs)
+    except subprocess.TimeoutExpired:  # out of time: the caller stops measuring (a failing run still raises)
+        return None
 
 
-def _run(args: list[str], tree: Path) -> tuple[float, float]:
-    """(wall s, user + sys CPU s) of one run."""
+def _run(args: list[str], tree: Path, stop_at: float) -> tuple[float, float] | None:
+    """(wall s, user + sys CPU s) of one run; None when it would end past ``stop_at``."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    _python(args, tree)
+    if _python(args, tree, stop_at) is None:
+        return None
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
@@ -79,9 +87,11 @@ def _package(module: str) -> str:
     return ".".join(parts[:2] if parts[0] == "torch" and len(parts) > 1 else parts[:1])
 
 
-def _import_times(args: list[str], tree: Path) -> dict[str, int]:
-    """Module -> self import µs, from one ``-X importtime`` run (its stderr)."""
-    run = _python(["-X", "importtime", *args], tree, stderr=subprocess.PIPE, text=True)
+def _import_times(args: list[str], tree: Path, stop_at: float) -> dict[str, int] | None:
+    """Module -> self import µs, from one ``-X importtime`` run (its stderr); None when out of time."""
+    run = _python(["-X", "importtime", *args], tree, stop_at, stderr=subprocess.PIPE, text=True)
+    if run is None:
+        return None
     times = {}
     for line in run.stderr.splitlines():
         parts = line.split("|")
@@ -90,30 +100,39 @@ def _import_times(args: list[str], tree: Path) -> dict[str, int]:
     return times
 
 
+def _rounds(tree: Path, runs: int, commands: dict[str, list[str]], stop_at: float) -> dict[str, list]:
+    """name -> [(wall, cpu)], a round each, in order; the rounds end at the first run that would pass ``stop_at``."""
+    samples = {name: [] for name in commands}
+    for _ in range(runs):
+        for name, args in commands.items():
+            sample = _run(args, tree, stop_at)
+            if sample is None:
+                return samples
+            samples[name].append(sample)
+    return samples
+
+
 def measure(tree: Path, runs: int, commands: dict[str, list[str]] = COMMANDS, stop_at: float = float("inf"),
             top: int = 6) -> list[CommandFigures]:
-    """Each command's figures over ``runs`` interleaved rounds, fewer where another round and the import-time pass
-    after them (about a round) would end past ``stop_at`` (a ``time.perf_counter()`` value), one at least;
+    """Each command's figures over ``runs`` interleaved rounds. Every interpreter is killed at ``stop_at`` (a
+    ``time.perf_counter()`` value): the rounds end there (a command keeps the walls it has; one with none is left
+    out), and the import-time pass reads the commands it has time for (``heavy`` None for the others).
     ``commands`` names ``import torch``, the floor the import times are read against."""
-    samples = {name: [] for name in commands}  # name -> [(wall, cpu)] a round
-    for _ in range(runs):
-        round_start = time.perf_counter()
-        for name, args in commands.items():
-            samples[name].append(_run(args, tree))
-        if time.perf_counter() + 2 * (time.perf_counter() - round_start) > stop_at:
-            break
-    floor = set(_import_times(commands["import torch"], tree))
+    samples = _rounds(tree, runs, commands, stop_at)
+    floor = _import_times(commands["import torch"], tree, stop_at)
     figures = []
     for name, args in commands.items():
-        times = _import_times(args, tree)
+        if not samples[name]:
+            continue
+        times = None if floor is None else _import_times(args, tree, stop_at)
         by_package: dict[str, float] = {}
-        for module, us in times.items():
+        for module, us in (times or {}).items():
             if module not in floor:
                 by_package[_package(module)] = by_package.get(_package(module), 0.0) + us / 1e3
         walls = [wall for wall, _ in samples[name]]
+        heavy = None if times is None else [h for h in HEAVY if any(m == h or m.startswith(h + ".") for m in times)]
         figures.append(CommandFigures(name, walls, statistics.median(walls),
-                                      statistics.median(cpu for _, cpu in samples[name]),
-                                      [h for h in HEAVY if any(m == h or m.startswith(h + ".") for m in times)],
+                                      statistics.median(cpu for _, cpu in samples[name]), heavy,
                                       sorted(by_package.items(), key=lambda p: -p[1])[:top]))
     return figures
 
@@ -124,7 +143,7 @@ def table(figures: list[CommandFigures]) -> str:
         walls = " ".join(f"{w:.2f}" for w in f.walls_s)
         top = ", ".join(f"{m} {ms:.0f}" for m, ms in f.beyond_torch_ms[:4])
         lines.append(f"{f.name:<26} {f.median_s:>6.2f} {f.cpu_median_s:>6.2f}  {walls:<30} "
-                     f"{' '.join(f.heavy) or '-'}; {top or '-'}")
+                     f"{'(not read)' if f.heavy is None else ' '.join(f.heavy) or '-'}; {top or '-'}")
     return "\n".join(lines)
 
 
