@@ -1,5 +1,8 @@
 """The ``moekit`` command. Each subcommand is a module in this package with
-``register(subparsers)``, which adds its parser and sets ``func`` (args -> exit code).
+``register(subparsers)``, which adds its parser and sets ``func`` (args -> exit code), and a line in ``COMMANDS``.
+A run imports the module of the one command it names and no other (``moekit --help`` none of them): a command's
+module imports what its command needs (analyze the byte model, demo rich, simulate the simulator), which
+``moekit analyze --help`` should not wait for.
 
 Errors: a mistake in the command line or a file it names is a ``UsageError`` (``_args.py``), reported
 here as one line, ``moekit <subcommand>: error: <message>``, exit code 2 (argparse's own errors look
@@ -13,8 +16,8 @@ import argparse
 import importlib
 import importlib.metadata
 import os
-import pkgutil
 import sys
+from collections.abc import Iterable
 
 from moekit.cli._args import UsageError
 
@@ -26,19 +29,32 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return _parsers()[0]
+# COMMAND -> its line in ``moekit --help`` (the commands' modules pass it as their parser's help), in that order
+COMMANDS = {
+    "analyze": "the byte model: experts touched, intensity, step-time floors, bills",
+    "bench": "time the experts backends against the measured copy bandwidth and matmul rate",
+    "demo": "grouped dispatch == naive loop, then imbalance, drops and sparsity",
+    "serve": "serve the routing / load-balancing simulator page locally",
+    "simulate": "routing / load-balancing simulator and the lesson's exercises",
+    "train": "train a small MoE LM three ways: no balancing, aux loss, bias update",
+    "tune": "tune the Triton experts kernels for a shape on this GPU",
+}
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The ``moekit`` parser and each subcommand's, by name."""
+def build_parser(built: Iterable[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The ``moekit`` parser, the commands in ``built`` with their own parsers (their modules imported), every
+    other command a bare entry that lists it in ``moekit --help`` (it parses nothing: ``main`` builds the one its
+    argv names)."""
     parser = argparse.ArgumentParser(prog="moekit", description="Mixture-of-Experts layers, exact and explained.")
     parser.add_argument("--version", action="version", version=f"moekit {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}").register(subparsers)
-    return parser, subparsers.choices
+    with_parsers = set(built)
+    for name, summary in COMMANDS.items():
+        if name in with_parsers:
+            importlib.import_module(f"{__name__}.{name}").register(subparsers)
+        else:
+            subparsers.add_parser(name, help=summary)
+    return parser
 
 
 def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
@@ -50,11 +66,19 @@ def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
     return parser
 
 
+def _named_command(argv: list[str]) -> list[str]:
+    """``[COMMAND]`` when ``argv`` runs one, else ``[]`` (``--help``, ``--version``, a misspelt command, nothing):
+    the top-level options take no value, so the command is argv's first word that is not an option."""
+    first = next((word for word in argv if not word.startswith("-")), None)
+    return [first] if first in COMMANDS else []
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser, commands = _parsers()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_named_command(argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # parse_args would report them as the top-level parser's: "moekit: error", its usage line
-        _innermost(commands[args.command], args).error(f"unrecognized arguments: {' '.join(unknown)}")
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except UsageError as err:

@@ -21,6 +21,7 @@ from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
 from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
 from moekit.analysis.roofline import MAX_BATCH
 from moekit.analysis.touch import inclusion_from_counts
+from moekit.cli import COMMANDS
 from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
 from moekit.cli._analyze_offload import check_offload_flags, offload_rows, offload_table, offload_to_json
 from moekit.cli._args import ListOption, UsageError, plot_path, save_figure, working
@@ -29,7 +30,7 @@ from moekit.config import MoEConfig
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("analyze", help="the byte model: experts touched, intensity, step-time floors, bills",
+    p = subparsers.add_parser("analyze", help=COMMANDS["analyze"],
                               description=__doc__.replace("``", ""),  # the docstring's markup, not the terminal's
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model (one of)")

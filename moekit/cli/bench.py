@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 from moekit.bench.cells import CPU_BATCHES, GPU_BATCHES
-from moekit.cli import _bench_cpu, _bench_hf, _bench_offload, _bench_targets, _bench_train
+from moekit.cli import COMMANDS, _bench_cpu, _bench_hf, _bench_offload, _bench_targets, _bench_train
 from moekit.cli._args import (ListOption, UsageError, device_arg, made_output_dir, missing_extra, output_dir,
                               positive_float, positive_int)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "bench", help="time the experts backends against the measured copy bandwidth and matmul rate",
+        "bench", help=COMMANDS["bench"],
         description="Measure the device's copy bandwidth and dense matmul rate, then time every backend over "
         "the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B expert shapes (scaled down on the CPU); write JSON + PNG.",
     )

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from moekit.cli import COMMANDS
 from moekit.cli._args import device_arg, seed_arg
 from moekit.demo import DEMO_CONFIG, DemoReport, run_demo, total_steps
 
@@ -16,7 +17,7 @@ from moekit.demo import DEMO_CONFIG, DemoReport, run_demo, total_steps
 def register(subparsers) -> None:
     c = DEMO_CONFIG
     p = subparsers.add_parser(
-        "demo", help="grouped dispatch == naive loop, then imbalance, drops and sparsity",
+        "demo", help=COMMANDS["demo"],
         description=f"Build a small MoE layer (E={c.num_experts} experts, top-{c.top_k}, hidden {c.hidden_size}, "
         f"expert width {c.moe_intermediate_size}), check that grouped dispatch equals a naive per-token loop, then "
         "measure load imbalance, dropped assignments and effective sparsity across batch sizes and capacity factors, "

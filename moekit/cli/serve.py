@@ -6,6 +6,7 @@ import argparse
 import errno
 import socket
 
+from moekit.cli import COMMANDS
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, port_arg
 from moekit.cli._model_source import add_source_arguments, simulated_source
 from moekit.sim.budget import BUDGET_S
@@ -13,7 +14,7 @@ from moekit.sim.budget import BUDGET_S
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve the routing / load-balancing simulator page locally",
+        "serve", help=COMMANDS["serve"],
         formatter_class=DefaultsHelpFormatter,
         description="Serve the interactive page of `moekit simulate` on http://HOST:PORT/ until Ctrl-C: every number "
         "on it comes from moekit.sim through /api/simulate. A run the cost model predicts above "

@@ -7,7 +7,7 @@ import functools
 import json
 from dataclasses import asdict
 
-from moekit.cli import _simulate_cache
+from moekit.cli import COMMANDS, _simulate_cache
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, plot_path, save_figure, working
 from moekit.cli._model_source import ModelSource, add_source_arguments, simulated_source
 from moekit.sim import BALANCE_METHODS, SimParams, simulate
@@ -18,7 +18,7 @@ _DEFAULTS = SimParams()
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("simulate", help="routing / load-balancing simulator and the lesson's exercises",
+    p = subparsers.add_parser("simulate", help=COMMANDS["simulate"],
                               description="One simulator run: a batch routed by the synthetic router, capacity "
                               "drops, balancing, and the expert-parallel what-if.",
                               formatter_class=DefaultsHelpFormatter)

@@ -9,6 +9,7 @@ import contextlib
 import time
 from pathlib import Path
 
+from moekit.cli import COMMANDS
 from moekit.cli._args import (DefaultsHelpFormatter, device_arg, made_output_dir, missing_extra, output_dir,
                               positive_float, positive_int, seed_arg)
 
@@ -18,7 +19,7 @@ def register(subparsers) -> None:
 
     d = TrainSettings()
     p = subparsers.add_parser(
-        "train", help="train a small MoE LM three ways: no balancing, aux loss, bias update",
+        "train", help=COMMANDS["train"],
         formatter_class=DefaultsHelpFormatter,
         description="Train a byte-level MoE language model on the Python standard library's source three times "
         "side by side, from the same weights on the same batches: without load balancing, with the auxiliary "

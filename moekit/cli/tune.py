@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moekit.cli import COMMANDS
 from moekit.cli._args import ListOption, UsageError, output_dir, positive_float, positive_int
 from moekit.quant import SCHEMES
 
@@ -21,7 +22,7 @@ DTYPES = ("bfloat16", "float16", "float32", *SCHEMES, *REGISTER_DECODE_TUNES)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("tune", help="tune the Triton experts kernels for a shape on this GPU",
+    p = subparsers.add_parser("tune", help=COMMANDS["tune"],
                               description="Sweep launch configs of the Triton experts path of a weight format "
                               "per batch size M, resumably, and write a config file that lookups pick up.")
     p.add_argument("--preset", action=ListOption, item=str, default=None,

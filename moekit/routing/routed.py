@@ -4,6 +4,7 @@ them. Routing results, so they live with the routing stage; ``moekit.layer`` (an
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -87,12 +88,20 @@ class MoEOutput:
     aux_loss: torch.Tensor | None = None
 
 
-@torch.compiler.disable(reason="MoE(x, return_stats=True) reads its MoEStats on the host (counts, drops: a sync), "
-                        "outside the graph; under fullgraph=True pass return_aux_loss=True instead (no host read)")
 def stats_on_host(layer, routed: RoutedTokens) -> MoEStats:
     """``layer._stats(routed)`` (``MoE.forward(return_stats=True)``), never traced: a compiled layer breaks its graph
     here once, cleanly (its int fields are host reads), instead of at each read inside, and ``fullgraph=True``
-    refuses it with the reason above rather than dynamo's word on whatever it met first."""
+    refuses it with ``_stats_untraced``'s reason rather than dynamo's word on whatever it met first.
+
+    ``torch.compiler.disable`` imports torch._dynamo (1.3 s of ``import moekit`` when it decorated this function at
+    import), so the disabled function is taken only where dynamo is loaded: always while it traces (its
+    ``IMPORT_NAME`` runs the import below in Python, the decorator with it, before it meets the call), and in any
+    process that loaded it, as before. A process that never imported dynamo has nothing that could trace this call.
+    ``is_compiling()`` goes first so that dynamo, tracing, never reads ``sys.modules``."""
+    if torch.compiler.is_compiling() or "torch._dynamo" in sys.modules:
+        from moekit.routing._stats_untraced import stats_untraced
+
+        return stats_untraced(layer, routed)
     return layer._stats(routed)
 
 
