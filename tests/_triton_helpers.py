@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 
 import pytest
@@ -85,8 +86,10 @@ class _LoggedKernel:
         self.arg_names, self.fn = kernel.arg_names, kernel.fn  # what BoundLaunch reads of a kernel
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.launches.append((self.name, {**dict(zip(self.arg_names, args)), **kwargs}))
+        def launch(*args, **kwargs):  # recorded with the signature's defaults filled in: what the kernel gets
+            params = inspect.signature(self.fn).parameters
+            defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+            self.log.launches.append((self.name, {**defaults, **dict(zip(self.arg_names, args)), **kwargs}))
             if self.name not in self.log.skip:
                 return self.kernel[grid](*args, **kwargs)
             return None
