@@ -115,7 +115,8 @@ class MoEConfig:
             if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0 (0: the exact w / sum(w)), got {eps!r}")
         if self.renorm_eps and self.renorm_clamp:  # one family's formula or the other
-            raise ValueError(f"renorm_eps and renorm_clamp exclude each other, got {self.renorm_eps!r}, {eps!r}")
+            raise ValueError(f"renorm_eps and renorm_clamp exclude each other, got {self.renorm_eps!r}, "
+                             f"{self.renorm_clamp!r}")
         if self.top_k > self.choice_width:
             what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
             raise ValueError(f"top_k must be <= {what} ({self.choice_width}), got {self.top_k}")
