@@ -1,7 +1,8 @@
 """The transformers models behind ``moekit bench --hf``: built offline from a config, random weights.
 
 Models at their published widths (moekit's presets, which are the models' own ``config.json``
-fields), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936; Mixtral's is 32000):
+fields; for DeepSeek-V4 and Step-3.7, which have no preset, the widths of the checkpoint transformers' config class
+documents, pinned here), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936; Mixtral's is 32000):
 
     qwen3        Qwen3-30B-A3B: hidden 2048, 128 experts of width 768, top-8, 32 query / 4 kv heads of 128
     mixtral      Mixtral-8x7B:  hidden 4096, 8 experts of width 14336, top-2, 32 query / 8 kv heads of 128
@@ -18,15 +19,18 @@ fields), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936
                  attention (64 heads of 512, one kv head); layer 0 hash-routes (tid2eid[input_ids], drawn), the rest
                  top-k (the published model's first 3 hash). 2 layers: 27 GB in bf16. transformers compiles no
                  DeepSeek-V4 decode (its compressor keeps state in its own dynamic cache: no static cache), so its
-                 compiled rows say so and only the eager ones run
+                 compiled rows say so (``static_cache_gap``) and only the eager ones run
     step-3.7     Step-3.7-Flash (transformers' Step3p7TextConfig defaults): hidden 4096, 288 experts of width 1280,
                  top-8, sigmoid scores with a correction bias, a shared expert of width 1280, 64 query / 8 kv heads of
                  128; every layer an MoE layer (the published model's first 3 are dense), the last one clamped as
                  the published model's last two (routed experts 7, shared 16, after the activation). An image-text
-                 model: its vision tower cut to one 32-wide layer (never run: text ids only). 4 layers: 37 GB in bf16
+                 model: its vision tower cut to one 32-wide layer (never run: text ids only). 4 layers: 37 GB in bf16.
+                 All full attention (transformers' default layer types); sliding_window is set only because the
+                 mask code reads it. Under transformers 5.17 its experts class is not dispatched (no
+                 ``use_experts_implementation``): the experts implementations' rows say so (``not_run``)
 
-``tiny=True`` shrinks every width (the CPU tests run the same code path on it). No tokenizer, no
-checkpoint: nothing here reaches the hub.
+``tiny=True`` shrinks every width, and sets DeepSeek-V4's and Step-3.7's clamps to ``TINY_CLAMP`` (the CPU tests run
+the same code path on it). No tokenizer, no checkpoint: nothing here reaches the hub.
 
 The experts implementations are discovered from transformers' registry at run time (``"eager"`` plus
 every key of ``ALL_EXPERTS_FUNCTIONS``, which holds ``"moekit"`` once ``moekit.hf`` is imported; an fp8
@@ -69,12 +73,17 @@ class HFModelSpec:
     tiny: dict  # config overrides for --tiny
     fields: dict = field(default_factory=dict)  # config overrides at every width (the preset's model cut to fit)
     model_type: str | None = None  # transformers' model type, where no preset names it
-    layer_fields: Callable[[int], dict] | None = None  # the per-layer list fields of a model of n decoder layers
+    layer_fields: Callable[[int, bool], dict] | None = None  # the per-layer list fields: (layers, tiny) -> fields
     # an image-text model's vision tower config (the text fields go to its text_config): never run, at every width
     vision: dict | None = None
 
 
-def _v4_layers(n: int) -> dict:
+# The SwiGLU clamp of the tiny models (--tiny): where their activations reach (gate and up of std ~0.16), so the clamp
+# bites: without it the tiny models' logits move 5e-2 (DeepSeek-V4: 8e-2), and a row that skipped it would show
+TINY_CLAMP = 0.1
+
+
+def _v4_layers(n: int, tiny: bool) -> dict:
     # layer 0 hash-routes, the rest route top-k: both router kinds in the fewest layers
     return {"mlp_layer_types": ["hash_moe"] + ["moe"] * (n - 1)}
 
@@ -82,10 +91,11 @@ def _v4_layers(n: int) -> dict:
 STEP_CLAMPS = (7.0, 16.0)  # Step-3.7-Flash's last layers' limits: routed experts, shared expert (transformers' note)
 
 
-def _step_layers(n: int) -> dict:
+def _step_layers(n: int, tiny: bool) -> dict:
     # every layer MoE, the last one clamped (0: no clamp)
-    return {"mlp_layer_types": ["sparse"] * n, "swiglu_limits": [0.0] * (n - 1) + [STEP_CLAMPS[0]],
-            "swiglu_limits_shared": [0.0] * (n - 1) + [STEP_CLAMPS[1]]}
+    experts, shared = (TINY_CLAMP, TINY_CLAMP) if tiny else STEP_CLAMPS
+    return {"mlp_layer_types": ["sparse"] * n, "swiglu_limits": [0.0] * (n - 1) + [experts],
+            "swiglu_limits_shared": [0.0] * (n - 1) + [shared]}
 
 
 MODELS = {
@@ -116,7 +126,8 @@ MODELS = {
         dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
              num_attention_heads=4, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=32, index_n_heads=4,
              index_head_dim=16, index_topk=8, sliding_window=8,
-             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, vocab_size=256),
+             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+             swiglu_limit=TINY_CLAMP, vocab_size=256),
         dict(hidden_size=4096, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=6,
              n_shared_experts=1, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, swiglu_limit=10.0,
              num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024, o_groups=8,
@@ -182,7 +193,7 @@ def hf_config(name: str, layers: int, tiny: bool = False):
     if tiny:
         fields.update(spec.tiny)
     if spec.layer_fields is not None:
-        fields.update(spec.layer_fields(layers))
+        fields.update(spec.layer_fields(layers, tiny))
     if spec.vision is not None:
         return AutoConfig.for_model(kind, text_config=fields, vision_config=dict(spec.vision))
     return AutoConfig.for_model(kind, **fields)
