@@ -181,3 +181,17 @@ def test_a_family_the_installed_transformers_lacks(name, model_type, monkeypatch
     assert name not in hf_models.available_models() and "qwen3" in hf_models.available_models()
     with pytest.raises(ValueError, match=f"hf-model {name} needs"):
         hf_config(name, 2, tiny=True)
+
+
+def test_the_help_names_every_model_and_its_gpu_layers():
+    import argparse
+    import re
+
+    from moekit.cli import build_parser
+
+    bench = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    helps = {a.dest: a.help for a in bench._actions}
+    gpu = helps["layers"].split("default on GPU:")[1].split(";")[0]
+    assert dict((name, int(n)) for n, name in re.findall(r"(\d+) ([\w.-]+)", gpu)) == {
+        name: spec.default_layers for name, spec in MODELS.items()}
+    assert all(name in helps["hf_model"] for name in MODELS)
