@@ -108,7 +108,7 @@ class Float64Prefill:
 def float64_prefill(model, batch: torch.Tensor, blocks_quant: str | None = None) -> Float64Prefill:
     """The float64 logits of ``batch`` [B, L] (``blocks_quant``: as ``Float64Model``); a failure (no float64 on
     the device, no room) is returned as its text, never raised. The float64 weights are freed before this returns."""
-    logits_bytes = 8 * batch.numel() * model.config.vocab_size
+    logits_bytes = 8 * batch.numel() * model.config.get_text_config().vocab_size
     try:
         fp64 = Float64Model(model, 3 * logits_bytes, blocks_quant)  # room for the logits, error's cast, difference
         logits, streamed = fp64.logits(batch), fp64.streamed

@@ -62,8 +62,9 @@ def check_quant(quant: str | None, model: str) -> None:
     if quant not in HF_QUANTS:
         raise ValueError(f"hf-quant must be one of {HF_QUANTS}, got {quant!r}")
     if model not in FP8_TINY:
-        raise ValueError(f"hf-quant {quant} runs {list(FP8_TINY)} (transformers' FP8Experts takes no biases), "
-                         f"got hf-model {model!r}")
+        raise ValueError(f"hf-quant {quant} runs {list(FP8_TINY)} (gpt-oss-20b: transformers' FP8Experts takes no "
+                         "biases; deepseek-v4, step-3.7: their clamped fp8 experts not wired here; every model runs "
+                         f"fp8_block), got hf-model {model!r}")
 
 
 def quant_models(quant: str | None, names: list[str]) -> list[str]:

@@ -23,10 +23,10 @@ import torch
 from moekit.bench import hf_measure as hm
 from moekit.bench.hf_fp64 import Float64Model, Float64Prefill, float64_prefill
 from moekit.bench.hf_models import (
-    MODELS, REFERENCE_IMPL, build_model, free_memory_bytes, gathered_weight_bytes, hf_config, select_impls,
-    use_impl,
+    MODELS, REFERENCE_IMPL, build_model, free_memory_bytes, gathered_weight_bytes, hf_config, not_run, select_impls,
+    text_config, use_impl,
 )
-from moekit.bench.hf_quant import FP8_METHOD, FP8_TINY, quantize_experts_fp8, unavailable
+from moekit.bench.hf_quant import FP8_METHOD, FP8_TINY, quantize_experts_fp8
 from moekit.bench.hf_rows import ERR_EAGER, ERR_FP64, NO_REFERENCE, Row
 from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, BLOCK_QUANTS, freed_memory, wo_method
 from moekit.bench.run import commit_id, device_name
@@ -153,7 +153,7 @@ def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log, fp64:
     rows = {impl: Row(impl, "eager") for impl in impls}
     ref_logits, ref_decode = None, None
     for impl in impls:  # the reference first (select_impls): warm all before timing any
-        reason = unavailable(impl, opts.quant, inputs.prompt.device)
+        reason = not_run(model, impl, opts.quant, inputs.prompt.device, compiled=False)
         if reason is None:
             logits, dec = _warm_eager(model, rows[impl], inputs, opts, ref_logits, fp64.of(impl))
         else:
@@ -184,7 +184,7 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
     with _recompile_limit(RECOMPILE_LIMIT):
         for impl in impls:
             row = rows[impl]
-            reason = unavailable(impl, opts.quant, inputs.prompt.device)
+            reason = not_run(model, impl, opts.quant, inputs.prompt.device, compiled=True)
             if reason is None:
                 dec = _warm_compiled(model, row, inputs, opts, config, ref)
             else:
@@ -316,7 +316,7 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
     model = build_model(config, dtype, device)
     if opts.quant == "fp8":
         quantize_experts_fp8(model)
-    inputs = make_inputs(config.vocab_size, opts, device)
+    inputs = make_inputs(text_config(config).vocab_size, opts, device)
     fp64, quant_cost = _float64_prefills(model, inputs.batch, opts, log)
     eager = measure_eager(model, impls, inputs, opts, log, fp64)
     del fp64
@@ -359,8 +359,8 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
         "commit": commit_id(),
         "versions": _versions(),
         "model": {"name": opts.model, "preset": spec.preset, "widths": "tiny" if opts.tiny else "real",
-                  "vocab_size": config.vocab_size, "dtype": str(dtype).removeprefix("torch."), "quant": opts.quant,
-                  "config": config.to_diff_dict()},
+                  "vocab_size": text_config(config).vocab_size, "dtype": str(dtype).removeprefix("torch."),
+                  "quant": opts.quant, "config": config.to_diff_dict()},
         # a weight-only run: the scheme, its row, the float64 model of its dequantized experts against the float
         # one's prefill logits (a float, or why not), and the model's bytes with its float experts freed (hf_wo.
         # freed_memory: a dict, or why not)

@@ -11,15 +11,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transformers end to end (--hf)")
     g.add_argument("--hf", action="store_true",
                    help="time whole transformers MoE models (random weights, no hub) per experts implementation")
-    g.add_argument("--hf-model", default="all", help="qwen3, mixtral, gpt-oss-20b, deepseek-v3 or all (default: all)")
+    g.add_argument("--hf-model", default="all",
+                   help="qwen3, mixtral, gpt-oss-20b, deepseek-v3, deepseek-v4, step-3.7 (comma-separated) or all: "
+                   "those the installed transformers has (default: all); deepseek-v4 runs eager rows only "
+                   "(transformers compiles no DeepSeek-V4 decode)")
     g.add_argument("--hf-impls", default=None,
                    help="comma-separated experts implementations (default: every registered one; eager, the reference, "
                    "always runs in eager mode); no_experts adds the ceiling: experts that return zeros, i.e. the best "
                    "decode any implementation could reach in that model; moekit_blocks runs each MoE block as moekit's "
                    "whole layer (moekit.hf.use_moekit_blocks: its router too)")
     g.add_argument("--layers", type=int, default=None,
-                   help="decoder layers (default on GPU: 8 qwen3, 2 mixtral, 4 gpt-oss-20b, 2 deepseek-v3; 1 CPU; "
-                        "2 --tiny)")
+                   help="decoder layers (default on GPU: 8 qwen3, 2 mixtral, 4 gpt-oss-20b, 2 deepseek-v3, "
+                        "2 deepseek-v4, 4 step-3.7; 1 CPU; 2 --tiny)")
     g.add_argument("--decode-tokens", type=int, default=None,
                    help="new tokens per generate (default 64 GPU, 8 CPU, 4 --tiny)")
     g.add_argument("--prompt-len", type=int, default=None,
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from moekit.bench.hf_models import model_names, select_impls
+    from moekit.bench.hf_models import available_models, missing_family, model_names, select_impls
     from moekit.bench.hf_quant import check_quant, quant_models
     from moekit.bench.hf_report import hf_results_path, print_hf_report
     from moekit.bench.hf_run import default_options, run_hf_bench
@@ -71,12 +74,14 @@ def run(args: argparse.Namespace) -> int:
     from moekit.cli._quant_options import parse_quant_options
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    models = quant_models(args.hf_quant, model_names()) if args.hf_model == "all" else args.hf_model.split(",")
+    models = quant_models(args.hf_quant, available_models()) if args.hf_model == "all" else args.hf_model.split(",")
     impls = tuple(args.hf_impls.split(",")) if args.hf_impls else None
     try:
         if set(models) - set(model_names()):
             raise ValueError(f"hf-model must be one of {model_names()} or all, got {args.hf_model!r}")
         for name in models:
+            if missing_family(name):
+                raise ValueError(missing_family(name))
             check_quant(args.hf_quant, name)
         select_impls(list(impls) if impls else None, args.hf_quant)
         quant_options = parse_quant_options(args.hf_quant_options, args.hf_quant, BLOCK_QUANTS)
