@@ -241,9 +241,11 @@ def _route_kernel(logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logit
                   n_group: int, topk_group: int, sigmoid: bool, renormalize: bool, scaling: float, check_finite: bool,
                   num_shared: int, elements_per_program: int, softcap: float, bias_on_logits: bool, group_score: str,
                   fill_zero: bool, shared_weight: float, sqrt_softplus: bool = False, renorm_eps: float = 0.0,
+                  renorm_clamp: float = 0.0,
                   assert_in_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's body: logits [M, E], bias [E] / gate_logits [M, 1] or None, config fields -> ``_launch``'s."""
-    math = (softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus, renorm_eps)  # RouterMath's
+    math = (softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus, renorm_eps,
+            renorm_clamp)  # RouterMath's
     plan = _op_plan(logits.size(1), top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
                     elements_per_program, *math)
     return _launch(plan, logits, bias, gate_logits, assert_in_kernel)
@@ -259,7 +261,7 @@ def _op_plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoi
 
 def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
                 num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight,
-                sqrt_softplus=False, renorm_eps=0.0, assert_in_kernel=False):
+                sqrt_softplus=False, renorm_eps=0.0, renorm_clamp=0.0, assert_in_kernel=False):
     ids = logits.new_empty(logits.shape[0], top_k + num_shared, dtype=torch.int32)  # [M, k+S]
     flag = _flagged(check_finite, logits.device, assert_in_kernel)
     return ids, torch.empty_like(ids, dtype=torch.float32), ids.new_empty(1 if flag else 0)  # weights [M, k+S], ok
