@@ -70,6 +70,25 @@ def test_fused_router_against_transformers_route_and_float64(fused, seed):
     _check(got.topk_ids, got.topk_weights, logits, bias, cfg)
 
 
+def test_rows_whose_softmax_sum_is_spread(fused):
+    """Every unchosen expert at the gap (the row's softmax sum over e^(x - max) is ~12, not ~1): the floor reads the
+    row's logsumexp, not its max alone; against transformers and the float64 loop."""
+    module = fused[0]
+    cfg = _ernie()
+    _, bias = _rows(0)
+    logits = torch.randn(4, E, generator=torch.Generator().manual_seed(6)) / 10
+    logits[:, 0] += 30.0
+    logits[:, TOP_K + 1:] += torch.tensor([27.0, 30.0, 35.0, 40.0])[:, None]
+    got = module.route_fused(logits, cfg, bias)
+    ids, weights = _transformers(logits, bias)
+    assert torch.equal(got.topk_ids.long(), ids) and set(ids.flatten().tolist()) == set(range(1, TOP_K + 1))
+    want = _float64(logits, ids, cfg.renorm_clamp)
+    assert want.sum(-1).max() < 0.5  # every row below the floor
+    assert _rel(got.topk_weights, want) < 2e-5
+    assert _rel(got.topk_weights, weights.double()) < 2e-5
+    assert _ulps(got.topk_weights, route(logits, cfg, bias).topk_weights) <= 2.0
+
+
 def test_the_clamp_changes_only_the_rows_below_it(fused):
     """The kernel without the clamp (renorm_clamp 0: the default's code) sums to 1 on every row; with it, the rows
     above the floor keep those bits and the rows below differ by more than half (so the tests above can fail)."""
