@@ -244,10 +244,9 @@ def _route_kernel(logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logit
                   renorm_clamp: float = 0.0,
                   assert_in_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's body: logits [M, E], bias [E] / gate_logits [M, 1] or None, config fields -> ``_launch``'s."""
-    math = (softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus, renorm_eps,
-            renorm_clamp)  # RouterMath's
     plan = _op_plan(logits.size(1), top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
-                    elements_per_program, *math)
+                    elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus,
+                    renorm_eps, renorm_clamp)  # the last eight: RouterMath's fields
     return _launch(plan, logits, bias, gate_logits, assert_in_kernel)
 
 

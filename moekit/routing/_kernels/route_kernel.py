@@ -255,8 +255,7 @@ def route_rows(
     HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr,
     ASSERT_FINITE: tl.constexpr, VOLATILE: tl.constexpr, SOFTCAP: tl.constexpr, SOFTCAP_INV: tl.constexpr,
     BIAS_ON_LOGITS: tl.constexpr, FILL_ZERO: tl.constexpr, SHARED_SCALE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
-    RENORM_LOG_EPS: tl.constexpr = None, RENORM_LOG_CLAMP: tl.constexpr = None,
-):
+    RENORM_LOG_EPS: tl.constexpr = None, RENORM_LOG_CLAMP: tl.constexpr = None):
     """Rows row0 .. row0 + BM - 1 (those below num_tokens) routed; also the route part of ``gate_route_kernel``,
     where the logits were written by other programs of the same launch (``VOLATILE``: loaded past the L1)."""
     rows = row0 + tl.arange(0, BLOCK_M)  # [BM]
