@@ -27,7 +27,7 @@ CONFIGS = {
     "grouped_shared": MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=16, top_k=4, scoring="sigmoid",
                                 n_group=4, topk_group=2, routed_scaling_factor=2.5, use_correction_bias=True,
                                 shared_expert_intermediate_size=N),
-    # ERNIE-4.5's router: softmax, the bias for the choice, w / max(sum(w), 1e-12) (fused since session 49's ern49)
+    # ERNIE-4.5's router: softmax, the bias for the choice, w / max(sum(w), 1e-12) (router="fused": session 49's ern49)
     "ernie": MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=8, top_k=2, use_correction_bias=True,
                        renorm_clamp=1e-12, shared_expert_intermediate_size=N),
 }

@@ -290,8 +290,7 @@ def test_bad_options_are_named(changes, says):
 
 COMPUTED = [{"router_logit_softcap": 30.0}, {"correction_bias_on": "logits"}, {"group_score": "top2_sum"},
             {"group_score": "max"}, {"dropped_group_fill": "zero"},
-            {"shared_expert_combine": "average", "shared_expert_intermediate_size": 8},
-            {"renorm_clamp": 1e-12}]  # ERNIE-4.5's floor (session 49's ern49: route only before)
+            {"shared_expert_combine": "average", "shared_expert_intermediate_size": 8}]
 ROUTE_ONLY = [{"num_identity_experts": 2, "n_group": 1, "topk_group": 1}, {"expert_weight_on": "input"},
               {"sparsemixer_jitter_eps": 0.2, "scoring": "softmax", "n_group": 1, "topk_group": 1, "top_k": 2,
                "renormalize": False, "use_correction_bias": False, "routed_scaling_factor": 1.0},

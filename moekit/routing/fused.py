@@ -38,7 +38,7 @@ from moekit.func_ops import transforming
 from moekit.routing import gate
 from moekit.triton_bind import COMPILE_OPTIONS, BoundLaunch, interpreting, next_pow2, triton_runs_on
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
-from moekit.routing.router_math import RouterMath, computed_options
+from moekit.routing.router_math import RouterMath, checked_options, computed_options
 from moekit.routing.shared import append_shared_slots
 
 RouterChoice = Literal["auto", "torch", "fused"]
@@ -64,9 +64,9 @@ def computes(config: MoEConfig) -> bool:
 
 
 def supports(config: MoEConfig) -> bool:
-    """Whether ``router="auto"`` takes the fused router on CUDA: wherever it ``computes`` the config, the router
-    options of session 34 included (their fused path against ``route``: ``benchmarks/rfast34_device_check.py``)."""
-    return computes(config)
+    """Whether ``router="auto"`` takes the fused router on CUDA: wherever it ``computes`` the config and no option is
+    ``router_math.UNCHECKED`` (session 34's options: their GPU check ``benchmarks/rfast34_device_check.py``)."""
+    return computes(config) and checked_options(config)
 
 
 @dataclass(frozen=True, eq=False)
