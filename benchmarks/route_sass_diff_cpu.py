@@ -15,8 +15,8 @@ keep 4, sigmoid, a bias, top-2 group sums), Mixtral (8 experts, 16 rows a progra
 masking (nonfinite="mask") and the flag (nonfinite="raise" under torch.compile), the others with the kernel's own
 assert (eager nonfinite="raise", debug=True); the one launch at 1 and 4 rows, the tensor-core one at
 64; DeepSeek-V4's hash router with its flags and with its own asserts (session 49). ``--options`` adds each
-session-34 option on (the after tree only: a compile check and their size; a file the before dump lacks is not
-compared).
+session-34 option on, and ERNIE-4.5's layer with its renorm floor (session 49) in each kernel (the after tree
+only: a compile check and their size; a file the before dump lacks is not compared).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ QWEN2 = QWEN3 | dict(NUM_EXPERTS=64, PER_GROUP=64, P_PAD=64, TOP_K=4, NUM_SHARED
 # DeepSeek-V4's top-k layer (session 48's option): 256 experts, no groups, top-6 + its fused shared slot, the bias
 V4 = QWEN3 | dict(NUM_EXPERTS=256, PER_GROUP=256, P_PAD=256, TOP_K=6, NUM_SHARED=1, SLOTS_PAD=8, HAS_BIAS=True,
                   SQRT_SOFTPLUS=True)
+# ERNIE-4.5-21B-A3B's layer (session 49's renorm_clamp): 64 experts, softmax, top-6, the bias, the floor at 1e-12
+ERNIE = QWEN3 | dict(NUM_EXPERTS=64, PER_GROUP=64, P_PAD=64, TOP_K=6, SLOTS_PAD=8, HAS_BIAS=True,
+                     RENORM_LOG_CLAMP=-27.631021499633789)
 # DeepSeek-V4's hash layer (``hash_route_kernel``, its plan: E 256, top-6 + the fused shared slot, sqrt(softplus), one
 # row a program at 128 elements): its two checks as flags (interpreted, FusedHashRouter(assert_in_kernel=False)) or
 # as the kernel's own asserts (session 49's eager default on the GPU)
@@ -56,10 +59,11 @@ ONES = ("stride_le", "stride_b", "stride_gm")  # 1 in every launch: Triton speci
 ALIGNED = ("logits_ptr", "bias_ptr", "ids_ptr", "weights_ptr", "ok_ptr", "x_ptr", "w_ptr", "b_ptr", "count_ptr",
            "part_ptr", "stride_lm", "stride_xm", "stride_we", "hidden")
 # the session-34 options on (``router_math.RouterMath.constexprs``): Laguna's cap 30 (its fp32 reciprocal); session
-# 49's renorm_eps at DeepSeek-V3's 1e-20 (its fp32 log)
+# 49's renorm_eps at DeepSeek-V3's 1e-20 and renorm_clamp at ERNIE-4.5's 1e-12 (their fp32 logs)
 OPTIONS = {"softcap": dict(SOFTCAP=30.0, SOFTCAP_INV=0.03333333507180214), "bias_on_logits": dict(BIAS_ON_LOGITS=True),
            "fill_zero": dict(FILL_ZERO=True), "average": dict(SHARED_SCALE=0.5),
-           "renorm_eps": dict(RENORM_LOG_EPS=-46.051700592041016)}
+           "renorm_eps": dict(RENORM_LOG_EPS=-46.051700592041016),
+           "renorm_clamp": dict(RENORM_LOG_CLAMP=-27.631021499633789)}
 
 
 def _compile(module: str, kernel: str, const: dict, num_warps: int, num_stages: int = 3):
@@ -116,6 +120,9 @@ def cases(options: bool) -> dict:
         out |= {"opt_route_v4": partial(route, V4 | dict(BLOCK_M=1)), "opt_one_v4_m1": partial(one, V4 | gate),
                 "opt_mma_v4_m64": partial(mma, V4 | tensor | dict(ROUTE_M=8)),
                 "opt_route_v4_renorm_eps": partial(route, V4 | dict(BLOCK_M=1) | OPTIONS["renorm_eps"])}
+        out |= {"opt_route_ernie": partial(route, ERNIE | dict(BLOCK_M=1)),
+                "opt_one_ernie_m1": partial(one, ERNIE | gate),
+                "opt_mma_ernie_m64": partial(mma, ERNIE | tensor | dict(ROUTE_M=16))}
     return out
 
 

@@ -57,7 +57,7 @@ class MoEConfig:
     # eps > 0: renormalise as w / (sum(w) + eps), the family's formula (DeepSeek-V3's 1e-20: a row whose chosen scores
     # all underflow weighs ~0); 0: the exact w / sum(w), finite for every finite row (moekit.routing.route)
     renorm_eps: float = 0.0
-    renorm_clamp: float = 0.0  # c > 0: w / max(sum(w), c), ERNIE-4.5's moe_norm_min (``route`` only; fused: refused)
+    renorm_clamp: float = 0.0  # c > 0: w / max(sum(w), c), ERNIE-4.5's moe_norm_min (``route``; fused: router="fused")
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under
 # gpt39's trailing biases and activation fields (defaulted: main's 16-argument calls unchanged), triton_experts_fp8's
 # with fpb40's (defaulted: main's 13-argument calls unchanged); session 48: the two experts ops' trailing
 # ``bool limit_after_act=False`` (act48) and route_fused's ``bool sqrt_softplus=False`` before ``assert_in_kernel``
-# (v4r48), each defaulted; session 49: route_fused's ``float renorm_eps=0.`` after it (edge49, defaulted)
+# (v4r48), each defaulted; session 49: route_fused's ``float renorm_eps=0.`` after it (edge49, defaulted) and
+# ``float renorm_clamp=0.`` after that (ern49, defaulted)
 MAIN_SCHEMAS = {
     "triton_experts_fp8": "(Tensor x, Tensor w13_q, Tensor w13_scale, Tensor w2_q, Tensor w2_scale, Tensor topk_ids, "
                           "Tensor topk_weights, Tensor? expert_map, SymInt block_n, SymInt block_k, "
@@ -47,7 +48,7 @@ MAIN_SCHEMAS = {
                    "SymInt topk_group, bool sigmoid, bool renormalize, float scaling, bool check_finite, "
                    "SymInt num_shared, SymInt elements_per_program, float softcap, bool bias_on_logits, "
                    "str group_score, bool fill_zero, float shared_weight, bool sqrt_softplus=False, "
-                   "float renorm_eps=0., bool assert_in_kernel=False) "
+                   "float renorm_eps=0., float renorm_clamp=0., bool assert_in_kernel=False) "
                    "-> (Tensor, Tensor, Tensor)",
     "align_block_triton": "(Tensor topk_ids, SymInt num_experts, SymInt block_size, Tensor? expert_map, "
                           "bool allow_naive, bool dependent_launch, SymInt align_small_max, "

@@ -27,6 +27,9 @@ CONFIGS = {
     "grouped_shared": MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=16, top_k=4, scoring="sigmoid",
                                 n_group=4, topk_group=2, routed_scaling_factor=2.5, use_correction_bias=True,
                                 shared_expert_intermediate_size=N),
+    # ERNIE-4.5's router: softmax, the bias for the choice, w / max(sum(w), 1e-12) (router="fused": session 49's ern49)
+    "ernie": MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=8, top_k=2, use_correction_bias=True,
+                       renorm_clamp=1e-12, shared_expert_intermediate_size=N),
 }
 
 
@@ -91,7 +94,8 @@ def _x(m: int, seed: int) -> torch.Tensor:
 # 1 and 8 rows: the one gate + router launch (8 its limit; 3 rows took the same launch and were dropped), 12: the
 # torch.mm gate and the router's launch. 256 rows (the fast path's limit) on the softmax plan only: the grouped
 # plan's rows above 8 take the same launches as at 12, and its 256-row case alone cost ~50 s under the interpreter
-@pytest.mark.parametrize("name, m", [(name, m) for name in CONFIGS for m in (1, 8, 12)] + [("softmax", 256)])
+@pytest.mark.parametrize("name, m", [(name, m) for name in ("softmax", "grouped_shared") for m in (1, 8, 12)]
+                         + [("softmax", 256), ("ernie", 1), ("ernie", 12)])
 def test_served_equal_to_full_forward(hits, name, m):
     layer, full = _pair(name)
     with torch.no_grad():

@@ -61,7 +61,8 @@ def test_a_kernel_that_asserts_itself_needs_no_flag_compiled(fused, monkeypatch)
     two = _targets(_graph(fused.FusedRouter(CFG, assert_in_kernel=False), logits))
     assert "moekit.route_fused" in two and any("_assert_async" in t for t in two), two
     fake = fused._route_fake(logits, None, None, 4, 1, 1, False, True, 1.0, True, 0, 128, 0.0, False, "max", False,
-                             1.0, False, 0.0, True)  # ..., shared_weight, sqrt_softplus, renorm_eps, assert_in_kernel
+                             1.0, False, 0.0, 0.0, True)  # ..., shared_weight, sqrt_softplus, renorm_eps, renorm_clamp,
+    # assert_in_kernel
     assert fake[2].shape == (0,)
     assert fused._route_fake(logits, None, None, 4, 1, 1, False, True, 1.0, True, 0, 128, 0.0, False, "max", False,
                              1.0)[2].shape == (1,)

@@ -2,7 +2,7 @@
 torch router against transformers' own ``Ernie4_5_MoeTopKRouter`` built offline (the gate weight the identity, so
 the hidden state is the logits row; its ``moe_statics`` bias) and a float64 loop written here, at ordinary rows and at
 rows where the bias chooses experts whose softmax scores sum below 1e-12 (transformers: the scores / 1e-12, not a
-sum of 1). The fused routers refuse the option (``route`` computes it); configs that cannot hold it say why.
+sum of 1). Configs that cannot hold it say why; the fused routers: ``test_routing_fused_renorm_clamp``.
 
 Shapes: M tokens (rows), E experts, k experts a token.
 """
@@ -128,18 +128,3 @@ def test_configs_that_cannot_hold_the_clamp_say_why(changes, match):
     base = dict(hidden_size=E, moe_intermediate_size=8, num_experts=E, top_k=TOP_K)
     with pytest.raises(ValueError, match=match):
         MoEConfig(**{**base, **changes})
-
-
-def test_the_fused_router_refuses_it_and_auto_routes_with_route(monkeypatch):
-    from moekit import MoE
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = MoEConfig.from_hf_config(_hf_config())
-    with pytest.raises(ValueError, match=r"renorm_clamp.*router='torch' routes it"):
-        MoE(cfg, router="fused")
-    layer = MoE(cfg, router="auto").eval()
-    x = torch.randn(3, E)
-    with torch.no_grad():
-        want = route(layer.gate(x), cfg, layer.e_score_correction_bias)
-        got = layer.route_tokens(x).routing
-    assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)

@@ -38,7 +38,7 @@ from moekit.func_ops import transforming
 from moekit.routing import gate
 from moekit.triton_bind import COMPILE_OPTIONS, BoundLaunch, interpreting, next_pow2, triton_runs_on
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
-from moekit.routing.router_math import RouterMath, computed_options
+from moekit.routing.router_math import RouterMath, checked_options, computed_options
 from moekit.routing.shared import append_shared_slots
 
 RouterChoice = Literal["auto", "torch", "fused"]
@@ -64,9 +64,9 @@ def computes(config: MoEConfig) -> bool:
 
 
 def supports(config: MoEConfig) -> bool:
-    """Whether ``router="auto"`` takes the fused router on CUDA: wherever it ``computes`` the config, the router
-    options of session 34 included (their fused path against ``route``: ``benchmarks/rfast34_device_check.py``)."""
-    return computes(config)
+    """Whether ``router="auto"`` takes the fused router on CUDA: wherever it ``computes`` the config and no option is
+    ``router_math.UNCHECKED`` (session 34's options: their GPU check ``benchmarks/rfast34_device_check.py``)."""
+    return computes(config) and checked_options(config)
 
 
 @dataclass(frozen=True, eq=False)
@@ -241,11 +241,12 @@ def _route_kernel(logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logit
                   n_group: int, topk_group: int, sigmoid: bool, renormalize: bool, scaling: float, check_finite: bool,
                   num_shared: int, elements_per_program: int, softcap: float, bias_on_logits: bool, group_score: str,
                   fill_zero: bool, shared_weight: float, sqrt_softplus: bool = False, renorm_eps: float = 0.0,
+                  renorm_clamp: float = 0.0,
                   assert_in_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's body: logits [M, E], bias [E] / gate_logits [M, 1] or None, config fields -> ``_launch``'s."""
-    math = (softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus, renorm_eps)  # RouterMath's
     plan = _op_plan(logits.size(1), top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
-                    elements_per_program, *math)
+                    elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight, sqrt_softplus,
+                    renorm_eps, renorm_clamp)  # the last eight: RouterMath's fields
     return _launch(plan, logits, bias, gate_logits, assert_in_kernel)
 
 
@@ -259,7 +260,7 @@ def _op_plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoi
 
 def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite,
                 num_shared, elements_per_program, softcap, bias_on_logits, group_score, fill_zero, shared_weight,
-                sqrt_softplus=False, renorm_eps=0.0, assert_in_kernel=False):
+                sqrt_softplus=False, renorm_eps=0.0, renorm_clamp=0.0, assert_in_kernel=False):
     ids = logits.new_empty(logits.shape[0], top_k + num_shared, dtype=torch.int32)  # [M, k+S]
     flag = _flagged(check_finite, logits.device, assert_in_kernel)
     return ids, torch.empty_like(ids, dtype=torch.float32), ids.new_empty(1 if flag else 0)  # weights [M, k+S], ok

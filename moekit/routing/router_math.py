@@ -19,7 +19,12 @@ from moekit.routing.route import renorm_log_eps
 # option -> the values the kernels compute (an option off its default with another value: ``route`` only)
 COMPUTED = {"router_logit_softcap": None, "correction_bias_on": ("scores", "logits"),
             "group_score": ("auto", "max", "top2_sum"), "dropped_group_fill": ("-inf", "zero"),
-            "shared_expert_combine": ("sum", "average")}  # None: every value
+            "shared_expert_combine": ("sum", "average"), "renorm_clamp": None}  # None: every value
+
+# Options the kernels compute that no GPU has checked yet: router="fused" takes them, "auto" on CUDA routes them with
+# ``route`` (``fused.supports``). ERNIE-4.5's renorm_clamp (session 49, ern49: no device time was left); to check it:
+# PYTHONPATH=$PWD timeout 80 python3 benchmarks/ern49_device_check.py --out $OUT/ern49 --deadline 60
+UNCHECKED = ("renorm_clamp",)
 
 
 def computed_options(config: MoEConfig) -> bool:
@@ -28,6 +33,11 @@ def computed_options(config: MoEConfig) -> bool:
     return all(
         name in COMPUTED and (COMPUTED[name] is None or value in COMPUTED[name])
         for name, value in config.changed_router_options().items())
+
+
+def checked_options(config: MoEConfig) -> bool:
+    """False where a changed router option is ``UNCHECKED`` (``fused.supports``: "auto" then routes with ``route``)."""
+    return not any(name in UNCHECKED for name in config.changed_router_options())
 
 
 @dataclass(frozen=True)
@@ -42,18 +52,22 @@ class RouterMath:
     shared_weight: float = 1.0  # the appended shared slots' weight factor (0.5: shared_expert_combine="average")
     sqrt_softplus: bool = False  # scoring="sqrtsoftplus" (DeepSeek-V4): sqrt(softplus(logits)) in place of the sigmoid
     renorm_eps: float = 0.0  # MoEConfig.renorm_eps: the renormalised weights times S / (S + eps) (route's _eps_factor)
+    renorm_clamp: float = 0.0  # MoEConfig.renorm_clamp c: times min(1, S / c), ERNIE-4.5's (route's _clamp_factor)
 
     @staticmethod
     def of(config: MoEConfig) -> "RouterMath":
         return RouterMath(float(config.router_logit_softcap), config.correction_bias_on == "logits",
                           config.group_score, config.dropped_group_fill == "zero", config.shared_weight,
-                          config.scoring == "sqrtsoftplus", float(config.renorm_eps))
+                          config.scoring == "sqrtsoftplus", float(config.renorm_eps), float(config.renorm_clamp))
 
     def constexprs(self) -> dict:
         """The kernels' option constexprs; SOFTCAP_INV is the fp32 reciprocal torch's CUDA division by a Python
-        scalar multiplies with (1.0f / float(c)); RENORM_LOG_EPS route's float32 log(eps) (``renorm_log_eps``), left
-        out at eps 0: the kernel's default None compiles no code for it (the kernels of session 48)."""
+        scalar multiplies with (1.0f / float(c)); RENORM_LOG_EPS / RENORM_LOG_CLAMP route's float32 log(eps) / log(c)
+        (``renorm_log_eps``), each left out at 0: the kernel's default None compiles no code for it (the kernels of
+        session 48)."""
         inv = (1.0 / torch.tensor(self.softcap, dtype=torch.float32)).item() if self.softcap else 0.0
         eps = dict(RENORM_LOG_EPS=renorm_log_eps(self.renorm_eps)) if self.renorm_eps else {}
+        if self.renorm_clamp:
+            eps.update(RENORM_LOG_CLAMP=renorm_log_eps(self.renorm_clamp))
         return dict(SOFTCAP=self.softcap, SOFTCAP_INV=inv, BIAS_ON_LOGITS=self.bias_on_logits,
                     FILL_ZERO=self.fill_zero, SHARED_SCALE=self.shared_weight, SQRT_SOFTPLUS=self.sqrt_softplus, **eps)

@@ -40,7 +40,7 @@ def gate_mma_kernel(
     CHECK_FINITE: tl.constexpr = False, PRECISE: tl.constexpr = False, ASSERT_FINITE: tl.constexpr = False,
     PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, SOFTCAP_INV: tl.constexpr = 0.0,
     BIAS_ON_LOGITS: tl.constexpr = False, FILL_ZERO: tl.constexpr = False, SHARED_SCALE: tl.constexpr = 1.0,
-    SQRT_SOFTPLUS: tl.constexpr = False, RENORM_LOG_EPS: tl.constexpr = None,
+    SQRT_SOFTPLUS: tl.constexpr = False, RENORM_LOG_EPS: tl.constexpr = None, RENORM_LOG_CLAMP: tl.constexpr = None,
 ):
     if PDL:  # the experts' first kernel may launch now; it waits (gdc_wait) for this grid to finish before reading
         gdc_launch_dependents()
@@ -82,7 +82,8 @@ def gate_mma_kernel(
                                NUM_EXPERTS, 1, stride_b, stride_gm, scaling, NUM_EXPERTS, PER_GROUP, G_PAD, P_PAD,
                                TOP_K, TOPK_GROUP, NUM_SHARED, SLOTS_PAD, GROUPED, TOP2, SIGMOID, RENORMALIZE, HAS_BIAS,
                                HAS_GATE, CHECK_FINITE, ROUTE_M, PRECISE, ASSERT_FINITE, True, SOFTCAP, SOFTCAP_INV,
-                               BIAS_ON_LOGITS, FILL_ZERO, SHARED_SCALE, SQRT_SOFTPLUS, RENORM_LOG_EPS)
+                               BIAS_ON_LOGITS, FILL_ZERO, SHARED_SCALE, SQRT_SOFTPLUS, RENORM_LOG_EPS,
+                               RENORM_LOG_CLAMP)
                 tl.store(row_counter, 0)
 
 

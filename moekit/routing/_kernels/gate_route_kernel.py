@@ -39,7 +39,7 @@ def gate_route_kernel(
     PRECISE: tl.constexpr, ASSERT_FINITE: tl.constexpr, PDL: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0, SOFTCAP_INV: tl.constexpr = 0.0, BIAS_ON_LOGITS: tl.constexpr = False,
     FILL_ZERO: tl.constexpr = False, SHARED_SCALE: tl.constexpr = 1.0,  # the router options (route_kernel's)
-    SQRT_SOFTPLUS: tl.constexpr = False, RENORM_LOG_EPS: tl.constexpr = None,
+    SQRT_SOFTPLUS: tl.constexpr = False, RENORM_LOG_EPS: tl.constexpr = None, RENORM_LOG_CLAMP: tl.constexpr = None,
 ):
     if PDL:  # the experts' first kernel may launch now; it waits (gdc_wait) for this grid to finish before reading
         gdc_launch_dependents()
@@ -53,5 +53,5 @@ def gate_route_kernel(
                    stride_b, stride_gm, scaling, NUM_EXPERTS, PER_GROUP, G_PAD, P_PAD, TOP_K, TOPK_GROUP, NUM_SHARED,
                    SLOTS_PAD, GROUPED, TOP2, SIGMOID, RENORMALIZE, HAS_BIAS, HAS_GATE, CHECK_FINITE, BLOCK_M,
                    PRECISE, ASSERT_FINITE, True, SOFTCAP, SOFTCAP_INV, BIAS_ON_LOGITS, FILL_ZERO, SHARED_SCALE,
-                   SQRT_SOFTPLUS, RENORM_LOG_EPS)
+                   SQRT_SOFTPLUS, RENORM_LOG_EPS, RENORM_LOG_CLAMP)
         tl.store(count_ptr, 0)

@@ -148,11 +148,14 @@ def _select(key, col, BLOCK_M: tl.constexpr, SLOTS_PAD: tl.constexpr, TOP_K: tl.
 
 @triton.jit
 def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
-             PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False, RENORM_LOG_EPS: tl.constexpr = None):
+             PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False, RENORM_LOG_EPS: tl.constexpr = None,
+             RENORM_LOG_CLAMP: tl.constexpr = None):
     """chosen [BM, SLOTS_PAD] logits of the chosen experts; taken: the slot holds a finite chosen expert; row_max,
     row_sum [BM] the softmax's. Renormalisation is a softmax over the taken slots' log-scores (route's formula, no
     0/0); with RENORM_LOG_EPS = log eps, e_i / (sum e + eps e^-top): w_i / (S + eps) scaled by e^-top, the largest
-    score's reciprocal (route's ``_eps_factor``; the sum unchanged by the term wherever S > 2^24 eps)."""
+    score's reciprocal (route's ``_eps_factor``; the sum unchanged by the term wherever S > 2^24 eps); with
+    RENORM_LOG_CLAMP = log c, times min(1, S / c) from the row's log S, in route's order (``_clamp_factor``): exactly
+    1.0 wherever S >= c, so those rows keep the exact ratio's bits."""
     if RENORMALIZE:
         log_score = chosen
         if SQRT_SOFTPLUS:  # route's 0.5 * log(softplus(x)), x itself where softplus is subnormal or 0
@@ -171,6 +174,11 @@ def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RE
                 total += row_sum * _exp(RENORM_LOG_EPS + row_max - top, PRECISE)
         numerator, denominator = tl.broadcast(e, total[:, None])
         w = tl.math.div_rn(numerator, denominator)
+        if RENORM_LOG_CLAMP is not None:  # ERNIE-4.5's w / max(S, c): log S = top + log T (softmax: - the logsumexp)
+            log_total = top + _log(total, PRECISE)  # [BM]
+            if not (SIGMOID or SQRT_SOFTPLUS):
+                log_total -= row_max + _log(row_sum, PRECISE)
+            w *= _exp(tl.minimum(log_total - RENORM_LOG_CLAMP, 0.0), PRECISE)[:, None]
     else:
         w = _score(chosen, row_max[:, None], row_sum[:, None], SIGMOID, PRECISE, SQRT_SOFTPLUS)
     return tl.where(taken, w * scaling, 0.0)
@@ -226,6 +234,7 @@ def route_kernel(
     SOFTCAP: tl.constexpr = 0.0, SOFTCAP_INV: tl.constexpr = 0.0, BIAS_ON_LOGITS: tl.constexpr = False,
     FILL_ZERO: tl.constexpr = False, SHARED_SCALE: tl.constexpr = 1.0, SQRT_SOFTPLUS: tl.constexpr = False,
     RENORM_LOG_EPS: tl.constexpr = None,  # MoEConfig.renorm_eps's float32 log; None: renorm_eps 0 (no code)
+    RENORM_LOG_CLAMP: tl.constexpr = None,  # MoEConfig.renorm_clamp's float32 log; None: renorm_clamp 0 (no code)
 ):
     if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
         gdc_wait()
@@ -234,7 +243,7 @@ def route_kernel(
                stride_lm, stride_le, stride_b, stride_gm, scaling, NUM_EXPERTS, PER_GROUP, G_PAD, P_PAD, TOP_K,
                TOPK_GROUP, NUM_SHARED, SLOTS_PAD, GROUPED, TOP2, SIGMOID, RENORMALIZE, HAS_BIAS, HAS_GATE, CHECK_FINITE,
                BLOCK_M, PRECISE, ASSERT_FINITE, False, SOFTCAP, SOFTCAP_INV, BIAS_ON_LOGITS, FILL_ZERO, SHARED_SCALE,
-               SQRT_SOFTPLUS, RENORM_LOG_EPS)
+               SQRT_SOFTPLUS, RENORM_LOG_EPS, RENORM_LOG_CLAMP)
 
 
 @triton.jit
@@ -246,8 +255,7 @@ def route_rows(
     HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr,
     ASSERT_FINITE: tl.constexpr, VOLATILE: tl.constexpr, SOFTCAP: tl.constexpr, SOFTCAP_INV: tl.constexpr,
     BIAS_ON_LOGITS: tl.constexpr, FILL_ZERO: tl.constexpr, SHARED_SCALE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
-    RENORM_LOG_EPS: tl.constexpr = None,
-):
+    RENORM_LOG_EPS: tl.constexpr = None, RENORM_LOG_CLAMP: tl.constexpr = None):
     """Rows row0 .. row0 + BM - 1 (those below num_tokens) routed; also the route part of ``gate_route_kernel``,
     where the logits were written by other programs of the same launch (``VOLATILE``: loaded past the L1)."""
     rows = row0 + tl.arange(0, BLOCK_M)  # [BM]
@@ -286,7 +294,8 @@ def route_rows(
                      volatile=VOLATILE).to(tl.float32)
     taken = is_routed & (tl.abs(chosen) < float("inf"))
     chosen = _soft_capped(chosen, SOFTCAP, SOFTCAP_INV, PRECISE)  # the weights read the capped logits too
-    w = _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID, RENORMALIZE, PRECISE, SQRT_SOFTPLUS, RENORM_LOG_EPS)
+    w = _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID, RENORMALIZE, PRECISE, SQRT_SOFTPLUS, RENORM_LOG_EPS,
+                 RENORM_LOG_CLAMP)
     if NUM_SHARED > 0:  # shared slots last: ids E..E+S-1, weight 1 or sigmoid(gate logit), times SHARED_SCALE
         ids = tl.where(is_routed, ids, NUM_EXPERTS + slot - TOP_K)
         shared_w = tl.full([BLOCK_M, SLOTS_PAD], SHARED_SCALE, tl.float32)  # 0.5: Cohere2's average
