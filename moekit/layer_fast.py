@@ -53,6 +53,7 @@ from threading import get_ident
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts import fast_path_of, keeper_of
 from moekit.routing import fused
 from moekit.routing import gate_route
@@ -248,12 +249,11 @@ class DecodeFast:
             if plan is None or layer._gate_mm is None or buffers.logits.dtype != x2d.dtype:
                 return
             route = fused.bound_route(plan, buffers.logits, bias, None, router.assert_in_kernel)
-        if len(self._entries) >= MAX_ENTRIES and m not in self._entries:
-            self._entries.pop(next(iter(self._entries)))
         keeper = keeper_of(layer._experts_fn)
         kept = None if keeper is None else keeper(x2d, w13, w2, buffers.ids, buffers.weights, c.activation, b13=b13,
                                                   b2=b2)
         joint = None  # the one launch joined to the kept call's batched launches, where both exist (no flag to read)
         if JOINED and bound is not None and bound.ok is None and hasattr(kept, "joined"):
             joint = kept.joined(bound.launch, bound.pointers(LEAD_X, weight, linear_bias, bias, None, buffers))
-        self._entries[m] = _Entry(layer, x2d, tensors, buffers, bound, route, fast, kept, joint, append_shared)
+        entry = _Entry(layer, x2d, tensors, buffers, bound, route, fast, kept, joint, append_shared)
+        put_bounded(self._entries, m, entry, MAX_ENTRIES)

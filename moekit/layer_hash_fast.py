@@ -44,6 +44,7 @@ from threading import get_ident
 import torch
 
 import moekit.layer_fast as layer_fast
+from moekit._bounded import put_bounded
 from moekit.experts import fast_path_of, keeper_of
 from moekit.layer_fast import _capturing, _compiling, _dispatching, _grad, _ref, _spec, _tracing, _transforming
 from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, bound_gate
@@ -180,8 +181,6 @@ class HashDecodeFast:
                                         layer.fuse_shared)
         if bound is None:
             return
-        if len(self._entries) >= layer_fast.MAX_ENTRIES and m not in self._entries:
-            self._entries.pop(next(iter(self._entries)))
         ids = torch.empty(bound.shape, dtype=torch.int32, device=x2d.device)  # [M, k(+S)]
         weights = torch.empty(bound.shape, dtype=torch.float32, device=x2d.device)  # [M, k(+S)]
         keeper = keeper_of(layer._experts_fn)
@@ -191,5 +190,6 @@ class HashDecodeFast:
             gate_bias = weight if linear_bias is None else linear_bias  # the gate launch's third pointer
             joint = kept.joined(gate.launch, (LEAD_X, weight, gate_bias, kept_logits),
                                 ((bound.launch, (kept_logits, LEAD_AUX, table, ids, weights, ids)),))
-        self._entries[m] = _Entry(layer, x2d, token_ids, table, tensors, gate, kept_logits, bound, kept,
-                                  fast_path_of(layer._experts_fn), joint, ids, weights)
+        entry = _Entry(layer, x2d, token_ids, table, tensors, gate, kept_logits, bound, kept,
+                       fast_path_of(layer._experts_fn), joint, ids, weights)
+        put_bounded(self._entries, m, entry, layer_fast.MAX_ENTRIES)

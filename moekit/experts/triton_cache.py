@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._bounded import put_bounded
+
 REGION_ALIGN = 256  # bytes; every region starts on it (Triton specialises pointers on 16-byte alignment)
 # A workspace larger than this is not kept whole: its regions outside POOLED_REGIONS are allocated per call
 # (at that size the GPU time, over 1 ms at DeepSeek-V3 shapes, dwarfs an allocation, and a kept buffer
@@ -157,9 +159,7 @@ class WorkspacePool:
             workspace = self._grow(key, spec.nbytes, device)
         views = workspace.views.get(spec)
         if views is None:
-            if len(workspace.views) >= self.max_views:
-                workspace.views.pop(next(iter(workspace.views)))
-            views = workspace.views[spec] = spec.carve(workspace.buffer)
+            views = put_bounded(workspace.views, spec, spec.carve(workspace.buffer), self.max_views)
             if spec.counters:
                 views["counters"] = self._kept_counters(key, spec.counters, device)
         return views
@@ -170,11 +170,9 @@ class WorkspacePool:
         counters = self._counters.get(key)
         if counters is None or counters.numel() < count:
             self._counters.pop(key, None)
-            if len(self._counters) >= self.max_entries:
-                self._counters.pop(next(iter(self._counters)))
             self.generation += 1
-            counters = self._counters[key] = torch.zeros(1 << max(0, count - 1).bit_length(), dtype=torch.int32,
-                                                         device=device)
+            counters = put_bounded(self._counters, key, torch.zeros(1 << max(0, count - 1).bit_length(),
+                                                                    dtype=torch.int32, device=device), self.max_entries)
             workspace = self._workspaces.get(key)
             if workspace is not None:
                 workspace.views.clear()
@@ -183,11 +181,9 @@ class WorkspacePool:
     def _grow(self, key: tuple, nbytes: int, device: torch.device) -> _Workspace:
         self.generation += 1
         self._workspaces.pop(key, None)
-        if len(self._workspaces) >= self.max_entries:
-            self._workspaces.pop(next(iter(self._workspaces)))
         size = max(nbytes, min(1 << max(0, nbytes - 1).bit_length(), self.max_bytes)) if self.pow2 else nbytes
-        workspace = self._workspaces[key] = _Workspace(torch.empty(size, dtype=torch.uint8, device=device))
-        return workspace
+        return put_bounded(self._workspaces, key, _Workspace(torch.empty(size, dtype=torch.uint8, device=device)),
+                           self.max_entries)
 
     def held(self) -> dict[tuple, torch.Tensor]:
         """(device, stream, thread) -> the byte buffer kept for it."""

@@ -37,6 +37,7 @@ from threading import get_ident
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.kept_biases import fits, keepable, kept_biases
 from moekit.batch_launch import Batch
@@ -275,6 +276,4 @@ def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: 
                       kept_biases(b13, b2))
     with _lock:
         _MEMO.pop(key, None)
-        if len(_MEMO) >= MAX_ENTRIES:
-            _MEMO.pop(next(iter(_MEMO), None), None)  # the oldest may have gone meanwhile (forget, clear_fast)
-        _MEMO[key] = entry
+        put_bounded(_MEMO, key, entry, MAX_ENTRIES)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.configs import (
     GemmTile, KernelConfig, device_key, lookup_env, nearest, on_config_cache_clear, overlay, read_configs, tuned_files,
 )
@@ -96,6 +97,7 @@ class Fp8Plan:
     reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
 
 
+MAX_PLANS = 4096  # kinds of call kept; the oldest goes first
 _PLANS: dict[tuple, Fp8Plan] = {}
 _TABLES: dict[tuple, dict[int, Fp8Entry] | None] = {}  # (E, N, K, device, the user directories) -> ``_table``
 on_config_cache_clear(_PLANS.clear)
@@ -228,11 +230,9 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
            block_shape, config, options, x_in_gate_up, weight_tma, ahead, persistent, pair_dot, capturing, variant)
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= 4096:
-            _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, ahead, capturing, persistent, pair_dot,
-                                        variant)
+        plan = put_bounded(_PLANS, key, build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape,
+                                                   config, options, x_in_gate_up, weight_tma, ahead, capturing,
+                                                   persistent, pair_dot, variant), MAX_PLANS)
     return plan
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
@@ -119,9 +120,7 @@ def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
     if plan is None:
         plan = build_plan(x, w13, w2, ids, expert_map, up, down, fp8=s13 is not None, s13=s13, s2=s2,
                           in_loader=in_loader, gather_groups=gather_groups, variant=variant)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)), None)
-        _PLANS[key] = plan
+        put_bounded(_PLANS, key, plan, MAX_PLANS)
     return plan
 
 

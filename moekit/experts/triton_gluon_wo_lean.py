@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WorkspaceSpec
 from moekit.experts.triton_gluon_launch import (
@@ -86,9 +87,7 @@ def wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme: str, up: GluonTile
     plan = _PLANS.get(key)
     if plan is None:
         plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, up, down, options)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)), None)
-        _PLANS[key] = plan
+        put_bounded(_PLANS, key, plan, MAX_PLANS)
     return plan
 
 

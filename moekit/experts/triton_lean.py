@@ -31,6 +31,7 @@ import weakref
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_plan import Plan, plan_launches
 from moekit.batch_launch import Batch
@@ -153,9 +154,7 @@ def keep_sequence(store: dict, lock, key: tuple, sequence: LaunchSequence, limit
         sequence.owner = weakref.ref(owner, _forget(store, key))
     with lock:
         store.pop(key, None)
-        if len(store) >= limit:
-            store.pop(next(iter(store), None), None)  # the oldest may have gone meanwhile (_forget)
-        store[key] = sequence
+        put_bounded(store, key, sequence, limit)
 
 
 def _forget(store: dict, key: tuple):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.activations import ActivationSpec, as_spec, glu_constexprs
 from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_block_rows
@@ -91,9 +92,7 @@ def plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options: 
     plan = _PLANS.get(key)
     if plan is None:
         plan = build_plan(x, w13, w2, ids, expert_map, activation, config, options, b13, b2)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+        put_bounded(_PLANS, key, plan, MAX_PLANS)
     return plan
 
 

@@ -44,6 +44,7 @@ from threading import get_ident
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.kept_biases import fits, keepable, kept_biases
 from moekit.experts.triton_lean import LaunchSequence, _Slot, record_steps
@@ -278,9 +279,7 @@ def _keep(x, w13, w2, ids, weights, activation, options, recorded: tuple, pool, 
                        biases, words)
     with _lock:
         _MEMO.pop(key, None)
-        if len(_MEMO) >= MAX_ENTRIES:
-            _MEMO.pop(next(iter(_MEMO), None), None)
-        _MEMO[key] = entry
+        put_bounded(_MEMO, key, entry, MAX_ENTRIES)
 
 
 def kept_entries() -> int:

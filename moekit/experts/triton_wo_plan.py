@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig, device_key, nearest, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
@@ -208,9 +209,7 @@ def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, sc
     plan = _WO_PLANS.get(key)
     if plan is None:
         plan = build_wo_plan(*build)
-        if len(_WO_PLANS) >= MAX_PLANS:
-            _WO_PLANS.pop(next(iter(_WO_PLANS)))
-        _WO_PLANS[key] = plan
+        put_bounded(_WO_PLANS, key, plan, MAX_PLANS)
     return plan
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import align_launches
 from moekit.experts.triton_cache import REUSE_MAX_BYTES, WorkspacePool, WorkspaceSpec, descriptor_pair
@@ -163,9 +164,7 @@ def scratch_plan_for(key: tuple, x: torch.Tensor, w13, w2, top_k: int, expert_ma
         plan = _build(x, w13, w2, top_k, expert_map, scheme_id, per, options)
         waited = expert_map is None and any(c.count != num_experts and c.chunk_map is None for c in plan.chunks)
         if options.cache_plans and not waited:
-            if len(_SCRATCH_PLANS) >= MAX_PLANS:
-                _SCRATCH_PLANS.pop(next(iter(_SCRATCH_PLANS)))
-            _SCRATCH_PLANS[key] = plan
+            put_bounded(_SCRATCH_PLANS, key, plan, MAX_PLANS)
     return plan
 
 

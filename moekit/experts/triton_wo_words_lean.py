@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_lean import IDS, OUT, WEIGHTS, X, _Slot, record_launches
 from moekit.experts.triton_wo import LEAN_WORKSPACES
@@ -67,9 +68,7 @@ def words_plan(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int = 1,
     key = _plan_key(x, w13, w2, ids, ahead, variant)
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)), None)
-        plan = _PLANS[key] = _plan(*key)
+        plan = put_bounded(_PLANS, key, _plan(*key), MAX_PLANS)
     return plan
 
 
@@ -203,10 +202,8 @@ def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int, variant, b13,
         return None
     stream = current_stream() if x.device.type == "cuda" else None
     with _lock:
-        if len(_KEPT) >= MAX_KEPT:
-            _KEPT.pop(next(iter(_KEPT)), None)
-        _KEPT[_key(x, w13, w2, ids, ahead, variant)] = Kept(w13.q, sequence, _state(w13, w2, b13, b2), generation,
-                                                            stream)
+        put_bounded(_KEPT, _key(x, w13, w2, ids, ahead, variant),
+                    Kept(w13.q, sequence, _state(w13, w2, b13, b2), generation, stream), MAX_KEPT)
     return sequence
 
 

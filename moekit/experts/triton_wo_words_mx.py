@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts._kernels.words_mx import M_FIELDS, MAGNITUDE_MASK, MX_MAX_SCALE, MX_SHIFTS, SIGN_MASK
 
 _CHECKED: dict[tuple, bool] = {}  # (address, shape, strides, version) of scales whose bytes were read
@@ -35,9 +36,7 @@ def check_mx_scales(scale: torch.Tensor, name: str) -> None:
     if top > MX_MAX_SCALE:
         raise ValueError(f"decode='gluon_words' on mxfp4 needs {name}.scale e8m0 bytes <= {MX_MAX_SCALE} (groups below "
                          f"12 in magnitude: the decode's factor 2^(s - 1) in bf16), got {top}")
-    if len(_CHECKED) >= MAX_CHECKED:
-        _CHECKED.pop(next(iter(_CHECKED)))
-    _CHECKED[key] = True
+    put_bounded(_CHECKED, key, True, MAX_CHECKED)
 
 
 def _shifted(words: torch.Tensor, shift: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.experts.triton_wo_plan import weight_args
 
 STEP = 256  # the words kernels' columns a step
@@ -53,10 +54,8 @@ def words_weights(w13, w2, interleaved: bool = False, b13=None) -> tuple:
     copy = (*_pad_pair(w13, w2, interleaved), None if b13 is None else _pad_rows(b13, w13.q.shape[1] // 2,
                                                                                    interleaved))
     with _lock:
-        if len(_KEPT) >= MAX_KEPT:
-            _KEPT.pop(next(iter(_KEPT)), None)
         refs = (weakref.ref(tensors[0], _forget(key)), *(weakref.ref(t) for t in tensors[1:]))  # goes with w13.q
-        _KEPT[key] = (refs, copy)
+        put_bounded(_KEPT, key, (refs, copy), MAX_KEPT)
     return copy
 
 

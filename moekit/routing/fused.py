@@ -32,6 +32,7 @@ from typing import Literal, Optional
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.config import MoEConfig
 from moekit.experts.op_library import define_inference_op
 from moekit.func_ops import transforming
@@ -231,9 +232,7 @@ def bound_route(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, ga
            _pointer_key(bias), _pointer_key(gate_logits), assert_in_kernel)
     bound = _BOUND.get(key)
     if bound is None:
-        if len(_BOUND) >= MAX_BOUND:
-            _BOUND.pop(next(iter(_BOUND)))
-        bound = _BOUND[key] = _BoundRoute(plan, logits, bias, gate_logits, assert_in_kernel)
+        bound = put_bounded(_BOUND, key, _BoundRoute(plan, logits, bias, gate_logits, assert_in_kernel), MAX_BOUND)
     return bound
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.func_ops import transforming
 from moekit.triton_bind import BoundLaunch, next_pow2
 
@@ -123,9 +124,8 @@ def bound_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
            else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() % 16 == 0))
     bound = _BOUND.get(key)
     if bound is None:
-        if len(_BOUND) >= MAX_BOUND:
-            _BOUND.pop(next(iter(_BOUND)))
-        bound = _BOUND[key] = _BoundGate(x, weight, bias) if _applies(x, weight, bias) else _LINEAR
+        bound = put_bounded(_BOUND, key, _BoundGate(x, weight, bias) if _applies(x, weight, bias) else _LINEAR,
+                            MAX_BOUND)
     return None if bound is _LINEAR else bound
 
 

@@ -27,6 +27,7 @@ import importlib
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.func_ops import transforming
 from moekit.routing import fused, gate, gate_mma
 from moekit.routing.route import Routing
@@ -167,14 +168,12 @@ def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tenso
            buffers.logits.dtype)
     bound = _BOUND.get(key)
     if bound is None:
-        if len(_BOUND) >= MAX_BOUND:
-            _BOUND.pop(next(iter(_BOUND)))
         m = x.shape[0]
         applies = (plan is not None and 0 < m <= ROWS and gate._applies(x, weight, linear_bias, ROWS)
                    and buffers.logits.dtype == x.dtype and triton_runs_on(x.device))
         gate_in = router._check_gate(x, shared_gate_logits) if applies and append_shared else None
         kind = _BoundGateRoute if m <= MAX_TOKENS else gate_mma.BoundGateMma
-        bound = _BOUND[key] = _SEPARATE if not applies else kind(
-            plan, x, weight, linear_bias, correction_bias, gate_in, router.assert_in_kernel)
+        bound = put_bounded(_BOUND, key, _SEPARATE if not applies else kind(
+            plan, x, weight, linear_bias, correction_bias, gate_in, router.assert_in_kernel), MAX_BOUND)
     return None if bound is _SEPARATE else bound
 

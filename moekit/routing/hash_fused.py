@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.config import MoEConfig
 from moekit.func_ops import transforming
 from moekit.routing.fused import ELEMENTS_PER_PROGRAM, MAX_EXPERTS, MAX_TOP_K, _launch_options, kernels
@@ -173,9 +174,7 @@ def _bound(plan: _Plan, logits: torch.Tensor, token_ids: torch.Tensor, table: to
            assert_in_kernel)
     bound = _BOUND.get(key)
     if bound is None:
-        if len(_BOUND) >= MAX_BOUND:
-            _BOUND.pop(next(iter(_BOUND)))
-        bound = _BOUND[key] = _Bound(plan, logits, token_ids, table, assert_in_kernel)
+        bound = put_bounded(_BOUND, key, _Bound(plan, logits, token_ids, table, assert_in_kernel), MAX_BOUND)
     return bound
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._bounded import put_bounded
 from moekit.routing import gate, gate_mma
 from moekit.triton_bind import current_stream
 
@@ -65,9 +66,7 @@ class RouteWorkspace:
         key = (x2d.shape[0], x2d.get_device(), current_stream() if cuda else 0, threading.get_ident(), dtype, num_slots)
         buffers = self._buffers.get(key)
         if buffers is None:
-            if len(self._buffers) >= MAX_ENTRIES:
-                self._buffers.pop(next(iter(self._buffers)))
-            buffers = self._buffers[key] = fresh_buffers(x2d, num_experts, num_slots, dtype)
+            buffers = put_bounded(self._buffers, key, fresh_buffers(x2d, num_experts, num_slots, dtype), MAX_ENTRIES)
         return buffers
 
 

@@ -46,6 +46,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from moekit._bounded import put_bounded
+
 PACKAGED_DIR = Path(__file__).parent
 Entry = TypeVar("Entry")  # what a reader makes of one file entry: a KernelConfig, an fp8 plan's Fp8Entry, a raw dict
 
@@ -358,9 +360,7 @@ def get_config(
     if config is None:
         configs = load_configs(num_experts, n, k, dtype, device)
         config = nearest(configs, num_tokens) if configs else heuristic_config(num_tokens, num_experts, n, k, top_k)
-        if len(_LOOKUPS) >= _MAX_LOOKUPS:
-            _LOOKUPS.pop(next(iter(_LOOKUPS)))
-        _LOOKUPS[key] = config
+        put_bounded(_LOOKUPS, key, config, _MAX_LOOKUPS)
     return config
 
 
