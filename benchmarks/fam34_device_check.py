@@ -134,8 +134,8 @@ def check(name: str, layer, twin, dev) -> dict:
     m = 8 if SMOKE else 64
     x = torch.randn(m, layer.config.hidden_size, device=dev, dtype=torch.bfloat16)
     # the option's layer: route, or since rfast34 the fused router where it computes the option (on CUDA)
-    wants = fused.supports(layer.config) and dev.type == "cuda"
-    RUN.check(f"{name} routes as fused.supports says ({'fused' if wants else 'route'}), the option-off twin fused",
+    wants = fused.computes(layer.config) and dev.type == "cuda"
+    RUN.check(f"{name} routes as fused.computes says ({'fused' if wants else 'route'}), the option-off twin fused",
               (layer._fused_router is not None) == wants and twin._fused_router is not None)  # smoke: "fused"
     with torch.no_grad():
         err = rel_l2(layer(x), reference(layer, x))

@@ -2,7 +2,7 @@
 group rule and fill, the averaged shared expert), on the GPU. Each case is ``fam34_device_check``'s family layer with
 its option on (bf16, random weights, the CUDA defaults), once through the fused path (``router="fused"``: the fused
 router, the one gate + router launch and the decode fast path) and once through the ``route`` fallback
-(``router="torch"``, what "auto" takes while ``fused.supports`` refuses the option), the same weights.
+(``router="torch"``, what "auto" took before this check let it take the option), the same weights.
 
     PYTHONPATH=$PWD timeout 60 python3 benchmarks/rfast34_device_check.py --out $OUT/rfast34 --deadline 45   # GPU
     PYTHONPATH=$PWD python3 benchmarks/rfast34_device_check.py --smoke    # CPU: tiny shapes, interpreted kernels

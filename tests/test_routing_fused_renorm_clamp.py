@@ -2,8 +2,8 @@
 ``ern49``): the fused router, the one gate + route launch (both its kernels) and an ERNIE ``MoE`` layer, on the CPU
 under Triton's interpreter, against transformers' ``Ernie4_5_MoeTopKRouter`` built offline, a float64 loop and
 ``route`` (``test_routing_renorm_clamp``'s builders: ordinary rows, then rows whose chosen softmax scores sum to
-2e-11, 3e-12, 4e-13, 2e-17 and 1e-43). ``router="auto"`` keeps ``route`` for it on CUDA until a GPU has checked
-the kernels (``router_math.UNCHECKED``).
+2e-11, 3e-12, 4e-13, 2e-17 and 1e-43). ``router="auto"`` takes the fused router for it on CUDA since a GPU checked
+the kernels (session 50: ``benchmarks/ern49_device_check.py``, every line PASS on an H100).
 
 Shapes: M tokens (rows), E experts, k experts a token.
 """
@@ -143,16 +143,14 @@ def test_gate_and_route_in_one_launch(fused, rows):
     assert _rel(got.topk_weights, _float64(take, ids, cfg.renorm_clamp)) < 2e-5
 
 
-def test_fused_takes_it_and_auto_keeps_route_on_cuda(fused):
-    """``router="fused"`` takes ERNIE's config; ``"auto"`` on CUDA keeps ``route`` for it (``router_math.UNCHECKED``:
-    no GPU has checked the floor yet; the device check is ``fused_router``'s only CUDA condition, Triton imports
-    here); an ERNIE ``MoE`` on the fused router (interpreted) routes as the fused router and ``route`` do, the clamped
-    rows included."""
+def test_fused_and_auto_take_it_on_cuda(fused):
+    """``router="fused"`` and ``"auto"`` on CUDA take ERNIE's config (the device check is ``fused_router``'s only CUDA
+    condition, Triton imports here); an ERNIE ``MoE`` on the fused router (interpreted) routes as the fused router and
+    ``route`` do, the clamped rows included."""
     module = fused[0]
     cfg = _ernie()
     assert module.computes(cfg) and module.fused_router(cfg, "cuda", "fused") is not None
-    assert not module.supports(cfg) and module.fused_router(cfg, "cuda", "auto") is None
-    assert module.supports(cfg.replace(renorm_clamp=0.0))
+    assert module.fused_router(cfg, "cuda", "auto") is not None
     layer = MoE(cfg, router="fused").eval()
     assert layer._fused_router is not None
     logits, bias = _rows(0)

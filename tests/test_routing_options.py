@@ -309,8 +309,8 @@ def test_every_fused_path_falls_back_to_route(changes, monkeypatch):
     cfg = BASE.replace(**changes)
     name = next(iter(changes))
     assert cfg.changed_router_options() == {name: changes[name]} and not fused.computes(cfg)
-    assert not fused.supports(cfg) and fused.fused_router(cfg, torch.device("cuda")) is None
-    assert fused.supports(BASE) and fused.fused_router(BASE, torch.device("cuda")) is not None
+    assert fused.fused_router(cfg, torch.device("cuda")) is None
+    assert fused.computes(BASE) and fused.fused_router(BASE, torch.device("cuda")) is not None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match=f"the router options it computes; got .*{name}"):
         MoE(cfg, router="fused")
@@ -321,8 +321,8 @@ def test_every_fused_path_falls_back_to_route(changes, monkeypatch):
 @pytest.mark.parametrize("changes", COMPUTED, ids=_option_id)
 def test_options_the_fused_router_computes(changes, monkeypatch):
     """An option the fused kernel computes (``tests/test_routing_fused_options.py``): "fused" takes it, and so does
-    "auto" on CUDA (``fused.supports``): the one gate + router launch and the decode fast path with it."""
+    "auto" on CUDA: the one gate + router launch and the decode fast path with it."""
     cfg = BASE.replace(**changes)
-    assert fused.computes(cfg) and fused.supports(cfg) and fused.fused_router(cfg, torch.device("cuda")) is not None
+    assert fused.computes(cfg) and fused.fused_router(cfg, torch.device("cuda")) is not None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert fused.fused_router(cfg, "cpu", "fused") is not None

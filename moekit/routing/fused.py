@@ -39,7 +39,7 @@ from moekit.func_ops import transforming
 from moekit.routing import gate
 from moekit.triton_bind import COMPILE_OPTIONS, BoundLaunch, interpreting, next_pow2, triton_runs_on
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
-from moekit.routing.router_math import RouterMath, checked_options, computed_options
+from moekit.routing.router_math import RouterMath, computed_options
 from moekit.routing.shared import append_shared_slots
 
 RouterChoice = Literal["auto", "torch", "fused"]
@@ -59,15 +59,11 @@ MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound (~1 KB each);
 
 def computes(config: MoEConfig) -> bool:
     """Whether the kernel computes ``config`` (MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS; the router options of
-    ``router_math.COMPUTED``, the others route with ``route``): what ``router="fused"`` takes."""
+    ``router_math.COMPUTED``, the others route with ``route``): what ``router="fused"`` takes, and ``"auto"`` on CUDA
+    (every computed option checked on a GPU: session 34's by ``benchmarks/rfast34_device_check.py``, ERNIE-4.5's
+    renorm_clamp by ``ern49_device_check.py`` in session 50)."""
     return (config.num_experts <= MAX_EXPERTS and config.top_k + config.num_shared_slots <= MAX_TOP_K
             and config.n_group <= MAX_GROUPS and computed_options(config))
-
-
-def supports(config: MoEConfig) -> bool:
-    """Whether ``router="auto"`` takes the fused router on CUDA: wherever it ``computes`` the config and no option is
-    ``router_math.UNCHECKED`` (session 34's options: their GPU check ``benchmarks/rfast34_device_check.py``)."""
-    return computes(config) and checked_options(config)
 
 
 @dataclass(frozen=True, eq=False)
@@ -385,7 +381,7 @@ def route_fused(router_logits: torch.Tensor, config: MoEConfig, correction_bias:
 
 def fused_router(config: MoEConfig, device: torch.device | str, choice: RouterChoice = "auto") -> FusedRouter | None:
     """The fused router to use on ``device``, or None for ``route``. ``"auto"``: fused on CUDA where
-    Triton imports and ``supports(config)``; ``"fused"``: always (raises where it cannot run);
+    Triton imports and ``computes(config)``; ``"fused"``: always (raises where it cannot run);
     ``"torch"``: never."""
     if choice not in ("auto", "torch", "fused"):
         raise ValueError(f"router must be 'auto', 'torch' or 'fused', got {choice!r}")
@@ -395,5 +391,5 @@ def fused_router(config: MoEConfig, device: torch.device | str, choice: RouterCh
         if not triton_runs_on(device):
             raise RuntimeError(f"the fused router needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {device}")
         return _router_of(config)
-    usable = torch.device(device).type == "cuda" and triton_runs_on(device) and supports(config)
+    usable = torch.device(device).type == "cuda" and triton_runs_on(device) and computes(config)
     return _router_of(config) if usable else None

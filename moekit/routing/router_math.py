@@ -21,23 +21,12 @@ COMPUTED = {"router_logit_softcap": None, "correction_bias_on": ("scores", "logi
             "group_score": ("auto", "max", "top2_sum"), "dropped_group_fill": ("-inf", "zero"),
             "shared_expert_combine": ("sum", "average"), "renorm_clamp": None}  # None: every value
 
-# Options the kernels compute that no GPU has checked yet: router="fused" takes them, "auto" on CUDA routes them with
-# ``route`` (``fused.supports``). ERNIE-4.5's renorm_clamp (session 49, ern49: no device time was left); to check it:
-# PYTHONPATH=$PWD timeout 80 python3 benchmarks/ern49_device_check.py --out $OUT/ern49 --deadline 60
-UNCHECKED = ("renorm_clamp",)
-
-
 def computed_options(config: MoEConfig) -> bool:
     """True when every changed router option of ``config`` is one the kernels compute (every scoring is: softmax,
     sigmoid and DeepSeek-V4's sqrtsoftplus)."""
     return all(
         name in COMPUTED and (COMPUTED[name] is None or value in COMPUTED[name])
         for name, value in config.changed_router_options().items())
-
-
-def checked_options(config: MoEConfig) -> bool:
-    """False where a changed router option is ``UNCHECKED`` (``fused.supports``: "auto" then routes with ``route``)."""
-    return not any(name in UNCHECKED for name in config.changed_router_options())
 
 
 @dataclass(frozen=True)
