@@ -59,10 +59,13 @@ def _read_qwen3_moe(d: dict) -> dict:
 
 
 def _read_qwen2_moe(d: dict) -> dict:
-    """Qwen2-MoE, Qwen3-Next, Qwen4-Exp, Qwen3.5-MoE (always renormalised): a shared expert scaled by
-    sigmoid(x @ g)."""
+    """Qwen2-MoE, Qwen3-Next, Qwen4-Exp, Qwen3.5-MoE (always renormalised), Qwen3-Omni's talker: a shared expert scaled
+    by sigmoid(x @ g). The talker's decoder layer builds its MoE block in every layer (it overwrites the choice by
+    mlp_only_layers / decoder_sparse_step), and its config class lacks the shared width its checkpoints carry."""
     shared, always = _get(d, "shared_expert_intermediate_size", default=0), d["model_type"] == "qwen3_5_moe_text"
     fields = dict(_read_qwen3_moe(d), shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+    if d["model_type"] == "qwen3_omni_moe_talker_text":
+        fields["num_moe_layers"] = count_moe_layers(d, lambda i: True, "num_hidden_layers")  # the rule above undone
     return dict(fields, renormalize=always or fields["renormalize"])
 
 
@@ -346,7 +349,7 @@ def _read_inkling(d: dict) -> dict:
 HF_READERS = {
     "mixtral": _read_mixtral,
     "qwen2_moe": _read_qwen2_moe, "qwen3_next": _read_qwen2_moe, "qwen4_exp_text": _read_qwen2_moe,
-    "qwen3_5_moe_text": _read_qwen2_moe,
+    "qwen3_5_moe_text": _read_qwen2_moe, "qwen3_omni_moe_talker_text": _read_qwen2_moe,
     "qwen3_moe": _read_qwen3_moe, "qwen3_omni_moe_text": _read_qwen3_moe, "qwen3_vl_moe_text": _read_qwen3_moe,
     "mellum": _read_qwen3_moe,
     **{name: _read_deepseek for name in sorted(_V2_ROUTER)},
