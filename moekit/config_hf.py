@@ -277,6 +277,16 @@ def _read_ernie_vl(d: dict) -> dict:
     return dict(_read_ernie(text), router_dtype="float32", num_moe_layers=count_moe_layers(d, lambda i: True))
 
 
+def _read_dots3_vision(d: dict) -> dict:
+    """Dots-3-Note's vision tower, a pyramid of MoE layers (each sparse layer's ``per_layer_config`` gives its own
+    num_local_experts, which its experts' config carries): sigmoid, the block's correction bias for the choice, w /
+    (sum(w) + 1e-20) always, times router_scaling_factor; no groups, no shared expert."""
+    return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
+                num_experts=d["num_local_experts"], top_k=d["num_experts_per_tok"], scoring="sigmoid", renormalize=True,
+                renorm_eps=HF_RENORM_EPS, routed_scaling_factor=float(_get(d, "router_scaling_factor", default=1.0)),
+                use_correction_bias=True, num_moe_layers=count_moe_layers(d, lambda i: True))
+
+
 def _read_kimi_linear(d: dict) -> dict:
     """Kimi-Linear and Bailing-Hybrid (Ling): DeepSeek-V3's router (grouped sigmoid, correction bias, routed
     scaling) under their own field names, and shared experts."""
@@ -364,6 +374,7 @@ HF_READERS = {
     **{name: _read_sigmoid_topk for name in ("step3p5", "hy_v3", "laguna", "afmoe", "lfm2_moe", "flint")},
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
     "ernie4_5_moe": _read_ernie, "ernie4_5_vl_moe_text": _read_ernie_vl,
+    "dots3_note_vision_encoder": _read_dots3_vision,
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
     "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
     "deepseek_v4": read_deepseek_v4,  # top-k layers; hash layers by from_hf_config(cfg, layer=i) (config_hf_v4.py)

@@ -1,6 +1,7 @@
 """Qwen3-Omni-MoE's talker (``qwen3_omni_moe_talker_text``), the MoE model beside the thinker: its blocks are
-Qwen2-MoE's (softmax top-k, renormalised when norm_topk_prob, a shared expert scaled by sigmoid(x @ g)), and its decoder
-layer builds one in every layer, whatever mlp_only_layers / decoder_sparse_step say (it overwrites the thinker's choice).
+Qwen2-MoE's (softmax top-k, renormalised when norm_topk_prob, a shared expert scaled by sigmoid(x @ g)), and its
+decoder layer builds one in every layer, whatever mlp_only_layers / decoder_sparse_step say (it overwrites the
+thinker's choice).
 Its config class does not declare the shared width its block reads; the checkpoints' config.json carries it. The whole
 talker model, built offline with random weights, swapped and held to its own forward in float32 and float64."""
 
