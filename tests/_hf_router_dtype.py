@@ -81,8 +81,9 @@ def eager_choice(block, x: torch.Tensor) -> Choice:
         values = list(args) + [kwargs[n] for n in ("top_k_index", "top_k_weights") if n in kwargs]
         seen["ids"], seen["weights"] = values[1], values[2]
 
-    def logits(module, args, out):
+    def logits(module, args, out):  # the router's own ids where it returns them (LongCat remaps its identity slots)
         seen["logits"] = out[0] if isinstance(out, tuple) else out
+        seen["router_ids"] = next((t for t in out if not t.is_floating_point()), None) if isinstance(out, tuple) else None
 
     handles = [block.experts.register_forward_pre_hook(ids, with_kwargs=True),
                _router(block).register_forward_hook(logits)]
@@ -93,7 +94,8 @@ def eager_choice(block, x: torch.Tensor) -> Choice:
         for h in handles:
             h.remove()
     out = (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
-    return Choice(seen["ids"].sort(1).values, seen["weights"].dtype, seen["logits"].dtype, out)
+    ids = seen["ids"] if seen["router_ids"] is None else seen["router_ids"]
+    return Choice(ids.sort(1).values, seen["weights"].dtype, seen["logits"].dtype, out)
 
 
 def moekit_choice(block, x: torch.Tensor, k: int) -> Choice:
