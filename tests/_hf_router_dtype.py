@@ -83,7 +83,8 @@ def eager_choice(block, x: torch.Tensor) -> Choice:
 
     def logits(module, args, out):  # the router's own ids where it returns them (LongCat remaps its identity slots)
         seen["logits"] = out[0] if isinstance(out, tuple) else out
-        seen["router_ids"] = next((t for t in out if not t.is_floating_point()), None) if isinstance(out, tuple) else None
+        outs = out if isinstance(out, tuple) else ()
+        seen["router_ids"] = next((t for t in outs if not t.is_floating_point()), None)
 
     handles = [block.experts.register_forward_pre_hook(ids, with_kwargs=True),
                _router(block).register_forward_hook(logits)]
