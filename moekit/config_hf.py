@@ -10,49 +10,12 @@ LongCat's identity experts, Llama-4's input-weighted experts, Phi-MoE's sparsemi
 
 from __future__ import annotations
 
-from typing import Any
-
 from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_activation
 from moekit.config_hf_clamps import MoELayerRule, count_moe_layers, ernie_moe_layers
+from moekit.config_hf_fields import Fields, MissingConfigField  # noqa: F401  (re-exported: config.py)
+from moekit.config_hf_fields import get_field as _get
 from moekit.config_hf_refused import REFUSED  # noqa: F401  (re-exported: config.py, the tests)
 from moekit.config_hf_v4 import HF_RENORM_EPS, read_deepseek_v4
-
-
-class MissingConfigField(KeyError):
-    """A config lacks a field the layer's reader needs. ``fields`` are the accepted spellings."""
-
-    def __init__(self, fields: tuple[str, ...], model_type: Any):
-        super().__init__(fields[0])
-        self.fields, self.model_type = fields, model_type
-
-    def __str__(self) -> str:
-        return self.message()
-
-    def message(self, source: str = "config") -> str:
-        """The sentence, with ``source`` saying which config (``config.json at PATH``)."""
-        others = "".join(f" (or {name!r})" for name in self.fields[1:])
-        return f"{source} has no {self.fields[0]!r}{others}: a {self.model_type} MoE layer needs it"
-
-
-class Fields(dict):
-    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError; a reader that
-    counts the MoE layers by a rule of its fields leaves it here (``count_moe_layers``), for ``layer=``'s check."""
-
-    moe_layer_rule: MoELayerRule | None = None
-
-    def __missing__(self, name: str) -> Any:
-        raise MissingConfigField((name,), self.get("model_type"))
-
-
-def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
-    """The first of ``names`` present (and not None) in d: config.json and transformers' own
-    ``to_dict()`` spell some fields differently (Qwen3's num_experts vs num_local_experts)."""
-    for name in names:
-        if d.get(name) is not None:
-            return d[name]
-    if default is KeyError:
-        raise MissingConfigField(names, d.get("model_type"))
-    return default
 
 
 def _oss_spec(d: dict, interleaved: bool) -> ActivationSpec:
@@ -96,10 +59,13 @@ def _read_qwen3_moe(d: dict) -> dict:
 
 
 def _read_qwen2_moe(d: dict) -> dict:
-    """Qwen2-MoE, Qwen3-Next, Qwen4-Exp, Qwen3.5-MoE (always renormalised): a shared expert scaled by
-    sigmoid(x @ g)."""
+    """Qwen2-MoE, Qwen3-Next, Qwen4-Exp, Qwen3.5-MoE (always renormalised), Qwen3-Omni's talker: a shared expert scaled
+    by sigmoid(x @ g). The talker's decoder layer builds its MoE block in every layer (it overwrites the choice by
+    mlp_only_layers / decoder_sparse_step), and its config class lacks the shared width its checkpoints carry."""
     shared, always = _get(d, "shared_expert_intermediate_size", default=0), d["model_type"] == "qwen3_5_moe_text"
     fields = dict(_read_qwen3_moe(d), shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+    if d["model_type"] == "qwen3_omni_moe_talker_text":
+        fields["num_moe_layers"] = count_moe_layers(d, lambda i: True, "num_hidden_layers")  # the rule above undone
     return dict(fields, renormalize=always or fields["renormalize"])
 
 
@@ -188,9 +154,10 @@ def _read_mistral4(d: dict) -> dict:
 def _read_kolibri(d: dict) -> dict:
     """Kolibri-1 / 1.1: sigmoid, the correction bias added to the raw logits for the choice, the chosen logits'
     sigmoids renormalised when norm_topk_prob, an ungated shared expert (Kolibri-1.1's mlp_only_layers dense;
-    its post-MLP norm sits on the decoder layer, after the block)."""
+    its post-MLP norm sits on the decoder layer, after the block); its gate GEMM in float32 (x and the weight cast)."""
     return dict(_read_qwen3_moe(d), scoring="sigmoid", use_correction_bias=True, correction_bias_on="logits",
-                shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", default=0))
+                shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", default=0),
+                router_dtype="float32")
 
 
 def _read_gpt_oss(d: dict) -> dict:
@@ -198,8 +165,9 @@ def _read_gpt_oss(d: dict) -> dict:
     then renormalised over the k: exp(l_i) / sum_{j in top-k} exp(l_j) either way, and the top-k of the
     logits is the top-k of their softmax (a monotone map). The privacy filter: the same, its weights divided
     by k in the router and its output multiplied by k in the block, and the clamped SwiGLU on halves."""
-    interleaved = d["model_type"] == "gpt_oss"
-    return dict(_read_mixtral(d), router_bias=True, expert_bias=True, activation=_oss_spec(d, interleaved))
+    interleaved = d["model_type"] == "gpt_oss"  # the privacy filter's gate GEMM in float32 (x and the weight cast)
+    return dict(_read_mixtral(d), router_bias=True, expert_bias=True, activation=_oss_spec(d, interleaved),
+                router_dtype=None if interleaved else "float32")
 
 
 _RENORMALISED = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "minimax", "hunyuan_v1_moe")
@@ -264,13 +232,14 @@ def _read_sigmoid_topk(d: dict) -> dict:
 
 
 def _read_softmax_shared(d: dict) -> dict:
-    """Softmax top-k with an ungated shared expert: Lara-Mini (fp32 logits, renormalised when norm_topk_prob),
+    """Softmax top-k with an ungated shared expert: Lara-Mini (fp32 GEMM, renormalised when norm_topk_prob),
     Aria (top-k of the logits, softmax over the k: renormalised), Cohere2-MoE (softmax over the top-k logits,
     or their sigmoids renormalised when norm_topk_prob; its shared expert summed, or averaged with the routed
     output: shared_expert_combination_strategy)."""
     kind = d["model_type"]
     if kind == "lara_mini":
-        return dict(_read_qwen3_moe(d), shared_expert_intermediate_size=d["shared_expert_intermediate_size"])
+        return dict(_read_qwen3_moe(d), shared_expert_intermediate_size=d["shared_expert_intermediate_size"],
+                    router_dtype="float32")
     width, shared = d["intermediate_size"], _get(d, "moe_num_shared_experts", "num_shared_experts", default=0)
     fields = dict(hidden_size=d["hidden_size"], moe_intermediate_size=width,
                   num_experts=_get(d, "moe_num_experts", "num_experts"),
@@ -308,6 +277,16 @@ def _read_ernie_vl(d: dict) -> dict:
     return dict(_read_ernie(text), router_dtype="float32", num_moe_layers=count_moe_layers(d, lambda i: True))
 
 
+def _read_dots3_vision(d: dict) -> dict:
+    """Dots-3-Note's vision tower, a pyramid of MoE layers (each sparse layer's ``per_layer_config`` gives its own
+    num_local_experts, which its experts' config carries): sigmoid, the block's correction bias for the choice, w /
+    (sum(w) + 1e-20) always, times router_scaling_factor; no groups, no shared expert."""
+    return dict(hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
+                num_experts=d["num_local_experts"], top_k=d["num_experts_per_tok"], scoring="sigmoid", renormalize=True,
+                renorm_eps=HF_RENORM_EPS, routed_scaling_factor=float(_get(d, "router_scaling_factor", default=1.0)),
+                use_correction_bias=True, num_moe_layers=count_moe_layers(d, lambda i: True))
+
+
 def _read_kimi_linear(d: dict) -> dict:
     """Kimi-Linear and Bailing-Hybrid (Ling): DeepSeek-V3's router (grouped sigmoid, correction bias, routed
     scaling) under their own field names, and shared experts."""
@@ -340,14 +319,15 @@ def _read_llama4(d: dict) -> dict:
 def _read_longcat(d: dict) -> dict:
     """LongCat-Flash: softmax over the E routed and Z zero-computation experts, a correction bias for the choice
     (its router always has one), no renormalisation, routed scaling (identity slots too); its router reads the
-    classifier's weight alone (a router_bias=True config's bias is never added); its num_layers decoder layers
-    hold one MoE block each."""
+    classifier's weight alone (a router_bias=True config's bias is never added), x and it cast to float32; its
+    num_layers decoder layers hold one MoE block each."""
     return dict(hidden_size=d["hidden_size"], moe_intermediate_size=_get(d, "expert_ffn_hidden_size",
                                                                          "moe_intermediate_size"),
                 num_experts=_get(d, "n_routed_experts", "num_local_experts"),
                 top_k=_get(d, "moe_topk", "num_experts_per_tok"), scoring="softmax", renormalize=False,
                 routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)), use_correction_bias=True,
-                num_identity_experts=_get(d, "zero_expert_num", default=0), num_moe_layers=d.get("num_layers"))
+                num_identity_experts=_get(d, "zero_expert_num", default=0), num_moe_layers=d.get("num_layers"),
+                router_dtype="float32")
 
 
 def _read_phimoe(d: dict) -> dict:
@@ -379,7 +359,7 @@ def _read_inkling(d: dict) -> dict:
 HF_READERS = {
     "mixtral": _read_mixtral,
     "qwen2_moe": _read_qwen2_moe, "qwen3_next": _read_qwen2_moe, "qwen4_exp_text": _read_qwen2_moe,
-    "qwen3_5_moe_text": _read_qwen2_moe,
+    "qwen3_5_moe_text": _read_qwen2_moe, "qwen3_omni_moe_talker_text": _read_qwen2_moe,
     "qwen3_moe": _read_qwen3_moe, "qwen3_omni_moe_text": _read_qwen3_moe, "qwen3_vl_moe_text": _read_qwen3_moe,
     "mellum": _read_qwen3_moe,
     **{name: _read_deepseek for name in sorted(_V2_ROUTER)},
@@ -394,6 +374,7 @@ HF_READERS = {
     **{name: _read_sigmoid_topk for name in ("step3p5", "hy_v3", "laguna", "afmoe", "lfm2_moe", "flint")},
     **{name: _read_softmax_shared for name in ("lara_mini", "aria_text", "cohere2_moe")},
     "ernie4_5_moe": _read_ernie, "ernie4_5_vl_moe_text": _read_ernie_vl,
+    "dots3_note_vision_encoder": _read_dots3_vision,
     "kolibri1": _read_kolibri, "kolibri1_1": _read_kolibri, "longcat_flash": _read_longcat,
     "llama4_text": _read_llama4, "phimoe": _read_phimoe, "inkling_text": _read_inkling,
     "deepseek_v4": read_deepseek_v4,  # top-k layers; hash layers by from_hf_config(cfg, layer=i) (config_hf_v4.py)

@@ -45,7 +45,8 @@ UNFUZZABLE = {
     "qwen3_omni_moe:Qwen3OmniMoeTalkerTextExperts": (
         "the talker's model has no token embedding (its codec_embedding is the caller's: it runs on the thinker's "
         "hidden states as inputs_embeds) and its MoE block reads a shared width its config class does not declare; "
-        "its experts class is tested at the experts level (test_hf_families.py)"),
+        "its experts class is tested at the experts level (test_hf_families.py), its whole model swapped by "
+        "test_hf_omni_talker.py"),
 }
 
 

@@ -39,6 +39,7 @@ LEVELS = {
     "config_hf": 0,  # from_hf_config's readers (design.md's config.py row), imported by config only
     "config_hf_clamps": 0,  # a layer's per-layer SwiGLU clamps, imported by config and moekit.hf
     "config_hf_v4": 0,  # DeepSeek-V4's reader, split from config_hf (its size limit); imported by config_hf and hf
+    "config_hf_fields": 0,  # the readers' config dict and its missing-field error, split from config_hf (size limit)
     "config_hf_refused": 0,  # the families from_hf_config refuses and why, split from config_hf (its size limit)
     "analysis": 3,  # imported by bench and sim; itself imports only ANALYSIS_MAY_IMPORT
 }
