@@ -116,3 +116,40 @@ def test_commands_are_the_cli_modules_and_a_full_build_lists_them_all():
     full, bare = build_parser().format_help(), build_parser([]).format_help()
     assert full == bare
     assert all(name in bare and summary in " ".join(bare.split()) for name, summary in COMMANDS.items())
+
+
+WITHOUT_A_LAYER = """
+import contextlib, io, json, sys
+from moekit.cli import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+        code = main({argv!r})
+    except SystemExit as done:
+        code = done.code
+loaded = [m for m in ("torch", "numpy") if m in sys.modules]
+import moekit
+from moekit import *
+names = {{name: [globals()[name].__module__, getattr(moekit, name).__name__] for name in moekit.__all__}}
+print(json.dumps({{"code": code, "out": out.getvalue(), "err": err.getvalue(), "loaded": loaded, "names": names,
+                  "submodule": moekit.routing.__name__}}))
+"""
+
+
+@pytest.mark.parametrize("argv, code, says", [
+    (["--help"], 0, "usage: moekit [-h] [--version] COMMAND ..."), (["--version"], 0, "moekit "),
+    ([], 2, "the following arguments are required: COMMAND"), (["nope"], 2, "invalid choice: 'nope'")])
+def test_the_top_level_help_version_and_usage_errors_start_without_torch(argv, code, says):
+    """What needs no layer (the list of commands, the version, a missing or misspelt command) answers before torch
+    is imported; the layer's names are then imported on first use, each the one its own module defines."""
+    found = _python(WITHOUT_A_LAYER.format(argv=argv))
+    assert found["loaded"] == []
+    assert found["code"] == code and says in found["out"] + found["err"]
+    homes = {"MoE": "moekit.layer", "MoEOutput": "moekit.routing.routed", "MoEStats": "moekit.routing.routed",
+             "RoutedTokens": "moekit.routing.routed", "HashMoE": "moekit.layer_hash", "MoEConfig": "moekit.config",
+             "Routing": "moekit.routing.route", "route": "moekit.routing.route",
+             "append_shared_slots": "moekit.routing.shared", "preset_names": "moekit.presets",
+             "hf_config_of_preset": "moekit.presets"}
+    assert {name: module for name, (module, _) in found["names"].items()} == homes
+    assert all(name == own for name, (_, own) in found["names"].items())
+    assert found["submodule"] == "moekit.routing"
