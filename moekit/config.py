@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from moekit._checks import check_bool, check_choice, check_int, check_positive_finite
+from moekit._checks import check_bool, check_choice, check_int, check_positive_finite, check_renorm
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
 from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps
@@ -110,13 +110,7 @@ class MoEConfig:
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "router_bias", "expert_bias"):
             check_bool(name, getattr(self, name))
         check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
-        for name in ("renorm_eps", "renorm_clamp"):
-            eps = getattr(self, name)
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0 (0: the exact w / sum(w)), got {eps!r}")
-        if self.renorm_eps and self.renorm_clamp:  # one family's formula or the other
-            raise ValueError(f"renorm_eps and renorm_clamp exclude each other, got {self.renorm_eps!r}, "
-                             f"{self.renorm_clamp!r}")
+        check_renorm(self.renorm_eps, self.renorm_clamp, self.renormalize)
         if self.top_k > self.choice_width:
             what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
             raise ValueError(f"top_k must be <= {what} ({self.choice_width}), got {self.top_k}")
