@@ -41,6 +41,7 @@ from moekit.experts.auto_train import running_backend
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.func_ops import transforming
 from moekit.layer_fast import DecodeFast
+from moekit.layer_repr import layer_line
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
@@ -152,6 +153,9 @@ class MoE(nn.Module):
     def router(self) -> str:
         """The router asked for ("auto", "torch" or "fused"); ``_fused_router`` is the one resolved."""
         return self._router
+
+    def resolved_router(self) -> str:  # what "auto" resolved to on the weights' device
+        return "torch" if self._fused_router is None else "fused"
 
     @router.setter
     def router(self, choice: RouterChoice) -> None:
@@ -386,12 +390,8 @@ class MoE(nn.Module):
     def resolved_backend(self) -> str:  # the backend that runs on the weights' device: "auto" resolved
         return resolve_backend(self.backend, self.w13.device)
 
-    def extra_repr(self) -> str:  # what a user checks: shapes, the experts' dtype and scheme, what "auto" runs
-        c, auto = self.config, f" ({self.resolved_backend()})" if self.backend == "auto" else ""
-        return (f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
-                f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
-                f"dtype={str(self.w13.dtype)[6:]}, quant={self.quant_scheme}, backend={self.backend}{auto}, "
-                f"router={self.router}, capacity_factor={self.capacity_factor}")
+    def extra_repr(self) -> str:  # what a user checks: shapes, routing, the experts' dtype and scheme, what "auto" runs
+        return layer_line(self)
 
 
 def _param(module: nn.Module, name: str):
