@@ -8,10 +8,10 @@ PASS / FAIL first:
            imported (``moekit/__init__.py``'s names imported on first use), and ``moekit.MoE`` then imports
   router   what ``print(moe)`` says ``router="auto"`` resolved to on CUDA (``resolved_router()``) against what the
            forward launched (a kernel whose name has "route" in torch.profiler's CUDA events: the fused router, the
-           one gate + route launch or the hash router's launch), for four bf16 layers: a plain softmax top-2, DeepSeek-V3's
-           rule (sigmoid, groups, correction bias, x2.5, eps 1e-20), ERNIE-4.5's clamp (auto keeps ``route`` for
-           it on CUDA) and a V4 hash layer; each out against its torch twin (the same weights, ``router="torch"``),
-           rel-L2 < 2e-2 (bf16 weights; the twin's routing can differ only at a tie)
+           one gate + route launch or the hash router's launch), for four bf16 layers: a plain softmax top-2,
+           DeepSeek-V3's rule (sigmoid, groups, correction bias, x2.5, eps 1e-20), ERNIE-4.5's clamp (auto keeps
+           ``route`` for it on CUDA) and a V4 hash layer; each out against its torch twin (the same weights,
+           ``router="torch"``), rel-L2 < 2e-2 (bf16 weights; the twin's routing can differ only at a tie)
 Then the walls (and CPU seconds) of fresh interpreters, median of interleaved rounds (``import_walls.measure``, killed
 at the deadline): ``import torch`` (the floor the help paid before this branch), ``moekit --help``, ``--version``, a
 misspelt command and ``moekit analyze --help`` (still torch: its parser reads the library's tables). The table is
