@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -329,7 +330,10 @@ class MoEConfig:
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
         if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
-            raise TypeError(f"cfg must be a transformers config or a dict of its fields, got {type(cfg).__name__}")
+            path = " (a path?): read it first, MoEConfig.from_hf_config(json.load(open(path)))" * isinstance(
+                cfg, (str, os.PathLike))  # what `moekit analyze --config` does with one
+            raise TypeError(f"cfg must be a transformers config or a dict of its fields, got {type(cfg).__name__}"
+                            f"{path}")
         # a VL / omni model's top-level config: its MoE layer is the text model's
         d = Fields(hf_layer_fields(cfg if isinstance(cfg, dict) else cfg.to_dict()))
         model_type = d.get("model_type")
