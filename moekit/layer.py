@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from moekit._checks import input_error
+from moekit.balance import correction_bias_kept
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
@@ -167,7 +168,8 @@ class MoE(nn.Module):
         self._gate_mm = linear_into if self._fused_router is not None else None  # above the kernel's rows
 
     def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
+        with correction_bias_kept(self):  # float32 whatever the weights' dtype: moved, never cast
+            module = super()._apply(fn, recurse)
         move_quantized_(self, fn)  # quantized w13/w2 are not Parameters: moved here, never cast
         self._weights_changed()
         return module
@@ -201,11 +203,10 @@ class MoE(nn.Module):
 
     def reset_parameters(self) -> None:
         """Random init: N(0, 1/fan_in) for every matrix, so outputs stay O(1) at any width."""
-        for p in (self.gate.weight, self.w13, self.w2, self.shared_w13, self.shared_w2):
+        gate = None if self.shared_gate is None else self.shared_gate.weight  # [1, K]
+        for p in (self.gate.weight, self.w13, self.w2, self.shared_w13, self.shared_w2, gate):
             if p is not None:
                 nn.init.normal_(p, std=p.shape[-1] ** -0.5)
-        if self.shared_gate is not None:
-            nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
     def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
         """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to ``gate_route.ROWS``
@@ -283,8 +284,7 @@ class MoE(nn.Module):
         out = self._decode(self, x) if not extra and self.eager_graphs is None else None  # a repeated decode
         if out is not None:  # a plain 2-D x: straight to its launches (moekit.layer_fast: implies the checks below)
             return out
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or x.shape[-1] != \
-                self.config.hidden_size:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.shape[-1:] != (self.config.hidden_size,):
             raise input_error("x", x, self.config.hidden_size)
         flat = x.dim() == 2  # the common case: no reshape either way (each one ~1-2 µs of host time)
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
