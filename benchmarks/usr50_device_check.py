@@ -12,6 +12,9 @@ PASS / FAIL first:
            DeepSeek-V3's rule (sigmoid, groups, correction bias, x2.5, eps 1e-20), ERNIE-4.5's clamp (auto keeps
            ``route`` for it on CUDA) and a V4 hash layer; each out against its torch twin (the same weights,
            ``router="torch"``), rel-L2 < 2e-2 (bf16 weights; the twin's routing can differ only at a tie)
+  cast     ``MoE(cfg).to(device, torch.bfloat16)`` of a DeepSeek-V3-rule layer built in float32 on the CPU: the
+           correction bias stays float32 with its bits, and ids and out equal (bit for bit) those of the same weights
+           built as ``MoE(cfg, dtype=torch.bfloat16, device=device)`` (the fused router on CUDA reads the bias)
 Then the walls (and CPU seconds) of fresh interpreters, median of interleaved rounds (``import_walls.measure``, killed
 at the deadline): ``import torch`` (the floor the help paid before this branch), ``moekit --help``, ``--version``, a
 misspelt command and ``moekit analyze --help`` (still torch: its parser reads the library's tables). The table is
@@ -117,6 +120,26 @@ def check_router(device: str, stop_at: float) -> dict:
     return {"pass": ok, **found}
 
 
+def check_cast(device: str) -> dict:
+    from moekit import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(**BASE, **LAYERS["deepseek-v3 rule"])
+    built = MoE(cfg)
+    with torch.no_grad():
+        built.e_score_correction_bias.copy_(torch.randn(BASE["num_experts"]) * 0.5 + 3.0)  # near a common offset
+    bias = built.e_score_correction_bias.clone()
+    twin = MoE(cfg, dtype=torch.bfloat16, device=device)
+    twin.load_state_dict(built.state_dict())
+    cast = built.to(device, torch.bfloat16)
+    x = torch.randn(64, BASE["hidden_size"], device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got, want = cast(x, return_stats=True), twin(x, return_stats=True)
+    kept = cast.e_score_correction_bias.dtype == torch.float32 and torch.equal(cast.e_score_correction_bias.cpu(), bias)
+    same = torch.equal(got.stats.counts, want.stats.counts) and torch.equal(got.out, want.out)
+    return {"pass": kept and same, "bias_kept": kept, "counts_and_out_equal": same, "router": cast.resolved_router()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("usr50_out"))
@@ -130,7 +153,8 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
-    for name, check in (("help", lambda: check_help(stop_at)), ("router", lambda: check_router(device, stop_at))):
+    for name, check in (("help", lambda: check_help(stop_at)), ("router", lambda: check_router(device, stop_at)),
+                        ("cast", lambda: check_cast(device))):
         found = results[name] = check()
         print(f"{'PASS' if found['pass'] else 'FAIL'} {name}: "
               f"{ {k: v for k, v in found.items() if k not in ('pass', 'tail')} }", flush=True)
