@@ -118,38 +118,35 @@ def test_commands_are_the_cli_modules_and_a_full_build_lists_them_all():
     assert all(name in bare and summary in " ".join(bare.split()) for name, summary in COMMANDS.items())
 
 
-WITHOUT_A_LAYER = """
-import contextlib, io, json, sys
-from moekit.cli import main
-out, err = io.StringIO(), io.StringIO()
-with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    try:
-        code = main({argv!r})
-    except SystemExit as done:
-        code = done.code
-loaded = [m for m in ("torch", "numpy") if m in sys.modules]
-import moekit
-from moekit import *
-names = {{name: [globals()[name].__module__, getattr(moekit, name).__name__] for name in moekit.__all__}}
-print(json.dumps({{"code": code, "out": out.getvalue(), "err": err.getvalue(), "loaded": loaded, "names": names,
-                  "submodule": moekit.routing.__name__}}))
+
+SAVED = """
+import json, sys, torch
+import moekit  # nothing else of moekit: what a process that loads a saved program imports
+program = torch.export.load(sys.argv[1])
+x, want = torch.load(sys.argv[2]), torch.load(sys.argv[3])
+print(json.dumps({"equal": torch.equal(program.module()(x), want)}))
 """
 
 
-@pytest.mark.parametrize("argv, code, says", [
-    (["--help"], 0, "usage: moekit [-h] [--version] COMMAND ..."), (["--version"], 0, "moekit "),
-    ([], 2, "the following arguments are required: COMMAND"), (["nope"], 2, "invalid choice: 'nope'")])
-def test_the_top_level_help_version_and_usage_errors_start_without_torch(argv, code, says):
-    """What needs no layer (the list of commands, the version, a missing or misspelt command) answers before torch
-    is imported; the layer's names are then imported on first use, each the one its own module defines."""
-    found = _python(WITHOUT_A_LAYER.format(argv=argv))
-    assert found["loaded"] == []
-    assert found["code"] == code and says in found["out"] + found["err"]
-    homes = {"MoE": "moekit.layer", "MoEOutput": "moekit.routing.routed", "MoEStats": "moekit.routing.routed",
-             "RoutedTokens": "moekit.routing.routed", "HashMoE": "moekit.layer_hash", "MoEConfig": "moekit.config",
-             "Routing": "moekit.routing.route", "route": "moekit.routing.route",
-             "append_shared_slots": "moekit.routing.shared", "preset_names": "moekit.presets",
-             "hf_config_of_preset": "moekit.presets"}
-    assert {name: module for name, (module, _) in found["names"].items()} == homes
-    assert all(name == own for name, (_, own) in found["names"].items())
-    assert found["submodule"] == "moekit.routing"
+def test_import_moekit_alone_registers_the_ops_a_saved_program_calls(tmp_path):
+    """``import moekit`` registers the layer's custom ops (``torch.ops.moekit.*``): a program exported with a layer
+    (``torch.export.save``) loads in a process that imported moekit and nothing of it beyond, and computes what the
+    layer did. Why ``moekit --help`` keeps importing torch: the names of ``moekit/__init__.py`` imported on first use
+    (PEP 562) made the help torch-free and broke this load ("failed to resolve torch.ops.moekit.group_gemm")."""
+    import torch
+
+    from moekit import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2))
+    x = torch.randn(4, 32)
+    program = torch.export.export(moe, (x,))
+    assert any("moekit" in str(n.target) for n in program.graph.nodes if n.op == "call_function")
+    torch.export.save(program, tmp_path / "moe.pt2")
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(moe(x).detach(), tmp_path / "y.pt")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", SAVED, *(str(tmp_path / f) for f in ("moe.pt2", "x.pt", "y.pt"))],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"equal": True}

@@ -29,7 +29,7 @@ LEVELS = {
     "cli": 5,
     "bench": 4, "sim": 4, "demo": 4, "train": 4,
     "offload": 3, "parallel": 3, "hf": 3,
-    "<root>": 2, "layer": 2,  # moekit/__init__.py re-exports the layer (imported on first use)
+    "<root>": 2, "layer": 2,  # ``import moekit`` runs moekit/__init__.py, which imports the layer
     "layer_fast": 2,  # the layer's decode fast path: reads the layer's state, imported by it only
     "layer_hash": 2,  # HashMoE, the layer routed by a token-id table: a subclass of the layer's MoE
     "layer_hash_fast": 2,  # HashMoE's decode fast path: imported by layer_hash only, built on layer_fast's parts
