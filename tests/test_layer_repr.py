@@ -44,3 +44,18 @@ def test_a_hash_layer_names_its_table_and_its_router():
     assert "scoring=sqrtsoftplus (renorm_eps=1e-20, hash_table_size=50)," in text
     assert "router=auto (torch)," in text  # on the CPU "auto" looks the table up in torch
     assert "router=torch, capacity_factor" in repr(HashMoE(cfg, router="torch", dtype=torch.float32))
+
+
+def test_an_expert_parallel_layer_names_the_routing_of_the_layer_it_shards():
+    import torch.distributed as dist
+
+    from moekit.parallel import EPMoE
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = MoEConfig(**BASE, scoring="sigmoid", n_group=4, topk_group=2, use_correction_bias=True)
+        text = repr(EPMoE.from_moe(MoE(cfg)))
+    finally:
+        dist.destroy_process_group()
+    assert "rank=0/1, E=8, local=8, k=2, K=32, N=16, scoring=sigmoid (n_group=4, topk_group=2, " \
+           "use_correction_bias=True), shared_slots=0" in text
