@@ -2,7 +2,8 @@
 
 A user who built or loaded a layer (``MoEConfig.from_hf_config``, a preset, ``torch.load``) checks there that it
 routes as the model does: every routing field off its default is named with its value after ``scoring``, and
-``router="auto"`` / ``backend="auto"`` say what they resolved to on the layer's device.
+``router="auto"`` / ``backend="auto"`` say what they resolved to on the layer's device. ``EPMoE``'s line takes the
+routing part (``routing_changes``).
 """
 
 from __future__ import annotations
