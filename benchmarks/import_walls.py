@@ -1,5 +1,6 @@
 """What starting moekit costs: the wall of ``import moekit``, ``import moekit.hf``, ``moekit --help``,
-``moekit analyze --help`` and a first eager forward, each a fresh interpreter, against ``import torch`` (the floor).
+``--version``, a misspelt command (its usage error), ``moekit analyze --help`` and a first eager forward, each a
+fresh interpreter, against ``import torch`` (the floor).
 
     PYTHONPATH=$PWD python3 benchmarks/import_walls.py [--runs 5] [--out DIR] [--tree PATH]
 
@@ -36,6 +37,8 @@ COMMANDS = {
     "import moekit": ["-c", "import moekit"],
     "import moekit.hf": ["-c", "import moekit.hf"],
     "moekit --help": ["-m", "moekit", "--help"],
+    "moekit --version": ["-m", "moekit", "--version"],
+    "moekit nope (usage error)": ["-m", "moekit", "nope"],
     "moekit analyze --help": ["-m", "moekit", "analyze", "--help"],
     "MoE forward (cpu)": ["-c", FORWARD],
 }
@@ -64,17 +67,20 @@ def _python(args: list[str], tree: Path, stop_at: float, **kwargs) -> subprocess
     if left <= 0:
         return None
     try:
-        return subprocess.run([sys.executable, *args], env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL,
-                              timeout=None if left == float("inf") else left, **kwargs)
-    except subprocess.TimeoutExpired:  # out of time: the caller stops measuring (a failing run still raises)
+        run = subprocess.run([sys.executable, *args], env=env, cwd=tree, stdout=subprocess.DEVNULL,
+                             timeout=None if left == float("inf") else left, **kwargs)
+    except subprocess.TimeoutExpired:  # out of time: the caller stops measuring
         return None
+    if run.returncode not in (0, 2):  # 2: a usage error, the answer one command is timed for; a failing run raises
+        raise subprocess.CalledProcessError(run.returncode, run.args, stderr=run.stderr)
+    return run
 
 
 def _run(args: list[str], tree: Path, stop_at: float) -> tuple[float, float] | None:
     """(wall s, user + sys CPU s) of one run; None when it would end past ``stop_at``."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    if _python(args, tree, stop_at) is None:
+    if _python(args, tree, stop_at, stderr=subprocess.DEVNULL) is None:  # a usage error's line: not the table's
         return None
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -20,6 +20,20 @@ def check_positive_finite(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be > 0 and finite (an int or float), got {value!r}")
 
 
+def check_renorm(renorm_eps: Any, renorm_clamp: Any, renormalize: bool) -> None:
+    """``MoEConfig``'s renormalisation: eps (w / (sum + eps)) or clamp (w / max(sum, c)), finite and >= 0, not both.
+    A clamp needs ``renormalize``: without it the weights are the scores, with no sum to clamp (an eps is left alone
+    there: the readers keep a family's eps, DeepSeek-V3's 1e-20, whether or not its checkpoint renormalises)."""
+    for name, value in (("renorm_eps", renorm_eps), ("renorm_clamp", renorm_clamp)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0 (0: the exact w / sum(w)), got {value!r}")
+    if renorm_eps and renorm_clamp:  # one family's formula or the other
+        raise ValueError(f"renorm_eps and renorm_clamp exclude each other, got {renorm_eps!r}, {renorm_clamp!r}")
+    if renorm_clamp and not renormalize:
+        raise ValueError(f"renorm_clamp clamps the renormalised weights' sum: it needs renormalize=True, got "
+                         f"renorm_clamp={renorm_clamp!r} with renormalize=False")
+
+
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")

@@ -21,6 +21,8 @@ needs no gradient and no optimizer; it lives in the ``e_score_correction_bias`` 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -137,3 +139,16 @@ def _check_counts(counts: torch.Tensor, num_experts: int, what: str = "num_exper
         got = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
         raise ValueError(f"counts must be a tensor of shape [{what}={num_experts}], got {got}")
     return counts
+
+
+@contextlib.contextmanager
+def correction_bias_kept(moe: nn.Module):
+    """Around a cast of ``moe`` (``nn.Module._apply``: ``.to(torch.bfloat16)``, ``.half()``, ``.double()``): its
+    ``e_score_correction_bias`` keeps float32 and its bits, as the layer builds it whatever its dtype, and only moves
+    to the new device. The bias decides which experts win by small differences (DeepSeek-V3's sit near a common
+    offset): rounded to bf16 with the weights, it chose other experts than the same layer built in bf16."""
+    bias = moe._buffers.get("e_score_correction_bias")
+    yield
+    cast = moe._buffers.get("e_score_correction_bias")
+    if bias is not None and cast is not None and bias.dtype == torch.float32 and cast.dtype != torch.float32:
+        moe._buffers["e_score_correction_bias"] = bias.to(cast.device)

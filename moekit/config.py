@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
 
-from moekit._checks import check_bool, check_choice, check_int, check_positive_finite
+from moekit._checks import check_bool, check_choice, check_int, check_positive_finite, check_renorm
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
 from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps
@@ -110,13 +111,7 @@ class MoEConfig:
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "router_bias", "expert_bias"):
             check_bool(name, getattr(self, name))
         check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
-        for name in ("renorm_eps", "renorm_clamp"):
-            eps = getattr(self, name)
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0 (0: the exact w / sum(w)), got {eps!r}")
-        if self.renorm_eps and self.renorm_clamp:  # one family's formula or the other
-            raise ValueError(f"renorm_eps and renorm_clamp exclude each other, got {self.renorm_eps!r}, "
-                             f"{self.renorm_clamp!r}")
+        check_renorm(self.renorm_eps, self.renorm_clamp, self.renormalize)
         if self.top_k > self.choice_width:
             what = "num_experts" if not self.num_identity_experts else "num_experts + num_identity_experts"
             raise ValueError(f"top_k must be <= {what} ({self.choice_width}), got {self.top_k}")
@@ -335,7 +330,10 @@ class MoEConfig:
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
         if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
-            raise TypeError(f"cfg must be a transformers config or a dict of its fields, got {type(cfg).__name__}")
+            path = " (a path?): read it first, MoEConfig.from_hf_config(json.load(open(path)))" * isinstance(
+                cfg, (str, os.PathLike))  # what `moekit analyze --config` does with one
+            raise TypeError(f"cfg must be a transformers config or a dict of its fields, got {type(cfg).__name__}"
+                            f"{path}")
         # a VL / omni model's top-level config: its MoE layer is the text model's
         d = Fields(hf_layer_fields(cfg if isinstance(cfg, dict) else cfg.to_dict()))
         model_type = d.get("model_type")

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from moekit._checks import input_error
+from moekit.balance import correction_bias_kept
 from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
@@ -41,6 +42,7 @@ from moekit.experts.auto_train import running_backend
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.func_ops import transforming
 from moekit.layer_fast import DecodeFast
+from moekit.layer_repr import layer_line
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
@@ -153,6 +155,9 @@ class MoE(nn.Module):
         """The router asked for ("auto", "torch" or "fused"); ``_fused_router`` is the one resolved."""
         return self._router
 
+    def resolved_router(self) -> str:  # what "auto" resolved to on the weights' device
+        return "torch" if self._fused_router is None else "fused"
+
     @router.setter
     def router(self, choice: RouterChoice) -> None:
         # Resolved here and on every device move, never inside forward (as the backend).
@@ -163,7 +168,8 @@ class MoE(nn.Module):
         self._gate_mm = linear_into if self._fused_router is not None else None  # above the kernel's rows
 
     def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
+        with correction_bias_kept(self):  # float32 whatever the weights' dtype: moved, never cast
+            module = super()._apply(fn, recurse)
         move_quantized_(self, fn)  # quantized w13/w2 are not Parameters: moved here, never cast
         self._weights_changed()
         return module
@@ -197,11 +203,10 @@ class MoE(nn.Module):
 
     def reset_parameters(self) -> None:
         """Random init: N(0, 1/fan_in) for every matrix, so outputs stay O(1) at any width."""
-        for p in (self.gate.weight, self.w13, self.w2, self.shared_w13, self.shared_w2):
+        gate = None if self.shared_gate is None else self.shared_gate.weight  # [1, K]
+        for p in (self.gate.weight, self.w13, self.w2, self.shared_w13, self.shared_w2, gate):
             if p is not None:
                 nn.init.normal_(p, std=p.shape[-1] ** -0.5)
-        if self.shared_gate is not None:
-            nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
     def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
         """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to ``gate_route.ROWS``
@@ -279,8 +284,7 @@ class MoE(nn.Module):
         out = self._decode(self, x) if not extra and self.eager_graphs is None else None  # a repeated decode
         if out is not None:  # a plain 2-D x: straight to its launches (moekit.layer_fast: implies the checks below)
             return out
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or x.shape[-1] != \
-                self.config.hidden_size:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.shape[-1:] != (self.config.hidden_size,):
             raise input_error("x", x, self.config.hidden_size)
         flat = x.dim() == 2  # the common case: no reshape either way (each one ~1-2 µs of host time)
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
@@ -386,12 +390,8 @@ class MoE(nn.Module):
     def resolved_backend(self) -> str:  # the backend that runs on the weights' device: "auto" resolved
         return resolve_backend(self.backend, self.w13.device)
 
-    def extra_repr(self) -> str:  # what a user checks: shapes, the experts' dtype and scheme, what "auto" runs
-        c, auto = self.config, f" ({self.resolved_backend()})" if self.backend == "auto" else ""
-        return (f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
-                f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
-                f"dtype={str(self.w13.dtype)[6:]}, quant={self.quant_scheme}, backend={self.backend}{auto}, "
-                f"router={self.router}, capacity_factor={self.capacity_factor}")
+    def extra_repr(self) -> str:  # what a user checks: shapes, routing, the experts' dtype and scheme, what "auto" runs
+        return layer_line(self)
 
 
 def _param(module: nn.Module, name: str):

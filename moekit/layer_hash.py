@@ -76,6 +76,10 @@ class HashMoE(MoE):
         self._hash_cuda_only = choice == "auto"
         self._hash_gate()
 
+    def resolved_router(self) -> str:  # the table looked up in one launch ("fused") or in torch, on this device
+        fused = self._hash_router is not None and (self.w13.device.type == "cuda" or not self._hash_cuda_only)
+        return "fused" if fused else "torch"
+
     def _weights_changed(self) -> None:
         super()._weights_changed()  # the routers resolved again (the setter above)
         decode = self.__dict__.get("_hash_decode")  # None while MoE.__init__ runs

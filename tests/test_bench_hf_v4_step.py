@@ -107,10 +107,15 @@ def _unclamped(config):
 
 
 @pytest.mark.parametrize("name", ["deepseek-v4", "step-3.7"])
-def test_tiny_cli_run_and_its_logits_against_float64_here(name, tmp_path):
+def test_tiny_cli_run_and_its_logits_against_float64_here(name, tmp_path, capsys):
     argv = ["bench", "--hf", "--tiny", "--device", "cpu", "--hf-model", name, "--hf-impls", "moekit,moekit_blocks",
             "--repeats", "1", "--decode-tokens", "3", "--out", str(tmp_path)]
     assert main(argv) == 0
+    log = capsys.readouterr().out  # the run log and the report, on stdout
+    # a compiled repeat is logged for each implementation whose warm-up decoded, none for one skipped or failed there
+    # (DeepSeek-V4's: each repeat said "nothing to time" before, 9 lines at the default 3 repeats of 3 rows)
+    assert ("compiled repeat 1/1 moekit_blocks: decode" in log) == (name == "step-3.7")
+    assert "nothing to time" not in log
     (path,) = tmp_path.glob("cpu-hf-*.json")
     doc = json.loads(path.read_text())
     assert doc["model"]["name"] == name and doc["layers"] == 2 and doc["model"]["vocab_size"] == 256

@@ -220,3 +220,19 @@ def test_every_moe_family_transformers_ships_is_read_or_refused_saying_why(model
         MoEConfig.from_hf_config(cfg, layer="typical")
     except (ValueError, KeyError) as err:
         assert "must be one of" not in str(err), str(err)[:200]
+
+
+@pytest.mark.parametrize("as_path", [str, lambda p: p])
+def test_a_config_json_s_path_is_refused_saying_how_to_read_it(tmp_path, as_path):
+    """A user with a downloaded config.json passes its path (``moekit analyze --config`` takes one): the error says how
+    to read it, and what it says reads the same layer as transformers' config object."""
+    import json
+
+    hf = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    hf.to_json_file(tmp_path / "config.json")
+    said = r"got (str|PosixPath) \(a path\?\): .*from_hf_config\(json.load\(open\(path\)\)\)"
+    with pytest.raises(TypeError, match=said):
+        MoEConfig.from_hf_config(as_path(tmp_path / "config.json"))
+    with open(tmp_path / "config.json") as f:
+        assert MoEConfig.from_hf_config(json.load(f)) == MoEConfig.from_hf_config(hf)

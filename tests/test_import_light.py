@@ -116,3 +116,37 @@ def test_commands_are_the_cli_modules_and_a_full_build_lists_them_all():
     full, bare = build_parser().format_help(), build_parser([]).format_help()
     assert full == bare
     assert all(name in bare and summary in " ".join(bare.split()) for name, summary in COMMANDS.items())
+
+
+
+SAVED = """
+import json, sys, torch
+import moekit  # nothing else of moekit: what a process that loads a saved program imports
+program = torch.export.load(sys.argv[1])
+x, want = torch.load(sys.argv[2]), torch.load(sys.argv[3])
+print(json.dumps({"equal": torch.equal(program.module()(x), want)}))
+"""
+
+
+def test_import_moekit_alone_registers_the_ops_a_saved_program_calls(tmp_path):
+    """``import moekit`` registers the layer's custom ops (``torch.ops.moekit.*``): a program exported with a layer
+    (``torch.export.save``) loads in a process that imported moekit and nothing of it beyond, and computes what the
+    layer did. Why ``moekit --help`` keeps importing torch: the names of ``moekit/__init__.py`` imported on first use
+    (PEP 562) made the help torch-free and broke this load ("failed to resolve torch.ops.moekit.group_gemm")."""
+    import torch
+
+    from moekit import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2))
+    x = torch.randn(4, 32)
+    program = torch.export.export(moe, (x,))
+    assert any("moekit" in str(n.target) for n in program.graph.nodes if n.op == "call_function")
+    torch.export.save(program, tmp_path / "moe.pt2")
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(moe(x).detach(), tmp_path / "y.pt")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", SAVED, *(str(tmp_path / f) for f in ("moe.pt2", "x.pt", "y.pt"))],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"equal": True}

@@ -120,6 +120,9 @@ def test_the_vl_text_config_reads_the_clamp_too():
     (dict(renorm_clamp=float("nan")), "renorm_clamp must be a finite number >= 0"),
     (dict(renorm_clamp=True), "renorm_clamp must be a finite number >= 0"),
     (dict(renorm_clamp=1e-12, renorm_eps=1e-20), "renorm_eps and renorm_clamp exclude each other"),
+    # no renormalisation, no sum to clamp: route's weights were the plain scores, the clamp dropped without a word
+    (dict(renorm_clamp=1e-12, renormalize=False),
+     "needs renormalize=True, got renorm_clamp=1e-12 with renormalize=False"),
     (dict(renorm_clamp=1e-12, hash_table_size=10), "renorm_clamp=0"),
     (dict(renorm_clamp=1e-12, scoring="sigmoid", shared_expert_intermediate_size=8,
           shared_expert_combine="router"), "renorm_clamp = 0"),

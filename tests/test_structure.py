@@ -34,6 +34,7 @@ LEVELS = {
     "layer_hash": 2,  # HashMoE, the layer routed by a token-id table: a subclass of the layer's MoE
     "layer_hash_fast": 2,  # HashMoE's decode fast path: imported by layer_hash only, built on layer_fast's parts
     "experts": 1, "quant": 1, "layouts": 1, "routing": 1, "losses": 1, "balance": 1,
+    "layer_repr": 1,  # the line print(moe) shows, from the config alone: imported by the layer, imports config only
     "config": 0, "presets": 0, "activations": 0, "_checks": 0, "_bounded": 0, "triton_bind": 0,
     "eager_graphs": 0, "batch_launch": 0, "func_ops": 0,
     "config_hf": 0,  # from_hf_config's readers (design.md's config.py row), imported by config only

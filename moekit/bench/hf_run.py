@@ -194,7 +194,7 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
                 decodes[impl] = dec
             log(f"compiled warm {impl}: " + _summary(row, dec))
         for rep in range(opts.repeats):
-            for impl in impls:
+            for impl in decodes:  # the warmed ones, in impls' order: a skipped or failed warm-up has nothing to time
                 log(f"compiled repeat {rep + 1}/{opts.repeats} {impl}: "
                     + _timed_pass(model, rows[impl], inputs, opts, compiled=config))
     torch._dynamo.reset()

@@ -27,6 +27,7 @@ from moekit.experts import autocast_input, call_backend
 from moekit.func_ops import transforming
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.layer_hash import HashMoE
+from moekit.layer_repr import routing_changes
 from moekit.parallel.dispatch import (Dispatched, ReplicaTables, choose_replicas, combine, dispatch, dispatch_padded,
                                       plan_sends, weights_dtype)
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
@@ -392,6 +393,7 @@ class EPMoE(EPTraining, MoE):
         c = self.config
         return (
             f"rank={self.rank}/{self.world_size}, E={c.num_experts}, local={self.num_local_experts}, k={c.top_k}, "
-            f"K={c.hidden_size}, N={c.moe_intermediate_size}, shared_slots={self.num_shared_slots}, "
+            f"K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}{routing_changes(c)}, "
+            f"shared_slots={self.num_shared_slots}, "
             f"backend={self.backend}"
         )
