@@ -7,9 +7,9 @@ PASS / FAIL:
   router   what ``print(moe)`` says ``router="auto"`` resolved to on CUDA (``resolved_router()``) against what the
            forward launched (a kernel whose name has "route" in torch.profiler's CUDA events: the fused router, the
            one gate + route launch or the hash router's launch), for four bf16 layers: a plain softmax top-2,
-           DeepSeek-V3's rule (sigmoid, groups, correction bias, x2.5, eps 1e-20), ERNIE-4.5's clamp (auto takes the fused router
-           for it on CUDA since session 50) and a V4 hash layer; each out against its torch twin (the same weights,
-           ``router="torch"``), rel-L2 < 2e-2 (bf16 weights; the twin's routing can differ only at a tie)
+           DeepSeek-V3's rule (sigmoid, groups, correction bias, x2.5, eps 1e-20), ERNIE-4.5's clamp (auto takes
+           the fused router for it on CUDA since session 50) and a V4 hash layer; each out against its torch twin (the
+           same weights, ``router="torch"``), rel-L2 < 2e-2 (bf16 weights; the twin's routing can differ only at a tie)
   cast     ``MoE(cfg).to(device, torch.bfloat16)`` of a DeepSeek-V3-rule layer built in float32 on the CPU: the
            correction bias stays float32 with its bits, and ids and out equal (bit for bit) those of the same weights
            built as ``MoE(cfg, dtype=torch.bfloat16, device=device)`` (the fused router on CUDA reads the bias)
