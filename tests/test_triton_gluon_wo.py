@@ -178,7 +178,7 @@ def test_a_device_row_replaces_the_default_row_on_that_device_only(monkeypatch):
     monkeypatch.setattr(tgw, "GLUON_WO_CELLS", {("int8_w8a16", E, N, K): (100, 200)})
     monkeypatch.setattr(tgw, "GLUON_WO_CELLS_BY_DEVICE", {"NVIDIA_TEST": {("int8_w8a16", E, N, K): (512, 1024)}})
     assert not tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "silu")  # this CPU: the default row, 600 outside
-    monkeypatch.setattr(tgw, "_device_key", lambda device: "NVIDIA_TEST")
+    monkeypatch.setattr(tgw, "call_device_key", lambda device: "NVIDIA_TEST")
     assert tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "silu")  # the device's row holds 600
 
 

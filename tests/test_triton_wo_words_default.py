@@ -44,6 +44,8 @@ def hopper(monkeypatch):
 
     monkeypatch.setattr(launch, "_hopper_with_gluon", lambda index: True)
     monkeypatch.setattr(twd, "WORDS_DEFAULT_CELLS", {KEY: ROW})
+    monkeypatch.setattr(twd, "WORDS_DEFAULT_CELLS_BY_DEVICE", {})
+    monkeypatch.setattr(twd, "call_device_key", lambda device: "NVIDIA_TEST")
     monkeypatch.setattr(twd, "ENABLED", True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
@@ -67,10 +69,23 @@ def test_the_rule_covers_a_measured_cell_on_a_hopper_only(hopper, monkeypatch):
     assert not covers(_cuda_x(1), w13, "int4_w4a16", "silu", None)
 
 
+def test_a_device_s_own_row_replaces_the_default_row_there_only(hopper, monkeypatch):
+    w13 = types.SimpleNamespace(q=torch.empty(E, 2 * N, K // 2, dtype=torch.uint8))
+    covers = twd.words_default_covers
+    monkeypatch.setattr(twd, "WORDS_DEFAULT_CELLS_BY_DEVICE", {"NVIDIA_TEST": {KEY: {1: False, 3: True}}})
+    assert not covers(_cuda_x(1), w13, "int4_w4a16", "silu", None)  # the device's row: lost at 1
+    assert covers(_cuda_x(3), w13, "int4_w4a16", "silu", None)  # won at 3, which the default row never measured
+    monkeypatch.setattr(twd, "call_device_key", lambda device: "NVIDIA_OTHER")
+    assert covers(_cuda_x(1), w13, "int4_w4a16", "silu", None)  # another device: the default row
+    assert not covers(_cuda_x(3), w13, "int4_w4a16", "silu", None)
+
+
 def test_the_table_holds_to_its_rule():
     """Rows the words kernels run without a padded copy (int4 / mxfp4, N and K on the 256 grid: never gpt-oss's
-    2880), each with a measured M it won."""
-    for (scheme, num_experts, n, k), row in twd.WORDS_DEFAULT_CELLS.items():
+    2880), each with a measured M it won; a device's own rows replace rows of the default table."""
+    device_rows = [row for rows in twd.WORDS_DEFAULT_CELLS_BY_DEVICE.values() for row in rows.items()]
+    assert all(key in twd.WORDS_DEFAULT_CELLS for key, _ in device_rows)
+    for (scheme, num_experts, n, k), row in [*twd.WORDS_DEFAULT_CELLS.items(), *device_rows]:
         assert scheme in route.WORDS_SCHEMES and num_experts >= 1 and n % 256 == 0 and k % 256 == 0
         assert any(row.values()) and all(m >= 1 for m in row)
 

@@ -19,13 +19,12 @@ Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of 
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 
 import torch
 
-from moekit.experts.configs import device_key, on_config_cache_clear
+from moekit.experts.configs import call_device_key
 from moekit.experts.triton_gluon import gluon_layout, segment_twin
 from moekit.experts.triton_gluon_launch import (
     BLOCK_M, MAX_REGISTERS, NUM_WARPS, SHARED_BYTES, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
@@ -148,15 +147,6 @@ def gluon_wo_range(scheme: str, num_experts: int, n: int, k: int, device: str) -
     return row if row is not None else GLUON_WO_CELLS.get(key, (0, 0))
 
 
-@functools.lru_cache(maxsize=16)
-def _device_key(device: torch.device) -> str:
-    """``configs.device_key`` of a call's device, kept (the device's name is asked of the driver once)."""
-    return device_key(device)
-
-
-on_config_cache_clear(_device_key.cache_clear)
-
-
 @dataclass(frozen=True)
 class MeasuredGemms:
     """The GEMMs' variants a shape takes for ``lo <= M < hi`` (the measured M up to twice it)."""
@@ -266,7 +256,7 @@ def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str
     """Whether a call that names no decode, config or split takes the weight-only Gluon path: its shape in
     GLUON_WO_CELLS with M in its range (``gluon_wo_range``: the device's own row where it has one), a Hopper with
     Gluon, and a call it fits (``gluon_wo_unfit``)."""
-    lo, hi = gluon_wo_range(scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1], _device_key(x.device))
+    lo, hi = gluon_wo_range(scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1], call_device_key(x.device))
     return (lo <= x.shape[0] < hi and gluon_supported(x.device)
             and gluon_wo_unfit(x, w13, w2, scheme, activation) is None)
 

@@ -5,9 +5,9 @@ takes it (``triton_wo.run_experts_wo``; the same kind of thing as ``triton_gluon
 
     words_default_covers(call) -> bool: ENABLED; no expert map; an activation the words epilogue runs
         (``words_variant``: gated SiLU, gpt-oss's variant included); a Hopper with Gluon, never the interpreter
-        (``gluon_supported``: the table's rows are sm_90 measurements); and WORDS_DEFAULT_CELLS' row of
-        (scheme, E, N, K) whose measured m nearest M (log2 distance, ties: the smaller) lies within a factor 2
-        (m / 2 <= M <= 2 m) and won there
+        (``gluon_supported``: the table's rows are sm_90 measurements); and the row of (scheme, E, N, K) (the
+        device's own in WORDS_DEFAULT_CELLS_BY_DEVICE where it has one, else WORDS_DEFAULT_CELLS') whose measured m
+        nearest M (log2 distance, ties: the smaller) lies within a factor 2 (m / 2 <= M <= 2 m) and won there
     then ``run_experts_words(default=True)``: the kept sequence, else the words kernels' checks (``words_fit``); a call
         they refuse (unaligned codes, mxfp4 scales past the decode's range, a shape off the 256 grid) runs the pick,
         silently: a default, not a request
@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 
+from moekit.experts.configs import call_device_key
 from moekit.experts.triton_gluon_launch import gluon_supported
 from moekit.experts.triton_wo_words_route import WORDS_SCHEMES, words_variant
 
@@ -48,6 +49,20 @@ WORDS_DEFAULT_CELLS: dict[tuple[str, int, int, int], dict[int, bool]] = {
     # lost in eager wall (graph 403.0 / 366.9, x1.10, but the layer 372.9 / 380.9, the experts call 375.0 / 369.5;
     # sessions 47-48: 372.1 / 372.0): M = 6..11 take the pick
     ("mxfp4", 8, 14336, 4096): {1: True, 2: True, 4: True, 8: False, 16: True},
+}
+# device key (``configs.device_key``) -> rows that replace a WORDS_DEFAULT_CELLS row on that device only. The H200
+# (session 50, benchmarks/wd48_device_check.py --rounds 3 at main e72c850a, ONE H200, torch 2.11, Triton 3.6;
+# raw/NVIDIA_H200-2026-12-07-e72c850-wd48.log), graph µs of the experts call off / on (wins of 3 rounds), eager wall
+# of the experts call off / on: DeepSeek-V3 int4 M=1 109.1 / 95.9 (3/3), 105.9 / 102.7; M=2 186.0 / 176.6 (3/3),
+# 198.6 / 184.6; M=8 621.6 / 668.9 (0/3), 634.8 / 684.2: lost where the H100 won; M=16 1223.6 / 1039.1 (3/3),
+# 1233.6 / 1057.4. Mixtral mxfp4 M=1 134.7 / 106.9 (3/3), 133.0 / 114.6; M=2 214.9 / 195.2 (1/1), 225.9 / 210.4;
+# M=16 415.6 / 437.2 (0/3), 424.5 / 452.2: lost where the H100 won. M=4 not reached (the check's deadline): M = 3..5
+# follow M=2's row; Mixtral M=8 keeps the H100's False (not compared on the H200).
+WORDS_DEFAULT_CELLS_BY_DEVICE: dict[str, dict[tuple[str, int, int, int], dict[int, bool]]] = {
+    "NVIDIA_H200": {
+        ("int4_w4a16", 256, 2048, 7168): {1: True, 2: True, 8: False, 16: True},
+        ("mxfp4", 8, 14336, 4096): {1: True, 2: True, 8: False, 16: False},
+    },
 }
 
 
@@ -79,8 +94,11 @@ def words_default_covers(x, w13, scheme: str, activation, expert_map) -> bool:
     docstring); its fit (``words_fit``) is asked after, by ``run_experts_words(default=True)``."""
     if not ENABLED or expert_map is not None or scheme not in WORDS_SCHEMES:
         return False
-    row = WORDS_DEFAULT_CELLS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1]))
-    if row is None or x.shape[0] < 1 or not measured_win(row, x.shape[0]) or not gluon_supported(x.device):
+    if x.shape[0] < 1 or not gluon_supported(x.device):
+        return False
+    key = (scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1])
+    row = WORDS_DEFAULT_CELLS_BY_DEVICE.get(call_device_key(x.device), {}).get(key) or WORDS_DEFAULT_CELLS.get(key)
+    if row is None or not measured_win(row, x.shape[0]):
         return False
     if activation == "silu":
         return True

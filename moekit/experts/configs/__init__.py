@@ -211,6 +211,15 @@ def on_config_cache_clear(clear: Callable[[], None]) -> None:
     _ON_CLEAR.append(clear)
 
 
+@functools.lru_cache(maxsize=16)
+def call_device_key(device: torch.device) -> str:
+    """``device_key`` of a call's device, kept (the driver asked for the name once a device): per-call rules."""
+    return device_key(device)
+
+
+on_config_cache_clear(call_device_key.cache_clear)
+
+
 def read_configs(path: Path) -> dict[int, KernelConfig]:
     """The entries {M: config} of one config file."""
     data = json.loads(Path(path).read_text())
