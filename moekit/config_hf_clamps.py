@@ -90,11 +90,18 @@ def count_moe_layers(d: dict, is_moe, fields: str = "") -> int | None:
     it can say a layer is dense: the rule is left on ``d`` (``config_hf.Fields.moe_layer_rule``)."""
     types = d.get("mlp_layer_types")
     if isinstance(types, (list, tuple)):
-        return sum(1 for t in types if t == "sparse")
-    if fields and hasattr(d, "moe_layer_rule"):
-        d.moe_layer_rule = MoELayerRule(is_moe, fields)
-    layers = d.get("num_hidden_layers")
-    return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
+        count, fields = sum(1 for t in types if t == "sparse"), "mlp_layer_types"
+    else:
+        if fields and hasattr(d, "moe_layer_rule"):
+            d.moe_layer_rule = MoELayerRule(is_moe, fields)
+        layers = d.get("num_hidden_layers")
+        count = None if layers is None else sum(1 for i in range(layers) if is_moe(i))
+    if count == 0 and fields:  # the fields the user set, not MoEConfig's num_moe_layers=0
+        names = fields.split(", ")
+        said = ", ".join(f"{name}={d.get(name)!r}" for name in names)
+        raise ValueError(f"cfg.{said} leave{'s' if len(names) == 1 else ''} no MoE layer among its num_hidden_layers={d.get('num_hidden_layers')!r}: "
+                         "a dense model, no MoE layer for moekit to read")
+    return count
 
 
 def ernie_moe_layers(d: dict) -> int | None:
