@@ -90,18 +90,24 @@ def count_moe_layers(d: dict, is_moe, fields: str = "") -> int | None:
     it can say a layer is dense: the rule is left on ``d`` (``config_hf.Fields.moe_layer_rule``)."""
     types = d.get("mlp_layer_types")
     if isinstance(types, (list, tuple)):
-        count, fields = sum(1 for t in types if t == "sparse"), "mlp_layer_types"
-    else:
-        if fields and hasattr(d, "moe_layer_rule"):
-            d.moe_layer_rule = MoELayerRule(is_moe, fields)
-        layers = d.get("num_hidden_layers")
-        count = None if layers is None else sum(1 for i in range(layers) if is_moe(i))
-    if count == 0 and fields:  # the fields the user set, not MoEConfig's num_moe_layers=0
-        names = fields.split(", ")
-        said = ", ".join(f"{name}={d.get(name)!r}" for name in names)
-        raise ValueError(f"cfg.{said} leave{'s' if len(names) == 1 else ''} no MoE layer among its num_hidden_layers={d.get('num_hidden_layers')!r}: "
-                         "a dense model, no MoE layer for moekit to read")
-    return count
+        return sum(1 for t in types if t == "sparse")
+    if fields and hasattr(d, "moe_layer_rule"):
+        d.moe_layer_rule = MoELayerRule(is_moe, fields)
+    layers = d.get("num_hidden_layers")
+    return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
+
+
+def with_moe_layers(d: dict, fields: dict) -> dict:
+    """A reader's ``fields``, refused where they count no MoE layer: named by the fields the user set (the reader's
+    rule, ``Fields.moe_layer_rule``; ``mlp_layer_types``) and the layer count, not MoEConfig's ``num_moe_layers=0``
+    (DeepSeek-V3 with ``first_k_dense_replace >= num_hidden_layers``)."""
+    if fields.get("num_moe_layers") != 0:
+        return fields
+    rule = getattr(d, "moe_layer_rule", None)
+    names = rule.fields.split(", ") if rule is not None else ["mlp_layer_types"] if d.get("mlp_layer_types") else []
+    said = "".join(f"{name}={d.get(name)!r}, " for name in names if name != "num_hidden_layers")
+    raise ValueError(f"cfg.{said}num_hidden_layers={d.get('num_hidden_layers')!r}: no decoder layer holds a MoE block "
+                     "(a dense model), so there is no MoE layer for moekit to read")
 
 
 def ernie_moe_layers(d: dict) -> int | None:

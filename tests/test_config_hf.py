@@ -229,8 +229,8 @@ def test_a_deepseek_v3_config_with_no_moe_layer_is_refused_naming_first_k_dense_
     fewer than the count still reads (num_moe_layers 1)."""
     fields = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1)
-    with pytest.raises(ValueError, match=rf"first_k_dense_replace={dense} leaves no MoE layer among its "
-                                         r"num_hidden_layers=3") as err:
+    with pytest.raises(ValueError, match=rf"cfg.first_k_dense_replace={dense}, num_hidden_layers=3: no decoder "
+                                         r"layer holds a MoE block") as err:
         MoEConfig.from_hf_config(transformers.DeepseekV3Config(first_k_dense_replace=dense, **fields))
     assert "num_moe_layers" not in str(err.value)
     cfg = transformers.DeepseekV3Config(first_k_dense_replace=2, **fields)
