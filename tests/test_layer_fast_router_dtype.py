@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import TOLERANCE as TOL, rel_l2
+from _helpers import TOLERANCE as TOL, count_served, rel_l2
 from _triton_helpers import interpreted
 from moekit import MoE, MoEConfig, layer_fast
 from moekit.experts.reference import experts_reference
@@ -34,31 +34,10 @@ def interpreter():
         yield
 
 
-@pytest.fixture
-def hits(monkeypatch):
-    """Counts the forwards the fast path served."""
-    seen = [0]
-    real = layer_fast.DecodeFast.__call__
-
-    def counted(self, layer, x2d):
-        out = real(self, layer, x2d)
-        seen[0] += out is not None
-        return out
-
-    monkeypatch.setattr(layer_fast.DecodeFast, "__call__", counted)
-    return seen
-
-
-class _Never:
-    """A ``DecodeFast`` that keeps nothing: the full forward every time."""
-
-    def __call__(self, layer, x2d):
-        return None
+class _Never(layer_fast.DecodeFast):
+    """Keeps nothing: the full forward every time."""
 
     def keep(self, layer, x2d) -> None:
-        pass
-
-    def clear(self) -> None:
         pass
 
 
@@ -98,14 +77,14 @@ def _logits64(layer: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(KINDS))
 @pytest.mark.parametrize("m", [1, 12])  # the one gate + router launch; torch.mm and the router's launch
-def test_served_bit_equal_to_the_full_forward_and_the_float64_gate(hits, name, m):
+def test_served_bit_equal_to_the_full_forward_and_the_float64_gate(monkeypatch, name, m):
+    hits = count_served(monkeypatch, layer_fast.DecodeFast, "__call__")  # forwards the fast path served
     layer, full = _pair(name)
     with torch.no_grad():
-        for seed in range(3):
-            x = _x(m, seed)
-            got = layer(x)
-            assert torch.equal(got, full(x))
-        assert hits[0] == 2  # the first call keeps, the others are served
+        xs = [_x(m, seed) for seed in range(3)]
+        outs = [layer(x) for x in xs]  # the first call keeps, the others are served
+        assert hits[0] == 2 and all(torch.equal(out, full(x)) for out, x in zip(outs, xs))
+        x, got = xs[-1], outs[-1]
         ws = layer._decode._entries[m].buffers
         assert ws.logits.dtype == torch.float32
         want = _logits64(layer, x)
@@ -134,7 +113,8 @@ def _through_data(layer, full):  # the same tensor and address, no version moved
 
 @pytest.mark.parametrize("change", [_in_place, _through_data])
 @pytest.mark.parametrize("name", ["router_fp32", "router_fp32_bias"])
-def test_an_updated_gate_weight_is_read_not_a_stale_cast(hits, name, change):
+def test_an_updated_gate_weight_is_read_not_a_stale_cast(monkeypatch, name, change):
+    hits = count_served(monkeypatch, layer_fast.DecodeFast, "__call__")
     layer, full = _pair(name)
     with torch.no_grad():
         layer(_x(2, 0)), layer(_x(2, 1))
