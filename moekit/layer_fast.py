@@ -37,7 +37,8 @@ Outputs are the full forward's bit for bit: the same launches with the same argu
 or the gate weight's (``router_dtype`` float32 over bf16: Kolibri, Lara-Mini, the privacy filter, LongCat-Flash; V3's
 float32 gate weight) is kept too: ``RouterCasts`` upcasts the gate's inputs into kept buffers on every call, as
 ``router_inputs`` does for the full forward (session 50, fix50). Not kept: a gated shared expert in fused slots (its
-gate logits feed the router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
+gate logits feed the router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move or
+cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``f6f35e93:benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
