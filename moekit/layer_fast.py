@@ -126,20 +126,32 @@ class RouterCasts:
     (an exact upcast, so the gate reads the values ``router_inputs`` makes for the full forward, and the same bound
     launch runs on them: the same bits). W and b are copied again on every call, not kept by version: an update through
     ``.data`` moves no version counter, and a stale routing would be silent. A tensor already in the dtype is read as
-    it is (None here)."""
+    it is (None here). ``peer``: another kind's casts of the layer on the same stream and thread, whose W and b buffers
+    this one shares (its calls run in stream order, each filling them before its launch): one W copy a layer and
+    stream, not one per kept M (up to MAX_ENTRIES)."""
 
     __slots__ = ("x", "weight", "linear_bias")
 
-    def __init__(self, x2d: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None, dtype: torch.dtype):
-        self.x, self.weight, self.linear_bias = (None if t is None or t.dtype == dtype
-                                                 else torch.empty(t.shape, dtype=dtype, device=t.device)
-                                                 for t in (x2d, weight, linear_bias))  # [M, K], [E, K], [E]
+    def __init__(self, x2d: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None, dtype: torch.dtype,
+                 peer: "RouterCasts | None" = None):
+        kept_weight, kept_bias = (None, None) if peer is None else (peer.weight, peer.linear_bias)
+        self.x = None if x2d.dtype == dtype else _shared(None, x2d, dtype)  # [M, K]
+        self.weight = None if weight.dtype == dtype else _shared(kept_weight, weight, dtype)  # [E, K]
+        self.linear_bias = (None if linear_bias is None or linear_bias.dtype == dtype
+                            else _shared(kept_bias, linear_bias, dtype))  # [E]
 
     def __call__(self, x2d: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None) -> tuple:
         """(x, W, b) in the router dtype: the kept buffers, filled now, where a cast is needed."""
         gx = x2d if self.x is None else self.x.copy_(x2d)
         gw = weight if self.weight is None else self.weight.copy_(weight)
         return gx, gw, linear_bias if self.linear_bias is None else self.linear_bias.copy_(linear_bias)
+
+
+def _shared(kept: torch.Tensor | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of t's shape in ``dtype`` on t's device: ``kept`` (a peer's) where it is one, else a new one."""
+    if kept is not None and kept.shape == t.shape and kept.dtype == dtype and kept.device == t.device:
+        return kept
+    return torch.empty(t.shape, dtype=dtype, device=t.device)
 
 
 def _tensors(layer) -> tuple:
@@ -268,7 +280,10 @@ class DecodeFast:
         dtype = weight.dtype if c.router_dtype is None else getattr(torch, c.router_dtype)  # as router_inputs
         casts = None
         if x2d.dtype != dtype or weight.dtype != dtype or (linear_bias is not None and linear_bias.dtype != dtype):
-            casts = RouterCasts(x2d, weight, linear_bias, dtype)
+            stream, thread = current_stream() if x2d.is_cuda else 0, get_ident()  # a peer's W buffer: same order
+            peer = next((e.casts for e in self._entries.values()
+                         if e.casts is not None and e.stream == stream and e.thread == thread), None)
+            casts = RouterCasts(x2d, weight, linear_bias, dtype, peer)
         gx, gweight, glinear = (x2d, weight, linear_bias) if casts is None else casts(x2d, weight, linear_bias)
         append_shared = layer.fuse_shared  # capacity_factor is None: the kernel appends the shared slots
         buffers = layer._route_ws.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * append_shared, dtype)

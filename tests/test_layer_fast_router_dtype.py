@@ -124,3 +124,21 @@ def test_an_updated_gate_weight_is_read_not_a_stale_cast(monkeypatch, name, chan
         x = _x(2, 2)
         assert torch.equal(layer(x), full(x)) and hits[0] == before + 1  # served, on the new weight
         assert (layer.gate.weight._version == version) is (change is _through_data)
+
+
+def test_two_sizes_share_one_weight_copy_and_stay_exact(monkeypatch):
+    """Kinds of M = 1 and 12 kept by one layer on one thread share the float32 W and b buffers (one copy a layer, not
+    one per kept M) and each its own x buffer; calls in turn, each filling the shared W before its launch, stay equal
+    to the full forward, across an in-place update of the weight between them."""
+    hits = count_served(monkeypatch, layer_fast.DecodeFast, "__call__")
+    layer, full = _pair("router_fp32_bias")
+    with torch.no_grad():
+        for seed in range(3):
+            if seed == 2:
+                layer.gate.weight.mul_(-1), full.gate.weight.mul_(-1)
+            for m in (1, 12):
+                x = _x(m, seed)
+                assert torch.equal(layer(x), full(x))
+    assert hits[0] == 4
+    one, twelve = (layer._decode._entries[m].casts for m in (1, 12))
+    assert one.weight is twelve.weight and one.linear_bias is twelve.linear_bias and one.x is not twelve.x
