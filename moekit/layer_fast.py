@@ -36,9 +36,10 @@ it), Qwen2-MoE's sigmoid gate on it included, runs after the experts as ``MoE._e
 Outputs are the full forward's bit for bit: the same launches with the same arguments. A router dtype other than x's
 or the gate weight's (``router_dtype`` float32 over bf16: Kolibri, Lara-Mini, the privacy filter, LongCat-Flash; V3's
 float32 gate weight) is kept too: ``RouterCasts`` upcasts the gate's inputs into kept buffers on every call, as
-``router_inputs`` does for the full forward (session 50, fix50). Not kept: a gated shared expert in fused slots (its
-gate logits feed the router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move or
-cast) drops the entries.
+``router_inputs`` does for the full forward (session 50, fix50; H200, layer host µs at M = 1, Qwen3-30B-A3B shapes with
+router_dtype float32: 115.6 -> 60.5, DeepSeek-V3's with a float32 gate: 89.2 -> 40.7;
+``benchmarks/fix50_device_check.py``). Not kept: a gated shared expert in fused slots (its gate logits feed the
+router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``f6f35e93:benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
