@@ -18,7 +18,7 @@ import torch
 from moekit._checks import check_bool, check_choice, check_int, check_positive_finite, check_renorm
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
-from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps
+from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps, with_moe_layers
 from moekit.config_hf_v4 import hash_layer_fields
 from moekit.presets import hf_config_of_preset
 
@@ -343,7 +343,7 @@ class MoEConfig:
         if reader is None:
             raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
         check_layer(d, layer)
-        fields = reader(d)
+        fields = with_moe_layers(d, reader(d))  # none: refused naming the fields that say so
         if isinstance(layer, int) and d.moe_layer_rule is not None:  # check_layer passed it: an int in range
             d.moe_layer_rule.check(layer)
         if model_type == "deepseek_v4":  # its hash layers route by a token-id table (moekit.config_hf_v4)

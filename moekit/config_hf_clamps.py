@@ -97,6 +97,19 @@ def count_moe_layers(d: dict, is_moe, fields: str = "") -> int | None:
     return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
 
 
+def with_moe_layers(d: dict, fields: dict) -> dict:
+    """A reader's ``fields``, refused where they count no MoE layer: named by the fields the user set (the reader's
+    rule, ``Fields.moe_layer_rule``; ``mlp_layer_types``) and the layer count, not MoEConfig's ``num_moe_layers=0``
+    (DeepSeek-V3 with ``first_k_dense_replace >= num_hidden_layers``)."""
+    if fields.get("num_moe_layers") != 0:
+        return fields
+    rule = getattr(d, "moe_layer_rule", None)
+    names = rule.fields.split(", ") if rule is not None else ["mlp_layer_types"] if d.get("mlp_layer_types") else []
+    said = "".join(f"{name}={d.get(name)!r}, " for name in names if name != "num_hidden_layers")
+    raise ValueError(f"cfg.{said}num_hidden_layers={d.get('num_hidden_layers')!r}: no decoder layer holds a MoE block "
+                     "(a dense model), so there is no MoE layer for moekit to read")
+
+
 def ernie_moe_layers(d: dict) -> int | None:
     """ERNIE-4.5-MoE's MoE blocks: layers start..end (inclusive; end -1: the last) where (i + 1) % interval == 0."""
     start, interval = d.get("moe_layer_start_index") or 0, d.get("moe_layer_interval") or 1

@@ -33,9 +33,13 @@ takes plain tensors): the experts go to the backend's fast path (triton's ``run_
 A separate shared MLP (``fuse_shared=False``, and every quantized layer with a shared expert: ``quantize_`` un-fuses
 it), Qwen2-MoE's sigmoid gate on it included, runs after the experts as ``MoE._experts_and_shared`` runs it
 (``with_shared``: ``shared_mlp`` on the tensors the layer holds now; nothing of it is kept, so nothing to check).
-Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert
-in fused slots (its gate logits feed the router), router-weighted shared slots (Inkling), a router dtype other than
-x's and the gate weight's, capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
+Outputs are the full forward's bit for bit: the same launches with the same arguments. A router dtype other than x's
+or the gate weight's (``router_dtype`` float32 over bf16: Kolibri, Lara-Mini, the privacy filter, LongCat-Flash; V3's
+float32 gate weight) is kept too: ``RouterCasts`` upcasts the gate's inputs into kept buffers on every call, as
+``router_inputs`` does for the full forward (session 50, fix50; H200, layer host µs at M = 1, Qwen3-30B-A3B shapes with
+router_dtype float32: 115.6 -> 60.5, DeepSeek-V3's with a float32 gate: 89.2 -> 40.7;
+``benchmarks/fix50_device_check.py``). Not kept: a gated shared expert in fused slots (its gate logits feed the
+router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``f6f35e93:benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
@@ -98,9 +102,10 @@ class _Entry:
     """One kept kind of decode call."""
 
     __slots__ = ("hidden", "dtype", "device", "device_index", "stream", "thread", "refs", "objects", "specs", "buffers",
-                 "bound", "route", "fast", "kept", "joint", "activation", "append_shared", "cuda")
+                 "bound", "route", "fast", "kept", "joint", "activation", "append_shared", "cuda", "casts")
 
-    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, kept, joint, append_shared: bool):
+    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, kept, joint, append_shared: bool,
+                 casts: "RouterCasts | None"):
         self.hidden, self.dtype, self.device, self.device_index = x2d.shape[1], x2d.dtype, x2d.device, x2d.get_device()
         self.cuda = x2d.is_cuda
         self.stream = current_stream() if self.cuda else 0
@@ -112,6 +117,42 @@ class _Entry:
         self.joint = joint  # the one launch and the kept call in one C call (``KeptCall.joined``), else None
         self.bound, self.route = bound, route  # the one launch (M <= gate_route.ROWS), else the router's bound launch
         self.activation, self.append_shared = layer.config.activation, append_shared
+        self.casts = casts  # the gate's inputs in the router dtype (kept buffers), where it is not x's and W's
+
+
+class RouterCasts:
+    """The gate's inputs in the router dtype, where it differs from x's or the gate weight's (``router_dtype``
+    float32 over bf16 activations: Kolibri, Lara-Mini, the privacy filter, LongCat-Flash; DeepSeek-V3's float32 gate
+    weight in a bf16 model): kept buffers x [M, K], W [E, K], b [E] in that dtype, filled by ``copy_`` on every call
+    (an exact upcast, so the gate reads the values ``router_inputs`` makes for the full forward, and the same bound
+    launch runs on them: the same bits). W and b are copied again on every call, not kept by version: an update through
+    ``.data`` moves no version counter, and a stale routing would be silent. A tensor already in the dtype is read as
+    it is (None here). ``peer``: another kind's casts of the layer on the same stream and thread, whose W and b buffers
+    this one shares (its calls run in stream order, each filling them before its launch): one W copy a layer and
+    stream, not one per kept M (up to MAX_ENTRIES)."""
+
+    __slots__ = ("x", "weight", "linear_bias")
+
+    def __init__(self, x2d: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None, dtype: torch.dtype,
+                 peer: "RouterCasts | None" = None):
+        kept_weight, kept_bias = (None, None) if peer is None else (peer.weight, peer.linear_bias)
+        self.x = None if x2d.dtype == dtype else _shared(None, x2d, dtype)  # [M, K]
+        self.weight = None if weight.dtype == dtype else _shared(kept_weight, weight, dtype)  # [E, K]
+        self.linear_bias = (None if linear_bias is None or linear_bias.dtype == dtype
+                            else _shared(kept_bias, linear_bias, dtype))  # [E]
+
+    def __call__(self, x2d: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None) -> tuple:
+        """(x, W, b) in the router dtype: the kept buffers, filled now, where a cast is needed."""
+        gx = x2d if self.x is None else self.x.copy_(x2d)
+        gw = weight if self.weight is None else self.weight.copy_(weight)
+        return gx, gw, linear_bias if self.linear_bias is None else self.linear_bias.copy_(linear_bias)
+
+
+def _shared(kept: torch.Tensor | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of t's shape in ``dtype`` on t's device: ``kept`` (a peer's) where it is one, else a new one."""
+    if kept is not None and kept.shape == t.shape and kept.dtype == dtype and kept.device == t.device:
+        return kept
+    return torch.empty(t.shape, dtype=dtype, device=t.device)
 
 
 def _tensors(layer) -> tuple:
@@ -195,6 +236,8 @@ class DecodeFast:
         buffers, router = entry.buffers, objects[0]
         if bias is not None:
             router._check_bias(bias, entry.device)
+        casts = entry.casts  # the gate reads its inputs in the router dtype (kept buffers filled here), the experts x2d
+        gx, gweight, glinear = (x2d, weight, linear_bias) if casts is None else casts(x2d, weight, linear_bias)
         joint = entry.joint
         if joint is not None:  # the one launch and the experts' in one C call (no flag: the router asserts in its
             out = joint(x2d, w13, w2, buffers.ids, buffers.weights, b13, b2)  # kernel); None: they go one by one below
@@ -202,16 +245,16 @@ class DecodeFast:
                 return with_shared(layer, x2d, out)
         bound = entry.bound
         if bound is not None:
-            bound(x2d, weight, linear_bias, bias, None, buffers)
+            bound(gx, gweight, glinear, bias, None, buffers)
             ok = bound.ok
-        elif x2d.shape[0] <= MAX_TOKENS:  # a call the one launch does not take: MoE._gate (its kernel), the router
-            layer._gate(x2d, weight, linear_bias, buffers.logits)
+        elif gx.shape[0] <= MAX_TOKENS:  # a call the one launch does not take: MoE._gate (its kernel), the router
+            layer._gate(gx, gweight, glinear, buffers.logits)
             ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
         else:  # MoE._gate's linear_into, then FusedRouter's eager launch
-            if linear_bias is None:
-                torch.mm(x2d, weight.t(), out=buffers.logits)
+            if glinear is None:
+                torch.mm(gx, gweight.t(), out=buffers.logits)
             else:
-                torch.addmm(linear_bias, x2d, weight.t(), out=buffers.logits)
+                torch.addmm(glinear, gx, gweight.t(), out=buffers.logits)
             ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
         if ok is not None:
             fused._assert_finite(ok, buffers.logits)
@@ -226,34 +269,41 @@ class DecodeFast:
         c = layer.config
         if ((layer.shared_w13 is not None and c.shared_expert_combine == "router")  # Inkling's: weights the kept
                 # buffers do not hold (its fused router is refused today: a guard for when it is not)
-                or (layer.fuse_shared and layer.shared_gate is not None) or layer._gate_route is None
-            or (c.router_dtype is not None and getattr(torch, c.router_dtype) != x2d.dtype)):
+                or (layer.fuse_shared and layer.shared_gate is not None) or layer._gate_route is None):
             return
         tensors = _tensors(layer)
         weight, linear_bias, bias, w13, w2, b13, b2 = tensors
         fast = fast_path_of(layer._experts_fn)
-        if (weight.dtype != x2d.dtype or not x2d.is_contiguous() or x2d.data_ptr() & 15
-                or w13 is None or w2 is None):
+        if not x2d.is_contiguous() or x2d.data_ptr() & 15 or w13 is None or w2 is None:
             return
         if x2d.is_cuda and _capturing():
             return
+        dtype = weight.dtype if c.router_dtype is None else getattr(torch, c.router_dtype)  # as router_inputs
+        casts = None
+        if x2d.dtype != dtype or weight.dtype != dtype or (linear_bias is not None and linear_bias.dtype != dtype):
+            stream, thread = current_stream() if x2d.is_cuda else 0, get_ident()  # a peer's W buffer: same order
+            peer = next((e.casts for e in self._entries.values()
+                         if e.casts is not None and e.stream == stream and e.thread == thread), None)
+            casts = RouterCasts(x2d, weight, linear_bias, dtype, peer)
+        gx, gweight, glinear = (x2d, weight, linear_bias) if casts is None else casts(x2d, weight, linear_bias)
         append_shared = layer.fuse_shared  # capacity_factor is None: the kernel appends the shared slots
-        buffers = layer._route_ws.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * append_shared, x2d.dtype)
+        buffers = layer._route_ws.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * append_shared, dtype)
         if buffers is None:
             return
         router, bound, route = layer._fused_router, None, None
         if m <= gate_route.ROWS:
-            bound = bound_launch(router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
+            bound = bound_launch(router, gx, gweight, glinear, bias, None, append_shared, buffers)
         if bound is None:  # above the one launch's rows, or a call it does not take (gate._applies)
             plan = router._plans[1 if append_shared else 0]
-            if plan is None or layer._gate_mm is None or buffers.logits.dtype != x2d.dtype:
+            if plan is None or layer._gate_mm is None or buffers.logits.dtype != dtype:
                 return
             route = fused.bound_route(plan, buffers.logits, bias, None, router.assert_in_kernel)
         keeper = keeper_of(layer._experts_fn)
         kept = None if keeper is None else keeper(x2d, w13, w2, buffers.ids, buffers.weights, c.activation, b13=b13,
                                                   b2=b2)
         joint = None  # the one launch joined to the kept call's batched launches, where both exist (no flag to read)
-        if JOINED and bound is not None and bound.ok is None and hasattr(kept, "joined"):
-            joint = kept.joined(bound.launch, bound.pointers(LEAD_X, weight, linear_bias, bias, None, buffers))
-        entry = _Entry(layer, x2d, tensors, buffers, bound, route, fast, kept, joint, append_shared)
+        if JOINED and bound is not None and bound.ok is None and hasattr(kept, "joined"):  # the gate reads x, else
+            lead_x = LEAD_X if casts is None or casts.x is None else casts.x  # the kept cast, filled before the call
+            joint = kept.joined(bound.launch, bound.pointers(lead_x, gweight, glinear, bias, None, buffers))
+        entry = _Entry(layer, x2d, tensors, buffers, bound, route, fast, kept, joint, append_shared, casts)
         put_bounded(self._entries, m, entry, MAX_ENTRIES)

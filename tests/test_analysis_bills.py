@@ -329,3 +329,27 @@ def test_the_families_billed_exactly_are_and_the_others_say_approximate():
         fields, count = _default_model_count(transformers, model_type)
         bill = param_bill(fields)
         assert not bill.exact and bill.total != count, model_type
+
+
+def test_ernie_vl_bills_both_sparse_blocks_of_a_moe_layer():
+    """ERNIE-4.5-VL's text model (transformers' default config: 27 sparse layers of 64 text experts of width 1536 and
+    64 vision experts of width 512, a gate each) against its model built on the meta device, counted by part: the
+    bill's total is the model's but for the blocks' ``moe_statics`` Parameters (a correction bias, not billed, as V3's
+    buffer); a text token's active count leaves every vision expert and gate out. Before session 50 the vision blocks
+    were not billed (21.8B of the model's 28.6B)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.ernie4_5_vl_moe import modeling_ernie4_5_vl_moe as modeling
+
+    text = transformers.AutoConfig.for_model("ernie4_5_vl_moe").text_config
+    with torch.device("meta"):
+        model = modeling.Ernie4_5_VLMoeTextModel(text)
+    parts = {"statics": 0, "vision": 0, "text_experts": 0, "rest": 0}
+    for name, p in model.named_parameters():
+        part = ("statics" if "moe_statics" in name else "vision" if ".vision_moe." in name
+                else "text_experts" if ".text_moe.experts." in name else "rest")
+        parts[part] += p.numel()
+    assert parts["vision"] > 6e9  # 27 layers x 64 experts x 3 x 2560 x 512, and the gates
+    bill = param_bill(transformers.AutoConfig.for_model("ernie4_5_vl_moe").to_dict())
+    assert bill.total == sum(parts.values()) - parts["statics"]
+    active_text = round(parts["text_experts"] * text.moe_k / text.moe_num_experts)
+    assert bill.active == parts["rest"] + active_text

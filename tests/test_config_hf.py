@@ -236,3 +236,18 @@ def test_a_config_json_s_path_is_refused_saying_how_to_read_it(tmp_path, as_path
         MoEConfig.from_hf_config(as_path(tmp_path / "config.json"))
     with open(tmp_path / "config.json") as f:
         assert MoEConfig.from_hf_config(json.load(f)) == MoEConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("dense", [3, 5])
+def test_a_deepseek_v3_config_with_no_moe_layer_is_refused_naming_first_k_dense_replace(dense):
+    """``first_k_dense_replace >= num_hidden_layers`` (transformers' DeepseekV3Config: every decoder layer dense) is
+    refused naming the field the user set and the layer count, not MoEConfig's ``num_moe_layers=0``; one MoE layer
+    fewer than the count still reads (num_moe_layers 1)."""
+    fields = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1)
+    with pytest.raises(ValueError, match=rf"cfg.first_k_dense_replace={dense}, num_hidden_layers=3: no decoder "
+                                         r"layer holds a MoE block") as err:
+        MoEConfig.from_hf_config(transformers.DeepseekV3Config(first_k_dense_replace=dense, **fields))
+    assert "num_moe_layers" not in str(err.value)
+    cfg = transformers.DeepseekV3Config(first_k_dense_replace=2, **fields)
+    assert MoEConfig.from_hf_config(cfg).num_moe_layers == 1

@@ -35,16 +35,20 @@ class ParamBill:
     num_moe_layers: int
     num_dense_layers: int
     exact: bool = False  # the family is in EXACT_BILL: this bill equals transformers' model to the parameter
+    # a MoE layer's second sparse block, experts and gate, per MoE layer (ERNIE-4.5-VL's vision tokens' block,
+    # ``second_sparse_block``): in the total, not active (a text token runs none of it)
+    second_blocks: int = 0
 
     @property
     def total(self) -> int:
         return (self.embedding + self.output + self.attention + self.dense_mlp + self.routed_experts
-                + self.shared_experts + self.router + self.norms)
+                + self.shared_experts + self.router + self.norms + self.second_blocks)
 
     @property
     def active(self) -> int:
-        """Parameters one token uses: everything but the routed experts it did not pick."""
-        return self.total - self.routed_experts + self.active_routed_experts
+        """Parameters one (text) token uses: everything but the routed experts it did not pick and the second
+        sparse blocks (ERNIE-4.5-VL's vision blocks)."""
+        return self.total - self.routed_experts + self.active_routed_experts - self.second_blocks
 
     @property
     def total_matmul(self) -> int:
@@ -82,6 +86,7 @@ def param_bill(hf_config: dict) -> ParamBill:
     n_dim = cfg.moe_intermediate_size
     expert = 3 * d * n_dim + ((2 * n_dim + d) if cfg.expert_bias else 0)  # gpt-oss: b13 [2N], b2 [d]
     shared = 3 * d * cfg.shared_expert_intermediate_size + (d if cfg.shared_expert_gate else 0)
+    second = second_sparse_block(hf_config)  # ERNIE-4.5-VL's vision blocks
     return ParamBill(
         embedding=vocab * d,
         output=_output_params(hf_config, vocab, d),
@@ -91,11 +96,33 @@ def param_bill(hf_config: dict) -> ParamBill:
         active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * expert),  # LongCat: k·E/(E+Z)
         shared_experts=moe_layers * shared,
         router=moe_layers * (d + cfg.router_bias) * cfg.router_width,
+        second_blocks=moe_layers * (second.experts + second.router),
         norms=layers * 2 * d + d + _hyper_connection_params(hf_config, layers),
         num_moe_layers=moe_layers,
         num_dense_layers=layers - moe_layers,
         exact=hf_config["model_type"] in EXACT_BILL,
     )
+
+
+@dataclass(frozen=True)
+class SecondBlock:
+    """A MoE layer's second sparse block, beside the one ``MoEConfig`` reads (ERNIE-4.5-VL: the vision tokens'):
+    parameters a MoE layer; a token of the first kind uses none of them (not active)."""
+
+    experts: int = 0  # E2·3·d·N2
+    router: int = 0  # d·E2
+
+
+def second_sparse_block(c: dict) -> SecondBlock:
+    """ERNIE-4.5-VL's text model: each sparse layer holds ``text_moe`` and ``vision_moe`` (transformers'
+    ``Ernie4_5_VLMoeMoeBlock``), the same expert count, widths ``moe_intermediate_size`` [text, vision], a gate each;
+    a token routes through its modality's block only. Any other family: none."""
+    widths = c.get("moe_intermediate_size")
+    if c.get("model_type") != "ernie4_5_vl_moe_text" or not isinstance(widths, (list, tuple)) or len(widths) < 2:
+        return SecondBlock()
+    d, experts = c["hidden_size"], c.get("moe_num_experts") or c["num_experts"]
+    experts = experts[1] if isinstance(experts, (list, tuple)) else experts
+    return SecondBlock(experts=experts * 3 * d * widths[1], router=d * experts)
 
 
 def _output_params(c: dict, vocab: int, d: int) -> int:

@@ -44,12 +44,14 @@ class MemoryBill:
 
 def weight_memory(bill: ParamBill, fmt: WeightFormat) -> MemoryBill:
     """The model's weight bytes with its matmul weights stored in ``fmt``."""
-    quantised = bill.attention + bill.dense_mlp + bill.routed_experts + bill.shared_experts
+    # ERNIE-4.5-VL's second sparse blocks as routed experts (their gates, 0.07% of them, stored in fmt too)
+    routed = bill.routed_experts + bill.second_blocks
+    quantised = bill.attention + bill.dense_mlp + routed + bill.shared_experts
     kept_bf16 = bill.total - quantised
     return MemoryBill(
         dtype=fmt.name,
         total_bytes=quantised * fmt.bytes_per_weight + kept_bf16 * FORMATS["bf16"].bytes_per_weight,
-        routed_expert_bytes=bill.routed_experts * fmt.bytes_per_weight,
+        routed_expert_bytes=routed * fmt.bytes_per_weight,
     )
 
 

@@ -85,6 +85,8 @@ def _params_table(report: Report) -> Table:
              ("dense MLP", p.dense_mlp), ("routed experts", p.routed_experts), ("shared experts", p.shared_experts),
              ("router", p.router), ("norms", p.norms), ("total", p.total), ("active, embedding included", p.active),
              ("active matmul (no embedding, norms)", p.active_matmul))
+    if p.second_blocks:  # ERNIE-4.5-VL: its vision experts and gates, in the total, not active for a text token
+        parts = parts[:7] + (("second sparse blocks (vision)", p.second_blocks),) + parts[7:]
     for name, n in parts:
         t.add_row(name, f"{n / 1e9:,.3f}")
     t.caption = ("counted to the parameter (this family's bill equals transformers' model)" if p.exact else
