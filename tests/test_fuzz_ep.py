@@ -127,9 +127,7 @@ def test_ep_gradients_match_float64_autograd_through_the_loop(grad_ranks, world_
 
 
 def test_the_gradient_checks_fail_on_a_wrong_ep_gradient(grad_ranks):
-    """One expert gradient 0.1% high on rank 0: every float32 seed that compared fails, where rank 0's w13 gradient is
-    1% of its largest at least (the checks measure a gradient against FLOOR x the case's largest: 0.1% of one far
-    below that is under float32's tolerance by design; seed 19's clamp after relu2 at x_scale 4 leaves w13's ~0)."""
+    """One expert gradient 0.1% high on rank 0: every float32 seed that compared fails."""
     w = 2
     bent = [{s: dataclasses.replace(g, grads={**g.grads, "w13": g.grads["w13"] * (1.001 if r == 0 else 1.0)})
              for s, g in rank.items()} for r, rank in enumerate(grad_ranks[w])]
@@ -139,9 +137,7 @@ def test_the_gradient_checks_fail_on_a_wrong_ep_gradient(grad_ranks):
         plain, outcome = Outcome(), Outcome()
         check_ep_grads([s], grad_ranks[w], w, plain)
         check_ep_grads([s], bent, w, outcome)
-        norms = {name: np.linalg.norm(g) for name, g in grad_ranks[w][0][s].grads.items()}
-        visible = bent[0][s].slots and norms["w13"] >= 0.01 * max(norms.values())
-        compared += [s] if plain.compared and visible else []
+        compared += [s] if plain.compared and bent[0][s].slots and np.abs(bent[0][s].grads["w13"]).max() > 0 else []
         failing += [s] if outcome.failures else []
     assert len(compared) >= 3 and set(compared) <= set(failing), (compared, failing)
 
