@@ -160,12 +160,15 @@ def _eps_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfi
     [M, k] (softmax: they are the logits; minus the row's logsumexp over ``logits`` [M, E], the masked experts at the
     dtype's min), T = sum_j e^(l_j - t) and c = eps e^-t, T / (T + c) (the fused kernels divide by T + c: one
     division). Exactly 1.0 where c is below T's rounding (S > 2^24 eps: 1.7e-13 at 1e-20); 0 where eps e^-t
-    overflows (S below 1e-38 eps: weights below 1e-38); NaN on a row with no finite slot (its weights are zeroed)."""
+    overflows (S below 1e-38 eps: weights below 1e-38), with a zero gradient there (T / (T + c)'s backward reads
+    inf / inf); NaN on a row with no finite slot (its weights are zeroed)."""
     top = log_scores.max(dim=-1, keepdim=True).values  # [M, 1]
     total = torch.exp(log_scores - top).sum(dim=-1, keepdim=True)  # [M, 1]
     if config.scoring == "softmax":
         top = top - torch.logsumexp(logits, dim=-1, keepdim=True)
-    return total / (total + torch.exp(renorm_log_eps(config.renorm_eps) - top))
+    log_c = renorm_log_eps(config.renorm_eps) - top  # [M, 1]
+    over = torch.isinf(torch.exp(log_c.detach()))  # exp's and the division's backward would read 0 x inf there
+    return torch.where(over, 0.0, total / (total + torch.exp(torch.where(over, 0.0, log_c))))
 
 
 def _clamp_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
