@@ -136,9 +136,10 @@ def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
     return scores.detach() + (path - path.detach())
 
 
-def _log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+def router_log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor:
     """[M, k] chosen logits -> log of their scores up to a row's constant (softmax: the logits themselves), the
-    renormalisation's input: softmax of it is w_i / sum_j w_j without underflow to 0/0."""
+    renormalisation's input: softmax of it is w_i / sum_j w_j without underflow to 0/0 (the router's, and the
+    sequence-wise balance loss's s / sum(s) over a row)."""
     if scoring == "softmax":
         return chosen_logits
     if scoring == "sigmoid":
@@ -384,7 +385,7 @@ def _weights(
     if config.renormalize:
         # softmax over the chosen log-scores == w_i / sum_j w_j, without underflow to 0/0.
         chosen_logits = logits.gather(1, topk_ids)  # [M, k]
-        log_scores = _log_scores(chosen_logits, config.scoring)
+        log_scores = router_log_scores(chosen_logits, config.scoring)
         if chosen_finite is not None:
             log_scores = log_scores.masked_fill(~chosen_finite, float("-inf"))
         weights = torch.softmax(log_scores, dim=-1)  # NaN on a row with no finite slot: zeroed below
