@@ -57,9 +57,10 @@ class Grads:
     grads: dict[str, torch.Tensor]
 
 
-def trainable(case: FuzzCase) -> bool:
-    """Float experts (quantized ones have no gradient) and a token at least."""
-    return case.scheme is None and case.m > 0
+def trainable(case: FuzzCase, quantized: bool = False) -> bool:
+    """Float experts (quantized ones have no gradient; ``quantized``: trained all the same, the gradients of x, the
+    gate and the float parameters: ``backend="auto"`` trains them on grouped_mm) and a token at least."""
+    return (case.scheme is None or quantized) and case.m > 0
 
 
 @dataclass
@@ -232,9 +233,10 @@ def aux_loss(row: torch.Tensor, decided, cfg) -> torch.Tensor | None:
     return total
 
 
-def check_grads(case: FuzzCase, backends, result: Outcome) -> None:
-    """Every backend's gradients of ``grad_case(case)`` against the float64 loop's; aux loss values too."""
-    if not trainable(case):
+def check_grads(case: FuzzCase, backends, result: Outcome, quantized: bool = False) -> None:
+    """Every backend's gradients of ``grad_case(case)`` against the float64 loop's; aux loss values too; ``quantized``
+    (``trainable``): quantized cases too."""
+    if not trainable(case, quantized):
         return
     trained = grad_case(case)
     case, r = trained.case, projection(case)
