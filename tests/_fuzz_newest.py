@@ -18,7 +18,7 @@ import random
 from moekit import MoEConfig
 from moekit.activations import ActivationSpec
 
-CLAMPS = (1e-12, 0.6, 1.5)  # 1e-12: ERNIE-4.5's (bites only at extreme rows); 0.6 and 1.5 bite on ordinary rows
+CLAMPS = (1e-12, 0.9, 3.0)  # 1e-12: ERNIE-4.5's (bites only at extreme rows); 0.9 and 3.0 bite on ordinary rows
 LIMITS = (0.5, 1.0, 7.0)  # 7.0: gpt-oss's and Step-3.7's widest; 0.5 and 1.0 bite at unit scale
 
 
