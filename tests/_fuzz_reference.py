@@ -342,8 +342,9 @@ def reference_moe(w: LayerWeights, cfg, x: torch.Tensor, logits: torch.Tensor | 
                   capacity_factor: float | None = None, drop_policy: str = "position",
                   fp8_block: int | None = None, hash_rows: list[list[int]] | None = None) -> Reference:
     """The layer on x [M, K]. ``logits`` [M, W]: route from these (the layer's own, upcast: a bf16 gate rounds them)
-    instead of the float64 gate GEMM. ``hash_rows`` [M][k]: a hash layer's table rows of the tokens' ids. ``fp8_block``: the experts run fp8_block's activation recipe. x's dtype is
-    the layer's: input-weighted experts read weight x token rounded to it."""
+    instead of the float64 gate GEMM. ``hash_rows`` [M][k]: a hash layer's table rows of the tokens' ids.
+    ``fp8_block``: the experts run fp8_block's activation recipe. x's dtype is the layer's: input-weighted experts read
+    weight x token rounded to it."""
     dtype, x = x.dtype, x.double()
     if logits is None:
         logits = x @ w.gate.t() + (w.gate_bias if w.gate_bias is not None else 0.0)  # [M, W]

@@ -39,7 +39,8 @@ def config(scoring: str, renorm: str, **extra) -> MoEConfig:
 
 def _spread(centre: float, g: torch.Generator) -> torch.Tensor:
     """A row [E] of distinct logits around ``centre`` (at least 0.05 apart: finite differences never reorder them)."""
-    return centre + torch.randperm(E, generator=g).double() * 0.3 + torch.rand(E, generator=g, dtype=torch.float64) * 0.1
+    steps = torch.randperm(E, generator=g).double() * 0.3
+    return centre + steps + torch.rand(E, generator=g, dtype=torch.float64) * 0.1
 
 
 def edge_rows(scoring: str) -> torch.Tensor:

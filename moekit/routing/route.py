@@ -122,18 +122,15 @@ def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
 
 
 def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
-    """sqrt(softplus(logits)) [M, E], its gradient finite everywhere. sqrt's backward divides by 2 sqrt(softplus): 0 / 0
-    = NaN where softplus is 0 (logits below -103.9 in float32; an unchosen expert's zero gradient too) and overflow
-    where it is subnormal. There, below the dtype's tiny, sqrt(softplus(x)) = e^(x/2) to the dtype's precision, so the
-    gradient is e^(x/2) / 2's (0 at -inf); the values stay sqrt's bits (the fused kernels' sqrt_rn): the gradient's
-    path is added as g - g, exactly 0."""
+    """sqrt(softplus(logits)) [M, E] with a finite gradient: sqrt's backward reads 0 / 0 where softplus is 0 (logits
+    below -103.9 in float32; unchosen experts too). Below the dtype's tiny the gradient is e^(x/2) / 2's (sqrt(softplus)
+    = e^(x/2) there); the values keep sqrt's bits (the kernels' sqrt_rn): the gradient's path adds g - g = 0."""
     softplus = torch.nn.functional.softplus(logits)
-    scores = softplus.sqrt()
     if not (logits.requires_grad and torch.is_grad_enabled()):
-        return scores
+        return softplus.sqrt()
     tiny = torch.finfo(softplus.dtype).tiny
     path = torch.where(softplus < tiny, torch.exp(0.5 * logits), softplus.clamp(min=tiny).sqrt())
-    return scores.detach() + (path - path.detach())
+    return softplus.sqrt().detach() + (path - path.detach())
 
 
 def router_log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor:
