@@ -21,8 +21,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 
 # softmax, sigmoid and sqrt(softplus) scores; the fused and the torch router; renormalised or not; a soft cap;
-# capacity; float32, float16, bf16 (chosen for M <= 7: the suite's time)
-SEEDS = (1, 15, 19, 23, 25)
+# capacity (float32 all: chosen for M <= 7 and the suite's time; benchmarks/fuzz_layer.py --hash runs every dtype)
+SEEDS = (15, 19, 23, 25)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -40,7 +40,6 @@ def test_the_hash_seeds_reach_every_scoring_and_router():
     assert {c.router for c in cases} == {"torch", "fused"}
     assert {c.config.renormalize for c in cases} == {True, False}
     assert any(c.capacity_factor for c in cases) and any(c.config.router_logit_softcap for c in cases)
-    assert {c.dtype for c in cases} >= {torch.float32, torch.float16}
 
 
 def test_the_hash_reference_is_the_table_and_the_scores():

@@ -105,7 +105,7 @@ def assert_close_rows(got: torch.Tensor, want: torch.Tensor, tol: float) -> None
 def test_route_weights_pass_gradcheck_in_float64(scoring, renorm):
     cfg = config(scoring, renorm)
     logits = edge_rows(scoring).requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda t: route(t, cfg).topk_weights, (logits,), eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(lambda t: route(t, cfg).topk_weights, (logits,), eps=1e-6, atol=1e-8, fast_mode=True)
     ids = route(logits, cfg).topk_ids
     want = weights64(logits.detach(), ids, cfg)
     assert_close_rows(route(logits, cfg).topk_weights.detach(), want, EPS_AS_FLOAT32)  # the values: the family's
@@ -135,7 +135,7 @@ def test_route_gradients_with_a_bias_that_chooses_low_scores():
     for renorm in ("eps", "clamp", "clamp06"):
         cfg = config("softmax", renorm, use_correction_bias=True)
         leaf = logits.clone().requires_grad_(True)
-        assert torch.autograd.gradcheck(lambda t: route(t, cfg, bias).topk_weights, (leaf,), eps=1e-6, atol=1e-8)
+        assert torch.autograd.gradcheck(lambda t: route(t, cfg, bias).topk_weights, (leaf,), eps=1e-6, atol=1e-8, fast_mode=True)
         ids = route(logits.float(), cfg, bias.float()).topk_ids
         assert ids[:, 0].tolist() == [1] * 4
         r = _projection(ids.shape)
@@ -159,7 +159,7 @@ def test_hash_route_gradients_at_the_edges(scoring, renormalize):
     ids = table[tokens]
     leaf = logits.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: hash_route(t, tokens, table, cfg).topk_weights, (leaf,), eps=1e-6,
-                                    atol=1e-8)
+                                    atol=1e-8, fast_mode=True)
     r = _projection(ids.shape)
     got = _grad(lambda t: hash_route(t, tokens, table, cfg).topk_weights, logits.float(), r)
 
@@ -193,5 +193,5 @@ def test_sequence_balance_loss_gradients_at_the_edges(scoring):
     want = _grad(formula, logits.float().double(), torch.ones((), dtype=torch.float64))
     assert_close_rows(got, want, 2e-5)
     leaf = logits.clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(loss, (leaf,), eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(loss, (leaf,), eps=1e-6, atol=1e-8, fast_mode=True)
     assert math.isclose(loss(logits).item(), formula(logits).item(), rel_tol=1e-12)
