@@ -106,7 +106,8 @@ def assert_close_rows(got: torch.Tensor, want: torch.Tensor, tol: float) -> None
 def test_route_weights_pass_gradcheck_in_float64(scoring, renorm):
     cfg = config(scoring, renorm)
     logits = edge_rows(scoring).requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda t: route(t, cfg).topk_weights, (logits,), eps=1e-6, atol=1e-8, fast_mode=True)
+    assert torch.autograd.gradcheck(lambda t: route(t, cfg).topk_weights, (logits,), eps=1e-6, atol=1e-8,
+                                    fast_mode=True)
     ids = route(logits, cfg).topk_ids
     want = weights64(logits.detach(), ids, cfg)
     assert_close_rows(route(logits, cfg).topk_weights.detach(), want, FLOAT64_WEIGHTS)  # the values: the family's
@@ -136,7 +137,8 @@ def test_route_gradients_with_a_bias_that_chooses_low_scores():
     for renorm in ("eps", "clamp", "clamp06"):
         cfg = config("softmax", renorm, use_correction_bias=True)
         leaf = logits.clone().requires_grad_(True)
-        assert torch.autograd.gradcheck(lambda t: route(t, cfg, bias).topk_weights, (leaf,), eps=1e-6, atol=1e-8, fast_mode=True)
+        assert torch.autograd.gradcheck(lambda t: route(t, cfg, bias).topk_weights, (leaf,), eps=1e-6, atol=1e-8,
+                                        fast_mode=True)
         ids = route(logits.float(), cfg, bias.float()).topk_ids
         assert ids[:, 0].tolist() == [1] * 4
         r = _projection(ids.shape)
