@@ -88,11 +88,23 @@ def grad_tolerance(case: FuzzCase, name: str) -> float:
     low = case.dtype in (torch.bfloat16, torch.float16) or (case.fields.get("router_dtype") == "bfloat16"
                                                              and name in GATE_GRADS)
     if low:
-        return GRAD_TOLERANCE[torch.bfloat16] * (3 if case.m < SMALL_M else 1)
+        small = case.m < SMALL_M or (case.dtype != torch.float32 and _tight_clamp(case))
+        return GRAD_TOLERANCE[torch.bfloat16] * (3 if small else 1)
     routed_in = case.fields.get("router_dtype")
     if case.dtype == torch.float64 and (case.router == "fused" or routed_in in ("float32", "bfloat16")):
         return ROUTED_IN_FLOAT32
     return GRAD_TOLERANCE[case.dtype]
+
+
+def _tight_clamp(case: FuzzCase) -> bool:
+    """Whether a clamp of ``_fuzz_newest``'s (after the experts' activation, or the shared MLP's own) is at <= 1: where
+    bf16 / fp16 round a gate-up value across the clamp's kink its gradient is 0 on one side and not on the other, so the
+    float64 loop's (the same weights, unrounded products) differs on those elements, whatever the backend (seed 261,
+    bf16, a gelu shared MLP clamped at 0.8: shared_w13 4.75e-2 in all three; hash seed 145, silu clamped after at 0.5:
+    x 2.3e-2; vbw48's device check, Step-3.7's clamp at 1.0 in bf16: 5.9e-2 on triton and grouped_mm alike)."""
+    after, shared = case.config.activation, case.config.shared_activation
+    specs = [spec for spec in (after, shared) if getattr(spec, "limit", None) is not None]
+    return any(spec.limit <= 1.0 and (spec is shared or spec.limit_after_act) for spec in specs)
 
 
 def projection(case: FuzzCase) -> torch.Tensor:
