@@ -6,6 +6,8 @@ under Triton's interpreter (TRITON_INTERPRET=1, set here). Not a timing: run it 
     PYTHONPATH=$PWD python3 benchmarks/fuzz_layer.py --seeds 17:18 --backends grouped_mm   # one failing seed again
     PYTHONPATH=$PWD python3 benchmarks/fuzz_layer.py --smoke                                # 3 seeds, every backend
     PYTHONPATH=$PWD nice -n 10 python3 benchmarks/fuzz_layer.py --grad --offload --ep 2 3 --seeds 0:1000  # all of it
+    PYTHONPATH=$PWD nice -n 10 python3 benchmarks/fuzz_layer.py --grad --hash --seeds 0:500   # the hash layers'
+    PYTHONPATH=$PWD nice -n 10 python3 benchmarks/fuzz_layer.py --grad --newest --seeds 0:500  # sessions 45-49's
 
 Per seed (``tests/_fuzz_cases.draw_case``): a config over every router option and the layer's options (capacity,
 fused / separate shared expert, fused router, grouped_mm's cpu_gemm / layout / memory budget, quantization, dtype,
@@ -39,8 +41,9 @@ install()
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy on the branches tl.where discards
 warnings.filterwarnings("ignore", category=UserWarning)
 
-from _fuzz_cases import draw_case  # noqa: E402
+from _fuzz_cases import draw_case, draw_hash_case  # noqa: E402
 from _fuzz_check import BACKENDS, Outcome, check_case  # noqa: E402
+from _fuzz_newest import draws_newest  # noqa: E402
 from _fuzz_ep import check_ep, ep_takes, rank_cases  # noqa: E402
 from _fuzz_ep_grad import check_ep_grads, ep_grad_seeds, rank_grads  # noqa: E402
 from _fuzz_grad import check_grads  # noqa: E402
@@ -59,6 +62,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="3 seeds, every backend")
     p.add_argument("--grad", action="store_true", help="also the gradients against float64 autograd (_fuzz_grad)")
     p.add_argument("--offload", action="store_true", help="also two OffloadedMoE layers on one cache (_fuzz_offload)")
+    p.add_argument("--hash", action="store_true",
+                   help="the hash layers' seeds instead (HashMoE, DeepSeek-V4: _fuzz_cases.draw_hash_case)")
+    p.add_argument("--newest", action="store_true",
+                   help="only the seeds that draw one of sessions 45-49's options (_fuzz_newest.NEWEST)")
     p.add_argument("--ep", type=int, nargs="*", default=[], metavar="W",
                    help="also EPMoE over W gloo ranks (_fuzz_ep; e.g. --ep 2 3), every seed in one spawn per W")
     args = p.parse_args()
@@ -77,7 +84,9 @@ def main() -> int:
         if RUN.elapsed() > args.deadline:
             RUN.log(f"SKIP seeds {seed}..{args.range.stop - 1}: deadline")
             break
-        case = draw_case(seed)
+        case = draw_hash_case(seed) if args.hash else draw_case(seed)
+        if args.newest and not args.hash and not draws_newest(case.fields):
+            continue
         try:
             outcome = check_case(case, tuple(args.backends))
             if args.grad:

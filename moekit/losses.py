@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from moekit.config import SCORINGS
-from moekit.routing.route import router_scores, soft_capped
+from moekit.routing.route import router_log_scores, soft_capped
 
 
 @dataclass(frozen=True)
@@ -165,8 +165,8 @@ def _sequence_parts(live: _LiveTokens, ids: torch.Tensor, num_experts: int, seq_
     if not logits.shape[0]:  # an EP rank without tokens (a 2-D x of 0 rows is a sequence of 0)
         return logits.new_zeros(()), logits.new_zeros(())
     num_seqs, top_k = logits.shape[0] // seq_len, ids.shape[1]
-    scores = router_scores(live.logits, scoring)  # [M, E]
-    normed = scores / scores.sum(-1, keepdim=True) * live.weight[:, None]  # [M, E]; s', 0 on a left-out token
+    # [M, E] s' = s / sum(s), 0 on a left-out token: a softmax of the log-scores, finite where every s underflows
+    normed = torch.softmax(router_log_scores(live.logits, scoring), dim=-1) * live.weight[:, None]
     weight = live.weight.view(num_seqs, seq_len)  # [B, T]
     tokens = _at_least_one(weight.sum(1))[:, None]  # [B, 1]; the sequence's live T
     p = normed.view(num_seqs, seq_len, num_experts).sum(1) / tokens  # [B, E]

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moekit import MoE, MoEConfig
+from moekit import HashMoE, MoE, MoEConfig
 from moekit.activations import ActivationSpec
+
+from _fuzz_newest import hash_fields, hash_table, with_newest
 
 GPT_OSS = ActivationSpec(name="silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
 SCHEMES = ("fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4")
@@ -54,6 +56,8 @@ class FuzzCase:
     tied_gate_rows: list[tuple[int, int]]  # (a, b): gate row b a copy of row a, so experts a and b tie exactly
     x_scale: float  # x ~ N(0, x_scale^2): 4 saturates sigmoids and reaches the activation's clamp
     refusals: list[Refusal] = field(default_factory=list)
+    hash_table: list[list[int]] | None = None  # [V][k]: a hash layer's tid2eid (HashMoE), None: top-k routing
+    token_ids: list[int] | None = None  # [M] a hash layer's token ids
 
     @property
     def config(self) -> MoEConfig:
@@ -153,6 +157,32 @@ def draw_case(seed: int, dtypes=DTYPES) -> FuzzCase:
     """The case of ``seed``: a valid config, the layer's options, M and what to poison."""
     rng = random.Random(seed)
     f, refusals = valid_fields(rng)
+    f, newest = with_newest(f, random.Random(f"newest{seed}"))
+    return _layer_case(seed, rng, f, refusals + [Refusal(*r) for r in newest], dtypes)
+
+
+def draw_hash_case(seed: int, dtypes=DTYPES) -> FuzzCase:
+    """A hash layer's case (``HashMoE``, DeepSeek-V4): a config drawn as ``draw_case``'s and made a hash one
+    (``_fuzz_newest.hash_fields``), the layer's options, its table and the tokens' ids; its own stream of seeds."""
+    rng = random.Random(f"hash{seed}")
+    refusals = []
+    while True:
+        f = hash_fields(_fit(draw_fields(rng), rng), rng)
+        try:
+            MoEConfig(**f)
+        except (ValueError, TypeError) as err:
+            refusals.append(Refusal(_changed(f), str(err)))
+            continue
+        break
+    f, newest = with_newest(f, rng)
+    case = _layer_case(seed, rng, f, refusals + [Refusal(*r) for r in newest], dtypes)
+    cfg = case.config
+    return dataclasses.replace(case, hash_table=hash_table(cfg, rng),
+                               token_ids=[rng.randrange(cfg.hash_table_size) for _ in range(case.m)])
+
+
+def _layer_case(seed: int, rng: random.Random, f: dict, refusals: list[Refusal], dtypes) -> FuzzCase:
+    """The layer's options, M and what to poison, drawn from ``rng`` for the valid config fields ``f``."""
     cfg = MoEConfig(**f)
     scheme = rng.choice(SCHEMES) if rng.random() < 0.2 else None
     options = {}
@@ -180,12 +210,21 @@ def draw_case(seed: int, dtypes=DTYPES) -> FuzzCase:
                     tied_gate_rows=tied, x_scale=rng.choice([1.0, 1.0, 4.0]), refusals=refusals)
 
 
+def token_ids(case: FuzzCase, *shape: int) -> dict:
+    """A call's keyword arguments for the case's token ids viewed as ``shape`` (x's without K): {} unless a hash
+    layer's."""
+    return {} if case.token_ids is None else {"token_ids": torch.tensor(case.token_ids, dtype=torch.long).view(shape)}
+
+
 def build(case: FuzzCase, backend: str = "reference") -> tuple[MoE, torch.Tensor]:
     """The case's layer (random weights: logits spread to O(3), biases that matter) in eval mode, and x [M, K]."""
     g = torch.Generator().manual_seed(case.seed)
     cfg = case.config
-    layer = MoE(cfg, backend=backend, fuse_shared=case.fuse_shared, capacity_factor=case.capacity_factor,
-                drop_policy=case.drop_policy, dtype=case.dtype).eval()
+    kind = MoE if case.hash_table is None else HashMoE
+    layer = kind(cfg, backend=backend, fuse_shared=case.fuse_shared, capacity_factor=case.capacity_factor,
+                 drop_policy=case.drop_policy, dtype=case.dtype).eval()
+    if case.hash_table is not None:
+        layer.load_table_(torch.tensor(case.hash_table))
     with torch.no_grad():
         for name, p in layer.named_parameters():
             std = 2.0 if name.startswith("gate.") else (0.3 if name in ("b13", "b2") else 1.0)

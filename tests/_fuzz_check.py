@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from _fuzz_cases import FuzzCase, build
+from _fuzz_cases import FuzzCase, build, token_ids
 from _fuzz_reference import LayerWeights, reference_moe
 
 # relative L2 against float64 (design.md's contract; float64 layers: float64 all the way)
@@ -91,14 +91,16 @@ def prepared(case: FuzzCase, backend: str, result: Outcome):
 def _check_backend(case: FuzzCase, backend: str, result: Outcome) -> None:
     layer, x, router = prepared(case, backend, result)
     try:
+        ids, m = token_ids(case, case.m), case.m  # {} or a hash layer's token_ids [M]
         with torch.no_grad():
-            plain = layer(x)  # [M, K]
-            stats = layer(x, return_stats=True)
-            again = layer(x.view(1, *x.shape)).view(x.shape)  # a repeated call, 3-D: the decode fast path, reshaped
-            strided = layer(torch.stack([x, x], dim=-1)[..., 0], return_stats=True)  # x [M, K], strides (2K, 2)
-            routed = layer.route_tokens(x)
+            plain = layer(x, **ids)  # [M, K]
+            stats = layer(x, return_stats=True, **ids)
+            # a repeated call, 3-D: the decode fast path, reshaped
+            again = layer(x.view(1, *x.shape), **token_ids(case, 1, m)).view(x.shape)
+            strided = layer(torch.stack([x, x], dim=-1)[..., 0], return_stats=True, **ids)  # x strides (2K, 2)
+            routed = layer.route_tokens(x, **ids)
         # the weights need a gradient: the autograd paths' forward (its own gate GEMM)
-        graded = layer(x, return_stats=True) if case.scheme is None else None
+        graded = layer(x, return_stats=True, **ids) if case.scheme is None else None
     except (TypeError, ValueError) as err:
         _check_refusal(case, backend, err, result)
         return
@@ -126,11 +128,17 @@ def _reference(layer, case: FuzzCase, x: torch.Tensor, logits: torch.Tensor, res
     """The float64 loop routed from ``logits`` [M, W], or None where a near tie decided a capacity drop."""
     fp8 = layer.w13.block_shape[1] if case.scheme == "fp8_block" else None
     ref = reference_moe(LayerWeights.of(layer), case.config, x, logits.detach().double(),
-                        capacity_factor=case.capacity_factor, drop_policy=case.drop_policy, fp8_block=fp8)
+                        capacity_factor=case.capacity_factor, drop_policy=case.drop_policy, fp8_block=fp8,
+                        hash_rows=hash_rows(case))
     if case.capacity_factor is not None and (ref.capacity_ambiguous or ref.ambiguous_tokens):
         result.skipped_ambiguous += 1
         return None
     return ref
+
+
+def hash_rows(case: FuzzCase) -> list[list[int]] | None:
+    """[M][k] the table rows of a hash case's tokens (the reference's choice), None for a top-k case."""
+    return None if case.hash_table is None else [case.hash_table[t] for t in case.token_ids]
 
 
 def check_output(out: torch.Tensor, want: torch.Tensor, case: FuzzCase, what: str, result: Outcome,

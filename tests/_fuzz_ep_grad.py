@@ -104,7 +104,11 @@ def check_ep_grads(seeds: list[int], ranks: list[dict[int, RankGrads]], world_si
                         result.fail(f"ep W={world_size} seed {seed}: the replicas of expert {expert} hold different "
                                     f"{name} gradients after sync_grads")
                     held.setdefault(expert, local[slot])
-                full[e:] = local[len(s.slots):]
+                shared = local[len(s.slots):]  # [S, ...] the fused shared slots: every rank holds them whole
+                if s is not shares[0] and not torch.equal(shared, full[e:]):
+                    result.fail(f"ep W={world_size} seed {seed}: the ranks' shared slots hold different {name} "
+                                f"gradients after sync_grads")
+                full[e:] = shared
             for expert, g in held.items():
                 full[expert] = g
             got[name] = full

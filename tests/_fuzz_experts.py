@@ -31,12 +31,14 @@ class _Spec:
     alpha: float = 1.0
     limit: float | None = None
     up_shift: float = 0.0
+    limit_after_act: bool = False
 
 
 def activation_spec(activation) -> _Spec:
     if isinstance(activation, str):
         return _Spec(activation)
-    return _Spec(activation.name, activation.interleaved, activation.alpha, activation.limit, activation.up_shift)
+    return _Spec(activation.name, activation.interleaved, activation.alpha, activation.limit, activation.up_shift,
+                 activation.limit_after_act)
 
 
 def _act(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
@@ -54,13 +56,18 @@ def _act(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
 
 
 def glu(h: torch.Tensor, activation) -> torch.Tensor:
-    """h [2n] (gate-up product of one token) -> [n]: act(gate) * (up + shift), clamped by the limit."""
+    """h [2n] (gate-up product of one token) -> [n]: act(gate) * (up + shift), clamped by the limit: the gate before
+    the activation, or (``limit_after_act``, Step-3.7) act(gate) after it: min(act(gate), limit); up in [-limit, limit]
+    either way."""
     spec = activation_spec(activation)
     n = h.shape[-1] // 2
     gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
-    if spec.limit is not None:
-        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-    return _act(gate, spec) * (up + spec.up_shift)
+    if spec.limit is None:
+        return _act(gate, spec) * (up + spec.up_shift)
+    up = up.clamp(-spec.limit, spec.limit)
+    if spec.limit_after_act:
+        return torch.minimum(_act(gate, spec), torch.full_like(gate, spec.limit)) * (up + spec.up_shift)
+    return _act(gate.clamp(max=spec.limit), spec) * (up + spec.up_shift)
 
 
 
@@ -109,12 +116,13 @@ def _run(x, w, expert, activation, fp8_block):
 
 
 def _shared(x: torch.Tensor, w: LayerWeights, cfg, weights) -> torch.Tensor:
-    """The shared MLP on one token: each slot times its weight (``weights`` [S], the router's: Inkling; 1/2: average;
-    sigmoid gate)."""
+    """The shared MLP on one token, in ``shared_activation`` where set (else the experts' activation): each slot times
+    its weight (``weights`` [S], the router's: Inkling; 1/2: average; sigmoid gate)."""
     y = torch.zeros_like(x)
+    activation = cfg.activation if cfg.shared_activation is None else cfg.shared_activation  # HY-V4: its own
     for s, slot in enumerate(w.shared):
         weight = weights[s] if weights is not None else 1.0
-        y = y + weight * (slot.w2 @ glu(slot.w13 @ x, cfg.activation))
+        y = y + weight * (slot.w2 @ glu(slot.w13 @ x, activation))
     if w.shared_gate is not None:
         y = y * torch.sigmoid(w.shared_gate @ x)
     return y * (0.5 if cfg.shared_expert_combine == "average" else 1.0)

@@ -76,7 +76,7 @@ class LayerWeights:
         if layer.fuse_shared:  # rows E..E+S-1 are the shared slots
             shared = [SharedSlot(w13[e + s], w2[e + s]) for s in range(cfg.num_shared_slots)]
         elif layer.shared_w13 is not None:
-            interleaved = activation_spec(cfg.activation).interleaved
+            interleaved = activation_spec(cfg.shared_mlp_activation).interleaved
             shared = _cut_shared(f64(layer.shared_w13), f64(layer.shared_w2), n, interleaved)
         else:
             shared = []
@@ -154,6 +154,22 @@ def _sigmoid(v: float) -> float:
     return 1 / (1 + math.exp(-v)) if v >= 0 else math.exp(v) / (1 + math.exp(v))
 
 
+def _sqrt_softplus(v: float) -> float:
+    """sqrt(log(1 + e^v)) (DeepSeek-V4's score), without overflow above nor rounding to 0 before float64 must."""
+    return math.sqrt(v + math.log1p(math.exp(-v)) if v > 0 else math.log1p(math.exp(v)))
+
+
+def score(v: float, cfg) -> float:
+    """The score of a (capped) logit under a per-expert scoring rule (sigmoid, sqrt(softplus))."""
+    return _sqrt_softplus(v) if cfg.scoring == "sqrtsoftplus" else _sigmoid(v)
+
+
+def renorm_total(total: float, cfg) -> float:
+    """What the renormalisation divides the chosen scores by, from their sum: sum + eps (DeepSeek-V3's 1e-20), max(sum,
+    c) (ERNIE-4.5's clamp) or the sum itself."""
+    return total + cfg.renorm_eps if cfg.renorm_eps else max(total, cfg.renorm_clamp)
+
+
 def route_token(raw: list[float], cfg, bias: list[float] | None) -> TokenRoute:
     """One token's routing from its raw logits [W] (float64 values of the layer's logits)."""
     cap = cfg.router_logit_softcap
@@ -163,8 +179,8 @@ def route_token(raw: list[float], cfg, bias: list[float] | None) -> TokenRoute:
     if cfg.sparsemixer_jitter_eps is not None:
         return _sparsemixer(row[:width], finite[:width], cfg)
     live = [e for e in range(width) if finite[e]]
-    if cfg.shared_expert_combine == "router" or cfg.scoring == "sigmoid":
-        scores = {e: _sigmoid(row[e]) for e in live}
+    if cfg.shared_expert_combine == "router" or cfg.scoring != "softmax":
+        scores = {e: score(row[e], cfg) for e in live}
     else:  # softmax over the finite experts only
         top = max((row[e] for e in live), default=0.0)
         total = sum(math.exp(row[e] - top) for e in live)
@@ -185,12 +201,34 @@ def route_token(raw: list[float], cfg, bias: list[float] | None) -> TokenRoute:
     if cfg.shared_expert_combine == "router":
         return _router_shared(raw, row, ids, cfg, ambiguous)
     if cfg.renormalize:
-        total = sum(scores[e] for e in taken) + cfg.renorm_eps  # the family's eps (0: the exact ratio)
+        total = renorm_total(sum(scores[e] for e in taken), cfg)  # the family's eps or clamp (0: the exact ratio)
         weights = [scores[e] / total if finite[e] else 0.0 for e in ids]
     else:
         weights = [scores[e] if finite[e] else 0.0 for e in ids]
     scale = cfg.routed_scaling_factor * (0.5 if cfg.shared_expert_combine == "average" else 1.0)
     return TokenRoute(ids=ids, weights=[w * scale for w in weights], masked=not live, ambiguous=ambiguous)
+
+
+HASH_EPS = 1e-20  # DeepSeek-V4's hash router: weights / (sum + 1e-20), whatever renorm_eps (0 or 1e-20) says
+
+
+def hash_route_token(raw: list[float], cfg, experts: list[int]) -> TokenRoute:
+    """One token of a hash layer (DeepSeek-V4): its experts are its table row ``experts`` [k] (in the table's order,
+    repeats kept), each weighted by its score of the (capped) logits [E]: softmax over the row, sigmoid or
+    sqrt(softplus), divided by their sum + 1e-20 when renormalised, times routed_scaling_factor. No choice: no tie."""
+    cap = cfg.router_logit_softcap
+    row = [cap * math.tanh(v / cap) if cap else v for v in raw]
+    if cfg.scoring == "softmax":
+        top = max(row)
+        total = sum(math.exp(v - top) for v in row)
+        scores = [math.exp(v - top) / total for v in row]
+    else:
+        scores = [score(v, cfg) for v in row]
+    weights = [scores[e] for e in experts]
+    if cfg.renormalize:
+        total = sum(weights) + HASH_EPS
+        weights = [w / total for w in weights]
+    return TokenRoute(ids=list(experts), weights=[w * cfg.routed_scaling_factor for w in weights])
 
 
 def _kept_experts(choice: dict[int, float], cfg, biased: bool) -> tuple[set[int], bool]:
@@ -302,15 +340,18 @@ class Reference:
 
 def reference_moe(w: LayerWeights, cfg, x: torch.Tensor, logits: torch.Tensor | None = None, *,
                   capacity_factor: float | None = None, drop_policy: str = "position",
-                  fp8_block: int | None = None) -> Reference:
+                  fp8_block: int | None = None, hash_rows: list[list[int]] | None = None) -> Reference:
     """The layer on x [M, K]. ``logits`` [M, W]: route from these (the layer's own, upcast: a bf16 gate rounds them)
-    instead of the float64 gate GEMM. ``fp8_block``: the experts run fp8_block's activation recipe. x's dtype is
-    the layer's: input-weighted experts read weight x token rounded to it."""
+    instead of the float64 gate GEMM. ``hash_rows`` [M][k]: a hash layer's table rows of the tokens' ids.
+    ``fp8_block``: the experts run fp8_block's activation recipe. x's dtype is the layer's: input-weighted experts read
+    weight x token rounded to it."""
     dtype, x = x.dtype, x.double()
     if logits is None:
         logits = x @ w.gate.t() + (w.gate_bias if w.gate_bias is not None else 0.0)  # [M, W]
     bias = None if w.correction_bias is None else w.correction_bias.tolist()
-    routes = [route_token(r, cfg, bias) for r in logits.double().tolist()]
+    rows = logits.double().tolist()
+    routes = [route_token(r, cfg, bias) for r in rows] if hash_rows is None else \
+        [hash_route_token(r, cfg, experts) for r, experts in zip(rows, hash_rows)]
     m, e = x.shape[0], cfg.num_experts
     keep, cap_amb = ([[True] * cfg.top_k for _ in range(m)], False) if capacity_factor is None else \
         capacity_keep(routes, cfg, capacity_factor, drop_policy)

@@ -58,6 +58,19 @@ def test_the_seeds_reach_every_option():
     assert refusals and all(r.names_a_field() for r in refusals)
 
 
+def test_the_seeds_reach_the_newest_options():
+    """Sessions 45-49's options (``_fuzz_newest``), each where it computes something: sqrt(softplus) scoring (with the
+    torch and the fused router), the renorm clamp on renormalised weights (both routers), the clamp after the
+    activation, and a shared MLP's own activation on a separate MLP."""
+    cases = [draw_case(seed) for seed in SEEDS]
+    cfgs = [c.config for c in cases]
+    assert {c.router for c, cfg in zip(cases, cfgs) if cfg.scoring == "sqrtsoftplus"} == {"torch", "fused"}
+    assert {c.router for c, cfg in zip(cases, cfgs) if cfg.renorm_clamp and cfg.renormalize} == {"torch", "fused"}
+    assert {cfg.renorm_clamp for cfg in cfgs} >= {0.9, 3.0}
+    assert sum(not isinstance(cfg.activation, str) and cfg.activation.limit_after_act for cfg in cfgs) >= 3
+    assert any(cfg.shared_activation is not None and cfg.shared_mlp_activation != cfg.activation for cfg in cfgs)
+
+
 def test_the_checks_fail_on_a_layer_off_by_a_little(monkeypatch):
     """Every routed weight 0.1% too large: every float32 case routed through ``route``'s weights fails (the checks
     can fail; sparsemixer, Inkling and fp8 weight elsewhere or more loosely, capacity may leave a case out)."""

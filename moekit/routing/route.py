@@ -118,39 +118,55 @@ def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
         return torch.softmax(logits, dim=-1)
     if scoring == "sigmoid":
         return torch.sigmoid(logits)
-    return torch.nn.functional.softplus(logits).sqrt()
+    return _sqrt_softplus(logits)
 
 
-def _log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
+    """sqrt(softplus(logits)) [M, E] with a finite gradient: sqrt's backward reads 0 / 0 where softplus is 0 (logits
+    below -103.9 in float32; unchosen experts too). Below the dtype's tiny the gradient is e^(x/2) / 2's (sqrt(softplus)
+    = e^(x/2) there); the values keep sqrt's bits (the kernels' sqrt_rn): the gradient's path adds g - g = 0."""
+    softplus = torch.nn.functional.softplus(logits)
+    if not (logits.requires_grad and torch.is_grad_enabled()):
+        return softplus.sqrt()
+    tiny = torch.finfo(softplus.dtype).tiny
+    path = torch.where(softplus < tiny, torch.exp(0.5 * logits), softplus.clamp(min=tiny).sqrt())
+    return softplus.sqrt().detach() + (path - path.detach())
+
+
+def router_log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor:
     """[M, k] chosen logits -> log of their scores up to a row's constant (softmax: the logits themselves), the
-    renormalisation's input: softmax of it is w_i / sum_j w_j without underflow to 0/0."""
+    renormalisation's input: softmax of it is w_i / sum_j w_j without underflow to 0/0 (the router's, and the
+    sequence-wise balance loss's s / sum(s) over a row)."""
     if scoring == "softmax":
         return chosen_logits
     if scoring == "sigmoid":
         return torch.nn.functional.logsigmoid(chosen_logits)
-    # 0.5 log(softplus(x)); where softplus is subnormal or 0 (x below -87.3 in float32), log(log1p(e^x)) = x - e^x / 2
-    # = x to the dtype's precision (the log of a subnormal would carry its rounding, of 0 be -inf: NaN weights)
+    # 0.5 log(softplus(x)); where softplus is subnormal or 0 (x below -87.3 in float32), log(log1p(e^x)) = x - e^x / 2 =
+    # x to the dtype's precision (the log of a subnormal would carry its rounding, of 0 be -inf: NaN weights)
     softplus = torch.nn.functional.softplus(chosen_logits)
     tiny = torch.finfo(softplus.dtype).tiny
     return 0.5 * torch.where(softplus < tiny, chosen_logits, torch.log(softplus.clamp(min=tiny)))
 
 
-def renorm_log_eps(eps: float) -> float:
-    """log(eps) rounded to float32: the constant ``_eps_factor`` and the fused kernels (RENORM_LOG_EPS) both read."""
-    return torch.tensor(eps, dtype=torch.float64).log().float().item()
+def renorm_log_eps(eps: float, dtype: torch.dtype = torch.float32) -> float:
+    """log(eps) rounded to float32 (float64: exact), the constant ``_eps_factor`` / ``_clamp_factor`` (the logits'
+    dtype) and the fused kernels (RENORM_LOG_EPS / _CLAMP, float32) read: a float64 router's weights are float64's."""
+    return torch.tensor(eps, dtype=torch.float64).log().to(torch.promote_types(dtype, torch.float32)).item()
 
 
 def _eps_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     """[M, 1] S / (S + eps) for eps = ``renorm_eps``, S the chosen scores' sum: with t the largest of ``log_scores``
     [M, k] (softmax: they are the logits; minus the row's logsumexp over ``logits`` [M, E], the masked experts at the
     dtype's min), T = sum_j e^(l_j - t) and c = eps e^-t, T / (T + c) (the fused kernels divide by T + c: one
-    division). Exactly 1.0 where c is below T's rounding (S > 2^24 eps: 1.7e-13 at 1e-20); 0 where eps e^-t
-    overflows (S below 1e-38 eps: weights below 1e-38); NaN on a row with no finite slot (its weights are zeroed)."""
+    division). Exactly 1.0 where c is below T's rounding (S > 2^24 eps: 1.7e-13 at 1e-20); 0, with a zero gradient,
+    where eps e^-t overflows (weights below 1e-38); NaN on a row with no finite slot (its weights are zeroed)."""
     top = log_scores.max(dim=-1, keepdim=True).values  # [M, 1]
     total = torch.exp(log_scores - top).sum(dim=-1, keepdim=True)  # [M, 1]
     if config.scoring == "softmax":
         top = top - torch.logsumexp(logits, dim=-1, keepdim=True)
-    return total / (total + torch.exp(renorm_log_eps(config.renorm_eps) - top))
+    log_c = renorm_log_eps(config.renorm_eps, top.dtype) - top  # [M, 1]
+    over = torch.isinf(torch.exp(log_c.detach()))  # exp's and the division's backward would read 0 x inf there
+    return torch.where(over, 0.0, total / (total + torch.exp(torch.where(over, 0.0, log_c))))
 
 
 def _clamp_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -161,7 +177,7 @@ def _clamp_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoECon
     log_total = top + torch.log(torch.exp(log_scores - top).sum(dim=-1, keepdim=True))  # [M, 1] log S
     if config.scoring == "softmax":
         log_total = log_total - torch.logsumexp(logits, dim=-1, keepdim=True)
-    return torch.exp((log_total - renorm_log_eps(config.renorm_clamp)).clamp(max=0.0))
+    return torch.exp((log_total - renorm_log_eps(config.renorm_clamp, top.dtype)).clamp(max=0.0))
 
 
 def _select(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Tensor, config: MoEConfig,
@@ -366,7 +382,7 @@ def _weights(
     if config.renormalize:
         # softmax over the chosen log-scores == w_i / sum_j w_j, without underflow to 0/0.
         chosen_logits = logits.gather(1, topk_ids)  # [M, k]
-        log_scores = _log_scores(chosen_logits, config.scoring)
+        log_scores = router_log_scores(chosen_logits, config.scoring)
         if chosen_finite is not None:
             log_scores = log_scores.masked_fill(~chosen_finite, float("-inf"))
         weights = torch.softmax(log_scores, dim=-1)  # NaN on a row with no finite slot: zeroed below

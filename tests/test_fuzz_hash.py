@@ -1,0 +1,58 @@
+"""DeepSeek-V4's hash layers (``HashMoE``: a token-id table chooses the experts) on the fuzzer's seeded configs
+(``_fuzz_cases.draw_hash_case``): the forward (plain, stats, repeated 3-D and strided calls, the routing, counts and
+drops) and the gradients (x, the gate, w13 / w2, biases, the shared expert, the aux losses) through ``reference``,
+``grouped_mm`` and ``triton`` (interpreted), with the torch and the fused (interpreted) hash router, against the
+float64 loop of ``_fuzz_reference`` (``hash_route_token``: the table's experts, their scores / (sum + 1e-20)).
+
+A failure prints the seed; ``python3 benchmarks/fuzz_layer.py --hash --grad --seeds S:S+1`` reruns it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _fuzz_cases import draw_hash_case
+from _fuzz_check import check_case
+from _fuzz_grad import check_grads, trainable
+from _triton_helpers import router_and_experts_interpreted  # noqa: F401 (autouse: the kernels interpreted)
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+
+# softmax, sigmoid and sqrt(softplus) scores; the fused and the torch router; renormalised or not; a soft cap;
+# capacity (float32 all: chosen for M <= 7 and the suite's time; benchmarks/fuzz_layer.py --hash runs every dtype)
+SEEDS = (15, 19, 23, 25)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_hash_layers_match_the_float64_loop(seed):
+    case = draw_hash_case(seed)
+    outcome = check_case(case)
+    check_grads(case, ("reference", "grouped_mm", "triton"), outcome)
+    assert outcome.compared and not outcome.failures, f"{case.describe()}\n" + "\n".join(outcome.failures)
+
+
+def test_the_hash_seeds_reach_every_scoring_and_router():
+    cases = [draw_hash_case(seed) for seed in SEEDS]
+    assert all(trainable(c) and c.hash_table is not None and len(c.token_ids) == c.m for c in cases)
+    assert {c.config.scoring for c in cases} == {"softmax", "sigmoid", "sqrtsoftplus"}
+    assert {c.router for c in cases} == {"torch", "fused"}
+    assert {c.config.renormalize for c in cases} == {True, False}
+    assert any(c.capacity_factor for c in cases) and any(c.config.router_logit_softcap for c in cases)
+
+
+def test_the_hash_reference_is_the_table_and_the_scores():
+    """The float64 loop's hash routing by hand: V4's sqrt(softplus) at the table's experts (a repeated one counted
+    twice), / (sum + 1e-20), times the scale."""
+    from moekit import MoEConfig
+
+    from _fuzz_reference import hash_route_token
+
+    cfg = MoEConfig(hidden_size=4, moe_intermediate_size=4, num_experts=3, top_k=2, scoring="sqrtsoftplus",
+                    hash_table_size=2, routed_scaling_factor=2.5)
+    route = hash_route_token([0.0, 1.0, -2.0], cfg, [2, 2])
+    assert route.ids == [2, 2] and route.weights == pytest.approx([1.25, 1.25], rel=1e-15)
+    route = hash_route_token([0.0, 1.0, -2.0], cfg, [1, 0])
+    s1, s0 = torch.tensor([1.0, 0.0], dtype=torch.float64).exp().log1p().sqrt().tolist()
+    assert route.weights == pytest.approx([2.5 * s1 / (s1 + s0), 2.5 * s0 / (s1 + s0)], rel=1e-15)
