@@ -20,7 +20,7 @@ Shapes: N expert intermediate (w2's last dim).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moekit.experts.triton_backward_launch import TUNED, BackwardTiles
 
@@ -36,18 +36,25 @@ class TileCandidate:
 
 # The backward's own tiles of "wide/many" (Mixtral at M = 16384): its forward tiles dropped, as the ``MoE`` path's
 # forward is the inference one whatever the class.
-_WIDE_MANY = BackwardTiles(TUNED["wide/many"].block_m, TUNED["wide/many"].grad, TUNED["wide/many"].dx,
-                           TUNED["wide/many"].dw13, TUNED["wide/many"].dw2)
+_WIDE_MANY = replace(TUNED["wide/many"], fwd13=None, fwd2=None)
 # "wide/some"'s split grad tile (dY @ W2 its own GEMM, 256 wide) and dX tile, with both weight grads persistent (one
 # program per SM walking the 128 x 256 tiles in one flat loop: "mid/some"'s dW13 tile; "wide/many" nests the loops).
 _WIDE_PERSISTENT = BackwardTiles(128, TUNED["wide/some"].grad, TUNED["wide/some"].dx, TUNED["mid/some"].dw13,
                                  TUNED["mid/some"].dw13)
 
+# "wide/some" with "mid/few"'s split grad tile, 64 columns wide instead of 128. Compiled offline for sm_90 (Triton 3.6,
+# ``benchmarks/trn50_compile_cpu.py``): the 128-wide tile (in "mid/some" and "wide/some") has 605 spill instructions
+# (1288 B of spill stores) in its epilogue (two 128 x 128 fp32 accumulators and the dg tile read there, 8 warps), none
+# in its K loop; the 64-wide one 10 (20 B), and 131 KB of shared memory against 197 KB.
+_WIDE_GRAD64 = replace(TUNED["wide/some"], grad=TUNED["mid/few"].grad)
+
 CANDIDATES: tuple[TileCandidate, ...] = (
     TileCandidate("wide/few", "as-wide/some", TUNED["wide/some"]),
     TileCandidate("wide/few", "persistent", _WIDE_PERSISTENT),
+    TileCandidate("wide/few", "grad64", _WIDE_GRAD64),
     TileCandidate("wide/some", "as-wide/many", _WIDE_MANY),
     TileCandidate("wide/some", "persistent", _WIDE_PERSISTENT),
+    TileCandidate("wide/some", "grad64", _WIDE_GRAD64),
     TileCandidate("mid/many", "as-mid/some", TUNED["mid/some"]),
 )
 
