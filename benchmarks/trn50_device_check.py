@@ -50,7 +50,7 @@ if "--cells" in sys.argv:
 
 import torch  # noqa: E402
 
-from bench_rounds import turned  # noqa: E402
+from bench_rounds import turned_rounds  # noqa: E402
 from train_step_inputs import layer_inputs, step_grads  # noqa: E402
 
 # name -> (E, top_k, K, N, activation, biases)
@@ -144,21 +144,18 @@ def timed_rounds(fns: dict, dev, stop: float, rounds: int = ROUNDS) -> dict:
     each round; rounds after the first stop at ``stop``."""
     samples = {name: ([], []) for name in fns}
     cuda = dev.type == "cuda"
-    for r in range(rounds):
-        if r and time.time() > stop:
-            break
-        for name in turned(r, list(fns)):
-            sync(dev)
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            fns[name]()
-            if cuda:
-                end.record()
-            sync(dev)
-            samples[name][0].append((time.perf_counter() - t0) * 1e6)
-            samples[name][1].append(start.elapsed_time(end) * 1e3 if cuda else float("nan"))
+    for name in turned_rounds(list(fns), rounds, stop):
+        sync(dev)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        fns[name]()
+        if cuda:
+            end.record()
+        sync(dev)
+        samples[name][0].append((time.perf_counter() - t0) * 1e6)
+        samples[name][1].append(start.elapsed_time(end) * 1e3 if cuda else float("nan"))
     return samples
 
 
@@ -303,12 +300,9 @@ def tile_cell(dev, layer: str, m: int, cls: str, stop: float, result: dict) -> N
     timer = PartTimer(dev)
     try:
         parts = {name: [] for name in sets}
-        for r in range(ROUNDS):
-            if r and time.time() > stop:
-                break
-            for name in turned(r, list(sets)):
-                sync(dev)
-                parts[name].append(timer.run(lambda tiles=sets[name]: backward(tiles)))
+        for name in turned_rounds(list(sets), ROUNDS, stop):
+            sync(dev)
+            parts[name].append(timer.run(lambda tiles=sets[name]: backward(tiles)))
     finally:
         timer.remove()
     med = medians(samples)
