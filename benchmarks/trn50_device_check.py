@@ -69,7 +69,7 @@ GRID = (*((name, m) for m in (1024, 4096) for name in ("dsv2lite", "hunyuan", "w
         *((name, 16384) for name in ("qwen3", "dsv2lite", "dsv3", "hunyuan", "w4096", "phi35", "mixtral")),
         *((name, m) for m in (1024, 4096) for name in ("qwen3", "dsv3")))
 # (layer, M, its shape_class: checked against ``shape_class`` on the GPU; named so the smoke run meets candidates)
-TILE_CELLS = (("mixtral", 1024, "wide/few"), ("mixtral", 4096, "wide/some"), ("dsv2lite", 16384, "mid/many"))
+TILE_CELLS = (("mixtral", 1024, "wide/few"), ("mixtral", 4096, "wide/some"))
 if SMOKE:
     LAYERS = {name: (4, 2, 64, 32 if name != "mixtral" else 48, "silu", False) for name in LAYERS}
     GRID, TILE_CELLS = (("dsv2lite", 8), ("mixtral", 8)), (("mixtral", 8, "wide/few"),)
