@@ -64,10 +64,10 @@ LAYERS = {
     "mixtral": (8, 2, 4096, 14336, "silu", False),
 }
 # the rule's unmeasured widths at 1024 / 4096 tokens, then every width at 16384, then auto49's cells again (this
-# machine against that one); Mixtral at 1024 / 4096 is timed in the tiles phase (its default tiles and grouped_mm)
+# machine against that one; Mixtral's at 1024 / 4096 the tiles phase times too, with its candidates)
 GRID = (*((name, m) for m in (1024, 4096) for name in ("dsv2lite", "hunyuan", "w4096", "phi35")),
         *((name, 16384) for name in ("qwen3", "dsv2lite", "dsv3", "hunyuan", "w4096", "phi35", "mixtral")),
-        *((name, m) for m in (1024, 4096) for name in ("qwen3", "dsv3")))
+        *((name, m) for m in (1024, 4096) for name in ("qwen3", "dsv3", "mixtral")))
 # (layer, M, its shape_class: checked against ``shape_class`` on the GPU; named so the smoke run meets candidates)
 TILE_CELLS = (("mixtral", 1024, "wide/few"), ("mixtral", 4096, "wide/some"))
 if SMOKE:
