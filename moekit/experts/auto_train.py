@@ -76,7 +76,9 @@ class TrainingRule:
 #     N 14336 (Mixtral-8x7B, K 4096): E 8 0.75 / - / 0.55* (0.92 with "wide/few"'s tiles) / 0.88 (trn50: 0.94) /
 #       1.07; E 32 - / - / 0.76* / 0.48*
 #   so triton from 1024 tokens up to N 3072, from 4096 up to N 6400 (the widest measured to win there), and from
-#   16384 at any width; grouped_mm below those and at Mixtral's width under 16384 tokens
+#   16384 at any width; grouped_mm below those and at Mixtral's width under 16384 tokens. trn50-ck2 (c972344b, these
+#   rules and tiles, on an H200) at 16384: N 1408 1.94, 2048 2.95, 3072 1.78, 4096 1.21, 6400 1.19, 14336 1.10; at
+#   1024: N 6400 1.03, 14336 0.94
 #   quantized: the Triton backend's quantized kernels have no backward at all (torch's "no autograd formula" error
 #     at backward()); grouped_mm dequantizes in differentiable ops
 TRAINING_RULES: tuple[TrainingRule, ...] = (
