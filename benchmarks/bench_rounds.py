@@ -130,6 +130,15 @@ def turned(r: int, names: list) -> list:
     return names[r % len(names):] + names[:r % len(names)]
 
 
+def turned_rounds(names: list, rounds: int, until: float = math.inf):
+    """The names of ``rounds`` interleaved rounds in order, each round ``turned``; a round after the first starts only
+    before ``until`` (``time.time()``)."""
+    for r in range(rounds):
+        if r and time.time() > until:
+            return
+        yield from turned(r, names)
+
+
 def shuffled(r: int, names: list) -> list:
     """An order of round r: ``names`` in a permutation seeded by r (no name keeps one predecessor round after
     round)."""

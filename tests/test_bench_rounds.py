@@ -64,6 +64,15 @@ def test_interleaved_stops_past_until_after_one_round(capsys):
     assert "deadline: 1 rounds" in capsys.readouterr().out
 
 
+def test_turned_rounds_turns_each_round_and_stops_past_until(monkeypatch):
+    """Three names over three rounds, each round turned one place; with ``until`` passed after the first round,
+    that round only."""
+    assert list(br.turned_rounds(["a", "b", "c"], 3)) == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    clock = iter([10.0])  # read before each round after the first
+    monkeypatch.setattr(br.time, "time", lambda: next(clock))
+    assert list(br.turned_rounds(["a", "b"], 3, until=5.0)) == ["a", "b"]
+
+
 def test_interleaved_off_the_gpu_without_a_timer_is_one_nan_each():
     got = br.interleaved({"a": None, "b": None}, 3, CPU, rounds=5, replays=5)
     assert list(got) == ["a", "b"] and all(len(v) == 1 and v[0] != v[0] for v in got.values())

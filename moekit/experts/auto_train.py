@@ -62,18 +62,32 @@ class TrainingRule:
 # grouped_mm µs / triton µs (> 1: triton faster) at M = 256 / 512 / 1024 / 4096 / 16384:
 #   variant (Triton's recomputing backward): gpt-oss-20b (E 32) 0.64 / - / 0.82 / 0.86 / 0.90, Step-3.7 (E 96)
 #     0.78 / - / 0.80 / 0.90 / 0.92: grouped_mm at every M
-#   plain (the fused backward), by expert width N:
-#     N 768 (Qwen3-30B-A3B, K 2048): E 128 0.91 / 0.97 / 1.03 / 1.54; E 32 - / - / 1.02 / 1.49; E 16 - / - / 0.99 / 1.21
-#     N 2048 (DeepSeek-V3, K 7168): E 64 0.91 / 0.97 / 1.13 / 2.85; E 32 - / - / 1.17 / 2.07; E 16 - / - / 1.21 / 0.95
-#     N 14336 (Mixtral-8x7B, K 4096): E 8 0.75 / - / 0.55 / 0.88 / 1.07; E 32 - / - / 0.76 / 0.48
-#   so triton from 1024 tokens for experts up to 2048 wide (the widest measured there), grouped_mm below and wider
+#   plain (the fused backward), by expert width N (auto49's cells; M = 1024 / 4096 / 16384 from
+#   benchmarks/trn50_device_check.py, trn50-ck1 at a7e00a0e, same H100 kind; "*": the class's tiles before session 50's
+#   "wide/few" / "mid/many" entries in triton_backward_launch.TUNED, which made those steps 1.66x / 1.51x faster):
+#     N 768 (Qwen3-30B-A3B, K 2048): E 128 0.91 / 0.97 / 1.03 / 1.54 / 2.74; E 32 - / - / 1.02 / 1.49; E 16 - / - / 0.99
+#       / 1.21
+#     N 1408 (DeepSeek-V2-Lite, E 64, top-6, K 2048): - / - / 0.87 / 1.21 / 1.37* (2.05 with "mid/many"'s tiles)
+#     N 2048 (DeepSeek-V3, K 7168): E 64 0.91 / 0.97 / 1.13 / 2.85 / 2.02*; E 32 - / - / 1.17 / 2.07; E 16 - / - / 1.21
+#       / 0.95*
+#     N 3072 (Hunyuan-A13B, E 64, top-8, K 4096): - / - / 1.09 / 1.61
+#     N 4096 (Phi-3.5-MoE's E 16, top-2, K 4096): - / - / 0.99 / 1.09
+#     N 6400 (Phi-3.5-MoE): - / - / 0.82* / 1.06
+#     N 14336 (Mixtral-8x7B, K 4096): E 8 0.75 / - / 0.55* (0.92 with "wide/few"'s tiles) / 0.88 (trn50: 0.94) /
+#       1.07; E 32 - / - / 0.76* / 0.48*
+#   so triton from 1024 tokens up to N 3072, from 4096 up to N 6400 (the widest measured to win there), and from
+#   16384 at any width; grouped_mm below those and at Mixtral's width under 16384 tokens. trn50-ck2 (c972344b, these
+#   rules and tiles, on an H200) at 16384: N 1408 1.94, 2048 2.95, 3072 1.78, 4096 1.21, 6400 1.19, 14336 1.10; at
+#   1024: N 6400 1.03, 14336 0.94
 #   quantized: the Triton backend's quantized kernels have no backward at all (torch's "no autograd formula" error
 #     at backward()); grouped_mm dequantizes in differentiable ops
 TRAINING_RULES: tuple[TrainingRule, ...] = (
     TrainingRule("quantized", "grouped_mm"),
     TrainingRule("variant", "grouped_mm"),
     TrainingRule("plain", "grouped_mm"),
-    TrainingRule("plain", "triton", from_tokens=1024, max_width=2048),
+    TrainingRule("plain", "triton", from_tokens=1024, max_width=3072),
+    TrainingRule("plain", "triton", from_tokens=4096, max_width=6400),
+    TrainingRule("plain", "triton", from_tokens=16384),
 )
 
 

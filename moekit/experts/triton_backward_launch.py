@@ -108,18 +108,17 @@ def _rows_tile(cols: int, num_stages: int, num_warps: int = 8) -> KernelTiles:
     return KernelTiles(cols, 64, num_warps, num_stages, rows=128, desc=True, contiguous=True, group=8)
 
 
-# Measured winners on the H200 (sm_90, bf16), by ``shape_class``: ``benchmarks/backward_tune.py``, one cell per class
-# (the preset and M in each comment), 2026-12-01, for grad_gate_up and dX; the weight grads from
-# ``benchmarks/wgrad_device_check.py`` (2026-12-01, commit 1caf1a8: the contiguous TMA kernel won every cell, 17-85% of
-# the bf16 mm against the gathering kernel's 17-36%; every variant's grads equal the gathering kernel's). Forward +
-# backward at M=16384: Qwen3 11.6 -> 9.2 ms, DeepSeek-V3 119.5 -> 97.7, Mixtral 98.5 -> 74.6. grad_gate_up on the
-# permuted operands (``_sorted``) from ``benchmarks/train_ggu_device_check.py`` (2026-12-01, commit d075047), where it
-# beat the gathering kernel: DeepSeek-V3 29.2 -> 22.9 ms at 16384 and 9.15 -> 8.68 at 4096, Mixtral 24.4 -> 22.1 and
-# 6.26 -> 5.54, Qwen3 2.87 -> 2.72 at 16384 (at 4096 the gathering kernel stays: 0.93 against 0.94). From
-# ``benchmarks/train_ds_device_check.py`` (2026-12-01, commit 5a3df12) at 16384: the persistent weight grad (DeepSeek-V3
-# dW13 15.57 -> 14.74 ms, dW2 7.62 -> 7.18, Mixtral dW13 10.60 -> 10.34), dX from dh in the layout's rows (13.20 ->
-# 12.48, 11.75 -> 10.56), Mixtral's forward on permuted rows (forward + backward 73.87 -> 72.99 ms; DeepSeek-V3's: no
-# faster, 4.4 GiB more at peak). Classes not here take the heuristic below.
+# Measured winners on the H200 (sm_90, bf16) by ``shape_class``, one cell per class (the preset and M in each comment),
+# 2026-12-01: grad_gate_up and dX from ``benchmarks/backward_tune.py``; the weight grads from ``wgrad_device_check.py``
+# (commit 1caf1a8: the contiguous TMA kernel 17-85% of the bf16 mm against the gathering kernel's 17-36%; forward +
+# backward at M=16384: Qwen3 11.6 -> 9.2 ms, DeepSeek-V3 119.5 -> 97.7, Mixtral 98.5 -> 74.6); grad_gate_up on permuted
+# operands (``_sorted``) from ``train_ggu_device_check.py`` (commit d075047: DeepSeek-V3 29.2 -> 22.9 ms at 16384,
+# Mixtral 24.4 -> 22.1, Qwen3 2.87 -> 2.72; at Qwen3 M=4096 the gathering kernel stays); the persistent weight grad,
+# dX from dh in the layout's rows and Mixtral's forward on permuted rows from ``train_ds_device_check.py`` (commit
+# 5a3df12, at 16384: DeepSeek-V3 dW13 15.57 -> 14.74 ms, dW2 7.62 -> 7.18, dX 13.20 -> 12.48; Mixtral forward + backward
+# 73.87 -> 72.99). On the H100, "wide/few" and "mid/many" (no entry before: the heuristic) from
+# ``benchmarks/trn50_device_check.py`` (session 50, at a7e00a0e): a training step 11.6 -> 7.0 ms at Mixtral M=1024 and
+# 19.8 -> 13.1 at DeepSeek-V2-Lite M=16384. Classes not here take the heuristic below.
 TUNED: dict[str, BackwardTiles] = {
     "narrow/few": BackwardTiles(  # qwen3-30b-a3b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
@@ -133,6 +132,9 @@ TUNED: dict[str, BackwardTiles] = {
     "mid/some": BackwardTiles(  # deepseek-v3 M=16384
         block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_rows_tile(256, 4, 16),
         dw13=_contiguous(256, 3, 8, 1), dw2=_contiguous(256, 3, 8, 1, flat=False)),
+    "wide/few": BackwardTiles(  # mixtral-8x7b M=1024 (H100): "wide/some"'s grad and dX, both weight grads persistent
+        block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_tiles(256, 64, 8, 4),
+        dw13=_contiguous(256, 3, 8, 1), dw2=_contiguous(256, 3, 8, 1)),
     "wide/some": BackwardTiles(  # mixtral-8x7b M=4096
         block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
@@ -140,16 +142,14 @@ TUNED: dict[str, BackwardTiles] = {
         block_m=128, grad=_sorted(64, 3), dx=_rows_tile(256, 3), dw13=_contiguous(256, 3, 8, 1, flat=False),
         dw2=_contiguous(256, 4, 8), fwd13=_rows_tile(128, 4), fwd2=_rows_tile(128, 3)),
 }
+TUNED["mid/many"] = TUNED["mid/some"]  # deepseek-v2-lite M=16384 (H100)
 
 
 def backward_tiles(num_assignments: int, num_experts: int, n: int, dtype: torch.dtype,
                    device: torch.device | None = None) -> BackwardTiles:
-    """Small tiles under the interpreter (every tail masked at the tests' K=33, N=17); ``TUNED[shape_class]``
-    for bf16 on an sm_90 device; else the first guess from the forward's tuned tiles: 128-row blocks from
-    256 rows per expert on average, else 64 (less padding). Shared memory, compiled for sm_90 (Triton 3.9,
-    bf16, 3 stages): grad_gate_up 112 KB (128 x 64 x 64, recompute), gather_gemm 64 KB, weight_grad
-    129 KB (128 x 128, 128-row steps) of the H200's 227 KB; float32 takes smaller weight tiles and 2
-    stages to stay under it."""
+    """Small tiles under the interpreter (every tail masked at the tests' K=33, N=17); ``TUNED[shape_class]`` for bf16
+    on an sm_90 device; else the forward's first guess: 128-row blocks from 256 rows per expert on average, else 64
+    (less padding); float32 smaller weight tiles and 2 stages to stay in sm_90's 227 KB of shared memory."""
     if interpreting():
         small = KernelTiles(32, 16, 1, 1, rows=32)
         return BackwardTiles(16, KernelTiles(16, 32, 1, 1), KernelTiles(32, 16, 1, 1), small, small)
