@@ -56,7 +56,7 @@ WORDS_DEFAULT_CELLS: dict[tuple[str, int, int, int], dict[int, bool]] = {
 # of the experts call off / on: DeepSeek-V3 int4 M=1 109.1 / 95.9 (3/3), 105.9 / 102.7; M=2 186.0 / 176.6 (3/3),
 # 198.6 / 184.6; M=8 621.6 / 668.9 (0/3), 634.8 / 684.2: lost where the H100 won; M=16 1223.6 / 1039.1 (3/3),
 # 1233.6 / 1057.4. Mixtral mxfp4 M=1 134.7 / 106.9 (3/3), 133.0 / 114.6; M=2 214.9 / 195.2 (1/1), 225.9 / 210.4;
-# M=16 415.6 / 437.2 (0/3), 424.5 / 452.2: lost where the H100 won. M=4 not reached (the check's deadline): M = 3..5
+# M=16 415.6 / 437.2 (0/3), 424.5 / 452.2: lost where the H100 won. M=4 not reached (the check's deadline): M = 3..4
 # follow M=2's row; Mixtral M=8 keeps the H100's False (not compared on the H200).
 WORDS_DEFAULT_CELLS_BY_DEVICE: dict[str, dict[tuple[str, int, int, int], dict[int, bool]]] = {
     "NVIDIA_H200": {
