@@ -8,6 +8,7 @@ Shapes: M tokens, K hidden, N expert intermediate, k = top_k, S shared slots.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -55,6 +56,24 @@ def _act(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
     raise ValueError(f"no reference for activation {spec.name!r}")
 
 
+# Where set (``rounded_gate_up``), a clamped activation reads w13 @ x rounded to this dtype (``_product``):
+# the layer's gate-up product is rounded to its dtype before the clamp on some paths (grouped_mm's), so an element the
+# float64 product puts within a rounding of the clamp's kink may sit on its other side there, with a gradient that is 0
+# on one side only (hash seed 499, fp16: one |up| 2.2e-4 from the limit 0.5, slot 6's w13 gradient 26% off).
+_GATE_UP_DTYPE: torch.dtype | None = None
+
+
+@contextlib.contextmanager
+def rounded_gate_up(dtype: torch.dtype):
+    """The loop's clamped activations read their gate-up products rounded to ``dtype`` while this is open."""
+    global _GATE_UP_DTYPE
+    _GATE_UP_DTYPE = dtype
+    try:
+        yield
+    finally:
+        _GATE_UP_DTYPE = None
+
+
 def glu(h: torch.Tensor, activation) -> torch.Tensor:
     """h [2n] (gate-up product of one token) -> [n]: act(gate) * (up + shift), clamped by the limit: the gate before
     the activation, or (``limit_after_act``, Step-3.7) act(gate) after it: min(act(gate), limit); up in [-limit, limit]
@@ -71,9 +90,18 @@ def glu(h: torch.Tensor, activation) -> torch.Tensor:
 
 
 
+def _product(w13: torch.Tensor, x: torch.Tensor, activation) -> torch.Tensor:
+    """w13 @ x [2n], rounded to ``_GATE_UP_DTYPE`` (its value; the product's gradient) where that is set and the
+    activation clamps: the layer's GEMM output, before the bias (added in float32) and the clamp."""
+    h = w13 @ x
+    if _GATE_UP_DTYPE is None or activation_spec(activation).limit is None:
+        return h
+    return h + (h.to(_GATE_UP_DTYPE).to(h.dtype) - h).detach()
+
+
 def _expert(x: torch.Tensor, w: LayerWeights, e: int, activation) -> torch.Tensor:
     """Routed expert e on one token x [K] -> [K]."""
-    h = w.w13[e] @ x + (w.b13[e] if w.b13 is not None else 0.0)
+    h = _product(w.w13[e], x, activation) + (w.b13[e] if w.b13 is not None else 0.0)
     y = w.w2[e] @ glu(h, activation)
     return y + (w.b2[e] if w.b2 is not None else 0.0)
 
@@ -122,7 +150,7 @@ def _shared(x: torch.Tensor, w: LayerWeights, cfg, weights) -> torch.Tensor:
     activation = cfg.activation if cfg.shared_activation is None else cfg.shared_activation  # HY-V4: its own
     for s, slot in enumerate(w.shared):
         weight = weights[s] if weights is not None else 1.0
-        y = y + weight * (slot.w2 @ glu(slot.w13 @ x, activation))
+        y = y + weight * (slot.w2 @ glu(_product(slot.w13, x, activation), activation))
     if w.shared_gate is not None:
         y = y * torch.sigmoid(w.shared_gate @ x)
     return y * (0.5 if cfg.shared_expert_combine == "average" else 1.0)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fuzz_cases import draw_hash_case
-from _fuzz_check import check_case
-from _fuzz_grad import check_grads, trainable
+from _fuzz_cases import build, draw_hash_case, token_ids
+from _fuzz_check import Outcome, check_case
+from _fuzz_experts import rounded_gate_up
+from _fuzz_grad import check_grads, compare, grad_case, layer_grads, projection, reference_grads, trainable
 from _triton_helpers import router_and_experts_interpreted  # noqa: F401 (autouse: the kernels interpreted)
 
 pytest.importorskip("triton")
@@ -56,3 +57,21 @@ def test_the_hash_reference_is_the_table_and_the_scores():
     route = hash_route_token([0.0, 1.0, -2.0], cfg, [1, 0])
     s1, s0 = torch.tensor([1.0, 0.0], dtype=torch.float64).exp().log1p().sqrt().tolist()
     assert route.weights == pytest.approx([2.5 * s1 / (s1 + s0), 2.5 * s0 / (s1 + s0)], rel=1e-15)
+
+
+def test_a_gate_up_product_rounded_across_the_clamp_s_kink_matches_the_rounding_loop():
+    """Hash seed 499 (fp16, gelu_tanh clamped at 0.5 after the activation, fused shared slots): one |up| of shared
+    slot 6 lies 2.2e-4 from the limit, and the fp16 product grouped_mm rounds before the clamp sits on its other side,
+    so that element's gradient is 0 in one and not in the other: against the float64 loop slot 6's w13 gradient is
+    26% off, against the loop that rounds the product as the layer does (``rounded_gate_up``) it is the rounding's
+    own. ``check_grads`` takes either loop for a clamped low-precision case."""
+    case = grad_case(draw_hash_case(499)).case
+    assert case.dtype == torch.float16 and case.config.activation.limit == 0.5
+    layer, x = build(case, "grouped_mm")
+    got, forward = layer_grads(layer, x, projection(case), token_ids(case, case.m))
+    plain, rounded = Outcome(), Outcome()
+    compare(got, reference_grads(layer, case, x, forward.router_logits, projection(case)), case, "grouped_mm", plain)
+    with rounded_gate_up(case.dtype):
+        want = reference_grads(layer, case, x, forward.router_logits, projection(case))
+    compare(got, want, case, "grouped_mm", rounded)
+    assert any("grad w13" in f for f in plain.failures) and rounded.compared and not rounded.failures
