@@ -330,8 +330,9 @@ class MoEConfig:
         A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
         without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
         if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
-            path = " (a path?): read it first, MoEConfig.from_hf_config(json.load(open(path)))" * isinstance(
-                cfg, (str, os.PathLike))  # what `moekit analyze --config` does with one
+            path = ""  # a config.json's path: what `moekit analyze --config` takes, so a user tries one here
+            if isinstance(cfg, (str, os.PathLike)):
+                path = " (a path?): read it first, MoEConfig.from_hf_config(json.load(open(path)))"
             raise TypeError(f"cfg must be a transformers config or a dict of its fields, got {type(cfg).__name__}"
                             f"{path}")
         # a VL / omni model's top-level config: its MoE layer is the text model's
