@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moekit.config import MoEConfig, hf_layer_fields
+from moekit.analysis.billed import billed_layer
+from moekit.config import hf_layer_fields
 
 
 @dataclass(frozen=True)
@@ -74,28 +75,40 @@ EXACT_BILL = frozenset({
 TOKEN_CLASSIFIERS = frozenset({"openai_privacy_filter"})  # a label head in place of the LM head
 
 
+class UnbilledModel(ValueError):
+    """A model whose layers the whole-model bill cannot read (its MoE layer is still billed)."""
+
+
+# Families whose decoder layers the bill does not read: each holds one mixer (Mamba-2, attention, an MLP or a MoE
+# block) by layers_block_type, where the bill counts attention and an MLP in every layer
+UNBILLED = {"nemotron_h": "its decoder layers hold one mixer each (Mamba-2, attention, an MLP or the MoE block, by "
+                          "layers_block_type), which the whole-model bill does not read"}
+
+
 def param_bill(hf_config: dict) -> ParamBill:
     """The bill of a config dict of a preset's family: Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3,
     Kimi-K2, GLM-4.5, gpt-oss, OLMoE; and LongCat-Flash (``num_hidden_layers``: its attention sublayers). A VL /
-    omni model's top-level config is billed as its text model's (``hf_layer_fields``: the vision tower not counted)."""
+    omni model's top-level config is billed as its text model's (``hf_layer_fields``: the vision tower not counted).
+    A family ``from_hf_config`` refuses is billed from its own numbers (``billed_layer``: its experts, shared experts
+    and router counted as its model holds them), approximately; ``UnbilledModel`` for one of ``UNBILLED``."""
     hf_config = hf_layer_fields(hf_config)
-    cfg = MoEConfig.from_hf_config(hf_config, layer="typical")
+    layer = billed_layer(hf_config)
+    if hf_config["model_type"] in UNBILLED:
+        raise UnbilledModel(f"no whole-model bill for {hf_config['model_type']}: {UNBILLED[hf_config['model_type']]}")
+    cfg = layer.config
     d, layers = hf_config["hidden_size"], num_hidden_layers(hf_config)
     moe_layers = cfg.num_moe_layers or layers
     vocab = hf_config["vocab_size"]
-    n_dim = cfg.moe_intermediate_size
-    expert = 3 * d * n_dim + ((2 * n_dim + d) if cfg.expert_bias else 0)  # gpt-oss: b13 [2N], b2 [d]
-    shared = 3 * d * cfg.shared_expert_intermediate_size + (d if cfg.shared_expert_gate else 0)
     second = second_sparse_block(hf_config)  # ERNIE-4.5-VL's vision blocks
     return ParamBill(
         embedding=vocab * d,
         output=_output_params(hf_config, vocab, d),
         attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
         dense_mlp=_dense_mlp_params(hf_config, layers, moe_layers),
-        routed_experts=moe_layers * cfg.num_experts * expert,
-        active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * expert),  # LongCat: k·E/(E+Z)
-        shared_experts=moe_layers * shared,
-        router=moe_layers * (d + cfg.router_bias) * cfg.router_width,
+        routed_experts=moe_layers * cfg.num_experts * layer.expert_params,
+        active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * layer.expert_params),  # k·E/(E+Z)
+        shared_experts=moe_layers * layer.shared_params,
+        router=moe_layers * layer.router_params,
         second_blocks=moe_layers * (second.experts + second.router),
         norms=layers * 2 * d + d + _hyper_connection_params(hf_config, layers),
         num_moe_layers=moe_layers,
@@ -143,25 +156,32 @@ def num_hidden_layers(c: dict) -> int:
     return c["num_hidden_layers"]
 
 
+DENSE_BESIDE_MOE = ("gemma4_text", "diffusion_gemma_text")  # a dense MLP beside the MoE block in every layer
+
+
 def _dense_mlps(c: dict, layers: int, moe_layers: int) -> int:
     """Dense MLPs in the model: one a layer without an MoE block; LongCat-Flash: one an attention sublayer (each
-    decoder layer holds two MLPs besides its shortcut-connected MoE block)."""
-    return layers if c.get("model_type") == "longcat_flash" else layers - moe_layers
+    decoder layer holds two MLPs besides its shortcut-connected MoE block); Gemma-4's: one every layer."""
+    return layers if c.get("model_type") in ("longcat_flash", *DENSE_BESIDE_MOE) else layers - moe_layers
 
 
 # The dense MLP's width where a family's config.json does not call it intermediate_size: LongCat-Flash's
-# ffn_hidden_size (its transformers attribute map), Kolibri-1.1's mlp_only_intermediate_size (its mlp_only_layers)
-DENSE_WIDTH = {"longcat_flash": "ffn_hidden_size", "kolibri1_1": "mlp_only_intermediate_size"}
+# ffn_hidden_size (its transformers attribute map), Kolibri-1.1's mlp_only_intermediate_size (its mlp_only_layers),
+# Ergo's first_dense_intermediate_size (an ungated MLP: up and down)
+DENSE_WIDTH = {"longcat_flash": "ffn_hidden_size", "kolibri1_1": "mlp_only_intermediate_size",
+               "ergo": "first_dense_intermediate_size"}
+UNGATED_DENSE = ("ergo",)
 
 
 def _dense_mlp_params(c: dict, layers: int, moe_layers: int) -> int:
-    """3·d·width a dense MLP. A model whose every layer is MoE (DeepSeek-V4, Qwen3.5-MoE, Solar-Open: configs
-    without ``intermediate_size``, which a bill read whatever the count until session 48, so ``moekit simulate``
-    priced them at Mixtral's shapes) reads no width."""
+    """3·d·width a dense MLP (2·d·width ungated: Ergo's). A model whose every layer is MoE (DeepSeek-V4, Qwen3.5-MoE,
+    Solar-Open: configs without ``intermediate_size``, which a bill read whatever the count until session 48, so
+    ``moekit simulate`` priced them at Mixtral's shapes) reads no width."""
     count = _dense_mlps(c, layers, moe_layers)
     if not count:
         return 0
-    return count * 3 * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
+    matrices = 2 if c.get("model_type") in UNGATED_DENSE else 3
+    return count * matrices * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
 
 
 HY_V4 = ("hy_v4", "hy_v4_vl_text")  # MLA with an output gate, sinks and DSA indexers; hyper-connections
