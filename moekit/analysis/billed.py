@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moekit.config import REFUSED, Fields, MissingConfigField, MoEConfig, hf_layer_fields
+from moekit.config import REFUSED, Fields, MissingConfigField, MoEConfig, hf_layer_fields, in_file_words
 
 GATED, UNGATED = 3, 2  # an expert's weights in units of d·N
 
@@ -55,8 +55,9 @@ def billed_layer(hf: dict) -> BilledLayer:
                            shared_params=3 * k * cfg.shared_expert_intermediate_size + (k if cfg.shared_expert_gate
                                                                                         else 0),
                            router_params=(k + cfg.router_bias) * cfg.router_width, model_type=kind)
-    numbers = _REFUSED_READERS[kind](d)
-    cfg = MoEConfig(**numbers.fields)
+    with in_file_words(d):  # a bad value named by the file's key, as from_hf_config names it
+        numbers = _REFUSED_READERS[kind](d)
+        cfg = MoEConfig(**numbers.fields)
     n, k = cfg.moe_intermediate_size, cfg.hidden_size
     return BilledLayer(cfg, numbers.matrices, numbers.matrices * k * n, numbers.shared_params,
                        numbers.router_params, REFUSED[kind], kind)
