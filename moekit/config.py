@@ -295,7 +295,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any, layer: int | str | None = None) -> "MoEConfig":
-        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (68 model
+        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (71 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
         Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,

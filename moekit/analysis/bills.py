@@ -69,8 +69,8 @@ class ParamBill:
 EXACT_BILL = frozenset({
     "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
     "granitemoehybrid", "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "minicpm5_moe",
-    "minimax", "mixtral", "olmoe", "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
-    "solar_open",
+    "minimax", "mixtral", "olmoe", "openai_privacy_filter", "param2moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
+    "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open",
 })
 TOKEN_CLASSIFIERS = frozenset({"openai_privacy_filter"})  # a label head in place of the LM head
 
@@ -184,6 +184,7 @@ def _dense_mlp_params(c: dict, layers: int, moe_layers: int) -> int:
     return count * matrices * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
 
 
+GLM_MODEL = ("glm4_moe", "sarvam_moe", "param2moe")  # Glm4MoeForCausalLM's config classes
 HY_V4 = ("hy_v4", "hy_v4_vl_text")  # MLA with an output gate, sinks and DSA indexers; hyper-connections
 QWEN_DELTANET = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers beside gated attention (q_proj: 2H heads)
 
@@ -228,7 +229,8 @@ def attention_params(c: dict, layer: int = 0) -> int:
     qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c.get("attention_bias", kind == "qwen2_moe")) else 0
     if kind in ("gpt_oss", "openai_privacy_filter"):  # an o_proj bias, and one attention sink per head
         qkv_bias += d + heads
-    qk_norm = 2 * h if kind in ("qwen3_moe", *QWEN_DELTANET) else 0  # per-head RMSNorm on q and k
+    # per-head RMSNorm on q and k (GLM-4.5's model where use_qk_norm: Sarvam-MoE and Param-2-MoE set it)
+    qk_norm = 2 * h if kind in ("qwen3_moe", *QWEN_DELTANET) or (kind in GLM_MODEL and c.get("use_qk_norm")) else 0
     if kind == "olmoe":  # RMSNorm over all of q and all of k
         qk_norm = (heads + kv_heads) * h
     return weights + qkv_bias + qk_norm
