@@ -47,12 +47,16 @@ class Fields(dict):
         raise MissingConfigField((name,), self.get("model_type"))
 
 
-# MoEConfig's fields (and ActivationSpec's, for gpt-oss's clamp) -> every config.json key a reader reads one from
+# MoEConfig's fields (and ActivationSpec's, for gpt-oss's clamp) -> every config.json key a reader reads one from (a
+# nested one as its path: DBRX's ffn_config.moe_top_k, moekit.analysis.billed)
 FILE_KEYS = {
-    "hidden_size": ("hidden_size", "moe_hidden_size", "moe_latent_size"),
-    "moe_intermediate_size": ("moe_intermediate_size", "intermediate_size", "expert_ffn_hidden_size"),
-    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
-    "top_k": ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts"),
+    "hidden_size": ("hidden_size", "moe_hidden_size", "moe_latent_size", "d_model"),
+    "moe_intermediate_size": ("moe_intermediate_size", "intermediate_size", "expert_ffn_hidden_size",
+                              "ffn_config.ffn_hidden_size"),
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                    "ffn_config.moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts",
+              "ffn_config.moe_top_k"),
     "n_group": ("n_group", "num_expert_group"), "topk_group": ("topk_group",),
     "routed_scaling_factor": ("routed_scaling_factor", "moe_router_scaling_factor", "router_scaling_factor",
                               "moe_routed_scaling_factor", "route_scale"),

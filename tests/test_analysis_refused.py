@@ -1,5 +1,5 @@
 """``moekit analyze`` / ``simulate`` / ``serve`` bill the MoE families ``from_hf_config`` refuses (Gemma-4, Nemotron-H,
-Ergo, ...) from their own numbers, with the refusal's reason as a note: each part of the bill against transformers'
+Ergo, ...), and those it does not read (DBRX, JetMoE: ``UNREAD``), from their own numbers, with the refusal's reason as a note: each part of the bill against transformers'
 own model built on the meta device, the byte model's B = 1 bytes against that model's experts, and the closed form of
 experts touched against a Monte Carlo of uniform routing."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moekit.analysis import experts_touched, get_format, get_gpu
-from moekit.analysis.billed import billed_layer
-from moekit.analysis.bills import UnbilledModel, param_bill
+from moekit.analysis.billed import UNREAD, billed_layer
+from moekit.analysis.bills import UNBILLED, UnbilledModel, param_bill
 from moekit.analysis.roofline import batch_cost
 from moekit.cli import main
 from moekit.config import REFUSED, MissingConfigField, MoEConfig
@@ -31,6 +31,10 @@ TINY = {  # each family's config class with small shapes; the experts' fields as
     "ergo": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, hidden_size=128,
                  shared_intermediate_size=96, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
                  first_dense_intermediate_size=200, vocab_size=100, num_attention_heads=2, num_key_value_heads=1),
+    "dbrx": dict(d_model=64, n_layers=2, n_heads=4, vocab_size=50, attn_config=dict(kv_n_heads=2),
+                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
+    "jetmoe": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                   num_key_value_heads=2, kv_channels=16, vocab_size=50),
 }
 # the parameters of transformers' model by part: the first key a name (digits dropped) holds -> its part
 PARTS = {"gemma4_text": {"experts.gate_up_proj": "routed", "experts.down_proj": "routed", "router.": "router",
@@ -39,13 +43,19 @@ PARTS = {"gemma4_text": {"experts.gate_up_proj": "routed", "experts.down_proj": 
                         "mixer.gate.": "router", "latent_proj": "shared"},
          "ergo": {"shared_experts.": "shared", "experts.up_proj": "routed", "experts.down_proj": "routed",
                   "mlp.gate.": "router", "post_expert_norm": "router", "layers.mlp.up_proj": "dense",
-                  "layers.mlp.down_proj": "dense"}}
+                  "layers.mlp.down_proj": "dense"},
+         "dbrx": {"ffn.experts.": "routed", "ffn.router.": "router"},
+         "jetmoe": {"layers.mlp.input_linear": "routed", "layers.mlp.output_linear": "routed",
+                    "layers.mlp.router.": "router", "layers.mlp.bias": "router"}}
 
 
 def _config(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[model_type](**TINY[model_type])
+    config = CONFIG_MAPPING[model_type](**TINY[model_type])
+    if model_type == "dbrx":  # transformers 5.25's DbrxAttentionConfig keeps no rope_theta its attention reads
+        config.attn_config.rope_theta = 10000.0
+    return config
 
 
 def _meta_parts(config) -> collections.Counter:
@@ -68,7 +78,8 @@ def test_a_refused_family_is_billed_as_its_model_holds_its_experts(model_type):
     config = _config(model_type)
     parts, layer = _meta_parts(config), billed_layer(config.to_dict())
     cfg = layer.config
-    hand = {"gemma4_text": (3, 8, 2, 3), "nemotron_h": (2, 8, 2, 2), "ergo": (2, 8, 2, 2)}[model_type]  # m, E, k, L
+    hand = {"gemma4_text": (3, 8, 2, 3), "nemotron_h": (2, 8, 2, 2), "ergo": (2, 8, 2, 2), "dbrx": (3, 4, 2, 2),
+            "jetmoe": (3, 4, 2, 2)}[model_type]  # m, E, k, L
     matrices, experts, top_k, moe_layers = hand
     assert (layer.expert_matrices, cfg.num_experts, cfg.top_k, cfg.num_moe_layers) == hand
     assert moe_layers * experts * layer.expert_params == parts["routed"]
@@ -79,11 +90,11 @@ def test_a_refused_family_is_billed_as_its_model_holds_its_experts(model_type):
     cost = batch_cost(cfg, 1, fmt, get_gpu("h200"), matrices=layer.expert_matrices)
     assert cost.weight_bytes == top_k * one_expert * 2
     assert cost.flops == 2 * top_k * one_expert
-    assert model_type in layer.note and REFUSED[model_type] in layer.note
-    assert f"E={experts}, k={top_k}, d={cfg.hidden_size}, d_ff=64" in layer.note
-    if model_type == "nemotron_h":
-        assert cfg.hidden_size == 32  # its experts' width: moe_latent_size
-        with pytest.raises(UnbilledModel, match="one mixer each"):
+    assert model_type in layer.note and (REFUSED.get(model_type) or UNREAD[model_type]) in layer.note
+    assert f"E={experts}, k={top_k}, d={cfg.hidden_size}, d_ff={cfg.moe_intermediate_size}" in layer.note
+    assert cfg.hidden_size == {"nemotron_h": 32, "dbrx": 64, "jetmoe": 64}.get(model_type, 128)  # Nemotron-H: latent
+    if model_type in UNBILLED:
+        with pytest.raises(UnbilledModel, match=model_type):
             param_bill(config.to_dict())
         return
     bill = param_bill(config.to_dict())

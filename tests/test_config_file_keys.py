@@ -38,6 +38,8 @@ CASES = [  # (config class, its arguments, edits to the file, what the message m
      ["cfg.n_shared_experts='2' (moekit's shared_expert_intermediate_size)", "..."]),
     ("Gemma4TextConfig", dict(enable_moe_block=True, num_experts=4, top_k_experts=6, moe_intermediate_size=32), {},
      ["cfg.top_k_experts=6 (moekit's top_k)", "cfg.num_experts=4"]),  # a refused family's bill reads it too
+    ("DbrxConfig", dict(ffn_config=dict(moe_num_experts=4, moe_top_k=6)), {},  # a nested key, by its path
+     ["cfg.ffn_config.moe_top_k=6 (moekit's top_k)", "cfg.ffn_config.moe_num_experts=4 (moekit's num_experts)"]),
 ]
 
 
@@ -46,7 +48,7 @@ def test_a_bad_value_is_named_by_the_file_s_key(tmp_path, capsys, class_name, ar
     path = _file(tmp_path, getattr(transformers, class_name)(**arguments), **edits)
     with open(path) as f:
         fields = json.load(f)
-    read = billed_layer if class_name == "Gemma4TextConfig" else MoEConfig.from_hf_config
+    read = billed_layer if class_name in ("Gemma4TextConfig", "DbrxConfig") else MoEConfig.from_hf_config
     with pytest.raises((TypeError, ValueError)) as err:
         read(fields)
     assert all(s in str(err.value) for s in said), str(err.value)

@@ -43,12 +43,23 @@ class BilledLayer:
                 f"experts ({self.expert_matrices}·d·d_ff weights each), {layers} MoE layers")
 
 
+# MoE families of transformers that moekit neither reads nor refuses by name (no experts class behind transformers'
+# experts interface, so no swap of theirs is built or tested): billed alike, each with why
+UNREAD = {
+    "dbrx": "DBRX's experts (DbrxExperts: w1, v1, w2 stacked [E·N, d]) are not behind transformers' experts "
+            "interface, so neither moe_from_hf nor set_experts_implementation('moekit') takes them",
+    "jetmoe": "JetMoE's experts (JetMoeParallelExperts) are not behind transformers' experts interface, and its "
+              "attention is a mixture of attention heads routed per token (MoA), which moekit does not compute",
+}
+
+
 def billed_layer(hf: dict) -> BilledLayer:
     """The layer of ``hf`` (a config.json's fields; a VL / omni model's top-level config reads its text model's):
-    ``from_hf_config``'s (``layer="typical"``) where it reads the family, else a refused family's numbers."""
+    ``from_hf_config``'s (``layer="typical"``) where it reads the family, else a refused (or ``UNREAD``) family's
+    numbers."""
     d = Fields(hf_layer_fields(hf))
     kind = d.get("model_type")
-    if kind not in REFUSED:
+    if kind not in REFUSED and kind not in UNREAD:
         cfg = MoEConfig.from_hf_config(d, layer="typical")
         n, k = cfg.moe_intermediate_size, cfg.hidden_size
         return BilledLayer(cfg, GATED, expert_params=3 * k * n + ((2 * n + k) if cfg.expert_bias else 0),
@@ -60,7 +71,7 @@ def billed_layer(hf: dict) -> BilledLayer:
         cfg = MoEConfig(**numbers.fields)
     n, k = cfg.moe_intermediate_size, cfg.hidden_size
     return BilledLayer(cfg, numbers.matrices, numbers.matrices * k * n, numbers.shared_params,
-                       numbers.router_params, REFUSED[kind], kind)
+                       numbers.router_params, REFUSED.get(kind) or UNREAD[kind], kind)
 
 
 @dataclass(frozen=True)
@@ -89,10 +100,10 @@ def _layers_of_kind(d: dict, key: str, kinds: tuple[str, ...]) -> int | None:
 
 def _numbers(d: dict, experts: tuple[str, ...], top_k: tuple[str, ...], layers: int | None, hidden: int | None = None,
              matrices: int = GATED, shared_params: int = 0, router_params: int | None = None,
-             **extra) -> _Numbers:
+             width: tuple[str, ...] = ("moe_intermediate_size",), **extra) -> _Numbers:
     hidden = d["hidden_size"] if hidden is None else hidden
     e = _need(d, *experts)
-    fields = dict(hidden_size=hidden, moe_intermediate_size=_need(d, "moe_intermediate_size"), num_experts=e,
+    fields = dict(hidden_size=hidden, moe_intermediate_size=_need(d, *width), num_experts=e,
                   top_k=_need(d, *top_k), num_moe_layers=layers, **extra)
     return _Numbers(fields, matrices, shared_params, hidden * e if router_params is None else router_params)
 
@@ -157,6 +168,24 @@ def _muse_spark(d: dict) -> _Numbers:
                     router_params=hidden * _need(d, "num_local_experts", "num_experts"))
 
 
-_REFUSED_READERS = {"gemma4_text": _gemma4, "diffusion_gemma_text": _gemma4, "zaya": _zaya, "nemotron_h": _nemotron_h,
+def _dbrx(d: dict) -> _Numbers:
+    """DBRX: gated experts on every one of its ``n_layers``, its MoE numbers in the nested ``ffn_config`` (named
+    here ``ffn_config.<key>``)."""
+    ffn = d.get("ffn_config") or {}
+    flat = Fields({f"ffn_config.{key}": value for key, value in ffn.items()}, model_type="dbrx", d_model=d["d_model"])
+    flat.__dict__["read"] = d.__dict__.setdefault("read", {})  # one record of what was read: in_file_words
+    return _numbers(flat, ("ffn_config.moe_num_experts",), ("ffn_config.moe_top_k",), d.get("n_layers"),
+                    hidden=flat["d_model"], width=("ffn_config.ffn_hidden_size",))
+
+
+def _jetmoe(d: dict) -> _Numbers:
+    """JetMoE: gated experts (input_linear [E, 2N, d], output_linear [E, d, N]) in every layer; the block's output
+    bias [d] counted with the router."""
+    return _numbers(d, ("num_local_experts",), ("num_experts_per_tok",), d.get("num_hidden_layers"),
+                    width=("intermediate_size",),
+                    router_params=d["hidden_size"] * (_need(d, "num_local_experts") + 1))
+
+
+_REFUSED_READERS = {"dbrx": _dbrx, "jetmoe": _jetmoe,"gemma4_text": _gemma4, "diffusion_gemma_text": _gemma4, "zaya": _zaya, "nemotron_h": _nemotron_h,
                     "ergo": _ergo, "inkling2_text": _inkling2, "inkling2_loop_text": _inkling2,
                     "muse_spark_text": _muse_spark}

@@ -82,7 +82,10 @@ class UnbilledModel(ValueError):
 # Families whose decoder layers the bill does not read: each holds one mixer (Mamba-2, attention, an MLP or a MoE
 # block) by layers_block_type, where the bill counts attention and an MLP in every layer
 UNBILLED = {"nemotron_h": "its decoder layers hold one mixer each (Mamba-2, attention, an MLP or the MoE block, by "
-                          "layers_block_type), which the whole-model bill does not read"}
+                          "layers_block_type), which the whole-model bill does not read",
+            "dbrx": "its attention (Wqkv, attn_config) and layer fields (d_model, n_layers) are its own, which the "
+                    "whole-model bill does not read",
+            "jetmoe": "its attention is a mixture of attention experts (MoA), which the whole-model bill does not read"}
 
 
 def param_bill(hf_config: dict) -> ParamBill:
