@@ -1,7 +1,7 @@
 """``moekit analyze`` / ``simulate`` / ``serve`` bill the MoE families ``from_hf_config`` refuses (Gemma-4, Nemotron-H,
-Ergo, ...), and those it does not read (DBRX, JetMoE: ``UNREAD``), from their own numbers, with the refusal's reason as a note: each part of the bill against transformers'
-own model built on the meta device, the byte model's B = 1 bytes against that model's experts, and the closed form of
-experts touched against a Monte Carlo of uniform routing."""
+Ergo, ...), and those it does not read (DBRX, JetMoE: ``UNREAD``), from their own numbers, with the refusal's reason
+as a note: each part of the bill against transformers' own model built on the meta device, the byte model's B = 1
+bytes against that model's experts, and the closed form of experts touched against a Monte Carlo of uniform routing."""
 
 import collections
 import json
@@ -33,8 +33,8 @@ TINY = {  # each family's config class with small shapes; the experts' fields as
                  first_dense_intermediate_size=200, vocab_size=100, num_attention_heads=2, num_key_value_heads=1),
     "dbrx": dict(d_model=64, n_layers=2, n_heads=4, vocab_size=50, attn_config=dict(kv_n_heads=2),
                  ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
-    "jetmoe": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                   num_key_value_heads=2, kv_channels=16, vocab_size=50),
+    "jetmoe": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
+                   num_experts_per_tok=2, num_key_value_heads=2, kv_channels=16, vocab_size=50),
 }
 # the parameters of transformers' model by part: the first key a name (digits dropped) holds -> its part
 PARTS = {"gemma4_text": {"experts.gate_up_proj": "routed", "experts.down_proj": "routed", "router.": "router",

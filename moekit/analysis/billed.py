@@ -186,6 +186,6 @@ def _jetmoe(d: dict) -> _Numbers:
                     router_params=d["hidden_size"] * (_need(d, "num_local_experts") + 1))
 
 
-_REFUSED_READERS = {"dbrx": _dbrx, "jetmoe": _jetmoe,"gemma4_text": _gemma4, "diffusion_gemma_text": _gemma4, "zaya": _zaya, "nemotron_h": _nemotron_h,
+_REFUSED_READERS = {"gemma4_text": _gemma4, "diffusion_gemma_text": _gemma4, "zaya": _zaya, "nemotron_h": _nemotron_h,
                     "ergo": _ergo, "inkling2_text": _inkling2, "inkling2_loop_text": _inkling2,
-                    "muse_spark_text": _muse_spark}
+                    "muse_spark_text": _muse_spark, "dbrx": _dbrx, "jetmoe": _jetmoe}
