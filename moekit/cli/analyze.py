@@ -46,8 +46,9 @@ def register(subparsers) -> None:
                          help="a JSON list of per-expert token counts (e.g. EPLB's load): model that skew instead")
     hw = p.add_argument_group("hardware and format")
     hw.add_argument("--gpu", default="h100", help=f"one of {gpu_names()} (default h100)")
-    hw.add_argument("--dtype", default="fp8", type=_dtype, metavar="{" + ",".join(sorted(FORMATS)) + "}",
-                    help="weight format (default fp8); moekit bench's scheme names are aliases: "
+    hw.add_argument("--dtype", type=_dtype, metavar="{" + ",".join(sorted(FORMATS)) + "}",
+                    help=f"weight format (default: a --config file's quantization_config, else {DEFAULT_DTYPE}); "
+                    "moekit bench's scheme names are aliases: "
                     + ", ".join(f"{s} = {n}" for s, n in sorted(SCHEME_ALIASES.items())))
     hw.add_argument("--bandwidth", type=float, metavar="TB_S", help="override the GPU's memory bandwidth")
     hw.add_argument("--tflops", type=float, help="override the GPU's dense TFLOP/s in the format's compute dtype")
@@ -80,6 +81,27 @@ def _batch(text: str) -> int:
     if not 1 <= batch <= MAX_BATCH:
         raise argparse.ArgumentTypeError(f"each batch must be an integer in [1, 2^53 = {MAX_BATCH}], got {text!r}")
     return batch
+
+
+DEFAULT_DTYPE = "fp8"
+# a config.json's quantization_config -> the format its experts are stored in (gptq / awq: by their bits)
+QUANT_METHODS = {"fp8": "fp8", "mxfp4": "mxfp4", ("gptq", 4): "int4", ("awq", 4): "int4", ("gptq", 8): "int8"}
+
+
+def _file_dtype(hf: dict | None, path: str | None) -> str:
+    """--dtype's default: the format a config.json's quantization_config stores the weights in (gpt-oss: mxfp4), said
+    on stderr, else ``DEFAULT_DTYPE``."""
+    quant = (hf or {}).get("quantization_config") if path else None
+    if not isinstance(quant, dict):
+        return DEFAULT_DTYPE
+    method = quant.get("quant_method")
+    name = QUANT_METHODS.get(method) or QUANT_METHODS.get((method, quant.get("bits")))
+    said = f"config.json at {path}: its quantization_config (quant_method {method!r})"
+    if name is None:
+        print(f"note: {said} is no format the byte model bills: --dtype {DEFAULT_DTYPE}, the default", file=sys.stderr)
+        return DEFAULT_DTYPE
+    print(f"note: {said}: --dtype {name} (give --dtype to bill another format)", file=sys.stderr)
+    return name
 
 
 def _dtype(text: str) -> str:
@@ -160,7 +182,7 @@ def run(args) -> int:
                          f"{billed.refused}")
     if args.layers is not None:
         cfg = cfg.replace(num_moe_layers=args.layers)
-    fmt = get_format(args.dtype)
+    fmt = get_format(args.dtype or _file_dtype(hf, args.config))
     tflops = {fmt.compute_dtype: args.tflops} if args.tflops is not None else None
     try:
         gpu = get_gpu(args.gpu).with_overrides(args.bandwidth, args.memory_gib, tflops)
