@@ -38,7 +38,7 @@ TINY = {  # each family's config class with small shapes; the experts' fields as
 }
 # the parameters of transformers' model by part: the first key a name (digits dropped) holds -> its part
 PARTS = {"gemma4_text": {"experts.gate_up_proj": "routed", "experts.down_proj": "routed", "router.": "router",
-                         "mlp.": "dense"},
+                         "mlp.": "dense", "embed_tokens": "embedding"},
          "nemotron_h": {"shared_experts.": "shared", "experts.up_proj": "routed", "experts.down_proj": "routed",
                         "mixer.gate.": "router", "latent_proj": "shared"},
          "ergo": {"shared_experts.": "shared", "experts.up_proj": "routed", "experts.down_proj": "routed",
@@ -100,6 +100,8 @@ def test_a_refused_family_is_billed_as_its_model_holds_its_experts(model_type):
     bill = param_bill(config.to_dict())
     assert (bill.routed_experts, bill.shared_experts, bill.router, bill.dense_mlp) == (
         parts["routed"], parts["shared"], parts["router"], parts["dense"])
+    if model_type == "gemma4_text":  # its per-layer input embeddings too (a lookup [V_pl, L·h_pl]): 96% of this one
+        assert bill.embedding == parts["embedding"]
     assert bill.active_routed_experts == moe_layers * top_k * one_expert and not bill.exact
 
 
