@@ -4,6 +4,7 @@ argument and says what was expected. Python's bool is an int; none of these acce
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
 
 
@@ -11,7 +12,7 @@ def check_int(name: str, value: Any, minimum: int = 1) -> None:
     """``value`` must be an int (not a bool) >= ``minimum``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {reprlib.repr(value)}")  # a long string cut (a config's "2" * N)
 
 
 def check_positive_finite(name: str, value: Any) -> None:

@@ -18,6 +18,7 @@ import torch
 from moekit._checks import check_bool, check_choice, check_int, check_positive_finite, check_renorm
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, Fields, MissingConfigField  # noqa: F401  (re-exported)
+from moekit.config_hf_fields import in_file_words
 from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps, with_moe_layers
 from moekit.config_hf_v4 import hash_layer_fields
 from moekit.presets import hf_config_of_preset
@@ -294,7 +295,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any, layer: int | str | None = None) -> "MoEConfig":
-        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (68 model
+        """Read a config (transformers object or dict) of a family in ``moekit.config_hf.HF_READERS`` (71 model
         types; a VL / omni model's MoE layer is read from its text config, the one its experts carry, also when
         given the top-level config):
         Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE,
@@ -306,8 +307,7 @@ class MoEConfig:
         qwen3_omni_moe_text, qwen3_vl_moe_text, qwen4_exp_text, solar_open, step3p5, unlimited_ocr_text, and
         (session 34) kolibri1, kolibri1_1, longcat_flash, llama4_text, phimoe, inkling_text, axk1 (its block's
         output norm is the block's: ``moe_from_hf``), ernie4_5_vl_moe_text (the text experts' width). The router
-        options of session 34
-        (``changed_router_options``) are read where a family's config switches them on: Laguna's
+        options of session 34 (``changed_router_options``) are read where a family's config switches them on: Laguna's
         ``moe_router_logit_softcapping`` (``router_logit_softcap``), Kolibri's bias on the logits
         (``correction_bias_on="logits"``), grouped Mistral-4 and A.X-K2 (``group_score="top2_sum"``,
         ``dropped_group_fill="zero"``), Cohere2-MoE's ``shared_expert_combination_strategy="average"``
@@ -327,8 +327,8 @@ class MoEConfig:
         ``first_k_dense_replace``, ``mlp_only_layers`` / ``decoder_sparse_step``,
         ``num_dense_layers`` or Llama-4's ``moe_layers``: ``Fields.moe_layer_rule``).
 
-        A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
-        without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
+        A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it, a bad value
+        an error naming the config's key (``in_file_words``); without ``num_hidden_layers``: ``num_moe_layers=None``."""
         if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
             path = ""  # a config.json's path: what `moekit analyze --config` takes, so a user tries one here
             if isinstance(cfg, (str, os.PathLike)):
@@ -344,15 +344,16 @@ class MoEConfig:
         if reader is None:
             raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
         check_layer(d, layer)
-        fields = with_moe_layers(d, reader(d))  # none: refused naming the fields that say so
-        if isinstance(layer, int) and d.moe_layer_rule is not None:  # check_layer passed it: an int in range
-            d.moe_layer_rule.check(layer)
-        if model_type == "deepseek_v4":  # its hash layers route by a token-id table (moekit.config_hf_v4)
-            fields = hash_layer_fields(d, layer, fields)
-        fields.setdefault("activation", activation_from_hf(d.get("hidden_act", "silu")))
-        if has_layer_clamps(d):
-            fields = clamp_fields(d, layer, fields)
-        return cls(**fields)
+        with in_file_words(d):  # a bad value named by the key the config holds it under, not moekit's field
+            fields = with_moe_layers(d, reader(d))  # none: refused naming the fields that say so
+            if isinstance(layer, int) and d.moe_layer_rule is not None:  # check_layer passed it: an int in range
+                d.moe_layer_rule.check(layer)
+            if model_type == "deepseek_v4":  # its hash layers route by a token-id table (moekit.config_hf_v4)
+                fields = hash_layer_fields(d, layer, fields)
+            fields.setdefault("activation", activation_from_hf(d.get("hidden_act", "silu")))
+            if has_layer_clamps(d):
+                fields = clamp_fields(d, layer, fields)
+            return cls(**fields)
 
 
 def hf_layer_fields(d: dict) -> dict:

@@ -76,7 +76,8 @@ _V2_ROUTER = {"deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text"}
 # 1e-20), routed scaling), the same computation in each of these families' modeling files
 _V3_ROUTER = {"deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
               "deepseek_v32", "hy_v4", "hy_v4_vl_text", "solar_open", "minicpm5_moe", "exaone_moe", "dots3_note_text",
-              "mimo_v2_flash", "beam", "axk2", "axk1", "dots1"}
+              "mimo_v2_flash", "beam", "axk2", "axk1", "dots1",
+              "sarvam_moe", "param2moe", "sarvam_mla"}  # config classes over Glm4MoeForCausalLM / DeepseekV3ForCausalLM
 
 
 def _read_deepseek(d: dict) -> dict:

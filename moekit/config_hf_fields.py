@@ -1,8 +1,13 @@
 """The config dict ``MoEConfig.from_hf_config``'s readers read (split from ``config_hf.py`` at its size limit): a
-missing field raises ``MissingConfigField`` naming it and the model type; ``get_field`` takes its other spellings."""
+missing field raises ``MissingConfigField`` naming it and the model type; ``get_field`` takes its other spellings;
+``in_file_words`` says a bad value under the key the config.json holds it by, not moekit's field for it."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import traceback
+from pathlib import Path
 from typing import Any
 
 from moekit.config_hf_clamps import MoELayerRule
@@ -30,8 +35,66 @@ class Fields(dict):
 
     moe_layer_rule: MoELayerRule | None = None
 
+    def __getitem__(self, name: str) -> Any:
+        value = super().__getitem__(name)  # a missing one: __missing__
+        self.__dict__.setdefault("read", {})[name] = value  # what the readers read, in order: ``in_file_words``
+        return value
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
     def __missing__(self, name: str) -> Any:
         raise MissingConfigField((name,), self.get("model_type"))
+
+
+# MoEConfig's fields (and ActivationSpec's, for gpt-oss's clamp) -> every config.json key a reader reads one from (a
+# nested one as its path: DBRX's ffn_config.moe_top_k, moekit.analysis.billed)
+FILE_KEYS = {
+    "hidden_size": ("hidden_size", "moe_hidden_size", "moe_latent_size", "d_model"),
+    "moe_intermediate_size": ("moe_intermediate_size", "intermediate_size", "expert_ffn_hidden_size",
+                              "ffn_config.ffn_hidden_size"),
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                    "ffn_config.moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts",
+              "ffn_config.moe_top_k"),
+    "n_group": ("n_group", "num_expert_group"), "topk_group": ("topk_group",),
+    "routed_scaling_factor": ("routed_scaling_factor", "moe_router_scaling_factor", "router_scaling_factor",
+                              "moe_routed_scaling_factor", "route_scale"),
+    "renorm_clamp": ("moe_norm_min",), "renormalize": ("norm_topk_prob", "moe_renormalize"),
+    "shared_expert_intermediate_size": ("shared_expert_intermediate_size", "shared_experts_intermediate_size",
+                                        "n_shared_experts", "num_shared_experts", "moe_num_shared_experts",
+                                        "shared_intermediate_size", "share_expert_dim", "num_shared_expert"),
+    "num_identity_experts": ("zero_expert_num",), "router_logit_softcap": ("moe_router_logit_softcapping",),
+    "sparsemixer_jitter_eps": ("router_jitter_noise",), "activation": ("hidden_act",),
+    "num_moe_layers": ("num_hidden_layers", "num_layers", "first_k_dense_replace", "num_dense_layers"),
+    "limit": ("swiglu_limit",), "alpha": ("swiglu_alpha",),
+}
+
+
+@contextlib.contextmanager
+def in_file_words(d: dict):
+    """Re-raise a TypeError / ValueError of reading ``d`` (a ``Fields``) under the config's own keys: each moekit
+    field the message names, said first as the keys it was read from and the values they hold (``cfg.moe_norm_min=-1
+    (moekit's renorm_clamp): renorm_clamp must be ...``); an error inside a reader (``float('abc')``) names the last
+    key it read. A message that already starts with ``cfg.`` names the config's keys itself."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        message, read = str(err), d.__dict__.get("read", {})
+        if message.startswith("cfg.") or not read:
+            raise
+        said = []
+        for field in dict.fromkeys(re.findall(r"[a-z_]+", message)):
+            keys = [key for key in FILE_KEYS.get(field, ()) if key in read]
+            if keys:
+                named = ", ".join(f"cfg.{key}={read[key]!r}" for key in keys)
+                said.append(named if keys == [field] else f"{named} (moekit's {field})")
+        if not said and Path(traceback.extract_tb(err.__traceback__)[-1].filename).name.startswith("config_hf"):
+            key = next(reversed(read))
+            said.append(f"reading cfg.{key}={read[key]!r}")
+        if not said:
+            raise
+        raise type(err)(f"{'; '.join(said)}: {message}") from err
 
 
 def get_field(d: dict, *names: str, default: Any = KeyError) -> Any:

@@ -331,3 +331,26 @@ def test_the_parameters_table_says_whether_the_bill_is_exact(capsys, tmp_path):
         said = "counted to the parameter" if exact else "approximate"
         assert said in text and ("approximate" in text) != exact, model_type
         assert run_json(capsys, "--config", str(path), "--batches", "1")["bills"]["params"]["exact"] is exact
+
+
+@pytest.mark.parametrize("quantization, dtype", [
+    ({"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}, "mxfp4"),  # gpt-oss's checkpoints
+    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8"),  # DeepSeek-V3's
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "int4"),
+    ({"quant_method": "awq", "bits": 4}, "int4"),
+    ({"quant_method": "bitsandbytes"}, "fp8"),  # a format the byte model has no row for: the default, said
+])
+def test_a_config_json_s_quantization_config_is_the_default_dtype(quantization, dtype, tmp_path, capsys):
+    """A downloaded gpt-oss config.json says its experts are MXFP4: billing it as fp8 unless told (--dtype's old
+    default) put 1.9x the expert bytes on its B = 1 floor. Without --dtype the file's format is billed (a format the
+    byte model has no row for: the default) and a note on stderr names the file's quant_method; --dtype still
+    chooses."""
+    fields = dict(hf_config_of_preset("gpt-oss-20b"), quantization_config=quantization)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    assert main(["analyze", "--config", str(path), "--batches", "1", "--json"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["dtype"] == dtype and data["bytes_per_weight"] == get_format(dtype).bytes_per_weight
+    assert f"quant_method {quantization['quant_method']!r}" in err
+    assert run_json(capsys, "--config", str(path), "--batches", "1", "--dtype", "bf16")["dtype"] == "bf16"

@@ -78,3 +78,29 @@ def test_serve_defaults_to_loopback():
 def test_a_balance_methods_setting_with_another_method_is_refused(argv, line, capsys):
     """--aux-steps without --balance aux-loss (or --bias-batches without bias) ran, the setting dropped in silence."""
     assert cli_error(capsys, ["simulate", "--tokens", "16", *argv]) == line
+
+
+@pytest.mark.parametrize("source", [["--experts", "4"], ["--config", "FLEX"]])
+def test_a_model_of_fewer_experts_than_the_default_gpus_runs_on_as_many_gpus_as_it_has_experts(source, tmp_path,
+                                                                                              capsys):
+    """FlexOlmo's config.json (7 experts in transformers' default; 4 here) or --experts 4 without --gpus: the
+    expert-parallel what-if spreads them over 4 GPUs (one expert each, no spare slot to fill: 4 x (4 - 1) = 12 >= 8
+    spare slots), as `moekit serve` does; a --gpus the user gave above E is still refused, naming it."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "flex.json"
+    transformers.FlexOlmoConfig(num_experts=4, num_experts_per_tok=2).to_json_file(str(path))
+    argv = [str(path) if a == "FLEX" else a for a in source]
+    assert main(["simulate", *argv, "--tokens", "16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["params"]["experts"], d["params"]["gpus"], d["params"]["spare_slots"]) == (4, 4, 8)
+    assert "--gpus must be <= experts (4); got 8" in cli_error(capsys, ["simulate", *argv, "--gpus", "8"])
+
+
+def test_a_model_whose_experts_the_simulator_cannot_take_names_the_file(tmp_path, capsys):
+    """Hunyuan-MoE's config class defaults to num_experts=1: the error names the config and its key, not --experts
+    (which the user did not give)."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "hunyuan.json"
+    transformers.HunYuanMoEV1Config().to_json_file(str(path))
+    line = cli_error(capsys, ["simulate", "--config", str(path)])
+    assert f"--config {path}: its E=1" in line and "must be in [2, 512]" in line and "--experts" not in line

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moekit.config import MoEConfig, hf_layer_fields
+from moekit.analysis.billed import billed_layer
+from moekit.config import hf_layer_fields
 
 
 @dataclass(frozen=True)
@@ -68,40 +69,63 @@ class ParamBill:
 EXACT_BILL = frozenset({
     "aria_text", "deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe",
     "granitemoehybrid", "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "minicpm5_moe",
-    "minimax", "mixtral", "olmoe", "openai_privacy_filter", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
-    "solar_open",
+    "minimax", "mixtral", "olmoe", "openai_privacy_filter", "param2moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
+    "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open",
 })
 TOKEN_CLASSIFIERS = frozenset({"openai_privacy_filter"})  # a label head in place of the LM head
+
+
+class UnbilledModel(ValueError):
+    """A model whose layers the whole-model bill cannot read (its MoE layer is still billed)."""
+
+
+# Families whose decoder layers the bill does not read: each holds one mixer (Mamba-2, attention, an MLP or a MoE
+# block) by layers_block_type, where the bill counts attention and an MLP in every layer
+UNBILLED = {"nemotron_h": "its decoder layers hold one mixer each (Mamba-2, attention, an MLP or the MoE block, by "
+                          "layers_block_type), which the whole-model bill does not read",
+            "dbrx": "its attention (Wqkv, attn_config) and layer fields (d_model, n_layers) are its own, which the "
+                    "whole-model bill does not read",
+            "jetmoe": "its attention is a mixture of attention experts (MoA), which the whole-model bill does not read"}
 
 
 def param_bill(hf_config: dict) -> ParamBill:
     """The bill of a config dict of a preset's family: Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3,
     Kimi-K2, GLM-4.5, gpt-oss, OLMoE; and LongCat-Flash (``num_hidden_layers``: its attention sublayers). A VL /
-    omni model's top-level config is billed as its text model's (``hf_layer_fields``: the vision tower not counted)."""
+    omni model's top-level config is billed as its text model's (``hf_layer_fields``: the vision tower not counted).
+    A family ``from_hf_config`` refuses is billed from its own numbers (``billed_layer``: its experts, shared experts
+    and router counted as its model holds them), approximately; ``UnbilledModel`` for one of ``UNBILLED``."""
     hf_config = hf_layer_fields(hf_config)
-    cfg = MoEConfig.from_hf_config(hf_config, layer="typical")
+    layer = billed_layer(hf_config)
+    if hf_config["model_type"] in UNBILLED:
+        raise UnbilledModel(f"no whole-model bill for {hf_config['model_type']}: {UNBILLED[hf_config['model_type']]}")
+    cfg = layer.config
     d, layers = hf_config["hidden_size"], num_hidden_layers(hf_config)
     moe_layers = cfg.num_moe_layers or layers
     vocab = hf_config["vocab_size"]
-    n_dim = cfg.moe_intermediate_size
-    expert = 3 * d * n_dim + ((2 * n_dim + d) if cfg.expert_bias else 0)  # gpt-oss: b13 [2N], b2 [d]
-    shared = 3 * d * cfg.shared_expert_intermediate_size + (d if cfg.shared_expert_gate else 0)
     second = second_sparse_block(hf_config)  # ERNIE-4.5-VL's vision blocks
     return ParamBill(
-        embedding=vocab * d,
+        embedding=vocab * d + _per_layer_embedding(hf_config, layers),
         output=_output_params(hf_config, vocab, d),
         attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
         dense_mlp=_dense_mlp_params(hf_config, layers, moe_layers),
-        routed_experts=moe_layers * cfg.num_experts * expert,
-        active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * expert),  # LongCat: k·E/(E+Z)
-        shared_experts=moe_layers * shared,
-        router=moe_layers * (d + cfg.router_bias) * cfg.router_width,
+        routed_experts=moe_layers * cfg.num_experts * layer.expert_params,
+        active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * layer.expert_params),  # k·E/(E+Z)
+        shared_experts=moe_layers * layer.shared_params,
+        router=moe_layers * layer.router_params,
         second_blocks=moe_layers * (second.experts + second.router),
         norms=layers * 2 * d + d + _hyper_connection_params(hf_config, layers),
         num_moe_layers=moe_layers,
         num_dense_layers=layers - moe_layers,
         exact=hf_config["model_type"] in EXACT_BILL,
     )
+
+
+def _per_layer_embedding(c: dict, layers: int) -> int:
+    """Gemma-4's per-layer input embeddings (a lookup, ``embed_tokens_per_layer`` [V_pl, L·h_pl]); their three small
+    projections (3·d·L·h_pl, 0.2% of a 26B model) are left out. 0 for every other family."""
+    if c.get("model_type") not in DENSE_BESIDE_MOE or not c.get("hidden_size_per_layer_input"):
+        return 0
+    return c.get("vocab_size_per_layer_input", c["vocab_size"]) * layers * c["hidden_size_per_layer_input"]
 
 
 @dataclass(frozen=True)
@@ -143,27 +167,35 @@ def num_hidden_layers(c: dict) -> int:
     return c["num_hidden_layers"]
 
 
+DENSE_BESIDE_MOE = ("gemma4_text", "diffusion_gemma_text")  # a dense MLP beside the MoE block in every layer
+
+
 def _dense_mlps(c: dict, layers: int, moe_layers: int) -> int:
     """Dense MLPs in the model: one a layer without an MoE block; LongCat-Flash: one an attention sublayer (each
-    decoder layer holds two MLPs besides its shortcut-connected MoE block)."""
-    return layers if c.get("model_type") == "longcat_flash" else layers - moe_layers
+    decoder layer holds two MLPs besides its shortcut-connected MoE block); Gemma-4's: one every layer."""
+    return layers if c.get("model_type") in ("longcat_flash", *DENSE_BESIDE_MOE) else layers - moe_layers
 
 
 # The dense MLP's width where a family's config.json does not call it intermediate_size: LongCat-Flash's
-# ffn_hidden_size (its transformers attribute map), Kolibri-1.1's mlp_only_intermediate_size (its mlp_only_layers)
-DENSE_WIDTH = {"longcat_flash": "ffn_hidden_size", "kolibri1_1": "mlp_only_intermediate_size"}
+# ffn_hidden_size (its transformers attribute map), Kolibri-1.1's mlp_only_intermediate_size (its mlp_only_layers),
+# Ergo's first_dense_intermediate_size (an ungated MLP: up and down)
+DENSE_WIDTH = {"longcat_flash": "ffn_hidden_size", "kolibri1_1": "mlp_only_intermediate_size",
+               "ergo": "first_dense_intermediate_size"}
+UNGATED_DENSE = ("ergo",)
 
 
 def _dense_mlp_params(c: dict, layers: int, moe_layers: int) -> int:
-    """3·d·width a dense MLP. A model whose every layer is MoE (DeepSeek-V4, Qwen3.5-MoE, Solar-Open: configs
-    without ``intermediate_size``, which a bill read whatever the count until session 48, so ``moekit simulate``
-    priced them at Mixtral's shapes) reads no width."""
+    """3·d·width a dense MLP (2·d·width ungated: Ergo's). A model whose every layer is MoE (DeepSeek-V4, Qwen3.5-MoE,
+    Solar-Open: configs without ``intermediate_size``, which a bill read whatever the count until session 48, so
+    ``moekit simulate`` priced them at Mixtral's shapes) reads no width."""
     count = _dense_mlps(c, layers, moe_layers)
     if not count:
         return 0
-    return count * 3 * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
+    matrices = 2 if c.get("model_type") in UNGATED_DENSE else 3
+    return count * matrices * c["hidden_size"] * c[DENSE_WIDTH.get(c.get("model_type"), "intermediate_size")]
 
 
+GLM_MODEL = ("glm4_moe", "sarvam_moe", "param2moe")  # Glm4MoeForCausalLM's config classes
 HY_V4 = ("hy_v4", "hy_v4_vl_text")  # MLA with an output gate, sinks and DSA indexers; hyper-connections
 QWEN_DELTANET = ("qwen3_next", "qwen3_5_moe_text")  # Gated DeltaNet layers beside gated attention (q_proj: 2H heads)
 
@@ -208,7 +240,8 @@ def attention_params(c: dict, layer: int = 0) -> int:
     qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c.get("attention_bias", kind == "qwen2_moe")) else 0
     if kind in ("gpt_oss", "openai_privacy_filter"):  # an o_proj bias, and one attention sink per head
         qkv_bias += d + heads
-    qk_norm = 2 * h if kind in ("qwen3_moe", *QWEN_DELTANET) else 0  # per-head RMSNorm on q and k
+    # per-head RMSNorm on q and k (GLM-4.5's model where use_qk_norm: Sarvam-MoE and Param-2-MoE set it)
+    qk_norm = 2 * h if kind in ("qwen3_moe", *QWEN_DELTANET) or (kind in GLM_MODEL and c.get("use_qk_norm")) else 0
     if kind == "olmoe":  # RMSNorm over all of q and all of k
         qk_norm = (heads + kv_heads) * h
     return weights + qkv_bias + qk_norm

@@ -34,7 +34,7 @@ def plot_report(report: Report, path: str, overlay: Overlay | None = None) -> No
     cfg, fmt, gpu = report.config, report.fmt, report.gpu
     top = max(8192, int(report.ridge_batch * 2), max(r.cost.batch for r in report.rows))
     grid = np.unique(np.geomspace(1, top, GRID_POINTS).astype(int))  # [G] batches
-    costs = [batch_cost(cfg, int(b), fmt, gpu, report.inclusion) for b in grid]  # [G]
+    costs = [batch_cost(cfg, int(b), fmt, gpu, report.inclusion, report.expert_matrices) for b in grid]  # [G]
     fig, axes = plt.subplots(2, 3 if overlay else 2, figsize=(16 if overlay else 11, 8.5))
     ax = axes.flat
     fig.suptitle(f"{report.model}: E={cfg.num_experts}, k={cfg.top_k} on {gpu.name}, {fmt.name}")

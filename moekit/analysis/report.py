@@ -72,6 +72,8 @@ class Report:
     ridge_batch: float  # batch where I(B) = I*
     rows: list[SweepRow]
     bills: ModelBills | None
+    expert_matrices: int = 3  # one expert's weights in K·N: 3 gated, 2 ungated (a refused family's billed layer)
+    note: str | None = None  # what the bill stands for where moekit cannot serve the layer (``BilledLayer.note``)
 
 
 def analyze(
@@ -86,10 +88,13 @@ def analyze(
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     inclusion: np.ndarray | None = None,
     routing: str = "uniform",
+    expert_matrices: int = 3,
+    note: str | None = None,
 ) -> Report:
     """Sweep ``batches`` for one MoE layer of ``config``; with ``hf_config`` add the whole-model bills.
-    ``inclusion`` [E] replaces uniform routing with a measured per-expert load. ``gpu`` and ``fmt`` are specs
-    or their names, as ``moekit analyze --gpu`` / ``--dtype`` take them (``"h100"``, ``"fp8"``; ``KeyError``
+    ``inclusion`` [E] replaces uniform routing with a measured per-expert load. ``expert_matrices``: an expert's
+    weights in K·N (2: ungated experts); ``note``: said with the report (``BilledLayer``'s). ``gpu`` and ``fmt`` are
+    specs or their names, as ``moekit analyze --gpu`` / ``--dtype`` take them (``"h100"``, ``"fp8"``; ``KeyError``
     naming the known ones)."""
     if not isinstance(config, MoEConfig):  # else "'NoneType' object has no attribute 'num_experts'"
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -119,8 +124,10 @@ def analyze(
         half_batch=half,
         batch_95=b95,
         ridge_batch=ridge_batch(config, fmt, gpu, inclusion),
-        rows=[_row(config, b, fmt, gpu, params, inclusion) for b in batches],
+        rows=[_row(config, b, fmt, gpu, params, inclusion, expert_matrices) for b in batches],
         bills=bills,
+        expert_matrices=expert_matrices,
+        note=note,
     )
 
 
@@ -133,8 +140,8 @@ def _bills(hf_config: dict, gpu: GpuSpec, fmt: WeightFormat, num_gpus: int, util
 
 
 def _row(config: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, params: ParamBill | None,
-         inclusion: np.ndarray | None) -> SweepRow:
-    cost = batch_cost(config, batch, fmt, gpu, inclusion)
+         inclusion: np.ndarray | None, expert_matrices: int) -> SweepRow:
+    cost = batch_cost(config, batch, fmt, gpu, inclusion, expert_matrices)
     padding = {b: expected_padding_factor(batch, config.num_experts, config.routed_slots_per_token, b, inclusion)
                for b in PADDING_BLOCKS}
     if params is None:
@@ -177,6 +184,8 @@ def report_to_json(report: Report) -> dict:
         "ridge_batch": report.ridge_batch,
         "rows": rows,
         "bills": None,
+        "expert_matrices": report.expert_matrices,
+        "note": report.note,
     }
     if report.bills is not None:
         out["bills"] = _bills_to_json(report.bills)

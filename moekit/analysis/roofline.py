@@ -3,11 +3,12 @@
 Shapes: B = tokens in the batch, E = routed experts, k = experts per token, K = hidden size (d),
 N = one expert's intermediate size (d_ff), b_w = bytes per weight element.
 
-One routed expert holds 3·K·N weights (w13 [2N, K] and w2 [K, N]) and costs 6·K·N FLOPs per token
-routed to it. A batch therefore does F = B·k·6·K·N FLOPs and must read Q = E_touched(B)·3·K·N·b_w
-weight bytes, so I = F/Q = 2·B·k / (b_w·E_touched(B)): K and N cancel. Activations are O(B·K) bytes
-against O(E·K·N) of weights; they are reported but left out of I and the floors, which count routed
-expert weights only (no attention, no shared expert).
+One routed expert holds 3·K·N weights (w13 [2N, K] and w2 [K, N]) and costs 6·K·N FLOPs per token routed to it
+(ungated experts, up [N, K] and down [K, N], hold 2·K·N: ``matrices`` = 2, a refused family's billed layer,
+``moekit.analysis.billed``; every formula below scales alike and I is unchanged). A batch therefore does F =
+B·k·6·K·N FLOPs and must read Q = E_touched(B)·3·K·N·b_w weight bytes, so I = F/Q = 2·B·k / (b_w·E_touched(B)): K
+and N cancel. Activations are O(B·K) bytes against O(E·K·N) of weights; they are reported but left out of I and the
+floors, which count routed expert weights only (no attention, no shared expert).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class BatchCost:
 
     batch: int  # B, tokens
     experts_touched: float  # expected distinct experts read, k <= . <= E
-    flops: float  # B·k·6·K·N
-    weight_bytes: float  # compulsory: experts_touched·3·K·N·b_w
+    flops: float  # B·k·6·K·N (4·K·N ungated)
+    weight_bytes: float  # compulsory: experts_touched·3·K·N·b_w (2·K·N ungated)
     activation_bytes: float  # x read once and out written once: 2·B·K·2 (bf16)
     intensity: float  # flops / weight_bytes, FLOP per byte
     memory_time_s: float  # weight_bytes / bandwidth: the weight-streaming floor
@@ -48,15 +49,17 @@ def expert_params(cfg: MoEConfig) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
-def expert_flops(num_tokens: float, top_k: int, hidden_size: int, moe_intermediate_size: int) -> float:
-    """F = B·k·6·K·N: every routed assignment does one multiply-add per weight of its expert."""
-    return num_tokens * top_k * 2.0 * (3 * hidden_size * moe_intermediate_size)
+def expert_flops(num_tokens: float, top_k: int, hidden_size: int, moe_intermediate_size: int,
+                 matrices: int = 3) -> float:
+    """F = B·k·6·K·N (B·k·4·K·N ungated, ``matrices=2``): each routed assignment does one multiply-add per weight of
+    its expert."""
+    return num_tokens * top_k * 2.0 * (matrices * hidden_size * moe_intermediate_size)
 
 
 def expert_weight_bytes(experts_touched: float, hidden_size: int, moe_intermediate_size: int,
-                        bytes_per_weight: float) -> float:
-    """Q = E_touched·3·K·N·b_w: compulsory bytes, each weight of each touched expert read once."""
-    return experts_touched * (3 * hidden_size * moe_intermediate_size) * bytes_per_weight
+                        bytes_per_weight: float, matrices: int = 3) -> float:
+    """Q = E_touched·3·K·N·b_w (2·K·N ungated): compulsory bytes, each weight of each touched expert read once."""
+    return experts_touched * (matrices * hidden_size * moe_intermediate_size) * bytes_per_weight
 
 
 def activation_bytes(num_tokens: float, hidden_size: int, bytes_per_element: float = ACTIVATION_BYTES) -> float:
@@ -81,17 +84,17 @@ def check_inclusion(cfg: MoEConfig, inclusion: np.ndarray) -> None:
 
 
 def batch_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec,
-               inclusion: np.ndarray | None = None) -> BatchCost:
-    """The byte model at one batch size, for uniform routing or skewed ``inclusion`` [E].
-    ``cfg.num_moe_layers`` None counts as one layer."""
+               inclusion: np.ndarray | None = None, matrices: int = 3) -> BatchCost:
+    """The byte model at one batch size, for uniform routing or skewed ``inclusion`` [E]; ``matrices``: an expert's
+    weights in K·N (3 gated, 2 ungated). ``cfg.num_moe_layers`` None counts as one layer."""
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch must be in [1, 2^53 = {MAX_BATCH}], got {batch}")
     if inclusion is not None:
         check_inclusion(cfg, inclusion)
     touched_experts = touched(cfg, batch, inclusion)
-    flops = expert_flops(batch, cfg.routed_slots_per_token, cfg.hidden_size, cfg.moe_intermediate_size)
+    flops = expert_flops(batch, cfg.routed_slots_per_token, cfg.hidden_size, cfg.moe_intermediate_size, matrices)
     weight_bytes = expert_weight_bytes(touched_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                       fmt.bytes_per_weight)
+                                       fmt.bytes_per_weight, matrices)
     memory_s = weight_bytes / gpu.bandwidth_bytes_s
     compute_s = flops / gpu.flops_per_s(fmt.compute_dtype)
     floor = max(memory_s, compute_s)

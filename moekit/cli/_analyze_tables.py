@@ -91,7 +91,9 @@ def _params_table(report: Report) -> Table:
         t.add_row(name, f"{n / 1e9:,.3f}")
     t.caption = ("counted to the parameter (this family's bill equals transformers' model)" if p.exact else
                  "approximate: this family's own attention is counted as grouped-query or MLA attention (within "
-                 "0.1-1% of transformers' model for its families)")
+                 "0.1-1% of transformers' model for its families)" if report.note is None else
+                 "approximate: the experts, shared experts and router as this family's model holds them, its attention "
+                 "as grouped-query attention (Gemma-4 with experts: 0.5% under its model)")
     return t
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from moekit.analysis.billed import BilledLayer, billed_layer
 from moekit.cli._args import UsageError
 from moekit.config import MissingConfigField, MoEConfig
 from moekit.presets import hf_config_of_preset, preset_names
@@ -21,9 +22,10 @@ def add_source_arguments(group, config_help: str = "a transformers config.json")
 class ModelSource:
     """The model a ``--preset`` / ``--config`` names."""
 
-    layer: MoEConfig  # its MoE layer
+    layer: MoEConfig  # its MoE layer (a family moekit cannot serve: its numbers, routed as softmax top-k)
     hf: dict  # its config.json fields (a preset's as the model ships them)
     name: str  # the preset's name or the config file's path, for messages
+    note: str | None = None  # why moekit cannot serve the layer and what stands for it (``BilledLayer.note``)
 
 
 def preset_source(name: str) -> ModelSource:
@@ -40,7 +42,8 @@ def source_of(args) -> ModelSource | None:
         return preset_source(args.preset)
     if args.config:
         hf = read_config_json(args.config)
-        return ModelSource(layer_config(hf, args.config), hf, args.config)
+        billed = layer_config(hf, args.config)
+        return ModelSource(billed.config, hf, args.config, billed.note)
     return None
 
 
@@ -58,13 +61,14 @@ def read_config_json(path: str) -> dict:
     return hf
 
 
-def layer_config(hf: dict, path: str) -> MoEConfig:
-    """The MoE layer the config.json at ``path`` describes, or a ``UsageError`` naming the file and the field."""
+def layer_config(hf: dict, path: str) -> BilledLayer:
+    """The MoE layer the config.json at ``path`` describes (a family ``from_hf_config`` refuses: its numbers and the
+    refusal's note, ``moekit.analysis.billed``), or a ``UsageError`` naming the file and the field."""
     try:
-        return MoEConfig.from_hf_config(hf, layer="typical")
+        return billed_layer(hf)
     except MissingConfigField as err:
         raise UsageError(err.message(f"config.json at {path}")) from err
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         raise UsageError(f"config.json at {path}: {err}") from err
 
 

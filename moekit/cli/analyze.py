@@ -14,7 +14,8 @@ import sys
 
 import numpy as np
 
-from moekit.analysis.bills import param_bill
+from moekit.analysis.billed import BilledLayer
+from moekit.analysis.bills import UnbilledModel, param_bill
 from moekit.analysis.formats import FORMATS, SCHEME_ALIASES, get_format
 from moekit.analysis.gpus import get_gpu, gpu_names
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
@@ -45,8 +46,9 @@ def register(subparsers) -> None:
                          help="a JSON list of per-expert token counts (e.g. EPLB's load): model that skew instead")
     hw = p.add_argument_group("hardware and format")
     hw.add_argument("--gpu", default="h100", help=f"one of {gpu_names()} (default h100)")
-    hw.add_argument("--dtype", default="fp8", type=_dtype, metavar="{" + ",".join(sorted(FORMATS)) + "}",
-                    help="weight format (default fp8); moekit bench's scheme names are aliases: "
+    hw.add_argument("--dtype", type=_dtype, metavar="{" + ",".join(sorted(FORMATS)) + "}",
+                    help=f"weight format (default: a --config file's quantization_config, else {DEFAULT_DTYPE}); "
+                    "moekit bench's scheme names are aliases: "
                     + ", ".join(f"{s} = {n}" for s, n in sorted(SCHEME_ALIASES.items())))
     hw.add_argument("--bandwidth", type=float, metavar="TB_S", help="override the GPU's memory bandwidth")
     hw.add_argument("--tflops", type=float, help="override the GPU's dense TFLOP/s in the format's compute dtype")
@@ -81,6 +83,27 @@ def _batch(text: str) -> int:
     return batch
 
 
+DEFAULT_DTYPE = "fp8"
+# a config.json's quantization_config -> the format its experts are stored in (gptq / awq: by their bits)
+QUANT_METHODS = {"fp8": "fp8", "mxfp4": "mxfp4", ("gptq", 4): "int4", ("awq", 4): "int4", ("gptq", 8): "int8"}
+
+
+def _file_dtype(hf: dict | None, path: str | None) -> str:
+    """--dtype's default: the format a config.json's quantization_config stores the weights in (gpt-oss: mxfp4), said
+    on stderr, else ``DEFAULT_DTYPE``."""
+    quant = (hf or {}).get("quantization_config") if path else None
+    if not isinstance(quant, dict):
+        return DEFAULT_DTYPE
+    method = quant.get("quant_method")
+    name = QUANT_METHODS.get(method) or QUANT_METHODS.get((method, quant.get("bits")))
+    said = f"config.json at {path}: its quantization_config (quant_method {method!r})"
+    if name is None:
+        print(f"note: {said} is no format the byte model bills: --dtype {DEFAULT_DTYPE}, the default", file=sys.stderr)
+        return DEFAULT_DTYPE
+    print(f"note: {said}: --dtype {name} (give --dtype to bill another format)", file=sys.stderr)
+    return name
+
+
 def _dtype(text: str) -> str:
     """A --dtype value: a format name, or a scheme name standing for one (``fp8_block`` -> ``fp8``)."""
     try:
@@ -89,18 +112,19 @@ def _dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(err.args[0]) from None
 
 
-def _model(args) -> tuple[MoEConfig, dict | None, str]:
-    """The layer config, the whole-model config dict when known, and a display name."""
+def _model(args) -> tuple[MoEConfig, dict | None, str, BilledLayer | None]:
+    """The layer config, the whole-model config dict when known, a display name, and a config.json's billed layer."""
     shape_flags = (args.experts, args.top_k, args.hidden, args.moe_intermediate)
     chosen = sum(x is not None for x in (args.preset, args.config)) + any(f is not None for f in shape_flags)
     if chosen != 1:
         raise UsageError("give exactly one of --preset, --config, or --experts/--top-k/--hidden/--moe-intermediate")
     if args.preset:
         source = preset_source(args.preset)
-        return source.layer, source.hf, source.name
+        return source.layer, source.hf, source.name, None
     if args.config:
         hf = read_config_json(args.config)
-        return _config_of(hf, args.config, args.layers), _bills_config(hf, args.config), args.config
+        billed = _config_of(hf, args.config, args.layers)
+        return billed.config, _bills_config(hf, args.config), args.config, billed
     if any(f is None for f in shape_flags):
         raise UsageError("--experts, --top-k, --hidden and --moe-intermediate go together")
     try:
@@ -108,15 +132,15 @@ def _model(args) -> tuple[MoEConfig, dict | None, str]:
                         num_experts=args.experts, top_k=args.top_k, num_moe_layers=args.layers)
     except ValueError as err:
         raise UsageError(f"--experts/--top-k/--hidden/--moe-intermediate: {err}") from err
-    return cfg, None, "custom"
+    return cfg, None, "custom", None
 
 
-def _config_of(hf: dict, path: str, layers: int | None) -> MoEConfig:
+def _config_of(hf: dict, path: str, layers: int | None) -> BilledLayer:
     """The layer a config.json describes; ``--layers`` stands in for a missing ``num_hidden_layers``."""
-    cfg = layer_config(hf, path)
-    if cfg.num_moe_layers is None and layers is None:
+    billed = layer_config(hf, path)
+    if billed.config.num_moe_layers is None and layers is None:
         raise UsageError(f"config.json at {path} has no 'num_hidden_layers': give --layers N, the model's MoE layers")
-    return cfg
+    return billed
 
 
 def _bills_config(hf: dict, path: str) -> dict | None:
@@ -125,6 +149,9 @@ def _bills_config(hf: dict, path: str) -> dict | None:
         param_bill(hf)
     except KeyError as err:
         print(f"note: config.json at {path} has no {err.args[0]!r}: no parameter or memory bills", file=sys.stderr)
+        return None
+    except UnbilledModel as err:
+        print(f"note: config.json at {path}: {err}: no parameter or memory bills", file=sys.stderr)
         return None
     return hf
 
@@ -148,10 +175,14 @@ def _check_numbers(args) -> None:
 def run(args) -> int:
     _check_numbers(args)
     check_offload_flags(args)
-    cfg, hf, name = _model(args)
+    cfg, hf, name, billed = _model(args)
+    if billed is not None and billed.refused is not None and (args.measure or args.offload):
+        flag = "--measure times" if args.measure else "--offload predicts"
+        raise UsageError(f"{flag} moekit's own layer, which cannot serve {name} ({billed.model_type}): "
+                         f"{billed.refused}")
     if args.layers is not None:
         cfg = cfg.replace(num_moe_layers=args.layers)
-    fmt = get_format(args.dtype)
+    fmt = get_format(args.dtype or _file_dtype(hf, args.config))
     tflops = {fmt.compute_dtype: args.tflops} if args.tflops is not None else None
     try:
         gpu = get_gpu(args.gpu).with_overrides(args.bandwidth, args.memory_gib, tflops)
@@ -162,7 +193,7 @@ def run(args) -> int:
                          f"choose another --dtype or supply --tflops")
     inclusion, routing = _inclusion(args.expert_load, cfg)
     report = analyze(cfg, gpu, fmt, tuple(args.batches), hf, name, args.gpus, args.utilization, args.reserve_gib,
-                     inclusion, routing)
+                     inclusion, routing, *((billed.expert_matrices, billed.note) if billed else ()))
     offload = offload_rows(args, cfg, fmt, gpu) if args.offload else None
     measurement = None
     if args.measure:
@@ -200,6 +231,8 @@ def _print_tables(report, measurement, offload) -> None:
     console = Console()
     if not console.is_terminal:  # piped or logged: rich would fall back to 80 columns and cut cells
         console = Console(width=120)
+    if report.note:
+        console.print(f"note: {report.note}", markup=False, highlight=False)
     print_report(report, console)
     if offload:
         console.print(offload_table(offload))

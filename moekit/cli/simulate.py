@@ -37,9 +37,10 @@ def register(subparsers) -> None:
     p.add_argument("--balance", choices=BALANCE_METHODS, default=_DEFAULTS.balance,
                    help="load balancing: none, an aux-loss-trained router, or DeepSeek's bias updates")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the router and the tokens")
-    p.add_argument("--gpus", type=int, default=_DEFAULTS.gpus, help="GPUs of the expert-parallel what-if")
-    p.add_argument("--spare-slots", type=int, default=_DEFAULTS.spare_slots,
-                   help="redundant expert slots EPLB may fill with replicas of hot experts")
+    p.add_argument("--gpus", type=int, help=f"GPUs of the expert-parallel what-if (default: {_DEFAULTS.gpus}, or E "
+                   "where the model has fewer experts)")
+    p.add_argument("--spare-slots", type=int, help=f"redundant expert slots EPLB may fill with replicas of hot experts "
+                   f"(default: {_DEFAULTS.spare_slots}, or E·(gpus-1) where fewer fit)")
     p.add_argument("--aux-steps", type=int, default=_DEFAULTS.aux_steps,
                    help="Adam steps of aux-loss training (with --balance aux-loss)")
     p.add_argument("--bias-batches", type=int, default=_DEFAULTS.bias_batches,
@@ -76,11 +77,11 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} applies to --balance {method}, got --balance {args.balance}")
     if config is not None:
         shape = {"experts": config.num_experts, "top_k": config.top_k}
+    settings = {n: getattr(args, n) for n in _SETTINGS} | _ep_defaults(args, shape["experts"] or _DEFAULTS.experts)
     try:
-        params = SimParams(**{n: v for n, v in shape.items() if v is not None},
-                           **{n: getattr(args, n) for n in _SETTINGS})
+        params = SimParams(**{n: v for n, v in shape.items() if v is not None}, **settings)
     except ValueError as err:
-        raise UsageError(_as_flag(str(err))) from err
+        raise UsageError(_as_flag(str(err), args, source)) from err
     with working(f"simulating {params.tokens} tokens on E={params.experts}, top-{params.top_k}"):
         result = simulate(params, None if source is None else source.hf)  # that model's bill, not Mixtral's
     print(json.dumps(result.to_dict(), indent=1) if args.json else summary(result))
@@ -103,9 +104,23 @@ def _model(args: argparse.Namespace) -> ModelSource | None:
     return source
 
 
-def _as_flag(message: str) -> str:
-    """SimParams names its fields (``top_k must be ...``); say the flag the user typed (``--top-k``)."""
+def _ep_defaults(args: argparse.Namespace, experts: int) -> dict:
+    """--gpus and --spare-slots where not given: the defaults, or as many as E experts fill (``moekit serve``'s rule:
+    a model of 7 experts is not refused for the 8 GPUs nobody asked for)."""
+    gpus = min(_DEFAULTS.gpus, experts) if args.gpus is None else args.gpus
+    spare = min(_DEFAULTS.spare_slots, experts * (gpus - 1)) if args.spare_slots is None else args.spare_slots
+    return {"gpus": gpus, "spare_slots": spare}
+
+
+def _as_flag(message: str, args: argparse.Namespace, source: ModelSource | None) -> str:
+    """SimParams names its fields (``top_k must be ...``); say the flag the user typed (``--top-k``), or, for E and k
+    a model gave, the model (``--config PATH: its E=1 ...``)."""
     name = message.split(" ", 1)[0]
+    if source is not None and name in ("experts", "top_k"):
+        value = source.layer.num_experts if name == "experts" else source.layer.top_k
+        flag = "--preset" if args.preset else "--config"
+        return f"{flag} {source.name}: its {'E' if name == 'experts' else 'k'}={value} is outside the simulator's " \
+               f"range: {message}"
     return f"--{name.replace('_', '-')}{message[len(name):]}" if name in _DEFAULTS.to_dict() else message
 
 

@@ -42,6 +42,7 @@ def summary(result: SimResult) -> str:
         f"E={p['experts']} top-{p['top_k']} tokens={p['tokens']} capacity factor={p['capacity_factor']} "
         f"skew={p['skew']} balance={p['balance']} seed={p['seed']}",
         "router            " + ", ".join(f"{k}={v}" for k, v in result.router.items()),
+        *([f"note              {result.note}"] if result.note else []),
         "",
         histogram(result.loads, result.capacity),
         "",

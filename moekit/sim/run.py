@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moekit.analysis import experts_touched
+from moekit.analysis.billed import billed_layer
 from moekit.config import MoEConfig, hf_layer_fields
 from moekit.config_hf_v4 import hash_layers
 from moekit.routing import apply_capacity
@@ -84,6 +85,7 @@ class SimResult:
     identity_hits: list[int]  # [Z] slots routed to identity expert E + j (LongCat-Flash); [] without
     zero_compute_share: float  # sum(identity_hits) / (M·k): slots that ran no expert
     hash_layers: list[int]  # the model's hash-routed MoE layers (DeepSeek-V4's): not simulated, see the module doc
+    note: str | None = None  # a config.json of a family moekit cannot serve: why, and the numbers routed instead
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,8 +101,10 @@ def simulate(params: SimParams, config: MoEConfig | dict | None = None) -> SimRe
         raise TypeError(f"params must be a moekit.sim.SimParams (SimParams(**settings)), got {type(params).__name__}")
     fields = config if isinstance(config, dict) else None
     hashed = hash_layers_of(config)  # refuses what routes by a table only
-    if fields is not None:
-        config = MoEConfig.from_hf_config(fields, layer="typical")
+    note = None
+    if fields is not None:  # a family from_hf_config refuses: its numbers, routed as softmax top-k (BilledLayer.note)
+        billed = billed_layer(fields)
+        config, note = billed.config, billed.note
     model = None if fields is None else stated_model(params.experts, params.top_k, fields)
     router = make_router(params.experts, params.top_k, params.skew, params.seed, config)
     x = draw_tokens(params.tokens, router.width, streams.generator(params.seed, streams.EVAL))  # [M, F]
@@ -135,6 +139,7 @@ def simulate(params: SimParams, config: MoEConfig | dict | None = None) -> SimRe
         identity_hits=identity.tolist(),
         zero_compute_share=float(identity.sum()) / (params.tokens * params.top_k),
         hash_layers=hashed,
+        note=note,
     )
 
 

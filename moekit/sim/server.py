@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from moekit.analysis.billed import billed_layer
 from moekit.sim.balance import warm_up
 from moekit.sim.budget import BUDGET_S, OverBudgetError, check_budget
 from moekit.config import MoEConfig
@@ -154,7 +155,8 @@ class SimServer(ThreadingHTTPServer):
 
     def defaults(self) -> dict:
         """/api/defaults: the page's settings (the model's E and k, as many GPUs and spare slots as fit), the
-        limits (E and k pinned with a model), the balancing methods, the work budget, and the model's router."""
+        limits (E and k pinned with a model), the balancing methods, the work budget, the model's router, and the
+        note of a model moekit cannot serve (``BilledLayer.note``: the numbers its runs route instead)."""
         params, limits = SimParams().to_dict(), dict(LIMITS)
         if self.model is not None:
             e = self.model.num_experts
@@ -162,8 +164,9 @@ class SimServer(ThreadingHTTPServer):
             params |= self.fixed() | {"gpus": gpus, "spare_slots": min(params["spare_slots"], e * (gpus - 1))}
             limits |= {name: (fixed, fixed) for name, fixed in self.fixed().items()}
         router = None if self.model is None else router_summary(self.model)
+        note = None if self.model_fields is None else billed_layer(self.model_fields).note
         return {"params": params, "limits": limits, "balance_methods": list(BALANCE_METHODS), "budget_s": BUDGET_S,
-                "model": self.model_name or None, "router": router}
+                "model": self.model_name or None, "router": router, "note": note}
 
     def handle_error(self, request, client_address) -> None:
         error = sys.exc_info()[1]

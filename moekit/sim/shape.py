@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.analysis import get_gpu, param_bill
-from moekit.analysis.bills import num_hidden_layers
+from moekit.analysis.billed import billed_layer
+from moekit.analysis.bills import UnbilledModel, num_hidden_layers
 from moekit.analysis.roofline import expert_flops
-from moekit.config import MoEConfig, hf_layer_fields
+from moekit.config import hf_layer_fields
 from moekit.presets import hf_config_of_preset
 
 PRESET = "mixtral-8x7b"
@@ -70,10 +71,14 @@ def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = 
         counts = param_counts(num_experts, top_k, routed_per_token)
         counts.shape += f" ({model.name}'s config has no field {err} the bill reads)"
         return counts
+    except UnbilledModel as err:
+        counts = param_counts(num_experts, top_k, routed_per_token)
+        counts.shape += f" ({err})"
+        return counts
     active = bill.active
     if routed_per_token is not None and routed_per_token != top_k:
         active -= round(bill.active_routed_experts * (1 - routed_per_token / top_k))
-    layer = MoEConfig.from_hf_config(model.fields, layer="typical")
+    layer = billed_layer(model.fields).config
     shape = (f"{model.name} shapes (d={layer.hidden_size}, d_ff={layer.moe_intermediate_size}, "
              f"{num_hidden_layers(model.fields)} layers) with E={num_experts}, k={top_k}")
     if routed_per_token is not None and routed_per_token != top_k:
@@ -83,8 +88,9 @@ def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = 
 
 def seconds_per_assignment(model: StatedModel | None = None) -> float:
     """Cost model of the EP what-if: one routed token-assignment costs 6·d·d_ff FLOPs in one layer
-    (w13 and w2, multiply-add) at the EP GPU's dense peak; 0.36 µs for Mixtral's expert on an H100, the default."""
-    fields = model.fields if model else hf_config_of_preset(PRESET)
-    layer = MoEConfig.from_hf_config(fields, layer="typical")
-    flops = expert_flops(1, 1, layer.hidden_size, layer.moe_intermediate_size)
+    (w13 and w2, multiply-add; 4·d·d_ff ungated) at the EP GPU's dense peak; 0.36 µs for Mixtral's expert on an
+    H100, the default."""
+    billed = billed_layer(model.fields if model else hf_config_of_preset(PRESET))
+    layer = billed.config
+    flops = expert_flops(1, 1, layer.hidden_size, layer.moe_intermediate_size, billed.expert_matrices)
     return flops / get_gpu(EP_GPU).flops_per_s(EP_DTYPE)

@@ -208,7 +208,7 @@ async function init() {
   }
   if (defaults.model) {
     const rule = Object.entries(defaults.router).map(([k, v]) => `${k}=${v}`).join(", ");
-    $("model").textContent = `Routing as ${defaults.model}: ${rule}.`;
+    $("model").textContent = `Routing as ${defaults.model}: ${rule}.` + (defaults.note ? ` Note: ${defaults.note}.` : "");
   }
   applySettings({ ...defaults.params, ...Object.fromEntries(new URLSearchParams(location.search)) });
   for (const name of NUMERIC) $(name).addEventListener("input", scheduleRefresh);
