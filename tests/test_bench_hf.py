@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import re
 
@@ -373,3 +374,22 @@ def test_an_implementation_that_failed_its_warm_up_is_not_repeated(monkeypatch, 
     row = next(r for r in json.loads(path.read_text())["rows"] if r["impl"] == "failing_here")
     assert row["decode_tok_s"] is None and "cannot run here" in row["errors"]["decode_tok_s"]
 
+
+def test_the_compile_config_of_another_backend_asks_for_no_mode():
+    """Session 51: ``--tiny`` compiles with the "eager" backend, and transformers' CompileConfig default mode
+    "reduce-overhead" (an inductor mode) made torch log "eager backend ignoring extra kwargs" once a graph: 27 lines
+    of a two-model CPU run. The config generate passes to torch.compile now asks that backend for nothing it ignores
+    (read from the backend's logger); inductor keeps the mode."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._dynamo.backends.debugging")  # the eager backend's
+    logger.addHandler(handler)
+    try:
+        config = hf_measure.compile_config(torch.device("cpu"), "eager")
+        double = torch.compile(lambda x: x * 2, **config.to_dict())
+        assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "ignoring extra kwargs" in r.getMessage()]
+    assert hf_measure.compile_config(torch.device("cpu"), "inductor").mode == "reduce-overhead"
