@@ -9,7 +9,7 @@ of transformers' experts interface: ``variants`` turns a module's flags and code
 through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``); on a model
 with no experts module transformers would dispatch, ``set_experts_implementation("moekit")`` warns (``set_check``);
 ``save_pretrained`` of a model whose swapped blocks freed their float experts also writes them beside the checkpoint,
-for ``load_quantized_experts`` after ``from_pretrained`` (``save_freed``).
+for ``load_quantized_experts`` after ``from_pretrained`` (``saving``).
 ``blocks.moe_from_hf`` turns a MoE block into a ``MoE``; ``swap.use_moekit_blocks`` gives every block of a
 model moekit's whole layer forward in place (``restore_blocks`` undoes it). The backend
 comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
@@ -27,7 +27,7 @@ from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
-from moekit.hf.save_freed import load_quantized_experts, wrap_save_pretrained
+from moekit.hf.saving import load_quantized_experts, wrap_save_pretrained
 from moekit.hf.set_check import IMPLEMENTATION, is_interface_experts, wrap_set_experts_implementation
 from moekit.hf.swap import BlockSwapReport, restore_blocks, use_moekit_blocks
 from moekit.hf.swap_free import FloatExpertsFreedError

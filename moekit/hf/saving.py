@@ -1,4 +1,4 @@
-"""``save_pretrained`` of a model whose swapped blocks freed their float experts, and loading it back.
+"""What transformers' ``save_pretrained`` writes of a model moekit changed, and loading it back.
 
 ``use_moekit_blocks(model, quant=..., keep_float=False)`` leaves each swapped block's experts as moekit's quantized
 buffers (``swap_free``). transformers' ``save_pretrained`` writes them under those names (renamed by the family's
@@ -7,7 +7,9 @@ initialises the float experts at random and says so in a load report only. Impor
 ``PreTrainedModel.save_pretrained`` once: for such a model it also writes ``EXPERTS_FILE`` beside the checkpoint (the
 quantized tensors under the model's own ``state_dict`` names, the swap's options in its metadata) and warns how to
 load it: ``from_pretrained``, then ``load_quantized_experts(model, path)``, which swaps the blocks with the saved
-options and loads the tensors. A model with float experts (swapped or not) saves as before, silently.
+options and loads the tensors. ``offload_experts`` replaced its blocks by ``OffloadedBlock`` modules, whose experts
+and router ``from_pretrained`` cannot place either: saving such a model warns, naming the checkpoint to keep
+(docs/offload.md). A model with float experts (swapped or not) saves as before, silently.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def wrap_save_pretrained() -> None:
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
         result = original(self, save_directory, *args, **kwargs)
+        _warn_offloaded(self)
         tensors, options = freed_experts(self)
         if tensors and kwargs.get("is_main_process", args[0] if args else True):  # transformers' second argument
             _write(Path(save_directory), tensors, options)
@@ -71,6 +74,19 @@ def wrap_save_pretrained() -> None:
 
     setattr(save_pretrained, _WRAPPED, True)
     PreTrainedModel.save_pretrained = save_pretrained
+
+
+def _warn_offloaded(model: nn.Module) -> None:
+    from moekit.hf.offload import OffloadedBlock
+
+    offloaded = [name for name, m in model.named_modules() if isinstance(m, OffloadedBlock)]
+    if offloaded:
+        warnings.warn(
+            f"save_pretrained: offload_experts replaced {len(offloaded)} MoE blocks of {type(model).__name__} "
+            f"(OffloadedBlock, {offloaded[0]}: ...), whose experts and router are written under moekit's names; "
+            "transformers' from_pretrained does not read them and initialises those blocks at random. Keep the "
+            "checkpoint the model was loaded from, or torch.save(model.state_dict()) and load_state_dict it into a "
+            "model offloaded alike (docs/offload.md, Saving an offloaded model)", UserWarning, stacklevel=3)
 
 
 def _write(directory: Path, tensors: dict[str, torch.Tensor], options: dict[str, dict]) -> None:

@@ -16,13 +16,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
-from moekit.hf import load_quantized_experts, use_moekit_blocks  # noqa: E402
-from moekit.hf.save_freed import EXPERTS_FILE  # noqa: E402
+from moekit.hf import load_quantized_experts, offload_experts, use_moekit_blocks  # noqa: E402
+from moekit.hf.saving import EXPERTS_FILE  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
 
 IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L] within every vocabulary
-pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", "ignore:gpu_budget_bytes:UserWarning")
 
 
 def _logits(model) -> torch.Tensor:
@@ -73,3 +73,16 @@ def test_a_float_or_kept_swap_saves_as_before(tmp_path):
     assert not (tmp_path / EXPERTS_FILE).exists()
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_moe"
 
+
+
+def test_an_offloaded_model_saved_by_transformers_says_what_to_keep(tmp_path):
+    """``offload_experts`` replaced the blocks (``OffloadedBlock``): save_pretrained wrote their experts and router
+    under moekit's names, and from_pretrained initialised those blocks at random (logits 1e-2 off, a load report the
+    only word). It now warns, naming the checkpoint to keep instead (torch.save of the state_dict, docs/offload.md)."""
+    model = build_model(hf_config("qwen3", 2, tiny=True), torch.float32, torch.device("cpu"), seed=3)
+    offload_experts(model, gpu_budget_bytes=10**6, device="cpu", progress=False)
+    offloaded = _logits(model)
+    with pytest.warns(UserWarning, match=r"offload_experts replaced 2 MoE blocks.*from_pretrained.*at random.*"
+                                         r"torch.save\(model.state_dict\(\)\)"):
+        model.save_pretrained(tmp_path)
+    assert rel_l2(_logits(type(model).from_pretrained(tmp_path).eval()), offloaded) > 1e-3  # what the warning says
