@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,6 +40,9 @@ def test_a_freed_model_saved_by_transformers_loads_back_bit_equal(name, quant, o
     saved = _logits(model)
     with pytest.warns(UserWarning, match=rf"from_pretrained.*at random.*{EXPERTS_FILE}.*load_quantized_experts"):
         model.save_pretrained(tmp_path)
+    checkpoint = set().union(*(safe_open(str(f), "pt").keys() for f in tmp_path.glob("model*.safetensors")))
+    quantized = set(safe_open(str(tmp_path / EXPERTS_FILE), "pt").keys())
+    assert quantized and not checkpoint & quantized and not [k for k in checkpoint if k.endswith("_q")]  # once
     plain = type(model).from_pretrained(tmp_path).eval()
     assert rel_l2(_logits(plain), saved) > 1e-3  # transformers alone: random experts, as the warning says
     report = load_quantized_experts(plain, tmp_path)

@@ -8,7 +8,7 @@ of transformers' experts interface: ``variants`` turns a module's flags and code
 (an ``ActivationSpec``, biases, transposed views) once per module, and what moekit does not fuse runs
 through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``); on a model
 with no experts module transformers would dispatch, ``set_experts_implementation("moekit")`` warns (``set_check``);
-``save_pretrained`` of a model whose swapped blocks freed their float experts also writes them beside the checkpoint,
+``save_pretrained`` of a model whose swapped blocks freed their float experts writes those beside the checkpoint,
 for ``load_quantized_experts`` after ``from_pretrained`` (``saving``).
 ``blocks.moe_from_hf`` turns a MoE block into a ``MoE``; ``swap.use_moekit_blocks`` gives every block of a
 model moekit's whole layer forward in place (``restore_blocks`` undoes it). The backend

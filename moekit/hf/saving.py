@@ -4,9 +4,9 @@
 buffers (``swap_free``). transformers' ``save_pretrained`` writes them under those names (renamed by the family's
 conversion: Mixtral's ``mlp`` becomes ``block_sparse_moe``) and its ``from_pretrained`` does not read them: it
 initialises the float experts at random and says so in a load report only. Importing ``moekit.hf`` wraps
-``PreTrainedModel.save_pretrained`` once: for such a model it also writes ``EXPERTS_FILE`` beside the checkpoint (the
-quantized tensors under the model's own ``state_dict`` names, the swap's options in its metadata) and warns how to
-load it: ``from_pretrained``, then ``load_quantized_experts(model, path)``, which swaps the blocks with the saved
+``PreTrainedModel.save_pretrained`` once: for such a model it writes the quantized experts to ``EXPERTS_FILE`` beside
+the checkpoint instead (under the model's own ``state_dict`` names, the swap's options in its metadata; the
+checkpoint holds the rest) and warns how to load it: ``from_pretrained``, then ``load_quantized_experts(model, path)``, which swaps the blocks with the saved
 options and loads the tensors. ``offload_experts`` replaced its blocks by ``OffloadedBlock`` modules, whose experts
 and router ``from_pretrained`` cannot place either: saving such a model warns, naming the checkpoint to keep
 (docs/offload.md). A model with float experts (swapped or not) saves as before, silently.
@@ -58,17 +58,19 @@ def wrap_save_pretrained() -> None:
 
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
+        tensors, options = freed_experts(self)
+        if tensors and len(args) < 2 and kwargs.get("state_dict") is None:  # they go to EXPERTS_FILE only, once
+            kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in tensors}
         result = original(self, save_directory, *args, **kwargs)
         _warn_offloaded(self)
-        tensors, options = freed_experts(self)
         if tensors and kwargs.get("is_main_process", args[0] if args else True):  # transformers' second argument
             _write(Path(save_directory), tensors, options)
             first = next(iter(options.values()))
             warnings.warn(
                 f"save_pretrained: {len(options)} MoE blocks of {type(self).__name__} hold moekit's {first['quant']} "
                 "experts in place of their float ones (use_moekit_blocks(..., keep_float=False)); transformers' "
-                "from_pretrained does not read them and initialises those experts at random. They are also in "
-                f"{EXPERTS_FILE} beside the checkpoint: load with model = {type(self).__name__}.from_pretrained(path), "
+                f"from_pretrained cannot read them and would initialise those experts at random: they are written to "
+                f"{EXPERTS_FILE} beside the checkpoint; load with model = {type(self).__name__}.from_pretrained(path), "
                 "then moekit.hf.load_quantized_experts(model, path)", UserWarning, stacklevel=2)
         return result
 
