@@ -82,3 +82,26 @@ def test_wrapping_again_wraps_nothing():
     with pytest.warns(UserWarning) as record:
         _llama().set_experts_implementation("moekit")
     assert len(record) == 1
+
+
+def test_a_model_compiled_right_after_set_experts_implementation_traces_the_fused_path():
+    """Session 51: the README's order, ``set_experts_implementation("moekit")`` then ``torch.compile(model,
+    fullgraph=True)``, traced the composed path (the plan cannot be probed while tracing) without a word: correct but
+    not fused, unless ``prepare(model)`` or an eager forward came first. set_experts_implementation now builds the
+    plans (Qwen3-MoE's SiLU: fused); a model on the meta device is left to its first call (nothing to probe yet)."""
+    from moekit.hf.variants import PLAN_ATTR
+
+    model = _qwen3_moe()
+    with torch.no_grad():
+        eager = model(IDS).logits
+    model.set_experts_implementation("moekit")
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = compiled(IDS).logits
+    plans = [vars(m).get(PLAN_ATTR) for m in model.modules() if moekit_hf.is_interface_experts(m)]
+    assert len(plans) == 1 and plans[0] is not None and plans[0].fused
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    with torch.device("meta"):
+        empty = _qwen3_moe()
+    empty.set_experts_implementation("moekit")
+    assert not [m for m in empty.modules() if PLAN_ATTR in vars(m)]
