@@ -84,7 +84,7 @@ def test_wrapping_again_wraps_nothing():
     assert len(record) == 1
 
 
-def test_a_model_compiled_right_after_set_experts_implementation_traces_the_fused_path():
+def test_a_model_compiled_right_after_set_experts_implementation_traces_the_fused_path(monkeypatch):
     """Session 51: the README's order, ``set_experts_implementation("moekit")`` then ``torch.compile(model,
     fullgraph=True)``, traced the composed path (the plan cannot be probed while tracing) without a word: correct but
     not fused, unless ``prepare(model)`` or an eager forward came first. set_experts_implementation now builds the
@@ -92,14 +92,18 @@ def test_a_model_compiled_right_after_set_experts_implementation_traces_the_fuse
     from moekit.hf.variants import PLAN_ATTR
 
     model = _qwen3_moe()
+    composed = []
+    original = moekit_hf.run_composed
+    monkeypatch.setattr(moekit_hf, "run_composed", lambda *a, **k: composed.append(1) or original(*a, **k))
     with torch.no_grad():
         eager = model(IDS).logits
     model.set_experts_implementation("moekit")
+    torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         got = compiled(IDS).logits
     plans = [vars(m).get(PLAN_ATTR) for m in model.modules() if moekit_hf.is_interface_experts(m)]
-    assert len(plans) == 1 and plans[0] is not None and plans[0].fused
+    assert len(plans) == 1 and plans[0] is not None and plans[0].fused and not composed  # traced the fused call
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     with torch.device("meta"):
         empty = _qwen3_moe()
