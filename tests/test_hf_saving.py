@@ -65,6 +65,12 @@ def test_loading_says_what_is_missing(tmp_path):
     other = build_model(hf_config("qwen3", 1, tiny=True), torch.float32, torch.device("cpu"))  # one layer fewer
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.*not in"):
         load_quantized_experts(other, tmp_path)
+    part = build_model(hf_config("qwen3", 2, tiny=True), torch.float32, torch.device("cpu"))
+    use_moekit_blocks(part.model.layers[0], quant="int8_w8a16", keep_float=False)  # one block on its own
+    with pytest.warns(UserWarning):
+        part.save_pretrained(tmp_path / "part")
+    with pytest.raises(ValueError, match=r"no experts of \['model.layers.1.mlp'\]"):
+        load_quantized_experts(type(part).from_pretrained(tmp_path / "part"), tmp_path / "part")
 
 
 def test_a_float_or_kept_swap_saves_as_before(tmp_path):

@@ -5,11 +5,12 @@ buffers (``swap_free``). transformers' ``save_pretrained`` writes them under tho
 conversion: Mixtral's ``mlp`` becomes ``block_sparse_moe``) and its ``from_pretrained`` does not read them: it
 initialises the float experts at random and says so in a load report only. Importing ``moekit.hf`` wraps
 ``PreTrainedModel.save_pretrained`` once: for such a model it writes the quantized experts to ``EXPERTS_FILE`` beside
-the checkpoint instead (under the model's own ``state_dict`` names, the swap's options in its metadata; the
-checkpoint holds the rest) and warns how to load it: ``from_pretrained``, then ``load_quantized_experts(model, path)``, which swaps the blocks with the saved
-options and loads the tensors. ``offload_experts`` replaced its blocks by ``OffloadedBlock`` modules, whose experts
-and router ``from_pretrained`` cannot place either: saving such a model warns, naming the checkpoint to keep
-(docs/offload.md). A model with float experts (swapped or not) saves as before, silently.
+the checkpoint instead (under the model's own ``state_dict`` names, the swap's options in its metadata; the checkpoint
+holds the rest) and warns how to load it: ``from_pretrained``, then ``load_quantized_experts(model, path)``, which
+swaps the blocks with the saved options and loads the tensors. ``offload_experts`` replaced its blocks by
+``OffloadedBlock`` modules, whose experts and router ``from_pretrained`` cannot place either: saving such a model
+warns, naming the checkpoint to keep (docs/offload.md). A model with float experts (swapped or not) saves as before,
+silently.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def wrap_save_pretrained() -> None:
     PreTrainedModel.save_pretrained = save_pretrained
 
 
+def _blocks(names) -> set[str]:
+    """The block paths of quantized-experts names, ``<block>.experts.<buffer>``."""
+    return {name.rsplit(".", 2)[0] for name in names}
+
+
 def _warn_offloaded(model: nn.Module) -> None:
     from moekit.hf.offload import OffloadedBlock
 
@@ -128,5 +134,10 @@ def load_quantized_experts(model: nn.Module, path: str | os.PathLike):
     o = next(iter(options.values()))
     report = use_moekit_blocks(model, backend=o["backend"], quant=o["quant"], quant_options=o["quant_options"] or None,
                                keep_float=False, progress=False)
+    unsaved = sorted(_blocks(freed_experts(model)[0]) - _blocks(tensors))
+    if unsaved:  # swapped and freed now, quantized from from_pretrained's random experts: never silently
+        raise ValueError(f"{file} holds no experts of {unsaved} (swapped on their own before saving?), which "
+                         "use_moekit_blocks swapped now from from_pretrained's random experts: load into a model "
+                         "swapped as the saved one was, then load_state_dict the file")
     model.load_state_dict(tensors, strict=False)  # a shape or dtype another scheme has: the quantized load's error
     return report
