@@ -65,12 +65,16 @@ def check_saved(name: str, scheme: str, device: str) -> dict:
             "blocks": len(report.swapped), "layer": backend}
 
 
-def main() -> int:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("usr51_out"))
-    parser.add_argument("--deadline", type=float, default=75.0, help="seconds; cases after it are not started")
     parser.add_argument("--smoke", action="store_true", help="the CPU (no GPU needed)")
-    args = parser.parse_args()
+    parser.add_argument("--deadline", type=float, default=75.0, help="seconds; cases after it are not started")
+    parser.add_argument("--out", type=Path, default=Path("usr51_out"))
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = _arguments()
     device = "cpu" if args.smoke else "cuda"
     start = time.perf_counter()
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
