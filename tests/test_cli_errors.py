@@ -355,8 +355,8 @@ def test_a_reader_that_closes_the_pipe_gets_no_traceback():
     ignored" line at exit) once head had read its lines. The reader here closes its end before moekit writes: the
     run stops quietly, exit 1 (what Python's docs do on EPIPE), nothing on stderr."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "moekit", "demo", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "moekit", "demo", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
     proc.stdout.close()  # before any write: the first one fails with EPIPE
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and err == "", err
