@@ -109,3 +109,27 @@ def test_a_model_compiled_right_after_set_experts_implementation_traces_the_fuse
         empty = _qwen3_moe()
     empty.set_experts_implementation("moekit")
     assert not [m for m in empty.modules() if PLAN_ATTR in vars(m)]
+
+
+def test_from_pretrained_with_the_moekit_implementation_builds_the_plans_too(monkeypatch, tmp_path):
+    """``from_pretrained(path, experts_implementation="moekit")`` sets the implementation without
+    set_experts_implementation (transformers reads the kwarg into the config): compiled right after, it traced the
+    composed path too. Loading now builds the plans (and a load with another implementation builds none)."""
+    from moekit.hf.variants import PLAN_ATTR
+
+    _qwen3_moe().save_pretrained(tmp_path)
+    cls = transformers.Qwen3MoeForCausalLM
+    plain = cls.from_pretrained(tmp_path, experts_implementation="eager").eval()
+    assert not [m for m in plain.modules() if PLAN_ATTR in vars(m)]
+    with torch.no_grad():
+        eager = plain(IDS).logits
+    model = cls.from_pretrained(tmp_path, experts_implementation="moekit").eval()
+    composed = []
+    original = moekit_hf.run_composed
+    monkeypatch.setattr(moekit_hf, "run_composed", lambda *a, **k: composed.append(1) or original(*a, **k))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, fullgraph=True, backend="eager")(IDS).logits
+    plans = [vars(m).get(PLAN_ATTR) for m in model.modules() if moekit_hf.is_interface_experts(m)]
+    assert plans and all(p is not None and p.fused for p in plans) and not composed
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)

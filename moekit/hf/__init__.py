@@ -28,7 +28,9 @@ from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
 from moekit.hf.saving import load_quantized_experts, wrap_save_pretrained
-from moekit.hf.set_check import IMPLEMENTATION, is_interface_experts, wrap_set_experts_implementation
+from moekit.hf.set_check import (
+    IMPLEMENTATION, is_interface_experts, wrap_from_pretrained, wrap_set_experts_implementation,
+)
 from moekit.hf.swap import BlockSwapReport, restore_blocks, use_moekit_blocks
 from moekit.hf.swap_free import FloatExpertsFreedError
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
@@ -131,6 +133,7 @@ def _register() -> None:
 
     ExpertsInterface.register(IMPLEMENTATION, moekit_experts_forward)
     wrap_set_experts_implementation()
+    wrap_from_pretrained()
     wrap_save_pretrained()
     try:  # fine-grained fp8 experts dispatch through their own interface (transformers >= 5.x)
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface

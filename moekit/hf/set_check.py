@@ -7,7 +7,8 @@ expert MLPs, accepted ``"moekit"`` in silence and ran its own forward: moekit wa
 ``UserWarning`` names the model class when ``"moekit"`` was asked for and the model has no such experts module.
 A warning, not an error: the model still computes its own function, as transformers chose to let it. On a model
 with such modules the call builds their plans (``ExpertsPlan``) at once (``prepare``'s work), so that ``torch.compile``
-right after it traces the fused path (session 51: it traced the composed one, silently).
+right after it traces the fused path (session 51: it traced the composed one, silently); so does
+``from_pretrained(..., experts_implementation="moekit")``, which sets it through the config (``wrap_from_pretrained``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,28 @@ def wrap_set_experts_implementation() -> None:
 
     setattr(set_experts_implementation, _WRAPPED, True)
     PreTrainedModel.set_experts_implementation = set_experts_implementation
+
+
+def wrap_from_pretrained() -> None:
+    """``from_pretrained(..., experts_implementation="moekit")`` sets the implementation through the config, not
+    ``set_experts_implementation``: the loaded model's plans are built here, as that call builds them."""
+    from transformers import PreTrainedModel
+
+    load = PreTrainedModel.__dict__["from_pretrained"].__func__  # a classmethod: the function under it
+    if getattr(load, _WRAPPED, False):
+        return
+
+    @functools.wraps(load)
+    def from_pretrained(cls, *args, **kwargs):
+        result = load(cls, *args, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True: (model, info)
+        read = getattr(model, "get_experts_implementation", None)  # transformers >= 5.x
+        if read is not None and IMPLEMENTATION in read().values():
+            _build_plans([m for m in model.modules() if is_interface_experts(m)])
+        return result
+
+    setattr(from_pretrained, _WRAPPED, True)
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
 
 def _build_plans(experts: list[nn.Module]) -> None:
