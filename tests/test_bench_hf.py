@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
+import re
 
 import pytest
 import torch
@@ -348,3 +350,46 @@ def test_moekit_blocks_runs_when_named_beside_the_experts_implementations():
     for mode in ("eager", "compiled"):
         row = rows[("moekit_blocks", mode)]
         assert not row["errors"] and row["decode_tok_s"] > 0 and row["logits_rel_err_vs_eager"] < 1e-5
+
+
+def _failing_experts(self, hidden_states, top_k_index, top_k_weights):
+    raise RuntimeError("this implementation cannot run here")
+
+
+def test_an_implementation_that_failed_its_warm_up_is_not_repeated(monkeypatch, tmp_path, capsys):
+    """Session 51: a CPU ``--tiny`` run with every registered implementation logged "nothing to time" for each
+    eager repeat of deepgemm and sonicmoe (they fail their warm-up on a CPU): 6 lines a model. The failed row keeps its
+    error, and every repeat of the rows that ran is logged."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    monkeypatch.setitem(ExpertsInterface._global_mapping, "failing_here", _failing_experts)
+    argv = ["bench", "--hf", "--tiny", "--device", "cpu", "--hf-model", "qwen3", "--hf-impls", "moekit,failing_here",
+            "--layers", "1", "--decode-tokens", "2", "--repeats", "2", "--no-compile", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    log = capsys.readouterr().out
+    assert "nothing to time" not in log and "repeat 1/2 failing_here" not in log
+    for rep in (1, 2):
+        assert re.search(rf"eager    repeat {rep}/2 moekit: decode [\d.]+ tok/s, prefill [\d.]+ ms", log)
+    (path,) = tmp_path.glob("cpu-hf-*.json")
+    row = next(r for r in json.loads(path.read_text())["rows"] if r["impl"] == "failing_here")
+    assert row["decode_tok_s"] is None and "cannot run here" in row["errors"]["decode_tok_s"]
+
+
+def test_the_compile_config_of_another_backend_asks_for_no_mode():
+    """Session 51: ``--tiny`` compiles with the "eager" backend, and transformers' CompileConfig default mode
+    "reduce-overhead" (an inductor mode) made torch log "eager backend ignoring extra kwargs" once a graph: 27 lines
+    of a two-model CPU run. The config generate passes to torch.compile now asks that backend for nothing it ignores
+    (read from the backend's logger); inductor keeps the mode."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._dynamo.backends.debugging")  # the eager backend's
+    logger.addHandler(handler)
+    try:
+        config = hf_measure.compile_config(torch.device("cpu"), "eager")
+        double = torch.compile(lambda x: x * 2, **config.to_dict())
+        assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "ignoring extra kwargs" in r.getMessage()]
+    assert hf_measure.compile_config(torch.device("cpu"), "inductor").mode == "reduce-overhead"

@@ -348,3 +348,15 @@ def test_a_usage_error_after_the_output_directory_was_made_leaves_nothing(capsys
     (tmp_path / "kept").mkdir()
     cli_error(capsys, ["bench", "--hf", "--hf-model", "nope", "--out", str(tmp_path / "kept")])
     assert (tmp_path / "kept").is_dir()
+
+
+def test_a_reader_that_closes_the_pipe_gets_no_traceback():
+    """Session 51: ``moekit demo --json | head`` ended in a ``BrokenPipeError`` traceback (and Python's "Exception
+    ignored" line at exit) once head had read its lines. The reader here closes its end before moekit writes: the
+    run stops quietly, exit 1 (what Python's docs do on EPIPE), nothing on stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "moekit", "demo", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # before any write: the first one fails with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err

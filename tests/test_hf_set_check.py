@@ -82,3 +82,54 @@ def test_wrapping_again_wraps_nothing():
     with pytest.warns(UserWarning) as record:
         _llama().set_experts_implementation("moekit")
     assert len(record) == 1
+
+
+def test_a_model_compiled_right_after_set_experts_implementation_traces_the_fused_path(monkeypatch):
+    """Session 51: the README's order, ``set_experts_implementation("moekit")`` then ``torch.compile(model,
+    fullgraph=True)``, traced the composed path (the plan cannot be probed while tracing) without a word: correct but
+    not fused, unless ``prepare(model)`` or an eager forward came first. set_experts_implementation now builds the
+    plans (Qwen3-MoE's SiLU: fused); a model on the meta device is left to its first call (nothing to probe yet)."""
+    from moekit.hf.variants import PLAN_ATTR
+
+    model = _qwen3_moe()
+    composed = []
+    original = moekit_hf.run_composed
+    monkeypatch.setattr(moekit_hf, "run_composed", lambda *a, **k: composed.append(1) or original(*a, **k))
+    with torch.no_grad():
+        eager = model(IDS).logits
+    model.set_experts_implementation("moekit")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = compiled(IDS).logits
+    plans = [vars(m).get(PLAN_ATTR) for m in model.modules() if moekit_hf.is_interface_experts(m)]
+    assert len(plans) == 1 and plans[0] is not None and plans[0].fused and not composed  # traced the fused call
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    with torch.device("meta"):
+        empty = _qwen3_moe()
+    empty.set_experts_implementation("moekit")
+    assert not [m for m in empty.modules() if PLAN_ATTR in vars(m)]
+
+
+def test_from_pretrained_with_the_moekit_implementation_builds_the_plans_too(monkeypatch, tmp_path):
+    """``from_pretrained(path, experts_implementation="moekit")`` sets the implementation without
+    set_experts_implementation (transformers reads the kwarg into the config): compiled right after, it traced the
+    composed path too. Loading now builds the plans (and a load with another implementation builds none)."""
+    from moekit.hf.variants import PLAN_ATTR
+
+    _qwen3_moe().save_pretrained(tmp_path)
+    cls = transformers.Qwen3MoeForCausalLM
+    plain = cls.from_pretrained(tmp_path, experts_implementation="eager").eval()
+    assert not [m for m in plain.modules() if PLAN_ATTR in vars(m)]
+    with torch.no_grad():
+        eager = plain(IDS).logits
+    model = cls.from_pretrained(tmp_path, experts_implementation="moekit").eval()
+    composed = []
+    original = moekit_hf.run_composed
+    monkeypatch.setattr(moekit_hf, "run_composed", lambda *a, **k: composed.append(1) or original(*a, **k))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, fullgraph=True, backend="eager")(IDS).logits
+    plans = [vars(m).get(PLAN_ATTR) for m in model.modules() if moekit_hf.is_interface_experts(m)]
+    assert plans and all(p is not None and p.fused for p in plans) and not composed
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)

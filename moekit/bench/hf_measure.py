@@ -27,10 +27,11 @@ class Decode:
 def compile_config(device: torch.device, backend: str = "inductor"):
     """transformers' ``CompileConfig`` (its defaults: inductor, "reduce-overhead", i.e. CUDA graphs) for
     ``generate(..., cache_implementation="static")``. generate compiles only on accelerators; on the CPU the
-    config's ``_compile_all_devices`` flag (what transformers' own tests set) asks for it anyway."""
+    config's ``_compile_all_devices`` flag (what transformers' own tests set) asks for it anyway. The mode is an
+    inductor one: another backend (``--tiny``'s "eager") gets none, or torch logs that it ignores it, once a graph."""
     from transformers import CompileConfig
 
-    config = CompileConfig(backend=backend)
+    config = CompileConfig(backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
     if device.type != "cuda":
         config._compile_all_devices = True
     return config

@@ -163,8 +163,9 @@ def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log, fp64:
             ref_logits, ref_decode = logits, dec
         log(f"eager    warm {impl}: " + _summary(rows[impl], dec))
     del ref_logits
+    timed = [i for i in impls if not {"decode_tok_s", "prefill_ms"} <= rows[i].errors.keys()]  # a failed warm-up: none
     for rep in range(opts.repeats):
-        for impl in impls:
+        for impl in timed:
             log(f"eager    repeat {rep + 1}/{opts.repeats} {impl}: "
                 + _timed_pass(model, rows[impl], inputs, opts, compiled=None))
     return EagerRows(rows=[rows[i] for i in impls], ref_decode=ref_decode)
@@ -355,8 +356,7 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
     spec = MODELS[opts.model]
     return {
         "device": device_name(device),
-        "date": datetime.date.today().isoformat(),
-        "commit": commit_id(),
+        "date": datetime.date.today().isoformat(), "commit": commit_id(),
         "versions": _versions(),
         "model": {"name": opts.model, "preset": spec.preset, "widths": "tiny" if opts.tiny else "real",
                   "vocab_size": text_config(config).vocab_size, "dtype": str(dtype).removeprefix("torch."),

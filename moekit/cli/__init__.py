@@ -89,4 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"moekit {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader closed it (moekit demo --json | head): stop quietly, as Python's docs do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit would raise it again
+        return 1
 

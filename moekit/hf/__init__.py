@@ -7,7 +7,9 @@ so ``model.set_experts_implementation("moekit")`` sends every experts call throu
 of transformers' experts interface: ``variants`` turns a module's flags and code into an ``ExpertsPlan``
 (an ``ActivationSpec``, biases, transposed views) once per module, and what moekit does not fuse runs
 through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``); on a model
-with no experts module transformers would dispatch, ``set_experts_implementation("moekit")`` warns (``set_check``).
+with no experts module transformers would dispatch, ``set_experts_implementation("moekit")`` warns (``set_check``);
+``save_pretrained`` of a model whose swapped blocks freed their float experts writes those beside the checkpoint,
+for ``load_quantized_experts`` after ``from_pretrained`` (``saving``).
 ``blocks.moe_from_hf`` turns a MoE block into a ``MoE``; ``swap.use_moekit_blocks`` gives every block of a
 model moekit's whole layer forward in place (``restore_blocks`` undoes it). The backend
 comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
@@ -25,7 +27,10 @@ from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
-from moekit.hf.set_check import IMPLEMENTATION, is_interface_experts, wrap_set_experts_implementation
+from moekit.hf.saving import load_quantized_experts, wrap_save_pretrained
+from moekit.hf.set_check import (
+    IMPLEMENTATION, is_interface_experts, wrap_from_pretrained, wrap_set_experts_implementation,
+)
 from moekit.hf.swap import BlockSwapReport, restore_blocks, use_moekit_blocks
 from moekit.hf.swap_free import FloatExpertsFreedError
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
@@ -34,7 +39,7 @@ from moekit.quant.hf import fp8_experts_weights
 _FP8_ATTR = "_moekit_fp8_weights"  # on an FP8Experts module: (its tensors' addresses, (w13, w2))
 
 __all__ = ["HF_BACKEND", "BlockSwapReport", "ComposedPathWarning", "ExpertsPlan", "FloatExpertsFreedError",
-           "MissingExtraError", "moe_from_hf",
+           "MissingExtraError", "load_quantized_experts", "moe_from_hf",
            "moekit_experts_forward", "moekit_fp8_experts_forward", "OffloadedBlock", "offload_experts", "prepare",
            "restore_blocks", "use_moekit_blocks"]
 
@@ -128,6 +133,8 @@ def _register() -> None:
 
     ExpertsInterface.register(IMPLEMENTATION, moekit_experts_forward)
     wrap_set_experts_implementation()
+    wrap_from_pretrained()
+    wrap_save_pretrained()
     try:  # fine-grained fp8 experts dispatch through their own interface (transformers >= 5.x)
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     except ImportError:

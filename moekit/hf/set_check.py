@@ -5,7 +5,10 @@ experts interface, where moekit registered itself. A dense model (Llama), or one
 expert MLPs, accepted ``"moekit"`` in silence and ran its own forward: moekit was never called. Importing
 ``moekit.hf`` wraps ``PreTrainedModel.set_experts_implementation`` once: transformers' method runs as before, then a
 ``UserWarning`` names the model class when ``"moekit"`` was asked for and the model has no such experts module.
-A warning, not an error: the model still computes its own function, as transformers chose to let it.
+A warning, not an error: the model still computes its own function, as transformers chose to let it. On a model
+with such modules the call builds their plans (``ExpertsPlan``) at once (``prepare``'s work), so that ``torch.compile``
+right after it traces the fused path (session 51: it traced the composed one, silently); so does
+``from_pretrained(..., experts_implementation="moekit")``, which sets it through the config (``wrap_from_pretrained``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ def wrap_set_experts_implementation() -> None:
         result = original(self, experts_implementation)
         asked = experts_implementation.values() if isinstance(experts_implementation, dict) else (
             experts_implementation,)
-        if IMPLEMENTATION in asked and not any(is_interface_experts(m) for m in self.modules()):
+        experts = [m for m in self.modules() if is_interface_experts(m)] if IMPLEMENTATION in asked else []
+        if experts:
+            _build_plans(experts)
+        elif IMPLEMENTATION in asked:
             warnings.warn(f"set_experts_implementation({IMPLEMENTATION!r}): {type(self).__name__} has no experts "
                           "module that transformers dispatches through its experts interface (a dense model, or MoE "
                           "blocks holding a list of expert MLPs): moekit is never called, the model's own forward "
@@ -46,3 +52,36 @@ def wrap_set_experts_implementation() -> None:
 
     setattr(set_experts_implementation, _WRAPPED, True)
     PreTrainedModel.set_experts_implementation = set_experts_implementation
+
+
+def wrap_from_pretrained() -> None:
+    """``from_pretrained(..., experts_implementation="moekit")`` sets the implementation through the config, not
+    ``set_experts_implementation``: the loaded model's plans are built here, as that call builds them."""
+    from transformers import PreTrainedModel
+
+    load = PreTrainedModel.__dict__["from_pretrained"].__func__  # a classmethod: the function under it
+    if getattr(load, _WRAPPED, False):
+        return
+
+    @functools.wraps(load)
+    def from_pretrained(cls, *args, **kwargs):
+        result = load(cls, *args, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True: (model, info)
+        read = getattr(model, "get_experts_implementation", None)  # transformers >= 5.x
+        if read is not None and IMPLEMENTATION in read().values():
+            _build_plans([m for m in model.modules() if is_interface_experts(m)])
+        return result
+
+    setattr(from_pretrained, _WRAPPED, True)
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _build_plans(experts: list[nn.Module]) -> None:
+    """Each module's ``ExpertsPlan`` now (``variants.experts_plan``: probing, which ``torch.compile`` cannot trace), so
+    that a model compiled right after ``set_experts_implementation("moekit")`` traces the fused path, as after
+    ``prepare(model)``; a module on the meta device is left to its first call (its probe would run on meta)."""
+    from moekit.hf.variants import experts_plan
+
+    for module in experts:
+        if module.down_proj.device.type != "meta":
+            experts_plan(module)
