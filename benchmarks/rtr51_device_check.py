@@ -14,6 +14,8 @@ Correctness first, one line each (PASS / FAIL): the fast path serves with no cas
 to the full forward's; the full forward's output, logits, ids and weights equal bit for bit to the cast path's (float32
 inputs made explicitly, then the same launch); the logits within 1e-4 of the largest |logit| of the float64 GEMM; the
 ids ``moekit.route``'s on those logits.
+Then DeepSeek-V4's routers at subnormal sqrt(softplus) scores (``rtr51_subnormal``: the fused hash and top-k routers
+against ``hash_route`` / ``route`` and a float64 formula at logits -80 .. -110 and ordinary ones).
 Then host and wall µs per forward (``fix50_device_check.timed``: loops of CALLS calls, variants interleaved over
 rounds until --deadline, medians): ``fast`` / ``full`` (this branch's fast path and full forward), ``fast_copy`` /
 ``full_copy`` (session 50's casts), and for fp32-router ``bf16`` (router_dtype None, for scale). A table last; JSON to
@@ -34,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fix50_device_check import build, configs, timed  # noqa: E402
+from rtr51_subnormal import checks as subnormal_checks  # noqa: E402
 from moekit import MoE, layer_fast, route  # noqa: E402
 from moekit.routing import gate  # noqa: E402
 
@@ -153,6 +156,11 @@ def main() -> None:
             print(f"{row['check']}  {name} M={m} path={row['path']} casts={row['casts']} "
                   f"(A/B copy entry casts={row['copy_kept']})", flush=True)
             checks.append(row)
+        if name == "fp32-router":
+            for row in subnormal_checks(device, a.smoke):
+                print(f"{'PASS' if row['ok'] else 'FAIL'} {row['check']} bits_equal={row['bits_equal']} "
+                      f"{row['note']}", flush=True)
+                checks.append(row | {"check": ("PASS " if row["ok"] else "FAIL ") + row["check"]})
         share = (a.deadline * (0.5 if name == "fp32-router" else 0.9) - (time.monotonic() - start)) / len(rows)
         for m in rows:
             times.append(time_case(name, layers, m, device, time.monotonic() + max(share, 0.0), sync,
