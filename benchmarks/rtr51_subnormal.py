@@ -7,7 +7,7 @@ device's kernels. PASS / FAIL lines:
   topk-renorm    the fused top-k router (V4's top-k layer, no bias): ids equal to ``route``'s on the ordinary rows,
                  weights within 1e-5 of the float64 formula on its own ids at every row; the subnormal rows whose ids
                  differ from ``route``'s are counted, not failed (both choose by the float32 scores, transformers'
-                 rounding: near-ties of subnormals, ties of zeros below -103.9; the interpreter's numpy exp differs there)
+                 rounding: near-ties of subnormals, ties of zeros below -103.9; the interpreter's numpy exp differs)
 """
 
 from __future__ import annotations

@@ -45,10 +45,9 @@ from moekit.layer_fast import DecodeFast
 from moekit.layer_repr import layer_line
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
-from moekit.routing import gate as routing_gate
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import (MAX_TOKENS as GATE_ROWS, gate_linear, gate_logits, linear_into, reads_as,
-                                 router_dtype_of, router_inputs)
+from moekit.routing.gate import (MAX_TOKENS as GATE_ROWS, gate_inputs, gate_logits, linear_into, router_dtype_of,
+                                 torch_gate)
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.weighting import identity_weights, input_weighted, without_identity
 from moekit.routing.routed import MoEOutput, MoEStats, RoutedTokens, stats_of, stats_on_host
@@ -256,34 +255,22 @@ class MoE(nn.Module):
                             top_k=self.config.top_k, identity_weights=identity)
 
     def _gate_inputs(self, x2d: torch.Tensor):
-        """(x2d, gate weight, gate bias, router dtype): the three as stored where the gate kernels read them so for
-        logits in the router dtype (``moekit.routing.gate.reads_as``: bf16 / fp16 under a float32 router, upcast in
-        registers), else in the router dtype (``router_inputs``' casts; ``_gate`` casts for its torch paths)."""
-        gate = self._modules["gate"]
-        weight, bias, router_dtype = _param(gate, "weight"), _param(gate, "bias"), self.config.router_dtype
-        dtype = router_dtype_of(weight, router_dtype)
-        if self._gate_fn is None or not routing_gate.READ_STORED or not reads_as(x2d, weight, bias, dtype):
-            x2d, weight, bias = router_inputs(x2d, weight, bias, router_dtype)
-        return x2d, weight, bias, dtype
+        """(x2d, gate weight, gate bias, router dtype): as stored, else cast (``moekit.routing.gate.gate_inputs``)."""
+        g, c = self._modules["gate"], self.config
+        return gate_inputs(x2d, _param(g, "weight"), _param(g, "bias"), c.router_dtype, self._gate_fn is not None)
 
     def _router_logits(self, x2d: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x2d [M, K] -> logits [M, E(+Z|S)] in the router dtype (``_gate_inputs``), into ``out`` where it is given."""
         return self._gate(*self._gate_inputs(x2d)[:3], out)
 
     def _gate(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None):
-        """The gate GEMM (``_gate_inputs``' tensors) -> logits in the router dtype: the Triton kernel for a few rows
-        (reading them as stored), else on ``router_inputs``' casts ``torch.mm`` into the kept ``out`` (a workspace's
-        logits [M, E], used only when in that dtype), else ``F.linear``."""
-        router_dtype = self.config.router_dtype
-        dtype = router_dtype_of(weight, router_dtype)
+        """The gate GEMM (``_gate_inputs``' tensors) -> logits in the router dtype: the kernel for a few rows, else
+        on the casts ``torch.mm`` into ``out`` (a workspace's, used in that dtype) or ``F.linear`` (``torch_gate``)."""
+        dtype = router_dtype_of(weight, router_dtype := self.config.router_dtype)
         out = out if out is None or out.dtype == dtype else None
         kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROWS  # rows the kernel takes at all
         logits = self._gate_fn(x2d, weight, bias, out, dtype) if kernel else None  # None: not for the kernel
-        if logits is None:
-            x2d, weight, bias = router_inputs(x2d, weight, bias, router_dtype)  # the same tensors where in dtype
-            if out is not None and self._gate_mm is not None:
-                logits = self._gate_mm(x2d, weight, bias, out)
-        return gate_linear(x2d, weight, bias, router_dtype) if logits is None else logits
+        return torch_gate(x2d, weight, bias, router_dtype, out, self._gate_mm) if logits is None else logits
 
     def forward(self, x: torch.Tensor, return_stats: bool = False,
                 return_aux_loss: bool = False) -> torch.Tensor | MoEOutput:

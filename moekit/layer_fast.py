@@ -39,8 +39,9 @@ float32 gate weight) is kept too (session 50, fix50; H200, layer host µs at M =
 router_dtype float32: 115.6 -> 60.5, DeepSeek-V3's with a float32 gate: 89.2 -> 40.7;
 ``benchmarks/fix50_device_check.py``): the gate + router launch reads x and the gate weights as stored and upcasts
 them in registers (``gate.reads_as``, session 51, as the full forward), else ``RouterCasts`` casts them into kept
-buffers on every call, as ``router_inputs`` does for the full forward. Not kept: a gated shared expert in fused slots (its gate logits feed the
-router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
+buffers on every call, as ``router_inputs`` does for the full forward. Not kept: a gated shared expert in fused slots
+(its gate logits feed the router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move
+or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``f6f35e93:benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B

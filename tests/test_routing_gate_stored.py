@@ -156,14 +156,12 @@ def test_layer_casts_nothing_and_equals_the_cast_path(mods, name, m, monkeypatch
     """The full forward, then the decode fast path: no cast of x or the gate weights (``router_inputs`` never runs,
     the kept entry holds no ``RouterCasts``), the output and router logits bit for bit those of the cast path
     (``gate.READ_STORED`` off: session 50's copies)."""
-    import moekit.layer as layer_module
-
     _, gate, _, _, _ = mods
     layer = _layer(name)
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(LAYERS[name][1])
     casts = []
-    real = layer_module.router_inputs
-    monkeypatch.setattr(layer_module, "router_inputs", lambda *a: casts.append(1) or real(*a))
+    real = gate.router_inputs
+    monkeypatch.setattr(gate, "router_inputs", lambda *a: casts.append(1) or real(*a))
     with torch.no_grad():
         full = layer.route_tokens(x, layer._route_ws)
         logits, ids = full.router_logits.clone(), full.routing.topk_ids.clone()

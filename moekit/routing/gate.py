@@ -203,6 +203,26 @@ def router_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return (x if x.dtype == dtype else x.to(dtype)), weight, bias
 
 
+def gate_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: str | None,
+                kernels: bool) -> tuple:
+    """(x [M, K], weight [E, K], bias [E] | None, the router dtype) for ``MoE``'s gate: as stored where the caller runs
+    the gate kernels (``kernels``) and they read them so for logits in the router dtype (``reads_as``: bf16 / fp16
+    under a float32 router, upcast in registers; ``READ_STORED``), else ``router_inputs``' casts."""
+    dtype = router_dtype_of(weight, router_dtype)
+    if not kernels or not READ_STORED or not reads_as(x, weight, bias, dtype):
+        x, weight, bias = router_inputs(x, weight, bias, router_dtype)
+    return x, weight, bias, dtype
+
+
+def torch_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: str | None,
+               out: torch.Tensor | None, linear_mm) -> torch.Tensor:
+    """The gate where no kernel took it, on ``router_inputs``' casts (the same tensors where already in the router
+    dtype): ``linear_mm`` (``linear_into``, or None) into ``out`` where given, else ``gate_linear``."""
+    x, weight, bias = router_inputs(x, weight, bias, router_dtype)
+    logits = None if out is None or linear_mm is None else linear_mm(x, weight, bias, out)
+    return gate_linear(x, weight, bias, router_dtype) if logits is None else logits
+
+
 def gate_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: str | None):
     """``F.linear(x, weight, bias)`` on ``router_inputs``' tensors; with ``router_dtype`` set, outside autocast: a
     mixed-precision region casts F.linear's inputs to its own dtype (bf16 logits from a float32 router_dtype), the

@@ -88,7 +88,8 @@ class BoundGateMma:
 
     def __init__(self, plan, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
                  bias: torch.Tensor | None = None, gate_logits: torch.Tensor | None = None,
-                 assert_in_kernel: bool = False, tiles: MmaTiles | None = None, dtype: torch.dtype | None = None) -> None:
+                 assert_in_kernel: bool = False, tiles: MmaTiles | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         m, e, k = x.shape[0], weight.shape[0], weight.shape[1]
         dtype = x.dtype if dtype is None else dtype  # the logits' (the router dtype): x and W read as stored
         options = fused._launch_options(x.device)

@@ -113,9 +113,7 @@ def _choose(raw: torch.Tensor, logits: torch.Tensor, config: MoEConfig, bias: to
 
 
 def router_scores(logits: torch.Tensor, scoring: str, renormalized: bool = False) -> torch.Tensor:
-    """[M, E] logits -> [M, E] scores: softmax over the row, sigmoid, or sqrt(softplus) (DeepSeek-V4). ``renormalized``:
-    the scores are divided by their row's sum next (the hash router), so sqrt(softplus) takes the formula's value where
-    softplus is subnormal or 0 (``_sqrt_softplus``), not the rounding an unrenormalised weight keeps."""
+    """[M, E] logits -> [M, E] scores: softmax, sigmoid or sqrt(softplus) (``renormalized``: ``_sqrt_softplus``'s)."""
     if scoring == "softmax":
         return torch.softmax(logits, dim=-1)
     if scoring == "sigmoid":
@@ -124,12 +122,9 @@ def router_scores(logits: torch.Tensor, scoring: str, renormalized: bool = False
 
 
 def _sqrt_softplus(logits: torch.Tensor, exact_tiny: bool = False) -> torch.Tensor:
-    """sqrt(softplus(logits)) [M, E] with a finite gradient: sqrt's backward reads 0 / 0 where softplus is 0 (logits
-    below -103.9 in float32; unchosen experts too). Below the dtype's tiny (logits below -87.3 in float32) sqrt(softplus)
-    = e^(x/2) (1 - e^x / 4 + ...) = e^(x/2) to the dtype's precision: the gradient is e^(x/2) / 2's there. The values
-    keep sqrt's bits (the kernels' sqrt_rn; transformers' float32 router: the sqrt of a subnormal, 2-20 bits, 0 below
-    -103.9), the gradient's path adding g - g = 0; with ``exact_tiny`` they are e^(x/2) there (a renormalised row,
-    whose weights are these over their sum: all k at -104 weigh 0 rounded, ~3e-3 each by the formula)."""
+    """sqrt(softplus(logits)) [M, E], a finite gradient (sqrt's backward: 0 / 0 where softplus is 0, below -103.9 in
+    float32). Below float32's tiny (-87.3) it is e^(x/2) (1 - e^x / 4 ...): the gradient e^(x/2) / 2's, the values
+    sqrt's bits (transformers': a subnormal's sqrt or 0) + g - g; ``exact_tiny`` (a renormalised row): e^(x/2)."""
     softplus = torch.nn.functional.softplus(logits)
     if not (exact_tiny or (logits.requires_grad and torch.is_grad_enabled())):
         return softplus.sqrt()

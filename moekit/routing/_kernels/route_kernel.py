@@ -81,7 +81,7 @@ def _score(x, row_max, row_sum, SIGMOID: tl.constexpr, PRECISE: tl.constexpr, SQ
            EXACT_TINY: tl.constexpr = False):
     """torch.sigmoid(x), DeepSeek-V4's sqrt(softplus(x)) (torch's sqrt is correctly rounded: sqrt_rn), or
     torch.softmax's exp(x - max) / sum with the row's max and sum. EXACT_TINY (scores renormalised next: the hash
-    router): sqrt(softplus) is e^(x/2) where softplus is subnormal or 0, as ``route._sqrt_softplus(exact_tiny=True)``."""
+    router): sqrt(softplus) is e^(x/2) where softplus is subnormal or 0, as ``route._sqrt_softplus``'s exact_tiny."""
     if SQRT_SOFTPLUS:
         softplus = _softplus(x, PRECISE)
         score = tl.sqrt_rn(softplus)
