@@ -16,8 +16,8 @@ inputs made explicitly, then the same launch); the logits within 1e-4 of the lar
 ids ``moekit.route``'s on those logits.
 Then DeepSeek-V4's routers at subnormal sqrt(softplus) scores (``rtr51_subnormal``: the fused hash and top-k routers
 against ``hash_route`` / ``route`` and a float64 formula at logits -80 .. -110 and ordinary ones).
-Then host and wall µs per forward (``fix50_device_check.timed``: loops of CALLS calls, variants interleaved over
-rounds until --deadline, medians): ``fast`` / ``full`` (this branch's fast path and full forward), ``fast_copy`` /
+Then host and wall µs per forward (``fix50_device_check.time_case``: loops of 50 calls, variants interleaved over
+up to 7 rounds until --deadline, medians): ``fast`` / ``full`` (this branch's fast path and full forward), ``fast_copy`` /
 ``full_copy`` (session 50's casts), and for fp32-router ``bf16`` (router_dtype None, for scale). A table last; JSON to
 --out/rtr51.json.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,12 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fix50_device_check import build, configs, timed  # noqa: E402
+from fix50_device_check import build, configs, time_case  # noqa: E402
 from rtr51_subnormal import checks as subnormal_checks  # noqa: E402
 from moekit import MoE, layer_fast, route  # noqa: E402
 from moekit.routing import gate  # noqa: E402
 
-CALLS = 50  # forwards a timed loop
+CALLS = 50  # forwards a timed loop (fix50's)
 ROWS = (1, 8, 64)
 VARIANTS = ("fast", "fast_copy", "full", "full_copy", "bf16")
 
@@ -85,39 +84,32 @@ def check(name: str, layer: MoE, m: int, device) -> dict:
     return row
 
 
-def time_case(name: str, layers: dict, m: int, device, stop: float, sync, calls: int) -> dict:
-    """Host / wall µs of each variant ({variant: (layer, fast path on, read as stored)}), rounds interleaved until
-    ``stop`` (at least one)."""
-    x = torch.randn(m, next(iter(layers.values()))[0].config.hidden_size, device=device, dtype=torch.bfloat16)
-    host, wall = {v: [] for v in layers}, {v: [] for v in layers}
-    with torch.no_grad():
-        for _ in range(7):
-            if time.monotonic() > stop and host[next(iter(layers))]:
-                break
-            for v, (layer, on, stored) in layers.items():
-                layer_fast.ENABLED, gate.READ_STORED = on, stored
-                h, w = timed(layer, x, sync, calls)
-                host[v].append(h)
-                wall[v].append(w)
-        layer_fast.ENABLED, gate.READ_STORED = True, True
-    row = {"case": name, "m": m, "rounds": len(host[next(iter(layers))])}
-    for v in layers:
-        row[f"{v}_host"] = round(statistics.median(host[v]), 1)
-        row[f"{v}_wall"] = round(statistics.median(wall[v]), 1)
-    return row
+class Stored:
+    """A layer called with ``gate.READ_STORED`` = ``stored`` (its variant's path) for ``fix50_device_check.time_case``
+    (which sets the fast path on or off around it); the same global store in every variant, so no side pays more."""
+
+    def __init__(self, layer: MoE, stored: bool) -> None:
+        self.layer, self.stored, self.config = layer, stored, layer.config
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate.READ_STORED = self.stored
+        try:
+            return self.layer(x)
+        finally:
+            gate.READ_STORED = True
 
 
 def variants_of(name: str, config, gate_dtype, device) -> dict:
-    """{variant: (layer, fast path on, read as stored)}; ``fast_copy``'s layer keeps its entries under the casts."""
+    """{variant: (Stored layer, fast path on)}; ``fast_copy``'s layer keeps its entries under the casts."""
     layer = build(config, gate_dtype, device)
     copy = build(config, gate_dtype, device)
     copy.load_state_dict(layer.state_dict())
-    out = {"fast": (layer, True, True), "fast_copy": (copy, True, False), "full": (layer, False, True),
-           "full_copy": (copy, False, False)}
+    out = {"fast": (Stored(layer, True), True), "fast_copy": (Stored(copy, False), True),
+           "full": (Stored(layer, True), False), "full_copy": (Stored(copy, False), False)}
     if name == "fp32-router":
         bf16 = build(config.replace(router_dtype=None), torch.bfloat16, device)
         bf16.load_state_dict(layer.state_dict())
-        out["bf16"] = (bf16, True, True)
+        out["bf16"] = (Stored(bf16, True), True)
     return out
 
 
@@ -134,44 +126,50 @@ def keep_copies(copy: MoE, m: int, device) -> bool:
     return entry is not None and entry.casts is not None
 
 
+def correctness(cases: dict, rows: tuple, device, smoke: bool) -> list[dict]:
+    """Every PASS / FAIL line, before any timing: each case's M (and the A/B layer's entry kept under the casts),
+    then the subnormal-score routers."""
+    out = []
+    for name, layers in cases.items():
+        for m in rows:
+            row = check(name, layers["fast"][0].layer, m, device)
+            row["copy_kept"] = keep_copies(layers["fast_copy"][0].layer, m, device)
+            print(f"{row['check']}  {name} M={m} path={row['path']} casts={row['casts']} "
+                  f"(A/B copy entry casts={row['copy_kept']})", flush=True)
+            out.append(row)
+    for row in subnormal_checks(device, smoke):
+        verdict = "PASS" if row["ok"] else "FAIL"
+        print(f"{verdict} {row['check']} bits_equal={row['bits_equal']} {row['note']}", flush=True)
+        out.append(row | {"check": f"{verdict} {row['check']}"})
+    return out
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="/tmp/rtr51", help="the folder rtr51.json goes to")
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds after which no timing round starts")
+    p.add_argument("--smoke", action="store_true", help="the CPU at tiny shapes (with TRITON_INTERPRET=1)")
+    return p.parse_args()
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="/tmp/rtr51")
-    p.add_argument("--deadline", type=float, default=60.0)
-    p.add_argument("--smoke", action="store_true")
-    a = p.parse_args()
-    start = time.monotonic()
+    a, start = _args(), time.monotonic()
     device = torch.device("cpu" if a.smoke else "cuda")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = ROWS[:2] if a.smoke else ROWS
-    checks, times = [], []
-    for name, (config, gate_dtype) in configs(a.smoke).items():
-        if time.monotonic() - start > a.deadline * 0.6:
-            print(f"SKIPPED {name}: deadline", flush=True)
-            continue
-        layers = variants_of(name, config, gate_dtype, device)
-        for m in rows:
-            row = check(name, layers["fast"][0], m, device)
-            row["copy_kept"] = keep_copies(layers["fast_copy"][0], m, device)
-            print(f"{row['check']}  {name} M={m} path={row['path']} casts={row['casts']} "
-                  f"(A/B copy entry casts={row['copy_kept']})", flush=True)
-            checks.append(row)
-        if name == "fp32-router":
-            for row in subnormal_checks(device, a.smoke):
-                print(f"{'PASS' if row['ok'] else 'FAIL'} {row['check']} bits_equal={row['bits_equal']} "
-                      f"{row['note']}", flush=True)
-                checks.append(row | {"check": ("PASS " if row["ok"] else "FAIL ") + row["check"]})
-        share = (a.deadline * (0.5 if name == "fp32-router" else 0.9) - (time.monotonic() - start)) / len(rows)
-        for m in rows:
-            times.append(time_case(name, layers, m, device, time.monotonic() + max(share, 0.0), sync,
-                                   2 if a.smoke else CALLS))
-        del layers
+    cases = {name: variants_of(name, config, gate_dtype, device)
+             for name, (config, gate_dtype) in configs(a.smoke).items()}
+    checks = correctness(cases, rows, device, a.smoke)
+    times, slots = [], [(name, m) for name in cases for m in rows]
+    for i, (name, m) in enumerate(slots):  # the time left shared by the slots left (one round at the least)
+        stop = time.monotonic() + max(0.0, (start + a.deadline - time.monotonic()) / (len(slots) - i))
+        times.append(time_case(name, cases[name], m, device, stop, sync, 2 if a.smoke else CALLS))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
     (Path(a.out) / "rtr51.json").write_text(json.dumps({"info": info, "checks": checks, "times": times}, indent=1))
     print(f"\n{info}  (µs per forward; host: until the last call returns, wall: until the device is done)")
-    print(f"{'case':12} {'M':>4} {'rounds':>6} " + " ".join(f"{v + ' ' + k:>14}" for v in VARIANTS
-                                                           for k in ("host", "wall")))
+    heads = " ".join(f"{v + ' ' + k:>14}" for v in VARIANTS for k in ("host", "wall"))
+    print(f"{'case':12} {'M':>4} {'rounds':>6} {heads}")
     for r in times:
         cells = " ".join(f"{r.get(f'{v}_{k}', float('nan')):>14}" for v in VARIANTS for k in ("host", "wall"))
         print(f"{r['case']:12} {r['m']:>4} {r['rounds']:>6} {cells}")
