@@ -30,7 +30,7 @@ from route_sass_diff_cpu import ALIGNED, DSV3, ONES, QWEN3  # noqa: E402  (the l
 SHAPES = {"qwen3": (2048, QWEN3), "dsv3": (7168, DSV3)}  # K and the router plan (E inside)
 STORED = {"fp32": ("*fp32", "*fp32"), "bf16": ("*bf16", "*bf16"), "bf16_x_fp32_w": ("*bf16", "*fp32")}
 ARITH = re.compile(r"\b(FFMA|FADD|FMUL|SHFL\.\w+|FMNMX|MUFU\.\w+)\b")
-LOAD = re.compile(r"tt\.load .*?tensor<([0-9x]+)x!tt\.ptr<(\w+)>, #(\w+)>")
+LOAD = re.compile(r"(?:tt\.load|ttg\.async_copy_global_to_local) .*?tensor<([0-9x]+)x!tt\.ptr<(\w+)>, #(\w+)>")
 
 
 def _compile(kernel: str, const: dict, x: str, w: str, num_warps: int = 4):
@@ -50,14 +50,15 @@ def _compile(kernel: str, const: dict, x: str, w: str, num_warps: int = 4):
                 "gate_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32", "ok_ptr": "*i32", "count_ptr": "*i32",
                 "part_ptr": "*fp32"}
     sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scaling" else "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ALIGNED, "out_ptr", "stride_om") if n in names}
+    aligned = (*ALIGNED, "out_ptr", "stride_om", "k_per_split")  # k_per_split: a multiple of BLOCK_K, as launched
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
     src = ASTSource(fn, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
         num_warps=num_warps, num_stages=3, enable_reflect_ftz=False, launch_pdl=False, **COMPILE_OPTIONS))
 
 
 def _layouts(ttgir: str) -> list[str]:
-    """'shape dtype sizePerThread' of each tt.load."""
+    """'shape dtype sizePerThread' of each load (tt.load, or a pipelined async copy)."""
     blocked = dict(re.findall(r"^#(\w+) = #ttg\.blocked<\{sizePerThread = (\[[0-9, ]+\])", ttgir, re.M))
     return [f"{shape} {dtype} {blocked.get(layout, layout)}" for shape, dtype, layout in LOAD.findall(ttgir)]
 
