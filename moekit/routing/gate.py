@@ -133,13 +133,13 @@ def bound_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))) or transforming():
         return None  # autograd, or a torch.func transform (its tensors have no storage to launch on)
+    dtype = x.dtype if dtype is None else dtype  # in the key as given or not: one launch a kind (layer_hash_fast's)
     key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
            weight.dtype, weight.get_device(), weight.data_ptr() % 16 == 0,
            None if bias is None
            else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() % 16 == 0), dtype)
     bound = _BOUND.get(key)
     if bound is None:
-        dtype = x.dtype if dtype is None else dtype
         bound = put_bounded(_BOUND, key, _BoundGate(x, weight, bias, dtype)
                             if _applies(x, weight, bias, MAX_TOKENS, dtype) else _LINEAR, MAX_BOUND)
     return None if bound is _LINEAR else bound
