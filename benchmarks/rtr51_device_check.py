@@ -17,9 +17,9 @@ ids ``moekit.route``'s on those logits.
 Then DeepSeek-V4's routers at subnormal sqrt(softplus) scores (``rtr51_subnormal``: the fused hash and top-k routers
 against ``hash_route`` / ``route`` and a float64 formula at logits -80 .. -110 and ordinary ones).
 Then host and wall µs per forward (``fix50_device_check.time_case``: loops of 50 calls, variants interleaved over
-up to 7 rounds until --deadline, medians): ``fast`` / ``full`` (this branch's fast path and full forward), ``fast_copy`` /
-``full_copy`` (session 50's casts), and for fp32-router ``bf16`` (router_dtype None, for scale). A table last; JSON to
---out/rtr51.json.
+up to 7 rounds until --deadline, medians): ``fast`` / ``full`` (this branch's fast path and full forward),
+``fast_copy`` / ``full_copy`` (session 50's casts), and for fp32-router ``bf16`` (router_dtype None, for scale). A
+table last; JSON to --out/rtr51.json.
 """
 
 from __future__ import annotations

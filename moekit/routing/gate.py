@@ -13,7 +13,9 @@ last dim that is not contiguous, and more than MAX_TOKENS rows.
 
 A float32 router over bf16 / fp16 tensors (``router_dtype="float32"``, DeepSeek-V3's float32 gate weight): the kernels
 read x and the weights as stored and upcast them in registers (``reads_as``), the float32 inputs' products and sums
-without a cast copy before the launch (session 51; ``router_inputs`` casts only for the paths that need it).
+without a cast copy before the launch (session 51; ``router_inputs`` casts only for the paths that need it). H100
+(``benchmarks/rtr51_device_check.py``, every output bit-equal to the copies'): the layer's fast path at M = 1 on
+Qwen3-30B-A3B shapes 35.6 -> 21.1 µs of host (bf16 routing: 20.8), the GPU 8-12 µs less at M = 8 / 64.
 
 Only for decode-sized batches: each program loads a W tile once per K step and multiplies each row
 into it, which reads W at the copy rate but sums every row across the tile's threads. H200, bf16
