@@ -101,7 +101,7 @@ class Paths:
 def step_fns(layer: MoE, x: torch.Tensor, paths: Paths) -> dict:
     c, m = layer.config, x.shape[0]
     in_kernel = layer.fuse_shared and layer.capacity_factor is None
-    gx, w, gb = layer._gate_inputs(x)
+    gx, w, gb, _ = layer._gate_inputs(x)
     ws = layer._route_ws.get(x, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, gx.dtype)
     bias, router = layer.e_score_correction_bias, layer._fused_router
     routed = layer.route_tokens(x)
@@ -127,7 +127,7 @@ def step_fns(layer: MoE, x: torch.Tensor, paths: Paths) -> dict:
 def gr_warps(layer: MoE, x: torch.Tensor, num_warps: int):
     """One gate_route launch bound with ``num_warps`` warps (the committed one: gate_route.NUM_WARPS)."""
     c, in_kernel = layer.config, layer.fuse_shared and layer.capacity_factor is None
-    gx, w, gb = layer._gate_inputs(x)
+    gx, w, gb, _ = layer._gate_inputs(x)
     ws = layer._route_ws.get(x, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, gx.dtype)
     router, bias = layer._fused_router, layer.e_score_correction_bias
     plan = router._plans[1 if in_kernel and c.num_shared_slots else 0]

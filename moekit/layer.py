@@ -46,7 +46,8 @@ from moekit.layer_repr import layer_line
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_linear, gate_logits, linear_into, router_inputs
+from moekit.routing.gate import (MAX_TOKENS as GATE_ROWS, gate_inputs, gate_logits, linear_into, router_dtype_of,
+                                 torch_gate)
 from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.weighting import identity_weights, input_weighted, without_identity
 from moekit.routing.routed import MoEOutput, MoEStats, RoutedTokens, stats_of, stats_on_host
@@ -216,12 +217,12 @@ class MoE(nn.Module):
         if not isinstance(x2d, torch.Tensor) or not x2d.is_floating_point() or x2d.shape[1:] != (c.hidden_size,):
             raise input_error("x2d", x2d, c.hidden_size, rows=True)  # forward's checks, for a direct call
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
-        gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
+        gx, weight, gbias, dtype = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None; the router dtype
         slots = c.top_k + c.num_shared_slots * in_kernel  # the kernel appends S unless capacity drops in between
-        ws = None if workspace is None else workspace.get(x2d, c.num_experts, slots, gx.dtype)
+        ws = None if workspace is None else workspace.get(x2d, c.num_experts, slots, dtype)
         one = self._gate_route is not None and x2d.shape[0] <= one_launch.ROWS  # rows the one launch may take
         if ws is None and one and wants_fresh(self._fused_router, in_kernel, gx, weight, gbias):
-            ws = fresh_buffers(x2d, c.num_experts, slots, gx.dtype)  # a capture's or a stats call's own
+            ws = fresh_buffers(x2d, c.num_experts, slots, dtype)  # a capture's or a stats call's own
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
         bias = self._buffers["e_score_correction_bias"]  # [E] fp32 or None; a buffer, never reassigned as anything else
         routing = None
@@ -254,23 +255,22 @@ class MoE(nn.Module):
                             top_k=self.config.top_k, identity_weights=identity)
 
     def _gate_inputs(self, x2d: torch.Tensor):
-        """(x2d, gate weight, gate bias) in the router dtype (``moekit.routing.gate.router_inputs``)."""
-        gate = self._modules["gate"]
-        return router_inputs(x2d, _param(gate, "weight"), _param(gate, "bias"), self.config.router_dtype)
+        """(x2d, gate weight, gate bias, router dtype): as stored, else cast (``moekit.routing.gate.gate_inputs``)."""
+        g, c = self._modules["gate"], self.config
+        return gate_inputs(x2d, _param(g, "weight"), _param(g, "bias"), c.router_dtype, self._gate_fn is not None)
 
     def _router_logits(self, x2d: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x2d [M, K] -> logits [M, E(+Z|S)] in the router dtype (``_gate_inputs``), into ``out`` where it is given."""
-        return self._gate(*self._gate_inputs(x2d), out)
+        return self._gate(*self._gate_inputs(x2d)[:3], out)
 
     def _gate(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None):
-        """The gate GEMM on inputs in the router dtype: the Triton kernel for a few rows, else ``torch.mm`` into the
-        kept ``out`` (a workspace's logits [M, E], used only when in that dtype), else ``F.linear``."""
-        out = out if out is None or out.dtype == x2d.dtype else None
+        """The gate GEMM (``_gate_inputs``' tensors) -> logits in the router dtype: the kernel for a few rows, else
+        on the casts ``torch.mm`` into ``out`` (a workspace's, used in that dtype) or ``F.linear`` (``torch_gate``)."""
+        dtype = router_dtype_of(weight, router_dtype := self.config.router_dtype)
+        out = out if out is None or out.dtype == dtype else None
         kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROWS  # rows the kernel takes at all
-        logits = self._gate_fn(x2d, weight, bias, out) if kernel else None  # None: not for the kernel
-        if logits is None and out is not None and self._gate_mm is not None:
-            logits = self._gate_mm(x2d, weight, bias, out)
-        return gate_linear(x2d, weight, bias, self.config.router_dtype) if logits is None else logits
+        logits = self._gate_fn(x2d, weight, bias, out, dtype) if kernel else None  # None: not for the kernel
+        return torch_gate(x2d, weight, bias, router_dtype, out, self._gate_mm) if logits is None else logits
 
     def forward(self, x: torch.Tensor, return_stats: bool = False,
                 return_aux_loss: bool = False) -> torch.Tensor | MoEOutput:

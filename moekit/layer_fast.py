@@ -35,11 +35,14 @@ it), Qwen2-MoE's sigmoid gate on it included, runs after the experts as ``MoE._e
 (``with_shared``: ``shared_mlp`` on the tensors the layer holds now; nothing of it is kept, so nothing to check).
 Outputs are the full forward's bit for bit: the same launches with the same arguments. A router dtype other than x's
 or the gate weight's (``router_dtype`` float32 over bf16: Kolibri, Lara-Mini, the privacy filter, LongCat-Flash; V3's
-float32 gate weight) is kept too: ``RouterCasts`` upcasts the gate's inputs into kept buffers on every call, as
-``router_inputs`` does for the full forward (session 50, fix50; H200, layer host µs at M = 1, Qwen3-30B-A3B shapes with
+float32 gate weight) is kept too (session 50, fix50; H200, layer host µs at M = 1, Qwen3-30B-A3B shapes with
 router_dtype float32: 115.6 -> 60.5, DeepSeek-V3's with a float32 gate: 89.2 -> 40.7;
-``benchmarks/fix50_device_check.py``). Not kept: a gated shared expert in fused slots (its gate logits feed the
-router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move or cast) drops the entries.
+``benchmarks/fix50_device_check.py``): the gate + router launch reads x and the gate weights as stored and upcasts
+them in registers (``gate.reads_as``, session 51, as the full forward; H100, M = 1: 35.6 -> 21.1 µs of host, bf16
+routing's 20.8: ``benchmarks/rtr51_device_check.py``), else ``RouterCasts`` casts them into kept
+buffers on every call, as ``router_inputs`` does for the full forward. Not kept: a gated shared expert in fused slots
+(its gate logits feed the router), router-weighted shared slots (Inkling), capacity dropping. ``MoE._apply`` (a move
+or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``f6f35e93:benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
@@ -60,7 +63,8 @@ import torch
 from moekit._bounded import put_bounded
 from moekit.experts import fast_path_of, keeper_of
 from moekit.routing import fused
-from moekit.routing import gate_route
+from moekit.routing import gate as routing_gate, gate_route
+from moekit.routing.gate import reads_as, router_dtype_of
 from moekit.routing.gate_route import MAX_TOKENS, bound_launch
 from moekit.routing.shared import shared_mlp
 from moekit.triton_bind import LEAD_X, current_stream
@@ -117,15 +121,15 @@ class _Entry:
         self.joint = joint  # the one launch and the kept call in one C call (``KeptCall.joined``), else None
         self.bound, self.route = bound, route  # the one launch (M <= gate_route.ROWS), else the router's bound launch
         self.activation, self.append_shared = layer.config.activation, append_shared
-        self.casts = casts  # the gate's inputs in the router dtype (kept buffers), where it is not x's and W's
+        self.casts = casts  # the gate's inputs cast to the router dtype (kept buffers), where not read as stored
 
 
 class RouterCasts:
-    """The gate's inputs in the router dtype, where it differs from x's or the gate weight's (``router_dtype``
-    float32 over bf16 activations: Kolibri, Lara-Mini, the privacy filter, LongCat-Flash; DeepSeek-V3's float32 gate
-    weight in a bf16 model): kept buffers x [M, K], W [E, K], b [E] in that dtype, filled by ``copy_`` on every call
-    (an exact upcast, so the gate reads the values ``router_inputs`` makes for the full forward, and the same bound
-    launch runs on them: the same bits). W and b are copied again on every call, not kept by version: an update through
+    """The gate's inputs in the router dtype, where it differs from x's or the gate weight's and the launch does not
+    read them as stored (``gate.reads_as``: a downcast; ``gate.READ_STORED`` off, the A/B of session 50's copies
+    for every float32 router over bf16): kept buffers x [M, K], W [E, K], b [E] in that dtype, filled by ``copy_`` on
+    every call (the values ``router_inputs`` makes for the full forward, and the same bound launch runs on them: the
+    same bits). W and b are copied again on every call, not kept by version: an update through
     ``.data`` moves no version counter, and a stale routing would be silent. A tensor already in the dtype is read as
     it is (None here). ``peer``: another kind's casts of the layer on the same stream and thread, whose W and b buffers
     this one shares (its calls run in stream order, each filling them before its launch): one W copy a layer and
@@ -278,9 +282,12 @@ class DecodeFast:
             return
         if x2d.is_cuda and _capturing():
             return
-        dtype = weight.dtype if c.router_dtype is None else getattr(torch, c.router_dtype)  # as router_inputs
+        dtype = router_dtype_of(weight, c.router_dtype)  # the logits' (as MoE._gate_inputs)
         casts = None
-        if x2d.dtype != dtype or weight.dtype != dtype or (linear_bias is not None and linear_bias.dtype != dtype):
+        cast = x2d.dtype != dtype or weight.dtype != dtype or (linear_bias is not None and linear_bias.dtype != dtype)
+        stored = cast and m <= gate_route.ROWS and routing_gate.READ_STORED and reads_as(x2d, weight, linear_bias,
+                                                                                         dtype)
+        if cast and not stored:  # the launch reads what it is given: the casts into kept buffers
             stream, thread = current_stream() if x2d.is_cuda else 0, get_ident()  # a peer's W buffer: same order
             peer = next((e.casts for e in self._entries.values()
                          if e.casts is not None and e.stream == stream and e.thread == thread), None)
@@ -295,8 +302,8 @@ class DecodeFast:
             bound = bound_launch(router, gx, gweight, glinear, bias, None, append_shared, buffers)
         if bound is None:  # above the one launch's rows, or a call it does not take (gate._applies)
             plan = router._plans[1 if append_shared else 0]
-            if plan is None or layer._gate_mm is None or buffers.logits.dtype != dtype:
-                return
+            if plan is None or layer._gate_mm is None or buffers.logits.dtype != dtype or stored:
+                return  # stored: torch.mm would need the casts (a layout the kernels refuse: the full forward)
             route = fused.bound_route(plan, buffers.logits, bias, None, router.assert_in_kernel)
         keeper = keeper_of(layer._experts_fn)
         kept = None if keeper is None else keeper(x2d, w13, w2, buffers.ids, buffers.weights, c.activation, b13=b13,

@@ -1,10 +1,10 @@
 """The decode fast path (``moekit.layer_fast``) with the router in another dtype than x's, under Triton's interpreter:
 ``router_dtype="float32"`` over bf16 activations and a bf16 gate weight (Kolibri, Lara-Mini, the privacy filter with
 its router bias, LongCat-Flash) and a float32 gate weight in a bf16 layer (DeepSeek-V3 as transformers loads it). It
-serves the repeated calls (``RouterCasts``: the gate's inputs upcast into kept buffers), bit for bit the full
-forward's output, on logits that are the float64 GEMM's rounded once to float32 and a choice that is the float64
-logits' top-k; an update of the gate weight in place or through ``.data`` (no version moves) is read, never a stale
-copy."""
+serves the repeated calls (the gate + router launch reading them as stored, session 51; ``RouterCasts``' kept float32
+copies with ``gate.READ_STORED`` off, session 50), bit for bit the full forward's output, on logits that are the
+float64 GEMM's rounded once to float32 and a choice that is the float64 logits' top-k; an update of the gate weight in
+place or through ``.data`` (no version moves) is read, never a stale copy."""
 
 from __future__ import annotations
 
@@ -126,10 +126,15 @@ def test_an_updated_gate_weight_is_read_not_a_stale_cast(monkeypatch, name, chan
         assert (layer.gate.weight._version == version) is (change is _through_data)
 
 
-def test_two_sizes_share_one_weight_copy_and_stay_exact(monkeypatch):
-    """Kinds of M = 1 and 12 kept by one layer on one thread share the float32 W and b buffers (one copy a layer, not
-    one per kept M) and each its own x buffer; calls in turn, each filling the shared W before its launch, stay equal
-    to the full forward, across an in-place update of the weight between them."""
+@pytest.mark.parametrize("read_stored", [True, False])
+def test_two_sizes_share_one_weight_copy_and_stay_exact(monkeypatch, read_stored):
+    """Kinds of M = 1 and 12 kept by one layer on one thread, calls in turn across an in-place update of the weight
+    between them, stay equal to the full forward: reading x, W and b as stored (no buffers at all), or with
+    ``gate.READ_STORED`` off (session 50's casts) sharing the float32 W and b buffers (one copy a layer, not one per
+    kept M), each filling the shared W before its launch, and each its own x buffer."""
+    from moekit.routing import gate
+
+    monkeypatch.setattr(gate, "READ_STORED", read_stored)
     hits = count_served(monkeypatch, layer_fast.DecodeFast, "__call__")
     layer, full = _pair("router_fp32_bias")
     with torch.no_grad():
@@ -141,4 +146,7 @@ def test_two_sizes_share_one_weight_copy_and_stay_exact(monkeypatch):
                 assert torch.equal(layer(x), full(x))
     assert hits[0] == 4
     one, twelve = (layer._decode._entries[m].casts for m in (1, 12))
-    assert one.weight is twelve.weight and one.linear_bias is twelve.linear_bias and one.x is not twelve.x
+    if read_stored:
+        assert one is None and twelve is None
+    else:
+        assert one.weight is twelve.weight and one.linear_bias is twelve.linear_bias and one.x is not twelve.x

@@ -152,8 +152,9 @@ def test_route_gradients_with_a_bias_that_chooses_low_scores():
 def test_hash_route_gradients_at_the_edges(scoring, renormalize):
     """DeepSeek-V4's hash router: the table's experts' scores / (sum + 1e-20): float64 gradcheck; float32 finite at
     every row (the unchosen logits' gradient too: 0), and the formula's where the table's experts score normal floats
-    (logits above -87): below, float32's scores are subnormal or 0 (its rounding, as transformers' float32 router's:
-    a row at -104 renormalised by + 1e-20 weighs 0 where the formula gives 3e-3), and the gradient is taken there."""
+    (logits above -87): below, float32's scores are subnormal or 0 (its rounding, as transformers' float32 router's,
+    kept by an unrenormalised row and sigmoid); renormalised, sqrt(softplus) is e^(x/2) there (session 51: a row at
+    -104 weighs the formula's 3e-3, not 0), the formula's down to -174 (e^(x/2) itself subnormal below)."""
     cfg = MoEConfig(hidden_size=4, moe_intermediate_size=4, num_experts=E, top_k=K, scoring=scoring,
                     renormalize=renormalize, hash_table_size=3)
     table = torch.tensor([[0, 1], [3, 5], [2, 2]])
@@ -170,7 +171,8 @@ def test_hash_route_gradients_at_the_edges(scoring, renormalize):
         w = score64(t, scoring).gather(1, ids)
         return w / (w.sum(-1, keepdim=True) + 1e-20) if renormalize else w
 
-    normal = (logits.gather(1, ids) > -87.0).all(dim=1)  # [M] rows whose chosen float32 scores are normal
+    floor = -170.0 if renormalize and scoring == "sqrtsoftplus" else -87.0  # e^(x/2) normal, else softplus normal
+    normal = (logits.gather(1, ids) > floor).all(dim=1)  # [M] rows whose chosen float32 scores are normal
     assert torch.isfinite(got).all() and 2 <= normal.sum() < len(normal)
     assert_close_rows(got[normal], _grad(formula, logits.float().double(), r)[normal], 2e-5)
 

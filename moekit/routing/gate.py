@@ -1,5 +1,5 @@
 """The gate GEMM on one bound Triton launch: x [M, K] -> router logits [M, E], what ``F.linear(x, W, b)``
-computes (fp32 accumulation, the output in x's dtype), at a fraction of its eager host time.
+computes (fp32 accumulation, the output in x's dtype or the router dtype), at a fraction of its eager host time.
 
     [Gate] -> Route -> Capacity (opt-in) -> Group -> Experts -> Combine
 
@@ -10,6 +10,12 @@ strides, alignment) in a ``BoundLaunch``; the weight and bias are passed on ever
 them or updating them in place needs no invalidation. Torch twin: ``F.linear``, which the layer uses
 wherever this does not apply (``gate_logits`` returns None): autograd, torch.compile, mixed dtypes, a
 last dim that is not contiguous, and more than MAX_TOKENS rows.
+
+A float32 router over bf16 / fp16 tensors (``router_dtype="float32"``, DeepSeek-V3's float32 gate weight): the kernels
+read x and the weights as stored and upcast them in registers (``reads_as``), the float32 inputs' products and sums
+without a cast copy before the launch (session 51; ``router_inputs`` casts only for the paths that need it). H100
+(``benchmarks/rtr51_device_check.py``, every output bit-equal to the copies'): the layer's fast path at M = 1 on
+Qwen3-30B-A3B shapes 35.6 -> 21.1 µs of host (bf16 routing: 20.8), the GPU 8-12 µs less at M = 8 / 64.
 
 Only for decode-sized batches: each program loads a W tile once per K step and multiplies each row
 into it, which reads W at the copy rate but sums every row across the tile's threads. H200, bf16
@@ -46,6 +52,12 @@ from moekit.triton_bind import BoundLaunch, next_pow2
 MAX_TOKENS = 8
 MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound; the oldest goes first
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NARROW = (torch.bfloat16, torch.float16)  # read into float32 logits exactly: upcast in registers
+# The router-dtype casts' A/B (``benchmarks/rtr51_device_check.py``): False, x and the gate weights are cast to the
+# router dtype before the launch (session 50's copies: fresh tensors in the full forward, ``layer_fast.RouterCasts``'
+# kept buffers on the fast path) instead of read in their stored dtypes. Read by ``MoE`` on every call and by
+# ``layer_fast`` when it keeps an entry.
+READ_STORED = True
 
 
 @dataclass(frozen=True)
@@ -73,11 +85,11 @@ def kernels():
 class _BoundGate:
     """One kind of call (M, K, E, dtypes, strides, alignment, bias or not, device), decided once."""
 
-    __slots__ = ("launch", "shape")
+    __slots__ = ("launch", "shape", "dtype")
 
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         num_tokens, num_experts = x.shape[0], weight.shape[0]
-        self.shape = (num_tokens, num_experts)  # [M, E]
+        self.shape, self.dtype = (num_tokens, num_experts), dtype  # [M, E] logits in dtype
         t = _tiles(num_tokens, num_experts, weight.shape[1])
         grid = (-(-num_tokens // t.block_m), -(-num_experts // t.block_e))
         scalars = (num_tokens, weight.shape[1], x.stride(0), weight.stride(0), num_experts)  # out: [M, E] contiguous
@@ -86,13 +98,13 @@ class _BoundGate:
             BLOCK_E=t.block_e, BLOCK_K=t.block_k, HAS_BIAS=bias is not None, num_warps=4)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out=None) -> torch.Tensor:
-        out = x.new_empty(self.shape) if out is None else out  # [M, E] in x's dtype, on its device
+        out = x.new_empty(self.shape, dtype=self.dtype) if out is None else out  # [M, E] on x's device
         if self.launch is not None:
             self.launch(x, weight, weight if bias is None else bias, out)
         return out
 
 
-# (shapes, strides, dtypes, devices, 16-byte alignment of x / W / b) -> its bound launch, or _LINEAR
+# (shapes, strides, dtypes, devices, 16-byte alignment of x / W / b, the logits' dtype) -> its bound launch, or _LINEAR
 _BOUND: dict[tuple, object] = {}
 
 
@@ -102,46 +114,71 @@ def clear_launch_caches() -> None:
 
 
 def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``F.linear(x [M, K], weight [E, K], bias [E] | None)`` -> [M, E] in x's dtype on the kernel, or None
-    where the kernel does not apply (see the module docstring) and the caller runs ``F.linear``. Shapes,
-    dtypes, devices and layouts are checked once per kind of call (everything they read is in its key).
-    ``out``: written instead of a fresh tensor; the caller vouches that it is [M, E] contiguous in x's
-    dtype on x's device (``moekit.routing.workspace``)."""
-    bound = bound_gate(x, weight, bias)
+                out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``F.linear(x [M, K], weight [E, K], bias [E] | None)`` -> [M, E] in ``dtype`` (default: ``out``'s, else x's)
+    on the kernel, or None where the kernel does not apply (see the module docstring) and the caller runs
+    ``F.linear``. x, weight and bias are read in their stored dtypes: each ``dtype``, or bf16 / fp16 for float32
+    logits (upcast in registers: the float32 inputs' products and sums, ``reads_as``). Shapes, dtypes, devices and
+    layouts are checked once per kind of call (everything they read is in its key). ``out``: written instead of a
+    fresh tensor; the caller vouches that it is [M, E] contiguous in ``dtype`` on x's device
+    (``moekit.routing.workspace``)."""
+    dtype = (x.dtype if out is None else out.dtype) if dtype is None else dtype
+    bound = bound_gate(x, weight, bias, dtype)
     return None if bound is None else bound(x, weight, bias, out)
 
 
-def bound_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> _BoundGate | None:
-    """The bound launch ``gate_logits`` calls for this kind of call (kept by ``moekit.layer_hash_fast``: called
-    ``(x, weight, bias, out)`` on tensors of the same kind), or None where the kernel does not apply."""
+def bound_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> _BoundGate | None:
+    """The bound launch ``gate_logits`` calls for this kind of call, logits in ``dtype`` (default x's; kept by
+    ``moekit.layer_hash_fast``: called ``(x, weight, bias, out)`` on tensors of the same kind), or None where the
+    kernel does not apply."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))) or transforming():
         return None  # autograd, or a torch.func transform (its tensors have no storage to launch on)
+    dtype = x.dtype if dtype is None else dtype  # in the key as given or not: one launch a kind (layer_hash_fast's)
     key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
            weight.dtype, weight.get_device(), weight.data_ptr() % 16 == 0,
            None if bias is None
-           else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() % 16 == 0))
+           else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() % 16 == 0), dtype)
     bound = _BOUND.get(key)
     if bound is None:
-        bound = put_bounded(_BOUND, key, _BoundGate(x, weight, bias) if _applies(x, weight, bias) else _LINEAR,
-                            MAX_BOUND)
+        bound = put_bounded(_BOUND, key, _BoundGate(x, weight, bias, dtype)
+                            if _applies(x, weight, bias, MAX_TOKENS, dtype) else _LINEAR, MAX_BOUND)
     return None if bound is _LINEAR else bound
 
 
 _LINEAR = object()  # in _BOUND: a kind of call the kernel does not take
 
 
-def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = MAX_TOKENS) -> bool:
+def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = MAX_TOKENS,
+             dtype: torch.dtype | None = None) -> bool:
     """Whether the kernel (up to ``max_rows`` rows: ``gate_mma``'s for the tensor-core one) computes
-    F.linear(x, weight, bias) for this kind of call."""
-    dtype = x.dtype
-    if (x.dim() != 2 or weight.dim() != 2 or weight.dtype != dtype or dtype not in _DTYPES
+    F.linear(x, weight, bias) on these tensors' values into logits of ``dtype`` (default x's) for this kind of
+    call: ``reads_as`` for the dtypes."""
+    dtype = x.dtype if dtype is None else dtype
+    if (x.dim() != 2 or weight.dim() != 2 or not reads_as(x, weight, bias, dtype)
             or x.shape[1] != weight.shape[1] or x.device != weight.device or x.stride(1) != 1 or weight.stride(1) != 1
             or x.shape[0] > max_rows):
         return False
-    return bias is None or (bias.dtype == dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1
-                            and bias.device == x.device)
+    return bias is None or (bias.shape == weight.shape[:1] and bias.stride(0) == 1 and bias.device == x.device)
+
+
+def reads_as(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether the gate kernels read x, weight and bias as stored for logits in ``dtype`` (one of bf16, fp16,
+    float32): each in ``dtype``, or in bf16 / fp16 for float32 logits, an exact upcast in registers, so the kernels
+    compute what they compute on the inputs cast to float32 (the same products and sums: ``_kernels/gate_kernel.py``
+    gives every float32-logits load float32's layout). A downcast (float32 x under a bf16 router) is not read."""
+    if dtype not in _DTYPES:
+        return False
+    for t in (x, weight, bias):
+        if t is not None and t.dtype != dtype and not (dtype == torch.float32 and t.dtype in _NARROW):
+            return False
+    return True
+
+
+def router_dtype_of(weight: torch.Tensor, router_dtype: str | None) -> torch.dtype:
+    """The router dtype (the logits'): ``router_dtype`` when set, else the gate weight's (``router_inputs``)."""
+    return weight.dtype if router_dtype is None else getattr(torch, router_dtype)
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -162,10 +199,30 @@ def router_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """(x [M, K], weight [E, K], bias [E] | None) in the router dtype: ``router_dtype`` when set (x and the weights
     cast for the GEMM, as Megatron's moe_router_dtype; a parameter keeps its dtype and gets its gradient through
     the cast), else the weight's dtype (DeepSeek-V3 keeps an fp32 gate in a bf16 model)."""
-    dtype = weight.dtype if router_dtype is None else getattr(torch, router_dtype)
+    dtype = router_dtype_of(weight, router_dtype)
     if weight.dtype != dtype:
         weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     return (x if x.dtype == dtype else x.to(dtype)), weight, bias
+
+
+def gate_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: str | None,
+                kernels: bool) -> tuple:
+    """(x [M, K], weight [E, K], bias [E] | None, the router dtype) for ``MoE``'s gate: as stored where the caller runs
+    the gate kernels (``kernels``) and they read them so for logits in the router dtype (``reads_as``: bf16 / fp16
+    under a float32 router, upcast in registers; ``READ_STORED``), else ``router_inputs``' casts."""
+    dtype = router_dtype_of(weight, router_dtype)
+    if not kernels or not READ_STORED or not reads_as(x, weight, bias, dtype):
+        x, weight, bias = router_inputs(x, weight, bias, router_dtype)
+    return x, weight, bias, dtype
+
+
+def torch_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: str | None,
+               out: torch.Tensor | None, linear_mm) -> torch.Tensor:
+    """The gate where no kernel took it, on ``router_inputs``' casts (the same tensors where already in the router
+    dtype): ``linear_mm`` (``linear_into``, or None) into ``out`` where given, else ``gate_linear``."""
+    x, weight, bias = router_inputs(x, weight, bias, router_dtype)
+    logits = None if out is None or linear_mm is None else linear_mm(x, weight, bias, out)
+    return gate_linear(x, weight, bias, router_dtype) if logits is None else logits
 
 
 def gate_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: str | None):

@@ -88,17 +88,22 @@ class BoundGateMma:
 
     def __init__(self, plan, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
                  bias: torch.Tensor | None = None, gate_logits: torch.Tensor | None = None,
-                 assert_in_kernel: bool = False, tiles: MmaTiles | None = None) -> None:
+                 assert_in_kernel: bool = False, tiles: MmaTiles | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         m, e, k = x.shape[0], weight.shape[0], weight.shape[1]
+        dtype = x.dtype if dtype is None else dtype  # the logits' (the router dtype): x and W read as stored
         options = fused._launch_options(x.device)
         precise = options["PRECISE"]
-        self.tiles = tiles = mma_tiles(m, e, k, x.dtype) if tiles is None else tiles
-        self.scratch = scratch_sizes(m, e, k, x.dtype, tiles)
+        self.tiles = tiles = mma_tiles(m, e, k, dtype) if tiles is None else tiles  # float32 logits: float32's tiles
+        self.scratch = scratch_sizes(m, e, k, dtype, tiles)
+        # bf16 / fp16 x or W for float32 logits (``gate.reads_as``): upcast in registers, then the float32 inputs'
+        # ieee dot, on the GPU an FMA chain over K in K's order whatever the operands' load layout
+        upcast = interpreting() or x.dtype != dtype or weight.dtype != dtype
         scalars = (m, k, x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
                    0 if gate_logits is None else gate_logits.stride(0), 1.0 if plan is None else plan.scaling,
                    tiles.k_per_split(k))
         constexprs = dict(NUM_EXPERTS=e, BLOCK_M=tiles.block_m, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k,
-                          SPLIT_K=tiles.split_k, IEEE=x.dtype == torch.float32, UPCAST=interpreting(),
+                          SPLIT_K=tiles.split_k, IEEE=dtype == torch.float32, UPCAST=upcast,
                           HAS_LINEAR_BIAS=linear_bias is not None,
                           ROUTE=plan is not None, PDL=options["PDL"], num_warps=NUM_WARPS,
                           num_stages=tiles.num_stages)  # not launched with PDL

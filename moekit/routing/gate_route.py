@@ -61,7 +61,8 @@ class _BoundGateRoute:
     __slots__ = ("launch", "ok", "check_finite")
 
     def __init__(self, plan, x, weight, linear_bias, bias, gate_logits, assert_in_kernel: bool,
-                 num_warps: int = NUM_WARPS) -> None:
+                 num_warps: int = NUM_WARPS, dtype: torch.dtype | None = None) -> None:
+        del dtype  # the logits' dtype (``gate_mma.BoundGateMma``'s argument): this kernel reads it from their pointer
         num_tokens, num_experts, hidden = x.shape[0], weight.shape[0], weight.shape[1]
         tiles = gate._tiles(num_tokens, num_experts, hidden)
         options = fused._launch_options(x.device)
@@ -169,11 +170,12 @@ def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tenso
     bound = _BOUND.get(key)
     if bound is None:
         m = x.shape[0]
-        applies = (plan is not None and 0 < m <= ROWS and gate._applies(x, weight, linear_bias, ROWS)
-                   and buffers.logits.dtype == x.dtype and triton_runs_on(x.device))
+        dtype = buffers.logits.dtype  # the router dtype: x and the weights read as stored where gate.reads_as
+        applies = (plan is not None and 0 < m <= ROWS and gate._applies(x, weight, linear_bias, ROWS, dtype)
+                   and triton_runs_on(x.device))
         gate_in = router._check_gate(x, shared_gate_logits) if applies and append_shared else None
         kind = _BoundGateRoute if m <= MAX_TOKENS else gate_mma.BoundGateMma
         bound = put_bounded(_BOUND, key, _SEPARATE if not applies else kind(
-            plan, x, weight, linear_bias, correction_bias, gate_in, router.assert_in_kernel), MAX_BOUND)
+            plan, x, weight, linear_bias, correction_bias, gate_in, router.assert_in_kernel, dtype=dtype), MAX_BOUND)
     return None if bound is _SEPARATE else bound
 

@@ -5,7 +5,9 @@
 
 Weights as transformers' ``DeepseekV4HashRouter``: s = score(logits) (``config.scoring``: V4's sqrt(softplus)), the
 table's experts' s, divided by their sum + ``RENORM_EPS`` (``config.renormalize``; ``check_hash_eps``), times
-``routed_scaling_factor``.
+``routed_scaling_factor``. Renormalised, sqrt(softplus) is e^(x/2) where softplus is subnormal or 0 (logits below
+-87.3 in float32): the formula's weights there, where transformers' sqrt of a subnormal (0 below -103.9) weighs a row of
+such experts 0 (session 51); unrenormalised, a weight keeps transformers' rounding (within 1e-19 of the formula).
 No sort, no choice: it runs in torch on every device (the fused Triton router chooses top-k and is never used here).
 
 Shapes: M tokens, E routed experts, k = top_k, V table rows (``config.hash_table_size``).
@@ -41,7 +43,7 @@ def hash_route(router_logits: torch.Tensor, token_ids: torch.Tensor, table: torc
     check_hash_eps(config)
     logits = _checked_logits(router_logits, config)  # [M, E] float32 (float64 when given)
     ids = table[check_token_ids(token_ids, logits.shape[0], config.hash_table_size)]  # [M, k] int64
-    scores = router_scores(soft_capped(logits, config), config.scoring)  # [M, E]
+    scores = router_scores(soft_capped(logits, config), config.scoring, config.renormalize)  # [M, E]
     weights = scores.gather(1, ids)  # [M, k]
     if config.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)

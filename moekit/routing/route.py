@@ -112,25 +112,25 @@ def _choose(raw: torch.Tensor, logits: torch.Tensor, config: MoEConfig, bias: to
     return _select_masked(logits, scores, choice, finite, config, biased=bias is not None)
 
 
-def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
-    """[M, E] logits -> [M, E] scores: softmax over the row, sigmoid, or sqrt(softplus) (DeepSeek-V4)."""
+def router_scores(logits: torch.Tensor, scoring: str, renormalized: bool = False) -> torch.Tensor:
+    """[M, E] logits -> [M, E] scores: softmax, sigmoid or sqrt(softplus) (``renormalized``: ``_sqrt_softplus``'s)."""
     if scoring == "softmax":
         return torch.softmax(logits, dim=-1)
     if scoring == "sigmoid":
         return torch.sigmoid(logits)
-    return _sqrt_softplus(logits)
+    return _sqrt_softplus(logits, renormalized)
 
 
-def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
-    """sqrt(softplus(logits)) [M, E] with a finite gradient: sqrt's backward reads 0 / 0 where softplus is 0 (logits
-    below -103.9 in float32; unchosen experts too). Below the dtype's tiny the gradient is e^(x/2) / 2's (sqrt(softplus)
-    = e^(x/2) there); the values keep sqrt's bits (the kernels' sqrt_rn): the gradient's path adds g - g = 0."""
+def _sqrt_softplus(logits: torch.Tensor, exact_tiny: bool = False) -> torch.Tensor:
+    """sqrt(softplus(logits)) [M, E], a finite gradient (sqrt's backward: 0 / 0 where softplus is 0, below -103.9 in
+    float32). Below float32's tiny (-87.3) it is e^(x/2) (1 - e^x / 4 ...): the gradient e^(x/2) / 2's, the values
+    sqrt's bits (transformers': a subnormal's sqrt or 0) + g - g; ``exact_tiny`` (a renormalised row): e^(x/2)."""
     softplus = torch.nn.functional.softplus(logits)
-    if not (logits.requires_grad and torch.is_grad_enabled()):
+    if not (exact_tiny or (logits.requires_grad and torch.is_grad_enabled())):
         return softplus.sqrt()
     tiny = torch.finfo(softplus.dtype).tiny
     path = torch.where(softplus < tiny, torch.exp(0.5 * logits), softplus.clamp(min=tiny).sqrt())
-    return softplus.sqrt().detach() + (path - path.detach())
+    return path if exact_tiny else softplus.sqrt().detach() + (path - path.detach())
 
 
 def router_log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor:

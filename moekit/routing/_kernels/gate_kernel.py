@@ -10,6 +10,11 @@ stepping through K by BLOCK_K. For the few rows of a decode step (a matrix-vecto
 reading W), a W tile of a few experts and up to 2048 columns is loaded once per step and each row of x
 multiplied into it in fp32: few steps per program, many programs. (A tensor-core tile measured slower
 than cuBLAS at every M on the H200; ``moekit.routing.gate`` says where each runs.)
+
+x, W and b may be bf16 / fp16 under float32 logits (a float32 router): loaded as stored, upcast in registers. The
+products and sums are then the float32 inputs' if the reduction order is: the compiler lays a load out by its bytes
+(8 bf16 a thread, 4 float32: sm_90, Triton 3.6, ``benchmarks/rtr51_gate_compile_cpu.py``), and a thread sums its own
+columns first, so float32 logits load every input at 4 columns a thread.
 """
 
 import triton
@@ -42,6 +47,8 @@ def gate_tile(
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     for start in range(0, hidden, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
+        if out_ptr.dtype.element_ty == tl.float32:  # float32 logits: 4 columns a thread whatever x's and W's dtypes
+            ks = tl.max_contiguous(ks, [1, 4])  # (float32's 16-byte vector), so one reduction order for all of them
         k_ok = ks < hidden
         wt = tl.load(w_row + ks, mask=col_ok[:, None] & k_ok, other=0.0)  # [BE, BK]
         for r in tl.static_range(BLOCK_M):  # one row at a time: a [BM, BK] tile of x would not fit at BK = 2048

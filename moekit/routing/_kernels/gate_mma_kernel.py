@@ -101,7 +101,8 @@ def _dot_tile(x_ptr, w_ptr, rows, cols, k0, k_per_split, num_tokens, hidden, str
         k_ok = ks < hidden
         xt = tl.load(x_row + ks, mask=k_ok, other=0.0)  # [BM, BK]
         wt = tl.load(w_row + ks, mask=k_ok, other=0.0)  # [BE, BK]
-        if UPCAST:  # the interpreter only: its bf16 tl.dot returns garbage (as in experts/_kernels/gemm.py)
+        if UPCAST:  # bf16 / fp16 x or W into float32 logits (``gate.reads_as``): the float32 inputs' ieee dot on
+            # their exact upcasts; and the interpreter, whose bf16 tl.dot returns garbage (as experts/_kernels/gemm.py)
             acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
         elif IEEE:  # fp32 inputs: full-precision products, as torch's fp32 matmul (no TF32)
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")

@@ -5,7 +5,8 @@
       -> Group -> Experts -> Combine
 
 Torch twin: ``moekit.routing.hash_route`` (and ``append_shared_slots``). Scores as ``route_kernel`` computes them (its
-``_score``: softmax over the row, sigmoid or sqrt(softplus), libdevice on the GPU). The two checks ``hash_route`` makes
+``_score``: softmax over the row, sigmoid or sqrt(softplus), libdevice on the GPU; renormalised, sqrt(softplus) is
+e^(x/2) where softplus is subnormal or 0, as the twin's). The two checks ``hash_route`` makes
 in torch (every logit finite, every token id in [0, V)) are, with ASSERT_IN_KERNEL (a compiled kernel, ``debug=True``),
 this kernel's own ``tl.device_assert``s (as ``route_kernel``'s ASSERT_FINITE: no launch after it, no host sync), else
 two flags it clears, ``ok_ptr[0]`` / ``ok_ptr[1]``, which the launcher asserts (the interpreter's way: a ``ValueError``
@@ -56,7 +57,8 @@ def hash_route_kernel(
     ids = tl.load(table_ptr + tl.where(inside, tid, 0)[:, None] * stride_tv + slot, mask=routed, other=0)
     chosen = tl.load(row_ptr[:, None] + ids * stride_le, mask=routed, other=0.0).to(tl.float32)  # [BM, SLOTS_PAD]
     chosen = _soft_capped(chosen, SOFTCAP, SOFTCAP_INV, PRECISE)
-    w = tl.where(routed, _score(chosen, row_max[:, None], row_sum[:, None], SIGMOID, PRECISE, SQRT_SOFTPLUS), 0.0)
+    w = tl.where(routed, _score(chosen, row_max[:, None], row_sum[:, None], SIGMOID, PRECISE, SQRT_SOFTPLUS,
+                                RENORMALIZE), 0.0)  # renormalised: the formula's sqrt(softplus) at subnormal scores
     if RENORMALIZE:  # hash_route's w / (sum + 1e-20), the division correctly rounded as torch's
         numerator, denominator = tl.broadcast(w, tl.sum(w, axis=1)[:, None] + 1e-20)
         w = tl.math.div_rn(numerator, denominator)

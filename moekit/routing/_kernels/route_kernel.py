@@ -77,11 +77,16 @@ def _sigmoid(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _score(x, row_max, row_sum, SIGMOID: tl.constexpr, PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False):
+def _score(x, row_max, row_sum, SIGMOID: tl.constexpr, PRECISE: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr = False,
+           EXACT_TINY: tl.constexpr = False):
     """torch.sigmoid(x), DeepSeek-V4's sqrt(softplus(x)) (torch's sqrt is correctly rounded: sqrt_rn), or
-    torch.softmax's exp(x - max) / sum with the row's max and sum."""
+    torch.softmax's exp(x - max) / sum with the row's max and sum. EXACT_TINY (scores renormalised next: the hash
+    router): sqrt(softplus) is e^(x/2) where softplus is subnormal or 0, as ``route._sqrt_softplus``'s exact_tiny."""
     if SQRT_SOFTPLUS:
-        score = tl.sqrt_rn(_softplus(x, PRECISE))
+        softplus = _softplus(x, PRECISE)
+        score = tl.sqrt_rn(softplus)
+        if EXACT_TINY:
+            score = tl.where(softplus < _TINY, _exp(0.5 * x, PRECISE), score)
     elif SIGMOID:
         score = _sigmoid(x, PRECISE)
     else:
