@@ -9,6 +9,7 @@ dropped them (session 51, issues 15 / 19). Here they are candidates like the til
     Fp8Candidate: a KernelConfig with the switches; ``to_dict`` is the file's entry, switches and all
     switch_variants(M, shape, config) -> the same tiles with other switches, those the plan takes (timed together)
     current_fp8(M, shape, device) -> the entry the lookups take at M today, as a candidate (the search's seed)
+    candidate_of(Fp8Entry, M, shape) -> an entry of a file as the candidate that runs it at M
 
 Which combinations the plan takes is the plan's own answer: ``triton_fp8_plan.build_plan`` on meta tensors of the
 shape (no memory, no kernel compiled): a ValueError (``choose_pair_dot``, ``choose_persistent``) leaves a combination
@@ -28,7 +29,7 @@ from moekit.bench.cells import Shape
 from moekit.bench.tuning import tiles_of
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_fp8_persistent import Persistent
-from moekit.experts.triton_fp8_plan import build_plan, fp8_entry
+from moekit.experts.triton_fp8_plan import Fp8Entry, build_plan, fp8_entry
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.quant.fp8_block import DEFAULT_BLOCK_SHAPE
 
@@ -129,11 +130,9 @@ def switch_variants(num_tokens: int, shape: Shape, config: KernelConfig) -> list
     return out
 
 
-def current_fp8(num_tokens: int, shape: Shape, device: str) -> KernelConfig:
-    """The entry the fp8 lookups take at M on ``device`` (a device key) today, with the switches the plan honours
-    there (as ``build_plan`` reads a tuned entry: a switch it cannot take at this M is left out; the eager-only
-    "x_in_gate_up" too); the heuristic where no file serves the shape (then the same candidate as the default)."""
-    entry = fp8_entry(num_tokens, shape.num_experts, shape.n, shape.k, shape.top_k, DEFAULT_BLOCK_SHAPE[1], device)
+def candidate_of(entry: Fp8Entry, num_tokens: int, shape: Shape) -> KernelConfig:
+    """A tuned entry as the candidate that runs it at M, with the switches the plan honours there (as ``build_plan``
+    reads an entry: a switch it cannot take at this M is left out; the eager-only "x_in_gate_up" too)."""
     persistent = entry.persistent if entry.persistent is not None and entry.persistent.on else None
     switches = Switches(entry.weight_tma if plan_takes(num_tokens, shape, with_switches(
         entry.config, Switches(entry.weight_tma))) else None)
@@ -142,3 +141,10 @@ def current_fp8(num_tokens: int, shape: Shape, device: str) -> KernelConfig:
         if plan_takes(num_tokens, shape, with_switches(entry.config, wider)):
             switches = wider
     return with_switches(entry.config, switches)
+
+
+def current_fp8(num_tokens: int, shape: Shape, device: str) -> KernelConfig:
+    """The entry the fp8 lookups take at M on ``device`` (a device key) today (``candidate_of``); the heuristic where
+    no file serves the shape (then the same candidate as the default)."""
+    entry = fp8_entry(num_tokens, shape.num_experts, shape.n, shape.k, shape.top_k, DEFAULT_BLOCK_SHAPE[1], device)
+    return candidate_of(entry, num_tokens, shape)
