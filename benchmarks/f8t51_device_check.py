@@ -216,17 +216,15 @@ def run_group(group: Group, args, result: dict, dev, ceil: dict, t_end: float) -
             if old is None or recorded_entry(old, group.dtype, m, shape, args.scratch) == shipped:
                 continue
             entries = {"shipped": recorded_entry(old, group.dtype, m, shape, args.scratch), "tuned": shipped}
-        elif tuned_path is not None:
-            tuned = entry_at(tuned_path, group.dtype, m, shape)
-            if tuned is not None and tuned != shipped:
-                entries["tuned"] = tuned
-            elif tuned is not None:
-                RUN.log(f"{key}: the tuned entry is the shipped one")
+        tuned = entry_at(tuned_path, group.dtype, m, shape) if tuned_path is not None and not args.confirm else None
+        if tuned is not None and tuned != shipped:
+            entries["tuned"] = tuned
         if gluon_route(shape, group.dtype, m, dev):
             entries["route"] = "route"
         if len(entries) == 1 and not args.confirm:
-            RUN.summary.append(f"{shape.name:14} {group.dtype:9} M={m:5}  tuned = shipped (or not tuned): not timed")
-            result["cells"][key] = {"entries": {"shipped": shipped.to_dict()}, "tuned_is_shipped": True}
+            why = "not tuned (the budget)" if tuned is None else "the tuned entry is the shipped one"
+            RUN.summary.append(f"{shape.name:14} {group.dtype:9} M={m:5}  {why}: not timed")
+            result["cells"][key] = {"entries": {"shipped": shipped.to_dict()}, "tuned_is_shipped": tuned is not None}
             continue
         result["cells"][key] = time_cell(group, shape, m, scheme, w, entries, dev, ceil, t_end)
         if args.path:
