@@ -14,6 +14,7 @@ the tuner, the expert-parallel layer, and one real layer against the byte model.
                       ``moekit bench --targets``: issues #15 / #16 / #19's targets judged on bench JSONs
     tuning.py         the kernel-config tuner behind ``moekit tune``: the search, its files, ``--install``
     tuning_quant.py   the tuner's quantized formats: fp8_block and the weight-only int8 / int4 / mxfp4
+    tuning_switches.py  the fp8 entries' switches as the tuner's candidates; today's entry as its seed
     ep.py             the expert-parallel benchmark (``torchrun ... -m moekit.bench.ep``)
     layer_measure.py  one ``MoE`` layer over a batch sweep beside the byte model (``analyze --measure``)
     hf_models.py, hf_measure.py, hf_run.py, hf_report.py, hf_fp64.py

@@ -10,8 +10,11 @@ and the quantized ones (``fp8_block``, ``int8_w8a16``, ``int4_w4a16``, ``mxfp4``
 
 Search, per batch size M (coordinate descent, so the cost is a sum, not a product, of the choices):
 for each candidate BLOCK_M near the mean rows per expert, try the gate-up tiles with the down tile
-fixed, keep the best, then the down tiles; keep the best BLOCK_M. The heuristic default is timed too,
-and both times are stored beside the entry (``measured``), so the default's shortfall is on record.
+fixed, keep the best, then the down tiles, then (a scheme with ``switches``: fp8) the same tiles with the path's
+switches; keep the best BLOCK_M. The heuristic default is timed too, and so is the entry the lookup takes today
+(``current``; the search at its height starts from its tiles): their times are stored beside the entry
+(``measured``: heuristic_us, current_us), so the default's shortfall and today's are on record, and a tuned entry is
+never one the search timed slower than today's.
 Each stage hands its candidates to the timer at once: on a GPU their kernels compile together in a
 thread pool (``precompile``) before any is timed.
 
@@ -21,8 +24,9 @@ A tuned entry adds or replaces its own M and nothing else (``tuning_merge``): an
 the M not tuned in this run as they were, switches and all (``--batches`` retunes a few); the lookups overlay a user
 file's M over the packaged file's (``configs.overlay``), so tuning M = 128 into a fresh user directory leaves the
 other M on the packaged entries; ``install`` merges a finished file into the packaged config directory's file of
-that name the same way (for committing). A tuned entry is plain (the timed calls pass the config alone): where it
-replaces an entry with switches (the fp8 files' "weight_tma", "pair_dot", ...), ``note`` is told which.
+that name the same way (for committing). A tuned fp8 entry names the switches it was timed with
+(``tuning_switches``); the other formats' are plain. Where one replaces an entry whose switches (the fp8 files'
+"weight_tma", "pair_dot", ...) it leaves off or sets otherwise, ``note`` is told which.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from moekit.bench.run import GRAPH_MAX_M
 from moekit.bench.timing import time_calls
 from moekit.bench.tuning_merge import dropped_switches, looked_up, merge, raw_entries, switch_notes
 from moekit.experts.configs import (
-    PACKAGED_DIR, GemmTile, KernelConfig, config_file_name, default_user_dir, device_key, dtype_key,
+    PACKAGED_DIR, GemmTile, KernelConfig, config_file_name, default_user_dir, device_key, dtype_key, get_config,
     heuristic_config, read_configs, write_config_data,
 )
 from moekit.triton_bind import BoundLaunch, interpreting
@@ -70,6 +74,17 @@ class TuneScheme:
     validate: Callable[[KernelConfig], None] = lambda config: None  # the plan's own check; raises ValueError
     # (shape, device) -> None, or a ValueError/TypeError for a shape the path cannot take (a quick check on device)
     check_shape: Callable[[Shape, torch.device], None] = lambda shape, device: None
+    # (M, shape, config) -> the same tiles with the path's other switches (fp8: ``tuning_switches``), each one the
+    # plan takes; timed in one stage after each height's tiles. None: the path has none.
+    switches: Callable[[int, Shape, KernelConfig], list[KernelConfig]] | None = None
+    # (M, shape, device key) -> the entry the path's lookup takes at M today, switches and all: timed with the
+    # default, and the search at its height starts from it. None: not timed.
+    current: Callable[[int, Shape, str], KernelConfig] | None = None
+
+
+def tiles_of(config: KernelConfig) -> KernelConfig:
+    """The tile config of a candidate (a ``KernelConfig`` subclass with switches, ``tuning_switches``) alone."""
+    return KernelConfig(config.BLOCK_M, config.up, config.down, config.swap_ab)
 
 
 def block_m_candidates(num_tokens: int, shape: Shape) -> list[int]:
@@ -111,6 +126,7 @@ def float_scheme(dtype: torch.dtype) -> TuneScheme:
         heuristic=lambda m, s: heuristic_config(m, s.num_experts, s.n, s.k, s.top_k),
         block_ms=block_m_candidates, tiles=tile_candidates,
         file_name=lambda e, n, k, device: config_file_name(e, n, k, dtype, device),
+        current=lambda m, s, device: get_config(m, s.num_experts, s.n, s.k, s.top_k, dtype, device),
     )
 
 
@@ -194,6 +210,7 @@ class TuneResult:
     heuristic_us: float  # the heuristic default's median µs per call, timed in the same search
     failed: int = 0  # configs that failed to compile or run (timed as inf, out of the running)
     timed: int = 0  # configs timed in the search
+    current_us: float | None = None  # today's entry's (``TuneScheme.current``) median µs, timed in the search
 
 
 def tune_one(shape: Shape, num_tokens: int, scheme: TuneScheme, device, weights) -> TuneResult:
@@ -208,16 +225,22 @@ def tune_one(shape: Shape, num_tokens: int, scheme: TuneScheme, device, weights)
         return min(((c, timed[c]) for c in configs), key=lambda p: p[1])  # min keeps the first of equals
 
     default = scheme.heuristic(num_tokens, shape)
+    current = scheme.current(num_tokens, shape, device_key(device)) if scheme.current else None
     heights = scheme.block_ms(num_tokens, shape)
-    best_of([default] + [replace(default, BLOCK_M=b) for b in heights])
-    best, best_us = default, timed[default]
+    starts = [default] + ([current] if current is not None else [])
+    best, best_us = best_of(starts + [replace(default, BLOCK_M=b) for b in heights])  # ties: the default
     for block_m in heights:
-        cfg = replace(default, BLOCK_M=block_m)
+        # the tiles searched plain (a switch may not take every tile), from today's entry at its height
+        cfg = tiles_of(current) if current is not None and current.BLOCK_M == block_m else (
+            replace(default, BLOCK_M=block_m))
         for which in ("up", "down"):
             cfg, cfg_us = best_of([cfg] + [replace(cfg, **{which: t}) for t in scheme.tiles(block_m, which)])
+        if scheme.switches is not None:
+            cfg, cfg_us = best_of([cfg] + scheme.switches(num_tokens, shape, cfg))
         if cfg_us < best_us:
             best, best_us = cfg, cfg_us
-    return TuneResult(best, best_us, timed[default], sum(math.isinf(us) for us in timed.values()), len(timed))
+    return TuneResult(best, best_us, timed[default], sum(math.isinf(us) for us in timed.values()), len(timed),
+                      None if current is None else timed[current])
 
 
 def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, device=None, out_dir: Path | None = None,
@@ -248,6 +271,8 @@ def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, devic
                  f"of the running); their compiler output: {log}")
         done["configs"][str(m)] = result.config.to_dict()
         done["measured"][str(m)] = {"us": round(result.us, 2), "heuristic_us": round(result.heuristic_us, 2)}
+        if result.current_us is not None:  # today's entry, where the scheme names it
+            done["measured"][str(m)]["current_us"] = round(result.current_us, 2)
         out_dir.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(done, indent=1))
         if progress:

@@ -7,8 +7,9 @@ directories' files the same way (``configs.overlay``), so a user file of a few M
     merge(file's JSON or None, tuned file's JSON) -> Merged: the JSON to write, the M added and replaced
     dropped_switches(entries read before, tuned entries) -> {M: the keys beside the tiles a tuned entry leaves off}
 
-The tuner times the tiles alone (each path's call with an explicit config: no switch), so a tuned entry is plain;
-where it replaces an entry that had switches, those go with it, and ``switch_notes`` says so.
+A tuned entry has the switches the search timed fastest: the fp8 search times them too (``tuning_switches``:
+weight_tma, pair_dot, persistent, swap_ab; today's entry among its candidates), the others the tiles alone (a plain
+entry). Where it replaces an entry whose switches it leaves off or sets otherwise, ``switch_notes`` says so.
 """
 
 from __future__ import annotations
@@ -86,5 +87,5 @@ def dropped_switches(before: dict[int, dict], tuned: dict[int, dict]) -> dict[in
 
 def switch_notes(dropped: dict[int, tuple[str, ...]]) -> list[str]:
     """One line per M of ``dropped_switches``: what the user now runs there without."""
-    return [f"M={m}: replaces an entry with {'/'.join(keys)}; the tuned entry is plain (the tuner times the tiles "
-            f"alone), so M={m} now runs without them" for m, keys in sorted(dropped.items())]
+    return [f"M={m}: replaces an entry with {'/'.join(keys)}; the tuned entry leaves them off or sets them otherwise "
+            f"(what its search timed fastest), so M={m} now runs so" for m, keys in sorted(dropped.items())]

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from moekit.bench.cells import CellInputs, Shape, make_weights
-from moekit.bench.tuning import TuneScheme
+from moekit.bench.tuning import TuneScheme, tiles_of
+from moekit.bench.tuning_switches import current_fp8, switch_variants, switches_of
 from moekit.experts.configs import GemmTile, KernelConfig, config_file_name
 from moekit.experts.triton_fp8 import check_fp8_args, fused_experts_fp8_launch
 from moekit.experts.triton_fp8_plan import check_config, heuristic_fp8_config
@@ -141,8 +142,12 @@ def _check_shape(scheme: str, shape: Shape, device: torch.device) -> None:
 
 
 def _fp8_call(w: Fp8Weights, s: CellInputs, config: KernelConfig) -> torch.Tensor:
+    """One call on ``config``'s tiles with its switches (``tuning_switches``; a plain config: none)."""
+    switches = switches_of(config)
     return fused_experts_fp8_launch(s.x, w.w13.q, w.w13.scale, w.w2.q, w.w2.scale, s.topk_ids, s.topk_weights,
-                                    block_shape=tuple(w.w13.block_shape), config=config)
+                                    block_shape=tuple(w.w13.block_shape), config=tiles_of(config),
+                                    weight_tma=switches.weight_tma, persistent=switches.persistent,
+                                    pair_dot=switches.pair_dot)
 
 
 def _fp8_validate(config: KernelConfig) -> None:
@@ -156,6 +161,7 @@ def fp8_scheme() -> TuneScheme:
         heuristic=lambda m, s: heuristic_fp8_config(m, s.num_experts, s.n, s.k, s.top_k, FP8_GROUP),
         block_ms=quant_block_ms, tiles=fp8_tiles, file_name=fp8_file_name, validate=_fp8_validate,
         check_shape=lambda shape, device: _check_shape("fp8_block", shape, device),
+        switches=switch_variants, current=current_fp8,
     )
 
 

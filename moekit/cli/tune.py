@@ -3,8 +3,9 @@ writes (in the user config directory, searched before the packaged configs) is p
 change. A tuned entry adds or replaces its own M and nothing else: the file's other M stay as they were, and the
 lookups overlay a user file's M over the packaged file's. ``--install FILE ...`` merges tuned files into the packaged
 configs (``moekit/experts/configs/``) the same way, for committing: tune on the GPU machine with ``--out DIR``, fetch
-DIR, install from it. Both say where a tuned entry (plain: the tuner times the tiles alone) replaces one with
-switches (the fp8 files' "weight_tma", "pair_dot", ...)."""
+DIR, install from it. Both say where a tuned entry replaces one with
+switches (the fp8 files' "weight_tma", "pair_dot", ...) that it leaves off or sets otherwise (the fp8 search times them
+too, today's entry among its candidates; the other formats' the tiles alone)."""
 
 from __future__ import annotations
 
