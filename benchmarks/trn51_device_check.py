@@ -1,0 +1,220 @@
+"""Session 51 (brief trn51): the Triton training step with the gate-up product kept from the forward
+(``BackwardOptions(recompute=False)``: h_p [P, 2N] and x_p kept, the backward reads h_p) against the recomputing
+one (backend "triton", what ``backend="auto"`` trains on) and grouped_mm, at Mixtral's width below 16384 tokens
+and the plain rule's narrow cells.
+
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/trn51_device_check.py --out $OUT/trn51 --deadline 75    # GPU
+    PYTHONPATH=$PWD python3 benchmarks/trn51_device_check.py --smoke                                     # CPU
+
+Layers (bf16, gated silu, no biases: the fused backward's "plain" kind):
+  mixtral   Mixtral-8x7B: E 8, top-2, K 4096, N 14336
+  dsv2lite  DeepSeek-V2-Lite: E 64, top-6, K 2048, N 1408
+  qwen3     Qwen3-30B-A3B: E 128, top-8, K 2048, N 768
+Variants: recompute (``backend_fn("triton")``: the ``triton_experts`` op, the inference forward, the fused backward
+recomputing gate and up), kept (``experts_triton_train(backward=BackwardOptions(recompute=False))``), grouped_mm.
+Phase "checks" (M = 256, each layer; PASS / FAIL): every variant's gradients of x, w13, w2, topk_weights against the
+float32 reference backend's, each within TOL and no further than 1.5x grouped_mm's (+1e-3); kept against recompute.
+Phase "time" (CELLS, in order until the deadline): per cell, each variant's first step's grads against grouped_mm's
+(within TOL), its memory (MiB held after the forward above the inputs, and the step's peak above them), then
+ROUNDS interleaved rounds (order turned each round) of the eager step (forward + ``torch.autograd.grad`` of every
+input) and of the forward alone, wall µs (perf_counter, synchronised) and CUDA-event µs, medians. Table last; JSON
+<out>/trn51.json.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases, smoke_mode  # noqa: E402
+
+SMOKE = smoke_mode()
+
+import torch  # noqa: E402
+
+from bench_rounds import turned_rounds  # noqa: E402
+from train_step_inputs import layer_inputs, step_grads  # noqa: E402
+
+# name -> (E, top_k, K, N, activation, biases)
+LAYERS = {
+    "mixtral": (8, 2, 4096, 14336, "silu", False),
+    "dsv2lite": (64, 6, 2048, 1408, "silu", False),
+    "qwen3": (128, 8, 2048, 768, "silu", False),
+}
+CELLS = (("mixtral", 1024), ("mixtral", 4096), ("mixtral", 8192), ("dsv2lite", 1024), ("qwen3", 4096),
+         ("dsv2lite", 4096))
+if SMOKE:
+    LAYERS = {name: (4, 2, 64, 48, "silu", False) for name in LAYERS}
+    CELLS = (("mixtral", 8), ("qwen3", 8))
+CHECK_M = 8 if SMOKE else 256
+TOL, ROUNDS = 2e-2, 5
+VARIANTS = ("recompute", "kept", "grouped_mm")
+RUN = RunLog("trn51: one eager training step (fwd + grads of every input), bf16: triton recomputing gate-up / "
+             "triton keeping it / grouped_mm", stall_s=600.0 if SMOKE else 60.0)
+
+
+def variant_fns(dev) -> dict:
+    from moekit.experts import backend_fn
+    from moekit.experts.triton_backward import BackwardOptions, experts_triton_train
+
+    def kept(x, w13, w2, ids, weights, *, activation="silu", b13=None, b2=None):
+        return experts_triton_train(x, w13, w2, ids, weights, activation=activation, b13=b13, b2=b2,
+                                    backward=BackwardOptions(recompute=False))
+
+    return {"recompute": backend_fn("triton", dev), "kept": kept, "grouped_mm": backend_fn("grouped_mm", dev)}
+
+
+def grads_apart(got: dict, want: dict) -> dict:
+    return {n: rel_l2(got[n].float(), want[n].float()) for n in want}
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def checks(dev, result: dict) -> None:
+    from moekit.experts import backend_fn
+
+    fns = variant_fns(dev)
+    for layer in LAYERS:
+        p = layer_inputs(LAYERS[layer], CHECK_M, dev, seed=1)
+        want = step_grads(backend_fn("reference", dev), "silu", p, torch.float32)
+        got = {v: step_grads(fn, "silu", p) for v, fn in fns.items()}
+        off = {v: grads_apart(g, want) for v, g in got.items()}
+        for v in ("recompute", "kept"):
+            ok = all(off[v][n] <= TOL and off[v][n] <= 1.5 * off["grouped_mm"][n] + 1e-3 for n in want)
+            RUN.check(f"{layer} M={CHECK_M} {v} grads vs f32 reference", ok, ", ".join(
+                f"{n} {off[v][n]:.1e} (gmm {off['grouped_mm'][n]:.1e})" for n in want))
+        apart = grads_apart(got["kept"], got["recompute"])
+        RUN.check(f"{layer} M={CHECK_M} kept vs recompute grads", max(apart.values()) <= TOL,
+                  ", ".join(f"{n} {v:.1e}" for n, v in apart.items()))
+        result["checks"][layer] = {"vs_f32": off, "kept_vs_recompute": apart}
+        del p, want, got
+        free(dev)
+
+
+def leaves_of(p: dict) -> dict:
+    return {n: p[n].detach().requires_grad_() for n in ("x", "w13", "w2", "topk_weights")}
+
+
+def memory_mib(fn, p: dict, dev) -> dict:
+    """MiB above the inputs: held after the forward (the output and what autograd saved) and the step's peak."""
+    if dev.type != "cuda":
+        return {"after_forward": float("nan"), "peak": float("nan")}
+    sync(dev)
+    free(dev)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    leaves = leaves_of(p)
+    out = fn(leaves["x"], leaves["w13"], leaves["w2"], p["ids"], leaves["topk_weights"], activation="silu")
+    sync(dev)
+    held = torch.cuda.memory_allocated() - base
+    grads = torch.autograd.grad(out, list(leaves.values()), p["dout"])
+    sync(dev)
+    peak = torch.cuda.max_memory_allocated() - base
+    del out, grads, leaves
+    return {"after_forward": held / 2**20, "peak": peak / 2**20}
+
+
+def timed_rounds(fns: dict, dev, stop: float) -> dict:
+    """name -> ([wall µs each round], [event µs each round]), one call a round, the order turned each round."""
+    samples = {name: ([], []) for name in fns}
+    cuda = dev.type == "cuda"
+    for name in turned_rounds(list(fns), ROUNDS, stop):
+        sync(dev)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        fns[name]()
+        if cuda:
+            end.record()
+        sync(dev)
+        samples[name][0].append((time.perf_counter() - t0) * 1e6)
+        samples[name][1].append(start.elapsed_time(end) * 1e3 if cuda else float("nan"))
+    return samples
+
+
+def auto_pick(dev, p: dict, m: int) -> str:
+    """The backend "auto" as committed trains this call on."""
+    from moekit.experts import backend_fn, resolve_backend
+    from moekit.experts.auto_train import auto_choice_of
+
+    choice = auto_choice_of(backend_fn("auto", dev))
+    x_leaf = p["x"].detach().requires_grad_()
+    return resolve_backend("auto", dev) if choice is None else choice.pick(
+        x_leaf, p["w13"], p["w2"], p["topk_weights"], "silu", None, None, m)
+
+
+def time_cell(dev, layer: str, m: int, stop: float, result: dict) -> None:
+    fns = variant_fns(dev)
+    p = layer_inputs(LAYERS[layer], m, dev, seed=2)
+    first = {v: step_grads(fn, "silu", p) for v, fn in fns.items()}  # compiles, plans; the grads compared
+    for v in ("recompute", "kept"):
+        apart = grads_apart(first[v], first["grouped_mm"])
+        RUN.check(f"{layer} M={m} {v} vs grouped_mm grads", max(apart.values()) <= TOL,
+                  ", ".join(f"{n} {a:.1e}" for n, a in apart.items()))
+    del first
+    memory = {v: memory_mib(fn, p, dev) for v, fn in fns.items()}
+    leaves = leaves_of(p)
+
+    def forward(fn):
+        return lambda: fn(leaves["x"], leaves["w13"], leaves["w2"], p["ids"], leaves["topk_weights"],
+                          activation="silu")
+
+    runs = {**{f"step {v}": (lambda fn=fn: step_grads(fn, "silu", p)) for v, fn in fns.items()},
+            **{f"fwd {v}": forward(fn) for v, fn in fns.items()}}
+    samples = timed_rounds(runs, dev, stop)
+    med = {name: [statistics.median(w), statistics.median(e)] for name, (w, e) in samples.items()}
+    gmm, pick = med["step grouped_mm"][0], auto_pick(dev, p, m)
+    RUN.summary.append(
+        f"{layer:8s} N={LAYERS[layer][3]:5d} M={m:5d}: step wall µs " + ", ".join(
+            f"{v} {med[f'step {v}'][0]:.0f} (x{gmm / med[f'step {v}'][0]:.2f})" for v in VARIANTS)
+        + " | fwd " + ", ".join(f"{v} {med[f'fwd {v}'][0]:.0f}" for v in VARIANTS)
+        + " | MiB held/peak " + ", ".join(f"{v} {memory[v]['after_forward']:.0f}/{memory[v]['peak']:.0f}"
+                                          for v in VARIANTS)
+        + f" | auto now {pick} ({len(samples['step kept'][0])} rounds; x = grouped_mm / it)")
+    result["cells"].append({"layer": layer, "M": m, "N": LAYERS[layer][3], "median_wall_event_us": med,
+                            "samples_wall_event_us": samples, "memory_mib": memory, "auto_now": pick})
+    del p, leaves, runs
+    free(dev)
+
+
+def time_cells(dev, result: dict, stop: float) -> None:
+    for layer, m in CELLS:
+        if time.time() > stop:
+            RUN.summary.append(f"{layer} M={m}: not timed (deadline)")
+            continue
+        time_cell(dev, layer, m, stop, result)
+        RUN.log(f"timed {layer} M={m}")
+
+
+def main() -> int:
+    dev, result = torch.device("cpu" if SMOKE else "cuda"), {"checks": {}, "cells": []}
+    if SMOKE:  # "auto" as on CUDA (its inference pick the interpreted triton), so auto_pick meets the dispatcher
+        import moekit.experts
+
+        moekit.experts._AUTO_ORDER_OTHER = ("triton", "grouped_mm", "reference")
+    phases = {"checks": lambda: checks(dev, result), "time": lambda: time_cells(dev, result, stop_at)}
+    args = phase_args(__doc__, phases, "trn51.json")
+    stop_at = time.time() + args.deadline - 4 - RUN.elapsed()
+    result.update(run_info(), layers={k: list(map(str, v)) for k, v in LAYERS.items()})
+    RUN.log(f"layers {list(LAYERS)}; {run_info()}")
+    import threading
+
+    threading.Thread(target=RUN.watchdog, daemon=True).start()
+    return run_phases(RUN, phases, args.phases, args.deadline, {"checks": 20, "time": 6}, args.path, result)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
