@@ -76,8 +76,7 @@ def grad_gate_up_kernel(
 ):
     """W_DESC: w13_ptr a descriptor over w13 as [E*2N, K], block [BN, BK]; w2_ptr over w2 as [E*K, N],
     block [BK, BN] (K % BK == 0, so a K step never reads the next expert's rows). OUT_SORTED: dh and gw
-    rows are the layout's rows (padding rows 0), for the contiguous weight grads; else assignments.
-    stride_hm: dh's row stride (2N)."""
+    rows are the layout's rows (padding rows 0), for the contiguous weight grads; else assignments (row stride 2N)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
     rows, expert = _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M)
