@@ -7,7 +7,8 @@ training step measured fastest for the call's kind.
            fast path keeps and serves no-grad calls only; ``ExpertsCallCache``'s fast path lookup is the pick's,
            behind one grad-mode test)
       a call that records gradients -> ``training_backend(kind, M, N, rules)``: the last of ``rules`` of the call's
-        kind that M and N fit, else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a
+        kind that M and N fit (a plain rule with ``keep``: triton keeping the gate-up product for the backward,
+        ``experts_triton_kept``), else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a
         gated silu / gelu / relu without biases or clamps), "variant" (biases, gpt-oss's clamped SwiGLU, the clamp
         after the activation, ungated or other activations: Triton's recomputing backward), "quantized"
         (moekit.quant weights)
@@ -46,10 +47,15 @@ class TrainingRule:
     backend: str  # a backend name available where "auto" takes its inference pick
     from_tokens: int = 0
     max_width: int | None = None
+    keep: bool = False  # backend "triton", kind "plain": the forward keeps the gate-up product for the backward
+    # (``triton_backward.experts_triton_kept``; its memory: ``triton_train_forward``), picked by the name KEPT
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.keep and (self.backend, self.kind) != ("triton", "plain"):
+            raise ValueError(f"keep=True applies to backend 'triton' with kind 'plain' (the fused backward's), got "
+                             f"backend={self.backend!r}, kind={self.kind!r}")
         if not isinstance(self.from_tokens, int) or self.from_tokens < 0:
             raise ValueError(f"from_tokens must be an int >= 0, got {self.from_tokens!r}")
         if self.max_width is not None and (not isinstance(self.max_width, int) or self.max_width < 1):
@@ -115,13 +121,16 @@ def _kind(fused_takes: Callable, activation, w13, b13, b2) -> str:
     return "plain" if fused_takes(activation, b13, b2) else "variant"
 
 
+KEPT = "triton+kept"  # what a rule with ``keep`` picks: backend "triton" with the gate-up product kept
+
+
 def training_backend(kind: str, tokens: int, width: int, rules: tuple[TrainingRule, ...]) -> str | None:
     """The backend a call of ``kind`` with ``tokens`` rows over experts ``width`` (N) wide that records gradients
-    trains on under ``rules``, or None (the inference pick)."""
+    trains on under ``rules`` (KEPT: triton keeping the gate-up product), or None (the inference pick)."""
     chosen = None
     for rule in rules:
         if rule.kind == kind and tokens >= rule.from_tokens and (rule.max_width is None or width <= rule.max_width):
-            chosen = rule.backend
+            chosen = KEPT if rule.keep else rule.backend
     return chosen
 
 
@@ -154,15 +163,17 @@ def auto_dispatcher(inference: str, rules: tuple[TrainingRule, ...] | None = Non
     training ``rules`` (None: ``TRAINING_RULES``); the inference pick's own function where no rule names another."""
     rules = TRAINING_RULES if rules is None else tuple(rules)
     infer_fn = get_backend(inference)
-    if all(rule.backend == inference for rule in rules):
+    if all(rule.backend == inference and not rule.keep for rule in rules):
         return infer_fn
     key = (infer_fn, rules)
     fn = _DISPATCHERS.get(key)
     if fn is None:
-        from moekit.experts.triton_backward import fused_backward_takes
+        from moekit.experts.triton_backward import experts_triton_kept, fused_backward_takes
 
-        choice = AutoChoice(inference, {name: get_backend(name) for name in {inference, *(r.backend for r in rules)}},
-                            rules, fused_backward_takes)
+        fns = {name: get_backend(name) for name in {inference, *(r.backend for r in rules)}}
+        if any(rule.keep for rule in rules):
+            fns[KEPT] = experts_triton_kept
+        choice = AutoChoice(inference, fns, rules, fused_backward_takes)
         fn = _DISPATCHERS[key] = _dispatcher(choice, infer_fn)
     return fn
 
@@ -218,5 +229,6 @@ def running_backend(fn: ExpertsFn, resolved: str, w13, w2, topk_weights: torch.T
     """The backend a call through experts function ``fn`` (resolved as backend ``resolved``) runs on in the grad mode
     of now, x aside: ``resolved``, or what an "auto" dispatcher picks (``MoE``'s stats name its layout)."""
     choice = auto_choice_of(fn)
-    return resolved if choice is None else choice.pick(None, w13, w2, topk_weights, activation, b13, b2, tokens)
+    name = resolved if choice is None else choice.pick(None, w13, w2, topk_weights, activation, b13, b2, tokens)
+    return "triton" if name == KEPT else name
 

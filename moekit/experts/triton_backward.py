@@ -302,3 +302,13 @@ def experts_triton_train(
     out, _, _ = train(x, w13, w2, topk_ids, topk_weights, expert_map, activation, not backward.recompute,
                       backward.split_m)
     return out
+
+
+_KEPT = BackwardOptions(recompute=False)
+
+
+def experts_triton_kept(x, w13, w2, topk_ids, topk_weights, *, activation="silu", expert_map=None, b13=None, b2=None):
+    """``experts_triton_train`` with the gate-up product kept (``BackwardOptions(recompute=False)``): what a
+    ``backend="auto"`` training rule with ``keep`` runs (``auto_train.TrainingRule``; plain calls only)."""
+    return experts_triton_train(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                                b13=b13, b2=b2, backward=_KEPT)
