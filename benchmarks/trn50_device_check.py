@@ -50,7 +50,7 @@ if "--cells" in sys.argv:
 
 import torch  # noqa: E402
 
-from bench_rounds import turned_rounds  # noqa: E402
+from bench_rounds import eager_rounds, turned_rounds  # noqa: E402
 from train_step_inputs import layer_inputs, step_grads  # noqa: E402
 
 # name -> (E, top_k, K, N, activation, biases)
@@ -139,26 +139,6 @@ def checks(dev, result: dict) -> None:
         free(dev)
 
 
-def timed_rounds(fns: dict, dev, stop: float, rounds: int = ROUNDS) -> dict:
-    """name -> ([wall µs each round], [event µs each round]): one call of each of ``fns`` a round, the order turned
-    each round; rounds after the first stop at ``stop``."""
-    samples = {name: ([], []) for name in fns}
-    cuda = dev.type == "cuda"
-    for name in turned_rounds(list(fns), rounds, stop):
-        sync(dev)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        fns[name]()
-        if cuda:
-            end.record()
-        sync(dev)
-        samples[name][0].append((time.perf_counter() - t0) * 1e6)
-        samples[name][1].append(start.elapsed_time(end) * 1e3 if cuda else float("nan"))
-    return samples
-
-
 def medians(samples: dict) -> dict:
     return {name: [statistics.median(w), statistics.median(e)] for name, (w, e) in samples.items()}
 
@@ -178,7 +158,7 @@ def time_grid(dev, result: dict, stop: float) -> None:
         RUN.check(f"{layer} M={m} triton vs grouped_mm grads", max(apart.values()) <= TOL,
                   ", ".join(f"{n} {v:.1e}" for n, v in apart.items()))
         del first
-        samples = timed_rounds(runs, dev, stop)
+        samples = eager_rounds(runs, dev, ROUNDS, stop)
         med, pick, cls = medians(samples), auto_pick(dev, layer, p, m), shape_class_of(layer, m)
         t, g = med["triton"], med["grouped_mm"]
         RUN.summary.append(f"{layer:8s} N={LAYERS[layer][3]:5d} M={m:5d} [{cls:11s}]: wall triton {t[0]:9.1f} "
@@ -295,7 +275,7 @@ def tile_cell(dev, layer: str, m: int, cls: str, stop: float, result: dict) -> N
     steps["step grouped_mm"] = lambda: step(backend_fn("grouped_mm", dev), p)
     for run in steps.values():
         run()
-    samples = timed_rounds(steps, dev, stop)
+    samples = eager_rounds(steps, dev, ROUNDS, stop)
     RUN.log(f"tiles {layer} M={m}: steps timed")
     timer = PartTimer(dev)
     try:

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from trn50_compile_cpu import _SM90, _Warm, _layout  # noqa: E402
+from trn50_compile_cpu import _SM90, _Warm, _layout, report  # noqa: E402
 
 # (layer, M, E, top_k, K, N, the class ``TUNED`` keys it by on sm_90)
 CELLS = (("mixtral", 1024, 8, 2, 4096, 14336, "wide/few"), ("mixtral", 4096, 8, 2, 4096, 14336, "wide/some"),
@@ -61,7 +61,6 @@ def main() -> int:
     import moekit.experts.triton_backward_sorted as bs
     import moekit.experts.triton_train_forward as tf
     import moekit.experts.triton_wgrad as tw
-    from gluon_fp8_compile_cpu import ptxas_report, sass_spill_places
 
     seen: list = []
     for module in (bl, bs, tf, tw):
@@ -77,16 +76,7 @@ def main() -> int:
             failed += 1
             print(f"FAIL {cell[0]} M={cell[1]} [{cell[-1]}]: {type(exc).__name__}: {str(exc)[-800:]}")
             continue
-        done = set()
-        for kernel_name, compiled, seconds in seen:
-            if compiled.hash in done:
-                continue
-            done.add(compiled.hash)
-            spills, _ = ptxas_report(compiled.asm["ptx"])
-            places = sass_spill_places(compiled.asm["ptx"])
-            print(f"OK {cell[0]} M={cell[1]} [{cell[-1]}] {kernel_name:30s} shared {compiled.metadata.shared:6d} B, "
-                  f"spill stores {spills} B ({places}), warps {compiled.metadata.num_warps}, stages "
-                  f"{compiled.metadata.num_stages}, {seconds:.1f} s", flush=True)
+        report(f"{cell[0]} M={cell[1]} [{cell[-1]}]", seen)
     return 1 if failed else 0
 
 

@@ -36,7 +36,7 @@ SMOKE = smoke_mode()
 
 import torch  # noqa: E402
 
-from bench_rounds import turned_rounds  # noqa: E402
+from bench_rounds import eager_rounds  # noqa: E402
 from train_step_inputs import layer_inputs, step_grads  # noqa: E402
 
 # name -> (E, top_k, K, N, activation, biases)
@@ -126,25 +126,6 @@ def memory_mib(fn, p: dict, dev) -> dict:
     return {"after_forward": held / 2**20, "peak": peak / 2**20}
 
 
-def timed_rounds(fns: dict, dev, stop: float) -> dict:
-    """name -> ([wall µs each round], [event µs each round]), one call a round, the order turned each round."""
-    samples = {name: ([], []) for name in fns}
-    cuda = dev.type == "cuda"
-    for name in turned_rounds(list(fns), ROUNDS, stop):
-        sync(dev)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        fns[name]()
-        if cuda:
-            end.record()
-        sync(dev)
-        samples[name][0].append((time.perf_counter() - t0) * 1e6)
-        samples[name][1].append(start.elapsed_time(end) * 1e3 if cuda else float("nan"))
-    return samples
-
-
 def auto_pick(dev, p: dict, m: int) -> str:
     """The backend "auto" as committed trains this call on."""
     from moekit.experts import backend_fn, resolve_backend
@@ -174,7 +155,7 @@ def time_cell(dev, layer: str, m: int, stop: float, result: dict) -> None:
 
     runs = {**{f"step {v}": (lambda fn=fn: step_grads(fn, "silu", p)) for v, fn in fns.items()},
             **{f"fwd {v}": forward(fn) for v, fn in fns.items()}}
-    samples = timed_rounds(runs, dev, stop)
+    samples = eager_rounds(runs, dev, ROUNDS, stop)
     med = {name: [statistics.median(w), statistics.median(e)] for name, (w, e) in samples.items()}
     gmm, pick = med["step grouped_mm"][0], auto_pick(dev, p, m)
     RUN.summary.append(
