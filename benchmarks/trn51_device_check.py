@@ -17,8 +17,10 @@ float32 reference backend's, each within TOL and no further than 1.5x grouped_mm
 Phase "time" (CELLS, in order until the deadline): per cell, each variant's first step's grads against grouped_mm's
 (within TOL), its memory (MiB held after the forward above the inputs, and the step's peak above them), then
 ROUNDS interleaved rounds (order turned each round) of the eager step (forward + ``torch.autograd.grad`` of every
-input) and of the forward alone, wall µs (perf_counter, synchronised) and CUDA-event µs, medians. Table last; JSON
-<out>/trn51.json.
+input) and of the forward alone, wall µs (perf_counter, synchronised) and CUDA-event µs, medians.
+Phase "parts" (PART_CELLS; not in ck1's run): the backward alone by part (trn50's ``PartTimer``: grad, dx, dw13, dw2,
+other) recomputing, and keeping with the grad tile as ``kept_tiles`` makes it and KEPT_COLS wide; the kept step with
+each width (its grads against grouped_mm's first). Table last; JSON <out>/trn51.json.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ SMOKE = smoke_mode()
 
 import torch  # noqa: E402
 
-from bench_rounds import eager_rounds  # noqa: E402
+from bench_rounds import eager_rounds, turned_rounds  # noqa: E402
 from train_step_inputs import layer_inputs, step_grads  # noqa: E402
 
 # name -> (E, top_k, K, N, activation, biases)
@@ -50,6 +52,10 @@ CELLS = (("mixtral", 1024), ("mixtral", 4096), ("mixtral", 8192), ("dsv2lite", 1
 if SMOKE:
     LAYERS = {name: (4, 2, 64, 48, "silu", False) for name in LAYERS}
     CELLS = (("mixtral", 8), ("qwen3", 8))
+PART_CELLS = (("mixtral", 1024), ("mixtral", 4096), ("dsv2lite", 1024))
+KEPT_COLS = (64, 256)  # the kept grad tile's widths tried beside the one ``kept_tiles`` takes (the shape's grad cols)
+if SMOKE:
+    PART_CELLS, KEPT_COLS = (("mixtral", 8),), (16,)
 CHECK_M = 8 if SMOKE else 256
 TOL, ROUNDS = 2e-2, 5
 VARIANTS = ("recompute", "kept", "grouped_mm")
@@ -180,13 +186,95 @@ def time_cells(dev, result: dict, stop: float) -> None:
         RUN.log(f"timed {layer} M={m}")
 
 
+def kept_cols(cols: int | None, fn):
+    """fn with the kept path's grad tile ``cols`` wide (None: as ``kept_tiles`` makes it), restored after."""
+    import dataclasses
+
+    import moekit.experts.triton_backward as tb
+    import moekit.experts.triton_backward_sorted as bs
+
+    real = bs.kept_tiles
+
+    def patched(tiles):
+        t = real(tiles)
+        return dataclasses.replace(t, grad=dataclasses.replace(t.grad, cols=cols))
+
+    def run():
+        if cols is None:
+            return fn()
+        tb.kept_tiles = bs.kept_tiles = patched
+        try:
+            return fn()
+        finally:
+            tb.kept_tiles = bs.kept_tiles = real
+    return run
+
+
+def part_cell(dev, layer: str, m: int, stop: float, result: dict) -> None:
+    """The backward alone by part (``trn50_device_check.PartTimer``): recompute and kept with each grad tile width,
+    and the whole step of each kept width; medians of interleaved rounds."""
+    import moekit.experts.triton_backward_launch as bl
+    import moekit.experts.triton_backward_sorted as bs
+    from moekit.experts.triton_train_forward import sorted_forward
+    from trn50_device_check import PartTimer
+
+    p, fns = layer_inputs(LAYERS[layer], m, dev, seed=3), variant_fns(dev)
+    e, _, _, n = LAYERS[layer][:4]
+    widths = {"kept": None, **{f"kept{c}": c for c in KEPT_COLS}}
+
+    def backward(cols):
+        def run():
+            kept = None
+            if cols != "recompute":
+                tiles = bs.kept_tiles(bl.backward_tiles(p["ids"].numel(), e, n, p["x"].dtype, p["x"].device))
+                kept = sorted_forward(p["x"], p["w13"], p["w2"], p["ids"], p["topk_weights"], None, "silu", tiles,
+                                      keep_h=True)
+            return lambda: bl.experts_backward(p["dout"], p["x"], p["w13"], p["w2"], p["ids"], p["topk_weights"],
+                                               None, kept and kept.h_p, "silu", (True,) * 4,
+                                               x_p=kept and kept.x_p)
+        return run
+
+    runs = {"recompute": backward("recompute")(), **{name: kept_cols(c, backward(c))() for name, c in widths.items()}}
+    steps = {name: kept_cols(c, lambda: step_grads(fns["kept"], "silu", p)) for name, c in widths.items()}
+    for name, c in widths.items():
+        off = grads_apart(steps[name](), step_grads(fns["grouped_mm"], "silu", p))
+        RUN.check(f"{layer} M={m} {name} step vs grouped_mm grads", max(off.values()) <= TOL,
+                  ", ".join(f"{k} {v:.1e}" for k, v in off.items()))
+    step_med = {k: statistics.median(v[0]) for k, v in eager_rounds(steps, dev, ROUNDS, stop).items()}
+    timer, parts = PartTimer(dev), {name: [] for name in runs}
+    try:
+        for name in turned_rounds(list(runs), ROUNDS, stop):
+            sync(dev)
+            parts[name].append(timer.run(kept_cols(widths.get(name), runs[name])))
+    finally:
+        timer.remove()
+    med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in parts.items()}
+    RUN.summary.append(f"{layer} M={m} kept step wall µs by grad width: " + ", ".join(
+        f"{name} {w:.0f}" for name, w in step_med.items()))
+    for name, pm in med.items():
+        RUN.summary.append(f"    backward {name:9s}: " + " ".join(f"{k} {v:7.0f}" for k, v in pm.items()))
+    result["parts"].append({"layer": layer, "M": m, "kept_step_median_wall_us": step_med, "backward_parts_us": med})
+    del p, runs, steps
+    free(dev)
+
+
+def part_cells(dev, result: dict, stop: float) -> None:
+    for layer, m in PART_CELLS:
+        if time.time() > stop:
+            RUN.summary.append(f"parts {layer} M={m}: not timed (deadline)")
+            continue
+        part_cell(dev, layer, m, stop, result)
+        RUN.log(f"parts {layer} M={m}")
+
+
 def main() -> int:
-    dev, result = torch.device("cpu" if SMOKE else "cuda"), {"checks": {}, "cells": []}
+    dev, result = torch.device("cpu" if SMOKE else "cuda"), {"checks": {}, "cells": [], "parts": []}
     if SMOKE:  # "auto" as on CUDA (its inference pick the interpreted triton), so auto_pick meets the dispatcher
         import moekit.experts
 
         moekit.experts._AUTO_ORDER_OTHER = ("triton", "grouped_mm", "reference")
-    phases = {"checks": lambda: checks(dev, result), "time": lambda: time_cells(dev, result, stop_at)}
+    phases = {"checks": lambda: checks(dev, result), "time": lambda: time_cells(dev, result, stop_at),
+              "parts": lambda: part_cells(dev, result, stop_at)}
     args = phase_args(__doc__, phases, "trn51.json")
     stop_at = time.time() + args.deadline - 4 - RUN.elapsed()
     result.update(run_info(), layers={k: list(map(str, v)) for k, v in LAYERS.items()})
@@ -194,7 +282,8 @@ def main() -> int:
     import threading
 
     threading.Thread(target=RUN.watchdog, daemon=True).start()
-    return run_phases(RUN, phases, args.phases, args.deadline, {"checks": 20, "time": 6}, args.path, result)
+    return run_phases(RUN, phases, args.phases, args.deadline, {"checks": 20, "time": 6, "parts": 6}, args.path,
+                      result)
 
 
 if __name__ == "__main__":
