@@ -169,3 +169,19 @@ def test_opcheck_train_op_keeps_h_p(interpreter):
     out, x_p, h_p = torch.ops.moekit.triton_experts_train(*args)
     rows = layout_rows(12, 8, 16)
     assert out.shape == (6, 33) and x_p.shape == (rows, 33) and h_p.shape == (rows, 34)
+
+
+def test_compile_traces_the_kept_path(interpreter):
+    """torch.compile(fullgraph=True, aot_eager) through the kept path: the train op's fake gives x_p and h_p, the
+    backward op takes them; one graph each way, the grads equal eager's."""
+    problem = make_problem(6, 2, 8, 33, 17, seed=9)
+    dout = torch.randn(6, 33, generator=torch.Generator().manual_seed(2))
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counts = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_train(False), fullgraph=True, backend=counts)
+    eager, traced = grads(_train(False), problem, dout), grads(compiled, problem, dout)
+    assert counts.frame_count == 1
+    for name in NAMES:
+        assert rel_l2(traced[name], eager[name]) < 1e-6, name
