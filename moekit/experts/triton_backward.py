@@ -22,7 +22,7 @@ Options (``BackwardOptions``, for ``experts_triton_train``; the ``triton_experts
   h_p [P, 2N] in x's dtype (P = layout rows ~ A = M*k plus each expert's padding to the block); the
   backward reads h_p instead of recomputing it: 12NK FLOPs an assignment instead of 16NK, the step 18NK.
   Memory: 4N bytes a layout row in bf16 held from the forward to the backward, beside x_p's 2K (Mixtral-
-  8x7B at M=4096: h_p 528 MiB and x_p 72 MiB a layer; Qwen3-30B-A3B at M=16384: 403 MiB + 537 MiB).
+  8x7B at M=4096: h_p 504 MiB and x_p 72 MiB a layer; Qwen3-30B-A3B at M=16384: 432 MiB + 576 MiB).
   The tiles are the shape's with the grad tile and the weight grads on the layout's rows
   (``triton_backward_sorted.kept_tiles``).
 - ``split_m``: each expert's M-blocks split this many ways in the weight grads (fp32 partials summed

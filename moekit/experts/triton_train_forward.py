@@ -10,8 +10,9 @@
 
 Memory: sorted_forward keeps x_p [P, K] (DeepSeek-V3 at M=16384: P ~ 164k rows, 2.3 GB bf16) from the
 forward to the backward, which allocated the same permutation itself before; g_p [P, N] is transient.
-``keep_h`` adds h_p [P, 2N] in x's dtype: 4N bytes a layout row in bf16 (Mixtral-8x7B, N 14336, at M=4096:
-P <= 9216, 528 MiB a layout; at M=8192, 1.06 GiB), kept from the forward to the backward.
+``keep_h`` adds h_p [P, 2N] in x's dtype: 4N bytes a layout row in bf16, kept from the forward to the backward;
+P is allocated at its bound A + E (B - 1), rounded to B (Mixtral-8x7B, N 14336, B 128: P 9216 at M=4096, h_p 504 MiB;
+at M=8192 952 MiB; DeepSeek-V2-Lite at M=1024: P 14336 for A 6144, h_p 77 MiB).
 
 Shapes: M tokens, k slots, A = M*k, P layout rows, E experts, K hidden, N intermediate.
 """
