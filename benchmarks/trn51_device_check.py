@@ -5,16 +5,19 @@ and the plain rule's narrow cells.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/trn51_device_check.py --out $OUT/trn51 --deadline 75    # GPU
     PYTHONPATH=$PWD python3 benchmarks/trn51_device_check.py --smoke                                     # CPU
+    ... --phases time,parts --cells phi35:1024,mixtral:16384    # a later run: some phases, other cells
 
 Layers (bf16, gated silu, no biases: the fused backward's "plain" kind):
   mixtral   Mixtral-8x7B: E 8, top-2, K 4096, N 14336
   dsv2lite  DeepSeek-V2-Lite: E 64, top-6, K 2048, N 1408
   qwen3     Qwen3-30B-A3B: E 128, top-8, K 2048, N 768
+  and for ``--cells``: dsv3 (E 64 of 256, top-8, K 7168, N 2048), hunyuan (64, 8, 4096, 3072), w4096 (Phi-3.5-MoE's
+  16, 2, 4096 at N 4096), phi35 (16, 2, 4096, 6400)
 Variants: recompute (``backend_fn("triton")``: the ``triton_experts`` op, the inference forward, the fused backward
 recomputing gate and up), kept (``experts_triton_train(backward=BackwardOptions(recompute=False))``), grouped_mm.
-Phase "checks" (M = 256, each layer; PASS / FAIL): every variant's gradients of x, w13, w2, topk_weights against the
+Phase "checks" (M = 256, the first three layers; PASS / FAIL): every variant's gradients of x, w13, w2, topk_weights against the
 float32 reference backend's, each within TOL and no further than 1.5x grouped_mm's (+1e-3); kept against recompute.
-Phase "time" (CELLS, in order until the deadline): per cell, each variant's first step's grads against grouped_mm's
+Phase "time" (CELLS or ``--cells``, in order until the deadline): per cell, each variant's first step's grads against grouped_mm's
 (within TOL), its memory (MiB held after the forward above the inputs, and the step's peak above them), then
 ROUNDS interleaved rounds (order turned each round) of the eager step (forward + ``torch.autograd.grad`` of every
 input) and of the forward alone, wall µs (perf_counter, synchronised) and CUDA-event µs, medians.
@@ -46,9 +49,18 @@ LAYERS = {
     "mixtral": (8, 2, 4096, 14336, "silu", False),
     "dsv2lite": (64, 6, 2048, 1408, "silu", False),
     "qwen3": (128, 8, 2048, 768, "silu", False),
+    "dsv3": (64, 8, 7168, 2048, "silu", False),  # DeepSeek-V3's routed experts, E 64 of 256 (one rank of EP 4)
+    "hunyuan": (64, 8, 4096, 3072, "silu", False),  # Hunyuan-A13B
+    "w4096": (16, 2, 4096, 4096, "silu", False),  # Phi-3.5-MoE's E / top-k / K at N 4096
+    "phi35": (16, 2, 4096, 6400, "silu", False),  # Phi-3.5-MoE
 }
 CELLS = (("mixtral", 1024), ("mixtral", 4096), ("mixtral", 8192), ("dsv2lite", 1024), ("qwen3", 4096),
          ("dsv2lite", 4096))
+CHECKED = ("mixtral", "dsv2lite", "qwen3")  # the checks phase's layers
+if "--cells" in sys.argv:  # --cells name:M,...: the time phase's cells instead of CELLS
+    at = sys.argv.index("--cells")
+    CELLS = tuple((c.split(":")[0], int(c.split(":")[1])) for c in sys.argv[at + 1].split(",") if c)
+    del sys.argv[at:at + 2]
 if SMOKE:
     LAYERS = {name: (4, 2, 64, 48, "silu", False) for name in LAYERS}
     CELLS = (("mixtral", 8), ("qwen3", 8))
@@ -92,7 +104,7 @@ def checks(dev, result: dict) -> None:
     from moekit.experts import backend_fn
 
     fns = variant_fns(dev)
-    for layer in LAYERS:
+    for layer in CHECKED:
         p = layer_inputs(LAYERS[layer], CHECK_M, dev, seed=1)
         want = step_grads(backend_fn("reference", dev), "silu", p, torch.float32)
         got = {v: step_grads(fn, "silu", p) for v, fn in fns.items()}

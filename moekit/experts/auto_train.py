@@ -81,18 +81,23 @@ class TrainingRule:
 #     N 6400 (Phi-3.5-MoE): - / - / 0.82* / 1.06
 #     N 14336 (Mixtral-8x7B, K 4096): E 8 0.75 / - / 0.55* (0.92 with "wide/few"'s tiles) / 0.88 (trn50: 0.94) /
 #       1.07; E 32 - / - / 0.76* / 0.48*
-#   so triton from 1024 tokens up to N 3072, from 4096 up to N 6400 (the widest measured to win there), and from
-#   16384 at any width; grouped_mm below those and at Mixtral's width under 16384 tokens. trn50-ck2 (c972344b, these
-#   rules and tiles, on an H200) at 16384: N 1408 1.94, 2048 2.95, 3072 1.78, 4096 1.21, 6400 1.19, 14336 1.10; at
-#   1024: N 6400 1.03, 14336 0.94
+#   so (session 50) triton from 1024 tokens up to N 3072, from 4096 up to N 6400, and from 16384 at any width.
+#   trn50-ck2 (c972344b, those rules and tiles, on an H200) at 16384: N 1408 1.94, 2048 2.95, 3072 1.78, 4096 1.21,
+#   6400 1.19, 14336 1.10; at 1024: N 6400 1.03, 14336 0.94
+#   plain, the gate-up product kept (``keep``: ``BackwardOptions(recompute=False)``) against recomputing it and against
+#   grouped_mm, benchmarks/trn51_device_check.py (trn51-ck1 at 1921791f, same H100 kind), step µs kept / recompute /
+#   grouped_mm (gmm / kept): Mixtral M = 1024 6598 / 7368 / 7484 (1.13), 4096 17464 / 19699 / 18430 (1.06), 8192
+#   34351 / 37582 / 39831 (1.16); DeepSeek-V2-Lite 1024 3092 / 3353 / 3268 (1.06), 4096 4728 / 5021 / 6228 (1.32);
+#   Qwen3 4096 4510 / 4859 / 6639 (1.47): kept the fastest in every cell, so triton keeping the gate-up product from
+#   1024 tokens at any width (N 768-14336 measured; between 1408 and 14336 interpolated), recomputing from 16384
+#   (measured above; kept not measured there: its h_p, 4N bytes a layout row, grows with M)
 #   quantized: the Triton backend's quantized kernels have no backward at all (torch's "no autograd formula" error
 #     at backward()); grouped_mm dequantizes in differentiable ops
 TRAINING_RULES: tuple[TrainingRule, ...] = (
     TrainingRule("quantized", "grouped_mm"),
     TrainingRule("variant", "grouped_mm"),
     TrainingRule("plain", "grouped_mm"),
-    TrainingRule("plain", "triton", from_tokens=1024, max_width=3072),
-    TrainingRule("plain", "triton", from_tokens=4096, max_width=6400),
+    TrainingRule("plain", "triton", from_tokens=1024, keep=True),
     TrainingRule("plain", "triton", from_tokens=16384),
 )
 
