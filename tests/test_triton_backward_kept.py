@@ -185,3 +185,23 @@ def test_compile_traces_the_kept_path(interpreter):
     assert counts.frame_count == 1
     for name in NAMES:
         assert rel_l2(traced[name], eager[name]) < 1e-6, name
+
+
+def test_the_kept_tensors_get_no_zero_grads(interpreter):
+    """x_p and h_p are outputs of the train op marked non-differentiable: its backward is handed None for them, not
+    zeros of [P, K] and [P, 2N] that autograd would allocate and fill at every step (materialized grads)."""
+    import moekit.experts.triton_backward as tb
+
+    handed = []
+
+    def spy(ctx, dout, x_p_grad, h_p_grad):
+        handed.append((x_p_grad, h_p_grad))
+        return tb._backward_train(ctx, dout, x_p_grad, h_p_grad)
+
+    tb._train_op.register_autograd(spy, setup_context=tb._setup_train)
+    try:
+        x, w13, w2, ids, weights = make_problem(6, 2, 8, 33, 17, seed=1)
+        _train(False)(x.requires_grad_(), w13, w2, ids, weights).sum().backward()
+    finally:
+        tb._train_op.register_autograd(tb._backward_train, setup_context=tb._setup_train)
+    assert handed == [(None, None)] and x.grad is not None

@@ -248,6 +248,8 @@ def _setup_train(ctx, inputs: tuple, output: tuple) -> None:
     args = _setup(ctx, _TRAIN_NAMES, inputs)
     ctx.split_m = args["split_m"]
     ctx.mark_non_differentiable(output[1], output[2])
+    # no zeros for x_p's and h_p's grads (autograd would fill [P, K] and [P, 2N] for the backward, never read)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(args["x"], args["w13"], args["w2"], args["topk_ids"], args["topk_weights"],
                           args["expert_map"], *(t if t.numel() else None for t in output[1:]))
 
