@@ -19,7 +19,7 @@ Phase "checks" (M = 256, the first three layers; PASS / FAIL): every variant's g
 against the float32 reference backend's, each within TOL and no further than 1.5x grouped_mm's (+1e-3); kept against
 recompute.
 Phase "time" (CELLS or ``--cells``, in order until the deadline): per cell, each variant's first step's grads against
-grouped_mm's (within TOL), its memory (MiB held after the forward above the inputs, and the step's peak above them), then
+grouped_mm's (within TOL), its memory (MiB held after the forward above the inputs, the step's peak above them), then
 ROUNDS interleaved rounds (order turned each round) of the eager step (forward + ``torch.autograd.grad`` of every
 input) and of the forward alone, wall µs (perf_counter, synchronised) and CUDA-event µs, medians.
 Phase "parts" (PART_CELLS; not in ck1's run): the backward alone by part (trn50's ``PartTimer``: grad, dx, dw13, dw2,
