@@ -36,14 +36,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases, smoke_mode  # noqa: E402
+from bench_run import RunLog, begin_layers_run, phase_args, run_phases, smoke_mode  # noqa: E402
 
 SMOKE = smoke_mode()
 
 import torch  # noqa: E402
 
 from bench_rounds import eager_rounds, turned_rounds  # noqa: E402
-from train_step_inputs import layer_inputs, step_grads  # noqa: E402
+from train_step_inputs import (auto_pick, check_device, free, grads_apart, layer_inputs, step_grads,  # noqa: E402
+                               sync)
 
 # name -> (E, top_k, K, N, activation, biases)
 LAYERS = {
@@ -85,20 +86,6 @@ def variant_fns(dev) -> dict:
                                     backward=BackwardOptions(recompute=False))
 
     return {"recompute": backend_fn("triton", dev), "kept": kept, "grouped_mm": backend_fn("grouped_mm", dev)}
-
-
-def grads_apart(got: dict, want: dict) -> dict:
-    return {n: rel_l2(got[n].float(), want[n].float()) for n in want}
-
-
-def sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def free(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def checks(dev, result: dict) -> None:
@@ -145,17 +132,6 @@ def memory_mib(fn, p: dict, dev) -> dict:
     return {"after_forward": held / 2**20, "peak": peak / 2**20}
 
 
-def auto_pick(dev, p: dict, m: int) -> str:
-    """The backend "auto" as committed trains this call on."""
-    from moekit.experts import backend_fn, resolve_backend
-    from moekit.experts.auto_train import auto_choice_of
-
-    choice = auto_choice_of(backend_fn("auto", dev))
-    x_leaf = p["x"].detach().requires_grad_()
-    return resolve_backend("auto", dev) if choice is None else choice.pick(
-        x_leaf, p["w13"], p["w2"], p["topk_weights"], "silu", None, None, m)
-
-
 def time_cell(dev, layer: str, m: int, stop: float, result: dict) -> None:
     fns = variant_fns(dev)
     p = layer_inputs(LAYERS[layer], m, dev, seed=2)
@@ -190,13 +166,14 @@ def time_cell(dev, layer: str, m: int, stop: float, result: dict) -> None:
     free(dev)
 
 
-def time_cells(dev, result: dict, stop: float) -> None:
-    for layer, m in CELLS:
+def each_cell(cells, run_cell, label: str, dev, result: dict, stop: float) -> None:
+    """``run_cell(dev, layer, m, stop, result)`` for each of ``cells`` that starts before ``stop``."""
+    for layer, m in cells:
         if time.time() > stop:
-            RUN.summary.append(f"{layer} M={m}: not timed (deadline)")
+            RUN.summary.append(f"{label} {layer} M={m}: not timed (deadline)")
             continue
-        time_cell(dev, layer, m, stop, result)
-        RUN.log(f"timed {layer} M={m}")
+        run_cell(dev, layer, m, stop, result)
+        RUN.log(f"{label} {layer} M={m}")
 
 
 def kept_cols(cols: int | None, fn):
@@ -271,30 +248,14 @@ def part_cell(dev, layer: str, m: int, stop: float, result: dict) -> None:
     free(dev)
 
 
-def part_cells(dev, result: dict, stop: float) -> None:
-    for layer, m in PART_CELLS:
-        if time.time() > stop:
-            RUN.summary.append(f"parts {layer} M={m}: not timed (deadline)")
-            continue
-        part_cell(dev, layer, m, stop, result)
-        RUN.log(f"parts {layer} M={m}")
-
-
 def main() -> int:
-    dev, result = torch.device("cpu" if SMOKE else "cuda"), {"checks": {}, "cells": [], "parts": []}
-    if SMOKE:  # "auto" as on CUDA (its inference pick the interpreted triton), so auto_pick meets the dispatcher
-        import moekit.experts
-
-        moekit.experts._AUTO_ORDER_OTHER = ("triton", "grouped_mm", "reference")
-    phases = {"checks": lambda: checks(dev, result), "time": lambda: time_cells(dev, result, stop_at),
-              "parts": lambda: part_cells(dev, result, stop_at)}
+    dev, result = check_device(SMOKE), {"checks": {}, "cells": [], "parts": []}
+    phases = {"checks": lambda: checks(dev, result),
+              "time": lambda: each_cell(CELLS, time_cell, "time", dev, result, stop_at),
+              "parts": lambda: each_cell(PART_CELLS, part_cell, "parts", dev, result, stop_at)}
     args = phase_args(__doc__, phases, "trn51.json")
     stop_at = time.time() + args.deadline - 4 - RUN.elapsed()
-    result.update(run_info(), layers={k: list(map(str, v)) for k, v in LAYERS.items()})
-    RUN.log(f"layers {list(LAYERS)}; {run_info()}")
-    import threading
-
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
+    begin_layers_run(RUN, result, LAYERS)
     return run_phases(RUN, phases, args.phases, args.deadline, {"checks": 20, "time": 6, "parts": 6}, args.path,
                       result)
 

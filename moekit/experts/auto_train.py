@@ -88,9 +88,13 @@ class TrainingRule:
 #   grouped_mm, benchmarks/trn51_device_check.py (trn51-ck1 at 1921791f, same H100 kind), step µs kept / recompute /
 #   grouped_mm (gmm / kept): Mixtral M = 1024 6598 / 7368 / 7484 (1.13), 4096 17464 / 19699 / 18430 (1.06), 8192
 #   34351 / 37582 / 39831 (1.16); DeepSeek-V2-Lite 1024 3092 / 3353 / 3268 (1.06), 4096 4728 / 5021 / 6228 (1.32);
-#   Qwen3 4096 4510 / 4859 / 6639 (1.47): kept the fastest in every cell, so triton keeping the gate-up product from
-#   1024 tokens at any width (N 768-14336 measured; between 1408 and 14336 interpolated), recomputing from 16384
-#   (measured above; kept not measured there: its h_p, 4N bytes a layout row, grows with M)
+#   Qwen3 4096 4510 / 4859 / 6639 (1.47); trn51-ck2 (4ac03a77) at 1024: Phi-3.5-MoE 4729 / 5451 / 5674 (1.20), N 4096
+#   3639 / 4122 / 4242 (1.17), Hunyuan 8725 / 9707 / 10204 (1.17), DeepSeek-V3 E 64 9692 / 10494 / 12331 (1.27), Qwen3
+#   3386 / 3577 / 3725 (1.10); at 16384: Mixtral 65945 / 70403 / 79757 (1.21), DeepSeek-V2-Lite 12373 / 13261 / 27244
+#   (2.20), Qwen3 9787 / 10190 / 27692 (2.83). Kept the fastest in all 14 cells (4-15% faster than recomputing), so
+#   triton keeping the gate-up product from 1024 tokens at any width; from 16384 recomputing, 4-7% slower there but
+#   holding nothing between forward and backward where kept holds h_p + x_p (4N + 2K bytes a layout row: Mixtral at
+#   16384 2.2 GiB a layer, at 8192 1.1): the rule's previous pick there (kept: ``triton_backward.experts_triton_kept``)
 #   quantized: the Triton backend's quantized kernels have no backward at all (torch's "no autograd formula" error
 #     at backward()); grouped_mm dequantizes in differentiable ops
 TRAINING_RULES: tuple[TrainingRule, ...] = (
