@@ -92,7 +92,7 @@ def test_kept_with_an_expert_map_and_an_empty_expert(interpreter):
 
 
 def _seen_constexprs(monkeypatch, modules) -> list:
-    """(kernel name, H_OUT / H_IN constexpr) of every launch through ``modules``' ``kernels``; they still run."""
+    """(kernel name, H_OUT / H_IN, DESC constexprs) of every launch through ``modules``' ``kernels``; they still run."""
     seen = []
     for module in modules:
         real = module.kernels
@@ -104,27 +104,41 @@ def _seen_constexprs(monkeypatch, modules) -> list:
             def __getattr__(self, name):
                 kernel = getattr(self.kernels, name)
                 return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (
-                    seen.append((name, kw.get("H_OUT", kw.get("H_IN")))), kernel[grid](*a, **kw))[1]})()
+                    seen.append((name, kw.get("H_OUT", kw.get("H_IN")), kw.get("DESC"))), kernel[grid](*a, **kw))[1]})()
 
         monkeypatch.setattr(module, "kernels", lambda name, real=real: Spy(real(name)))
     return seen
 
 
-def test_bf16_kept_path_stores_and_reads_h_through_tma(interpreter, monkeypatch):
-    """bf16 with 16-byte rows (K=48, N=24): the forward's gate-up kernel stores h_p (H_OUT), the backward's grad
-    kernel reads it (H_IN) and no kernel recomputes the gate-up product; the grads hold to the float64 loop within
-    bf16's tolerance and to the recomputing path's."""
+@pytest.mark.parametrize("desc", [False, True])
+def test_bf16_kept_path_stores_and_reads_h(interpreter, monkeypatch, desc):
+    """bf16 with 16-byte rows (K=64, N=24): the forward's gate-up kernel stores h_p (H_OUT), the backward's grad
+    kernel reads it (H_IN) and no kernel recomputes the gate-up product; through TMA where the shape's weight grads
+    have it (``desc``: the interpreter's tiles with TMA weight grads, as ``TUNED``'s on sm_90), else pointer loads;
+    the grads hold to the float64 loop within bf16's tolerance and to the recomputing path's."""
+    import dataclasses
+
+    import moekit.experts.triton_backward as tb
+    import moekit.experts.triton_backward_launch as bl
     import moekit.experts.triton_backward_sorted as bs
     import moekit.experts.triton_train_forward as tf
 
-    problem = make_problem(21, 2, 4, 48, 24, dtype=torch.bfloat16, seed=22, skips=True)
-    dout = torch.randn(21, 48, generator=torch.Generator().manual_seed(3))
+    real = bl.backward_tiles
+
+    def tiles(*args):
+        t = real(*args)
+        return dataclasses.replace(t, dw13=dataclasses.replace(t.dw13, desc=desc))
+
+    problem = make_problem(21, 2, 4, 64, 24, dtype=torch.bfloat16, seed=22, skips=True)
+    dout = torch.randn(21, 64, generator=torch.Generator().manual_seed(3))
     want = grads(loop64, problem, dout, torch.float64)
     recomputed = grads(_train(True), problem, dout, torch.bfloat16)
+    monkeypatch.setattr(tb, "backward_tiles", tiles)
+    monkeypatch.setattr(bl, "backward_tiles", tiles)
     seen = _seen_constexprs(monkeypatch, (tf, bs))
     kept = grads(_train(False), problem, dout, torch.bfloat16)
-    assert ("gate_up_train_kernel", True) in seen and ("grad_gate_up_sorted_kernel", True) in seen, seen
-    assert ("grad_gate_up_sorted_kernel", False) not in seen and ("gate_up_train_kernel", False) not in seen, seen
+    assert ("gate_up_train_kernel", True, desc) in seen and ("grad_gate_up_sorted_kernel", True, desc) in seen, seen
+    assert not [s for s in seen if s[0] in ("gate_up_train_kernel", "grad_gate_up_sorted_kernel") and not s[1]], seen
     for name in NAMES:
         assert kept[name].dtype == (torch.float32 if name == "topk_weights" else torch.bfloat16), name
         assert rel_l2(kept[name], want[name]) < 1e-2, name

@@ -74,25 +74,29 @@ def grad_gate_up_sorted(dout_p: torch.Tensor, x_p: torch.Tensor, w13: torch.Tens
     return dh, gw, parts
 
 
-# The forward tiles of the kept path where the shape's tiles carry none: "wide/many"'s (Mixtral at M=16384 on the
-# H200, the only forward tiles measured) with the layout's block as the M-block; the interpreter's small tiles.
-KEPT_FORWARD = KernelTiles(128, 64, 8, 4, desc=True, contiguous=True, group=8)
+# The forward tiles of the kept path where the shape's tiles carry none: "wide/many"'s gate-up tile (Mixtral at M=16384
+# on the H200, the only forward tiles measured before; the kept steps of trn51-ck1 / ck2 ran with it at every class)
+# with the layout's block as the M-block; the interpreter's small tiles. ``desc`` as the shape's weight grads.
+KEPT_FORWARD = KernelTiles(128, 64, 8, 4, contiguous=True, group=8)
 KEPT_FORWARD_INTERPRETED = KernelTiles(16, 16, 1, 1, contiguous=True)
 
 
 def kept_tiles(tiles: BackwardTiles) -> BackwardTiles:
     """The tiles of the kept path (``BackwardOptions(recompute=False)``): the forward on x permuted keeps
     x_p and h_p in the layout's rows, so the grad tile and both weight grads read the layout's rows
-    (``contiguous``; the grad tile's operands through TMA where allowed) whatever ``tiles`` had, and the
-    forward tiles are ``KEPT_FORWARD`` where ``tiles`` has none. Sizes, block and dX are ``tiles``', but a
+    (``contiguous``) whatever ``tiles`` had, and the forward tiles are ``KEPT_FORWARD`` where ``tiles`` has
+    none. TMA (``desc``) for the grad and forward tiles where the weight grads have it (``TUNED``, sm_90; the
+    heuristic's tiles of other GPUs and dtypes keep pointer loads). Sizes, block and dX are ``tiles``', but a
     gathering weight grad's row step that does not divide the block becomes their gcd (a contiguous step
     must not cross into the next expert's rows)."""
-    fwd = KEPT_FORWARD_INTERPRETED if interpreting() else KEPT_FORWARD
+    desc = tiles.dw13.desc
+    fwd = dataclasses.replace(KEPT_FORWARD_INTERPRETED if interpreting() else KEPT_FORWARD, desc=desc)
 
     def on_rows(tile: KernelTiles) -> KernelTiles:
         return dataclasses.replace(tile, contiguous=True, red=math.gcd(tile.red, tiles.block_m))
 
-    return dataclasses.replace(tiles, grad=dataclasses.replace(tiles.grad, contiguous=True, desc=True),
+    return dataclasses.replace(tiles, grad=dataclasses.replace(tiles.grad, contiguous=True,
+                                                               desc=tiles.grad.desc or desc),
                                dw13=on_rows(tiles.dw13), dw2=on_rows(tiles.dw2), fwd13=tiles.fwd13 or fwd,
                                fwd2=tiles.fwd2 or fwd)
 
