@@ -113,7 +113,7 @@ class Cell:
         """A zero-argument call of one backward kernel with tile ``t`` over the block_m layout."""
         s, w, layout, k = self.s, self.w, self.layouts[block_m], self.s.top_k
         if kernel == "grad":
-            return lambda: bl.grad_gate_up(self.dout, self.x, w.w13, w.w2, None, self.weights.reshape(-1), layout, t,
+            return lambda: bl.grad_gate_up(self.dout, self.x, w.w13, w.w2, self.weights.reshape(-1), layout, t,
                                            "silu")
         if kernel == "dx":
             return lambda: bl.gather_gemm(self.dh, 1, w.w13, 2, 1, self.per_slot, layout, t)

@@ -8,7 +8,8 @@ win is counted round by round against the base of the same round), the medians, 
     wins(rounds["wide"], rounds["pick"])                               # rounds "wide" took <= 0.97 x "pick"
 
 Used by the device checks (``wo38``, ``gpt39``, ``fpb40``, ``gfp42``, ``wolean``, ``fam34``, ``rfast34``, ``fgrad36``,
-``opg35``; their run bookkeeping: ``bench_run``).
+``opg35``; their run bookkeeping: ``bench_run``); ``eager_rounds``: eager calls (a training step) in turned rounds
+(``trn50``, ``trn51``).
 """
 
 from __future__ import annotations
@@ -171,4 +172,25 @@ def settled(entries: dict, calls: int, dev, rounds: int, replays: int, until: fl
                     g.replay()
 
             samples[name].append(timer(replayed) * 1e3 / (replays * calls))
+    return samples
+
+
+def eager_rounds(fns: dict, dev, rounds: int, until: float = math.inf) -> dict:
+    """name -> ([wall µs each round], [CUDA-event µs each round]; NaN off the GPU): one eager call of each of ``fns``
+    a round, synchronised before and after, the order ``turned`` each round (``turned_rounds``: a round after the
+    first starts only before ``until``)."""
+    samples = {name: ([], []) for name in fns}
+    cuda = dev.type == "cuda"
+    for name in turned_rounds(list(fns), rounds, until):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        fns[name]()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+        samples[name][0].append((time.perf_counter() - t0) * 1e6)
+        samples[name][1].append(start.elapsed_time(end) * 1e3 if cuda else float("nan"))
     return samples

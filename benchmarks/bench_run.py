@@ -107,6 +107,14 @@ def run_info() -> dict:
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__}
 
 
+def begin_layers_run(run: RunLog, result: dict, layers: dict) -> None:
+    """A layer-grid check's start (trn50, trn51): the JSON header and the layers into ``result``, the first log line,
+    the watchdog thread."""
+    result.update(run_info(), layers={k: list(map(str, v)) for k, v in layers.items()})
+    run.log(f"layers {list(layers)}; {run_info()}")
+    threading.Thread(target=run.watchdog, daemon=True).start()
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -5,6 +5,9 @@ every input it has.
     p = layer_inputs((8, 4, 2880, 2880, spec, True), m=256, dev=dev, seed=1)
     grads = step_grads(backend_fn("triton", dev), spec, p)       # {"x": ..., "w13": ..., ..., "b2": ...}
 
+Also the helpers trn50's and trn51's checks share: ``check_device``, ``grads_apart``, ``auto_pick``, ``sync``,
+``free``.
+
 Shapes: M tokens, K hidden, N expert intermediate, E experts, k = top_k.
 """
 
@@ -42,3 +45,42 @@ def step_grads(fn, activation, p: dict, dtype=None) -> dict:
     wanted = [n for n in NAMES if leaves[n] is not None]
     grads = torch.autograd.grad(out, [leaves[n] for n in wanted], p["dout"].to(out.dtype))
     return dict(zip(wanted, grads))
+
+
+def grads_apart(got: dict, want: dict) -> dict:
+    """name -> ``bench_run.rel_l2`` of ``got[name]`` against ``want[name]``, for each name of ``want``."""
+    from bench_run import rel_l2
+
+    return {n: rel_l2(got[n], want[n]) for n in want}
+
+
+def auto_pick(dev, p: dict, m: int) -> str:
+    """The backend ``backend="auto"`` as committed trains a plain silu call of ``p``'s shapes with ``m`` tokens on."""
+    from moekit.experts import backend_fn, resolve_backend
+    from moekit.experts.auto_train import auto_choice_of
+
+    choice = auto_choice_of(backend_fn("auto", dev))
+    x_leaf = p["x"].detach().requires_grad_()  # a call that records gradients
+    return resolve_backend("auto", dev) if choice is None else choice.pick(
+        x_leaf, p["w13"], p["w2"], p["topk_weights"], "silu", None, None, m)
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_device(smoke: bool) -> torch.device:
+    """CUDA; a smoke run's CPU with "auto" given CUDA's order (its inference pick the interpreted triton), so
+    ``auto_pick`` meets the dispatcher there too."""
+    if not smoke:
+        return torch.device("cuda")
+    import moekit.experts
+
+    moekit.experts._AUTO_ORDER_OTHER = ("triton", "grouped_mm", "reference")
+    return torch.device("cpu")

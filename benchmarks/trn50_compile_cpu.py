@@ -96,8 +96,6 @@ def main() -> int:
     import moekit.experts.triton_backward_launch as bl
     import moekit.experts.triton_backward_sorted as bs
     import moekit.experts.triton_wgrad as tw
-    from gluon_fp8_compile_cpu import ptxas_report, sass_spill_places
-
     from moekit.experts.triton_backward_candidates import candidates_for
 
     seen: list = []
@@ -117,18 +115,25 @@ def main() -> int:
                 failed += 1
                 print(f"FAIL {cell[0]} M={cell[1]} [{cls}] {name}: {type(exc).__name__}: {str(exc)[-800:]}")
                 continue
-            done = set()
-            for kernel_name, compiled, seconds in seen:
-                if compiled.hash in done:  # dW13 and dW2 (or the two permutes) of one compiled kernel
-                    continue
-                done.add(compiled.hash)
-                spills, _ = ptxas_report(compiled.asm["ptx"])
-                places = sass_spill_places(compiled.asm["ptx"])
-                print(f"OK {cell[0]} M={cell[1]} [{cls}] {name:13s} {kernel_name:30s} shared "
-                      f"{compiled.metadata.shared:6d} B, spill stores {spills} B ({places}), warps "
-                      f"{compiled.metadata.num_warps}, stages {compiled.metadata.num_stages}, {seconds:.1f} s",
-                      flush=True)
+            report(f"{cell[0]} M={cell[1]} [{cls}] {name:13s}", seen)
     return 1 if failed else 0
+
+
+def report(label: str, seen: list) -> None:
+    """One line per distinct compiled kernel of ``seen`` ((name, compiled, seconds) from ``_Warm``): shared bytes,
+    ptxas's spill stores and where they sit (``gluon_fp8_compile_cpu``), warps, stages, compile seconds."""
+    from gluon_fp8_compile_cpu import ptxas_report, sass_spill_places
+
+    done = set()
+    for kernel_name, compiled, seconds in seen:
+        if compiled.hash in done:  # dW13 and dW2 (or the two permutes) of one compiled kernel
+            continue
+        done.add(compiled.hash)
+        spills, _ = ptxas_report(compiled.asm["ptx"])
+        places = sass_spill_places(compiled.asm["ptx"])
+        print(f"OK {label} {kernel_name:30s} shared {compiled.metadata.shared:6d} B, spill stores {spills} B "
+              f"({places}), warps {compiled.metadata.num_warps}, stages {compiled.metadata.num_stages}, "
+              f"{seconds:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases, smoke_mode  # noqa: E402
+from bench_run import RunLog, begin_layers_run, phase_args, run_phases, smoke_mode  # noqa: E402
 
 SMOKE = smoke_mode()
 ONLY_CELLS = None  # --cells name:M,...: the grid's cells to run (all by default)
@@ -50,8 +50,9 @@ if "--cells" in sys.argv:
 
 import torch  # noqa: E402
 
-from bench_rounds import turned_rounds  # noqa: E402
-from train_step_inputs import layer_inputs, step_grads  # noqa: E402
+from bench_rounds import eager_rounds, turned_rounds  # noqa: E402
+from train_step_inputs import (auto_pick, check_device, free, grads_apart, layer_inputs, step_grads,  # noqa: E402
+                               sync)
 
 # name -> (E, top_k, K, N, activation, biases)
 LAYERS = {
@@ -91,36 +92,11 @@ def step(fn, p: dict, dtype=None) -> dict:
     return step_grads(fn, "silu", p, dtype)
 
 
-def grads_apart(got: dict, want: dict) -> dict:
-    return {n: rel_l2(got[n].float(), want[n].float()) for n in want}
-
-
 def shape_class_of(layer: str, m: int) -> str:
     from moekit.experts.triton_backward_launch import shape_class
 
     e, top_k, _, n = LAYERS[layer][:4]
     return shape_class(m * top_k, e, n)
-
-
-def auto_pick(dev, layer: str, p: dict, m: int) -> str:
-    """The backend "auto" as committed trains this call on."""
-    from moekit.experts import backend_fn, resolve_backend
-    from moekit.experts.auto_train import auto_choice_of
-
-    choice = auto_choice_of(backend_fn("auto", dev))
-    x_leaf = p["x"].detach().requires_grad_()  # a call that records gradients
-    return resolve_backend("auto", dev) if choice is None else choice.pick(
-        x_leaf, p["w13"], p["w2"], p["topk_weights"], "silu", None, None, m)
-
-
-def free(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def checks(dev, result: dict) -> None:
@@ -137,26 +113,6 @@ def checks(dev, result: dict) -> None:
         result["checks"][layer] = off
         del p, want
         free(dev)
-
-
-def timed_rounds(fns: dict, dev, stop: float, rounds: int = ROUNDS) -> dict:
-    """name -> ([wall µs each round], [event µs each round]): one call of each of ``fns`` a round, the order turned
-    each round; rounds after the first stop at ``stop``."""
-    samples = {name: ([], []) for name in fns}
-    cuda = dev.type == "cuda"
-    for name in turned_rounds(list(fns), rounds, stop):
-        sync(dev)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        fns[name]()
-        if cuda:
-            end.record()
-        sync(dev)
-        samples[name][0].append((time.perf_counter() - t0) * 1e6)
-        samples[name][1].append(start.elapsed_time(end) * 1e3 if cuda else float("nan"))
-    return samples
 
 
 def medians(samples: dict) -> dict:
@@ -178,8 +134,8 @@ def time_grid(dev, result: dict, stop: float) -> None:
         RUN.check(f"{layer} M={m} triton vs grouped_mm grads", max(apart.values()) <= TOL,
                   ", ".join(f"{n} {v:.1e}" for n, v in apart.items()))
         del first
-        samples = timed_rounds(runs, dev, stop)
-        med, pick, cls = medians(samples), auto_pick(dev, layer, p, m), shape_class_of(layer, m)
+        samples = eager_rounds(runs, dev, ROUNDS, stop)
+        med, pick, cls = medians(samples), auto_pick(dev, p, m), shape_class_of(layer, m)
         t, g = med["triton"], med["grouped_mm"]
         RUN.summary.append(f"{layer:8s} N={LAYERS[layer][3]:5d} M={m:5d} [{cls:11s}]: wall triton {t[0]:9.1f} "
                            f"grouped_mm {g[0]:9.1f} x{g[0] / t[0]:.2f} | event x{g[1] / t[1]:.2f} | auto now {pick} "
@@ -295,7 +251,7 @@ def tile_cell(dev, layer: str, m: int, cls: str, stop: float, result: dict) -> N
     steps["step grouped_mm"] = lambda: step(backend_fn("grouped_mm", dev), p)
     for run in steps.values():
         run()
-    samples = timed_rounds(steps, dev, stop)
+    samples = eager_rounds(steps, dev, ROUNDS, stop)
     RUN.log(f"tiles {layer} M={m}: steps timed")
     timer = PartTimer(dev)
     try:
@@ -329,21 +285,13 @@ def time_tiles(dev, result: dict, stop: float) -> None:
 
 
 def main() -> int:
-    dev, result = torch.device("cpu" if SMOKE else "cuda"), {"checks": {}, "cells": [], "tiles": []}
-    if SMOKE:  # "auto" as on CUDA (its inference pick the interpreted triton), so auto_pick meets the dispatcher
-        import moekit.experts
-
-        moekit.experts._AUTO_ORDER_OTHER = ("triton", "grouped_mm", "reference")
+    dev, result = check_device(SMOKE), {"checks": {}, "cells": [], "tiles": []}
     phases = {"checks": lambda: checks(dev, result),
               "time": lambda: time_grid(dev, result, stop_at - (TILES_RESERVE_S if "tiles" in args.phases else 0)),
               "tiles": lambda: time_tiles(dev, result, stop_at)}
     args = phase_args(__doc__, phases, "trn50.json")
     stop_at = time.time() + args.deadline - 4 - RUN.elapsed()
-    result.update(run_info(), layers={k: list(map(str, v)) for k, v in LAYERS.items()})
-    RUN.log(f"layers {list(LAYERS)}; {run_info()}")
-    import threading
-
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
+    begin_layers_run(RUN, result, LAYERS)
     return run_phases(RUN, phases, args.phases, args.deadline, {"checks": 20, "time": 6, "tiles": 8}, args.path,
                       result)
 

@@ -163,12 +163,12 @@ def breakdown(cell: bt.Cell, tiles, dev) -> dict:
     layout = bl.align(cell.ids, None, s.num_experts, tiles.block_m)
     sorted_out = tiles.dw13.contiguous and tiles.dw2.contiguous
     div = 0 if sorted_out else 1
-    dh, gw, _ = bl.grad_gate_up(cell.dout, cell.x, w.w13, w.w2, None, weights, layout, tiles.grad, "silu", sorted_out)
+    dh, gw, _ = bl.grad_gate_up(cell.dout, cell.x, w.w13, w.w2, weights, layout, tiles.grad, "silu", sorted_out)
     per_slot = torch.empty(cell.a, s.k, device=dev, dtype=dh.dtype)
     stages = {
         "forward": (6, lambda: fused_experts(cell.x, w.w13, w.w2, cell.ids, cell.weights)),
         "align": (0, lambda: bl.align(cell.ids, None, s.num_experts, tiles.block_m)),
-        "grad_gate_up": (6, lambda: bl.grad_gate_up(cell.dout, cell.x, w.w13, w.w2, None, weights, layout, tiles.grad,
+        "grad_gate_up": (6, lambda: bl.grad_gate_up(cell.dout, cell.x, w.w13, w.w2, weights, layout, tiles.grad,
                                                     "silu", sorted_out)),
         "dx": (4, lambda: bl.gather_gemm(dh, div, w.w13, 2, 1, per_slot, layout, tiles.dx)),
         "dx k-sum": (0, lambda: bl.sum_slots(per_slot, cell.ids, None, s.num_experts, cell.x.dtype)),

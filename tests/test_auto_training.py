@@ -248,3 +248,30 @@ def test_hf_experts_train_and_compile_by_the_rule(ran, monkeypatch):
     with torch.no_grad():
         compiled(x)
     assert len(graphs) == 2 and any("triton_experts_infer" in op for op in graphs[1])
+
+
+def test_a_keep_rule_trains_on_the_kept_triton_path(ran, monkeypatch):
+    """A plain rule with ``keep``: a training call runs ``experts_triton_kept`` (the gate-up product kept; spied),
+    its gradients within float32 rounding of triton's recomputing step; the stats name triton's layout; a no-grad
+    call stays on triton; keep is refused off triton's plain kind."""
+    import moekit.experts.triton_backward as tb
+
+    kept_calls, real = [], tb.experts_triton_kept
+    monkeypatch.setattr(tb, "experts_triton_kept", lambda *a, **kw: (kept_calls.append(1), real(*a, **kw))[1])
+    rules(monkeypatch, TrainingRule("plain", "grouped_mm"), TrainingRule("plain", "triton", from_tokens=8, keep=True))
+    m = layers(CONFIG, "auto", "triton")
+    x = torch.randn(9, 32)
+    got, want = train_step(m["auto"], x), train_step(m["triton"], x)
+    assert kept_calls == [1] and ran == []  # the kept function is not a registered backend
+    assert (got[1] - want[1]).norm() <= 1e-5 * want[1].norm()
+    for name in want[2]:
+        assert (got[2][name] - want[2][name]).norm() <= 1e-5 * want[2][name].norm(), name
+    assert m["auto"](x, return_stats=True).stats.layout == "block_aligned"  # a training call: kept again
+    train_step(m["auto"], torch.randn(5, 32))  # under the keep rule's 8 tokens: grouped_mm
+    assert kept_calls == [1, 1] and ran == ["grouped_mm"]
+    with torch.no_grad():
+        m["auto"](x)
+    assert ran == ["grouped_mm", "triton"] and kept_calls == [1, 1]
+    for kind, backend in (("plain", "grouped_mm"), ("variant", "triton")):
+        with pytest.raises(ValueError, match="keep=True applies to backend 'triton' with kind 'plain'"):
+            TrainingRule(kind, backend, keep=True)

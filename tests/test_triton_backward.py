@@ -74,7 +74,7 @@ def test_grads_odd_shapes(interpreter, m, k):
 
 @pytest.mark.parametrize("m,k", [(1, 1), (33, 6)])
 def test_recompute_and_saved_equal(interpreter, m, k):
-    """Both ``BackwardOptions`` modes hold to the loop, and to each other (one reads the saved h_pre, the
+    """Both ``BackwardOptions`` modes hold to the loop, and to each other (one reads the kept h_p, the
     other recomputes it: the same float32 values here, so they agree far below the tolerance)."""
     problem = make_problem(m, k, 8, 33, 17, seed=m + k, skips=m > 1)
     ways = _ways(interpreter)
@@ -202,13 +202,17 @@ def test_train_refuses_what_it_cannot_differentiate(interpreter):
 
 
 def _launch_grads(problem, dout, tiles, saved: bool, split_m: int = 0) -> dict:
-    """The launch layer's grads with explicit ``tiles`` (``saved``: h_pre from ``saving_forward``)."""
+    """The launch layer's grads with explicit ``tiles`` (``saved``: x_p and h_p from the forward that keeps
+    them, on ``kept_tiles(tiles)``, which the backward takes too)."""
     from moekit.experts.triton_backward_launch import experts_backward
-    from moekit.experts.triton_train_forward import saving_forward
+    from moekit.experts.triton_backward_sorted import kept_tiles
+    from moekit.experts.triton_train_forward import sorted_forward
 
     x, w13, w2, ids, weights = problem
-    h_pre = saving_forward(x, w13, w2, ids, weights, None, "silu", tiles=tiles)[1] if saved else None
-    g = experts_backward(dout, x, w13, w2, ids, weights, None, h_pre, "silu", (True,) * 4, split_m, tiles=tiles)
+    kept = sorted_forward(x, w13, w2, ids, weights, None, "silu", kept_tiles(tiles), keep_h=True) if saved \
+        else None
+    g = experts_backward(dout, x, w13, w2, ids, weights, None, kept.h_p if saved else None, "silu", (True,) * 4,
+                         split_m, tiles=tiles, x_p=kept.x_p if saved else None)
     return {"x": g.x, "w13": g.w13, "w2": g.w2, "topk_weights": g.topk_weights}
 
 
@@ -238,8 +242,8 @@ def test_explicit_tiles_with_tails(interpreter, saved):
 @pytest.mark.parametrize("split_m,saved", [(0, False), (2, True)])
 def test_weight_descriptors(interpreter, split_m, saved):
     """bf16 weights with 16-byte rows (K=48, N=24) take the TMA descriptor path in grad_gate_up and
-    gather_gemm, dX's and the saving forward's (the last N tile of 16 reads past N into the up rows,
-    never stored); the grads hold."""
+    gather_gemm, dX's (the last N tile of 16 reads past N into the up rows, never stored), and with
+    ``saved`` x_p, w13 and the weights of the kept path's grad tile through TMA; the grads hold."""
     from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles, descriptor
 
     tiles = BackwardTiles(16, grad=KernelTiles(16, 16, 1, 1, desc=True), dx=KernelTiles(32, 16, 1, 1, desc=True),

@@ -37,9 +37,10 @@ def test_sorted_forward_odd_shapes(interpreter, k):
     problem = make_problem(45, k, 8, 33, 17, seed=60 + k, skips=True)
     problem.ids[problem.ids == 5] = -1
     x, w13, w2, ids, weights = problem
-    out, x_p = sorted_forward(x, w13, w2, ids, weights, None, "silu", _tiles(32))
-    assert out.dtype == torch.float32 and x_p.shape == (layout_rows(ids.numel(), 8, 32), 33)
-    assert rel_l2(out, experts_loop(*problem)) < TOL[torch.float32]
+    kept = sorted_forward(x, w13, w2, ids, weights, None, "silu", _tiles(32))
+    assert kept.out.dtype == torch.float32 and kept.x_p.shape == (layout_rows(ids.numel(), 8, 32), 33)
+    assert kept.h_p is None
+    assert rel_l2(kept.out, experts_loop(*problem)) < TOL[torch.float32]
 
 
 def test_sorted_forward_descriptors(interpreter, monkeypatch):
@@ -49,7 +50,7 @@ def test_sorted_forward_descriptors(interpreter, monkeypatch):
     seen = spy_desc(monkeypatch, tf)
     problem = make_problem(21, 2, 4, 48, 24, dtype=torch.bfloat16, seed=22, skips=True)
     x, w13, w2, ids, weights = problem
-    out, _ = tf.sorted_forward(x, w13, w2, ids, weights, None, "silu", _tiles(32, desc=True))
+    out = tf.sorted_forward(x, w13, w2, ids, weights, None, "silu", _tiles(32, desc=True)).out
     assert seen == [("gate_up_train_kernel", True), ("down_train_kernel", True)]
     assert rel_l2(out, experts_loop(*problem)) < TOL[torch.bfloat16]
 

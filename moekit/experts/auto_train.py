@@ -7,7 +7,8 @@ training step measured fastest for the call's kind.
            fast path keeps and serves no-grad calls only; ``ExpertsCallCache``'s fast path lookup is the pick's,
            behind one grad-mode test)
       a call that records gradients -> ``training_backend(kind, M, N, rules)``: the last of ``rules`` of the call's
-        kind that M and N fit, else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a
+        kind that M and N fit (a plain rule with ``keep``: triton keeping the gate-up product for the backward,
+        ``experts_triton_kept``), else the inference pick. Kinds: "plain" (the fused Triton backward takes it: a
         gated silu / gelu / relu without biases or clamps), "variant" (biases, gpt-oss's clamped SwiGLU, the clamp
         after the activation, ungated or other activations: Triton's recomputing backward), "quantized"
         (moekit.quant weights)
@@ -46,10 +47,15 @@ class TrainingRule:
     backend: str  # a backend name available where "auto" takes its inference pick
     from_tokens: int = 0
     max_width: int | None = None
+    keep: bool = False  # backend "triton", kind "plain": the forward keeps the gate-up product for the backward
+    # (``triton_backward.experts_triton_kept``; its memory: ``triton_train_forward``), picked by the name KEPT
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.keep and (self.backend, self.kind) != ("triton", "plain"):
+            raise ValueError(f"keep=True applies to backend 'triton' with kind 'plain' (the fused backward's), got "
+                             f"backend={self.backend!r}, kind={self.kind!r}")
         if not isinstance(self.from_tokens, int) or self.from_tokens < 0:
             raise ValueError(f"from_tokens must be an int >= 0, got {self.from_tokens!r}")
         if self.max_width is not None and (not isinstance(self.max_width, int) or self.max_width < 1):
@@ -75,18 +81,27 @@ class TrainingRule:
 #     N 6400 (Phi-3.5-MoE): - / - / 0.82* / 1.06
 #     N 14336 (Mixtral-8x7B, K 4096): E 8 0.75 / - / 0.55* (0.92 with "wide/few"'s tiles) / 0.88 (trn50: 0.94) /
 #       1.07; E 32 - / - / 0.76* / 0.48*
-#   so triton from 1024 tokens up to N 3072, from 4096 up to N 6400 (the widest measured to win there), and from
-#   16384 at any width; grouped_mm below those and at Mixtral's width under 16384 tokens. trn50-ck2 (c972344b, these
-#   rules and tiles, on an H200) at 16384: N 1408 1.94, 2048 2.95, 3072 1.78, 4096 1.21, 6400 1.19, 14336 1.10; at
-#   1024: N 6400 1.03, 14336 0.94
+#   so (session 50) triton from 1024 tokens up to N 3072, from 4096 up to N 6400, and from 16384 at any width.
+#   trn50-ck2 (c972344b, those rules and tiles, on an H200) at 16384: N 1408 1.94, 2048 2.95, 3072 1.78, 4096 1.21,
+#   6400 1.19, 14336 1.10; at 1024: N 6400 1.03, 14336 0.94
+#   plain, the gate-up product kept (``keep``: ``BackwardOptions(recompute=False)``) against recomputing it and against
+#   grouped_mm, benchmarks/trn51_device_check.py (trn51-ck1 at 1921791f, same H100 kind), step µs kept / recompute /
+#   grouped_mm (gmm / kept): Mixtral M = 1024 6598 / 7368 / 7484 (1.13), 4096 17464 / 19699 / 18430 (1.06), 8192
+#   34351 / 37582 / 39831 (1.16); DeepSeek-V2-Lite 1024 3092 / 3353 / 3268 (1.06), 4096 4728 / 5021 / 6228 (1.32);
+#   Qwen3 4096 4510 / 4859 / 6639 (1.47); trn51-ck2 (4ac03a77) at 1024: Phi-3.5-MoE 4729 / 5451 / 5674 (1.20), N 4096
+#   3639 / 4122 / 4242 (1.17), Hunyuan 8725 / 9707 / 10204 (1.17), DeepSeek-V3 E 64 9692 / 10494 / 12331 (1.27), Qwen3
+#   3386 / 3577 / 3725 (1.10); at 16384: Mixtral 65945 / 70403 / 79757 (1.21), DeepSeek-V2-Lite 12373 / 13261 / 27244
+#   (2.20), Qwen3 9787 / 10190 / 27692 (2.83). Kept the fastest in all 14 cells (4-15% faster than recomputing), so
+#   triton keeping the gate-up product from 1024 tokens at any width; from 16384 recomputing, 4-7% slower there but
+#   holding nothing between forward and backward where kept holds h_p + x_p (4N + 2K bytes a layout row: Mixtral at
+#   16384 2.2 GiB a layer, at 8192 1.1): the rule's previous pick there (kept: ``triton_backward.experts_triton_kept``)
 #   quantized: the Triton backend's quantized kernels have no backward at all (torch's "no autograd formula" error
 #     at backward()); grouped_mm dequantizes in differentiable ops
 TRAINING_RULES: tuple[TrainingRule, ...] = (
     TrainingRule("quantized", "grouped_mm"),
     TrainingRule("variant", "grouped_mm"),
     TrainingRule("plain", "grouped_mm"),
-    TrainingRule("plain", "triton", from_tokens=1024, max_width=3072),
-    TrainingRule("plain", "triton", from_tokens=4096, max_width=6400),
+    TrainingRule("plain", "triton", from_tokens=1024, keep=True),
     TrainingRule("plain", "triton", from_tokens=16384),
 )
 
@@ -115,13 +130,16 @@ def _kind(fused_takes: Callable, activation, w13, b13, b2) -> str:
     return "plain" if fused_takes(activation, b13, b2) else "variant"
 
 
+KEPT = "triton+kept"  # what a rule with ``keep`` picks: backend "triton" with the gate-up product kept
+
+
 def training_backend(kind: str, tokens: int, width: int, rules: tuple[TrainingRule, ...]) -> str | None:
     """The backend a call of ``kind`` with ``tokens`` rows over experts ``width`` (N) wide that records gradients
-    trains on under ``rules``, or None (the inference pick)."""
+    trains on under ``rules`` (KEPT: triton keeping the gate-up product), or None (the inference pick)."""
     chosen = None
     for rule in rules:
         if rule.kind == kind and tokens >= rule.from_tokens and (rule.max_width is None or width <= rule.max_width):
-            chosen = rule.backend
+            chosen = KEPT if rule.keep else rule.backend
     return chosen
 
 
@@ -154,15 +172,17 @@ def auto_dispatcher(inference: str, rules: tuple[TrainingRule, ...] | None = Non
     training ``rules`` (None: ``TRAINING_RULES``); the inference pick's own function where no rule names another."""
     rules = TRAINING_RULES if rules is None else tuple(rules)
     infer_fn = get_backend(inference)
-    if all(rule.backend == inference for rule in rules):
+    if all(rule.backend == inference and not rule.keep for rule in rules):
         return infer_fn
     key = (infer_fn, rules)
     fn = _DISPATCHERS.get(key)
     if fn is None:
-        from moekit.experts.triton_backward import fused_backward_takes
+        from moekit.experts.triton_backward import experts_triton_kept, fused_backward_takes
 
-        choice = AutoChoice(inference, {name: get_backend(name) for name in {inference, *(r.backend for r in rules)}},
-                            rules, fused_backward_takes)
+        fns = {name: get_backend(name) for name in {inference, *(r.backend for r in rules)}}
+        if any(rule.keep for rule in rules):
+            fns[KEPT] = experts_triton_kept
+        choice = AutoChoice(inference, fns, rules, fused_backward_takes)
         fn = _DISPATCHERS[key] = _dispatcher(choice, infer_fn)
     return fn
 
@@ -218,5 +238,6 @@ def running_backend(fn: ExpertsFn, resolved: str, w13, w2, topk_weights: torch.T
     """The backend a call through experts function ``fn`` (resolved as backend ``resolved``) runs on in the grad mode
     of now, x aside: ``resolved``, or what an "auto" dispatcher picks (``MoE``'s stats name its layout)."""
     choice = auto_choice_of(fn)
-    return resolved if choice is None else choice.pick(None, w13, w2, topk_weights, activation, b13, b2, tokens)
+    name = resolved if choice is None else choice.pick(None, w13, w2, topk_weights, activation, b13, b2, tokens)
+    return "triton" if name == KEPT else name
 

@@ -17,9 +17,14 @@ Options (``BackwardOptions``, for ``experts_triton_train``; the ``triton_experts
   and dout rows share the token gather). Memory: nothing saved beyond the inputs. Time: one more
   gate-up GEMM: per assignment the backward does 16NK FLOPs instead of 12NK (dY @ W2 2NK, dX 4NK,
   dW13 4NK, dW2 2NK), the whole step 22NK instead of 18NK (+22%).
-- ``recompute=False``: the forward keeps h_pre [A, 2N] (A = M*k; Qwen3-30B-A3B at M=16384: 403 MB per
-  layer in bf16) and the backward reads it. That forward is unfused (it writes h_pre anyway, then a
-  torch act-and-mul, then the down GEMM), so it pays in the forward part of what it saves backward.
+- ``recompute=False``: the forward runs on x permuted into the layout's rows (``triton_train_forward``,
+  fused: the gate-up GEMM also stores its product) and keeps x_p [P, K] and the gate-up pre-activation
+  h_p [P, 2N] in x's dtype (P = layout rows ~ A = M*k plus each expert's padding to the block); the
+  backward reads h_p instead of recomputing it: 12NK FLOPs an assignment instead of 16NK, the step 18NK.
+  Memory: 4N bytes a layout row in bf16 held from the forward to the backward, beside x_p's 2K (Mixtral-
+  8x7B at M=4096: h_p 504 MiB and x_p 72 MiB a layer; Qwen3-30B-A3B at M=16384: 432 MiB + 576 MiB).
+  The tiles are the shape's with the grad tile and the weight grads on the layout's rows
+  (``triton_backward_sorted.kept_tiles``).
 - ``split_m``: each expert's M-blocks split this many ways in the weight grads (fp32 partials summed
   in a fixed order); 0 = chosen from the shapes (``triton_backward_launch.choose_split``).
 ``experts_triton_train``'s forward (recompute) runs on x permuted into the layout's rows when the tiles
@@ -49,9 +54,10 @@ from moekit.activations import ActivationSpec, spec_fields
 from moekit.experts import check_experts_args
 from moekit.experts.triton_backward_recompute import GRAD_NAMES, recompute_grads
 from moekit.func_ops import transform_function, transforming
-from moekit.experts.triton_backward_launch import BACKWARD_ACTIVATIONS, BackwardTiles, backward_tiles, experts_backward
-from moekit.experts.triton_launch import interpreting
-from moekit.experts.triton_train_forward import layout_rows, saving_forward, sorted_forward
+from moekit.experts.triton_backward_launch import (BACKWARD_ACTIVATIONS, BackwardTiles, _work_dtype, backward_tiles,
+                                                   experts_backward)
+from moekit.experts.triton_backward_sorted import kept_tiles
+from moekit.experts.triton_train_forward import layout_rows, sorted_forward
 from moekit.experts.triton_plan import check_triton_args
 
 # Arguments of a variant the fused backward does not take, with the value of the base variant (the
@@ -64,7 +70,7 @@ _BASE_VARIANT = {"b13": None, "b2": None, "gated": True, "interleaved": False, "
 class BackwardOptions:
     """How ``experts_triton_train`` trades memory for time (module docstring)."""
 
-    recompute: bool = True  # recompute the gate-up product in the backward; False: the forward saves it
+    recompute: bool = True  # recompute the gate-up product in the backward; False: the forward keeps it (h_p)
     split_m: int = 0  # ways each expert's M-blocks split in the weight grads; 0 = from the shapes
 
     def __post_init__(self) -> None:
@@ -195,10 +201,13 @@ def backward_experts_op(ctx, dout: torch.Tensor) -> tuple:
 def sorted_forward_tiles(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                          save_h: bool) -> BackwardTiles | None:
     """The tiles when ``experts_triton_train``'s forward runs on x permuted (``triton_train_forward``):
-    the tiles carry forward tiles and the backward takes the permuted path that reads x_p; else None."""
-    if save_h or topk_ids.numel() == 0:
+    always with ``save_h`` (``kept_tiles``); else where the tiles carry forward tiles and the backward takes
+    the permuted path that reads x_p; else None."""
+    if topk_ids.numel() == 0:
         return None
     t = backward_tiles(topk_ids.numel(), w13.shape[0], w2.shape[2], x.dtype, x.device)
+    if save_h:
+        return kept_tiles(t)
     permuted = t.grad.contiguous and t.dw13.contiguous and t.dw2.contiguous
     return t if permuted and t.fwd13 is not None and t.fwd2 is not None else None
 
@@ -207,32 +216,29 @@ def sorted_forward_tiles(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
 def _train_op(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: Optional[torch.Tensor], activation: str, save_h: bool, split_m: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [M, K], kept): kept = h_pre [A, 2N] when ``save_h``, x permuted [P, K] when the forward runs
-    on it (``sorted_forward_tiles``), else an empty [0]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [M, K], x_p, h_p): x_p = x permuted [P, K] when the forward runs on it (``sorted_forward_tiles``),
+    h_p = the gate-up product [P, 2N] when ``save_h``; each else an empty [0]."""
     if topk_ids.numel() == 0:
-        return x.new_zeros(x.shape), x.new_empty(0)
-    if save_h:
-        return saving_forward(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+        return x.new_zeros(x.shape), x.new_empty(0), x.new_empty(0)
     tiles = sorted_forward_tiles(x, w13, w2, topk_ids, save_h)
     if tiles is not None:
-        return sorted_forward(x, w13, w2, topk_ids, topk_weights, expert_map, activation, tiles)
+        kept = sorted_forward(x, w13, w2, topk_ids, topk_weights, expert_map, activation, tiles, keep_h=save_h)
+        return kept.out, kept.x_p, kept.h_p if save_h else x.new_empty(0)
     from moekit.experts.triton import fused_experts  # triton.py imports this module: lazily, no cycle
 
     out = fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map=expert_map, activation=activation)
-    return out, x.new_empty(0)
+    return out, x.new_empty(0), x.new_empty(0)
 
 
 @_train_op.register_fake
 def _train_fake(x, w13, w2, topk_ids, topk_weights, expert_map, activation, save_h, split_m):
-    work = torch.float32 if interpreting() else x.dtype
-    if save_h and topk_ids.numel():
-        return x.new_empty(x.shape), x.new_empty((topk_ids.numel(), w13.shape[1]), dtype=work)
     tiles = sorted_forward_tiles(x, w13, w2, topk_ids, save_h)
-    if tiles is not None:
-        return x.new_empty(x.shape), x.new_empty((layout_rows(topk_ids.numel(), w13.shape[0], tiles.block_m),
-                                                  x.shape[1]))
-    return x.new_empty(x.shape), x.new_empty(0, dtype=work)
+    if tiles is None:
+        return x.new_empty(x.shape), x.new_empty(0), x.new_empty(0)
+    rows = layout_rows(topk_ids.numel(), w13.shape[0], tiles.block_m)
+    h_p = x.new_empty((rows, w13.shape[1]), dtype=_work_dtype(x)) if save_h else x.new_empty(0)
+    return x.new_empty(x.shape), x.new_empty((rows, x.shape[1])), h_p
 
 
 _TRAIN_NAMES = ["x", "w13", "w2", "topk_ids", "topk_weights", "expert_map", "activation", "save_h", "split_m"]
@@ -240,15 +246,17 @@ _TRAIN_NAMES = ["x", "w13", "w2", "topk_ids", "topk_weights", "expert_map", "act
 
 def _setup_train(ctx, inputs: tuple, output: tuple) -> None:
     args = _setup(ctx, _TRAIN_NAMES, inputs)
-    ctx.save_h, ctx.split_m = args["save_h"], args["split_m"]
-    ctx.mark_non_differentiable(output[1])
+    ctx.split_m = args["split_m"]
+    ctx.mark_non_differentiable(output[1], output[2])
+    # no zeros for x_p's and h_p's grads (autograd would fill [P, K] and [P, 2N] for the backward, never read)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(args["x"], args["w13"], args["w2"], args["topk_ids"], args["topk_weights"],
-                          args["expert_map"], output[1] if output[1].numel() else None)
+                          args["expert_map"], *(t if t.numel() else None for t in output[1:]))
 
 
-def _backward_train(ctx, dout: torch.Tensor, _kept) -> tuple:
-    kept = ctx.saved_tensors[6]
-    return _grads(ctx, dout, kept if ctx.save_h else None, ctx.split_m, None if ctx.save_h else kept)
+def _backward_train(ctx, dout: torch.Tensor, _x_p, _h_p) -> tuple:
+    x_p, h_p = ctx.saved_tensors[6:8]
+    return _grads(ctx, dout, h_p, ctx.split_m, x_p)
 
 
 _train_op.register_autograd(_backward_train, setup_context=_setup_train)
@@ -293,5 +301,16 @@ def experts_triton_train(
     activation = fields[0]  # a plain spec: its name
     check_triton_args(x, activation)
     train = _TRAIN_FUNCTION.apply if transforming() else torch.ops.moekit.triton_experts_train
-    out, _ = train(x, w13, w2, topk_ids, topk_weights, expert_map, activation, not backward.recompute, backward.split_m)
+    out, _, _ = train(x, w13, w2, topk_ids, topk_weights, expert_map, activation, not backward.recompute,
+                      backward.split_m)
     return out
+
+
+_KEPT = BackwardOptions(recompute=False)
+
+
+def experts_triton_kept(x, w13, w2, topk_ids, topk_weights, *, activation="silu", expert_map=None, b13=None, b2=None):
+    """``experts_triton_train`` with the gate-up product kept (``BackwardOptions(recompute=False)``): what a
+    ``backend="auto"`` training rule with ``keep`` runs (``auto_train.TrainingRule``; plain calls only)."""
+    return experts_triton_train(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                                b13=b13, b2=b2, backward=_KEPT)

@@ -1,5 +1,5 @@
-"""The launches of the Triton experts backward (``_kernels/gemm_backward.py``) and of the forward that
-saves the gate-up product for it. ``triton_backward`` holds the custom ops and the autograd on top.
+"""The launches of the Triton experts backward (``_kernels/gemm_backward.py``). ``triton_backward`` holds
+the custom ops and the autograd on top; ``triton_train_forward`` the forwards that keep x_p / h_p for it.
 
     align (recomputed, never the naive shortcut) -> grad_gate_up [dh, w*g, d weight partials]
       -> dX: gather_gemm "dh @ W13" per assignment -> the forward's k-sum kernel
@@ -72,7 +72,7 @@ class BackwardTiles:
 
     block_m: int  # the layout's block: the M-block of grad_gate_up and gather_gemm
     grad: KernelTiles  # grad_gate_up: dY @ W2 (+ the gate-up recompute) and the act-and-mul backward
-    dx: KernelTiles  # gather_gemm: dX's dh @ W13 (and the saving forward's two GEMMs)
+    dx: KernelTiles  # gather_gemm: dX's dh @ W13
     dw13: KernelTiles  # weight_grad: dh^T x, [2N, K] per expert
     dw2: KernelTiles  # weight_grad: dout^T (w g), [K, N] per expert
     fwd13: KernelTiles | None = None  # ``experts_triton_train``'s forward on x permuted (``triton_train_forward``):
@@ -306,12 +306,11 @@ def choose_split(num_programs: int, num_assignments: int, num_experts: int, weig
     return max(1, min(want, steps // 2, fits))
 
 
-def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelTiles, activation: str,
+def grad_gate_up(dout, x, w13, w2, weights, layout: Layout, tile: KernelTiles, activation: str,
                  sorted_out: bool = False):
-    """(dh [A, 2N], w*g [A, N], d weight partials [A, N tiles] fp32) over the layout's rows; gate and up
-    recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous. ``tile.desc``:
-    both weights through TMA descriptors where ``descriptor`` allows it for both. ``sorted_out``: dh and
-    w*g rows are the layout's rows instead ([P, ..], padding rows 0, rows past the ones in use unwritten)."""
+    """(dh [A, 2N], w*g [A, N], d weight partials [A, N tiles] fp32) over the layout's rows; gate and up recomputed.
+    dout, x [M, K], weights [A] contiguous. ``tile.desc``: both weights through TMA descriptors where ``descriptor``
+    allows it for both. ``sorted_out``: dh, w*g rows are the layout's ([P, ..], padding rows 0, the rest unwritten)."""
     (_, two_n, hidden), n = w13.shape, w13.shape[1] // 2
     num_assignments, work = layout.num_assignments, _work_dtype(x)
     out_rows = layout.sorted_ids.numel() if sorted_out else num_assignments
@@ -325,12 +324,12 @@ def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelT
         if None not in pair:
             w13_arg, w2_arg = pair
     kernels("gemm_backward").grad_gate_up_kernel[(layout.num_pid_m * num_pid_n,)](
-        dout, x, w13_arg, w2_arg, h_pre if h_pre is not None else dh, weights, dh, gw, parts,
+        dout, x, w13_arg, w2_arg, weights, dh, gw, parts,
         layout.sorted_ids, layout.expert_ids, layout.num_padded,
         n, hidden, num_assignments, num_assignments // dout.shape[0], layout.num_pid_m,
         dout.stride(0), x.stride(0), *w13.stride(), *w2.stride(), two_n,
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8,
-        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13,
+        ACT=get_activation(activation).kernel_id, W_DESC=w13_arg is not w13,
         OUT_SORTED=sorted_out,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x.dtype), **COMPILE_OPTIONS,
     )
@@ -358,26 +357,27 @@ class ExpertsGrads:
 
 def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activation: str, needs: tuple,
                      split_m: int = 0, tiles: BackwardTiles | None = None, x_p=None) -> ExpertsGrads:
-    """The grads (``needs``: x, w13, w2, topk_weights) of ``sum(out * dout)``; ``h_pre`` [A, 2N] the
-    saved gate-up product or None (recompute); ``tiles`` None = ``backward_tiles``; ``x_p`` x already
-    permuted into the layout's rows (``triton_train_forward.sorted_forward``) or None. Arguments checked
-    by the caller; A > 0."""
+    """The grads (``needs``: x, w13, w2, topk_weights) of ``sum(out * dout)``; ``tiles`` None =
+    ``backward_tiles``; ``x_p`` x already permuted into the layout's rows (``triton_train_forward.
+    sorted_forward``) or None; ``h_pre`` the gate-up product h_p [P, 2N] that forward kept (with x_p, and
+    the tiles made ``kept_tiles``) or None (recompute). Arguments checked by the caller; A > 0."""
     need_x, need_w13, need_w2, need_weights = needs
     num_experts, top_k = w13.shape[0], ids.shape[1]
     ids, dout, x = ids.contiguous(), dout.to(x.dtype).contiguous(), x.contiguous()  # the GEMMs' operands share a dtype
     expert_map = expert_map.contiguous() if expert_map is not None else None
     tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
+    from moekit.experts.triton_backward_sorted import grad_gate_up_sorted, kept_tiles  # it imports this module
+    tiles = kept_tiles(tiles) if h_pre is not None else tiles
     layout = align(ids, expert_map, num_experts, tiles.block_m)
     sorted_out = tiles.dw13.contiguous and tiles.dw2.contiguous  # dh, w*g [P, ..] in the layout's rows (div 0)
     x_div = top_k  # x and dout: by token, or (0) permuted into the layout's rows for grad_gate_up and the dW
-    if sorted_out and tiles.grad.contiguous and h_pre is None:
-        from moekit.experts.triton_backward_sorted import grad_gate_up_sorted  # it imports this module
-
+    if sorted_out and tiles.grad.contiguous:
         x = x_p if x_p is not None else permute_rows(x, top_k, layout)
         dout, x_div = permute_rows(dout, top_k, layout), 0
-        dh, gw, parts = grad_gate_up_sorted(dout, x, w13, w2, weights.contiguous(), layout, tiles.grad, activation)
+        dh, gw, parts = grad_gate_up_sorted(dout, x, w13, w2, weights.contiguous(), layout, tiles.grad, activation,
+                                            h_pre)
     else:
-        dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation,
+        dh, gw, parts = grad_gate_up(dout, x, w13, w2, weights.contiguous(), layout, tiles.grad, activation,
                                      sorted_out)
     div = 0 if sorted_out else 1
     dx = dw13 = dw2 = dweights = None

@@ -1,5 +1,5 @@
-"""The backward of the fused experts path, and the saving forward: grouped GEMMs over the block-aligned
-layout that gather their rows by index (never permuted), as ``gemm.py`` does.
+"""The backward of the fused experts path: grouped GEMMs over the block-aligned layout that gather their
+rows by index (never permuted), as ``gemm.py`` does.
 
 Torch twins: the float64 autograd of ``moekit.experts.reference`` (the tests), and
 ``moekit.experts.grouped_mm``'s autograd (the device check).
@@ -10,10 +10,10 @@ h_a = w13[e] x_t [2N], g_a = act(gate_a) * up_a [N], y_a = w2[e] g_a [K], out_t 
     grad_gate_up_kernel  dg_a = w2[e]^T dout_t (the dY @ W2 GEMM, dy_a = w_a dout_t never written) and,
                          in its epilogue, the act-and-mul backward: dh_a [2N], w_a g_a [N] (dW2's right
                          operand) and the partial <dg_a, g_a> = <dout_t, y_a> of d w_a per N tile.
-                         gate and up are recomputed in the same K loop (RECOMPUTE) or read from h_pre.
+                         gate and up are recomputed in the same K loop (the kept h_p of
+                         ``BackwardOptions(recompute=False)`` is read by ``gemm_backward_sorted`` only).
     gather_gemm_kernel   out_a = scale_a * W[e] a_src for any strides of W: dX's "dH @ W13" rows
-                         (summed over k afterwards by ``combine.sum_slots_kernel``), and the saving
-                         forward's gate-up (h_pre = x W13^T) and down (y = w * g W2^T).
+                         (summed over k afterwards by ``combine.sum_slots_kernel``).
     weight_grad_kernel   dW[e] = sum over e's rows of L_row^T R_row: dW2 = dout^T (w g), dW13 = dh^T x.
                          A program owns one output tile of one expert and loops over that expert's
                          M-blocks (every SPLIT-th one; SPLIT > 1 writes fp32 partials that the host sums
@@ -65,18 +65,18 @@ def _act_and_grad(g, ACT: tl.constexpr):
 
 @triton.jit
 def grad_gate_up_kernel(
-    dout_ptr, x_ptr, w13_ptr, w2_ptr, hpre_ptr, weights_ptr,  # dout, x [M, K]; w13, w2; h_pre [A, 2N]; weights [A]
+    dout_ptr, x_ptr, w13_ptr, w2_ptr, weights_ptr,  # dout, x [M, K]; w13, w2; weights [A]
     dh_ptr, gw_ptr, dw_part_ptr,  # out: dh [A, 2N], gw [A, N] = w g, dw_part [A, num_pid_n] fp32
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_assignments, top_k, num_pid_m,
     stride_dm, stride_xm, stride_ae, stride_an, stride_ak, stride_be, stride_bk, stride_bn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, RECOMPUTE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ACT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, OUT_SORTED: tl.constexpr,
 ):
     """W_DESC: w13_ptr a descriptor over w13 as [E*2N, K], block [BN, BK]; w2_ptr over w2 as [E*K, N],
     block [BK, BN] (K % BK == 0, so a K step never reads the next expert's rows). OUT_SORTED: dh and gw
-    rows are the layout's rows (padding rows 0), for the contiguous weight grads; else assignments."""
+    rows are the layout's rows (padding rows 0), for the contiguous weight grads; else assignments (row stride 2N)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
     rows, expert = _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M)
@@ -109,36 +109,31 @@ def grad_gate_up_kernel(
             wb = tl.load(w2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             w2_ptrs += BLOCK_K * stride_bk
         acc_dg = _dot(d, wb, acc_dg, UPCAST, PRECISION)
-        if RECOMPUTE:  # the gate-up GEMM again, in the same K loop: x and dout share the token gather
-            xa = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if W_DESC:  # past K the descriptor reads 0; a last N tile's extra rows are never stored
-                wg = w13_ptr.load([gate_row, k0]).T  # [BK, BN]
-                wu = w13_ptr.load([gate_row + N, k0]).T
-            else:
-                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                wg_ptrs += BLOCK_K * stride_ak
-                wu_ptrs += BLOCK_K * stride_ak
-            acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
-            acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
+        # the gate-up GEMM again, in the same K loop: x and dout share the token gather
+        xa = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:  # past K the descriptor reads 0; a last N tile's extra rows are never stored
+            wg = w13_ptr.load([gate_row, k0]).T  # [BK, BN]
+            wu = w13_ptr.load([gate_row + N, k0]).T
+        else:
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wg_ptrs += BLOCK_K * stride_ak
+            wu_ptrs += BLOCK_K * stride_ak
+        acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
+        acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
     out_rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M) if OUT_SORTED else safe  # [BM] dh, gw rows
-    _store_grads(acc_dg, acc_gate, acc_up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, out_rows, ACT, RECOMPUTE, OUT_SORTED)
+    _store_grads(acc_dg, acc_gate, acc_up, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, out_rows, ACT, OUT_SORTED)
 
 
 @triton.jit
-def _store_grads(acc_dg, gate, up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, out_rows, ACT: tl.constexpr, RECOMPUTE: tl.constexpr,
-                 OUT_SORTED: tl.constexpr):
-    """grad_gate_up's epilogue: from acc_dg = w2[e]^T dout_t and the forward's gate and up [BM, BN]
-    (fp32; read from h_pre unless RECOMPUTE), the act-and-mul backward of dg = w acc_dg into dh, w g
-    into gw (rows ``out_rows``; OUT_SORTED: every row of the block, padding rows 0), and <acc_dg, g> over
-    this N tile into column pid_n of the d-weight partials."""
+def _store_grads(acc_dg, gate, up, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, out_rows, ACT: tl.constexpr, OUT_SORTED: tl.constexpr):
+    """grad_gate_up's epilogue: from acc_dg = w2[e]^T dout_t and the forward's gate and up [BM, BN] (fp32,
+    recomputed or read from the kept h_p), the act-and-mul backward of dg = w acc_dg into dh (row stride
+    stride_hm), w g into gw (rows ``out_rows``; OUT_SORTED: every row of the block, padding rows 0), and
+    <acc_dg, g> over this N tile into column pid_n of the d-weight partials."""
     mask = row_ok[:, None] & n_ok[None, :]
-    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre (dh's too unless OUT_SORTED)
-    if not RECOMPUTE:
-        gate = tl.load(hpre_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(hpre_ptr + h_offs + N, mask=mask, other=0.0).to(tl.float32)
     act, dact = _act_and_grad(gate, ACT)
     g = tl.where(mask, act * up, 0.0)  # [BM, BN] the forward's g; 0 on masked rows and columns
     weight = tl.load(weights_ptr + safe, mask=row_ok, other=0.0).to(tl.float32)  # [BM]

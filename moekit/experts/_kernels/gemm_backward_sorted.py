@@ -10,8 +10,10 @@ the tests, the float64 autograd of a per-token loop.
                                 (SCATTER) dX's dh_p W13[e] into per-assignment rows [A, K].
     grad_gate_up_sorted_kernel  gate and up recomputed from x_p (two accumulators), and either dg read from
                                 ``sorted_gemm_kernel``'s output (DG_IN) or computed in the same K loop from
-                                dout_p (three accumulators: narrower tiles); the epilogue is
-                                ``gemm_backward._store_grads`` with its rows in the layout's order.
+                                dout_p (three accumulators: narrower tiles); H_IN: gate and up read from the
+                                forward's kept h_p [P, 2N] instead (the K loop is dY @ W2 alone, one
+                                accumulator); the epilogue is ``gemm_backward._store_grads`` with its rows in
+                                the layout's order.
 
 DESC: dout_p / x_p are descriptors over [P, K] with block [BM, BK], the weights as in ``gemm_backward``
 (w13 over [E*2N, K] block [BN, BK]; w2 over [E*K, N] block [BK, BN], K % BK == 0); else pointer tiles
@@ -111,16 +113,19 @@ def sorted_gemm_kernel(
 
 @triton.jit
 def grad_gate_up_sorted_kernel(
-    dout_ptr, x_ptr, w13_ptr, w2_ptr, dg_ptr, weights_ptr,  # dout_p, x_p [P, K]; w13, w2; dg [P, N] fp32; weights [A]
+    dout_ptr, x_ptr, w13_ptr, w2_ptr, dg_ptr, h_ptr, weights_ptr,  # dout_p, x_p [P, K]; w13, w2; dg [P, N] fp32;
+    # h_p [P, 2N] (H_IN); weights [A]
     dh_ptr, gw_ptr, dw_part_ptr,  # out: dh [P, 2N], gw [P, N] in the layout's rows, dw_part [A, num_pid_n] fp32
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_assignments, num_pid_m, block_m,
     stride_pm, stride_ae, stride_an, stride_ak, stride_be, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, DG_IN: tl.constexpr, DESC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ACT: tl.constexpr, DG_IN: tl.constexpr, H_IN: tl.constexpr, DESC: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """``grad_gate_up_kernel`` (recompute) on the permuted operands; DG_IN: dg = w2[e]^T dout_t comes from
-    dg_ptr (``sorted_gemm_kernel``), else it is accumulated here from dout_p and w2."""
+    dg_ptr (``sorted_gemm_kernel``), else it is accumulated here from dout_p and w2; H_IN (not with DG_IN):
+    gate and up come from h_p (the forward's, ``gemm_train_forward.gate_up_train_kernel``), x_p is unread."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
     first, expert = _block_expert(pid_m, expert_ids_ptr, num_padded_ptr, block_m, BLOCK_M)
@@ -137,16 +142,23 @@ def grad_gate_up_sorted_kernel(
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xa = _rows_tile(x_ptr, first, k0, K, stride_pm, BLOCK_M, BLOCK_K, DESC)
-        wg = _w13_tile(w13_ptr, expert, k0, col0, 0, N, K, stride_ae, stride_an, stride_ak, BLOCK_K, BLOCK_N, DESC)
-        wu = _w13_tile(w13_ptr, expert, k0, col0, N, N, K, stride_ae, stride_an, stride_ak, BLOCK_K, BLOCK_N, DESC)
-        acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
-        acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
+        if not H_IN:
+            xa = _rows_tile(x_ptr, first, k0, K, stride_pm, BLOCK_M, BLOCK_K, DESC)
+            wg = _w13_tile(w13_ptr, expert, k0, col0, 0, N, K, stride_ae, stride_an, stride_ak, BLOCK_K, BLOCK_N,
+                           DESC)
+            wu = _w13_tile(w13_ptr, expert, k0, col0, N, N, K, stride_ae, stride_an, stride_ak, BLOCK_K, BLOCK_N,
+                           DESC)
+            acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
+            acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
         if not DG_IN:
             d = _rows_tile(dout_ptr, first, k0, K, stride_pm, BLOCK_M, BLOCK_K, DESC)
             wb = _w_red_rows(w2_ptr, expert, k0, col0, K, N, stride_be, stride_bk, stride_bn, BLOCK_K, BLOCK_N, DESC)
             acc_dg = _dot(d, wb, acc_dg, UPCAST, PRECISION)
     if DG_IN:
         acc_dg = tl.load(dg_ptr + out_rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-    _store_grads(acc_dg, acc_gate, acc_up, dh_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, 2 * N,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, out_rows, ACT, True, True)
+    if H_IN:  # every row of a block in use was written by the forward (padding rows: zeros)
+        h_ptrs = h_ptr + out_rows[:, None] * (2 * N) + offs_n[None, :]
+        acc_gate = tl.load(h_ptrs, mask=n_ok[None, :], other=0.0).to(tl.float32)
+        acc_up = tl.load(h_ptrs + N, mask=n_ok[None, :], other=0.0).to(tl.float32)
+    _store_grads(acc_dg, acc_gate, acc_up, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, 2 * N,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, out_rows, ACT, True)

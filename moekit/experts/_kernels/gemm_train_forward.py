@@ -6,7 +6,8 @@ Torch twin: ``moekit.experts.reference`` (the tests: a float64 per-token loop; t
 inference forward ``triton.fused_experts``).
 
     gate_up_train_kernel  g_p = act(x_p W13[e]_gate^T) * (x_p W13[e]_up^T)   [P, N], every row of a block in
-                          use (padding rows: x_p zeros, so g zeros)
+                          use (padding rows: x_p zeros, so g zeros); H_OUT: also h_p = [gate, up] [P, 2N]
+                          (the pre-activation, kept for the backward: ``BackwardOptions(recompute=False)``)
     down_train_kernel     y[a] = w_a * g_p[p] W2[e]^T                      [A, K], row a = sorted_ids[p]
                           (padding rows not stored); the k-sum is the forward's ``combine.sum_slots_kernel``
 
@@ -42,13 +43,14 @@ def _w2t_tile(w2_ptr, expert, n0, col0, K, N, stride_be, stride_bk, stride_bn,
 
 @triton.jit
 def gate_up_train_kernel(
-    x_ptr, w13_ptr, g_ptr,  # x_p [P, K] (or a descriptor); w13 [E, 2N, K]; out g_p [P, N]
+    x_ptr, w13_ptr, g_ptr, h_ptr,  # x_p [P, K] (or a descriptor); w13 [E, 2N, K]; out g_p [P, N], h_p [P, 2N]
     expert_ids_ptr, num_padded_ptr,
-    N, K, num_pid_m, block_m, stride_xm, stride_ae, stride_an, stride_ak, stride_gm,
+    N, K, num_pid_m, block_m, stride_xm, stride_ae, stride_an, stride_ak, stride_gm, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, DESC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ACT: tl.constexpr, DESC: tl.constexpr, H_OUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """g_p rows of M-block pid_m, columns pid_n*BN..: act(gate) * up, gate and up from one K loop."""
+    """g_p rows of M-block pid_m, columns pid_n*BN..: act(gate) * up, gate and up from one K loop; H_OUT:
+    gate and up themselves into h_p's columns col.. and N + col.. (rounded to h_p's dtype)."""
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     first, expert = _block_expert(pid_m, expert_ids_ptr, num_padded_ptr, block_m, BLOCK_M)
     if expert < 0:
@@ -67,6 +69,10 @@ def gate_up_train_kernel(
     offs_n = col0 + tl.arange(0, BLOCK_N)
     tl.store(g_ptr + rows[:, None] * stride_gm + offs_n[None, :], (act * acc_up).to(g_ptr.dtype.element_ty),
              mask=offs_n[None, :] < N)
+    if H_OUT:
+        h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
+        tl.store(h_ptrs, acc_gate.to(h_ptr.dtype.element_ty), mask=offs_n[None, :] < N)
+        tl.store(h_ptrs + N, acc_up.to(h_ptr.dtype.element_ty), mask=offs_n[None, :] < N)
 
 
 @triton.jit
