@@ -94,7 +94,8 @@ class TrainingRule:
 #   (2.20), Qwen3 9787 / 10190 / 27692 (2.83). Kept the fastest in all 14 cells (4-15% faster than recomputing), so
 #   triton keeping the gate-up product from 1024 tokens at any width; from 16384 recomputing, 4-7% slower there but
 #   holding nothing between forward and backward where kept holds h_p + x_p (4N + 2K bytes a layout row: Mixtral at
-#   16384 2.2 GiB a layer, at 8192 1.1): the rule's previous pick there (kept: ``triton_backward.experts_triton_kept``)
+#   16384 2.2 GiB a layer, at 8192 1.1). Below 16384 kept holds less after the forward than grouped_mm, the previous
+#   pick at wide experts (trn51-ck1, MiB: Mixtral 8192 1152 against 2496, Qwen3 4096 352 against 849)
 #   quantized: the Triton backend's quantized kernels have no backward at all (torch's "no autograd formula" error
 #     at backward()); grouped_mm dequantizes in differentiable ops
 TRAINING_RULES: tuple[TrainingRule, ...] = (
