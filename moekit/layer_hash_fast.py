@@ -28,10 +28,14 @@ outside [0, V) or a non-finite logit still raises: the kernel's device-side asse
 with ``FusedHashRouter(assert_in_kernel=False)``), the twin's errors on the CPU. Outputs are the full forward's bit for
 bit: the same gate launch, the same route launch with the same arguments, the same experts.
 
-Not kept: the torch router (``router="torch"``, or "auto" off CUDA), capacity dropping, a router dtype other than
-x's, a gated shared expert in fused slots, input-weighted experts, an eager-graph layer, a subclass that routes or
-places the experts itself (``OffloadedHashMoE``, ``EPHashMoE``). A move or cast drops the entries
-(``MoE._weights_changed``).
+A router dtype other than x's (a float32 gate weight in a bf16 layer, ``router_dtype="float32"``) is kept where the
+gate kernel reads x and the gate weights as stored for float32 logits (``gate.reads_as``, as the full forward's
+``gate.gate_inputs``; session 51, fix51), and above the kernel's 8 rows (``MoE._gate`` casts them as the full forward
+does); with ``gate.READ_STORED`` off the full forward gives the kernel casts, and such a call is not kept.
+
+Not kept: the torch router (``router="torch"``, or "auto" off CUDA), capacity dropping, a gated shared expert in fused
+slots, input-weighted experts, an eager-graph layer, a subclass that routes or places the experts itself
+(``OffloadedHashMoE``, ``EPHashMoE``). A move or cast drops the entries (``MoE._weights_changed``).
 
 Shapes: M tokens, K hidden, E experts, k + S slots, V table rows.
 """
@@ -47,7 +51,8 @@ import moekit.layer_fast as layer_fast
 from moekit._bounded import put_bounded
 from moekit.experts import fast_path_of, keeper_of
 from moekit.layer_fast import _capturing, _compiling, _dispatching, _grad, _ref, _spec, _tracing, _transforming
-from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, bound_gate
+from moekit.routing import gate as routing_gate
+from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, bound_gate, reads_as, router_dtype_of
 from moekit.routing.hash_fused import assert_flags
 from moekit.triton_bind import LEAD_AUX, LEAD_X, current_stream, interpreting
 
@@ -165,16 +170,21 @@ class HashDecodeFast:
                 or not layer._plain_hash or c.num_identity_experts
                 or (layer.fuse_shared and layer.shared_gate is not None)
                 or (layer.shared_w13 is not None and c.shared_expert_combine == "router")
-                or logits.dtype != x2d.dtype or not isinstance(token_ids, torch.Tensor)
+                or not isinstance(token_ids, torch.Tensor)
                 or not x2d.is_contiguous() or x2d.data_ptr() & 15 or (x2d.is_cuda and _capturing())):
             return
         tensors = _tensors(layer)
         weight, linear_bias, w13, w2, b13, b2 = tensors
-        if weight.dtype != x2d.dtype or w13 is None or w2 is None:
+        dtype = router_dtype_of(weight, c.router_dtype)  # the logits' (MoE._gate's)
+        if logits.dtype != dtype or w13 is None or w2 is None:
             return
         gate = None  # the gate kernel where MoE._gate took it (its rows, a kind of call it applies to)
         if layer._gate_fn is not None and m <= GATE_ROWS:
-            gate = bound_gate(x2d, weight, linear_bias)
+            stored = all(t is None or t.dtype == dtype for t in (x2d, weight, linear_bias)) or (
+                routing_gate.READ_STORED and reads_as(x2d, weight, linear_bias, dtype))
+            if not stored:  # the full forward gave the kernel casts (``gate.gate_inputs``): not kept
+                return
+            gate = bound_gate(x2d, weight, linear_bias, dtype)
         kept_logits = None if gate is None else torch.empty_like(logits)  # [M, E], the gate kernel's out
         table = layer._buffers["tid2eid"]
         bound = layer._hash_router.bind(logits if kept_logits is None else kept_logits, token_ids, table,

@@ -102,22 +102,39 @@ def test_opcheck_train_op_keeps_x_p(interpreter, monkeypatch):
     assert torch.ops.moekit.triton_experts_train(*args)[1].shape == (tb.layout_rows(12, 8, 32), 33)
 
 
-def test_bench_train_step_runs_the_train_op(interpreter, monkeypatch):
-    """``moekit bench --train``'s ``moekit:triton_train`` step runs ``experts_triton_train`` (spied) and its
-    grads (x, the gate, w13, w2) equal the reference backend's step on the same problem."""
+@pytest.mark.parametrize("impl, recompute", [("moekit:triton_train", True), ("moekit:triton_kept", False)])
+def test_bench_train_steps_run_the_train_op(interpreter, monkeypatch, impl, recompute):
+    """``moekit bench --train``'s triton rows run ``experts_triton_train`` (spied) with the backward they are named
+    for: ``moekit:triton_train`` recomputing the gate-up product, ``moekit:triton_kept`` keeping it (what
+    ``backend="auto"`` trains plain layers with from 1024 tokens); their grads (x, the gate, w13, w2) equal the
+    reference backend's step on the same problem."""
     import moekit.bench.train_measure as tm
     import moekit.experts.triton_backward as tb
     from moekit.bench.cells import Shape
 
     calls, real = [], tb.experts_triton_train
-    monkeypatch.setattr(tb, "experts_triton_train", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+
+    def spy(*a, **kw):
+        calls.append(kw.get("backward", tb.BackwardOptions()).recompute)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tb, "experts_triton_train", spy)
     problem = tm._problem(Shape("tiny", 4, 17, 33, 2), 9, torch.float32, torch.device("cpu"))
     grads = {}
-    for impl in (tm.TRAIN_IMPL, "moekit:reference"):
+    for name in (impl, "moekit:reference"):
         tm._clear_grads(problem)
-        tm._moekit_step(problem, impl.split(":", 1)[1])()
-        grads[impl] = [t.grad.clone() for t in problem.leaves]
-    assert calls == [1]
-    for got, want in zip(grads[tm.TRAIN_IMPL], grads["moekit:reference"]):
+        tm._moekit_step(problem, name.split(":", 1)[1])()
+        grads[name] = [t.grad.clone() for t in problem.leaves]
+    assert calls == [recompute]
+    for got, want in zip(grads[impl], grads["moekit:reference"]):
         assert rel_l2(got, want) < TOL[torch.float32]
-    assert tm.TRAIN_IMPL not in tm.default_impls(torch.device("cpu"))
+    assert impl not in tm.default_impls(torch.device("cpu"))
+
+
+def test_bench_train_rows_beside_triton(monkeypatch):
+    """Where the triton backend is available, both training rows follow its inference row, before transformers'."""
+    import moekit.bench.train_measure as tm
+
+    monkeypatch.setattr(tm, "available_backends", lambda device: ["triton", "grouped_mm", "reference"])
+    assert tm.default_impls(torch.device("cpu")) == ["moekit:triton", "moekit:grouped_mm", "moekit:triton_train",
+                                                     "moekit:triton_kept", "transformers:grouped_mm"]

@@ -9,8 +9,12 @@ Shapes: M tokens, K hidden, N expert intermediate, E experts, k experts per toke
 Implementations, on the same weights and tokens:
 - ``moekit:<backend>``: ``moekit.routing.route`` and the moekit experts backend (``triton`` on CUDA once
   its backward is registered, ``grouped_mm``);
-- ``moekit:triton_train`` (where ``triton`` is available): the same with ``experts_triton_train``, the
-  training entry point (its forward runs on x permuted into the layout's rows where TUNED says so);
+- ``moekit:triton_train`` and ``moekit:triton_kept`` (where ``triton`` is available): the same with
+  ``experts_triton_train``, the training entry point (its forward runs on x permuted into the layout's rows where
+  TUNED says so), its backward recomputing the gate-up product (``triton_train``) or reading it kept from the
+  forward (``triton_kept``, ``experts_triton_kept``). ``backend="auto"`` trains a plain layer on the kept one from
+  1024 tokens and on the recomputing one from 16384 (``auto_train.TRAINING_RULES``): at the GPU's M = 4096 auto runs
+  ``triton_kept``, at 16384 ``triton_train``;
 - ``transformers:grouped_mm``: transformers' own experts module (``Qwen3MoeExperts``; the SiLU gated
   experts of Mixtral and DeepSeek-V3 compute the same function) with ``experts_implementation=
   "grouped_mm"`` (``torch._grouped_mm`` autograd, what transformers trains with), behind its router's
@@ -45,7 +49,8 @@ from moekit.routing import route
 GPU_TOKENS = (4096, 16384)
 CPU_TOKENS = (64, 256)
 TRANSFORMERS_IMPL = "transformers:grouped_mm"
-TRAIN_IMPL = "moekit:triton_train"  # ``experts_triton_train``: its forward on permuted rows where TUNED has one
+TRAIN_IMPL = "moekit:triton_train"  # ``experts_triton_train``, the gate-up product recomputed in the backward
+KEPT_IMPL = "moekit:triton_kept"  # ``experts_triton_kept``: the gate-up product kept from the forward
 
 
 @dataclass
@@ -82,7 +87,7 @@ class _Problem:
 
 def default_impls(device: torch.device) -> list[str]:
     names = [f"moekit:{b}" for b in available_backends(device) if b != "reference"]
-    return names + ([TRAIN_IMPL] if "moekit:triton" in names else []) + [TRANSFORMERS_IMPL]
+    return names + ([TRAIN_IMPL, KEPT_IMPL] if "moekit:triton" in names else []) + [TRANSFORMERS_IMPL]
 
 
 def _problem(shape: Shape, tokens: int, dtype: torch.dtype, device: torch.device) -> _Problem:
@@ -99,8 +104,10 @@ def _problem(shape: Shape, tokens: int, dtype: torch.dtype, device: torch.device
 
 
 def _moekit_step(p: _Problem, backend: str) -> Callable[[], None]:
-    if backend == TRAIN_IMPL.split(":", 1)[1]:
-        from moekit.experts.triton_backward import experts_triton_train as fn  # imports Triton: only when asked
+    if f"moekit:{backend}" in (TRAIN_IMPL, KEPT_IMPL):
+        import moekit.experts.triton_backward as tb  # imports Triton: only when asked
+
+        fn = tb.experts_triton_train if f"moekit:{backend}" == TRAIN_IMPL else tb.experts_triton_kept
     else:
         fn = backend_fn(backend, p.x.device)
 

@@ -11,8 +11,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training step (--train)")
     g.add_argument("--train", action="store_true",
                    help="time forward + backward (routing included) of moekit's experts backends against transformers' "
-                   "grouped_mm experts at M = 4096 and 16384 (--batches to change; tiny sizes on the CPU); JSON under "
-                   "--out")
+                   "grouped_mm experts at M = 4096 and 16384 (--batches to change; tiny sizes on the CPU), with Triton "
+                   "the training entry's rows triton_train (gate-up recomputed) and triton_kept (kept: auto's pick "
+                   "from 1024 to 16384 tokens); JSON under --out")
 
 
 def run(args: argparse.Namespace, device) -> int:
