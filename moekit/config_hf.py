@@ -14,7 +14,7 @@ from moekit.activations import ActivationSpec, activation_from_hf, shared_glu_ac
 from moekit.config_hf_clamps import MoELayerRule, count_moe_layers, ernie_moe_layers
 from moekit.config_hf_fields import Fields, MissingConfigField  # noqa: F401  (re-exported: config.py)
 from moekit.config_hf_fields import get_field as _get
-from moekit.config_hf_refused import REFUSED  # noqa: F401  (re-exported: config.py, the tests)
+from moekit.config_hf_refused import REFUSED, UNSERVED  # noqa: F401  (re-exported: config.py, the tests)
 from moekit.config_hf_v4 import HF_RENORM_EPS, read_deepseek_v4
 
 

@@ -14,11 +14,12 @@ from moekit.config_hf_clamps import MoELayerRule
 
 
 class MissingConfigField(KeyError):
-    """A config lacks a field the layer's reader needs. ``fields`` are the accepted spellings."""
+    """A config lacks a field the layer's reader needs. ``fields`` are the accepted spellings; ``null``: the config
+    holds it as None (a class default such as DeepSeek-V2's ``num_experts_per_tok``, a file's ``null``)."""
 
-    def __init__(self, fields: tuple[str, ...], model_type: Any):
+    def __init__(self, fields: tuple[str, ...], model_type: Any, null: bool = False):
         super().__init__(fields[0])
-        self.fields, self.model_type = fields, model_type
+        self.fields, self.model_type, self.null = fields, model_type, null
 
     def __str__(self) -> str:
         return self.message()
@@ -26,7 +27,8 @@ class MissingConfigField(KeyError):
     def message(self, source: str = "config") -> str:
         """The sentence, with ``source`` saying which config (``config.json at PATH``)."""
         others = "".join(f" (or {name!r})" for name in self.fields[1:])
-        return f"{source} has no {self.fields[0]!r}{others}: a {self.model_type} MoE layer needs it"
+        null = " (it is null)" if self.null else ""
+        return f"{source} has no {self.fields[0]!r}{others}{null}: a {self.model_type} MoE layer needs it"
 
 
 class Fields(dict):
@@ -76,7 +78,8 @@ def in_file_words(d: dict):
     """Re-raise a TypeError / ValueError of reading ``d`` (a ``Fields``) under the config's own keys: each moekit
     field the message names, said first as the keys it was read from and the values they hold (``cfg.moe_norm_min=-1
     (moekit's renorm_clamp): renorm_clamp must be ...``); an error inside a reader (``float('abc')``) names the last
-    key it read. A message that already starts with ``cfg.`` names the config's keys itself."""
+    key it read. A message that already starts with ``cfg.`` names the config's keys itself. A key so named that holds
+    None is missing, not bad: ``MissingConfigField(null=True)`` names it."""
     try:
         yield
     except (TypeError, ValueError) as err:
@@ -86,6 +89,9 @@ def in_file_words(d: dict):
         said = []
         for field in dict.fromkeys(re.findall(r"[a-z_]+", message)):
             keys = [key for key in FILE_KEYS.get(field, ()) if key in read]
+            if any(read[key] is None for key in keys):
+                null = next(key for key in keys if read[key] is None)
+                raise MissingConfigField((null,), d.get("model_type"), null=True) from err
             if keys:
                 named = ", ".join(f"cfg.{key}={read[key]!r}" for key in keys)
                 said.append(named if keys == [field] else f"{named} (moekit's {field})")

@@ -1,7 +1,8 @@
 """The transformers ``model_type``s ``MoEConfig.from_hf_config`` refuses, each with why: MoE families whose router,
 experts or combine moekit's layer does not compute, so a layer read from their config would differ from the model
 (split from ``config_hf.py`` at its size limit). Their experts still run on moekit under their own router, through
-transformers' experts interface (``model.set_experts_implementation("moekit")``)."""
+transformers' experts interface (``model.set_experts_implementation("moekit")``). ``UNSERVED``: MoE families moekit
+serves neither way (no experts class behind that interface), each with why; ``moekit analyze`` still bills most."""
 
 from __future__ import annotations
 
@@ -26,4 +27,26 @@ REFUSED = {
     "muse_spark_text": "its experts RMS-normalise each expert's output before the routing weight "
                        "(has_post_expert_norm), and moekit's combine sums the weighted outputs as they are. "
                        + _KEEPS + " (composed)",
+}
+
+_NO_INTERFACE = "its experts are not behind transformers' experts interface, so neither moe_from_hf nor " \
+                "set_experts_implementation('moekit') takes them"
+UNSERVED = {
+    "dbrx": "moekit does not serve DBRX: " + _NO_INTERFACE + " (DbrxExperts: w1, v1, w2 stacked [E·N, d])",
+    "jetmoe": "moekit does not serve JetMoE: " + _NO_INTERFACE + " (JetMoeParallelExperts), and its attention is a "
+              "mixture of attention heads routed per token (MoA), which moekit does not compute",
+    "switch_transformers": "moekit does not serve Switch-Transformers: its top-1 router drops each sequence's tokens "
+                           "past an expert's expert_capacity (they skip the MLP) and scales the chosen expert's output "
+                           "by its softmax probability, and " + _NO_INTERFACE + " (ungated wi / relu / wo MLPs, in an "
+                           "encoder-decoder)",
+    "nllb-moe": "moekit does not serve NLLB-MoE: its top-2 router drops tokens past expert_capacity (at inference "
+                "moe_eval_capacity_token_fraction of the batch) and its experts' outputs are scaled by "
+                "1 - moe_token_dropout, and " + _NO_INTERFACE + " (ungated fc1 / relu / fc2 with biases, in an "
+                "encoder-decoder)",
+    "doge": "moekit does not serve Doge: its CDMoE routes over num_experts one-neuron experts (a row of down_embed "
+            "and of up_embed each) by product keys (two top-sqrt(E) searches), beside a dense gated MLP; moekit's "
+            "experts are MLPs of width moe_intermediate_size chosen by one linear gate",
+    "vitpose_backbone": "moekit does not serve ViTPose's backbone: its experts are chosen per image by the caller's "
+                        "dataset_index, not routed per token (num_experts=1, its default, is a dense MLP), so there "
+                        "is no router to run and no MoE layer to bill",
 }

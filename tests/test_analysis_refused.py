@@ -1,5 +1,5 @@
 """``moekit analyze`` / ``simulate`` / ``serve`` bill the MoE families ``from_hf_config`` refuses (Gemma-4, Nemotron-H,
-Ergo, ...), and those it does not read (DBRX, JetMoE: ``UNREAD``), from their own numbers, with the refusal's reason
+Ergo, ...), and those it does not read (DBRX, JetMoE: ``UNSERVED``), from their own numbers, with the refusal's reason
 as a note: each part of the bill against transformers' own model built on the meta device, the byte model's B = 1
 bytes against that model's experts, and the closed form of experts touched against a Monte Carlo of uniform routing."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from moekit.analysis import experts_touched, get_format, get_gpu
-from moekit.analysis.billed import UNREAD, billed_layer
+from moekit.analysis.billed import billed_layer
 from moekit.analysis.bills import UNBILLED, UnbilledModel, param_bill
 from moekit.analysis.roofline import batch_cost
 from moekit.cli import main
-from moekit.config import REFUSED, MissingConfigField, MoEConfig
+from moekit.config import REFUSED, UNSERVED, MissingConfigField, MoEConfig
 
 from _helpers import cli_error
 
@@ -90,7 +90,7 @@ def test_a_refused_family_is_billed_as_its_model_holds_its_experts(model_type):
     cost = batch_cost(cfg, 1, fmt, get_gpu("h200"), matrices=layer.expert_matrices)
     assert cost.weight_bytes == top_k * one_expert * 2
     assert cost.flops == 2 * top_k * one_expert
-    assert model_type in layer.note and (REFUSED.get(model_type) or UNREAD[model_type]) in layer.note
+    assert model_type in layer.note and (REFUSED.get(model_type) or UNSERVED[model_type]) in layer.note
     assert f"E={experts}, k={top_k}, d={cfg.hidden_size}, d_ff={cfg.moe_intermediate_size}" in layer.note
     assert cfg.hidden_size == {"nemotron_h": 32, "dbrx": 64, "jetmoe": 64}.get(model_type, 128)  # Nemotron-H: latent
     if model_type in UNBILLED:

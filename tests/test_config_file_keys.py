@@ -64,3 +64,19 @@ def test_a_message_that_names_the_file_s_key_already_is_kept():
     with pytest.raises(ValueError, match=r"^cfg.model_type 'cohere2_moe' with shared_expert_combination_strategy="):
         MoEConfig.from_hf_config(fields)
     assert MoEConfig.from_hf_config(transformers.Qwen3MoeConfig().to_dict()).top_k == 8
+
+
+def test_a_null_the_layer_needs_is_named_as_missing(tmp_path, capsys):
+    """DeepSeek-V2's class default ``num_experts_per_tok=None`` (read by ``d[key]``, which takes a null as present):
+    the key named as missing, not as a bad value of moekit's field (Dots-1's ``n_routed_experts=None``, read by
+    ``get_field``, was named so already)."""
+    key = "num_experts_per_tok"
+    path = _file(tmp_path, transformers.DeepseekV2Config())
+    with open(path) as f:
+        fields = json.load(f)
+    with pytest.raises(KeyError) as err:
+        MoEConfig.from_hf_config(fields)
+    assert str(err.value) == f"config has no {key!r} (it is null): a {fields['model_type']} MoE layer needs it"
+    for command in ("analyze", "simulate"):
+        line = cli_error(capsys, [command, "--config", path])
+        assert f"config.json at {path} has no {key!r} (it is null)" in line and "must be a positive int" not in line

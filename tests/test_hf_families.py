@@ -177,8 +177,8 @@ def test_moe_from_hf_equals_block_of_more_routers(family):
 def test_compiled_before_any_eager_call_runs_composed(monkeypatch):
     """torch.compile(fullgraph=True) meeting a module with no plan yet cannot probe it: it traces the
     composed path from the flags (still equal to eager) and caches nothing; an eager call then fuses. (Since
-    session 51 set_experts_implementation("moekit") and from_pretrained build the plans; a config edited by hand
-    leaves none: dropped here to stand for it.)"""
+    session 51 set_experts_implementation("moekit"), from_pretrained and a model built from a config naming it build
+    the plans; a model built on the meta device and filled leaves none: dropped here to stand for it.)"""
     model, layer = tiny.build("gpt_oss")
     block = model.model.layers[layer].mlp
     x = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(5))

@@ -133,3 +133,36 @@ def test_from_pretrained_with_the_moekit_implementation_builds_the_plans_too(mon
     plans = [vars(m).get(PLAN_ATTR) for m in model.modules() if moekit_hf.is_interface_experts(m)]
     assert plans and all(p is not None and p.fused for p in plans) and not composed
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["config", "from_config"])
+def test_a_model_built_from_a_config_naming_moekit_builds_the_plans(monkeypatch, how):
+    """A config that names ``"moekit"`` itself (``Qwen3MoeConfig(experts_implementation="moekit")`` then the model
+    class, or ``AutoModelForCausalLM.from_config(config, experts_implementation="moekit")``) sets the implementation
+    without set_experts_implementation or from_pretrained: compiled right after, it traced the composed path unless
+    ``prepare(model)`` came first. Building the model (transformers' ``post_init``) now builds the plans."""
+    from moekit.hf.variants import PLAN_ATTR
+
+    with torch.no_grad():
+        eager = _qwen3_moe()(IDS).logits
+    torch.manual_seed(0)
+    arguments = dict(**COMMON, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3)
+    if how == "config":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**arguments,
+                                                                              experts_implementation="moekit"))
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**arguments),
+                                                              experts_implementation="moekit")
+    assert model.get_experts_implementation()[""] == "moekit"
+    composed = []
+    original = moekit_hf.run_composed
+    monkeypatch.setattr(moekit_hf, "run_composed", lambda *a, **k: composed.append(1) or original(*a, **k))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model.eval(), fullgraph=True, backend="eager")(IDS).logits
+    plans = [vars(m).get(PLAN_ATTR) for m in model.modules() if moekit_hf.is_interface_experts(m)]
+    assert len(plans) == 1 and plans[0] is not None and plans[0].fused and not composed
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)  # the same seed: the same weights
+    torch.manual_seed(0)
+    plain = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**arguments))  # no plans without it
+    assert not [m for m in plain.modules() if PLAN_ATTR in vars(m)]

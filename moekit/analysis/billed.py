@@ -11,9 +11,10 @@ batch touches only through skew, which uniform routing leaves out anyway); a num
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from moekit.config import REFUSED, Fields, MissingConfigField, MoEConfig, hf_layer_fields, in_file_words
+from moekit.config import REFUSED, UNSERVED, Fields, MissingConfigField, MoEConfig, hf_layer_fields, in_file_words
 
 GATED, UNGATED = 3, 2  # an expert's weights in units of d·N
 
@@ -43,23 +44,13 @@ class BilledLayer:
                 f"experts ({self.expert_matrices}·d·d_ff weights each), {layers} MoE layers")
 
 
-# MoE families of transformers that moekit neither reads nor refuses by name (no experts class behind transformers'
-# experts interface, so no swap of theirs is built or tested): billed alike, each with why
-UNREAD = {
-    "dbrx": "DBRX's experts (DbrxExperts: w1, v1, w2 stacked [E·N, d]) are not behind transformers' experts "
-            "interface, so neither moe_from_hf nor set_experts_implementation('moekit') takes them",
-    "jetmoe": "JetMoE's experts (JetMoeParallelExperts) are not behind transformers' experts interface, and its "
-              "attention is a mixture of attention heads routed per token (MoA), which moekit does not compute",
-}
-
-
 def billed_layer(hf: dict) -> BilledLayer:
     """The layer of ``hf`` (a config.json's fields; a VL / omni model's top-level config reads its text model's):
-    ``from_hf_config``'s (``layer="typical"``) where it reads the family, else a refused (or ``UNREAD``) family's
-    numbers."""
+    ``from_hf_config``'s (``layer="typical"``) where it reads the family, else a refused (or ``UNSERVED``) family's
+    numbers; an ``UNSERVED`` family without them (ViTPose's backbone: no router) raises its reason."""
     d = Fields(hf_layer_fields(hf))
     kind = d.get("model_type")
-    if kind not in REFUSED and kind not in UNREAD:
+    if kind not in _REFUSED_READERS:
         cfg = MoEConfig.from_hf_config(d, layer="typical")
         n, k = cfg.moe_intermediate_size, cfg.hidden_size
         return BilledLayer(cfg, GATED, expert_params=3 * k * n + ((2 * n + k) if cfg.expert_bias else 0),
@@ -70,8 +61,8 @@ def billed_layer(hf: dict) -> BilledLayer:
         numbers = _REFUSED_READERS[kind](d)
         cfg = MoEConfig(**numbers.fields)
     n, k = cfg.moe_intermediate_size, cfg.hidden_size
-    return BilledLayer(cfg, numbers.matrices, numbers.matrices * k * n, numbers.shared_params,
-                       numbers.router_params, REFUSED.get(kind) or UNREAD[kind], kind)
+    return BilledLayer(cfg, numbers.matrices, numbers.matrices * k * n + numbers.expert_bias, numbers.shared_params,
+                       numbers.router_params, REFUSED.get(kind) or UNSERVED[kind], kind)
 
 
 @dataclass(frozen=True)
@@ -82,6 +73,7 @@ class _Numbers:
     matrices: int
     shared_params: int
     router_params: int
+    expert_bias: int = 0  # one expert's biases (NLLB-MoE's fc1 [N] and fc2 [d])
 
 
 def _need(d: dict, *names: str):
@@ -98,14 +90,18 @@ def _layers_of_kind(d: dict, key: str, kinds: tuple[str, ...]) -> int | None:
     return sum(1 for t in types if t in kinds) if isinstance(types, (list, tuple)) else None
 
 
-def _numbers(d: dict, experts: tuple[str, ...], top_k: tuple[str, ...], layers: int | None, hidden: int | None = None,
-             matrices: int = GATED, shared_params: int = 0, router_params: int | None = None,
-             width: tuple[str, ...] = ("moe_intermediate_size",), **extra) -> _Numbers:
+def _numbers(d: dict, experts: tuple[str, ...], top_k: tuple[str, ...] | int, layers: int | None,
+             hidden: int | None = None, matrices: int = GATED, shared_params: int = 0, router_params: int | None = None,
+             width: tuple[str, ...] | int = ("moe_intermediate_size",), expert_bias: int = 0, **extra) -> _Numbers:
+    """``top_k`` / ``width``: the keys to read it from, or the family's fixed number (Switch's top-1, Doge's one
+    neuron)."""
     hidden = d["hidden_size"] if hidden is None else hidden
     e = _need(d, *experts)
-    fields = dict(hidden_size=hidden, moe_intermediate_size=_need(d, *width), num_experts=e,
-                  top_k=_need(d, *top_k), num_moe_layers=layers, **extra)
-    return _Numbers(fields, matrices, shared_params, hidden * e if router_params is None else router_params)
+    fields = dict(hidden_size=hidden, moe_intermediate_size=width if isinstance(width, int) else _need(d, *width),
+                  num_experts=e, top_k=top_k if isinstance(top_k, int) else _need(d, *top_k), num_moe_layers=layers,
+                  **extra)
+    return _Numbers(fields, matrices, shared_params, hidden * e if router_params is None else router_params,
+                    expert_bias)
 
 
 def _gemma4(d: dict) -> _Numbers:
@@ -186,6 +182,53 @@ def _jetmoe(d: dict) -> _Numbers:
                     router_params=d["hidden_size"] * (_need(d, "num_local_experts") + 1))
 
 
+def _switch_sparse(layers: int, sparse: int) -> int:
+    """Switch-Transformers' sparse layers of a stack of ``layers`` of which ``num_sparse_*_layers`` asks ``sparse``:
+    its model's rule (every ``step``-th from layer 1, step = layers // sparse, or layers where sparse is 0)."""
+    step = layers // sparse if sparse > 0 else layers
+    return sum(1 for i in range(layers) if step == 1 or i % step == 1) if step > 0 else 0
+
+
+def _switch(d: dict) -> _Numbers:
+    """Switch-Transformers: top-1, ungated experts (wi [N, d], relu, wo [d, N]) on the encoder's and the decoder's
+    sparse layers; the router a linear layer (with ``router_bias``)."""
+    layers = _need(d, "num_layers")
+    decoder = layers if d.get("num_decoder_layers") is None else d["num_decoder_layers"]
+    sparse = (_switch_sparse(layers, d.get("num_sparse_encoder_layers", 3))
+              + _switch_sparse(decoder, d.get("num_sparse_decoder_layers", 3)))
+    e, hidden = _need(d, "num_experts"), _need(d, "d_model")
+    return _numbers(d, ("num_experts",), 1, sparse, hidden=hidden, width=("d_ff",), matrices=UNGATED,
+                    router_params=(hidden + bool(d.get("router_bias"))) * e)
+
+
+def _nllb_moe(d: dict) -> _Numbers:
+    """NLLB-MoE: top-2, ungated experts with biases (fc1 [N, d], relu, fc2 [d, N]) on every ``*_sparse_step``-th
+    encoder and decoder layer; one width for both (``encoder_ffn_dim`` = ``decoder_ffn_dim``) or no bill."""
+    width, decoder_width = _need(d, "encoder_ffn_dim"), _need(d, "decoder_ffn_dim")
+    if width != decoder_width:
+        raise ValueError(f"cfg.encoder_ffn_dim={width} and cfg.decoder_ffn_dim={decoder_width} differ: the byte "
+                         "model bills one expert width")
+    sparse = sum(_need(d, f"{part}_layers") // step if step > 0 else 0
+                 for part, step in (("encoder", d.get("encoder_sparse_step", 4)),
+                                    ("decoder", d.get("decoder_sparse_step", 4))))
+    e, hidden = _need(d, "num_experts"), _need(d, "d_model")
+    return _numbers(d, ("num_experts",), 2, sparse, hidden=hidden, width=("encoder_ffn_dim",), matrices=UNGATED,
+                    router_params=(hidden + bool(d.get("router_bias"))) * e, expert_bias=width + hidden)
+
+
+def _doge(d: dict) -> _Numbers:
+    """Doge (``is_moe``): one-neuron ungated experts (a row of down_embed [E, d] and of up_embed [E, d]) routed by
+    product keys (router_gate [2·floor(sqrt(E)), d]), beside a dense gated MLP (counted as shared) in every layer."""
+    if not d.get("is_moe"):
+        raise ValueError(f"cfg.is_moe={d.get('is_moe')!r}: this Doge has no MoE block (its layers hold a dense MLP "
+                         "only), so there is no MoE layer to bill")
+    e, hidden, width = _need(d, "num_experts"), d["hidden_size"], _need(d, "intermediate_size")
+    dense = 3 * hidden * width + ((2 * width + hidden) if d.get("mlp_bias") else 0)
+    return _numbers(d, ("num_experts",), ("num_experts_per_tok",), d.get("num_hidden_layers"), matrices=UNGATED,
+                    shared_params=dense, router_params=hidden * 2 * math.isqrt(e), width=1)
+
+
 _REFUSED_READERS = {"gemma4_text": _gemma4, "diffusion_gemma_text": _gemma4, "zaya": _zaya, "nemotron_h": _nemotron_h,
                     "ergo": _ergo, "inkling2_text": _inkling2, "inkling2_loop_text": _inkling2,
-                    "muse_spark_text": _muse_spark, "dbrx": _dbrx, "jetmoe": _jetmoe}
+                    "muse_spark_text": _muse_spark, "dbrx": _dbrx, "jetmoe": _jetmoe,
+                    "switch_transformers": _switch, "nllb-moe": _nllb_moe, "doge": _doge}

@@ -85,7 +85,9 @@ UNBILLED = {"nemotron_h": "its decoder layers hold one mixer each (Mamba-2, atte
                           "layers_block_type), which the whole-model bill does not read",
             "dbrx": "its attention (Wqkv, attn_config) and layer fields (d_model, n_layers) are its own, which the "
                     "whole-model bill does not read",
-            "jetmoe": "its attention is a mixture of attention experts (MoA), which the whole-model bill does not read"}
+            "jetmoe": "its attention is a mixture of attention experts (MoA), which the whole-model bill does not read",
+            **dict.fromkeys(("switch_transformers", "nllb-moe"), "an encoder-decoder (its encoder's and decoder's "
+                            "layers, cross-attention and fields of its own), which the whole-model bill does not read")}
 
 
 def param_bill(hf_config: dict) -> ParamBill:

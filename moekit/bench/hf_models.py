@@ -277,12 +277,16 @@ def register_no_experts() -> None:
     FP8ExpertsInterface.register(NO_EXPERTS_IMPL, _no_experts_forward)
 
 
-def select_impls(requested: list[str] | None, quant: str | None = None) -> list[str]:
+def select_impls(requested: list[str] | None, quant: str | None = None,
+                 device: torch.device | None = None) -> list[str]:
     """``requested`` (default: every registered one but ``NO_EXPERTS_IMPL`` and ``BLOCKS_IMPL``, which run only
-    when named) in the registry's order (``BLOCKS_IMPL`` after "moekit"), the reference always included first;
+    when named, and, on a ``device`` other than CUDA, ``hf_quant.CUDA_ONLY_IMPLS``) in the registry's order
+    (``BLOCKS_IMPL`` after "moekit"), the reference always included first;
     with ``quant`` "fp8", among the implementations of transformers' fp8 experts; with a ``quant`` of moekit's
     blocks (``hf_wo.BLOCK_QUANTS``), ``QUANT_BLOCKS_IMPL`` always included after ``BLOCKS_IMPL`` (default: those two and
     ``NO_EXPERTS_IMPL``, the rows its ratios need)."""
+    from moekit.bench.hf_quant import CUDA_ONLY_IMPLS
+
     blocks = quant in BLOCK_QUANTS
     if blocks:
         requested = list(requested or (BLOCKS_IMPL, NO_EXPERTS_IMPL)) + [QUANT_BLOCKS_IMPL]
@@ -296,7 +300,8 @@ def select_impls(requested: list[str] | None, quant: str | None = None) -> list[
     unknown = sorted(set(requested or ()) - set(known) - set(named_only))
     if unknown:
         raise ValueError(f"hf-impls must be among {known + named_only}, got unknown {unknown}")
-    wanted = set(requested or set(known) - {NO_EXPERTS_IMPL}) | {REFERENCE_IMPL}
+    off_cuda = set(CUDA_ONLY_IMPLS) if device is not None and device.type != "cuda" else set()
+    wanted = set(requested or set(known) - {NO_EXPERTS_IMPL} - off_cuda) | {REFERENCE_IMPL}
     at = known.index("moekit") + 1
     order = known[:at] + [BLOCKS_IMPL, QUANT_BLOCKS_IMPL] + known[at:]
     return [n for n in order if n in wanted]

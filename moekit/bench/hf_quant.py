@@ -52,6 +52,9 @@ FP8_METHOD = ("; fp8 (--hf-quant): every experts module is transformers' FP8Expe
               "loop; the float64 reference runs the stored fp8 weights dequantized exactly (no activation rounding)")
 NOT_ON_CPU = ("NotOnCPU: transformers' fp8 experts run only through its CUDA hub kernels (finegrained-fp8, "
               "DeepGEMM); not attempted")
+# transformers' experts implementations whose modules require CUDA (transformers.integrations.deepgemm: Hopper and
+# DeepGEMM's hub kernels; .sonicmoe: CUTLASS DSL kernels): left out of a default list off CUDA, refused when named
+CUDA_ONLY_IMPLS = ("deepgemm", "sonicmoe")
 
 
 def check_quant(quant: str | None, model: str) -> None:
@@ -82,9 +85,13 @@ def fp8_implementations() -> list[str]:
 
 
 def unavailable(impl: str, quant: str | None, device: torch.device) -> str | None:
-    """Why ``impl`` is not attempted on ``device`` (transformers' fp8 experts on the CPU), else None."""
+    """Why ``impl`` is not attempted on ``device`` (transformers' fp8 experts, or a CUDA-only implementation, off
+    CUDA), else None."""
     if quant == "fp8" and device.type != "cuda" and impl not in _MOEKIT_IMPLS:
         return NOT_ON_CPU
+    if impl in CUDA_ONLY_IMPLS and device.type != "cuda":
+        return (f"NotOnCPU: transformers' {impl} runs on CUDA only (its module's requirements), and the device is "
+                f"{device.type}; not attempted")
     return None
 
 

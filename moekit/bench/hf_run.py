@@ -306,7 +306,7 @@ def _recompile_limit(limit: int):
 
 def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str], None] = lambda msg: None) -> dict:
     """Build the model, measure every implementation, return the results document."""
-    impls = select_impls(list(opts.impls) if opts.impls else None, opts.quant)
+    impls = select_impls(list(opts.impls) if opts.impls else None, opts.quant, device)
     dtype = model_dtype(opts, device)
     config = hf_config(opts.model, opts.layers, opts.tiny)
     if opts.quant == "fp8" and opts.tiny:

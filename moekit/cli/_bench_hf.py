@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "those the installed transformers has (default: all); deepseek-v4 runs eager rows only "
                    "(transformers compiles no DeepSeek-V4 decode)")
     g.add_argument("--hf-impls", default=None,
-                   help="comma-separated experts implementations (default: every registered one; eager, the reference, "
+                   help="comma-separated experts implementations (default: every registered one, off CUDA but "
+                   "transformers' CUDA-only deepgemm and sonicmoe; eager, the reference, "
                    "always runs in eager mode); no_experts adds the ceiling: experts that return zeros, i.e. the best "
                    "decode any implementation could reach in that model; moekit_blocks runs each MoE block as moekit's "
                    "whole layer (moekit.hf.use_moekit_blocks: its router too)")

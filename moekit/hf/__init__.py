@@ -29,7 +29,7 @@ from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
 from moekit.hf.saving import load_quantized_experts, wrap_save_pretrained
 from moekit.hf.set_check import (
-    IMPLEMENTATION, is_interface_experts, wrap_from_pretrained, wrap_set_experts_implementation,
+    IMPLEMENTATION, is_interface_experts, wrap_from_pretrained, wrap_post_init, wrap_set_experts_implementation,
 )
 from moekit.hf.swap import BlockSwapReport, restore_blocks, use_moekit_blocks
 from moekit.hf.swap_free import FloatExpertsFreedError
@@ -134,6 +134,7 @@ def _register() -> None:
     ExpertsInterface.register(IMPLEMENTATION, moekit_experts_forward)
     wrap_set_experts_implementation()
     wrap_from_pretrained()
+    wrap_post_init()
     wrap_save_pretrained()
     try:  # fine-grained fp8 experts dispatch through their own interface (transformers >= 5.x)
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface

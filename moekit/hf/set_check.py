@@ -8,7 +8,9 @@ expert MLPs, accepted ``"moekit"`` in silence and ran its own forward: moekit wa
 A warning, not an error: the model still computes its own function, as transformers chose to let it. On a model
 with such modules the call builds their plans (``ExpertsPlan``) at once (``prepare``'s work), so that ``torch.compile``
 right after it traces the fused path (session 51: it traced the composed one, silently); so does
-``from_pretrained(..., experts_implementation="moekit")``, which sets it through the config (``wrap_from_pretrained``).
+``from_pretrained(..., experts_implementation="moekit")``, which sets it through the config (``wrap_from_pretrained``),
+and building a model from a config that names it (``Config(experts_implementation="moekit")`` then the model class,
+``from_config(config, experts_implementation="moekit")``: ``wrap_post_init``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,29 @@ def wrap_from_pretrained() -> None:
 
     setattr(from_pretrained, _WRAPPED, True)
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def wrap_post_init() -> None:
+    """A model built from a config that names ``"moekit"`` (by hand, ``from_config``) sets it in its ``__init__``,
+    neither by ``set_experts_implementation`` nor ``from_pretrained``: transformers' ``post_init`` (the end of every
+    model's ``__init__``, its weights initialised) builds the plans then. Built on the meta device (``from_pretrained``
+    builds it there), a module is left to ``wrap_from_pretrained`` or its first call."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.post_init
+    if getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def post_init(self):
+        result = original(self)
+        read = getattr(self, "get_experts_implementation", None)  # transformers >= 5.x
+        if read is not None and IMPLEMENTATION in read().values():
+            _build_plans([m for m in self.modules() if is_interface_experts(m)])
+        return result
+
+    setattr(post_init, _WRAPPED, True)
+    PreTrainedModel.post_init = post_init
 
 
 def _build_plans(experts: list[nn.Module]) -> None:
