@@ -63,8 +63,8 @@ import torch
 from moekit._bounded import put_bounded
 from moekit.experts import fast_path_of, keeper_of
 from moekit.routing import fused
-from moekit.routing import gate as routing_gate, gate_route
-from moekit.routing.gate import reads_as, router_dtype_of
+from moekit.routing import gate_route
+from moekit.routing.gate import router_dtype_of, takes_stored
 from moekit.routing.gate_route import MAX_TOKENS, bound_launch
 from moekit.routing.shared import shared_mlp
 from moekit.triton_bind import LEAD_X, current_stream
@@ -126,7 +126,7 @@ class _Entry:
 
 class RouterCasts:
     """The gate's inputs in the router dtype, where it differs from x's or the gate weight's and the launch does not
-    read them as stored (``gate.reads_as``: a downcast; ``gate.READ_STORED`` off, the A/B of session 50's copies
+    read them as stored (``gate.takes_stored``: a downcast; ``gate.READ_STORED`` off, the A/B of session 50's copies
     for every float32 router over bf16): kept buffers x [M, K], W [E, K], b [E] in that dtype, filled by ``copy_`` on
     every call (the values ``router_inputs`` makes for the full forward, and the same bound launch runs on them: the
     same bits). W and b are copied again on every call, not kept by version: an update through
@@ -285,8 +285,7 @@ class DecodeFast:
         dtype = router_dtype_of(weight, c.router_dtype)  # the logits' (as MoE._gate_inputs)
         casts = None
         cast = x2d.dtype != dtype or weight.dtype != dtype or (linear_bias is not None and linear_bias.dtype != dtype)
-        stored = cast and m <= gate_route.ROWS and routing_gate.READ_STORED and reads_as(x2d, weight, linear_bias,
-                                                                                         dtype)
+        stored = cast and m <= gate_route.ROWS and takes_stored(x2d, weight, linear_bias, dtype)
         if cast and not stored:  # the launch reads what it is given: the casts into kept buffers
             stream, thread = current_stream() if x2d.is_cuda else 0, get_ident()  # a peer's W buffer: same order
             peer = next((e.casts for e in self._entries.values()

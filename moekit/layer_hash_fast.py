@@ -29,7 +29,7 @@ with ``FusedHashRouter(assert_in_kernel=False)``), the twin's errors on the CPU.
 bit: the same gate launch, the same route launch with the same arguments, the same experts.
 
 A router dtype other than x's (a float32 gate weight in a bf16 layer, ``router_dtype="float32"``) is kept where the
-gate kernel reads x and the gate weights as stored for float32 logits (``gate.reads_as``, as the full forward's
+gate kernel reads x and the gate weights as stored for float32 logits (``gate.takes_stored``, as the full forward's
 ``gate.gate_inputs``; session 51, fix51), and above the kernel's 8 rows (``MoE._gate`` casts them as the full forward
 does); with ``gate.READ_STORED`` off the full forward gives the kernel casts, and such a call is not kept.
 
@@ -51,8 +51,7 @@ import moekit.layer_fast as layer_fast
 from moekit._bounded import put_bounded
 from moekit.experts import fast_path_of, keeper_of
 from moekit.layer_fast import _capturing, _compiling, _dispatching, _grad, _ref, _spec, _tracing, _transforming
-from moekit.routing import gate as routing_gate
-from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, bound_gate, reads_as, router_dtype_of
+from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, bound_gate, router_dtype_of, takes_stored
 from moekit.routing.hash_fused import assert_flags
 from moekit.triton_bind import LEAD_AUX, LEAD_X, current_stream, interpreting
 
@@ -180,9 +179,7 @@ class HashDecodeFast:
             return
         gate = None  # the gate kernel where MoE._gate took it (its rows, a kind of call it applies to)
         if layer._gate_fn is not None and m <= GATE_ROWS:
-            stored = all(t is None or t.dtype == dtype for t in (x2d, weight, linear_bias)) or (
-                routing_gate.READ_STORED and reads_as(x2d, weight, linear_bias, dtype))
-            if not stored:  # the full forward gave the kernel casts (``gate.gate_inputs``): not kept
+            if not takes_stored(x2d, weight, linear_bias, dtype):  # the full forward gave the kernel casts: not kept
                 return
             gate = bound_gate(x2d, weight, linear_bias, dtype)
         kept_logits = None if gate is None else torch.empty_like(logits)  # [M, E], the gate kernel's out

@@ -68,10 +68,7 @@ def wrap_from_pretrained() -> None:
     @functools.wraps(load)
     def from_pretrained(cls, *args, **kwargs):
         result = load(cls, *args, **kwargs)
-        model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True: (model, info)
-        read = getattr(model, "get_experts_implementation", None)  # transformers >= 5.x
-        if read is not None and IMPLEMENTATION in read().values():
-            _build_plans([m for m in model.modules() if is_interface_experts(m)])
+        _plans_if_named(result[0] if isinstance(result, tuple) else result)  # output_loading_info: (model, info)
         return result
 
     setattr(from_pretrained, _WRAPPED, True)
@@ -92,13 +89,18 @@ def wrap_post_init() -> None:
     @functools.wraps(original)
     def post_init(self):
         result = original(self)
-        read = getattr(self, "get_experts_implementation", None)  # transformers >= 5.x
-        if read is not None and IMPLEMENTATION in read().values():
-            _build_plans([m for m in self.modules() if is_interface_experts(m)])
+        _plans_if_named(self)
         return result
 
     setattr(post_init, _WRAPPED, True)
     PreTrainedModel.post_init = post_init
+
+
+def _plans_if_named(model: nn.Module) -> None:
+    """The plans of ``model``'s experts modules where its config names ``"moekit"`` for any of them."""
+    read = getattr(model, "get_experts_implementation", None)  # transformers >= 5.x
+    if read is not None and IMPLEMENTATION in read().values():
+        _build_plans([m for m in model.modules() if is_interface_experts(m)])
 
 
 def _build_plans(experts: list[nn.Module]) -> None:

@@ -176,6 +176,15 @@ def reads_as(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, d
     return True
 
 
+def takes_stored(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether the gate kernels are given x, weight and bias as they are for logits in ``dtype``: each already in it,
+    or read as stored (``READ_STORED`` and ``reads_as``); else the callers cast them (``router_inputs``,
+    ``layer_fast.RouterCasts``). The one rule of the full forward (``gate_inputs``) and both decode fast paths."""
+    if all(t is None or t.dtype == dtype for t in (x, weight, bias)):
+        return True
+    return READ_STORED and reads_as(x, weight, bias, dtype)
+
+
 def router_dtype_of(weight: torch.Tensor, router_dtype: str | None) -> torch.dtype:
     """The router dtype (the logits'): ``router_dtype`` when set, else the gate weight's (``router_inputs``)."""
     return weight.dtype if router_dtype is None else getattr(torch, router_dtype)
@@ -209,9 +218,9 @@ def gate_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 kernels: bool) -> tuple:
     """(x [M, K], weight [E, K], bias [E] | None, the router dtype) for ``MoE``'s gate: as stored where the caller runs
     the gate kernels (``kernels``) and they read them so for logits in the router dtype (``reads_as``: bf16 / fp16
-    under a float32 router, upcast in registers; ``READ_STORED``), else ``router_inputs``' casts."""
+    under a float32 router, upcast in registers: ``takes_stored``), else ``router_inputs``' casts."""
     dtype = router_dtype_of(weight, router_dtype)
-    if not kernels or not READ_STORED or not reads_as(x, weight, bias, dtype):
+    if not kernels or not takes_stored(x, weight, bias, dtype):
         x, weight, bias = router_inputs(x, weight, bias, router_dtype)
     return x, weight, bias, dtype
 
