@@ -84,8 +84,8 @@ def test_no_combination_the_plan_takes_is_left_out(m, config):
 def test_the_switches_reach_only_where_the_plan_has_them():
     # 8 tokens x 2 slots: the alignment folds into gate-up, so no persistent GEMMs; a 64-wide gate-up tile hands h
     # over in float32, so no persistent GEMMs either
-    assert not any(isinstance(v, Fp8Candidate) and v.persistent for v in switch_variants(8, SMALL, DECODE))
-    assert not any(isinstance(v, Fp8Candidate) and v.persistent for v in switch_variants(80, SMALL, NARROW))
+    assert not any(isinstance(v, Fp8Candidate) and v.switches.persistent for v in switch_variants(8, SMALL, DECODE))
+    assert not any(isinstance(v, Fp8Candidate) and v.switches.persistent for v in switch_variants(80, SMALL, NARROW))
     mid = switch_variants(80, SMALL, MID)
     assert with_switches(MID, Switches(True, True, Persistent(1, 2))) in mid
     assert with_switches(MID, Switches(None, False, Persistent(0, 2))) in mid

@@ -40,38 +40,34 @@ SWAP_AB_MAX_BLOCK_M = 16  # swap_ab is searched at decode heights only (the MMA'
 
 
 @dataclass(frozen=True)
-class Fp8Candidate(KernelConfig):
-    """A tile config with an fp8 entry's switches; made by ``with_switches``, which gives a plain ``KernelConfig``
-    where no switch is set (so one tile config is one candidate, not two)."""
+class Switches:
+    """What ``fused_experts_fp8_launch`` takes beside the config: a plain config's are the defaults."""
 
     weight_tma: bool | None = None  # None: the plan's rule (``TMA_MAX_BLOCK_M``)
     pair_dot: bool = False
     persistent: Persistent | None = None  # None: one program a tile
 
+
+@dataclass(frozen=True)
+class Fp8Candidate(KernelConfig):
+    """A tile config with an fp8 entry's switches; made by ``with_switches``, which gives a plain ``KernelConfig``
+    where no switch is set (so one tile config is one candidate, not two)."""
+
+    switches: Switches = Switches()
+
     def to_dict(self) -> dict:
-        d = super().to_dict()
-        if self.weight_tma is not None:
-            d["weight_tma"] = self.weight_tma
-        if self.pair_dot:
+        d, s = super().to_dict(), self.switches
+        if s.weight_tma is not None:
+            d["weight_tma"] = s.weight_tma
+        if s.pair_dot:
             d["pair_dot"] = True
-        if self.persistent is not None:
-            d["persistent"] = {"up_per_sm": self.persistent.up_per_sm, "down_per_sm": self.persistent.down_per_sm}
+        if s.persistent is not None:
+            d["persistent"] = {"up_per_sm": s.persistent.up_per_sm, "down_per_sm": s.persistent.down_per_sm}
         return d
 
 
-@dataclass(frozen=True)
-class Switches:
-    """What ``fused_experts_fp8_launch`` takes beside the config: a plain config's are the defaults."""
-
-    weight_tma: bool | None = None
-    pair_dot: bool = False
-    persistent: Persistent | None = None
-
-
 def switches_of(config: KernelConfig) -> Switches:
-    if isinstance(config, Fp8Candidate):
-        return Switches(config.weight_tma, config.pair_dot, config.persistent)
-    return Switches()
+    return config.switches if isinstance(config, Fp8Candidate) else Switches()
 
 
 def with_switches(config: KernelConfig, switches: Switches) -> KernelConfig:
@@ -79,8 +75,7 @@ def with_switches(config: KernelConfig, switches: Switches) -> KernelConfig:
     tiles = tiles_of(config)
     if switches == Switches():
         return tiles
-    return Fp8Candidate(tiles.BLOCK_M, tiles.up, tiles.down, tiles.swap_ab, switches.weight_tma, switches.pair_dot,
-                        switches.persistent)
+    return Fp8Candidate(tiles.BLOCK_M, tiles.up, tiles.down, tiles.swap_ab, switches)
 
 
 @functools.lru_cache(maxsize=64)
