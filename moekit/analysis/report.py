@@ -193,9 +193,8 @@ def report_to_json(report: Report) -> dict:
 
 
 def _bills_to_json(bills: ModelBills) -> dict:
-    p = bills.params
     return {
-        "params": {**dataclasses.asdict(p), "total": p.total, "active": p.active, "active_matmul": p.active_matmul},
+        "params": _params_to_json(bills.params),
         "memory": {
             name: {"total_bytes": m.total_bytes, "total_gb": m.total_gb, "total_gib": m.total_gib,
                    "routed_expert_gb": m.routed_expert_gb}
@@ -203,6 +202,14 @@ def _bills_to_json(bills: ModelBills) -> dict:
         },
         "fit": {**dataclasses.asdict(bills.fit), "fits": bills.fit.fits},
     }
+
+
+def _params_to_json(p: ParamBill) -> dict:
+    """The bill's parts and totals; an encoder-decoder's ``encoder`` the same (its ``active``: an encoder token's),
+    the top level's parts the decoder's and ``total`` the whole model's."""
+    out = {**dataclasses.asdict(p), "total": p.total, "active": p.active, "active_matmul": p.active_matmul}
+    out["encoder"] = None if p.encoder is None else _params_to_json(p.encoder)
+    return out
 
 
 def _finite_or_none(x: float) -> float | None:
