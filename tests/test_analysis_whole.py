@@ -179,6 +179,21 @@ def test_jetmoe_reads_k_of_its_attention_experts():
     assert bill.total - bill.active == bill.routed_experts - bill.active_routed_experts + layers * 2 * 2 * d * a
 
 
+def test_jetmoe_steps_read_the_attention_experts_a_batch_touches():
+    """The step's bytes (bf16, memory-bound) counted here: per layer the kv projection, the MoA router and bias, the
+    MLP's router and bias, each read once; of the E = 4 attention experts and the E = 4 MLP experts, 4·(1 - (1 -
+    2/4)^B) each touched under uniform routing (B = 1: k = 2), each read once; the untied head."""
+    d, a, n, layers, vocab = 32, 8 * 2, 24, 2, 50
+    always = layers * (2 * a * d + 4 * d + d + 4 * d + d) + vocab * d
+    fields = _config("jetmoe", TINY["jetmoe"]).to_dict()
+    layer = billed_layer(fields)
+    report = analyze(layer.config, "h200", "bf16", (1, 8), fields, expert_matrices=layer.expert_matrices)
+    for row, touched in zip(report.rows, (2, 4 * (1 - 0.5 ** 8))):
+        assert row.cost.bound == "memory" and row.cost.experts_touched == pytest.approx(touched, rel=1e-12)
+        weights = always + layers * touched * (2 * d * a + 3 * d * n)  # attention experts, MLP experts
+        assert row.model_step_floor_s * get_gpu("h200").bandwidth_bytes_s == pytest.approx(2 * weights, rel=1e-12)
+
+
 def test_nemotron_h_reads_its_pattern_as_its_config_class_does():
     """``hybrid_override_pattern`` (the published files') and ``layers_block_type`` (transformers' to_dict), its
     older names ("mamba", "attention") too, give one bill; a letter that is no layer is named."""
