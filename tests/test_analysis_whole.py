@@ -195,16 +195,20 @@ def test_jetmoe_steps_read_the_attention_experts_a_batch_touches():
 
 
 def test_nemotron_h_reads_its_pattern_as_its_config_class_does():
-    """``hybrid_override_pattern`` (the published files') and ``layers_block_type`` (transformers' to_dict), its
-    older names ("mamba", "attention") too, give one bill; a letter that is no layer is named."""
+    """``hybrid_override_pattern`` (the published files'), ``layers_block_type`` (transformers' to_dict) and
+    ``layer_types`` (its attribute map's), older names ("mamba", "attention") too, give one bill; a letter or a name
+    that is no layer is named."""
     fields = _config("nemotron_h", TINY["nemotron_h"]).to_dict()
     assert "hybrid_override_pattern" not in fields  # a property of the class: to_dict writes the list
     bill = param_bill(fields)
-    for changes in ({"layers_block_type": None, "hybrid_override_pattern": "ME*-EM"},
+    types = fields.pop("layers_block_type")
+    for changes in ({"hybrid_override_pattern": "ME*-EM"}, {"layer_types": types},
                     {"layers_block_type": ["mamba", "moe", "attention", "mlp", "moe", "mamba"]}):
         assert param_bill({**fields, **changes}) == bill
     with pytest.raises(ValueError, match=r"cfg.hybrid_override_pattern='ME\*X': 'X' is no layer"):
-        billed_layer({**fields, "layers_block_type": None, "hybrid_override_pattern": "ME*X"})
+        billed_layer({**fields, "hybrid_override_pattern": "ME*X"})
+    with pytest.raises(ValueError, match=r"cfg.layers_block_type=\['moe', 'dense'\]: 'dense' is no layer"):
+        param_bill({**fields, "layers_block_type": ["moe", "dense"]})
 
 
 def _write(tmp_path, model_type: str) -> str:

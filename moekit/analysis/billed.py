@@ -140,18 +140,21 @@ NEMOTRON_H_LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 
 def nemotron_h_layer_types(d: dict) -> list[str]:
     """Nemotron-H's layers, one mixer each ("linear_attention": Mamba-2, "full_attention", "mlp", "moe"), as its
-    config class reads them: ``layers_block_type`` (its older names remapped), else ``hybrid_override_pattern``'s
-    letters (M, *, -, E), else the class default of four layers; ``num_hidden_layers`` is ignored, as there."""
-    types = d.get("layers_block_type")
+    config class reads them: ``layers_block_type`` (or ``layer_types``; its older names remapped), else
+    ``hybrid_override_pattern``'s letters (M, *, -, E), else the class default of four layers; ``num_hidden_layers``
+    is ignored, as there. A layer of no known kind is named."""
+    key = "layers_block_type" if d.get("layers_block_type") is not None else "layer_types"
+    types = d.get(key)
     if types is None and isinstance(d.get("hybrid_override_pattern"), str):
-        pattern = d["hybrid_override_pattern"]
-        bad = sorted(set(pattern) - set(NEMOTRON_H_PATTERN))
-        if bad:
-            raise ValueError(f"cfg.hybrid_override_pattern={pattern!r}: {bad[0]!r} is no layer (M Mamba-2, "
-                             "* attention, - MLP, E MoE)")
-        return [NEMOTRON_H_PATTERN[letter] for letter in pattern]
+        key, types = "hybrid_override_pattern", [NEMOTRON_H_PATTERN.get(letter, letter)
+                                                 for letter in d["hybrid_override_pattern"]]
     types = ["linear_attention", "moe", "full_attention", "mlp"] if types is None else types
-    return [NEMOTRON_H_LEGACY.get(t, t) for t in types]
+    types = [NEMOTRON_H_LEGACY.get(t, t) for t in types]
+    bad = next((t for t in types if t not in NEMOTRON_H_PATTERN.values()), None)
+    if bad is not None:
+        raise ValueError(f"cfg.{key}={d[key]!r}: {bad!r} is no layer ({', '.join(NEMOTRON_H_PATTERN.values())}; "
+                         "in the pattern M, E, *, -)")
+    return types
 
 
 def _nemotron_h(d: dict) -> _Numbers:
