@@ -187,14 +187,16 @@ def _default_model_count(transformers, model_type: str) -> tuple[dict, int]:
     cfg = transformers.AutoConfig.for_model(model_type)
     if getattr(cfg, "num_experts_per_tok", 0) is None:
         cfg = transformers.AutoConfig.for_model(model_type, num_experts_per_tok=6)
+    if model_type == "dbrx":  # transformers 5.25's DbrxAttentionConfig keeps no rope_theta its attention reads
+        cfg.attn_config.rope_theta = 10000.0
     return cfg.to_dict(), _meta_count(transformers, cfg)
 
 
 def _meta_count(transformers, cfg) -> int:
     """The parameters of transformers' causal LM of ``cfg`` (the privacy filter, a token classifier: its token
-    classification model), built on the meta device."""
+    classification model; an encoder-decoder: its sequence-to-sequence model), built on the meta device."""
     auto = (transformers.AutoModelForTokenClassification if cfg.model_type == "openai_privacy_filter"
-            else transformers.AutoModelForCausalLM)
+            else transformers.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else transformers.AutoModelForCausalLM)
     with torch.device("meta"):
         model = auto.from_config(cfg)
     return sum(p.numel() for p in model.parameters())

@@ -11,7 +11,7 @@ import torch
 
 from moekit.analysis import get_format, get_gpu
 from moekit.analysis.billed import billed_layer
-from moekit.analysis.bills import UnbilledModel, param_bill
+from moekit.analysis.bills import param_bill
 from moekit.analysis.roofline import batch_cost
 from moekit.cli import main
 from moekit.config import UNSERVED, MoEConfig
@@ -35,9 +35,11 @@ PARTS = {"switch_transformers": {"mlp.experts.": "routed", "mlp.router.": "route
          "doge": {"mlp.down_embed": "routed", "mlp.up_embed": "routed", "mlp.router_gate": "router",
                   "mlp.gate_proj": "shared", "mlp.up_proj": "shared", "mlp.down_proj": "shared"}}
 NEW = ("switch_transformers", "nllb-moe", "doge", "vitpose_backbone")  # DBRX, JetMoE: test_analysis_refused.py
-HAND = {"switch_transformers": (4, 1, 2 + 1, 32, 48),  # E, k, MoE layers (encoder layers 1, 3; decoder 1), d, N
-        "nllb-moe": (4, 2, 2 + 1, 32, 48),  # encoder layers 2, 4 (every 2nd); decoder 4 (every 4th)
-        "doge": (16, 4, 2, 32, 1)}  # one-neuron experts
+# E, k, the decoder's MoE layers (a decode step's), d, N; and the encoder's MoE layers
+HAND = {"switch_transformers": (4, 1, 1, 32, 48),  # decoder layer 1; encoder layers 1, 3
+        "nllb-moe": (4, 2, 1, 32, 48),  # decoder layer 4 (every 4th); encoder layers 2, 4 (every 2nd)
+        "doge": (16, 4, 2, 32, 1)}  # one-neuron experts, no encoder
+ENCODER_MOE_LAYERS = {"switch_transformers": 2, "nllb-moe": 2}
 
 
 def _config(model_type: str, **changes):
@@ -80,6 +82,8 @@ def test_a_readable_unserved_family_is_billed_as_its_model_holds_it(model_type):
     assert (cfg.num_experts, cfg.top_k, cfg.num_moe_layers, cfg.hidden_size, cfg.moe_intermediate_size) == \
         HAND[model_type]
     assert layer.expert_matrices == 2  # ungated: up and down
+    assert layer.encoder_moe_layers == ENCODER_MOE_LAYERS.get(model_type)
+    moe_layers += layer.encoder_moe_layers or 0  # the model's, encoder and decoder
     assert moe_layers * experts * layer.expert_params == parts["routed"]
     assert moe_layers * layer.router_params == parts["router"]
     assert moe_layers * layer.shared_params == parts["shared"]
@@ -93,9 +97,8 @@ def test_a_readable_unserved_family_is_billed_as_its_model_holds_it(model_type):
         with torch.device("meta"):
             total = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
         assert abs(bill.total / total - 1) < 0.02  # dt_proj, A and the residual scales: 1.4% at these tiny shapes
-    else:
-        with pytest.raises(UnbilledModel, match="encoder-decoder"):
-            param_bill(config.to_dict())
+    else:  # the encoder-decoders' whole-model bills, part by part: tests/test_analysis_whole.py
+        assert "a decode step runs the decoder only" in layer.note
 
 
 def test_the_bill_says_what_it_cannot_read(tmp_path):

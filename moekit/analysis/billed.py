@@ -30,6 +30,8 @@ class BilledLayer:
     router_params: int  # the router's weights
     refused: str | None = None  # why moekit cannot serve this layer (REFUSED's reason); None: from_hf_config reads it
     model_type: str = ""
+    # an encoder-decoder's encoder MoE layers (``config.num_moe_layers``: the decoder's, which a decode step runs)
+    encoder_moe_layers: int | None = None
 
     @property
     def note(self) -> str | None:
@@ -39,9 +41,14 @@ class BilledLayer:
         c = self.config
         layers = "an unknown number of" if c.num_moe_layers is None else str(c.num_moe_layers)
         kind = "gated" if self.expert_matrices == GATED else "ungated"
-        return (f"moekit cannot serve this layer ({self.model_type}): {self.refused}; billed as a softmax top-k layer "
+        note = (f"moekit cannot serve this layer ({self.model_type}): {self.refused}; billed as a softmax top-k layer "
                 f"of E={c.num_experts}, k={c.top_k}, d={c.hidden_size}, d_ff={c.moe_intermediate_size}, {kind} "
                 f"experts ({self.expert_matrices}·d·d_ff weights each), {layers} MoE layers")
+        if self.encoder_moe_layers is None:
+            return note
+        return (f"{note} in the decoder: a decode step runs the decoder only, its cross-attention reading the "
+                f"encoder's output; the encoder's {self.encoder_moe_layers} MoE layers run once per prompt (billed "
+                "apart: the parameter table's encoder column)")
 
 
 def billed_layer(hf: dict) -> BilledLayer:
@@ -62,7 +69,7 @@ def billed_layer(hf: dict) -> BilledLayer:
         cfg = MoEConfig(**numbers.fields)
     n, k = cfg.moe_intermediate_size, cfg.hidden_size
     return BilledLayer(cfg, numbers.matrices, numbers.matrices * k * n + numbers.expert_bias, numbers.shared_params,
-                       numbers.router_params, REFUSED.get(kind) or UNSERVED[kind], kind)
+                       numbers.router_params, REFUSED.get(kind) or UNSERVED[kind], kind, numbers.encoder_moe_layers)
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class _Numbers:
     shared_params: int
     router_params: int
     expert_bias: int = 0  # one expert's biases (NLLB-MoE's fc1 [N] and fc2 [d])
+    encoder_moe_layers: int | None = None  # an encoder-decoder's encoder MoE layers (``fields``' are the decoder's)
 
 
 def _need(d: dict, *names: str):
@@ -92,7 +100,8 @@ def _layers_of_kind(d: dict, key: str, kinds: tuple[str, ...]) -> int | None:
 
 def _numbers(d: dict, experts: tuple[str, ...], top_k: tuple[str, ...] | int, layers: int | None,
              hidden: int | None = None, matrices: int = GATED, shared_params: int = 0, router_params: int | None = None,
-             width: tuple[str, ...] | int = ("moe_intermediate_size",), expert_bias: int = 0, **extra) -> _Numbers:
+             width: tuple[str, ...] | int = ("moe_intermediate_size",), expert_bias: int = 0,
+             encoder_moe_layers: int | None = None, **extra) -> _Numbers:
     """``top_k`` / ``width``: the keys to read it from, or the family's fixed number (Switch's top-1, Doge's one
     neuron)."""
     hidden = d["hidden_size"] if hidden is None else hidden
@@ -101,7 +110,7 @@ def _numbers(d: dict, experts: tuple[str, ...], top_k: tuple[str, ...] | int, la
                   num_experts=e, top_k=top_k if isinstance(top_k, int) else _need(d, *top_k), num_moe_layers=layers,
                   **extra)
     return _Numbers(fields, matrices, shared_params, hidden * e if router_params is None else router_params,
-                    expert_bias)
+                    expert_bias, encoder_moe_layers)
 
 
 def _gemma4(d: dict) -> _Numbers:
@@ -125,16 +134,38 @@ def _zaya(d: dict) -> _Numbers:
                     router_params=d["hidden_size"] * rh + 2 * rh + 2 * (rh * rh + rh) + rh * (e + 1))
 
 
+NEMOTRON_H_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+NEMOTRON_H_LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' older names
+
+
+def nemotron_h_layer_types(d: dict) -> list[str]:
+    """Nemotron-H's layers, one mixer each ("linear_attention": Mamba-2, "full_attention", "mlp", "moe"), as its
+    config class reads them: ``layers_block_type`` (or ``layer_types``; its older names remapped), else
+    ``hybrid_override_pattern``'s letters (M, *, -, E), else the class default of four layers; ``num_hidden_layers``
+    is ignored, as there. A layer of no known kind is named."""
+    key = "layers_block_type" if d.get("layers_block_type") is not None else "layer_types"
+    types = d.get(key)
+    if types is None and isinstance(d.get("hybrid_override_pattern"), str):
+        key, types = "hybrid_override_pattern", [NEMOTRON_H_PATTERN.get(letter, letter)
+                                                 for letter in d["hybrid_override_pattern"]]
+    types = ["linear_attention", "moe", "full_attention", "mlp"] if types is None else types
+    types = [NEMOTRON_H_LEGACY.get(t, t) for t in types]
+    bad = next((t for t in types if t not in NEMOTRON_H_PATTERN.values()), None)
+    if bad is not None:
+        raise ValueError(f"cfg.{key}={d[key]!r}: {bad!r} is no layer ({', '.join(NEMOTRON_H_PATTERN.values())}; "
+                         "in the pattern M, E, *, -)")
+    return types
+
+
 def _nemotron_h(d: dict) -> _Numbers:
-    """Nemotron-H: ungated experts (up, relu^2, down) on ``moe_latent_size`` (else d), a shared ungated MLP on d, on
-    the layers ``layers_block_type`` (config.json: ``hybrid_override_pattern``'s "E") names "moe"."""
-    layers = _layers_of_kind(d, "layers_block_type", ("moe",))
-    pattern = d.get("hybrid_override_pattern")
-    if layers is None and isinstance(pattern, str):
-        layers = pattern.count("E")
-    latent, hidden = d.get("moe_latent_size"), d["hidden_size"]
-    shared = 2 * hidden * _need(d, "moe_shared_expert_intermediate_size") if d.get("n_shared_experts", 1) else 0
-    latent_proj = 2 * hidden * latent if latent else 0  # fc1 / fc2 latent projections, counted with the shared MLP
+    """Nemotron-H: ungated experts (up, relu^2, down) on ``moe_latent_size`` (else d), the shared ungated MLP on d
+    (its model builds one whatever ``n_shared_experts`` says) and the latent projections (biases with ``mlp_bias``),
+    on its "moe" layers (``nemotron_h_layer_types``)."""
+    layers = nemotron_h_layer_types(d).count("moe")
+    latent, hidden, bias = d.get("moe_latent_size"), d["hidden_size"], bool(d.get("mlp_bias"))
+    width = _need(d, "moe_shared_expert_intermediate_size")
+    shared = 2 * hidden * width + bias * (width + hidden)
+    latent_proj = (2 * hidden * latent + bias * (latent + hidden)) if latent else 0  # fc1 / fc2, with the shared
     return _numbers(d, ("n_routed_experts", "num_local_experts"), ("num_experts_per_tok",), layers,
                     hidden=latent or hidden, matrices=UNGATED, shared_params=shared + latent_proj,
                     router_params=hidden * _need(d, "n_routed_experts", "num_local_experts"))
@@ -190,30 +221,42 @@ def _switch_sparse(layers: int, sparse: int) -> int:
 
 
 def _switch(d: dict) -> _Numbers:
-    """Switch-Transformers: top-1, ungated experts (wi [N, d], relu, wo [d, N]) on the encoder's and the decoder's
-    sparse layers; the router a linear layer (with ``router_bias``)."""
+    """Switch-Transformers: top-1, ungated experts (wi [N, d], relu, wo [d, N]) on the decoder's sparse layers (the
+    encoder's apart); the router a linear layer (with ``router_bias``)."""
+    encoder, decoder = switch_sparse_layers(d)
+    e, hidden = _need(d, "num_experts"), _need(d, "d_model")
+    return _numbers(d, ("num_experts",), 1, decoder, hidden=hidden, width=("d_ff",), matrices=UNGATED,
+                    router_params=(hidden + bool(d.get("router_bias"))) * e, encoder_moe_layers=encoder)
+
+
+def switch_sparse_layers(d: dict) -> tuple[int, int]:
+    """Switch-Transformers' sparse layers, (encoder, decoder): ``_switch_sparse`` of ``num_layers`` and
+    ``num_decoder_layers`` (None: ``num_layers``)."""
     layers = _need(d, "num_layers")
     decoder = layers if d.get("num_decoder_layers") is None else d["num_decoder_layers"]
-    sparse = (_switch_sparse(layers, d.get("num_sparse_encoder_layers", 3))
-              + _switch_sparse(decoder, d.get("num_sparse_decoder_layers", 3)))
-    e, hidden = _need(d, "num_experts"), _need(d, "d_model")
-    return _numbers(d, ("num_experts",), 1, sparse, hidden=hidden, width=("d_ff",), matrices=UNGATED,
-                    router_params=(hidden + bool(d.get("router_bias"))) * e)
+    return (_switch_sparse(layers, d.get("num_sparse_encoder_layers", 3)),
+            _switch_sparse(decoder, d.get("num_sparse_decoder_layers", 3)))
 
 
 def _nllb_moe(d: dict) -> _Numbers:
     """NLLB-MoE: top-2, ungated experts with biases (fc1 [N, d], relu, fc2 [d, N]) on every ``*_sparse_step``-th
-    encoder and decoder layer; one width for both (``encoder_ffn_dim`` = ``decoder_ffn_dim``) or no bill."""
+    decoder layer (the encoder's apart); one width for both (``encoder_ffn_dim`` = ``decoder_ffn_dim``) or no bill."""
     width, decoder_width = _need(d, "encoder_ffn_dim"), _need(d, "decoder_ffn_dim")
     if width != decoder_width:
         raise ValueError(f"cfg.encoder_ffn_dim={width} and cfg.decoder_ffn_dim={decoder_width} differ: the byte "
                          "model bills one expert width")
-    sparse = sum(_need(d, f"{part}_layers") // step if step > 0 else 0
-                 for part, step in (("encoder", d.get("encoder_sparse_step", 4)),
-                                    ("decoder", d.get("decoder_sparse_step", 4))))
+    encoder, decoder = (nllb_sparse_layers(d, part) for part in ("encoder", "decoder"))
     e, hidden = _need(d, "num_experts"), _need(d, "d_model")
-    return _numbers(d, ("num_experts",), 2, sparse, hidden=hidden, width=("encoder_ffn_dim",), matrices=UNGATED,
-                    router_params=(hidden + bool(d.get("router_bias"))) * e, expert_bias=width + hidden)
+    return _numbers(d, ("num_experts",), 2, decoder, hidden=hidden, width=("encoder_ffn_dim",), matrices=UNGATED,
+                    router_params=(hidden + bool(d.get("router_bias"))) * e, expert_bias=width + hidden,
+                    encoder_moe_layers=encoder)
+
+
+def nllb_sparse_layers(d: dict, part: str) -> int:
+    """NLLB-MoE's sparse layers of its ``part`` ("encoder", "decoder"): every ``<part>_sparse_step``-th layer (0:
+    none)."""
+    step = d.get(f"{part}_sparse_step", 4)
+    return _need(d, f"{part}_layers") // step if step > 0 else 0
 
 
 def _doge(d: dict) -> _Numbers:

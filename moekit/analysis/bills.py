@@ -6,60 +6,21 @@ h = head dim, E = routed experts, k = experts per token, N = one expert's interm
 Counted: input embedding, output head, attention (GQA, DeepSeek's MLA with its low-rank projections
 and norms, or DeepSeek-V4's compressed attention by layer type; Qwen3-Next's and Qwen3.5's Gated DeltaNet and Jamba's
 Mamba mixers on their layers), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the
-router, and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
-671B total also excludes, and non-parameter buffers (DeepSeek-V3's e_score_correction_bias).
+router, and the RMSNorms. Nemotron-H's, DBRX's and JetMoE's layers (``bills_hybrid``) and the encoder-decoders'
+(``bills_seq2seq``: the encoder billed apart) are read by their own readers. Not counted: DeepSeek-V3's
+multi-token-prediction module (14B), which the published 671B total also excludes, and non-parameter buffers
+(DeepSeek-V3's e_score_correction_bias).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moekit.analysis.bill_parts import ParamBill, moe_parts
 from moekit.analysis.billed import billed_layer
+from moekit.analysis.bills_hybrid import OWN_LAYERS, mamba2_mixer_params
+from moekit.analysis.bills_seq2seq import ENCODER_DECODERS
 from moekit.config import hf_layer_fields
-
-
-@dataclass(frozen=True)
-class ParamBill:
-    """Parameters of a whole model, by part. ``active`` counts what one token's forward pass uses,
-    embedding included (Mixtral's and Qwen's cards count it: 12.9B, 3.3B); ``active_matmul`` leaves the
-    embedding lookup out (DeepSeek's cards do: 37B for V3, 2.4B for V2-Lite)."""
-
-    embedding: int  # V·d
-    output: int  # V·d, 0 when tied to the embedding
-    attention: int  # all L layers
-    dense_mlp: int  # 3·d·intermediate_size per dense layer
-    routed_experts: int  # E·3·d·N per MoE layer
-    active_routed_experts: int  # k·3·d·N per MoE layer
-    shared_experts: int  # 3·d·width (+ d for a shared gate) per MoE layer
-    router: int  # d·E per MoE layer
-    norms: int  # 2·d per layer + the final d; DeepSeek-V4's hyper-connection mixers too (its residual streams')
-    num_moe_layers: int
-    num_dense_layers: int
-    exact: bool = False  # the family is in EXACT_BILL: this bill equals transformers' model to the parameter
-    # a MoE layer's second sparse block, experts and gate, per MoE layer (ERNIE-4.5-VL's vision tokens' block,
-    # ``second_sparse_block``): in the total, not active (a text token runs none of it)
-    second_blocks: int = 0
-
-    @property
-    def total(self) -> int:
-        return (self.embedding + self.output + self.attention + self.dense_mlp + self.routed_experts
-                + self.shared_experts + self.router + self.norms + self.second_blocks)
-
-    @property
-    def active(self) -> int:
-        """Parameters one (text) token uses: everything but the routed experts it did not pick and the second
-        sparse blocks (ERNIE-4.5-VL's vision blocks)."""
-        return self.total - self.routed_experts + self.active_routed_experts - self.second_blocks
-
-    @property
-    def total_matmul(self) -> int:
-        """All parameters that take part in a matmul: the total less the embedding lookup and the norms."""
-        return self.total - self.embedding - self.norms
-
-    @property
-    def active_matmul(self) -> int:
-        """Active parameters that take part in a matmul (the embedding is a lookup): F ≈ 2·this per token."""
-        return self.active - self.embedding - self.norms
 
 
 # The model types whose bill equals transformers' model of their default config to the parameter (transformers 5.25,
@@ -71,23 +32,9 @@ EXACT_BILL = frozenset({
     "granitemoehybrid", "granitemoeshared", "hy_v4", "jamba", "kimi_k2", "llama4_text", "longcat_flash", "minicpm5_moe",
     "minimax", "mixtral", "olmoe", "openai_privacy_filter", "param2moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
     "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open",
+    *OWN_LAYERS, *ENCODER_DECODERS,  # their own readers (session 52; tests/test_analysis_whole.py)
 })
 TOKEN_CLASSIFIERS = frozenset({"openai_privacy_filter"})  # a label head in place of the LM head
-
-
-class UnbilledModel(ValueError):
-    """A model whose layers the whole-model bill cannot read (its MoE layer is still billed)."""
-
-
-# Families whose decoder layers the bill does not read: each holds one mixer (Mamba-2, attention, an MLP or a MoE
-# block) by layers_block_type, where the bill counts attention and an MLP in every layer
-UNBILLED = {"nemotron_h": "its decoder layers hold one mixer each (Mamba-2, attention, an MLP or the MoE block, by "
-                          "layers_block_type), which the whole-model bill does not read",
-            "dbrx": "its attention (Wqkv, attn_config) and layer fields (d_model, n_layers) are its own, which the "
-                    "whole-model bill does not read",
-            "jetmoe": "its attention is a mixture of attention experts (MoA), which the whole-model bill does not read",
-            **dict.fromkeys(("switch_transformers", "nllb-moe"), "an encoder-decoder (its encoder's and decoder's "
-                            "layers, cross-attention and fields of its own), which the whole-model bill does not read")}
 
 
 def param_bill(hf_config: dict) -> ParamBill:
@@ -95,11 +42,14 @@ def param_bill(hf_config: dict) -> ParamBill:
     Kimi-K2, GLM-4.5, gpt-oss, OLMoE; and LongCat-Flash (``num_hidden_layers``: its attention sublayers). A VL /
     omni model's top-level config is billed as its text model's (``hf_layer_fields``: the vision tower not counted).
     A family ``from_hf_config`` refuses is billed from its own numbers (``billed_layer``: its experts, shared experts
-    and router counted as its model holds them), approximately; ``UnbilledModel`` for one of ``UNBILLED``."""
+    and router counted as its model holds them), approximately. The families whose layers are their own (one mixer a
+    layer, their own attention fields, an encoder and a decoder) are counted by their own readers (``OWN_LAYERS``,
+    ``ENCODER_DECODERS``)."""
     hf_config = hf_layer_fields(hf_config)
     layer = billed_layer(hf_config)
-    if hf_config["model_type"] in UNBILLED:
-        raise UnbilledModel(f"no whole-model bill for {hf_config['model_type']}: {UNBILLED[hf_config['model_type']]}")
+    own = OWN_LAYERS.get(hf_config["model_type"]) or ENCODER_DECODERS.get(hf_config["model_type"])
+    if own is not None:
+        return own(hf_config, layer)
     cfg = layer.config
     d, layers = hf_config["hidden_size"], num_hidden_layers(hf_config)
     moe_layers = cfg.num_moe_layers or layers
@@ -110,10 +60,7 @@ def param_bill(hf_config: dict) -> ParamBill:
         output=_output_params(hf_config, vocab, d),
         attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
         dense_mlp=_dense_mlp_params(hf_config, layers, moe_layers),
-        routed_experts=moe_layers * cfg.num_experts * layer.expert_params,
-        active_routed_experts=round(moe_layers * cfg.routed_slots_per_token * layer.expert_params),  # k·E/(E+Z)
-        shared_experts=moe_layers * layer.shared_params,
-        router=moe_layers * layer.router_params,
+        **moe_parts(layer, moe_layers),
         second_blocks=moe_layers * (second.experts + second.router),
         norms=layers * 2 * d + d + _hyper_connection_params(hf_config, layers),
         num_moe_layers=moe_layers,
@@ -284,16 +231,13 @@ def _lightning_params(c: dict) -> int:
 
 
 def _mamba2_params(c: dict) -> int:
-    """GraniteMoE-Hybrid's Mamba-2 mixer, I = mamba_expand·d inner channels, G groups of state S, H heads, C = I + 2GS
-    conv channels: in_proj [I + C + H, d], a depthwise conv [C, 1, k] (its bias with mamba_conv_bias), dt_bias, A_log
-    and D [H] each, a gated RMSNorm over I, out_proj [d, I] (in and out biases with mamba_proj_bias)."""
-    d, heads = c["hidden_size"], c["mamba_n_heads"]
-    inner = int(c.get("mamba_expand", 2) * d)
-    conv = inner + 2 * c.get("mamba_n_groups", 1) * c["mamba_d_state"]
-    bias = c.get("mamba_proj_bias", False)
-    in_proj = (d + bias) * (inner + conv + heads)
-    conv_params = conv * (c.get("mamba_d_conv", 4) + c.get("mamba_conv_bias", True))
-    return in_proj + conv_params + 3 * heads + inner + inner * d + (d if bias else 0)
+    """GraniteMoE-Hybrid's Mamba-2 mixer (``bills_hybrid.mamba2_mixer_params``), I = mamba_expand·d inner channels,
+    ``mamba_n_heads`` heads, ``mamba_n_groups`` groups of state ``mamba_d_state``."""
+    d = c["hidden_size"]
+    return mamba2_mixer_params(d, inner=int(c.get("mamba_expand", 2) * d), heads=c["mamba_n_heads"],
+                               groups=c.get("mamba_n_groups", 1), state=c["mamba_d_state"],
+                               kernel=c.get("mamba_d_conv", 4), conv_bias=c.get("mamba_conv_bias", True),
+                               proj_bias=c.get("mamba_proj_bias", False))
 
 
 def _mla_params(c: dict) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moekit.analysis.bills import ParamBill
+from moekit.analysis.bill_parts import ParamBill
 from moekit.analysis.formats import FORMATS, WeightFormat
 from moekit.analysis.gpus import GIB, GpuSpec
 
@@ -44,15 +44,19 @@ class MemoryBill:
 
 def weight_memory(bill: ParamBill, fmt: WeightFormat) -> MemoryBill:
     """The model's weight bytes with its matmul weights stored in ``fmt``."""
-    # ERNIE-4.5-VL's second sparse blocks as routed experts (their gates, 0.07% of them, stored in fmt too)
-    routed = bill.routed_experts + bill.second_blocks
-    quantised = bill.attention + bill.dense_mlp + routed + bill.shared_experts
+    quantised = bill.in_format
     kept_bf16 = bill.total - quantised
     return MemoryBill(
         dtype=fmt.name,
         total_bytes=quantised * fmt.bytes_per_weight + kept_bf16 * FORMATS["bf16"].bytes_per_weight,
-        routed_expert_bytes=routed * fmt.bytes_per_weight,
+        routed_expert_bytes=_routed(bill) * fmt.bytes_per_weight,
     )
+
+
+def _routed(bill: ParamBill) -> int:
+    """The routed experts, an encoder's too; ERNIE-4.5-VL's second sparse blocks as routed experts (their gates,
+    0.07% of them, stored in the format too)."""
+    return bill.routed_experts + bill.second_blocks + (_routed(bill.encoder) if bill.encoder else 0)
 
 
 @dataclass(frozen=True)

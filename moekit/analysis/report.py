@@ -27,7 +27,7 @@ from moekit.analysis.roofline import (
     check_inclusion,
     ridge_batch,
 )
-from moekit.analysis.touch import batch_for_fraction, batch_for_fraction_from_inclusion
+from moekit.analysis.touch import batch_for_fraction, batch_for_fraction_from_inclusion, experts_touched
 from moekit.config import MoEConfig
 
 DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256, 512, 4096)
@@ -40,7 +40,8 @@ class SweepRow:
 
     cost: BatchCost
     padding: dict[int, float]  # block height -> expected padded rows / real rows (same routing as ``cost``)
-    model_step_floor_s: float | None  # routed-expert step floor + the other matmul weights; None without a bill
+    # routed-expert step floor + the other matmul weights (JetMoE's attention experts as touched); None without a bill
+    model_step_floor_s: float | None
     dense_same_active_step_floor_s: float | None  # a dense model with this model's active matmul parameters
     dense_same_total_step_floor_s: float | None  # a dense model with all of this model's matmul parameters
 
@@ -146,14 +147,29 @@ def _row(config: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, params:
                for b in PADDING_BLOCKS}
     if params is None:
         return SweepRow(cost, padding, None, None, None)
-    other = params.active_matmul - params.active_routed_experts  # attention, dense MLP, shared, router, head
+    # attention, dense MLP, shared, router, head: every weight read once a step
+    other = params.active_matmul - params.active_routed_experts - params.active_attention_experts
     return SweepRow(
         cost,
         padding,
-        model_step_floor_s=cost.step_time_floor_s + dense_step_floor_s(other, batch, fmt, gpu),
+        model_step_floor_s=(cost.step_time_floor_s + dense_step_floor_s(other, batch, fmt, gpu)
+                            + _attention_experts_floor_s(params, config, batch, fmt, gpu)),
         dense_same_active_step_floor_s=dense_step_floor_s(params.active_matmul, batch, fmt, gpu),
         dense_same_total_step_floor_s=dense_step_floor_s(params.total_matmul, batch, fmt, gpu),
     )
+
+
+def _attention_experts_floor_s(params: ParamBill, config: MoEConfig, batch: int, fmt: WeightFormat,
+                               gpu: GpuSpec) -> float:
+    """JetMoE's attention experts in a step of ``batch`` tokens: routed by the MLP's E and k (its config's), uniform
+    routing touches E·(1 - (1 - k/E)^B) of each layer's E, each read once; 2·B·(k of them) FLOPs. 0 for a model
+    without them."""
+    if not params.attention_experts:
+        return 0.0
+    e = config.num_experts
+    weights = params.attention_experts * experts_touched(batch, e, config.top_k) / e
+    return max(weights * fmt.bytes_per_weight / gpu.bandwidth_bytes_s,
+               2.0 * batch * params.active_attention_experts / gpu.flops_per_s(fmt.compute_dtype))
 
 
 def report_to_json(report: Report) -> dict:
@@ -193,9 +209,8 @@ def report_to_json(report: Report) -> dict:
 
 
 def _bills_to_json(bills: ModelBills) -> dict:
-    p = bills.params
     return {
-        "params": {**dataclasses.asdict(p), "total": p.total, "active": p.active, "active_matmul": p.active_matmul},
+        "params": _params_to_json(bills.params),
         "memory": {
             name: {"total_bytes": m.total_bytes, "total_gb": m.total_gb, "total_gib": m.total_gib,
                    "routed_expert_gb": m.routed_expert_gb}
@@ -203,6 +218,14 @@ def _bills_to_json(bills: ModelBills) -> dict:
         },
         "fit": {**dataclasses.asdict(bills.fit), "fits": bills.fit.fits},
     }
+
+
+def _params_to_json(p: ParamBill) -> dict:
+    """The bill's parts and totals; an encoder-decoder's ``encoder`` the same (its ``active``: an encoder token's),
+    the top level's parts the decoder's and ``total`` the whole model's."""
+    out = {**dataclasses.asdict(p), "total": p.total, "active": p.active, "active_matmul": p.active_matmul}
+    out["encoder"] = None if p.encoder is None else _params_to_json(p.encoder)
+    return out
 
 
 def _finite_or_none(x: float) -> float | None:

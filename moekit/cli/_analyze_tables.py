@@ -78,23 +78,64 @@ def _step_table(report: Report) -> Table:
 
 def _params_table(report: Report) -> Table:
     p = report.bills.params
-    t = Table(title=f"Parameters ({p.num_dense_layers} dense + {p.num_moe_layers} MoE layers)")
+    t = Table(title=f"Parameters ({_layers_in_words(p)})")
     t.add_column("part")
     t.add_column("params (B)", justify="right")
-    parts = (("embedding", p.embedding), ("output head", p.output), ("attention", p.attention),
-             ("dense MLP", p.dense_mlp), ("routed experts", p.routed_experts), ("shared experts", p.shared_experts),
-             ("router", p.router), ("norms", p.norms), ("total", p.total), ("active, embedding included", p.active),
-             ("active matmul (no embedding, norms)", p.active_matmul))
-    if p.second_blocks:  # ERNIE-4.5-VL: its vision experts and gates, in the total, not active for a text token
-        parts = parts[:7] + (("second sparse blocks (vision)", p.second_blocks),) + parts[7:]
-    for name, n in parts:
-        t.add_row(name, f"{n / 1e9:,.3f}")
-    t.caption = ("counted to the parameter (this family's bill equals transformers' model)" if p.exact else
-                 "approximate: this family's own attention is counted as grouped-query or MLA attention (within "
-                 "0.1-1% of transformers' model for its families)" if report.note is None else
-                 "approximate: the experts, shared experts and router as this family's model holds them, its attention "
-                 "as grouped-query attention (Gemma-4 with experts: 0.5% under its model)")
+    if p.encoder is not None:  # the whole model, then its decoder (a decode step's stack) and its encoder
+        t.add_column("decoder (B)", justify="right")
+        t.add_column("encoder (B)", justify="right")
+    for name, field in PARTS:
+        if field in ("second_blocks", "attention_experts", "cross_kv") and not getattr(p, field):
+            continue  # ERNIE-4.5-VL's vision blocks, JetMoE's attention experts, a decoder's cross k / v: where held
+        t.add_row(name, *_columns(p, field))
+    e = p.encoder
+    for name, whole, decoder, encoder in (("total", p.total, p.step_total, e and e.total),
+                                          ("active, embedding included", p.active, p.active, e and e.active),
+                                          ("active matmul (no embedding, norms)", p.active_matmul, p.active_matmul,
+                                           e and e.active_matmul)):
+        t.add_row(name, *(f"{n / 1e9:,.3f}" for n in ((whole, decoder, encoder) if e else (whole,))))
+    t.caption = _caption(report)
     return t
+
+
+# the bill's parts as the table names them, in its order
+PARTS = (("embedding", "embedding"), ("output head", "output"), ("attention", "attention"),
+         ("attention experts (MoA)", "attention_experts"), ("cross-attention k, v (once per prompt)", "cross_kv"),
+         ("dense MLP", "dense_mlp"),
+         ("routed experts", "routed_experts"), ("shared experts", "shared_experts"), ("router", "router"),
+         ("second sparse blocks (vision)", "second_blocks"), ("norms", "norms"))
+
+
+def _columns(p, field: str) -> list[str]:
+    """One part's cells: the whole model's, and an encoder-decoder's decoder and encoder."""
+    own = getattr(p, field)
+    if p.encoder is None:
+        return [f"{own / 1e9:,.3f}"]
+    encoder = getattr(p.encoder, field)
+    return [f"{n / 1e9:,.3f}" for n in (own + encoder, own, encoder)]
+
+
+def _layers_in_words(p) -> str:
+    layers = f"{p.num_dense_layers} dense + {p.num_moe_layers} MoE layers"
+    if p.encoder is None:
+        return layers
+    return f"decoder {layers}; encoder {p.encoder.num_dense_layers} dense + {p.encoder.num_moe_layers} MoE layers"
+
+
+def _caption(report: Report) -> str:
+    p = report.bills.params
+    caption = ("counted to the parameter (this family's bill equals transformers' model)" if p.exact else
+               "approximate: this family's own attention is counted as grouped-query or MLA attention (within "
+               "0.1-1% of transformers' model for its families)" if report.note is None else
+               "approximate: the experts, shared experts and router as this family's model holds them, its attention "
+               "as grouped-query attention (Gemma-4 with experts: 0.5% under its model)")
+    if p.encoder is not None:
+        caption += ("; a decode step runs the decoder, its cross-attention reading the encoder's output (keys and "
+                    "values projected once per prompt): active counts a decode step's token, the encoder column's "
+                    "an encoder token's (once per prompt)")
+    if p.attention_experts:
+        caption += "; active attention: k of the E attention experts a token"
+    return caption
 
 
 def _memory_table(report: Report) -> Table:

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from moekit.analysis.billed import BilledLayer
-from moekit.analysis.bills import UnbilledModel, param_bill
+from moekit.analysis.bills import param_bill
 from moekit.analysis.formats import FORMATS, SCHEME_ALIASES, get_format
 from moekit.analysis.gpus import get_gpu, gpu_names
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
@@ -149,9 +149,6 @@ def _bills_config(hf: dict, path: str) -> dict | None:
         param_bill(hf)
     except KeyError as err:
         print(f"note: config.json at {path} has no {err.args[0]!r}: no parameter or memory bills", file=sys.stderr)
-        return None
-    except UnbilledModel as err:
-        print(f"note: config.json at {path}: {err}: no parameter or memory bills", file=sys.stderr)
         return None
     return hf
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moekit.analysis import get_gpu, param_bill
+from moekit.analysis import ParamBill, get_gpu, param_bill
 from moekit.analysis.billed import billed_layer
-from moekit.analysis.bills import UnbilledModel, num_hidden_layers
 from moekit.analysis.roofline import expert_flops
 from moekit.config import hf_layer_fields
 from moekit.presets import hf_config_of_preset
@@ -63,7 +62,7 @@ def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = 
                  model: StatedModel | None = None) -> ParamCounts:
     """The bill of ``model`` (default: ``stated_model(E, k)``); ``routed_per_token`` (k·E/(E + Z) with identity
     experts, whose slots read no expert) prices the active experts instead of k. A config whose fields do not make a
-    bill (a family ``param_bill`` does not read) is priced at the default shapes, and the shape says so."""
+    bill (a field the bill reads is missing) is priced at the default shapes, and the shape says so."""
     model = model or stated_model(num_experts, top_k)
     try:
         bill = param_bill(model.fields)
@@ -71,19 +70,24 @@ def param_counts(num_experts: int, top_k: int, routed_per_token: float | None = 
         counts = param_counts(num_experts, top_k, routed_per_token)
         counts.shape += f" ({model.name}'s config has no field {err} the bill reads)"
         return counts
-    except UnbilledModel as err:
-        counts = param_counts(num_experts, top_k, routed_per_token)
-        counts.shape += f" ({err})"
-        return counts
     active = bill.active
     if routed_per_token is not None and routed_per_token != top_k:
         active -= round(bill.active_routed_experts * (1 - routed_per_token / top_k))
     layer = billed_layer(model.fields).config
-    shape = (f"{model.name} shapes (d={layer.hidden_size}, d_ff={layer.moe_intermediate_size}, "
-             f"{num_hidden_layers(model.fields)} layers) with E={num_experts}, k={top_k}")
+    shape = (f"{model.name} shapes (d={layer.hidden_size}, d_ff={layer.moe_intermediate_size}, {_layers(bill)}) "
+             f"with E={num_experts}, k={top_k}")
     if routed_per_token is not None and routed_per_token != top_k:
         shape += f" ({routed_per_token:g} of them experts on average)"
     return ParamCounts(total=bill.total, active=active, sparsity=bill.total / active, shape=shape)
+
+
+def _layers(bill: ParamBill) -> str:
+    """The bill's layers in words: an encoder-decoder's decoder (whose parameters a step's active count reads) and
+    encoder."""
+    layers = f"{bill.num_moe_layers + bill.num_dense_layers} layers"
+    if bill.encoder is None:
+        return layers
+    return f"{layers} in the decoder, {bill.encoder.num_moe_layers + bill.encoder.num_dense_layers} in the encoder"
 
 
 def seconds_per_assignment(model: StatedModel | None = None) -> float:
