@@ -15,6 +15,7 @@ silently.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from moekit._checks import check_module
+from moekit.hf.set_check import IMPLEMENTATION
 
 EXPERTS_FILE = "moekit_quantized_experts.safetensors"
 _META_KEY = "moekit_swap"  # the metadata entry: the swap's options as JSON
@@ -60,23 +62,52 @@ def wrap_save_pretrained() -> None:
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
         tensors, options = freed_experts(self)
-        if tensors and len(args) < 2 and kwargs.get("state_dict") is None:  # they go to EXPERTS_FILE only, once
+        main = kwargs.get("is_main_process", args[0] if args else True)  # transformers' second argument
+        if not tensors:
+            result = original(self, save_directory, *args, **kwargs)
+            _warn_offloaded(self)
+            if main:  # an earlier save's file would load over this model's experts
+                Path(save_directory, EXPERTS_FILE).unlink(missing_ok=True)
+            return result
+        if len(args) < 2 and kwargs.get("state_dict") is None:  # they go to EXPERTS_FILE only, once
             kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in tensors}
-        result = original(self, save_directory, *args, **kwargs)
+        with _naming_moekit(self, tensors, options):
+            result = original(self, save_directory, *args, **kwargs)
         _warn_offloaded(self)
-        if tensors and kwargs.get("is_main_process", args[0] if args else True):  # transformers' second argument
+        if main:
             _write(Path(save_directory), tensors, options)
-            first = next(iter(options.values()))
             warnings.warn(
-                f"save_pretrained: {len(options)} MoE blocks of {type(self).__name__} hold moekit's {first['quant']} "
-                "experts in place of their float ones (use_moekit_blocks(..., keep_float=False)); transformers' "
-                f"from_pretrained cannot read them and would initialise those experts at random: they are written to "
-                f"{EXPERTS_FILE} beside the checkpoint; load with model = {type(self).__name__}.from_pretrained(path), "
-                "then moekit.hf.load_quantized_experts(model, path)", UserWarning, stacklevel=2)
+                f"save_pretrained: {len(options)} MoE blocks of {type(self).__name__} hold moekit's "
+                f"{next(iter(options.values()))['quant']} experts in place of their float ones (use_moekit_blocks(..., "
+                f"keep_float=False)): they are written to {EXPERTS_FILE} beside the checkpoint, and its config.json "
+                f"names experts_implementation {IMPLEMENTATION!r}. from_pretrained(path) in a process that imported "
+                "moekit.hf loads them back (transformers' load report lists those experts MISSING first); without "
+                "moekit.hf, transformers refuses the checkpoint's experts_implementation", UserWarning, stacklevel=2)
         return result
 
     setattr(save_pretrained, _WRAPPED, True)
     PreTrainedModel.save_pretrained = save_pretrained
+
+
+@contextlib.contextmanager
+def _naming_moekit(model: nn.Module, tensors: dict[str, torch.Tensor], options: dict[str, dict]):
+    """While transformers saves ``model``: its config carries ``experts_implementation = "moekit"`` (written into
+    config.json: transformers' config reads the key back; without ``moekit.hf`` the load then stops on it instead of
+    initialising the experts at random), and an upload (``save_pretrained(..., push_to_hub=True)``, which pushes
+    inside the call) writes ``EXPERTS_FILE`` into the folder first, so that the pushed repository holds it."""
+    upload = type(model)._upload_modified_files
+
+    def upload_with_experts(working_dir, *args, **kwargs):
+        _write(Path(working_dir), tensors, options)
+        return upload(model, working_dir, *args, **kwargs)
+
+    model.config.experts_implementation = IMPLEMENTATION
+    model.__dict__["_upload_modified_files"] = upload_with_experts  # this call's only: removed below
+    try:
+        yield
+    finally:
+        del model.config.experts_implementation
+        model.__dict__.pop("_upload_modified_files", None)
 
 
 def _blocks(names) -> set[str]:
@@ -105,20 +136,51 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], options: dict[str,
 
 
 def load_quantized_experts(model: nn.Module, path: str | os.PathLike):
-    """Give ``model`` (``from_pretrained`` of a checkpoint ``save_pretrained`` wrote from a model whose swapped
-    blocks freed their float experts) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it
-    was saved with (``use_moekit_blocks(..., keep_float=False)``), then its quantized experts loaded; returns the
-    swap's ``BlockSwapReport``. FileNotFoundError where ``path`` has no such file; ValueError where the model lacks a
-    block the file holds, or the file's blocks were swapped with different options."""
-    from safetensors import safe_open
-
-    from moekit.hf.swap import use_moekit_blocks
-
+    """Give ``model`` (built from a checkpoint ``save_pretrained`` wrote from a model whose swapped blocks freed
+    their float experts, without ``from_pretrained``'s own load of them: ``from_config``, a load before ``moekit.hf``
+    was imported) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it was saved with
+    (``use_moekit_blocks(..., keep_float=False)``), then its quantized experts loaded; returns the swap's
+    ``BlockSwapReport``. FileNotFoundError where ``path`` has no such file; ValueError where the model lacks a block
+    the file holds, or the file's blocks were swapped with different options."""
     check_module("model", model)
     file = Path(path) / EXPERTS_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such file; save_pretrained writes it for a model whose swapped blocks "
                                 "freed their float experts (use_moekit_blocks(..., keep_float=False))")
+    return _load(model, file)
+
+
+# from_pretrained's keywords that say where a checkpoint's files are (transformers' cached_file takes them)
+_WHERE = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+
+
+def load_if_saved(model: nn.Module, source, kwargs: dict) -> None:
+    """``from_pretrained(source, **kwargs)``'s end (``set_check.wrap_from_pretrained``): where the checkpoint has an
+    ``EXPERTS_FILE`` (a folder's, looked for always; a hub repository's, when the loaded config names
+    ``"moekit"``, as a freed model's config.json does), its blocks are swapped and loaded as saved."""
+    if not isinstance(source, (str, os.PathLike)):
+        return
+    where = {k: kwargs[k] for k in _WHERE if kwargs.get(k) is not None}
+    if Path(source).is_dir():
+        file = Path(source, where.get("subfolder", ""), EXPERTS_FILE)
+        file = file if file.is_file() else None
+    elif IMPLEMENTATION in model.get_experts_implementation().values():
+        from transformers.utils.hub import cached_file
+
+        found = cached_file(source, EXPERTS_FILE, _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False, **where)
+        file = Path(found) if found else None
+    else:
+        file = None
+    if file is not None:
+        _load(model, file)
+
+
+def _load(model: nn.Module, file: Path):
+    from safetensors import safe_open
+
+    from moekit.hf.swap import use_moekit_blocks
+
     with safe_open(str(file), "pt") as f:
         options = json.loads(f.metadata()[_META_KEY])
         tensors = {name: f.get_tensor(name) for name in f.keys()}

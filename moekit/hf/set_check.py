@@ -58,7 +58,8 @@ def wrap_set_experts_implementation() -> None:
 
 def wrap_from_pretrained() -> None:
     """``from_pretrained(..., experts_implementation="moekit")`` sets the implementation through the config, not
-    ``set_experts_implementation``: the loaded model's plans are built here, as that call builds them."""
+    ``set_experts_implementation``: the loaded model's plans are built here, as that call builds them. A checkpoint
+    with moekit's quantized experts beside it (``saving``) gets its swapped blocks back first."""
     from transformers import PreTrainedModel
 
     load = PreTrainedModel.__dict__["from_pretrained"].__func__  # a classmethod: the function under it
@@ -67,8 +68,12 @@ def wrap_from_pretrained() -> None:
 
     @functools.wraps(load)
     def from_pretrained(cls, *args, **kwargs):
+        from moekit.hf.saving import load_if_saved
+
         result = load(cls, *args, **kwargs)
-        _plans_if_named(result[0] if isinstance(result, tuple) else result)  # output_loading_info: (model, info)
+        model = result[0] if isinstance(result, tuple) else result  # output_loading_info: (model, info)
+        load_if_saved(model, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
+        _plans_if_named(model)
         return result
 
     setattr(from_pretrained, _WRAPPED, True)
