@@ -194,8 +194,14 @@ def _load(model: nn.Module, file: Path):
         raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each part "
                          "with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict the file")
     o = next(iter(options.values()))
-    report = use_moekit_blocks(model, backend=o["backend"], quant=o["quant"], quant_options=o["quant_options"] or None,
-                               keep_float=False, progress=False)
+    with warnings.catch_warnings():  # a block left is refused below, naming why
+        warnings.simplefilter("ignore", UserWarning)
+        report = use_moekit_blocks(model, backend=o["backend"], quant=o["quant"],
+                                   quant_options=o["quant_options"] or None, keep_float=False, progress=False)
+    left = [b for b in report.left if b.path in options]
+    if left:
+        raise ValueError(f"{file} holds the experts of {[b.path for b in left]}, which use_moekit_blocks could not "
+                         f"swap here ({left[0].path}: {left[0].reason}): their float experts are not in the checkpoint")
     unsaved = sorted(_blocks(freed_experts(model)[0]) - _blocks(tensors))
     if unsaved:  # swapped and freed now, quantized from from_pretrained's random experts: never silently
         raise ValueError(f"{file} holds no experts of {unsaved} (swapped on their own before saving?), which "
