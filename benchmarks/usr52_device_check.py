@@ -10,14 +10,14 @@ Correctness only (nothing here is a kernel change; no variant to time): tiny mod
             FP8Experts through moekit's fp8 path, against the float model (PASS: rel L2 < 5e-2) and transformers'
             eager FP8Experts loop (INFO where it cannot run offline); the saved fp8 checkpoint reloaded (PASS:
             bit-equal); every linear converted and dequantize=True (INFO: what transformers does).
-  offload   device_map with layer 1 on "cpu" ("disk" in the CPU smoke; accelerate hooks every block; layer 1's weights on meta between
-            forwards): the experts implementation (PASS: rel L2 < 1e-2 of the float model), then
-            use_moekit_blocks(quant="int8_w8a16"): layer 0 swapped and running (logits moved, rel < 5e-2), layer 1
-            left naming the meta device.
+  offload   device_map with layer 1 on "cpu" ("disk" in the CPU smoke; accelerate hooks every block; layer 1's
+            weights on meta between forwards): the experts implementation (PASS: rel L2 < 1e-2 of the float model),
+            then use_moekit_blocks(quant="int8_w8a16"): layer 0 swapped and running (logits moved, rel < 5e-2),
+            layer 1 left naming the meta device.
 
 PASS / FAIL / INFO lines first, a table last, JSON under --out. accelerate missing: device_map and FineGrainedFP8Config
-are transformers' refusals, said as INFO (freed then loads on the CPU and moves the model). ``--device cpu`` smokes it where CUDA is absent (fp8 is then transformers'
-"No GPU" refusal).
+are transformers' refusals, said as INFO (freed then loads on the CPU and moves the model). ``--device cpu`` smokes it
+where CUDA is absent (fp8 is then transformers' "No GPU" refusal).
 
     PYTHONPATH=$PWD timeout 100 python3 benchmarks/usr52_device_check.py --out $OUT/usr52 --deadline 75
 """
@@ -156,7 +156,8 @@ def offload(tmp: Path, device: torch.device) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moekit", dtype=torch.bfloat16,
                                                   device_map=where, offload_folder=str(tmp / "offload")).eval()
     got = logits(loaded)
-    check("offload experts implementation", rel(got, floats) < 1e-2, f"rel L2 to the float model {rel(got, floats):.3g}")
+    check("offload experts implementation", rel(got, floats) < 1e-2,
+          f"rel L2 to the float model {rel(got, floats):.3g}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         swap = use_moekit_blocks(loaded, quant="int8_w8a16", progress=False)
