@@ -6,11 +6,13 @@ conversion: Mixtral's ``mlp`` becomes ``block_sparse_moe``) and its ``from_pretr
 initialises the float experts at random and says so in a load report only. Importing ``moekit.hf`` wraps
 ``PreTrainedModel.save_pretrained`` once: for such a model it writes the quantized experts to ``EXPERTS_FILE`` beside
 the checkpoint instead (under the model's own ``state_dict`` names, the swap's options in its metadata; the checkpoint
-holds the rest) and warns how to load it: ``from_pretrained``, then ``load_quantized_experts(model, path)``, which
-swaps the blocks with the saved options and loads the tensors. ``offload_experts`` replaced its blocks by
-``OffloadedBlock`` modules, whose experts and router ``from_pretrained`` cannot place either: saving such a model
-warns, naming the checkpoint to keep (docs/offload.md). A model with float experts (swapped or not) saves as before,
-silently.
+holds the rest), names ``"moekit"`` as the experts implementation in its config.json (a process without ``moekit.hf``
+then stops on it instead of running random experts), writes both before a ``push_to_hub=True`` upload, and warns.
+``from_pretrained`` (``set_check.wrap_from_pretrained``) calls ``load_if_saved``: the blocks swapped with the saved
+options and their experts loaded; ``load_quantized_experts(model, path)`` does it by hand. A float model saved into
+such a folder removes the earlier file. ``offload_experts`` replaced its blocks by ``OffloadedBlock`` modules, whose
+experts and router ``from_pretrained`` cannot place either: saving such a model warns, naming the checkpoint to keep
+(docs/offload.md). A model with float experts (swapped or not) saves as before, silently.
 """
 
 from __future__ import annotations
