@@ -83,7 +83,9 @@ def test_save_then_quantize_and_quantize_then_save_into_one_folder(tmp_path):
     use_moekit_blocks(loaded, quant="int4_w4a16", keep_float=False)
     quantized = _logits(loaded)
     loaded.save_pretrained(tmp_path)
-    assert torch.equal(_logits(type(model).from_pretrained(tmp_path).eval()), quantized)
+    again, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert torch.equal(_logits(again.eval()), quantized)
+    assert not info["missing_keys"]  # the experts loaded from the file are not reported missing
     model.save_pretrained(tmp_path)  # the float model again, into the same folder
     assert not (tmp_path / EXPERTS_FILE).exists()
     assert "experts_implementation" not in json.loads((tmp_path / "config.json").read_text())

@@ -156,10 +156,11 @@ def load_quantized_experts(model: nn.Module, path: str | os.PathLike):
 _WHERE = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
-def load_if_saved(model: nn.Module, source, kwargs: dict) -> None:
+def load_if_saved(model: nn.Module, source, kwargs: dict, info: dict | None = None) -> None:
     """``from_pretrained(source, **kwargs)``'s end (``set_check.wrap_from_pretrained``): where the checkpoint has an
     ``EXPERTS_FILE`` (a folder's, looked for always; a hub repository's, when the loaded config names
-    ``"moekit"``, as a freed model's config.json does), its blocks are swapped and loaded as saved."""
+    ``"moekit"``, as a freed model's config.json does), its blocks are swapped and loaded as saved, and their float
+    experts dropped from ``info``'s ``missing_keys`` (``output_loading_info=True``: loaded now, not missing)."""
     if not isinstance(source, (str, os.PathLike)):
         return
     where = {k: kwargs[k] for k in _WHERE if kwargs.get(k) is not None}
@@ -175,7 +176,10 @@ def load_if_saved(model: nn.Module, source, kwargs: dict) -> None:
     else:
         file = None
     if file is not None:
-        _load(model, file)
+        blocks = tuple(f"{b.path}." for b in _load(model, file).swapped)
+        if info is not None:
+            info["missing_keys"] = type(info["missing_keys"])(
+                k for k in info["missing_keys"] if not k.startswith(blocks))
 
 
 def _load(model: nn.Module, file: Path):

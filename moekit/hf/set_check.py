@@ -72,7 +72,8 @@ def wrap_from_pretrained() -> None:
 
         result = load(cls, *args, **kwargs)
         model = result[0] if isinstance(result, tuple) else result  # output_loading_info: (model, info)
-        load_if_saved(model, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
+        load_if_saved(model, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs,
+                      result[1] if isinstance(result, tuple) else None)
         _plans_if_named(model)
         return result
 
