@@ -165,3 +165,13 @@ def test_a_hub_repository_named_moekit_is_asked_for_the_file(tmp_path, monkeypat
     load_if_saved(plain, "me/tiny", {"revision": "v1", "dtype": torch.float32})
     assert asked == [("me/tiny", EXPERTS_FILE, "v1")]
     assert torch.equal(_logits(plain.eval()), saved)
+
+
+def test_a_file_of_that_name_not_written_by_moekit_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    model = build_model(hf_config("qwen3", 2, tiny=True), torch.float32, torch.device("cpu"), seed=3)
+    model.save_pretrained(tmp_path)
+    save_file({"x": torch.zeros(2)}, str(tmp_path / EXPERTS_FILE))  # someone else's file, no metadata
+    with pytest.raises(ValueError, match=rf"{EXPERTS_FILE} has no 'moekit_swap' metadata.*not written by"):
+        type(model).from_pretrained(tmp_path)

@@ -188,7 +188,11 @@ def _load(model: nn.Module, file: Path):
     from moekit.hf.swap import use_moekit_blocks
 
     with safe_open(str(file), "pt") as f:
-        options = json.loads(f.metadata()[_META_KEY])
+        meta = f.metadata() or {}
+        if _META_KEY not in meta:  # was: "'NoneType' object is not subscriptable"
+            raise ValueError(f"{file} has no {_META_KEY!r} metadata (the swap's options): it was not written by "
+                             "save_pretrained of a model whose swapped blocks freed their float experts")
+        options = json.loads(meta[_META_KEY])
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     paths = dict(model.named_modules())
     absent = sorted(p for p in options if p not in paths)
