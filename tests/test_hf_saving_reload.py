@@ -1,7 +1,8 @@
 """A freed model's checkpoint (``use_moekit_blocks(..., quant=..., keep_float=False)`` then ``save_pretrained``) as
 a user takes it back. Session 52: ``from_pretrained(path, experts_implementation="moekit")`` in a fresh process
 returned random experts (transformers' load report the only word; ``load_quantized_experts`` was a step the user had
-to know); a process without ``moekit.hf`` did the same; ``save_pretrained(..., push_to_hub=True)`` pushed before the
+to know; transformers' load report called those experts MISSING, "newly initialized"); a process without
+``moekit.hf`` did the same; ``save_pretrained(..., push_to_hub=True)`` pushed before the
 experts file was written; a float model saved into the folder of an earlier freed save left that file beside it.
 Tiny Qwen3-MoE models built offline; the reference is the saved model's own logits before saving."""
 
@@ -60,6 +61,7 @@ def _load_in_a_fresh_process(path: Path, how: str) -> str:
     done = subprocess.run([sys.executable, "-c", LOAD, str(path), str(path / "saved.pt"), how], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "MISSING" not in done.stderr  # transformers' load report: the experts were "newly initialized"
     return done.stdout.strip().splitlines()[-1]
 
 

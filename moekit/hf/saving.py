@@ -18,9 +18,11 @@ experts and router ``from_pretrained`` cannot place either: saving such a model 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -83,8 +85,8 @@ def wrap_save_pretrained() -> None:
                 f"{next(iter(options.values()))['quant']} experts in place of their float ones (use_moekit_blocks(..., "
                 f"keep_float=False)): they are written to {EXPERTS_FILE} beside the checkpoint, and its config.json "
                 f"names experts_implementation {IMPLEMENTATION!r}. from_pretrained(path) in a process that imported "
-                "moekit.hf loads them back (transformers' load report lists those experts MISSING first); without "
-                "moekit.hf, transformers refuses the checkpoint's experts_implementation", UserWarning, stacklevel=2)
+                "moekit.hf loads them back; without moekit.hf, transformers refuses the checkpoint's "
+                "experts_implementation", UserWarning, stacklevel=2)
         return result
 
     setattr(save_pretrained, _WRAPPED, True)
@@ -180,6 +182,36 @@ def load_if_saved(model: nn.Module, source, kwargs: dict, info: dict | None = No
         if info is not None:
             info["missing_keys"] = type(info["missing_keys"])(
                 k for k in info["missing_keys"] if not k.startswith(blocks))
+
+
+_SAVED_BLOCKS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("moekit_saved_blocks", default=())
+
+
+@contextlib.contextmanager
+def expecting_saved_experts(source, kwargs: dict):
+    """While ``from_pretrained(source, **kwargs)`` loads: the block paths of a folder's ``EXPERTS_FILE`` (read from its
+    metadata), for ``ignore_saved_experts_missing``."""
+    file = Path(source, kwargs.get("subfolder") or "", EXPERTS_FILE) if isinstance(source, (str, os.PathLike)) else None
+    blocks = ()
+    if file is not None and file.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(file), "pt") as f:
+            blocks = tuple(json.loads((f.metadata() or {}).get(_META_KEY, "{}")))
+    token = _SAVED_BLOCKS.set(blocks)
+    try:
+        yield
+    finally:
+        _SAVED_BLOCKS.reset(token)
+
+
+def ignore_saved_experts_missing(model: nn.Module) -> None:
+    """``post_init`` of a model ``from_pretrained`` builds within ``expecting_saved_experts``: the float experts of the
+    file's blocks join transformers' ``_keys_to_ignore_on_load_missing`` (patterns on the model's own names), so its
+    load report does not call them missing and "newly initialized": ``load_if_saved`` loads them next."""
+    blocks = _SAVED_BLOCKS.get()
+    if blocks and isinstance(getattr(model, "_keys_to_ignore_on_load_missing", None), set):
+        model._keys_to_ignore_on_load_missing.update(rf"^{re.escape(path)}\.experts\." for path in blocks)
 
 
 def _load(model: nn.Module, file: Path):

@@ -68,12 +68,13 @@ def wrap_from_pretrained() -> None:
 
     @functools.wraps(load)
     def from_pretrained(cls, *args, **kwargs):
-        from moekit.hf.saving import load_if_saved
+        from moekit.hf.saving import expecting_saved_experts, load_if_saved
 
-        result = load(cls, *args, **kwargs)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        with expecting_saved_experts(source, kwargs):  # its experts not reported missing (wrap_post_init)
+            result = load(cls, *args, **kwargs)
         model = result[0] if isinstance(result, tuple) else result  # output_loading_info: (model, info)
-        load_if_saved(model, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs,
-                      result[1] if isinstance(result, tuple) else None)
+        load_if_saved(model, source, kwargs, result[1] if isinstance(result, tuple) else None)
         _plans_if_named(model)
         return result
 
@@ -85,7 +86,9 @@ def wrap_post_init() -> None:
     """A model built from a config that names ``"moekit"`` (by hand, ``from_config``) sets it in its ``__init__``,
     neither by ``set_experts_implementation`` nor ``from_pretrained``: transformers' ``post_init`` (the end of every
     model's ``__init__``, its weights initialised) builds the plans then. Built on the meta device (``from_pretrained``
-    builds it there), a module is left to ``wrap_from_pretrained`` or its first call."""
+    builds it there), a module is left to ``wrap_from_pretrained`` or its first call. Built by ``from_pretrained`` of
+    a folder holding moekit's quantized experts, the float experts of those blocks are told to transformers as not
+    missing (``saving.ignore_saved_experts_missing``): its load report listed them MISSING, "newly initialized"."""
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.post_init
@@ -94,7 +97,10 @@ def wrap_post_init() -> None:
 
     @functools.wraps(original)
     def post_init(self):
+        from moekit.hf.saving import ignore_saved_experts_missing
+
         result = original(self)
+        ignore_saved_experts_missing(self)
         _plans_if_named(self)
         return result
 
