@@ -19,13 +19,9 @@ transformers = pytest.importorskip("transformers")
 from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
 from moekit.hf import load_quantized_experts, moe_from_hf, restore_blocks, use_moekit_blocks  # noqa: E402
 
-IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L] within the vocabulary
+from _swap_helpers import tiny_logits  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", "ignore:save_pretrained:UserWarning")
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
 
 
 def _model(seed: int = 3):
@@ -41,17 +37,17 @@ def _hook_like_accelerate(module: torch.nn.Module) -> None:
 
 def test_a_hooked_block_runs_the_swap_and_its_own_forward_after_restore():
     plain, hooked = _model(), _model()
-    floats = _logits(plain)
+    floats = tiny_logits(plain)
     for layer in hooked.model.layers:
         _hook_like_accelerate(layer.mlp)
-    assert torch.equal(_logits(hooked), floats)
+    assert torch.equal(tiny_logits(hooked), floats)
     use_moekit_blocks(plain, quant="int8_w8a16")
     report = use_moekit_blocks(hooked, quant="int8_w8a16")
     assert len(report.swapped) == 2
-    swapped = _logits(plain)
+    swapped = tiny_logits(plain)
     assert (swapped - floats).abs().max() > 1e-5  # int8 experts: the swap is seen in the logits
-    assert torch.equal(_logits(hooked), swapped)  # was: equal to floats, the hook calling the own forward
-    assert restore_blocks(hooked) == 2 and torch.equal(_logits(hooked), floats)
+    assert torch.equal(tiny_logits(hooked), swapped)  # was: equal to floats, the hook calling the own forward
+    assert restore_blocks(hooked) == 2 and torch.equal(tiny_logits(hooked), floats)
 
 
 def test_a_block_on_the_meta_device_is_left_naming_why(tmp_path):
@@ -84,7 +80,7 @@ def test_fp8_experts_without_their_scales_say_what_happened():
     with pytest.raises(TypeError, match=message):  # the plans are built here (from_pretrained's wrapper too)
         model.set_experts_implementation("moekit")
     with pytest.raises(TypeError, match=message):  # and at a call
-        _logits(model)
+        tiny_logits(model)
 
 
 def test_accelerate_device_maps_through_moekit(tmp_path):
@@ -93,21 +89,21 @@ def test_accelerate_device_maps_through_moekit(tmp_path):
     why); a freed checkpoint loads under a one-device map and is refused naming the block under an offloading one."""
     pytest.importorskip("accelerate")
     model = _model()
-    floats = _logits(model)
+    floats = tiny_logits(model)
     model.save_pretrained(tmp_path / "float")
     use_moekit_blocks(model, quant="int8_w8a16", keep_float=False)
-    freed = _logits(model)
+    freed = tiny_logits(model)
     model.save_pretrained(tmp_path / "freed")
     offloaded = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
     load = functools.partial(type(model).from_pretrained, offload_folder=str(tmp_path / "offload"))
     on_disk = load(tmp_path / "float", device_map=offloaded, experts_implementation="moekit").eval()
-    assert (_logits(on_disk) - floats).abs().max() < 1e-5
+    assert (tiny_logits(on_disk) - floats).abs().max() < 1e-5
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         report = use_moekit_blocks(on_disk)
     assert [b.path for b in report.swapped] == ["model.layers.0.mlp"] and "meta device" in report.left[0].reason
-    assert (_logits(on_disk) - floats).abs().max() < 1e-5
-    assert torch.equal(_logits(load(tmp_path / "freed", device_map="cpu").eval()), freed)
+    assert (tiny_logits(on_disk) - floats).abs().max() < 1e-5
+    assert torch.equal(tiny_logits(load(tmp_path / "freed", device_map="cpu").eval()), freed)
     with pytest.raises(ValueError, match=r"holds the experts of \['model.layers.1.mlp'\].*meta device"):
         load(tmp_path / "freed", device_map=offloaded)

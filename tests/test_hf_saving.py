@@ -22,14 +22,9 @@ from moekit.hf import load_quantized_experts, offload_experts, use_moekit_blocks
 from moekit.hf.saving import EXPERTS_FILE  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
+from _swap_helpers import tiny_logits  # noqa: E402
 
-IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L] within every vocabulary
 pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", "ignore:gpu_budget_bytes:UserWarning")
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
 
 
 @pytest.mark.parametrize(("name", "quant", "options"), [
@@ -38,7 +33,7 @@ def _logits(model) -> torch.Tensor:
 def test_a_freed_model_saved_by_transformers_loads_back_bit_equal(name, quant, options, tmp_path):
     model = build_model(hf_config(name, 2, tiny=True), torch.float32, torch.device("cpu"), seed=3)
     use_moekit_blocks(model, quant=quant, quant_options=options, keep_float=False)
-    saved = _logits(model)
+    saved = tiny_logits(model)
     with pytest.warns(UserWarning, match=rf"{EXPERTS_FILE}.*experts_implementation .moekit.*from_pretrained"):
         model.save_pretrained(tmp_path)
     checkpoint = set().union(*(safe_open(str(f), "pt").keys() for f in tmp_path.glob("model*.safetensors")))
@@ -46,10 +41,10 @@ def test_a_freed_model_saved_by_transformers_loads_back_bit_equal(name, quant, o
     assert quantized and not checkpoint & quantized and not [k for k in checkpoint if k.endswith("_q")]  # once
     assert json.loads((tmp_path / "config.json").read_text())["experts_implementation"] == "moekit"
     plain = type(model).from_pretrained(tmp_path).eval()  # the file loaded by moekit.hf's from_pretrained
-    assert torch.equal(_logits(plain), saved)
+    assert torch.equal(tiny_logits(plain), saved)
     report = load_quantized_experts(plain, tmp_path)  # again, by hand: the blocks kept, the same tensors
     assert len(report.swapped) == 2 and not report.left
-    assert torch.equal(_logits(plain), saved)
+    assert torch.equal(tiny_logits(plain), saved)
     assert {b.path for b in report.swapped} == {p for p, m in plain.named_modules() if "_moekit_swap" in vars(m)}
     kinds = {n.rsplit(".", 1)[-1] for n, _ in plain.named_parameters()}
     assert not {"gate_up_proj", "down_proj"} & kinds  # freed again: the model holds each expert once, quantized
@@ -93,8 +88,8 @@ def test_an_offloaded_model_saved_by_transformers_says_what_to_keep(tmp_path):
     only word). It now warns, naming the checkpoint to keep instead (torch.save of the state_dict, docs/offload.md)."""
     model = build_model(hf_config("qwen3", 2, tiny=True), torch.float32, torch.device("cpu"), seed=3)
     offload_experts(model, gpu_budget_bytes=10**6, device="cpu", progress=False)
-    offloaded = _logits(model)
+    offloaded = tiny_logits(model)
     with pytest.warns(UserWarning, match=r"offload_experts replaced 2 MoE blocks.*from_pretrained.*at random.*"
                                          r"torch.save\(model.state_dict\(\)\)"):
         model.save_pretrained(tmp_path)
-    assert rel_l2(_logits(type(model).from_pretrained(tmp_path).eval()), offloaded) > 1e-3  # what the warning says
+    assert rel_l2(tiny_logits(type(model).from_pretrained(tmp_path).eval()), offloaded) > 1e-3  # what the warning says

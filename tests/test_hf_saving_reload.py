@@ -23,14 +23,10 @@ from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
 from moekit.hf import use_moekit_blocks  # noqa: E402
 from moekit.hf.saving import EXPERTS_FILE, load_if_saved  # noqa: E402
 
+from _swap_helpers import TINY_IDS, tiny_logits  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L] within the vocabulary
 pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", f"ignore:save_pretrained.*{EXPERTS_FILE}")
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
 
 
 def _freed(seed: int = 3, quant: str = "int8_w8a16"):
@@ -67,7 +63,7 @@ def _load_in_a_fresh_process(path: Path, how: str) -> str:
 
 def test_a_fresh_process_loads_the_saved_model_back(tmp_path):
     model = _freed()
-    torch.save((IDS, _logits(model)), tmp_path / "saved.pt")
+    torch.save((TINY_IDS, tiny_logits(model)), tmp_path / "saved.pt")
     model.save_pretrained(tmp_path)
     assert _load_in_a_fresh_process(tmp_path, "moekit asked") == "MAXDIFF 0.0"
     assert _load_in_a_fresh_process(tmp_path, "moekit imported") == "MAXDIFF 0.0"  # config.json names moekit
@@ -81,17 +77,17 @@ def test_save_then_quantize_and_quantize_then_save_into_one_folder(tmp_path):
     model = build_model(hf_config("qwen3", 2, tiny=True), torch.float32, torch.device("cpu"), seed=5)
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path).eval()
-    assert torch.equal(_logits(loaded), _logits(model))
+    assert torch.equal(tiny_logits(loaded), tiny_logits(model))
     use_moekit_blocks(loaded, quant="int4_w4a16", keep_float=False)
-    quantized = _logits(loaded)
+    quantized = tiny_logits(loaded)
     loaded.save_pretrained(tmp_path)
     again, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
-    assert torch.equal(_logits(again.eval()), quantized)
+    assert torch.equal(tiny_logits(again.eval()), quantized)
     assert not info["missing_keys"]  # the experts loaded from the file are not reported missing
     model.save_pretrained(tmp_path)  # the float model again, into the same folder
     assert not (tmp_path / EXPERTS_FILE).exists()
     assert "experts_implementation" not in json.loads((tmp_path / "config.json").read_text())
-    assert torch.equal(_logits(type(model).from_pretrained(tmp_path).eval()), _logits(model))
+    assert torch.equal(tiny_logits(type(model).from_pretrained(tmp_path).eval()), tiny_logits(model))
 
 
 class _Hub:
@@ -129,7 +125,7 @@ def hub(tmp_path, monkeypatch):
 @pytest.mark.parametrize("how", ["save_pretrained(push_to_hub=True)", "push_to_hub"])
 def test_a_pushed_repository_holds_the_experts_and_loads_back(how, tmp_path, hub):
     model = _freed()
-    saved = _logits(model)
+    saved = tiny_logits(model)
     if how == "push_to_hub":
         model.push_to_hub("me/tiny")
     else:  # transformers pushes inside the call: the file was written after the upload
@@ -137,7 +133,7 @@ def test_a_pushed_repository_holds_the_experts_and_loads_back(how, tmp_path, hub
         assert (tmp_path / "local" / EXPERTS_FILE).is_file()
     assert len(hub.commits) == 1 and EXPERTS_FILE in hub.commits[0] and "config.json" in hub.commits[0]
     assert not hasattr(model.config, "experts_implementation") and "_upload_modified_files" not in vars(model)
-    assert torch.equal(_logits(type(model).from_pretrained(hub.folder).eval()), saved)
+    assert torch.equal(tiny_logits(type(model).from_pretrained(hub.folder).eval()), saved)
 
 
 def test_a_hub_repository_named_moekit_is_asked_for_the_file(tmp_path, monkeypatch):
@@ -146,7 +142,7 @@ def test_a_hub_repository_named_moekit_is_asked_for_the_file(tmp_path, monkeypat
     import transformers.utils.hub as hub_utils
 
     model = _freed()
-    saved = _logits(model)
+    saved = tiny_logits(model)
     model.save_pretrained(tmp_path)
     asked = []
 
@@ -160,13 +156,13 @@ def test_a_hub_repository_named_moekit_is_asked_for_the_file(tmp_path, monkeypat
         for name, p in plain.named_parameters():
             if ".experts." in name:
                 p.normal_()
-    assert not torch.equal(_logits(plain.eval()), saved)
+    assert not torch.equal(tiny_logits(plain.eval()), saved)
     load_if_saved(plain, "me/tiny", {"revision": "v1"})
     assert asked == []  # its config names no moekit: no request
     plain.set_experts_implementation("moekit")
     load_if_saved(plain, "me/tiny", {"revision": "v1", "dtype": torch.float32})
     assert asked == [("me/tiny", EXPERTS_FILE, "v1")]
-    assert torch.equal(_logits(plain.eval()), saved)
+    assert torch.equal(tiny_logits(plain.eval()), saved)
 
 
 def test_a_file_of_that_name_not_written_by_moekit_is_named(tmp_path):
