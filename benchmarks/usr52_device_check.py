@@ -9,7 +9,8 @@ Correctness only (nothing here is a kernel change; no variant to time): tiny mod
   fp8       transformers' FineGrainedFP8Config at load (experts only, the other linears named not to convert):
             FP8Experts through moekit's fp8 path, against the float model (PASS: rel L2 < 5e-2) and transformers'
             eager FP8Experts loop (INFO where it cannot run offline); the saved fp8 checkpoint reloaded (PASS:
-            bit-equal); every linear converted and dequantize=True (INFO: what transformers does).
+            bit-equal); use_moekit_blocks on it (PASS: both swapped, rel L2 < 1e-2 to the experts implementation);
+            every linear converted and dequantize=True (INFO: what transformers does).
   offload   device_map with layer 1 on "cpu" ("disk" in the CPU smoke; accelerate hooks every block; layer 1's
             weights on meta between forwards): the experts implementation (PASS: rel L2 < 1e-2 of the float model),
             then use_moekit_blocks(quant="int8_w8a16"): layer 0 swapped and running (logits moved, rel < 5e-2),
@@ -134,6 +135,12 @@ def fp8(tmp: Path, device: torch.device) -> None:
                                                  device_map=device.type).eval()
     diff = (logits(again) - got).abs().max().item()
     check("fp8 checkpoint reloaded, moekit", diff == 0.0, f"max |diff| to the model it was saved from {diff:.3g}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        swap = use_moekit_blocks(ours, progress=False)  # FP8Experts kept fp8 in moekit's layer
+    blocks = logits(ours)
+    check("fp8 experts at load, blocks", len(swap.swapped) == 2 and rel(blocks, got) < 1e-2,
+          f"{len(swap.swapped)} swapped; rel L2 to the experts implementation {rel(blocks, got):.3g}")
     for label, where, config in (("every linear fp8", path, {}), ("dequantize=True", saved, {"dequantize": True})):
         try:
             other = load(where, "moekit", **config)
