@@ -173,3 +173,16 @@ def test_a_file_of_that_name_not_written_by_moekit_is_named(tmp_path):
     save_file({"x": torch.zeros(2)}, str(tmp_path / EXPERTS_FILE))  # someone else's file, no metadata
     with pytest.raises(ValueError, match=rf"{EXPERTS_FILE} has no 'moekit_swap' metadata.*not written by"):
         type(model).from_pretrained(tmp_path)
+
+
+def test_the_base_model_loads_the_experts_of_a_checkpoint_with_its_head(tmp_path):
+    """``AutoModel.from_pretrained`` of a ``...ForCausalLM`` checkpoint (transformers drops the ``model.`` prefix of
+    the rest): the file's blocks are the base model's own (was: "holds blocks [...] not in model")."""
+    model = _freed()
+    with torch.no_grad():
+        saved = model.model(TINY_IDS).last_hidden_state
+    model.save_pretrained(tmp_path)
+    base, info = transformers.AutoModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(base).__name__ == "Qwen3MoeModel" and not info["missing_keys"]
+    with torch.no_grad():
+        assert torch.equal(base.eval()(TINY_IDS).last_hidden_state, saved)

@@ -211,7 +211,23 @@ def ignore_saved_experts_missing(model: nn.Module) -> None:
     load report does not call them missing and "newly initialized": ``load_if_saved`` loads them next."""
     blocks = _SAVED_BLOCKS.get()
     if blocks and isinstance(getattr(model, "_keys_to_ignore_on_load_missing", None), set):
-        model._keys_to_ignore_on_load_missing.update(rf"^{re.escape(path)}\.experts\." for path in blocks)
+        prefix = f"{getattr(model, 'base_model_prefix', '')}."  # with it or without (``_rebased``)
+        model._keys_to_ignore_on_load_missing.update(
+            rf"^({re.escape(prefix)})?{re.escape(path.removeprefix(prefix))}\.experts\." for path in blocks)
+
+
+def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torch.Tensor]):
+    """The file's block paths and tensor names in ``model``'s own: a checkpoint of the model with its head
+    (``model.layers.0.mlp``) loaded into the base model (``layers.0.mlp``: ``AutoModel``), or the other way, as
+    transformers loads the rest of it (the class's ``base_model_prefix``)."""
+    paths = dict(model.named_modules())
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    if prefix == "." or all(p in paths for p in options):
+        return options, tensors
+    for change in (lambda n: n.removeprefix(prefix), lambda n: prefix + n):
+        if all(change(p) in paths for p in options):
+            return {change(p): o for p, o in options.items()}, {change(n): t for n, t in tensors.items()}
+    return options, tensors
 
 
 def _load(model: nn.Module, file: Path):
@@ -226,6 +242,7 @@ def _load(model: nn.Module, file: Path):
                              "save_pretrained of a model whose swapped blocks freed their float experts")
         options = json.loads(meta[_META_KEY])
         tensors = {name: f.get_tensor(name) for name in f.keys()}
+    options, tensors = _rebased(model, options, tensors)
     paths = dict(model.named_modules())
     absent = sorted(p for p in options if p not in paths)
     if absent:
