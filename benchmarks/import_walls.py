@@ -1,5 +1,5 @@
 """What starting moekit costs: the wall of ``import moekit``, ``import moekit.hf``, ``moekit --help``,
-``--version``, a misspelt command (its usage error), ``moekit analyze --help`` and a first eager forward, each a
+``--version``, a misspelt command (its usage error), every ``moekit COMMAND --help`` and a first eager forward, each a
 fresh interpreter, against ``import torch`` (the floor).
 
     PYTHONPATH=$PWD python3 benchmarks/import_walls.py [--runs 5] [--out DIR] [--tree PATH]
@@ -40,6 +40,9 @@ COMMANDS = {
     "moekit --version": ["-m", "moekit", "--version"],
     "moekit nope (usage error)": ["-m", "moekit", "nope"],
     "moekit analyze --help": ["-m", "moekit", "analyze", "--help"],
+    # every other command's help (session 52: which load more than the package and need not)
+    **{f"moekit {c} --help": ["-m", "moekit", c, "--help"] for c in ("bench", "demo", "serve", "simulate", "train",
+                                                                     "tune")},
     "MoE forward (cpu)": ["-c", FORWARD],
 }
 # packages worth naming when a command loads them (none of them is needed to start moekit)

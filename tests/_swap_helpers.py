@@ -1,7 +1,7 @@
 """What the ``use_moekit_blocks`` tests read of a swapped model: its blocks' swaps, a count of their MoE calls, a
 float64 loop of a softmax-routed SwiGLU block (Qwen3, Mixtral) to hold a swapped block against, a quantized swapped
-model's float64 twin over its dequantized weights, and a swapped MoE's
-eager and compiled-whole calls."""
+model's float64 twin over its dequantized weights, a swapped MoE's
+eager and compiled-whole calls, and the logits of a tiny model on fixed ids (the saving and loading tests)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ import torch
 
 from moekit.hf.swap import SWAP_ATTR
 from moekit.hf.variants import build_plan
+
+
+TINY_IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L]: in every vocabulary
+
+
+def tiny_logits(model) -> torch.Tensor:
+    """[B, L, V] ``model``'s logits on ``TINY_IDS``, without autograd."""
+    with torch.no_grad():
+        return model(TINY_IDS).logits
 
 
 def swaps(model) -> list:

@@ -3,7 +3,8 @@ quant=..., keep_float=False)``), and ``moekit.hf.load_quantized_experts`` after 
 checkpoint held the quantized buffers under moekit's names (Mixtral's renamed by transformers' conversion), and
 ``from_pretrained`` initialised the experts at random with a load report only: logits 1e-2 to 4e-2 off. Tiny
 Qwen3-MoE / Mixtral / gpt-oss / DeepSeek-V3 models built offline (random weights): the reloaded model's logits are
-bit-equal to the saved model's, which ran before saving."""
+bit-equal to the saved model's, which ran before saving. Session 52: ``from_pretrained`` of such a checkpoint loads the
+file itself (``test_hf_saving_reload.py``: in a fresh process, the orders of operations, ``push_to_hub``)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,9 @@ from moekit.hf import load_quantized_experts, offload_experts, use_moekit_blocks
 from moekit.hf.saving import EXPERTS_FILE  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
+from _swap_helpers import tiny_logits  # noqa: E402
 
-IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L] within every vocabulary
 pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", "ignore:gpu_budget_bytes:UserWarning")
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
 
 
 @pytest.mark.parametrize(("name", "quant", "options"), [
@@ -37,17 +33,18 @@ def _logits(model) -> torch.Tensor:
 def test_a_freed_model_saved_by_transformers_loads_back_bit_equal(name, quant, options, tmp_path):
     model = build_model(hf_config(name, 2, tiny=True), torch.float32, torch.device("cpu"), seed=3)
     use_moekit_blocks(model, quant=quant, quant_options=options, keep_float=False)
-    saved = _logits(model)
-    with pytest.warns(UserWarning, match=rf"from_pretrained.*at random.*{EXPERTS_FILE}.*load_quantized_experts"):
+    saved = tiny_logits(model)
+    with pytest.warns(UserWarning, match=rf"{EXPERTS_FILE}.*experts_implementation .moekit.*from_pretrained"):
         model.save_pretrained(tmp_path)
     checkpoint = set().union(*(safe_open(str(f), "pt").keys() for f in tmp_path.glob("model*.safetensors")))
     quantized = set(safe_open(str(tmp_path / EXPERTS_FILE), "pt").keys())
     assert quantized and not checkpoint & quantized and not [k for k in checkpoint if k.endswith("_q")]  # once
-    plain = type(model).from_pretrained(tmp_path).eval()
-    assert rel_l2(_logits(plain), saved) > 1e-3  # transformers alone: random experts, as the warning says
-    report = load_quantized_experts(plain, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["experts_implementation"] == "moekit"
+    plain = type(model).from_pretrained(tmp_path).eval()  # the file loaded by moekit.hf's from_pretrained
+    assert torch.equal(tiny_logits(plain), saved)
+    report = load_quantized_experts(plain, tmp_path)  # again, by hand: the blocks kept, the same tensors
     assert len(report.swapped) == 2 and not report.left
-    assert torch.equal(_logits(plain), saved)
+    assert torch.equal(tiny_logits(plain), saved)
     assert {b.path for b in report.swapped} == {p for p, m in plain.named_modules() if "_moekit_swap" in vars(m)}
     kinds = {n.rsplit(".", 1)[-1] for n, _ in plain.named_parameters()}
     assert not {"gate_up_proj", "down_proj"} & kinds  # freed again: the model holds each expert once, quantized
@@ -69,8 +66,8 @@ def test_loading_says_what_is_missing(tmp_path):
     use_moekit_blocks(part.model.layers[0], quant="int8_w8a16", keep_float=False)  # one block on its own
     with pytest.warns(UserWarning):
         part.save_pretrained(tmp_path / "part")
-    with pytest.raises(ValueError, match=r"no experts of \['model.layers.1.mlp'\]"):
-        load_quantized_experts(type(part).from_pretrained(tmp_path / "part"), tmp_path / "part")
+    with pytest.raises(ValueError, match=r"no experts of \['model.layers.1.mlp'\]"):  # from_pretrained loads it
+        type(part).from_pretrained(tmp_path / "part")
 
 
 def test_a_float_or_kept_swap_saves_as_before(tmp_path):
@@ -91,8 +88,8 @@ def test_an_offloaded_model_saved_by_transformers_says_what_to_keep(tmp_path):
     only word). It now warns, naming the checkpoint to keep instead (torch.save of the state_dict, docs/offload.md)."""
     model = build_model(hf_config("qwen3", 2, tiny=True), torch.float32, torch.device("cpu"), seed=3)
     offload_experts(model, gpu_budget_bytes=10**6, device="cpu", progress=False)
-    offloaded = _logits(model)
+    offloaded = tiny_logits(model)
     with pytest.warns(UserWarning, match=r"offload_experts replaced 2 MoE blocks.*from_pretrained.*at random.*"
                                          r"torch.save\(model.state_dict\(\)\)"):
         model.save_pretrained(tmp_path)
-    assert rel_l2(_logits(type(model).from_pretrained(tmp_path).eval()), offloaded) > 1e-3  # what the warning says
+    assert rel_l2(tiny_logits(type(model).from_pretrained(tmp_path).eval()), offloaded) > 1e-3  # what the warning says

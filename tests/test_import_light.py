@@ -95,6 +95,38 @@ def test_starting_moekit_loads_no_heavy_package_and_one_command():
         "import moekit": [], "forward": [], "moekit --help": [], "moekit analyze --help": ["analyze"]}
 
 
+HELPS = """
+import io, json, os, sys
+from contextlib import redirect_stdout
+from moekit.cli import COMMANDS, main
+HEAVY = {heavy!r}
+found = {{}}
+for command in COMMANDS:  # each in a child forked after the package's import: what its own --help adds
+    read, write = os.pipe()
+    if os.fork() == 0:
+        with redirect_stdout(io.StringIO()):
+            try:
+                main([command, "--help"])
+            except SystemExit:
+                pass
+        os.write(write, json.dumps([h for h in HEAVY if h in sys.modules]).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        found[command] = json.loads(pipe.read() or "null")
+    os.wait()
+print(json.dumps(found))
+"""
+
+
+def test_no_command_help_loads_a_heavy_package():
+    """Every ``moekit COMMAND --help`` (session 52's walk of the helps' walls): none loads transformers, triton,
+    dynamo or matplotlib; demo's module takes rich, which its run prints with. (torch comes with ``import moekit``:
+    the layer's ops are registered on import, ``test_import_moekit_alone_registers_the_ops_a_saved_program_calls``.)"""
+    found = _python(HELPS.format(heavy=HEAVY))
+    assert found == {command: (["rich"] if command == "demo" else []) for command in COMMANDS}
+
+
 @pytest.mark.parametrize("order", [["fullgraph", "explain"], ["explain", "fullgraph"]])
 def test_compiled_stats_stay_outside_the_graph_when_dynamo_comes_after_moekit(order):
     """The layer's own reason, not dynamo's word on the ``torch.compiler.disable`` call, whichever trace is first."""

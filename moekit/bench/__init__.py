@@ -17,6 +17,6 @@ the tuner, the expert-parallel layer, and one real layer against the byte model.
     tuning_switches.py  the fp8 entries' switches as the tuner's candidates; today's entry as its seed
     ep.py             the expert-parallel benchmark (``torchrun ... -m moekit.bench.ep``)
     layer_measure.py  one ``MoE`` layer over a batch sweep beside the byte model (``analyze --measure``)
-    hf_models.py, hf_measure.py, hf_run.py, hf_report.py, hf_fp64.py
+    hf_models.py, hf_measure.py, hf_run.py, hf_options.py, hf_passes.py, hf_report.py, hf_fp64.py
                       ``moekit bench --hf``: transformers MoE models end to end, per experts implementation
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -112,6 +113,12 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
     if experts is None or router is None or not hasattr(experts, "down_proj"):
         raise TypeError(f"block must be a transformers MoE block with .gate or .router and .experts (the experts "
                         f"interface), got {type(block).__name__}")
+    meta = next((n for n, t in itertools.chain(block.named_parameters(), block.named_buffers()) if t.is_meta), None)
+    if meta is not None:  # the probes and the copies would fail deep inside on it (Tensor.item() on meta tensors)
+        raise ValueError(f"{type(block).__name__}'s {meta} is on the meta device (device_map offloaded the block to "
+                         "'cpu' or 'disk', where accelerate loads it for each forward only, or it was never filled): "
+                         "moekit's layer reads a block's weights once; keep the block on a device in device_map, or "
+                         "run its experts through experts_implementation='moekit', which reads them at each call")
     plan = build_plan(experts)
     if not plan.fused or not plan.gated:
         why = plan.reason or "its experts are ungated (up_proj only)"

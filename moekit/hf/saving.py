@@ -6,18 +6,23 @@ conversion: Mixtral's ``mlp`` becomes ``block_sparse_moe``) and its ``from_pretr
 initialises the float experts at random and says so in a load report only. Importing ``moekit.hf`` wraps
 ``PreTrainedModel.save_pretrained`` once: for such a model it writes the quantized experts to ``EXPERTS_FILE`` beside
 the checkpoint instead (under the model's own ``state_dict`` names, the swap's options in its metadata; the checkpoint
-holds the rest) and warns how to load it: ``from_pretrained``, then ``load_quantized_experts(model, path)``, which
-swaps the blocks with the saved options and loads the tensors. ``offload_experts`` replaced its blocks by
-``OffloadedBlock`` modules, whose experts and router ``from_pretrained`` cannot place either: saving such a model
-warns, naming the checkpoint to keep (docs/offload.md). A model with float experts (swapped or not) saves as before,
-silently.
+holds the rest), names ``"moekit"`` as the experts implementation in its config.json (a process without ``moekit.hf``
+then stops on it instead of running random experts), writes both before a ``push_to_hub=True`` upload, and warns.
+``from_pretrained`` (``set_check.wrap_from_pretrained``) calls ``load_if_saved``: the blocks swapped with the saved
+options and their experts loaded; ``load_quantized_experts(model, path)`` does it by hand. A float model saved into
+such a folder removes the earlier file. ``offload_experts`` replaced its blocks by ``OffloadedBlock`` modules, whose
+experts and router ``from_pretrained`` cannot place either: saving such a model warns, naming the checkpoint to keep
+(docs/offload.md). A model with float experts (swapped or not) saves as before, silently.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from moekit._checks import check_module
+from moekit.hf.set_check import IMPLEMENTATION
 
 EXPERTS_FILE = "moekit_quantized_experts.safetensors"
 _META_KEY = "moekit_swap"  # the metadata entry: the swap's options as JSON
@@ -60,23 +66,52 @@ def wrap_save_pretrained() -> None:
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
         tensors, options = freed_experts(self)
-        if tensors and len(args) < 2 and kwargs.get("state_dict") is None:  # they go to EXPERTS_FILE only, once
+        main = kwargs.get("is_main_process", args[0] if args else True)  # transformers' second argument
+        if not tensors:
+            result = original(self, save_directory, *args, **kwargs)
+            _warn_offloaded(self)
+            if main:  # an earlier save's file would load over this model's experts
+                Path(save_directory, EXPERTS_FILE).unlink(missing_ok=True)
+            return result
+        if len(args) < 2 and kwargs.get("state_dict") is None:  # they go to EXPERTS_FILE only, once
             kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in tensors}
-        result = original(self, save_directory, *args, **kwargs)
+        with _naming_moekit(self, tensors, options):
+            result = original(self, save_directory, *args, **kwargs)
         _warn_offloaded(self)
-        if tensors and kwargs.get("is_main_process", args[0] if args else True):  # transformers' second argument
+        if main:
             _write(Path(save_directory), tensors, options)
-            first = next(iter(options.values()))
             warnings.warn(
-                f"save_pretrained: {len(options)} MoE blocks of {type(self).__name__} hold moekit's {first['quant']} "
-                "experts in place of their float ones (use_moekit_blocks(..., keep_float=False)); transformers' "
-                f"from_pretrained cannot read them and would initialise those experts at random: they are written to "
-                f"{EXPERTS_FILE} beside the checkpoint; load with model = {type(self).__name__}.from_pretrained(path), "
-                "then moekit.hf.load_quantized_experts(model, path)", UserWarning, stacklevel=2)
+                f"save_pretrained: {len(options)} MoE blocks of {type(self).__name__} hold moekit's "
+                f"{next(iter(options.values()))['quant']} experts in place of their float ones (use_moekit_blocks(..., "
+                f"keep_float=False)): they are written to {EXPERTS_FILE} beside the checkpoint, and its config.json "
+                f"names experts_implementation {IMPLEMENTATION!r}. from_pretrained(path) in a process that imported "
+                "moekit.hf loads them back; without moekit.hf, transformers refuses the checkpoint's "
+                "experts_implementation", UserWarning, stacklevel=2)
         return result
 
     setattr(save_pretrained, _WRAPPED, True)
     PreTrainedModel.save_pretrained = save_pretrained
+
+
+@contextlib.contextmanager
+def _naming_moekit(model: nn.Module, tensors: dict[str, torch.Tensor], options: dict[str, dict]):
+    """While transformers saves ``model``: its config carries ``experts_implementation = "moekit"`` (written into
+    config.json: transformers' config reads the key back; without ``moekit.hf`` the load then stops on it instead of
+    initialising the experts at random), and an upload (``save_pretrained(..., push_to_hub=True)``, which pushes
+    inside the call) writes ``EXPERTS_FILE`` into the folder first, so that the pushed repository holds it."""
+    upload = type(model)._upload_modified_files
+
+    def upload_with_experts(working_dir, *args, **kwargs):
+        _write(Path(working_dir), tensors, options)
+        return upload(model, working_dir, *args, **kwargs)
+
+    model.config.experts_implementation = IMPLEMENTATION
+    model.__dict__["_upload_modified_files"] = upload_with_experts  # this call's only: removed below
+    try:
+        yield
+    finally:
+        del model.config.experts_implementation
+        model.__dict__.pop("_upload_modified_files", None)
 
 
 def _blocks(names) -> set[str]:
@@ -105,23 +140,109 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], options: dict[str,
 
 
 def load_quantized_experts(model: nn.Module, path: str | os.PathLike):
-    """Give ``model`` (``from_pretrained`` of a checkpoint ``save_pretrained`` wrote from a model whose swapped
-    blocks freed their float experts) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it
-    was saved with (``use_moekit_blocks(..., keep_float=False)``), then its quantized experts loaded; returns the
-    swap's ``BlockSwapReport``. FileNotFoundError where ``path`` has no such file; ValueError where the model lacks a
-    block the file holds, or the file's blocks were swapped with different options."""
-    from safetensors import safe_open
-
-    from moekit.hf.swap import use_moekit_blocks
-
+    """Give ``model`` (built from a checkpoint ``save_pretrained`` wrote from a model whose swapped blocks freed
+    their float experts, without ``from_pretrained``'s own load of them: ``from_config``, a load before ``moekit.hf``
+    was imported) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it was saved with
+    (``use_moekit_blocks(..., keep_float=False)``), then its quantized experts loaded; returns the swap's
+    ``BlockSwapReport``. FileNotFoundError where ``path`` has no such file; ValueError where the model lacks a block
+    the file holds, or the file's blocks were swapped with different options."""
     check_module("model", model)
     file = Path(path) / EXPERTS_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such file; save_pretrained writes it for a model whose swapped blocks "
                                 "freed their float experts (use_moekit_blocks(..., keep_float=False))")
+    return _load(model, file)
+
+
+# from_pretrained's keywords that say where a checkpoint's files are (transformers' cached_file takes them)
+_WHERE = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+
+
+def load_if_saved(model: nn.Module, source, kwargs: dict, info: dict | None = None) -> None:
+    """``from_pretrained(source, **kwargs)``'s end (``set_check.wrap_from_pretrained``): where the checkpoint has an
+    ``EXPERTS_FILE`` (a folder's, looked for always; a hub repository's, when the loaded config names
+    ``"moekit"``, as a freed model's config.json does), its blocks are swapped and loaded as saved, and their float
+    experts dropped from ``info``'s ``missing_keys`` (``output_loading_info=True``: loaded now, not missing)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return
+    where = {k: kwargs[k] for k in _WHERE if kwargs.get(k) is not None}
+    if Path(source).is_dir():
+        file = Path(source, where.get("subfolder", ""), EXPERTS_FILE)
+        file = file if file.is_file() else None
+    elif IMPLEMENTATION in model.get_experts_implementation().values():
+        from transformers.utils.hub import cached_file
+
+        found = cached_file(source, EXPERTS_FILE, _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False, **where)
+        file = Path(found) if found else None
+    else:
+        file = None
+    if file is not None:
+        blocks = tuple(f"{b.path}." for b in _load(model, file).swapped)
+        if info is not None:
+            info["missing_keys"] = type(info["missing_keys"])(
+                k for k in info["missing_keys"] if not k.startswith(blocks))
+
+
+_SAVED_BLOCKS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("moekit_saved_blocks", default=())
+
+
+@contextlib.contextmanager
+def expecting_saved_experts(source, kwargs: dict):
+    """While ``from_pretrained(source, **kwargs)`` loads: the block paths of a folder's ``EXPERTS_FILE`` (read from its
+    metadata), for ``ignore_saved_experts_missing``."""
+    file = Path(source, kwargs.get("subfolder") or "", EXPERTS_FILE) if isinstance(source, (str, os.PathLike)) else None
+    blocks = ()
+    if file is not None and file.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(file), "pt") as f:
+            blocks = tuple(json.loads((f.metadata() or {}).get(_META_KEY, "{}")))
+    token = _SAVED_BLOCKS.set(blocks)
+    try:
+        yield
+    finally:
+        _SAVED_BLOCKS.reset(token)
+
+
+def ignore_saved_experts_missing(model: nn.Module) -> None:
+    """``post_init`` of a model ``from_pretrained`` builds within ``expecting_saved_experts``: the float experts of the
+    file's blocks join transformers' ``_keys_to_ignore_on_load_missing`` (patterns on the model's own names), so its
+    load report does not call them missing and "newly initialized": ``load_if_saved`` loads them next."""
+    blocks = _SAVED_BLOCKS.get()
+    if blocks and isinstance(getattr(model, "_keys_to_ignore_on_load_missing", None), set):
+        prefix = f"{getattr(model, 'base_model_prefix', '')}."  # with it or without (``_rebased``)
+        model._keys_to_ignore_on_load_missing.update(
+            rf"^({re.escape(prefix)})?{re.escape(path.removeprefix(prefix))}\.experts\." for path in blocks)
+
+
+def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torch.Tensor]):
+    """The file's block paths and tensor names in ``model``'s own: a checkpoint of the model with its head
+    (``model.layers.0.mlp``) loaded into the base model (``layers.0.mlp``: ``AutoModel``), or the other way, as
+    transformers loads the rest of it (the class's ``base_model_prefix``)."""
+    paths = dict(model.named_modules())
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    if prefix == "." or all(p in paths for p in options):
+        return options, tensors
+    for change in (lambda n: n.removeprefix(prefix), lambda n: prefix + n):
+        if all(change(p) in paths for p in options):
+            return {change(p): o for p, o in options.items()}, {change(n): t for n, t in tensors.items()}
+    return options, tensors
+
+
+def _load(model: nn.Module, file: Path):
+    from safetensors import safe_open
+
+    from moekit.hf.swap import use_moekit_blocks
+
     with safe_open(str(file), "pt") as f:
-        options = json.loads(f.metadata()[_META_KEY])
+        meta = f.metadata() or {}
+        if _META_KEY not in meta:  # was: "'NoneType' object is not subscriptable"
+            raise ValueError(f"{file} has no {_META_KEY!r} metadata (the swap's options): it was not written by "
+                             "save_pretrained of a model whose swapped blocks freed their float experts")
+        options = json.loads(meta[_META_KEY])
         tensors = {name: f.get_tensor(name) for name in f.keys()}
+    options, tensors = _rebased(model, options, tensors)
     paths = dict(model.named_modules())
     absent = sorted(p for p in options if p not in paths)
     if absent:
@@ -132,8 +253,14 @@ def load_quantized_experts(model: nn.Module, path: str | os.PathLike):
         raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each part "
                          "with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict the file")
     o = next(iter(options.values()))
-    report = use_moekit_blocks(model, backend=o["backend"], quant=o["quant"], quant_options=o["quant_options"] or None,
-                               keep_float=False, progress=False)
+    with warnings.catch_warnings():  # a block left is refused below, naming why
+        warnings.simplefilter("ignore", UserWarning)
+        report = use_moekit_blocks(model, backend=o["backend"], quant=o["quant"],
+                                   quant_options=o["quant_options"] or None, keep_float=False, progress=False)
+    left = [b for b in report.left if b.path in options]
+    if left:
+        raise ValueError(f"{file} holds the experts of {[b.path for b in left]}, which use_moekit_blocks could not "
+                         f"swap here ({left[0].path}: {left[0].reason}): their float experts are not in the checkpoint")
     unsaved = sorted(_blocks(freed_experts(model)[0]) - _blocks(tensors))
     if unsaved:  # swapped and freed now, quantized from from_pretrained's random experts: never silently
         raise ValueError(f"{file} holds no experts of {unsaved} (swapped on their own before saving?), which "

@@ -58,7 +58,8 @@ def wrap_set_experts_implementation() -> None:
 
 def wrap_from_pretrained() -> None:
     """``from_pretrained(..., experts_implementation="moekit")`` sets the implementation through the config, not
-    ``set_experts_implementation``: the loaded model's plans are built here, as that call builds them."""
+    ``set_experts_implementation``: the loaded model's plans are built here, as that call builds them. A checkpoint
+    with moekit's quantized experts beside it (``saving``) gets its swapped blocks back first."""
     from transformers import PreTrainedModel
 
     load = PreTrainedModel.__dict__["from_pretrained"].__func__  # a classmethod: the function under it
@@ -67,8 +68,14 @@ def wrap_from_pretrained() -> None:
 
     @functools.wraps(load)
     def from_pretrained(cls, *args, **kwargs):
-        result = load(cls, *args, **kwargs)
-        _plans_if_named(result[0] if isinstance(result, tuple) else result)  # output_loading_info: (model, info)
+        from moekit.hf.saving import expecting_saved_experts, load_if_saved
+
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        with expecting_saved_experts(source, kwargs):  # its experts not reported missing (wrap_post_init)
+            result = load(cls, *args, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result  # output_loading_info: (model, info)
+        load_if_saved(model, source, kwargs, result[1] if isinstance(result, tuple) else None)
+        _plans_if_named(model)
         return result
 
     setattr(from_pretrained, _WRAPPED, True)
@@ -79,7 +86,9 @@ def wrap_post_init() -> None:
     """A model built from a config that names ``"moekit"`` (by hand, ``from_config``) sets it in its ``__init__``,
     neither by ``set_experts_implementation`` nor ``from_pretrained``: transformers' ``post_init`` (the end of every
     model's ``__init__``, its weights initialised) builds the plans then. Built on the meta device (``from_pretrained``
-    builds it there), a module is left to ``wrap_from_pretrained`` or its first call."""
+    builds it there), a module is left to ``wrap_from_pretrained`` or its first call. Built by ``from_pretrained`` of
+    a folder holding moekit's quantized experts, the float experts of those blocks are told to transformers as not
+    missing (``saving.ignore_saved_experts_missing``): its load report listed them MISSING, "newly initialized"."""
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.post_init
@@ -88,7 +97,10 @@ def wrap_post_init() -> None:
 
     @functools.wraps(original)
     def post_init(self):
+        from moekit.hf.saving import ignore_saved_experts_missing
+
         result = original(self)
+        ignore_saved_experts_missing(self)
         _plans_if_named(self)
         return result
 

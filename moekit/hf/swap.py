@@ -38,7 +38,7 @@ from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
 from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
-                                  router_recorded, router_weights_shared)
+                                  router_recorded, router_weights_shared, set_block_class)
 from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import SCHEMES, quantize, scheme_defaults, scheme_options
 
@@ -215,7 +215,7 @@ def restore_blocks(model: nn.Module) -> int:
                 hooks = module._load_state_dict_post_hooks
                 for key in [k for k, hook in hooks.items() if hook is _rebuild_after_load]:
                     del hooks[key]
-            module.__class__ = swap.block_cls
+            set_block_class(module, swap.block_cls)
             count += 1
     return count
 
@@ -256,7 +256,7 @@ def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int |
                      freed=freed)
     swap.track(block)
     block.__dict__[SWAP_ATTR] = swap
-    block.__class__ = _swapped_class(own)
+    set_block_class(block, _swapped_class(own))
     return swap
 
 

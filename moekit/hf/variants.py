@@ -69,6 +69,7 @@ def experts_plan(module: nn.Module) -> ExpertsPlan:
         return plan
     if torch.compiler.is_compiling():
         return ExpertsPlan(activation=None, reason="compiled before its first eager call", **_flag_fields(module))
+    _refuse_scaleless_fp8(module)
     plan = module.__dict__[PLAN_ATTR] = build_plan(module)
     if not plan.fused and type(module) not in _WARNED:
         _WARNED.add(type(module))
@@ -76,6 +77,22 @@ def experts_plan(module: nn.Module) -> ExpertsPlan:
                       f"own functions between them), not fused: {plan.reason}", ComposedPathWarning, stacklevel=3)
     return plan
 
+
+def _refuse_scaleless_fp8(module: nn.Module) -> None:
+    """TypeError where an experts weight is fp8 without the ``*_scale_inv`` beside it: transformers 5.25 loads a
+    fine-grained fp8 checkpoint on a machine without a GPU (or with ``dequantize=True``) "dequantized to bf16" but
+    leaves the experts' e4m3 weights as stored and their scales unread (its load report: UNEXPECTED), so its own eager
+    fails too; moekit's backends said only that x and the weights differ in dtype."""
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        w = getattr(module, name, None)
+        if isinstance(w, torch.Tensor) and w.dtype in _FP8 and getattr(module, name + "_scale_inv", None) is None:
+            raise TypeError(f"{type(module).__name__}.{name} is {w.dtype} without its {name}_scale_inv: a fine-grained "
+                            "fp8 checkpoint loaded without transformers' FP8Experts (on a machine without a GPU, or "
+                            "with FineGrainedFP8Config(dequantize=True), transformers leaves the experts' fp8 weights "
+                            "as stored and drops their scales); load it on a GPU, without dequantize")
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Experts classes outside transformers' experts interface (no flags) whose weights are stored transposed: Llama-4's
 # bmm layout, gate_up_proj [E, K, 2N] (gate columns, then up) and down_proj [E, N, K]
