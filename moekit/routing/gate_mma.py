@@ -28,6 +28,11 @@ from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 
 MAX_ROWS = 256  # rows up to which the gate runs on this kernel (issue 13: the layer's memory-bound batches)
 NUM_WARPS = 4
+# Float32 logits run an FMA dot (no float32 MMA at ieee): a serial FFMA chain over a program's K slice for each of a
+# thread's block_m x block_e / 128 outputs. Narrower expert blocks over the same K slices give more programs of
+# shorter work and the same bits (an output's chain and the split sum unchanged; bf16 tiles untouched). None: one or
+# two expert tiles as for bf16 (session 51's). (benchmarks/gate52_device_check.py)
+FP32_BLOCK_E: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,10 @@ class MmaTiles:
         return -(-steps // self.split_k) * self.block_k
 
 
-def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype) -> MmaTiles:
+def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype, fp32_block_e: int | None = FP32_BLOCK_E) -> MmaTiles:
     """The tiles for [M, K] x [K, E]: 16-row blocks (the router's parallelism: one routing program per row block),
-    all experts of a row in one or two tiles, K split until the grid has about 128 programs."""
+    all experts of a row in one or two tiles, K split until the grid has about 128 programs. Float32 logits:
+    expert blocks of ``fp32_block_e`` at most (None: the one or two tiles), over the same split of K."""
     block_m = 16 if m <= 64 else 32
     block_e = max(16, min(128, next_pow2(e)))
     block_k = 64 if dtype == torch.float32 else 128
@@ -60,6 +66,8 @@ def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype) -> MmaTiles:
     split = 1
     while tiles * split * 2 <= 128 and k // (block_k * split * 2) >= 2:
         split *= 2
+    if dtype == torch.float32 and fp32_block_e is not None:  # K's order (the bits) is the split's: kept above
+        block_e = min(block_e, fp32_block_e)
     return MmaTiles(block_m, block_e, block_k, split)
 
 
