@@ -143,3 +143,31 @@ def test_tiles_keep_the_split(mods, e, k):
             assert rows * experts * splits >= today.grid(m, e)[0] * today.grid(m, e)[1] * today.split_k
             assert rows * tiles.block_m >= m and experts * tiles.block_e >= e
             assert gate_mma.mma_tiles(m, e, k, BF16, fp32_block_e=block_e) == gate_mma.mma_tiles(m, e, k, BF16)
+
+
+@pytest.mark.parametrize("m", [20, 100])
+def test_layer_on_narrow_tiles(mods, fma_chain_dot, m, monkeypatch):
+    """The layer (router_dtype float32, bf16 weights), its full forward and its decode fast path (the launch and its
+    kept scratch sized by the same tiles): output, logits and ids bit for bit those of today's tiles."""
+    import functools
+
+    import moekit.routing.gate_route as gate_route
+    from moekit import MoE
+
+    _, gate_mma, _ = mods
+    cfg = _config("e60")
+    x = torch.randn(m, cfg.hidden_size, generator=torch.Generator().manual_seed(m)).to(BF16)
+    tiles = gate_mma.mma_tiles
+    results = []
+    for block_e in (None, 16):
+        monkeypatch.setattr(gate_mma, "mma_tiles", functools.partial(tiles, fp32_block_e=block_e))
+        monkeypatch.setattr(gate_route, "_BOUND", {})
+        torch.manual_seed(0)
+        layer = MoE(cfg, backend="reference", router="fused", dtype=BF16).eval()
+        with torch.no_grad():
+            routed = layer.route_tokens(x, layer._route_ws)
+            outs = [layer(x) for _ in range(3)]  # the first keeps, the others are served
+        assert layer._decode._entries[m].bound.tiles == gate_mma.mma_tiles(m, 60, cfg.hidden_size, FP32)
+        results.append((routed.router_logits, routed.routing.topk_ids, *outs))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert torch.equal(results[0][2], results[0][4])
