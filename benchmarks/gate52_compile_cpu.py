@@ -7,8 +7,9 @@
 For Qwen3-30B-A3B's gate (bf16 x and W, E 128, K 2048), DeepSeek-V3's (bf16 x, float32 W, E 256, K 7168) and
 Mixtral's (bf16, E 8, K 4096), each row: the tiles, the grid's programs, the K steps a program runs, the SASS of its
 K loop (the loop holding the most FFMAs and no shuffle, which the router's loop has: its instructions, FFMAs and
-LDS), the FFMAs a thread issues over its K slice (loop FFMAs x steps), spills (STL / LDL) and shared memory. The product a thread issues in series is what the float32
-gate's latency follows (no float32 MMA at ieee); the device check (``gate52_device_check.py``) times it.
+LDS), the FFMAs a thread issues over its K slice (loop FFMAs x steps), spills (STL / LDL) and shared memory. What a
+thread issues in series is what the float32 gate's latency follows (no float32 MMA at ieee); the device check
+(``gate52_device_check.py``) times it.
 """
 
 from __future__ import annotations
