@@ -27,10 +27,7 @@ Cells run by priority until --deadline; a table last; JSON to --out/gate52.json.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -39,10 +36,14 @@ from pathlib import Path
 
 import torch
 
-from moekit import MoE, MoEConfig, route
-from moekit.routing import fused, gate_route
-from moekit.routing import gate_mma as gm
-from moekit.routing.workspace import RouteBuffers
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_rounds import graph_of, interleaved, medians  # noqa: E402
+from bench_run import check_parser, run_info, write_json  # noqa: E402
+from moekit import MoE, MoEConfig, route  # noqa: E402
+from moekit.routing import fused, gate_route  # noqa: E402
+from moekit.routing import gate_mma as gm  # noqa: E402
+from moekit.routing.workspace import RouteBuffers  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
 SHAPES = {"qwen3": ("qwen3-30b-a3b", BF16), "dsv3": ("deepseek-v3", FP32)}  # preset, gate weight dtype
@@ -150,9 +151,11 @@ def gate_checks(case: GateCase, variants: dict) -> dict:
     return out
 
 
-def graph_us(fns: dict, cuda: bool) -> dict:
-    """GPU µs per call of each fn: REPEATS calls captured in one graph, rounds interleaved, medians."""
-    return _replay({name: _capture(fn) for name, fn in fns.items()}) if cuda else {n: float("nan") for n in fns}
+def graph_us(fns: dict, device) -> dict:
+    """GPU µs per call of each fn: REPEATS calls captured in one graph, rounds interleaved, medians (``bench_rounds``);
+    NaN off the GPU."""
+    graphs = {name: graph_of([fn] * REPEATS, device) for name, fn in fns.items()}
+    return {name: round(us, 2) for name, us in medians(interleaved(graphs, REPEATS, device, ROUNDS, 1)).items()}
 
 
 @contextmanager
@@ -193,7 +196,7 @@ def layers(config: MoEConfig, w_dtype: torch.dtype, device) -> dict:
     return out
 
 
-def layer_cell(cases: dict, m: int, device, cuda: bool) -> dict:
+def layer_cell(cases: dict, m: int, device) -> dict:
     """new's output == today's (eager, bit for bit), then the decode step's GPU µs of each variant: captured under
     its tiles, replayed interleaved."""
     x = torch.randn(m, next(iter(cases.values()))[0].config.hidden_size, device=device).to(BF16)
@@ -203,39 +206,9 @@ def layer_cell(cases: dict, m: int, device, cuda: bool) -> dict:
             with fp32_block_e(block_e):
                 layer(x)  # keeps its entry (bound on these tiles)
                 outs[name] = layer(x)
-                if cuda:
-                    graphs[name] = _capture(functools.partial(layer, x))
-    row = {"ok": torch.equal(outs["new"], outs["today"])}
-    row["us"] = _replay(graphs) if cuda else {name: float("nan") for name in cases}
-    return row
-
-
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPEATS):
-            fn()
-    return g
-
-
-def _replay(graphs: dict) -> dict:
-    torch.cuda.synchronize()
-    times = {name: [] for name in graphs}
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b) * 1e3 / REPEATS)
-    return {name: round(statistics.median(t), 2) for name, t in times.items()}
+                graphs[name] = graph_of([functools.partial(layer, x)] * REPEATS, device)
+        us = medians(interleaved(graphs, REPEATS, device, ROUNDS, 1))
+    return {"ok": torch.equal(outs["new"], outs["today"]), "us": {name: round(v, 2) for name, v in us.items()}}
 
 
 def cells(smoke: bool) -> list[tuple[str, str, int]]:
@@ -248,16 +221,8 @@ def cells(smoke: bool) -> list[tuple[str, str, int]]:
     return gates + mid + rest + [("layer", s, m) for m in LAYER_ROWS[2:] for s in SHAPES]
 
 
-def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="/tmp/gate52", help="the folder gate52.json goes to")
-    p.add_argument("--deadline", type=float, default=55.0, help="seconds after which no cell starts")
-    p.add_argument("--smoke", action="store_true", help="the CPU at small shapes (with TRITON_INTERPRET=1)")
-    return p.parse_args()
-
-
 def main() -> None:
-    a, start = _args(), time.monotonic()
+    a, start = check_parser(55.0).parse_args(), time.monotonic()
     device = torch.device("cpu" if a.smoke else "cuda")
     cuda = device.type == "cuda"
     if cuda:
@@ -279,20 +244,18 @@ def main() -> None:
                 print(f"{'PASS' if c['ok'] else 'FAIL'} gate {shape} M={m} {name}: bits_equal_today={c['bits_equal']} "
                       f"err {c['err']:.1e}; vs torch fp32 router: ids off {c['ids_vs_torch']}/{c['slots']}, "
                       f"weights > 1 ulp {c['weights_gt_1ulp']}", flush=True)
-            us = graph_us({name: v.call for name, v in variants.items()}, cuda)
+            us = graph_us({name: v.call for name, v in variants.items()}, device)
             gate_rows.append({"shape": shape, "m": m, "checks": checks, "us": us})
         else:
             if shape not in built:
                 built[shape] = layers(config, w_dtype, device)
-            row = layer_cell(built[shape], m, device, cuda)
+            row = layer_cell(built[shape], m, device)
             failed += not row["ok"]
             print(f"{'PASS' if row['ok'] else 'FAIL'} layer {shape} M={m}: new output == today's", flush=True)
             layer_rows.append({"shape": shape, "m": m} | row)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-            "seconds": round(time.monotonic() - start, 1)}
-    (Path(a.out) / "gate52.json").write_text(json.dumps({"info": info, "gate": gate_rows, "layer": layer_rows},
-                                                        indent=1))
+    info = run_info() | {"seconds": round(time.monotonic() - start, 1)}
+    if a.out:
+        write_json(f"{a.out}/gate52.json", {"info": info, "gate": gate_rows, "layer": layer_rows})
     print(f"\n{info}  GPU µs per call in CUDA graphs (medians of {ROUNDS} interleaved rounds of {REPEATS})")
     names = ("today", *CANDIDATES, "m16e32", "bf16")
     print(f"{'gate':6} {'M':>4} " + " ".join(f"{n:>8}" for n in names))
