@@ -246,6 +246,7 @@ def main() -> None:
                       f"weights > 1 ulp {c['weights_gt_1ulp']}", flush=True)
             us = graph_us({name: v.call for name, v in variants.items()}, device)
             gate_rows.append({"shape": shape, "m": m, "checks": checks, "us": us})
+            print(f"  [{time.monotonic() - start:5.1f}s] gate {shape} M={m} µs {us}", flush=True)
         else:
             if shape not in built:
                 built[shape] = layers(config, w_dtype, device)
@@ -253,6 +254,9 @@ def main() -> None:
             failed += not row["ok"]
             print(f"{'PASS' if row['ok'] else 'FAIL'} layer {shape} M={m}: new output == today's", flush=True)
             layer_rows.append({"shape": shape, "m": m} | row)
+            print(f"  [{time.monotonic() - start:5.1f}s] layer {shape} M={m} µs {row['us']}", flush=True)
+        if a.out:  # after every cell: a run cut short keeps what it measured
+            write_json(f"{a.out}/gate52.json", {"info": run_info(), "gate": gate_rows, "layer": layer_rows})
     info = run_info() | {"seconds": round(time.monotonic() - start, 1)}
     if a.out:
         write_json(f"{a.out}/gate52.json", {"info": info, "gate": gate_rows, "layer": layer_rows})
