@@ -160,14 +160,14 @@ def graph_us(fns: dict, device) -> dict:
 
 @contextmanager
 def fp32_block_e(value):
-    """The layer's launches bound on ``mma_tiles(..., fp32_block_e=value)`` (launch and scratch alike)."""
-    original = gm.mma_tiles
-    gm.mma_tiles = functools.partial(original, fp32_block_e=value)
+    """The launches bound inside on ``gate_mma.FP32_BLOCK_E = value`` (the gate + router launches' cache cleared)."""
+    original = gm.FP32_BLOCK_E
+    gm.FP32_BLOCK_E = value
     gate_route.clear_launch_caches()
     try:
         yield
     finally:
-        gm.mma_tiles = original
+        gm.FP32_BLOCK_E = original
         gate_route.clear_launch_caches()
 
 

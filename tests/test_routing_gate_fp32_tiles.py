@@ -147,27 +147,48 @@ def test_tiles_keep_the_split(mods, e, k):
 
 @pytest.mark.parametrize("m", [20, 100])
 def test_layer_on_narrow_tiles(mods, fma_chain_dot, m, monkeypatch):
-    """The layer (router_dtype float32, bf16 weights), its full forward and its decode fast path (the launch and its
-    kept scratch sized by the same tiles): output, logits and ids bit for bit those of today's tiles."""
-    import functools
-
+    """The layer (router_dtype float32, bf16 weights) with ``FP32_BLOCK_E`` set, its full forward and its decode fast
+    path (the launch and its kept scratch): output, logits and ids bit for bit those of today's tiles."""
     import moekit.routing.gate_route as gate_route
     from moekit import MoE
 
     _, gate_mma, _ = mods
     cfg = _config("e60")
     x = torch.randn(m, cfg.hidden_size, generator=torch.Generator().manual_seed(m)).to(BF16)
-    tiles = gate_mma.mma_tiles
     results = []
     for block_e in (None, 16):
-        monkeypatch.setattr(gate_mma, "mma_tiles", functools.partial(tiles, fp32_block_e=block_e))
+        monkeypatch.setattr(gate_mma, "FP32_BLOCK_E", block_e)  # the switch, read where a launch is bound
         monkeypatch.setattr(gate_route, "_BOUND", {})
         torch.manual_seed(0)
         layer = MoE(cfg, backend="reference", router="fused", dtype=BF16).eval()
         with torch.no_grad():
             routed = layer.route_tokens(x, layer._route_ws)
             outs = [layer(x) for _ in range(3)]  # the first keeps, the others are served
-        assert layer._decode._entries[m].bound.tiles == gate_mma.mma_tiles(m, 60, cfg.hidden_size, FP32)
+        assert layer._decode._entries[m].bound.tiles == gate_mma.mma_tiles(m, 60, cfg.hidden_size, FP32, block_e)
         results.append((routed.router_logits, routed.routing.topk_ids, *outs))
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert torch.equal(results[0][2], results[0][4])
+
+
+def test_scratch_kept_before_the_switch_fits(mods, fma_chain_dot, monkeypatch):
+    """Buffers kept under today's tiles, then ``FP32_BLOCK_E`` set and the launch bound again into them: the counters
+    its narrower tiles need fit, are back at 0 after it, and the routing is the same bits."""
+    import moekit.routing.gate_route as gate_route
+    from moekit.routing.workspace import RouteWorkspace
+
+    fused, gate_mma, _ = mods
+    cfg = _config("e128")
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(20, 600, generator=g).to(BF16), (torch.randn(128, 600, generator=g) / 25).to(BF16)
+    buffers = RouteWorkspace().get(x, 128, cfg.top_k, FP32)
+    router = fused.FusedRouter(cfg)
+    results = []
+    for block_e in (None, 16):
+        monkeypatch.setattr(gate_mma, "FP32_BLOCK_E", block_e)
+        monkeypatch.setattr(gate_route, "_BOUND", {})
+        got = gate_route.gate_route(router, x, w, None, None, None, False, buffers)
+        rows, experts, _ = next(iter(gate_route._BOUND.values())).tiles.grid(20, 128)
+        assert experts == 128 // (block_e or 128) and rows * (experts + 1) <= buffers.count.numel()
+        assert int(buffers.count.abs().sum()) == 0
+        results.append((buffers.logits.clone(), got.topk_ids.clone(), got.topk_weights.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

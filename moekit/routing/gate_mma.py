@@ -29,9 +29,11 @@ from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 MAX_ROWS = 256  # rows up to which the gate runs on this kernel (issue 13: the layer's memory-bound batches)
 NUM_WARPS = 4
 # Float32 logits run an FMA dot (no float32 MMA at ieee): a serial FFMA chain over a program's K slice for each of a
-# thread's block_m x block_e / 128 outputs. Narrower expert blocks over the same K slices give more programs of
-# shorter work and the same bits (an output's chain and the split sum unchanged; bf16 tiles untouched). None: one or
-# two expert tiles as for bf16 (session 51's). (benchmarks/gate52_device_check.py)
+# thread's block_m x block_e / 128 outputs (Qwen3's gate at 64 rows: 2048 FFMAs a thread, V3's at 256: 28672).
+# FP32_BLOCK_E = B: expert blocks of at most B over the same split of K, so more programs of shorter chains and the same
+# bits (an output's chain and the split sum unchanged; bf16 tiles untouched; ``benchmarks/gate52_compile_cpu.py``).
+# None (session 51's tiles) until a device measures it (``benchmarks/gate52_device_check.py``: not run in session 52).
+# Read where a launch is bound (a kind of call's first call); the scratch has room for any value.
 FP32_BLOCK_E: int | None = None
 
 
@@ -55,7 +57,7 @@ class MmaTiles:
         return -(-steps // self.split_k) * self.block_k
 
 
-def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype, fp32_block_e: int | None = FP32_BLOCK_E) -> MmaTiles:
+def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype, fp32_block_e: int | None = None) -> MmaTiles:
     """The tiles for [M, K] x [K, E]: 16-row blocks (the router's parallelism: one routing program per row block),
     all experts of a row in one or two tiles, K split until the grid has about 128 programs. Float32 logits:
     expert blocks of ``fp32_block_e`` at most (None: the one or two tiles), over the same split of K."""
@@ -72,9 +74,12 @@ def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype, fp32_block_e: int | No
 
 
 def scratch_sizes(m: int, e: int, k: int, dtype: torch.dtype, tiles: MmaTiles | None = None) -> tuple[int, int]:
-    """(counter elements int32, partial elements fp32) a launch of M rows needs; (0, 0) outside the kernel's rows."""
-    tiles = mma_tiles(m, e, k, dtype) if tiles is None else tiles
+    """(counter elements int32, partial elements fp32) a launch of M rows needs (float32: counters for any
+    ``FP32_BLOCK_E``); (0, 0) outside the kernel's rows."""
+    tiles = mma_tiles(m, e, k, dtype, FP32_BLOCK_E) if tiles is None else tiles
     rb, eb, split = tiles.grid(m, e)
+    if dtype == torch.float32:  # room for 16-expert blocks: buffers kept before FP32_BLOCK_E changed stay large enough
+        eb = max(eb, -(-e // 16))
     return rb * (eb + 1), (split * m * e if split > 1 else 0)
 
 
@@ -102,7 +107,7 @@ class BoundGateMma:
         dtype = x.dtype if dtype is None else dtype  # the logits' (the router dtype): x and W read as stored
         options = fused._launch_options(x.device)
         precise = options["PRECISE"]
-        self.tiles = tiles = mma_tiles(m, e, k, dtype) if tiles is None else tiles  # float32 logits: float32's tiles
+        self.tiles = tiles = mma_tiles(m, e, k, dtype, FP32_BLOCK_E) if tiles is None else tiles  # float32's
         self.scratch = scratch_sizes(m, e, k, dtype, tiles)
         # bf16 / fp16 x or W for float32 logits (``gate.reads_as``): upcast in registers, then the float32 inputs'
         # ieee dot, on the GPU an FMA chain over K in K's order whatever the operands' load layout
