@@ -192,3 +192,10 @@ def test_scratch_kept_before_the_switch_fits(mods, fma_chain_dot, monkeypatch):
         assert int(buffers.count.abs().sum()) == 0
         results.append((buffers.logits.clone(), got.topk_ids.clone(), got.topk_weights.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("bad", [8, 24, 0])
+def test_a_block_below_16_or_not_a_power_of_2_is_refused(mods, bad):
+    _, gate_mma, _ = mods
+    with pytest.raises(ValueError, match="fp32_block_e"):
+        gate_mma.mma_tiles(64, 128, 2048, FP32, fp32_block_e=bad)

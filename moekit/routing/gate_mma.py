@@ -61,6 +61,9 @@ def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype, fp32_block_e: int | No
     """The tiles for [M, K] x [K, E]: 16-row blocks (the router's parallelism: one routing program per row block),
     all experts of a row in one or two tiles, K split until the grid has about 128 programs. Float32 logits:
     expert blocks of ``fp32_block_e`` at most (None: the one or two tiles), over the same split of K."""
+    if fp32_block_e is not None and (fp32_block_e < 16 or fp32_block_e & (fp32_block_e - 1)):
+        raise ValueError(f"fp32_block_e (gate_mma.FP32_BLOCK_E): a power of 2 of 16 or more (tl.dot's least "
+                         f"block, the scratch's room), or None; got {fp32_block_e}")
     block_m = 16 if m <= 64 else 32
     block_e = max(16, min(128, next_pow2(e)))
     block_k = 64 if dtype == torch.float32 else 128
