@@ -28,6 +28,13 @@ from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 
 MAX_ROWS = 256  # rows up to which the gate runs on this kernel (issue 13: the layer's memory-bound batches)
 NUM_WARPS = 4
+# Float32 logits run an FMA dot (no float32 MMA at ieee): a serial FFMA chain over a program's K slice for each of a
+# thread's block_m x block_e / 128 outputs (Qwen3's gate at 64 rows: 2048 FFMAs a thread, V3's at 256: 28672).
+# FP32_BLOCK_E = B: expert blocks of at most B over the same split of K, so more programs of shorter chains and the same
+# bits (an output's chain and the split sum unchanged; bf16 tiles untouched; ``benchmarks/gate52_compile_cpu.py``).
+# None (session 51's tiles) until a device measures it (``benchmarks/gate52_device_check.py``: not run in session 52).
+# Read where a launch is bound (a kind of call's first call); the scratch has room for any value.
+FP32_BLOCK_E: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,13 @@ class MmaTiles:
         return -(-steps // self.split_k) * self.block_k
 
 
-def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype) -> MmaTiles:
+def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype, fp32_block_e: int | None = None) -> MmaTiles:
     """The tiles for [M, K] x [K, E]: 16-row blocks (the router's parallelism: one routing program per row block),
-    all experts of a row in one or two tiles, K split until the grid has about 128 programs."""
+    all experts of a row in one or two tiles, K split until the grid has about 128 programs. Float32 logits:
+    expert blocks of ``fp32_block_e`` at most (None: the one or two tiles), over the same split of K."""
+    if fp32_block_e is not None and (fp32_block_e < 16 or fp32_block_e & (fp32_block_e - 1)):
+        raise ValueError(f"fp32_block_e (gate_mma.FP32_BLOCK_E): a power of 2 of 16 or more (tl.dot's least "
+                         f"block, the scratch's room), or None; got {fp32_block_e}")
     block_m = 16 if m <= 64 else 32
     block_e = max(16, min(128, next_pow2(e)))
     block_k = 64 if dtype == torch.float32 else 128
@@ -60,13 +71,18 @@ def mma_tiles(m: int, e: int, k: int, dtype: torch.dtype) -> MmaTiles:
     split = 1
     while tiles * split * 2 <= 128 and k // (block_k * split * 2) >= 2:
         split *= 2
+    if dtype == torch.float32 and fp32_block_e is not None:  # K's order (the bits) is the split's: kept above
+        block_e = min(block_e, fp32_block_e)
     return MmaTiles(block_m, block_e, block_k, split)
 
 
 def scratch_sizes(m: int, e: int, k: int, dtype: torch.dtype, tiles: MmaTiles | None = None) -> tuple[int, int]:
-    """(counter elements int32, partial elements fp32) a launch of M rows needs; (0, 0) outside the kernel's rows."""
-    tiles = mma_tiles(m, e, k, dtype) if tiles is None else tiles
+    """(counter elements int32, partial elements fp32) a launch of M rows needs (float32: counters for any
+    ``FP32_BLOCK_E``); (0, 0) outside the kernel's rows."""
+    tiles = mma_tiles(m, e, k, dtype, FP32_BLOCK_E) if tiles is None else tiles
     rb, eb, split = tiles.grid(m, e)
+    if dtype == torch.float32:  # room for 16-expert blocks: buffers kept before FP32_BLOCK_E changed stay large enough
+        eb = max(eb, -(-e // 16))
     return rb * (eb + 1), (split * m * e if split > 1 else 0)
 
 
@@ -94,7 +110,7 @@ class BoundGateMma:
         dtype = x.dtype if dtype is None else dtype  # the logits' (the router dtype): x and W read as stored
         options = fused._launch_options(x.device)
         precise = options["PRECISE"]
-        self.tiles = tiles = mma_tiles(m, e, k, dtype) if tiles is None else tiles  # float32 logits: float32's tiles
+        self.tiles = tiles = mma_tiles(m, e, k, dtype, FP32_BLOCK_E) if tiles is None else tiles  # float32's
         self.scratch = scratch_sizes(m, e, k, dtype, tiles)
         # bf16 / fp16 x or W for float32 logits (``gate.reads_as``): upcast in registers, then the float32 inputs'
         # ieee dot, on the GPU an FMA chain over K in K's order whatever the operands' load layout
