@@ -188,3 +188,23 @@ def test_the_op_runs_the_rules_inference_tiles(interpreter, monkeypatch):
         assert rel_l2(got[name], want[name]) < 1e-5, name
     x, w13, w2, ids, weights = make_problem(0, 2, 8, 33, 17, seed=1)
     assert experts_triton_kept(x, w13, w2, ids, weights).shape == (0, 33)
+
+
+def test_a_user_config_written_after_a_pick_is_taken(tmp_path, monkeypatch):
+    """The picks are kept per shape and cleared with the config lookups: a user file written (``write_configs``) for
+    Mixtral at M=1024 on an H100 after a first pick gives the next pick its tiles."""
+    from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache, write_configs
+    from moekit.experts.triton_kept_forward import forward_tiles
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    clear_config_cache()
+    shape = _shape(1024, 8, 14336, 4096, 2)
+    before = forward_tiles(shape, 128, True, SM90_SHARED, _kept(), "inference")
+    mine = KernelConfig(128, GemmTile(64, 64, 4, 8, 3), GemmTile(128, 64, 2, 8, 2))
+    write_configs(tmp_path / f"E8_N14336_K4096_bfloat16_{H100}.json", 8, 14336, 4096, torch.bfloat16, H100,
+                  {1024: mine})
+    after = forward_tiles(shape, 128, True, SM90_SHARED, _kept(), "inference")
+    assert before.fwd13.rows == 64 and (after.fwd13.rows, after.fwd13.cols, after.fwd13.group) == (128, 64, 4)
+    assert (after.fwd2.cols, after.fwd2.num_stages, after.fwd2.group) == (128, 2, 2)
+    monkeypatch.delenv("MOEKIT_CONFIG_DIR")
+    clear_config_cache()

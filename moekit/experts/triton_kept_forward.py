@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.experts.configs import GemmTile, KernelConfig, device_key, fit_shared_memory, get_config
+from moekit.experts.configs import (GemmTile, KernelConfig, call_device_key, fit_shared_memory, get_config,
+                                    on_config_cache_clear)
 from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles, shape_class
 from moekit.experts.triton_launch import interpreting, max_shared_memory
 
@@ -111,11 +112,17 @@ def forward_tiles(shape: KeptShape, block_m: int, desc: bool, limit_bytes: int, 
                   source: str | None = None) -> KeptForward:
     """The kept forward's tiles for ``shape`` on a layout of ``block_m`` rows a block: ``source`` (None: the rule's
     for the shape's class, else "kept"), falling back to ``kept`` (the "kept" tile, with ``desc``) where the source's
-    M-block does not divide ``block_m``."""
+    M-block does not divide ``block_m``. Kept per arguments (cleared with the config lookups)."""
     if source is None:
         source = FORWARD_RULE.get(shape_class(shape.num_tokens * shape.top_k, shape.num_experts, shape.n), "kept")
     if source not in ("kept", "inference", *CANDIDATES):
         raise ValueError(f"source must be 'inference', 'kept' or one of {sorted(CANDIDATES)}, got {source!r}")
+    return _picked(shape, block_m, desc, limit_bytes, kept, source)
+
+
+@functools.lru_cache(maxsize=256)
+def _picked(shape: KeptShape, block_m: int, desc: bool, limit_bytes: int, kept: KernelTiles,
+            source: str) -> KeptForward:
     fallback = KeptForward(dataclasses.replace(kept, desc=desc), dataclasses.replace(kept, desc=desc), "kept")
     if source == "kept":
         return fallback
@@ -123,11 +130,14 @@ def forward_tiles(shape: KeptShape, block_m: int, desc: bool, limit_bytes: int, 
     return as_kept(config, source, block_m, shape.dtype.itemsize, desc, limit_bytes) or fallback
 
 
+on_config_cache_clear(_picked.cache_clear)
+
+
 @functools.lru_cache(maxsize=16)
 def _device_facts(device: torch.device) -> tuple[str, int]:
     """(``device_key``, the shared memory a program may use; unbounded off CUDA and under the interpreter)."""
     limit = max_shared_memory(device) if device.type == "cuda" and not interpreting() else 1 << 62
-    return device_key(device), limit
+    return call_device_key(device), limit
 
 
 def with_kept_forward(tiles: BackwardTiles, kept: BackwardTiles, x: torch.Tensor, w13: torch.Tensor,
