@@ -153,19 +153,12 @@ def test_expert_map_with_unrouted_slots_through_a_64_row_source(interpreter):
     assert torch.equal(kept.out[0], torch.zeros(33))
 
 
-def test_the_op_runs_the_rules_inference_tiles(interpreter, monkeypatch):
-    """Through ``experts_triton_kept`` with the rule naming "inference": the forward's launches take the inference
-    forward's config of the shape (the heuristic's 16-row blocks here, off CUDA), and the grads equal the float64
-    loop's; M = 0 gives zeros."""
-    import moekit.experts.triton_kept_forward as kf
+def _forward_launches(monkeypatch, problem) -> list:
+    """(kernel, BLOCK_M, BLOCK_N, BLOCK_K) of each launch of the kept forward's GEMMs in one forward call."""
     import moekit.experts.triton_train_forward as tf
-    from moekit.experts.configs import heuristic_config
     from moekit.experts.triton_backward import experts_triton_kept
 
-    monkeypatch.setattr(kf, "FORWARD_RULE", dict.fromkeys(("narrow/few",), "inference"))
-    problem = make_problem(6, 2, 8, 33, 17, seed=12)
-    launched = []
-    real = tf.kernels
+    launched, real = [], tf.kernels
 
     class Spy:
         def __init__(self, module):
@@ -177,15 +170,36 @@ def test_the_op_runs_the_rules_inference_tiles(interpreter, monkeypatch):
                 launched.append((name, kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("BLOCK_K"))),
                 kernel[grid](*a, **kw))[1]})()
 
-    monkeypatch.setattr(tf, "kernels", lambda name: Spy(real(name)))
+    with monkeypatch.context() as m:
+        m.setattr(tf, "kernels", lambda name: Spy(real(name)))
+        experts_triton_kept(*problem)
+    return [s for s in launched if s[0] in ("gate_up_train_kernel", "down_train_kernel")]
+
+
+def test_the_op_runs_the_rules_inference_tiles(interpreter, monkeypatch):
+    """Through ``experts_triton_kept`` with the rule naming "inference": off an sm_90 GPU the rule does not apply (the
+    interpreter's "kept" tile, 16 x 16); on one (taken for it here) the forward's launches take the inference forward's
+    config of the shape (the heuristic's, off CUDA), and the grads hold to the float64 loop's within bf16's tolerance;
+    M = 0 gives zeros."""
+    import moekit.experts.triton_kept_forward as kf
+    from moekit.experts.configs import heuristic_config
+    from moekit.experts.triton_backward import experts_triton_kept
+
+    monkeypatch.setattr(kf, "FORWARD_RULE", dict.fromkeys(("narrow/few",), "inference"))
+    problem = make_problem(6, 2, 8, 33, 17, dtype=torch.bfloat16, seed=12)
+    launched_off_sm90 = _forward_launches(monkeypatch, problem)
+    assert launched_off_sm90 and all(b == 16 and n == 16 for _, b, n, _ in launched_off_sm90), launched_off_sm90
+    facts = kf.device_facts(torch.device("cpu"))  # the interpreter's device taken for a measured one
+    monkeypatch.setattr(kf, "device_facts", lambda device: dataclasses.replace(facts, measured=True))
+    launched = _forward_launches(monkeypatch, problem)
     dout = torch.randn(6, 33, generator=torch.Generator().manual_seed(4))
-    got = grads(experts_triton_kept, problem, dout)
+    got = grads(experts_triton_kept, problem, dout, torch.bfloat16)
     want = grads(loop64, problem, dout, torch.float64)
     config = heuristic_config(6, 8, 17, 33, 2)
     assert ("gate_up_train_kernel", config.BLOCK_M, config.up.BLOCK_N, config.up.BLOCK_K) in launched, launched
     assert ("down_train_kernel", config.BLOCK_M, config.down.BLOCK_N, config.down.BLOCK_K) in launched, launched
     for name in NAMES:
-        assert rel_l2(got[name], want[name]) < 1e-5, name
+        assert rel_l2(got[name], want[name]) < 1e-2, name
     x, w13, w2, ids, weights = make_problem(0, 2, 8, 33, 17, seed=1)
     assert experts_triton_kept(x, w13, w2, ids, weights).shape == (0, 33)
 

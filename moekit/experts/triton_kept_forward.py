@@ -11,7 +11,8 @@ names the source of a class's tiles:
     "kept"       ``triton_backward_sorted.KEPT_FORWARD`` for both GEMMs (session 51's one tile: "wide/many"'s gate-up
                  tile, 128 x 128, 64-wide K steps, 8 warps, 4 stages)
     a name of ``CANDIDATES``: that measured pair
-A class not in the rule takes "kept".
+A class not in the rule takes "kept"; the rule applies to bf16 on an sm_90 GPU (where it was measured, as ``TUNED``,
+which sizes the layout's block), every other call takes "kept".
 
 Why the kept forward cannot simply take the inference forward's tiles: its layout is the backward's (block_m from
 ``backward_tiles``, 128 on sm_90: x_p and h_p are kept in those rows for the backward), so an M-block must divide it
@@ -133,20 +134,32 @@ def _picked(shape: KeptShape, block_m: int, desc: bool, limit_bytes: int, kept: 
 on_config_cache_clear(_picked.cache_clear)
 
 
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the pick reads of a call's device."""
+
+    key: str  # ``configs.device_key``: the config files' name part
+    shared_bytes: int  # the shared memory a program may use; unbounded off CUDA and under the interpreter
+    measured: bool  # an sm_90 GPU, where ``FORWARD_RULE`` was measured (as ``TUNED``, which keys the layout's block)
+
+
 @functools.lru_cache(maxsize=16)
-def _device_facts(device: torch.device) -> tuple[str, int]:
-    """(``device_key``, the shared memory a program may use; unbounded off CUDA and under the interpreter)."""
-    limit = max_shared_memory(device) if device.type == "cuda" and not interpreting() else 1 << 62
-    return call_device_key(device), limit
+def device_facts(device: torch.device) -> DeviceFacts:
+    on_gpu = device.type == "cuda" and not interpreting()
+    return DeviceFacts(call_device_key(device), max_shared_memory(device) if on_gpu else 1 << 62,
+                       on_gpu and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def with_kept_forward(tiles: BackwardTiles, kept: BackwardTiles, x: torch.Tensor, w13: torch.Tensor,
                       topk_ids: torch.Tensor, source: str | None = None) -> BackwardTiles:
     """``kept`` (``kept_tiles(tiles)``) with ``forward_tiles``' pick for the call (x [M, K], w13 [E, 2N, K], topk_ids
-    [M, k]) where the shape's ``tiles`` carry no forward tiles of their own ("wide/many"'s ``TUNED`` entry does)."""
+    [M, k]) where the shape's ``tiles`` carry no forward tiles of their own ("wide/many"'s ``TUNED`` entry does).
+    ``source`` None: the rule's for bf16 on an sm_90 GPU (where it was measured), else "kept"."""
     if tiles.fwd13 is not None:
         return kept
-    key, limit = _device_facts(x.device)
-    shape = KeptShape(x.shape[0], w13.shape[0], w13.shape[1] // 2, x.shape[1], topk_ids.shape[1], x.dtype, key)
-    pick = forward_tiles(shape, kept.block_m, kept.fwd13.desc, limit, kept.fwd13, source)
+    facts = device_facts(x.device)
+    if source is None and not (facts.measured and x.dtype == torch.bfloat16):
+        source = "kept"
+    shape = KeptShape(x.shape[0], w13.shape[0], w13.shape[1] // 2, x.shape[1], topk_ids.shape[1], x.dtype, facts.key)
+    pick = forward_tiles(shape, kept.block_m, kept.fwd13.desc, facts.shared_bytes, kept.fwd13, source)
     return dataclasses.replace(kept, fwd13=pick.fwd13, fwd2=pick.fwd2)
