@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
+from _triton_helpers import interpreter, spy_launches  # noqa: E402, F401  (fixture)
 from _helpers import make_problem, rel_l2  # noqa: E402
 from test_triton_backward_kept import NAMES, grads, loop64  # noqa: E402
 
@@ -158,20 +158,8 @@ def _forward_launches(monkeypatch, problem) -> list:
     import moekit.experts.triton_train_forward as tf
     from moekit.experts.triton_backward import experts_triton_kept
 
-    launched, real = [], tf.kernels
-
-    class Spy:
-        def __init__(self, module):
-            self.module = module
-
-        def __getattr__(self, name):
-            kernel = getattr(self.module, name)
-            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (
-                launched.append((name, kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("BLOCK_K"))),
-                kernel[grid](*a, **kw))[1]})()
-
     with monkeypatch.context() as m:
-        m.setattr(tf, "kernels", lambda name: Spy(real(name)))
+        launched = spy_launches(m, tf, lambda name, kw: (name, kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("BLOCK_K")))
         experts_triton_kept(*problem)
     return [s for s in launched if s[0] in ("gate_up_train_kernel", "down_train_kernel")]
 
