@@ -149,8 +149,10 @@ def time_grid(dev, result: dict, stop: float) -> None:
 
 class PartTimer:
     """Events (or perf_counter on the CPU) around the backward's launch functions, by part; installed on the
-    modules ``experts_backward`` looks them up in at call time."""
+    modules ``experts_backward`` looks them up in at call time. A subclass times other functions: its ``WRAPPED``
+    (module, function, part) and ``PARTS`` (every part, "other" last)."""
 
+    PARTS = PARTS
     WRAPPED = (("triton_backward_launch", "grad_gate_up", "grad"), ("triton_backward_sorted", "grad_gate_up_sorted",
                "grad"), ("triton_backward_launch", "gather_gemm", "dx"), ("triton_backward_sorted", "dx_sorted", "dx"),
                ("triton_backward_launch", "sum_slots", "dx"), ("triton_backward_launch", "weight_grad", "dw"))
@@ -190,11 +192,11 @@ class PartTimer:
         end = self._mark()
         if self.cuda:
             torch.cuda.synchronize()
-        parts, weight = dict.fromkeys(PARTS, 0.0), iter(("dw13", "dw2"))
+        parts, weight = dict.fromkeys(self.PARTS, 0.0), iter(("dw13", "dw2"))
         for part, a, b in self.marks:
             parts[next(weight) if part == "dw" else part] += self._us(a, b)
         total = self._us(begin, end)
-        parts["other"] = total - sum(parts[p] for p in PARTS[:-1])
+        parts["other"] = total - sum(parts[p] for p in self.PARTS[:-1])
         return {"total": total, **parts}
 
     def remove(self) -> None:

@@ -166,14 +166,15 @@ def time_cell(dev, layer: str, m: int, stop: float, result: dict) -> None:
     free(dev)
 
 
-def each_cell(cells, run_cell, label: str, dev, result: dict, stop: float) -> None:
-    """``run_cell(dev, layer, m, stop, result)`` for each of ``cells`` that starts before ``stop``."""
+def each_cell(cells, run_cell, label: str, dev, result: dict, stop: float, run: RunLog = RUN) -> None:
+    """``run_cell(dev, layer, m, stop, result)`` for each of ``cells`` that starts before ``stop``, logged on
+    ``run``."""
     for layer, m in cells:
         if time.time() > stop:
-            RUN.summary.append(f"{label} {layer} M={m}: not timed (deadline)")
+            run.summary.append(f"{label} {layer} M={m}: not timed (deadline)")
             continue
         run_cell(dev, layer, m, stop, result)
-        RUN.log(f"{label} {layer} M={m}")
+        run.log(f"{label} {layer} M={m}")
 
 
 def kept_cols(cols: int | None, fn):

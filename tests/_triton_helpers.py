@@ -111,10 +111,9 @@ def launch_log(interpreter, monkeypatch):
     interpreter.clear_launch_caches()
 
 
-def spy_desc(monkeypatch, module) -> list:
-    """Record (kernel name, its DESC constexpr) for every launch through ``module.kernels`` (a module's
-    lazy kernel loader; None for a kernel without DESC); returns the list the launches append to. The kernels still
-    run."""
+def spy_launches(monkeypatch, module, record) -> list:
+    """Record ``record(kernel name, the launch's keyword arguments)`` for every launch through ``module.kernels`` (a
+    module's lazy kernel loader); returns the list the launches append to. The kernels still run."""
     seen, real = [], module.kernels
 
     class Spy:
@@ -123,8 +122,14 @@ def spy_desc(monkeypatch, module) -> list:
 
         def __getattr__(self, name):
             kernel = getattr(self.kernels, name)
-            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (seen.append((name, kw.get("DESC"))),
+            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (seen.append(record(name, kw)),
                                                                                      kernel[grid](*a, **kw))})()
 
     monkeypatch.setattr(module, "kernels", lambda name: Spy(real(name)))
     return seen
+
+
+def spy_desc(monkeypatch, module) -> list:
+    """(kernel name, its DESC constexpr; None for a kernel without DESC) for every launch through ``module.kernels``
+    (``spy_launches``)."""
+    return spy_launches(monkeypatch, module, lambda name, kw: (name, kw.get("DESC")))

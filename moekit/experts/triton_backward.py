@@ -57,6 +57,7 @@ from moekit.func_ops import transform_function, transforming
 from moekit.experts.triton_backward_launch import (BACKWARD_ACTIVATIONS, BackwardTiles, _work_dtype, backward_tiles,
                                                    experts_backward)
 from moekit.experts.triton_backward_sorted import kept_tiles
+from moekit.experts.triton_kept_forward import with_kept_forward
 from moekit.experts.triton_train_forward import layout_rows, sorted_forward
 from moekit.experts.triton_plan import check_triton_args
 
@@ -199,15 +200,16 @@ def backward_experts_op(ctx, dout: torch.Tensor) -> tuple:
 
 
 def sorted_forward_tiles(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                         save_h: bool) -> BackwardTiles | None:
+                         save_h: bool, pick_forward: bool = True) -> BackwardTiles | None:
     """The tiles when ``experts_triton_train``'s forward runs on x permuted (``triton_train_forward``):
-    always with ``save_h`` (``kept_tiles``); else where the tiles carry forward tiles and the backward takes
-    the permuted path that reads x_p; else None."""
+    always with ``save_h`` (``kept_tiles``; ``pick_forward``: the forward tiles ``triton_kept_forward``'s pick, which
+    the fake, needing only the layout's block, leaves out: its shapes may be symbolic); else where the tiles carry
+    forward tiles and the backward takes the permuted path that reads x_p; else None."""
     if topk_ids.numel() == 0:
         return None
     t = backward_tiles(topk_ids.numel(), w13.shape[0], w2.shape[2], x.dtype, x.device)
     if save_h:
-        return kept_tiles(t)
+        return with_kept_forward(t, kept_tiles(t), x, w13, topk_ids) if pick_forward else kept_tiles(t)
     permuted = t.grad.contiguous and t.dw13.contiguous and t.dw2.contiguous
     return t if permuted and t.fwd13 is not None and t.fwd2 is not None else None
 
@@ -233,7 +235,7 @@ def _train_op(
 
 @_train_op.register_fake
 def _train_fake(x, w13, w2, topk_ids, topk_weights, expert_map, activation, save_h, split_m):
-    tiles = sorted_forward_tiles(x, w13, w2, topk_ids, save_h)
+    tiles = sorted_forward_tiles(x, w13, w2, topk_ids, save_h, pick_forward=False)
     if tiles is None:
         return x.new_empty(x.shape), x.new_empty(0), x.new_empty(0)
     rows = layout_rows(topk_ids.numel(), w13.shape[0], tiles.block_m)
