@@ -1,0 +1,197 @@
+"""The cells and candidates of ``dsv52_device_check.py`` (session 52, issues 19 and 15: the near-miss cells): what each
+variant calls, the weights it reads, the float64 / torch twin it is checked against.
+
+Variants (``Variant.kind``):
+- ``route``: the ``triton`` backend's call, as ``moekit bench`` times it (today's pick: path, entry, switches);
+- ``aligned``: today's entry with the tiny-batch shortcut off (A*4 <= E: block a = assignment a, so an expert that two
+  slots pick is streamed twice; here its slots share a block, the alignment folded into gate-up where A <= 64):
+  ``triton_plan`` / ``triton_fp8_plan`` build the plan under ``no_shortcut`` with options no other call has;
+- ``entry``: the packaged file's entry at another M (``entry_m``), its switches with it;
+- ``tiles``: today's entry with ``up`` / ``down`` fields replaced;
+- ``gluon``: the Gluon GEMMs (bf16 ``experts_gluon``, fp8 ``experts_gluon_fp8``) whatever the route's choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+import moekit.experts.configs as configs_pkg
+from moekit.bench import tuning, tuning_switches
+from moekit.bench.cells import Shape
+from moekit.experts import get_backend, triton_fp8_plan, triton_plan
+from moekit.experts.configs import device_key, read_configs
+from moekit.experts.reference import experts_reference
+from moekit.experts.triton import fused_experts
+from moekit.experts.triton_fp8 import fused_experts_fp8_launch, fused_experts_fp8_torch
+from moekit.experts.triton_fp8_plan import read_entries
+from moekit.experts.triton_launch import LaunchOptions
+
+# Options no other call of the run has (a plan key of its own, built under ``no_shortcut``); lean off so that no eager
+# warm-up call leaves a fast-path entry the route's calls could meet. Neither changes a kernel or its arguments.
+ALIGNED_OPTIONS = LaunchOptions(lean_launch=False)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "route", "aligned", "entry", "tiles", "gluon"
+    entry_m: int = 0  # kind "entry": the packaged entry of this M
+    up: dict = field(default_factory=dict)  # kind "tiles": GemmTile fields replaced in today's entry
+    down: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cell:
+    preset: str
+    dtype: str  # "bfloat16" or "fp8_block"
+    m: int
+    variants: tuple[Variant, ...]  # the first is the route: every x is against it
+    sets: int = 2  # input sets rotated in a graph (the bytes of one call dwarf the L2 at every cell here)
+    breakdown: tuple[str, ...] = ("route",)  # the variants whose graph replay is broken down by launch
+
+    @property
+    def name(self) -> str:
+        return f"{self.preset} {self.dtype} M={self.m}"
+
+    @property
+    def label(self) -> str:
+        """The cell and its candidates (a cell may be listed twice: the Gluon GEMMs last)."""
+        return f"{self.name} [{', '.join(v.name for v in self.variants[1:])}]"
+
+
+ROUTE, ALIGNED, GLUON = Variant("route", "route"), Variant("aligned", "aligned"), Variant("gluon", "gluon")
+CELLS = (
+    Cell("deepseek-v3", "bfloat16", 8, (ROUTE, ALIGNED, Variant("up-k256-s3", "tiles", up=dict(BLOCK_K=256,
+         num_stages=3)), Variant("down-n64-k128-s4", "tiles", down=dict(BLOCK_N=64, BLOCK_K=128, num_stages=4))),
+         breakdown=("route", "aligned")),
+    Cell("deepseek-v3", "bfloat16", 4, (ROUTE, ALIGNED)),
+    Cell("deepseek-v3", "fp8_block", 512, (ROUTE, Variant("entry-1024", "entry", 1024))),
+    Cell("deepseek-v3", "fp8_block", 1024, (ROUTE, Variant("entry-512", "entry", 512))),
+    Cell("deepseek-v3", "fp8_block", 8, (ROUTE, ALIGNED)),
+    Cell("qwen3-30b-a3b", "bfloat16", 512, (ROUTE, Variant("entry-256", "entry", 256),
+                                             Variant("entry-1024", "entry", 1024))),
+    Cell("qwen3-30b-a3b", "bfloat16", 4, (ROUTE, ALIGNED), sets=4),
+    Cell("deepseek-v3", "fp8_block", 512, (ROUTE, GLUON), breakdown=("gluon",)),
+    Cell("qwen3-30b-a3b", "bfloat16", 512, (ROUTE, GLUON), breakdown=("gluon",)),
+)
+SMOKE_SHAPE = Shape("tiny", num_experts=32, n=128, k=256, top_k=2)  # M = 4: A*4 = 32 <= E, the shortcut
+SMOKE_CELLS = (
+    Cell("tiny", "bfloat16", 4, (ROUTE, ALIGNED, Variant("up-k128", "tiles", up=dict(BLOCK_K=128))),
+         breakdown=("route", "aligned")),
+    Cell("tiny", "fp8_block", 4, (ROUTE, ALIGNED)),
+)
+TOL = {"fp8_block": 2e-2, "bfloat16": 1e-2}
+
+
+def shape_of(cell: Cell) -> Shape:
+    return SMOKE_SHAPE if cell.preset == "tiny" else Shape.from_preset(cell.preset)
+
+
+@contextlib.contextmanager
+def no_shortcut():
+    """Inside, the bf16 and fp8 plans built align every call (``plan_block_rows(shortcut=False)``): a plan's layout
+    is fixed when it is built, so only calls whose plan is new here (``ALIGNED_OPTIONS``) take it."""
+    saved = triton_plan.plan_block_rows, triton_fp8_plan.plan_block_rows
+    aligned = functools.partial(saved[0], shortcut=False)
+    triton_plan.plan_block_rows = triton_fp8_plan.plan_block_rows = aligned
+    try:
+        yield
+    finally:
+        triton_plan.plan_block_rows, triton_fp8_plan.plan_block_rows = saved
+
+
+def packaged_file(cell: Cell, shape: Shape, dev) -> Path:
+    scheme = tuning.scheme_for(cell.dtype)
+    return Path(configs_pkg.__file__).parent / scheme.file_name(shape.num_experts, shape.n, shape.k, device_key(dev))
+
+
+def entry_config(cell: Cell, variant: Variant, shape: Shape, dev):
+    """The candidate config of an ``entry`` or ``tiles`` variant (None: the packaged file has no such entry)."""
+    scheme = tuning.scheme_for(cell.dtype)
+    if variant.kind == "tiles":
+        cfg = scheme.current(cell.m, shape, device_key(dev))
+        return replace(cfg, up=replace(cfg.up, **variant.up), down=replace(cfg.down, **variant.down))
+    path = packaged_file(cell, shape, dev)
+    if not path.is_file():
+        return None
+    if cell.dtype == "fp8_block":
+        entries = read_entries(path)
+        return tuning_switches.candidate_of(entries[variant.entry_m], cell.m, shape) if variant.entry_m in entries \
+            else None
+    return read_configs(path).get(variant.entry_m)
+
+
+def variant_call(cell: Cell, variant: Variant, shape: Shape, w, dev):
+    """``call(s)``: one experts call of ``variant`` on input set ``s``; None where it cannot run here (why: logged by
+    the caller)."""
+    fp8 = cell.dtype == "fp8_block"
+    if variant.kind == "route":
+        backend = get_backend("triton")
+        return lambda s: backend(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights)
+    if variant.kind == "aligned":
+        def aligned(s):
+            with no_shortcut():
+                if fp8:
+                    return fused_experts_fp8_launch(s.x, w.w13.q, w.w13.scale, w.w2.q, w.w2.scale, s.topk_ids,
+                                                    s.topk_weights, block_shape=tuple(w.w13.block_shape),
+                                                    options=ALIGNED_OPTIONS)
+                return fused_experts(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights, options=ALIGNED_OPTIONS)
+        return aligned
+    if variant.kind == "gluon":
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+            return None
+        if fp8:
+            from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
+
+            return lambda s: experts_gluon_fp8(s.x, w.w13.q, w.w13.scale, w.w2.q, w.w2.scale, s.topk_ids,
+                                               s.topk_weights)
+        from moekit.experts.triton_gluon import experts_gluon
+
+        return lambda s: experts_gluon(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights)
+    cfg = entry_config(cell, variant, shape, dev)
+    if cfg is None:
+        return None
+    scheme = tuning.scheme_for(cell.dtype)
+    return lambda s: scheme.call(w, s, cfg)
+
+
+def touched(ids: torch.Tensor) -> torch.Tensor:
+    """The distinct experts ``ids`` [M, k] picks, ascending (skipped slots, -1, left out)."""
+    u = ids.reshape(-1).unique()
+    return u[u >= 0]
+
+
+def twin(cell: Cell, w, s) -> torch.Tensor:
+    """The reference on the touched experts only (DeepSeek-V3's 256 experts in float64 would not fit): bf16 against
+    ``experts_reference`` in float64, fp8 against ``fused_experts_fp8_torch`` on the same quantized weights."""
+    sub = touched(s.topk_ids).long()
+    ids = torch.searchsorted(sub, s.topk_ids.long()).to(s.topk_ids.dtype)  # [M, k]: positions in sub
+    if cell.dtype == "fp8_block":
+        q13, q2 = w.w13, w.w2
+        return fused_experts_fp8_torch(s.x, q13.q[sub], q13.scale[sub], q2.q[sub], q2.scale[sub], ids,
+                                       s.topk_weights, block_shape=tuple(q13.block_shape))
+    return experts_reference(s.x.double(), w.w13[sub].double(), w.w2[sub].double(), ids, s.topk_weights)
+
+
+def weight_parts(cell: Cell, w) -> list[torch.Tensor]:
+    """The tensors whose touched experts' slices a call streams: w13 and w2 (fp8: each with its block scales)."""
+    if cell.dtype == "fp8_block":
+        return [w.w13.q, w.w13.scale, w.w2.q, w.w2.scale]
+    return [w.w13, w.w2]
+
+
+def read_parts(cell: Cell, w) -> list[torch.Tensor]:
+    """``weight_parts`` that the pure read can stream: an expert's slice a whole number of 16-byte units (every part
+    at the real shapes; the smoke's tiny fp8 scales, 8 bytes an expert, are left out)."""
+    return [t for t in weight_parts(cell, w) if t[0].numel() * t.element_size() % 16 == 0]
+
+
+def aligned_layouts() -> list[bool]:
+    """For each plan built with ``ALIGNED_OPTIONS`` (bf16 and fp8): whether it aligns (its ``align`` is set)."""
+    plans = [p for k, p in (*triton_plan._PLANS.items(), *triton_fp8_plan._PLANS.items()) if ALIGNED_OPTIONS in k]
+    return [p.align is not None for p in plans]
