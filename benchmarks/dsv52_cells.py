@@ -70,6 +70,7 @@ CELLS = (
          num_stages=3)), Variant("down-n64-k128-s4", "tiles", down=dict(BLOCK_N=64, BLOCK_K=128, num_stages=4))),
          breakdown=("route", "aligned")),
     Cell("deepseek-v3", "bfloat16", 4, (ROUTE, ALIGNED)),
+    Cell("deepseek-v3", "bfloat16", 2, (ROUTE, ALIGNED)),
     Cell("deepseek-v3", "fp8_block", 512, (ROUTE, Variant("entry-1024", "entry", 1024))),
     Cell("deepseek-v3", "fp8_block", 1024, (ROUTE, Variant("entry-512", "entry", 512))),
     Cell("deepseek-v3", "fp8_block", 8, (ROUTE, ALIGNED)),

@@ -49,12 +49,13 @@ KINDS = (("align", "align"), ("quantize", "quant"), ("gate-up", "gate_up"), ("do
 
 
 def kind_of(kernel: str) -> str:
-    """The breakdown's kind of a kernel name (the first of KINDS whose word it holds; gather / grouped: Gluon's)."""
+    """The breakdown's kind of a kernel name: the first of KINDS whose word it holds, else the name itself (the
+    Gluon GEMMs' grouped_gemm kernels serve both GEMMs, each launch its own row in the log)."""
     low = kernel.lower()
     for kind, word in KINDS:
         if word in low:
             return kind
-    return "gate-up" if "gather" in low else "other"
+    return kernel[:40]
 
 
 def breakdown(graph, calls: int, graph_us: float) -> dict:
@@ -118,6 +119,7 @@ def run_cell(cell, weights: dict, dev, ceil: dict, until: float, result: dict) -
     w = weights[key]
     sets = make_sets(shape, cell.m, cell.sets, torch.bfloat16, dev, seed=52)
     fns = {}
+    RUN.log(f"{cell.label}: checks")
     for v in cell.variants:
         call = dc.variant_call(cell, v, shape, w, dev)
         if call is None:
@@ -127,7 +129,10 @@ def run_cell(cell, weights: dict, dev, ceil: dict, until: float, result: dict) -
     res = check_cell(cell, shape, w, sets, fns, {"variants": [v.name for v in cell.variants if v.name in fns]})
     reads, read_bytes = read_fns(cell, w, sets)
     fns["read"] = reads
-    graphs = {name: graph_of(calls, dev) for name, calls in fns.items()}
+    graphs = {}
+    for name, calls in fns.items():
+        RUN.log(f"{cell.name} {name}: graph")  # the watchdog's heartbeat through the compiles
+        graphs[name] = graph_of(calls, dev)
     replays = 1
     if dev.type == "cuda":
         us = event_timer()(graphs["route"].replay) * 1e3
