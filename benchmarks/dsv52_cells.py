@@ -5,7 +5,7 @@ Variants (``Variant.kind``):
 - ``route``: the ``triton`` backend's call, as ``moekit bench`` times it (today's pick: path, entry, switches);
 - ``aligned``: today's entry with the tiny-batch shortcut off (A*4 <= E: block a = assignment a, so an expert that two
   slots pick is streamed twice; here its slots share a block, the alignment folded into gate-up where A <= 64):
-  ``triton_plan`` / ``triton_fp8_plan`` build the plan under ``no_shortcut`` with options no other call has;
+  ``triton_plan`` / ``triton_fp8_plan`` build the plan under ``shortcut(False)`` with options no other call has;
 - ``entry``: the packaged file's entry at another M (``entry_m``), its switches with it;
 - ``tiles``: today's entry with ``up`` / ``down`` fields replaced;
 - ``gluon``: the Gluon GEMMs (bf16 ``experts_gluon``, fp8 ``experts_gluon_fp8``) whatever the route's choice.
@@ -31,7 +31,7 @@ from moekit.experts.triton_fp8 import fused_experts_fp8_launch, fused_experts_fp
 from moekit.experts.triton_fp8_plan import read_entries
 from moekit.experts.triton_launch import LaunchOptions
 
-# Options no other call of the run has (a plan key of its own, built under ``no_shortcut``); lean off so that no eager
+# Options no other call of the run has (a plan key of its own, built under ``shortcut``); lean off so that no eager
 # warm-up call leaves a fast-path entry the route's calls could meet. Neither changes a kernel or its arguments.
 ALIGNED_OPTIONS = LaunchOptions(lean_launch=False)
 
@@ -94,12 +94,16 @@ def shape_of(cell: Cell) -> Shape:
 
 
 @contextlib.contextmanager
-def no_shortcut():
-    """Inside, the bf16 and fp8 plans built align every call (``plan_block_rows(shortcut=False)``): a plan's layout
-    is fixed when it is built, so only calls whose plan is new here (``ALIGNED_OPTIONS``) take it."""
+def shortcut(on: bool):
+    """Inside, the bf16 and fp8 plans built take the tiny-batch shortcut where ``use_naive`` allows it (``on``) or
+    align every call, whatever the plan's own rule asks (``plan_block_rows(shortcut=on)``): a plan's layout is fixed
+    when it is built, so only calls whose plan is new here (``ALIGNED_OPTIONS``) take it."""
     saved = triton_plan.plan_block_rows, triton_fp8_plan.plan_block_rows
-    aligned = functools.partial(saved[0], shortcut=False)
-    triton_plan.plan_block_rows = triton_fp8_plan.plan_block_rows = aligned
+
+    def forced(*args, **kwargs):
+        return saved[0](*args, **{**kwargs, "shortcut": on})
+
+    triton_plan.plan_block_rows = triton_fp8_plan.plan_block_rows = forced
     try:
         yield
     finally:
@@ -136,7 +140,7 @@ def variant_call(cell: Cell, variant: Variant, shape: Shape, w, dev):
         return lambda s: backend(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights)
     if variant.kind == "aligned":
         def aligned(s):
-            with no_shortcut():
+            with shortcut(False):
                 if fp8:
                     return fused_experts_fp8_launch(s.x, w.w13.q, w.w13.scale, w.w2.q, w.w2.scale, s.topk_ids,
                                                     s.topk_weights, block_shape=tuple(w.w13.block_shape),
