@@ -8,6 +8,8 @@ Variants (``Variant.kind``):
   ``triton_plan`` / ``triton_fp8_plan`` build the plan under ``shortcut(False)`` with options no other call has;
 - ``entry``: the packaged file's entry at another M (``entry_m``), its switches with it;
 - ``tiles``: today's entry with ``up`` / ``down`` fields replaced;
+- ``options``: today's entry with ``LaunchOptions`` fields replaced (``opts``; the alignment in fewer launches:
+  ``align_one_launch_max`` / ``align_two_launch_max``; lean off, as ``ALIGNED_OPTIONS``);
 - ``gluon``: the Gluon GEMMs (bf16 ``experts_gluon``, fp8 ``experts_gluon_fp8``) whatever the route's choice.
 """
 
@@ -43,6 +45,7 @@ class Variant:
     entry_m: int = 0  # kind "entry": the packaged entry of this M
     up: dict = field(default_factory=dict)  # kind "tiles": GemmTile fields replaced in today's entry
     down: dict = field(default_factory=dict)
+    opts: dict = field(default_factory=dict)  # kind "options": LaunchOptions fields
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,15 @@ CELLS = (
          breakdown=("route", "aligned")),
     Cell("deepseek-v3", "bfloat16", 4, (ROUTE, ALIGNED)),
     Cell("deepseek-v3", "bfloat16", 2, (ROUTE, ALIGNED)),
-    Cell("deepseek-v3", "fp8_block", 512, (ROUTE, Variant("entry-1024", "entry", 1024))),
-    Cell("deepseek-v3", "fp8_block", 1024, (ROUTE, Variant("entry-512", "entry", 512))),
+    Cell("deepseek-v3", "fp8_block", 512, (ROUTE, Variant("entry-1024", "entry", 1024), Variant(
+         "align-1-launch", "options", opts=dict(align_one_launch_max=4096)))),
+    Cell("deepseek-v3", "fp8_block", 1024, (ROUTE, Variant("entry-512", "entry", 512), Variant(
+         "align-1-launch", "options", opts=dict(align_one_launch_max=8192)), Variant(
+         "align-2-launches", "options", opts=dict(align_two_launch_max=8192)))),
     Cell("deepseek-v3", "fp8_block", 8, (ROUTE, ALIGNED)),
     Cell("qwen3-30b-a3b", "bfloat16", 512, (ROUTE, Variant("entry-256", "entry", 256),
-                                             Variant("entry-1024", "entry", 1024))),
+                                             Variant("entry-1024", "entry", 1024), Variant(
+         "align-1-launch", "options", opts=dict(align_one_launch_max=4096)))),
     Cell("qwen3-30b-a3b", "bfloat16", 4, (ROUTE, ALIGNED), sets=4),
     Cell("deepseek-v3", "fp8_block", 512, (ROUTE, GLUON), breakdown=("gluon",)),
     Cell("qwen3-30b-a3b", "bfloat16", 512, (ROUTE, GLUON), breakdown=("gluon",)),
@@ -84,7 +91,7 @@ SMOKE_SHAPE = Shape("tiny", num_experts=32, n=128, k=256, top_k=2)  # M = 4: A*4
 SMOKE_CELLS = (
     Cell("tiny", "bfloat16", 4, (ROUTE, ALIGNED, Variant("up-k128", "tiles", up=dict(BLOCK_K=128))),
          breakdown=("route", "aligned")),
-    Cell("tiny", "fp8_block", 4, (ROUTE, ALIGNED)),
+    Cell("tiny", "fp8_block", 80, (ROUTE, Variant("align-1-launch", "options", opts=dict(align_one_launch_max=0)))),
 )
 TOL = {"fp8_block": 2e-2, "bfloat16": 1e-2}
 
@@ -138,15 +145,16 @@ def variant_call(cell: Cell, variant: Variant, shape: Shape, w, dev):
     if variant.kind == "route":
         backend = get_backend("triton")
         return lambda s: backend(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights)
-    if variant.kind == "aligned":
-        def aligned(s):
-            with shortcut(False):
+    if variant.kind in ("aligned", "options"):
+        options = replace(ALIGNED_OPTIONS, **variant.opts)
+        def with_options(s):
+            with shortcut(False) if variant.kind == "aligned" else contextlib.nullcontext():
                 if fp8:
                     return fused_experts_fp8_launch(s.x, w.w13.q, w.w13.scale, w.w2.q, w.w2.scale, s.topk_ids,
                                                     s.topk_weights, block_shape=tuple(w.w13.block_shape),
-                                                    options=ALIGNED_OPTIONS)
-                return fused_experts(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights, options=ALIGNED_OPTIONS)
-        return aligned
+                                                    options=options)
+                return fused_experts(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights, options=options)
+        return with_options
     if variant.kind == "gluon":
         if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
             return None
@@ -196,7 +204,17 @@ def read_parts(cell: Cell, w) -> list[torch.Tensor]:
     return [t for t in weight_parts(cell, w) if t[0].numel() * t.element_size() % 16 == 0]
 
 
+def plans_with(options: LaunchOptions) -> list:
+    """The bf16 and fp8 plans built with ``options`` (the options are part of each plan's key)."""
+    return [p for k, p in (*triton_plan._PLANS.items(), *triton_fp8_plan._PLANS.items()) if options in k]
+
+
 def aligned_layouts() -> list[bool]:
     """For each plan built with ``ALIGNED_OPTIONS`` (bf16 and fp8): whether it aligns (its ``align`` is set)."""
-    plans = [p for k, p in (*triton_plan._PLANS.items(), *triton_fp8_plan._PLANS.items()) if ALIGNED_OPTIONS in k]
-    return [p.align is not None for p in plans]
+    return [p.align is not None for p in plans_with(ALIGNED_OPTIONS)]
+
+
+def alignment_launches(variant: Variant) -> list:
+    """The alignment launches of each plan an ``options`` variant built (None: the shortcut)."""
+    return [None if p.align is None else p.align.launches for p in plans_with(replace(ALIGNED_OPTIONS,
+                                                                                        **variant.opts))]

@@ -85,6 +85,9 @@ def check_cell(cell, shape, w, sets, fns: dict, result: dict) -> dict:
         RUN.check(f"{cell.name} {name} vs twin", err < dc.TOL[cell.dtype],
                   f"rel_l2={err:.2e}{' (bit-equal to the route)' if same and name != 'route' else ''}")
     del ref, outs
+    for v in cell.variants:
+        if v.kind == "options" and v.name in fns:
+            RUN.log(f"{cell.name} {v.name}: its plans' alignment launches {dc.alignment_launches(v)}")
     if "aligned" in fns:
         layouts = dc.aligned_layouts()
         RUN.check(f"{cell.name} aligned: its plans align", bool(layouts) and all(layouts), f"{layouts}")
