@@ -16,7 +16,6 @@ Variants (``Variant.kind``):
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -147,6 +146,7 @@ def variant_call(cell: Cell, variant: Variant, shape: Shape, w, dev):
         return lambda s: backend(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights)
     if variant.kind in ("aligned", "options"):
         options = replace(ALIGNED_OPTIONS, **variant.opts)
+
         def with_options(s):
             with shortcut(False) if variant.kind == "aligned" else contextlib.nullcontext():
                 if fp8:
