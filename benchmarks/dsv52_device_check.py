@@ -22,14 +22,13 @@ Prints the device, the ceilings, PASS / FAIL lines, the table last; writes --out
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 import threading
 import time
 
-from bench_run import RunLog, rel_l2, run_info, smoke_mode, write_json
+from bench_run import RunLog, check_parser, rel_l2, run_info, smoke_mode, write_json
 
 SMOKE = smoke_mode()  # TRITON_INTERPRET=1 before moekit imports its kernels
 
@@ -168,10 +167,7 @@ def table_lines(cell, res: dict) -> list[str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="")
-    p.add_argument("--deadline", type=float, default=80.0)
-    p.add_argument("--smoke", action="store_true")
+    p = check_parser(80.0)
     p.add_argument("--cells", default="", help="positions in dsv52_cells.CELLS, comma-separated (default: all)")
     args = p.parse_args()
     path = args.out and os.path.join(args.out, "dsv52.json")
