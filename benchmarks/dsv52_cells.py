@@ -180,15 +180,15 @@ def touched(ids: torch.Tensor) -> torch.Tensor:
 
 
 def twin(cell: Cell, w, s) -> torch.Tensor:
-    """The reference on the touched experts only (DeepSeek-V3's 256 experts in float64 would not fit): bf16 against
-    ``experts_reference`` in float64, fp8 against ``fused_experts_fp8_torch`` on the same quantized weights."""
+    """bf16: ``experts_reference`` in float64 (x in float64: each routed expert's weights upcast in its turn); fp8:
+    ``fused_experts_fp8_torch`` on the same quantized weights, of the touched experts only (ids renumbered)."""
+    if cell.dtype != "fp8_block":
+        return experts_reference(s.x.double(), w.w13, w.w2, s.topk_ids, s.topk_weights)
     sub = touched(s.topk_ids).long()
     ids = torch.searchsorted(sub, s.topk_ids.long()).to(s.topk_ids.dtype)  # [M, k]: positions in sub
-    if cell.dtype == "fp8_block":
-        q13, q2 = w.w13, w.w2
-        return fused_experts_fp8_torch(s.x, q13.q[sub], q13.scale[sub], q2.q[sub], q2.scale[sub], ids,
-                                       s.topk_weights, block_shape=tuple(q13.block_shape))
-    return experts_reference(s.x.double(), w.w13[sub].double(), w.w2[sub].double(), ids, s.topk_weights)
+    q13, q2 = w.w13, w.w2
+    return fused_experts_fp8_torch(s.x, q13.q[sub], q13.scale[sub], q2.q[sub], q2.scale[sub], ids, s.topk_weights,
+                                   block_shape=tuple(q13.block_shape))
 
 
 def weight_parts(cell: Cell, w) -> list[torch.Tensor]:
