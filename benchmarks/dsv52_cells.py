@@ -6,6 +6,8 @@ Variants (``Variant.kind``):
 - ``aligned``: today's entry with the tiny-batch shortcut off (A*4 <= E: block a = assignment a, so an expert that two
   slots pick is streamed twice; here its slots share a block, the alignment folded into gate-up where A <= 64):
   ``triton_plan`` / ``triton_fp8_plan`` build the plan under ``shortcut(False)`` with options no other call has;
+- ``shortcut``: the opposite, the tiny-batch shortcut wherever ``use_naive`` allows it (vLLM's rule alone, the plans'
+  rule before session 52), built under ``shortcut(True)`` with ``SHORTCUT_OPTIONS``;
 - ``entry``: the packaged file's entry at another M (``entry_m``), its switches with it;
 - ``tiles``: today's entry with ``up`` / ``down`` fields replaced;
 - ``options``: today's entry with ``LaunchOptions`` fields replaced (``opts``; the alignment in fewer launches:
@@ -35,6 +37,7 @@ from moekit.experts.triton_launch import LaunchOptions
 # Options no other call of the run has (a plan key of its own, built under ``shortcut``); lean off so that no eager
 # warm-up call leaves a fast-path entry the route's calls could meet. Neither changes a kernel or its arguments.
 ALIGNED_OPTIONS = LaunchOptions(lean_launch=False)
+SHORTCUT_OPTIONS = LaunchOptions(lean_launch=False, fast_path=False)  # the same, another key
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Cell:
 
 
 ROUTE, ALIGNED, GLUON = Variant("route", "route"), Variant("aligned", "aligned"), Variant("gluon", "gluon")
+SHORTCUT = Variant("shortcut", "shortcut")
 CELLS = (
     Cell("deepseek-v3", "bfloat16", 8, (ROUTE, ALIGNED, Variant("up-k256-s3", "tiles", up=dict(BLOCK_K=256,
          num_stages=3)), Variant("down-n64-k128-s4", "tiles", down=dict(BLOCK_N=64, BLOCK_K=128, num_stages=4))),
@@ -88,7 +92,7 @@ CELLS = (
 )
 SMOKE_SHAPE = Shape("tiny", num_experts=32, n=128, k=256, top_k=2)  # M = 4: A*4 = 32 <= E, the shortcut
 SMOKE_CELLS = (
-    Cell("tiny", "bfloat16", 4, (ROUTE, ALIGNED, Variant("up-k128", "tiles", up=dict(BLOCK_K=128))),
+    Cell("tiny", "bfloat16", 4, (ROUTE, ALIGNED, SHORTCUT, Variant("up-k128", "tiles", up=dict(BLOCK_K=128))),
          breakdown=("route", "aligned")),
     Cell("tiny", "fp8_block", 80, (ROUTE, Variant("align-1-launch", "options", opts=dict(align_one_launch_max=0)))),
 )
@@ -144,11 +148,11 @@ def variant_call(cell: Cell, variant: Variant, shape: Shape, w, dev):
     if variant.kind == "route":
         backend = get_backend("triton")
         return lambda s: backend(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights)
-    if variant.kind in ("aligned", "options"):
-        options = replace(ALIGNED_OPTIONS, **variant.opts)
+    if variant.kind in ("aligned", "shortcut", "options"):
+        options = SHORTCUT_OPTIONS if variant.kind == "shortcut" else replace(ALIGNED_OPTIONS, **variant.opts)
 
         def with_options(s):
-            with shortcut(False) if variant.kind == "aligned" else contextlib.nullcontext():
+            with contextlib.nullcontext() if variant.kind == "options" else shortcut(variant.kind == "shortcut"):
                 if fp8:
                     return fused_experts_fp8_launch(s.x, w.w13.q, w.w13.scale, w.w2.q, w.w2.scale, s.topk_ids,
                                                     s.topk_weights, block_shape=tuple(w.w13.block_shape),
@@ -209,9 +213,9 @@ def plans_with(options: LaunchOptions) -> list:
     return [p for k, p in (*triton_plan._PLANS.items(), *triton_fp8_plan._PLANS.items()) if options in k]
 
 
-def aligned_layouts() -> list[bool]:
-    """For each plan built with ``ALIGNED_OPTIONS`` (bf16 and fp8): whether it aligns (its ``align`` is set)."""
-    return [p.align is not None for p in plans_with(ALIGNED_OPTIONS)]
+def aligned_layouts(options: LaunchOptions = ALIGNED_OPTIONS) -> list[bool]:
+    """For each plan built with ``options`` (bf16 and fp8): whether it aligns (its ``align`` is set)."""
+    return [p.align is not None for p in plans_with(options)]
 
 
 def alignment_launches(variant: Variant) -> list:

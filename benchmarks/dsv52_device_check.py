@@ -90,6 +90,9 @@ def check_cell(cell, shape, w, sets, fns: dict, result: dict) -> dict:
     if "aligned" in fns:
         layouts = dc.aligned_layouts()
         RUN.check(f"{cell.name} aligned: its plans align", bool(layouts) and all(layouts), f"{layouts}")
+    if "shortcut" in fns:
+        layouts = dc.aligned_layouts(dc.SHORTCUT_OPTIONS)
+        RUN.check(f"{cell.name} shortcut: its plans take it", bool(layouts) and not any(layouts), f"{layouts}")
     return result
 
 
