@@ -3,8 +3,9 @@ loads them. Session 52: a device_map that offloads a block (accelerate keeps its
 forwards) failed ``use_moekit_blocks`` deep inside a probe ("Tensor.item() cannot be called on meta tensors"); a block
 accelerate hooked (a device_map over several devices) was reported swapped while the hook kept calling its own
 forward; an fp8 checkpoint loaded without ``FP8Experts`` (no GPU) failed with "x, w13 and w2 must share a dtype".
-accelerate is not a dependency: its hook is written here as it sets one (``_old_forward`` and a forward on the
-instance), and the meta device stands for its offload; the last test runs accelerate itself where it is installed."""
+accelerate is not a dependency of moekit (the test extras install it): the first tests write its hook as it sets one
+(``_old_forward`` and a forward on the instance) and let the meta device stand for its offload; the last runs
+accelerate itself."""
 
 from __future__ import annotations
 
