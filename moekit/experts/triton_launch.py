@@ -77,7 +77,8 @@ class LaunchOptions:
     # alignment launch at all: each gate-up program derives its own block from all the ids in its
     # prologue, and those of the first N tile write the layout for the down GEMM (``_kernels/gemm.py``,
     # FOLD). One launch fewer per call against a longer prologue in every gate-up program. 0 turns it
-    # off. Only the bf16/fp16/fp32 path folds; fp8 and weight-only keep the launch. H200 (bf16, graph
+    # off. The bf16/fp16/fp32 and fp8 gate-up GEMMs fold (``_kernels/gemm_fp8.py``, FOLD); weight-only
+    # keeps the launch. H200 (bf16, graph
     # replay, folded minus unfolded GPU µs): A=16 (Mixtral M=8) -2.5, A=64 (Qwen3 M=8) -2.0; A=128
     # (Mixtral M=64) +2.6, A=512 +3.0 (DeepSeek-V3 M=64) and +9.6 (Qwen3 M=64, +3.5%, eager GPU-bound),
     # A=1024 +167, A=4096 +513. Host: -37 µs at Qwen3 M=8, -22 to -42 at M=64. So the fold stays where
