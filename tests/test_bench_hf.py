@@ -27,7 +27,7 @@ from moekit.cli import main  # noqa: E402
 from _helpers import cli_error  # noqa: E402
 
 ROW_FIELDS = {"impl", "mode", "decode_tok_s", "step_tok_s", "prefill_ms", "logits_rel_err_vs_eager",
-              "logits_rel_err_vs_fp64",
+              "logits_rel_err_vs_fp64", "compile_graphs", "compile_graph_breaks", "recompiles",
               "errors"}
 FP32_TOL = 1e-5  # design.md: an fp32 backend within 1e-5 relative L2 of a float64 reference
 

@@ -4,9 +4,11 @@ For each implementation: decode tok/s of a greedy ``generate`` (batch 1, a fixed
 prefill time of a B x L batch, and the relative error of the prefill logits against ``eager`` and against
 the same model run once in float64 (``hf_fp64``). Then, unless told not to, transformers' compiled decode
 (static cache + ``torch.compile`` through generate's ``CompileConfig``) with the error of its step logits
-against eager's decode and against the float64 model's logits for the same steps. Every implementation is
-warmed (and compiled) before any is timed; the timed repeats go round-robin over the implementations and
-each number is the median. A measurement that fails records ``"Type: first line"`` instead of a number.
+against eager's decode and against the float64 model's logits for the same steps. In eager mode every
+implementation is warmed before any is timed and the timed repeats go round-robin over the implementations; the
+compiled decode compiles each on a fresh dynamo state, warms it and times its repeats, noting how it compiled
+(``hf_compile_counts``). Each number is the median. A measurement that fails records ``"Type: first line"``
+instead of a number.
 With ``quant="fp8"`` the experts are transformers' fine-grained fp8 ones and the implementations theirs
 (``hf_quant``); with a weight-only ``quant`` the model stays float and ``moekit_blocks_quant`` runs its blocks
 quantized by moekit, with a float64 reference of its own (``hf_wo``).
@@ -21,6 +23,7 @@ from typing import Callable
 import torch
 
 from moekit.bench import hf_measure as hm
+from moekit.bench.hf_compile_counts import dynamo_counts, fresh_dynamo, recompile_limit
 from moekit.bench.hf_fp64 import Float64Model, Float64Prefill, float64_prefill
 from moekit.bench.hf_models import (
     MODELS, REFERENCE_IMPL, build_model, free_memory_bytes, gathered_weight_bytes, hf_config, not_run, select_impls,
@@ -31,9 +34,6 @@ from moekit.bench.hf_rows import ERR_EAGER, ERR_FP64, NO_REFERENCE, Row
 from moekit.bench.hf_wo import QUANT_BLOCKS_IMPL, BLOCK_QUANTS, freed_memory, wo_method
 from moekit.bench.run import commit_id, device_name
 
-RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
-
-
 @dataclass(frozen=True)
 class HFBenchOptions:
     model: str  # a key of hf_models.MODELS
@@ -42,7 +42,7 @@ class HFBenchOptions:
     prompt_len: int  # the decode prompt's tokens (batch 1)
     prefill_batch: int  # B sequences ...
     prefill_len: int  # ... of L tokens in the prefill batch
-    repeats: int  # timed round-robin passes; numbers are medians over them
+    repeats: int  # timed passes (round-robin in eager mode); numbers are medians over them
     compile: bool  # also measure transformers' compiled decode
     compile_backend: str = "inductor"  # "eager" traces without code generation (the CPU tests)
     impls: tuple[str, ...] | None = None  # None: every registered one; eager always runs in eager mode
@@ -178,27 +178,35 @@ class CompiledRows:
 
 
 def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm.Decode | None, log) -> CompiledRows:
-    """Compiled-decode rows: warm (compile) every implementation, then round-robin repeats."""
+    """Compiled-decode rows: each implementation compiled on a fresh dynamo state (``hf_compile_counts``: a graph
+    break of one would leave the next uncompiled in part), warmed, then timed, its compile counts recorded."""
     rows = {impl: Row(impl, "compiled") for impl in impls}
     decodes = {}
     config = hm.compile_config(inputs.prompt.device, opts.compile_backend)
-    with _recompile_limit(RECOMPILE_LIMIT):
+    with recompile_limit():
         for impl in impls:
             row = rows[impl]
             reason = not_run(model, impl, opts.quant, inputs.prompt.device, compiled=True)
-            if reason is None:
-                dec = _warm_compiled(model, row, inputs, opts, config, ref)
-            else:
+            if reason is not None:
                 _not_attempted(row, reason)
-                dec = None
-            if dec is not None:
-                decodes[impl] = dec
-            log(f"compiled warm {impl}: " + _summary(row, dec))
-        for rep in range(opts.repeats):
-            for impl in decodes:  # the warmed ones, in impls' order: a skipped or failed warm-up has nothing to time
+                log(f"compiled warm {impl}: " + _summary(row, None))
+                continue
+            fresh_dynamo()
+            before = dynamo_counts()
+            dec = _warm_compiled(model, row, inputs, opts, config, ref)
+            warm = dynamo_counts() - before
+            row.compile_graphs, row.compile_graph_breaks = warm.graphs, warm.graph_breaks
+            log(f"compiled warm {impl}: " + _summary(row, dec)
+                + f", {warm.graphs} graphs, {warm.graph_breaks} graph breaks")
+            if dec is None:  # a failed warm-up has nothing to time
+                continue
+            decodes[impl] = dec
+            before = dynamo_counts()
+            for rep in range(opts.repeats):
                 log(f"compiled repeat {rep + 1}/{opts.repeats} {impl}: "
-                    + _timed_pass(model, rows[impl], inputs, opts, compiled=config))
-    torch._dynamo.reset()
+                    + _timed_pass(model, row, inputs, opts, compiled=config))
+            row.recompiles = (dynamo_counts() - before).frames
+    fresh_dynamo()
     return CompiledRows(rows=[rows[i] for i in impls], decodes=decodes)
 
 
@@ -294,16 +302,6 @@ def _fp64_text(row: Row) -> str:
     return f"{value:.2e}" if value is not None else row.errors.get(ERR_FP64, "-")
 
 
-def _recompile_limit(limit: int):
-    """Dynamo's per-function recompile limit raised to ``limit`` for a block (``recompile_limit``;
-    ``cache_size_limit`` before torch 2.6), so that switching implementations never exhausts it and
-    silently falls back to eager."""
-    import torch._dynamo.config as cfg
-
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    return cfg.patch(**{name: max(getattr(cfg, name), limit)})
-
-
 def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str], None] = lambda msg: None) -> dict:
     """Build the model, measure every implementation, return the results document."""
     impls = select_impls(list(opts.impls) if opts.impls else None, opts.quant, device)
@@ -380,8 +378,10 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
             "tokens) against the same weights run in float64 with the eager experts (a chunk of experts at a time "
             "where the whole float64 copy does not fit: hf_fp64_stream; float32 only where the "
             "modeling code casts on purpose: RMSNorm statistics, router softmax, rotary cos/sin); compiled: "
-            "generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
-            "all implementations warmed first, repeats round-robin, medians"
+            "generate(cache_implementation='static', compile_config=CompileConfig(backend)), each implementation "
+            "compiled on a fresh dynamo state (torch._dynamo.reset), warmed, then its repeats, with dynamo's graphs and "
+            "graph breaks in the warm-up and frames recompiled after it; eager mode: all implementations warmed "
+            "first, repeats round-robin; medians"
             + (FP8_METHOD if opts.quant == "fp8" else wo_method(opts.quant, opts.quant_options) if opts.quant else "")
         ),
         "rows": rows,
