@@ -2,6 +2,8 @@
 
     PYTHONPATH=$PWD timeout 100 python3 benchmarks/stp52_device_check.py --out $OUT/stp52 --deadline 80
     PYTHONPATH=$PWD python3 benchmarks/stp52_device_check.py --tiny --out /tmp/stp52   # CPU smoke: tiny, float32
+    PYTHONPATH=$PWD timeout 100 python3 benchmarks/stp52_device_check.py --out $OUT/stp52 --deadline 80 --layers 2 \
+        --counts qwen3,mixtral,gpt-oss-20b,deepseek-v3,step-3.7    # only: each model's moekit rows' graph counts
 
 Session 50 on an H100 (transformers 5.17): Step-3.7 (4 layers) decoded 67.8 tok/s eager through moekit_blocks and
 53.5 compiled. transformers 5.17 builds its unclamped layers' experts and shared MLP with ``limit = inf``, which
@@ -19,7 +21,9 @@ Then eager decode: ROUNDS interleaved rounds over the variants, each a ``generat
 (medians; step tok/s = (T - 1) / (T-token - 1-token)). Then the compiled decode (static cache, inductor
 "reduce-overhead") of after, before and eager, each on a fresh dynamo state, warmed then timed the same way, with
 dynamo's graphs and graph breaks in the warm-up and frames recompiled in the timed passes; a variant whose warm-up
-would not end before the deadline is skipped. Table last; JSON ``<out>/stp52.json``.
+would not end before the deadline is skipped. Table last; JSON ``<out>/stp52.json``. ``--counts``: instead, each named
+``bench --hf`` model (real widths unless ``--tiny``) with moekit's two rows compiled by dynamo alone, its kernels on
+the device: graphs a decode step (1: one graph), breaks, recompiles after the warm-up; JSON ``<out>/stp52_counts.json``.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from moekit.bench import hf_measure as hm
-from moekit.bench.hf_compile_counts import dynamo_counts, fresh_dynamo, recompile_limit
-from moekit.bench.hf_models import build_model, hf_config, use_impl
+from moekit.bench.hf_compile_counts import (
+    GraphCalls, counting_backend, dynamo_counts, fresh_dynamo, recompile_limit)
+from moekit.bench.hf_models import build_model, hf_config, not_run, use_impl
 from moekit.hf.blocks import moe_blocks
 from moekit.hf.swap import SWAP_ATTR
 from moekit.hf.variants import module_limit
@@ -218,6 +223,56 @@ def compiled_rounds(model, prompt, tokens: int, deadline: float, ref: hm.Decode,
     return results
 
 
+COUNT_IMPLS, COUNT_TOKENS = ("moekit", "moekit_blocks"), 4  # 3 compiled steps a generate (step 0: the prefill)
+
+
+def graph_counts(models: list[str], layers: int, tiny: bool, device: torch.device, deadline: float,
+                 failed: list[str]) -> list[dict]:
+    """Each model's moekit rows compiled by dynamo alone (no code generation: graph breaks and recompiles are
+    dynamo's), its kernels on this device: warm-up, then a T-token, a 1-token and a T-token generate, counting the
+    graphs each decode step calls (``counting_backend``), the graph breaks and the frames recompiled."""
+    found = []
+    for name in models:
+        left = deadline - (time.perf_counter() - T0)
+        if left < 15:
+            log(f"counts {name}: skipped, {left:.0f} s to the deadline")
+            continue
+        model = build_model(hf_config(name, layers, tiny=tiny), torch.float32 if tiny else torch.bfloat16, device)
+        prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
+        for impl in COUNT_IMPLS:
+            reason = not_run(model, impl, None, device, compiled=True)  # Step-3.7's "moekit" under transformers 5.17
+            if reason is None:
+                found.append(_impl_counts(model, prompt, name, impl, failed))
+            else:
+                log(f"counts {name} {impl}: {reason}")
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    fresh_dynamo()
+    return found
+
+
+def _impl_counts(model, prompt: torch.Tensor, name: str, impl: str, failed: list[str]) -> dict:
+    use_impl(model, impl)
+    calls = GraphCalls()
+    config = hm.compile_config(prompt.device, counting_backend(calls))
+    fresh_dynamo()
+    before = dynamo_counts()
+    t = time.perf_counter()
+    hm.decode(model, prompt, COUNT_TOKENS, compiled=config)
+    warm, warm_s = dynamo_counts() - before, time.perf_counter() - t
+    calls.count, before = 0, dynamo_counts()
+    for tokens in (COUNT_TOKENS, 1, COUNT_TOKENS):
+        hm.decode(model, prompt, tokens, compiled=config)
+    after = dynamo_counts() - before
+    per_step = calls.count / (2 * (COUNT_TOKENS - 1))
+    check(failed, f"{name} {impl} one graph a decode step", per_step == 1 and warm.graph_breaks == 0
+          and after.frames == 0, f"{per_step:.1f} graphs a step, {warm.graph_breaks} breaks in the warm-up "
+          f"({warm_s:.1f} s), {after.frames} recompiles after it")
+    return {"model": name, "impl": impl, "graphs_a_step": per_step, "warm_graphs": warm.graphs,
+            "warm_graph_breaks": warm.graph_breaks, "recompiles": after.frames, "warm_s": warm_s}
+
+
 def table(results: list[Result], tokens: int) -> str:
     lines = [f"{'variant':14} {'mode':9} {'decode tok/s':>12} {'step tok/s':>10} {'graphs/breaks/recomp':>21} "
              f"{'warm s':>7}  note"]
@@ -241,10 +296,14 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--tiny", action="store_true", help="tiny widths, float32, on the CPU (the smoke run)")
+    p.add_argument("--counts", default=None, help="comma-separated bench --hf models: only their moekit rows' graph "
+                   "counts (dynamo alone, --layers layers), no Step-3.7 timing")
     args = p.parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if args.counts:
+        return counts_main(args, device)
     import transformers
 
-    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = build_model(hf_config("step-3.7", args.layers, tiny=args.tiny), dtype, device)
     vocab = model.config.get_text_config().vocab_size
@@ -267,6 +326,21 @@ def main() -> int:
           f"transformers {info['transformers']}; decode {args.decode_tokens} tokens after {args.prompt_len}, "
           f"median of {ROUNDS}; FAILED: {failed or 'none'}")
     print(table(results, args.decode_tokens))
+    return 1 if failed else 0
+
+
+def counts_main(args, device: torch.device) -> int:
+    import transformers
+
+    failed: list[str] = []
+    log(f"graph counts on {device}, transformers {transformers.__version__}, torch {torch.__version__}")
+    found = graph_counts(args.counts.split(","), args.layers, args.tiny, device, args.deadline, failed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "stp52_counts.json").write_text(json.dumps({"counts": found, "failed": failed}, indent=1))
+    print(f"\n{'model':12} {'impl':14} graphs/step breaks recompiles warm s; FAILED: {failed or 'none'}")
+    for c in found:
+        print(f"{c['model']:12} {c['impl']:14} {c['graphs_a_step']:11.1f} {c['warm_graph_breaks']:6} "
+              f"{c['recompiles']:10} {c['warm_s']:6.1f}")
     return 1 if failed else 0
 
 

@@ -7,35 +7,17 @@ that loop's break left uncompiled."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="transformers is part of the test extras")
 
 from moekit.bench import hf_measure  # noqa: E402
-from moekit.bench.hf_compile_counts import dynamo_counts, fresh_dynamo  # noqa: E402
+from moekit.bench.hf_compile_counts import GraphCalls, counting_backend, dynamo_counts, fresh_dynamo  # noqa: E402
 from moekit.bench.hf_models import available_models, build_model, hf_config, static_cache_gap, use_impl  # noqa: E402
 from moekit.bench.hf_run import default_options, make_inputs, measure_compiled  # noqa: E402
 
 DECODE_TOKENS = 4  # 3 compiled decode steps a generate: the first token comes from the (uncompiled) prefill
-
-
-@dataclass
-class GraphCalls:
-    count: int = 0  # graphs called since the last reset
-
-
-def counting_backend(calls: GraphCalls):
-    """A torch.compile backend that runs each graph as traced (no code generation) and counts its calls in ``calls``
-    (a function: CompileConfig deep-copies its fields, which copies an object but keeps a function)."""
-    def backend(gm: torch.fx.GraphModule, example_inputs):
-        def run(*args):
-            calls.count += 1
-            return gm.forward(*args)
-        return run
-    return backend
 
 
 def _tiny(name: str):
@@ -84,3 +66,20 @@ def test_a_row_compiled_after_eagers_graph_breaks_is_still_one_graph():
     blocks = rows["moekit_blocks"]
     assert (blocks.compile_graphs, blocks.compile_graph_breaks, blocks.recompiles) == (1, 0, 0)
     assert blocks.finish(opts.decode_tokens)["decode_tok_s"] > 0
+
+
+def test_the_counting_backend_counts_each_graph_a_call_runs():
+    """A function with one graph break runs as two graphs: two calls counted a call."""
+    calls = GraphCalls()
+
+    def two_pieces(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    fresh_dynamo()
+    compiled = torch.compile(two_pieces, backend=counting_backend(calls))
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0)) and calls.count == 2
+    compiled(torch.ones(3))
+    assert calls.count == 4
+    fresh_dynamo()

@@ -36,6 +36,23 @@ def dynamo_counts() -> DynamoCounts:
                         graph_breaks=sum(counters["graph_break"].values()))
 
 
+@dataclass
+class GraphCalls:
+    count: int = 0  # compiled graphs called since the last reset (a decode step of one graph: 1 a step)
+
+
+def counting_backend(calls: GraphCalls):
+    """A torch.compile backend that runs each graph as dynamo traced it (no code generation) and counts its calls in
+    ``calls``: how many graphs a decode step runs, which dynamo's compile-time counters do not say. A function, not an
+    object: transformers' ``CompileConfig`` deep-copies its fields, which copies an object and keeps a function."""
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        def run(*args):
+            calls.count += 1
+            return gm.forward(*args)
+        return run
+    return backend
+
+
 def fresh_dynamo() -> None:
     """Forget every compiled frame and every frame marked to run uncompiled (``torch._dynamo.reset``; CUDA graph
     trees too), so the next implementation compiles as if first in the process."""

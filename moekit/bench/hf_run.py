@@ -379,8 +379,8 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
             "where the whole float64 copy does not fit: hf_fp64_stream; float32 only where the "
             "modeling code casts on purpose: RMSNorm statistics, router softmax, rotary cos/sin); compiled: "
             "generate(cache_implementation='static', compile_config=CompileConfig(backend)), each implementation "
-            "compiled on a fresh dynamo state (torch._dynamo.reset), warmed, then its repeats, with dynamo's graphs and "
-            "graph breaks in the warm-up and frames recompiled after it; eager mode: all implementations warmed "
+            "compiled on a fresh dynamo state (torch._dynamo.reset), warmed, then its repeats, with dynamo's graphs "
+            "and graph breaks in the warm-up and frames recompiled after it; eager mode: all implementations warmed "
             "first, repeats round-robin; medians"
             + (FP8_METHOD if opts.quant == "fp8" else wo_method(opts.quant, opts.quant_options) if opts.quant else "")
         ),
