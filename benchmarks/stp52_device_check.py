@@ -246,6 +246,7 @@ def graph_counts(models: list[str], layers: int, tiny: bool, device: torch.devic
                 found.append(_impl_counts(model, prompt, name, impl, failed))
             else:
                 log(f"counts {name} {impl}: {reason}")
+        fresh_dynamo()  # its graphs hold the model's weights
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
