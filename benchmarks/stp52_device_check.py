@@ -21,9 +21,10 @@ Then eager decode: ROUNDS interleaved rounds over the variants, each a ``generat
 (medians; step tok/s = (T - 1) / (T-token - 1-token)). Then the compiled decode (static cache, inductor
 "reduce-overhead") of after, before and eager, each on a fresh dynamo state, warmed then timed the same way, with
 dynamo's graphs and graph breaks in the warm-up and frames recompiled in the timed passes; blocks_after always runs,
-a later variant is skipped where the one before it took longer than the time left to the deadline (x 1.3). Table last; JSON ``<out>/stp52.json``. ``--counts``: instead, each named
-``bench --hf`` model (real widths unless ``--tiny``) with moekit's two rows compiled by dynamo alone, its kernels on
-the device: graphs a decode step (1: one graph), breaks, recompiles after the warm-up; JSON ``<out>/stp52_counts.json``.
+a later variant is skipped where the one before it took longer than the time left to the deadline (x 1.3). Table
+last; JSON ``<out>/stp52.json``. ``--counts``: instead, each named ``bench --hf`` model (real widths unless
+``--tiny``) with moekit's two rows compiled by dynamo alone, its kernels on the device: graphs a decode step (1: one
+graph), breaks, recompiles after the warm-up; JSON ``<out>/stp52_counts.json``.
 """
 
 from __future__ import annotations
