@@ -27,7 +27,7 @@ from moekit.cli import main  # noqa: E402
 from _helpers import cli_error  # noqa: E402
 
 ROW_FIELDS = {"impl", "mode", "decode_tok_s", "step_tok_s", "prefill_ms", "logits_rel_err_vs_eager",
-              "logits_rel_err_vs_fp64",
+              "logits_rel_err_vs_fp64", "compile_graphs", "compile_graph_breaks", "recompiles",
               "errors"}
 FP32_TOL = 1e-5  # design.md: an fp32 backend within 1e-5 relative L2 of a float64 reference
 
@@ -153,7 +153,7 @@ def test_a_failed_one_token_generate_keeps_the_decode_rate(monkeypatch):
     rate measured before it stays, and the failure is reported under step_tok_s."""
     from types import SimpleNamespace
 
-    from moekit.bench import hf_run
+    from moekit.bench import hf_passes
 
     def decode(model, prompt, tokens, compiled=None):
         if tokens == 1:
@@ -165,7 +165,7 @@ def test_a_failed_one_token_generate_keeps_the_decode_rate(monkeypatch):
     opts = default_options("qwen3", torch.device("cpu"), tiny=True, decode_tokens=4, compile=False)
     row = Row("moekit", "compiled")
     for _ in range(2):
-        hf_run._timed_pass(model, row, make_inputs(16, opts, torch.device("cpu")), opts, compiled=object())
+        hf_passes.timed_pass(model, row, make_inputs(16, opts, torch.device("cpu")), opts, compiled=object())
     out = row.finish(decode_tokens=4)
     assert out["decode_tok_s"] == pytest.approx(4 / 2.0) and out["step_tok_s"] is None
     assert "one-token generate failed" in out["errors"]["step_tok_s"] and "decode_tok_s" not in out["errors"]

@@ -134,6 +134,30 @@ def test_each_step_block_becomes_a_layer_with_its_own_clamp():
             assert rel_l2(other(x), want) > 1e-3  # the other layer's clamp: the test can fail
 
 
+def test_an_infinite_limit_is_no_clamp():
+    """transformers 5.17's Step-3.7 holds ``limit = float("inf")`` on its unclamped layers' experts and shared MLP
+    (``Step3p7Experts(config, swiglu_limit=None)``; the MLP's ``0 or float("inf")``) and clamps with it: a no-op.
+    moekit refused the infinite limit, so ``use_moekit_blocks`` left those blocks on transformers' own loop (session
+    50: Step-3.7's compiled decode through moekit_blocks slower than its eager one). Read as no clamp: the plan and
+    the layer unclamped, every block swapped, each equal to the float64 loop without a clamp, not to the clamped one."""
+    model = _step_model()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(5)) * 30
+    for layer in model.layers:
+        layer.mlp.experts.limit = layer.mlp.shared_experts.limit = float("inf")  # as 5.17 builds an unclamped layer
+    for i, layer in enumerate(model.layers):
+        block = layer.mlp
+        assert build_plan(block.experts).activation == "silu"
+        moe = moekit_hf.moe_from_hf(block)
+        assert moe.config.activation == "silu" and moe.config.shared_activation in (None, "silu")
+        with torch.no_grad():
+            want = _block_reference(block, x, None, None)
+            assert rel_l2(moe(x).reshape(-1, 32), want) < 1e-5
+            assert rel_l2(block(x).reshape(-1, 32), want) < 1e-5
+            assert rel_l2(_block_reference(block, x, LIMITS[i], None), want) > 1e-3  # the clamp bites at x * 30
+    report = moekit_hf.use_moekit_blocks(model)
+    assert len(report.swapped) == 2 and report.left == ()
+
+
 def eager_and_moekit(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the last hidden state with transformers' "eager" experts, then with "moekit"'s; the model left on "moekit")."""
     with torch.no_grad():

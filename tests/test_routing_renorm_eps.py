@@ -319,3 +319,26 @@ def test_renorm_eps_checked():
     with pytest.raises(ValueError, match="renorm_eps"):
         MoEConfig(**base, scoring="sigmoid", shared_expert_intermediate_size=8, shared_expert_combine="router",
                   renorm_eps=1e-20)
+
+
+def test_route_with_eps_compiles_into_one_graph():
+    """``renorm_log_eps`` (log eps, a constant of the config) ran ``.item()`` on a tensor inside every traced torch
+    router with an eps: a graph break a layer in each compiled decode step under no_grad, as generate runs (the tiny
+    DeepSeek-V3 of ``bench --hf`` through moekit_blocks: 33 graphs a step). It is a constant of the trace now: one
+    graph and no break in dynamo's counters (``fullgraph=True`` hid the break: it traced the ``.item()`` through),
+    and the compiled routing equals eager's bit for bit."""
+    from torch._dynamo.utils import counters
+
+    cfg = _deepseek_v3().config
+    logits = extreme_rows(7)  # [12, E]
+    bias = _bias(7)
+    assert cfg.renorm_eps == 1e-20
+    for grad in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(lambda x: route(x, cfg, bias), backend="eager")
+        with torch.set_grad_enabled(grad):
+            got, want = compiled(logits), route(logits, cfg, bias)
+        assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+        assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)
+    torch._dynamo.reset()

@@ -18,7 +18,7 @@ class HFBenchOptions:
     prompt_len: int  # the decode prompt's tokens (batch 1)
     prefill_batch: int  # B sequences ...
     prefill_len: int  # ... of L tokens in the prefill batch
-    repeats: int  # timed round-robin passes; numbers are medians over them
+    repeats: int  # timed passes (round-robin in eager mode); numbers are medians over them
     compile: bool  # also measure transformers' compiled decode
     compile_backend: str = "inductor"  # "eager" traces without code generation (the CPU tests)
     impls: tuple[str, ...] | None = None  # None: every registered one; eager always runs in eager mode

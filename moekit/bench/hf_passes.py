@@ -1,7 +1,8 @@
 """``moekit bench --hf``'s two passes over the experts implementations: eager (``measure_eager``: prefill logits
 against eager's and the float64 model's, a decode, then timed round-robin repeats) and compiled (``measure_compiled``:
 transformers' static-cache compiled decode, its step logits against eager's decode; ``float64_decode_errors`` against
-the float64 model's). Every implementation is warmed before any is timed; a measurement that fails records
+the float64 model's). In eager mode every implementation is warmed before any is timed; the compiled pass compiles
+each on a fresh dynamo state, warms it, then times it (``hf_compile_counts``). A measurement that fails records
 ``"Type: first line"`` in the row's errors instead of a number."""
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from moekit.bench import hf_measure as hm
+from moekit.bench.hf_compile_counts import dynamo_counts, fresh_dynamo, recompile_limit
 from moekit.bench.hf_fp64 import Float64Model, Float64Prefill
 from moekit.bench.hf_models import REFERENCE_IMPL, free_memory_bytes, gathered_weight_bytes, not_run, use_impl
 from moekit.bench.hf_options import HFBenchOptions, Inputs
 from moekit.bench.hf_rows import ERR_EAGER, ERR_FP64, NO_REFERENCE, Row
 from moekit.bench.hf_wo import BLOCK_QUANTS, QUANT_BLOCKS_IMPL
-
-RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
-
 
 def _prefill_fits(model, impl: str, batch: torch.Tensor, quant: str | None) -> None:
     """Raise ``Skipped`` where ``impl`` would gather more expert weights than half the free memory (fp8
@@ -106,27 +105,35 @@ class CompiledRows:
 
 
 def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm.Decode | None, log) -> CompiledRows:
-    """Compiled-decode rows: warm (compile) every implementation, then round-robin repeats."""
+    """Compiled-decode rows: each implementation compiled on a fresh dynamo state (``hf_compile_counts``: a graph
+    break of one would leave the next uncompiled in part), warmed, then timed, its compile counts recorded."""
     rows = {impl: Row(impl, "compiled") for impl in impls}
     decodes = {}
     config = hm.compile_config(inputs.prompt.device, opts.compile_backend)
-    with _recompile_limit(RECOMPILE_LIMIT):
+    with recompile_limit():
         for impl in impls:
             row = rows[impl]
             reason = not_run(model, impl, opts.quant, inputs.prompt.device, compiled=True)
-            if reason is None:
-                dec = _warm_compiled(model, row, inputs, opts, config, ref)
-            else:
+            if reason is not None:
                 _not_attempted(row, reason)
-                dec = None
-            if dec is not None:
-                decodes[impl] = dec
-            log(f"compiled warm {impl}: " + _summary(row, dec))
-        for rep in range(opts.repeats):
-            for impl in decodes:  # the warmed ones, in impls' order: a skipped or failed warm-up has nothing to time
+                log(f"compiled warm {impl}: " + _summary(row, None))
+                continue
+            fresh_dynamo()
+            before = dynamo_counts()
+            dec = _warm_compiled(model, row, inputs, opts, config, ref)
+            warm = dynamo_counts() - before
+            row.compile_graphs, row.compile_graph_breaks = warm.graphs, warm.graph_breaks
+            log(f"compiled warm {impl}: " + _summary(row, dec)
+                + f", {warm.graphs} graphs, {warm.graph_breaks} graph breaks")
+            if dec is None:  # a failed warm-up has nothing to time
+                continue
+            decodes[impl] = dec
+            before = dynamo_counts()
+            for rep in range(opts.repeats):
                 log(f"compiled repeat {rep + 1}/{opts.repeats} {impl}: "
-                    + timed_pass(model, rows[impl], inputs, opts, compiled=config))
-    torch._dynamo.reset()
+                    + timed_pass(model, row, inputs, opts, compiled=config))
+            row.recompiles = (dynamo_counts() - before).frames
+    fresh_dynamo()
     return CompiledRows(rows=[rows[i] for i in impls], decodes=decodes)
 
 
@@ -220,13 +227,3 @@ def _summary(row: Row, dec: hm.Decode | None) -> str:
 def fp64_text(row: Row) -> str:
     value = row.logits_rel_err_vs_fp64
     return f"{value:.2e}" if value is not None else row.errors.get(ERR_FP64, "-")
-
-
-def _recompile_limit(limit: int):
-    """Dynamo's per-function recompile limit raised to ``limit`` for a block (``recompile_limit``;
-    ``cache_size_limit`` before torch 2.6), so that switching implementations never exhausts it and
-    silently falls back to eager."""
-    import torch._dynamo.config as cfg
-
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    return cfg.patch(**{name: max(getattr(cfg, name), limit)})

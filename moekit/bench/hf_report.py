@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from moekit.bench.hf_compile_counts import counts_line
 from moekit.bench.hf_wo import memory_line
 from moekit.bench.report import free_results_path
 
@@ -80,6 +81,8 @@ def print_hf_report(doc: dict, console: Console | None = None) -> None:
         console.print(f"step tok/s -: {', '.join(lost)}: the whole generate's median took no longer than a 1-token "
                       "one's, so the steps were lost in the timing noise; more --decode-tokens or --repeats",
                       markup=False, highlight=False)
+    if counts := counts_line([r for r in doc["rows"] if r["mode"] == "compiled"]):
+        console.print(counts, markup=False, highlight=False)
     if any(r["impl"] == "no_experts" for r in doc["rows"]):
         console.print("no_experts: the experts return zeros (the ceiling of any implementation; its errors mean "
                       "nothing)")

@@ -26,6 +26,11 @@ class Row:
     prefill_ms: float | None = None  # median ms of the B x L forward (eager mode only: generate compiles decode)
     logits_rel_err_vs_eager: float | None = None  # eager mode: prefill logits; compiled: decode step logits
     logits_rel_err_vs_fp64: float | None = None  # the same logits against the float64 model's (hf_fp64)
+    # compiled rows (hf_compile_counts): dynamo's graphs and graph breaks in the warm-up, and the frames it compiled
+    # again in the timed passes (0: no recompile); None: eager mode, or not measured
+    compile_graphs: int | None = None
+    compile_graph_breaks: int | None = None
+    recompiles: int | None = None
     errors: dict[str, str] = field(default_factory=dict)  # metric -> "Type: first line" where it failed or was skipped
     _samples: dict[str, list[float]] = field(default_factory=dict, repr=False)  # metric -> seconds per repeat
 

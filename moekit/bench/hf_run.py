@@ -4,9 +4,11 @@ For each implementation: decode tok/s of a greedy ``generate`` (batch 1, a fixed
 prefill time of a B x L batch, and the relative error of the prefill logits against ``eager`` and against
 the same model run once in float64 (``hf_fp64``). Then, unless told not to, transformers' compiled decode
 (static cache + ``torch.compile`` through generate's ``CompileConfig``) with the error of its step logits
-against eager's decode and against the float64 model's logits for the same steps. Every implementation is
-warmed (and compiled) before any is timed; the timed repeats go round-robin over the implementations and
-each number is the median. A measurement that fails records ``"Type: first line"`` instead of a number.
+against eager's decode and against the float64 model's logits for the same steps. In eager mode every
+implementation is warmed before any is timed and the timed repeats go round-robin over the implementations; the
+compiled decode compiles each on a fresh dynamo state, warms it and times its repeats, noting how it compiled
+(``hf_compile_counts``). Each number is the median. A measurement that fails records ``"Type: first line"``
+instead of a number.
 With ``quant="fp8"`` the experts are transformers' fine-grained fp8 ones and the implementations theirs
 (``hf_quant``); with a weight-only ``quant`` the model stays float and ``moekit_blocks_quant`` runs its blocks
 quantized by moekit, with a float64 reference of its own (``hf_wo``).
@@ -28,7 +30,6 @@ from moekit.bench.hf_models import MODELS, build_model, hf_config, select_impls,
 from moekit.bench.hf_options import HF_DTYPES, HFBenchOptions, Inputs, default_options, make_inputs, model_dtype
 from moekit.bench.hf_passes import (CompiledRows, EagerRows, Float64Refs, float64_decode_errors, fp64_text,
                                     measure_compiled, measure_eager)
-from moekit.bench.hf_passes import timed_pass as _timed_pass  # noqa: F401  (its name before the split: a test's)
 from moekit.bench.hf_quant import FP8_METHOD, FP8_TINY, quantize_experts_fp8
 from moekit.bench.hf_rows import Row
 from moekit.bench.hf_wo import BLOCK_QUANTS, QUANT_BLOCKS_IMPL, freed_memory, wo_method
@@ -115,8 +116,10 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict], qua
             "tokens) against the same weights run in float64 with the eager experts (a chunk of experts at a time "
             "where the whole float64 copy does not fit: hf_fp64_stream; float32 only where the "
             "modeling code casts on purpose: RMSNorm statistics, router softmax, rotary cos/sin); compiled: "
-            "generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
-            "all implementations warmed first, repeats round-robin, medians"
+            "generate(cache_implementation='static', compile_config=CompileConfig(backend)), each implementation "
+            "compiled on a fresh dynamo state (torch._dynamo.reset), warmed, then its repeats, with dynamo's graphs "
+            "and graph breaks in the warm-up and frames recompiled after it; eager mode: all implementations warmed "
+            "first, repeats round-robin; medians"
             + (FP8_METHOD if opts.quant == "fp8" else wo_method(opts.quant, opts.quant_options) if opts.quant else "")
         ),
         "rows": rows,

@@ -17,10 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(transformers compiles no DeepSeek-V4 decode)")
     g.add_argument("--hf-impls", default=None,
                    help="comma-separated experts implementations (default: every registered one, off CUDA but "
-                   "transformers' CUDA-only deepgemm and sonicmoe; eager, the reference, "
-                   "always runs in eager mode); no_experts adds the ceiling: experts that return zeros, i.e. the best "
-                   "decode any implementation could reach in that model; moekit_blocks runs each MoE block as moekit's "
-                   "whole layer (moekit.hf.use_moekit_blocks: its router too)")
+                   "transformers' CUDA-only deepgemm and sonicmoe; eager, the reference, always runs in eager mode, "
+                   "and compiled too where named); no_experts adds the ceiling: experts that return zeros, i.e. the "
+                   "best decode any implementation could reach in that model; moekit_blocks runs each MoE block as "
+                   "moekit's whole layer (moekit.hf.use_moekit_blocks: its router too)")
     g.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default on GPU: 8 qwen3, 2 mixtral, 4 gpt-oss-20b, 2 deepseek-v3, "
                         "2 deepseek-v4, 4 step-3.7; 1 CPU; 2 --tiny)")

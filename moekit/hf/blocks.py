@@ -22,7 +22,7 @@ from torch import nn
 from moekit.activations import ActivationSpec, glu_rows, shared_glu_activation
 from moekit.config import MoEConfig, hf_layer_fields
 from moekit.config_hf_clamps import LayerClamps, has_layer_clamps, with_layer_clamps
-from moekit.hf.variants import build_plan, clamps_before_act, identify_activation
+from moekit.hf.variants import build_plan, clamps_before_act, identify_activation, module_limit
 from moekit.layer import MoE
 from moekit.layer_hash import HashMoE
 from moekit.quant import install_quantized_experts_
@@ -214,8 +214,8 @@ def block_config(block: nn.Module) -> MoEConfig:
         if hasattr(cfg, "to_dict"):
             d = hf_layer_fields(cfg.to_dict())
             if has_layer_clamps(d):  # Step-3.7, Bailing-Hybrid: this block's own clamps, as its modules hold them
-                limits = (getattr(block.experts, "limit", None), getattr(block_shared_mlp(block), "limit", None))
-                d = with_layer_clamps(d, LayerClamps(*limits))
+                clamps = LayerClamps(module_limit(block.experts), module_limit(block_shared_mlp(block)))
+                d = with_layer_clamps(d, clamps)
             return MoEConfig.from_hf_config(d)
     raise TypeError(f"{type(block).__name__} holds no transformers config (on its experts, itself or a child)")
 
@@ -306,17 +306,17 @@ def _shared_activation(mlp: nn.Module, activation, device: torch.device) -> str 
     if own is None:
         return None
     limit = getattr(mlp, "swiglu_limit", None)  # clamps gate (max) and up (both sides) before act(gate) * up
-    if limit is None and getattr(mlp, "limit", None) is not None:
+    if limit is None and module_limit(mlp) is not None:
         if not _clamped_first(mlp, own):  # Step-3.7 / Bailing-Hybrid: min(act(gate), L) * up.clamp(-L, L)
-            return shared_glu_activation(activation, own, float(mlp.limit), limit_after_act=True)
-        limit = mlp.limit  # DeepSeek-V4's shared MLP: its .limit, clamping before the activation as the experts do
+            return shared_glu_activation(activation, own, module_limit(mlp), limit_after_act=True)
+        limit = module_limit(mlp)  # DeepSeek-V4's shared MLP: clamping before the activation as the experts do
     return shared_glu_activation(activation, own, None if limit is None else float(limit))
 
 
 def _clamped_first(mlp: nn.Module, own: str | None) -> bool:
     """The MLP has a ``limit`` (``.limit``) it applies before its activation, as moekit's clamped SwiGLU does."""
-    limit = getattr(mlp, "limit", None)
-    return limit is not None and own is not None and clamps_before_act(mlp, float(limit), own)
+    limit = module_limit(mlp)
+    return limit is not None and own is not None and clamps_before_act(mlp, limit, own)
 
 
 def _shared_weights(mlp: nn.Module, activation) -> tuple[torch.Tensor, torch.Tensor]:

@@ -316,17 +316,13 @@ class _MoekitBlock(nn.Module):
             _record_router_or_refuse(self, swap, hidden_states, args, kwargs)
         if swap.plain:  # the MoE's output alone; compiled, the flags below are not read (fewer guards)
             x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_states.shape[-1])
-            if ids is not None:
-                out = _routed_by_ids(swap.moe, x2d, ids)  # [M, K]
-            else:
-                out = swap.moe.traced_forward(x2d) if _compiling() else swap.moe.forward(x2d)  # [M, K]
+            out = _moe_out(swap.moe, x2d, ids)  # [M, K]
             return out if x2d is hidden_states else out.view_as(hidden_states)
         hidden = swap.moe.config.hidden_size  # K: a flat x (ERNIE-4.5-VL's modality scatter) is [M*K]
         x2d = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden)
         if swap.flat_with_logits:  # ERNIE-4.5-VL's blocks (no shared expert, no norm of their own)
             return flat_output_and_logits(swap.moe, x2d)
-        # [M, K]; a 2-D x meets the layer's decode fast path first (no hooks on it)
-        out = swap.moe.forward(x2d) if ids is None else _routed_by_ids(swap.moe, x2d, ids)
+        out = _moe_out(swap.moe, x2d, ids)  # [M, K]; a 2-D x meets the layer's decode fast path first (no hooks on it)
         out = out if x2d is hidden_states else out.view_as(hidden_states)  # view_as: 0.7 µs, view(shape) 2.2
         if swap.shared is not None:
             shared = swap.shared(hidden_states)
@@ -384,8 +380,13 @@ def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: t
     router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
 
 
-def _routed_by_ids(moe: nn.Module, x2d: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """x2d [M, K] through a hash block's ``HashMoE``, routed by the input ids [B, S] (M = B*S) -> [M, K]."""
+def _moe_out(moe: nn.Module, x2d: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """x2d [M, K] through the block's MoE -> [M, K] (a hash block's ``HashMoE`` routed by the input ids [B, S],
+    M = B*S); compiled, ``traced_forward``: the layer without its eager caches (the decode fast path, the route
+    workspace), whose guards would hold what the eager prefill left (the shared-expert blocks' path called
+    ``forward`` until session 52)."""
+    if ids is None:
+        return moe.traced_forward(x2d) if _compiling() else moe.forward(x2d)
     ids = ids.reshape(-1)  # [M]
     return moe.traced_forward(x2d, ids) if _compiling() else moe.forward(x2d, ids)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -198,10 +199,23 @@ def _candidates(module: nn.Module, alphas: list[float], limits: list[float], dev
 def _attr_values(module: nn.Module, names: tuple[str, ...]) -> list[float]:
     values = []
     for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and value not in values:
-            values.append(float(value))
+        value = _positive_finite(getattr(module, name, None))
+        if value is not None and value not in values:
+            values.append(value)
     return values
+
+
+def module_limit(module: nn.Module | None) -> float | None:
+    """The SwiGLU clamp a transformers module holds as ``.limit``, or None where it clamps nothing: no module, no
+    ``limit``, 0, or an infinite one (transformers 5.17's Step-3.7 experts and shared MLP hold ``float("inf")`` on
+    their unclamped layers, and clamp with it: a no-op)."""
+    return _positive_finite(getattr(module, "limit", None))
+
+
+def _positive_finite(value) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def _gate_probe(width: int, limits: list[float], device: torch.device) -> torch.Tensor:

@@ -148,6 +148,7 @@ def router_log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor
     return 0.5 * torch.where(softplus < tiny, chosen_logits, torch.log(softplus.clamp(min=tiny)))
 
 
+@torch.compiler.assume_constant_result  # a constant of the config; traced, its .item() broke the graph (dynamo)
 def renorm_log_eps(eps: float, dtype: torch.dtype = torch.float32) -> float:
     """log(eps) rounded to float32 (float64: exact), the constant ``_eps_factor`` / ``_clamp_factor`` (the logits'
     dtype) and the fused kernels (RENORM_LOG_EPS / _CLAMP, float32) read: a float64 router's weights are float64's."""
@@ -375,8 +376,7 @@ def _allowed_experts(
 
 def _weights(
     logits: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor, chosen_finite: torch.Tensor | None,
-    config: MoEConfig,
-) -> torch.Tensor:
+    config: MoEConfig) -> torch.Tensor:
     """Weights of the chosen experts [M, k]; ``chosen_finite`` [M, k] (mask mode) zeroes masked slots
     and keeps them out of the renormalisation."""
     if config.renormalize:
