@@ -348,7 +348,7 @@ def test_route_with_eps_compiles_into_one_graph():
 def test_renorm_log_eps_is_the_float64_log_rounded_to_the_router_dtype(dtype):
     """``renorm_log_eps`` in Python floats against torch's float64 log cast to float32 (float64 kept), over eps
     from 1e-300 to 10: equal bit for bit."""
-    from moekit.routing.route import renorm_log_eps
+    from moekit.routing.router_math import renorm_log_eps
 
     wide = torch.promote_types(dtype, torch.float32)
     for eps in torch.logspace(-300, 1, 4001, dtype=torch.float64).tolist() + [1.0, 1e-20, 1e-6, 0.5]:

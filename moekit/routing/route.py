@@ -11,12 +11,12 @@ stable descending sort, so the rule holds on every device and in every torch ver
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 
 from moekit.config import MoEConfig
+from moekit.routing.router_math import renorm_log_eps
 
 
 @dataclass
@@ -147,19 +147,6 @@ def router_log_scores(chosen_logits: torch.Tensor, scoring: str) -> torch.Tensor
     softplus = torch.nn.functional.softplus(chosen_logits)
     tiny = torch.finfo(softplus.dtype).tiny
     return 0.5 * torch.where(softplus < tiny, chosen_logits, torch.log(softplus.clamp(min=tiny)))
-
-
-def renorm_log_eps(eps: float, dtype: torch.dtype = torch.float32) -> float:
-    """log(eps) rounded to float32 (float64: exact), the constant ``_eps_factor`` / ``_clamp_factor`` (the logits'
-    dtype) and the fused kernels (RENORM_LOG_EPS / _CLAMP, float32) read: a float64 router's weights are float64's.
-    Python floats only: traced, a tensor's ``.item()`` broke the graph, and ``torch.compiler.assume_constant_result``
-    would import dynamo with moekit. The float32 rounding is to nearest, ties to even, on the 24-bit significand
-    (log(eps) of any positive float is a normal float32)."""
-    log = math.log(eps)  # float64, as torch's float64 log
-    if torch.promote_types(dtype, torch.float32) == torch.float64:
-        return log
-    significand, exponent = math.frexp(log)
-    return math.ldexp(round(significand * 2.0**24) / 2.0**24, exponent)
 
 
 def _eps_factor(log_scores: torch.Tensor, logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:

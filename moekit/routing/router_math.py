@@ -9,12 +9,26 @@ kernels' machine code the options leave alone (``benchmarks/route_sass_diff_cpu.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from moekit.config import MoEConfig
-from moekit.routing.route import renorm_log_eps
+
+
+def renorm_log_eps(eps: float, dtype: torch.dtype = torch.float32) -> float:
+    """log(eps) rounded to float32 (float64: exact), the constant ``_eps_factor`` / ``_clamp_factor`` (the logits'
+    dtype) and the fused kernels (RENORM_LOG_EPS / _CLAMP, float32) read: a float64 router's weights are float64's.
+    Python floats only: traced, a tensor's ``.item()`` broke the graph, and ``torch.compiler.assume_constant_result``
+    would import dynamo with moekit. The float32 rounding is to nearest, ties to even, on the 24-bit significand
+    (log(eps) is 0 at eps = 1, else a normal float32)."""
+    log = math.log(eps)  # float64, as torch's float64 log
+    if torch.promote_types(dtype, torch.float32) == torch.float64:
+        return log
+    significand, exponent = math.frexp(log)
+    return math.ldexp(round(significand * 2.0**24) / 2.0**24, exponent)
+
 
 # option -> the values the kernels compute (an option off its default with another value: ``route`` only)
 COMPUTED = {"router_logit_softcap": None, "correction_bias_on": ("scores", "logits"),
