@@ -22,6 +22,10 @@ from torch import nn
 
 IMPLEMENTATION = "moekit"  # the name moekit registers in transformers' experts interfaces
 _WRAPPED = "_moekit_checks_servable"  # set on the wrapper: a second import wraps nothing
+# why moekit would never be called on a model without such a module (the warnings of set_experts_implementation and
+# prepare)
+NOT_SERVED = ("has no experts module that transformers dispatches through its experts interface (a dense model, or "
+              "MoE blocks holding a list of expert MLPs)")
 
 
 def is_interface_experts(module: nn.Module) -> bool:
@@ -46,10 +50,8 @@ def wrap_set_experts_implementation() -> None:
         if experts:
             _build_plans(experts)
         elif IMPLEMENTATION in asked:
-            warnings.warn(f"set_experts_implementation({IMPLEMENTATION!r}): {type(self).__name__} has no experts "
-                          "module that transformers dispatches through its experts interface (a dense model, or MoE "
-                          "blocks holding a list of expert MLPs): moekit is never called, the model's own forward "
-                          "runs", UserWarning, stacklevel=2)
+            warnings.warn(f"set_experts_implementation({IMPLEMENTATION!r}): {type(self).__name__} {NOT_SERVED}: "
+                          "moekit is never called, the model's own forward runs", UserWarning, stacklevel=2)
         return result
 
     setattr(set_experts_implementation, _WRAPPED, True)
