@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
 from moekit.hf import use_moekit_blocks  # noqa: E402
-from moekit.hf.loading import find_saved_experts  # noqa: E402
+from moekit.hf.loading import find_saved_experts, load_quantized_experts  # noqa: E402
 from moekit.hf.saving import EXPERTS_FILE  # noqa: E402
 
 from _swap_helpers import tiny_logits  # noqa: E402
@@ -134,3 +134,21 @@ def test_the_load_keywords_say_where_the_file_is_fetched_from(tmp_path, monkeypa
     (tmp_path / "sub" / EXPERTS_FILE).write_bytes(b"")
     assert find_saved_experts(tmp_path, {"subfolder": "sub"}) == tmp_path / "sub" / EXPERTS_FILE
     assert find_saved_experts(tmp_path, {}) is None and len(asked) == 1  # a folder: no hub request
+
+
+def test_load_quantized_experts_takes_a_repository_id(freed_hub):
+    """By hand, for a model built otherwise (``from_config``): a repository id, with the hub's keywords, as
+    ``from_pretrained`` takes it (was: ``FileNotFoundError: me/tiny/moekit_quantized_experts.safetensors``)."""
+    from safetensors.torch import load_file
+
+    _, cache = freed_hub
+    where = {"cache_dir": cache, "local_files_only": True}
+    config = transformers.AutoConfig.from_pretrained(REPO, **where)
+    model = transformers.AutoModelForCausalLM.from_config(config)  # random weights throughout
+    report = load_quantized_experts(model, REPO, **where)
+    assert [b.path for b in report.swapped] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    file = load_file(transformers.utils.hub.cached_file(REPO, EXPERTS_FILE, **where))
+    state = model.state_dict()
+    assert file and all(torch.equal(state[name], t) for name, t in file.items())
+    with pytest.raises(TypeError, match=r"load_quantized_experts: unexpected keyword 'dtype'; it takes .*revision"):
+        load_quantized_experts(model, REPO, dtype=torch.float32)

@@ -9,7 +9,7 @@ of transformers' experts interface: ``variants`` turns a module's flags and code
 through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``); on a model
 with no experts module transformers would dispatch, ``set_experts_implementation("moekit")`` warns (``set_check``);
 ``save_pretrained`` of a model whose swapped blocks freed their float experts writes those beside the checkpoint,
-for ``load_quantized_experts`` after ``from_pretrained`` (``saving``).
+for ``load_quantized_experts`` after ``from_pretrained`` (``saving``, ``loading``).
 ``blocks.moe_from_hf`` turns a MoE block into a ``MoE``; ``swap.use_moekit_blocks`` gives every block of a
 model moekit's whole layer forward in place (``restore_blocks`` undoes it). The backend
 comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
@@ -29,7 +29,8 @@ from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
-from moekit.hf.saving import load_quantized_experts, wrap_save_pretrained
+from moekit.hf.loading import load_quantized_experts
+from moekit.hf.saving import wrap_save_pretrained
 from moekit.hf.set_check import (
     IMPLEMENTATION, NOT_SERVED, is_interface_experts, wrap_from_pretrained, wrap_post_init,
     wrap_set_experts_implementation,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from torch import nn
 
+from moekit._checks import check_module
 from moekit.hf.saving import EXPERTS_FILE, load_saved_file, saved_blocks
 from moekit.hf.set_check import IMPLEMENTATION, is_interface_experts
 
@@ -50,6 +51,27 @@ def _fetch(source, filename: str, kwargs: dict) -> Path | None:
 def find_saved_experts(source, kwargs: dict) -> Path | None:
     """The ``EXPERTS_FILE`` of ``from_pretrained(source, **kwargs)``'s checkpoint, local; None where it has none."""
     return _fetch(source, EXPERTS_FILE, kwargs)
+
+
+def load_quantized_experts(model: nn.Module, path: str | os.PathLike, **where):
+    """Give ``model`` (built from a checkpoint ``save_pretrained`` wrote from a model whose swapped blocks freed
+    their float experts, without ``from_pretrained``'s own load of them: ``from_config``, a load before ``moekit.hf``
+    was imported) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it was saved with
+    (``use_moekit_blocks(..., keep_float=False)``), then its quantized experts loaded; returns the swap's
+    ``BlockSwapReport``. ``path``: a folder, or a hub repository id (``where``: ``from_pretrained``'s keywords that
+    say where its files are, ``revision=``, ``token=``, ``cache_dir=``, ``local_files_only=`` ...). FileNotFoundError
+    where it has no such file; ValueError where the model lacks a block the file holds, or the file's blocks were
+    swapped with different options."""
+    check_module("model", model)
+    unknown = sorted(set(where) - set(_WHERE))
+    if unknown:
+        raise TypeError(f"load_quantized_experts: unexpected keyword {unknown[0]!r}; it takes {', '.join(_WHERE)}")
+    file = find_saved_experts(path, where)
+    if file is None:
+        raise FileNotFoundError(f"{Path(path, where.get('subfolder', ''), EXPERTS_FILE)}: no such file (a folder's, or "
+                                "a hub repository's); save_pretrained writes it for a model whose swapped blocks "
+                                "freed their float experts (use_moekit_blocks(..., keep_float=False))")
+    return load_saved_file(model, file)
 
 
 _SAVED_BLOCKS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("moekit_saved_blocks", default=())

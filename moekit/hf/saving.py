@@ -10,7 +10,7 @@ holds the rest), names ``"moekit"`` as the experts implementation in its config.
 then stops on it instead of running random experts), writes both before a ``push_to_hub=True`` upload, and warns.
 ``from_pretrained`` (``set_check.wrap_from_pretrained``, ``loading``) finds the file (a folder's or a hub
 repository's, whatever experts implementation it names): the blocks swapped with the saved options and their experts
-loaded; ``load_quantized_experts(model, path)`` does it by hand. A float model saved into
+loaded; ``loading.load_quantized_experts(model, path)`` does it by hand. A float model saved into
 such a folder removes the earlier file. ``offload_experts`` replaced its blocks by ``OffloadedBlock`` modules, whose
 experts and router ``from_pretrained`` cannot place either: saving such a model warns, naming the checkpoint to keep
 (docs/offload.md). A model with float experts (swapped or not) saves as before, silently.
@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moekit._checks import check_module
 from moekit.hf.set_check import IMPLEMENTATION
 
 EXPERTS_FILE = "moekit_quantized_experts.safetensors"
@@ -136,21 +135,6 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], options: dict[str,
 
     data = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
     save_file(data, str(directory / EXPERTS_FILE), metadata={_META_KEY: json.dumps(options)})
-
-
-def load_quantized_experts(model: nn.Module, path: str | os.PathLike):
-    """Give ``model`` (built from a checkpoint ``save_pretrained`` wrote from a model whose swapped blocks freed
-    their float experts, without ``from_pretrained``'s own load of them: ``from_config``, a load before ``moekit.hf``
-    was imported) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it was saved with
-    (``use_moekit_blocks(..., keep_float=False)``), then its quantized experts loaded; returns the swap's
-    ``BlockSwapReport``. FileNotFoundError where ``path`` has no such file; ValueError where the model lacks a block
-    the file holds, or the file's blocks were swapped with different options."""
-    check_module("model", model)
-    file = Path(path) / EXPERTS_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such file; save_pretrained writes it for a model whose swapped blocks "
-                                "freed their float experts (use_moekit_blocks(..., keep_float=False))")
-    return load_saved_file(model, file)
 
 
 def saved_blocks(file: Path) -> tuple[str, ...]:
