@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import warnings
 from pathlib import Path
 
