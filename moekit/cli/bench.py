@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from pathlib import Path
 
 from moekit.bench.cells import CPU_BATCHES, GPU_BATCHES
