@@ -19,6 +19,7 @@ from moekit._checks import check_bool, check_choice, check_int, check_positive_f
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.config_hf import HF_READERS, REFUSED, UNSERVED, Fields, MissingConfigField  # noqa: F401 (re-exported)
 from moekit.config_hf_fields import in_file_words
+from moekit.config_hf_refused import model_type_error
 from moekit.config_hf_clamps import check_layer, clamp_fields, has_layer_clamps, with_moe_layers
 from moekit.config_hf_v4 import hash_layer_fields
 from moekit.presets import hf_config_of_preset
@@ -338,11 +339,9 @@ class MoEConfig:
         # a VL / omni model's top-level config: its MoE layer is the text model's
         d = Fields(hf_layer_fields(cfg if isinstance(cfg, dict) else cfg.to_dict()))
         model_type = d.get("model_type")
-        if model_type in REFUSED or model_type in UNSERVED:  # one line saying why, not the list of those it reads
-            raise ValueError(f"cfg.model_type {model_type!r}: {REFUSED.get(model_type) or UNSERVED[model_type]}")
-        reader = HF_READERS.get(model_type)
-        if reader is None:
-            raise ValueError(f"cfg.model_type must be one of {sorted(HF_READERS)}, got {model_type!r}")
+        if model_type in REFUSED or model_type in UNSERVED or model_type not in HF_READERS:  # one line saying why
+            raise model_type_error(model_type, d, HF_READERS)
+        reader = HF_READERS[model_type]
         check_layer(d, layer)
         with in_file_words(d):  # a bad value named by the key the config holds it under, not moekit's field
             fields = with_moe_layers(d, reader(d))  # none: refused naming the fields that say so

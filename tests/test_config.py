@@ -3,6 +3,7 @@
 import pytest
 
 from moekit import MoEConfig, hf_config_of_preset, preset_names
+from moekit.config import HF_READERS
 
 
 def test_presets_have_the_published_shapes():
@@ -21,6 +22,22 @@ def test_preset_dicts_are_copies():
     d = hf_config_of_preset("mixtral-8x7b")
     d["hidden_size"] = 1
     assert hf_config_of_preset("mixtral-8x7b")["hidden_size"] == 4096
+
+
+@pytest.mark.parametrize(("fields", "said"), [
+    ({"model_type": "llama", "hidden_size": 64}, "names no routed experts (num_experts, num_local_experts, "
+                                                 "n_routed_experts, ...): a dense model has no MoE layer"),
+    ({"model_type": "qwen3moe", "num_experts": 8}, "did you mean 'qwen3_moe'"),
+])
+def test_an_unknown_model_type_is_told_in_one_short_line(fields, said):
+    """Session 53: a dense model's config.json (``moekit analyze --config``) got the 70 model types read, one line of
+    1,300 characters, and nothing on why."""
+    with pytest.raises(ValueError) as caught:
+        MoEConfig.from_hf_config(fields)
+    message = str(caught.value)
+    assert message.startswith(f"cfg.model_type must be one of the {len(HF_READERS)} MoE model types moekit reads ")
+    assert f"got {fields['model_type']!r}" in message and said in message and len(message) < 400
+    assert "docs/hf.md#coverage" in message and "moekit.config.HF_READERS" in message
 
 
 def test_unknown_inputs_are_named():

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
 from moekit.hf import use_moekit_blocks  # noqa: E402
-from moekit.hf.saving import EXPERTS_FILE, load_if_saved  # noqa: E402
+from moekit.hf.saving import EXPERTS_FILE  # noqa: E402
 
 from _swap_helpers import TINY_IDS, tiny_logits  # noqa: E402
 
@@ -134,35 +134,6 @@ def test_a_pushed_repository_holds_the_experts_and_loads_back(how, tmp_path, hub
     assert len(hub.commits) == 1 and EXPERTS_FILE in hub.commits[0] and "config.json" in hub.commits[0]
     assert not hasattr(model.config, "experts_implementation") and "_upload_modified_files" not in vars(model)
     assert torch.equal(tiny_logits(type(model).from_pretrained(hub.folder).eval()), saved)
-
-
-def test_a_hub_repository_named_moekit_is_asked_for_the_file(tmp_path, monkeypatch):
-    """A repository id (not a folder): its file is fetched through transformers' ``cached_file`` with the load's
-    keywords, and only where the loaded config names moekit (a freed model's does)."""
-    import transformers.utils.hub as hub_utils
-
-    model = _freed()
-    saved = tiny_logits(model)
-    model.save_pretrained(tmp_path)
-    asked = []
-
-    def cached_file(repo, filename, **kwargs):
-        asked.append((repo, filename, kwargs.get("revision")))
-        return str(tmp_path / filename)
-
-    monkeypatch.setattr(hub_utils, "cached_file", cached_file)
-    plain = build_model(hf_config("qwen3", 2, tiny=True), torch.float32, torch.device("cpu"), seed=3)
-    with torch.no_grad():  # the rest as saved, the experts not (from_pretrained's random ones)
-        for name, p in plain.named_parameters():
-            if ".experts." in name:
-                p.normal_()
-    assert not torch.equal(tiny_logits(plain.eval()), saved)
-    load_if_saved(plain, "me/tiny", {"revision": "v1"})
-    assert asked == []  # its config names no moekit: no request
-    plain.set_experts_implementation("moekit")
-    load_if_saved(plain, "me/tiny", {"revision": "v1", "dtype": torch.float32})
-    assert asked == [("me/tiny", EXPERTS_FILE, "v1")]
-    assert torch.equal(tiny_logits(plain.eval()), saved)
 
 
 def test_a_file_of_that_name_not_written_by_moekit_is_named(tmp_path):

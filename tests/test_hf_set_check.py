@@ -72,6 +72,16 @@ def test_a_moe_model_says_nothing_and_moekit_serves_it(monkeypatch):
         _llama().set_experts_implementation("eager")  # another implementation: none of moekit's business
 
 
+def test_prepare_on_a_model_moekit_never_serves_says_so():
+    """``prepare(model)`` built no plan and returned [] in silence on a dense model (session 53), where
+    ``set_experts_implementation`` and ``use_moekit_blocks`` warn; on a MoE model it warns nothing."""
+    with pytest.warns(UserWarning, match=r"prepare: LlamaForCausalLM has no experts module .*: no plan built"):
+        assert moekit_hf.prepare(_llama()) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(moekit_hf.prepare(_qwen3_moe())) == 1
+
+
 def test_wrapping_again_wraps_nothing():
     """What a second registration (a re-import) would do: the method stays the one wrapper, one warning a call."""
     from moekit.hf.set_check import wrap_set_experts_implementation

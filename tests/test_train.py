@@ -140,3 +140,14 @@ def test_the_first_line_names_the_device(tmp_path, capsys, one_thread):
             "--expert-size", "8", "--no-plot", "--out", str(tmp_path)]
     assert main(argv) == 0
     assert capsys.readouterr().out.splitlines()[0] == "moekit train on cpu: 1 steps x 3 runs"
+
+
+def test_a_ctrl_c_says_nothing_was_written(tmp_path, capsys, one_thread, monkeypatch):
+    """The curves are written after the three runs: a Ctrl-C said only "interrupted" (session 53)."""
+    import moekit.train.loop as loop
+
+    monkeypatch.setattr(loop, "train_side_by_side", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["train", "--steps", "7", "--no-plot", "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "moekit train: nothing written (train-curves.json and its plot are written after the three runs' 7 " in err
+    assert "moekit train: interrupted" in err and not list(tmp_path.iterdir())

@@ -73,6 +73,9 @@ def test_module_refuses_a_config_that_is_not_one():
         (torch.zeros(3, 7), ValueError, "x must have last dim hidden_size=8"),
         (torch.zeros(3, 8, dtype=torch.int64), TypeError, "x must be a floating-point tensor"),
         ([[0.0] * 8], TypeError, "x must be a torch.Tensor"),
+        # a float32 MoE given bfloat16 (a model's activations): the message said only "must share a dtype"
+        (torch.zeros(3, 8, dtype=torch.bfloat16), TypeError, r"x, w13 and w2 must share a dtype, got x torch.bfloat16, "
+         r"w13 torch.float32, w2 torch.float32: cast x to the weights' dtype, or the weights to x's \(moe.to\(dtype\)"),
     ],
 )
 def test_forward_refuses(x, error, match):

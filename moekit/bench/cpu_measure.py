@@ -254,11 +254,11 @@ def _loadavg() -> list[float]:
 
 def measure_cpu_experts(shape: ExpertsShape, batches: list[int], repeats: int, rows: set[str],
                         log: Callable[[str], None], seed: int = 0, schemes: list[str] = (),
-                        dtype: torch.dtype = torch.float32) -> dict:
+                        dtype: torch.dtype = torch.float32, on_batch: Callable[[dict], None] | None = None) -> dict:
     """The whole run: one document (the JSON schema of ``benchmarks/results/*-cpu-experts-*.json``).
-    Runs at the current ``torch.get_num_threads()``; ``log`` gets one line per batch done. ``schemes``: weight-only
-    schemes whose rows join every batch (quantized from the float32 weights); ``dtype``: x's and the
-    unquantized weights'."""
+    Runs at the current ``torch.get_num_threads()``; ``log`` gets one line per batch done, ``on_batch`` the document
+    so far (the CLI keeps it on disk). ``schemes``: weight-only schemes whose rows join every batch (quantized from the
+    float32 weights); ``dtype``: x's and the unquantized weights'."""
     gen = torch.Generator().manual_seed(seed)
     w13, w2 = expert_weights(shape, gen)
     quantized = cpu_quant_rows.quantized_weights(w13, w2, list(schemes))
@@ -278,5 +278,7 @@ def measure_cpu_experts(shape: ExpertsShape, batches: list[int], repeats: int, r
         took = f", moekit {moekit['us'] / 1e3:.2f} ms" if moekit else ""
         log(f"[{i + 1}/{len(batches)}] M={m} done{took}, {time.perf_counter() - start:.1f} s, "
             f"load {os.getloadavg()[0]:.1f}")
+        if on_batch is not None:
+            on_batch(doc)
     doc["loadavg_after"] = _loadavg()
     return doc

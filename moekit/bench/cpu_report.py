@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moekit.bench.report import free_results_path
+from moekit.bench.report import PARTIAL_SUFFIX, free_results_path
 
 
 @dataclass(frozen=True)
@@ -103,5 +103,6 @@ def report_lines(doc: dict) -> list[str]:
 
 def results_path(out_dir: Path, doc: dict) -> Path:
     """``<out_dir>/<cpu>-cpu-experts-<date>.json`` (spaces and slashes as ``_``), or ``-2``, ``-3`` ... when taken:
-    a run never overwrites an earlier result."""
-    return free_results_path(out_dir, f"{doc['cpu'].replace(' ', '_').replace('/', '_')}-cpu-experts-{doc['date']}")
+    a run never overwrites an earlier result, nor a killed run's partial one."""
+    return free_results_path(out_dir, f"{doc['cpu'].replace(' ', '_').replace('/', '_')}-cpu-experts-{doc['date']}",
+                             also=(PARTIAL_SUFFIX,))

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moekit.bench import cpu_measure as cm
     from moekit.bench.cpu_report import report_lines, results_path
-    from moekit.bench.report import write_json
+    from moekit.cli._kept import KeptRun
 
     try:
         shape = cm.ExpertsShape.parse(args.shape) if args.shape else cm.QWEN3_30B_A3B
@@ -69,9 +69,11 @@ def run(args: argparse.Namespace) -> int:
         f"transformers={cm.transformers_version() or 'not installed'}")
     if cm.transformers_version() is None:
         log(f"note: {cm.NO_TRANSFORMERS}")
-    doc = cm.measure_cpu_experts(shape, batches, repeats, rows, log, schemes=schemes,
-                                 dtype=getattr(torch, args.act_dtype or "float32"))
-    path = write_json(doc, results_path(args.out, doc))
+    kept = KeptRun("moekit bench --cpu-experts", "the batches measured", lambda doc: results_path(args.out, doc))
+    with kept.interruptible():
+        doc = cm.measure_cpu_experts(shape, batches, repeats, rows, log, schemes=schemes,
+                                     dtype=getattr(torch, args.act_dtype or "float32"), on_batch=kept.keep)
+    path = kept.finish(doc)
     print("\n".join(report_lines(doc)))
     print(f"wrote {path}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -95,11 +96,19 @@ def run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         console.print(f"[{time.perf_counter() - start:6.1f} s] {message}", markup=False, highlight=False)
 
+    written = []  # a results file per model, as each finishes
     for opts in options:
-        doc = run_hf_bench(device, opts, log)
-        path = write_json(doc, hf_results_path(args.out, doc))
+        try:
+            doc = run_hf_bench(device, opts, log)
+        except KeyboardInterrupt:  # said before the CLI's "interrupted": which models are kept, which is not
+            kept = f"the models finished before it are in {', '.join(map(str, written))}" if written else (
+                "nothing written")
+            print(f"moekit bench --hf: {opts.model} was interrupted, its rows not kept (a results file per model, "
+                  f"written as each finishes); {kept}", file=sys.stderr)
+            raise
+        written.append(write_json(doc, hf_results_path(args.out, doc)))
         print_hf_report(doc, console)
-        console.print(f"wrote {path}")
+        console.print(f"wrote {written[-1]}")
     return 0
 
 

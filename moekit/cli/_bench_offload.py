@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from dataclasses import asdict
 
 from moekit.cli._args import ListOption, UsageError, fraction_arg, positive_int
 
@@ -38,9 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moekit.bench.offload_measure import measure_offload
-    from moekit.bench.offload_report import HEADER, compact_table, format_row
-    from moekit.bench.report import free_results_path, write_json
+    from moekit.bench.offload_report import HEADER, format_row
+    from moekit.bench.report import PARTIAL_SUFFIX, free_results_path
     from moekit.bench.run import commit_id, device_name
+    from moekit.cli._kept import KeptRun
 
     from moekit.quant import SCHEMES
 
@@ -58,14 +60,31 @@ def run(args: argparse.Namespace) -> int:
                       f"K={shape['hidden']}, N={shape['inter']}, top-{shape['top_k']}), {where}: a smoke run of "
                       "the offload code, not a measure of offloading", markup=False, highlight=False)
     console.print(HEADER, markup=False, highlight=False)
-    doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
-                          fractions=tuple(args.cache_fractions), steps=args.offload_steps, scheme=scheme,
-                          places=tuple(args.offload_places), streams=tuple(args.offload_streams),
-                          online_cpu_rate=args.offload_online_cpu_rate,
-                          on_progress=lambda r: console.print(format_row(r), markup=False, highlight=False), **shape)
-    doc = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id(), **doc}
-    stem = f"{doc['device'].replace(' ', '_')}-offload{'' if scheme is None else '-' + scheme}-{doc['date']}"
-    path = write_json(doc, free_results_path(args.out, stem))
+    head = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id()}
+    stem = f"{head['device'].replace(' ', '_')}-offload{'' if scheme is None else '-' + scheme}-{head['date']}"
+    kept = KeptRun("moekit bench --offload", "the rows measured",
+                   lambda doc: free_results_path(args.out, stem, also=(PARTIAL_SUFFIX,)))
+    rows = []  # [OffloadRow] so far: kept on disk after each (a GPU run takes minutes)
+
+    def on_row(row) -> None:
+        console.print(format_row(row), markup=False, highlight=False)
+        rows.append(row)
+        kept.keep({**head, "offload_dtype": args.offload_dtype, "rows": [asdict(r) for r in rows]})
+
+    with kept.interruptible():
+        doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
+                              fractions=tuple(args.cache_fractions), steps=args.offload_steps, scheme=scheme,
+                              places=tuple(args.offload_places), streams=tuple(args.offload_streams),
+                              online_cpu_rate=args.offload_online_cpu_rate, on_progress=on_row, **shape)
+    doc = {**head, **doc}
+    _print_results(console, doc, kept.finish(doc))
+    return 0
+
+
+def _print_results(console, doc: dict, path) -> None:
+    """The table by cell and mode, the summary, the floor's terms and the measured costs; the results file."""
+    from moekit.bench.offload_report import compact_table
+
     console.print("stream cache policy prefetch M | per mode: step ms, x floor, hit/sim hit | auto / better pure mode",
                   markup=False, highlight=False)
     for line in compact_table(doc["rows"]) + doc["summary"]:
@@ -83,7 +102,6 @@ def run(args: argparse.Namespace) -> int:
     if rows:  # what the floor and auto price a CPU expert by (the line above: its ends' linear fit)
         console.print("CPU µs per expert by its rows: " + ", ".join(f"{r}: {us:.0f}" for r, us in rows.items())
                       + f"; + {doc['cpu_step_us']:.0f} µs per forward with CPU misses", markup=False, highlight=False)
-    return 0
 
 
 def _place(text: str) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from pathlib import Path
 
 from moekit.bench.cells import CPU_BATCHES, GPU_BATCHES
@@ -126,8 +125,9 @@ def _run_kernel_cells(args: argparse.Namespace) -> int:
     in ``<results>.partial.json`` while it runs), the table, the PNG."""
     from rich.console import Console
 
-    from moekit.bench.report import plot, print_report, report_width, results_path, write_json, write_partial
+    from moekit.bench.report import plot, print_report, report_width, results_path
     from moekit.bench.run import BUDGET_S, check_args, run_bench
+    from moekit.cli._kept import KeptRun
 
     budget_s = args.budget_s or BUDGET_S
     try:
@@ -137,22 +137,10 @@ def _run_kernel_cells(args: argparse.Namespace) -> int:
         check_args(backends, args.batches, device, args.dtype, budget_s)
     except ValueError as err:
         raise UsageError(f"--{err}") from None  # each message begins with the argument's name
-    kept: dict = {}  # the results path, chosen at the first cell; the partial file beside it
-
-    def on_partial(partial: dict):
-        kept.setdefault("path", results_path(args.out, partial))
-        kept["partial"] = write_partial(partial, kept["path"])
-
-    try:
-        with _progress() as on_progress:
-            doc = run_bench(device, shapes, args.batches, backends, on_progress, args.dtype, budget_s, on_partial)
-    except KeyboardInterrupt:
-        if "partial" in kept:
-            print(f"moekit bench: the cells timed before the interruption are in {kept['partial']}", file=sys.stderr)
-        raise
-    path = write_json(doc, kept.get("path") or results_path(args.out, doc))
-    if "partial" in kept:
-        kept["partial"].unlink()
+    kept = KeptRun("moekit bench", "the cells timed", lambda doc: results_path(args.out, doc))
+    with kept.interruptible(), _progress() as on_progress:  # run_bench marks each partial document "partial"
+        doc = run_bench(device, shapes, args.batches, backends, on_progress, args.dtype, budget_s, kept.keep)
+    path = kept.finish(doc)
     console = Console(width=report_width(doc))
     print_report(doc, console)
     suffixed = not path.stem.endswith(doc["date"])

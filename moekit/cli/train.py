@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 from pathlib import Path
 
@@ -113,13 +114,18 @@ def _train(args: argparse.Namespace, settings) -> int:
     console.print(f"moekit train on {settings.device}: {settings.steps} steps x 3 runs{spread}")
     corpus = load_stdlib_bytes()
     console.print(f"data: {corpus.files} files, {corpus.data.numel() / 2**20:.1f} MiB from {corpus.root}")
-    with _progress(console, args.log_every, settings.capacity_factor is not None) as on_step:
-        if settings.ep == 1:
-            result = train_side_by_side(settings, corpus, on_step)
-        else:
-            from moekit.train.ep import train_expert_parallel
+    try:
+        with _progress(console, args.log_every, settings.capacity_factor is not None) as on_step:
+            if settings.ep == 1:
+                result = train_side_by_side(settings, corpus, on_step)
+            else:
+                from moekit.train.ep import train_expert_parallel
 
-            result = train_expert_parallel(settings, corpus, on_step)
+                result = train_expert_parallel(settings, corpus, on_step)
+    except KeyboardInterrupt:  # said before the CLI's "interrupted": the curves come whole or not at all
+        print(f"moekit train: nothing written (train-curves.json and its plot are written after the three runs' "
+              f"{settings.steps} steps; --steps for a shorter run)", file=sys.stderr)
+        raise
     doc = curves_document(result, corpus)
     for method, s in summary(result).items():
         drops = f", dropped {100 * s['dropped']:.1f}%" if settings.capacity_factor is not None else ""

@@ -354,7 +354,8 @@ def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None, *, a
 
             check_quantized_pair(w13, w2)  # both QuantizedWeights of one scheme, or a TypeError naming the other
         elif w13.dtype != dtype or w2.dtype != dtype:
-            raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+            raise TypeError(f"x, w13 and w2 must share a dtype, got x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: "
+                            "cast x to the weights' dtype, or the weights to x's (moe.to(dtype) for an MoE module)")
         if w13.device != device or w2.device != device or topk_ids.device != device or topk_weights.device != device:
             for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
                 if t.device != device:

@@ -9,7 +9,7 @@ of transformers' experts interface: ``variants`` turns a module's flags and code
 through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``); on a model
 with no experts module transformers would dispatch, ``set_experts_implementation("moekit")`` warns (``set_check``);
 ``save_pretrained`` of a model whose swapped blocks freed their float experts writes those beside the checkpoint,
-for ``load_quantized_experts`` after ``from_pretrained`` (``saving``).
+for ``load_quantized_experts`` after ``from_pretrained`` (``saving``, ``loading``).
 ``blocks.moe_from_hf`` turns a MoE block into a ``MoE``; ``swap.use_moekit_blocks`` gives every block of a
 model moekit's whole layer forward in place (``restore_blocks`` undoes it). The backend
 comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
@@ -19,6 +19,8 @@ so a compiled model only ever meets the cache.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -27,9 +29,11 @@ from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
-from moekit.hf.saving import load_quantized_experts, wrap_save_pretrained
+from moekit.hf.loading import load_quantized_experts
+from moekit.hf.saving import wrap_save_pretrained
 from moekit.hf.set_check import (
-    IMPLEMENTATION, is_interface_experts, wrap_from_pretrained, wrap_post_init, wrap_set_experts_implementation,
+    IMPLEMENTATION, NOT_SERVED, is_interface_experts, wrap_from_pretrained, wrap_post_init,
+    wrap_set_experts_implementation,
 )
 from moekit.hf.swap import BlockSwapReport, restore_blocks, use_moekit_blocks
 from moekit.hf.swap_free import FloatExpertsFreedError
@@ -115,9 +119,15 @@ def _fp8_weights(module: nn.Module):
 
 def prepare(model: nn.Module) -> list[ExpertsPlan]:
     """Build the plan of every experts module in ``model`` now (eagerly), e.g. before
-    ``torch.compile(fullgraph=True)``, which cannot trace the probing; returns the plans."""
+    ``torch.compile(fullgraph=True)``, which cannot trace the probing; returns the plans. A model without such a
+    module (a dense one) warns, as ``set_experts_implementation("moekit")`` does: no plan, moekit never called."""
     check_module("model", model)
-    return [experts_plan(m) for m in model.modules() if is_interface_experts(m)]
+    plans = [experts_plan(m) for m in model.modules() if is_interface_experts(m)]
+    if not plans:
+        warnings.warn(f"prepare: {type(model).__name__} {NOT_SERVED}: no plan built, and the experts implementation "
+                      f"{IMPLEMENTATION!r} would never be called (use_moekit_blocks swaps MoE blocks moekit knows)",
+                      UserWarning, stacklevel=2)
+    return plans
 
 
 class MissingExtraError(ImportError):

@@ -8,8 +8,9 @@ initialises the float experts at random and says so in a load report only. Impor
 the checkpoint instead (under the model's own ``state_dict`` names, the swap's options in its metadata; the checkpoint
 holds the rest), names ``"moekit"`` as the experts implementation in its config.json (a process without ``moekit.hf``
 then stops on it instead of running random experts), writes both before a ``push_to_hub=True`` upload, and warns.
-``from_pretrained`` (``set_check.wrap_from_pretrained``) calls ``load_if_saved``: the blocks swapped with the saved
-options and their experts loaded; ``load_quantized_experts(model, path)`` does it by hand. A float model saved into
+``from_pretrained`` (``set_check.wrap_from_pretrained``, ``loading``) finds the file (a folder's or a hub
+repository's, whatever experts implementation it names): the blocks swapped with the saved options and their experts
+loaded; ``loading.load_quantized_experts(model, path)`` does it by hand. A float model saved into
 such a folder removes the earlier file. ``offload_experts`` replaced its blocks by ``OffloadedBlock`` modules, whose
 experts and router ``from_pretrained`` cannot place either: saving such a model warns, naming the checkpoint to keep
 (docs/offload.md). A model with float experts (swapped or not) saves as before, silently.
@@ -18,18 +19,14 @@ experts and router ``from_pretrained`` cannot place either: saving such a model 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import json
-import os
-import re
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from moekit._checks import check_module
 from moekit.hf.set_check import IMPLEMENTATION
 
 EXPERTS_FILE = "moekit_quantized_experts.safetensors"
@@ -139,81 +136,12 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], options: dict[str,
     save_file(data, str(directory / EXPERTS_FILE), metadata={_META_KEY: json.dumps(options)})
 
 
-def load_quantized_experts(model: nn.Module, path: str | os.PathLike):
-    """Give ``model`` (built from a checkpoint ``save_pretrained`` wrote from a model whose swapped blocks freed
-    their float experts, without ``from_pretrained``'s own load of them: ``from_config``, a load before ``moekit.hf``
-    was imported) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it was saved with
-    (``use_moekit_blocks(..., keep_float=False)``), then its quantized experts loaded; returns the swap's
-    ``BlockSwapReport``. FileNotFoundError where ``path`` has no such file; ValueError where the model lacks a block
-    the file holds, or the file's blocks were swapped with different options."""
-    check_module("model", model)
-    file = Path(path) / EXPERTS_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such file; save_pretrained writes it for a model whose swapped blocks "
-                                "freed their float experts (use_moekit_blocks(..., keep_float=False))")
-    return _load(model, file)
+def saved_blocks(file: Path) -> tuple[str, ...]:
+    """The block paths ``file`` (an ``EXPERTS_FILE``) holds, as saved (its metadata's keys; none without it)."""
+    from safetensors import safe_open
 
-
-# from_pretrained's keywords that say where a checkpoint's files are (transformers' cached_file takes them)
-_WHERE = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
-
-
-def load_if_saved(model: nn.Module, source, kwargs: dict, info: dict | None = None) -> None:
-    """``from_pretrained(source, **kwargs)``'s end (``set_check.wrap_from_pretrained``): where the checkpoint has an
-    ``EXPERTS_FILE`` (a folder's, looked for always; a hub repository's, when the loaded config names
-    ``"moekit"``, as a freed model's config.json does), its blocks are swapped and loaded as saved, and their float
-    experts dropped from ``info``'s ``missing_keys`` (``output_loading_info=True``: loaded now, not missing)."""
-    if not isinstance(source, (str, os.PathLike)):
-        return
-    where = {k: kwargs[k] for k in _WHERE if kwargs.get(k) is not None}
-    if Path(source).is_dir():
-        file = Path(source, where.get("subfolder", ""), EXPERTS_FILE)
-        file = file if file.is_file() else None
-    elif IMPLEMENTATION in model.get_experts_implementation().values():
-        from transformers.utils.hub import cached_file
-
-        found = cached_file(source, EXPERTS_FILE, _raise_exceptions_for_missing_entries=False,
-                            _raise_exceptions_for_connection_errors=False, **where)
-        file = Path(found) if found else None
-    else:
-        file = None
-    if file is not None:
-        blocks = tuple(f"{b.path}." for b in _load(model, file).swapped)
-        if info is not None:
-            info["missing_keys"] = type(info["missing_keys"])(
-                k for k in info["missing_keys"] if not k.startswith(blocks))
-
-
-_SAVED_BLOCKS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("moekit_saved_blocks", default=())
-
-
-@contextlib.contextmanager
-def expecting_saved_experts(source, kwargs: dict):
-    """While ``from_pretrained(source, **kwargs)`` loads: the block paths of a folder's ``EXPERTS_FILE`` (read from its
-    metadata), for ``ignore_saved_experts_missing``."""
-    file = Path(source, kwargs.get("subfolder") or "", EXPERTS_FILE) if isinstance(source, (str, os.PathLike)) else None
-    blocks = ()
-    if file is not None and file.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(file), "pt") as f:
-            blocks = tuple(json.loads((f.metadata() or {}).get(_META_KEY, "{}")))
-    token = _SAVED_BLOCKS.set(blocks)
-    try:
-        yield
-    finally:
-        _SAVED_BLOCKS.reset(token)
-
-
-def ignore_saved_experts_missing(model: nn.Module) -> None:
-    """``post_init`` of a model ``from_pretrained`` builds within ``expecting_saved_experts``: the float experts of the
-    file's blocks join transformers' ``_keys_to_ignore_on_load_missing`` (patterns on the model's own names), so its
-    load report does not call them missing and "newly initialized": ``load_if_saved`` loads them next."""
-    blocks = _SAVED_BLOCKS.get()
-    if blocks and isinstance(getattr(model, "_keys_to_ignore_on_load_missing", None), set):
-        prefix = f"{getattr(model, 'base_model_prefix', '')}."  # with it or without (``_rebased``)
-        model._keys_to_ignore_on_load_missing.update(
-            rf"^({re.escape(prefix)})?{re.escape(path.removeprefix(prefix))}\.experts\." for path in blocks)
+    with safe_open(str(file), "pt") as f:
+        return tuple(json.loads((f.metadata() or {}).get(_META_KEY, "{}")))
 
 
 def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torch.Tensor]):
@@ -230,7 +158,7 @@ def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torc
     return options, tensors
 
 
-def _load(model: nn.Module, file: Path):
+def load_saved_file(model: nn.Module, file: Path):
     from safetensors import safe_open
 
     from moekit.hf.swap import use_moekit_blocks

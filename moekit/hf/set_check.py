@@ -22,6 +22,10 @@ from torch import nn
 
 IMPLEMENTATION = "moekit"  # the name moekit registers in transformers' experts interfaces
 _WRAPPED = "_moekit_checks_servable"  # set on the wrapper: a second import wraps nothing
+# why moekit would never be called on a model without such a module (the warnings of set_experts_implementation and
+# prepare)
+NOT_SERVED = ("has no experts module that transformers dispatches through its experts interface (a dense model, or "
+              "MoE blocks holding a list of expert MLPs)")
 
 
 def is_interface_experts(module: nn.Module) -> bool:
@@ -46,10 +50,8 @@ def wrap_set_experts_implementation() -> None:
         if experts:
             _build_plans(experts)
         elif IMPLEMENTATION in asked:
-            warnings.warn(f"set_experts_implementation({IMPLEMENTATION!r}): {type(self).__name__} has no experts "
-                          "module that transformers dispatches through its experts interface (a dense model, or MoE "
-                          "blocks holding a list of expert MLPs): moekit is never called, the model's own forward "
-                          "runs", UserWarning, stacklevel=2)
+            warnings.warn(f"set_experts_implementation({IMPLEMENTATION!r}): {type(self).__name__} {NOT_SERVED}: "
+                          "moekit is never called, the model's own forward runs", UserWarning, stacklevel=2)
         return result
 
     setattr(set_experts_implementation, _WRAPPED, True)
@@ -59,7 +61,9 @@ def wrap_set_experts_implementation() -> None:
 def wrap_from_pretrained() -> None:
     """``from_pretrained(..., experts_implementation="moekit")`` sets the implementation through the config, not
     ``set_experts_implementation``: the loaded model's plans are built here, as that call builds them. A checkpoint
-    with moekit's quantized experts beside it (``saving``) gets its swapped blocks back first."""
+    with moekit's quantized experts beside it (``saving``) gets its swapped blocks back first (``loading``: a folder's
+    file or a hub repository's, whatever implementation is named; transformers' loading info is asked for always, to
+    see what is missing, and returned where the caller asked)."""
     from transformers import PreTrainedModel
 
     load = PreTrainedModel.__dict__["from_pretrained"].__func__  # a classmethod: the function under it
@@ -68,15 +72,15 @@ def wrap_from_pretrained() -> None:
 
     @functools.wraps(load)
     def from_pretrained(cls, *args, **kwargs):
-        from moekit.hf.saving import expecting_saved_experts, load_if_saved
+        from moekit.hf.loading import expecting_saved_experts, find_saved_experts, load_saved_experts
 
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        with expecting_saved_experts(source, kwargs):  # its experts not reported missing (wrap_post_init)
-            result = load(cls, *args, **kwargs)
-        model = result[0] if isinstance(result, tuple) else result  # output_loading_info: (model, info)
-        load_if_saved(model, source, kwargs, result[1] if isinstance(result, tuple) else None)
+        file = find_saved_experts(source, kwargs)  # before the load: its experts not reported missing (post_init)
+        with expecting_saved_experts(file):
+            model, info = load(cls, *args, **{**kwargs, "output_loading_info": True})
+        load_saved_experts(model, file, info, source, kwargs)  # or refused: never random experts of such a file
         _plans_if_named(model)
-        return result
+        return (model, info) if kwargs.get("output_loading_info") else model
 
     setattr(from_pretrained, _WRAPPED, True)
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
@@ -87,8 +91,8 @@ def wrap_post_init() -> None:
     neither by ``set_experts_implementation`` nor ``from_pretrained``: transformers' ``post_init`` (the end of every
     model's ``__init__``, its weights initialised) builds the plans then. Built on the meta device (``from_pretrained``
     builds it there), a module is left to ``wrap_from_pretrained`` or its first call. Built by ``from_pretrained`` of
-    a folder holding moekit's quantized experts, the float experts of those blocks are told to transformers as not
-    missing (``saving.ignore_saved_experts_missing``): its load report listed them MISSING, "newly initialized"."""
+    a checkpoint with moekit's quantized experts, the float experts of those blocks are told to transformers as not
+    missing (``loading.ignore_saved_experts_missing``): its load report listed them MISSING, "newly initialized"."""
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.post_init
@@ -97,7 +101,7 @@ def wrap_post_init() -> None:
 
     @functools.wraps(original)
     def post_init(self):
-        from moekit.hf.saving import ignore_saved_experts_missing
+        from moekit.hf.loading import ignore_saved_experts_missing
 
         result = original(self)
         ignore_saved_experts_missing(self)

@@ -1,0 +1,125 @@
+"""``from_pretrained`` of a checkpoint with moekit's quantized experts beside it (``saving.EXPERTS_FILE``): the file
+found before transformers loads (a folder's, or a hub repository's through transformers' ``cached_file``, whatever
+experts implementation is named), its blocks' float experts told to transformers as not missing, the file loaded after
+the load; a checkpoint whose config names ``"moekit"`` with experts left missing and no file at hand is refused.
+
+Session 52 fetched a hub repository's file after the load and only where the loaded config named ``"moekit"``:
+``experts_implementation="eager"`` got random experts (transformers' load report the only word), and every hub load
+printed that report. ``set_check.wrap_from_pretrained`` calls these, in order: ``find_saved_experts``,
+``expecting_saved_experts`` around transformers' load, ``load_saved_experts`` after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import re
+from pathlib import Path
+
+from torch import nn
+
+from moekit._checks import check_module
+from moekit.hf.saving import EXPERTS_FILE, load_saved_file, saved_blocks
+from moekit.hf.set_check import IMPLEMENTATION, is_interface_experts
+
+# from_pretrained's keywords that say where a checkpoint's files are (transformers' cached_file takes them)
+_WHERE = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+
+
+def _fetch(source, filename: str, kwargs: dict) -> Path | None:
+    """``filename`` of ``from_pretrained(source, **kwargs)``'s checkpoint, local: a folder's own (``subfolder=``
+    within it), a hub repository's through transformers' ``cached_file`` (its cache, or a download); None where
+    it has none, or it cannot be had (offline, a bad id: transformers' own load says what is wrong with the id)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    where = {k: kwargs[k] for k in _WHERE if kwargs.get(k) is not None}
+    if Path(source).is_dir():
+        file = Path(source, where.get("subfolder", ""), filename)
+        return file if file.is_file() else None
+    from transformers.utils.hub import cached_file
+
+    try:
+        found = cached_file(str(source), filename, _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False, **where)
+    except (OSError, ValueError):  # a malformed id (HFValidationError is a ValueError), a gated repository
+        return None
+    return Path(found) if found else None
+
+
+def find_saved_experts(source, kwargs: dict) -> Path | None:
+    """The ``EXPERTS_FILE`` of ``from_pretrained(source, **kwargs)``'s checkpoint, local; None where it has none."""
+    return _fetch(source, EXPERTS_FILE, kwargs)
+
+
+def load_quantized_experts(model: nn.Module, path: str | os.PathLike, **where):
+    """Give ``model`` (built from a checkpoint ``save_pretrained`` wrote from a model whose swapped blocks freed
+    their float experts, without ``from_pretrained``'s own load of them: ``from_config``, a load before ``moekit.hf``
+    was imported) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it was saved with
+    (``use_moekit_blocks(..., keep_float=False)``), then its quantized experts loaded; returns the swap's
+    ``BlockSwapReport``. ``path``: a folder, or a hub repository id (``where``: ``from_pretrained``'s keywords that
+    say where its files are, ``revision=``, ``token=``, ``cache_dir=``, ``local_files_only=`` ...). FileNotFoundError
+    where it has no such file; ValueError where the model lacks a block the file holds, or the file's blocks were
+    swapped with different options."""
+    check_module("model", model)
+    unknown = sorted(set(where) - set(_WHERE))
+    if unknown:
+        raise TypeError(f"load_quantized_experts: unexpected keyword {unknown[0]!r}; it takes {', '.join(_WHERE)}")
+    file = find_saved_experts(path, where)
+    if file is None:
+        raise FileNotFoundError(f"{Path(path, where.get('subfolder', ''), EXPERTS_FILE)}: no such file (a folder's, or "
+                                "a hub repository's); save_pretrained writes it for a model whose swapped blocks "
+                                "freed their float experts (use_moekit_blocks(..., keep_float=False))")
+    return load_saved_file(model, file)
+
+
+_SAVED_BLOCKS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("moekit_saved_blocks", default=())
+
+
+@contextlib.contextmanager
+def expecting_saved_experts(file: Path | None):
+    """While ``from_pretrained`` loads: the block paths ``file`` holds (its metadata), for
+    ``ignore_saved_experts_missing``."""
+    token = _SAVED_BLOCKS.set(saved_blocks(file) if file is not None else ())
+    try:
+        yield
+    finally:
+        _SAVED_BLOCKS.reset(token)
+
+
+def ignore_saved_experts_missing(model: nn.Module) -> None:
+    """``post_init`` of a model ``from_pretrained`` builds within ``expecting_saved_experts``: the float experts of the
+    file's blocks join transformers' ``_keys_to_ignore_on_load_missing`` (patterns on the model's own names), so its
+    load report does not call them missing and "newly initialized": ``load_saved_experts`` loads them next."""
+    blocks = _SAVED_BLOCKS.get()
+    if blocks and isinstance(getattr(model, "_keys_to_ignore_on_load_missing", None), set):
+        prefix = f"{getattr(model, 'base_model_prefix', '')}."  # with it or without (``saving._rebased``)
+        model._keys_to_ignore_on_load_missing.update(
+            rf"^({re.escape(prefix)})?{re.escape(path.removeprefix(prefix))}\.experts\." for path in blocks)
+
+
+def load_saved_experts(model: nn.Module, file: Path | None, info: dict, source, kwargs: dict) -> None:
+    """After transformers' load (``info``: its loading info): ``file``'s blocks swapped and loaded as saved, their
+    float experts dropped from ``info["missing_keys"]`` (loaded now, not missing). FileNotFoundError where experts
+    weights are still missing and the checkpoint's config.json names ``"moekit"`` (a freed model's: its experts file
+    is not at hand), whatever implementation the load named: those experts would be random."""
+    if file is not None:
+        blocks = tuple(f"{b.path}." for b in load_saved_file(model, file).swapped)
+        info["missing_keys"] = type(info["missing_keys"])(k for k in info["missing_keys"] if not k.startswith(blocks))
+    modules = dict(model.named_modules())
+    random = sorted(k for k in info["missing_keys"] if is_interface_experts(modules.get(k.rpartition(".")[0])))
+    if random and _names_moekit(source, kwargs):
+        raise FileNotFoundError(
+            f"from_pretrained({str(source)!r}): its config.json names experts_implementation {IMPLEMENTATION!r} (a "
+            f"checkpoint of moekit's quantized experts, use_moekit_blocks(..., keep_float=False)) but {EXPERTS_FILE} "
+            f"is not at hand (offline, or a download without it), so {random[0]}, ... would be random. Download it "
+            f"(huggingface_hub.hf_hub_download({str(source)!r}, {EXPERTS_FILE!r}), or load online), then load again")
+
+
+def _names_moekit(source, kwargs: dict) -> bool:
+    """The checkpoint's own config.json names ``"moekit"`` as its experts implementation (what ``save_pretrained``
+    of a freed model writes; the loaded config holds what the load named instead, where it named one)."""
+    file = _fetch(source, "config.json", kwargs)
+    named = json.loads(file.read_text()).get("experts_implementation") if file is not None else None
+    return named == IMPLEMENTATION or (isinstance(named, dict) and IMPLEMENTATION in named.values())
