@@ -84,6 +84,13 @@ class LaunchOptions:
     # A=1024 +167, A=4096 +513. Host: -37 µs at Qwen3 M=8, -22 to -42 at M=64. So the fold stays where
     # it costs no GPU time (benchmarks/host_align_device_check.py).
     align_fold_max: int = 64
+    # vLLM's tiny-batch shortcut (A*4 <= E, no map: block a = assignment a, no alignment) past one token too. There
+    # two slots that pick one expert stream its weights twice (one token's k experts are distinct, so M = 1 has no
+    # repeat): expected repeats M*k - E(1 - (1 - k/E)^M), DeepSeek-V3 M = 8 64 slots on ~57 experts (+12% bytes),
+    # Qwen3-30B-A3B M = 4 32 on ~29 (+10%). False: the shortcut at M = 1 only, the alignment (folded into gate-up
+    # where the plan folds) past it, an expert's slots in one block. Unmeasured on a device (sessions 52-53:
+    # dsv52_device_check / tiny53_device_check hold the A/B): the rule stays vLLM's.
+    shortcut_multi_token: bool = True
     # Up to sum_fold_max tokens the k-sum runs in the down GEMM's epilogue (``_kernels/gemm.py``, KSUM):
     # each down program counts its rows' arrivals per (token, K tile) and the last of a token's slots sums
     # them, in the separate k-sum's order (equal bit for bit), so a call is one launch fewer. Eager calls
