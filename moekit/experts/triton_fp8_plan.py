@@ -253,8 +253,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     check_config(config, group)
     # the folded k-sum's counters (M <= sum_fold_max; 2 for the sum programs after the GEMM's, M <= sum_tail_max),
     # then the fused hist + scan's arrival slot (the bf16 plan's)
-    down = config.down
-    ksum_counters = ksum_counter_count(num_tokens, hidden, down.BLOCK_N, options)
+    down, ksum_counters = config.down, ksum_counter_count(num_tokens, hidden, config.down.BLOCK_N, options)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
                            shortcut_allowed(num_tokens, options), fold=True, arrival_slot=ksum_counters,
                            one_pass=one_pass_programs(options, x.device))

@@ -295,12 +295,11 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n), (num_tokens, top_k) = w13.q.shape[:2], ids.shape
     n, hidden, num_assignments = two_n // 2, x.shape[1], num_tokens * top_k
-    # the decode is chosen on vLLM's condition, where it was measured; the layout on the options' too
     shortcut = use_naive(num_assignments, num_experts, expert_map)
     spec = as_spec(activation)  # biases or a spec that is not plain: a variant decode (``_usable_decode``)
     decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut,
                             has_b13 or has_b2 or not spec.plain)
-    shortcut = shortcut and shortcut_allowed(num_tokens, options)
+    shortcut = shortcut and shortcut_allowed(num_tokens, options)  # the decode's as measured; the layout's here
     config = _config_for(config, decode, scheme, w13, w2, spec, (num_tokens, num_experts, n, hidden, top_k), x.device)
     if not interpreting() and decode not in WORD_DECODES and decode != "mma":  # mma: BLOCK_K fixed, small
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
