@@ -1,6 +1,6 @@
 """tiny53 device check (session 53, issues 16, 19, 15): the weight-only decodes at the tiny-batch cells, today's
 shortcut (vLLM's A*4 <= E: block a = assignment a, so an expert two slots pick is read and decoded twice) against
-the same decode on aligned blocks (``LaunchOptions.shortcut_multi_token=False``: an expert's slots in one block).
+the same decode on aligned blocks (``LaunchOptions.shortcut_max_tokens=1``: an expert's slots in one block).
 
     PYTHONPATH=$PWD timeout 110 python3 benchmarks/tiny53_device_check.py --out $OUT/tiny53 --deadline 85
     PYTHONPATH=$PWD python3 benchmarks/tiny53_device_check.py --smoke --out /tmp/tiny53   (CPU, interpreted, tiny)
@@ -47,7 +47,7 @@ from moekit.quant.mxfp4 import Mxfp4Weight  # noqa: E402
 ROUNDS = 5
 SAMPLE_US = 3000.0  # µs of GPU work a timed sample (replays of the cell's graph)
 SHORTCUT = LaunchOptions(lean_launch=False)  # a plan key no route call has; neither option changes a kernel
-ALIGNED = replace(SHORTCUT, shortcut_multi_token=False)
+ALIGNED = replace(SHORTCUT, shortcut_max_tokens=1)
 GROUP = {"int4_w4a16": 128, "mxfp4": 32, "int8_w8a16": 0}  # the bench's quantize defaults
 RUN = RunLog("tiny53: graph µs a call (median of 5 interleaved rounds), % of the packed floor at this run's copy "
              "rate; x = route / variant, rounds >= 3% faster than the route", stall_s=60.0)
@@ -160,7 +160,7 @@ def layouts(options: LaunchOptions) -> list[bool]:
     from moekit.experts import triton_wo_words_lean
 
     fused = [p.align is not None for k, p in triton_wo_plan._WO_PLANS.items() if options in k]
-    if options.shortcut_multi_token:
+    if options.shortcut_max_tokens > 1:
         return fused
     return fused + [p.align is not None for k, p in triton_wo_words_lean._PLANS.items() if k[-1] is False]
 

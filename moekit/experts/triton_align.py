@@ -80,8 +80,8 @@ class BlockRows:
 
 def shortcut_allowed(num_tokens: int, options: LaunchOptions) -> bool:
     """Whether the tiny-batch shortcut may serve a call of ``num_tokens`` tokens (where ``use_naive`` holds too):
-    always at one token, whose k experts are distinct; past it where ``options.shortcut_multi_token``."""
-    return num_tokens <= 1 or options.shortcut_multi_token
+    up to ``options.shortcut_max_tokens``."""
+    return num_tokens <= options.shortcut_max_tokens
 
 
 def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert_map: torch.Tensor | None,

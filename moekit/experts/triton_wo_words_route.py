@@ -43,7 +43,7 @@ def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_wei
     (``triton_wo_words_default``), not its caller: None where the kernels do not fit it (``words_fit``) or it would
     need the padded copy (a default never doubles the experts' memory), and the caller runs the pick. ``shortcut``:
     the tiny-batch shortcut where ``use_naive`` holds (False: 8-row aligned blocks there too, an expert's slots in
-    one; ``LaunchOptions.shortcut_multi_token``)."""
+    one; ``LaunchOptions.shortcut_max_tokens``)."""
     from moekit.experts.triton_wo_words_lean import run_words, words_lean_call
     from moekit.experts.triton_wo_words_pad import needs_padding, words_weights
 
