@@ -255,7 +255,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     # then the fused hist + scan's arrival slot (the bf16 plan's)
     down, ksum_counters = config.down, ksum_counter_count(num_tokens, hidden, config.down.BLOCK_N, options)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
-                           shortcut_allowed(num_tokens, options), fold=True, arrival_slot=ksum_counters,
+                           shortcut=shortcut_allowed(num_tokens, options), fold=True, arrival_slot=ksum_counters,
                            one_pass=one_pass_programs(options, x.device))
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
     fold = _fold_constexprs(align, num_assignments, num_experts, block_m, expert_map)

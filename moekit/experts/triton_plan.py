@@ -159,7 +159,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     # arrival slot
     ksum_counters = ksum_counter_count(num_tokens, hidden, config.down.BLOCK_N, options)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
-                           shortcut_allowed(num_tokens, options), fold=True, arrival_slot=ksum_counters,
+                           shortcut=shortcut_allowed(num_tokens, options), fold=True, arrival_slot=ksum_counters,
                            one_pass=one_pass_programs(options, x.device))
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]

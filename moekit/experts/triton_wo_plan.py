@@ -313,7 +313,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     # the folded k-sum's counters (M <= sum_fold_max, one split), then the fused hist + scan's arrival slot
     fold = split_k == 1 and 0 < num_tokens <= options.sum_fold_max
     ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if fold else 0
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, shortcut,
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, shortcut=shortcut,
                            arrival_slot=ksum_counters, one_pass=one_pass_programs(options, x.device))
     block_m = 1 if decode in WORD_DECODES and rows.align is None else rows.block_m  # the shortcut: one row a block
     align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)
