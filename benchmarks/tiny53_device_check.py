@@ -20,20 +20,16 @@ after each cell.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
-import threading
-import time
 from dataclasses import dataclass, replace
 
-from bench_run import RunLog, check_parser, rel_l2, run_info, smoke_mode, write_json
+from bench_run import RunLog, cells_check, rel_l2, smoke_mode
 
 SMOKE = smoke_mode()  # TRITON_INTERPRET=1 before moekit imports its kernels
 
 import torch  # noqa: E402
 
-from bench_rounds import event_timer, faster_rounds, graph_of, medians, settled  # noqa: E402
+from bench_rounds import faster_rounds, medians, timed_graphs, variant_lines  # noqa: E402
 from moekit.bench.cells import Shape, cell_model, make_sets, measured_experts_touched  # noqa: E402
 from moekit.experts import get_backend, triton_wo_plan  # noqa: E402
 from moekit.experts.configs import device_key  # noqa: E402
@@ -196,14 +192,7 @@ def run_cell(cell: Cell, dev, ceil: dict, until: float, result: dict) -> None:
     RUN.log(f"{cell.name}: route runs {res['route_decode']}; {res['slots']} slots on {hit:.1f} experts a call")
     fns = {v.name: [lambda s=s, c=variant_call(cell, v, shape, w, dev): c(s) for s in sets] for v in cell.variants}
     check_cell(cell, w, sets, fns, res)
-    graphs = {}
-    for name, calls in fns.items():
-        RUN.log(f"{cell.name} {name}: graph")  # the watchdog's heartbeat through the compiles
-        graphs[name] = graph_of(calls, dev)
-    replays = 1
-    if dev.type == "cuda":
-        replays = max(1, round(SAMPLE_US / (event_timer()(graphs["route"].replay) * 1e3)))
-    rounds = settled({name: (g, None) for name, g in graphs.items()}, len(sets), dev, ROUNDS, replays, until)
+    _, rounds = timed_graphs(RUN.log, cell.name, fns, len(sets), dev, ROUNDS, SAMPLE_US, until)
     med = medians(rounds)
     floor = cell_model(shape, cell.m, hit, 2, ceil["copy_TBps"], float("inf"), w["expert_bytes"]).floor_us
     res |= {"variants": list(fns), "rounds": rounds, "median_us": med, "floor_us": floor,
@@ -214,47 +203,13 @@ def run_cell(cell: Cell, dev, ceil: dict, until: float, result: dict) -> None:
 
 
 def table_lines(cell: Cell, res: dict) -> list[str]:
-    med, floor = res["median_us"], res["floor_us"]
-    lines = [f"{cell.name}: route = {res['route_decode']}, {res['slots']} slots on {res['touched']:.1f} experts, "
-             f"floor {floor:.1f} µs"]
-    for name in res["variants"]:
-        rounds = len(res["rounds"][name])
-        win = "" if name == "route" else f" x{res['x'][name]:.3f} >=3% in {res['wins'][name]}/{rounds}"
-        lines.append(f"  {name:18} {med[name]:9.1f} ({100 * floor / med[name]:5.1f}%){win}")
-    return lines
+    return [f"{cell.name}: route = {res['route_decode']}, {res['slots']} slots on {res['touched']:.1f} experts, "
+            f"floor {res['floor_us']:.1f} µs", *variant_lines(res, res["floor_us"])]
 
 
 def main() -> int:
-    p = check_parser(85.0)
-    p.add_argument("--cells", default="", help="positions in CELLS, comma-separated (default: all)")
-    args = p.parse_args()
-    path = args.out and os.path.join(args.out, "tiny53.json")
-    os.environ["MOEKIT_CONFIG_DIR"] = tempfile.mkdtemp()  # no user file of this machine in any lookup
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
-    dev = torch.device("cpu" if SMOKE else "cuda")
-    result = {"run": run_info() | {"smoke": SMOKE}, "cells": {}}
-    if SMOKE:
-        ceil = {"copy_TBps": 1.0}
-    else:
-        from bench_run import ceilings
-
-        ceil = ceilings(dev)
-    result["ceilings"] = ceil
-    RUN.log(f"{result['run']} {ceil}")
     cells = SMOKE_CELLS if SMOKE else CELLS
-    if args.cells:
-        cells = [cells[int(i)] for i in args.cells.split(",")]
-    until = time.time() + args.deadline - RUN.elapsed()
-    by_name = {cell.name: cell for cell in cells}
-
-    def after() -> None:
-        if path:
-            write_json(path, result)
-
-    RUN.each_cell(list(by_name), lambda name: run_cell(by_name[name], dev, ceil, until, result), args.deadline - 10.0,
-                  after)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+    return cells_check(RUN, SMOKE, "tiny53", 85.0, {cell.name: cell for cell in cells}, run_cell, margin_s=10.0)
 
 
 if __name__ == "__main__":
