@@ -194,3 +194,29 @@ def eager_rounds(fns: dict, dev, rounds: int, until: float = math.inf) -> dict:
         samples[name][0].append((time.perf_counter() - t0) * 1e6)
         samples[name][1].append(start.elapsed_time(end) * 1e3 if cuda else float("nan"))
     return samples
+
+
+def variant_lines(res: dict, floor_us: float) -> list[str]:
+    """A check's table lines of one cell's variants (``res``: "variants" in order, the first the base; "median_us",
+    "rounds", "x" = base / variant, "wins" = rounds >= 3% faster than the base): median µs, % of ``floor_us``."""
+    med, lines = res["median_us"], []
+    for i, name in enumerate(res["variants"]):
+        win = f" x{res['x'][name]:.3f} >=3% in {res['wins'][name]}/{len(res['rounds'][name])}" if i else ""
+        lines.append(f"  {name:18} {med[name]:9.1f} ({100 * floor_us / med[name]:5.1f}%){win}")
+    return lines
+
+
+def timed_graphs(log: Callable[[str], None], label: str, fns: dict, calls: int, dev, rounds: int, sample_us: float,
+                 until: float = math.inf, base: str = "route") -> tuple[dict, dict]:
+    """(name -> its graph, name -> [µs a call, each round]): ``fns`` name -> its calls, one CUDA graph each (``log``
+    a line before each capture: a watchdog's heartbeat through the compiles), then ``settled`` rounds of replays
+    of about ``sample_us`` of GPU work each (sized on ``base``'s graph; ``calls`` calls a replay)."""
+    graphs = {}
+    for name, call_list in fns.items():
+        log(f"{label} {name}: graph")
+        graphs[name] = graph_of(call_list, dev)
+    replays = 1
+    if dev.type == "cuda":
+        replays = max(1, round(sample_us / (event_timer()(graphs[base].replay) * 1e3)))
+    return graphs, settled({name: (g, None) for name, g in graphs.items()}, calls, dev, rounds, replays, until)
+

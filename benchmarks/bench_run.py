@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -257,3 +258,35 @@ def ceilings(dev, fp8: bool = False) -> dict:
     if fp8:
         got["fp8_mm_TFLOPs"] = measure_fp8_mm(dev).TFLOPs
     return got
+
+
+def cells_check(run: RunLog, smoke: bool, name: str, deadline: float, cells: dict, run_cell: Callable,
+                margin_s: float = 8.0) -> int:
+    """A cell-by-cell device check's main: ``--out DIR`` (its <name>.json, rewritten after each cell), ``--deadline``
+    (default ``deadline`` s; no cell starts past it less ``margin_s``), ``--cells 0,2`` (positions in ``cells``, label
+    -> cell, in order; default all), ``--smoke``. Runs with no user config file of this machine, the watchdog, the
+    device (the CPU under ``smoke``), the JSON's header {"run": ``run_info`` and smoke, "cells": {}, "ceilings"} and
+    this run's ceilings (``ceilings`` on the GPU; a copy rate of 1 TB/s in the smoke) logged; then ``run_cell(cell,
+    dev, ceilings, until, result)`` for each (``until``: the deadline as ``time.time()``), the table last. Returns the
+    exit status: 1 where a check failed."""
+    p = check_parser(deadline)
+    p.add_argument("--cells", default="", help="positions of the check's cells, comma-separated (default: all)")
+    args = p.parse_args()
+    path = args.out and os.path.join(args.out, f"{name}.json")
+    os.environ["MOEKIT_CONFIG_DIR"] = tempfile.mkdtemp()  # no user file of this machine in any lookup
+    threading.Thread(target=run.watchdog, daemon=True).start()
+    dev = torch.device("cpu" if smoke else "cuda")
+    result = {"run": run_info() | {"smoke": smoke}, "cells": {}}
+    result["ceilings"] = ceil = {"copy_TBps": 1.0} if smoke else ceilings(dev)
+    run.log(f"{result['run']} {ceil}")
+    labels = list(cells) if not args.cells else [list(cells)[int(i)] for i in args.cells.split(",")]
+    until = time.time() + args.deadline - run.elapsed()
+
+    def after() -> None:
+        if path:
+            write_json(path, result)
+
+    run.each_cell(labels, lambda label: run_cell(cells[label], dev, ceil, until, result), args.deadline - margin_s,
+                  after)
+    run.print_table()
+    return 1 if run.failed else 0

@@ -22,20 +22,16 @@ Prints the device, the ceilings, PASS / FAIL lines, the table last; writes --out
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
-import threading
-import time
 
-from bench_run import RunLog, check_parser, rel_l2, run_info, smoke_mode, write_json
+from bench_run import RunLog, cells_check, rel_l2, smoke_mode
 
 SMOKE = smoke_mode()  # TRITON_INTERPRET=1 before moekit imports its kernels
 
 import torch  # noqa: E402
 
 import dsv52_cells as dc  # noqa: E402
-from bench_rounds import event_timer, faster_rounds, graph_of, medians, settled  # noqa: E402
+from bench_rounds import faster_rounds, medians, timed_graphs, variant_lines  # noqa: E402
 from dsv52_read import parts_sum, read_bound, read_table, words_sum  # noqa: E402
 from moekit.bench import tuning  # noqa: E402
 from moekit.bench.cells import cell_model, make_sets, measured_experts_touched  # noqa: E402
@@ -134,15 +130,7 @@ def run_cell(cell, weights: dict, dev, ceil: dict, until: float, result: dict) -
     res = check_cell(cell, shape, w, sets, fns, {"variants": [v.name for v in cell.variants if v.name in fns]})
     reads, read_bytes = read_fns(cell, w, sets)
     fns["read"] = reads
-    graphs = {}
-    for name, calls in fns.items():
-        RUN.log(f"{cell.name} {name}: graph")  # the watchdog's heartbeat through the compiles
-        graphs[name] = graph_of(calls, dev)
-    replays = 1
-    if dev.type == "cuda":
-        us = event_timer()(graphs["route"].replay) * 1e3
-        replays = max(1, round(SAMPLE_US / us))
-    rounds = settled({name: (g, None) for name, g in graphs.items()}, len(sets), dev, ROUNDS, replays, until)
+    graphs, rounds = timed_graphs(RUN.log, cell.name, fns, len(sets), dev, ROUNDS, SAMPLE_US, until)
     med = medians(rounds)
     floor = floor_us(cell, shape, w, sets, ceil["copy_TBps"])
     res |= {"rounds": rounds, "median_us": med, "floor_us": floor, "read_bytes": read_bytes,
@@ -160,48 +148,20 @@ def table_lines(cell, res: dict) -> list[str]:
     lines = [f"{cell.label}: floor {floor:.1f} µs; read {med['read']:.1f} µs "
              f"({(res['read_TBps'] or float('nan')):.2f} TB/s, route at {100 * med['read'] / med['route']:.1f}% "
              f"of it)"]
-    for name in res["variants"]:
-        rounds = len(res["rounds"][name])
-        win = "" if name == "route" else f" x{res['x'][name]:.3f} >=3% in {res['wins'][name]}/{rounds}"
-        lines.append(f"  {name:18} {med[name]:9.1f} ({100 * floor / med[name]:5.1f}%){win}")
+    lines += variant_lines(res, floor)
     for name, by in res.get("breakdown", {}).items():
         lines.append(f"  {name} by launch: " + ", ".join(f"{k} {v:.1f}" for k, v in by.items()))
     return lines
 
 
 def main() -> int:
-    p = check_parser(80.0)
-    p.add_argument("--cells", default="", help="positions in dsv52_cells.CELLS, comma-separated (default: all)")
-    args = p.parse_args()
-    path = args.out and os.path.join(args.out, "dsv52.json")
-    os.environ["MOEKIT_CONFIG_DIR"] = tempfile.mkdtemp()  # no user file of this machine in any lookup
-    threading.Thread(target=RUN.watchdog, daemon=True).start()
-    dev = torch.device("cpu" if SMOKE else "cuda")
-    result = {"run": run_info() | {"smoke": SMOKE}, "cells": {}}
-    if SMOKE:
-        ceil = {"copy_TBps": 1.0}
-    else:
-        from bench_run import ceilings
+    weights: dict = {}  # one preset's weights at a time, kept from cell to cell
 
-        ceil = ceilings(dev)
-        result["run"]["device"] = torch.cuda.get_device_name(dev)
-    result["ceilings"] = ceil
-    RUN.log(f"{result['run']} {ceil}")
+    def run_one(cell, dev, ceil: dict, until: float, result: dict) -> None:
+        run_cell(cell, weights, dev, ceil, until, result)
+
     cells = dc.SMOKE_CELLS if SMOKE else dc.CELLS
-    if args.cells:
-        cells = [cells[int(i)] for i in args.cells.split(",")]
-    until = time.time() + args.deadline - RUN.elapsed()
-    weights: dict = {}
-
-    def after() -> None:
-        if path:
-            write_json(path, result)
-
-    by_label = {cell.label: cell for cell in cells}
-    RUN.each_cell(list(by_label), lambda label: run_cell(by_label[label], weights, dev, ceil, until, result),
-                  args.deadline - 8.0, after)
-    RUN.print_table()
-    return 1 if RUN.failed else 0
+    return cells_check(RUN, SMOKE, "dsv52", 80.0, {cell.label: cell for cell in cells}, run_one)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@
 Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and gathers its rows
 through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the activation is fused into that GEMM's
 epilogue); the routed weight is applied in the down GEMM's epilogue; the k-sum reads the [A, K] per-slot rows once. At
-A*4 <= E with no expert map (vLLM's tiny-batch shortcut) no alignment runs: block a is assignment a. Every experts
-variant runs fused: the ``ActivationSpec`` (gated or not, interleaved gate/up, alpha/limit/up_shift) becomes constexprs
-of the gate-up kernel, resolved once per plan; the biases are pointers (``_kernels/gemm.py``); weights are read through
-their strides (transposed storage: pointer loads, no copy; TMA where contiguous).
+A*4 <= E with no expert map, up to ``LaunchOptions.shortcut_max_tokens`` tokens (vLLM's tiny-batch shortcut) no
+alignment runs: block a is assignment a. Every experts variant runs fused: the ``ActivationSpec`` (gated or not,
+interleaved gate/up, alpha/limit/up_shift) becomes constexprs of the gate-up kernel, resolved once per plan; the biases
+are pointers (``_kernels/gemm.py``); weights are read through their strides (transposed storage: pointer loads, no
+copy; TMA where contiguous).
 
 No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph capturable and replays
 correctly with new routing. How it launches is chosen by a ``LaunchOptions`` passed down to every launch

@@ -78,6 +78,12 @@ class BlockRows:
     align: AlignPlan | None  # None in the shortcut
 
 
+def shortcut_allowed(num_tokens: int, options: LaunchOptions) -> bool:
+    """Whether the tiny-batch shortcut may serve a call of ``num_tokens`` tokens (where ``use_naive`` holds too):
+    up to ``options.shortcut_max_tokens``."""
+    return num_tokens <= options.shortcut_max_tokens
+
+
 def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert_map: torch.Tensor | None,
                     options: LaunchOptions, shortcut: bool = True, fold: bool = False,
                     arrival_slot: int | None = None, one_pass: int = 0) -> BlockRows:

@@ -42,7 +42,7 @@ from moekit._bounded import put_bounded
 from moekit.experts.configs import (
     GemmTile, KernelConfig, device_key, lookup_env, nearest, on_config_cache_clear, overlay, read_configs, tuned_files,
 )
-from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
+from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows, shortcut_allowed
 from moekit.experts.triton_cache import WorkspaceSpec, pair_chunk
 from moekit.experts.triton_fp8_persistent import Persistent, choose_persistent, persistent_gemms
 from moekit.experts.triton_fp8_variant import PLAIN, Fp8Variant
@@ -253,10 +253,10 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     check_config(config, group)
     # the folded k-sum's counters (M <= sum_fold_max; 2 for the sum programs after the GEMM's, M <= sum_tail_max),
     # then the fused hist + scan's arrival slot (the bf16 plan's)
-    down = config.down
-    ksum_counters = ksum_counter_count(num_tokens, hidden, down.BLOCK_N, options)
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
-                           arrival_slot=ksum_counters, one_pass=one_pass_programs(options, x.device))
+    down, ksum_counters = config.down, ksum_counter_count(num_tokens, hidden, config.down.BLOCK_N, options)
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
+                           shortcut=shortcut_allowed(num_tokens, options), fold=True, arrival_slot=ksum_counters,
+                           one_pass=one_pass_programs(options, x.device))
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
     fold = _fold_constexprs(align, num_assignments, num_experts, block_m, expert_map)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group

@@ -23,6 +23,7 @@ from moekit.triton_bind import interpreting, next_pow2  # noqa: F401  (next_pow2
 
 ALIGN_CHUNK = 128  # assignments per alignment chunk program; the in-chunk rank is a [C, C] compare (16k lanes)
 ALIGN_ONE_LAUNCH_LIMIT = 8192  # ids one program of the one-launch alignment holds in registers, at most
+SHORTCUT_ANY_TOKENS = 1 << 30  # LaunchOptions.shortcut_max_tokens's "no limit" (use_naive's A*4 <= E bounds M first)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,13 @@ class LaunchOptions:
     # 11.0), host 4-7 µs less per call: the barrier costs 1-4 µs where the scan is short. So from A = 32768 (M = 4096
     # at top-8).
     align_one_pass_from: int = 32768
+    # vLLM's tiny-batch shortcut (A*4 <= E, no map: block a = assignment a, no alignment) up to shortcut_max_tokens
+    # tokens, the alignment past them (folded into gate-up where the plan folds): an expert's slots in one block. Past
+    # one token the shortcut streams an expert once per slot that picks it (one token's k experts are distinct):
+    # expected repeats M*k - E(1 - (1 - k/E)^M), DeepSeek-V3 M = 8 64 slots on ~57 experts (+12% bytes), Qwen3-30B-A3B
+    # M = 4 32 on ~29 (+10%). 0: never the shortcut. Unmeasured on a device (sessions 52-53: dsv52_device_check /
+    # tiny53_device_check hold the A/B): no limit, vLLM's rule alone.
+    shortcut_max_tokens: int = SHORTCUT_ANY_TOKENS
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -157,6 +165,8 @@ class LaunchOptions:
             raise ValueError(f"sum_tail_max must be >= 0 (tokens), got {self.sum_tail_max}")
         if self.align_one_pass_from < 0:
             raise ValueError(f"align_one_pass_from must be >= 0 (assignments), got {self.align_one_pass_from}")
+        if self.shortcut_max_tokens < 0:
+            raise ValueError(f"shortcut_max_tokens must be >= 0 (tokens), got {self.shortcut_max_tokens}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
         # lean_launch and what it needs (read on every eager call: computed once)

@@ -46,7 +46,7 @@ def _experts_kernel(
     align_small_max: int, align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool,
     reuse_workspace: bool, raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int,
     align_fold_max: int, sum_fold_max: int, sum_tail_max: int, lean_launch: bool, align_scan_fold: bool,
-    fast_path: bool, align_one_pass_from: int,
+    fast_path: bool, align_one_pass_from: int, shortcut_max_tokens: int,
 ) -> torch.Tensor:
     """x [M, K], w13 [E, R, K], w2 [E, K, N], topk_ids / topk_weights [M, k], expert_map [E_global] or None,
     b13 [E, R] / b2 [E, K] or None, the activation's fields, ``LaunchOptions``' fields -> out [M, K] (x.dtype)."""
@@ -57,7 +57,7 @@ def _experts_kernel(
     options = _options_of(weight_descriptors, dependent_launch, poison_workspace, align_small_max, align_small_max_bins,
                           direct_eager, cache_plans, cached_launcher, raw_launcher, align_one_launch_max,
                           align_two_launch_max, align_fold_max, sum_fold_max, sum_tail_max, lean_launch,
-                          align_scan_fold, fast_path, align_one_pass_from)
+                          align_scan_fold, fast_path, align_one_pass_from, shortcut_max_tokens)
     spec = plan_activation(activation, gated, interleaved, alpha, limit, up_shift, limit_after_act)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 
@@ -66,7 +66,7 @@ def _experts_kernel(
 def _options_of(weight_descriptors, dependent_launch, poison_workspace, align_small_max, align_small_max_bins,
                 direct_eager, cache_plans, cached_launcher, raw_launcher, align_one_launch_max, align_two_launch_max,
                 align_fold_max, sum_fold_max, sum_tail_max, lean_launch, align_scan_fold, fast_path,
-                align_one_pass_from) -> LaunchOptions:
+                align_one_pass_from, shortcut_max_tokens) -> LaunchOptions:
     """The op's option fields as ``LaunchOptions`` (``reuse_workspace`` off), built and validated once per set of
     values: a compiled graph passes the same constants on every call, and building them (``__post_init__``'s checks,
     ``as_op_args``, the hash) on every call was over half the body's host time (2-core Xeon, launches stubbed,
@@ -76,7 +76,7 @@ def _options_of(weight_descriptors, dependent_launch, poison_workspace, align_sm
                          align_one_launch_max=align_one_launch_max, align_two_launch_max=align_two_launch_max,
                          align_fold_max=align_fold_max, sum_fold_max=sum_fold_max, sum_tail_max=sum_tail_max,
                          lean_launch=lean_launch, align_scan_fold=align_scan_fold, fast_path=fast_path,
-                         align_one_pass_from=align_one_pass_from)
+                         align_one_pass_from=align_one_pass_from, shortcut_max_tokens=shortcut_max_tokens)
 
 
 def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activation, gated, interleaved, alpha,

@@ -28,7 +28,9 @@ import torch
 from moekit._bounded import put_bounded
 from moekit.activations import ActivationSpec, as_spec, glu_constexprs
 from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
-from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_block_rows
+from moekit.experts.triton_align import (
+    AlignPlan, align_launches, one_pass_programs, plan_block_rows, shortcut_allowed,
+)
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, is_available, kernels, max_shared_memory, next_pow2, resolve_launch_options,
@@ -156,8 +158,9 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     # the folded k-sum's counters (M <= sum_fold_max; 2 for the k-sum after the GEMM), then the fused hist + scan's
     # arrival slot
     ksum_counters = ksum_counter_count(num_tokens, hidden, config.down.BLOCK_N, options)
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
-                           arrival_slot=ksum_counters, one_pass=one_pass_programs(options, x.device))
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
+                           shortcut=shortcut_allowed(num_tokens, options), fold=True, arrival_slot=ksum_counters,
+                           one_pass=one_pass_programs(options, x.device))
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down

@@ -157,7 +157,10 @@ def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool,
     if entry.words is not None:  # the words default's call: its own kept sequence, its own checks (None: a miss)
         from moekit.experts.triton_wo_words_lean import words_lean_call
 
-        return words_lean_call(x, w13, w2, ids, weights, entry.words, b13, b2)
+        from moekit.experts.triton_align import shortcut_allowed
+
+        return words_lean_call(x, w13, w2, ids, weights, entry.words, b13, b2,
+                               shortcut=shortcut_allowed(x.shape[0], options))
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
         return None

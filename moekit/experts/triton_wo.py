@@ -57,7 +57,7 @@ import torch
 from moekit.activations import ActivationSpec, apply_glu, as_spec, plan_activation, spec_fields
 from moekit.experts.configs import KernelConfig
 from moekit.experts.op_library import define_inference_op, needs_grad
-from moekit.experts.triton_align import align_launches, clear_op_plans
+from moekit.experts.triton_align import align_launches, clear_op_plans, shortcut_allowed
 from moekit.experts.triton_cache import WorkspacePool
 from moekit.experts.triton_launch import LaunchOptions, is_available
 from moekit.experts.triton_wo_args import WoWeight, check_wo_args
@@ -155,11 +155,14 @@ def run_experts_wo(
     ``split_k`` is given). b13 [E, 2N] / b2 [E, K] or None
     and a non-plain ``activation`` spec: ``triton_wo_plan.VARIANT_DECODES`` and "scratch" (module docstring). Not an
     op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
+    shortcut = shortcut_allowed(x.shape[0], options)  # the words kernels' tiny-batch shortcut past one token
     if decode == "gluon_words":  # issue 16, sessions 45-46: ``triton_wo_words``, its own checks
-        return run_experts_words(x, w13, w2, topk_ids, topk_weights, expert_map, scheme, activation, b13, b2)
+        return run_experts_words(x, w13, w2, topk_ids, topk_weights, expert_map, scheme, activation, b13, b2,
+                                 shortcut=shortcut)
     if (decode is None and config is None and split_k is None
             and words_default_covers(x, w13, scheme, activation, expert_map)):  # session 48: its measured cells
-        out = run_experts_words(x, w13, w2, topk_ids, topk_weights, None, scheme, activation, b13, b2, default=True)
+        out = run_experts_words(x, w13, w2, topk_ids, topk_weights, None, scheme, activation, b13, b2, default=True,
+                                shortcut=shortcut)
         if out is not None:
             return out
     if not is_available(x.device):

@@ -56,7 +56,7 @@ import torch
 from moekit._bounded import put_bounded
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig, device_key, nearest, on_config_cache_clear
-from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
+from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows, shortcut_allowed
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, max_shared_memory, resolve_launch_options
 from moekit.experts.triton_plan import ksum_constexprs, sum_launch
@@ -299,6 +299,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     spec = as_spec(activation)  # biases or a spec that is not plain: a variant decode (``_usable_decode``)
     decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut,
                             has_b13 or has_b2 or not spec.plain)
+    shortcut = shortcut and shortcut_allowed(num_tokens, options)  # the decode's as measured; the layout's here
     config = _config_for(config, decode, scheme, w13, w2, spec, (num_tokens, num_experts, n, hidden, top_k), x.device)
     if not interpreting() and decode not in WORD_DECODES and decode != "mma":  # mma: BLOCK_K fixed, small
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
@@ -312,7 +313,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     # the folded k-sum's counters (M <= sum_fold_max, one split), then the fused hist + scan's arrival slot
     fold = split_k == 1 and 0 < num_tokens <= options.sum_fold_max
     ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if fold else 0
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, shortcut=shortcut,
                            arrival_slot=ksum_counters, one_pass=one_pass_programs(options, x.device))
     block_m = 1 if decode in WORD_DECODES and rows.align is None else rows.block_m  # the shortcut: one row a block
     align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)

@@ -56,16 +56,17 @@ class WordsPlan:
     k_sum: BoundLaunch  # y, ids, ids (no map), out
 
 
-def _plan_key(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int, variant) -> tuple:
+def _plan_key(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int, variant, shortcut: bool) -> tuple:
     return (x.shape, x.dtype, x.device, ids.shape, ids.dtype, tuple(w13.q.shape), w13.strides, w13.group_size,
-            w13.scale.dtype, tuple(w2.q.shape), w2.strides, w2.group_size, w2.scale.dtype, ahead, variant)
+            w13.scale.dtype, tuple(w2.q.shape), w2.strides, w2.group_size, w2.scale.dtype, ahead, variant, shortcut)
 
 
 def words_plan(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int = 1,
-               variant: WordsVariant = PLAIN) -> WordsPlan:
+               variant: WordsVariant = PLAIN, shortcut: bool = True) -> WordsPlan:
     """The plan of this call's kind (its checks passed: ``triton_wo_words.check_words`` / ``check_words_down``),
-    built now if new; ``variant``: the epilogues' (``WordsVariant``)."""
-    key = _plan_key(x, w13, w2, ids, ahead, variant)
+    built now if new; ``variant``: the epilogues' (``WordsVariant``); ``shortcut``: the tiny-batch shortcut where
+    ``use_naive`` holds (False: aligned blocks there too)."""
+    key = _plan_key(x, w13, w2, ids, ahead, variant, shortcut)
     plan = _PLANS.get(key)
     if plan is None:
         plan = put_bounded(_PLANS, key, _plan(*key), MAX_PLANS)
@@ -73,7 +74,7 @@ def words_plan(x: torch.Tensor, w13, w2, ids: torch.Tensor, ahead: int = 1,
 
 
 def _plan(x_shape, x_dtype, device, ids_shape, ids_dtype, q13_shape, s13, g13, d13, q2_shape, s2, g2, d2,
-          ahead: int, variant) -> WordsPlan:
+          ahead: int, variant, shortcut: bool) -> WordsPlan:
     from moekit.experts._kernels.words_x import x_words_kernel
     from moekit.experts.triton_wo_words import (
         _align_plan, _down_bound, _gate_up_bound, _sum_bound, down_split, words_layout_naive, x_words_launch,
@@ -82,7 +83,7 @@ def _plan(x_shape, x_dtype, device, ids_shape, ids_dtype, q13_shape, s13, g13, d
     (m, k), top_k = x_shape, ids_shape[1]
     a, num_experts, n = m * top_k, q13_shape[0], q13_shape[1] // 2
     padded = 2 * q13_shape[2]  # the words' reduction: K, or the padded copy's K' (``triton_wo_words_pad``)
-    naive = words_layout_naive(a, num_experts)
+    naive = shortcut and words_layout_naive(a, num_experts)
     align = None if naive else _align_plan(a, num_experts, device)
     regions = [] if naive else list(align.regions)
     blocks = a if naive else dict((r[0], r[2]) for r in regions)["expert_ids"][0]
@@ -126,8 +127,9 @@ class Kept:
         self.sequence, self.state, self.generation, self.stream = sequence, state, generation, stream
 
 
-def _key(x, w13, w2, ids, ahead: int, variant) -> tuple:
-    return id(w13.q), id(w2.q), x.shape, ids.shape, x.dtype, ids.dtype, x.device, ahead, variant, threading.get_ident()
+def _key(x, w13, w2, ids, ahead: int, variant, shortcut: bool) -> tuple:
+    return (id(w13.q), id(w2.q), x.shape, ids.shape, x.dtype, ids.dtype, x.device, ahead, variant, shortcut,
+            threading.get_ident())
 
 
 def _state(w13, w2, b13, b2) -> tuple:
@@ -138,14 +140,15 @@ def _state(w13, w2, b13, b2) -> tuple:
 
 
 def words_lean_call(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor,
-                    variant: WordsVariant = PLAIN, b13=None, b2=None, ahead: int = 1) -> torch.Tensor | None:
+                    variant: WordsVariant = PLAIN, b13=None, b2=None, ahead: int = 1,
+                    shortcut: bool = True) -> torch.Tensor | None:
     """out [M, K] launched from the kept entry of this call, or None (a miss: the caller checks the call and runs
     ``run_words``, which keeps it). An entry is kept only by a checked call (``run_experts_words``) whose plan's key
     holds what the checks read of the weights (shapes, strides, dtypes, groups: the same tensors at the same
     addresses here); a hit asks what ``triton_quant_fast`` asks: the weights' addresses (mxfp4: its scales'
     versions) unchanged, the pool's buffers kept, the same stream, no capture, no launch hook, x / ids / weights
     contiguous and 16-byte aligned, weights float32."""
-    kept = _KEPT.get(_key(x, w13, w2, ids, ahead, variant))
+    kept = _KEPT.get(_key(x, w13, w2, ids, ahead, variant, shortcut))
     if kept is None or kept.q13() is not w13.q or kept.generation != LEAN_WORKSPACES.generation:
         return None
     if weights.dtype is not torch.float32 or not (x.is_contiguous() and ids.is_contiguous() and
@@ -169,14 +172,14 @@ def words_lean_call(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.
 
 
 def run_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, ahead: int = 1,
-              variant: WordsVariant = PLAIN, b13=None, b2=None) -> torch.Tensor:
+              variant: WordsVariant = PLAIN, b13=None, b2=None, shortcut: bool = True) -> torch.Tensor:
     """out [M, K] of a words call (checked by the caller; ids, weights, b13, b2 contiguous): recorded and kept where
     it can be lean (module doc), else the plan's launches on fresh regions."""
     if weights.dtype != torch.float32:
         weights = weights.float()  # the down GEMM's routed weights
-    plan = words_plan(x, w13, w2, ids, ahead, variant)
+    plan = words_plan(x, w13, w2, ids, ahead, variant, shortcut)
     out = torch.empty_like(x)  # [M, K]
-    sequence = _record(plan, x, ids, weights, w13, w2, ahead, variant, b13, b2)
+    sequence = _record(plan, x, ids, weights, w13, w2, ahead, variant, b13, b2, shortcut)
     if sequence is not None:
         sequence.launch((x, ids, weights, out))
         return out
@@ -186,7 +189,7 @@ def run_words(x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor
     return out
 
 
-def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int, variant, b13, b2):
+def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int, variant, b13, b2, shortcut: bool):
     """The plan's launches recorded over this thread's pooled workspace and kept for this call's key, or None where
     the call is not lean (module doc; a launch not compiled yet: this call compiles it)."""
     pool = LEAN_WORKSPACES
@@ -202,7 +205,7 @@ def _record(plan: WordsPlan, x, ids, weights, w13, w2, ahead: int, variant, b13,
         return None
     stream = current_stream() if x.device.type == "cuda" else None
     with _lock:
-        put_bounded(_KEPT, _key(x, w13, w2, ids, ahead, variant),
+        put_bounded(_KEPT, _key(x, w13, w2, ids, ahead, variant, shortcut),
                     Kept(w13.q, sequence, _state(w13, w2, b13, b2), generation, stream), MAX_KEPT)
     return sequence
 

@@ -35,12 +35,15 @@ def words_call_variant(activation, b13, b2) -> WordsVariant:
 
 
 def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map,
-                      scheme: str, activation, b13=None, b2=None, default: bool = False) -> torch.Tensor | None:
+                      scheme: str, activation, b13=None, b2=None, default: bool = False,
+                      shortcut: bool = True) -> torch.Tensor | None:
     """out [M, K] of the call on the words kernels: int4 or mxfp4, the tiny-batch shortcut or 8-row aligned blocks,
     the down split by ``down_split`` (``triton_wo_words_lean.words_plan``); a repeated eager call of a kind launches
     its kept sequence (``words_lean_call``) after the refusals alone. ``default``: the route's default took the call
     (``triton_wo_words_default``), not its caller: None where the kernels do not fit it (``words_fit``) or it would
-    need the padded copy (a default never doubles the experts' memory), and the caller runs the pick."""
+    need the padded copy (a default never doubles the experts' memory), and the caller runs the pick. ``shortcut``:
+    the tiny-batch shortcut where ``use_naive`` holds (False: 8-row aligned blocks there too, an expert's slots in
+    one; ``LaunchOptions.shortcut_max_tokens``)."""
     from moekit.experts.triton_wo_words_lean import run_words, words_lean_call
     from moekit.experts.triton_wo_words_pad import needs_padding, words_weights
 
@@ -57,7 +60,7 @@ def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_wei
         check_words_x_k(x, w13)
         w13, w2, b13 = words_weights(w13, w2, variant.interleaved, b13)
         cols = 2 * w13.q.shape[2]
-    out = words_lean_call(x, w13, w2, topk_ids, topk_weights, variant, b13, b2)
+    out = words_lean_call(x, w13, w2, topk_ids, topk_weights, variant, b13, b2, shortcut=shortcut)
     if out is not None:
         return out
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -70,7 +73,7 @@ def run_experts_words(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_wei
     check_words(x, w13, ids.shape[1], cols=cols)
     check_words_down(w2, 1)
     _check_biases(w13, w2, b13, b2)
-    return run_words(x, w13, w2, ids, weights, variant=variant, b13=b13, b2=b2)
+    return run_words(x, w13, w2, ids, weights, variant=variant, b13=b13, b2=b2, shortcut=shortcut)
 
 
 def _check_biases(w13, w2, b13, b2) -> None:
