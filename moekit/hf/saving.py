@@ -111,11 +111,6 @@ def _naming_moekit(model: nn.Module, tensors: dict[str, torch.Tensor], options: 
         model.__dict__.pop("_upload_modified_files", None)
 
 
-def _blocks(names) -> set[str]:
-    """The block paths of quantized-experts names, ``<block>.experts.<buffer>``."""
-    return {name.rsplit(".", 2)[0] for name in names}
-
-
 def _warn_offloaded(model: nn.Module) -> None:
     from moekit.hf.offload import OffloadedBlock
 
@@ -158,10 +153,13 @@ def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torc
     return options, tensors
 
 
-def load_saved_file(model: nn.Module, file: Path):
+def load_saved_file(model: nn.Module, file: Path, progress=None):
+    """``file``'s blocks of ``model`` swapped as saved, their experts the file's quantized tensors
+    (``swap_load.load_freed_blocks``: no float expert quantized, nor read); returns the ``BlockSwapReport``.
+    ValueError where the file is not moekit's, holds blocks ``model`` lacks or could not swap, or mixes options."""
     from safetensors import safe_open
 
-    from moekit.hf.swap import use_moekit_blocks
+    from moekit.hf.swap_load import load_freed_blocks
 
     with safe_open(str(file), "pt") as f:
         meta = f.metadata() or {}
@@ -180,19 +178,9 @@ def load_saved_file(model: nn.Module, file: Path):
     if len(kinds) != 1:
         raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each part "
                          "with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict the file")
-    o = next(iter(options.values()))
-    with warnings.catch_warnings():  # a block left is refused below, naming why
-        warnings.simplefilter("ignore", UserWarning)
-        report = use_moekit_blocks(model, backend=o["backend"], quant=o["quant"],
-                                   quant_options=o["quant_options"] or None, keep_float=False, progress=False)
-    left = [b for b in report.left if b.path in options]
-    if left:
-        raise ValueError(f"{file} holds the experts of {[b.path for b in left]}, which use_moekit_blocks could not "
-                         f"swap here ({left[0].path}: {left[0].reason}): their float experts are not in the checkpoint")
-    unsaved = sorted(_blocks(freed_experts(model)[0]) - _blocks(tensors))
-    if unsaved:  # swapped and freed now, quantized from from_pretrained's random experts: never silently
-        raise ValueError(f"{file} holds no experts of {unsaved} (swapped on their own before saving?), which "
-                         "use_moekit_blocks swapped now from from_pretrained's random experts: load into a model "
-                         "swapped as the saved one was, then load_state_dict the file")
-    model.load_state_dict(tensors, strict=False)  # a shape or dtype another scheme has: the quantized load's error
+    report = load_freed_blocks(model, options, tensors, progress)
+    if report.left:
+        raise ValueError(f"{file} holds the experts of {[b.path for b in report.left]}, which use_moekit_blocks could "
+                         f"not swap here ({report.left[0].path}: {report.left[0].reason}): their float experts are not "
+                         "in the checkpoint")
     return report
