@@ -21,8 +21,7 @@ from torch import nn
 
 from moekit.hf.blocks import moe_blocks
 from moekit.hf.progress import Progress, block_progress, reported
-from moekit.hf.swap import (SWAP_ATTR, BlockSwapReport, LeftBlock, SwappedBlock, _rebuild_after_load, _swap_of,
-                            checked_quant_options)
+from moekit.hf.swap import (SWAP_ATTR, BlockSwapReport, LeftBlock, SwappedBlock, _rebuild_after_load, _swap_of)
 from moekit.hf.swap_free import FLOAT_NAMES, FreedExperts, _meta, buffer_names
 from moekit.hf.swap_state import SwapOptions, copied_bytes
 from moekit.hf.variants import stores_transposed
@@ -37,7 +36,11 @@ def load_freed_blocks(model: nn.Module, options: dict, tensors: dict[str, torch.
     that cannot be is in ``report.left`` with its reason. ValueError naming the block where the file's tensors do
     not fit it (missing, another shape). ``progress`` as ``use_moekit_blocks`` takes it."""
     o = next(iter(options.values()))
-    swap_options = SwapOptions(o["backend"], False, o["quant"], checked_quant_options(o["quant"], o["quant_options"]))
+    if o["quant"] not in SCHEME_CLASSES:
+        raise ValueError(f"the file's blocks were swapped with quant={o['quant']!r}, not one of {tuple(SCHEME_CLASSES)}")
+    # as the save wrote SwapOptions' own (checked then): sorted, defaults left out; JSON's lists back to tuples
+    quant_options = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(o["quant_options"].items()))
+    swap_options = SwapOptions(o["backend"], False, o["quant"], quant_options)
     sites = [site for site in moe_blocks(model) if site.path in options]
     modules = dict(model.named_modules())
     swapped, left = [], [LeftBlock(path, type(modules[path]).__name__, "not an MoE block (.experts and .gate/.router)")
