@@ -2,7 +2,7 @@
 
     block.experts.gate_up_proj, down_proj (meta, or random: never read)  ──▶  removed
     the file's <block>.experts.gate_up_proj_q, _scale (, _zero), down_proj_...  ──▶  the experts' buffers (w13, w2)
-    block.__class__  ──▶  the swapped class, its MoE over those buffers (``swap_free.build_freed_moe``)
+    block.__class__  ──▶  the swapped class, its MoE over those buffers (swap_free.build_freed_moe)
 
 Session 53 loaded such a checkpoint with ``use_moekit_blocks(model, quant=..., keep_float=False)``, which quantized
 ``from_pretrained``'s random float experts (materialised and initialised first) before the file's were loaded over
@@ -37,7 +37,8 @@ def load_freed_blocks(model: nn.Module, options: dict, tensors: dict[str, torch.
     not fit it (missing, another shape). ``progress`` as ``use_moekit_blocks`` takes it."""
     o = next(iter(options.values()))
     if o["quant"] not in SCHEME_CLASSES:
-        raise ValueError(f"the file's blocks were swapped with quant={o['quant']!r}, not one of {tuple(SCHEME_CLASSES)}")
+        raise ValueError(f"the file's blocks were swapped with quant={o['quant']!r}, not a scheme: "
+                         f"{tuple(SCHEME_CLASSES)}")
     # as the save wrote SwapOptions' own (checked then): sorted, defaults left out; JSON's lists back to tuples
     quant_options = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(o["quant_options"].items()))
     swap_options = SwapOptions(o["backend"], False, o["quant"], quant_options)
