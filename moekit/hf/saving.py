@@ -139,7 +139,7 @@ def saved_blocks(file: Path) -> tuple[str, ...]:
         return tuple(json.loads((f.metadata() or {}).get(_META_KEY, "{}")))
 
 
-def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torch.Tensor]):
+def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, object]):
     """The file's block paths and tensor names in ``model``'s own: a checkpoint of the model with its head
     (``model.layers.0.mlp``) loaded into the base model (``layers.0.mlp``: ``AutoModel``), or the other way, as
     transformers loads the rest of it (the class's ``base_model_prefix``)."""
@@ -151,6 +151,22 @@ def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torc
         if all(change(p) in paths for p in options):
             return {change(p): o for p, o in options.items()}, {change(n): t for n, t in tensors.items()}
     return options, tensors
+
+
+class _FileTensors:
+    """An ``EXPERTS_FILE``'s tensors under the model's names, each read from the open file when asked: a block at a
+    time (the progress line counts the reads, which are the load's time on a real model; a GPU load holds one
+    block's in host memory, not the file's)."""
+
+    def __init__(self, handle, names: dict[str, str]) -> None:
+        self.handle = handle  # safetensors' safe_open, open while the blocks load
+        self.names = names  # the model's name -> the file's
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.names[name])
 
 
 def load_saved_file(model: nn.Module, file: Path, progress=None):
@@ -166,19 +182,18 @@ def load_saved_file(model: nn.Module, file: Path, progress=None):
         if _META_KEY not in meta:  # was: "'NoneType' object is not subscriptable"
             raise ValueError(f"{file} has no {_META_KEY!r} metadata (the swap's options): it was not written by "
                              "save_pretrained of a model whose swapped blocks freed their float experts")
-        options = json.loads(meta[_META_KEY])
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    options, tensors = _rebased(model, options, tensors)
-    paths = dict(model.named_modules())
-    absent = sorted(p for p in options if p not in paths)
-    if absent:
-        raise ValueError(f"{file} holds blocks {absent} not in model ({type(model).__name__}): load it into the "
-                         "model class and config it was saved from")
-    kinds = {json.dumps(o, sort_keys=True) for o in options.values()}
-    if len(kinds) != 1:
-        raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each part "
-                         "with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict the file")
-    report = load_freed_blocks(model, options, tensors, progress)
+        options, names = _rebased(model, json.loads(meta[_META_KEY]), {name: name for name in f.keys()})
+        paths = dict(model.named_modules())
+        absent = sorted(p for p in options if p not in paths)
+        if absent:
+            raise ValueError(f"{file} holds blocks {absent} not in model ({type(model).__name__}): load it into the "
+                             "model class and config it was saved from")
+        kinds = {json.dumps(o, sort_keys=True) for o in options.values()}
+        if len(kinds) != 1:
+            raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each "
+                             "part with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict "
+                             "the file")
+        report = load_freed_blocks(model, options, _FileTensors(f, names), progress)
     if report.left:
         raise ValueError(f"{file} holds the experts of {[b.path for b in report.left]}, which use_moekit_blocks could "
                          f"not swap here ({report.left[0].path}: {report.left[0].reason}): their float experts are not "

@@ -15,6 +15,7 @@ already swapped and freed with the same options keeps its swap and takes the fil
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -29,12 +30,13 @@ from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import SCHEME_CLASSES
 
 
-def load_freed_blocks(model: nn.Module, options: dict, tensors: dict[str, torch.Tensor],
+def load_freed_blocks(model: nn.Module, options: dict, tensors: Mapping[str, torch.Tensor],
                       progress: Progress = None) -> BlockSwapReport:
     """Each block of ``model`` named in ``options`` (its path -> ``use_moekit_blocks``' arguments, one kind for all)
-    swapped with its float experts freed and ``tensors`` (``state_dict`` names) as its quantized experts; a block
-    that cannot be is in ``report.left`` with its reason. ValueError naming the block where the file's tensors do
-    not fit it (missing, another shape). ``progress`` as ``use_moekit_blocks`` takes it."""
+    swapped with its float experts freed and ``tensors`` (``state_dict`` names; read a block at a time) as its
+    quantized experts; a block that cannot be is in ``report.left`` with its reason. ValueError naming the block
+    where the file's tensors do not fit it (missing, another shape). ``progress`` as ``use_moekit_blocks`` takes
+    it."""
     o = next(iter(options.values()))
     if o["quant"] not in SCHEME_CLASSES:
         raise ValueError(f"the file's blocks were swapped with quant={o['quant']!r}, not a scheme: "
@@ -61,7 +63,7 @@ def load_freed_blocks(model: nn.Module, options: dict, tensors: dict[str, torch.
     return BlockSwapReport(tuple(swapped), tuple(left))
 
 
-def _refill(block: nn.Module, path: str, swap, options: SwapOptions, tensors: dict[str, torch.Tensor]) -> None:
+def _refill(block: nn.Module, path: str, swap, options: SwapOptions, tensors: Mapping[str, torch.Tensor]) -> None:
     """A block swapped before: kept where freed with the same options, the file's tensors copied into its buffers
     (its ``load_state_dict`` hook rebuilds the MoE over them)."""
     if swap.freed is None or swap.options != options:
@@ -72,7 +74,7 @@ def _refill(block: nn.Module, path: str, swap, options: SwapOptions, tensors: di
     block.load_state_dict({f"experts.{n}": t for n, t in found.items()}, strict=False)  # the rest: the checkpoint's
 
 
-def _shell(block: nn.Module, path: str, options: SwapOptions, tensors: dict[str, torch.Tensor]):
+def _shell(block: nn.Module, path: str, options: SwapOptions, tensors: Mapping[str, torch.Tensor]):
     """The block swapped over the file's tensors in place of its float experts (their values never read): its
     ``BlockSwap``, or why it could not be (the block as it was)."""
     experts = block.experts
@@ -101,7 +103,7 @@ def _shell(block: nn.Module, path: str, options: SwapOptions, tensors: dict[str,
     return swap
 
 
-def _weight(tensors: dict[str, torch.Tensor], path: str, name: str, float_weight: torch.Tensor,
+def _weight(tensors: Mapping[str, torch.Tensor], path: str, name: str, float_weight: torch.Tensor,
             options: SwapOptions, transposed: bool, device: torch.device) -> QuantizedWeight:
     """The file's quantized ``name`` of the block at ``path`` on ``device``, with the fields a quantization of
     ``float_weight`` would carry, read off its shape and dtype alone; ValueError where it is not that weight's."""
@@ -123,7 +125,7 @@ def _weight(tensors: dict[str, torch.Tensor], path: str, name: str, float_weight
     return w
 
 
-def _block_tensors(tensors: dict[str, torch.Tensor], path: str, names: list[str]) -> dict[str, torch.Tensor]:
+def _block_tensors(tensors: Mapping[str, torch.Tensor], path: str, names: list[str]) -> dict[str, torch.Tensor]:
     """The file's tensors ``<path>.experts.<name>`` by ``name``; ValueError naming those it lacks."""
     missing = [n for n in names if f"{path}.experts.{n}" not in tensors]
     if missing:
