@@ -6,7 +6,9 @@ the load; a checkpoint whose config names ``"moekit"`` with experts left missing
 Session 52 fetched a hub repository's file after the load and only where the loaded config named ``"moekit"``:
 ``experts_implementation="eager"`` got random experts (transformers' load report the only word), and every hub load
 printed that report. ``set_check.wrap_from_pretrained`` calls these, in order: ``find_saved_experts``,
-``expecting_saved_experts`` around transformers' load, ``load_saved_experts`` after it.
+``expecting_saved_experts`` around transformers' load, ``load_saved_experts`` after it. Within the load the file's
+float experts stay on the meta device (``wrap_missing_keys_move``); the blocks are built from the file
+(``swap_load``): session 53 quantized ``from_pretrained``'s random float experts first, for nothing.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ def wrap_missing_keys_move() -> None:
     @functools.wraps(original)
     def move(self, missing_keys, *args, **kwargs):
         saved = _saved_float_experts(self)
-        places = {str(v) for v in ((args[0] if args else kwargs.get("device_map")) or {}).values()}
+        device_map = args[0] if args else kwargs.get("device_map")  # transformers' second argument
+        places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
         if saved is not None and len(places) <= 1 and "disk" not in places:  # else accelerate may offload them
             missing_keys = type(missing_keys)(k for k in missing_keys if saved.search(k) is None)
         return original(self, missing_keys, *args, **kwargs)
