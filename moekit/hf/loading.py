@@ -6,13 +6,16 @@ the load; a checkpoint whose config names ``"moekit"`` with experts left missing
 Session 52 fetched a hub repository's file after the load and only where the loaded config named ``"moekit"``:
 ``experts_implementation="eager"`` got random experts (transformers' load report the only word), and every hub load
 printed that report. ``set_check.wrap_from_pretrained`` calls these, in order: ``find_saved_experts``,
-``expecting_saved_experts`` around transformers' load, ``load_saved_experts`` after it.
+``expecting_saved_experts`` around transformers' load, ``load_saved_experts`` after it. Within the load the file's
+float experts stay on the meta device (``wrap_missing_keys_move``); the blocks are built from the file
+(``swap_load``): session 53 quantized ``from_pretrained``'s random float experts first, for nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import re
@@ -21,11 +24,14 @@ from pathlib import Path
 from torch import nn
 
 from moekit._checks import check_module
+from moekit.hf.progress import Progress
 from moekit.hf.saving import EXPERTS_FILE, load_saved_file, saved_blocks
 from moekit.hf.set_check import IMPLEMENTATION, is_interface_experts
+from moekit.hf.swap_free import FLOAT_NAMES
 
 # from_pretrained's keywords that say where a checkpoint's files are (transformers' cached_file takes them)
 _WHERE = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+_WRAPPED = "_moekit_keeps_saved_experts_on_meta"  # set on the wrapper: a second import wraps nothing
 
 
 def _fetch(source, filename: str, kwargs: dict) -> Path | None:
@@ -53,7 +59,7 @@ def find_saved_experts(source, kwargs: dict) -> Path | None:
     return _fetch(source, EXPERTS_FILE, kwargs)
 
 
-def load_quantized_experts(model: nn.Module, path: str | os.PathLike, **where):
+def load_quantized_experts(model: nn.Module, path: str | os.PathLike, *, progress: Progress = None, **where):
     """Give ``model`` (built from a checkpoint ``save_pretrained`` wrote from a model whose swapped blocks freed
     their float experts, without ``from_pretrained``'s own load of them: ``from_config``, a load before ``moekit.hf``
     was imported) those blocks back: each named in ``EXPERTS_FILE`` swapped with the options it was saved with
@@ -61,7 +67,8 @@ def load_quantized_experts(model: nn.Module, path: str | os.PathLike, **where):
     ``BlockSwapReport``. ``path``: a folder, or a hub repository id (``where``: ``from_pretrained``'s keywords that
     say where its files are, ``revision=``, ``token=``, ``cache_dir=``, ``local_files_only=`` ...). FileNotFoundError
     where it has no such file; ValueError where the model lacks a block the file holds, or the file's blocks were
-    swapped with different options."""
+    swapped with different options. The blocks are built from the file's tensors, their float experts never
+    quantized (``swap_load``); ``progress`` as ``use_moekit_blocks`` takes it (a line a block on a terminal)."""
     check_module("model", model)
     unknown = sorted(set(where) - set(_WHERE))
     if unknown:
@@ -71,7 +78,7 @@ def load_quantized_experts(model: nn.Module, path: str | os.PathLike, **where):
         raise FileNotFoundError(f"{Path(path, where.get('subfolder', ''), EXPERTS_FILE)}: no such file (a folder's, or "
                                 "a hub repository's); save_pretrained writes it for a model whose swapped blocks "
                                 "freed their float experts (use_moekit_blocks(..., keep_float=False))")
-    return load_saved_file(model, file)
+    return load_saved_file(model, file, progress)
 
 
 _SAVED_BLOCKS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("moekit_saved_blocks", default=())
@@ -97,6 +104,44 @@ def ignore_saved_experts_missing(model: nn.Module) -> None:
         prefix = f"{getattr(model, 'base_model_prefix', '')}."  # with it or without (``saving._rebased``)
         model._keys_to_ignore_on_load_missing.update(
             rf"^({re.escape(prefix)})?{re.escape(path.removeprefix(prefix))}\.experts\." for path in blocks)
+
+
+def _saved_float_experts(model: nn.Module):
+    """A pattern matching the float experts' names (the model's own) of the blocks ``expecting_saved_experts``
+    holds, or None where it holds none."""
+    blocks = _SAVED_BLOCKS.get()
+    if not blocks:
+        return None
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."  # with it or without (``saving._rebased``)
+    paths = "|".join(re.escape(path.removeprefix(prefix)) for path in blocks)
+    return re.compile(rf"^({re.escape(prefix)})?({paths})\.experts\.({'|'.join(FLOAT_NAMES)})$")
+
+
+def wrap_missing_keys_move() -> None:
+    """Within ``expecting_saved_experts``, transformers' ``_move_missing_keys_from_meta_to_device`` (the missing
+    weights made real, then initialised at random) passes the file's blocks' float experts by: they stay on the
+    meta device (no memory, no init) until ``load_saved_experts`` replaces them by the file's quantized tensors;
+    under a ``device_map`` of several places (accelerate's dispatch then offloads what it maps to "cpu" or "disk",
+    and cannot offload a meta tensor) they are made real as before, never quantized.
+    Session 53 materialised and initialised them (1.2 s of a 4-layer Qwen3-MoE's load here; a DeepSeek-V3's whole
+    float experts in memory), then quantized them for nothing."""
+    from transformers import PreTrainedModel
+
+    original = getattr(PreTrainedModel, "_move_missing_keys_from_meta_to_device", None)
+    if original is None or getattr(original, _WRAPPED, False):  # another transformers: they are made real, unread
+        return
+
+    @functools.wraps(original)
+    def move(self, missing_keys, *args, **kwargs):
+        saved = _saved_float_experts(self)
+        device_map = args[0] if args else kwargs.get("device_map")  # transformers' second argument
+        places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
+        if saved is not None and len(places) <= 1 and "disk" not in places:  # else accelerate may offload them
+            missing_keys = type(missing_keys)(k for k in missing_keys if saved.search(k) is None)
+        return original(self, missing_keys, *args, **kwargs)
+
+    setattr(move, _WRAPPED, True)
+    PreTrainedModel._move_missing_keys_from_meta_to_device = move
 
 
 def load_saved_experts(model: nn.Module, file: Path | None, info: dict, source, kwargs: dict) -> None:

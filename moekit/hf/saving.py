@@ -111,11 +111,6 @@ def _naming_moekit(model: nn.Module, tensors: dict[str, torch.Tensor], options: 
         model.__dict__.pop("_upload_modified_files", None)
 
 
-def _blocks(names) -> set[str]:
-    """The block paths of quantized-experts names, ``<block>.experts.<buffer>``."""
-    return {name.rsplit(".", 2)[0] for name in names}
-
-
 def _warn_offloaded(model: nn.Module) -> None:
     from moekit.hf.offload import OffloadedBlock
 
@@ -144,7 +139,7 @@ def saved_blocks(file: Path) -> tuple[str, ...]:
         return tuple(json.loads((f.metadata() or {}).get(_META_KEY, "{}")))
 
 
-def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torch.Tensor]):
+def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, object]):
     """The file's block paths and tensor names in ``model``'s own: a checkpoint of the model with its head
     (``model.layers.0.mlp``) loaded into the base model (``layers.0.mlp``: ``AutoModel``), or the other way, as
     transformers loads the rest of it (the class's ``base_model_prefix``)."""
@@ -158,41 +153,49 @@ def _rebased(model: nn.Module, options: dict[str, dict], tensors: dict[str, torc
     return options, tensors
 
 
-def load_saved_file(model: nn.Module, file: Path):
+class _FileTensors:
+    """An ``EXPERTS_FILE``'s tensors under the model's names, each read from the open file when asked: a block at a
+    time (the progress line counts the reads, which are the load's time on a real model; a GPU load holds one
+    block's in host memory, not the file's)."""
+
+    def __init__(self, handle, names: dict[str, str]) -> None:
+        self.handle = handle  # safetensors' safe_open, open while the blocks load
+        self.names = names  # the model's name -> the file's
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.names[name])
+
+
+def load_saved_file(model: nn.Module, file: Path, progress=None):
+    """``file``'s blocks of ``model`` swapped as saved, their experts the file's quantized tensors
+    (``swap_load.load_freed_blocks``: no float expert quantized, nor read); returns the ``BlockSwapReport``.
+    ValueError where the file is not moekit's, holds blocks ``model`` lacks or could not swap, or mixes options."""
     from safetensors import safe_open
 
-    from moekit.hf.swap import use_moekit_blocks
+    from moekit.hf.swap_load import load_freed_blocks
 
     with safe_open(str(file), "pt") as f:
         meta = f.metadata() or {}
         if _META_KEY not in meta:  # was: "'NoneType' object is not subscriptable"
             raise ValueError(f"{file} has no {_META_KEY!r} metadata (the swap's options): it was not written by "
                              "save_pretrained of a model whose swapped blocks freed their float experts")
-        options = json.loads(meta[_META_KEY])
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    options, tensors = _rebased(model, options, tensors)
-    paths = dict(model.named_modules())
-    absent = sorted(p for p in options if p not in paths)
-    if absent:
-        raise ValueError(f"{file} holds blocks {absent} not in model ({type(model).__name__}): load it into the "
-                         "model class and config it was saved from")
-    kinds = {json.dumps(o, sort_keys=True) for o in options.values()}
-    if len(kinds) != 1:
-        raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each part "
-                         "with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict the file")
-    o = next(iter(options.values()))
-    with warnings.catch_warnings():  # a block left is refused below, naming why
-        warnings.simplefilter("ignore", UserWarning)
-        report = use_moekit_blocks(model, backend=o["backend"], quant=o["quant"],
-                                   quant_options=o["quant_options"] or None, keep_float=False, progress=False)
-    left = [b for b in report.left if b.path in options]
-    if left:
-        raise ValueError(f"{file} holds the experts of {[b.path for b in left]}, which use_moekit_blocks could not "
-                         f"swap here ({left[0].path}: {left[0].reason}): their float experts are not in the checkpoint")
-    unsaved = sorted(_blocks(freed_experts(model)[0]) - _blocks(tensors))
-    if unsaved:  # swapped and freed now, quantized from from_pretrained's random experts: never silently
-        raise ValueError(f"{file} holds no experts of {unsaved} (swapped on their own before saving?), which "
-                         "use_moekit_blocks swapped now from from_pretrained's random experts: load into a model "
-                         "swapped as the saved one was, then load_state_dict the file")
-    model.load_state_dict(tensors, strict=False)  # a shape or dtype another scheme has: the quantized load's error
+        options, names = _rebased(model, json.loads(meta[_META_KEY]), {name: name for name in f.keys()})
+        paths = dict(model.named_modules())
+        absent = sorted(p for p in options if p not in paths)
+        if absent:
+            raise ValueError(f"{file} holds blocks {absent} not in model ({type(model).__name__}): load it into the "
+                             "model class and config it was saved from")
+        kinds = {json.dumps(o, sort_keys=True) for o in options.values()}
+        if len(kinds) != 1:
+            raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each "
+                             "part with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict "
+                             "the file")
+        report = load_freed_blocks(model, options, _FileTensors(f, names), progress)
+    if report.left:
+        raise ValueError(f"{file} holds the experts of {[b.path for b in report.left]}, which use_moekit_blocks could "
+                         f"not swap here ({report.left[0].path}: {report.left[0].reason}): their float experts are not "
+                         "in the checkpoint")
     return report

@@ -111,6 +111,12 @@ def _flag_fields(module: nn.Module) -> dict:
     return dict(up_name="gate_up_proj" if gated else "up_proj", gated=gated, transposed=transposed, has_bias=has_bias)
 
 
+def stores_transposed(module: nn.Module) -> bool:
+    """Whether the experts module stores its weights [E, K, 2N] / [E, N, K] (gpt-oss), read off its flags alone (no
+    weight touched: they may be on the meta device)."""
+    return _flag_fields(module)["transposed"]
+
+
 def build_plan(module: nn.Module) -> ExpertsPlan:
     """Read the flags and recognise the module's activation code (see the module docstring)."""
     base = _flag_fields(module)
