@@ -46,11 +46,6 @@ TOLERANCES = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2}
 # float64 block is held to float32's bound
 BLOCK_TOLERANCES = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 3e-2}
 GRAD_TOLERANCES = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2}
-# moe_from_hf routes in the model's dtype; most families' own routers compute in float32 whatever it is (``.float()``
-# logits, ``softmax(dtype=torch.float)``): in float64 the block's routed weights carry float32 rounding (its output
-# measured 2e-8 to 1e-7 off moekit's float64 layer; gpt-oss, AFMoE, Aria route in float64: 5e-17 to 2e-16), so a
-# float64 block is held to float32's bound
-BLOCK_TOLERANCES = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 3e-2}
 REFUSALS = (ValueError, TypeError, NotImplementedError)  # moe_from_hf / use_moekit_blocks saying "not this block"
 
 
