@@ -125,9 +125,12 @@ def call_verdict(eager: Run, ours: Run, tol: float) -> str | None:
 
 
 def rounds_through_float32(model) -> bool:
-    """An experts class of ``model`` casts to float32 in its own code (Beam's ``_apply_gate``: ``act(gate.float()) *
-    up.float()``, cast back): in float64 its eager output carries float32 rounding (8e-8 measured, seed 200)."""
-    classes = {type(m) for m in model.modules() if is_interface_experts(m)}
+    """An experts class of ``model`` casts to float32 in its own code or its submodules' (Beam's ``_apply_gate``:
+    ``act(gate.float()) * up.float()``, cast back; Muse Spark's ``post_expert_norm``, an RMSNorm computed in float32):
+    in float64 its eager output carries float32 rounding (8e-8 measured, seed 200; Muse Spark's norm weight gradient
+    2.3e-8, seed 50001: eager sums it over each expert's rows, moekit's composed path over all rows at once)."""
+    experts = [m for m in model.modules() if is_interface_experts(m)]
+    classes = {type(m) for m in experts} | {type(c) for m in experts for c in m.modules() if c is not m}
     sources = [inspect.getsource(getattr(c, n)) for c in classes for n in ("forward", "_apply_gate") if hasattr(c, n)]
     return any(".float()" in src or "float32" in src for src in sources)
 
