@@ -12,7 +12,8 @@ Per seed (``tests/_hf_fuzz_cases.draw_case``): a family, its MoE config fields, 
 (``tests/_hf_fuzz_check.check_case``) logits on "moekit" per backend against eager, gradients for some, moe_from_hf on
 a block for some, quantized blocks against their float64 twin (--quant-rate), torch.compile (--compile-rate).
 ``--spread``: also transformers' batched_mm against its eager (the reduction-order error the tolerances sit above).
-A line per failing seed (PASS/FAIL), the table last: seeds, comparisons, near ties left out, refusals, failing seeds.
+A line per failing seed (PASS/FAIL), the table last: seeds, comparisons, left out (near ties; eager not finite),
+refusals, failing seeds.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def main() -> int:
 
 def _summary(args, totals, failing, spreads, per_family) -> None:
     RUN.summary.append(f"seeds {totals['seeds']} ({args.range.start}..), {len(per_family)} families: "
-                       f"{totals['compared']} comparisons, {totals['left out']} left out (near tie), "
+                       f"{totals['compared']} comparisons, {totals['left out']} left out (near tie; eager not finite), "
                        f"{totals['refusals']} refusals, {totals['rejected draws']} draws the family refused, "
                        f"{len(failing)} failing seeds {[f['seed'] for f in failing][:20]}")
     for dtype in sorted({d for d, _ in spreads}):

@@ -17,7 +17,7 @@ counts, drops, masked tokens; every refusal names its argument. ``--grad``: also
 float64 autograd through the loop (``tests/_fuzz_grad``); ``--offload``: also two OffloadedMoE layers on one small
 cache, three batches in a row, saved and loaded whole in some (``tests/_fuzz_offload``); ``--ep 2 3``: also EPMoE
 over 2 and 3 gloo ranks, with capacity (per rank) and EPLB in some (``tests/_fuzz_ep``; with ``--grad`` its gradients
-too, ``tests/_fuzz_ep_grad``), after the seeds. A line per failing
+too, ``tests/_fuzz_ep_grad``), after the seeds (those the deadline let start). A line per failing
 seed (PASS/FAIL), the table last:
 seeds, comparisons, refusals checked, comparisons left out for a near tie decided a capacity drop, failing seeds.
 """
@@ -80,9 +80,11 @@ def main() -> int:
     args = parse_args()
     totals = dict(seeds=0, compared=0, refusals=0, left_out=0)
     failing = []
+    ran = args.range  # the seeds the deadline let start; --ep runs these
     for seed in args.range:
         if RUN.elapsed() > args.deadline:
             RUN.log(f"SKIP seeds {seed}..{args.range.stop - 1}: deadline")
+            ran = range(args.range.start, seed)
             break
         case = draw_hash_case(seed) if args.hash else draw_case(seed)
         if args.newest and not args.hash and not draws_newest(case.fields):
@@ -107,9 +109,9 @@ def main() -> int:
         if seed % 50 == 0:
             RUN.log(f"seed {seed}: {totals}, {len(failing)} failing")
     for world_size in args.ep:
-        _run_ep(args.range, world_size, totals, failing)
+        _run_ep(ran, world_size, totals, failing)
         if args.grad:
-            _run_ep(args.range, world_size, totals, failing, grad=True)
+            _run_ep(ran, world_size, totals, failing, grad=True)
     RUN.summary.append(f"seeds {totals['seeds']} ({args.range.start}..), backends {' '.join(args.backends)}: "
                        f"{totals['compared']} comparisons, {totals['refusals']} refusals checked, "
                        f"{totals['left_out']} left out (near tie at a capacity drop), {len(failing)} failing seeds "

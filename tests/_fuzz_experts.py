@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,7 +59,11 @@ def _act(t: torch.Tensor, spec: _Spec) -> torch.Tensor:
 # Where set (``rounded_gate_up``), a clamped activation reads w13 @ x rounded to this dtype (``_product``):
 # the layer's gate-up product is rounded to its dtype before the clamp on some paths (grouped_mm's), so an element the
 # float64 product puts within a rounding of the clamp's kink may sit on its other side there, with a gradient that is 0
-# on one side only (hash seed 499, fp16: one |up| 2.2e-4 from the limit 0.5, slot 6's w13 gradient 26% off).
+# on one side only (hash seed 499, fp16: one |up| 2.2e-4 from the limit 0.5, slot 6's w13 gradient 26% off). The
+# separate shared MLP (``routing.shared.shared_mlp``: torch ops in the layer's dtype, as transformers' eager) also
+# clamps against the limit rounded to that dtype (``_dtype_limit``): bf16's 0.8 is 0.80078125, so a gate-up value of
+# 0.80078125 stays unclamped there, its gradient passed (torch's clamp passes x <= max), where the loop's 0.8 clamps it
+# (gradient 0): a subgradient at the kink either way (seeds 60515 and 60707, bf16 gelu clamped at 0.8: 6.3e-2, 19%).
 _GATE_UP_DTYPE: torch.dtype | None = None
 
 
@@ -148,9 +152,20 @@ def _shared(x: torch.Tensor, w: LayerWeights, cfg, weights) -> torch.Tensor:
     its weight (``weights`` [S], the router's: Inkling; 1/2: average; sigmoid gate)."""
     y = torch.zeros_like(x)
     activation = cfg.activation if cfg.shared_activation is None else cfg.shared_activation  # HY-V4: its own
+    if w.shared_separate:
+        activation = _dtype_limit(activation)
     for s, slot in enumerate(w.shared):
         weight = weights[s] if weights is not None else 1.0
         y = y + weight * (slot.w2 @ glu(_product(slot.w13, x, activation), activation))
     if w.shared_gate is not None:
         y = y * torch.sigmoid(w.shared_gate @ x)
     return y * (0.5 if cfg.shared_expert_combine == "average" else 1.0)
+
+
+def _dtype_limit(activation):
+    """``activation`` with its limit rounded to ``_GATE_UP_DTYPE`` where that is set (a torch clamp in that dtype
+    compares against the rounded limit); else as it is."""
+    spec = activation_spec(activation)
+    if _GATE_UP_DTYPE is None or spec.limit is None:
+        return activation
+    return replace(spec, limit=torch.tensor(spec.limit, dtype=_GATE_UP_DTYPE).item())

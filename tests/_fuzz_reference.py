@@ -50,6 +50,7 @@ class LayerWeights:
     b2: torch.Tensor | None  # [E, K]
     shared: list[SharedSlot]  # [] without a shared expert
     shared_gate: torch.Tensor | None  # [K] (Qwen2-MoE's sigmoid gate)
+    shared_separate: bool = False  # the shared MLP is the layer's own (not fused slots): torch ops in the layer's dtype
 
     @staticmethod
     def of(layer, leaves: dict[str, torch.Tensor] | None = None) -> "LayerWeights":
@@ -85,7 +86,8 @@ class LayerWeights:
         sg = None if layer.shared_gate is None else f64(layer.shared_gate.weight)[0]
         return LayerWeights(gate=f64(layer.gate.weight), gate_bias=f64(layer.gate.bias),
                             correction_bias=f64(layer.e_score_correction_bias), w13=w13[:e], w2=w2[:e], b13=b13,
-                            b2=b2, shared=shared, shared_gate=sg)
+                            b2=b2, shared=shared, shared_gate=sg,
+                            shared_separate=not layer.fuse_shared and layer.shared_w13 is not None)
 
 
 def _cut_shared(w13: torch.Tensor, w2: torch.Tensor, n: int, interleaved: bool) -> list[SharedSlot]:

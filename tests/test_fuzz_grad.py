@@ -93,6 +93,18 @@ def test_every_expert_masked_trains_with_a_zero_aux_loss(seed):
     assert outcome.compared and not outcome.failures, "\n".join(outcome.failures)
 
 
+@pytest.mark.parametrize("seed", [60515, 60707])
+def test_a_bf16_shared_mlp_clamps_at_its_rounded_limit(seed):
+    """bf16, a separate gelu shared MLP clamped at 0.8 with a gate-up value of bf16's 0.8 (0.80078125): torch's clamp
+    in bf16 leaves it unclamped, gradient passed, where the float64 loop's 0.8 clamps it (shared_w13 6.3e-2, x 19%
+    against 6e-2 before fuz53); the rounded loop (``_fuzz_experts.rounded_gate_up``) clamps at the rounded limit."""
+    case = draw_case(seed)
+    assert case.dtype == torch.bfloat16 and not case.fuse_shared and case.config.shared_activation.limit == 0.8
+    outcome = Outcome()
+    check_grads(case, ("reference",), outcome)
+    assert outcome.compared and not outcome.failures, "\n".join(outcome.failures)
+
+
 # backend="auto" as on CUDA (the dispatcher of moekit.experts.auto_train): a plain layer, sqrt(softplus) with the
 # clamp after the activation (a variant), weight-only int8 and mxfp4 (quantized: trained on grouped_mm since auto49)
 AUTO_SEEDS = (14, 19, 23, 37)

@@ -75,3 +75,14 @@ def test_a_gate_up_product_rounded_across_the_clamp_s_kink_matches_the_rounding_
         want = reference_grads(layer, case, x, forward.router_logits, projection(case))
     compare(got, want, case, "grouped_mm", rounded)
     assert any("grad w13" in f for f in plain.failures) and rounded.compared and not rounded.failures
+
+
+def test_a_float64_layer_routed_in_float32_holds_its_gate_gradient_to_float32_s_bound():
+    """Hash seed 70405 (float64, router_dtype float32, softmax over 3 experts, logits 0.3 / 4.0 / 0.3, 5 tokens kept):
+    the gate's gradient is float32's softmax backward, 2.99e-6 off the float64 loop (a float32 torch twin of it the
+    same bits), over the 1e-6 the rest of such a layer is held to: its gate's gradients (and x's) at float32's 1e-5."""
+    case = draw_hash_case(70405)
+    assert case.dtype == torch.float64 and case.config.router_dtype == "float32"
+    outcome = Outcome()
+    check_grads(case, ("reference",), outcome)
+    assert outcome.compared and not outcome.failures, "\n".join(outcome.failures)

@@ -137,6 +137,17 @@ def test_deepseek_v2_router_ignores_norm_topk_prob(family):
         assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
 
 
+def test_a_float64_post_expert_norm_in_float32_is_held_to_float32_s_bound():
+    """fuz53's run, seed 50001 (drawn as ``benchmarks/fuzz_hf.py --quant-rate 0.3 --compile-rate 0.1`` draws it):
+    Muse Spark in float64, whose experts' ``post_expert_norm`` computes in float32; eager sums its weight's gradient
+    over each expert's rows, moekit's composed path over all rows at once: 2.3e-8 apart, failed against float64's
+    1e-12 (``rounds_through_float32`` read the experts class's own code only, not its submodules')."""
+    case = draw_case(50001, compile_rate=0.1, quant_rate=0.3)
+    assert case.fam.key.startswith("muse_spark") and case.dtype == torch.float64 and case.grad
+    outcome = check_case(case)
+    assert outcome.compared and not outcome.failures, "\n".join(outcome.failures)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_beam_gelu_experts_convert(dtype):
     """hfz47 (the hfz46 run's refusals, Beam with hidden_act gelu): Beam's _apply_gate computes in float32 whatever
