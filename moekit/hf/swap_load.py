@@ -4,12 +4,13 @@
     the file's <block>.experts.gate_up_proj_q, _scale (, _zero), down_proj_...  ──▶  the experts' buffers (w13, w2)
     block.__class__  ──▶  the swapped class, its MoE over those buffers (swap_free.build_freed_moe)
 
-Session 53 loaded such a checkpoint with ``use_moekit_blocks(model, quant=..., keep_float=False)``, which quantized
-``from_pretrained``'s random float experts (materialised and initialised first) before the file's were loaded over
-them: 48 s of 50 for a 4-layer mxfp4 Qwen3-MoE on this CPU. Here each block's ``FreedExperts`` is read off the
-float experts' shapes and dtype (no values: they may sit on the meta device, where ``loading`` keeps them under
-``from_pretrained``) and the scheme's options, and the file's tensors become the buffers as they are. A block
-already swapped and freed with the same options keeps its swap and takes the file's tensors (``load_state_dict``).
+Until session 53 a load of such a checkpoint ran ``use_moekit_blocks(model, quant=..., keep_float=False)``, which
+quantized ``from_pretrained``'s random float experts (materialised and initialised first) before the file's were
+loaded over them: 48 s of 50 for a 4-layer mxfp4 Qwen3-MoE on a 2-core Xeon. Here each block's ``FreedExperts`` is
+read off the float experts' shapes and dtype (no values: they may sit on the meta device, where ``loading`` keeps
+them under ``from_pretrained``) and the scheme's options, and the file's tensors become the buffers as they are. A
+block already swapped and freed with the same options keeps its swap and takes the file's tensors
+(``load_state_dict``).
 """
 
 from __future__ import annotations
