@@ -8,7 +8,7 @@ Session 52 fetched a hub repository's file after the load and only where the loa
 printed that report. ``set_check.wrap_from_pretrained`` calls these, in order: ``find_saved_experts``,
 ``expecting_saved_experts`` around transformers' load, ``load_saved_experts`` after it. Within the load the file's
 float experts stay on the meta device (``wrap_missing_keys_move``); the blocks are built from the file
-(``swap_load``): session 53 quantized ``from_pretrained``'s random float experts first, for nothing.
+(``swap_load``); until session 53 ``from_pretrained``'s random float experts were quantized first, for nothing.
 """
 
 from __future__ import annotations
@@ -99,22 +99,27 @@ def ignore_saved_experts_missing(model: nn.Module) -> None:
     """``post_init`` of a model ``from_pretrained`` builds within ``expecting_saved_experts``: the float experts of the
     file's blocks join transformers' ``_keys_to_ignore_on_load_missing`` (patterns on the model's own names), so its
     load report does not call them missing and "newly initialized": ``load_saved_experts`` loads them next."""
+    blocks = _experts_of_saved_blocks(model)
+    if blocks is not None and isinstance(getattr(model, "_keys_to_ignore_on_load_missing", None), set):
+        model._keys_to_ignore_on_load_missing.add(blocks)
+
+
+def _experts_of_saved_blocks(model: nn.Module) -> str | None:
+    """A pattern on the model's own names, ``<block>.experts.``, for the blocks ``expecting_saved_experts`` holds
+    (None where it holds none); their paths with the model's ``base_model_prefix`` or without (``saving._rebased``)."""
     blocks = _SAVED_BLOCKS.get()
-    if blocks and isinstance(getattr(model, "_keys_to_ignore_on_load_missing", None), set):
-        prefix = f"{getattr(model, 'base_model_prefix', '')}."  # with it or without (``saving._rebased``)
-        model._keys_to_ignore_on_load_missing.update(
-            rf"^({re.escape(prefix)})?{re.escape(path.removeprefix(prefix))}\.experts\." for path in blocks)
+    if not blocks:
+        return None
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    paths = "|".join(re.escape(path.removeprefix(prefix)) for path in blocks)
+    return rf"^({re.escape(prefix)})?({paths})\.experts\."
 
 
 def _saved_float_experts(model: nn.Module):
     """A pattern matching the float experts' names (the model's own) of the blocks ``expecting_saved_experts``
     holds, or None where it holds none."""
-    blocks = _SAVED_BLOCKS.get()
-    if not blocks:
-        return None
-    prefix = f"{getattr(model, 'base_model_prefix', '')}."  # with it or without (``saving._rebased``)
-    paths = "|".join(re.escape(path.removeprefix(prefix)) for path in blocks)
-    return re.compile(rf"^({re.escape(prefix)})?({paths})\.experts\.({'|'.join(FLOAT_NAMES)})$")
+    blocks = _experts_of_saved_blocks(model)
+    return None if blocks is None else re.compile(rf"{blocks}({'|'.join(FLOAT_NAMES)})$")
 
 
 def wrap_missing_keys_move() -> None:
@@ -123,8 +128,8 @@ def wrap_missing_keys_move() -> None:
     meta device (no memory, no init) until ``load_saved_experts`` replaces them by the file's quantized tensors;
     under a ``device_map`` of several places (accelerate's dispatch then offloads what it maps to "cpu" or "disk",
     and cannot offload a meta tensor) they are made real as before, never quantized.
-    Session 53 materialised and initialised them (1.2 s of a 4-layer Qwen3-MoE's load here; a DeepSeek-V3's whole
-    float experts in memory), then quantized them for nothing."""
+    Until session 53 they were materialised and initialised (1.2 s of a 4-layer Qwen3-MoE's load here; a
+    DeepSeek-V3's whole float experts in memory), then quantized for nothing."""
     from transformers import PreTrainedModel
 
     original = getattr(PreTrainedModel, "_move_missing_keys_from_meta_to_device", None)
