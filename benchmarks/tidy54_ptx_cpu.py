@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -119,7 +117,7 @@ def dump(out: Path, only: list[str] | None) -> int:
     """out/NAME.ptx and out/NAME.sass of each case (``--only``: the names starting with one of the prefixes)."""
     import moekit
     import triton
-    from wo_gemv_sass_cpu import _tool
+    from gluon_sass_diff_cpu import sass_of
 
     cases = {n: c for n, c in all_cases().items() if not only or n.startswith(tuple(only))}
     out.mkdir(parents=True, exist_ok=True)
@@ -127,10 +125,7 @@ def dump(out: Path, only: list[str] | None) -> int:
           flush=True)
     for name, build in cases.items():
         compiled = build()
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        sass = sass_of(compiled)
         (out / f"{name}.ptx").write_text(compiled.asm["ptx"])
         (out / f"{name}.sass").write_text(sass)
         print(f"{name}: {len(normal_ptx(compiled.asm['ptx']))} PTX lines, {sass.count(chr(10))} SASS lines", flush=True)
