@@ -18,6 +18,7 @@ weight-gradient GEMMs of ``_kernels/gemm_backward`` at ``triton_backward``'s til
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 from dataclasses import dataclass
@@ -35,26 +36,30 @@ DEBUG_SECTION = re.compile(r"^\s*\.section\s+\.debug")
 
 
 # the weight grads' integers a launch at real widths specializes as multiples of 16 (with the pointers)
-BACKWARD_ALIGNED = ("l_ptr", "r_ptr", "out_ptr", "sorted_ids_ptr", "counts_ptr", "R", "C", "block_m", "stride_lm",
-                    "stride_rm", "stride_os", "stride_oe", "stride_or")
+BACKWARD_ALIGNED = ("l_ptr", "r_ptr", "out_ptr", "sorted_ids_ptr", "counts_ptr", "starts_ptr", "R", "C", "block_m",
+                    "stride_lm", "stride_rm", "stride_os", "stride_oe", "stride_or")
 
 
 @dataclass
 class BackwardCase:
-    """A weight-grad kernel of ``_kernels/gemm_backward`` with its launch's constexprs and pointer types."""
+    """A weight-grad kernel (``_kernels/gemm_backward``, ``_kernels/wgrad_persistent``) with its launch's constexprs
+    and pointer types."""
 
     kernel: str
     const: dict
     num_warps: int
     num_stages: int
-    pointers: dict  # l_ptr / r_ptr / out_ptr: "*bf16"-style types or a descriptor's signature type
+    pointers: dict  # l_ptr / r_ptr / out_ptr (l_desc ..): "*bf16"-style types or a descriptor's signature type
+    module: str = "gemm_backward"
 
 
 def backward_cases() -> dict[str, BackwardCase]:
     """The expert weight-gradient GEMMs at ``triton_backward_launch``'s tiles: the gathering kernel at the bf16
     heuristic (128 x 128, 128-row steps, 8 warps, 3 stages; DeepSeek-V3's 256 experts, split: float32 partials) and the
     float32 one (64 x 64, 64-row steps, 2 stages, ieee); the contiguous kernel at ``TUNED``'s tiles (128 x 256, 64-row
-    steps, 8 warps, 3 stages, 8 row tiles a sweep) through TMA descriptors, and on pointers (bf16 out, split 1)."""
+    steps, 8 warps, 3 stages, 8 row tiles a sweep) through TMA descriptors, and on pointers (bf16 out, split 1); the
+    persistent kernel (``_kernels/wgrad_persistent``) at ``TUNED``'s persistent tile, flat and nested, its output
+    through a descriptor and by pointer."""
     from wo_sass_diff_cpu import _descriptor
 
     gather = dict(BLOCK_R=128, BLOCK_C=128, BLOCK_K=128, E_PAD=256, UPCAST=False, PRECISION="tf32")
@@ -62,6 +67,11 @@ def backward_cases() -> dict[str, BackwardCase]:
     bf16 = {"l_ptr": "*bf16", "r_ptr": "*bf16", "out_ptr": "*fp32"}
     desc = {"l_ptr": _descriptor([4096 * 8, 2048], [64, 128], "bf16"),
             "r_ptr": _descriptor([4096 * 8, 7168], [64, 256], "bf16"), "out_ptr": "*fp32"}
+    # the persistent kernel (``triton_wgrad``) at ``_contiguous(256, 3, 8, 1)``: the output through a descriptor
+    persistent = dict(BLOCK_R=128, BLOCK_C=256, BLOCK_K=64, GROUP_R=8, OUT_DESC=True, FLAT=True, UPCAST=False,
+                      PRECISION="tf32")
+    persistent_desc = {"l_desc": desc["l_ptr"], "r_desc": desc["r_ptr"],
+                       "out_ptr": _descriptor([8, 2048, 7168], [1, 128, 256], "bf16")}
     return {
         "wgrad_gather_bf16": BackwardCase("weight_grad_kernel", gather, 8, 3, bf16),
         "wgrad_gather_fp32": BackwardCase("weight_grad_kernel", gather | dict(
@@ -70,6 +80,12 @@ def backward_cases() -> dict[str, BackwardCase]:
         "wgrad_contig_desc": BackwardCase("weight_grad_contiguous_kernel", contig | dict(DESC=True), 8, 3, desc),
         "wgrad_contig_ptr_bf16out": BackwardCase("weight_grad_contiguous_kernel", contig | dict(DESC=False), 8, 3,
                                                  bf16 | {"out_ptr": "*bf16"}),
+        "wgrad_persistent_flat": BackwardCase("weight_grad_persistent_kernel", persistent, 8, 3, persistent_desc,
+                                              "wgrad_persistent"),
+        "wgrad_persistent_nested": BackwardCase("weight_grad_persistent_kernel", persistent | dict(FLAT=False), 8, 3,
+                                                persistent_desc, "wgrad_persistent"),
+        "wgrad_persistent_ptr_out": BackwardCase("weight_grad_persistent_kernel", persistent | dict(OUT_DESC=False), 8,
+                                                 3, persistent_desc | {"out_ptr": "*bf16"}, "wgrad_persistent"),
     }
 
 
@@ -79,12 +95,11 @@ def compile_backward(case: BackwardCase):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moekit.experts._kernels import gemm_backward
     from moekit.triton_bind import COMPILE_OPTIONS
 
-    fn = getattr(gemm_backward, case.kernel)
+    fn = getattr(importlib.import_module(f"moekit.experts._kernels.{case.module}"), case.kernel)
     const = {k: v for k, v in case.const.items() if k in fn.arg_names}
-    ptrs = case.pointers | {"sorted_ids_ptr": "*i32", "counts_ptr": "*i32"}
+    ptrs = case.pointers | {"sorted_ids_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in BACKWARD_ALIGNED
              if n in fn.arg_names and not sig[n].startswith("tensordesc")}
