@@ -33,6 +33,7 @@ Every row index is int64 before it meets a stride.
 import triton
 import triton.language as tl
 
+from moekit.experts._kernels._common import grouped_tile
 from moekit.experts._kernels.gemm import _dot, _grid_position
 
 
@@ -300,10 +301,7 @@ def weight_grad_contiguous_kernel(
     tiles_r, tiles_c = tl.cdiv(R, BLOCK_R), tl.cdiv(C, BLOCK_C)
     pid, s = tl.program_id(0), tl.program_id(1)
     e, tile = (pid // (tiles_r * tiles_c)).to(tl.int64), pid % (tiles_r * tiles_c)
-    per_group = GROUP_R * tiles_c
-    first_r = (tile // per_group) * GROUP_R
-    group_r = tl.minimum(tiles_r - first_r, GROUP_R)
-    tile_r, tile_c = first_r + (tile % per_group) % group_r, (tile % per_group) // group_r
+    tile_r, tile_c = grouped_tile(tile, tiles_r, tiles_c, GROUP_R)
     start, count = _expert_rows(counts_ptr, e, num_experts, block_m, E_PAD)
     end = start + (count + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # the steps that hold a real row (the rest: zeros)
     offs_r = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
