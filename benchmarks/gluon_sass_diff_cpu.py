@@ -182,19 +182,25 @@ def dump(out: Path, only: list[str] | None) -> int:
     return write_sass(out, {name: build for name, build in cases.items() if not only or name.startswith(tuple(only))})
 
 
+def sass_of(compiled) -> str:
+    """A compiled kernel's SASS: its cubin through the bundled ``nvdisasm -c``."""
+    from wo_gemv_sass_cpu import _tool
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
 def write_sass(out: Path, cases: dict) -> int:
     """out/NAME.sass: the sm_90 SASS of each case ({name: () -> compiled}), one line a kernel printed."""
     import triton
-    from wo_gemv_sass_cpu import _tool
 
     out.mkdir(parents=True, exist_ok=True)
     print(f"triton {triton.__version__} -> {out}", flush=True)
     for name, build in cases.items():
         compiled = build()
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        sass = sass_of(compiled)
         (out / f"{name}.sass").write_text(sass)
         print(f"{name}: {sass.count(chr(10))} lines, shared {compiled.metadata.shared} B", flush=True)
     return 0

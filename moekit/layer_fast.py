@@ -204,16 +204,22 @@ def with_shared(layer, x2d: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out + shared_mlp(x2d, shared_w13, params["shared_w2"], layer._modules.get("shared_gate"), layer.config)
 
 
-class DecodeFast:
-    """A layer's kept decode calls, one per M (at most MAX_ROWS rows, MAX_ENTRIES kinds)."""
+class KeptCalls:
+    """A layer's kept decode calls by M (``DecodeFast``'s, ``layer_hash_fast.HashDecodeFast``'s entries)."""
 
     __slots__ = ("_entries",)
 
     def __init__(self) -> None:
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict = {}  # M -> the subclass's entry for that many rows (at most MAX_ENTRIES)
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+class DecodeFast(KeptCalls):
+    """A layer's kept decode calls, one per M (at most MAX_ROWS rows, MAX_ENTRIES kinds)."""
+
+    __slots__ = ()
 
     def __call__(self, layer, x2d: torch.Tensor) -> torch.Tensor | None:
         """out [M, K] of a repeated decode call, or None (the caller runs the full forward). ``x2d``: what the caller

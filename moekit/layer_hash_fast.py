@@ -103,16 +103,10 @@ def _objects(layer) -> tuple:
             d["capacity_factor"], d["fuse_shared"], layer._modules.get("shared_gate"), d["eager_graphs"])
 
 
-class HashDecodeFast:
+class HashDecodeFast(layer_fast.KeptCalls):
     """A ``HashMoE``'s kept decode calls, one per M (at most ``layer_fast.MAX_ROWS`` rows, ``MAX_ENTRIES`` kinds)."""
 
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        self._entries: dict[int, _Entry] = {}
-
-    def clear(self) -> None:
-        self._entries.clear()
+    __slots__ = ()
 
     def __call__(self, layer, x2d, token_ids) -> torch.Tensor | None:
         """out [M, K] of a repeated decode call, or None (the caller runs the full forward). ``x2d``, ``token_ids``:

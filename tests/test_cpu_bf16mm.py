@@ -6,16 +6,15 @@ kernel in the CPU loop against the float64 loop; where "bf16mm" resolves."""
 import pytest
 import torch
 
-from moekit.activations import ActivationSpec
 from moekit.experts.cpu_bf16mm import Bf16CodesLinear, Bf16GroupsLinear
-from moekit.experts.cpu_packed import ExpertParams, experts_cpu_fused, onednn_linear
+from moekit.experts.cpu_packed import onednn_linear
 from moekit.experts.cpu_int8mm import Int8MMLinear
 from moekit.experts.cpu_quant import (
     MXFP4_BF16MM_MIN_ROWS, DequantLinear, QuantKernels, RepackCache, expert_linear,
     int4pack_supported,
 )
 from moekit.quant import quantize
-from test_cpu_quant import loop64, problem, rel_err
+from test_cpu_quant import bf16_loop_runs, rel_err
 
 LINEAR = onednn_linear(torch.bfloat16)
 pytestmark = pytest.mark.skipif(LINEAR is None, reason="this torch has no oneDNN bf16 linear")
@@ -72,17 +71,11 @@ def test_int8_is_within_two_roundings_and_int4_as_close_as_int4pack():
 
 @pytest.mark.parametrize("scheme, options", [("int8_w8a16", {}), ("mxfp4", {}), ("int4_w4a16", {"group_size": 32})])
 def test_loop_on_bf16mm_matches_the_float64_loop_on_any_worker_count(scheme, options):
-    x, q13, q2, ids, weights = problem(scheme, options, 96, tokens=40, dtype=torch.bfloat16, seed=21)
-    want = loop64(x, q13, q2, ids, weights)
-    ex = ExpertParams(q13, q2, None, None, ActivationSpec("silu"))
-    int8mm = QuantKernels("int8mm", "int8mm", "int8mm")
-    with torch.no_grad():
-        got = experts_cpu_fused(x, ex, ids, weights, None, None, workers=2, quant=BF16MM)
-        one = experts_cpu_fused(x, ex, ids, weights, None, None, workers=1, quant=BF16MM)
-        digits = experts_cpu_fused(x, ex, ids, weights, None, None, workers=2, quant=int8mm)
-    assert torch.equal(got, one)
+    runs = bf16_loop_runs(scheme, options, BF16MM, QuantKernels("int8mm", "int8mm", "int8mm"))  # other: int8mm
+    assert torch.equal(runs.got, runs.one)
     limit = 1.05 if scheme == "mxfp4" else 1.6  # mxfp4: one rounding as int8mm's; int8 / int4: a second
-    assert rel_err(got, want) < 1e-2 and rel_err(got, want) <= rel_err(digits, want) * limit
+    err = rel_err(runs.got, runs.want)
+    assert err < 1e-2 and err <= rel_err(runs.other, runs.want) * limit
 
 
 def test_bf16mm_is_for_bf16_only_and_declines_without_the_int8_form():

@@ -16,7 +16,7 @@ from moekit.experts.cpu_quant import (
     RepackCache, expert_linear, int4_as_int8,
 )
 from moekit.quant import quantize
-from test_cpu_quant import E, loop64, problem, rel_err
+from test_cpu_quant import E, PACKS, bf16_loop_runs, loop64, problem, rel_err
 
 pytestmark = pytest.mark.skipif(not int8mm_supported(), reason="this torch has no CPU torch._int_mm")
 INT8MM = QuantKernels(int8_w8a16="int8mm", int4_w4a16="int8mm", mxfp4="int8mm")
@@ -181,16 +181,10 @@ def test_bf16_linear_is_the_float64_product_rounded_once_to_float32_then_bf16(m,
 
 @pytest.mark.parametrize("scheme, options", [("int8_w8a16", {}), ("mxfp4", {}), ("int4_w4a16", {"group_size": 32})])
 def test_bf16_loop_on_int8mm_is_closer_to_float64_than_torch_kernels(scheme, options):
-    x, q13, q2, ids, weights = problem(scheme, options, 96, tokens=40, dtype=torch.bfloat16, seed=21)
-    want = loop64(x, q13, q2, ids, weights)
-    ex = ExpertParams(q13, q2, None, None, ActivationSpec("silu"))
-    packs = QuantKernels("int8pack", "int4pack", "int8pack")
-    with torch.no_grad():
-        got = experts_cpu_fused(x, ex, ids, weights, None, None, workers=2, quant=INT8MM)
-        one = experts_cpu_fused(x, ex, ids, weights, None, None, workers=1, quant=INT8MM)
-        torch_kernels = experts_cpu_fused(x, ex, ids, weights, None, None, workers=2, quant=packs)
-    assert torch.equal(got, one)
-    assert rel_err(got, want) < 1e-2 and rel_err(got, want) <= rel_err(torch_kernels, want) * 1.1
+    runs = bf16_loop_runs(scheme, options, INT8MM, PACKS)  # other: torch's int8 / int4 packed kernels
+    assert torch.equal(runs.got, runs.one)
+    err = rel_err(runs.got, runs.want)
+    assert err < 1e-2 and err <= rel_err(runs.other, runs.want) * 1.1
 
 
 def test_bf16_auto_takes_int8mm_for_experts_of_many_rows():

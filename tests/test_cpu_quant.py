@@ -3,6 +3,8 @@
 and a float64 loop (``_helpers.experts_loop``); per-expert dequantization bit-identical to the whole one; workers 1 / 2
 bit-identical; the repack cache (int4, mxfp4 as int8); calls that keep their old path (gradients, fp8_block)."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -40,6 +42,25 @@ def loop64(x, q13, q2, ids, weights, spec=ActivationSpec("silu"), b13=None, b2=N
     w13, w2 = q13.dequantize(torch.float64), q2.dequantize(torch.float64)
     glu = None if spec == ActivationSpec("silu") else spec  # None: torch's silu(gate) * up
     return experts_loop(x, w13, w2, ids, weights, expert_map, b13=b13, b2=b2, spec=glu)
+
+
+@dataclass
+class LoopRuns:
+    """One bf16 problem (40 tokens, K = 96, seed 21) through ``experts_cpu_fused`` and the float64 loop."""
+
+    want: torch.Tensor  # [M, K] float64: ``loop64``
+    got: torch.Tensor  # [M, K] bf16: the kernels under test on 2 workers
+    one: torch.Tensor  # the same kernels on 1 worker
+    other: torch.Tensor  # the kernels compared with, on 2 workers
+
+
+def bf16_loop_runs(scheme, options, quant: QuantKernels, other: QuantKernels) -> LoopRuns:
+    x, q13, q2, ids, weights = problem(scheme, options, 96, tokens=40, dtype=torch.bfloat16, seed=21)
+    ex = ExpertParams(q13, q2, None, None, ActivationSpec("silu"))
+    with torch.no_grad():
+        runs = [experts_cpu_fused(x, ex, ids, weights, None, None, workers=workers, quant=kernels)
+                for workers, kernels in ((2, quant), (1, quant), (2, other))]
+    return LoopRuns(loop64(x, q13, q2, ids, weights), *runs)
 
 
 def rel_err(got, want):

@@ -8,7 +8,7 @@ import torch
 from moekit import MoE, MoEConfig
 from moekit.experts.cpu_packed import clear_packed_weights, repack_cache
 from moekit.experts.grouped_mm import experts_grouped_mm
-from test_cpu_compile import GPT_OSS, OpRecorder, compiled
+from test_cpu_compile import GPT_OSS, OpRecorder, check_compiled_experts, compiled
 from test_cpu_quant import E, SCHEMES, loop64, problem, rel_err
 
 
@@ -21,16 +21,9 @@ def test_compiled_inference_runs_the_op_on_touched_experts_and_equals_eager(sche
                   expert_map=torch.tensor([2, -1, 0, 3, 1, -1, 5, 4]))
     ids = torch.randint(0, 8, weights.shape, generator=g).int()
     want = loop64(x, q13, q2, ids, weights, GPT_OSS, kwargs["b13"], kwargs["b2"], kwargs["expert_map"])
-    recorder = OpRecorder()
-    fn = compiled(lambda *a: experts_grouped_mm(*a, **kwargs), recorder if backend == "recorder" else backend)
     monkeypatch.setattr(type(q13), "dequantize", lambda *a, **k: pytest.fail("dequantized every expert"))
     with torch.no_grad():
-        got = fn(x, q13, q2, ids, weights)
-        eager = experts_grouped_mm(x, q13, q2, ids, weights, **kwargs)
-    assert rel_err(got, want) < 1e-5
-    torch.testing.assert_close(got, eager, rtol=0, atol=0)  # the same eager loop ran
-    if backend == "recorder":
-        assert recorder.graphs == 1 and recorder.saw("moekit.cpu_quant_experts") and not recorder.saw("group_gemm")
+        check_compiled_experts((x, q13, q2, ids, weights), kwargs, want, backend, "moekit.cpu_quant_experts")
 
 
 def test_compiled_with_gradient_keeps_the_traced_dequantize():

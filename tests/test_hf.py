@@ -92,18 +92,28 @@ def test_whole_model_logits_with_moekit_experts(name, monkeypatch):
     torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_moekit_experts_compile_fullgraph(monkeypatch):
-    """A transformers block on the "moekit" experts traces whole under torch.compile(fullgraph=True):
-    the backend is resolved (imports and all) on the first eager call, and the compiled call only
-    meets the cache. The triton backend runs here under TRITON_INTERPRET=1 (conftest)."""
+def _qwen3_on_triton(monkeypatch, seed: int):
+    """``qwen3(True)`` (eval, weights drawn after ``torch.manual_seed(seed)``) on the "moekit" experts with
+    ``HF_BACKEND`` "triton" and the resolved backends emptied, so its first forward resolves the backend (skipped
+    without Triton)."""
     pytest.importorskip("triton")
     import moekit.experts
 
     monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
     monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     model = qwen3(True).eval()
     model.set_experts_implementation("moekit")
+    return model
+
+
+def test_moekit_experts_compile_fullgraph(monkeypatch):
+    """A transformers block on the "moekit" experts traces whole under torch.compile(fullgraph=True):
+    the backend is resolved (imports and all) on the first eager call, and the compiled call only
+    meets the cache. The triton backend runs here under TRITON_INTERPRET=1 (conftest)."""
+    import moekit.experts
+
+    model = _qwen3_on_triton(monkeypatch, seed=2)
     block = model.model.layers[0].mlp
     x = torch.randn(1, 5, model.config.hidden_size)
     with torch.no_grad():
@@ -129,15 +139,9 @@ def test_compiled_triton_experts_trace_only_the_op(monkeypatch):
     inference twin of ``moekit::triton_experts``) once per layer and
     equals its eager self bit for bit (the same kernels; eager folds the k-sum into the down GEMM in the same
     order). A misfit shape or dtype still raises the argument check's error while tracing."""
-    pytest.importorskip("triton")
-    import moekit.experts
+    model = _qwen3_on_triton(monkeypatch, seed=5)
     import moekit.experts.triton as triton_experts
 
-    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
-    monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
-    torch.manual_seed(5)
-    model = qwen3(True).eval()
-    model.set_experts_implementation("moekit")
     ids = torch.randint(0, 97, (1, 4))
     ops = []
 

@@ -57,6 +57,16 @@ def _same_as_plain(tri, x, q13, q2, ids, weights, plain=None, **kwargs) -> torch
     return got
 
 
+def _kept(tri, scheme: str, m: int = 2):
+    """(q13, q2, x, ids, weights): ``scheme``'s weights and an m-row call run twice, each equal to the plain path's
+    (the first keeps the entry, the second is served from it)."""
+    q13, q2 = _weights(scheme)
+    x, ids, weights = _routing(m, 0)
+    for _ in range(2):
+        _same_as_plain(tri, x, q13, q2, ids, weights)
+    return q13, q2, x, ids, weights
+
+
 # every scheme at one token; one scheme at 5 (several rows a block): M changes only the grids, not the kernels
 @pytest.mark.parametrize("scheme, m", [(scheme, 1) for scheme in SCHEMES] + [("int8_w8a16", 5)])
 def test_repeated_call_served_equal_to_plain_path(interpreter, counts, scheme, m):
@@ -179,10 +189,7 @@ def test_misses_on_another_device_or_stream(interpreter, counts, monkeypatch):
     """An entry kept for another device (its key) or another CUDA stream (its record) never serves."""
     from moekit.experts import triton_quant_fast
 
-    q13, q2 = _weights("int8_w8a16")
-    x, ids, weights = _routing(2, 0)
-    for _ in range(2):
-        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    q13, q2, x, ids, weights = _kept(interpreter, "int8_w8a16")
     assert counts["hits"] == 1
     other = torch.device("cuda", 0)  # the kept entry as if it had been kept on a GPU
     memo = triton_quant_fast._MEMO
@@ -200,10 +207,7 @@ def test_fp8_entry_misses_under_a_new_default_gluon_choice(interpreter, counts, 
     """An fp8 call kept off the Gluon path is not served once the default choice changes (it may want Gluon)."""
     import moekit.experts.triton_gluon_fp8 as gluon_fp8
 
-    q13, q2 = _weights("fp8_block")
-    x, ids, weights = _routing(2, 0)
-    for _ in range(2):
-        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    q13, q2, x, ids, weights = _kept(interpreter, "fp8_block")
     assert counts["hits"] == 1
     monkeypatch.setattr(gluon_fp8, "DEFAULT_FP8_CHOICE", gluon_fp8.Fp8GluonChoice(min_flops=None))
     _same_as_plain(interpreter, x, q13, q2, ids, weights)  # misses, kept again under the new choice
@@ -240,10 +244,7 @@ def test_split_gate_up_served_equal_to_plain_path(interpreter, counts, monkeypat
 def test_misses_when_any_tensor_of_the_layout_moves(interpreter, counts, scheme, field):
     """Every tensor field is in the compared state (int4's three, the others' two): ``.data`` swapped for new storage
     under the same tensor object, or another tensor put on the weight object, misses and runs the plain path."""
-    q13, q2 = _weights(scheme)
-    x, ids, weights = _routing(2, 0)
-    for _ in range(2):
-        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    q13, q2, x, ids, weights = _kept(interpreter, scheme)
     hits = counts["hits"]
     t = getattr(q2, field)
     t.data = t.data.clone()  # the same object, new storage: its address moved, its _version did not
@@ -261,10 +262,7 @@ def test_batched_hit_hands_the_call_addresses_to_its_one_c_call(interpreter, cou
     weights' addresses and out, in the order the sequence's launch hands them."""
     from moekit.experts import triton_quant_fast
 
-    q13, q2 = _weights("fp8_block")
-    x, ids, weights = _routing(3, 0)
-    for _ in range(2):
-        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    q13, q2, x, ids, weights = _kept(interpreter, "fp8_block", 3)
     got = []
 
     class Batch:

@@ -29,6 +29,19 @@ def run(wo, x, w13, w2, ids, weights, cfg, expert_map=None, split_k=None):
                              split_k=split_k, decode="mma")
 
 
+def check_edges(wo, scheme, group, m, cfg, hidden, n, seed, split_k=None):
+    """The mma decode at ``cfg`` on M = 0 (an empty output) and M = 1 with an expert map whose -1 drops one of the
+    token's two experts (global expert 2 lives elsewhere): out [m, hidden], M = 1 against the float64 loop."""
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=m, k=2, hidden=hidden, n=n, seed=seed)
+    expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
+    if m:
+        ids[0] = torch.tensor([2, 4], dtype=torch.int32)
+    out = run(wo, x, w13, w2, ids, weights, cfg, expert_map=expert_map, split_k=split_k)
+    assert out.shape == (m, hidden)
+    if m:
+        assert rel(out, loop64(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
+
+
 @pytest.mark.parametrize("scheme,hidden,group", [("int4_w4a16", 256, 128), ("int4_w4a16", 200, 128),
                                                  ("int4_w4a16", 256, 256), ("mxfp4", 256, 32), ("mxfp4", 200, 32),
                                                  ("int8_w8a16", 256, 0), ("int8_w8a16", 200, 0)])
@@ -89,16 +102,9 @@ def test_mma_wide_steps_edges(wo, scheme, group, m):
     # the down GEMM split in 2 (one 256-column step each) and the gate-up in 2 (float32 partials)
     from moekit.experts.triton_wo_gemv import WordConfig
 
-    x, w13, w2, ids, weights = problem(wo, scheme, group, m=m, k=2, hidden=512, n=512, seed=11 + m)
-    expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
-    if m:
-        ids[0] = torch.tensor([2, 4], dtype=torch.int32)  # global expert 2 lives elsewhere
     tile = GemmTile(32, 256, 1, 1, 2)
-    out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=2), expert_map=expert_map,
-              split_k=2)
-    assert out.shape == (m, 512)
-    if m:
-        assert rel(out, loop64(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
+    check_edges(wo, scheme, group, m, WordConfig(16, tile, tile, up_split=2), hidden=512, n=512, seed=11 + m,
+                split_k=2)
 
 
 def test_mma_heuristic_config_runs(wo):

@@ -8,13 +8,13 @@ expert map's -1; where the chooser takes it; the refusals by name.
 from __future__ import annotations
 
 import pytest
-import torch
 
 triton = pytest.importorskip("triton")
 
 from moekit.experts.configs import GemmTile  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from test_triton_wo import POISON, loop64, problem, rel, wo  # noqa: E402, F401  (wo: fixture)
+from test_triton_wo_mma import check_edges, run  # noqa: E402
 
 SCHEMES = [("int4_w4a16", 128), ("mxfp4", 32), ("int8_w8a16", 0)]
 
@@ -22,12 +22,6 @@ SCHEMES = [("int4_w4a16", 128), ("mxfp4", 32), ("int8_w8a16", 0)]
 def halves(rows: int = 32, block_k: int = 128, up_split: int = 1) -> WordConfig:
     tile = GemmTile(rows, block_k, 1, 1, 1)
     return WordConfig(16, tile, tile, up_split=up_split, halves=True)
-
-
-def run(wo, x, w13, w2, ids, weights, cfg, expert_map=None, split_k=None):
-    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
-    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, config=cfg, options=POISON,
-                             split_k=split_k, decode="mma")
 
 
 def plan_of(wo, x, w13, w2, ids, weights, cfg):
@@ -64,14 +58,7 @@ def test_halves_wide_steps_split_along_k(wo, scheme, group):
 @pytest.mark.parametrize("m", [0, 1])
 def test_halves_edges(wo, scheme, group, m):
     # M = 0 (an empty output) and M = 1 with an expert map whose -1 drops one of the token's experts
-    x, w13, w2, ids, weights = problem(wo, scheme, group, m=m, k=2, hidden=256, n=128, seed=29 + m)
-    expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
-    if m:
-        ids[0] = torch.tensor([2, 4], dtype=torch.int32)  # global expert 2 lives elsewhere
-    out = run(wo, x, w13, w2, ids, weights, halves(), expert_map=expert_map)
-    assert out.shape == (m, 256)
-    if m:
-        assert rel(out, loop64(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
+    check_edges(wo, scheme, group, m, halves(), hidden=256, n=128, seed=29 + m)
 
 
 def test_halves_plan(wo):

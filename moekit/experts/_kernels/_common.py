@@ -37,3 +37,14 @@ def local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP: tl.constexp
         ids = tl.load(map_ptr + tl.where(in_map, ids, 0), mask=in_map, other=-1).to(tl.int64)
     routed = (ids >= 0) & (ids < num_experts)
     return tl.where(routed, ids, num_experts)
+
+
+@triton.jit
+def grouped_tile(tile, num_m, num_n, GROUP: tl.constexpr):
+    """(m, n) of tile number ``tile`` in the grouped order: GROUP consecutive m blocks (usually one expert's rows, or
+    one expert's row tiles of its weight grad) sweep the n tiles together, so a tile of the operand they share is read
+    from HBM once and from L2 by the others (``gemm._grid_position``'s order, for a tile number not the program's)."""
+    per_group = GROUP * num_n
+    first = (tile // per_group) * GROUP
+    group = tl.minimum(num_m - first, GROUP)
+    return first + (tile % per_group) % group, (tile % per_group) // group

@@ -33,6 +33,7 @@ Every row index is int64 before it meets a stride.
 import triton
 import triton.language as tl
 
+from moekit.experts._kernels._common import grouped_tile
 from moekit.experts._kernels.gemm import _dot, _grid_position
 
 
@@ -200,6 +201,27 @@ def gather_gemm_kernel(
 
 
 @triton.jit
+def _expert_rows(counts_ptr, e, num_experts, block_m, E_PAD: tl.constexpr):
+    """Expert e's rows in the layout: (its first row, the rows past every earlier expert's padding to block_m;
+    its real row count), from counts [E] (E_PAD >= E, a power of two)."""
+    ee = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + ee, mask=ee < num_experts, other=0)  # [EP] real rows per expert
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = tl.sum(tl.where(ee < e, padded, 0), axis=0)
+    count = tl.sum(tl.where(ee == e, counts, 0), axis=0)
+    return start, count
+
+
+@triton.jit
+def _store_wgrad(acc, out_ptr, s, e, offs_r, offs_c, r_ok, c_ok, stride_os, stride_oe, stride_or):
+    """The weight grads' end: acc [BR, BC] float32 into out[s, e] (split s's partials, or the grad itself with one
+    split: stride_os 0) at rows offs_r [BR], columns offs_c [BC], in out's dtype."""
+    out_ptrs = (out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or
+                + offs_c[None, :])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
 def weight_grad_kernel(
     l_ptr, r_ptr, out_ptr,  # l [S_l, R] rows a // l_div, r [S_r, C] rows a // r_div; out [SPLIT, E, R, C]
     sorted_ids_ptr, counts_ptr,
@@ -216,11 +238,7 @@ def weight_grad_kernel(
     per_expert = tl.cdiv(R, BLOCK_R) * tiles_c
     pid, s = tl.program_id(0), tl.program_id(1)
     e, tile = (pid // per_expert).to(tl.int64), pid % per_expert  # e * stride_oe passes 2^31 (DeepSeek-V3)
-    ee = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + ee, mask=ee < num_experts, other=0)  # [EP] real rows per expert
-    padded = (counts + block_m - 1) // block_m * block_m
-    start = tl.sum(tl.where(ee < e, padded, 0), axis=0)  # expert e's first row in sorted_ids
-    count = tl.sum(tl.where(ee == e, counts, 0), axis=0)
+    start, count = _expert_rows(counts_ptr, e, num_experts, block_m, E_PAD)  # e's first row in sorted_ids
     offs_r = (tile // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = (tile % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok, c_ok = offs_r < R, offs_c < C
@@ -238,9 +256,7 @@ def weight_grad_kernel(
         if UPCAST:
             lt, rt = lt.to(tl.float32), rt.to(tl.float32)
         acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
-    out_ptrs = (out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or
-                + offs_c[None, :])
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+    _store_wgrad(acc, out_ptr, s, e, offs_r, offs_c, r_ok, c_ok, stride_os, stride_oe, stride_or)
 
 
 @triton.jit
@@ -285,16 +301,9 @@ def weight_grad_contiguous_kernel(
     tiles_r, tiles_c = tl.cdiv(R, BLOCK_R), tl.cdiv(C, BLOCK_C)
     pid, s = tl.program_id(0), tl.program_id(1)
     e, tile = (pid // (tiles_r * tiles_c)).to(tl.int64), pid % (tiles_r * tiles_c)
-    per_group = GROUP_R * tiles_c
-    first_r = (tile // per_group) * GROUP_R
-    group_r = tl.minimum(tiles_r - first_r, GROUP_R)
-    tile_r, tile_c = first_r + (tile % per_group) % group_r, (tile % per_group) // group_r
-    ee = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + ee, mask=ee < num_experts, other=0)
-    padded = (counts + block_m - 1) // block_m * block_m
-    start = tl.sum(tl.where(ee < e, padded, 0), axis=0)  # expert e's first row
-    # the steps that hold a real row: the rest of the padding (zeros) adds nothing
-    end = start + (tl.sum(tl.where(ee == e, counts, 0), axis=0) + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    tile_r, tile_c = grouped_tile(tile, tiles_r, tiles_c, GROUP_R)
+    start, count = _expert_rows(counts_ptr, e, num_experts, block_m, E_PAD)
+    end = start + (count + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # the steps that hold a real row (the rest: zeros)
     offs_r = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok, c_ok = offs_r < R, offs_c < C
@@ -311,6 +320,4 @@ def weight_grad_contiguous_kernel(
         if UPCAST:
             lt, rt = lt.to(tl.float32), rt.to(tl.float32)
         acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
-    out_ptrs = (out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or
-                + offs_c[None, :])
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+    _store_wgrad(acc, out_ptr, s, e, offs_r, offs_c, r_ok, c_ok, stride_os, stride_oe, stride_or)

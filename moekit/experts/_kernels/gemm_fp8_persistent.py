@@ -21,20 +21,11 @@ tiles, ``gemm_fp8_interleaved``); without them the kernels are the ones before (
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels._common import grouped_tile, let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.gemm_fp8 import (
     _pair_split, _pair_step, _scaled_dot, _step_scale, _store_h, _weight_scale_ptrs, _with_b2,
 )
 from moekit.experts._kernels.gemm_fp8_interleaved import row_scale_ptrs, variant_h
-
-
-@triton.jit
-def _tile_position(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of tile number ``tile``: ``gemm._grid_position``'s grouped order."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
 
 
 @triton.jit
@@ -60,7 +51,7 @@ def gate_up_fp8_persistent_kernel(
     num_pid_m, num_pid_n = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M), tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = _tile_position(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         rows, row_ok, expert = _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, num_assignments, BLOCK_M)
         token = tl.where(row_ok, rows // top_k, 0)  # [BM] the gather: x row of each assignment
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,7 +115,7 @@ def down_fp8_persistent_kernel(
     num_pid_m, num_pid_n = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M), tl.cdiv(K, BLOCK_N)
     offs_red = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = _tile_position(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         rows, row_ok, expert = _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, num_assignments, BLOCK_M)
         safe_rows = tl.where(row_ok, rows, 0)
         offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

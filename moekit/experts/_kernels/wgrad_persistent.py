@@ -27,14 +27,7 @@ Shapes: P layout rows, E experts, R x C the weight grad of one expert; BK rows p
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tile_of(tile, tiles_r, tiles_c, GROUP_R: tl.constexpr):
-    """(row tile, column tile) of an expert's tile index: GROUP_R row tiles sweep the column tiles together."""
-    per_group = GROUP_R * tiles_c
-    first_r = (tile // per_group) * GROUP_R
-    group_r = tl.minimum(tiles_r - first_r, GROUP_R)
-    return first_r + (tile % per_group) % group_r, (tile % per_group) // group_r
+from moekit.experts._kernels._common import grouped_tile
 
 
 @triton.jit
@@ -64,7 +57,7 @@ def weight_grad_persistent_kernel(
             acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # every tile of e ends in this loop
             for it in range(0, owned * steps):
                 ki = it % steps
-                tile_r, tile_c = _tile_of(first - e * per_expert + (it // steps) * num_programs, tiles_r, tiles_c,
+                tile_r, tile_c = grouped_tile(first - e * per_expert + (it // steps) * num_programs, tiles_r, tiles_c,
                                           GROUP_R)
                 acc = _step(l_desc, r_desc, acc, start + ki * BLOCK_K, tile_r, tile_c, BLOCK_R, BLOCK_C, UPCAST,
                             PRECISION)
@@ -72,12 +65,12 @@ def weight_grad_persistent_kernel(
                     _store_tile(out_ptr, acc, e, tile_r, tile_c, R, C, stride_oe, stride_or, BLOCK_R, BLOCK_C, OUT_DESC)
                     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
             for i in range(0, tl.where(steps == 0, owned, 0)):  # an expert with no rows: zero tiles
-                tile_r, tile_c = _tile_of(first - e * per_expert + i * num_programs, tiles_r, tiles_c, GROUP_R)
+                tile_r, tile_c = grouped_tile(first - e * per_expert + i * num_programs, tiles_r, tiles_c, GROUP_R)
                 _store_tile(out_ptr, tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32), e, tile_r, tile_c, R, C,
                             stride_oe, stride_or, BLOCK_R, BLOCK_C, OUT_DESC)
         else:
             for i in range(0, owned):
-                tile_r, tile_c = _tile_of(first - e * per_expert + i * num_programs, tiles_r, tiles_c, GROUP_R)
+                tile_r, tile_c = grouped_tile(first - e * per_expert + i * num_programs, tiles_r, tiles_c, GROUP_R)
                 acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
                 for ki in range(0, steps):  # none for an expert with no rows: zeros
                     acc = _step(l_desc, r_desc, acc, start + ki * BLOCK_K, tile_r, tile_c, BLOCK_R, BLOCK_C, UPCAST,
