@@ -37,10 +37,10 @@ from moekit.hf.blocks import block_config, block_output_norm, block_shared_mlp, 
 from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
-from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
-                                  router_recorded, router_weights_shared, set_block_class)
+from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, checked_quant_options, copied_bytes,
+                                  flat_output_and_logits, router_weights_shared, set_block_class)
 from moekit.quant.base import QuantizedWeight
-from moekit.quant.schemes import SCHEMES, quantize, scheme_defaults, scheme_options
+from moekit.quant.schemes import SCHEMES
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 # Blocks whose forward returns (output.flatten(), router_logits.flatten()): ERNIE-4.5-VL's text and vision blocks,
@@ -144,32 +144,6 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                       f"forward, their experts not quantized by moekit ({first.path}: {first.reason}"
                       f"{'; ...' if len(left) > 1 else ''}); report.left lists each", UserWarning, stacklevel=2)
     return BlockSwapReport(tuple(swapped), tuple(left))
-
-
-def checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
-    """``quant_options`` as ``SwapOptions`` keeps them: sorted (name, value) pairs, lists as tuples, values left at
-    the scheme's defaults left out ({"group_size": 128} is int4_w4a16's None). Each is checked by the scheme's own
-    quantizer on a one-weight tensor, so a bad one fails here naming ``quant_options`` instead of leaving every
-    block float with the quantizer's reason in ``report.left``."""
-    if quant_options is not None and not isinstance(quant_options, dict):
-        raise TypeError(f"quant_options must be a dict of the scheme's quantizer options or None, got "
-                        f"{type(quant_options).__name__}")
-    if not quant_options:
-        return ()
-    if quant is None:
-        raise ValueError(f"quant_options={quant_options!r} with quant=None: they are a quantizer's options; pass "
-                         "quant=<scheme> with them")
-    taken = scheme_options(quant)
-    unknown = sorted(set(quant_options) - set(taken))
-    if unknown:
-        raise ValueError(f"quant_options has {unknown}, not options of quant={quant!r}; it takes {taken or 'none'}")
-    try:
-        quantize(torch.zeros(1, 1, 1), quant, **quant_options)  # w [E=1, R=1, C=1]: the values' checks alone
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"quant_options for quant={quant!r}: {err}") from err
-    defaults = scheme_defaults(quant)
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in quant_options.items()}
-    return tuple(sorted((k, v) for k, v in given.items() if v != defaults[k]))
 
 
 def _refuse_rebuilding_freed(model: nn.Module, options: SwapOptions, keep_float: bool) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from moekit.hf.blocks import block_config, block_moe
 from moekit.hf.swap_free import FreedExperts, build_freed_moe
+from moekit.quant.schemes import quantize, scheme_defaults, scheme_options
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
     from transformers.utils.output_capturing import _active_collector as _COLLECTOR
@@ -41,6 +42,32 @@ class SwapOptions:
     # two swaps asked for the same options compare equal (a block swapped with group_size=64 is kept for 64, rebuilt
     # for 128); options left at their defaults are left out: (): the scheme's defaults
     quant_options: tuple[tuple[str, object], ...] = ()
+
+
+def checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
+    """``quant_options`` as ``SwapOptions`` keeps them: sorted (name, value) pairs, lists as tuples, values left at
+    the scheme's defaults left out ({"group_size": 128} is int4_w4a16's None). Each is checked by the scheme's own
+    quantizer on a one-weight tensor, so a bad one fails here naming ``quant_options`` instead of leaving every
+    block float with the quantizer's reason in ``report.left``."""
+    if quant_options is not None and not isinstance(quant_options, dict):
+        raise TypeError(f"quant_options must be a dict of the scheme's quantizer options or None, got "
+                        f"{type(quant_options).__name__}")
+    if not quant_options:
+        return ()
+    if quant is None:
+        raise ValueError(f"quant_options={quant_options!r} with quant=None: they are a quantizer's options; pass "
+                         "quant=<scheme> with them")
+    taken = scheme_options(quant)
+    unknown = sorted(set(quant_options) - set(taken))
+    if unknown:
+        raise ValueError(f"quant_options has {unknown}, not options of quant={quant!r}; it takes {taken or 'none'}")
+    try:
+        quantize(torch.zeros(1, 1, 1), quant, **quant_options)  # w [E=1, R=1, C=1]: the values' checks alone
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"quant_options for quant={quant!r}: {err}") from err
+    defaults = scheme_defaults(quant)
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in quant_options.items()}
+    return tuple(sorted((k, v) for k, v in given.items() if v != defaults[k]))
 
 
 @dataclass(eq=False)
