@@ -33,7 +33,8 @@ from torch import nn
 
 from moekit._checks import check_bool, check_module
 from moekit.experts import backend_names
-from moekit.hf.blocks import block_config, block_output_norm, block_shared_mlp, moe_blocks
+from moekit.hf.blocks import (ADAPTER_REASON, adapter_wrapped_blocks, block_config, block_output_norm,
+                              block_shared_mlp, moe_blocks)
 from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
@@ -120,9 +121,10 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                          "quant=<scheme> with it (got quant=None)")
     options = SwapOptions(backend, bool(fuse_shared), quant, checked_quant_options(quant, quant_options))
     _refuse_rebuilding_freed(model, options, keep_float)
-    swapped, left = [], []
+    swapped = []
     sites = moe_blocks(model)
-    if not sites:  # a dense model, or a block handed in instead of the model: say so rather than return quietly
+    left = [LeftBlock(site.path, type(site.block).__name__, ADAPTER_REASON) for site in adapter_wrapped_blocks(model)]
+    if not sites and not left:  # a dense model, or a block handed in instead of the model: say so, not return quietly
         warnings.warn(f"use_moekit_blocks: {type(model).__name__} has no MoE block (a module with .experts and "
                       ".gate/.router): nothing swapped", UserWarning, stacklevel=2)
     for site in reported(sites, block_progress(progress, "use_moekit_blocks")):  # checked before the first block
@@ -283,7 +285,7 @@ class _MoekitBlock(nn.Module):
         if kwargs and kwargs.keys() == {"input_ids"}:  # DeepSeek-V4's decoder layer passes them to every block
             ids = kwargs["input_ids"] if getattr(swap.moe, "takes_token_ids", False) else None
             kwargs = kwargs if ids is not None else {}  # a top-k block reads them not
-        if args or (kwargs and ids is None) or not swap.active or router_recorded(self) or \
+        if args or (kwargs and ids is None) or not swap.active or swap.recording_router(self) or \
                 swap.own_forward_needed(self):
             if swap.freed is None or floats_present(self):
                 return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
@@ -348,8 +350,9 @@ def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: t
         raise freed_error(swap.block_cls, "an inactive swap (set_blocks_active) runs the block's own forward on them")
     if swap.own_forward_needed(block):
         raise freed_error(swap.block_cls, "substituted Parameters (torch.func.functional_call without the experts' "
-                                          "gate_up_proj / down_proj), router sampling in training or gradients the "
-                                          "MoE does not reach run the block's own forward on them")
+                                          "gate_up_proj / down_proj), router sampling in training, a router or "
+                                          "experts module wrapped since the swap (peft) or gradients the MoE does "
+                                          "not reach run the block's own forward on them")
     router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
     router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
 
