@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/ft54_device_check.py --out $OUT/ft54 --deadline 70   # H100 / H200
     PYTHONPATH=$PWD python3 benchmarks/ft54_device_check.py --smoke --out /tmp/ft54ck   # CPU, TRITON_INTERPRET=1
+    PYTHONPATH=$PWD python3 benchmarks/ft54_device_check.py --cpu --out /tmp/ft54cpu --deadline 600   # CPU, real widths
 
 Correctness (PASS / FAIL): ``use_moekit_blocks`` with ``gradient_checkpointing_enable(use_reentrant=False)`` and
 ``output_router_logits=True`` (the recomputation takes the forward's choice: session 54's fix; on CUDA the swapped
@@ -39,9 +40,9 @@ T0 = time.perf_counter()
 def config(smoke: bool) -> transformers.Qwen3MoeConfig:
     """Qwen3-30B-A3B's shape family at 2 layers (hidden 1024, 64 experts of 256, top-8); tiny in smoke mode."""
     if smoke:
-        return transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                           head_dim=16, num_experts=8, num_experts_per_tok=2)
+        return transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                           moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                           num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2)
     return transformers.Qwen3MoeConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2048,
                                        moe_intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                                        num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8)
@@ -90,7 +91,8 @@ def check_checkpointing(device: str, state: dict, ids: torch.Tensor, dtype: torc
     res = {"vs_unchecked": err, "vs_eager": worst(eager, plain)}
     what = f"{str(dtype)[6:]}, router logits {'on' if logits else 'off'}"
     print(f"{'PASS' if err < tight else 'FAIL'} blocks + checkpointing vs unchecked ({what}): rel {err:.2e}")
-    print(f"{'PASS' if res['vs_eager'] < loose else 'FAIL'} blocks vs eager gradients ({what}): rel {res['vs_eager']:.2e}")
+    verdict = "PASS" if res["vs_eager"] < loose else "FAIL"
+    print(f"{verdict} blocks vs eager gradients ({what}): rel {res['vs_eager']:.2e}")
     return res
 
 
@@ -117,20 +119,22 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=70.0)
     parser.add_argument("--out", default="ft54-out")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="the GPU run's widths on the CPU, batch 2 x 256")
     args = parser.parse_args()
-    device = "cpu" if SMOKE else "cuda"
+    device = "cpu" if SMOKE or args.cpu else "cuda"
     torch.manual_seed(0)
     state = {k: v.clone() for k, v in transformers.AutoModelForCausalLM.from_config(config(SMOKE)).state_dict().items()}
     vocab = config(SMOKE).vocab_size
-    ids = torch.randint(0, vocab, (2, 16) if SMOKE else (4, 1024), device=device)
-    result = {"device": "cpu" if SMOKE else torch.cuda.get_device_name(), "smoke": SMOKE}
+    ids = torch.randint(0, vocab, (2, 16) if SMOKE else (2, 256) if args.cpu else (4, 1024), device=device)
+    result = {"device": "cpu" if device == "cpu" else torch.cuda.get_device_name(), "smoke": SMOKE}
     for dtype in (torch.float32, torch.bfloat16):
         for logits in (True, False):
             key = f"checkpointing_{str(dtype)[6:]}_{'logits' if logits else 'layer'}"
             result[key] = check_checkpointing(device, state, ids[:, :64], dtype, logits)
     models = {f"autocast:{impl}": build(impl, device, torch.float32, state)
               for impl in ("eager", "grouped_mm", "moekit", "blocks")}
-    models.update({f"bf16:{impl}": build(impl, device, torch.bfloat16, state) for impl in ("eager", "moekit", "blocks")})
+    models.update({f"bf16:{impl}": build(impl, device, torch.bfloat16, state)
+                   for impl in ("eager", "moekit", "blocks")})
     autocast = {name: name.startswith("autocast") for name in models}
     result["step_ms"] = step_ms(models, ids, autocast, args.deadline)
     os.makedirs(args.out, exist_ok=True)

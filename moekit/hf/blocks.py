@@ -164,9 +164,8 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
     shares = quantized is not None or views or not (plan.transposed or (fuse_shared and shared_mlp is not None))
     layer_cls = MoE if config.hash_table_size is None else HashMoE  # HashMoE: DeepSeek-V4's hash layers
     device = experts.down_proj.device
-    # The layer's own init (the gate's kaiming draw) is overwritten by the block's weights below; drawn from a fork of
-    # torch's generators, so a swap leaves a seeded script's later draws (a LoRA init, dropout) as they were
-    # (session 54: use_moekit_blocks moved the CPU generator, and peft's LoRA weights after it came out different)
+    # its init draws (overwritten by the block's weights) from a fork of torch's generators: a seeded script's later
+    # draws (a LoRA's init, dropout) stay as unswapped (session 54: peft's LoRA weights after a swap came out different)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         moe = layer_cls(config, backend=backend, fuse_shared=fuse_shared, dtype=dtype, device=device,
                         num_local_experts=0 if shares else None)  # no rows to allocate where the block's are taken

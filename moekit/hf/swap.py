@@ -121,8 +121,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                          "quant=<scheme> with it (got quant=None)")
     options = SwapOptions(backend, bool(fuse_shared), quant, checked_quant_options(quant, quant_options))
     _refuse_rebuilding_freed(model, options, keep_float)
-    swapped = []
-    sites = moe_blocks(model)
+    sites, swapped = moe_blocks(model), []
     left = [LeftBlock(site.path, type(site.block).__name__, ADAPTER_REASON) for site in adapter_wrapped_blocks(model)]
     if not sites and not left:  # a dense model, or a block handed in instead of the model: say so, not return quietly
         warnings.warn(f"use_moekit_blocks: {type(model).__name__} has no MoE block (a module with .experts and "
@@ -142,8 +141,8 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                                     quant_bytes, 0 if swap.freed is None else swap.freed.freed_bytes))
     if quant is not None and left:  # asked for quantized experts: the blocks that run without them are said aloud
         first = left[0]
-        warnings.warn(f"use_moekit_blocks(quant={quant!r}): {len(left)} of {len(sites)} MoE blocks left on their own "
-                      f"forward, their experts not quantized by moekit ({first.path}: {first.reason}"
+        warnings.warn(f"use_moekit_blocks(quant={quant!r}): {len(left)} of {len(swapped) + len(left)} MoE blocks left "
+                      f"on their own forward, their experts not quantized by moekit ({first.path}: {first.reason}"
                       f"{'; ...' if len(left) > 1 else ''}); report.left lists each", UserWarning, stacklevel=2)
     return BlockSwapReport(tuple(swapped), tuple(left))
 
