@@ -7,8 +7,9 @@
 Correctness (PASS / FAIL): ``use_moekit_blocks`` with ``gradient_checkpointing_enable(use_reentrant=False)``, with
 ``output_router_logits=True`` (the blocks run their own forward; the recomputation takes the forward's choice: session
 54's fix) and without (moekit's layer recomputed; on CUDA its Triton backward), in fp32 and bf16, against the same
-swapped model without checkpointing (rel L2 of every gradient, bf16: < 1e-2) and against transformers' eager experts (fp32: < 1e-4; bf16 said as INFO: a routing tie
-moves a token to another expert, and the worst gradient, a rarely chosen expert's, shows it).
+swapped model without checkpointing (rel L2 of every gradient, bf16: < 1e-2) and against transformers' eager experts
+(fp32: < 1e-4; bf16 said as INFO: a routing tie moves a token to another expert, and the worst gradient, a rarely
+chosen expert's, shows it).
 Speed: one training step (forward + backward, ``ROUNDS`` interleaved rounds, median ms) of a float32 model under
 ``torch.autocast("cuda", bf16)`` (what ``Trainer(bf16=True)`` runs) for the experts implementations eager /
 grouped_mm / moekit and the swapped blocks, and of the same model cast to bf16; the experts see a float32 x under
