@@ -53,12 +53,12 @@ def config(smoke: bool) -> transformers.Qwen3MoeConfig:
 def build(impl: str, device: str, dtype: torch.dtype, state: dict | None) -> torch.nn.Module:
     """The model with ``impl`` experts ("blocks": eager, then every block swapped), ``state`` loaded, training mode."""
     torch.manual_seed(0)
-    cfg = config(SMOKE)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager" if impl == "blocks"
-                                                          else impl)
+    with torch.device(device):  # initialised where it runs (a CPU init of the GPU run's 110M weights: seconds each)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config(SMOKE), experts_implementation="eager" if impl == "blocks" else impl)
     if state is not None:
         model.load_state_dict(state)
-    model = model.to(device=device, dtype=dtype).train()
+    model = model.to(dtype=dtype).train()
     if impl == "blocks":
         moekit.hf.use_moekit_blocks(model)
     return model
