@@ -10,9 +10,10 @@ Correctness (PASS / FAIL): ``use_moekit_blocks`` with ``gradient_checkpointing_e
 swapped model without checkpointing (rel L2 of every gradient, bf16: < 1e-2) and against transformers' eager experts
 (fp32: < 1e-4; bf16 said as INFO: a routing tie moves a token to another expert, and the worst gradient, a rarely
 chosen expert's, shows it).
-Speed: one training step (forward + backward, ``ROUNDS`` interleaved rounds, median ms) of a float32 model under
-``torch.autocast("cuda", bf16)`` (what ``Trainer(bf16=True)`` runs) for the experts implementations eager /
-grouped_mm / moekit and the swapped blocks, and of the same model cast to bf16; the experts see a float32 x under
+Speed: one training step (forward + backward, ``ROUNDS`` interleaved rounds, median ms) of a float32 model (no
+autocast, and under ``torch.autocast("cuda", bf16)``, what ``Trainer(bf16=True)`` runs) for the experts
+implementations eager / grouped_mm / moekit and the swapped blocks, and of the same model cast to bf16 (``--cpu``: no
+eager rows); the experts see a float32 x under
 autocast (the residual stream), so grouped_mm and moekit run them in float32 where eager's per-expert F.linear runs
 bf16: the table says what that costs. The table is printed last; JSON <out>/ft54.json.
 """
@@ -118,6 +119,16 @@ def step_ms(models: dict, ids: torch.Tensor, autocast: dict, deadline: float) ->
     return {name: statistics.median(t[1:]) if len(t) > 1 else float("nan") for name, t in times.items()}
 
 
+def timed_models(device: str, state: dict, with_eager: bool) -> dict:
+    """The models timed, by row name: "<mode>:<impl>", mode fp32 (float32, no autocast), autocast (float32 under bf16
+    autocast) or bf16 (the model cast); eager's rows left out on the CPU (its loop's backward: 20-40 s a step)."""
+    eager = ("eager",) if with_eager else ()
+    rows = [("fp32", torch.float32, ("grouped_mm", "moekit", "blocks")),
+            ("autocast", torch.float32, (*eager, "grouped_mm", "moekit", "blocks")),
+            ("bf16", torch.bfloat16, (*eager, "grouped_mm", "moekit", "blocks"))]
+    return {f"{mode}:{impl}": build(impl, device, dtype, state) for mode, dtype, impls in rows for impl in impls}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--deadline", type=float, default=70.0)
@@ -135,10 +146,7 @@ def main() -> None:
         for logits in (True, False):
             key = f"checkpointing_{str(dtype)[6:]}_{'logits' if logits else 'layer'}"
             result[key] = check_checkpointing(device, state, ids[:, :64], dtype, logits)
-    models = {f"autocast:{impl}": build(impl, device, torch.float32, state)
-              for impl in ("eager", "grouped_mm", "moekit", "blocks")}
-    models.update({f"bf16:{impl}": build(impl, device, torch.bfloat16, state)
-                   for impl in ("eager", "moekit", "blocks")})
+    models = timed_models(device, state, with_eager=not args.cpu)
     autocast = {name: name.startswith("autocast") for name in models}
     result["step_ms"] = step_ms(models, ids, autocast, args.deadline)
     os.makedirs(args.out, exist_ok=True)
