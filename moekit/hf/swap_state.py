@@ -123,8 +123,8 @@ class BlockSwap:
         self.versions = tuple(t._version for t in self.sources)
         own = {id(p) for p in block.parameters()}
         self.detached = tuple(block.parameters()) if any(id(p) not in own for p in self.moe.parameters()) else ()
-        name = next(n for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
-        router = getattr(block, name)
+        router_name = next(n for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
+        router = getattr(block, router_name)
         self.bound = tuple((m._parameters, name, *_held_by(self.moe, t)) for owner in (router, block.experts)
                            for m in owner.modules() for name, t in m._parameters.items() if t is not None)
         experts = block.experts._parameters
@@ -134,7 +134,7 @@ class BlockSwap:
             params is common[name][0] and (sub, key) == common[name][1:] for params, name, sub, key, _ in self.bound)
         self.owners = (router._parameters, experts) if held else None
         self.watch = bool(self.sources or self.detached)
-        self.modules = (name, router, block.experts)
+        self.modules = (router_name, router, block.experts)
 
     def recording_router(self, block: nn.Module) -> bool:
         """Whether this call runs the block's own forward for transformers' router recording (``router_recorded``).
