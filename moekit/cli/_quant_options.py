@@ -2,7 +2,7 @@
 
 ``group_size=64,symmetric=true`` -> (("group_size", 64), ("symmetric", True)); ``block_shape=64x128`` -> a tuple.
 Each value takes the type of the option's default (``moekit.quant.schemes.scheme_defaults``): an int is a decimal
-integer, a bool ``true`` or ``false``, a pair ``AxB``. Then ``moekit.hf.swap.checked_quant_options`` checks the
+integer, a bool ``true`` or ``false``, a pair ``AxB``. Then ``moekit.hf.swap_state.checked_quant_options`` checks the
 values with the scheme's own quantizer and normalises them as ``use_moekit_blocks`` keeps them (defaults left out).
 Every error is a ValueError starting ``hf-quant-options`` (the CLI prefixes ``--``).
 """
@@ -20,7 +20,7 @@ def parse_quant_options(text: str | None, quant: str | None, block_quants: tuple
     if quant not in block_quants:
         raise ValueError(f"{FLAG} are options of moekit's quantizer: they need --hf-quant one of {block_quants}, "
                          f"got --hf-quant {quant}")
-    from moekit.hf.swap import checked_quant_options
+    from moekit.hf.swap_state import checked_quant_options
     from moekit.quant.schemes import scheme_defaults
 
     defaults = scheme_defaults(quant)

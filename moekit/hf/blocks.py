@@ -52,8 +52,28 @@ def moe_blocks(model: nn.Module) -> list[BlockSite]:
             for path, parent in model.named_modules() for name, child in parent.named_children() if _is_block(child)]
 
 
-def _is_block(module: nn.Module) -> bool:
-    experts = getattr(module, "experts", None)
+def adapter_wrapped_blocks(model: nn.Module) -> list[BlockSite]:
+    """Every MoE block of ``model`` whose experts module an adapter library wrapped: peft's ``ParamWrapper`` (LoRA
+    on the experts' Parameters, ``LoraConfig(target_parameters=[...])``), whose ``get_base_layer()`` is the experts
+    module. moekit's layer would read the base weights and leave the adapter out; the block's own forward applies
+    it (``use_moekit_blocks`` leaves such a block, ``ADAPTER_REASON``)."""
+    def wrapped(module: nn.Module) -> bool:
+        experts = getattr(module, "experts", None)
+        base = getattr(experts, "get_base_layer", None)
+        return callable(base) and _is_block(module, base())
+
+    return [BlockSite(f"{path}.{name}" if path else name, parent, name, child)
+            for path, parent in model.named_modules() for name, child in parent.named_children() if wrapped(child)]
+
+
+# why use_moekit_blocks leaves an adapter_wrapped_blocks block
+ADAPTER_REASON = ("its experts are wrapped by peft (LoRA on their Parameters, LoraConfig(target_parameters=...)): "
+                  "moekit's layer would leave the adapter out; the block's own forward applies it, and with "
+                  "experts_implementation='moekit' its experts still run through moekit")
+
+
+def _is_block(module: nn.Module, experts: nn.Module | None = None) -> bool:
+    experts = getattr(module, "experts", None) if experts is None else experts
     router = next((getattr(module, n) for n in _ROUTER_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
     # down_proj_q: a swapped block whose float experts were freed (moekit.hf.swap_free)
     held = hasattr(experts, "down_proj") or hasattr(experts, "down_proj_q")
@@ -143,8 +163,12 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
     views = plan.transposed and transposed == "view" and not (fuse_shared and shared_mlp is not None)
     shares = quantized is not None or views or not (plan.transposed or (fuse_shared and shared_mlp is not None))
     layer_cls = MoE if config.hash_table_size is None else HashMoE  # HashMoE: DeepSeek-V4's hash layers
-    moe = layer_cls(config, backend=backend, fuse_shared=fuse_shared, dtype=dtype, device=experts.down_proj.device,
-                    num_local_experts=0 if shares else None)  # no rows to allocate where the block's are taken
+    device = experts.down_proj.device
+    # its init draws (overwritten by the block's weights) from a fork of torch's generators: a seeded script's later
+    # draws (a LoRA's init, dropout) stay as unswapped (session 54: peft's LoRA weights after a swap came out different)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        moe = layer_cls(config, backend=backend, fuse_shared=fuse_shared, dtype=dtype, device=device,
+                        num_local_experts=0 if shares else None)  # no rows to allocate where the block's are taken
     _copy_router(moe, block, router)
     _copy_experts(moe, experts, plan.transposed and not views, shared_mlp, quantized)
     if views:  # [E, 2N, K] / [E, K, N] strided over the block's [E, K, 2N] / [E, N, K]

@@ -33,14 +33,15 @@ from torch import nn
 
 from moekit._checks import check_bool, check_module
 from moekit.experts import backend_names
-from moekit.hf.blocks import block_config, block_output_norm, block_shared_mlp, moe_blocks
+from moekit.hf.blocks import (ADAPTER_REASON, adapter_wrapped_blocks, block_config, block_output_norm,
+                              block_shared_mlp, moe_blocks)
 from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
-from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
-                                  router_recorded, router_weights_shared, set_block_class)
+from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, checked_quant_options, copied_bytes,
+                                  flat_output_and_logits, router_weights_shared, set_block_class)
 from moekit.quant.base import QuantizedWeight
-from moekit.quant.schemes import SCHEMES, quantize, scheme_defaults, scheme_options
+from moekit.quant.schemes import SCHEMES
 
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 # Blocks whose forward returns (output.flatten(), router_logits.flatten()): ERNIE-4.5-VL's text and vision blocks,
@@ -120,9 +121,9 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                          "quant=<scheme> with it (got quant=None)")
     options = SwapOptions(backend, bool(fuse_shared), quant, checked_quant_options(quant, quant_options))
     _refuse_rebuilding_freed(model, options, keep_float)
-    swapped, left = [], []
-    sites = moe_blocks(model)
-    if not sites:  # a dense model, or a block handed in instead of the model: say so rather than return quietly
+    sites, swapped = moe_blocks(model), []
+    left = [LeftBlock(site.path, type(site.block).__name__, ADAPTER_REASON) for site in adapter_wrapped_blocks(model)]
+    if not sites and not left:  # a dense model, or a block handed in instead of the model: say so, not return quietly
         warnings.warn(f"use_moekit_blocks: {type(model).__name__} has no MoE block (a module with .experts and "
                       ".gate/.router): nothing swapped", UserWarning, stacklevel=2)
     for site in reported(sites, block_progress(progress, "use_moekit_blocks")):  # checked before the first block
@@ -140,36 +141,10 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                                     quant_bytes, 0 if swap.freed is None else swap.freed.freed_bytes))
     if quant is not None and left:  # asked for quantized experts: the blocks that run without them are said aloud
         first = left[0]
-        warnings.warn(f"use_moekit_blocks(quant={quant!r}): {len(left)} of {len(sites)} MoE blocks left on their own "
-                      f"forward, their experts not quantized by moekit ({first.path}: {first.reason}"
+        warnings.warn(f"use_moekit_blocks(quant={quant!r}): {len(left)} of {len(swapped) + len(left)} MoE blocks left "
+                      f"on their own forward, their experts not quantized by moekit ({first.path}: {first.reason}"
                       f"{'; ...' if len(left) > 1 else ''}); report.left lists each", UserWarning, stacklevel=2)
     return BlockSwapReport(tuple(swapped), tuple(left))
-
-
-def checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
-    """``quant_options`` as ``SwapOptions`` keeps them: sorted (name, value) pairs, lists as tuples, values left at
-    the scheme's defaults left out ({"group_size": 128} is int4_w4a16's None). Each is checked by the scheme's own
-    quantizer on a one-weight tensor, so a bad one fails here naming ``quant_options`` instead of leaving every
-    block float with the quantizer's reason in ``report.left``."""
-    if quant_options is not None and not isinstance(quant_options, dict):
-        raise TypeError(f"quant_options must be a dict of the scheme's quantizer options or None, got "
-                        f"{type(quant_options).__name__}")
-    if not quant_options:
-        return ()
-    if quant is None:
-        raise ValueError(f"quant_options={quant_options!r} with quant=None: they are a quantizer's options; pass "
-                         "quant=<scheme> with them")
-    taken = scheme_options(quant)
-    unknown = sorted(set(quant_options) - set(taken))
-    if unknown:
-        raise ValueError(f"quant_options has {unknown}, not options of quant={quant!r}; it takes {taken or 'none'}")
-    try:
-        quantize(torch.zeros(1, 1, 1), quant, **quant_options)  # w [E=1, R=1, C=1]: the values' checks alone
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"quant_options for quant={quant!r}: {err}") from err
-    defaults = scheme_defaults(quant)
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in quant_options.items()}
-    return tuple(sorted((k, v) for k, v in given.items() if v != defaults[k]))
 
 
 def _refuse_rebuilding_freed(model: nn.Module, options: SwapOptions, keep_float: bool) -> None:
@@ -309,7 +284,7 @@ class _MoekitBlock(nn.Module):
         if kwargs and kwargs.keys() == {"input_ids"}:  # DeepSeek-V4's decoder layer passes them to every block
             ids = kwargs["input_ids"] if getattr(swap.moe, "takes_token_ids", False) else None
             kwargs = kwargs if ids is not None else {}  # a top-k block reads them not
-        if args or (kwargs and ids is None) or not swap.active or router_recorded(self) or \
+        if args or (kwargs and ids is None) or not swap.active or swap.recording_router(self) or \
                 swap.own_forward_needed(self):
             if swap.freed is None or floats_present(self):
                 return swap.block_cls.forward(self, hidden_states, *args, **kwargs)
@@ -374,8 +349,9 @@ def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: t
         raise freed_error(swap.block_cls, "an inactive swap (set_blocks_active) runs the block's own forward on them")
     if swap.own_forward_needed(block):
         raise freed_error(swap.block_cls, "substituted Parameters (torch.func.functional_call without the experts' "
-                                          "gate_up_proj / down_proj), router sampling in training or gradients the "
-                                          "MoE does not reach run the block's own forward on them")
+                                          "gate_up_proj / down_proj), router sampling in training, a router or "
+                                          "experts module wrapped since the swap (peft) or gradients the MoE does "
+                                          "not reach run the block's own forward on them")
     router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
     router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from moekit.hf.blocks import block_config, block_moe
 from moekit.hf.swap_free import FreedExperts, build_freed_moe
+from moekit.quant.schemes import quantize, scheme_defaults, scheme_options
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
     from transformers.utils.output_capturing import _active_collector as _COLLECTOR
@@ -41,6 +42,32 @@ class SwapOptions:
     # two swaps asked for the same options compare equal (a block swapped with group_size=64 is kept for 64, rebuilt
     # for 128); options left at their defaults are left out: (): the scheme's defaults
     quant_options: tuple[tuple[str, object], ...] = ()
+
+
+def checked_quant_options(quant: str | None, quant_options: dict | None) -> tuple[tuple[str, object], ...]:
+    """``quant_options`` as ``SwapOptions`` keeps them: sorted (name, value) pairs, lists as tuples, values left at
+    the scheme's defaults left out ({"group_size": 128} is int4_w4a16's None). Each is checked by the scheme's own
+    quantizer on a one-weight tensor, so a bad one fails here naming ``quant_options`` instead of leaving every
+    block float with the quantizer's reason in ``report.left``."""
+    if quant_options is not None and not isinstance(quant_options, dict):
+        raise TypeError(f"quant_options must be a dict of the scheme's quantizer options or None, got "
+                        f"{type(quant_options).__name__}")
+    if not quant_options:
+        return ()
+    if quant is None:
+        raise ValueError(f"quant_options={quant_options!r} with quant=None: they are a quantizer's options; pass "
+                         "quant=<scheme> with them")
+    taken = scheme_options(quant)
+    unknown = sorted(set(quant_options) - set(taken))
+    if unknown:
+        raise ValueError(f"quant_options has {unknown}, not options of quant={quant!r}; it takes {taken or 'none'}")
+    try:
+        quantize(torch.zeros(1, 1, 1), quant, **quant_options)  # w [E=1, R=1, C=1]: the values' checks alone
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"quant_options for quant={quant!r}: {err}") from err
+    defaults = scheme_defaults(quant)
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in quant_options.items()}
+    return tuple(sorted((k, v) for k, v in given.items() if v != defaults[k]))
 
 
 @dataclass(eq=False)
@@ -77,6 +104,12 @@ class BlockSwap:
     owners: tuple | None = field(default=None, init=False)
     # True: the forward is the MoE's alone (no shared expert, norm, tuple or flat logits to add): one flag, compiled
     plain: bool = field(default=False, init=False)
+    # whether the block's last eager forward outside a backward ran its own forward for transformers' router recording
+    # (``recording_router``): a gradient checkpoint's recomputation, inside the backward, runs the same one
+    recorded: bool = field(default=False, init=False)
+    # (the router's name, the router, the experts) as tracked: another module in their place since (peft's LoRA
+    # wrappers: ``ParamWrapper`` for ``target_parameters``, a LoRA layer on the router) is not what the MoE reads
+    modules: tuple = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         self.plain = (self.shared is None and self.output_norm is None and not self.flat_with_logits
@@ -90,7 +123,8 @@ class BlockSwap:
         self.versions = tuple(t._version for t in self.sources)
         own = {id(p) for p in block.parameters()}
         self.detached = tuple(block.parameters()) if any(id(p) not in own for p in self.moe.parameters()) else ()
-        router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
+        router_name = next(n for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
+        router = getattr(block, router_name)
         self.bound = tuple((m._parameters, name, *_held_by(self.moe, t)) for owner in (router, block.experts)
                            for m in owner.modules() for name, t in m._parameters.items() if t is not None)
         experts = block.experts._parameters
@@ -100,6 +134,20 @@ class BlockSwap:
             params is common[name][0] and (sub, key) == common[name][1:] for params, name, sub, key, _ in self.bound)
         self.owners = (router._parameters, experts) if held else None
         self.watch = bool(self.sources or self.detached)
+        self.modules = (router_name, router, block.experts)
+
+    def recording_router(self, block: nn.Module) -> bool:
+        """Whether this call runs the block's own forward for transformers' router recording (``router_recorded``).
+        A forward inside a backward is a gradient checkpoint's recomputation (non-reentrant or reentrant), which runs
+        outside transformers' collector: it takes the choice its original forward made, so both save the same tensors
+        (session 54: ``torch.utils.checkpoint`` raised CheckpointError, 145 tensors saved against 64, for a swapped
+        Qwen3-MoE trained with ``output_router_logits=True`` and ``gradient_checkpointing_enable()``)."""
+        if torch.compiler.is_compiling():
+            return router_recorded(block)
+        if torch._C._current_graph_task_id() != -1:  # -1 outside a backward
+            return self.recorded
+        self.recorded = router_recorded(block)
+        return self.recorded
 
     def is_bound(self) -> bool:
         """Whether the router's and experts' Parameters are still those the MoE computes with (not while
@@ -121,8 +169,9 @@ class BlockSwap:
     def own_forward_needed(self, block: nn.Module) -> bool:
         """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
         block in training mode whose router samples (Phi-MoE's sparsemixer: moekit routes as at inference) or whose
-        input is jittered (Mixtral's and MiniMax's ``router_jitter_noise``), or
-        autograd recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
+        input is jittered (Mixtral's and MiniMax's ``router_jitter_noise``), its router or experts module replaced
+        since the swap (peft wraps them for LoRA: the MoE would leave the adapter out, silently), or autograd
+        recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
         Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
         first, in eager calls."""
         if not self.is_bound():
@@ -131,6 +180,9 @@ class BlockSwap:
             return True  # Phi-MoE's router sampling in training (the config first: compiled, no guard on training)
         if getattr(block, "jitter_noise", 0) and block.training:
             return True  # Mixtral's / MiniMax's input jitter in training (router_jitter_noise): the layer has none
+        name, router, experts = self.modules
+        if block._modules.get("experts") is not experts or block._modules.get(name) is not router:
+            return True  # the experts or the router wrapped since the swap (peft's LoRA): the block's own forward
         if not self.watch:
             return False
         if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
