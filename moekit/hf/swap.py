@@ -38,7 +38,7 @@ from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
 from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, copied_bytes, flat_output_and_logits,
-                                  router_recorded, router_weights_shared, set_block_class)
+                                  moved_moe, router_recorded, router_weights_shared, set_block_class)
 from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import SCHEMES, quantize, scheme_defaults, scheme_options
 
@@ -344,7 +344,7 @@ class _MoekitBlock(nn.Module):
             finally:
                 swap.freed = put_buffers(self.experts, swap.freed, held, fn)
         if swap is not None:  # the MoE read the old tensors (and resolved its backend for their device)
-            swap.moe = build_moe(self, swap.options, swap.freed)
+            swap.moe = moved_moe(self, swap.options, swap.freed, swap.moe is None)
             swap.track(self)
         return module
 
