@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -78,8 +79,9 @@ class ExpertCache(PicklableCache, ReadableCache):
         self._horizon = math.inf  # ticks an unused expert stays cached: running mean of the victims' idle ticks
         self._dry = False  # within bookkeeping_only(): fetches copy no bytes
         self.trace = None  # a ``trace.StepTrace`` to record the step's marks in (``mark``), or None
-        cuda = self.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # held by each layer's forward (``OffloadedMoE.run_routed``): one forward at a time over the shared slots
+        self.lock = threading.RLock()
 
     # -- registration --------------------------------------------------------------------------------
 
@@ -197,8 +199,7 @@ class ExpertCache(PicklableCache, ReadableCache):
         """Fetch ``experts`` (misses of ``layer``) into slots, evicting unprotected ones; they stay
         protected until ``release``. Raises if more are asked than ``free_slots()``."""
         if len(experts) > self.free_slots():
-            raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be "
-                               f"freed")
+            raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be freed")
         keys = [(layer, e) for e in experts]
         self._fetch(keys, stats, "fetch")  # protects them
         for key in keys:
