@@ -10,6 +10,9 @@ Phases (each skipped past the deadline; <out>/gen54.json rewritten after each):
            to the sequential call on the same x (kept calls, route buffers and the experts' sequences are keyed by
            thread; nothing else may be shared). Then the same layer's calls under inference_mode, no_grad and
            grad-enabled interleaved at M = 1: the first two bit-equal, grad within bf16's tolerance.
+  alternate Two threads calling the layer in strict turn at M = 1 (200 calls each): fast-path calls served (each
+           thread's entry kept, by M and thread since session 54; by M alone none was) and host µs a call against one
+           thread's calls.
   graphs   The same layer with ``eager_graph_rows=8`` (``eager_graphs``: a graph per stream, shared by the threads;
            copy, replay and clone under its lock since session 54): as ``kept``, outputs bit-equal to sequential.
   capture  One thread captures a new graph (the ``graphs`` layer's first call at M = 3) while another runs eager calls
@@ -17,8 +20,9 @@ Phases (each skipped past the deadline; <out>/gen54.json rewritten after each):
            Reported, not a default change.
   generate A tiny Qwen3-MoE built offline (random weights, bf16) swapped with ``use_moekit_blocks``: greedy
            ``generate`` of 4 prompts from 4 threads at once, each equal to its sequential run (and the sequential
-           tokens to transformers' eager experts', logged); then the same model offloaded (``offload_experts``, 6 slots of 16 experts x 2 layers:
-           the cache's lock since session 54) from 4 threads against its sequential runs.
+           tokens to transformers' eager experts', logged); then the same model offloaded (``offload_experts``, 6
+           slots of 16 experts x 2 layers: the cache's lock since session 54) from 4 threads against its sequential
+           runs.
 The table is printed last: each phase's calls and mismatches. On the CPU (--smoke) the Triton interpreter is not
 thread-safe (its state is global: "x >= grid_dim[0]" from a second thread): the threads run the torch router and the
 grouped_mm backend there, and the kept path one thread at a time.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import torch
 
@@ -38,10 +43,10 @@ from bench_run import RunLog, phase_args, rel_l2, run_info, run_phases, smoke_mo
 
 SMOKE = smoke_mode()  # before moekit imports its kernels
 
-from moekit import MoE, MoEConfig  # noqa: E402
+from moekit import MoE, MoEConfig, layer_fast  # noqa: E402
 
 THREADS, CALLS, ROWS = 4, 6, (1, 2, 4, 8)
-PHASES = ("kept", "graphs", "capture", "generate")
+PHASES = ("kept", "alternate", "graphs", "capture", "generate")
 NEEDS_S = {"generate": 12}
 RUN = RunLog("gen54: threads on one model, outputs against the sequential calls", stall_s=40.0)
 RESULT: dict = {}
@@ -126,6 +131,59 @@ def phase_kept() -> None:
     ok = torch.equal(first, plain) and torch.equal(first, again) and rel_l2(graded.detach(), first) < tol
     RUN.check("kept: inference_mode / no_grad / grad interleaved", ok,
               f"grad rel_l2 {rel_l2(graded.detach(), first):.1e}")
+
+
+def _alternating(layer: MoE, x: torch.Tensor, calls: int) -> tuple[int, float]:
+    """Two threads calling ``layer`` on x in strict turn (``calls`` each): (fast-path hits, host µs a call)."""
+    served, real = [0], layer_fast.DecodeFast.__call__
+
+    def counted(self, owner, x2d):
+        out = real(self, owner, x2d)
+        served[0] += out is not None
+        return out
+
+    turns, spent = [threading.Event(), threading.Event()], [0.0, 0.0]
+
+    def work(me: int) -> None:
+        with torch.no_grad():
+            for _ in range(calls):
+                turns[me].wait()
+                turns[me].clear()
+                t0 = time.perf_counter()
+                layer(x)
+                spent[me] += time.perf_counter() - t0
+                turns[1 - me].set()
+
+    layer_fast.DecodeFast.__call__ = counted
+    try:
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for thread in pool:
+            thread.start()
+        turns[0].set()
+        for thread in pool:
+            thread.join()
+    finally:
+        layer_fast.DecodeFast.__call__ = real
+    return served[0], 1e6 * sum(spent) / (2 * calls)
+
+
+def phase_alternate() -> None:
+    """Two threads in turn at M = 1: each thread's entry kept (by M and thread since session 54: by M alone each call
+    replaced the other's, 0 served); host µs a call against one thread's."""
+    layer = _layer(threads=False)  # one thread at a time: the interpreter too
+    x = _inputs(layer)[1]
+    calls = 3 if SMOKE else 200
+    with torch.no_grad():
+        layer(x), layer(x)
+        t0 = time.perf_counter()
+        for _ in range(2 * calls):
+            layer(x)
+        alone = 1e6 * (time.perf_counter() - t0) / (2 * calls)
+    served, turn_us = _alternating(layer, x, calls)
+    RUN.check("alternate: two threads in turn, M = 1", served >= 2 * calls - 2, f"{served} of {2 * calls} served")
+    RESULT["alternate"] = {"calls": 2 * calls, "served": served, "host_us_turns": turn_us, "host_us_alone": alone}
+    RUN.summary.append(f"alternate  2 threads in turn: {served} of {2 * calls} served, host µs a call {turn_us:.1f} "
+                       f"(one thread: {alone:.1f})")
 
 
 def phase_graphs() -> None:
@@ -242,7 +300,8 @@ def main() -> int:
     RESULT.update(run_info(), smoke=SMOKE)
     RUN.log(f"{run_info()}; threads {THREADS}, rows {ROWS}")
     threading.Thread(target=RUN.watchdog, daemon=True).start()
-    phases = {"kept": phase_kept, "graphs": phase_graphs, "capture": phase_capture, "generate": phase_generate}
+    phases = {"kept": phase_kept, "alternate": phase_alternate, "graphs": phase_graphs, "capture": phase_capture,
+              "generate": phase_generate}
     return run_phases(RUN, phases, args.phases, args.deadline, NEEDS_S, args.path, RESULT)
 
 
