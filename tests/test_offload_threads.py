@@ -1,8 +1,9 @@
 """Two threads' forwards on one offloaded layer (a server's requests on one model, session 54): the second runs
 while the first holds experts in the cache's slots (paused in its first round, as a thread switch would pause it),
 and each gets the plain layer's output for its own tokens (a hash layer's too). Before, the second's forward released
-or evicted the first's experts, or found every slot held ("the expert cache has no slot to fetch into"). CPU: the cache's "GPU" is
-the CPU too; the reference is the plain ``MoE`` the offloaded layer was built from (and the hash layer's)."""
+or evicted the first's experts, or found every slot held ("the expert cache has no slot to fetch into"). CPU: the
+cache's "GPU" is the CPU too; the reference is the plain ``MoE`` the offloaded layer was built from (and the hash
+layer's)."""
 
 from __future__ import annotations
 

@@ -61,8 +61,7 @@ class ExpertCache(PicklableCache, ReadableCache):
     def __init__(self, cache_experts: int, *, device: torch.device | str, policy: PolicyName = "lfu") -> None:
         if not isinstance(cache_experts, int) or isinstance(cache_experts, bool) or cache_experts < 1:
             raise ValueError(f"cache_experts must be an int >= 1 (GPU expert slots), got {cache_experts!r}")
-        self.cache_experts = cache_experts
-        self.device = slots_device(device)
+        self.cache_experts, self.device = cache_experts, slots_device(device)
         self.policy = EvictionPolicy(policy)
         self.stats = OffloadStats()
         self._layers: list[ExpertWeights] = []
@@ -80,8 +79,7 @@ class ExpertCache(PicklableCache, ReadableCache):
         self._dry = False  # within bookkeeping_only(): fetches copy no bytes
         self.trace = None  # a ``trace.StepTrace`` to record the step's marks in (``mark``), or None
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # held by each layer's forward (``OffloadedMoE.run_routed``): one forward at a time over the shared slots
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # held by each layer's forward (``OffloadedMoE.run_routed``): one at a time
 
     # -- registration --------------------------------------------------------------------------------
 
@@ -199,7 +197,7 @@ class ExpertCache(PicklableCache, ReadableCache):
         """Fetch ``experts`` (misses of ``layer``) into slots, evicting unprotected ones; they stay
         protected until ``release``. Raises if more are asked than ``free_slots()``."""
         if len(experts) > self.free_slots():
-            raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be freed")
+            raise RuntimeError(f"{len(experts)} experts asked for, only {self.free_slots()} cache slots can be freed")
         keys = [(layer, e) for e in experts]
         self._fetch(keys, stats, "fetch")  # protects them
         for key in keys:
