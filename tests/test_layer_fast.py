@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _helpers import TOLERANCE as TOL, count_served, rel_l2
+from _threads import in_turn
 from _triton_helpers import interpreted
 from moekit import MoE, MoEConfig, layer_fast
 from moekit.experts.reference import experts_reference
@@ -308,28 +309,13 @@ def test_a_call_without_kept_buffers_routes_as_the_eager_one(hits, name, monkeyp
 
 
 def test_two_threads_calling_in_turn_each_keep_their_own_call(hits):
-    """A server's two request threads calling one layer in turn (one at a time: the interpreter is not thread-safe):
-    after each thread's first call, every call is served, bit-equal to the full forward. Keyed by M alone, each call
-    replaced the other thread's entry: no call was ever served (session 54)."""
+    """A server's two request threads calling one layer in turn: after each thread's first call, every call is
+    served, bit-equal to the full forward. Keyed by M alone, each call replaced the other thread's entry: no call was
+    ever served (session 54)."""
     layer, full = _pair("softmax")
     x = _x(1, 0)
     with torch.no_grad():
         want = full(x)
-    turns, outs = [threading.Event(), threading.Event()], []
-
-    def calls(me: int) -> None:
-        with torch.no_grad():
-            for _ in range(4):
-                turns[me].wait()
-                turns[me].clear()
-                outs.append(layer(x))
-                turns[1 - me].set()
-
-    threads = [threading.Thread(target=calls, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    turns[0].set()
-    for thread in threads:
-        thread.join()
+    outs = in_turn(lambda: layer(x), rounds=4)
     assert len(outs) == 8 and all(torch.equal(out, want) for out in outs)
     assert hits[0] == 6 and len(layer._decode._kept) == 2  # each thread's first call kept, its other 3 served
