@@ -1,7 +1,7 @@
 """A swapped model through an inference server's lifecycle (session 54): a quantized swap that keeps its float experts
 follows them when they are updated in place (``load_state_dict``, an in-place op), as the float swap does; a swapped
 model moves to the meta device (``model.to("meta")``), lets its layers' memory go, and comes back with ``to_empty`` and
-``load_state_dict``. References: a float64 loop over the block's current float weights quantized here (not what the
+``load_state_dict`` (a swap that freed its float experts too). References: a float64 loop over the block's current float weights quantized here (not what the
 swap holds), transformers' own eager experts on the same weights, a weak reference that must die.
 
 Shapes: T tokens, K hidden, E experts, V vocabulary."""
@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moekit.hf import use_moekit_blocks  # noqa: E402
+from moekit.hf import FloatExpertsFreedError, use_moekit_blocks  # noqa: E402
 from moekit.quant.schemes import quantize  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
@@ -70,28 +70,30 @@ def test_quantized_swap_follows_its_float_experts_updated_in_place(update):
     assert rel_l2(_logits(model).double(), _logits(eager).double()) < 1e-3  # int8 rounding only
 
 
-@pytest.mark.parametrize("quant", [None, "int8_w8a16"])
-def test_meta_move_lets_the_layers_go_and_to_empty_load_comes_back(quant):
+@pytest.mark.parametrize(("quant", "keep_float"), [(None, True), ("int8_w8a16", True), ("int8_w8a16", False)])
+def test_meta_move_lets_the_layers_go_and_to_empty_load_comes_back(quant, keep_float):
     model = _qwen3(0)
-    use_moekit_blocks(model, quant=quant)
+    use_moekit_blocks(model, quant=quant, keep_float=keep_float)
     _logits(model)
     old = [weakref.ref(swap.moe) for swap in swaps(model)]
     model.to("meta")  # raised moe_from_hf's meta-device error before session 54
     gc.collect()
     assert all(ref() is None for ref in old)  # the MoEs built over the old tensors are gone with them
+    if not keep_float:  # nothing of the experts to run the block's own forward with: said so
+        with pytest.raises(FloatExpertsFreedError, match="meta device"):
+            _logits(model)
     model.to_empty(device="cpu")  # uninitialised memory (NaN possible): nothing quantized yet
-    model.load_state_dict(_qwen3(7).state_dict())
+    fresh = _qwen3(7)
+    use_moekit_blocks(fresh, quant=quant, keep_float=keep_float)
+    model.load_state_dict(fresh.state_dict())  # freed: the quantized buffers, as a freed swap's state_dict has them
     for module in model.modules():  # the rotary tables are not in the state_dict: made again, as any meta model needs
         if hasattr(module, "inv_freq"):
             inv_freq, _ = module.compute_default_rope_parameters(module.config)
             module.inv_freq.copy_(inv_freq)
             module.original_inv_freq.copy_(inv_freq)
     got = _logits(model)
-    assert all(swap.moe is not None for swap in swaps(model))  # built again on the first call, over the loaded weights
+    assert all(swap.moe is not None for swap in swaps(model))  # built again over the loaded weights
     eager = _qwen3(7)
     eager.set_experts_implementation("eager")
-    want = _logits(eager)
-    assert rel_l2(got.double(), want.double()) < (1e-6 if quant is None else 1e-3)
-    fresh = _qwen3(7)
-    use_moekit_blocks(fresh, quant=quant)
+    assert rel_l2(got.double(), _logits(eager).double()) < (1e-6 if quant is None else 1e-3)
     assert torch.equal(got, _logits(fresh))  # the same as a swap of those weights made now, bit for bit

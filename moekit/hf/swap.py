@@ -374,8 +374,8 @@ def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: t
         raise freed_error(swap.block_cls, "an inactive swap (set_blocks_active) runs the block's own forward on them")
     if swap.own_forward_needed(block):
         raise freed_error(swap.block_cls, "substituted Parameters (torch.func.functional_call without the experts' "
-                                          "gate_up_proj / down_proj), router sampling in training or gradients the "
-                                          "MoE does not reach run the block's own forward on them")
+                                          "gate_up_proj / down_proj), router sampling in training, gradients the MoE "
+                                          "does not reach or the block on the meta device run its own forward on them")
     router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
     router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
 
