@@ -1,8 +1,9 @@
 """A swapped model through an inference server's lifecycle (session 54): a quantized swap that keeps its float experts
 follows them when they are updated in place (``load_state_dict``, an in-place op), as the float swap does; a swapped
 model moves to the meta device (``model.to("meta")``), lets its layers' memory go, and comes back with ``to_empty`` and
-``load_state_dict`` (a swap that freed its float experts too). References: a float64 loop over the block's current float weights quantized here (not what the
-swap holds), transformers' own eager experts on the same weights, a weak reference that must die.
+``load_state_dict`` (a swap that freed its float experts too). References: a float64 loop over the block's current
+float weights quantized here (not what the swap holds), transformers' own eager experts on the same weights, a weak
+reference that must die.
 
 Shapes: T tokens, K hidden, E experts, V vocabulary."""
 
