@@ -16,10 +16,16 @@ so their addresses cannot pass to other tensors while it exists (``clear`` lets 
 the caller's tensors are replaced). Graphs are kept per key, the oldest dropped past ``max_graphs``;
 each has its own memory pool (two graphs may then replay on different streams without sharing
 temporaries). What a replay returns is a fresh tensor, never the graph's output buffer.
+
+Threads: a graph is kept per stream, not per thread, and two threads share the default stream (a server's
+request threads calling one model). Its input copy, replay and output copy run under the owner's lock, so they
+reach the stream as one unit: before session 54 a second thread's input copy could land between the first's copy
+and replay, which then computed the second thread's tokens for the first.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -48,7 +54,13 @@ class EagerGraphs:
             raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
         self.max_rows, self.max_graphs = max_rows, max_graphs
         self._graphs: OrderedDict[tuple, Captured] = OrderedDict()
+        self._lock = threading.Lock()  # one thread at a time between a static input's copy and its output's clone
         self.captures = 0  # graphs captured so far (a test and a user can see recaptures)
+
+    def __reduce__(self):
+        """A copy or a pickle (``copy.deepcopy``, ``torch.save`` of the layer) is a new, empty one: a lock does not
+        pickle, nor does a CUDA graph, and a copy's graphs would read the original's tensors."""
+        return type(self), (self.max_rows, self.max_graphs)
 
     def eligible(self, x: torch.Tensor) -> bool:
         """Whether a call on ``x`` may be replayed (see the module docstring)."""
@@ -63,17 +75,18 @@ class EagerGraphs:
         if not self.eligible(x):
             return None
         full_key = (key, x.shape, x.dtype, x.device, x.stride(), torch.is_inference_mode_enabled(), self._stream(x))
-        captured = self._graphs.get(full_key)
-        if captured is None:
-            captured = self._capture(fn, x, tensors)
-            if len(self._graphs) >= self.max_graphs:
-                self._graphs.popitem(last=False)
-            self._graphs[full_key] = captured
-        else:
-            self._graphs.move_to_end(full_key)
-        captured.static_x.copy_(x)
-        captured.graph.replay()
-        return captured.static_out.clone()
+        with self._lock:
+            captured = self._graphs.get(full_key)
+            if captured is None:
+                captured = self._capture(fn, x, tensors)
+                if len(self._graphs) >= self.max_graphs:
+                    self._graphs.popitem(last=False)
+                self._graphs[full_key] = captured
+            else:
+                self._graphs.move_to_end(full_key)
+            captured.static_x.copy_(x)
+            captured.graph.replay()
+            return captured.static_out.clone()
 
     @staticmethod
     def _stream(x: torch.Tensor) -> int:
@@ -96,7 +109,8 @@ class EagerGraphs:
 
     def clear(self) -> None:
         """Drop every captured graph (their memory goes back to the allocator)."""
-        self._graphs.clear()
+        with self._lock:
+            self._graphs.clear()
 
     def __len__(self) -> int:
         return len(self._graphs)

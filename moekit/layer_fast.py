@@ -78,7 +78,7 @@ JOINED = True
 # (f6f35e93:benchmarks/layer_host_cpu.py, kernels stubbed) measured the forward at M = 256 11-12 µs cheaper on the
 # fast path. Above 256 rows a call's GPU time dwarfs the Python skipped here.
 MAX_ROWS = 256
-MAX_ENTRIES = 32  # kinds (M) kept per layer, as ``RouteWorkspace``; the oldest goes first
+MAX_ENTRIES = 32  # kinds (M, thread) kept per layer, as ``RouteWorkspace``; the oldest goes first
 
 _grad = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
@@ -205,15 +205,26 @@ def with_shared(layer, x2d: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 class KeptCalls:
-    """A layer's kept decode calls by M (``DecodeFast``'s, ``layer_hash_fast.HashDecodeFast``'s entries)."""
+    """A layer's kept decode calls by M and thread (``DecodeFast``'s, ``layer_hash_fast.HashDecodeFast``'s entries).
+    By thread too since session 54: keyed by M alone, two request threads of a server calling one model in turn
+    replaced each other's entry on every call (each call a miss: the full forward, then ``keep`` again; 0 hits in 12
+    alternating calls at M = 1 under the interpreter, 10 of 12 after: each thread's first keeps). The key costs ~40
+    ns of CPython a hit (a tuple: timeit on the 2-core CPU host, 66 -> 92-131 ns for the lookup and the thread
+    compare it replaces). At most MAX_ENTRIES over all threads, the oldest going first."""
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_kept",)
 
     def __init__(self) -> None:
-        self._entries: dict = {}  # M -> the subclass's entry for that many rows (at most MAX_ENTRIES)
+        self._kept: dict = {}  # (M, thread) -> the subclass's entry for that many rows on that thread
+
+    @property
+    def _entries(self) -> dict:
+        """This thread's entries by M (a new dict of the kept entries: what tests and device checks read)."""
+        me = get_ident()
+        return {m: entry for (m, thread), entry in self._kept.items() if thread == me}
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._kept.clear()
 
 
 class DecodeFast(KeptCalls):
@@ -227,11 +238,11 @@ class DecodeFast(KeptCalls):
         if _compiling() or x2d.__class__ is not torch.Tensor or x2d.dim() != 2:  # first: a trace never reads M here
             return None
         shape = x2d.shape
-        entry = self._entries.get(shape[0])
+        entry = self._kept.get((shape[0], get_ident()))
         if entry is None or not ENABLED or _grad() or _dispatching() or _tracing() or _transforming():
             return None
         if (shape[1] != entry.hidden or x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index
-                or not x2d.is_contiguous() or x2d.data_ptr() & 15 or get_ident() != entry.thread):
+                or not x2d.is_contiguous() or x2d.data_ptr() & 15):
             return None
         if entry.cuda and (_capturing() or current_stream() != entry.stream):
             return None
@@ -294,7 +305,7 @@ class DecodeFast(KeptCalls):
         stored = cast and m <= gate_route.ROWS and takes_stored(x2d, weight, linear_bias, dtype)
         if cast and not stored:  # the launch reads what it is given: the casts into kept buffers
             stream, thread = current_stream() if x2d.is_cuda else 0, get_ident()  # a peer's W buffer: same order
-            peer = next((e.casts for e in self._entries.values()
+            peer = next((e.casts for e in self._kept.values()
                          if e.casts is not None and e.stream == stream and e.thread == thread), None)
             casts = RouterCasts(x2d, weight, linear_bias, dtype, peer)
         gx, gweight, glinear = (x2d, weight, linear_bias) if casts is None else casts(x2d, weight, linear_bias)
@@ -318,4 +329,4 @@ class DecodeFast(KeptCalls):
             lead_x = LEAD_X if casts is None or casts.x is None else casts.x  # the kept cast, filled before the call
             joint = kept.joined(bound.launch, bound.pointers(lead_x, gweight, glinear, bias, None, buffers))
         entry = _Entry(layer, x2d, tensors, buffers, bound, route, fast, kept, joint, append_shared, casts)
-        put_bounded(self._entries, m, entry, MAX_ENTRIES)
+        put_bounded(self._kept, (m, entry.thread), entry, MAX_ENTRIES)

@@ -116,11 +116,11 @@ class HashDecodeFast(layer_fast.KeptCalls):
                 or x2d.dim() != 2):  # first: a trace never reads M here
             return None
         shape = x2d.shape
-        entry = self._entries.get(shape[0])
+        entry = self._kept.get((shape[0], get_ident()))
         if entry is None or not layer_fast.ENABLED or _grad() or _dispatching() or _tracing() or _transforming():
             return None
         if (shape[1] != entry.hidden or x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index
-                or not x2d.is_contiguous() or x2d.data_ptr() & 15 or get_ident() != entry.thread
+                or not x2d.is_contiguous() or x2d.data_ptr() & 15
                 or token_ids.shape != entry.ids_shape or token_ids.dtype is not entry.ids_dtype
                 or token_ids.get_device() != entry.device_index or token_ids.stride() != entry.ids_stride
                 or _aligned(token_ids) != entry.ids_aligned):
@@ -193,4 +193,4 @@ class HashDecodeFast(layer_fast.KeptCalls):
                                 ((bound.launch, (kept_logits, LEAD_AUX, table, ids, weights, ids)),))
         entry = _Entry(layer, x2d, token_ids, table, tensors, gate, kept_logits, bound, kept,
                        fast_path_of(layer._experts_fn), joint, ids, weights)
-        put_bounded(self._entries, m, entry, layer_fast.MAX_ENTRIES)
+        put_bounded(self._kept, (m, entry.thread), entry, layer_fast.MAX_ENTRIES)

@@ -8,6 +8,9 @@ eagerly, what is kept and what is returned.
 
 from __future__ import annotations
 
+import copy
+import threading
+
 import pytest
 import torch
 
@@ -143,3 +146,46 @@ def test_bad_rows_are_refused(rows):
 def test_cpu_tensors_never_graph():
     graphs = EagerGraphs(8)
     assert graphs.run(lambda x: x, torch.ones(2, 4), ()) is None
+
+
+def test_two_threads_on_one_stream_each_get_their_own_tokens():
+    """Thread A's replay (the stand-in graph) lets thread B call the layer with other tokens, then goes on: B must
+    wait for A's copy, replay and clone (they share the graph of one stream), so each gets its own tokens' output.
+    Before session 54 B's input copy landed in A's static input first, and A got B's output."""
+    layer = _layer()
+    x_a, x_b = torch.randn(4, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        want_a, want_b = _eager(layer, x_a), _eager(layer, x_b)
+        layer(x_a)  # captured: A's next call replays
+    got = {}
+
+    def call_b():
+        with torch.no_grad():
+            got["b"] = layer(x_b)
+
+    thread_b = threading.Thread(target=call_b)
+    captured = next(iter(layer.eager_graphs._graphs.values()))
+    replay = captured.graph.replay
+
+    def replay_letting_b_in():
+        captured.graph.replay = replay  # once
+        thread_b.start()
+        thread_b.join(timeout=0.5)  # B waits on the lock (passes the time); unlocked, B ran whole meanwhile
+        replay()
+
+    captured.graph.replay = replay_letting_b_in
+    with torch.no_grad():
+        got["a"] = layer(x_a)
+    thread_b.join()
+    assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
+
+
+def test_a_copy_of_a_layer_with_graphs_starts_with_none():
+    layer = _layer()
+    with torch.no_grad():
+        layer(torch.randn(4, 16))
+    twin = copy.deepcopy(layer)
+    assert len(twin.eager_graphs) == 0 and twin.eager_graphs.max_rows == 8 and len(layer.eager_graphs) == 1
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert torch.equal(twin(x), _eager(layer, x))  # its own graph, over its own tensors

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _helpers import TOLERANCE as TOL, count_served, rel_l2
+from _threads import in_turn
 from _triton_helpers import interpreted
 from moekit import MoE, MoEConfig, layer_fast
 from moekit.experts.reference import experts_reference
@@ -305,3 +306,16 @@ def test_a_call_without_kept_buffers_routes_as_the_eager_one(hits, name, monkeyp
         stats = layer(x, return_stats=True)
         assert launches[0] == (2 if name == "grouped_shared" else 1) and torch.equal(stats.out, plain)
         assert torch.equal(stats.router_logits, layer.route_tokens(x, layer._route_ws).router_logits)
+
+
+def test_two_threads_calling_in_turn_each_keep_their_own_call(hits):
+    """A server's two request threads calling one layer in turn: after each thread's first call, every call is
+    served, bit-equal to the full forward. Keyed by M alone, each call replaced the other thread's entry: no call was
+    ever served (session 54)."""
+    layer, full = _pair("softmax")
+    x = _x(1, 0)
+    with torch.no_grad():
+        want = full(x)
+    outs = in_turn(lambda: layer(x), rounds=4)
+    assert len(outs) == 8 and all(torch.equal(out, want) for out in outs)
+    assert hits[0] == 6 and len(layer._decode._kept) == 2  # each thread's first call kept, its other 3 served

@@ -14,6 +14,7 @@ import torch
 
 from _hash_loop import hash_layer_loop
 from _helpers import count_calls
+from _threads import in_turn
 from _triton_helpers import interpreted
 from moekit import HashMoE, MoEConfig, layer_fast
 from moekit.layer_hash_fast import HashDecodeFast
@@ -266,3 +267,16 @@ def test_joined_gate_router_and_experts(hits, fuse_shared, monkeypatch):
         x2, ids2 = _inputs((2,), 1)
         assert torch.equal(layer(x2, token_ids=ids2), full(x2, token_ids=ids2))
     assert seen == [ids2] and hits[0] == 1
+
+
+def test_two_threads_calling_in_turn_each_keep_their_own_call(hits):
+    """Two request threads calling one hash layer in turn: each thread's first call keeps, its others are served,
+    bit-equal to the full forward (session 54: keyed by M alone, each call replaced the other thread's entry and
+    none was served)."""
+    layer, full = _pair()
+    x, ids = _inputs((2,), 0)
+    with torch.no_grad():
+        want = full(x, token_ids=ids)
+    outs = in_turn(lambda: layer(x, token_ids=ids), rounds=3)
+    assert len(outs) == 6 and all(torch.equal(out, want) for out in outs)
+    assert hits[0] == 4 and len(layer._hash_decode._kept) == 2

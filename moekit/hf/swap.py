@@ -39,7 +39,7 @@ from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
 from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, checked_quant_options, copied_bytes,
-                                  flat_output_and_logits, router_weights_shared, set_block_class)
+                                  flat_output_and_logits, moved_moe, router_weights_shared, set_block_class)
 from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import SCHEMES
 
@@ -319,7 +319,7 @@ class _MoekitBlock(nn.Module):
             finally:
                 swap.freed = put_buffers(self.experts, swap.freed, held, fn)
         if swap is not None:  # the MoE read the old tensors (and resolved its backend for their device)
-            swap.moe = build_moe(self, swap.options, swap.freed)
+            swap.moe = moved_moe(self, swap.options, swap.freed, swap.moe is None)
             swap.track(self)
         return module
 
@@ -350,8 +350,8 @@ def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: t
     if swap.own_forward_needed(block):
         raise freed_error(swap.block_cls, "substituted Parameters (torch.func.functional_call without the experts' "
                                           "gate_up_proj / down_proj), router sampling in training, a router or "
-                                          "experts module wrapped since the swap (peft) or gradients the MoE does "
-                                          "not reach run the block's own forward on them")
+                                          "experts module wrapped since the swap (peft), gradients the MoE does "
+                                          "not reach or the block on the meta device run its own forward on them")
     router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
     router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
 

@@ -114,9 +114,12 @@ def take_buffers(experts: nn.Module, freed: FreedExperts) -> dict[str, torch.Ten
 
 def put_buffers(experts: nn.Module, freed: FreedExperts, held: dict[str, torch.Tensor], fn) -> FreedExperts:
     """Put ``take_buffers``' tensors back, moved to the device ``fn`` maps to and never cast (read off empty probes,
-    as ``moekit.quant.move_quantized_``); returns ``freed`` with the logical dtype ``fn`` casts a float to."""
+    as ``moekit.quant.move_quantized_``); returns ``freed`` with the logical dtype ``fn`` casts a float to. From the
+    meta device (``to_empty``: the block's own tensors passed ``fn`` already) they are new, uninitialised ones until
+    ``load_state_dict`` fills them (session 54: copying out of meta raised)."""
     for name, t in held.items():
-        experts._buffers[name] = t.to(fn(torch.empty(0, device=t.device)).device)
+        device = fn(torch.empty(0, device=t.device)).device
+        experts._buffers[name] = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
     dtype = fn(torch.empty(0, dtype=freed.dtype)).dtype
     if not dtype.is_floating_point or dtype == freed.dtype:
         return freed

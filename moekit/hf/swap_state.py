@@ -74,7 +74,9 @@ def checked_quant_options(quant: str | None, quant_options: dict | None) -> tupl
 class BlockSwap:
     """What a swapped block runs (``block._moekit_swap``; not a submodule: nothing registered twice)."""
 
-    moe: nn.Module  # a moekit MoE over the block's router and routed experts (the same Parameters where it can)
+    # a moekit MoE over the block's router and routed experts (the same Parameters where it can); None while the
+    # block's tensors are on the meta device (``moved_moe``)
+    moe: nn.Module | None
     block_cls: type  # the block's own class: its forward runs where moekit's does not (moekit.hf.swap)
     options: SwapOptions
     shared: nn.Module | None  # the block's shared expert, run as the block runs it; None: none, or fused
@@ -118,8 +120,16 @@ class BlockSwap:
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
         Parameters, the router's and experts' Parameters as they are now."""
+        if self.moe is None:  # the block on the meta device: its own forward runs (``is_bound``) until a move builds
+            self.sources = self.versions = self.detached = self.bound = ()
+            self.owners, self.watch = None, False
+            return
         everything = tuple(itertools.chain(block.parameters(), block.buffers()))
-        self.sources = everything if copied_bytes(self.moe, block) > 0 else ()
+        # a quantized MoE over kept float experts holds copies too (QuantizedWeight attributes, not counted by
+        # ``copied_bytes``): requantized when the float ones are updated in place (``load_state_dict``, an optimizer
+        # step; session 54: the quantized experts stayed those of the weights at swap time, silently)
+        requantized = self.options.quant is not None and self.freed is None
+        self.sources = everything if requantized or copied_bytes(self.moe, block) > 0 else ()
         self.versions = tuple(t._version for t in self.sources)
         own = {id(p) for p in block.parameters()}
         self.detached = tuple(block.parameters()) if any(id(p) not in own for p in self.moe.parameters()) else ()
@@ -155,6 +165,8 @@ class BlockSwap:
         MoE holds is compared with the MoE's own entry, read as the MoE's forward reads it (compiled: two sources
         of one tensor, one aliasing guard; a third reference kept here would add another)."""
         moe = self.moe
+        if moe is None:  # on the meta device (``moved_moe``)
+            return False
         if self.owners is not None:
             router, experts = self.owners
             return (router.get("weight") is moe._modules["gate"]._parameters["weight"]
@@ -174,8 +186,11 @@ class BlockSwap:
         recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
         Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
         first, in eager calls."""
+        if self.moe is None and not torch.compiler.is_compiling():  # after a move to or from the meta device
+            self.moe = moved_moe(block, self.options, self.freed, False)
+            self.track(block)
         if not self.is_bound():
-            return True  # substituted Parameters
+            return True  # substituted Parameters, or the block on the meta device
         if self.moe.config.sparsemixer_jitter_eps is not None and block.training:
             return True  # Phi-MoE's router sampling in training (the config first: compiled, no guard on training)
         if getattr(block, "jitter_noise", 0) and block.training:
@@ -223,6 +238,17 @@ def build_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None
     moe = block_moe(block, fuse_shared=options.fuse_shared, backend=options.backend, shared_expert=shared_expert,
                     transposed="view", output_norm="caller").eval()
     return moe if options.quant is None else moe.quantize_(options.quant, **dict(options.quant_options))
+
+
+def moved_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None, defer: bool) -> nn.Module | None:
+    """The block's MoE after a move or cast (``model.to``), or None (built on the block's next call,
+    ``BlockSwap.own_forward_needed``) where a tensor of the block is on the meta device (``model.to("meta")``: no values
+    to view or quantize; the old MoE is let go with the memory it read) or ``defer`` (the MoE was None: the tensors come
+    from the meta device, ``to_empty``, uninitialised until ``load_state_dict`` fills them: a quantized swap would
+    quantize garbage, NaN included). Session 54: ``model.to("meta")`` raised ``moe_from_hf``'s meta-device error."""
+    if defer or any(t.is_meta for t in itertools.chain(block.parameters(), block.buffers())):
+        return None
+    return build_moe(block, options, freed)
 
 
 def router_weights_shared(block: nn.Module) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -60,8 +61,7 @@ class ExpertCache(PicklableCache, ReadableCache):
     def __init__(self, cache_experts: int, *, device: torch.device | str, policy: PolicyName = "lfu") -> None:
         if not isinstance(cache_experts, int) or isinstance(cache_experts, bool) or cache_experts < 1:
             raise ValueError(f"cache_experts must be an int >= 1 (GPU expert slots), got {cache_experts!r}")
-        self.cache_experts = cache_experts
-        self.device = slots_device(device)
+        self.cache_experts, self.device = cache_experts, slots_device(device)
         self.policy = EvictionPolicy(policy)
         self.stats = OffloadStats()
         self._layers: list[ExpertWeights] = []
@@ -78,8 +78,8 @@ class ExpertCache(PicklableCache, ReadableCache):
         self._horizon = math.inf  # ticks an unused expert stays cached: running mean of the victims' idle ticks
         self._dry = False  # within bookkeeping_only(): fetches copy no bytes
         self.trace = None  # a ``trace.StepTrace`` to record the step's marks in (``mark``), or None
-        cuda = self.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.lock = threading.RLock()  # held by each layer's forward (``OffloadedMoE.run_routed``): one at a time
 
     # -- registration --------------------------------------------------------------------------------
 
@@ -197,8 +197,7 @@ class ExpertCache(PicklableCache, ReadableCache):
         """Fetch ``experts`` (misses of ``layer``) into slots, evicting unprotected ones; they stay
         protected until ``release``. Raises if more are asked than ``free_slots()``."""
         if len(experts) > self.free_slots():
-            raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be "
-                               f"freed")
+            raise RuntimeError(f"{len(experts)} experts asked for, only {self.free_slots()} cache slots can be freed")
         keys = [(layer, e) for e in experts]
         self._fetch(keys, stats, "fetch")  # protects them
         for key in keys:

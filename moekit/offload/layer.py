@@ -158,7 +158,14 @@ class OffloadedMoE(MoE):
         return self._next[0] if self._next else None
 
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x2d [M, K] and its routing -> [M, K], experts from the cache (and the CPU)."""
+        """x2d [M, K] and its routing -> [M, K], experts from the cache (and the CPU), under the cache's lock: two
+        threads' forwards (a server's requests on one model) would share its slots' protection, one releasing experts
+        the other still reads (evicted under it: wrong weights) or pinning them all ("no slot to fetch into", session
+        54), and this layer's staging buffers and last stats."""
+        with self.cache.lock:
+            return self._run_routed(x2d, routing)
+
+    def _run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         cache, stats, e = self.cache, OffloadStats(), self.config.num_experts
         cache.begin_forward()
         cache.mark("start", self.layer_id)
