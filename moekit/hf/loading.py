@@ -28,6 +28,7 @@ from moekit.hf.progress import Progress
 from moekit.hf.saving import EXPERTS_FILE, load_saved_file, saved_blocks
 from moekit.hf.set_check import IMPLEMENTATION, is_interface_experts
 from moekit.hf.swap_free import FLOAT_NAMES
+from moekit.hf.swap_offload import hidden as hidden_tensors
 
 # from_pretrained's keywords that say where a checkpoint's files are (transformers' cached_file takes them)
 _WHERE = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
@@ -125,11 +126,11 @@ def _saved_float_experts(model: nn.Module):
 def wrap_missing_keys_move() -> None:
     """Within ``expecting_saved_experts``, transformers' ``_move_missing_keys_from_meta_to_device`` (the missing
     weights made real, then initialised at random) passes the file's blocks' float experts by: they stay on the
-    meta device (no memory, no init) until ``load_saved_experts`` replaces them by the file's quantized tensors;
-    under a ``device_map`` of several places (accelerate's dispatch then offloads what it maps to "cpu" or "disk",
-    and cannot offload a meta tensor) they are made real as before, never quantized.
+    meta device (no memory, no init) until ``load_saved_experts`` replaces them by the file's quantized tensors, under
+    any ``device_map`` (one of several places: ``wrap_dispatch`` hides them from accelerate's dispatch).
     Until session 53 they were materialised and initialised (1.2 s of a 4-layer Qwen3-MoE's load here; a
-    DeepSeek-V3's whole float experts in memory), then quantized for nothing."""
+    DeepSeek-V3's whole float experts in memory), then quantized for nothing; until session 54 under a map of several
+    places too, and a block offloaded to "disk" was then refused."""
     from transformers import PreTrainedModel
 
     original = getattr(PreTrainedModel, "_move_missing_keys_from_meta_to_device", None)
@@ -141,12 +142,43 @@ def wrap_missing_keys_move() -> None:
         saved = _saved_float_experts(self)
         device_map = args[0] if args else kwargs.get("device_map")  # transformers' second argument
         places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
-        if saved is not None and len(places) <= 1 and "disk" not in places:  # else accelerate may offload them
+        if saved is not None and (_dispatch_wrapped() or (len(places) <= 1 and "disk" not in places)):
             missing_keys = type(missing_keys)(k for k in missing_keys if saved.search(k) is None)
         return original(self, missing_keys, *args, **kwargs)
 
     setattr(move, _WRAPPED, True)
     PreTrainedModel._move_missing_keys_from_meta_to_device = move
+
+
+def wrap_dispatch() -> None:
+    """Within ``expecting_saved_experts``, transformers' ``accelerate_dispatch`` (a ``device_map`` of several places:
+    accelerate's hooks on the layers) runs without the file's blocks' float experts, which are on the meta device: a
+    hook that puts a layer on a device moves each tensor there and has no value for a meta one ("gate_up_proj is on
+    the meta device, we need a `value`"). They are put back after (their shape and dtype, read by the load)."""
+    from transformers import modeling_utils
+
+    original = getattr(modeling_utils, "accelerate_dispatch", None)
+    if original is None or getattr(original, _WRAPPED, False):  # another transformers: they are made real, unread
+        return
+
+    @functools.wraps(original)
+    def dispatch(model, *args, **kwargs):
+        saved = _saved_float_experts(model)
+        experts = [] if saved is None else [m for path, m in model.named_modules() if any(
+            p.is_meta and saved.search(f"{path}.{name}") for name, p in m._parameters.items() if p is not None)]
+        with contextlib.ExitStack() as hidden:
+            for module in experts:
+                hidden.enter_context(hidden_tensors(module._parameters, FLOAT_NAMES))
+            return original(model, *args, **kwargs)
+
+    setattr(dispatch, _WRAPPED, True)
+    modeling_utils.accelerate_dispatch = dispatch
+
+
+def _dispatch_wrapped() -> bool:
+    from transformers import modeling_utils
+
+    return getattr(getattr(modeling_utils, "accelerate_dispatch", None), _WRAPPED, False)
 
 
 def load_saved_experts(model: nn.Module, file: Path | None, info: dict, source, kwargs: dict) -> None:

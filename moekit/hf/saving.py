@@ -158,9 +158,10 @@ class _FileTensors:
     time (the progress line counts the reads, which are the load's time on a real model; a GPU load holds one
     block's in host memory, not the file's)."""
 
-    def __init__(self, handle, names: dict[str, str]) -> None:
+    def __init__(self, handle, names: dict[str, str], file: Path) -> None:
         self.handle = handle  # safetensors' safe_open, open while the blocks load
         self.names = names  # the model's name -> the file's
+        self.file = Path(file).resolve()  # where a block in a layer accelerate offloads to "disk" reads them at each call
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
@@ -193,7 +194,7 @@ def load_saved_file(model: nn.Module, file: Path, progress=None):
             raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each "
                              "part with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict "
                              "the file")
-        report = load_freed_blocks(model, options, _FileTensors(f, names), progress)
+        report = load_freed_blocks(model, options, _FileTensors(f, names, file), progress)
     if report.left:
         raise ValueError(f"{file} holds the experts of {[b.path for b in report.left]}, which use_moekit_blocks could "
                          f"not swap here ({report.left[0].path}: {report.left[0].reason}): their float experts are not "

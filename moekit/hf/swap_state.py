@@ -6,12 +6,18 @@ from __future__ import annotations
 import itertools
 import types
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moekit.hf.blocks import block_config, block_moe
 from moekit.hf.swap_free import FreedExperts, build_freed_moe
+
+if TYPE_CHECKING:
+    from moekit.hf.swap_offload import OffloadedExperts
+
+SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
     from transformers.utils.output_capturing import _active_collector as _COLLECTOR
@@ -68,6 +74,9 @@ class BlockSwap:
     # set where the block's float experts were freed (keep_float=False): the MoE's quantized weights are the experts'
     # buffers, and the block's own forward has nothing to run (moekit.hf.swap_free); None: the block keeps them
     freed: FreedExperts | None = None
+    # set where accelerate offloads the block's layer (``swap_offload.OffloadedExperts``: where the quantized tensors
+    # rest between calls; each call reads them and builds its MoE); None: the tensors stay on the block's device
+    offload: OffloadedExperts | None = None
     # False where neither copies nor detached Parameters need a look each call: ``track`` sets it, so a compiled
     # forward reads one flag instead of the two tuples
     watch: bool = field(default=True, init=False)
@@ -90,7 +99,7 @@ class BlockSwap:
         self.versions = tuple(t._version for t in self.sources)
         own = {id(p) for p in block.parameters()}
         self.detached = tuple(block.parameters()) if any(id(p) not in own for p in self.moe.parameters()) else ()
-        router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
+        router = router_of(block)
         self.bound = tuple((m._parameters, name, *_held_by(self.moe, t)) for owner in (router, block.experts)
                            for m in owner.modules() for name, t in m._parameters.items() if t is not None)
         experts = block.experts._parameters
@@ -140,6 +149,11 @@ class BlockSwap:
                 self.moe = build_moe(block, self.options, self.freed)
                 self.track(block)
         return False
+
+
+def router_of(block: nn.Module) -> nn.Module:
+    """The block's router module (``gate`` or ``router``)."""
+    return next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
 
 
 def _held_by(moe: nn.Module, tensor: torch.Tensor) -> tuple[str, str | None, torch.Tensor | None]:
