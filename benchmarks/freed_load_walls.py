@@ -17,7 +17,8 @@ an ``offload_folder`` under ``DIR``): ``layers`` maps the embedding, the first h
 and the head to "cpu" and the other layers to "disk"; ``auto`` is ``device_map="auto"`` with ``max_memory`` of the
 CPU at half the float checkpoint's bytes (transformers plans the map for float experts), the rest on "disk". A load
 that fails is a row with its ``error`` (before session 54 a freed checkpoint under such a map was refused after the
-load). ``rss_forward_mb``: the peak after one forward (an offloaded layer's weights are read during it).
+load). ``forward_s``, ``rss_forward_mb``: one forward's wall and the peak after it (an offloaded layer's weights are
+read during it).
 """
 
 from __future__ import annotations
@@ -68,13 +69,16 @@ spent = {name: 0.0 for name, _, _ in parts}
 for (file, _, fn), (_, _, _, cumulative, _) in pstats.Stats(profile).stats.items():
     for name, suffix, function in parts:
         spent[name] += cumulative if file.endswith(suffix) and fn == function else 0.0
-equal = None
+equal = forward = None
 if (folder / "saved.pt").exists():
     ids, saved = torch.load(folder / "saved.pt")
     with torch.no_grad():
-        equal = torch.equal(model(ids).logits, saved)
+        start = time.perf_counter()
+        logits = model(ids).logits
+        forward = round(time.perf_counter() - start, 3)
+        equal = torch.equal(logits, saved)
 print(json.dumps({"folder": folder.name, "wall_s": round(wall, 2), "max_rss_mb": round(rss),
-                  **{k: round(v, 2) for k, v in spent.items()}, "bit_equal": equal, "rss_forward_mb": round(peak_mb()),
+                  **{k: round(v, 2) for k, v in spent.items()}, "bit_equal": equal, "forward_s": forward, "rss_forward_mb": round(peak_mb()),
                   "places": sorted({str(v) for v in (getattr(model, "hf_device_map", None) or {"": "one"}).values()})}))
 """
 

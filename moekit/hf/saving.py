@@ -37,17 +37,16 @@ _WRAPPED = "_moekit_saves_freed_experts"  # set on the wrapper: a second import 
 def freed_experts(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """The quantized tensors of ``model``'s blocks whose float experts were freed, by ``state_dict`` name, and each
     such block's swap options (``use_moekit_blocks``' arguments) by the block's path."""
-    from moekit.hf.swap import SWAP_ATTR
-    from moekit.hf.swap_free import buffer_names
+    from moekit.hf.swap_offload import rested
+    from moekit.hf.swap_state import SWAP_ATTR
 
     tensors, options = {}, {}
     for path, block in model.named_modules():
         swap = block.__dict__.get(SWAP_ATTR)
         if swap is None or swap.freed is None:
             continue
-        names = set(buffer_names(swap.freed))
-        prefix = f"{path}." if path else ""
-        tensors.update({prefix + n: t for n, t in block.named_buffers() if n.rsplit(".", 1)[-1] in names})
+        prefix = f"{path}.experts." if path else "experts."
+        tensors.update({prefix + n: t for n, t in rested(block, swap).items()})  # a "disk" layer's read from its file
         o = swap.options
         options[path] = {"quant": o.quant, "quant_options": dict(o.quant_options), "backend": o.backend}
     return tensors, options

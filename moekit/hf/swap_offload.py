@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from moekit.hf.swap_free import FLOAT_NAMES, buffer_names
@@ -42,19 +43,22 @@ class OffloadedExperts:
     names: tuple[str, ...]  # the file's names of the block's quantized tensors, in ``buffer_names`` order
 
 
-def offloading(block: nn.Module) -> list[nn.Module]:
-    """The block's modules (itself included) whose accelerate hook offloads their own tensors between calls."""
-    return [m for m in block.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+def offloading(block: nn.Module, swap=None) -> list[nn.Module]:
+    """The block's modules (itself included) whose accelerate hook offloads their own tensors between calls, but
+    those ``swap`` calls (its shared expert, gate, output norm: their hooks read them when called)."""
+    called = [m for m in (swap.shared, swap.shared_gate, swap.output_norm) if m is not None] if swap else []
+    passed = {id(m) for module in called for m in module.modules()}
+    return [m for m in block.modules() if id(m) not in passed and getattr(getattr(m, "_hf_hook", None), "offload", 0)]
 
 
 @contextlib.contextmanager
-def onloaded(block: nn.Module):
-    """The block's offloaded tensors read to their execution device by their accelerate hooks (as calls of those
-    modules would), and put back to rest (meta) after; the experts' float and quantized tensors are out of the
+def onloaded(block: nn.Module, swap=None):
+    """The block's offloaded tensors (but those ``swap`` calls) read to their execution device by their accelerate
+    hooks (as calls of those modules would), and put back to rest (meta) after; the experts' float and quantized tensors are out of the
     hooks' sight meanwhile (no weights map holds them: the hook would look them up with ``offload_buffers=True``)."""
     done = []
     try:
-        for module in offloading(block):
+        for module in offloading(block, swap):
             with _out_of_sight(block.experts):
                 module._hf_hook.pre_forward(module)
             done.append(module)
@@ -119,17 +123,10 @@ def run_offloaded(block: nn.Module, swap, forward: Callable, *args, **kwargs):
     tensors on the router's device (read from the file, or moved from the CPU) and an MoE over them; all of it let go
     of after."""
     experts = block.experts
-    names = buffer_names(swap.freed)
-    rest = {name: experts._buffers[name] for name in names}
-    with onloaded(block):
+    rest = {name: experts._buffers[name] for name in buffer_names(swap.freed)}
+    with onloaded(block, swap):
         device = router_of(block).weight.device
-        if swap.offload.file is not None:
-            from safetensors import safe_open
-
-            with safe_open(str(swap.offload.file), "pt") as f:
-                live = {name: f.get_tensor(saved).to(device) for name, saved in zip(names, swap.offload.names)}
-        else:
-            live = {name: t.to(device) for name, t in rest.items()}
+        live = {name: t.to(device) for name, t in rested(block, swap).items()}
         experts._buffers.update(live)
         resting, swap.moe = swap.moe, build_moe(block, swap.options, swap.freed)
         swap.track(block)
@@ -138,6 +135,18 @@ def run_offloaded(block: nn.Module, swap, forward: Callable, *args, **kwargs):
         finally:
             experts._buffers.update(rest)
             swap.moe = resting
+
+
+def rested(block: nn.Module, swap) -> dict[str, torch.Tensor]:
+    """The block's quantized tensors by their names in its experts module (``gate_up_proj_q``, ...), real: read from
+    the experts file where they rest on meta (a "disk" layer's), else as they rest."""
+    rest = {name: block.experts._buffers[name] for name in buffer_names(swap.freed)}
+    if swap.offload is None or swap.offload.file is None:
+        return rest
+    from safetensors import safe_open
+
+    with safe_open(str(swap.offload.file), "pt") as f:
+        return {name: f.get_tensor(saved) for name, saved in zip(rest, swap.offload.names)}
 
 
 def refuse_restoring_offloaded(model: nn.Module) -> None:
