@@ -192,16 +192,71 @@ def load_saved_experts(model: nn.Module, file: Path | None, info: dict, source, 
     modules = dict(model.named_modules())
     random = sorted(k for k in info["missing_keys"] if is_interface_experts(modules.get(k.rpartition(".")[0])))
     if random and _names_moekit(source, kwargs):
-        raise FileNotFoundError(
-            f"from_pretrained({str(source)!r}): its config.json names experts_implementation {IMPLEMENTATION!r} (a "
-            f"checkpoint of moekit's quantized experts, use_moekit_blocks(..., keep_float=False)) but {EXPERTS_FILE} "
-            f"is not at hand (offline, or a download without it), so {random[0]}, ... would be random. Download it "
-            f"(huggingface_hub.hf_hub_download({str(source)!r}, {EXPERTS_FILE!r}), or load online), then load again")
+        raise _not_at_hand(source, f"{random[0]}, ... would be random")
+
+
+def refuse_before_reading(source, kwargs: dict) -> None:
+    """Before transformers reads the checkpoint (no experts file found): FileNotFoundError where its config.json
+    names ``"moekit"`` and none of its weights is an experts weight (a freed model's save), both read from files at
+    hand (a folder's; a hub repository's in the local cache: no request). Else ``load_saved_experts`` decides after
+    the load (a checkpoint with some float experts, one whose files are not cached yet).
+    Until session 54 the refusal came only after transformers had read the whole checkpoint (and printed its
+    report)."""
+    names = _weight_names(source, kwargs)
+    if names is not None and not any(_EXPERTS_WEIGHT.search(n) for n in names) and _names_moekit(source, kwargs):
+        raise _not_at_hand(source, "every MoE block's experts would be random (its weights hold none)")
+
+
+def _not_at_hand(source, why: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"from_pretrained({str(source)!r}): its config.json names experts_implementation {IMPLEMENTATION!r} (a "
+        f"checkpoint of moekit's quantized experts, use_moekit_blocks(..., keep_float=False)) but {EXPERTS_FILE} "
+        f"is not at hand (offline, or a download without it), so {why}. Download it "
+        f"(huggingface_hub.hf_hub_download({str(source)!r}, {EXPERTS_FILE!r}), or load online), then load again")
+
+
+_EXPERTS_WEIGHT = re.compile(r"(^|\.)experts\.")  # a family's routed experts' weights (not "shared_experts.")
+
+
+def _weight_names(source, kwargs: dict) -> list[str] | None:
+    """The checkpoint's weight names, read from its safetensors index or header at hand (no data, no request), or
+    None where neither is."""
+    index = _at_hand(source, "model.safetensors.index.json", kwargs)
+    if index is not None:
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    single = _at_hand(source, "model.safetensors", kwargs)
+    if single is None:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), "pt") as f:
+        return list(f.keys())
 
 
 def _names_moekit(source, kwargs: dict) -> bool:
-    """The checkpoint's own config.json names ``"moekit"`` as its experts implementation (what ``save_pretrained``
-    of a freed model writes; the loaded config holds what the load named instead, where it named one)."""
-    file = _fetch(source, "config.json", kwargs)
+    """The checkpoint's own config.json (at hand: transformers' load fetched it) names ``"moekit"`` as its experts
+    implementation (what ``save_pretrained`` of a freed model writes; the loaded config holds what the load named
+    instead, where it named one)."""
+    file = _at_hand(source, "config.json", kwargs)
     named = json.loads(file.read_text()).get("experts_implementation") if file is not None else None
     return named == IMPLEMENTATION or (isinstance(named, dict) and IMPLEMENTATION in named.values())
+
+
+def _at_hand(source, filename: str, kwargs: dict) -> Path | None:
+    """``filename`` of ``from_pretrained(source, **kwargs)``'s checkpoint where it is at hand without a request: a
+    folder's own (``subfolder=`` within it), a hub repository's in the local cache (huggingface_hub's
+    ``try_to_load_from_cache``, at the load's ``revision=`` and ``cache_dir=``); else None."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    subfolder = kwargs.get("subfolder") or ""
+    if Path(source).is_dir():
+        file = Path(source, subfolder, filename)
+        return file if file.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(str(source), f"{subfolder}/{filename}" if subfolder else filename,
+                                       cache_dir=kwargs.get("cache_dir"), revision=kwargs.get("revision"))
+    except ValueError:  # not a repository id (HFValidationError)
+        return None
+    return Path(found) if isinstance(found, str) else None  # else None, or its "known not to exist" sentinel
