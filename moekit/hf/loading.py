@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import functools
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -175,6 +176,32 @@ def wrap_dispatch() -> None:
     modeling_utils.accelerate_dispatch = dispatch
 
 
+def wrap_stubs_missing() -> None:
+    """transformers' ``_adjust_missing_and_unexpected_keys`` (before its load report) takes a checkpoint's zero-size
+    stand-in of an experts module's float weight (``saving._stubs_kept``: a freed save writes them, so that a process
+    without ``moekit.hf`` stops on their size) for missing, not mismatched: ``load_saved_experts`` loads the file's
+    blocks over them, or refuses where the file is not at hand. Older checkpoints hold none."""
+    from transformers import PreTrainedModel
+
+    original = getattr(PreTrainedModel, "_adjust_missing_and_unexpected_keys", None)
+    if original is None or getattr(original, _WRAPPED, False):  # another transformers: its report refuses them
+        return
+
+    @functools.wraps(original)
+    def adjust(self, loading_info, *args, **kwargs):
+        modules = dict(self.named_modules())
+        stubs = {entry for entry in getattr(loading_info, "mismatched_keys", ()) if math.prod(entry[1]) == 0
+                 and entry[0].rpartition(".")[2] in FLOAT_NAMES
+                 and is_interface_experts(modules.get(entry[0].rpartition(".")[0]))}
+        if stubs:
+            loading_info.mismatched_keys -= stubs
+            loading_info.missing_keys |= {name for name, _, _ in stubs}
+        return original(self, loading_info, *args, **kwargs)
+
+    setattr(adjust, _WRAPPED, True)
+    PreTrainedModel._adjust_missing_and_unexpected_keys = adjust
+
+
 def _dispatch_wrapped() -> bool:
     from transformers import modeling_utils
 
@@ -202,8 +229,7 @@ def refuse_before_reading(source, kwargs: dict) -> None:
     the load (a checkpoint with some float experts, one whose files are not cached yet).
     Until session 54 the refusal came only after transformers had read the whole checkpoint (and printed its
     report)."""
-    names = _weight_names(source, kwargs)
-    if names is not None and not any(_EXPERTS_WEIGHT.search(n) for n in names) and _names_moekit(source, kwargs):
+    if _float_experts_at_hand(source, kwargs) is False and _names_moekit(source, kwargs):
         raise _not_at_hand(source, "every MoE block's experts would be random (its weights hold none)")
 
 
@@ -218,19 +244,22 @@ def _not_at_hand(source, why: str) -> FileNotFoundError:
 _EXPERTS_WEIGHT = re.compile(r"(^|\.)experts\.")  # a family's routed experts' weights (not "shared_experts.")
 
 
-def _weight_names(source, kwargs: dict) -> list[str] | None:
-    """The checkpoint's weight names, read from its safetensors index or header at hand (no data, no request), or
-    None where neither is."""
-    index = _at_hand(source, "model.safetensors.index.json", kwargs)
-    if index is not None:
-        return list(json.loads(index.read_text()).get("weight_map", {}))
-    single = _at_hand(source, "model.safetensors", kwargs)
-    if single is None:
-        return None
+def _float_experts_at_hand(source, kwargs: dict) -> bool | None:
+    """Whether the checkpoint's weights hold any experts weight (not a freed save's zero-size stand-ins), read from
+    the safetensors headers at hand (no data, no request); None where they are not all at hand."""
     from safetensors import safe_open
 
-    with safe_open(str(single), "pt") as f:
-        return list(f.keys())
+    index = _at_hand(source, "model.safetensors.index.json", kwargs)
+    shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())) if index else [
+        "model.safetensors"]
+    files = [_at_hand(source, shard, kwargs) for shard in shards]
+    if not files or None in files:
+        return None
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            if any(_EXPERTS_WEIGHT.search(k) and math.prod(f.get_slice(k).get_shape()) for k in f.keys()):
+                return True
+    return False
 
 
 def _names_moekit(source, kwargs: dict) -> bool:

@@ -37,9 +37,9 @@ def load_freed_blocks(model: nn.Module, options: dict, tensors: Mapping[str, tor
     """Each block of ``model`` named in ``options`` (its path -> ``use_moekit_blocks``' arguments, one kind for all)
     swapped with its float experts freed and ``tensors`` (``state_dict`` names; read a block at a time; ``.file``
     and ``.names``: the file and its names) as its quantized experts, left at rest where accelerate offloads the
-    block's layer (``swap_offload``); a block that cannot be is in ``report.left`` with its reason. ValueError naming the block
-    where the file's tensors do not fit it (missing, another shape). ``progress`` as ``use_moekit_blocks`` takes
-    it."""
+    block's layer (``swap_offload``); a block that cannot be is in ``report.left`` with its reason. ValueError
+    naming the block where the file's tensors do not fit it (missing, another shape). ``progress`` as
+    ``use_moekit_blocks`` takes it."""
     o = next(iter(options.values()))
     if o["quant"] not in SCHEME_CLASSES:
         raise ValueError(f"the file's blocks were swapped with quant={o['quant']!r}, not a scheme: "

@@ -54,8 +54,9 @@ def offloading(block: nn.Module, swap=None) -> list[nn.Module]:
 @contextlib.contextmanager
 def onloaded(block: nn.Module, swap=None):
     """The block's offloaded tensors (but those ``swap`` calls) read to their execution device by their accelerate
-    hooks (as calls of those modules would), and put back to rest (meta) after; the experts' float and quantized tensors are out of the
-    hooks' sight meanwhile (no weights map holds them: the hook would look them up with ``offload_buffers=True``)."""
+    hooks (as calls of those modules would), and put back to rest (meta) after; the experts' float and quantized
+    tensors are out of the hooks' sight meanwhile (no weights map holds them: the hook would look them up with
+    ``offload_buffers=True``)."""
     done = []
     try:
         for module in offloading(block, swap):
