@@ -77,9 +77,10 @@ if (folder / "saved.pt").exists():
         logits = model(ids).logits
         forward = round(time.perf_counter() - start, 3)
         equal = torch.equal(logits, saved)
+places = sorted({str(v) for v in (getattr(model, "hf_device_map", None) or {"": "one"}).values()})
 print(json.dumps({"folder": folder.name, "wall_s": round(wall, 2), "max_rss_mb": round(rss),
-                  **{k: round(v, 2) for k, v in spent.items()}, "bit_equal": equal, "forward_s": forward, "rss_forward_mb": round(peak_mb()),
-                  "places": sorted({str(v) for v in (getattr(model, "hf_device_map", None) or {"": "one"}).values()})}))
+                  **{k: round(v, 2) for k, v in spent.items()}, "bit_equal": equal, "forward_s": forward,
+                  "rss_forward_mb": round(peak_mb()), "places": places}))
 """
 
 

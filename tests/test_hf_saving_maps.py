@@ -27,7 +27,8 @@ from _swap_helpers import saved_freed, swaps, tiny_logits  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", f"ignore:save_pretrained.*{EXPERTS_FILE}",
                                         "ignore:gpu_budget_bytes:UserWarning")
-CASES = [("qwen3", "int4_w4a16", {"group_size": 32}), ("deepseek-v3", "fp8_block", None), ("gpt-oss-20b", "mxfp4", None)]
+CASES = [("qwen3", "int4_w4a16", {"group_size": 32}), ("deepseek-v3", "fp8_block", None),
+         ("gpt-oss-20b", "mxfp4", None)]
 
 
 def _over_cpu_and_disk(disk: tuple[int, ...] = (1,)) -> dict:

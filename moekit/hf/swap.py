@@ -128,8 +128,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                       ".gate/.router): nothing swapped", UserWarning, stacklevel=2)
     for site in reported(sites, block_progress(progress, "use_moekit_blocks")):  # checked before the first block
         block = site.block
-        earlier = block.__dict__.get(SWAP_ATTR)
-        own = type(block) if earlier is None else earlier.block_cls  # the block's own class, swapped or not
+        own = getattr(block.__dict__.get(SWAP_ATTR), "block_cls", type(block))  # its own class, swapped or not
         try:
             swap = _swap_of(block, own, options)
         except (ValueError, TypeError, NotImplementedError, AttributeError, KeyError) as err:  # a config it can't read
