@@ -41,13 +41,11 @@ RESULTS: list[dict] = []
 ROWS: list[dict] = []
 
 
-def report(kind: str, name: str, detail: str) -> None:
+def report(kind: str | bool, name: str, detail: str) -> None:
+    """A line PASS / FAIL (``kind`` True / False), or INFO, printed and kept for the JSON."""
+    kind = kind if isinstance(kind, str) else "PASS" if kind else "FAIL"
     print(f"{kind} {name}: {detail}", flush=True)
     RESULTS.append({"kind": kind, "name": name, "detail": detail})
-
-
-def check(name: str, ok: bool, detail: str) -> None:
-    report("PASS" if ok else "FAIL", name, detail)
 
 
 def config(smoke: bool):
@@ -128,14 +126,14 @@ def run_scheme(scheme: str, root: Path, smoke: bool) -> None:
     mixed, wall, seen, memory = load(root / scheme, gpu, device_map=mixed_map,
                                      offload_folder=str(root / f"offload-{scheme}"))
     out, mixed_forward, peak = forward(mixed, ids, gpu)
-    check(f"{scheme} mixed bit-equal", torch.equal(out, reference),
-          f"max |diff| {(out.float() - reference.float()).abs().max().item():.3g}")
-    check(f"{scheme} mixed no float experts", seen == {"meta"}, f"transformers' init saw them on {sorted(seen)}")
+    report(torch.equal(out, reference), f"{scheme} mixed bit-equal",
+           f"max |diff| {(out.float() - reference.float()).abs().max().item():.3g}")
+    report(seen == {"meta"}, f"{scheme} mixed no float experts", f"transformers' init saw them on {sorted(seen)}")
     rest = {n: t.device.type for n, t in mixed.named_buffers() if "_q" in n or "_scale" in n or "_zero" in n}
     layer1 = {d for n, d in rest.items() if n.startswith("model.layers.1.")}
     layer2 = {d for n, d in rest.items() if n.startswith("model.layers.2.")}
-    check(f"{scheme} mixed rest", layer1 == {"cpu"} and layer2 == {"meta"},
-          f"layer 1's quantized tensors on {sorted(layer1)}, layer 2's on {sorted(layer2)}")
+    report(layer1 == {"cpu"} and layer2 == {"meta"}, f"{scheme} mixed rest",
+           f"layer 1's quantized tensors on {sorted(layer1)}, layer 2's on {sorted(layer2)}")
     report("INFO", f"{scheme} mixed memory", f"GPU allocated {mib(memory[0])} MiB (one place: {mib(one_memory[0])}), "
            f"reserved {mib(memory[1])} MiB (one place: {mib(one_memory[1])}); forward peak {mib(peak)} MiB (one "
            f"place: {mib(one_peak)}); float model {mib(floats)} MiB")
@@ -148,8 +146,8 @@ def run_scheme(scheme: str, root: Path, smoke: bool) -> None:
     auto, _, seen, _ = load(root / scheme, gpu, device_map="auto", max_memory=memory_map,
                             offload_folder=str(root / f"offload-auto-{scheme}"))
     out, _, _ = forward(auto, ids, gpu)
-    check(f"{scheme} auto bit-equal", torch.equal(out, reference) and seen == {"meta"},
-          f"max |diff| {(out.float() - reference.float()).abs().max().item():.3g}, float experts on {sorted(seen)}")
+    report(torch.equal(out, reference) and seen == {"meta"}, f"{scheme} auto bit-equal",
+           f"max |diff| {(out.float() - reference.float()).abs().max().item():.3g}, float experts on {sorted(seen)}")
     report("INFO", f"{scheme} auto places", json.dumps(sorted({str(v) for v in auto.hf_device_map.values()})))
 
 

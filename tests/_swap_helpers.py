@@ -28,6 +28,24 @@ def saved_freed(name: str, quant: str, options, folder, seed: int = 7):
     return model
 
 
+def float_experts_devices(monkeypatch) -> list[str]:
+    """A list that gets the device type of every experts module's float ``down_proj`` each time transformers
+    initialises a loaded model's missing weights (a freed load keeps them on "meta": never made)."""
+    import transformers
+
+    from moekit.hf.set_check import is_interface_experts
+
+    devices = []
+    initialize = transformers.PreTrainedModel._initialize_missing_keys
+
+    def recording(self, *args, **kwargs):
+        devices.extend(m.down_proj.device.type for m in self.modules() if is_interface_experts(m))
+        return initialize(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "_initialize_missing_keys", recording)
+    return devices
+
+
 def tiny_logits(model) -> torch.Tensor:
     """[B, L, V] ``model``'s logits on ``TINY_IDS``, without autograd."""
     with torch.no_grad():

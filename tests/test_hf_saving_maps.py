@@ -20,9 +20,8 @@ pytest.importorskip("accelerate")  # no dependency of moekit's; the test extras 
 from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
 from moekit.hf import restore_blocks  # noqa: E402
 from moekit.hf.saving import EXPERTS_FILE  # noqa: E402
-from moekit.hf.set_check import is_interface_experts  # noqa: E402
 
-from _swap_helpers import saved_freed, swaps, tiny_logits  # noqa: E402
+from _swap_helpers import float_experts_devices, saved_freed, swaps, tiny_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", f"ignore:save_pretrained.*{EXPERTS_FILE}",
@@ -40,14 +39,7 @@ def _over_cpu_and_disk(disk: tuple[int, ...] = (1,)) -> dict:
 @pytest.mark.parametrize(("name", "quant", "options"), CASES)
 def test_a_freed_load_over_cpu_and_disk_makes_no_float_expert(name, quant, options, tmp_path, monkeypatch):
     saved_freed(name, quant, options, tmp_path)
-    experts_devices = []  # the float experts' devices as transformers initialises the missing weights
-    initialize = transformers.PreTrainedModel._initialize_missing_keys
-
-    def recording(self, *args, **kwargs):
-        experts_devices.extend(m.down_proj.device.type for m in self.modules() if is_interface_experts(m))
-        return initialize(self, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.PreTrainedModel, "_initialize_missing_keys", recording)
+    experts_devices = float_experts_devices(monkeypatch)  # as transformers initialises the missing weights
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, device_map=_over_cpu_and_disk(), offload_folder=str(tmp_path / "offload"), output_loading_info=True)
     assert experts_devices and set(experts_devices) == {"meta"}  # was: "cpu", made real and initialised at random

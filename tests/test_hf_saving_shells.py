@@ -22,10 +22,9 @@ transformers = pytest.importorskip("transformers")
 from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
 from moekit.hf import load_quantized_experts, restore_blocks, use_moekit_blocks  # noqa: E402
 from moekit.hf.saving import EXPERTS_FILE  # noqa: E402
-from moekit.hf.set_check import is_interface_experts  # noqa: E402
 from moekit.quant import schemes  # noqa: E402
 
-from _swap_helpers import saved_freed, tiny_logits  # noqa: E402
+from _swap_helpers import float_experts_devices, saved_freed, tiny_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", f"ignore:save_pretrained.*{EXPERTS_FILE}",
@@ -49,14 +48,7 @@ def test_a_freed_load_quantizes_nothing_and_leaves_the_float_experts_unmade(name
                                                                             quantizer_calls, monkeypatch):
     saved = saved_freed(name, quant, options, tmp_path)
     quantizer_calls.clear()
-    experts_devices = []  # the float experts' devices as transformers initialises the missing weights
-    initialize = transformers.PreTrainedModel._initialize_missing_keys
-
-    def recording(self, *args, **kwargs):
-        experts_devices.extend(m.down_proj.device.type for m in self.modules() if is_interface_experts(m))
-        return initialize(self, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.PreTrainedModel, "_initialize_missing_keys", recording)
+    experts_devices = float_experts_devices(monkeypatch)  # as transformers initialises the missing weights
     loaded, info = type(saved).from_pretrained(tmp_path, output_loading_info=True)
     assert quantizer_calls == []  # was: every block's random float experts quantized, w13 then w2
     assert experts_devices and set(experts_devices) == {"meta"}  # was: "cpu", made and initialised at random
