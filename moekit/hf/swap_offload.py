@@ -101,7 +101,8 @@ def hidden(tensors: dict, names):
     finally:
         now = {**held, **tensors}  # the others as they are now (a hook may have replaced them)
         tensors.clear()
-        tensors.update({name: now[name] for name in order if name in now})
+        tensors.update({name: now.pop(name) for name in order if name in now})
+        tensors.update(now)  # any added meanwhile, last
 
 
 @contextlib.contextmanager
