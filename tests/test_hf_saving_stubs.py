@@ -85,6 +85,9 @@ def test_moekit_loads_the_stand_ins_and_an_older_folder_without_them(tmp_path):
     assert 0 < size - (tmp_path / "model.safetensors").stat().st_size < 200 * len(stand_ins)  # their header alone
     older = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(tiny_logits(older), saved)
+    (tmp_path / EXPERTS_FILE).unlink()  # without its file: refused after the read (no stand-ins to say so before)
+    with pytest.raises(FileNotFoundError, match=rf"{EXPERTS_FILE} is not at hand.*experts.down_proj, ... would be"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 def test_the_stand_ins_without_the_experts_file_are_refused_naming_it(tmp_path):

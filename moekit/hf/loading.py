@@ -44,8 +44,7 @@ def _fetch(source, filename: str, kwargs: dict) -> Path | None:
         return None
     where = {k: kwargs[k] for k in _WHERE if kwargs.get(k) is not None}
     if Path(source).is_dir():
-        file = Path(source, where.get("subfolder", ""), filename)
-        return file if file.is_file() else None
+        return _at_hand(source, filename, kwargs)
     from transformers.utils.hub import cached_file
 
     try:
@@ -224,12 +223,12 @@ def load_saved_experts(model: nn.Module, file: Path | None, info: dict, source, 
 
 def refuse_before_reading(source, kwargs: dict) -> None:
     """Before transformers reads the checkpoint (no experts file found): FileNotFoundError where its config.json
-    names ``"moekit"`` and none of its weights is an experts weight (a freed model's save), both read from files at
-    hand (a folder's; a hub repository's in the local cache: no request). Else ``load_saved_experts`` decides after
-    the load (a checkpoint with some float experts, one whose files are not cached yet).
-    Until session 54 the refusal came only after transformers had read the whole checkpoint (and printed its
-    report)."""
-    if _float_experts_at_hand(source, kwargs) is False and _names_moekit(source, kwargs):
+    names ``"moekit"`` and its weights hold the freed save's zero-size stand-ins and no experts weight, both read
+    from files at hand (a folder's; a hub repository's in the local cache: no request). Else ``load_saved_experts``
+    decides after the load (a checkpoint with some float experts, one saved before session 54, one whose files are
+    not cached yet). Until session 54 the refusal came only after transformers had read the whole checkpoint (and
+    printed its report)."""
+    if _stand_ins_alone(source, kwargs) and _names_moekit(source, kwargs):
         raise _not_at_hand(source, "every MoE block's experts would be random (its weights hold none)")
 
 
@@ -241,12 +240,13 @@ def _not_at_hand(source, why: str) -> FileNotFoundError:
         f"(huggingface_hub.hf_hub_download({str(source)!r}, {EXPERTS_FILE!r}), or load online), then load again")
 
 
-_EXPERTS_WEIGHT = re.compile(r"(^|\.)experts\.")  # a family's routed experts' weights (not "shared_experts.")
+_EXPERTS_WEIGHT = re.compile(r"(^|\.)experts\.")  # routed experts' weights, in most families (not "shared_experts.")
 
 
-def _float_experts_at_hand(source, kwargs: dict) -> bool | None:
-    """Whether the checkpoint's weights hold any experts weight (not a freed save's zero-size stand-ins), read from
-    the safetensors headers at hand (no data, no request); None where they are not all at hand."""
+def _stand_ins_alone(source, kwargs: dict) -> bool:
+    """Whether the checkpoint's safetensors headers at hand (no data, no request) hold a freed save's zero-size
+    stand-ins of experts weights and no experts weight of any size: a freed save by moekit, which its experts file
+    must complete. False where they are not all at hand (the load then decides)."""
     from safetensors import safe_open
 
     index = _at_hand(source, "model.safetensors.index.json", kwargs)
@@ -254,12 +254,12 @@ def _float_experts_at_hand(source, kwargs: dict) -> bool | None:
         "model.safetensors"]
     files = [_at_hand(source, shard, kwargs) for shard in shards]
     if not files or None in files:
-        return None
+        return False
+    sizes = []
     for file in files:
         with safe_open(str(file), "pt") as f:
-            if any(_EXPERTS_WEIGHT.search(k) and math.prod(f.get_slice(k).get_shape()) for k in f.keys()):
-                return True
-    return False
+            sizes += [math.prod(f.get_slice(k).get_shape()) for k in f.keys() if _EXPERTS_WEIGHT.search(k)]
+    return bool(sizes) and not any(sizes)
 
 
 def _names_moekit(source, kwargs: dict) -> bool:
