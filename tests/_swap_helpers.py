@@ -14,6 +14,38 @@ from moekit.hf.variants import build_plan
 TINY_IDS = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))  # [B, L]: in every vocabulary
 
 
+def saved_freed(name: str, quant: str, options, folder, seed: int = 7):
+    """A tiny 2-layer ``name`` model (``moekit.bench.hf_models``, random weights) swapped and freed with ``quant``
+    (``quant_options=options``), its logits on ``TINY_IDS`` saved as ``folder/saved.pt``, then ``save_pretrained``
+    into ``folder``; returns the model."""
+    from moekit.bench.hf_models import build_model, hf_config
+    from moekit.hf import use_moekit_blocks
+
+    model = build_model(hf_config(name, 2, tiny=True), torch.float32, torch.device("cpu"), seed=seed)
+    use_moekit_blocks(model, quant=quant, quant_options=options, keep_float=False)
+    torch.save((TINY_IDS, tiny_logits(model)), folder / "saved.pt")
+    model.save_pretrained(folder)
+    return model
+
+
+def float_experts_devices(monkeypatch) -> list[str]:
+    """A list that gets the device type of every experts module's float ``down_proj`` each time transformers
+    initialises a loaded model's missing weights (a freed load keeps them on "meta": never made)."""
+    import transformers
+
+    from moekit.hf.set_check import is_interface_experts
+
+    devices = []
+    initialize = transformers.PreTrainedModel._initialize_missing_keys
+
+    def recording(self, *args, **kwargs):
+        devices.extend(m.down_proj.device.type for m in self.modules() if is_interface_experts(m))
+        return initialize(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "_initialize_missing_keys", recording)
+    return devices
+
+
 def tiny_logits(model) -> torch.Tensor:
     """[B, L, V] ``model``'s logits on ``TINY_IDS``, without autograd."""
     with torch.no_grad():

@@ -87,7 +87,8 @@ def test_fp8_experts_without_their_scales_say_what_happened():
 def test_accelerate_device_maps_through_moekit(tmp_path):
     """Where accelerate is installed (it is no dependency of moekit's tests): a float checkpoint under a device_map
     that offloads a layer to disk runs the experts implementation and the blocks (the offloaded one left, naming
-    why); a freed checkpoint loads under a one-device map and is refused naming the block under an offloading one."""
+    why); a freed checkpoint loads under a one-device map and under an offloading one (session 53: refused naming the
+    offloaded block; test_hf_saving_maps.py holds the offloading maps)."""
     pytest.importorskip("accelerate")
     model = _model()
     floats = tiny_logits(model)
@@ -106,5 +107,4 @@ def test_accelerate_device_maps_through_moekit(tmp_path):
     assert [b.path for b in report.swapped] == ["model.layers.0.mlp"] and "meta device" in report.left[0].reason
     assert (tiny_logits(on_disk) - floats).abs().max() < 1e-5
     assert torch.equal(tiny_logits(load(tmp_path / "freed", device_map="cpu").eval()), freed)
-    with pytest.raises(ValueError, match=r"holds the experts of \['model.layers.1.mlp'\].*meta device"):
-        load(tmp_path / "freed", device_map=offloaded)
+    assert torch.equal(tiny_logits(load(tmp_path / "freed", device_map=offloaded).eval()), freed)

@@ -87,9 +87,14 @@ def test_the_plain_return_of_a_hub_load_is_the_model(freed_hub):
 
 @pytest.mark.parametrize("implementation", [None, "eager"])
 @pytest.mark.parametrize("where", ["hub", "folder"])
-def test_a_checkpoint_whose_experts_file_is_not_at_hand_is_refused(where, implementation, tmp_path):
+def test_a_checkpoint_whose_experts_file_is_not_at_hand_is_refused(where, implementation, tmp_path, monkeypatch,
+                                                                   reports):
     """The cache (or a folder copied without it) holds the checkpoint but not its experts file (a partial download,
-    offline): a load would get random experts (was: it did, with transformers' report); it stops naming the file."""
+    offline): a load would get random experts (was: it did, with transformers' report); it stops naming the file,
+    before transformers reads the checkpoint (was, session 53: after it, its report printed), asking the hub for
+    nothing but the experts file (its config.json and weight names read from the cache)."""
+    import transformers.utils.hub as hub_utils
+
     model = _tiny()
     use_moekit_blocks(model, quant="int4_w4a16", keep_float=False)
     model.save_pretrained(tmp_path / "saved")
@@ -98,8 +103,31 @@ def test_a_checkpoint_whose_experts_file_is_not_at_hand_is_refused(where, implem
     source, kwargs = (REPO, {"cache_dir": cache, "local_files_only": True}) if where == "hub" else (
         tmp_path / "saved", {})
     named = {"experts_implementation": implementation} if implementation else {}
+    asked = []
+
+    def read(*args, **kw):
+        raise AssertionError("transformers read the checkpoint")  # was, session 53 (then refused after the read)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "_load_pretrained_model", staticmethod(read))
+    cached_file = hub_utils.cached_file
+    monkeypatch.setattr(hub_utils, "cached_file", lambda repo, name, **kw: asked.append(name) or cached_file(
+        repo, name, **kw))
     with pytest.raises(FileNotFoundError, match=rf"{source}.*{EXPERTS_FILE}.*random"):
         transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs, **named)
+    assert not [r for r in reports if "MISSING" in r]
+    assert asked == ([EXPERTS_FILE] if where == "hub" else [])
+
+
+def test_a_float_checkpoint_whose_config_names_moekit_loads(tmp_path):
+    """A float checkpoint whose config.json names ``"moekit"`` by hand (``config.experts_implementation``), no experts
+    file beside it: its weights hold the experts, so it is not refused before the load, and loads them."""
+    model = _tiny(seed=5)
+    model.config.experts_implementation = "moekit"
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["experts_implementation"] == "moekit"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
+    model.set_experts_implementation("eager")
+    assert torch.equal(tiny_logits(loaded.eval()), tiny_logits(model))
 
 
 def test_a_float_hub_checkpoint_loads_as_before(tmp_path, reports):

@@ -22,25 +22,15 @@ transformers = pytest.importorskip("transformers")
 from moekit.bench.hf_models import build_model, hf_config  # noqa: E402
 from moekit.hf import load_quantized_experts, restore_blocks, use_moekit_blocks  # noqa: E402
 from moekit.hf.saving import EXPERTS_FILE  # noqa: E402
-from moekit.hf.set_check import is_interface_experts  # noqa: E402
 from moekit.quant import schemes  # noqa: E402
 
-from _swap_helpers import TINY_IDS, tiny_logits  # noqa: E402
+from _swap_helpers import float_experts_devices, saved_freed, tiny_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:.*rope.*:UserWarning", f"ignore:save_pretrained.*{EXPERTS_FILE}",
                                         "ignore:gpu_budget_bytes:UserWarning")
 CASES = [("qwen3", "int4_w4a16", {"group_size": 32, "symmetric": True}), ("mixtral", "int8_w8a16", None),
          ("gpt-oss-20b", "mxfp4", None), ("deepseek-v3", "fp8_block", None)]
-
-
-def _saved(name: str, quant: str, options, folder: Path):
-    """The freed model saved into ``folder`` (its logits on ``TINY_IDS`` beside it, ``saved.pt``)."""
-    model = build_model(hf_config(name, 2, tiny=True), torch.float32, torch.device("cpu"), seed=7)
-    use_moekit_blocks(model, quant=quant, quant_options=options, keep_float=False)
-    torch.save((TINY_IDS, tiny_logits(model)), folder / "saved.pt")
-    model.save_pretrained(folder)
-    return model
 
 
 @pytest.fixture
@@ -56,16 +46,9 @@ def quantizer_calls(monkeypatch):
 @pytest.mark.parametrize(("name", "quant", "options"), CASES)
 def test_a_freed_load_quantizes_nothing_and_leaves_the_float_experts_unmade(name, quant, options, tmp_path,
                                                                             quantizer_calls, monkeypatch):
-    saved = _saved(name, quant, options, tmp_path)
+    saved = saved_freed(name, quant, options, tmp_path)
     quantizer_calls.clear()
-    experts_devices = []  # the float experts' devices as transformers initialises the missing weights
-    initialize = transformers.PreTrainedModel._initialize_missing_keys
-
-    def recording(self, *args, **kwargs):
-        experts_devices.extend(m.down_proj.device.type for m in self.modules() if is_interface_experts(m))
-        return initialize(self, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.PreTrainedModel, "_initialize_missing_keys", recording)
+    experts_devices = float_experts_devices(monkeypatch)  # as transformers initialises the missing weights
     loaded, info = type(saved).from_pretrained(tmp_path, output_loading_info=True)
     assert quantizer_calls == []  # was: every block's random float experts quantized, w13 then w2
     assert experts_devices and set(experts_devices) == {"meta"}  # was: "cpu", made and initialised at random
@@ -105,7 +88,7 @@ def test_a_fresh_process_loads_every_scheme_bit_equal_without_quantizing(tmp_pat
     for name, quant, options in CASES:
         folders.append(tmp_path / quant)
         folders[-1].mkdir()
-        _saved(name, quant, options, folders[-1])
+        saved_freed(name, quant, options, folders[-1])
     done = subprocess.run([sys.executable, "-c", LOAD, *map(str, folders)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]  # was: "quantized a (1, 1, 1) weight during a freed load"
@@ -114,7 +97,7 @@ def test_a_fresh_process_loads_every_scheme_bit_equal_without_quantizing(tmp_pat
 
 
 def test_loading_many_blocks_reports_progress(tmp_path, capsys, monkeypatch):
-    _saved("qwen3", "int8_w8a16", None, tmp_path)
+    saved_freed("qwen3", "int8_w8a16", None, tmp_path)
     model = build_model(hf_config("qwen3", 2, tiny=True), torch.float32, torch.device("cpu"))
     seen = []
     load_quantized_experts(model, tmp_path, progress=lambda done, total: seen.append((done, total)))
@@ -137,7 +120,7 @@ def test_loading_many_blocks_reports_progress(tmp_path, capsys, monkeypatch):
 
 
 def test_a_file_that_does_not_fit_the_model_is_named(tmp_path):
-    _saved("qwen3", "int8_w8a16", None, tmp_path)
+    saved_freed("qwen3", "int8_w8a16", None, tmp_path)
     config = hf_config("qwen3", 2, tiny=True)
     config.moe_intermediate_size *= 2
     wider = build_model(config, torch.float32, torch.device("cpu"))

@@ -29,7 +29,7 @@ from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
-from moekit.hf.loading import load_quantized_experts, wrap_missing_keys_move
+from moekit.hf.loading import load_quantized_experts, wrap_dispatch, wrap_missing_keys_move, wrap_stubs_missing
 from moekit.hf.saving import wrap_save_pretrained
 from moekit.hf.set_check import (
     IMPLEMENTATION, NOT_SERVED, is_interface_experts, wrap_from_pretrained, wrap_post_init,
@@ -146,6 +146,8 @@ def _register() -> None:
     wrap_from_pretrained()
     wrap_post_init()
     wrap_missing_keys_move()
+    wrap_dispatch()
+    wrap_stubs_missing()
     wrap_save_pretrained()
     try:  # fine-grained fp8 experts dispatch through their own interface (transformers >= 5.x)
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface

@@ -133,7 +133,10 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
     if experts is None or router is None or not hasattr(experts, "down_proj"):
         raise TypeError(f"block must be a transformers MoE block with .gate or .router and .experts (the experts "
                         f"interface), got {type(block).__name__}")
-    meta = next((n for n, t in itertools.chain(block.named_parameters(), block.named_buffers()) if t.is_meta), None)
+    shared_mlp = block_shared_mlp(block)
+    read = {n for n, m in block.named_children() if m in (router, experts) or (shared_expert and m is shared_mlp)}
+    meta = next((n for n, t in itertools.chain(block.named_parameters(), block.named_buffers())
+                 if t.is_meta and ("." not in n or n.split(".")[0] in read)), None)  # of the tensors the MoE reads
     if meta is not None:  # the probes and the copies would fail deep inside on it (Tensor.item() on meta tensors)
         raise ValueError(f"{type(block).__name__}'s {meta} is on the meta device (device_map offloaded the block to "
                          "'cpu' or 'disk', where accelerate loads it for each forward only, or it was never filled): "
@@ -146,7 +149,6 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
                          "set_experts_implementation('moekit') instead")
     config = _layer_config(block, router, shared_expert, output_norm).replace(activation=plan.activation,
                                                                               expert_bias=plan.has_bias)
-    shared_mlp = block_shared_mlp(block)
     if shared_mlp is not None and not config.has_shared_expert:
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
     if shared_mlp is None or not shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from moekit.hf.set_check import IMPLEMENTATION
+from moekit.hf.swap_free import FLOAT_NAMES
 
 EXPERTS_FILE = "moekit_quantized_experts.safetensors"
 _META_KEY = "moekit_swap"  # the metadata entry: the swap's options as JSON
@@ -37,17 +38,16 @@ _WRAPPED = "_moekit_saves_freed_experts"  # set on the wrapper: a second import 
 def freed_experts(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """The quantized tensors of ``model``'s blocks whose float experts were freed, by ``state_dict`` name, and each
     such block's swap options (``use_moekit_blocks``' arguments) by the block's path."""
-    from moekit.hf.swap import SWAP_ATTR
-    from moekit.hf.swap_free import buffer_names
+    from moekit.hf.swap_offload import rested
+    from moekit.hf.swap_state import SWAP_ATTR
 
     tensors, options = {}, {}
     for path, block in model.named_modules():
         swap = block.__dict__.get(SWAP_ATTR)
         if swap is None or swap.freed is None:
             continue
-        names = set(buffer_names(swap.freed))
-        prefix = f"{path}." if path else ""
-        tensors.update({prefix + n: t for n, t in block.named_buffers() if n.rsplit(".", 1)[-1] in names})
+        prefix = f"{path}.experts." if path else "experts."
+        tensors.update({prefix + n: t for n, t in rested(block, swap).items()})  # a "disk" layer's read from its file
         o = swap.options
         options[path] = {"quant": o.quant, "quant_options": dict(o.quant_options), "backend": o.backend}
     return tensors, options
@@ -70,9 +70,11 @@ def wrap_save_pretrained() -> None:
             if main:  # an earlier save's file would load over this model's experts
                 Path(save_directory, EXPERTS_FILE).unlink(missing_ok=True)
             return result
+        stubs = {}
         if len(args) < 2 and kwargs.get("state_dict") is None:  # they go to EXPERTS_FILE only, once
-            kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in tensors}
-        with _naming_moekit(self, tensors, options):
+            stubs = {f"{path}.experts.{name}": torch.empty(0) for path in options for name in FLOAT_NAMES}
+            kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in tensors} | stubs
+        with _naming_moekit(self, tensors, options), _stubs_kept(stubs):
             result = original(self, save_directory, *args, **kwargs)
         _warn_offloaded(self)
         if main:
@@ -109,6 +111,28 @@ def _naming_moekit(model: nn.Module, tensors: dict[str, torch.Tensor], options: 
     finally:
         del model.config.experts_implementation
         model.__dict__.pop("_upload_modified_files", None)
+
+
+@contextlib.contextmanager
+def _stubs_kept(stubs: dict[str, torch.Tensor]):
+    """While transformers saves: ``stubs`` (the freed experts' float names, each a tensor of shape [0]) pass its
+    ``revert_weight_conversion`` (the per-expert split of Qwen3's, Mixtral's ... fused experts, which a [0] tensor
+    cannot take) as they are, so the checkpoint holds them under the model's names. A process without ``moekit.hf``
+    then stops on their size ("size mismatch ... ignore_mismatched_sizes") instead of initialising the experts at
+    random; moekit's load takes them for missing (``loading.wrap_stubs_missing``)."""
+    from transformers import modeling_utils
+
+    revert = modeling_utils.revert_weight_conversion
+
+    def revert_but_stubs(model, state_dict):
+        return revert(model, {k: v for k, v in state_dict.items() if k not in stubs}) | {
+            k: v for k, v in state_dict.items() if k in stubs}
+
+    modeling_utils.revert_weight_conversion = revert_but_stubs if stubs else revert
+    try:
+        yield
+    finally:
+        modeling_utils.revert_weight_conversion = revert
 
 
 def _warn_offloaded(model: nn.Module) -> None:
@@ -158,9 +182,10 @@ class _FileTensors:
     time (the progress line counts the reads, which are the load's time on a real model; a GPU load holds one
     block's in host memory, not the file's)."""
 
-    def __init__(self, handle, names: dict[str, str]) -> None:
+    def __init__(self, handle, names: dict[str, str], file: Path) -> None:
         self.handle = handle  # safetensors' safe_open, open while the blocks load
         self.names = names  # the model's name -> the file's
+        self.file = Path(file).resolve()  # a block whose layer accelerate offloads to "disk" reads them at each call
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
@@ -193,7 +218,7 @@ def load_saved_file(model: nn.Module, file: Path, progress=None):
             raise ValueError(f"{file}: its blocks were swapped with different options {sorted(kinds)}; swap each "
                              "part with use_moekit_blocks(part, quant=..., keep_float=False), then load_state_dict "
                              "the file")
-        report = load_freed_blocks(model, options, _FileTensors(f, names), progress)
+        report = load_freed_blocks(model, options, _FileTensors(f, names, file), progress)
     if report.left:
         raise ValueError(f"{file} holds the experts of {[b.path for b in report.left]}, which use_moekit_blocks could "
                          f"not swap here ({report.left[0].path}: {report.left[0].reason}): their float experts are not "

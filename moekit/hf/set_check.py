@@ -72,10 +72,13 @@ def wrap_from_pretrained() -> None:
 
     @functools.wraps(load)
     def from_pretrained(cls, *args, **kwargs):
-        from moekit.hf.loading import expecting_saved_experts, find_saved_experts, load_saved_experts
+        from moekit.hf.loading import (expecting_saved_experts, find_saved_experts, load_saved_experts,
+                                       refuse_before_reading)
 
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         file = find_saved_experts(source, kwargs)  # before the load: its experts not reported missing (post_init)
+        if file is None:
+            refuse_before_reading(source, kwargs)  # a freed save without its experts file, where that is plain
         with expecting_saved_experts(file):
             model, info = load(cls, *args, **{**kwargs, "output_loading_info": True})
         load_saved_experts(model, file, info, source, kwargs)  # or refused: never random experts of such a file

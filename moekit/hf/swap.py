@@ -5,19 +5,19 @@ the layer's decode fast path) instead of transformers' router and an experts cal
     block.__class__ ──▶ a subclass whose forward is  MoE(x) [+ the block's shared expert (x 0.5 where averaged)]
                         [-> the block's output norm (A.X-K1)] ; state_dict unchanged
 
-The block stays where it is with its Parameters, so ``state_dict`` keys, ``save_pretrained`` /
-``from_pretrained``, optimizers and hooks see the model as before; the ``MoE`` is an attribute, not a
-submodule (nothing registered twice). It reads the block's own Parameters (gpt-oss's transposed experts as
-strided views: no copy); only ``fuse_shared=True`` copies (the shared expert into routed slots; copies follow
-the block's weights through their version counters). The block's own forward (the same function, its own
-code) runs instead while transformers records router logits (``output_router_logits``: its hooks sit on
-the router module), when called with arguments beyond the hidden states, while its Parameters are
-substituted (``torch.func.functional_call``), and while autograd records on a block whose gradients the
-``MoE`` would not reach (views, copies). A move or cast of the block (``model.to``) rebuilds its ``MoE``.
-Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report. With ``quant`` and
-``keep_float=False`` the block's float experts are freed and its quantized ones become the experts' buffers
-(``moekit.hf.swap_free``): the own forward has nothing to run, so each case above that needs it raises
-``FloatExpertsFreedError``, but router-logit recording, which runs the block's router and moekit's layer.
+The block stays where it is with its Parameters, so ``state_dict`` keys, ``save_pretrained`` / ``from_pretrained``,
+optimizers and hooks see the model as before; the ``MoE`` is an attribute, not a submodule (nothing registered
+twice). It reads the block's own Parameters (gpt-oss's transposed experts as strided views: no copy); only
+``fuse_shared=True`` copies (the shared expert into routed slots; copies follow the block's weights through their
+version counters). The block's own forward (the same function, its own code) runs instead while transformers records
+router logits (``output_router_logits``: its hooks sit on the router module), when called with arguments beyond the
+hidden states, while its Parameters are substituted (``torch.func.functional_call``), and while autograd records on
+a block whose gradients the ``MoE`` would not reach (views, copies). A move or cast of the block (``model.to``)
+rebuilds its ``MoE``. Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report. With
+``quant`` and ``keep_float=False`` the block's float experts are freed and its quantized ones become the experts'
+buffers (``moekit.hf.swap_free``): the own forward has nothing to run, so each case above that needs it raises
+``FloatExpertsFreedError``, but router-logit recording, which runs the block's router and moekit's layer. Such a
+block in a layer accelerate offloads reads its quantized experts at each call (``moekit.hf.swap_offload``).
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from moekit.hf.blocks import (ADAPTER_REASON, adapter_wrapped_blocks, block_conf
 from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_experts, freed_error, put_buffers,
                                  restore_float_experts, take_buffers)
-from moekit.hf.swap_state import (BlockSwap, SwapOptions, build_moe, checked_quant_options, copied_bytes,
-                                  flat_output_and_logits, moved_moe, router_weights_shared, set_block_class)
+from moekit.hf.swap_offload import refuse_restoring_offloaded, run_offloaded
+from moekit.hf.swap_state import (SWAP_ATTR, BlockSwap, SwapOptions, build_moe, checked_quant_options, copied_bytes,
+                                  flat_output_and_logits, moved_moe, router_of, router_weights_shared,
+                                  set_block_class)
 from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import SCHEMES
 
-SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 # Blocks whose forward returns (output.flatten(), router_logits.flatten()): ERNIE-4.5-VL's text and vision blocks,
 # whose modality block scatters both by token type
 _FLAT_WITH_LOGITS = ("Ernie4_5_VLMoeSparseMoeBlock",)
@@ -128,7 +129,7 @@ def use_moekit_blocks(model: nn.Module, *, backend: str = "auto", fuse_shared: b
                       ".gate/.router): nothing swapped", UserWarning, stacklevel=2)
     for site in reported(sites, block_progress(progress, "use_moekit_blocks")):  # checked before the first block
         block = site.block
-        own = _own_class(block)
+        own = getattr(block.__dict__.get(SWAP_ATTR), "block_cls", type(block))  # its own class, swapped or not
         try:
             swap = _swap_of(block, own, options)
         except (ValueError, TypeError, NotImplementedError, AttributeError, KeyError) as err:  # a config it can't read
@@ -181,6 +182,7 @@ def restore_blocks(model: nn.Module) -> int:
     how many were restored. A block whose float experts were freed gets them back as Parameters dequantized from
     its quantized ones (their logical dtype, the family's layout; the rounding stays, and so does the memory)."""
     check_module("model", model)
+    refuse_restoring_offloaded(model)
     count = 0
     for module in model.modules():
         swap = module.__dict__.pop(SWAP_ATTR, None)
@@ -205,11 +207,6 @@ def set_blocks_active(model: nn.Module, active: bool) -> int:
     for swap in swaps:
         swap.active = bool(active)
     return len(swaps)
-
-
-def _own_class(block: nn.Module) -> type:
-    swap = block.__dict__.get(SWAP_ATTR)
-    return type(block) if swap is None else swap.block_cls
 
 
 def _swap_of(block: nn.Module, own: type, options: SwapOptions, tuple_len: int | None = None,
@@ -280,6 +277,8 @@ class _MoekitBlock(nn.Module):
         expert] [-> its output norm], or (output, router logits) flattened; its own forward where the module doc
         says."""
         swap = self.__dict__[SWAP_ATTR]
+        if swap.offload is not None and not swap.is_bound():  # accelerate read this call's weights (swap_offload)
+            return run_offloaded(self, swap, _MoekitBlock.forward, hidden_states, *args, **kwargs)
         ids = None  # [B, S] a hash block's input ids: its HashMoE routes by them
         if kwargs and kwargs.keys() == {"input_ids"}:  # DeepSeek-V4's decoder layer passes them to every block
             ids = kwargs["input_ids"] if getattr(swap.moe, "takes_token_ids", False) else None
@@ -352,8 +351,7 @@ def _record_router_or_refuse(block: nn.Module, swap: BlockSwap, hidden_states: t
                                           "gate_up_proj / down_proj), router sampling in training, a router or "
                                           "experts module wrapped since the swap (peft), gradients the MoE does "
                                           "not reach or the block on the meta device run its own forward on them")
-    router = next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
-    router(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the block's own forward passes it
+    router_of(block)(hidden_states.reshape(-1, swap.moe.config.hidden_size))  # [M, K], as the own forward passes it
 
 
 def _moe_out(moe: nn.Module, x2d: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from moekit.hf.blocks import moe_blocks
 from moekit.hf.progress import Progress, block_progress, reported
 from moekit.hf.swap import (SWAP_ATTR, BlockSwapReport, LeftBlock, SwappedBlock, _rebuild_after_load, _swap_of)
 from moekit.hf.swap_free import FLOAT_NAMES, FreedExperts, _meta, buffer_names
+from moekit.hf.swap_offload import offloading, shell_offloaded
 from moekit.hf.swap_state import SwapOptions, copied_bytes
 from moekit.hf.variants import stores_transposed
 from moekit.quant.base import QuantizedWeight
@@ -34,10 +35,11 @@ from moekit.quant.schemes import SCHEME_CLASSES
 def load_freed_blocks(model: nn.Module, options: dict, tensors: Mapping[str, torch.Tensor],
                       progress: Progress = None) -> BlockSwapReport:
     """Each block of ``model`` named in ``options`` (its path -> ``use_moekit_blocks``' arguments, one kind for all)
-    swapped with its float experts freed and ``tensors`` (``state_dict`` names; read a block at a time) as its
-    quantized experts; a block that cannot be is in ``report.left`` with its reason. ValueError naming the block
-    where the file's tensors do not fit it (missing, another shape). ``progress`` as ``use_moekit_blocks`` takes
-    it."""
+    swapped with its float experts freed and ``tensors`` (``state_dict`` names; read a block at a time; ``.file``
+    and ``.names``: the file and its names) as its quantized experts, left at rest where accelerate offloads the
+    block's layer (``swap_offload``); a block that cannot be is in ``report.left`` with its reason. ValueError
+    naming the block where the file's tensors do not fit it (missing, another shape). ``progress`` as
+    ``use_moekit_blocks`` takes it."""
     o = next(iter(options.values()))
     if o["quant"] not in SCHEME_CLASSES:
         raise ValueError(f"the file's blocks were swapped with quant={o['quant']!r}, not a scheme: "
@@ -53,8 +55,10 @@ def load_freed_blocks(model: nn.Module, options: dict, tensors: Mapping[str, tor
         block, swap = site.block, site.block.__dict__.get(SWAP_ATTR)
         if swap is not None:
             _refill(block, site.path, swap, swap_options, tensors)
-        else:
+        elif not offloading(block):
             swap = _shell(block, site.path, swap_options, tensors)
+        else:  # accelerate offloads its layer
+            swap = shell_offloaded(model, site.path, lambda: _shell(block, site.path, swap_options, tensors), tensors)
         if isinstance(swap, str):  # why not
             left.append(LeftBlock(site.path, type(block).__name__, swap))
             continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import types
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,11 @@ from torch import nn
 from moekit.hf.blocks import block_config, block_moe
 from moekit.hf.swap_free import FreedExperts, build_freed_moe
 from moekit.quant.schemes import quantize, scheme_defaults, scheme_options
+
+if TYPE_CHECKING:
+    from moekit.hf.swap_offload import OffloadedExperts
+
+SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
     from transformers.utils.output_capturing import _active_collector as _COLLECTOR
@@ -97,6 +103,9 @@ class BlockSwap:
     # set where the block's float experts were freed (keep_float=False): the MoE's quantized weights are the experts'
     # buffers, and the block's own forward has nothing to run (moekit.hf.swap_free); None: the block keeps them
     freed: FreedExperts | None = None
+    # set where accelerate offloads the block's layer (``swap_offload.OffloadedExperts``: where the quantized tensors
+    # rest between calls; each call reads them and builds its MoE); None: the tensors stay on the block's device
+    offload: OffloadedExperts | None = None
     # False where neither copies nor detached Parameters need a look each call: ``track`` sets it, so a compiled
     # forward reads one flag instead of the two tuples
     watch: bool = field(default=True, init=False)
@@ -207,6 +216,11 @@ class BlockSwap:
                 self.moe = build_moe(block, self.options, self.freed)
                 self.track(block)
         return False
+
+
+def router_of(block: nn.Module) -> nn.Module:
+    """The block's router module (``gate`` or ``router``)."""
+    return next(getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module))
 
 
 def _held_by(moe: nn.Module, tensor: torch.Tensor) -> tuple[str, str | None, torch.Tensor | None]:
