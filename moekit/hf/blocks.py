@@ -134,14 +134,7 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
         raise TypeError(f"block must be a transformers MoE block with .gate or .router and .experts (the experts "
                         f"interface), got {type(block).__name__}")
     shared_mlp = block_shared_mlp(block)
-    read = {n for n, m in block.named_children() if m in (router, experts) or (shared_expert and m is shared_mlp)}
-    meta = next((n for n, t in itertools.chain(block.named_parameters(), block.named_buffers())
-                 if t.is_meta and ("." not in n or n.split(".")[0] in read)), None)  # of the tensors the MoE reads
-    if meta is not None:  # the probes and the copies would fail deep inside on it (Tensor.item() on meta tensors)
-        raise ValueError(f"{type(block).__name__}'s {meta} is on the meta device (device_map offloaded the block to "
-                         "'cpu' or 'disk', where accelerate loads it for each forward only, or it was never filled): "
-                         "moekit's layer reads a block's weights once; keep the block on a device in device_map, or "
-                         "run its experts through experts_implementation='moekit', which reads them at each call")
+    _refuse_meta(block, (router, experts, shared_mlp if shared_expert else None))
     plan = build_plan(experts)
     if not plan.fused or not plan.gated:
         why = plan.reason or "its experts are ungated (up_proj only)"
@@ -179,6 +172,19 @@ def block_moe(block: nn.Module, *, fuse_shared: bool = False, backend: str = "au
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
     return moe.train(block.training)  # Phi-MoE's router samples in training, which the MoE refuses
+
+
+def _refuse_meta(block: nn.Module, read_modules: tuple) -> None:
+    """ValueError where a tensor the MoE would read (the block's own, or of its children in ``read_modules``) is on
+    the meta device: the probes and the copies would fail deep inside on it (Tensor.item() on meta tensors)."""
+    read = {n for n, m in block.named_children() if any(m is r for r in read_modules if r is not None)}
+    meta = next((n for n, t in itertools.chain(block.named_parameters(), block.named_buffers())
+                 if t.is_meta and ("." not in n or n.split(".")[0] in read)), None)
+    if meta is not None:
+        raise ValueError(f"{type(block).__name__}'s {meta} is on the meta device (device_map offloaded the block to "
+                         "'cpu' or 'disk', where accelerate loads it for each forward only, or it was never filled): "
+                         "moekit's layer reads a block's weights once; keep the block on a device in device_map, or "
+                         "run its experts through experts_implementation='moekit', which reads them at each call")
 
 
 def _layer_config(block: nn.Module, router: nn.Module, shared_expert: bool, output_norm: str) -> MoEConfig:
