@@ -141,8 +141,9 @@ def identify_activation(act_fn, device: torch.device) -> str | None:
     if act_fn is None:
         return None
     gen = torch.Generator().manual_seed(0)
-    probe = torch.cat([torch.linspace(-12, 12, 241, dtype=torch.float64), torch.randn(64, generator=gen,
-                                                                                        dtype=torch.float64)])
+    # device="cpu" throughout: the CPU generator's values, also under a default device (``with torch.device("cuda")``)
+    probe = torch.cat([torch.linspace(-12, 12, 241, dtype=torch.float64, device="cpu"),
+                       torch.randn(64, generator=gen, dtype=torch.float64, device="cpu")])
     probe = probe.to(device)
     try:
         with torch.no_grad():
@@ -230,10 +231,10 @@ def _positive_finite(value) -> float | None:
 def _gate_probe(width: int, limits: list[float], device: torch.device) -> torch.Tensor:
     """[R, width] float64: normal values, plus rows sweeping +-2x each candidate limit so clamps show."""
     gen = torch.Generator().manual_seed(0)
-    rows = [torch.randn(8, width, generator=gen, dtype=torch.float64) * 3]
+    rows = [torch.randn(8, width, generator=gen, dtype=torch.float64, device="cpu") * 3]  # the CPU generator's values
     for limit in limits:
-        sweep = torch.linspace(-2 * limit, 2 * limit, width, dtype=torch.float64)
-        rows.append(torch.stack([sweep, sweep.flip(0), sweep[torch.randperm(width, generator=gen)]]))
+        sweep = torch.linspace(-2 * limit, 2 * limit, width, dtype=torch.float64, device="cpu")
+        rows.append(torch.stack([sweep, sweep.flip(0), sweep[torch.randperm(width, generator=gen, device="cpu")]]))
     return torch.cat(rows).to(device)
 
 
@@ -246,7 +247,7 @@ def clamps_before_act(mlp: nn.Module, limit: float, name: str) -> bool:
         return False
     twin = copy.deepcopy(mlp).to(torch.float64)
     gate, up, down = (getattr(twin, n).weight.detach() for n in ("gate_proj", "up_proj", "down_proj"))
-    x = torch.randn(16, gate.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = torch.randn(16, gate.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64, device="cpu")
     x = x.to(gate.device)
     x = x * 3 * limit / (x @ gate.T).abs().max().clamp_min(1e-30)  # [16, K]
     with torch.no_grad():
