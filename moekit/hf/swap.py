@@ -277,12 +277,14 @@ class _MoekitBlock(nn.Module):
         expert] [-> its output norm], or (output, router logits) flattened; its own forward where the module doc
         says."""
         swap = self.__dict__[SWAP_ATTR]
+        if swap.moe is None and not _compiling():  # back from the meta device (``moved_moe``): built at this call
+            swap.build_moved(self)
         if swap.offload is not None and not swap.is_bound():  # accelerate read this call's weights (swap_offload)
             return run_offloaded(self, swap, _MoekitBlock.forward, hidden_states, *args, **kwargs)
         ids = None  # [B, S] a hash block's input ids: its HashMoE routes by them
         if kwargs and kwargs.keys() == {"input_ids"}:  # DeepSeek-V4's decoder layer passes them to every block
             ids = kwargs["input_ids"] if getattr(swap.moe, "takes_token_ids", False) else None
-            kwargs = kwargs if ids is not None else {}  # a top-k block reads them not
+            kwargs = kwargs if ids is not None or swap.moe is None else {}  # a top-k block reads them not
         if args or (kwargs and ids is None) or not swap.active or swap.recording_router(self) or \
                 swap.own_forward_needed(self):
             if swap.freed is None or floats_present(self):

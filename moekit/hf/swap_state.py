@@ -187,6 +187,14 @@ class BlockSwap:
                 return False
         return True
 
+    def build_moved(self, block: nn.Module) -> None:
+        """The MoE that a move to or from the meta device left to the block's next eager call (``moved_moe``), built
+        over the block's tensors as they are now (None again while they are on meta). The block's forward calls it
+        first: a hash block's MoE decides whether the call's ``input_ids`` are its routing (before rev54 this sat in
+        ``own_forward_needed``, after that decision: DeepSeek-V4's hash block raised "token_ids is required")."""
+        self.moe = moved_moe(block, self.options, self.freed, False)
+        self.track(block)
+
     def own_forward_needed(self, block: nn.Module) -> bool:
         """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
         block in training mode whose router samples (Phi-MoE's sparsemixer: moekit routes as at inference) or whose
@@ -195,9 +203,6 @@ class BlockSwap:
         recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
         Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
         first, in eager calls."""
-        if self.moe is None and not torch.compiler.is_compiling():  # after a move to or from the meta device
-            self.moe = moved_moe(block, self.options, self.freed, False)
-            self.track(block)
         if not self.is_bound():
             return True  # substituted Parameters, or the block on the meta device
         if self.moe.config.sparsemixer_jitter_eps is not None and block.training:
@@ -255,8 +260,8 @@ def build_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None
 
 
 def moved_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None, defer: bool) -> nn.Module | None:
-    """The block's MoE after a move or cast (``model.to``), or None (built on the block's next call,
-    ``BlockSwap.own_forward_needed``) where a tensor of the block is on the meta device (``model.to("meta")``: no values
+    """The block's MoE after a move or cast (``model.to``), or None (built on the block's next eager call,
+    ``BlockSwap.build_moved``) where a tensor of the block is on the meta device (``model.to("meta")``: no values
     to view or quantize; the old MoE is let go with the memory it read) or ``defer`` (the MoE was None: the tensors come
     from the meta device, ``to_empty``, uninitialised until ``load_state_dict`` fills them: a quantized swap would
     quantize garbage, NaN included). Session 54: ``model.to("meta")`` raised ``moe_from_hf``'s meta-device error."""

@@ -1,0 +1,97 @@
+"""Session 54's merged branches against each other (rev54's review): gen54's move to the meta device with the hash
+blocks that DeepSeek-V4's decoder layers call with ``input_ids``; ft54's check for a router wrapped since the swap
+with load54's blocks offloaded by accelerate. Tiny models built offline (random weights); the references are a swap of
+the same weights made now, the layers' own call counts and the saved model's logits.
+
+Shapes: B batch, L tokens, V vocabulary."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from moekit.hf import FloatExpertsFreedError, use_moekit_blocks  # noqa: E402
+from moekit.layer import MoE  # noqa: E402
+from moekit.layer_hash import HashMoE  # noqa: E402
+
+from _hf_fuzz_models import build_model, family_keys, family_of, tiny_config  # noqa: E402
+from _swap_helpers import saved_freed, swaps, tiny_logits  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+IDS = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))  # [B, L]
+
+
+def _deepseek_v4(seed: int, quant: str | None, keep_float: bool):
+    """A tiny DeepSeek-V4 (layer 0 hash-routed, layers 1 and 2 top-k), swapped."""
+    fam = family_of(next(k for k in family_keys() if k.startswith("deepseek_v4:")))
+    model = build_model(fam, tiny_config(fam, {"mlp_layer_types": ["hash_moe", "moe", "moe"]}), seed, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        use_moekit_blocks(model, quant=quant, keep_float=keep_float)
+    return model
+
+
+@pytest.mark.parametrize(("quant", "keep_float"), [(None, True), ("int8_w8a16", False)])
+def test_a_hash_block_back_from_the_meta_device_runs_on_moekit_again(quant, keep_float, monkeypatch):
+    """Before rev54 the hash block's first call after ``to("meta")`` and ``to_empty`` raised HashMoE's "token_ids is
+    required" (float and freed): with no MoE yet to say it routes by them, the call's ``input_ids`` were dropped, and
+    ``own_forward_needed`` then built the HashMoE and ran it without them."""
+    model = _deepseek_v4(0, quant, keep_float)
+    fresh = _deepseek_v4(7, quant, keep_float)
+    model.to("meta")
+    model.to_empty(device="cpu")
+    held = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with torch.no_grad():  # every tensor, non-persistent buffers (rotary tables) included, from the fresh model
+        for name, tensor in (*fresh.named_parameters(), *fresh.named_buffers()):
+            held[name].copy_(tensor)
+    calls, forward, hashed = [], MoE.forward, HashMoE.forward
+    monkeypatch.setattr(MoE, "forward", lambda self, *a, **k: calls.append("top-k") or forward(self, *a, **k))
+    monkeypatch.setattr(HashMoE, "forward", lambda self, *a, **k: calls.append("hash") or hashed(self, *a, **k))
+    with torch.no_grad():
+        got = model(IDS).logits  # [B, L, V]
+    assert calls == ["hash", "top-k", "top-k"]  # every block on moekit, the hash block routed by the input ids
+    assert all(swap.moe is not None for swap in swaps(model))
+    with torch.no_grad():
+        want = fresh(IDS).logits
+    assert torch.equal(got, want)  # the same as a swap of those weights made now, bit for bit
+
+
+class _Wrapped(nn.Module):
+    """A module in the router's place that holds it (as peft's LoRA layer does, its attributes read through it)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_layer, name)
+
+    def forward(self, x):
+        return self.base_layer(x)
+
+
+def test_an_offloaded_freed_block_whose_router_is_wrapped_says_so(tmp_path):
+    """load54's offloaded block builds its MoE at each call and tracked it again, ft54's module check included: a
+    router wrapped after the load passed as the tracked one, and the wrapper was left out, silently (rev54)."""
+    pytest.importorskip("accelerate")
+    saved_freed("qwen3", "int4_w4a16", {"group_size": 32}, tmp_path)
+    where = {**dict.fromkeys(("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head"), "cpu"),
+             "model.layers.0": "cpu", "model.layers.1": "disk"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map=where,
+                                                                   offload_folder=str(tmp_path / "offload"))
+    assert torch.equal(tiny_logits(loaded), torch.load(tmp_path / "saved.pt")[1])  # read from the file at each call
+    block = loaded.model.layers[1].mlp
+    assert swaps(loaded)[1].offload is not None and swaps(loaded)[1].offload.file is not None
+    block.gate = _Wrapped(block.gate)
+    with pytest.raises(FloatExpertsFreedError, match="wrapped since the swap"):
+        tiny_logits(loaded)
