@@ -20,7 +20,7 @@ from moekit.layer import MoE  # noqa: E402
 from moekit.layer_hash import HashMoE  # noqa: E402
 
 from _hf_fuzz_models import build_model, family_keys, family_of, tiny_config  # noqa: E402
-from _swap_helpers import saved_freed, swaps, tiny_logits  # noqa: E402
+from _swap_helpers import TINY_IDS, saved_freed, swaps, tiny_logits  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 IDS = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))  # [B, L]
@@ -78,17 +78,43 @@ class _Wrapped(nn.Module):
         return self.base_layer(x)
 
 
-def test_an_offloaded_freed_block_whose_router_is_wrapped_says_so(tmp_path):
-    """load54's offloaded block builds its MoE at each call and tracked it again, ft54's module check included: a
-    router wrapped after the load passed as the tracked one, and the wrapper was left out, silently (rev54)."""
+def _saved_and_offloaded(folder):
+    """A tiny freed Qwen3-MoE (int4) saved into ``folder`` and loaded again with layer 1 on "disk" (its quantized
+    experts read from the file at each call): (the model as saved, the loaded one)."""
     pytest.importorskip("accelerate")
-    saved_freed("qwen3", "int4_w4a16", {"group_size": 32}, tmp_path)
+    saved = saved_freed("qwen3", "int4_w4a16", {"group_size": 32}, folder)
     where = {**dict.fromkeys(("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head"), "cpu"),
              "model.layers.0": "cpu", "model.layers.1": "disk"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map=where,
-                                                                   offload_folder=str(tmp_path / "offload"))
+        return saved, transformers.AutoModelForCausalLM.from_pretrained(folder, device_map=where,
+                                                                        offload_folder=str(folder / "offload"))
+
+
+def _checkpointed_grad(model) -> torch.Tensor:
+    """Layer 0's q_proj gradient of the LM loss with the router's aux loss (``output_router_logits``), the decoder
+    layers gradient-checkpointed (non-reentrant); the rest frozen (an offloaded layer holds no gradient)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name == "model.layers.0.self_attn.q_proj.weight")
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model(TINY_IDS, labels=TINY_IDS, output_router_logits=True).loss.backward()
+    return model.model.layers[0].self_attn.q_proj.weight.grad
+
+
+def test_an_offloaded_freed_block_trains_checkpointed_with_router_logits(tmp_path):
+    """ft54's router recording inside a checkpoint's recomputation (``recording_router``) through load54's call of
+    an offloaded block (``run_offloaded``: its MoE built again in the recomputation): the gradient through the
+    offloaded layer is the in-memory model's, bit for bit (it was at rev54's review: kept as a regression test)."""
+    saved, loaded = _saved_and_offloaded(tmp_path)
+    assert swaps(loaded)[1].offload is not None
+    assert torch.equal(_checkpointed_grad(loaded), _checkpointed_grad(saved))
+
+
+def test_an_offloaded_freed_block_whose_router_is_wrapped_says_so(tmp_path):
+    """load54's offloaded block builds its MoE at each call and tracked it again, ft54's module check included: a
+    router wrapped after the load passed as the tracked one, and the wrapper was left out, silently (rev54)."""
+    _, loaded = _saved_and_offloaded(tmp_path)
     assert torch.equal(tiny_logits(loaded), torch.load(tmp_path / "saved.pt")[1])  # read from the file at each call
     block = loaded.model.layers[1].mlp
     assert swaps(loaded)[1].offload is not None and swaps(loaded)[1].offload.file is not None
