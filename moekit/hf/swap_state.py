@@ -18,6 +18,8 @@ from moekit.quant.schemes import quantize, scheme_defaults, scheme_options
 if TYPE_CHECKING:
     from moekit.hf.swap_offload import OffloadedExperts
 
+_compiling = torch.compiler.is_compiling
+_graph_task = torch._C._current_graph_task_id  # the backward running on this thread, -1 outside one
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
@@ -121,6 +123,10 @@ class BlockSwap:
     # (the router's name, the router, the experts) as tracked: another module in their place since (peft's LoRA
     # wrappers: ``ParamWrapper`` for ``target_parameters``, a LoRA layer on the router) is not what the MoE reads
     modules: tuple = field(default=(), init=False)
+    # the block jitters its input in training (Mixtral's and MiniMax's ``jitter_noise``, from router_jitter_noise),
+    # read by ``track``: ``getattr(block, "jitter_noise", 0)`` at each call cost ~1.1 µs of the ~1.5 of the block's
+    # checks where the attribute is missing (nn.Module's __getattr__ raising; rev54, timeit on the 2-core CPU host)
+    jitters: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.plain = (self.shared is None and self.output_norm is None and not self.flat_with_logits
@@ -129,6 +135,7 @@ class BlockSwap:
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
         Parameters, the router's and experts' Parameters as they are now."""
+        self.jitters = bool(getattr(block, "jitter_noise", 0))
         if self.moe is None:  # the block on the meta device: its own forward runs (``is_bound``) until a move builds
             self.sources = self.versions = self.detached = self.bound = ()
             self.owners, self.watch = None, False
@@ -161,9 +168,9 @@ class BlockSwap:
         outside transformers' collector: it takes the choice its original forward made, so both save the same tensors
         (session 54: ``torch.utils.checkpoint`` raised CheckpointError, 145 tensors saved against 64, for a swapped
         Qwen3-MoE trained with ``output_router_logits=True`` and ``gradient_checkpointing_enable()``)."""
-        if torch.compiler.is_compiling():
+        if _compiling():
             return router_recorded(block)
-        if torch._C._current_graph_task_id() != -1:  # -1 outside a backward
+        if _graph_task() != -1:  # -1 outside a backward
             return self.recorded
         self.recorded = router_recorded(block)
         return self.recorded
@@ -207,7 +214,7 @@ class BlockSwap:
             return True  # substituted Parameters, or the block on the meta device
         if self.moe.config.sparsemixer_jitter_eps is not None and block.training:
             return True  # Phi-MoE's router sampling in training (the config first: compiled, no guard on training)
-        if getattr(block, "jitter_noise", 0) and block.training:
+        if self.jitters and block.training:
             return True  # Mixtral's / MiniMax's input jitter in training (router_jitter_noise): the layer has none
         name, router, experts = self.modules
         if block._modules.get("experts") is not experts or block._modules.get(name) is not router:
@@ -216,7 +223,7 @@ class BlockSwap:
             return False
         if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
             return True
-        if self.sources and not torch.compiler.is_compiling():
+        if self.sources and not _compiling():
             if tuple(t._version for t in self.sources) != self.versions:
                 self.moe = build_moe(block, self.options, self.freed)
                 self.track(block)
