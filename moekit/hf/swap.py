@@ -11,11 +11,12 @@ twice). It reads the block's own Parameters (gpt-oss's transposed experts as str
 ``fuse_shared=True`` copies (the shared expert into routed slots; copies follow the block's weights through their
 version counters). The block's own forward (the same function, its own code) runs instead while transformers records
 router logits (``output_router_logits``: its hooks sit on the router module), when called with arguments beyond the
-hidden states, while its Parameters are substituted (``torch.func.functional_call``), and while autograd records on
-a block whose gradients the ``MoE`` would not reach (views, copies). A move or cast of the block (``model.to``)
-rebuilds its ``MoE``. Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report. With
-``quant`` and ``keep_float=False`` the block's float experts are freed and its quantized ones become the experts'
-buffers (``moekit.hf.swap_free``): the own forward has nothing to run, so each case above that needs it raises
+hidden states, while its Parameters are substituted (``torch.func.functional_call``), while its router or experts
+module is wrapped since the swap (peft's LoRA), and while autograd records on a block whose gradients the ``MoE`` would
+not reach (views, copies). A move or cast of the block (``model.to``) rebuilds its ``MoE`` (one to or from the meta
+device at the block's next eager call). Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the
+report. With ``quant`` and ``keep_float=False`` the block's float experts are freed and its quantized ones become the
+experts' buffers (``moekit.hf.swap_free``): the own forward has nothing to run, so each case above that needs it raises
 ``FloatExpertsFreedError``, but router-logit recording, which runs the block's router and moekit's layer. Such a
 block in a layer accelerate offloads reads its quantized experts at each call (``moekit.hf.swap_offload``).
 """

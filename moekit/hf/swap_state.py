@@ -82,8 +82,8 @@ def checked_quant_options(quant: str | None, quant_options: dict | None) -> tupl
 class BlockSwap:
     """What a swapped block runs (``block._moekit_swap``; not a submodule: nothing registered twice)."""
 
-    # a moekit MoE over the block's router and routed experts (the same Parameters where it can); None while the
-    # block's tensors are on the meta device (``moved_moe``)
+    # a moekit MoE over the block's router and routed experts (the same Parameters where it can); None after a move
+    # to or from the meta device until the block's next eager call builds it (``moved_moe``, ``build_moved``)
     moe: nn.Module | None
     block_cls: type  # the block's own class: its forward runs where moekit's does not (moekit.hf.swap)
     options: SwapOptions
@@ -134,7 +134,7 @@ class BlockSwap:
 
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
-        Parameters, the router's and experts' Parameters as they are now."""
+        Parameters, the router's and experts' Parameters and modules as they are now, whether the block jitters."""
         self.jitters = bool(getattr(block, "jitter_noise", 0))
         if self.moe is None:  # the block on the meta device: its own forward runs (``is_bound``) until a move builds
             self.sources = self.versions = self.detached = self.bound = ()
@@ -181,7 +181,7 @@ class BlockSwap:
         MoE holds is compared with the MoE's own entry, read as the MoE's forward reads it (compiled: two sources
         of one tensor, one aliasing guard; a third reference kept here would add another)."""
         moe = self.moe
-        if moe is None:  # on the meta device (``moved_moe``)
+        if moe is None:  # on the meta device, or compiled before an eager call built it (``moved_moe``)
             return False
         if self.owners is not None:
             router, experts = self.owners
