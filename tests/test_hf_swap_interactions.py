@@ -121,3 +121,38 @@ def test_an_offloaded_freed_block_whose_router_is_wrapped_says_so(tmp_path):
     block.gate = _Wrapped(block.gate)
     with pytest.raises(FloatExpertsFreedError, match="wrapped since the swap"):
         tiny_logits(loaded)
+
+
+def test_a_block_whose_experts_peft_wrapped_after_the_swap_moves_and_keeps_its_adapter():
+    """ft54's LoRA on the experts' Parameters of swapped blocks (the block's own forward applies it) and a move of the
+    model (``model.to``, as Trainer places it): the move rebuilt the MoE over peft's wrapper and raised block_config's
+    TypeError (rev54). Now the MoE waits for the wrapper to go (``merge_and_unload``), then is built over the merged
+    weights. References: the same adapter on transformers' eager experts."""
+    import peft
+
+    from _finetune_models import build, grads, weights
+
+    state = weights("qwen3_moe")
+
+    def run(swap: bool) -> tuple:
+        model = build("qwen3_moe", "eager", state)
+        if swap:
+            use_moekit_blocks(model)
+        torch.manual_seed(5)
+        tuned = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                           target_parameters=["mlp.experts.gate_up_proj",
+                                                                              "mlp.experts.down_proj"]))
+        tuned.to("cpu")
+        out = tuned(input_ids=IDS, labels=IDS)
+        out.loss.backward()
+        adapter_grads = grads(tuned)
+        merged = tuned.merge_and_unload()
+        with torch.no_grad():
+            return out.loss.detach(), adapter_grads, merged(IDS).logits, merged
+
+    want_loss, want, want_merged, _ = run(False)
+    loss, got, merged_logits, merged = run(True)
+    assert want and set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(loss, want_loss)
+    assert all(swap.moe is not None for swap in swaps(merged))  # back on moekit once the wrapper is gone
+    assert (merged_logits - want_merged).norm() / want_merged.norm() < 1e-5

@@ -321,7 +321,7 @@ class _MoekitBlock(nn.Module):
             finally:
                 swap.freed = put_buffers(self.experts, swap.freed, held, fn)
         if swap is not None:  # the MoE read the old tensors (and resolved its backend for their device)
-            swap.moe = moved_moe(self, swap.options, swap.freed, swap.moe is None)
+            swap.moe = moved_moe(self, swap.options, swap.freed, swap.moe is None or swap.wrapped(self))
             swap.track(self)
         return module
 

@@ -199,8 +199,16 @@ class BlockSwap:
         over the block's tensors as they are now (None again while they are on meta). The block's forward calls it
         first: a hash block's MoE decides whether the call's ``input_ids`` are its routing (before rev54 this sat in
         ``own_forward_needed``, after that decision: DeepSeek-V4's hash block raised "token_ids is required")."""
-        self.moe = moved_moe(block, self.options, self.freed, False)
+        self.moe = moved_moe(block, self.options, self.freed, self.wrapped(block))
         self.track(block)
+
+    def wrapped(self, block: nn.Module) -> bool:
+        """Whether the block's router or experts module is another than at the swap (peft's LoRA wrappers:
+        ``ParamWrapper`` for ``target_parameters``, a LoRA layer on the router): the MoE would leave the adapter out,
+        and is not built over such a block (rev54: a move of a block wrapped since the swap, ``model.to`` as
+        Trainer does, raised block_config's TypeError)."""
+        name, router, experts = self.modules
+        return block._modules.get("experts") is not experts or block._modules.get(name) is not router
 
     def own_forward_needed(self, block: nn.Module) -> bool:
         """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
@@ -216,8 +224,7 @@ class BlockSwap:
             return True  # Phi-MoE's router sampling in training (the config first: compiled, no guard on training)
         if self.jitters and block.training:
             return True  # Mixtral's / MiniMax's input jitter in training (router_jitter_noise): the layer has none
-        name, router, experts = self.modules
-        if block._modules.get("experts") is not experts or block._modules.get(name) is not router:
+        if self.wrapped(block):
             return True  # the experts or the router wrapped since the swap (peft's LoRA): the block's own forward
         if not self.watch:
             return False
@@ -271,7 +278,8 @@ def moved_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None
     ``BlockSwap.build_moved``) where a tensor of the block is on the meta device (``model.to("meta")``: no values
     to view or quantize; the old MoE is let go with the memory it read) or ``defer`` (the MoE was None: the tensors come
     from the meta device, ``to_empty``, uninitialised until ``load_state_dict`` fills them: a quantized swap would
-    quantize garbage, NaN included). Session 54: ``model.to("meta")`` raised ``moe_from_hf``'s meta-device error."""
+    quantize garbage, NaN included; or the block's router or experts wrapped since the swap, ``BlockSwap.wrapped``).
+    Session 54: ``model.to("meta")`` raised ``moe_from_hf``'s meta-device error."""
     if defer or any(t.is_meta for t in itertools.chain(block.parameters(), block.buffers())):
         return None
     return build_moe(block, options, freed)
