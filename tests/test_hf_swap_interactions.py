@@ -156,3 +156,37 @@ def test_a_block_whose_experts_peft_wrapped_after_the_swap_moves_and_keeps_its_a
     assert torch.equal(loss, want_loss)
     assert all(swap.moe is not None for swap in swaps(merged))  # back on moekit once the wrapper is gone
     assert (merged_logits - want_merged).norm() / want_merged.norm() < 1e-5
+
+
+def test_copies_of_a_model_on_the_meta_device_and_of_a_peft_wrapped_one():
+    """``copy.deepcopy`` (and pickling) swapped each block again at once: on the meta device (gen54's state) that
+    raised block_moe's meta-device error; under peft's wrapper of the experts (ft54's state) block_config's TypeError
+    (rev54). A copy now waits for its MoE as the original does. References: a swap of the same weights made now;
+    the original peft model's loss and adapter gradients."""
+    import copy
+
+    import peft
+
+    from _finetune_models import build, grads, weights
+
+    model = _deepseek_v4(0, "int8_w8a16", False).to("meta")
+    fresh = _deepseek_v4(7, "int8_w8a16", False)
+    copied = copy.deepcopy(model).to_empty(device="cpu")
+    held = {**dict(copied.named_parameters()), **dict(copied.named_buffers())}
+    with torch.no_grad():
+        for name, tensor in (*fresh.named_parameters(), *fresh.named_buffers()):
+            held[name].copy_(tensor)
+        assert torch.equal(copied(IDS).logits, fresh(IDS).logits)
+    tuned = build("qwen3_moe", "eager", weights("qwen3_moe"))
+    use_moekit_blocks(tuned)
+    torch.manual_seed(5)
+    tuned = peft.get_peft_model(tuned, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                       target_parameters=["mlp.experts.gate_up_proj"]))
+    twin = copy.deepcopy(tuned)
+    losses = []
+    for model in (tuned, twin):
+        out = model(input_ids=IDS, labels=IDS)
+        out.loss.backward()
+        losses.append((out.loss.detach(), grads(model)))
+    (want, want_grads), (got, got_grads) = losses
+    assert want_grads and torch.equal(got, want) and all(torch.equal(got_grads[k], want_grads[k]) for k in want_grads)

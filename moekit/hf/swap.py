@@ -41,7 +41,7 @@ from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_expert
                                  restore_float_experts, take_buffers)
 from moekit.hf.swap_offload import refuse_restoring_offloaded, run_offloaded
 from moekit.hf.swap_state import (SWAP_ATTR, BlockSwap, SwapOptions, build_moe, checked_quant_options, copied_bytes,
-                                  flat_output_and_logits, moved_moe, router_of, router_weights_shared,
+                                  flat_output_and_logits, moved_moe, on_meta, router_of, router_weights_shared,
                                   set_block_class)
 from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import SCHEMES
@@ -329,14 +329,21 @@ class _MoekitBlock(nn.Module):
         """Pickled (``torch.save``, ``copy.deepcopy``) as the block of its own class, swapped again on load."""
         swap = self.__dict__[SWAP_ATTR]
         state = {k: v for k, v in self.__dict__.items() if k != SWAP_ATTR}
-        return _unpickle_swapped, (swap.block_cls, state, swap.options, swap.tuple_len, swap.freed)
+        return _unpickle_swapped, (swap.block_cls, state, swap.options, swap.tuple_len, swap.freed, swap.without_moe())
 
 
 def _unpickle_swapped(block_cls: type, state: dict, options: SwapOptions, tuple_len: int,
-                      freed: FreedExperts | None = None) -> nn.Module:
+                      freed: FreedExperts | None = None, resting: BlockSwap | None = None) -> nn.Module:
+    """The block swapped again; ``resting`` (``BlockSwap.without_moe``; None in a pickle made before rev54) is its
+    swap as it was, kept without an MoE where the block is on the meta device or wrapped since the swap."""
     block = block_cls.__new__(block_cls)
     block.__dict__.update(state)
-    _swap_of(block, block_cls, options, tuple_len, freed)
+    if resting is not None and (resting.wrapped(block) or on_meta(block)):  # built at its next eager call
+        block.__dict__[SWAP_ATTR] = resting
+        resting.track(block)
+        set_block_class(block, _swapped_class(block_cls))
+    else:
+        _swap_of(block, block_cls, options, tuple_len, freed)
     return block
 
 

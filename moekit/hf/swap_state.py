@@ -3,6 +3,7 @@ recording router logits, whether a copied weight moved on. ``moekit.hf.swap`` pu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import types
 from dataclasses import dataclass, field
@@ -210,6 +211,15 @@ class BlockSwap:
         name, router, experts = self.modules
         return block._modules.get("experts") is not experts or block._modules.get(name) is not router
 
+    def without_moe(self) -> BlockSwap:
+        """This swap without its MoE, its tracked modules kept: what a pickle of the block carries
+        (``_MoekitBlock.__reduce_ex__``), so that a copy of a block on the meta device, or wrapped since the swap,
+        waits for its MoE as the block does (rev54: ``copy.deepcopy`` of such a model raised; a peft model's copy is
+        what TRL's reference models are)."""
+        rest = dataclasses.replace(self, moe=None)
+        rest.modules = self.modules
+        return rest
+
     def own_forward_needed(self, block: nn.Module) -> bool:
         """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
         block in training mode whose router samples (Phi-MoE's sparsemixer: moekit routes as at inference) or whose
@@ -280,9 +290,12 @@ def moved_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None
     from the meta device, ``to_empty``, uninitialised until ``load_state_dict`` fills them: a quantized swap would
     quantize garbage, NaN included; or the block's router or experts wrapped since the swap, ``BlockSwap.wrapped``).
     Session 54: ``model.to("meta")`` raised ``moe_from_hf``'s meta-device error."""
-    if defer or any(t.is_meta for t in itertools.chain(block.parameters(), block.buffers())):
-        return None
-    return build_moe(block, options, freed)
+    return None if defer or on_meta(block) else build_moe(block, options, freed)
+
+
+def on_meta(block: nn.Module) -> bool:
+    """Whether a tensor of the block is on the meta device."""
+    return any(t.is_meta for t in itertools.chain(block.parameters(), block.buffers()))
 
 
 def router_weights_shared(block: nn.Module) -> bool:
