@@ -1,7 +1,9 @@
 """Session 54's merged branches against each other (rev54's review): gen54's move to the meta device with the hash
-blocks that DeepSeek-V4's decoder layers call with ``input_ids``; ft54's check for a router wrapped since the swap
-with load54's blocks offloaded by accelerate. Tiny models built offline (random weights); the references are a swap of
-the same weights made now, the layers' own call counts and the saved model's logits.
+blocks that DeepSeek-V4's decoder layers call with ``input_ids``; ft54's check for a router wrapped since the swap and
+its router recording in a checkpoint's recomputation with load54's blocks offloaded by accelerate; ft54's peft
+wrappers with a move of the model; copies of a model on the meta device or wrapped by peft. Tiny models built offline
+(random weights); the references are a swap of the same weights made now, the layers' own call counts, the saved
+model's logits and the same adapter on transformers' eager experts.
 
 Shapes: B batch, L tokens, V vocabulary."""
 
