@@ -228,7 +228,7 @@ class KeptCalls:
 
 
 class DecodeFast(KeptCalls):
-    """A layer's kept decode calls, one per M (at most MAX_ROWS rows, MAX_ENTRIES kinds)."""
+    """A layer's kept decode calls, one per M and thread (at most MAX_ROWS rows, MAX_ENTRIES kinds)."""
 
     __slots__ = ()
 

@@ -104,7 +104,8 @@ def _objects(layer) -> tuple:
 
 
 class HashDecodeFast(layer_fast.KeptCalls):
-    """A ``HashMoE``'s kept decode calls, one per M (at most ``layer_fast.MAX_ROWS`` rows, ``MAX_ENTRIES`` kinds)."""
+    """A ``HashMoE``'s kept decode calls, one per M and thread (at most ``layer_fast.MAX_ROWS`` rows, ``MAX_ENTRIES``
+    kinds)."""
 
     __slots__ = ()
 

@@ -11,11 +11,12 @@ twice). It reads the block's own Parameters (gpt-oss's transposed experts as str
 ``fuse_shared=True`` copies (the shared expert into routed slots; copies follow the block's weights through their
 version counters). The block's own forward (the same function, its own code) runs instead while transformers records
 router logits (``output_router_logits``: its hooks sit on the router module), when called with arguments beyond the
-hidden states, while its Parameters are substituted (``torch.func.functional_call``), and while autograd records on
-a block whose gradients the ``MoE`` would not reach (views, copies). A move or cast of the block (``model.to``)
-rebuilds its ``MoE``. Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the report. With
-``quant`` and ``keep_float=False`` the block's float experts are freed and its quantized ones become the experts'
-buffers (``moekit.hf.swap_free``): the own forward has nothing to run, so each case above that needs it raises
+hidden states, while its Parameters are substituted (``torch.func.functional_call``), while its router or experts
+module is wrapped since the swap (peft's LoRA), and while autograd records on a block whose gradients the ``MoE`` would
+not reach (views, copies). A move or cast of the block (``model.to``) rebuilds its ``MoE`` (one to or from the meta
+device at the block's next eager call). Blocks ``moe_from_hf`` refuses stay as they are, each with its reason in the
+report. With ``quant`` and ``keep_float=False`` the block's float experts are freed and its quantized ones become the
+experts' buffers (``moekit.hf.swap_free``): the own forward has nothing to run, so each case above that needs it raises
 ``FloatExpertsFreedError``, but router-logit recording, which runs the block's router and moekit's layer. Such a
 block in a layer accelerate offloads reads its quantized experts at each call (``moekit.hf.swap_offload``).
 """
@@ -40,7 +41,7 @@ from moekit.hf.swap_free import (FreedExperts, floats_present, free_float_expert
                                  restore_float_experts, take_buffers)
 from moekit.hf.swap_offload import refuse_restoring_offloaded, run_offloaded
 from moekit.hf.swap_state import (SWAP_ATTR, BlockSwap, SwapOptions, build_moe, checked_quant_options, copied_bytes,
-                                  flat_output_and_logits, moved_moe, router_of, router_weights_shared,
+                                  flat_output_and_logits, moved_moe, on_meta, router_of, router_weights_shared,
                                   set_block_class)
 from moekit.quant.base import QuantizedWeight
 from moekit.quant.schemes import SCHEMES
@@ -277,12 +278,14 @@ class _MoekitBlock(nn.Module):
         expert] [-> its output norm], or (output, router logits) flattened; its own forward where the module doc
         says."""
         swap = self.__dict__[SWAP_ATTR]
+        if swap.moe is None and not _compiling():  # back from the meta device (``moved_moe``): built at this call
+            swap.build_moved(self)
         if swap.offload is not None and not swap.is_bound():  # accelerate read this call's weights (swap_offload)
             return run_offloaded(self, swap, _MoekitBlock.forward, hidden_states, *args, **kwargs)
         ids = None  # [B, S] a hash block's input ids: its HashMoE routes by them
         if kwargs and kwargs.keys() == {"input_ids"}:  # DeepSeek-V4's decoder layer passes them to every block
             ids = kwargs["input_ids"] if getattr(swap.moe, "takes_token_ids", False) else None
-            kwargs = kwargs if ids is not None else {}  # a top-k block reads them not
+            kwargs = kwargs if ids is not None or swap.moe is None else {}  # a top-k block reads them not
         if args or (kwargs and ids is None) or not swap.active or swap.recording_router(self) or \
                 swap.own_forward_needed(self):
             if swap.freed is None or floats_present(self):
@@ -318,7 +321,7 @@ class _MoekitBlock(nn.Module):
             finally:
                 swap.freed = put_buffers(self.experts, swap.freed, held, fn)
         if swap is not None:  # the MoE read the old tensors (and resolved its backend for their device)
-            swap.moe = moved_moe(self, swap.options, swap.freed, swap.moe is None)
+            swap.moe = moved_moe(self, swap.options, swap.freed, swap.moe is None or swap.wrapped(self))
             swap.track(self)
         return module
 
@@ -326,14 +329,21 @@ class _MoekitBlock(nn.Module):
         """Pickled (``torch.save``, ``copy.deepcopy``) as the block of its own class, swapped again on load."""
         swap = self.__dict__[SWAP_ATTR]
         state = {k: v for k, v in self.__dict__.items() if k != SWAP_ATTR}
-        return _unpickle_swapped, (swap.block_cls, state, swap.options, swap.tuple_len, swap.freed)
+        return _unpickle_swapped, (swap.block_cls, state, swap.options, swap.tuple_len, swap.freed, swap.without_moe())
 
 
 def _unpickle_swapped(block_cls: type, state: dict, options: SwapOptions, tuple_len: int,
-                      freed: FreedExperts | None = None) -> nn.Module:
+                      freed: FreedExperts | None = None, resting: BlockSwap | None = None) -> nn.Module:
+    """The block swapped again; ``resting`` (``BlockSwap.without_moe``; None in a pickle made before rev54) is its
+    swap as it was, kept without an MoE where the block is on the meta device or wrapped since the swap."""
     block = block_cls.__new__(block_cls)
     block.__dict__.update(state)
-    _swap_of(block, block_cls, options, tuple_len, freed)
+    if resting is not None and (resting.wrapped(block) or on_meta(block)):  # built at its next eager call
+        block.__dict__[SWAP_ATTR] = resting
+        resting.track(block)
+        set_block_class(block, _swapped_class(block_cls))
+    else:
+        _swap_of(block, block_cls, options, tuple_len, freed)
     return block
 
 

@@ -131,7 +131,11 @@ def run_offloaded(block: nn.Module, swap, forward: Callable, *args, **kwargs):
         live = {name: t.to(device) for name, t in rested(block, swap).items()}
         experts._buffers.update(live)
         resting, swap.moe = swap.moe, build_moe(block, swap.options, swap.freed)
+        modules = swap.modules
         swap.track(block)
+        # as at the swap: a router or experts module wrapped since (peft) still sends the call to the own forward
+        # (rev54: tracked again at each call, the wrapper passed ``own_forward_needed`` and was left out, silently)
+        swap.modules = modules
         try:
             return forward(block, *args, **kwargs)
         finally:

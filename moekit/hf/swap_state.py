@@ -3,6 +3,7 @@ recording router logits, whether a copied weight moved on. ``moekit.hf.swap`` pu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import types
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from moekit.quant.schemes import quantize, scheme_defaults, scheme_options
 if TYPE_CHECKING:
     from moekit.hf.swap_offload import OffloadedExperts
 
+_compiling = torch.compiler.is_compiling
+_graph_task = torch._C._current_graph_task_id  # the backward running on this thread, -1 outside one
 SWAP_ATTR = "_moekit_swap"  # on a swapped block: its BlockSwap (a plain attribute: no submodule registered)
 
 try:  # transformers >= 5.x records router logits by hooks on the router, active while this holds a dict
@@ -80,8 +83,8 @@ def checked_quant_options(quant: str | None, quant_options: dict | None) -> tupl
 class BlockSwap:
     """What a swapped block runs (``block._moekit_swap``; not a submodule: nothing registered twice)."""
 
-    # a moekit MoE over the block's router and routed experts (the same Parameters where it can); None while the
-    # block's tensors are on the meta device (``moved_moe``)
+    # a moekit MoE over the block's router and routed experts (the same Parameters where it can); None after a move
+    # to or from the meta device until the block's next eager call builds it (``moved_moe``, ``build_moved``)
     moe: nn.Module | None
     block_cls: type  # the block's own class: its forward runs where moekit's does not (moekit.hf.swap)
     options: SwapOptions
@@ -121,6 +124,10 @@ class BlockSwap:
     # (the router's name, the router, the experts) as tracked: another module in their place since (peft's LoRA
     # wrappers: ``ParamWrapper`` for ``target_parameters``, a LoRA layer on the router) is not what the MoE reads
     modules: tuple = field(default=(), init=False)
+    # the block jitters its input in training (Mixtral's and MiniMax's ``jitter_noise``, from router_jitter_noise),
+    # read by ``track``: ``getattr(block, "jitter_noise", 0)`` at each call cost ~1.1 µs of the ~1.5 of the block's
+    # checks where the attribute is missing (nn.Module's __getattr__ raising; rev54, timeit on the 2-core CPU host)
+    jitters: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.plain = (self.shared is None and self.output_norm is None and not self.flat_with_logits
@@ -128,7 +135,8 @@ class BlockSwap:
 
     def track(self, block: nn.Module) -> None:
         """Note what the MoE's weights follow: the sources of its copies, whether gradients would miss the block's
-        Parameters, the router's and experts' Parameters as they are now."""
+        Parameters, the router's and experts' Parameters and modules as they are now, whether the block jitters."""
+        self.jitters = bool(getattr(block, "jitter_noise", 0))
         if self.moe is None:  # the block on the meta device: its own forward runs (``is_bound``) until a move builds
             self.sources = self.versions = self.detached = self.bound = ()
             self.owners, self.watch = None, False
@@ -161,9 +169,9 @@ class BlockSwap:
         outside transformers' collector: it takes the choice its original forward made, so both save the same tensors
         (session 54: ``torch.utils.checkpoint`` raised CheckpointError, 145 tensors saved against 64, for a swapped
         Qwen3-MoE trained with ``output_router_logits=True`` and ``gradient_checkpointing_enable()``)."""
-        if torch.compiler.is_compiling():
+        if _compiling():
             return router_recorded(block)
-        if torch._C._current_graph_task_id() != -1:  # -1 outside a backward
+        if _graph_task() != -1:  # -1 outside a backward
             return self.recorded
         self.recorded = router_recorded(block)
         return self.recorded
@@ -174,7 +182,7 @@ class BlockSwap:
         MoE holds is compared with the MoE's own entry, read as the MoE's forward reads it (compiled: two sources
         of one tensor, one aliasing guard; a third reference kept here would add another)."""
         moe = self.moe
-        if moe is None:  # on the meta device (``moved_moe``)
+        if moe is None:  # on the meta device, or compiled before an eager call built it (``moved_moe``)
             return False
         if self.owners is not None:
             router, experts = self.owners
@@ -187,6 +195,31 @@ class BlockSwap:
                 return False
         return True
 
+    def build_moved(self, block: nn.Module) -> None:
+        """The MoE that a move to or from the meta device left to the block's next eager call (``moved_moe``), built
+        over the block's tensors as they are now (None again while they are on meta). The block's forward calls it
+        first: a hash block's MoE decides whether the call's ``input_ids`` are its routing (before rev54 this sat in
+        ``own_forward_needed``, after that decision: DeepSeek-V4's hash block raised "token_ids is required")."""
+        self.moe = moved_moe(block, self.options, self.freed, self.wrapped(block))
+        self.track(block)
+
+    def wrapped(self, block: nn.Module) -> bool:
+        """Whether the block's router or experts module is another than at the swap (peft's LoRA wrappers:
+        ``ParamWrapper`` for ``target_parameters``, a LoRA layer on the router): the MoE would leave the adapter out,
+        and is not built over such a block (rev54: a move of a block wrapped since the swap, ``model.to`` as
+        Trainer does, raised block_config's TypeError)."""
+        name, router, experts = self.modules
+        return block._modules.get("experts") is not experts or block._modules.get(name) is not router
+
+    def without_moe(self) -> BlockSwap:
+        """This swap without its MoE, its tracked modules kept: what a pickle of the block carries
+        (``_MoekitBlock.__reduce_ex__``), so that a copy of a block on the meta device, or wrapped since the swap,
+        waits for its MoE as the block does (rev54: ``copy.deepcopy`` of such a model raised; a peft model's copy is
+        what TRL's reference models are)."""
+        rest = dataclasses.replace(self, moe=None)
+        rest.modules = self.modules
+        return rest
+
     def own_forward_needed(self, block: nn.Module) -> bool:
         """True where this call must run the block's own forward: its Parameters substituted (``is_bound``), a
         block in training mode whose router samples (Phi-MoE's sparsemixer: moekit routes as at inference) or whose
@@ -195,23 +228,19 @@ class BlockSwap:
         recording on a block whose gradients the MoE would not reach (``detached``: a copy or a view).
         Copies whose sources were updated in place since (an optimizer step, ``load_state_dict``) are made again
         first, in eager calls."""
-        if self.moe is None and not torch.compiler.is_compiling():  # after a move to or from the meta device
-            self.moe = moved_moe(block, self.options, self.freed, False)
-            self.track(block)
         if not self.is_bound():
             return True  # substituted Parameters, or the block on the meta device
         if self.moe.config.sparsemixer_jitter_eps is not None and block.training:
             return True  # Phi-MoE's router sampling in training (the config first: compiled, no guard on training)
-        if getattr(block, "jitter_noise", 0) and block.training:
+        if self.jitters and block.training:
             return True  # Mixtral's / MiniMax's input jitter in training (router_jitter_noise): the layer has none
-        name, router, experts = self.modules
-        if block._modules.get("experts") is not experts or block._modules.get(name) is not router:
+        if self.wrapped(block):
             return True  # the experts or the router wrapped since the swap (peft's LoRA): the block's own forward
         if not self.watch:
             return False
         if self.detached and torch.is_grad_enabled() and any(p.requires_grad for p in self.detached):
             return True
-        if self.sources and not torch.compiler.is_compiling():
+        if self.sources and not _compiling():
             if tuple(t._version for t in self.sources) != self.versions:
                 self.moe = build_moe(block, self.options, self.freed)
                 self.track(block)
@@ -255,14 +284,18 @@ def build_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None
 
 
 def moved_moe(block: nn.Module, options: SwapOptions, freed: FreedExperts | None, defer: bool) -> nn.Module | None:
-    """The block's MoE after a move or cast (``model.to``), or None (built on the block's next call,
-    ``BlockSwap.own_forward_needed``) where a tensor of the block is on the meta device (``model.to("meta")``: no values
+    """The block's MoE after a move or cast (``model.to``), or None (built on the block's next eager call,
+    ``BlockSwap.build_moved``) where a tensor of the block is on the meta device (``model.to("meta")``: no values
     to view or quantize; the old MoE is let go with the memory it read) or ``defer`` (the MoE was None: the tensors come
     from the meta device, ``to_empty``, uninitialised until ``load_state_dict`` fills them: a quantized swap would
-    quantize garbage, NaN included). Session 54: ``model.to("meta")`` raised ``moe_from_hf``'s meta-device error."""
-    if defer or any(t.is_meta for t in itertools.chain(block.parameters(), block.buffers())):
-        return None
-    return build_moe(block, options, freed)
+    quantize garbage, NaN included; or the block's router or experts wrapped since the swap, ``BlockSwap.wrapped``).
+    Session 54: ``model.to("meta")`` raised ``moe_from_hf``'s meta-device error."""
+    return None if defer or on_meta(block) else build_moe(block, options, freed)
+
+
+def on_meta(block: nn.Module) -> bool:
+    """Whether a tensor of the block is on the meta device."""
+    return any(t.is_meta for t in itertools.chain(block.parameters(), block.buffers()))
 
 
 def router_weights_shared(block: nn.Module) -> bool:
