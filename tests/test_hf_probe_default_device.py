@@ -12,14 +12,12 @@ from moekit.hf.variants import build_plan
 
 
 def _experts(family: str):
+    sizes = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64, head_dim=16,
+                 hidden_size=32, num_experts_per_tok=2)
     if family == "qwen3":
-        cfg = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4,
-                                          num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                          intermediate_size=32, vocab_size=64, head_dim=16)
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, intermediate_size=32, **sizes)
     else:  # gpt-oss: clamped, with biases (the gate probe's clamp sweeps)
-        cfg = transformers.GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4,
-                                        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1, vocab_size=64, head_dim=16)
+        cfg = transformers.GptOssConfig(intermediate_size=16, num_local_experts=4, **sizes)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     return model.model.layers[0].mlp.experts
