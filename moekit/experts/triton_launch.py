@@ -146,8 +146,10 @@ class LaunchOptions:
     # tokens, the alignment past them (folded into gate-up where the plan folds): an expert's slots in one block. Past
     # one token the shortcut streams an expert once per slot that picks it (one token's k experts are distinct):
     # expected repeats M*k - E(1 - (1 - k/E)^M), DeepSeek-V3 M = 8 64 slots on ~57 experts (+12% bytes), Qwen3-30B-A3B
-    # M = 4 32 on ~29 (+10%). 0: never the shortcut. Unmeasured on a device (sessions 52-53: dsv52_device_check /
-    # tiny53_device_check hold the A/B): no limit, vLLM's rule alone.
+    # M = 4 32 on ~29 (+10%). 0: never the shortcut. Default: no limit, vLLM's rule alone. Session 54 (H100, graph
+    # µs, raw/NVIDIA_H100-2026-12-08-dbab789-dsv52 / -tiny53): the alignment won at DeepSeek-V3 M = 8 (bf16 x1.15,
+    # fp8 x1.14, int8 x1.09, int4 x1.07, 5/5 rounds) and lost or tied at M = 2-4 and Qwen3-30B-A3B M = 4 (x0.87-1.03,
+    # its repeats read from L2): no token count serves both, so the default waits for a rule by expected repeats.
     shortcut_max_tokens: int = SHORTCUT_ANY_TOKENS
 
     def __post_init__(self) -> None:
