@@ -228,7 +228,7 @@ def refuse_before_reading(source, kwargs: dict) -> None:
     decides after the load (a checkpoint with some float experts, one saved before session 54, one whose files are
     not cached yet). Until session 54 the refusal came only after transformers had read the whole checkpoint (and
     printed its report)."""
-    if _stand_ins_alone(source, kwargs) and _names_moekit(source, kwargs):
+    if _names_moekit(source, kwargs) and _stand_ins_alone(source, kwargs):  # config.json first: one small file
         raise _not_at_hand(source, "every MoE block's experts would be random (its weights hold none)")
 
 

@@ -72,7 +72,7 @@ def wrap_save_pretrained() -> None:
             return result
         stubs = {}
         if len(args) < 2 and kwargs.get("state_dict") is None:  # they go to EXPERTS_FILE only, once
-            stubs = {f"{path}.experts.{name}": torch.empty(0) for path in options for name in FLOAT_NAMES}
+            stubs = {f"{path}.experts.{name}".lstrip("."): torch.empty(0) for path in options for name in FLOAT_NAMES}
             kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in tensors} | stubs
         with _naming_moekit(self, tensors, options), _stubs_kept(stubs):
             result = original(self, save_directory, *args, **kwargs)
